@@ -1,0 +1,82 @@
+// MHA / GQA / MQA flash attention on one device: forward with lse, backward, and the LSE merge.
+//
+// Math (DESIGN.md section 4; FlashAttention-2, Dao 2023): for batch b, query head h, kv head h / (Hq / Hkv),
+//   a_ij = scale * q_i . k_j            for visible keys j
+//   lse_i = log sum_j exp(a_ij)         (natural log, fp32)
+//   o_i   = sum_j exp(a_ij - lse_i) v_j
+// Backward with the final lse and delta_i = dO_i . O_i:
+//   p_ij = exp(a_ij - lse_i), dV_j += p_ij dO_i, ds_ij = p_ij (dO_i . v_j - delta_i),
+//   dQ_i += scale ds_ij k_j, dK_j += scale ds_ij q_i.
+// Because blocks of keys can be processed in any order with the final lse, a ring calls mha_backward once per key
+// block, accumulating into fp32 dq / dk / dv.
+//
+// Masks are on global positions (q_pos, k_pos: any increasing int64 sequences; empty = 0, 1, 2, ...):
+//   causal: key j visible to query i iff k_pos[j] <= q_pos[i]; window W > 0 adds q_pos[i] - k_pos[j] < W.
+// A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient.
+//
+// Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq] fp32.
+// All contiguous, row-major, host memory (the CUDA path lands with its own issue).
+// Storage dtypes fp32, bf16, fp16, fp64; arithmetic in fp32 (fp64 for fp64 inputs). q, k, v share one dtype.
+// Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
+// Determinism: the same inputs and thread count give bitwise the same results (fixed reduction order).
+// Extra memory: O(Sq + Sk) per (batch, head) worker plus fixed-size tiles; no [Sq, Sk] matrix.
+// Errors: Error naming the tensor and the rule for any shape, dtype or position mismatch.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "runtime/device.h"
+#include "runtime/tensor.h"
+
+namespace seqpar::attn {
+
+struct MaskSpec {
+  bool causal = false;
+  std::int64_t window = 0;  // > 0: sliding window (requires causal); 0: none
+};
+
+struct MhaForwardArgs {
+  TensorView q;                         // [B, Sq, Hq, D]
+  TensorView k;                         // [B, Sk, Hkv, D]
+  TensorView v;                         // [B, Sk, Hkv, D]
+  std::span<const std::int64_t> q_pos;  // [Sq] global positions (empty: 0..Sq-1)
+  std::span<const std::int64_t> k_pos;  // [Sk] global positions (empty: 0..Sk-1)
+  MaskSpec mask;
+  float scale = 0.0f;                   // <= 0: 1 / sqrt(D)
+};
+
+// out: [B, Sq, Hq, D], any floating dtype (the ring passes fp32); lse: [B, Hq, Sq] fp32.
+void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
+                 Stream stream = Stream::cpu());
+
+struct MhaBackwardArgs {
+  MhaForwardArgs fwd;   // q, k, v, positions, mask, scale as in the forward
+  TensorView out;       // [B, Sq, Hq, D] the final (merged) output, any floating dtype
+  TensorView dout;      // [B, Sq, Hq, D] any floating dtype
+  TensorView lse;       // [B, Hq, Sq] fp32, the final lse
+  TensorView delta;     // optional [B, Hq, Sq] fp32 rowsum(dout * out); computed from out/dout when empty
+};
+
+// accumulate = false: dq, dk, dv (any floating dtype) are overwritten.
+// accumulate = true: dq, dk, dv must be fp32 and the block's contributions are added to them.
+void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                  bool accumulate, Stream stream = Stream::cpu());
+
+// delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32 (fp64 sums for fp64 inputs, stored fp32).
+void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
+                        Stream stream = Stream::cpu());
+
+// Merges a block result into a running one, in place, over disjoint key sets:
+//   lse = logaddexp(lse, lse_b); out = exp(lse_old - lse) out + exp(lse_b - lse) out_b.
+// out [B, S, H, D] fp32, lse [B, H, S] fp32; out_b same shape (fp32), lse_b [B, H, S] fp32.
+// Exact when either side is -inf (that side contributes nothing) and for lse differences up to 1e4.
+void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
+               Stream stream = Stream::cpu());
+
+// Number of (query, key) pairs visible under `mask` between the position sets: the work a forward call does,
+// used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs).
+std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
+                           const MaskSpec& mask);
+
+}  // namespace seqpar::attn

@@ -1,0 +1,118 @@
+// Element types and the bf16 / fp16 conversions.
+//
+// Storage dtypes are fp64, fp32, bf16 and fp16; int32 and int64 serve indices (top-k) and counters.
+// Conversions float -> bf16 / fp16 round to nearest, ties to even (IEEE 754 roundTiesToEven); overflow gives
+// +-inf, NaN stays NaN (quiet, sign kept), subnormals are handled exactly. Conversions to float are exact.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+namespace seqpar {
+
+enum class DType : std::uint8_t { kFloat64, kFloat32, kBFloat16, kFloat16, kInt32, kInt64 };
+
+std::size_t dtype_size(DType dtype);
+const char* dtype_name(DType dtype);  // "fp64", "fp32", "bf16", "fp16", "int32", "int64"
+// Parses the names above; throws Error naming the value and the accepted names otherwise.
+DType parse_dtype(std::string_view name);
+bool is_floating(DType dtype);
+
+// ---- bit-level conversions ------------------------------------------------------------------------
+
+inline std::uint32_t float_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float bits_float(std::uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float bf16_bits_to_float(std::uint16_t h) { return bits_float(static_cast<std::uint32_t>(h) << 16); }
+
+inline std::uint16_t float_to_bf16_bits(float f) {
+  const std::uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // quiet NaN
+  const std::uint32_t rounding = 0x7fffu + ((u >> 16) & 1u);  // ties to even; carries into the exponent
+  return static_cast<std::uint16_t>((u + rounding) >> 16);
+}
+
+float fp16_bits_to_float(std::uint16_t h);
+std::uint16_t float_to_fp16_bits(float f);
+
+// 16-bit storage types. Arithmetic happens in float: convert with float(x) and the constructors.
+struct bf16 {
+  std::uint16_t bits = 0;
+  bf16() = default;
+  explicit bf16(float f) : bits(float_to_bf16_bits(f)) {}
+  explicit operator float() const { return bf16_bits_to_float(bits); }
+  static bf16 from_bits(std::uint16_t b) {
+    bf16 x;
+    x.bits = b;
+    return x;
+  }
+};
+struct fp16 {
+  std::uint16_t bits = 0;
+  fp16() = default;
+  explicit fp16(float f) : bits(float_to_fp16_bits(f)) {}
+  explicit operator float() const { return fp16_bits_to_float(bits); }
+  static fp16 from_bits(std::uint16_t b) {
+    fp16 x;
+    x.bits = b;
+    return x;
+  }
+};
+
+// Maps a C++ element type to its DType.
+template <typename T>
+struct dtype_of;
+template <> struct dtype_of<double> { static constexpr DType value = DType::kFloat64; };
+template <> struct dtype_of<float> { static constexpr DType value = DType::kFloat32; };
+template <> struct dtype_of<bf16> { static constexpr DType value = DType::kBFloat16; };
+template <> struct dtype_of<fp16> { static constexpr DType value = DType::kFloat16; };
+template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::kInt32; };
+template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::kInt64; };
+template <typename T>
+inline constexpr DType dtype_v = dtype_of<T>::value;
+
+// Element-wise conversions between buffers of any floating dtypes (fp64 -> 16-bit goes through fp32, so it
+// may round twice; fp64 sources are used by tests only). Integer dtypes convert only to themselves.
+void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count);
+
+[[noreturn]] void throw_unsupported_dtype(DType dtype);
+
+// Calls `fn(T{})` with T the C++ type of a floating `dtype`; throws for integer dtypes.
+template <typename Fn>
+decltype(auto) dispatch_floating(DType dtype, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat64: return fn(double{});
+    case DType::kFloat32: return fn(float{});
+    case DType::kBFloat16: return fn(bf16{});
+    case DType::kFloat16: return fn(fp16{});
+    default: break;
+  }
+  throw_unsupported_dtype(dtype);
+}
+
+// Element access in float (or double) regardless of storage type.
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }
+inline float to_float(fp16 x) { return static_cast<float>(x); }
+inline double to_float(double x) { return x; }
+template <typename T>
+inline T from_float(float x) {
+  return T(x);
+}
+template <>
+inline double from_float<double>(float x) {
+  return x;
+}
+
+}  // namespace seqpar

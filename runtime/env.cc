@@ -1,0 +1,72 @@
+#include "runtime/env.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <optional>
+
+#include "runtime/error.h"
+
+namespace seqpar::env {
+namespace {
+
+// Reads each variable once; later changes to the process environment are not seen (by design).
+std::optional<std::string> read_once(const char* name) {
+  static std::mutex mu;
+  static std::map<std::string, std::optional<std::string>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(name);
+  if (it == cache.end()) {
+    const char* value = std::getenv(name);
+    it = cache.emplace(name, value ? std::optional<std::string>(value) : std::nullopt).first;
+  }
+  return it->second;
+}
+
+}  // namespace
+
+std::int64_t get_int(const char* name, std::int64_t fallback) {
+  auto value = read_once(name);
+  if (!value || value->empty()) return fallback;
+  char* end = nullptr;
+  const long long parsed = std::strtoll(value->c_str(), &end, 10);
+  SEQPAR_CHECK(end && *end == '\0', name, "=", *value, " is not an integer");
+  return parsed;
+}
+
+double get_double(const char* name, double fallback) {
+  auto value = read_once(name);
+  if (!value || value->empty()) return fallback;
+  char* end = nullptr;
+  const double parsed = std::strtod(value->c_str(), &end);
+  SEQPAR_CHECK(end && *end == '\0', name, "=", *value, " is not a number");
+  return parsed;
+}
+
+std::string get_string(const char* name, const std::string& fallback) {
+  auto value = read_once(name);
+  return value ? *value : fallback;
+}
+
+LogLevel log_level() {
+  static const LogLevel level = [] {
+    const std::string v = get_string("SEQPAR_LOG_LEVEL", "warn");
+    if (v == "error") return LogLevel::kError;
+    if (v == "warn" || v == "warning") return LogLevel::kWarn;
+    if (v == "info") return LogLevel::kInfo;
+    if (v == "debug") return LogLevel::kDebug;
+    SEQPAR_THROW("SEQPAR_LOG_LEVEL=", v, " must be one of error, warn, info, debug");
+  }();
+  return level;
+}
+
+double comm_timeout_s() {
+  static const double timeout = [] {
+    const double t = get_double("SEQPAR_COMM_TIMEOUT_S", 300.0);
+    SEQPAR_CHECK(t > 0, "SEQPAR_COMM_TIMEOUT_S=", t, " must be positive");
+    return t;
+  }();
+  return timeout;
+}
+
+}  // namespace seqpar::env

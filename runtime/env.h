@@ -1,0 +1,22 @@
+// Environment knobs. Each is read once (first use) from a variable with the SEQPAR_ prefix; the README lists
+// them all. A malformed value is an error naming the variable and the value.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace seqpar::env {
+
+// Log level: SEQPAR_LOG_LEVEL = error | warn | info | debug (default warn).
+enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
+LogLevel log_level();
+
+// Default timeout for communication waits, in seconds: SEQPAR_COMM_TIMEOUT_S (default 300).
+double comm_timeout_s();
+
+// Raw readers; `name` includes the SEQPAR_ prefix. Values are cached after the first read of each name.
+std::int64_t get_int(const char* name, std::int64_t fallback);
+double get_double(const char* name, double fallback);
+std::string get_string(const char* name, const std::string& fallback);
+
+}  // namespace seqpar::env

@@ -1,0 +1,65 @@
+// MPI backend of the Communicator interface, over host memory, for every dtype (bf16 / fp16 reductions use
+// seqpar's own MPI reduction operators, which add in fp32 and round to nearest even).
+//
+// Every operation is posted non-blocking (MPI_Isend, MPI_Ialltoall, ...) and completed by polling MPI_Testall
+// in Work::wait, which is how a stuck peer becomes a timeout error instead of a hang. Only the thread that
+// initialised MPI calls into it (MPI_THREAD_FUNNELED); OpenMP threads in kernels never communicate.
+#pragma once
+
+#include <mpi.h>
+
+#include <functional>
+#include <memory>
+
+#include "runtime/comm.h"
+
+namespace seqpar {
+
+// Initialises MPI (MPI_THREAD_FUNNELED, errors returned rather than fatal) and finalises it on destruction.
+// Sets the rank used in error and log prefixes.
+class MpiSession {
+ public:
+  MpiSession(int* argc, char*** argv);
+  ~MpiSession();
+  MpiSession(const MpiSession&) = delete;
+  MpiSession& operator=(const MpiSession&) = delete;
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  // Wraps `comm`; when `owned`, frees it on destruction. Sets MPI_ERRORS_RETURN on it.
+  MpiCommunicator(MPI_Comm comm, bool owned);
+  ~MpiCommunicator() override;
+  // A communicator over MPI_COMM_WORLD (duplicated, so that seqpar's traffic never mixes with the caller's).
+  static std::unique_ptr<MpiCommunicator> world();
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const char* backend_name() const override { return "mpi"; }
+  MPI_Comm handle() const { return comm_; }
+
+  WorkHandle isend(const TensorView& buffer, int peer, int tag = 0) override;
+  WorkHandle irecv(const TensorView& buffer, int peer, int tag = 0) override;
+  WorkHandle batch_isend_irecv(const std::vector<P2POp>& ops) override;
+  WorkHandle all_to_all(const TensorView& send, const TensorView& recv) override;
+  WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
+                          const TensorView& recv, const std::vector<std::int64_t>& recv_counts) override;
+  WorkHandle all_gather(const TensorView& send, const TensorView& recv) override;
+  WorkHandle reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) override;
+  WorkHandle all_reduce(const TensorView& buffer, ReduceOp op) override;
+  WorkHandle broadcast(const TensorView& buffer, int root) override;
+  WorkHandle barrier() override;
+  std::unique_ptr<Communicator> split(int color, int key) override;
+
+ private:
+  MPI_Comm comm_;
+  bool owned_;
+  int rank_ = 0;
+  int size_ = 1;
+};
+
+// Runs `body` as the main of an MPI program: initialises MPI, turns a seqpar::Error (or any std::exception) into
+// "rank R: message" on stderr and a non-zero exit of the whole job (MPI_Abort, so no rank is left waiting).
+int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& body);
+
+}  // namespace seqpar

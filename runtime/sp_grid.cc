@@ -1,0 +1,73 @@
+#include "runtime/sp_grid.h"
+
+#include <array>
+
+namespace seqpar {
+
+const char* placement_name(Placement placement) {
+  return placement == Placement::kUlyssesInner ? "ulysses_inner" : "ring_inner";
+}
+
+Placement parse_placement(std::string_view name) {
+  if (name == "ulysses_inner") return Placement::kUlyssesInner;
+  if (name == "ring_inner") return Placement::kRingInner;
+  SEQPAR_THROW("placement '", name, "' is not one of ulysses_inner, ring_inner");
+}
+
+SpCoords sp_coords_of(const SpGridConfig& c, int world_rank) {
+  const int sp_size = c.ulysses_size * c.ring_size;
+  SpCoords x;
+  x.dp_rank = world_rank / sp_size;
+  const int local = world_rank % sp_size;
+  if (c.placement == Placement::kUlyssesInner) {
+    x.ulysses_rank = local % c.ulysses_size;
+    x.ring_rank = local / c.ulysses_size;
+  } else {
+    x.ring_rank = local % c.ring_size;
+    x.ulysses_rank = local / c.ring_size;
+  }
+  x.sp_rank = x.ring_rank * c.ulysses_size + x.ulysses_rank;
+  return x;
+}
+
+int world_rank_of(const SpGridConfig& c, const SpCoords& x) {
+  const int local = c.placement == Placement::kUlyssesInner ? x.ring_rank * c.ulysses_size + x.ulysses_rank
+                                                            : x.ulysses_rank * c.ring_size + x.ring_rank;
+  return x.dp_rank * c.ulysses_size * c.ring_size + local;
+}
+
+SpGrid::SpGrid(Communicator& world, const SpGridConfig& config) : config_(config), world_rank_(world.rank()) {
+  // One collective: max of (v, -v) for each field tells whether all ranks agree.
+  std::array<std::int64_t, 8> v = {config.dp_size,       config.ulysses_size,  config.ring_size,
+                                   static_cast<int>(config.placement),
+                                   -config.dp_size,      -config.ulysses_size, -config.ring_size,
+                                   -static_cast<int>(config.placement)};
+  world.all_reduce(TensorView(v.data(), DType::kInt64, {8}), ReduceOp::kMax)->wait();
+  const bool agree = v[0] == -v[4] && v[1] == -v[5] && v[2] == -v[6] && v[3] == -v[7];
+  SEQPAR_CHECK(agree, "SpGrid: ranks disagree on the grid configuration (dp_size in [", -v[4], ", ", v[0],
+               "], ulysses_size in [", -v[5], ", ", v[1], "], ring_size in [", -v[6], ", ", v[2],
+               "], placement differs: ", v[3] != -v[7] ? "yes" : "no", "); every rank must pass the same grid");
+  SEQPAR_CHECK(config.dp_size >= 1 && config.ulysses_size >= 1 && config.ring_size >= 1,
+               "SpGrid: dp_size=", config.dp_size, ", ulysses_size=", config.ulysses_size,
+               ", ring_size=", config.ring_size, " must all be >= 1");
+  const std::int64_t product =
+      static_cast<std::int64_t>(config.dp_size) * config.ulysses_size * config.ring_size;
+  SEQPAR_CHECK(product == world.size(), "SpGrid: dp_size ", config.dp_size, " x ulysses_size ",
+               config.ulysses_size, " x ring_size ", config.ring_size, " = ", product,
+               " must equal the world size ", world.size());
+
+  coords_ = sp_coords_of(config, world_rank_);
+  const int pu = config.ulysses_size, pr = config.ring_size;
+  // Colours are unique per group; keys give the group rank.
+  ulysses_ = world.split(coords_.dp_rank * pr + coords_.ring_rank, coords_.ulysses_rank);
+  ring_ = world.split(coords_.dp_rank * pu + coords_.ulysses_rank, coords_.ring_rank);
+  sp_ = world.split(coords_.dp_rank, coords_.sp_rank);
+  dp_ = world.split(coords_.sp_rank, coords_.dp_rank);
+}
+
+std::string SpGrid::str() const {
+  return str_cat("dp=", config_.dp_size, " x ulysses=", config_.ulysses_size, " x ring=", config_.ring_size, " (",
+                 placement_name(config_.placement), ")");
+}
+
+}  // namespace seqpar

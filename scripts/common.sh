@@ -1,0 +1,20 @@
+# Shared by demo.sh and test.sh: install what is missing, configure and build into $SEQPAR_BUILD_DIR.
+# Environment: SEQPAR_BUILD_DIR (default build), SEQPAR_CMAKE_ARGS (extra configure flags), SEQPAR_JOBS.
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build_dir=${SEQPAR_BUILD_DIR:-$root/build}
+jobs=${SEQPAR_JOBS:-$(nproc)}
+
+"$root/scripts/install_deps.sh"
+
+generator=()
+command -v ninja >/dev/null && generator=(-G Ninja)
+if [ ! -f "$build_dir/CMakeCache.txt" ]; then
+  # shellcheck disable=SC2086
+  cmake -S "$root" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${SEQPAR_CMAKE_ARGS:-}
+fi
+cmake --build "$build_dir" -j "$jobs"
+
+# mpirun as root and with more ranks than cores (OpenMPI); harmless elsewhere.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1 OMPI_MCA_btl_vader_single_copy_mechanism=none

@@ -1,0 +1,42 @@
+// Helpers shared by the tests: seeded random tensors, fp64 copies and error comparisons that name the tensor,
+// the index, both values and the rank (TransformerEngine tests/cpp habit).
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "runtime/comm.h"
+#include "runtime/tensor.h"
+
+namespace seqpar::test {
+
+// Deterministic uniform values in [lo, hi) from `seed` (splitmix64), independent of rank and thread count.
+std::vector<double> random_values(std::int64_t count, std::uint64_t seed, double lo = -1.0, double hi = 1.0);
+
+// A tensor of `dtype` filled from random_values, rounded to `dtype`.
+Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed, double lo = -1.0, double hi = 1.0);
+
+// The values of any floating tensor as fp64.
+std::vector<double> to_double(const TensorView& t);
+
+struct ErrorStats {
+  double max_abs = 0.0;   // max |got - want|
+  double max_rel = 0.0;   // max |got - want| / max(|want|, floor)
+  std::int64_t worst = -1;
+  double got = 0.0, want = 0.0;
+  bool nan = false;       // got has a NaN where want has none (or vice versa)
+};
+ErrorStats compare(const std::vector<double>& got, const std::vector<double>& want, double rel_floor = 1e-3);
+
+// gtest assertion: |got - want| <= atol + rtol * |want| element-wise; the failure message names `what`, the flat
+// index, both values and the rank.
+::testing::AssertionResult all_close(const std::vector<double>& got, const std::vector<double>& want, double atol,
+                                     double rtol, const std::string& what);
+
+// True when every rank passes `ok`; used by MPI tests so that all ranks agree on a verdict.
+bool all_ranks(Communicator& comm, bool ok);
+
+}  // namespace seqpar::test
