@@ -1,0 +1,71 @@
+// Sequence layouts: which global token positions each rank of a (ring x Ulysses) group holds.
+//
+// The sequence [0, S) is first cut into ring_size ring shards by the layout kind, then each ring shard (its
+// positions in increasing order) is cut into ulysses_size contiguous pieces (DESIGN.md section 3):
+//   contiguous: ring shard r = [r*S/P, (r+1)*S/P)
+//   zigzag:     2P chunks of S/(2P); ring shard r = chunk r followed by chunk 2P-1-r (causal work is equal on every
+//               rank; Brandon et al. 2023 "Striped Attention" / ring-flash-attention's zigzag)
+//   stripe:     ring shard r = {t : t mod P == r}
+// The SP rank of (ring_rank, ulysses_rank) is ring_rank * ulysses_size + ulysses_rank (runtime/sp_grid.h), so
+// pieces in SP-rank order are the ring shards in ring order, each split in Ulysses order.
+//
+// Errors (raised identically on every rank, before any communication): seq_len not divisible as the layout
+// needs (S % (P*U) for contiguous and stripe; S % (2P) and (S/P) % U for zigzag), sizes < 1.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "runtime/comm.h"
+#include "runtime/tensor.h"
+
+namespace seqpar {
+
+enum class LayoutKind : std::uint8_t { kContiguous, kZigzag, kStripe };
+const char* layout_name(LayoutKind kind);  // "contiguous", "zigzag", "stripe"
+LayoutKind parse_layout(std::string_view name);
+
+class SequenceLayout {
+ public:
+  SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_size, int ulysses_size = 1);
+
+  LayoutKind kind() const { return kind_; }
+  std::int64_t seq_len() const { return seq_len_; }
+  int ring_size() const { return ring_size_; }
+  int ulysses_size() const { return ulysses_size_; }
+  int num_ranks() const { return ring_size_ * ulysses_size_; }
+  std::int64_t local_len() const { return seq_len_ / num_ranks(); }  // tokens per SP rank
+  std::int64_t ring_shard_len() const { return seq_len_ / ring_size_; }
+
+  // Increasing global positions of ring shard `ring_rank` (what a rank holds after the Ulysses all-to-all).
+  std::vector<std::int64_t> ring_shard_positions(int ring_rank) const;
+  // Increasing global positions held by SP rank `sp_rank` = ring_rank * ulysses_size + ulysses_rank.
+  std::vector<std::int64_t> positions(int sp_rank) const;
+
+ private:
+  LayoutKind kind_;
+  std::int64_t seq_len_;
+  int ring_size_;
+  int ulysses_size_;
+};
+
+// Local copies along the sequence dimension (dim 1) of [B, S, ...] tensors; no communication.
+// shard: local[b, i, ...] = full[b, positions[i], ...]. unshard: full[b, positions[i], ...] = local[b, i, ...].
+void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local);
+void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full);
+// Same for [B, H, S] tensors (lse), along dim 2.
+void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local);
+void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions,
+                          const TensorView& full);
+
+// Collective over `comm` (size layout.num_ranks(), rank = SP rank): root's full [B, S, ...] tensor is cut by the
+// layout and every rank receives its [B, local_len, ...] piece. `full` is read on root only.
+void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full,
+                      const TensorView& local, int root = 0);
+// Collective: every rank's local piece is gathered into the full [B, S, ...] tensor on every rank.
+// seq_dim = 1 for [B, S, ...] tensors, 2 for [B, H, S] (lse).
+void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
+                     const TensorView& full, int seq_dim = 1);
+
+}  // namespace seqpar

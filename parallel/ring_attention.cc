@@ -1,0 +1,381 @@
+#include "parallel/ring_attention.h"
+
+#include <chrono>
+#include <cmath>
+#include <limits>
+
+#include "runtime/tensor_ops.h"
+
+namespace seqpar {
+namespace {
+
+constexpr int kTagKv = 101;   // (K, V) blocks travelling forward around the ring
+constexpr int kTagDkv = 102;  // fp32 (dK, dV) accumulators following them
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+Shape packed_shape(const Shape& kv_shape, std::int64_t n) {
+  Shape s = kv_shape;
+  s.insert(s.begin(), n);
+  return s;
+}
+
+// Part i of a tensor packed as [n, ...shape].
+TensorView part(const TensorView& packed, std::int64_t i, const Shape& shape) {
+  return packed.slice0(i, i + 1).reshape(shape);
+}
+
+}  // namespace
+
+const char* ring_impl_name(RingImpl impl) { return impl == RingImpl::kP2P ? "p2p" : "allgather"; }
+
+RingImpl parse_ring_impl(std::string_view name) {
+  if (name == "p2p") return RingImpl::kP2P;
+  if (name == "allgather") return RingImpl::kAllGather;
+  SEQPAR_THROW("ring impl '", name, "' is not one of p2p, allgather");
+}
+
+RingAttention::RingAttention(Communicator& ring, std::int64_t seq_len, const RingAttentionConfig& config)
+    : ring_(ring),
+      config_(config),
+      layout_(config.layout, seq_len, ring.size()),
+      rank_(ring.rank()),
+      size_(ring.size()) {
+  SEQPAR_CHECK(config.window >= 0, "window ", config.window, " must be >= 0 (0: no window)");
+  SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window,
+               ") needs causal=true");
+  positions_.reserve(size_);
+  for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));
+  global_order_.resize(static_cast<std::size_t>(seq_len));
+  for (std::int64_t i = 0; i < seq_len; ++i) global_order_[i] = i;
+}
+
+void RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v) const {
+  for (const TensorView* t : {&q, &k, &v}) check_cpu(*t, "ring attention input");
+  SEQPAR_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "ring attention: q ", q.str(), ", k ", k.str(),
+               ", v ", v.str(), " must all be [B, S_local, H, D]");
+  SEQPAR_CHECK(k.shape() == v.shape(), "ring attention: k ", k.str(), " and v ", v.str(), " must have one shape");
+  SEQPAR_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(), "ring attention: q, k, v dtypes differ (",
+               dtype_name(q.dtype()), ", ", dtype_name(k.dtype()), ", ", dtype_name(v.dtype()), ")");
+  SEQPAR_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3), "ring attention: q ", q.str(), " and k ", k.str(),
+               " must share batch and head dim");
+  SEQPAR_CHECK(q.dim(1) == layout_.ring_shard_len() && k.dim(1) == layout_.ring_shard_len(),
+               "ring attention: local sequence length ", q.dim(1), " (q) / ", k.dim(1), " (k) must be seq_len ",
+               layout_.seq_len(), " / ring_size ", size_, " = ", layout_.ring_shard_len());
+  SEQPAR_CHECK(k.dim(2) >= 1 && q.dim(2) % k.dim(2) == 0, "ring attention: Hq ", q.dim(2),
+               " must be a multiple of Hkv ", k.dim(2));
+}
+
+attn::MhaForwardArgs RingAttention::block_args(const TensorView& k, const TensorView& v, int src) const {
+  attn::MhaForwardArgs a;
+  a.q = saved_q_.view();
+  a.k = k;
+  a.v = v;
+  a.q_pos = positions_[rank_];
+  a.k_pos = positions_[src];
+  a.mask = {config_.causal, config_.window};
+  a.scale = config_.scale;
+  return a;
+}
+
+void RingAttention::wait(WorkHandle& work) {
+  if (!work) return;
+  const double t0 = now_s();
+  work->wait();
+  counters_.exposed_comm_s += now_s() - t0;
+  work.reset();
+}
+
+AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  AttentionOutput o;
+  o.out = Tensor::empty(q.shape(), q.dtype(), MemCategory::kSavedActivation);
+  o.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::kFloat32, MemCategory::kSavedActivation);
+  forward_into(q, k, v, o.out, o.lse);
+  return o;
+}
+
+AttentionGrads RingAttention::backward(const TensorView& dout) {
+  SEQPAR_CHECK(has_saved_, "ring attention: backward() needs a preceding forward()");
+  AttentionGrads g;
+  g.dq = Tensor::empty(saved_q_.shape(), saved_q_.dtype(), MemCategory::kWorkspace);
+  g.dk = Tensor::empty(saved_k_.shape(), saved_k_.dtype(), MemCategory::kWorkspace);
+  g.dv = Tensor::empty(saved_v_.shape(), saved_v_.dtype(), MemCategory::kWorkspace);
+  backward_into(dout, g.dq, g.dk, g.dv);
+  return g;
+}
+
+void RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                                 const TensorView& out, const TensorView& lse) {
+  validate(q, k, v);
+  check_shape(out, q.shape(), "ring attention out");
+  check_shape(lse, {q.dim(0), q.dim(2), q.dim(1)}, "ring attention lse");
+  check_dtype(lse, DType::kFloat32, "ring attention lse");
+  saved_q_ = Tensor::copy_of(q, q.dtype(), MemCategory::kSavedActivation);
+  saved_k_ = Tensor::copy_of(k, k.dtype(), MemCategory::kSavedActivation);
+  saved_v_ = Tensor::copy_of(v, v.dtype(), MemCategory::kSavedActivation);
+  const CommCounters before = ring_.counters();
+  if (config_.impl == RingImpl::kP2P) {
+    forward_p2p(out, lse);
+  } else {
+    forward_allgather(out, lse);
+  }
+  counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
+  counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
+  saved_out_ = Tensor::copy_of(out, out.dtype(), MemCategory::kSavedActivation);
+  saved_lse_ = Tensor::copy_of(lse, DType::kFloat32, MemCategory::kSavedActivation);
+  has_saved_ = true;
+}
+
+void RingAttention::backward_into(const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                  const TensorView& dv) {
+  SEQPAR_CHECK(has_saved_, "ring attention: backward() needs a preceding forward()");
+  check_cpu(dout, "ring attention dout");
+  check_shape(dout, saved_q_.shape(), "ring attention dout");
+  check_shape(dq, saved_q_.shape(), "ring attention dq");
+  check_shape(dk, saved_k_.shape(), "ring attention dk");
+  check_shape(dv, saved_v_.shape(), "ring attention dv");
+  const CommCounters before = ring_.counters();
+  if (config_.impl == RingImpl::kP2P) {
+    backward_p2p(dout, dq, dk, dv);
+  } else {
+    backward_allgather(dout, dq, dk, dv);
+  }
+  counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
+  counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
+}
+
+void RingAttention::release_saved() {
+  saved_q_ = Tensor();
+  saved_k_ = Tensor();
+  saved_v_ = Tensor();
+  saved_out_ = Tensor();
+  saved_lse_ = Tensor();
+  has_saved_ = false;
+}
+
+// ---- p2p -------------------------------------------------------------------------------------------------
+
+void RingAttention::forward_p2p(const TensorView& out, const TensorView& lse) {
+  const TensorView& q = saved_q_.view();
+  const Shape& kv_shape = saved_k_.shape();
+  const std::int64_t flops_per_pair = 4 * q.dim(0) * q.dim(2) * q.dim(3);
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+
+  Tensor kv[2] = {Tensor::empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer),
+                  Tensor::empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer)};
+  copy_convert(saved_k_.view(), part(kv[0].view(), 0, kv_shape));
+  copy_convert(saved_v_.view(), part(kv[0].view(), 1, kv_shape));
+
+  Tensor acc_out = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  fill(lse, -std::numeric_limits<double>::infinity());
+  Tensor block_out = Tensor::empty(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor block_lse = Tensor::empty(lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
+
+  int cur = 0;
+  for (int step = 0; step < size_; ++step) {
+    const int src = (rank_ - step + size_) % size_;
+    WorkHandle kv_work;
+    if (step + 1 < size_) {
+      kv_work = ring_.batch_isend_irecv({P2POp::send(kv[cur].view(), next, kTagKv),
+                                         P2POp::recv(kv[1 - cur].view(), prev, kTagKv)});
+    }
+    const attn::MaskSpec mask{config_.causal, config_.window};
+    const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
+    if (pairs > 0) {
+      const double t0 = now_s();
+      const attn::MhaForwardArgs args =
+          block_args(part(kv[cur].view(), 0, kv_shape), part(kv[cur].view(), 1, kv_shape), src);
+      attn::mha_forward(args, block_out.view(), block_lse.view());
+      attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view());
+      counters_.compute_s += now_s() - t0;
+      counters_.flops += static_cast<double>(flops_per_pair) * static_cast<double>(pairs);
+    }
+    wait(kv_work);
+    cur = 1 - cur;
+  }
+  copy_convert(acc_out.view(), out);
+}
+
+void RingAttention::backward_p2p(const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                 const TensorView& dv) {
+  const TensorView& q = saved_q_.view();
+  const Shape& kv_shape = saved_k_.shape();
+  const std::int64_t flops_per_pair = 10 * q.dim(0) * q.dim(2) * q.dim(3);  // 2.5 x forward
+  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const Shape pshape = packed_shape(kv_shape, 2);
+
+  Tensor delta = Tensor::empty(saved_lse_.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  attn::mha_backward_delta(saved_out_.view(), dout, delta.view());
+  Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+
+  Tensor kv[2] = {Tensor::empty(pshape, q.dtype(), MemCategory::kCommBuffer),
+                  Tensor::empty(pshape, q.dtype(), MemCategory::kCommBuffer)};
+  copy_convert(saved_k_.view(), part(kv[0].view(), 0, kv_shape));
+  copy_convert(saved_v_.view(), part(kv[0].view(), 1, kv_shape));
+  // dkv_out[i]: this rank's running sum for the block of the step, sent downstream; dkv_in[i]: upstream partials.
+  Tensor dkv_out[2] = {Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer),
+                       Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer)};
+  Tensor dkv_in[2];
+  if (size_ > 1) {
+    dkv_in[0] = Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
+    dkv_in[1] = Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
+  }
+  WorkHandle dkv_send[2], dkv_recv[2];
+
+  attn::MhaBackwardArgs args;
+  args.out = saved_out_.view();
+  args.dout = dout;
+  args.lse = saved_lse_.view();
+  args.delta = delta.view();
+  const attn::MaskSpec mask{config_.causal, config_.window};
+
+  int cur = 0;
+  for (int step = 0; step < size_; ++step) {
+    const int src = (rank_ - step + size_) % size_;
+    const int slot = step % 2;
+    WorkHandle kv_work;
+    if (step + 1 < size_) {
+      kv_work = ring_.batch_isend_irecv({P2POp::send(kv[cur].view(), next, kTagKv),
+                                         P2POp::recv(kv[1 - cur].view(), prev, kTagKv)});
+    }
+    if (size_ > 1) dkv_recv[slot] = ring_.irecv(dkv_in[slot].view(), prev, kTagDkv);  // partial for step + 1
+
+    wait(dkv_send[slot]);  // the buffer sent two steps ago is free again
+    const TensorView acc = dkv_out[slot].view();
+    dkv_out[slot].fill_zero();
+    const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
+    if (pairs > 0) {
+      const double t0 = now_s();
+      args.fwd = block_args(part(kv[cur].view(), 0, kv_shape), part(kv[cur].view(), 1, kv_shape), src);
+      attn::mha_backward(args, dq_acc.view(), part(acc, 0, kv_shape), part(acc, 1, kv_shape), true);
+      counters_.compute_s += now_s() - t0;
+      counters_.flops += static_cast<double>(flops_per_pair) * static_cast<double>(pairs);
+    }
+    if (step > 0) {
+      // Contributions of ranks src .. rank-1, sent one step ago by the previous rank.
+      wait(dkv_recv[1 - slot]);
+      add_inplace(acc, dkv_in[1 - slot].view());
+    }
+    if (size_ > 1) dkv_send[slot] = ring_.isend(acc, next, kTagDkv);
+    wait(kv_work);
+    cur = 1 - cur;
+  }
+
+  if (size_ == 1) {
+    copy_convert(part(dkv_out[0].view(), 0, kv_shape), dk);
+    copy_convert(part(dkv_out[0].view(), 1, kv_shape), dv);
+  } else {
+    // The last receive brings this rank's own block home with every rank's contribution.
+    const int last = (size_ - 1) % 2;
+    wait(dkv_recv[last]);
+    copy_convert(part(dkv_in[last].view(), 0, kv_shape), dk);
+    copy_convert(part(dkv_in[last].view(), 1, kv_shape), dv);
+    wait(dkv_send[0]);
+    wait(dkv_send[1]);
+  }
+  copy_convert(dq_acc.view(), dq);
+}
+
+// ---- all-gather ------------------------------------------------------------------------------------------
+
+namespace {
+
+// All-gathers (k, v) of every ring rank and lays them out in global order as [B, S, Hkv, D] each.
+void gather_kv_global(Communicator& ring, const TensorView& k, const TensorView& v,
+                      const std::vector<std::vector<std::int64_t>>& positions, const Tensor& k_full,
+                      const Tensor& v_full, WorkHandle* pending) {
+  const Shape& kv_shape = k.shape();
+  Tensor local = Tensor::empty(packed_shape(kv_shape, 2), k.dtype(), MemCategory::kCommBuffer);
+  copy_convert(k, part(local.view(), 0, kv_shape));
+  copy_convert(v, part(local.view(), 1, kv_shape));
+  const int n = ring.size();
+  Tensor gathered = Tensor::empty(packed_shape(packed_shape(kv_shape, 2), n), k.dtype(), MemCategory::kCommBuffer);
+  *pending = ring.all_gather(local.view(), gathered.view());
+  (*pending)->wait();
+  pending->reset();
+  for (int r = 0; r < n; ++r) {
+    const TensorView rank_kv = gathered.view().slice0(r, r + 1).reshape(packed_shape(kv_shape, 2));
+    unshard_sequence(part(rank_kv, 0, kv_shape), positions[r], k_full.view());
+    unshard_sequence(part(rank_kv, 1, kv_shape), positions[r], v_full.view());
+  }
+}
+
+}  // namespace
+
+void RingAttention::forward_allgather(const TensorView& out, const TensorView& lse) {
+  const TensorView& q = saved_q_.view();
+  const Shape& kv_shape = saved_k_.shape();
+  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
+  Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
+  Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
+  const double t0 = now_s();
+  WorkHandle pending;
+  gather_kv_global(ring_, saved_k_.view(), saved_v_.view(), positions_, k_full, v_full, &pending);
+  counters_.exposed_comm_s += now_s() - t0;
+
+  attn::MhaForwardArgs args;
+  args.q = q;
+  args.k = k_full.view();
+  args.v = v_full.view();
+  args.q_pos = positions_[rank_];
+  args.k_pos = global_order_;
+  args.mask = {config_.causal, config_.window};
+  args.scale = config_.scale;
+  const double t1 = now_s();
+  attn::mha_forward(args, out, lse);
+  counters_.compute_s += now_s() - t1;
+  counters_.flops += 4.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3)) *
+                     static_cast<double>(attn::visible_pairs(args.q_pos, args.k_pos, args.mask));
+}
+
+void RingAttention::backward_allgather(const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                       const TensorView& dv) {
+  const TensorView& q = saved_q_.view();
+  const Shape& kv_shape = saved_k_.shape();
+  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
+  Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
+  Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
+  double t0 = now_s();
+  WorkHandle pending;
+  gather_kv_global(ring_, saved_k_.view(), saved_v_.view(), positions_, k_full, v_full, &pending);
+  counters_.exposed_comm_s += now_s() - t0;
+
+  attn::MhaBackwardArgs args;
+  args.fwd.q = q;
+  args.fwd.k = k_full.view();
+  args.fwd.v = v_full.view();
+  args.fwd.q_pos = positions_[rank_];
+  args.fwd.k_pos = global_order_;
+  args.fwd.mask = {config_.causal, config_.window};
+  args.fwd.scale = config_.scale;
+  args.out = saved_out_.view();
+  args.dout = dout;
+  args.lse = saved_lse_.view();
+  Tensor dk_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dv_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  t0 = now_s();
+  attn::mha_backward(args, dq_acc.view(), dk_full.view(), dv_full.view(), true);
+  counters_.compute_s += now_s() - t0;
+  counters_.flops += 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3)) *
+                     static_cast<double>(attn::visible_pairs(args.fwd.q_pos, args.fwd.k_pos, args.fwd.mask));
+
+  // Pack every rank's rows (in its layout order) and reduce-scatter the fp32 sums.
+  const Shape pshape = packed_shape(kv_shape, 2);
+  Tensor send = Tensor::empty(packed_shape(pshape, size_), DType::kFloat32, MemCategory::kCommBuffer);
+  for (int r = 0; r < size_; ++r) {
+    const TensorView rank_part = send.view().slice0(r, r + 1).reshape(pshape);
+    shard_sequence(dk_full.view(), positions_[r], part(rank_part, 0, kv_shape));
+    shard_sequence(dv_full.view(), positions_[r], part(rank_part, 1, kv_shape));
+  }
+  Tensor recv = Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
+  WorkHandle rs = ring_.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
+  wait(rs);
+  copy_convert(part(recv.view(), 0, kv_shape), dk);
+  copy_convert(part(recv.view(), 1, kv_shape), dv);
+  copy_convert(dq_acc.view(), dq);
+}
+
+}  // namespace seqpar

@@ -1,0 +1,149 @@
+// Sequence layouts (positions, scatter / gather) and RoPE on layout positions.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <set>
+
+#include "attention/rope.h"
+#include "parallel/layout.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using test::world;
+
+// Owner of global position t under each layout, written independently of SequenceLayout (ring rank only).
+int owner_ring_rank(LayoutKind kind, std::int64_t t, std::int64_t seq, int ring) {
+  switch (kind) {
+    case LayoutKind::kContiguous: return static_cast<int>(t / (seq / ring));
+    case LayoutKind::kZigzag: {
+      const std::int64_t chunk = t / (seq / (2 * ring));
+      return static_cast<int>(chunk < ring ? chunk : 2 * ring - 1 - chunk);
+    }
+    case LayoutKind::kStripe: return static_cast<int>(t % ring);
+  }
+  return -1;
+}
+
+TEST(Layout, PositionsPartitionTheSequence) {
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+    for (int ring : {1, 2, 3, 4, 8}) {
+      for (int uly : {1, 2, 4}) {
+        const std::int64_t seq = 2 * ring * uly * 6;
+        const SequenceLayout layout(kind, seq, ring, uly);
+        std::set<std::int64_t> seen;
+        for (int r = 0; r < ring; ++r) {
+          const auto shard = layout.ring_shard_positions(r);
+          ASSERT_EQ(static_cast<std::int64_t>(shard.size()), seq / ring);
+          for (std::size_t i = 0; i < shard.size(); ++i) {
+            EXPECT_EQ(owner_ring_rank(kind, shard[i], seq, ring), r) << layout_name(kind) << " t=" << shard[i];
+            if (i) EXPECT_LT(shard[i - 1], shard[i]) << "ring shard positions must increase";
+          }
+          // The Ulysses pieces of the shard, in order, are the shard.
+          std::vector<std::int64_t> joined;
+          for (int u = 0; u < uly; ++u) {
+            const auto piece = layout.positions(r * uly + u);
+            joined.insert(joined.end(), piece.begin(), piece.end());
+          }
+          EXPECT_EQ(joined, shard);
+          seen.insert(shard.begin(), shard.end());
+        }
+        EXPECT_EQ(static_cast<std::int64_t>(seen.size()), seq);
+        EXPECT_EQ(*seen.begin(), 0);
+        EXPECT_EQ(*seen.rbegin(), seq - 1);
+      }
+    }
+  }
+}
+
+TEST(Layout, DivisibilityErrorsNameTheRule) {
+  auto message = [](LayoutKind kind, std::int64_t seq, int ring, int uly) {
+    try {
+      SequenceLayout(kind, seq, ring, uly);
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(message(LayoutKind::kZigzag, 8190, 4, 1),
+            "seq_len 8190 must be divisible by 2*ring_size=8 for the zigzag layout");
+  EXPECT_EQ(message(LayoutKind::kContiguous, 10, 4, 1),
+            "seq_len 10 must be divisible by ring_size*ulysses_size=4 for the contiguous layout");
+  EXPECT_EQ(message(LayoutKind::kStripe, 12, 2, 4),
+            "seq_len 12 must be divisible by ring_size*ulysses_size=8 for the stripe layout");
+  EXPECT_EQ(message(LayoutKind::kZigzag, 40, 2, 3),
+            "seq_len 40 / ring_size 2 = 20 must be divisible by ulysses_size=3 for the zigzag layout");
+  EXPECT_THROW(SequenceLayout(LayoutKind::kZigzag, 16, 0, 1), Error);
+  EXPECT_THROW(parse_layout("zig-zag"), Error);
+}
+
+TEST(Layout, ScatterGatherRoundTripIsIdentity) {
+  const int n = world().size();
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+    for (int uly : {1, 2}) {
+      if (n % uly != 0) continue;
+      const SequenceLayout layout(kind, 2 * n * 5, n / uly, uly);
+      Tensor full = test::random_tensor({2, layout.seq_len(), 3, 4}, DType::kBFloat16, 7);
+      Tensor local = Tensor::empty({2, layout.local_len(), 3, 4}, DType::kBFloat16, MemCategory::kWorkspace);
+      scatter_sequence(world(), layout, full.view(), local.view());
+      Tensor expect = Tensor::empty(local.shape(), DType::kBFloat16, MemCategory::kWorkspace);
+      shard_sequence(full.view(), layout.positions(world().rank()), expect.view());
+      EXPECT_EQ(test::to_double(local), test::to_double(expect));
+      Tensor back = Tensor::zeros(full.shape(), DType::kBFloat16, MemCategory::kWorkspace);
+      gather_sequence(world(), layout, local.view(), back.view());
+      EXPECT_EQ(test::to_double(back), test::to_double(full)) << layout_name(kind) << " ulysses " << uly;
+    }
+  }
+}
+
+TEST(Rope, MatchesClosedFormAndFollowsLayoutPositions) {
+  const std::int64_t B = 2, S = 48, H = 3, D = 16;
+  Tensor x = test::random_tensor({B, S, H, D}, DType::kFloat64, 3);
+  Tensor rotated = Tensor::copy_of(x.view(), DType::kFloat64, MemCategory::kWorkspace);
+  std::vector<std::int64_t> pos(S);
+  for (std::int64_t i = 0; i < S; ++i) pos[i] = 1000 + 7 * i;  // arbitrary increasing positions
+  attn::rope_forward(rotated.view(), pos);
+  // Closed form: (x1 + i x2) * exp(i * pos * theta^(-2j/D)) in complex arithmetic.
+  const double* xi = x.data_as<double>();
+  const double* yo = rotated.data_as<double>();
+  double max_err = 0;
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t s = 0; s < S; ++s)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t j = 0; j < D / 2; ++j) {
+          const std::int64_t base = ((b * S + s) * H + h) * D;
+          const double angle = pos[s] * std::pow(10000.0, -2.0 * j / D);
+          const double re = xi[base + j] * std::cos(angle) - xi[base + j + D / 2] * std::sin(angle);
+          const double im = xi[base + j] * std::sin(angle) + xi[base + j + D / 2] * std::cos(angle);
+          max_err = std::max({max_err, std::abs(re - yo[base + j]), std::abs(im - yo[base + j + D / 2])});
+        }
+  EXPECT_LT(max_err, 1e-12);
+  // Backward is the inverse rotation (orthogonal map).
+  attn::rope_backward(rotated.view(), pos);
+  EXPECT_TRUE(test::all_close(test::to_double(rotated), test::to_double(x), 1e-12, 0, "rope_backward(rope(x))"));
+
+  // On every layout, RoPE of a shard with its global positions equals the shard of RoPE on the full sequence.
+  const int n = world().size();
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+    const SequenceLayout layout(kind, 2 * n * 4, n, 1);
+    Tensor full = test::random_tensor({1, layout.seq_len(), 2, 8}, DType::kFloat32, 9);
+    const auto my_pos = layout.positions(world().rank());
+    Tensor local = Tensor::empty({1, layout.local_len(), 2, 8}, DType::kFloat32, MemCategory::kWorkspace);
+    shard_sequence(full.view(), my_pos, local.view());
+    attn::rope_forward(local.view(), my_pos);
+    std::vector<std::int64_t> all(layout.seq_len());
+    for (std::int64_t i = 0; i < layout.seq_len(); ++i) all[i] = i;
+    attn::rope_forward(full.view(), all);
+    Tensor expect = Tensor::empty(local.shape(), DType::kFloat32, MemCategory::kWorkspace);
+    shard_sequence(full.view(), my_pos, expect.view());
+    EXPECT_EQ(test::to_double(local), test::to_double(expect)) << layout_name(kind);
+  }
+  Tensor odd = Tensor::zeros({1, 4, 1, 3}, DType::kFloat32, MemCategory::kWorkspace);
+  std::vector<std::int64_t> p4 = {0, 1, 2, 3};
+  EXPECT_THROW(attn::rope_forward(odd.view(), p4), Error);
+}
+
+}  // namespace
+}  // namespace seqpar

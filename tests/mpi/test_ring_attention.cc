@@ -1,0 +1,251 @@
+// Ring attention (p2p and all-gather) against the single-rank result of the whole problem from the same seed,
+// on every rank, for every layout and mask; plus work balance, communication volume, errors and determinism.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "attention/mha.h"
+#include "parallel/ring_attention.h"
+#include "runtime/tensor_ops.h"
+#include "tests/util/mha_problem.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using test::world;
+
+enum class Mask { kNone, kCausal, kWindow };
+const char* mask_name(Mask m) { return m == Mask::kNone ? "full" : m == Mask::kCausal ? "causal" : "window"; }
+
+struct Case {
+  Mask mask;
+  LayoutKind layout;
+  RingImpl impl;
+  std::int64_t batch = 2, seq = 192, hq = 4, hkv = 2, dim = 64;
+  DType dtype = DType::kFloat32;
+};
+
+std::string case_name(const Case& c) {
+  return str_cat(mask_name(c.mask), "_", layout_name(c.layout), "_", ring_impl_name(c.impl), "_B", c.batch, "_S",
+                 c.seq, "_H", c.hq, "x", c.hkv, "_D", c.dim, "_", dtype_name(c.dtype));
+}
+
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
+
+attn::MaskSpec mask_spec(Mask m, std::int64_t seq) {
+  if (m == Mask::kNone) return {};
+  if (m == Mask::kCausal) return {true, 0};
+  return {true, seq / 3 + 1};  // spans several ranks' shards at every ring size
+}
+
+RingAttentionConfig ring_config(const Case& c) {
+  RingAttentionConfig cfg;
+  cfg.layout = c.layout;
+  cfg.impl = c.impl;
+  const attn::MaskSpec m = mask_spec(c.mask, c.seq);
+  cfg.causal = m.causal;
+  cfg.window = m.window;
+  return cfg;
+}
+
+test::MhaShape shape_of(const Case& c) {
+  test::MhaShape s;
+  s.batch = c.batch;
+  s.seq = c.seq;
+  s.hq = c.hq;
+  s.hkv = c.hkv;
+  s.dim = c.dim;
+  s.dtype = c.dtype;
+  s.mask = mask_spec(c.mask, c.seq);
+  return s;
+}
+
+// Runs ring attention over `comm` on the layout's shards and gathers the full results.
+test::MhaResult distributed(Communicator& comm, const Case& c, const test::MhaProblem& p,
+                            AttentionCounters* counters = nullptr) {
+  RingAttention ring(comm, c.seq, ring_config(c));
+  const SequenceLayout layout(c.layout, c.seq, comm.size());
+  const std::vector<std::int64_t> pos = layout.positions(comm.rank());
+  Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
+         v = test::local_piece(p.v.view(), pos), dout = test::local_piece(p.dout.view(), pos);
+  AttentionOutput o = ring.forward(q.view(), k.view(), v.view());
+  AttentionGrads g = ring.backward(dout.view());
+  if (counters) *counters = ring.counters();
+  test::MhaResult r;
+  r.out = test::gather_full(comm, layout, o.out.view(), p.q.shape());
+  r.lse = test::gather_full(comm, layout, o.lse.view(), {c.batch, c.hq, c.seq}, 2);
+  r.dq = test::gather_full(comm, layout, g.dq.view(), p.q.shape());
+  r.dk = test::gather_full(comm, layout, g.dk.view(), p.k.shape());
+  r.dv = test::gather_full(comm, layout, g.dv.view(), p.v.shape());
+  return r;
+}
+
+class RingVsSingleRank : public ::testing::TestWithParam<Case> {};
+
+TEST_P(RingVsSingleRank, MatchesSingleRank) {
+  const Case c = GetParam();
+  const test::MhaProblem p(shape_of(c));
+  const test::MhaResult want = test::single_rank_result(shape_of(c), p);
+  const test::MhaResult got = distributed(world(), c, p);
+  test::expect_mha_match(got, want, c.dtype, str_cat(case_name(c), " at ", world().size(), " ranks"));
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (Mask m : {Mask::kNone, Mask::kCausal, Mask::kWindow}) {
+    for (LayoutKind l : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+      for (RingImpl i : {RingImpl::kP2P, RingImpl::kAllGather}) cases.push_back({m, l, i});
+    }
+  }
+  // Head configurations, batch, head dim and dtype on the causal zigzag / p2p path (and some all-gather).
+  for (RingImpl i : {RingImpl::kP2P, RingImpl::kAllGather}) {
+    Case mqa{Mask::kCausal, LayoutKind::kZigzag, i};
+    mqa.hkv = 1;
+    cases.push_back(mqa);
+    Case mha{Mask::kCausal, LayoutKind::kZigzag, i};
+    mha.hkv = mha.hq;
+    mha.batch = 1;
+    cases.push_back(mha);
+    Case d128{Mask::kCausal, LayoutKind::kStripe, i};
+    d128.dim = 128;
+    cases.push_back(d128);
+    for (Mask m : {Mask::kNone, Mask::kCausal}) {
+      for (LayoutKind l : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+        Case bf{m, l, i};
+        bf.dtype = DType::kBFloat16;
+        cases.push_back(bf);
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, RingVsSingleRank, ::testing::ValuesIn(all_cases()),
+                         [](const auto& info) { return case_name(info.param); });
+
+// bf16: the error against the fp64 reference must not grow with the ring size (accumulation is fp32).
+TEST(RingAttention, Bf16ErrorDoesNotGrowWithRingSize) {
+  for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+    Case c{Mask::kCausal, LayoutKind::kZigzag, impl};
+    c.dtype = DType::kBFloat16;
+    const test::MhaProblem p(shape_of(c));
+    const test::MhaResult ref = test::reference_result(shape_of(c), p);
+
+    auto self = world().split(world().rank(), 0);  // a ring of one: the single-rank error
+    const test::MhaResult one = distributed(*self, c, p);
+    const test::MhaResult many = distributed(world(), c, p);
+    auto err = [](const std::vector<double>& a, const std::vector<double>& b) { return test::compare(a, b).max_abs; };
+    const std::pair<const char*, std::pair<double, double>> errors[] = {
+        {"out", {err(one.out, ref.out), err(many.out, ref.out)}},
+        {"dq", {err(one.dq, ref.dq), err(many.dq, ref.dq)}},
+        {"dk", {err(one.dk, ref.dk), err(many.dk, ref.dk)}},
+        {"dv", {err(one.dv, ref.dv), err(many.dv, ref.dv)}}};
+    for (const auto& [name, e] : errors) {
+      // The floor covers the case of a (nearly) exact single-rank result: one bf16 ulp at 1.0 is 2^-8.
+      EXPECT_LE(e.second, 2.0 * std::max(e.first, 1.0 / 256.0))
+          << ring_impl_name(impl) << " " << name << ": error at " << world().size() << " ranks " << e.second
+          << " vs " << e.first << " at 1 rank";
+    }
+  }
+}
+
+double reduce_scalar(double x, ReduceOp op) {
+  world().all_reduce(TensorView(&x, DType::kFloat64, {1}), op)->wait();
+  return x;
+}
+
+TEST(RingAttention, ZigzagCausalBalancesWork) {
+  Case c{Mask::kCausal, LayoutKind::kZigzag, RingImpl::kP2P};
+  const test::MhaProblem p(shape_of(c));
+  AttentionCounters zz;
+  distributed(world(), c, p, &zz);
+  const double zmax = reduce_scalar(zz.flops, ReduceOp::kMax), zmin = -reduce_scalar(-zz.flops, ReduceOp::kMax);
+  EXPECT_GT(zmin, 0.0);
+  EXPECT_LE(zmax / zmin, 1.01) << "zigzag causal FLOPs per rank range over [" << zmin << ", " << zmax << "]";
+  // Total work equals the causal half of the full problem plus the diagonal.
+  const double total = reduce_scalar(zz.flops, ReduceOp::kSum);
+  const double pairs = static_cast<double>(c.seq) * (c.seq + 1) / 2;
+  EXPECT_DOUBLE_EQ(total, 14.0 * c.batch * c.hq * c.dim * pairs);  // 4 forward + 10 backward per pair
+
+  c.layout = LayoutKind::kContiguous;
+  AttentionCounters ct;
+  distributed(world(), c, p, &ct);
+  const double cmax = reduce_scalar(ct.flops, ReduceOp::kMax), cmin = -reduce_scalar(-ct.flops, ReduceOp::kMax);
+  if (world().size() > 1) {
+    EXPECT_GT(cmax / cmin, 2.0) << "contiguous causal should be imbalanced: [" << cmin << ", " << cmax << "]";
+  }
+}
+
+TEST(RingAttention, BytesMatchFormula) {
+  for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      Case c{Mask::kCausal, LayoutKind::kZigzag, impl};
+      c.dtype = dtype;
+      const test::MhaProblem p(shape_of(c));
+      AttentionCounters counters;
+      distributed(world(), c, p, &counters);
+      const std::int64_t P = world().size();
+      const std::int64_t elems = 2 * c.batch * (c.seq / P) * c.hkv * c.dim;
+      const std::int64_t kv = elems * static_cast<std::int64_t>(dtype_size(dtype));
+      const std::int64_t dkv = elems * 4;
+      const std::int64_t want = impl == RingImpl::kP2P ? 2 * (P - 1) * kv + (P > 1 ? P : 0) * dkv
+                                                       : 2 * (P - 1) * kv + (P - 1) * dkv;
+      EXPECT_EQ(counters.bytes_sent, want) << ring_impl_name(impl) << " " << dtype_name(dtype);
+      EXPECT_EQ(counters.bytes_received, want) << ring_impl_name(impl) << " " << dtype_name(dtype);
+    }
+  }
+}
+
+TEST(RingAttention, DivisibilityErrorsOnEveryRank) {
+  const int P = world().size();
+  const std::int64_t bad = 2 * P * 5 + 1;  // odd: never divisible by 2P (nor by P when P is even)
+  RingAttentionConfig cfg;
+  cfg.layout = LayoutKind::kZigzag;
+  std::string message;
+  try {
+    RingAttention ring(world(), bad, cfg);
+  } catch (const Error& e) {
+    message = e.message();
+  }
+  EXPECT_EQ(message, str_cat("seq_len ", bad, " must be divisible by 2*ring_size=", 2 * P, " for the zigzag layout"));
+  EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
+  if (P > 1) {
+    cfg.layout = LayoutKind::kContiguous;
+    EXPECT_THROW(RingAttention(world(), P * 7 + 1, cfg), Error);
+  }
+  cfg.causal = false;
+  cfg.window = 8;
+  EXPECT_THROW(RingAttention(world(), 2 * P * 4, cfg), Error);
+}
+
+TEST(RingAttention, ShapeErrorsBeforeCommunication) {
+  const int P = world().size();
+  RingAttention ring(world(), 2 * P * 8, RingAttentionConfig{});
+  Tensor q = Tensor::zeros({1, 16, 4, 32}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor k = Tensor::zeros({1, 16, 3, 32}, DType::kFloat32, MemCategory::kWorkspace);
+  EXPECT_THROW(ring.forward(q.view(), k.view(), k.view()), Error);  // Hq 4 not a multiple of Hkv 3
+  Tensor k_short = Tensor::zeros({1, 8, 2, 32}, DType::kFloat32, MemCategory::kWorkspace);
+  EXPECT_THROW(ring.forward(q.view(), k_short.view(), k_short.view()), Error);
+  EXPECT_THROW(ring.backward(q.view()), Error);  // no forward yet
+}
+
+TEST(RingAttention, TwoRunsBitwiseEqual) {
+  for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+    Case c{Mask::kWindow, LayoutKind::kZigzag, impl};
+    const test::MhaProblem p(shape_of(c));
+    const test::MhaResult a = distributed(world(), c, p);
+    const test::MhaResult b = distributed(world(), c, p);
+    EXPECT_EQ(a.out, b.out);
+    EXPECT_EQ(a.lse, b.lse);
+    EXPECT_EQ(a.dq, b.dq);
+    EXPECT_EQ(a.dk, b.dk);
+    EXPECT_EQ(a.dv, b.dv);
+  }
+}
+
+}  // namespace
+}  // namespace seqpar

@@ -1,0 +1,194 @@
+// Ulysses all-to-all and USP (Ulysses x Ring) against the single-rank result of the whole problem, for every
+// grid of the world size (Pu x Pr, both placements), GQA with Hkv >= Pu and Hkv < Pu, MQA, fp32 and bf16.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+
+#include "parallel/ulysses.h"
+#include "runtime/sp_grid.h"
+#include "tests/util/mha_problem.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using test::world;
+
+struct UspCase {
+  int ulysses_size;
+  Placement placement;
+  LayoutKind layout;
+  RingImpl impl;
+  bool causal;
+  std::int64_t hkv;
+  DType dtype;
+};
+
+std::string case_name(const UspCase& c) {
+  return str_cat("u", c.ulysses_size, "_", placement_name(c.placement), "_", layout_name(c.layout), "_",
+                 ring_impl_name(c.impl), c.causal ? "_causal" : "_full", "_hkv", c.hkv, "_", dtype_name(c.dtype));
+}
+void PrintTo(const UspCase& c, std::ostream* os) { *os << case_name(c); }
+
+constexpr std::int64_t kHq = 8;
+
+std::vector<UspCase> cases_for_world() {
+  const int n = world().size();  // the MPI gtest main creates the world before registering tests
+  std::vector<UspCase> cases;
+  for (int pu = 1; pu <= n; ++pu) {
+    if (n % pu != 0 || kHq % pu != 0) continue;
+    for (Placement pl : {Placement::kUlyssesInner, Placement::kRingInner}) {
+      if (pl == Placement::kRingInner && (pu == 1 || pu == n)) continue;  // same groups as ulysses_inner
+      for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+        for (bool causal : {false, true}) {
+          cases.push_back({pu, pl, layout, RingImpl::kP2P, causal, 2, DType::kFloat32});
+        }
+      }
+      // GQA with Hkv < Pu (replicated KV heads) or >= Pu, MQA, MHA, all-gather ring, bf16.
+      cases.push_back({pu, pl, LayoutKind::kZigzag, RingImpl::kP2P, true, 1, DType::kFloat32});
+      cases.push_back({pu, pl, LayoutKind::kZigzag, RingImpl::kAllGather, true, kHq, DType::kFloat32});
+      cases.push_back({pu, pl, LayoutKind::kZigzag, RingImpl::kP2P, true, 4, DType::kBFloat16});
+      cases.push_back({pu, pl, LayoutKind::kContiguous, RingImpl::kAllGather, false, 1, DType::kBFloat16});
+    }
+  }
+  return cases;
+}
+
+class UspVsSingleRank : public ::testing::TestWithParam<UspCase> {};
+
+TEST_P(UspVsSingleRank, MatchesSingleRank) {
+  const UspCase c = GetParam();
+  const int n = world().size();
+  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, c.placement});
+  test::MhaShape shape;
+  shape.batch = 2;
+  shape.seq = 96;
+  shape.hq = kHq;
+  shape.hkv = c.hkv;
+  shape.dim = 32;
+  shape.dtype = c.dtype;
+  shape.mask = {c.causal, 0};
+  const test::MhaProblem p(shape);
+  const test::MhaResult want = test::single_rank_result(shape, p);
+
+  RingAttentionConfig cfg;
+  cfg.layout = c.layout;
+  cfg.impl = c.impl;
+  cfg.causal = c.causal;
+  UspAttention usp(grid.ulysses(), grid.ring(), shape.seq, cfg);
+  ASSERT_EQ(usp.sp_rank(), grid.coords().sp_rank);
+  const auto& pos = usp.positions();
+  Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
+         v = test::local_piece(p.v.view(), pos), dout = test::local_piece(p.dout.view(), pos);
+  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
+  AttentionGrads g = usp.backward(dout.view());
+
+  Communicator& sp = grid.sp();
+  test::MhaResult got;
+  got.out = test::gather_full(sp, usp.layout(), o.out.view(), p.q.shape());
+  got.lse = test::gather_full(sp, usp.layout(), o.lse.view(), {shape.batch, shape.hq, shape.seq}, 2);
+  got.dq = test::gather_full(sp, usp.layout(), g.dq.view(), p.q.shape());
+  got.dk = test::gather_full(sp, usp.layout(), g.dk.view(), p.k.shape());
+  got.dv = test::gather_full(sp, usp.layout(), g.dv.view(), p.v.shape());
+  test::expect_mha_match(got, want, c.dtype, str_cat(case_name(c), " on ", grid.str()));
+
+  // All-to-all volume: each all-to-all of N bytes moves (Pu-1)/Pu of N each way.
+  const UspCounters counters = usp.counters();
+  const std::int64_t pu = c.ulysses_size, sl = shape.seq / n, esz = dtype_size(c.dtype);
+  const std::int64_t hkv_e = c.hkv % pu == 0 ? c.hkv : pu;
+  const std::int64_t kv_grad_esz = c.hkv % pu == 0 ? esz : 4;
+  const std::int64_t q_bytes = shape.batch * sl * kHq * shape.dim * esz;
+  const std::int64_t kv_bytes = shape.batch * sl * hkv_e * shape.dim * esz;
+  const std::int64_t dkv_bytes = shape.batch * sl * hkv_e * shape.dim * kv_grad_esz;
+  const std::int64_t lse_bytes = shape.batch * kHq * sl * 4;
+  const std::int64_t total = (q_bytes * 4 + 2 * kv_bytes + 2 * dkv_bytes + lse_bytes) * (pu - 1) / pu;
+  EXPECT_EQ(counters.a2a_bytes_sent, total);
+  EXPECT_EQ(counters.a2a_bytes_received, total);
+}
+
+INSTANTIATE_TEST_SUITE_P(Usp, UspVsSingleRank, ::testing::ValuesIn(cases_for_world()),
+                         [](const auto& info) { return case_name(info.param); });
+
+TEST(Ulysses, AllToAllThenInverseIsIdentityBitwise) {
+  const int n = world().size();
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64}) {
+    Tensor x = test::random_tensor({2, 5, 2 * n, 3}, dtype, 21 + world().rank());
+    Tensor h = Tensor::empty({2, 5 * n, 2, 3}, dtype, MemCategory::kWorkspace);
+    Tensor back = Tensor::empty(x.shape(), dtype, MemCategory::kWorkspace);
+    ulysses_scatter_heads(world(), x.view(), h.view());
+    ulysses_gather_heads(world(), h.view(), back.view());
+    EXPECT_EQ(0, std::memcmp(x.data(), back.data(), x.nbytes())) << dtype_name(dtype);
+    // lse-shaped: [B, H/Pu, Pu*S] -> [B, H, S] against a direct construction.
+    Tensor lse_h = test::random_tensor({2, 2, 5 * n}, DType::kFloat32, 31 + world().rank());
+    Tensor lse = Tensor::empty({2, 2 * n, 5}, DType::kFloat32, MemCategory::kWorkspace);
+    ulysses_gather_heads_bhs(world(), lse_h.view(), lse.view());
+    // Rank u's lse[b, j*2 + h, s] comes from rank j's lse_h[b, h, u*5 + s].
+    Tensor all = Tensor::empty({n, 2, 2, 5 * n}, DType::kFloat32, MemCategory::kWorkspace);
+    world().all_gather(lse_h.view(), all.view())->wait();
+    const float* a = all.data_as<float>();
+    const float* l = lse.data_as<float>();
+    const int u = world().rank();
+    for (int b = 0; b < 2; ++b)
+      for (int j = 0; j < n; ++j)
+        for (int hh = 0; hh < 2; ++hh)
+          for (int s = 0; s < 5; ++s)
+            ASSERT_EQ(l[(b * 2 * n + j * 2 + hh) * 5 + s], a[((j * 2 + b) * 2 + hh) * 5 * n + u * 5 + s]);
+  }
+}
+
+TEST(Ulysses, ScatterHeadsMatchesIndependentIndexing) {
+  const int n = world().size(), u = world().rank();
+  Tensor x = test::random_tensor({2, 3, 2 * n, 4}, DType::kFloat32, 41 + u);
+  Tensor h = Tensor::empty({2, 3 * n, 2, 4}, DType::kFloat32, MemCategory::kWorkspace);
+  ulysses_scatter_heads(world(), x.view(), h.view());
+  Tensor all = Tensor::empty({n, 2, 3, 2 * n, 4}, DType::kFloat32, MemCategory::kWorkspace);
+  world().all_gather(x.view(), all.view())->wait();
+  const float* a = all.data_as<float>();
+  const float* o = h.data_as<float>();
+  // out[b, j*3 + s, hh, d] = x_j[b, s, u*2 + hh, d]
+  for (int b = 0; b < 2; ++b)
+    for (int j = 0; j < n; ++j)
+      for (int s = 0; s < 3; ++s)
+        for (int hh = 0; hh < 2; ++hh)
+          for (int d = 0; d < 4; ++d)
+            ASSERT_EQ(o[((b * 3 * n + j * 3 + s) * 2 + hh) * 4 + d],
+                      a[(((j * 2 + b) * 3 + s) * 2 * n + u * 2 + hh) * 4 + d]);
+}
+
+TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
+  const int n = world().size();
+  if (n == 1) GTEST_SKIP() << "every head count divides a Ulysses group of 1";
+  auto message = [&](std::int64_t hq, std::int64_t hkv) {
+    try {
+      UlyssesHeads(hq, hkv, n);
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string();
+  };
+  const std::string bad_q = message(n * 2 + 1, 1);
+  EXPECT_NE(bad_q.find(str_cat("Hq ", n * 2 + 1)), std::string::npos) << bad_q;
+  EXPECT_NE(bad_q.find(str_cat("ulysses_size ", n)), std::string::npos) << bad_q;
+  if (n >= 3) {
+    // Hkv that neither is divisible by Pu nor divides it (e.g. Hkv = Pu + 1 with Hq = Pu (Pu + 1)).
+    const std::string bad_kv = message(static_cast<std::int64_t>(n) * (n + 1), n + 1);
+    EXPECT_NE(bad_kv.find(str_cat("Hkv ", n + 1)), std::string::npos) << bad_kv;
+  }
+  // Same message on every rank: compare lengths and a hash of the text.
+  std::int64_t h = static_cast<std::int64_t>(std::hash<std::string>{}(bad_q) & 0x7fffffffffff);
+  std::int64_t v[2] = {h, -h};
+  world().all_reduce(TensorView(v, DType::kInt64, {2}), ReduceOp::kMax)->wait();
+  EXPECT_EQ(v[0], -v[1]);
+  // USP: a local length that does not match the layout is refused before any all-to-all.
+  SpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
+  UspAttention usp(grid.ulysses(), grid.ring(), 4 * n, RingAttentionConfig{});
+  Tensor q = Tensor::zeros({1, 3, n, 8}, DType::kFloat32, MemCategory::kWorkspace);
+  EXPECT_THROW(usp.forward(q.view(), q.view(), q.view()), Error);
+  Tensor q4 = Tensor::zeros({1, 4, n + 1, 8}, DType::kFloat32, MemCategory::kWorkspace);
+  EXPECT_THROW(usp.forward(q4.view(), q4.view(), q4.view()), Error);
+}
+
+}  // namespace
+}  // namespace seqpar

@@ -1,0 +1,80 @@
+#include "tests/util/mha_problem.h"
+
+#include "attention/reference/mha_reference.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar::test {
+
+MhaProblem::MhaProblem(const MhaShape& s)
+    : q(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 11)),
+      k(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 12)),
+      v(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 13)),
+      dout(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 14)) {}
+
+MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
+  attn::MhaForwardArgs args;
+  args.q = p.q.view();
+  args.k = p.k.view();
+  args.v = p.v.view();
+  args.mask = s.mask;
+  Tensor out = Tensor::empty(p.q.shape(), s.dtype, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, DType::kFloat32, MemCategory::kWorkspace);
+  attn::mha_forward(args, out.view(), lse.view());
+  attn::MhaBackwardArgs bargs;
+  bargs.fwd = args;
+  bargs.out = out.view();
+  bargs.dout = p.dout.view();
+  bargs.lse = lse.view();
+  Tensor dq = Tensor::empty(p.q.shape(), s.dtype, MemCategory::kWorkspace);
+  Tensor dk = Tensor::empty(p.k.shape(), s.dtype, MemCategory::kWorkspace);
+  Tensor dv = Tensor::empty(p.v.shape(), s.dtype, MemCategory::kWorkspace);
+  attn::mha_backward(bargs, dq.view(), dk.view(), dv.view(), false);
+  return {to_double(out), to_double(lse), to_double(dq), to_double(dk), to_double(dv)};
+}
+
+MhaResult reference_result(const MhaShape& s, const MhaProblem& p) {
+  auto f64 = [](const Tensor& t) { return Tensor::copy_of(t.view(), DType::kFloat64, MemCategory::kWorkspace); };
+  Tensor q = f64(p.q), k = f64(p.k), v = f64(p.v), dout = f64(p.dout);
+  attn::MhaForwardArgs args;
+  args.q = q.view();
+  args.k = k.view();
+  args.v = v.view();
+  args.mask = s.mask;
+  Tensor out = Tensor::empty(q.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dq = Tensor::empty(q.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dk = Tensor::empty(k.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dv = Tensor::empty(v.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::mha_forward(args, out.view(), lse.view());
+  attn::reference::mha_backward(args, dout.view(), dq.view(), dk.view(), dv.view());
+  return {to_double(out), to_double(lse), to_double(dq), to_double(dk), to_double(dv)};
+}
+
+Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions) {
+  Shape s = full.shape();
+  s[1] = static_cast<std::int64_t>(positions.size());
+  Tensor t = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
+  shard_sequence(full, positions, t.view());
+  return t;
+}
+
+std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
+                                const Shape& full_shape, int seq_dim) {
+  Tensor full = Tensor::empty(full_shape, local.dtype(), MemCategory::kWorkspace);
+  gather_sequence(comm, layout, local, full.view(), seq_dim);
+  return to_double(full);
+}
+
+void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, const std::string& what) {
+  // fp32: both sides compute in fp32 with different block orders, so the differences are rounding only.
+  // bf16: results are rounded to bf16 (8-bit mantissa) on both sides: allow a few bf16 ulps of O(1) values.
+  const double atol = dtype == DType::kFloat32 ? 2e-5 : 3e-2;
+  const double rtol = dtype == DType::kFloat32 ? 1e-4 : 2e-2;
+  EXPECT_TRUE(all_close(got.out, want.out, atol, rtol, what + " out"));
+  EXPECT_TRUE(all_close(got.lse, want.lse, 1e-5, 1e-5, what + " lse"));  // fp32 on both sides
+  EXPECT_TRUE(all_close(got.dq, want.dq, atol, rtol, what + " dq"));
+  EXPECT_TRUE(all_close(got.dk, want.dk, atol, rtol, what + " dk"));
+  EXPECT_TRUE(all_close(got.dv, want.dv, atol, rtol, what + " dv"));
+}
+
+}  // namespace seqpar::test

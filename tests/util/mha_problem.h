@@ -1,0 +1,42 @@
+// A whole MHA problem (q, k, v, dout from fixed seeds, identical on every rank), its single-rank result, and
+// sharding / gathering by a SequenceLayout: shared by the ring and USP tests.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "attention/mha.h"
+#include "parallel/layout.h"
+
+namespace seqpar::test {
+
+struct MhaShape {
+  std::int64_t batch = 2, seq = 192, hq = 4, hkv = 2, dim = 64;
+  DType dtype = DType::kFloat32;
+  attn::MaskSpec mask;
+};
+
+struct MhaProblem {
+  Tensor q, k, v, dout;  // full [B, S, H, D]
+  explicit MhaProblem(const MhaShape& s);
+};
+
+struct MhaResult {
+  std::vector<double> out, lse, dq, dk, dv;  // full tensors as fp64
+};
+
+// One mha_forward + mha_backward call over the whole sequence (the single-rank result).
+MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p);
+// The fp64 reference (attention/reference) on the dtype-rounded inputs.
+MhaResult reference_result(const MhaShape& s, const MhaProblem& p);
+
+// This rank's [B, S_local, ...] piece of a full [B, S, ...] tensor.
+Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions);
+// Gathers every rank's piece into the full tensor (seq_dim 1, or 2 for lse) and returns it as fp64.
+std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
+                                const Shape& full_shape, int seq_dim = 1);
+
+// Per-dtype comparison of every tensor (out, lse, dq, dk, dv) with EXPECTs naming `what`.
+void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, const std::string& what);
+
+}  // namespace seqpar::test
