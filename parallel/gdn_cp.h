@@ -1,0 +1,138 @@
+// GDN (gated delta rule) and its short causal conv under context parallelism (DESIGN.md section 6).
+//
+// The sequence is sharded by a SequenceLayout (contiguous or zigzag; stripe would make every token its own
+// segment and is refused). A rank's positions form one or more segments (maximal runs of consecutive positions);
+// zigzag gives two per rank, and the segments in global order visit every rank twice. Each step of the recurrence
+// is affine in the state, so a segment is one map S_end = M S_start + U:
+//   chain: each segment waits for its start state from the segment before it in global order, runs, and sends its
+//          end state on; backward passes d(state) the other way. N - 1 sequential message rounds for N segments.
+//   scan:  every segment computes (M, U) from a zero start at once; a Kogge-Stone inclusive scan of the maps in
+//          global segment order (ceil(log2 N) rounds of point-to-point messages) plus one shift round gives each
+//          segment its start state; then every segment runs with it. Backward: the local part L of dS_start from
+//          a cheap reverse sweep, the reverse scan of the maps (M^T, L), one shift round, then the full backward.
+// States, transitions and their gradients stay fp32 (fp64 for fp64 inputs) on the wire.
+//
+// Under USP, heads are independent: an all-to-all over the Ulysses group turns [B, S/(Pu Pr), H, *] into
+// [B, S/Pr, H/Pu, *] (the ring shard), the chain or scan runs over the ring group, and the inverse all-to-all
+// restores the layout. final_state and d(initial_state) are returned in full ([B, H, K, V]) on every rank.
+//
+// Short conv halo: a segment's first W-1 outputs need the W-1 inputs before it in global order; they are received
+// point to point from whichever ranks hold them (several when the segments before are shorter than W-1), and the
+// halo's gradient goes back the same way and is added to the owners' dx. dweight is summed over the group.
+//
+// Synchronisation: every public call is collective over the communicators given at construction and
+// host-synchronous. Errors (before any communication, identical on every rank): layout divisibility, stripe layout,
+// heads not divisible by ulysses_size, shape / dtype mismatches, backward before forward.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "attention/gdn.h"
+#include "parallel/layout.h"
+#include "runtime/comm.h"
+
+namespace seqpar {
+
+enum class GdnCpMode : std::uint8_t { kChain, kScan };
+const char* gdn_cp_mode_name(GdnCpMode mode);  // "chain", "scan"
+GdnCpMode parse_gdn_cp_mode(std::string_view name);
+
+struct GdnCpConfig {
+  LayoutKind layout = LayoutKind::kContiguous;
+  GdnCpMode mode = GdnCpMode::kScan;
+  bool use_qk_l2norm = true;
+  float scale = 0.0f;  // <= 0: 1 / sqrt(K)
+  std::int64_t chunk_size = attn::kGdnDefaultChunkSize;
+};
+
+// One run of consecutive global positions held by one rank.
+struct Segment {
+  std::int64_t start = 0;         // first global position
+  std::int64_t length = 0;
+  int owner = 0;                  // rank in the group
+  std::int64_t local_offset = 0;  // row of the owner's local tensor where the segment starts
+};
+// The segments of all ranks (positions_per_rank[r] = rank r's increasing positions), in global order.
+std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& positions_per_rank);
+
+struct GdnCpCounters {
+  std::int64_t message_rounds = 0;  // sequential rounds of state messages (chain: N-1 each way; scan: log)
+  std::int64_t bytes_sent = 0;      // state / transition bytes over the ring group
+  std::int64_t bytes_received = 0;
+  std::int64_t a2a_bytes_sent = 0;  // Ulysses all-to-all bytes
+  double exposed_comm_s = 0;        // seconds blocked waiting for messages
+  double compute_s = 0;             // seconds in GDN kernels
+  void reset() { *this = {}; }
+};
+
+struct GdnCpOutput {
+  Tensor out;          // [B, S_local, H, V], dtype of q
+  Tensor final_state;  // [B, H, K, V] state dtype, identical on every rank
+};
+
+struct GdnCpGrads {
+  Tensor dq, dk, dv, dg, dbeta;  // local, dtype of q
+  Tensor dinitial_state;         // [B, H, K, V] state dtype, identical on every rank
+};
+
+class GdnContextParallel {
+ public:
+  // `ulysses` (size Pu) and `ring` (size Pr) are this rank's groups of an SpGrid (Pu = 1: pure ring).
+  GdnContextParallel(Communicator& ulysses, Communicator& ring, std::int64_t seq_len, const GdnCpConfig& config);
+
+  // q, k [B, S_local, H, K], v [B, S_local, H, V], g, beta [B, S_local, H] at positions(); initial_state: empty
+  // or the full [B, H, K, V] (state dtype), the same on every rank.
+  GdnCpOutput forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                      const TensorView& beta, const TensorView& initial_state = {});
+  // dout [B, S_local, H, V]; dfinal_state: empty or the full [B, H, K, V], the same on every rank.
+  GdnCpGrads backward(const TensorView& dout, const TensorView& dfinal_state = {});
+
+  const SequenceLayout& layout() const { return layout_; }
+  const std::vector<std::int64_t>& positions() const { return positions_; }
+  const GdnCpCounters& counters() const { return counters_; }
+  void reset_counters() { counters_.reset(); }
+
+ private:
+  struct Impl;
+  Communicator& ulysses_;
+  Communicator& ring_;
+  GdnCpConfig config_;
+  SequenceLayout layout_;
+  std::vector<std::int64_t> positions_;
+  std::vector<Segment> segments_;  // ring-level segments (of the ring shards), global order
+  GdnCpCounters counters_;
+  std::shared_ptr<Impl> impl_;
+};
+
+// The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence.
+class ShortConvContextParallel {
+ public:
+  // `comm` holds the shards: rank r's positions are layout.positions(r) (the SP group, sp_rank order).
+  ShortConvContextParallel(Communicator& comm, const SequenceLayout& layout);
+
+  // x [B, S_local, C], weight [C, W] (same on every rank). Returns out [B, S_local, C] in x's dtype.
+  Tensor forward(const TensorView& x, const TensorView& weight, bool use_silu = true);
+  // Returns dx (local, x's dtype); dweight [C, W] (summed over the group, weight's dtype) into `dweight`.
+  Tensor backward(const TensorView& dout, const TensorView& dweight);
+
+  std::int64_t halo_bytes_sent() const { return halo_bytes_sent_; }
+
+ private:
+  struct HaloPlan;
+  Communicator& comm_;
+  SequenceLayout layout_;
+  std::vector<std::vector<std::int64_t>> positions_;
+  std::vector<Segment> segments_;
+  std::shared_ptr<HaloPlan> plan_;
+  std::int64_t halo_bytes_sent_ = 0;
+  // saved for backward
+  Tensor saved_x_, saved_weight_;
+  std::vector<Tensor> saved_halo_;  // each segment's conv state [B, W-1, C]
+  bool use_silu_ = true;
+  std::int64_t width_ = 0;
+};
+
+}  // namespace seqpar

@@ -1,0 +1,223 @@
+// GDN and its short conv under context parallelism against the fp64 token-by-token recurrence (and the direct
+// fp64 conv) on the whole sequence: every rank checks every output and gradient of every head.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "attention/reference/gdn_reference.h"
+#include "parallel/gdn_cp.h"
+#include "runtime/sp_grid.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using test::all_close;
+using test::to_double;
+using test::world;
+
+struct GdnCase {
+  GdnCpMode mode;
+  LayoutKind layout;
+  int ulysses_size = 1;
+  bool initial_state = true;
+  bool l2norm = true;
+  std::int64_t seq = 96;
+};
+
+std::string case_name(const GdnCase& c) {
+  return str_cat(gdn_cp_mode_name(c.mode), "_", layout_name(c.layout), "_u", c.ulysses_size,
+                 c.initial_state ? "_init" : "_noinit", c.l2norm ? "_l2" : "_nol2", "_S", c.seq);
+}
+void PrintTo(const GdnCase& c, std::ostream* os) { *os << case_name(c); }
+
+constexpr std::int64_t kB = 2, kH = 4, kK = 16, kV = 8;
+
+struct GdnProblem {
+  Tensor q, k, v, g, beta, init, dout, dfinal;  // full, fp64 (rounded to fp32 values)
+  GdnProblem(std::int64_t seq, bool l2norm) {
+    auto make = [](const Shape& s, std::uint64_t seed, double lo, double hi) {
+      Tensor f32 = test::random_tensor(s, DType::kFloat32, seed, lo, hi);
+      return f32;
+    };
+    // Without the L2 norm, keys of norm <= 1 keep (I - beta k k^T) a contraction.
+    const double kscale = l2norm ? 1.0 : 1.0 / std::sqrt(static_cast<double>(kK));
+    q = make({kB, seq, kH, kK}, 101, -1, 1);
+    k = make({kB, seq, kH, kK}, 102, -kscale, kscale);
+    v = make({kB, seq, kH, kV}, 103, -1, 1);
+    g = make({kB, seq, kH}, 104, -0.1, -0.001);  // weak decay: states carry across segments
+    beta = make({kB, seq, kH}, 105, 0.05, 0.5);
+    init = make({kB, kH, kK, kV}, 106, -0.5, 0.5);
+    dout = make({kB, seq, kH, kV}, 107, -1, 1);
+    dfinal = make({kB, kH, kK, kV}, 108, -1, 1);
+  }
+};
+
+Tensor f64(const Tensor& t) { return Tensor::copy_of(t.view(), DType::kFloat64, MemCategory::kWorkspace); }
+
+TensorView shard(const Tensor& full, const std::vector<std::int64_t>& pos, std::vector<Tensor>& keep) {
+  Shape s = full.shape();
+  s[1] = static_cast<std::int64_t>(pos.size());
+  keep.push_back(Tensor::empty(s, full.dtype(), MemCategory::kWorkspace));
+  shard_sequence(full.view(), pos, keep.back().view());
+  return keep.back().view();
+}
+
+std::vector<double> gather(Communicator& sp, const SequenceLayout& layout, const Tensor& local, Shape full_shape) {
+  Tensor full = Tensor::empty(full_shape, local.dtype(), MemCategory::kWorkspace);
+  gather_sequence(sp, layout, local.view(), full.view());
+  return to_double(full);
+}
+
+class GdnCpVsRecurrence : public ::testing::TestWithParam<GdnCase> {};
+
+TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
+  const GdnCase c = GetParam();
+  const int n = world().size();
+  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  const GdnProblem p(c.seq, c.l2norm);
+
+  // fp64 reference of the whole sequence.
+  Tensor q64 = f64(p.q), k64 = f64(p.k), v64 = f64(p.v), g64 = f64(p.g), b64 = f64(p.beta), i64 = f64(p.init),
+         do64 = f64(p.dout), df64 = f64(p.dfinal);
+  attn::GdnForwardArgs ra;
+  ra.q = q64.view();
+  ra.k = k64.view();
+  ra.v = v64.view();
+  ra.g = g64.view();
+  ra.beta = b64.view();
+  ra.initial_state = c.initial_state ? i64.view() : TensorView();
+  ra.use_qk_l2norm = c.l2norm;
+  Tensor ro = Tensor::empty({kB, c.seq, kH, kV}, DType::kFloat64, MemCategory::kWorkspace);
+  Tensor rf = Tensor::empty({kB, kH, kK, kV}, DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::gdn_forward(ra, ro.view(), rf.view());
+  attn::GdnBackwardArgs rb;
+  rb.fwd = ra;
+  rb.dout = do64.view();
+  rb.dfinal_state = df64.view();
+  Tensor rdq = Tensor::empty(q64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor rdk = Tensor::empty(k64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor rdv = Tensor::empty(v64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor rdg = Tensor::empty(g64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor rdb = Tensor::empty(b64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor rdi = Tensor::empty(i64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::gdn_backward(rb, rdq.view(), rdk.view(), rdv.view(), rdg.view(), rdb.view(), rdi.view());
+
+  GdnCpConfig cfg;
+  cfg.layout = c.layout;
+  cfg.mode = c.mode;
+  cfg.use_qk_l2norm = c.l2norm;
+  cfg.chunk_size = 16;  // several chunks per segment at small ranks, partial chunks at large ones
+  GdnContextParallel gdn(grid.ulysses(), grid.ring(), c.seq, cfg);
+  std::vector<Tensor> keep;
+  const auto& pos = gdn.positions();
+  GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
+                              shard(p.g, pos, keep), shard(p.beta, pos, keep),
+                              c.initial_state ? p.init.view() : TensorView());
+  Tensor dout_local = Tensor::empty({kB, static_cast<std::int64_t>(pos.size()), kH, kV}, DType::kFloat32,
+                                    MemCategory::kWorkspace);
+  shard_sequence(p.dout.view(), pos, dout_local.view());
+  GdnCpGrads gr = gdn.backward(dout_local.view(), p.dfinal.view());
+
+  // fp32 chunked kernels against the fp64 recurrence: rounding of O(S) fp32 steps with O(1) values.
+  const double atol = 2e-4, rtol = 2e-3;
+  const std::string name = str_cat(case_name(c), " on ", grid.str());
+  Communicator& sp = grid.sp();
+  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), o.out, {kB, c.seq, kH, kV}), to_double(ro), atol, rtol, name + " out"));
+  EXPECT_TRUE(all_close(to_double(o.final_state), to_double(rf), atol, rtol, name + " final_state"));
+  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dq, q64.shape()), to_double(rdq), atol, rtol, name + " dq"));
+  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dk, k64.shape()), to_double(rdk), atol, rtol, name + " dk"));
+  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dv, v64.shape()), to_double(rdv), atol, rtol, name + " dv"));
+  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dg, g64.shape()), to_double(rdg), atol, rtol, name + " dg"));
+  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dbeta, b64.shape()), to_double(rdb), atol, rtol, name + " dbeta"));
+  EXPECT_TRUE(all_close(to_double(gr.dinitial_state), to_double(rdi), atol, rtol, name + " dinitial_state"));
+
+  // Message rounds: chain is sequential over the N segments, scan is logarithmic.
+  const std::int64_t segments = static_cast<std::int64_t>(
+      segments_in_global_order([&] {
+        std::vector<std::vector<std::int64_t>> per_rank;
+        for (int r = 0; r < grid.ring().size(); ++r) per_rank.push_back(gdn.layout().ring_shard_positions(r));
+        return per_rank;
+      }()).size());
+  std::int64_t log_rounds = 0;
+  while ((std::int64_t{1} << log_rounds) < segments) ++log_rounds;
+  const std::int64_t want = c.mode == GdnCpMode::kChain ? 2 * (segments - 1)
+                                                         : 2 * (log_rounds + (segments > 1 ? 1 : 0));
+  EXPECT_EQ(gdn.counters().message_rounds, want) << name;
+}
+
+std::vector<GdnCase> gdn_cases() {
+  const int n = world().size();
+  std::vector<GdnCase> cases;
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+      cases.push_back({mode, layout});
+    }
+    cases.push_back({mode, LayoutKind::kZigzag, 1, false, true});
+    cases.push_back({mode, LayoutKind::kContiguous, 1, true, false});
+    if (n % 2 == 0 && n >= 4) {
+      cases.push_back({mode, LayoutKind::kZigzag, 2});  // USP 2 x (n/2)
+      cases.push_back({mode, LayoutKind::kContiguous, 2, false, false});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(GdnCp, GdnCpVsRecurrence, ::testing::ValuesIn(gdn_cases()),
+                         [](const auto& info) { return case_name(info.param); });
+
+TEST(GdnCp, ConfigurationErrors) {
+  const int n = world().size();
+  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  GdnCpConfig cfg;
+  cfg.layout = LayoutKind::kStripe;
+  EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 4 * n, cfg), Error);
+  cfg.layout = LayoutKind::kZigzag;
+  EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 2 * n + 1, cfg), Error);
+  GdnContextParallel gdn(grid.ulysses(), grid.ring(), 2 * n, cfg);
+  Tensor dout = Tensor::zeros({1, 2, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);
+  EXPECT_THROW(gdn.backward(dout.view()), Error);  // no forward yet
+  Tensor q = Tensor::zeros({1, 3, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);  // wrong local length
+  Tensor gb = Tensor::zeros({1, 3, 1}, DType::kFloat32, MemCategory::kWorkspace);
+  EXPECT_THROW(gdn.forward(q.view(), q.view(), q.view(), gb.view(), gb.view()), Error);
+}
+
+// Short conv with its halo, including segments shorter than W - 1 (the halo then spans several ranks).
+TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
+  const int n = world().size();
+  for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+    for (std::int64_t width : {1, 4}) {
+      for (std::int64_t seq : {std::int64_t{2} * n, std::int64_t{2} * n * 7}) {
+        const std::int64_t C = 6;
+        const SequenceLayout lay(layout, seq, n, 1);
+        Tensor x = test::random_tensor({kB, seq, C}, DType::kFloat32, 201);
+        Tensor w = test::random_tensor({C, width}, DType::kFloat32, 202);
+        Tensor dy = test::random_tensor({kB, seq, C}, DType::kFloat32, 203);
+        Tensor x64 = f64(x), w64 = f64(w), dy64 = f64(dy);
+        attn::ShortConvArgs ra;
+        ra.x = x64.view();
+        ra.weight = w64.view();
+        Tensor ry = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+        Tensor rdx = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+        Tensor rdw = Tensor::empty(w64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+        attn::reference::short_conv_forward(ra, ry.view(), {});
+        attn::reference::short_conv_backward(ra, dy64.view(), rdx.view(), rdw.view(), {});
+
+        ShortConvContextParallel conv(world(), lay);
+        const auto pos = lay.positions(world().rank());
+        std::vector<Tensor> keep;
+        Tensor y = conv.forward(shard(x, pos, keep), w.view());
+        Tensor dw = Tensor::empty(w.shape(), DType::kFloat32, MemCategory::kWorkspace);
+        Tensor dx = conv.backward(shard(dy, pos, keep), dw.view());
+        const std::string name = str_cat(layout_name(layout), " W", width, " S", seq, " at ", n, " ranks");
+        EXPECT_TRUE(all_close(gather(world(), lay, y, x.shape()), to_double(ry), 1e-5, 1e-5, name + " out"));
+        EXPECT_TRUE(all_close(gather(world(), lay, dx, x.shape()), to_double(rdx), 1e-5, 1e-5, name + " dx"));
+        EXPECT_TRUE(all_close(to_double(dw), to_double(rdw), 1e-4, 1e-5, name + " dweight"));
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace seqpar
