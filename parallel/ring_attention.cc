@@ -4,13 +4,13 @@
 #include <cmath>
 #include <limits>
 
+#include "parallel/ring_pass.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
 namespace {
 
-constexpr int kTagKv = 101;   // (K, V) blocks travelling forward around the ring
-constexpr int kTagDkv = 102;  // fp32 (dK, dV) accumulators following them
+constexpr int kTagKv = 101;  // (K, V) blocks around the ring; 102: their fp32 (dK, dV) accumulators
 
 double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
@@ -160,41 +160,27 @@ void RingAttention::release_saved() {
 void RingAttention::forward_p2p(const TensorView& out, const TensorView& lse) {
   const TensorView& q = saved_q_.view();
   const Shape& kv_shape = saved_k_.shape();
-  const std::int64_t flops_per_pair = 4 * q.dim(0) * q.dim(2) * q.dim(3);
-  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const double flops_per_pair = 4.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));
+  const attn::MaskSpec mask{config_.causal, config_.window};
 
-  Tensor kv[2] = {Tensor::empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer),
-                  Tensor::empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer)};
-  copy_convert(saved_k_.view(), part(kv[0].view(), 0, kv_shape));
-  copy_convert(saved_v_.view(), part(kv[0].view(), 1, kv_shape));
-
+  Tensor kv = Tensor::empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer);
+  copy_convert(saved_k_.view(), part(kv.view(), 0, kv_shape));
+  copy_convert(saved_v_.view(), part(kv.view(), 1, kv_shape));
   Tensor acc_out = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
   fill(lse, -std::numeric_limits<double>::infinity());
   Tensor block_out = Tensor::empty(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
   Tensor block_lse = Tensor::empty(lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
 
-  int cur = 0;
-  for (int step = 0; step < size_; ++step) {
-    const int src = (rank_ - step + size_) % size_;
-    WorkHandle kv_work;
-    if (step + 1 < size_) {
-      kv_work = ring_.batch_isend_irecv({P2POp::send(kv[cur].view(), next, kTagKv),
-                                         P2POp::recv(kv[1 - cur].view(), prev, kTagKv)});
-    }
-    const attn::MaskSpec mask{config_.causal, config_.window};
+  ring_circulate(ring_, kv.view(), kTagKv, [&](int src, const TensorView& block) {
     const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
-    if (pairs > 0) {
-      const double t0 = now_s();
-      const attn::MhaForwardArgs args =
-          block_args(part(kv[cur].view(), 0, kv_shape), part(kv[cur].view(), 1, kv_shape), src);
-      attn::mha_forward(args, block_out.view(), block_lse.view());
-      attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view());
-      counters_.compute_s += now_s() - t0;
-      counters_.flops += static_cast<double>(flops_per_pair) * static_cast<double>(pairs);
-    }
-    wait(kv_work);
-    cur = 1 - cur;
-  }
+    if (pairs == 0) return;  // nothing visible: never computed
+    const double t0 = now_s();
+    attn::mha_forward(block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
+                      block_lse.view());
+    attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view());
+    counters_.compute_s += now_s() - t0;
+    counters_.flops += flops_per_pair * static_cast<double>(pairs);
+  }, &counters_.exposed_comm_s);
   copy_convert(acc_out.view(), out);
 }
 
@@ -202,79 +188,35 @@ void RingAttention::backward_p2p(const TensorView& dout, const TensorView& dq, c
                                  const TensorView& dv) {
   const TensorView& q = saved_q_.view();
   const Shape& kv_shape = saved_k_.shape();
-  const std::int64_t flops_per_pair = 10 * q.dim(0) * q.dim(2) * q.dim(3);  // 2.5 x forward
-  const int next = (rank_ + 1) % size_, prev = (rank_ + size_ - 1) % size_;
+  const double flops_per_pair = 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));  // 2.5 x forward
+  const attn::MaskSpec mask{config_.causal, config_.window};
   const Shape pshape = packed_shape(kv_shape, 2);
 
   Tensor delta = Tensor::empty(saved_lse_.shape(), DType::kFloat32, MemCategory::kWorkspace);
   attn::mha_backward_delta(saved_out_.view(), dout, delta.view());
   Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-
-  Tensor kv[2] = {Tensor::empty(pshape, q.dtype(), MemCategory::kCommBuffer),
-                  Tensor::empty(pshape, q.dtype(), MemCategory::kCommBuffer)};
-  copy_convert(saved_k_.view(), part(kv[0].view(), 0, kv_shape));
-  copy_convert(saved_v_.view(), part(kv[0].view(), 1, kv_shape));
-  // dkv_out[i]: this rank's running sum for the block of the step, sent downstream; dkv_in[i]: upstream partials.
-  Tensor dkv_out[2] = {Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer),
-                       Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer)};
-  Tensor dkv_in[2];
-  if (size_ > 1) {
-    dkv_in[0] = Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
-    dkv_in[1] = Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
-  }
-  WorkHandle dkv_send[2], dkv_recv[2];
+  Tensor kv = Tensor::empty(pshape, q.dtype(), MemCategory::kCommBuffer);
+  copy_convert(saved_k_.view(), part(kv.view(), 0, kv_shape));
+  copy_convert(saved_v_.view(), part(kv.view(), 1, kv_shape));
+  Tensor dkv = Tensor::empty(pshape, DType::kFloat32, MemCategory::kWorkspace);
 
   attn::MhaBackwardArgs args;
   args.out = saved_out_.view();
   args.dout = dout;
   args.lse = saved_lse_.view();
   args.delta = delta.view();
-  const attn::MaskSpec mask{config_.causal, config_.window};
-
-  int cur = 0;
-  for (int step = 0; step < size_; ++step) {
-    const int src = (rank_ - step + size_) % size_;
-    const int slot = step % 2;
-    WorkHandle kv_work;
-    if (step + 1 < size_) {
-      kv_work = ring_.batch_isend_irecv({P2POp::send(kv[cur].view(), next, kTagKv),
-                                         P2POp::recv(kv[1 - cur].view(), prev, kTagKv)});
-    }
-    if (size_ > 1) dkv_recv[slot] = ring_.irecv(dkv_in[slot].view(), prev, kTagDkv);  // partial for step + 1
-
-    wait(dkv_send[slot]);  // the buffer sent two steps ago is free again
-    const TensorView acc = dkv_out[slot].view();
-    dkv_out[slot].fill_zero();
+  ring_circulate_with_grad(ring_, kv.view(), pshape, dkv.view(), kTagKv,
+                           [&](int src, const TensorView& block, const TensorView& grad) {
     const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
-    if (pairs > 0) {
-      const double t0 = now_s();
-      args.fwd = block_args(part(kv[cur].view(), 0, kv_shape), part(kv[cur].view(), 1, kv_shape), src);
-      attn::mha_backward(args, dq_acc.view(), part(acc, 0, kv_shape), part(acc, 1, kv_shape), true);
-      counters_.compute_s += now_s() - t0;
-      counters_.flops += static_cast<double>(flops_per_pair) * static_cast<double>(pairs);
-    }
-    if (step > 0) {
-      // Contributions of ranks src .. rank-1, sent one step ago by the previous rank.
-      wait(dkv_recv[1 - slot]);
-      add_inplace(acc, dkv_in[1 - slot].view());
-    }
-    if (size_ > 1) dkv_send[slot] = ring_.isend(acc, next, kTagDkv);
-    wait(kv_work);
-    cur = 1 - cur;
-  }
-
-  if (size_ == 1) {
-    copy_convert(part(dkv_out[0].view(), 0, kv_shape), dk);
-    copy_convert(part(dkv_out[0].view(), 1, kv_shape), dv);
-  } else {
-    // The last receive brings this rank's own block home with every rank's contribution.
-    const int last = (size_ - 1) % 2;
-    wait(dkv_recv[last]);
-    copy_convert(part(dkv_in[last].view(), 0, kv_shape), dk);
-    copy_convert(part(dkv_in[last].view(), 1, kv_shape), dv);
-    wait(dkv_send[0]);
-    wait(dkv_send[1]);
-  }
+    if (pairs == 0) return;
+    const double t0 = now_s();
+    args.fwd = block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src);
+    attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true);
+    counters_.compute_s += now_s() - t0;
+    counters_.flops += flops_per_pair * static_cast<double>(pairs);
+  }, &counters_.exposed_comm_s);
+  copy_convert(part(dkv.view(), 0, kv_shape), dk);
+  copy_convert(part(dkv.view(), 1, kv_shape), dv);
   copy_convert(dq_acc.view(), dq);
 }
 

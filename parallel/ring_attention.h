@@ -99,7 +99,7 @@ class RingAttention {
   void backward_p2p(const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv);
   void backward_allgather(const TensorView& dout, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv);
-  void wait(WorkHandle& work);
+  void wait(WorkHandle& work);  // counts the time blocked as exposed communication
   attn::MhaForwardArgs block_args(const TensorView& k, const TensorView& v, int src) const;
 
   Communicator& ring_;

@@ -1,0 +1,92 @@
+#include "parallel/ring_pass.h"
+
+#include <chrono>
+
+#include "runtime/tensor_ops.h"
+
+namespace seqpar {
+namespace {
+
+double now_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void timed_wait(WorkHandle& w, double* exposed_s) {
+  if (!w) return;
+  const double t0 = now_s();
+  w->wait();
+  if (exposed_s) *exposed_s += now_s() - t0;
+  w.reset();
+}
+
+}  // namespace
+
+void ring_circulate(Communicator& comm, const TensorView& local_block, int tag, const RingVisit& visit,
+                    double* exposed_s) {
+  const int p = comm.size(), r = comm.rank();
+  const int next = (r + 1) % p, prev = (r + p - 1) % p;
+  Tensor buf[2] = {Tensor::copy_of(local_block, local_block.dtype(), MemCategory::kCommBuffer),
+                   Tensor::empty(local_block.shape(), local_block.dtype(), MemCategory::kCommBuffer)};
+  int cur = 0;
+  for (int step = 0; step < p; ++step) {
+    WorkHandle w;
+    if (step + 1 < p) {
+      w = comm.batch_isend_irecv({P2POp::send(buf[cur].view(), next, tag), P2POp::recv(buf[1 - cur].view(), prev, tag)});
+    }
+    visit((r - step + p) % p, buf[cur].view());
+    timed_wait(w, exposed_s);
+    cur = 1 - cur;
+  }
+}
+
+void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block, const Shape& grad_shape,
+                              const TensorView& home_grad, int tag, const RingGradVisit& visit,
+                              double* exposed_s) {
+  SEQPAR_CHECK(home_grad.dtype() == DType::kFloat32 && home_grad.numel() == shape_numel(grad_shape),
+               "ring_circulate_with_grad: home_grad ", home_grad.str(), " must be fp32 with the elements of ",
+               shape_str(grad_shape));
+  const int p = comm.size(), r = comm.rank();
+  const int next = (r + 1) % p, prev = (r + p - 1) % p;
+  const int grad_tag = tag + 1;
+  Tensor buf[2] = {Tensor::copy_of(local_block, local_block.dtype(), MemCategory::kCommBuffer),
+                   Tensor::empty(local_block.shape(), local_block.dtype(), MemCategory::kCommBuffer)};
+  // out[i]: this rank's running sum for the block of the step, sent downstream; in[i]: upstream partial sums.
+  Tensor out[2] = {Tensor::empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer),
+                   Tensor::empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer)};
+  Tensor in[2];
+  if (p > 1) {
+    in[0] = Tensor::empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer);
+    in[1] = Tensor::empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer);
+  }
+  WorkHandle sends[2], recvs[2];
+  int cur = 0;
+  for (int step = 0; step < p; ++step) {
+    const int slot = step % 2;
+    WorkHandle w;
+    if (step + 1 < p) {
+      w = comm.batch_isend_irecv({P2POp::send(buf[cur].view(), next, tag), P2POp::recv(buf[1 - cur].view(), prev, tag)});
+    }
+    if (p > 1) recvs[slot] = comm.irecv(in[slot].view(), prev, grad_tag);  // the partial for step + 1
+    timed_wait(sends[slot], exposed_s);                                  // buffer sent two steps ago is free
+    out[slot].fill_zero();
+    visit((r - step + p) % p, buf[cur].view(), out[slot].view());
+    if (step > 0) {
+      timed_wait(recvs[1 - slot], exposed_s);  // contributions of the ranks that saw this block before us
+      add_inplace(out[slot].view(), in[1 - slot].view());
+    }
+    if (p > 1) sends[slot] = comm.isend(out[slot].view(), next, grad_tag);
+    timed_wait(w, exposed_s);
+    cur = 1 - cur;
+  }
+  if (p == 1) {
+    copy_convert(out[0].view(), home_grad);
+    return;
+  }
+  const int last = (p - 1) % 2;  // the last receive brings this rank's own block home
+  timed_wait(recvs[last], exposed_s);
+  copy_convert(in[last].view(), home_grad);
+  timed_wait(sends[0], exposed_s);
+  timed_wait(sends[1], exposed_s);
+}
+
+}  // namespace seqpar
