@@ -1,0 +1,288 @@
+// DSA under context parallelism against the single-rank problem: top-k indices bitwise equal to one kernel call
+// over the whole sequence, and out, lse, loss, dq, dc, dq_idx, dk_idx, dw against the dense fp64 reference with
+// those indices; ring and all-gather selection, ring sizes 1..8, USP grids, contiguous and zigzag, B = 2.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "attention/reference/dsa_reference.h"
+#include "attention/reference/mha_reference.h"
+#include "parallel/dsa_cp.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using test::all_close;
+using test::to_double;
+using test::world;
+
+constexpr std::int64_t kB = 2, kH = 4, kDqk = 32, kDv = 16, kHi = 2, kDi = 16;
+
+struct DsaCase {
+  int ulysses_size;
+  LayoutKind layout;
+  DsaSelectMode select;
+  std::int64_t topk = 12;
+  std::int64_t seq = 96;
+};
+
+std::string case_name(const DsaCase& c) {
+  return str_cat("u", c.ulysses_size, "_", layout_name(c.layout), "_", dsa_select_mode_name(c.select), "_k",
+                 c.topk, "_S", c.seq);
+}
+void PrintTo(const DsaCase& c, std::ostream* os) { *os << case_name(c); }
+
+struct DsaProblem {
+  Tensor q, c, q_idx, k_idx, w, dout;  // full, fp32
+  explicit DsaProblem(std::int64_t seq, std::uint64_t seed = 0) {
+    q = test::random_tensor({kB, seq, kH, kDqk}, DType::kFloat32, 301 + seed);
+    c = test::random_tensor({kB, seq, kDqk}, DType::kFloat32, 302 + seed);
+    q_idx = test::random_tensor({kB, seq, kHi, kDi}, DType::kFloat32, 303 + seed);
+    k_idx = test::random_tensor({kB, seq, kDi}, DType::kFloat32, 304 + seed);
+    w = test::random_tensor({kB, seq, kHi}, DType::kFloat32, 305 + seed, 0.1, 1.0);
+    dout = test::random_tensor({kB, seq, kH, kDv}, DType::kFloat32, 306 + seed);
+  }
+};
+
+Tensor f64(const Tensor& t) { return Tensor::copy_of(t.view(), DType::kFloat64, MemCategory::kWorkspace); }
+
+Tensor piece(const Tensor& full, const std::vector<std::int64_t>& pos) {
+  Shape s = full.shape();
+  s[1] = static_cast<std::int64_t>(pos.size());
+  Tensor t = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
+  shard_sequence(full.view(), pos, t.view());
+  return t;
+}
+
+std::vector<double> gather(Communicator& sp, const SequenceLayout& layout, const Tensor& local, const Shape& full,
+                           int seq_dim = 1) {
+  Tensor t = Tensor::empty(full, local.dtype(), MemCategory::kWorkspace);
+  gather_sequence(sp, layout, local.view(), t.view(), seq_dim);
+  return to_double(t);
+}
+
+struct DistResult {
+  std::vector<double> out, lse, topk, dq, dc, dq_idx, dk_idx, dw;
+  double loss = 0;
+};
+
+DistResult run_distributed(const SpGrid& grid, const DsaCase& c, const DsaProblem& p) {
+  DsaCpConfig cfg;
+  cfg.layout = c.layout;
+  cfg.select = c.select;
+  cfg.topk = c.topk;
+  cfg.dim_v = kDv;
+  DsaContextParallel dsa(grid, c.seq, cfg);
+  const auto& pos = dsa.positions();
+  Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
+         w = piece(p.w, pos), dout = piece(p.dout, pos);
+  DsaCpOutput o = dsa.forward(q.view(), cc.view(), qi.view(), ki.view(), w.view());
+  DsaCpGrads g = dsa.backward(dout.view());
+  Communicator& sp = grid.sp();
+  const SequenceLayout& L = dsa.layout();
+  DistResult r;
+  r.out = gather(sp, L, o.out, {kB, c.seq, kH, kDv});
+  r.lse = gather(sp, L, o.lse, {kB, kH, c.seq}, 2);
+  r.topk = gather(sp, L, o.topk_indices, {kB, c.seq, c.topk});
+  r.dq = gather(sp, L, g.dq, p.q.shape());
+  r.dc = gather(sp, L, g.dc, p.c.shape());
+  r.dq_idx = gather(sp, L, g.dq_idx, p.q_idx.shape());
+  r.dk_idx = gather(sp, L, g.dk_idx, p.k_idx.shape());
+  r.dw = gather(sp, L, g.dw, p.w.shape());
+  r.loss = g.loss;
+  return r;
+}
+
+// Single-rank: top-k from one kernel call over the whole sequence (what every grid must reproduce bitwise).
+Tensor single_rank_topk(const DsaProblem& p, std::int64_t seq, std::int64_t topk) {
+  attn::DsaIndexerArgs a;
+  a.q_idx = p.q_idx.view();
+  a.w = p.w.view();
+  a.k_idx = p.k_idx.view();
+  Tensor t = Tensor::empty({kB, seq, topk}, DType::kInt64, MemCategory::kWorkspace);
+  attn::dsa_indexer_topk(a, t.view());
+  return t;
+}
+
+class DsaCpVsSingleRank : public ::testing::TestWithParam<DsaCase> {};
+
+TEST_P(DsaCpVsSingleRank, MatchesSingleRankProblem) {
+  const DsaCase c = GetParam();
+  const int n = world().size();
+  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  const DsaProblem p(c.seq);
+  const DistResult got = run_distributed(grid, c, p);
+  const std::string name = str_cat(case_name(c), " on ", grid.str());
+
+  Tensor topk = single_rank_topk(p, c.seq, c.topk);
+  EXPECT_EQ(got.topk, to_double(topk)) << name << ": topk_indices differ from the single-rank selection";
+
+  // fp64 dense reference with those indices.
+  Tensor q = f64(p.q), cc = f64(p.c), qi = f64(p.q_idx), ki = f64(p.k_idx), w = f64(p.w), dout = f64(p.dout);
+  attn::DsaAttentionArgs aa;
+  aa.q = q.view();
+  aa.c = cc.view();
+  aa.topk_indices = topk.view();
+  aa.dim_v = kDv;
+  Tensor out = Tensor::empty({kB, c.seq, kH, kDv}, DType::kFloat64, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({kB, kH, c.seq}, DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::dsa_attention_forward(aa, out.view(), lse.view());
+  Tensor dq = Tensor::empty(q.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dc = Tensor::empty(cc.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::dsa_attention_backward(aa, dout.view(), dq.view(), dc.view());
+  attn::DsaIndexerArgs ia;
+  ia.q_idx = qi.view();
+  ia.w = w.view();
+  ia.k_idx = ki.view();
+  Tensor dqi = Tensor::empty(qi.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dw = Tensor::empty(w.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dki = Tensor::empty(ki.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  const double loss = attn::reference::dsa_indexer_loss(aa, ia, dqi.view(), dw.view(), dki.view());
+
+  // fp32 kernels against fp64: rounding only (O(1) values, sums over <= k keys and <= S queries).
+  const double atol = 1e-4, rtol = 1e-3;
+  EXPECT_TRUE(all_close(got.out, to_double(out), atol, rtol, name + " out"));
+  EXPECT_TRUE(all_close(got.lse, to_double(lse), atol, rtol, name + " lse"));
+  EXPECT_TRUE(all_close(got.dq, to_double(dq), atol, rtol, name + " dq"));
+  EXPECT_TRUE(all_close(got.dc, to_double(dc), atol, rtol, name + " dc"));
+  EXPECT_TRUE(all_close(got.dq_idx, to_double(dqi), atol, rtol, name + " dq_idx"));
+  EXPECT_TRUE(all_close(got.dk_idx, to_double(dki), atol, rtol, name + " dk_idx"));
+  EXPECT_TRUE(all_close(got.dw, to_double(dw), atol, rtol, name + " dw"));
+  EXPECT_NEAR(got.loss, loss, 1e-4 * std::max(1.0, std::abs(loss))) << name << " loss";
+}
+
+std::vector<DsaCase> dsa_cases() {
+  const int n = world().size();
+  std::vector<DsaCase> cases;
+  for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+    for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
+      cases.push_back({1, layout, select});
+      if (n % 2 == 0 && n >= 4) cases.push_back({2, layout, select});  // USP 2 x (n / 2)
+    }
+  }
+  cases.push_back({1, LayoutKind::kZigzag, DsaSelectMode::kRing, 200});  // k > S
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(DsaCp, DsaCpVsSingleRank, ::testing::ValuesIn(dsa_cases()),
+                         [](const auto& info) { return case_name(info.param); });
+
+// k >= the number of visible keys: DSA is dense causal attention (MQA with the latent as key and value).
+TEST(DsaCp, FullTopkIsDenseCausalAttention) {
+  const int n = world().size();
+  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  const DsaCase c{1, LayoutKind::kZigzag, DsaSelectMode::kRing, 96, 96};
+  const DsaProblem p(c.seq);
+  const DistResult got = run_distributed(grid, c, p);
+  Tensor q = f64(p.q);
+  Tensor k = Tensor::empty({kB, c.seq, 1, kDqk}, DType::kFloat64, MemCategory::kWorkspace);
+  Tensor v = Tensor::zeros({kB, c.seq, 1, kDqk}, DType::kFloat64, MemCategory::kWorkspace);
+  const std::vector<double> cv = to_double(p.c);
+  for (std::int64_t i = 0; i < kB * c.seq; ++i)
+    for (std::int64_t d = 0; d < kDqk; ++d) {
+      k.data_as<double>()[i * kDqk + d] = cv[i * kDqk + d];
+      if (d < kDv) v.data_as<double>()[i * kDqk + d] = cv[i * kDqk + d];
+    }
+  attn::MhaForwardArgs a;
+  a.q = q.view();
+  a.k = k.view();
+  a.v = v.view();
+  a.mask = {true, 0};
+  Tensor out = Tensor::empty({kB, c.seq, kH, kDqk}, DType::kFloat64, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({kB, kH, c.seq}, DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::mha_forward(a, out.view(), lse.view());
+  std::vector<double> want;
+  const std::vector<double> o = to_double(out);
+  for (std::int64_t i = 0; i < kB * c.seq * kH; ++i)
+    for (std::int64_t d = 0; d < kDv; ++d) want.push_back(o[i * kDqk + d]);
+  EXPECT_TRUE(all_close(got.out, want, 1e-4, 1e-3, "dense-equivalent out"));
+  EXPECT_TRUE(all_close(got.lse, to_double(lse), 1e-4, 1e-3, "dense-equivalent lse"));
+}
+
+// Equal scores everywhere: ties go to the smaller position, identically on every grid and run.
+TEST(DsaCp, TiesAreDeterministicAcrossGridsAndRuns) {
+  const int n = world().size();
+  DsaProblem p(96);
+  for (std::int64_t i = 0; i < p.k_idx.numel(); ++i) p.k_idx.data_as<float>()[i] = 0.25f;  // all keys equal
+  for (int pu : {1, 2}) {
+    if (n % pu != 0) continue;
+    SpGrid grid(world(), {1, pu, n / pu, Placement::kUlyssesInner});
+    for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
+      const DsaCase c{pu, LayoutKind::kZigzag, select};
+      const DistResult a = run_distributed(grid, c, p);
+      const DistResult b = run_distributed(grid, c, p);
+      EXPECT_EQ(a.topk, b.topk);
+      EXPECT_EQ(a.out, b.out);
+      EXPECT_EQ(a.dk_idx, b.dk_idx);
+      // Expected: query t selects positions 0 .. min(t, k-1) when every score ties (independent construction).
+      for (std::int64_t bt = 0; bt < kB * c.seq; ++bt) {
+        const std::int64_t t = bt % c.seq;
+        for (std::int64_t s = 0; s < c.topk; ++s) {
+          const double want = s <= t ? static_cast<double>(s) : -1.0;
+          ASSERT_EQ(a.topk[bt * c.topk + s], want) << "row " << bt << " slot " << s << " on " << grid.str();
+        }
+      }
+    }
+  }
+}
+
+// Changing tokens after position t leaves every output and index at positions <= t unchanged.
+TEST(DsaCp, Causality) {
+  const int n = world().size();
+  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  const DsaCase c{1, LayoutKind::kZigzag, DsaSelectMode::kRing};
+  const DsaProblem p(c.seq);
+  DsaProblem changed(c.seq);
+  const std::int64_t t_cut = 40;
+  const DsaProblem other(c.seq, 1000);
+  auto overwrite_tail = [&](Tensor& dst, const Tensor& src) {
+    const std::int64_t row = dst.numel() / (kB * c.seq);
+    for (std::int64_t b = 0; b < kB; ++b)
+      for (std::int64_t t = t_cut + 1; t < c.seq; ++t)
+        for (std::int64_t i = 0; i < row; ++i)
+          dst.data_as<float>()[(b * c.seq + t) * row + i] = src.data_as<float>()[(b * c.seq + t) * row + i];
+  };
+  overwrite_tail(changed.q, other.q);
+  overwrite_tail(changed.c, other.c);
+  overwrite_tail(changed.q_idx, other.q_idx);
+  overwrite_tail(changed.k_idx, other.k_idx);
+  overwrite_tail(changed.w, other.w);
+  const DistResult a = run_distributed(grid, c, p);
+  const DistResult b = run_distributed(grid, c, changed);
+  for (std::int64_t bb = 0; bb < kB; ++bb)
+    for (std::int64_t t = 0; t <= t_cut; ++t) {
+      for (std::int64_t s = 0; s < c.topk; ++s)
+        ASSERT_EQ(a.topk[(bb * c.seq + t) * c.topk + s], b.topk[(bb * c.seq + t) * c.topk + s]) << "t=" << t;
+      for (std::int64_t i = 0; i < kH * kDv; ++i)
+        ASSERT_EQ(a.out[(bb * c.seq + t) * kH * kDv + i], b.out[(bb * c.seq + t) * kH * kDv + i]) << "t=" << t;
+    }
+}
+
+// The indexer keeps O(S_local * k) state: doubling S at fixed k roughly doubles the forward's peak, not x4.
+TEST(DsaCp, PeakMemoryIsLinearInSequence) {
+  const int n = world().size();
+  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  std::int64_t peaks[2];
+  for (int i = 0; i < 2; ++i) {
+    const std::int64_t seq = 2 * n * 48 * (i + 1);
+    const DsaProblem p(seq);
+    DsaCpConfig cfg;
+    cfg.topk = 8;
+    cfg.dim_v = kDv;
+    DsaContextParallel dsa(grid, seq, cfg);
+    const auto& pos = dsa.positions();
+    Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
+           w = piece(p.w, pos);
+    const std::int64_t base = memory_ledger().snapshot().total_current;
+    memory_ledger().reset_peaks();
+    DsaCpOutput o = dsa.forward(q.view(), cc.view(), qi.view(), ki.view(), w.view());
+    peaks[i] = memory_ledger().snapshot().total_peak - base;
+  }
+  EXPECT_LT(static_cast<double>(peaks[1]) / static_cast<double>(peaks[0]), 2.6)
+      << "forward peak " << peaks[0] << " -> " << peaks[1] << " bytes when S doubles";
+}
+
+}  // namespace
+}  // namespace seqpar
