@@ -1,7 +1,6 @@
 #include "parallel/dsa_cp.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -10,16 +9,13 @@
 #include "parallel/ring_pass.h"
 #include "parallel/ulysses.h"
 #include "runtime/tensor_ops.h"
+#include "runtime/timer.h"
 
 namespace seqpar {
 namespace {
 
 constexpr int kTagIndexKeys = 301;  // 302: dk_idx accumulators
 constexpr int kTagLatent = 303;     // 304: dc accumulators
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // A block of keys at `k_pos` holds a key visible (causally) to some query at `q_pos` (both increasing).
 bool any_visible(const std::vector<std::int64_t>& q_pos, const std::vector<std::int64_t>& k_pos) {
@@ -144,18 +140,18 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     a.k_idx = block;
     a.q_pos = positions_;
     a.k_pos = sp_positions_[src];
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     attn::dsa_indexer_topk_block(a, state);
-    counters_.compute_s += now_s() - t0;
+    counters_.compute_s += wall_seconds() - t0;
   };
   if (config_.select == DsaSelectMode::kRing) {
     ring_circulate(sp, k_idx_.view(), kTagIndexKeys, merge_block, &counters_.exposed_comm_s);
   } else {
     const int n = sp.size();
     Tensor all = Tensor::empty({n, B, sl, di}, k_idx.dtype(), MemCategory::kCommBuffer);
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     sp.all_gather(k_idx_.view(), all.view())->wait();
-    counters_.exposed_comm_s += now_s() - t0;
+    counters_.exposed_comm_s += wall_seconds() - t0;
     for (int src = 0; src < n; ++src) merge_block(src, all.view().slice0(src, src + 1).reshape({B, sl, di}));
   }
   topk_local_ = Tensor::empty({B, sl, k}, DType::kInt64, MemCategory::kSavedActivation);
@@ -165,12 +161,12 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
 
   // ---- attention: heads over Ulysses, latent blocks over the ring ----
   const std::int64_t sr = layout_.ring_shard_len(), hl = H / pu, dv = config_.dim_v;
-  double t0 = now_s();
+  double t0 = wall_seconds();
   q_h_ = Tensor::empty({B, sr, hl, dqk}, q.dtype(), MemCategory::kSavedActivation);
   ulysses_scatter_heads(ulysses, q, q_h_.view());
   c_ring_ = gather_sequence_pieces(ulysses, c, MemCategory::kSavedActivation);
   topk_ring_ = gather_sequence_pieces(ulysses, topk_local_.view(), MemCategory::kSavedActivation);
-  counters_.exposed_comm_s += now_s() - t0;
+  counters_.exposed_comm_s += wall_seconds() - t0;
 
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[ring.rank()];
   Tensor acc = Tensor::zeros({B, sr, hl, dv}, DType::kFloat32, MemCategory::kWorkspace);
@@ -188,10 +184,10 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     a.c_pos = ring_positions_[src];
     a.dim_v = dv;
     a.scale = config_.scale;
-    const double t1 = now_s();
+    const double t1 = wall_seconds();
     attn::dsa_attention_forward(a, block_out.view(), block_lse.view());
     attn::lse_merge(acc.view(), lse_h_.view(), block_out.view(), block_lse.view());
-    counters_.compute_s += now_s() - t1;
+    counters_.compute_s += wall_seconds() - t1;
   }, &counters_.exposed_comm_s);
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
   {
@@ -206,10 +202,10 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   DsaCpOutput o;
   o.out = Tensor::empty({B, sl, H, dv}, q.dtype(), MemCategory::kSavedActivation);
   o.lse = Tensor::empty({B, H, sl}, DType::kFloat32, MemCategory::kSavedActivation);
-  t0 = now_s();
+  t0 = wall_seconds();
   ulysses_gather_heads(ulysses, out_h_.view(), o.out.view());
   ulysses_gather_heads_bhs(ulysses, lse_h_.view(), o.lse.view());
-  counters_.exposed_comm_s += now_s() - t0;
+  counters_.exposed_comm_s += wall_seconds() - t0;
   o.topk_indices = Tensor::copy_of(topk_local_.view(), DType::kInt64, MemCategory::kWorkspace);
   counters_.bytes_sent +=
       sp.counters().bytes_sent + ring.counters().bytes_sent + ulysses.counters().bytes_sent - before;
@@ -231,10 +227,10 @@ DsaCpGrads DsaContextParallel::backward(const TensorView& dout, float loss_grad_
   check_shape(dout, {B, sl, hl * pu, dv}, "DSA CP dout");
 
   // ---- attention backward (ring), with the head-summed probabilities for the indexer loss ----
-  double t0 = now_s();
+  double t0 = wall_seconds();
   Tensor dout_h = Tensor::empty({B, sr, hl, dv}, dout.dtype(), MemCategory::kWorkspace);
   ulysses_scatter_heads(ulysses, dout, dout_h.view());
-  counters_.exposed_comm_s += now_s() - t0;
+  counters_.exposed_comm_s += wall_seconds() - t0;
   Tensor delta = Tensor::empty(lse_h_.shape(), DType::kFloat32, MemCategory::kWorkspace);
   attn::dsa_attention_delta(out_h_.view(), dout_h.view(), delta.view());
   Tensor probs_ring = Tensor::zeros({B, sr, k}, DType::kFloat32, MemCategory::kWorkspace);
@@ -257,13 +253,13 @@ DsaCpGrads DsaContextParallel::backward(const TensorView& dout, float loss_grad_
     a.lse = lse_h_.view();
     a.delta = delta.view();
     a.probs = probs_ring.view();
-    const double t1 = now_s();
+    const double t1 = wall_seconds();
     attn::dsa_attention_backward(a, dq_acc.view(), grad, true);
-    counters_.compute_s += now_s() - t1;
+    counters_.compute_s += wall_seconds() - t1;
   }, &counters_.exposed_comm_s);
 
   DsaCpGrads g;
-  t0 = now_s();
+  t0 = wall_seconds();
   Tensor dq_h = Tensor::empty(q_h_.shape(), dtype, MemCategory::kWorkspace);
   copy_convert(dq_acc.view(), dq_h.view());
   g.dq = Tensor::empty({B, sl, hl * pu, dqk}, dtype, MemCategory::kWorkspace);
@@ -275,7 +271,7 @@ DsaCpGrads DsaContextParallel::backward(const TensorView& dout, float loss_grad_
   copy_convert(dc_local.view(), g.dc.view());
   Tensor probs = Tensor::empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
   reduce_scatter_sequence_pieces(ulysses, probs_ring.view(), probs.view());
-  counters_.exposed_comm_s += now_s() - t0;
+  counters_.exposed_comm_s += wall_seconds() - t0;
 
   // ---- indexer loss and its backward (SP group) ----
   Tensor dscores = Tensor::empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
@@ -300,9 +296,9 @@ DsaCpGrads DsaContextParallel::backward(const TensorView& dout, float loss_grad_
     a.k_idx = block;
     a.q_pos = positions_;
     a.k_pos = sp_positions_[src];
-    const double t1 = now_s();
+    const double t1 = wall_seconds();
     attn::dsa_indexer_backward(a, topk_local_.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true);
-    counters_.compute_s += now_s() - t1;
+    counters_.compute_s += wall_seconds() - t1;
   }, &counters_.exposed_comm_s);
   g.dq_idx = Tensor::copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);
   g.dw = Tensor::copy_of(dw.view(), dtype, MemCategory::kWorkspace);

@@ -1,12 +1,12 @@
 #include "parallel/gdn_cp.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cstring>
 #include <map>
 
 #include "parallel/ulysses.h"
 #include "runtime/tensor_ops.h"
+#include "runtime/timer.h"
 
 namespace seqpar {
 namespace {
@@ -18,10 +18,6 @@ constexpr int kTagShift = 14000;
 constexpr int kTagHalo = 18000;
 constexpr int kTagHaloGrad = 19000;
 constexpr std::int64_t kMaxSegments = 4000;  // keeps every tag family inside MPI's guaranteed tag range
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // Bytes of one row (all dims after the sequence dim 1) of a [B, S, ...] tensor.
 std::size_t row_bytes(const TensorView& t) {
@@ -55,6 +51,32 @@ void put_rows(const TensorView& src, const TensorView& dst, std::int64_t offset)
 
 // [B, S, H] -> [B, S, H, 1] view (Ulysses all-to-all of per-head scalars).
 TensorView as_4d(const TensorView& t) { return t.reshape({t.dim(0), t.dim(1), t.dim(2), 1}); }
+
+// Heads [u * hl, (u + 1) * hl) of a full [B, H, K, V] state.
+Tensor state_heads(const TensorView& full, int u, std::int64_t hl) {
+  const std::int64_t B = full.dim(0), H = full.dim(1);
+  Tensor out = Tensor::empty({B, hl, full.dim(2), full.dim(3)}, full.dtype(), MemCategory::kWorkspace);
+  const std::size_t head_bytes = static_cast<std::size_t>(full.dim(2) * full.dim(3)) * dtype_size(full.dtype());
+  for (std::int64_t b = 0; b < B; ++b)
+    std::memcpy(static_cast<char*>(out.data()) + b * hl * head_bytes,
+                static_cast<const char*>(full.data()) + (b * H + u * hl) * head_bytes, hl * head_bytes);
+  return out;
+}
+
+// The full [B, H, K, V] state from every Ulysses rank's [B, H / Pu, K, V] heads (all-gather).
+Tensor gather_state_heads(Communicator& ulysses, const TensorView& local) {
+  const int pu = ulysses.size();
+  const std::int64_t B = local.dim(0), hl = local.dim(1);
+  Tensor all = Tensor::empty({pu, B, hl, local.dim(2), local.dim(3)}, local.dtype(), MemCategory::kCommBuffer);
+  ulysses.all_gather(local, all.view())->wait();
+  Tensor full = Tensor::empty({B, hl * pu, local.dim(2), local.dim(3)}, local.dtype(), MemCategory::kWorkspace);
+  const std::size_t head_bytes = static_cast<std::size_t>(local.dim(2) * local.dim(3)) * dtype_size(local.dtype());
+  for (int u = 0; u < pu; ++u)
+    for (std::int64_t b = 0; b < B; ++b)
+      std::memcpy(static_cast<char*>(full.data()) + (b * hl * pu + u * hl) * head_bytes,
+                  static_cast<const char*>(all.data()) + (u * B + b) * hl * head_bytes, hl * head_bytes);
+  return full;
+}
 
 }  // namespace
 
@@ -188,7 +210,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
 
   // Ulysses: [B, S_local, H, *] -> [B, S_ring, H/Pu, *].
   const std::int64_t sr = layout_.ring_shard_len();
-  const double a0 = now_s();
+  const double a0 = wall_seconds();
   const std::int64_t a2a_before = ulysses_.counters().bytes_sent;
   auto scatter = [&](const TensorView& t, std::int64_t last) {
     Tensor out = Tensor::empty({B, sr, s.heads, last}, t.dtype(), MemCategory::kSavedActivation);
@@ -204,15 +226,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   s.beta = scatter(beta, 1);
   // This rank's heads of the initial state.
   Tensor init_local;
-  if (!initial_state.empty()) {
-    init_local = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-    const std::size_t head_bytes = static_cast<std::size_t>(K * V) * dtype_size(s.state_dtype);
-    for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(static_cast<char*>(init_local.data()) + b * s.heads * head_bytes,
-                  static_cast<const char*>(initial_state.data()) + (b * H + ulysses_.rank() * s.heads) * head_bytes,
-                  s.heads * head_bytes);
-  }
-  counters_.exposed_comm_s += now_s() - a0;
+  if (!initial_state.empty()) init_local = state_heads(initial_state, ulysses_.rank(), s.heads);
+  counters_.exposed_comm_s += wall_seconds() - a0;
 
   const int n = static_cast<int>(segments_.size());
   const int me = ring_.rank();
@@ -226,17 +241,17 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
 
   auto wait_timed = [&](WorkHandle w) {
     if (!w) return;
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     w->wait();
-    counters_.exposed_comm_s += now_s() - t0;
+    counters_.exposed_comm_s += wall_seconds() - t0;
   };
   auto run_segment = [&](std::size_t j, const TensorView& start, const TensorView& final_state) {
     const Segment& seg = segments_[s.mine[j]];
     const SegmentInputs in = segment_inputs(s.q, s.k, s.v, s.g, s.beta, seg);
     Tensor out_seg = Tensor::empty({B, seg.length, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     attn::gdn_forward(forward_args(in, config_, start), out_seg.view(), final_state);
-    counters_.compute_s += now_s() - t0;
+    counters_.compute_s += wall_seconds() - t0;
     put_rows(out_seg.view(), out_h.view(), seg.local_offset);
   };
 
@@ -270,10 +285,10 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
       const Segment& seg = segments_[s.mine[j]];
       const SegmentInputs in = segment_inputs(s.q, s.k, s.v, s.g, s.beta, seg);
       agg[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-      const double t0 = now_s();
+      const double t0 = wall_seconds();
       attn::gdn_transition(forward_args(in, config_, {}), agg[j].view().slice0(0, mk).reshape(s.map_shape()),
                            agg[j].view().slice0(mk, mk + uk).reshape(s.state_shape()));
-      counters_.compute_s += now_s() - t0;
+      counters_.compute_s += wall_seconds() - t0;
       s.map_m[j] = Tensor::copy_of(agg[j].view().slice0(0, mk).reshape(s.map_shape()), s.state_dtype,
                                    MemCategory::kSavedActivation);
     }
@@ -351,21 +366,12 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   GdnCpOutput result;
   Tensor final_local = last_final.defined() ? std::move(last_final)
                                             : Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-  const double b0 = now_s();
+  const double b0 = wall_seconds();
   ring_.broadcast(final_local.view(), segments_.back().owner)->wait();
-  result.final_state = Tensor::empty({B, H, K, V}, s.state_dtype, MemCategory::kWorkspace);
-  {
-    Tensor all = Tensor::empty({pu, B, s.heads, K, V}, s.state_dtype, MemCategory::kCommBuffer);
-    ulysses_.all_gather(final_local.view(), all.view())->wait();
-    const std::size_t head_bytes = static_cast<std::size_t>(K * V) * dtype_size(s.state_dtype);
-    for (int u = 0; u < pu; ++u)
-      for (std::int64_t b = 0; b < B; ++b)
-        std::memcpy(static_cast<char*>(result.final_state.data()) + (b * H + u * s.heads) * head_bytes,
-                    static_cast<const char*>(all.data()) + (u * B + b) * s.heads * head_bytes, s.heads * head_bytes);
-  }
+  result.final_state = gather_state_heads(ulysses_, final_local.view());
   result.out = Tensor::empty({B, sl, H, V}, q.dtype(), MemCategory::kSavedActivation);
   ulysses_gather_heads(ulysses_, out_h.view(), result.out.view());
-  counters_.exposed_comm_s += now_s() - b0;
+  counters_.exposed_comm_s += wall_seconds() - b0;
   counters_.a2a_bytes_sent += ulysses_.counters().bytes_sent - a2a_before;
   s.has_forward = true;
   return result;
@@ -388,14 +394,7 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
   Tensor dout_h = Tensor::empty({B, sr, s.heads, V}, dout.dtype(), MemCategory::kWorkspace);
   ulysses_scatter_heads(ulysses_, dout, dout_h.view());
   Tensor dfinal_local;
-  if (!dfinal_state.empty()) {
-    dfinal_local = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-    const std::size_t head_bytes = static_cast<std::size_t>(K * V) * dtype_size(s.state_dtype);
-    for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(static_cast<char*>(dfinal_local.data()) + b * s.heads * head_bytes,
-                  static_cast<const char*>(dfinal_state.data()) + (b * H + ulysses_.rank() * s.heads) * head_bytes,
-                  s.heads * head_bytes);
-  }
+  if (!dfinal_state.empty()) dfinal_local = state_heads(dfinal_state, ulysses_.rank(), s.heads);
 
   const int n = static_cast<int>(segments_.size());
   const int me = ring_.rank();
@@ -409,9 +408,9 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
 
   auto wait_timed = [&](WorkHandle w) {
     if (!w) return;
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     w->wait();
-    counters_.exposed_comm_s += now_s() - t0;
+    counters_.exposed_comm_s += wall_seconds() - t0;
   };
   // Full backward of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
   auto run_segment = [&](std::size_t j, const TensorView& ds_end) {
@@ -428,9 +427,9 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
     Tensor dg = Tensor::empty(in.g.shape(), dtype, MemCategory::kWorkspace);
     Tensor db = Tensor::empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
     Tensor ds_start = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     attn::gdn_backward(a, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view());
-    counters_.compute_s += now_s() - t0;
+    counters_.compute_s += wall_seconds() - t0;
     put_rows(dq.view(), dq_h.view(), seg.local_offset);
     put_rows(dk.view(), dk_h.view(), seg.local_offset);
     put_rows(dv.view(), dv_h.view(), seg.local_offset);
@@ -474,10 +473,10 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
       a.fwd = forward_args(in, config_, s.start[j].view());
       a.dout = dout_seg.view();
       agg[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-      const double t0 = now_s();
+      const double t0 = wall_seconds();
       attn::gdn_backward(a, {}, {}, {}, {}, {}, u_of(agg[j]));
       attn::gdn_transition_transpose(s.map_m[j].view(), m_of(agg[j]));
-      counters_.compute_s += now_s() - t0;
+      counters_.compute_s += wall_seconds() - t0;
     }
     std::map<int, std::size_t> slot;
     for (std::size_t j = 0; j < s.mine.size(); ++j) slot[s.mine[j]] = j;
@@ -563,14 +562,7 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
   Tensor dinit_local = first_dinit.defined() ? std::move(first_dinit)
                                              : Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
   ring_.broadcast(dinit_local.view(), segments_.front().owner)->wait();
-  grads.dinitial_state = Tensor::empty({B, H, K, V}, s.state_dtype, MemCategory::kWorkspace);
-  Tensor all = Tensor::empty({pu, B, s.heads, K, V}, s.state_dtype, MemCategory::kCommBuffer);
-  ulysses_.all_gather(dinit_local.view(), all.view())->wait();
-  const std::size_t head_bytes = static_cast<std::size_t>(K * V) * dtype_size(s.state_dtype);
-  for (int u = 0; u < pu; ++u)
-    for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(static_cast<char*>(grads.dinitial_state.data()) + (b * H + u * s.heads) * head_bytes,
-                  static_cast<const char*>(all.data()) + (u * B + b) * s.heads * head_bytes, s.heads * head_bytes);
+  grads.dinitial_state = gather_state_heads(ulysses_, dinit_local.view());
   counters_.a2a_bytes_sent += ulysses_.counters().bytes_sent - a2a_before;
   return grads;
 }

@@ -1,20 +1,16 @@
 #include "parallel/ring_attention.h"
 
-#include <chrono>
 #include <cmath>
 #include <limits>
 
 #include "parallel/ring_pass.h"
 #include "runtime/tensor_ops.h"
+#include "runtime/timer.h"
 
 namespace seqpar {
 namespace {
 
 constexpr int kTagKv = 101;  // (K, V) blocks around the ring; 102: their fp32 (dK, dV) accumulators
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 Shape packed_shape(const Shape& kv_shape, std::int64_t n) {
   Shape s = kv_shape;
@@ -82,9 +78,9 @@ attn::MhaForwardArgs RingAttention::block_args(const TensorView& k, const Tensor
 
 void RingAttention::wait(WorkHandle& work) {
   if (!work) return;
-  const double t0 = now_s();
+  const double t0 = wall_seconds();
   work->wait();
-  counters_.exposed_comm_s += now_s() - t0;
+  counters_.exposed_comm_s += wall_seconds() - t0;
   work.reset();
 }
 
@@ -174,11 +170,11 @@ void RingAttention::forward_p2p(const TensorView& out, const TensorView& lse) {
   ring_circulate(ring_, kv.view(), kTagKv, [&](int src, const TensorView& block) {
     const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
     if (pairs == 0) return;  // nothing visible: never computed
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     attn::mha_forward(block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
                       block_lse.view());
     attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view());
-    counters_.compute_s += now_s() - t0;
+    counters_.compute_s += wall_seconds() - t0;
     counters_.flops += flops_per_pair * static_cast<double>(pairs);
   }, &counters_.exposed_comm_s);
   copy_convert(acc_out.view(), out);
@@ -209,10 +205,10 @@ void RingAttention::backward_p2p(const TensorView& dout, const TensorView& dq, c
                            [&](int src, const TensorView& block, const TensorView& grad) {
     const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
     if (pairs == 0) return;
-    const double t0 = now_s();
+    const double t0 = wall_seconds();
     args.fwd = block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src);
     attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true);
-    counters_.compute_s += now_s() - t0;
+    counters_.compute_s += wall_seconds() - t0;
     counters_.flops += flops_per_pair * static_cast<double>(pairs);
   }, &counters_.exposed_comm_s);
   copy_convert(part(dkv.view(), 0, kv_shape), dk);
@@ -252,10 +248,10 @@ void RingAttention::forward_allgather(const TensorView& out, const TensorView& l
   const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
   Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
   Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  const double t0 = now_s();
+  const double t0 = wall_seconds();
   WorkHandle pending;
   gather_kv_global(ring_, saved_k_.view(), saved_v_.view(), positions_, k_full, v_full, &pending);
-  counters_.exposed_comm_s += now_s() - t0;
+  counters_.exposed_comm_s += wall_seconds() - t0;
 
   attn::MhaForwardArgs args;
   args.q = q;
@@ -265,9 +261,9 @@ void RingAttention::forward_allgather(const TensorView& out, const TensorView& l
   args.k_pos = global_order_;
   args.mask = {config_.causal, config_.window};
   args.scale = config_.scale;
-  const double t1 = now_s();
+  const double t1 = wall_seconds();
   attn::mha_forward(args, out, lse);
-  counters_.compute_s += now_s() - t1;
+  counters_.compute_s += wall_seconds() - t1;
   counters_.flops += 4.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3)) *
                      static_cast<double>(attn::visible_pairs(args.q_pos, args.k_pos, args.mask));
 }
@@ -279,10 +275,10 @@ void RingAttention::backward_allgather(const TensorView& dout, const TensorView&
   const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
   Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
   Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  double t0 = now_s();
+  double t0 = wall_seconds();
   WorkHandle pending;
   gather_kv_global(ring_, saved_k_.view(), saved_v_.view(), positions_, k_full, v_full, &pending);
-  counters_.exposed_comm_s += now_s() - t0;
+  counters_.exposed_comm_s += wall_seconds() - t0;
 
   attn::MhaBackwardArgs args;
   args.fwd.q = q;
@@ -298,9 +294,9 @@ void RingAttention::backward_allgather(const TensorView& dout, const TensorView&
   Tensor dk_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
   Tensor dv_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
   Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  t0 = now_s();
+  t0 = wall_seconds();
   attn::mha_backward(args, dq_acc.view(), dk_full.view(), dv_full.view(), true);
-  counters_.compute_s += now_s() - t0;
+  counters_.compute_s += wall_seconds() - t0;
   counters_.flops += 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3)) *
                      static_cast<double>(attn::visible_pairs(args.fwd.q_pos, args.fwd.k_pos, args.fwd.mask));
 

@@ -1,21 +1,17 @@
 #include "parallel/ring_pass.h"
 
-#include <chrono>
 
 #include "runtime/tensor_ops.h"
+#include "runtime/timer.h"
 
 namespace seqpar {
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
 void timed_wait(WorkHandle& w, double* exposed_s) {
   if (!w) return;
-  const double t0 = now_s();
+  const double t0 = wall_seconds();
   w->wait();
-  if (exposed_s) *exposed_s += now_s() - t0;
+  if (exposed_s) *exposed_s += wall_seconds() - t0;
   w.reset();
 }
 

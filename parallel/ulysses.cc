@@ -1,16 +1,12 @@
 #include "parallel/ulysses.h"
 
-#include <chrono>
 #include <cstring>
 
 #include "runtime/tensor_ops.h"
+#include "runtime/timer.h"
 
 namespace seqpar {
 namespace {
-
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 void check_4d(const TensorView& t, const char* what) {
   check_cpu(t, what);
@@ -167,9 +163,9 @@ UspAttention::UspAttention(Communicator& ulysses, Communicator& ring, std::int64
 template <typename Fn>
 void UspAttention::timed_a2a(Fn&& fn) {
   const CommCounters before = ulysses_.counters();
-  const double t0 = now_s();
+  const double t0 = wall_seconds();
   fn();
-  counters_.a2a_s += now_s() - t0;
+  counters_.a2a_s += wall_seconds() - t0;
   counters_.a2a_bytes_sent += ulysses_.counters().bytes_sent - before.bytes_sent;
   counters_.a2a_bytes_received += ulysses_.counters().bytes_received - before.bytes_received;
 }
