@@ -21,7 +21,10 @@ class Work {
  public:
   virtual ~Work() = default;
   // Blocks until the operation completes. Throws Error "<op> ... did not complete within T s" after `timeout_s`
-  // seconds (default SEQPAR_COMM_TIMEOUT_S); a timed-out receive is cancelled.
+  // seconds (default SEQPAR_COMM_TIMEOUT_S); later wait() / test() calls throw the same error again. A timed-out
+  // receive is cancelled and the communicator stays usable for point-to-point traffic; after a timed-out
+  // collective it is not (the collective cannot be cancelled). Destroying an unfinished Work cancels its
+  // receives (with a warning).
   virtual void wait(double timeout_s) = 0;
   void wait() { wait(env::comm_timeout_s()); }
   // Non-blocking completion check (also drives progress).
@@ -47,7 +50,9 @@ struct P2POp {
 };
 
 // Bytes this rank has handed to / received from the network through one communicator, counted when an operation
-// is posted (collectives count what this rank sends and receives, excluding its own block).
+// is posted (collectives count what this rank sends and receives, excluding its own block; all_reduce counts the
+// volume of a ring all-reduce, 2 (P-1)/P of the buffer each way; barrier and split count no bytes). num_ops counts
+// every posted operation except split, a batch_isend_irecv group once.
 struct CommCounters {
   std::int64_t bytes_sent = 0;
   std::int64_t bytes_received = 0;
@@ -91,8 +96,16 @@ class Communicator {
   const CommCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }
 
+  // The caller's compute stream (default: Stream::cpu(), i.e. the legacy default stream for device buffers).
+  // Operations posted afterwards start only once the work queued on it so far has finished (an event, not a host
+  // wait, in the NCCL backend; a stream synchronisation before staging in the MPI backend). Host buffers ignore it.
+  // A backend may refuse a stream on another device than its own.
+  virtual void set_stream(const Stream& stream) { stream_ = stream; }
+  const Stream& stream() const { return stream_; }
+
  protected:
   CommCounters counters_;
+  Stream stream_;
 };
 
 // Checks shared by backends; throw Error naming the operation and the offending value.

@@ -26,3 +26,12 @@ void cuda_memset_zero(void* ptr, std::size_t bytes, int ordinal) {
 }
 
 }  // namespace seqpar
+
+namespace seqpar {
+
+// Copies between any host / device buffers (unified addressing decides the direction).
+void cuda_copy(void* dst, const void* src, std::size_t bytes) {
+  SEQPAR_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+}
+
+}  // namespace seqpar

@@ -1,6 +1,7 @@
 #include "runtime/dtype.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "runtime/error.h"
 
@@ -81,6 +82,16 @@ std::uint16_t float_to_fp16_bits(float f) {
 }
 
 namespace {
+// fp64 -> fp32 rounding to odd: truncate toward zero, then set the last bit when the conversion was inexact.
+float double_to_float_round_to_odd(double x) {
+  float f = static_cast<float>(x);  // round to nearest even
+  if (std::isnan(x) || static_cast<double>(f) == x) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) {
+    f = std::nextafter(f, 0.0f);  // rounded away from zero (or to inf): step back toward zero
+  }
+  return bits_float(float_bits(f) | 1u);
+}
+
 template <typename S, typename D>
 void convert_typed(const S* src, D* dst, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) dst[i] = from_float<D>(static_cast<float>(to_float(src[i])));
@@ -93,11 +104,11 @@ void convert_to_double(const S* src, double* dst, std::size_t count) {
 
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count) {
   if (src_dtype == dst_dtype) {
-    std::memcpy(dst, src, count * dtype_size(src_dtype));
+    if (count > 0) std::memcpy(dst, src, count * dtype_size(src_dtype));  // memcpy(null, null, 0) is UB
     return;
   }
-  SEQPAR_CHECK(is_floating(src_dtype) && is_floating(dst_dtype), "convert: cannot convert ",
-               dtype_name(src_dtype), " to ", dtype_name(dst_dtype));
+  SEQPAR_CHECK(is_floating(src_dtype) && is_floating(dst_dtype), "convert: cannot convert ", dtype_name(src_dtype),
+               " to ", dtype_name(dst_dtype));
   dispatch_floating(src_dtype, [&](auto s) {
     using S = decltype(s);
     const S* in = static_cast<const S*>(src);
@@ -108,7 +119,13 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::
         using D = decltype(d);
         D* out = static_cast<D*>(dst);
         const double* din = static_cast<const double*>(src);
-        for (std::size_t i = 0; i < count; ++i) out[i] = D(static_cast<float>(din[i]));
+        if constexpr (std::is_same_v<D, float>) {
+          for (std::size_t i = 0; i < count; ++i) out[i] = static_cast<float>(din[i]);
+        } else {
+          // Round to odd into fp32 first: fp32 keeps >= 2 more bits than bf16 / fp16, so the following
+          // round-to-nearest-even gives the correctly rounded result (no double rounding).
+          for (std::size_t i = 0; i < count; ++i) out[i] = D(double_to_float_round_to_odd(din[i]));
+        }
       });
     } else {
       dispatch_floating(dst_dtype, [&](auto d) {

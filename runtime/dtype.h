@@ -73,17 +73,19 @@ struct fp16 {
 // Maps a C++ element type to its DType.
 template <typename T>
 struct dtype_of;
+// clang-format off
 template <> struct dtype_of<double> { static constexpr DType value = DType::kFloat64; };
 template <> struct dtype_of<float> { static constexpr DType value = DType::kFloat32; };
 template <> struct dtype_of<bf16> { static constexpr DType value = DType::kBFloat16; };
 template <> struct dtype_of<fp16> { static constexpr DType value = DType::kFloat16; };
 template <> struct dtype_of<std::int32_t> { static constexpr DType value = DType::kInt32; };
 template <> struct dtype_of<std::int64_t> { static constexpr DType value = DType::kInt64; };
+// clang-format on
 template <typename T>
 inline constexpr DType dtype_v = dtype_of<T>::value;
 
-// Element-wise conversions between buffers of any floating dtypes (fp64 -> 16-bit goes through fp32, so it
-// may round twice; fp64 sources are used by tests only). Integer dtypes convert only to themselves.
+// Element-wise conversions between buffers of any floating dtypes, each correctly rounded (nearest, ties to even;
+// fp64 -> bf16 / fp16 rounds once, not through a rounded fp32). Integer dtypes convert only to themselves.
 void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::size_t count);
 
 [[noreturn]] void throw_unsupported_dtype(DType dtype);

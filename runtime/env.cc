@@ -1,5 +1,8 @@
 #include "runtime/env.h"
 
+#include <cctype>
+#include <cerrno>
+#include <cmath>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -29,8 +32,10 @@ std::int64_t get_int(const char* name, std::int64_t fallback) {
   auto value = read_once(name);
   if (!value || value->empty()) return fallback;
   char* end = nullptr;
+  errno = 0;
   const long long parsed = std::strtoll(value->c_str(), &end, 10);
   SEQPAR_CHECK(end && *end == '\0', name, "=", *value, " is not an integer");
+  SEQPAR_CHECK(errno != ERANGE, name, "=", *value, " is out of the range of a 64-bit integer");
   return parsed;
 }
 
@@ -39,7 +44,7 @@ double get_double(const char* name, double fallback) {
   if (!value || value->empty()) return fallback;
   char* end = nullptr;
   const double parsed = std::strtod(value->c_str(), &end);
-  SEQPAR_CHECK(end && *end == '\0', name, "=", *value, " is not a number");
+  SEQPAR_CHECK(end && *end == '\0' && std::isfinite(parsed), name, "=", *value, " is not a finite number");
   return parsed;
 }
 
@@ -50,12 +55,15 @@ std::string get_string(const char* name, const std::string& fallback) {
 
 LogLevel log_level() {
   static const LogLevel level = [] {
-    const std::string v = get_string("SEQPAR_LOG_LEVEL", "warn");
+    const std::string raw = get_string("SEQPAR_LOG_LEVEL", "warn");
+    std::string v = raw;
+    for (char& ch : v) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+    if (v.empty()) return LogLevel::kWarn;  // set but empty: the default, as for the numeric knobs
     if (v == "error") return LogLevel::kError;
     if (v == "warn" || v == "warning") return LogLevel::kWarn;
     if (v == "info") return LogLevel::kInfo;
     if (v == "debug") return LogLevel::kDebug;
-    SEQPAR_THROW("SEQPAR_LOG_LEVEL=", v, " must be one of error, warn, info, debug");
+    SEQPAR_THROW("SEQPAR_LOG_LEVEL=", raw, " must be one of error, warn, info, debug");
   }();
   return level;
 }

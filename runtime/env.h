@@ -7,7 +7,7 @@
 
 namespace seqpar::env {
 
-// Log level: SEQPAR_LOG_LEVEL = error | warn | info | debug (default warn).
+// Log level: SEQPAR_LOG_LEVEL = error | warn | info | debug (any case; default warn, also when set but empty).
 enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 LogLevel log_level();
 

@@ -1,13 +1,19 @@
 #include "runtime/mpi_comm.h"
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cmath>
 #include <cstdio>
 #include <thread>
 
+#include "runtime/cuda_staging.h"
 #include "runtime/logging.h"
 
 namespace seqpar {
+#if !defined(SEQPAR_WITH_CUDA)
+class DeviceStaging;  // CUDA builds only (runtime/cuda_staging.h); never instantiated here
+#endif
 namespace {
 
 // ---- datatypes and reduction operators ------------------------------------------------------------------
@@ -77,40 +83,102 @@ int to_int_count(std::int64_t count, const char* op) {
   return static_cast<int>(count);
 }
 
-void check_host(const TensorView& t, const char* op) {
+// Host buffers always; in CUDA builds also device buffers, which are staged through pinned host memory
+// (runtime/cuda_staging.h).
+void check_buffer(const TensorView& t, const char* op) {
+#if defined(SEQPAR_WITH_CUDA)
+  check_device_buffer(t, op);
+#else
   SEQPAR_CHECK(t.device().is_cpu(), op, ": the MPI backend takes host buffers; got ", t.str());
+#endif
+}
+
+// The host view an MPI call uses: `t` itself for a host buffer (zero copy); for a device buffer (CUDA builds), a
+// pinned mirror, filled from the device when the operation reads it (`read`) and copied back when its work
+// completes (`write`). Called after every argument check, right before the MPI call.
+TensorView host_view(const TensorView& t, bool read, bool write, const Stream& stream,
+                     std::shared_ptr<DeviceStaging>& staging) {
+  if (t.device().is_cpu()) return t;
+#if defined(SEQPAR_WITH_CUDA)
+  if (!staging) staging = std::make_shared<DeviceStaging>();
+  return staging->stage(t, read, write, stream);
+#else
+  SEQPAR_ASSERT(false, "device buffer ", t.str(), " passed check_buffer in a build without CUDA");
+#endif
 }
 
 // ---- work handle --------------------------------------------------------------------------------------
 
+enum class ReqKind : std::uint8_t { kSend, kRecv, kCollective };
+
+bool mpi_finalized() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  return finalized != 0;
+}
+
 class MpiWork final : public Work {
  public:
-  MpiWork(std::string description, std::vector<MPI_Request> requests, std::vector<bool> is_recv)
-      : description_(std::move(description)), requests_(std::move(requests)), is_recv_(std::move(is_recv)) {}
+  MpiWork(std::string description, std::vector<MPI_Request> requests, std::vector<ReqKind> kinds,
+          std::shared_ptr<DeviceStaging> staging = nullptr)
+      : description_(std::move(description)),
+        requests_(std::move(requests)),
+        kinds_(std::move(kinds)),
+        staging_(std::move(staging)) {}
   ~MpiWork() override {
-    if (!done_) abandon();
+    if (done_ || !failure_.empty() || mpi_finalized()) return;
+    int flag = 0;
+    MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE);
+    if (flag) {
+      try {
+        finish_staging();  // completed but never waited for: device buffers still get their data
+      } catch (...) {      // a destructor never throws
+      }
+      return;
+    }
+    try {
+      SEQPAR_LOG(kWarn) << description_ << " was destroyed before it completed: its receives are cancelled, and "
+                        << "its buffers must stay untouched until the peers have finished";
+    } catch (...) {  // a malformed SEQPAR_LOG_LEVEL must not terminate the program from a destructor
+    }
+    abandon();
   }
 
   // Keeps count / displacement arrays alive for v-collectives until completion.
   std::vector<int> arrays;
 
   bool test() override {
+    if (!failure_.empty()) SEQPAR_THROW(failure_);
     if (done_) return true;
     int flag = 0;
     SEQPAR_CHECK_MPI(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE));
+    if (flag != 0) {
+      try {
+        finish_staging();
+      } catch (const Error& e) {
+        failure_ = str_cat(description_, " completed, but copying its data back to the device failed: ", e.message());
+        done_ = true;
+        SEQPAR_THROW(failure_);
+      }
+    }
     done_ = flag != 0;
     return done_;
   }
 
   void wait(double timeout_s) override {
+    SEQPAR_CHECK(std::isfinite(timeout_s) && timeout_s >= 0, description_, ": wait timeout ", timeout_s,
+                 " s must be finite and >= 0");
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
     for (long polls = 0; !test(); ++polls) {
       const double elapsed = std::chrono::duration<double>(clock::now() - start).count();
       if (elapsed > timeout_s) {
+        const bool collective = std::find(kinds_.begin(), kinds_.end(), ReqKind::kCollective) != kinds_.end();
         abandon();
-        SEQPAR_THROW(description_, " did not complete within ", timeout_s, " s (waited ", elapsed,
-                     " s): a peer has failed, is stuck, or posted a mismatched operation");
+        failure_ = str_cat(description_, " did not complete within ", timeout_s, " s (waited ", elapsed,
+                           " s): a peer has failed, is stuck, or posted a mismatched operation",
+                           collective ? "; this communicator cannot run further collectives" : "");
+        SEQPAR_THROW(failure_);
       }
       // Spin briefly for latency, then back off so that oversubscribed ranks let their peers run.
       if (polls > 2000) {
@@ -122,30 +190,67 @@ class MpiWork final : public Work {
   }
 
  private:
-  // Cancels pending receives and releases every request; their buffers may be reused afterwards only for receives.
+  // Releases every pending request. Receives are cancelled (so that a later message is not swallowed by them);
+  // sends are released and complete in the background; a nonblocking collective can be neither cancelled nor
+  // freed (MPI forbids both), so it is left pending.
   void abandon() {
     for (std::size_t i = 0; i < requests_.size(); ++i) {
-      if (requests_[i] == MPI_REQUEST_NULL) continue;
-      if (i < is_recv_.size() && is_recv_[i]) {
-        MPI_Cancel(&requests_[i]);
-        MPI_Wait(&requests_[i], MPI_STATUS_IGNORE);
-      } else {
-        MPI_Request_free(&requests_[i]);
+      MPI_Request& req = requests_[i];
+      if (req == MPI_REQUEST_NULL) continue;
+      const ReqKind kind = i < kinds_.size() ? kinds_[i] : ReqKind::kCollective;
+      if (kind == ReqKind::kRecv) {
+        MPI_Cancel(&req);
+        // The cancel completes at once unless the message is already arriving; never wait for long.
+        const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+        int flag = 0;
+        while (!flag && std::chrono::steady_clock::now() < deadline) {
+          if (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+          if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(100));
+        }
+        if (!flag && req != MPI_REQUEST_NULL) MPI_Request_free(&req);
+      } else if (kind == ReqKind::kSend) {
+        MPI_Request_free(&req);
       }
     }
+#if defined(SEQPAR_WITH_CUDA)
+    if (staging_) staging_->abandon();
+#endif
     done_ = true;
+  }
+
+  // Copies staged receive buffers back to their devices (CUDA builds; nothing for host buffers).
+  void finish_staging() {
+#if defined(SEQPAR_WITH_CUDA)
+    if (staging_) staging_->finish();
+#endif
   }
 
   std::string description_;
   std::vector<MPI_Request> requests_;
-  std::vector<bool> is_recv_;
+  std::vector<ReqKind> kinds_;
   bool done_ = false;
+  std::string failure_;                     // set once wait() timed out; later wait() / test() calls throw it again
+  std::shared_ptr<DeviceStaging> staging_;  // pinned mirrors of device buffers, if any
 };
 
-WorkHandle make_work(std::string description, MPI_Request request, bool is_recv = false) {
+WorkHandle make_work(std::string description, MPI_Request request, ReqKind kind,
+                     std::shared_ptr<DeviceStaging> staging = nullptr) {
   return std::make_unique<MpiWork>(std::move(description), std::vector<MPI_Request>{request},
-                                   std::vector<bool>{is_recv});
+                                   std::vector<ReqKind>{kind}, std::move(staging));
 }
+
+// MPI forbids overlapping send and receive buffers in a collective (outside MPI_IN_PLACE).
+void check_disjoint(const TensorView& send, const TensorView& recv, const char* op) {
+  if (send.nbytes() == 0 || recv.nbytes() == 0) return;
+  const char* s = static_cast<const char*>(send.data());
+  const char* r = static_cast<const char*>(recv.data());
+  SEQPAR_CHECK(s + send.nbytes() <= r || r + recv.nbytes() <= s, op, ": send ", send.str(), " and recv ", recv.str(),
+               " overlap; they must be distinct buffers");
+}
+
+// A duplicate of MPI_COMM_WORLD used only by run_mpi_main's error path.
+MPI_Comm g_error_comm = MPI_COMM_NULL;
+bool g_session_initialized_mpi = false;
 
 }  // namespace
 
@@ -159,19 +264,24 @@ MpiSession::MpiSession(int* argc, char*** argv) {
     if (MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS) {
       throw Error("MPI_Init_thread failed");
     }
+    g_session_initialized_mpi = true;
+    SEQPAR_CHECK(provided >= MPI_THREAD_FUNNELED, "MPI provides thread level ", provided,
+                 ", seqpar needs MPI_THREAD_FUNNELED");
   }
-  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  SEQPAR_CHECK_MPI(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN));
   int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  SEQPAR_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
   set_process_rank(rank);
-  init_types();
+  if (g_bf16_type == MPI_DATATYPE_NULL) init_types();
+  if (g_error_comm == MPI_COMM_NULL) SEQPAR_CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &g_error_comm));
 }
 
 MpiSession::~MpiSession() {
+  if (mpi_finalized()) return;
+  if (g_error_comm != MPI_COMM_NULL) MPI_Comm_free(&g_error_comm);
   free_types();
-  int finalized = 0;
-  MPI_Finalized(&finalized);
-  if (!finalized) MPI_Finalize();
+  // Finalises only what this session initialised; a caller that initialised MPI itself also finalises it.
+  if (g_session_initialized_mpi) MPI_Finalize();
 }
 
 // ---- communicator -----------------------------------------------------------------------------------------
@@ -198,34 +308,47 @@ std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
 
 WorkHandle MpiCommunicator::isend(const TensorView& buffer, int peer, int tag) {
   check_peer(*this, peer, "isend");
-  check_host(buffer, "isend");
+  check_buffer(buffer, "isend");
+  const int count = to_int_count(buffer.numel(), "isend");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView host = host_view(buffer, true, false, stream_, staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Isend(buffer.data(), to_int_count(buffer.numel(), "isend"), mpi_type(buffer.dtype()), peer,
-                             tag, comm_, &req));
+  SEQPAR_CHECK_MPI(MPI_Isend(host.data(), count, mpi_type(buffer.dtype()), peer, tag, comm_, &req));
   counters_.bytes_sent += buffer.nbytes();
   ++counters_.num_ops;
-  return make_work(str_cat("MPI isend to peer ", peer, " (tag ", tag, ", ", buffer.nbytes(), " bytes)"), req);
+  return make_work(str_cat("MPI isend to peer ", peer, " (tag ", tag, ", ", buffer.nbytes(), " bytes)"), req,
+                   ReqKind::kSend, std::move(staging));
 }
 
 WorkHandle MpiCommunicator::irecv(const TensorView& buffer, int peer, int tag) {
   check_peer(*this, peer, "irecv");
-  check_host(buffer, "irecv");
+  check_buffer(buffer, "irecv");
+  const int count = to_int_count(buffer.numel(), "irecv");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView host = host_view(buffer, false, true, stream_, staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Irecv(buffer.data(), to_int_count(buffer.numel(), "irecv"), mpi_type(buffer.dtype()), peer,
-                             tag, comm_, &req));
+  SEQPAR_CHECK_MPI(MPI_Irecv(host.data(), count, mpi_type(buffer.dtype()), peer, tag, comm_, &req));
   counters_.bytes_received += buffer.nbytes();
   ++counters_.num_ops;
   return make_work(str_cat("MPI irecv from peer ", peer, " (tag ", tag, ", ", buffer.nbytes(), " bytes)"), req,
-                   true);
+                   ReqKind::kRecv, std::move(staging));
 }
 
 WorkHandle MpiCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
   for (const P2POp& op : ops) {
     check_peer(*this, op.peer, "batch_isend_irecv");
-    check_host(op.buffer, "batch_isend_irecv");
+    check_buffer(op.buffer, "batch_isend_irecv");
+    to_int_count(op.buffer.numel(), "batch_isend_irecv");
+  }
+  std::shared_ptr<DeviceStaging> staging;
+  std::vector<TensorView> hosts;
+  hosts.reserve(ops.size());
+  for (const P2POp& op : ops) {
+    const bool recv = op.kind == P2POp::Kind::kRecv;
+    hosts.push_back(host_view(op.buffer, !recv, recv, stream_, staging));
   }
   std::vector<MPI_Request> reqs(ops.size(), MPI_REQUEST_NULL);
-  std::vector<bool> is_recv(ops.size());
+  std::vector<ReqKind> kinds(ops.size(), ReqKind::kSend);
   std::string peers;
   // Receives first, so that every matching send finds its receive already posted.
   for (int pass = 0; pass < 2; ++pass) {
@@ -236,50 +359,54 @@ WorkHandle MpiCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
       const int count = to_int_count(op.buffer.numel(), "batch_isend_irecv");
       if (recv) {
         SEQPAR_CHECK_MPI(
-            MPI_Irecv(op.buffer.data(), count, mpi_type(op.buffer.dtype()), op.peer, op.tag, comm_, &reqs[i]));
+            MPI_Irecv(hosts[i].data(), count, mpi_type(op.buffer.dtype()), op.peer, op.tag, comm_, &reqs[i]));
         counters_.bytes_received += op.buffer.nbytes();
       } else {
         SEQPAR_CHECK_MPI(
-            MPI_Isend(op.buffer.data(), count, mpi_type(op.buffer.dtype()), op.peer, op.tag, comm_, &reqs[i]));
+            MPI_Isend(hosts[i].data(), count, mpi_type(op.buffer.dtype()), op.peer, op.tag, comm_, &reqs[i]));
         counters_.bytes_sent += op.buffer.nbytes();
       }
-      is_recv[i] = recv;
+      kinds[i] = recv ? ReqKind::kRecv : ReqKind::kSend;
       peers += str_cat(peers.empty() ? "" : ", ", recv ? "recv from " : "send to ", op.peer);
     }
   }
   ++counters_.num_ops;
-  return std::make_unique<MpiWork>(str_cat("MPI batch_isend_irecv (", peers, ")"), std::move(reqs),
-                                   std::move(is_recv));
+  return std::make_unique<MpiWork>(str_cat("MPI batch_isend_irecv (", peers, ")"), std::move(reqs), std::move(kinds),
+                                   std::move(staging));
 }
 
 WorkHandle MpiCommunicator::all_to_all(const TensorView& send, const TensorView& recv) {
-  check_host(send, "all_to_all");
-  check_host(recv, "all_to_all");
+  check_buffer(send, "all_to_all");
+  check_buffer(recv, "all_to_all");
   SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel(), "all_to_all: send ", send.str(),
                " and recv ", recv.str(), " must have the same dtype and element count");
   SEQPAR_CHECK(send.numel() % size_ == 0, "all_to_all: element count ", send.numel(),
                " must be divisible by the communicator size ", size_);
+  check_disjoint(send, recv, "all_to_all");
   const int block = to_int_count(send.numel() / size_, "all_to_all");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView hsend = host_view(send, true, false, stream_, staging);
+  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Ialltoall(send.data(), block, mpi_type(send.dtype()), recv.data(), block,
+  SEQPAR_CHECK_MPI(MPI_Ialltoall(hsend.data(), block, mpi_type(send.dtype()), hrecv.data(), block,
                                  mpi_type(recv.dtype()), comm_, &req));
   const std::int64_t moved = static_cast<std::int64_t>(block) * (size_ - 1) * dtype_size(send.dtype());
   counters_.bytes_sent += moved;
   counters_.bytes_received += moved;
   ++counters_.num_ops;
-  return make_work(str_cat("MPI all_to_all over ", size_, " ranks (", send.nbytes(), " bytes)"), req);
+  return make_work(str_cat("MPI all_to_all over ", size_, " ranks (", send.nbytes(), " bytes)"), req,
+                   ReqKind::kCollective, std::move(staging));
 }
 
 WorkHandle MpiCommunicator::all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
                                          const TensorView& recv, const std::vector<std::int64_t>& recv_counts) {
-  check_host(send, "all_to_all_v");
-  check_host(recv, "all_to_all_v");
-  SEQPAR_CHECK(send.dtype() == recv.dtype(), "all_to_all_v: send and recv dtypes differ (",
-               dtype_name(send.dtype()), " vs ", dtype_name(recv.dtype()), ")");
+  check_buffer(send, "all_to_all_v");
+  check_buffer(recv, "all_to_all_v");
+  SEQPAR_CHECK(send.dtype() == recv.dtype(), "all_to_all_v: send and recv dtypes differ (", dtype_name(send.dtype()),
+               " vs ", dtype_name(recv.dtype()), ")");
   SEQPAR_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_,
                "all_to_all_v: send_counts and recv_counts need one entry per rank (", size_, "), got ",
                send_counts.size(), " and ", recv_counts.size());
-  auto work = std::make_unique<MpiWork>("", std::vector<MPI_Request>{}, std::vector<bool>{});
   std::vector<int> arrays(4 * size_);
   std::int64_t send_total = 0, recv_total = 0;
   for (int r = 0; r < size_; ++r) {
@@ -291,95 +418,132 @@ WorkHandle MpiCommunicator::all_to_all_v(const TensorView& send, const std::vect
     send_total += send_counts[r];
     recv_total += recv_counts[r];
   }
-  SEQPAR_CHECK(send_total <= send.numel() && recv_total <= recv.numel(), "all_to_all_v: counts sum to ",
-               send_total, " sent / ", recv_total, " received, more than the buffers hold (", send.numel(), " / ",
-               recv.numel(), ")");
+  SEQPAR_CHECK(send_total <= send.numel() && recv_total <= recv.numel(), "all_to_all_v: counts sum to ", send_total,
+               " sent / ", recv_total, " received, more than the buffers hold (", send.numel(), " / ", recv.numel(),
+               ")");
+  check_disjoint(send, recv, "all_to_all_v");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView hsend = host_view(send, true, false, stream_, staging);
+  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
   MPI_Request req;
   int* a = arrays.data();
-  SEQPAR_CHECK_MPI(MPI_Ialltoallv(send.data(), a, a + size_, mpi_type(send.dtype()), recv.data(), a + 2 * size_,
+  SEQPAR_CHECK_MPI(MPI_Ialltoallv(hsend.data(), a, a + size_, mpi_type(send.dtype()), hrecv.data(), a + 2 * size_,
                                   a + 3 * size_, mpi_type(recv.dtype()), comm_, &req));
   const std::size_t esize = dtype_size(send.dtype());
   counters_.bytes_sent += (send_total - send_counts[rank_]) * esize;
   counters_.bytes_received += (recv_total - recv_counts[rank_]) * esize;
   ++counters_.num_ops;
-  auto w = std::make_unique<MpiWork>(str_cat("MPI all_to_all_v over ", size_, " ranks"),
-                                     std::vector<MPI_Request>{req}, std::vector<bool>{false});
+  auto w = std::make_unique<MpiWork>(str_cat("MPI all_to_all_v over ", size_, " ranks"), std::vector<MPI_Request>{req},
+                                     std::vector<ReqKind>{ReqKind::kCollective}, std::move(staging));
   w->arrays = std::move(arrays);
   return w;
 }
 
 WorkHandle MpiCommunicator::all_gather(const TensorView& send, const TensorView& recv) {
-  check_host(send, "all_gather");
-  check_host(recv, "all_gather");
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && recv.numel() == send.numel() * size_, "all_gather: recv ",
-               recv.str(), " must hold size (", size_, ") x send ", send.str());
+  check_buffer(send, "all_gather");
+  check_buffer(recv, "all_gather");
+  SEQPAR_CHECK(send.dtype() == recv.dtype() && recv.numel() == send.numel() * size_, "all_gather: recv ", recv.str(),
+               " must hold size (", size_, ") x send ", send.str());
+  check_disjoint(send, recv, "all_gather");
   const int count = to_int_count(send.numel(), "all_gather");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView hsend = host_view(send, true, false, stream_, staging);
+  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Iallgather(send.data(), count, mpi_type(send.dtype()), recv.data(), count,
+  SEQPAR_CHECK_MPI(MPI_Iallgather(hsend.data(), count, mpi_type(send.dtype()), hrecv.data(), count,
                                   mpi_type(recv.dtype()), comm_, &req));
   counters_.bytes_sent += static_cast<std::int64_t>(send.nbytes()) * (size_ - 1);
   counters_.bytes_received += static_cast<std::int64_t>(send.nbytes()) * (size_ - 1);
   ++counters_.num_ops;
-  return make_work(str_cat("MPI all_gather over ", size_, " ranks (", send.nbytes(), " bytes each)"), req);
+  return make_work(str_cat("MPI all_gather over ", size_, " ranks (", send.nbytes(), " bytes each)"), req,
+                   ReqKind::kCollective, std::move(staging));
 }
 
 WorkHandle MpiCommunicator::reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) {
-  check_host(send, "reduce_scatter");
-  check_host(recv, "reduce_scatter");
+  check_buffer(send, "reduce_scatter");
+  check_buffer(recv, "reduce_scatter");
   SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel() * size_, "reduce_scatter: send ",
                send.str(), " must hold size (", size_, ") x recv ", recv.str());
+  check_disjoint(send, recv, "reduce_scatter");
   const int count = to_int_count(recv.numel(), "reduce_scatter");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView hsend = host_view(send, true, false, stream_, staging);
+  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Ireduce_scatter_block(send.data(), recv.data(), count, mpi_type(send.dtype()),
+  SEQPAR_CHECK_MPI(MPI_Ireduce_scatter_block(hsend.data(), hrecv.data(), count, mpi_type(send.dtype()),
                                              mpi_op(op, send.dtype()), comm_, &req));
   counters_.bytes_sent += static_cast<std::int64_t>(recv.nbytes()) * (size_ - 1);
   counters_.bytes_received += static_cast<std::int64_t>(recv.nbytes()) * (size_ - 1);
   ++counters_.num_ops;
-  return make_work(str_cat("MPI reduce_scatter(", reduce_op_name(op), ") over ", size_, " ranks"), req);
+  return make_work(str_cat("MPI reduce_scatter(", reduce_op_name(op), ") over ", size_, " ranks"), req,
+                   ReqKind::kCollective, std::move(staging));
 }
 
 WorkHandle MpiCommunicator::all_reduce(const TensorView& buffer, ReduceOp op) {
-  check_host(buffer, "all_reduce");
+  check_buffer(buffer, "all_reduce");
+  const int count = to_int_count(buffer.numel(), "all_reduce");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView host = host_view(buffer, true, true, stream_, staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, buffer.data(), to_int_count(buffer.numel(), "all_reduce"),
-                                  mpi_type(buffer.dtype()), mpi_op(op, buffer.dtype()), comm_, &req));
+  SEQPAR_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, host.data(), count, mpi_type(buffer.dtype()),
+                                  mpi_op(op, buffer.dtype()), comm_, &req));
   // Counted as a ring all-reduce would move it: 2 (P-1)/P of the buffer each way.
   const std::int64_t moved = size_ > 1 ? 2 * static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1) / size_ : 0;
   counters_.bytes_sent += moved;
   counters_.bytes_received += moved;
   ++counters_.num_ops;
-  return make_work(str_cat("MPI all_reduce(", reduce_op_name(op), ") over ", size_, " ranks"), req);
+  return make_work(str_cat("MPI all_reduce(", reduce_op_name(op), ") over ", size_, " ranks"), req,
+                   ReqKind::kCollective, std::move(staging));
 }
 
 WorkHandle MpiCommunicator::broadcast(const TensorView& buffer, int root) {
   check_peer(*this, root, "broadcast");
-  check_host(buffer, "broadcast");
+  check_buffer(buffer, "broadcast");
+  const int count = to_int_count(buffer.numel(), "broadcast");
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView host = host_view(buffer, rank_ == root, rank_ != root, stream_, staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Ibcast(buffer.data(), to_int_count(buffer.numel(), "broadcast"), mpi_type(buffer.dtype()),
-                              root, comm_, &req));
+  SEQPAR_CHECK_MPI(MPI_Ibcast(host.data(), count, mpi_type(buffer.dtype()), root, comm_, &req));
   if (rank_ == root) {
     counters_.bytes_sent += static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1);
   } else {
     counters_.bytes_received += buffer.nbytes();
   }
   ++counters_.num_ops;
-  return make_work(str_cat("MPI broadcast from root ", root, " over ", size_, " ranks"), req);
+  return make_work(str_cat("MPI broadcast from root ", root, " over ", size_, " ranks"), req, ReqKind::kCollective,
+                   std::move(staging));
 }
 
 WorkHandle MpiCommunicator::barrier() {
   MPI_Request req;
   SEQPAR_CHECK_MPI(MPI_Ibarrier(comm_, &req));
-  return make_work(str_cat("MPI barrier over ", size_, " ranks"), req);
+  ++counters_.num_ops;
+  return make_work(str_cat("MPI barrier over ", size_, " ranks"), req, ReqKind::kCollective);
 }
 
 std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+  // MPI_Comm_split blocks without a timeout. A timed all-gather of (color, key) first makes a rank that never
+  // arrives a timeout error here; once it has completed, every rank is known to be entering the split.
+  std::vector<std::int32_t> mine = {color, key};
+  std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size_));
+  MPI_Request gather_req;
+  SEQPAR_CHECK_MPI(MPI_Iallgather(mine.data(), 2, MPI_INT32_T, all.data(), 2, MPI_INT32_T, comm_, &gather_req));
+  make_work(str_cat("MPI split (color ", color, ", key ", key, ") over ", size_, " ranks"), gather_req,
+            ReqKind::kCollective)
+      ->wait();
   MPI_Comm out = MPI_COMM_NULL;
   SEQPAR_CHECK_MPI(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &out));
   if (out == MPI_COMM_NULL) return nullptr;
-  return std::make_unique<MpiCommunicator>(out, true);
+  auto child = std::make_unique<MpiCommunicator>(out, true);
+  child->set_stream(stream_);  // device buffers are staged on the same compute stream
+  return child;
 }
 
 // ---- main wrapper -----------------------------------------------------------------------------------------
+
+namespace {
+constexpr int kAbortGraceMs = 2000;  // how long a failed rank waits for its peers to fail too
+}  // namespace
 
 int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& body) {
   std::unique_ptr<MpiSession> session;
@@ -389,16 +553,30 @@ int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& b
     return rc;
   } catch (const std::exception& e) {
     const Error* error = dynamic_cast<const Error*>(&e);
+    const std::string message = error ? error->message() : std::string(e.what());
+    const int rank = process_rank();
     const std::string text =
-        str_cat("rank ", process_rank(), ": error: ", error ? error->message() : std::string(e.what()), "\n");
+        rank >= 0 ? str_cat("rank ", rank, ": error: ", message, "\n") : str_cat("error: ", message, "\n");
     std::fwrite(text.data(), 1, text.size(), stderr);
     std::fflush(stderr);
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
     MPI_Finalized(&finalized);
     if (initialized && !finalized) {
-      // Let the other ranks, which usually fail the same way at the same point, print their message too.
-      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      // Ranks usually fail together (a configuration error is detected on every rank at the same point): a
+      // bounded barrier lets every one of them print its message before the job is aborted, and a rank that
+      // fails alone aborts the job after the grace period, so that no peer is left waiting.
+      if (g_error_comm != MPI_COMM_NULL) {
+        MPI_Request req = MPI_REQUEST_NULL;
+        if (MPI_Ibarrier(g_error_comm, &req) == MPI_SUCCESS) {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(kAbortGraceMs);
+          int flag = 0;
+          while (!flag && std::chrono::steady_clock::now() < deadline) {
+            if (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+            if (!flag) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+          }
+        }
+      }
       MPI_Abort(MPI_COMM_WORLD, 1);
     }
     return 1;

@@ -15,7 +15,8 @@
 
 namespace seqpar {
 
-// Initialises MPI (MPI_THREAD_FUNNELED, errors returned rather than fatal) and finalises it on destruction.
+// Initialises MPI (MPI_THREAD_FUNNELED, errors returned rather than fatal) and finalises it on destruction
+// (only when this session initialised it).
 // Sets the rank used in error and log prefixes.
 class MpiSession {
  public:
@@ -42,8 +43,8 @@ class MpiCommunicator final : public Communicator {
   WorkHandle irecv(const TensorView& buffer, int peer, int tag = 0) override;
   WorkHandle batch_isend_irecv(const std::vector<P2POp>& ops) override;
   WorkHandle all_to_all(const TensorView& send, const TensorView& recv) override;
-  WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
-                          const TensorView& recv, const std::vector<std::int64_t>& recv_counts) override;
+  WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts, const TensorView& recv,
+                          const std::vector<std::int64_t>& recv_counts) override;
   WorkHandle all_gather(const TensorView& send, const TensorView& recv) override;
   WorkHandle reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) override;
   WorkHandle all_reduce(const TensorView& buffer, ReduceOp op) override;
@@ -59,7 +60,9 @@ class MpiCommunicator final : public Communicator {
 };
 
 // Runs `body` as the main of an MPI program: initialises MPI, turns a seqpar::Error (or any std::exception) into
-// "rank R: message" on stderr and a non-zero exit of the whole job (MPI_Abort, so no rank is left waiting).
+// "rank R: error: message" on stderr and a non-zero exit of the whole job (MPI_Abort, so no rank is left waiting).
+// Before aborting, a failed rank waits up to 2 s in a barrier of failed ranks, so that when every rank fails
+// (a configuration error) each prints its message first.
 int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& body);
 
 }  // namespace seqpar

@@ -1,6 +1,7 @@
 #include "runtime/sp_grid.h"
 
 #include <array>
+#include <cstdint>
 
 namespace seqpar {
 
@@ -14,8 +15,19 @@ Placement parse_placement(std::string_view name) {
   SEQPAR_THROW("placement '", name, "' is not one of ulysses_inner, ring_inner");
 }
 
+namespace {
+void check_sizes(const SpGridConfig& c, const char* what) {
+  SEQPAR_CHECK(c.dp_size >= 1 && c.ulysses_size >= 1 && c.ring_size >= 1, what, ": dp_size=", c.dp_size,
+               ", ulysses_size=", c.ulysses_size, ", ring_size=", c.ring_size, " must all be >= 1");
+}
+}  // namespace
+
 SpCoords sp_coords_of(const SpGridConfig& c, int world_rank) {
+  check_sizes(c, "sp_coords_of");
   const int sp_size = c.ulysses_size * c.ring_size;
+  SEQPAR_CHECK(
+      0 <= world_rank && static_cast<std::int64_t>(world_rank) < static_cast<std::int64_t>(sp_size) * c.dp_size,
+      "sp_coords_of: world rank ", world_rank, " is outside the grid of ", c.dp_size, " x ", sp_size, " ranks");
   SpCoords x;
   x.dp_rank = world_rank / sp_size;
   const int local = world_rank % sp_size;
@@ -31,6 +43,11 @@ SpCoords sp_coords_of(const SpGridConfig& c, int world_rank) {
 }
 
 int world_rank_of(const SpGridConfig& c, const SpCoords& x) {
+  check_sizes(c, "world_rank_of");
+  SEQPAR_CHECK(0 <= x.dp_rank && x.dp_rank < c.dp_size && 0 <= x.ulysses_rank && x.ulysses_rank < c.ulysses_size &&
+                   0 <= x.ring_rank && x.ring_rank < c.ring_size,
+               "world_rank_of: coordinates (dp ", x.dp_rank, ", ulysses ", x.ulysses_rank, ", ring ", x.ring_rank,
+               ") are outside the grid dp=", c.dp_size, " x ulysses=", c.ulysses_size, " x ring=", c.ring_size);
   const int local = c.placement == Placement::kUlyssesInner ? x.ring_rank * c.ulysses_size + x.ulysses_rank
                                                             : x.ulysses_rank * c.ring_size + x.ring_rank;
   return x.dp_rank * c.ulysses_size * c.ring_size + local;
@@ -38,10 +55,9 @@ int world_rank_of(const SpGridConfig& c, const SpCoords& x) {
 
 SpGrid::SpGrid(Communicator& world, const SpGridConfig& config) : config_(config), world_rank_(world.rank()) {
   // One collective: max of (v, -v) for each field tells whether all ranks agree.
-  std::array<std::int64_t, 8> v = {config.dp_size,       config.ulysses_size,  config.ring_size,
-                                   static_cast<int>(config.placement),
-                                   -config.dp_size,      -config.ulysses_size, -config.ring_size,
-                                   -static_cast<int>(config.placement)};
+  std::array<std::int64_t, 8> v = {
+      config.dp_size,  config.ulysses_size,  config.ring_size,  static_cast<int>(config.placement),
+      -config.dp_size, -config.ulysses_size, -config.ring_size, -static_cast<int>(config.placement)};
   world.all_reduce(TensorView(v.data(), DType::kInt64, {8}), ReduceOp::kMax)->wait();
   const bool agree = v[0] == -v[4] && v[1] == -v[5] && v[2] == -v[6] && v[3] == -v[7];
   SEQPAR_CHECK(agree, "SpGrid: ranks disagree on the grid configuration (dp_size in [", -v[4], ", ", v[0],
@@ -50,11 +66,9 @@ SpGrid::SpGrid(Communicator& world, const SpGridConfig& config) : config_(config
   SEQPAR_CHECK(config.dp_size >= 1 && config.ulysses_size >= 1 && config.ring_size >= 1,
                "SpGrid: dp_size=", config.dp_size, ", ulysses_size=", config.ulysses_size,
                ", ring_size=", config.ring_size, " must all be >= 1");
-  const std::int64_t product =
-      static_cast<std::int64_t>(config.dp_size) * config.ulysses_size * config.ring_size;
-  SEQPAR_CHECK(product == world.size(), "SpGrid: dp_size ", config.dp_size, " x ulysses_size ",
-               config.ulysses_size, " x ring_size ", config.ring_size, " = ", product,
-               " must equal the world size ", world.size());
+  const std::int64_t product = static_cast<std::int64_t>(config.dp_size) * config.ulysses_size * config.ring_size;
+  SEQPAR_CHECK(product == world.size(), "SpGrid: dp_size ", config.dp_size, " x ulysses_size ", config.ulysses_size,
+               " x ring_size ", config.ring_size, " = ", product, " must equal the world size ", world.size());
 
   coords_ = sp_coords_of(config, world_rank_);
   const int pu = config.ulysses_size, pr = config.ring_size;

@@ -1,5 +1,6 @@
 #include "runtime/tensor.h"
 
+#include <cstdint>
 #include <cstring>
 #include <sstream>
 
@@ -30,15 +31,20 @@ TensorView TensorView::slice0(std::int64_t begin, std::int64_t end) const {
                str());
   Shape s = shape_;
   s[0] = end - begin;
-  const std::size_t row_bytes = static_cast<std::size_t>(shape_numel(Shape(shape_.begin() + 1, shape_.end()))) *
-                                dtype_size(dtype_);
+  const std::size_t row_bytes =
+      static_cast<std::size_t>(shape_numel(Shape(shape_.begin() + 1, shape_.end()))) * dtype_size(dtype_);
   return TensorView(static_cast<char*>(data_) + begin * row_bytes, dtype_, std::move(s), device_);
 }
 
 std::string TensorView::str() const { return str_cat(dtype_name(dtype_), shape_str(shape_), "@", device_.str()); }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Device device) {
-  for (std::int64_t d : shape) SEQPAR_CHECK(d >= 0, "tensor shape ", shape_str(shape), " has a negative dimension");
+  std::int64_t numel = 1;
+  for (std::int64_t d : shape) {
+    SEQPAR_CHECK(d >= 0, "tensor shape ", shape_str(shape), " has a negative dimension");
+    SEQPAR_CHECK(d == 0 || numel <= INT64_MAX / 8 / d, "tensor shape ", shape_str(shape), " is too large");
+    numel *= d;
+  }
   Tensor t;
   t.bytes_ = static_cast<std::size_t>(shape_numel(shape)) * dtype_size(dtype);
   t.category_ = category;
@@ -96,12 +102,10 @@ void Tensor::fill_zero() {
 }
 
 void check_shape(const TensorView& t, const Shape& expected, const char* what) {
-  SEQPAR_CHECK(t.shape() == expected, what, " has shape ", shape_str(t.shape()), ", expected ",
-               shape_str(expected));
+  SEQPAR_CHECK(t.shape() == expected, what, " has shape ", shape_str(t.shape()), ", expected ", shape_str(expected));
 }
 void check_dtype(const TensorView& t, DType expected, const char* what) {
-  SEQPAR_CHECK(t.dtype() == expected, what, " has dtype ", dtype_name(t.dtype()), ", expected ",
-               dtype_name(expected));
+  SEQPAR_CHECK(t.dtype() == expected, what, " has dtype ", dtype_name(t.dtype()), ", expected ", dtype_name(expected));
 }
 void check_cpu(const TensorView& t, const char* what) {
   SEQPAR_CHECK(t.device().is_cpu(), what, " is on ", t.device().str(), "; this path takes host tensors only");

@@ -40,7 +40,8 @@ class TensorView {
   std::int64_t numel() const { return shape_numel(shape_); }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
   Device device() const { return device_; }
-  bool empty() const { return data_ == nullptr && numel() == 0; }
+  // True when the view has no elements to read: a default-constructed view, or a zero-size shape.
+  bool empty() const { return data_ == nullptr || numel() == 0; }
 
   // The same memory seen with another shape of the same element count.
   TensorView reshape(Shape shape) const;
@@ -83,7 +84,9 @@ class Tensor {
   std::int64_t numel() const { return view_.numel(); }
   std::size_t nbytes() const { return view_.nbytes(); }
   MemCategory category() const { return category_; }
-  bool defined() const { return !view_.shape().empty(); }
+  // True when this tensor owns storage (also for zero-size and 0-d shapes); false when default-constructed or
+  // moved from.
+  bool defined() const { return owner_ != nullptr; }
 
   void fill_zero();
 

@@ -2,11 +2,23 @@
 
 namespace seqpar {
 
+#if defined(SEQPAR_WITH_CUDA)
+void cuda_copy(void* dst, const void* src, std::size_t bytes);
+#endif
+
 void copy_convert(const TensorView& src, const TensorView& dst) {
-  check_cpu(src, "copy_convert source");
-  check_cpu(dst, "copy_convert destination");
   SEQPAR_CHECK(src.numel() == dst.numel(), "copy_convert: ", src.str(), " and ", dst.str(),
                " have different element counts");
+  if (!src.device().is_cpu() || !dst.device().is_cpu()) {
+    SEQPAR_CHECK(src.dtype() == dst.dtype(), "copy_convert between devices needs one dtype: ", src.str(), " -> ",
+                 dst.str());
+#if defined(SEQPAR_WITH_CUDA)
+    cuda_copy(dst.data(), src.data(), src.nbytes());
+    return;
+#else
+    SEQPAR_THROW("copy_convert ", src.str(), " -> ", dst.str(), ": seqpar was built without CUDA");
+#endif
+  }
   convert(src.data(), src.dtype(), dst.data(), dst.dtype(), static_cast<std::size_t>(src.numel()));
 }
 

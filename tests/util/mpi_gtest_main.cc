@@ -33,9 +33,10 @@ Communicator& world() { return *g_world; }
 
 int main(int argc, char** argv) {
   return seqpar::run_mpi_main(argc, argv, [](int argc, char** argv) {
-    ::testing::InitGoogleTest(&argc, argv);
+    // The world exists before InitGoogleTest so that parameter generators may ask for its size.
     auto world = seqpar::MpiCommunicator::world();
     seqpar::test::g_world = world.get();
+    ::testing::InitGoogleTest(&argc, argv);
     if (world->rank() != 0) {
       auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
       delete listeners.Release(listeners.default_result_printer());

@@ -31,6 +31,13 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed, double
 
 std::vector<double> to_double(const TensorView& t) {
   std::vector<double> out(static_cast<std::size_t>(t.numel()));
+  if (t.dtype() == DType::kInt64 || t.dtype() == DType::kInt32) {  // indices: exact as doubles below 2^53
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      out[i] = t.dtype() == DType::kInt64 ? static_cast<double>(static_cast<const std::int64_t*>(t.data())[i])
+                                          : static_cast<double>(static_cast<const std::int32_t*>(t.data())[i]);
+    }
+    return out;
+  }
   convert(t.data(), t.dtype(), out.data(), DType::kFloat64, out.size());
   return out;
 }

@@ -20,6 +20,7 @@ std::vector<double> random_values(std::int64_t count, std::uint64_t seed, double
 Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed, double lo = -1.0, double hi = 1.0);
 
 // The values of any floating tensor as fp64.
+// Integer tensors (indices) convert exactly below 2^53.
 std::vector<double> to_double(const TensorView& t);
 
 struct ErrorStats {

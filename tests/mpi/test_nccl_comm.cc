@@ -1,0 +1,665 @@
+// NCCL communicator tests (issue 9), registered at 2 ranks: point to point, grouped ring exchanges, every
+// collective on every dtype against closed forms (the "unit" scheme of test_comm.cc: exact comparisons), byte
+// counters, split, ordering against a compute stream, argument checks, and a stuck receive that turns into an
+// error (ncclCommAbort) instead of a hang.
+//
+// Every NCCL test needs an NCCL build and one CUDA device per rank; otherwise it calls GTEST_SKIP with the reason
+// (all ranks agree on it first, so that no rank enters NCCL alone). The tests of the launcher helpers and of the
+// failure without a device run everywhere.
+//
+// No test returns early between collectives (EXPECT, not ASSERT), so that a failure on one rank never leaves the
+// others waiting.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/comm.h"
+#include "runtime/nccl_comm.h"
+#include "runtime/tensor.h"
+#include "runtime/tensor_ops.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+#if defined(SEQPAR_WITH_NCCL)
+#include <cuda_runtime_api.h>
+#endif
+
+namespace seqpar {
+namespace {
+
+using test::world;
+
+// Why this job cannot run the NCCL tests (empty when it can); the same answer on every rank.
+const std::string& skip_reason() {
+  static const std::string reason = [] {
+    std::string r;
+    if (!nccl_backend_built()) {
+      r = "the NCCL backend is not built (SEQPAR_WITH_NCCL=OFF, no CUDA toolkit, or nccl.h not found)";
+    } else if (const int n = cuda_device_count(); n < world().size()) {
+      r = str_cat("NCCL needs one CUDA device per rank: ", world().size(), " ranks, ", n, " device(s) visible",
+                  n == 0 ? str_cat(" (", cuda_unavailable_reason(), ")") : std::string());
+    }
+    if (!test::all_ranks(world(), r.empty()) && r.empty()) r = "another rank cannot run the NCCL tests";
+    return r;
+  }();
+  return reason;
+}
+
+#define SEQPAR_SKIP_WITHOUT_NCCL()                             \
+  do {                                                         \
+    if (!skip_reason().empty()) GTEST_SKIP() << skip_reason(); \
+  } while (0)
+
+// This rank's device (the launcher's local rank modulo the device count).
+int device() { return device_ordinal_from_local_rank(); }
+
+std::unique_ptr<NcclCommunicator> make_nccl() { return std::make_unique<NcclCommunicator>(world(), device()); }
+
+// ---- exact "unit" data (the scheme of tests/mpi/test_comm.cc) -------------------------------------------------
+// Small integers stored as units x 2^k with a dtype-dependent power of two; every sum here stays within 256 units,
+// so bf16 / fp16 reductions are exact in any order and every comparison is exact.
+
+constexpr DType kAllDTypes[] = {DType::kFloat64, DType::kFloat32, DType::kBFloat16,
+                                DType::kFloat16, DType::kInt32,   DType::kInt64};
+
+int unit_exponent(DType d) {
+  switch (d) {
+    case DType::kFloat64: return -20;
+    case DType::kFloat32: return -4;
+    case DType::kBFloat16: return 0;
+    case DType::kFloat16: return -2;
+    case DType::kInt32: return 16;
+    case DType::kInt64: return 45;  // beyond 2^53: int64 must not travel through a double
+  }
+  return 0;
+}
+
+void put(const TensorView& t, std::int64_t i, std::int64_t units) {
+  const int e = unit_exponent(t.dtype());
+  switch (t.dtype()) {
+    case DType::kFloat64: t.data_as<double>()[i] = std::ldexp(static_cast<double>(units), e); break;
+    case DType::kFloat32: t.data_as<float>()[i] = std::ldexp(static_cast<float>(units), e); break;
+    case DType::kBFloat16: t.data_as<bf16>()[i] = bf16(std::ldexp(static_cast<float>(units), e)); break;
+    case DType::kFloat16: t.data_as<fp16>()[i] = fp16(std::ldexp(static_cast<float>(units), e)); break;
+    case DType::kInt32: t.data_as<std::int32_t>()[i] = static_cast<std::int32_t>(units * (std::int64_t{1} << e)); break;
+    case DType::kInt64: t.data_as<std::int64_t>()[i] = units * (std::int64_t{1} << e); break;
+  }
+}
+
+std::optional<std::int64_t> take(const TensorView& t, std::int64_t i) {
+  const int e = unit_exponent(t.dtype());
+  double x = 0;
+  switch (t.dtype()) {
+    case DType::kFloat64: x = std::ldexp(t.data_as<double>()[i], -e); break;
+    case DType::kFloat32: x = std::ldexp(static_cast<double>(t.data_as<float>()[i]), -e); break;
+    case DType::kBFloat16: x = std::ldexp(static_cast<double>(static_cast<float>(t.data_as<bf16>()[i])), -e); break;
+    case DType::kFloat16: x = std::ldexp(static_cast<double>(static_cast<float>(t.data_as<fp16>()[i])), -e); break;
+    case DType::kInt32:
+    case DType::kInt64: {
+      const std::int64_t v = t.dtype() == DType::kInt32 ? t.data_as<std::int32_t>()[i] : t.data_as<std::int64_t>()[i];
+      if (v % (std::int64_t{1} << e) != 0) return std::nullopt;
+      return v / (std::int64_t{1} << e);
+    }
+  }
+  if (!(std::fabs(x) < 1e15) || x != std::floor(x)) return std::nullopt;
+  return static_cast<std::int64_t>(x);
+}
+
+// A device buffer holding `units` (one entry per element), copied from the host.
+Tensor on_device(DType dtype, const std::vector<std::int64_t>& units) {
+  const auto n = static_cast<std::int64_t>(units.size());
+  Tensor host = Tensor::empty({n}, dtype, MemCategory::kCommBuffer);
+  for (std::int64_t i = 0; i < n; ++i) put(host, i, units[i]);
+  Tensor dev = Tensor::empty({n}, dtype, MemCategory::kCommBuffer, Device::cuda(device()));
+  copy_convert(host, dev);
+  return dev;
+}
+Tensor filled_on_device(DType dtype, std::int64_t n, std::int64_t units) {
+  return on_device(dtype, std::vector<std::int64_t>(static_cast<std::size_t>(n), units));
+}
+
+// Exact comparison of a device (or host) buffer; the failure names what, the dtype, the first bad index, both
+// values and the rank.
+::testing::AssertionResult units_equal(const TensorView& t, const std::vector<std::int64_t>& want,
+                                       const std::string& what) {
+  if (t.numel() != static_cast<std::int64_t>(want.size())) {
+    return ::testing::AssertionFailure() << "rank " << world().rank() << ": " << what << " has " << t.numel()
+                                         << " elements, expected " << want.size();
+  }
+  Tensor host = Tensor::empty({t.numel()}, t.dtype(), MemCategory::kCommBuffer);
+  copy_convert(t.reshape({t.numel()}), host);
+  int bad = 0;
+  std::string first;
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    const auto got = take(host, i);
+    if (!got || *got != want[i]) {
+      if (bad++ == 0) {
+        first = str_cat("index ", i, ": got ", got ? std::to_string(*got) : std::string("<not a unit value>"),
+                        ", want ", want[i]);
+      }
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << "rank " << world().rank() << ": " << what << " (" << dtype_name(t.dtype())
+                                       << "): " << bad << " of " << t.numel() << " elements differ; first at " << first;
+}
+
+int mod(int a, int p) { return ((a % p) + p) % p; }
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return "<no error>";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+double seconds_since(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+}
+
+std::int64_t right_units(int src, int i) { return 1 + src * 16 + i; }
+std::int64_t left_units(int src, int i) { return 130 + src * 15 + i; }
+
+// ---- collective cases shared by both backends ------------------------------------------------------------------
+
+void check_all_to_all(Communicator& w) {
+  const int p = w.size(), r = w.rank(), block = 3;
+  auto units = [&](int s, int d, int j) { return std::int64_t{1} + (s * p + d) * block + j; };
+  for (DType dtype : kAllDTypes) {
+    std::vector<std::int64_t> mine(p * block), want(p * block);
+    for (int d = 0; d < p; ++d)
+      for (int j = 0; j < block; ++j) {
+        mine[d * block + j] = units(r, d, j);
+        want[d * block + j] = units(d, r, j);
+      }
+    Tensor send = on_device(dtype, mine), recv = filled_on_device(dtype, p * block, -1);
+    w.all_to_all(send, recv)->wait();
+    EXPECT_TRUE(units_equal(recv, want, "all_to_all"));
+  }
+}
+
+void check_all_to_all_v(Communicator& w) {
+  const int p = w.size(), r = w.rank();
+  auto count = [](int s, int d) { return static_cast<std::int64_t>((s + 2 * d + 1) % 3); };
+  auto units = [&](int s, int d, int j) { return std::int64_t{1} + (s * p + d) * 2 + j; };
+  for (DType dtype : kAllDTypes) {
+    std::vector<std::int64_t> send_counts(p), recv_counts(p), mine, want;
+    for (int q = 0; q < p; ++q) {
+      send_counts[q] = count(r, q);
+      recv_counts[q] = count(q, r);
+      for (int j = 0; j < count(r, q); ++j) mine.push_back(units(r, q, j));
+      for (int j = 0; j < count(q, r); ++j) want.push_back(units(q, r, j));
+    }
+    const auto recv_total = static_cast<std::int64_t>(want.size());
+    mine.insert(mine.end(), {-3, -3});
+    Tensor send = on_device(dtype, mine), recv = filled_on_device(dtype, recv_total + 3, -7);
+    w.all_to_all_v(send, send_counts, recv, recv_counts)->wait();
+    want.insert(want.end(), {-7, -7, -7});
+    EXPECT_TRUE(units_equal(recv, want, "all_to_all_v (with a 3-element untouched tail)"));
+    const std::vector<std::int64_t> zeros(p, 0);
+    Tensor empty_send = filled_on_device(dtype, 0, 0), sentinel = filled_on_device(dtype, 1, -9);
+    w.all_to_all_v(empty_send, zeros, sentinel, zeros)->wait();
+    EXPECT_TRUE(units_equal(sentinel, {-9}, "all_to_all_v with all counts zero"));
+  }
+}
+
+void check_all_gather(Communicator& w) {
+  const int p = w.size(), r = w.rank(), n = 3;
+  auto units = [](int s, int j) { return std::int64_t{1} + s * 3 + j; };
+  for (DType dtype : kAllDTypes) {
+    std::vector<std::int64_t> mine(n), want(p * n);
+    for (int j = 0; j < n; ++j) mine[j] = units(r, j);
+    for (int s = 0; s < p; ++s)
+      for (int j = 0; j < n; ++j) want[s * n + j] = units(s, j);
+    Tensor send = on_device(dtype, mine), recv = filled_on_device(dtype, p * n, -1);
+    w.all_gather(send, recv)->wait();
+    EXPECT_TRUE(units_equal(recv, want, "all_gather"));
+  }
+}
+
+void check_reduce_scatter(Communicator& w) {
+  const int p = w.size(), r = w.rank(), n = 2;
+  auto sum_units = [](int s, int d, int j) { return (s % 2 ? -1 : 1) * std::int64_t{1 + s + 2 * d + j}; };
+  auto max_units = [](int s, int d, int j) { return std::int64_t{(s * 5 + d * 3 + j) % 7 - 3}; };
+  for (DType dtype : kAllDTypes) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kMax}) {
+      auto x = [&](int s, int d, int j) { return op == ReduceOp::kSum ? sum_units(s, d, j) : max_units(s, d, j); };
+      std::vector<std::int64_t> mine(p * n), want(n);
+      for (int d = 0; d < p; ++d)
+        for (int j = 0; j < n; ++j) mine[d * n + j] = x(r, d, j);
+      for (int j = 0; j < n; ++j) {
+        std::int64_t acc = op == ReduceOp::kSum ? 0 : INT64_MIN;
+        for (int s = 0; s < p; ++s) acc = op == ReduceOp::kSum ? acc + x(s, r, j) : std::max(acc, x(s, r, j));
+        want[j] = acc;
+      }
+      Tensor send = on_device(dtype, mine), recv = filled_on_device(dtype, n, -100);
+      w.reduce_scatter(send, recv, op)->wait();
+      EXPECT_TRUE(units_equal(recv, want, str_cat("reduce_scatter(", reduce_op_name(op), ")")));
+    }
+  }
+}
+
+void check_all_reduce(Communicator& w) {
+  const int p = w.size(), r = w.rank();
+  for (DType dtype : kAllDTypes) {
+    for (std::int64_t n : {std::int64_t{7}, std::int64_t{4099}}) {
+      std::vector<std::int64_t> mine(n), want(n);
+      // Sum: x(s, j) = +-(s + 1)(j % 3 + 1), total +-p(p+1)/2 (j % 3 + 1).
+      for (std::int64_t j = 0; j < n; ++j) {
+        mine[j] = (j % 2 ? -1 : 1) * (r + 1) * (j % 3 + 1);
+        want[j] = (j % 2 ? -1 : 1) * std::int64_t{p} * (p + 1) / 2 * (j % 3 + 1);
+      }
+      Tensor sum = on_device(dtype, mine);
+      w.all_reduce(sum, ReduceOp::kSum)->wait();
+      EXPECT_TRUE(units_equal(sum, want, str_cat("all_reduce(sum) of ", n)));
+      // Max: x(s, j) = 2 ((s + j) mod p) - 5 + j % 2, whose max over s is 2 (p - 1) - 5 + j % 2.
+      for (std::int64_t j = 0; j < n; ++j) {
+        mine[j] = 2 * ((r + j) % p) - 5 + j % 2;
+        want[j] = 2 * (p - 1) - 5 + j % 2;
+      }
+      Tensor mx = on_device(dtype, mine);
+      w.all_reduce(mx, ReduceOp::kMax)->wait();
+      EXPECT_TRUE(units_equal(mx, want, str_cat("all_reduce(max) of ", n)));
+    }
+  }
+}
+
+void check_broadcast(Communicator& w) {
+  const int p = w.size(), r = w.rank(), n = 4;
+  for (DType dtype : kAllDTypes) {
+    for (int root = 0; root < p; ++root) {
+      std::vector<std::int64_t> want(n), mine(n, -1);
+      for (int j = 0; j < n; ++j) want[j] = 1 + root * 4 + j;
+      Tensor buf = on_device(dtype, r == root ? want : mine);
+      w.broadcast(buf, root)->wait();
+      EXPECT_TRUE(units_equal(buf, want, str_cat("broadcast from root ", root)));
+    }
+  }
+}
+
+// Both directions around the ring in one batch, plus a second message to the right with the same tag (matched in
+// posting order).
+void check_batch_ring_both_directions(Communicator& w) {
+  const int p = w.size(), r = w.rank(), right = mod(r + 1, p), left = mod(r - 1, p), n = 6;
+  for (DType dtype : kAllDTypes) {
+    std::vector<std::int64_t> to_right(n), to_left(n), second(n), want_left(n), want_right(n), want_second(n);
+    for (int i = 0; i < n; ++i) {
+      to_right[i] = right_units(r, i);
+      second[i] = right_units(r, i) + 100;
+      to_left[i] = left_units(r, i);
+      want_left[i] = right_units(left, i);
+      want_second[i] = right_units(left, i) + 100;
+      want_right[i] = left_units(right, i);
+    }
+    Tensor a = on_device(dtype, to_right), b = on_device(dtype, to_left), c = on_device(dtype, second);
+    Tensor from_left = filled_on_device(dtype, n, -1), from_right = filled_on_device(dtype, n, -1),
+           second_from_left = filled_on_device(dtype, n, -1);
+    w.batch_isend_irecv({P2POp::send(a, right, 5), P2POp::recv(from_right, right, 6), P2POp::send(b, left, 6),
+                         P2POp::recv(from_left, left, 5), P2POp::send(c, right, 5),
+                         P2POp::recv(second_from_left, left, 5)})
+        ->wait();
+    EXPECT_TRUE(units_equal(from_left, want_left, "batch: first message from the left"));
+    EXPECT_TRUE(units_equal(second_from_left, want_second, "batch: second message from the left"));
+    EXPECT_TRUE(units_equal(from_right, want_right, "batch: message from the right"));
+  }
+}
+
+// P - 1 steps of forwarding around the ring (as ring attention moves K/V), one batch per step.
+void check_ring_forwarding(Communicator& w) {
+  const int p = w.size(), r = w.rank(), right = mod(r + 1, p), left = mod(r - 1, p), n = 5;
+  for (DType dtype : kAllDTypes) {
+    std::vector<std::int64_t> mine(n);
+    for (int i = 0; i < n; ++i) mine[i] = right_units(r, i);
+    Tensor cur = on_device(dtype, mine), next = filled_on_device(dtype, n, -1);
+    for (int step = 1; step < p; ++step) {
+      w.batch_isend_irecv({P2POp::send(cur, right, step), P2POp::recv(next, left, step)})->wait();
+      std::swap(cur, next);
+      std::vector<std::int64_t> want(n);
+      for (int i = 0; i < n; ++i) want[i] = right_units(mod(r - step, p), i);
+      EXPECT_TRUE(units_equal(cur, want, str_cat("block after step ", step)));
+    }
+  }
+}
+
+// ---- everywhere: launcher helpers, construction without NCCL or a device ---------------------------------------
+
+TEST(NcclHelpers, LauncherLocalRankFollowsTheLauncher) {
+  const char* ompi = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  if (ompi != nullptr) {
+    EXPECT_EQ(launcher_local_rank(), std::atoi(ompi));
+  } else if (std::getenv("SLURM_LOCALID") == nullptr && std::getenv("MPI_LOCALRANKID") == nullptr) {
+    EXPECT_EQ(launcher_local_rank(), -1);
+  }
+  const int count = cuda_device_count();
+  if (count == 0) {
+    const std::string m = error_of([] { device_ordinal_from_local_rank(); });
+    EXPECT_TRUE(contains(m, "cannot pick a CUDA device for this rank: ")) << m;
+  } else {
+    const int local = launcher_local_rank();
+    EXPECT_EQ(device_ordinal_from_local_rank(), local < 0 ? 0 : local % count);
+  }
+}
+
+// Without NCCL the constructor says so; without a device every rank fails together, after agreeing through the
+// bootstrap communicator (a failing rank never leaves the others inside NCCL).
+TEST(NcclHelpers, ConstructionFailsOnEveryRankWithoutNcclOrDevice) {
+  if (nccl_backend_built() && cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
+  const std::string m = error_of([] { NcclCommunicator c(world(), 0); });
+  if (!nccl_backend_built()) {
+    EXPECT_TRUE(contains(m, "backend nccl does not support construction: seqpar was built without NCCL")) << m;
+  } else {
+    EXPECT_TRUE(contains(m, "NcclCommunicator on cuda:0: ")) << m;
+  }
+  world().barrier()->wait();
+}
+
+// NCCL refuses two ranks on one device; the constructor says so on every rank, before NCCL starts.
+TEST(NcclHelpers, RanksSharingOneDeviceAreRefused) {
+  if (!nccl_backend_built()) GTEST_SKIP() << "the NCCL backend is not built";
+  const int count = cuda_device_count();
+  if (count == 0) GTEST_SKIP() << "no CUDA device: " << cuda_unavailable_reason();
+  if (count >= world().size() || world().size() < 2) GTEST_SKIP() << "every rank has its own device";
+  const std::string m = error_of([] { NcclCommunicator c(world(), 0); });
+  EXPECT_TRUE(contains(m, "chose the same CUDA device; NCCL needs one device per rank")) << m;
+  world().barrier()->wait();
+}
+
+// ---- point to point ------------------------------------------------------------------------------------------
+
+// Lone isend / irecv: even ranks send first, odd ranks receive first, so that the stream-ordered operations of a
+// pair always meet (a lone operation holds the communicator's stream until its match is posted).
+TEST(Nccl, PairExchangeIsendIrecvEveryDType) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  const int p = nc->size(), r = nc->rank();
+  if (p % 2 != 0) GTEST_SKIP() << "needs an even number of ranks, got " << p;
+  const int partner = r % 2 == 0 ? r + 1 : r - 1, n = 7;
+  for (DType dtype : kAllDTypes) {
+    std::vector<std::int64_t> mine(n), want(n);
+    for (int i = 0; i < n; ++i) {
+      mine[i] = right_units(r, i);
+      want[i] = right_units(partner, i);
+    }
+    Tensor out = on_device(dtype, mine), in = filled_on_device(dtype, n, -1);
+    WorkHandle first, second;
+    if (r % 2 == 0) {
+      first = nc->isend(out, partner, 1);
+      second = nc->irecv(in, partner, 1);
+    } else {
+      first = nc->irecv(in, partner, 1);
+      second = nc->isend(out, partner, 1);
+    }
+    first->wait();
+    second->wait();
+    EXPECT_TRUE(units_equal(in, want, str_cat("received from rank ", partner)));
+  }
+}
+
+TEST(Nccl, BatchRingExchangeBothDirectionsEveryDType) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_batch_ring_both_directions(*nc);
+}
+
+TEST(Nccl, RingForwardingForPMinusOneSteps) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_ring_forwarding(*nc);
+}
+
+// 64 MiB per message: many NCCL chunks, several protocol switches.
+TEST(Nccl, LargeBatchRingExchange) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  const int p = nc->size(), r = nc->rank(), right = mod(r + 1, p), left = mod(r - 1, p);
+  const std::int64_t n = std::int64_t{1} << 24;
+  Tensor host = Tensor::empty({n}, DType::kFloat32, MemCategory::kCommBuffer);
+  for (std::int64_t i = 0; i < n; ++i) host.data_as<float>()[i] = static_cast<float>((r * 1000003 + i) % 8388593);
+  Tensor send = Tensor::empty({n}, DType::kFloat32, MemCategory::kCommBuffer, Device::cuda(device()));
+  Tensor recv = Tensor::zeros({n}, DType::kFloat32, MemCategory::kCommBuffer, Device::cuda(device()));
+  copy_convert(host, send);
+  nc->batch_isend_irecv({P2POp::recv(recv, left, 9), P2POp::send(send, right, 9)})->wait();
+  copy_convert(recv, host);
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < n; ++i)
+    bad += host.data_as<float>()[i] != static_cast<float>((left * 1000003 + i) % 8388593);
+  EXPECT_EQ(bad, 0) << "rank " << r << ": elements received wrong from rank " << left;
+}
+
+// ---- collectives ---------------------------------------------------------------------------------------------
+
+TEST(Nccl, AllToAllEveryDType) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_all_to_all(*nc);
+}
+
+TEST(Nccl, AllToAllVariableSplitsWithZeroCountsEveryDType) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_all_to_all_v(*nc);
+}
+
+TEST(Nccl, AllGatherEveryDType) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_all_gather(*nc);
+}
+
+TEST(Nccl, ReduceScatterSumAndMaxEveryDType) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_reduce_scatter(*nc);
+}
+
+TEST(Nccl, AllReduceSumAndMaxEveryDTypeClosedForm) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_all_reduce(*nc);
+}
+
+TEST(Nccl, BroadcastFromEveryRootEveryDTypeAndBarrier) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  check_broadcast(*nc);
+  for (int i = 0; i < 3; ++i) nc->barrier()->wait();
+}
+
+TEST(Nccl, ByteCountersFollowTheirDefinitions) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  Communicator& w = *nc;
+  const std::int64_t p = w.size();
+  const int r = w.rank(), right = mod(r + 1, w.size()), left = mod(r - 1, w.size());
+  auto expect_counters = [&](std::int64_t sent, std::int64_t received, std::int64_t ops, const char* what) {
+    EXPECT_EQ(w.counters().bytes_sent, sent) << "rank " << r << ": " << what;
+    EXPECT_EQ(w.counters().bytes_received, received) << "rank " << r << ": " << what;
+    EXPECT_EQ(w.counters().num_ops, ops) << "rank " << r << ": " << what;
+    w.reset_counters();
+  };
+  w.reset_counters();
+  Tensor c = filled_on_device(DType::kBFloat16, 3, 1), d = filled_on_device(DType::kBFloat16, 3, 1),
+         e = filled_on_device(DType::kBFloat16, 3, 0), f = filled_on_device(DType::kBFloat16, 3, 0);
+  w.batch_isend_irecv(
+       {P2POp::send(c, right, 4), P2POp::send(d, left, 5), P2POp::recv(e, left, 4), P2POp::recv(f, right, 5)})
+      ->wait();
+  expect_counters(12, 12, 1, "batch of 2 sends + 2 receives of 3 bf16");
+  Tensor a2a_send = filled_on_device(DType::kFloat64, p * 3, 1), a2a_recv = filled_on_device(DType::kFloat64, p * 3, 0);
+  w.all_to_all(a2a_send, a2a_recv)->wait();
+  expect_counters(3 * 8 * (p - 1), 3 * 8 * (p - 1), 1, "all_to_all of 3 fp64 per rank");
+  Tensor g_send = filled_on_device(DType::kInt32, 4, 1), g_recv = filled_on_device(DType::kInt32, 4 * p, 0);
+  w.all_gather(g_send, g_recv)->wait();
+  expect_counters(16 * (p - 1), 16 * (p - 1), 1, "all_gather of 4 int32");
+  Tensor rs_send = filled_on_device(DType::kFloat32, 2 * p, 1), rs_recv = filled_on_device(DType::kFloat32, 2, 0);
+  w.reduce_scatter(rs_send, rs_recv, ReduceOp::kSum)->wait();
+  expect_counters(8 * (p - 1), 8 * (p - 1), 1, "reduce_scatter to 2 fp32");
+  Tensor ar = filled_on_device(DType::kFloat64, 10, 1);
+  w.all_reduce(ar, ReduceOp::kSum)->wait();
+  expect_counters(2 * 80 * (p - 1) / p, 2 * 80 * (p - 1) / p, 1, "all_reduce of 80 bytes (ring volume)");
+  Tensor bc = filled_on_device(DType::kFloat16, 6, 1);
+  w.broadcast(bc, 0)->wait();
+  if (r == 0) {
+    expect_counters(12 * (p - 1), 0, 1, "broadcast root");
+  } else {
+    expect_counters(0, 12, 1, "broadcast non-root");
+  }
+  w.barrier()->wait();
+  expect_counters(0, 0, 1, "barrier");
+}
+
+// ---- split ---------------------------------------------------------------------------------------------------
+
+// World ranks of the members of `comm` in its rank order, gathered inside it (on the device).
+std::vector<std::int64_t> members(Communicator& comm) {
+  Tensor me = on_device(DType::kInt64, {world().rank()});
+  Tensor all = filled_on_device(DType::kInt64, comm.size(), -1);
+  comm.all_gather(me, all)->wait();
+  Tensor host = Tensor::empty({comm.size()}, DType::kInt64, MemCategory::kCommBuffer);
+  copy_convert(all, host);
+  std::vector<std::int64_t> out(comm.size());
+  for (int i = 0; i < comm.size(); ++i) out[i] = *take(host, i);
+  return out;
+}
+
+TEST(Nccl, SplitGroupsByColourAndOrdersByKey) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  const int p = nc->size(), r = nc->rank();
+  {
+    auto sub = nc->split(r % 2, -r);  // parity classes, by descending rank
+    EXPECT_NE(sub, nullptr);
+    std::vector<std::int64_t> want;
+    for (int q = p - 1; q >= 0; --q)
+      if (q % 2 == r % 2) want.push_back(q);
+    if (sub) {
+      EXPECT_STREQ(sub->backend_name(), "nccl");
+      EXPECT_EQ(sub->size(), static_cast<int>(want.size()));
+      EXPECT_EQ(sub->rank(), static_cast<int>(std::find(want.begin(), want.end(), r) - want.begin()));
+      EXPECT_EQ(members(*sub), want) << "rank " << r;
+    }
+  }
+  {
+    auto sub = nc->split(r == 0 ? -1 : 7, r);  // a negative colour leaves rank 0 out
+    if (r == 0) {
+      EXPECT_EQ(sub, nullptr);
+    } else if (sub) {
+      EXPECT_EQ(sub->size(), p - 1);
+      EXPECT_EQ(sub->rank(), r - 1);
+    } else {
+      ADD_FAILURE() << "rank " << r << ": split with colour 7 gave no communicator";
+    }
+  }
+  nc->barrier()->wait();  // the parent stays usable after splits
+}
+
+// ---- streams -------------------------------------------------------------------------------------------------
+
+#if defined(SEQPAR_WITH_NCCL)
+// The input is written by an asynchronous copy on the caller's stream and the all-reduce is posted at once (no
+// host synchronisation in between): the communicator's stream must wait for it through the event.
+TEST(Nccl, OperationsWaitForTheComputeStream) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  const int p = nc->size(), r = nc->rank();
+  const std::int64_t n = std::int64_t{1} << 22;  // 16 MiB: the copy takes long enough to lose a race
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaSetDevice(device()), cudaSuccess);
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  std::int32_t* pinned = nullptr;
+  ASSERT_EQ(cudaMallocHost(&pinned, n * sizeof(std::int32_t)), cudaSuccess);
+  for (std::int64_t i = 0; i < n; ++i) pinned[i] = static_cast<std::int32_t>((r + 1) * (i % 5 + 1));
+  // Tensor::empty, not zeros: a memset on the legacy stream would race with the copy on the non-blocking stream.
+  Tensor buf = Tensor::empty({n}, DType::kInt32, MemCategory::kCommBuffer, Device::cuda(device()));
+  nc->set_stream({Device::cuda(device()), stream});
+  EXPECT_EQ(cudaMemcpyAsync(buf.data(), pinned, n * sizeof(std::int32_t), cudaMemcpyHostToDevice, stream), cudaSuccess);
+  nc->all_reduce(buf, ReduceOp::kSum)->wait();
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::vector<std::int32_t> got(n);
+  EXPECT_EQ(cudaMemcpy(got.data(), buf.data(), n * sizeof(std::int32_t), cudaMemcpyDeviceToHost), cudaSuccess);
+  std::int64_t bad = 0;
+  for (std::int64_t i = 0; i < n; ++i) bad += got[i] != p * (p + 1) / 2 * (i % 5 + 1);
+  EXPECT_EQ(bad, 0) << "rank " << r << ": the all-reduce read its input before the compute stream wrote it";
+  const std::string m = error_of([&] { nc->set_stream({Device::cuda(device() + 1), nullptr}); });
+  EXPECT_TRUE(contains(m, "set_stream: the stream is on cuda:")) << m;
+  nc->set_stream(Stream::cpu());
+  nc->barrier()->wait();
+  cudaFreeHost(pinned);
+  cudaStreamDestroy(stream);
+}
+#endif
+
+// ---- argument checks -----------------------------------------------------------------------------------------
+
+TEST(Nccl, InvalidArgumentsThrowBeforeCommunicating) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  auto nc = make_nccl();
+  const int p = nc->size();
+  Tensor host = Tensor::empty({4}, DType::kFloat32, MemCategory::kCommBuffer);
+  Tensor x = filled_on_device(DType::kFloat32, 4, 1), y = filled_on_device(DType::kFloat64, 4 * p, 0);
+  std::string m = error_of([&] { nc->all_reduce(host, ReduceOp::kSum); });
+  EXPECT_TRUE(contains(m, str_cat("all_reduce: the NCCL backend takes buffers on cuda:", device()))) << m;
+  m = error_of([&] { nc->isend(x, p, 0); });
+  EXPECT_TRUE(contains(m, str_cat("isend: peer ", p, " is outside the communicator of size ", p))) << m;
+  m = error_of([&] { nc->batch_isend_irecv({P2POp::recv(x, -1)}); });
+  EXPECT_TRUE(contains(m, "batch_isend_irecv: peer -1")) << m;
+  m = error_of([&] { nc->all_gather(x, y); });
+  EXPECT_TRUE(contains(m, "all_gather: recv")) << m;
+  m = error_of([&] { nc->all_to_all(x, y); });
+  EXPECT_TRUE(contains(m, "must have the same dtype and element count")) << m;
+  m = error_of([&] { nc->all_to_all_v(x, {1}, x, {1, 2, 3, 4, 5, 6, 7, 8, 9}); });
+  EXPECT_TRUE(contains(m, "one entry per rank")) << m;
+  m = error_of([&] { nc->broadcast(x, p); });
+  EXPECT_TRUE(contains(m, "broadcast: peer")) << m;
+  nc->barrier()->wait();
+}
+
+// ---- timeout -------------------------------------------------------------------------------------------------
+
+// Every rank waits for a message that no one sends: the wait turns into an error naming the operation, the peer
+// and the time, the communicator is aborted (so its stuck kernel ends) and refuses further work.
+TEST(Nccl, StuckReceiveTimesOutAbortsAndThrows) {
+  SEQPAR_SKIP_WITHOUT_NCCL();
+  {
+    auto nc = make_nccl();
+    const int p = nc->size(), r = nc->rank(), left = mod(r - 1, p), right = mod(r + 1, p);
+    Tensor buf = filled_on_device(DType::kInt32, 4, -1), out = filled_on_device(DType::kInt32, 4, 1);
+    // Connect the ring first: an unconnected receive would already time out while NCCL connects (in irecv()).
+    nc->batch_isend_irecv({P2POp::send(out, right, 77), P2POp::recv(buf, left, 77)})->wait();
+    WorkHandle work = nc->irecv(buf, left, 77);
+    EXPECT_FALSE(work->test());
+    const auto start = std::chrono::steady_clock::now();
+    const std::string m = error_of([&] { work->wait(0.5); });
+    const double waited = seconds_since(start);
+    EXPECT_TRUE(
+        contains(m, str_cat("NCCL irecv from peer ", left, " (tag 77, 16 bytes) did not complete within 0.5 s")))
+        << m;
+    EXPECT_TRUE(contains(m, "ncclCommAbort")) << m;
+    EXPECT_GE(waited, 0.5);
+    EXPECT_LT(waited, 10.0) << "the timeout (and the abort) took far longer than asked";
+    EXPECT_EQ(error_of([&] { work->wait(0.5); }), m) << "a second wait reports the same failure";
+    const std::string later = error_of([&] { nc->all_reduce(buf, ReduceOp::kSum); });
+    EXPECT_TRUE(contains(later, "all_reduce: the NCCL communicator was aborted after an earlier failure")) << later;
+  }
+  world().barrier()->wait();
+  // A fresh communicator works again.
+  auto nc = make_nccl();
+  Tensor one = filled_on_device(DType::kInt64, 1, 1);
+  nc->all_reduce(one, ReduceOp::kSum)->wait();
+  EXPECT_TRUE(units_equal(one, {nc->size()}, "all_reduce on a new communicator after an abort"));
+}
+
+}  // namespace
+}  // namespace seqpar
