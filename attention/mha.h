@@ -10,16 +10,25 @@
 // Because blocks of keys can be processed in any order with the final lse, a ring calls mha_backward once per key
 // block, accumulating into fp32 dq / dk / dv.
 //
-// Masks are on global positions (q_pos, k_pos: any increasing int64 sequences; empty = 0, 1, 2, ...):
+// Masks are on global positions (q_pos, k_pos: any non-decreasing int64 sequences, as produced by contiguous,
+// zigzag or stripe layouts; empty = 0, 1, 2, ...):
 //   causal: key j visible to query i iff k_pos[j] <= q_pos[i]; window W > 0 adds q_pos[i] - k_pos[j] < W.
-// A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient.
+// Because both sets are sorted, the keys visible to a query are one contiguous index range; the CPU kernels run
+// tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
+// A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
 //
 // Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq] fp32.
 // All contiguous, row-major, host memory (the CUDA path lands with its own issue).
 // Storage dtypes fp32, bf16, fp16, fp64; arithmetic in fp32 (fp64 for fp64 inputs). q, k, v share one dtype.
 // Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
-// Determinism: the same inputs and thread count give bitwise the same results (fixed reduction order).
-// Extra memory: O(Sq + Sk) per (batch, head) worker plus fixed-size tiles; no [Sq, Sk] matrix.
+// Determinism: the same inputs give bitwise the same results, for any thread count (fixed reduction orders, no
+// atomics; the CPU kernels' OpenMP work items each own their outputs).
+// Extra memory: O(Sq + Sk) per (batch, head) worker plus fixed-size tiles; no [Sq, Sk] matrix. The forward converts
+// K and V once per call (B Sk Hkv D elements each, compute dtype); the backward keeps a dK / dV partial per query
+// head (2 B Hq Sk D elements, compute dtype) that is summed over each KV group in head order.
+// Parallelism (CPU, OpenMP): forward over (batch, query head, query tile of 64); backward over (batch, query head).
+// Accuracy: lse is fp32 by contract, so the fp64 backward (which recomputes P from lse) is accurate to about
+// |lse| 2^-24 relative, not to fp64 rounding; the fp64 forward is accurate to fp64 rounding.
 // Errors: Error naming the tensor and the rule for any shape, dtype or position mismatch.
 #pragma once
 
@@ -43,39 +52,56 @@ struct MhaForwardArgs {
   std::span<const std::int64_t> q_pos;  // [Sq] global positions (empty: 0..Sq-1)
   std::span<const std::int64_t> k_pos;  // [Sk] global positions (empty: 0..Sk-1)
   MaskSpec mask;
-  float scale = 0.0f;                   // <= 0: 1 / sqrt(D)
+  float scale = 0.0f;  // <= 0: 1 / sqrt(D)
 };
 
-// out: [B, Sq, Hq, D], any floating dtype (the ring passes fp32); lse: [B, Hq, Sq] fp32.
+// Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
+// of sizes Sq / Sk (or empty), mask (window >= 0; window > 0 requires causal), scale (<= 0: 1/sqrt(D), computed in
+// double). out: [B, Sq, Hq, D], any floating dtype (the ring passes fp32); lse: [B, Hq, Sq] fp32, natural log,
+// -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf. Both outputs are overwritten.
+// Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
+// positions, window < 0 or a window without causal, a non-CPU tensor or stream.
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
                  Stream stream = Stream::cpu());
 
 struct MhaBackwardArgs {
-  MhaForwardArgs fwd;   // q, k, v, positions, mask, scale as in the forward
-  TensorView out;       // [B, Sq, Hq, D] the final (merged) output, any floating dtype
-  TensorView dout;      // [B, Sq, Hq, D] any floating dtype
-  TensorView lse;       // [B, Hq, Sq] fp32, the final lse
-  TensorView delta;     // optional [B, Hq, Sq] fp32 rowsum(dout * out); computed from out/dout when empty
+  MhaForwardArgs fwd;  // q, k, v, positions, mask, scale as in the forward
+  TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
+  TensorView dout;     // [B, Sq, Hq, D] any floating dtype
+  TensorView lse;      // [B, Hq, Sq] fp32, the final lse
+  TensorView delta;    // optional [B, Hq, Sq] fp32 rowsum(dout * out); computed from out/dout when empty
 };
 
+// Backward of one call (or one key block of a ring) with the final out / lse (DESIGN.md section 4).
+// args.out is read only when args.delta is empty (delta is then computed from out and dout as by
+// mha_backward_delta). dq [B, Sq, Hq, D], dk / dv [B, Sk, Hkv, D]:
 // accumulate = false: dq, dk, dv (any floating dtype) are overwritten.
-// accumulate = true: dq, dk, dv must be fp32 and the block's contributions are added to them.
+// accumulate = true: dq, dk, dv must be fp32 and the block's contributions are added to them (the sum of a call
+// per key block equals one call over all keys, up to fp32 rounding).
+// Rows with lse = -inf contribute nothing. Errors: as for mha_forward, plus shape / dtype mismatches of dout,
+// lse, delta, out and the gradients, and non-fp32 gradients with accumulate = true.
 void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   bool accumulate, Stream stream = Stream::cpu());
 
 // delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32 (fp64 sums for fp64 inputs, stored fp32).
+// out, dout [B, S, H, D] any floating dtypes (same shape); delta [B, H, S] fp32, overwritten. FlashAttention-2
+// (Dao 2023), the row term D_i of Algorithm 2. Errors: shape / dtype mismatches, non-CPU tensors.
 void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
                         Stream stream = Stream::cpu());
 
 // Merges a block result into a running one, in place, over disjoint key sets:
 //   lse = logaddexp(lse, lse_b); out = exp(lse_old - lse) out + exp(lse_b - lse) out_b.
 // out [B, S, H, D] fp32, lse [B, H, S] fp32; out_b same shape (fp32), lse_b [B, H, S] fp32.
-// Exact when either side is -inf (that side contributes nothing) and for lse differences up to 1e4.
+// Exact when either side is -inf (that side contributes nothing, even if its out holds garbage) and for lse
+// differences up to 1e4 (computed as lse = max + log1p(e), weights 1 / (1 + e) and e / (1 + e), e = exp(min - max)
+// in fp64, so there is no inf - inf and no cancellation). Both sides -inf: lse = -inf, out = 0.
+// Errors: dtype other than fp32, shape mismatches, non-CPU tensors.
 void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                Stream stream = Stream::cpu());
 
 // Number of (query, key) pairs visible under `mask` between the position sets: the work a forward call does,
-// used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs).
+// used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs). Unlike the kernels, the positions are
+// taken as given: an empty span means no queries (keys). Errors: decreasing positions, an invalid mask.
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
                            const MaskSpec& mask);
 

@@ -1,0 +1,724 @@
+// CPU chunked gated delta rule: forward, backward and segment transitions. Math and conventions: attention/gdn.h
+// and DESIGN.md section 6. The per-chunk backward below is the hand-derived reverse mode of the chunk equations
+// (one step per forward equation, in reverse order); it is checked against the fp64 recurrence in
+// tests/unit/test_gdn.cc.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <vector>
+
+#include "attention/gdn.h"
+#include "runtime/error.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+namespace seqpar::attn {
+namespace {
+
+// ---- small row-major matrix products (C (+)= alpha op(A) op(B)); inner loops run over contiguous memory ----------
+
+// 32-byte vectors (GCC / Clang vector extensions; lowered to AVX2 here, to pairs of 16-byte registers elsewhere).
+template <typename T>
+struct Vec32;
+template <>
+struct Vec32<float> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct Vec32<double> {
+  typedef double type __attribute__((vector_size(32)));
+};
+
+// C[m, n] (+)= alpha * op(A) B, op(A) = A [m, k] or (kTransA) A^T with A [k, m]. Two rows of C and a block of
+// four vectors of columns are accumulated in registers over all of k; the rest of the columns take a scalar path.
+// When a_lower, op(A) is lower triangular (zero above the diagonal, also stored as zero), and the k loop stops
+// after the diagonal of the second row. The summation order is fixed (p ascending).
+template <typename T, bool kTransA>
+void gemm(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
+          std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, bool a_lower) {
+  using VT = typename Vec32<T>::type;
+  constexpr std::int64_t kLanes = 32 / static_cast<std::int64_t>(sizeof(T));
+  constexpr int kNV = 4;
+  constexpr std::int64_t JB = kLanes * kNV;
+  auto a_at = [&](std::int64_t i, std::int64_t p) { return kTransA ? a[p * lda + i] : a[i * lda + p]; };
+  for (std::int64_t i0 = 0; i0 < m; i0 += 2) {
+    const bool two = i0 + 1 < m;
+    const std::int64_t kend = a_lower ? std::min(k, i0 + 2) : k;
+    std::int64_t j0 = 0;
+    for (; j0 + JB <= n; j0 += JB) {
+      VT acc0[kNV] = {}, acc1[kNV] = {};
+      for (std::int64_t p = 0; p < kend; ++p) {
+        const T a0 = a_at(i0, p);
+        const T a1 = two ? a_at(i0 + 1, p) : T(0);
+        const T* bp = b + p * ldb + j0;
+#pragma GCC unroll 4
+        for (int v = 0; v < kNV; ++v) {
+          VT bv;
+          std::memcpy(&bv, bp + v * kLanes, sizeof(VT));
+          acc0[v] += a0 * bv;
+          acc1[v] += a1 * bv;
+        }
+      }
+      for (int r = 0; r < (two ? 2 : 1); ++r) {
+        T* cr = c + (i0 + r) * ldc + j0;
+        const VT* acc = r == 0 ? acc0 : acc1;
+#pragma GCC unroll 4
+        for (int v = 0; v < kNV; ++v) {
+          VT cv = alpha * acc[v];
+          if (accumulate) {
+            VT old;
+            std::memcpy(&old, cr + v * kLanes, sizeof(VT));
+            cv += old;
+          }
+          std::memcpy(cr + v * kLanes, &cv, sizeof(VT));
+        }
+      }
+    }
+    for (; j0 < n; ++j0) {
+      T s0 = 0, s1 = 0;
+      for (std::int64_t p = 0; p < kend; ++p) {
+        const T bpj = b[p * ldb + j0];
+        s0 += a_at(i0, p) * bpj;
+        if (two) s1 += a_at(i0 + 1, p) * bpj;
+      }
+      T* c0 = c + i0 * ldc + j0;
+      *c0 = (accumulate ? *c0 : T(0)) + alpha * s0;
+      if (two) c0[ldc] = (accumulate ? c0[ldc] : T(0)) + alpha * s1;
+    }
+  }
+}
+
+// C[m, n] (+)= alpha * A[m, k] B[k, n].
+template <typename T>
+void mm_nn(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
+           std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, bool a_lower = false) {
+  gemm<T, false>(m, n, k, alpha, a, lda, b, ldb, c, ldc, accumulate, a_lower);
+}
+
+// C[m, n] (+)= alpha * A^T B with A [k, m], B [k, n].
+template <typename T>
+void mm_tn(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
+           std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate) {
+  gemm<T, true>(m, n, k, alpha, a, lda, b, ldb, c, ldc, accumulate, false);
+}
+
+// C[m, n] (+)= alpha * A B^T with A [m, k], B [n, k]: B is transposed into a thread-local buffer (n * k values,
+// at most chunk_size * max(chunk_size, K, V)) so that the inner loop runs over contiguous memory like mm_nn.
+template <typename T>
+void mm_nt(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
+           std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate) {
+  thread_local std::vector<T> bt;
+  if (static_cast<std::int64_t>(bt.size()) < n * k) bt.resize(static_cast<std::size_t>(n * k));
+  for (std::int64_t j = 0; j < n; ++j) {
+    for (std::int64_t p = 0; p < k; ++p) bt[static_cast<std::size_t>(p * n + j)] = b[j * ldb + p];
+  }
+  mm_nn<T>(m, n, k, alpha, a, lda, bt.data(), n, c, ldc, accumulate);
+}
+
+template <typename T>
+T dot(const T* a, const T* b, std::int64_t n) {
+  T s = 0;
+  for (std::int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// ---- problem description and validation ------------------------------------------------------------------
+
+struct Dims {
+  std::int64_t B = 0, S = 0, H = 0, K = 0, V = 0, C = 0;
+  std::int64_t num_chunks() const { return (S + C - 1) / C; }
+};
+
+void check_floating(const TensorView& t, const char* what) {
+  SEQPAR_CHECK(is_floating(t.dtype()), "gdn: ", what, " must have a floating dtype, got ", dtype_name(t.dtype()));
+}
+
+void check_state(const TensorView& t, const Dims& d, DType state_dtype, const char* what) {
+  check_cpu(t, what);
+  check_shape(t, {d.B, d.H, d.K, d.V}, what);
+  check_dtype(t, state_dtype, what);
+}
+
+Dims validate_forward(const GdnForwardArgs& a) {
+  check_cpu(a.q, "q");
+  check_cpu(a.k, "k");
+  check_cpu(a.v, "v");
+  check_cpu(a.g, "g");
+  check_cpu(a.beta, "beta");
+  SEQPAR_CHECK(a.q.ndim() == 4, "gdn: q must be [B, S, H, K], got ", shape_str(a.q.shape()));
+  SEQPAR_CHECK(a.v.ndim() == 4, "gdn: v must be [B, S, H, V], got ", shape_str(a.v.shape()));
+  Dims d;
+  d.B = a.q.dim(0);
+  d.S = a.q.dim(1);
+  d.H = a.q.dim(2);
+  d.K = a.q.dim(3);
+  d.V = a.v.dim(3);
+  d.C = a.chunk_size;
+  SEQPAR_CHECK(d.C >= 1, "gdn: chunk_size must be >= 1, got ", d.C);
+  SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
+  check_shape(a.k, {d.B, d.S, d.H, d.K}, "k");
+  check_shape(a.v, {d.B, d.S, d.H, d.V}, "v");
+  check_shape(a.g, {d.B, d.S, d.H}, "g");
+  check_shape(a.beta, {d.B, d.S, d.H}, "beta");
+  check_floating(a.q, "q");
+  check_floating(a.k, "k");
+  check_floating(a.v, "v");
+  check_floating(a.g, "g");
+  check_floating(a.beta, "beta");
+  if (!a.initial_state.empty()) check_state(a.initial_state, d, gdn_state_dtype(a.q.dtype()), "initial_state");
+  return d;
+}
+
+void check_activation(const TensorView& t, const Shape& shape, const char* what) {
+  check_cpu(t, what);
+  check_shape(t, shape, what);
+  check_floating(t, what);
+}
+
+// ---- element access (storage dtype <-> compute dtype T) -----------------------------------------------------
+
+template <typename T>
+void load(const TensorView& t, std::int64_t elem_offset, std::int64_t n, T* dst) {
+  const auto* src = static_cast<const char*>(t.data()) + elem_offset * static_cast<std::int64_t>(dtype_size(t.dtype()));
+  convert(src, t.dtype(), dst, dtype_v<T>, static_cast<std::size_t>(n));
+}
+
+template <typename T>
+void store(const T* src, std::int64_t n, const TensorView& t, std::int64_t elem_offset) {
+  auto* dst = static_cast<char*>(t.data()) + elem_offset * static_cast<std::int64_t>(dtype_size(t.dtype()));
+  convert(src, dtype_v<T>, dst, t.dtype(), static_cast<std::size_t>(n));
+}
+
+// ---- per-worker chunk scratch -------------------------------------------------------------------------------
+
+template <typename T>
+struct ChunkScratch {
+  // Inputs of the current chunk (rows 0..c-1).
+  T *q, *qn, *rq, *k, *rk, *v, *g, *beta;
+  // Chunk quantities.
+  T *gamma, *gam;      // cumulative log decay and its exp [C]
+  T* e;                // L: exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal [C, C]
+  T *kk, *a, *t;       // k k^T, A (strictly lower), T = (I + A)^-1 [C, C]
+  T *kb, *vb, *w, *u;  // diag(beta gam) k, diag(beta) v [C, K] / [C, V]; W = T kb, U = T vb
+  T *kt, *vp, *p;      // K~ [C, K], V' [C, V], P = (Q K^T) * L [C, C]
+  T *o, *s;            // out [C, V], running state [K, V]
+  // Backward.
+  T *dout, *dq, *dk, *dv, *dg, *dbeta, *dgamma;
+  T *dkt, *dvp, *dp, *dw, *dt, *dvb, *dkb, *x, *da, *ds, *ds_new, *qs;
+  T* extra;  // `extra` values for the caller (chunk start states, transition state)
+  Tensor owner;
+
+  ChunkScratch(const Dims& d, bool backward, std::int64_t extra_count = 0) {
+    const std::int64_t C = d.C, K = d.K, V = d.V;
+    std::int64_t n = 0;
+    auto take = [&](std::int64_t count) {
+      const std::int64_t off = n;
+      n += (count + 15) / 16 * 16;
+      return off;
+    };
+    const std::int64_t o_q = take(C * K), o_qn = take(C * K), o_rq = take(C), o_k = take(C * K), o_rk = take(C),
+                       o_v = take(C * V), o_g = take(C), o_beta = take(C), o_gamma = take(C), o_gam = take(C),
+                       o_kk = take(C * C), o_e = take(C * C), o_a = take(C * C), o_t = take(C * C), o_kb = take(C * K),
+                       o_vb = take(C * V), o_w = take(C * K), o_u = take(C * V), o_kt = take(C * K), o_vp = take(C * V),
+                       o_p = take(C * C), o_o = take(C * V), o_s = take(K * V);
+    std::int64_t o_b[18] = {};
+    std::int64_t o_qs = 0;
+    if (backward) {
+      const std::int64_t sizes[18] = {C * V, C * K, C * K, C * V, C,     C,     C,     C * K, C * V,
+                                      C * C, C * K, C * C, C * V, C * K, C * C, C * C, K * V, K * V};
+      for (int i = 0; i < 18; ++i) o_b[i] = take(sizes[i]);
+      o_qs = take(C * V);
+    }
+    const std::int64_t o_extra = take(extra_count);
+    owner = Tensor::empty({n}, dtype_v<T>, MemCategory::kWorkspace);
+    T* base = owner.data_as<T>();
+    q = base + o_q;
+    qn = base + o_qn;
+    rq = base + o_rq;
+    k = base + o_k;
+    rk = base + o_rk;
+    v = base + o_v;
+    g = base + o_g;
+    beta = base + o_beta;
+    gamma = base + o_gamma;
+    gam = base + o_gam;
+    kk = base + o_kk;
+    e = base + o_e;
+    a = base + o_a;
+    t = base + o_t;
+    kb = base + o_kb;
+    vb = base + o_vb;
+    w = base + o_w;
+    u = base + o_u;
+    kt = base + o_kt;
+    vp = base + o_vp;
+    p = base + o_p;
+    o = base + o_o;
+    s = base + o_s;
+    if (backward) {
+      T** ptrs[18] = {&dout, &dq, &dk, &dv,  &dg,  &dbeta, &dgamma, &dkt, &dvp,
+                      &dp,   &dw, &dt, &dvb, &dkb, &x,     &da,     &ds,  &ds_new};
+      for (int i = 0; i < 18; ++i) *ptrs[i] = base + o_b[i];
+      qs = base + o_qs;
+    }
+    extra = base + o_extra;
+  }
+};
+
+// Loads rows t0..t0+c-1 of (b, h): normalised and scaled q (and the unscaled normalised copy qn with 1/norm rq),
+// normalised k (with rk), v (when load_v), g and beta.
+template <typename T>
+void load_chunk(const GdnForwardArgs& a, const Dims& d, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t c,
+                bool load_q, bool load_v, T scale, ChunkScratch<T>& w) {
+  const std::int64_t K = d.K, V = d.V;
+  for (std::int64_t i = 0; i < c; ++i) {
+    const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
+    load(a.k, tok * K, K, w.k + i * K);
+    load(a.g, tok, 1, w.g + i);
+    load(a.beta, tok, 1, w.beta + i);
+    if (load_v) load(a.v, tok * V, V, w.v + i * V);
+    if (a.use_qk_l2norm) {
+      T* ki = w.k + i * K;
+      const T r = T(1) / std::sqrt(dot(ki, ki, K) + T(kGdnL2NormEps));
+      w.rk[i] = r;
+      for (std::int64_t j = 0; j < K; ++j) ki[j] *= r;
+    }
+    if (load_q) {
+      T* qi = w.qn + i * K;
+      load(a.q, tok * K, K, qi);
+      if (a.use_qk_l2norm) {
+        const T r = T(1) / std::sqrt(dot(qi, qi, K) + T(kGdnL2NormEps));
+        w.rq[i] = r;
+        for (std::int64_t j = 0; j < K; ++j) qi[j] *= r;
+      }
+      for (std::int64_t j = 0; j < K; ++j) w.q[i * K + j] = scale * qi[j];
+    }
+  }
+}
+
+// Chunk quantities that do not depend on the start state: gamma, exp(gamma), k k^T, A, T, kb, W, K~ and (when
+// with_v) vb and U.
+template <typename T>
+void prepare_chunk(const Dims& d, std::int64_t c, bool with_v, ChunkScratch<T>& w) {
+  const std::int64_t C = d.C, K = d.K, V = d.V;
+  T acc = 0;
+  for (std::int64_t i = 0; i < c; ++i) {
+    acc += w.g[i];
+    w.gamma[i] = acc;
+    w.gam[i] = std::exp(acc);
+  }
+  mm_nt<T>(c, c, K, T(1), w.k, K, w.k, K, w.kk, C, false);
+  for (std::int64_t i = 0; i < c; ++i) {
+    for (std::int64_t j = 0; j < c; ++j) {
+      w.e[i * C + j] = j <= i ? std::exp(w.gamma[i] - w.gamma[j]) : T(0);
+      w.a[i * C + j] = j < i ? w.beta[i] * w.e[i * C + j] * w.kk[i * C + j] : T(0);
+    }
+  }
+  // T = (I + A)^-1 by forward substitution: row i of T is e_i - sum_{m < i} A[i, m] T[m, :].
+  for (std::int64_t i = 0; i < c; ++i) {
+    T* ti = w.t + i * C;
+    std::fill(ti, ti + c, T(0));
+    ti[i] = T(1);
+    for (std::int64_t m = 0; m < i; ++m) {
+      const T aim = w.a[i * C + m];
+      if (aim == T(0)) continue;
+      const T* tm = w.t + m * C;
+      for (std::int64_t j = 0; j <= m; ++j) ti[j] -= aim * tm[j];
+    }
+  }
+  const T gamma_last = w.gamma[c - 1];
+  for (std::int64_t i = 0; i < c; ++i) {
+    const T sb = w.beta[i] * w.gam[i];
+    const T sk = std::exp(gamma_last - w.gamma[i]);
+    for (std::int64_t j = 0; j < K; ++j) {
+      w.kb[i * K + j] = sb * w.k[i * K + j];
+      w.kt[i * K + j] = sk * w.k[i * K + j];
+    }
+  }
+  mm_nn<T>(c, K, c, T(1), w.t, C, w.kb, K, w.w, K, false, true);
+  if (with_v) {
+    for (std::int64_t i = 0; i < c; ++i) {
+      for (std::int64_t j = 0; j < V; ++j) w.vb[i * V + j] = w.beta[i] * w.v[i * V + j];
+    }
+    mm_nn<T>(c, V, c, T(1), w.t, C, w.vb, V, w.u, V, false, true);
+  }
+}
+
+// P = (Q K^T) * L with L_ij = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal.
+template <typename T>
+void decay_scores(const Dims& d, std::int64_t c, ChunkScratch<T>& w) {
+  const std::int64_t C = d.C;
+  mm_nt<T>(c, c, d.K, T(1), w.q, d.K, w.k, d.K, w.p, C, false);
+  for (std::int64_t i = 0; i < c; ++i) {
+    for (std::int64_t j = 0; j < c; ++j) {
+      w.p[i * C + j] = j <= i ? w.p[i * C + j] * w.e[i * C + j] : T(0);
+    }
+  }
+}
+
+// vp = vsrc - W S (vsrc [c, n] or null for zeros), then S <- exp(gamma_last) S + K~^T vp. S is [K, n] with row
+// stride lds.
+template <typename T>
+void advance_state(const Dims& d, std::int64_t c, const T* vsrc, std::int64_t n, T* s, std::int64_t lds, T* vp,
+                   ChunkScratch<T>& w) {
+  const std::int64_t K = d.K;
+  if (vsrc != nullptr) {
+    for (std::int64_t i = 0; i < c * n; ++i) vp[i] = vsrc[i];
+  }
+  mm_nn<T>(c, n, K, T(-1), w.w, K, s, lds, vp, n, vsrc != nullptr);
+  const T decay = w.gam[c - 1];
+  for (std::int64_t i = 0; i < K; ++i) {
+    for (std::int64_t j = 0; j < n; ++j) s[i * lds + j] *= decay;
+  }
+  mm_tn<T>(K, n, c, T(1), w.kt, K, vp, n, s, lds, true);
+}
+
+int num_workers() {
+#if defined(_OPENMP)
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+int worker_id() {
+#if defined(_OPENMP)
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
+}
+
+// Runs body(scratch, bh) for bh in [0, count) with one ChunkScratch per OpenMP thread (dynamic schedule, one
+// (batch, head) at a time). Exceptions may not cross the parallel region: each thread keeps its first one, and the
+// first of those is rethrown after the region.
+template <typename T, typename Body>
+void for_each_head(std::int64_t count, const Dims& d, bool backward, std::int64_t extra_count, Body&& body) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_workers()));
+#pragma omp parallel
+  {
+    std::exception_ptr& error = errors[static_cast<std::size_t>(worker_id())];
+    std::unique_ptr<ChunkScratch<T>> scratch;
+    try {
+      scratch = std::make_unique<ChunkScratch<T>>(d, backward, extra_count);
+    } catch (...) {
+      error = std::current_exception();
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t bh = 0; bh < count; ++bh) {
+      if (!scratch || error) continue;
+      try {
+        body(*scratch, bh);
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+  }
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+template <typename T>
+T resolve_scale(const GdnForwardArgs& a, const Dims& d) {
+  return a.scale > 0.0f ? T(a.scale) : T(1) / std::sqrt(T(d.K));
+}
+
+// ---- forward ------------------------------------------------------------------------------------------------
+
+template <typename T>
+void forward_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& out, const TensorView& final_state) {
+  const std::int64_t K = d.K, V = d.V, BH = d.B * d.H, KV = K * V;
+  const T scale = resolve_scale<T>(a, d);
+  for_each_head<T>(BH, d, false, 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
+    const std::int64_t b = bh / d.H, h = bh % d.H;
+    if (a.initial_state.empty()) {
+      std::fill(w.s, w.s + KV, T(0));
+    } else {
+      load(a.initial_state, bh * KV, KV, w.s);
+    }
+    for (std::int64_t t0 = 0; t0 < d.S; t0 += d.C) {
+      const std::int64_t c = std::min(d.C, d.S - t0);
+      load_chunk(a, d, b, h, t0, c, true, true, scale, w);
+      prepare_chunk(d, c, true, w);
+      // V' = U - W S_0 (state before this chunk), then O = diag(gam) Q S_0 + P V'.
+      for (std::int64_t i = 0; i < c * V; ++i) w.vp[i] = w.u[i];
+      mm_nn<T>(c, V, K, T(-1), w.w, K, w.s, V, w.vp, V, true);
+      mm_nn<T>(c, V, K, T(1), w.q, K, w.s, V, w.o, V, false);
+      for (std::int64_t i = 0; i < c; ++i) {
+        for (std::int64_t j = 0; j < V; ++j) w.o[i * V + j] *= w.gam[i];
+      }
+      decay_scores(d, c, w);
+      mm_nn<T>(c, V, c, T(1), w.p, d.C, w.vp, V, w.o, V, true, true);
+      // S_C = exp(gamma_C) S_0 + K~^T V'.
+      const T decay = w.gam[c - 1];
+      for (std::int64_t i = 0; i < KV; ++i) w.s[i] *= decay;
+      mm_tn<T>(K, V, c, T(1), w.kt, K, w.vp, V, w.s, V, true);
+      for (std::int64_t i = 0; i < c; ++i) store(w.o + i * V, V, out, ((b * d.S + t0 + i) * d.H + h) * V);
+    }
+    if (!final_state.empty()) store(w.s, KV, final_state, bh * KV);
+  });
+}
+
+// ---- backward -----------------------------------------------------------------------------------------------
+
+template <typename T>
+void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView& dq_out, const TensorView& dk_out,
+                   const TensorView& dv_out, const TensorView& dg_out, const TensorView& dbeta_out,
+                   const TensorView& dinit_out) {
+  const GdnForwardArgs& a = args.fwd;
+  const std::int64_t C = d.C, K = d.K, V = d.V, BH = d.B * d.H, KV = K * V;
+  const std::int64_t nc = d.num_chunks();
+  const bool full = !dq_out.empty() || !dk_out.empty() || !dv_out.empty() || !dg_out.empty() || !dbeta_out.empty();
+  const T scale = resolve_scale<T>(a, d);
+  // The start state of every chunk of one (batch, head) lives in the scratch's extra buffer.
+  for_each_head<T>(BH, d, true, full ? nc * KV : 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
+    T* starts = w.extra;
+    const std::int64_t b = bh / d.H, h = bh % d.H;
+    // Forward sweep: the start state of every chunk.
+    if (full) {
+      if (a.initial_state.empty()) {
+        std::fill(w.s, w.s + KV, T(0));
+      } else {
+        load(a.initial_state, bh * KV, KV, w.s);
+      }
+      for (std::int64_t n = 0; n < nc; ++n) {
+        const std::int64_t t0 = n * C, c = std::min(C, d.S - t0);
+        std::copy(w.s, w.s + KV, starts + n * KV);
+        load_chunk(a, d, b, h, t0, c, false, true, scale, w);
+        prepare_chunk(d, c, true, w);
+        advance_state(d, c, w.u, V, w.s, V, w.vp, w);
+      }
+    }
+    if (args.dfinal_state.empty()) {
+      std::fill(w.ds, w.ds + KV, T(0));
+    } else {
+      load(args.dfinal_state, bh * KV, KV, w.ds);
+    }
+    for (std::int64_t n = nc - 1; n >= 0; --n) {
+      const std::int64_t t0 = n * C, c = std::min(C, d.S - t0);
+      load_chunk(a, d, b, h, t0, c, true, full, scale, w);
+      prepare_chunk(d, c, full, w);
+      for (std::int64_t i = 0; i < c; ++i) {
+        const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
+        if (args.dout.empty()) {
+          std::fill(w.dout + i * V, w.dout + (i + 1) * V, T(0));
+        } else {
+          load(args.dout, tok * V, V, w.dout + i * V);
+        }
+      }
+      decay_scores(d, c, w);
+      const T* s0 = full ? starts + n * KV : nullptr;
+      const T gam_c = w.gam[c - 1];
+      const T gamma_c = w.gamma[c - 1];
+      // dOg = diag(gam) dO, used by dS_0 and dQ.
+      T* dog = w.qs;  // reused below only after dog is consumed
+      for (std::int64_t i = 0; i < c; ++i) {
+        for (std::int64_t j = 0; j < V; ++j) dog[i * V + j] = w.gam[i] * w.dout[i * V + j];
+      }
+      // S_C = gam_c S_0 + K~^T V':  dV' = K~ dS_C.
+      mm_nn<T>(c, V, K, T(1), w.kt, K, w.ds, V, w.dvp, V, false);
+      // O += P V':  dV' += P^T dO.
+      mm_tn<T>(c, V, c, T(1), w.p, C, w.dout, V, w.dvp, V, true);
+      // dS_0 = gam_c dS_C + Q^T diag(gam) dO - W^T dV'.
+      for (std::int64_t i = 0; i < KV; ++i) w.ds_new[i] = gam_c * w.ds[i];
+      mm_tn<T>(K, V, c, T(1), w.q, K, dog, V, w.ds_new, V, true);
+      mm_tn<T>(K, V, c, T(-1), w.w, K, w.dvp, V, w.ds_new, V, true);
+      if (full) {
+        std::fill(w.dgamma, w.dgamma + c, T(0));
+        std::fill(w.dbeta, w.dbeta + c, T(0));
+        // Recompute V' = U - W S_0.
+        for (std::int64_t i = 0; i < c * V; ++i) w.vp[i] = w.u[i];
+        mm_nn<T>(c, V, K, T(-1), w.w, K, s0, V, w.vp, V, true);
+        // dQ from the inter-chunk term O_i += gam_i Q_i S_0: dQ = diag(gam) dO S_0^T; dgamma_i += <dO_i, gam_i
+        // (Q S_0)_i>.
+        mm_nt<T>(c, K, V, T(1), dog, V, s0, V, w.dq, K, false);
+        for (std::int64_t i = 0; i < c; ++i) w.dgamma[i] += dot(w.dq + i * K, w.q + i * K, K);
+        // From S_C: dgamma_c += gam_c <S_0, dS_C>; dK~ = V' dS_C^T, then into dk and gamma.
+        w.dgamma[c - 1] += gam_c * dot(s0, w.ds, KV);
+        mm_nt<T>(c, K, V, T(1), w.vp, V, w.ds, V, w.dkt, K, false);
+        for (std::int64_t j = 0; j < c; ++j) {
+          const T r = dot(w.dkt + j * K, w.kt + j * K, K);
+          w.dgamma[c - 1] += r;
+          w.dgamma[j] -= r;
+          const T sk = std::exp(gamma_c - w.gamma[j]);
+          for (std::int64_t e = 0; e < K; ++e) w.dk[j * K + e] = sk * w.dkt[j * K + e];
+        }
+        // Intra-chunk term O += P V' with P = (Q K^T) * L: dP = dO V'^T (lower part).
+        mm_nt<T>(c, c, V, T(1), w.dout, V, w.vp, V, w.dp, C, false);
+        for (std::int64_t i = 0; i < c; ++i) {
+          for (std::int64_t j = 0; j < c; ++j) {
+            if (j > i) {
+              w.dp[i * C + j] = T(0);
+              continue;
+            }
+            const T z = w.dp[i * C + j] * w.p[i * C + j];
+            w.dgamma[i] += z;
+            w.dgamma[j] -= z;
+            w.dp[i * C + j] *= w.e[i * C + j];  // now d(Q K^T)
+          }
+        }
+        mm_nn<T>(c, K, c, T(1), w.dp, C, w.k, K, w.dq, K, true, true);
+        mm_tn<T>(c, K, c, T(1), w.dp, C, w.q, K, w.dk, K, true);
+        // V' = U - W S_0: dU = dV', dW = -dV' S_0^T.
+        mm_nt<T>(c, K, V, T(-1), w.dvp, V, s0, V, w.dw, K, false);
+        // U = T vb, W = T kb: dT = dU vb^T + dW kb^T (lower part), dvb = T^T dU, dkb = T^T dW.
+        mm_nt<T>(c, c, V, T(1), w.dvp, V, w.vb, V, w.dt, C, false);
+        mm_nt<T>(c, c, K, T(1), w.dw, K, w.kb, K, w.dt, C, true);
+        mm_tn<T>(c, V, c, T(1), w.t, C, w.dvp, V, w.dvb, V, false);
+        mm_tn<T>(c, K, c, T(1), w.t, C, w.dw, K, w.dkb, K, false);
+        for (std::int64_t i = 0; i < c; ++i) {
+          w.dbeta[i] += dot(w.dvb + i * V, w.v + i * V, V);
+          for (std::int64_t j = 0; j < V; ++j) w.dv[i * V + j] = w.beta[i] * w.dvb[i * V + j];
+          const T sk = dot(w.dkb + i * K, w.k + i * K, K);
+          w.dbeta[i] += w.gam[i] * sk;
+          w.dgamma[i] += w.beta[i] * w.gam[i] * sk;
+          const T sb = w.beta[i] * w.gam[i];
+          for (std::int64_t j = 0; j < K; ++j) w.dk[i * K + j] += sb * w.dkb[i * K + j];
+        }
+        // T = (I + A)^-1: dA = -T^T dT T^T, used below the diagonal only.
+        mm_nt<T>(c, c, c, T(1), w.dt, C, w.t, C, w.x, C, false);
+        mm_tn<T>(c, c, c, T(-1), w.t, C, w.x, C, w.da, C, false);
+        // A_ij = beta_i exp(gamma_i - gamma_j) (k k^T)_ij: into beta, gamma and d(k k^T) (kept in dt).
+        for (std::int64_t i = 0; i < c; ++i) {
+          for (std::int64_t j = 0; j < c; ++j) w.dt[i * C + j] = T(0);
+        }
+        for (std::int64_t i = 1; i < c; ++i) {
+          for (std::int64_t j = 0; j < i; ++j) {
+            const T da = w.da[i * C + j];
+            const T e = w.e[i * C + j];
+            w.dbeta[i] += da * e * w.kk[i * C + j];
+            const T y = da * w.a[i * C + j];
+            w.dgamma[i] += y;
+            w.dgamma[j] -= y;
+            const T dkk = da * w.beta[i] * e;
+            w.dt[i * C + j] += dkk;
+            w.dt[j * C + i] += dkk;
+          }
+        }
+        mm_nn<T>(c, K, c, T(1), w.dt, C, w.k, K, w.dk, K, true);
+        // gamma = cumsum(g): dg = reverse cumsum of dgamma.
+        T acc = 0;
+        for (std::int64_t i = c - 1; i >= 0; --i) {
+          acc += w.dgamma[i];
+          w.dg[i] = acc;
+        }
+        // Through the scale and the L2 normalisation: dx = (dy - y (y . dy)) / |x|.
+        for (std::int64_t i = 0; i < c; ++i) {
+          T* dqi = w.dq + i * K;
+          for (std::int64_t j = 0; j < K; ++j) dqi[j] *= scale;
+          if (a.use_qk_l2norm) {
+            const T* y = w.qn + i * K;
+            const T yd = dot(y, dqi, K);
+            for (std::int64_t j = 0; j < K; ++j) dqi[j] = (dqi[j] - y[j] * yd) * w.rq[i];
+            T* dki = w.dk + i * K;
+            const T* z = w.k + i * K;
+            const T zd = dot(z, dki, K);
+            for (std::int64_t j = 0; j < K; ++j) dki[j] = (dki[j] - z[j] * zd) * w.rk[i];
+          }
+        }
+        for (std::int64_t i = 0; i < c; ++i) {
+          const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
+          if (!dq_out.empty()) store(w.dq + i * K, K, dq_out, tok * K);
+          if (!dk_out.empty()) store(w.dk + i * K, K, dk_out, tok * K);
+          if (!dv_out.empty()) store(w.dv + i * V, V, dv_out, tok * V);
+          if (!dg_out.empty()) store(w.dg + i, 1, dg_out, tok);
+          if (!dbeta_out.empty()) store(w.dbeta + i, 1, dbeta_out, tok);
+        }
+      }
+      std::swap(w.ds, w.ds_new);
+    }
+    if (!dinit_out.empty()) store(w.ds, KV, dinit_out, bh * KV);
+  });
+}
+
+// ---- transition ---------------------------------------------------------------------------------------------
+
+template <typename T>
+void transition_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& m_out, const TensorView& u_out) {
+  const std::int64_t K = d.K, V = d.V, BH = d.B * d.H, n = K + V;
+  const T scale = resolve_scale<T>(a, d);
+  // The state [M | U] of K + V columns starts at [I | 0]; the "values" are [0 | v]. Both, and V' of the wide
+  // state, live in the scratch's extra buffer.
+  for_each_head<T>(BH, d, false, K * n + 2 * d.C * n, [&](ChunkScratch<T>& w, std::int64_t bh) {
+    T* s = w.extra;
+    T* vsrc = s + K * n;
+    T* vp = vsrc + d.C * n;
+    const std::int64_t b = bh / d.H, h = bh % d.H;
+    std::fill(s, s + K * n, T(0));
+    for (std::int64_t i = 0; i < K; ++i) s[i * n + i] = T(1);
+    for (std::int64_t t0 = 0; t0 < d.S; t0 += d.C) {
+      const std::int64_t c = std::min(d.C, d.S - t0);
+      load_chunk(a, d, b, h, t0, c, false, true, scale, w);
+      prepare_chunk(d, c, true, w);
+      for (std::int64_t i = 0; i < c; ++i) {
+        std::fill(vsrc + i * n, vsrc + i * n + K, T(0));
+        std::copy(w.u + i * V, w.u + (i + 1) * V, vsrc + i * n + K);
+      }
+      advance_state(d, c, vsrc, n, s, n, vp, w);
+    }
+    for (std::int64_t i = 0; i < K; ++i) {
+      store(s + i * n, K, m_out, bh * K * K + i * K);
+      store(s + i * n + K, V, u_out, bh * K * V + i * V);
+    }
+  });
+}
+
+}  // namespace
+
+DType gdn_state_dtype(DType q_dtype) { return q_dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+
+void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state, Stream stream) {
+  const Dims d = validate_forward(args);
+  check_activation(out, {d.B, d.S, d.H, d.V}, "out");
+  const DType sd = gdn_state_dtype(args.q.dtype());
+  if (!final_state.empty()) check_state(final_state, d, sd, "final_state");
+  if (sd == DType::kFloat64) {
+    forward_impl<double>(args, d, out, final_state);
+  } else {
+    forward_impl<float>(args, d, out, final_state);
+  }
+}
+
+void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                  const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) {
+  const Dims d = validate_forward(args.fwd);
+  const DType sd = gdn_state_dtype(args.fwd.q.dtype());
+  if (!args.dout.empty()) check_activation(args.dout, {d.B, d.S, d.H, d.V}, "dout");
+  if (!args.dfinal_state.empty()) check_state(args.dfinal_state, d, sd, "dfinal_state");
+  if (!dq.empty()) check_activation(dq, {d.B, d.S, d.H, d.K}, "dq");
+  if (!dk.empty()) check_activation(dk, {d.B, d.S, d.H, d.K}, "dk");
+  if (!dv.empty()) check_activation(dv, {d.B, d.S, d.H, d.V}, "dv");
+  if (!dg.empty()) check_activation(dg, {d.B, d.S, d.H}, "dg");
+  if (!dbeta.empty()) check_activation(dbeta, {d.B, d.S, d.H}, "dbeta");
+  if (!dinitial_state.empty()) check_state(dinitial_state, d, sd, "dinitial_state");
+  if (sd == DType::kFloat64) {
+    backward_impl<double>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+  } else {
+    backward_impl<float>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+  }
+}
+
+void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
+  const Dims d = validate_forward(args);
+  SEQPAR_CHECK(args.initial_state.empty(),
+               "gdn_transition: initial_state must be empty (the map is taken from a zero start)");
+  const DType sd = gdn_state_dtype(args.q.dtype());
+  check_cpu(m, "m");
+  check_cpu(u, "u");
+  check_shape(m, {d.B, d.H, d.K, d.K}, "m");
+  check_shape(u, {d.B, d.H, d.K, d.V}, "u");
+  check_dtype(m, sd, "m");
+  check_dtype(u, sd, "u");
+  if (sd == DType::kFloat64) {
+    transition_impl<double>(args, d, m, u);
+  } else {
+    transition_impl<float>(args, d, m, u);
+  }
+}
+
+}  // namespace seqpar::attn

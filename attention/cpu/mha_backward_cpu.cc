@@ -1,0 +1,260 @@
+// CPU flash-attention backward (FlashAttention-2, Dao 2023, Algorithm 2; DESIGN.md section 4), deterministic.
+//
+// Work item: (batch, query head, chunk of key tiles), scheduled by OpenMP. It converts Q, dO of its head and K
+// (row-major and transposed per key tile), V (transposed per key tile) of its key chunk to the compute type, then
+// for each key tile (outer) and each visible query tile (inner) recomputes P = exp2(S log2 e - lse log2 e) with the
+// final lse, and
+//   dP = dO V^T, dS = P (dP - delta), dV_j += P^T dO, dK_j += dS^T Q, dQ_i += dS K     (scale applied at the end).
+// The number of key chunks per head depends on the shape only (enough items for 8 workers when B Hq < 8; one chunk
+// otherwise). With one chunk, dQ of the head is complete when the item ends; with several, each item writes a dQ
+// partial and the partials are summed in chunk order. dK / dV of every query head go to a per-head fp32 (fp64)
+// scratch that is summed over the query heads of each KV group in increasing head order. No atomics, fixed
+// reduction orders: bitwise deterministic for any thread count. Extra memory O((Sq + Sk) D) per worker plus the
+// dK / dV scratch (B Hq Sk D elements each) and, with several chunks, B Hq chunks Sq D elements of dQ partials.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "attention/cpu/mha_cpu.h"
+#include "attention/cpu/mha_simd.h"
+#include "runtime/dtype.h"
+#include "runtime/tensor.h"
+
+namespace seqpar::attn::cpu {
+namespace {
+
+inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+template <typename T>
+void backward_typed(const MhaBackwardParams& bp) {
+  using S = Simd<T>;
+  using V = typename S::V;
+  constexpr int W = S::W;
+  constexpr int BQ = kBlockQ, BK = kBlockK;
+  const MhaParams& p = bp.fwd;
+  const std::int64_t B = p.batch, Sq = p.sq, Sk = p.sk, Hq = p.hq, Hkv = p.hkv, D = p.head_dim;
+  const std::int64_t group = Hq / Hkv;
+  const std::int64_t Dp = round_up(D, W);
+  const std::int64_t nkt = (Sk + BK - 1) / BK, nqt = (Sq + BQ - 1) / BQ;
+  const std::int64_t Skp = nkt * BK;
+  const KeyRanges& kr = *p.ranges;
+  const DType cdt = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
+  const std::size_t in_size = dtype_size(p.dtype);
+  const T scale = static_cast<T>(p.scale);
+  const T c_log2 = static_cast<T>(p.scale * 1.4426950408889634);
+
+  // Per query tile: the union of the visible key ranges of its rows [lo, hi).
+  std::vector<std::int64_t> tile_lo(static_cast<std::size_t>(nqt), Sk), tile_hi(static_cast<std::size_t>(nqt), 0);
+  for (std::int64_t i = 0; i < Sq; ++i) {
+    const std::int64_t kb = kr.begin[static_cast<std::size_t>(i)], ke = kr.end[static_cast<std::size_t>(i)];
+    if (kb < ke) {
+      tile_lo[i / BQ] = std::min(tile_lo[i / BQ], kb);
+      tile_hi[i / BQ] = std::max(tile_hi[i / BQ], ke);
+    }
+  }
+
+  // Key chunks per head (in key tiles): a function of the shape only, so results do not depend on the thread count.
+  const std::int64_t nchunks = std::clamp<std::int64_t>((8 + B * Hq - 1) / (B * Hq), 1, nkt);
+  auto chunk_tile = [&](std::int64_t c) { return c * nkt / nchunks; };
+  Tensor dq_partials;
+  if (nchunks > 1) dq_partials = Tensor::empty({B * Hq * nchunks * Sq * Dp}, cdt, MemCategory::kWorkspace);
+  T* dqp = nchunks > 1 ? static_cast<T*>(dq_partials.data()) : nullptr;
+
+  Tensor dk_scratch = Tensor::zeros({B * Hq * Skp * Dp}, cdt, MemCategory::kWorkspace);
+  Tensor dv_scratch = Tensor::zeros({B * Hq * Skp * Dp}, cdt, MemCategory::kWorkspace);
+  T* dks = static_cast<T*>(dk_scratch.data());
+  T* dvs = static_cast<T*>(dv_scratch.data());
+
+  const char* qin = static_cast<const char*>(p.q);
+  const char* kin = static_cast<const char*>(p.k);
+  const char* vin = static_cast<const char*>(p.v);
+  const char* doin = static_cast<const char*>(bp.dout);
+  const char* oin = static_cast<const char*>(bp.out);
+  const std::size_t do_size = dtype_size(bp.dout_dtype), o_size = dtype_size(bp.out_dtype);
+  const std::size_t dq_size = dtype_size(bp.dq_dtype);
+
+  // dq[b, i, h, :] = scale * src (overwrite in dq's dtype, or add into fp32); tmp holds Dp elements.
+  auto write_dq = [&](std::int64_t b, std::int64_t i, std::int64_t h, const T* src, T* tmp) {
+    const std::int64_t e = ((b * Sq + i) * Hq + h) * D;
+    char* dqc = static_cast<char*>(bp.dq);
+    if (bp.accumulate) {
+      float* dst_row = reinterpret_cast<float*>(dqc) + e;
+      for (std::int64_t d = 0; d < D; ++d) dst_row[d] += static_cast<float>(src[d] * scale);
+    } else {
+      for (std::int64_t d = 0; d < D; ++d) tmp[d] = src[d] * scale;
+      convert(tmp, cdt, dqc + static_cast<std::size_t>(e) * dq_size, bp.dq_dtype, static_cast<std::size_t>(D));
+    }
+  };
+
+  const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<T> q(static_cast<std::size_t>(Sq * Dp), T(0)), dout(static_cast<std::size_t>(Sq * Dp), T(0));
+    std::vector<T> dq(nchunks == 1 ? static_cast<std::size_t>(Sq * Dp) : 0);
+    std::vector<T> lse2(static_cast<std::size_t>(Sq)), delta(static_cast<std::size_t>(Sq));
+    std::vector<T> kmat(static_cast<std::size_t>(Skp * Dp), T(0));
+    std::vector<T> kt(static_cast<std::size_t>(nkt * D * BK), T(0)), vt(static_cast<std::size_t>(nkt * D * BK), T(0));
+    std::vector<T> s(static_cast<std::size_t>(BQ * BK)), dp(static_cast<std::size_t>(BQ * BK));
+    std::vector<T> row(static_cast<std::size_t>(Dp)), row2(static_cast<std::size_t>(Dp));
+    std::int64_t packed_kv = -1, loaded_bh = -1;
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < B * Hq * nchunks; ++task) {
+      const std::int64_t bh = task / nchunks, chunk = task % nchunks;
+      const std::int64_t b = bh / Hq, h = bh % Hq, hk = h / group;
+      const std::int64_t kt_begin = chunk_tile(chunk), kt_end = chunk_tile(chunk + 1);
+      // ---- load the keys of this chunk and the queries of this head ----
+      if (packed_kv != (b * Hkv + hk) * nchunks + chunk) {
+        packed_kv = (b * Hkv + hk) * nchunks + chunk;
+        for (std::int64_t j = kt_begin * BK; j < std::min(Sk, kt_end * BK); ++j) {
+          const std::size_t off = static_cast<std::size_t>(((b * Sk + j) * Hkv + hk) * D) * in_size;
+          T* krow = kmat.data() + j * Dp;
+          convert(kin + off, p.dtype, krow, cdt, static_cast<std::size_t>(D));
+          convert(vin + off, p.dtype, row.data(), cdt, static_cast<std::size_t>(D));
+          T* ktile = kt.data() + (j / BK) * D * BK;
+          T* vtile = vt.data() + (j / BK) * D * BK;
+          for (std::int64_t d = 0; d < D; ++d) {
+            ktile[d * BK + j % BK] = krow[d];
+            vtile[d * BK + j % BK] = row[static_cast<std::size_t>(d)];
+          }
+        }
+      }
+      for (std::int64_t i = 0; i < Sq && loaded_bh != bh; ++i) {
+        const std::int64_t e = (b * Sq + i) * Hq + h;
+        convert(qin + static_cast<std::size_t>(e * D) * in_size, p.dtype, q.data() + i * Dp, cdt,
+                static_cast<std::size_t>(D));
+        T* dorow = dout.data() + i * Dp;
+        convert(doin + static_cast<std::size_t>(e * D) * do_size, bp.dout_dtype, dorow, cdt,
+                static_cast<std::size_t>(D));
+        const std::int64_t li = (b * Hq + h) * Sq + i;
+        if (bp.delta != nullptr) {
+          delta[i] = static_cast<T>(bp.delta[li]);
+        } else {
+          convert(oin + static_cast<std::size_t>(e * D) * o_size, bp.out_dtype, row2.data(), cdt,
+                  static_cast<std::size_t>(D));
+          T acc = 0;
+          for (std::int64_t d = 0; d < D; ++d) acc += dorow[d] * row2[static_cast<std::size_t>(d)];
+          delta[i] = acc;
+        }
+        const float l = bp.lse[li];
+        // a row with lse = -inf has no visible key anywhere: +inf here makes every P of the row exp2(-inf) = 0
+        lse2[i] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<T>::infinity()
+                                                               : static_cast<T>(l) * static_cast<T>(1.4426950408889634);
+      }
+      loaded_bh = bh;
+      T* dq_h = nchunks > 1 ? dqp + task * Sq * Dp : dq.data();
+      std::fill(dq_h, dq_h + Sq * Dp, T(0));
+      T* dk_h = dks + bh * Skp * Dp;
+      T* dv_h = dvs + bh * Skp * Dp;
+
+      // ---- key tiles outer, query tiles inner ----
+      for (std::int64_t ktile = kt_begin; ktile < kt_end; ++ktile) {
+        const std::int64_t j0 = ktile * BK, j1 = std::min(Sk, j0 + BK);
+        const T* kt_tile = kt.data() + ktile * D * BK;
+        const T* vt_tile = vt.data() + ktile * D * BK;
+        for (std::int64_t qi = 0; qi < nqt; ++qi) {
+          if (tile_lo[qi] >= j1 || tile_hi[qi] <= j0) continue;
+          const std::int64_t i0 = qi * BQ, i1 = std::min(Sq, i0 + BQ);
+          bool any = false, full = (j1 - j0 == BK);
+          for (std::int64_t i = i0; i < i1; ++i) {
+            const std::int64_t kb = kr.begin[static_cast<std::size_t>(i)], ke = kr.end[static_cast<std::size_t>(i)];
+            if (std::max(kb, j0) < std::min(ke, j1)) any = true;
+            if (kb > j0 || ke < j1) full = false;
+          }
+          if (!any) continue;
+          const int mr = static_cast<int>(i1 - i0);
+          const T* q_t = q.data() + i0 * Dp;
+          const T* do_t = dout.data() + i0 * Dp;
+          gemm_tile<T, false>(mr, BK, static_cast<int>(D), q_t, static_cast<int>(Dp), kt_tile, BK, s.data(), BK);
+          gemm_tile<T, false>(mr, BK, static_cast<int>(D), do_t, static_cast<int>(Dp), vt_tile, BK, dp.data(), BK);
+          if (!full) {
+            for (int r = 0; r < mr; ++r) {
+              const std::int64_t cb = std::clamp<std::int64_t>(kr.begin[i0 + r] - j0, 0, BK);
+              const std::int64_t ce = std::clamp<std::int64_t>(kr.end[i0 + r] - j0, cb, BK);
+              T* srow = s.data() + r * BK;
+              for (std::int64_t c = 0; c < cb; ++c) srow[c] = -std::numeric_limits<T>::infinity();
+              for (std::int64_t c = ce; c < BK; ++c) srow[c] = -std::numeric_limits<T>::infinity();
+            }
+          }
+          const V vc = S::set1(c_log2);
+          for (int r = 0; r < mr; ++r) {
+            T* srow = s.data() + r * BK;
+            T* dprow = dp.data() + r * BK;
+            const V vl = S::set1(lse2[i0 + r]);
+            const V vd = S::set1(delta[i0 + r]);
+            for (int c = 0; c < BK; c += W) {
+              // fma(s, c, -lse2) would give NaN for s = -inf only if lse2 = -inf, which lse2 never is
+              const V pv = S::exp2(S::sub(S::mul(S::load(srow + c), vc), vl));
+              S::store(srow + c, pv);
+              S::store(dprow + c, S::mul(pv, S::sub(S::load(dprow + c), vd)));
+            }
+          }
+          // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place)
+          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
+                                   dv_h + j0 * Dp, static_cast<int>(Dp));
+          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, static_cast<int>(Dp),
+                                   dk_h + j0 * Dp, static_cast<int>(Dp));
+          gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, dp.data(), BK, kmat.data() + j0 * Dp, static_cast<int>(Dp),
+                             dq_h + i0 * Dp, static_cast<int>(Dp));
+        }
+      }
+
+      // ---- write dq of this head (one chunk) ----
+      for (std::int64_t i = 0; i < Sq && nchunks == 1; ++i) write_dq(b, i, h, dq.data() + i * Dp, row.data());
+    }
+
+    // ---- dq: sum the chunk partials in chunk order ----
+    if (nchunks > 1) {
+#pragma omp for schedule(static)
+      for (std::int64_t t = 0; t < B * Hq * Sq; ++t) {
+        const std::int64_t bh = t / Sq, i = t % Sq;
+        std::fill(row2.begin(), row2.end(), T(0));
+        for (std::int64_t c = 0; c < nchunks; ++c) {
+          const T* src = dqp + (bh * nchunks + c) * Sq * Dp + i * Dp;
+          for (std::int64_t d = 0; d < D; ++d) row2[d] += src[d];
+        }
+        write_dq(bh / Hq, i, bh % Hq, row2.data(), row.data());
+      }
+    }
+
+    // ---- dK / dV: sum the query heads of each KV group in increasing head order ----
+    const std::size_t dk_size = dtype_size(bp.dk_dtype), dv_size = dtype_size(bp.dv_dtype);
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < B * Hkv * Sk; ++t) {
+      const std::int64_t b = t / (Hkv * Sk), hk = (t / Sk) % Hkv, j = t % Sk;
+      for (int which = 0; which < 2; ++which) {
+        const T* scratch = which == 0 ? dks : dvs;
+        const T mult = which == 0 ? scale : T(1);
+        std::fill(row.begin(), row.end(), T(0));
+        for (std::int64_t g = 0; g < group; ++g) {
+          const T* src = scratch + ((b * Hq + hk * group + g) * Skp + j) * Dp;
+          for (std::int64_t d = 0; d < D; ++d) row[d] += src[d];
+        }
+        const std::int64_t e = ((b * Sk + j) * Hkv + hk) * D;
+        void* out = which == 0 ? bp.dk : bp.dv;
+        if (bp.accumulate) {
+          float* dst_row = static_cast<float*>(out) + e;
+          for (std::int64_t d = 0; d < D; ++d) dst_row[d] += static_cast<float>(row[d] * mult);
+        } else {
+          for (std::int64_t d = 0; d < D; ++d) row[d] *= mult;
+          const DType odt = which == 0 ? bp.dk_dtype : bp.dv_dtype;
+          convert(row.data(), cdt,
+                  static_cast<char*>(out) + static_cast<std::size_t>(e) * (which == 0 ? dk_size : dv_size), odt,
+                  static_cast<std::size_t>(D));
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void mha_backward_cpu(const MhaBackwardParams& p) {
+  if (p.fwd.dtype == DType::kFloat64) {
+    backward_typed<double>(p);
+  } else {
+    backward_typed<float>(p);
+  }
+}
+
+}  // namespace seqpar::attn::cpu

@@ -1,0 +1,65 @@
+// Internal: the CPU MHA / GQA kernels behind attention/mha.h. Arguments are validated by attention/mha.cc.
+//
+// Kernels take one flat parameter struct (pointers, sizes, flags). Visibility is reduced to one contiguous key
+// range per query row: because q_pos and k_pos are non-decreasing, the keys visible to query i under any MaskSpec
+// are the indices [key_begin[i], key_end[i]) (causal: k_pos <= q_pos; window W: k_pos > q_pos - W). A tile of
+// keys is then fully visible, partly visible or invisible for a tile of rows by comparing index ranges only.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "attention/mha.h"
+
+namespace seqpar::attn::cpu {
+
+// Calls with less work than this (multiply-adds) run on the calling thread only: an OpenMP fork / join costs
+// microseconds, and far more on a loaded machine, which would dominate small ring blocks. Single- and
+// multi-threaded runs give bitwise the same results, so the choice never changes a result.
+inline constexpr double kMinParallelWork = 1 << 20;
+
+// Tile sizes (rows of queries, keys). Multiples of every Simd<float>::W.
+inline constexpr int kBlockQ = 64;
+inline constexpr int kBlockK = 64;
+
+// Visible key range [begin[i], end[i]) for each query row; begin[i] >= end[i] means no visible key.
+struct KeyRanges {
+  std::vector<std::int64_t> begin;
+  std::vector<std::int64_t> end;
+};
+// q_pos / k_pos may be empty (then 0, 1, 2, ...); they must be non-decreasing (checked by the caller).
+KeyRanges key_ranges(std::span<const std::int64_t> q_pos, std::int64_t sq, std::span<const std::int64_t> k_pos,
+                     std::int64_t sk, const MaskSpec& mask);
+
+struct MhaParams {
+  const void* q = nullptr;  // [B, Sq, Hq, D], dtype `dtype`
+  const void* k = nullptr;  // [B, Sk, Hkv, D]
+  const void* v = nullptr;  // [B, Sk, Hkv, D]
+  DType dtype = DType::kFloat32;
+  std::int64_t batch = 0, sq = 0, sk = 0, hq = 0, hkv = 0, head_dim = 0;
+  double scale = 0.0;  // > 0 (the default 1/sqrt(D) is resolved in double by the caller)
+  const KeyRanges* ranges = nullptr;
+};
+
+// out [B, Sq, Hq, D] of out_dtype; lse [B, Hq, Sq] fp32.
+void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, float* lse);
+
+struct MhaBackwardParams {
+  MhaParams fwd;
+  const void* dout = nullptr;  // [B, Sq, Hq, D] of dout_dtype
+  DType dout_dtype = DType::kFloat32;
+  const void* out = nullptr;  // [B, Sq, Hq, D] of out_dtype; used when delta == nullptr
+  DType out_dtype = DType::kFloat32;
+  const float* lse = nullptr;    // [B, Hq, Sq]
+  const float* delta = nullptr;  // [B, Hq, Sq] or nullptr
+  void* dq = nullptr;            // [B, Sq, Hq, D]
+  void* dk = nullptr;            // [B, Sk, Hkv, D]
+  void* dv = nullptr;            // [B, Sk, Hkv, D]
+  DType dq_dtype = DType::kFloat32, dk_dtype = DType::kFloat32, dv_dtype = DType::kFloat32;
+  bool accumulate = false;  // add into fp32 dq / dk / dv
+};
+
+void mha_backward_cpu(const MhaBackwardParams& p);
+
+}  // namespace seqpar::attn::cpu

@@ -1,0 +1,230 @@
+// CPU flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1; DESIGN.md section 4).
+//
+// Work item: (batch, query head, tile of kBlockQ queries), scheduled by OpenMP. For each visible tile of kBlockK
+// keys: S = Q K^T (Q pre-scaled by scale * log2 e, so that exp2 replaces exp), online softmax in base 2 with
+// running row max m and row sum l, O = diag(alpha) O + P V. Only [kBlockQ, kBlockK] scores exist at a time.
+// K (transposed per key tile) and V are converted to the compute type once per call and shared by all workers.
+// Each output element is produced by one work item in a fixed order of key tiles: bitwise deterministic for any
+// thread count.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "attention/cpu/mha_cpu.h"
+#include "attention/cpu/mha_simd.h"
+#include "runtime/dtype.h"
+#include "runtime/tensor.h"
+
+namespace seqpar::attn::cpu {
+
+KeyRanges key_ranges(std::span<const std::int64_t> q_pos, std::int64_t sq, std::span<const std::int64_t> k_pos,
+                     std::int64_t sk, const MaskSpec& mask) {
+  KeyRanges r;
+  r.begin.assign(static_cast<std::size_t>(sq), 0);
+  r.end.assign(static_cast<std::size_t>(sq), sk);
+  if (!mask.causal) return r;
+  auto qp = [&](std::int64_t i) { return q_pos.empty() ? i : q_pos[static_cast<std::size_t>(i)]; };
+  auto kp = [&](std::int64_t j) { return k_pos.empty() ? j : k_pos[static_cast<std::size_t>(j)]; };
+  // first key index with k_pos > x (k_pos non-decreasing)
+  auto upper = [&](std::int64_t x) {
+    std::int64_t lo = 0, hi = sk;
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (kp(mid) <= x)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    return lo;
+  };
+  for (std::int64_t i = 0; i < sq; ++i) {
+    const std::int64_t pos = qp(i);
+    r.end[static_cast<std::size_t>(i)] = upper(pos);
+    // window: k_pos > pos - W, i.e. the first index with k_pos > pos - W
+    if (mask.window > 0) r.begin[static_cast<std::size_t>(i)] = upper(pos - mask.window);
+  }
+  return r;
+}
+
+namespace {
+
+template <typename T>
+constexpr DType compute_dtype() {
+  return std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
+}
+
+inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// How a key tile [j0, j1) is seen by rows [i0, i1): skipped, fully visible, or partly visible.
+enum class TileKind { kSkip, kFull, kPartial };
+inline TileKind classify(const KeyRanges& kr, std::int64_t i0, std::int64_t i1, std::int64_t j0, std::int64_t j1,
+                         std::int64_t block) {
+  bool any = false, full = (j1 - j0 == block);
+  for (std::int64_t i = i0; i < i1; ++i) {
+    const std::int64_t b = kr.begin[static_cast<std::size_t>(i)], e = kr.end[static_cast<std::size_t>(i)];
+    if (std::max(b, j0) < std::min(e, j1)) any = true;
+    if (b > j0 || e < j1) full = false;
+  }
+  if (!any) return TileKind::kSkip;
+  return full ? TileKind::kFull : TileKind::kPartial;
+}
+
+template <typename T>
+void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
+  using S = Simd<T>;
+  using V = typename S::V;
+  constexpr int W = S::W;
+  constexpr int BQ = kBlockQ, BK = kBlockK;
+  const std::int64_t B = p.batch, Sq = p.sq, Sk = p.sk, Hq = p.hq, Hkv = p.hkv, D = p.head_dim;
+  const std::int64_t group = Hq / Hkv;
+  const std::int64_t Dp = round_up(D, W);
+  const std::int64_t nkt = (Sk + BK - 1) / BK, nqt = (Sq + BQ - 1) / BQ;
+  const std::int64_t Skp = nkt * BK;
+  const KeyRanges& kr = *p.ranges;
+  const DType cdt = compute_dtype<T>();
+  const std::size_t in_size = dtype_size(p.dtype), out_size = dtype_size(out_dtype);
+  const T qscale = static_cast<T>(p.scale * 1.4426950408889634);
+
+  // K^T per key tile [nkt][D][BK] and V [Skp][Dp], per (b, kv head), zero padded.
+  const std::int64_t kt_size = nkt * D * BK, v_size = Skp * Dp;
+  Tensor kt_pack = Tensor::zeros({B * Hkv * kt_size}, cdt, MemCategory::kWorkspace);
+  Tensor v_pack = Tensor::zeros({B * Hkv * v_size}, cdt, MemCategory::kWorkspace);
+  T* ktp = static_cast<T*>(kt_pack.data());
+  T* vp = static_cast<T*>(v_pack.data());
+  const char* kin = static_cast<const char*>(p.k);
+  const char* vin = static_cast<const char*>(p.v);
+  const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<T> row(static_cast<std::size_t>(D));
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < B * Hkv * nkt; ++t) {
+      const std::int64_t bh = t / nkt, kt = t % nkt, b = bh / Hkv, h = bh % Hkv;
+      T* ktile = ktp + bh * kt_size + kt * D * BK;
+      for (std::int64_t j = kt * BK; j < std::min(Sk, (kt + 1) * BK); ++j) {
+        const std::size_t off = static_cast<std::size_t>(((b * Sk + j) * Hkv + h) * D) * in_size;
+        convert(kin + off, p.dtype, row.data(), cdt, static_cast<std::size_t>(D));
+        for (std::int64_t d = 0; d < D; ++d) ktile[d * BK + (j - kt * BK)] = row[static_cast<std::size_t>(d)];
+        convert(vin + off, p.dtype, vp + bh * v_size + j * Dp, cdt, static_cast<std::size_t>(D));
+      }
+    }
+  }
+
+  const char* qin = static_cast<const char*>(p.q);
+  char* outc = static_cast<char*>(out);
+  const std::int64_t num_tasks = B * Hq * nqt;
+#pragma omp parallel if (parallel)
+  {
+    std::vector<T> qt(static_cast<std::size_t>(BQ * Dp), T(0));
+    std::vector<T> o(static_cast<std::size_t>(BQ * Dp));
+    std::vector<T> s(static_cast<std::size_t>(BQ * BK));
+    std::vector<T> m(BQ), l(BQ);
+    std::vector<T> row(static_cast<std::size_t>(Dp));
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t task = 0; task < num_tasks; ++task) {
+      // query tiles in decreasing order: under a causal mask the late tiles are the long ones
+      const std::int64_t qi = nqt - 1 - task / (B * Hq), bh = task % (B * Hq), b = bh / Hq, h = bh % Hq;
+      const std::int64_t hk = h / group;
+      const std::int64_t i0 = qi * BQ, i1 = std::min(Sq, i0 + BQ);
+      const int mr = static_cast<int>(i1 - i0);
+      const T* ktp_h = ktp + (b * Hkv + hk) * kt_size;
+      const T* vp_h = vp + (b * Hkv + hk) * v_size;
+
+      std::int64_t lo = Sk, hi = 0;
+      for (std::int64_t i = i0; i < i1; ++i) {
+        const std::int64_t kb = kr.begin[static_cast<std::size_t>(i)], ke = kr.end[static_cast<std::size_t>(i)];
+        if (kb < ke) {
+          lo = std::min(lo, kb);
+          hi = std::max(hi, ke);
+        }
+      }
+      for (int r = 0; r < mr; ++r) {
+        const std::size_t off = static_cast<std::size_t>(((b * Sq + i0 + r) * Hq + h) * D) * in_size;
+        T* qrow = qt.data() + r * Dp;
+        convert(qin + off, p.dtype, qrow, cdt, static_cast<std::size_t>(D));
+        for (std::int64_t d = 0; d < D; ++d) qrow[d] *= qscale;
+      }
+      std::fill(o.begin(), o.end(), T(0));
+      std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
+      std::fill(l.begin(), l.end(), T(0));
+
+      for (std::int64_t kt = lo / BK; lo < hi && kt < (hi + BK - 1) / BK; ++kt) {
+        const std::int64_t j0 = kt * BK, j1 = std::min(Sk, j0 + BK);
+        const TileKind kind = classify(kr, i0, i1, j0, j1, BK);
+        if (kind == TileKind::kSkip) continue;
+        gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt.data(), static_cast<int>(Dp), ktp_h + kt * D * BK, BK,
+                            s.data(), BK);
+        if (kind == TileKind::kPartial) {
+          for (int r = 0; r < mr; ++r) {
+            const std::int64_t cb = std::clamp<std::int64_t>(kr.begin[i0 + r] - j0, 0, BK);
+            const std::int64_t ce = std::clamp<std::int64_t>(kr.end[i0 + r] - j0, cb, BK);
+            T* srow = s.data() + r * BK;
+            for (std::int64_t c = 0; c < cb; ++c) srow[c] = -std::numeric_limits<T>::infinity();
+            for (std::int64_t c = ce; c < BK; ++c) srow[c] = -std::numeric_limits<T>::infinity();
+          }
+        }
+        for (int r = 0; r < mr; ++r) {
+          T* srow = s.data() + r * BK;
+          V vmax = S::load(srow);
+          for (int c = W; c < BK; c += W) vmax = S::max(vmax, S::load(srow + c));
+          const T m_new = std::max(m[r], S::reduce_max(vmax));
+          if (m_new == -std::numeric_limits<T>::infinity()) {
+            std::fill(srow, srow + BK, T(0));
+            continue;
+          }
+          const T alpha = std::exp2(m[r] - m_new);
+          const V vm = S::set1(m_new);
+          V vsum = S::zero();
+          for (int c = 0; c < BK; c += W) {
+            const V e = S::exp2(S::sub(S::load(srow + c), vm));
+            S::store(srow + c, e);
+            vsum = S::add(vsum, e);
+          }
+          l[r] = l[r] * alpha + S::reduce_add(vsum);
+          m[r] = m_new;
+          if (alpha != T(1)) {
+            T* orow = o.data() + r * Dp;
+            const V va = S::set1(alpha);
+            for (std::int64_t d = 0; d < Dp; d += W) S::store(orow + d, S::mul(S::load(orow + d), va));
+          }
+        }
+        gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, s.data(), BK, vp_h + j0 * Dp, static_cast<int>(Dp), o.data(),
+                           static_cast<int>(Dp));
+      }
+
+      for (int r = 0; r < mr; ++r) {
+        const std::int64_t i = i0 + r;
+        float& lse_out = lse[(b * Hq + h) * Sq + i];
+        const T* orow = o.data() + r * Dp;
+        if (l[r] > T(0)) {
+          const T inv = T(1) / l[r];
+          for (std::int64_t d = 0; d < D; ++d) row[d] = orow[d] * inv;
+          lse_out = static_cast<float>((static_cast<double>(m[r]) + std::log2(static_cast<double>(l[r]))) *
+                                       0.6931471805599453);
+        } else {
+          std::fill(row.begin(), row.end(), T(0));
+          lse_out = -std::numeric_limits<float>::infinity();
+        }
+        const std::size_t off = static_cast<std::size_t>(((b * Sq + i) * Hq + h) * D) * out_size;
+        convert(row.data(), cdt, outc + off, out_dtype, static_cast<std::size_t>(D));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, float* lse) {
+  if (p.dtype == DType::kFloat64) {
+    forward_typed<double>(p, out, out_dtype, lse);
+  } else {
+    forward_typed<float>(p, out, out_dtype, lse);
+  }
+}
+
+}  // namespace seqpar::attn::cpu

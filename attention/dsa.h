@@ -1,0 +1,197 @@
+// DSA (DeepSeek sparse attention) on one device: lightning indexer + top-k selection, sparse latent attention
+// (absorbed MLA, one latent shared by all heads), and the indexer's KL training loss.
+//
+// Math (DESIGN.md section 5; DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse
+// Attention", 2025, eqs. for the lightning indexer, the top-k selection and the KL indexer loss):
+//   indexer    I_tj = sum_i w_ti * relu(q_idx_ti . k_idx_j)          for keys j visible to query t
+//   selection  J_t  = the k keys with the largest I_tj
+//   attention  a_htj = scale * q_ht . c_j  (j in J_t),  lse_ht = log sum_j exp(a_htj),
+//              o_ht = sum_j exp(a_htj - lse_ht) c_j[:Dv]               (value = first Dv columns of the latent)
+//   loss       p*_tj = sum_h exp(a_htj - lse_ht), L1-normalised over J_t (detached)
+//              L = sum_{b,t} KL(p*_t || softmax_{J_t}(I_t))            (a sum, not a mean; the caller scales it)
+//              dI_tj = softmax_{J_t}(I_t)_j - p*_tj, then through the relu into q_idx, k_idx and w.
+// The main output gets no gradient from L and the indexer none from the main output.
+//
+// Positions are global token indices (std::span<const int64_t>; empty = 0, 1, 2, ...). Key j is visible to query t
+// iff pos_k(j) <= pos_q(t). Every function below takes ONE BLOCK of keys (index keys or latents) with their global
+// positions, so that a context-parallel caller can feed blocks that arrive from other ranks, in any order:
+//
+//   Selection (per query block, keys in any number of blocks, any order):
+//     dsa_topk_init(state)                                    scores = -inf, positions = -1
+//     for each key block:  dsa_indexer_topk_block(args, state) merge the block's candidates into the running top-k
+//     dsa_topk_finalize(state, topk_indices)                  ascending global positions, -1 padded
+//   The selection order is the strict total order "larger score first, then smaller position", and a key's score
+//   does not depend on the block it came in, so the result is bitwise independent of the split and the order.
+//   (dsa_topk_merge merges two states, e.g. for a tree reduction.)
+//
+//   Attention forward (per latent block; the caller merges blocks with attn::lse_merge):
+//     dsa_attention_forward(args_block, out_b, lse_b)         attends to the selected positions inside the block only
+//   Attention backward (per latent block, with the FINAL out and lse):
+//     dsa_attention_backward(args_block, dq, dc_block, accumulate = true)
+//       dq (fp32) accumulates at the query's home; dc_block (fp32) is the block's latent gradient, summed over heads
+//       and over every query of this call that selected the position; it travels home with its block.
+//
+//   Indexer loss (three steps; every [B, Sq, k] array is indexed like topk_indices, O(Sq * k) memory):
+//     (a) per block:  dsa_attention_probs(attn_args_block, lse, probs)       probs[b,t,s] = sum_h p_hts
+//                     (or fused into the backward ring pass: DsaAttentionBackwardArgs::probs)
+//                     dsa_indexer_scores_selected(idx_args_block, topk, scores)  scores[b,t,s] = I_ts
+//         each writes only the slots s whose position lies in the block, so after every block has been seen each
+//         array is complete (the blocks of a layout are disjoint). Under Ulysses, where heads are split, probs is
+//         summed over the Ulysses group (all-reduce) before (b).
+//     (b) combine, per query row, no communication:
+//                     loss = dsa_indexer_loss({probs, scores, topk}, dscores)  p* = probs / sum_s probs;
+//                     returns sum over the rows of this call (double); the caller sums over ranks.
+//     (c) per block:  dsa_indexer_backward(idx_args_block, topk, dscores, dq_idx, dw, dk_idx_block, accumulate)
+//                     dq_idx, dw accumulate at the query's home; dk_idx_block (fp32) travels home with its block.
+//
+// Layouts (row-major, contiguous, host memory): q [B, Sq, H, Dqk], c [B, Sk, Dqk], out [B, Sq, H, Dv],
+// lse [B, H, Sq] fp32; q_idx [B, Sq, Hi, Di], w [B, Sq, Hi], k_idx [B, Sk, Di]; topk_indices [B, Sq, k] int64.
+// Storage dtypes fp32, bf16, fp16, fp64; arithmetic in fp32 (fp64 for fp64 inputs); every accumulator that crosses
+// calls (top-k scores, block out, lse, dq, dc, dq_idx, dk_idx, dw, probs, scores, dscores) is fp32.
+// A query row with nothing selected (or nothing selected inside a block) gets lse = -inf, out = 0 and contributes
+// nothing to any gradient or to the loss.
+// Synchronisation: host-synchronous (the stream is an ordering token on the CPU).
+// Determinism: bitwise the same results run to run, independent of the thread count (fixed reduction orders; key
+// gradients are summed over queries in increasing query order).
+// Extra memory (besides the caller's [B, Sq, k] arrays): the indexer O(16 * (Di + Hi)) per thread, never an
+// [Sq, Sk] matrix; the attention forward O(k * (Dqk + H)) per thread; the backward passes one fp32 (fp64 for fp64
+// inputs) copy of the block's key gradient (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]). The key-gradient pass reads
+// every query row once per thread.
+// Errors: seqpar::Error naming the tensor and the rule, raised before any work.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "runtime/device.h"
+#include "runtime/tensor.h"
+
+namespace seqpar::attn {
+
+// DeepSeek-V3.2 defaults (config of DeepSeek-V3.2-Exp: 128 heads, kv_lora_rank 512 + rope 64, index_n_heads 64,
+// index_head_dim 128, index_topk 2048).
+inline constexpr std::int64_t kDsaNumHeads = 128;        // H
+inline constexpr std::int64_t kDsaHeadDimQk = 576;       // Dqk = latent width (512 + 64 rope)
+inline constexpr std::int64_t kDsaHeadDimV = 512;        // Dv = value width (first Dv latent columns)
+inline constexpr std::int64_t kDsaIndexerNumHeads = 64;  // Hi
+inline constexpr std::int64_t kDsaIndexerHeadDim = 128;  // Di
+inline constexpr std::int64_t kDsaTopK = 2048;           // k
+
+// ---- indexer and top-k selection ----------------------------------------------------------------------------------
+
+struct DsaIndexerArgs {
+  TensorView q_idx;                     // [B, Sq, Hi, Di]
+  TensorView w;                         // [B, Sq, Hi] per-head weights
+  TensorView k_idx;                     // [B, Sk, Di] one key block (one head shared by all indexer heads)
+  std::span<const std::int64_t> q_pos;  // [Sq] global positions, any order (empty: 0..Sq-1)
+  std::span<const std::int64_t> k_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
+};
+// q_idx, w, k_idx: any floating dtype, all the same.
+
+// The running top-k of every query: scores [B, Sq, k] fp32 and positions [B, Sq, k] int64, owned by the caller.
+// Scores are kept in fp32 for every input dtype (with fp64 inputs, ties are decided on the fp32-rounded scores).
+// The order of the entries inside a row is internal (a heap); only dsa_topk_finalize reads it. An empty slot has
+// position -1 and score -inf. k may exceed the number of keys.
+struct DsaTopkState {
+  TensorView scores;     // [B, Sq, k] fp32
+  TensorView positions;  // [B, Sq, k] int64
+};
+
+// Sets every slot empty.
+void dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
+
+// Scores the keys of one block that are visible to each query (tile by tile, O(tile) extra memory per thread, no
+// [Sq, Sk] matrix) and merges them into `state`. Every key position must be fed once over all calls.
+// Errors: shapes, dtypes, q_pos / k_pos sizes, k_pos not strictly increasing.
+void dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
+
+// Merges `other` (same shapes, disjoint key positions) into `state`.
+void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream = Stream::cpu());
+
+// topk_indices [B, Sq, k] int64: the selected global positions of each row in ascending order, then -1 padding.
+// topk_indices may be state.positions itself (in place).
+void dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
+
+// Convenience for one key block: init + dsa_indexer_topk_block + finalize with a workspace state.
+// k = topk_indices.dim(2).
+void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream = Stream::cpu());
+
+// ---- sparse latent attention --------------------------------------------------------------------------------------
+
+struct DsaAttentionArgs {
+  TensorView q;                         // [B, Sq, H, Dqk]
+  TensorView c;                         // [B, Sk, Dqk] one latent block; value = c[..., :dim_v]
+  TensorView topk_indices;              // [B, Sq, k] int64: per row, ascending distinct positions <= q_pos, then -1
+  std::span<const std::int64_t> q_pos;  // [Sq] global positions, any order (empty: 0..Sq-1)
+  std::span<const std::int64_t> c_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
+  std::int64_t dim_v = kDsaHeadDimV;    // Dv, 1 <= Dv <= Dqk
+  float scale = 0.0f;                   // <= 0: 1 / sqrt(Dqk)
+};
+// q, c: any floating dtype, the same. Selected positions that are not in c_pos are simply not in this block.
+// Errors: shapes, dtypes, sizes, c_pos not strictly increasing, a topk row not ascending / not -1 padded, or a
+// selected position after its query (> q_pos[t]).
+
+// out [B, Sq, H, Dv] any floating dtype (the block form passes fp32), lse [B, H, Sq] fp32; both overwritten with the
+// result over the selected positions inside this block. Work: 2 * H * (Dqk + Dv) flops per selected pair; extra
+// memory O(k * (Dqk + H)) per thread.
+void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
+                           Stream stream = Stream::cpu());
+
+struct DsaAttentionBackwardArgs {
+  DsaAttentionArgs fwd;  // as in the forward (this block)
+  TensorView out;        // [B, Sq, H, Dv] the final (merged) output, any floating dtype
+  TensorView dout;       // [B, Sq, H, Dv] any floating dtype
+  TensorView lse;        // [B, H, Sq] fp32, the final lse
+  TensorView delta;      // optional [B, H, Sq] fp32 = rowsum(dout * out); computed from out / dout when not given
+  TensorView probs;      // optional [B, Sq, k] fp32: when given, also does dsa_attention_probs for this block (the
+                         // backward computes p anyway), so that a ring gets step (a) of the indexer loss for free
+};
+
+// Backward of one latent block with the final lse (DESIGN.md section 4 applied to the selected pairs):
+//   p = exp(a - lse), dp = dout_h . c_j[:Dv], ds = p (dp - delta_h),
+//   dq_h += scale ds c_j,  dc_j += scale ds q_h  (all Dqk columns)  +  p dout_h  (first Dv columns).
+// dq [B, Sq, H, Dqk], dc [B, Sk, Dqk]. accumulate = false: overwritten (any floating dtype); accumulate = true:
+// fp32, the block's contributions are added. dc_j is summed over heads and then over queries in increasing
+// (b, t) order, so it does not depend on the thread count.
+void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
+                            bool accumulate, Stream stream = Stream::cpu());
+
+// delta [B, H, Sq] fp32 = sum_d dout[b, t, h, d] * out[b, t, h, d] (fp64 sums for fp64 inputs, stored fp32).
+void dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
+                         Stream stream = Stream::cpu());
+
+// Step (a) of the indexer loss, main-attention side: probs [B, Sq, k] fp32,
+//   probs[b, t, s] = sum_h exp(scale q_ht . c_j - lse[b, h, t])   for slot s selecting position j inside this block;
+// other slots are left untouched. lse [B, H, Sq] fp32 must be the final lse. Heads are those of args.q.
+void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
+                         Stream stream = Stream::cpu());
+
+// ---- indexer loss ------------------------------------------------------------------------------------------------
+
+// Step (a), indexer side: scores [B, Sq, k] fp32, scores[b, t, s] = I_tj for slot s selecting position j inside this
+// key block (k_pos); other slots untouched. topk_indices as in DsaAttentionArgs (checked the same way).
+void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,
+                                 Stream stream = Stream::cpu());
+
+struct DsaIndexerLossArgs {
+  TensorView probs;         // [B, Sq, k] fp32 head-summed main-attention probabilities of the selected slots
+  TensorView scores;        // [B, Sq, k] fp32 indexer scores I of the selected slots
+  TensorView topk_indices;  // [B, Sq, k] int64; slots with -1 are ignored
+  float grad_scale = 1.0f;  // dscores = grad_scale * dL/dI (the upstream gradient of L)
+};
+
+// Step (b): per row, p* = probs / sum_s probs over the valid slots, LI = logsumexp(scores) over them,
+//   L_t = sum_s p*_s (log p*_s - (I_s - LI)), dscores_s = grad_scale (exp(I_s - LI) - p*_s), 0 on -1 slots.
+// Returns sum_t L_t over all (b, t) of this call in fp64 (fixed order). dscores [B, Sq, k] fp32 is overwritten
+// (may be a default TensorView when only the value is needed). A row with no valid slot adds 0.
+double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream = Stream::cpu());
+
+// Step (c), for one key block: with s = q_idx_ti . k_idx_j of each selected pair inside the block and g = dscores,
+//   dw_ti += g relu(s),  and where s > 0:  dq_idx_ti += g w_ti k_idx_j,  dk_idx_j += g w_ti q_idx_ti.
+// dq_idx [B, Sq, Hi, Di], dw [B, Sq, Hi], dk_idx [B, Sk, Di]. accumulate = false: overwritten (any floating dtype);
+// true: fp32, added. dk_idx_j is summed over queries in increasing (b, t) order (thread-count independent).
+void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
+                          const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
+                          Stream stream = Stream::cpu());
+
+}  // namespace seqpar::attn

@@ -1,0 +1,269 @@
+// Public boundary of the MHA / GQA kernels: argument validation, dispatch to the CPU kernels, the LSE merge and the
+// backward delta. Math: DESIGN.md section 4.
+#include "attention/mha.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "attention/cpu/mha_cpu.h"
+#include "runtime/error.h"
+
+namespace seqpar::attn {
+namespace {
+
+void check_positions(std::span<const std::int64_t> pos, std::int64_t len, const char* what) {
+  SEQPAR_CHECK(pos.empty() || static_cast<std::int64_t>(pos.size()) == len, what, " has ", pos.size(),
+               " entries, expected 0 (meaning 0..", len - 1, ") or ", len);
+  for (std::size_t i = 1; i < pos.size(); ++i) {
+    SEQPAR_CHECK(pos[i - 1] <= pos[i], what, " must be non-decreasing, but ", what, "[", i - 1, "] = ", pos[i - 1],
+                 " > ", what, "[", i, "] = ", pos[i]);
+  }
+}
+
+void check_mask(const MaskSpec& mask) {
+  SEQPAR_CHECK(mask.window >= 0, "mask.window ", mask.window, " must be >= 0 (0: no window)");
+  SEQPAR_CHECK(mask.window == 0 || mask.causal, "mask.window ", mask.window,
+               " requires mask.causal = true (sliding windows are causal)");
+}
+
+void check_host_tensor(const TensorView& t, const char* what) {
+  check_cpu(t, what);
+  SEQPAR_CHECK(is_floating(t.dtype()), what, " has dtype ", dtype_name(t.dtype()), ", expected a floating dtype");
+  SEQPAR_CHECK(t.numel() == 0 || t.data() != nullptr, what, " ", t.str(), " has no data");
+}
+
+// Validates q, k, v, positions and mask; returns the filled kernel parameters (ranges not yet set).
+cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
+  SEQPAR_CHECK(a.q.ndim() == 4, "q must be [B, Sq, Hq, D], got ", a.q.str());
+  SEQPAR_CHECK(a.k.ndim() == 4, "k must be [B, Sk, Hkv, D], got ", a.k.str());
+  check_host_tensor(a.q, "q");
+  check_host_tensor(a.k, "k");
+  check_host_tensor(a.v, "v");
+  const std::int64_t B = a.q.dim(0), Sq = a.q.dim(1), Hq = a.q.dim(2), D = a.q.dim(3);
+  const std::int64_t Sk = a.k.dim(1), Hkv = a.k.dim(2);
+  SEQPAR_CHECK(a.k.dim(0) == B && a.k.dim(3) == D, "k ", a.k.str(), " must match q ", a.q.str(),
+               " in batch (dim 0) and head_dim (dim 3)");
+  check_shape(a.v, a.k.shape(), "v");
+  SEQPAR_CHECK(a.k.dtype() == a.q.dtype() && a.v.dtype() == a.q.dtype(), "q, k, v must share one dtype, got q ",
+               dtype_name(a.q.dtype()), ", k ", dtype_name(a.k.dtype()), ", v ", dtype_name(a.v.dtype()));
+  SEQPAR_CHECK(D > 0, "head_dim (q dim 3) must be > 0, got ", D);
+  SEQPAR_CHECK(Hkv > 0 && Hq % Hkv == 0, "q heads Hq = ", Hq, " must be a multiple of kv heads Hkv = ", Hkv);
+  SEQPAR_CHECK(a.scale >= 0.0f && std::isfinite(a.scale), "scale ", a.scale,
+               " must be finite and >= 0 (0 or less: 1/sqrt(D))");
+  check_positions(a.q_pos, Sq, "q_pos");
+  check_positions(a.k_pos, Sk, "k_pos");
+  check_mask(a.mask);
+  cpu::MhaParams p;
+  p.q = a.q.data();
+  p.k = a.k.data();
+  p.v = a.v.data();
+  p.dtype = a.q.dtype();
+  p.batch = B;
+  p.sq = Sq;
+  p.sk = Sk;
+  p.hq = Hq;
+  p.hkv = Hkv;
+  p.head_dim = D;
+  p.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
+  return p;
+}
+
+void zero_fill(const TensorView& t) {
+  if (t.numel() > 0) std::memset(t.data(), 0, t.nbytes());
+}
+
+void fill_float(const TensorView& t, float value) {
+  float* p = static_cast<float*>(t.data());
+  for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = value;
+}
+
+}  // namespace
+
+void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
+  SEQPAR_CHECK(stream.device.is_cpu(), "mha_forward: stream on ", stream.device.str(),
+               ", but only the CPU implementation is built");
+  cpu::MhaParams p = check_forward_args(args);
+  check_host_tensor(out, "out");
+  check_shape(out, args.q.shape(), "out");
+  check_cpu(lse, "lse");
+  check_dtype(lse, DType::kFloat32, "lse");
+  check_shape(lse, {p.batch, p.hq, p.sq}, "lse");
+  if (p.batch * p.sq * p.hq == 0) return;
+  if (p.sk == 0) {
+    zero_fill(out);
+    fill_float(lse, -std::numeric_limits<float>::infinity());
+    return;
+  }
+  const cpu::KeyRanges ranges = cpu::key_ranges(args.q_pos, p.sq, args.k_pos, p.sk, args.mask);
+  p.ranges = &ranges;
+  cpu::mha_forward_cpu(p, out.data(), out.dtype(), static_cast<float*>(lse.data()));
+}
+
+void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                  bool accumulate, Stream stream) {
+  SEQPAR_CHECK(stream.device.is_cpu(), "mha_backward: stream on ", stream.device.str(),
+               ", but only the CPU implementation is built");
+  cpu::MhaParams p = check_forward_args(args.fwd);
+  check_host_tensor(args.dout, "dout");
+  check_shape(args.dout, args.fwd.q.shape(), "dout");
+  check_cpu(args.lse, "lse");
+  check_dtype(args.lse, DType::kFloat32, "lse");
+  check_shape(args.lse, {p.batch, p.hq, p.sq}, "lse");
+  const bool have_delta = !args.delta.empty();
+  if (have_delta) {
+    check_cpu(args.delta, "delta");
+    check_dtype(args.delta, DType::kFloat32, "delta");
+    check_shape(args.delta, {p.batch, p.hq, p.sq}, "delta");
+  } else {
+    check_host_tensor(args.out, "out (needed for delta, which was not given)");
+    check_shape(args.out, args.fwd.q.shape(), "out");
+  }
+  check_host_tensor(dq, "dq");
+  check_host_tensor(dk, "dk");
+  check_host_tensor(dv, "dv");
+  check_shape(dq, args.fwd.q.shape(), "dq");
+  check_shape(dk, args.fwd.k.shape(), "dk");
+  check_shape(dv, args.fwd.k.shape(), "dv");
+  if (accumulate) {
+    check_dtype(dq, DType::kFloat32, "dq (accumulate = true)");
+    check_dtype(dk, DType::kFloat32, "dk (accumulate = true)");
+    check_dtype(dv, DType::kFloat32, "dv (accumulate = true)");
+  }
+  if (p.batch * p.sq * p.hq == 0 || p.sk == 0) {
+    if (!accumulate) {
+      zero_fill(dq);
+      zero_fill(dk);
+      zero_fill(dv);
+    }
+    return;
+  }
+  const cpu::KeyRanges ranges = cpu::key_ranges(args.fwd.q_pos, p.sq, args.fwd.k_pos, p.sk, args.fwd.mask);
+  p.ranges = &ranges;
+  cpu::MhaBackwardParams bp;
+  bp.fwd = p;
+  bp.dout = args.dout.data();
+  bp.dout_dtype = args.dout.dtype();
+  bp.out = have_delta ? nullptr : args.out.data();
+  bp.out_dtype = have_delta ? DType::kFloat32 : args.out.dtype();
+  bp.lse = static_cast<const float*>(args.lse.data());
+  bp.delta = have_delta ? static_cast<const float*>(args.delta.data()) : nullptr;
+  bp.dq = dq.data();
+  bp.dk = dk.data();
+  bp.dv = dv.data();
+  bp.dq_dtype = dq.dtype();
+  bp.dk_dtype = dk.dtype();
+  bp.dv_dtype = dv.dtype();
+  bp.accumulate = accumulate;
+  cpu::mha_backward_cpu(bp);
+}
+
+void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
+  SEQPAR_CHECK(stream.device.is_cpu(), "mha_backward_delta: stream on ", stream.device.str(),
+               ", but only the CPU implementation is built");
+  check_host_tensor(out, "out");
+  check_host_tensor(dout, "dout");
+  SEQPAR_CHECK(out.ndim() == 4, "out must be [B, S, H, D], got ", out.str());
+  check_shape(dout, out.shape(), "dout");
+  const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
+  check_cpu(delta, "delta");
+  check_dtype(delta, DType::kFloat32, "delta");
+  check_shape(delta, {B, H, S}, "delta");
+  const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
+  float* dst = static_cast<float*>(delta.data());
+  const char* o = static_cast<const char*>(out.data());
+  const char* g = static_cast<const char*>(dout.data());
+  const std::size_t os = dtype_size(out.dtype()), gs = dtype_size(dout.dtype());
+#pragma omp parallel if (static_cast <double>(out.numel()) >= cpu::kMinParallelWork)
+  {
+    std::vector<double> ro(static_cast<std::size_t>(D)), rg(static_cast<std::size_t>(D));
+    std::vector<float> fo(static_cast<std::size_t>(D)), fg(static_cast<std::size_t>(D));
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < B * S * H; ++t) {
+      const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
+      const std::size_t e = static_cast<std::size_t>(t * D);
+      if (wide) {
+        convert(o + e * os, out.dtype(), ro.data(), DType::kFloat64, static_cast<std::size_t>(D));
+        convert(g + e * gs, dout.dtype(), rg.data(), DType::kFloat64, static_cast<std::size_t>(D));
+        double acc = 0.0;
+        for (std::int64_t d = 0; d < D; ++d) acc += ro[d] * rg[d];
+        dst[(b * H + h) * S + i] = static_cast<float>(acc);
+      } else {
+        convert(o + e * os, out.dtype(), fo.data(), DType::kFloat32, static_cast<std::size_t>(D));
+        convert(g + e * gs, dout.dtype(), fg.data(), DType::kFloat32, static_cast<std::size_t>(D));
+        float acc = 0.0f;
+        for (std::int64_t d = 0; d < D; ++d) acc += fo[d] * fg[d];
+        dst[(b * H + h) * S + i] = acc;
+      }
+    }
+  }
+}
+
+void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
+               Stream stream) {
+  SEQPAR_CHECK(stream.device.is_cpu(), "lse_merge: stream on ", stream.device.str(),
+               ", but only the CPU implementation is built");
+  SEQPAR_CHECK(out.ndim() == 4, "lse_merge: out must be [B, S, H, D], got ", out.str());
+  check_cpu(out, "lse_merge out");
+  check_cpu(out_b, "lse_merge out_b");
+  check_cpu(lse, "lse_merge lse");
+  check_cpu(lse_b, "lse_merge lse_b");
+  check_dtype(out, DType::kFloat32, "lse_merge out");
+  check_dtype(out_b, DType::kFloat32, "lse_merge out_b");
+  check_dtype(lse, DType::kFloat32, "lse_merge lse");
+  check_dtype(lse_b, DType::kFloat32, "lse_merge lse_b");
+  check_shape(out_b, out.shape(), "lse_merge out_b");
+  const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
+  check_shape(lse, {B, H, S}, "lse_merge lse");
+  check_shape(lse_b, {B, H, S}, "lse_merge lse_b");
+  float* o = static_cast<float*>(out.data());
+  const float* ob = static_cast<const float*>(out_b.data());
+  float* l = static_cast<float*>(lse.data());
+  const float* lb = static_cast<const float*>(lse_b.data());
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static) if (static_cast <double>(out.numel()) >= cpu::kMinParallelWork)
+  for (std::int64_t t = 0; t < B * S * H; ++t) {
+    const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
+    const std::int64_t li = (b * H + h) * S + i;
+    const float l1 = l[li], l2 = lb[li];
+    float* orow = o + t * D;
+    const float* brow = ob + t * D;
+    // With mx = max, mn = min and e = exp(mn - mx) in [0, 1]: lse = mx + log1p(e); the weights are 1 / (1 + e)
+    // for the larger side and e / (1 + e) for the smaller one, free of cancellation and of inf - inf.
+    float w1, w2, l_new;
+    if (l1 == kNegInf && l2 == kNegInf) {
+      w1 = 0.0f;
+      w2 = 0.0f;
+      l_new = kNegInf;
+    } else {
+      const bool first_max = l1 >= l2;
+      const float mx = first_max ? l1 : l2, mn = first_max ? l2 : l1;
+      const double e = std::exp(static_cast<double>(mn) - static_cast<double>(mx));  // exp(-inf) = 0
+      l_new = static_cast<float>(static_cast<double>(mx) + std::log1p(e));
+      const float w_max = static_cast<float>(1.0 / (1.0 + e)), w_min = static_cast<float>(e / (1.0 + e));
+      w1 = first_max ? w_max : w_min;
+      w2 = first_max ? w_min : w_max;
+    }
+    for (std::int64_t d = 0; d < D; ++d) {
+      // a side with weight 0 contributes nothing, even if its out holds garbage
+      const float a = w1 == 0.0f ? 0.0f : w1 * orow[d];
+      const float c = w2 == 0.0f ? 0.0f : w2 * brow[d];
+      orow[d] = a + c;
+    }
+    l[li] = l_new;
+  }
+}
+
+std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
+                           const MaskSpec& mask) {
+  check_positions(q_pos, static_cast<std::int64_t>(q_pos.size()), "q_pos");
+  check_positions(k_pos, static_cast<std::int64_t>(k_pos.size()), "k_pos");
+  check_mask(mask);
+  const cpu::KeyRanges r = cpu::key_ranges(q_pos, static_cast<std::int64_t>(q_pos.size()), k_pos,
+                                           static_cast<std::int64_t>(k_pos.size()), mask);
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < r.begin.size(); ++i) n += std::max<std::int64_t>(0, r.end[i] - r.begin[i]);
+  return n;
+}
+
+}  // namespace seqpar::attn

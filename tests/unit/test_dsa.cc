@@ -1,0 +1,750 @@
+// DSA kernels (attention/dsa.h) against the fp64 reference (attention/reference/dsa_reference.h) and finite
+// differences: top-k exactness with ties, -1 padding and k > S, dense limit, block splitting in any order, causality,
+// indexer loss and all gradients.
+//
+// Tolerances (kernel vs fp64 reference on the same rounded inputs):
+//   fp64: 1e-5 abs + 1e-5 rel; lse is stored in fp32 (DESIGN.md), so p = exp(a - lse) carries ~1e-7 relative error.
+//   fp32: 2e-5 abs + 1e-4 rel (fp32 accumulation over <= 64 terms of magnitude <= 10).
+//   bf16: outputs stored in bf16 (8-bit mantissa, relative rounding 2^-9 = 2e-3): 1e-2 abs + 1e-2 rel.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "attention/dsa.h"
+#include "attention/mha.h"
+#include "attention/reference/dsa_reference.h"
+#include "runtime/error.h"
+#include "tests/util/test_util.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace seqpar::test {
+namespace {
+
+using attn::DsaAttentionArgs;
+using attn::DsaAttentionBackwardArgs;
+using attn::DsaIndexerArgs;
+using attn::DsaIndexerLossArgs;
+using attn::DsaTopkState;
+using Pos = std::vector<std::int64_t>;
+
+struct Tol {
+  double atol, rtol;
+};
+Tol tol_for(DType dt) {
+  switch (dt) {
+    case DType::kFloat64: return {1e-5, 1e-5};
+    case DType::kFloat32: return {2e-5, 1e-4};
+    default: return {1e-2, 1e-2};  // bf16 storage of the outputs
+  }
+}
+
+Tensor f64(const TensorView& t) { return Tensor::copy_of(t, DType::kFloat64, MemCategory::kWorkspace); }
+Tensor f32_zeros(const Shape& s) { return Tensor::zeros(s, DType::kFloat32, MemCategory::kWorkspace); }
+Tensor i64(const Shape& s) { return Tensor::empty(s, DType::kInt64, MemCategory::kWorkspace); }
+std::vector<std::int64_t> ints(const TensorView& t) {
+  const auto* p = static_cast<const std::int64_t*>(t.data());
+  return {p, p + t.numel()};
+}
+Pos iota(std::int64_t n, std::int64_t from = 0) {
+  Pos p(static_cast<std::size_t>(n));
+  std::iota(p.begin(), p.end(), from);
+  return p;
+}
+
+// Rows `rows` (sorted local indices) of dimension 1 of t [B, S, ...] as a new contiguous tensor [B, n, ...].
+Tensor gather_seq(const TensorView& t, const Pos& rows) {
+  Shape s = t.shape();
+  const std::int64_t S = s[1];
+  s[1] = static_cast<std::int64_t>(rows.size());
+  Tensor out = Tensor::empty(s, t.dtype(), MemCategory::kWorkspace);
+  const std::size_t row_bytes = t.nbytes() / static_cast<std::size_t>(t.dim(0) * S);
+  for (std::int64_t b = 0; b < t.dim(0); ++b) {
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      std::memcpy(static_cast<char*>(out.data()) + (b * s[1] + static_cast<std::int64_t>(i)) * row_bytes,
+                  static_cast<const char*>(t.data()) + (b * S + rows[i]) * row_bytes, row_bytes);
+    }
+  }
+  return out;
+}
+// full[b, rows[i], :] += part[b, i, :] (fp32).
+void scatter_add(const TensorView& full, const TensorView& part, const Pos& rows) {
+  const std::int64_t S = full.dim(1), n = part.dim(1), B = full.dim(0);
+  const std::int64_t D = full.numel() / (B * S);
+  float* f = static_cast<float*>(full.data());
+  const float* p = static_cast<const float*>(part.data());
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t d = 0; d < D; ++d) f[(b * S + rows[i]) * D + d] += p[(b * n + i) * D + d];
+    }
+  }
+}
+
+// Zigzag shard r of P: chunks r and 2P-1-r of size S / (2P).
+Pos zigzag(std::int64_t S, int P, int r) {
+  const std::int64_t c = S / (2 * P);
+  Pos p = iota(c, r * c);
+  const Pos hi = iota(c, (2 * P - 1 - r) * c);
+  p.insert(p.end(), hi.begin(), hi.end());
+  return p;
+}
+
+struct Dims {
+  std::int64_t B = 2, S = 36, H = 3, Dqk = 20, Dv = 16, Hi = 3, Di = 12, K = 8;
+};
+
+// Random DSA inputs of one storage dtype.
+struct Problem {
+  Dims d;
+  DType dtype;
+  Tensor q, c, q_idx, w, k_idx;
+  Problem(const Dims& dims, DType dt, std::uint64_t seed) : d(dims), dtype(dt) {
+    q = random_tensor({d.B, d.S, d.H, d.Dqk}, dt, seed + 1, -2.0, 2.0);
+    c = random_tensor({d.B, d.S, d.Dqk}, dt, seed + 2, -1.0, 1.0);
+    q_idx = random_tensor({d.B, d.S, d.Hi, d.Di}, dt, seed + 3);
+    w = random_tensor({d.B, d.S, d.Hi}, dt, seed + 4, -1.0, 1.0);
+    k_idx = random_tensor({d.B, d.S, d.Di}, dt, seed + 5);
+  }
+  DsaIndexerArgs indexer() const { return {q_idx, w, k_idx, {}, {}}; }
+  DsaAttentionArgs attention(const TensorView& topk) const {
+    DsaAttentionArgs a{q, c, topk, {}, {}};
+    a.dim_v = d.Dv;
+    return a;
+  }
+};
+
+std::string dtype_param_name(const ::testing::TestParamInfo<DType>& info) { return dtype_name(info.param); }
+
+// ---- top-k selection ----------------------------------------------------------------------------------------------
+
+class DsaTopkTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(DsaTopkTest, MatchesReference) {
+  Dims d;
+  d.S = 48;
+  d.K = 10;
+  const Problem pr(d, GetParam(), 11);
+  Tensor got = i64({d.B, d.S, d.K}), want = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), got);
+  const Tensor q64 = f64(pr.q_idx), w64 = f64(pr.w), k64 = f64(pr.k_idx);
+  attn::reference::dsa_indexer_topk({q64, w64, k64, {}, {}}, want);
+  EXPECT_EQ(ints(got), ints(want));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DsaTopkTest,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat16, DType::kFloat64),
+                         dtype_param_name);
+
+// Index keys drawn from three integer patterns and integer queries and weights: scores are exact in fp32 and most of
+// them are tied, so the selection is decided by the position tie-break.
+Problem tie_problem(const Dims& d) {
+  Problem pr(d, DType::kFloat32, 21);
+  const std::vector<double> pick = random_values(d.B * d.S, 99, 0.0, 3.0);
+  const std::vector<double> qv = random_values(pr.q_idx.numel(), 98, -2.0, 3.0);
+  const std::vector<double> wv = random_values(pr.w.numel(), 97, 0.0, 3.0);
+  auto* k = pr.k_idx.data_as<float>();
+  for (std::int64_t r = 0; r < d.B * d.S; ++r) {
+    const int pat = static_cast<int>(pick[r]);
+    for (std::int64_t e = 0; e < d.Di; ++e) k[r * d.Di + e] = static_cast<float>((e + pat) % 3 == 0 ? 1 : pat - 1);
+  }
+  for (std::int64_t i = 0; i < pr.q_idx.numel(); ++i) pr.q_idx.data_as<float>()[i] = std::floor(qv[i]);
+  for (std::int64_t i = 0; i < pr.w.numel(); ++i) pr.w.data_as<float>()[i] = std::floor(wv[i]);
+  return pr;
+}
+
+TEST(DsaTopk, ManyEqualScoresTieToSmallerPosition) {
+  Dims d;
+  d.S = 40;
+  const Problem pr = tie_problem(d);
+  Tensor got = i64({d.B, d.S, d.K}), want = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), got);
+  const Tensor q64 = f64(pr.q_idx), w64 = f64(pr.w), k64 = f64(pr.k_idx);
+  attn::reference::dsa_indexer_topk({q64, w64, k64, {}, {}}, want);
+  EXPECT_EQ(ints(got), ints(want));
+  // Count ties at the selection boundary to make sure the case is exercised.
+  Tensor scores = Tensor::empty({d.B, d.S, d.S}, DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::dsa_indexer_scores({q64, w64, k64, {}, {}}, scores);
+  std::int64_t boundary_ties = 0;
+  const auto sel = ints(got);
+  const double* sc = scores.data_as<double>();
+  for (std::int64_t r = 0; r < d.B * d.S; ++r) {
+    const std::int64_t t = r % d.S;
+    if (t + 1 <= d.K) continue;
+    double kth = INFINITY;
+    for (std::int64_t s = 0; s < d.K; ++s) kth = std::min(kth, sc[r * d.S + sel[r * d.K + s]]);
+    std::int64_t equal = 0;
+    for (std::int64_t j = 0; j <= t; ++j) equal += sc[r * d.S + j] == kth;
+    boundary_ties += equal > 1;
+  }
+  EXPECT_GT(boundary_ties, d.B * (d.S - d.K) / 2) << "the tie case is not exercised";
+
+  // All scores equal (zero queries): the k smallest visible positions win.
+  Problem zero = tie_problem(d);
+  std::fill(zero.q_idx.data_as<float>(), zero.q_idx.data_as<float>() + zero.q_idx.numel(), 0.0f);
+  attn::dsa_indexer_topk(zero.indexer(), got);
+  const auto z = ints(got);
+  for (std::int64_t r = 0; r < d.B * d.S; ++r) {
+    const std::int64_t t = r % d.S;
+    for (std::int64_t s = 0; s < d.K; ++s) {
+      ASSERT_EQ(z[r * d.K + s], s <= t ? s : -1) << "row " << r << " slot " << s;
+    }
+  }
+}
+
+TEST(DsaTopk, PaddingAndKLargerThanS) {
+  Dims d;
+  d.S = 12;
+  d.K = 17;  // k > S
+  const Problem pr(d, DType::kFloat32, 31);
+  Tensor got = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), got);
+  const auto v = ints(got);
+  for (std::int64_t r = 0; r < d.B * d.S; ++r) {
+    const std::int64_t t = r % d.S;
+    for (std::int64_t s = 0; s < d.K; ++s) ASSERT_EQ(v[r * d.K + s], s <= t ? s : -1) << "row " << r;
+  }
+  // Queries whose positions precede every key select nothing.
+  const Pos kpos = iota(d.S, 5);
+  Tensor none = i64({d.B, d.S, 4});
+  attn::dsa_indexer_topk({pr.q_idx, pr.w, pr.k_idx, {}, kpos}, none);
+  const auto nv = ints(none);
+  for (std::int64_t r = 0; r < d.B * d.S; ++r) {
+    const std::int64_t t = r % d.S;
+    EXPECT_EQ(nv[r * 4] >= 0, t >= 5) << "row " << r;
+  }
+}
+
+// Selection over key blocks fed in any order (and through dsa_topk_merge) equals the one-call selection, for a
+// zigzag query shard.
+void check_topk_blocks(const Problem& pr) {
+  const Dims& d = pr.d;
+  Tensor full = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), full);
+  const auto full_v = ints(full);
+  const int P = 3;
+  const Pos qrows = zigzag(d.S, P, 1);
+  const Tensor q_idx = gather_seq(pr.q_idx, qrows), w = gather_seq(pr.w, qrows);
+  const std::int64_t Sq = static_cast<std::int64_t>(qrows.size());
+  std::vector<Pos> blocks;
+  for (int r = 0; r < P; ++r) blocks.push_back(zigzag(d.S, P, r));
+  const std::vector<Pos> contiguous = {iota(5), iota(12, 5), iota(d.S - 17, 17)};
+  for (const auto& split : {blocks, contiguous}) {
+    for (const std::vector<int>& order : {std::vector<int>{0, 1, 2}, {2, 0, 1}, {1, 2, 0}}) {
+      Tensor sc = f32_zeros({d.B, Sq, d.K}), ps = i64({d.B, Sq, d.K}), idx = i64({d.B, Sq, d.K});
+      const DsaTopkState st{sc, ps};
+      attn::dsa_topk_init(st);
+      for (int o : order) {
+        const Tensor k = gather_seq(pr.k_idx, split[o]);
+        attn::dsa_indexer_topk_block({q_idx, w, k, qrows, split[o]}, st);
+      }
+      attn::dsa_topk_finalize(st, idx);
+      const auto v = ints(idx);
+      for (std::int64_t b = 0; b < d.B; ++b) {
+        for (std::int64_t i = 0; i < Sq; ++i) {
+          for (std::int64_t s = 0; s < d.K; ++s) {
+            ASSERT_EQ(v[(b * Sq + i) * d.K + s], full_v[(b * d.S + qrows[i]) * d.K + s])
+                << "b " << b << " query " << qrows[i] << " slot " << s << " order " << order[0] << order[1] << order[2];
+          }
+        }
+      }
+    }
+  }
+  // Two states over disjoint halves of the keys, merged, finalised in place.
+  Tensor s1 = f32_zeros({d.B, d.S, d.K}), p1 = i64({d.B, d.S, d.K}), s2 = f32_zeros({d.B, d.S, d.K}),
+         p2 = i64({d.B, d.S, d.K});
+  attn::dsa_topk_init({s1, p1});
+  attn::dsa_topk_init({s2, p2});
+  const Pos lo = iota(d.S / 2), hi = iota(d.S - d.S / 2, d.S / 2);
+  const Tensor klo = gather_seq(pr.k_idx, lo), khi = gather_seq(pr.k_idx, hi);
+  attn::dsa_indexer_topk_block({pr.q_idx, pr.w, khi, {}, hi}, {s1, p1});
+  attn::dsa_indexer_topk_block({pr.q_idx, pr.w, klo, {}, lo}, {s2, p2});
+  attn::dsa_topk_merge({s1, p1}, {s2, p2});
+  attn::dsa_topk_finalize({s1, p1}, p1);
+  EXPECT_EQ(ints(p1), full_v);
+}
+
+TEST(DsaTopk, BlockSplitAnyOrderIsIdentical) {
+  Dims d;
+  check_topk_blocks(Problem(d, DType::kFloat32, 41));
+  check_topk_blocks(Problem(d, DType::kBFloat16, 42));
+  check_topk_blocks(tie_problem(d));
+}
+
+// ---- sparse latent attention --------------------------------------------------------------------------------------
+
+class DsaAttentionTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(DsaAttentionTest, ForwardBackwardMatchReference) {
+  const DType dt = GetParam();
+  Dims d;
+  const Problem pr(d, dt, 51);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const DsaAttentionArgs args = pr.attention(topk);
+  Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, dt, MemCategory::kWorkspace);
+  Tensor lse = f32_zeros({d.B, d.H, d.S});
+  attn::dsa_attention_forward(args, out, lse);
+  const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, dt, 52);
+  Tensor dq = Tensor::empty(pr.q.shape(), dt, MemCategory::kWorkspace);
+  Tensor dc = Tensor::empty(pr.c.shape(), dt, MemCategory::kWorkspace);
+  attn::dsa_attention_backward({args, out, dout, lse, {}, {}}, dq, dc, false);
+
+  const Tensor q64 = f64(pr.q), c64 = f64(pr.c), dout64 = f64(dout);
+  DsaAttentionArgs ref = args;
+  ref.q = q64;
+  ref.c = c64;
+  Tensor out_r = Tensor::empty(out.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor lse_r = Tensor::empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dq_r = Tensor::empty(dq.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dc_r = Tensor::empty(dc.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::dsa_attention_forward(ref, out_r, lse_r);
+  attn::reference::dsa_attention_backward(ref, dout64, dq_r, dc_r);
+  const Tol tol = tol_for(dt);
+  EXPECT_TRUE(all_close(to_double(out), to_double(out_r), tol.atol, tol.rtol, "out"));
+  EXPECT_TRUE(all_close(to_double(lse), to_double(lse_r), 1e-5, 1e-5, "lse"));  // fp32 for every dtype
+  EXPECT_TRUE(all_close(to_double(dq), to_double(dq_r), tol.atol, tol.rtol, "dq"));
+  EXPECT_TRUE(all_close(to_double(dc), to_double(dc_r), tol.atol, tol.rtol, "dc"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DsaAttentionTest,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat64), dtype_param_name);
+
+// k >= number of visible keys: exactly dense causal MLA attention (formula written out here, fp64).
+TEST(DsaAttention, DenseWhenKCoversAllVisibleKeys) {
+  Dims d;
+  d.S = 20;
+  d.K = 25;
+  const Problem pr(d, DType::kFloat64, 61);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, DType::kFloat64, MemCategory::kWorkspace);
+  Tensor lse = f32_zeros({d.B, d.H, d.S});
+  attn::dsa_attention_forward(pr.attention(topk), out, lse);
+  const double* q = pr.q.data_as<double>();
+  const double* c = pr.c.data_as<double>();
+  std::vector<double> want_out(static_cast<std::size_t>(out.numel())), want_lse(static_cast<std::size_t>(lse.numel()));
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.Dqk));
+  for (std::int64_t b = 0; b < d.B; ++b) {
+    for (std::int64_t t = 0; t < d.S; ++t) {
+      for (std::int64_t h = 0; h < d.H; ++h) {
+        std::vector<double> a(static_cast<std::size_t>(t + 1));
+        for (std::int64_t j = 0; j <= t; ++j) {
+          double s = 0;
+          for (std::int64_t e = 0; e < d.Dqk; ++e)
+            s += q[((b * d.S + t) * d.H + h) * d.Dqk + e] * c[(b * d.S + j) * d.Dqk + e];
+          a[j] = scale * s;
+        }
+        const double m = *std::max_element(a.begin(), a.end());
+        double z = 0;
+        for (double x : a) z += std::exp(x - m);
+        want_lse[(b * d.H + h) * d.S + t] = m + std::log(z);
+        for (std::int64_t e = 0; e < d.Dv; ++e) {
+          double o = 0;
+          for (std::int64_t j = 0; j <= t; ++j) o += std::exp(a[j] - m) / z * c[(b * d.S + j) * d.Dqk + e];
+          want_out[((b * d.S + t) * d.H + h) * d.Dv + e] = o;
+        }
+      }
+    }
+  }
+  EXPECT_TRUE(all_close(to_double(out), want_out, 1e-12, 1e-12, "out"));
+  EXPECT_TRUE(all_close(to_double(lse), want_lse, 1e-6, 1e-6, "lse"));
+}
+
+// Latent blocks in any order, merged with attn::lse_merge, equal the one-call forward; the block backward with the
+// final out / lse reproduces dq (to rounding) and dc and probs (bitwise).
+TEST(DsaAttention, BlockSplitAnyOrderMatchesOneCall) {
+  Dims d;
+  const Problem pr(d, DType::kFloat32, 71);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const DsaAttentionArgs args = pr.attention(topk);
+  Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
+  attn::dsa_attention_forward(args, out, lse);
+  const Tensor dout = random_tensor(out.shape(), DType::kFloat32, 72);
+  Tensor dq = f32_zeros(pr.q.shape()), dc = f32_zeros(pr.c.shape()), probs = f32_zeros(topk.shape());
+  attn::dsa_attention_backward({args, out, dout, lse, {}, {}}, dq, dc, true);
+  attn::dsa_attention_probs(args, lse, probs);
+
+  const int P = 3;
+  std::vector<Pos> zz;
+  for (int r = 0; r < P; ++r) zz.push_back(zigzag(d.S, P, r));
+  const std::vector<Pos> contiguous = {iota(7), iota(d.S - 7 - 10, 7), iota(10, d.S - 10)};
+  Tensor delta = f32_zeros(lse.shape());  // precomputed once, as a ring would
+  attn::dsa_attention_delta(out, dout, delta);
+  for (const auto& split : {zz, contiguous}) {
+    for (const std::vector<int>& order : {std::vector<int>{0, 1, 2}, {2, 1, 0}}) {
+      Tensor mo = f32_zeros(out.shape()), ml = f32_zeros(lse.shape());
+      std::fill(ml.data_as<float>(), ml.data_as<float>() + ml.numel(), -INFINITY);
+      Tensor bdq = f32_zeros(dq.shape()), bdc = f32_zeros(dc.shape()), bprobs = f32_zeros(probs.shape());
+      for (int o : order) {
+        const Tensor cb = gather_seq(pr.c, split[o]);
+        DsaAttentionArgs a = args;
+        a.c = cb;
+        a.c_pos = split[o];
+        Tensor ob = f32_zeros(out.shape()), lb = f32_zeros(lse.shape());
+        attn::dsa_attention_forward(a, ob, lb);
+        attn::lse_merge(mo, ml, ob, lb);
+        Tensor dcb = f32_zeros(cb.shape());
+        attn::dsa_attention_backward({a, out, dout, lse, delta, bprobs}, bdq, dcb, true);  // probs fused
+        scatter_add(bdc, dcb, split[o]);
+      }
+      EXPECT_TRUE(all_close(to_double(mo), to_double(out), 1e-6, 1e-5, "merged out"));
+      EXPECT_TRUE(all_close(to_double(ml), to_double(lse), 1e-6, 1e-6, "merged lse"));
+      EXPECT_TRUE(all_close(to_double(bdq), to_double(dq), 1e-6, 1e-5, "block dq"));
+      EXPECT_EQ(to_double(bdc), to_double(dc)) << "block dc is not bitwise the one-call dc";
+      EXPECT_EQ(to_double(bprobs), to_double(probs)) << "block probs are not bitwise the one-call probs";
+    }
+  }
+}
+
+// Central differences of L = sum(out * G) on the fp64 kernel.
+TEST(DsaAttention, FiniteDifferencesDqDc) {
+  Dims d;
+  d.S = 16;
+  d.K = 6;
+  Problem pr(d, DType::kFloat64, 81);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const DsaAttentionArgs args = pr.attention(topk);
+  const Tensor G = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat64, 82);
+  Tensor out = Tensor::empty(G.shape(), DType::kFloat64, MemCategory::kWorkspace), lse = f32_zeros({d.B, d.H, d.S});
+  auto loss = [&]() {
+    attn::dsa_attention_forward(args, out, lse);
+    double l = 0;
+    for (std::int64_t i = 0; i < out.numel(); ++i) l += out.data_as<double>()[i] * G.data_as<double>()[i];
+    return l;
+  };
+  loss();
+  Tensor dq = Tensor::empty(pr.q.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dc = Tensor::empty(pr.c.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::dsa_attention_backward({args, out, G, lse, {}, {}}, dq, dc, false);
+  const double eps = 1e-5;
+  for (auto [x, g, name] : {std::tuple{&pr.q, &dq, "dq"}, std::tuple{&pr.c, &dc, "dc"}}) {
+    const std::vector<double> pick = random_values(16, 83, 0.0, static_cast<double>(x->numel()));
+    for (double pd : pick) {
+      const auto i = static_cast<std::int64_t>(pd);
+      double* v = x->data_as<double>() + i;
+      const double keep = *v;
+      *v = keep + eps;
+      const double lp = loss();
+      *v = keep - eps;
+      const double lm = loss();
+      *v = keep;
+      const double fd = (lp - lm) / (2 * eps), an = g->data_as<double>()[i];
+      EXPECT_NEAR(an, fd, 1e-6 + 1e-5 * std::abs(fd)) << name << "[" << i << "]";
+    }
+  }
+}
+
+TEST(DsaAttention, RowsWithNothingSelected) {
+  Dims d;
+  d.S = 10;
+  const Problem pr(d, DType::kFloat32, 91);
+  const Pos cpos = iota(d.S, 4);  // keys start at position 4: queries 0..3 see nothing
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk({pr.q_idx, pr.w, pr.k_idx, {}, cpos}, topk);
+  DsaAttentionArgs a = pr.attention(topk);
+  a.c_pos = cpos;
+  Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
+  attn::dsa_attention_forward(a, out, lse);
+  const Tensor dout = random_tensor(out.shape(), DType::kFloat32, 92);
+  Tensor dq = f32_zeros(pr.q.shape()), dc = f32_zeros(pr.c.shape());
+  attn::dsa_attention_backward({a, out, dout, lse, {}, {}}, dq, dc, false);
+  for (std::int64_t b = 0; b < d.B; ++b) {
+    for (std::int64_t t = 0; t < d.S; ++t) {
+      for (std::int64_t h = 0; h < d.H; ++h) {
+        const float l = lse.data_as<float>()[(b * d.H + h) * d.S + t];
+        if (t < 4) {
+          EXPECT_TRUE(std::isinf(l) && l < 0) << "lse at t=" << t;
+          for (std::int64_t e = 0; e < d.Dv; ++e)
+            EXPECT_EQ(out.data_as<float>()[((b * d.S + t) * d.H + h) * d.Dv + e], 0.0f);
+          for (std::int64_t e = 0; e < d.Dqk; ++e)
+            EXPECT_EQ(dq.data_as<float>()[((b * d.S + t) * d.H + h) * d.Dqk + e], 0.0f);
+        } else {
+          EXPECT_TRUE(std::isfinite(l));
+        }
+      }
+    }
+  }
+  for (double v : to_double(dc)) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(DsaAttention, ArgumentErrors) {
+  Dims d;
+  d.S = 8;
+  d.K = 4;
+  const Problem pr(d, DType::kFloat32, 95);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
+  DsaAttentionArgs a = pr.attention(topk);
+  a.dim_v = d.Dqk + 1;
+  EXPECT_THROW(attn::dsa_attention_forward(a, out, lse), Error);
+  a = pr.attention(topk);
+  Pos bad = iota(d.S);
+  std::swap(bad[2], bad[3]);
+  a.c_pos = bad;
+  EXPECT_THROW(attn::dsa_attention_forward(a, out, lse), Error);
+  Tensor future = i64({d.B, d.S, d.K});
+  std::memcpy(future.data(), topk.data(), topk.nbytes());
+  future.data_as<std::int64_t>()[2 * d.K] = 5;  // row t = 2 selects position 5
+  EXPECT_THROW(attn::dsa_attention_forward(pr.attention(future), out, lse), Error);
+  std::memcpy(future.data(), topk.data(), topk.nbytes());
+  std::swap(future.data_as<std::int64_t>()[5 * d.K], future.data_as<std::int64_t>()[5 * d.K + 1]);  // not ascending
+  EXPECT_THROW(attn::dsa_attention_forward(pr.attention(future), out, lse), Error);
+  const Pos kpos_bad = {0, 1, 1, 2, 3, 4, 5, 6};
+  EXPECT_THROW(attn::dsa_indexer_topk({pr.q_idx, pr.w, pr.k_idx, {}, kpos_bad}, topk), Error);
+}
+
+// ---- indexer loss -------------------------------------------------------------------------------------------------
+
+struct LossResult {
+  double loss = 0;
+  Tensor dq_idx, dw, dk_idx, dscores;
+};
+
+// The kernel pipeline on one key block: lse, probs, selected scores, loss, backward (accumulate into fp32).
+LossResult kernel_loss(const Problem& pr, const TensorView& topk) {
+  const Dims& d = pr.d;
+  const DsaAttentionArgs a = pr.attention(topk);
+  Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
+  attn::dsa_attention_forward(a, out, lse);
+  Tensor probs = f32_zeros(topk.shape()), scores = f32_zeros(topk.shape());
+  attn::dsa_attention_probs(a, lse, probs);
+  attn::dsa_indexer_scores_selected(pr.indexer(), topk, scores);
+  LossResult r;
+  r.dscores = f32_zeros(topk.shape());
+  r.loss = attn::dsa_indexer_loss({probs, scores, topk}, r.dscores);
+  r.dq_idx = f32_zeros(pr.q_idx.shape());
+  r.dw = f32_zeros(pr.w.shape());
+  r.dk_idx = f32_zeros(pr.k_idx.shape());
+  attn::dsa_indexer_backward(pr.indexer(), topk, r.dscores, r.dq_idx, r.dw, r.dk_idx, true);
+  return r;
+}
+
+class DsaIndexerLossTest : public ::testing::TestWithParam<DType> {};
+
+TEST_P(DsaIndexerLossTest, MatchesReference) {
+  const DType dt = GetParam();
+  Dims d;
+  const Problem pr(d, dt, 101);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const LossResult k = kernel_loss(pr, topk);
+
+  const Tensor q64 = f64(pr.q), c64 = f64(pr.c), qi64 = f64(pr.q_idx), w64 = f64(pr.w), ki64 = f64(pr.k_idx);
+  DsaAttentionArgs ra = pr.attention(topk);
+  ra.q = q64;
+  ra.c = c64;
+  Tensor dq_r = Tensor::empty(qi64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dw_r = Tensor::empty(w64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dk_r = Tensor::empty(ki64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  const double loss_r = attn::reference::dsa_indexer_loss(ra, {qi64, w64, ki64, {}, {}}, dq_r, dw_r, dk_r);
+  // The pipeline's intermediates (probs, scores, dscores) are fp32 for every dtype: fp32-level tolerances.
+  EXPECT_NEAR(k.loss, loss_r, 1e-5 + 1e-5 * std::abs(loss_r));
+  EXPECT_GT(loss_r, 0.1);
+  EXPECT_TRUE(all_close(to_double(k.dq_idx), to_double(dq_r), 1e-5, 1e-4, "dq_idx"));
+  EXPECT_TRUE(all_close(to_double(k.dw), to_double(dw_r), 1e-5, 1e-4, "dw"));
+  EXPECT_TRUE(all_close(to_double(k.dk_idx), to_double(dk_r), 1e-5, 1e-4, "dk_idx"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, DsaIndexerLossTest,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat64), dtype_param_name);
+
+// The reference gradients against central differences of the reference loss (selection and p* held fixed).
+TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
+  Dims d;
+  d.S = 14;
+  d.K = 5;
+  Problem pr(d, DType::kFloat64, 111);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const DsaAttentionArgs a = pr.attention(topk);
+  Tensor dq = Tensor::empty(pr.q_idx.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dw = Tensor::empty(pr.w.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dk = Tensor::empty(pr.k_idx.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::dsa_indexer_loss(a, pr.indexer(), dq, dw, dk);
+  // The kernel agrees with the reference value (fp64 inputs, fp32 intermediates).
+  const LossResult k = kernel_loss(pr, topk);
+  const double eps = 1e-6;
+  auto loss = [&]() { return attn::reference::dsa_indexer_loss(a, pr.indexer(), {}, {}, {}); };
+  EXPECT_NEAR(k.loss, loss(), 1e-5 * std::abs(loss()));
+  for (auto [x, g, kg, name] : {std::tuple{&pr.q_idx, &dq, &k.dq_idx, "dq_idx"}, std::tuple{&pr.w, &dw, &k.dw, "dw"},
+                                std::tuple{&pr.k_idx, &dk, &k.dk_idx, "dk_idx"}}) {
+    const std::vector<double> pick = random_values(16, 112, 0.0, static_cast<double>(x->numel()));
+    for (double pd : pick) {
+      const auto i = static_cast<std::int64_t>(pd);
+      double* v = x->data_as<double>() + i;
+      const double keep = *v;
+      *v = keep + eps;
+      const double lp = loss();
+      *v = keep - eps;
+      const double lm = loss();
+      *v = keep;
+      const double fd = (lp - lm) / (2 * eps);
+      EXPECT_NEAR(g->data_as<double>()[i], fd, 1e-7 + 1e-5 * std::abs(fd)) << "reference " << name << "[" << i << "]";
+      EXPECT_NEAR(kg->data_as<float>()[i], fd, 1e-5 + 1e-4 * std::abs(fd)) << "kernel " << name << "[" << i << "]";
+    }
+  }
+}
+
+// The three-step block protocol over latent / index-key blocks in any order equals the one-call pipeline.
+TEST(DsaIndexerLoss, BlockSplitAnyOrderMatchesOneCall) {
+  Dims d;
+  const Problem pr(d, DType::kFloat32, 121);
+  Tensor topk = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const LossResult one = kernel_loss(pr, topk);
+  const DsaAttentionArgs args = pr.attention(topk);
+  Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
+  attn::dsa_attention_forward(args, out, lse);
+
+  const int P = 3;
+  const std::vector<int> order = {2, 0, 1};
+  Tensor probs = f32_zeros(topk.shape()), scores = f32_zeros(topk.shape());
+  for (int o : order) {  // (a) per block
+    const Pos rows = zigzag(d.S, P, o);
+    const Tensor cb = gather_seq(pr.c, rows), kb = gather_seq(pr.k_idx, rows);
+    DsaAttentionArgs a = args;
+    a.c = cb;
+    a.c_pos = rows;
+    attn::dsa_attention_probs(a, lse, probs);
+    attn::dsa_indexer_scores_selected({pr.q_idx, pr.w, kb, {}, rows}, topk, scores);
+  }
+  Tensor dscores = f32_zeros(topk.shape());
+  const double loss = attn::dsa_indexer_loss({probs, scores, topk}, dscores);  // (b)
+  EXPECT_EQ(loss, one.loss);
+  EXPECT_EQ(to_double(dscores), to_double(one.dscores));
+  Tensor dq = f32_zeros(pr.q_idx.shape()), dw = f32_zeros(pr.w.shape()), dk = f32_zeros(pr.k_idx.shape());
+  for (int o : order) {  // (c) per block
+    const Pos rows = zigzag(d.S, P, o);
+    const Tensor kb = gather_seq(pr.k_idx, rows);
+    Tensor dkb = f32_zeros(kb.shape());
+    attn::dsa_indexer_backward({pr.q_idx, pr.w, kb, {}, rows}, topk, dscores, dq, dw, dkb, true);
+    scatter_add(dk, dkb, rows);
+  }
+  EXPECT_TRUE(all_close(to_double(dq), to_double(one.dq_idx), 1e-6, 1e-5, "block dq_idx"));
+  EXPECT_TRUE(all_close(to_double(dw), to_double(one.dw), 1e-6, 1e-5, "block dw"));
+  EXPECT_EQ(to_double(dk), to_double(one.dk_idx)) << "block dk_idx is not bitwise the one-call dk_idx";
+}
+
+// ---- causality ----------------------------------------------------------------------------------------------------
+
+// Changing every token after position t0 leaves indices, out, lse, probs, scores, dscores, dq, dq_idx and dw at
+// positions <= t0 unchanged (bitwise).
+TEST(Dsa, CausalityOfEveryOutput) {
+  Dims d;
+  const std::int64_t t0 = 17;
+  const Problem p1(d, DType::kFloat32, 131);
+  Problem p2(d, DType::kFloat32, 131);
+  const Problem other(d, DType::kFloat32, 999);
+  for (auto [dst, src] : {std::pair{&p2.q, &other.q},
+                          {&p2.c, &other.c},
+                          {&p2.q_idx, &other.q_idx},
+                          {&p2.w, &other.w},
+                          {&p2.k_idx, &other.k_idx}}) {
+    const std::int64_t row = dst->numel() / (d.B * d.S);
+    for (std::int64_t b = 0; b < d.B; ++b) {
+      for (std::int64_t t = t0 + 1; t < d.S; ++t) {
+        std::memcpy(dst->data_as<float>() + (b * d.S + t) * row, src->data_as<float>() + (b * d.S + t) * row,
+                    static_cast<std::size_t>(row) * 4);
+      }
+    }
+  }
+  const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat32, 132);
+  struct Run {
+    Tensor topk, out, lse, dq;
+    LossResult loss;
+  };
+  auto run = [&](const Problem& pr) {
+    Run r;
+    r.topk = i64({d.B, d.S, d.K});
+    attn::dsa_indexer_topk(pr.indexer(), r.topk);
+    const DsaAttentionArgs a = pr.attention(r.topk);
+    r.out = f32_zeros({d.B, d.S, d.H, d.Dv});
+    r.lse = f32_zeros({d.B, d.H, d.S});
+    attn::dsa_attention_forward(a, r.out, r.lse);
+    r.dq = f32_zeros(pr.q.shape());
+    Tensor dc = f32_zeros(pr.c.shape());
+    attn::dsa_attention_backward({a, r.out, dout, r.lse, {}, {}}, r.dq, dc, false);
+    r.loss = kernel_loss(pr, r.topk);
+    return r;
+  };
+  const Run a = run(p1), b = run(p2);
+  // [B, S, ...] tensors: rows t <= t0; lse [B, H, S]: columns t <= t0.
+  auto check_rows = [&](const TensorView& x, const TensorView& y, const char* name) {
+    const std::vector<double> xv = to_double(x), yv = to_double(y);
+    const std::int64_t row = x.numel() / (d.B * d.S);
+    for (std::int64_t bb = 0; bb < d.B; ++bb) {
+      for (std::int64_t i = 0; i < (t0 + 1) * row; ++i) {
+        ASSERT_EQ(xv[bb * d.S * row + i], yv[bb * d.S * row + i]) << name << " b " << bb << " t " << i / row;
+      }
+    }
+  };
+  {
+    const auto x = ints(a.topk), y = ints(b.topk);
+    for (std::int64_t bb = 0; bb < d.B; ++bb) {
+      for (std::int64_t i = 0; i < (t0 + 1) * d.K; ++i) ASSERT_EQ(x[bb * d.S * d.K + i], y[bb * d.S * d.K + i]);
+    }
+  }
+  check_rows(a.out, b.out, "out");
+  check_rows(a.dq, b.dq, "dq");
+  check_rows(a.loss.dscores, b.loss.dscores, "dscores");
+  check_rows(a.loss.dq_idx, b.loss.dq_idx, "dq_idx");
+  check_rows(a.loss.dw, b.loss.dw, "dw");
+  const std::vector<double> la = to_double(a.lse), lb = to_double(b.lse);
+  for (std::int64_t r = 0; r < d.B * d.H; ++r) {
+    for (std::int64_t t = 0; t <= t0; ++t) ASSERT_EQ(la[r * d.S + t], lb[r * d.S + t]) << "lse t " << t;
+  }
+  // ... and the change did reach the later positions.
+  EXPECT_NE(to_double(a.out), to_double(b.out));
+}
+
+// ---- determinism --------------------------------------------------------------------------------------------------
+
+// Every output is bitwise the same for 1 and 3 threads (fixed reduction orders; key gradients summed over queries in
+// increasing order by their owning thread).
+TEST(Dsa, BitwiseIndependentOfThreadCount) {
+#ifndef _OPENMP
+  GTEST_SKIP() << "built without OpenMP: one thread only";
+#else
+  Dims d;
+  d.S = 40;
+  d.K = 12;
+  const Problem pr(d, DType::kBFloat16, 141);
+  const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat32, 142);
+  auto run = [&](int threads) {
+    const int keep = omp_get_max_threads();
+    omp_set_num_threads(threads);
+    Tensor topk = i64({d.B, d.S, d.K});
+    attn::dsa_indexer_topk(pr.indexer(), topk);
+    const DsaAttentionArgs a = pr.attention(topk);
+    Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
+    attn::dsa_attention_forward(a, out, lse);
+    Tensor dq = f32_zeros(pr.q.shape()), dc = f32_zeros(pr.c.shape());
+    attn::dsa_attention_backward({a, out, dout, lse, {}, {}}, dq, dc, false);
+    LossResult l = kernel_loss(pr, topk);
+    omp_set_num_threads(keep);
+    std::vector<std::vector<double> > all = {to_double(out),  to_double(lse),       to_double(dq),
+                                             to_double(dc),   to_double(l.dscores), to_double(l.dq_idx),
+                                             to_double(l.dw), to_double(l.dk_idx),  {l.loss}};
+    const auto idx = ints(topk);
+    all.emplace_back(idx.begin(), idx.end());
+    return all;
+  };
+  const auto one = run(1), three = run(3);
+  const char* names[] = {"out", "lse", "dq", "dc", "dscores", "dq_idx", "dw", "dk_idx", "loss", "topk_indices"};
+  for (std::size_t i = 0; i < one.size(); ++i)
+    EXPECT_EQ(one[i], three[i]) << names[i] << " depends on the thread count";
+#endif
+}
+
+}  // namespace
+}  // namespace seqpar::test

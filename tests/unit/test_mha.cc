@@ -1,0 +1,682 @@
+// MHA / GQA kernels (attention/mha.h): against the fp64 reference, finite differences, block splitting + LSE
+// merge, edge rows, large logits, merge edge cases, determinism and argument checks.
+//
+// Expected values always come from an independent computation (the naive fp64 reference, central finite
+// differences of the kernel's own fp64 forward, or one unsplit call), never from constants.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#include "attention/cpu/mha_simd.h"
+#include "attention/mha.h"
+#include "attention/reference/mha_reference.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar::attn {
+namespace {
+
+constexpr MemCategory kWs = MemCategory::kWorkspace;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+// ---- position sets ------------------------------------------------------------------------------
+
+enum class Layout { kContiguous, kZigzag, kRandom };
+const char* layout_name(Layout l) {
+  switch (l) {
+    case Layout::kContiguous: return "contig";
+    case Layout::kZigzag: return "zigzag";
+    case Layout::kRandom: return "random";
+  }
+  return "?";
+}
+
+struct Positions {
+  std::vector<std::int64_t> q, k;
+};
+
+// contig: keys 0..Sk-1, queries the last Sq positions of the same sequence (a query block that ends with the keys,
+//   as in a decoder chunk), so that Sq != Sk still sees keys under a causal mask.
+// zigzag: ring of 2 ranks, sequence cut into 4 chunks of c = Sq / 2; queries are rank 0's chunks {0, 3}, keys are
+//   rank 1's chunks {1, 2} (Sk must equal Sq): chunk 0 sees no key, chunk 3 sees all of them.
+// random: strictly increasing sets with random gaps of 1..3, drawn from the same range for q and k.
+Positions make_positions(Layout layout, std::int64_t sq, std::int64_t sk, std::uint64_t seed) {
+  Positions p;
+  p.q.resize(static_cast<std::size_t>(sq));
+  p.k.resize(static_cast<std::size_t>(sk));
+  switch (layout) {
+    case Layout::kContiguous: {
+      const std::int64_t offset = std::max<std::int64_t>(0, sk - sq);
+      for (std::int64_t i = 0; i < sq; ++i) p.q[i] = offset + i;
+      for (std::int64_t j = 0; j < sk; ++j) p.k[j] = j;
+      break;
+    }
+    case Layout::kZigzag: {
+      const std::int64_t c = sq / 2;
+      for (std::int64_t i = 0; i < sq; ++i) p.q[i] = i < c ? i : 3 * c + (i - c);
+      for (std::int64_t j = 0; j < sk; ++j) p.k[j] = c + j;
+      break;
+    }
+    case Layout::kRandom: {
+      const std::vector<double> u = test::random_values(sq + sk, seed, 0.0, 1.0);
+      std::int64_t pos = 0;
+      for (std::int64_t i = 0; i < sq; ++i) p.q[i] = (pos += 1 + static_cast<std::int64_t>(u[i] * 3.0));
+      pos = -2;
+      for (std::int64_t j = 0; j < sk; ++j) p.k[j] = (pos += 1 + static_cast<std::int64_t>(u[sq + j] * 3.0));
+      break;
+    }
+  }
+  return p;
+}
+
+// ---- one problem: inputs, kernel run, reference run -------------------------------------------------
+
+struct Problem {
+  std::int64_t B, Sq, Sk, Hq, Hkv, D;
+  DType dtype;
+  MaskSpec mask;
+  Layout layout;
+  float scale = 0.0f;
+  double lo = -1.0, hi = 1.0;  // range of q and k values
+};
+
+struct Inputs {
+  Tensor q, k, v, dout;
+  Positions pos;
+};
+
+Inputs make_inputs(const Problem& p, std::uint64_t seed) {
+  Inputs in;
+  in.q = test::random_tensor({p.B, p.Sq, p.Hq, p.D}, p.dtype, seed + 1, p.lo, p.hi);
+  in.k = test::random_tensor({p.B, p.Sk, p.Hkv, p.D}, p.dtype, seed + 2, p.lo, p.hi);
+  in.v = test::random_tensor({p.B, p.Sk, p.Hkv, p.D}, p.dtype, seed + 3);
+  in.dout = test::random_tensor({p.B, p.Sq, p.Hq, p.D}, p.dtype, seed + 4);
+  in.pos = make_positions(p.layout, p.Sq, p.Sk, seed + 5);
+  return in;
+}
+
+MhaForwardArgs args_of(const Problem& p, const Inputs& in) {
+  return MhaForwardArgs{in.q, in.k, in.v, in.pos.q, in.pos.k, p.mask, p.scale};
+}
+
+struct Results {
+  Tensor out, lse, dq, dk, dv;
+};
+
+// Kernel forward + backward (overwrite mode), outputs and gradients in `out_dtype`.
+Results run_kernel(const Problem& p, const Inputs& in, DType out_dtype) {
+  Results r;
+  const MhaForwardArgs a = args_of(p, in);
+  r.out = Tensor::empty(in.q.shape(), out_dtype, kWs);
+  r.lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+  mha_forward(a, r.out, r.lse);
+  r.dq = Tensor::empty(in.q.shape(), out_dtype, kWs);
+  r.dk = Tensor::empty(in.k.shape(), out_dtype, kWs);
+  r.dv = Tensor::empty(in.k.shape(), out_dtype, kWs);
+  mha_backward(MhaBackwardArgs{a, r.out, in.dout, r.lse, {}}, r.dq, r.dk, r.dv, false);
+  return r;
+}
+
+// The reference on the same (already rounded) inputs, converted to fp64.
+Results run_reference(const Problem& p, const Inputs& in) {
+  Results r;
+  Tensor q = Tensor::copy_of(in.q, DType::kFloat64, kWs), k = Tensor::copy_of(in.k, DType::kFloat64, kWs);
+  Tensor v = Tensor::copy_of(in.v, DType::kFloat64, kWs), dout = Tensor::copy_of(in.dout, DType::kFloat64, kWs);
+  const MhaForwardArgs a{q, k, v, in.pos.q, in.pos.k, p.mask, p.scale};
+  r.out = Tensor::empty(q.shape(), DType::kFloat64, kWs);
+  r.lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat64, kWs);
+  reference::mha_forward(a, r.out, r.lse);
+  r.dq = Tensor::empty(q.shape(), DType::kFloat64, kWs);
+  r.dk = Tensor::empty(k.shape(), DType::kFloat64, kWs);
+  r.dv = Tensor::empty(k.shape(), DType::kFloat64, kWs);
+  reference::mha_backward(a, dout, r.dq, r.dk, r.dv);
+  return r;
+}
+
+struct Tolerance {
+  double atol, rtol;
+};
+
+// Inputs are the same rounded values for kernel and reference, so the error comes from the arithmetic (fp32 or
+// fp64) and from rounding the outputs to the storage dtype.
+Tolerance tolerance(DType dtype) {
+  switch (dtype) {
+    // fp64 arithmetic, but lse is fp32 by contract and the backward recomputes P = exp(a - lse) from it:
+    // relative error of P up to |lse| 2^-24 ~ 1e-6 for the |lse| < 10 here. The forward alone is ~1e-14.
+    case DType::kFloat64: return {2e-6, 2e-6};
+    // fp32 arithmetic (exp2 polynomial ~2 ulp, sums over <= a few hundred keys and D <= 256 products).
+    case DType::kFloat32: return {3e-5, 3e-4};
+    // bf16 outputs: 8 significant bits (relative step 2^-8 = 3.9e-3); the backward's delta uses the bf16 out.
+    case DType::kBFloat16: return {2e-2, 2e-2};
+    // fp16 outputs: 11 significant bits (relative step 2^-11 = 4.9e-4); delta uses the fp16 out.
+    case DType::kFloat16: return {4e-3, 4e-3};
+    default: break;
+  }
+  return {0.0, 0.0};
+}
+
+bool has_nan(const TensorView& t) {
+  for (double x : test::to_double(t))
+    if (std::isnan(x)) return true;
+  return false;
+}
+
+void expect_matches_reference(const Problem& p, std::uint64_t seed) {
+  const Inputs in = make_inputs(p, seed);
+  const Results got = run_kernel(p, in, p.dtype);
+  const Results want = run_reference(p, in);
+  const Tolerance tol = tolerance(p.dtype);
+  EXPECT_FALSE(has_nan(got.out) || has_nan(got.lse) || has_nan(got.dq) || has_nan(got.dk) || has_nan(got.dv))
+      << "NaN in the kernel's results";
+  EXPECT_TRUE(test::all_close(test::to_double(got.out), test::to_double(want.out), tol.atol, tol.rtol, "out"));
+  // lse is fp32 for every input dtype: fp32 rounding of values of size |lse| (< 10 here).
+  const double lse_tol = p.dtype == DType::kFloat64 ? 1e-6 : 2e-5;
+  EXPECT_TRUE(test::all_close(test::to_double(got.lse), test::to_double(want.lse), lse_tol, lse_tol, "lse"));
+  EXPECT_TRUE(test::all_close(test::to_double(got.dq), test::to_double(want.dq), tol.atol, tol.rtol, "dq"));
+  EXPECT_TRUE(test::all_close(test::to_double(got.dk), test::to_double(want.dk), tol.atol, tol.rtol, "dk"));
+  EXPECT_TRUE(test::all_close(test::to_double(got.dv), test::to_double(want.dv), tol.atol, tol.rtol, "dv"));
+}
+
+// ---- parameterised comparison with the reference --------------------------------------------------
+
+enum class MaskKind { kNone, kCausal, kWindowShort, kWindowLong };
+const char* mask_name(MaskKind m) {
+  switch (m) {
+    case MaskKind::kNone: return "nomask";
+    case MaskKind::kCausal: return "causal";
+    case MaskKind::kWindowShort: return "window17";
+    case MaskKind::kWindowLong: return "window100000";
+  }
+  return "?";
+}
+MaskSpec mask_of(MaskKind m) {
+  switch (m) {
+    case MaskKind::kNone: return {};
+    case MaskKind::kCausal: return {true, 0};
+    case MaskKind::kWindowShort: return {true, 17};     // shorter than every S used here
+    case MaskKind::kWindowLong: return {true, 100000};  // longer than every S: same as causal
+  }
+  return {};
+}
+
+struct Case {
+  DType dtype;
+  std::int64_t B, Sq, Sk, Hq, Hkv, D;
+  MaskKind mask;
+  Layout layout;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  const Case& c = info.param;
+  return str_cat(dtype_name(c.dtype), "_B", c.B, "_Sq", c.Sq, "_Sk", c.Sk, "_Hq", c.Hq, "_Hkv", c.Hkv, "_D", c.D, "_",
+                 mask_name(c.mask), "_", layout_name(c.layout));
+}
+
+class MhaVsReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(MhaVsReference, ForwardAndBackward) {
+  const Case& c = GetParam();
+  Problem p{c.B, c.Sq, c.Sk, c.Hq, c.Hkv, c.D, c.dtype, mask_of(c.mask), c.layout};
+  expect_matches_reference(p, 1000 + static_cast<std::uint64_t>(c.Sq * 7 + c.Sk * 3 + c.D));
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  const DType f32 = DType::kFloat32;
+  // Every mask kind x every layout (zigzag needs Sq = Sk), fp32.
+  for (MaskKind m : {MaskKind::kNone, MaskKind::kCausal, MaskKind::kWindowShort, MaskKind::kWindowLong})
+    for (Layout l : {Layout::kContiguous, Layout::kZigzag, Layout::kRandom})
+      cases.push_back({f32, 1, 96, 96, 4, 2, 64, m, l});
+  // Sq != Sk both ways.
+  for (MaskKind m : {MaskKind::kNone, MaskKind::kCausal, MaskKind::kWindowShort}) {
+    cases.push_back({f32, 1, 50, 130, 2, 1, 32, m, Layout::kContiguous});
+    cases.push_back({f32, 1, 130, 50, 2, 1, 32, m, Layout::kRandom});
+  }
+  // S equal to the tile size (64) and tile size +- 1, causal and unmasked.
+  for (std::int64_t s : {63, 64, 65, 127, 128, 129})
+    for (MaskKind m : {MaskKind::kNone, MaskKind::kCausal})
+      cases.push_back({f32, 1, s, s, 2, 2, 32, m, Layout::kContiguous});
+  // Head dims.
+  for (std::int64_t d : {32, 64, 96, 128, 256})
+    cases.push_back({f32, 1, 70, 70, 2, 1, d, MaskKind::kCausal, Layout::kContiguous});
+  // Head ratios Hq / Hkv = 1, 2, 4, 8 and MQA (Hkv = 1).
+  for (auto [hq, hkv] : {std::pair{4, 4}, {4, 2}, {8, 2}, {8, 1}, {3, 1}})
+    cases.push_back({f32, 1, 70, 70, hq, hkv, 32, MaskKind::kCausal, Layout::kRandom});
+  // Batch 3.
+  cases.push_back({f32, 3, 70, 90, 4, 2, 32, MaskKind::kWindowShort, Layout::kContiguous});
+  cases.push_back({f32, 3, 80, 80, 2, 1, 64, MaskKind::kCausal, Layout::kZigzag});
+  // Every dtype, with masks and GQA.
+  for (DType dt : {DType::kFloat64, DType::kBFloat16, DType::kFloat16}) {
+    cases.push_back({dt, 1, 96, 96, 4, 2, 64, MaskKind::kCausal, Layout::kZigzag});
+    cases.push_back({dt, 3, 70, 130, 2, 1, 96, MaskKind::kWindowShort, Layout::kRandom});
+    cases.push_back({dt, 1, 65, 65, 2, 2, 128, MaskKind::kNone, Layout::kContiguous});
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Mha, MhaVsReference, ::testing::ValuesIn(all_cases()), case_name);
+
+// ---- finite-difference gradients in fp64 --------------------------------------------------------
+
+class MhaGradCheck : public ::testing::TestWithParam<std::pair<MaskKind, Layout>> {};
+
+// Loss L = sum(dout * out) with the kernel's own fp64 forward; dL/dx by central differences with step h = 1e-5:
+// truncation error O(h^2 |f'''|) ~ 1e-10 and rounding error ~ 1e-16 |L| / h ~ 1e-10. Every element of q, k, v.
+TEST_P(MhaGradCheck, MatchesCentralDifferences) {
+  const auto [mk, layout] = GetParam();
+  Problem p{1, 10, 10, 2, 1, 6, DType::kFloat64, mask_of(mk), layout};
+  if (mk == MaskKind::kWindowShort) p.mask.window = 3;  // short relative to S = 12
+  p.scale = 0.7f;
+  const Inputs in = make_inputs(p, 77);
+  const Results got = run_kernel(p, in, DType::kFloat64);
+  const std::vector<double> dout = test::to_double(in.dout);
+  auto loss = [&]() {
+    Tensor out = Tensor::empty(in.q.shape(), DType::kFloat64, kWs);
+    Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+    mha_forward(args_of(p, in), out, lse);
+    const double* o = out.data_as<double>();
+    double l = 0.0;
+    for (std::size_t i = 0; i < dout.size(); ++i) l += dout[i] * o[i];
+    return l;
+  };
+  const double h = 1e-5;
+  for (auto [t, g, name] : {std::tuple{&in.q, &got.dq, "dq"}, {&in.k, &got.dk, "dk"}, {&in.v, &got.dv, "dv"}}) {
+    double* x = t->data_as<double>();
+    std::vector<double> fd(static_cast<std::size_t>(t->numel()));
+    for (std::int64_t i = 0; i < t->numel(); ++i) {
+      const double x0 = x[i];
+      x[i] = x0 + h;
+      const double lp = loss();
+      x[i] = x0 - h;
+      const double lm = loss();
+      x[i] = x0;
+      fd[i] = (lp - lm) / (2 * h);
+    }
+    // The backward recomputes P from the fp32 lse (relative error ~|lse| 2^-24 < 1e-6 here).
+    EXPECT_TRUE(test::all_close(test::to_double(*g), fd, 1e-6, 1e-5, name));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Mha, MhaGradCheck,
+                         ::testing::Values(std::pair{MaskKind::kNone, Layout::kContiguous},
+                                           std::pair{MaskKind::kCausal, Layout::kContiguous},
+                                           std::pair{MaskKind::kWindowShort, Layout::kContiguous},
+                                           std::pair{MaskKind::kCausal, Layout::kZigzag},
+                                           std::pair{MaskKind::kWindowShort, Layout::kRandom}),
+                         [](const auto& info) {
+                           return str_cat(mask_name(info.param.first), "_", layout_name(info.param.second));
+                         });
+
+// ---- key blocks + LSE merge equal one call ------------------------------------------------------
+
+// Copies keys [j0, j1) of a [B, S, H, D] tensor.
+Tensor slice_seq(const TensorView& t, std::int64_t j0, std::int64_t j1, DType dtype) {
+  const std::int64_t B = t.dim(0), S = t.dim(1), row = t.dim(2) * t.dim(3);
+  Tensor out = Tensor::empty({B, j1 - j0, t.dim(2), t.dim(3)}, dtype, kWs);
+  const std::size_t in_size = dtype_size(t.dtype()), out_size = dtype_size(dtype);
+  for (std::int64_t b = 0; b < B; ++b)
+    convert(static_cast<const char*>(t.data()) + static_cast<std::size_t>((b * S + j0) * row) * in_size, t.dtype(),
+            static_cast<char*>(out.data()) + static_cast<std::size_t>(b * (j1 - j0) * row) * out_size, dtype,
+            static_cast<std::size_t>((j1 - j0) * row));
+  return out;
+}
+
+struct SplitCase {
+  DType dtype;
+  MaskKind mask;
+  Layout layout;
+  std::vector<std::int64_t> cuts;  // block boundaries inside (0, Sk)
+};
+
+class MhaKeyBlocks : public ::testing::TestWithParam<SplitCase> {};
+
+TEST_P(MhaKeyBlocks, MergedBlocksEqualOneCall) {
+  const SplitCase& sc = GetParam();
+  Problem p{2, 100, 200, 4, 2, 32, sc.dtype, mask_of(sc.mask), sc.layout};
+  if (sc.layout == Layout::kZigzag) p.Sk = p.Sq;
+  const Inputs in = make_inputs(p, 4242);
+  const Results one = run_kernel(p, in, DType::kFloat32);
+
+  Tensor out = Tensor::zeros(in.q.shape(), DType::kFloat32, kWs);
+  Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+  std::fill(lse.data_as<float>(), lse.data_as<float>() + lse.numel(), -std::numeric_limits<float>::infinity());
+  Tensor dq = Tensor::zeros(in.q.shape(), DType::kFloat32, kWs);
+  std::vector<double> dk_all, dv_all;  // [B, Sk, Hkv, D] assembled from the blocks
+  std::vector<std::int64_t> bounds{0};
+  for (std::int64_t c : sc.cuts) bounds.push_back(std::min(c, p.Sk));
+  bounds.push_back(p.Sk);
+  Tensor delta = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+  mha_backward_delta(one.out, in.dout, delta);
+
+  std::vector<std::vector<double>> dk_blocks, dv_blocks;
+  for (std::size_t blk = 0; blk + 1 < bounds.size(); ++blk) {
+    const std::int64_t j0 = bounds[blk], j1 = bounds[blk + 1];
+    Tensor kb = slice_seq(in.k, j0, j1, p.dtype), vb = slice_seq(in.v, j0, j1, p.dtype);
+    const std::span<const std::int64_t> kpos(in.pos.k.data() + j0, static_cast<std::size_t>(j1 - j0));
+    const MhaForwardArgs a{in.q, kb, vb, in.pos.q, kpos, p.mask, p.scale};
+    Tensor ob = Tensor::empty(in.q.shape(), DType::kFloat32, kWs);
+    Tensor lb = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+    mha_forward(a, ob, lb);
+    lse_merge(out, lse, ob, lb);
+    // backward of the block with the final out / lse, accumulating into fp32 gradients
+    Tensor dkb = Tensor::zeros(kb.shape(), DType::kFloat32, kWs), dvb = Tensor::zeros(kb.shape(), DType::kFloat32, kWs);
+    mha_backward(MhaBackwardArgs{a, one.out, in.dout, one.lse, delta}, dq, dkb, dvb, true);
+    dk_blocks.push_back(test::to_double(dkb));
+    dv_blocks.push_back(test::to_double(dvb));
+  }
+  // reassemble [B, Sk, Hkv, D] from the per-block [B, Sk_b, Hkv, D]
+  const std::int64_t row = p.Hkv * p.D;
+  for (auto [blocks, all] : {std::pair{&dk_blocks, &dk_all}, {&dv_blocks, &dv_all}}) {
+    for (std::int64_t b = 0; b < p.B; ++b)
+      for (std::size_t blk = 0; blk < blocks->size(); ++blk) {
+        const std::int64_t len = bounds[blk + 1] - bounds[blk];
+        const auto& src = (*blocks)[blk];
+        all->insert(all->end(), src.begin() + b * len * row, src.begin() + (b + 1) * len * row);
+      }
+  }
+  // Merging reassociates the softmax sums: fp32 rounding differences only.
+  EXPECT_TRUE(test::all_close(test::to_double(out), test::to_double(one.out), 2e-6, 2e-5, "merged out"));
+  EXPECT_TRUE(test::all_close(test::to_double(lse), test::to_double(one.lse), 2e-6, 2e-6, "merged lse"));
+  EXPECT_TRUE(test::all_close(test::to_double(dq), test::to_double(one.dq), 2e-6, 2e-5, "accumulated dq"));
+  EXPECT_TRUE(test::all_close(dk_all, test::to_double(one.dk), 2e-6, 2e-5, "accumulated dk"));
+  EXPECT_TRUE(test::all_close(dv_all, test::to_double(one.dv), 2e-6, 2e-5, "accumulated dv"));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Mha, MhaKeyBlocks,
+    ::testing::Values(SplitCase{DType::kFloat32, MaskKind::kNone, Layout::kContiguous, {100}},
+                      SplitCase{DType::kFloat32, MaskKind::kCausal, Layout::kContiguous, {37, 64, 150}},
+                      SplitCase{DType::kFloat32, MaskKind::kWindowShort, Layout::kContiguous, {1, 2, 90, 91, 199}},
+                      SplitCase{DType::kFloat32, MaskKind::kCausal, Layout::kZigzag, {50}},
+                      SplitCase{DType::kFloat32, MaskKind::kCausal, Layout::kRandom, {13, 77, 120, 121, 180}},
+                      SplitCase{DType::kBFloat16, MaskKind::kCausal, Layout::kRandom, {64, 128}},
+                      SplitCase{DType::kFloat64, MaskKind::kWindowShort, Layout::kRandom, {50, 51, 150}}),
+    [](const auto& info) {
+      return str_cat(dtype_name(info.param.dtype), "_", mask_name(info.param.mask), "_", layout_name(info.param.layout),
+                     "_", info.param.cuts.size() + 1, "blocks");
+    });
+
+// ---- rows with no visible key ------------------------------------------------------------------
+
+TEST(MhaEdge, RowsWithNoVisibleKey) {
+  // Keys at positions 40..139; queries at 0..99 (causal): queries 0..39 see nothing; window 5 with queries in
+  // steps of 7 against keys in steps of 7 offset by 3 leaves further rows empty.
+  for (const MaskSpec mask : {MaskSpec{true, 0}, MaskSpec{true, 5}}) {
+    Problem p{2, 100, 100, 2, 1, 32, DType::kFloat32, mask, Layout::kContiguous};
+    Inputs in = make_inputs(p, 9);
+    for (std::int64_t i = 0; i < p.Sq; ++i) in.pos.q[i] = mask.window ? 7 * i : i;
+    for (std::int64_t j = 0; j < p.Sk; ++j) in.pos.k[j] = mask.window ? 7 * j + 3 : 40 + j;
+    const Results got = run_kernel(p, in, DType::kFloat32);
+    const Results want = run_reference(p, in);
+    const std::vector<double> lse = test::to_double(got.lse), out = test::to_double(got.out);
+    std::int64_t empty_rows = 0;
+    for (std::int64_t b = 0; b < p.B; ++b)
+      for (std::int64_t h = 0; h < p.Hq; ++h)
+        for (std::int64_t i = 0; i < p.Sq; ++i) {
+          if (lse[(b * p.Hq + h) * p.Sq + i] != -kInf) continue;
+          ++empty_rows;
+          for (std::int64_t d = 0; d < p.D; ++d) ASSERT_EQ(out[((b * p.Sq + i) * p.Hq + h) * p.D + d], 0.0);
+        }
+    EXPECT_GT(empty_rows, 0) << "the positions were meant to leave rows without keys";
+    EXPECT_FALSE(has_nan(got.out) || has_nan(got.dq) || has_nan(got.dk) || has_nan(got.dv));
+    EXPECT_TRUE(test::all_close(lse, test::to_double(want.lse), 2e-5, 2e-5, "lse"));
+    EXPECT_TRUE(test::all_close(out, test::to_double(want.out), 3e-5, 3e-4, "out"));
+    EXPECT_TRUE(test::all_close(test::to_double(got.dq), test::to_double(want.dq), 3e-5, 3e-4, "dq"));
+    EXPECT_TRUE(test::all_close(test::to_double(got.dk), test::to_double(want.dk), 3e-5, 3e-4, "dk"));
+    EXPECT_TRUE(test::all_close(test::to_double(got.dv), test::to_double(want.dv), 3e-5, 3e-4, "dv"));
+  }
+}
+
+TEST(MhaEdge, NoVisibleKeyAtAllAndEmptyKeys) {
+  Problem p{1, 64, 64, 2, 2, 32, DType::kFloat32, {true, 0}, Layout::kContiguous};
+  Inputs in = make_inputs(p, 10);
+  for (std::int64_t j = 0; j < p.Sk; ++j) in.pos.k[j] = 1000 + j;  // every key is in the future
+  Tensor dq = Tensor::zeros(in.q.shape(), DType::kFloat32, kWs);
+  Results r = run_kernel(p, in, DType::kFloat32);
+  for (double x : test::to_double(r.lse)) ASSERT_EQ(x, -kInf);
+  for (const TensorView* t : {&r.out.view(), &r.dq.view(), &r.dk.view(), &r.dv.view()})
+    for (double x : test::to_double(*t)) ASSERT_EQ(x, 0.0);
+  // Sk = 0
+  Tensor k0 = Tensor::empty({1, 0, 2, 32}, DType::kFloat32, kWs),
+         v0 = Tensor::empty({1, 0, 2, 32}, DType::kFloat32, kWs);
+  Tensor out = test::random_tensor(in.q.shape(), DType::kFloat32, 3);
+  Tensor lse = Tensor::zeros({1, 2, 64}, DType::kFloat32, kWs);
+  mha_forward(MhaForwardArgs{in.q, k0, v0, {}, {}, {}, 0.0f}, out, lse);
+  for (double x : test::to_double(lse)) ASSERT_EQ(x, -kInf);
+  for (double x : test::to_double(out)) ASSERT_EQ(x, 0.0);
+}
+
+// ---- large logits -------------------------------------------------------------------------------
+
+TEST(MhaEdge, LogitsOfSize1e3DoNotOverflow) {
+  // q, k in [-8, 8), D = 16, scale 1: |logits| up to 1024, typically several hundred.
+  for (DType dt : {DType::kFloat32, DType::kFloat64}) {
+    Problem p{1, 80, 80, 2, 1, 16, dt, {true, 0}, Layout::kContiguous, 1.0f, -8.0, 8.0};
+    const Inputs in = make_inputs(p, 11);
+    const Results got = run_kernel(p, in, dt);
+    const Results want = run_reference(p, in);
+    double max_abs_lse = 0.0;
+    for (double x : test::to_double(want.lse)) max_abs_lse = std::max(max_abs_lse, std::abs(x));
+    EXPECT_GT(max_abs_lse, 300.0) << "the logits were meant to be large";
+    EXPECT_FALSE(has_nan(got.out) || has_nan(got.lse) || has_nan(got.dq) || has_nan(got.dk) || has_nan(got.dv));
+    // fp32 logits of size 1e3 carry absolute rounding errors ~1e3 * 2^-24 * sqrt(D) ~ 2e-4, which become relative
+    // errors of the probabilities (fp64: forward exact to ~1e-12). The backward of both dtypes recomputes P from
+    // the fp32 lse (absolute error |lse| 2^-24 ~ 6e-5); gradients scale with |q|, |k| ~ 8.
+    const double t_out = dt == DType::kFloat64 ? 1e-9 : 2e-3;
+    const double t_grad = 2e-3;
+    EXPECT_TRUE(test::all_close(test::to_double(got.lse), test::to_double(want.lse), 1e-4, 1e-6, "lse"));
+    EXPECT_TRUE(test::all_close(test::to_double(got.out), test::to_double(want.out), t_out, t_out, "out"));
+    EXPECT_TRUE(test::all_close(test::to_double(got.dq), test::to_double(want.dq), 8 * t_grad, t_grad, "dq"));
+    EXPECT_TRUE(test::all_close(test::to_double(got.dk), test::to_double(want.dk), 8 * t_grad, t_grad, "dk"));
+    EXPECT_TRUE(test::all_close(test::to_double(got.dv), test::to_double(want.dv), t_grad, t_grad, "dv"));
+  }
+}
+
+// ---- LSE merge ----------------------------------------------------------------------------------
+
+struct MergeData {
+  Tensor out, lse, out_b, lse_b;
+};
+MergeData merge_data(const std::vector<float>& l1, const std::vector<float>& l2, std::int64_t D) {
+  const std::int64_t S = static_cast<std::int64_t>(l1.size());
+  MergeData m{test::random_tensor({1, S, 1, D}, DType::kFloat32, 21), Tensor::empty({1, 1, S}, DType::kFloat32, kWs),
+              test::random_tensor({1, S, 1, D}, DType::kFloat32, 22), Tensor::empty({1, 1, S}, DType::kFloat32, kWs)};
+  std::copy(l1.begin(), l1.end(), m.lse.data_as<float>());
+  std::copy(l2.begin(), l2.end(), m.lse_b.data_as<float>());
+  return m;
+}
+
+// fp64 evaluation of the merge formula: lse = log(e^l1 + e^l2), out = e^(l1 - lse) o1 + e^(l2 - lse) o2.
+void merge_fp64(const std::vector<double>& o1, double l1, const std::vector<double>& o2, double l2, std::int64_t row,
+                std::int64_t D, std::vector<double>& out, double& lse) {
+  const double mx = std::max(l1, l2);
+  if (mx == -kInf) {
+    lse = -kInf;
+    for (std::int64_t d = 0; d < D; ++d) out[row * D + d] = 0.0;
+    return;
+  }
+  lse = mx + std::log(std::exp(l1 - mx) + std::exp(l2 - mx));
+  for (std::int64_t d = 0; d < D; ++d)
+    out[row * D + d] = std::exp(l1 - lse) * o1[row * D + d] + std::exp(l2 - lse) * o2[row * D + d];
+}
+
+TEST(MhaLseMerge, MatchesFp64FormulaIncludingInfAndLargeDifferences) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const std::vector<float> l1{0.0f, 1e4f, -1e4f, ninf, 3.0f, ninf, 5.5f, -2.0f, 1e4f, 0.5f};
+  const std::vector<float> l2{1e4f, 0.0f, 0.0f, 2.0f, ninf, ninf, 5.5f, 7.25f, -1e4f, 0.49f};
+  const std::int64_t D = 24;
+  MergeData m = merge_data(l1, l2, D);
+  const std::vector<double> o1 = test::to_double(m.out), o2 = test::to_double(m.out_b);
+  lse_merge(m.out, m.lse, m.out_b, m.lse_b);
+  std::vector<double> want_out(o1.size()), want_lse(l1.size());
+  for (std::size_t i = 0; i < l1.size(); ++i)
+    merge_fp64(o1, l1[i], o2, l2[i], static_cast<std::int64_t>(i), D, want_out, want_lse[i]);
+  const std::vector<double> got_out = test::to_double(m.out), got_lse = test::to_double(m.lse);
+  EXPECT_TRUE(test::all_close(got_lse, want_lse, 0.0, 1e-7, "merged lse"));
+  EXPECT_TRUE(test::all_close(got_out, want_out, 1e-7, 1e-6, "merged out"));
+  // Exactness where one side carries no weight (difference 1e4 or -inf): the other side comes out bit for bit.
+  for (std::size_t i = 0; i < l1.size(); ++i) {
+    const double d = static_cast<double>(l1[i]) - static_cast<double>(l2[i]);
+    if (!(std::isinf(l1[i]) || std::isinf(l2[i]) || std::abs(d) >= 1e4)) continue;
+    if (l1[i] == ninf && l2[i] == ninf) continue;
+    const std::vector<double>& winner = (l1[i] > l2[i]) ? o1 : o2;
+    EXPECT_EQ(got_lse[i], std::max<double>(l1[i], l2[i])) << "row " << i;
+    for (std::int64_t e = 0; e < D; ++e)
+      ASSERT_EQ(got_out[i * D + e], winner[i * D + e]) << "row " << i << " element " << e;
+  }
+}
+
+TEST(MhaLseMerge, RejectsShapeAndDtypeMismatch) {
+  MergeData m = merge_data({0.0f, 1.0f}, {1.0f, 0.0f}, 8);
+  Tensor bad = Tensor::zeros({1, 2, 1, 8}, DType::kBFloat16, kWs);
+  EXPECT_THROW(lse_merge(m.out, m.lse, bad, m.lse_b), Error);
+  Tensor bad_lse = Tensor::zeros({1, 2, 1}, DType::kFloat32, kWs);
+  EXPECT_THROW(lse_merge(m.out, m.lse, m.out_b, bad_lse), Error);
+}
+
+// ---- delta, visible pairs ------------------------------------------------------------------------
+
+TEST(MhaBackwardDelta, MatchesRowDotProducts) {
+  Tensor out = test::random_tensor({2, 33, 3, 20}, DType::kBFloat16, 31);
+  Tensor dout = test::random_tensor({2, 33, 3, 20}, DType::kFloat32, 32);
+  Tensor delta = Tensor::empty({2, 3, 33}, DType::kFloat32, kWs);
+  mha_backward_delta(out, dout, delta);
+  const std::vector<double> o = test::to_double(out), g = test::to_double(dout);
+  std::vector<double> want(static_cast<std::size_t>(delta.numel()));
+  for (std::int64_t b = 0; b < 2; ++b)
+    for (std::int64_t i = 0; i < 33; ++i)
+      for (std::int64_t h = 0; h < 3; ++h) {
+        double acc = 0.0;
+        for (std::int64_t d = 0; d < 20; ++d)
+          acc += o[((b * 33 + i) * 3 + h) * 20 + d] * g[((b * 33 + i) * 3 + h) * 20 + d];
+        want[(b * 3 + h) * 33 + i] = acc;
+      }
+  EXPECT_TRUE(test::all_close(test::to_double(delta), want, 1e-6, 1e-6, "delta"));
+}
+
+TEST(MhaVisiblePairs, MatchesBruteForceCount) {
+  for (Layout l : {Layout::kContiguous, Layout::kZigzag, Layout::kRandom})
+    for (MaskKind mk : {MaskKind::kNone, MaskKind::kCausal, MaskKind::kWindowShort, MaskKind::kWindowLong}) {
+      const Positions pos = make_positions(l, 90, 90, 5);
+      const MaskSpec mask = mask_of(mk);
+      std::int64_t want = 0;
+      for (std::int64_t qp : pos.q)
+        for (std::int64_t kp : pos.k) want += !mask.causal || (kp <= qp && (mask.window == 0 || qp - kp < mask.window));
+      EXPECT_EQ(visible_pairs(pos.q, pos.k, mask), want) << layout_name(l) << " " << mask_name(mk);
+    }
+}
+
+// ---- determinism ------------------------------------------------------------------------------------
+
+TEST(MhaDeterminism, TwoRunsAreBitwiseEqual) {
+  Problem p{2, 300, 300, 4, 2, 64, DType::kFloat32, {true, 0}, Layout::kRandom};
+  const Inputs in = make_inputs(p, 55);
+  const Results r1 = run_kernel(p, in, DType::kFloat32);
+  const Results r2 = run_kernel(p, in, DType::kFloat32);
+  for (auto [a, b, name] : {std::tuple{&r1.out, &r2.out, "out"},
+                            {&r1.lse, &r2.lse, "lse"},
+                            {&r1.dq, &r2.dq, "dq"},
+                            {&r1.dk, &r2.dk, "dk"},
+                            {&r1.dv, &r2.dv, "dv"}})
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs between two runs";
+}
+
+TEST(MhaDeterminism, OneAndTwoThreadsAreBitwiseEqual) {
+#if defined(_OPENMP)
+  Problem p{1, 200, 260, 4, 1, 32, DType::kBFloat16, {true, 40}, Layout::kRandom};
+  const Inputs in = make_inputs(p, 56);
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  const Results r1 = run_kernel(p, in, DType::kFloat32);
+  omp_set_num_threads(2);
+  const Results r2 = run_kernel(p, in, DType::kFloat32);
+  omp_set_num_threads(saved);
+  for (auto [a, b, name] : {std::tuple{&r1.out, &r2.out, "out"},
+                            {&r1.lse, &r2.lse, "lse"},
+                            {&r1.dq, &r2.dq, "dq"},
+                            {&r1.dk, &r2.dk, "dk"},
+                            {&r1.dv, &r2.dv, "dv"}})
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs between 1 and 2 threads";
+#else
+  GTEST_SKIP() << "built without OpenMP: one thread only";
+#endif
+}
+
+// ---- the vectorised exp2 of the kernels ---------------------------------------------------------------
+
+TEST(MhaSimd, Exp2MatchesStdAndUnderflowsToZero) {
+  using S = cpu::Simd<float>;
+  constexpr int W = S::W;
+  // Dense sweep of [-130, 1]: the kernels only evaluate exp2 of non-positive arguments (plus rounding).
+  std::vector<float> x;
+  for (double t = -130.0; t <= 1.0; t += 1.0 / 1024.0 + 1e-7) x.push_back(static_cast<float>(t));
+  for (float special : {-std::numeric_limits<float>::infinity(), -1e30f, -125.0f, -124.99f, 0.0f, -0.0f})
+    x.push_back(special);
+  while (x.size() % W != 0) x.push_back(0.5f);
+  std::vector<float> y(x.size());
+  for (std::size_t i = 0; i < x.size(); i += W) S::store(y.data() + i, S::exp2(S::load(x.data() + i)));
+  double worst = 0.0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double want = std::exp2(static_cast<double>(x[i]));
+    if (x[i] < -125.0f) {
+      ASSERT_EQ(y[i], 0.0f) << "exp2(" << x[i] << ") must flush to 0";
+      continue;
+    }
+    const double rel = std::abs(y[i] - want) / want;
+    worst = std::max(worst, rel);
+    // polynomial error < 3e-9 plus a few roundings of the Horner steps: within 4 fp32 ulp (2^-23 each)
+    ASSERT_LE(rel, 4.0 * 1.2e-7) << "exp2(" << x[i] << ") = " << y[i] << ", want " << want;
+  }
+  RecordProperty("max_rel_error", std::to_string(worst));
+}
+
+// ---- argument checks --------------------------------------------------------------------------------
+
+template <typename Fn>
+void expect_error(Fn&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TEST(MhaArgs, RejectsInvalidConfigurations) {
+  Problem p{1, 16, 16, 3, 2, 8, DType::kFloat32, {true, 0}, Layout::kContiguous};
+  Inputs in = make_inputs(p, 1);
+  Tensor out = Tensor::empty(in.q.shape(), DType::kFloat32, kWs);
+  Tensor lse = Tensor::empty({1, 3, 16}, DType::kFloat32, kWs);
+  expect_error([&] { mha_forward(args_of(p, in), out, lse); }, "multiple of kv heads");
+  Problem ok{1, 16, 16, 2, 1, 8, DType::kFloat32, {false, 4}, Layout::kContiguous};
+  Inputs in2 = make_inputs(ok, 2);
+  Tensor lse2 = Tensor::empty({1, 2, 16}, DType::kFloat32, kWs);
+  Tensor out2 = Tensor::empty(in2.q.shape(), DType::kFloat32, kWs);
+  expect_error([&] { mha_forward(args_of(ok, in2), out2, lse2); }, "requires mask.causal");
+  ok.mask = {true, 0};
+  std::swap(in2.pos.q[3], in2.pos.q[4]);
+  expect_error([&] { mha_forward(args_of(ok, in2), out2, lse2); }, "q_pos must be non-decreasing");
+  std::swap(in2.pos.q[3], in2.pos.q[4]);
+  Tensor lse_bf16 = Tensor::empty({1, 2, 16}, DType::kBFloat16, kWs);
+  expect_error([&] { mha_forward(args_of(ok, in2), out2, lse_bf16); }, "lse has dtype bf16");
+  Tensor dq = Tensor::zeros(in2.q.shape(), DType::kBFloat16, kWs);
+  Tensor dk = Tensor::zeros(in2.k.shape(), DType::kFloat32, kWs),
+         dv = Tensor::zeros(in2.k.shape(), DType::kFloat32, kWs);
+  mha_forward(args_of(ok, in2), out2, lse2);
+  expect_error(
+      [&] {
+        mha_backward(MhaBackwardArgs{args_of(ok, in2), out2, in2.dout, lse2, {}}, dq, dk, dv, true);
+      },
+      "dq (accumulate = true) has dtype bf16");
+}
+
+}  // namespace
+}  // namespace seqpar::attn
