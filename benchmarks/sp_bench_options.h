@@ -1,0 +1,64 @@
+// sp_bench command line: parsing (cxxopts), model presets and validation.
+//
+// Every check here is local arithmetic on the flags and the world size, so that a bad flag fails on every rank with
+// the same message before any communication (STYLE.md item 3).
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "parallel/layout.h"
+#include "parallel/ring_attention.h"
+#include "runtime/dtype.h"
+#include "runtime/sp_grid.h"
+
+namespace seqpar::bench {
+
+enum class AttnKind : std::uint8_t { kMha, kDsa, kGdn };
+const char* attn_kind_name(AttnKind kind);  // "mha", "dsa", "gdn"
+
+struct SpBenchOptions {
+  AttnKind attn = AttnKind::kMha;
+  SpGridConfig grid;
+  LayoutKind layout = LayoutKind::kZigzag;
+  RingImpl impl = RingImpl::kP2P;
+  std::string gdn_mode = "chain";
+  std::string model;  // preset name, empty when none
+
+  std::int64_t batch = 1;
+  std::int64_t seq = 4096;
+  std::int64_t heads = 8;     // query heads (DSA: attention heads; GDN: heads)
+  std::int64_t kv_heads = 8;  // MHA kv heads (GQA)
+  std::int64_t head_dim = 64;
+  bool causal = false;
+  std::int64_t window = 0;
+  std::int64_t topk = 2048;      // DSA
+  std::int64_t chunk_size = 64;  // GDN
+  DType dtype = DType::kFloat32;
+
+  int warmup = 2;
+  int iters = 5;
+  int threads = 1;
+  std::uint64_t seed = 1234;
+
+  bool check = false;
+  bool efficiency = false;
+  std::string json_path;
+  std::string inputs_dir;
+  std::string dump_dir;
+  bool quiet = false;  // no progress lines
+};
+
+// Parses "4096", "8K", "1M" (K = 1024, M = 1024^2; case-insensitive). Throws Error naming `flag` and the value.
+std::int64_t parse_size(const std::string& text, const char* flag);
+
+// Parses argv. Returns std::nullopt after printing the help on rank 0 (--help). Throws Error (same text on every
+// rank) for unknown flags, malformed values and any rule violation, including a grid that does not match
+// `world_size`.
+std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank);
+
+// One-line configuration summary used in the table header.
+std::string describe_shapes(const SpBenchOptions& o);
+
+}  // namespace seqpar::bench
