@@ -92,6 +92,7 @@ struct PhaseResult {
   double exposed_frac = 0;      // mean over ranks of exposed communication / phase time
   double bytes_sent = 0;        // max over ranks, per iteration
   double executed_flops = 0;    // attention FLOPs executed per iteration, max over ranks (JSON only)
+  double message_rounds = -1;   // sequential message rounds per iteration, max over ranks (GDN); -1: none
   std::vector<double> mem_mib;  // per ledger category, then total; max over ranks and iterations
   double single_rank_ms = -1;   // --efficiency: the whole problem on one rank
   double efficiency = -1;
@@ -106,14 +107,26 @@ struct CheckResult {
   double max_rel() const { return max_ref > 0 ? max_abs / max_ref : max_abs; }
 };
 
+// The elements as fp64: floating arrays through convert(); int64 arrays (DSA topk_indices, exact below 2^53)
+// element by element, since convert() does not cross between integer and floating types.
+std::vector<double> to_double(const npy::HostArray& x) {
+  const std::size_t n = static_cast<std::size_t>(x.numel());
+  std::vector<double> r(n);
+  if (x.dtype == DType::kInt64) {
+    const std::int64_t* p = x.view().data_as<std::int64_t>();
+    for (std::size_t i = 0; i < n; ++i) r[i] = static_cast<double>(p[i]);
+  } else {
+    convert(x.bytes.data(), x.dtype, r.data(), DType::kFloat64, n);
+  }
+  return r;
+}
+
 // max |a - b| and max |b| over finite b; equal infinities count as equal, any other non-finite difference is +inf.
 void compare(const npy::HostArray& got, const npy::HostArray& want, double& max_abs, double& max_ref) {
   SEQPAR_CHECK(got.shape == want.shape, "sp_bench: gathered shape ", shape_str(got.shape),
                " differs from the reference shape ", shape_str(want.shape));
-  const std::size_t n = static_cast<std::size_t>(got.numel());
-  std::vector<double> a(n), b(n);
-  convert(got.bytes.data(), got.dtype, a.data(), DType::kFloat64, n);
-  convert(want.bytes.data(), want.dtype, b.data(), DType::kFloat64, n);
+  const std::vector<double> a = to_double(got), b = to_double(want);
+  const std::size_t n = a.size();
   max_abs = 0;
   max_ref = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -183,6 +196,7 @@ int sp_bench_main(int argc, char** argv) {
   std::vector<double> times(2 * n);  // [fwd_0, bwd_0, fwd_1, ...], seconds, this rank
   double exposed[2] = {0, 0};
   std::vector<double> bytes(2, 0);
+  std::vector<double> rounds(2, -1);   // sequential message rounds of the phase (GDN), -1: not reported
   std::vector<double> executed(2, 0);  // attention FLOPs this rank executed in one iteration (masked blocks skipped)
   std::vector<double> mem(2 * (kNumMemCategories + 1), 0);  // per phase: categories, total (bytes)
   auto record_mem = [&](int phase) {
@@ -234,6 +248,7 @@ int sp_bench_main(int argc, char** argv) {
     exposed[0] += c.exposed_comm_s;
     bytes[0] = static_cast<double>(c.bytes_sent);
     executed[0] = c.executed_flops;
+    rounds[0] = static_cast<double>(c.message_rounds);
 
     barrier(*world);
     memory_ledger().reset_peaks();
@@ -244,6 +259,7 @@ int sp_bench_main(int argc, char** argv) {
     exposed[1] += c.exposed_comm_s;
     bytes[1] = static_cast<double>(c.bytes_sent);
     executed[1] = c.executed_flops;
+    rounds[1] = static_cast<double>(c.message_rounds);
   }
   double local_sum[2] = {0, 0};
   for (int i = 0; i < n; ++i) {
@@ -255,6 +271,8 @@ int sp_bench_main(int argc, char** argv) {
   all_reduce(*world, exposed_frac, ReduceOp::kSum);
   all_reduce(*world, bytes, ReduceOp::kMax);
   all_reduce(*world, executed, ReduceOp::kMax);
+  all_reduce(*world, rounds, ReduceOp::kMax);
+  const bool has_rounds = rounds[0] >= 0;
   all_reduce(*world, mem, ReduceOp::kMax);
   std::vector<double> alone_med(3, 0), busy_med(3, 0);
   if (o.efficiency) {
@@ -299,6 +317,11 @@ int sp_bench_main(int argc, char** argv) {
                            executed[1]);
     phases[2] = make_phase("fwd+bwd", 1e3 * median(fb), phases[0].flops + phases[1].flops, 0, bytes[0] + bytes[1],
                            executed[0] + executed[1]);
+    if (has_rounds) {
+      phases[0].message_rounds = rounds[0];
+      phases[1].message_rounds = rounds[1];
+      phases[2].message_rounds = rounds[0] + rounds[1];
+    }
     // fwd+bwd exposed share: time-weighted mean of the two phases.
     phases[2].exposed_frac = (phases[0].exposed_frac * phases[0].time_ms + phases[1].exposed_frac * phases[1].time_ms) /
                              (phases[0].time_ms + phases[1].time_ms);
@@ -355,6 +378,14 @@ int sp_bench_main(int argc, char** argv) {
     }
   }
 
+  // ---- single-rank kernel variants (e.g. GDN --gdn-compare-token), on world rank 0 while the others wait ----
+  std::vector<VariantTiming> variants;
+  if (world_rank == 0) {
+    if (o.gdn_compare_token) progress.note("single-rank chunked and token-by-token kernels", true);
+    variants = wl->time_variants(input_ptr, o.warmup, o.iters);
+  }
+  barrier(*world, kLongWaitS);
+
   // ---- report (rank 0) ----
   if (world_rank == 0) {
     const char* backend = world->backend_name();
@@ -380,6 +411,10 @@ int sp_bench_main(int argc, char** argv) {
       h1 += "    T1 alone   effic.    T1 busy   effic.";
       h2 += "        (ms)   (alone)       (ms)   (busy)";
     }
+    if (has_rounds) {
+      h1 += "   rounds";
+      h2 += "      (-)";
+    }
     std::printf("%s\n%s\n", h1.c_str(), h2.c_str());
     for (const PhaseResult& p : phases) {
       const double tflops_total = p.flops / (p.time_ms * 1e-3) / 1e12;
@@ -396,6 +431,7 @@ int sp_bench_main(int argc, char** argv) {
         row += fmt("%11.2f", p.single_rank_busy_ms);
         row += fmt("%9.3f", p.efficiency_busy);
       }
+      if (has_rounds) row += fmt("%9.0f", p.message_rounds);
       std::printf("%s\n", row.c_str());
     }
     if (o.check) {
@@ -406,6 +442,18 @@ int sp_bench_main(int argc, char** argv) {
                     c.atol, c.rtol, c.ok() ? "ok" : "FAIL");
       }
       std::printf("# check %s\n", check_failed ? "FAILED" : "passed");
+    }
+    if (!variants.empty()) {
+      std::printf(
+          "#\n# single-rank kernel on the whole problem (world rank 0 alone, %d threads; median of %d after %d "
+          "warmup)\n",
+          o.threads, o.iters, o.warmup);
+      std::printf("#                     variant   fwd (ms)   bwd (ms) fwd+bwd (ms)  vs first\n");
+      const double base = variants.front().fwd_ms + variants.front().bwd_ms;
+      for (const VariantTiming& v : variants) {
+        std::printf("%29s %10.2f %10.2f %12.2f %8.2fx\n", v.name.c_str(), v.fwd_ms, v.bwd_ms, v.fwd_ms + v.bwd_ms,
+                    (v.fwd_ms + v.bwd_ms) / base);
+      }
     }
     if (!o.dump_dir.empty()) {
       std::string names;
@@ -431,7 +479,13 @@ int sp_bench_main(int argc, char** argv) {
       j["threads_per_rank"] = o.threads;
       j["shape"] = {{"batch", o.batch},       {"seq", o.seq},       {"heads", o.heads},  {"kv_heads", o.kv_heads},
                     {"head_dim", o.head_dim}, {"causal", o.causal}, {"window", o.window}};
-      if (o.attn == AttnKind::kDsa) j["shape"]["topk"] = o.topk;
+      if (o.attn == AttnKind::kDsa) {
+        j["shape"]["topk"] = o.topk;
+        j["shape"]["dim_v"] = o.dim_v;
+        j["shape"]["indexer_heads"] = o.indexer_heads;
+        j["shape"]["indexer_dim"] = o.indexer_dim;
+        j["dsa_select"] = o.dsa_select;
+      }
       if (o.attn == AttnKind::kGdn) {
         j["shape"]["chunk_size"] = o.chunk_size;
         j["gdn_mode"] = o.gdn_mode;
@@ -453,6 +507,7 @@ int sp_bench_main(int argc, char** argv) {
         for (int c = 0; c < kNumMemCategories; ++c) mj[mem_category_name(static_cast<MemCategory>(c))] = p.mem_mib[c];
         mj["total"] = p.mem_mib[kNumMemCategories];
         pj["mem_peak_mib"] = mj;
+        if (has_rounds) pj["message_rounds"] = p.message_rounds;
         if (o.efficiency) {
           pj["single_rank_ms"] = p.single_rank_ms;
           pj["efficiency"] = p.efficiency;
@@ -460,6 +515,12 @@ int sp_bench_main(int argc, char** argv) {
           pj["efficiency_busy"] = p.efficiency_busy;
         }
         j["phases"].push_back(pj);
+      }
+      if (!variants.empty()) {
+        j["variants"] = nlohmann::json::array();
+        for (const VariantTiming& v : variants) {
+          j["variants"].push_back({{"name", v.name}, {"fwd_ms", v.fwd_ms}, {"bwd_ms", v.bwd_ms}});
+        }
       }
       if (o.check) {
         j["check"] = nlohmann::json::array();

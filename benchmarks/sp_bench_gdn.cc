@@ -1,5 +1,7 @@
 #include "benchmarks/sp_bench_gdn.h"
 
+#include <algorithm>
+#include <chrono>
 #include <numeric>
 
 #include "attention/gdn.h"
@@ -144,6 +146,36 @@ class GdnWorkload final : public Workload {
   }
   NamedArrays reference_outputs() override { return ref_out_; }
 
+  // --gdn-compare-token: the single-rank chunked kernel on the whole problem at the configured chunk size, and the
+  // token-by-token recurrence run by the same kernel with chunk_size = 1 (same inputs, same dtype, same threads).
+  std::vector<VariantTiming> time_variants(const NamedArrays* full, int warmup, int iters) override {
+    if (!o_.gdn_compare_token) return {};
+    if (ref_in_.empty()) reference_setup(full);
+    std::vector<VariantTiming> r;
+    for (const std::int64_t chunk : {o_.chunk_size, std::int64_t{1}}) {
+      std::vector<double> f, b;
+      for (int i = 0; i < warmup + iters; ++i) {
+        const double t0 = seconds();
+        attn::GdnForwardArgs a = ref_args();
+        a.chunk_size = chunk;
+        attn::gdn_forward(a, ref("out"), ref("final_state"));
+        const double t1 = seconds();
+        attn::GdnBackwardArgs bw;
+        bw.fwd = a;
+        bw.dout = find_array(ref_in_, "dout").view();
+        attn::gdn_backward(bw, ref("dq"), ref("dk"), ref("dv"), ref("dg"), ref("dbeta"), ref("dinitial_state"));
+        const double t2 = seconds();
+        if (i < warmup) continue;
+        f.push_back(t1 - t0);
+        b.push_back(t2 - t1);
+      }
+      r.push_back({chunk == 1 ? std::string("token-by-token (chunk 1)") : str_cat("chunked (chunk ", chunk, ")"),
+                   1e3 * median(f), 1e3 * median(b)});
+      if (chunk == 1) break;  // --chunk-size 1: one row
+    }
+    return r;
+  }
+
  private:
   Shape qk_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
   Shape gate_shape(std::int64_t s) const { return {o_.batch, s, o_.heads}; }
@@ -177,6 +209,15 @@ class GdnWorkload final : public Workload {
 
   TensorView ref(const char* name) const { return find_array(ref_out_, name).view(); }
 
+  static double seconds() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  static double median(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  }
+
   attn::GdnForwardArgs ref_args() const {
     attn::GdnForwardArgs a;
     a.q = find_array(ref_in_, "q").view();
@@ -205,6 +246,7 @@ class GdnWorkload final : public Workload {
     PhaseCounters p;
     p.exposed_comm_s = c.exposed_comm_s;
     p.bytes_sent = c.bytes_sent + c.a2a_bytes_sent;
+    p.message_rounds = c.message_rounds;
     return p;
   }
 

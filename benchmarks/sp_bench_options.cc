@@ -23,13 +23,15 @@ struct Preset {
   const char* name;
   AttnKind attn;
   std::int64_t heads, kv_heads, head_dim, topk, chunk_size;
+  std::int64_t dim_v, indexer_heads, indexer_dim;  // DSA only (0: not part of the preset)
   const char* note;
 };
 constexpr Preset kPresets[] = {
-    {"llama3-8b", AttnKind::kMha, 32, 8, 128, 0, 0, "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"},
-    {"deepseek-v3.2", AttnKind::kDsa, 128, 1, 576, 2048, 0,
+    {"llama3-8b", AttnKind::kMha, 32, 8, 128, 0, 0, 0, 0, 0,
+     "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"},
+    {"deepseek-v3.2", AttnKind::kDsa, 128, 1, 576, 2048, 0, 512, 64, 128,
      "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"},
-    {"qwen3-next", AttnKind::kGdn, 32, 32, 128, 0, 64,
+    {"qwen3-next", AttnKind::kGdn, 32, 32, 128, 0, 64, 0, 0, 0,
      "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"},
 };
 
@@ -104,6 +106,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
      cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
     ("window", "sliding window in tokens (0: none; needs --causal)", cxxopts::value<std::int64_t>()->default_value("0"))
     ("topk", "DSA: selected keys per query", cxxopts::value<std::int64_t>()->default_value("2048"))
+    ("dim-v", "DSA: value width Dv, the first Dv columns of the latent (0: --head-dim)",
+     cxxopts::value<std::int64_t>()->default_value("0"))
+    ("indexer-heads", "DSA: indexer heads Hi", cxxopts::value<std::int64_t>()->default_value("64"))
+    ("indexer-dim", "DSA: indexer head dim Di", cxxopts::value<std::int64_t>()->default_value("128"))
     ("chunk-size", "GDN: chunk length", cxxopts::value<std::int64_t>()->default_value("64"))
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("seed", "seed of the random inputs", cxxopts::value<std::uint64_t>()->default_value("1234"));
@@ -114,12 +120,16 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("placement", "ulysses_inner | ring_inner", cxxopts::value<std::string>()->default_value("ulysses_inner"))
     ("layout", "contiguous | zigzag | stripe", cxxopts::value<std::string>()->default_value("zigzag"))
     ("impl", "ring implementation: p2p | allgather", cxxopts::value<std::string>()->default_value("p2p"))
-    ("gdn-mode", "GDN state passing: chain | scan", cxxopts::value<std::string>()->default_value("chain"));
+    ("gdn-mode", "GDN state passing: chain | scan", cxxopts::value<std::string>()->default_value("chain"))
+    ("dsa-select", "DSA top-k selection over the SP group: ring (index keys circulate) | allgather (gathered "
+                   "once)", cxxopts::value<std::string>()->default_value("ring"));
   spec.add_options("run")
     ("warmup", "untimed iterations", cxxopts::value<int>()->default_value("2"))
     ("iters", "timed iterations (the median is reported)", cxxopts::value<int>()->default_value("5"))
     ("threads", "OpenMP threads per rank (default: OMP_NUM_THREADS, else 1)", cxxopts::value<int>())
     ("check", "compare every output and gradient with the single-rank reference; non-zero exit when over tolerance")
+    ("gdn-compare-token", "GDN: also time the single-rank chunked kernel on the whole problem against the "
+                          "token-by-token recurrence (the same kernel with chunk size 1), on rank 0")
     ("efficiency", "also time the whole problem on one rank, alone and with every rank busy: efficiency = "
                    "T1 / (ranks x T)")
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
@@ -160,6 +170,9 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     o.head_dim = preset->head_dim;
     if (preset->topk > 0) o.topk = preset->topk;
     if (preset->chunk_size > 0) o.chunk_size = preset->chunk_size;
+    if (preset->dim_v > 0) o.dim_v = preset->dim_v;
+    if (preset->indexer_heads > 0) o.indexer_heads = preset->indexer_heads;
+    if (preset->indexer_dim > 0) o.indexer_dim = preset->indexer_dim;
     o.causal = true;
   }
   // Without a preset every flag (or its default) applies; with one, only the flags given explicitly.
@@ -170,6 +183,9 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (given("causal")) o.causal = get_checked<bool>(r, "causal");
   if (given("topk")) o.topk = get_checked<std::int64_t>(r, "topk");
   if (given("chunk-size")) o.chunk_size = get_checked<std::int64_t>(r, "chunk-size");
+  if (given("dim-v")) o.dim_v = get_checked<std::int64_t>(r, "dim-v");
+  if (given("indexer-heads")) o.indexer_heads = get_checked<std::int64_t>(r, "indexer-heads");
+  if (given("indexer-dim")) o.indexer_dim = get_checked<std::int64_t>(r, "indexer-dim");
 
   o.batch = get_checked<std::int64_t>(r, "batch");
   o.seq = parse_size(get_checked<std::string>(r, "seq"), "seq");
@@ -188,6 +204,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   o.impl =
       parse_flag("impl", get_checked<std::string>(r, "impl"), [](const std::string& v) { return parse_ring_impl(v); });
   o.gdn_mode = get_checked<std::string>(r, "gdn-mode");
+  o.dsa_select = get_checked<std::string>(r, "dsa-select");
   o.warmup = get_checked<int>(r, "warmup");
   o.iters = get_checked<int>(r, "iters");
   if (r.count("threads")) {
@@ -205,6 +222,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   }
   o.check = r.count("check") > 0;
   o.efficiency = r.count("efficiency") > 0;
+  o.gdn_compare_token = r.count("gdn-compare-token") > 0;
   o.quiet = r.count("quiet") > 0;
   if (r.count("json")) o.json_path = get_checked<std::string>(r, "json");
   if (r.count("inputs")) o.inputs_dir = get_checked<std::string>(r, "inputs");
@@ -227,6 +245,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   check_min(o.grid.dp_size, 1, "dp-size");
   SEQPAR_CHECK(o.gdn_mode == "chain" || o.gdn_mode == "scan", "--gdn-mode ", o.gdn_mode,
                ": unknown mode (expected chain or scan)");
+  SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,
+               ": unknown selection mode (expected ring or allgather)");
+  SEQPAR_CHECK(!o.gdn_compare_token || o.attn == AttnKind::kGdn, "--gdn-compare-token needs --attn gdn (--attn ",
+               attn_kind_name(o.attn), ")");
   SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   const std::int64_t grid_ranks = static_cast<std::int64_t>(o.grid.dp_size) * o.grid.ulysses_size * o.grid.ring_size;
   SEQPAR_CHECK(grid_ranks == world_size, "--dp-size ", o.grid.dp_size, " x --ulysses-size ", o.grid.ulysses_size,
@@ -247,6 +269,20 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                  "zigzag)");
     SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
   }
+  if (o.attn == AttnKind::kDsa) {
+    // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.
+    o.causal = true;
+    if (o.dim_v == 0) o.dim_v = o.head_dim;
+    check_min(o.dim_v, 1, "dim-v");
+    check_min(o.indexer_heads, 1, "indexer-heads");
+    check_min(o.indexer_dim, 1, "indexer-dim");
+    SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, " must be <= --head-dim ", o.head_dim,
+                 " (the value is the first Dv columns of the latent)");
+    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
+                 o.grid.ulysses_size);
+    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
+    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": DSA selects its keys with the indexer (no window)");
+  }
   // Layout divisibility (the same rule the library applies, raised here before any communication).
   SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
   return o;
@@ -259,9 +295,12 @@ std::string describe_shapes(const SpBenchOptions& o) {
   }
   std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads);
   if (o.attn == AttnKind::kMha) s += str_cat(" Hkv=", o.kv_heads);
-  s += str_cat(" D=", o.head_dim, " causal=", o.causal ? "yes" : "no");
+  s += str_cat(o.attn == AttnKind::kDsa ? " Dqk=" : " D=", o.head_dim, " causal=", o.causal ? "yes" : "no");
   if (o.window > 0) s += str_cat(" window=", o.window);
-  if (o.attn == AttnKind::kDsa) s += str_cat(" topk=", o.topk);
+  if (o.attn == AttnKind::kDsa) {
+    s += str_cat(" Dv=", o.dim_v, " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim,
+                 " select=", o.dsa_select);
+  }
   if (o.attn == AttnKind::kGdn) s += str_cat(" chunk=", o.chunk_size, " mode=", o.gdn_mode);
   return s;
 }

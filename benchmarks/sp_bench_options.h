@@ -24,7 +24,8 @@ struct SpBenchOptions {
   LayoutKind layout = LayoutKind::kZigzag;
   RingImpl impl = RingImpl::kP2P;
   std::string gdn_mode = "chain";
-  std::string model;  // preset name, empty when none
+  std::string dsa_select = "ring";  // DSA top-k selection over the SP group: ring | allgather
+  std::string model;                // preset name, empty when none
 
   std::int64_t batch = 1;
   std::int64_t seq = 4096;
@@ -33,8 +34,11 @@ struct SpBenchOptions {
   std::int64_t head_dim = 64;
   bool causal = false;
   std::int64_t window = 0;
-  std::int64_t topk = 2048;      // DSA
-  std::int64_t chunk_size = 64;  // GDN
+  std::int64_t topk = 2048;         // DSA
+  std::int64_t dim_v = 0;           // DSA value width Dv (first Dv latent columns); 0: --head-dim
+  std::int64_t indexer_heads = 64;  // DSA indexer heads Hi
+  std::int64_t indexer_dim = 128;   // DSA indexer head dim Di
+  std::int64_t chunk_size = 64;     // GDN
   DType dtype = DType::kFloat32;
 
   int warmup = 2;
@@ -44,6 +48,7 @@ struct SpBenchOptions {
 
   bool check = false;
   bool efficiency = false;
+  bool gdn_compare_token = false;  // GDN: also time the single-rank chunked kernel against chunk_size 1
   std::string json_path;
   std::string inputs_dir;
   std::string dump_dir;

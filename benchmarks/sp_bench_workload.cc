@@ -1,5 +1,6 @@
 #include "benchmarks/sp_bench_workload.h"
 
+#include "benchmarks/sp_bench_dsa.h"
 #include "benchmarks/sp_bench_gdn.h"
 #include "benchmarks/sp_bench_mha.h"
 #include "parallel/layout.h"
@@ -28,22 +29,30 @@ const npy::HostArray& find_array(const NamedArrays& arrays, const std::string& n
 void check_workload_available(const SpBenchOptions& options) {
   switch (options.attn) {
     case AttnKind::kMha:
-    case AttnKind::kGdn: return;
     case AttnKind::kDsa:
-      SEQPAR_THROW("--attn ", attn_kind_name(options.attn),
-                   " is not available yet in sp_bench: its distributed implementation has not landed "
-                   "(available: --attn mha, gdn)");
+    case AttnKind::kGdn: return;
   }
+  SEQPAR_THROW("--attn ", static_cast<int>(options.attn), ": unknown attention kind (available: mha, dsa, gdn)");
 }
 
 std::vector<TensorSpec> workload_input_specs(const SpBenchOptions& options) {
   check_workload_available(options);
-  return options.attn == AttnKind::kGdn ? gdn_input_specs(options) : mha_input_specs(options);
+  switch (options.attn) {
+    case AttnKind::kDsa: return dsa_input_specs(options);
+    case AttnKind::kGdn: return gdn_input_specs(options);
+    case AttnKind::kMha: break;
+  }
+  return mha_input_specs(options);
 }
 
 std::unique_ptr<Workload> make_workload(const SpBenchOptions& options, const SpGrid& grid) {
   check_workload_available(options);
-  return options.attn == AttnKind::kGdn ? make_gdn_workload(options, grid) : make_mha_workload(options, grid);
+  switch (options.attn) {
+    case AttnKind::kDsa: return make_dsa_workload(options, grid);
+    case AttnKind::kGdn: return make_gdn_workload(options, grid);
+    case AttnKind::kMha: break;
+  }
+  return make_mha_workload(options, grid);
 }
 
 double random_uniform(std::uint64_t seed, std::uint64_t tensor_id, std::uint64_t index) {

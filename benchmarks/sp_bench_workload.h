@@ -18,9 +18,16 @@ namespace seqpar::bench {
 
 // What one distributed phase (forward or backward) did on this rank.
 struct PhaseCounters {
-  double exposed_comm_s = 0;    // time blocked on communication that no computation hid
-  std::int64_t bytes_sent = 0;  // bytes this rank sent (all groups)
-  double executed_flops = 0;    // attention FLOPs this rank executed (masked blocks skipped)
+  double exposed_comm_s = 0;         // time blocked on communication that no computation hid
+  std::int64_t bytes_sent = 0;       // bytes this rank sent (all groups)
+  double executed_flops = 0;         // attention FLOPs this rank executed (masked blocks skipped)
+  std::int64_t message_rounds = -1;  // sequential rounds of messages (GDN state passing); -1: not reported
+};
+
+// One extra single-rank timing of the whole problem (e.g. GDN --gdn-compare-token): medians in ms.
+struct VariantTiming {
+  std::string name;
+  double fwd_ms = 0, bwd_ms = 0;
 };
 
 struct TensorSpec {
@@ -66,10 +73,16 @@ class Workload {
   virtual void reference_forward() = 0;
   virtual void reference_backward() = 0;
   virtual NamedArrays reference_outputs() = 0;
+
+  // Optional single-rank timings of kernel variants of the whole problem (called on world rank 0 only, after the
+  // distributed timing; may set up its own copy of the problem from `full` or the seed). Default: none.
+  virtual std::vector<VariantTiming> time_variants(const NamedArrays* /*full*/, int /*warmup*/, int /*iters*/) {
+    return {};
+  }
 };
 
-// Throws Error "--attn X is not available yet ..." for kinds whose distributed part has not landed. Called before
-// any communication.
+// Throws Error "--attn X is not available yet ..." for kinds whose distributed part has not landed (none today:
+// mha, dsa and gdn are all available). Called before any communication.
 void check_workload_available(const SpBenchOptions& options);
 // The full input tensors of the configured workload (known before the grid exists, for --inputs).
 std::vector<TensorSpec> workload_input_specs(const SpBenchOptions& options);
