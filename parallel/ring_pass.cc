@@ -54,7 +54,9 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
     in[0] = Tensor::empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer);
     in[1] = Tensor::empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer);
   }
-  WorkHandle sends[2], recvs[2];
+  // grads[i]: the step's exchange of accumulators (send ours downstream, receive the upstream partial), posted as
+  // one group so that backends that run a communicator's operations in order (NCCL) never wait on a lone receive.
+  WorkHandle grads[2];
   int cur = 0;
   for (int step = 0; step < p; ++step) {
     const int slot = step % 2;
@@ -62,15 +64,16 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
     if (step + 1 < p) {
       w = comm.batch_isend_irecv({P2POp::send(buf[cur].view(), next, tag), P2POp::recv(buf[1 - cur].view(), prev, tag)});
     }
-    if (p > 1) recvs[slot] = comm.irecv(in[slot].view(), prev, grad_tag);  // the partial for step + 1
-    timed_wait(sends[slot], exposed_s);                                  // buffer sent two steps ago is free
-    out[slot].fill_zero();
+    out[slot].fill_zero();  // its send (two steps ago) completed when that exchange was waited for
     visit((r - step + p) % p, buf[cur].view(), out[slot].view());
     if (step > 0) {
-      timed_wait(recvs[1 - slot], exposed_s);  // contributions of the ranks that saw this block before us
+      timed_wait(grads[1 - slot], exposed_s);  // contributions of the ranks that saw this block before us
       add_inplace(out[slot].view(), in[1 - slot].view());
     }
-    if (p > 1) sends[slot] = comm.isend(out[slot].view(), next, grad_tag);
+    if (p > 1) {
+      grads[slot] = comm.batch_isend_irecv(
+          {P2POp::send(out[slot].view(), next, grad_tag), P2POp::recv(in[slot].view(), prev, grad_tag)});
+    }
     timed_wait(w, exposed_s);
     cur = 1 - cur;
   }
@@ -78,11 +81,9 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
     copy_convert(out[0].view(), home_grad);
     return;
   }
-  const int last = (p - 1) % 2;  // the last receive brings this rank's own block home
-  timed_wait(recvs[last], exposed_s);
+  const int last = (p - 1) % 2;  // the last exchange brings this rank's own block home
+  timed_wait(grads[last], exposed_s);
   copy_convert(in[last].view(), home_grad);
-  timed_wait(sends[0], exposed_s);
-  timed_wait(sends[1], exposed_s);
 }
 
 }  // namespace seqpar

@@ -6,11 +6,12 @@
 //
 // ring_circulate_with_grad: the same, plus an fp32 gradient accumulator per block that follows it one step behind:
 // at each step `visit` adds this rank's contribution into a zeroed buffer while the upstream partial sum is in
-// flight; the partial is then added (fixed order: local contribution + upstream partial) and sent on. After P hops
-// the sum of every rank's contribution arrives home and is written to `home_grad`.
+// flight; the partial is then added (fixed order: local contribution + upstream partial) and sent on, grouped with
+// the receive of the next partial (so that backends running a communicator's operations in order, like NCCL, never
+// wait on a lone receive). After P hops the sum of every rank's contribution arrives home in `home_grad`.
 //
-// Deadlock freedom: every step posts its receive and send together (batch_isend_irecv) with a per-schedule tag,
-// for any P >= 1. Synchronisation: collective over `comm`, host-synchronous. `exposed_s` (may be null) accumulates
+// Deadlock freedom: every exchange posts its receive and send together (batch_isend_irecv), blocks on tag, gradients
+// on tag + 1, in the same order on every rank, for any P >= 1. Synchronisation: collective over `comm`, host-synchronous. `exposed_s` (may be null) accumulates
 // the seconds blocked in waits.
 #pragma once
 
