@@ -49,8 +49,7 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
                dtype_name(a.q.dtype()), ", k ", dtype_name(a.k.dtype()), ", v ", dtype_name(a.v.dtype()));
   SEQPAR_CHECK(D > 0, "head_dim (q dim 3) must be > 0, got ", D);
   SEQPAR_CHECK(Hkv > 0 && Hq % Hkv == 0, "q heads Hq = ", Hq, " must be a multiple of kv heads Hkv = ", Hkv);
-  SEQPAR_CHECK(a.scale >= 0.0f && std::isfinite(a.scale), "scale ", a.scale,
-               " must be finite and >= 0 (0 or less: 1/sqrt(D))");
+  SEQPAR_CHECK(std::isfinite(a.scale), "scale ", a.scale, " must be finite (0 or less: 1/sqrt(D))");
   check_positions(a.q_pos, Sq, "q_pos");
   check_positions(a.k_pos, Sk, "k_pos");
   check_mask(a.mask);

@@ -1,6 +1,7 @@
 #include "parallel/dsa_cp.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <numeric>
@@ -92,6 +93,7 @@ DsaContextParallel::DsaContextParallel(const SpGrid& grid, std::int64_t seq_len,
       positions_(layout_.positions(grid.coords().sp_rank)) {
   SEQPAR_CHECK(config.topk >= 1, "DSA topk ", config.topk, " must be >= 1");
   SEQPAR_CHECK(config.dim_v >= 1, "DSA dim_v ", config.dim_v, " must be >= 1");
+  SEQPAR_CHECK(std::isfinite(config.scale), "DSA scale ", config.scale, " must be finite (0 or less: 1/sqrt(Dqk))");
   for (int r = 0; r < layout_.num_ranks(); ++r) sp_positions_.push_back(layout_.positions(r));
   for (int r = 0; r < layout_.ring_size(); ++r) ring_positions_.push_back(layout_.ring_shard_positions(r));
 }

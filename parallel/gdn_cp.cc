@@ -1,6 +1,7 @@
 #include "parallel/gdn_cp.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <map>
 
@@ -131,6 +132,7 @@ GdnContextParallel::GdnContextParallel(Communicator& ulysses, Communicator& ring
                "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
                "make every token its own segment");
   SEQPAR_CHECK(config.chunk_size >= 1, "GDN chunk_size ", config.chunk_size, " must be >= 1");
+  SEQPAR_CHECK(std::isfinite(config.scale), "GDN scale ", config.scale, " must be finite (0 or less: 1/sqrt(K))");
   std::vector<std::vector<std::int64_t>> ring_positions;
   for (int r = 0; r < ring.size(); ++r) ring_positions.push_back(layout_.ring_shard_positions(r));
   segments_ = segments_in_global_order(ring_positions);

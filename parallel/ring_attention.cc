@@ -40,6 +40,9 @@ RingAttention::RingAttention(Communicator& ring, std::int64_t seq_len, const Rin
       rank_(ring.rank()),
       size_(ring.size()) {
   SEQPAR_CHECK(config.window >= 0, "window ", config.window, " must be >= 0 (0: no window)");
+  // The kernels check this too, but only once the first (K, V) block is already on the wire.
+  SEQPAR_CHECK(std::isfinite(config.scale), "ring attention: scale ", config.scale,
+               " must be finite (0 or less: 1/sqrt(D))");
   SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window,
                ") needs causal=true");
   positions_.reserve(size_);
@@ -55,6 +58,9 @@ void RingAttention::validate(const TensorView& q, const TensorView& k, const Ten
   SEQPAR_CHECK(k.shape() == v.shape(), "ring attention: k ", k.str(), " and v ", v.str(), " must have one shape");
   SEQPAR_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(), "ring attention: q, k, v dtypes differ (",
                dtype_name(q.dtype()), ", ", dtype_name(k.dtype()), ", ", dtype_name(v.dtype()), ")");
+  // The kernels check this too, but only once the first block is already on the wire.
+  SEQPAR_CHECK(is_floating(q.dtype()), "ring attention: q, k, v have dtype ", dtype_name(q.dtype()),
+               ", expected a floating dtype (fp32, bf16, fp16 or fp64)");
   SEQPAR_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3), "ring attention: q ", q.str(), " and k ", k.str(),
                " must share batch and head dim");
   SEQPAR_CHECK(q.dim(1) == layout_.ring_shard_len() && k.dim(1) == layout_.ring_shard_len(),
@@ -129,6 +135,8 @@ void RingAttention::backward_into(const TensorView& dout, const TensorView& dq, 
   SEQPAR_CHECK(has_saved_, "ring attention: backward() needs a preceding forward()");
   check_cpu(dout, "ring attention dout");
   check_shape(dout, saved_q_.shape(), "ring attention dout");
+  SEQPAR_CHECK(is_floating(dout.dtype()), "ring attention: dout has dtype ", dtype_name(dout.dtype()),
+               ", expected a floating dtype");
   check_shape(dq, saved_q_.shape(), "ring attention dq");
   check_shape(dk, saved_k_.shape(), "ring attention dk");
   check_shape(dv, saved_v_.shape(), "ring attention dv");

@@ -178,8 +178,16 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   SEQPAR_CHECK(q.dim(1) == layout_.local_len() && k.dim(1) == layout_.local_len(), "USP: local sequence length ",
                q.dim(1), " must be seq_len ", layout_.seq_len(), " / (ring_size ", ring_.size(), " x ulysses_size ",
                ulysses_.size(), ") = ", layout_.local_len());
-  SEQPAR_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(), "USP: q, k, v dtypes differ");
+  SEQPAR_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(), "USP: q, k, v dtypes differ (", dtype_name(q.dtype()),
+               ", ", dtype_name(k.dtype()), ", ", dtype_name(v.dtype()), ")");
+  // Checked here, not only by the ring after the all-to-all, so that no message is sent with bad inputs.
+  SEQPAR_CHECK(is_floating(q.dtype()), "USP: q, k, v have dtype ", dtype_name(q.dtype()),
+               ", expected a floating dtype (fp32, bf16, fp16 or fp64)");
+  SEQPAR_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3), "USP: q ", q.str(), " and k ", k.str(),
+               " must share batch (dim 0) and head dim (dim 3)");
   heads_ = std::make_unique<UlyssesHeads>(q.dim(2), k.dim(2), ulysses_.size());
+  q_shape_ = q.shape();
+  q_dtype_ = q.dtype();
   const int pu = ulysses_.size();
   const std::int64_t B = q.dim(0), sl = q.dim(1), D = q.dim(3), hq = heads_->hq, he = heads_->hkv_expanded;
 
@@ -217,13 +225,20 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
 AttentionGrads UspAttention::backward(const TensorView& dout) {
   SEQPAR_CHECK(heads_ != nullptr, "USP: backward() needs a preceding forward()");
   check_4d(dout, "USP dout");
+  // dout must have q's shape (checked before the all-to-all, so that a bad dout sends nothing); gradients come
+  // back in q's dtype, whatever dout's floating dtype.
+  check_shape(dout, q_shape_, "USP dout");
+  SEQPAR_CHECK(is_floating(dout.dtype()), "USP: dout has dtype ", dtype_name(dout.dtype()),
+               ", expected a floating dtype");
   const int pu = ulysses_.size();
-  const std::int64_t B = dout.dim(0), sl = dout.dim(1), D = dout.dim(3), hq = heads_->hq,
-                     he = heads_->hkv_expanded, hkv = heads_->hkv;
-  check_shape(dout, {B, layout_.local_len(), hq, D}, "USP dout");
-  const DType dtype = dout.dtype();
+  const std::int64_t B = dout.dim(0), sl = dout.dim(1), D = dout.dim(3), hq = heads_->hq, he = heads_->hkv_expanded,
+                     hkv = heads_->hkv;
+  const DType dtype = q_dtype_;
+  Tensor dout_cast;
+  if (dout.dtype() != dtype) dout_cast = Tensor::copy_of(dout, dtype, MemCategory::kWorkspace);
+  const TensorView dout_q = dout.dtype() != dtype ? dout_cast.view() : dout;
   Tensor dout_h = Tensor::empty({B, pu * sl, hq / pu, D}, dtype, MemCategory::kWorkspace);
-  timed_a2a([&] { ulysses_scatter_heads(ulysses_, dout, dout_h.view()); });
+  timed_a2a([&] { ulysses_scatter_heads(ulysses_, dout_q, dout_h.view()); });
 
   // Replica gradients travel in fp32 so that their sum is exact to fp32 rounding.
   const DType kv_grad_dtype = heads_->replication == 1 ? dtype : DType::kFloat32;

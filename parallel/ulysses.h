@@ -83,6 +83,8 @@ class UspAttention {
   std::vector<std::int64_t> positions_;
   RingAttention ring_attn_;
   std::unique_ptr<UlyssesHeads> heads_;
+  Shape q_shape_;                    // of the last forward's q (what dout must match)
+  DType q_dtype_ = DType::kFloat32;  // of the last forward's q (the gradients' dtype)
   UspCounters counters_;
 };
 

@@ -111,6 +111,18 @@ TensorView host_view(const TensorView& t, bool read, bool write, const Stream& s
 
 enum class ReqKind : std::uint8_t { kSend, kRecv, kCollective };
 
+std::string mpi_error_text(int code) {
+  char text[MPI_MAX_ERROR_STRING] = {0};
+  int len = 0;
+  if (MPI_Error_string(code, text, &len) != MPI_SUCCESS) return str_cat("MPI error code ", code);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+// MPI tags must lie in [0, MPI_TAG_UB]; checked here so that the error names the value and the rule.
+void check_tag(int tag, int tag_ub, const char* op) {
+  SEQPAR_CHECK(0 <= tag && tag <= tag_ub, op, ": tag ", tag, " must be in [0, ", tag_ub, "] (MPI_TAG_UB of this MPI)");
+}
+
 bool mpi_finalized() {
   int finalized = 0;
   MPI_Finalized(&finalized);
@@ -151,7 +163,30 @@ class MpiWork final : public Work {
     if (!failure_.empty()) SEQPAR_THROW(failure_);
     if (done_) return true;
     int flag = 0;
-    SEQPAR_CHECK_MPI(MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, MPI_STATUSES_IGNORE));
+    statuses_.resize(requests_.size());
+    const int rc = MPI_Testall(static_cast<int>(requests_.size()), requests_.data(), &flag, statuses_.data());
+    if (rc != MPI_SUCCESS) {
+      // Name the operation and MPI's own error (a truncated receive is how a peer's mismatched count or dtype
+      // shows up), not MPI_ERR_IN_STATUS; later wait() / test() calls throw the same error.
+      int code = rc;
+      if (rc == MPI_ERR_IN_STATUS) {
+        for (const MPI_Status& st : statuses_) {
+          if (st.MPI_ERROR != MPI_SUCCESS && st.MPI_ERROR != MPI_ERR_PENDING) {
+            code = st.MPI_ERROR;
+            break;
+          }
+        }
+      }
+      int error_class = code;
+      MPI_Error_class(code, &error_class);
+      abandon();
+      failure_ = str_cat(description_, " failed: ", mpi_error_text(code),
+                         error_class == MPI_ERR_TRUNCATE
+                             ? " (a peer posted a mismatched operation: a different element count, dtype or "
+                               "collective)"
+                             : "");
+      SEQPAR_THROW(failure_);
+    }
     if (flag != 0) {
       try {
         finish_staging();
@@ -229,6 +264,7 @@ class MpiWork final : public Work {
   std::vector<MPI_Request> requests_;
   std::vector<ReqKind> kinds_;
   bool done_ = false;
+  std::vector<MPI_Status> statuses_;        // of the last MPI_Testall
   std::string failure_;                     // set once wait() timed out; later wait() / test() calls throw it again
   std::shared_ptr<DeviceStaging> staging_;  // pinned mirrors of device buffers, if any
 };
@@ -274,6 +310,10 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   set_process_rank(rank);
   if (g_bf16_type == MPI_DATATYPE_NULL) init_types();
   if (g_error_comm == MPI_COMM_NULL) SEQPAR_CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &g_error_comm));
+  // Read the environment knobs now, so that a malformed value stops every rank here, before any message is sent
+  // (they used to be read at the first wait or the first log line, with operations already posted).
+  env::log_level();
+  env::comm_timeout_s();
 }
 
 MpiSession::~MpiSession() {
@@ -290,6 +330,11 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned
   SEQPAR_CHECK_MPI(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   SEQPAR_CHECK_MPI(MPI_Comm_rank(comm_, &rank_));
   SEQPAR_CHECK_MPI(MPI_Comm_size(comm_, &size_));
+  int* tag_ub = nullptr;
+  int has_tag_ub = 0;
+  // MPI_TAG_UB is a predefined attribute of MPI_COMM_WORLD (the bound holds for every communicator).
+  SEQPAR_CHECK_MPI(MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &has_tag_ub));
+  if (has_tag_ub && tag_ub) tag_ub_ = *tag_ub;
 }
 
 MpiCommunicator::~MpiCommunicator() {
@@ -308,6 +353,7 @@ std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
 
 WorkHandle MpiCommunicator::isend(const TensorView& buffer, int peer, int tag) {
   check_peer(*this, peer, "isend");
+  check_tag(tag, tag_ub_, "isend");
   check_buffer(buffer, "isend");
   const int count = to_int_count(buffer.numel(), "isend");
   std::shared_ptr<DeviceStaging> staging;
@@ -322,6 +368,7 @@ WorkHandle MpiCommunicator::isend(const TensorView& buffer, int peer, int tag) {
 
 WorkHandle MpiCommunicator::irecv(const TensorView& buffer, int peer, int tag) {
   check_peer(*this, peer, "irecv");
+  check_tag(tag, tag_ub_, "irecv");
   check_buffer(buffer, "irecv");
   const int count = to_int_count(buffer.numel(), "irecv");
   std::shared_ptr<DeviceStaging> staging;
@@ -337,6 +384,7 @@ WorkHandle MpiCommunicator::irecv(const TensorView& buffer, int peer, int tag) {
 WorkHandle MpiCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
   for (const P2POp& op : ops) {
     check_peer(*this, op.peer, "batch_isend_irecv");
+    check_tag(op.tag, tag_ub_, "batch_isend_irecv");
     check_buffer(op.buffer, "batch_isend_irecv");
     to_int_count(op.buffer.numel(), "batch_isend_irecv");
   }

@@ -17,7 +17,8 @@ namespace seqpar {
 
 // Initialises MPI (MPI_THREAD_FUNNELED, errors returned rather than fatal) and finalises it on destruction
 // (only when this session initialised it).
-// Sets the rank used in error and log prefixes.
+// Sets the rank used in error and log prefixes. Reads SEQPAR_LOG_LEVEL and SEQPAR_COMM_TIMEOUT_S and throws for a
+// malformed value (before any communication).
 class MpiSession {
  public:
   MpiSession(int* argc, char*** argv);
@@ -57,6 +58,7 @@ class MpiCommunicator final : public Communicator {
   bool owned_;
   int rank_ = 0;
   int size_ = 1;
+  int tag_ub_ = 32767;  // MPI_TAG_UB (at least 32767 by the standard)
 };
 
 // Runs `body` as the main of an MPI program: initialises MPI, turns a seqpar::Error (or any std::exception) into

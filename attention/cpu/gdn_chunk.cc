@@ -159,6 +159,10 @@ Dims validate_forward(const GdnForwardArgs& a) {
   d.V = a.v.dim(3);
   d.C = a.chunk_size;
   SEQPAR_CHECK(d.C >= 1, "gdn: chunk_size must be >= 1, got ", d.C);
+  // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
+  // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
+  // for 200 GB). Same chunks, same arithmetic.
+  d.C = std::min(d.C, std::max<std::int64_t>(d.S, 1));
   SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
   check_shape(a.k, {d.B, d.S, d.H, d.K}, "k");
   check_shape(a.v, {d.B, d.S, d.H, d.V}, "v");
@@ -425,6 +429,7 @@ void for_each_head(std::int64_t count, const Dims& d, bool backward, std::int64_
 
 template <typename T>
 T resolve_scale(const GdnForwardArgs& a, const Dims& d) {
+  SEQPAR_CHECK(std::isfinite(a.scale), "GDN scale ", a.scale, " must be finite (0 or less: 1/sqrt(K))");
   return a.scale > 0.0f ? T(a.scale) : T(1) / std::sqrt(T(d.K));
 }
 

@@ -174,6 +174,11 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
           for (int c = W; c < BK; c += W) vmax = S::max(vmax, S::load(srow + c));
           const T m_new = std::max(m[r], S::reduce_max(vmax));
           if (m_new == -std::numeric_limits<T>::infinity()) {
+            // Every key masked, or the SIMD max dropped NaN scores (a NaN in q or k): the latter must poison the
+            // row (l = NaN), not leave it looking like a row with no visible key.
+            if (std::any_of(srow, srow + BK, [](T x) { return std::isnan(x); })) {
+              l[r] = std::numeric_limits<T>::quiet_NaN();
+            }
             std::fill(srow, srow + BK, T(0));
             continue;
           }
@@ -206,9 +211,12 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
           for (std::int64_t d = 0; d < D; ++d) row[d] = orow[d] * inv;
           lse_out = static_cast<float>((static_cast<double>(m[r]) + std::log2(static_cast<double>(l[r]))) *
                                        0.6931471805599453);
-        } else {
+        } else if (l[r] == T(0)) {  // no visible key
           std::fill(row.begin(), row.end(), T(0));
           lse_out = -std::numeric_limits<float>::infinity();
+        } else {  // NaN: a NaN or inf in q or k reached this row; propagate it, never report "no visible key"
+          std::fill(row.begin(), row.end(), std::numeric_limits<T>::quiet_NaN());
+          lse_out = std::numeric_limits<float>::quiet_NaN();
         }
         const std::size_t off = static_cast<std::size_t>(((b * Sq + i) * Hq + h) * D) * out_size;
         convert(row.data(), cdt, outc + off, out_dtype, static_cast<std::size_t>(D));

@@ -8,7 +8,8 @@
 //
 // exp2 (float vectors): x = n + f with n = round(x), |f| <= 1/2; 2^f by its degree-7 Taylor polynomial in f ln 2
 // (truncation error (ln2/2)^8 / 8! < 3e-9, below fp32 rounding), 2^n added into the exponent field. Inputs below
-// -125 give exactly 0 (so exp2(-inf) = 0 and no subnormal is ever produced); inputs are clamped above at 127.
+// -125 give exactly 0 (so exp2(-inf) = 0 and no subnormal is ever produced); inputs are clamped above at 127; NaN
+// gives NaN.
 // Cody & Waite style range reduction, see J.-M. Muller, "Elementary Functions", ch. 11.
 #pragma once
 
@@ -98,9 +99,11 @@ struct Simd<float> {
     return _mm_cvtss_f32(s);
   }
   static V exp2(V x) {
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_GE_OQ);
-    x = _mm512_min_ps(x, _mm512_set1_ps(127.0f));
-    x = _mm512_max_ps(x, _mm512_set1_ps(-125.0f));
+    // NaN stays NaN (a NaN score must not become a weight of 0 or of 2^127): the "not less than" predicate is true
+    // for NaN, and min / max return their second operand, x, when either is NaN.
+    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
+    x = _mm512_min_ps(_mm512_set1_ps(127.0f), x);
+    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
     const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V f = _mm512_sub_ps(x, n);
     V p = _mm512_set1_ps(1.5252733804059840e-05f);
@@ -146,9 +149,10 @@ struct Simd<float> {
     return _mm_cvtss_f32(s);
   }
   static V exp2(V x) {
-    const V live = _mm256_cmp_ps(x, _mm256_set1_ps(-125.0f), _CMP_GE_OQ);
-    x = _mm256_min_ps(x, _mm256_set1_ps(127.0f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-125.0f));
+    // NaN stays NaN, as in the AVX-512 version.
+    const V live = _mm256_cmp_ps(x, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ);
+    x = _mm256_min_ps(_mm256_set1_ps(127.0f), x);
+    x = _mm256_max_ps(_mm256_set1_ps(-125.0f), x);
     const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const V f = _mm256_sub_ps(x, n);
     V p = _mm256_set1_ps(1.5252733804059840e-05f);

@@ -520,6 +520,13 @@ TEST(Comm, InvalidArgumentsThrowBeforeCommunicating) {
   EXPECT_TRUE(contains(m, "more than the buffers hold")) << m;
   m = error_of([&] { w.all_to_all_v(x, std::vector<std::int64_t>(p, -1), z, std::vector<std::int64_t>(p, 0)); });
   EXPECT_TRUE(contains(m, "negative count")) << m;
+  // Tags outside [0, MPI_TAG_UB] are refused with the value and the rule, not MPI_ERR_TAG.
+  m = error_of([&] { w.isend(x, 0, -1); });
+  EXPECT_TRUE(contains(m, "isend: tag -1 must be in [0, ")) << m;
+  m = error_of([&] { w.irecv(x, 0, -2); });
+  EXPECT_TRUE(contains(m, "irecv: tag -2 must be in [0, ")) << m;
+  m = error_of([&] { w.batch_isend_irecv({P2POp::recv(x, 0, -7)}); });
+  EXPECT_TRUE(contains(m, "batch_isend_irecv: tag -7 must be in [0, ")) << m;
   // Overlapping send and receive buffers (MPI forbids aliasing outside MPI_IN_PLACE).
   const TensorView whole = z.view();
   m = error_of([&] { w.all_gather(whole.slice0(0, 4), whole.slice0(1, 1 + 4 * p)); });
@@ -590,6 +597,24 @@ TEST(Comm, UnmatchedReceiveTimesOutAndCommunicatorStaysUsable) {
   std::int64_t sum = 1;
   w.all_reduce(TensorView(&sum, DType::kInt64, {1}), ReduceOp::kSum)->wait();
   EXPECT_EQ(sum, p);
+}
+
+// A peer that sends more than the receive buffer holds (a mismatched count) fails the receive with an error
+// naming the operation, the peer and MPI's reason, not a bare "MPI_Testall failed: MPI_ERR_IN_STATUS".
+TEST(Comm, TruncatedReceiveNamesTheOperation) {
+  Communicator& w = world();
+  const int p = w.size(), r = w.rank(), right = mod(r + 1, p), left = mod(r - 1, p);
+  // OpenMPI's self path copies what fits and reports success, so a truncation is only visible between two ranks.
+  if (p == 1) GTEST_SKIP() << "needs a peer other than this rank";
+  Tensor send = filled(DType::kFloat32, 4, 1), recv = filled(DType::kFloat32, 2, -1);
+  WorkHandle recv_work = w.irecv(recv, left, 781);
+  WorkHandle send_work = w.isend(send, right, 781);
+  const std::string m = error_of([&] { recv_work->wait(30.0); });
+  EXPECT_TRUE(contains(m, str_cat("MPI irecv from peer ", left, " (tag 781, 8 bytes) failed: MPI_ERR_TRUNCATE"))) << m;
+  EXPECT_TRUE(contains(m, "a peer posted a mismatched operation")) << m;
+  EXPECT_EQ(error_of([&] { recv_work->wait(1.0); }), m) << "a second wait reports the same failure";
+  send_work->wait(30.0);
+  w.barrier()->wait();
 }
 
 // Work::wait() without an argument uses SEQPAR_COMM_TIMEOUT_S. The ctest run "test_comm.env_timeout" sets it to

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 
 #include "attention/reference/dsa_reference.h"
 #include "attention/reference/mha_reference.h"
@@ -168,6 +169,22 @@ std::vector<DsaCase> dsa_cases() {
 
 INSTANTIATE_TEST_SUITE_P(DsaCp, DsaCpVsSingleRank, ::testing::ValuesIn(dsa_cases()),
                          [](const auto& info) { return case_name(info.param); });
+
+// A non-finite scale is an error at construction (it used to be replaced silently by 1/sqrt(Dqk)).
+TEST(DsaCp, NonFiniteScaleIsRefusedBeforeCommunication) {
+  const int n = world().size();
+  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  DsaCpConfig cfg;
+  cfg.layout = LayoutKind::kContiguous;
+  cfg.scale = std::numeric_limits<float>::infinity();
+  std::string message;
+  try {
+    DsaContextParallel dsa(grid, 4 * n, cfg);
+  } catch (const Error& e) {
+    message = e.message();
+  }
+  EXPECT_EQ(message, "DSA scale inf must be finite (0 or less: 1/sqrt(Dqk))");
+}
 
 // k >= the number of visible keys: DSA is dense causal attention (MQA with the latent as key and value).
 TEST(DsaCp, FullTopkIsDenseCausalAttention) {

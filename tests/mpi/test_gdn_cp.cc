@@ -175,6 +175,9 @@ TEST(GdnCp, ConfigurationErrors) {
   EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 4 * n, cfg), Error);
   cfg.layout = LayoutKind::kZigzag;
   EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 2 * n + 1, cfg), Error);
+  GdnCpConfig nan_scale = cfg;
+  nan_scale.scale = std::nanf("");  // was silently replaced by 1/sqrt(K)
+  EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 2 * n, nan_scale), Error);
   GdnContextParallel gdn(grid.ulysses(), grid.ring(), 2 * n, cfg);
   Tensor dout = Tensor::zeros({1, 2, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(gdn.backward(dout.view()), Error);  // no forward yet

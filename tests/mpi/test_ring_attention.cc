@@ -220,6 +220,20 @@ TEST(RingAttention, DivisibilityErrorsOnEveryRank) {
   cfg.causal = false;
   cfg.window = 8;
   EXPECT_THROW(RingAttention(world(), 2 * P * 4, cfg), Error);
+  // A non-finite scale is refused by the constructor, before the first (K, V) block is sent (the kernel's own
+  // check used to fire inside the first ring step, after the send was posted).
+  RingAttentionConfig bad_scale;
+  bad_scale.scale = std::numeric_limits<float>::quiet_NaN();
+  const std::int64_t ops_before = world().counters().num_ops;
+  message.clear();
+  try {
+    RingAttention ring(world(), 2 * P * 4, bad_scale);
+  } catch (const Error& e) {
+    message = e.message();
+  }
+  EXPECT_EQ(message, "ring attention: scale nan must be finite (0 or less: 1/sqrt(D))");
+  EXPECT_EQ(world().counters().num_ops, ops_before);
+  EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
 }
 
 TEST(RingAttention, ShapeErrorsBeforeCommunication) {
@@ -231,6 +245,22 @@ TEST(RingAttention, ShapeErrorsBeforeCommunication) {
   Tensor k_short = Tensor::zeros({1, 8, 2, 32}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(ring.forward(q.view(), k_short.view(), k_short.view()), Error);
   EXPECT_THROW(ring.backward(q.view()), Error);  // no forward yet
+  // An integer dtype is refused by validate(), before the first block is sent (the kernel used to find it).
+  for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+    RingAttentionConfig cfg;
+    cfg.impl = impl;
+    RingAttention ring_i(world(), 2 * P * 8, cfg);
+    Tensor qi = Tensor::zeros({1, 16, 2, 32}, DType::kInt32, MemCategory::kWorkspace);
+    const std::int64_t ops_before = world().counters().num_ops;
+    std::string m;
+    try {
+      ring_i.forward(qi.view(), qi.view(), qi.view());
+    } catch (const Error& e) {
+      m = e.message();
+    }
+    EXPECT_EQ(m, "ring attention: q, k, v have dtype int32, expected a floating dtype (fp32, bf16, fp16 or fp64)");
+    EXPECT_EQ(world().counters().num_ops, ops_before) << ring_impl_name(impl);
+  }
 }
 
 TEST(RingAttention, TwoRunsBitwiseEqual) {

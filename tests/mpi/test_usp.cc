@@ -190,5 +190,46 @@ TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
   EXPECT_THROW(usp.forward(q4.view(), q4.view(), q4.view()), Error);
 }
 
+// Inputs that only the ring (after the all-to-all) used to reject are refused before any message: an integer
+// dtype, q / k differing in batch or head dim, a dout whose head dim differs from q's (its shape was checked
+// against itself). A dout of another floating dtype gives gradients in q's dtype, as documented.
+TEST(Usp, BadInputsAreRefusedBeforeTheAllToAll) {
+  const int n = world().size();
+  SpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
+  UspAttention usp(grid.ulysses(), grid.ring(), 4 * n, RingAttentionConfig{});
+  const std::int64_t ops_before = grid.ulysses().counters().num_ops + grid.ring().counters().num_ops;
+  auto sent = [&] { return grid.ulysses().counters().num_ops + grid.ring().counters().num_ops - ops_before; };
+  auto error_of = [](const std::function<void()>& fn) {
+    try {
+      fn();
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string("<no error>");
+  };
+  Tensor qi = Tensor::zeros({1, 4, n, 8}, DType::kInt32, MemCategory::kWorkspace);
+  std::string m = error_of([&] { usp.forward(qi.view(), qi.view(), qi.view()); });
+  EXPECT_NE(m.find("USP: q, k, v have dtype int32, expected a floating dtype"), std::string::npos) << m;
+  Tensor q = test::random_tensor({1, 4, n, 8}, DType::kFloat32, 1);
+  Tensor k_d4 = test::random_tensor({1, 4, n, 4}, DType::kFloat32, 2);
+  m = error_of([&] { usp.forward(q.view(), k_d4.view(), k_d4.view()); });
+  EXPECT_NE(m.find("must share batch (dim 0) and head dim (dim 3)"), std::string::npos) << m;
+  Tensor k_b2 = test::random_tensor({2, 4, n, 8}, DType::kFloat32, 3);
+  m = error_of([&] { usp.forward(q.view(), k_b2.view(), k_b2.view()); });
+  EXPECT_NE(m.find("must share batch (dim 0) and head dim (dim 3)"), std::string::npos) << m;
+  EXPECT_EQ(sent(), 0) << "a refused forward communicated";
+
+  usp.forward(q.view(), q.view(), q.view());
+  const std::int64_t after_forward = sent();
+  Tensor dout_d4 = test::random_tensor({1, 4, n, 4}, DType::kFloat32, 4);
+  m = error_of([&] { usp.backward(dout_d4.view()); });
+  EXPECT_NE(m.find("USP dout"), std::string::npos) << m;
+  EXPECT_EQ(sent(), after_forward) << "a refused backward communicated";
+  Tensor dout64 = test::random_tensor({1, 4, n, 8}, DType::kFloat64, 5);
+  AttentionGrads g = usp.backward(dout64.view());
+  EXPECT_EQ(g.dq.dtype(), DType::kFloat32);
+  EXPECT_EQ(g.dk.dtype(), DType::kFloat32);
+}
+
 }  // namespace
 }  // namespace seqpar

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -486,6 +487,9 @@ TEST(DsaAttention, ArgumentErrors) {
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
   DsaAttentionArgs a = pr.attention(topk);
   a.dim_v = d.Dqk + 1;
+  EXPECT_THROW(attn::dsa_attention_forward(a, out, lse), Error);
+  a = pr.attention(topk);
+  a.scale = std::numeric_limits<float>::quiet_NaN();  // was silently replaced by 1/sqrt(Dqk)
   EXPECT_THROW(attn::dsa_attention_forward(a, out, lse), Error);
   a = pr.attention(topk);
   Pos bad = iota(d.S);

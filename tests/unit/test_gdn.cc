@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -207,6 +208,25 @@ TEST(GdnForwardMisc, SmallChunksAndZeroLength) {
     const Grads gw = run_reference_backward(in, dout, TensorView());
     expect_grads_close(g, gw, 1e-10, 1e-9, "strong decay");
   }
+  {
+    // chunk_size far beyond S is one chunk of S tokens: the same result as chunk_size = S, without sizing the
+    // scratch for chunk_size (1 << 20 used to ask for terabytes).
+    Problem p;
+    p.S = 37;
+    p.chunk = 37;
+    const Inputs in = make_inputs(p, DType::kFloat32);
+    const Outputs want = run_forward(in);
+    Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, DType::kFloat32, 5);
+    const Grads gw = run_backward(in, dout, TensorView(), DType::kFloat32);
+    Problem huge = p;
+    huge.chunk = std::int64_t{1} << 20;
+    const Inputs in_huge = make_inputs(huge, DType::kFloat32);
+    const Outputs got = run_forward(in_huge);
+    EXPECT_EQ(to_double(got.out), to_double(want.out));
+    EXPECT_EQ(to_double(got.final_state), to_double(want.final_state));
+    const Grads g = run_backward(in_huge, dout, TensorView(), DType::kFloat32);
+    expect_grads_close(g, gw, 0, 0, "chunk_size 2^20 vs S");
+  }
   Problem p;
   p.S = 0;
   const Inputs in = make_inputs(p, DType::kFloat32);
@@ -232,6 +252,9 @@ TEST(GdnForwardMisc, RejectsBadShapes) {
   a = in.args();
   Tensor init64 = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
   a.initial_state = init64;  // fp32 inputs need an fp32 state
+  EXPECT_THROW(gdn_forward(a, out, TensorView()), Error);
+  a = in.args();
+  a.scale = std::numeric_limits<float>::quiet_NaN();  // was silently replaced by 1/sqrt(K)
   EXPECT_THROW(gdn_forward(a, out, TensorView()), Error);
 }
 

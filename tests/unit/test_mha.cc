@@ -454,6 +454,37 @@ TEST(MhaEdge, NoVisibleKeyAtAllAndEmptyKeys) {
   for (double x : test::to_double(out)) ASSERT_EQ(x, 0.0);
 }
 
+// A NaN in a query or in a key makes the affected rows NaN (out and lse); they used to come out as
+// "no visible key" (out 0, lse -inf), a finite answer that hid the bad input. Other rows are untouched.
+TEST(MhaEdge, NonFiniteInputsPropagateInsteadOfLookingMasked) {
+  Problem p{1, 8, 8, 1, 1, 16, DType::kFloat32, {true, 0}, Layout::kContiguous};
+  Inputs in = make_inputs(p, 12);
+  const Results clean = run_kernel(p, in, DType::kFloat32);
+  in.q.data_as<float>()[2 * p.D] = std::numeric_limits<float>::quiet_NaN();  // query 2
+  Results r = run_kernel(p, in, DType::kFloat32);
+  std::vector<double> lse = test::to_double(r.lse), out = test::to_double(r.out);
+  const std::vector<double> lse0 = test::to_double(clean.lse);
+  for (std::int64_t i = 0; i < p.Sq; ++i) {
+    if (i == 2) {
+      EXPECT_TRUE(std::isnan(lse[i])) << "lse of the NaN query: " << lse[i];
+      EXPECT_TRUE(std::isnan(out[i * p.D])) << "out of the NaN query: " << out[i * p.D];
+    } else {
+      EXPECT_EQ(lse[i], lse0[i]) << "row " << i;
+    }
+  }
+  in = make_inputs(p, 12);
+  in.k.data_as<float>()[5 * p.D] = std::numeric_limits<float>::quiet_NaN();  // key 5, seen by queries 5..7
+  r = run_kernel(p, in, DType::kFloat32);
+  lse = test::to_double(r.lse);
+  for (std::int64_t i = 0; i < p.Sq; ++i) {
+    if (i >= 5) {
+      EXPECT_TRUE(std::isnan(lse[i])) << "row " << i << " sees the NaN key: lse " << lse[i];
+    } else {
+      EXPECT_EQ(lse[i], lse0[i]) << "row " << i;
+    }
+  }
+}
+
 // ---- large logits -------------------------------------------------------------------------------
 
 TEST(MhaEdge, LogitsOfSize1e3DoNotOverflow) {
@@ -636,6 +667,15 @@ TEST(MhaSimd, Exp2MatchesStdAndUnderflowsToZero) {
     ASSERT_LE(rel, 4.0 * 1.2e-7) << "exp2(" << x[i] << ") = " << y[i] << ", want " << want;
   }
   RecordProperty("max_rel_error", std::to_string(worst));
+  // NaN stays NaN in every lane position (it used to flush to 0, so a NaN score silently got no weight).
+  std::vector<float> nan_in(W, -1.0f), nan_out(W);
+  for (int lane = 0; lane < W; ++lane) {
+    nan_in[lane] = std::numeric_limits<float>::quiet_NaN();
+    S::store(nan_out.data(), S::exp2(S::load(nan_in.data())));
+    EXPECT_TRUE(std::isnan(nan_out[lane])) << "exp2(NaN) in lane " << lane << " = " << nan_out[lane];
+    if (W > 1) EXPECT_EQ(nan_out[(lane + 1) % W], 0.5f) << "the other lanes are exp2(-1), lane " << lane;
+    nan_in[lane] = -1.0f;
+  }
 }
 
 // ---- argument checks --------------------------------------------------------------------------------
@@ -676,6 +716,17 @@ TEST(MhaArgs, RejectsInvalidConfigurations) {
         mha_backward(MhaBackwardArgs{args_of(ok, in2), out2, in2.dout, lse2, {}}, dq, dk, dv, true);
       },
       "dq (accumulate = true) has dtype bf16");
+  // scale: <= 0 means 1/sqrt(D) (the documented contract, also for negative values); NaN and inf are errors.
+  MhaForwardArgs sa = args_of(ok, in2);
+  mha_forward(sa, out2, lse2);
+  const std::vector<double> default_out = test::to_double(out2);
+  sa.scale = -1.0f;
+  mha_forward(sa, out2, lse2);
+  EXPECT_EQ(test::to_double(out2), default_out) << "scale -1 must act as the default 1/sqrt(D)";
+  sa.scale = std::numeric_limits<float>::quiet_NaN();
+  expect_error([&] { mha_forward(sa, out2, lse2); }, "scale nan must be finite");
+  sa.scale = std::numeric_limits<float>::infinity();
+  expect_error([&] { mha_forward(sa, out2, lse2); }, "scale inf must be finite");
 }
 
 }  // namespace
