@@ -143,6 +143,34 @@ std::string fmt(const char* f, double v) {
   return buf;
 }
 
+// --json and --dump are written by rank 0 at the end of the run; find out now whether that will work, on rank 0,
+// and fail on every rank with the same message (one small all-reduce, before the grid exists).
+void check_output_paths(Communicator& world, const SpBenchOptions& o) {
+  std::int32_t bad[2] = {0, 0};  // json, dump
+  if (world.rank() == 0) {
+    if (!o.json_path.empty()) {
+      const bool existed = std::filesystem::exists(o.json_path);
+      std::ofstream probe(o.json_path, std::ios::app);
+      bad[0] = probe.good() ? 0 : 1;
+      probe.close();
+      if (!existed && !bad[0]) std::filesystem::remove(o.json_path);
+    }
+    if (!o.dump_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(o.dump_dir, ec);
+      const auto probe_path = std::filesystem::path(o.dump_dir) / ".sp_bench_write_probe";
+      std::ofstream probe(probe_path);
+      bad[1] = (!ec && std::filesystem::is_directory(o.dump_dir) && probe.good()) ? 0 : 1;
+      probe.close();
+      std::filesystem::remove(probe_path, ec);
+    }
+  }
+  world.all_reduce(TensorView(bad, DType::kInt32, {2}), ReduceOp::kMax)->wait();
+  SEQPAR_CHECK(!bad[0], "--json ", o.json_path, ": cannot open the file for writing (checked on rank 0, which writes it)");
+  SEQPAR_CHECK(!bad[1], "--dump ", o.dump_dir,
+               ": cannot create the directory or write into it (checked on rank 0, which writes it)");
+}
+
 int sp_bench_main(int argc, char** argv) {
   int world_size = 1, world_rank = 0;
   SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
@@ -163,19 +191,19 @@ int sp_bench_main(int argc, char** argv) {
       npy::HostArray a = npy::read_expect((std::filesystem::path(o.inputs_dir) / (s.name + ".npy")).string(), s.shape);
       SEQPAR_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat64, o.inputs_dir, "/", s.name,
                    ".npy: element type ", dtype_name(a.dtype), " (inputs must be fp32 or fp64)");
+      for (std::int64_t i = 0; i < a.numel(); ++i) {
+        const double x = a.dtype == DType::kFloat32 ? reinterpret_cast<const float*>(a.bytes.data())[i]
+                                                    : reinterpret_cast<const double*>(a.bytes.data())[i];
+        SEQPAR_CHECK(std::isfinite(x), o.inputs_dir, "/", s.name, ".npy: element ", i, " is ", x,
+                     " (inputs must be finite)");
+      }
       inputs.emplace_back(s.name, std::move(a));
     }
   }
   const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
-  if (!o.dump_dir.empty() && world_rank == 0) {
-    std::error_code ec;
-    std::filesystem::create_directories(o.dump_dir, ec);
-    SEQPAR_CHECK(!ec && std::filesystem::is_directory(o.dump_dir), "--dump ", o.dump_dir,
-                 ": cannot create the directory (", ec.message(), ")");
-  }
-
   Progress progress(world_rank == 0 && !o.quiet);
   auto world = MpiCommunicator::world();
+  check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);
   const int sp_size = o.grid.ulysses_size * o.grid.ring_size;
   const bool sp_root = grid.coords().sp_rank == 0;

@@ -10,6 +10,7 @@
 
 namespace seqpar::bench {
 namespace {
+constexpr int kMaxThreads = 1024;  // per rank; far above any node today, and it keeps OpenMP from failing obscurely
 
 AttnKind parse_attn(const std::string& name) {
   if (name == "mha") return AttnKind::kMha;
@@ -218,6 +219,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
       } catch (const std::exception&) {
         SEQPAR_THROW("OMP_NUM_THREADS=", omp, ": not an integer (or pass --threads)");
       }
+      SEQPAR_CHECK(o.threads >= 1 && o.threads <= kMaxThreads, "OMP_NUM_THREADS=", omp, " must be in [1, ",
+                   kMaxThreads, "] (or pass --threads)");
     }
   }
   o.check = r.count("check") > 0;
@@ -227,6 +230,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (r.count("json")) o.json_path = get_checked<std::string>(r, "json");
   if (r.count("inputs")) o.inputs_dir = get_checked<std::string>(r, "inputs");
   if (r.count("dump")) o.dump_dir = get_checked<std::string>(r, "dump");
+  for (const char* flag : {"json", "inputs", "dump"}) {
+    SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag,
+                 " needs a non-empty path");
+  }
 
   // ---- rules ----
   check_min(o.batch, 1, "batch");
@@ -240,6 +247,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   check_min(o.warmup, 0, "warmup");
   check_min(o.iters, 1, "iters");
   check_min(o.threads, 1, "threads");
+  SEQPAR_CHECK(o.threads <= kMaxThreads, "--threads ", o.threads, " must be <= ", kMaxThreads);
   check_min(o.grid.ulysses_size, 1, "ulysses-size");
   check_min(o.grid.ring_size, 1, "ring-size");
   check_min(o.grid.dp_size, 1, "dp-size");
