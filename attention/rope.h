@@ -22,7 +22,6 @@ inline constexpr double kDefaultRopeTheta = 10000.0;
 
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 // dx = R(pos)^T dy, in place on `dy`.
-void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions,
-                   double theta = kDefaultRopeTheta);
+void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 
 }  // namespace seqpar::attn

@@ -166,7 +166,8 @@ void check_output_paths(Communicator& world, const SpBenchOptions& o) {
     }
   }
   world.all_reduce(TensorView(bad, DType::kInt32, {2}), ReduceOp::kMax)->wait();
-  SEQPAR_CHECK(!bad[0], "--json ", o.json_path, ": cannot open the file for writing (checked on rank 0, which writes it)");
+  SEQPAR_CHECK(!bad[0], "--json ", o.json_path,
+               ": cannot open the file for writing (checked on rank 0, which writes it)");
   SEQPAR_CHECK(!bad[1], "--dump ", o.dump_dir,
                ": cannot create the directory or write into it (checked on rank 0, which writes it)");
 }

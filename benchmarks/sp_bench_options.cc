@@ -219,8 +219,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
       } catch (const std::exception&) {
         SEQPAR_THROW("OMP_NUM_THREADS=", omp, ": not an integer (or pass --threads)");
       }
-      SEQPAR_CHECK(o.threads >= 1 && o.threads <= kMaxThreads, "OMP_NUM_THREADS=", omp, " must be in [1, ",
-                   kMaxThreads, "] (or pass --threads)");
+      SEQPAR_CHECK(o.threads >= 1 && o.threads <= kMaxThreads, "OMP_NUM_THREADS=", omp, " must be in [1, ", kMaxThreads,
+                   "] (or pass --threads)");
     }
   }
   o.check = r.count("check") > 0;
@@ -231,8 +231,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (r.count("inputs")) o.inputs_dir = get_checked<std::string>(r, "inputs");
   if (r.count("dump")) o.dump_dir = get_checked<std::string>(r, "dump");
   for (const char* flag : {"json", "inputs", "dump"}) {
-    SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag,
-                 " needs a non-empty path");
+    SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag, " needs a non-empty path");
   }
 
   // ---- rules ----

@@ -101,13 +101,12 @@ DsaContextParallel::DsaContextParallel(const SpGrid& grid, std::int64_t seq_len,
 DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
                                         const TensorView& k_idx, const TensorView& w) {
   for (const TensorView* t : {&q, &c, &q_idx, &k_idx, &w}) check_cpu(*t, "DSA CP input");
-  SEQPAR_CHECK(q.ndim() == 4 && c.ndim() == 3 && q_idx.ndim() == 4 && k_idx.ndim() == 3 && w.ndim() == 3,
-               "DSA CP: q ", q.str(), ", c ", c.str(), ", q_idx ", q_idx.str(), ", k_idx ", k_idx.str(), ", w ",
-               w.str(), " must be [B,S,H,Dqk], [B,S,Dqk], [B,S,Hi,Di], [B,S,Di], [B,S,Hi]");
-  const std::int64_t B = q.dim(0), sl = q.dim(1), H = q.dim(2), dqk = q.dim(3), hi = q_idx.dim(2),
-                     di = q_idx.dim(3);
-  SEQPAR_CHECK(sl == layout_.local_len(), "DSA CP: local sequence length ", sl, " must be seq_len ",
-               layout_.seq_len(), " / (ring_size ", layout_.ring_size(), " x ulysses_size ", layout_.ulysses_size(),
+  SEQPAR_CHECK(q.ndim() == 4 && c.ndim() == 3 && q_idx.ndim() == 4 && k_idx.ndim() == 3 && w.ndim() == 3, "DSA CP: q ",
+               q.str(), ", c ", c.str(), ", q_idx ", q_idx.str(), ", k_idx ", k_idx.str(), ", w ", w.str(),
+               " must be [B,S,H,Dqk], [B,S,Dqk], [B,S,Hi,Di], [B,S,Di], [B,S,Hi]");
+  const std::int64_t B = q.dim(0), sl = q.dim(1), H = q.dim(2), dqk = q.dim(3), hi = q_idx.dim(2), di = q_idx.dim(3);
+  SEQPAR_CHECK(sl == layout_.local_len(), "DSA CP: local sequence length ", sl, " must be seq_len ", layout_.seq_len(),
+               " / (ring_size ", layout_.ring_size(), " x ulysses_size ", layout_.ulysses_size(),
                ") = ", layout_.local_len());
   check_shape(c, {B, sl, dqk}, "DSA CP c");
   check_shape(q_idx, {B, sl, hi, di}, "DSA CP q_idx");
@@ -117,8 +116,8 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   const int pu = layout_.ulysses_size();
   SEQPAR_CHECK(H % pu == 0, "DSA CP: heads ", H, " must be divisible by ulysses_size ", pu);
   for (const TensorView* t : {&c, &q_idx, &k_idx, &w}) {
-    SEQPAR_CHECK(t->dtype() == q.dtype(), "DSA CP: every input must have q's dtype ", dtype_name(q.dtype()),
-                 "; got ", t->str());
+    SEQPAR_CHECK(t->dtype() == q.dtype(), "DSA CP: every input must have q's dtype ", dtype_name(q.dtype()), "; got ",
+                 t->str());
   }
   Communicator& sp = grid_.sp();
   Communicator& ring = grid_.ring();
@@ -176,21 +175,24 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   fill(lse_h_.view(), -std::numeric_limits<double>::infinity());
   Tensor block_out = Tensor::empty(acc.shape(), DType::kFloat32, MemCategory::kWorkspace);
   Tensor block_lse = Tensor::empty(lse_h_.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  ring_circulate(ring, c_ring_.view(), kTagLatent, [&](int src, const TensorView& block) {
-    if (!any_visible(my_ring_pos, ring_positions_[src])) return;
-    attn::DsaAttentionArgs a;
-    a.q = q_h_.view();
-    a.c = block;
-    a.topk_indices = topk_ring_.view();
-    a.q_pos = my_ring_pos;
-    a.c_pos = ring_positions_[src];
-    a.dim_v = dv;
-    a.scale = config_.scale;
-    const double t1 = wall_seconds();
-    attn::dsa_attention_forward(a, block_out.view(), block_lse.view());
-    attn::lse_merge(acc.view(), lse_h_.view(), block_out.view(), block_lse.view());
-    counters_.compute_s += wall_seconds() - t1;
-  }, &counters_.exposed_comm_s);
+  ring_circulate(
+      ring, c_ring_.view(), kTagLatent,
+      [&](int src, const TensorView& block) {
+        if (!any_visible(my_ring_pos, ring_positions_[src])) return;
+        attn::DsaAttentionArgs a;
+        a.q = q_h_.view();
+        a.c = block;
+        a.topk_indices = topk_ring_.view();
+        a.q_pos = my_ring_pos;
+        a.c_pos = ring_positions_[src];
+        a.dim_v = dv;
+        a.scale = config_.scale;
+        const double t1 = wall_seconds();
+        attn::dsa_attention_forward(a, block_out.view(), block_lse.view());
+        attn::lse_merge(acc.view(), lse_h_.view(), block_out.view(), block_lse.view());
+        counters_.compute_s += wall_seconds() - t1;
+      },
+      &counters_.exposed_comm_s);
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
   {
     const std::int64_t* t = topk_ring_.data_as<std::int64_t>();
@@ -239,26 +241,28 @@ DsaCpGrads DsaContextParallel::backward(const TensorView& dout, float loss_grad_
   Tensor dq_acc = Tensor::zeros(q_h_.shape(), DType::kFloat32, MemCategory::kWorkspace);
   Tensor dc_ring = Tensor::empty({B, sr, dqk}, DType::kFloat32, MemCategory::kWorkspace);
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[ring.rank()];
-  ring_circulate_with_grad(ring, c_ring_.view(), {B, sr, dqk}, dc_ring.view(), kTagLatent,
-                           [&](int src, const TensorView& block, const TensorView& grad) {
-    if (!any_visible(my_ring_pos, ring_positions_[src])) return;
-    attn::DsaAttentionBackwardArgs a;
-    a.fwd.q = q_h_.view();
-    a.fwd.c = block;
-    a.fwd.topk_indices = topk_ring_.view();
-    a.fwd.q_pos = my_ring_pos;
-    a.fwd.c_pos = ring_positions_[src];
-    a.fwd.dim_v = dv;
-    a.fwd.scale = config_.scale;
-    a.out = out_h_.view();
-    a.dout = dout_h.view();
-    a.lse = lse_h_.view();
-    a.delta = delta.view();
-    a.probs = probs_ring.view();
-    const double t1 = wall_seconds();
-    attn::dsa_attention_backward(a, dq_acc.view(), grad, true);
-    counters_.compute_s += wall_seconds() - t1;
-  }, &counters_.exposed_comm_s);
+  ring_circulate_with_grad(
+      ring, c_ring_.view(), {B, sr, dqk}, dc_ring.view(), kTagLatent,
+      [&](int src, const TensorView& block, const TensorView& grad) {
+        if (!any_visible(my_ring_pos, ring_positions_[src])) return;
+        attn::DsaAttentionBackwardArgs a;
+        a.fwd.q = q_h_.view();
+        a.fwd.c = block;
+        a.fwd.topk_indices = topk_ring_.view();
+        a.fwd.q_pos = my_ring_pos;
+        a.fwd.c_pos = ring_positions_[src];
+        a.fwd.dim_v = dv;
+        a.fwd.scale = config_.scale;
+        a.out = out_h_.view();
+        a.dout = dout_h.view();
+        a.lse = lse_h_.view();
+        a.delta = delta.view();
+        a.probs = probs_ring.view();
+        const double t1 = wall_seconds();
+        attn::dsa_attention_backward(a, dq_acc.view(), grad, true);
+        counters_.compute_s += wall_seconds() - t1;
+      },
+      &counters_.exposed_comm_s);
 
   DsaCpGrads g;
   t0 = wall_seconds();
@@ -289,19 +293,21 @@ DsaCpGrads DsaContextParallel::backward(const TensorView& dout, float loss_grad_
   Tensor dq_idx = Tensor::zeros({B, sl, hi, di}, DType::kFloat32, MemCategory::kWorkspace);
   Tensor dw = Tensor::zeros({B, sl, hi}, DType::kFloat32, MemCategory::kWorkspace);
   Tensor dk_idx = Tensor::empty({B, sl, di}, DType::kFloat32, MemCategory::kWorkspace);
-  ring_circulate_with_grad(sp, k_idx_.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
-                           [&](int src, const TensorView& block, const TensorView& grad) {
-    if (!any_visible(positions_, sp_positions_[src])) return;
-    attn::DsaIndexerArgs a;
-    a.q_idx = q_idx_.view();
-    a.w = w_.view();
-    a.k_idx = block;
-    a.q_pos = positions_;
-    a.k_pos = sp_positions_[src];
-    const double t1 = wall_seconds();
-    attn::dsa_indexer_backward(a, topk_local_.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true);
-    counters_.compute_s += wall_seconds() - t1;
-  }, &counters_.exposed_comm_s);
+  ring_circulate_with_grad(
+      sp, k_idx_.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
+      [&](int src, const TensorView& block, const TensorView& grad) {
+        if (!any_visible(positions_, sp_positions_[src])) return;
+        attn::DsaIndexerArgs a;
+        a.q_idx = q_idx_.view();
+        a.w = w_.view();
+        a.k_idx = block;
+        a.q_pos = positions_;
+        a.k_pos = sp_positions_[src];
+        const double t1 = wall_seconds();
+        attn::dsa_indexer_backward(a, topk_local_.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true);
+        counters_.compute_s += wall_seconds() - t1;
+      },
+      &counters_.exposed_comm_s);
   g.dq_idx = Tensor::copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);
   g.dw = Tensor::copy_of(dw.view(), dtype, MemCategory::kWorkspace);
   g.dk_idx = Tensor::copy_of(dk_idx.view(), dtype, MemCategory::kWorkspace);

@@ -51,16 +51,16 @@ struct DsaCpOutput {
 };
 
 struct DsaCpGrads {
-  Tensor dq;      // [B, S_local, H, Dqk]
-  Tensor dc;      // [B, S_local, Dqk]
-  Tensor dq_idx;  // [B, S_local, Hi, Di]
-  Tensor dk_idx;  // [B, S_local, Di]
-  Tensor dw;      // [B, S_local, Hi]
+  Tensor dq;        // [B, S_local, H, Dqk]
+  Tensor dc;        // [B, S_local, Dqk]
+  Tensor dq_idx;    // [B, S_local, Hi, Di]
+  Tensor dk_idx;    // [B, S_local, Di]
+  Tensor dw;        // [B, S_local, Hi]
   double loss = 0;  // indexer KL loss summed over the whole sequence (the same on every rank)
 };
 
 struct DsaCpCounters {
-  double attention_pairs = 0;  // (query, selected key) pairs attended by this rank
+  double attention_pairs = 0;   // (query, selected key) pairs attended by this rank
   std::int64_t bytes_sent = 0;  // all groups
   double exposed_comm_s = 0;
   double compute_s = 0;
@@ -87,12 +87,12 @@ class DsaContextParallel {
   const SpGrid& grid_;
   DsaCpConfig config_;
   SequenceLayout layout_;
-  std::vector<std::int64_t> positions_;                // this SP rank's positions
+  std::vector<std::int64_t> positions_;                    // this SP rank's positions
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
   std::vector<std::vector<std::int64_t>> ring_positions_;  // every ring rank's ring shard
   DsaCpCounters counters_;
   // saved for backward
-  Tensor q_h_, c_ring_, topk_ring_, out_h_, lse_h_;    // head-sharded attention side
+  Tensor q_h_, c_ring_, topk_ring_, out_h_, lse_h_;     // head-sharded attention side
   Tensor q_idx_, k_idx_, w_, topk_local_, sel_scores_;  // sequence-sharded indexer side
   bool has_forward_ = false;
 };

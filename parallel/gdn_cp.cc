@@ -109,9 +109,9 @@ std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std:
 struct GdnContextParallel::Impl {
   // Ring-level (head-sharded) saved inputs and per-segment state.
   Tensor q, k, v, g, beta;
-  std::vector<int> mine;           // indices into segments_ of this rank's segments, in global order
-  std::vector<Tensor> start;       // start state of each of mine
-  std::vector<Tensor> map_m;       // scan: M of each of mine
+  std::vector<int> mine;                              // indices into segments_ of this rank's segments, in global order
+  std::vector<Tensor> start;                          // start state of each of mine
+  std::vector<Tensor> map_m;                          // scan: M of each of mine
   std::int64_t batch = 0, heads = 0, dk = 0, dv = 0;  // heads: local (H / Pu)
   DType state_dtype = DType::kFloat32;
   bool has_forward = false;
@@ -150,8 +150,8 @@ struct SegmentInputs {
   Tensor q, k, v, g, beta;
 };
 
-SegmentInputs segment_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g,
-                             const Tensor& beta, const Segment& s) {
+SegmentInputs segment_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
+                             const Segment& s) {
   const MemCategory c = MemCategory::kWorkspace;
   return {take_rows(q.view(), s.local_offset, s.length, c), take_rows(k.view(), s.local_offset, s.length, c),
           take_rows(v.view(), s.local_offset, s.length, c), take_rows(g.view(), s.local_offset, s.length, c),
@@ -184,17 +184,15 @@ struct Round {
 // Runs the ring-level algorithm on head-sharded tensors; returns the final state of the last segment (on its
 // owner; empty elsewhere) after broadcasting it to every ring rank.
 GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                                        const TensorView& g, const TensorView& beta,
-                                        const TensorView& initial_state) {
+                                        const TensorView& g, const TensorView& beta, const TensorView& initial_state) {
   Impl& s = *impl_;
   for (const TensorView* t : {&q, &k, &v, &g, &beta}) check_cpu(*t, "GDN CP input");
   SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
                "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
                " must be [B, S_local, H, K], [B, S_local, H, K], [B, S_local, H, V], [B, S_local, H] x 2");
   const std::int64_t B = q.dim(0), sl = q.dim(1), H = q.dim(2), K = q.dim(3), V = v.dim(3);
-  SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be seq_len ",
-               layout_.seq_len(), " / (ring_size ", ring_.size(), " x ulysses_size ", ulysses_.size(), ") = ",
-               layout_.local_len());
+  SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be seq_len ", layout_.seq_len(),
+               " / (ring_size ", ring_.size(), " x ulysses_size ", ulysses_.size(), ") = ", layout_.local_len());
   check_shape(v, {B, sl, H, V}, "GDN CP v");
   check_shape(g, {B, sl, H}, "GDN CP g");
   check_shape(beta, {B, sl, H}, "GDN CP beta");
@@ -217,8 +215,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   auto scatter = [&](const TensorView& t, std::int64_t last) {
     Tensor out = Tensor::empty({B, sr, s.heads, last}, t.dtype(), MemCategory::kSavedActivation);
     ulysses_scatter_heads(ulysses_, t.ndim() == 3 ? as_4d(t) : t, out.view());
-    if (t.ndim() == 3) return Tensor::copy_of(out.view().reshape({B, sr, s.heads}), t.dtype(),
-                                              MemCategory::kSavedActivation);
+    if (t.ndim() == 3)
+      return Tensor::copy_of(out.view().reshape({B, sr, s.heads}), t.dtype(), MemCategory::kSavedActivation);
     return out;
   };
   s.q = scatter(q, K);
@@ -343,7 +341,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     for (std::size_t j = 0; j < s.mine.size(); ++j) {
       const int i = s.mine[j];
       s.start[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-      if (i + 1 < n && segments_[i + 1].owner != me) shift.send(end[j].view(), segments_[i + 1].owner, kTagShift + i + 1);
+      if (i + 1 < n && segments_[i + 1].owner != me)
+        shift.send(end[j].view(), segments_[i + 1].owner, kTagShift + i + 1);
       if (i == 0) {
         if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
       } else if (segments_[i - 1].owner == me) {
@@ -528,7 +527,8 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
     for (std::size_t j = 0; j < s.mine.size(); ++j) {
       const int i = s.mine[j];
       ds_end[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-      if (i > 0 && segments_[i - 1].owner != me) shift.send(ds_start[j].view(), segments_[i - 1].owner, kTagShift + i - 1);
+      if (i > 0 && segments_[i - 1].owner != me)
+        shift.send(ds_start[j].view(), segments_[i - 1].owner, kTagShift + i - 1);
       if (i == n - 1) {
         if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end[j].view());
       } else if (segments_[i + 1].owner == me) {
@@ -550,8 +550,8 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
 
   GdnCpGrads grads;
   auto gather = [&](const Tensor& t, std::int64_t last, bool per_head_scalar) {
-    Tensor out = Tensor::empty(per_head_scalar ? Shape{B, sl, H} : Shape{B, sl, H, last}, dtype,
-                               MemCategory::kWorkspace);
+    Tensor out =
+        Tensor::empty(per_head_scalar ? Shape{B, sl, H} : Shape{B, sl, H, last}, dtype, MemCategory::kWorkspace);
     const TensorView in = per_head_scalar ? as_4d(t.view()) : t.view();
     ulysses_gather_heads(ulysses_, in, per_head_scalar ? as_4d(out.view()) : out.view());
     return out;
@@ -579,16 +579,16 @@ struct ShortConvContextParallel::HaloPlan {
     int owner;
     std::int64_t row;
   };
-  std::vector<int> mine;                       // indices into segments_
-  std::vector<std::vector<Need>> needs;        // per segment of mine
-  std::vector<std::vector<std::int64_t>> give; // per peer: my local rows that peer needs, in its order
+  std::vector<int> mine;                        // indices into segments_
+  std::vector<std::vector<Need>> needs;         // per segment of mine
+  std::vector<std::vector<std::int64_t>> give;  // per peer: my local rows that peer needs, in its order
   std::vector<std::vector<std::pair<std::size_t, std::size_t>>> take;  // per peer: (segment j, halo slot)
 };
 
 ShortConvContextParallel::ShortConvContextParallel(Communicator& comm, const SequenceLayout& layout)
     : comm_(comm), layout_(layout) {
-  SEQPAR_CHECK(comm.size() == layout.num_ranks(), "short conv CP: communicator size ", comm.size(),
-               " != layout ranks ", layout.num_ranks());
+  SEQPAR_CHECK(comm.size() == layout.num_ranks(), "short conv CP: communicator size ", comm.size(), " != layout ranks ",
+               layout.num_ranks());
   for (int r = 0; r < comm.size(); ++r) positions_.push_back(layout.positions(r));
   segments_ = segments_in_global_order(positions_);
 }
@@ -607,7 +607,8 @@ Tensor ShortConvContextParallel::forward(const TensorView& x, const TensorView& 
     auto plan = std::make_shared<HaloPlan>();
     std::vector<std::pair<int, std::int64_t>> where(static_cast<std::size_t>(layout_.seq_len()));
     for (int r = 0; r < n; ++r)
-      for (std::size_t i = 0; i < positions_[r].size(); ++i) where[positions_[r][i]] = {r, static_cast<std::int64_t>(i)};
+      for (std::size_t i = 0; i < positions_[r].size(); ++i)
+        where[positions_[r][i]] = {r, static_cast<std::int64_t>(i)};
     plan->give.assign(n, {});
     plan->take.assign(n, {});
     for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
@@ -650,8 +651,8 @@ Tensor ShortConvContextParallel::forward(const TensorView& x, const TensorView& 
       halo_bytes_sent_ += static_cast<std::int64_t>(send[r].nbytes());
     }
     if (!plan.take[r].empty()) {
-      recv[r] = Tensor::empty({static_cast<std::int64_t>(plan.take[r].size()), B, C}, x.dtype(),
-                              MemCategory::kCommBuffer);
+      recv[r] =
+          Tensor::empty({static_cast<std::int64_t>(plan.take[r].size()), B, C}, x.dtype(), MemCategory::kCommBuffer);
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHalo));
     }
   }

@@ -50,7 +50,7 @@ struct GdnCpConfig {
 
 // One run of consecutive global positions held by one rank.
 struct Segment {
-  std::int64_t start = 0;         // first global position
+  std::int64_t start = 0;  // first global position
   std::int64_t length = 0;
   int owner = 0;                  // rank in the group
   std::int64_t local_offset = 0;  // row of the owner's local tensor where the segment starts

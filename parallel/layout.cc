@@ -27,11 +27,10 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_s
   SEQPAR_CHECK(seq_len >= 1, "seq_len ", seq_len, " must be >= 1");
   const std::int64_t ranks = static_cast<std::int64_t>(ring_size) * ulysses_size;
   if (kind == LayoutKind::kZigzag) {
-    SEQPAR_CHECK(seq_len % (2 * ring_size) == 0, "seq_len ", seq_len, " must be divisible by 2*ring_size=",
-                 2 * ring_size, " for the zigzag layout");
+    SEQPAR_CHECK(seq_len % (2 * ring_size) == 0, "seq_len ", seq_len,
+                 " must be divisible by 2*ring_size=", 2 * ring_size, " for the zigzag layout");
     SEQPAR_CHECK((seq_len / ring_size) % ulysses_size == 0, "seq_len ", seq_len, " / ring_size ", ring_size, " = ",
-                 seq_len / ring_size, " must be divisible by ulysses_size=", ulysses_size,
-                 " for the zigzag layout");
+                 seq_len / ring_size, " must be divisible by ulysses_size=", ulysses_size, " for the zigzag layout");
   } else {
     SEQPAR_CHECK(seq_len % ranks == 0, "seq_len ", seq_len, " must be divisible by ring_size*ulysses_size=", ranks,
                  " for the ", layout_name(kind), " layout");
@@ -90,8 +89,8 @@ void check_pair(const TensorView& full, const TensorView& local, const std::vect
                 int seq_dim, const char* op) {
   check_cpu(full, op);
   check_cpu(local, op);
-  SEQPAR_CHECK(full.dtype() == local.dtype() && full.ndim() == local.ndim() && full.ndim() > seq_dim, op,
-               ": full ", full.str(), " and local ", local.str(), " must have the same dtype and rank");
+  SEQPAR_CHECK(full.dtype() == local.dtype() && full.ndim() == local.ndim() && full.ndim() > seq_dim, op, ": full ",
+               full.str(), " and local ", local.str(), " must have the same dtype and rank");
   for (int d = 0; d < full.ndim(); ++d) {
     const std::int64_t want = d == seq_dim ? static_cast<std::int64_t>(positions.size()) : full.dim(d);
     SEQPAR_CHECK(local.dim(d) == want, op, ": local ", local.str(), " does not match full ", full.str(), " with ",
@@ -102,8 +101,8 @@ void check_pair(const TensorView& full, const TensorView& local, const std::vect
   }
 }
 
-void move_rows(const TensorView& full, const TensorView& local, const std::vector<std::int64_t>& positions,
-               int seq_dim, bool to_local) {
+void move_rows(const TensorView& full, const TensorView& local, const std::vector<std::int64_t>& positions, int seq_dim,
+               bool to_local) {
   std::int64_t outer = 1;
   for (int d = 0; d < seq_dim; ++d) outer *= full.dim(d);
   std::size_t row_bytes = dtype_size(full.dtype());
@@ -130,20 +129,18 @@ void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& 
   move_rows(full, local, positions, 1, false);
 }
 
-void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions,
-                        const TensorView& local) {
+void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local) {
   check_pair(full, local, positions, 2, "shard_sequence_bhs");
   move_rows(full, local, positions, 2, true);
 }
 
-void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions,
-                          const TensorView& full) {
+void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full) {
   check_pair(full, local, positions, 2, "unshard_sequence_bhs");
   move_rows(full, local, positions, 2, false);
 }
 
-void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full,
-                      const TensorView& local, int root) {
+void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
+                      int root) {
   SEQPAR_CHECK(comm.size() == layout.num_ranks(), "scatter_sequence: communicator size ", comm.size(),
                " != layout ranks ", layout.num_ranks());
   check_cpu(local, "scatter_sequence");
@@ -166,8 +163,8 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
   comm.all_to_all_v(packed.view(), send_counts, local, recv_counts)->wait();
 }
 
-void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
-                     const TensorView& full, int seq_dim) {
+void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
+                     int seq_dim) {
   SEQPAR_CHECK(comm.size() == layout.num_ranks(), "gather_sequence: communicator size ", comm.size(),
                " != layout ranks ", layout.num_ranks());
   SEQPAR_CHECK(seq_dim == 1 || seq_dim == 2, "gather_sequence: seq_dim ", seq_dim, " must be 1 or 2");

@@ -56,16 +56,15 @@ void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& pos
 void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full);
 // Same for [B, H, S] tensors (lse), along dim 2.
 void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local);
-void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions,
-                          const TensorView& full);
+void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full);
 
 // Collective over `comm` (size layout.num_ranks(), rank = SP rank): root's full [B, S, ...] tensor is cut by the
 // layout and every rank receives its [B, local_len, ...] piece. `full` is read on root only.
-void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full,
-                      const TensorView& local, int root = 0);
+void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
+                      int root = 0);
 // Collective: every rank's local piece is gathered into the full [B, S, ...] tensor on every rank.
 // seq_dim = 1 for [B, S, ...] tensors, 2 for [B, H, S] (lse).
-void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
-                     const TensorView& full, int seq_dim = 1);
+void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
+                     int seq_dim = 1);
 
 }  // namespace seqpar

@@ -43,8 +43,7 @@ RingAttention::RingAttention(Communicator& ring, std::int64_t seq_len, const Rin
   // The kernels check this too, but only once the first (K, V) block is already on the wire.
   SEQPAR_CHECK(std::isfinite(config.scale), "ring attention: scale ", config.scale,
                " must be finite (0 or less: 1/sqrt(D))");
-  SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window,
-               ") needs causal=true");
+  SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window, ") needs causal=true");
   positions_.reserve(size_);
   for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));
   global_order_.resize(static_cast<std::size_t>(seq_len));
@@ -53,8 +52,8 @@ RingAttention::RingAttention(Communicator& ring, std::int64_t seq_len, const Rin
 
 void RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v) const {
   for (const TensorView* t : {&q, &k, &v}) check_cpu(*t, "ring attention input");
-  SEQPAR_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "ring attention: q ", q.str(), ", k ", k.str(),
-               ", v ", v.str(), " must all be [B, S_local, H, D]");
+  SEQPAR_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "ring attention: q ", q.str(), ", k ", k.str(), ", v ",
+               v.str(), " must all be [B, S_local, H, D]");
   SEQPAR_CHECK(k.shape() == v.shape(), "ring attention: k ", k.str(), " and v ", v.str(), " must have one shape");
   SEQPAR_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(), "ring attention: q, k, v dtypes differ (",
                dtype_name(q.dtype()), ", ", dtype_name(k.dtype()), ", ", dtype_name(v.dtype()), ")");
@@ -108,8 +107,8 @@ AttentionGrads RingAttention::backward(const TensorView& dout) {
   return g;
 }
 
-void RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
-                                 const TensorView& out, const TensorView& lse) {
+void RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                                 const TensorView& lse) {
   validate(q, k, v);
   check_shape(out, q.shape(), "ring attention out");
   check_shape(lse, {q.dim(0), q.dim(2), q.dim(1)}, "ring attention lse");
@@ -175,16 +174,19 @@ void RingAttention::forward_p2p(const TensorView& out, const TensorView& lse) {
   Tensor block_out = Tensor::empty(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
   Tensor block_lse = Tensor::empty(lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
 
-  ring_circulate(ring_, kv.view(), kTagKv, [&](int src, const TensorView& block) {
-    const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
-    if (pairs == 0) return;  // nothing visible: never computed
-    const double t0 = wall_seconds();
-    attn::mha_forward(block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
-                      block_lse.view());
-    attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view());
-    counters_.compute_s += wall_seconds() - t0;
-    counters_.flops += flops_per_pair * static_cast<double>(pairs);
-  }, &counters_.exposed_comm_s);
+  ring_circulate(
+      ring_, kv.view(), kTagKv,
+      [&](int src, const TensorView& block) {
+        const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
+        if (pairs == 0) return;  // nothing visible: never computed
+        const double t0 = wall_seconds();
+        attn::mha_forward(block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
+                          block_lse.view());
+        attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view());
+        counters_.compute_s += wall_seconds() - t0;
+        counters_.flops += flops_per_pair * static_cast<double>(pairs);
+      },
+      &counters_.exposed_comm_s);
   copy_convert(acc_out.view(), out);
 }
 
@@ -209,16 +211,18 @@ void RingAttention::backward_p2p(const TensorView& dout, const TensorView& dq, c
   args.dout = dout;
   args.lse = saved_lse_.view();
   args.delta = delta.view();
-  ring_circulate_with_grad(ring_, kv.view(), pshape, dkv.view(), kTagKv,
-                           [&](int src, const TensorView& block, const TensorView& grad) {
-    const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
-    if (pairs == 0) return;
-    const double t0 = wall_seconds();
-    args.fwd = block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src);
-    attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true);
-    counters_.compute_s += wall_seconds() - t0;
-    counters_.flops += flops_per_pair * static_cast<double>(pairs);
-  }, &counters_.exposed_comm_s);
+  ring_circulate_with_grad(
+      ring_, kv.view(), pshape, dkv.view(), kTagKv,
+      [&](int src, const TensorView& block, const TensorView& grad) {
+        const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
+        if (pairs == 0) return;
+        const double t0 = wall_seconds();
+        args.fwd = block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src);
+        attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true);
+        counters_.compute_s += wall_seconds() - t0;
+        counters_.flops += flops_per_pair * static_cast<double>(pairs);
+      },
+      &counters_.exposed_comm_s);
   copy_convert(part(dkv.view(), 0, kv_shape), dk);
   copy_convert(part(dkv.view(), 1, kv_shape), dv);
   copy_convert(dq_acc.view(), dq);

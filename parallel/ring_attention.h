@@ -51,11 +51,11 @@ struct RingAttentionConfig {
 };
 
 struct AttentionCounters {
-  double flops = 0;                     // attention FLOPs executed by this rank
+  double flops = 0;  // attention FLOPs executed by this rank
   std::int64_t bytes_sent = 0;
   std::int64_t bytes_received = 0;
-  double exposed_comm_s = 0;            // seconds blocked waiting for communication
-  double compute_s = 0;                 // seconds in attention kernels and merges
+  double exposed_comm_s = 0;  // seconds blocked waiting for communication
+  double compute_s = 0;       // seconds in attention kernels and merges
   void reset() { *this = {}; }
 };
 
@@ -97,8 +97,7 @@ class RingAttention {
   void forward_p2p(const TensorView& out, const TensorView& lse);
   void forward_allgather(const TensorView& out, const TensorView& lse);
   void backward_p2p(const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv);
-  void backward_allgather(const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv);
+  void backward_allgather(const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv);
   void wait(WorkHandle& work);  // counts the time blocked as exposed communication
   attn::MhaForwardArgs block_args(const TensorView& k, const TensorView& v, int src) const;
 

@@ -1,6 +1,5 @@
 #include "parallel/ring_pass.h"
 
-
 #include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 
@@ -27,7 +26,8 @@ void ring_circulate(Communicator& comm, const TensorView& local_block, int tag, 
   for (int step = 0; step < p; ++step) {
     WorkHandle w;
     if (step + 1 < p) {
-      w = comm.batch_isend_irecv({P2POp::send(buf[cur].view(), next, tag), P2POp::recv(buf[1 - cur].view(), prev, tag)});
+      w = comm.batch_isend_irecv(
+          {P2POp::send(buf[cur].view(), next, tag), P2POp::recv(buf[1 - cur].view(), prev, tag)});
     }
     visit((r - step + p) % p, buf[cur].view());
     timed_wait(w, exposed_s);
@@ -36,8 +36,7 @@ void ring_circulate(Communicator& comm, const TensorView& local_block, int tag, 
 }
 
 void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block, const Shape& grad_shape,
-                              const TensorView& home_grad, int tag, const RingGradVisit& visit,
-                              double* exposed_s) {
+                              const TensorView& home_grad, int tag, const RingGradVisit& visit, double* exposed_s) {
   SEQPAR_CHECK(home_grad.dtype() == DType::kFloat32 && home_grad.numel() == shape_numel(grad_shape),
                "ring_circulate_with_grad: home_grad ", home_grad.str(), " must be fp32 with the elements of ",
                shape_str(grad_shape));
@@ -62,7 +61,8 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
     const int slot = step % 2;
     WorkHandle w;
     if (step + 1 < p) {
-      w = comm.batch_isend_irecv({P2POp::send(buf[cur].view(), next, tag), P2POp::recv(buf[1 - cur].view(), prev, tag)});
+      w = comm.batch_isend_irecv(
+          {P2POp::send(buf[cur].view(), next, tag), P2POp::recv(buf[1 - cur].view(), prev, tag)});
     }
     out[slot].fill_zero();  // its send (two steps ago) completed when that exchange was waited for
     visit((r - step + p) % p, buf[cur].view(), out[slot].view());

@@ -11,8 +11,8 @@
 // wait on a lone receive). After P hops the sum of every rank's contribution arrives home in `home_grad`.
 //
 // Deadlock freedom: every exchange posts its receive and send together (batch_isend_irecv), blocks on tag, gradients
-// on tag + 1, in the same order on every rank, for any P >= 1. Synchronisation: collective over `comm`, host-synchronous. `exposed_s` (may be null) accumulates
-// the seconds blocked in waits.
+// on tag + 1, in the same order on every rank, for any P >= 1. Synchronisation: collective over `comm`,
+// host-synchronous. `exposed_s` (may be null) accumulates the seconds blocked in waits.
 #pragma once
 
 #include <functional>

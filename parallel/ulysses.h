@@ -26,7 +26,7 @@ namespace seqpar {
 // Head-count plan of the Ulysses split: errors (identical on every rank, before any communication) when the
 // heads cannot be split.
 struct UlyssesHeads {
-  std::int64_t hq = 0, hkv = 0;   // global
+  std::int64_t hq = 0, hkv = 0;  // global
   int ulysses_size = 1;
   std::int64_t hkv_expanded = 0;  // kv heads entering the all-to-all (hkv, or ulysses_size when replicated)
   std::int64_t replication = 1;   // ranks sharing each kv head (ulysses_size / hkv when hkv < ulysses_size)
@@ -46,10 +46,10 @@ void replicate_kv_heads(const TensorView& in, std::int64_t replication, const Te
 void reduce_kv_replicas(const TensorView& in, std::int64_t replication, const TensorView& out);
 
 struct UspCounters {
-  AttentionCounters ring;              // attention FLOPs, ring bytes, ring exposed time
-  std::int64_t a2a_bytes_sent = 0;     // all-to-all bytes (Ulysses group)
+  AttentionCounters ring;           // attention FLOPs, ring bytes, ring exposed time
+  std::int64_t a2a_bytes_sent = 0;  // all-to-all bytes (Ulysses group)
   std::int64_t a2a_bytes_received = 0;
-  double a2a_s = 0;                    // seconds in all-to-all (not overlapped)
+  double a2a_s = 0;  // seconds in all-to-all (not overlapped)
   void reset() { *this = {}; }
 };
 

@@ -40,23 +40,23 @@ class Error : public std::runtime_error {
 }  // namespace seqpar
 
 // Throws seqpar::Error with the streamed arguments when `cond` is false.
-#define SEQPAR_CHECK(cond, ...)                                   \
-  do {                                                            \
-    if (!(cond)) [[unlikely]] {                                   \
-      throw ::seqpar::Error(::seqpar::str_cat(__VA_ARGS__));      \
-    }                                                             \
+#define SEQPAR_CHECK(cond, ...)                              \
+  do {                                                       \
+    if (!(cond)) [[unlikely]] {                              \
+      throw ::seqpar::Error(::seqpar::str_cat(__VA_ARGS__)); \
+    }                                                        \
   } while (0)
 
 // Throws unconditionally; for unsupported cases ("backend X does not support Y").
 #define SEQPAR_THROW(...) throw ::seqpar::Error(::seqpar::str_cat(__VA_ARGS__))
 
 // Internal invariants: names file and line, since they point at a seqpar bug rather than bad input.
-#define SEQPAR_ASSERT(cond, ...)                                                                     \
-  do {                                                                                               \
-    if (!(cond)) [[unlikely]] {                                                                      \
-      ::seqpar::throw_error(__FILE__, __LINE__,                                                      \
+#define SEQPAR_ASSERT(cond, ...)                                                                    \
+  do {                                                                                              \
+    if (!(cond)) [[unlikely]] {                                                                     \
+      ::seqpar::throw_error(__FILE__, __LINE__,                                                     \
                             ::seqpar::str_cat("internal check failed: " #cond " ", ##__VA_ARGS__)); \
-    }                                                                                                \
+    }                                                                                               \
   } while (0)
 
 namespace seqpar::detail {
@@ -64,36 +64,34 @@ namespace seqpar::detail {
 }  // namespace seqpar::detail
 
 // Wraps an MPI call: on a non-success return, throws naming the call, file:line and MPI's error string.
-#define SEQPAR_CHECK_MPI(call)                                                          \
-  do {                                                                                  \
-    int seqpar_mpi_rc_ = (call);                                                        \
-    if (seqpar_mpi_rc_ != 0) [[unlikely]] {                                             \
-      ::seqpar::detail::throw_mpi_error(#call, seqpar_mpi_rc_, __FILE__, __LINE__);     \
-    }                                                                                   \
+#define SEQPAR_CHECK_MPI(call)                                                      \
+  do {                                                                              \
+    int seqpar_mpi_rc_ = (call);                                                    \
+    if (seqpar_mpi_rc_ != 0) [[unlikely]] {                                         \
+      ::seqpar::detail::throw_mpi_error(#call, seqpar_mpi_rc_, __FILE__, __LINE__); \
+    }                                                                               \
   } while (0)
 
 #if defined(SEQPAR_WITH_CUDA)
 #include <cuda_runtime_api.h>
-#define SEQPAR_CHECK_CUDA(call)                                                                       \
-  do {                                                                                                \
-    cudaError_t seqpar_cuda_rc_ = (call);                                                             \
-    if (seqpar_cuda_rc_ != cudaSuccess) [[unlikely]] {                                                \
-      ::seqpar::throw_error(__FILE__, __LINE__,                                                       \
-                            ::seqpar::str_cat("CUDA call ", #call, " failed: ",                       \
-                                              cudaGetErrorString(seqpar_cuda_rc_)));                  \
-    }                                                                                                 \
+#define SEQPAR_CHECK_CUDA(call)                                                                                        \
+  do {                                                                                                                 \
+    cudaError_t seqpar_cuda_rc_ = (call);                                                                              \
+    if (seqpar_cuda_rc_ != cudaSuccess) [[unlikely]] {                                                                 \
+      ::seqpar::throw_error(__FILE__, __LINE__,                                                                        \
+                            ::seqpar::str_cat("CUDA call ", #call, " failed: ", cudaGetErrorString(seqpar_cuda_rc_))); \
+    }                                                                                                                  \
   } while (0)
 #endif
 
 #if defined(SEQPAR_WITH_NCCL)
 #include <nccl.h>
-#define SEQPAR_CHECK_NCCL(call)                                                                       \
-  do {                                                                                                \
-    ncclResult_t seqpar_nccl_rc_ = (call);                                                            \
-    if (seqpar_nccl_rc_ != ncclSuccess && seqpar_nccl_rc_ != ncclInProgress) [[unlikely]] {          \
-      ::seqpar::throw_error(__FILE__, __LINE__,                                                       \
-                            ::seqpar::str_cat("NCCL call ", #call, " failed: ",                       \
-                                              ncclGetErrorString(seqpar_nccl_rc_)));                  \
-    }                                                                                                 \
+#define SEQPAR_CHECK_NCCL(call)                                                                                        \
+  do {                                                                                                                 \
+    ncclResult_t seqpar_nccl_rc_ = (call);                                                                             \
+    if (seqpar_nccl_rc_ != ncclSuccess && seqpar_nccl_rc_ != ncclInProgress) [[unlikely]] {                            \
+      ::seqpar::throw_error(__FILE__, __LINE__,                                                                        \
+                            ::seqpar::str_cat("NCCL call ", #call, " failed: ", ncclGetErrorString(seqpar_nccl_rc_))); \
+    }                                                                                                                  \
   } while (0)
 #endif

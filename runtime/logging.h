@@ -27,7 +27,7 @@ inline bool log_enabled(env::LogLevel level) { return static_cast<int>(level) <=
 
 }  // namespace seqpar
 
-#define SEQPAR_LOG(level)                                                    \
-  if (!::seqpar::log_enabled(::seqpar::env::LogLevel::level)) {              \
-  } else                                                                     \
+#define SEQPAR_LOG(level)                                       \
+  if (!::seqpar::log_enabled(::seqpar::env::LogLevel::level)) { \
+  } else                                                        \
     ::seqpar::LogLine(::seqpar::env::LogLevel::level)

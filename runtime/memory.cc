@@ -75,8 +75,8 @@ void* ledger_allocate(std::size_t bytes, MemCategory category, Device device) {
     SEQPAR_THROW("cannot allocate on ", device.str(), ": seqpar was built without CUDA");
 #endif
   }
-  SEQPAR_CHECK(ptr != nullptr, "out of memory: allocating ", bytes, " bytes of ", mem_category_name(category),
-               " on ", device.str());
+  SEQPAR_CHECK(ptr != nullptr, "out of memory: allocating ", bytes, " bytes of ", mem_category_name(category), " on ",
+               device.str());
   memory_ledger().on_alloc(category, static_cast<std::int64_t>(bytes));
   return ptr;
 }

@@ -36,8 +36,7 @@ void rotate(T* x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std:
   }
 }
 
-void apply(const TensorView& x, std::span<const std::int64_t> positions, double theta, double sign,
-           const char* op) {
+void apply(const TensorView& x, std::span<const std::int64_t> positions, double theta, double sign, const char* op) {
   check_cpu(x, op);
   SEQPAR_CHECK(x.ndim() == 4, op, ": x ", x.str(), " must be [B, S, H, D]");
   SEQPAR_CHECK(x.dim(3) % 2 == 0, op, ": head dim ", x.dim(3), " must be even");

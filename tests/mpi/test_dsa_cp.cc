@@ -30,8 +30,8 @@ struct DsaCase {
 };
 
 std::string case_name(const DsaCase& c) {
-  return str_cat("u", c.ulysses_size, "_", layout_name(c.layout), "_", dsa_select_mode_name(c.select), "_k",
-                 c.topk, "_S", c.seq);
+  return str_cat("u", c.ulysses_size, "_", layout_name(c.layout), "_", dsa_select_mode_name(c.select), "_k", c.topk,
+                 "_S", c.seq);
 }
 void PrintTo(const DsaCase& c, std::ostream* os) { *os << case_name(c); }
 

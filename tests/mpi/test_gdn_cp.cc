@@ -112,11 +112,11 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   GdnContextParallel gdn(grid.ulysses(), grid.ring(), c.seq, cfg);
   std::vector<Tensor> keep;
   const auto& pos = gdn.positions();
-  GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
-                              shard(p.g, pos, keep), shard(p.beta, pos, keep),
-                              c.initial_state ? p.init.view() : TensorView());
-  Tensor dout_local = Tensor::empty({kB, static_cast<std::int64_t>(pos.size()), kH, kV}, DType::kFloat32,
-                                    MemCategory::kWorkspace);
+  GdnCpOutput o =
+      gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep), shard(p.g, pos, keep),
+                  shard(p.beta, pos, keep), c.initial_state ? p.init.view() : TensorView());
+  Tensor dout_local =
+      Tensor::empty({kB, static_cast<std::int64_t>(pos.size()), kH, kV}, DType::kFloat32, MemCategory::kWorkspace);
   shard_sequence(p.dout.view(), pos, dout_local.view());
   GdnCpGrads gr = gdn.backward(dout_local.view(), p.dfinal.view());
 
@@ -124,7 +124,8 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   const double atol = 2e-4, rtol = 2e-3;
   const std::string name = str_cat(case_name(c), " on ", grid.str());
   Communicator& sp = grid.sp();
-  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), o.out, {kB, c.seq, kH, kV}), to_double(ro), atol, rtol, name + " out"));
+  EXPECT_TRUE(
+      all_close(gather(sp, gdn.layout(), o.out, {kB, c.seq, kH, kV}), to_double(ro), atol, rtol, name + " out"));
   EXPECT_TRUE(all_close(to_double(o.final_state), to_double(rf), atol, rtol, name + " final_state"));
   EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dq, q64.shape()), to_double(rdq), atol, rtol, name + " dq"));
   EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dk, k64.shape()), to_double(rdk), atol, rtol, name + " dk"));
@@ -134,16 +135,17 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   EXPECT_TRUE(all_close(to_double(gr.dinitial_state), to_double(rdi), atol, rtol, name + " dinitial_state"));
 
   // Message rounds: chain is sequential over the N segments, scan is logarithmic.
-  const std::int64_t segments = static_cast<std::int64_t>(
-      segments_in_global_order([&] {
-        std::vector<std::vector<std::int64_t>> per_rank;
-        for (int r = 0; r < grid.ring().size(); ++r) per_rank.push_back(gdn.layout().ring_shard_positions(r));
-        return per_rank;
-      }()).size());
+  const std::int64_t segments = static_cast<std::int64_t>(segments_in_global_order([&] {
+                                                            std::vector<std::vector<std::int64_t>> per_rank;
+                                                            for (int r = 0; r < grid.ring().size(); ++r)
+                                                              per_rank.push_back(gdn.layout().ring_shard_positions(r));
+                                                            return per_rank;
+                                                          }())
+                                                              .size());
   std::int64_t log_rounds = 0;
   while ((std::int64_t{1} << log_rounds) < segments) ++log_rounds;
-  const std::int64_t want = c.mode == GdnCpMode::kChain ? 2 * (segments - 1)
-                                                         : 2 * (log_rounds + (segments > 1 ? 1 : 0));
+  const std::int64_t want =
+      c.mode == GdnCpMode::kChain ? 2 * (segments - 1) : 2 * (log_rounds + (segments > 1 ? 1 : 0));
   EXPECT_EQ(gdn.counters().message_rounds, want) << name;
 }
 
@@ -180,7 +182,7 @@ TEST(GdnCp, ConfigurationErrors) {
   EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 2 * n, nan_scale), Error);
   GdnContextParallel gdn(grid.ulysses(), grid.ring(), 2 * n, cfg);
   Tensor dout = Tensor::zeros({1, 2, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);
-  EXPECT_THROW(gdn.backward(dout.view()), Error);  // no forward yet
+  EXPECT_THROW(gdn.backward(dout.view()), Error);                                    // no forward yet
   Tensor q = Tensor::zeros({1, 3, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);  // wrong local length
   Tensor gb = Tensor::zeros({1, 3, 1}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(gdn.forward(q.view(), q.view(), q.view(), gb.view(), gb.view()), Error);

@@ -30,8 +30,8 @@ struct Case {
 };
 
 std::string case_name(const Case& c) {
-  return str_cat(mask_name(c.mask), "_", layout_name(c.layout), "_", ring_impl_name(c.impl), "_B", c.batch, "_S",
-                 c.seq, "_H", c.hq, "x", c.hkv, "_D", c.dim, "_", dtype_name(c.dtype));
+  return str_cat(mask_name(c.mask), "_", layout_name(c.layout), "_", ring_impl_name(c.impl), "_B", c.batch, "_S", c.seq,
+                 "_H", c.hq, "x", c.hkv, "_D", c.dim, "_", dtype_name(c.dtype));
 }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
@@ -147,8 +147,8 @@ TEST(RingAttention, Bf16ErrorDoesNotGrowWithRingSize) {
     for (const auto& [name, e] : errors) {
       // The floor covers the case of a (nearly) exact single-rank result: one bf16 ulp at 1.0 is 2^-8.
       EXPECT_LE(e.second, 2.0 * std::max(e.first, 1.0 / 256.0))
-          << ring_impl_name(impl) << " " << name << ": error at " << world().size() << " ranks " << e.second
-          << " vs " << e.first << " at 1 rank";
+          << ring_impl_name(impl) << " " << name << ": error at " << world().size() << " ranks " << e.second << " vs "
+          << e.first << " at 1 rank";
     }
   }
 }
@@ -192,8 +192,8 @@ TEST(RingAttention, BytesMatchFormula) {
       const std::int64_t elems = 2 * c.batch * (c.seq / P) * c.hkv * c.dim;
       const std::int64_t kv = elems * static_cast<std::int64_t>(dtype_size(dtype));
       const std::int64_t dkv = elems * 4;
-      const std::int64_t want = impl == RingImpl::kP2P ? 2 * (P - 1) * kv + (P > 1 ? P : 0) * dkv
-                                                       : 2 * (P - 1) * kv + (P - 1) * dkv;
+      const std::int64_t want =
+          impl == RingImpl::kP2P ? 2 * (P - 1) * kv + (P > 1 ? P : 0) * dkv : 2 * (P - 1) * kv + (P - 1) * dkv;
       EXPECT_EQ(counters.bytes_sent, want) << ring_impl_name(impl) << " " << dtype_name(dtype);
       EXPECT_EQ(counters.bytes_received, want) << ring_impl_name(impl) << " " << dtype_name(dtype);
     }

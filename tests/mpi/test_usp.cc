@@ -177,7 +177,7 @@ TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
     EXPECT_NE(bad_kv.find(str_cat("Hkv ", n + 1)), std::string::npos) << bad_kv;
   }
   // Same message on every rank: compare lengths and a hash of the text.
-  std::int64_t h = static_cast<std::int64_t>(std::hash<std::string>{}(bad_q) & 0x7fffffffffff);
+  std::int64_t h = static_cast<std::int64_t>(std::hash<std::string>{}(bad_q)&0x7fffffffffff);
   std::int64_t v[2] = {h, -h};
   world().all_reduce(TensorView(v, DType::kInt64, {2}), ReduceOp::kMax)->wait();
   EXPECT_EQ(v[0], -v[1]);

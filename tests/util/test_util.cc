@@ -85,9 +85,9 @@ ErrorStats compare(const std::vector<double>& got, const std::vector<double>& wa
   }
   if (bad == 0) return ::testing::AssertionSuccess();
   return ::testing::AssertionFailure() << "rank " << process_rank() << ": " << what << ": " << bad << " of "
-                                       << got.size() << " elements differ; first at flat index " << first
-                                       << ": got " << got[first] << ", want " << want[first] << " (atol " << atol
-                                       << ", rtol " << rtol << ")";
+                                       << got.size() << " elements differ; first at flat index " << first << ": got "
+                                       << got[first] << ", want " << want[first] << " (atol " << atol << ", rtol "
+                                       << rtol << ")";
 }
 
 bool all_ranks(Communicator& comm, bool ok) {

@@ -24,11 +24,11 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed, double
 std::vector<double> to_double(const TensorView& t);
 
 struct ErrorStats {
-  double max_abs = 0.0;   // max |got - want|
-  double max_rel = 0.0;   // max |got - want| / max(|want|, floor)
+  double max_abs = 0.0;  // max |got - want|
+  double max_rel = 0.0;  // max |got - want| / max(|want|, floor)
   std::int64_t worst = -1;
   double got = 0.0, want = 0.0;
-  bool nan = false;       // got has a NaN where want has none (or vice versa)
+  bool nan = false;  // got has a NaN where want has none (or vice versa)
 };
 ErrorStats compare(const std::vector<double>& got, const std::vector<double>& want, double rel_floor = 1e-3);
 
