@@ -79,6 +79,55 @@ Tensor gather_state_heads(Communicator& ulysses, const TensorView& local) {
   return full;
 }
 
+// Kogge-Stone inclusive scan of packed [M | U] affine maps over the segments in global order (dir = +1:
+// agg_i <- agg_i o agg_{i-o}) or in reverse order (dir = -1: agg_i <- agg_i o agg_{i+o}), for o = 1, 2, 4, ...
+// `mine` lists this rank's segments (indices into `segments`), `agg` their maps. Returns the number of rounds.
+std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments, const std::vector<int>& mine,
+                       const Shape& map_shape, const Shape& state_shape, int dir, std::vector<Tensor>& agg,
+                       double* exposed_s) {
+  const int n = static_cast<int>(segments.size()), me = ring.rank();
+  const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
+  auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(map_shape); };
+  auto u_of = [&](const Tensor& t) { return t.view().slice0(mk, mk + uk).reshape(state_shape); };
+  std::map<int, std::size_t> slot;  // global segment index -> index in mine
+  for (std::size_t j = 0; j < mine.size(); ++j) slot[mine[j]] = j;
+  std::int64_t rounds = 0;
+  for (int o = 1; o < n; o *= 2, ++rounds) {
+    std::vector<P2POp> ops;
+    std::vector<Tensor> snapshot(mine.size()), received(mine.size());
+    for (std::size_t j = 0; j < mine.size(); ++j) {
+      snapshot[j] = Tensor::copy_of(agg[j].view(), agg[j].dtype(), MemCategory::kCommBuffer);
+    }
+    for (std::size_t j = 0; j < mine.size(); ++j) {
+      const int i = mine[j], to = i + dir * o, from = i - dir * o;
+      if (to >= 0 && to < n && segments[to].owner != me) {
+        ops.push_back(P2POp::send(snapshot[j].view(), segments[to].owner, kTagScan + to));
+      }
+      if (from >= 0 && from < n) {
+        received[j] = Tensor::empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
+        if (segments[from].owner == me) {
+          copy_convert(snapshot[slot[from]].view(), received[j].view());
+        } else {
+          ops.push_back(P2POp::recv(received[j].view(), segments[from].owner, kTagScan + i));
+        }
+      }
+    }
+    if (!ops.empty()) {
+      const double t0 = wall_seconds();
+      ring.batch_isend_irecv(ops)->wait();
+      *exposed_s += wall_seconds() - t0;
+    }
+    for (std::size_t j = 0; j < mine.size(); ++j) {
+      if (!received[j].defined()) continue;
+      Tensor next = Tensor::empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
+      attn::gdn_transition_compose(m_of(snapshot[j]), u_of(snapshot[j]), m_of(received[j]), u_of(received[j]),
+                                   m_of(next), u_of(next));
+      agg[j] = std::move(next);
+    }
+  }
+  return rounds;
+}
+
 }  // namespace
 
 const char* gdn_cp_mode_name(GdnCpMode mode) { return mode == GdnCpMode::kChain ? "chain" : "scan"; }
@@ -297,36 +346,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}.
     std::map<int, std::size_t> slot;  // global segment index -> index in mine
     for (std::size_t j = 0; j < s.mine.size(); ++j) slot[s.mine[j]] = j;
-    for (int o = 1; o < n; o *= 2) {
-      Round round;
-      std::vector<Tensor> snapshot(s.mine.size()), received(s.mine.size());
-      for (std::size_t j = 0; j < s.mine.size(); ++j) {
-        snapshot[j] = Tensor::copy_of(agg[j].view(), s.state_dtype, MemCategory::kCommBuffer);
-      }
-      for (std::size_t j = 0; j < s.mine.size(); ++j) {
-        const int i = s.mine[j];
-        if (i + o < n && segments_[i + o].owner != me) {
-          round.send(snapshot[j].view(), segments_[i + o].owner, kTagScan + i + o);
-        }
-        if (i - o >= 0) {
-          received[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-          if (segments_[i - o].owner == me) {
-            copy_convert(snapshot[slot[i - o]].view(), received[j].view());
-          } else {
-            round.recv(received[j].view(), segments_[i - o].owner, kTagScan + i);
-          }
-        }
-      }
-      if (!round.ops.empty()) wait_timed(ring_.batch_isend_irecv(round.ops));
-      for (std::size_t j = 0; j < s.mine.size(); ++j) {
-        if (!received[j].defined()) continue;
-        Tensor next = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-        attn::gdn_transition_compose(m_of(snapshot[j]), u_of(snapshot[j]), m_of(received[j]), u_of(received[j]),
-                                     m_of(next), u_of(next));
-        agg[j] = std::move(next);
-      }
-      ++counters_.message_rounds;
-    }
+    counters_.message_rounds +=
+        scan_maps(ring_, segments_, s.mine, s.map_shape(), s.state_shape(), +1, agg, &counters_.exposed_comm_s);
     // 3. End state of every segment from the global initial state; shift by one segment to get start states.
     std::vector<Tensor> end(s.mine.size());
     for (std::size_t j = 0; j < s.mine.size(); ++j) {
@@ -482,36 +503,8 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
     std::map<int, std::size_t> slot;
     for (std::size_t j = 0; j < s.mine.size(); ++j) slot[s.mine[j]] = j;
     // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first).
-    for (int o = 1; o < n; o *= 2) {
-      Round round;
-      std::vector<Tensor> snapshot(s.mine.size()), received(s.mine.size());
-      for (std::size_t j = 0; j < s.mine.size(); ++j) {
-        snapshot[j] = Tensor::copy_of(agg[j].view(), s.state_dtype, MemCategory::kCommBuffer);
-      }
-      for (std::size_t j = 0; j < s.mine.size(); ++j) {
-        const int i = s.mine[j];
-        if (i - o >= 0 && segments_[i - o].owner != me) {
-          round.send(snapshot[j].view(), segments_[i - o].owner, kTagScan + i - o);
-        }
-        if (i + o < n) {
-          received[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-          if (segments_[i + o].owner == me) {
-            copy_convert(snapshot[slot[i + o]].view(), received[j].view());
-          } else {
-            round.recv(received[j].view(), segments_[i + o].owner, kTagScan + i);
-          }
-        }
-      }
-      if (!round.ops.empty()) wait_timed(ring_.batch_isend_irecv(round.ops));
-      for (std::size_t j = 0; j < s.mine.size(); ++j) {
-        if (!received[j].defined()) continue;
-        Tensor next = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-        attn::gdn_transition_compose(m_of(snapshot[j]), u_of(snapshot[j]), m_of(received[j]), u_of(received[j]),
-                                     m_of(next), u_of(next));
-        agg[j] = std::move(next);
-      }
-      ++counters_.message_rounds;
-    }
+    counters_.message_rounds +=
+        scan_maps(ring_, segments_, s.mine, s.map_shape(), s.state_shape(), -1, agg, &counters_.exposed_comm_s);
     // 3. dS_start of every segment; shift to the previous segment to get each dS_end.
     std::vector<Tensor> ds_start(s.mine.size());
     for (std::size_t j = 0; j < s.mine.size(); ++j) {
