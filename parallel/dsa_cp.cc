@@ -9,6 +9,7 @@
 #include "attention/mha.h"
 #include "parallel/ring_pass.h"
 #include "parallel/ulysses.h"
+#include "runtime/logging.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 
@@ -213,6 +214,8 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   o.topk_indices = Tensor::copy_of(topk_local_.view(), DType::kInt64, MemCategory::kWorkspace);
   counters_.bytes_sent +=
       sp.counters().bytes_sent + ring.counters().bytes_sent + ulysses.counters().bytes_sent - before;
+  SEQPAR_LOG(kDebug) << "DSA forward (" << dsa_select_mode_name(config_.select) << " selection, sp_rank "
+                     << grid_.coords().sp_rank << "): q " << q.str() << ", topk " << k;
   has_forward_ = true;
   return o;
 }
@@ -313,6 +316,7 @@ DsaCpGrads DsaContextParallel::backward(const TensorView& dout, float loss_grad_
   g.dk_idx = Tensor::copy_of(dk_idx.view(), dtype, MemCategory::kWorkspace);
   counters_.bytes_sent +=
       sp.counters().bytes_sent + ring.counters().bytes_sent + ulysses.counters().bytes_sent - before;
+  SEQPAR_LOG(kDebug) << "DSA backward (sp_rank " << grid_.coords().sp_rank << "): indexer loss " << g.loss;
   return g;
 }
 

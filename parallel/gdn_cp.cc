@@ -6,6 +6,7 @@
 #include <map>
 
 #include "parallel/ulysses.h"
+#include "runtime/logging.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 
@@ -395,6 +396,9 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   ulysses_gather_heads(ulysses_, out_h.view(), result.out.view());
   counters_.exposed_comm_s += wall_seconds() - b0;
   counters_.a2a_bytes_sent += ulysses_.counters().bytes_sent - a2a_before;
+  SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring_.rank() << "/"
+                     << ring_.size() << ", " << segments_.size() << " segments): message rounds so far "
+                     << counters_.message_rounds;
   s.has_forward = true;
   return result;
 }

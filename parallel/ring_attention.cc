@@ -4,6 +4,7 @@
 #include <limits>
 
 #include "parallel/ring_pass.h"
+#include "runtime/logging.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 
@@ -124,6 +125,9 @@ void RingAttention::forward_into(const TensorView& q, const TensorView& k, const
   }
   counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
   counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
+  SEQPAR_LOG(kDebug) << "ring attention forward (" << ring_impl_name(config_.impl) << ", "
+                     << layout_name(config_.layout) << ", ring " << rank_ << "/" << size_ << "): q " << q.str()
+                     << ", sent " << ring_.counters().bytes_sent - before.bytes_sent << " bytes";
   saved_out_ = Tensor::copy_of(out, out.dtype(), MemCategory::kSavedActivation);
   saved_lse_ = Tensor::copy_of(lse, DType::kFloat32, MemCategory::kSavedActivation);
   has_saved_ = true;
@@ -147,6 +151,8 @@ void RingAttention::backward_into(const TensorView& dout, const TensorView& dq, 
   }
   counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
   counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
+  SEQPAR_LOG(kDebug) << "ring attention backward (" << ring_impl_name(config_.impl) << ", ring " << rank_ << "/"
+                     << size_ << "): sent " << ring_.counters().bytes_sent - before.bytes_sent << " bytes";
 }
 
 void RingAttention::release_saved() {

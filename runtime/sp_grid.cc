@@ -3,6 +3,8 @@
 #include <array>
 #include <cstdint>
 
+#include "runtime/logging.h"
+
 namespace seqpar {
 
 const char* placement_name(Placement placement) {
@@ -77,6 +79,8 @@ SpGrid::SpGrid(Communicator& world, const SpGridConfig& config) : config_(config
   ring_ = world.split(coords_.dp_rank * pu + coords_.ulysses_rank, coords_.ring_rank);
   sp_ = world.split(coords_.dp_rank, coords_.sp_rank);
   dp_ = world.split(coords_.sp_rank, coords_.dp_rank);
+  SEQPAR_LOG(kInfo) << "grid " << str() << ": dp_rank " << coords_.dp_rank << ", ulysses_rank " << coords_.ulysses_rank
+                    << ", ring_rank " << coords_.ring_rank << ", sp_rank " << coords_.sp_rank;
 }
 
 std::string SpGrid::str() const {

@@ -39,7 +39,9 @@ TEST(Layout, PositionsPartitionTheSequence) {
           ASSERT_EQ(static_cast<std::int64_t>(shard.size()), seq / ring);
           for (std::size_t i = 0; i < shard.size(); ++i) {
             EXPECT_EQ(owner_ring_rank(kind, shard[i], seq, ring), r) << layout_name(kind) << " t=" << shard[i];
-            if (i) EXPECT_LT(shard[i - 1], shard[i]) << "ring shard positions must increase";
+            if (i > 0) {
+              EXPECT_LT(shard[i - 1], shard[i]) << "ring shard positions must increase";
+            }
           }
           // The Ulysses pieces of the shard, in order, are the shard.
           std::vector<std::int64_t> joined;
