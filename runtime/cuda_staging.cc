@@ -11,21 +11,6 @@ namespace {
 constexpr const char* kTakes =
     "the MPI backend takes host buffers, or CUDA device buffers staged through pinned host memory";
 
-// Makes `ordinal` current for the scope and restores the previous device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int ordinal) {
-    SEQPAR_CHECK_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != ordinal) SEQPAR_CHECK_CUDA(cudaSetDevice(ordinal));
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
-
 cudaStream_t stream_for(const TensorView& t, const Stream& stream) {
   return stream.device == t.device() ? static_cast<cudaStream_t>(stream.handle) : nullptr;
 }

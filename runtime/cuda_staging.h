@@ -15,9 +15,26 @@
 #include <cstddef>
 #include <vector>
 
+#include "runtime/error.h"
 #include "runtime/tensor.h"
 
 namespace seqpar {
+
+// Makes CUDA device `ordinal` current for the scope and restores the previous device (shared by the CUDA-aware
+// communicators).
+class DeviceScope {
+ public:
+  explicit DeviceScope(int ordinal) {
+    SEQPAR_CHECK_CUDA(cudaGetDevice(&previous_));
+    if (previous_ != ordinal) SEQPAR_CHECK_CUDA(cudaSetDevice(ordinal));
+  }
+  ~DeviceScope() { cudaSetDevice(previous_); }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
 
 // Throws Error "<op>: the MPI backend takes host buffers, or CUDA device buffers staged through pinned host
 // memory; got <t>, ..." when `t` is labelled as a CUDA tensor but its pointer is not memory of that device (or no

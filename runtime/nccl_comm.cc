@@ -17,6 +17,7 @@
 #include <functional>
 #include <thread>
 
+#include "runtime/cuda_staging.h"
 #include "runtime/env.h"
 #include "runtime/logging.h"
 #endif
@@ -113,21 +114,6 @@ ncclDataType_t nccl_type(DType dtype) {
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) { return op == ReduceOp::kSum ? ncclSum : ncclMax; }
-
-// Makes `ordinal` current for the scope and restores the previous device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int ordinal) {
-    SEQPAR_CHECK_CUDA(cudaGetDevice(&previous_));
-    if (previous_ != ordinal) SEQPAR_CHECK_CUDA(cudaSetDevice(ordinal));
-  }
-  ~DeviceScope() { cudaSetDevice(previous_); }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // An event destroyed with its scope unless released.
 struct ScopedEvent {
