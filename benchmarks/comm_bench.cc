@@ -10,7 +10,6 @@
 #include <mpi.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <fstream>
@@ -19,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "benchmarks/sp_bench_options.h"
+#include "benchmarks/bench_common.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/sp_grid.h"
@@ -27,8 +26,6 @@
 
 namespace seqpar::bench {
 namespace {
-
-double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 enum class Op { kSendRecv, kAllToAll, kAllGather, kReduceScatter };
 constexpr Op kAllOps[] = {Op::kSendRecv, Op::kAllToAll, Op::kAllGather, Op::kReduceScatter};
@@ -83,17 +80,9 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
     ("help", "print this help");
   // clang-format on
-  cxxopts::ParseResult r;
-  try {
-    r = spec.parse(argc, argv);
-  } catch (const cxxopts::exceptions::exception& e) {
-    SEQPAR_THROW("bad command line: ", e.what(), " (see --help)");
-  }
-  if (r.count("help")) {
-    if (world_rank == 0) std::fputs(spec.help().c_str(), stdout);
-    return std::nullopt;
-  }
-  SEQPAR_CHECK(r.unmatched().empty(), "unexpected argument '", r.unmatched().front(), "' (see --help)");
+  const std::optional<cxxopts::ParseResult> parsed = parse_command_line(spec, argc, argv, world_rank);
+  if (!parsed) return std::nullopt;
+  const cxxopts::ParseResult& r = *parsed;
   Options o;
   try {
     o.grid.ulysses_size = r["ulysses-size"].as<int>();
@@ -225,9 +214,7 @@ std::int64_t verify(Op op, Communicator& c, const Buffers& b) {
 }
 
 int comm_bench_main(int argc, char** argv) {
-  int world_size = 1, world_rank = 0;
-  SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
-  SEQPAR_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &world_rank));
+  const auto [world_size, world_rank] = mpi_world_place();
   const std::optional<Options> parsed = parse(argc, argv, world_size, world_rank);
   if (!parsed) return 0;
   const Options& o = *parsed;

@@ -255,8 +255,8 @@ HostArray read_expect(const std::string& path, const Shape& shape) {
   return a;
 }
 
-void write(const std::string& path, const TensorView& t) {
-  check_cpu(t, path.c_str());
+void write(std::ostream& out, const TensorView& t, const std::string& what) {
+  check_cpu(t, what.c_str());
   const bool widen = t.dtype() == DType::kBFloat16 || t.dtype() == DType::kFloat16;
   const DType file_dtype = widen ? DType::kFloat32 : t.dtype();
   std::string dict = str_cat("{'descr': '", descr_of(file_dtype), "', 'fortran_order': False, 'shape': (");
@@ -270,10 +270,8 @@ void write(const std::string& path, const TensorView& t) {
   const std::size_t pad = (64 - total % 64) % 64;
   dict.append(pad, ' ');
   dict.push_back('\n');
-  SEQPAR_CHECK(dict.size() <= 65535, path, ": header too long for .npy version 1.0");
+  SEQPAR_CHECK(dict.size() <= 65535, what, ": header too long for .npy version 1.0");
 
-  std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  SEQPAR_CHECK(out.good(), path, ": cannot open for writing (", std::strerror(errno), ")");
   const unsigned char pre[10] = {0x93,
                                  'N',
                                  'U',
@@ -293,6 +291,13 @@ void write(const std::string& path, const TensorView& t) {
   } else if (t.nbytes() > 0) {
     out.write(static_cast<const char*>(t.data()), static_cast<std::streamsize>(t.nbytes()));
   }
+}
+
+void write(const std::string& path, const TensorView& t) {
+  check_cpu(t, path.c_str());
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  SEQPAR_CHECK(out.good(), path, ": cannot open for writing (", std::strerror(errno), ")");
+  write(out, t, path);
   out.flush();
   SEQPAR_CHECK(out.good(), path, ": write error");
 }

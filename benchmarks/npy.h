@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <iosfwd>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,7 +48,10 @@ const char* descr_of(DType dtype);  // "<f8", "<f4", "<i4", "<i8"; throws for bf
 HostArray read(const std::string& path);
 // Reads `path` and checks it has `shape`; throws Error naming the path, the expected and the found shape.
 HostArray read_expect(const std::string& path, const Shape& shape);
-// Writes `t` (fp64, fp32, int32, int64; bf16 / fp16 are written as fp32) as a version 1.0 file.
+// Writes `t` (fp64, fp32, int32, int64; bf16 / fp16 are written as fp32) as a version 1.0 file. Not atomic: a
+// failure may leave a partial file (sp_bench --dump writes through bench::write_file_atomic instead).
 void write(const std::string& path, const TensorView& t);
+// The same file content into `out` (the caller checks the stream); `what` names the destination in errors.
+void write(std::ostream& out, const TensorView& t, const std::string& what);
 
 }  // namespace seqpar::npy

@@ -1,9 +1,16 @@
-#include "benchmarks/sp_bench_dsa.h"
-
+// sp_bench's DSA (DeepSeek sparse attention) workload: indexer top-k selection over the SP group (ring or
+// all-gather), sparse latent attention over the ring, heads over the Ulysses group, and the indexer KL loss, through
+// DsaContextParallel (parallel/dsa_cp.h). Inputs q [B, S, H, Dqk], c [B, S, Dqk], q_idx [B, S, Hi, Di],
+// k_idx [B, S, Di], w [B, S, Hi], dout [B, S, H, Dv] (Dqk = --head-dim, Dv = --dim-v, Hi = --indexer-heads,
+// Di = --indexer-dim); outputs out [B, S, H, Dv], lse [B, H, S] fp32, topk_indices [B, S, k] int64, loss [1] fp64,
+// dq, dc, dq_idx, dk_idx, dw. The reference is the single-device kernels (attention/dsa.h) on the whole sequence,
+// one call each.
 #include <cstring>
-#include <numeric>
+#include <nlohmann/json.hpp>
 
 #include "attention/dsa.h"
+#include "attention/reference/dsa_reference.h"
+#include "benchmarks/sp_bench_workload.h"
 #include "parallel/dsa_cp.h"
 #include "parallel/layout.h"
 #include "runtime/error.h"
@@ -16,6 +23,8 @@ enum : std::uint64_t { kIdQ = 21, kIdC = 22, kIdQIdx = 23, kIdKIdx = 24, kIdW = 
 
 constexpr int kNumInputs = 6;
 constexpr const char* kInputNames[kNumInputs] = {"q", "c", "q_idx", "k_idx", "w", "dout"};
+
+std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o);
 
 // (query, selected key) pairs of the whole problem: query t sees t + 1 keys and selects min(k, t + 1) of them.
 double selected_pairs(const SpBenchOptions& o) {
@@ -69,18 +78,8 @@ class DsaWorkload final : public Workload {
     // The loss is an fp64 sum of per-row fp32 terms; under Ulysses the head-summed probabilities are reduced over
     // the group in another order, which moves each row's p* by fp32 rounding.
     if (name == "loss") return {1e-6, 1e-5};
-    switch (o_.dtype) {
-      // Every accumulator that crosses blocks (out, lse, dq, dc, dq_idx, dk_idx, dw) is fp32 (attention/dsa.h), so
-      // fp64 agrees to fp32 precision.
-      case DType::kFloat64: return {1e-9, 1e-5};
-      case DType::kFloat32: return {1e-6, 1e-4};
-      // 16-bit results are rounded once from fp32 accumulators: another merge order moves them by about one unit in
-      // the last place (2^-8 relative for bf16, 2^-11 for fp16).
-      case DType::kBFloat16: return {1e-3, 2e-2};
-      case DType::kFloat16: return {1e-4, 5e-3};
-      default: break;
-    }
-    SEQPAR_THROW("sp_bench: no tolerance for dtype ", dtype_name(o_.dtype), " (", name, ")");
+    // Every accumulator that crosses blocks (out, lse, dq, dc, dq_idx, dk_idx, dw) is fp32 (attention/dsa.h).
+    return fp32_accumulator_tolerance(o_.dtype, name);
   }
 
   void setup(const NamedArrays* full) override {
@@ -135,25 +134,19 @@ class DsaWorkload final : public Workload {
   }
 
   void reference_setup(const NamedArrays* full) override {
-    const Shape in_shapes[kNumInputs] = {q_shape(o_.seq),     c_shape(o_.seq), q_idx_shape(o_.seq),
-                                         k_idx_shape(o_.seq), w_shape(o_.seq), out_shape(o_.seq)};
-    ref_in_.clear();
-    for (int i = 0; i < kNumInputs; ++i) ref_in_.emplace_back(kInputNames[i], npy::HostArray(o_.dtype, in_shapes[i]));
-    std::vector<std::int64_t> all(static_cast<std::size_t>(o_.seq));
-    std::iota(all.begin(), all.end(), std::int64_t{0});
-    std::vector<TensorView> views;
-    for (auto& [name, a] : ref_in_) views.push_back(a.view());
-    fill(full, all, views);
-    ref_out_.clear();
-    ref_out_.emplace_back("out", npy::HostArray(o_.dtype, out_shape(o_.seq)));
-    ref_out_.emplace_back("lse", npy::HostArray(DType::kFloat32, lse_shape()));
-    ref_out_.emplace_back("topk_indices", npy::HostArray(DType::kInt64, topk_shape()));
-    ref_out_.emplace_back("loss", npy::HostArray(DType::kFloat64, {1}));
-    ref_out_.emplace_back("dq", npy::HostArray(o_.dtype, q_shape(o_.seq)));
-    ref_out_.emplace_back("dc", npy::HostArray(o_.dtype, c_shape(o_.seq)));
-    ref_out_.emplace_back("dq_idx", npy::HostArray(o_.dtype, q_idx_shape(o_.seq)));
-    ref_out_.emplace_back("dk_idx", npy::HostArray(o_.dtype, k_idx_shape(o_.seq)));
-    ref_out_.emplace_back("dw", npy::HostArray(o_.dtype, w_shape(o_.seq)));
+    std::vector<ArraySpec> in;
+    for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
+    ref_in_ = zero_arrays(in);
+    fill(full, all_positions(o_.seq), views_of(ref_in_));
+    ref_out_ = zero_arrays({{"out", o_.dtype, out_shape(o_.seq)},
+                            {"lse", DType::kFloat32, lse_shape()},
+                            {"topk_indices", DType::kInt64, topk_shape()},
+                            {"loss", DType::kFloat64, {1}},
+                            {"dq", o_.dtype, q_shape(o_.seq)},
+                            {"dc", o_.dtype, c_shape(o_.seq)},
+                            {"dq_idx", o_.dtype, q_idx_shape(o_.seq)},
+                            {"dk_idx", o_.dtype, k_idx_shape(o_.seq)},
+                            {"dw", o_.dtype, w_shape(o_.seq)}});
     // fp32 work arrays of the indexer loss, indexed like topk_indices.
     ref_probs_ = npy::HostArray(DType::kFloat32, topk_shape());
     ref_scores_ = npy::HostArray(DType::kFloat32, topk_shape());
@@ -188,6 +181,44 @@ class DsaWorkload final : public Workload {
                                ref("dk_idx"), /*accumulate=*/false);
   }
   NamedArrays reference_outputs() override { return ref_out_; }
+
+  // attn::reference on the one-rank kernel's topk_indices (the selection itself is checked exactly): dense [S, S]
+  // indexer scores and per-head masked softmax, in fp64. topk_indices has no fp64 counterpart.
+  Fp64ReferenceCost fp64_reference_cost() const override {
+    double elems = 0;
+    for (const auto& [name, a] : ref_out_) elems += static_cast<double>(a.numel());
+    for (const auto& [name, a] : ref_in_) elems += static_cast<double>(a.numel());
+    const double s = static_cast<double>(o_.seq), b = static_cast<double>(o_.batch);
+    const double per_pair = attention_flops_per_pair() * 3.5 + indexer_flops_per_pair() * 4;
+    return {8.0 * (elems + 3.0 * b * s * s), b * s * s * per_pair};
+  }
+  NamedArrays fp64_reference_outputs() override {
+    const NamedArrays in = widen_to_fp64(ref_in_);
+    const DType f64 = DType::kFloat64;
+    NamedArrays r = zero_arrays({{"out", f64, out_shape(o_.seq)},
+                                 {"lse", f64, lse_shape()},
+                                 {"loss", f64, {1}},
+                                 {"dq", f64, q_shape(o_.seq)},
+                                 {"dc", f64, c_shape(o_.seq)},
+                                 {"dq_idx", f64, q_idx_shape(o_.seq)},
+                                 {"dk_idx", f64, k_idx_shape(o_.seq)},
+                                 {"dw", f64, w_shape(o_.seq)}});
+    attn::DsaAttentionArgs a;
+    a.q = find_array(in, "q").view();
+    a.c = find_array(in, "c").view();
+    a.topk_indices = ref("topk_indices");
+    a.dim_v = o_.dim_v;
+    attn::DsaIndexerArgs idx;
+    idx.q_idx = find_array(in, "q_idx").view();
+    idx.w = find_array(in, "w").view();
+    idx.k_idx = find_array(in, "k_idx").view();
+    const auto out = [&](const char* name) { return find_array(r, name).view(); };
+    attn::reference::dsa_attention_forward(a, out("out"), out("lse"));
+    attn::reference::dsa_attention_backward(a, find_array(in, "dout").view(), out("dq"), out("dc"));
+    out("loss").data_as<double>()[0] =
+        attn::reference::dsa_indexer_loss(a, idx, out("dq_idx"), out("dw"), out("dk_idx"));
+    return r;
+  }
 
  private:
   Shape q_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
@@ -255,8 +286,6 @@ class DsaWorkload final : public Workload {
   npy::HostArray ref_probs_, ref_scores_, ref_dscores_;
 };
 
-}  // namespace
-
 std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o) {
   const std::int64_t B = o.batch, S = o.seq;
   return {{"q", {B, S, o.heads, o.head_dim}},
@@ -267,8 +296,43 @@ std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o) {
           {"dout", {B, S, o.heads, o.dim_v}}};
 }
 
-std::unique_ptr<Workload> make_dsa_workload(const SpBenchOptions& options, const SpGrid& grid) {
-  return std::make_unique<DsaWorkload>(options, grid);
+SEQPAR_WORKLOAD_KIND(DsaWorkload) {
+  WorkloadKind k;
+  k.name = "dsa";
+  k.description =
+      "DeepSeek sparse attention (indexer top-k over the SP group, sparse latent attention over the ring, heads "
+      "over Ulysses, indexer loss; always causal)";
+  k.presets = {{"deepseek-v3.2", 128, 1, 576, 2048, 0, 512, 64, 128,
+                "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"}};
+  k.validate = [](SpBenchOptions& o) {
+    // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.
+    o.causal = true;
+    if (o.dim_v == 0) o.dim_v = o.head_dim;
+    SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
+    SEQPAR_CHECK(o.indexer_heads >= 1, "--indexer-heads ", o.indexer_heads, ": must be >= 1");
+    SEQPAR_CHECK(o.indexer_dim >= 1, "--indexer-dim ", o.indexer_dim, ": must be >= 1");
+    SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, " must be <= --head-dim ", o.head_dim,
+                 " (the value is the first Dv columns of the latent)");
+    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
+                 o.grid.ulysses_size);
+    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
+    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": DSA selects its keys with the indexer (no window)");
+  };
+  k.describe_shapes = [](const SpBenchOptions& o) {
+    return str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Dqk=", o.head_dim, " causal=yes Dv=", o.dim_v,
+                   " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select);
+  };
+  k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
+    j["shape"]["topk"] = o.topk;
+    j["shape"]["dim_v"] = o.dim_v;
+    j["shape"]["indexer_heads"] = o.indexer_heads;
+    j["shape"]["indexer_dim"] = o.indexer_dim;
+    j["dsa_select"] = o.dsa_select;
+  };
+  k.input_specs = dsa_input_specs;
+  return k;
 }
+
+}  // namespace
 
 }  // namespace seqpar::bench

@@ -1,10 +1,13 @@
-#include "benchmarks/sp_bench_gdn.h"
-
+// sp_bench's GDN (gated delta rule) workload: chain or scan over the ring group, Ulysses all-to-all over heads,
+// through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, H, K], v [B, S, H, V], g beta [B, S, H],
+// initial_state [B, H, K, V], dout [B, S, H, V] (K = V = --head-dim); outputs out, final_state, dq, dk, dv, dg, dbeta,
+// dinitial_state. The reference is one attn::gdn_forward + attn::gdn_backward call on the full tensors.
 #include <algorithm>
-#include <chrono>
-#include <numeric>
+#include <nlohmann/json.hpp>
 
 #include "attention/gdn.h"
+#include "attention/reference/gdn_reference.h"
+#include "benchmarks/sp_bench_workload.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/layout.h"
 #include "runtime/error.h"
@@ -16,21 +19,7 @@ namespace {
 // Random-stream ids of the inputs.
 enum : std::uint64_t { kIdQ = 11, kIdK = 12, kIdV = 13, kIdG = 14, kIdBeta = 15, kIdState = 16, kIdDout = 17 };
 
-// x -> offset + slope * x, in place (maps the uniform [-1, 1) inputs to the ranges g and beta need).
-void affine_inplace(const TensorView& t, double offset, double slope) {
-  dispatch_floating(t.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    T* p = t.data_as<T>();
-    for (std::int64_t i = 0; i < t.numel(); ++i) {
-      const double x = offset + slope * static_cast<double>(to_float(p[i]));
-      if constexpr (std::is_same_v<T, double>) {
-        p[i] = x;
-      } else {
-        p[i] = from_float<T>(static_cast<float>(x));
-      }
-    }
-  });
-}
+std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o);
 
 class GdnWorkload final : public Workload {
  public:
@@ -58,14 +47,9 @@ class GdnWorkload final : public Workload {
   Tolerance tolerance(const std::string& name) const override {
     // The distributed recurrence composes segment states (chain) or affine maps (scan) in another order than the
     // single-rank chunk loop: differences grow with the number of composed segments, in the state dtype.
-    switch (o_.dtype) {
-      case DType::kFloat64: return {1e-12, 1e-10};
-      case DType::kFloat32: return {1e-6, 1e-4};
-      case DType::kBFloat16: return {1e-3, 2e-2};
-      case DType::kFloat16: return {1e-4, 5e-3};
-      default: break;
-    }
-    SEQPAR_THROW("sp_bench: no tolerance for dtype ", dtype_name(o_.dtype), " (", name, ")");
+    // The state is fp64 for fp64 storage (attn::gdn_state_dtype), so fp64 results agree far below fp32 precision.
+    if (o_.dtype == DType::kFloat64) return {1e-12, 1e-10};
+    return fp32_accumulator_tolerance(o_.dtype, name);
   }
 
   void setup(const NamedArrays* full) override {
@@ -114,28 +98,13 @@ class GdnWorkload final : public Workload {
   }
 
   void reference_setup(const NamedArrays* full) override {
-    ref_in_.clear();
-    ref_in_.emplace_back("q", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    ref_in_.emplace_back("k", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    ref_in_.emplace_back("v", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    ref_in_.emplace_back("g", npy::HostArray(o_.dtype, gate_shape(o_.seq)));
-    ref_in_.emplace_back("beta", npy::HostArray(o_.dtype, gate_shape(o_.seq)));
-    ref_in_.emplace_back("initial_state", npy::HostArray(state_dtype_, state_shape()));
-    ref_in_.emplace_back("dout", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    std::vector<std::int64_t> all(static_cast<std::size_t>(o_.seq));
-    std::iota(all.begin(), all.end(), std::int64_t{0});
-    std::vector<TensorView> views;
-    for (auto& [name, a] : ref_in_) views.push_back(a.view());
-    fill(full, all, views);
-    ref_out_.clear();
-    ref_out_.emplace_back("out", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    ref_out_.emplace_back("final_state", npy::HostArray(state_dtype_, state_shape()));
-    ref_out_.emplace_back("dq", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    ref_out_.emplace_back("dk", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    ref_out_.emplace_back("dv", npy::HostArray(o_.dtype, qk_shape(o_.seq)));
-    ref_out_.emplace_back("dg", npy::HostArray(o_.dtype, gate_shape(o_.seq)));
-    ref_out_.emplace_back("dbeta", npy::HostArray(o_.dtype, gate_shape(o_.seq)));
-    ref_out_.emplace_back("dinitial_state", npy::HostArray(state_dtype_, state_shape()));
+    std::vector<ArraySpec> in;
+    for (const TensorSpec& t : gdn_input_specs(o_)) {
+      in.push_back({t.name, t.name == "initial_state" ? state_dtype_ : o_.dtype, t.shape});
+    }
+    ref_in_ = zero_arrays(in);
+    fill(full, all_positions(o_.seq), views_of(ref_in_));
+    ref_out_ = zero_arrays(output_specs(o_.dtype, state_dtype_));
   }
   void reference_forward() override { attn::gdn_forward(ref_args(), ref("out"), ref("final_state")); }
   void reference_backward() override {
@@ -146,6 +115,26 @@ class GdnWorkload final : public Workload {
   }
   NamedArrays reference_outputs() override { return ref_out_; }
 
+  // attn::reference: the token-by-token recurrence in fp64, keeping every state S_t for the backward.
+  Fp64ReferenceCost fp64_reference_cost() const override {
+    const double states = static_cast<double>(o_.batch * o_.heads) * static_cast<double>(o_.seq + 1) *
+                          static_cast<double>(o_.head_dim * o_.head_dim);
+    double elems = 0;
+    for (const auto& [name, a] : ref_in_) elems += 2.0 * static_cast<double>(a.numel());
+    return {8.0 * (elems + 2.0 * states), 30.0 * states};
+  }
+  NamedArrays fp64_reference_outputs() override {
+    const NamedArrays in = widen_to_fp64(ref_in_);
+    NamedArrays r = zero_arrays(output_specs(DType::kFloat64, DType::kFloat64));
+    attn::GdnBackwardArgs b;
+    b.fwd = args_of(in);
+    b.dout = find_array(in, "dout").view();
+    const std::vector<TensorView> v = views_of(r);
+    attn::reference::gdn_forward(b.fwd, v[0], v[1]);
+    attn::reference::gdn_backward(b, v[2], v[3], v[4], v[5], v[6], v[7]);
+    return r;
+  }
+
   // --gdn-compare-token: the single-rank chunked kernel on the whole problem at the configured chunk size, and the
   // token-by-token recurrence run by the same kernel with chunk_size = 1 (same inputs, same dtype, same threads).
   std::vector<VariantTiming> time_variants(const NamedArrays* full, int warmup, int iters) override {
@@ -155,16 +144,16 @@ class GdnWorkload final : public Workload {
     for (const std::int64_t chunk : {o_.chunk_size, std::int64_t{1}}) {
       std::vector<double> f, b;
       for (int i = 0; i < warmup + iters; ++i) {
-        const double t0 = seconds();
+        const double t0 = now_s();
         attn::GdnForwardArgs a = ref_args();
         a.chunk_size = chunk;
         attn::gdn_forward(a, ref("out"), ref("final_state"));
-        const double t1 = seconds();
+        const double t1 = now_s();
         attn::GdnBackwardArgs bw;
         bw.fwd = a;
         bw.dout = find_array(ref_in_, "dout").view();
         attn::gdn_backward(bw, ref("dq"), ref("dk"), ref("dv"), ref("dg"), ref("dbeta"), ref("dinitial_state"));
-        const double t2 = seconds();
+        const double t2 = now_s();
         if (i < warmup) continue;
         f.push_back(t1 - t0);
         b.push_back(t2 - t1);
@@ -186,8 +175,7 @@ class GdnWorkload final : public Workload {
             const std::vector<TensorView>& dst) const {
     const char* names[] = {"q", "k", "v", "g", "beta", "initial_state", "dout"};
     const std::uint64_t ids[] = {kIdQ, kIdK, kIdV, kIdG, kIdBeta, kIdState, kIdDout};
-    std::vector<std::int64_t> heads(static_cast<std::size_t>(o_.heads));
-    std::iota(heads.begin(), heads.end(), std::int64_t{0});
+    const std::vector<std::int64_t> heads = all_positions(o_.heads);
     for (int i = 0; i < 7; ++i) {
       const bool is_state = i == 5;
       if (full != nullptr) {
@@ -209,26 +197,26 @@ class GdnWorkload final : public Workload {
 
   TensorView ref(const char* name) const { return find_array(ref_out_, name).view(); }
 
-  static double seconds() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
-  static double median(std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    const std::size_t n = v.size();
-    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  // out, final_state, then the gradients, as gather_outputs() orders them.
+  std::vector<ArraySpec> output_specs(DType dtype, DType state_dtype) const {
+    return {{"out", dtype, qk_shape(o_.seq)},     {"final_state", state_dtype, state_shape()},
+            {"dq", dtype, qk_shape(o_.seq)},      {"dk", dtype, qk_shape(o_.seq)},
+            {"dv", dtype, qk_shape(o_.seq)},      {"dg", dtype, gate_shape(o_.seq)},
+            {"dbeta", dtype, gate_shape(o_.seq)}, {"dinitial_state", state_dtype, state_shape()}};
   }
 
-  attn::GdnForwardArgs ref_args() const {
+  attn::GdnForwardArgs args_of(const NamedArrays& in) const {
     attn::GdnForwardArgs a;
-    a.q = find_array(ref_in_, "q").view();
-    a.k = find_array(ref_in_, "k").view();
-    a.v = find_array(ref_in_, "v").view();
-    a.g = find_array(ref_in_, "g").view();
-    a.beta = find_array(ref_in_, "beta").view();
-    a.initial_state = find_array(ref_in_, "initial_state").view();
+    a.q = find_array(in, "q").view();
+    a.k = find_array(in, "k").view();
+    a.v = find_array(in, "v").view();
+    a.g = find_array(in, "g").view();
+    a.beta = find_array(in, "beta").view();
+    a.initial_state = find_array(in, "initial_state").view();
     a.chunk_size = o_.chunk_size;
     return a;
   }
+  attn::GdnForwardArgs ref_args() const { return args_of(ref_in_); }
 
   npy::HostArray gather(const Tensor& local, const Shape& full_shape) const {
     npy::HostArray full(local.dtype(), full_shape);
@@ -260,16 +248,38 @@ class GdnWorkload final : public Workload {
   NamedArrays ref_in_, ref_out_;
 };
 
-}  // namespace
-
 std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
   const Shape qk{o.batch, o.seq, o.heads, o.head_dim}, gate{o.batch, o.seq, o.heads},
       state{o.batch, o.heads, o.head_dim, o.head_dim};
   return {{"q", qk}, {"k", qk}, {"v", qk}, {"g", gate}, {"beta", gate}, {"initial_state", state}, {"dout", qk}};
 }
 
-std::unique_ptr<Workload> make_gdn_workload(const SpBenchOptions& options, const SpGrid& grid) {
-  return std::make_unique<GdnWorkload>(options, grid);
+SEQPAR_WORKLOAD_KIND(GdnWorkload) {
+  WorkloadKind k;
+  k.name = "gdn";
+  k.description = "gated delta rule (chain or scan over the ring, Ulysses over heads)";
+  k.presets = {{"qwen3-next", 32, 32, 128, 0, 64, 0, 0, 0,
+                "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"}};
+  k.own_flags = {"gdn-compare-token"};
+  k.validate = [](SpBenchOptions& o) {
+    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
+                 o.grid.ulysses_size);
+    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous or ",
+                 "zigzag)");
+    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
+  };
+  k.describe_shapes = [](const SpBenchOptions& o) {
+    return str_cat("B=", o.batch, " S=", o.seq, " H=", o.heads, " K=V=", o.head_dim, " chunk=", o.chunk_size,
+                   " mode=", o.gdn_mode, " (causal recurrence)");
+  };
+  k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
+    j["shape"]["chunk_size"] = o.chunk_size;
+    j["gdn_mode"] = o.gdn_mode;
+  };
+  k.input_specs = gdn_input_specs;
+  return k;
 }
+
+}  // namespace
 
 }  // namespace seqpar::bench

@@ -1,8 +1,11 @@
-#include "benchmarks/sp_bench_mha.h"
-
-#include <numeric>
+// sp_bench's MHA / GQA workload: ring, Ulysses and USP through UspAttention (ulysses-size 1 = pure ring,
+// ring-size 1 = pure Ulysses). Inputs q k v dout [B, S, H, D]; outputs out [B, S, Hq, D], lse [B, Hq, S] (fp32),
+// dq, dk, dv. The reference is one attn::mha_forward + attn::mha_backward call on the full tensors.
+#include <cmath>
 
 #include "attention/mha.h"
+#include "attention/reference/mha_reference.h"
+#include "benchmarks/sp_bench_workload.h"
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
 #include "parallel/ulysses.h"
@@ -13,6 +16,8 @@ namespace {
 
 // Random-stream ids of the inputs (fixed: --inputs files and random inputs use the same names).
 enum : std::uint64_t { kIdQ = 1, kIdK = 2, kIdV = 3, kIdDout = 4 };
+
+std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o);
 
 class MhaWorkload final : public Workload {
  public:
@@ -36,8 +41,7 @@ class MhaWorkload final : public Workload {
     if (o_.causal && o_.window == 0) {
       pairs /= 2;
     } else if (o_.causal) {
-      std::vector<std::int64_t> pos(static_cast<std::size_t>(o_.seq));
-      std::iota(pos.begin(), pos.end(), std::int64_t{0});
+      const std::vector<std::int64_t> pos = all_positions(o_.seq);
       pairs = static_cast<double>(attn::visible_pairs(pos, pos, {true, o_.window}));
     }
     return 4.0 * static_cast<double>(o_.batch * o_.heads * o_.head_dim) * pairs;
@@ -47,17 +51,8 @@ class MhaWorkload final : public Workload {
   Tolerance tolerance(const std::string& name) const override {
     // lse is fp32 for every storage dtype and differs only by the merge order of the blocks.
     if (name == "lse") return {1e-5, 1e-5};
-    switch (o_.dtype) {
-      // lse and the block merge weights are fp32 (DESIGN.md section 2), so fp64 results agree to fp32 precision.
-      case DType::kFloat64: return {1e-9, 1e-5};
-      case DType::kFloat32: return {1e-6, 1e-4};
-      // 16-bit results are rounded once from fp32 accumulators: a different merge order moves them by about one
-      // unit in the last place (2^-8 relative for bf16, 2^-11 for fp16).
-      case DType::kBFloat16: return {1e-3, 2e-2};
-      case DType::kFloat16: return {1e-4, 5e-3};
-      default: break;
-    }
-    SEQPAR_THROW("sp_bench: no tolerance for dtype ", dtype_name(o_.dtype));
+    // lse and the block merge weights are fp32 (DESIGN.md section 2).
+    return fp32_accumulator_tolerance(o_.dtype, name);
   }
 
   void setup(const NamedArrays* full) override {
@@ -103,9 +98,7 @@ class MhaWorkload final : public Workload {
     ref_k_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));
     ref_v_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));
     ref_dout_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
-    std::vector<std::int64_t> all(static_cast<std::size_t>(o_.seq));
-    std::iota(all.begin(), all.end(), std::int64_t{0});
-    fill(full, all, {ref_q_.view(), ref_k_.view(), ref_v_.view(), ref_dout_.view()});
+    fill(full, all_positions(o_.seq), {ref_q_.view(), ref_k_.view(), ref_v_.view(), ref_dout_.view()});
     ref_out_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     ref_lse_ = npy::HostArray(DType::kFloat32, lse_shape());
     ref_dq_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
@@ -131,6 +124,32 @@ class MhaWorkload final : public Workload {
     return r;
   }
 
+  // attn::reference: the [Sq, Sk] scores and probabilities of one (b, h) at a time, the inputs and outputs in fp64;
+  // forward and backward each about 4 B Hq S^2 D multiply-adds over all pairs (the mask is evaluated, not skipped).
+  Fp64ReferenceCost fp64_reference_cost() const override {
+    const double s = static_cast<double>(o_.seq), elems = 4.0 * static_cast<double>(shape_numel(q_shape(o_.seq))) +
+                                                          4.0 * static_cast<double>(shape_numel(kv_shape(o_.seq)));
+    return {8.0 * (elems + 3.0 * s * s), 2 * 8.0 * static_cast<double>(o_.batch * o_.heads * o_.head_dim) * s * s};
+  }
+  NamedArrays fp64_reference_outputs() override {
+    const NamedArrays in = widen_to_fp64(NamedArrays{{"q", ref_q_}, {"k", ref_k_}, {"v", ref_v_}, {"dout", ref_dout_}});
+    const DType f64 = DType::kFloat64;
+    NamedArrays r = zero_arrays({{"out", f64, q_shape(o_.seq)},
+                                 {"lse", f64, lse_shape()},
+                                 {"dq", f64, q_shape(o_.seq)},
+                                 {"dk", f64, kv_shape(o_.seq)},
+                                 {"dv", f64, kv_shape(o_.seq)}});
+    attn::MhaForwardArgs a;
+    a.q = find_array(in, "q").view();
+    a.k = find_array(in, "k").view();
+    a.v = find_array(in, "v").view();
+    a.mask = {o_.causal, o_.window};
+    const std::vector<TensorView> v = views_of(r);
+    attn::reference::mha_forward(a, v[0], v[1]);
+    attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4]);
+    return r;
+  }
+
  private:
   Shape q_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
   Shape kv_shape(std::int64_t s) const { return {o_.batch, s, o_.kv_heads, o_.head_dim}; }
@@ -147,6 +166,7 @@ class MhaWorkload final : public Workload {
         fill_random_shard(dst[i], o_.seed, ids[i], o_.seq, positions);
       }
     }
+    if (full == nullptr && o_.test_logit_scale != 1) affine_inplace(dst[0], 0.0, o_.test_logit_scale);
   }
 
   npy::HostArray gather(const Tensor& local, const Shape& full_shape, int seq_dim) const {
@@ -190,15 +210,37 @@ class MhaWorkload final : public Workload {
   npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_;
 };
 
-}  // namespace
-
 std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o) {
   const Shape q{o.batch, o.seq, o.heads, o.head_dim}, kv{o.batch, o.seq, o.kv_heads, o.head_dim};
   return {{"q", q}, {"k", kv}, {"v", kv}, {"dout", q}};
 }
 
-std::unique_ptr<Workload> make_mha_workload(const SpBenchOptions& options, const SpGrid& grid) {
-  return std::make_unique<MhaWorkload>(options, grid);
+SEQPAR_WORKLOAD_KIND(MhaWorkload) {
+  WorkloadKind k;
+  k.name = "mha";
+  k.description = "MHA/GQA (ring, Ulysses, USP)";
+  k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0, "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"}};
+  k.own_flags = {"test-logit-scale"};
+  k.validate = [](SpBenchOptions& o) {
+    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " must be a multiple of --kv-heads ", o.kv_heads,
+                 " (GQA)");
+    const int pu = o.grid.ulysses_size;
+    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ", pu);
+    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
+                 " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
+    SEQPAR_CHECK(std::isfinite(o.test_logit_scale) && o.test_logit_scale > 0, "--test-logit-scale ", o.test_logit_scale,
+                 " must be a finite number > 0");
+  };
+  k.describe_shapes = [](const SpBenchOptions& o) {
+    std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim,
+                            " causal=", o.causal ? "yes" : "no");
+    if (o.window > 0) s += str_cat(" window=", o.window);
+    return s;
+  };
+  k.input_specs = mha_input_specs;
+  return k;
 }
+
+}  // namespace
 
 }  // namespace seqpar::bench

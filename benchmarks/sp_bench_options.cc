@@ -1,40 +1,14 @@
 #include "benchmarks/sp_bench_options.h"
 
-#include <cctype>
-#include <cstdio>
 #include <cstdlib>
 #include <cxxopts.hpp>
-#include <limits>
 
+#include "benchmarks/sp_bench_workload.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench {
 namespace {
 constexpr int kMaxThreads = 1024;  // per rank; far above any node today, and it keeps OpenMP from failing obscurely
-
-AttnKind parse_attn(const std::string& name) {
-  if (name == "mha") return AttnKind::kMha;
-  if (name == "dsa") return AttnKind::kDsa;
-  if (name == "gdn") return AttnKind::kGdn;
-  SEQPAR_THROW("--attn ", name, ": unknown attention kind (expected mha, dsa or gdn)");
-}
-
-// Real shapes of the presets. Flags given explicitly override them.
-struct Preset {
-  const char* name;
-  AttnKind attn;
-  std::int64_t heads, kv_heads, head_dim, topk, chunk_size;
-  std::int64_t dim_v, indexer_heads, indexer_dim;  // DSA only (0: not part of the preset)
-  const char* note;
-};
-constexpr Preset kPresets[] = {
-    {"llama3-8b", AttnKind::kMha, 32, 8, 128, 0, 0, 0, 0, 0,
-     "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"},
-    {"deepseek-v3.2", AttnKind::kDsa, 128, 1, 576, 2048, 0, 512, 64, 128,
-     "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"},
-    {"qwen3-next", AttnKind::kGdn, 32, 32, 128, 0, 64, 0, 0, 0,
-     "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"},
-};
 
 template <typename T>
 T get_checked(const cxxopts::ParseResult& r, const char* flag) {
@@ -61,43 +35,19 @@ void check_min(std::int64_t value, std::int64_t min, const char* flag) {
 
 }  // namespace
 
-const char* attn_kind_name(AttnKind kind) {
-  switch (kind) {
-    case AttnKind::kMha: return "mha";
-    case AttnKind::kDsa: return "dsa";
-    case AttnKind::kGdn: return "gdn";
-  }
-  return "?";
-}
-
-std::int64_t parse_size(const std::string& text, const char* flag) {
-  SEQPAR_CHECK(!text.empty(), "--", flag, ": empty value (expected an integer, optionally with a K or M suffix)");
-  std::size_t digits = 0;
-  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
-  const std::string suffix = text.substr(digits);
-  std::int64_t mult = 1;
-  if (suffix == "k" || suffix == "K") {
-    mult = 1024;
-  } else if (suffix == "m" || suffix == "M") {
-    mult = 1024 * 1024;
-  } else {
-    SEQPAR_CHECK(suffix.empty(), "--", flag, " ", text,
-                 ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
-  }
-  SEQPAR_CHECK(digits > 0 && digits <= 12, "--", flag, " ", text,
-               ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
-  return std::stoll(text.substr(0, digits)) * mult;
-}
-
 std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank) {
   cxxopts::Options spec("sp_bench",
                         "sequence-parallel attention benchmark: mpirun -np N sp_bench [options]\n"
                         "  N must equal dp-size * ulysses-size * ring-size.");
+  std::string attn_help = "attention kind:", model_help = "preset of real shapes (explicit flags override it):";
+  for (const WorkloadKind& k : workload_kinds()) {
+    attn_help += str_cat("\n  ", k.name, ": ", k.description);
+    for (const ModelPreset& p : k.presets) model_help += str_cat("\n  ", p.name, " (", k.name, "): ", p.note);
+  }
   // clang-format off
   spec.add_options("problem")
-    ("attn", "attention kind: mha | dsa | gdn", cxxopts::value<std::string>()->default_value("mha"))
-    ("model", "preset of real shapes: llama3-8b (mha) | deepseek-v3.2 (dsa) | qwen3-next (gdn); explicit flags "
-              "override it", cxxopts::value<std::string>())
+    ("attn", attn_help, cxxopts::value<std::string>()->default_value("mha"))
+    ("model", model_help, cxxopts::value<std::string>())
     ("batch", "batch size per data-parallel replica", cxxopts::value<std::int64_t>()->default_value("1"))
     ("seq", "global sequence length (K = 1024, M = 1024^2 suffixes)", cxxopts::value<std::string>()->default_value("4K"))
     ("heads", "query heads", cxxopts::value<std::int64_t>()->default_value("8"))
@@ -138,37 +88,39 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("dump", "write the full outputs and gradients to DIR/<name>.npy (rank 0)", cxxopts::value<std::string>())
     ("quiet", "no progress lines")
     ("help", "print this help");
+  // Test hooks, not in --help (see SpBenchOptions).
+  spec.add_options("test")
+    ("test-corrupt", "", cxxopts::value<std::string>())
+    ("test-fail-write-after", "", cxxopts::value<std::int64_t>())
+    ("test-logit-scale", "", cxxopts::value<double>());
   // clang-format on
 
-  cxxopts::ParseResult r;
-  try {
-    r = spec.parse(argc, argv);
-  } catch (const cxxopts::exceptions::exception& e) {
-    SEQPAR_THROW("bad command line: ", e.what(), " (see --help)");
-  }
-  if (r.count("help")) {
-    if (world_rank == 0) std::fputs(spec.help({"problem", "parallel", "run"}).c_str(), stdout);
-    return std::nullopt;
-  }
-  SEQPAR_CHECK(r.unmatched().empty(), "unexpected argument '", r.unmatched().front(),
-               "' (every option is a --flag; see --help)");
+  const std::optional<cxxopts::ParseResult> parsed =
+      parse_command_line(spec, argc, argv, world_rank, {"problem", "parallel", "run"});
+  if (!parsed) return std::nullopt;
+  const cxxopts::ParseResult& r = *parsed;
 
   SpBenchOptions o;
-  o.attn = parse_attn(get_checked<std::string>(r, "attn"));
+  o.attn = find_workload_kind(get_checked<std::string>(r, "attn")).name;
   if (r.count("model")) {
     o.model = get_checked<std::string>(r, "model");
-    const Preset* preset = nullptr;
-    for (const Preset& p : kPresets) {
-      if (o.model == p.name) preset = &p;
+    const ModelPreset* preset = nullptr;
+    std::string preset_kind, names;
+    for (const WorkloadKind& k : workload_kinds()) {
+      for (const ModelPreset& p : k.presets) {
+        names += (names.empty() ? "" : ", ") + p.name;
+        if (o.model != p.name) continue;
+        preset = &p;
+        preset_kind = k.name;
+      }
     }
-    SEQPAR_CHECK(preset != nullptr, "--model ", o.model,
-                 ": unknown preset (expected llama3-8b, deepseek-v3.2 or qwen3-next)");
-    if (!r.count("attn")) o.attn = preset->attn;
-    SEQPAR_CHECK(o.attn == preset->attn, "--model ", o.model, " is a ", attn_kind_name(preset->attn),
-                 " preset; it cannot be combined with --attn ", attn_kind_name(o.attn));
-    o.heads = preset->heads;
-    o.kv_heads = preset->kv_heads;
-    o.head_dim = preset->head_dim;
+    SEQPAR_CHECK(preset != nullptr, "--model ", o.model, ": unknown preset (expected one of ", names, ")");
+    if (!r.count("attn")) o.attn = preset_kind;
+    SEQPAR_CHECK(o.attn == preset_kind, "--model ", o.model, " is a ", preset_kind,
+                 " preset; it cannot be combined with --attn ", o.attn);
+    if (preset->heads > 0) o.heads = preset->heads;
+    if (preset->kv_heads > 0) o.kv_heads = preset->kv_heads;
+    if (preset->head_dim > 0) o.head_dim = preset->head_dim;
     if (preset->topk > 0) o.topk = preset->topk;
     if (preset->chunk_size > 0) o.chunk_size = preset->chunk_size;
     if (preset->dim_v > 0) o.dim_v = preset->dim_v;
@@ -230,6 +182,9 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (r.count("json")) o.json_path = get_checked<std::string>(r, "json");
   if (r.count("inputs")) o.inputs_dir = get_checked<std::string>(r, "inputs");
   if (r.count("dump")) o.dump_dir = get_checked<std::string>(r, "dump");
+  if (r.count("test-corrupt")) o.test_corrupt = get_checked<std::string>(r, "test-corrupt");
+  if (r.count("test-fail-write-after")) o.test_fail_write_after = get_checked<std::int64_t>(r, "test-fail-write-after");
+  if (r.count("test-logit-scale")) o.test_logit_scale = get_checked<double>(r, "test-logit-scale");
   for (const char* flag : {"json", "inputs", "dump"}) {
     SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag, " needs a non-empty path");
   }
@@ -254,62 +209,23 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                ": unknown mode (expected chain or scan)");
   SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,
                ": unknown selection mode (expected ring or allgather)");
-  SEQPAR_CHECK(!o.gdn_compare_token || o.attn == AttnKind::kGdn, "--gdn-compare-token needs --attn gdn (--attn ",
-               attn_kind_name(o.attn), ")");
+  for (const WorkloadKind& k : workload_kinds()) {
+    for (const std::string& flag : k.own_flags) {
+      SEQPAR_CHECK(k.name == o.attn || !r.count(flag), "--", flag, " needs --attn ", k.name, " (--attn ", o.attn, ")");
+    }
+  }
   SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   const std::int64_t grid_ranks = static_cast<std::int64_t>(o.grid.dp_size) * o.grid.ulysses_size * o.grid.ring_size;
   SEQPAR_CHECK(grid_ranks == world_size, "--dp-size ", o.grid.dp_size, " x --ulysses-size ", o.grid.ulysses_size,
                " x --ring-size ", o.grid.ring_size, " = ", grid_ranks, " must equal the number of MPI ranks (",
                world_size, ")");
-  if (o.attn == AttnKind::kMha) {
-    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " must be a multiple of --kv-heads ", o.kv_heads,
-                 " (GQA)");
-    const int pu = o.grid.ulysses_size;
-    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ", pu);
-    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
-                 " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
-  }
-  if (o.attn == AttnKind::kGdn) {
-    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
-                 o.grid.ulysses_size);
-    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous or ",
-                 "zigzag)");
-    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
-  }
-  if (o.attn == AttnKind::kDsa) {
-    // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.
-    o.causal = true;
-    if (o.dim_v == 0) o.dim_v = o.head_dim;
-    check_min(o.dim_v, 1, "dim-v");
-    check_min(o.indexer_heads, 1, "indexer-heads");
-    check_min(o.indexer_dim, 1, "indexer-dim");
-    SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, " must be <= --head-dim ", o.head_dim,
-                 " (the value is the first Dv columns of the latent)");
-    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
-                 o.grid.ulysses_size);
-    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
-    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": DSA selects its keys with the indexer (no window)");
-  }
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  if (kind.validate) kind.validate(o);
   // Layout divisibility (the same rule the library applies, raised here before any communication).
   SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
   return o;
 }
 
-std::string describe_shapes(const SpBenchOptions& o) {
-  if (o.attn == AttnKind::kGdn) {
-    return str_cat("B=", o.batch, " S=", o.seq, " H=", o.heads, " K=V=", o.head_dim, " chunk=", o.chunk_size,
-                   " mode=", o.gdn_mode, " (causal recurrence)");
-  }
-  std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads);
-  if (o.attn == AttnKind::kMha) s += str_cat(" Hkv=", o.kv_heads);
-  s += str_cat(o.attn == AttnKind::kDsa ? " Dqk=" : " D=", o.head_dim, " causal=", o.causal ? "yes" : "no");
-  if (o.window > 0) s += str_cat(" window=", o.window);
-  if (o.attn == AttnKind::kDsa) {
-    s += str_cat(" Dv=", o.dim_v, " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim,
-                 " select=", o.dsa_select);
-  }
-  if (o.attn == AttnKind::kGdn) s += str_cat(" chunk=", o.chunk_size, " mode=", o.gdn_mode);
-  return s;
-}
+std::string describe_shapes(const SpBenchOptions& o) { return find_workload_kind(o.attn).describe_shapes(o); }
 
 }  // namespace seqpar::bench

@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "benchmarks/bench_common.h"
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
 #include "runtime/dtype.h"
@@ -15,11 +16,8 @@
 
 namespace seqpar::bench {
 
-enum class AttnKind : std::uint8_t { kMha, kDsa, kGdn };
-const char* attn_kind_name(AttnKind kind);  // "mha", "dsa", "gdn"
-
 struct SpBenchOptions {
-  AttnKind attn = AttnKind::kMha;
+  std::string attn = "mha";  // a registered WorkloadKind name (sp_bench_workload.h)
   SpGridConfig grid;
   LayoutKind layout = LayoutKind::kZigzag;
   RingImpl impl = RingImpl::kP2P;
@@ -53,17 +51,19 @@ struct SpBenchOptions {
   std::string inputs_dir;
   std::string dump_dir;
   bool quiet = false;  // no progress lines
-};
 
-// Parses "4096", "8K", "1M" (K = 1024, M = 1024^2; case-insensitive). Throws Error naming `flag` and the value.
-std::int64_t parse_size(const std::string& text, const char* flag);
+  // Test hooks (hidden from --help; the tests in tests/mpi/CMakeLists.txt use them):
+  std::string test_corrupt;                 // --test-corrupt NAME: perturb the gathered tensor NAME before the check
+  std::int64_t test_fail_write_after = -1;  // --test-fail-write-after N: every output file fails after N bytes
+  double test_logit_scale = 1;              // --test-logit-scale X (MHA): random q times X, logits times X
+};
 
 // Parses argv. Returns std::nullopt after printing the help on rank 0 (--help). Throws Error (same text on every
 // rank) for unknown flags, malformed values and any rule violation, including a grid that does not match
 // `world_size`.
 std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank);
 
-// One-line configuration summary used in the table header.
+// One-line configuration summary used in the table header (the kind's describe_shapes).
 std::string describe_shapes(const SpBenchOptions& o);
 
 }  // namespace seqpar::bench

@@ -1,8 +1,8 @@
 #include "benchmarks/sp_bench_workload.h"
 
-#include "benchmarks/sp_bench_dsa.h"
-#include "benchmarks/sp_bench_gdn.h"
-#include "benchmarks/sp_bench_mha.h"
+#include <algorithm>
+#include <numeric>
+
 #include "parallel/layout.h"
 #include "runtime/error.h"
 #include "runtime/tensor_ops.h"
@@ -17,6 +17,12 @@ std::uint64_t splitmix64(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Function-local, so that registrations from other files' static initialisers find it constructed.
+std::vector<WorkloadKind>& registry() {
+  static std::vector<WorkloadKind> kinds;
+  return kinds;
+}
+
 }  // namespace
 
 const npy::HostArray& find_array(const NamedArrays& arrays, const std::string& name) {
@@ -26,33 +32,40 @@ const npy::HostArray& find_array(const NamedArrays& arrays, const std::string& n
   SEQPAR_THROW("sp_bench: no tensor named '", name, "'");
 }
 
-void check_workload_available(const SpBenchOptions& options) {
-  switch (options.attn) {
-    case AttnKind::kMha:
-    case AttnKind::kDsa:
-    case AttnKind::kGdn: return;
+Tolerance fp32_accumulator_tolerance(DType dtype, const std::string& what) {
+  switch (dtype) {
+    case DType::kFloat64: return {1e-9, 1e-5};
+    case DType::kFloat32: return {1e-6, 1e-4};
+    case DType::kBFloat16: return {1e-3, 2e-2};
+    case DType::kFloat16: return {1e-4, 5e-3};
+    default: break;
   }
-  SEQPAR_THROW("--attn ", static_cast<int>(options.attn), ": unknown attention kind (available: mha, dsa, gdn)");
+  SEQPAR_THROW("sp_bench: no tolerance for dtype ", dtype_name(dtype), " (", what, ")");
 }
 
-std::vector<TensorSpec> workload_input_specs(const SpBenchOptions& options) {
-  check_workload_available(options);
-  switch (options.attn) {
-    case AttnKind::kDsa: return dsa_input_specs(options);
-    case AttnKind::kGdn: return gdn_input_specs(options);
-    case AttnKind::kMha: break;
+bool register_workload_kind(WorkloadKind kind) {
+  std::vector<WorkloadKind>& kinds = registry();
+  for (const WorkloadKind& k : kinds) {
+    SEQPAR_CHECK(k.name != kind.name, "sp_bench: attention kind '", kind.name, "' registered twice");
   }
-  return mha_input_specs(options);
+  const auto at = std::find_if(kinds.begin(), kinds.end(), [&](const WorkloadKind& k) { return k.name > kind.name; });
+  kinds.insert(at, std::move(kind));
+  return true;
 }
 
-std::unique_ptr<Workload> make_workload(const SpBenchOptions& options, const SpGrid& grid) {
-  check_workload_available(options);
-  switch (options.attn) {
-    case AttnKind::kDsa: return make_dsa_workload(options, grid);
-    case AttnKind::kGdn: return make_gdn_workload(options, grid);
-    case AttnKind::kMha: break;
+const std::vector<WorkloadKind>& workload_kinds() { return registry(); }
+
+std::string workload_kind_names(const std::string& separator) {
+  std::string names;
+  for (const WorkloadKind& k : registry()) names += (names.empty() ? "" : separator) + k.name;
+  return names;
+}
+
+const WorkloadKind& find_workload_kind(const std::string& name) {
+  for (const WorkloadKind& k : registry()) {
+    if (k.name == name) return k;
   }
-  return make_mha_workload(options, grid);
+  SEQPAR_THROW("--attn ", name, ": unknown attention kind (registered: ", workload_kind_names(", "), ")");
 }
 
 double random_uniform(std::uint64_t seed, std::uint64_t tensor_id, std::uint64_t index) {
@@ -89,6 +102,53 @@ void shard_from_full(const npy::HostArray& full, const std::vector<std::int64_t>
   npy::HostArray converted(dst.dtype(), full.shape);
   copy_convert(full.view(), converted.view());
   shard_sequence(converted.view(), positions, dst);
+}
+
+void affine_inplace(const TensorView& t, double offset, double slope) {
+  dispatch_floating(t.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* p = t.data_as<T>();
+    for (std::int64_t i = 0; i < t.numel(); ++i) {
+      const double x = offset + slope * static_cast<double>(to_float(p[i]));
+      if constexpr (std::is_same_v<T, double>) {
+        p[i] = x;
+      } else {
+        p[i] = from_float<T>(static_cast<float>(x));
+      }
+    }
+  });
+}
+
+std::vector<std::int64_t> all_positions(std::int64_t seq_len) {
+  std::vector<std::int64_t> pos(static_cast<std::size_t>(seq_len));
+  std::iota(pos.begin(), pos.end(), std::int64_t{0});
+  return pos;
+}
+
+NamedArrays zero_arrays(const std::vector<ArraySpec>& specs) {
+  NamedArrays r;
+  for (const ArraySpec& s : specs) r.emplace_back(s.name, npy::HostArray(s.dtype, s.shape));
+  return r;
+}
+
+std::vector<TensorView> views_of(const NamedArrays& arrays) {
+  std::vector<TensorView> views;
+  for (const auto& [name, a] : arrays) views.push_back(a.view());
+  return views;
+}
+
+NamedArrays widen_to_fp64(const NamedArrays& arrays) {
+  NamedArrays r;
+  for (const auto& [name, a] : arrays) {
+    if (a.dtype == DType::kInt64) {
+      r.emplace_back(name, a);
+      continue;
+    }
+    npy::HostArray wide(DType::kFloat64, a.shape);
+    copy_convert(a.view(), wide.view());
+    r.emplace_back(name, std::move(wide));
+  }
+  return r;
 }
 
 }  // namespace seqpar::bench

@@ -1,11 +1,14 @@
 // The workloads sp_bench measures. A workload is one attention kind (MHA, DSA, GDN) under sequence parallelism:
 // it makes (or loads) the full problem, holds this rank's shard, runs the distributed forward and backward, gathers
 // the full outputs, and runs the same problem on one rank as the reference. sp_bench itself only times, counts and
-// prints; adding an attention kind means adding a Workload and a line in make_workload().
+// prints. Each workload file registers one WorkloadKind (SEQPAR_WORKLOAD_KIND): adding an attention kind means
+// adding one such file to sp_bench's sources; the option parser and sp_bench reach every kind through the registry.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,9 +42,20 @@ struct TensorSpec {
 using NamedArrays = std::vector<std::pair<std::string, npy::HostArray>>;
 const npy::HostArray& find_array(const NamedArrays& arrays, const std::string& name);
 
-// Comparison rule of --check: a tensor passes when max_abs_err <= atol + rtol * max|reference|.
+// Tolerance of --check for one tensor: max_abs_err <= atol + rtol * max|reference| (the rules: sp_bench_check.h).
 struct Tolerance {
   double atol = 0, rtol = 0;
+};
+
+// The tolerances of results whose cross-block accumulators (lse, merge weights, dot products) are fp32 for every
+// storage dtype: fp64 agrees to fp32 precision; 16-bit results are rounded once from fp32 accumulators, so another
+// merge order moves them by about one unit in the last place (2^-8 relative for bf16, 2^-11 for fp16). Throws Error
+// for a non-floating dtype, naming `what`.
+Tolerance fp32_accumulator_tolerance(DType dtype, const std::string& what);
+
+// What the fp64 reference of a workload would take (bytes of memory, floating-point operations); zeros: none.
+struct Fp64ReferenceCost {
+  double bytes = 0, flops = 0;
 };
 
 class Workload {
@@ -74,6 +88,13 @@ class Workload {
   virtual void reference_backward() = 0;
   virtual NamedArrays reference_outputs() = 0;
 
+  // The fp64 reference (attention/reference/: naive, every tensor fp64) of the same problem, on the inputs of
+  // reference_setup() widened to fp64 (so it sees the same rounded inputs as the kernels), for the tensors it
+  // defines (a subset of output_names(), fp64). Called on one rank after reference_forward() and
+  // reference_backward(), only when --check needs it and fp64_reference_cost() fits. Default: none.
+  virtual Fp64ReferenceCost fp64_reference_cost() const { return {}; }
+  virtual NamedArrays fp64_reference_outputs() { return {}; }
+
   // Optional single-rank timings of kernel variants of the whole problem (called on world rank 0 only, after the
   // distributed timing; may set up its own copy of the problem from `full` or the seed). Default: none.
   virtual std::vector<VariantTiming> time_variants(const NamedArrays* /*full*/, int /*warmup*/, int /*iters*/) {
@@ -81,12 +102,66 @@ class Workload {
   }
 };
 
-// Throws Error "--attn X is not available yet ..." for kinds whose distributed part has not landed (none today:
-// mha, dsa and gdn are all available). Called before any communication.
-void check_workload_available(const SpBenchOptions& options);
-// The full input tensors of the configured workload (known before the grid exists, for --inputs).
-std::vector<TensorSpec> workload_input_specs(const SpBenchOptions& options);
-std::unique_ptr<Workload> make_workload(const SpBenchOptions& options, const SpGrid& grid);
+// ---- the registry of attention kinds ----------------------------------------------------------------------------
+
+// Real shapes of a model; explicit flags override them. 0: not part of the preset (the flag's default applies).
+struct ModelPreset {
+  std::string name;  // --model value
+  std::int64_t heads = 0, kv_heads = 0, head_dim = 0, topk = 0, chunk_size = 0, dim_v = 0, indexer_heads = 0,
+               indexer_dim = 0;
+  std::string note;  // one line for --help
+};
+
+// One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.
+struct WorkloadKind {
+  std::string name;         // --attn value, e.g. "mha"
+  std::string description;  // one line: what runs (--help)
+  std::vector<ModelPreset> presets;
+  // Flags only this kind accepts: given with another --attn they are an error naming the kind they need.
+  std::vector<std::string> own_flags;
+  // The kind's rules on the parsed options, after the common ones (may set kind defaults, e.g. DSA's --causal;
+  // optional). Throws Error naming the flag, the value and the rule.
+  std::function<void(SpBenchOptions&)> validate;
+  // One-line shape summary for the table header.
+  std::function<std::string(const SpBenchOptions&)> describe_shapes;
+  // Adds the kind's own fields to the JSON of a run (optional).
+  std::function<void(const SpBenchOptions&, nlohmann::json&)> add_json;
+  // The full input tensors (known before the grid exists, for --inputs).
+  std::function<std::vector<TensorSpec>(const SpBenchOptions&)> input_specs;
+  // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
+  // SEQPAR_WORKLOAD_KIND.
+  std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;
+};
+
+// Adds `kind` to the registry (at static initialisation; use SEQPAR_WORKLOAD_KIND). Throws Error for a name
+// registered twice. Returns true.
+bool register_workload_kind(WorkloadKind kind);
+// Every registered kind, sorted by name.
+const std::vector<WorkloadKind>& workload_kinds();
+// The kind named `name`; Error "--attn X: unknown attention kind (registered: dsa, gdn, mha)" otherwise.
+const WorkloadKind& find_workload_kind(const std::string& name);
+// The registered names joined by `separator` ("dsa | gdn | mha").
+std::string workload_kind_names(const std::string& separator);
+
+// Registers the WorkloadKind that the function body after the macro returns, with `make` constructing a `W` from
+// (options, grid). In one workload file, at namespace scope:
+//   SEQPAR_WORKLOAD_KIND(MhaWorkload) {
+//     WorkloadKind k;
+//     k.name = "mha";
+//     ...
+//     return k;
+//   }
+#define SEQPAR_WORKLOAD_KIND(W)                                                               \
+  ::seqpar::bench::WorkloadKind seqpar_workload_kind_##W();                                   \
+  [[maybe_unused]] static const bool seqpar_workload_registered_##W = [] {                    \
+    ::seqpar::bench::WorkloadKind k = seqpar_workload_kind_##W();                             \
+    k.make = [](const ::seqpar::bench::SpBenchOptions& o,                                     \
+                const ::seqpar::SpGrid& grid) -> std::unique_ptr<::seqpar::bench::Workload> { \
+      return std::make_unique<W>(o, grid);                                                    \
+    };                                                                                        \
+    return ::seqpar::bench::register_workload_kind(std::move(k));                             \
+  }();                                                                                        \
+  ::seqpar::bench::WorkloadKind seqpar_workload_kind_##W()
 
 // ---- helpers shared by workloads ------------------------------------------------------------------------------
 
@@ -101,5 +176,25 @@ void fill_random_shard(const TensorView& dst, std::uint64_t seed, std::uint64_t 
 
 // The full tensor `name` of `full` converted to dtype and cut to `positions` (dim 1).
 void shard_from_full(const npy::HostArray& full, const std::vector<std::int64_t>& positions, const TensorView& dst);
+
+// x -> offset + slope * x, in place (floating dtypes; maps the uniform [-1, 1) inputs to the ranges a kind needs).
+void affine_inplace(const TensorView& t, double offset, double slope);
+
+// Positions 0 .. seq_len - 1 (the whole sequence, for the single-rank reference).
+std::vector<std::int64_t> all_positions(std::int64_t seq_len);
+
+// Zero-filled host arrays, one per (name, dtype, shape), in that order.
+struct ArraySpec {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+NamedArrays zero_arrays(const std::vector<ArraySpec>& specs);
+
+// The views of `arrays`, in order.
+std::vector<TensorView> views_of(const NamedArrays& arrays);
+
+// `arrays` converted to fp64 (int64 arrays kept), for the fp64 references.
+NamedArrays widen_to_fp64(const NamedArrays& arrays);
 
 }  // namespace seqpar::bench

@@ -1,15 +1,6 @@
 # Runs the command after "--" and passes when it exits non-zero, within MAX_SECONDS (default 30), with REGEX in
 # its combined output. A run killed by the time limit fails (its exit "code" is not a number).
-set(cmd)
-set(seen_sep FALSE)
-math(EXPR last "${CMAKE_ARGC} - 1")
-foreach(i RANGE ${last})
-  if(seen_sep)
-    list(APPEND cmd "${CMAKE_ARGV${i}}")
-  elseif("${CMAKE_ARGV${i}}" STREQUAL "--")
-    set(seen_sep TRUE)
-  endif()
-endforeach()
+include(${CMAKE_CURRENT_LIST_DIR}/command_after_separator.cmake)
 if(NOT cmd)
   message(FATAL_ERROR "expect_failure.cmake: no command after --")
 endif()

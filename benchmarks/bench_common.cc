@@ -1,0 +1,160 @@
+#include "benchmarks/bench_common.h"
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+#include <streambuf>
+
+#include "runtime/error.h"
+#include "runtime/mpi_comm.h"
+
+namespace seqpar::bench {
+namespace {
+
+// Forwards to `sink` and counts the bytes; with limit >= 0 it refuses every byte past the limit, so that the stream
+// goes bad exactly as it does on a full disk.
+class CountingBuf final : public std::streambuf {
+ public:
+  CountingBuf(std::streambuf* sink, std::int64_t limit) : sink_(sink), limit_(limit) {}
+
+ protected:
+  int_type overflow(int_type c) override {
+    if (traits_type::eq_int_type(c, traits_type::eof())) return traits_type::not_eof(c);
+    const char ch = traits_type::to_char_type(c);
+    return xsputn(&ch, 1) == 1 ? c : traits_type::eof();
+  }
+  std::streamsize xsputn(const char* s, std::streamsize n) override {
+    const std::streamsize allowed = limit_ < 0 ? n : std::clamp<std::streamsize>(limit_ - written_, 0, n);
+    const std::streamsize put = allowed > 0 ? sink_->sputn(s, allowed) : 0;
+    written_ += put;
+    return put;
+  }
+  int sync() override { return sink_->pubsync(); }
+
+ private:
+  std::streambuf* sink_;
+  std::int64_t limit_;
+  std::int64_t written_ = 0;
+};
+
+}  // namespace
+
+WorldPlace mpi_world_place() {
+  WorldPlace p;
+  SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &p.size));
+  SEQPAR_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &p.rank));
+  return p;
+}
+
+std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, int argc, char** argv, int world_rank,
+                                                       const std::vector<std::string>& help_groups) {
+  cxxopts::ParseResult r;
+  try {
+    r = spec.parse(argc, argv);
+  } catch (const cxxopts::exceptions::exception& e) {
+    SEQPAR_THROW("bad command line: ", e.what(), " (see --help)");
+  }
+  if (r.count("help")) {
+    if (world_rank == 0) std::fputs(spec.help(help_groups).c_str(), stdout);
+    return std::nullopt;
+  }
+  SEQPAR_CHECK(r.unmatched().empty(), "unexpected argument '", r.unmatched().front(),
+               "' (every option is a --flag; see --help)");
+  return r;
+}
+
+std::int64_t parse_size(const std::string& text, const char* flag) {
+  SEQPAR_CHECK(!text.empty(), "--", flag, ": empty value (expected an integer, optionally with a K or M suffix)");
+  std::size_t digits = 0;
+  while (digits < text.size() && std::isdigit(static_cast<unsigned char>(text[digits]))) ++digits;
+  const std::string suffix = text.substr(digits);
+  std::int64_t mult = 1;
+  if (suffix == "k" || suffix == "K") {
+    mult = 1024;
+  } else if (suffix == "m" || suffix == "M") {
+    mult = 1024 * 1024;
+  } else {
+    SEQPAR_CHECK(suffix.empty(), "--", flag, " ", text,
+                 ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
+  }
+  SEQPAR_CHECK(digits > 0 && digits <= 12, "--", flag, " ", text,
+               ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
+  return std::stoll(text.substr(0, digits)) * mult;
+}
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+double median(std::vector<double> v) {
+  SEQPAR_ASSERT(!v.empty(), "median of no values");
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+void all_reduce(Communicator& comm, std::vector<double>& values, ReduceOp op, double timeout_s) {
+  if (values.empty()) return;
+  TensorView view(values.data(), DType::kFloat64, {static_cast<std::int64_t>(values.size())});
+  WorkHandle w = comm.all_reduce(view, op);
+  if (timeout_s > 0) {
+    w->wait(timeout_s);
+  } else {
+    w->wait();
+  }
+}
+
+void barrier(Communicator& comm, double timeout_s) {
+  WorkHandle w = comm.barrier();
+  if (timeout_s > 0) {
+    w->wait(timeout_s);
+  } else {
+    w->wait();
+  }
+}
+
+void write_file_atomic(const std::string& path, const std::function<void(std::ostream&)>& write,
+                       std::int64_t fail_after_bytes) {
+  const std::string tmp = str_cat(path, ".tmp.", static_cast<long>(::getpid()));
+  std::string cause;
+  try {
+    std::ofstream file(tmp, std::ios::binary | std::ios::trunc);
+    if (!file.is_open()) {
+      cause = str_cat("cannot create the temporary file ", tmp, " (", std::strerror(errno), ")");
+    } else {
+      CountingBuf buf(file.rdbuf(), fail_after_bytes);
+      std::ostream out(&buf);
+      write(out);
+      out.flush();
+      const bool written = out.good();
+      errno = 0;
+      file.close();  // flushes the file's own buffer: a full disk may only show here
+      if (!written || file.fail()) {
+        cause = str_cat("write error", errno != 0 ? str_cat(" (", std::strerror(errno), ")") : std::string(),
+                        fail_after_bytes >= 0 ? str_cat(" (simulated after ", fail_after_bytes, " bytes)") : "");
+      }
+    }
+  } catch (const Error& e) {
+    cause = e.message();
+  } catch (const std::exception& e) {
+    cause = e.what();
+  }
+  std::error_code ec;
+  if (cause.empty()) {
+    std::filesystem::rename(tmp, path, ec);
+    if (ec) cause = str_cat("cannot rename ", tmp, " to it (", ec.message(), ")");
+  }
+  if (!cause.empty()) {
+    std::filesystem::remove(tmp, ec);
+    SEQPAR_THROW(path, ": ", cause, " (the temporary file was removed; ", path, " not written)");
+  }
+}
+
+}  // namespace seqpar::bench

@@ -1,0 +1,49 @@
+// Helpers shared by the benchmark programs (sp_bench, comm_bench): command lines, wall-clock time, medians, and
+// files written atomically.
+#pragma once
+
+#include <cstdint>
+#include <cxxopts.hpp>
+#include <functional>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "runtime/comm.h"
+
+namespace seqpar::bench {
+
+// This process's place in MPI_COMM_WORLD (MPI must be initialised; Error on an MPI failure).
+struct WorldPlace {
+  int size = 1, rank = 0;
+};
+WorldPlace mpi_world_place();
+
+// Parses argv with `spec`. Returns std::nullopt after printing the help of `help_groups` (all groups when empty)
+// on world rank 0 for --help. Throws Error (same text on every rank) for a malformed command line or a stray
+// positional argument.
+std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, int argc, char** argv, int world_rank,
+                                                       const std::vector<std::string>& help_groups = {});
+
+// Parses "4096", "8K", "1M" (K = 1024, M = 1024^2; case-insensitive). Throws Error naming `flag` and the value.
+std::int64_t parse_size(const std::string& text, const char* flag);
+
+// Seconds on a monotonic clock (differences only).
+double now_s();
+// Median of `v` (the mean of the two middle values for an even count); `v` must not be empty.
+double median(std::vector<double> v);
+
+// Collective helpers over `comm` that wait at most `timeout_s` (<= 0: the communicator's default timeout).
+void all_reduce(Communicator& comm, std::vector<double>& values, ReduceOp op, double timeout_s = -1);
+void barrier(Communicator& comm, double timeout_s = -1);
+
+// Writes `path` atomically: `write` fills a temporary file in the same directory (`path` + ".tmp.<pid>"), which is
+// flushed, closed and then renamed over `path`. Whatever fails (the callback throws, the stream goes bad, a full
+// disk, the rename), the temporary file is removed and Error names `path` and the cause; `path` is then either
+// absent or its previous content, never a partial file. `fail_after_bytes` >= 0 is a test hook: the stream fails
+// once that many bytes have been written, as on a full disk.
+void write_file_atomic(const std::string& path, const std::function<void(std::ostream&)>& write,
+                       std::int64_t fail_after_bytes = -1);
+
+}  // namespace seqpar::bench

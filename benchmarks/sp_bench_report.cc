@@ -1,0 +1,192 @@
+#include "benchmarks/sp_bench_report.h"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "runtime/memory.h"
+
+namespace seqpar::bench {
+namespace {
+
+constexpr double kMiB = 1024.0 * 1024.0;
+
+std::string fmt(const char* f, double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, f, v);
+  return buf;
+}
+
+double tflops_total(const PhaseResult& p) { return p.flops / (p.time_ms * 1e-3) / 1e12; }
+
+bool has_rounds(const RunReport& r) { return r.phases.front().message_rounds >= 0; }
+
+void print_header(const SpBenchOptions& o, const RunReport& r) {
+  std::printf("# seqpar sp_bench %s\n", SEQPAR_VERSION);
+  std::printf("# backend %s, world %d, grid %s, threads/rank %d\n", r.backend, r.world_size, r.grid.c_str(), o.threads);
+  std::printf("# attn %s%s, layout %s, impl %s, dtype %s\n", o.attn.c_str(),
+              o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout),
+              ring_impl_name(o.impl), dtype_name(o.dtype));
+  std::printf("# shapes %s\n", describe_shapes(o).c_str());
+  std::printf("# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median); inputs %s\n",
+              r.phases[0].flops, r.phases[1].flops, o.warmup, o.iters,
+              o.inputs_dir.empty() ? str_cat("random (seed ", o.seed, ")").c_str() : o.inputs_dir.c_str());
+  std::printf("#\n");
+}
+
+void print_phases(const SpBenchOptions& o, const RunReport& r) {
+  std::string h1 = "#    phase      time   TFLOP/s   TFLOP/s   exposed        sent";
+  std::string h2 = "#                (ms)     /rank     total   comm(%)  (MiB/rank)";
+  const char* cat_short[] = {"model", "saved", "cache", "work", "comm", "total"};
+  for (const char* c : cat_short) {
+    h1 += str_cat(std::string(9 - std::string(c).size(), ' '), c);
+    h2 += "    (MiB)";
+  }
+  if (o.efficiency) {
+    h1 += "    T1 alone   effic.    T1 busy   effic.";
+    h2 += "        (ms)   (alone)       (ms)   (busy)";
+  }
+  if (has_rounds(r)) {
+    h1 += "   rounds";
+    h2 += "      (-)";
+  }
+  std::printf("%s\n%s\n", h1.c_str(), h2.c_str());
+  for (const PhaseResult& p : r.phases) {
+    std::string row = std::string(std::max<int>(0, 10 - static_cast<int>(p.name.size())), ' ') + p.name;
+    row += fmt("%10.2f", p.time_ms);
+    row += fmt("%10.4f", tflops_total(p) / r.world_size);
+    row += fmt("%10.4f", tflops_total(p));
+    row += fmt("%10.1f", 100.0 * p.exposed_frac);
+    row += fmt("%12.2f", p.bytes_sent / kMiB);
+    for (double m : p.mem_mib) row += fmt("%9.2f", m);
+    if (o.efficiency) {
+      row += fmt("%12.2f", p.single_rank_ms);
+      row += fmt("%9.3f", p.efficiency);
+      row += fmt("%11.2f", p.single_rank_busy_ms);
+      row += fmt("%9.3f", p.efficiency_busy);
+    }
+    if (has_rounds(r)) row += fmt("%9.0f", p.message_rounds);
+    std::printf("%s\n", row.c_str());
+  }
+}
+
+// The rules: sp_bench_check.h.
+void print_check(const CheckReport& check) {
+  std::printf(
+      "#\n# check against the single-rank reference: ok when max_abs_err <= atol + rtol * max|ref| (rule "
+      "1-rank);\n# where not, and the fp64 reference is computed: ok when fp64_err <= max(%g x "
+      "1rank_fp64_err, atol + rtol * max|fp64|) (rule fp64)\n",
+      kFp64ErrorFactor);
+  std::printf(
+      "#        tensor  max_abs_err  max_rel_err     max|ref|       atol       rtol     fp64_err "
+      "1rank_fp64_err    rule  result\n");
+  for (const CheckResult& c : check.tensors) {
+    const std::string fp64 = c.fp64_err >= 0 ? fmt("%12.3e", c.fp64_err) + fmt(" %14.3e", c.one_rank_fp64_err)
+                                             : std::string(12 - 1, ' ') + "-" + std::string(15 - 1, ' ') + "-";
+    std::printf("%15s %12.3e %12.3e %12.3e %10.1e %10.1e %s %7s  %s\n", c.name.c_str(), c.max_abs, c.max_rel(),
+                c.max_ref, c.atol, c.rtol, fp64.c_str(), c.rule, c.ok ? "ok" : "FAIL");
+  }
+  if (!check.fp64_note.empty()) std::printf("# %s\n", check.fp64_note.c_str());
+  std::printf("# check %s\n", check.passed ? "passed" : "FAILED");
+}
+
+void print_variants(const SpBenchOptions& o, const std::vector<VariantTiming>& variants) {
+  std::printf(
+      "#\n# single-rank kernel on the whole problem (world rank 0 alone, %d threads; median of %d after %d "
+      "warmup)\n",
+      o.threads, o.iters, o.warmup);
+  std::printf("#                     variant   fwd (ms)   bwd (ms) fwd+bwd (ms)  vs first\n");
+  const double base = variants.front().fwd_ms + variants.front().bwd_ms;
+  for (const VariantTiming& v : variants) {
+    std::printf("%29s %10.2f %10.2f %12.2f %8.2fx\n", v.name.c_str(), v.fwd_ms, v.bwd_ms, v.fwd_ms + v.bwd_ms,
+                (v.fwd_ms + v.bwd_ms) / base);
+  }
+}
+
+nlohmann::json phase_json(const SpBenchOptions& o, const RunReport& r, const PhaseResult& p) {
+  nlohmann::json pj = {{"phase", p.name},
+                       {"time_ms", p.time_ms},
+                       {"flops", p.flops},
+                       {"tflops_per_rank", tflops_total(p) / r.world_size},
+                       {"tflops_total", tflops_total(p)},
+                       {"exposed_comm_pct", 100.0 * p.exposed_frac},
+                       {"bytes_sent_per_rank", p.bytes_sent},
+                       {"executed_flops_max_rank", p.executed_flops}};
+  nlohmann::json mj;
+  for (int c = 0; c < kNumMemCategories; ++c) mj[mem_category_name(static_cast<MemCategory>(c))] = p.mem_mib[c];
+  mj["total"] = p.mem_mib[kNumMemCategories];
+  pj["mem_peak_mib"] = mj;
+  if (has_rounds(r)) pj["message_rounds"] = p.message_rounds;
+  if (o.efficiency) {
+    pj["single_rank_ms"] = p.single_rank_ms;
+    pj["efficiency"] = p.efficiency;
+    pj["single_rank_busy_ms"] = p.single_rank_busy_ms;
+    pj["efficiency_busy"] = p.efficiency_busy;
+  }
+  return pj;
+}
+
+nlohmann::json check_json(const CheckResult& c) {
+  nlohmann::json j = {{"tensor", c.name},
+                      {"max_abs_err", c.max_abs},
+                      {"max_rel_err", c.max_rel()},
+                      {"max_abs_ref", c.max_ref},
+                      {"atol", c.atol},
+                      {"rtol", c.rtol},
+                      {"rule", c.rule},
+                      {"ok", c.ok}};
+  if (c.fp64_err >= 0) {
+    j["fp64_err"] = c.fp64_err;
+    j["one_rank_fp64_err"] = c.one_rank_fp64_err;
+    j["max_abs_fp64"] = c.max_fp64;
+  }
+  return j;
+}
+
+}  // namespace
+
+void print_report(const SpBenchOptions& o, const RunReport& r) {
+  print_header(o, r);
+  print_phases(o, r);
+  if (r.check != nullptr) print_check(*r.check);
+  if (!r.variants.empty()) print_variants(o, r.variants);
+  std::fflush(stdout);
+}
+
+nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
+  nlohmann::json j;
+  j["version"] = SEQPAR_VERSION;
+  j["backend"] = r.backend;
+  j["world_size"] = r.world_size;
+  j["grid"] = {{"dp_size", o.grid.dp_size},
+               {"ulysses_size", o.grid.ulysses_size},
+               {"ring_size", o.grid.ring_size},
+               {"placement", placement_name(o.grid.placement)}};
+  j["attn"] = o.attn;
+  j["model"] = o.model;
+  j["layout"] = layout_name(o.layout);
+  j["impl"] = ring_impl_name(o.impl);
+  j["dtype"] = dtype_name(o.dtype);
+  j["threads_per_rank"] = o.threads;
+  j["shape"] = {{"batch", o.batch},       {"seq", o.seq},       {"heads", o.heads},  {"kv_heads", o.kv_heads},
+                {"head_dim", o.head_dim}, {"causal", o.causal}, {"window", o.window}};
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  if (kind.add_json) kind.add_json(o, j);
+  j["warmup"] = o.warmup;
+  j["iters"] = o.iters;
+  j["phases"] = nlohmann::json::array();
+  for (const PhaseResult& p : r.phases) j["phases"].push_back(phase_json(o, r, p));
+  if (!r.variants.empty()) {
+    j["variants"] = nlohmann::json::array();
+    for (const VariantTiming& v : r.variants) {
+      j["variants"].push_back({{"name", v.name}, {"fwd_ms", v.fwd_ms}, {"bwd_ms", v.bwd_ms}});
+    }
+  }
+  if (r.check != nullptr) {
+    j["check"] = nlohmann::json::array();
+    for (const CheckResult& c : r.check->tensors) j["check"].push_back(check_json(c));
+    j["check_passed"] = r.check->passed;
+  }
+  return j;
+}
+
+}  // namespace seqpar::bench

@@ -1,0 +1,32 @@
+// sp_bench output on world rank 0: the results table (a `#` header with the configuration, fixed-width columns with
+// units; STYLE.md items 9 and 10) and the same results as JSON. The figures are defined in the README.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "benchmarks/sp_bench_check.h"
+#include "benchmarks/sp_bench_options.h"
+#include "benchmarks/sp_bench_timing.h"
+#include "benchmarks/sp_bench_workload.h"
+
+namespace seqpar::bench {
+
+// Everything a run reports.
+struct RunReport {
+  const char* backend = "";
+  int world_size = 1;
+  std::string grid;  // SpGrid::str()
+  std::vector<PhaseResult> phases;
+  const CheckReport* check = nullptr;  // null without --check
+  std::vector<VariantTiming> variants;
+};
+
+// Prints the tables to stdout (call on rank 0 only).
+void print_report(const SpBenchOptions& o, const RunReport& r);
+
+// The JSON of --json: configuration, phases, variants and check.
+nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r);
+
+}  // namespace seqpar::bench

@@ -1,0 +1,11 @@
+# For cmake -P scripts run as `cmake -D... -P script.cmake -- command args...`: sets `cmd` to the command after "--".
+set(cmd)
+set(seen_sep FALSE)
+math(EXPR last "${CMAKE_ARGC} - 1")
+foreach(i RANGE ${last})
+  if(seen_sep)
+    list(APPEND cmd "${CMAKE_ARGV${i}}")
+  elseif("${CMAKE_ARGV${i}}" STREQUAL "--")
+    set(seen_sep TRUE)
+  endif()
+endforeach()
