@@ -304,6 +304,18 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
       "over Ulysses, indexer loss; always causal)";
   k.presets = {{"deepseek-v3.2", 128, 1, 576, 2048, 0, 512, 64, 128,
                 "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"}};
+  k.input_specs = dsa_input_specs;
+  k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
+    j["shape"]["topk"] = o.topk;
+    j["shape"]["dim_v"] = o.dim_v;
+    j["shape"]["indexer_heads"] = o.indexer_heads;
+    j["shape"]["indexer_dim"] = o.indexer_dim;
+    j["dsa_select"] = o.dsa_select;
+  };
+  k.describe_shapes = [](const SpBenchOptions& o) {
+    return str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Dqk=", o.head_dim, " causal=yes Dv=", o.dim_v,
+                   " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select);
+  };
   k.validate = [](SpBenchOptions& o) {
     // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.
     o.causal = true;
@@ -318,18 +330,6 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
     SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": DSA selects its keys with the indexer (no window)");
   };
-  k.describe_shapes = [](const SpBenchOptions& o) {
-    return str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Dqk=", o.head_dim, " causal=yes Dv=", o.dim_v,
-                   " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select);
-  };
-  k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
-    j["shape"]["topk"] = o.topk;
-    j["shape"]["dim_v"] = o.dim_v;
-    j["shape"]["indexer_heads"] = o.indexer_heads;
-    j["shape"]["indexer_dim"] = o.indexer_dim;
-    j["dsa_select"] = o.dsa_select;
-  };
-  k.input_specs = dsa_input_specs;
   return k;
 }
 

@@ -261,6 +261,7 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   k.presets = {{"qwen3-next", 32, 32, 128, 0, 64, 0, 0, 0,
                 "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"}};
   k.own_flags = {"gdn-compare-token"};
+  k.input_specs = gdn_input_specs;
   k.validate = [](SpBenchOptions& o) {
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
@@ -268,15 +269,14 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                  "zigzag)");
     SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
   };
-  k.describe_shapes = [](const SpBenchOptions& o) {
-    return str_cat("B=", o.batch, " S=", o.seq, " H=", o.heads, " K=V=", o.head_dim, " chunk=", o.chunk_size,
-                   " mode=", o.gdn_mode, " (causal recurrence)");
-  };
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["chunk_size"] = o.chunk_size;
     j["gdn_mode"] = o.gdn_mode;
   };
-  k.input_specs = gdn_input_specs;
+  k.describe_shapes = [](const SpBenchOptions& o) {
+    return str_cat("B=", o.batch, " S=", o.seq, " H=", o.heads, " K=V=", o.head_dim, " chunk=", o.chunk_size,
+                   " mode=", o.gdn_mode, " (causal recurrence)");
+  };
   return k;
 }
 

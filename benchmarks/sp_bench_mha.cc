@@ -221,6 +221,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.description = "MHA/GQA (ring, Ulysses, USP)";
   k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0, "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"}};
   k.own_flags = {"test-logit-scale"};
+  k.input_specs = mha_input_specs;
   k.validate = [](SpBenchOptions& o) {
     SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " must be a multiple of --kv-heads ", o.kv_heads,
                  " (GQA)");
@@ -237,7 +238,6 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
     if (o.window > 0) s += str_cat(" window=", o.window);
     return s;
   };
-  k.input_specs = mha_input_specs;
   return k;
 }
 
