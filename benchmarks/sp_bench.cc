@@ -10,6 +10,7 @@
 #include <omp.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -110,6 +111,8 @@ void write_outputs(Communicator& world, const SpBenchOptions& o, const NamedArra
       std::fflush(stdout);
     } catch (const Error& e) {
       error = e.message();
+    } catch (const std::exception& e) {  // whatever it is, the other ranks must hear of it
+      error = e.what();
     }
   }
   // The message travels from rank 0 (length, then the bytes as int32), so every rank fails with the same line.
@@ -140,6 +143,9 @@ int sp_bench_main(int argc, char** argv) {
   SpGrid grid(*world, o.grid);
 
   std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
+  const std::vector<std::string> outputs = wl->output_names();
+  SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
+               "--test-corrupt ", o.test_corrupt, ": no such output");
   progress.note("making inputs", true);
   wl->setup(input_ptr);
 

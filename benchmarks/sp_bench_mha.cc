@@ -166,7 +166,7 @@ class MhaWorkload final : public Workload {
         fill_random_shard(dst[i], o_.seed, ids[i], o_.seq, positions);
       }
     }
-    if (full == nullptr && o_.test_logit_scale != 1) affine_inplace(dst[0], 0.0, o_.test_logit_scale);
+    if (o_.test_logit_scale != 1) affine_inplace(dst[0], 0.0, o_.test_logit_scale);
   }
 
   npy::HostArray gather(const Tensor& local, const Shape& full_shape, int seq_dim) const {
@@ -231,6 +231,8 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                  " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
     SEQPAR_CHECK(std::isfinite(o.test_logit_scale) && o.test_logit_scale > 0, "--test-logit-scale ", o.test_logit_scale,
                  " must be a finite number > 0");
+    SEQPAR_CHECK(o.test_logit_scale == 1 || o.inputs_dir.empty(),
+                 "--test-logit-scale scales the random q; it cannot be combined with --inputs");
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
     std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim,
