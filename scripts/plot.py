@@ -8,6 +8,7 @@ on Debian: /usr/bin/python3 with python3-matplotlib.
 """
 import argparse
 import csv
+import os
 import sys
 from collections import defaultdict
 
@@ -140,7 +141,16 @@ def main():
              f"{'causal' if r0['causal'] == '1' else 'full'} {r0['layout']} {r0['dtype']}, {r0['threads']} thread(s)/rank")
     fig.suptitle(f"seqpar sp_bench: {shape}" + (f"\n{args.title}" if args.title else ""), fontsize=10)
     fig.tight_layout()
-    fig.savefig(args.out, dpi=args.dpi)
+    # A temporary name in the same directory, renamed when complete (no truncated PNG on a full disk).
+    root, ext = os.path.splitext(args.out)
+    tmp_out = f"{root}.tmp{os.getpid()}{ext or '.png'}"
+    try:
+        fig.savefig(tmp_out, dpi=args.dpi)
+        os.replace(tmp_out, args.out)
+    except OSError as e:
+        if os.path.exists(tmp_out):
+            os.remove(tmp_out)
+        sys.exit(f"plot.py: cannot write {args.out}: {e}")
     print(f"plot.py: wrote {args.out} ({len(rows)} rows, phase {args.phase}, largest run {max_ranks} ranks)",
           file=sys.stderr)
 

@@ -202,10 +202,18 @@ def main():
 
     if not args.dry_run:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=FIELDS)
-            w.writeheader()
-            w.writerows(rows)
+        # Like sp_bench's files: a temporary name in the same directory, renamed when complete.
+        tmp_out = f"{args.out}.tmp.{os.getpid()}"
+        try:
+            with open(tmp_out, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=FIELDS)
+                w.writeheader()
+                w.writerows(rows)
+            os.replace(tmp_out, args.out)
+        except OSError as e:
+            if os.path.exists(tmp_out):
+                os.remove(tmp_out)
+            raise SystemExit(f"sweep.py: cannot write {args.out}: {e}")
         print(f"[sweep] {len(rows)} rows from {len(runs)} runs -> {args.out} ({time.time() - start:.1f} s)",
               file=sys.stderr)
 
