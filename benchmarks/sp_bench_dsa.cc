@@ -4,7 +4,8 @@
 // k_idx [B, S, Di], w [B, S, Hi], dout [B, S, H, Dv] (Dqk = --head-dim, Dv = --dim-v, Hi = --indexer-heads,
 // Di = --indexer-dim); outputs out [B, S, H, Dv], lse [B, H, S] fp32, topk_indices [B, S, k] int64, loss [1] fp64,
 // dq, dc, dq_idx, dk_idx, dw. The reference is the single-device kernels (attention/dsa.h) on the whole sequence,
-// one call each.
+// one call each; the fp64 reference of --check (sp_bench_check.h) is attn::reference on the one-rank kernel's
+// topk_indices.
 #include <cstring>
 #include <nlohmann/json.hpp>
 

@@ -1,7 +1,8 @@
 // sp_bench's GDN (gated delta rule) workload: chain or scan over the ring group, Ulysses all-to-all over heads,
 // through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, H, K], v [B, S, H, V], g beta [B, S, H],
 // initial_state [B, H, K, V], dout [B, S, H, V] (K = V = --head-dim); outputs out, final_state, dq, dk, dv, dg, dbeta,
-// dinitial_state. The reference is one attn::gdn_forward + attn::gdn_backward call on the full tensors.
+// dinitial_state. The reference is one attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64
+// reference of --check (sp_bench_check.h) is the token-by-token attn::reference::gdn_forward / gdn_backward.
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
