@@ -9,6 +9,7 @@
 namespace seqpar::bench {
 namespace {
 
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 constexpr int kSlots = 5;  // per tensor: max|D-K|, max|K|, max|D-R|, max|K-R|, max|R|
 
 // The elements as fp64: floating arrays through convert(); int64 arrays (DSA topk_indices, exact below 2^53)
@@ -85,10 +86,11 @@ CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl,
         compare(find_array(want, names[t]), *r, e[3], e[4]);
       }
     } else if (!all_ok) {
-      report.fp64_note = cost.bytes <= 0 ? str_cat("this workload has no fp64 reference")
-                                         : str_cat("the fp64 reference does not fit: it needs ", cost.bytes / 1e9,
-                                                   " GB and ", cost.flops, " FLOPs (limits ",
-                                                   kFp64ReferenceMaxBytes / 1e9, " GB, ", kFp64ReferenceMaxFlops, ")");
+      report.fp64_note =
+          cost.bytes <= 0
+              ? str_cat("this workload has no fp64 reference")
+              : str_cat("the fp64 reference does not fit: it needs ", cost.bytes / kGiB, " GiB and ", cost.flops,
+                        " FLOPs (limits ", kFp64ReferenceMaxBytes / kGiB, " GiB, ", kFp64ReferenceMaxFlops, ")");
     }
   }
   all_reduce(world, err, ReduceOp::kMax, kLongWaitS);
