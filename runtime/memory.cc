@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
+#include <string>
 
 #include "runtime/error.h"
+#include "runtime/fault.h"
 
 namespace seqpar {
 namespace {
@@ -63,9 +65,21 @@ void* cuda_allocate(std::size_t bytes, int ordinal);
 void cuda_free(void* ptr, int ordinal);
 #endif
 
+std::string ledger_totals() {
+  const MemorySnapshot s = memory_ledger().snapshot();
+  std::string text;
+  for (int c = 0; c < kNumMemCategories; ++c) {
+    text += str_cat(c ? ", " : "", mem_category_name(static_cast<MemCategory>(c)), " ", s.current[c]);
+  }
+  return str_cat(text, "; total ", s.total_current, " bytes");
+}
+
 void* ledger_allocate(std::size_t bytes, MemCategory category, Device device) {
   void* ptr = nullptr;
-  if (device.is_cpu()) {
+  const bool injected = fault::fail_allocation();
+  if (injected) {
+    // SEQPAR_FAULT=oom: fail exactly as a real allocation failure does (below).
+  } else if (device.is_cpu()) {
     const std::size_t rounded = std::max<std::size_t>(64, (bytes + 63) / 64 * 64);
     ptr = std::aligned_alloc(64, rounded);
   } else {
@@ -76,7 +90,8 @@ void* ledger_allocate(std::size_t bytes, MemCategory category, Device device) {
 #endif
   }
   SEQPAR_CHECK(ptr != nullptr, "out of memory: allocating ", bytes, " bytes of ", mem_category_name(category), " on ",
-               device.str());
+               device.str(), " (ledger now holds ", ledger_totals(), ")",
+               injected ? " [injected by SEQPAR_FAULT]" : "");
   memory_ledger().on_alloc(category, static_cast<std::int64_t>(bytes));
   return ptr;
 }

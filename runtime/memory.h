@@ -9,6 +9,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "runtime/device.h"
 
@@ -42,9 +43,12 @@ class MemoryLedger {
 
 // The ledger of this process (one per device type would be a later refinement; CPU and CUDA bytes share it).
 MemoryLedger& memory_ledger();
+// "model_state N, saved_activation N, ...; total N bytes": the ledger's current bytes, for error messages.
+std::string ledger_totals();
 
 // Raw allocation through the ledger: 64-byte aligned host memory, or device memory on CUDA.
-// Throws Error naming the size and category when the allocation fails.
+// Throws Error naming the size, the category and the ledger's current bytes per category when the allocation
+// fails ("out of memory: ..."); SEQPAR_FAULT=oom (runtime/fault.h) makes a chosen allocation fail the same way.
 void* ledger_allocate(std::size_t bytes, MemCategory category, Device device);
 void ledger_free(void* ptr, std::size_t bytes, MemCategory category, Device device);
 

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "runtime/cuda_staging.h"
+#include "runtime/fault.h"
 #include "runtime/logging.h"
 
 namespace seqpar {
@@ -314,6 +315,7 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   // (they used to be read at the first wait or the first log line, with operations already posted).
   env::log_level();
   env::comm_timeout_s();
+  fault::plan();
 }
 
 MpiSession::~MpiSession() {

@@ -1,0 +1,122 @@
+#include "runtime/fault.h"
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "runtime/env.h"
+#include "runtime/error.h"
+
+namespace seqpar::fault {
+namespace {
+
+std::atomic<long long> g_comm_calls{0};
+std::atomic<long long> g_allocations{0};
+
+bool applies_here(const Plan& p) { return p.kind != Kind::kNone && p.rank == process_rank(); }
+
+// With kind=count, prints the totals when the process exits (after MPI is gone: plain stderr).
+struct CountReport {
+  ~CountReport() {
+    const Plan& p = plan();
+    if (p.kind != Kind::kCount || p.rank != process_rank()) return;
+    std::fprintf(stderr, "rank %d: SEQPAR_FAULT count: %lld communication calls, %lld allocations\n", p.rank,
+                 g_comm_calls.load(), g_allocations.load());
+  }
+};
+
+long long parse_positive(const std::string& value, const std::string& key, const std::string& text) {
+  char* end = nullptr;
+  const long long v = std::strtoll(text.c_str(), &end, 10);
+  SEQPAR_CHECK(!text.empty() && end && *end == '\0' && v >= 0, "SEQPAR_FAULT=", value, ": ", key, "=", text,
+               " must be a non-negative integer");
+  return v;
+}
+
+}  // namespace
+
+Plan parse_plan(const std::string& value) {
+  Plan p;
+  if (value.empty()) return p;
+  constexpr const char* kRule =
+      " (expected <comm_error|oom|stall|count>,rank=<world rank>,at=<n>[,seconds=<t>], e.g. comm_error,rank=1,at=5)";
+  std::vector<std::string> fields;
+  std::stringstream ss(value);
+  for (std::string field; std::getline(ss, field, ',');) fields.push_back(field);
+  SEQPAR_CHECK(!fields.empty(), "SEQPAR_FAULT=", value, " is empty", kRule);
+  const std::string& kind = fields[0];
+  if (kind == "comm_error") {
+    p.kind = Kind::kCommError;
+  } else if (kind == "oom") {
+    p.kind = Kind::kOom;
+  } else if (kind == "stall") {
+    p.kind = Kind::kStall;
+  } else if (kind == "count") {
+    p.kind = Kind::kCount;
+  } else {
+    SEQPAR_THROW("SEQPAR_FAULT=", value, ": unknown kind '", kind, "'", kRule);
+  }
+  bool has_rank = false, has_at = false, has_seconds = false;
+  for (std::size_t i = 1; i < fields.size(); ++i) {
+    const std::string& f = fields[i];
+    const auto eq = f.find('=');
+    SEQPAR_CHECK(eq != std::string::npos, "SEQPAR_FAULT=", value, ": field '", f, "' is not key=value", kRule);
+    const std::string key = f.substr(0, eq), text = f.substr(eq + 1);
+    if (key == "rank") {
+      p.rank = static_cast<int>(parse_positive(value, key, text));
+      has_rank = true;
+    } else if (key == "at") {
+      p.at = parse_positive(value, key, text);
+      SEQPAR_CHECK(p.at >= 1, "SEQPAR_FAULT=", value, ": at=", text, " must be >= 1 (calls are counted from 1)");
+      has_at = true;
+    } else if (key == "seconds") {
+      char* end = nullptr;
+      p.seconds = std::strtod(text.c_str(), &end);
+      SEQPAR_CHECK(!text.empty() && end && *end == '\0' && p.seconds > 0 && p.seconds < 1e6, "SEQPAR_FAULT=", value,
+                   ": seconds=", text, " must be a positive number of seconds");
+      has_seconds = true;
+    } else {
+      SEQPAR_THROW("SEQPAR_FAULT=", value, ": unknown key '", key, "'", kRule);
+    }
+  }
+  SEQPAR_CHECK(has_rank, "SEQPAR_FAULT=", value, ": rank=<world rank> is missing", kRule);
+  SEQPAR_CHECK(has_at || p.kind == Kind::kCount, "SEQPAR_FAULT=", value, ": at=<n> is missing", kRule);
+  SEQPAR_CHECK(has_seconds == (p.kind == Kind::kStall), "SEQPAR_FAULT=", value,
+               p.kind == Kind::kStall ? ": stall needs seconds=<t>" : ": seconds= applies to stall only", kRule);
+  return p;
+}
+
+const Plan& plan() {
+  static const Plan p = parse_plan(env::get_string("SEQPAR_FAULT", ""));
+  static CountReport report;
+  return p;
+}
+
+void on_comm_call(const char* op) {
+  const Plan& p = plan();
+  if (p.kind == Kind::kNone) return;
+  const long long n = ++g_comm_calls;
+  if (!applies_here(p) || n != p.at) return;
+  if (p.kind == Kind::kCommError) {
+    SEQPAR_THROW("injected fault (SEQPAR_FAULT): communication call ", n, " (", op, ") fails");
+  }
+  if (p.kind == Kind::kStall) {
+    std::fprintf(stderr, "rank %d: SEQPAR_FAULT: stalling %.1f s in communication call %lld (%s)\n", p.rank,
+                 p.seconds, n, op);
+    std::fflush(stderr);
+    std::this_thread::sleep_for(std::chrono::duration<double>(p.seconds));
+  }
+}
+
+bool fail_allocation() {
+  const Plan& p = plan();
+  if (p.kind == Kind::kNone) return false;
+  const long long n = ++g_allocations;
+  return applies_here(p) && p.kind == Kind::kOom && n == p.at;
+}
+
+}  // namespace seqpar::fault
