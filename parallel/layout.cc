@@ -37,6 +37,10 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_s
   }
 }
 
+SequenceLayout SequenceLayout::for_groups(const CpGroups& groups, std::int64_t seq_len, LayoutKind kind) {
+  return SequenceLayout(kind, seq_len, groups.ring_size(), groups.ulysses_size());
+}
+
 std::vector<std::int64_t> SequenceLayout::ring_shard_positions(int ring_rank) const {
   SEQPAR_CHECK(0 <= ring_rank && ring_rank < ring_size_, "ring_rank ", ring_rank, " outside [0, ", ring_size_, ")");
   const std::int64_t len = ring_shard_len();
