@@ -55,7 +55,8 @@ class SequenceLayout {
   int ulysses_size_;
 };
 
-// Local copies along the sequence dimension (dim 1) of [B, S, ...] tensors; no communication.
+// Local copies along the sequence dimension (dim 1) of [B, S, ...] tensors; no communication. Host or device tensors
+// (runtime/tensor_ops.h gather_rows / scatter_rows, whose errors they raise).
 // shard: local[b, i, ...] = full[b, positions[i], ...]. unshard: full[b, positions[i], ...] = local[b, i, ...].
 void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local);
 void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full);
