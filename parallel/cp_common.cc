@@ -7,6 +7,34 @@
 
 namespace seqpar {
 
+namespace {
+constexpr const char* kRingImplNames[] = {"p2p", "allgather"};
+constexpr const char* kDsaSelectNames[] = {"ring", "allgather"};
+constexpr const char* kGdnModeNames[] = {"chain", "scan"};
+}  // namespace
+
+int parse_option_index(std::string_view name, std::span<const char* const> names, const char* what) {
+  std::string all;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    if (name == names[i]) return static_cast<int>(i);
+    all += (i > 0 ? ", " : "") + std::string(names[i]);
+  }
+  SEQPAR_THROW(what, " '", name, "' is not one of ", all);
+}
+
+const char* ring_impl_name(RingImpl impl) { return kRingImplNames[static_cast<int>(impl)]; }
+RingImpl parse_ring_impl(std::string_view name) {
+  return static_cast<RingImpl>(parse_option_index(name, kRingImplNames, "ring impl"));
+}
+const char* dsa_select_mode_name(DsaSelectMode mode) { return kDsaSelectNames[static_cast<int>(mode)]; }
+DsaSelectMode parse_dsa_select_mode(std::string_view name) {
+  return static_cast<DsaSelectMode>(parse_option_index(name, kDsaSelectNames, "DSA selection mode"));
+}
+const char* gdn_cp_mode_name(GdnCpMode mode) { return kGdnModeNames[static_cast<int>(mode)]; }
+GdnCpMode parse_gdn_cp_mode(std::string_view name) {
+  return static_cast<GdnCpMode>(parse_option_index(name, kGdnModeNames, "GDN mode"));
+}
+
 CpGroups::CpGroups(Communicator& ulysses_, Communicator& ring_, Communicator& sp_, Stream stream_)
     : ulysses(ulysses_), ring(ring_), sp(sp_), stream(stream_) {
   SEQPAR_CHECK(sp.size() == ulysses.size() * ring.size(), "CpGroups: SP group size ", sp.size(),

@@ -11,7 +11,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
 
 #include "runtime/comm.h"
 #include "runtime/device.h"
@@ -21,6 +23,19 @@ namespace seqpar {
 
 class SpGrid;
 class SequenceLayout;
+
+// The options of the CP layers, with their names (parse_*: Error "<what> 'x' is not one of a, b" otherwise).
+enum class RingImpl : std::uint8_t { kP2P, kAllGather };        // ring attention: blocks around, or all-gather
+enum class DsaSelectMode : std::uint8_t { kRing, kAllGather };  // DSA selection over the SP group
+enum class GdnCpMode : std::uint8_t { kChain, kScan };          // GDN state passing
+const char* ring_impl_name(RingImpl impl);                      // "p2p", "allgather"
+RingImpl parse_ring_impl(std::string_view name);
+const char* dsa_select_mode_name(DsaSelectMode mode);  // "ring", "allgather"
+DsaSelectMode parse_dsa_select_mode(std::string_view name);
+const char* gdn_cp_mode_name(GdnCpMode mode);  // "chain", "scan"
+GdnCpMode parse_gdn_cp_mode(std::string_view name);
+// The index of `name` in `names`; Error "<what> '<name>' is not one of <names, comma-separated>" otherwise.
+int parse_option_index(std::string_view name, std::span<const char* const> names, const char* what);
 
 // The communicators of one CP layer and the compute stream of its kernels.
 //   ulysses: the Ulysses group (size Pu, rank = ulysses_rank); heads <-> sequence all-to-all.

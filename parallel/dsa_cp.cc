@@ -22,6 +22,17 @@ bool any_visible(const std::vector<std::int64_t>& q_pos, const std::vector<std::
   return !q_pos.empty() && !k_pos.empty() && k_pos.front() <= q_pos.back();
 }
 
+attn::DsaIndexerArgs indexer_args(const Tensor& q_idx, const Tensor& w, const TensorView& k_idx,
+                                  std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos) {
+  attn::DsaIndexerArgs a;
+  a.q_idx = q_idx.view();
+  a.w = w.view();
+  a.k_idx = k_idx;
+  a.q_pos = q_pos;
+  a.k_pos = k_pos;
+  return a;
+}
+
 // Scores of the selected keys in topk_indices order, from the final running top-k state: per row, the (position,
 // score) pairs sorted by position with empty slots (-1) last, which is dsa_topk_finalize's order.
 void selected_scores(const attn::DsaTopkState& state, const TensorView& scores) {
@@ -43,14 +54,6 @@ void selected_scores(const attn::DsaTopkState& state, const TensorView& scores) 
 }
 
 }  // namespace
-
-const char* dsa_select_mode_name(DsaSelectMode mode) { return mode == DsaSelectMode::kRing ? "ring" : "allgather"; }
-
-DsaSelectMode parse_dsa_select_mode(std::string_view name) {
-  if (name == "ring") return DsaSelectMode::kRing;
-  if (name == "allgather") return DsaSelectMode::kAllGather;
-  SEQPAR_THROW("DSA selection mode '", name, "' is not one of ring, allgather");
-}
 
 struct DsaContextParallel::Saved {
   Tensor q_h, c_ring, topk_ring, out_h, lse_h;     // head-sharded attention side
@@ -108,14 +111,8 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   attn::dsa_topk_init(state, stream);
   auto merge_block = [&](int src, const TensorView& block) {
     if (!any_visible(positions_, sp_positions_[src])) return;
-    attn::DsaIndexerArgs a;
-    a.q_idx = s->q_idx.view();
-    a.w = s->w.view();
-    a.k_idx = block;
-    a.q_pos = positions_;
-    a.k_pos = sp_positions_[src];
     const ScopedTimer timer(counters_.compute_s);
-    attn::dsa_indexer_topk_block(a, state, stream);
+    attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src]), state, stream);
   };
   if (config_.select == DsaSelectMode::kRing) {
     ring_circulate(sp, s->k_idx.view(), kTagIndexKeys, merge_block, &counters_.exposed_comm_s);
@@ -260,15 +257,9 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       sp, s->k_idx.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
       [&](int src, const TensorView& block, const TensorView& grad) {
         if (!any_visible(positions_, sp_positions_[src])) return;
-        attn::DsaIndexerArgs a;
-        a.q_idx = s->q_idx.view();
-        a.w = s->w.view();
-        a.k_idx = block;
-        a.q_pos = positions_;
-        a.k_pos = sp_positions_[src];
         const ScopedTimer timer(counters_.compute_s);
-        attn::dsa_indexer_backward(a, s->topk_local.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true,
-                                   stream);
+        attn::dsa_indexer_backward(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src]),
+                                   s->topk_local.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true, stream);
       },
       &counters_.exposed_comm_s);
   g.dq_idx = Tensor::copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);

@@ -37,10 +37,6 @@
 
 namespace seqpar {
 
-enum class DsaSelectMode : std::uint8_t { kRing, kAllGather };
-const char* dsa_select_mode_name(DsaSelectMode mode);  // "ring", "allgather"
-DsaSelectMode parse_dsa_select_mode(std::string_view name);
-
 struct DsaCpConfig {
   DsaSelectMode select = DsaSelectMode::kRing;
   std::int64_t topk = attn::kDsaTopK;

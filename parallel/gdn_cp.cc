@@ -88,15 +88,30 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
   return rounds;
 }
 
-}  // namespace
-
-const char* gdn_cp_mode_name(GdnCpMode mode) { return mode == GdnCpMode::kChain ? "chain" : "scan"; }
-
-GdnCpMode parse_gdn_cp_mode(std::string_view name) {
-  if (name == "chain") return GdnCpMode::kChain;
-  if (name == "scan") return GdnCpMode::kScan;
-  SEQPAR_THROW("GDN mode '", name, "' is not one of chain, scan");
+// scan_maps (its rounds added to counters.message_rounds), then every scanned map of this rank applied to
+// `boundary` (the global initial state forward, d(final_state) backward), or its U alone when `boundary` is empty.
+std::vector<Tensor> scan_and_apply(Communicator& ring, const std::vector<Segment>& segments,
+                                   const std::vector<int>& mine, const Shape& map_shape, const Shape& state_shape,
+                                   int dir, std::vector<Tensor>& agg, const Tensor& boundary, CpCounters& counters,
+                                   Stream stream) {
+  counters.message_rounds +=
+      scan_maps(ring, segments, mine, map_shape, state_shape, dir, agg, &counters.exposed_comm_s, stream);
+  const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
+  std::vector<Tensor> applied(mine.size());
+  for (std::size_t j = 0; j < mine.size(); ++j) {
+    const TensorView m = agg[j].view().slice0(0, mk).reshape(map_shape);
+    const TensorView u = agg[j].view().slice0(mk, mk + uk).reshape(state_shape);
+    applied[j] = Tensor::empty(state_shape, agg[j].dtype(), MemCategory::kCommBuffer);
+    if (boundary.defined()) {
+      attn::gdn_transition_apply(m, u, boundary.view(), applied[j].view(), stream);
+    } else {
+      copy_convert(u, applied[j].view());
+    }
+  }
+  return applied;
 }
+
+}  // namespace
 
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& positions_per_rank) {
   std::vector<Segment> segs;
@@ -125,6 +140,14 @@ struct GdnContextParallel::Saved {
 
   Shape state_shape() const { return {batch, heads, dk, dv}; }
   Shape map_shape() const { return {batch, heads, dk, dk}; }
+  // A map packed as [M | U] (what the scan sends) and its two parts.
+  std::int64_t packed_numel() const { return shape_numel(map_shape()) + shape_numel(state_shape()); }
+  TensorView m_of(const Tensor& packed) const {
+    return packed.view().slice0(0, shape_numel(map_shape())).reshape(map_shape());
+  }
+  TensorView u_of(const Tensor& packed) const {
+    return packed.view().slice0(shape_numel(map_shape()), packed_numel()).reshape(state_shape());
+  }
 };
 
 GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
@@ -143,7 +166,10 @@ GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLay
   SEQPAR_CHECK(static_cast<std::int64_t>(segments_.size()) <= kMaxSegments, "GDN under CP: ", segments_.size(),
                " segments exceed the supported ", kMaxSegments);
   for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
-    if (segments_[i].owner == groups.ring.rank()) mine_.push_back(i);
+    if (segments_[i].owner == groups.ring.rank()) {
+      slot_[i] = mine_.size();
+      mine_.push_back(i);
+    }
   }
 }
 
@@ -271,34 +297,20 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
       counters_.message_rounds += n - 1;
     } else {
       // 1. Each segment's map from a zero start, packed as [M | U].
-      const std::int64_t mk = B * s.heads * K * K, uk = B * s.heads * K * V;
-      auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(s.map_shape()); };
-      auto u_of = [&](const Tensor& t) { return t.view().slice0(mk, mk + uk).reshape(s.state_shape()); };
       std::vector<Tensor> agg(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const SegmentInputs in = segment_inputs(s, segments_[mine_[j]], stream);
-        agg[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
+        agg[j] = Tensor::empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         {
           const ScopedTimer timer(counters_.compute_s);
-          attn::gdn_transition(forward_args(in, config_, {}), m_of(agg[j]), u_of(agg[j]), stream);
+          attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
         }
-        s.map_m[j] = Tensor::copy_of(m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
+        s.map_m[j] = Tensor::copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
       }
-      // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}.
-      std::map<int, std::size_t> slot;  // global segment index -> index in mine_
-      for (std::size_t j = 0; j < mine_.size(); ++j) slot[mine_[j]] = j;
-      counters_.message_rounds +=
-          scan_maps(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, &counters_.exposed_comm_s, stream);
-      // 3. End state of every segment from the global initial state; shift by one segment to get start states.
-      std::vector<Tensor> end(mine_.size());
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        end[j] = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        if (init_local.defined()) {
-          attn::gdn_transition_apply(m_of(agg[j]), u_of(agg[j]), init_local.view(), end[j].view(), stream);
-        } else {
-          copy_convert(u_of(agg[j]), end[j].view());
-        }
-      }
+      // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment from the global
+      // initial state; then a shift by one segment gives the start states.
+      const std::vector<Tensor> end = scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg,
+                                                     init_local, counters_, stream);
       Round shift;
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
@@ -308,7 +320,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
         if (i == 0) {
           if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
         } else if (segments_[i - 1].owner == me) {
-          copy_convert(end[slot[i - 1]].view(), s.start[j].view());
+          copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
         } else {
           shift.recv(s.start[j].view(), segments_[i - 1].owner, kTagShift + i);
         }
@@ -423,9 +435,6 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       for (auto& w : sends) wait_timed(std::move(w));
       counters_.message_rounds += n - 1;
     } else {
-      const std::int64_t mk = B * s.heads * K * K, uk = B * s.heads * K * V;
-      auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(s.map_shape()); };
-      auto u_of = [&](const Tensor& t) { return t.view().slice0(mk, mk + uk).reshape(s.state_shape()); };
       // 1. Local parts L (cheap reverse sweep) and the maps (M^T, L).
       std::vector<Tensor> agg(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
@@ -435,26 +444,15 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
         attn::GdnBackwardArgs a;
         a.fwd = forward_args(in, config_, s.start[j].view());
         a.dout = dout_seg.view();
-        agg[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
+        agg[j] = Tensor::empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         const ScopedTimer timer(counters_.compute_s);
-        attn::gdn_backward(a, {}, {}, {}, {}, {}, u_of(agg[j]), stream);
-        attn::gdn_transition_transpose(s.map_m[j].view(), m_of(agg[j]), stream);
+        attn::gdn_backward(a, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
+        attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
       }
-      std::map<int, std::size_t> slot;
-      for (std::size_t j = 0; j < mine_.size(); ++j) slot[mine_[j]] = j;
-      // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first).
-      counters_.message_rounds +=
-          scan_maps(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1, agg, &counters_.exposed_comm_s, stream);
-      // 3. dS_start of every segment; shift to the previous segment to get each dS_end.
-      std::vector<Tensor> ds_start(mine_.size());
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        ds_start[j] = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        if (dfinal_local.defined()) {
-          attn::gdn_transition_apply(m_of(agg[j]), u_of(agg[j]), dfinal_local.view(), ds_start[j].view(), stream);
-        } else {
-          copy_convert(u_of(agg[j]), ds_start[j].view());
-        }
-      }
+      // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
+      // of every segment; then a shift to the previous segment gives each dS_end.
+      const std::vector<Tensor> ds_start = scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1,
+                                                          agg, dfinal_local, counters_, stream);
       Round shift;
       std::vector<Tensor> ds_end(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
@@ -465,7 +463,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
         if (i == n - 1) {
           if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end[j].view());
         } else if (segments_[i + 1].owner == me) {
-          copy_convert(ds_start[slot[i + 1]].view(), ds_end[j].view());
+          copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
         } else {
           shift.recv(ds_end[j].view(), segments_[i + 1].owner, kTagShift + i);
         }

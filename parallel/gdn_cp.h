@@ -31,6 +31,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -40,10 +41,6 @@
 #include "parallel/layout.h"
 
 namespace seqpar {
-
-enum class GdnCpMode : std::uint8_t { kChain, kScan };
-const char* gdn_cp_mode_name(GdnCpMode mode);  // "chain", "scan"
-GdnCpMode parse_gdn_cp_mode(std::string_view name);
 
 struct GdnCpConfig {
   GdnCpMode mode = GdnCpMode::kScan;
@@ -97,8 +94,9 @@ class GdnContextParallel {
   GdnCpConfig config_;
   LayerId id_;
   std::vector<std::int64_t> positions_;
-  std::vector<Segment> segments_;  // ring-level segments (of the ring shards), global order
-  std::vector<int> mine_;          // indices into segments_ of this rank's segments, in global order
+  std::vector<Segment> segments_;    // ring-level segments (of the ring shards), global order
+  std::vector<int> mine_;            // indices into segments_ of this rank's segments, in global order
+  std::map<int, std::size_t> slot_;  // global segment index -> index in mine_
   CpCounters counters_;
 };
 

@@ -4,20 +4,13 @@
 
 namespace seqpar {
 
-const char* layout_name(LayoutKind kind) {
-  switch (kind) {
-    case LayoutKind::kContiguous: return "contiguous";
-    case LayoutKind::kZigzag: return "zigzag";
-    case LayoutKind::kStripe: return "stripe";
-  }
-  return "unknown";
-}
+namespace {
+constexpr const char* kLayoutNames[] = {"contiguous", "zigzag", "stripe"};
+}  // namespace
 
+const char* layout_name(LayoutKind kind) { return kLayoutNames[static_cast<int>(kind)]; }
 LayoutKind parse_layout(std::string_view name) {
-  if (name == "contiguous") return LayoutKind::kContiguous;
-  if (name == "zigzag") return LayoutKind::kZigzag;
-  if (name == "stripe") return LayoutKind::kStripe;
-  SEQPAR_THROW("layout '", name, "' is not one of contiguous, zigzag, stripe");
+  return static_cast<LayoutKind>(parse_option_index(name, kLayoutNames, "layout"));
 }
 
 SequenceLayout::SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_size, int ulysses_size)

@@ -26,14 +26,6 @@ TensorView part(const TensorView& packed, std::int64_t i, const Shape& shape) {
 
 }  // namespace
 
-const char* ring_impl_name(RingImpl impl) { return impl == RingImpl::kP2P ? "p2p" : "allgather"; }
-
-RingImpl parse_ring_impl(std::string_view name) {
-  if (name == "p2p") return RingImpl::kP2P;
-  if (name == "allgather") return RingImpl::kAllGather;
-  SEQPAR_THROW("ring impl '", name, "' is not one of p2p, allgather");
-}
-
 struct RingAttention::Saved {
   Tensor q, k, v, out, lse;
 };
@@ -224,8 +216,11 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
 
 // ---- all-gather ------------------------------------------------------------------------------------------
 
-void RingAttention::gather_kv_global(const Saved& s, const Tensor& k_full, const Tensor& v_full) {
+attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full) {
   const Shape& kv_shape = s.k.shape();
+  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
+  k_full = Tensor::empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
+  v_full = Tensor::empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
   Tensor local = Tensor::empty(packed_shape(kv_shape, 2), s.k.dtype(), MemCategory::kCommBuffer);
   copy_convert(s.k.view(), part(local.view(), 0, kv_shape));
   copy_convert(s.v.view(), part(local.view(), 1, kv_shape));
@@ -238,24 +233,15 @@ void RingAttention::gather_kv_global(const Saved& s, const Tensor& k_full, const
     unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view());
     unshard_sequence(part(rank_kv, 1, kv_shape), positions_[r], v_full.view());
   }
+  attn::MhaForwardArgs a = block_args(s, k_full.view(), v_full.view(), rank_);
+  a.k_pos = global_order_;
+  return a;
 }
 
 void RingAttention::forward_allgather(const Saved& s, const TensorView& out, const TensorView& lse) {
   const TensorView& q = s.q.view();
-  const Shape& kv_shape = s.k.shape();
-  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
-  Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  gather_kv_global(s, k_full, v_full);
-
-  attn::MhaForwardArgs args;
-  args.q = q;
-  args.k = k_full.view();
-  args.v = v_full.view();
-  args.q_pos = positions_[rank_];
-  args.k_pos = global_order_;
-  args.mask = {config_.causal, config_.window};
-  args.scale = config_.scale;
+  Tensor k_full, v_full;
+  const attn::MhaForwardArgs args = gather_kv_global(s, k_full, v_full);
   {
     const ScopedTimer timer(counters_.compute_s);
     attn::mha_forward(args, out, lse, groups_.stream);
@@ -268,19 +254,10 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
                                        const TensorView& dk, const TensorView& dv) {
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
-  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
-  Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  gather_kv_global(s, k_full, v_full);
-
+  Tensor k_full, v_full;
   attn::MhaBackwardArgs args;
-  args.fwd.q = q;
-  args.fwd.k = k_full.view();
-  args.fwd.v = v_full.view();
-  args.fwd.q_pos = positions_[rank_];
-  args.fwd.k_pos = global_order_;
-  args.fwd.mask = {config_.causal, config_.window};
-  args.fwd.scale = config_.scale;
+  args.fwd = gather_kv_global(s, k_full, v_full);
+  const Shape& full_shape = k_full.shape();
   args.out = s.out.view();
   args.dout = dout;
   args.lse = s.lse.view();

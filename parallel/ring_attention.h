@@ -46,10 +46,6 @@
 
 namespace seqpar {
 
-enum class RingImpl : std::uint8_t { kP2P, kAllGather };
-const char* ring_impl_name(RingImpl impl);  // "p2p", "allgather"
-RingImpl parse_ring_impl(std::string_view name);
-
 struct RingAttentionConfig {
   RingImpl impl = RingImpl::kP2P;
   bool causal = true;
@@ -101,8 +97,9 @@ class RingAttention {
   void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv);
   attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v, int src) const;
-  // (K, V) of every ring rank in global order, [B, S, Hkv, D] each (all-gather).
-  void gather_kv_global(const Saved& s, const Tensor& k_full, const Tensor& v_full);
+  // (K, V) of every ring rank in global order, [B, S, Hkv, D] each (all-gather into k_full, v_full), and the
+  // forward arguments of this rank's queries against them.
+  attn::MhaForwardArgs gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full);
 
   CpGroups groups_;
   SequenceLayout layout_;

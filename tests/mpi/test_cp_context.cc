@@ -9,6 +9,7 @@
 #include "parallel/gdn_cp.h"
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/device_collectives.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -22,14 +23,7 @@ std::int64_t saved_bytes() {
   return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kSavedActivation)];
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.message();
-  }
-  return "<no error>";
-}
+using test::error_of;
 
 // A grid with Ulysses 2 when the world size is even, else a ring over the world.
 SpGridConfig grid_config() {

@@ -10,6 +10,7 @@
 #include "attention/reference/mha_reference.h"
 #include "parallel/dsa_cp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
 
@@ -50,13 +51,7 @@ struct DsaProblem {
 
 Tensor f64(const Tensor& t) { return Tensor::copy_of(t.view(), DType::kFloat64, MemCategory::kWorkspace); }
 
-Tensor piece(const Tensor& full, const std::vector<std::int64_t>& pos) {
-  Shape s = full.shape();
-  s[1] = static_cast<std::int64_t>(pos.size());
-  Tensor t = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
-  shard_sequence(full.view(), pos, t.view());
-  return t;
-}
+Tensor piece(const Tensor& full, const std::vector<std::int64_t>& pos) { return test::local_piece(full.view(), pos); }
 
 std::vector<double> gather(Communicator& sp, const SequenceLayout& layout, const Tensor& local, const Shape& full,
                            int seq_dim = 1) {

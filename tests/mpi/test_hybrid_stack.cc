@@ -13,6 +13,7 @@
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
 #include "runtime/tensor_ops.h"
+#include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
 
@@ -46,13 +47,7 @@ struct StackResult {  // full tensors gathered on every rank, as fp64
   double loss = 0;
 };
 
-Tensor piece(const Tensor& full, const std::vector<std::int64_t>& pos) {
-  Shape s = full.shape();
-  s[1] = static_cast<std::int64_t>(pos.size());
-  Tensor t = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
-  shard_sequence(full.view(), pos, t.view());
-  return t;
-}
+Tensor piece(const Tensor& full, const std::vector<std::int64_t>& pos) { return test::local_piece(full.view(), pos); }
 
 Tensor copy(const TensorView& t) { return Tensor::copy_of(t, t.dtype(), MemCategory::kWorkspace); }
 
