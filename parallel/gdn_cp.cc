@@ -384,14 +384,28 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor first_dinit;  // d(initial_state) of segment 0, on its owner
 
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
+  // The backward arguments of segment j (its inputs and dout rows, owned by the returned struct; moving Tensors
+  // keeps their buffers, so the views in `args` stay valid).
+  struct SegmentBackward {
+    SegmentInputs in;
+    Tensor dout;
+    attn::GdnBackwardArgs args;
+  };
+  auto segment_backward = [&](std::size_t j) {
+    const Segment& seg = segments_[mine_[j]];
+    SegmentBackward b{segment_inputs(s, seg, stream),
+                      take_rows(dout_h.view(), seg.local_offset, seg.length, MemCategory::kWorkspace, stream),
+                      {}};
+    b.args.fwd = forward_args(b.in, config_, s.start[j].view());
+    b.args.dout = b.dout.view();
+    return b;
+  };
   // Full backward of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
   auto run_segment = [&](std::size_t j, const TensorView& ds_end) {
     const Segment& seg = segments_[mine_[j]];
-    const SegmentInputs in = segment_inputs(s, seg, stream);
-    Tensor dout_seg = take_rows(dout_h.view(), seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
-    attn::GdnBackwardArgs a;
-    a.fwd = forward_args(in, config_, s.start[j].view());
-    a.dout = dout_seg.view();
+    SegmentBackward b = segment_backward(j);
+    const SegmentInputs& in = b.in;
+    attn::GdnBackwardArgs& a = b.args;
     a.dfinal_state = ds_end;
     Tensor dq = Tensor::empty(in.q.shape(), dtype, MemCategory::kWorkspace);
     Tensor dk = Tensor::empty(in.k.shape(), dtype, MemCategory::kWorkspace);
@@ -438,15 +452,10 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       // 1. Local parts L (cheap reverse sweep) and the maps (M^T, L).
       std::vector<Tensor> agg(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const Segment& seg = segments_[mine_[j]];
-        const SegmentInputs in = segment_inputs(s, seg, stream);
-        Tensor dout_seg = take_rows(dout_h.view(), seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
-        attn::GdnBackwardArgs a;
-        a.fwd = forward_args(in, config_, s.start[j].view());
-        a.dout = dout_seg.view();
+        const SegmentBackward b = segment_backward(j);
         agg[j] = Tensor::empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         const ScopedTimer timer(counters_.compute_s);
-        attn::gdn_backward(a, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
+        attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
         attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
       }
       // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
