@@ -41,13 +41,12 @@ double visible_pairs(const SpBenchOptions& o) {
 
 class DsaWorkload final : public Workload {
  public:
-  DsaWorkload(const SpBenchOptions& o, const SpGrid& grid) : o_(o), grid_(grid) {
+  DsaWorkload(const SpBenchOptions& o, const SpGrid& grid) : o_(o), grid_(grid), groups_(CpGroups::from(grid)) {
     DsaCpConfig cfg;
-    cfg.layout = o.layout;
     cfg.select = parse_dsa_select_mode(o.dsa_select);
     cfg.topk = o.topk;
     cfg.dim_v = o.dim_v;
-    dsa_ = std::make_unique<DsaContextParallel>(grid, o.seq, cfg);
+    dsa_ = std::make_unique<DsaContextParallel>(groups_, SequenceLayout::for_groups(groups_, o.seq, o.layout), cfg);
   }
 
   std::vector<TensorSpec> input_specs() const override { return dsa_input_specs(o_); }
@@ -112,7 +111,7 @@ class DsaWorkload final : public Workload {
   PhaseCounters backward() override {
     grads_ = DsaCpGrads{};
     dsa_->reset_counters();
-    grads_ = dsa_->backward(dout_.view());
+    grads_ = dsa_->backward(std::move(out_.ctx), dout_.view());
     PhaseCounters p = counters();
     p.executed_flops = 2.5 * attention_pairs_ * attention_flops_per_pair() / static_cast<double>(o_.heads);
     return p;
@@ -269,15 +268,16 @@ class DsaWorkload final : public Workload {
   }
 
   PhaseCounters counters() const {
-    const DsaCpCounters& c = dsa_->counters();
+    const CpCounters& c = dsa_->counters();
     PhaseCounters p;
-    p.exposed_comm_s = c.exposed_comm_s;
-    p.bytes_sent = c.bytes_sent;
+    p.exposed_comm_s = c.total_exposed_s();
+    p.bytes_sent = c.total_bytes_sent();
     return p;
   }
 
   SpBenchOptions o_;
   const SpGrid& grid_;
+  CpGroups groups_;
   std::unique_ptr<DsaContextParallel> dsa_;
   Tensor q_, c_, q_idx_, k_idx_, w_, dout_;
   DsaCpOutput out_;

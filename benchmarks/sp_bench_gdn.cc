@@ -25,12 +25,11 @@ std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o);
 class GdnWorkload final : public Workload {
  public:
   GdnWorkload(const SpBenchOptions& o, const SpGrid& grid)
-      : o_(o), grid_(grid), state_dtype_(attn::gdn_state_dtype(o.dtype)) {
+      : o_(o), grid_(grid), groups_(CpGroups::from(grid)), state_dtype_(attn::gdn_state_dtype(o.dtype)) {
     GdnCpConfig cfg;
-    cfg.layout = o.layout;
     cfg.mode = parse_gdn_cp_mode(o.gdn_mode);
     cfg.chunk_size = o.chunk_size;
-    gdn_ = std::make_unique<GdnContextParallel>(grid.ulysses(), grid.ring(), o.seq, cfg);
+    gdn_ = std::make_unique<GdnContextParallel>(groups_, SequenceLayout::for_groups(groups_, o.seq, o.layout), cfg);
   }
 
   std::vector<TensorSpec> input_specs() const override { return gdn_input_specs(o_); }
@@ -81,7 +80,7 @@ class GdnWorkload final : public Workload {
   PhaseCounters backward() override {
     grads_ = GdnCpGrads{};
     gdn_->reset_counters();
-    grads_ = gdn_->backward(dout_);
+    grads_ = gdn_->backward(std::move(out_.ctx), dout_);
     return counters();
   }
 
@@ -231,16 +230,17 @@ class GdnWorkload final : public Workload {
   }
 
   PhaseCounters counters() const {
-    const GdnCpCounters& c = gdn_->counters();
+    const CpCounters& c = gdn_->counters();
     PhaseCounters p;
-    p.exposed_comm_s = c.exposed_comm_s;
-    p.bytes_sent = c.bytes_sent + c.a2a_bytes_sent;
+    p.exposed_comm_s = c.total_exposed_s();
+    p.bytes_sent = c.total_bytes_sent();
     p.message_rounds = c.message_rounds;
     return p;
   }
 
   SpBenchOptions o_;
   const SpGrid& grid_;
+  CpGroups groups_;
   DType state_dtype_;
   std::unique_ptr<GdnContextParallel> gdn_;
   Tensor q_, k_, v_, g_, beta_, state_, dout_;

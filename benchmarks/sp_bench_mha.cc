@@ -9,7 +9,7 @@
 #include "benchmarks/sp_bench_workload.h"
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
-#include "parallel/ulysses.h"
+#include "parallel/usp.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench {
@@ -25,13 +25,13 @@ class MhaWorkload final : public Workload {
   MhaWorkload(const SpBenchOptions& o, const SpGrid& grid)
       : o_(o),
         grid_(grid),
-        layout_(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size),
+        groups_(CpGroups::from(grid)),
+        layout_(SequenceLayout::for_groups(groups_, o.seq, o.layout)),
         positions_(layout_.positions(grid.coords().sp_rank)) {
-    cfg_.layout = o.layout;
     cfg_.impl = o.impl;
     cfg_.causal = o.causal;
     cfg_.window = o.window;
-    usp_ = std::make_unique<UspAttention>(grid.ulysses(), grid.ring(), o.seq, cfg_);
+    usp_ = std::make_unique<UspAttention>(groups_, layout_, cfg_);
   }
 
   std::vector<TensorSpec> input_specs() const override { return mha_input_specs(o_); }
@@ -80,7 +80,7 @@ class MhaWorkload final : public Workload {
   PhaseCounters backward() override {
     grads_ = AttentionGrads{};
     usp_->reset_counters();
-    grads_ = usp_->backward(dout_);
+    grads_ = usp_->backward(std::move(out_.ctx), dout_);
     return from_usp(usp_->counters());
   }
 
@@ -185,22 +185,17 @@ class MhaWorkload final : public Workload {
     return a;
   }
 
-  static PhaseCounters from_ring(const AttentionCounters& c) {
+  static PhaseCounters from_usp(const CpCounters& c) {
     PhaseCounters p;
-    p.exposed_comm_s = c.exposed_comm_s;
-    p.bytes_sent = c.bytes_sent;
+    p.exposed_comm_s = c.total_exposed_s();  // the all-to-alls are not overlapped with computation
+    p.bytes_sent = c.total_bytes_sent();
     p.executed_flops = c.flops;
-    return p;
-  }
-  static PhaseCounters from_usp(const UspCounters& c) {
-    PhaseCounters p = from_ring(c.ring);
-    p.exposed_comm_s += c.a2a_s;  // the all-to-alls are not overlapped with computation
-    p.bytes_sent += c.a2a_bytes_sent;
     return p;
   }
 
   SpBenchOptions o_;
   const SpGrid& grid_;
+  CpGroups groups_;
   SequenceLayout layout_;
   std::vector<std::int64_t> positions_;
   RingAttentionConfig cfg_;

@@ -71,7 +71,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("placement", "ulysses_inner | ring_inner", cxxopts::value<std::string>()->default_value("ulysses_inner"))
     ("layout", "contiguous | zigzag | stripe", cxxopts::value<std::string>()->default_value("zigzag"))
     ("impl", "ring implementation: p2p | allgather", cxxopts::value<std::string>()->default_value("p2p"))
-    ("gdn-mode", "GDN state passing: chain | scan", cxxopts::value<std::string>()->default_value("chain"))
+    ("gdn-mode", "GDN state passing: chain | scan (default scan, as in GdnCpConfig)",
+     cxxopts::value<std::string>()->default_value("scan"))
     ("dsa-select", "DSA top-k selection over the SP group: ring (index keys circulate) | allgather (gathered "
                    "once)", cxxopts::value<std::string>()->default_value("ring"));
   spec.add_options("run")

@@ -17,9 +17,14 @@
 // attention probabilities, which the attention backward produces for free, so the loss value and all gradients
 // come out of backward(). The index-key gradients travel home with the index-key blocks like dK / dV.
 //
-// Synchronisation: forward() and backward() are collective over the grid's Ulysses, ring and SP communicators and
-// host-synchronous. Errors (before any communication, identical on every rank): layout divisibility, heads not
-// divisible by ulysses_size, shapes / dtypes, topk < 1, dim_v outside [1, Dqk], backward before forward.
+// Counters (CpCounters): attention_pairs, bytes over the ring and SP groups (bytes_*) and the Ulysses group (a2a_*),
+// exposed ring / SP wait time, Ulysses exchange time (a2a_s) and kernel time.
+// Synchronisation: forward() and backward() are collective over the groups' Ulysses, ring and SP communicators and
+// host-synchronous; kernels run on groups.stream. The object keeps no state between calls: the forward's context
+// owns the saved tensors (saved_activation) until the backward consumes it.
+// Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
+// divisible by ulysses_size, shapes / dtypes, topk < 1, dim_v outside [1, Dqk]; a context that is empty, already
+// used or made by another object.
 #pragma once
 
 #include <cstdint>
@@ -27,17 +32,12 @@
 #include <vector>
 
 #include "attention/dsa.h"
+#include "parallel/cp_common.h"
 #include "parallel/layout.h"
-#include "runtime/sp_grid.h"
 
 namespace seqpar {
 
-enum class DsaSelectMode : std::uint8_t { kRing, kAllGather };
-const char* dsa_select_mode_name(DsaSelectMode mode);  // "ring", "allgather"
-DsaSelectMode parse_dsa_select_mode(std::string_view name);
-
 struct DsaCpConfig {
-  LayoutKind layout = LayoutKind::kZigzag;
   DsaSelectMode select = DsaSelectMode::kRing;
   std::int64_t topk = attn::kDsaTopK;
   std::int64_t dim_v = attn::kDsaHeadDimV;
@@ -48,6 +48,7 @@ struct DsaCpOutput {
   Tensor out;           // [B, S_local, H, Dv], dtype of q
   Tensor lse;           // [B, H, S_local] fp32
   Tensor topk_indices;  // [B, S_local, topk] int64 global positions, ascending, -1 padded
+  CpContext ctx;        // what the backward needs; hand it to backward() of the object that made it
 };
 
 struct DsaCpGrads {
@@ -59,42 +60,34 @@ struct DsaCpGrads {
   double loss = 0;  // indexer KL loss summed over the whole sequence (the same on every rank)
 };
 
-struct DsaCpCounters {
-  double attention_pairs = 0;   // (query, selected key) pairs attended by this rank
-  std::int64_t bytes_sent = 0;  // all groups
-  double exposed_comm_s = 0;
-  double compute_s = 0;
-  void reset() { *this = {}; }
-};
-
 class DsaContextParallel {
  public:
-  DsaContextParallel(const SpGrid& grid, std::int64_t seq_len, const DsaCpConfig& config);
+  DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config);
 
   // q [B, S_local, H, Dqk], c [B, S_local, Dqk], q_idx [B, S_local, Hi, Di], k_idx [B, S_local, Di],
   // w [B, S_local, Hi], all one dtype, at positions(); S_local = seq_len / (ulysses_size * ring_size).
   DsaCpOutput forward(const TensorView& q, const TensorView& c, const TensorView& q_idx, const TensorView& k_idx,
                       const TensorView& w);
-  // dout [B, S_local, H, Dv]; loss_grad_scale multiplies the indexer loss gradient (the caller's loss weight).
-  DsaCpGrads backward(const TensorView& dout, float loss_grad_scale = 1.0f);
+  // The context of a forward of this object (consumed and freed); dout [B, S_local, H, Dv]; loss_grad_scale
+  // multiplies the indexer loss gradient (the caller's loss weight).
+  DsaCpGrads backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale = 1.0f);
 
   const SequenceLayout& layout() const { return layout_; }
   const std::vector<std::int64_t>& positions() const { return positions_; }
-  const DsaCpCounters& counters() const { return counters_; }
+  const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
 
  private:
-  const SpGrid& grid_;
-  DsaCpConfig config_;
+  struct Saved;
+
+  CpGroups groups_;
   SequenceLayout layout_;
+  DsaCpConfig config_;
+  LayerId id_;
   std::vector<std::int64_t> positions_;                    // this SP rank's positions
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
   std::vector<std::vector<std::int64_t>> ring_positions_;  // every ring rank's ring shard
-  DsaCpCounters counters_;
-  // saved for backward
-  Tensor q_h_, c_ring_, topk_ring_, out_h_, lse_h_;     // head-sharded attention side
-  Tensor q_idx_, k_idx_, w_, topk_local_, sel_scores_;  // sequence-sharded indexer side
-  bool has_forward_ = false;
+  CpCounters counters_;
 };
 
 }  // namespace seqpar

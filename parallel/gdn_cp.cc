@@ -2,13 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <map>
 
 #include "parallel/ulysses.h"
 #include "runtime/logging.h"
 #include "runtime/tensor_ops.h"
-#include "runtime/timer.h"
 
 namespace seqpar {
 namespace {
@@ -21,63 +19,25 @@ constexpr int kTagHalo = 18000;
 constexpr int kTagHaloGrad = 19000;
 constexpr std::int64_t kMaxSegments = 4000;  // keeps every tag family inside MPI's guaranteed tag range
 
-// Bytes of one row (all dims after the sequence dim 1) of a [B, S, ...] tensor.
-std::size_t row_bytes(const TensorView& t) {
-  std::size_t n = dtype_size(t.dtype());
-  for (int d = 2; d < t.ndim(); ++d) n *= static_cast<std::size_t>(t.dim(d));
-  return n;
+// Rows [offset, offset + length) of positions along dim 1.
+std::vector<std::int64_t> row_range(std::int64_t offset, std::int64_t length) {
+  std::vector<std::int64_t> rows(static_cast<std::size_t>(length));
+  for (std::int64_t i = 0; i < length; ++i) rows[i] = offset + i;
+  return rows;
 }
 
 // Rows [offset, offset + length) of every batch of a [B, S, ...] tensor, as a contiguous [B, length, ...] copy.
-Tensor take_rows(const TensorView& t, std::int64_t offset, std::int64_t length, MemCategory category) {
+Tensor take_rows(const TensorView& t, std::int64_t offset, std::int64_t length, MemCategory category, Stream stream) {
   Shape s = t.shape();
   s[1] = length;
   Tensor out = Tensor::empty(s, t.dtype(), category);
-  const std::size_t rb = row_bytes(t);
-  for (std::int64_t b = 0; b < t.dim(0); ++b) {
-    std::memcpy(static_cast<char*>(out.data()) + b * length * rb,
-                static_cast<const char*>(t.data()) + (b * t.dim(1) + offset) * rb, length * rb);
-  }
+  gather_rows(t, 1, row_range(offset, length), out.view(), stream);
   return out;
 }
 
 // The inverse: writes a [B, length, ...] tensor into rows [offset, offset + length) of `dst`.
-void put_rows(const TensorView& src, const TensorView& dst, std::int64_t offset) {
-  const std::size_t rb = row_bytes(dst);
-  const std::int64_t length = src.dim(1);
-  for (std::int64_t b = 0; b < dst.dim(0); ++b) {
-    std::memcpy(static_cast<char*>(dst.data()) + (b * dst.dim(1) + offset) * rb,
-                static_cast<const char*>(src.data()) + b * length * rb, length * rb);
-  }
-}
-
-// [B, S, H] -> [B, S, H, 1] view (Ulysses all-to-all of per-head scalars).
-TensorView as_4d(const TensorView& t) { return t.reshape({t.dim(0), t.dim(1), t.dim(2), 1}); }
-
-// Heads [u * hl, (u + 1) * hl) of a full [B, H, K, V] state.
-Tensor state_heads(const TensorView& full, int u, std::int64_t hl) {
-  const std::int64_t B = full.dim(0), H = full.dim(1);
-  Tensor out = Tensor::empty({B, hl, full.dim(2), full.dim(3)}, full.dtype(), MemCategory::kWorkspace);
-  const std::size_t head_bytes = static_cast<std::size_t>(full.dim(2) * full.dim(3)) * dtype_size(full.dtype());
-  for (std::int64_t b = 0; b < B; ++b)
-    std::memcpy(static_cast<char*>(out.data()) + b * hl * head_bytes,
-                static_cast<const char*>(full.data()) + (b * H + u * hl) * head_bytes, hl * head_bytes);
-  return out;
-}
-
-// The full [B, H, K, V] state from every Ulysses rank's [B, H / Pu, K, V] heads (all-gather).
-Tensor gather_state_heads(Communicator& ulysses, const TensorView& local) {
-  const int pu = ulysses.size();
-  const std::int64_t B = local.dim(0), hl = local.dim(1);
-  Tensor all = Tensor::empty({pu, B, hl, local.dim(2), local.dim(3)}, local.dtype(), MemCategory::kCommBuffer);
-  ulysses.all_gather(local, all.view())->wait();
-  Tensor full = Tensor::empty({B, hl * pu, local.dim(2), local.dim(3)}, local.dtype(), MemCategory::kWorkspace);
-  const std::size_t head_bytes = static_cast<std::size_t>(local.dim(2) * local.dim(3)) * dtype_size(local.dtype());
-  for (int u = 0; u < pu; ++u)
-    for (std::int64_t b = 0; b < B; ++b)
-      std::memcpy(static_cast<char*>(full.data()) + (b * hl * pu + u * hl) * head_bytes,
-                  static_cast<const char*>(all.data()) + (u * B + b) * hl * head_bytes, hl * head_bytes);
-  return full;
+void put_rows(const TensorView& src, const TensorView& dst, std::int64_t offset, Stream stream) {
+  scatter_rows(src, 1, row_range(offset, src.dim(1)), dst, stream);
 }
 
 // Kogge-Stone inclusive scan of packed [M | U] affine maps over the segments in global order (dir = +1:
@@ -85,7 +45,7 @@ Tensor gather_state_heads(Communicator& ulysses, const TensorView& local) {
 // `mine` lists this rank's segments (indices into `segments`), `agg` their maps. Returns the number of rounds.
 std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments, const std::vector<int>& mine,
                        const Shape& map_shape, const Shape& state_shape, int dir, std::vector<Tensor>& agg,
-                       double* exposed_s) {
+                       double* exposed_s, Stream stream) {
   const int n = static_cast<int>(segments.size()), me = ring.rank();
   const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
   auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(map_shape); };
@@ -114,30 +74,44 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
       }
     }
     if (!ops.empty()) {
-      const double t0 = wall_seconds();
-      ring.batch_isend_irecv(ops)->wait();
-      *exposed_s += wall_seconds() - t0;
+      WorkHandle w = ring.batch_isend_irecv(ops);
+      timed_wait(w, exposed_s);
     }
     for (std::size_t j = 0; j < mine.size(); ++j) {
       if (!received[j].defined()) continue;
       Tensor next = Tensor::empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
       attn::gdn_transition_compose(m_of(snapshot[j]), u_of(snapshot[j]), m_of(received[j]), u_of(received[j]),
-                                   m_of(next), u_of(next));
+                                   m_of(next), u_of(next), stream);
       agg[j] = std::move(next);
     }
   }
   return rounds;
 }
 
-}  // namespace
-
-const char* gdn_cp_mode_name(GdnCpMode mode) { return mode == GdnCpMode::kChain ? "chain" : "scan"; }
-
-GdnCpMode parse_gdn_cp_mode(std::string_view name) {
-  if (name == "chain") return GdnCpMode::kChain;
-  if (name == "scan") return GdnCpMode::kScan;
-  SEQPAR_THROW("GDN mode '", name, "' is not one of chain, scan");
+// scan_maps (its rounds added to counters.message_rounds), then every scanned map of this rank applied to
+// `boundary` (the global initial state forward, d(final_state) backward), or its U alone when `boundary` is empty.
+std::vector<Tensor> scan_and_apply(Communicator& ring, const std::vector<Segment>& segments,
+                                   const std::vector<int>& mine, const Shape& map_shape, const Shape& state_shape,
+                                   int dir, std::vector<Tensor>& agg, const Tensor& boundary, CpCounters& counters,
+                                   Stream stream) {
+  counters.message_rounds +=
+      scan_maps(ring, segments, mine, map_shape, state_shape, dir, agg, &counters.exposed_comm_s, stream);
+  const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
+  std::vector<Tensor> applied(mine.size());
+  for (std::size_t j = 0; j < mine.size(); ++j) {
+    const TensorView m = agg[j].view().slice0(0, mk).reshape(map_shape);
+    const TensorView u = agg[j].view().slice0(mk, mk + uk).reshape(state_shape);
+    applied[j] = Tensor::empty(state_shape, agg[j].dtype(), MemCategory::kCommBuffer);
+    if (boundary.defined()) {
+      attn::gdn_transition_apply(m, u, boundary.view(), applied[j].view(), stream);
+    } else {
+      copy_convert(u, applied[j].view());
+    }
+  }
+  return applied;
 }
+
+}  // namespace
 
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& positions_per_rank) {
   std::vector<Segment> segs;
@@ -156,40 +130,46 @@ std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std:
 
 // ---- GDN under CP --------------------------------------------------------------------------------------------
 
-struct GdnContextParallel::Impl {
+struct GdnContextParallel::Saved {
   // Ring-level (head-sharded) saved inputs and per-segment state.
   Tensor q, k, v, g, beta;
-  std::vector<int> mine;                              // indices into segments_ of this rank's segments, in global order
-  std::vector<Tensor> start;                          // start state of each of mine
-  std::vector<Tensor> map_m;                          // scan: M of each of mine
+  std::vector<Tensor> start;                          // start state of each of this rank's segments
+  std::vector<Tensor> map_m;                          // scan: M of each of this rank's segments
   std::int64_t batch = 0, heads = 0, dk = 0, dv = 0;  // heads: local (H / Pu)
   DType state_dtype = DType::kFloat32;
-  bool has_forward = false;
 
   Shape state_shape() const { return {batch, heads, dk, dv}; }
   Shape map_shape() const { return {batch, heads, dk, dk}; }
+  // A map packed as [M | U] (what the scan sends) and its two parts.
+  std::int64_t packed_numel() const { return shape_numel(map_shape()) + shape_numel(state_shape()); }
+  TensorView m_of(const Tensor& packed) const {
+    return packed.view().slice0(0, shape_numel(map_shape())).reshape(map_shape());
+  }
+  TensorView u_of(const Tensor& packed) const {
+    return packed.view().slice0(shape_numel(map_shape()), packed_numel()).reshape(state_shape());
+  }
 };
 
-GdnContextParallel::GdnContextParallel(Communicator& ulysses, Communicator& ring, std::int64_t seq_len,
-                                       const GdnCpConfig& config)
-    : ulysses_(ulysses),
-      ring_(ring),
+GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
+    : groups_(groups),
+      layout_(layout),
       config_(config),
-      layout_(config.layout, seq_len, ring.size(), ulysses.size()),
-      positions_(layout_.positions(ring.rank() * ulysses.size() + ulysses.rank())),
-      impl_(std::make_shared<Impl>()) {
-  SEQPAR_CHECK(config.layout != LayoutKind::kStripe,
+      positions_((check_layout_matches(groups, layout, "GDN CP"), layout.positions(groups.sp_rank()))) {
+  SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
                "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
                "make every token its own segment");
   SEQPAR_CHECK(config.chunk_size >= 1, "GDN chunk_size ", config.chunk_size, " must be >= 1");
   SEQPAR_CHECK(std::isfinite(config.scale), "GDN scale ", config.scale, " must be finite (0 or less: 1/sqrt(K))");
   std::vector<std::vector<std::int64_t>> ring_positions;
-  for (int r = 0; r < ring.size(); ++r) ring_positions.push_back(layout_.ring_shard_positions(r));
+  for (int r = 0; r < groups.ring_size(); ++r) ring_positions.push_back(layout_.ring_shard_positions(r));
   segments_ = segments_in_global_order(ring_positions);
   SEQPAR_CHECK(static_cast<std::int64_t>(segments_.size()) <= kMaxSegments, "GDN under CP: ", segments_.size(),
                " segments exceed the supported ", kMaxSegments);
   for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
-    if (segments_[i].owner == ring.rank()) impl_->mine.push_back(i);
+    if (segments_[i].owner == groups.ring.rank()) {
+      slot_[i] = mine_.size();
+      mine_.push_back(i);
+    }
   }
 }
 
@@ -200,12 +180,11 @@ struct SegmentInputs {
   Tensor q, k, v, g, beta;
 };
 
-SegmentInputs segment_inputs(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& g, const Tensor& beta,
-                             const Segment& s) {
+template <typename SavedT>
+SegmentInputs segment_inputs(const SavedT& s, const Segment& seg, Stream stream) {
   const MemCategory c = MemCategory::kWorkspace;
-  return {take_rows(q.view(), s.local_offset, s.length, c), take_rows(k.view(), s.local_offset, s.length, c),
-          take_rows(v.view(), s.local_offset, s.length, c), take_rows(g.view(), s.local_offset, s.length, c),
-          take_rows(beta.view(), s.local_offset, s.length, c)};
+  auto rows = [&](const Tensor& t) { return take_rows(t.view(), seg.local_offset, seg.length, c, stream); };
+  return {rows(s.q), rows(s.k), rows(s.v), rows(s.g), rows(s.beta)};
 }
 
 attn::GdnForwardArgs forward_args(const SegmentInputs& in, const GdnCpConfig& cfg, const TensorView& start) {
@@ -231,23 +210,23 @@ struct Round {
 
 }  // namespace
 
-// Runs the ring-level algorithm on head-sharded tensors; returns the final state of the last segment (on its
-// owner; empty elsewhere) after broadcasting it to every ring rank.
 GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                         const TensorView& g, const TensorView& beta, const TensorView& initial_state) {
-  Impl& s = *impl_;
   for (const TensorView* t : {&q, &k, &v, &g, &beta}) check_cpu(*t, "GDN CP input");
   SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
                "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
                " must be [B, S_local, H, K], [B, S_local, H, K], [B, S_local, H, V], [B, S_local, H] x 2");
   const std::int64_t B = q.dim(0), sl = q.dim(1), H = q.dim(2), K = q.dim(3), V = v.dim(3);
   SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be seq_len ", layout_.seq_len(),
-               " / (ring_size ", ring_.size(), " x ulysses_size ", ulysses_.size(), ") = ", layout_.local_len());
+               " / (ring_size ", layout_.ring_size(), " x ulysses_size ", layout_.ulysses_size(),
+               ") = ", layout_.local_len());
   check_shape(v, {B, sl, H, V}, "GDN CP v");
   check_shape(g, {B, sl, H}, "GDN CP g");
   check_shape(beta, {B, sl, H}, "GDN CP beta");
-  const int pu = ulysses_.size();
+  const int pu = groups_.ulysses_size();
   SEQPAR_CHECK(H % pu == 0, "GDN CP: heads ", H, " must be divisible by ulysses_size ", pu);
+  auto sp_ = std::make_shared<Saved>();
+  Saved& s = *sp_;
   s.batch = B;
   s.heads = H / pu;
   s.dk = K;
@@ -257,156 +236,126 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     check_shape(initial_state, {B, H, K, V}, "GDN CP initial_state");
     check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
   }
+  const CommStreamScope stream_scope(groups_);
+  const UlyssesExchange a2a(groups_, counters_);
+  const Stream stream = groups_.stream;
+  Communicator& ring = groups_.ring;
 
   // Ulysses: [B, S_local, H, *] -> [B, S_ring, H/Pu, *].
   const std::int64_t sr = layout_.ring_shard_len();
-  const double a0 = wall_seconds();
-  const std::int64_t a2a_before = ulysses_.counters().bytes_sent;
-  auto scatter = [&](const TensorView& t, std::int64_t last) {
-    Tensor out = Tensor::empty({B, sr, s.heads, last}, t.dtype(), MemCategory::kSavedActivation);
-    ulysses_scatter_heads(ulysses_, t.ndim() == 3 ? as_4d(t) : t, out.view());
-    if (t.ndim() == 3)
-      return Tensor::copy_of(out.view().reshape({B, sr, s.heads}), t.dtype(), MemCategory::kSavedActivation);
-    return out;
-  };
-  s.q = scatter(q, K);
-  s.k = scatter(k, K);
-  s.v = scatter(v, V);
-  s.g = scatter(g, 1);
-  s.beta = scatter(beta, 1);
+  s.q = a2a.to_heads(q, MemCategory::kSavedActivation);
+  s.k = a2a.to_heads(k, MemCategory::kSavedActivation);
+  s.v = a2a.to_heads(v, MemCategory::kSavedActivation);
+  s.g = a2a.to_heads(g, MemCategory::kSavedActivation);
+  s.beta = a2a.to_heads(beta, MemCategory::kSavedActivation);
   // This rank's heads of the initial state.
   Tensor init_local;
-  if (!initial_state.empty()) init_local = state_heads(initial_state, ulysses_.rank(), s.heads);
-  counters_.exposed_comm_s += wall_seconds() - a0;
+  if (!initial_state.empty()) init_local = a2a.my_heads_dim1(initial_state);
 
   const int n = static_cast<int>(segments_.size());
-  const int me = ring_.rank();
-  const CommCounters before = ring_.counters();
+  const int me = ring.rank();
   Tensor out_h = Tensor::empty({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
   Tensor last_final;  // final state of the last segment, on its owner
-  s.start.clear();
-  s.start.resize(s.mine.size());
-  s.map_m.clear();
-  s.map_m.resize(s.mine.size());
+  s.start.resize(mine_.size());
+  s.map_m.resize(mine_.size());
 
-  auto wait_timed = [&](WorkHandle w) {
-    if (!w) return;
-    const double t0 = wall_seconds();
-    w->wait();
-    counters_.exposed_comm_s += wall_seconds() - t0;
-  };
+  auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
   auto run_segment = [&](std::size_t j, const TensorView& start, const TensorView& final_state) {
-    const Segment& seg = segments_[s.mine[j]];
-    const SegmentInputs in = segment_inputs(s.q, s.k, s.v, s.g, s.beta, seg);
+    const Segment& seg = segments_[mine_[j]];
+    const SegmentInputs in = segment_inputs(s, seg, stream);
     Tensor out_seg = Tensor::empty({B, seg.length, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
-    const double t0 = wall_seconds();
-    attn::gdn_forward(forward_args(in, config_, start), out_seg.view(), final_state);
-    counters_.compute_s += wall_seconds() - t0;
-    put_rows(out_seg.view(), out_h.view(), seg.local_offset);
+    {
+      const ScopedTimer timer(counters_.compute_s);
+      attn::gdn_forward(forward_args(in, config_, start), out_seg.view(), final_state, stream);
+    }
+    put_rows(out_seg.view(), out_h.view(), seg.local_offset, stream);
   };
 
-  if (config_.mode == GdnCpMode::kChain) {
-    std::vector<WorkHandle> sends;
-    std::vector<Tensor> finals(s.mine.size());  // end states; alive until their sends complete
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      const int i = s.mine[j];
-      s.start[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-      if (i == 0) {
-        if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
-      } else if (segments_[i - 1].owner == me) {
-        copy_convert(finals[j - 1].view(), s.start[j].view());
-      } else {
-        wait_timed(ring_.irecv(s.start[j].view(), segments_[i - 1].owner, kTagChainFwd + i));
+  {
+    const CommMeter meter(groups_, counters_);
+    if (config_.mode == GdnCpMode::kChain) {
+      std::vector<WorkHandle> sends;
+      std::vector<Tensor> finals(mine_.size());  // end states; alive until their sends complete
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        const int i = mine_[j];
+        s.start[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
+        if (i == 0) {
+          if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
+        } else if (segments_[i - 1].owner == me) {
+          copy_convert(finals[j - 1].view(), s.start[j].view());
+        } else {
+          wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, kTagChainFwd + i));
+        }
+        finals[j] = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+        run_segment(j, s.start[j].view(), finals[j].view());
+        if (i + 1 < n && segments_[i + 1].owner != me) {
+          sends.push_back(ring.isend(finals[j].view(), segments_[i + 1].owner, kTagChainFwd + i + 1));
+        }
+        if (i + 1 == n) last_final = Tensor::copy_of(finals[j].view(), s.state_dtype, MemCategory::kWorkspace);
       }
-      finals[j] = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-      run_segment(j, s.start[j].view(), finals[j].view());
-      if (i + 1 < n && segments_[i + 1].owner != me) {
-        sends.push_back(ring_.isend(finals[j].view(), segments_[i + 1].owner, kTagChainFwd + i + 1));
+      for (auto& w : sends) wait_timed(std::move(w));
+      counters_.message_rounds += n - 1;
+    } else {
+      // 1. Each segment's map from a zero start, packed as [M | U].
+      std::vector<Tensor> agg(mine_.size());
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        const SegmentInputs in = segment_inputs(s, segments_[mine_[j]], stream);
+        agg[j] = Tensor::empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+        {
+          const ScopedTimer timer(counters_.compute_s);
+          attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
+        }
+        s.map_m[j] = Tensor::copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
       }
-      if (i + 1 == n) last_final = Tensor::copy_of(finals[j].view(), s.state_dtype, MemCategory::kWorkspace);
-    }
-    for (auto& w : sends) wait_timed(std::move(w));
-    counters_.message_rounds += n - 1;
-  } else {
-    // 1. Each segment's map from a zero start, packed as [M | U].
-    const std::int64_t mk = B * s.heads * K * K, uk = B * s.heads * K * V;
-    std::vector<Tensor> agg(s.mine.size());
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      const Segment& seg = segments_[s.mine[j]];
-      const SegmentInputs in = segment_inputs(s.q, s.k, s.v, s.g, s.beta, seg);
-      agg[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-      const double t0 = wall_seconds();
-      attn::gdn_transition(forward_args(in, config_, {}), agg[j].view().slice0(0, mk).reshape(s.map_shape()),
-                           agg[j].view().slice0(mk, mk + uk).reshape(s.state_shape()));
-      counters_.compute_s += wall_seconds() - t0;
-      s.map_m[j] = Tensor::copy_of(agg[j].view().slice0(0, mk).reshape(s.map_shape()), s.state_dtype,
-                                   MemCategory::kSavedActivation);
-    }
-    auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(s.map_shape()); };
-    auto u_of = [&](const Tensor& t) { return t.view().slice0(mk, mk + uk).reshape(s.state_shape()); };
-    // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}.
-    std::map<int, std::size_t> slot;  // global segment index -> index in mine
-    for (std::size_t j = 0; j < s.mine.size(); ++j) slot[s.mine[j]] = j;
-    counters_.message_rounds +=
-        scan_maps(ring_, segments_, s.mine, s.map_shape(), s.state_shape(), +1, agg, &counters_.exposed_comm_s);
-    // 3. End state of every segment from the global initial state; shift by one segment to get start states.
-    std::vector<Tensor> end(s.mine.size());
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      end[j] = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-      if (init_local.defined()) {
-        attn::gdn_transition_apply(m_of(agg[j]), u_of(agg[j]), init_local.view(), end[j].view());
-      } else {
-        copy_convert(u_of(agg[j]), end[j].view());
+      // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment from the global
+      // initial state; then a shift by one segment gives the start states.
+      const std::vector<Tensor> end = scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg,
+                                                     init_local, counters_, stream);
+      Round shift;
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        const int i = mine_[j];
+        s.start[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
+        if (i + 1 < n && segments_[i + 1].owner != me)
+          shift.send(end[j].view(), segments_[i + 1].owner, kTagShift + i + 1);
+        if (i == 0) {
+          if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
+        } else if (segments_[i - 1].owner == me) {
+          copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
+        } else {
+          shift.recv(s.start[j].view(), segments_[i - 1].owner, kTagShift + i);
+        }
       }
-    }
-    Round shift;
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      const int i = s.mine[j];
-      s.start[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-      if (i + 1 < n && segments_[i + 1].owner != me)
-        shift.send(end[j].view(), segments_[i + 1].owner, kTagShift + i + 1);
-      if (i == 0) {
-        if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
-      } else if (segments_[i - 1].owner == me) {
-        copy_convert(end[slot[i - 1]].view(), s.start[j].view());
-      } else {
-        shift.recv(s.start[j].view(), segments_[i - 1].owner, kTagShift + i);
+      if (!shift.ops.empty()) wait_timed(ring.batch_isend_irecv(shift.ops));
+      if (n > 1) ++counters_.message_rounds;
+      // 4. Every segment runs from its start state.
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        Tensor fin = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
+        run_segment(j, s.start[j].view(), fin.view());
+        if (mine_[j] + 1 == n) last_final = std::move(fin);
       }
-    }
-    if (!shift.ops.empty()) wait_timed(ring_.batch_isend_irecv(shift.ops));
-    if (n > 1) ++counters_.message_rounds;
-    // 4. Every segment runs from its start state.
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      Tensor fin = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-      run_segment(j, s.start[j].view(), fin.view());
-      if (s.mine[j] + 1 == n) last_final = std::move(fin);
     }
   }
-  counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
-  counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
 
   // final_state: broadcast from the last segment's owner over the ring, then gather heads over Ulysses.
   GdnCpOutput result;
   Tensor final_local = last_final.defined() ? std::move(last_final)
                                             : Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-  const double b0 = wall_seconds();
-  ring_.broadcast(final_local.view(), segments_.back().owner)->wait();
-  result.final_state = gather_state_heads(ulysses_, final_local.view());
-  result.out = Tensor::empty({B, sl, H, V}, q.dtype(), MemCategory::kSavedActivation);
-  ulysses_gather_heads(ulysses_, out_h.view(), result.out.view());
-  counters_.exposed_comm_s += wall_seconds() - b0;
-  counters_.a2a_bytes_sent += ulysses_.counters().bytes_sent - a2a_before;
-  SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring_.rank() << "/"
-                     << ring_.size() << ", " << segments_.size() << " segments): message rounds so far "
+  WorkHandle bcast = ring.broadcast(final_local.view(), segments_.back().owner);
+  timed_wait(bcast, &counters_.exposed_comm_s);
+  result.final_state = a2a.gather_heads_dim1(final_local.view());
+  result.out = Tensor::empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
+  a2a.to_sequence(out_h.view(), result.out.view());
+  SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank() << "/"
+                     << ring.size() << ", " << segments_.size() << " segments): message rounds so far "
                      << counters_.message_rounds;
-  s.has_forward = true;
+  result.ctx = CpContext::make(id_, "GDN CP", std::move(sp_));
   return result;
 }
 
-GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView& dfinal_state) {
-  Impl& s = *impl_;
-  SEQPAR_CHECK(s.has_forward, "GDN CP: backward() needs a preceding forward()");
-  const int pu = ulysses_.size();
+GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state) {
+  const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "GDN CP");
+  const Saved& s = *saved;
+  const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, H = s.heads * pu, K = s.dk, V = s.dv, sl = layout_.local_len(),
                      sr = layout_.ring_shard_len();
   check_cpu(dout, "GDN CP dout");
@@ -415,16 +364,18 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
     check_shape(dfinal_state, {B, H, K, V}, "GDN CP dfinal_state");
     check_dtype(dfinal_state, s.state_dtype, "GDN CP dfinal_state");
   }
+  ctx.consume<Saved>(id_, "GDN CP");
+  const CommStreamScope stream_scope(groups_);
+  const UlyssesExchange a2a(groups_, counters_);
+  const Stream stream = groups_.stream;
+  Communicator& ring = groups_.ring;
   const DType dtype = s.q.dtype();
-  const std::int64_t a2a_before = ulysses_.counters().bytes_sent;
-  Tensor dout_h = Tensor::empty({B, sr, s.heads, V}, dout.dtype(), MemCategory::kWorkspace);
-  ulysses_scatter_heads(ulysses_, dout, dout_h.view());
+  Tensor dout_h = a2a.to_heads(dout);
   Tensor dfinal_local;
-  if (!dfinal_state.empty()) dfinal_local = state_heads(dfinal_state, ulysses_.rank(), s.heads);
+  if (!dfinal_state.empty()) dfinal_local = a2a.my_heads_dim1(dfinal_state);
 
   const int n = static_cast<int>(segments_.size());
-  const int me = ring_.rank();
-  const CommCounters before = ring_.counters();
+  const int me = ring.rank();
   Tensor dq_h = Tensor::empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
   Tensor dk_h = Tensor::empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
   Tensor dv_h = Tensor::empty({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
@@ -432,20 +383,29 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
   Tensor db_h = Tensor::empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
   Tensor first_dinit;  // d(initial_state) of segment 0, on its owner
 
-  auto wait_timed = [&](WorkHandle w) {
-    if (!w) return;
-    const double t0 = wall_seconds();
-    w->wait();
-    counters_.exposed_comm_s += wall_seconds() - t0;
+  auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
+  // The backward arguments of segment j (its inputs and dout rows, owned by the returned struct; moving Tensors
+  // keeps their buffers, so the views in `args` stay valid).
+  struct SegmentBackward {
+    SegmentInputs in;
+    Tensor dout;
+    attn::GdnBackwardArgs args;
+  };
+  auto segment_backward = [&](std::size_t j) {
+    const Segment& seg = segments_[mine_[j]];
+    SegmentBackward b{segment_inputs(s, seg, stream),
+                      take_rows(dout_h.view(), seg.local_offset, seg.length, MemCategory::kWorkspace, stream),
+                      {}};
+    b.args.fwd = forward_args(b.in, config_, s.start[j].view());
+    b.args.dout = b.dout.view();
+    return b;
   };
   // Full backward of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
   auto run_segment = [&](std::size_t j, const TensorView& ds_end) {
-    const Segment& seg = segments_[s.mine[j]];
-    const SegmentInputs in = segment_inputs(s.q, s.k, s.v, s.g, s.beta, seg);
-    Tensor dout_seg = take_rows(dout_h.view(), seg.local_offset, seg.length, MemCategory::kWorkspace);
-    attn::GdnBackwardArgs a;
-    a.fwd = forward_args(in, config_, s.start[j].view());
-    a.dout = dout_seg.view();
+    const Segment& seg = segments_[mine_[j]];
+    SegmentBackward b = segment_backward(j);
+    const SegmentInputs& in = b.in;
+    attn::GdnBackwardArgs& a = b.args;
     a.dfinal_state = ds_end;
     Tensor dq = Tensor::empty(in.q.shape(), dtype, MemCategory::kWorkspace);
     Tensor dk = Tensor::empty(in.k.shape(), dtype, MemCategory::kWorkspace);
@@ -453,116 +413,96 @@ GdnCpGrads GdnContextParallel::backward(const TensorView& dout, const TensorView
     Tensor dg = Tensor::empty(in.g.shape(), dtype, MemCategory::kWorkspace);
     Tensor db = Tensor::empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
     Tensor ds_start = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-    const double t0 = wall_seconds();
-    attn::gdn_backward(a, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view());
-    counters_.compute_s += wall_seconds() - t0;
-    put_rows(dq.view(), dq_h.view(), seg.local_offset);
-    put_rows(dk.view(), dk_h.view(), seg.local_offset);
-    put_rows(dv.view(), dv_h.view(), seg.local_offset);
-    put_rows(dg.view(), dg_h.view(), seg.local_offset);
-    put_rows(db.view(), db_h.view(), seg.local_offset);
+    {
+      const ScopedTimer timer(counters_.compute_s);
+      attn::gdn_backward(a, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
+    }
+    put_rows(dq.view(), dq_h.view(), seg.local_offset, stream);
+    put_rows(dk.view(), dk_h.view(), seg.local_offset, stream);
+    put_rows(dv.view(), dv_h.view(), seg.local_offset, stream);
+    put_rows(dg.view(), dg_h.view(), seg.local_offset, stream);
+    put_rows(db.view(), db_h.view(), seg.local_offset, stream);
     return ds_start;
   };
 
-  if (config_.mode == GdnCpMode::kChain) {
-    std::vector<WorkHandle> sends;
-    std::vector<Tensor> ds_starts(s.mine.size());  // alive until their sends complete
-    for (std::size_t jj = s.mine.size(); jj-- > 0;) {
-      const int i = s.mine[jj];
-      Tensor ds_end = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-      if (i == n - 1) {
-        if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end.view());
-      } else if (segments_[i + 1].owner == me) {
-        copy_convert(ds_starts[jj + 1].view(), ds_end.view());
-      } else {
-        wait_timed(ring_.irecv(ds_end.view(), segments_[i + 1].owner, kTagChainBwd + i));
+  {
+    const CommMeter meter(groups_, counters_);
+    if (config_.mode == GdnCpMode::kChain) {
+      std::vector<WorkHandle> sends;
+      std::vector<Tensor> ds_starts(mine_.size());  // alive until their sends complete
+      for (std::size_t jj = mine_.size(); jj-- > 0;) {
+        const int i = mine_[jj];
+        Tensor ds_end = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+        if (i == n - 1) {
+          if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end.view());
+        } else if (segments_[i + 1].owner == me) {
+          copy_convert(ds_starts[jj + 1].view(), ds_end.view());
+        } else {
+          wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, kTagChainBwd + i));
+        }
+        ds_starts[jj] = run_segment(jj, ds_end.view());
+        if (i > 0 && segments_[i - 1].owner != me) {
+          sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, kTagChainBwd + i - 1));
+        }
+        if (i == 0) first_dinit = Tensor::copy_of(ds_starts[jj].view(), s.state_dtype, MemCategory::kWorkspace);
       }
-      ds_starts[jj] = run_segment(jj, ds_end.view());
-      if (i > 0 && segments_[i - 1].owner != me) {
-        sends.push_back(ring_.isend(ds_starts[jj].view(), segments_[i - 1].owner, kTagChainBwd + i - 1));
+      for (auto& w : sends) wait_timed(std::move(w));
+      counters_.message_rounds += n - 1;
+    } else {
+      // 1. Local parts L (cheap reverse sweep) and the maps (M^T, L).
+      std::vector<Tensor> agg(mine_.size());
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        const SegmentBackward b = segment_backward(j);
+        agg[j] = Tensor::empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+        const ScopedTimer timer(counters_.compute_s);
+        attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
+        attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
       }
-      if (i == 0) first_dinit = Tensor::copy_of(ds_starts[jj].view(), s.state_dtype, MemCategory::kWorkspace);
-    }
-    for (auto& w : sends) wait_timed(std::move(w));
-    counters_.message_rounds += n - 1;
-  } else {
-    const std::int64_t mk = B * s.heads * K * K, uk = B * s.heads * K * V;
-    auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(s.map_shape()); };
-    auto u_of = [&](const Tensor& t) { return t.view().slice0(mk, mk + uk).reshape(s.state_shape()); };
-    // 1. Local parts L (cheap reverse sweep) and the maps (M^T, L).
-    std::vector<Tensor> agg(s.mine.size());
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      const Segment& seg = segments_[s.mine[j]];
-      const SegmentInputs in = segment_inputs(s.q, s.k, s.v, s.g, s.beta, seg);
-      Tensor dout_seg = take_rows(dout_h.view(), seg.local_offset, seg.length, MemCategory::kWorkspace);
-      attn::GdnBackwardArgs a;
-      a.fwd = forward_args(in, config_, s.start[j].view());
-      a.dout = dout_seg.view();
-      agg[j] = Tensor::empty({mk + uk}, s.state_dtype, MemCategory::kCommBuffer);
-      const double t0 = wall_seconds();
-      attn::gdn_backward(a, {}, {}, {}, {}, {}, u_of(agg[j]));
-      attn::gdn_transition_transpose(s.map_m[j].view(), m_of(agg[j]));
-      counters_.compute_s += wall_seconds() - t0;
-    }
-    std::map<int, std::size_t> slot;
-    for (std::size_t j = 0; j < s.mine.size(); ++j) slot[s.mine[j]] = j;
-    // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first).
-    counters_.message_rounds +=
-        scan_maps(ring_, segments_, s.mine, s.map_shape(), s.state_shape(), -1, agg, &counters_.exposed_comm_s);
-    // 3. dS_start of every segment; shift to the previous segment to get each dS_end.
-    std::vector<Tensor> ds_start(s.mine.size());
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      ds_start[j] = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-      if (dfinal_local.defined()) {
-        attn::gdn_transition_apply(m_of(agg[j]), u_of(agg[j]), dfinal_local.view(), ds_start[j].view());
-      } else {
-        copy_convert(u_of(agg[j]), ds_start[j].view());
+      // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
+      // of every segment; then a shift to the previous segment gives each dS_end.
+      const std::vector<Tensor> ds_start = scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1,
+                                                          agg, dfinal_local, counters_, stream);
+      Round shift;
+      std::vector<Tensor> ds_end(mine_.size());
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        const int i = mine_[j];
+        ds_end[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+        if (i > 0 && segments_[i - 1].owner != me)
+          shift.send(ds_start[j].view(), segments_[i - 1].owner, kTagShift + i - 1);
+        if (i == n - 1) {
+          if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end[j].view());
+        } else if (segments_[i + 1].owner == me) {
+          copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
+        } else {
+          shift.recv(ds_end[j].view(), segments_[i + 1].owner, kTagShift + i);
+        }
       }
-    }
-    Round shift;
-    std::vector<Tensor> ds_end(s.mine.size());
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      const int i = s.mine[j];
-      ds_end[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-      if (i > 0 && segments_[i - 1].owner != me)
-        shift.send(ds_start[j].view(), segments_[i - 1].owner, kTagShift + i - 1);
-      if (i == n - 1) {
-        if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end[j].view());
-      } else if (segments_[i + 1].owner == me) {
-        copy_convert(ds_start[slot[i + 1]].view(), ds_end[j].view());
-      } else {
-        shift.recv(ds_end[j].view(), segments_[i + 1].owner, kTagShift + i);
+      if (!shift.ops.empty()) wait_timed(ring.batch_isend_irecv(shift.ops));
+      if (n > 1) ++counters_.message_rounds;
+      // 4. Full backward of every segment.
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        Tensor d0 = run_segment(j, ds_end[j].view());
+        if (mine_[j] == 0) first_dinit = std::move(d0);
       }
-    }
-    if (!shift.ops.empty()) wait_timed(ring_.batch_isend_irecv(shift.ops));
-    if (n > 1) ++counters_.message_rounds;
-    // 4. Full backward of every segment.
-    for (std::size_t j = 0; j < s.mine.size(); ++j) {
-      Tensor d0 = run_segment(j, ds_end[j].view());
-      if (s.mine[j] == 0) first_dinit = std::move(d0);
     }
   }
-  counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
-  counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
 
   GdnCpGrads grads;
-  auto gather = [&](const Tensor& t, std::int64_t last, bool per_head_scalar) {
-    Tensor out =
-        Tensor::empty(per_head_scalar ? Shape{B, sl, H} : Shape{B, sl, H, last}, dtype, MemCategory::kWorkspace);
-    const TensorView in = per_head_scalar ? as_4d(t.view()) : t.view();
-    ulysses_gather_heads(ulysses_, in, per_head_scalar ? as_4d(out.view()) : out.view());
+  auto gather = [&](const Tensor& t, const Shape& shape) {
+    Tensor out = Tensor::empty(shape, dtype, MemCategory::kWorkspace);
+    a2a.to_sequence(t.view(), out.view());
     return out;
   };
-  grads.dq = gather(dq_h, K, false);
-  grads.dk = gather(dk_h, K, false);
-  grads.dv = gather(dv_h, V, false);
-  grads.dg = gather(dg_h, 1, true);
-  grads.dbeta = gather(db_h, 1, true);
+  grads.dq = gather(dq_h, {B, sl, H, K});
+  grads.dk = gather(dk_h, {B, sl, H, K});
+  grads.dv = gather(dv_h, {B, sl, H, V});
+  grads.dg = gather(dg_h, {B, sl, H});
+  grads.dbeta = gather(db_h, {B, sl, H});
   Tensor dinit_local = first_dinit.defined() ? std::move(first_dinit)
                                              : Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-  ring_.broadcast(dinit_local.view(), segments_.front().owner)->wait();
-  grads.dinitial_state = gather_state_heads(ulysses_, dinit_local.view());
-  counters_.a2a_bytes_sent += ulysses_.counters().bytes_sent - a2a_before;
+  WorkHandle bcast = ring.broadcast(dinit_local.view(), segments_.front().owner);
+  timed_wait(bcast, &counters_.exposed_comm_s);
+  grads.dinitial_state = a2a.gather_heads_dim1(dinit_local.view());
   return grads;
 }
 
@@ -576,21 +516,79 @@ struct ShortConvContextParallel::HaloPlan {
     int owner;
     std::int64_t row;
   };
+  // Where one segment's halo slots come from: `slots` of the conv state filled from `rows` of a source (this
+  // rank's x when the source is this rank, else the rows of the message from that peer).
+  struct Source {
+    int peer;
+    std::vector<std::int64_t> rows, slots;
+  };
+  std::int64_t width = 0;
   std::vector<int> mine;                        // indices into segments_
-  std::vector<std::vector<Need>> needs;         // per segment of mine
+  std::vector<std::vector<Source>> sources;     // per segment of mine
   std::vector<std::vector<std::int64_t>> give;  // per peer: my local rows that peer needs, in its order
-  std::vector<std::vector<std::pair<std::size_t, std::size_t>>> take;  // per peer: (segment j, halo slot)
+  std::vector<std::int64_t> take_count;         // per peer: rows it sends me
 };
 
-ShortConvContextParallel::ShortConvContextParallel(Communicator& comm, const SequenceLayout& layout)
-    : comm_(comm), layout_(layout) {
-  SEQPAR_CHECK(comm.size() == layout.num_ranks(), "short conv CP: communicator size ", comm.size(), " != layout ranks ",
-               layout.num_ranks());
-  for (int r = 0; r < comm.size(); ++r) positions_.push_back(layout.positions(r));
+struct ShortConvContextParallel::Saved {
+  Tensor x, weight;
+  std::vector<Tensor> halo;  // each segment's conv state [B, W-1, C]
+  std::int64_t width = 0;
+};
+
+ShortConvContextParallel::ShortConvContextParallel(const CpGroups& groups, const SequenceLayout& layout,
+                                                   const ShortConvCpConfig& config)
+    : groups_(groups), layout_(layout), config_(config) {
+  check_layout_matches(groups, layout, "short conv CP");
+  for (int r = 0; r < groups.sp.size(); ++r) positions_.push_back(layout.positions(r));
   segments_ = segments_in_global_order(positions_);
 }
 
-Tensor ShortConvContextParallel::forward(const TensorView& x, const TensorView& weight, bool use_silu) {
+const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std::int64_t W) {
+  if (plan_ && plan_->width == W) return *plan_;
+  // Who needs which rows from whom (every rank derives the same plan from the layout).
+  const int me = groups_.sp.rank(), n = groups_.sp.size();
+  auto plan = std::make_shared<HaloPlan>();
+  plan->width = W;
+  std::vector<std::pair<int, std::int64_t>> where(static_cast<std::size_t>(layout_.seq_len()));
+  for (int r = 0; r < n; ++r)
+    for (std::size_t i = 0; i < positions_[r].size(); ++i) where[positions_[r][i]] = {r, static_cast<std::int64_t>(i)};
+  plan->give.assign(n, {});
+  plan->take_count.assign(n, 0);
+  for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
+    const Segment& seg = segments_[i];
+    std::vector<HaloPlan::Need> need;
+    for (std::int64_t w = W - 1; w >= 1; --w) {
+      const std::int64_t p = seg.start - w;
+      need.push_back({p, p >= 0 ? where[p].first : -1, p >= 0 ? where[p].second : -1});
+    }
+    if (seg.owner == me) {
+      plan->mine.push_back(i);
+      std::vector<HaloPlan::Source> sources;
+      auto source_of = [&](int peer) -> HaloPlan::Source& {
+        for (auto& src : sources)
+          if (src.peer == peer) return src;
+        sources.push_back({peer, {}, {}});
+        return sources.back();
+      };
+      for (std::size_t h = 0; h < need.size(); ++h) {
+        const HaloPlan::Need& nd = need[h];
+        if (nd.owner < 0) continue;
+        HaloPlan::Source& src = source_of(nd.owner);
+        src.rows.push_back(nd.owner == me ? nd.row : plan->take_count[nd.owner]++);
+        src.slots.push_back(static_cast<std::int64_t>(h));
+      }
+      plan->sources.push_back(std::move(sources));
+    } else {
+      for (const auto& nd : need) {
+        if (nd.owner == me) plan->give[seg.owner].push_back(nd.row);
+      }
+    }
+  }
+  plan_ = plan;
+  return *plan_;
+}
+
+ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const TensorView& weight) {
   check_cpu(x, "short conv CP x");
   check_cpu(weight, "short conv CP weight");
   SEQPAR_CHECK(x.ndim() == 3 && x.dim(1) == layout_.local_len(), "short conv CP: x ", x.str(),
@@ -598,178 +596,123 @@ Tensor ShortConvContextParallel::forward(const TensorView& x, const TensorView& 
   SEQPAR_CHECK(weight.ndim() == 2 && weight.dim(0) == x.dim(2) && weight.dim(1) >= 1, "short conv CP: weight ",
                weight.str(), " must be [C = ", x.dim(2), ", W >= 1]");
   const std::int64_t B = x.dim(0), C = x.dim(2), W = weight.dim(1);
-  const int me = comm_.rank(), n = comm_.size();
-  // Plan the halo: who needs which rows from whom (every rank derives the same plan from the layout).
-  if (!plan_ || width_ != W) {
-    auto plan = std::make_shared<HaloPlan>();
-    std::vector<std::pair<int, std::int64_t>> where(static_cast<std::size_t>(layout_.seq_len()));
-    for (int r = 0; r < n; ++r)
-      for (std::size_t i = 0; i < positions_[r].size(); ++i)
-        where[positions_[r][i]] = {r, static_cast<std::int64_t>(i)};
-    plan->give.assign(n, {});
-    plan->take.assign(n, {});
-    for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
-      const Segment& seg = segments_[i];
-      std::vector<HaloPlan::Need> need;
-      for (std::int64_t w = W - 1; w >= 1; --w) {
-        const std::int64_t p = seg.start - w;
-        need.push_back({p, p >= 0 ? where[p].first : -1, p >= 0 ? where[p].second : -1});
-      }
-      if (seg.owner == me) {
-        plan->mine.push_back(i);
-        const std::size_t j = plan->needs.size();
-        for (std::size_t h = 0; h < need.size(); ++h) {
-          if (need[h].owner >= 0 && need[h].owner != me) plan->take[need[h].owner].push_back({j, h});
-        }
-        plan->needs.push_back(need);
-      } else {
-        for (const auto& nd : need) {
-          if (nd.owner == me) plan->give[seg.owner].push_back(nd.row);
-        }
-      }
-    }
-    plan_ = plan;
-    width_ = W;
-  }
-  const HaloPlan& plan = *plan_;
-  const std::size_t rb = static_cast<std::size_t>(C) * dtype_size(x.dtype());
-  // Exchange: to each peer, the rows it needs ([rows, B, C]); from each peer, ours.
+  const int me = groups_.sp.rank(), n = groups_.sp.size();
+  const HaloPlan& plan = plan_for(W);
+  const CommStreamScope stream_scope(groups_);
+  const Stream stream = groups_.stream;
+  // Exchange: to each peer, the rows it needs ([B, rows, C]); from each peer, ours.
   std::vector<Tensor> send(n), recv(n);
   std::vector<P2POp> ops;
   for (int r = 0; r < n; ++r) {
     if (!plan.give[r].empty()) {
-      const std::int64_t rows = static_cast<std::int64_t>(plan.give[r].size());
-      send[r] = Tensor::empty({rows, B, C}, x.dtype(), MemCategory::kCommBuffer);
-      for (std::int64_t i = 0; i < rows; ++i)
-        for (std::int64_t b = 0; b < B; ++b)
-          std::memcpy(static_cast<char*>(send[r].data()) + (i * B + b) * rb,
-                      static_cast<const char*>(x.data()) + (b * x.dim(1) + plan.give[r][i]) * rb, rb);
+      send[r] =
+          Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, x.dtype(), MemCategory::kCommBuffer);
+      gather_rows(x, 1, plan.give[r], send[r].view(), stream);
       ops.push_back(P2POp::send(send[r].view(), r, kTagHalo));
       halo_bytes_sent_ += static_cast<std::int64_t>(send[r].nbytes());
     }
-    if (!plan.take[r].empty()) {
-      recv[r] =
-          Tensor::empty({static_cast<std::int64_t>(plan.take[r].size()), B, C}, x.dtype(), MemCategory::kCommBuffer);
+    if (plan.take_count[r] > 0) {
+      recv[r] = Tensor::empty({B, plan.take_count[r], C}, x.dtype(), MemCategory::kCommBuffer);
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHalo));
     }
   }
-  if (!ops.empty()) comm_.batch_isend_irecv(ops)->wait();
+  if (!ops.empty()) groups_.sp.batch_isend_irecv(ops)->wait();
 
-  saved_x_ = Tensor::copy_of(x, x.dtype(), MemCategory::kSavedActivation);
-  saved_weight_ = Tensor::copy_of(weight, weight.dtype(), MemCategory::kSavedActivation);
-  use_silu_ = use_silu;
-  Tensor out = Tensor::empty(x.shape(), x.dtype(), MemCategory::kSavedActivation);
+  auto s = std::make_shared<Saved>();
+  s->x = Tensor::copy_of(x, x.dtype(), MemCategory::kSavedActivation);
+  s->weight = Tensor::copy_of(weight, weight.dtype(), MemCategory::kSavedActivation);
+  s->width = W;
+  ShortConvCpOutput o;
+  o.out = Tensor::empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
   // Assemble each segment's conv state (kept for the backward) and run it.
-  saved_halo_.clear();
-  saved_halo_.resize(plan.mine.size());
-  std::vector<std::size_t> cursor(n, 0);
+  s->halo.resize(plan.mine.size());
   for (std::size_t j = 0; j < plan.mine.size(); ++j) {
     const Segment& seg = segments_[plan.mine[j]];
-    Tensor state = Tensor::zeros({B, W - 1, C}, x.dtype(), MemCategory::kWorkspace);
-    for (std::size_t h = 0; h < plan.needs[j].size(); ++h) {
-      const auto& nd = plan.needs[j][h];
-      if (nd.owner < 0) continue;
-      for (std::int64_t b = 0; b < B; ++b) {
-        char* dst = static_cast<char*>(state.data()) + (b * (W - 1) + static_cast<std::int64_t>(h)) * rb;
-        if (nd.owner == me) {
-          std::memcpy(dst, static_cast<const char*>(x.data()) + (b * x.dim(1) + nd.row) * rb, rb);
-        } else {
-          const std::size_t i = cursor[nd.owner];
-          std::memcpy(dst, static_cast<const char*>(recv[nd.owner].data()) + (i * B + b) * rb, rb);
-        }
-      }
-      if (nd.owner != me) ++cursor[nd.owner];
+    Tensor state = Tensor::zeros({B, W - 1, C}, x.dtype(), MemCategory::kSavedActivation);
+    for (const HaloPlan::Source& src : plan.sources[j]) {
+      Tensor rows =
+          Tensor::empty({B, static_cast<std::int64_t>(src.rows.size()), C}, x.dtype(), MemCategory::kWorkspace);
+      gather_rows(src.peer == me ? x : recv[src.peer].view(), 1, src.rows, rows.view(), stream);
+      scatter_rows(rows.view(), 1, src.slots, state.view(), stream);
     }
-    Tensor xs = take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace);
+    Tensor xs = take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
     Tensor ys = Tensor::empty(xs.shape(), x.dtype(), MemCategory::kWorkspace);
     attn::ShortConvArgs a;
     a.x = xs.view();
     a.weight = weight;
     a.initial_conv_state = W > 1 ? state.view() : TensorView();
-    a.use_silu = use_silu;
-    attn::short_conv_forward(a, ys.view(), {});
-    put_rows(ys.view(), out.view(), seg.local_offset);
-    saved_halo_[j] = std::move(state);
+    a.use_silu = config_.use_silu;
+    attn::short_conv_forward(a, ys.view(), {}, stream);
+    put_rows(ys.view(), o.out.view(), seg.local_offset, stream);
+    s->halo[j] = std::move(state);
   }
-  return out;
+  o.ctx = CpContext::make(id_, "short conv CP", std::move(s));
+  return o;
 }
 
-Tensor ShortConvContextParallel::backward(const TensorView& dout, const TensorView& dweight) {
-  SEQPAR_CHECK(plan_ && saved_x_.defined(), "short conv CP: backward() needs a preceding forward()");
-  const TensorView x = saved_x_.view();
-  check_shape(dout, x.shape(), "short conv CP dout");
-  check_shape(dweight, saved_weight_.shape(), "short conv CP dweight");
-  const std::int64_t B = x.dim(0), C = x.dim(2), W = width_;
-  const int me = comm_.rank(), n = comm_.size();
-  const HaloPlan& plan = *plan_;
+Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
+  const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
+  const TensorView x = s->x.view();
   check_cpu(dout, "short conv CP dout");
+  check_shape(dout, x.shape(), "short conv CP dout");
+  check_shape(dweight, s->weight.shape(), "short conv CP dweight");
+  ctx.consume<Saved>(id_, "short conv CP");
+  const std::int64_t B = x.dim(0), C = x.dim(2), W = s->width;
+  const int me = groups_.sp.rank(), n = groups_.sp.size();
+  const HaloPlan& plan = plan_for(W);
+  const CommStreamScope stream_scope(groups_);
+  const Stream stream = groups_.stream;
   Tensor dx32 = Tensor::zeros(x.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dw32 = Tensor::zeros(saved_weight_.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  const std::size_t rb32 = static_cast<std::size_t>(C) * 4;
-  // Halo gradients per peer, in the order of plan.take (fp32 on the wire).
+  Tensor dw32 = Tensor::zeros(s->weight.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  // Halo gradients per peer, in the order that peer sent the rows (fp32 on the wire).
   std::vector<Tensor> send(n), recv(n);
   for (int r = 0; r < n; ++r) {
-    if (!plan.take[r].empty()) {
-      send[r] = Tensor::empty({static_cast<std::int64_t>(plan.take[r].size()), B, C}, DType::kFloat32,
-                              MemCategory::kCommBuffer);
+    if (plan.take_count[r] > 0) {
+      send[r] = Tensor::empty({B, plan.take_count[r], C}, DType::kFloat32, MemCategory::kCommBuffer);
     }
   }
-  std::vector<std::size_t> cursor(n, 0);
   for (std::size_t j = 0; j < plan.mine.size(); ++j) {
     const Segment& seg = segments_[plan.mine[j]];
-    Tensor xs = take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace);
-    Tensor dys = take_rows(dout, seg.local_offset, seg.length, MemCategory::kWorkspace);
+    Tensor xs = take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
+    Tensor dys = take_rows(dout, seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
     attn::ShortConvArgs a;
     a.x = xs.view();
-    a.weight = saved_weight_.view();
-    a.initial_conv_state = W > 1 ? saved_halo_[j].view() : TensorView();
-    a.use_silu = use_silu_;
+    a.weight = s->weight.view();
+    a.initial_conv_state = W > 1 ? s->halo[j].view() : TensorView();
+    a.use_silu = config_.use_silu;
     Tensor dxs = Tensor::empty(xs.shape(), DType::kFloat32, MemCategory::kWorkspace);
-    Tensor dws = Tensor::empty(saved_weight_.shape(), DType::kFloat32, MemCategory::kWorkspace);
+    Tensor dws = Tensor::empty(s->weight.shape(), DType::kFloat32, MemCategory::kWorkspace);
     Tensor dstate = Tensor::empty({B, W - 1, C}, DType::kFloat32, MemCategory::kWorkspace);
-    attn::short_conv_backward(a, dys.view(), dxs.view(), dws.view(), W > 1 ? dstate.view() : TensorView());
-    // dx rows of the segment (segments are disjoint: plain add into zeros).
-    Tensor cur_rows = take_rows(dx32.view(), seg.local_offset, seg.length, MemCategory::kWorkspace);
-    add_inplace(cur_rows.view(), dxs.view());
-    put_rows(cur_rows.view(), dx32.view(), seg.local_offset);
-    add_inplace(dw32.view(), dws.view());
-    // Halo gradients: to their owners (or into our own dx).
-    for (std::size_t h = 0; h < plan.needs[j].size(); ++h) {
-      const auto& nd = plan.needs[j][h];
-      if (nd.owner < 0) continue;
-      for (std::int64_t b = 0; b < B; ++b) {
-        const float* g = dstate.data_as<float>() + (b * (W - 1) + static_cast<std::int64_t>(h)) * C;
-        if (nd.owner == me) {
-          float* d = dx32.data_as<float>() + (b * x.dim(1) + nd.row) * C;
-          for (std::int64_t c = 0; c < C; ++c) d[c] += g[c];
-        } else {
-          std::memcpy(static_cast<char*>(send[nd.owner].data()) + (cursor[nd.owner] * B + b) * rb32, g, rb32);
-        }
+    attn::short_conv_backward(a, dys.view(), dxs.view(), dws.view(), W > 1 ? dstate.view() : TensorView(), stream);
+    // dx rows of the segment (segments are disjoint), then the halo gradients: into our own dx, or to their owners.
+    index_add_rows(dxs.view(), 1, row_range(seg.local_offset, seg.length), dx32.view(), stream);
+    add_inplace(dw32.view(), dws.view(), stream);
+    for (const HaloPlan::Source& src : plan.sources[j]) {
+      Tensor g =
+          Tensor::empty({B, static_cast<std::int64_t>(src.slots.size()), C}, DType::kFloat32, MemCategory::kWorkspace);
+      gather_rows(dstate.view(), 1, src.slots, g.view(), stream);
+      if (src.peer == me) {
+        index_add_rows(g.view(), 1, src.rows, dx32.view(), stream);
+      } else {
+        scatter_rows(g.view(), 1, src.rows, send[src.peer].view(), stream);
       }
-      if (nd.owner != me) ++cursor[nd.owner];
     }
   }
   std::vector<P2POp> ops;
   for (int r = 0; r < n; ++r) {
-    if (!plan.take[r].empty()) ops.push_back(P2POp::send(send[r].view(), r, kTagHaloGrad));
+    if (plan.take_count[r] > 0) ops.push_back(P2POp::send(send[r].view(), r, kTagHaloGrad));
     if (!plan.give[r].empty()) {
-      recv[r] = Tensor::empty({static_cast<std::int64_t>(plan.give[r].size()), B, C}, DType::kFloat32,
+      recv[r] = Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, DType::kFloat32,
                               MemCategory::kCommBuffer);
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHaloGrad));
     }
   }
-  if (!ops.empty()) comm_.batch_isend_irecv(ops)->wait();
+  if (!ops.empty()) groups_.sp.batch_isend_irecv(ops)->wait();
   // Add the received halo gradients into our rows, peers in rank order (deterministic).
   for (int r = 0; r < n; ++r) {
-    for (std::size_t i = 0; i < plan.give[r].size(); ++i) {
-      for (std::int64_t b = 0; b < B; ++b) {
-        const float* g = recv[r].data_as<float>() + (i * B + b) * C;
-        float* d = dx32.data_as<float>() + (b * x.dim(1) + plan.give[r][i]) * C;
-        for (std::int64_t c = 0; c < C; ++c) d[c] += g[c];
-      }
-    }
+    if (!plan.give[r].empty()) index_add_rows(recv[r].view(), 1, plan.give[r], dx32.view(), stream);
   }
-  comm_.all_reduce(dw32.view(), ReduceOp::kSum)->wait();
+  groups_.sp.all_reduce(dw32.view(), ReduceOp::kSum)->wait();
   copy_convert(dw32.view(), dweight);
   Tensor dx = Tensor::empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
   copy_convert(dx32.view(), dx.view());

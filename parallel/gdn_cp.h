@@ -20,28 +20,29 @@
 // point to point from whichever ranks hold them (several when the segments before are shorter than W-1), and the
 // halo's gradient goes back the same way and is added to the owners' dx. dweight is summed over the group.
 //
-// Synchronisation: every public call is collective over the communicators given at construction and
-// host-synchronous. Errors (before any communication, identical on every rank): layout divisibility, stripe layout,
-// heads not divisible by ulysses_size, shape / dtype mismatches, backward before forward.
+// Counters (CpCounters): message_rounds, ring bytes of the state passing (bytes_*), Ulysses bytes (a2a_*), exposed
+// ring wait time, Ulysses exchange time (a2a_s) and kernel time.
+// Synchronisation: every public call is collective over the groups' communicators (GDN: Ulysses and ring; short
+// conv: SP) and host-synchronous; kernels run on groups.stream. The objects keep no state between calls: a forward's
+// context owns the saved tensors (saved_activation) until the backward consumes it.
+// Errors (before any communication, identical on every rank): the layout not built for the groups, stripe layout,
+// heads not divisible by ulysses_size, shape / dtype mismatches; a context that is empty, already used or made by
+// another object.
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string_view>
 #include <vector>
 
 #include "attention/gdn.h"
+#include "parallel/cp_common.h"
 #include "parallel/layout.h"
-#include "runtime/comm.h"
 
 namespace seqpar {
 
-enum class GdnCpMode : std::uint8_t { kChain, kScan };
-const char* gdn_cp_mode_name(GdnCpMode mode);  // "chain", "scan"
-GdnCpMode parse_gdn_cp_mode(std::string_view name);
-
 struct GdnCpConfig {
-  LayoutKind layout = LayoutKind::kContiguous;
   GdnCpMode mode = GdnCpMode::kScan;
   bool use_qk_l2norm = true;
   float scale = 0.0f;  // <= 0: 1 / sqrt(K)
@@ -58,19 +59,10 @@ struct Segment {
 // The segments of all ranks (positions_per_rank[r] = rank r's increasing positions), in global order.
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& positions_per_rank);
 
-struct GdnCpCounters {
-  std::int64_t message_rounds = 0;  // sequential rounds of state messages (chain: N-1 each way; scan: log)
-  std::int64_t bytes_sent = 0;      // state / transition bytes over the ring group
-  std::int64_t bytes_received = 0;
-  std::int64_t a2a_bytes_sent = 0;  // Ulysses all-to-all bytes
-  double exposed_comm_s = 0;        // seconds blocked waiting for messages
-  double compute_s = 0;             // seconds in GDN kernels
-  void reset() { *this = {}; }
-};
-
 struct GdnCpOutput {
   Tensor out;          // [B, S_local, H, V], dtype of q
   Tensor final_state;  // [B, H, K, V] state dtype, identical on every rank
+  CpContext ctx;       // what the backward needs; hand it to backward() of the object that made it
 };
 
 struct GdnCpGrads {
@@ -80,59 +72,70 @@ struct GdnCpGrads {
 
 class GdnContextParallel {
  public:
-  // `ulysses` (size Pu) and `ring` (size Pr) are this rank's groups of an SpGrid (Pu = 1: pure ring).
-  GdnContextParallel(Communicator& ulysses, Communicator& ring, std::int64_t seq_len, const GdnCpConfig& config);
+  GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config);
 
   // q, k [B, S_local, H, K], v [B, S_local, H, V], g, beta [B, S_local, H] at positions(); initial_state: empty
   // or the full [B, H, K, V] (state dtype), the same on every rank.
   GdnCpOutput forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                       const TensorView& beta, const TensorView& initial_state = {});
-  // dout [B, S_local, H, V]; dfinal_state: empty or the full [B, H, K, V], the same on every rank.
-  GdnCpGrads backward(const TensorView& dout, const TensorView& dfinal_state = {});
+  // The context of a forward of this object (consumed and freed); dout [B, S_local, H, V]; dfinal_state: empty or
+  // the full [B, H, K, V], the same on every rank.
+  GdnCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state = {});
 
   const SequenceLayout& layout() const { return layout_; }
   const std::vector<std::int64_t>& positions() const { return positions_; }
-  const GdnCpCounters& counters() const { return counters_; }
+  const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
 
  private:
-  struct Impl;
-  Communicator& ulysses_;
-  Communicator& ring_;
-  GdnCpConfig config_;
+  struct Saved;
+  CpGroups groups_;
   SequenceLayout layout_;
+  GdnCpConfig config_;
+  LayerId id_;
   std::vector<std::int64_t> positions_;
-  std::vector<Segment> segments_;  // ring-level segments (of the ring shards), global order
-  GdnCpCounters counters_;
-  std::shared_ptr<Impl> impl_;
+  std::vector<Segment> segments_;    // ring-level segments (of the ring shards), global order
+  std::vector<int> mine_;            // indices into segments_ of this rank's segments, in global order
+  std::map<int, std::size_t> slot_;  // global segment index -> index in mine_
+  CpCounters counters_;
 };
 
-// The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence.
+struct ShortConvCpConfig {
+  bool use_silu = true;  // out = silu(conv(x)) (false: conv(x))
+};
+
+struct ShortConvCpOutput {
+  Tensor out;     // [B, S_local, C], x's dtype
+  CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
+};
+
+// The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence, over groups.sp (rank r
+// holds layout.positions(r)).
 class ShortConvContextParallel {
  public:
-  // `comm` holds the shards: rank r's positions are layout.positions(r) (the SP group, sp_rank order).
-  ShortConvContextParallel(Communicator& comm, const SequenceLayout& layout);
+  ShortConvContextParallel(const CpGroups& groups, const SequenceLayout& layout, const ShortConvCpConfig& config = {});
 
-  // x [B, S_local, C], weight [C, W] (same on every rank). Returns out [B, S_local, C] in x's dtype.
-  Tensor forward(const TensorView& x, const TensorView& weight, bool use_silu = true);
-  // Returns dx (local, x's dtype); dweight [C, W] (summed over the group, weight's dtype) into `dweight`.
-  Tensor backward(const TensorView& dout, const TensorView& dweight);
+  // x [B, S_local, C], weight [C, W] (same on every rank).
+  ShortConvCpOutput forward(const TensorView& x, const TensorView& weight);
+  // The context of a forward of this object (consumed and freed). Returns dx (local, x's dtype); dweight [C, W]
+  // (summed over the group, weight's dtype) into `dweight`.
+  Tensor backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight);
 
   std::int64_t halo_bytes_sent() const { return halo_bytes_sent_; }
 
  private:
   struct HaloPlan;
-  Communicator& comm_;
+  struct Saved;
+  const HaloPlan& plan_for(std::int64_t width);
+
+  CpGroups groups_;
   SequenceLayout layout_;
+  ShortConvCpConfig config_;
+  LayerId id_;
   std::vector<std::vector<std::int64_t>> positions_;
   std::vector<Segment> segments_;
-  std::shared_ptr<HaloPlan> plan_;
+  std::shared_ptr<HaloPlan> plan_;  // a function of (layout, W) only: cached, not state between calls
   std::int64_t halo_bytes_sent_ = 0;
-  // saved for backward
-  Tensor saved_x_, saved_weight_;
-  std::vector<Tensor> saved_halo_;  // each segment's conv state [B, W-1, C]
-  bool use_silu_ = true;
-  std::int64_t width_ = 0;
 };
 
 }  // namespace seqpar

@@ -17,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "parallel/cp_common.h"
 #include "runtime/comm.h"
 #include "runtime/tensor.h"
 
@@ -29,6 +30,10 @@ LayoutKind parse_layout(std::string_view name);
 class SequenceLayout {
  public:
   SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_size, int ulysses_size = 1);
+  // The layout of `seq_len` tokens over the groups' ring_size x ulysses_size ranks; zigzag by default (every CP
+  // layer defaults to it, so that a hybrid model shards its activations once and hands this one layout to every
+  // layer).
+  static SequenceLayout for_groups(const CpGroups& groups, std::int64_t seq_len, LayoutKind kind = LayoutKind::kZigzag);
 
   LayoutKind kind() const { return kind_; }
   std::int64_t seq_len() const { return seq_len_; }
@@ -50,7 +55,8 @@ class SequenceLayout {
   int ulysses_size_;
 };
 
-// Local copies along the sequence dimension (dim 1) of [B, S, ...] tensors; no communication.
+// Local copies along the sequence dimension (dim 1) of [B, S, ...] tensors; no communication. Host or device tensors
+// (runtime/tensor_ops.h gather_rows / scatter_rows, whose errors they raise).
 // shard: local[b, i, ...] = full[b, positions[i], ...]. unshard: full[b, positions[i], ...] = local[b, i, ...].
 void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local);
 void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full);

@@ -26,20 +26,13 @@ TensorView part(const TensorView& packed, std::int64_t i, const Shape& shape) {
 
 }  // namespace
 
-const char* ring_impl_name(RingImpl impl) { return impl == RingImpl::kP2P ? "p2p" : "allgather"; }
+struct RingAttention::Saved {
+  Tensor q, k, v, out, lse;
+};
 
-RingImpl parse_ring_impl(std::string_view name) {
-  if (name == "p2p") return RingImpl::kP2P;
-  if (name == "allgather") return RingImpl::kAllGather;
-  SEQPAR_THROW("ring impl '", name, "' is not one of p2p, allgather");
-}
-
-RingAttention::RingAttention(Communicator& ring, std::int64_t seq_len, const RingAttentionConfig& config)
-    : ring_(ring),
-      config_(config),
-      layout_(config.layout, seq_len, ring.size()),
-      rank_(ring.rank()),
-      size_(ring.size()) {
+RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config)
+    : groups_(groups), layout_(layout), config_(config), rank_(groups.ring.rank()), size_(groups.ring.size()) {
+  check_layout_matches(groups, layout, "ring attention");
   SEQPAR_CHECK(config.window >= 0, "window ", config.window, " must be >= 0 (0: no window)");
   // The kernels check this too, but only once the first (K, V) block is already on the wire.
   SEQPAR_CHECK(std::isfinite(config.scale), "ring attention: scale ", config.scale,
@@ -47,8 +40,8 @@ RingAttention::RingAttention(Communicator& ring, std::int64_t seq_len, const Rin
   SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window, ") needs causal=true");
   positions_.reserve(size_);
   for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));
-  global_order_.resize(static_cast<std::size_t>(seq_len));
-  for (std::int64_t i = 0; i < seq_len; ++i) global_order_[i] = i;
+  global_order_.resize(static_cast<std::size_t>(layout_.seq_len()));
+  for (std::int64_t i = 0; i < layout_.seq_len(); ++i) global_order_[i] = i;
 }
 
 void RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v) const {
@@ -70,9 +63,10 @@ void RingAttention::validate(const TensorView& q, const TensorView& k, const Ten
                " must be a multiple of Hkv ", k.dim(2));
 }
 
-attn::MhaForwardArgs RingAttention::block_args(const TensorView& k, const TensorView& v, int src) const {
+attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView& k, const TensorView& v,
+                                               int src) const {
   attn::MhaForwardArgs a;
-  a.q = saved_q_.view();
+  a.q = s.q.view();
   a.k = k;
   a.v = v;
   a.q_pos = positions_[rank_];
@@ -82,150 +76,136 @@ attn::MhaForwardArgs RingAttention::block_args(const TensorView& k, const Tensor
   return a;
 }
 
-void RingAttention::wait(WorkHandle& work) {
-  if (!work) return;
-  const double t0 = wall_seconds();
-  work->wait();
-  counters_.exposed_comm_s += wall_seconds() - t0;
-  work.reset();
-}
-
 AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
   AttentionOutput o;
-  o.out = Tensor::empty(q.shape(), q.dtype(), MemCategory::kSavedActivation);
-  o.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::kFloat32, MemCategory::kSavedActivation);
-  forward_into(q, k, v, o.out, o.lse);
+  o.out = Tensor::empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
+  o.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::kFloat32, MemCategory::kWorkspace);
+  o.ctx = forward_into(q, k, v, o.out, o.lse);
   return o;
 }
 
-AttentionGrads RingAttention::backward(const TensorView& dout) {
-  SEQPAR_CHECK(has_saved_, "ring attention: backward() needs a preceding forward()");
+AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) {
+  const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
   AttentionGrads g;
-  g.dq = Tensor::empty(saved_q_.shape(), saved_q_.dtype(), MemCategory::kWorkspace);
-  g.dk = Tensor::empty(saved_k_.shape(), saved_k_.dtype(), MemCategory::kWorkspace);
-  g.dv = Tensor::empty(saved_v_.shape(), saved_v_.dtype(), MemCategory::kWorkspace);
-  backward_into(dout, g.dq, g.dk, g.dv);
+  g.dq = Tensor::empty(s->q.shape(), s->q.dtype(), MemCategory::kWorkspace);
+  g.dk = Tensor::empty(s->k.shape(), s->k.dtype(), MemCategory::kWorkspace);
+  g.dv = Tensor::empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);
+  backward_into(std::move(ctx), dout, g.dq, g.dk, g.dv);
   return g;
 }
 
-void RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                                 const TensorView& lse) {
+CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
+                                      const TensorView& out, const TensorView& lse) {
   validate(q, k, v);
   check_shape(out, q.shape(), "ring attention out");
   check_shape(lse, {q.dim(0), q.dim(2), q.dim(1)}, "ring attention lse");
   check_dtype(lse, DType::kFloat32, "ring attention lse");
-  saved_q_ = Tensor::copy_of(q, q.dtype(), MemCategory::kSavedActivation);
-  saved_k_ = Tensor::copy_of(k, k.dtype(), MemCategory::kSavedActivation);
-  saved_v_ = Tensor::copy_of(v, v.dtype(), MemCategory::kSavedActivation);
-  const CommCounters before = ring_.counters();
-  if (config_.impl == RingImpl::kP2P) {
-    forward_p2p(out, lse);
-  } else {
-    forward_allgather(out, lse);
+  const CommStreamScope stream_scope(groups_);
+  auto s = std::make_shared<Saved>();
+  s->q = Tensor::copy_of(q, q.dtype(), MemCategory::kSavedActivation);
+  s->k = Tensor::copy_of(k, k.dtype(), MemCategory::kSavedActivation);
+  s->v = Tensor::copy_of(v, v.dtype(), MemCategory::kSavedActivation);
+  {
+    const CommMeter meter(groups_, counters_);
+    if (config_.impl == RingImpl::kP2P) {
+      forward_p2p(*s, out, lse);
+    } else {
+      forward_allgather(*s, out, lse);
+    }
+    SEQPAR_LOG(kDebug) << "ring attention forward (" << ring_impl_name(config_.impl) << ", "
+                       << layout_name(layout_.kind()) << ", ring " << rank_ << "/" << size_ << "): q " << q.str()
+                       << ", sent " << meter.bytes_sent_so_far() << " bytes";
   }
-  counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
-  counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
-  SEQPAR_LOG(kDebug) << "ring attention forward (" << ring_impl_name(config_.impl) << ", "
-                     << layout_name(config_.layout) << ", ring " << rank_ << "/" << size_ << "): q " << q.str()
-                     << ", sent " << ring_.counters().bytes_sent - before.bytes_sent << " bytes";
-  saved_out_ = Tensor::copy_of(out, out.dtype(), MemCategory::kSavedActivation);
-  saved_lse_ = Tensor::copy_of(lse, DType::kFloat32, MemCategory::kSavedActivation);
-  has_saved_ = true;
+  s->out = Tensor::copy_of(out, out.dtype(), MemCategory::kSavedActivation);
+  s->lse = Tensor::copy_of(lse, DType::kFloat32, MemCategory::kSavedActivation);
+  return CpContext::make(id_, "ring attention", std::move(s));
 }
 
-void RingAttention::backward_into(const TensorView& dout, const TensorView& dq, const TensorView& dk,
+void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                   const TensorView& dv) {
-  SEQPAR_CHECK(has_saved_, "ring attention: backward() needs a preceding forward()");
+  const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "ring attention");
+  const Saved& s = *saved;
   check_cpu(dout, "ring attention dout");
-  check_shape(dout, saved_q_.shape(), "ring attention dout");
+  check_shape(dout, s.q.shape(), "ring attention dout");
   SEQPAR_CHECK(is_floating(dout.dtype()), "ring attention: dout has dtype ", dtype_name(dout.dtype()),
                ", expected a floating dtype");
-  check_shape(dq, saved_q_.shape(), "ring attention dq");
-  check_shape(dk, saved_k_.shape(), "ring attention dk");
-  check_shape(dv, saved_v_.shape(), "ring attention dv");
-  const CommCounters before = ring_.counters();
+  check_shape(dq, s.q.shape(), "ring attention dq");
+  check_shape(dk, s.k.shape(), "ring attention dk");
+  check_shape(dv, s.v.shape(), "ring attention dv");
+  ctx.consume<Saved>(id_, "ring attention");
+  const CommStreamScope stream_scope(groups_);
+  const CommMeter meter(groups_, counters_);
   if (config_.impl == RingImpl::kP2P) {
-    backward_p2p(dout, dq, dk, dv);
+    backward_p2p(s, dout, dq, dk, dv);
   } else {
-    backward_allgather(dout, dq, dk, dv);
+    backward_allgather(s, dout, dq, dk, dv);
   }
-  counters_.bytes_sent += ring_.counters().bytes_sent - before.bytes_sent;
-  counters_.bytes_received += ring_.counters().bytes_received - before.bytes_received;
   SEQPAR_LOG(kDebug) << "ring attention backward (" << ring_impl_name(config_.impl) << ", ring " << rank_ << "/"
-                     << size_ << "): sent " << ring_.counters().bytes_sent - before.bytes_sent << " bytes";
-}
-
-void RingAttention::release_saved() {
-  saved_q_ = Tensor();
-  saved_k_ = Tensor();
-  saved_v_ = Tensor();
-  saved_out_ = Tensor();
-  saved_lse_ = Tensor();
-  has_saved_ = false;
+                     << size_ << "): sent " << meter.bytes_sent_so_far() << " bytes";
 }
 
 // ---- p2p -------------------------------------------------------------------------------------------------
 
-void RingAttention::forward_p2p(const TensorView& out, const TensorView& lse) {
-  const TensorView& q = saved_q_.view();
-  const Shape& kv_shape = saved_k_.shape();
+void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse) {
+  const TensorView& q = s.q.view();
+  const Shape& kv_shape = s.k.shape();
   const double flops_per_pair = 4.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));
   const attn::MaskSpec mask{config_.causal, config_.window};
+  const Stream stream = groups_.stream;
 
   Tensor kv = Tensor::empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer);
-  copy_convert(saved_k_.view(), part(kv.view(), 0, kv_shape));
-  copy_convert(saved_v_.view(), part(kv.view(), 1, kv_shape));
+  copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
+  copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
   Tensor acc_out = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
   fill(lse, -std::numeric_limits<double>::infinity());
   Tensor block_out = Tensor::empty(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
   Tensor block_lse = Tensor::empty(lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
 
   ring_circulate(
-      ring_, kv.view(), kTagKv,
+      groups_.ring, kv.view(), kTagKv,
       [&](int src, const TensorView& block) {
         const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
         if (pairs == 0) return;  // nothing visible: never computed
-        const double t0 = wall_seconds();
-        attn::mha_forward(block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
-                          block_lse.view());
-        attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view());
-        counters_.compute_s += wall_seconds() - t0;
+        const ScopedTimer timer(counters_.compute_s);
+        attn::mha_forward(block_args(s, part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
+                          block_lse.view(), stream);
+        attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view(), stream);
         counters_.flops += flops_per_pair * static_cast<double>(pairs);
       },
       &counters_.exposed_comm_s);
   copy_convert(acc_out.view(), out);
 }
 
-void RingAttention::backward_p2p(const TensorView& dout, const TensorView& dq, const TensorView& dk,
+void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                  const TensorView& dv) {
-  const TensorView& q = saved_q_.view();
-  const Shape& kv_shape = saved_k_.shape();
+  const TensorView& q = s.q.view();
+  const Shape& kv_shape = s.k.shape();
   const double flops_per_pair = 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));  // 2.5 x forward
   const attn::MaskSpec mask{config_.causal, config_.window};
   const Shape pshape = packed_shape(kv_shape, 2);
+  const Stream stream = groups_.stream;
 
-  Tensor delta = Tensor::empty(saved_lse_.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  attn::mha_backward_delta(saved_out_.view(), dout, delta.view());
+  Tensor delta = Tensor::empty(s.lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  attn::mha_backward_delta(s.out.view(), dout, delta.view(), stream);
   Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
   Tensor kv = Tensor::empty(pshape, q.dtype(), MemCategory::kCommBuffer);
-  copy_convert(saved_k_.view(), part(kv.view(), 0, kv_shape));
-  copy_convert(saved_v_.view(), part(kv.view(), 1, kv_shape));
+  copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
+  copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
   Tensor dkv = Tensor::empty(pshape, DType::kFloat32, MemCategory::kWorkspace);
 
   attn::MhaBackwardArgs args;
-  args.out = saved_out_.view();
+  args.out = s.out.view();
   args.dout = dout;
-  args.lse = saved_lse_.view();
+  args.lse = s.lse.view();
   args.delta = delta.view();
   ring_circulate_with_grad(
-      ring_, kv.view(), pshape, dkv.view(), kTagKv,
+      groups_.ring, kv.view(), pshape, dkv.view(), kTagKv,
       [&](int src, const TensorView& block, const TensorView& grad) {
         const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
         if (pairs == 0) return;
-        const double t0 = wall_seconds();
-        args.fwd = block_args(part(block, 0, kv_shape), part(block, 1, kv_shape), src);
-        attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true);
-        counters_.compute_s += wall_seconds() - t0;
+        const ScopedTimer timer(counters_.compute_s);
+        args.fwd = block_args(s, part(block, 0, kv_shape), part(block, 1, kv_shape), src);
+        attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true, stream);
         counters_.flops += flops_per_pair * static_cast<double>(pairs);
       },
       &counters_.exposed_comm_s);
@@ -236,85 +216,58 @@ void RingAttention::backward_p2p(const TensorView& dout, const TensorView& dq, c
 
 // ---- all-gather ------------------------------------------------------------------------------------------
 
-namespace {
-
-// All-gathers (k, v) of every ring rank and lays them out in global order as [B, S, Hkv, D] each.
-void gather_kv_global(Communicator& ring, const TensorView& k, const TensorView& v,
-                      const std::vector<std::vector<std::int64_t>>& positions, const Tensor& k_full,
-                      const Tensor& v_full, WorkHandle* pending) {
-  const Shape& kv_shape = k.shape();
-  Tensor local = Tensor::empty(packed_shape(kv_shape, 2), k.dtype(), MemCategory::kCommBuffer);
-  copy_convert(k, part(local.view(), 0, kv_shape));
-  copy_convert(v, part(local.view(), 1, kv_shape));
-  const int n = ring.size();
-  Tensor gathered = Tensor::empty(packed_shape(packed_shape(kv_shape, 2), n), k.dtype(), MemCategory::kCommBuffer);
-  *pending = ring.all_gather(local.view(), gathered.view());
-  (*pending)->wait();
-  pending->reset();
-  for (int r = 0; r < n; ++r) {
+attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full) {
+  const Shape& kv_shape = s.k.shape();
+  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
+  k_full = Tensor::empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
+  v_full = Tensor::empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
+  Tensor local = Tensor::empty(packed_shape(kv_shape, 2), s.k.dtype(), MemCategory::kCommBuffer);
+  copy_convert(s.k.view(), part(local.view(), 0, kv_shape));
+  copy_convert(s.v.view(), part(local.view(), 1, kv_shape));
+  Tensor gathered =
+      Tensor::empty(packed_shape(packed_shape(kv_shape, 2), size_), s.k.dtype(), MemCategory::kCommBuffer);
+  WorkHandle w = groups_.ring.all_gather(local.view(), gathered.view());
+  timed_wait(w, &counters_.exposed_comm_s);
+  for (int r = 0; r < size_; ++r) {
     const TensorView rank_kv = gathered.view().slice0(r, r + 1).reshape(packed_shape(kv_shape, 2));
-    unshard_sequence(part(rank_kv, 0, kv_shape), positions[r], k_full.view());
-    unshard_sequence(part(rank_kv, 1, kv_shape), positions[r], v_full.view());
+    unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view());
+    unshard_sequence(part(rank_kv, 1, kv_shape), positions_[r], v_full.view());
   }
+  attn::MhaForwardArgs a = block_args(s, k_full.view(), v_full.view(), rank_);
+  a.k_pos = global_order_;
+  return a;
 }
 
-}  // namespace
-
-void RingAttention::forward_allgather(const TensorView& out, const TensorView& lse) {
-  const TensorView& q = saved_q_.view();
-  const Shape& kv_shape = saved_k_.shape();
-  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
-  Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  const double t0 = wall_seconds();
-  WorkHandle pending;
-  gather_kv_global(ring_, saved_k_.view(), saved_v_.view(), positions_, k_full, v_full, &pending);
-  counters_.exposed_comm_s += wall_seconds() - t0;
-
-  attn::MhaForwardArgs args;
-  args.q = q;
-  args.k = k_full.view();
-  args.v = v_full.view();
-  args.q_pos = positions_[rank_];
-  args.k_pos = global_order_;
-  args.mask = {config_.causal, config_.window};
-  args.scale = config_.scale;
-  const double t1 = wall_seconds();
-  attn::mha_forward(args, out, lse);
-  counters_.compute_s += wall_seconds() - t1;
+void RingAttention::forward_allgather(const Saved& s, const TensorView& out, const TensorView& lse) {
+  const TensorView& q = s.q.view();
+  Tensor k_full, v_full;
+  const attn::MhaForwardArgs args = gather_kv_global(s, k_full, v_full);
+  {
+    const ScopedTimer timer(counters_.compute_s);
+    attn::mha_forward(args, out, lse, groups_.stream);
+  }
   counters_.flops += 4.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3)) *
                      static_cast<double>(attn::visible_pairs(args.q_pos, args.k_pos, args.mask));
 }
 
-void RingAttention::backward_allgather(const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                       const TensorView& dv) {
-  const TensorView& q = saved_q_.view();
-  const Shape& kv_shape = saved_k_.shape();
-  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
-  Tensor k_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  Tensor v_full = Tensor::empty(full_shape, q.dtype(), MemCategory::kCommBuffer);
-  double t0 = wall_seconds();
-  WorkHandle pending;
-  gather_kv_global(ring_, saved_k_.view(), saved_v_.view(), positions_, k_full, v_full, &pending);
-  counters_.exposed_comm_s += wall_seconds() - t0;
-
+void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, const TensorView& dq,
+                                       const TensorView& dk, const TensorView& dv) {
+  const TensorView& q = s.q.view();
+  const Shape& kv_shape = s.k.shape();
+  Tensor k_full, v_full;
   attn::MhaBackwardArgs args;
-  args.fwd.q = q;
-  args.fwd.k = k_full.view();
-  args.fwd.v = v_full.view();
-  args.fwd.q_pos = positions_[rank_];
-  args.fwd.k_pos = global_order_;
-  args.fwd.mask = {config_.causal, config_.window};
-  args.fwd.scale = config_.scale;
-  args.out = saved_out_.view();
+  args.fwd = gather_kv_global(s, k_full, v_full);
+  const Shape& full_shape = k_full.shape();
+  args.out = s.out.view();
   args.dout = dout;
-  args.lse = saved_lse_.view();
+  args.lse = s.lse.view();
   Tensor dk_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
   Tensor dv_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
   Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  t0 = wall_seconds();
-  attn::mha_backward(args, dq_acc.view(), dk_full.view(), dv_full.view(), true);
-  counters_.compute_s += wall_seconds() - t0;
+  {
+    const ScopedTimer timer(counters_.compute_s);
+    attn::mha_backward(args, dq_acc.view(), dk_full.view(), dv_full.view(), true, groups_.stream);
+  }
   counters_.flops += 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3)) *
                      static_cast<double>(attn::visible_pairs(args.fwd.q_pos, args.fwd.k_pos, args.fwd.mask));
 
@@ -327,8 +280,8 @@ void RingAttention::backward_allgather(const TensorView& dout, const TensorView&
     shard_sequence(dv_full.view(), positions_[r], part(rank_part, 1, kv_shape));
   }
   Tensor recv = Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
-  WorkHandle rs = ring_.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
-  wait(rs);
+  WorkHandle rs = groups_.ring.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
+  timed_wait(rs, &counters_.exposed_comm_s);
   copy_convert(part(recv.view(), 0, kv_shape), dk);
   copy_convert(part(recv.view(), 1, kv_shape), dv);
   copy_convert(dq_acc.view(), dq);

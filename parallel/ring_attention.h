@@ -19,49 +19,44 @@
 // dkv = 2 * B * S_local * Hkv * D * 4:
 //   p2p:       forward sends (P-1) kv; backward sends (P-1) kv + P dkv   (received: the same)
 //   allgather: forward sends (P-1) kv; backward sends (P-1) kv + (P-1) dkv
-// Counters: attention FLOPs executed (4 B Hq D per visible (q, k) pair forward; 2.5x that backward), bytes sent and
-// received, and exposed communication time (time blocked in Work::wait, i.e. not hidden behind computation).
+// Counters (CpCounters): attention FLOPs executed (4 B Hq D per visible (q, k) pair forward; 2.5x that backward),
+// ring bytes sent and received, exposed communication time (blocked in Work::wait, not hidden behind computation)
+// and kernel time.
 //
-// Synchronisation: forward() and backward() are collective over the ring communicator and host-synchronous.
-// Memory: what backward needs (q, k, v, out in storage dtype; lse fp32) is kept in the saved_activation category;
-// double buffers and travelling accumulators in comm_buffer; block results in workspace.
-// Errors (before any communication, identical on every rank): layout divisibility, shape / dtype mismatch,
-// Hq % Hkv != 0, window without causal, backward before forward.
+// Groups and layout: the layout must be built for the groups (SequenceLayout::for_groups). RingAttention runs over
+// groups.ring on ring shards (seq_len / ring_size tokens, at layout.ring_shard_positions(ring_rank)): use it alone
+// with ulysses_size = 1, or through UspAttention (parallel/usp.h), which runs the Ulysses exchange around it.
+// Synchronisation: forward() and backward() are collective over the ring communicator and host-synchronous; kernels
+// run on groups.stream.
+// Memory: what backward needs (q, k, v, out in storage dtype; lse fp32) is owned by the returned context, in the
+// saved_activation category; double buffers and travelling accumulators in comm_buffer; block results and the
+// returned outputs in workspace. The object keeps no state between calls (cp_common.h).
+// Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
+// mismatch, Hq % Hkv != 0, window without causal, non-finite scale; a context that is empty, already used or made by
+// another object.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 #include "attention/mha.h"
+#include "parallel/cp_common.h"
 #include "parallel/layout.h"
 #include "runtime/comm.h"
 
 namespace seqpar {
 
-enum class RingImpl : std::uint8_t { kP2P, kAllGather };
-const char* ring_impl_name(RingImpl impl);  // "p2p", "allgather"
-RingImpl parse_ring_impl(std::string_view name);
-
 struct RingAttentionConfig {
-  LayoutKind layout = LayoutKind::kZigzag;
   RingImpl impl = RingImpl::kP2P;
   bool causal = true;
   std::int64_t window = 0;  // > 0: sliding window (needs causal)
   float scale = 0.0f;       // <= 0: 1 / sqrt(D)
 };
 
-struct AttentionCounters {
-  double flops = 0;  // attention FLOPs executed by this rank
-  std::int64_t bytes_sent = 0;
-  std::int64_t bytes_received = 0;
-  double exposed_comm_s = 0;  // seconds blocked waiting for communication
-  double compute_s = 0;       // seconds in attention kernels and merges
-  void reset() { *this = {}; }
-};
-
 struct AttentionOutput {
-  Tensor out;  // [B, S_local, Hq, D], dtype of q
-  Tensor lse;  // [B, Hq, S_local] fp32
+  Tensor out;     // [B, S_local, Hq, D], dtype of q
+  Tensor lse;     // [B, Hq, S_local] fp32
+  CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 
 struct AttentionGrads {
@@ -72,45 +67,48 @@ struct AttentionGrads {
 
 class RingAttention {
  public:
-  // `ring` is the ring communicator (size P, rank = ring rank); `seq_len` the global sequence length of the
-  // sequence whose ring shards the ranks hold. Validates the layout here (collective-free).
-  RingAttention(Communicator& ring, std::int64_t seq_len, const RingAttentionConfig& config);
+  // Validates the configuration and the layout against the groups here (collective-free).
+  RingAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
 
-  // q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D], S_local = seq_len / P. Saves what backward needs.
+  // q [B, S_ring, Hq, D], k, v [B, S_ring, Hkv, D], S_ring = seq_len / ring_size, at positions().
   AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
-  // dout [B, S_local, Hq, D]; needs a preceding forward(). Gradients in the dtype of q.
-  AttentionGrads backward(const TensorView& dout);
+  // dout [B, S_ring, Hq, D] with the context of a forward of this object (consumed and freed). Gradients in the
+  // dtype of q.
+  AttentionGrads backward(CpContext&& ctx, const TensorView& dout);
 
   // Lower-level entry points for composition (USP): results written to caller-owned tensors.
-  void forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                    const TensorView& lse);
-  void backward_into(const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv);
+  CpContext forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                         const TensorView& lse);
+  void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                     const TensorView& dv);
 
+  const SequenceLayout& layout() const { return layout_; }
   const std::vector<std::int64_t>& positions() const { return positions_[rank_]; }
-  const AttentionCounters& counters() const { return counters_; }
+  const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
-  // Drops the saved activations.
-  void release_saved();
 
  private:
+  struct Saved;
   void validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
-  void forward_p2p(const TensorView& out, const TensorView& lse);
-  void forward_allgather(const TensorView& out, const TensorView& lse);
-  void backward_p2p(const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv);
-  void backward_allgather(const TensorView& dout, const TensorView& dq, const TensorView& dk, const TensorView& dv);
-  void wait(WorkHandle& work);  // counts the time blocked as exposed communication
-  attn::MhaForwardArgs block_args(const TensorView& k, const TensorView& v, int src) const;
+  void forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse);
+  void forward_allgather(const Saved& s, const TensorView& out, const TensorView& lse);
+  void backward_p2p(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                    const TensorView& dv);
+  void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                          const TensorView& dv);
+  attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v, int src) const;
+  // (K, V) of every ring rank in global order, [B, S, Hkv, D] each (all-gather into k_full, v_full), and the
+  // forward arguments of this rank's queries against them.
+  attn::MhaForwardArgs gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full);
 
-  Communicator& ring_;
-  RingAttentionConfig config_;
+  CpGroups groups_;
   SequenceLayout layout_;
+  RingAttentionConfig config_;
+  LayerId id_;
   int rank_, size_;
-  std::vector<std::vector<std::int64_t>> positions_;  // positions of every ring rank
+  std::vector<std::vector<std::int64_t>> positions_;  // ring shard positions of every ring rank
   std::vector<std::int64_t> global_order_;            // 0..S-1 (allgather: keys in global order)
-  AttentionCounters counters_;
-  // saved for backward
-  Tensor saved_q_, saved_k_, saved_v_, saved_out_, saved_lse_;
-  bool has_saved_ = false;
+  CpCounters counters_;
 };
 
 }  // namespace seqpar

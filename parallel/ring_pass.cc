@@ -1,20 +1,9 @@
 #include "parallel/ring_pass.h"
 
+#include "parallel/cp_common.h"
 #include "runtime/tensor_ops.h"
-#include "runtime/timer.h"
 
 namespace seqpar {
-namespace {
-
-void timed_wait(WorkHandle& w, double* exposed_s) {
-  if (!w) return;
-  const double t0 = wall_seconds();
-  w->wait();
-  if (exposed_s) *exposed_s += wall_seconds() - t0;
-  w.reset();
-}
-
-}  // namespace
 
 void ring_circulate(Communicator& comm, const TensorView& local_block, int tag, const RingVisit& visit,
                     double* exposed_s) {

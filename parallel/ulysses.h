@@ -1,25 +1,25 @@
-// Ulysses all-to-all (Jacobs et al. 2023, "DeepSpeed Ulysses") and USP = Ulysses x Ring (Fang & Zhao 2024,
-// "USP: A Unified Sequence Parallelism Approach"), DESIGN.md sections 3 and 4.
+// The Ulysses exchange (Jacobs et al. 2023, "DeepSpeed Ulysses"), written once for every CP layer (MHA / USP, DSA,
+// GDN): all-to-alls over the Ulysses group between the sequence-sharded and the head-sharded layouts.
 //
-// Ulysses over Pu ranks turns the sequence-sharded [B, S_local, H, D] into the head-sharded
-// [B, Pu * S_local, H / Pu, D]: rank u keeps heads [u H/Pu, (u+1) H/Pu) and receives the pieces of every rank of
-// its Ulysses group, concatenated in Ulysses-rank order, which is exactly the ring shard of SequenceLayout. The
-// inverse all-to-all restores the sequence-sharded layout.
+// Over Pu ranks, the sequence-sharded [B, S_local, H, D] becomes the head-sharded [B, Pu * S_local, H / Pu, D]:
+// rank u keeps heads [u H/Pu, (u+1) H/Pu) and receives the pieces of every rank of its Ulysses group, concatenated
+// in Ulysses-rank order, which is exactly the ring shard of SequenceLayout. The inverse all-to-all restores the
+// sequence-sharded layout.
 //
-// GQA: Hq % Pu == 0 is required. When Hkv % Pu == 0 the KV heads are split like the query heads. When Hkv < Pu
-// and Pu % Hkv == 0, KV head h is replicated to the Pu / Hkv ranks whose query heads use it, and in the backward
-// the gradients of the replicas are summed (in fp32) back into the one true dK / dV. Any other Hkv is an error
-// naming Hq, Hkv and Pu. The head partition depends only on (Hq, Hkv, Pu).
-//
-// USP: Ulysses all-to-all over the Ulysses group, ring attention (p2p or allgather, any layout) over the ring
-// group on the gathered ring shard, inverse all-to-all. Pu = 1 is pure ring, Pr = 1 pure Ulysses.
+// GQA (UlyssesHeads): Hq % Pu == 0 is required. When Hkv % Pu == 0 the KV heads are split like the query heads.
+// When Hkv < Pu and Pu % Hkv == 0, KV head h is replicated to the Pu / Hkv ranks whose query heads use it, and in
+// the backward the gradients of the replicas are summed (in fp32) back into the one true dK / dV. Any other Hkv is
+// an error naming Hq, Hkv and Pu. The head partition depends only on (Hq, Hkv, Pu).
 // Communication volume per rank (README): each all-to-all of a tensor of N bytes sends and receives
-// (Pu - 1) / Pu * N; the ring part is RingAttention's formula with S_local = S / Pr and H / Pu heads.
+// (Pu - 1) / Pu * N.
+// Synchronisation: every call is collective over the Ulysses communicator and host-synchronous.
 #pragma once
 
-#include <memory>
+#include <cstdint>
 
-#include "parallel/ring_attention.h"
+#include "parallel/cp_common.h"
+#include "runtime/comm.h"
+#include "runtime/tensor.h"
 
 namespace seqpar {
 
@@ -34,58 +34,58 @@ struct UlyssesHeads {
 };
 
 // [B, S_local, H, D] -> [B, Pu * S_local, H / Pu, D] (scatter heads, gather sequence). Collective over `ulysses`.
-void ulysses_scatter_heads(Communicator& ulysses, const TensorView& in, const TensorView& out);
+void ulysses_scatter_heads(Communicator& ulysses, const TensorView& in, const TensorView& out,
+                           Stream stream = Stream::cpu());
 // [B, Pu * S_local, H / Pu, D] -> [B, S_local, H, D], the exact inverse.
-void ulysses_gather_heads(Communicator& ulysses, const TensorView& in, const TensorView& out);
+void ulysses_gather_heads(Communicator& ulysses, const TensorView& in, const TensorView& out,
+                          Stream stream = Stream::cpu());
 // lse [B, H / Pu, Pu * S_local] -> [B, H, S_local] (the inverse all-to-all for [B, H, S] statistics).
-void ulysses_gather_heads_bhs(Communicator& ulysses, const TensorView& in, const TensorView& out);
+void ulysses_gather_heads_bhs(Communicator& ulysses, const TensorView& in, const TensorView& out,
+                              Stream stream = Stream::cpu());
 
 // KV replication for Hkv < Pu: [B, S, Hkv, D] -> [B, S, Hkv * r, D] with expanded head e = copy of head e / r;
 // and the fp32 sum of replica gradients back: [B, S, Hkv * r, D] -> [B, S, Hkv, D] (any floating output dtype).
-void replicate_kv_heads(const TensorView& in, std::int64_t replication, const TensorView& out);
-void reduce_kv_replicas(const TensorView& in, std::int64_t replication, const TensorView& out);
+void replicate_kv_heads(const TensorView& in, std::int64_t replication, const TensorView& out,
+                        Stream stream = Stream::cpu());
+void reduce_kv_replicas(const TensorView& in, std::int64_t replication, const TensorView& out,
+                        Stream stream = Stream::cpu());
 
-struct UspCounters {
-  AttentionCounters ring;           // attention FLOPs, ring bytes, ring exposed time
-  std::int64_t a2a_bytes_sent = 0;  // all-to-all bytes (Ulysses group)
-  std::int64_t a2a_bytes_received = 0;
-  double a2a_s = 0;  // seconds in all-to-all (not overlapped)
-  void reset() { *this = {}; }
-};
-
-class UspAttention {
+// The exchanges a CP layer makes over its Ulysses group, each adding its bytes to counters.a2a_bytes_* and its
+// seconds to counters.a2a_s (nothing is counted for a group of one, where every exchange is a local copy).
+// Tensors of rank 3 ([B, S, H], per-head scalars) are exchanged like [B, S, H, 1].
+class UlyssesExchange {
  public:
-  // `ulysses` (size Pu) and `ring` (size Pr) are this rank's groups of an SpGrid; `seq_len` the global length;
-  // `config.layout` the ring layout (SequenceLayout(layout, seq_len, Pr, Pu) gives every rank's positions).
-  UspAttention(Communicator& ulysses, Communicator& ring, std::int64_t seq_len, const RingAttentionConfig& config);
+  UlyssesExchange(const CpGroups& groups, CpCounters& counters);
 
-  // q [B, S / (Pu Pr), Hq, D], k, v [B, S / (Pu Pr), Hkv, D] at layout().positions(sp_rank); out like q,
-  // lse [B, Hq, S_local] fp32. Collective over both groups; host-synchronous.
-  AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
-  // Gradients in the dtype of q; needs a preceding forward().
-  AttentionGrads backward(const TensorView& dout);
+  // [B, S_local, H, *] -> [B, Pu S_local, H / Pu, *] (x's dtype), allocated in `category`.
+  Tensor to_heads(const TensorView& x, MemCategory category = MemCategory::kWorkspace) const;
+  // [B, Pu S_local, H / Pu, *] -> out [B, S_local, H, *] (same dtype).
+  void to_sequence(const TensorView& x_h, const TensorView& out) const;
+  // lse [B, H / Pu, Pu S_local] -> out [B, H, S_local].
+  void lse_to_sequence(const TensorView& lse_h, const TensorView& lse) const;
+  // k or v [B, S_local, Hkv, D] -> [B, Pu S_local, hkv_expanded / Pu, D], replicated first when Hkv < Pu.
+  Tensor kv_to_heads(const TensorView& kv, const UlyssesHeads& heads) const;
+  // The dK or dV of the head-sharded kv (fp32 when replicated) -> out [B, S_local, Hkv, D], replicas summed in fp32.
+  void kv_grad_to_sequence(const TensorView& dkv_h, const UlyssesHeads& heads, const TensorView& out) const;
+  // All-gather of a [B, S_local, ...] piece into the ring shard [B, Pu S_local, ...] (Ulysses-rank order).
+  Tensor gather_pieces(const TensorView& local, MemCategory category) const;
+  // The adjoint: fp32 [B, Pu S_local, ...] partial sums on every rank -> out, the sum of this rank's piece.
+  void reduce_scatter_pieces(const TensorView& ring_shard, const TensorView& out) const;
+  // All-gather of [B, H / Pu, ...] head blocks into the full [B, H, ...] (Ulysses-rank order of heads).
+  Tensor gather_heads_dim1(const TensorView& local) const;
+  // Heads [u H/Pu, (u+1) H/Pu) of a full [B, H, ...] tensor, u = this rank (local copy, no communication).
+  Tensor my_heads_dim1(const TensorView& full) const;
 
-  const SequenceLayout& layout() const { return layout_; }
-  int sp_rank() const { return ring_.rank() * ulysses_.size() + ulysses_.rank(); }
-  const std::vector<std::int64_t>& positions() const { return positions_; }
-  UspCounters counters() const;
-  void reset_counters();
+  int size() const { return ulysses_.size(); }
 
  private:
-  // Runs one all-to-all helper, adding its bytes and time to the counters.
+  // Runs `fn`, counting the Ulysses group's bytes and the seconds into the counters.
   template <typename Fn>
-  void timed_a2a(Fn&& fn);
+  void counted(Fn&& fn) const;
 
   Communicator& ulysses_;
-  Communicator& ring_;
-  RingAttentionConfig config_;
-  SequenceLayout layout_;
-  std::vector<std::int64_t> positions_;
-  RingAttention ring_attn_;
-  std::unique_ptr<UlyssesHeads> heads_;
-  Shape q_shape_;                    // of the last forward's q (what dout must match)
-  DType q_dtype_ = DType::kFloat32;  // of the last forward's q (the gradients' dtype)
-  UspCounters counters_;
+  Stream stream_;
+  CpCounters& counters_;
 };
 
 }  // namespace seqpar

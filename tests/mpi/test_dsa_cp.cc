@@ -9,6 +9,8 @@
 #include "attention/reference/dsa_reference.h"
 #include "attention/reference/mha_reference.h"
 #include "parallel/dsa_cp.h"
+#include "runtime/sp_grid.h"
+#include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
 
@@ -49,13 +51,7 @@ struct DsaProblem {
 
 Tensor f64(const Tensor& t) { return Tensor::copy_of(t.view(), DType::kFloat64, MemCategory::kWorkspace); }
 
-Tensor piece(const Tensor& full, const std::vector<std::int64_t>& pos) {
-  Shape s = full.shape();
-  s[1] = static_cast<std::int64_t>(pos.size());
-  Tensor t = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
-  shard_sequence(full.view(), pos, t.view());
-  return t;
-}
+Tensor piece(const Tensor& full, const std::vector<std::int64_t>& pos) { return test::local_piece(full.view(), pos); }
 
 std::vector<double> gather(Communicator& sp, const SequenceLayout& layout, const Tensor& local, const Shape& full,
                            int seq_dim = 1) {
@@ -71,16 +67,16 @@ struct DistResult {
 
 DistResult run_distributed(const SpGrid& grid, const DsaCase& c, const DsaProblem& p) {
   DsaCpConfig cfg;
-  cfg.layout = c.layout;
   cfg.select = c.select;
   cfg.topk = c.topk;
   cfg.dim_v = kDv;
-  DsaContextParallel dsa(grid, c.seq, cfg);
+  const CpGroups groups = CpGroups::from(grid);
+  DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
   const auto& pos = dsa.positions();
   Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
          w = piece(p.w, pos), dout = piece(p.dout, pos);
   DsaCpOutput o = dsa.forward(q.view(), cc.view(), qi.view(), ki.view(), w.view());
-  DsaCpGrads g = dsa.backward(dout.view());
+  DsaCpGrads g = dsa.backward(std::move(o.ctx), dout.view());
   Communicator& sp = grid.sp();
   const SequenceLayout& L = dsa.layout();
   DistResult r;
@@ -175,11 +171,11 @@ TEST(DsaCp, NonFiniteScaleIsRefusedBeforeCommunication) {
   const int n = world().size();
   SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
   DsaCpConfig cfg;
-  cfg.layout = LayoutKind::kContiguous;
   cfg.scale = std::numeric_limits<float>::infinity();
+  const CpGroups groups = CpGroups::from(grid);
   std::string message;
   try {
-    DsaContextParallel dsa(grid, 4 * n, cfg);
+    DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, 4 * n, LayoutKind::kContiguous), cfg);
   } catch (const Error& e) {
     message = e.message();
   }
@@ -288,7 +284,8 @@ TEST(DsaCp, PeakMemoryIsLinearInSequence) {
     DsaCpConfig cfg;
     cfg.topk = 8;
     cfg.dim_v = kDv;
-    DsaContextParallel dsa(grid, seq, cfg);
+    const CpGroups groups = CpGroups::from(grid);
+    DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, seq), cfg);
     const auto& pos = dsa.positions();
     Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
            w = piece(p.w, pos);

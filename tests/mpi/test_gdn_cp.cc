@@ -105,11 +105,11 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   attn::reference::gdn_backward(rb, rdq.view(), rdk.view(), rdv.view(), rdg.view(), rdb.view(), rdi.view());
 
   GdnCpConfig cfg;
-  cfg.layout = c.layout;
   cfg.mode = c.mode;
   cfg.use_qk_l2norm = c.l2norm;
   cfg.chunk_size = 16;  // several chunks per segment at small ranks, partial chunks at large ones
-  GdnContextParallel gdn(grid.ulysses(), grid.ring(), c.seq, cfg);
+  const CpGroups groups = CpGroups::from(grid);
+  GdnContextParallel gdn(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
   std::vector<Tensor> keep;
   const auto& pos = gdn.positions();
   GdnCpOutput o =
@@ -118,7 +118,7 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   Tensor dout_local =
       Tensor::empty({kB, static_cast<std::int64_t>(pos.size()), kH, kV}, DType::kFloat32, MemCategory::kWorkspace);
   shard_sequence(p.dout.view(), pos, dout_local.view());
-  GdnCpGrads gr = gdn.backward(dout_local.view(), p.dfinal.view());
+  GdnCpGrads gr = gdn.backward(std::move(o.ctx), dout_local.view(), p.dfinal.view());
 
   // fp32 chunked kernels against the fp64 recurrence: rounding of O(S) fp32 steps with O(1) values.
   const double atol = 2e-4, rtol = 2e-3;
@@ -172,17 +172,16 @@ INSTANTIATE_TEST_SUITE_P(GdnCp, GdnCpVsRecurrence, ::testing::ValuesIn(gdn_cases
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
   SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  const CpGroups groups = CpGroups::from(grid);
   GdnCpConfig cfg;
-  cfg.layout = LayoutKind::kStripe;
-  EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 4 * n, cfg), Error);
-  cfg.layout = LayoutKind::kZigzag;
-  EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 2 * n + 1, cfg), Error);
+  EXPECT_THROW(GdnContextParallel(groups, SequenceLayout::for_groups(groups, 4 * n, LayoutKind::kStripe), cfg), Error);
+  EXPECT_THROW(GdnContextParallel(groups, SequenceLayout::for_groups(groups, 2 * n + 1), cfg), Error);
   GdnCpConfig nan_scale = cfg;
   nan_scale.scale = std::nanf("");  // was silently replaced by 1/sqrt(K)
-  EXPECT_THROW(GdnContextParallel(grid.ulysses(), grid.ring(), 2 * n, nan_scale), Error);
-  GdnContextParallel gdn(grid.ulysses(), grid.ring(), 2 * n, cfg);
+  EXPECT_THROW(GdnContextParallel(groups, SequenceLayout::for_groups(groups, 2 * n), nan_scale), Error);
+  GdnContextParallel gdn(groups, SequenceLayout::for_groups(groups, 2 * n), cfg);
   Tensor dout = Tensor::zeros({1, 2, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);
-  EXPECT_THROW(gdn.backward(dout.view()), Error);                                    // no forward yet
+  EXPECT_THROW(gdn.backward(CpContext{}, dout.view()), Error);                       // no forward's context
   Tensor q = Tensor::zeros({1, 3, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);  // wrong local length
   Tensor gb = Tensor::zeros({1, 3, 1}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(gdn.forward(q.view(), q.view(), q.view(), gb.view(), gb.view()), Error);
@@ -195,7 +194,9 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
     for (std::int64_t width : {1, 4}) {
       for (std::int64_t seq : {std::int64_t{2} * n, std::int64_t{2} * n * 7}) {
         const std::int64_t C = 6;
-        const SequenceLayout lay(layout, seq, n, 1);
+        const SpGrid grid(world(), {1, 1, n});
+        const CpGroups groups = CpGroups::from(grid);
+        const SequenceLayout lay = SequenceLayout::for_groups(groups, seq, layout);
         Tensor x = test::random_tensor({kB, seq, C}, DType::kFloat32, 201);
         Tensor w = test::random_tensor({C, width}, DType::kFloat32, 202);
         Tensor dy = test::random_tensor({kB, seq, C}, DType::kFloat32, 203);
@@ -209,15 +210,16 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
         attn::reference::short_conv_forward(ra, ry.view(), {});
         attn::reference::short_conv_backward(ra, dy64.view(), rdx.view(), rdw.view(), {});
 
-        ShortConvContextParallel conv(world(), lay);
+        ShortConvContextParallel conv(groups, lay);
         const auto pos = lay.positions(world().rank());
         std::vector<Tensor> keep;
-        Tensor y = conv.forward(shard(x, pos, keep), w.view());
+        ShortConvCpOutput o = conv.forward(shard(x, pos, keep), w.view());
+        const Tensor& y = o.out;
         Tensor dw = Tensor::empty(w.shape(), DType::kFloat32, MemCategory::kWorkspace);
-        Tensor dx = conv.backward(shard(dy, pos, keep), dw.view());
+        Tensor dx = conv.backward(std::move(o.ctx), shard(dy, pos, keep), dw.view());
         const std::string name = str_cat(layout_name(layout), " W", width, " S", seq, " at ", n, " ranks");
-        EXPECT_TRUE(all_close(gather(world(), lay, y, x.shape()), to_double(ry), 1e-5, 1e-5, name + " out"));
-        EXPECT_TRUE(all_close(gather(world(), lay, dx, x.shape()), to_double(rdx), 1e-5, 1e-5, name + " dx"));
+        EXPECT_TRUE(all_close(gather(grid.sp(), lay, y, x.shape()), to_double(ry), 1e-5, 1e-5, name + " out"));
+        EXPECT_TRUE(all_close(gather(grid.sp(), lay, dx, x.shape()), to_double(rdx), 1e-5, 1e-5, name + " dx"));
         EXPECT_TRUE(all_close(to_double(dw), to_double(rdw), 1e-4, 1e-5, name + " dweight"));
       }
     }

@@ -8,6 +8,7 @@
 
 #include "attention/mha.h"
 #include "parallel/ring_attention.h"
+#include "runtime/sp_grid.h"
 #include "runtime/tensor_ops.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -44,7 +45,6 @@ attn::MaskSpec mask_spec(Mask m, std::int64_t seq) {
 
 RingAttentionConfig ring_config(const Case& c) {
   RingAttentionConfig cfg;
-  cfg.layout = c.layout;
   cfg.impl = c.impl;
   const attn::MaskSpec m = mask_spec(c.mask, c.seq);
   cfg.causal = m.causal;
@@ -66,14 +66,17 @@ test::MhaShape shape_of(const Case& c) {
 
 // Runs ring attention over `comm` on the layout's shards and gathers the full results.
 test::MhaResult distributed(Communicator& comm, const Case& c, const test::MhaProblem& p,
-                            AttentionCounters* counters = nullptr) {
-  RingAttention ring(comm, c.seq, ring_config(c));
-  const SequenceLayout layout(c.layout, c.seq, comm.size());
+                            CpCounters* counters = nullptr) {
+  const SpGrid grid(comm, {1, 1, comm.size()});
+  const CpGroups groups = CpGroups::from(grid);
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, c.seq, c.layout);
+  RingAttention ring(groups, layout, ring_config(c));
   const std::vector<std::int64_t> pos = layout.positions(comm.rank());
+  EXPECT_EQ(pos, ring.positions());
   Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
          v = test::local_piece(p.v.view(), pos), dout = test::local_piece(p.dout.view(), pos);
   AttentionOutput o = ring.forward(q.view(), k.view(), v.view());
-  AttentionGrads g = ring.backward(dout.view());
+  AttentionGrads g = ring.backward(std::move(o.ctx), dout.view());
   if (counters) *counters = ring.counters();
   test::MhaResult r;
   r.out = test::gather_full(comm, layout, o.out.view(), p.q.shape());
@@ -161,7 +164,7 @@ double reduce_scalar(double x, ReduceOp op) {
 TEST(RingAttention, ZigzagCausalBalancesWork) {
   Case c{Mask::kCausal, LayoutKind::kZigzag, RingImpl::kP2P};
   const test::MhaProblem p(shape_of(c));
-  AttentionCounters zz;
+  CpCounters zz;
   distributed(world(), c, p, &zz);
   const double zmax = reduce_scalar(zz.flops, ReduceOp::kMax), zmin = -reduce_scalar(-zz.flops, ReduceOp::kMax);
   EXPECT_GT(zmin, 0.0);
@@ -172,7 +175,7 @@ TEST(RingAttention, ZigzagCausalBalancesWork) {
   EXPECT_DOUBLE_EQ(total, 14.0 * c.batch * c.hq * c.dim * pairs);  // 4 forward + 10 backward per pair
 
   c.layout = LayoutKind::kContiguous;
-  AttentionCounters ct;
+  CpCounters ct;
   distributed(world(), c, p, &ct);
   const double cmax = reduce_scalar(ct.flops, ReduceOp::kMax), cmin = -reduce_scalar(-ct.flops, ReduceOp::kMax);
   if (world().size() > 1) {
@@ -186,7 +189,7 @@ TEST(RingAttention, BytesMatchFormula) {
       Case c{Mask::kCausal, LayoutKind::kZigzag, impl};
       c.dtype = dtype;
       const test::MhaProblem p(shape_of(c));
-      AttentionCounters counters;
+      CpCounters counters;
       distributed(world(), c, p, &counters);
       const std::int64_t P = world().size();
       const std::int64_t elems = 2 * c.batch * (c.seq / P) * c.hkv * c.dim;
@@ -202,56 +205,71 @@ TEST(RingAttention, BytesMatchFormula) {
 
 TEST(RingAttention, DivisibilityErrorsOnEveryRank) {
   const int P = world().size();
+  const SpGrid grid(world(), {1, 1, P});
+  const CpGroups groups = CpGroups::from(grid);
   const std::int64_t bad = 2 * P * 5 + 1;  // odd: never divisible by 2P (nor by P when P is even)
   RingAttentionConfig cfg;
-  cfg.layout = LayoutKind::kZigzag;
   std::string message;
   try {
-    RingAttention ring(world(), bad, cfg);
+    RingAttention ring(groups, SequenceLayout::for_groups(groups, bad, LayoutKind::kZigzag), cfg);
   } catch (const Error& e) {
     message = e.message();
   }
   EXPECT_EQ(message, str_cat("seq_len ", bad, " must be divisible by 2*ring_size=", 2 * P, " for the zigzag layout"));
   EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
   if (P > 1) {
-    cfg.layout = LayoutKind::kContiguous;
-    EXPECT_THROW(RingAttention(world(), P * 7 + 1, cfg), Error);
+    EXPECT_THROW(RingAttention(groups, SequenceLayout::for_groups(groups, P * 7 + 1, LayoutKind::kContiguous), cfg),
+                 Error);
   }
+  // A layout built for other group sizes is refused with a message naming both.
+  message.clear();
+  try {
+    RingAttention ring(groups, SequenceLayout(LayoutKind::kZigzag, 4 * P, P, 2), cfg);
+  } catch (const Error& e) {
+    message = e.message();
+  }
+  EXPECT_EQ(message, str_cat("ring attention: the layout was built for ring_size ", P,
+                             " x ulysses_size 2, but the groups have ring_size ", P,
+                             " x ulysses_size 1 (SequenceLayout::for_groups builds a matching one)"));
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, 2 * P * 4);
   cfg.causal = false;
   cfg.window = 8;
-  EXPECT_THROW(RingAttention(world(), 2 * P * 4, cfg), Error);
+  EXPECT_THROW(RingAttention(groups, layout, cfg), Error);
   // A non-finite scale is refused by the constructor, before the first (K, V) block is sent (the kernel's own
   // check used to fire inside the first ring step, after the send was posted).
   RingAttentionConfig bad_scale;
   bad_scale.scale = std::numeric_limits<float>::quiet_NaN();
-  const std::int64_t ops_before = world().counters().num_ops;
+  const std::int64_t ops_before = world().counters().num_ops + grid.ring().counters().num_ops;
   message.clear();
   try {
-    RingAttention ring(world(), 2 * P * 4, bad_scale);
+    RingAttention ring(groups, layout, bad_scale);
   } catch (const Error& e) {
     message = e.message();
   }
   EXPECT_EQ(message, "ring attention: scale nan must be finite (0 or less: 1/sqrt(D))");
-  EXPECT_EQ(world().counters().num_ops, ops_before);
+  EXPECT_EQ(world().counters().num_ops + grid.ring().counters().num_ops, ops_before);
   EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
 }
 
 TEST(RingAttention, ShapeErrorsBeforeCommunication) {
   const int P = world().size();
-  RingAttention ring(world(), 2 * P * 8, RingAttentionConfig{});
+  const SpGrid grid(world(), {1, 1, P});
+  const CpGroups groups = CpGroups::from(grid);
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, 2 * P * 8);
+  RingAttention ring(groups, layout, RingAttentionConfig{});
   Tensor q = Tensor::zeros({1, 16, 4, 32}, DType::kFloat32, MemCategory::kWorkspace);
   Tensor k = Tensor::zeros({1, 16, 3, 32}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(ring.forward(q.view(), k.view(), k.view()), Error);  // Hq 4 not a multiple of Hkv 3
   Tensor k_short = Tensor::zeros({1, 8, 2, 32}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(ring.forward(q.view(), k_short.view(), k_short.view()), Error);
-  EXPECT_THROW(ring.backward(q.view()), Error);  // no forward yet
+  EXPECT_THROW(ring.backward(CpContext{}, q.view()), Error);  // no forward's context
   // An integer dtype is refused by validate(), before the first block is sent (the kernel used to find it).
   for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
     RingAttentionConfig cfg;
     cfg.impl = impl;
-    RingAttention ring_i(world(), 2 * P * 8, cfg);
+    RingAttention ring_i(groups, layout, cfg);
     Tensor qi = Tensor::zeros({1, 16, 2, 32}, DType::kInt32, MemCategory::kWorkspace);
-    const std::int64_t ops_before = world().counters().num_ops;
+    const std::int64_t ops_before = grid.ring().counters().num_ops;
     std::string m;
     try {
       ring_i.forward(qi.view(), qi.view(), qi.view());
@@ -259,7 +277,7 @@ TEST(RingAttention, ShapeErrorsBeforeCommunication) {
       m = e.message();
     }
     EXPECT_EQ(m, "ring attention: q, k, v have dtype int32, expected a floating dtype (fp32, bf16, fp16 or fp64)");
-    EXPECT_EQ(world().counters().num_ops, ops_before) << ring_impl_name(impl);
+    EXPECT_EQ(grid.ring().counters().num_ops, ops_before) << ring_impl_name(impl);
   }
 }
 

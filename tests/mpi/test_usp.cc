@@ -6,6 +6,7 @@
 #include <functional>
 
 #include "parallel/ulysses.h"
+#include "parallel/usp.h"
 #include "runtime/sp_grid.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -74,16 +75,16 @@ TEST_P(UspVsSingleRank, MatchesSingleRank) {
   const test::MhaResult want = test::single_rank_result(shape, p);
 
   RingAttentionConfig cfg;
-  cfg.layout = c.layout;
   cfg.impl = c.impl;
   cfg.causal = c.causal;
-  UspAttention usp(grid.ulysses(), grid.ring(), shape.seq, cfg);
+  const CpGroups groups = CpGroups::from(grid);
+  UspAttention usp(groups, SequenceLayout::for_groups(groups, shape.seq, c.layout), cfg);
   ASSERT_EQ(usp.sp_rank(), grid.coords().sp_rank);
   const auto& pos = usp.positions();
   Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
          v = test::local_piece(p.v.view(), pos), dout = test::local_piece(p.dout.view(), pos);
   AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
-  AttentionGrads g = usp.backward(dout.view());
+  AttentionGrads g = usp.backward(std::move(o.ctx), dout.view());
 
   Communicator& sp = grid.sp();
   test::MhaResult got;
@@ -95,7 +96,7 @@ TEST_P(UspVsSingleRank, MatchesSingleRank) {
   test::expect_mha_match(got, want, c.dtype, str_cat(case_name(c), " on ", grid.str()));
 
   // All-to-all volume: each all-to-all of N bytes moves (Pu-1)/Pu of N each way.
-  const UspCounters counters = usp.counters();
+  const CpCounters counters = usp.counters();
   const std::int64_t pu = c.ulysses_size, sl = shape.seq / n, esz = dtype_size(c.dtype);
   const std::int64_t hkv_e = c.hkv % pu == 0 ? c.hkv : pu;
   const std::int64_t kv_grad_esz = c.hkv % pu == 0 ? esz : 4;
@@ -183,7 +184,8 @@ TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
   EXPECT_EQ(v[0], -v[1]);
   // USP: a local length that does not match the layout is refused before any all-to-all.
   SpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
-  UspAttention usp(grid.ulysses(), grid.ring(), 4 * n, RingAttentionConfig{});
+  const CpGroups groups = CpGroups::from(grid);
+  UspAttention usp(groups, SequenceLayout::for_groups(groups, 4 * n), RingAttentionConfig{});
   Tensor q = Tensor::zeros({1, 3, n, 8}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(usp.forward(q.view(), q.view(), q.view()), Error);
   Tensor q4 = Tensor::zeros({1, 4, n + 1, 8}, DType::kFloat32, MemCategory::kWorkspace);
@@ -196,7 +198,8 @@ TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
 TEST(Usp, BadInputsAreRefusedBeforeTheAllToAll) {
   const int n = world().size();
   SpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
-  UspAttention usp(grid.ulysses(), grid.ring(), 4 * n, RingAttentionConfig{});
+  const CpGroups groups = CpGroups::from(grid);
+  UspAttention usp(groups, SequenceLayout::for_groups(groups, 4 * n), RingAttentionConfig{});
   const std::int64_t ops_before = grid.ulysses().counters().num_ops + grid.ring().counters().num_ops;
   auto sent = [&] { return grid.ulysses().counters().num_ops + grid.ring().counters().num_ops - ops_before; };
   auto error_of = [](const std::function<void()>& fn) {
@@ -219,14 +222,15 @@ TEST(Usp, BadInputsAreRefusedBeforeTheAllToAll) {
   EXPECT_NE(m.find("must share batch (dim 0) and head dim (dim 3)"), std::string::npos) << m;
   EXPECT_EQ(sent(), 0) << "a refused forward communicated";
 
-  usp.forward(q.view(), q.view(), q.view());
+  AttentionOutput o = usp.forward(q.view(), q.view(), q.view());
   const std::int64_t after_forward = sent();
   Tensor dout_d4 = test::random_tensor({1, 4, n, 4}, DType::kFloat32, 4);
-  m = error_of([&] { usp.backward(dout_d4.view()); });
+  m = error_of([&] { usp.backward(std::move(o.ctx), dout_d4.view()); });
   EXPECT_NE(m.find("USP dout"), std::string::npos) << m;
   EXPECT_EQ(sent(), after_forward) << "a refused backward communicated";
+  EXPECT_TRUE(o.ctx.live()) << "a refused backward consumed the context";
   Tensor dout64 = test::random_tensor({1, 4, n, 8}, DType::kFloat64, 5);
-  AttentionGrads g = usp.backward(dout64.view());
+  AttentionGrads g = usp.backward(std::move(o.ctx), dout64.view());
   EXPECT_EQ(g.dq.dtype(), DType::kFloat32);
   EXPECT_EQ(g.dk.dtype(), DType::kFloat32);
 }

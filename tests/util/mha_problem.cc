@@ -6,10 +6,10 @@
 namespace seqpar::test {
 
 MhaProblem::MhaProblem(const MhaShape& s)
-    : q(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 11)),
-      k(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 12)),
-      v(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 13)),
-      dout(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 14)) {}
+    : q(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 11 + s.seed)),
+      k(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 12 + s.seed)),
+      v(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 13 + s.seed)),
+      dout(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 14 + s.seed)) {}
 
 MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
   attn::MhaForwardArgs args;

@@ -14,6 +14,7 @@ struct MhaShape {
   std::int64_t batch = 2, seq = 192, hq = 4, hkv = 2, dim = 64;
   DType dtype = DType::kFloat32;
   attn::MaskSpec mask;
+  std::uint64_t seed = 0;  // added to the fixed seeds of q, k, v, dout (another problem of the same shape)
 };
 
 struct MhaProblem {

@@ -1,0 +1,191 @@
+// What every context-parallel (CP) layer of parallel/ shares: the communicator groups it runs on, its counters,
+// the timing helpers that fill them, and the context a forward hands to its backward.
+//
+// One argument shape for every CP layer (RingAttention, UspAttention, DsaContextParallel, GdnContextParallel,
+// ShortConvContextParallel):  Layer(const CpGroups& groups, const SequenceLayout& layout, const Config& config).
+// A layer is stateless between calls: forward() returns its outputs and a CpContext that owns what the backward
+// needs (ledger category saved_activation); backward() takes that context back (by rvalue), checks that this very
+// object made it and that it was not used before, and frees it. One configured object therefore serves any
+// number of layers and micro-batches, with the backwards in any order.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "runtime/comm.h"
+#include "runtime/device.h"
+#include "runtime/timer.h"
+
+namespace seqpar {
+
+class SpGrid;
+class SequenceLayout;
+
+// The options of the CP layers, with their names (parse_*: Error "<what> 'x' is not one of a, b" otherwise).
+enum class RingImpl : std::uint8_t { kP2P, kAllGather };        // ring attention: blocks around, or all-gather
+enum class DsaSelectMode : std::uint8_t { kRing, kAllGather };  // DSA selection over the SP group
+enum class GdnCpMode : std::uint8_t { kChain, kScan };          // GDN state passing
+const char* ring_impl_name(RingImpl impl);                      // "p2p", "allgather"
+RingImpl parse_ring_impl(std::string_view name);
+const char* dsa_select_mode_name(DsaSelectMode mode);  // "ring", "allgather"
+DsaSelectMode parse_dsa_select_mode(std::string_view name);
+const char* gdn_cp_mode_name(GdnCpMode mode);  // "chain", "scan"
+GdnCpMode parse_gdn_cp_mode(std::string_view name);
+// The index of `name` in `names`; Error "<what> '<name>' is not one of <names, comma-separated>" otherwise.
+int parse_option_index(std::string_view name, std::span<const char* const> names, const char* what);
+
+// The communicators of one CP layer and the compute stream of its kernels.
+//   ulysses: the Ulysses group (size Pu, rank = ulysses_rank); heads <-> sequence all-to-all.
+//   ring:    the ring group (size Pr, rank = ring_rank); blocks and states travel around it.
+//   sp:      the whole SP group (size Pu * Pr, rank = sp_rank = ring_rank * Pu + ulysses_rank); DSA's selection
+//            and the short conv halo use it.
+// The references must outlive every layer built from the groups. Errors: sp.size() != ulysses.size() * ring.size().
+struct CpGroups {
+  Communicator& ulysses;
+  Communicator& ring;
+  Communicator& sp;
+  Stream stream;  // every kernel call gets it; a device stream is also set on the communicators during each call
+
+  CpGroups(Communicator& ulysses, Communicator& ring, Communicator& sp, Stream stream = Stream::cpu());
+  // The grid's Ulysses, ring and SP communicators.
+  static CpGroups from(const SpGrid& grid, Stream stream = Stream::cpu());
+
+  int ulysses_size() const { return ulysses.size(); }
+  int ring_size() const { return ring.size(); }
+  int sp_rank() const { return ring.rank() * ulysses.size() + ulysses.rank(); }
+};
+
+// Checks that `layout` was built for these groups (ring_size and ulysses_size equal the groups' sizes); `layer`
+// names the caller in the message. Collective-free; identical on every rank.
+void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
+
+// What one CP layer did on this rank; every field is summed over the calls since the last reset().
+struct CpCounters {
+  double flops = 0;                     // attention FLOPs executed (MHA: 4 B Hq D per visible pair forward, 2.5x bwd)
+  double attention_pairs = 0;           // DSA: (query, selected key) pairs x local heads attended
+  std::int64_t bytes_sent = 0;          // ring and SP groups (blocks, states, index keys, halos)
+  std::int64_t bytes_received = 0;      //   "
+  std::int64_t a2a_bytes_sent = 0;      // Ulysses group (all-to-all and all-gather of the heads exchange)
+  std::int64_t a2a_bytes_received = 0;  //   "
+  std::int64_t message_rounds = 0;      // GDN: sequential rounds of state messages (chain: N-1 each way; scan: log)
+  double exposed_comm_s = 0;            // seconds blocked waiting for ring / SP messages (not hidden by compute)
+  double compute_s = 0;                 // seconds in kernels and merges
+  double a2a_s = 0;                     // seconds in Ulysses exchanges (never overlapped)
+
+  double total_exposed_s() const { return exposed_comm_s + a2a_s; }
+  std::int64_t total_bytes_sent() const { return bytes_sent + a2a_bytes_sent; }
+  void reset() { *this = {}; }
+  CpCounters& operator+=(const CpCounters& other);
+};
+
+// Adds the wall-clock seconds of its lifetime to `seconds` (RAII).
+class ScopedTimer {
+ public:
+  explicit ScopedTimer(double& seconds) : seconds_(seconds), t0_(wall_seconds()) {}
+  ~ScopedTimer() { seconds_ += wall_seconds() - t0_; }
+  ScopedTimer(const ScopedTimer&) = delete;
+  ScopedTimer& operator=(const ScopedTimer&) = delete;
+
+ private:
+  double& seconds_;
+  double t0_;
+};
+
+// Waits for `work` (a null handle is a no-op) and resets it, adding the seconds blocked to *exposed_s (may be null).
+void timed_wait(WorkHandle& work, double* exposed_s);
+
+// Adds to a CpCounters the bytes a set of communicators moved during its lifetime: `ring_or_sp` (deduplicated, so
+// that one communicator passed twice is counted once) into bytes_sent / bytes_received, `ulysses` into a2a_*.
+class CommMeter {
+ public:
+  CommMeter(const CpGroups& groups, CpCounters& counters);
+  ~CommMeter();
+  CommMeter(const CommMeter&) = delete;
+  CommMeter& operator=(const CommMeter&) = delete;
+  std::int64_t bytes_sent_so_far() const;  // all groups, since construction
+
+ private:
+  const CpGroups& groups_;
+  CpCounters& counters_;
+  CommCounters ring_, sp_, ulysses_;
+};
+
+// A unique id per layer object (a copy gets a new one), so that a context finds its way back to its maker only.
+class LayerId {
+ public:
+  LayerId();
+  LayerId(const LayerId&);
+  LayerId& operator=(const LayerId&);
+  std::uint64_t value() const { return id_; }
+
+ private:
+  std::uint64_t id_;
+};
+
+// What a forward saved for its backward. Move-only; owns the saved tensors until backward() consumes it.
+// States: empty (default-constructed or moved from), live (returned by a forward), consumed (given to a backward).
+class CpContext {
+ public:
+  CpContext() = default;
+  CpContext(CpContext&& other) noexcept { *this = std::move(other); }
+  CpContext& operator=(CpContext&& other) noexcept;
+  CpContext(const CpContext&) = delete;
+  CpContext& operator=(const CpContext&) = delete;
+
+  bool live() const { return state_ == State::kLive; }
+
+  // For layers: wraps `saved` (made by layer `id`, a `layer` name for messages).
+  template <typename Saved>
+  static CpContext make(const LayerId& id, const char* layer, std::shared_ptr<Saved> saved) {
+    CpContext c;
+    c.layer_id_ = id.value();
+    c.layer_ = layer;
+    c.state_ = State::kLive;
+    c.saved_ = std::move(saved);
+    return c;
+  }
+  // For layers: checks like consume() but leaves the context live (a backward validates its other arguments with
+  // the saved shapes first, so that a refused call can be retried with the same context).
+  template <typename Saved>
+  std::shared_ptr<Saved> peek(const LayerId& id, const char* layer) const {
+    check_consumable(id, layer);
+    return std::static_pointer_cast<Saved>(saved_);
+  }
+  // For layers: checks that the context is live and was made by `id` (Error otherwise, naming `layer`), marks it
+  // consumed and hands over its saved state (freed when the caller drops it).
+  template <typename Saved>
+  std::shared_ptr<Saved> consume(const LayerId& id, const char* layer) {
+    check_consumable(id, layer);
+    state_ = State::kConsumed;
+    return std::static_pointer_cast<Saved>(std::move(saved_));
+  }
+
+ private:
+  enum class State : std::uint8_t { kEmpty, kLive, kConsumed };
+  void check_consumable(const LayerId& id, const char* layer) const;
+
+  std::uint64_t layer_id_ = 0;
+  const char* layer_ = "";
+  State state_ = State::kEmpty;
+  std::shared_ptr<void> saved_;
+};
+
+// Sets the groups' stream on their communicators for a scope when it is a device stream (a host stream leaves them
+// alone, so that a device communicator keeps its own); restores the previous streams at exit.
+class CommStreamScope {
+ public:
+  explicit CommStreamScope(const CpGroups& groups);
+  ~CommStreamScope();
+  CommStreamScope(const CommStreamScope&) = delete;
+  CommStreamScope& operator=(const CommStreamScope&) = delete;
+
+ private:
+  const CpGroups& groups_;
+  Stream previous_[3];
+  bool active_ = false;
+};
+
+}  // namespace seqpar

@@ -1,0 +1,113 @@
+#include "parallel/usp.h"
+
+#include "runtime/tensor_ops.h"
+
+namespace seqpar {
+namespace {
+
+void check_4d(const TensorView& t, const char* what) {
+  check_cpu(t, what);
+  SEQPAR_CHECK(t.ndim() == 4, what, " ", t.str(), " must be [B, S, H, D]");
+}
+
+}  // namespace
+
+struct UspAttention::Saved {
+  CpContext ring;  // the inner ring attention's context
+  UlyssesHeads heads;
+  Shape q_shape;  // what dout must match
+  DType q_dtype;  // the gradients' dtype
+};
+
+UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config)
+    : groups_(groups),
+      layout_(layout),
+      config_(config),
+      positions_((check_layout_matches(groups, layout, "USP"), layout.positions(groups.sp_rank()))),
+      ring_attn_(groups, layout, config) {}
+
+AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  check_4d(q, "USP q");
+  check_4d(k, "USP k");
+  check_4d(v, "USP v");
+  SEQPAR_CHECK(k.shape() == v.shape(), "USP: k ", k.str(), " and v ", v.str(), " must have one shape");
+  SEQPAR_CHECK(q.dim(1) == layout_.local_len() && k.dim(1) == layout_.local_len(), "USP: local sequence length ",
+               q.dim(1), " must be seq_len ", layout_.seq_len(), " / (ring_size ", layout_.ring_size(),
+               " x ulysses_size ", layout_.ulysses_size(), ") = ", layout_.local_len());
+  SEQPAR_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(), "USP: q, k, v dtypes differ (", dtype_name(q.dtype()),
+               ", ", dtype_name(k.dtype()), ", ", dtype_name(v.dtype()), ")");
+  // Checked here, not only by the ring after the all-to-all, so that no message is sent with bad inputs.
+  SEQPAR_CHECK(is_floating(q.dtype()), "USP: q, k, v have dtype ", dtype_name(q.dtype()),
+               ", expected a floating dtype (fp32, bf16, fp16 or fp64)");
+  SEQPAR_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3), "USP: q ", q.str(), " and k ", k.str(),
+               " must share batch (dim 0) and head dim (dim 3)");
+  const UlyssesHeads heads(q.dim(2), k.dim(2), groups_.ulysses_size());
+  const CommStreamScope stream_scope(groups_);
+  const UlyssesExchange a2a(groups_, counters_);
+  const int pu = groups_.ulysses_size();
+  const std::int64_t B = q.dim(0), sl = q.dim(1), hq = heads.hq;
+
+  Tensor q_h = a2a.to_heads(q);
+  Tensor k_h = a2a.kv_to_heads(k, heads);
+  Tensor v_h = a2a.kv_to_heads(v, heads);
+  Tensor out_h = Tensor::empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
+  Tensor lse_h = Tensor::empty({B, hq / pu, pu * sl}, DType::kFloat32, MemCategory::kWorkspace);
+  CpContext ring_ctx = ring_attn_.forward_into(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view());
+
+  AttentionOutput o;
+  o.out = Tensor::empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
+  o.lse = Tensor::empty({B, hq, sl}, DType::kFloat32, MemCategory::kWorkspace);
+  a2a.to_sequence(out_h.view(), o.out.view());
+  a2a.lse_to_sequence(lse_h.view(), o.lse.view());
+  o.ctx = CpContext::make(id_, "USP", std::make_shared<Saved>(Saved{std::move(ring_ctx), heads, q.shape(), q.dtype()}));
+  return o;
+}
+
+AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
+  const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "USP");
+  check_4d(dout, "USP dout");
+  // dout must have q's shape (checked before the all-to-all, so that a bad dout sends nothing); gradients come
+  // back in q's dtype, whatever dout's floating dtype.
+  check_shape(dout, s->q_shape, "USP dout");
+  SEQPAR_CHECK(is_floating(dout.dtype()), "USP: dout has dtype ", dtype_name(dout.dtype()),
+               ", expected a floating dtype");
+  ctx.consume<Saved>(id_, "USP");
+  const CommStreamScope stream_scope(groups_);
+  const UlyssesExchange a2a(groups_, counters_);
+  const UlyssesHeads& heads = s->heads;
+  const std::int64_t B = dout.dim(0), sl = dout.dim(1), D = dout.dim(3), hkv = heads.hkv;
+  const DType dtype = s->q_dtype;
+  Tensor dout_cast;
+  if (dout.dtype() != dtype) dout_cast = Tensor::copy_of(dout, dtype, MemCategory::kWorkspace);
+  Tensor dout_h = a2a.to_heads(dout.dtype() != dtype ? dout_cast.view() : dout);
+
+  // Replica gradients travel in fp32 so that their sum is exact to fp32 rounding.
+  const DType kv_grad_dtype = heads.replication == 1 ? dtype : DType::kFloat32;
+  const int pu = groups_.ulysses_size();
+  Tensor dq_h = Tensor::empty(dout_h.shape(), dtype, MemCategory::kWorkspace);
+  Tensor dk_h = Tensor::empty({B, pu * sl, heads.hkv_expanded / pu, D}, kv_grad_dtype, MemCategory::kWorkspace);
+  Tensor dv_h = Tensor::empty(dk_h.shape(), kv_grad_dtype, MemCategory::kWorkspace);
+  ring_attn_.backward_into(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view());
+
+  AttentionGrads g;
+  g.dq = Tensor::empty(s->q_shape, dtype, MemCategory::kWorkspace);
+  g.dk = Tensor::empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
+  g.dv = Tensor::empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
+  a2a.to_sequence(dq_h.view(), g.dq.view());
+  a2a.kv_grad_to_sequence(dk_h.view(), heads, g.dk.view());
+  a2a.kv_grad_to_sequence(dv_h.view(), heads, g.dv.view());
+  return g;
+}
+
+CpCounters UspAttention::counters() const {
+  CpCounters c = counters_;
+  c += ring_attn_.counters();
+  return c;
+}
+
+void UspAttention::reset_counters() {
+  counters_.reset();
+  ring_attn_.reset_counters();
+}
+
+}  // namespace seqpar

@@ -1,0 +1,202 @@
+// CP layers are stateless between calls: one configured object serves several layers (or micro-batches), each
+// forward's context owns exactly one layer's saved activations, backwards may come in any order, and a context is
+// accepted once, only by the object that made it.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "parallel/dsa_cp.h"
+#include "parallel/gdn_cp.h"
+#include "parallel/usp.h"
+#include "runtime/sp_grid.h"
+#include "tests/util/device_collectives.h"
+#include "tests/util/mha_problem.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using test::world;
+
+std::int64_t saved_bytes() {
+  return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kSavedActivation)];
+}
+
+using test::error_of;
+
+// A grid with Ulysses 2 when the world size is even, else a ring over the world.
+SpGridConfig grid_config() {
+  const int n = world().size();
+  return n % 2 == 0 ? SpGridConfig{1, 2, n / 2} : SpGridConfig{1, 1, n};
+}
+
+test::MhaShape mha_shape(std::uint64_t seed) {
+  test::MhaShape s;
+  s.batch = 1;
+  s.seq = 48;
+  s.hq = 4;
+  s.hkv = 2;
+  s.dim = 16;
+  s.mask = {true, 0};
+  s.seed = seed;
+  return s;
+}
+
+// Two layers through one USP object, interleaved: forward(l1), forward(l2), backward(l2), backward(l1); each
+// layer's outputs and gradients match its own single-rank result.
+TEST(CpContext, OneObjectServesTwoInterleavedLayers) {
+  const SpGrid grid(world(), grid_config());
+  const CpGroups groups = CpGroups::from(grid);
+  const test::MhaShape s1 = mha_shape(0), s2 = mha_shape(100);
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, s1.seq);
+  UspAttention usp(groups, layout, RingAttentionConfig{});
+  const test::MhaProblem p1(s1), p2(s2);
+  const auto& pos = usp.positions();
+  Tensor q1 = test::local_piece(p1.q.view(), pos), k1 = test::local_piece(p1.k.view(), pos),
+         v1 = test::local_piece(p1.v.view(), pos), d1 = test::local_piece(p1.dout.view(), pos);
+  Tensor q2 = test::local_piece(p2.q.view(), pos), k2 = test::local_piece(p2.k.view(), pos),
+         v2 = test::local_piece(p2.v.view(), pos), d2 = test::local_piece(p2.dout.view(), pos);
+  AttentionOutput o1 = usp.forward(q1.view(), k1.view(), v1.view());
+  AttentionOutput o2 = usp.forward(q2.view(), k2.view(), v2.view());
+  AttentionGrads g2 = usp.backward(std::move(o2.ctx), d2.view());
+  AttentionGrads g1 = usp.backward(std::move(o1.ctx), d1.view());
+  const std::pair<const AttentionOutput*, const AttentionGrads*> results[] = {{&o1, &g1}, {&o2, &g2}};
+  const test::MhaShape* shapes[] = {&s1, &s2};
+  const test::MhaProblem* problems[] = {&p1, &p2};
+  for (int l = 0; l < 2; ++l) {
+    const test::MhaShape& s = *shapes[l];
+    const test::MhaProblem& p = *problems[l];
+    test::MhaResult got;
+    got.out = test::gather_full(grid.sp(), layout, results[l].first->out.view(), p.q.shape());
+    got.lse = test::gather_full(grid.sp(), layout, results[l].first->lse.view(), {s.batch, s.hq, s.seq}, 2);
+    got.dq = test::gather_full(grid.sp(), layout, results[l].second->dq.view(), p.q.shape());
+    got.dk = test::gather_full(grid.sp(), layout, results[l].second->dk.view(), p.k.shape());
+    got.dv = test::gather_full(grid.sp(), layout, results[l].second->dv.view(), p.v.shape());
+    test::expect_mha_match(got, test::single_rank_result(s, p), s.dtype,
+                           str_cat("layer ", l + 1, " of two interleaved on ", grid.str()));
+  }
+}
+
+TEST(CpContext, ContextMisuseIsAClearError) {
+  const SpGrid grid(world(), grid_config());
+  const CpGroups groups = CpGroups::from(grid);
+  const test::MhaShape s = mha_shape(0);
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, s.seq);
+  UspAttention usp(groups, layout, RingAttentionConfig{}), other(groups, layout, RingAttentionConfig{});
+  const test::MhaProblem p(s);
+  const auto& pos = usp.positions();
+  Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
+         v = test::local_piece(p.v.view(), pos), d = test::local_piece(p.dout.view(), pos);
+
+  EXPECT_EQ(error_of([&] { usp.backward(CpContext{}, d.view()); }),
+            "USP: backward() got an empty context (default-constructed or moved from); pass the context its "
+            "forward() returned");
+  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
+  // Another object, even one of the same configuration, refuses it and leaves it live.
+  const std::string foreign = error_of([&] { other.backward(std::move(o.ctx), d.view()); });
+  EXPECT_NE(foreign.find("USP: backward() got a context made by another layer object"), std::string::npos) << foreign;
+  EXPECT_TRUE(o.ctx.live());
+  // A moved-from context is empty.
+  CpContext moved = std::move(o.ctx);
+  EXPECT_FALSE(o.ctx.live());
+  EXPECT_NE(error_of([&] { usp.backward(std::move(o.ctx), d.view()); }).find("empty context"), std::string::npos);
+  usp.backward(std::move(moved), d.view());
+  EXPECT_EQ(error_of([&] { usp.backward(std::move(moved), d.view()); }),
+            "USP: backward() got a context that a backward() already used; each forward's context serves one "
+            "backward");
+  // A copy of a layer is another object.
+  UspAttention copy = usp;
+  AttentionOutput o2 = usp.forward(q.view(), k.view(), v.view());
+  EXPECT_NE(error_of([&] { copy.backward(std::move(o2.ctx), d.view()); }).find("another layer object"),
+            std::string::npos);
+  usp.backward(std::move(o2.ctx), d.view());
+  EXPECT_TRUE(test::all_ranks(world(), true));
+}
+
+// A layer kind under test: runs forwards (returning their contexts) and a backward of one context.
+struct Kind {
+  std::string name;
+  std::function<CpContext()> forward;
+  std::function<void(CpContext&&)> backward;
+};
+
+// saved_activation after N forwards is N times one layer's, and back to the start after the N backwards in a
+// mixed order; for every CP layer kind.
+void expect_saved_ledger(const Kind& kind) {
+  const std::int64_t base = saved_bytes();
+  std::vector<CpContext> ctx;
+  ctx.push_back(kind.forward());
+  const std::int64_t one = saved_bytes() - base;
+  EXPECT_GT(one, 0) << kind.name;
+  for (int i = 1; i < 4; ++i) {
+    ctx.push_back(kind.forward());
+    EXPECT_EQ(saved_bytes() - base, (i + 1) * one) << kind.name << " after " << i + 1 << " forwards";
+  }
+  int left = 4;
+  for (int i : {2, 0, 3, 1}) {
+    kind.backward(std::move(ctx[i]));
+    --left;
+    EXPECT_EQ(saved_bytes() - base, left * one) << kind.name << " after backward of forward " << i;
+  }
+  EXPECT_EQ(saved_bytes(), base) << kind.name;
+}
+
+TEST(CpContext, SavedActivationsAreOwnedByTheContexts) {
+  const SpGrid grid(world(), grid_config());
+  const CpGroups groups = CpGroups::from(grid);
+  const std::int64_t seq = 48, B = 1, H = 4, D = 16;
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
+  const std::int64_t sl = layout.local_len();
+  auto rnd = [](const Shape& s, std::uint64_t seed, double lo = -1, double hi = 1) {
+    return test::random_tensor(s, DType::kFloat32, seed, lo, hi);
+  };
+
+  UspAttention usp(groups, layout, RingAttentionConfig{});
+  Tensor q = rnd({B, sl, H, D}, 1), kv = rnd({B, sl, 2, D}, 2);
+  expect_saved_ledger({"USP", [&] { return usp.forward(q.view(), kv.view(), kv.view()).ctx; },
+                       [&](CpContext&& c) { usp.backward(std::move(c), q.view()); }});
+
+  GdnCpConfig gcfg;
+  gcfg.chunk_size = 8;
+  GdnContextParallel gdn(groups, layout, gcfg);
+  Tensor g = rnd({B, sl, H}, 3, -0.1, -0.01), beta = rnd({B, sl, H}, 4, 0.1, 0.5);
+  expect_saved_ledger({"GDN", [&] { return gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view()).ctx; },
+                       [&](CpContext&& c) { gdn.backward(std::move(c), q.view()); }});
+
+  DsaCpConfig dcfg;
+  dcfg.topk = 6;
+  dcfg.dim_v = 8;
+  DsaContextParallel dsa(groups, layout, dcfg);
+  Tensor c = rnd({B, sl, D}, 5), qi = rnd({B, sl, 2, 8}, 6), ki = rnd({B, sl, 8}, 7), w = rnd({B, sl, 2}, 8);
+  Tensor dout = rnd({B, sl, H, 8}, 9);
+  expect_saved_ledger({"DSA", [&] { return dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view()).ctx; },
+                       [&](CpContext&& ctx) { dsa.backward(std::move(ctx), dout.view()); }});
+
+  ShortConvContextParallel conv(groups, layout);
+  Tensor wc = rnd({D, 4}, 10), dw = rnd({D, 4}, 11);
+  expect_saved_ledger({"short conv", [&] { return conv.forward(c.view(), wc.view()).ctx; },
+                       [&](CpContext&& ctx) { conv.backward(std::move(ctx), c.view(), dw.view()); }});
+}
+
+TEST(CpContext, LayoutMustMatchTheGroups) {
+  const SpGrid grid(world(), grid_config());
+  const CpGroups groups = CpGroups::from(grid);
+  const int n = world().size();
+  const SequenceLayout wrong(LayoutKind::kZigzag, 16 * n, n, 1);  // every rank in the ring, no Ulysses
+  if (groups.ulysses_size() == 1) GTEST_SKIP() << "a ring over the world is what the wrong layout describes";
+  for (const auto& make :
+       std::vector<std::function<void()>>{[&] { UspAttention(groups, wrong, RingAttentionConfig{}); },
+                                          [&] { GdnContextParallel(groups, wrong, GdnCpConfig{}); },
+                                          [&] { DsaContextParallel(groups, wrong, DsaCpConfig{}); },
+                                          [&] { ShortConvContextParallel(groups, wrong); }}) {
+    const std::string m = error_of(make);
+    EXPECT_NE(m.find(str_cat("the layout was built for ring_size ", n,
+                             " x ulysses_size 1, but the groups have ring_size ", n / 2, " x ulysses_size 2")),
+              std::string::npos)
+        << m;
+  }
+}
+
+}  // namespace
+}  // namespace seqpar
