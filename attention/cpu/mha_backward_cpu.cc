@@ -18,6 +18,7 @@
 
 #include "attention/cpu/mha_cpu.h"
 #include "attention/cpu/mha_simd.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/dtype.h"
 #include "runtime/tensor.h"
 
@@ -57,12 +58,18 @@ void backward_typed(const MhaBackwardParams& bp) {
   // Key chunks per head (in key tiles): a function of the shape only, so results do not depend on the thread count.
   const std::int64_t nchunks = std::clamp<std::int64_t>((8 + B * Hq - 1) / (B * Hq), 1, nkt);
   auto chunk_tile = [&](std::int64_t c) { return c * nkt / nchunks; };
+  // Per-worker buffers (allocated here, before the parallel region): q, dout and dq of one head, lse2, delta, K
+  // row-major, K^T and V^T per key tile, the score tiles P and dP, two rows.
+  const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
+  const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK,
+                             nkt * D * BK, BQ * BK, BQ * BK, Dp, Dp},
+                            "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
-  if (nchunks > 1) dq_partials = Tensor::empty({B * Hq * nchunks * Sq * Dp}, cdt, MemCategory::kWorkspace);
+  if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
   T* dqp = nchunks > 1 ? static_cast<T*>(dq_partials.data()) : nullptr;
 
-  Tensor dk_scratch = Tensor::zeros({B * Hq * Skp * Dp}, cdt, MemCategory::kWorkspace);
-  Tensor dv_scratch = Tensor::zeros({B * Hq * Skp * Dp}, cdt, MemCategory::kWorkspace);
+  Tensor dk_scratch = zeroed_workspace({B * Hq * Skp * Dp}, cdt, "mha_backward dk scratch");
+  Tensor dv_scratch = zeroed_workspace({B * Hq * Skp * Dp}, cdt, "mha_backward dv scratch");
   T* dks = static_cast<T*>(dk_scratch.data());
   T* dvs = static_cast<T*>(dv_scratch.data());
 
@@ -87,16 +94,11 @@ void backward_typed(const MhaBackwardParams& bp) {
     }
   };
 
-  const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
 #pragma omp parallel if (parallel)
   {
-    std::vector<T> q(static_cast<std::size_t>(Sq * Dp), T(0)), dout(static_cast<std::size_t>(Sq * Dp), T(0));
-    std::vector<T> dq(nchunks == 1 ? static_cast<std::size_t>(Sq * Dp) : 0);
-    std::vector<T> lse2(static_cast<std::size_t>(Sq)), delta(static_cast<std::size_t>(Sq));
-    std::vector<T> kmat(static_cast<std::size_t>(Skp * Dp), T(0));
-    std::vector<T> kt(static_cast<std::size_t>(nkt * D * BK), T(0)), vt(static_cast<std::size_t>(nkt * D * BK), T(0));
-    std::vector<T> s(static_cast<std::size_t>(BQ * BK)), dp(static_cast<std::size_t>(BQ * BK));
-    std::vector<T> row(static_cast<std::size_t>(Dp)), row2(static_cast<std::size_t>(Dp));
+    const std::span<T> q = ws.buffer(0), dout = ws.buffer(1), dq = ws.buffer(2), lse2 = ws.buffer(3),
+                       delta = ws.buffer(4), kmat = ws.buffer(5), kt = ws.buffer(6), vt = ws.buffer(7), s = ws.buffer(8),
+                       dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11);
     std::int64_t packed_kv = -1, loaded_bh = -1;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < B * Hq * nchunks; ++task) {

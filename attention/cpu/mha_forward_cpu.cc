@@ -17,6 +17,7 @@
 
 #include "attention/cpu/mha_cpu.h"
 #include "attention/cpu/mha_simd.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/dtype.h"
 #include "runtime/tensor.h"
 
@@ -92,16 +93,19 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
 
   // K^T per key tile [nkt][D][BK] and V [Skp][Dp], per (b, kv head), zero padded.
   const std::int64_t kt_size = nkt * D * BK, v_size = Skp * Dp;
-  Tensor kt_pack = Tensor::zeros({B * Hkv * kt_size}, cdt, MemCategory::kWorkspace);
-  Tensor v_pack = Tensor::zeros({B * Hkv * v_size}, cdt, MemCategory::kWorkspace);
+  Tensor kt_pack = zeroed_workspace({B * Hkv * kt_size}, cdt, "mha_forward K pack");
+  Tensor v_pack = zeroed_workspace({B * Hkv * v_size}, cdt, "mha_forward V pack");
   T* ktp = static_cast<T*>(kt_pack.data());
   T* vp = static_cast<T*>(v_pack.data());
   const char* kin = static_cast<const char*>(p.k);
   const char* vin = static_cast<const char*>(p.v);
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
+  // Per-worker buffers, allocated before the regions: a converted K row; Q tile, O tile, S tile, m, l, a row.
+  const WorkerScratch<T> ws({D, BQ * Dp, BQ * Dp, BQ * BK, BQ, BQ, Dp}, "mha_forward per-thread scratch",
+                            region_workers(parallel));
 #pragma omp parallel if (parallel)
   {
-    std::vector<T> row(static_cast<std::size_t>(D));
+    const std::span<T> row = ws.buffer(0);
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < B * Hkv * nkt; ++t) {
       const std::int64_t bh = t / nkt, kt = t % nkt, b = bh / Hkv, h = bh % Hkv;
@@ -120,11 +124,8 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
   const std::int64_t num_tasks = B * Hq * nqt;
 #pragma omp parallel if (parallel)
   {
-    std::vector<T> qt(static_cast<std::size_t>(BQ * Dp), T(0));
-    std::vector<T> o(static_cast<std::size_t>(BQ * Dp));
-    std::vector<T> s(static_cast<std::size_t>(BQ * BK));
-    std::vector<T> m(BQ), l(BQ);
-    std::vector<T> row(static_cast<std::size_t>(Dp));
+    const std::span<T> qt = ws.buffer(1), o = ws.buffer(2), s = ws.buffer(3), m = ws.buffer(4), l = ws.buffer(5),
+                       row = ws.buffer(6);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < num_tasks; ++task) {
       // query tiles in decreasing order: under a causal mask the late tiles are the long ones
