@@ -36,8 +36,8 @@ std::vector<std::int64_t> positions_or_iota(std::span<const std::int64_t> pos, s
     out.resize(static_cast<std::size_t>(len));
     std::iota(out.begin(), out.end(), std::int64_t{0});
   } else {
-    SEQPAR_CHECK(static_cast<std::int64_t>(pos.size()) == len, what, " has ", pos.size(), " entries, expected 0 (meaning 0..",
-                 len - 1, ") or ", len_name, " = ", len);
+    SEQPAR_CHECK(static_cast<std::int64_t>(pos.size()) == len, what, " has ", pos.size(),
+                 " entries, expected 0 (meaning 0..", len - 1, ") or ", len_name, " = ", len);
     out.assign(pos.begin(), pos.end());
   }
   return out;

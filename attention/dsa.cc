@@ -75,11 +75,7 @@ cpu::DsaIndexerShape validate_indexer(const DsaIndexerArgs& a) {
   check_floating(a.w, "w");
   check_floating(a.k_idx, "k_idx");
   SEQPAR_CHECK(a.q_idx.ndim() == 4, "q_idx must be [B, Sq, Hi, Di], got ", shape_str(a.q_idx.shape()));
-  cpu::DsaIndexerShape s;
-  s.B = a.q_idx.dim(0);
-  s.Sq = a.q_idx.dim(1);
-  s.Hi = a.q_idx.dim(2);
-  s.Di = a.q_idx.dim(3);
+  cpu::DsaIndexerShape s{a.q_idx.dim(0), a.q_idx.dim(1), a.q_idx.dim(2), a.q_idx.dim(3), /*Sk=*/0, {}, {}};
   SEQPAR_CHECK(a.k_idx.ndim() == 3 && a.k_idx.dim(0) == s.B && a.k_idx.dim(2) == s.Di, "k_idx must be [B, Sk, Di] = [",
                s.B, ", Sk, ", s.Di, "], got ", shape_str(a.k_idx.shape()));
   s.Sk = a.k_idx.dim(1);
@@ -97,11 +93,8 @@ cpu::DsaAttentionShape validate_attention(const DsaAttentionArgs& a) {
   check_floating(a.q, "q");
   check_floating(a.c, "c");
   SEQPAR_CHECK(a.q.ndim() == 4, "q must be [B, Sq, H, Dqk], got ", shape_str(a.q.shape()));
-  cpu::DsaAttentionShape s;
-  s.B = a.q.dim(0);
-  s.Sq = a.q.dim(1);
-  s.H = a.q.dim(2);
-  s.Dqk = a.q.dim(3);
+  cpu::DsaAttentionShape s{a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), /*Dv=*/0, /*Sk=*/0,
+                           /*K=*/0,    0.0,        {},         {},         {}};
   SEQPAR_CHECK(a.c.ndim() == 3 && a.c.dim(0) == s.B && a.c.dim(2) == s.Dqk, "c must be [B, Sk, Dqk] = [", s.B, ", Sk, ",
                s.Dqk, "], got ", shape_str(a.c.shape()));
   SEQPAR_CHECK(a.c.dtype() == a.q.dtype(), "q and c must share one dtype, got ", dtype_name(a.q.dtype()), " and ",
@@ -364,8 +357,8 @@ void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorVi
 
 void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs, Stream stream) {
   detail::check_stream(stream, "dsa_attention_probs", kFamily);
-  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), nullptr, TensorView(), TensorView(), false,
-                                  static_cast<float*>(probs.data()));
+  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), nullptr, TensorView(),
+                                  TensorView(), false, static_cast<float*>(probs.data()));
 }
 
 void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,

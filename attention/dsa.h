@@ -206,8 +206,7 @@ void check_dsa_indexer_args(const DsaIndexerArgs& args);
 void check_dsa_attention_args(const DsaAttentionArgs& args);
 
 void check_dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
-void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state,
-                                  Stream stream = Stream::cpu());
+void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
 void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream = Stream::cpu());
 void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
 void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream = Stream::cpu());

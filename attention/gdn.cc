@@ -30,12 +30,7 @@ void check_state(const TensorView& t, const cpu::GdnDims& d, DType state_dtype, 
 cpu::GdnDims validate_forward_args(const GdnForwardArgs& a) {
   SEQPAR_CHECK(a.q.ndim() == 4, "gdn: q must be [B, S, H, K], got ", shape_str(a.q.shape()));
   SEQPAR_CHECK(a.v.ndim() == 4, "gdn: v must be [B, S, H, V], got ", shape_str(a.v.shape()));
-  cpu::GdnDims d;
-  d.B = a.q.dim(0);
-  d.S = a.q.dim(1);
-  d.H = a.q.dim(2);
-  d.K = a.q.dim(3);
-  d.V = a.v.dim(3);
+  cpu::GdnDims d{a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), a.v.dim(3)};
   SEQPAR_CHECK(a.chunk_size >= 1, "gdn: chunk_size must be >= 1, got ", a.chunk_size);
   // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
   // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
@@ -109,6 +104,21 @@ void check_distinct(const TensorView& out, const TensorView& in, const char* fn,
   SEQPAR_CHECK(out.data() != in.data(), fn, ": ", out_name, " may not alias ", in_name);
 }
 
+struct Named {
+  const TensorView& t;
+  const char* name;
+};
+
+// out = op(m) x (+ addend, when not empty): x, addend, out [B, H, K, N] like m; out may not alias x.
+void check_map_product(const TensorView& m, Named x, Named addend, Named out, const char* fn, const Stream& stream) {
+  detail::check_stream(stream, fn, kFamily);
+  check_map_matrix(m, "m");
+  check_like(x.t, m, -1, x.name);
+  check_like(out.t, m, x.t.dim(3), out.name);
+  if (!addend.t.empty()) check_like(addend.t, m, x.t.dim(3), addend.name);
+  check_distinct(out.t, x.t, fn, out.name, x.name);
+}
+
 // ---- short conv ----
 
 // Conv tensors share x's dtype.
@@ -170,22 +180,13 @@ void check_gdn_transition_compose(const TensorView& m2, const TensorView& u2, co
 
 void check_gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start,
                                 const TensorView& s_end, Stream stream) {
-  detail::check_stream(stream, "gdn_transition_apply", kFamily);
-  check_map_matrix(m, "m");
-  check_like(s_start, m, -1, "s_start");
-  check_like(s_end, m, s_start.dim(3), "s_end");
-  if (!u.empty()) check_like(u, m, s_start.dim(3), "u");
-  check_distinct(s_end, s_start, "gdn_transition_apply", "s_end", "s_start");
+  check_map_product(m, {s_start, "s_start"}, {u, "u"}, {s_end, "s_end"}, "gdn_transition_apply", stream);
 }
 
 void check_gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
                                         const TensorView& ds_start, Stream stream) {
-  detail::check_stream(stream, "gdn_transition_apply_adjoint", kFamily);
-  check_map_matrix(m, "m");
-  check_like(ds_end, m, -1, "ds_end");
-  check_like(ds_start, m, ds_end.dim(3), "ds_start");
-  if (!local.empty()) check_like(local, m, ds_end.dim(3), "local");
-  check_distinct(ds_start, ds_end, "gdn_transition_apply_adjoint", "ds_start", "ds_end");
+  check_map_product(m, {ds_end, "ds_end"}, {local, "local"}, {ds_start, "ds_start"}, "gdn_transition_apply_adjoint",
+                    stream);
 }
 
 void check_gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream) {

@@ -57,19 +57,8 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   check_positions(a.q_pos, Sq, "q_pos", "Sq");
   check_positions(a.k_pos, Sk, "k_pos", "Sk");
   check_mask(a.mask);
-  cpu::MhaParams p;
-  p.q = a.q.data();
-  p.k = a.k.data();
-  p.v = a.v.data();
-  p.dtype = a.q.dtype();
-  p.batch = B;
-  p.sq = Sq;
-  p.sk = Sk;
-  p.hq = Hq;
-  p.hkv = Hkv;
-  p.head_dim = D;
-  p.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
-  return p;
+  const double scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
+  return cpu::MhaParams{a.q.data(), a.k.data(), a.v.data(), a.q.dtype(), B, Sq, Sk, Hq, Hkv, D, scale};
 }
 
 cpu::MhaParams validate_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse) {
@@ -92,7 +81,8 @@ cpu::MhaParams validate_backward(const MhaBackwardArgs& args, const TensorView& 
     check_host_tensor(args.out, "out (needed for delta, which was not given)");
     check_shape(args.out, args.fwd.q.shape(), "out");
   }
-  for (auto [t, like, name] : {std::tuple{&dq, &args.fwd.q, "dq"}, {&dk, &args.fwd.k, "dk"}, {&dv, &args.fwd.k, "dv"}}) {
+  for (auto [t, like, name] :
+       {std::tuple{&dq, &args.fwd.q, "dq"}, {&dk, &args.fwd.k, "dk"}, {&dv, &args.fwd.k, "dv"}}) {
     check_host_tensor(*t, name);
     check_shape(*t, like->shape(), name);
     if (accumulate) check_dtype(*t, DType::kFloat32, str_cat(name, " (accumulate = true)").c_str());

@@ -11,7 +11,7 @@ namespace seqpar::attn {
 namespace {
 
 void validate(const TensorView& x, std::span<const std::int64_t> positions, double theta, const char* op) {
-  detail::check_floating(x, op, "RoPE");
+  detail::check_floating(x, str_cat(op, ": x").c_str(), "RoPE");
   SEQPAR_CHECK(x.ndim() == 4, op, ": x ", x.str(), " must be [B, S, H, D]");
   SEQPAR_CHECK(x.dim(3) % 2 == 0, op, ": head dim ", x.dim(3), " must be even");
   SEQPAR_CHECK(static_cast<std::int64_t>(positions.size()) == x.dim(1), op, ": ", positions.size(),

@@ -41,6 +41,26 @@ inline std::int64_t collect_selected(const AttnShape& s, const std::int64_t* idx
   return n;
 }
 
+// Loads query row r (batch b) and its n selected latent rows sel[0..n) into qrow [H, Dqk] and gath [n, Dqk], then
+// for each tile of up to kTile of them fills cT (the tile transposed) and tile [H, kTile] = q_h . c_j, and calls
+// fn(j0, nj, rows) with the tile's first index, its size and its gathered rows.
+template <typename T, typename Acc, typename Fn>
+void for_each_selected_tile_scores(const T* q, const T* c, const AttnShape& s, std::int64_t b, std::int64_t r,
+                                   std::span<const std::int64_t> sel, std::int64_t n, std::span<Acc> qrow,
+                                   std::span<Acc> gath, std::span<Acc> cT, std::span<Acc> tile, Fn&& fn) {
+  const std::int64_t H = s.H, Dqk = s.Dqk;
+  load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
+  for (std::int64_t j = 0; j < n; ++j) load_row(c + (b * s.Sk + sel[j]) * Dqk, gath.data() + j * Dqk, Dqk);
+  const Acc* rows[kTile];
+  for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {
+    const std::int64_t nj = std::min(kTile, n - j0);
+    for (std::int64_t j = 0; j < nj; ++j) rows[j] = gath.data() + (j0 + j) * Dqk;
+    load_tile_transposed(rows, nj, Dqk, cT.data());
+    dot_tile(qrow.data(), H, Dqk, cT.data(), tile.data());
+    fn(j0, nj, rows);
+  }
+}
+
 template <typename T>
 void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& out, const TensorView& lse) {
   using Acc = acc_t<T>;
@@ -58,7 +78,6 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
     const std::span<Acc> qrow = ws.buffer(0), gath = ws.buffer(1), score = ws.buffer(2), o = ws.buffer(3),
                          mx = ws.buffer(4), sum = ws.buffer(5), cT = ws.buffer(6), tile = ws.buffer(7);
-    const Acc* rowp[kTile];
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq, t = r % s.Sq;
@@ -69,18 +88,15 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
         store_row(out, r * H * Dv, o.data(), H * Dv, false);
         continue;
       }
-      load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
-      for (std::int64_t j = 0; j < n; ++j) load_row(c + (b * s.Sk + sel[j]) * Dqk, gath.data() + j * Dqk, Dqk);
       // scores [H, n], a tile of kTile latent rows (transposed) against all heads at a time
-      for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {
-        const std::int64_t nj = std::min(kTile, n - j0);
-        for (std::int64_t j = 0; j < nj; ++j) rowp[j] = gath.data() + (j0 + j) * Dqk;
-        load_tile_transposed(rowp, nj, Dqk, cT.data());
-        dot_tile(qrow.data(), H, Dqk, cT.data(), tile.data());
-        for (std::int64_t h = 0; h < H; ++h) {
-          for (std::int64_t j = 0; j < nj; ++j) score[h * n + j0 + j] = Acc(s.scale) * tile[h * kTile + j];
-        }
-      }
+      for_each_selected_tile_scores(q, c, s, b, r, sel, n, qrow, gath, cT, tile,
+                                    [&](std::int64_t j0, std::int64_t nj, const Acc* const*) {
+                                      for (std::int64_t h = 0; h < H; ++h) {
+                                        for (std::int64_t j = 0; j < nj; ++j) {
+                                          score[h * n + j0 + j] = Acc(s.scale) * tile[h * kTile + j];
+                                        }
+                                      }
+                                    });
       for (std::int64_t h = 0; h < H; ++h) {
         Acc m = score[h * n];
         for (std::int64_t j = 1; j < n; ++j) m = std::max(m, score[h * n + j]);
@@ -134,35 +150,29 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
     const std::span<Acc> qrow = qws.buffer(0), dorow = qws.buffer(1), gath = qws.buffer(2), p = qws.buffer(3),
                          dq = qws.buffer(4), lse_r = qws.buffer(5), cT = qws.buffer(6), tile = qws.buffer(7),
                          dptile = qws.buffer(8);
-    const Acc* rowp[kTile];
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
       const std::int64_t n = collect_selected(s, idx, r, sel, slots);
       std::fill(dq.begin(), dq.end(), Acc(0));
       if (n > 0) {
-        load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
         if (want_grad) load_any(dout_t, r * H * Dv, H * Dv, dorow.data());
         for (std::int64_t h = 0; h < H; ++h) lse_r[h] = static_cast<Acc>(lse[(b * H + h) * Sq + t]);
-        for (std::int64_t j = 0; j < n; ++j) load_row(c + (b * s.Sk + sel[j]) * Dqk, gath.data() + j * Dqk, Dqk);
-        for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {
-          const std::int64_t nj = std::min(kTile, n - j0);
-          for (std::int64_t j = 0; j < nj; ++j) rowp[j] = gath.data() + (j0 + j) * Dqk;
-          load_tile_transposed(rowp, nj, Dqk, cT.data());
-          dot_tile(qrow.data(), H, Dqk, cT.data(), tile.data());
-          if (want_grad) dot_tile(dorow.data(), H, Dv, cT.data(), dptile.data());  // rows d < Dv of cT: the value
-          for (std::int64_t h = 0; h < H; ++h) {
-            const bool dead = std::isinf(lse_r[h]);
-            for (std::int64_t j = 0; j < nj; ++j) {
-              const Acc pj = dead ? Acc(0) : std::exp(scale * tile[h * kTile + j] - lse_r[h]);
-              p[h * n + j0 + j] = pj;
-              if (want_grad && pj != Acc(0)) {
-                const Acc ds = pj * (dptile[h * kTile + j] - static_cast<Acc>(delta[(b * H + h) * Sq + t]));
-                axpy(scale * ds, rowp[j], dq.data() + h * Dqk, Dqk);
+        for_each_selected_tile_scores(
+            q, c, s, b, r, sel, n, qrow, gath, cT, tile, [&](std::int64_t j0, std::int64_t nj, const Acc* const* rowp) {
+              if (want_grad) dot_tile(dorow.data(), H, Dv, cT.data(), dptile.data());  // rows d < Dv of cT: the value
+              for (std::int64_t h = 0; h < H; ++h) {
+                const bool dead = std::isinf(lse_r[h]);
+                for (std::int64_t j = 0; j < nj; ++j) {
+                  const Acc pj = dead ? Acc(0) : std::exp(scale * tile[h * kTile + j] - lse_r[h]);
+                  p[h * n + j0 + j] = pj;
+                  if (want_grad && pj != Acc(0)) {
+                    const Acc ds = pj * (dptile[h * kTile + j] - static_cast<Acc>(delta[(b * H + h) * Sq + t]));
+                    axpy(scale * ds, rowp[j], dq.data() + h * Dqk, Dqk);
+                  }
+                }
               }
-            }
-          }
-        }
+            });
         if (probs != nullptr) {
           for (std::int64_t j = 0; j < n; ++j) {
             Acc ps = 0;
@@ -177,7 +187,8 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   if (!want_grad) return;
 
   // Keys: dc of each block latent row, summed over its selecting queries in increasing (b, t) (see KeyOwner).
-  const Tensor dc_acc_owner = zeroed_workspace({s.B * s.Sk * Dqk}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
+  const Tensor dc_acc_owner =
+      zeroed_workspace({s.B * s.Sk * Dqk}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
   Acc* const dc_acc = static_cast<Acc*>(dc_acc_owner.data());
   const bool dout_in_place = dout_t.dtype() == dtype_v<Acc>;
   const WorkerScratch<Acc> kws({H * Dqk, H * Dv, kTile * Dqk, kTile * H, kTile * H, H, H},
@@ -278,8 +289,8 @@ void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, floa
 }
 
 void dsa_attention_backward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& lse,
-                                const TensorView& dout, const float* delta, const TensorView& dq,
-                                const TensorView& dc, bool accumulate, float* probs) {
+                                const TensorView& dout, const float* delta, const TensorView& dq, const TensorView& dc,
+                                bool accumulate, float* probs) {
   dispatch_floating(args.q.dtype(), [&](auto tag) {
     backward_impl<decltype(tag)>(args, s, lse, dout, delta, dq, dc, accumulate, probs);
   });

@@ -42,7 +42,7 @@ void dsa_attention_forward_cpu(const DsaAttentionArgs& args, const DsaAttentionS
 void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, float* delta);
 // dout empty: probabilities only (into probs). probs may be null. delta [B, H, Sq] (read when dout is given).
 void dsa_attention_backward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& lse,
-                                const TensorView& dout, const float* delta, const TensorView& dq,
-                                const TensorView& dc, bool accumulate, float* probs);
+                                const TensorView& dout, const float* delta, const TensorView& dq, const TensorView& dc,
+                                bool accumulate, float* probs);
 
 }  // namespace seqpar::attn::cpu

@@ -74,37 +74,75 @@ inline const Acc* acc_row(const T* src, std::int64_t n, std::span<Acc> buf) {
   }
 }
 
+// The indexer inputs of one call and each thread's view of them: a query row (q_idx and w) as Acc, and a tile of
+// key rows transposed with its per-head dot products. The per-thread buffers are allocated before the region.
+template <typename T>
+struct IndexerInputs {
+  using Acc = acc_t<T>;
+  const IndexerShape& s;
+  const T *q_idx, *w, *k_idx;
+  WorkerScratch<Acc> ws;
+
+  IndexerInputs(const DsaIndexerArgs& a, const IndexerShape& shape, const char* what)
+      : s(shape),
+        q_idx(static_cast<const T*>(a.q_idx.data())),
+        w(static_cast<const T*>(a.w.data())),
+        k_idx(static_cast<const T*>(a.k_idx.data())),
+        ws({s.Hi * s.Di, s.Hi, kTile * s.Di, kTile * s.Hi}, what) {}
+
+  // Inside the parallel region: the calling thread's buffers.
+  struct Thread {
+    const IndexerInputs& in;
+    std::span<Acc> qbuf, wbuf, kT, sbuf;  // sbuf [Hi, kTile]: q_idx_i . k_j of the tile
+    const Acc* q = nullptr;               // [Hi, Di] query row r
+    const Acc* wr = nullptr;              // [Hi]
+    const T* krows[kTile];
+
+    void load_query(std::int64_t r) {
+      q = acc_row(in.q_idx + r * in.s.Hi * in.s.Di, in.s.Hi * in.s.Di, qbuf);
+      wr = acc_row(in.w + r * in.s.Hi, in.s.Hi, wbuf);
+    }
+    // Keys b * Sk + key(j), j < n <= kTile, transposed into kT.
+    template <typename KeyFn>
+    void load_keys(std::int64_t b, std::int64_t n, KeyFn&& key) {
+      for (std::int64_t j = 0; j < n; ++j) krows[j] = in.k_idx + (b * in.s.Sk + key(j)) * in.s.Di;
+      load_tile_transposed(krows, n, in.s.Di, kT.data());
+    }
+    // Index scores I of the loaded query against the loaded keys.
+    void scores(Acc* out) { index_score_tile(q, wr, kT.data(), in.s.Hi, in.s.Di, sbuf.data(), out); }
+    // Only the per-head dot products, into sbuf.
+    void dots() { dot_tile(q, in.s.Hi, in.s.Di, kT.data(), sbuf.data()); }
+  };
+  Thread thread() const {
+    return {*this, ws.buffer(0), ws.buffer(1), ws.buffer(2), ws.buffer(3), nullptr, nullptr, {}};
+  }
+};
+
 template <typename T>
 void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTopkState& st) {
   using Acc = acc_t<T>;
   const std::int64_t K = st.scores.dim(2);
-  const T* q_idx = static_cast<const T*>(a.q_idx.data());
-  const T* w = static_cast<const T*>(a.w.data());
-  const T* k_idx = static_cast<const T*>(a.k_idx.data());
   float* scores = static_cast<float*>(st.scores.data());
   std::int64_t* positions = static_cast<std::int64_t*>(st.positions.data());
   const std::int64_t rows = s.B * s.Sq;
-  const WorkerScratch<Acc> ws({s.Hi * s.Di, s.Hi, kTile * s.Di, kTile * s.Hi}, "dsa_indexer_topk_block scratch");
+  const IndexerInputs<T> in(a, s, "dsa_indexer_topk_block scratch");
 #pragma omp parallel
   {
-    const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), kT = ws.buffer(2), sbuf = ws.buffer(3);
+    auto th = in.thread();
     Acc tile_scores[kTile];
-    const T* krows[kTile];
 #pragma omp for schedule(dynamic, 4)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq, t = r % s.Sq;
       const std::int64_t n_vis =
           std::upper_bound(s.k_pos.begin(), s.k_pos.end(), s.q_pos[static_cast<std::size_t>(t)]) - s.k_pos.begin();
       if (n_vis == 0) continue;
-      const Acc* q = acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, qbuf);
-      const Acc* wr = acc_row(w + r * s.Hi, s.Hi, wbuf);
+      th.load_query(r);
       float* hs = scores + r * K;
       std::int64_t* hp = positions + r * K;
       for (std::int64_t j0 = 0; j0 < n_vis; j0 += kTile) {
         const std::int64_t nj = std::min(kTile, n_vis - j0);
-        for (std::int64_t j = 0; j < nj; ++j) krows[j] = k_idx + (b * s.Sk + j0 + j) * s.Di;
-        load_tile_transposed(krows, nj, s.Di, kT.data());
-        index_score_tile(q, wr, kT.data(), s.Hi, s.Di, sbuf.data(), tile_scores);
+        th.load_keys(b, nj, [&](std::int64_t j) { return j0 + j; });
+        th.scores(tile_scores);
         for (std::int64_t j = 0; j < nj; ++j) {
           heap_offer(hs, hp, K, static_cast<float>(tile_scores[j]), s.k_pos[static_cast<std::size_t>(j0 + j)]);
         }
@@ -170,33 +208,25 @@ void scores_selected_impl(const DsaIndexerArgs& a, const IndexerShape& s, const 
                           const std::vector<std::int32_t>& valid, const TensorView& scores) {
   using Acc = acc_t<T>;
   const std::int64_t K = topk.dim(2);
-  const T* q_idx = static_cast<const T*>(a.q_idx.data());
-  const T* w = static_cast<const T*>(a.w.data());
-  const T* k_idx = static_cast<const T*>(a.k_idx.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
   float* out = static_cast<float*>(scores.data());
   const std::int64_t rows = s.B * s.Sq;
-  const WorkerScratch<Acc> ws({s.Hi * s.Di, s.Hi, kTile * s.Di, kTile * s.Hi}, "dsa_indexer_scores_selected scratch");
+  const IndexerInputs<T> in(a, s, "dsa_indexer_scores_selected scratch");
 #pragma omp parallel
   {
-    const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), kT = ws.buffer(2), sbuf = ws.buffer(3);
+    auto th = in.thread();
     Acc tile_scores[kTile];
-    const T* krows[kTile];
 #pragma omp for schedule(dynamic, 4)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq;
-      const Acc* q = nullptr;
-      const Acc* wr = nullptr;
+      bool loaded = false;
       for_each_selected_tile(
           idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
           [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-            if (q == nullptr) {
-              q = acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, qbuf);
-              wr = acc_row(w + r * s.Hi, s.Hi, wbuf);
-            }
-            for (std::int64_t j = 0; j < n; ++j) krows[j] = k_idx + (b * s.Sk + keys[j]) * s.Di;
-            load_tile_transposed(krows, n, s.Di, kT.data());
-            index_score_tile(q, wr, kT.data(), s.Hi, s.Di, sbuf.data(), tile_scores);
+            if (!loaded) th.load_query(r);
+            loaded = true;
+            th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+            th.scores(tile_scores);
             for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = static_cast<float>(tile_scores[j]);
           });
     }
@@ -209,43 +239,37 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
                            const TensorView& dw, const TensorView& dk_idx, bool accumulate) {
   using Acc = acc_t<T>;
   const std::int64_t K = topk.dim(2), Hi = s.Hi, Di = s.Di;
-  const T* q_idx = static_cast<const T*>(a.q_idx.data());
-  const T* w = static_cast<const T*>(a.w.data());
-  const T* k_idx = static_cast<const T*>(a.k_idx.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
   const float* g_all = static_cast<const float*>(dscores.data());
   const std::int64_t rows = s.B * s.Sq;
 
   // Queries: dq_idx and dw of each row from the selected pairs inside the block.
-  const WorkerScratch<Acc> qws({Hi * Di, Hi, Di, Hi * Di, Hi, kTile * Di, kTile * Hi},
-                                "dsa_indexer_backward query scratch");
+  const IndexerInputs<T> qin(a, s, "dsa_indexer_backward query scratch");
+  const WorkerScratch<Acc> qws({Di, Hi * Di, Hi}, "dsa_indexer_backward query scratch");
 #pragma omp parallel
   {
-    const std::span<Acc> qbuf = qws.buffer(0), wbuf = qws.buffer(1), kbuf = qws.buffer(2), dq = qws.buffer(3),
-                         dwr = qws.buffer(4), kT = qws.buffer(5), sbuf = qws.buffer(6);
-    const T* krows[kTile];
+    auto th = qin.thread();
+    const std::span<Acc> kbuf = qws.buffer(0), dq = qws.buffer(1), dwr = qws.buffer(2);
 #pragma omp for schedule(dynamic, 4)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq;
       std::fill(dq.begin(), dq.end(), Acc(0));
       std::fill(dwr.begin(), dwr.end(), Acc(0));
-      const Acc* q = acc_row(q_idx + r * Hi * Di, Hi * Di, qbuf);
-      const Acc* wr = acc_row(w + r * Hi, Hi, wbuf);
+      th.load_query(r);
       for_each_selected_tile(
           idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
           [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-            for (std::int64_t j = 0; j < n; ++j) krows[j] = k_idx + (b * s.Sk + keys[j]) * Di;
-            load_tile_transposed(krows, n, Di, kT.data());
-            dot_tile(q, Hi, Di, kT.data(), sbuf.data());
+            th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+            th.dots();
             for (std::int64_t j = 0; j < n; ++j) {
               const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
               if (g == Acc(0)) continue;
-              const Acc* k = acc_row(krows[j], Di, kbuf);
+              const Acc* k = acc_row(th.krows[j], Di, kbuf);
               for (std::int64_t i = 0; i < Hi; ++i) {
-                const Acc sd = sbuf[i * kTile + j];
+                const Acc sd = th.sbuf[i * kTile + j];
                 if (sd > Acc(0)) {
                   dwr[i] += g * sd;
-                  axpy(g * wr[i], k, dq.data() + i * Di, Di);
+                  axpy(g * th.wr[i], k, dq.data() + i * Di, Di);
                 }
               }
             }
@@ -256,33 +280,29 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
   }
 
   // Keys: dk_idx of each block key, summed over its selecting queries in increasing (b, t) (see KeyOwner).
-  const Tensor dk_acc_owner = zeroed_workspace({s.B * s.Sk * Di}, dtype_v<Acc>, "dsa_indexer_backward dk_idx accumulator");
+  const Tensor dk_acc_owner =
+      zeroed_workspace({s.B * s.Sk * Di}, dtype_v<Acc>, "dsa_indexer_backward dk_idx accumulator");
   Acc* const dk_acc = static_cast<Acc*>(dk_acc_owner.data());
-  const WorkerScratch<Acc> kws({Hi * Di, Hi, kTile * Di, kTile * Hi}, "dsa_indexer_backward key scratch");
+  const IndexerInputs<T> kin(a, s, "dsa_indexer_backward key scratch");
 #pragma omp parallel
   {
     const KeyOwner mine;
-    const std::span<Acc> qbuf = kws.buffer(0), wbuf = kws.buffer(1), kT = kws.buffer(2), sbuf = kws.buffer(3);
-    const T* krows[kTile];
+    auto th = kin.thread();
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq;
-      const Acc* q = nullptr;
-      const Acc* wr = nullptr;
+      bool loaded = false;
       for_each_selected_tile(idx + r * K, valid[r], s.k_pos, mine,
                              [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-                               if (q == nullptr) {
-                                 q = acc_row(q_idx + r * Hi * Di, Hi * Di, qbuf);
-                                 wr = acc_row(w + r * Hi, Hi, wbuf);
-                               }
-                               for (std::int64_t j = 0; j < n; ++j) krows[j] = k_idx + (b * s.Sk + keys[j]) * Di;
-                               load_tile_transposed(krows, n, Di, kT.data());
-                               dot_tile(q, Hi, Di, kT.data(), sbuf.data());
+                               if (!loaded) th.load_query(r);
+                               loaded = true;
+                               th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+                               th.dots();
                                for (std::int64_t j = 0; j < n; ++j) {
                                  const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
                                  if (g == Acc(0)) continue;
                                  Acc* dk = dk_acc + (b * s.Sk + keys[j]) * Di;
                                  for (std::int64_t i = 0; i < Hi; ++i) {
-                                   if (sbuf[i * kTile + j] > Acc(0)) axpy(g * wr[i], q + i * Di, dk, Di);
+                                   if (th.sbuf[i * kTile + j] > Acc(0)) axpy(g * th.wr[i], th.q + i * Di, dk, Di);
                                  }
                                }
                              });

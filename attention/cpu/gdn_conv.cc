@@ -99,7 +99,7 @@ void conv_backward_impl(const ShortConvArgs& a, const ConvDims& d, const TensorV
   const S* go = dout.data_as<S>();
   const InputRows<S> in{x, xs, d.S, d.C, d.W};
   const std::int64_t nblk = (d.C + kChannelBlock - 1) / kChannelBlock;
-  const std::int64_t L = d.S + d.W - 1;  // rows of xin
+  const std::int64_t L = d.S + d.W - 1;                  // rows of xin
   const std::int64_t nb = std::min(d.C, kChannelBlock);  // channels of the widest block
   const WorkerScratch<T> ws({nb * d.W, L * nb, d.S * nb}, "short_conv_backward scratch");
 #pragma omp parallel

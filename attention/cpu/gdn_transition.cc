@@ -46,6 +46,28 @@ void dispatch_state(DType dtype, Fn&& fn) {
   }
 }
 
+// out = op(m) x (+ addend, when not empty) per (batch, head), op(m) = m or (kTranspose) m^T; addend may be out.
+template <bool kTranspose>
+void map_product(const TensorView& m, const TensorView& x, const TensorView& addend, const TensorView& out) {
+  const std::int64_t BH = m.dim(0) * m.dim(1), K = m.dim(2), V = x.dim(3);
+  dispatch_state(m.dtype(), [&](auto zero) {
+    using T = decltype(zero);
+    const T *pm = m.data_as<T>(), *px = x.data_as<T>();
+    const T* pa = addend.empty() ? nullptr : addend.data_as<T>();
+    T* po = out.data_as<T>();
+#pragma omp parallel for schedule(static)
+    for (std::int64_t bh = 0; bh < BH; ++bh) {
+      T* o = po + bh * K * V;
+      if (pa != nullptr && pa != po) std::copy(pa + bh * K * V, pa + (bh + 1) * K * V, o);
+      if constexpr (kTranspose) {
+        matmul_tn(K, V, K, pm + bh * K * K, px + bh * K * V, o, pa != nullptr);
+      } else {
+        matmul(K, V, K, pm + bh * K * K, px + bh * K * V, o, pa != nullptr);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 void gdn_transition_compose_cpu(const TensorView& m2, const TensorView& u2, const TensorView& m1, const TensorView& u1,
@@ -66,36 +88,12 @@ void gdn_transition_compose_cpu(const TensorView& m2, const TensorView& u2, cons
 
 void gdn_transition_apply_cpu(const TensorView& m, const TensorView& u, const TensorView& s_start,
                               const TensorView& s_end) {
-  const std::int64_t BH = m.dim(0) * m.dim(1), K = m.dim(2), V = s_start.dim(3);
-  dispatch_state(m.dtype(), [&](auto zero) {
-    using T = decltype(zero);
-    const T *pm = m.data_as<T>(), *ps = s_start.data_as<T>();
-    const T* pu = u.empty() ? nullptr : u.data_as<T>();
-    T* pe = s_end.data_as<T>();
-#pragma omp parallel for schedule(static)
-    for (std::int64_t bh = 0; bh < BH; ++bh) {
-      T* e = pe + bh * K * V;
-      if (pu != nullptr && pu != e) std::copy(pu + bh * K * V, pu + (bh + 1) * K * V, e);
-      matmul(K, V, K, pm + bh * K * K, ps + bh * K * V, e, pu != nullptr);
-    }
-  });
+  map_product<false>(m, s_start, u, s_end);
 }
 
 void gdn_transition_apply_adjoint_cpu(const TensorView& m, const TensorView& ds_end, const TensorView& local,
                                       const TensorView& ds_start) {
-  const std::int64_t BH = m.dim(0) * m.dim(1), K = m.dim(2), V = ds_end.dim(3);
-  dispatch_state(m.dtype(), [&](auto zero) {
-    using T = decltype(zero);
-    const T *pm = m.data_as<T>(), *pd = ds_end.data_as<T>();
-    const T* pl = local.empty() ? nullptr : local.data_as<T>();
-    T* ps = ds_start.data_as<T>();
-#pragma omp parallel for schedule(static)
-    for (std::int64_t bh = 0; bh < BH; ++bh) {
-      T* s = ps + bh * K * V;
-      if (pl != nullptr && pl != ps) std::copy(pl + bh * K * V, pl + (bh + 1) * K * V, s);
-      matmul_tn(K, V, K, pm + bh * K * K, pd + bh * K * V, s, pl != nullptr);
-    }
-  });
+  map_product<true>(m, ds_end, local, ds_start);
 }
 
 void gdn_transition_transpose_cpu(const TensorView& m, const TensorView& mt) {

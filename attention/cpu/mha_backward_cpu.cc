@@ -25,8 +25,6 @@
 namespace seqpar::attn::cpu {
 namespace {
 
-inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-
 template <typename T>
 void backward_typed(const MhaBackwardParams& bp) {
   using S = Simd<T>;
@@ -35,10 +33,7 @@ void backward_typed(const MhaBackwardParams& bp) {
   constexpr int BQ = kBlockQ, BK = kBlockK;
   const MhaParams& p = bp.fwd;
   const std::int64_t B = p.batch, Sq = p.sq, Sk = p.sk, Hq = p.hq, Hkv = p.hkv, D = p.head_dim;
-  const std::int64_t group = Hq / Hkv;
-  const std::int64_t Dp = round_up(D, W);
-  const std::int64_t nkt = (Sk + BK - 1) / BK, nqt = (Sq + BQ - 1) / BQ;
-  const std::int64_t Skp = nkt * BK;
+  const auto [group, Dp, nkt, nqt, Skp] = mha_tiling(p, W);
   const KeyRanges& kr = *p.ranges;
   const DType cdt = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
   const std::size_t in_size = dtype_size(p.dtype);
@@ -61,8 +56,8 @@ void backward_typed(const MhaBackwardParams& bp) {
   // Per-worker buffers (allocated here, before the parallel region): q, dout and dq of one head, lse2, delta, K
   // row-major, K^T and V^T per key tile, the score tiles P and dP, two rows.
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
-  const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK,
-                             nkt * D * BK, BQ * BK, BQ * BK, Dp, Dp},
+  const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
+                             BQ * BK, BQ * BK, Dp, Dp},
                             "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
   if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
@@ -97,8 +92,8 @@ void backward_typed(const MhaBackwardParams& bp) {
 #pragma omp parallel if (parallel)
   {
     const std::span<T> q = ws.buffer(0), dout = ws.buffer(1), dq = ws.buffer(2), lse2 = ws.buffer(3),
-                       delta = ws.buffer(4), kmat = ws.buffer(5), kt = ws.buffer(6), vt = ws.buffer(7), s = ws.buffer(8),
-                       dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11);
+                       delta = ws.buffer(4), kmat = ws.buffer(5), kt = ws.buffer(6), vt = ws.buffer(7),
+                       s = ws.buffer(8), dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11);
     std::int64_t packed_kv = -1, loaded_bh = -1;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < B * Hq * nchunks; ++task) {

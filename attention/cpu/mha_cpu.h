@@ -42,6 +42,19 @@ struct MhaParams {
   const KeyRanges* ranges = nullptr;
 };
 
+// The tiling of one call, shared by the forward and backward kernels.
+struct MhaTiling {
+  std::int64_t group;     // query heads per KV head, Hq / Hkv
+  std::int64_t Dp;        // head_dim rounded up to the vector width
+  std::int64_t nkt, nqt;  // key tiles, query tiles
+  std::int64_t Skp;       // Sk rounded up to whole key tiles
+};
+inline MhaTiling mha_tiling(const MhaParams& p, std::int64_t vector_width) {
+  const std::int64_t nkt = (p.sk + kBlockK - 1) / kBlockK;
+  return {p.hq / p.hkv, (p.head_dim + vector_width - 1) / vector_width * vector_width, nkt,
+          (p.sq + kBlockQ - 1) / kBlockQ, nkt * kBlockK};
+}
+
 // out [B, Sq, Hq, D] of out_dtype; lse [B, Hq, Sq] fp32.
 void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, float* lse);
 

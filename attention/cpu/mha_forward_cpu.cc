@@ -59,8 +59,6 @@ constexpr DType compute_dtype() {
   return std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
 }
 
-inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-
 // How a key tile [j0, j1) is seen by rows [i0, i1): skipped, fully visible, or partly visible.
 enum class TileKind { kSkip, kFull, kPartial };
 inline TileKind classify(const KeyRanges& kr, std::int64_t i0, std::int64_t i1, std::int64_t j0, std::int64_t j1,
@@ -82,10 +80,7 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
   constexpr int W = S::W;
   constexpr int BQ = kBlockQ, BK = kBlockK;
   const std::int64_t B = p.batch, Sq = p.sq, Sk = p.sk, Hq = p.hq, Hkv = p.hkv, D = p.head_dim;
-  const std::int64_t group = Hq / Hkv;
-  const std::int64_t Dp = round_up(D, W);
-  const std::int64_t nkt = (Sk + BK - 1) / BK, nqt = (Sq + BQ - 1) / BQ;
-  const std::int64_t Skp = nkt * BK;
+  const auto [group, Dp, nkt, nqt, Skp] = mha_tiling(p, W);
   const KeyRanges& kr = *p.ranges;
   const DType cdt = compute_dtype<T>();
   const std::size_t in_size = dtype_size(p.dtype), out_size = dtype_size(out_dtype);

@@ -121,6 +121,18 @@ struct Problem {
   }
 };
 
+// (loss(x + eps) - loss(x - eps)) / (2 eps) for the element *x, which is restored afterwards.
+template <typename Loss>
+double central_difference(double* x, double eps, Loss&& loss) {
+  const double keep = *x;
+  *x = keep + eps;
+  const double lp = loss();
+  *x = keep - eps;
+  const double lm = loss();
+  *x = keep;
+  return (lp - lm) / (2 * eps);
+}
+
 std::string dtype_param_name(const ::testing::TestParamInfo<DType>& info) { return dtype_name(info.param); }
 
 // ---- top-k selection ----------------------------------------------------------------------------------------------
@@ -431,14 +443,7 @@ TEST(DsaAttention, FiniteDifferencesDqDc) {
     const std::vector<double> pick = random_values(16, 83, 0.0, static_cast<double>(x->numel()));
     for (double pd : pick) {
       const auto i = static_cast<std::int64_t>(pd);
-      double* v = x->data_as<double>() + i;
-      const double keep = *v;
-      *v = keep + eps;
-      const double lp = loss();
-      *v = keep - eps;
-      const double lm = loss();
-      *v = keep;
-      const double fd = (lp - lm) / (2 * eps), an = g->data_as<double>()[i];
+      const double fd = central_difference(x->data_as<double>() + i, eps, loss), an = g->data_as<double>()[i];
       EXPECT_NEAR(an, fd, 1e-6 + 1e-5 * std::abs(fd)) << name << "[" << i << "]";
     }
   }
@@ -585,14 +590,7 @@ TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
     const std::vector<double> pick = random_values(16, 112, 0.0, static_cast<double>(x->numel()));
     for (double pd : pick) {
       const auto i = static_cast<std::int64_t>(pd);
-      double* v = x->data_as<double>() + i;
-      const double keep = *v;
-      *v = keep + eps;
-      const double lp = loss();
-      *v = keep - eps;
-      const double lm = loss();
-      *v = keep;
-      const double fd = (lp - lm) / (2 * eps);
+      const double fd = central_difference(x->data_as<double>() + i, eps, loss);
       EXPECT_NEAR(g->data_as<double>()[i], fd, 1e-7 + 1e-5 * std::abs(fd)) << "reference " << name << "[" << i << "]";
       EXPECT_NEAR(kg->data_as<float>()[i], fd, 1e-5 + 1e-4 * std::abs(fd)) << "kernel " << name << "[" << i << "]";
     }

@@ -45,29 +45,11 @@ struct Inputs {
   Problem p;
   DType dtype = DType::kFloat64;
 
-  GdnForwardArgs args() const {
-    GdnForwardArgs a;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.g = g;
-    a.beta = beta;
-    if (p.with_init) a.initial_state = init;
-    a.use_qk_l2norm = p.l2;
-    a.chunk_size = p.chunk;
-    return a;
-  }
-  GdnForwardArgs args64() const {
-    GdnForwardArgs a;
-    a.q = q64;
-    a.k = k64;
-    a.v = v64;
-    a.g = g64;
-    a.beta = beta64;
-    if (p.with_init) a.initial_state = init64;
-    a.use_qk_l2norm = p.l2;
-    a.chunk_size = p.chunk;
-    return a;
+  GdnForwardArgs args() const { return args_of(q, k, v, g, beta, init); }
+  GdnForwardArgs args64() const { return args_of(q64, k64, v64, g64, beta64, init64); }
+  GdnForwardArgs args_of(const TensorView& q_, const TensorView& k_, const TensorView& v_, const TensorView& g_,
+                         const TensorView& beta_, const TensorView& init_) const {
+    return {q_, k_, v_, g_, beta_, p.with_init ? init_ : TensorView(), p.l2, 0.0f, p.chunk};
   }
 };
 

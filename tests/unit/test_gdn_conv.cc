@@ -16,10 +16,7 @@
 namespace seqpar::attn {
 namespace {
 
-using test::all_close;
-using test::random_tensor;
-using test::to_double;
-
+using test::all_close, test::random_tensor, test::to_double;
 constexpr MemCategory kWs = MemCategory::kWorkspace;
 
 struct ConvCase {
