@@ -56,7 +56,8 @@
 // Extra memory (besides the caller's [B, Sq, k] arrays): the indexer O(16 * (Di + Hi)) per thread, never an
 // [Sq, Sk] matrix; the attention forward O(k * (Dqk + H)) per thread; the backward passes one fp32 (fp64 for fp64
 // inputs) copy of the block's key gradient (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]). The key-gradient pass reads
-// every query row once per thread.
+// every query row once per thread. All of it comes from the memory ledger (workspace) before any parallel region; a
+// failed allocation raises Error "out of memory: ..." naming the bytes asked for and the ledger's totals.
 // Errors: seqpar::Error naming the tensor and the rule, raised before any work. Tensors must be host tensors and the
 // stream a CPU stream: a CUDA one fails with "DSA kernels have no CUDA implementation yet".
 // Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the

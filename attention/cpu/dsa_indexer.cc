@@ -116,6 +116,18 @@ struct IndexerInputs {
   Thread thread() const {
     return {*this, ws.buffer(0), ws.buffer(1), ws.buffer(2), ws.buffer(3), nullptr, nullptr, {}};
   }
+
+  // fn(thread, r) for every query row r = b * Sq + t, in a parallel region (dynamic schedule).
+  template <typename Fn>
+  void for_each_row(Fn&& fn) const {
+    const std::int64_t rows = s.B * s.Sq;
+#pragma omp parallel
+    {
+      Thread th = thread();
+#pragma omp for schedule(dynamic, 4)
+      for (std::int64_t r = 0; r < rows; ++r) fn(th, r);
+    }
+  }
 };
 
 template <typename T>
@@ -124,31 +136,25 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
   const std::int64_t K = st.scores.dim(2);
   float* scores = static_cast<float*>(st.scores.data());
   std::int64_t* positions = static_cast<std::int64_t*>(st.positions.data());
-  const std::int64_t rows = s.B * s.Sq;
   const IndexerInputs<T> in(a, s, "dsa_indexer_topk_block scratch");
-#pragma omp parallel
-  {
-    auto th = in.thread();
+  in.for_each_row([&](auto& th, std::int64_t r) {
+    const std::int64_t b = r / s.Sq, t = r % s.Sq;
+    const std::int64_t n_vis =
+        std::upper_bound(s.k_pos.begin(), s.k_pos.end(), s.q_pos[static_cast<std::size_t>(t)]) - s.k_pos.begin();
+    if (n_vis == 0) return;
     Acc tile_scores[kTile];
-#pragma omp for schedule(dynamic, 4)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / s.Sq, t = r % s.Sq;
-      const std::int64_t n_vis =
-          std::upper_bound(s.k_pos.begin(), s.k_pos.end(), s.q_pos[static_cast<std::size_t>(t)]) - s.k_pos.begin();
-      if (n_vis == 0) continue;
-      th.load_query(r);
-      float* hs = scores + r * K;
-      std::int64_t* hp = positions + r * K;
-      for (std::int64_t j0 = 0; j0 < n_vis; j0 += kTile) {
-        const std::int64_t nj = std::min(kTile, n_vis - j0);
-        th.load_keys(b, nj, [&](std::int64_t j) { return j0 + j; });
-        th.scores(tile_scores);
-        for (std::int64_t j = 0; j < nj; ++j) {
-          heap_offer(hs, hp, K, static_cast<float>(tile_scores[j]), s.k_pos[static_cast<std::size_t>(j0 + j)]);
-        }
+    th.load_query(r);
+    float* hs = scores + r * K;
+    std::int64_t* hp = positions + r * K;
+    for (std::int64_t j0 = 0; j0 < n_vis; j0 += kTile) {
+      const std::int64_t nj = std::min(kTile, n_vis - j0);
+      th.load_keys(b, nj, [&](std::int64_t j) { return j0 + j; });
+      th.scores(tile_scores);
+      for (std::int64_t j = 0; j < nj; ++j) {
+        heap_offer(hs, hp, K, static_cast<float>(tile_scores[j]), s.k_pos[static_cast<std::size_t>(j0 + j)]);
       }
     }
-  }
+  });
 }
 
 }  // namespace
@@ -210,27 +216,21 @@ void scores_selected_impl(const DsaIndexerArgs& a, const IndexerShape& s, const 
   const std::int64_t K = topk.dim(2);
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
   float* out = static_cast<float*>(scores.data());
-  const std::int64_t rows = s.B * s.Sq;
   const IndexerInputs<T> in(a, s, "dsa_indexer_scores_selected scratch");
-#pragma omp parallel
-  {
-    auto th = in.thread();
+  in.for_each_row([&](auto& th, std::int64_t r) {
+    const std::int64_t b = r / s.Sq;
     Acc tile_scores[kTile];
-#pragma omp for schedule(dynamic, 4)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / s.Sq;
-      bool loaded = false;
-      for_each_selected_tile(
-          idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
-          [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-            if (!loaded) th.load_query(r);
-            loaded = true;
-            th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
-            th.scores(tile_scores);
-            for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = static_cast<float>(tile_scores[j]);
-          });
-    }
-  }
+    bool loaded = false;
+    for_each_selected_tile(
+        idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
+        [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
+          if (!loaded) th.load_query(r);
+          loaded = true;
+          th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+          th.scores(tile_scores);
+          for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = static_cast<float>(tile_scores[j]);
+        });
+  });
 }
 
 template <typename T>
@@ -246,38 +246,33 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
   // Queries: dq_idx and dw of each row from the selected pairs inside the block.
   const IndexerInputs<T> qin(a, s, "dsa_indexer_backward query scratch");
   const WorkerScratch<Acc> qws({Di, Hi * Di, Hi}, "dsa_indexer_backward query scratch");
-#pragma omp parallel
-  {
-    auto th = qin.thread();
+  qin.for_each_row([&](auto& th, std::int64_t r) {
     const std::span<Acc> kbuf = qws.buffer(0), dq = qws.buffer(1), dwr = qws.buffer(2);
-#pragma omp for schedule(dynamic, 4)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / s.Sq;
-      std::fill(dq.begin(), dq.end(), Acc(0));
-      std::fill(dwr.begin(), dwr.end(), Acc(0));
-      th.load_query(r);
-      for_each_selected_tile(
-          idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
-          [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-            th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
-            th.dots();
-            for (std::int64_t j = 0; j < n; ++j) {
-              const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
-              if (g == Acc(0)) continue;
-              const Acc* k = acc_row(th.krows[j], Di, kbuf);
-              for (std::int64_t i = 0; i < Hi; ++i) {
-                const Acc sd = th.sbuf[i * kTile + j];
-                if (sd > Acc(0)) {
-                  dwr[i] += g * sd;
-                  axpy(g * th.wr[i], k, dq.data() + i * Di, Di);
-                }
+    const std::int64_t b = r / s.Sq;
+    std::fill(dq.begin(), dq.end(), Acc(0));
+    std::fill(dwr.begin(), dwr.end(), Acc(0));
+    th.load_query(r);
+    for_each_selected_tile(
+        idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
+        [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
+          th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+          th.dots();
+          for (std::int64_t j = 0; j < n; ++j) {
+            const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
+            if (g == Acc(0)) continue;
+            const Acc* k = acc_row(th.krows[j], Di, kbuf);
+            for (std::int64_t i = 0; i < Hi; ++i) {
+              const Acc sd = th.sbuf[i * kTile + j];
+              if (sd > Acc(0)) {
+                dwr[i] += g * sd;
+                axpy(g * th.wr[i], k, dq.data() + i * Di, Di);
               }
             }
-          });
-      store_row(dq_idx, r * Hi * Di, dq.data(), Hi * Di, accumulate);
-      store_row(dw, r * Hi, dwr.data(), Hi, accumulate);
-    }
-  }
+          }
+        });
+    store_row(dq_idx, r * Hi * Di, dq.data(), Hi * Di, accumulate);
+    store_row(dw, r * Hi, dwr.data(), Hi, accumulate);
+  });
 
   // Keys: dk_idx of each block key, summed over its selecting queries in increasing (b, t) (see KeyOwner).
   const Tensor dk_acc_owner =

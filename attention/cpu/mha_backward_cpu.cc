@@ -152,27 +152,14 @@ void backward_typed(const MhaBackwardParams& bp) {
         for (std::int64_t qi = 0; qi < nqt; ++qi) {
           if (tile_lo[qi] >= j1 || tile_hi[qi] <= j0) continue;
           const std::int64_t i0 = qi * BQ, i1 = std::min(Sq, i0 + BQ);
-          bool any = false, full = (j1 - j0 == BK);
-          for (std::int64_t i = i0; i < i1; ++i) {
-            const std::int64_t kb = kr.begin[static_cast<std::size_t>(i)], ke = kr.end[static_cast<std::size_t>(i)];
-            if (std::max(kb, j0) < std::min(ke, j1)) any = true;
-            if (kb > j0 || ke < j1) full = false;
-          }
-          if (!any) continue;
+          const TileKind kind = classify(kr, i0, i1, j0, j1, BK);
+          if (kind == TileKind::kSkip) continue;
           const int mr = static_cast<int>(i1 - i0);
           const T* q_t = q.data() + i0 * Dp;
           const T* do_t = dout.data() + i0 * Dp;
           gemm_tile<T, false>(mr, BK, static_cast<int>(D), q_t, static_cast<int>(Dp), kt_tile, BK, s.data(), BK);
           gemm_tile<T, false>(mr, BK, static_cast<int>(D), do_t, static_cast<int>(Dp), vt_tile, BK, dp.data(), BK);
-          if (!full) {
-            for (int r = 0; r < mr; ++r) {
-              const std::int64_t cb = std::clamp<std::int64_t>(kr.begin[i0 + r] - j0, 0, BK);
-              const std::int64_t ce = std::clamp<std::int64_t>(kr.end[i0 + r] - j0, cb, BK);
-              T* srow = s.data() + r * BK;
-              for (std::int64_t c = 0; c < cb; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-              for (std::int64_t c = ce; c < BK; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-            }
-          }
+          if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
           const V vc = S::set1(c_log2);
           for (int r = 0; r < mr; ++r) {
             T* srow = s.data() + r * BK;

@@ -59,20 +59,6 @@ constexpr DType compute_dtype() {
   return std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
 }
 
-// How a key tile [j0, j1) is seen by rows [i0, i1): skipped, fully visible, or partly visible.
-enum class TileKind { kSkip, kFull, kPartial };
-inline TileKind classify(const KeyRanges& kr, std::int64_t i0, std::int64_t i1, std::int64_t j0, std::int64_t j1,
-                         std::int64_t block) {
-  bool any = false, full = (j1 - j0 == block);
-  for (std::int64_t i = i0; i < i1; ++i) {
-    const std::int64_t b = kr.begin[static_cast<std::size_t>(i)], e = kr.end[static_cast<std::size_t>(i)];
-    if (std::max(b, j0) < std::min(e, j1)) any = true;
-    if (b > j0 || e < j1) full = false;
-  }
-  if (!any) return TileKind::kSkip;
-  return full ? TileKind::kFull : TileKind::kPartial;
-}
-
 template <typename T>
 void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
   using S = Simd<T>;
@@ -155,15 +141,7 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
         if (kind == TileKind::kSkip) continue;
         gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt.data(), static_cast<int>(Dp), ktp_h + kt * D * BK, BK,
                             s.data(), BK);
-        if (kind == TileKind::kPartial) {
-          for (int r = 0; r < mr; ++r) {
-            const std::int64_t cb = std::clamp<std::int64_t>(kr.begin[i0 + r] - j0, 0, BK);
-            const std::int64_t ce = std::clamp<std::int64_t>(kr.end[i0 + r] - j0, cb, BK);
-            T* srow = s.data() + r * BK;
-            for (std::int64_t c = 0; c < cb; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-            for (std::int64_t c = ce; c < BK; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-          }
-        }
+        if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
         for (int r = 0; r < mr; ++r) {
           T* srow = s.data() + r * BK;
           V vmax = S::load(srow);

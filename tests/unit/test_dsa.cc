@@ -114,6 +114,12 @@ struct Problem {
     k_idx = random_tensor({d.B, d.S, d.Di}, dt, seed + 5);
   }
   DsaIndexerArgs indexer() const { return {q_idx, w, k_idx, {}, {}}; }
+  // The indexer's top-k selection over all keys: topk_indices [B, S, K].
+  Tensor selected() const {
+    Tensor topk = Tensor::empty({d.B, d.S, d.K}, DType::kInt64, MemCategory::kWorkspace);
+    attn::dsa_indexer_topk(indexer(), topk);
+    return topk;
+  }
   DsaAttentionArgs attention(const TensorView& topk) const {
     DsaAttentionArgs a{q, c, topk, {}, {}};
     a.dim_v = d.Dv;
@@ -298,8 +304,7 @@ TEST_P(DsaAttentionTest, ForwardBackwardMatchReference) {
   const DType dt = GetParam();
   Dims d;
   const Problem pr(d, dt, 51);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs args = pr.attention(topk);
   Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, dt, MemCategory::kWorkspace);
   Tensor lse = f32_zeros({d.B, d.H, d.S});
@@ -335,8 +340,7 @@ TEST(DsaAttention, DenseWhenKCoversAllVisibleKeys) {
   d.S = 20;
   d.K = 25;
   const Problem pr(d, DType::kFloat64, 61);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, DType::kFloat64, MemCategory::kWorkspace);
   Tensor lse = f32_zeros({d.B, d.H, d.S});
   attn::dsa_attention_forward(pr.attention(topk), out, lse);
@@ -375,8 +379,7 @@ TEST(DsaAttention, DenseWhenKCoversAllVisibleKeys) {
 TEST(DsaAttention, BlockSplitAnyOrderMatchesOneCall) {
   Dims d;
   const Problem pr(d, DType::kFloat32, 71);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs args = pr.attention(topk);
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
   attn::dsa_attention_forward(args, out, lse);
@@ -423,8 +426,7 @@ TEST(DsaAttention, FiniteDifferencesDqDc) {
   d.S = 16;
   d.K = 6;
   Problem pr(d, DType::kFloat64, 81);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs args = pr.attention(topk);
   const Tensor G = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat64, 82);
   Tensor out = Tensor::empty(G.shape(), DType::kFloat64, MemCategory::kWorkspace), lse = f32_zeros({d.B, d.H, d.S});
@@ -487,8 +489,7 @@ TEST(DsaAttention, ArgumentErrors) {
   d.S = 8;
   d.K = 4;
   const Problem pr(d, DType::kFloat32, 95);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
   DsaAttentionArgs a = pr.attention(topk);
   a.dim_v = d.Dqk + 1;
@@ -544,8 +545,7 @@ TEST_P(DsaIndexerLossTest, MatchesReference) {
   const DType dt = GetParam();
   Dims d;
   const Problem pr(d, dt, 101);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const LossResult k = kernel_loss(pr, topk);
 
   const Tensor q64 = f64(pr.q), c64 = f64(pr.c), qi64 = f64(pr.q_idx), w64 = f64(pr.w), ki64 = f64(pr.k_idx);
@@ -573,8 +573,7 @@ TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
   d.S = 14;
   d.K = 5;
   Problem pr(d, DType::kFloat64, 111);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs a = pr.attention(topk);
   Tensor dq = Tensor::empty(pr.q_idx.shape(), DType::kFloat64, MemCategory::kWorkspace);
   Tensor dw = Tensor::empty(pr.w.shape(), DType::kFloat64, MemCategory::kWorkspace);
@@ -601,8 +600,7 @@ TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
 TEST(DsaIndexerLoss, BlockSplitAnyOrderMatchesOneCall) {
   Dims d;
   const Problem pr(d, DType::kFloat32, 121);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const LossResult one = kernel_loss(pr, topk);
   const DsaAttentionArgs args = pr.attention(topk);
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
@@ -725,8 +723,7 @@ TEST(Dsa, BitwiseIndependentOfThreadCount) {
   auto run = [&](int threads) {
     const int keep = omp_get_max_threads();
     omp_set_num_threads(threads);
-    Tensor topk = i64({d.B, d.S, d.K});
-    attn::dsa_indexer_topk(pr.indexer(), topk);
+    const Tensor topk = pr.selected();
     const DsaAttentionArgs a = pr.attention(topk);
     Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
     attn::dsa_attention_forward(a, out, lse);

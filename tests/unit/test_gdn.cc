@@ -256,13 +256,7 @@ double reference_loss(const GdnForwardArgs& a, const Problem& p, const std::vect
 
 TEST(GdnReference, GradientsMatchFiniteDifferences) {
   for (bool l2 : {true, false}) {
-    Problem p;
-    p.B = 2;
-    p.S = 7;
-    p.H = 2;
-    p.K = 4;
-    p.V = 3;
-    p.l2 = l2;
+    const Problem p{.B = 2, .S = 7, .H = 2, .K = 4, .V = 3, .l2 = l2};
     Inputs in = make_inputs(p, DType::kFloat64);
     const std::vector<double> wo = test::random_values(p.B * p.S * p.H * p.V, 91);
     const std::vector<double> ws = test::random_values(p.B * p.H * p.K * p.V, 92);
@@ -371,12 +365,7 @@ TEST(GdnBackwardMisc, SmallChunksAndStateOnlySweep) {
 // vector widths. The error does not grow with S because
 // every step is a contraction (exp(g) < 1, 0 < beta < 1 with unit-norm k).
 TEST(GdnLong, Fp32At8192) {
-  Problem p;
-  p.B = 1;
-  p.H = 2;
-  p.S = 8192;
-  p.K = 64;
-  p.V = 64;
+  const Problem p{.B = 1, .S = 8192, .H = 2, .K = 64, .V = 64};
   const Inputs in = make_inputs(p, DType::kFloat32);
   const Outputs got = run_forward(in);
   const Outputs want = run_reference(in);
