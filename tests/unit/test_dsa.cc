@@ -146,9 +146,7 @@ std::string dtype_param_name(const ::testing::TestParamInfo<DType>& info) { retu
 class DsaTopkTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(DsaTopkTest, MatchesReference) {
-  Dims d;
-  d.S = 48;
-  d.K = 10;
+  const Dims d{.S = 48, .K = 10};
   const Problem pr(d, GetParam(), 11);
   Tensor got = i64({d.B, d.S, d.K}), want = i64({d.B, d.S, d.K});
   attn::dsa_indexer_topk(pr.indexer(), got);
@@ -179,8 +177,7 @@ Problem tie_problem(const Dims& d) {
 }
 
 TEST(DsaTopk, ManyEqualScoresTieToSmallerPosition) {
-  Dims d;
-  d.S = 40;
+  const Dims d{.S = 40};
   const Problem pr = tie_problem(d);
   Tensor got = i64({d.B, d.S, d.K}), want = i64({d.B, d.S, d.K});
   attn::dsa_indexer_topk(pr.indexer(), got);
@@ -218,9 +215,7 @@ TEST(DsaTopk, ManyEqualScoresTieToSmallerPosition) {
 }
 
 TEST(DsaTopk, PaddingAndKLargerThanS) {
-  Dims d;
-  d.S = 12;
-  d.K = 17;  // k > S
+  const Dims d{.S = 12, .K = 17};  // k > S
   const Problem pr(d, DType::kFloat32, 31);
   Tensor got = i64({d.B, d.S, d.K});
   attn::dsa_indexer_topk(pr.indexer(), got);
@@ -336,9 +331,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, DsaAttentionTest,
 
 // k >= number of visible keys: exactly dense causal MLA attention (formula written out here, fp64).
 TEST(DsaAttention, DenseWhenKCoversAllVisibleKeys) {
-  Dims d;
-  d.S = 20;
-  d.K = 25;
+  const Dims d{.S = 20, .K = 25};
   const Problem pr(d, DType::kFloat64, 61);
   const Tensor topk = pr.selected();
   Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, DType::kFloat64, MemCategory::kWorkspace);
@@ -422,9 +415,7 @@ TEST(DsaAttention, BlockSplitAnyOrderMatchesOneCall) {
 
 // Central differences of L = sum(out * G) on the fp64 kernel.
 TEST(DsaAttention, FiniteDifferencesDqDc) {
-  Dims d;
-  d.S = 16;
-  d.K = 6;
+  const Dims d{.S = 16, .K = 6};
   Problem pr(d, DType::kFloat64, 81);
   const Tensor topk = pr.selected();
   const DsaAttentionArgs args = pr.attention(topk);
@@ -452,8 +443,7 @@ TEST(DsaAttention, FiniteDifferencesDqDc) {
 }
 
 TEST(DsaAttention, RowsWithNothingSelected) {
-  Dims d;
-  d.S = 10;
+  const Dims d{.S = 10};
   const Problem pr(d, DType::kFloat32, 91);
   const Pos cpos = iota(d.S, 4);  // keys start at position 4: queries 0..3 see nothing
   Tensor topk = i64({d.B, d.S, d.K});
@@ -485,9 +475,7 @@ TEST(DsaAttention, RowsWithNothingSelected) {
 }
 
 TEST(DsaAttention, ArgumentErrors) {
-  Dims d;
-  d.S = 8;
-  d.K = 4;
+  const Dims d{.S = 8, .K = 4};
   const Problem pr(d, DType::kFloat32, 95);
   const Tensor topk = pr.selected();
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
@@ -569,9 +557,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, DsaIndexerLossTest,
 
 // The reference gradients against central differences of the reference loss (selection and p* held fixed).
 TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
-  Dims d;
-  d.S = 14;
-  d.K = 5;
+  const Dims d{.S = 14, .K = 5};
   Problem pr(d, DType::kFloat64, 111);
   const Tensor topk = pr.selected();
   const DsaAttentionArgs a = pr.attention(topk);
@@ -715,9 +701,7 @@ TEST(Dsa, BitwiseIndependentOfThreadCount) {
 #ifndef _OPENMP
   GTEST_SKIP() << "built without OpenMP: one thread only";
 #else
-  Dims d;
-  d.S = 40;
-  d.K = 12;
+  const Dims d{.S = 40, .K = 12};
   const Problem pr(d, DType::kBFloat16, 141);
   const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat32, 142);
   auto run = [&](int threads) {
