@@ -79,6 +79,18 @@ inline typename S::V exp2_poly(typename S::V f) {
   return p;
 }
 
+// 2^x (see the header comment): 0 below -125, clamped at 127, NaN stays NaN (a NaN score must not become a weight
+// of 0 or of 2^127): the "not less than" predicate is true for NaN, and min / max return their second operand, x,
+// when either is NaN.
+template <typename S>
+inline typename S::V exp2(typename S::V x) {
+  const typename S::Mask live = S::not_less(x, -125.0f);
+  x = S::min(S::set1(127.0f), x);
+  x = S::max(S::set1(-125.0f), x);
+  const typename S::V n = S::round(x);
+  return S::keep(live, S::times_pow2(exp2_poly<S>(S::sub(x, n)), n));
+}
+
 // Horizontal sum / max of the 8 lanes of v, halves first.
 inline float reduce_add_256(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -122,18 +134,16 @@ struct Simd<float> {
     return simd_detail::reduce_max_256(
         _mm256_max_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
   }
-  static V exp2(V x) {
-    // NaN stays NaN (a NaN score must not become a weight of 0 or of 2^127): the "not less than" predicate is true
-    // for NaN, and min / max return their second operand, x, when either is NaN.
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
-    x = _mm512_min_ps(_mm512_set1_ps(127.0f), x);
-    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
-    const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V p = simd_detail::exp2_poly<Simd>(_mm512_sub_ps(x, n));
-    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    const V r = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-    return _mm512_maskz_mov_ps(live, r);
+  // The pieces of simd_detail::exp2.
+  using Mask = __mmask16;
+  static Mask not_less(V x, float t) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(t), _CMP_NLT_UQ); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V n) {  // p 2^n for integral n, by adding n to the exponent field
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
   }
+  static V keep(Mask m, V r) { return _mm512_maskz_mov_ps(m, r); }
+  static V exp2(V x) { return simd_detail::exp2<Simd>(x); }
 };
 #elif !defined(SEQPAR_MHA_SCALAR) && defined(__AVX2__) && defined(__FMA__)
 template <>
@@ -154,17 +164,15 @@ struct Simd<float> {
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static float reduce_add(V v) { return simd_detail::reduce_add_256(v); }
   static float reduce_max(V v) { return simd_detail::reduce_max_256(v); }
-  static V exp2(V x) {
-    // NaN stays NaN, as in the AVX-512 version.
-    const V live = _mm256_cmp_ps(x, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ);
-    x = _mm256_min_ps(_mm256_set1_ps(127.0f), x);
-    x = _mm256_max_ps(_mm256_set1_ps(-125.0f), x);
-    const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V p = simd_detail::exp2_poly<Simd>(_mm256_sub_ps(x, n));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-    const V r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-    return _mm256_and_ps(r, live);
+  using Mask = V;
+  static Mask not_less(V x, float t) { return _mm256_cmp_ps(x, _mm256_set1_ps(t), _CMP_NLT_UQ); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V n) {
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
   }
+  static V keep(Mask m, V r) { return _mm256_and_ps(r, m); }
+  static V exp2(V x) { return simd_detail::exp2<Simd>(x); }
 };
 #else
 template <>
