@@ -56,8 +56,13 @@
 // Extra memory (besides the caller's [B, Sq, k] arrays): the indexer O(16 * (Di + Hi)) per thread, never an
 // [Sq, Sk] matrix; the attention forward O(k * (Dqk + H)) per thread; the backward passes one fp32 (fp64 for fp64
 // inputs) copy of the block's key gradient (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]). The key-gradient pass reads
-// every query row once per thread.
-// Errors: seqpar::Error naming the tensor and the rule, raised before any work.
+// every query row once per thread. All of it comes from the memory ledger (workspace) before any parallel region; a
+// failed allocation raises Error "out of memory: ..." naming the bytes asked for and the ledger's totals.
+// Errors: seqpar::Error naming the tensor and the rule, raised before any work. Tensors must be host tensors and the
+// stream a CPU stream: a CUDA one fails with "DSA kernels have no CUDA implementation yet".
+// Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
+// Error f would raise for them, and does no work (it reads topk_indices, whose rows are checked). A context-parallel
+// caller runs them on its local shapes before anything is sent, so that every rank fails together.
 #pragma once
 
 #include <cstdint>
@@ -193,5 +198,32 @@ double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscore
 void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
                           const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
                           Stream stream = Stream::cpu());
+
+// ---- argument checks on their own (see the header comment) -------------------------------------------------------
+
+// The argument structs alone: shapes, dtypes, devices, position counts, k_pos / c_pos strictly increasing, dim_v,
+// scale and (for DsaAttentionArgs) every topk_indices row.
+void check_dsa_indexer_args(const DsaIndexerArgs& args);
+void check_dsa_attention_args(const DsaAttentionArgs& args);
+
+void check_dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
+void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
+void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream = Stream::cpu());
+void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
+void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream = Stream::cpu());
+void check_dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
+                                 Stream stream = Stream::cpu());
+void check_dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
+                                  bool accumulate, Stream stream = Stream::cpu());
+void check_dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
+                               Stream stream = Stream::cpu());
+void check_dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
+                               Stream stream = Stream::cpu());
+void check_dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
+                                       const TensorView& scores, Stream stream = Stream::cpu());
+void check_dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream = Stream::cpu());
+void check_dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
+                                const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx,
+                                bool accumulate, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

@@ -29,8 +29,14 @@
 // Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
 // Extra memory: per worker O(chunk_size * (chunk_size + K + V) + K * V) scratch; the backward also keeps the start
 // state of every chunk of one (batch, head): ceil(S / chunk_size) * K * V values. Scratch comes from the memory
-// ledger (workspace), except a thread-local transpose buffer of chunk_size * max(chunk_size, K, V) values.
-// Errors: Error naming the tensor and the rule, for any shape / dtype / device mismatch or chunk_size < 1.
+// ledger (workspace) and is allocated before the parallel region; a failed allocation raises Error
+// "out of memory: ..." naming the bytes asked for and the ledger's totals by category.
+// Errors: Error naming the tensor and the rule, for any shape / dtype / device mismatch or chunk_size < 1, raised
+// before any work. Tensors must be host tensors and the stream a CPU stream: a CUDA one fails with "GDN kernels have
+// no CUDA implementation yet".
+// Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
+// Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
+// before anything is sent and every rank fails together.
 //
 // Use under context parallelism (parallel/, DESIGN.md section 6):
 //   chain: gdn_forward with initial_state = received state, send final_state on; backward: gdn_backward with
@@ -146,5 +152,32 @@ void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const 
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state,
                          Stream stream = Stream::cpu());
+
+// ---- argument checks on their own (see the header comment) -------------------------------------------------------
+
+// The argument structs alone: shapes, dtypes, devices, chunk_size, scale, the initial states.
+void check_gdn_forward_args(const GdnForwardArgs& args);
+void check_short_conv_args(const ShortConvArgs& args);
+
+void check_gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
+                       Stream stream = Stream::cpu());
+void check_gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state,
+                        Stream stream = Stream::cpu());
+void check_gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u,
+                          Stream stream = Stream::cpu());
+void check_gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1,
+                                  const TensorView& u1, const TensorView& m, const TensorView& u,
+                                  Stream stream = Stream::cpu());
+void check_gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start,
+                                const TensorView& s_end, Stream stream = Stream::cpu());
+void check_gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
+                                        const TensorView& ds_start, Stream stream = Stream::cpu());
+void check_gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream = Stream::cpu());
+void check_short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
+                              Stream stream = Stream::cpu());
+void check_short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
+                               const TensorView& dweight, const TensorView& dinitial_conv_state,
+                               Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

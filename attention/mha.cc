@@ -1,24 +1,27 @@
-// Public boundary of the MHA / GQA kernels: argument validation, dispatch to the CPU kernels, the LSE merge and the
-// backward delta. Math: DESIGN.md section 4.
+// Public boundary of the MHA / GQA kernels: argument validation (callable on its own through the check_mha_* and
+// check_lse_merge functions), dispatch to the CPU kernels in cpu/, the LSE merge and the backward delta. Math:
+// attention/mha.h.
 #include "attention/mha.h"
 
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 
+#include "attention/boundary.h"
 #include "attention/cpu/mha_cpu.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/error.h"
 
 namespace seqpar::attn {
 namespace {
 
-void check_positions(std::span<const std::int64_t> pos, std::int64_t len, const char* what) {
+constexpr const char* kFamily = "MHA";
+
+void check_positions(std::span<const std::int64_t> pos, std::int64_t len, const char* what, const char* len_name) {
   SEQPAR_CHECK(pos.empty() || static_cast<std::int64_t>(pos.size()) == len, what, " has ", pos.size(),
-               " entries, expected 0 (meaning 0..", len - 1, ") or ", len);
-  for (std::size_t i = 1; i < pos.size(); ++i) {
-    SEQPAR_CHECK(pos[i - 1] <= pos[i], what, " must be non-decreasing, but ", what, "[", i - 1, "] = ", pos[i - 1],
-                 " > ", what, "[", i, "] = ", pos[i]);
-  }
+               " entries, expected 0 (meaning 0..", len - 1, ") or ", len_name, " = ", len);
+  detail::check_non_decreasing(pos, what);
 }
 
 void check_mask(const MaskSpec& mask) {
@@ -27,10 +30,11 @@ void check_mask(const MaskSpec& mask) {
                " requires mask.causal = true (sliding windows are causal)");
 }
 
-void check_host_tensor(const TensorView& t, const char* what) {
-  check_cpu(t, what);
-  SEQPAR_CHECK(is_floating(t.dtype()), what, " has dtype ", dtype_name(t.dtype()), ", expected a floating dtype");
-  SEQPAR_CHECK(t.numel() == 0 || t.data() != nullptr, what, " ", t.str(), " has no data");
+void check_host_tensor(const TensorView& t, const char* what) { detail::check_floating(t, what, kFamily); }
+
+// lse and delta: [B, H, S] fp32.
+void check_rows(const TensorView& t, const Shape& shape, const char* what) {
+  detail::check_host_tensor(t, shape, DType::kFloat32, what, kFamily);
 }
 
 // Validates q, k, v, positions and mask; returns the filled kernel parameters (ranges not yet set).
@@ -50,22 +54,57 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   SEQPAR_CHECK(D > 0, "head_dim (q dim 3) must be > 0, got ", D);
   SEQPAR_CHECK(Hkv > 0 && Hq % Hkv == 0, "q heads Hq = ", Hq, " must be a multiple of kv heads Hkv = ", Hkv);
   SEQPAR_CHECK(std::isfinite(a.scale), "scale ", a.scale, " must be finite (0 or less: 1/sqrt(D))");
-  check_positions(a.q_pos, Sq, "q_pos");
-  check_positions(a.k_pos, Sk, "k_pos");
+  check_positions(a.q_pos, Sq, "q_pos", "Sq");
+  check_positions(a.k_pos, Sk, "k_pos", "Sk");
   check_mask(a.mask);
-  cpu::MhaParams p;
-  p.q = a.q.data();
-  p.k = a.k.data();
-  p.v = a.v.data();
-  p.dtype = a.q.dtype();
-  p.batch = B;
-  p.sq = Sq;
-  p.sk = Sk;
-  p.hq = Hq;
-  p.hkv = Hkv;
-  p.head_dim = D;
-  p.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
+  return cpu::MhaParams{a.q.data(), a.k.data(), a.v.data(), a.q.dtype(), B, Sq, Sk, Hq, Hkv, D, scale};
+}
+
+cpu::MhaParams validate_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse) {
+  const cpu::MhaParams p = check_forward_args(args);
+  check_host_tensor(out, "out");
+  check_shape(out, args.q.shape(), "out");
+  check_rows(lse, {p.batch, p.hq, p.sq}, "lse");
   return p;
+}
+
+cpu::MhaParams validate_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk,
+                                 const TensorView& dv, bool accumulate) {
+  const cpu::MhaParams p = check_forward_args(args.fwd);
+  check_host_tensor(args.dout, "dout");
+  check_shape(args.dout, args.fwd.q.shape(), "dout");
+  check_rows(args.lse, {p.batch, p.hq, p.sq}, "lse");
+  if (!args.delta.empty()) {
+    check_rows(args.delta, {p.batch, p.hq, p.sq}, "delta");
+  } else {
+    check_host_tensor(args.out, "out (needed for delta, which was not given)");
+    check_shape(args.out, args.fwd.q.shape(), "out");
+  }
+  for (auto [t, like, name] :
+       {std::tuple{&dq, &args.fwd.q, "dq"}, {&dk, &args.fwd.k, "dk"}, {&dv, &args.fwd.k, "dv"}}) {
+    check_host_tensor(*t, name);
+    check_shape(*t, like->shape(), name);
+    if (accumulate) check_dtype(*t, DType::kFloat32, str_cat(name, " (accumulate = true)").c_str());
+  }
+  return p;
+}
+
+void validate_delta(const TensorView& out, const TensorView& dout, const TensorView& delta) {
+  check_host_tensor(out, "out");
+  check_host_tensor(dout, "dout");
+  SEQPAR_CHECK(out.ndim() == 4, "out must be [B, S, H, D], got ", out.str());
+  check_shape(dout, out.shape(), "dout");
+  check_rows(delta, {out.dim(0), out.dim(2), out.dim(1)}, "delta");
+}
+
+void validate_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b) {
+  SEQPAR_CHECK(out.ndim() == 4, "lse_merge: out must be [B, S, H, D], got ", out.str());
+  detail::check_host_tensor(out, out.shape(), DType::kFloat32, "lse_merge out", kFamily);
+  detail::check_host_tensor(out_b, out.shape(), DType::kFloat32, "lse_merge out_b", kFamily);
+  const Shape rows{out.dim(0), out.dim(2), out.dim(1)};
+  check_rows(lse, rows, "lse_merge lse");
+  check_rows(lse_b, rows, "lse_merge lse_b");
 }
 
 void zero_fill(const TensorView& t) {
@@ -79,15 +118,37 @@ void fill_float(const TensorView& t, float value) {
 
 }  // namespace
 
+// ---- checks on their own ------------------------------------------------------------------------------------------
+
+void check_mha_forward_args(const MhaForwardArgs& args) { check_forward_args(args); }
+
+void check_mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
+  detail::check_stream(stream, "mha_forward", kFamily);
+  validate_forward(args, out, lse);
+}
+
+void check_mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        bool accumulate, Stream stream) {
+  detail::check_stream(stream, "mha_backward", kFamily);
+  validate_backward(args, dq, dk, dv, accumulate);
+}
+
+void check_mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
+  detail::check_stream(stream, "mha_backward_delta", kFamily);
+  validate_delta(out, dout, delta);
+}
+
+void check_lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
+                     Stream stream) {
+  detail::check_stream(stream, "lse_merge", kFamily);
+  validate_merge(out, lse, out_b, lse_b);
+}
+
+// ---- the kernels ---------------------------------------------------------------------------------------------------
+
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
-  SEQPAR_CHECK(stream.device.is_cpu(), "mha_forward: stream on ", stream.device.str(),
-               ", but only the CPU implementation is built");
-  cpu::MhaParams p = check_forward_args(args);
-  check_host_tensor(out, "out");
-  check_shape(out, args.q.shape(), "out");
-  check_cpu(lse, "lse");
-  check_dtype(lse, DType::kFloat32, "lse");
-  check_shape(lse, {p.batch, p.hq, p.sq}, "lse");
+  detail::check_stream(stream, "mha_forward", kFamily);
+  cpu::MhaParams p = validate_forward(args, out, lse);
   if (p.batch * p.sq * p.hq == 0) return;
   if (p.sk == 0) {
     zero_fill(out);
@@ -101,34 +162,8 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
 
 void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   bool accumulate, Stream stream) {
-  SEQPAR_CHECK(stream.device.is_cpu(), "mha_backward: stream on ", stream.device.str(),
-               ", but only the CPU implementation is built");
-  cpu::MhaParams p = check_forward_args(args.fwd);
-  check_host_tensor(args.dout, "dout");
-  check_shape(args.dout, args.fwd.q.shape(), "dout");
-  check_cpu(args.lse, "lse");
-  check_dtype(args.lse, DType::kFloat32, "lse");
-  check_shape(args.lse, {p.batch, p.hq, p.sq}, "lse");
-  const bool have_delta = !args.delta.empty();
-  if (have_delta) {
-    check_cpu(args.delta, "delta");
-    check_dtype(args.delta, DType::kFloat32, "delta");
-    check_shape(args.delta, {p.batch, p.hq, p.sq}, "delta");
-  } else {
-    check_host_tensor(args.out, "out (needed for delta, which was not given)");
-    check_shape(args.out, args.fwd.q.shape(), "out");
-  }
-  check_host_tensor(dq, "dq");
-  check_host_tensor(dk, "dk");
-  check_host_tensor(dv, "dv");
-  check_shape(dq, args.fwd.q.shape(), "dq");
-  check_shape(dk, args.fwd.k.shape(), "dk");
-  check_shape(dv, args.fwd.k.shape(), "dv");
-  if (accumulate) {
-    check_dtype(dq, DType::kFloat32, "dq (accumulate = true)");
-    check_dtype(dk, DType::kFloat32, "dk (accumulate = true)");
-    check_dtype(dv, DType::kFloat32, "dv (accumulate = true)");
-  }
+  detail::check_stream(stream, "mha_backward", kFamily);
+  cpu::MhaParams p = validate_backward(args, dq, dk, dv, accumulate);
   if (p.batch * p.sq * p.hq == 0 || p.sk == 0) {
     if (!accumulate) {
       zero_fill(dq);
@@ -137,6 +172,7 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
     }
     return;
   }
+  const bool have_delta = !args.delta.empty();
   const cpu::KeyRanges ranges = cpu::key_ranges(args.fwd.q_pos, p.sq, args.fwd.k_pos, p.sk, args.fwd.mask);
   p.ranges = &ranges;
   cpu::MhaBackwardParams bp;
@@ -158,25 +194,22 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
 }
 
 void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
-  SEQPAR_CHECK(stream.device.is_cpu(), "mha_backward_delta: stream on ", stream.device.str(),
-               ", but only the CPU implementation is built");
-  check_host_tensor(out, "out");
-  check_host_tensor(dout, "dout");
-  SEQPAR_CHECK(out.ndim() == 4, "out must be [B, S, H, D], got ", out.str());
-  check_shape(dout, out.shape(), "dout");
+  check_mha_backward_delta(out, dout, delta, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
-  check_cpu(delta, "delta");
-  check_dtype(delta, DType::kFloat32, "delta");
-  check_shape(delta, {B, H, S}, "delta");
   const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
   float* dst = static_cast<float*>(delta.data());
   const char* o = static_cast<const char*>(out.data());
   const char* g = static_cast<const char*>(dout.data());
   const std::size_t os = dtype_size(out.dtype()), gs = dtype_size(dout.dtype());
-#pragma omp parallel if (static_cast <double>(out.numel()) >= cpu::kMinParallelWork)
+  const bool parallel = static_cast<double>(out.numel()) >= cpu::kMinParallelWork;
+  const cpu::WorkerScratch<double> wide_ws({wide ? D : 0, wide ? D : 0}, "mha_backward_delta scratch",
+                                           cpu::region_workers(parallel));
+  const cpu::WorkerScratch<float> ws({wide ? 0 : D, wide ? 0 : D}, "mha_backward_delta scratch",
+                                     cpu::region_workers(parallel));
+#pragma omp parallel if (parallel)
   {
-    std::vector<double> ro(static_cast<std::size_t>(D)), rg(static_cast<std::size_t>(D));
-    std::vector<float> fo(static_cast<std::size_t>(D)), fg(static_cast<std::size_t>(D));
+    const std::span<double> ro = wide_ws.buffer(0), rg = wide_ws.buffer(1);
+    const std::span<float> fo = ws.buffer(0), fg = ws.buffer(1);
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < B * S * H; ++t) {
       const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
@@ -200,21 +233,8 @@ void mha_backward_delta(const TensorView& out, const TensorView& dout, const Ten
 
 void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                Stream stream) {
-  SEQPAR_CHECK(stream.device.is_cpu(), "lse_merge: stream on ", stream.device.str(),
-               ", but only the CPU implementation is built");
-  SEQPAR_CHECK(out.ndim() == 4, "lse_merge: out must be [B, S, H, D], got ", out.str());
-  check_cpu(out, "lse_merge out");
-  check_cpu(out_b, "lse_merge out_b");
-  check_cpu(lse, "lse_merge lse");
-  check_cpu(lse_b, "lse_merge lse_b");
-  check_dtype(out, DType::kFloat32, "lse_merge out");
-  check_dtype(out_b, DType::kFloat32, "lse_merge out_b");
-  check_dtype(lse, DType::kFloat32, "lse_merge lse");
-  check_dtype(lse_b, DType::kFloat32, "lse_merge lse_b");
-  check_shape(out_b, out.shape(), "lse_merge out_b");
+  check_lse_merge(out, lse, out_b, lse_b, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
-  check_shape(lse, {B, H, S}, "lse_merge lse");
-  check_shape(lse_b, {B, H, S}, "lse_merge lse_b");
   float* o = static_cast<float*>(out.data());
   const float* ob = static_cast<const float*>(out_b.data());
   float* l = static_cast<float*>(lse.data());
@@ -255,8 +275,8 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
 
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
                            const MaskSpec& mask) {
-  check_positions(q_pos, static_cast<std::int64_t>(q_pos.size()), "q_pos");
-  check_positions(k_pos, static_cast<std::int64_t>(k_pos.size()), "k_pos");
+  detail::check_non_decreasing(q_pos, "q_pos");
+  detail::check_non_decreasing(k_pos, "k_pos");
   check_mask(mask);
   const cpu::KeyRanges r = cpu::key_ranges(q_pos, static_cast<std::int64_t>(q_pos.size()), k_pos,
                                            static_cast<std::int64_t>(k_pos.size()), mask);

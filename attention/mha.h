@@ -29,7 +29,13 @@
 // Parallelism (CPU, OpenMP): forward over (batch, query head, query tile of 64); backward over (batch, query head).
 // Accuracy: lse is fp32 by contract, so the fp64 backward (which recomputes P from lse) is accurate to about
 // |lse| 2^-24 relative, not to fp64 rounding; the fp64 forward is accurate to fp64 rounding.
-// Errors: Error naming the tensor and the rule for any shape, dtype or position mismatch.
+// Errors: Error naming the tensor and the rule for any shape, dtype or position mismatch, raised before any work.
+// Tensors must be host tensors and the stream a CPU stream: a CUDA one fails with "MHA kernels have no CUDA
+// implementation yet". Per-thread scratch comes from the memory ledger (workspace) before any parallel region; a
+// failed allocation raises Error "out of memory: ..." naming the bytes asked for and the ledger's totals.
+// Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
+// Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
+// before anything is sent and every rank fails together.
 #pragma once
 
 #include <cstdint>
@@ -104,5 +110,18 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
 // taken as given: an empty span means no queries (keys). Errors: decreasing positions, an invalid mask.
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
                            const MaskSpec& mask);
+
+// ---- argument checks on their own (see the header comment) -------------------------------------------------------
+
+// MhaForwardArgs alone: shapes, dtypes, devices, Hq % Hkv, positions (sizes, non-decreasing), mask and scale.
+void check_mha_forward_args(const MhaForwardArgs& args);
+void check_mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
+                       Stream stream = Stream::cpu());
+void check_mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        bool accumulate, Stream stream = Stream::cpu());
+void check_mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
+                              Stream stream = Stream::cpu());
+void check_lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
+                     Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

@@ -8,7 +8,8 @@
 //
 // x, dy: [B, S, H, D] any floating dtype, rotated in place; positions: [S] int64 (any values >= 0).
 // Angles are computed in fp64 and applied in fp32 (fp64 for fp64 tensors). Host-synchronous.
-// Errors: D odd, positions size != S.
+// Errors: x not a 4-d host tensor of a floating dtype, D odd, positions size != S, theta not positive and finite
+// (RoPE has no CUDA implementation yet: a device tensor is an error). check_rope raises the same errors alone.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,9 @@
 namespace seqpar::attn {
 
 inline constexpr double kDefaultRopeTheta = 10000.0;
+
+// The checks of rope_forward / rope_backward, without the work.
+void check_rope(const TensorView& x, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 // dx = R(pos)^T dy, in place on `dy`.

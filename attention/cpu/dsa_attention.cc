@@ -7,45 +7,14 @@
 #include <vector>
 
 #include "attention/cpu/dsa_common.h"
-#include "attention/dsa.h"
+#include "attention/cpu/dsa_cpu.h"
+#include "attention/cpu/scratch.h"
 
-namespace seqpar::attn {
+namespace seqpar::attn::cpu {
 namespace {
 
 using namespace dsa_detail;
-
-struct AttnShape {
-  std::int64_t B, Sq, H, Dqk, Dv, Sk, K;
-  double scale;  // exact 1/sqrt(Dqk) in fp64 for the fp64 path
-  std::vector<std::int64_t> q_pos, c_pos;
-  std::vector<std::int32_t> valid;  // valid slots per row
-};
-
-AttnShape check_attention_args(const DsaAttentionArgs& a) {
-  check_floating(a.q, "q");
-  check_floating(a.c, "c");
-  SEQPAR_CHECK(a.q.ndim() == 4, "q must be [B, Sq, H, Dqk], got ", shape_str(a.q.shape()));
-  AttnShape s;
-  s.B = a.q.dim(0);
-  s.Sq = a.q.dim(1);
-  s.H = a.q.dim(2);
-  s.Dqk = a.q.dim(3);
-  SEQPAR_CHECK(a.c.ndim() == 3 && a.c.dim(0) == s.B && a.c.dim(2) == s.Dqk, "c must be [B, Sk, Dqk] = [", s.B, ", Sk, ",
-               s.Dqk, "], got ", shape_str(a.c.shape()));
-  SEQPAR_CHECK(a.c.dtype() == a.q.dtype(), "q and c must share one dtype, got ", dtype_name(a.q.dtype()), " and ",
-               dtype_name(a.c.dtype()));
-  s.Sk = a.c.dim(1);
-  s.Dv = a.dim_v;
-  SEQPAR_CHECK(s.Dv >= 1 && s.Dv <= s.Dqk, "dim_v = ", s.Dv, " must be in [1, Dqk = ", s.Dqk, "]");
-  SEQPAR_CHECK(std::isfinite(a.scale), "DSA scale ", a.scale, " must be finite (0 or less: 1/sqrt(Dqk))");
-  s.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(s.Dqk));
-  s.q_pos = positions_or_iota(a.q_pos, s.Sq, "q_pos", "Sq");
-  s.c_pos = positions_or_iota(a.c_pos, s.Sk, "c_pos", "Sk");
-  check_strictly_increasing(s.c_pos, "c_pos");
-  s.valid = check_topk_rows(a.topk_indices, s.B, s.Sq, s.q_pos, "topk_indices");
-  s.K = a.topk_indices.dim(2);
-  return s;
-}
+using AttnShape = DsaAttentionShape;
 
 // Loads `n` elements at element offset `at` of any floating tensor as Acc.
 template <typename Acc>
@@ -56,16 +25,40 @@ void load_any(const TensorView& t, std::int64_t at, std::int64_t n, Acc* dst) {
   });
 }
 
-// The local indices (into the block) and slots of the selected positions of row r inside the block.
-inline void collect_selected(const AttnShape& s, const std::int64_t* idx, std::int64_t r, std::vector<std::int64_t>& m,
-                             std::vector<std::int64_t>& slot) {
-  m.clear();
-  slot.clear();
+// The most positions of one row that can lie inside the block: min(k, Sk).
+inline std::int64_t max_selected(const AttnShape& s) { return std::min(s.K, s.Sk); }
+
+// The local indices (into the block) and slots of the selected positions of row r inside the block; m and slot
+// hold max_selected(s) entries. Returns their number.
+inline std::int64_t collect_selected(const AttnShape& s, const std::int64_t* idx, std::int64_t r,
+                                     std::span<std::int64_t> m, std::span<std::int64_t> slot) {
+  std::int64_t n = 0;
   for_each_selected_in_block(idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos,
                              [&](std::int64_t sl, std::int64_t mm) {
-                               slot.push_back(sl);
-                               m.push_back(mm);
+                               slot[n] = sl;
+                               m[n++] = mm;
                              });
+  return n;
+}
+
+// Loads query row r (batch b) and its n selected latent rows sel[0..n) into qrow [H, Dqk] and gath [n, Dqk], then
+// for each tile of up to kTile of them fills cT (the tile transposed) and tile [H, kTile] = q_h . c_j, and calls
+// fn(j0, nj, rows) with the tile's first index, its size and its gathered rows.
+template <typename T, typename Acc, typename Fn>
+void for_each_selected_tile_scores(const T* q, const T* c, const AttnShape& s, std::int64_t b, std::int64_t r,
+                                   std::span<const std::int64_t> sel, std::int64_t n, std::span<Acc> qrow,
+                                   std::span<Acc> gath, std::span<Acc> cT, std::span<Acc> tile, Fn&& fn) {
+  const std::int64_t H = s.H, Dqk = s.Dqk;
+  load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
+  for (std::int64_t j = 0; j < n; ++j) load_row(c + (b * s.Sk + sel[j]) * Dqk, gath.data() + j * Dqk, Dqk);
+  const Acc* rows[kTile];
+  for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {
+    const std::int64_t nj = std::min(kTile, n - j0);
+    for (std::int64_t j = 0; j < nj; ++j) rows[j] = gath.data() + (j0 + j) * Dqk;
+    load_tile_transposed(rows, nj, Dqk, cT.data());
+    dot_tile(qrow.data(), H, Dqk, cT.data(), tile.data());
+    fn(j0, nj, rows);
+  }
 }
 
 template <typename T>
@@ -76,39 +69,34 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
   float* lse_out = static_cast<float*>(lse.data());
-  const std::int64_t rows = s.B * s.Sq;
+  const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s);
+  const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_forward scratch");
+  const WorkerScratch<Acc> ws({H * Dqk, nmax * Dqk, H * nmax, H * Dv, H, H, kTile * Dqk, kTile * H},
+                              "dsa_attention_forward scratch");
 #pragma omp parallel
   {
-    std::vector<std::int64_t> sel, slots;
-    std::vector<Acc> qrow(static_cast<std::size_t>(H * Dqk)), gath, score, o(static_cast<std::size_t>(H * Dv));
-    std::vector<Acc> mx(static_cast<std::size_t>(H)), sum(static_cast<std::size_t>(H));
-    std::vector<Acc> cT(static_cast<std::size_t>(kTile * Dqk)), tile(static_cast<std::size_t>(kTile * H));
-    const Acc* rowp[kTile];
+    const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
+    const std::span<Acc> qrow = ws.buffer(0), gath = ws.buffer(1), score = ws.buffer(2), o = ws.buffer(3),
+                         mx = ws.buffer(4), sum = ws.buffer(5), cT = ws.buffer(6), tile = ws.buffer(7);
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq, t = r % s.Sq;
-      collect_selected(s, idx, r, sel, slots);
-      const std::int64_t n = static_cast<std::int64_t>(sel.size());
+      const std::int64_t n = collect_selected(s, idx, r, sel, slots);
       std::fill(o.begin(), o.end(), Acc(0));
       if (n == 0) {
         for (std::int64_t h = 0; h < H; ++h) lse_out[(b * H + h) * s.Sq + t] = neg_inf();
         store_row(out, r * H * Dv, o.data(), H * Dv, false);
         continue;
       }
-      load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
-      gath.resize(static_cast<std::size_t>(n * Dqk));
-      for (std::int64_t j = 0; j < n; ++j) load_row(c + (b * s.Sk + sel[j]) * Dqk, gath.data() + j * Dqk, Dqk);
       // scores [H, n], a tile of kTile latent rows (transposed) against all heads at a time
-      score.resize(static_cast<std::size_t>(H * n));
-      for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {
-        const std::int64_t nj = std::min(kTile, n - j0);
-        for (std::int64_t j = 0; j < nj; ++j) rowp[j] = gath.data() + (j0 + j) * Dqk;
-        load_tile_transposed(rowp, nj, Dqk, cT.data());
-        dot_tile(qrow.data(), H, Dqk, cT.data(), tile.data());
-        for (std::int64_t h = 0; h < H; ++h) {
-          for (std::int64_t j = 0; j < nj; ++j) score[h * n + j0 + j] = Acc(s.scale) * tile[h * kTile + j];
-        }
-      }
+      for_each_selected_tile_scores(q, c, s, b, r, sel, n, qrow, gath, cT, tile,
+                                    [&](std::int64_t j0, std::int64_t nj, const Acc* const*) {
+                                      for (std::int64_t h = 0; h < H; ++h) {
+                                        for (std::int64_t j = 0; j < nj; ++j) {
+                                          score[h * n + j0 + j] = Acc(s.scale) * tile[h * kTile + j];
+                                        }
+                                      }
+                                    });
       for (std::int64_t h = 0; h < H; ++h) {
         Acc m = score[h * n];
         for (std::int64_t j = 1; j < n; ++j) m = std::max(m, score[h * n + j]);
@@ -141,8 +129,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
 // pairs inside the block; probs (optional) gets sum_h p per slot. Key pass (with dout): dc per block latent row.
 template <typename T>
 void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& lse_t, const TensorView& dout_t,
-                   const std::vector<float>& delta, const TensorView& dq_t, const TensorView& dc_t, bool accumulate,
-                   float* probs) {
+                   const float* delta, const TensorView& dq_t, const TensorView& dc_t, bool accumulate, float* probs) {
   using Acc = acc_t<T>;
   const std::int64_t H = s.H, Dqk = s.Dqk, Dv = s.Dv, Sq = s.Sq;
   const bool want_grad = !absent(dout_t);
@@ -152,46 +139,40 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   const float* lse = static_cast<const float*>(lse_t.data());
   const std::int64_t rows = s.B * Sq;
   const Acc scale = Acc(s.scale);
+  const std::int64_t nmax = max_selected(s);
 
+  const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_backward query scratch");
+  const WorkerScratch<Acc> qws({H * Dqk, H * Dv, nmax * Dqk, H * nmax, H * Dqk, H, kTile * Dqk, kTile * H, kTile * H},
+                               "dsa_attention_backward query scratch");
 #pragma omp parallel
   {
-    std::vector<std::int64_t> sel, slots;
-    std::vector<Acc> qrow(static_cast<std::size_t>(H * Dqk)), dorow(static_cast<std::size_t>(H * Dv)), gath, p;
-    std::vector<Acc> dq(static_cast<std::size_t>(H * Dqk)), lse_r(static_cast<std::size_t>(H));
-    std::vector<Acc> cT(static_cast<std::size_t>(kTile * Dqk)), tile(static_cast<std::size_t>(kTile * H)),
-        dptile(static_cast<std::size_t>(kTile * H));
-    const Acc* rowp[kTile];
+    const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
+    const std::span<Acc> qrow = qws.buffer(0), dorow = qws.buffer(1), gath = qws.buffer(2), p = qws.buffer(3),
+                         dq = qws.buffer(4), lse_r = qws.buffer(5), cT = qws.buffer(6), tile = qws.buffer(7),
+                         dptile = qws.buffer(8);
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
-      collect_selected(s, idx, r, sel, slots);
-      const std::int64_t n = static_cast<std::int64_t>(sel.size());
+      const std::int64_t n = collect_selected(s, idx, r, sel, slots);
       std::fill(dq.begin(), dq.end(), Acc(0));
       if (n > 0) {
-        load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
         if (want_grad) load_any(dout_t, r * H * Dv, H * Dv, dorow.data());
         for (std::int64_t h = 0; h < H; ++h) lse_r[h] = static_cast<Acc>(lse[(b * H + h) * Sq + t]);
-        gath.resize(static_cast<std::size_t>(n * Dqk));
-        for (std::int64_t j = 0; j < n; ++j) load_row(c + (b * s.Sk + sel[j]) * Dqk, gath.data() + j * Dqk, Dqk);
-        p.resize(static_cast<std::size_t>(H * n));
-        for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {
-          const std::int64_t nj = std::min(kTile, n - j0);
-          for (std::int64_t j = 0; j < nj; ++j) rowp[j] = gath.data() + (j0 + j) * Dqk;
-          load_tile_transposed(rowp, nj, Dqk, cT.data());
-          dot_tile(qrow.data(), H, Dqk, cT.data(), tile.data());
-          if (want_grad) dot_tile(dorow.data(), H, Dv, cT.data(), dptile.data());  // rows d < Dv of cT: the value
-          for (std::int64_t h = 0; h < H; ++h) {
-            const bool dead = std::isinf(lse_r[h]);
-            for (std::int64_t j = 0; j < nj; ++j) {
-              const Acc pj = dead ? Acc(0) : std::exp(scale * tile[h * kTile + j] - lse_r[h]);
-              p[h * n + j0 + j] = pj;
-              if (want_grad && pj != Acc(0)) {
-                const Acc ds = pj * (dptile[h * kTile + j] - static_cast<Acc>(delta[(b * H + h) * Sq + t]));
-                axpy(scale * ds, rowp[j], dq.data() + h * Dqk, Dqk);
+        for_each_selected_tile_scores(
+            q, c, s, b, r, sel, n, qrow, gath, cT, tile, [&](std::int64_t j0, std::int64_t nj, const Acc* const* rowp) {
+              if (want_grad) dot_tile(dorow.data(), H, Dv, cT.data(), dptile.data());  // rows d < Dv of cT: the value
+              for (std::int64_t h = 0; h < H; ++h) {
+                const bool dead = std::isinf(lse_r[h]);
+                for (std::int64_t j = 0; j < nj; ++j) {
+                  const Acc pj = dead ? Acc(0) : std::exp(scale * tile[h * kTile + j] - lse_r[h]);
+                  p[h * n + j0 + j] = pj;
+                  if (want_grad && pj != Acc(0)) {
+                    const Acc ds = pj * (dptile[h * kTile + j] - static_cast<Acc>(delta[(b * H + h) * Sq + t]));
+                    axpy(scale * ds, rowp[j], dq.data() + h * Dqk, Dqk);
+                  }
+                }
               }
-            }
-          }
-        }
+            });
         if (probs != nullptr) {
           for (std::int64_t j = 0; j < n; ++j) {
             Acc ps = 0;
@@ -206,15 +187,17 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   if (!want_grad) return;
 
   // Keys: dc of each block latent row, summed over its selecting queries in increasing (b, t) (see KeyOwner).
-  std::vector<Acc> dc_acc(static_cast<std::size_t>(s.B * s.Sk * Dqk), Acc(0));
+  const Tensor dc_acc_owner =
+      zeroed_workspace({s.B * s.Sk * Dqk}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
+  Acc* const dc_acc = static_cast<Acc*>(dc_acc_owner.data());
   const bool dout_in_place = dout_t.dtype() == dtype_v<Acc>;
+  const WorkerScratch<Acc> kws({H * Dqk, H * Dv, kTile * Dqk, kTile * H, kTile * H, H, H},
+                               "dsa_attention_backward key scratch");
 #pragma omp parallel
   {
     const KeyOwner mine;
-    std::vector<Acc> qrow(static_cast<std::size_t>(H * Dqk)), dorow(static_cast<std::size_t>(H * Dv));
-    std::vector<Acc> cT(static_cast<std::size_t>(kTile * Dqk)), tile(static_cast<std::size_t>(kTile * H)),
-        dptile(static_cast<std::size_t>(kTile * H)), lse_r(static_cast<std::size_t>(H)),
-        delta_r(static_cast<std::size_t>(H));
+    const std::span<Acc> qrow = kws.buffer(0), dorow = kws.buffer(1), cT = kws.buffer(2), tile = kws.buffer(3),
+                         dptile = kws.buffer(4), lse_r = kws.buffer(5), delta_r = kws.buffer(6);
     const T* crows[kTile];
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
@@ -246,7 +229,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
             dot_tile(qr, H, Dqk, cT.data(), tile.data());
             dot_tile(dr, H, Dv, cT.data(), dptile.data());
             for (std::int64_t j = 0; j < n; ++j) {
-              Acc* dc = dc_acc.data() + (b * s.Sk + keys[j]) * Dqk;
+              Acc* dc = dc_acc + (b * s.Sk + keys[j]) * Dqk;
               for (std::int64_t h = 0; h < H; ++h) {
                 if (std::isinf(lse_r[h])) continue;
                 const Acc pj = std::exp(scale * tile[h * kTile + j] - lse_r[h]);
@@ -261,22 +244,18 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   }
   const std::int64_t keys = s.B * s.Sk;
 #pragma omp parallel for schedule(static)
-  for (std::int64_t km = 0; km < keys; ++km) store_row(dc_t, km * Dqk, dc_acc.data() + km * Dqk, Dqk, accumulate);
-}
-
-void check_lse(const TensorView& lse, const AttnShape& s, const char* what) {
-  check_cpu(lse, what);
-  check_dtype(lse, DType::kFloat32, what);
-  check_shape(lse, {s.B, s.H, s.Sq}, what);
+  for (std::int64_t km = 0; km < keys; ++km) store_row(dc_t, km * Dqk, dc_acc + km * Dqk, Dqk, accumulate);
 }
 
 void delta_impl(const TensorView& out, const TensorView& dout, float* delta, std::int64_t B, std::int64_t Sq,
                 std::int64_t H, std::int64_t Dv) {
   const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
+  const WorkerScratch<double> wide_ws({wide ? Dv : 0, wide ? Dv : 0}, "dsa_attention_delta scratch");
+  const WorkerScratch<float> ws({wide ? 0 : Dv, wide ? 0 : Dv}, "dsa_attention_delta scratch");
 #pragma omp parallel
   {
-    std::vector<double> o(static_cast<std::size_t>(Dv)), g(static_cast<std::size_t>(Dv));
-    std::vector<float> of(static_cast<std::size_t>(Dv)), gf(static_cast<std::size_t>(Dv));
+    const std::span<double> o = wide_ws.buffer(0), g = wide_ws.buffer(1);
+    const std::span<float> of = ws.buffer(0), gf = ws.buffer(1);
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < B * Sq; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
@@ -300,70 +279,21 @@ void delta_impl(const TensorView& out, const TensorView& dout, float* delta, std
 
 }  // namespace
 
-void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
-  check_cpu_stream(stream, "dsa_attention_forward");
-  const AttnShape s = check_attention_args(args);
-  check_floating(out, "out");
-  check_shape(out, {s.B, s.Sq, s.H, s.Dv}, "out");
-  check_lse(lse, s, "lse");
+void dsa_attention_forward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& out,
+                               const TensorView& lse) {
   dispatch_floating(args.q.dtype(), [&](auto tag) { forward_impl<decltype(tag)>(args, s, out, lse); });
 }
 
-void dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
-  check_cpu_stream(stream, "dsa_attention_delta");
-  check_floating(out, "out");
-  check_floating(dout, "dout");
-  SEQPAR_CHECK(out.ndim() == 4, "out must be [B, Sq, H, Dv], got ", shape_str(out.shape()));
-  check_shape(dout, out.shape(), "dout");
-  check_cpu(delta, "delta");
-  check_dtype(delta, DType::kFloat32, "delta");
-  check_shape(delta, {out.dim(0), out.dim(2), out.dim(1)}, "delta");
-  delta_impl(out, dout, static_cast<float*>(delta.data()), out.dim(0), out.dim(1), out.dim(2), out.dim(3));
+void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, float* delta) {
+  delta_impl(out, dout, delta, out.dim(0), out.dim(1), out.dim(2), out.dim(3));
 }
 
-void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
-                            bool accumulate, Stream stream) {
-  check_cpu_stream(stream, "dsa_attention_backward");
-  const AttnShape s = check_attention_args(args.fwd);
-  check_floating(args.dout, "dout");
-  check_shape(args.dout, {s.B, s.Sq, s.H, s.Dv}, "dout");
-  check_lse(args.lse, s, "lse");
-  check_grad_output(dq, args.fwd.q.shape(), accumulate, "dq");
-  check_grad_output(dc, args.fwd.c.shape(), accumulate, "dc");
-  std::vector<float> delta(static_cast<std::size_t>(s.B * s.H * s.Sq));
-  if (absent(args.delta)) {
-    check_floating(args.out, "out");
-    check_shape(args.out, {s.B, s.Sq, s.H, s.Dv}, "out");
-    delta_impl(args.out, args.dout, delta.data(), s.B, s.Sq, s.H, s.Dv);
-  } else {
-    check_lse(args.delta, s, "delta");
-    const float* d = static_cast<const float*>(args.delta.data());
-    std::copy(d, d + delta.size(), delta.begin());
-  }
-  float* probs = nullptr;
-  if (!absent(args.probs)) {
-    check_cpu(args.probs, "probs");
-    check_dtype(args.probs, DType::kFloat32, "probs");
-    check_shape(args.probs, args.fwd.topk_indices.shape(), "probs");
-    probs = static_cast<float*>(args.probs.data());
-  }
-  dispatch_floating(args.fwd.q.dtype(), [&](auto tag) {
-    backward_impl<decltype(tag)>(args.fwd, s, args.lse, args.dout, delta, dq, dc, accumulate, probs);
-  });
-}
-
-void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs, Stream stream) {
-  check_cpu_stream(stream, "dsa_attention_probs");
-  const AttnShape s = check_attention_args(args);
-  check_lse(lse, s, "lse");
-  check_cpu(probs, "probs");
-  check_dtype(probs, DType::kFloat32, "probs");
-  check_shape(probs, args.topk_indices.shape(), "probs");
-  const std::vector<float> no_delta;
+void dsa_attention_backward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& lse,
+                                const TensorView& dout, const float* delta, const TensorView& dq, const TensorView& dc,
+                                bool accumulate, float* probs) {
   dispatch_floating(args.q.dtype(), [&](auto tag) {
-    backward_impl<decltype(tag)>(args, s, lse, TensorView(), no_delta, TensorView(), TensorView(), false,
-                                 static_cast<float*>(probs.data()));
+    backward_impl<decltype(tag)>(args, s, lse, dout, delta, dq, dc, accumulate, probs);
   });
 }
 
-}  // namespace seqpar::attn
+}  // namespace seqpar::attn::cpu

@@ -1,6 +1,6 @@
-// Private helpers shared by the DSA CPU kernels (attention/cpu/dsa_*.cc): positions, argument checks, the
-// per-block view of a top-k row, the key -> selecting-queries lists used by the key-gradient passes, and typed
-// loads / stores. Not a public header.
+// Private helpers shared by the DSA CPU kernels (attention/cpu/dsa_*.cc): the per-block view of a top-k row, the
+// key ownership of the key-gradient passes, fixed-order dot products and typed loads / stores. Not a public header.
+// The argument checks live in attention/dsa.cc.
 #pragma once
 
 #include <algorithm>
@@ -16,7 +16,6 @@
 #include <omp.h>
 #endif
 
-#include "runtime/device.h"
 #include "runtime/dtype.h"
 #include "runtime/error.h"
 #include "runtime/tensor.h"
@@ -116,82 +115,6 @@ inline void load_tile_transposed(const T* const* rows, std::int64_t n, std::int6
 template <typename Acc>
 inline void axpy(Acc alpha, const Acc* x, Acc* y, std::int64_t n) {
   for (std::int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
-}
-
-// Positions: the given span, or 0..n-1 when empty.
-inline std::vector<std::int64_t> positions_or_iota(std::span<const std::int64_t> pos, std::int64_t n, const char* what,
-                                                   const char* len_name) {
-  std::vector<std::int64_t> out;
-  if (pos.empty()) {
-    out.resize(static_cast<std::size_t>(n));
-    std::iota(out.begin(), out.end(), std::int64_t{0});
-  } else {
-    SEQPAR_CHECK(static_cast<std::int64_t>(pos.size()) == n, what, " has ", pos.size(), " entries, expected ", len_name,
-                 " = ", n);
-    out.assign(pos.begin(), pos.end());
-  }
-  return out;
-}
-
-inline void check_strictly_increasing(const std::vector<std::int64_t>& pos, const char* what) {
-  for (std::size_t i = 1; i < pos.size(); ++i) {
-    SEQPAR_CHECK(pos[i] > pos[i - 1], what, " must be strictly increasing, but entry ", i, " is ", pos[i], " after ",
-                 pos[i - 1]);
-  }
-}
-
-// The CPU kernels run on the calling thread; a CUDA stream means the caller wanted the (not yet built) GPU path.
-inline void check_cpu_stream(const Stream& stream, const char* fn) {
-  SEQPAR_CHECK(stream.device.is_cpu(), fn, ": stream on ", stream.device.str(),
-               ", but only the CPU implementation of DSA is built");
-}
-
-inline void check_floating(const TensorView& t, const char* what) {
-  check_cpu(t, what);
-  SEQPAR_CHECK(is_floating(t.dtype()), what, " must have a floating dtype, got ", dtype_name(t.dtype()));
-}
-
-// Accumulator outputs: with accumulate they must be fp32.
-inline void check_grad_output(const TensorView& t, const Shape& shape, bool accumulate, const char* what) {
-  check_cpu(t, what);
-  check_shape(t, shape, what);
-  if (accumulate) {
-    check_dtype(t, DType::kFloat32, what);
-  } else {
-    SEQPAR_CHECK(is_floating(t.dtype()), what, " must have a floating dtype, got ", dtype_name(t.dtype()));
-  }
-}
-
-// Number of valid (non -1) entries at the start of each row; checks that every row is ascending and distinct,
-// -1 padded at the end, and never selects a position after its query.
-inline std::vector<std::int32_t> check_topk_rows(const TensorView& topk, std::int64_t B, std::int64_t Sq,
-                                                 const std::vector<std::int64_t>& q_pos, const char* what) {
-  check_cpu(topk, what);
-  check_dtype(topk, DType::kInt64, what);
-  SEQPAR_CHECK(topk.ndim() == 3 && topk.dim(0) == B && topk.dim(1) == Sq, what, " must be [B, Sq, k] = [", B, ", ", Sq,
-               ", k], got ", shape_str(topk.shape()));
-  const std::int64_t K = topk.dim(2);
-  SEQPAR_CHECK(K <= std::numeric_limits<std::int32_t>::max(), what, ": k = ", K, " is too large");
-  const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
-  std::vector<std::int32_t> valid(static_cast<std::size_t>(B * Sq));
-  for (std::int64_t r = 0; r < B * Sq; ++r) {
-    const std::int64_t* row = idx + r * K;
-    const std::int64_t t = r % Sq;
-    std::int64_t n = 0;
-    while (n < K && row[n] >= 0) {
-      SEQPAR_CHECK(n == 0 || row[n] > row[n - 1], what, " row (b=", r / Sq, ", t=", t,
-                   ") must be strictly ascending, but slot ", n, " holds ", row[n], " after ", row[n - 1]);
-      SEQPAR_CHECK(row[n] <= q_pos[static_cast<std::size_t>(t)], what, " row (b=", r / Sq, ", t=", t, ") selects ",
-                   "position ", row[n], " after its query position ", q_pos[static_cast<std::size_t>(t)]);
-      ++n;
-    }
-    for (std::int64_t s = n; s < K; ++s) {
-      SEQPAR_CHECK(row[s] == -1, what, " row (b=", r / Sq, ", t=", t, ") must be padded with -1 after its valid ",
-                   "entries, but slot ", s, " holds ", row[s]);
-    }
-    valid[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(n);
-  }
-  return valid;
 }
 
 // The selected slots of one row (valid prefix row[0..n)) that lie in a block with strictly increasing positions

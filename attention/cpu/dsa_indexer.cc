@@ -6,9 +6,10 @@
 #include <vector>
 
 #include "attention/cpu/dsa_common.h"
-#include "attention/dsa.h"
+#include "attention/cpu/dsa_cpu.h"
+#include "attention/cpu/scratch.h"
 
-namespace seqpar::attn {
+namespace seqpar::attn::cpu {
 namespace {
 
 using namespace dsa_detail;
@@ -44,47 +45,7 @@ inline void heap_offer(float* hs, std::int64_t* hp, std::int64_t K, float score,
   sift_down(hs, hp, K, 0);
 }
 
-struct IndexerShape {
-  std::int64_t B, Sq, Hi, Di, Sk;
-  std::vector<std::int64_t> q_pos, k_pos;
-};
-
-IndexerShape check_indexer_args(const DsaIndexerArgs& a) {
-  check_floating(a.q_idx, "q_idx");
-  check_floating(a.w, "w");
-  check_floating(a.k_idx, "k_idx");
-  SEQPAR_CHECK(a.q_idx.ndim() == 4, "q_idx must be [B, Sq, Hi, Di], got ", shape_str(a.q_idx.shape()));
-  IndexerShape s;
-  s.B = a.q_idx.dim(0);
-  s.Sq = a.q_idx.dim(1);
-  s.Hi = a.q_idx.dim(2);
-  s.Di = a.q_idx.dim(3);
-  SEQPAR_CHECK(a.k_idx.ndim() == 3 && a.k_idx.dim(0) == s.B && a.k_idx.dim(2) == s.Di, "k_idx must be [B, Sk, Di] = [",
-               s.B, ", Sk, ", s.Di, "], got ", shape_str(a.k_idx.shape()));
-  s.Sk = a.k_idx.dim(1);
-  check_shape(a.w, {s.B, s.Sq, s.Hi}, "w");
-  SEQPAR_CHECK(a.k_idx.dtype() == a.q_idx.dtype() && a.w.dtype() == a.q_idx.dtype(),
-               "q_idx, w and k_idx must share one dtype, got ", dtype_name(a.q_idx.dtype()), ", ",
-               dtype_name(a.w.dtype()), ", ", dtype_name(a.k_idx.dtype()));
-  s.q_pos = positions_or_iota(a.q_pos, s.Sq, "q_pos", "Sq");
-  s.k_pos = positions_or_iota(a.k_pos, s.Sk, "k_pos", "Sk");
-  check_strictly_increasing(s.k_pos, "k_pos");
-  return s;
-}
-
-void check_state(const DsaTopkState& st, std::int64_t B, std::int64_t Sq, const char* what) {
-  check_cpu(st.scores, what);
-  check_cpu(st.positions, what);
-  check_dtype(st.scores, DType::kFloat32, "top-k state scores");
-  check_dtype(st.positions, DType::kInt64, "top-k state positions");
-  SEQPAR_CHECK(st.scores.ndim() == 3 && st.scores.shape() == st.positions.shape(), what,
-               ": scores and positions must both be [B, Sq, k], got ", shape_str(st.scores.shape()), " and ",
-               shape_str(st.positions.shape()));
-  if (B >= 0) {
-    SEQPAR_CHECK(st.scores.dim(0) == B && st.scores.dim(1) == Sq, what, " must be [", B, ", ", Sq, ", k], got ",
-                 shape_str(st.scores.shape()));
-  }
-}
+using IndexerShape = DsaIndexerShape;
 
 // I_tj for one query (Acc rows q [Hi, Di], w [Hi]) and a tile of keys kT [Di, kTile] (transposed, zero-padded):
 // out[l] = sum_i w_i relu(s_il), s = dot_tile(q, kT), heads in ascending order for every lane. Out of line, so that a
@@ -101,81 +62,115 @@ __attribute__((noinline)) void index_score_tile(const Acc* q, const Acc* w, cons
   for (std::int64_t l = 0; l < kTile; ++l) out[l] = total[l];
 }
 
-// A row of a storage-typed buffer as Acc: the pointer itself when the types agree, else converted into `buf`.
+// A row of a storage-typed buffer as Acc: the pointer itself when the types agree, else converted into `buf`
+// (at least n elements).
 template <typename Acc, typename T>
-inline const Acc* acc_row(const T* src, std::int64_t n, std::vector<Acc>& buf) {
+inline const Acc* acc_row(const T* src, std::int64_t n, std::span<Acc> buf) {
   if constexpr (std::is_same_v<T, Acc>) {
     return src;
   } else {
-    buf.resize(static_cast<std::size_t>(n));
     load_row(src, buf.data(), n);
     return buf.data();
   }
 }
 
+// The indexer inputs of one call and each thread's view of them: a query row (q_idx and w) as Acc, and a tile of
+// key rows transposed with its per-head dot products. The per-thread buffers are allocated before the region.
+template <typename T>
+struct IndexerInputs {
+  using Acc = acc_t<T>;
+  const IndexerShape& s;
+  const T *q_idx, *w, *k_idx;
+  WorkerScratch<Acc> ws;
+
+  IndexerInputs(const DsaIndexerArgs& a, const IndexerShape& shape, const char* what)
+      : s(shape),
+        q_idx(static_cast<const T*>(a.q_idx.data())),
+        w(static_cast<const T*>(a.w.data())),
+        k_idx(static_cast<const T*>(a.k_idx.data())),
+        ws({s.Hi * s.Di, s.Hi, kTile * s.Di, kTile * s.Hi}, what) {}
+
+  // Inside the parallel region: the calling thread's buffers.
+  struct Thread {
+    const IndexerInputs& in;
+    std::span<Acc> qbuf, wbuf, kT, sbuf;  // sbuf [Hi, kTile]: q_idx_i . k_j of the tile
+    const Acc* q = nullptr;               // [Hi, Di] query row r
+    const Acc* wr = nullptr;              // [Hi]
+    const T* krows[kTile];
+
+    void load_query(std::int64_t r) {
+      q = acc_row(in.q_idx + r * in.s.Hi * in.s.Di, in.s.Hi * in.s.Di, qbuf);
+      wr = acc_row(in.w + r * in.s.Hi, in.s.Hi, wbuf);
+    }
+    // Keys b * Sk + key(j), j < n <= kTile, transposed into kT.
+    template <typename KeyFn>
+    void load_keys(std::int64_t b, std::int64_t n, KeyFn&& key) {
+      for (std::int64_t j = 0; j < n; ++j) krows[j] = in.k_idx + (b * in.s.Sk + key(j)) * in.s.Di;
+      load_tile_transposed(krows, n, in.s.Di, kT.data());
+    }
+    // Index scores I of the loaded query against the loaded keys.
+    void scores(Acc* out) { index_score_tile(q, wr, kT.data(), in.s.Hi, in.s.Di, sbuf.data(), out); }
+    // Only the per-head dot products, into sbuf.
+    void dots() { dot_tile(q, in.s.Hi, in.s.Di, kT.data(), sbuf.data()); }
+  };
+  Thread thread() const {
+    return {*this, ws.buffer(0), ws.buffer(1), ws.buffer(2), ws.buffer(3), nullptr, nullptr, {}};
+  }
+
+  // fn(thread, r) for every query row r = b * Sq + t, in a parallel region (dynamic schedule).
+  template <typename Fn>
+  void for_each_row(Fn&& fn) const {
+    const std::int64_t rows = s.B * s.Sq;
+#pragma omp parallel
+    {
+      Thread th = thread();
+#pragma omp for schedule(dynamic, 4)
+      for (std::int64_t r = 0; r < rows; ++r) fn(th, r);
+    }
+  }
+};
+
 template <typename T>
 void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTopkState& st) {
   using Acc = acc_t<T>;
   const std::int64_t K = st.scores.dim(2);
-  const T* q_idx = static_cast<const T*>(a.q_idx.data());
-  const T* w = static_cast<const T*>(a.w.data());
-  const T* k_idx = static_cast<const T*>(a.k_idx.data());
   float* scores = static_cast<float*>(st.scores.data());
   std::int64_t* positions = static_cast<std::int64_t*>(st.positions.data());
-  const std::int64_t rows = s.B * s.Sq;
-#pragma omp parallel
-  {
-    std::vector<Acc> qbuf, wbuf, kT(static_cast<std::size_t>(kTile * s.Di)),
-        sbuf(static_cast<std::size_t>(kTile * s.Hi));
+  const IndexerInputs<T> in(a, s, "dsa_indexer_topk_block scratch");
+  in.for_each_row([&](auto& th, std::int64_t r) {
+    const std::int64_t b = r / s.Sq, t = r % s.Sq;
+    const std::int64_t n_vis =
+        std::upper_bound(s.k_pos.begin(), s.k_pos.end(), s.q_pos[static_cast<std::size_t>(t)]) - s.k_pos.begin();
+    if (n_vis == 0) return;
     Acc tile_scores[kTile];
-    const T* krows[kTile];
-#pragma omp for schedule(dynamic, 4)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / s.Sq, t = r % s.Sq;
-      const std::int64_t n_vis =
-          std::upper_bound(s.k_pos.begin(), s.k_pos.end(), s.q_pos[static_cast<std::size_t>(t)]) - s.k_pos.begin();
-      if (n_vis == 0) continue;
-      const Acc* q = acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, qbuf);
-      const Acc* wr = acc_row(w + r * s.Hi, s.Hi, wbuf);
-      float* hs = scores + r * K;
-      std::int64_t* hp = positions + r * K;
-      for (std::int64_t j0 = 0; j0 < n_vis; j0 += kTile) {
-        const std::int64_t nj = std::min(kTile, n_vis - j0);
-        for (std::int64_t j = 0; j < nj; ++j) krows[j] = k_idx + (b * s.Sk + j0 + j) * s.Di;
-        load_tile_transposed(krows, nj, s.Di, kT.data());
-        index_score_tile(q, wr, kT.data(), s.Hi, s.Di, sbuf.data(), tile_scores);
-        for (std::int64_t j = 0; j < nj; ++j) {
-          heap_offer(hs, hp, K, static_cast<float>(tile_scores[j]), s.k_pos[static_cast<std::size_t>(j0 + j)]);
-        }
+    th.load_query(r);
+    float* hs = scores + r * K;
+    std::int64_t* hp = positions + r * K;
+    for (std::int64_t j0 = 0; j0 < n_vis; j0 += kTile) {
+      const std::int64_t nj = std::min(kTile, n_vis - j0);
+      th.load_keys(b, nj, [&](std::int64_t j) { return j0 + j; });
+      th.scores(tile_scores);
+      for (std::int64_t j = 0; j < nj; ++j) {
+        heap_offer(hs, hp, K, static_cast<float>(tile_scores[j]), s.k_pos[static_cast<std::size_t>(j0 + j)]);
       }
     }
-  }
+  });
 }
 
 }  // namespace
 
-void dsa_topk_init(const DsaTopkState& state, Stream stream) {
-  check_cpu_stream(stream, "dsa_topk_init");
-  check_state(state, -1, -1, "top-k state");
+void dsa_topk_init_cpu(const DsaTopkState& state) {
   float* sc = static_cast<float*>(state.scores.data());
   std::int64_t* pos = static_cast<std::int64_t*>(state.positions.data());
   std::fill(sc, sc + state.scores.numel(), neg_inf());
   std::fill(pos, pos + state.positions.numel(), std::int64_t{-1});
 }
 
-void dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream) {
-  check_cpu_stream(stream, "dsa_indexer_topk_block");
-  const IndexerShape s = check_indexer_args(args);
-  check_state(state, s.B, s.Sq, "top-k state");
+void dsa_indexer_topk_block_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s, const DsaTopkState& state) {
   dispatch_floating(args.q_idx.dtype(), [&](auto tag) { topk_block_impl<decltype(tag)>(args, s, state); });
 }
 
-void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream) {
-  check_cpu_stream(stream, "dsa_topk_merge");
-  check_state(state, -1, -1, "top-k state");
-  check_state(other, -1, -1, "other top-k state");
-  SEQPAR_CHECK(state.scores.shape() == other.scores.shape(), "top-k states to merge must have one shape, got ",
-               shape_str(state.scores.shape()), " and ", shape_str(other.scores.shape()));
+void dsa_topk_merge_cpu(const DsaTopkState& state, const DsaTopkState& other) {
   const std::int64_t K = state.scores.dim(2), rows = state.scores.dim(0) * state.scores.dim(1);
   float* hs = static_cast<float*>(state.scores.data());
   std::int64_t* hp = static_cast<std::int64_t*>(state.positions.data());
@@ -189,41 +184,25 @@ void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream
   }
 }
 
-void dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream) {
-  check_cpu_stream(stream, "dsa_topk_finalize");
-  check_state(state, -1, -1, "top-k state");
-  check_cpu(topk_indices, "topk_indices");
-  check_dtype(topk_indices, DType::kInt64, "topk_indices");
-  check_shape(topk_indices, state.positions.shape(), "topk_indices");
+void dsa_topk_finalize_cpu(const DsaTopkState& state, const TensorView& topk_indices) {
   const std::int64_t K = state.scores.dim(2), rows = state.scores.dim(0) * state.scores.dim(1);
   const std::int64_t* hp = static_cast<const std::int64_t*>(state.positions.data());
   std::int64_t* out = static_cast<std::int64_t*>(topk_indices.data());
+  const WorkerScratch<std::int64_t> ws({K}, "dsa_topk_finalize scratch");
 #pragma omp parallel
   {
-    std::vector<std::int64_t> row;
+    const std::span<std::int64_t> row = ws.buffer(0);
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < rows; ++r) {
-      row.clear();
+      std::int64_t n = 0;
       for (std::int64_t i = 0; i < K; ++i) {
-        if (hp[r * K + i] >= 0) row.push_back(hp[r * K + i]);
+        if (hp[r * K + i] >= 0) row[n++] = hp[r * K + i];
       }
-      std::sort(row.begin(), row.end());
-      std::copy(row.begin(), row.end(), out + r * K);
-      std::fill(out + r * K + static_cast<std::int64_t>(row.size()), out + (r + 1) * K, std::int64_t{-1});
+      std::sort(row.begin(), row.begin() + n);
+      std::copy(row.begin(), row.begin() + n, out + r * K);
+      std::fill(out + r * K + n, out + (r + 1) * K, std::int64_t{-1});
     }
   }
-}
-
-void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {
-  check_cpu_stream(stream, "dsa_indexer_topk");
-  check_cpu(topk_indices, "topk_indices");
-  SEQPAR_CHECK(topk_indices.ndim() == 3, "topk_indices must be [B, Sq, k], got ", shape_str(topk_indices.shape()));
-  Tensor scores = Tensor::empty(topk_indices.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor positions = Tensor::empty(topk_indices.shape(), DType::kInt64, MemCategory::kWorkspace);
-  const DsaTopkState state{scores.view(), positions.view()};
-  dsa_topk_init(state, stream);
-  dsa_indexer_topk_block(args, state, stream);
-  dsa_topk_finalize(state, topk_indices, stream);
 }
 
 // ---- indexer loss -------------------------------------------------------------------------------------------------
@@ -235,37 +214,23 @@ void scores_selected_impl(const DsaIndexerArgs& a, const IndexerShape& s, const 
                           const std::vector<std::int32_t>& valid, const TensorView& scores) {
   using Acc = acc_t<T>;
   const std::int64_t K = topk.dim(2);
-  const T* q_idx = static_cast<const T*>(a.q_idx.data());
-  const T* w = static_cast<const T*>(a.w.data());
-  const T* k_idx = static_cast<const T*>(a.k_idx.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
   float* out = static_cast<float*>(scores.data());
-  const std::int64_t rows = s.B * s.Sq;
-#pragma omp parallel
-  {
-    std::vector<Acc> qbuf, wbuf, kT(static_cast<std::size_t>(kTile * s.Di)),
-        sbuf(static_cast<std::size_t>(kTile * s.Hi));
+  const IndexerInputs<T> in(a, s, "dsa_indexer_scores_selected scratch");
+  in.for_each_row([&](auto& th, std::int64_t r) {
+    const std::int64_t b = r / s.Sq;
     Acc tile_scores[kTile];
-    const T* krows[kTile];
-#pragma omp for schedule(dynamic, 4)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / s.Sq;
-      const Acc* q = nullptr;
-      const Acc* wr = nullptr;
-      for_each_selected_tile(
-          idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
-          [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-            if (q == nullptr) {
-              q = acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, qbuf);
-              wr = acc_row(w + r * s.Hi, s.Hi, wbuf);
-            }
-            for (std::int64_t j = 0; j < n; ++j) krows[j] = k_idx + (b * s.Sk + keys[j]) * s.Di;
-            load_tile_transposed(krows, n, s.Di, kT.data());
-            index_score_tile(q, wr, kT.data(), s.Hi, s.Di, sbuf.data(), tile_scores);
-            for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = static_cast<float>(tile_scores[j]);
-          });
-    }
-  }
+    bool loaded = false;
+    for_each_selected_tile(
+        idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
+        [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
+          if (!loaded) th.load_query(r);
+          loaded = true;
+          th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+          th.scores(tile_scores);
+          for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = static_cast<float>(tile_scores[j]);
+        });
+  });
 }
 
 template <typename T>
@@ -274,76 +239,65 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
                            const TensorView& dw, const TensorView& dk_idx, bool accumulate) {
   using Acc = acc_t<T>;
   const std::int64_t K = topk.dim(2), Hi = s.Hi, Di = s.Di;
-  const T* q_idx = static_cast<const T*>(a.q_idx.data());
-  const T* w = static_cast<const T*>(a.w.data());
-  const T* k_idx = static_cast<const T*>(a.k_idx.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
   const float* g_all = static_cast<const float*>(dscores.data());
   const std::int64_t rows = s.B * s.Sq;
 
   // Queries: dq_idx and dw of each row from the selected pairs inside the block.
-#pragma omp parallel
-  {
-    std::vector<Acc> qbuf, wbuf, kbuf, dq(static_cast<std::size_t>(Hi * Di)), dwr(static_cast<std::size_t>(Hi));
-    std::vector<Acc> kT(static_cast<std::size_t>(kTile * Di)), sbuf(static_cast<std::size_t>(kTile * Hi));
-    const T* krows[kTile];
-#pragma omp for schedule(dynamic, 4)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / s.Sq;
-      std::fill(dq.begin(), dq.end(), Acc(0));
-      std::fill(dwr.begin(), dwr.end(), Acc(0));
-      const Acc* q = acc_row(q_idx + r * Hi * Di, Hi * Di, qbuf);
-      const Acc* wr = acc_row(w + r * Hi, Hi, wbuf);
-      for_each_selected_tile(
-          idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
-          [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-            for (std::int64_t j = 0; j < n; ++j) krows[j] = k_idx + (b * s.Sk + keys[j]) * Di;
-            load_tile_transposed(krows, n, Di, kT.data());
-            dot_tile(q, Hi, Di, kT.data(), sbuf.data());
-            for (std::int64_t j = 0; j < n; ++j) {
-              const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
-              if (g == Acc(0)) continue;
-              const Acc* k = acc_row(krows[j], Di, kbuf);
-              for (std::int64_t i = 0; i < Hi; ++i) {
-                const Acc sd = sbuf[i * kTile + j];
-                if (sd > Acc(0)) {
-                  dwr[i] += g * sd;
-                  axpy(g * wr[i], k, dq.data() + i * Di, Di);
-                }
+  const IndexerInputs<T> qin(a, s, "dsa_indexer_backward query scratch");
+  const WorkerScratch<Acc> qws({Di, Hi * Di, Hi}, "dsa_indexer_backward query scratch");
+  qin.for_each_row([&](auto& th, std::int64_t r) {
+    const std::span<Acc> kbuf = qws.buffer(0), dq = qws.buffer(1), dwr = qws.buffer(2);
+    const std::int64_t b = r / s.Sq;
+    std::fill(dq.begin(), dq.end(), Acc(0));
+    std::fill(dwr.begin(), dwr.end(), Acc(0));
+    th.load_query(r);
+    for_each_selected_tile(
+        idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
+        [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
+          th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+          th.dots();
+          for (std::int64_t j = 0; j < n; ++j) {
+            const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
+            if (g == Acc(0)) continue;
+            const Acc* k = acc_row(th.krows[j], Di, kbuf);
+            for (std::int64_t i = 0; i < Hi; ++i) {
+              const Acc sd = th.sbuf[i * kTile + j];
+              if (sd > Acc(0)) {
+                dwr[i] += g * sd;
+                axpy(g * th.wr[i], k, dq.data() + i * Di, Di);
               }
             }
-          });
-      store_row(dq_idx, r * Hi * Di, dq.data(), Hi * Di, accumulate);
-      store_row(dw, r * Hi, dwr.data(), Hi, accumulate);
-    }
-  }
+          }
+        });
+    store_row(dq_idx, r * Hi * Di, dq.data(), Hi * Di, accumulate);
+    store_row(dw, r * Hi, dwr.data(), Hi, accumulate);
+  });
 
   // Keys: dk_idx of each block key, summed over its selecting queries in increasing (b, t) (see KeyOwner).
-  std::vector<Acc> dk_acc(static_cast<std::size_t>(s.B * s.Sk * Di), Acc(0));
+  const Tensor dk_acc_owner =
+      zeroed_workspace({s.B * s.Sk * Di}, dtype_v<Acc>, "dsa_indexer_backward dk_idx accumulator");
+  Acc* const dk_acc = static_cast<Acc*>(dk_acc_owner.data());
+  const IndexerInputs<T> kin(a, s, "dsa_indexer_backward key scratch");
 #pragma omp parallel
   {
     const KeyOwner mine;
-    std::vector<Acc> qbuf, wbuf, kT(static_cast<std::size_t>(kTile * Di)), sbuf(static_cast<std::size_t>(kTile * Hi));
-    const T* krows[kTile];
+    auto th = kin.thread();
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq;
-      const Acc* q = nullptr;
-      const Acc* wr = nullptr;
+      bool loaded = false;
       for_each_selected_tile(idx + r * K, valid[r], s.k_pos, mine,
                              [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-                               if (q == nullptr) {
-                                 q = acc_row(q_idx + r * Hi * Di, Hi * Di, qbuf);
-                                 wr = acc_row(w + r * Hi, Hi, wbuf);
-                               }
-                               for (std::int64_t j = 0; j < n; ++j) krows[j] = k_idx + (b * s.Sk + keys[j]) * Di;
-                               load_tile_transposed(krows, n, Di, kT.data());
-                               dot_tile(q, Hi, Di, kT.data(), sbuf.data());
+                               if (!loaded) th.load_query(r);
+                               loaded = true;
+                               th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
+                               th.dots();
                                for (std::int64_t j = 0; j < n; ++j) {
                                  const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
                                  if (g == Acc(0)) continue;
-                                 Acc* dk = dk_acc.data() + (b * s.Sk + keys[j]) * Di;
+                                 Acc* dk = dk_acc + (b * s.Sk + keys[j]) * Di;
                                  for (std::int64_t i = 0; i < Hi; ++i) {
-                                   if (sbuf[i * kTile + j] > Acc(0)) axpy(g * wr[i], q + i * Di, dk, Di);
+                                   if (th.sbuf[i * kTile + j] > Acc(0)) axpy(g * th.wr[i], th.q + i * Di, dk, Di);
                                  }
                                }
                              });
@@ -351,37 +305,20 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
   }
   const std::int64_t keys = s.B * s.Sk;
 #pragma omp parallel for schedule(static)
-  for (std::int64_t km = 0; km < keys; ++km) store_row(dk_idx, km * Di, dk_acc.data() + km * Di, Di, accumulate);
-}
-
-void check_slot_array(const TensorView& t, const TensorView& topk, const char* what) {
-  check_cpu(t, what);
-  check_dtype(t, DType::kFloat32, what);
-  check_shape(t, topk.shape(), what);
+  for (std::int64_t km = 0; km < keys; ++km) store_row(dk_idx, km * Di, dk_acc + km * Di, Di, accumulate);
 }
 
 }  // namespace
 
-void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,
-                                 Stream stream) {
-  check_cpu_stream(stream, "dsa_indexer_scores_selected");
-  const IndexerShape s = check_indexer_args(args);
-  const std::vector<std::int32_t> valid = check_topk_rows(topk_indices, s.B, s.Sq, s.q_pos, "topk_indices");
-  check_slot_array(scores, topk_indices, "scores");
+void dsa_indexer_scores_selected_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s,
+                                     const TensorView& topk_indices, const std::vector<std::int32_t>& valid,
+                                     const TensorView& scores) {
   dispatch_floating(args.q_idx.dtype(),
                     [&](auto tag) { scores_selected_impl<decltype(tag)>(args, s, topk_indices, valid, scores); });
 }
 
-double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream) {
-  check_cpu_stream(stream, "dsa_indexer_loss");
-  check_cpu(args.topk_indices, "topk_indices");
-  check_dtype(args.topk_indices, DType::kInt64, "topk_indices");
-  SEQPAR_CHECK(args.topk_indices.ndim() == 3, "topk_indices must be [B, Sq, k], got ",
-               shape_str(args.topk_indices.shape()));
-  check_slot_array(args.probs, args.topk_indices, "probs");
-  check_slot_array(args.scores, args.topk_indices, "scores");
+double dsa_indexer_loss_cpu(const DsaIndexerLossArgs& args, const TensorView& dscores) {
   const bool want_grad = !absent(dscores);
-  if (want_grad) check_slot_array(dscores, args.topk_indices, "dscores");
   const std::int64_t K = args.topk_indices.dim(2);
   const std::int64_t rows = args.topk_indices.dim(0) * args.topk_indices.dim(1);
   const std::int64_t* idx = static_cast<const std::int64_t*>(args.topk_indices.data());
@@ -422,19 +359,13 @@ double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscore
   return total;
 }
 
-void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
-                          const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
-                          Stream stream) {
-  check_cpu_stream(stream, "dsa_indexer_backward");
-  const IndexerShape s = check_indexer_args(args);
-  const std::vector<std::int32_t> valid = check_topk_rows(topk_indices, s.B, s.Sq, s.q_pos, "topk_indices");
-  check_slot_array(dscores, topk_indices, "dscores");
-  check_grad_output(dq_idx, args.q_idx.shape(), accumulate, "dq_idx");
-  check_grad_output(dw, args.w.shape(), accumulate, "dw");
-  check_grad_output(dk_idx, args.k_idx.shape(), accumulate, "dk_idx");
+void dsa_indexer_backward_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s, const TensorView& topk_indices,
+                              const std::vector<std::int32_t>& valid, const TensorView& dscores,
+                              const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx,
+                              bool accumulate) {
   dispatch_floating(args.q_idx.dtype(), [&](auto tag) {
     indexer_backward_impl<decltype(tag)>(args, s, topk_indices, valid, dscores, dq_idx, dw, dk_idx, accumulate);
   });
 }
 
-}  // namespace seqpar::attn
+}  // namespace seqpar::attn::cpu

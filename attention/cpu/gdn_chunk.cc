@@ -5,19 +5,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <exception>
-#include <memory>
 #include <vector>
 
-#include "attention/gdn.h"
+#include "attention/cpu/gdn_cpu.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/error.h"
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
-namespace seqpar::attn {
+namespace seqpar::attn::cpu {
 namespace {
+
+using Dims = GdnDims;
 
 // ---- small row-major matrix products (C (+)= alpha op(A) op(B)); inner loops run over contiguous memory ----------
 
@@ -106,17 +103,15 @@ void mm_tn(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, 
   gemm<T, true>(m, n, k, alpha, a, lda, b, ldb, c, ldc, accumulate, false);
 }
 
-// C[m, n] (+)= alpha * A B^T with A [m, k], B [n, k]: B is transposed into a thread-local buffer (n * k values,
-// at most chunk_size * max(chunk_size, K, V)) so that the inner loop runs over contiguous memory like mm_nn.
+// C[m, n] (+)= alpha * A B^T with A [m, k], B [n, k]: B is transposed into `bt` (n * k values, the worker's
+// transpose buffer) so that the inner loop runs over contiguous memory like mm_nn.
 template <typename T>
 void mm_nt(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
-           std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate) {
-  thread_local std::vector<T> bt;
-  if (static_cast<std::int64_t>(bt.size()) < n * k) bt.resize(static_cast<std::size_t>(n * k));
+           std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, T* bt) {
   for (std::int64_t j = 0; j < n; ++j) {
-    for (std::int64_t p = 0; p < k; ++p) bt[static_cast<std::size_t>(p * n + j)] = b[j * ldb + p];
+    for (std::int64_t p = 0; p < k; ++p) bt[p * n + j] = b[j * ldb + p];
   }
-  mm_nn<T>(m, n, k, alpha, a, lda, bt.data(), n, c, ldc, accumulate);
+  mm_nn<T>(m, n, k, alpha, a, lda, bt, n, c, ldc, accumulate);
 }
 
 template <typename T>
@@ -124,63 +119,6 @@ T dot(const T* a, const T* b, std::int64_t n) {
   T s = 0;
   for (std::int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
-}
-
-// ---- problem description and validation ------------------------------------------------------------------
-
-struct Dims {
-  std::int64_t B = 0, S = 0, H = 0, K = 0, V = 0, C = 0;
-  std::int64_t num_chunks() const { return (S + C - 1) / C; }
-};
-
-void check_floating(const TensorView& t, const char* what) {
-  SEQPAR_CHECK(is_floating(t.dtype()), "gdn: ", what, " must have a floating dtype, got ", dtype_name(t.dtype()));
-}
-
-void check_state(const TensorView& t, const Dims& d, DType state_dtype, const char* what) {
-  check_cpu(t, what);
-  check_shape(t, {d.B, d.H, d.K, d.V}, what);
-  check_dtype(t, state_dtype, what);
-}
-
-Dims validate_forward(const GdnForwardArgs& a) {
-  check_cpu(a.q, "q");
-  check_cpu(a.k, "k");
-  check_cpu(a.v, "v");
-  check_cpu(a.g, "g");
-  check_cpu(a.beta, "beta");
-  SEQPAR_CHECK(a.q.ndim() == 4, "gdn: q must be [B, S, H, K], got ", shape_str(a.q.shape()));
-  SEQPAR_CHECK(a.v.ndim() == 4, "gdn: v must be [B, S, H, V], got ", shape_str(a.v.shape()));
-  Dims d;
-  d.B = a.q.dim(0);
-  d.S = a.q.dim(1);
-  d.H = a.q.dim(2);
-  d.K = a.q.dim(3);
-  d.V = a.v.dim(3);
-  d.C = a.chunk_size;
-  SEQPAR_CHECK(d.C >= 1, "gdn: chunk_size must be >= 1, got ", d.C);
-  // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
-  // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
-  // for 200 GB). Same chunks, same arithmetic.
-  d.C = std::min(d.C, std::max<std::int64_t>(d.S, 1));
-  SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
-  check_shape(a.k, {d.B, d.S, d.H, d.K}, "k");
-  check_shape(a.v, {d.B, d.S, d.H, d.V}, "v");
-  check_shape(a.g, {d.B, d.S, d.H}, "g");
-  check_shape(a.beta, {d.B, d.S, d.H}, "beta");
-  check_floating(a.q, "q");
-  check_floating(a.k, "k");
-  check_floating(a.v, "v");
-  check_floating(a.g, "g");
-  check_floating(a.beta, "beta");
-  if (!a.initial_state.empty()) check_state(a.initial_state, d, gdn_state_dtype(a.q.dtype()), "initial_state");
-  return d;
-}
-
-void check_activation(const TensorView& t, const Shape& shape, const char* what) {
-  check_cpu(t, what);
-  check_shape(t, shape, what);
-  check_floating(t, what);
 }
 
 // ---- element access (storage dtype <-> compute dtype T) -----------------------------------------------------
@@ -213,10 +151,16 @@ struct ChunkScratch {
   // Backward.
   T *dout, *dq, *dk, *dv, *dg, *dbeta, *dgamma;
   T *dkt, *dvp, *dp, *dw, *dt, *dvb, *dkb, *x, *da, *ds, *ds_new, *qs;
+  T* bt;     // the transpose buffer of mm_nt
   T* extra;  // `extra` values for the caller (chunk start states, transition state)
-  Tensor owner;
 
-  ChunkScratch(const Dims& d, bool backward, std::int64_t extra_count = 0) {
+  // Elements of one worker's scratch.
+  static std::int64_t size(const Dims& d, bool backward, std::int64_t extra_count) {
+    return ChunkScratch(d, backward, extra_count, nullptr).total;
+  }
+
+  // Carves the buffers out of `base` (size(d, backward, extra_count) elements); base = null only counts.
+  ChunkScratch(const Dims& d, bool backward, std::int64_t extra_count, T* base) {
     const std::int64_t C = d.C, K = d.K, V = d.V;
     std::int64_t n = 0;
     auto take = [&](std::int64_t count) {
@@ -237,9 +181,10 @@ struct ChunkScratch {
       for (int i = 0; i < 18; ++i) o_b[i] = take(sizes[i]);
       o_qs = take(C * V);
     }
+    const std::int64_t o_bt = take(std::max({C * C, C * K, C * V, K * V}));
     const std::int64_t o_extra = take(extra_count);
-    owner = Tensor::empty({n}, dtype_v<T>, MemCategory::kWorkspace);
-    T* base = owner.data_as<T>();
+    total = n;
+    if (base == nullptr) return;
     q = base + o_q;
     qn = base + o_qn;
     rq = base + o_rq;
@@ -269,8 +214,12 @@ struct ChunkScratch {
       for (int i = 0; i < 18; ++i) *ptrs[i] = base + o_b[i];
       qs = base + o_qs;
     }
+    bt = base + o_bt;
     extra = base + o_extra;
   }
+
+ private:
+  std::int64_t total = 0;
 };
 
 // Loads rows t0..t0+c-1 of (b, h): normalised and scaled q (and the unscaled normalised copy qn with 1/norm rq),
@@ -315,7 +264,7 @@ void prepare_chunk(const Dims& d, std::int64_t c, bool with_v, ChunkScratch<T>& 
     w.gamma[i] = acc;
     w.gam[i] = std::exp(acc);
   }
-  mm_nt<T>(c, c, K, T(1), w.k, K, w.k, K, w.kk, C, false);
+  mm_nt<T>(c, c, K, T(1), w.k, K, w.k, K, w.kk, C, false, w.bt);
   for (std::int64_t i = 0; i < c; ++i) {
     for (std::int64_t j = 0; j < c; ++j) {
       w.e[i * C + j] = j <= i ? std::exp(w.gamma[i] - w.gamma[j]) : T(0);
@@ -356,7 +305,7 @@ void prepare_chunk(const Dims& d, std::int64_t c, bool with_v, ChunkScratch<T>& 
 template <typename T>
 void decay_scores(const Dims& d, std::int64_t c, ChunkScratch<T>& w) {
   const std::int64_t C = d.C;
-  mm_nt<T>(c, c, d.K, T(1), w.q, d.K, w.k, d.K, w.p, C, false);
+  mm_nt<T>(c, c, d.K, T(1), w.q, d.K, w.k, d.K, w.p, C, false, w.bt);
   for (std::int64_t i = 0; i < c; ++i) {
     for (std::int64_t j = 0; j < c; ++j) {
       w.p[i * C + j] = j <= i ? w.p[i * C + j] * w.e[i * C + j] : T(0);
@@ -381,55 +330,25 @@ void advance_state(const Dims& d, std::int64_t c, const T* vsrc, std::int64_t n,
   mm_tn<T>(K, n, c, T(1), w.kt, K, vp, n, s, lds, true);
 }
 
-int num_workers() {
-#if defined(_OPENMP)
-  return omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-
-int worker_id() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-
 // Runs body(scratch, bh) for bh in [0, count) with one ChunkScratch per OpenMP thread (dynamic schedule, one
-// (batch, head) at a time). Exceptions may not cross the parallel region: each thread keeps its first one, and the
-// first of those is rethrown after the region.
+// (batch, head) at a time). The scratch of every worker is allocated before the region.
 template <typename T, typename Body>
 void for_each_head(std::int64_t count, const Dims& d, bool backward, std::int64_t extra_count, Body&& body) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(num_workers()));
+  const std::int64_t per_worker = ChunkScratch<T>::size(d, backward, extra_count);
+  const int workers = max_workers();
+  const Tensor owner = zeroed_workspace({workers * per_worker}, dtype_v<T>, "GDN per-thread chunk scratch");
 #pragma omp parallel
   {
-    std::exception_ptr& error = errors[static_cast<std::size_t>(worker_id())];
-    std::unique_ptr<ChunkScratch<T>> scratch;
-    try {
-      scratch = std::make_unique<ChunkScratch<T>>(d, backward, extra_count);
-    } catch (...) {
-      error = std::current_exception();
-    }
+    const int w = worker_id();
+    SEQPAR_ASSERT(w < workers, "worker ", w, " of ", workers);
+    ChunkScratch<T> scratch(d, backward, extra_count, static_cast<T*>(owner.data()) + w * per_worker);
 #pragma omp for schedule(dynamic, 1)
-    for (std::int64_t bh = 0; bh < count; ++bh) {
-      if (!scratch || error) continue;
-      try {
-        body(*scratch, bh);
-      } catch (...) {
-        error = std::current_exception();
-      }
-    }
-  }
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
+    for (std::int64_t bh = 0; bh < count; ++bh) body(scratch, bh);
   }
 }
 
 template <typename T>
 T resolve_scale(const GdnForwardArgs& a, const Dims& d) {
-  SEQPAR_CHECK(std::isfinite(a.scale), "GDN scale ", a.scale, " must be finite (0 or less: 1/sqrt(K))");
   return a.scale > 0.0f ? T(a.scale) : T(1) / std::sqrt(T(d.K));
 }
 
@@ -541,11 +460,11 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
         mm_nn<T>(c, V, K, T(-1), w.w, K, s0, V, w.vp, V, true);
         // dQ from the inter-chunk term O_i += gam_i Q_i S_0: dQ = diag(gam) dO S_0^T; dgamma_i += <dO_i, gam_i
         // (Q S_0)_i>.
-        mm_nt<T>(c, K, V, T(1), dog, V, s0, V, w.dq, K, false);
+        mm_nt<T>(c, K, V, T(1), dog, V, s0, V, w.dq, K, false, w.bt);
         for (std::int64_t i = 0; i < c; ++i) w.dgamma[i] += dot(w.dq + i * K, w.q + i * K, K);
         // From S_C: dgamma_c += gam_c <S_0, dS_C>; dK~ = V' dS_C^T, then into dk and gamma.
         w.dgamma[c - 1] += gam_c * dot(s0, w.ds, KV);
-        mm_nt<T>(c, K, V, T(1), w.vp, V, w.ds, V, w.dkt, K, false);
+        mm_nt<T>(c, K, V, T(1), w.vp, V, w.ds, V, w.dkt, K, false, w.bt);
         for (std::int64_t j = 0; j < c; ++j) {
           const T r = dot(w.dkt + j * K, w.kt + j * K, K);
           w.dgamma[c - 1] += r;
@@ -554,7 +473,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
           for (std::int64_t e = 0; e < K; ++e) w.dk[j * K + e] = sk * w.dkt[j * K + e];
         }
         // Intra-chunk term O += P V' with P = (Q K^T) * L: dP = dO V'^T (lower part).
-        mm_nt<T>(c, c, V, T(1), w.dout, V, w.vp, V, w.dp, C, false);
+        mm_nt<T>(c, c, V, T(1), w.dout, V, w.vp, V, w.dp, C, false, w.bt);
         for (std::int64_t i = 0; i < c; ++i) {
           for (std::int64_t j = 0; j < c; ++j) {
             if (j > i) {
@@ -570,10 +489,10 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
         mm_nn<T>(c, K, c, T(1), w.dp, C, w.k, K, w.dq, K, true, true);
         mm_tn<T>(c, K, c, T(1), w.dp, C, w.q, K, w.dk, K, true);
         // V' = U - W S_0: dU = dV', dW = -dV' S_0^T.
-        mm_nt<T>(c, K, V, T(-1), w.dvp, V, s0, V, w.dw, K, false);
+        mm_nt<T>(c, K, V, T(-1), w.dvp, V, s0, V, w.dw, K, false, w.bt);
         // U = T vb, W = T kb: dT = dU vb^T + dW kb^T (lower part), dvb = T^T dU, dkb = T^T dW.
-        mm_nt<T>(c, c, V, T(1), w.dvp, V, w.vb, V, w.dt, C, false);
-        mm_nt<T>(c, c, K, T(1), w.dw, K, w.kb, K, w.dt, C, true);
+        mm_nt<T>(c, c, V, T(1), w.dvp, V, w.vb, V, w.dt, C, false, w.bt);
+        mm_nt<T>(c, c, K, T(1), w.dw, K, w.kb, K, w.dt, C, true, w.bt);
         mm_tn<T>(c, V, c, T(1), w.t, C, w.dvp, V, w.dvb, V, false);
         mm_tn<T>(c, K, c, T(1), w.t, C, w.dw, K, w.dkb, K, false);
         for (std::int64_t i = 0; i < c; ++i) {
@@ -586,7 +505,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
           for (std::int64_t j = 0; j < K; ++j) w.dk[i * K + j] += sb * w.dkb[i * K + j];
         }
         // T = (I + A)^-1: dA = -T^T dT T^T, used below the diagonal only.
-        mm_nt<T>(c, c, c, T(1), w.dt, C, w.t, C, w.x, C, false);
+        mm_nt<T>(c, c, c, T(1), w.dt, C, w.t, C, w.x, C, false, w.bt);
         mm_tn<T>(c, c, c, T(-1), w.t, C, w.x, C, w.da, C, false);
         // A_ij = beta_i exp(gamma_i - gamma_j) (k k^T)_ij: into beta, gamma and d(k k^T) (kept in dt).
         for (std::int64_t i = 0; i < c; ++i) {
@@ -675,55 +594,31 @@ void transition_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& m
 
 }  // namespace
 
-DType gdn_state_dtype(DType q_dtype) { return q_dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
-
-void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state, Stream stream) {
-  const Dims d = validate_forward(args);
-  check_activation(out, {d.B, d.S, d.H, d.V}, "out");
-  const DType sd = gdn_state_dtype(args.q.dtype());
-  if (!final_state.empty()) check_state(final_state, d, sd, "final_state");
-  if (sd == DType::kFloat64) {
+void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,
+                     const TensorView& final_state) {
+  if (gdn_state_dtype(args.q.dtype()) == DType::kFloat64) {
     forward_impl<double>(args, d, out, final_state);
   } else {
     forward_impl<float>(args, d, out, final_state);
   }
 }
 
-void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                  const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) {
-  const Dims d = validate_forward(args.fwd);
-  const DType sd = gdn_state_dtype(args.fwd.q.dtype());
-  if (!args.dout.empty()) check_activation(args.dout, {d.B, d.S, d.H, d.V}, "dout");
-  if (!args.dfinal_state.empty()) check_state(args.dfinal_state, d, sd, "dfinal_state");
-  if (!dq.empty()) check_activation(dq, {d.B, d.S, d.H, d.K}, "dq");
-  if (!dk.empty()) check_activation(dk, {d.B, d.S, d.H, d.K}, "dk");
-  if (!dv.empty()) check_activation(dv, {d.B, d.S, d.H, d.V}, "dv");
-  if (!dg.empty()) check_activation(dg, {d.B, d.S, d.H}, "dg");
-  if (!dbeta.empty()) check_activation(dbeta, {d.B, d.S, d.H}, "dbeta");
-  if (!dinitial_state.empty()) check_state(dinitial_state, d, sd, "dinitial_state");
-  if (sd == DType::kFloat64) {
+void gdn_backward_cpu(const GdnBackwardArgs& args, const GdnDims& d, const TensorView& dq, const TensorView& dk,
+                      const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                      const TensorView& dinitial_state) {
+  if (gdn_state_dtype(args.fwd.q.dtype()) == DType::kFloat64) {
     backward_impl<double>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
   } else {
     backward_impl<float>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
   }
 }
 
-void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
-  const Dims d = validate_forward(args);
-  SEQPAR_CHECK(args.initial_state.empty(),
-               "gdn_transition: initial_state must be empty (the map is taken from a zero start)");
-  const DType sd = gdn_state_dtype(args.q.dtype());
-  check_cpu(m, "m");
-  check_cpu(u, "u");
-  check_shape(m, {d.B, d.H, d.K, d.K}, "m");
-  check_shape(u, {d.B, d.H, d.K, d.V}, "u");
-  check_dtype(m, sd, "m");
-  check_dtype(u, sd, "u");
-  if (sd == DType::kFloat64) {
+void gdn_transition_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& m, const TensorView& u) {
+  if (gdn_state_dtype(args.q.dtype()) == DType::kFloat64) {
     transition_impl<double>(args, d, m, u);
   } else {
     transition_impl<float>(args, d, m, u);
   }
 }
 
-}  // namespace seqpar::attn
+}  // namespace seqpar::attn::cpu

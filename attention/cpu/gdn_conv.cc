@@ -5,44 +5,16 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <exception>
 #include <vector>
 
-#include "attention/gdn.h"
-#include "runtime/error.h"
+#include "attention/cpu/gdn_cpu.h"
+#include "attention/cpu/scratch.h"
 
-namespace seqpar::attn {
+namespace seqpar::attn::cpu {
 namespace {
 
 constexpr std::int64_t kChannelBlock = 64;
-
-struct ConvDims {
-  std::int64_t B = 0, S = 0, C = 0, W = 0;
-};
-
-ConvDims validate_conv(const ShortConvArgs& a) {
-  check_cpu(a.x, "x");
-  check_cpu(a.weight, "weight");
-  SEQPAR_CHECK(a.x.ndim() == 3, "short_conv: x must be [B, S, C], got ", shape_str(a.x.shape()));
-  SEQPAR_CHECK(a.weight.ndim() == 2, "short_conv: weight must be [C, W], got ", shape_str(a.weight.shape()));
-  SEQPAR_CHECK(is_floating(a.x.dtype()), "short_conv: x must have a floating dtype, got ", dtype_name(a.x.dtype()));
-  ConvDims d{a.x.dim(0), a.x.dim(1), a.x.dim(2), a.weight.dim(1)};
-  SEQPAR_CHECK(d.W >= 1, "short_conv: kernel width W must be >= 1, got ", d.W);
-  check_shape(a.weight, {d.C, d.W}, "weight");
-  check_dtype(a.weight, a.x.dtype(), "weight");
-  if (!a.initial_conv_state.empty()) {
-    check_cpu(a.initial_conv_state, "initial_conv_state");
-    check_shape(a.initial_conv_state, {d.B, d.W - 1, d.C}, "initial_conv_state");
-    check_dtype(a.initial_conv_state, a.x.dtype(), "initial_conv_state");
-  }
-  return d;
-}
-
-void check_like_x(const TensorView& t, const Shape& shape, DType dtype, const char* what) {
-  check_cpu(t, what);
-  check_shape(t, shape, what);
-  check_dtype(t, dtype, what);
-}
+using ConvDims = ShortConvDims;
 
 // Compute type: double for fp64 storage, float otherwise.
 template <typename S>
@@ -127,15 +99,17 @@ void conv_backward_impl(const ShortConvArgs& a, const ConvDims& d, const TensorV
   const S* go = dout.data_as<S>();
   const InputRows<S> in{x, xs, d.S, d.C, d.W};
   const std::int64_t nblk = (d.C + kChannelBlock - 1) / kChannelBlock;
-  const std::int64_t L = d.S + d.W - 1;  // rows of xin
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(nblk));
-#pragma omp parallel for schedule(static)
-  for (std::int64_t blk = 0; blk < nblk; ++blk) {
-    try {
+  const std::int64_t L = d.S + d.W - 1;                  // rows of xin
+  const std::int64_t nb = std::min(d.C, kChannelBlock);  // channels of the widest block
+  const WorkerScratch<T> ws({nb * d.W, L * nb, d.S * nb}, "short_conv_backward scratch");
+#pragma omp parallel
+  {
+    // dw of the block, the gradient of its xin rows (one batch), dy (one batch)
+    const std::span<T> dw = ws.buffer(0), dxin = ws.buffer(1), dy = ws.buffer(2);
+#pragma omp for schedule(static)
+    for (std::int64_t blk = 0; blk < nblk; ++blk) {
       const std::int64_t c0 = blk * kChannelBlock, c1 = std::min(d.C, c0 + kChannelBlock), nc = c1 - c0;
-      std::vector<T> dw(static_cast<std::size_t>(nc * d.W), T(0));
-      std::vector<T> dxin(static_cast<std::size_t>(L * nc));  // gradient of xin rows for this block, one batch
-      std::vector<T> dy(static_cast<std::size_t>(d.S * nc));
+      std::fill(dw.begin(), dw.end(), T(0));
       for (std::int64_t b = 0; b < d.B; ++b) {
         // dy = dout * silu'(y), with y recomputed.
         for (std::int64_t t = 0; t < d.S; ++t) {
@@ -158,7 +132,7 @@ void conv_backward_impl(const ShortConvArgs& a, const ConvDims& d, const TensorV
           }
         }
         // y[t] = sum_w weight[w] xin[t + w]: dxin[t + w] += weight[w] dy[t]; dweight[w] += dy[t] xin[t + w].
-        std::fill(dxin.begin(), dxin.end(), T(0));
+        std::fill(dxin.begin(), dxin.begin() + L * nc, T(0));
         for (std::int64_t t = 0; t < d.S; ++t) {
           const T* dyt = dy.data() + t * nc;
           for (std::int64_t w = 0; w < d.W; ++w) {
@@ -190,40 +164,23 @@ void conv_backward_impl(const ShortConvArgs& a, const ConvDims& d, const TensorV
           for (std::int64_t w = 0; w < d.W; ++w) pw[c * d.W + w] = st<S>(dw[(c - c0) * d.W + w]);
         }
       }
-    } catch (...) {
-      errors[static_cast<std::size_t>(blk)] = std::current_exception();
     }
-  }
-  for (auto& e : errors) {
-    if (e) std::rethrow_exception(e);
   }
 }
 
 }  // namespace
 
-void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
-                        Stream stream) {
-  const ConvDims d = validate_conv(args);
-  check_like_x(out, {d.B, d.S, d.C}, args.x.dtype(), "out");
-  if (!final_conv_state.empty()) {
-    check_like_x(final_conv_state, {d.B, d.W - 1, d.C}, args.x.dtype(), "final_conv_state");
-  }
+void short_conv_forward_cpu(const ShortConvArgs& args, const ShortConvDims& d, const TensorView& out,
+                            const TensorView& final_conv_state) {
   dispatch_floating(args.x.dtype(),
                     [&](auto zero) { conv_forward_impl<decltype(zero)>(args, d, out, final_conv_state); });
 }
 
-void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
-                         const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
-  const ConvDims d = validate_conv(args);
-  check_like_x(dout, {d.B, d.S, d.C}, args.x.dtype(), "dout");
-  if (!dx.empty()) check_like_x(dx, {d.B, d.S, d.C}, args.x.dtype(), "dx");
-  if (!dweight.empty()) check_like_x(dweight, {d.C, d.W}, args.x.dtype(), "dweight");
-  if (!dinitial_conv_state.empty()) {
-    check_like_x(dinitial_conv_state, {d.B, d.W - 1, d.C}, args.x.dtype(), "dinitial_conv_state");
-  }
+void short_conv_backward_cpu(const ShortConvArgs& args, const ShortConvDims& d, const TensorView& dout,
+                             const TensorView& dx, const TensorView& dweight, const TensorView& dinitial_conv_state) {
   dispatch_floating(args.x.dtype(), [&](auto zero) {
     conv_backward_impl<decltype(zero)>(args, d, dout, dx, dweight, dinitial_conv_state);
   });
 }
 
-}  // namespace seqpar::attn
+}  // namespace seqpar::attn::cpu

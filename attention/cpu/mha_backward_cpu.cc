@@ -18,13 +18,12 @@
 
 #include "attention/cpu/mha_cpu.h"
 #include "attention/cpu/mha_simd.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/dtype.h"
 #include "runtime/tensor.h"
 
 namespace seqpar::attn::cpu {
 namespace {
-
-inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
 template <typename T>
 void backward_typed(const MhaBackwardParams& bp) {
@@ -34,10 +33,7 @@ void backward_typed(const MhaBackwardParams& bp) {
   constexpr int BQ = kBlockQ, BK = kBlockK;
   const MhaParams& p = bp.fwd;
   const std::int64_t B = p.batch, Sq = p.sq, Sk = p.sk, Hq = p.hq, Hkv = p.hkv, D = p.head_dim;
-  const std::int64_t group = Hq / Hkv;
-  const std::int64_t Dp = round_up(D, W);
-  const std::int64_t nkt = (Sk + BK - 1) / BK, nqt = (Sq + BQ - 1) / BQ;
-  const std::int64_t Skp = nkt * BK;
+  const auto [group, Dp, nkt, nqt, Skp] = mha_tiling(p, W);
   const KeyRanges& kr = *p.ranges;
   const DType cdt = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
   const std::size_t in_size = dtype_size(p.dtype);
@@ -57,12 +53,18 @@ void backward_typed(const MhaBackwardParams& bp) {
   // Key chunks per head (in key tiles): a function of the shape only, so results do not depend on the thread count.
   const std::int64_t nchunks = std::clamp<std::int64_t>((8 + B * Hq - 1) / (B * Hq), 1, nkt);
   auto chunk_tile = [&](std::int64_t c) { return c * nkt / nchunks; };
+  // Per-worker buffers (allocated here, before the parallel region): q, dout and dq of one head, lse2, delta, K
+  // row-major, K^T and V^T per key tile, the score tiles P and dP, two rows.
+  const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
+  const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
+                             BQ * BK, BQ * BK, Dp, Dp},
+                            "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
-  if (nchunks > 1) dq_partials = Tensor::empty({B * Hq * nchunks * Sq * Dp}, cdt, MemCategory::kWorkspace);
+  if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
   T* dqp = nchunks > 1 ? static_cast<T*>(dq_partials.data()) : nullptr;
 
-  Tensor dk_scratch = Tensor::zeros({B * Hq * Skp * Dp}, cdt, MemCategory::kWorkspace);
-  Tensor dv_scratch = Tensor::zeros({B * Hq * Skp * Dp}, cdt, MemCategory::kWorkspace);
+  Tensor dk_scratch = zeroed_workspace({B * Hq * Skp * Dp}, cdt, "mha_backward dk scratch");
+  Tensor dv_scratch = zeroed_workspace({B * Hq * Skp * Dp}, cdt, "mha_backward dv scratch");
   T* dks = static_cast<T*>(dk_scratch.data());
   T* dvs = static_cast<T*>(dv_scratch.data());
 
@@ -87,16 +89,11 @@ void backward_typed(const MhaBackwardParams& bp) {
     }
   };
 
-  const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
 #pragma omp parallel if (parallel)
   {
-    std::vector<T> q(static_cast<std::size_t>(Sq * Dp), T(0)), dout(static_cast<std::size_t>(Sq * Dp), T(0));
-    std::vector<T> dq(nchunks == 1 ? static_cast<std::size_t>(Sq * Dp) : 0);
-    std::vector<T> lse2(static_cast<std::size_t>(Sq)), delta(static_cast<std::size_t>(Sq));
-    std::vector<T> kmat(static_cast<std::size_t>(Skp * Dp), T(0));
-    std::vector<T> kt(static_cast<std::size_t>(nkt * D * BK), T(0)), vt(static_cast<std::size_t>(nkt * D * BK), T(0));
-    std::vector<T> s(static_cast<std::size_t>(BQ * BK)), dp(static_cast<std::size_t>(BQ * BK));
-    std::vector<T> row(static_cast<std::size_t>(Dp)), row2(static_cast<std::size_t>(Dp));
+    const std::span<T> q = ws.buffer(0), dout = ws.buffer(1), dq = ws.buffer(2), lse2 = ws.buffer(3),
+                       delta = ws.buffer(4), kmat = ws.buffer(5), kt = ws.buffer(6), vt = ws.buffer(7),
+                       s = ws.buffer(8), dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11);
     std::int64_t packed_kv = -1, loaded_bh = -1;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < B * Hq * nchunks; ++task) {
@@ -155,27 +152,14 @@ void backward_typed(const MhaBackwardParams& bp) {
         for (std::int64_t qi = 0; qi < nqt; ++qi) {
           if (tile_lo[qi] >= j1 || tile_hi[qi] <= j0) continue;
           const std::int64_t i0 = qi * BQ, i1 = std::min(Sq, i0 + BQ);
-          bool any = false, full = (j1 - j0 == BK);
-          for (std::int64_t i = i0; i < i1; ++i) {
-            const std::int64_t kb = kr.begin[static_cast<std::size_t>(i)], ke = kr.end[static_cast<std::size_t>(i)];
-            if (std::max(kb, j0) < std::min(ke, j1)) any = true;
-            if (kb > j0 || ke < j1) full = false;
-          }
-          if (!any) continue;
+          const TileKind kind = classify(kr, i0, i1, j0, j1, BK);
+          if (kind == TileKind::kSkip) continue;
           const int mr = static_cast<int>(i1 - i0);
           const T* q_t = q.data() + i0 * Dp;
           const T* do_t = dout.data() + i0 * Dp;
           gemm_tile<T, false>(mr, BK, static_cast<int>(D), q_t, static_cast<int>(Dp), kt_tile, BK, s.data(), BK);
           gemm_tile<T, false>(mr, BK, static_cast<int>(D), do_t, static_cast<int>(Dp), vt_tile, BK, dp.data(), BK);
-          if (!full) {
-            for (int r = 0; r < mr; ++r) {
-              const std::int64_t cb = std::clamp<std::int64_t>(kr.begin[i0 + r] - j0, 0, BK);
-              const std::int64_t ce = std::clamp<std::int64_t>(kr.end[i0 + r] - j0, cb, BK);
-              T* srow = s.data() + r * BK;
-              for (std::int64_t c = 0; c < cb; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-              for (std::int64_t c = ce; c < BK; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-            }
-          }
+          if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
           const V vc = S::set1(c_log2);
           for (int r = 0; r < mr; ++r) {
             T* srow = s.data() + r * BK;

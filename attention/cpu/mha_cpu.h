@@ -6,7 +6,9 @@
 // keys is then fully visible, partly visible or invisible for a tile of rows by comparing index ranges only.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
@@ -41,6 +43,46 @@ struct MhaParams {
   double scale = 0.0;  // > 0 (the default 1/sqrt(D) is resolved in double by the caller)
   const KeyRanges* ranges = nullptr;
 };
+
+// How a key tile [j0, j1) is seen by rows [i0, i1): skipped, fully visible, or partly visible.
+enum class TileKind { kSkip, kFull, kPartial };
+inline TileKind classify(const KeyRanges& kr, std::int64_t i0, std::int64_t i1, std::int64_t j0, std::int64_t j1,
+                         std::int64_t block) {
+  bool any = false, full = (j1 - j0 == block);
+  for (std::int64_t i = i0; i < i1; ++i) {
+    const std::int64_t b = kr.begin[static_cast<std::size_t>(i)], e = kr.end[static_cast<std::size_t>(i)];
+    if (std::max(b, j0) < std::min(e, j1)) any = true;
+    if (b > j0 || e < j1) full = false;
+  }
+  if (!any) return TileKind::kSkip;
+  return full ? TileKind::kFull : TileKind::kPartial;
+}
+
+// Scores s [mr, kBlockK] of rows i0.. against the key tile starting at j0: the keys outside each row's visible range
+// become -inf.
+template <typename T>
+void mask_partial_tile(const KeyRanges& kr, std::int64_t i0, int mr, std::int64_t j0, T* s) {
+  for (int r = 0; r < mr; ++r) {
+    const std::int64_t cb = std::clamp<std::int64_t>(kr.begin[i0 + r] - j0, 0, kBlockK);
+    const std::int64_t ce = std::clamp<std::int64_t>(kr.end[i0 + r] - j0, cb, kBlockK);
+    T* srow = s + r * kBlockK;
+    for (std::int64_t c = 0; c < cb; ++c) srow[c] = -std::numeric_limits<T>::infinity();
+    for (std::int64_t c = ce; c < kBlockK; ++c) srow[c] = -std::numeric_limits<T>::infinity();
+  }
+}
+
+// The tiling of one call, shared by the forward and backward kernels.
+struct MhaTiling {
+  std::int64_t group;     // query heads per KV head, Hq / Hkv
+  std::int64_t Dp;        // head_dim rounded up to the vector width
+  std::int64_t nkt, nqt;  // key tiles, query tiles
+  std::int64_t Skp;       // Sk rounded up to whole key tiles
+};
+inline MhaTiling mha_tiling(const MhaParams& p, std::int64_t vector_width) {
+  const std::int64_t nkt = (p.sk + kBlockK - 1) / kBlockK;
+  return {p.hq / p.hkv, (p.head_dim + vector_width - 1) / vector_width * vector_width, nkt,
+          (p.sq + kBlockQ - 1) / kBlockQ, nkt * kBlockK};
+}
 
 // out [B, Sq, Hq, D] of out_dtype; lse [B, Hq, Sq] fp32.
 void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, float* lse);

@@ -17,6 +17,7 @@
 
 #include "attention/cpu/mha_cpu.h"
 #include "attention/cpu/mha_simd.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/dtype.h"
 #include "runtime/tensor.h"
 
@@ -58,22 +59,6 @@ constexpr DType compute_dtype() {
   return std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
 }
 
-inline std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-
-// How a key tile [j0, j1) is seen by rows [i0, i1): skipped, fully visible, or partly visible.
-enum class TileKind { kSkip, kFull, kPartial };
-inline TileKind classify(const KeyRanges& kr, std::int64_t i0, std::int64_t i1, std::int64_t j0, std::int64_t j1,
-                         std::int64_t block) {
-  bool any = false, full = (j1 - j0 == block);
-  for (std::int64_t i = i0; i < i1; ++i) {
-    const std::int64_t b = kr.begin[static_cast<std::size_t>(i)], e = kr.end[static_cast<std::size_t>(i)];
-    if (std::max(b, j0) < std::min(e, j1)) any = true;
-    if (b > j0 || e < j1) full = false;
-  }
-  if (!any) return TileKind::kSkip;
-  return full ? TileKind::kFull : TileKind::kPartial;
-}
-
 template <typename T>
 void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
   using S = Simd<T>;
@@ -81,10 +66,7 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
   constexpr int W = S::W;
   constexpr int BQ = kBlockQ, BK = kBlockK;
   const std::int64_t B = p.batch, Sq = p.sq, Sk = p.sk, Hq = p.hq, Hkv = p.hkv, D = p.head_dim;
-  const std::int64_t group = Hq / Hkv;
-  const std::int64_t Dp = round_up(D, W);
-  const std::int64_t nkt = (Sk + BK - 1) / BK, nqt = (Sq + BQ - 1) / BQ;
-  const std::int64_t Skp = nkt * BK;
+  const auto [group, Dp, nkt, nqt, Skp] = mha_tiling(p, W);
   const KeyRanges& kr = *p.ranges;
   const DType cdt = compute_dtype<T>();
   const std::size_t in_size = dtype_size(p.dtype), out_size = dtype_size(out_dtype);
@@ -92,16 +74,19 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
 
   // K^T per key tile [nkt][D][BK] and V [Skp][Dp], per (b, kv head), zero padded.
   const std::int64_t kt_size = nkt * D * BK, v_size = Skp * Dp;
-  Tensor kt_pack = Tensor::zeros({B * Hkv * kt_size}, cdt, MemCategory::kWorkspace);
-  Tensor v_pack = Tensor::zeros({B * Hkv * v_size}, cdt, MemCategory::kWorkspace);
+  Tensor kt_pack = zeroed_workspace({B * Hkv * kt_size}, cdt, "mha_forward K pack");
+  Tensor v_pack = zeroed_workspace({B * Hkv * v_size}, cdt, "mha_forward V pack");
   T* ktp = static_cast<T*>(kt_pack.data());
   T* vp = static_cast<T*>(v_pack.data());
   const char* kin = static_cast<const char*>(p.k);
   const char* vin = static_cast<const char*>(p.v);
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
+  // Per-worker buffers, allocated before the regions: a converted K row; Q tile, O tile, S tile, m, l, a row.
+  const WorkerScratch<T> ws({D, BQ * Dp, BQ * Dp, BQ * BK, BQ, BQ, Dp}, "mha_forward per-thread scratch",
+                            region_workers(parallel));
 #pragma omp parallel if (parallel)
   {
-    std::vector<T> row(static_cast<std::size_t>(D));
+    const std::span<T> row = ws.buffer(0);
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < B * Hkv * nkt; ++t) {
       const std::int64_t bh = t / nkt, kt = t % nkt, b = bh / Hkv, h = bh % Hkv;
@@ -120,11 +105,8 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
   const std::int64_t num_tasks = B * Hq * nqt;
 #pragma omp parallel if (parallel)
   {
-    std::vector<T> qt(static_cast<std::size_t>(BQ * Dp), T(0));
-    std::vector<T> o(static_cast<std::size_t>(BQ * Dp));
-    std::vector<T> s(static_cast<std::size_t>(BQ * BK));
-    std::vector<T> m(BQ), l(BQ);
-    std::vector<T> row(static_cast<std::size_t>(Dp));
+    const std::span<T> qt = ws.buffer(1), o = ws.buffer(2), s = ws.buffer(3), m = ws.buffer(4), l = ws.buffer(5),
+                       row = ws.buffer(6);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < num_tasks; ++task) {
       // query tiles in decreasing order: under a causal mask the late tiles are the long ones
@@ -159,15 +141,7 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
         if (kind == TileKind::kSkip) continue;
         gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt.data(), static_cast<int>(Dp), ktp_h + kt * D * BK, BK,
                             s.data(), BK);
-        if (kind == TileKind::kPartial) {
-          for (int r = 0; r < mr; ++r) {
-            const std::int64_t cb = std::clamp<std::int64_t>(kr.begin[i0 + r] - j0, 0, BK);
-            const std::int64_t ce = std::clamp<std::int64_t>(kr.end[i0 + r] - j0, cb, BK);
-            T* srow = s.data() + r * BK;
-            for (std::int64_t c = 0; c < cb; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-            for (std::int64_t c = ce; c < BK; ++c) srow[c] = -std::numeric_limits<T>::infinity();
-          }
-        }
+        if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
         for (int r = 0; r < mr; ++r) {
           T* srow = s.data() + r * BK;
           V vmax = S::load(srow);

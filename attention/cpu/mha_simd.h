@@ -64,6 +64,50 @@ struct ScalarSimd {
 template <>
 struct Simd<double> : ScalarSimd<double> {};
 
+#if !defined(SEQPAR_MHA_SCALAR) && (defined(__AVX2__) || defined(__AVX512F__))
+// Pieces shared by the AVX2 and AVX-512 back ends.
+namespace simd_detail {
+
+// The 2^f polynomial for f = x - round(x) in [-1/2, 1/2], Horner in S::fma from the highest coefficient.
+template <typename S>
+inline typename S::V exp2_poly(typename S::V f) {
+  constexpr float kCoeff[8] = {
+      1.5252733804059840e-05f, 1.5403530393381606e-04f, 1.3333558146428443e-03f, 9.6181291076284772e-03f,
+      5.5504108664821580e-02f, 2.4022650695910071e-01f, 6.9314718055994531e-01f, 1.0f};
+  typename S::V p = S::set1(kCoeff[0]);
+  for (int i = 1; i < 8; ++i) p = S::fma(p, f, S::set1(kCoeff[i]));
+  return p;
+}
+
+// 2^x (see the header comment): 0 below -125, clamped at 127, NaN stays NaN (a NaN score must not become a weight
+// of 0 or of 2^127): the "not less than" predicate is true for NaN, and min / max return their second operand, x,
+// when either is NaN.
+template <typename S>
+inline typename S::V exp2(typename S::V x) {
+  const typename S::Mask live = S::not_less(x, -125.0f);
+  x = S::min(S::set1(127.0f), x);
+  x = S::max(S::set1(-125.0f), x);
+  const typename S::V n = S::round(x);
+  return S::keep(live, S::times_pow2(exp2_poly<S>(S::sub(x, n)), n));
+}
+
+// Horizontal sum / max of the 8 lanes of v, halves first.
+inline float reduce_add_256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float reduce_max_256(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace simd_detail
+#endif
+
 #if !defined(SEQPAR_MHA_SCALAR) && defined(__AVX512F__) && !defined(SEQPAR_MHA_NO_AVX512)
 template <>
 struct Simd<float> {
@@ -83,41 +127,23 @@ struct Simd<float> {
   static V max(V a, V b) { return _mm512_max_ps(a, b); }
   // via AVX2 halves: GCC 12's _mm512_reduce_*_ps trip -Wmaybe-uninitialized
   static float reduce_add(V v) {
-    const __m256 h =
-        _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return simd_detail::reduce_add_256(
+        _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
   }
   static float reduce_max(V v) {
-    const __m256 h =
-        _mm256_max_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+    return simd_detail::reduce_max_256(
+        _mm256_max_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
   }
-  static V exp2(V x) {
-    // NaN stays NaN (a NaN score must not become a weight of 0 or of 2^127): the "not less than" predicate is true
-    // for NaN, and min / max return their second operand, x, when either is NaN.
-    const __mmask16 live = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-125.0f), _CMP_NLT_UQ);
-    x = _mm512_min_ps(_mm512_set1_ps(127.0f), x);
-    x = _mm512_max_ps(_mm512_set1_ps(-125.0f), x);
-    const V n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V f = _mm512_sub_ps(x, n);
-    V p = _mm512_set1_ps(1.5252733804059840e-05f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.5403530393381606e-04f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-03f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-02f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-01f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
-    const V r = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
-    return _mm512_maskz_mov_ps(live, r);
+  // The pieces of simd_detail::exp2.
+  using Mask = __mmask16;
+  static Mask not_less(V x, float t) { return _mm512_cmp_ps_mask(x, _mm512_set1_ps(t), _CMP_NLT_UQ); }
+  static V min(V a, V b) { return _mm512_min_ps(a, b); }
+  static V round(V x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V n) {  // p 2^n for integral n, by adding n to the exponent field
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23)));
   }
+  static V keep(Mask m, V r) { return _mm512_maskz_mov_ps(m, r); }
+  static V exp2(V x) { return simd_detail::exp2<Simd>(x); }
 };
 #elif !defined(SEQPAR_MHA_SCALAR) && defined(__AVX2__) && defined(__FMA__)
 template <>
@@ -136,37 +162,17 @@ struct Simd<float> {
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
-  static float reduce_add(V v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
+  static float reduce_add(V v) { return simd_detail::reduce_add_256(v); }
+  static float reduce_max(V v) { return simd_detail::reduce_max_256(v); }
+  using Mask = V;
+  static Mask not_less(V x, float t) { return _mm256_cmp_ps(x, _mm256_set1_ps(t), _CMP_NLT_UQ); }
+  static V min(V a, V b) { return _mm256_min_ps(a, b); }
+  static V round(V x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static V times_pow2(V p, V n) {
+    return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23)));
   }
-  static float reduce_max(V v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-  }
-  static V exp2(V x) {
-    // NaN stays NaN, as in the AVX-512 version.
-    const V live = _mm256_cmp_ps(x, _mm256_set1_ps(-125.0f), _CMP_NLT_UQ);
-    x = _mm256_min_ps(_mm256_set1_ps(127.0f), x);
-    x = _mm256_max_ps(_mm256_set1_ps(-125.0f), x);
-    const V n = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const V f = _mm256_sub_ps(x, n);
-    V p = _mm256_set1_ps(1.5252733804059840e-05f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.5403530393381606e-04f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.3333558146428443e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6181291076284772e-03f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5504108664821580e-02f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022650695910071e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314718055994531e-01f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
-    const V r = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
-    return _mm256_and_ps(r, live);
-  }
+  static V keep(Mask m, V r) { return _mm256_and_ps(r, m); }
+  static V exp2(V x) { return simd_detail::exp2<Simd>(x); }
 };
 #else
 template <>

@@ -40,12 +40,7 @@ struct Idx {
   const double *q, *w, *k;
 };
 Idx unpack(const DsaIndexerArgs& a) {
-  Idx s;
-  s.B = a.q_idx.dim(0);
-  s.Sq = a.q_idx.dim(1);
-  s.Hi = a.q_idx.dim(2);
-  s.Di = a.q_idx.dim(3);
-  s.Sk = a.k_idx.dim(1);
+  Idx s{a.q_idx.dim(0), a.q_idx.dim(1), a.q_idx.dim(2), a.q_idx.dim(3), a.k_idx.dim(1), {}, {}, {}, {}, {}};
   check_shape(a.w, {s.B, s.Sq, s.Hi}, "w");
   check_shape(a.k_idx, {s.B, s.Sk, s.Di}, "k_idx");
   s.qp = pos_or_iota(a.q_pos, s.Sq);
@@ -80,14 +75,8 @@ struct Attn {
   const std::int64_t* topk;
 };
 Attn unpack(const DsaAttentionArgs& a) {
-  Attn s;
-  s.B = a.q.dim(0);
-  s.Sq = a.q.dim(1);
-  s.H = a.q.dim(2);
-  s.Dqk = a.q.dim(3);
-  s.Sk = a.c.dim(1);
-  s.Dv = a.dim_v;
-  s.K = a.topk_indices.dim(2);
+  Attn s{a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), a.dim_v, a.c.dim(1), a.topk_indices.dim(2),
+         0.0,        {},         {},         {},         {},      {}};
   check_shape(a.c, {s.B, s.Sk, s.Dqk}, "c");
   check_dtype(a.topk_indices, DType::kInt64, "topk_indices");
   check_shape(a.topk_indices, {s.B, s.Sq, s.K}, "topk_indices");

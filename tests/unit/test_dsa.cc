@@ -114,12 +114,30 @@ struct Problem {
     k_idx = random_tensor({d.B, d.S, d.Di}, dt, seed + 5);
   }
   DsaIndexerArgs indexer() const { return {q_idx, w, k_idx, {}, {}}; }
+  // The indexer's top-k selection over all keys: topk_indices [B, S, K].
+  Tensor selected() const {
+    Tensor topk = Tensor::empty({d.B, d.S, d.K}, DType::kInt64, MemCategory::kWorkspace);
+    attn::dsa_indexer_topk(indexer(), topk);
+    return topk;
+  }
   DsaAttentionArgs attention(const TensorView& topk) const {
     DsaAttentionArgs a{q, c, topk, {}, {}};
     a.dim_v = d.Dv;
     return a;
   }
 };
+
+// (loss(x + eps) - loss(x - eps)) / (2 eps) for the element *x, which is restored afterwards.
+template <typename Loss>
+double central_difference(double* x, double eps, Loss&& loss) {
+  const double keep = *x;
+  *x = keep + eps;
+  const double lp = loss();
+  *x = keep - eps;
+  const double lm = loss();
+  *x = keep;
+  return (lp - lm) / (2 * eps);
+}
 
 std::string dtype_param_name(const ::testing::TestParamInfo<DType>& info) { return dtype_name(info.param); }
 
@@ -128,9 +146,7 @@ std::string dtype_param_name(const ::testing::TestParamInfo<DType>& info) { retu
 class DsaTopkTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(DsaTopkTest, MatchesReference) {
-  Dims d;
-  d.S = 48;
-  d.K = 10;
+  const Dims d{.S = 48, .K = 10};
   const Problem pr(d, GetParam(), 11);
   Tensor got = i64({d.B, d.S, d.K}), want = i64({d.B, d.S, d.K});
   attn::dsa_indexer_topk(pr.indexer(), got);
@@ -161,8 +177,7 @@ Problem tie_problem(const Dims& d) {
 }
 
 TEST(DsaTopk, ManyEqualScoresTieToSmallerPosition) {
-  Dims d;
-  d.S = 40;
+  const Dims d{.S = 40};
   const Problem pr = tie_problem(d);
   Tensor got = i64({d.B, d.S, d.K}), want = i64({d.B, d.S, d.K});
   attn::dsa_indexer_topk(pr.indexer(), got);
@@ -200,9 +215,7 @@ TEST(DsaTopk, ManyEqualScoresTieToSmallerPosition) {
 }
 
 TEST(DsaTopk, PaddingAndKLargerThanS) {
-  Dims d;
-  d.S = 12;
-  d.K = 17;  // k > S
+  const Dims d{.S = 12, .K = 17};  // k > S
   const Problem pr(d, DType::kFloat32, 31);
   Tensor got = i64({d.B, d.S, d.K});
   attn::dsa_indexer_topk(pr.indexer(), got);
@@ -286,8 +299,7 @@ TEST_P(DsaAttentionTest, ForwardBackwardMatchReference) {
   const DType dt = GetParam();
   Dims d;
   const Problem pr(d, dt, 51);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs args = pr.attention(topk);
   Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, dt, MemCategory::kWorkspace);
   Tensor lse = f32_zeros({d.B, d.H, d.S});
@@ -319,12 +331,9 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, DsaAttentionTest,
 
 // k >= number of visible keys: exactly dense causal MLA attention (formula written out here, fp64).
 TEST(DsaAttention, DenseWhenKCoversAllVisibleKeys) {
-  Dims d;
-  d.S = 20;
-  d.K = 25;
+  const Dims d{.S = 20, .K = 25};
   const Problem pr(d, DType::kFloat64, 61);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, DType::kFloat64, MemCategory::kWorkspace);
   Tensor lse = f32_zeros({d.B, d.H, d.S});
   attn::dsa_attention_forward(pr.attention(topk), out, lse);
@@ -363,8 +372,7 @@ TEST(DsaAttention, DenseWhenKCoversAllVisibleKeys) {
 TEST(DsaAttention, BlockSplitAnyOrderMatchesOneCall) {
   Dims d;
   const Problem pr(d, DType::kFloat32, 71);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs args = pr.attention(topk);
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
   attn::dsa_attention_forward(args, out, lse);
@@ -407,12 +415,9 @@ TEST(DsaAttention, BlockSplitAnyOrderMatchesOneCall) {
 
 // Central differences of L = sum(out * G) on the fp64 kernel.
 TEST(DsaAttention, FiniteDifferencesDqDc) {
-  Dims d;
-  d.S = 16;
-  d.K = 6;
+  const Dims d{.S = 16, .K = 6};
   Problem pr(d, DType::kFloat64, 81);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs args = pr.attention(topk);
   const Tensor G = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat64, 82);
   Tensor out = Tensor::empty(G.shape(), DType::kFloat64, MemCategory::kWorkspace), lse = f32_zeros({d.B, d.H, d.S});
@@ -431,22 +436,14 @@ TEST(DsaAttention, FiniteDifferencesDqDc) {
     const std::vector<double> pick = random_values(16, 83, 0.0, static_cast<double>(x->numel()));
     for (double pd : pick) {
       const auto i = static_cast<std::int64_t>(pd);
-      double* v = x->data_as<double>() + i;
-      const double keep = *v;
-      *v = keep + eps;
-      const double lp = loss();
-      *v = keep - eps;
-      const double lm = loss();
-      *v = keep;
-      const double fd = (lp - lm) / (2 * eps), an = g->data_as<double>()[i];
+      const double fd = central_difference(x->data_as<double>() + i, eps, loss), an = g->data_as<double>()[i];
       EXPECT_NEAR(an, fd, 1e-6 + 1e-5 * std::abs(fd)) << name << "[" << i << "]";
     }
   }
 }
 
 TEST(DsaAttention, RowsWithNothingSelected) {
-  Dims d;
-  d.S = 10;
+  const Dims d{.S = 10};
   const Problem pr(d, DType::kFloat32, 91);
   const Pos cpos = iota(d.S, 4);  // keys start at position 4: queries 0..3 see nothing
   Tensor topk = i64({d.B, d.S, d.K});
@@ -478,12 +475,9 @@ TEST(DsaAttention, RowsWithNothingSelected) {
 }
 
 TEST(DsaAttention, ArgumentErrors) {
-  Dims d;
-  d.S = 8;
-  d.K = 4;
+  const Dims d{.S = 8, .K = 4};
   const Problem pr(d, DType::kFloat32, 95);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
   DsaAttentionArgs a = pr.attention(topk);
   a.dim_v = d.Dqk + 1;
@@ -539,8 +533,7 @@ TEST_P(DsaIndexerLossTest, MatchesReference) {
   const DType dt = GetParam();
   Dims d;
   const Problem pr(d, dt, 101);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const LossResult k = kernel_loss(pr, topk);
 
   const Tensor q64 = f64(pr.q), c64 = f64(pr.c), qi64 = f64(pr.q_idx), w64 = f64(pr.w), ki64 = f64(pr.k_idx);
@@ -564,12 +557,9 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, DsaIndexerLossTest,
 
 // The reference gradients against central differences of the reference loss (selection and p* held fixed).
 TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
-  Dims d;
-  d.S = 14;
-  d.K = 5;
+  const Dims d{.S = 14, .K = 5};
   Problem pr(d, DType::kFloat64, 111);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const DsaAttentionArgs a = pr.attention(topk);
   Tensor dq = Tensor::empty(pr.q_idx.shape(), DType::kFloat64, MemCategory::kWorkspace);
   Tensor dw = Tensor::empty(pr.w.shape(), DType::kFloat64, MemCategory::kWorkspace);
@@ -585,14 +575,7 @@ TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
     const std::vector<double> pick = random_values(16, 112, 0.0, static_cast<double>(x->numel()));
     for (double pd : pick) {
       const auto i = static_cast<std::int64_t>(pd);
-      double* v = x->data_as<double>() + i;
-      const double keep = *v;
-      *v = keep + eps;
-      const double lp = loss();
-      *v = keep - eps;
-      const double lm = loss();
-      *v = keep;
-      const double fd = (lp - lm) / (2 * eps);
+      const double fd = central_difference(x->data_as<double>() + i, eps, loss);
       EXPECT_NEAR(g->data_as<double>()[i], fd, 1e-7 + 1e-5 * std::abs(fd)) << "reference " << name << "[" << i << "]";
       EXPECT_NEAR(kg->data_as<float>()[i], fd, 1e-5 + 1e-4 * std::abs(fd)) << "kernel " << name << "[" << i << "]";
     }
@@ -603,8 +586,7 @@ TEST(DsaIndexerLoss, FiniteDifferencesDqIdxDwDkIdx) {
 TEST(DsaIndexerLoss, BlockSplitAnyOrderMatchesOneCall) {
   Dims d;
   const Problem pr(d, DType::kFloat32, 121);
-  Tensor topk = i64({d.B, d.S, d.K});
-  attn::dsa_indexer_topk(pr.indexer(), topk);
+  const Tensor topk = pr.selected();
   const LossResult one = kernel_loss(pr, topk);
   const DsaAttentionArgs args = pr.attention(topk);
   Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
@@ -719,16 +701,13 @@ TEST(Dsa, BitwiseIndependentOfThreadCount) {
 #ifndef _OPENMP
   GTEST_SKIP() << "built without OpenMP: one thread only";
 #else
-  Dims d;
-  d.S = 40;
-  d.K = 12;
+  const Dims d{.S = 40, .K = 12};
   const Problem pr(d, DType::kBFloat16, 141);
   const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat32, 142);
   auto run = [&](int threads) {
     const int keep = omp_get_max_threads();
     omp_set_num_threads(threads);
-    Tensor topk = i64({d.B, d.S, d.K});
-    attn::dsa_indexer_topk(pr.indexer(), topk);
+    const Tensor topk = pr.selected();
     const DsaAttentionArgs a = pr.attention(topk);
     Tensor out = f32_zeros({d.B, d.S, d.H, d.Dv}), lse = f32_zeros({d.B, d.H, d.S});
     attn::dsa_attention_forward(a, out, lse);

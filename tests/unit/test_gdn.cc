@@ -45,29 +45,11 @@ struct Inputs {
   Problem p;
   DType dtype = DType::kFloat64;
 
-  GdnForwardArgs args() const {
-    GdnForwardArgs a;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.g = g;
-    a.beta = beta;
-    if (p.with_init) a.initial_state = init;
-    a.use_qk_l2norm = p.l2;
-    a.chunk_size = p.chunk;
-    return a;
-  }
-  GdnForwardArgs args64() const {
-    GdnForwardArgs a;
-    a.q = q64;
-    a.k = k64;
-    a.v = v64;
-    a.g = g64;
-    a.beta = beta64;
-    if (p.with_init) a.initial_state = init64;
-    a.use_qk_l2norm = p.l2;
-    a.chunk_size = p.chunk;
-    return a;
+  GdnForwardArgs args() const { return args_of(q, k, v, g, beta, init); }
+  GdnForwardArgs args64() const { return args_of(q64, k64, v64, g64, beta64, init64); }
+  GdnForwardArgs args_of(const TensorView& q_, const TensorView& k_, const TensorView& v_, const TensorView& g_,
+                         const TensorView& beta_, const TensorView& init_) const {
+    return {q_, k_, v_, g_, beta_, p.with_init ? init_ : TensorView(), p.l2, 0.0f, p.chunk};
   }
 };
 
@@ -274,13 +256,7 @@ double reference_loss(const GdnForwardArgs& a, const Problem& p, const std::vect
 
 TEST(GdnReference, GradientsMatchFiniteDifferences) {
   for (bool l2 : {true, false}) {
-    Problem p;
-    p.B = 2;
-    p.S = 7;
-    p.H = 2;
-    p.K = 4;
-    p.V = 3;
-    p.l2 = l2;
+    const Problem p{.B = 2, .S = 7, .H = 2, .K = 4, .V = 3, .l2 = l2};
     Inputs in = make_inputs(p, DType::kFloat64);
     const std::vector<double> wo = test::random_values(p.B * p.S * p.H * p.V, 91);
     const std::vector<double> ws = test::random_values(p.B * p.H * p.K * p.V, 92);
@@ -389,12 +365,7 @@ TEST(GdnBackwardMisc, SmallChunksAndStateOnlySweep) {
 // vector widths. The error does not grow with S because
 // every step is a contraction (exp(g) < 1, 0 < beta < 1 with unit-norm k).
 TEST(GdnLong, Fp32At8192) {
-  Problem p;
-  p.B = 1;
-  p.H = 2;
-  p.S = 8192;
-  p.K = 64;
-  p.V = 64;
+  const Problem p{.B = 1, .S = 8192, .H = 2, .K = 64, .V = 64};
   const Inputs in = make_inputs(p, DType::kFloat32);
   const Outputs got = run_forward(in);
   const Outputs want = run_reference(in);

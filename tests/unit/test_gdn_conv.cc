@@ -16,10 +16,7 @@
 namespace seqpar::attn {
 namespace {
 
-using test::all_close;
-using test::random_tensor;
-using test::to_double;
-
+using test::all_close, test::random_tensor, test::to_double;
 constexpr MemCategory kWs = MemCategory::kWorkspace;
 
 struct ConvCase {
@@ -107,12 +104,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, ShortConv,
 // The reference's gradients (x, weight, initial conv state) against central finite differences.
 TEST(ShortConvReference, GradientsMatchFiniteDifferences) {
   for (bool silu : {true, false}) {
-    ConvCase c;
-    c.B = 2;
-    c.S = 5;
-    c.C = 3;
-    c.W = 4;
-    c.silu = silu;
+    const ConvCase c{.B = 2, .S = 5, .C = 3, .W = 4, .silu = silu};
     ConvInputs in = to64(make(c, DType::kFloat64, 5));
     const std::vector<double> wo = test::random_values(c.B * c.S * c.C, 6);
     Tensor dout = Tensor::empty({c.B, c.S, c.C}, DType::kFloat64, kWs);

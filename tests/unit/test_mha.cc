@@ -607,17 +607,23 @@ TEST(MhaVisiblePairs, MatchesBruteForceCount) {
 
 // ---- determinism ------------------------------------------------------------------------------------
 
+// Every result of r1 equals r2's bit for bit; `between` names the two runs.
+void expect_bitwise_equal(const Results& r1, const Results& r2, const char* between) {
+  for (auto [a, b, name] : {std::tuple{&r1.out, &r2.out, "out"},
+                            {&r1.lse, &r2.lse, "lse"},
+                            {&r1.dq, &r2.dq, "dq"},
+                            {&r1.dk, &r2.dk, "dk"},
+                            {&r1.dv, &r2.dv, "dv"}}) {
+    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs between " << between;
+  }
+}
+
 TEST(MhaDeterminism, TwoRunsAreBitwiseEqual) {
   Problem p{2, 300, 300, 4, 2, 64, DType::kFloat32, {true, 0}, Layout::kRandom};
   const Inputs in = make_inputs(p, 55);
   const Results r1 = run_kernel(p, in, DType::kFloat32);
   const Results r2 = run_kernel(p, in, DType::kFloat32);
-  for (auto [a, b, name] : {std::tuple{&r1.out, &r2.out, "out"},
-                            {&r1.lse, &r2.lse, "lse"},
-                            {&r1.dq, &r2.dq, "dq"},
-                            {&r1.dk, &r2.dk, "dk"},
-                            {&r1.dv, &r2.dv, "dv"}})
-    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs between two runs";
+  expect_bitwise_equal(r1, r2, "two runs");
 }
 
 TEST(MhaDeterminism, OneAndTwoThreadsAreBitwiseEqual) {
@@ -630,12 +636,7 @@ TEST(MhaDeterminism, OneAndTwoThreadsAreBitwiseEqual) {
   omp_set_num_threads(2);
   const Results r2 = run_kernel(p, in, DType::kFloat32);
   omp_set_num_threads(saved);
-  for (auto [a, b, name] : {std::tuple{&r1.out, &r2.out, "out"},
-                            {&r1.lse, &r2.lse, "lse"},
-                            {&r1.dq, &r2.dq, "dq"},
-                            {&r1.dk, &r2.dk, "dk"},
-                            {&r1.dv, &r2.dv, "dv"}})
-    EXPECT_EQ(std::memcmp(a->data(), b->data(), a->nbytes()), 0) << name << " differs between 1 and 2 threads";
+  expect_bitwise_equal(r1, r2, "1 and 2 threads");
 #else
   GTEST_SKIP() << "built without OpenMP: one thread only";
 #endif
@@ -673,7 +674,9 @@ TEST(MhaSimd, Exp2MatchesStdAndUnderflowsToZero) {
     nan_in[lane] = std::numeric_limits<float>::quiet_NaN();
     S::store(nan_out.data(), S::exp2(S::load(nan_in.data())));
     EXPECT_TRUE(std::isnan(nan_out[lane])) << "exp2(NaN) in lane " << lane << " = " << nan_out[lane];
-    if (W > 1) EXPECT_EQ(nan_out[(lane + 1) % W], 0.5f) << "the other lanes are exp2(-1), lane " << lane;
+    if (W > 1) {
+      EXPECT_EQ(nan_out[(lane + 1) % W], 0.5f) << "the other lanes are exp2(-1), lane " << lane;
+    }
     nan_in[lane] = -1.0f;
   }
 }

@@ -1,0 +1,42 @@
+// Internal: the CPU GDN kernels behind attention/gdn.h (chunked gated delta rule, segment maps, short conv).
+// Arguments are validated by attention/gdn.cc, which passes the validated sizes along; not a public header.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/gdn.h"
+
+namespace seqpar::attn::cpu {
+
+// Validated sizes: q [B, S, H, K], v [B, S, H, V]; C = the chunk length used, min(chunk_size, max(S, 1)).
+struct GdnDims {
+  std::int64_t B = 0, S = 0, H = 0, K = 0, V = 0, C = 0;
+  std::int64_t num_chunks() const { return (S + C - 1) / C; }
+};
+
+void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,
+                     const TensorView& final_state);
+void gdn_backward_cpu(const GdnBackwardArgs& args, const GdnDims& d, const TensorView& dq, const TensorView& dk,
+                      const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                      const TensorView& dinitial_state);
+void gdn_transition_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& m, const TensorView& u);
+
+void gdn_transition_compose_cpu(const TensorView& m2, const TensorView& u2, const TensorView& m1, const TensorView& u1,
+                                const TensorView& m, const TensorView& u);
+void gdn_transition_apply_cpu(const TensorView& m, const TensorView& u, const TensorView& s_start,
+                              const TensorView& s_end);
+void gdn_transition_apply_adjoint_cpu(const TensorView& m, const TensorView& ds_end, const TensorView& local,
+                                      const TensorView& ds_start);
+void gdn_transition_transpose_cpu(const TensorView& m, const TensorView& mt);
+
+// x [B, S, C], weight [C, W].
+struct ShortConvDims {
+  std::int64_t B = 0, S = 0, C = 0, W = 0;
+};
+
+void short_conv_forward_cpu(const ShortConvArgs& args, const ShortConvDims& d, const TensorView& out,
+                            const TensorView& final_conv_state);
+void short_conv_backward_cpu(const ShortConvArgs& args, const ShortConvDims& d, const TensorView& dout,
+                             const TensorView& dx, const TensorView& dweight, const TensorView& dinitial_conv_state);
+
+}  // namespace seqpar::attn::cpu

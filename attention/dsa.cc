@@ -1,0 +1,384 @@
+// Public boundary of the DSA kernels: argument validation (callable on its own through the check_dsa_* functions)
+// and dispatch to the CPU kernels in cpu/. Math: attention/dsa.h.
+#include "attention/dsa.h"
+
+#include <cmath>
+#include <limits>
+
+#include "attention/boundary.h"
+#include "attention/cpu/dsa_cpu.h"
+#include "attention/cpu/scratch.h"
+#include "runtime/error.h"
+
+namespace seqpar::attn {
+namespace {
+
+constexpr const char* kFamily = "DSA";
+
+void check_floating(const TensorView& t, const char* what) { detail::check_floating(t, what, kFamily); }
+
+// An optional tensor argument that was not given (a default TensorView has no data).
+bool absent(const TensorView& t) { return t.data() == nullptr; }
+
+// fp32 [B, Sq, k] arrays indexed like topk_indices (probs, scores, dscores).
+void check_slot_array(const TensorView& t, const TensorView& topk, const char* what) {
+  detail::check_host_tensor(t, topk.shape(), DType::kFloat32, what, kFamily);
+}
+
+// Gradient outputs: any floating dtype when overwritten, fp32 when accumulated into.
+void check_grad_output(const TensorView& t, const Shape& shape, bool accumulate, const char* what) {
+  check_floating(t, what);
+  check_shape(t, shape, what);
+  if (accumulate) check_dtype(t, DType::kFloat32, str_cat(what, " (accumulate = true)").c_str());
+}
+
+void check_topk_shape(const TensorView& topk, const char* what) {
+  detail::check_host(topk, what, kFamily);
+  check_dtype(topk, DType::kInt64, what);
+  SEQPAR_CHECK(topk.ndim() == 3, what, " must be [B, Sq, k], got ", shape_str(topk.shape()));
+  SEQPAR_CHECK(topk.dim(2) <= std::numeric_limits<std::int32_t>::max(), what, ": k = ", topk.dim(2),
+               " must be at most ", std::numeric_limits<std::int32_t>::max());
+}
+
+// Number of valid (non -1) entries at the start of each row; checks that every row is ascending and distinct,
+// -1 padded at the end, and never selects a position after its query.
+std::vector<std::int32_t> check_topk_rows(const TensorView& topk, std::int64_t B, std::int64_t Sq,
+                                          const std::vector<std::int64_t>& q_pos, const char* what) {
+  check_topk_shape(topk, what);
+  SEQPAR_CHECK(topk.dim(0) == B && topk.dim(1) == Sq, what, " must be [B, Sq, k] = [", B, ", ", Sq, ", k], got ",
+               shape_str(topk.shape()));
+  const std::int64_t K = topk.dim(2);
+  const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
+  std::vector<std::int32_t> valid(static_cast<std::size_t>(B * Sq));
+  for (std::int64_t r = 0; r < B * Sq; ++r) {
+    const std::int64_t* row = idx + r * K;
+    const std::int64_t t = r % Sq;
+    std::int64_t n = 0;
+    while (n < K && row[n] >= 0) {
+      SEQPAR_CHECK(n == 0 || row[n] > row[n - 1], what, " row (b=", r / Sq, ", t=", t,
+                   ") must be strictly ascending, but slot ", n, " holds ", row[n], " after ", row[n - 1]);
+      SEQPAR_CHECK(row[n] <= q_pos[static_cast<std::size_t>(t)], what, " row (b=", r / Sq, ", t=", t, ") selects ",
+                   "position ", row[n], " after its query position ", q_pos[static_cast<std::size_t>(t)]);
+      ++n;
+    }
+    for (std::int64_t s = n; s < K; ++s) {
+      SEQPAR_CHECK(row[s] == -1, what, " row (b=", r / Sq, ", t=", t, ") must be padded with -1 after its valid ",
+                   "entries, but slot ", s, " holds ", row[s]);
+    }
+    valid[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(n);
+  }
+  return valid;
+}
+
+cpu::DsaIndexerShape validate_indexer(const DsaIndexerArgs& a) {
+  check_floating(a.q_idx, "q_idx");
+  check_floating(a.w, "w");
+  check_floating(a.k_idx, "k_idx");
+  SEQPAR_CHECK(a.q_idx.ndim() == 4, "q_idx must be [B, Sq, Hi, Di], got ", shape_str(a.q_idx.shape()));
+  cpu::DsaIndexerShape s{a.q_idx.dim(0), a.q_idx.dim(1), a.q_idx.dim(2), a.q_idx.dim(3), /*Sk=*/0, {}, {}};
+  SEQPAR_CHECK(a.k_idx.ndim() == 3 && a.k_idx.dim(0) == s.B && a.k_idx.dim(2) == s.Di, "k_idx must be [B, Sk, Di] = [",
+               s.B, ", Sk, ", s.Di, "], got ", shape_str(a.k_idx.shape()));
+  s.Sk = a.k_idx.dim(1);
+  check_shape(a.w, {s.B, s.Sq, s.Hi}, "w");
+  SEQPAR_CHECK(a.k_idx.dtype() == a.q_idx.dtype() && a.w.dtype() == a.q_idx.dtype(),
+               "q_idx, w and k_idx must share one dtype, got ", dtype_name(a.q_idx.dtype()), ", ",
+               dtype_name(a.w.dtype()), ", ", dtype_name(a.k_idx.dtype()));
+  s.q_pos = detail::positions_or_iota(a.q_pos, s.Sq, "q_pos", "Sq");
+  s.k_pos = detail::positions_or_iota(a.k_pos, s.Sk, "k_pos", "Sk");
+  detail::check_strictly_increasing(s.k_pos, "k_pos");
+  return s;
+}
+
+cpu::DsaAttentionShape validate_attention(const DsaAttentionArgs& a) {
+  check_floating(a.q, "q");
+  check_floating(a.c, "c");
+  SEQPAR_CHECK(a.q.ndim() == 4, "q must be [B, Sq, H, Dqk], got ", shape_str(a.q.shape()));
+  cpu::DsaAttentionShape s{a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), /*Dv=*/0, /*Sk=*/0,
+                           /*K=*/0,    0.0,        {},         {},         {}};
+  SEQPAR_CHECK(a.c.ndim() == 3 && a.c.dim(0) == s.B && a.c.dim(2) == s.Dqk, "c must be [B, Sk, Dqk] = [", s.B, ", Sk, ",
+               s.Dqk, "], got ", shape_str(a.c.shape()));
+  SEQPAR_CHECK(a.c.dtype() == a.q.dtype(), "q and c must share one dtype, got ", dtype_name(a.q.dtype()), " and ",
+               dtype_name(a.c.dtype()));
+  s.Sk = a.c.dim(1);
+  s.Dv = a.dim_v;
+  SEQPAR_CHECK(s.Dv >= 1 && s.Dv <= s.Dqk, "dim_v = ", s.Dv, " must be in [1, Dqk = ", s.Dqk, "]");
+  SEQPAR_CHECK(std::isfinite(a.scale), "DSA scale ", a.scale, " must be finite (0 or less: 1/sqrt(Dqk))");
+  s.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(s.Dqk));
+  s.q_pos = detail::positions_or_iota(a.q_pos, s.Sq, "q_pos", "Sq");
+  s.c_pos = detail::positions_or_iota(a.c_pos, s.Sk, "c_pos", "Sk");
+  detail::check_strictly_increasing(s.c_pos, "c_pos");
+  s.valid = check_topk_rows(a.topk_indices, s.B, s.Sq, s.q_pos, "topk_indices");
+  s.K = a.topk_indices.dim(2);
+  return s;
+}
+
+// B < 0: any [B, Sq, k].
+void check_state(const DsaTopkState& st, std::int64_t B, std::int64_t Sq, const char* what) {
+  detail::check_host(st.scores, what, kFamily);
+  detail::check_host(st.positions, what, kFamily);
+  check_dtype(st.scores, DType::kFloat32, str_cat(what, " scores").c_str());
+  check_dtype(st.positions, DType::kInt64, str_cat(what, " positions").c_str());
+  SEQPAR_CHECK(st.scores.ndim() == 3 && st.scores.shape() == st.positions.shape(), what,
+               ": scores and positions must both be [B, Sq, k], got ", shape_str(st.scores.shape()), " and ",
+               shape_str(st.positions.shape()));
+  if (B >= 0) {
+    SEQPAR_CHECK(st.scores.dim(0) == B && st.scores.dim(1) == Sq, what, " must be [", B, ", ", Sq, ", k], got ",
+                 shape_str(st.scores.shape()));
+  }
+}
+
+void check_lse(const TensorView& lse, const cpu::DsaAttentionShape& s, const char* what) {
+  detail::check_host_tensor(lse, {s.B, s.H, s.Sq}, DType::kFloat32, what, kFamily);
+}
+
+void check_block_out(const TensorView& t, const cpu::DsaAttentionShape& s, const char* what) {
+  check_floating(t, what);
+  check_shape(t, {s.B, s.Sq, s.H, s.Dv}, what);
+}
+
+// ---- validation of each call; returns what the kernel needs ----
+
+cpu::DsaIndexerShape validate_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state) {
+  cpu::DsaIndexerShape s = validate_indexer(args);
+  check_state(state, s.B, s.Sq, "top-k state");
+  return s;
+}
+
+cpu::DsaAttentionShape validate_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse) {
+  cpu::DsaAttentionShape s = validate_attention(args);
+  check_block_out(out, s, "out");
+  check_lse(lse, s, "lse");
+  return s;
+}
+
+cpu::DsaAttentionShape validate_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs) {
+  cpu::DsaAttentionShape s = validate_attention(args);
+  check_lse(lse, s, "lse");
+  check_slot_array(probs, args.topk_indices, "probs");
+  return s;
+}
+
+cpu::DsaAttentionShape validate_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq,
+                                         const TensorView& dc, bool accumulate) {
+  cpu::DsaAttentionShape s = validate_attention(args.fwd);
+  check_block_out(args.dout, s, "dout");
+  check_lse(args.lse, s, "lse");
+  check_grad_output(dq, args.fwd.q.shape(), accumulate, "dq");
+  check_grad_output(dc, args.fwd.c.shape(), accumulate, "dc");
+  if (absent(args.delta)) {
+    check_block_out(args.out, s, "out (needed for delta, which was not given)");
+  } else {
+    check_lse(args.delta, s, "delta");
+  }
+  if (!absent(args.probs)) check_slot_array(args.probs, args.fwd.topk_indices, "probs");
+  return s;
+}
+
+void validate_delta(const TensorView& out, const TensorView& dout, const TensorView& delta) {
+  check_floating(out, "out");
+  check_floating(dout, "dout");
+  SEQPAR_CHECK(out.ndim() == 4, "out must be [B, Sq, H, Dv], got ", shape_str(out.shape()));
+  check_shape(dout, out.shape(), "dout");
+  detail::check_host_tensor(delta, {out.dim(0), out.dim(2), out.dim(1)}, DType::kFloat32, "delta", kFamily);
+}
+
+void validate_loss(const DsaIndexerLossArgs& args, const TensorView& dscores) {
+  check_topk_shape(args.topk_indices, "topk_indices");
+  check_slot_array(args.probs, args.topk_indices, "probs");
+  check_slot_array(args.scores, args.topk_indices, "scores");
+  if (!absent(dscores)) check_slot_array(dscores, args.topk_indices, "dscores");
+}
+
+struct IndexerBlock {
+  cpu::DsaIndexerShape s;
+  std::vector<std::int32_t> valid;
+};
+
+IndexerBlock validate_indexer_selected(const DsaIndexerArgs& args, const TensorView& topk_indices) {
+  IndexerBlock r{validate_indexer(args), {}};
+  r.valid = check_topk_rows(topk_indices, r.s.B, r.s.Sq, r.s.q_pos, "topk_indices");
+  return r;
+}
+
+IndexerBlock validate_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
+                                      const TensorView& scores) {
+  IndexerBlock r = validate_indexer_selected(args, topk_indices);
+  check_slot_array(scores, topk_indices, "scores");
+  return r;
+}
+
+IndexerBlock validate_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices,
+                                       const TensorView& dscores, const TensorView& dq_idx, const TensorView& dw,
+                                       const TensorView& dk_idx, bool accumulate) {
+  IndexerBlock r = validate_indexer_selected(args, topk_indices);
+  check_slot_array(dscores, topk_indices, "dscores");
+  check_grad_output(dq_idx, args.q_idx.shape(), accumulate, "dq_idx");
+  check_grad_output(dw, args.w.shape(), accumulate, "dw");
+  check_grad_output(dk_idx, args.k_idx.shape(), accumulate, "dk_idx");
+  return r;
+}
+
+}  // namespace
+
+// ---- checks on their own ------------------------------------------------------------------------------------------
+
+void check_dsa_indexer_args(const DsaIndexerArgs& args) { validate_indexer(args); }
+
+void check_dsa_attention_args(const DsaAttentionArgs& args) { validate_attention(args); }
+
+void check_dsa_topk_init(const DsaTopkState& state, Stream stream) {
+  detail::check_stream(stream, "dsa_topk_init", kFamily);
+  check_state(state, -1, -1, "top-k state");
+}
+
+void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_topk_block", kFamily);
+  validate_topk_block(args, state);
+}
+
+void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream) {
+  detail::check_stream(stream, "dsa_topk_merge", kFamily);
+  check_state(state, -1, -1, "top-k state");
+  check_state(other, -1, -1, "other top-k state");
+  SEQPAR_CHECK(state.scores.shape() == other.scores.shape(), "top-k states to merge must have one shape, got ",
+               shape_str(state.scores.shape()), " and ", shape_str(other.scores.shape()));
+}
+
+void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream) {
+  detail::check_stream(stream, "dsa_topk_finalize", kFamily);
+  check_state(state, -1, -1, "top-k state");
+  detail::check_host_tensor(topk_indices, state.positions.shape(), DType::kInt64, "topk_indices", kFamily);
+}
+
+void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_topk", kFamily);
+  const cpu::DsaIndexerShape s = validate_indexer(args);
+  check_topk_shape(topk_indices, "topk_indices");
+  check_shape(topk_indices, {s.B, s.Sq, topk_indices.dim(2)}, "topk_indices");
+}
+
+void check_dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
+                                 Stream stream) {
+  detail::check_stream(stream, "dsa_attention_forward", kFamily);
+  validate_forward(args, out, lse);
+}
+
+void check_dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
+                                  bool accumulate, Stream stream) {
+  detail::check_stream(stream, "dsa_attention_backward", kFamily);
+  validate_backward(args, dq, dc, accumulate);
+}
+
+void check_dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
+  detail::check_stream(stream, "dsa_attention_delta", kFamily);
+  validate_delta(out, dout, delta);
+}
+
+void check_dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
+                               Stream stream) {
+  detail::check_stream(stream, "dsa_attention_probs", kFamily);
+  validate_probs(args, lse, probs);
+}
+
+void check_dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
+                                       const TensorView& scores, Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_scores_selected", kFamily);
+  validate_scores_selected(args, topk_indices, scores);
+}
+
+void check_dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_loss", kFamily);
+  validate_loss(args, dscores);
+}
+
+void check_dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
+                                const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx,
+                                bool accumulate, Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_backward", kFamily);
+  validate_indexer_backward(args, topk_indices, dscores, dq_idx, dw, dk_idx, accumulate);
+}
+
+// ---- the kernels ---------------------------------------------------------------------------------------------------
+
+void dsa_topk_init(const DsaTopkState& state, Stream stream) {
+  check_dsa_topk_init(state, stream);
+  cpu::dsa_topk_init_cpu(state);
+}
+
+void dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_topk_block", kFamily);
+  cpu::dsa_indexer_topk_block_cpu(args, validate_topk_block(args, state), state);
+}
+
+void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream) {
+  check_dsa_topk_merge(state, other, stream);
+  cpu::dsa_topk_merge_cpu(state, other);
+}
+
+void dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream) {
+  check_dsa_topk_finalize(state, topk_indices, stream);
+  cpu::dsa_topk_finalize_cpu(state, topk_indices);
+}
+
+void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {
+  check_dsa_indexer_topk(args, topk_indices, stream);
+  Tensor scores = cpu::zeroed_workspace(topk_indices.shape(), DType::kFloat32, "dsa_indexer_topk state");
+  Tensor positions = cpu::zeroed_workspace(topk_indices.shape(), DType::kInt64, "dsa_indexer_topk state");
+  const DsaTopkState state{scores.view(), positions.view()};
+  dsa_topk_init(state, stream);
+  dsa_indexer_topk_block(args, state, stream);
+  dsa_topk_finalize(state, topk_indices, stream);
+}
+
+void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
+  detail::check_stream(stream, "dsa_attention_forward", kFamily);
+  cpu::dsa_attention_forward_cpu(args, validate_forward(args, out, lse), out, lse);
+}
+
+void dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
+  check_dsa_attention_delta(out, dout, delta, stream);
+  cpu::dsa_attention_delta_cpu(out, dout, static_cast<float*>(delta.data()));
+}
+
+void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
+                            bool accumulate, Stream stream) {
+  detail::check_stream(stream, "dsa_attention_backward", kFamily);
+  const cpu::DsaAttentionShape s = validate_backward(args, dq, dc, accumulate);
+  const float* delta = static_cast<const float*>(args.delta.data());
+  Tensor computed;
+  if (absent(args.delta)) {
+    computed = cpu::zeroed_workspace({s.B, s.H, s.Sq}, DType::kFloat32, "dsa_attention_backward delta");
+    cpu::dsa_attention_delta_cpu(args.out, args.dout, computed.data_as<float>());
+    delta = computed.data_as<float>();
+  }
+  float* probs = absent(args.probs) ? nullptr : static_cast<float*>(args.probs.data());
+  cpu::dsa_attention_backward_cpu(args.fwd, s, args.lse, args.dout, delta, dq, dc, accumulate, probs);
+}
+
+void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs, Stream stream) {
+  detail::check_stream(stream, "dsa_attention_probs", kFamily);
+  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), nullptr, TensorView(),
+                                  TensorView(), false, static_cast<float*>(probs.data()));
+}
+
+void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,
+                                 Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_scores_selected", kFamily);
+  const IndexerBlock v = validate_scores_selected(args, topk_indices, scores);
+  cpu::dsa_indexer_scores_selected_cpu(args, v.s, topk_indices, v.valid, scores);
+}
+
+double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream) {
+  check_dsa_indexer_loss(args, dscores, stream);
+  return cpu::dsa_indexer_loss_cpu(args, dscores);
+}
+
+void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
+                          const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
+                          Stream stream) {
+  detail::check_stream(stream, "dsa_indexer_backward", kFamily);
+  const IndexerBlock v = validate_indexer_backward(args, topk_indices, dscores, dq_idx, dw, dk_idx, accumulate);
+  cpu::dsa_indexer_backward_cpu(args, v.s, topk_indices, v.valid, dscores, dq_idx, dw, dk_idx, accumulate);
+}
+
+}  // namespace seqpar::attn

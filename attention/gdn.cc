@@ -1,0 +1,273 @@
+// Public boundary of the GDN kernels: argument validation (callable on its own through the check_gdn_* and
+// check_short_conv_* functions) and dispatch to the CPU kernels in cpu/. Math: attention/gdn.h.
+#include "attention/gdn.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "attention/boundary.h"
+#include "attention/cpu/gdn_cpu.h"
+#include "runtime/error.h"
+
+namespace seqpar::attn {
+namespace {
+
+constexpr const char* kFamily = "GDN";
+
+void check_floating(const TensorView& t, const char* what) { detail::check_floating(t, what, kFamily); }
+
+// Activations and their gradients: any floating dtype, of `shape`.
+void check_activation(const TensorView& t, const Shape& shape, const char* what) {
+  check_floating(t, what);
+  check_shape(t, shape, what);
+}
+
+// States and their gradients [B, H, K, V] in the state dtype.
+void check_state(const TensorView& t, const cpu::GdnDims& d, DType state_dtype, const char* what) {
+  detail::check_host_tensor(t, {d.B, d.H, d.K, d.V}, state_dtype, what, kFamily);
+}
+
+cpu::GdnDims validate_forward_args(const GdnForwardArgs& a) {
+  SEQPAR_CHECK(a.q.ndim() == 4, "gdn: q must be [B, S, H, K], got ", shape_str(a.q.shape()));
+  SEQPAR_CHECK(a.v.ndim() == 4, "gdn: v must be [B, S, H, V], got ", shape_str(a.v.shape()));
+  cpu::GdnDims d{a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), a.v.dim(3)};
+  SEQPAR_CHECK(a.chunk_size >= 1, "gdn: chunk_size must be >= 1, got ", a.chunk_size);
+  // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
+  // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
+  // for 200 GB). Same chunks, same arithmetic.
+  d.C = std::min(a.chunk_size, std::max<std::int64_t>(d.S, 1));
+  SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
+  check_activation(a.q, a.q.shape(), "q");
+  check_activation(a.k, {d.B, d.S, d.H, d.K}, "k");
+  check_activation(a.v, {d.B, d.S, d.H, d.V}, "v");
+  check_activation(a.g, {d.B, d.S, d.H}, "g");
+  check_activation(a.beta, {d.B, d.S, d.H}, "beta");
+  SEQPAR_CHECK(std::isfinite(a.scale), "GDN scale ", a.scale, " must be finite (0 or less: 1/sqrt(K))");
+  if (!a.initial_state.empty()) check_state(a.initial_state, d, gdn_state_dtype(a.q.dtype()), "initial_state");
+  return d;
+}
+
+cpu::GdnDims validate_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state) {
+  const cpu::GdnDims d = validate_forward_args(args);
+  check_activation(out, {d.B, d.S, d.H, d.V}, "out");
+  if (!final_state.empty()) check_state(final_state, d, gdn_state_dtype(args.q.dtype()), "final_state");
+  return d;
+}
+
+cpu::GdnDims validate_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
+                               const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                               const TensorView& dinitial_state) {
+  const cpu::GdnDims d = validate_forward_args(args.fwd);
+  const DType sd = gdn_state_dtype(args.fwd.q.dtype());
+  const Shape qk{d.B, d.S, d.H, d.K}, vo{d.B, d.S, d.H, d.V}, gb{d.B, d.S, d.H};
+  if (!args.dout.empty()) check_activation(args.dout, vo, "dout");
+  if (!args.dfinal_state.empty()) check_state(args.dfinal_state, d, sd, "dfinal_state");
+  if (!dq.empty()) check_activation(dq, qk, "dq");
+  if (!dk.empty()) check_activation(dk, qk, "dk");
+  if (!dv.empty()) check_activation(dv, vo, "dv");
+  if (!dg.empty()) check_activation(dg, gb, "dg");
+  if (!dbeta.empty()) check_activation(dbeta, gb, "dbeta");
+  if (!dinitial_state.empty()) check_state(dinitial_state, d, sd, "dinitial_state");
+  return d;
+}
+
+cpu::GdnDims validate_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u) {
+  const cpu::GdnDims d = validate_forward_args(args);
+  SEQPAR_CHECK(args.initial_state.empty(),
+               "gdn_transition: initial_state must be empty (the map is taken from a zero start)");
+  const DType sd = gdn_state_dtype(args.q.dtype());
+  detail::check_host_tensor(m, {d.B, d.H, d.K, d.K}, sd, "m", kFamily);
+  detail::check_host_tensor(u, {d.B, d.H, d.K, d.V}, sd, "u", kFamily);
+  return d;
+}
+
+// ---- segment maps ----
+
+void check_map_matrix(const TensorView& m, const char* what) {
+  detail::check_host(m, what, kFamily);
+  SEQPAR_CHECK(m.ndim() == 4 && m.dim(2) == m.dim(3), "gdn: ", what, " must be [B, H, K, K], got ",
+               shape_str(m.shape()));
+  SEQPAR_CHECK(m.dtype() == DType::kFloat32 || m.dtype() == DType::kFloat64, "gdn: ", what,
+               " must be fp32 or fp64 (the state dtype), got ", dtype_name(m.dtype()));
+}
+
+// Checks that `t` is [B, H, K, *] with m's B, H, K and dtype, and the given last dim (< 0: any).
+void check_like(const TensorView& t, const TensorView& m, std::int64_t last, const char* what) {
+  detail::check_host(t, what, kFamily);
+  SEQPAR_CHECK(t.ndim() == 4, "gdn: ", what, " must be 4-d [B, H, K, *], got ", shape_str(t.shape()));
+  check_shape(t, {m.dim(0), m.dim(1), m.dim(2), last < 0 ? t.dim(3) : last}, what);
+  check_dtype(t, m.dtype(), what);
+}
+
+void check_distinct(const TensorView& out, const TensorView& in, const char* fn, const char* out_name,
+                    const char* in_name) {
+  SEQPAR_CHECK(out.data() != in.data(), fn, ": ", out_name, " may not alias ", in_name);
+}
+
+struct Named {
+  const TensorView& t;
+  const char* name;
+};
+
+// out = op(m) x (+ addend, when not empty): x, addend, out [B, H, K, N] like m; out may not alias x.
+void check_map_product(const TensorView& m, Named x, Named addend, Named out, const char* fn, const Stream& stream) {
+  detail::check_stream(stream, fn, kFamily);
+  check_map_matrix(m, "m");
+  check_like(x.t, m, -1, x.name);
+  check_like(out.t, m, x.t.dim(3), out.name);
+  if (!addend.t.empty()) check_like(addend.t, m, x.t.dim(3), addend.name);
+  check_distinct(out.t, x.t, fn, out.name, x.name);
+}
+
+// ---- short conv ----
+
+// Conv tensors share x's dtype.
+void check_like_x(const TensorView& t, const Shape& shape, const ShortConvArgs& a, const char* what) {
+  detail::check_host_tensor(t, shape, a.x.dtype(), what, kFamily);
+}
+
+cpu::ShortConvDims validate_conv_args(const ShortConvArgs& a) {
+  check_floating(a.x, "x");
+  detail::check_host(a.weight, "weight", kFamily);
+  SEQPAR_CHECK(a.x.ndim() == 3, "short_conv: x must be [B, S, C], got ", shape_str(a.x.shape()));
+  SEQPAR_CHECK(a.weight.ndim() == 2, "short_conv: weight must be [C, W], got ", shape_str(a.weight.shape()));
+  cpu::ShortConvDims d{a.x.dim(0), a.x.dim(1), a.x.dim(2), a.weight.dim(1)};
+  SEQPAR_CHECK(d.W >= 1, "short_conv: kernel width W must be >= 1, got ", d.W);
+  check_shape(a.weight, {d.C, d.W}, "weight");
+  check_dtype(a.weight, a.x.dtype(), "weight");
+  if (!a.initial_conv_state.empty()) check_like_x(a.initial_conv_state, {d.B, d.W - 1, d.C}, a, "initial_conv_state");
+  return d;
+}
+
+}  // namespace
+
+DType gdn_state_dtype(DType q_dtype) { return q_dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+
+// ---- checks on their own ------------------------------------------------------------------------------------------
+
+void check_gdn_forward_args(const GdnForwardArgs& args) { validate_forward_args(args); }
+
+void check_gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
+                       Stream stream) {
+  detail::check_stream(stream, "gdn_forward", kFamily);
+  validate_forward(args, out, final_state);
+}
+
+void check_gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state,
+                        Stream stream) {
+  detail::check_stream(stream, "gdn_backward", kFamily);
+  validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
+}
+
+void check_gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
+  detail::check_stream(stream, "gdn_transition", kFamily);
+  validate_transition(args, m, u);
+}
+
+void check_gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1,
+                                  const TensorView& u1, const TensorView& m, const TensorView& u, Stream stream) {
+  detail::check_stream(stream, "gdn_transition_compose", kFamily);
+  check_map_matrix(m2, "m2");
+  check_like(m1, m2, m2.dim(2), "m1");
+  check_like(m, m2, m2.dim(2), "m");
+  check_like(u2, m2, -1, "u2");
+  check_like(u1, m2, u2.dim(3), "u1");
+  check_like(u, m2, u2.dim(3), "u");
+  for (const TensorView* in : {&m1, &m2}) check_distinct(m, *in, "gdn_transition_compose", "m", "m1 or m2");
+  for (const TensorView* in : {&u1, &u2}) check_distinct(u, *in, "gdn_transition_compose", "u", "u1 or u2");
+}
+
+void check_gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start,
+                                const TensorView& s_end, Stream stream) {
+  check_map_product(m, {s_start, "s_start"}, {u, "u"}, {s_end, "s_end"}, "gdn_transition_apply", stream);
+}
+
+void check_gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
+                                        const TensorView& ds_start, Stream stream) {
+  check_map_product(m, {ds_end, "ds_end"}, {local, "local"}, {ds_start, "ds_start"}, "gdn_transition_apply_adjoint",
+                    stream);
+}
+
+void check_gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream) {
+  detail::check_stream(stream, "gdn_transition_transpose", kFamily);
+  check_map_matrix(m, "m");
+  check_like(mt, m, m.dim(2), "mt");
+  check_distinct(mt, m, "gdn_transition_transpose", "mt", "m");
+}
+
+void check_short_conv_args(const ShortConvArgs& args) { validate_conv_args(args); }
+
+void check_short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
+                              Stream stream) {
+  detail::check_stream(stream, "short_conv_forward", kFamily);
+  const cpu::ShortConvDims d = validate_conv_args(args);
+  check_like_x(out, {d.B, d.S, d.C}, args, "out");
+  if (!final_conv_state.empty()) check_like_x(final_conv_state, {d.B, d.W - 1, d.C}, args, "final_conv_state");
+}
+
+void check_short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
+                               const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
+  detail::check_stream(stream, "short_conv_backward", kFamily);
+  const cpu::ShortConvDims d = validate_conv_args(args);
+  check_like_x(dout, {d.B, d.S, d.C}, args, "dout");
+  if (!dx.empty()) check_like_x(dx, {d.B, d.S, d.C}, args, "dx");
+  if (!dweight.empty()) check_like_x(dweight, {d.C, d.W}, args, "dweight");
+  if (!dinitial_conv_state.empty()) check_like_x(dinitial_conv_state, {d.B, d.W - 1, d.C}, args, "dinitial_conv_state");
+}
+
+// ---- the kernels ---------------------------------------------------------------------------------------------------
+
+void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state, Stream stream) {
+  detail::check_stream(stream, "gdn_forward", kFamily);
+  cpu::gdn_forward_cpu(args, validate_forward(args, out, final_state), out, final_state);
+}
+
+void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                  const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) {
+  detail::check_stream(stream, "gdn_backward", kFamily);
+  const cpu::GdnDims d = validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
+  cpu::gdn_backward_cpu(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+}
+
+void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
+  detail::check_stream(stream, "gdn_transition", kFamily);
+  cpu::gdn_transition_cpu(args, validate_transition(args, m, u), m, u);
+}
+
+void gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1, const TensorView& u1,
+                            const TensorView& m, const TensorView& u, Stream stream) {
+  check_gdn_transition_compose(m2, u2, m1, u1, m, u, stream);
+  cpu::gdn_transition_compose_cpu(m2, u2, m1, u1, m, u);
+}
+
+void gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start, const TensorView& s_end,
+                          Stream stream) {
+  check_gdn_transition_apply(m, u, s_start, s_end, stream);
+  cpu::gdn_transition_apply_cpu(m, u, s_start, s_end);
+}
+
+void gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
+                                  const TensorView& ds_start, Stream stream) {
+  check_gdn_transition_apply_adjoint(m, ds_end, local, ds_start, stream);
+  cpu::gdn_transition_apply_adjoint_cpu(m, ds_end, local, ds_start);
+}
+
+void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream) {
+  check_gdn_transition_transpose(m, mt, stream);
+  cpu::gdn_transition_transpose_cpu(m, mt);
+}
+
+void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
+                        Stream stream) {
+  check_short_conv_forward(args, out, final_conv_state, stream);
+  cpu::short_conv_forward_cpu(args, validate_conv_args(args), out, final_conv_state);
+}
+
+void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
+                         const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
+  check_short_conv_backward(args, dout, dx, dweight, dinitial_conv_state, stream);
+  cpu::short_conv_backward_cpu(args, validate_conv_args(args), dout, dx, dweight, dinitial_conv_state);
+}
+
+}  // namespace seqpar::attn
