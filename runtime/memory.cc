@@ -71,7 +71,7 @@ std::string ledger_totals() {
   for (int c = 0; c < kNumMemCategories; ++c) {
     text += str_cat(c ? ", " : "", mem_category_name(static_cast<MemCategory>(c)), " ", s.current[c]);
   }
-  return str_cat(text, "; total ", s.total_current, " bytes");
+  return str_cat(text, ", total ", s.total_current, " bytes");
 }
 
 void* ledger_allocate(std::size_t bytes, MemCategory category, Device device) {

@@ -43,7 +43,7 @@ class MemoryLedger {
 
 // The ledger of this process (one per device type would be a later refinement; CPU and CUDA bytes share it).
 MemoryLedger& memory_ledger();
-// "model_state N, saved_activation N, ...; total N bytes": the ledger's current bytes, for error messages.
+// "model_state N, saved_activation N, ..., total N bytes": the ledger's current bytes, for error messages.
 std::string ledger_totals();
 
 // Raw allocation through the ledger: 64-byte aligned host memory, or device memory on CUDA.

@@ -27,13 +27,7 @@ int worker_id() {
 }
 
 void throw_out_of_memory(const std::string& what, std::int64_t bytes) {
-  const MemorySnapshot s = memory_ledger().snapshot();
-  std::string totals;
-  for (int c = 0; c < kNumMemCategories; ++c) {
-    totals += str_cat(c == 0 ? "" : ", ", mem_category_name(static_cast<MemCategory>(c)), " ", s.current[c], " B");
-  }
-  SEQPAR_THROW("out of memory: ", what, " asked for ", bytes, " bytes; the memory ledger holds ", totals, ", total ",
-               s.total_current, " B");
+  SEQPAR_THROW("out of memory: ", what, " asked for ", bytes, " bytes (the ledger holds ", ledger_totals(), ")");
 }
 
 Tensor zeroed_workspace(const Shape& shape, DType dtype, const std::string& what) {

@@ -24,8 +24,8 @@ int max_workers();
 // The calling thread's number in the innermost parallel region (0 outside any region or without OpenMP).
 int worker_id();
 
-// Throws seqpar::Error "out of memory: <what> asked for <bytes> bytes; the memory ledger holds model_state ... B,
-// ..., total ... B".
+// Throws seqpar::Error "out of memory: <what> asked for <bytes> bytes (the ledger holds model_state N, ..., total N
+// bytes)" (runtime/memory.h ledger_totals).
 [[noreturn]] void throw_out_of_memory(const std::string& what, std::int64_t bytes);
 
 // A zero-filled ledger workspace tensor; a failed allocation is raised by throw_out_of_memory.
