@@ -114,6 +114,11 @@ def main():
             print(f"FAIL: the clean counting run exited {rc} or printed no count")
             return 1
         calls, allocs = int(m.group(1)), int(m.group(2))
+        if calls < 4 or allocs < 4:
+            print(out)
+            print(f"FAIL: the counting run saw {calls} communication calls and {allocs} allocations; "
+                  "the fault points need at least 4 of each (is the Communicator front-end counting?)")
+            return 1
     print(f"# clean run: {clean_s:.1f} s, rank {count_rank}: {calls} communication calls, {allocs} allocations")
 
     last = a.np - 1
