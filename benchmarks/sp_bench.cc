@@ -22,6 +22,7 @@
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/error.h"
+#include "runtime/comm_factory.h"
 #include "runtime/memory.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/sp_grid.h"
@@ -203,7 +204,7 @@ int sp_bench_main(int argc, char** argv) {
   }
   const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
   Progress progress(world_rank == 0 && !o.quiet);
-  auto world = MpiCommunicator::world();
+  auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);
   const int sp_size = o.grid.ulysses_size * o.grid.ring_size;

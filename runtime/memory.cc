@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "runtime/comm_keepalive.h"
 #include "runtime/error.h"
 
 namespace seqpar {
@@ -84,7 +85,8 @@ void* ledger_allocate(std::size_t bytes, MemCategory category, Device device) {
 void ledger_free(void* ptr, std::size_t bytes, MemCategory category, Device device) {
   if (!ptr) return;
   if (device.is_cpu()) {
-    std::free(ptr);
+    // Memory an abandoned transfer may still read or write is kept, never freed (runtime/comm_keepalive.h).
+    if (!held_by_transport(ptr, bytes)) std::free(ptr);
   } else {
 #if defined(SEQPAR_WITH_CUDA)
     cuda_free(ptr, device.index);

@@ -26,17 +26,13 @@
 #include "tests/util/units.h"
 
 #if defined(SEQPAR_WITH_CUDA)
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>  // the typed cudaMallocHost overload
 #endif
 
 namespace seqpar {
 namespace {
 
-using test::put;
-using test::take;
-using test::unit_exponent;
-using test::units_equal;
-using test::world;
+using namespace test;  // NOLINT: the shared communicator test helpers (tests/util/device_collectives.h)
 
 // Why this job cannot move device buffers (empty when it can); the same answer on every rank.
 const std::string& skip_reason() {
@@ -61,22 +57,6 @@ const std::string& skip_reason() {
 // This rank's device: ranks share the visible devices round-robin (all share one GPU on a one-GPU machine).
 [[maybe_unused]] int device() { return device_ordinal_from_local_rank(); }
 
-using test::check_all_gather;
-using test::check_all_reduce;
-using test::check_all_to_all;
-using test::check_all_to_all_v;
-using test::check_batch_ring_both_directions;
-using test::check_broadcast;
-using test::check_reduce_scatter;
-using test::check_ring_forwarding;
-using test::contains;
-using test::error_of;
-using test::filled_on_device;
-using test::kAllDTypes;
-using test::left_units;
-using test::mod;
-using test::on_device;
-using test::right_units;
 
 // ---- everywhere ------------------------------------------------------------------------------------------------
 
@@ -236,7 +216,7 @@ TEST(MpiDevice, TimedOutDeviceReceiveLeavesItsBufferAndTheCommunicatorUsable) {
     WorkHandle work = w.irecv(stale, left, 877);
     const std::string m = error_of([&] { work->wait(0.3); });
     EXPECT_TRUE(
-        contains(m, str_cat("MPI irecv from peer ", left, " (tag 877, 16 bytes) did not complete within 0.3 s")))
+        contains(m, str_cat("world: irecv of 16 bytes from world rank ", left, " with tag 877 did not complete within 0.3 s")))
         << m;
   }
   w.barrier()->wait();

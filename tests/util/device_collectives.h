@@ -1,6 +1,7 @@
-// Communicator checks shared by the device-buffer tests of the MPI backend (tests/mpi/test_mpi_device.cc) and the
-// NCCL backend (tests/mpi/test_nccl_comm.cc): exact "unit" data on the CUDA device of this rank (tests/util/units.h)
-// and one function per collective that runs it on every dtype and compares with a closed form.
+// Communicator checks shared by the communicator tests: host buffers of the MPI backend (tests/mpi/test_comm.cc),
+// device buffers of the MPI backend (tests/mpi/test_mpi_device.cc) and of the NCCL backend
+// (tests/mpi/test_nccl_comm.cc): exact "unit" data (tests/util/units.h), on the CUDA device of this rank for the
+// device tests, and one function per collective that runs it on every dtype and compares with a closed form.
 #pragma once
 
 #include <cstdint>
@@ -34,5 +35,11 @@ void check_all_reduce(Communicator& w);
 void check_broadcast(Communicator& w);
 void check_batch_ring_both_directions(Communicator& w);
 void check_ring_forwarding(Communicator& w);
+
+// A buffer of `n` elements all equal to `units` where the communicator under test wants it (host or device).
+using FilledBuffer = std::function<Tensor(DType dtype, std::int64_t n, std::int64_t units)>;
+// CommCounters after each kind of operation against its definition (runtime/comm.h). `lone_p2p`: also a lone
+// isend + irecv pair (a backend that serialises its operations, like NCCL, would deadlock on it around a ring).
+void check_byte_counters(Communicator& w, const FilledBuffer& filled, bool lone_p2p);
 
 }  // namespace seqpar::test
