@@ -21,8 +21,8 @@
 
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_workload.h"
-#include "runtime/error.h"
 #include "runtime/comm_factory.h"
+#include "runtime/error.h"
 #include "runtime/memory.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/sp_grid.h"

@@ -100,8 +100,8 @@ void Communicator::check_tag(int tag, const char* op) const {
 }
 
 void Communicator::check_elements(std::int64_t count, const char* op) const {
-  SEQPAR_CHECK(count >= 0 && count <= max_message_elements(), where(op), ": element count ", count,
-               " exceeds the ", backend_name(), " backend's limit of ", max_message_elements(), " per message");
+  SEQPAR_CHECK(count >= 0 && count <= max_message_elements(), where(op), ": element count ", count, " exceeds the ",
+               backend_name(), " backend's limit of ", max_message_elements(), " per message");
 }
 
 // MPI and NCCL forbid overlapping send and receive buffers in a collective (outside the in-place layouts).
@@ -119,26 +119,27 @@ void Communicator::unsupported(const char* op) const {
 
 // ---- point to point ---------------------------------------------------------------------------------------------
 
+// Checks one point-to-point operation and returns "<bytes> bytes to/from <peer> with tag <tag>".
+std::string Communicator::check_p2p(const P2POp& op, const char* name) const {
+  check_peer(op.peer, name);
+  check_tag(op.tag, name);
+  check_buffer(op.buffer, where(name));
+  check_elements(op.buffer.numel(), name);
+  return str_cat(op.buffer.nbytes(), " bytes ", op.kind == P2POp::Kind::kRecv ? "from " : "to ", peer_str(op.peer),
+                 " with tag ", op.tag);
+}
+
 WorkHandle Communicator::isend(const TensorView& buffer, int peer, int tag) {
-  check_peer(peer, "isend");
-  check_tag(tag, "isend");
-  check_buffer(buffer, where("isend"));
-  check_elements(buffer.numel(), "isend");
-  WorkHandle w =
-      do_isend(buffer, peer, tag, str_cat(where("isend"), " of ", buffer.nbytes(), " bytes to ", peer_str(peer),
-                                          " with tag ", tag));
+  std::string what = str_cat(where("isend"), " of ", check_p2p(P2POp::send(buffer, peer, tag), "isend"));
+  WorkHandle w = do_isend(buffer, peer, tag, std::move(what));
   counters_.bytes_sent += static_cast<std::int64_t>(buffer.nbytes());
   ++counters_.num_ops;
   return w;
 }
 
 WorkHandle Communicator::irecv(const TensorView& buffer, int peer, int tag) {
-  check_peer(peer, "irecv");
-  check_tag(tag, "irecv");
-  check_buffer(buffer, where("irecv"));
-  check_elements(buffer.numel(), "irecv");
-  WorkHandle w = do_irecv(buffer, peer, tag,
-                          str_cat(where("irecv"), " of ", buffer.nbytes(), " bytes from ", peer_str(peer), " with tag ", tag));
+  std::string what = str_cat(where("irecv"), " of ", check_p2p(P2POp::recv(buffer, peer, tag), "irecv"));
+  WorkHandle w = do_irecv(buffer, peer, tag, std::move(what));
   counters_.bytes_received += static_cast<std::int64_t>(buffer.nbytes());
   ++counters_.num_ops;
   return w;
@@ -148,14 +149,9 @@ WorkHandle Communicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
   std::int64_t sent = 0, received = 0;
   std::string list;
   for (const P2POp& op : ops) {
-    check_peer(op.peer, "batch_isend_irecv");
-    check_tag(op.tag, "batch_isend_irecv");
-    check_buffer(op.buffer, where("batch_isend_irecv"));
-    check_elements(op.buffer.numel(), "batch_isend_irecv");
     const bool recv = op.kind == P2POp::Kind::kRecv;
+    list += str_cat(list.empty() ? "" : "; ", recv ? "recv " : "send ", check_p2p(op, "batch_isend_irecv"));
     (recv ? received : sent) += static_cast<std::int64_t>(op.buffer.nbytes());
-    list += str_cat(list.empty() ? "" : "; ", recv ? "recv " : "send ", op.buffer.nbytes(), " bytes ",
-                    recv ? "from " : "to ", peer_str(op.peer), " with tag ", op.tag);
   }
   WorkHandle w = do_batch_isend_irecv(ops, str_cat(where("batch_isend_irecv"), " (", list, ")"));
   counters_.bytes_sent += sent;
@@ -169,15 +165,16 @@ WorkHandle Communicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
 WorkHandle Communicator::all_to_all(const TensorView& send, const TensorView& recv) {
   check_buffer(send, where("all_to_all"));
   check_buffer(recv, where("all_to_all"));
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel(), where("all_to_all"), ": send ",
-               send.str(), " and recv ", recv.str(), " must have the same dtype and element count");
+  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel(), where("all_to_all"), ": send ", send.str(),
+               " and recv ", recv.str(), " must have the same dtype and element count");
   SEQPAR_CHECK(send.numel() % size_ == 0, where("all_to_all"), ": element count ", send.numel(),
                " must be divisible by the communicator size ", size_);
   check_disjoint(send, recv, "all_to_all");
   const std::int64_t block = send.numel() / size_;
   check_elements(block, "all_to_all");
   WorkHandle w = do_all_to_all(
-      send, recv, str_cat(where("all_to_all"), " of ", send.nbytes(), " bytes over ", size_, " ranks (", members_str(), ")"));
+      send, recv,
+      str_cat(where("all_to_all"), " of ", send.nbytes(), " bytes over ", size_, " ranks (", members_str(), ")"));
   const std::int64_t moved = block * (size_ - 1) * static_cast<std::int64_t>(dtype_size(send.dtype()));
   counters_.bytes_sent += moved;
   counters_.bytes_received += moved;
@@ -193,8 +190,8 @@ WorkHandle Communicator::all_to_all_v(const TensorView& send, const std::vector<
   SEQPAR_CHECK(send.dtype() == recv.dtype(), op, ": send and recv dtypes differ (", dtype_name(send.dtype()), " vs ",
                dtype_name(recv.dtype()), ")");
   SEQPAR_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_, op,
-               ": send_counts and recv_counts need one entry per rank (", size_, "), got ", send_counts.size(),
-               " and ", recv_counts.size());
+               ": send_counts and recv_counts need one entry per rank (", size_, "), got ", send_counts.size(), " and ",
+               recv_counts.size());
   std::int64_t send_total = 0, recv_total = 0;
   for (int r = 0; r < size_; ++r) {
     SEQPAR_CHECK(send_counts[r] >= 0 && recv_counts[r] >= 0, op, ": negative count for rank ", r);
@@ -206,9 +203,8 @@ WorkHandle Communicator::all_to_all_v(const TensorView& send, const std::vector<
     check_elements(send_counts[r], "all_to_all_v");
     check_elements(recv_counts[r], "all_to_all_v");
   }
-  SEQPAR_CHECK(send_total <= send.numel() && recv_total <= recv.numel(), op, ": counts sum to ", send_total,
-               " sent / ", recv_total, " received, more than the buffers hold (", send.numel(), " / ", recv.numel(),
-               ")");
+  SEQPAR_CHECK(send_total <= send.numel() && recv_total <= recv.numel(), op, ": counts sum to ", send_total, " sent / ",
+               recv_total, " received, more than the buffers hold (", send.numel(), " / ", recv.numel(), ")");
   SEQPAR_CHECK(send_counts[rank_] == recv_counts[rank_], op, ": rank ", rank_, " sends ", send_counts[rank_],
                " elements to itself but expects to receive ", recv_counts[rank_]);
   check_disjoint(send, recv, "all_to_all_v");
@@ -242,8 +238,8 @@ WorkHandle Communicator::all_gather(const TensorView& send, const TensorView& re
 WorkHandle Communicator::reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) {
   check_buffer(send, where("reduce_scatter"));
   check_buffer(recv, where("reduce_scatter"));
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel() * size_, where("reduce_scatter"),
-               ": send ", send.str(), " must hold size (", size_, ") x recv ", recv.str());
+  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel() * size_, where("reduce_scatter"), ": send ",
+               send.str(), " must hold size (", size_, ") x recv ", recv.str());
   check_disjoint(send, recv, "reduce_scatter");
   check_elements(recv.numel(), "reduce_scatter");
   WorkHandle w = do_reduce_scatter(send, recv, op,
@@ -294,7 +290,8 @@ WorkHandle Communicator::barrier() {
 
 std::unique_ptr<Communicator> Communicator::split(int color, int key) {
   std::unique_ptr<Communicator> child = do_split(
-      color, key, str_cat(where("split"), " (color ", color, ", key ", key, ") over ", size_, " ranks (", members_str(), ")"));
+      color, key,
+      str_cat(where("split"), " (color ", color, ", key ", key, ") over ", size_, " ranks (", members_str(), ")"));
   if (child) {
     child->set_name("split");
     child->set_stream(stream_);  // device buffers are staged / ordered on the same compute stream
@@ -316,16 +313,12 @@ WorkHandle Communicator::do_irecv(const TensorView&, int, int, std::string) { un
 WorkHandle Communicator::do_batch_isend_irecv(const std::vector<P2POp>&, std::string) {
   unsupported("batch_isend_irecv");
 }
-WorkHandle Communicator::do_all_to_all(const TensorView&, const TensorView&, std::string) {
-  unsupported("all_to_all");
-}
+WorkHandle Communicator::do_all_to_all(const TensorView&, const TensorView&, std::string) { unsupported("all_to_all"); }
 WorkHandle Communicator::do_all_to_all_v(const TensorView&, const std::vector<std::int64_t>&, const TensorView&,
                                          const std::vector<std::int64_t>&, std::string) {
   unsupported("all_to_all_v");
 }
-WorkHandle Communicator::do_all_gather(const TensorView&, const TensorView&, std::string) {
-  unsupported("all_gather");
-}
+WorkHandle Communicator::do_all_gather(const TensorView&, const TensorView&, std::string) { unsupported("all_gather"); }
 WorkHandle Communicator::do_reduce_scatter(const TensorView&, const TensorView&, ReduceOp, std::string) {
   unsupported("reduce_scatter");
 }

@@ -9,11 +9,13 @@
 //
 // Buffers of an unfinished operation (the rule on failure paths): when a Work is abandoned - wait() timed out or
 // failed, or the Work was destroyed before it completed, for example while an exception unwinds the caller - the
-// runtime never lets the transport touch freed memory. Receives are cancelled. A send (or a collective) that MPI
-// may still read after a short grace keeps its host buffer: the runtime records the address range, and when the
-// caller's Tensor is freed afterwards that memory is deliberately kept (leaked, and logged) instead of being
-// returned to the system (runtime/comm_keepalive.h). Device buffers staged through pinned memory keep their pinned
-// mirrors the same way; an NCCL communicator is aborted (ncclCommAbort), which stops its kernels.
+// runtime never lets MPI touch freed memory. Receives are cancelled. A send or collective that MPI has not completed
+// by then keeps its host buffers: the runtime records their address ranges, and when the caller's Tensor is freed
+// afterwards that memory is deliberately kept (leaked, with a warning) instead of being returned to the system
+// (runtime/comm_keepalive.h); pinned mirrors of staged device buffers are kept the same way, and a communicator with
+// an abandoned collective is never freed. An NCCL communicator whose wait failed is aborted (ncclCommAbort), which
+// stops its kernels; an NCCL Work destroyed unfinished leaves its kernels queued (they cannot be cancelled), and its
+// device buffers must outlive them.
 #pragma once
 
 #include <cstdint>
@@ -118,8 +120,8 @@ class Communicator {
   WorkHandle all_to_all(const TensorView& send, const TensorView& recv);
   // Variable splits: send_counts[r] elements (consecutive, in rank order) go to rank r; recv_counts[r] come from r.
   // The block a rank sends itself has as many elements as it receives from itself.
-  WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
-                          const TensorView& recv, const std::vector<std::int64_t>& recv_counts);
+  WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts, const TensorView& recv,
+                          const std::vector<std::int64_t>& recv_counts);
   // recv.numel == size() * send.numel; rank r's block lands at offset r * send.numel.
   WorkHandle all_gather(const TensorView& send, const TensorView& recv);
   // send.numel == size() * recv.numel; rank r receives the reduction of every rank's block r.
@@ -181,6 +183,7 @@ class Communicator {
  private:
   [[noreturn]] void unsupported(const char* op) const;
   void check_peer(int peer, const char* op) const;
+  std::string check_p2p(const P2POp& op, const char* name) const;
   void check_tag(int tag, const char* op) const;
   void check_elements(std::int64_t count, const char* op) const;
   void check_disjoint(const TensorView& send, const TensorView& recv, const char* op) const;

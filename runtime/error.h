@@ -1,8 +1,9 @@
 // seqpar's one exception type and the check macros used at every library boundary.
 //
 // Every message carries the rank of the process that raised it ("rank 3: ..."), so that a failure in a
-// multi-rank job can be attributed. Library macros (MPI here; CUDA and NCCL in runtime/cuda_check.h) also name the call, the file and line,
-// and the library's own error string. Habits from NCCL checks.h and TransformerEngine NVTE_CHECK.
+// multi-rank job can be attributed. Library macros (MPI here; CUDA and NCCL in runtime/cuda_check.h) also name the
+// call, the file and line, and the library's own error string. Habits from NCCL checks.h and TransformerEngine
+// NVTE_CHECK.
 #pragma once
 
 #include <sstream>

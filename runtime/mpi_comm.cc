@@ -253,7 +253,7 @@ class MpiWork final : public Work {
   std::string description_;
   std::vector<MPI_Request> requests_;
   std::vector<ReqKind> kinds_;
-  std::vector<TensorView> host_buffers_;    // what MPI reads / writes (pinned mirrors for device buffers)
+  std::vector<TensorView> host_buffers_;  // what MPI reads / writes (pinned mirrors for device buffers)
   bool done_ = false;
   std::vector<MPI_Status> statuses_;        // of the last MPI_Testall
   std::string failure_;                     // set once wait() timed out; later wait() / test() calls throw it again
@@ -262,7 +262,8 @@ class MpiWork final : public Work {
 };
 
 WorkHandle make_work(const std::shared_ptr<bool>& collective_abandoned, std::string description, MPI_Request request,
-                     ReqKind kind, std::vector<TensorView> host_buffers, std::shared_ptr<DeviceStaging> staging = nullptr) {
+                     ReqKind kind, std::vector<TensorView> host_buffers,
+                     std::shared_ptr<DeviceStaging> staging = nullptr) {
   return std::make_unique<MpiWork>(collective_abandoned, std::move(description), std::vector<MPI_Request>{request},
                                    std::vector<ReqKind>{kind}, std::move(host_buffers), std::move(staging));
 }
@@ -359,8 +360,8 @@ WorkHandle MpiCommunicator::do_isend(const TensorView& buffer, int peer, int tag
   std::shared_ptr<DeviceStaging> staging;
   const TensorView host = host_view(buffer, true, false, stream(), staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Isend(host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()), peer, tag,
-                             comm_, &req));
+  SEQPAR_CHECK_MPI(
+      MPI_Isend(host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()), peer, tag, comm_, &req));
   return make_work(collective_abandoned_, std::move(what), req, ReqKind::kSend, {host}, std::move(staging));
 }
 
@@ -368,8 +369,8 @@ WorkHandle MpiCommunicator::do_irecv(const TensorView& buffer, int peer, int tag
   std::shared_ptr<DeviceStaging> staging;
   const TensorView host = host_view(buffer, false, true, stream(), staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Irecv(host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()), peer, tag,
-                             comm_, &req));
+  SEQPAR_CHECK_MPI(
+      MPI_Irecv(host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()), peer, tag, comm_, &req));
   return make_work(collective_abandoned_, std::move(what), req, ReqKind::kRecv, {host}, std::move(staging));
 }
 
@@ -400,8 +401,8 @@ WorkHandle MpiCommunicator::do_batch_isend_irecv(const std::vector<P2POp>& ops, 
       kinds[i] = recv ? ReqKind::kRecv : ReqKind::kSend;
     }
   }
-  return std::make_unique<MpiWork>(collective_abandoned_, std::move(what), std::move(reqs), std::move(kinds), std::move(hosts),
-                                   std::move(staging));
+  return std::make_unique<MpiWork>(collective_abandoned_, std::move(what), std::move(reqs), std::move(kinds),
+                                   std::move(hosts), std::move(staging));
 }
 
 WorkHandle MpiCommunicator::do_all_to_all(const TensorView& send, const TensorView& recv, std::string what) {
@@ -412,7 +413,8 @@ WorkHandle MpiCommunicator::do_all_to_all(const TensorView& send, const TensorVi
   MPI_Request req;
   SEQPAR_CHECK_MPI(MPI_Ialltoall(hsend.data(), block, mpi_type(send.dtype()), hrecv.data(), block,
                                  mpi_type(recv.dtype()), comm_, &req));
-  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv}, std::move(staging));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv},
+                   std::move(staging));
 }
 
 WorkHandle MpiCommunicator::do_all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
@@ -449,7 +451,8 @@ WorkHandle MpiCommunicator::do_all_gather(const TensorView& send, const TensorVi
   MPI_Request req;
   SEQPAR_CHECK_MPI(MPI_Iallgather(hsend.data(), count, mpi_type(send.dtype()), hrecv.data(), count,
                                   mpi_type(recv.dtype()), comm_, &req));
-  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv}, std::move(staging));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv},
+                   std::move(staging));
 }
 
 WorkHandle MpiCommunicator::do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op,
@@ -461,15 +464,16 @@ WorkHandle MpiCommunicator::do_reduce_scatter(const TensorView& send, const Tens
   MPI_Request req;
   SEQPAR_CHECK_MPI(MPI_Ireduce_scatter_block(hsend.data(), hrecv.data(), count, mpi_type(send.dtype()),
                                              mpi_op(op, send.dtype()), comm_, &req));
-  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv}, std::move(staging));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv},
+                   std::move(staging));
 }
 
 WorkHandle MpiCommunicator::do_all_reduce(const TensorView& buffer, ReduceOp op, std::string what) {
   std::shared_ptr<DeviceStaging> staging;
   const TensorView host = host_view(buffer, true, true, stream(), staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, host.data(), static_cast<int>(buffer.numel()),
-                                  mpi_type(buffer.dtype()), mpi_op(op, buffer.dtype()), comm_, &req));
+  SEQPAR_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()),
+                                  mpi_op(op, buffer.dtype()), comm_, &req));
   return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {host}, std::move(staging));
 }
 

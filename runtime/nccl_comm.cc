@@ -461,15 +461,15 @@ void NcclCommunicator::do_set_stream(const Stream& stream) {
 
 WorkHandle NcclCommunicator::do_isend(const TensorView& buffer, int peer, int, std::string what) {
   return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
-    SEQPAR_CHECK_NCCL(ncclSend(buffer.data(), static_cast<std::size_t>(buffer.numel()), nccl_type(buffer.dtype()),
-                               peer, comm, stream));
+    SEQPAR_CHECK_NCCL(ncclSend(buffer.data(), static_cast<std::size_t>(buffer.numel()), nccl_type(buffer.dtype()), peer,
+                               comm, stream));
   });
 }
 
 WorkHandle NcclCommunicator::do_irecv(const TensorView& buffer, int peer, int, std::string what) {
   return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
-    SEQPAR_CHECK_NCCL(ncclRecv(buffer.data(), static_cast<std::size_t>(buffer.numel()), nccl_type(buffer.dtype()),
-                               peer, comm, stream));
+    SEQPAR_CHECK_NCCL(ncclRecv(buffer.data(), static_cast<std::size_t>(buffer.numel()), nccl_type(buffer.dtype()), peer,
+                               comm, stream));
   });
 }
 

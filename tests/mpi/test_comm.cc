@@ -23,10 +23,10 @@
 #include <vector>
 
 #include "runtime/comm.h"
-#include "runtime/env.h"
-#include "runtime/tensor.h"
 #include "runtime/comm_factory.h"
 #include "runtime/comm_keepalive.h"
+#include "runtime/env.h"
+#include "runtime/tensor.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -422,7 +422,8 @@ TEST(Comm, FrontEndChecksNameTheGroupAndTheRule) {
   send_counts[r] = 1;
   recv_counts[r] = 2;
   m = error_of([&] { w.all_to_all_v(x, send_counts, y, recv_counts); });
-  EXPECT_TRUE(contains(m, str_cat("world: all_to_all_v: rank ", r, " sends 1 elements to itself but expects to receive 2")))
+  EXPECT_TRUE(
+      contains(m, str_cat("world: all_to_all_v: rank ", r, " sends 1 elements to itself but expects to receive 2")))
       << m;
   m = error_of([&] { w.world_rank_of(p); });
   EXPECT_TRUE(contains(m, str_cat("world: rank ", p, " is outside the communicator of size ", p))) << m;
@@ -502,7 +503,8 @@ TEST(Comm, SplitCommunicatorsMapGroupRanksToWorldRanks) {
   auto halves = w.split(r < p / 2 ? 0 : 1, r);  // consecutive world ranks: shown as a range
   ASSERT_NE(halves, nullptr);
   const int first = r < p / 2 ? 0 : p / 2, last = r < p / 2 ? p / 2 - 1 : p - 1;
-  EXPECT_EQ(halves->members_str(), first == last ? str_cat("world rank ", first) : str_cat("world ranks ", first, "-", last));
+  EXPECT_EQ(halves->members_str(),
+            first == last ? str_cat("world rank ", first) : str_cat("world ranks ", first, "-", last));
   w.barrier()->wait();
 }
 
@@ -523,8 +525,8 @@ TEST(Comm, UnmatchedReceiveTimesOutAndCommunicatorStaysUsable) {
     const auto start = std::chrono::steady_clock::now();
     const std::string m = error_of([&] { work->wait(timeout); });
     const double waited = seconds_since(start);
-    EXPECT_TRUE(
-        contains(m, str_cat("world: irecv of 16 bytes from world rank ", left, " with tag 777 did not complete within 0.3 s")))
+    EXPECT_TRUE(contains(
+        m, str_cat("world: irecv of 16 bytes from world rank ", left, " with tag 777 did not complete within 0.3 s")))
         << m;
     EXPECT_GE(waited, timeout);
     EXPECT_LT(waited, timeout + 5.0) << "the timeout took far longer than asked";
@@ -568,7 +570,8 @@ TEST(Comm, TimeoutsNameTheGroupThePeerAndTheMembers) {
     WorkHandle work = ring->irecv(buf, left, 790);  // no one sends with tag 790
     const std::string m = error_of([&] { work->wait(0.2); });
     const std::string peer = p == 1 ? "world rank 0" : str_cat("world rank ", p - 1 - left, " (ring rank ", left, ")");
-    EXPECT_TRUE(contains(m, str_cat("ring: irecv of 64 bytes from ", peer, " with tag 790 did not complete within 0.2 s")))
+    EXPECT_TRUE(
+        contains(m, str_cat("ring: irecv of 64 bytes from ", peer, " with tag 790 did not complete within 0.2 s")))
         << m;
   }
   if (p > 1) {
@@ -579,8 +582,8 @@ TEST(Comm, TimeoutsNameTheGroupThePeerAndTheMembers) {
     if (group->rank() == 0) {
       WorkHandle lonely = group->barrier();
       const std::string m = error_of([&] { lonely->wait(0.2); });
-      EXPECT_TRUE(contains(m, str_cat("ulysses: barrier over ", p, " ranks (world ranks 0-", p - 1,
-                                      ") did not complete within 0.2 s")))
+      EXPECT_TRUE(contains(
+          m, str_cat("ulysses: barrier over ", p, " ranks (world ranks 0-", p - 1, ") did not complete within 0.2 s")))
           << m;
       EXPECT_TRUE(contains(m, "this communicator cannot run further collectives")) << m;
     }
@@ -629,7 +632,8 @@ TEST(Comm, TruncatedReceiveNamesTheOperation) {
   WorkHandle recv_work = w.irecv(recv, left, 781);
   WorkHandle send_work = w.isend(send, right, 781);
   const std::string m = error_of([&] { recv_work->wait(30.0); });
-  EXPECT_TRUE(contains(m, str_cat("world: irecv of 8 bytes from world rank ", left, " with tag 781 failed: MPI_ERR_TRUNCATE")))
+  EXPECT_TRUE(
+      contains(m, str_cat("world: irecv of 8 bytes from world rank ", left, " with tag 781 failed: MPI_ERR_TRUNCATE")))
       << m;
   EXPECT_TRUE(contains(m, "a peer posted a mismatched operation")) << m;
   EXPECT_EQ(error_of([&] { recv_work->wait(1.0); }), m) << "a second wait reports the same failure";

@@ -51,22 +51,16 @@ const std::string& skip_reason() {
       r = str_cat("NCCL needs one CUDA device per rank: ", world().size(), " ranks, ", n, " device(s) visible",
                   n == 0 ? str_cat(" (", cuda_unavailable_reason(), ")") : std::string());
     }
-    if (!test::all_ranks(world(), r.empty()) && r.empty()) r = "another rank cannot run the NCCL tests";
-    return r;
+    return agreed_skip_reason(world(), r, "cannot run the NCCL tests");
   }();
   return reason;
 }
-
-#define SEQPAR_SKIP_WITHOUT_NCCL()                             \
-  do {                                                         \
-    if (!skip_reason().empty()) GTEST_SKIP() << skip_reason(); \
-  } while (0)
+#define SEQPAR_SKIP_WITHOUT_NCCL() SEQPAR_SKIP_IF(skip_reason())
 
 // This rank's device (the launcher's local rank modulo the device count).
 int device() { return device_ordinal_from_local_rank(); }
 
 std::unique_ptr<NcclCommunicator> make_nccl() { return std::make_unique<NcclCommunicator>(world(), device()); }
-
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
@@ -91,29 +85,20 @@ TEST(NcclHelpers, LauncherLocalRankFollowsTheLauncher) {
   }
 }
 
-// Without NCCL the constructor says so; without a device every rank fails together, after agreeing through the
-// bootstrap communicator (a failing rank never leaves the others inside NCCL).
-TEST(NcclHelpers, ConstructionFailsOnEveryRankWithoutNcclOrDevice) {
+// Without NCCL the constructor and the factory say so (the factory before any message); without a device every
+// rank fails together, after agreeing through the bootstrap communicator (a failing rank never leaves the others
+// inside NCCL).
+TEST(NcclHelpers, ConstructionAndFactoryFailOnEveryRankWithoutNcclOrDevice) {
   if (nccl_backend_built() && cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
-  const std::string m = error_of([] { NcclCommunicator c(world(), 0); });
-  if (!nccl_backend_built()) {
-    EXPECT_TRUE(contains(m, "backend nccl does not support construction: seqpar was built without NCCL")) << m;
-  } else {
-    EXPECT_TRUE(contains(m, "NcclCommunicator: the NCCL backend needs one CUDA device per rank, and this rank has none"))
-        << m;
-  }
-  world().barrier()->wait();
-}
-
-// The factory decides alike on every rank: without NCCL before any message, without a device after the constructor's
-// agreement over MPI (before NCCL starts); either way one clear error.
-TEST(NcclHelpers, FactoryFailsClearlyWithoutNcclOrDevice) {
-  if (nccl_backend_built() && cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
-  const std::string m = error_of([] { make_world_communicator("nccl"); });
-  if (!nccl_backend_built()) {
-    EXPECT_TRUE(contains(m, "backend nccl is not compiled into this build of seqpar")) << m;
-  } else {
-    EXPECT_TRUE(contains(m, "NcclCommunicator: the NCCL backend needs one CUDA device per rank, and this rank has none"))
+  const std::vector<std::pair<std::string, std::function<void()>>> makers = {
+      {"backend nccl does not support construction: seqpar was built without NCCL",
+       [] { NcclCommunicator c(world(), 0); }},
+      {"backend nccl is not compiled into this build of seqpar", [] { make_world_communicator("nccl"); }}};
+  for (const auto& [without_nccl, make] : makers) {
+    const std::string m = error_of(make);
+    EXPECT_TRUE(contains(m, nccl_backend_built() ? "NcclCommunicator: the NCCL backend needs one CUDA device per "
+                                                   "rank, and this rank has none"
+                                                 : without_nccl))
         << m;
   }
   world().barrier()->wait();
@@ -360,8 +345,8 @@ TEST(Nccl, StuckReceiveTimesOutAbortsAndThrows) {
     const auto start = std::chrono::steady_clock::now();
     const std::string m = error_of([&] { work->wait(0.5); });
     const double waited = seconds_since(start);
-    EXPECT_TRUE(
-        contains(m, str_cat("world: irecv of 16 bytes from world rank ", left, " with tag 77 did not complete within 0.5 s")))
+    EXPECT_TRUE(contains(
+        m, str_cat("world: irecv of 16 bytes from world rank ", left, " with tag 77 did not complete within 0.5 s")))
         << m;
     EXPECT_TRUE(contains(m, "ncclCommAbort")) << m;
     EXPECT_GE(waited, 0.5);

@@ -5,6 +5,7 @@
 #include "runtime/error.h"
 #include "runtime/nccl_comm.h"
 #include "runtime/tensor_ops.h"
+#include "tests/util/test_util.h"
 #include "tests/util/units.h"
 
 namespace seqpar::test {
@@ -38,6 +39,11 @@ std::string error_of(const std::function<void()>& fn) {
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::string agreed_skip_reason(Communicator& w, std::string local_reason, const char* why_other) {
+  if (!all_ranks(w, local_reason.empty()) && local_reason.empty()) local_reason = str_cat("another rank ", why_other);
+  return local_reason;
+}
 
 std::int64_t right_units(int src, int i) { return 1 + src * 16 + i; }
 std::int64_t left_units(int src, int i) { return 130 + src * 15 + i; }

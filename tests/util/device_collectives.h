@@ -26,6 +26,15 @@ bool contains(const std::string& s, const std::string& part);
 // Units of element i of what rank `src` sends to its right / left neighbour.
 std::int64_t right_units(int src, int i);
 std::int64_t left_units(int src, int i);
+// `local_reason` why this rank cannot run a group of tests (empty when it can), agreed over `w` so that every rank
+// skips alike: empty only when every rank can; "another rank <why_other>" on a rank that could.
+std::string agreed_skip_reason(Communicator& w, std::string local_reason, const char* why_other);
+// GTEST_SKIP with `reason` unless it is empty.
+#define SEQPAR_SKIP_IF(reason)                       \
+  do {                                               \
+    if (!(reason).empty()) GTEST_SKIP() << (reason); \
+  } while (0)
+
 // Each runs one operation on every dtype with device buffers and EXPECTs the closed-form result on this rank.
 void check_all_to_all(Communicator& w);
 void check_all_to_all_v(Communicator& w);
