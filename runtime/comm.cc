@@ -130,17 +130,20 @@ std::string Communicator::check_p2p(const P2POp& op, const char* name) const {
 }
 
 WorkHandle Communicator::isend(const TensorView& buffer, int peer, int tag) {
-  std::string what = str_cat(where("isend"), " of ", check_p2p(P2POp::send(buffer, peer, tag), "isend"));
-  WorkHandle w = do_isend(buffer, peer, tag, std::move(what));
-  counters_.bytes_sent += static_cast<std::int64_t>(buffer.nbytes());
-  ++counters_.num_ops;
-  return w;
+  return post_p2p(P2POp::send(buffer, peer, tag));
 }
 
 WorkHandle Communicator::irecv(const TensorView& buffer, int peer, int tag) {
-  std::string what = str_cat(where("irecv"), " of ", check_p2p(P2POp::recv(buffer, peer, tag), "irecv"));
-  WorkHandle w = do_irecv(buffer, peer, tag, std::move(what));
-  counters_.bytes_received += static_cast<std::int64_t>(buffer.nbytes());
+  return post_p2p(P2POp::recv(buffer, peer, tag));
+}
+
+WorkHandle Communicator::post_p2p(const P2POp& op) {
+  const bool recv = op.kind == P2POp::Kind::kRecv;
+  const char* name = recv ? "irecv" : "isend";
+  std::string what = str_cat(where(name), " of ", check_p2p(op, name));
+  WorkHandle w = recv ? do_irecv(op.buffer, op.peer, op.tag, std::move(what))
+                      : do_isend(op.buffer, op.peer, op.tag, std::move(what));
+  (recv ? counters_.bytes_received : counters_.bytes_sent) += static_cast<std::int64_t>(op.buffer.nbytes());
   ++counters_.num_ops;
   return w;
 }

@@ -184,6 +184,7 @@ class Communicator {
   [[noreturn]] void unsupported(const char* op) const;
   void check_peer(int peer, const char* op) const;
   std::string check_p2p(const P2POp& op, const char* name) const;
+  WorkHandle post_p2p(const P2POp& op);  // isend / irecv
   void check_tag(int tag, const char* op) const;
   void check_elements(std::int64_t count, const char* op) const;
   void check_disjoint(const TensorView& send, const TensorView& recv, const char* op) const;
