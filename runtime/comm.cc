@@ -117,6 +117,12 @@ void Communicator::unsupported(const char* op) const {
   SEQPAR_THROW(name_, ": backend ", backend_name(), " does not support ", op);
 }
 
+void Communicator::count(std::int64_t sent, std::int64_t received) {
+  counters_.bytes_sent += sent;
+  counters_.bytes_received += received;
+  ++counters_.num_ops;
+}
+
 // ---- point to point ---------------------------------------------------------------------------------------------
 
 // Checks one point-to-point operation and returns "<bytes> bytes to/from <peer> with tag <tag>".
@@ -143,8 +149,8 @@ WorkHandle Communicator::post_p2p(const P2POp& op) {
   std::string what = str_cat(where(name), " of ", check_p2p(op, name));
   WorkHandle w = recv ? do_irecv(op.buffer, op.peer, op.tag, std::move(what))
                       : do_isend(op.buffer, op.peer, op.tag, std::move(what));
-  (recv ? counters_.bytes_received : counters_.bytes_sent) += static_cast<std::int64_t>(op.buffer.nbytes());
-  ++counters_.num_ops;
+  const auto bytes = static_cast<std::int64_t>(op.buffer.nbytes());
+  count(recv ? 0 : bytes, recv ? bytes : 0);
   return w;
 }
 
@@ -157,9 +163,7 @@ WorkHandle Communicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
     (recv ? received : sent) += static_cast<std::int64_t>(op.buffer.nbytes());
   }
   WorkHandle w = do_batch_isend_irecv(ops, str_cat(where("batch_isend_irecv"), " (", list, ")"));
-  counters_.bytes_sent += sent;
-  counters_.bytes_received += received;
-  ++counters_.num_ops;
+  count(sent, received);
   return w;
 }
 
@@ -179,9 +183,7 @@ WorkHandle Communicator::all_to_all(const TensorView& send, const TensorView& re
       send, recv,
       str_cat(where("all_to_all"), " of ", send.nbytes(), " bytes over ", size_, " ranks (", members_str(), ")"));
   const std::int64_t moved = block * (size_ - 1) * static_cast<std::int64_t>(dtype_size(send.dtype()));
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
+  count(moved, moved);
   return w;
 }
 
@@ -215,9 +217,7 @@ WorkHandle Communicator::all_to_all_v(const TensorView& send, const std::vector<
   WorkHandle w = do_all_to_all_v(send, send_counts, recv, recv_counts,
                                  str_cat(op, " of ", send_total * esize, " bytes sent / ", recv_total * esize,
                                          " received over ", size_, " ranks (", members_str(), ")"));
-  counters_.bytes_sent += (send_total - send_counts[rank_]) * esize;
-  counters_.bytes_received += (recv_total - recv_counts[rank_]) * esize;
-  ++counters_.num_ops;
+  count((send_total - send_counts[rank_]) * esize, (recv_total - recv_counts[rank_]) * esize);
   return w;
 }
 
@@ -232,9 +232,7 @@ WorkHandle Communicator::all_gather(const TensorView& send, const TensorView& re
                                str_cat(where("all_gather"), " of ", send.nbytes(), " bytes per rank over ", size_,
                                        " ranks (", members_str(), ")"));
   const std::int64_t moved = static_cast<std::int64_t>(send.nbytes()) * (size_ - 1);
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
+  count(moved, moved);
   return w;
 }
 
@@ -249,9 +247,7 @@ WorkHandle Communicator::reduce_scatter(const TensorView& send, const TensorView
                                    str_cat(where("reduce_scatter"), "(", reduce_op_name(op), ") of ", send.nbytes(),
                                            " bytes over ", size_, " ranks (", members_str(), ")"));
   const std::int64_t moved = static_cast<std::int64_t>(recv.nbytes()) * (size_ - 1);
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
+  count(moved, moved);
   return w;
 }
 
@@ -263,9 +259,7 @@ WorkHandle Communicator::all_reduce(const TensorView& buffer, ReduceOp op) {
                                        " bytes over ", size_, " ranks (", members_str(), ")"));
   // Counted as a ring all-reduce would move it: 2 (P-1)/P of the buffer each way.
   const std::int64_t moved = size_ > 1 ? 2 * static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1) / size_ : 0;
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
+  count(moved, moved);
   return w;
 }
 
@@ -276,18 +270,14 @@ WorkHandle Communicator::broadcast(const TensorView& buffer, int root) {
   WorkHandle w = do_broadcast(buffer, root,
                               str_cat(where("broadcast"), " of ", buffer.nbytes(), " bytes from ", peer_str(root),
                                       " over ", size_, " ranks (", members_str(), ")"));
-  if (rank_ == root) {
-    counters_.bytes_sent += static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1);
-  } else {
-    counters_.bytes_received += static_cast<std::int64_t>(buffer.nbytes());
-  }
-  ++counters_.num_ops;
+  const auto bytes = static_cast<std::int64_t>(buffer.nbytes());
+  count(rank_ == root ? bytes * (size_ - 1) : 0, rank_ == root ? 0 : bytes);
   return w;
 }
 
 WorkHandle Communicator::barrier() {
   WorkHandle w = do_barrier(str_cat(where("barrier"), " over ", size_, " ranks (", members_str(), ")"));
-  ++counters_.num_ops;
+  count(0, 0);
   return w;
 }
 

@@ -185,6 +185,8 @@ class Communicator {
   void check_peer(int peer, const char* op) const;
   std::string check_p2p(const P2POp& op, const char* name) const;
   WorkHandle post_p2p(const P2POp& op);  // isend / irecv
+  // Adds one posted operation and its bytes to counters_.
+  void count(std::int64_t sent, std::int64_t received);
   void check_tag(int tag, const char* op) const;
   void check_elements(std::int64_t count, const char* op) const;
   void check_disjoint(const TensorView& send, const TensorView& recv, const char* op) const;
