@@ -54,9 +54,9 @@ int Communicator::world_rank_of(int group_rank) const {
 
 std::string Communicator::peer_str(int group_rank) const {
   const int w = world_rank_of(group_rank);
-  bool identity = true;
-  for (int r = 0; r < size_ && identity; ++r) identity = world_ranks_[static_cast<std::size_t>(r)] == r;
-  return identity ? str_cat("world rank ", w) : str_cat("world rank ", w, " (", name_, " rank ", group_rank, ")");
+  bool world = name_ == "world";  // the world communicator: group ranks are world ranks
+  for (int r = 0; r < size_ && world; ++r) world = world_ranks_[static_cast<std::size_t>(r)] == r;
+  return world ? str_cat("world rank ", w) : str_cat("world rank ", w, " (", name_, " rank ", group_rank, ")");
 }
 
 std::string Communicator::members_str() const {

@@ -103,7 +103,7 @@ class Communicator {
   // The world rank (rank in MPI_COMM_WORLD) of group rank `group_rank`; world_ranks()[r] for every r.
   int world_rank_of(int group_rank) const;
   const std::vector<int>& world_ranks() const { return world_ranks_; }
-  // "world rank 3 (ring rank 1)" ("world rank 3" for a group whose ranks are the world ranks).
+  // "world rank 3 (ring rank 1)" ("world rank 3" for the world communicator itself).
   std::string peer_str(int group_rank) const;
   // The group's members: "world rank 2", "world ranks 0-3", or "world ranks 0, 2, 4, 6".
   std::string members_str() const;
