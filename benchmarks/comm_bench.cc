@@ -6,6 +6,9 @@
 // input; all-to-all: the send buffer; send/recv: one message); algbw = size / time; busbw = algbw x factor with
 // factor (n-1)/n for all-gather, reduce-scatter and all-to-all and 1 for send/recv.
 //
+// --backend mpi (default) or nccl; the world is made by make_world_communicator (runtime/comm_factory.h) and the
+// buffers live on the communicator's device (host for MPI, each rank's CUDA device for NCCL).
+//
 //   mpirun -np 4 comm_bench --ulysses-size 2 --ring-size 2 --min-bytes 1K --max-bytes 16M
 #include <mpi.h>
 
@@ -19,10 +22,12 @@
 #include <vector>
 
 #include "benchmarks/bench_common.h"
+#include "runtime/comm_factory.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/sp_grid.h"
 #include "runtime/tensor.h"
+#include "runtime/tensor_ops.h"
 
 namespace seqpar::bench {
 namespace {
@@ -41,6 +46,7 @@ const char* op_name(Op op) {
 double busbw_factor(Op op, int n) { return op == Op::kSendRecv ? 1.0 : static_cast<double>(n - 1) / n; }
 
 struct Options {
+  std::string backend = "mpi";
   SpGridConfig grid;
   std::int64_t min_bytes = 1024, max_bytes = 16 << 20;
   int factor = 2;
@@ -65,6 +71,7 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
   cxxopts::Options spec("comm_bench", "communication sweeps on the groups of an SpGrid: mpirun -np N comm_bench");
   // clang-format off
   spec.add_options()
+    ("backend", "communicator backend: mpi | nccl (nccl: buffers on each rank's CUDA device)", cxxopts::value<std::string>()->default_value("mpi"))
     ("ulysses-size", "Ulysses degree Pu", cxxopts::value<int>()->default_value("1"))
     ("ring-size", "ring degree Pr (default: world / (dp x Pu))", cxxopts::value<int>())
     ("dp-size", "data-parallel replicas", cxxopts::value<int>()->default_value("1"))
@@ -85,6 +92,7 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
   const cxxopts::ParseResult& r = *parsed;
   Options o;
   try {
+    o.backend = r["backend"].as<std::string>();
     o.grid.ulysses_size = r["ulysses-size"].as<int>();
     o.grid.dp_size = r["dp-size"].as<int>();
     o.grid.placement = parse_placement(r["placement"].as<std::string>());
@@ -102,6 +110,8 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
   }
   o.min_bytes = parse_size(r["min-bytes"].as<std::string>(), "min-bytes");
   o.max_bytes = parse_size(r["max-bytes"].as<std::string>(), "max-bytes");
+  SEQPAR_CHECK(o.backend == "mpi" || o.backend == "nccl", "--backend ", o.backend,
+               ": unknown communicator backend (expected mpi or nccl)");
   SEQPAR_CHECK(o.grid.ring_size >= 1, "--ring-size ", o.grid.ring_size, ": must be >= 1");
   SEQPAR_CHECK(o.min_bytes >= 1 && o.min_bytes <= o.max_bytes, "--min-bytes ", o.min_bytes,
                " must be >= 1 and <= --max-bytes ", o.max_bytes);
@@ -136,16 +146,30 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
 // dtype and in sums over a few ranks.
 double pattern(int s, std::int64_t j) { return (s + 1) + static_cast<double>(j % 13); }
 
+// Host or device buffers (the communicator's device); the verification data go through a host copy.
 void fill_pattern(const TensorView& t, int s, std::int64_t offset = 0) {
   std::vector<double> tmp(static_cast<std::size_t>(t.numel()));
   for (std::size_t j = 0; j < tmp.size(); ++j) tmp[j] = pattern(s, offset + static_cast<std::int64_t>(j));
-  convert(tmp.data(), DType::kFloat64, t.data(), t.dtype(), tmp.size());
+  Tensor host = Tensor::empty(t.shape(), t.dtype(), MemCategory::kWorkspace);
+  convert(tmp.data(), DType::kFloat64, host.data(), t.dtype(), tmp.size());
+  copy_convert(host, t);
 }
 
 std::vector<double> as_f64(const TensorView& t) {
+  Tensor host = Tensor::empty(t.shape(), t.dtype(), MemCategory::kWorkspace);
+  copy_convert(t, host);
   std::vector<double> v(static_cast<std::size_t>(t.numel()));
-  convert(t.data(), t.dtype(), v.data(), DType::kFloat64, v.size());
+  convert(host.data(), t.dtype(), v.data(), DType::kFloat64, v.size());
   return v;
+}
+
+// Element-wise max over the ranks of `world`, through a buffer on the communicator's device.
+void all_reduce_max(Communicator& world, std::vector<double>& values) {
+  const auto n = static_cast<std::int64_t>(values.size());
+  Tensor buf = Tensor::empty({n}, DType::kFloat64, MemCategory::kCommBuffer, world.device());
+  copy_convert(TensorView(values.data(), DType::kFloat64, {n}), buf);
+  world.all_reduce(buf, ReduceOp::kMax)->wait();
+  copy_convert(buf, TensorView(values.data(), DType::kFloat64, {n}));
 }
 
 struct Buffers {
@@ -219,7 +243,7 @@ int comm_bench_main(int argc, char** argv) {
   if (!parsed) return 0;
   const Options& o = *parsed;
 
-  auto world = MpiCommunicator::world();
+  auto world = make_world_communicator(o.backend);
   SpGrid grid(*world, o.grid);
   const std::size_t esize = dtype_size(o.dtype);
 
@@ -252,8 +276,8 @@ int comm_bench_main(int argc, char** argv) {
         std::int64_t send_count = 0, recv_count = 0;
         counts_for(op, bytes, n, esize, send_count, recv_count);
         if (send_count == 0 || recv_count == 0) continue;
-        Buffers b{Tensor::zeros({send_count}, o.dtype, MemCategory::kCommBuffer),
-                  Tensor::zeros({recv_count}, o.dtype, MemCategory::kCommBuffer)};
+        Buffers b{Tensor::zeros({send_count}, o.dtype, MemCategory::kCommBuffer, comm.device()),
+                  Tensor::zeros({recv_count}, o.dtype, MemCategory::kCommBuffer, comm.device())};
         const std::int64_t size_bytes =
             (op == Op::kAllGather ? recv_count : send_count) * static_cast<std::int64_t>(esize);
         for (int i = 0; i < o.warmup; ++i) post(op, comm, b)->wait();
@@ -262,8 +286,7 @@ int comm_bench_main(int argc, char** argv) {
         for (int i = 0; i < o.iters; ++i) post(op, comm, b)->wait();
         std::vector<double> stats = {(now_s() - t0) / o.iters, 0};
         stats[1] = static_cast<double>(verify(op, comm, b));
-        TensorView sv(stats.data(), DType::kFloat64, {2});
-        world->all_reduce(sv, ReduceOp::kMax)->wait();
+        all_reduce_max(*world, stats);
         const double t = stats[0];
         const double algbw = static_cast<double>(size_bytes) / t / 1e9;
         const double busbw = algbw * busbw_factor(op, n);

@@ -26,6 +26,7 @@
 #include "benchmarks/sp_bench_report.h"
 #include "benchmarks/sp_bench_timing.h"
 #include "benchmarks/sp_bench_workload.h"
+#include "runtime/comm_factory.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/sp_grid.h"
@@ -138,7 +139,7 @@ int sp_bench_main(int argc, char** argv) {
   const NamedArrays inputs = o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o);
   const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
   Progress progress(place.rank == 0 && !o.quiet);
-  auto world = MpiCommunicator::world();
+  auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);
 

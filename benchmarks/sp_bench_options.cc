@@ -65,6 +65,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("seed", "seed of the random inputs", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("parallel")
+    ("backend", "communicator backend: mpi | nccl (nccl needs one CUDA device per rank)",
+     cxxopts::value<std::string>()->default_value("mpi"))
     ("ulysses-size", "Ulysses (all-to-all) degree Pu", cxxopts::value<int>()->default_value("1"))
     ("ring-size", "ring degree Pr", cxxopts::value<int>()->default_value("1"))
     ("dp-size", "data-parallel replicas", cxxopts::value<int>()->default_value("1"))
@@ -158,6 +160,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   o.impl =
       parse_flag("impl", get_checked<std::string>(r, "impl"), [](const std::string& v) { return parse_ring_impl(v); });
   o.gdn_mode = get_checked<std::string>(r, "gdn-mode");
+  o.backend = get_checked<std::string>(r, "backend");
   o.dsa_select = get_checked<std::string>(r, "dsa-select");
   o.warmup = get_checked<int>(r, "warmup");
   o.iters = get_checked<int>(r, "iters");
@@ -206,6 +209,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   check_min(o.grid.ulysses_size, 1, "ulysses-size");
   check_min(o.grid.ring_size, 1, "ring-size");
   check_min(o.grid.dp_size, 1, "dp-size");
+  SEQPAR_CHECK(o.backend == "mpi" || o.backend == "nccl", "--backend ", o.backend,
+               ": unknown communicator backend (expected mpi or nccl)");
   SEQPAR_CHECK(o.gdn_mode == "chain" || o.gdn_mode == "scan", "--gdn-mode ", o.gdn_mode,
                ": unknown mode (expected chain or scan)");
   SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,

@@ -21,6 +21,7 @@ struct SpBenchOptions {
   SpGridConfig grid;
   LayoutKind layout = LayoutKind::kZigzag;
   RingImpl impl = RingImpl::kP2P;
+  std::string backend = "mpi";  // communicator backend: mpi | nccl
   std::string gdn_mode = "chain";
   std::string dsa_select = "ring";  // DSA top-k selection over the SP group: ring | allgather
   std::string model;                // preset name, empty when none

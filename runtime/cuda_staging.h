@@ -15,7 +15,7 @@
 #include <cstddef>
 #include <vector>
 
-#include "runtime/error.h"
+#include "runtime/cuda_check.h"
 #include "runtime/tensor.h"
 
 namespace seqpar {

@@ -1,6 +1,6 @@
 #include "runtime/device.h"
 
-#include "runtime/error.h"
+#include "runtime/cuda_check.h"
 
 namespace seqpar {
 

@@ -1,8 +1,9 @@
 // seqpar's one exception type and the check macros used at every library boundary.
 //
 // Every message carries the rank of the process that raised it ("rank 3: ..."), so that a failure in a
-// multi-rank job can be attributed. Library macros (MPI, CUDA, NCCL) also name the call, the file and line,
-// and the library's own error string. Habits from NCCL checks.h and TransformerEngine NVTE_CHECK.
+// multi-rank job can be attributed. Library macros (MPI here; CUDA and NCCL in runtime/cuda_check.h) also name the
+// call, the file and line, and the library's own error string. Habits from NCCL checks.h and TransformerEngine
+// NVTE_CHECK.
 #pragma once
 
 #include <sstream>
@@ -72,26 +73,5 @@ namespace seqpar::detail {
     }                                                                               \
   } while (0)
 
-#if defined(SEQPAR_WITH_CUDA)
-#include <cuda_runtime_api.h>
-#define SEQPAR_CHECK_CUDA(call)                                                                                        \
-  do {                                                                                                                 \
-    cudaError_t seqpar_cuda_rc_ = (call);                                                                              \
-    if (seqpar_cuda_rc_ != cudaSuccess) [[unlikely]] {                                                                 \
-      ::seqpar::throw_error(__FILE__, __LINE__,                                                                        \
-                            ::seqpar::str_cat("CUDA call ", #call, " failed: ", cudaGetErrorString(seqpar_cuda_rc_))); \
-    }                                                                                                                  \
-  } while (0)
-#endif
-
-#if defined(SEQPAR_WITH_NCCL)
-#include <nccl.h>
-#define SEQPAR_CHECK_NCCL(call)                                                                                        \
-  do {                                                                                                                 \
-    ncclResult_t seqpar_nccl_rc_ = (call);                                                                             \
-    if (seqpar_nccl_rc_ != ncclSuccess && seqpar_nccl_rc_ != ncclInProgress) [[unlikely]] {                            \
-      ::seqpar::throw_error(__FILE__, __LINE__,                                                                        \
-                            ::seqpar::str_cat("NCCL call ", #call, " failed: ", ncclGetErrorString(seqpar_nccl_rc_))); \
-    }                                                                                                                  \
-  } while (0)
-#endif
+// The CUDA and NCCL check macros (SEQPAR_CHECK_CUDA, SEQPAR_CHECK_NCCL) live in the internal runtime/cuda_check.h, so
+// that public headers never pull in CUDA or NCCL.

@@ -5,6 +5,7 @@
 #include <mutex>
 #include <string>
 
+#include "runtime/comm_keepalive.h"
 #include "runtime/error.h"
 #include "runtime/fault.h"
 
@@ -99,7 +100,8 @@ void* ledger_allocate(std::size_t bytes, MemCategory category, Device device) {
 void ledger_free(void* ptr, std::size_t bytes, MemCategory category, Device device) {
   if (!ptr) return;
   if (device.is_cpu()) {
-    std::free(ptr);
+    // Memory an abandoned transfer may still read or write is kept, never freed (runtime/comm_keepalive.h).
+    if (!held_by_transport(ptr, bytes)) std::free(ptr);
   } else {
 #if defined(SEQPAR_WITH_CUDA)
     cuda_free(ptr, device.index);

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <thread>
 
+#include "runtime/comm_keepalive.h"
 #include "runtime/cuda_staging.h"
 #include "runtime/fault.h"
 #include "runtime/logging.h"
@@ -78,22 +79,6 @@ MPI_Op mpi_op(ReduceOp op, DType dtype) {
   return half ? g_half_max : MPI_MAX;
 }
 
-int to_int_count(std::int64_t count, const char* op) {
-  SEQPAR_CHECK(count >= 0 && count <= INT_MAX, op, ": element count ", count,
-               " exceeds the MPI backend's limit of INT_MAX per message");
-  return static_cast<int>(count);
-}
-
-// Host buffers always; in CUDA builds also device buffers, which are staged through pinned host memory
-// (runtime/cuda_staging.h).
-void check_buffer(const TensorView& t, const char* op) {
-#if defined(SEQPAR_WITH_CUDA)
-  check_device_buffer(t, op);
-#else
-  SEQPAR_CHECK(t.device().is_cpu(), op, ": the MPI backend takes host buffers; got ", t.str());
-#endif
-}
-
 // The host view an MPI call uses: `t` itself for a host buffer (zero copy); for a device buffer (CUDA builds), a
 // pinned mirror, filled from the device when the operation reads it (`read`) and copied back when its work
 // completes (`write`). Called after every argument check, right before the MPI call.
@@ -119,25 +104,27 @@ std::string mpi_error_text(int code) {
   return std::string(text, static_cast<std::size_t>(len));
 }
 
-// MPI tags must lie in [0, MPI_TAG_UB]; checked here so that the error names the value and the rule.
-void check_tag(int tag, int tag_ub, const char* op) {
-  SEQPAR_CHECK(0 <= tag && tag <= tag_ub, op, ": tag ", tag, " must be in [0, ", tag_ub, "] (MPI_TAG_UB of this MPI)");
-}
-
 bool mpi_finalized() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   return finalized != 0;
 }
 
+// The requests of one operation and everything they use until MPI is done with them: the host buffers (kept alive
+// through runtime/comm_keepalive.h if the operation is abandoned), the pinned mirrors of device buffers, and the
+// count / displacement arrays of a v-collective.
 class MpiWork final : public Work {
  public:
-  MpiWork(std::string description, std::vector<MPI_Request> requests, std::vector<ReqKind> kinds,
-          std::shared_ptr<DeviceStaging> staging = nullptr)
-      : description_(std::move(description)),
+  MpiWork(std::shared_ptr<bool> collective_abandoned, std::string description, std::vector<MPI_Request> requests,
+          std::vector<ReqKind> kinds, std::vector<TensorView> host_buffers,
+          std::shared_ptr<DeviceStaging> staging = nullptr, std::vector<int> arrays = {})
+      : collective_abandoned_(std::move(collective_abandoned)),
+        description_(std::move(description)),
         requests_(std::move(requests)),
         kinds_(std::move(kinds)),
-        staging_(std::move(staging)) {}
+        host_buffers_(std::move(host_buffers)),
+        staging_(std::move(staging)),
+        arrays_(std::move(arrays)) {}
   ~MpiWork() override {
     if (done_ || !failure_.empty() || mpi_finalized()) return;
     int flag = 0;
@@ -151,14 +138,11 @@ class MpiWork final : public Work {
     }
     try {
       SEQPAR_LOG(kWarn) << description_ << " was destroyed before it completed: its receives are cancelled, and "
-                        << "its buffers must stay untouched until the peers have finished";
+                        << "the buffers MPI may still use are kept instead of freed";
     } catch (...) {  // a malformed SEQPAR_LOG_LEVEL must not terminate the program from a destructor
     }
     abandon();
   }
-
-  // Keeps count / displacement arrays alive for v-collectives until completion.
-  std::vector<int> arrays;
 
   bool test() override {
     if (!failure_.empty()) SEQPAR_THROW(failure_);
@@ -202,34 +186,24 @@ class MpiWork final : public Work {
   }
 
   void wait(double timeout_s) override {
-    SEQPAR_CHECK(std::isfinite(timeout_s) && timeout_s >= 0, description_, ": wait timeout ", timeout_s,
-                 " s must be finite and >= 0");
-    using clock = std::chrono::steady_clock;
-    const auto start = clock::now();
-    for (long polls = 0; !test(); ++polls) {
-      const double elapsed = std::chrono::duration<double>(clock::now() - start).count();
-      if (elapsed > timeout_s) {
-        const bool collective = std::find(kinds_.begin(), kinds_.end(), ReqKind::kCollective) != kinds_.end();
-        abandon();
-        failure_ = str_cat(description_, " did not complete within ", timeout_s, " s (waited ", elapsed,
-                           " s): a peer has failed, is stuck, or posted a mismatched operation",
-                           collective ? "; this communicator cannot run further collectives" : "");
-        SEQPAR_THROW(failure_);
-      }
-      // Spin briefly for latency, then back off so that oversubscribed ranks let their peers run.
-      if (polls > 2000) {
-        std::this_thread::sleep_for(std::chrono::microseconds(polls > 20000 ? 200 : 20));
-      } else if (polls > 200) {
-        std::this_thread::yield();
-      }
-    }
+    double waited = 0;
+    if (poll_until([this] { return test(); }, timeout_s, description_, waited)) return;
+    const bool collective = std::find(kinds_.begin(), kinds_.end(), ReqKind::kCollective) != kinds_.end();
+    abandon();
+    failure_ = str_cat(description_, " did not complete within ", timeout_s, " s (waited ", waited,
+                       " s): a peer has failed, is stuck, or posted a mismatched operation",
+                       collective ? "; this communicator cannot run further collectives" : "");
+    SEQPAR_THROW(failure_);
   }
 
  private:
-  // Releases every pending request. Receives are cancelled (so that a later message is not swallowed by them);
-  // sends are released and complete in the background; a nonblocking collective can be neither cancelled nor
-  // freed (MPI forbids both), so it is left pending.
+  // Releases every pending request without ever letting MPI touch freed memory. Receives are cancelled (so that a
+  // later message is not swallowed by them). A send is released and completes in the background; a nonblocking
+  // collective can be neither cancelled nor freed (MPI forbids both), so it is left pending. Whenever a request
+  // may still be used by MPI afterwards, the operation's host buffers are kept alive (never freed), and so are
+  // the pinned mirrors of device buffers.
   void abandon() {
+    bool pending = false;
     for (std::size_t i = 0; i < requests_.size(); ++i) {
       MPI_Request& req = requests_[i];
       if (req == MPI_REQUEST_NULL) continue;
@@ -243,10 +217,25 @@ class MpiWork final : public Work {
           if (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
           if (!flag) std::this_thread::sleep_for(std::chrono::microseconds(100));
         }
-        if (!flag && req != MPI_REQUEST_NULL) MPI_Request_free(&req);
-      } else if (kind == ReqKind::kSend) {
-        MPI_Request_free(&req);
+        if (!flag && req != MPI_REQUEST_NULL) {
+          MPI_Request_free(&req);
+          pending = true;
+        }
+      } else {
+        int flag = 0;
+        if (MPI_Test(&req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || !flag) {
+          pending = true;
+          if (kind == ReqKind::kSend && req != MPI_REQUEST_NULL) MPI_Request_free(&req);
+          // A pending collective keeps using its communicator: it must never be freed (MpiCommunicator's
+          // destructor leaks it instead).
+          if (kind == ReqKind::kCollective && collective_abandoned_) *collective_abandoned_ = true;
+        }
       }
+    }
+    if (pending) {
+      for (const TensorView& t : host_buffers_) keep_alive_for_transport(t.data(), t.nbytes());
+      // The count arrays of a pending v-collective are MPI's too: leak them with the request.
+      if (!arrays_.empty()) new std::vector<int>(std::move(arrays_));  // NOLINT: deliberate leak
     }
 #if defined(SEQPAR_WITH_CUDA)
     if (staging_) staging_->abandon();
@@ -261,28 +250,23 @@ class MpiWork final : public Work {
 #endif
   }
 
+  std::shared_ptr<bool> collective_abandoned_;  // the communicator's flag
   std::string description_;
   std::vector<MPI_Request> requests_;
   std::vector<ReqKind> kinds_;
+  std::vector<TensorView> host_buffers_;  // what MPI reads / writes (pinned mirrors for device buffers)
   bool done_ = false;
   std::vector<MPI_Status> statuses_;        // of the last MPI_Testall
   std::string failure_;                     // set once wait() timed out; later wait() / test() calls throw it again
   std::shared_ptr<DeviceStaging> staging_;  // pinned mirrors of device buffers, if any
+  std::vector<int> arrays_;                 // count / displacement arrays of a v-collective
 };
 
-WorkHandle make_work(std::string description, MPI_Request request, ReqKind kind,
+WorkHandle make_work(const std::shared_ptr<bool>& collective_abandoned, std::string description, MPI_Request request,
+                     ReqKind kind, std::vector<TensorView> host_buffers,
                      std::shared_ptr<DeviceStaging> staging = nullptr) {
-  return std::make_unique<MpiWork>(std::move(description), std::vector<MPI_Request>{request},
-                                   std::vector<ReqKind>{kind}, std::move(staging));
-}
-
-// MPI forbids overlapping send and receive buffers in a collective (outside MPI_IN_PLACE).
-void check_disjoint(const TensorView& send, const TensorView& recv, const char* op) {
-  if (send.nbytes() == 0 || recv.nbytes() == 0) return;
-  const char* s = static_cast<const char*>(send.data());
-  const char* r = static_cast<const char*>(recv.data());
-  SEQPAR_CHECK(s + send.nbytes() <= r || r + recv.nbytes() <= s, op, ": send ", send.str(), " and recv ", recv.str(),
-               " overlap; they must be distinct buffers");
+  return std::make_unique<MpiWork>(collective_abandoned, std::move(description), std::vector<MPI_Request>{request},
+                                   std::vector<ReqKind>{kind}, std::move(host_buffers), std::move(staging));
 }
 
 // A duplicate of MPI_COMM_WORLD used only by run_mpi_main's error path.
@@ -330,8 +314,20 @@ MpiSession::~MpiSession() {
 
 MpiCommunicator::MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned_(owned) {
   SEQPAR_CHECK_MPI(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
-  SEQPAR_CHECK_MPI(MPI_Comm_rank(comm_, &rank_));
-  SEQPAR_CHECK_MPI(MPI_Comm_size(comm_, &size_));
+  int rank = 0, size = 1;
+  SEQPAR_CHECK_MPI(MPI_Comm_rank(comm_, &rank));
+  SEQPAR_CHECK_MPI(MPI_Comm_size(comm_, &size));
+  // The world rank of every member, so that errors can name peers as the launcher numbers them.
+  MPI_Group group = MPI_GROUP_NULL, world_group = MPI_GROUP_NULL;
+  SEQPAR_CHECK_MPI(MPI_Comm_group(comm_, &group));
+  SEQPAR_CHECK_MPI(MPI_Comm_group(MPI_COMM_WORLD, &world_group));
+  std::vector<int> ranks(static_cast<std::size_t>(size)), world_ranks(static_cast<std::size_t>(size));
+  for (int r = 0; r < size; ++r) ranks[r] = r;
+  const int rc = MPI_Group_translate_ranks(group, size, ranks.data(), world_group, world_ranks.data());
+  MPI_Group_free(&group);
+  MPI_Group_free(&world_group);
+  SEQPAR_CHECK_MPI(rc);
+  set_group(rank, size, std::move(world_ranks));
   int* tag_ub = nullptr;
   int has_tag_ub = 0;
   // MPI_TAG_UB is a predefined attribute of MPI_COMM_WORLD (the bound holds for every communicator).
@@ -340,11 +336,9 @@ MpiCommunicator::MpiCommunicator(MPI_Comm comm, bool owned) : comm_(comm), owned
 }
 
 MpiCommunicator::~MpiCommunicator() {
-  if (owned_ && comm_ != MPI_COMM_NULL) {
-    int finalized = 0;
-    MPI_Finalized(&finalized);
-    if (!finalized) MPI_Comm_free(&comm_);
-  }
+  // A communicator with an abandoned collective still pending is deliberately kept (leaked): MPI progresses that
+  // collective on it for as long as the process lives.
+  if (owned_ && comm_ != MPI_COMM_NULL && !*collective_abandoned_ && !mpi_finalized()) MPI_Comm_free(&comm_);
 }
 
 std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
@@ -353,240 +347,172 @@ std::unique_ptr<MpiCommunicator> MpiCommunicator::world() {
   return std::make_unique<MpiCommunicator>(dup, true);
 }
 
-WorkHandle MpiCommunicator::isend(const TensorView& buffer, int peer, int tag) {
-  check_peer(*this, peer, "isend");
-  check_tag(tag, tag_ub_, "isend");
-  check_buffer(buffer, "isend");
-  const int count = to_int_count(buffer.numel(), "isend");
-  std::shared_ptr<DeviceStaging> staging;
-  const TensorView host = host_view(buffer, true, false, stream_, staging);
-  MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Isend(host.data(), count, mpi_type(buffer.dtype()), peer, tag, comm_, &req));
-  counters_.bytes_sent += buffer.nbytes();
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI isend to peer ", peer, " (tag ", tag, ", ", buffer.nbytes(), " bytes)"), req,
-                   ReqKind::kSend, std::move(staging));
+void MpiCommunicator::check_buffer(const TensorView& t, const std::string& op) const {
+#if defined(SEQPAR_WITH_CUDA)
+  check_device_buffer(t, op.c_str());
+#else
+  SEQPAR_CHECK(t.device().is_cpu(), op, ": the MPI backend takes host buffers; got ", t.str());
+#endif
 }
 
-WorkHandle MpiCommunicator::irecv(const TensorView& buffer, int peer, int tag) {
-  check_peer(*this, peer, "irecv");
-  check_tag(tag, tag_ub_, "irecv");
-  check_buffer(buffer, "irecv");
-  const int count = to_int_count(buffer.numel(), "irecv");
+std::int64_t MpiCommunicator::max_message_elements() const { return INT_MAX; }
+
+// Every count below was checked against max_message_elements() by the front-end.
+WorkHandle MpiCommunicator::do_isend(const TensorView& buffer, int peer, int tag, std::string what) {
   std::shared_ptr<DeviceStaging> staging;
-  const TensorView host = host_view(buffer, false, true, stream_, staging);
+  const TensorView host = host_view(buffer, true, false, stream(), staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Irecv(host.data(), count, mpi_type(buffer.dtype()), peer, tag, comm_, &req));
-  counters_.bytes_received += buffer.nbytes();
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI irecv from peer ", peer, " (tag ", tag, ", ", buffer.nbytes(), " bytes)"), req,
-                   ReqKind::kRecv, std::move(staging));
+  SEQPAR_CHECK_MPI(
+      MPI_Isend(host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()), peer, tag, comm_, &req));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kSend, {host}, std::move(staging));
 }
 
-WorkHandle MpiCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
-  for (const P2POp& op : ops) {
-    check_peer(*this, op.peer, "batch_isend_irecv");
-    check_tag(op.tag, tag_ub_, "batch_isend_irecv");
-    check_buffer(op.buffer, "batch_isend_irecv");
-    to_int_count(op.buffer.numel(), "batch_isend_irecv");
-  }
+WorkHandle MpiCommunicator::do_irecv(const TensorView& buffer, int peer, int tag, std::string what) {
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView host = host_view(buffer, false, true, stream(), staging);
+  MPI_Request req;
+  SEQPAR_CHECK_MPI(
+      MPI_Irecv(host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()), peer, tag, comm_, &req));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kRecv, {host}, std::move(staging));
+}
+
+WorkHandle MpiCommunicator::do_batch_isend_irecv(const std::vector<P2POp>& ops, std::string what) {
   std::shared_ptr<DeviceStaging> staging;
   std::vector<TensorView> hosts;
   hosts.reserve(ops.size());
   for (const P2POp& op : ops) {
     const bool recv = op.kind == P2POp::Kind::kRecv;
-    hosts.push_back(host_view(op.buffer, !recv, recv, stream_, staging));
+    hosts.push_back(host_view(op.buffer, !recv, recv, stream(), staging));
   }
   std::vector<MPI_Request> reqs(ops.size(), MPI_REQUEST_NULL);
   std::vector<ReqKind> kinds(ops.size(), ReqKind::kSend);
-  std::string peers;
   // Receives first, so that every matching send finds its receive already posted.
   for (int pass = 0; pass < 2; ++pass) {
     for (std::size_t i = 0; i < ops.size(); ++i) {
       const P2POp& op = ops[i];
       const bool recv = op.kind == P2POp::Kind::kRecv;
       if (recv != (pass == 0)) continue;
-      const int count = to_int_count(op.buffer.numel(), "batch_isend_irecv");
+      const int count = static_cast<int>(op.buffer.numel());
       if (recv) {
         SEQPAR_CHECK_MPI(
             MPI_Irecv(hosts[i].data(), count, mpi_type(op.buffer.dtype()), op.peer, op.tag, comm_, &reqs[i]));
-        counters_.bytes_received += op.buffer.nbytes();
       } else {
         SEQPAR_CHECK_MPI(
             MPI_Isend(hosts[i].data(), count, mpi_type(op.buffer.dtype()), op.peer, op.tag, comm_, &reqs[i]));
-        counters_.bytes_sent += op.buffer.nbytes();
       }
       kinds[i] = recv ? ReqKind::kRecv : ReqKind::kSend;
-      peers += str_cat(peers.empty() ? "" : ", ", recv ? "recv from " : "send to ", op.peer);
     }
   }
-  ++counters_.num_ops;
-  return std::make_unique<MpiWork>(str_cat("MPI batch_isend_irecv (", peers, ")"), std::move(reqs), std::move(kinds),
-                                   std::move(staging));
+  return std::make_unique<MpiWork>(collective_abandoned_, std::move(what), std::move(reqs), std::move(kinds),
+                                   std::move(hosts), std::move(staging));
 }
 
-WorkHandle MpiCommunicator::all_to_all(const TensorView& send, const TensorView& recv) {
-  check_buffer(send, "all_to_all");
-  check_buffer(recv, "all_to_all");
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel(), "all_to_all: send ", send.str(),
-               " and recv ", recv.str(), " must have the same dtype and element count");
-  SEQPAR_CHECK(send.numel() % size_ == 0, "all_to_all: element count ", send.numel(),
-               " must be divisible by the communicator size ", size_);
-  check_disjoint(send, recv, "all_to_all");
-  const int block = to_int_count(send.numel() / size_, "all_to_all");
+WorkHandle MpiCommunicator::do_all_to_all(const TensorView& send, const TensorView& recv, std::string what) {
+  const int block = static_cast<int>(send.numel() / size());
   std::shared_ptr<DeviceStaging> staging;
-  const TensorView hsend = host_view(send, true, false, stream_, staging);
-  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
+  const TensorView hsend = host_view(send, true, false, stream(), staging);
+  const TensorView hrecv = host_view(recv, false, true, stream(), staging);
   MPI_Request req;
   SEQPAR_CHECK_MPI(MPI_Ialltoall(hsend.data(), block, mpi_type(send.dtype()), hrecv.data(), block,
                                  mpi_type(recv.dtype()), comm_, &req));
-  const std::int64_t moved = static_cast<std::int64_t>(block) * (size_ - 1) * dtype_size(send.dtype());
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI all_to_all over ", size_, " ranks (", send.nbytes(), " bytes)"), req,
-                   ReqKind::kCollective, std::move(staging));
-}
-
-WorkHandle MpiCommunicator::all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
-                                         const TensorView& recv, const std::vector<std::int64_t>& recv_counts) {
-  check_buffer(send, "all_to_all_v");
-  check_buffer(recv, "all_to_all_v");
-  SEQPAR_CHECK(send.dtype() == recv.dtype(), "all_to_all_v: send and recv dtypes differ (", dtype_name(send.dtype()),
-               " vs ", dtype_name(recv.dtype()), ")");
-  SEQPAR_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_,
-               "all_to_all_v: send_counts and recv_counts need one entry per rank (", size_, "), got ",
-               send_counts.size(), " and ", recv_counts.size());
-  std::vector<int> arrays(4 * size_);
-  std::int64_t send_total = 0, recv_total = 0;
-  for (int r = 0; r < size_; ++r) {
-    SEQPAR_CHECK(send_counts[r] >= 0 && recv_counts[r] >= 0, "all_to_all_v: negative count for rank ", r);
-    arrays[r] = to_int_count(send_counts[r], "all_to_all_v");
-    arrays[size_ + r] = to_int_count(send_total, "all_to_all_v");
-    arrays[2 * size_ + r] = to_int_count(recv_counts[r], "all_to_all_v");
-    arrays[3 * size_ + r] = to_int_count(recv_total, "all_to_all_v");
-    send_total += send_counts[r];
-    recv_total += recv_counts[r];
-  }
-  SEQPAR_CHECK(send_total <= send.numel() && recv_total <= recv.numel(), "all_to_all_v: counts sum to ", send_total,
-               " sent / ", recv_total, " received, more than the buffers hold (", send.numel(), " / ", recv.numel(),
-               ")");
-  check_disjoint(send, recv, "all_to_all_v");
-  std::shared_ptr<DeviceStaging> staging;
-  const TensorView hsend = host_view(send, true, false, stream_, staging);
-  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
-  MPI_Request req;
-  int* a = arrays.data();
-  SEQPAR_CHECK_MPI(MPI_Ialltoallv(hsend.data(), a, a + size_, mpi_type(send.dtype()), hrecv.data(), a + 2 * size_,
-                                  a + 3 * size_, mpi_type(recv.dtype()), comm_, &req));
-  const std::size_t esize = dtype_size(send.dtype());
-  counters_.bytes_sent += (send_total - send_counts[rank_]) * esize;
-  counters_.bytes_received += (recv_total - recv_counts[rank_]) * esize;
-  ++counters_.num_ops;
-  auto w = std::make_unique<MpiWork>(str_cat("MPI all_to_all_v over ", size_, " ranks"), std::vector<MPI_Request>{req},
-                                     std::vector<ReqKind>{ReqKind::kCollective}, std::move(staging));
-  w->arrays = std::move(arrays);
-  return w;
-}
-
-WorkHandle MpiCommunicator::all_gather(const TensorView& send, const TensorView& recv) {
-  check_buffer(send, "all_gather");
-  check_buffer(recv, "all_gather");
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && recv.numel() == send.numel() * size_, "all_gather: recv ", recv.str(),
-               " must hold size (", size_, ") x send ", send.str());
-  check_disjoint(send, recv, "all_gather");
-  const int count = to_int_count(send.numel(), "all_gather");
-  std::shared_ptr<DeviceStaging> staging;
-  const TensorView hsend = host_view(send, true, false, stream_, staging);
-  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
-  MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Iallgather(hsend.data(), count, mpi_type(send.dtype()), hrecv.data(), count,
-                                  mpi_type(recv.dtype()), comm_, &req));
-  counters_.bytes_sent += static_cast<std::int64_t>(send.nbytes()) * (size_ - 1);
-  counters_.bytes_received += static_cast<std::int64_t>(send.nbytes()) * (size_ - 1);
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI all_gather over ", size_, " ranks (", send.nbytes(), " bytes each)"), req,
-                   ReqKind::kCollective, std::move(staging));
-}
-
-WorkHandle MpiCommunicator::reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) {
-  check_buffer(send, "reduce_scatter");
-  check_buffer(recv, "reduce_scatter");
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel() * size_, "reduce_scatter: send ",
-               send.str(), " must hold size (", size_, ") x recv ", recv.str());
-  check_disjoint(send, recv, "reduce_scatter");
-  const int count = to_int_count(recv.numel(), "reduce_scatter");
-  std::shared_ptr<DeviceStaging> staging;
-  const TensorView hsend = host_view(send, true, false, stream_, staging);
-  const TensorView hrecv = host_view(recv, false, true, stream_, staging);
-  MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Ireduce_scatter_block(hsend.data(), hrecv.data(), count, mpi_type(send.dtype()),
-                                             mpi_op(op, send.dtype()), comm_, &req));
-  counters_.bytes_sent += static_cast<std::int64_t>(recv.nbytes()) * (size_ - 1);
-  counters_.bytes_received += static_cast<std::int64_t>(recv.nbytes()) * (size_ - 1);
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI reduce_scatter(", reduce_op_name(op), ") over ", size_, " ranks"), req,
-                   ReqKind::kCollective, std::move(staging));
-}
-
-WorkHandle MpiCommunicator::all_reduce(const TensorView& buffer, ReduceOp op) {
-  check_buffer(buffer, "all_reduce");
-  const int count = to_int_count(buffer.numel(), "all_reduce");
-  std::shared_ptr<DeviceStaging> staging;
-  const TensorView host = host_view(buffer, true, true, stream_, staging);
-  MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, host.data(), count, mpi_type(buffer.dtype()),
-                                  mpi_op(op, buffer.dtype()), comm_, &req));
-  // Counted as a ring all-reduce would move it: 2 (P-1)/P of the buffer each way.
-  const std::int64_t moved = size_ > 1 ? 2 * static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1) / size_ : 0;
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI all_reduce(", reduce_op_name(op), ") over ", size_, " ranks"), req,
-                   ReqKind::kCollective, std::move(staging));
-}
-
-WorkHandle MpiCommunicator::broadcast(const TensorView& buffer, int root) {
-  check_peer(*this, root, "broadcast");
-  check_buffer(buffer, "broadcast");
-  const int count = to_int_count(buffer.numel(), "broadcast");
-  std::shared_ptr<DeviceStaging> staging;
-  const TensorView host = host_view(buffer, rank_ == root, rank_ != root, stream_, staging);
-  MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Ibcast(host.data(), count, mpi_type(buffer.dtype()), root, comm_, &req));
-  if (rank_ == root) {
-    counters_.bytes_sent += static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1);
-  } else {
-    counters_.bytes_received += buffer.nbytes();
-  }
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI broadcast from root ", root, " over ", size_, " ranks"), req, ReqKind::kCollective,
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv},
                    std::move(staging));
 }
 
-WorkHandle MpiCommunicator::barrier() {
+WorkHandle MpiCommunicator::do_all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
+                                            const TensorView& recv, const std::vector<std::int64_t>& recv_counts,
+                                            std::string what) {
+  const int p = size();
+  std::vector<int> arrays(4 * static_cast<std::size_t>(p));  // send counts, send offsets, recv counts, recv offsets
+  std::int64_t send_total = 0, recv_total = 0;
+  for (int r = 0; r < p; ++r) {
+    arrays[r] = static_cast<int>(send_counts[r]);
+    arrays[p + r] = static_cast<int>(send_total);
+    arrays[2 * p + r] = static_cast<int>(recv_counts[r]);
+    arrays[3 * p + r] = static_cast<int>(recv_total);
+    send_total += send_counts[r];
+    recv_total += recv_counts[r];
+  }
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView hsend = host_view(send, true, false, stream(), staging);
+  const TensorView hrecv = host_view(recv, false, true, stream(), staging);
   MPI_Request req;
-  SEQPAR_CHECK_MPI(MPI_Ibarrier(comm_, &req));
-  ++counters_.num_ops;
-  return make_work(str_cat("MPI barrier over ", size_, " ranks"), req, ReqKind::kCollective);
+  int* a = arrays.data();
+  SEQPAR_CHECK_MPI(MPI_Ialltoallv(hsend.data(), a, a + p, mpi_type(send.dtype()), hrecv.data(), a + 2 * p, a + 3 * p,
+                                  mpi_type(recv.dtype()), comm_, &req));
+  return std::make_unique<MpiWork>(collective_abandoned_, std::move(what), std::vector<MPI_Request>{req},
+                                   std::vector<ReqKind>{ReqKind::kCollective}, std::vector<TensorView>{hsend, hrecv},
+                                   std::move(staging), std::move(arrays));
 }
 
-std::unique_ptr<Communicator> MpiCommunicator::split(int color, int key) {
+WorkHandle MpiCommunicator::do_all_gather(const TensorView& send, const TensorView& recv, std::string what) {
+  const int count = static_cast<int>(send.numel());
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView hsend = host_view(send, true, false, stream(), staging);
+  const TensorView hrecv = host_view(recv, false, true, stream(), staging);
+  MPI_Request req;
+  SEQPAR_CHECK_MPI(MPI_Iallgather(hsend.data(), count, mpi_type(send.dtype()), hrecv.data(), count,
+                                  mpi_type(recv.dtype()), comm_, &req));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv},
+                   std::move(staging));
+}
+
+WorkHandle MpiCommunicator::do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op,
+                                              std::string what) {
+  const int count = static_cast<int>(recv.numel());
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView hsend = host_view(send, true, false, stream(), staging);
+  const TensorView hrecv = host_view(recv, false, true, stream(), staging);
+  MPI_Request req;
+  SEQPAR_CHECK_MPI(MPI_Ireduce_scatter_block(hsend.data(), hrecv.data(), count, mpi_type(send.dtype()),
+                                             mpi_op(op, send.dtype()), comm_, &req));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {hsend, hrecv},
+                   std::move(staging));
+}
+
+WorkHandle MpiCommunicator::do_all_reduce(const TensorView& buffer, ReduceOp op, std::string what) {
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView host = host_view(buffer, true, true, stream(), staging);
+  MPI_Request req;
+  SEQPAR_CHECK_MPI(MPI_Iallreduce(MPI_IN_PLACE, host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()),
+                                  mpi_op(op, buffer.dtype()), comm_, &req));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {host}, std::move(staging));
+}
+
+WorkHandle MpiCommunicator::do_broadcast(const TensorView& buffer, int root, std::string what) {
+  std::shared_ptr<DeviceStaging> staging;
+  const TensorView host = host_view(buffer, rank() == root, rank() != root, stream(), staging);
+  MPI_Request req;
+  SEQPAR_CHECK_MPI(
+      MPI_Ibcast(host.data(), static_cast<int>(buffer.numel()), mpi_type(buffer.dtype()), root, comm_, &req));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {host}, std::move(staging));
+}
+
+WorkHandle MpiCommunicator::do_barrier(std::string what) {
+  MPI_Request req;
+  SEQPAR_CHECK_MPI(MPI_Ibarrier(comm_, &req));
+  return make_work(collective_abandoned_, std::move(what), req, ReqKind::kCollective, {});
+}
+
+std::unique_ptr<Communicator> MpiCommunicator::do_split(int color, int key, std::string what) {
   // MPI_Comm_split blocks without a timeout. A timed all-gather of (color, key) first makes a rank that never
   // arrives a timeout error here; once it has completed, every rank is known to be entering the split.
-  std::vector<std::int32_t> mine = {color, key};
-  std::vector<std::int32_t> all(2 * static_cast<std::size_t>(size_));
+  const int p = size();
+  auto table = std::make_unique<std::int32_t[]>(2 + 2 * static_cast<std::size_t>(p));  // mine, then everyone's
+  table[0] = color;
+  table[1] = key;
   MPI_Request gather_req;
-  SEQPAR_CHECK_MPI(MPI_Iallgather(mine.data(), 2, MPI_INT32_T, all.data(), 2, MPI_INT32_T, comm_, &gather_req));
-  make_work(str_cat("MPI split (color ", color, ", key ", key, ") over ", size_, " ranks"), gather_req,
-            ReqKind::kCollective)
-      ->wait();
+  SEQPAR_CHECK_MPI(MPI_Iallgather(table.get(), 2, MPI_INT32_T, table.get() + 2, 2, MPI_INT32_T, comm_, &gather_req));
+  try {
+    make_work(collective_abandoned_, std::move(what), gather_req, ReqKind::kCollective, {})->wait();
+  } catch (...) {
+    table.release();  // NOLINT: deliberate leak, the abandoned gather may still write the table
+    throw;
+  }
   MPI_Comm out = MPI_COMM_NULL;
   SEQPAR_CHECK_MPI(MPI_Comm_split(comm_, color < 0 ? MPI_UNDEFINED : color, key, &out));
   if (out == MPI_COMM_NULL) return nullptr;
-  auto child = std::make_unique<MpiCommunicator>(out, true);
-  child->set_stream(stream_);  // device buffers are staged on the same compute stream
-  return child;
+  return std::make_unique<MpiCommunicator>(out, true);
 }
 
 // ---- main wrapper -----------------------------------------------------------------------------------------

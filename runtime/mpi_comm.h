@@ -29,36 +29,43 @@ class MpiSession {
 
 class MpiCommunicator final : public Communicator {
  public:
-  // Wraps `comm`; when `owned`, frees it on destruction. Sets MPI_ERRORS_RETURN on it.
+  // Wraps `comm`; when `owned`, frees it on destruction. Sets MPI_ERRORS_RETURN on it. The world rank of every
+  // member comes from MPI_Group_translate_ranks.
   MpiCommunicator(MPI_Comm comm, bool owned);
   ~MpiCommunicator() override;
-  // A communicator over MPI_COMM_WORLD (duplicated, so that seqpar's traffic never mixes with the caller's).
+  // A communicator over MPI_COMM_WORLD (duplicated, so that seqpar's traffic never mixes with the caller's), named
+  // "world".
   static std::unique_ptr<MpiCommunicator> world();
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const char* backend_name() const override { return "mpi"; }
   MPI_Comm handle() const { return comm_; }
 
-  WorkHandle isend(const TensorView& buffer, int peer, int tag = 0) override;
-  WorkHandle irecv(const TensorView& buffer, int peer, int tag = 0) override;
-  WorkHandle batch_isend_irecv(const std::vector<P2POp>& ops) override;
-  WorkHandle all_to_all(const TensorView& send, const TensorView& recv) override;
-  WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts, const TensorView& recv,
-                          const std::vector<std::int64_t>& recv_counts) override;
-  WorkHandle all_gather(const TensorView& send, const TensorView& recv) override;
-  WorkHandle reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) override;
-  WorkHandle all_reduce(const TensorView& buffer, ReduceOp op) override;
-  WorkHandle broadcast(const TensorView& buffer, int root) override;
-  WorkHandle barrier() override;
-  std::unique_ptr<Communicator> split(int color, int key) override;
+ protected:
+  // Host buffers; in CUDA builds also device buffers (staged through pinned host memory).
+  void check_buffer(const TensorView& t, const std::string& op) const override;
+  int max_tag() const override { return tag_ub_; }
+  std::int64_t max_message_elements() const override;  // INT_MAX (MPI counts are int)
+
+  WorkHandle do_isend(const TensorView& buffer, int peer, int tag, std::string what) override;
+  WorkHandle do_irecv(const TensorView& buffer, int peer, int tag, std::string what) override;
+  WorkHandle do_batch_isend_irecv(const std::vector<P2POp>& ops, std::string what) override;
+  WorkHandle do_all_to_all(const TensorView& send, const TensorView& recv, std::string what) override;
+  WorkHandle do_all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
+                             const TensorView& recv, const std::vector<std::int64_t>& recv_counts,
+                             std::string what) override;
+  WorkHandle do_all_gather(const TensorView& send, const TensorView& recv, std::string what) override;
+  WorkHandle do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op, std::string what) override;
+  WorkHandle do_all_reduce(const TensorView& buffer, ReduceOp op, std::string what) override;
+  WorkHandle do_broadcast(const TensorView& buffer, int root, std::string what) override;
+  WorkHandle do_barrier(std::string what) override;
+  std::unique_ptr<Communicator> do_split(int color, int key, std::string what) override;
 
  private:
   MPI_Comm comm_;
   bool owned_;
-  int rank_ = 0;
-  int size_ = 1;
   int tag_ub_ = 32767;  // MPI_TAG_UB (at least 32767 by the standard)
+  // Set by a Work that abandoned a collective still pending on comm_; then comm_ is never freed.
+  std::shared_ptr<bool> collective_abandoned_ = std::make_shared<bool>(false);
 };
 
 // Runs `body` as the main of an MPI program: initialises MPI, turns a seqpar::Error (or any std::exception) into

@@ -5,12 +5,9 @@
 #include <cstdlib>
 #include <string>
 
-#include "runtime/error.h"
+#include "runtime/cuda_check.h"
 
 #if defined(SEQPAR_WITH_NCCL)
-#include <cuda_runtime_api.h>
-#include <nccl.h>
-
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -20,6 +17,7 @@
 #include "runtime/cuda_staging.h"
 #include "runtime/env.h"
 #include "runtime/logging.h"
+#include "runtime/tensor_ops.h"
 #endif
 
 namespace seqpar {
@@ -64,23 +62,30 @@ bool nccl_backend_built() { return false; }
 NcclCommunicator::NcclCommunicator(Communicator&, int) { not_built("construction"); }
 NcclCommunicator::~NcclCommunicator() = default;
 Stream NcclCommunicator::comm_stream() const { not_built("comm_stream"); }
-void NcclCommunicator::set_stream(const Stream&) { not_built("set_stream"); }
-WorkHandle NcclCommunicator::isend(const TensorView&, int, int) { not_built("isend"); }
-WorkHandle NcclCommunicator::irecv(const TensorView&, int, int) { not_built("irecv"); }
-WorkHandle NcclCommunicator::batch_isend_irecv(const std::vector<P2POp>&) { not_built("batch_isend_irecv"); }
-WorkHandle NcclCommunicator::all_to_all(const TensorView&, const TensorView&) { not_built("all_to_all"); }
-WorkHandle NcclCommunicator::all_to_all_v(const TensorView&, const std::vector<std::int64_t>&, const TensorView&,
-                                          const std::vector<std::int64_t>&) {
+void NcclCommunicator::check_buffer(const TensorView&, const std::string&) const { not_built("check_buffer"); }
+void NcclCommunicator::do_set_stream(const Stream&) { not_built("set_stream"); }
+WorkHandle NcclCommunicator::do_isend(const TensorView&, int, int, std::string) { not_built("isend"); }
+WorkHandle NcclCommunicator::do_irecv(const TensorView&, int, int, std::string) { not_built("irecv"); }
+WorkHandle NcclCommunicator::do_batch_isend_irecv(const std::vector<P2POp>&, std::string) {
+  not_built("batch_isend_irecv");
+}
+WorkHandle NcclCommunicator::do_all_to_all(const TensorView&, const TensorView&, std::string) {
+  not_built("all_to_all");
+}
+WorkHandle NcclCommunicator::do_all_to_all_v(const TensorView&, const std::vector<std::int64_t>&, const TensorView&,
+                                             const std::vector<std::int64_t>&, std::string) {
   not_built("all_to_all_v");
 }
-WorkHandle NcclCommunicator::all_gather(const TensorView&, const TensorView&) { not_built("all_gather"); }
-WorkHandle NcclCommunicator::reduce_scatter(const TensorView&, const TensorView&, ReduceOp) {
+WorkHandle NcclCommunicator::do_all_gather(const TensorView&, const TensorView&, std::string) {
+  not_built("all_gather");
+}
+WorkHandle NcclCommunicator::do_reduce_scatter(const TensorView&, const TensorView&, ReduceOp, std::string) {
   not_built("reduce_scatter");
 }
-WorkHandle NcclCommunicator::all_reduce(const TensorView&, ReduceOp) { not_built("all_reduce"); }
-WorkHandle NcclCommunicator::broadcast(const TensorView&, int) { not_built("broadcast"); }
-WorkHandle NcclCommunicator::barrier() { not_built("barrier"); }
-std::unique_ptr<Communicator> NcclCommunicator::split(int, int) { not_built("split"); }
+WorkHandle NcclCommunicator::do_all_reduce(const TensorView&, ReduceOp, std::string) { not_built("all_reduce"); }
+WorkHandle NcclCommunicator::do_broadcast(const TensorView&, int, std::string) { not_built("broadcast"); }
+WorkHandle NcclCommunicator::do_barrier(std::string) { not_built("barrier"); }
+std::unique_ptr<Communicator> NcclCommunicator::do_split(int, int, std::string) { not_built("split"); }
 
 #else  // SEQPAR_WITH_NCCL
 
@@ -169,15 +174,6 @@ char* byte_ptr(const TensorView& t, std::int64_t elements) {
   return static_cast<char*>(t.data()) + elements * static_cast<std::int64_t>(dtype_size(t.dtype()));
 }
 
-// NCCL forbids overlapping send and receive buffers in these collectives (outside the in-place layouts).
-void check_disjoint(const TensorView& send, const TensorView& recv, const char* op) {
-  if (send.nbytes() == 0 || recv.nbytes() == 0) return;
-  const char* s = static_cast<const char*>(send.data());
-  const char* r = static_cast<const char*>(recv.data());
-  SEQPAR_CHECK(s + send.nbytes() <= r || r + recv.nbytes() <= s, op, ": send ", send.str(), " and recv ", recv.str(),
-               " overlap; they must be distinct buffers");
-}
-
 }  // namespace
 
 // ---- shared state ---------------------------------------------------------------------------------------------
@@ -187,6 +183,7 @@ struct NcclCommunicator::State {
   int device = 0;
   int rank = 0;
   int size = 1;
+  std::vector<int> world_ranks;            // world rank of every rank of this communicator
   cudaStream_t comm_stream = nullptr;      // owned; NCCL kernels run here
   cudaStream_t compute_stream = nullptr;   // the caller's (nullptr = legacy default stream)
   std::int32_t* barrier_buffer = nullptr;  // one int32 on the device
@@ -211,7 +208,7 @@ struct NcclCommunicator::State {
     SEQPAR_CHECK_NCCL(ncclCommCount(comm, &size));
   }
 
-  void check_usable(const char* op) const {
+  void check_usable(const std::string& op) const {
     SEQPAR_CHECK(abort_reason.empty(), op, ": the NCCL communicator was aborted after an earlier failure (",
                  abort_reason, "); create a new communicator");
   }
@@ -332,17 +329,10 @@ class NcclWork final : public Work {
   }
 
   void wait(double timeout_s) override {
-    SEQPAR_CHECK(std::isfinite(timeout_s) && timeout_s >= 0, description_, ": wait timeout ", timeout_s,
-                 " s must be finite and >= 0");
-    const auto start = Clock::now();
-    for (long polls = 0; !test(); ++polls) {
-      const double elapsed = seconds_since(start);
-      if (elapsed > timeout_s) {
-        fail(str_cat(description_, " did not complete within ", timeout_s, " s (waited ", elapsed,
-                     " s): a peer has failed, is stuck, or posted a mismatched operation"));
-      }
-      backoff(polls);
-    }
+    double waited = 0;
+    if (poll_until([this] { return test(); }, timeout_s, description_, waited)) return;
+    fail(str_cat(description_, " did not complete within ", timeout_s, " s (waited ", waited,
+                 " s): a peer has failed, is stuck, or posted a mismatched operation"));
   }
 
  private:
@@ -363,9 +353,9 @@ class NcclWork final : public Work {
 
 // Orders the communicator's stream after the caller's compute stream, runs `enqueue` (NCCL calls on the
 // communicator's stream), waits until NCCL has accepted them, and records the completion event.
-WorkHandle launch(const std::shared_ptr<State>& state, const char* op, std::string description,
+WorkHandle launch(const std::shared_ptr<State>& state, std::string description,
                   const std::function<void(ncclComm_t, cudaStream_t)>& enqueue) {
-  state->check_usable(op);
+  state->check_usable(description);
   DeviceScope scope(state->device);
   {
     ScopedEvent ready;
@@ -379,19 +369,14 @@ WorkHandle launch(const std::shared_ptr<State>& state, const char* op, std::stri
   return std::make_unique<NcclWork>(state, std::move(description), done.release(), state->compute_stream);
 }
 
-void check_on_device(const State& state, const TensorView& t, const char* op) {
-  SEQPAR_CHECK(t.device() == Device::cuda(state.device), op, ": the NCCL backend takes buffers on cuda:", state.device,
-               " (this rank's device); got ", t.str());
-}
-
 }  // namespace
 
 bool nccl_backend_built() { return true; }
 
 // ---- construction -------------------------------------------------------------------------------------------
 
-NcclCommunicator::NcclCommunicator(Communicator& bootstrap, int device_ordinal)
-    : rank_(bootstrap.rank()), size_(bootstrap.size()), device_ordinal_(device_ordinal) {
+NcclCommunicator::NcclCommunicator(Communicator& bootstrap, int device_ordinal) {
+  const int my_rank = bootstrap.rank(), num_ranks = bootstrap.size();
   // Every rank checks its device and makes its part of the bootstrap data; the ranks then agree, so that a bad
   // configuration fails everywhere before NCCL starts (one rank failing alone would leave the others waiting).
   static_assert(sizeof(ncclUniqueId) % sizeof(std::int64_t) == 0, "ncclUniqueId is not a whole number of int64");
@@ -402,31 +387,33 @@ NcclCommunicator::NcclCommunicator(Communicator& bootstrap, int device_ordinal)
   try {
     const int count = cuda_device_count();
     if (count == 0) {
-      problem = cuda_unavailable_reason();
+      problem = str_cat("the NCCL backend needs one CUDA device per rank, and this rank has none (",
+                        cuda_unavailable_reason(), ")");
     } else if (device_ordinal < 0 || device_ordinal >= count) {
       problem = str_cat("device ordinal ", device_ordinal, " is outside the ", count, " visible CUDA device(s)");
     } else {
       cudaDeviceProp prop{};
       SEQPAR_CHECK_CUDA(cudaGetDeviceProperties(&prop, device_ordinal));
       std::memcpy(&mine[1], prop.uuid.bytes, 16);
-      if (rank_ == 0) SEQPAR_CHECK_NCCL(ncclGetUniqueId(&id));
+      if (my_rank == 0) SEQPAR_CHECK_NCCL(ncclGetUniqueId(&id));
     }
   } catch (const Error& e) {
     problem = e.message();
   }
   mine[0] = problem.empty() ? 0 : 1;
-  std::vector<std::int64_t> all(3 * static_cast<std::size_t>(size_));
-  bootstrap.all_gather(TensorView(mine, DType::kInt64, {3}), TensorView(all.data(), DType::kInt64, {3 * size_}))
+  std::vector<std::int64_t> all(3 * static_cast<std::size_t>(num_ranks));
+  bootstrap.all_gather(TensorView(mine, DType::kInt64, {3}), TensorView(all.data(), DType::kInt64, {3 * num_ranks}))
       ->wait();
-  SEQPAR_CHECK(problem.empty(), "NcclCommunicator on cuda:", device_ordinal, ": ", problem);
+  SEQPAR_CHECK(problem.empty(), "NcclCommunicator", cuda_device_count() > 0 ? str_cat(" on cuda:", device_ordinal) : "",
+               ": ", problem);
   std::string failed;
-  for (int r = 0; r < size_; ++r) {
+  for (int r = 0; r < num_ranks; ++r) {
     if (all[3 * r] != 0) failed += str_cat(failed.empty() ? "" : ", ", r);
   }
   SEQPAR_CHECK(failed.empty(), "NcclCommunicator: rank(s) ", failed, " of the bootstrap communicator have no usable ",
                "CUDA device (each prints why)");
-  for (int a = 0; a < size_; ++a) {
-    for (int b = a + 1; b < size_; ++b) {
+  for (int a = 0; a < num_ranks; ++a) {
+    for (int b = a + 1; b < num_ranks; ++b) {
       SEQPAR_CHECK(all[3 * a + 1] != all[3 * b + 1] || all[3 * a + 2] != all[3 * b + 2], "NcclCommunicator: ranks ", a,
                    " and ", b, " chose the same CUDA device; NCCL needs one device per rank (with several ranks ",
                    "per GPU, use the MPI backend, which stages device buffers through pinned host memory)");
@@ -440,265 +427,180 @@ NcclCommunicator::NcclCommunicator(Communicator& bootstrap, int device_ordinal)
   state->create_resources();
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;  // every NCCL call returns at once; readiness is polled with a timeout
-  SEQPAR_CHECK_NCCL(ncclCommInitRankConfig(&state->comm, size_, id, rank_, &config));
-  state->wait_ready(str_cat("NCCL communicator initialisation over ", size_, " ranks on cuda:", device_ordinal));
+  SEQPAR_CHECK_NCCL(ncclCommInitRankConfig(&state->comm, num_ranks, id, my_rank, &config));
+  state->wait_ready(str_cat("NCCL communicator initialisation over ", num_ranks, " ranks on cuda:", device_ordinal));
   state->read_shape();
-  SEQPAR_ASSERT(state->rank == rank_ && state->size == size_, "NCCL rank ", state->rank, "/", state->size,
-                " differs from the bootstrap's ", rank_, "/", size_);
+  SEQPAR_ASSERT(state->rank == my_rank && state->size == num_ranks, "NCCL rank ", state->rank, "/", state->size,
+                " differs from the bootstrap's ", my_rank, "/", num_ranks);
+  state->world_ranks = bootstrap.world_ranks();
   state_ = std::move(state);
+  set_group(my_rank, num_ranks, state_->world_ranks, Device::cuda(device_ordinal));
 }
 
-NcclCommunicator::NcclCommunicator(std::shared_ptr<State> state)
-    : state_(std::move(state)), rank_(state_->rank), size_(state_->size), device_ordinal_(state_->device) {}
+NcclCommunicator::NcclCommunicator(std::shared_ptr<State> state) : state_(std::move(state)) {
+  set_group(state_->rank, state_->size, state_->world_ranks, Device::cuda(state_->device));
+}
 
 NcclCommunicator::~NcclCommunicator() = default;
 
-Stream NcclCommunicator::comm_stream() const { return {Device::cuda(device_ordinal_), state_->comm_stream}; }
+Stream NcclCommunicator::comm_stream() const { return {device(), state_->comm_stream}; }
 
-void NcclCommunicator::set_stream(const Stream& stream) {
-  SEQPAR_CHECK(stream.device.is_cpu() || stream.device == Device::cuda(device_ordinal_),
-               "NcclCommunicator::set_stream: the stream is on ", stream.device.str(),
-               ", but this communicator runs on cuda:", device_ordinal_);
-  stream_ = stream;
+void NcclCommunicator::check_buffer(const TensorView& t, const std::string& op) const {
+  SEQPAR_CHECK(t.device() == device(), op, ": the NCCL backend takes buffers on ", device().str(),
+               " (this rank's device); got ", t.str());
+}
+
+void NcclCommunicator::do_set_stream(const Stream& stream) {
+  SEQPAR_CHECK(stream.device.is_cpu() || stream.device == device(), name(), ": set_stream: the stream is on ",
+               stream.device.str(), ", but this communicator runs on ", device().str());
   state_->compute_stream = stream.device.is_cpu() ? nullptr : static_cast<cudaStream_t>(stream.handle);
 }
 
 // ---- point to point -------------------------------------------------------------------------------------------
+// Arguments were checked by the front-end (runtime/comm.cc); `what` names the operation in errors.
 
-WorkHandle NcclCommunicator::isend(const TensorView& buffer, int peer, int tag) {
-  check_peer(*this, peer, "isend");
-  check_on_device(*state_, buffer, "isend");
-  WorkHandle w =
-      launch(state_, "isend", str_cat("NCCL isend to peer ", peer, " (tag ", tag, ", ", buffer.nbytes(), " bytes)"),
-             [&](ncclComm_t comm, cudaStream_t stream) {
-               SEQPAR_CHECK_NCCL(ncclSend(buffer.data(), static_cast<std::size_t>(buffer.numel()),
-                                          nccl_type(buffer.dtype()), peer, comm, stream));
-             });
-  counters_.bytes_sent += buffer.nbytes();
-  ++counters_.num_ops;
-  return w;
+WorkHandle NcclCommunicator::do_isend(const TensorView& buffer, int peer, int, std::string what) {
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    SEQPAR_CHECK_NCCL(ncclSend(buffer.data(), static_cast<std::size_t>(buffer.numel()), nccl_type(buffer.dtype()), peer,
+                               comm, stream));
+  });
 }
 
-WorkHandle NcclCommunicator::irecv(const TensorView& buffer, int peer, int tag) {
-  check_peer(*this, peer, "irecv");
-  check_on_device(*state_, buffer, "irecv");
-  WorkHandle w =
-      launch(state_, "irecv", str_cat("NCCL irecv from peer ", peer, " (tag ", tag, ", ", buffer.nbytes(), " bytes)"),
-             [&](ncclComm_t comm, cudaStream_t stream) {
-               SEQPAR_CHECK_NCCL(ncclRecv(buffer.data(), static_cast<std::size_t>(buffer.numel()),
-                                          nccl_type(buffer.dtype()), peer, comm, stream));
-             });
-  counters_.bytes_received += buffer.nbytes();
-  ++counters_.num_ops;
-  return w;
+WorkHandle NcclCommunicator::do_irecv(const TensorView& buffer, int peer, int, std::string what) {
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    SEQPAR_CHECK_NCCL(ncclRecv(buffer.data(), static_cast<std::size_t>(buffer.numel()), nccl_type(buffer.dtype()), peer,
+                               comm, stream));
+  });
 }
 
-WorkHandle NcclCommunicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
-  std::string peers;
-  std::int64_t sent = 0, received = 0;
-  for (const P2POp& op : ops) {
-    check_peer(*this, op.peer, "batch_isend_irecv");
-    check_on_device(*state_, op.buffer, "batch_isend_irecv");
-    const bool recv = op.kind == P2POp::Kind::kRecv;
-    peers += str_cat(peers.empty() ? "" : ", ", recv ? "recv from " : "send to ", op.peer);
-    (recv ? received : sent) += static_cast<std::int64_t>(op.buffer.nbytes());
-  }
+WorkHandle NcclCommunicator::do_batch_isend_irecv(const std::vector<P2POp>& ops, std::string what) {
   // One group, in posting order: NCCL matches the messages of a pair of ranks in that order.
-  WorkHandle w = launch(
-      state_, "batch_isend_irecv", str_cat("NCCL batch_isend_irecv (", peers, ")"),
-      [&](ncclComm_t comm, cudaStream_t stream) {
-        run_group([&] {
-          for (const P2POp& op : ops) {
-            const auto count = static_cast<std::size_t>(op.buffer.numel());
-            if (op.kind == P2POp::Kind::kRecv) {
-              SEQPAR_CHECK_NCCL(ncclRecv(op.buffer.data(), count, nccl_type(op.buffer.dtype()), op.peer, comm, stream));
-            } else {
-              SEQPAR_CHECK_NCCL(ncclSend(op.buffer.data(), count, nccl_type(op.buffer.dtype()), op.peer, comm, stream));
-            }
-          }
-        });
-      });
-  counters_.bytes_sent += sent;
-  counters_.bytes_received += received;
-  ++counters_.num_ops;
-  return w;
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    run_group([&] {
+      for (const P2POp& op : ops) {
+        const auto count = static_cast<std::size_t>(op.buffer.numel());
+        if (op.kind == P2POp::Kind::kRecv) {
+          SEQPAR_CHECK_NCCL(ncclRecv(op.buffer.data(), count, nccl_type(op.buffer.dtype()), op.peer, comm, stream));
+        } else {
+          SEQPAR_CHECK_NCCL(ncclSend(op.buffer.data(), count, nccl_type(op.buffer.dtype()), op.peer, comm, stream));
+        }
+      }
+    });
+  });
 }
 
 // ---- collectives ------------------------------------------------------------------------------------------------
 
-WorkHandle NcclCommunicator::all_to_all(const TensorView& send, const TensorView& recv) {
-  check_on_device(*state_, send, "all_to_all");
-  check_on_device(*state_, recv, "all_to_all");
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel(), "all_to_all: send ", send.str(),
-               " and recv ", recv.str(), " must have the same dtype and element count");
-  SEQPAR_CHECK(send.numel() % size_ == 0, "all_to_all: element count ", send.numel(),
-               " must be divisible by the communicator size ", size_);
-  check_disjoint(send, recv, "all_to_all");
-  const std::int64_t block = send.numel() / size_;
+WorkHandle NcclCommunicator::do_all_to_all(const TensorView& send, const TensorView& recv, std::string what) {
+  const int p = size(), me = rank();
+  const std::int64_t block = send.numel() / p;
   const std::size_t block_bytes = static_cast<std::size_t>(block) * dtype_size(send.dtype());
-  WorkHandle w =
-      launch(state_, "all_to_all", str_cat("NCCL all_to_all over ", size_, " ranks (", send.nbytes(), " bytes)"),
-             [&](ncclComm_t comm, cudaStream_t stream) {
-               if (block_bytes > 0) {
-                 SEQPAR_CHECK_CUDA(cudaMemcpyAsync(byte_ptr(recv, rank_ * block), byte_ptr(send, rank_ * block),
-                                                   block_bytes, cudaMemcpyDeviceToDevice, stream));
-               }
-               if (block == 0) return;
-               run_group([&] {
-                 for (int r = 0; r < size_; ++r) {
-                   if (r == rank_) continue;
-                   SEQPAR_CHECK_NCCL(ncclSend(byte_ptr(send, r * block), static_cast<std::size_t>(block),
-                                              nccl_type(send.dtype()), r, comm, stream));
-                   SEQPAR_CHECK_NCCL(ncclRecv(byte_ptr(recv, r * block), static_cast<std::size_t>(block),
-                                              nccl_type(recv.dtype()), r, comm, stream));
-                 }
-               });
-             });
-  const std::int64_t moved = static_cast<std::int64_t>(block_bytes) * (size_ - 1);
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
-  return w;
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    if (block_bytes > 0) {
+      SEQPAR_CHECK_CUDA(cudaMemcpyAsync(byte_ptr(recv, me * block), byte_ptr(send, me * block), block_bytes,
+                                        cudaMemcpyDeviceToDevice, stream));
+    }
+    if (block == 0) return;
+    run_group([&] {
+      for (int r = 0; r < p; ++r) {
+        if (r == me) continue;
+        SEQPAR_CHECK_NCCL(ncclSend(byte_ptr(send, r * block), static_cast<std::size_t>(block), nccl_type(send.dtype()),
+                                   r, comm, stream));
+        SEQPAR_CHECK_NCCL(ncclRecv(byte_ptr(recv, r * block), static_cast<std::size_t>(block), nccl_type(recv.dtype()),
+                                   r, comm, stream));
+      }
+    });
+  });
 }
 
-WorkHandle NcclCommunicator::all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
-                                          const TensorView& recv, const std::vector<std::int64_t>& recv_counts) {
-  check_on_device(*state_, send, "all_to_all_v");
-  check_on_device(*state_, recv, "all_to_all_v");
-  SEQPAR_CHECK(send.dtype() == recv.dtype(), "all_to_all_v: send and recv dtypes differ (", dtype_name(send.dtype()),
-               " vs ", dtype_name(recv.dtype()), ")");
-  SEQPAR_CHECK(static_cast<int>(send_counts.size()) == size_ && static_cast<int>(recv_counts.size()) == size_,
-               "all_to_all_v: send_counts and recv_counts need one entry per rank (", size_, "), got ",
-               send_counts.size(), " and ", recv_counts.size());
-  std::vector<std::int64_t> send_offsets(size_), recv_offsets(size_);
+WorkHandle NcclCommunicator::do_all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
+                                             const TensorView& recv, const std::vector<std::int64_t>& recv_counts,
+                                             std::string what) {
+  const int p = size(), me = rank();
+  std::vector<std::int64_t> send_offsets(p), recv_offsets(p);
   std::int64_t send_total = 0, recv_total = 0;
-  for (int r = 0; r < size_; ++r) {
-    SEQPAR_CHECK(send_counts[r] >= 0 && recv_counts[r] >= 0, "all_to_all_v: negative count for rank ", r);
+  for (int r = 0; r < p; ++r) {
     send_offsets[r] = send_total;
     recv_offsets[r] = recv_total;
     send_total += send_counts[r];
     recv_total += recv_counts[r];
   }
-  SEQPAR_CHECK(send_total <= send.numel() && recv_total <= recv.numel(), "all_to_all_v: counts sum to ", send_total,
-               " sent / ", recv_total, " received, more than the buffers hold (", send.numel(), " / ", recv.numel(),
-               ")");
-  SEQPAR_CHECK(send_counts[rank_] == recv_counts[rank_], "all_to_all_v: rank ", rank_, " sends ", send_counts[rank_],
-               " elements to itself but expects to receive ", recv_counts[rank_]);
-  check_disjoint(send, recv, "all_to_all_v");
   const std::size_t esize = dtype_size(send.dtype());
-  WorkHandle w = launch(
-      state_, "all_to_all_v", str_cat("NCCL all_to_all_v over ", size_, " ranks"),
-      [&](ncclComm_t comm, cudaStream_t stream) {
-        if (send_counts[rank_] > 0) {
-          SEQPAR_CHECK_CUDA(cudaMemcpyAsync(byte_ptr(recv, recv_offsets[rank_]), byte_ptr(send, send_offsets[rank_]),
-                                            static_cast<std::size_t>(send_counts[rank_]) * esize,
-                                            cudaMemcpyDeviceToDevice, stream));
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    if (send_counts[me] > 0) {
+      SEQPAR_CHECK_CUDA(cudaMemcpyAsync(byte_ptr(recv, recv_offsets[me]), byte_ptr(send, send_offsets[me]),
+                                        static_cast<std::size_t>(send_counts[me]) * esize, cudaMemcpyDeviceToDevice,
+                                        stream));
+    }
+    run_group([&] {
+      // Zero counts are skipped on both sides (the counts of a pair agree).
+      for (int r = 0; r < p; ++r) {
+        if (r == me) continue;
+        if (send_counts[r] > 0) {
+          SEQPAR_CHECK_NCCL(ncclSend(byte_ptr(send, send_offsets[r]), static_cast<std::size_t>(send_counts[r]),
+                                     nccl_type(send.dtype()), r, comm, stream));
         }
-        run_group([&] {
-          // Zero counts are skipped on both sides (the counts of a pair agree).
-          for (int r = 0; r < size_; ++r) {
-            if (r == rank_) continue;
-            if (send_counts[r] > 0) {
-              SEQPAR_CHECK_NCCL(ncclSend(byte_ptr(send, send_offsets[r]), static_cast<std::size_t>(send_counts[r]),
-                                         nccl_type(send.dtype()), r, comm, stream));
-            }
-            if (recv_counts[r] > 0) {
-              SEQPAR_CHECK_NCCL(ncclRecv(byte_ptr(recv, recv_offsets[r]), static_cast<std::size_t>(recv_counts[r]),
-                                         nccl_type(recv.dtype()), r, comm, stream));
-            }
-          }
-        });
-      });
-  counters_.bytes_sent += (send_total - send_counts[rank_]) * static_cast<std::int64_t>(esize);
-  counters_.bytes_received += (recv_total - recv_counts[rank_]) * static_cast<std::int64_t>(esize);
-  ++counters_.num_ops;
-  return w;
+        if (recv_counts[r] > 0) {
+          SEQPAR_CHECK_NCCL(ncclRecv(byte_ptr(recv, recv_offsets[r]), static_cast<std::size_t>(recv_counts[r]),
+                                     nccl_type(recv.dtype()), r, comm, stream));
+        }
+      }
+    });
+  });
 }
 
-WorkHandle NcclCommunicator::all_gather(const TensorView& send, const TensorView& recv) {
-  check_on_device(*state_, send, "all_gather");
-  check_on_device(*state_, recv, "all_gather");
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && recv.numel() == send.numel() * size_, "all_gather: recv ", recv.str(),
-               " must hold size (", size_, ") x send ", send.str());
-  check_disjoint(send, recv, "all_gather");
-  WorkHandle w =
-      launch(state_, "all_gather", str_cat("NCCL all_gather over ", size_, " ranks (", send.nbytes(), " bytes each)"),
-             [&](ncclComm_t comm, cudaStream_t stream) {
-               SEQPAR_CHECK_NCCL(ncclAllGather(send.data(), recv.data(), static_cast<std::size_t>(send.numel()),
-                                               nccl_type(send.dtype()), comm, stream));
-             });
-  counters_.bytes_sent += static_cast<std::int64_t>(send.nbytes()) * (size_ - 1);
-  counters_.bytes_received += static_cast<std::int64_t>(send.nbytes()) * (size_ - 1);
-  ++counters_.num_ops;
-  return w;
+WorkHandle NcclCommunicator::do_all_gather(const TensorView& send, const TensorView& recv, std::string what) {
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    SEQPAR_CHECK_NCCL(ncclAllGather(send.data(), recv.data(), static_cast<std::size_t>(send.numel()),
+                                    nccl_type(send.dtype()), comm, stream));
+  });
 }
 
-WorkHandle NcclCommunicator::reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) {
-  check_on_device(*state_, send, "reduce_scatter");
-  check_on_device(*state_, recv, "reduce_scatter");
-  SEQPAR_CHECK(send.dtype() == recv.dtype() && send.numel() == recv.numel() * size_, "reduce_scatter: send ",
-               send.str(), " must hold size (", size_, ") x recv ", recv.str());
-  check_disjoint(send, recv, "reduce_scatter");
-  WorkHandle w =
-      launch(state_, "reduce_scatter", str_cat("NCCL reduce_scatter(", reduce_op_name(op), ") over ", size_, " ranks"),
-             [&](ncclComm_t comm, cudaStream_t stream) {
-               SEQPAR_CHECK_NCCL(ncclReduceScatter(send.data(), recv.data(), static_cast<std::size_t>(recv.numel()),
-                                                   nccl_type(send.dtype()), nccl_op(op), comm, stream));
-             });
-  counters_.bytes_sent += static_cast<std::int64_t>(recv.nbytes()) * (size_ - 1);
-  counters_.bytes_received += static_cast<std::int64_t>(recv.nbytes()) * (size_ - 1);
-  ++counters_.num_ops;
-  return w;
+WorkHandle NcclCommunicator::do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op,
+                                               std::string what) {
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    SEQPAR_CHECK_NCCL(ncclReduceScatter(send.data(), recv.data(), static_cast<std::size_t>(recv.numel()),
+                                        nccl_type(send.dtype()), nccl_op(op), comm, stream));
+  });
 }
 
-WorkHandle NcclCommunicator::all_reduce(const TensorView& buffer, ReduceOp op) {
-  check_on_device(*state_, buffer, "all_reduce");
-  WorkHandle w =
-      launch(state_, "all_reduce", str_cat("NCCL all_reduce(", reduce_op_name(op), ") over ", size_, " ranks"),
-             [&](ncclComm_t comm, cudaStream_t stream) {
-               SEQPAR_CHECK_NCCL(ncclAllReduce(buffer.data(), buffer.data(), static_cast<std::size_t>(buffer.numel()),
-                                               nccl_type(buffer.dtype()), nccl_op(op), comm, stream));
-             });
-  // Counted as a ring all-reduce would move it: 2 (P-1)/P of the buffer each way.
-  const std::int64_t moved = size_ > 1 ? 2 * static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1) / size_ : 0;
-  counters_.bytes_sent += moved;
-  counters_.bytes_received += moved;
-  ++counters_.num_ops;
-  return w;
+WorkHandle NcclCommunicator::do_all_reduce(const TensorView& buffer, ReduceOp op, std::string what) {
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    SEQPAR_CHECK_NCCL(ncclAllReduce(buffer.data(), buffer.data(), static_cast<std::size_t>(buffer.numel()),
+                                    nccl_type(buffer.dtype()), nccl_op(op), comm, stream));
+  });
 }
 
-WorkHandle NcclCommunicator::broadcast(const TensorView& buffer, int root) {
-  check_peer(*this, root, "broadcast");
-  check_on_device(*state_, buffer, "broadcast");
-  WorkHandle w =
-      launch(state_, "broadcast", str_cat("NCCL broadcast from root ", root, " over ", size_, " ranks"),
-             [&](ncclComm_t comm, cudaStream_t stream) {
-               SEQPAR_CHECK_NCCL(ncclBroadcast(buffer.data(), buffer.data(), static_cast<std::size_t>(buffer.numel()),
-                                               nccl_type(buffer.dtype()), root, comm, stream));
-             });
-  if (rank_ == root) {
-    counters_.bytes_sent += static_cast<std::int64_t>(buffer.nbytes()) * (size_ - 1);
-  } else {
-    counters_.bytes_received += buffer.nbytes();
-  }
-  ++counters_.num_ops;
-  return w;
+WorkHandle NcclCommunicator::do_broadcast(const TensorView& buffer, int root, std::string what) {
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    SEQPAR_CHECK_NCCL(ncclBroadcast(buffer.data(), buffer.data(), static_cast<std::size_t>(buffer.numel()),
+                                    nccl_type(buffer.dtype()), root, comm, stream));
+  });
 }
 
-WorkHandle NcclCommunicator::barrier() {
+WorkHandle NcclCommunicator::do_barrier(std::string what) {
   std::int32_t* flag = state_->barrier_buffer;
-  WorkHandle w = launch(state_, "barrier", str_cat("NCCL barrier over ", size_, " ranks"),
-                        [&](ncclComm_t comm, cudaStream_t stream) {
-                          SEQPAR_CHECK_NCCL(ncclAllReduce(flag, flag, 1, ncclInt32, ncclSum, comm, stream));
-                        });
-  ++counters_.num_ops;
-  return w;
+  return launch(state_, std::move(what), [&](ncclComm_t comm, cudaStream_t stream) {
+    SEQPAR_CHECK_NCCL(ncclAllReduce(flag, flag, 1, ncclInt32, ncclSum, comm, stream));
+  });
 }
 
-std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
-  state_->check_usable("split");
-  DeviceScope scope(device_ordinal_);
-  const std::string what = str_cat("NCCL split (color ", color, ", key ", key, ") over ", size_, " ranks");
+std::unique_ptr<Communicator> NcclCommunicator::do_split(int color, int key, std::string what) {
+  state_->check_usable(what);
+  // Every rank's (color, key), gathered on the device (not counted: split moves no payload), gives the child's
+  // world ranks in the order ncclCommSplit uses: (key, parent rank).
+  const int p = size();
+  Tensor host = Tensor::empty({2 + 2 * static_cast<std::int64_t>(p)}, DType::kInt32, MemCategory::kCommBuffer);
+  host.data_as<std::int32_t>()[0] = color;
+  host.data_as<std::int32_t>()[1] = key;
+  Tensor dev = Tensor::empty(host.shape(), DType::kInt32, MemCategory::kCommBuffer, device());
+  copy_convert(host, dev);
+  do_all_gather(dev.view().slice0(0, 2), dev.view().slice0(2, 2 + 2 * p), str_cat(what, ": gathering colors and keys"))
+      ->wait();
+  copy_convert(dev, host);
+  const std::vector<std::int32_t> table(host.data_as<std::int32_t>() + 2, host.data_as<std::int32_t>() + 2 + 2 * p);
+
+  DeviceScope scope(device_ordinal());
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t child = nullptr;
@@ -711,14 +613,15 @@ std::unique_ptr<Communicator> NcclCommunicator::split(int color, int key) {
   }
   if (child == nullptr) return nullptr;
   auto state = std::make_shared<State>();
-  state->device = device_ordinal_;
+  state->device = device_ordinal();
   state->comm = child;  // owned from here: the State's destructor releases it if anything below fails
   state->wait_ready(str_cat(what, ": the new communicator"));
   state->create_resources();
   state->read_shape();
-  auto out = std::unique_ptr<NcclCommunicator>(new NcclCommunicator(std::move(state)));
-  out->set_stream(stream_);
-  return out;
+  state->world_ranks = split_world_ranks(table, color);
+  SEQPAR_ASSERT(static_cast<int>(state->world_ranks.size()) == state->size, "NCCL split gave ", state->size,
+                " ranks, the (color, key) table ", state->world_ranks.size());
+  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(std::move(state)));
 }
 
 #endif  // SEQPAR_WITH_NCCL

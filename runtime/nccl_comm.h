@@ -31,44 +31,44 @@ namespace seqpar {
 class NcclCommunicator final : public Communicator {
  public:
   // Collective over `bootstrap`; binds this rank to CUDA device `device_ordinal` (see
-  // device_ordinal_from_local_rank()). Throws on every rank when any rank's device is missing or shared.
+  // device_ordinal_from_local_rank()). Throws on every rank when any rank's device is missing or shared. Takes the
+  // bootstrap's world ranks (and is named "world").
   NcclCommunicator(Communicator& bootstrap, int device_ordinal);
   ~NcclCommunicator() override;
-  NcclCommunicator(const NcclCommunicator&) = delete;
-  NcclCommunicator& operator=(const NcclCommunicator&) = delete;
 
-  int rank() const override { return rank_; }
-  int size() const override { return size_; }
   const char* backend_name() const override { return "nccl"; }
-  int device_ordinal() const { return device_ordinal_; }
+  int device_ordinal() const { return device().index; }
   // The stream NCCL kernels run on (owned by the communicator).
   Stream comm_stream() const;
-  // `stream` must be on this communicator's device (Stream::cpu() selects the legacy default stream).
-  void set_stream(const Stream& stream) override;
-
-  WorkHandle isend(const TensorView& buffer, int peer, int tag = 0) override;
-  WorkHandle irecv(const TensorView& buffer, int peer, int tag = 0) override;
-  WorkHandle batch_isend_irecv(const std::vector<P2POp>& ops) override;
-  WorkHandle all_to_all(const TensorView& send, const TensorView& recv) override;
-  WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts, const TensorView& recv,
-                          const std::vector<std::int64_t>& recv_counts) override;
-  WorkHandle all_gather(const TensorView& send, const TensorView& recv) override;
-  WorkHandle reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op) override;
-  WorkHandle all_reduce(const TensorView& buffer, ReduceOp op) override;
-  WorkHandle broadcast(const TensorView& buffer, int root) override;
-  // A one-element all_reduce on the device.
-  WorkHandle barrier() override;
-  // ncclCommSplit; the child shares this communicator's device and compute stream.
-  std::unique_ptr<Communicator> split(int color, int key) override;
 
   struct State;  // NCCL handles (defined in nccl_comm.cc); shared with the Work handles
+
+ protected:
+  // Buffers on this rank's device only.
+  void check_buffer(const TensorView& t, const std::string& op) const override;
+  // `stream` must be on this communicator's device (Stream::cpu() selects the legacy default stream).
+  void do_set_stream(const Stream& stream) override;
+
+  WorkHandle do_isend(const TensorView& buffer, int peer, int tag, std::string what) override;
+  WorkHandle do_irecv(const TensorView& buffer, int peer, int tag, std::string what) override;
+  WorkHandle do_batch_isend_irecv(const std::vector<P2POp>& ops, std::string what) override;
+  WorkHandle do_all_to_all(const TensorView& send, const TensorView& recv, std::string what) override;
+  WorkHandle do_all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts,
+                             const TensorView& recv, const std::vector<std::int64_t>& recv_counts,
+                             std::string what) override;
+  WorkHandle do_all_gather(const TensorView& send, const TensorView& recv, std::string what) override;
+  WorkHandle do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op, std::string what) override;
+  WorkHandle do_all_reduce(const TensorView& buffer, ReduceOp op, std::string what) override;
+  // A one-element all_reduce on the device.
+  WorkHandle do_barrier(std::string what) override;
+  WorkHandle do_broadcast(const TensorView& buffer, int root, std::string what) override;
+  // ncclCommSplit, after a device all-gather of every rank's (color, key) that gives the child's world ranks; the
+  // child shares this communicator's device.
+  std::unique_ptr<Communicator> do_split(int color, int key, std::string what) override;
 
  private:
   explicit NcclCommunicator(std::shared_ptr<State> state);
   std::shared_ptr<State> state_;
-  int rank_ = 0;
-  int size_ = 1;
-  int device_ordinal_ = 0;
 };
 
 // True when this build contains the NCCL backend's implementation.

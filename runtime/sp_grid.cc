@@ -79,6 +79,11 @@ SpGrid::SpGrid(Communicator& world, const SpGridConfig& config) : config_(config
   ring_ = world.split(coords_.dp_rank * pu + coords_.ulysses_rank, coords_.ring_rank);
   sp_ = world.split(coords_.dp_rank, coords_.sp_rank);
   dp_ = world.split(coords_.sp_rank, coords_.dp_rank);
+  // Names for error and log messages ("ring: irecv of ... from world rank 3 (ring rank 1) ...").
+  ulysses_->set_name("ulysses");
+  ring_->set_name("ring");
+  sp_->set_name("sp");
+  dp_->set_name("dp");
   SEQPAR_LOG(kInfo) << "grid " << str() << ": dp_rank " << coords_.dp_rank << ", ulysses_rank " << coords_.ulysses_rank
                     << ", ring_rank " << coords_.ring_rank << ", sp_rank " << coords_.sp_rank;
 }

@@ -49,6 +49,7 @@ class SpGrid {
   const SpCoords& coords() const { return coords_; }
   int world_rank() const { return world_rank_; }
 
+  // Each named after its group in error messages: "ulysses", "ring", "sp", "dp".
   Communicator& ulysses() const { return *ulysses_; }  // size ulysses_size, rank = ulysses_rank
   Communicator& ring() const { return *ring_; }        // size ring_size, rank = ring_rank
   Communicator& sp() const { return *sp_; }            // size ulysses_size * ring_size, rank = sp_rank

@@ -26,57 +26,24 @@
 #include "tests/util/units.h"
 
 #if defined(SEQPAR_WITH_CUDA)
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>  // the typed cudaMallocHost overload
 #endif
 
 namespace seqpar {
 namespace {
 
-using test::put;
-using test::take;
-using test::unit_exponent;
-using test::units_equal;
-using test::world;
+using namespace test;  // NOLINT: the shared communicator test helpers (tests/util/device_collectives.h)
 
 // Why this job cannot move device buffers (empty when it can); the same answer on every rank.
 const std::string& skip_reason() {
-  static const std::string reason = [] {
-    std::string r;
-#if defined(SEQPAR_WITH_CUDA)
-    if (cuda_device_count() == 0) r = cuda_unavailable_reason();
-#else
-    r = cuda_unavailable_reason();
-#endif
-    if (!test::all_ranks(world(), r.empty()) && r.empty()) r = "another rank has no usable CUDA device";
-    return r;
-  }();
+  static const std::string reason = agreed_skip_reason(
+      world(), cuda_device_count() > 0 ? std::string() : cuda_unavailable_reason(), "has no usable CUDA device");
   return reason;
 }
-
-#define SEQPAR_SKIP_WITHOUT_DEVICE()                           \
-  do {                                                         \
-    if (!skip_reason().empty()) GTEST_SKIP() << skip_reason(); \
-  } while (0)
+#define SEQPAR_SKIP_WITHOUT_DEVICE() SEQPAR_SKIP_IF(skip_reason())
 
 // This rank's device: ranks share the visible devices round-robin (all share one GPU on a one-GPU machine).
 [[maybe_unused]] int device() { return device_ordinal_from_local_rank(); }
-
-using test::check_all_gather;
-using test::check_all_reduce;
-using test::check_all_to_all;
-using test::check_all_to_all_v;
-using test::check_batch_ring_both_directions;
-using test::check_broadcast;
-using test::check_reduce_scatter;
-using test::check_ring_forwarding;
-using test::contains;
-using test::error_of;
-using test::filled_on_device;
-using test::kAllDTypes;
-using test::left_units;
-using test::mod;
-using test::on_device;
-using test::right_units;
 
 // ---- everywhere ------------------------------------------------------------------------------------------------
 
@@ -235,8 +202,8 @@ TEST(MpiDevice, TimedOutDeviceReceiveLeavesItsBufferAndTheCommunicatorUsable) {
   {
     WorkHandle work = w.irecv(stale, left, 877);
     const std::string m = error_of([&] { work->wait(0.3); });
-    EXPECT_TRUE(
-        contains(m, str_cat("MPI irecv from peer ", left, " (tag 877, 16 bytes) did not complete within 0.3 s")))
+    EXPECT_TRUE(contains(
+        m, str_cat("world: irecv of 16 bytes from world rank ", left, " with tag 877 did not complete within 0.3 s")))
         << m;
   }
   w.barrier()->wait();

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "runtime/comm.h"
+#include "runtime/comm_factory.h"
 #include "runtime/nccl_comm.h"
 #include "runtime/tensor.h"
 #include "runtime/tensor_ops.h"
@@ -32,17 +33,13 @@
 #include "tests/util/units.h"
 
 #if defined(SEQPAR_WITH_NCCL)
-#include <cuda_runtime_api.h>
+#include <cuda_runtime.h>  // the typed cudaMallocHost overload
 #endif
 
 namespace seqpar {
 namespace {
 
-using test::put;
-using test::take;
-using test::unit_exponent;
-using test::units_equal;
-using test::world;
+using namespace test;  // NOLINT: the shared communicator test helpers (tests/util/device_collectives.h)
 
 // Why this job cannot run the NCCL tests (empty when it can); the same answer on every rank.
 const std::string& skip_reason() {
@@ -54,38 +51,16 @@ const std::string& skip_reason() {
       r = str_cat("NCCL needs one CUDA device per rank: ", world().size(), " ranks, ", n, " device(s) visible",
                   n == 0 ? str_cat(" (", cuda_unavailable_reason(), ")") : std::string());
     }
-    if (!test::all_ranks(world(), r.empty()) && r.empty()) r = "another rank cannot run the NCCL tests";
-    return r;
+    return agreed_skip_reason(world(), r, "cannot run the NCCL tests");
   }();
   return reason;
 }
-
-#define SEQPAR_SKIP_WITHOUT_NCCL()                             \
-  do {                                                         \
-    if (!skip_reason().empty()) GTEST_SKIP() << skip_reason(); \
-  } while (0)
+#define SEQPAR_SKIP_WITHOUT_NCCL() SEQPAR_SKIP_IF(skip_reason())
 
 // This rank's device (the launcher's local rank modulo the device count).
 int device() { return device_ordinal_from_local_rank(); }
 
 std::unique_ptr<NcclCommunicator> make_nccl() { return std::make_unique<NcclCommunicator>(world(), device()); }
-
-using test::check_all_gather;
-using test::check_all_reduce;
-using test::check_all_to_all;
-using test::check_all_to_all_v;
-using test::check_batch_ring_both_directions;
-using test::check_broadcast;
-using test::check_reduce_scatter;
-using test::check_ring_forwarding;
-using test::contains;
-using test::error_of;
-using test::filled_on_device;
-using test::kAllDTypes;
-using test::left_units;
-using test::mod;
-using test::on_device;
-using test::right_units;
 
 double seconds_since(std::chrono::steady_clock::time_point t) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
@@ -110,15 +85,21 @@ TEST(NcclHelpers, LauncherLocalRankFollowsTheLauncher) {
   }
 }
 
-// Without NCCL the constructor says so; without a device every rank fails together, after agreeing through the
-// bootstrap communicator (a failing rank never leaves the others inside NCCL).
-TEST(NcclHelpers, ConstructionFailsOnEveryRankWithoutNcclOrDevice) {
+// Without NCCL the constructor and the factory say so (the factory before any message); without a device every
+// rank fails together, after agreeing through the bootstrap communicator (a failing rank never leaves the others
+// inside NCCL).
+TEST(NcclHelpers, ConstructionAndFactoryFailOnEveryRankWithoutNcclOrDevice) {
   if (nccl_backend_built() && cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present";
-  const std::string m = error_of([] { NcclCommunicator c(world(), 0); });
-  if (!nccl_backend_built()) {
-    EXPECT_TRUE(contains(m, "backend nccl does not support construction: seqpar was built without NCCL")) << m;
-  } else {
-    EXPECT_TRUE(contains(m, "NcclCommunicator on cuda:0: ")) << m;
+  const std::vector<std::pair<std::string, std::function<void()>>> makers = {
+      {"backend nccl does not support construction: seqpar was built without NCCL",
+       [] { NcclCommunicator c(world(), 0); }},
+      {"backend nccl is not compiled into this build of seqpar", [] { make_world_communicator("nccl"); }}};
+  for (const auto& [without_nccl, make] : makers) {
+    const std::string m = error_of(make);
+    EXPECT_TRUE(contains(m, nccl_backend_built() ? "NcclCommunicator: the NCCL backend needs one CUDA device per "
+                                                   "rank, and this rank has none"
+                                                 : without_nccl))
+        << m;
   }
   world().barrier()->wait();
 }
@@ -238,43 +219,7 @@ TEST(Nccl, BroadcastFromEveryRootEveryDTypeAndBarrier) {
 TEST(Nccl, ByteCountersFollowTheirDefinitions) {
   SEQPAR_SKIP_WITHOUT_NCCL();
   auto nc = make_nccl();
-  Communicator& w = *nc;
-  const std::int64_t p = w.size();
-  const int r = w.rank(), right = mod(r + 1, w.size()), left = mod(r - 1, w.size());
-  auto expect_counters = [&](std::int64_t sent, std::int64_t received, std::int64_t ops, const char* what) {
-    EXPECT_EQ(w.counters().bytes_sent, sent) << "rank " << r << ": " << what;
-    EXPECT_EQ(w.counters().bytes_received, received) << "rank " << r << ": " << what;
-    EXPECT_EQ(w.counters().num_ops, ops) << "rank " << r << ": " << what;
-    w.reset_counters();
-  };
-  w.reset_counters();
-  Tensor c = filled_on_device(DType::kBFloat16, 3, 1), d = filled_on_device(DType::kBFloat16, 3, 1),
-         e = filled_on_device(DType::kBFloat16, 3, 0), f = filled_on_device(DType::kBFloat16, 3, 0);
-  w.batch_isend_irecv(
-       {P2POp::send(c, right, 4), P2POp::send(d, left, 5), P2POp::recv(e, left, 4), P2POp::recv(f, right, 5)})
-      ->wait();
-  expect_counters(12, 12, 1, "batch of 2 sends + 2 receives of 3 bf16");
-  Tensor a2a_send = filled_on_device(DType::kFloat64, p * 3, 1), a2a_recv = filled_on_device(DType::kFloat64, p * 3, 0);
-  w.all_to_all(a2a_send, a2a_recv)->wait();
-  expect_counters(3 * 8 * (p - 1), 3 * 8 * (p - 1), 1, "all_to_all of 3 fp64 per rank");
-  Tensor g_send = filled_on_device(DType::kInt32, 4, 1), g_recv = filled_on_device(DType::kInt32, 4 * p, 0);
-  w.all_gather(g_send, g_recv)->wait();
-  expect_counters(16 * (p - 1), 16 * (p - 1), 1, "all_gather of 4 int32");
-  Tensor rs_send = filled_on_device(DType::kFloat32, 2 * p, 1), rs_recv = filled_on_device(DType::kFloat32, 2, 0);
-  w.reduce_scatter(rs_send, rs_recv, ReduceOp::kSum)->wait();
-  expect_counters(8 * (p - 1), 8 * (p - 1), 1, "reduce_scatter to 2 fp32");
-  Tensor ar = filled_on_device(DType::kFloat64, 10, 1);
-  w.all_reduce(ar, ReduceOp::kSum)->wait();
-  expect_counters(2 * 80 * (p - 1) / p, 2 * 80 * (p - 1) / p, 1, "all_reduce of 80 bytes (ring volume)");
-  Tensor bc = filled_on_device(DType::kFloat16, 6, 1);
-  w.broadcast(bc, 0)->wait();
-  if (r == 0) {
-    expect_counters(12 * (p - 1), 0, 1, "broadcast root");
-  } else {
-    expect_counters(0, 12, 1, "broadcast non-root");
-  }
-  w.barrier()->wait();
-  expect_counters(0, 0, 1, "barrier");
+  check_byte_counters(*nc, filled_on_device, /*lone_p2p=*/false);
 }
 
 // ---- split ---------------------------------------------------------------------------------------------------
@@ -400,15 +345,16 @@ TEST(Nccl, StuckReceiveTimesOutAbortsAndThrows) {
     const auto start = std::chrono::steady_clock::now();
     const std::string m = error_of([&] { work->wait(0.5); });
     const double waited = seconds_since(start);
-    EXPECT_TRUE(
-        contains(m, str_cat("NCCL irecv from peer ", left, " (tag 77, 16 bytes) did not complete within 0.5 s")))
+    EXPECT_TRUE(contains(
+        m, str_cat("world: irecv of 16 bytes from world rank ", left, " with tag 77 did not complete within 0.5 s")))
         << m;
     EXPECT_TRUE(contains(m, "ncclCommAbort")) << m;
     EXPECT_GE(waited, 0.5);
     EXPECT_LT(waited, 10.0) << "the timeout (and the abort) took far longer than asked";
     EXPECT_EQ(error_of([&] { work->wait(0.5); }), m) << "a second wait reports the same failure";
     const std::string later = error_of([&] { nc->all_reduce(buf, ReduceOp::kSum); });
-    EXPECT_TRUE(contains(later, "all_reduce: the NCCL communicator was aborted after an earlier failure")) << later;
+    EXPECT_TRUE(contains(later, "world: all_reduce(sum) of 16 bytes")) << later;
+    EXPECT_TRUE(contains(later, "the NCCL communicator was aborted after an earlier failure")) << later;
   }
   world().barrier()->wait();
   // A fresh communicator works again.

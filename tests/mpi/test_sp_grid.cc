@@ -133,6 +133,18 @@ TEST(SpGrid, MembershipForEveryFactorizationAndPlacement) {
     EXPECT_EQ(grid.ring().rank(), e.r);
     EXPECT_EQ(grid.sp().size(), pu * pr);
     EXPECT_EQ(grid.sp().rank(), e.r * pu + e.u);
+    // Names for error messages, and the world rank of every group rank (the grid's arithmetic, independently of
+    // the communicators' own bookkeeping).
+    EXPECT_EQ(grid.ulysses().name(), "ulysses");
+    EXPECT_EQ(grid.ring().name(), "ring");
+    EXPECT_EQ(grid.sp().name(), "sp");
+    EXPECT_EQ(grid.dp().name(), "dp");
+    for (int u = 0; u < pu; ++u) {
+      EXPECT_EQ(grid.ulysses().world_rank_of(u), world_rank_of(c, {e.dp, u, e.r, e.r * pu + u}));
+    }
+    for (int r = 0; r < pr; ++r) {
+      EXPECT_EQ(grid.ring().world_rank_of(r), world_rank_of(c, {e.dp, e.u, r, r * pu + e.u}));
+    }
     EXPECT_EQ(grid.dp().size(), c.dp_size);
     EXPECT_EQ(grid.dp().rank(), e.dp);
 

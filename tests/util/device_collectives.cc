@@ -5,6 +5,7 @@
 #include "runtime/error.h"
 #include "runtime/nccl_comm.h"
 #include "runtime/tensor_ops.h"
+#include "tests/util/test_util.h"
 #include "tests/util/units.h"
 
 namespace seqpar::test {
@@ -38,6 +39,11 @@ std::string error_of(const std::function<void()>& fn) {
 }
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::string agreed_skip_reason(Communicator& w, std::string local_reason, const char* why_other) {
+  if (!all_ranks(w, local_reason.empty()) && local_reason.empty()) local_reason = str_cat("another rank ", why_other);
+  return local_reason;
+}
 
 std::int64_t right_units(int src, int i) { return 1 + src * 16 + i; }
 std::int64_t left_units(int src, int i) { return 130 + src * 15 + i; }
@@ -201,6 +207,65 @@ void check_ring_forwarding(Communicator& w) {
       EXPECT_TRUE(units_equal(cur, want, str_cat("block after step ", step)));
     }
   }
+}
+
+void check_byte_counters(Communicator& w, const FilledBuffer& filled, bool lone_p2p) {
+  const std::int64_t p = w.size();
+  const int r = w.rank(), right = mod(r + 1, w.size()), left = mod(r - 1, w.size());
+  auto expect_counters = [&](std::int64_t sent, std::int64_t received, std::int64_t ops, const char* what) {
+    EXPECT_EQ(w.counters().bytes_sent, sent) << "rank " << r << ": " << what;
+    EXPECT_EQ(w.counters().bytes_received, received) << "rank " << r << ": " << what;
+    EXPECT_EQ(w.counters().num_ops, ops) << "rank " << r << ": " << what;
+    w.reset_counters();
+  };
+  w.reset_counters();
+  expect_counters(0, 0, 0, "after reset");
+  if (lone_p2p) {
+    Tensor a = filled(DType::kFloat32, 5, 1), b = filled(DType::kFloat32, 5, 0);
+    WorkHandle s = w.isend(a, right, 3), q = w.irecv(b, left, 3);
+    q->wait();
+    s->wait();
+    expect_counters(20, 20, 2, "isend + irecv of 5 fp32");
+  }
+  Tensor c = filled(DType::kBFloat16, 3, 1), d = filled(DType::kBFloat16, 3, 1), e = filled(DType::kBFloat16, 3, 0),
+         f = filled(DType::kBFloat16, 3, 0);
+  w.batch_isend_irecv(
+       {P2POp::send(c, right, 4), P2POp::send(d, left, 5), P2POp::recv(e, left, 4), P2POp::recv(f, right, 5)})
+      ->wait();
+  expect_counters(12, 12, 1, "batch of 2 sends + 2 receives of 3 bf16");
+
+  Tensor a2a_send = filled(DType::kFloat64, p * 3, 1), a2a_recv = filled(DType::kFloat64, p * 3, 0);
+  w.all_to_all(a2a_send, a2a_recv)->wait();
+  expect_counters(3 * 8 * (p - 1), 3 * 8 * (p - 1), 1, "all_to_all of 3 fp64 per rank");
+
+  std::vector<std::int64_t> counts(p);
+  for (int q = 0; q < p; ++q) counts[q] = q + 1;  // everyone sends q+1 to rank q, receives r+1 from each
+  const std::vector<std::int64_t> recv_counts(p, r + 1);
+  Tensor v_send = filled(DType::kInt64, p * (p + 1) / 2, 1), v_recv = filled(DType::kInt64, p * (r + 1), 0);
+  w.all_to_all_v(v_send, counts, v_recv, recv_counts)->wait();
+  expect_counters(8 * (p * (p + 1) / 2 - (r + 1)), 8 * (p - 1) * (r + 1), 1, "all_to_all_v");
+
+  Tensor g_send = filled(DType::kInt32, 4, 1), g_recv = filled(DType::kInt32, 4 * p, 0);
+  w.all_gather(g_send, g_recv)->wait();
+  expect_counters(16 * (p - 1), 16 * (p - 1), 1, "all_gather of 4 int32");
+
+  Tensor rs_send = filled(DType::kFloat32, 2 * p, 1), rs_recv = filled(DType::kFloat32, 2, 0);
+  w.reduce_scatter(rs_send, rs_recv, ReduceOp::kSum)->wait();
+  expect_counters(8 * (p - 1), 8 * (p - 1), 1, "reduce_scatter to 2 fp32");
+
+  Tensor ar = filled(DType::kFloat64, 10, 1);
+  w.all_reduce(ar, ReduceOp::kSum)->wait();
+  expect_counters(2 * 80 * (p - 1) / p, 2 * 80 * (p - 1) / p, 1, "all_reduce of 80 bytes (ring volume)");
+
+  Tensor bc = filled(DType::kFloat16, 6, 1);
+  w.broadcast(bc, 0)->wait();
+  if (r == 0) {
+    expect_counters(12 * (p - 1), 0, 1, "broadcast root");
+  } else {
+    expect_counters(0, 12, 1, "broadcast non-root");
+  }
+  w.barrier()->wait();
+  expect_counters(0, 0, 1, "barrier");
 }
 
 }  // namespace seqpar::test

@@ -1,0 +1,24 @@
+#include "runtime/comm_factory.h"
+
+#include "runtime/mpi_comm.h"
+#include "runtime/nccl_comm.h"
+
+namespace seqpar {
+
+const char* communicator_backend_names() { return "mpi, nccl"; }
+
+std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) {
+  if (backend == "mpi") return MpiCommunicator::world();
+  if (backend == "nccl") {
+    SEQPAR_CHECK(nccl_backend_built(), "backend nccl is not compiled into this build of seqpar (SEQPAR_WITH_NCCL=OFF, ",
+                 "no CUDA toolkit, or nccl.h not found); use --backend mpi");
+    // The NCCL constructor agrees over the MPI bootstrap that every rank has its own usable device before NCCL
+    // starts; a rank without one passes ordinal 0 and reports why.
+    auto bootstrap = MpiCommunicator::world();
+    const int ordinal = cuda_device_count() > 0 ? device_ordinal_from_local_rank() : 0;
+    return std::make_unique<NcclCommunicator>(*bootstrap, ordinal);
+  }
+  SEQPAR_THROW("unknown communicator backend '", backend, "': expected one of ", communicator_backend_names());
+}
+
+}  // namespace seqpar

@@ -1,0 +1,24 @@
+// One place that makes the world communicator for a backend name (for benchmarks and applications; tests may
+// construct a backend directly). Adding a backend: its own files, plus one branch here.
+#pragma once
+
+#include <memory>
+#include <string_view>
+
+#include "runtime/comm.h"
+
+namespace seqpar {
+
+// The backends make_world_communicator knows, for help texts and errors: "mpi, nccl".
+const char* communicator_backend_names();
+
+// A communicator over every rank of the job, named "world", for `backend`:
+//   "mpi"  - MpiCommunicator::world() (host buffers; CUDA builds also stage device buffers);
+//   "nccl" - NcclCommunicator bootstrapped over MPI, on the CUDA device device_ordinal_from_local_rank() picks.
+// Needs an initialised MPI (MpiSession / run_mpi_main). Collective over MPI_COMM_WORLD.
+// Errors, raised on every rank alike: an unknown name and a backend not compiled into this build fail before any
+// communication; "nccl" without a usable CUDA device on some rank fails on every rank after one agreement over MPI
+// (before NCCL starts), the ranks without a device naming the reason.
+std::unique_ptr<Communicator> make_world_communicator(std::string_view backend);
+
+}  // namespace seqpar
