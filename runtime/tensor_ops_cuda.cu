@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/cuda_check.h"
 #include "runtime/error.h"
 
 namespace seqpar {
