@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -16,6 +17,8 @@ namespace {
 
 std::atomic<long long> g_comm_calls{0};
 std::atomic<long long> g_allocations{0};
+std::mutex g_ops_mutex;
+std::vector<std::string> g_ops;  // kind=count: every communication call's "<group>: <op>", in order
 
 bool applies_here(const Plan& p) { return p.kind != Kind::kNone && p.rank == process_rank(); }
 
@@ -24,8 +27,11 @@ struct CountReport {
   ~CountReport() {
     const Plan& p = plan();
     if (p.kind != Kind::kCount || p.rank != process_rank()) return;
+    std::string ops;
+    for (const std::string& op : g_ops) ops += (ops.empty() ? "" : ",") + op;
     std::fprintf(stderr, "rank %d: SEQPAR_FAULT count: %lld communication calls, %lld allocations\n", p.rank,
                  g_comm_calls.load(), g_allocations.load());
+    std::fprintf(stderr, "rank %d: SEQPAR_FAULT calls: %s\n", p.rank, ops.c_str());
   }
 };
 
@@ -100,6 +106,10 @@ void on_comm_call(const char* op) {
   const Plan& p = plan();
   if (p.kind == Kind::kNone) return;
   const long long n = ++g_comm_calls;
+  if (p.kind == Kind::kCount && applies_here(p)) {
+    std::lock_guard<std::mutex> lock(g_ops_mutex);
+    g_ops.emplace_back(op);
+  }
   if (!applies_here(p) || n != p.at) return;
   if (p.kind == Kind::kCommError) {
     SEQPAR_THROW("injected fault (SEQPAR_FAULT): communication call ", n, " (", op, ") fails");

@@ -5,8 +5,8 @@
 //                 throws Error "injected fault: ..." before anything is posted
 //     oom         the rank's n-th ledger allocation fails exactly as a real out-of-memory does
 //     stall       the rank sleeps t seconds in its n-th communication call, then goes on (peers see a stopped rank)
-//     count       nothing fails; at exit the rank prints how many communication calls and allocations it made
-//                 (to choose `at` for the other kinds)
+//     count       nothing fails; at exit the rank prints how many communication calls and allocations it made,
+//                 and the list of its calls ("ring: batch_isend_irecv", ...), to choose `at` for the other kinds
 //   Example: SEQPAR_FAULT=comm_error,rank=1,at=5
 //
 // The knob is parsed when MPI starts (MpiSession), so a malformed value stops every rank before any message is sent.

@@ -3,8 +3,8 @@
 
 Runs sp_bench for one workload, first cleanly with SEQPAR_FAULT=count to learn how many communication calls and
 ledger allocations a rank makes, then with each injected fault (runtime/fault.h) at a few points: the first
-communication call, the middle of the run and three quarters of the way through (in the backward for these
-workloads, which communicate more there), an out-of-memory at two allocations, and a rank that stalls longer than
+communication call, the middle of the forward's and of the backward's group calls (the count run lists every call
+with its group), an out-of-memory at two allocations, and a rank that stalls in the backward longer than
 SEQPAR_COMM_TIMEOUT_S. Every faulty run must:
   - exit with status 1 (MPI_Abort from run_mpi_main), never by a signal (SIGSEGV, SIGABRT) or a hang;
   - print a "rank N: error: ..." line naming the cause (the injected fault, out of memory, or the timeout);
@@ -114,6 +114,8 @@ def main():
             print(f"FAIL: the clean counting run exited {rc} or printed no count")
             return 1
         calls, allocs = int(m.group(1)), int(m.group(2))
+        m_ops = re.search(r"SEQPAR_FAULT calls: (.*)", out)
+        ops = m_ops.group(1).split(",") if m_ops else []
         if calls < 4 or allocs < 4:
             print(out)
             print(f"FAIL: the counting run saw {calls} communication calls and {allocs} allocations; "
@@ -121,15 +123,32 @@ def main():
             return 1
     print(f"# clean run: {clean_s:.1f} s, rank {count_rank}: {calls} communication calls, {allocs} allocations")
 
+    # The layer's own traffic: runs of calls on the SP groups (ulysses, ring, sp), between sp_bench's world-wide
+    # reductions. The first run is the first iteration's forward, the second its backward.
+    runs, current = [], []
+    for i, op in enumerate(ops, start=1):
+        if op.startswith("world:"):
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            current.append(i)
+    if current:
+        runs.append(current)
+    if len(runs) < 2:
+        print(f"FAIL: expected the forward and backward as two runs of group calls, got {ops}")
+        return 1
+    fwd_mid = runs[0][len(runs[0]) // 2]
+    bwd_mid = runs[1][len(runs[1]) // 2]
+    print(f"# forward calls {runs[0][0]}..{runs[0][-1]}, backward calls {runs[1][0]}..{runs[1][-1]}")
     last = a.np - 1
     cases = [
         ("comm_error at the first call", f"comm_error,rank=0,at=1", "injected fault"),
-        ("comm_error mid-run", f"comm_error,rank={count_rank},at={max(1, calls // 2)}", "injected fault"),
-        ("comm_error three quarters in", f"comm_error,rank={count_rank},at={max(1, 3 * calls // 4)}",
-         "injected fault"),
+        ("comm_error mid-forward", f"comm_error,rank={count_rank},at={fwd_mid}", "injected fault"),
+        ("comm_error mid-backward", f"comm_error,rank={count_rank},at={bwd_mid}", "injected fault"),
         ("oom mid-run", f"oom,rank={count_rank},at={max(1, allocs // 2)}", "out of memory"),
         ("oom late", f"oom,rank={last},at={max(1, 9 * allocs // 10)}", "out of memory"),
-        ("stall past the timeout", f"stall,rank={count_rank},at={max(1, calls // 3)},seconds={TIMEOUT_S + 6}",
+        ("stall in the backward", f"stall,rank={count_rank},at={bwd_mid},seconds={TIMEOUT_S + 6}",
          "did not complete within"),
     ]
     for name, fault, cause in cases:
