@@ -4,8 +4,12 @@
 #include <chrono>
 #include <climits>
 #include <cmath>
+#include <csignal>
 #include <cstdio>
+#include <cstring>
 #include <thread>
+
+#include <unistd.h>
 
 #include "runtime/comm_keepalive.h"
 #include "runtime/cuda_staging.h"
@@ -521,10 +525,41 @@ namespace {
 constexpr int kAbortGraceMs = 2000;  // how long a failed rank waits for its peers to fail too
 }  // namespace
 
+namespace {
+
+// A rank that is stopped by the job's abort (OpenMPI sends SIGTERM to every other rank when one calls MPI_Abort) says
+// so in the same form as an error, and exits with status 1: the handler writes a message prepared beforehand (only
+// async-signal-safe calls), unless this rank has already printed its own error.
+char g_sigterm_text[256];
+std::size_t g_sigterm_length = 0;
+volatile std::sig_atomic_t g_error_printed = 0;
+
+extern "C" void on_sigterm(int) {
+  if (!g_error_printed && g_sigterm_length > 0) {
+    [[maybe_unused]] const ssize_t n = ::write(STDERR_FILENO, g_sigterm_text, g_sigterm_length);
+  }
+  ::_exit(1);
+}
+
+void install_sigterm_notice(int rank) {
+  const std::string text = str_cat("rank ", rank,
+                                    ": error: stopped by SIGTERM: the job is being aborted after another rank's error "
+                                    "(printed by that rank), or it was interrupted\n");
+  g_sigterm_length = std::min(text.size(), sizeof(g_sigterm_text));
+  std::memcpy(g_sigterm_text, text.data(), g_sigterm_length);
+  struct sigaction action {};
+  action.sa_handler = on_sigterm;
+  sigemptyset(&action.sa_mask);
+  sigaction(SIGTERM, &action, nullptr);
+}
+
+}  // namespace
+
 int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& body) {
   std::unique_ptr<MpiSession> session;
   try {
     session = std::make_unique<MpiSession>(&argc, &argv);
+    install_sigterm_notice(process_rank());
     const int rc = body(argc, argv);
     return rc;
   } catch (const std::exception& e) {
@@ -535,6 +570,7 @@ int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& b
         rank >= 0 ? str_cat("rank ", rank, ": error: ", message, "\n") : str_cat("error: ", message, "\n");
     std::fwrite(text.data(), 1, text.size(), stderr);
     std::fflush(stderr);
+    g_error_printed = 1;
     int initialized = 0, finalized = 0;
     MPI_Initialized(&initialized);
     MPI_Finalized(&finalized);

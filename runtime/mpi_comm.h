@@ -72,6 +72,9 @@ class MpiCommunicator final : public Communicator {
 // "rank R: error: message" on stderr and a non-zero exit of the whole job (MPI_Abort, so no rank is left waiting).
 // Before aborting, a failed rank waits up to 2 s in a barrier of failed ranks, so that when every rank fails
 // (a configuration error) each prints its message first.
+// A rank stopped by SIGTERM (OpenMPI sends it to the other ranks when one aborts) prints
+// "rank R: error: stopped by SIGTERM: ..." and exits with status 1, so that the ranks of a failed job say why they
+// ended (best effort: mpirun may follow with SIGKILL before a line is forwarded).
 int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& body);
 
 }  // namespace seqpar

@@ -7,7 +7,8 @@ communication call, the middle of the forward's and of the backward's group call
 with its group), an out-of-memory at two allocations, and a rank that stalls in the backward longer than
 SEQPAR_COMM_TIMEOUT_S. Every faulty run must:
   - exit with status 1 (MPI_Abort from run_mpi_main), never by a signal (SIGSEGV, SIGABRT) or a hang;
-  - print a "rank N: error: ..." line naming the cause (the injected fault, out of memory, or the timeout);
+  - print a "rank N: error: ..." line naming the cause (the injected fault, out of memory, or the timeout), and at
+    most one such line per rank (the others say that the job's abort stopped them);
   - print no crash marker (segmentation fault, std::terminate, core dumped, AddressSanitizer);
   - end within the communication timeout + 10 s after the clean run's own duration;
   - leave each output file (--json, --dump) either complete or absent, and no temporary file behind.
@@ -163,10 +164,13 @@ def main():
             if took > bound:
                 problems.append(f"took {took:.1f} s, more than the bound {bound:.1f} s")
             error_lines = [l for l in out.splitlines() if re.match(r"rank \d+: error: ", l)]
-            if not error_lines:
-                problems.append("no 'rank N: error:' line")
-            elif not any(cause in l for l in error_lines):
-                problems.append(f"no error line names the cause '{cause}'")
+            if not any(cause in l for l in error_lines):
+                problems.append(f"no 'rank N: error:' line names the cause '{cause}'")
+            # A rank says at most once why it ended: its own error, or that the job's abort stopped it (SIGTERM; best
+            # effort: mpirun may kill a rank before its line is forwarded).
+            per_rank = [sum(1 for l in error_lines if l.startswith(f"rank {r}: error: ")) for r in range(a.np)]
+            if max(per_rank) > 1:
+                problems.append(f"'rank N: error:' lines per rank are {per_rank}, expected at most one each")
             for marker in CRASH_MARKERS:
                 if marker in out:
                     problems.append(f"crash marker in the output: '{marker}'")
