@@ -1,8 +1,8 @@
 // DSA (DeepSeek sparse attention) on one device: lightning indexer + top-k selection, sparse latent attention
 // (absorbed MLA, one latent shared by all heads), and the indexer's KL training loss.
 //
-// Math (DESIGN.md section 5; DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek Sparse
-// Attention", 2025, eqs. for the lightning indexer, the top-k selection and the KL indexer loss):
+// Math (docs/design.md section 9; DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek
+// Sparse Attention", 2025, eqs. for the lightning indexer, the top-k selection and the KL indexer loss):
 //   indexer    I_tj = sum_i w_ti * relu(q_idx_ti . k_idx_j)          for keys j visible to query t
 //   selection  J_t  = the k keys with the largest I_tj
 //   attention  a_htj = scale * q_ht . c_j  (j in J_t),  lse_ht = log sum_j exp(a_htj),
@@ -152,7 +152,7 @@ struct DsaAttentionBackwardArgs {
                          // backward computes p anyway), so that a ring gets step (a) of the indexer loss for free
 };
 
-// Backward of one latent block with the final lse (DESIGN.md section 4 applied to the selected pairs):
+// Backward of one latent block with the final lse (docs/design.md section 8.1 applied to the selected pairs):
 //   p = exp(a - lse), dp = dout_h . c_j[:Dv], ds = p (dp - delta_h),
 //   dq_h += scale ds c_j,  dc_j += scale ds q_h  (all Dqk columns)  +  p dout_h  (first Dv columns).
 // dq [B, Sq, H, Dqk], dc [B, Sk, Dqk]. accumulate = false: overwritten (any floating dtype); accumulate = true:

@@ -1,9 +1,9 @@
 // GDN (gated delta rule) on one device: chunked forward and backward, segment transitions (affine state maps) for
 // context parallelism, and the short causal depthwise convolution that precedes it.
 //
-// Math (DESIGN.md section 6; Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025; chunked WY / UT form after
-// Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", NeurIPS 2024; the
-// L2 normalisation x * rsqrt(sum x^2 + eps) as fla-org/flash-linear-attention's l2norm (fla/modules/l2norm), read
+// Math (docs/design.md section 10; Yang, Kautz, Hatamizadeh, "Gated Delta Networks", ICLR 2025; chunked WY / UT
+// form after Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", NeurIPS 2024;
+// the L2 normalisation x * rsqrt(sum x^2 + eps) as fla-org/flash-linear-attention's l2norm (fla/modules/l2norm), read
 // for the math only).
 // Per batch b and head h, with state S_t in R^{K x V} (S_0 = initial_state, or 0):
 //   q_t <- scale * q_t / sqrt(|q_t|^2 + eps),  k_t <- k_t / sqrt(|k_t|^2 + eps)     (when use_qk_l2norm; eps = 1e-6)
@@ -23,7 +23,7 @@
 // g, beta, dg, dbeta [B, S, H]; states and their gradients [B, H, K, V]; transitions M [B, H, K, K], U [B, H, K, V].
 // Dtypes: activations and their gradients may each be any floating dtype (fp32, bf16, fp16, fp64); arithmetic is in
 // fp32, or fp64 when q is fp64. States, state gradients and transitions have the "state dtype": fp32, or fp64 when q
-// is fp64 (DESIGN.md section 2: what crosses ranks is fp32 or wider).
+// is fp64 (docs/design.md section 3: what crosses ranks is fp32 or wider).
 // Threads: OpenMP over (batch, head); every output element is written by one worker in a fixed order, so results
 // are bitwise reproducible for any thread count.
 // Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
@@ -38,7 +38,7 @@
 // Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
 // before anything is sent and every rank fails together.
 //
-// Use under context parallelism (parallel/, DESIGN.md section 6):
+// Use under context parallelism (parallel/, docs/design.md sections 10.4, 10.5):
 //   chain: gdn_forward with initial_state = received state, send final_state on; backward: gdn_backward with
 //          dfinal_state = received gradient, send dinitial_state back.
 //   scan:  forward: gdn_transition per segment -> exclusive scan with gdn_transition_compose -> gdn_forward with the

@@ -1,6 +1,6 @@
 // MHA / GQA / MQA flash attention on one device: forward with lse, backward, and the LSE merge.
 //
-// Math (DESIGN.md section 4; FlashAttention-2, Dao 2023): for batch b, query head h, kv head h / (Hq / Hkv),
+// Math (docs/design.md section 8.1; FlashAttention-2, Dao 2023): for batch b, query head h, kv head h / (Hq / Hkv),
 //   a_ij = scale * q_i . k_j            for visible keys j
 //   lse_i = log sum_j exp(a_ij)         (natural log, fp32)
 //   o_i   = sum_j exp(a_ij - lse_i) v_j
@@ -78,7 +78,7 @@ struct MhaBackwardArgs {
   TensorView delta;    // optional [B, Hq, Sq] fp32 rowsum(dout * out); computed from out/dout when empty
 };
 
-// Backward of one call (or one key block of a ring) with the final out / lse (DESIGN.md section 4).
+// Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md section 8.1).
 // args.out is read only when args.delta is empty (delta is then computed from out and dout as by
 // mha_backward_delta). dq [B, Sq, Hq, D], dk / dv [B, Sk, Hkv, D]:
 // accumulate = false: dq, dk, dv (any floating dtype) are overwritten.

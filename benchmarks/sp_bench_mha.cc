@@ -52,7 +52,7 @@ class MhaWorkload final : public Workload {
   Tolerance tolerance(const std::string& name) const override {
     // lse is fp32 for every storage dtype and differs only by the merge order of the blocks.
     if (name == "lse") return {1e-5, 1e-5};
-    // lse and the block merge weights are fp32 (DESIGN.md section 2).
+    // lse and the block merge weights are fp32 (docs/design.md section 3).
     return fp32_accumulator_tolerance(o_.dtype, name);
   }
 

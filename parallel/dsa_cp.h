@@ -1,4 +1,4 @@
-// DSA (DeepSeek sparse attention) under context parallelism (DESIGN.md section 5).
+// DSA (DeepSeek sparse attention) under context parallelism (docs/design.md section 9.4).
 //
 // Selection runs in the sequence-sharded layout over the whole SP group (indexer heads are never split, so no
 // cross-head reduction is needed): the index keys travel around the SP group (ring_circulate) and each rank merges
@@ -13,7 +13,7 @@
 // (ring_circulate_with_grad); dc and the head-summed attention probabilities of the ring shard are reduce-scattered
 // over the Ulysses group back to the sequence-sharded layout.
 //
-// Indexer loss (KL(p* || softmax(I)) summed over all queries; DESIGN.md section 5): p* comes from the main
+// Indexer loss (KL(p* || softmax(I)) summed over all queries; docs/design.md section 9.3): p* comes from the main
 // attention probabilities, which the attention backward produces for free, so the loss value and all gradients
 // come out of backward(). The index-key gradients travel home with the index-key blocks like dK / dV.
 //

@@ -1,4 +1,4 @@
-// GDN (gated delta rule) and its short causal conv under context parallelism (DESIGN.md section 6).
+// GDN (gated delta rule) and its short causal conv under context parallelism (docs/design.md section 10).
 //
 // The sequence is sharded by a SequenceLayout (contiguous or zigzag; stripe would make every token its own
 // segment and is refused). A rank's positions form one or more segments (maximal runs of consecutive positions);

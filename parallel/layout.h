@@ -1,7 +1,7 @@
 // Sequence layouts: which global token positions each rank of a (ring x Ulysses) group holds.
 //
 // The sequence [0, S) is first cut into ring_size ring shards by the layout kind, then each ring shard (its
-// positions in increasing order) is cut into ulysses_size contiguous pieces (DESIGN.md section 3):
+// positions in increasing order) is cut into ulysses_size contiguous pieces (docs/design.md section 6):
 //   contiguous: ring shard r = [r*S/P, (r+1)*S/P)
 //   zigzag:     2P chunks of S/(2P); ring shard r = chunk r followed by chunk 2P-1-r (causal work is equal on every
 //               rank; Brandon et al. 2023 "Striped Attention" / ring-flash-attention's zigzag)

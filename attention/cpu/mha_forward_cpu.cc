@@ -1,4 +1,4 @@
-// CPU flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1; DESIGN.md section 4).
+// CPU flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1; docs/design.md section 8.1).
 //
 // Work item: (batch, query head, tile of kBlockQ queries), scheduled by OpenMP. For each visible tile of kBlockK
 // keys: S = Q K^T (Q pre-scaled by scale * log2 e, so that exp2 replaces exp), online softmax in base 2 with

@@ -2,8 +2,9 @@
 // For tests only. Same shapes and semantics as attention/gdn.h; every tensor fp64 (states included), outputs
 // overwritten, optional inputs / outputs may be empty.
 //
-// Recurrence (DESIGN.md section 6), per (b, h): S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,
-// o_t = S_t^T q_t, after the optional L2 normalisation of q and k (eps kGdnL2NormEps) and the scale on q.
+// Recurrence (docs/design.md section 10.1), per (b, h):
+//   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t,
+// after the optional L2 normalisation of q and k (eps kGdnL2NormEps) and the scale on q.
 // Backward: reverse mode of that recurrence with every state S_t kept (O(S K V) memory), written out step by step
 // in gdn_reference.cc; the tests check it against central finite differences.
 #pragma once

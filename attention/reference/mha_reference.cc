@@ -1,4 +1,4 @@
-// Naive fp64 attention (DESIGN.md section 4), written straight from the definitions with the mask tested on the
+// Naive fp64 attention (docs/design.md section 8.1), written straight from the definitions with the mask tested on the
 // global positions of every (query, key) pair, so that it shares no code path with the tiled kernels.
 #include "attention/reference/mha_reference.h"
 

@@ -3,7 +3,8 @@
 // indexer loss and all gradients.
 //
 // Tolerances (kernel vs fp64 reference on the same rounded inputs):
-//   fp64: 1e-5 abs + 1e-5 rel; lse is stored in fp32 (DESIGN.md), so p = exp(a - lse) carries ~1e-7 relative error.
+//   fp64: 1e-5 abs + 1e-5 rel; lse is stored in fp32 (docs/design.md section 3), so p = exp(a - lse) carries ~1e-7
+//         relative error.
 //   fp32: 2e-5 abs + 1e-4 rel (fp32 accumulation over <= 64 terms of magnitude <= 10).
 //   bf16: outputs stored in bf16 (8-bit mantissa, relative rounding 2^-9 = 2e-3): 1e-2 abs + 1e-2 rel.
 #include <gtest/gtest.h>
