@@ -110,8 +110,7 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
   }
   o.min_bytes = parse_size(r["min-bytes"].as<std::string>(), "min-bytes");
   o.max_bytes = parse_size(r["max-bytes"].as<std::string>(), "max-bytes");
-  SEQPAR_CHECK(o.backend == "mpi" || o.backend == "nccl", "--backend ", o.backend,
-               ": unknown communicator backend (expected mpi or nccl)");
+  check_communicator_backend(o.backend);
   SEQPAR_CHECK(o.grid.ring_size >= 1, "--ring-size ", o.grid.ring_size, ": must be >= 1");
   SEQPAR_CHECK(o.min_bytes >= 1 && o.min_bytes <= o.max_bytes, "--min-bytes ", o.min_bytes,
                " must be >= 1 and <= --max-bytes ", o.max_bytes);

@@ -4,6 +4,7 @@
 #include <cxxopts.hpp>
 
 #include "benchmarks/sp_bench_workload.h"
+#include "runtime/comm_factory.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench {
@@ -209,8 +210,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   check_min(o.grid.ulysses_size, 1, "ulysses-size");
   check_min(o.grid.ring_size, 1, "ring-size");
   check_min(o.grid.dp_size, 1, "dp-size");
-  SEQPAR_CHECK(o.backend == "mpi" || o.backend == "nccl", "--backend ", o.backend,
-               ": unknown communicator backend (expected mpi or nccl)");
+  check_communicator_backend(o.backend);
   SEQPAR_CHECK(o.gdn_mode == "chain" || o.gdn_mode == "scan", "--gdn-mode ", o.gdn_mode,
                ": unknown mode (expected chain or scan)");
   SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,

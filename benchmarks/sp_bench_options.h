@@ -1,7 +1,7 @@
 // sp_bench command line: parsing (cxxopts), model presets and validation.
 //
 // Every check here is local arithmetic on the flags and the world size, so that a bad flag fails on every rank with
-// the same message before any communication (STYLE.md item 3).
+// the same message before any communication (validation at the boundary, before any communication).
 #pragma once
 
 #include <cstdint>
@@ -22,7 +22,7 @@ struct SpBenchOptions {
   LayoutKind layout = LayoutKind::kZigzag;
   RingImpl impl = RingImpl::kP2P;
   std::string backend = "mpi";  // communicator backend: mpi | nccl
-  std::string gdn_mode = "chain";
+  std::string gdn_mode = "scan";
   std::string dsa_select = "ring";  // DSA top-k selection over the SP group: ring | allgather
   std::string model;                // preset name, empty when none
 

@@ -7,7 +7,13 @@ namespace seqpar {
 
 const char* communicator_backend_names() { return "mpi, nccl"; }
 
+void check_communicator_backend(std::string_view backend) {
+  SEQPAR_CHECK(backend == "mpi" || backend == "nccl", "unknown communicator backend '", backend,
+               "': expected one of ", communicator_backend_names());
+}
+
 std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) {
+  check_communicator_backend(backend);
   if (backend == "mpi") return MpiCommunicator::world();
   if (backend == "nccl") {
     SEQPAR_CHECK(nccl_backend_built(), "backend nccl is not compiled into this build of seqpar (SEQPAR_WITH_NCCL=OFF, ",
@@ -18,7 +24,7 @@ std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) 
     const int ordinal = cuda_device_count() > 0 ? device_ordinal_from_local_rank() : 0;
     return std::make_unique<NcclCommunicator>(*bootstrap, ordinal);
   }
-  SEQPAR_THROW("unknown communicator backend '", backend, "': expected one of ", communicator_backend_names());
+  SEQPAR_ASSERT(false, "backend '", backend, "' passed check_communicator_backend but has no branch here");
 }
 
 }  // namespace seqpar
