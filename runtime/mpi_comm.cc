@@ -299,7 +299,9 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   // (they used to be read at the first wait or the first log line, with operations already posted).
   env::log_level();
   env::comm_timeout_s();
-  fault::plan();
+  int world_size = 1;
+  SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  fault::check_rank_in_world(fault::plan(), world_size);
 }
 
 MpiSession::~MpiSession() {
