@@ -694,8 +694,7 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
     index_add_rows(dxs.view(), 1, row_range(seg.local_offset, seg.length), dx32.view(), stream);
     add_inplace(dw32.view(), dws.view(), stream);
     for (const HaloPlan::Source& src : plan.sources[j]) {
-      Tensor g =
-          Tensor::empty({B, static_cast<std::int64_t>(src.slots.size()), C}, acc, MemCategory::kWorkspace);
+      Tensor g = Tensor::empty({B, static_cast<std::int64_t>(src.slots.size()), C}, acc, MemCategory::kWorkspace);
       gather_rows(dstate.view(), 1, src.slots, g.view(), stream);
       if (src.peer == me) {
         index_add_rows(g.view(), 1, src.rows, dx32.view(), stream);
@@ -708,8 +707,7 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
   for (int r = 0; r < n; ++r) {
     if (plan.take_count[r] > 0) ops.push_back(P2POp::send(send[r].view(), r, kTagHaloGrad));
     if (!plan.give[r].empty()) {
-      recv[r] = Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, acc,
-                              MemCategory::kCommBuffer);
+      recv[r] = Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, acc, MemCategory::kCommBuffer);
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHaloGrad));
     }
   }
