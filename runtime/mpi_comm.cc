@@ -5,6 +5,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdio>
+#include <new>
 #include <thread>
 
 #include "runtime/comm_keepalive.h"
@@ -531,7 +532,13 @@ int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& b
     return rc;
   } catch (const std::exception& e) {
     const Error* error = dynamic_cast<const Error*>(&e);
-    const std::string message = error ? error->message() : std::string(e.what());
+    // std::bad_alloc comes from a standard container (the ledger raises its own out-of-memory Error): say so.
+    const std::string message = error ? error->message()
+                                : dynamic_cast<const std::bad_alloc*>(&e)
+                                    ? str_cat("out of host memory (", e.what(),
+                                              " from a host allocation outside the memory ledger; are the "
+                                              "sizes too large for this machine?)")
+                                    : std::string(e.what());
     const int rank = process_rank();
     const std::string text =
         rank >= 0 ? str_cat("rank ", rank, ": error: ", message, "\n") : str_cat("error: ", message, "\n");
