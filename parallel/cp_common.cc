@@ -39,6 +39,10 @@ CpGroups::CpGroups(Communicator& ulysses_, Communicator& ring_, Communicator& sp
     : ulysses(ulysses_), ring(ring_), sp(sp_), stream(stream_) {
   SEQPAR_CHECK(sp.size() == ulysses.size() * ring.size(), "CpGroups: SP group size ", sp.size(),
                " must equal ulysses_size ", ulysses.size(), " x ring_size ", ring.size());
+  // The layers place tokens by sp_rank() and address SP peers by sp.rank(): they must be the same rank.
+  SEQPAR_CHECK(sp.rank() == sp_rank(), "CpGroups: this rank is ", sp.name(), " rank ", sp.rank(), ", but ring rank ",
+               ring.rank(), " x ulysses_size ", ulysses.size(), " + ulysses rank ", ulysses.rank(), " = ", sp_rank(),
+               "; the SP group must order its ranks ring-major (SpGrid does)");
 }
 
 CpGroups CpGroups::from(const SpGrid& grid, Stream stream) {

@@ -42,7 +42,8 @@ int parse_option_index(std::string_view name, std::span<const char* const> names
 //   ring:    the ring group (size Pr, rank = ring_rank); blocks and states travel around it.
 //   sp:      the whole SP group (size Pu * Pr, rank = sp_rank = ring_rank * Pu + ulysses_rank); DSA's selection
 //            and the short conv halo use it.
-// The references must outlive every layer built from the groups. Errors: sp.size() != ulysses.size() * ring.size().
+// The references must outlive every layer built from the groups. Errors: sp.size() != ulysses.size() * ring.size(),
+// sp.rank() != sp_rank() (on the ranks where it differs).
 struct CpGroups {
   Communicator& ulysses;
   Communicator& ring;

@@ -236,6 +236,23 @@ TEST(CpAdversary, ExceptionInTheMiddleOfBackwardReleasesEverything) {
   EXPECT_TRUE(test::all_ranks(world(), true));
 }
 
+// The layers place tokens by CpGroups::sp_rank() and address SP peers by sp.rank(): an SP group in another rank
+// order (here reversed) is refused where the two differ, instead of mixing tokens silently.
+TEST(CpAdversary, SpGroupInAnotherOrderIsRefused) {
+  const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
+  const std::unique_ptr<Communicator> reversed = world().split(0, world().size() - 1 - world().rank());
+  const std::string m = error_of([&] { CpGroups(*self, world(), *reversed); });
+  if (reversed->rank() == world().rank()) {
+    EXPECT_EQ(m, "<no error>");
+  } else {
+    EXPECT_NE(
+        m.find(str_cat("CpGroups: this rank is split rank ", reversed->rank(), ", but ring rank ", world().rank())),
+        std::string::npos)
+        << m;
+  }
+  EXPECT_EQ(error_of([&] { CpGroups(*self, world(), world()); }), "<no error>");
+}
+
 // The short conv under CP in every storage dtype (its backward used to run the kernel with fp32 outputs on bf16,
 // fp16 or fp64 inputs, which the kernel refuses): out, dx and dweight against the fp64 reference of the same rounded
 // inputs, with the storage dtype's tolerance.
