@@ -26,11 +26,23 @@ std::vector<std::string> g_ops;  // kind=count: every communication call's "<gro
 
 bool applies_here(const Plan& p) { return p.kind != Kind::kNone && p.rank == process_rank(); }
 
-// With kind=count, prints the totals when the process exits (after MPI is gone: plain stderr).
+// With kind=count, prints the totals when the process exits (after MPI is gone: plain stderr); with another kind
+// whose call or allocation was never reached (at= beyond what this rank made), says so, since the run then tested
+// nothing.
 struct CountReport {
   ~CountReport() {
     const Plan& p = plan();
-    if (p.kind != Kind::kCount || p.rank != process_rank()) return;
+    if (p.kind == Kind::kNone || p.rank != process_rank()) return;
+    if (p.kind != Kind::kCount) {
+      const bool oom = p.kind == Kind::kOom;
+      const long long made = oom ? g_allocations.load() : g_comm_calls.load();
+      if (made < p.at) {
+        std::fprintf(stderr,
+                     "rank %d: warning: SEQPAR_FAULT: the fault at %s %lld was never injected (this rank made %lld)\n",
+                     p.rank, oom ? "allocation" : "communication call", p.at, made);
+      }
+      return;
+    }
     std::string ops;
     for (const std::string& op : g_ops) ops += (ops.empty() ? "" : ",") + op;
     std::fprintf(stderr, "rank %d: SEQPAR_FAULT count: %lld communication calls, %lld allocations\n", p.rank,
