@@ -4,13 +4,11 @@
 
 #include <functional>
 
-#include "attention/reference/gdn_reference.h"
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
 #include "tests/util/device_collectives.h"
-#include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
 
@@ -251,52 +249,6 @@ TEST(CpAdversary, SpGroupInAnotherOrderIsRefused) {
         << m;
   }
   EXPECT_EQ(error_of([&] { CpGroups(*self, world(), world()); }), "<no error>");
-}
-
-// The short conv under CP in every storage dtype (its backward used to run the kernel with fp32 outputs on bf16,
-// fp16 or fp64 inputs, which the kernel refuses): out, dx and dweight against the fp64 reference of the same rounded
-// inputs, with the storage dtype's tolerance.
-TEST(CpAdversary, ShortConvEveryDtype) {
-  const SpGrid grid(world(), grid_config());
-  const CpGroups groups = CpGroups::from(grid);
-  const std::int64_t B = 1, seq = 48, C = 6, W = 4;
-  const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
-  const auto& pos = layout.positions(groups.sp_rank());
-  struct Tol {
-    DType dtype;
-    double atol, rtol;
-  };
-  for (const Tol& t : {Tol{DType::kFloat32, 1e-5, 1e-5}, Tol{DType::kBFloat16, 2e-2, 2e-2},
-                       Tol{DType::kFloat16, 2e-3, 5e-3}, Tol{DType::kFloat64, 1e-12, 1e-10}}) {
-    const Tensor x = rnd({B, seq, C}, 201, t.dtype), w = rnd({C, W}, 202, t.dtype), dy = rnd({B, seq, C}, 203, t.dtype);
-    const Tensor x64 = Tensor::copy_of(x.view(), DType::kFloat64, MemCategory::kWorkspace),
-                 w64 = Tensor::copy_of(w.view(), DType::kFloat64, MemCategory::kWorkspace),
-                 dy64 = Tensor::copy_of(dy.view(), DType::kFloat64, MemCategory::kWorkspace);
-    attn::ShortConvArgs ra;
-    ra.x = x64.view();
-    ra.weight = w64.view();
-    Tensor ry = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
-    Tensor rdx = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
-    Tensor rdw = Tensor::empty(w64.shape(), DType::kFloat64, MemCategory::kWorkspace);
-    attn::reference::short_conv_forward(ra, ry.view(), {});
-    attn::reference::short_conv_backward(ra, dy64.view(), rdx.view(), rdw.view(), {});
-
-    ShortConvContextParallel conv(groups, layout);
-    const Tensor xl = test::local_piece(x.view(), pos), dyl = test::local_piece(dy.view(), pos);
-    ShortConvCpOutput o = conv.forward(xl.view(), w.view());
-    Tensor dw = Tensor::empty(w.shape(), t.dtype, MemCategory::kWorkspace);
-    const Tensor dx = conv.backward(std::move(o.ctx), dyl.view(), dw.view());
-    const std::string name = str_cat("short conv ", dtype_name(t.dtype), " on ", grid.str());
-    EXPECT_EQ(dx.dtype(), t.dtype) << name;
-    EXPECT_TRUE(test::all_close(test::gather_full(grid.sp(), layout, o.out.view(), x.shape()), test::to_double(ry),
-                                t.atol, t.rtol, name + " out"));
-    EXPECT_TRUE(test::all_close(test::gather_full(grid.sp(), layout, dx.view(), x.shape()), test::to_double(rdx),
-                                t.atol, t.rtol, name + " dx"));
-    // dweight sums every token's contribution: the tolerance scales with the sequence length.
-    EXPECT_TRUE(
-        test::all_close(test::to_double(dw.view()), test::to_double(rdw), t.atol * seq, t.rtol, name + " dweight"));
-  }
-  EXPECT_TRUE(test::all_ranks(world(), true));
 }
 
 }  // namespace
