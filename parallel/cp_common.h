@@ -63,8 +63,8 @@ struct CpGroups {
 // names the caller in the message. Collective-free; identical on every rank.
 void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
 
-// Checks a gradient input of a backward (dout): a host tensor of `shape` with a floating dtype (Error naming `what`
-// otherwise). Layers call it before consuming their context, so that a refused call leaves the context live.
+// Checks a gradient input or output buffer of a backward (dout, dq): a host tensor of `shape` with a floating dtype
+// (Error naming `what` otherwise). Layers call it before consuming their context, so that a refused call leaves the context live.
 void check_grad_input(const TensorView& t, const Shape& shape, const char* what);
 
 // What one CP layer did on this rank; every field is summed over the calls since the last reset().

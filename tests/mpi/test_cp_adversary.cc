@@ -129,6 +129,31 @@ TEST(CpAdversary, RefusedBackwardKeepsTheContext) {
   EXPECT_EQ(saved_bytes(), base);
 }
 
+// RingAttention::backward_into (the entry point USP composes) refuses gradient buffers of a non-floating dtype
+// before it consumes the context.
+TEST(CpAdversary, BackwardIntoRefusesIntegerGradientBuffers) {
+  const int n = world().size();
+  const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
+  const CpGroups groups(*self, world(), world());
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, 16 * n);
+  RingAttention attn(groups, layout, RingAttentionConfig{});
+  const std::int64_t sl = layout.local_len();
+  const Tensor q = rnd({1, sl, 2, 8}, 1), kv = rnd({1, sl, 2, 8}, 2);
+  Tensor dq = rnd({1, sl, 2, 8}, 3), dk = rnd({1, sl, 2, 8}, 4), dv = rnd({1, sl, 2, 8}, 5);
+  const Tensor bad = Tensor::zeros({1, sl, 2, 8}, DType::kInt32, MemCategory::kWorkspace);
+  AttentionOutput o = attn.forward(q.view(), kv.view(), kv.view());
+  for (int which = 0; which < 3; ++which) {
+    const std::string m = error_of([&] {
+      attn.backward_into(std::move(o.ctx), q.view(), which == 0 ? bad.view() : dq.view(),
+                         which == 1 ? bad.view() : dk.view(), which == 2 ? bad.view() : dv.view());
+    });
+    EXPECT_NE(m, "<no error>") << "an int32 gradient buffer " << which << " was accepted";
+    EXPECT_TRUE(o.ctx.live()) << "gradient buffer " << which << ": " << m;
+  }
+  attn.backward_into(std::move(o.ctx), q.view(), dq.view(), dk.view(), dv.view());
+  EXPECT_TRUE(test::all_ranks(world(), true));
+}
+
 // A communicator over `inner` whose fail_at-th operation (counted from 1 after arm()) throws before anything is
 // posted, on every rank alike: an exception in the middle of a forward or backward.
 class FailingComm final : public Communicator {
