@@ -147,6 +147,13 @@ int sp_bench_main(int argc, char** argv) {
   const std::vector<std::string> outputs = wl->output_names();
   SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
                "--test-corrupt ", o.test_corrupt, ": no such output");
+  if (!o.json_path.empty() && !o.dump_dir.empty()) {  // rank 0 would write the JSON over a dumped array
+    auto normal = [](const std::filesystem::path& p) { return std::filesystem::absolute(p).lexically_normal(); };
+    for (const std::string& name : outputs) {
+      SEQPAR_CHECK(normal(o.json_path) != normal(std::filesystem::path(o.dump_dir) / (name + ".npy")), "--json ",
+                   o.json_path, " is the file --dump ", o.dump_dir, " writes for ", name, "; choose another path");
+    }
+  }
   progress.note("making inputs", true);
   wl->setup(input_ptr);
 

@@ -305,6 +305,7 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
       "over Ulysses, indexer loss; always causal)";
   k.presets = {{"deepseek-v3.2", 128, 1, 576, 2048, 0, 512, 64, 128,
                 "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"}};
+  k.own_flags = {"topk", "dsa-select", "dim-v", "indexer-heads", "indexer-dim"};
   k.input_specs = dsa_input_specs;
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["topk"] = o.topk;

@@ -261,7 +261,7 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   k.description = "gated delta rule (chain or scan over the ring, Ulysses over heads)";
   k.presets = {{"qwen3-next", 32, 32, 128, 0, 64, 0, 0, 0,
                 "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"}};
-  k.own_flags = {"gdn-compare-token"};
+  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size"};
   k.input_specs = gdn_input_specs;
   k.validate = [](SpBenchOptions& o) {
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",

@@ -39,6 +39,10 @@ CpGroups::CpGroups(Communicator& ulysses_, Communicator& ring_, Communicator& sp
     : ulysses(ulysses_), ring(ring_), sp(sp_), stream(stream_) {
   SEQPAR_CHECK(sp.size() == ulysses.size() * ring.size(), "CpGroups: SP group size ", sp.size(),
                " must equal ulysses_size ", ulysses.size(), " x ring_size ", ring.size());
+  // The layers place tokens by sp_rank() and address SP peers by sp.rank(): they must be the same rank.
+  SEQPAR_CHECK(sp.rank() == sp_rank(), "CpGroups: this rank is ", sp.name(), " rank ", sp.rank(), ", but ring rank ",
+               ring.rank(), " x ulysses_size ", ulysses.size(), " + ulysses rank ", ulysses.rank(), " = ", sp_rank(),
+               "; the SP group must order its ranks ring-major (SpGrid does)");
 }
 
 CpGroups CpGroups::from(const SpGrid& grid, Stream stream) {
@@ -50,6 +54,13 @@ void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, 
                ": the layout was built for ring_size ", layout.ring_size(), " x ulysses_size ", layout.ulysses_size(),
                ", but the groups have ring_size ", groups.ring_size(), " x ulysses_size ", groups.ulysses_size(),
                " (SequenceLayout::for_groups builds a matching one)");
+}
+
+void check_grad_input(const TensorView& t, const Shape& shape, const char* what) {
+  check_cpu(t, what);
+  check_shape(t, shape, what);
+  SEQPAR_CHECK(is_floating(t.dtype()), what, " has dtype ", dtype_name(t.dtype()),
+               ", expected a floating dtype (fp32, bf16, fp16 or fp64)");
 }
 
 CpCounters& CpCounters::operator+=(const CpCounters& o) {

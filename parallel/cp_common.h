@@ -42,7 +42,8 @@ int parse_option_index(std::string_view name, std::span<const char* const> names
 //   ring:    the ring group (size Pr, rank = ring_rank); blocks and states travel around it.
 //   sp:      the whole SP group (size Pu * Pr, rank = sp_rank = ring_rank * Pu + ulysses_rank); DSA's selection
 //            and the short conv halo use it.
-// The references must outlive every layer built from the groups. Errors: sp.size() != ulysses.size() * ring.size().
+// The references must outlive every layer built from the groups. Errors: sp.size() != ulysses.size() * ring.size(),
+// sp.rank() != sp_rank() (on the ranks where it differs).
 struct CpGroups {
   Communicator& ulysses;
   Communicator& ring;
@@ -61,6 +62,10 @@ struct CpGroups {
 // Checks that `layout` was built for these groups (ring_size and ulysses_size equal the groups' sizes); `layer`
 // names the caller in the message. Collective-free; identical on every rank.
 void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
+
+// Checks a gradient input or output buffer of a backward (dout, dq): a host tensor of `shape` with a floating dtype
+// (Error naming `what` otherwise). Layers call it before consuming their context, so that a refused call leaves the context live.
+void check_grad_input(const TensorView& t, const Shape& shape, const char* what);
 
 // What one CP layer did on this rank; every field is summed over the calls since the last reset().
 struct CpCounters {

@@ -186,8 +186,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
                      dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk, hi = s->q_idx.dim(2),
                      di = s->q_idx.dim(3);
   const DType dtype = s->q_h.dtype();
-  check_cpu(dout, "DSA CP dout");
-  check_shape(dout, {B, sl, hl * pu, dv}, "DSA CP dout");
+  check_grad_input(dout, {B, sl, hl * pu, dv}, "DSA CP dout");
   ctx.consume<Saved>(id_, "DSA CP");
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);

@@ -358,8 +358,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, H = s.heads * pu, K = s.dk, V = s.dv, sl = layout_.local_len(),
                      sr = layout_.ring_shard_len();
-  check_cpu(dout, "GDN CP dout");
-  check_shape(dout, {B, sl, H, V}, "GDN CP dout");
+  check_grad_input(dout, {B, sl, H, V}, "GDN CP dout");
   if (!dfinal_state.empty()) {
     check_shape(dfinal_state, {B, H, K, V}, "GDN CP dfinal_state");
     check_dtype(dfinal_state, s.state_dtype, "GDN CP dfinal_state");
@@ -653,43 +652,49 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
 Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
   const TensorView x = s->x.view();
-  check_cpu(dout, "short conv CP dout");
-  check_shape(dout, x.shape(), "short conv CP dout");
-  check_shape(dweight, s->weight.shape(), "short conv CP dweight");
+  check_grad_input(dout, x.shape(), "short conv CP dout");
+  check_dtype(dout, x.dtype(), "short conv CP dout");  // the conv kernel takes dout in x's dtype
+  check_grad_input(dweight, s->weight.shape(), "short conv CP dweight");
   ctx.consume<Saved>(id_, "short conv CP");
   const std::int64_t B = x.dim(0), C = x.dim(2), W = s->width;
   const int me = groups_.sp.rank(), n = groups_.sp.size();
   const HaloPlan& plan = plan_for(W);
   const CommStreamScope stream_scope(groups_);
   const Stream stream = groups_.stream;
-  Tensor dx32 = Tensor::zeros(x.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dw32 = Tensor::zeros(s->weight.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  // The kernel runs in the accumulation dtype (its outputs have its input's dtype): fp64 for fp64, else fp32.
+  const DType acc = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  auto to_acc = [&](Tensor t) {
+    return t.dtype() == acc ? std::move(t) : Tensor::copy_of(t.view(), acc, MemCategory::kWorkspace);
+  };
+  const Tensor weight = Tensor::copy_of(s->weight.view(), acc, MemCategory::kWorkspace);
+  Tensor dx32 = Tensor::zeros(x.shape(), acc, MemCategory::kWorkspace);
+  Tensor dw32 = Tensor::zeros(s->weight.shape(), acc, MemCategory::kWorkspace);
   // Halo gradients per peer, in the order that peer sent the rows (fp32 on the wire).
   std::vector<Tensor> send(n), recv(n);
   for (int r = 0; r < n; ++r) {
     if (plan.take_count[r] > 0) {
-      send[r] = Tensor::empty({B, plan.take_count[r], C}, DType::kFloat32, MemCategory::kCommBuffer);
+      send[r] = Tensor::empty({B, plan.take_count[r], C}, acc, MemCategory::kCommBuffer);
     }
   }
   for (std::size_t j = 0; j < plan.mine.size(); ++j) {
     const Segment& seg = segments_[plan.mine[j]];
-    Tensor xs = take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
-    Tensor dys = take_rows(dout, seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
+    Tensor xs = to_acc(take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream));
+    Tensor dys = to_acc(take_rows(dout, seg.local_offset, seg.length, MemCategory::kWorkspace, stream));
+    Tensor halo = W > 1 ? Tensor::copy_of(s->halo[j].view(), acc, MemCategory::kWorkspace) : Tensor();
     attn::ShortConvArgs a;
     a.x = xs.view();
-    a.weight = s->weight.view();
-    a.initial_conv_state = W > 1 ? s->halo[j].view() : TensorView();
+    a.weight = weight.view();
+    a.initial_conv_state = W > 1 ? halo.view() : TensorView();
     a.use_silu = config_.use_silu;
-    Tensor dxs = Tensor::empty(xs.shape(), DType::kFloat32, MemCategory::kWorkspace);
-    Tensor dws = Tensor::empty(s->weight.shape(), DType::kFloat32, MemCategory::kWorkspace);
-    Tensor dstate = Tensor::empty({B, W - 1, C}, DType::kFloat32, MemCategory::kWorkspace);
+    Tensor dxs = Tensor::empty(xs.shape(), acc, MemCategory::kWorkspace);
+    Tensor dws = Tensor::empty(s->weight.shape(), acc, MemCategory::kWorkspace);
+    Tensor dstate = Tensor::empty({B, W - 1, C}, acc, MemCategory::kWorkspace);
     attn::short_conv_backward(a, dys.view(), dxs.view(), dws.view(), W > 1 ? dstate.view() : TensorView(), stream);
     // dx rows of the segment (segments are disjoint), then the halo gradients: into our own dx, or to their owners.
     index_add_rows(dxs.view(), 1, row_range(seg.local_offset, seg.length), dx32.view(), stream);
     add_inplace(dw32.view(), dws.view(), stream);
     for (const HaloPlan::Source& src : plan.sources[j]) {
-      Tensor g =
-          Tensor::empty({B, static_cast<std::int64_t>(src.slots.size()), C}, DType::kFloat32, MemCategory::kWorkspace);
+      Tensor g = Tensor::empty({B, static_cast<std::int64_t>(src.slots.size()), C}, acc, MemCategory::kWorkspace);
       gather_rows(dstate.view(), 1, src.slots, g.view(), stream);
       if (src.peer == me) {
         index_add_rows(g.view(), 1, src.rows, dx32.view(), stream);
@@ -702,8 +707,7 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
   for (int r = 0; r < n; ++r) {
     if (plan.take_count[r] > 0) ops.push_back(P2POp::send(send[r].view(), r, kTagHaloGrad));
     if (!plan.give[r].empty()) {
-      recv[r] = Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, DType::kFloat32,
-                              MemCategory::kCommBuffer);
+      recv[r] = Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, acc, MemCategory::kCommBuffer);
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHaloGrad));
     }
   }

@@ -129,9 +129,9 @@ void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const
   check_shape(dout, s.q.shape(), "ring attention dout");
   SEQPAR_CHECK(is_floating(dout.dtype()), "ring attention: dout has dtype ", dtype_name(dout.dtype()),
                ", expected a floating dtype");
-  check_shape(dq, s.q.shape(), "ring attention dq");
-  check_shape(dk, s.k.shape(), "ring attention dk");
-  check_shape(dv, s.v.shape(), "ring attention dv");
+  check_grad_input(dq, s.q.shape(), "ring attention dq");
+  check_grad_input(dk, s.k.shape(), "ring attention dk");
+  check_grad_input(dv, s.v.shape(), "ring attention dv");
   ctx.consume<Saved>(id_, "ring attention");
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);

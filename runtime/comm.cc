@@ -107,12 +107,14 @@ void Communicator::check_elements(std::int64_t count, const char* op) const {
 }
 
 // MPI and NCCL forbid overlapping send and receive buffers in a collective (outside the in-place layouts).
-void Communicator::check_disjoint(const TensorView& send, const TensorView& recv, const char* op) const {
+void Communicator::check_disjoint(const TensorView& send, const TensorView& recv, const char* op,
+                                  const std::string& names) const {
   if (send.nbytes() == 0 || recv.nbytes() == 0) return;
   const char* s = static_cast<const char*>(send.data());
   const char* r = static_cast<const char*>(recv.data());
-  SEQPAR_CHECK(s + send.nbytes() <= r || r + recv.nbytes() <= s, where(op), ": send ", send.str(), " and recv ",
-               recv.str(), " overlap; they must be distinct buffers");
+  SEQPAR_CHECK(s + send.nbytes() <= r || r + recv.nbytes() <= s, where(op), ": ", names.empty() ? "send" : names, " ",
+               send.str(), " and ", names.empty() ? "recv " : "", recv.str(),
+               " overlap; they must be distinct buffers");
 }
 
 // SEQPAR_FAULT (runtime/fault.h): every public operation is one counted communication call.
@@ -168,6 +170,13 @@ WorkHandle Communicator::batch_isend_irecv(const std::vector<P2POp>& ops) {
     const bool recv = op.kind == P2POp::Kind::kRecv;
     list += str_cat(list.empty() ? "" : "; ", recv ? "recv " : "send ", check_p2p(op, "batch_isend_irecv"));
     (recv ? received : sent) += static_cast<std::int64_t>(op.buffer.nbytes());
+  }
+  // A receive may not share bytes with any other operation of the group (sends may share a buffer: they only read).
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    for (std::size_t j = i + 1; j < ops.size(); ++j) {
+      if (ops[i].kind == P2POp::Kind::kSend && ops[j].kind == P2POp::Kind::kSend) continue;
+      check_disjoint(ops[i].buffer, ops[j].buffer, "batch_isend_irecv", str_cat("operations ", i, " and ", j));
+    }
   }
   WorkHandle w = do_batch_isend_irecv(ops, str_cat(where("batch_isend_irecv"), " (", list, ")"));
   count(sent, received);

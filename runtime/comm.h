@@ -191,7 +191,9 @@ class Communicator {
   void count(std::int64_t sent, std::int64_t received);
   void check_tag(int tag, const char* op) const;
   void check_elements(std::int64_t count, const char* op) const;
-  void check_disjoint(const TensorView& send, const TensorView& recv, const char* op) const;
+  // `names` replaces "send" / "recv" in the message ("operations 0 and 2").
+  void check_disjoint(const TensorView& send, const TensorView& recv, const char* op,
+                      const std::string& names = {}) const;
   // "<name>: <op>" for messages.
   std::string where(const char* op) const;
 

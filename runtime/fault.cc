@@ -1,10 +1,14 @@
 #include "runtime/fault.h"
 
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <thread>
 #include <vector>
@@ -22,11 +26,23 @@ std::vector<std::string> g_ops;  // kind=count: every communication call's "<gro
 
 bool applies_here(const Plan& p) { return p.kind != Kind::kNone && p.rank == process_rank(); }
 
-// With kind=count, prints the totals when the process exits (after MPI is gone: plain stderr).
+// With kind=count, prints the totals when the process exits (after MPI is gone: plain stderr); with another kind
+// whose call or allocation was never reached (at= beyond what this rank made), says so, since the run then tested
+// nothing.
 struct CountReport {
   ~CountReport() {
     const Plan& p = plan();
-    if (p.kind != Kind::kCount || p.rank != process_rank()) return;
+    if (p.kind == Kind::kNone || p.rank != process_rank()) return;
+    if (p.kind != Kind::kCount) {
+      const bool oom = p.kind == Kind::kOom;
+      const long long made = oom ? g_allocations.load() : g_comm_calls.load();
+      if (made < p.at) {
+        std::fprintf(stderr,
+                     "rank %d: warning: SEQPAR_FAULT: the fault at %s %lld was never injected (this rank made %lld)\n",
+                     p.rank, oom ? "allocation" : "communication call", p.at, made);
+      }
+      return;
+    }
     std::string ops;
     for (const std::string& op : g_ops) ops += (ops.empty() ? "" : ",") + op;
     std::fprintf(stderr, "rank %d: SEQPAR_FAULT count: %lld communication calls, %lld allocations\n", p.rank,
@@ -35,11 +51,14 @@ struct CountReport {
   }
 };
 
-long long parse_positive(const std::string& value, const std::string& key, const std::string& text) {
+// A non-negative integer of at most `max` (strtoll alone would clamp an overflow to LLONG_MAX and accept it).
+long long parse_positive(const std::string& value, const std::string& key, const std::string& text, long long max) {
   char* end = nullptr;
+  errno = 0;
   const long long v = std::strtoll(text.c_str(), &end, 10);
-  SEQPAR_CHECK(!text.empty() && end && *end == '\0' && v >= 0, "SEQPAR_FAULT=", value, ": ", key, "=", text,
-               " must be a non-negative integer");
+  SEQPAR_CHECK(!text.empty() && std::isdigit(static_cast<unsigned char>(text[0])) && end && *end == '\0' &&
+                   errno == 0 && v >= 0 && v <= max,
+               "SEQPAR_FAULT=", value, ": ", key, "=", text, " must be a non-negative integer of at most ", max);
   return v;
 }
 
@@ -67,16 +86,18 @@ Plan parse_plan(const std::string& value) {
     SEQPAR_THROW("SEQPAR_FAULT=", value, ": unknown kind '", kind, "'", kRule);
   }
   bool has_rank = false, has_at = false, has_seconds = false;
+  std::set<std::string> seen;
   for (std::size_t i = 1; i < fields.size(); ++i) {
     const std::string& f = fields[i];
     const auto eq = f.find('=');
     SEQPAR_CHECK(eq != std::string::npos, "SEQPAR_FAULT=", value, ": field '", f, "' is not key=value", kRule);
     const std::string key = f.substr(0, eq), text = f.substr(eq + 1);
+    SEQPAR_CHECK(seen.insert(key).second, "SEQPAR_FAULT=", value, ": ", key, "= is given twice", kRule);
     if (key == "rank") {
-      p.rank = static_cast<int>(parse_positive(value, key, text));
+      p.rank = static_cast<int>(parse_positive(value, key, text, std::numeric_limits<int>::max()));
       has_rank = true;
     } else if (key == "at") {
-      p.at = parse_positive(value, key, text);
+      p.at = parse_positive(value, key, text, std::numeric_limits<long long>::max());
       SEQPAR_CHECK(p.at >= 1, "SEQPAR_FAULT=", value, ": at=", text, " must be >= 1 (calls are counted from 1)");
       has_at = true;
     } else if (key == "seconds") {
@@ -94,6 +115,12 @@ Plan parse_plan(const std::string& value) {
   SEQPAR_CHECK(has_seconds == (p.kind == Kind::kStall), "SEQPAR_FAULT=", value,
                p.kind == Kind::kStall ? ": stall needs seconds=<t>" : ": seconds= applies to stall only", kRule);
   return p;
+}
+
+void check_rank_in_world(const Plan& p, int world_size) {
+  SEQPAR_CHECK(p.kind == Kind::kNone || p.rank < world_size, "SEQPAR_FAULT: rank=", p.rank,
+               " is not a world rank of this job (", world_size, " ranks: 0..", world_size - 1,
+               "); the fault would never be injected");
 }
 
 const Plan& plan() {
@@ -115,8 +142,8 @@ void on_comm_call(const char* op) {
     SEQPAR_THROW("injected fault (SEQPAR_FAULT): communication call ", n, " (", op, ") fails");
   }
   if (p.kind == Kind::kStall) {
-    std::fprintf(stderr, "rank %d: SEQPAR_FAULT: stalling %.1f s in communication call %lld (%s)\n", p.rank,
-                 p.seconds, n, op);
+    std::fprintf(stderr, "rank %d: SEQPAR_FAULT: stalling %.1f s in communication call %lld (%s)\n", p.rank, p.seconds,
+                 n, op);
     std::fflush(stderr);
     std::this_thread::sleep_for(std::chrono::duration<double>(p.seconds));
   }

@@ -22,13 +22,16 @@ enum class Kind { kNone, kCommError, kOom, kStall, kCount };
 
 struct Plan {
   Kind kind = Kind::kNone;
-  int rank = -1;          // world rank the fault applies to
-  long long at = 0;       // 1-based index of the call / allocation
-  double seconds = 0.0;   // stall only
+  int rank = -1;         // world rank the fault applies to
+  long long at = 0;      // 1-based index of the call / allocation
+  double seconds = 0.0;  // stall only
 };
 
 // Parses a SEQPAR_FAULT value; throws Error naming the value and the rule when malformed. Empty: Kind::kNone.
 Plan parse_plan(const std::string& value);
+// Throws Error when the plan names a rank outside a job of `world_size` ranks (MpiSession calls it at start, so
+// that a fault meant for rank 4 of a 4-rank job is refused instead of silently never injected).
+void check_rank_in_world(const Plan& p, int world_size);
 // The plan read once from SEQPAR_FAULT (throws when malformed).
 const Plan& plan();
 

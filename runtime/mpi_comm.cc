@@ -7,6 +7,7 @@
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <new>
 #include <thread>
 
 #include <unistd.h>
@@ -303,7 +304,9 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   // (they used to be read at the first wait or the first log line, with operations already posted).
   env::log_level();
   env::comm_timeout_s();
-  fault::plan();
+  int world_size = 1;
+  SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
+  fault::check_rank_in_world(fault::plan(), world_size);
 }
 
 MpiSession::~MpiSession() {
@@ -564,7 +567,13 @@ int run_mpi_main(int argc, char** argv, const std::function<int(int, char**)>& b
     return rc;
   } catch (const std::exception& e) {
     const Error* error = dynamic_cast<const Error*>(&e);
-    const std::string message = error ? error->message() : std::string(e.what());
+    // std::bad_alloc comes from a standard container (the ledger raises its own out-of-memory Error): say so.
+    const std::string message = error ? error->message()
+                                : dynamic_cast<const std::bad_alloc*>(&e)
+                                    ? str_cat("out of host memory (", e.what(),
+                                              " from a host allocation outside the memory ledger; are the "
+                                              "sizes too large for this machine?)")
+                                    : std::string(e.what());
     const int rank = process_rank();
     const std::string text =
         rank >= 0 ? str_cat("rank ", rank, ": error: ", message, "\n") : str_cat("error: ", message, "\n");

@@ -388,6 +388,29 @@ TEST(Comm, InvalidArgumentsThrowBeforeCommunicating) {
   EXPECT_TRUE(contains(m, "overlap")) << m;
   m = error_of([&] { w.all_to_all(whole.slice0(0, p), whole.slice0(p, 2 * p))->wait(); });
   EXPECT_EQ(m, "<no error>") << "adjacent, disjoint buffers are fine";
+  // In a batch, a receive shares no bytes with another operation (two sends of one buffer are fine): a receive into
+  // the buffer being sent, or two receives into one buffer, would race.
+  Tensor buf = make(DType::kFloat32, 8);
+  m = error_of([&] {
+    w.batch_isend_irecv({P2POp::send(buf.view().slice0(0, 4), 0), P2POp::recv(buf.view().slice0(2, 6), 0)});
+  });
+  EXPECT_TRUE(contains(m, "world: batch_isend_irecv: operations 0 and 1 ")) << m;
+  EXPECT_TRUE(contains(m, " overlap; they must be distinct buffers")) << m;
+  m = error_of([&] {
+    w.batch_isend_irecv(
+        {P2POp::send(x, 0), P2POp::recv(buf.view().slice0(0, 4), 0), P2POp::recv(buf.view().slice0(3, 7), 0)});
+  });
+  EXPECT_TRUE(contains(m, "batch_isend_irecv: operations 1 and 2 ")) << m;
+  {
+    const int right = mod(w.rank() + 1, p), left = mod(w.rank() - 1, p);
+    Tensor in = make(DType::kFloat32, 8);
+    m = error_of([&] {
+      w.batch_isend_irecv({P2POp::send(x, right, 3), P2POp::send(x, left, 4),
+                           P2POp::recv(in.view().slice0(0, 4), left, 3), P2POp::recv(in.view().slice0(4, 8), right, 4)})
+          ->wait();
+    });
+    EXPECT_EQ(m, "<no error>") << "one buffer sent twice, disjoint receives";
+  }
   // A wait with a timeout that is not a finite, non-negative number is refused without abandoning the operation.
   {
     const int right = mod(w.rank() + 1, p), left = mod(w.rank() - 1, p);

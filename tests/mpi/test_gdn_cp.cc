@@ -188,6 +188,22 @@ TEST(GdnCp, ConfigurationErrors) {
 }
 
 // Short conv with its halo, including segments shorter than W - 1 (the halo then spans several ranks).
+// The fp64 reference short conv (silu) of x [B, S, C], weight [C, W] and dy, forward and backward.
+struct ShortConvReference {
+  Tensor y, dx, dw;
+  ShortConvReference(const Tensor& x, const Tensor& w, const Tensor& dy) {
+    const Tensor x64 = f64(x), w64 = f64(w), dy64 = f64(dy);
+    attn::ShortConvArgs ra;
+    ra.x = x64.view();
+    ra.weight = w64.view();
+    y = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+    dx = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+    dw = Tensor::empty(w64.shape(), DType::kFloat64, MemCategory::kWorkspace);
+    attn::reference::short_conv_forward(ra, y.view(), {});
+    attn::reference::short_conv_backward(ra, dy64.view(), dx.view(), dw.view(), {});
+  }
+};
+
 TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
   const int n = world().size();
   for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
@@ -200,15 +216,7 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
         Tensor x = test::random_tensor({kB, seq, C}, DType::kFloat32, 201);
         Tensor w = test::random_tensor({C, width}, DType::kFloat32, 202);
         Tensor dy = test::random_tensor({kB, seq, C}, DType::kFloat32, 203);
-        Tensor x64 = f64(x), w64 = f64(w), dy64 = f64(dy);
-        attn::ShortConvArgs ra;
-        ra.x = x64.view();
-        ra.weight = w64.view();
-        Tensor ry = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
-        Tensor rdx = Tensor::empty(x64.shape(), DType::kFloat64, MemCategory::kWorkspace);
-        Tensor rdw = Tensor::empty(w64.shape(), DType::kFloat64, MemCategory::kWorkspace);
-        attn::reference::short_conv_forward(ra, ry.view(), {});
-        attn::reference::short_conv_backward(ra, dy64.view(), rdx.view(), rdw.view(), {});
+        const ShortConvReference ref(x, w, dy);
 
         ShortConvContextParallel conv(groups, lay);
         const auto pos = lay.positions(world().rank());
@@ -218,11 +226,43 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
         Tensor dw = Tensor::empty(w.shape(), DType::kFloat32, MemCategory::kWorkspace);
         Tensor dx = conv.backward(std::move(o.ctx), shard(dy, pos, keep), dw.view());
         const std::string name = str_cat(layout_name(layout), " W", width, " S", seq, " at ", n, " ranks");
-        EXPECT_TRUE(all_close(gather(grid.sp(), lay, y, x.shape()), to_double(ry), 1e-5, 1e-5, name + " out"));
-        EXPECT_TRUE(all_close(gather(grid.sp(), lay, dx, x.shape()), to_double(rdx), 1e-5, 1e-5, name + " dx"));
-        EXPECT_TRUE(all_close(to_double(dw), to_double(rdw), 1e-4, 1e-5, name + " dweight"));
+        EXPECT_TRUE(all_close(gather(grid.sp(), lay, y, x.shape()), to_double(ref.y), 1e-5, 1e-5, name + " out"));
+        EXPECT_TRUE(all_close(gather(grid.sp(), lay, dx, x.shape()), to_double(ref.dx), 1e-5, 1e-5, name + " dx"));
+        EXPECT_TRUE(all_close(to_double(dw), to_double(ref.dw), 1e-4, 1e-5, name + " dweight"));
       }
     }
+  }
+}
+
+// Every storage dtype (the backward used to run the kernel with fp32 outputs on bf16, fp16 or fp64 inputs, which the
+// kernel refuses): out, dx and dweight against the fp64 reference of the same rounded inputs, at the dtype's
+// tolerance (dweight sums every token's term: atol scaled by S).
+TEST(ShortConvCp, EveryStorageDtype) {
+  const int n = world().size();
+  const std::int64_t seq = 8 * n, C = 6, W = 4;
+  const SpGrid grid(world(), {1, 1, n});
+  const CpGroups groups = CpGroups::from(grid);
+  const SequenceLayout lay = SequenceLayout::for_groups(groups, seq);
+  struct Tol {
+    DType dtype;
+    double atol, rtol;
+  };
+  for (const Tol& t : {Tol{DType::kFloat32, 1e-5, 1e-5}, Tol{DType::kBFloat16, 2e-2, 2e-2},
+                       Tol{DType::kFloat16, 2e-3, 5e-3}, Tol{DType::kFloat64, 1e-12, 1e-10}}) {
+    const Tensor x = test::random_tensor({kB, seq, C}, t.dtype, 201), w = test::random_tensor({C, W}, t.dtype, 202),
+                 dy = test::random_tensor({kB, seq, C}, t.dtype, 203);
+    const ShortConvReference ref(x, w, dy);
+    ShortConvContextParallel conv(groups, lay);
+    const auto pos = lay.positions(world().rank());
+    std::vector<Tensor> keep;
+    ShortConvCpOutput o = conv.forward(shard(x, pos, keep), w.view());
+    Tensor dw = Tensor::empty(w.shape(), t.dtype, MemCategory::kWorkspace);
+    const Tensor dx = conv.backward(std::move(o.ctx), shard(dy, pos, keep), dw.view());
+    const std::string name = str_cat("short conv ", dtype_name(t.dtype), " at ", n, " ranks");
+    EXPECT_EQ(dx.dtype(), t.dtype) << name;
+    EXPECT_TRUE(all_close(gather(grid.sp(), lay, o.out, x.shape()), to_double(ref.y), t.atol, t.rtol, name + " out"));
+    EXPECT_TRUE(all_close(gather(grid.sp(), lay, dx, x.shape()), to_double(ref.dx), t.atol, t.rtol, name + " dx"));
+    EXPECT_TRUE(all_close(to_double(dw), to_double(ref.dw), t.atol * seq, t.rtol, name + " dweight"));
   }
 }
 

@@ -50,6 +50,25 @@ TEST(Fault, RejectsMalformedValues) {
   expect_error("oom,rank=1,at=1,seconds=2", "applies to stall only");
   expect_error("oom,rank=1,at=1,when=now", "unknown key");
   expect_error("oom,rank=1,at", "not key=value");
+  // Out of range: strtoll would clamp to LLONG_MAX and the cast to int wrap (4294967297 became rank 1).
+  expect_error("comm_error,rank=4294967297,at=1", "at most 2147483647");
+  expect_error("comm_error,rank=1,at=99999999999999999999", "non-negative integer");
+  expect_error("comm_error,rank=+1,at=1", "non-negative integer");
+  expect_error("comm_error,rank= 1,at=1", "non-negative integer");
+  // A key given twice is ambiguous (which one did the caller mean?).
+  expect_error("comm_error,rank=1,at=2,rank=3", "rank= is given twice");
+}
+
+TEST(Fault, RankMustBeInTheWorld) {
+  fault::check_rank_in_world(fault::parse_plan(""), 1);
+  fault::check_rank_in_world(fault::parse_plan("comm_error,rank=3,at=1"), 4);
+  try {
+    fault::check_rank_in_world(fault::parse_plan("comm_error,rank=4,at=1"), 4);
+    FAIL() << "rank=4 of a 4-rank job was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("rank=4 is not a world rank of this job (4 ranks: 0..3)"), std::string::npos)
+        << e.message();
+  }
 }
 
 TEST(Fault, OutOfMemoryNamesTheBytesAndTheLedger) {
