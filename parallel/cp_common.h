@@ -14,9 +14,12 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "runtime/comm.h"
 #include "runtime/device.h"
+#include "runtime/tensor.h"
+#include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 
 namespace seqpar {
@@ -171,6 +174,26 @@ class CpContext {
   const char* layer_ = "";
   State state_ = State::kEmpty;
   std::shared_ptr<void> saved_;
+};
+
+// Where a schedule puts its buffers: the device of its inputs (common_device), with every fill, copy and
+// conversion ordered on `stream` (the groups' stream). No host-only operation: on a CUDA device these are the
+// CUDA versions of runtime/tensor_ops.h.
+struct DeviceAlloc {
+  Device device;
+  Stream stream;
+
+  Tensor empty(const Shape& shape, DType dtype, MemCategory category) const {
+    return Tensor::empty(shape, dtype, category, device);
+  }
+  Tensor zeros(const Shape& shape, DType dtype, MemCategory category) const {
+    return Tensor::zeros(shape, dtype, category, device, stream);
+  }
+  // A copy of `src` (on its own device, which is `device` inside a schedule) converted to `dtype`.
+  Tensor copy_of(const TensorView& src, DType dtype, MemCategory category) const {
+    return Tensor::copy_of(src, dtype, category, stream);
+  }
+  void copy_convert(const TensorView& src, const TensorView& dst) const { seqpar::copy_convert(src, dst, stream); }
 };
 
 // Sets the groups' stream on their communicators for a scope when it is a device stream (a host stream leaves them

@@ -89,19 +89,20 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
                " != layout ranks ", layout.num_ranks());
   const int n = comm.size();
   // Root packs every rank's piece in rank order, then an all_to_all_v with zero counts elsewhere delivers them.
+  const DeviceAlloc alloc{common_device({full, local}, "scatter_sequence"), Stream::cpu()};
   Tensor packed;
   std::vector<std::int64_t> send_counts(n, 0), recv_counts(n, 0);
   recv_counts[root] = local.numel();
   if (comm.rank() == root) {
     Shape s = local.shape();
     s.insert(s.begin(), n);
-    packed = Tensor::empty(s, local.dtype(), MemCategory::kCommBuffer);
+    packed = alloc.empty(s, local.dtype(), MemCategory::kCommBuffer);
     for (int r = 0; r < n; ++r) {
       shard_sequence(full, layout.positions(r), packed.view().slice0(r, r + 1).reshape(local.shape()));
       send_counts[r] = local.numel();
     }
   } else {
-    packed = Tensor::empty({0}, local.dtype(), MemCategory::kCommBuffer);
+    packed = alloc.empty({0}, local.dtype(), MemCategory::kCommBuffer);
   }
   comm.all_to_all_v(packed.view(), send_counts, local, recv_counts)->wait();
 }
@@ -111,10 +112,11 @@ void gather_sequence(Communicator& comm, const SequenceLayout& layout, const Ten
   SEQPAR_CHECK(comm.size() == layout.num_ranks(), "gather_sequence: communicator size ", comm.size(),
                " != layout ranks ", layout.num_ranks());
   SEQPAR_CHECK(seq_dim == 1 || seq_dim == 2, "gather_sequence: seq_dim ", seq_dim, " must be 1 or 2");
+  const DeviceAlloc alloc{common_device({local, full}, "gather_sequence"), Stream::cpu()};
   const int n = comm.size();
   Shape s = local.shape();
   s.insert(s.begin(), n);
-  Tensor all = Tensor::empty(s, local.dtype(), MemCategory::kCommBuffer);
+  Tensor all = alloc.empty(s, local.dtype(), MemCategory::kCommBuffer);
   comm.all_gather(local, all.view())->wait();
   for (int r = 0; r < n; ++r) {
     const TensorView piece = all.view().slice0(r, r + 1).reshape(local.shape());
@@ -125,5 +127,10 @@ void gather_sequence(Communicator& comm, const SequenceLayout& layout, const Ten
     }
   }
 }
+
+CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer)
+    : groups_(groups),
+      layout_(layout),
+      positions_((check_layout_matches(groups, layout, layer), layout.positions(groups.sp_rank()))) {}
 
 }  // namespace seqpar

@@ -73,4 +73,25 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
                      int seq_dim = 1);
 
+// The accessors every CP layer that owns its layout shares (DSA, GDN): this rank's positions, the counters and the
+// unique id its contexts carry. Built by the layer's constructor after check_layout_matches.
+class CpLayerBase {
+ public:
+  const SequenceLayout& layout() const { return layout_; }
+  // This rank's global token positions (layout().positions(sp_rank)), increasing.
+  const std::vector<std::int64_t>& positions() const { return positions_; }
+  const CpCounters& counters() const { return counters_; }
+  void reset_counters() { counters_.reset(); }
+
+ protected:
+  // Checks that `layout` matches the groups (check_layout_matches, naming `layer`).
+  CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
+
+  CpGroups groups_;
+  SequenceLayout layout_;
+  std::vector<std::int64_t> positions_;
+  LayerId id_;
+  CpCounters counters_;
+};
+
 }  // namespace seqpar
