@@ -187,18 +187,23 @@ SegmentInputs segment_inputs(const SavedT& s, const Segment& seg, Stream stream)
   return {rows(s.q), rows(s.k), rows(s.v), rows(s.g), rows(s.beta)};
 }
 
-attn::GdnForwardArgs forward_args(const SegmentInputs& in, const GdnCpConfig& cfg, const TensorView& start) {
+attn::GdnForwardArgs forward_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                                  const TensorView& beta, const GdnCpConfig& cfg, const TensorView& start) {
   attn::GdnForwardArgs a;
-  a.q = in.q.view();
-  a.k = in.k.view();
-  a.v = in.v.view();
-  a.g = in.g.view();
-  a.beta = in.beta.view();
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.g = g;
+  a.beta = beta;
   a.initial_state = start;
   a.use_qk_l2norm = cfg.use_qk_l2norm;
   a.scale = cfg.scale;
   a.chunk_size = cfg.chunk_size;
   return a;
+}
+
+attn::GdnForwardArgs forward_args(const SegmentInputs& in, const GdnCpConfig& cfg, const TensorView& start) {
+  return forward_args(in.q.view(), in.k.view(), in.v.view(), in.g.view(), in.beta.view(), cfg, start);
 }
 
 // Point-to-point exchange of one round: sends to and receives from other ranks (self-messages are the caller's).
@@ -236,20 +241,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     check_shape(initial_state, {B, H, K, V}, "GDN CP initial_state");
     check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
   }
-  {
-    // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
-    attn::GdnForwardArgs local;
-    local.q = q;
-    local.k = k;
-    local.v = v;
-    local.g = g;
-    local.beta = beta;
-    local.initial_state = initial_state;
-    local.use_qk_l2norm = config_.use_qk_l2norm;
-    local.scale = config_.scale;
-    local.chunk_size = config_.chunk_size;
-    attn::check_gdn_forward_args(local);
-  }
+  // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
+  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, initial_state));
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;

@@ -20,6 +20,7 @@
 #include "attention/mha.h"
 #include "attention/reference/dsa_reference.h"
 #include "runtime/error.h"
+#include "tests/util/device_collectives.h"
 #include "tests/util/test_util.h"
 
 #ifdef _OPENMP
@@ -291,17 +292,6 @@ TEST(DsaTopk, BlockSplitAnyOrderIsIdentical) {
   check_topk_blocks(tie_problem(d));
 }
 
-// The message of the Error `fn` throws ("" when it throws none).
-template <typename Fn>
-std::string error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 // dsa_topk_selected_scores: each selected slot's score, in topk_indices order, read from the final state (checked
 // against a search of the state written here, and against the indexer scores recomputed for those positions); 0 for
 // the padding. k > S gives padded rows.
@@ -335,7 +325,7 @@ TEST(DsaTopk, SelectedScoresFollowTopkIndices) {
     }
   }
   Tensor wrong = i64({d.B, d.S, d.K});
-  EXPECT_NE(error_message([&] { attn::dsa_topk_selected_scores(st, wrong); }).find("selected scores has dtype int64"),
+  EXPECT_NE(test::error_of([&] { attn::dsa_topk_selected_scores(st, wrong); }).find("selected scores has dtype int64"),
             std::string::npos);
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "runtime/tensor_ops.h"
+#include "tests/util/device_collectives.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar {
@@ -100,17 +101,6 @@ TEST(TensorOps, SwapOuterDimsMatchesLoop) {
   }
 }
 
-// The message of the Error `fn` throws ("" when it throws none).
-template <typename Fn>
-std::string error_message(Fn&& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
-}
-
 TEST(TensorOps, CountNonnegativeMatchesLoop) {
   Tensor t = Tensor::empty({3, 5, 7}, DType::kInt64, MemCategory::kWorkspace);
   std::int64_t want = 0;
@@ -122,7 +112,7 @@ TEST(TensorOps, CountNonnegativeMatchesLoop) {
   EXPECT_EQ(count_nonnegative(t.view()), want);
   EXPECT_EQ(count_nonnegative(Tensor::empty({0}, DType::kInt64, MemCategory::kWorkspace).view()), 0);
   Tensor f = Tensor::zeros({2}, DType::kFloat32, MemCategory::kWorkspace);
-  EXPECT_NE(error_message([&] { count_nonnegative(f.view()); }).find("count_nonnegative input has dtype fp32"),
+  EXPECT_NE(test::error_of([&] { count_nonnegative(f.view()); }).find("count_nonnegative input has dtype fp32"),
             std::string::npos);
 }
 
@@ -137,7 +127,7 @@ TEST(TensorOps, CopiesKeepTheDeviceAndConvert) {
   const std::vector<double> a = to_double(src), b = to_double(back);
   for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(b[i], a[i], 1.0 / 128 * (1 + std::abs(a[i]))) << i;
   const TensorView on_cuda(reinterpret_cast<void*>(std::uintptr_t{0x1000}), DType::kFloat32, {4, 6}, Device::cuda(0));
-  const std::string m = error_message([&] { (void)common_device({src.view(), on_cuda}, "layer forward"); });
+  const std::string m = test::error_of([&] { (void)common_device({src.view(), on_cuda}, "layer forward"); });
   EXPECT_NE(m.find("layer forward: every input must be on one device; fp32[4, 6]@cpu and fp32[4, 6]@cuda:0 differ"),
             std::string::npos)
       << m;
