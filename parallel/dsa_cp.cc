@@ -24,13 +24,7 @@ bool any_visible(const std::vector<std::int64_t>& q_pos, const std::vector<std::
 
 attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, const TensorView& k_idx,
                                   std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos) {
-  attn::DsaIndexerArgs a;
-  a.q_idx = q_idx;
-  a.w = w;
-  a.k_idx = k_idx;
-  a.q_pos = q_pos;
-  a.k_pos = k_pos;
-  return a;
+  return {q_idx, w, k_idx, q_pos, k_pos};
 }
 
 }  // namespace

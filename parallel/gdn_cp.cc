@@ -189,17 +189,7 @@ SegmentInputs segment_inputs(const SavedT& s, const Segment& seg, Stream stream)
 
 attn::GdnForwardArgs forward_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                                   const TensorView& beta, const GdnCpConfig& cfg, const TensorView& start) {
-  attn::GdnForwardArgs a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.g = g;
-  a.beta = beta;
-  a.initial_state = start;
-  a.use_qk_l2norm = cfg.use_qk_l2norm;
-  a.scale = cfg.scale;
-  a.chunk_size = cfg.chunk_size;
-  return a;
+  return {q, k, v, g, beta, start, cfg.use_qk_l2norm, cfg.scale, cfg.chunk_size};
 }
 
 attn::GdnForwardArgs forward_args(const SegmentInputs& in, const GdnCpConfig& cfg, const TensorView& start) {

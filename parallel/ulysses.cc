@@ -226,19 +226,7 @@ void UlyssesExchange::reduce_scatter_pieces(const TensorView& ring_shard, const 
 }
 
 Tensor UlyssesExchange::gather_heads_dim1(const TensorView& local) const {
-  const DeviceAlloc alloc{local.device(), stream_};
-  const int pu = ulysses_.size();
-  Shape packed = local.shape();
-  packed.insert(packed.begin(), pu);
-  Shape full_shape = local.shape();
-  full_shape[1] *= pu;
-  Tensor full = alloc.empty(full_shape, local.dtype(), MemCategory::kWorkspace);
-  counted([&] {
-    Tensor all = alloc.empty(packed, local.dtype(), MemCategory::kCommBuffer);
-    ulysses_.all_gather(local, all.view())->wait();
-    swap_outer_dims(all.view(), pu, local.dim(0), full.view(), stream_);  // [Pu, B, heads] -> [B, Pu, heads]
-  });
-  return full;
+  return gather_pieces(local, MemCategory::kWorkspace);  // the same all-gather, along the head dimension
 }
 
 Tensor UlyssesExchange::my_heads_dim1(const TensorView& full) const {
