@@ -246,8 +246,8 @@ attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_f
   timed_wait(w, &counters_.exposed_comm_s);
   for (int r = 0; r < size_; ++r) {
     const TensorView rank_kv = gathered.view().slice0(r, r + 1).reshape(packed_shape(kv_shape, 2));
-    unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view());
-    unshard_sequence(part(rank_kv, 1, kv_shape), positions_[r], v_full.view());
+    unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view(), alloc.stream);
+    unshard_sequence(part(rank_kv, 1, kv_shape), positions_[r], v_full.view(), alloc.stream);
   }
   attn::MhaForwardArgs a = block_args(s, k_full.view(), v_full.view(), rank_);
   a.k_pos = global_order_;
@@ -293,8 +293,8 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   Tensor send = alloc.empty(packed_shape(pshape, size_), DType::kFloat32, MemCategory::kCommBuffer);
   for (int r = 0; r < size_; ++r) {
     const TensorView rank_part = send.view().slice0(r, r + 1).reshape(pshape);
-    shard_sequence(dk_full.view(), positions_[r], part(rank_part, 0, kv_shape));
-    shard_sequence(dv_full.view(), positions_[r], part(rank_part, 1, kv_shape));
+    shard_sequence(dk_full.view(), positions_[r], part(rank_part, 0, kv_shape), alloc.stream);
+    shard_sequence(dv_full.view(), positions_[r], part(rank_part, 1, kv_shape), alloc.stream);
   }
   Tensor recv = alloc.empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
   WorkHandle rs = groups_.ring.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
