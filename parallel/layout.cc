@@ -67,24 +67,22 @@ std::vector<std::int64_t> SequenceLayout::positions(int sp_rank) const {
   return std::vector<std::int64_t>(shard.begin() + ulysses_rank * len, shard.begin() + (ulysses_rank + 1) * len);
 }
 
-void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local,
-                    Stream stream) {
-  gather_rows(full, 1, positions, local, stream);
+using Positions = std::vector<std::int64_t>;
+
+void shard_sequence(const TensorView& full, const Positions& pos, const TensorView& local, Stream stream) {
+  gather_rows(full, 1, pos, local, stream);
 }
 
-void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full,
-                      Stream stream) {
-  scatter_rows(local, 1, positions, full, stream);
+void unshard_sequence(const TensorView& local, const Positions& pos, const TensorView& full, Stream stream) {
+  scatter_rows(local, 1, pos, full, stream);
 }
 
-void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local,
-                        Stream stream) {
-  gather_rows(full, 2, positions, local, stream);
+void shard_sequence_bhs(const TensorView& full, const Positions& pos, const TensorView& local, Stream stream) {
+  gather_rows(full, 2, pos, local, stream);
 }
 
-void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full,
-                          Stream stream) {
-  scatter_rows(local, 2, positions, full, stream);
+void unshard_sequence_bhs(const TensorView& local, const Positions& pos, const TensorView& full, Stream stream) {
+  scatter_rows(local, 2, pos, full, stream);
 }
 
 void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
