@@ -250,6 +250,12 @@ void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_i
   detail::check_host_tensor(topk_indices, state.positions.shape(), DType::kInt64, "topk_indices", kFamily);
 }
 
+void check_dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream) {
+  detail::check_stream(stream, "dsa_topk_selected_scores", kFamily);
+  check_state(state, -1, -1, "top-k state");
+  detail::check_host_tensor(scores, state.scores.shape(), DType::kFloat32, "selected scores", kFamily);
+}
+
 void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {
   detail::check_stream(stream, "dsa_indexer_topk", kFamily);
   const cpu::DsaIndexerShape s = validate_indexer(args);
@@ -318,6 +324,11 @@ void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream
 void dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream) {
   check_dsa_topk_finalize(state, topk_indices, stream);
   cpu::dsa_topk_finalize_cpu(state, topk_indices);
+}
+
+void dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream) {
+  check_dsa_topk_selected_scores(state, scores, stream);
+  cpu::dsa_topk_selected_scores_cpu(state, scores);
 }
 
 void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {

@@ -117,6 +117,11 @@ void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream
 // topk_indices may be state.positions itself (in place).
 void dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
 
+// scores [B, Sq, k] fp32: the score of each selected key in dsa_topk_finalize's order (ascending position), then
+// 0 for the -1 padding. The indexer loss reads them with topk_indices (the scores of the final running state are
+// exactly the indexer's scores of the selected keys, so they need not be recomputed).
+void dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream = Stream::cpu());
+
 // Convenience for one key block: init + dsa_indexer_topk_block + finalize with a workspace state.
 // k = topk_indices.dim(2).
 void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream = Stream::cpu());
@@ -210,6 +215,7 @@ void check_dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu(
 void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
 void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream = Stream::cpu());
 void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
+void check_dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream = Stream::cpu());
 void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream = Stream::cpu());
 void check_dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
                                  Stream stream = Stream::cpu());

@@ -39,7 +39,7 @@ double visible_pairs(const SpBenchOptions& o) {
   return static_cast<double>(o.batch) * s * (s + 1) / 2;
 }
 
-class DsaWorkload final : public Workload {
+class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
  public:
   DsaWorkload(const SpBenchOptions& o, const SpGrid& grid) : o_(o), grid_(grid), groups_(CpGroups::from(grid)) {
     DsaCpConfig cfg;
@@ -84,37 +84,10 @@ class DsaWorkload final : public Workload {
 
   void setup(const NamedArrays* full) override {
     const std::int64_t local = dsa_->layout().local_len();
-    q_ = Tensor::empty(q_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    c_ = Tensor::empty(c_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    q_idx_ = Tensor::empty(q_idx_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    k_idx_ = Tensor::empty(k_idx_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    w_ = Tensor::empty(w_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    dout_ = Tensor::empty(out_shape(local), o_.dtype, MemCategory::kWorkspace);
-    fill(full, dsa_->positions(), {q_.view(), c_.view(), q_idx_.view(), k_idx_.view(), w_.view(), dout_.view()});
-  }
-
-  void release_outputs() override {
-    out_ = DsaCpOutput{};
-    grads_ = DsaCpGrads{};
-  }
-
-  PhaseCounters forward() override {
-    out_ = DsaCpOutput{};
-    dsa_->reset_counters();
-    out_ = dsa_->forward(q_.view(), c_.view(), q_idx_.view(), k_idx_.view(), w_.view());
-    attention_pairs_ = dsa_->counters().attention_pairs;
-    PhaseCounters p = counters();
-    p.executed_flops = attention_pairs_ * attention_flops_per_pair() / static_cast<double>(o_.heads);
-    return p;
-  }
-
-  PhaseCounters backward() override {
-    grads_ = DsaCpGrads{};
-    dsa_->reset_counters();
-    grads_ = dsa_->backward(std::move(out_.ctx), dout_.view());
-    PhaseCounters p = counters();
-    p.executed_flops = 2.5 * attention_pairs_ * attention_flops_per_pair() / static_cast<double>(o_.heads);
-    return p;
+    const DType t = o_.dtype;
+    in_ = local_tensors(t, {q_shape(local), c_shape(local), q_idx_shape(local), k_idx_shape(local), w_shape(local)});
+    in_.push_back(Tensor::empty(out_shape(local), t, MemCategory::kWorkspace));  // dout
+    fill(full, dsa_->positions(), views_of(in_));
   }
 
   NamedArrays gather_outputs() override {
@@ -138,15 +111,7 @@ class DsaWorkload final : public Workload {
     for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
     ref_in_ = zero_arrays(in);
     fill(full, all_positions(o_.seq), views_of(ref_in_));
-    ref_out_ = zero_arrays({{"out", o_.dtype, out_shape(o_.seq)},
-                            {"lse", DType::kFloat32, lse_shape()},
-                            {"topk_indices", DType::kInt64, topk_shape()},
-                            {"loss", DType::kFloat64, {1}},
-                            {"dq", o_.dtype, q_shape(o_.seq)},
-                            {"dc", o_.dtype, c_shape(o_.seq)},
-                            {"dq_idx", o_.dtype, q_idx_shape(o_.seq)},
-                            {"dk_idx", o_.dtype, k_idx_shape(o_.seq)},
-                            {"dw", o_.dtype, w_shape(o_.seq)}});
+    ref_out_ = zero_arrays(output_specs(o_.dtype, DType::kFloat32, true));
     // fp32 work arrays of the indexer loss, indexed like topk_indices.
     ref_probs_ = npy::HostArray(DType::kFloat32, topk_shape());
     ref_scores_ = npy::HostArray(DType::kFloat32, topk_shape());
@@ -195,14 +160,7 @@ class DsaWorkload final : public Workload {
   NamedArrays fp64_reference_outputs() override {
     const NamedArrays in = widen_to_fp64(ref_in_);
     const DType f64 = DType::kFloat64;
-    NamedArrays r = zero_arrays({{"out", f64, out_shape(o_.seq)},
-                                 {"lse", f64, lse_shape()},
-                                 {"loss", f64, {1}},
-                                 {"dq", f64, q_shape(o_.seq)},
-                                 {"dc", f64, c_shape(o_.seq)},
-                                 {"dq_idx", f64, q_idx_shape(o_.seq)},
-                                 {"dk_idx", f64, k_idx_shape(o_.seq)},
-                                 {"dw", f64, w_shape(o_.seq)}});
+    NamedArrays r = zero_arrays(output_specs(f64, f64, false));
     attn::DsaAttentionArgs a;
     a.q = find_array(in, "q").view();
     a.c = find_array(in, "c").view();
@@ -221,6 +179,18 @@ class DsaWorkload final : public Workload {
   }
 
  private:
+  // The full outputs in output_names() order: out and the gradients in `dtype`, lse in `lse_dtype`, loss fp64, and
+  // topk_indices (int64) when `with_topk` (the fp64 reference reuses the selection of the reference run).
+  std::vector<ArraySpec> output_specs(DType dtype, DType lse_dtype, bool with_topk) const {
+    const std::int64_t s = o_.seq;
+    std::vector<ArraySpec> r = {{"out", dtype, out_shape(s)}, {"lse", lse_dtype, lse_shape()}};
+    if (with_topk) r.push_back({"topk_indices", DType::kInt64, topk_shape()});
+    r.push_back({"loss", DType::kFloat64, {1}});
+    const char* grads[] = {"dq", "dc", "dq_idx", "dk_idx", "dw"};
+    const Shape grad_shapes[] = {q_shape(s), c_shape(s), q_idx_shape(s), k_idx_shape(s), w_shape(s)};
+    for (int i = 0; i < 5; ++i) r.push_back({grads[i], dtype, grad_shapes[i]});
+    return r;
+  }
   Shape q_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
   Shape c_shape(std::int64_t s) const { return {o_.batch, s, o_.head_dim}; }
   Shape q_idx_shape(std::int64_t s) const { return {o_.batch, s, o_.indexer_heads, o_.indexer_dim}; }
@@ -267,11 +237,19 @@ class DsaWorkload final : public Workload {
     return full;
   }
 
-  PhaseCounters counters() const {
-    const CpCounters& c = dsa_->counters();
-    PhaseCounters p;
-    p.exposed_comm_s = c.total_exposed_s();
-    p.bytes_sent = c.total_bytes_sent();
+  void reset_layer_counters() override { dsa_->reset_counters(); }
+  DsaCpOutput run_forward() override { return dsa_->forward(in_[kQ], in_[kC], in_[kQIdx], in_[kKIdx], in_[kW]); }
+  DsaCpGrads run_backward(CpContext&& ctx) override { return dsa_->backward(std::move(ctx), in_[kDout]); }
+  // Executed FLOPs from the pairs the forward attended (the backward revisits them at 2.5 x the cost).
+  PhaseCounters forward_counters() override {
+    attention_pairs_ = dsa_->counters().attention_pairs;
+    PhaseCounters p = phase_counters(dsa_->counters());
+    p.executed_flops = attention_pairs_ * attention_flops_per_pair() / static_cast<double>(o_.heads);
+    return p;
+  }
+  PhaseCounters backward_counters() override {
+    PhaseCounters p = phase_counters(dsa_->counters());
+    p.executed_flops = 2.5 * attention_pairs_ * attention_flops_per_pair() / static_cast<double>(o_.heads);
     return p;
   }
 
@@ -279,9 +257,8 @@ class DsaWorkload final : public Workload {
   const SpGrid& grid_;
   CpGroups groups_;
   std::unique_ptr<DsaContextParallel> dsa_;
-  Tensor q_, c_, q_idx_, k_idx_, w_, dout_;
-  DsaCpOutput out_;
-  DsaCpGrads grads_;
+  enum Input { kQ, kC, kQIdx, kKIdx, kW, kDout };
+  std::vector<Tensor> in_;      // this rank's q, c, q_idx, k_idx, w, dout
   double attention_pairs_ = 0;  // (query, selected key) x local heads of the last forward on this rank
   NamedArrays ref_in_, ref_out_;
   npy::HostArray ref_probs_, ref_scores_, ref_dscores_;

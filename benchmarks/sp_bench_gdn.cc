@@ -22,7 +22,7 @@ enum : std::uint64_t { kIdQ = 11, kIdK = 12, kIdV = 13, kIdG = 14, kIdBeta = 15,
 
 std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o);
 
-class GdnWorkload final : public Workload {
+class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
  public:
   GdnWorkload(const SpBenchOptions& o, const SpGrid& grid)
       : o_(o), grid_(grid), groups_(CpGroups::from(grid)), state_dtype_(attn::gdn_state_dtype(o.dtype)) {
@@ -55,33 +55,11 @@ class GdnWorkload final : public Workload {
   void setup(const NamedArrays* full) override {
     const std::int64_t local = gdn_->layout().local_len();
     const std::vector<std::int64_t>& pos = gdn_->positions();
-    q_ = Tensor::empty(qk_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    k_ = Tensor::empty(qk_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    v_ = Tensor::empty(qk_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    g_ = Tensor::empty(gate_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    beta_ = Tensor::empty(gate_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    state_ = Tensor::empty(state_shape(), state_dtype_, MemCategory::kModelState);
-    dout_ = Tensor::empty(qk_shape(local), o_.dtype, MemCategory::kWorkspace);
-    fill(full, pos, {q_.view(), k_.view(), v_.view(), g_.view(), beta_.view(), state_.view(), dout_.view()});
-  }
-
-  void release_outputs() override {
-    out_ = GdnCpOutput{};
-    grads_ = GdnCpGrads{};
-  }
-
-  PhaseCounters forward() override {
-    out_ = GdnCpOutput{};
-    gdn_->reset_counters();
-    out_ = gdn_->forward(q_, k_, v_, g_, beta_, state_);
-    return counters();
-  }
-
-  PhaseCounters backward() override {
-    grads_ = GdnCpGrads{};
-    gdn_->reset_counters();
-    grads_ = gdn_->backward(std::move(out_.ctx), dout_);
-    return counters();
+    const DType t = o_.dtype;
+    in_ = local_tensors(t, {qk_shape(local), qk_shape(local), qk_shape(local), gate_shape(local), gate_shape(local)});
+    in_.push_back(Tensor::empty(state_shape(), state_dtype_, MemCategory::kModelState));  // initial_state
+    in_.push_back(Tensor::empty(qk_shape(local), t, MemCategory::kWorkspace));            // dout
+    fill(full, pos, views_of(in_));
   }
 
   NamedArrays gather_outputs() override {
@@ -229,12 +207,16 @@ class GdnWorkload final : public Workload {
     return a;
   }
 
+  void reset_layer_counters() override { gdn_->reset_counters(); }
+  GdnCpOutput run_forward() override {
+    return gdn_->forward(in_[kQ], in_[kK], in_[kV], in_[kG], in_[kBeta], in_[kState]);
+  }
+  GdnCpGrads run_backward(CpContext&& ctx) override { return gdn_->backward(std::move(ctx), in_[kDout]); }
+  PhaseCounters forward_counters() override { return counters(); }
+  PhaseCounters backward_counters() override { return counters(); }
   PhaseCounters counters() const {
-    const CpCounters& c = gdn_->counters();
-    PhaseCounters p;
-    p.exposed_comm_s = c.total_exposed_s();
-    p.bytes_sent = c.total_bytes_sent();
-    p.message_rounds = c.message_rounds;
+    PhaseCounters p = phase_counters(gdn_->counters());
+    p.message_rounds = gdn_->counters().message_rounds;
     return p;
   }
 
@@ -243,9 +225,8 @@ class GdnWorkload final : public Workload {
   CpGroups groups_;
   DType state_dtype_;
   std::unique_ptr<GdnContextParallel> gdn_;
-  Tensor q_, k_, v_, g_, beta_, state_, dout_;
-  GdnCpOutput out_;
-  GdnCpGrads grads_;
+  enum Input { kQ, kK, kV, kG, kBeta, kState, kDout };
+  std::vector<Tensor> in_;  // this rank's q, k, v, g, beta, initial_state, dout
   NamedArrays ref_in_, ref_out_;
 };
 

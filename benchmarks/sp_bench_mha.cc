@@ -20,7 +20,7 @@ enum : std::uint64_t { kIdQ = 1, kIdK = 2, kIdV = 3, kIdDout = 4 };
 
 std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o);
 
-class MhaWorkload final : public Workload {
+class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads> {
  public:
   MhaWorkload(const SpBenchOptions& o, const SpGrid& grid)
       : o_(o),
@@ -58,30 +58,9 @@ class MhaWorkload final : public Workload {
 
   void setup(const NamedArrays* full) override {
     const std::int64_t local = layout_.local_len();
-    q_ = Tensor::empty(q_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    k_ = Tensor::empty(kv_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    v_ = Tensor::empty(kv_shape(local), o_.dtype, MemCategory::kSavedActivation);
-    dout_ = Tensor::empty(q_shape(local), o_.dtype, MemCategory::kWorkspace);
-    fill(full, positions_, {q_.view(), k_.view(), v_.view(), dout_.view()});
-  }
-
-  void release_outputs() override {
-    out_ = AttentionOutput{};
-    grads_ = AttentionGrads{};
-  }
-
-  PhaseCounters forward() override {
-    out_ = AttentionOutput{};
-    usp_->reset_counters();
-    out_ = usp_->forward(q_, k_, v_);
-    return from_usp(usp_->counters());
-  }
-
-  PhaseCounters backward() override {
-    grads_ = AttentionGrads{};
-    usp_->reset_counters();
-    grads_ = usp_->backward(std::move(out_.ctx), dout_);
-    return from_usp(usp_->counters());
+    in_ = local_tensors(o_.dtype, {q_shape(local), kv_shape(local), kv_shape(local)});
+    in_.push_back(Tensor::empty(q_shape(local), o_.dtype, MemCategory::kWorkspace));  // dout
+    fill(full, positions_, views_of(in_));
   }
 
   NamedArrays gather_outputs() override {
@@ -185,13 +164,11 @@ class MhaWorkload final : public Workload {
     return a;
   }
 
-  static PhaseCounters from_usp(const CpCounters& c) {
-    PhaseCounters p;
-    p.exposed_comm_s = c.total_exposed_s();  // the all-to-alls are not overlapped with computation
-    p.bytes_sent = c.total_bytes_sent();
-    p.executed_flops = c.flops;
-    return p;
-  }
+  void reset_layer_counters() override { usp_->reset_counters(); }
+  AttentionOutput run_forward() override { return usp_->forward(in_[kQ], in_[kK], in_[kV]); }
+  AttentionGrads run_backward(CpContext&& ctx) override { return usp_->backward(std::move(ctx), in_[kDout]); }
+  PhaseCounters forward_counters() override { return phase_counters(usp_->counters()); }
+  PhaseCounters backward_counters() override { return phase_counters(usp_->counters()); }
 
   SpBenchOptions o_;
   const SpGrid& grid_;
@@ -200,9 +177,8 @@ class MhaWorkload final : public Workload {
   std::vector<std::int64_t> positions_;
   RingAttentionConfig cfg_;
   std::unique_ptr<UspAttention> usp_;
-  Tensor q_, k_, v_, dout_;
-  AttentionOutput out_;
-  AttentionGrads grads_;
+  enum Input { kQ, kK, kV, kDout };
+  std::vector<Tensor> in_;  // this rank's q, k, v, dout
   npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_;
 };
 

@@ -151,4 +151,26 @@ NamedArrays widen_to_fp64(const NamedArrays& arrays) {
   return r;
 }
 
+PhaseCounters phase_counters(const CpCounters& c) {
+  PhaseCounters p;
+  p.exposed_comm_s = c.total_exposed_s();  // the all-to-alls are not overlapped with computation
+  p.bytes_sent = c.total_bytes_sent();
+  p.executed_flops = c.flops;
+  return p;
+}
+
+std::vector<Tensor> local_tensors(DType dtype, const std::vector<Shape>& shapes, MemCategory category) {
+  std::vector<Tensor> out;
+  out.reserve(shapes.size());
+  for (const Shape& s : shapes) out.push_back(Tensor::empty(s, dtype, category));
+  return out;
+}
+
+std::vector<TensorView> views_of(const std::vector<Tensor>& tensors) {
+  std::vector<TensorView> out;
+  out.reserve(tensors.size());
+  for (const Tensor& t : tensors) out.push_back(t.view());
+  return out;
+}
+
 }  // namespace seqpar::bench

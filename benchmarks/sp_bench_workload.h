@@ -15,7 +15,9 @@
 
 #include "benchmarks/npy.h"
 #include "benchmarks/sp_bench_options.h"
+#include "parallel/cp_common.h"
 #include "runtime/sp_grid.h"
+#include "runtime/tensor.h"
 
 namespace seqpar::bench {
 
@@ -101,6 +103,51 @@ class Workload {
     return {};
   }
 };
+
+// The shared body of a workload that runs one CP layer (parallel/): its last outputs (with the context the backward
+// takes) and gradients. forward() and backward() drop the previous results and reset the layer's counters before
+// running the phase, so that each phase's counters are its own. Output has a CpContext `ctx`.
+template <typename Output, typename Grads>
+class CpLayerWorkload : public Workload {
+ public:
+  void release_outputs() override {
+    out_ = Output{};
+    grads_ = Grads{};
+  }
+  PhaseCounters forward() override {
+    out_ = Output{};
+    reset_layer_counters();
+    out_ = run_forward();
+    return forward_counters();
+  }
+  PhaseCounters backward() override {
+    grads_ = Grads{};
+    reset_layer_counters();
+    grads_ = run_backward(std::move(out_.ctx));
+    return backward_counters();
+  }
+
+ protected:
+  virtual void reset_layer_counters() = 0;
+  virtual Output run_forward() = 0;
+  virtual Grads run_backward(CpContext&& ctx) = 0;
+  // The counters of the phase just run (read from the layer after it).
+  virtual PhaseCounters forward_counters() = 0;
+  virtual PhaseCounters backward_counters() = 0;
+
+  Output out_;
+  Grads grads_;
+};
+
+// A CP layer's counters as a phase's: exposed time (ring waits and Ulysses exchanges), bytes sent over every group,
+// executed FLOPs (those the layer counts; 0 otherwise). message_rounds is left unreported.
+PhaseCounters phase_counters(const CpCounters& c);
+
+// This rank's uninitialised tensors of `shapes`, one dtype and category, in order.
+std::vector<Tensor> local_tensors(DType dtype, const std::vector<Shape>& shapes,
+                                  MemCategory category = MemCategory::kSavedActivation);
+// Their views, in order.
+std::vector<TensorView> views_of(const std::vector<Tensor>& tensors);
 
 // ---- the registry of attention kinds ----------------------------------------------------------------------------
 

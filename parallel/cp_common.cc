@@ -57,7 +57,6 @@ void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, 
 }
 
 void check_grad_input(const TensorView& t, const Shape& shape, const char* what) {
-  check_cpu(t, what);
   check_shape(t, shape, what);
   SEQPAR_CHECK(is_floating(t.dtype()), what, " has dtype ", dtype_name(t.dtype()),
                ", expected a floating dtype (fp32, bf16, fp16 or fp64)");

@@ -14,9 +14,12 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "runtime/comm.h"
 #include "runtime/device.h"
+#include "runtime/tensor.h"
+#include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 
 namespace seqpar {
@@ -63,8 +66,9 @@ struct CpGroups {
 // names the caller in the message. Collective-free; identical on every rank.
 void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
 
-// Checks a gradient input or output buffer of a backward (dout, dq): a host tensor of `shape` with a floating dtype
-// (Error naming `what` otherwise). Layers call it before consuming their context, so that a refused call leaves the context live.
+// Checks a gradient input or output buffer of a backward (dout, dq): `shape` and a floating dtype (Error naming
+// `what` otherwise; the device is checked by common_device). Layers call it before consuming their context, so that
+// a refused call leaves the context live.
 void check_grad_input(const TensorView& t, const Shape& shape, const char* what);
 
 // What one CP layer did on this rank; every field is summed over the calls since the last reset().
@@ -176,6 +180,26 @@ class CpContext {
   const char* layer_ = "";
   State state_ = State::kEmpty;
   std::shared_ptr<void> saved_;
+};
+
+// Where a schedule puts its buffers: the device of its inputs (common_device), with every fill, copy and
+// conversion ordered on `stream` (the groups' stream). No host-only operation: on a CUDA device these are the
+// CUDA versions of runtime/tensor_ops.h.
+struct DeviceAlloc {
+  Device device;
+  Stream stream;
+
+  Tensor empty(const Shape& shape, DType dtype, MemCategory category) const {
+    return Tensor::empty(shape, dtype, category, device);
+  }
+  Tensor zeros(const Shape& shape, DType dtype, MemCategory category) const {
+    return Tensor::zeros(shape, dtype, category, device, stream);
+  }
+  // A copy of `src` (on its own device, which is `device` inside a schedule) converted to `dtype`.
+  Tensor copy_of(const TensorView& src, DType dtype, MemCategory category) const {
+    return Tensor::copy_of(src, dtype, category, stream);
+  }
+  void copy_convert(const TensorView& src, const TensorView& dst) const { seqpar::copy_convert(src, dst, stream); }
 };
 
 // Sets the groups' stream on their communicators for a scope when it is a device stream (a host stream leaves them

@@ -22,35 +22,9 @@ bool any_visible(const std::vector<std::int64_t>& q_pos, const std::vector<std::
   return !q_pos.empty() && !k_pos.empty() && k_pos.front() <= q_pos.back();
 }
 
-attn::DsaIndexerArgs indexer_args(const Tensor& q_idx, const Tensor& w, const TensorView& k_idx,
+attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, const TensorView& k_idx,
                                   std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos) {
-  attn::DsaIndexerArgs a;
-  a.q_idx = q_idx.view();
-  a.w = w.view();
-  a.k_idx = k_idx;
-  a.q_pos = q_pos;
-  a.k_pos = k_pos;
-  return a;
-}
-
-// Scores of the selected keys in topk_indices order, from the final running top-k state: per row, the (position,
-// score) pairs sorted by position with empty slots (-1) last, which is dsa_topk_finalize's order.
-void selected_scores(const attn::DsaTopkState& state, const TensorView& scores) {
-  const std::int64_t rows = state.positions.dim(0) * state.positions.dim(1), k = state.positions.dim(2);
-  const std::int64_t* pos = state.positions.data_as<std::int64_t>();
-  const float* sc = state.scores.data_as<float>();
-  float* out = scores.data_as<float>();
-  std::vector<std::int64_t> order(static_cast<std::size_t>(k));
-  for (std::int64_t r = 0; r < rows; ++r) {
-    const std::int64_t* p = pos + r * k;
-    std::iota(order.begin(), order.end(), 0);
-    std::sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
-      const std::int64_t pa = p[a] < 0 ? std::numeric_limits<std::int64_t>::max() : p[a];
-      const std::int64_t pb = p[b] < 0 ? std::numeric_limits<std::int64_t>::max() : p[b];
-      return pa < pb;
-    });
-    for (std::int64_t s = 0; s < k; ++s) out[r * k + s] = p[order[s]] < 0 ? 0.0f : sc[r * k + order[s]];
-  }
+  return {q_idx, w, k_idx, q_pos, k_pos};
 }
 
 }  // namespace
@@ -61,10 +35,7 @@ struct DsaContextParallel::Saved {
 };
 
 DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config)
-    : groups_(groups),
-      layout_(layout),
-      config_(config),
-      positions_((check_layout_matches(groups, layout, "DSA CP"), layout.positions(groups.sp_rank()))) {
+    : CpLayerBase(groups, layout, "DSA CP"), config_(config) {
   SEQPAR_CHECK(config.topk >= 1, "DSA topk ", config.topk, " must be >= 1");
   SEQPAR_CHECK(config.dim_v >= 1, "DSA dim_v ", config.dim_v, " must be >= 1");
   SEQPAR_CHECK(std::isfinite(config.scale), "DSA scale ", config.scale, " must be finite (0 or less: 1/sqrt(Dqk))");
@@ -74,7 +45,7 @@ DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLay
 
 DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
                                         const TensorView& k_idx, const TensorView& w) {
-  for (const TensorView* t : {&q, &c, &q_idx, &k_idx, &w}) check_cpu(*t, "DSA CP input");
+  const DeviceAlloc alloc{common_device({q, c, q_idx, k_idx, w}, "DSA CP forward"), groups_.stream};
   SEQPAR_CHECK(q.ndim() == 4 && c.ndim() == 3 && q_idx.ndim() == 4 && k_idx.ndim() == 3 && w.ndim() == 3, "DSA CP: q ",
                q.str(), ", c ", c.str(), ", q_idx ", q_idx.str(), ", k_idx ", k_idx.str(), ", w ", w.str(),
                " must be [B,S,H,Dqk], [B,S,Dqk], [B,S,Hi,Di], [B,S,Di], [B,S,Hi]");
@@ -93,6 +64,8 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     SEQPAR_CHECK(t->dtype() == q.dtype(), "DSA CP: every input must have q's dtype ", dtype_name(q.dtype()), "; got ",
                  t->str());
   }
+  // The kernels' own checks on the local shapes (devices included) before anything is allocated or sent.
+  attn::check_dsa_indexer_args(indexer_args(q_idx, w, k_idx, positions_, positions_));
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);
   const UlyssesExchange a2a(groups_, counters_);
@@ -102,11 +75,11 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   auto s = std::make_shared<Saved>();
 
   // ---- selection over the SP group ----
-  s->q_idx = Tensor::copy_of(q_idx, q_idx.dtype(), MemCategory::kSavedActivation);
-  s->k_idx = Tensor::copy_of(k_idx, k_idx.dtype(), MemCategory::kSavedActivation);
-  s->w = Tensor::copy_of(w, w.dtype(), MemCategory::kSavedActivation);
-  Tensor scores = Tensor::empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor state_pos = Tensor::empty({B, sl, k}, DType::kInt64, MemCategory::kWorkspace);
+  s->q_idx = alloc.copy_of(q_idx, q_idx.dtype(), MemCategory::kSavedActivation);
+  s->k_idx = alloc.copy_of(k_idx, k_idx.dtype(), MemCategory::kSavedActivation);
+  s->w = alloc.copy_of(w, w.dtype(), MemCategory::kSavedActivation);
+  Tensor scores = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor state_pos = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kWorkspace);
   const attn::DsaTopkState state{scores.view(), state_pos.view()};
   attn::dsa_topk_init(state, stream);
   auto merge_block = [&](int src, const TensorView& block) {
@@ -115,17 +88,17 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src]), state, stream);
   };
   if (config_.select == DsaSelectMode::kRing) {
-    ring_circulate(sp, s->k_idx.view(), kTagIndexKeys, merge_block, &counters_.exposed_comm_s);
+    ring_circulate(sp, s->k_idx.view(), kTagIndexKeys, merge_block, &counters_.exposed_comm_s, stream);
   } else {
     const int n = sp.size();
-    Tensor all = Tensor::empty({n, B, sl, di}, k_idx.dtype(), MemCategory::kCommBuffer);
+    Tensor all = alloc.empty({n, B, sl, di}, k_idx.dtype(), MemCategory::kCommBuffer);
     WorkHandle gather = sp.all_gather(s->k_idx.view(), all.view());
     timed_wait(gather, &counters_.exposed_comm_s);
     for (int src = 0; src < n; ++src) merge_block(src, all.view().slice0(src, src + 1).reshape({B, sl, di}));
   }
-  s->topk_local = Tensor::empty({B, sl, k}, DType::kInt64, MemCategory::kSavedActivation);
-  s->sel_scores = Tensor::empty({B, sl, k}, DType::kFloat32, MemCategory::kSavedActivation);
-  selected_scores(state, s->sel_scores.view());
+  s->topk_local = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kSavedActivation);
+  s->sel_scores = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kSavedActivation);
+  attn::dsa_topk_selected_scores(state, s->sel_scores.view(), stream);
   attn::dsa_topk_finalize(state, s->topk_local.view(), stream);
 
   // ---- attention: heads over Ulysses, latent blocks over the ring ----
@@ -135,11 +108,11 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   s->topk_ring = a2a.gather_pieces(s->topk_local.view(), MemCategory::kSavedActivation);
 
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[groups_.ring.rank()];
-  Tensor acc = Tensor::zeros({B, sr, hl, dv}, DType::kFloat32, MemCategory::kWorkspace);
-  s->lse_h = Tensor::empty({B, hl, sr}, DType::kFloat32, MemCategory::kSavedActivation);
+  Tensor acc = alloc.zeros({B, sr, hl, dv}, DType::kFloat32, MemCategory::kWorkspace);
+  s->lse_h = alloc.empty({B, hl, sr}, DType::kFloat32, MemCategory::kSavedActivation);
   fill(s->lse_h.view(), -std::numeric_limits<double>::infinity(), stream);
-  Tensor block_out = Tensor::empty(acc.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor block_lse = Tensor::empty(s->lse_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor block_out = alloc.empty(acc.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor block_lse = alloc.empty(s->lse_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
   ring_circulate(
       groups_.ring, s->c_ring.view(), kTagLatent,
       [&](int src, const TensorView& block) {
@@ -156,23 +129,19 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
         attn::dsa_attention_forward(a, block_out.view(), block_lse.view(), stream);
         attn::lse_merge(acc.view(), s->lse_h.view(), block_out.view(), block_lse.view(), stream);
       },
-      &counters_.exposed_comm_s);
+      &counters_.exposed_comm_s, stream);
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
-  {
-    const std::int64_t* t = s->topk_ring.data_as<std::int64_t>();
-    std::int64_t n_sel = 0;
-    for (std::int64_t i = 0; i < s->topk_ring.numel(); ++i) n_sel += t[i] >= 0;
-    counters_.attention_pairs += static_cast<double>(n_sel) * static_cast<double>(hl);
-  }
-  s->out_h = Tensor::empty({B, sr, hl, dv}, q.dtype(), MemCategory::kSavedActivation);
-  copy_convert(acc.view(), s->out_h.view());
+  counters_.attention_pairs +=
+      static_cast<double>(count_nonnegative(s->topk_ring.view(), stream)) * static_cast<double>(hl);
+  s->out_h = alloc.empty({B, sr, hl, dv}, q.dtype(), MemCategory::kSavedActivation);
+  alloc.copy_convert(acc.view(), s->out_h.view());
 
   DsaCpOutput o;
-  o.out = Tensor::empty({B, sl, H, dv}, q.dtype(), MemCategory::kWorkspace);
-  o.lse = Tensor::empty({B, H, sl}, DType::kFloat32, MemCategory::kWorkspace);
+  o.out = alloc.empty({B, sl, H, dv}, q.dtype(), MemCategory::kWorkspace);
+  o.lse = alloc.empty({B, H, sl}, DType::kFloat32, MemCategory::kWorkspace);
   a2a.to_sequence(s->out_h.view(), o.out.view());
   a2a.lse_to_sequence(s->lse_h.view(), o.lse.view());
-  o.topk_indices = Tensor::copy_of(s->topk_local.view(), DType::kInt64, MemCategory::kWorkspace);
+  o.topk_indices = alloc.copy_of(s->topk_local.view(), DType::kInt64, MemCategory::kWorkspace);
   SEQPAR_LOG(kDebug) << "DSA forward (" << dsa_select_mode_name(config_.select) << " selection, sp_rank "
                      << groups_.sp_rank() << "): q " << q.str() << ", topk " << k;
   o.ctx = CpContext::make(id_, "DSA CP", std::move(s));
@@ -186,6 +155,8 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
                      dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk, hi = s->q_idx.dim(2),
                      di = s->q_idx.dim(3);
   const DType dtype = s->q_h.dtype();
+  const DeviceAlloc alloc{common_device({s->q_h.view(), dout}, "DSA CP backward (saved tensors, dout)"),
+                          groups_.stream};
   check_grad_input(dout, {B, sl, hl * pu, dv}, "DSA CP dout");
   ctx.consume<Saved>(id_, "DSA CP");
   const CommStreamScope stream_scope(groups_);
@@ -196,11 +167,11 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
 
   // ---- attention backward (ring), with the head-summed probabilities for the indexer loss ----
   Tensor dout_h = a2a.to_heads(dout);
-  Tensor delta = Tensor::empty(s->lse_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor delta = alloc.empty(s->lse_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
   attn::dsa_attention_delta(s->out_h.view(), dout_h.view(), delta.view(), stream);
-  Tensor probs_ring = Tensor::zeros({B, sr, k}, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dq_acc = Tensor::zeros(s->q_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dc_ring = Tensor::empty({B, sr, dqk}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor probs_ring = alloc.zeros({B, sr, k}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dq_acc = alloc.zeros(s->q_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dc_ring = alloc.empty({B, sr, dqk}, DType::kFloat32, MemCategory::kWorkspace);
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[groups_.ring.rank()];
   ring_circulate_with_grad(
       groups_.ring, s->c_ring.view(), {B, sr, dqk}, dc_ring.view(), kTagLatent,
@@ -222,36 +193,41 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
         const ScopedTimer timer(counters_.compute_s);
         attn::dsa_attention_backward(a, dq_acc.view(), grad, true, stream);
       },
-      &counters_.exposed_comm_s);
+      &counters_.exposed_comm_s, stream);
 
   DsaCpGrads g;
-  Tensor dq_h = Tensor::empty(s->q_h.shape(), dtype, MemCategory::kWorkspace);
-  copy_convert(dq_acc.view(), dq_h.view());
-  g.dq = Tensor::empty({B, sl, hl * pu, dqk}, dtype, MemCategory::kWorkspace);
+  Tensor dq_h = alloc.empty(s->q_h.shape(), dtype, MemCategory::kWorkspace);
+  alloc.copy_convert(dq_acc.view(), dq_h.view());
+  g.dq = alloc.empty({B, sl, hl * pu, dqk}, dtype, MemCategory::kWorkspace);
   a2a.to_sequence(dq_h.view(), g.dq.view());
   // dc and probs: sum the Ulysses ranks' head subsets and return each rank its own sequence piece.
-  Tensor dc_local = Tensor::empty({B, sl, dqk}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dc_local = alloc.empty({B, sl, dqk}, DType::kFloat32, MemCategory::kWorkspace);
   a2a.reduce_scatter_pieces(dc_ring.view(), dc_local.view());
-  g.dc = Tensor::empty({B, sl, dqk}, dtype, MemCategory::kWorkspace);
-  copy_convert(dc_local.view(), g.dc.view());
-  Tensor probs = Tensor::empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
+  g.dc = alloc.empty({B, sl, dqk}, dtype, MemCategory::kWorkspace);
+  alloc.copy_convert(dc_local.view(), g.dc.view());
+  Tensor probs = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
   a2a.reduce_scatter_pieces(probs_ring.view(), probs.view());
 
   // ---- indexer loss and its backward (SP group) ----
-  Tensor dscores = Tensor::empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dscores = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
   attn::DsaIndexerLossArgs la;
   la.probs = probs.view();
   la.scores = s->sel_scores.view();
   la.topk_indices = s->topk_local.view();
   la.grad_scale = loss_grad_scale;
   double loss = attn::dsa_indexer_loss(la, dscores.view(), stream);
-  WorkHandle reduce = sp.all_reduce(TensorView(&loss, DType::kFloat64, {1}), ReduceOp::kSum);
+  // The loss is summed over the SP group in a buffer on the tensors' device; its one value comes back explicitly.
+  const TensorView loss_host(&loss, DType::kFloat64, {1});
+  Tensor loss_sum = alloc.empty({1}, DType::kFloat64, MemCategory::kCommBuffer);
+  alloc.copy_convert(loss_host, loss_sum.view());
+  WorkHandle reduce = sp.all_reduce(loss_sum.view(), ReduceOp::kSum);
   timed_wait(reduce, &counters_.exposed_comm_s);
+  alloc.copy_convert(loss_sum.view(), loss_host);
   g.loss = loss;
 
-  Tensor dq_idx = Tensor::zeros({B, sl, hi, di}, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dw = Tensor::zeros({B, sl, hi}, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dk_idx = Tensor::empty({B, sl, di}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dq_idx = alloc.zeros({B, sl, hi, di}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dw = alloc.zeros({B, sl, hi}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dk_idx = alloc.empty({B, sl, di}, DType::kFloat32, MemCategory::kWorkspace);
   ring_circulate_with_grad(
       sp, s->k_idx.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
       [&](int src, const TensorView& block, const TensorView& grad) {
@@ -260,10 +236,10 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
         attn::dsa_indexer_backward(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src]),
                                    s->topk_local.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true, stream);
       },
-      &counters_.exposed_comm_s);
-  g.dq_idx = Tensor::copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);
-  g.dw = Tensor::copy_of(dw.view(), dtype, MemCategory::kWorkspace);
-  g.dk_idx = Tensor::copy_of(dk_idx.view(), dtype, MemCategory::kWorkspace);
+      &counters_.exposed_comm_s, stream);
+  g.dq_idx = alloc.copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);
+  g.dw = alloc.copy_of(dw.view(), dtype, MemCategory::kWorkspace);
+  g.dk_idx = alloc.copy_of(dk_idx.view(), dtype, MemCategory::kWorkspace);
   SEQPAR_LOG(kDebug) << "DSA backward (sp_rank " << groups_.sp_rank() << "): indexer loss " << g.loss;
   return g;
 }

@@ -60,7 +60,7 @@ struct DsaCpGrads {
   double loss = 0;  // indexer KL loss summed over the whole sequence (the same on every rank)
 };
 
-class DsaContextParallel {
+class DsaContextParallel : public CpLayerBase {
  public:
   DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config);
 
@@ -72,22 +72,14 @@ class DsaContextParallel {
   // multiplies the indexer loss gradient (the caller's loss weight).
   DsaCpGrads backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale = 1.0f);
 
-  const SequenceLayout& layout() const { return layout_; }
-  const std::vector<std::int64_t>& positions() const { return positions_; }
-  const CpCounters& counters() const { return counters_; }
-  void reset_counters() { counters_.reset(); }
+  // layout(), positions(), counters(), reset_counters(): CpLayerBase.
 
  private:
   struct Saved;
 
-  CpGroups groups_;
-  SequenceLayout layout_;
   DsaCpConfig config_;
-  LayerId id_;
-  std::vector<std::int64_t> positions_;                    // this SP rank's positions
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
   std::vector<std::vector<std::int64_t>> ring_positions_;  // every ring rank's ring shard
-  CpCounters counters_;
 };
 
 }  // namespace seqpar

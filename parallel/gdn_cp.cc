@@ -28,9 +28,10 @@ std::vector<std::int64_t> row_range(std::int64_t offset, std::int64_t length) {
 
 // Rows [offset, offset + length) of every batch of a [B, S, ...] tensor, as a contiguous [B, length, ...] copy.
 Tensor take_rows(const TensorView& t, std::int64_t offset, std::int64_t length, MemCategory category, Stream stream) {
+  const DeviceAlloc alloc{t.device(), stream};
   Shape s = t.shape();
   s[1] = length;
-  Tensor out = Tensor::empty(s, t.dtype(), category);
+  Tensor out = alloc.empty(s, t.dtype(), category);
   gather_rows(t, 1, row_range(offset, length), out.view(), stream);
   return out;
 }
@@ -45,7 +46,8 @@ void put_rows(const TensorView& src, const TensorView& dst, std::int64_t offset,
 // `mine` lists this rank's segments (indices into `segments`), `agg` their maps. Returns the number of rounds.
 std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments, const std::vector<int>& mine,
                        const Shape& map_shape, const Shape& state_shape, int dir, std::vector<Tensor>& agg,
-                       double* exposed_s, Stream stream) {
+                       double* exposed_s, const DeviceAlloc& alloc) {
+  const Stream stream = alloc.stream;
   const int n = static_cast<int>(segments.size()), me = ring.rank();
   const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
   auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(map_shape); };
@@ -57,7 +59,7 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
     std::vector<P2POp> ops;
     std::vector<Tensor> snapshot(mine.size()), received(mine.size());
     for (std::size_t j = 0; j < mine.size(); ++j) {
-      snapshot[j] = Tensor::copy_of(agg[j].view(), agg[j].dtype(), MemCategory::kCommBuffer);
+      snapshot[j] = alloc.copy_of(agg[j].view(), agg[j].dtype(), MemCategory::kCommBuffer);
     }
     for (std::size_t j = 0; j < mine.size(); ++j) {
       const int i = mine[j], to = i + dir * o, from = i - dir * o;
@@ -65,9 +67,9 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
         ops.push_back(P2POp::send(snapshot[j].view(), segments[to].owner, kTagScan + to));
       }
       if (from >= 0 && from < n) {
-        received[j] = Tensor::empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
+        received[j] = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
         if (segments[from].owner == me) {
-          copy_convert(snapshot[slot[from]].view(), received[j].view());
+          alloc.copy_convert(snapshot[slot[from]].view(), received[j].view());
         } else {
           ops.push_back(P2POp::recv(received[j].view(), segments[from].owner, kTagScan + i));
         }
@@ -79,7 +81,7 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
     }
     for (std::size_t j = 0; j < mine.size(); ++j) {
       if (!received[j].defined()) continue;
-      Tensor next = Tensor::empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
+      Tensor next = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
       attn::gdn_transition_compose(m_of(snapshot[j]), u_of(snapshot[j]), m_of(received[j]), u_of(received[j]),
                                    m_of(next), u_of(next), stream);
       agg[j] = std::move(next);
@@ -93,19 +95,20 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
 std::vector<Tensor> scan_and_apply(Communicator& ring, const std::vector<Segment>& segments,
                                    const std::vector<int>& mine, const Shape& map_shape, const Shape& state_shape,
                                    int dir, std::vector<Tensor>& agg, const Tensor& boundary, CpCounters& counters,
-                                   Stream stream) {
+                                   const DeviceAlloc& alloc) {
+  const Stream stream = alloc.stream;
   counters.message_rounds +=
-      scan_maps(ring, segments, mine, map_shape, state_shape, dir, agg, &counters.exposed_comm_s, stream);
+      scan_maps(ring, segments, mine, map_shape, state_shape, dir, agg, &counters.exposed_comm_s, alloc);
   const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
   std::vector<Tensor> applied(mine.size());
   for (std::size_t j = 0; j < mine.size(); ++j) {
     const TensorView m = agg[j].view().slice0(0, mk).reshape(map_shape);
     const TensorView u = agg[j].view().slice0(mk, mk + uk).reshape(state_shape);
-    applied[j] = Tensor::empty(state_shape, agg[j].dtype(), MemCategory::kCommBuffer);
+    applied[j] = alloc.empty(state_shape, agg[j].dtype(), MemCategory::kCommBuffer);
     if (boundary.defined()) {
       attn::gdn_transition_apply(m, u, boundary.view(), applied[j].view(), stream);
     } else {
-      copy_convert(u, applied[j].view());
+      alloc.copy_convert(u, applied[j].view());
     }
   }
   return applied;
@@ -151,10 +154,7 @@ struct GdnContextParallel::Saved {
 };
 
 GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
-    : groups_(groups),
-      layout_(layout),
-      config_(config),
-      positions_((check_layout_matches(groups, layout, "GDN CP"), layout.positions(groups.sp_rank()))) {
+    : CpLayerBase(groups, layout, "GDN CP"), config_(config) {
   SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
                "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
                "make every token its own segment");
@@ -187,18 +187,13 @@ SegmentInputs segment_inputs(const SavedT& s, const Segment& seg, Stream stream)
   return {rows(s.q), rows(s.k), rows(s.v), rows(s.g), rows(s.beta)};
 }
 
+attn::GdnForwardArgs forward_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                                  const TensorView& beta, const GdnCpConfig& cfg, const TensorView& start) {
+  return {q, k, v, g, beta, start, cfg.use_qk_l2norm, cfg.scale, cfg.chunk_size};
+}
+
 attn::GdnForwardArgs forward_args(const SegmentInputs& in, const GdnCpConfig& cfg, const TensorView& start) {
-  attn::GdnForwardArgs a;
-  a.q = in.q.view();
-  a.k = in.k.view();
-  a.v = in.v.view();
-  a.g = in.g.view();
-  a.beta = in.beta.view();
-  a.initial_state = start;
-  a.use_qk_l2norm = cfg.use_qk_l2norm;
-  a.scale = cfg.scale;
-  a.chunk_size = cfg.chunk_size;
-  return a;
+  return forward_args(in.q.view(), in.k.view(), in.v.view(), in.g.view(), in.beta.view(), cfg, start);
 }
 
 // Point-to-point exchange of one round: sends to and receives from other ranks (self-messages are the caller's).
@@ -212,7 +207,7 @@ struct Round {
 
 GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                         const TensorView& g, const TensorView& beta, const TensorView& initial_state) {
-  for (const TensorView* t : {&q, &k, &v, &g, &beta}) check_cpu(*t, "GDN CP input");
+  const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};
   SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
                "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
                " must be [B, S_local, H, K], [B, S_local, H, K], [B, S_local, H, V], [B, S_local, H] x 2");
@@ -236,6 +231,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     check_shape(initial_state, {B, H, K, V}, "GDN CP initial_state");
     check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
   }
+  // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
+  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, initial_state));
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
@@ -254,7 +251,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
 
   const int n = static_cast<int>(segments_.size());
   const int me = ring.rank();
-  Tensor out_h = Tensor::empty({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
+  Tensor out_h = alloc.empty({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
   Tensor last_final;  // final state of the last segment, on its owner
   s.start.resize(mine_.size());
   s.map_m.resize(mine_.size());
@@ -263,7 +260,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   auto run_segment = [&](std::size_t j, const TensorView& start, const TensorView& final_state) {
     const Segment& seg = segments_[mine_[j]];
     const SegmentInputs in = segment_inputs(s, seg, stream);
-    Tensor out_seg = Tensor::empty({B, seg.length, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
+    Tensor out_seg = alloc.empty({B, seg.length, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
     {
       const ScopedTimer timer(counters_.compute_s);
       attn::gdn_forward(forward_args(in, config_, start), out_seg.view(), final_state, stream);
@@ -278,20 +275,20 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
       std::vector<Tensor> finals(mine_.size());  // end states; alive until their sends complete
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
-        s.start[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
+        s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
         if (i == 0) {
-          if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
+          if (init_local.defined()) alloc.copy_convert(init_local.view(), s.start[j].view());
         } else if (segments_[i - 1].owner == me) {
-          copy_convert(finals[j - 1].view(), s.start[j].view());
+          alloc.copy_convert(finals[j - 1].view(), s.start[j].view());
         } else {
           wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, kTagChainFwd + i));
         }
-        finals[j] = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+        finals[j] = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
         run_segment(j, s.start[j].view(), finals[j].view());
         if (i + 1 < n && segments_[i + 1].owner != me) {
           sends.push_back(ring.isend(finals[j].view(), segments_[i + 1].owner, kTagChainFwd + i + 1));
         }
-        if (i + 1 == n) last_final = Tensor::copy_of(finals[j].view(), s.state_dtype, MemCategory::kWorkspace);
+        if (i + 1 == n) last_final = alloc.copy_of(finals[j].view(), s.state_dtype, MemCategory::kWorkspace);
       }
       for (auto& w : sends) wait_timed(std::move(w));
       counters_.message_rounds += n - 1;
@@ -300,27 +297,27 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
       std::vector<Tensor> agg(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const SegmentInputs in = segment_inputs(s, segments_[mine_[j]], stream);
-        agg[j] = Tensor::empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+        agg[j] = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         {
           const ScopedTimer timer(counters_.compute_s);
           attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
         }
-        s.map_m[j] = Tensor::copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
+        s.map_m[j] = alloc.copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
       }
       // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment from the global
       // initial state; then a shift by one segment gives the start states.
-      const std::vector<Tensor> end = scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg,
-                                                     init_local, counters_, stream);
+      const std::vector<Tensor> end =
+          scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, init_local, counters_, alloc);
       Round shift;
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
-        s.start[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
+        s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
         if (i + 1 < n && segments_[i + 1].owner != me)
           shift.send(end[j].view(), segments_[i + 1].owner, kTagShift + i + 1);
         if (i == 0) {
-          if (init_local.defined()) copy_convert(init_local.view(), s.start[j].view());
+          if (init_local.defined()) alloc.copy_convert(init_local.view(), s.start[j].view());
         } else if (segments_[i - 1].owner == me) {
-          copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
+          alloc.copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
         } else {
           shift.recv(s.start[j].view(), segments_[i - 1].owner, kTagShift + i);
         }
@@ -329,7 +326,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
       if (n > 1) ++counters_.message_rounds;
       // 4. Every segment runs from its start state.
       for (std::size_t j = 0; j < mine_.size(); ++j) {
-        Tensor fin = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
+        Tensor fin = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
         run_segment(j, s.start[j].view(), fin.view());
         if (mine_[j] + 1 == n) last_final = std::move(fin);
       }
@@ -339,11 +336,11 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   // final_state: broadcast from the last segment's owner over the ring, then gather heads over Ulysses.
   GdnCpOutput result;
   Tensor final_local = last_final.defined() ? std::move(last_final)
-                                            : Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
+                                            : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
   WorkHandle bcast = ring.broadcast(final_local.view(), segments_.back().owner);
   timed_wait(bcast, &counters_.exposed_comm_s);
   result.final_state = a2a.gather_heads_dim1(final_local.view());
-  result.out = Tensor::empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
+  result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
   a2a.to_sequence(out_h.view(), result.out.view());
   SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank() << "/"
                      << ring.size() << ", " << segments_.size() << " segments): message rounds so far "
@@ -358,6 +355,8 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, H = s.heads * pu, K = s.dk, V = s.dv, sl = layout_.local_len(),
                      sr = layout_.ring_shard_len();
+  const DeviceAlloc alloc{common_device({s.q.view(), dout, dfinal_state}, "GDN CP backward (saved tensors, dout)"),
+                          groups_.stream};
   check_grad_input(dout, {B, sl, H, V}, "GDN CP dout");
   if (!dfinal_state.empty()) {
     check_shape(dfinal_state, {B, H, K, V}, "GDN CP dfinal_state");
@@ -375,11 +374,11 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
 
   const int n = static_cast<int>(segments_.size());
   const int me = ring.rank();
-  Tensor dq_h = Tensor::empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
-  Tensor dk_h = Tensor::empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
-  Tensor dv_h = Tensor::empty({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
-  Tensor dg_h = Tensor::empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
-  Tensor db_h = Tensor::empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
+  Tensor dq_h = alloc.empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
+  Tensor dk_h = alloc.empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
+  Tensor dv_h = alloc.empty({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
+  Tensor dg_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
+  Tensor db_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
   Tensor first_dinit;  // d(initial_state) of segment 0, on its owner
 
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
@@ -406,12 +405,12 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
     const SegmentInputs& in = b.in;
     attn::GdnBackwardArgs& a = b.args;
     a.dfinal_state = ds_end;
-    Tensor dq = Tensor::empty(in.q.shape(), dtype, MemCategory::kWorkspace);
-    Tensor dk = Tensor::empty(in.k.shape(), dtype, MemCategory::kWorkspace);
-    Tensor dv = Tensor::empty(in.v.shape(), dtype, MemCategory::kWorkspace);
-    Tensor dg = Tensor::empty(in.g.shape(), dtype, MemCategory::kWorkspace);
-    Tensor db = Tensor::empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
-    Tensor ds_start = Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+    Tensor dq = alloc.empty(in.q.shape(), dtype, MemCategory::kWorkspace);
+    Tensor dk = alloc.empty(in.k.shape(), dtype, MemCategory::kWorkspace);
+    Tensor dv = alloc.empty(in.v.shape(), dtype, MemCategory::kWorkspace);
+    Tensor dg = alloc.empty(in.g.shape(), dtype, MemCategory::kWorkspace);
+    Tensor db = alloc.empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
+    Tensor ds_start = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
     {
       const ScopedTimer timer(counters_.compute_s);
       attn::gdn_backward(a, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
@@ -431,11 +430,11 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       std::vector<Tensor> ds_starts(mine_.size());  // alive until their sends complete
       for (std::size_t jj = mine_.size(); jj-- > 0;) {
         const int i = mine_[jj];
-        Tensor ds_end = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+        Tensor ds_end = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
         if (i == n - 1) {
-          if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end.view());
+          if (dfinal_local.defined()) alloc.copy_convert(dfinal_local.view(), ds_end.view());
         } else if (segments_[i + 1].owner == me) {
-          copy_convert(ds_starts[jj + 1].view(), ds_end.view());
+          alloc.copy_convert(ds_starts[jj + 1].view(), ds_end.view());
         } else {
           wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, kTagChainBwd + i));
         }
@@ -443,7 +442,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
         if (i > 0 && segments_[i - 1].owner != me) {
           sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, kTagChainBwd + i - 1));
         }
-        if (i == 0) first_dinit = Tensor::copy_of(ds_starts[jj].view(), s.state_dtype, MemCategory::kWorkspace);
+        if (i == 0) first_dinit = alloc.copy_of(ds_starts[jj].view(), s.state_dtype, MemCategory::kWorkspace);
       }
       for (auto& w : sends) wait_timed(std::move(w));
       counters_.message_rounds += n - 1;
@@ -452,7 +451,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       std::vector<Tensor> agg(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const SegmentBackward b = segment_backward(j);
-        agg[j] = Tensor::empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+        agg[j] = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         const ScopedTimer timer(counters_.compute_s);
         attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
         attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
@@ -460,18 +459,18 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
       // of every segment; then a shift to the previous segment gives each dS_end.
       const std::vector<Tensor> ds_start = scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1,
-                                                          agg, dfinal_local, counters_, stream);
+                                                          agg, dfinal_local, counters_, alloc);
       Round shift;
       std::vector<Tensor> ds_end(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
-        ds_end[j] = Tensor::zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+        ds_end[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
         if (i > 0 && segments_[i - 1].owner != me)
           shift.send(ds_start[j].view(), segments_[i - 1].owner, kTagShift + i - 1);
         if (i == n - 1) {
-          if (dfinal_local.defined()) copy_convert(dfinal_local.view(), ds_end[j].view());
+          if (dfinal_local.defined()) alloc.copy_convert(dfinal_local.view(), ds_end[j].view());
         } else if (segments_[i + 1].owner == me) {
-          copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
+          alloc.copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
         } else {
           shift.recv(ds_end[j].view(), segments_[i + 1].owner, kTagShift + i);
         }
@@ -488,7 +487,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
 
   GdnCpGrads grads;
   auto gather = [&](const Tensor& t, const Shape& shape) {
-    Tensor out = Tensor::empty(shape, dtype, MemCategory::kWorkspace);
+    Tensor out = alloc.empty(shape, dtype, MemCategory::kWorkspace);
     a2a.to_sequence(t.view(), out.view());
     return out;
   };
@@ -498,7 +497,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   grads.dg = gather(dg_h, {B, sl, H});
   grads.dbeta = gather(db_h, {B, sl, H});
   Tensor dinit_local = first_dinit.defined() ? std::move(first_dinit)
-                                             : Tensor::empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
+                                             : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
   WorkHandle bcast = ring.broadcast(dinit_local.view(), segments_.front().owner);
   timed_wait(bcast, &counters_.exposed_comm_s);
   grads.dinitial_state = a2a.gather_heads_dim1(dinit_local.view());
@@ -588,12 +587,19 @@ const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std
 }
 
 ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const TensorView& weight) {
-  check_cpu(x, "short conv CP x");
-  check_cpu(weight, "short conv CP weight");
+  const DeviceAlloc alloc{common_device({x, weight}, "short conv CP forward"), groups_.stream};
   SEQPAR_CHECK(x.ndim() == 3 && x.dim(1) == layout_.local_len(), "short conv CP: x ", x.str(),
                " must be [B, S_local = ", layout_.local_len(), ", C]");
   SEQPAR_CHECK(weight.ndim() == 2 && weight.dim(0) == x.dim(2) && weight.dim(1) >= 1, "short conv CP: weight ",
                weight.str(), " must be [C = ", x.dim(2), ", W >= 1]");
+  {
+    // The short conv kernels' own checks on the local shapes (devices included) before any halo is sent.
+    attn::ShortConvArgs local;
+    local.x = x;
+    local.weight = weight;
+    local.use_silu = config_.use_silu;
+    attn::check_short_conv_args(local);
+  }
   const std::int64_t B = x.dim(0), C = x.dim(2), W = weight.dim(1);
   const int me = groups_.sp.rank(), n = groups_.sp.size();
   const HaloPlan& plan = plan_for(W);
@@ -605,37 +611,36 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
   for (int r = 0; r < n; ++r) {
     if (!plan.give[r].empty()) {
       send[r] =
-          Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, x.dtype(), MemCategory::kCommBuffer);
+          alloc.empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, x.dtype(), MemCategory::kCommBuffer);
       gather_rows(x, 1, plan.give[r], send[r].view(), stream);
       ops.push_back(P2POp::send(send[r].view(), r, kTagHalo));
       halo_bytes_sent_ += static_cast<std::int64_t>(send[r].nbytes());
     }
     if (plan.take_count[r] > 0) {
-      recv[r] = Tensor::empty({B, plan.take_count[r], C}, x.dtype(), MemCategory::kCommBuffer);
+      recv[r] = alloc.empty({B, plan.take_count[r], C}, x.dtype(), MemCategory::kCommBuffer);
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHalo));
     }
   }
   if (!ops.empty()) groups_.sp.batch_isend_irecv(ops)->wait();
 
   auto s = std::make_shared<Saved>();
-  s->x = Tensor::copy_of(x, x.dtype(), MemCategory::kSavedActivation);
-  s->weight = Tensor::copy_of(weight, weight.dtype(), MemCategory::kSavedActivation);
+  s->x = alloc.copy_of(x, x.dtype(), MemCategory::kSavedActivation);
+  s->weight = alloc.copy_of(weight, weight.dtype(), MemCategory::kSavedActivation);
   s->width = W;
   ShortConvCpOutput o;
-  o.out = Tensor::empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
+  o.out = alloc.empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
   // Assemble each segment's conv state (kept for the backward) and run it.
   s->halo.resize(plan.mine.size());
   for (std::size_t j = 0; j < plan.mine.size(); ++j) {
     const Segment& seg = segments_[plan.mine[j]];
-    Tensor state = Tensor::zeros({B, W - 1, C}, x.dtype(), MemCategory::kSavedActivation);
+    Tensor state = alloc.zeros({B, W - 1, C}, x.dtype(), MemCategory::kSavedActivation);
     for (const HaloPlan::Source& src : plan.sources[j]) {
-      Tensor rows =
-          Tensor::empty({B, static_cast<std::int64_t>(src.rows.size()), C}, x.dtype(), MemCategory::kWorkspace);
+      Tensor rows = alloc.empty({B, static_cast<std::int64_t>(src.rows.size()), C}, x.dtype(), MemCategory::kWorkspace);
       gather_rows(src.peer == me ? x : recv[src.peer].view(), 1, src.rows, rows.view(), stream);
       scatter_rows(rows.view(), 1, src.slots, state.view(), stream);
     }
     Tensor xs = take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
-    Tensor ys = Tensor::empty(xs.shape(), x.dtype(), MemCategory::kWorkspace);
+    Tensor ys = alloc.empty(xs.shape(), x.dtype(), MemCategory::kWorkspace);
     attn::ShortConvArgs a;
     a.x = xs.view();
     a.weight = weight;
@@ -652,6 +657,8 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
 Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
   const TensorView x = s->x.view();
+  const DeviceAlloc alloc{common_device({x, dout, dweight}, "short conv CP backward (saved x, dout, dweight)"),
+                          groups_.stream};
   check_grad_input(dout, x.shape(), "short conv CP dout");
   check_dtype(dout, x.dtype(), "short conv CP dout");  // the conv kernel takes dout in x's dtype
   check_grad_input(dweight, s->weight.shape(), "short conv CP dweight");
@@ -664,37 +671,37 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
   // The kernel runs in the accumulation dtype (its outputs have its input's dtype): fp64 for fp64, else fp32.
   const DType acc = x.dtype() == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   auto to_acc = [&](Tensor t) {
-    return t.dtype() == acc ? std::move(t) : Tensor::copy_of(t.view(), acc, MemCategory::kWorkspace);
+    return t.dtype() == acc ? std::move(t) : alloc.copy_of(t.view(), acc, MemCategory::kWorkspace);
   };
-  const Tensor weight = Tensor::copy_of(s->weight.view(), acc, MemCategory::kWorkspace);
-  Tensor dx32 = Tensor::zeros(x.shape(), acc, MemCategory::kWorkspace);
-  Tensor dw32 = Tensor::zeros(s->weight.shape(), acc, MemCategory::kWorkspace);
+  const Tensor weight = alloc.copy_of(s->weight.view(), acc, MemCategory::kWorkspace);
+  Tensor dx32 = alloc.zeros(x.shape(), acc, MemCategory::kWorkspace);
+  Tensor dw32 = alloc.zeros(s->weight.shape(), acc, MemCategory::kWorkspace);
   // Halo gradients per peer, in the order that peer sent the rows (fp32 on the wire).
   std::vector<Tensor> send(n), recv(n);
   for (int r = 0; r < n; ++r) {
     if (plan.take_count[r] > 0) {
-      send[r] = Tensor::empty({B, plan.take_count[r], C}, acc, MemCategory::kCommBuffer);
+      send[r] = alloc.empty({B, plan.take_count[r], C}, acc, MemCategory::kCommBuffer);
     }
   }
   for (std::size_t j = 0; j < plan.mine.size(); ++j) {
     const Segment& seg = segments_[plan.mine[j]];
     Tensor xs = to_acc(take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream));
     Tensor dys = to_acc(take_rows(dout, seg.local_offset, seg.length, MemCategory::kWorkspace, stream));
-    Tensor halo = W > 1 ? Tensor::copy_of(s->halo[j].view(), acc, MemCategory::kWorkspace) : Tensor();
+    Tensor halo = W > 1 ? alloc.copy_of(s->halo[j].view(), acc, MemCategory::kWorkspace) : Tensor();
     attn::ShortConvArgs a;
     a.x = xs.view();
     a.weight = weight.view();
     a.initial_conv_state = W > 1 ? halo.view() : TensorView();
     a.use_silu = config_.use_silu;
-    Tensor dxs = Tensor::empty(xs.shape(), acc, MemCategory::kWorkspace);
-    Tensor dws = Tensor::empty(s->weight.shape(), acc, MemCategory::kWorkspace);
-    Tensor dstate = Tensor::empty({B, W - 1, C}, acc, MemCategory::kWorkspace);
+    Tensor dxs = alloc.empty(xs.shape(), acc, MemCategory::kWorkspace);
+    Tensor dws = alloc.empty(s->weight.shape(), acc, MemCategory::kWorkspace);
+    Tensor dstate = alloc.empty({B, W - 1, C}, acc, MemCategory::kWorkspace);
     attn::short_conv_backward(a, dys.view(), dxs.view(), dws.view(), W > 1 ? dstate.view() : TensorView(), stream);
     // dx rows of the segment (segments are disjoint), then the halo gradients: into our own dx, or to their owners.
     index_add_rows(dxs.view(), 1, row_range(seg.local_offset, seg.length), dx32.view(), stream);
     add_inplace(dw32.view(), dws.view(), stream);
     for (const HaloPlan::Source& src : plan.sources[j]) {
-      Tensor g = Tensor::empty({B, static_cast<std::int64_t>(src.slots.size()), C}, acc, MemCategory::kWorkspace);
+      Tensor g = alloc.empty({B, static_cast<std::int64_t>(src.slots.size()), C}, acc, MemCategory::kWorkspace);
       gather_rows(dstate.view(), 1, src.slots, g.view(), stream);
       if (src.peer == me) {
         index_add_rows(g.view(), 1, src.rows, dx32.view(), stream);
@@ -707,7 +714,7 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
   for (int r = 0; r < n; ++r) {
     if (plan.take_count[r] > 0) ops.push_back(P2POp::send(send[r].view(), r, kTagHaloGrad));
     if (!plan.give[r].empty()) {
-      recv[r] = Tensor::empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, acc, MemCategory::kCommBuffer);
+      recv[r] = alloc.empty({B, static_cast<std::int64_t>(plan.give[r].size()), C}, acc, MemCategory::kCommBuffer);
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHaloGrad));
     }
   }
@@ -717,9 +724,9 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
     if (!plan.give[r].empty()) index_add_rows(recv[r].view(), 1, plan.give[r], dx32.view(), stream);
   }
   groups_.sp.all_reduce(dw32.view(), ReduceOp::kSum)->wait();
-  copy_convert(dw32.view(), dweight);
-  Tensor dx = Tensor::empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
-  copy_convert(dx32.view(), dx.view());
+  alloc.copy_convert(dw32.view(), dweight);
+  Tensor dx = alloc.empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
+  alloc.copy_convert(dx32.view(), dx.view());
   return dx;
 }
 

@@ -70,7 +70,7 @@ struct GdnCpGrads {
   Tensor dinitial_state;         // [B, H, K, V] state dtype, identical on every rank
 };
 
-class GdnContextParallel {
+class GdnContextParallel : public CpLayerBase {
  public:
   GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config);
 
@@ -82,22 +82,14 @@ class GdnContextParallel {
   // the full [B, H, K, V], the same on every rank.
   GdnCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state = {});
 
-  const SequenceLayout& layout() const { return layout_; }
-  const std::vector<std::int64_t>& positions() const { return positions_; }
-  const CpCounters& counters() const { return counters_; }
-  void reset_counters() { counters_.reset(); }
+  // layout(), positions(), counters(), reset_counters(): CpLayerBase.
 
  private:
   struct Saved;
-  CpGroups groups_;
-  SequenceLayout layout_;
   GdnCpConfig config_;
-  LayerId id_;
-  std::vector<std::int64_t> positions_;
   std::vector<Segment> segments_;    // ring-level segments (of the ring shards), global order
   std::vector<int> mine_;            // indices into segments_ of this rank's segments, in global order
   std::map<int, std::size_t> slot_;  // global segment index -> index in mine_
-  CpCounters counters_;
 };
 
 struct ShortConvCpConfig {

@@ -67,63 +67,72 @@ std::vector<std::int64_t> SequenceLayout::positions(int sp_rank) const {
   return std::vector<std::int64_t>(shard.begin() + ulysses_rank * len, shard.begin() + (ulysses_rank + 1) * len);
 }
 
-void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local) {
-  gather_rows(full, 1, positions, local);
+using Positions = std::vector<std::int64_t>;
+
+void shard_sequence(const TensorView& full, const Positions& pos, const TensorView& local, Stream stream) {
+  gather_rows(full, 1, pos, local, stream);
 }
 
-void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full) {
-  scatter_rows(local, 1, positions, full);
+void unshard_sequence(const TensorView& local, const Positions& pos, const TensorView& full, Stream stream) {
+  scatter_rows(local, 1, pos, full, stream);
 }
 
-void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local) {
-  gather_rows(full, 2, positions, local);
+void shard_sequence_bhs(const TensorView& full, const Positions& pos, const TensorView& local, Stream stream) {
+  gather_rows(full, 2, pos, local, stream);
 }
 
-void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full) {
-  scatter_rows(local, 2, positions, full);
+void unshard_sequence_bhs(const TensorView& local, const Positions& pos, const TensorView& full, Stream stream) {
+  scatter_rows(local, 2, pos, full, stream);
 }
 
 void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
-                      int root) {
+                      int root, Stream stream) {
   SEQPAR_CHECK(comm.size() == layout.num_ranks(), "scatter_sequence: communicator size ", comm.size(),
                " != layout ranks ", layout.num_ranks());
   const int n = comm.size();
   // Root packs every rank's piece in rank order, then an all_to_all_v with zero counts elsewhere delivers them.
+  const DeviceAlloc alloc{common_device({full, local}, "scatter_sequence"), stream};
   Tensor packed;
   std::vector<std::int64_t> send_counts(n, 0), recv_counts(n, 0);
   recv_counts[root] = local.numel();
   if (comm.rank() == root) {
     Shape s = local.shape();
     s.insert(s.begin(), n);
-    packed = Tensor::empty(s, local.dtype(), MemCategory::kCommBuffer);
+    packed = alloc.empty(s, local.dtype(), MemCategory::kCommBuffer);
     for (int r = 0; r < n; ++r) {
-      shard_sequence(full, layout.positions(r), packed.view().slice0(r, r + 1).reshape(local.shape()));
+      shard_sequence(full, layout.positions(r), packed.view().slice0(r, r + 1).reshape(local.shape()), stream);
       send_counts[r] = local.numel();
     }
   } else {
-    packed = Tensor::empty({0}, local.dtype(), MemCategory::kCommBuffer);
+    packed = alloc.empty({0}, local.dtype(), MemCategory::kCommBuffer);
   }
   comm.all_to_all_v(packed.view(), send_counts, local, recv_counts)->wait();
 }
 
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
-                     int seq_dim) {
+                     int seq_dim, Stream stream) {
   SEQPAR_CHECK(comm.size() == layout.num_ranks(), "gather_sequence: communicator size ", comm.size(),
                " != layout ranks ", layout.num_ranks());
   SEQPAR_CHECK(seq_dim == 1 || seq_dim == 2, "gather_sequence: seq_dim ", seq_dim, " must be 1 or 2");
+  const DeviceAlloc alloc{common_device({local, full}, "gather_sequence"), stream};
   const int n = comm.size();
   Shape s = local.shape();
   s.insert(s.begin(), n);
-  Tensor all = Tensor::empty(s, local.dtype(), MemCategory::kCommBuffer);
+  Tensor all = alloc.empty(s, local.dtype(), MemCategory::kCommBuffer);
   comm.all_gather(local, all.view())->wait();
   for (int r = 0; r < n; ++r) {
     const TensorView piece = all.view().slice0(r, r + 1).reshape(local.shape());
     if (seq_dim == 1) {
-      unshard_sequence(piece, layout.positions(r), full);
+      unshard_sequence(piece, layout.positions(r), full, stream);
     } else {
-      unshard_sequence_bhs(piece, layout.positions(r), full);
+      unshard_sequence_bhs(piece, layout.positions(r), full, stream);
     }
   }
 }
+
+CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer)
+    : groups_(groups),
+      layout_(layout),
+      positions_((check_layout_matches(groups, layout, layer), layout.positions(groups.sp_rank()))) {}
 
 }  // namespace seqpar

@@ -56,21 +56,47 @@ class SequenceLayout {
 };
 
 // Local copies along the sequence dimension (dim 1) of [B, S, ...] tensors; no communication. Host or device tensors
-// (runtime/tensor_ops.h gather_rows / scatter_rows, whose errors they raise).
+// (runtime/tensor_ops.h gather_rows / scatter_rows on `stream`, whose errors they raise).
 // shard: local[b, i, ...] = full[b, positions[i], ...]. unshard: full[b, positions[i], ...] = local[b, i, ...].
-void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local);
-void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full);
+void shard_sequence(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local,
+                    Stream stream = Stream::cpu());
+void unshard_sequence(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full,
+                      Stream stream = Stream::cpu());
 // Same for [B, H, S] tensors (lse), along dim 2.
-void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local);
-void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full);
+void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>& positions, const TensorView& local,
+                        Stream stream = Stream::cpu());
+void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full,
+                          Stream stream = Stream::cpu());
 
 // Collective over `comm` (size layout.num_ranks(), rank = SP rank): root's full [B, S, ...] tensor is cut by the
-// layout and every rank receives its [B, local_len, ...] piece. `full` is read on root only.
+// layout and every rank receives its [B, local_len, ...] piece. `full` is read on root only. Buffers on the tensors'
+// device, packing on `stream`.
 void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
-                      int root = 0);
+                      int root = 0, Stream stream = Stream::cpu());
 // Collective: every rank's local piece is gathered into the full [B, S, ...] tensor on every rank.
 // seq_dim = 1 for [B, S, ...] tensors, 2 for [B, H, S] (lse).
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
-                     int seq_dim = 1);
+                     int seq_dim = 1, Stream stream = Stream::cpu());
+
+// The accessors every CP layer that owns its layout shares (DSA, GDN): this rank's positions, the counters and the
+// unique id its contexts carry. Built by the layer's constructor after check_layout_matches.
+class CpLayerBase {
+ public:
+  const SequenceLayout& layout() const { return layout_; }
+  // This rank's global token positions (layout().positions(sp_rank)), increasing.
+  const std::vector<std::int64_t>& positions() const { return positions_; }
+  const CpCounters& counters() const { return counters_; }
+  void reset_counters() { counters_.reset(); }
+
+ protected:
+  // Checks that `layout` matches the groups (check_layout_matches, naming `layer`).
+  CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
+
+  CpGroups groups_;
+  SequenceLayout layout_;
+  std::vector<std::int64_t> positions_;
+  LayerId id_;
+  CpCounters counters_;
+};
 
 }  // namespace seqpar

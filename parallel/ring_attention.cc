@@ -44,8 +44,8 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   for (std::int64_t i = 0; i < layout_.seq_len(); ++i) global_order_[i] = i;
 }
 
-void RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v) const {
-  for (const TensorView* t : {&q, &k, &v}) check_cpu(*t, "ring attention input");
+Device RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v) const {
+  const Device device = common_device({q, k, v}, "ring attention forward");
   SEQPAR_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "ring attention: q ", q.str(), ", k ", k.str(), ", v ",
                v.str(), " must all be [B, S_local, H, D]");
   SEQPAR_CHECK(k.shape() == v.shape(), "ring attention: k ", k.str(), " and v ", v.str(), " must have one shape");
@@ -61,7 +61,18 @@ void RingAttention::validate(const TensorView& q, const TensorView& k, const Ten
                layout_.seq_len(), " / ring_size ", size_, " = ", layout_.ring_shard_len());
   SEQPAR_CHECK(k.dim(2) >= 1 && q.dim(2) % k.dim(2) == 0, "ring attention: Hq ", q.dim(2),
                " must be a multiple of Hkv ", k.dim(2));
+  attn::MhaForwardArgs local;
+  local.q = q;
+  local.k = k;
+  local.v = v;
+  local.q_pos = local.k_pos = positions_[rank_];
+  local.mask = {config_.causal, config_.window};
+  local.scale = config_.scale;
+  attn::check_mha_forward_args(local);
+  return device;
 }
+
+DeviceAlloc RingAttention::alloc_for(const Saved& s) const { return {s.q.view().device(), groups_.stream}; }
 
 attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView& k, const TensorView& v,
                                                int src) const {
@@ -77,34 +88,37 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
 }
 
 AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
   AttentionOutput o;
-  o.out = Tensor::empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
-  o.lse = Tensor::empty({q.dim(0), q.dim(2), q.dim(1)}, DType::kFloat32, MemCategory::kWorkspace);
+  o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
+  o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, DType::kFloat32, MemCategory::kWorkspace);
   o.ctx = forward_into(q, k, v, o.out, o.lse);
   return o;
 }
 
 AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
+  const DeviceAlloc alloc = alloc_for(*s);
   AttentionGrads g;
-  g.dq = Tensor::empty(s->q.shape(), s->q.dtype(), MemCategory::kWorkspace);
-  g.dk = Tensor::empty(s->k.shape(), s->k.dtype(), MemCategory::kWorkspace);
-  g.dv = Tensor::empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);
+  g.dq = alloc.empty(s->q.shape(), s->q.dtype(), MemCategory::kWorkspace);
+  g.dk = alloc.empty(s->k.shape(), s->k.dtype(), MemCategory::kWorkspace);
+  g.dv = alloc.empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);
   backward_into(std::move(ctx), dout, g.dq, g.dk, g.dv);
   return g;
 }
 
 CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
                                       const TensorView& out, const TensorView& lse) {
-  validate(q, k, v);
+  const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
+  common_device({q, out, lse}, "ring attention forward (q, out, lse)");
   check_shape(out, q.shape(), "ring attention out");
   check_shape(lse, {q.dim(0), q.dim(2), q.dim(1)}, "ring attention lse");
   check_dtype(lse, DType::kFloat32, "ring attention lse");
   const CommStreamScope stream_scope(groups_);
   auto s = std::make_shared<Saved>();
-  s->q = Tensor::copy_of(q, q.dtype(), MemCategory::kSavedActivation);
-  s->k = Tensor::copy_of(k, k.dtype(), MemCategory::kSavedActivation);
-  s->v = Tensor::copy_of(v, v.dtype(), MemCategory::kSavedActivation);
+  s->q = alloc.copy_of(q, q.dtype(), MemCategory::kSavedActivation);
+  s->k = alloc.copy_of(k, k.dtype(), MemCategory::kSavedActivation);
+  s->v = alloc.copy_of(v, v.dtype(), MemCategory::kSavedActivation);
   {
     const CommMeter meter(groups_, counters_);
     if (config_.impl == RingImpl::kP2P) {
@@ -116,8 +130,8 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
                        << layout_name(layout_.kind()) << ", ring " << rank_ << "/" << size_ << "): q " << q.str()
                        << ", sent " << meter.bytes_sent_so_far() << " bytes";
   }
-  s->out = Tensor::copy_of(out, out.dtype(), MemCategory::kSavedActivation);
-  s->lse = Tensor::copy_of(lse, DType::kFloat32, MemCategory::kSavedActivation);
+  s->out = alloc.copy_of(out, out.dtype(), MemCategory::kSavedActivation);
+  s->lse = alloc.copy_of(lse, DType::kFloat32, MemCategory::kSavedActivation);
   return CpContext::make(id_, "ring attention", std::move(s));
 }
 
@@ -125,7 +139,7 @@ void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const
                                   const TensorView& dv) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "ring attention");
   const Saved& s = *saved;
-  check_cpu(dout, "ring attention dout");
+  common_device({s.q.view(), dout, dq, dk, dv}, "ring attention backward (saved tensors, dout, dq, dk, dv)");
   check_shape(dout, s.q.shape(), "ring attention dout");
   SEQPAR_CHECK(is_floating(dout.dtype()), "ring attention: dout has dtype ", dtype_name(dout.dtype()),
                ", expected a floating dtype");
@@ -147,19 +161,20 @@ void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const
 // ---- p2p -------------------------------------------------------------------------------------------------
 
 void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse) {
+  const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
   const double flops_per_pair = 4.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));
   const attn::MaskSpec mask{config_.causal, config_.window};
   const Stream stream = groups_.stream;
 
-  Tensor kv = Tensor::empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer);
-  copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
-  copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
-  Tensor acc_out = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  fill(lse, -std::numeric_limits<double>::infinity());
-  Tensor block_out = Tensor::empty(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor block_lse = Tensor::empty(lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor kv = alloc.empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer);
+  alloc.copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
+  alloc.copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
+  Tensor acc_out = alloc.zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  fill(lse, -std::numeric_limits<double>::infinity(), stream);
+  Tensor block_out = alloc.empty(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor block_lse = alloc.empty(lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
 
   ring_circulate(
       groups_.ring, kv.view(), kTagKv,
@@ -172,12 +187,13 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
         attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view(), stream);
         counters_.flops += flops_per_pair * static_cast<double>(pairs);
       },
-      &counters_.exposed_comm_s);
-  copy_convert(acc_out.view(), out);
+      &counters_.exposed_comm_s, stream);
+  alloc.copy_convert(acc_out.view(), out);
 }
 
 void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                                  const TensorView& dv) {
+  const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
   const double flops_per_pair = 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));  // 2.5 x forward
@@ -185,13 +201,13 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   const Shape pshape = packed_shape(kv_shape, 2);
   const Stream stream = groups_.stream;
 
-  Tensor delta = Tensor::empty(s.lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor delta = alloc.empty(s.lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
   attn::mha_backward_delta(s.out.view(), dout, delta.view(), stream);
-  Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor kv = Tensor::empty(pshape, q.dtype(), MemCategory::kCommBuffer);
-  copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
-  copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
-  Tensor dkv = Tensor::empty(pshape, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dq_acc = alloc.zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor kv = alloc.empty(pshape, q.dtype(), MemCategory::kCommBuffer);
+  alloc.copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
+  alloc.copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
+  Tensor dkv = alloc.empty(pshape, DType::kFloat32, MemCategory::kWorkspace);
 
   attn::MhaBackwardArgs args;
   args.out = s.out.view();
@@ -208,30 +224,30 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
         attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true, stream);
         counters_.flops += flops_per_pair * static_cast<double>(pairs);
       },
-      &counters_.exposed_comm_s);
-  copy_convert(part(dkv.view(), 0, kv_shape), dk);
-  copy_convert(part(dkv.view(), 1, kv_shape), dv);
-  copy_convert(dq_acc.view(), dq);
+      &counters_.exposed_comm_s, stream);
+  alloc.copy_convert(part(dkv.view(), 0, kv_shape), dk);
+  alloc.copy_convert(part(dkv.view(), 1, kv_shape), dv);
+  alloc.copy_convert(dq_acc.view(), dq);
 }
 
 // ---- all-gather ------------------------------------------------------------------------------------------
 
 attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full) {
+  const DeviceAlloc alloc = alloc_for(s);
   const Shape& kv_shape = s.k.shape();
   const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
-  k_full = Tensor::empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
-  v_full = Tensor::empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
-  Tensor local = Tensor::empty(packed_shape(kv_shape, 2), s.k.dtype(), MemCategory::kCommBuffer);
-  copy_convert(s.k.view(), part(local.view(), 0, kv_shape));
-  copy_convert(s.v.view(), part(local.view(), 1, kv_shape));
-  Tensor gathered =
-      Tensor::empty(packed_shape(packed_shape(kv_shape, 2), size_), s.k.dtype(), MemCategory::kCommBuffer);
+  k_full = alloc.empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
+  v_full = alloc.empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
+  Tensor local = alloc.empty(packed_shape(kv_shape, 2), s.k.dtype(), MemCategory::kCommBuffer);
+  alloc.copy_convert(s.k.view(), part(local.view(), 0, kv_shape));
+  alloc.copy_convert(s.v.view(), part(local.view(), 1, kv_shape));
+  Tensor gathered = alloc.empty(packed_shape(packed_shape(kv_shape, 2), size_), s.k.dtype(), MemCategory::kCommBuffer);
   WorkHandle w = groups_.ring.all_gather(local.view(), gathered.view());
   timed_wait(w, &counters_.exposed_comm_s);
   for (int r = 0; r < size_; ++r) {
     const TensorView rank_kv = gathered.view().slice0(r, r + 1).reshape(packed_shape(kv_shape, 2));
-    unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view());
-    unshard_sequence(part(rank_kv, 1, kv_shape), positions_[r], v_full.view());
+    unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view(), alloc.stream);
+    unshard_sequence(part(rank_kv, 1, kv_shape), positions_[r], v_full.view(), alloc.stream);
   }
   attn::MhaForwardArgs a = block_args(s, k_full.view(), v_full.view(), rank_);
   a.k_pos = global_order_;
@@ -252,6 +268,7 @@ void RingAttention::forward_allgather(const Saved& s, const TensorView& out, con
 
 void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, const TensorView& dq,
                                        const TensorView& dk, const TensorView& dv) {
+  const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
   Tensor k_full, v_full;
@@ -261,9 +278,9 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   args.out = s.out.view();
   args.dout = dout;
   args.lse = s.lse.view();
-  Tensor dk_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dv_full = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dq_acc = Tensor::zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dk_full = alloc.zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dv_full = alloc.zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dq_acc = alloc.zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
   {
     const ScopedTimer timer(counters_.compute_s);
     attn::mha_backward(args, dq_acc.view(), dk_full.view(), dv_full.view(), true, groups_.stream);
@@ -273,18 +290,18 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
 
   // Pack every rank's rows (in its layout order) and reduce-scatter the fp32 sums.
   const Shape pshape = packed_shape(kv_shape, 2);
-  Tensor send = Tensor::empty(packed_shape(pshape, size_), DType::kFloat32, MemCategory::kCommBuffer);
+  Tensor send = alloc.empty(packed_shape(pshape, size_), DType::kFloat32, MemCategory::kCommBuffer);
   for (int r = 0; r < size_; ++r) {
     const TensorView rank_part = send.view().slice0(r, r + 1).reshape(pshape);
-    shard_sequence(dk_full.view(), positions_[r], part(rank_part, 0, kv_shape));
-    shard_sequence(dv_full.view(), positions_[r], part(rank_part, 1, kv_shape));
+    shard_sequence(dk_full.view(), positions_[r], part(rank_part, 0, kv_shape), alloc.stream);
+    shard_sequence(dv_full.view(), positions_[r], part(rank_part, 1, kv_shape), alloc.stream);
   }
-  Tensor recv = Tensor::empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
   WorkHandle rs = groups_.ring.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
   timed_wait(rs, &counters_.exposed_comm_s);
-  copy_convert(part(recv.view(), 0, kv_shape), dk);
-  copy_convert(part(recv.view(), 1, kv_shape), dv);
-  copy_convert(dq_acc.view(), dq);
+  alloc.copy_convert(part(recv.view(), 0, kv_shape), dk);
+  alloc.copy_convert(part(recv.view(), 1, kv_shape), dv);
+  alloc.copy_convert(dq_acc.view(), dq);
 }
 
 }  // namespace seqpar

@@ -89,7 +89,10 @@ class RingAttention {
 
  private:
   struct Saved;
-  void validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
+  // Every check of forward's inputs, the MHA kernels' own on the local shapes included; returns their device.
+  Device validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
+  // Buffers of a call on the device of the saved tensors, ordered on the groups' stream.
+  DeviceAlloc alloc_for(const Saved& s) const;
   void forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse);
   void forward_allgather(const Saved& s, const TensorView& out, const TensorView& lse);
   void backward_p2p(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,

@@ -24,12 +24,13 @@ namespace seqpar {
 using RingVisit = std::function<void(int src, const TensorView& block)>;
 using RingGradVisit = std::function<void(int src, const TensorView& block, const TensorView& grad)>;
 
+// Buffers live on local_block's device; copies, fills and sums run on `stream`.
 void ring_circulate(Communicator& comm, const TensorView& local_block, int tag, const RingVisit& visit,
-                    double* exposed_s = nullptr);
+                    double* exposed_s = nullptr, Stream stream = Stream::cpu());
 
 // home_grad: fp32 with the element count of `grad_shape`; receives the full gradient of this rank's block.
 void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block, const Shape& grad_shape,
                               const TensorView& home_grad, int tag, const RingGradVisit& visit,
-                              double* exposed_s = nullptr);
+                              double* exposed_s = nullptr, Stream stream = Stream::cpu());
 
 }  // namespace seqpar

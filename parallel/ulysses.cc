@@ -1,6 +1,7 @@
 #include "parallel/ulysses.h"
 
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "runtime/logging.h"
@@ -11,7 +12,6 @@ namespace seqpar {
 namespace {
 
 void check_4d(const TensorView& t, const char* what) {
-  check_cpu(t, what);
   SEQPAR_CHECK(t.ndim() == 4, what, " ", t.str(), " must be [B, S, H, D]");
 }
 
@@ -46,53 +46,51 @@ UlyssesHeads::UlyssesHeads(std::int64_t hq_, std::int64_t hkv_, int pu) : hq(hq_
   }
 }
 
-void ulysses_scatter_heads(Communicator& ulysses, const TensorView& in, const TensorView& out, Stream stream) {
-  check_4d(in, "ulysses_scatter_heads input");
-  check_4d(out, "ulysses_scatter_heads output");
+namespace {
+
+// The all-to-all between the sequence-sharded [B, S_local, H, D] and the head-sharded [B, Pu S_local, H / Pu, D]:
+// to_heads = true scatters heads (in is sequence-sharded), false gathers them back (the exact inverse).
+void exchange_heads(Communicator& ulysses, const TensorView& in, const TensorView& out, bool to_heads, Stream stream) {
+  const char* fn = to_heads ? "ulysses_scatter_heads" : "ulysses_gather_heads";
+  const std::string in_name = str_cat(fn, " input"), out_name = str_cat(fn, " output");
+  check_4d(in, in_name.c_str());
+  check_4d(out, out_name.c_str());
+  const TensorView& seq = to_heads ? in : out;
+  const TensorView& heads = to_heads ? out : in;
   const int pu = ulysses.size();
-  const std::int64_t B = in.dim(0), sl = in.dim(1), H = in.dim(2), D = in.dim(3);
-  SEQPAR_CHECK(H % pu == 0, "ulysses_scatter_heads: ", H, " heads not divisible by ulysses_size ", pu);
-  check_shape(out, {B, pu * sl, H / pu, D}, "ulysses_scatter_heads output");
-  check_dtype(out, in.dtype(), "ulysses_scatter_heads output");
+  const std::int64_t B = seq.dim(0), sl = seq.dim(1), H = seq.dim(2), D = seq.dim(3);
+  SEQPAR_CHECK(H % pu == 0, fn, ": ", H, " heads not divisible by ulysses_size ", pu);
+  check_shape(heads, {B, pu * sl, H / pu, D}, (to_heads ? out_name : in_name).c_str());
+  check_dtype(heads, seq.dtype(), (to_heads ? out_name : in_name).c_str());
+  const DeviceAlloc alloc{common_device({in, out}, fn), stream};
   if (pu == 1) {
-    copy_convert(in, out);
+    alloc.copy_convert(in, out);
     return;
   }
   const std::int64_t hp = H / pu;
-  // send[j][b][s] = heads [j hp, (j+1) hp) of in[b][s]: in read as [B sl, pu, hp D].
-  Tensor send = Tensor::empty({pu, B, sl, hp, D}, in.dtype(), MemCategory::kCommBuffer);
-  swap_outer_dims(in, B * sl, pu, send.view(), stream);
-  Tensor recv = Tensor::empty({pu, B, sl, hp, D}, in.dtype(), MemCategory::kCommBuffer);
+  // to_heads:  send[j][b][s] = heads [j hp, (j+1) hp) of in[b][s] (in read as [B sl, pu, hp D]); recv[j][b] (rank
+  //            j's sequence piece) = out[b][j sl : (j+1) sl].
+  // otherwise: send[j][b] = in[b][j sl : (j+1) sl] (the piece rank j owns); recv[j][b][s] = heads [j hp, (j+1) hp)
+  //            of out[b][s].
+  Tensor send = alloc.empty({pu, B, sl, hp, D}, in.dtype(), MemCategory::kCommBuffer);
+  swap_outer_dims(in, to_heads ? B * sl : B, pu, send.view(), stream);
+  Tensor recv = alloc.empty({pu, B, sl, hp, D}, in.dtype(), MemCategory::kCommBuffer);
   ulysses.all_to_all(send.view(), recv.view())->wait();
-  // recv[j][b] (rank j's sequence piece) = out[b][j sl : (j+1) sl].
-  swap_outer_dims(recv.view(), pu, B, out, stream);
+  swap_outer_dims(recv.view(), pu, to_heads ? B : B * sl, out, stream);
+}
+
+}  // namespace
+
+void ulysses_scatter_heads(Communicator& ulysses, const TensorView& in, const TensorView& out, Stream stream) {
+  exchange_heads(ulysses, in, out, true, stream);
 }
 
 void ulysses_gather_heads(Communicator& ulysses, const TensorView& in, const TensorView& out, Stream stream) {
-  check_4d(in, "ulysses_gather_heads input");
-  check_4d(out, "ulysses_gather_heads output");
-  const int pu = ulysses.size();
-  const std::int64_t B = out.dim(0), sl = out.dim(1), H = out.dim(2), D = out.dim(3);
-  SEQPAR_CHECK(H % pu == 0, "ulysses_gather_heads: ", H, " heads not divisible by ulysses_size ", pu);
-  check_shape(in, {B, pu * sl, H / pu, D}, "ulysses_gather_heads input");
-  check_dtype(in, out.dtype(), "ulysses_gather_heads input");
-  if (pu == 1) {
-    copy_convert(in, out);
-    return;
-  }
-  const std::int64_t hp = H / pu;
-  // send[j][b] = in[b][j sl : (j+1) sl] (the sequence piece that rank j owns).
-  Tensor send = Tensor::empty({pu, B, sl, hp, D}, in.dtype(), MemCategory::kCommBuffer);
-  swap_outer_dims(in, B, pu, send.view(), stream);
-  Tensor recv = Tensor::empty({pu, B, sl, hp, D}, in.dtype(), MemCategory::kCommBuffer);
-  ulysses.all_to_all(send.view(), recv.view())->wait();
-  // recv[j][b][s] holds heads [j hp, (j+1) hp) of out[b][s].
-  swap_outer_dims(recv.view(), pu, B * sl, out, stream);
+  exchange_heads(ulysses, in, out, false, stream);
 }
 
 void ulysses_gather_heads_bhs(Communicator& ulysses, const TensorView& in, const TensorView& out, Stream stream) {
-  check_cpu(in, "ulysses_gather_heads_bhs input");
-  check_cpu(out, "ulysses_gather_heads_bhs output");
+  const DeviceAlloc alloc{common_device({in, out}, "ulysses_gather_heads_bhs"), stream};
   const int pu = ulysses.size();
   SEQPAR_CHECK(out.ndim() == 3 && out.dim(1) % pu == 0, "ulysses_gather_heads_bhs: output ", out.str(),
                " must be [B, H, S_local] with H divisible by ulysses_size ", pu);
@@ -100,13 +98,13 @@ void ulysses_gather_heads_bhs(Communicator& ulysses, const TensorView& in, const
   check_shape(in, {B, hp, pu * sl}, "ulysses_gather_heads_bhs input");
   check_dtype(in, out.dtype(), "ulysses_gather_heads_bhs input");
   if (pu == 1) {
-    copy_convert(in, out);
+    alloc.copy_convert(in, out);
     return;
   }
   // send[j][b][h'] = in[b][h'][j sl : (j+1) sl]; recv[j][b][h'] = out[b][j hp + h'][:].
-  Tensor send = Tensor::empty({pu, B, hp, sl}, in.dtype(), MemCategory::kCommBuffer);
+  Tensor send = alloc.empty({pu, B, hp, sl}, in.dtype(), MemCategory::kCommBuffer);
   swap_outer_dims(in, B * hp, pu, send.view(), stream);
-  Tensor recv = Tensor::empty({pu, B, hp, sl}, in.dtype(), MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty({pu, B, hp, sl}, in.dtype(), MemCategory::kCommBuffer);
   ulysses.all_to_all(send.view(), recv.view())->wait();
   swap_outer_dims(recv.view(), pu, B, out, stream);
 }
@@ -116,6 +114,7 @@ void replicate_kv_heads(const TensorView& in, std::int64_t r, const TensorView& 
   const std::int64_t B = in.dim(0), S = in.dim(1), H = in.dim(2), D = in.dim(3);
   check_shape(out, {B, S, H * r, D}, "replicate_kv_heads output");
   check_dtype(out, in.dtype(), "replicate_kv_heads output");
+  common_device({in, out}, "replicate_kv_heads");
   gather_rows(in, 2, replica_sources(H, r), out, stream);
 }
 
@@ -125,9 +124,10 @@ void reduce_kv_replicas(const TensorView& in, std::int64_t r, const TensorView& 
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
   check_shape(in, {B, S, H * r, D}, "reduce_kv_replicas input");
   check_dtype(in, DType::kFloat32, "reduce_kv_replicas input");
-  Tensor sum = Tensor::zeros(out.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  const DeviceAlloc alloc{common_device({in, out}, "reduce_kv_replicas"), stream};
+  Tensor sum = alloc.zeros(out.shape(), DType::kFloat32, MemCategory::kWorkspace);
   index_add_rows(in, 2, replica_sources(H, r), sum.view(), stream);  // replicas added in rank order: deterministic
-  copy_convert(sum.view(), out);
+  alloc.copy_convert(sum.view(), out);
 }
 
 // ---- UlyssesExchange -----------------------------------------------------------------------------------------
@@ -153,13 +153,14 @@ void UlyssesExchange::counted(Fn&& fn) const {
 }
 
 Tensor UlyssesExchange::to_heads(const TensorView& x, MemCategory category) const {
+  const DeviceAlloc alloc{x.device(), stream_};
   const int pu = ulysses_.size();
   SEQPAR_CHECK(x.ndim() >= 3 && x.dim(2) % pu == 0, "Ulysses exchange: ", x.str(),
                " must be [B, S_local, H, ...] with H divisible by ulysses_size ", pu);
   Shape s = x.shape();
   s[1] *= pu;
   s[2] /= pu;
-  Tensor out = Tensor::empty(s, x.dtype(), category);
+  Tensor out = alloc.empty(s, x.dtype(), category);
   counted([&] { ulysses_scatter_heads(ulysses_, as_4d(x), as_4d(out.view()), stream_); });
   return out;
 }
@@ -173,36 +174,39 @@ void UlyssesExchange::lse_to_sequence(const TensorView& lse_h, const TensorView&
 }
 
 Tensor UlyssesExchange::kv_to_heads(const TensorView& kv, const UlyssesHeads& heads) const {
+  const DeviceAlloc alloc{kv.device(), stream_};
   if (heads.replication == 1) return to_heads(kv);
   check_4d(kv, "Ulysses kv");
   Tensor expanded =
-      Tensor::empty({kv.dim(0), kv.dim(1), heads.hkv_expanded, kv.dim(3)}, kv.dtype(), MemCategory::kWorkspace);
+      alloc.empty({kv.dim(0), kv.dim(1), heads.hkv_expanded, kv.dim(3)}, kv.dtype(), MemCategory::kWorkspace);
   replicate_kv_heads(kv, heads.replication, expanded.view(), stream_);
   return to_heads(expanded.view());
 }
 
 void UlyssesExchange::kv_grad_to_sequence(const TensorView& dkv_h, const UlyssesHeads& heads,
                                           const TensorView& out) const {
+  const DeviceAlloc alloc{out.device(), stream_};
   if (heads.replication == 1) {
     to_sequence(dkv_h, out);
     return;
   }
   check_4d(out, "Ulysses kv gradient");
   Tensor expanded =
-      Tensor::empty({out.dim(0), out.dim(1), heads.hkv_expanded, out.dim(3)}, DType::kFloat32, MemCategory::kWorkspace);
+      alloc.empty({out.dim(0), out.dim(1), heads.hkv_expanded, out.dim(3)}, DType::kFloat32, MemCategory::kWorkspace);
   to_sequence(dkv_h, expanded.view());
   reduce_kv_replicas(expanded.view(), heads.replication, out, stream_);
 }
 
 Tensor UlyssesExchange::gather_pieces(const TensorView& local, MemCategory category) const {
+  const DeviceAlloc alloc{local.device(), stream_};
   const int pu = ulysses_.size();
   Shape packed = local.shape();
   packed.insert(packed.begin(), pu);
   Shape out_shape = local.shape();
   out_shape[1] *= pu;
-  Tensor out = Tensor::empty(out_shape, local.dtype(), category);
+  Tensor out = alloc.empty(out_shape, local.dtype(), category);
   counted([&] {
-    Tensor all = Tensor::empty(packed, local.dtype(), MemCategory::kCommBuffer);
+    Tensor all = alloc.empty(packed, local.dtype(), MemCategory::kCommBuffer);
     ulysses_.all_gather(local, all.view())->wait();
     swap_outer_dims(all.view(), pu, local.dim(0), out.view(), stream_);  // [Pu, B, piece] -> [B, Pu, piece]
   });
@@ -210,32 +214,23 @@ Tensor UlyssesExchange::gather_pieces(const TensorView& local, MemCategory categ
 }
 
 void UlyssesExchange::reduce_scatter_pieces(const TensorView& ring_shard, const TensorView& out) const {
+  const DeviceAlloc alloc{ring_shard.device(), stream_};
   const int pu = ulysses_.size();
   counted([&] {
     Shape packed = out.shape();
     packed.insert(packed.begin(), pu);
-    Tensor send = Tensor::empty(packed, ring_shard.dtype(), MemCategory::kCommBuffer);
+    Tensor send = alloc.empty(packed, ring_shard.dtype(), MemCategory::kCommBuffer);
     swap_outer_dims(ring_shard, ring_shard.dim(0), pu, send.view(), stream_);  // [B, Pu, piece] -> [Pu, B, piece]
     ulysses_.reduce_scatter(send.view(), out, ReduceOp::kSum)->wait();
   });
 }
 
 Tensor UlyssesExchange::gather_heads_dim1(const TensorView& local) const {
-  const int pu = ulysses_.size();
-  Shape packed = local.shape();
-  packed.insert(packed.begin(), pu);
-  Shape full_shape = local.shape();
-  full_shape[1] *= pu;
-  Tensor full = Tensor::empty(full_shape, local.dtype(), MemCategory::kWorkspace);
-  counted([&] {
-    Tensor all = Tensor::empty(packed, local.dtype(), MemCategory::kCommBuffer);
-    ulysses_.all_gather(local, all.view())->wait();
-    swap_outer_dims(all.view(), pu, local.dim(0), full.view(), stream_);  // [Pu, B, heads] -> [B, Pu, heads]
-  });
-  return full;
+  return gather_pieces(local, MemCategory::kWorkspace);  // the same all-gather, along the head dimension
 }
 
 Tensor UlyssesExchange::my_heads_dim1(const TensorView& full) const {
+  const DeviceAlloc alloc{full.device(), stream_};
   const int pu = ulysses_.size();
   SEQPAR_CHECK(full.ndim() >= 2 && full.dim(1) % pu == 0, "Ulysses exchange: ", full.str(),
                " must be [B, H, ...] with H divisible by ulysses_size ", pu);
@@ -244,7 +239,7 @@ Tensor UlyssesExchange::my_heads_dim1(const TensorView& full) const {
   std::iota(mine.begin(), mine.end(), ulysses_.rank() * hl);
   Shape s = full.shape();
   s[1] = hl;
-  Tensor out = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
+  Tensor out = alloc.empty(s, full.dtype(), MemCategory::kWorkspace);
   gather_rows(full, 1, mine, out.view(), stream_);
   return out;
 }

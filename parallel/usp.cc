@@ -6,7 +6,6 @@ namespace seqpar {
 namespace {
 
 void check_4d(const TensorView& t, const char* what) {
-  check_cpu(t, what);
   SEQPAR_CHECK(t.ndim() == 4, what, " ", t.str(), " must be [B, S, H, D]");
 }
 
@@ -17,6 +16,7 @@ struct UspAttention::Saved {
   UlyssesHeads heads;
   Shape q_shape;  // what dout must match
   DType q_dtype;  // the gradients' dtype
+  Device device;  // of the forward's inputs
 };
 
 UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config)
@@ -27,6 +27,7 @@ UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout,
       ring_attn_(groups, layout, config) {}
 
 AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  const DeviceAlloc alloc{common_device({q, k, v}, "USP forward"), groups_.stream};
   check_4d(q, "USP q");
   check_4d(k, "USP k");
   check_4d(v, "USP v");
@@ -42,6 +43,15 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   SEQPAR_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3), "USP: q ", q.str(), " and k ", k.str(),
                " must share batch (dim 0) and head dim (dim 3)");
   const UlyssesHeads heads(q.dim(2), k.dim(2), groups_.ulysses_size());
+  // The MHA kernels' own checks on the local shapes (devices included) before the all-to-all.
+  attn::MhaForwardArgs local;
+  local.q = q;
+  local.k = k;
+  local.v = v;
+  local.q_pos = local.k_pos = positions_;
+  local.mask = {config_.causal, config_.window};
+  local.scale = config_.scale;
+  attn::check_mha_forward_args(local);
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const int pu = groups_.ulysses_size();
@@ -50,22 +60,26 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   Tensor q_h = a2a.to_heads(q);
   Tensor k_h = a2a.kv_to_heads(k, heads);
   Tensor v_h = a2a.kv_to_heads(v, heads);
-  Tensor out_h = Tensor::empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
-  Tensor lse_h = Tensor::empty({B, hq / pu, pu * sl}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor out_h = alloc.empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
+  Tensor lse_h = alloc.empty({B, hq / pu, pu * sl}, DType::kFloat32, MemCategory::kWorkspace);
   CpContext ring_ctx = ring_attn_.forward_into(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view());
 
   AttentionOutput o;
-  o.out = Tensor::empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
-  o.lse = Tensor::empty({B, hq, sl}, DType::kFloat32, MemCategory::kWorkspace);
+  o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
+  o.lse = alloc.empty({B, hq, sl}, DType::kFloat32, MemCategory::kWorkspace);
   a2a.to_sequence(out_h.view(), o.out.view());
   a2a.lse_to_sequence(lse_h.view(), o.lse.view());
-  o.ctx = CpContext::make(id_, "USP", std::make_shared<Saved>(Saved{std::move(ring_ctx), heads, q.shape(), q.dtype()}));
+  o.ctx = CpContext::make(
+      id_, "USP", std::make_shared<Saved>(Saved{std::move(ring_ctx), heads, q.shape(), q.dtype(), alloc.device}));
   return o;
 }
 
 AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "USP");
   check_4d(dout, "USP dout");
+  const DeviceAlloc alloc{common_device({dout}, "USP backward"), groups_.stream};
+  SEQPAR_CHECK(alloc.device == s->device, "USP backward: dout ", dout.str(), " must be on the forward's device ",
+               s->device.str());
   // dout must have q's shape (checked before the all-to-all, so that a bad dout sends nothing); gradients come
   // back in q's dtype, whatever dout's floating dtype.
   check_shape(dout, s->q_shape, "USP dout");
@@ -78,21 +92,21 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   const std::int64_t B = dout.dim(0), sl = dout.dim(1), D = dout.dim(3), hkv = heads.hkv;
   const DType dtype = s->q_dtype;
   Tensor dout_cast;
-  if (dout.dtype() != dtype) dout_cast = Tensor::copy_of(dout, dtype, MemCategory::kWorkspace);
+  if (dout.dtype() != dtype) dout_cast = alloc.copy_of(dout, dtype, MemCategory::kWorkspace);
   Tensor dout_h = a2a.to_heads(dout.dtype() != dtype ? dout_cast.view() : dout);
 
   // Replica gradients travel in fp32 so that their sum is exact to fp32 rounding.
   const DType kv_grad_dtype = heads.replication == 1 ? dtype : DType::kFloat32;
   const int pu = groups_.ulysses_size();
-  Tensor dq_h = Tensor::empty(dout_h.shape(), dtype, MemCategory::kWorkspace);
-  Tensor dk_h = Tensor::empty({B, pu * sl, heads.hkv_expanded / pu, D}, kv_grad_dtype, MemCategory::kWorkspace);
-  Tensor dv_h = Tensor::empty(dk_h.shape(), kv_grad_dtype, MemCategory::kWorkspace);
+  Tensor dq_h = alloc.empty(dout_h.shape(), dtype, MemCategory::kWorkspace);
+  Tensor dk_h = alloc.empty({B, pu * sl, heads.hkv_expanded / pu, D}, kv_grad_dtype, MemCategory::kWorkspace);
+  Tensor dv_h = alloc.empty(dk_h.shape(), kv_grad_dtype, MemCategory::kWorkspace);
   ring_attn_.backward_into(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view());
 
   AttentionGrads g;
-  g.dq = Tensor::empty(s->q_shape, dtype, MemCategory::kWorkspace);
-  g.dk = Tensor::empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
-  g.dv = Tensor::empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
+  g.dq = alloc.empty(s->q_shape, dtype, MemCategory::kWorkspace);
+  g.dk = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
+  g.dv = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
   a2a.to_sequence(dq_h.view(), g.dq.view());
   a2a.kv_grad_to_sequence(dk_h.view(), heads, g.dk.view());
   a2a.kv_grad_to_sequence(dv_h.view(), heads, g.dv.view());

@@ -20,18 +20,24 @@ void cuda_free(void* ptr, int ordinal) {
   SEQPAR_CHECK_CUDA(cudaFree(ptr));
 }
 
-void cuda_memset_zero(void* ptr, std::size_t bytes, int ordinal) {
+// Ordered on `stream` (a cudaStream_t; nullptr: the default stream), which is synchronised before returning.
+void cuda_memset_zero(void* ptr, std::size_t bytes, int ordinal, void* stream) {
   SEQPAR_CHECK_CUDA(cudaSetDevice(ordinal));
-  SEQPAR_CHECK_CUDA(cudaMemset(ptr, 0, bytes));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  SEQPAR_CHECK_CUDA(cudaMemsetAsync(ptr, 0, bytes, s));
+  SEQPAR_CHECK_CUDA(cudaStreamSynchronize(s));
 }
 
 }  // namespace seqpar
 
 namespace seqpar {
 
-// Copies between any host / device buffers (unified addressing decides the direction).
-void cuda_copy(void* dst, const void* src, std::size_t bytes) {
-  SEQPAR_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault));
+// Copies between any host / device buffers (unified addressing decides the direction), ordered on `stream` and
+// synchronised before returning.
+void cuda_copy(void* dst, const void* src, std::size_t bytes, void* stream) {
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  SEQPAR_CHECK_CUDA(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, s));
+  SEQPAR_CHECK_CUDA(cudaStreamSynchronize(s));
 }
 
 }  // namespace seqpar

@@ -4,6 +4,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "runtime/tensor_ops.h"
+
 namespace seqpar {
 
 std::int64_t shape_numel(const Shape& shape) {
@@ -53,16 +55,15 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, MemCategory category, Devi
   return t;
 }
 
-Tensor Tensor::zeros(const Shape& shape, DType dtype, MemCategory category, Device device) {
+Tensor Tensor::zeros(const Shape& shape, DType dtype, MemCategory category, Device device, Stream stream) {
   Tensor t = empty(shape, dtype, category, device);
-  t.fill_zero();
+  t.fill_zero(stream);
   return t;
 }
 
-Tensor Tensor::copy_of(const TensorView& src, DType dtype, MemCategory category) {
-  check_cpu(src, "Tensor::copy_of source");
-  Tensor t = empty(src.shape(), dtype, category);
-  convert(src.data(), src.dtype(), t.data(), dtype, static_cast<std::size_t>(src.numel()));
+Tensor Tensor::copy_of(const TensorView& src, DType dtype, MemCategory category, Stream stream) {
+  Tensor t = empty(src.shape(), dtype, category, src.device());
+  copy_convert(src, t.view(), stream);
   return t;
 }
 
@@ -87,16 +88,19 @@ void Tensor::release() {
 }
 
 #if defined(SEQPAR_WITH_CUDA)
-void cuda_memset_zero(void* ptr, std::size_t bytes, int ordinal);
+void cuda_memset_zero(void* ptr, std::size_t bytes, int ordinal, void* stream);
 #endif
 
-void Tensor::fill_zero() {
+void Tensor::fill_zero(Stream stream) {
   if (nbytes() == 0) return;
   if (view_.device().is_cpu()) {
     std::memset(data(), 0, nbytes());
   } else {
 #if defined(SEQPAR_WITH_CUDA)
-    cuda_memset_zero(data(), nbytes(), view_.device().index);
+    cuda_memset_zero(data(), nbytes(), view_.device().index, stream.handle);
+#else
+    (void)stream;
+    SEQPAR_THROW("fill_zero on ", view_.str(), ": seqpar was built without CUDA");
 #endif
   }
 }
@@ -109,6 +113,20 @@ void check_dtype(const TensorView& t, DType expected, const char* what) {
 }
 void check_cpu(const TensorView& t, const char* what) {
   SEQPAR_CHECK(t.device().is_cpu(), what, " is on ", t.device().str(), "; this path takes host tensors only");
+}
+
+Device common_device(std::initializer_list<TensorView> inputs, const char* what) {
+  const TensorView* first = nullptr;
+  for (const TensorView& t : inputs) {
+    if (t.data() == nullptr) continue;
+    if (first == nullptr) {
+      first = &t;
+      continue;
+    }
+    SEQPAR_CHECK(t.device() == first->device(), what, ": every input must be on one device; ", first->str(), " and ",
+                 t.str(), " differ");
+  }
+  return first == nullptr ? Device::cpu() : first->device();
 }
 
 }  // namespace seqpar

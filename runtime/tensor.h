@@ -61,9 +61,11 @@ class Tensor {
   Tensor() = default;
   // Uninitialised storage of `shape` and `dtype`, tagged `category`.
   static Tensor empty(const Shape& shape, DType dtype, MemCategory category, Device device = Device::cpu());
-  static Tensor zeros(const Shape& shape, DType dtype, MemCategory category, Device device = Device::cpu());
-  // A copy of `src` (host memory) converted to `dtype`.
-  static Tensor copy_of(const TensorView& src, DType dtype, MemCategory category);
+  // Zero-filled storage; the fill is ordered on `stream` (a device buffer's stream, or Stream::cpu()).
+  static Tensor zeros(const Shape& shape, DType dtype, MemCategory category, Device device = Device::cpu(),
+                      Stream stream = Stream::cpu());
+  // A copy of `src` on src's device, converted to `dtype` (copy_convert of runtime/tensor_ops.h, on `stream`).
+  static Tensor copy_of(const TensorView& src, DType dtype, MemCategory category, Stream stream = Stream::cpu());
 
   Tensor(Tensor&& other) noexcept { *this = std::move(other); }
   Tensor& operator=(Tensor&& other) noexcept;
@@ -88,7 +90,8 @@ class Tensor {
   // moved from.
   bool defined() const { return owner_ != nullptr; }
 
-  void fill_zero();
+  // Every byte set to zero, ordered on `stream` (device buffers: cudaMemsetAsync, then the stream is synchronised).
+  void fill_zero(Stream stream = Stream::cpu());
 
  private:
   void release();
@@ -102,5 +105,8 @@ class Tensor {
 void check_shape(const TensorView& t, const Shape& expected, const char* what);
 void check_dtype(const TensorView& t, DType expected, const char* what);
 void check_cpu(const TensorView& t, const char* what);
+// The one device of `inputs` (views without data are skipped; Device::cpu() when all are); Error naming `what`
+// and the two devices when they differ. A CP layer calls it on every input before anything is allocated or sent.
+Device common_device(std::initializer_list<TensorView> inputs, const char* what);
 
 }  // namespace seqpar

@@ -6,10 +6,12 @@ namespace seqpar {
 
 #if defined(SEQPAR_WITH_CUDA)
 // runtime/tensor_ops_cuda.cu
-void cuda_copy(void* dst, const void* src, std::size_t bytes);
+void cuda_copy(void* dst, const void* src, std::size_t bytes, void* stream);
+void cuda_convert(const void* src, int src_kind, void* dst, int dst_kind, std::int64_t n,
+                  void* stream);  // kind: 0 fp64, 1 fp32, 2 bf16, 3 fp16, 4 int64
+std::int64_t cuda_count_nonnegative(const std::int64_t* src, std::int64_t n, void* stream);
 void cuda_add_inplace(void* dst, const void* src, std::int64_t n, bool fp64, void* stream);
-void cuda_fill(void* dst, int kind, std::int64_t n, double value,
-               void* stream);  // kind: 0 fp64, 1 fp32, 2 bf16, 3 fp16
+void cuda_fill(void* dst, int kind, std::int64_t n, double value, void* stream);
 void cuda_move_rows(const void* src, void* dst, std::int64_t outer, std::int64_t src_len, std::int64_t dst_len,
                     std::size_t row_bytes, const std::int64_t* index, std::int64_t n, bool gather, void* stream);
 void cuda_index_add_rows(const void* src, void* dst, std::int64_t outer, std::int64_t src_len, std::int64_t dst_len,
@@ -29,6 +31,18 @@ bool on_device(const TensorView& a, const TensorView& b, const char* op) {
 #else
   SEQPAR_THROW(op, " on ", a.str(), ": seqpar was built without CUDA");
 #endif
+}
+
+// The dtype code of the CUDA kernels: 0 fp64, 1 fp32, 2 bf16, 3 fp16, 4 int64 (others: Error naming `op`).
+[[maybe_unused]] int device_dtype_kind(const TensorView& t, const char* op) {
+  switch (t.dtype()) {
+    case DType::kFloat64: return 0;
+    case DType::kFloat32: return 1;
+    case DType::kBFloat16: return 2;
+    case DType::kFloat16: return 3;
+    case DType::kInt64: return 4;
+    default: SEQPAR_THROW(op, " on ", t.str(), ": dtype not supported on a CUDA device");
+  }
 }
 
 struct RowGeometry {
@@ -64,20 +78,41 @@ void check_index(std::span<const std::int64_t> index, std::int64_t len, const ch
 
 }  // namespace
 
-void copy_convert(const TensorView& src, const TensorView& dst) {
+void copy_convert(const TensorView& src, const TensorView& dst, Stream stream) {
   SEQPAR_CHECK(src.numel() == dst.numel(), "copy_convert: ", src.str(), " and ", dst.str(),
                " have different element counts");
-  if (!src.device().is_cpu() || !dst.device().is_cpu()) {
-    SEQPAR_CHECK(src.dtype() == dst.dtype(), "copy_convert between devices needs one dtype: ", src.str(), " -> ",
-                 dst.str());
-#if defined(SEQPAR_WITH_CUDA)
-    cuda_copy(dst.data(), src.data(), src.nbytes());
+  if (src.device().is_cpu() && dst.device().is_cpu()) {
+    convert(src.data(), src.dtype(), dst.data(), dst.dtype(), static_cast<std::size_t>(src.numel()));
     return;
+  }
+  const bool one_device = src.device() == dst.device();
+  SEQPAR_CHECK(one_device || src.dtype() == dst.dtype(), "copy_convert between devices needs one dtype: ", src.str(),
+               " -> ", dst.str());
+#if defined(SEQPAR_WITH_CUDA)
+  if (one_device && src.dtype() != dst.dtype()) {
+    cuda_convert(src.data(), device_dtype_kind(src, "copy_convert"), dst.data(), device_dtype_kind(dst, "copy_convert"),
+                 src.numel(), stream.handle);
+  } else {
+    cuda_copy(dst.data(), src.data(), src.nbytes(), stream.handle);
+  }
 #else
-    SEQPAR_THROW("copy_convert ", src.str(), " -> ", dst.str(), ": seqpar was built without CUDA");
+  (void)stream;
+  SEQPAR_THROW("copy_convert ", src.str(), " -> ", dst.str(), ": seqpar was built without CUDA");
+#endif
+}
+
+std::int64_t count_nonnegative(const TensorView& t, Stream stream) {
+  check_dtype(t, DType::kInt64, "count_nonnegative input");
+  if (on_device(t, t, "count_nonnegative")) {
+#if defined(SEQPAR_WITH_CUDA)
+    return cuda_count_nonnegative(static_cast<const std::int64_t*>(t.data()), t.numel(), stream.handle);
 #endif
   }
-  convert(src.data(), src.dtype(), dst.data(), dst.dtype(), static_cast<std::size_t>(src.numel()));
+  (void)stream;
+  const std::int64_t* p = static_cast<const std::int64_t*>(t.data());
+  std::int64_t n = 0;
+  for (std::int64_t i = 0; i < t.numel(); ++i) n += p[i] >= 0;
+  return n;
 }
 
 void add_inplace(const TensorView& dst, const TensorView& src, Stream stream) {
@@ -107,11 +142,7 @@ void fill(const TensorView& dst, double value, Stream stream) {
   SEQPAR_CHECK(is_floating(dst.dtype()), "fill: ", dst.str(), " must have a floating dtype");
   if (on_device(dst, dst, "fill")) {
 #if defined(SEQPAR_WITH_CUDA)
-    const int kind = dst.dtype() == DType::kFloat64    ? 0
-                     : dst.dtype() == DType::kFloat32  ? 1
-                     : dst.dtype() == DType::kBFloat16 ? 2
-                                                       : 3;
-    cuda_fill(dst.data(), kind, dst.numel(), value, stream.handle);
+    cuda_fill(dst.data(), device_dtype_kind(dst, "fill"), dst.numel(), value, stream.handle);
 #endif
     return;
   }

@@ -14,13 +14,19 @@
 
 namespace seqpar {
 
-// dst = src converted to dst's dtype (round to nearest even for 16-bit targets). Between a host and a CUDA
-// buffer (or two CUDA buffers) the dtypes must match and the copy is a synchronous cudaMemcpy.
-void copy_convert(const TensorView& src, const TensorView& dst);
+// dst = src converted to dst's dtype (round to nearest even for 16-bit targets; fp64, fp32, bf16, fp16, and int64
+// to int64). On one CUDA device any of these conversions runs as a kernel on `stream`; between a host and a CUDA
+// buffer the dtypes must match and the copy is a cudaMemcpyAsync on `stream`, synchronised before returning.
+void copy_convert(const TensorView& src, const TensorView& dst, Stream stream = Stream::cpu());
 // dst += src, both fp32 (or both fp64), element-wise in index order (deterministic).
 void add_inplace(const TensorView& dst, const TensorView& src, Stream stream = Stream::cpu());
 // Every element of a floating tensor set to `value` (e.g. -inf for an empty lse).
 void fill(const TensorView& dst, double value, Stream stream = Stream::cpu());
+
+// The number of elements >= 0 of an int64 tensor (e.g. the selected slots of a -1 padded topk_indices), read back
+// to the host: the explicit device-to-host read of a schedule that needs a count (CUDA: one reduction kernel and a
+// copy of one value, on `stream`).
+std::int64_t count_nonnegative(const TensorView& t, Stream stream = Stream::cpu());
 
 // Row operations along dimension `dim` of tensors read as [outer, len, inner] (outer = product of the dims before
 // `dim`, inner = product of the dims after it); src and dst share dtype, ndim and every dim but `dim`.

@@ -37,6 +37,45 @@ __global__ void fill_kernel(T* dst, T value, std::int64_t n) {
     dst[i] = value;
 }
 
+// Element conversions: 16-bit targets round from fp32 (round to nearest even, like the host's convert()).
+__device__ double load_value(const double* p, std::int64_t i) { return p[i]; }
+__device__ double load_value(const float* p, std::int64_t i) { return p[i]; }
+__device__ double load_value(const __nv_bfloat16* p, std::int64_t i) { return __bfloat162float(p[i]); }
+__device__ double load_value(const __half* p, std::int64_t i) { return __half2float(p[i]); }
+__device__ void store_value(double* p, std::int64_t i, double v) { p[i] = v; }
+__device__ void store_value(float* p, std::int64_t i, double v) { p[i] = static_cast<float>(v); }
+__device__ void store_value(__nv_bfloat16* p, std::int64_t i, double v) {
+  p[i] = __float2bfloat16_rn(static_cast<float>(v));
+}
+__device__ void store_value(__half* p, std::int64_t i, double v) { p[i] = __float2half_rn(static_cast<float>(v)); }
+
+template <typename S, typename D>
+__global__ void convert_kernel(const S* src, D* dst, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    store_value(dst, i, load_value(src, i));
+}
+
+__global__ void count_nonnegative_kernel(const std::int64_t* src, std::int64_t n, unsigned long long* count) {
+  unsigned long long mine = 0;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    mine += src[i] >= 0 ? 1 : 0;
+  if (mine != 0) atomicAdd(count, mine);
+}
+
+// Calls fn(p) with `ptr` cast to the element type of floating kind `kind` (0 fp64, 1 fp32, 2 bf16, 3 fp16).
+template <typename P, typename Fn>
+void with_floating_kind(P* ptr, int kind, Fn&& fn) {
+  switch (kind) {
+    case 0: fn(reinterpret_cast<double*>(ptr)); break;
+    case 1: fn(reinterpret_cast<float*>(ptr)); break;
+    case 2: fn(reinterpret_cast<__nv_bfloat16*>(ptr)); break;
+    case 3: fn(reinterpret_cast<__half*>(ptr)); break;
+    default: SEQPAR_THROW("copy_convert: dtype kind ", kind, " has no device conversion");
+  }
+}
+
 // One byte per thread-iteration over (outer, i, byte): simple and dtype-agnostic.
 __global__ void move_rows_kernel(const char* src, char* dst, std::int64_t outer, std::int64_t src_len,
                                  std::int64_t dst_len, std::int64_t row_bytes, const std::int64_t* index,
@@ -126,6 +165,29 @@ void cuda_fill(void* dst, int kind, std::int64_t n, double value, void* stream) 
     default: SEQPAR_THROW("fill: dtype kind ", kind, " is not floating");
   }
   finish(s);
+}
+
+void cuda_convert(const void* src, int src_kind, void* dst, int dst_kind, std::int64_t n, void* stream) {
+  if (n == 0) return;
+  const cudaStream_t s = to_cuda(stream);
+  with_floating_kind(const_cast<void*>(src), src_kind, [&](auto* sp) {
+    with_floating_kind(dst, dst_kind, [&](auto* dp) { convert_kernel<<<blocks_for(n), kThreads, 0, s>>>(sp, dp, n); });
+  });
+  finish(s);
+}
+
+std::int64_t cuda_count_nonnegative(const std::int64_t* src, std::int64_t n, void* stream) {
+  if (n == 0) return 0;
+  const cudaStream_t s = to_cuda(stream);
+  unsigned long long* count = nullptr;
+  SEQPAR_CHECK_CUDA(cudaMallocAsync(reinterpret_cast<void**>(&count), sizeof(unsigned long long), s));
+  SEQPAR_CHECK_CUDA(cudaMemsetAsync(count, 0, sizeof(unsigned long long), s));
+  count_nonnegative_kernel<<<blocks_for(n), kThreads, 0, s>>>(src, n, count);
+  unsigned long long host = 0;
+  SEQPAR_CHECK_CUDA(cudaMemcpyAsync(&host, count, sizeof(host), cudaMemcpyDeviceToHost, s));
+  SEQPAR_CHECK_CUDA(cudaFreeAsync(count, s));
+  finish(s);
+  return static_cast<std::int64_t>(host);
 }
 
 void cuda_move_rows(const void* src, void* dst, std::int64_t outer, std::int64_t src_len, std::int64_t dst_len,

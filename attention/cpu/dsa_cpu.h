@@ -27,6 +27,7 @@ void dsa_topk_init_cpu(const DsaTopkState& state);
 void dsa_indexer_topk_block_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s, const DsaTopkState& state);
 void dsa_topk_merge_cpu(const DsaTopkState& state, const DsaTopkState& other);
 void dsa_topk_finalize_cpu(const DsaTopkState& state, const TensorView& topk_indices);
+void dsa_topk_selected_scores_cpu(const DsaTopkState& state, const TensorView& scores);
 void dsa_indexer_scores_selected_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s,
                                      const TensorView& topk_indices, const std::vector<std::int32_t>& valid,
                                      const TensorView& scores);

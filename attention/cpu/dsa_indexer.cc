@@ -205,6 +205,30 @@ void dsa_topk_finalize_cpu(const DsaTopkState& state, const TensorView& topk_ind
   }
 }
 
+void dsa_topk_selected_scores_cpu(const DsaTopkState& state, const TensorView& scores) {
+  const std::int64_t K = state.scores.dim(2), rows = state.scores.dim(0) * state.scores.dim(1);
+  const std::int64_t* hp = static_cast<const std::int64_t*>(state.positions.data());
+  const float* hs = static_cast<const float*>(state.scores.data());
+  float* out = static_cast<float*>(scores.data());
+  const WorkerScratch<std::int64_t> ws({K}, "dsa_topk_selected_scores scratch");
+#pragma omp parallel
+  {
+    const std::span<std::int64_t> slot = ws.buffer(0);
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t* p = hp + r * K;
+      std::int64_t n = 0;
+      for (std::int64_t i = 0; i < K; ++i) {
+        if (p[i] >= 0) slot[n++] = i;
+      }
+      // Positions are distinct within a row, so this order is dsa_topk_finalize's.
+      std::sort(slot.begin(), slot.begin() + n, [&](std::int64_t a, std::int64_t b) { return p[a] < p[b]; });
+      for (std::int64_t i = 0; i < n; ++i) out[r * K + i] = hs[r * K + slot[i]];
+      std::fill(out + r * K + n, out + (r + 1) * K, 0.0f);
+    }
+  }
+}
+
 // ---- indexer loss -------------------------------------------------------------------------------------------------
 
 namespace {

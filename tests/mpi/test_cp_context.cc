@@ -3,10 +3,14 @@
 // accepted once, only by the object that made it.
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
+#include "parallel/ring_attention.h"
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
 #include "tests/util/device_collectives.h"
@@ -196,6 +200,69 @@ TEST(CpContext, LayoutMustMatchTheGroups) {
               std::string::npos)
         << m;
   }
+}
+
+// Device-neutral schedules: CUDA inputs (a fake device pointer: nothing reads it) reach the attention boundary,
+// which refuses them with its "no CUDA implementation yet" error before any buffer is allocated or any message is
+// sent (every communicator's counters unchanged), on every rank alike. Inputs on two devices are a clear error too.
+TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
+  const SpGrid grid(world(), grid_config());
+  const CpGroups groups = CpGroups::from(grid);
+  const std::int64_t seq = 48, B = 1, H = 4, D = 16;
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
+  const std::int64_t sl = layout.local_len(), sr = layout.ring_shard_len();
+  void* fake = reinterpret_cast<void*>(std::uintptr_t{0x1000});
+  auto cuda = [&](const Shape& s) { return TensorView(fake, DType::kFloat32, s, Device::cuda(0)); };
+  auto counters = [&] {
+    return std::vector<std::int64_t>{groups.ulysses.counters().num_ops, groups.ring.counters().num_ops,
+                                     groups.sp.counters().num_ops, groups.sp.counters().bytes_sent};
+  };
+  const std::vector<std::int64_t> before = counters();
+
+  RingAttention ring(groups, layout, RingAttentionConfig{});
+  UspAttention usp(groups, layout, RingAttentionConfig{});
+  GdnCpConfig gcfg;
+  gcfg.chunk_size = 8;
+  GdnContextParallel gdn(groups, layout, gcfg);
+  DsaCpConfig dcfg;
+  dcfg.topk = 6;
+  dcfg.dim_v = 8;
+  DsaContextParallel dsa(groups, layout, dcfg);
+  ShortConvContextParallel conv(groups, layout);
+  const std::vector<std::pair<const char*, std::function<void()>>> calls = {
+      {"ring attention",
+       [&] {
+         ring.forward(cuda({B, sr, H, D}), cuda({B, sr, 2, D}), cuda({B, sr, 2, D}));
+       }},
+      {"USP",
+       [&] {
+         usp.forward(cuda({B, sl, H, D}), cuda({B, sl, 2, D}), cuda({B, sl, 2, D}));
+       }},
+      {"GDN",
+       [&] {
+         gdn.forward(cuda({B, sl, H, D}), cuda({B, sl, H, D}), cuda({B, sl, H, D}), cuda({B, sl, H}), cuda({B, sl, H}));
+       }},
+      {"DSA",
+       [&] {
+         dsa.forward(cuda({B, sl, H, D}), cuda({B, sl, D}), cuda({B, sl, 2, 8}), cuda({B, sl, 8}), cuda({B, sl, 2}));
+       }},
+      {"short conv",
+       [&] {
+         conv.forward(cuda({B, sl, D}), cuda({D, 4}));
+       }},
+  };
+  for (const auto& [name, call] : calls) {
+    const std::string m = error_of(call);
+    EXPECT_NE(m.find("kernels have no CUDA implementation yet"), std::string::npos) << name << ": " << m;
+    EXPECT_EQ(counters(), before) << name << " communicated before refusing CUDA inputs";
+  }
+
+  // A host q with CUDA k / v: refused by the layer itself, naming both devices.
+  Tensor q = test::random_tensor({B, sl, H, D}, DType::kFloat32, 1, -1, 1);
+  const std::string m = error_of([&] { usp.forward(q.view(), cuda({B, sl, 2, D}), cuda({B, sl, 2, D})); });
+  EXPECT_NE(m.find("USP forward: every input must be on one device"), std::string::npos) << m;
+  EXPECT_NE(m.find("@cuda:0"), std::string::npos) << m;
+  EXPECT_EQ(counters(), before);
 }
 
 }  // namespace

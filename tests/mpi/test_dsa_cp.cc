@@ -163,13 +163,12 @@ std::vector<DsaCase> dsa_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(DsaCp, DsaCpVsSingleRank, ::testing::ValuesIn(dsa_cases()),
-                         [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(DsaCp, DsaCpVsSingleRank, ::testing::ValuesIn(dsa_cases()), test::CaseName());
 
 // A non-finite scale is an error at construction (it used to be replaced silently by 1/sqrt(Dqk)).
 TEST(DsaCp, NonFiniteScaleIsRefusedBeforeCommunication) {
   const int n = world().size();
-  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  SpGrid grid(world(), test::ring_over_world());
   DsaCpConfig cfg;
   cfg.scale = std::numeric_limits<float>::infinity();
   const CpGroups groups = CpGroups::from(grid);
@@ -184,8 +183,7 @@ TEST(DsaCp, NonFiniteScaleIsRefusedBeforeCommunication) {
 
 // k >= the number of visible keys: DSA is dense causal attention (MQA with the latent as key and value).
 TEST(DsaCp, FullTopkIsDenseCausalAttention) {
-  const int n = world().size();
-  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  SpGrid grid(world(), test::ring_over_world());
   const DsaCase c{1, LayoutKind::kZigzag, DsaSelectMode::kRing, 96, 96};
   const DsaProblem p(c.seq);
   const DistResult got = run_distributed(grid, c, p);
@@ -243,8 +241,7 @@ TEST(DsaCp, TiesAreDeterministicAcrossGridsAndRuns) {
 
 // Changing tokens after position t leaves every output and index at positions <= t unchanged.
 TEST(DsaCp, Causality) {
-  const int n = world().size();
-  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  SpGrid grid(world(), test::ring_over_world());
   const DsaCase c{1, LayoutKind::kZigzag, DsaSelectMode::kRing};
   const DsaProblem p(c.seq);
   DsaProblem changed(c.seq);
@@ -276,7 +273,7 @@ TEST(DsaCp, Causality) {
 // The indexer keeps O(S_local * k) state: doubling S at fixed k roughly doubles the forward's peak, not x4.
 TEST(DsaCp, PeakMemoryIsLinearInSequence) {
   const int n = world().size();
-  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  SpGrid grid(world(), test::ring_over_world());
   std::int64_t peaks[2];
   for (int i = 0; i < 2; ++i) {
     const std::int64_t seq = 2 * n * 48 * (i + 1);

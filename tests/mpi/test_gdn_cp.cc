@@ -166,12 +166,11 @@ std::vector<GdnCase> gdn_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(GdnCp, GdnCpVsRecurrence, ::testing::ValuesIn(gdn_cases()),
-                         [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(GdnCp, GdnCpVsRecurrence, ::testing::ValuesIn(gdn_cases()), test::CaseName());
 
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
-  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  SpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   GdnCpConfig cfg;
   EXPECT_THROW(GdnContextParallel(groups, SequenceLayout::for_groups(groups, 4 * n, LayoutKind::kStripe), cfg), Error);

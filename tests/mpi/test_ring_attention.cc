@@ -127,8 +127,7 @@ std::vector<Case> all_cases() {
   return cases;
 }
 
-INSTANTIATE_TEST_SUITE_P(Ring, RingVsSingleRank, ::testing::ValuesIn(all_cases()),
-                         [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Ring, RingVsSingleRank, ::testing::ValuesIn(all_cases()), test::CaseName());
 
 // bf16: the error against the fp64 reference must not grow with the ring size (accumulation is fp32).
 TEST(RingAttention, Bf16ErrorDoesNotGrowWithRingSize) {

@@ -109,8 +109,7 @@ TEST_P(UspVsSingleRank, MatchesSingleRank) {
   EXPECT_EQ(counters.a2a_bytes_received, total);
 }
 
-INSTANTIATE_TEST_SUITE_P(Usp, UspVsSingleRank, ::testing::ValuesIn(cases_for_world()),
-                         [](const auto& info) { return case_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Usp, UspVsSingleRank, ::testing::ValuesIn(cases_for_world()), test::CaseName());
 
 TEST(Ulysses, AllToAllThenInverseIsIdentityBitwise) {
   const int n = world().size();

@@ -21,6 +21,7 @@
 #include "attention/mha.h"
 #include "attention/reference/dsa_reference.h"
 #include "runtime/error.h"
+#include "tests/util/device_collectives.h"
 #include "tests/util/test_util.h"
 
 #ifdef _OPENMP
@@ -290,6 +291,43 @@ TEST(DsaTopk, BlockSplitAnyOrderIsIdentical) {
   check_topk_blocks(Problem(d, DType::kFloat32, 41));
   check_topk_blocks(Problem(d, DType::kBFloat16, 42));
   check_topk_blocks(tie_problem(d));
+}
+
+// dsa_topk_selected_scores: each selected slot's score, in topk_indices order, read from the final state (checked
+// against a search of the state written here, and against the indexer scores recomputed for those positions); 0 for
+// the padding. k > S gives padded rows.
+TEST(DsaTopk, SelectedScoresFollowTopkIndices) {
+  const Dims d{.S = 12, .K = 17};
+  const Problem pr(d, DType::kFloat32, 33);
+  Tensor sc = f32_zeros({d.B, d.S, d.K}), ps = i64({d.B, d.S, d.K}), idx = i64({d.B, d.S, d.K});
+  Tensor sel = f32_zeros({d.B, d.S, d.K}), ref = f32_zeros({d.B, d.S, d.K});
+  const DsaTopkState st{sc, ps};
+  attn::dsa_topk_init(st);
+  attn::dsa_indexer_topk_block(pr.indexer(), st);
+  attn::dsa_topk_selected_scores(st, sel);
+  attn::dsa_topk_finalize(st, idx);
+  attn::dsa_indexer_scores_selected(pr.indexer(), idx, ref);
+  const auto v = ints(idx), pos = ints(ps);
+  const float* got = sel.data_as<float>();
+  const float* state_scores = sc.data_as<float>();
+  const float* want = ref.data_as<float>();
+  for (std::int64_t r = 0; r < d.B * d.S; ++r) {
+    for (std::int64_t s = 0; s < d.K; ++s) {
+      const std::int64_t i = r * d.K + s;
+      if (v[i] < 0) {
+        ASSERT_EQ(got[i], 0.0f) << "row " << r << " padding slot " << s;
+        continue;
+      }
+      float from_state = std::numeric_limits<float>::quiet_NaN();
+      for (std::int64_t e = 0; e < d.K; ++e)
+        if (pos[r * d.K + e] == v[i]) from_state = state_scores[r * d.K + e];
+      ASSERT_EQ(got[i], from_state) << "row " << r << " slot " << s << " position " << v[i];
+      ASSERT_NEAR(got[i], want[i], 1e-5 * (1 + std::fabs(want[i]))) << "row " << r << " slot " << s;
+    }
+  }
+  Tensor wrong = i64({d.B, d.S, d.K});
+  EXPECT_NE(test::error_of([&] { attn::dsa_topk_selected_scores(st, wrong); }).find("selected scores has dtype int64"),
+            std::string::npos);
 }
 
 // ---- sparse latent attention --------------------------------------------------------------------------------------

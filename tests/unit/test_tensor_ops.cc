@@ -1,9 +1,13 @@
 // The data-movement operations of runtime/tensor_ops.h on host tensors against plain index loops written here.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdint>
+#include <string>
 #include <vector>
 
 #include "runtime/tensor_ops.h"
+#include "tests/util/device_collectives.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar {
@@ -95,6 +99,39 @@ TEST(TensorOps, SwapOuterDimsMatchesLoop) {
     swap_outer_dims(dst.view(), b, a, again.view());
     EXPECT_EQ(to_double(again), s);
   }
+}
+
+TEST(TensorOps, CountNonnegativeMatchesLoop) {
+  Tensor t = Tensor::empty({3, 5, 7}, DType::kInt64, MemCategory::kWorkspace);
+  std::int64_t want = 0;
+  for (std::int64_t i = 0; i < t.numel(); ++i) {
+    const std::int64_t v = (i * 37) % 11 - 4;  // -4 .. 6, -1 included
+    t.data_as<std::int64_t>()[i] = v;
+    want += v >= 0;
+  }
+  EXPECT_EQ(count_nonnegative(t.view()), want);
+  EXPECT_EQ(count_nonnegative(Tensor::empty({0}, DType::kInt64, MemCategory::kWorkspace).view()), 0);
+  Tensor f = Tensor::zeros({2}, DType::kFloat32, MemCategory::kWorkspace);
+  EXPECT_NE(test::error_of([&] { count_nonnegative(f.view()); }).find("count_nonnegative input has dtype fp32"),
+            std::string::npos);
+}
+
+// Tensor::copy_of and Tensor::zeros allocate on the source's / given device; copy_convert on the host with a stream
+// converts like convert(). Mixed devices name both tensors.
+TEST(TensorOps, CopiesKeepTheDeviceAndConvert) {
+  Tensor src = random_tensor({4, 6}, DType::kFloat32, 5);
+  Tensor half = Tensor::copy_of(src.view(), DType::kBFloat16, MemCategory::kWorkspace, Stream::cpu());
+  EXPECT_TRUE(half.view().device().is_cpu());
+  Tensor back = Tensor::zeros({4, 6}, DType::kFloat32, MemCategory::kWorkspace, Device::cpu(), Stream::cpu());
+  copy_convert(half.view(), back.view(), Stream::cpu());
+  const std::vector<double> a = to_double(src), b = to_double(back);
+  for (std::size_t i = 0; i < a.size(); ++i) ASSERT_NEAR(b[i], a[i], 1.0 / 128 * (1 + std::abs(a[i]))) << i;
+  const TensorView on_cuda(reinterpret_cast<void*>(std::uintptr_t{0x1000}), DType::kFloat32, {4, 6}, Device::cuda(0));
+  const std::string m = test::error_of([&] { (void)common_device({src.view(), on_cuda}, "layer forward"); });
+  EXPECT_NE(m.find("layer forward: every input must be on one device; fp32[4, 6]@cpu and fp32[4, 6]@cuda:0 differ"),
+            std::string::npos)
+      << m;
+  EXPECT_TRUE(common_device({TensorView(), src.view()}, "x").is_cpu());
 }
 
 TEST(TensorOps, ErrorsNameTheRule) {

@@ -1,8 +1,20 @@
 // Access to the world communicator inside tests linked with the MPI gtest main.
 #pragma once
 
+#include <string>
+
 #include "runtime/comm.h"
+#include "runtime/sp_grid.h"
 
 namespace seqpar::test {
 Communicator& world();
+// The grid of one ring over the whole world (no Ulysses, no data parallelism).
+inline SpGridConfig ring_over_world() { return {1, 1, world().size(), Placement::kUlyssesInner}; }
+// The name generator of a parameterised test whose parameter has a case_name() (found by argument lookup).
+struct CaseName {
+  template <typename Info>
+  std::string operator()(const Info& info) const {
+    return case_name(info.param);
+  }
+};
 }  // namespace seqpar::test
