@@ -125,6 +125,12 @@ LayerId& LayerId::operator=(const LayerId&) {
   id_ = next_layer_id();
   return *this;
 }
+LayerId::LayerId(LayerId&& other) noexcept : id_(other.id_) { other.id_ = next_layer_id(); }
+LayerId& LayerId::operator=(LayerId&& other) noexcept {
+  id_ = other.id_;
+  other.id_ = next_layer_id();
+  return *this;
+}
 
 CpContext& CpContext::operator=(CpContext&& other) noexcept {
   if (this != &other) {

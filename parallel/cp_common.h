@@ -122,12 +122,16 @@ class CommMeter {
   CommCounters ring_, sp_, ulysses_;
 };
 
-// A unique id per layer object (a copy gets a new one), so that a context finds its way back to its maker only.
+// A unique id per layer object (a copy gets a new one; a move hands its id over), so that a context finds its way
+// back to its maker only.
 class LayerId {
  public:
   LayerId();
   LayerId(const LayerId&);
   LayerId& operator=(const LayerId&);
+  // A moved-to layer is the same layer: it keeps the id (its contexts stay valid); the moved-from one gets a new id.
+  LayerId(LayerId&& other) noexcept;
+  LayerId& operator=(LayerId&& other) noexcept;
   std::uint64_t value() const { return id_; }
 
  private:

@@ -115,6 +115,12 @@ TEST(CpContext, ContextMisuseIsAClearError) {
   EXPECT_NE(error_of([&] { copy.backward(std::move(o2.ctx), d.view()); }).find("another layer object"),
             std::string::npos);
   usp.backward(std::move(o2.ctx), d.view());
+  // A moved layer is the same layer: its contexts made before the move still serve (e.g. a std::vector of layers that
+  // reallocates between forward and backward).
+  AttentionOutput o3 = usp.forward(q.view(), k.view(), v.view());
+  UspAttention moved_layer = std::move(usp);
+  moved_layer.backward(std::move(o3.ctx), d.view());
+  EXPECT_FALSE(o3.ctx.live());
   EXPECT_TRUE(test::all_ranks(world(), true));
 }
 
