@@ -8,8 +8,8 @@ namespace seqpar {
 const char* communicator_backend_names() { return "mpi, nccl"; }
 
 void check_communicator_backend(std::string_view backend) {
-  SEQPAR_CHECK(backend == "mpi" || backend == "nccl", "unknown communicator backend '", backend,
-               "': expected one of ", communicator_backend_names());
+  SEQPAR_CHECK(backend == "mpi" || backend == "nccl", "unknown communicator backend '", backend, "': expected one of ",
+               communicator_backend_names());
 }
 
 std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) {

@@ -12,8 +12,8 @@ namespace seqpar {
 // The backends make_world_communicator knows, for help texts and errors: "mpi, nccl".
 const char* communicator_backend_names();
 
-// Throws Error "unknown communicator backend 'X': expected one of mpi, nccl" for a name make_world_communicator does not
-// know (whether or not it is compiled in); no communication, so option parsers call it before the world exists.
+// Throws Error "unknown communicator backend 'X': expected one of mpi, nccl" for a name make_world_communicator does
+// not know (whether or not it is compiled in); no communication, so option parsers call it before the world exists.
 void check_communicator_backend(std::string_view backend);
 
 // A communicator over every rank of the job, named "world", for `backend`:

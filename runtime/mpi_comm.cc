@@ -1,5 +1,7 @@
 #include "runtime/mpi_comm.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <climits>
@@ -9,8 +11,6 @@
 #include <cstring>
 #include <new>
 #include <thread>
-
-#include <unistd.h>
 
 #include "runtime/comm_keepalive.h"
 #include "runtime/cuda_staging.h"
@@ -546,8 +546,8 @@ extern "C" void on_sigterm(int) {
 
 void install_sigterm_notice(int rank) {
   const std::string text = str_cat("rank ", rank,
-                                    ": error: stopped by SIGTERM: the job is being aborted after another rank's error "
-                                    "(printed by that rank), or it was interrupted\n");
+                                   ": error: stopped by SIGTERM: the job is being aborted after another rank's error "
+                                   "(printed by that rank), or it was interrupted\n");
   g_sigterm_length = std::min(text.size(), sizeof(g_sigterm_text));
   std::memcpy(g_sigterm_text, text.data(), g_sigterm_length);
   struct sigaction action {};
