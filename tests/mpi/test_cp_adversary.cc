@@ -8,6 +8,7 @@
 #include "parallel/gdn_cp.h"
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/cp_test.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -16,16 +17,8 @@ namespace seqpar {
 namespace {
 
 using test::error_of;
+using test::saved_bytes;
 using test::world;
-
-std::int64_t saved_bytes() {
-  return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kSavedActivation)];
-}
-
-SpGridConfig grid_config() {
-  const int n = world().size();
-  return n % 2 == 0 ? SpGridConfig{1, 2, n / 2} : SpGridConfig{1, 1, n};
-}
 
 Tensor rnd(const Shape& s, std::uint64_t seed, DType dtype = DType::kFloat32, double lo = -1, double hi = 1) {
   return test::random_tensor(s, dtype, seed, lo, hi);
@@ -67,11 +60,10 @@ void expect_refusals_keep_the_context(const Kind& kind) {
 }
 
 TEST(CpAdversary, RefusedBackwardKeepsTheContext) {
-  const SpGrid grid(world(), grid_config());
-  const CpGroups groups = CpGroups::from(grid);
-  const std::int64_t seq = 48, B = 1, H = 4, D = 16;
-  const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
-  const std::int64_t sl = layout.local_len();
+  const test::SmallCpCase small;
+  const CpGroups& groups = small.groups;
+  const SequenceLayout& layout = small.layout;
+  const std::int64_t B = small.B, H = small.H, D = small.D, sl = small.sl;
 
   UspAttention usp(groups, layout, RingAttentionConfig{});
   Tensor q = rnd({B, sl, H, D}, 1), kv = rnd({B, sl, 2, D}, 2);

@@ -13,6 +13,7 @@
 #include "parallel/ring_attention.h"
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/cp_test.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -21,19 +22,10 @@
 namespace seqpar {
 namespace {
 
+using test::saved_bytes;
 using test::world;
 
-std::int64_t saved_bytes() {
-  return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kSavedActivation)];
-}
-
 using test::error_of;
-
-// A grid with Ulysses 2 when the world size is even, else a ring over the world.
-SpGridConfig grid_config() {
-  const int n = world().size();
-  return n % 2 == 0 ? SpGridConfig{1, 2, n / 2} : SpGridConfig{1, 1, n};
-}
 
 test::MhaShape mha_shape(std::uint64_t seed) {
   test::MhaShape s;
@@ -50,7 +42,7 @@ test::MhaShape mha_shape(std::uint64_t seed) {
 // Two layers through one USP object, interleaved: forward(l1), forward(l2), backward(l2), backward(l1); each
 // layer's outputs and gradients match its own single-rank result.
 TEST(CpContext, OneObjectServesTwoInterleavedLayers) {
-  const SpGrid grid(world(), grid_config());
+  const SpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const test::MhaShape s1 = mha_shape(0), s2 = mha_shape(100);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, s1.seq);
@@ -83,7 +75,7 @@ TEST(CpContext, OneObjectServesTwoInterleavedLayers) {
 }
 
 TEST(CpContext, ContextMisuseIsAClearError) {
-  const SpGrid grid(world(), grid_config());
+  const SpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const test::MhaShape s = mha_shape(0);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, s.seq);
@@ -153,11 +145,10 @@ void expect_saved_ledger(const Kind& kind) {
 }
 
 TEST(CpContext, SavedActivationsAreOwnedByTheContexts) {
-  const SpGrid grid(world(), grid_config());
-  const CpGroups groups = CpGroups::from(grid);
-  const std::int64_t seq = 48, B = 1, H = 4, D = 16;
-  const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
-  const std::int64_t sl = layout.local_len();
+  const test::SmallCpCase small;
+  const CpGroups& groups = small.groups;
+  const SequenceLayout& layout = small.layout;
+  const std::int64_t B = small.B, H = small.H, D = small.D, sl = small.sl;
   auto rnd = [](const Shape& s, std::uint64_t seed, double lo = -1, double hi = 1) {
     return test::random_tensor(s, DType::kFloat32, seed, lo, hi);
   };
@@ -190,7 +181,7 @@ TEST(CpContext, SavedActivationsAreOwnedByTheContexts) {
 }
 
 TEST(CpContext, LayoutMustMatchTheGroups) {
-  const SpGrid grid(world(), grid_config());
+  const SpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const int n = world().size();
   const SequenceLayout wrong(LayoutKind::kZigzag, 16 * n, n, 1);  // every rank in the ring, no Ulysses
@@ -212,7 +203,7 @@ TEST(CpContext, LayoutMustMatchTheGroups) {
 // which refuses them with its "no CUDA implementation yet" error before any buffer is allocated or any message is
 // sent (every communicator's counters unchanged), on every rank alike. Inputs on two devices are a clear error too.
 TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
-  const SpGrid grid(world(), grid_config());
+  const SpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const std::int64_t seq = 48, B = 1, H = 4, D = 16;
   const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
