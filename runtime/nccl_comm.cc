@@ -64,28 +64,6 @@ NcclCommunicator::~NcclCommunicator() = default;
 Stream NcclCommunicator::comm_stream() const { not_built("comm_stream"); }
 void NcclCommunicator::check_buffer(const TensorView&, const std::string&) const { not_built("check_buffer"); }
 void NcclCommunicator::do_set_stream(const Stream&) { not_built("set_stream"); }
-WorkHandle NcclCommunicator::do_isend(const TensorView&, int, int, std::string) { not_built("isend"); }
-WorkHandle NcclCommunicator::do_irecv(const TensorView&, int, int, std::string) { not_built("irecv"); }
-WorkHandle NcclCommunicator::do_batch_isend_irecv(const std::vector<P2POp>&, std::string) {
-  not_built("batch_isend_irecv");
-}
-WorkHandle NcclCommunicator::do_all_to_all(const TensorView&, const TensorView&, std::string) {
-  not_built("all_to_all");
-}
-WorkHandle NcclCommunicator::do_all_to_all_v(const TensorView&, const std::vector<std::int64_t>&, const TensorView&,
-                                             const std::vector<std::int64_t>&, std::string) {
-  not_built("all_to_all_v");
-}
-WorkHandle NcclCommunicator::do_all_gather(const TensorView&, const TensorView&, std::string) {
-  not_built("all_gather");
-}
-WorkHandle NcclCommunicator::do_reduce_scatter(const TensorView&, const TensorView&, ReduceOp, std::string) {
-  not_built("reduce_scatter");
-}
-WorkHandle NcclCommunicator::do_all_reduce(const TensorView&, ReduceOp, std::string) { not_built("all_reduce"); }
-WorkHandle NcclCommunicator::do_broadcast(const TensorView&, int, std::string) { not_built("broadcast"); }
-WorkHandle NcclCommunicator::do_barrier(std::string) { not_built("barrier"); }
-std::unique_ptr<Communicator> NcclCommunicator::do_split(int, int, std::string) { not_built("split"); }
 
 #else  // SEQPAR_WITH_NCCL
 

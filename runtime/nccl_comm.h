@@ -49,6 +49,8 @@ class NcclCommunicator final : public Communicator {
   // `stream` must be on this communicator's device (Stream::cpu() selects the legacy default stream).
   void do_set_stream(const Stream& stream) override;
 
+#if defined(SEQPAR_WITH_NCCL)
+  // (Without NCCL the constructor throws, so the transfer hooks are the base class's "does not support" defaults.)
   WorkHandle do_isend(const TensorView& buffer, int peer, int tag, std::string what) override;
   WorkHandle do_irecv(const TensorView& buffer, int peer, int tag, std::string what) override;
   WorkHandle do_batch_isend_irecv(const std::vector<P2POp>& ops, std::string what) override;
@@ -65,6 +67,7 @@ class NcclCommunicator final : public Communicator {
   // ncclCommSplit, after a device all-gather of every rank's (color, key) that gives the child's world ranks; the
   // child shares this communicator's device.
   std::unique_ptr<Communicator> do_split(int color, int key, std::string what) override;
+#endif
 
  private:
   explicit NcclCommunicator(std::shared_ptr<State> state);
