@@ -16,6 +16,7 @@
 
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
+#include "runtime/version.h"
 
 namespace seqpar::bench {
 namespace {
@@ -65,6 +66,10 @@ std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, i
   }
   if (r.count("help")) {
     if (world_rank == 0) std::fputs(spec.help(help_groups).c_str(), stdout);
+    return std::nullopt;
+  }
+  if (r.count("version")) {
+    if (world_rank == 0) std::printf("%s (seqpar) %s\n", spec.program().c_str(), version());
     return std::nullopt;
   }
   SEQPAR_CHECK(r.unmatched().empty(), "unexpected argument '", r.unmatched().front(),

@@ -21,8 +21,8 @@ struct WorldPlace {
 WorldPlace mpi_world_place();
 
 // Parses argv with `spec`. Returns std::nullopt after printing the help of `help_groups` (all groups when empty)
-// on world rank 0 for --help. Throws Error (same text on every rank) for a malformed command line or a stray
-// positional argument.
+// on world rank 0 for --help, or "<program> (seqpar) <version>" for --version (when `spec` defines it). Throws Error
+// (same text on every rank) for a malformed command line or a stray positional argument.
 std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, int argc, char** argv, int world_rank,
                                                        const std::vector<std::string>& help_groups = {});
 

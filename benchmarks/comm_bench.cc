@@ -28,6 +28,7 @@
 #include "runtime/sp_grid.h"
 #include "runtime/tensor.h"
 #include "runtime/tensor_ops.h"
+#include "runtime/version.h"
 
 namespace seqpar::bench {
 namespace {
@@ -85,7 +86,8 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
     ("ops", "comma list: sendrecv,alltoall,allgather,reducescatter", cxxopts::value<std::string>()->default_value("sendrecv,alltoall,allgather,reducescatter"))
     ("groups", "comma list: ulysses,ring,sp", cxxopts::value<std::string>()->default_value("ulysses,ring,sp"))
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
-    ("help", "print this help");
+    ("help", "print this help")
+    ("version", "print the version and exit");
   // clang-format on
   const std::optional<cxxopts::ParseResult> parsed = parse_command_line(spec, argc, argv, world_rank);
   if (!parsed) return std::nullopt;
@@ -247,7 +249,7 @@ int comm_bench_main(int argc, char** argv) {
   const std::size_t esize = dtype_size(o.dtype);
 
   if (world_rank == 0) {
-    std::printf("# seqpar comm_bench %s\n", SEQPAR_VERSION);
+    std::printf("# seqpar comm_bench %s\n", version());
     std::printf(
         "# backend %s, world %d, grid %s, dtype %s, warmup %d, iters %d (mean per iteration, max over "
         "ranks)\n",
@@ -311,7 +313,7 @@ int comm_bench_main(int argc, char** argv) {
   if (world_rank == 0) {
     std::printf("# wrong elements in total: %lld\n", static_cast<long long>(total_wrong));
     if (!o.json_path.empty()) {
-      nlohmann::json j = {{"version", SEQPAR_VERSION},
+      nlohmann::json j = {{"version", version()},
                           {"backend", world->backend_name()},
                           {"world_size", world_size},
                           {"grid",

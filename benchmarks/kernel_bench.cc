@@ -38,6 +38,7 @@
 #include "attention/mha.h"
 #include "runtime/error.h"
 #include "runtime/tensor.h"
+#include "runtime/version.h"
 
 extern "C" {
 // OpenBLAS extensions (declared in its cblas.h for most builds; repeated here for the others).
@@ -148,10 +149,15 @@ int run(int argc, char** argv) {
       "square", "size n of the square SGEMM reference (0: skip)",
       cxxopts::value<std::int64_t>()->default_value("2048"))("no-backward", "forward only")(
       "quick", "S = 1024 only, min-time 0.2 s")("json", "also write the results as JSON to this file",
-                                                cxxopts::value<std::string>())("h,help", "this help");
+                                                cxxopts::value<std::string>())("h,help", "this help")(
+      "version", "print the version and exit");
   const auto args = opts.parse(argc, argv);
   if (args.count("help")) {
     std::cout << opts.help() << "\n";
+    return 0;
+  }
+  if (args.count("version")) {
+    std::printf("kernel_bench (seqpar) %s\n", seqpar::version());
     return 0;
   }
   std::vector<std::int64_t> seqs = args["seq"].as<std::vector<std::int64_t>>();
@@ -180,6 +186,7 @@ int run(int argc, char** argv) {
 #endif
   openblas_set_num_threads(threads);
 
+  std::printf("# seqpar kernel_bench %s\n", seqpar::version());
   std::printf("# kernel_bench: MHA / GQA on CPU, fp32, B=%lld Hq=%lld Hkv=%lld, threads=%d\n",
               static_cast<long long>(B), static_cast<long long>(Hq), static_cast<long long>(Hkv), threads);
   std::printf("# OpenBLAS: %s (core %s)\n", openblas_get_config(), openblas_get_corename());
@@ -282,6 +289,7 @@ int run(int argc, char** argv) {
     std::ofstream f(args["json"].as<std::string>());
     SEQPAR_CHECK(f.good(), "cannot write --json file ", args["json"].as<std::string>());
     f << nlohmann::json{{"benchmark", "kernel_bench"},
+                        {"version", seqpar::version()},
                         {"openblas", openblas_get_config()},
                         {"openblas_core", openblas_get_corename()},
                         {"results", results}}

@@ -91,7 +91,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("inputs", "read the full inputs from DIR/<name>.npy (fp32 or fp64, C order)", cxxopts::value<std::string>())
     ("dump", "write the full outputs and gradients to DIR/<name>.npy (rank 0)", cxxopts::value<std::string>())
     ("quiet", "no progress lines")
-    ("help", "print this help");
+    ("help", "print this help")
+    ("version", "print the version and exit");
   // Test hooks, not in --help (see SpBenchOptions).
   spec.add_options("test")
     ("test-corrupt", "", cxxopts::value<std::string>())

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "runtime/memory.h"
+#include "runtime/version.h"
 
 namespace seqpar::bench {
 namespace {
@@ -21,7 +22,7 @@ double tflops_total(const PhaseResult& p) { return p.flops / (p.time_ms * 1e-3) 
 bool has_rounds(const RunReport& r) { return r.phases.front().message_rounds >= 0; }
 
 void print_header(const SpBenchOptions& o, const RunReport& r) {
-  std::printf("# seqpar sp_bench %s\n", SEQPAR_VERSION);
+  std::printf("# seqpar sp_bench %s\n", version());
   std::printf("# backend %s, world %d, grid %s, threads/rank %d\n", r.backend, r.world_size, r.grid.c_str(), o.threads);
   std::printf("# attn %s%s, layout %s, impl %s, dtype %s\n", o.attn.c_str(),
               o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout),
@@ -154,7 +155,7 @@ void print_report(const SpBenchOptions& o, const RunReport& r) {
 
 nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   nlohmann::json j;
-  j["version"] = SEQPAR_VERSION;
+  j["version"] = version();
   j["backend"] = r.backend;
   j["world_size"] = r.world_size;
   j["grid"] = {{"dp_size", o.grid.dp_size},

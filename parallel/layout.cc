@@ -85,6 +85,36 @@ void unshard_sequence_bhs(const TensorView& local, const Positions& pos, const T
   scatter_rows(local, 2, pos, full, stream);
 }
 
+namespace {
+
+void check_gather(const Communicator& comm, const SequenceLayout& layout, int seq_dim, const char* what) {
+  SEQPAR_CHECK(comm.size() == layout.num_ranks(), what, ": communicator size ", comm.size(), " != layout ranks ",
+               layout.num_ranks());
+  SEQPAR_CHECK(seq_dim == 1 || seq_dim == 2, what, ": seq_dim ", seq_dim, " must be 1 or 2");
+}
+
+// The pieces of every SP rank, [n, local shape] in rank order, written to their positions in `full`.
+void unshard_pieces(const SequenceLayout& layout, const TensorView& all, const Shape& local_shape,
+                    const TensorView& full, int seq_dim, Stream stream) {
+  for (int r = 0; r < layout.num_ranks(); ++r) {
+    const TensorView piece = all.slice0(r, r + 1).reshape(local_shape);
+    if (seq_dim == 1) {
+      unshard_sequence(piece, layout.positions(r), full, stream);
+    } else {
+      unshard_sequence_bhs(piece, layout.positions(r), full, stream);
+    }
+  }
+}
+
+// [n, shape...]: one slot per rank of an n-rank exchange.
+Shape per_rank_shape(int n, const Shape& shape) {
+  Shape s = shape;
+  s.insert(s.begin(), n);
+  return s;
+}
+
+}  // namespace
+
 void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
                       int root, Stream stream) {
   SEQPAR_CHECK(comm.size() == layout.num_ranks(), "scatter_sequence: communicator size ", comm.size(),
@@ -96,9 +126,7 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
   std::vector<std::int64_t> send_counts(n, 0), recv_counts(n, 0);
   recv_counts[root] = local.numel();
   if (comm.rank() == root) {
-    Shape s = local.shape();
-    s.insert(s.begin(), n);
-    packed = alloc.empty(s, local.dtype(), MemCategory::kCommBuffer);
+    packed = alloc.empty(per_rank_shape(n, local.shape()), local.dtype(), MemCategory::kCommBuffer);
     for (int r = 0; r < n; ++r) {
       shard_sequence(full, layout.positions(r), packed.view().slice0(r, r + 1).reshape(local.shape()), stream);
       send_counts[r] = local.numel();
@@ -111,23 +139,33 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
 
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
                      int seq_dim, Stream stream) {
-  SEQPAR_CHECK(comm.size() == layout.num_ranks(), "gather_sequence: communicator size ", comm.size(),
-               " != layout ranks ", layout.num_ranks());
-  SEQPAR_CHECK(seq_dim == 1 || seq_dim == 2, "gather_sequence: seq_dim ", seq_dim, " must be 1 or 2");
+  check_gather(comm, layout, seq_dim, "gather_sequence");
   const DeviceAlloc alloc{common_device({local, full}, "gather_sequence"), stream};
-  const int n = comm.size();
-  Shape s = local.shape();
-  s.insert(s.begin(), n);
-  Tensor all = alloc.empty(s, local.dtype(), MemCategory::kCommBuffer);
+  Tensor all = alloc.empty(per_rank_shape(comm.size(), local.shape()), local.dtype(), MemCategory::kCommBuffer);
   comm.all_gather(local, all.view())->wait();
-  for (int r = 0; r < n; ++r) {
-    const TensorView piece = all.view().slice0(r, r + 1).reshape(local.shape());
-    if (seq_dim == 1) {
-      unshard_sequence(piece, layout.positions(r), full, stream);
-    } else {
-      unshard_sequence_bhs(piece, layout.positions(r), full, stream);
-    }
+  unshard_pieces(layout, all.view(), local.shape(), full, seq_dim, stream);
+}
+
+void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
+                             const TensorView& full, int root, int seq_dim, Stream stream) {
+  check_gather(comm, layout, seq_dim, "gather_sequence_to_root");
+  SEQPAR_CHECK(root >= 0 && root < comm.size(), "gather_sequence_to_root: root ", root, " outside the communicator of ",
+               comm.size(), " ranks");
+  const bool is_root = comm.rank() == root;
+  const DeviceAlloc alloc{common_device({local, is_root ? full : TensorView{}}, "gather_sequence_to_root"), stream};
+  // The mirror of scatter_sequence: an all_to_all_v in which every rank sends only to root.
+  const int n = comm.size();
+  std::vector<std::int64_t> send_counts(n, 0), recv_counts(n, 0);
+  send_counts[root] = local.numel();
+  Tensor all;
+  if (is_root) {
+    all = alloc.empty(per_rank_shape(n, local.shape()), local.dtype(), MemCategory::kCommBuffer);
+    recv_counts.assign(n, local.numel());
+  } else {
+    all = alloc.empty({0}, local.dtype(), MemCategory::kCommBuffer);
   }
+  comm.all_to_all_v(local, send_counts, all.view(), recv_counts)->wait();
+  if (is_root) unshard_pieces(layout, all.view(), local.shape(), full, seq_dim, stream);
 }
 
 CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer)

@@ -77,6 +77,14 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
 // seq_dim = 1 for [B, S, ...] tensors, 2 for [B, H, S] (lse).
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
                      int seq_dim = 1, Stream stream = Stream::cpu());
+// Collective: every rank's local piece is gathered into the full tensor on `root` only (the inverse of
+// scatter_sequence; the other ranks send their piece and receive nothing). `full` is written on root only: the
+// other ranks may pass an empty view. Root receives every piece in one buffer of S/local_len times the local
+// bytes (ledger category comm_buffer); the others allocate nothing. seq_dim as for gather_sequence.
+// Errors: communicator size != layout ranks, seq_dim not 1 or 2, root outside the communicator (on every rank,
+// before any message); then the shape and dtype errors of the copies on root.
+void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
+                             const TensorView& full, int root = 0, int seq_dim = 1, Stream stream = Stream::cpu());
 
 // The accessors every CP layer that owns its layout shares (DSA, GDN): this rank's positions, the counters and the
 // unique id its contexts carry. Built by the layer's constructor after check_layout_matches.

@@ -100,6 +100,38 @@ TEST(Layout, ScatterGatherRoundTripIsIdentity) {
   }
 }
 
+// Gathering to one root gives root the full tensor (the one scattered, checked element by element) and leaves the
+// other ranks' `full` untouched; also for [B, H, S] tensors (seq_dim 2) and a root other than 0.
+TEST(Layout, GatherToRootRebuildsTheFullTensorOnRootOnly) {
+  const int n = world().size();
+  const int root = n - 1;
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+    const SequenceLayout layout(kind, 2 * n * 3, n, 1);
+    for (int seq_dim : {1, 2}) {
+      const Shape full_shape = seq_dim == 1 ? Shape{2, layout.seq_len(), 3} : Shape{2, 3, layout.seq_len()};
+      const Shape local_shape = seq_dim == 1 ? Shape{2, layout.local_len(), 3} : Shape{2, 3, layout.local_len()};
+      Tensor full = test::random_tensor(full_shape, DType::kFloat32, 11);
+      Tensor local = Tensor::empty(local_shape, DType::kFloat32, MemCategory::kWorkspace);
+      if (seq_dim == 1) {
+        shard_sequence(full.view(), layout.positions(world().rank()), local.view());
+      } else {
+        shard_sequence_bhs(full.view(), layout.positions(world().rank()), local.view());
+      }
+      Tensor back = Tensor::zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
+      gather_sequence_to_root(world(), layout, local.view(), back.view(), root, seq_dim);
+      const std::vector<double> expect =
+          world().rank() == root ? test::to_double(full) : std::vector<double>(full.numel(), 0.0);
+      EXPECT_EQ(test::to_double(back), expect) << layout_name(kind) << " seq_dim " << seq_dim;
+    }
+  }
+  // Non-root ranks may pass an empty `full`; a root outside the communicator fails on every rank.
+  const SequenceLayout layout(LayoutKind::kZigzag, 2 * n, n, 1);
+  Tensor local = Tensor::zeros({1, layout.local_len()}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor full = Tensor::zeros({1, layout.seq_len()}, DType::kFloat32, MemCategory::kWorkspace);
+  gather_sequence_to_root(world(), layout, local.view(), world().rank() == 0 ? full.view() : TensorView{});
+  EXPECT_THROW(gather_sequence_to_root(world(), layout, local.view(), full.view(), n), Error);
+}
+
 TEST(Rope, MatchesClosedFormAndFollowsLayoutPositions) {
   const std::int64_t B = 2, S = 48, H = 3, D = 16;
   Tensor x = test::random_tensor({B, S, H, D}, DType::kFloat64, 3);

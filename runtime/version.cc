@@ -1,0 +1,7 @@
+#include "runtime/version.h"
+
+namespace seqpar {
+
+const char* version() { return SEQPAR_VERSION_STRING; }
+
+}  // namespace seqpar
