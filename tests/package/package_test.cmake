@@ -1,6 +1,6 @@
 # The package tests (ctest label `package`), one STEP per ctest: cmake -DSTEP=<step> -D... -P package_test.cmake
 #   install         cmake --install of the build tree into WORK_DIR/prefix; checks the installed files, the version
-#                   file's answers and the installed benchmarks' --version
+#                   file's answers, the installed benchmarks' --version, first line and JSON "version"
 #   headers         every installed header compiles on its own with pkg-config's flags (no internal header missing)
 #   find_package    examples/ as an outside project with find_package(seqpar 0.2 REQUIRED): configure, build, run
 #   pkg_config      the example compiled with the compiler alone and `pkg-config --cflags --libs seqpar`, run
@@ -121,6 +121,22 @@ if(STEP STREQUAL "install")
     run("${bench} --version" ${MPIEXEC} ${NP_FLAG} 1 ${prefix}/bin/${bench} --version)
     if(NOT run_output STREQUAL "${bench} (seqpar) ${VERSION}\n")
       message(FATAL_ERROR "${bench} --version printed '${run_output}', expected '${bench} (seqpar) ${VERSION}'")
+    endif()
+  endforeach()
+  # The installed sp_bench and comm_bench run, print the version first and write it into their JSON.
+  set(sp_bench_args --seq 384 --heads 4 --kv-heads 2 --head-dim 32 --warmup 0 --iters 1 --quiet)
+  set(comm_bench_args --min-bytes 1K --max-bytes 1K --warmup 0 --iters 1 --ops sendrecv)
+  foreach(bench sp_bench comm_bench)
+    set(json ${WORK_DIR}/${bench}.json)
+    file(REMOVE ${json})
+    run("${bench}" ${MPIEXEC} ${NP_FLAG} 1 ${prefix}/bin/${bench} ${${bench}_args} --json ${json})
+    if(NOT run_output MATCHES "^# seqpar ${bench} ${VERSION}\n")
+      message(FATAL_ERROR "${bench}'s first line is not '# seqpar ${bench} ${VERSION}':\n${run_output}")
+    endif()
+    file(READ ${json} text)
+    string(JSON json_version GET "${text}" version)
+    if(NOT json_version STREQUAL VERSION)
+      message(FATAL_ERROR "${bench} --json wrote version '${json_version}', expected ${VERSION}")
     endif()
   endforeach()
 elseif(STEP STREQUAL "headers")
