@@ -1,7 +1,7 @@
 # The package tests (ctest label `package`), one STEP per ctest: cmake -DSTEP=<step> -D... -P package_test.cmake
 #   install         cmake --install of the build tree into WORK_DIR/prefix; checks the installed files, the version
 #                   file's answers, the installed benchmarks' --version, first line and JSON "version"
-#   headers         every installed header compiles on its own with pkg-config's flags (no internal header missing)
+#   headers         every installed header compiles on its own (no internal header missing), with the package's flags
 #   find_package    examples/ as an outside project with find_package(seqpar 0.2 REQUIRED): configure, build, run
 #   pkg_config      the example compiled with the compiler alone and `pkg-config --cflags --libs seqpar`, run
 #   add_subdirectory examples/ as an outside project that includes the source tree (CUDA, tests, benchmarks off),
@@ -140,16 +140,46 @@ if(STEP STREQUAL "install")
     endif()
   endforeach()
 elseif(STEP STREQUAL "headers")
-  pkg_config_flags(cflags --cflags)
+  # One translation unit per header (included twice), compiled as an outside project against the package: 2 jobs,
+  # and ccache serves the later runs. A TU is rewritten only when its text changes.
   file(GLOB_RECURSE headers RELATIVE ${prefix}/include/seqpar ${prefix}/include/seqpar/*.h)
   list(LENGTH headers n)
   if(n LESS 20)
     message(FATAL_ERROR "only ${n} headers installed under ${prefix}/include/seqpar")
   endif()
+  set(dir ${WORK_DIR}/headers)
+  file(GLOB stale ${dir}/src/*.cc)
   foreach(h ${headers})
-    file(WRITE ${WORK_DIR}/headers/tu.cc "#include \"${h}\"\n#include \"${h}\"\n")
-    run("${h} alone" ${CXX} -std=c++20 -fsyntax-only ${cflags} ${WORK_DIR}/headers/tu.cc)
+    string(MAKE_C_IDENTIFIER "${h}" id)
+    set(tu ${dir}/src/${id}.cc)
+    list(REMOVE_ITEM stale ${tu})
+    set(text "#include \"${h}\"\n#include \"${h}\"\n")
+    set(old "")
+    if(EXISTS ${tu})
+      file(READ ${tu} old)
+    endif()
+    if(NOT old STREQUAL text)
+      file(WRITE ${tu} "${text}")
+    endif()
   endforeach()
+  if(stale)
+    file(REMOVE ${stale})
+  endif()
+  file(WRITE ${dir}/src/CMakeLists.txt [=[
+cmake_minimum_required(VERSION 3.24)
+project(seqpar_headers LANGUAGES CXX)
+find_package(seqpar 0.2 REQUIRED)
+file(GLOB tus CONFIGURE_DEPENDS *.cc)
+add_library(headers OBJECT ${tus})
+target_link_libraries(headers PRIVATE seqpar::parallel)
+]=])
+  set(launcher "")
+  if(LAUNCHER)
+    set(launcher "-DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER}")
+  endif()
+  run("configure" ${CMAKE_COMMAND} -S ${dir}/src -B ${dir}/build -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
+      ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
+  run("compile every header alone" ${CMAKE_COMMAND} --build ${dir}/build -j 2)
   message("${n} installed headers compile on their own (and twice in one file)")
 elseif(STEP STREQUAL "find_package")
   build_and_run_examples(${WORK_DIR}/find_package -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
