@@ -1,7 +1,7 @@
 // sp_bench's GDN (gated delta rule) workload: chain or scan over the ring group, Ulysses all-to-all over heads,
-// through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, H, K], v [B, S, H, V], g beta [B, S, H],
-// initial_state [B, H, K, V], dout [B, S, H, V] (K = V = --head-dim); outputs out, final_state, dq, dk, dv, dg, dbeta,
-// dinitial_state. The reference is one attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64
+// through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, Hk, K], v [B, S, Hv, V], g beta [B, S, Hv],
+// initial_state [B, Hv, K, V], dout [B, S, Hv, V] (Hv = --heads value heads, Hk = --kv-heads key heads, K =
+// --head-dim, V = --dim-v); outputs out, final_state, dq, dk, dv, dg, dbeta, dinitial_state. The reference is one attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64
 // reference of --check (sp_bench_check.h) is the token-by-token attn::reference::gdn_forward / gdn_backward.
 #include <algorithm>
 #include <nlohmann/json.hpp>
@@ -22,6 +22,19 @@ enum : std::uint64_t { kIdQ = 11, kIdK = 12, kIdV = 13, kIdG = 14, kIdBeta = 15,
 
 std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o);
 
+// The GDN tensor shapes of the options: Hv = --heads value heads, Hk = --kv-heads key heads, K = --head-dim,
+// V = --dim-v.
+struct GdnShapes {
+  std::int64_t B, S, Hv, Hk, K, V;
+  Shape qk(std::int64_t s) const { return {B, s, Hk, K}; }
+  Shape v(std::int64_t s) const { return {B, s, Hv, V}; }
+  Shape gate(std::int64_t s) const { return {B, s, Hv}; }
+  Shape state() const { return {B, Hv, K, V}; }
+};
+GdnShapes gdn_shapes(const SpBenchOptions& o) {
+  return {o.batch, o.seq, o.heads, o.kv_heads, o.head_dim, o.dim_v};
+}
+
 class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
  public:
   GdnWorkload(const SpBenchOptions& o, const SpGrid& grid)
@@ -37,9 +50,10 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     return {"out", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
   }
 
-  // Model FLOPs of the chunked algorithm (README): per token and head 6 C K + 4 C V + 6 K V forward.
+  // Model FLOPs of the chunked algorithm (README): per token and value head 6 C K + 4 C V + 6 K V forward.
   double forward_flops() const override {
-    const double c = static_cast<double>(std::min(o_.chunk_size, o_.seq)), k = static_cast<double>(o_.head_dim), v = k;
+    const double c = static_cast<double>(std::min(o_.chunk_size, o_.seq)), k = static_cast<double>(o_.head_dim),
+                 v = static_cast<double>(o_.dim_v);
     return static_cast<double>(o_.batch * o_.seq * o_.heads) * (6 * c * k + 4 * c * v + 6 * k * v);
   }
   double backward_flops() const override { return 2.5 * forward_flops(); }
@@ -56,19 +70,19 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     const std::int64_t local = gdn_->layout().local_len();
     const std::vector<std::int64_t>& pos = gdn_->positions();
     const DType t = o_.dtype;
-    in_ = local_tensors(t, {qk_shape(local), qk_shape(local), qk_shape(local), gate_shape(local), gate_shape(local)});
+    in_ = local_tensors(t, {qk_shape(local), qk_shape(local), v_shape(local), gate_shape(local), gate_shape(local)});
     in_.push_back(Tensor::empty(state_shape(), state_dtype_, MemCategory::kModelState));  // initial_state
-    in_.push_back(Tensor::empty(qk_shape(local), t, MemCategory::kWorkspace));            // dout
+    in_.push_back(Tensor::empty(v_shape(local), t, MemCategory::kWorkspace));             // dout
     fill(full, pos, views_of(in_));
   }
 
   NamedArrays gather_outputs() override {
     NamedArrays r;
-    r.emplace_back("out", gather(out_.out, qk_shape(o_.seq)));
+    r.emplace_back("out", gather(out_.out, v_shape(o_.seq)));
     r.emplace_back("final_state", copy(out_.final_state));
     r.emplace_back("dq", gather(grads_.dq, qk_shape(o_.seq)));
     r.emplace_back("dk", gather(grads_.dk, qk_shape(o_.seq)));
-    r.emplace_back("dv", gather(grads_.dv, qk_shape(o_.seq)));
+    r.emplace_back("dv", gather(grads_.dv, v_shape(o_.seq)));
     r.emplace_back("dg", gather(grads_.dg, gate_shape(o_.seq)));
     r.emplace_back("dbeta", gather(grads_.dbeta, gate_shape(o_.seq)));
     r.emplace_back("dinitial_state", copy(grads_.dinitial_state));
@@ -96,7 +110,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   // attn::reference: the token-by-token recurrence in fp64, keeping every state S_t for the backward.
   Fp64ReferenceCost fp64_reference_cost() const override {
     const double states = static_cast<double>(o_.batch * o_.heads) * static_cast<double>(o_.seq + 1) *
-                          static_cast<double>(o_.head_dim * o_.head_dim);
+                          static_cast<double>(o_.head_dim * o_.dim_v);
     double elems = 0;
     for (const auto& [name, a] : ref_in_) elems += 2.0 * static_cast<double>(a.numel());
     return {8.0 * (elems + 2.0 * states), 30.0 * states};
@@ -144,9 +158,10 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   }
 
  private:
-  Shape qk_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
-  Shape gate_shape(std::int64_t s) const { return {o_.batch, s, o_.heads}; }
-  Shape state_shape() const { return {o_.batch, o_.heads, o_.head_dim, o_.head_dim}; }
+  Shape qk_shape(std::int64_t s) const { return gdn_shapes(o_).qk(s); }
+  Shape v_shape(std::int64_t s) const { return gdn_shapes(o_).v(s); }
+  Shape gate_shape(std::int64_t s) const { return gdn_shapes(o_).gate(s); }
+  Shape state_shape() const { return gdn_shapes(o_).state(); }
 
   // Fills q, k, v, g, beta, initial_state, dout (in that order) at `positions` (initial_state is not sharded).
   void fill(const NamedArrays* full, const std::vector<std::int64_t>& positions,
@@ -177,9 +192,9 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   // out, final_state, then the gradients, as gather_outputs() orders them.
   std::vector<ArraySpec> output_specs(DType dtype, DType state_dtype) const {
-    return {{"out", dtype, qk_shape(o_.seq)},     {"final_state", state_dtype, state_shape()},
+    return {{"out", dtype, v_shape(o_.seq)},      {"final_state", state_dtype, state_shape()},
             {"dq", dtype, qk_shape(o_.seq)},      {"dk", dtype, qk_shape(o_.seq)},
-            {"dv", dtype, qk_shape(o_.seq)},      {"dg", dtype, gate_shape(o_.seq)},
+            {"dv", dtype, v_shape(o_.seq)},       {"dg", dtype, gate_shape(o_.seq)},
             {"dbeta", dtype, gate_shape(o_.seq)}, {"dinitial_state", state_dtype, state_shape()}};
   }
 
@@ -231,33 +246,43 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 };
 
 std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
-  const Shape qk{o.batch, o.seq, o.heads, o.head_dim}, gate{o.batch, o.seq, o.heads},
-      state{o.batch, o.heads, o.head_dim, o.head_dim};
-  return {{"q", qk}, {"k", qk}, {"v", qk}, {"g", gate}, {"beta", gate}, {"initial_state", state}, {"dout", qk}};
+  const GdnShapes d = gdn_shapes(o);
+  return {{"q", d.qk(d.S)},         {"k", d.qk(d.S)},    {"v", d.v(d.S)},
+          {"g", d.gate(d.S)},       {"beta", d.gate(d.S)}, {"initial_state", d.state()},
+          {"dout", d.v(d.S)}};
 }
 
 SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   WorkloadKind k;
   k.name = "gdn";
-  k.description = "gated delta rule (chain or scan over the ring, Ulysses over heads)";
-  k.presets = {{"qwen3-next", 32, 32, 128, 0, 64, 0, 0, 0,
-                "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"}};
-  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size"};
+  k.description = "gated delta rule (chain or scan over the ring, Ulysses over value heads)";
+  k.presets = {{"qwen3-next", 32, 16, 128, 0, 64, 128, 0, 0,
+                "GDN: 32 value heads on 16 key heads (each q, k head serves two value heads), K = V = 128, chunk 64, "
+                "causal"}};
+  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "dim-v"};
   k.input_specs = gdn_input_specs;
   k.validate = [](SpBenchOptions& o) {
-    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
-                 o.grid.ulysses_size);
+    if (o.dim_v == 0) o.dim_v = o.head_dim;
+    SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
+    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " (GDN value heads) must be a multiple of --kv-heads ",
+                 o.kv_heads, " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
+    const int pu = o.grid.ulysses_size;
+    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " (GDN value heads) must be divisible by --ulysses-size ", pu);
+    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
+                 " (GDN key heads) must be divisible by --ulysses-size ", pu,
+                 " or divide it (then each key head is replicated)");
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous or ",
                  "zigzag)");
     SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
   };
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["chunk_size"] = o.chunk_size;
+    j["shape"]["dim_v"] = o.dim_v;
     j["gdn_mode"] = o.gdn_mode;
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
-    return str_cat("B=", o.batch, " S=", o.seq, " H=", o.heads, " K=V=", o.head_dim, " chunk=", o.chunk_size,
-                   " mode=", o.gdn_mode, " (causal recurrence)");
+    return str_cat("B=", o.batch, " S=", o.seq, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
+                   " V=", o.dim_v, " chunk=", o.chunk_size, " mode=", o.gdn_mode, " (causal recurrence)");
   };
   return k;
 }
