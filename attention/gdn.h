@@ -103,9 +103,9 @@ struct GdnBackwardArgs {
 // Gradients of sum(dout * out) + sum(dfinal_state * final_state) with respect to the raw (un-normalised) q and k,
 // v, g, beta and initial_state; the L2 normalisation and the scale are differentiated through. dq, dk [B, S, Hk, K]
 // (summed over the value heads of each key head), dv [B, S, Hv, V], dg, dbeta [B, S, Hv], dinitial_state
-// [B, Hv, K, V]. Every output is overwritten. dq, dk, dv, dg, dbeta: any floating dtype; dinitial_state: state dtype. Any output
-// may be an empty view to skip it; when dq, dk, dv, dg and dbeta are all empty only the reverse dS sweep runs
-// (no forward sweep for the chunk start states, no gradient of v, k, q, g, beta: about the cost of one forward, a
+// [B, Hv, K, V]. Every output is overwritten. dq, dk, dv, dg, dbeta: any floating dtype; dinitial_state: state dtype.
+// Any output may be an empty view to skip it; when dq, dk, dv, dg and dbeta are all empty only the reverse dS sweep
+// runs (no forward sweep for the chunk start states, no gradient of v, k, q, g, beta: about the cost of one forward, a
 // quarter of the full backward), which is what a scan-mode caller needs for the local part of dS_start. dinitial_state
 // does not depend on v or initial_state.
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,

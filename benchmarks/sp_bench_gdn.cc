@@ -1,8 +1,9 @@
 // sp_bench's GDN (gated delta rule) workload: chain or scan over the ring group, Ulysses all-to-all over heads,
 // through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, Hk, K], v [B, S, Hv, V], g beta [B, S, Hv],
 // initial_state [B, Hv, K, V], dout [B, S, Hv, V] (Hv = --heads value heads, Hk = --kv-heads key heads, K =
-// --head-dim, V = --dim-v); outputs out, final_state, dq, dk, dv, dg, dbeta, dinitial_state. The reference is one attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64
-// reference of --check (sp_bench_check.h) is the token-by-token attn::reference::gdn_forward / gdn_backward.
+// --head-dim, V = --dim-v); outputs out, final_state, dq, dk, dv, dg, dbeta, dinitial_state. The reference is one
+// attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64 reference of --check (sp_bench_check.h) is
+// the token-by-token attn::reference::gdn_forward / gdn_backward.
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -31,9 +32,7 @@ struct GdnShapes {
   Shape gate(std::int64_t s) const { return {B, s, Hv}; }
   Shape state() const { return {B, Hv, K, V}; }
 };
-GdnShapes gdn_shapes(const SpBenchOptions& o) {
-  return {o.batch, o.seq, o.heads, o.kv_heads, o.head_dim, o.dim_v};
-}
+GdnShapes gdn_shapes(const SpBenchOptions& o) { return {o.batch, o.seq, o.heads, o.kv_heads, o.head_dim, o.dim_v}; }
 
 class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
  public:
@@ -247,8 +246,8 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
 std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
   const GdnShapes d = gdn_shapes(o);
-  return {{"q", d.qk(d.S)},         {"k", d.qk(d.S)},    {"v", d.v(d.S)},
-          {"g", d.gate(d.S)},       {"beta", d.gate(d.S)}, {"initial_state", d.state()},
+  return {{"q", d.qk(d.S)},   {"k", d.qk(d.S)},      {"v", d.v(d.S)},
+          {"g", d.gate(d.S)}, {"beta", d.gate(d.S)}, {"initial_state", d.state()},
           {"dout", d.v(d.S)}};
 }
 
@@ -281,8 +280,8 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
     j["gdn_mode"] = o.gdn_mode;
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
-    return str_cat("B=", o.batch, " S=", o.seq, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
-                   " V=", o.dim_v, " chunk=", o.chunk_size, " mode=", o.gdn_mode, " (causal recurrence)");
+    return str_cat("B=", o.batch, " S=", o.seq, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim, " V=", o.dim_v,
+                   " chunk=", o.chunk_size, " mode=", o.gdn_mode, " (causal recurrence)");
   };
   return k;
 }

@@ -439,7 +439,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
   // Grouped value heads: each value head's dq, dk contribution goes to [B, S, H, K] in T, summed per key head below.
   const GroupedGrad<T> dq_group(d, dq_out, "GDN dq of every value head"),
       dk_group(d, dk_out, "GDN dk of every value head");
-  const TensorView& dq_dst = dq_group.target(), &dk_dst = dk_group.target();
+  const TensorView &dq_dst = dq_group.target(), &dk_dst = dk_group.target();
   // The start state of every chunk of one (batch, head) lives in the scratch's extra buffer.
   for_each_head<T>(BH, d, true, full ? nc * KV : 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
     T* starts = w.extra;

@@ -128,8 +128,8 @@ Grads run_backward(const Inputs& in, const TensorView& dout, const TensorView& d
 Grads run_reference_backward(const Inputs& in, const TensorView& dout, const TensorView& dfin);
 
 std::string tag_of(const Problem& p, DType dtype) {
-  return std::string(dtype_name(dtype)) + " S=" + std::to_string(p.S) + " C=" + std::to_string(p.chunk) + " Hv=" +
-         std::to_string(p.H) + " Hk=" + std::to_string(p.key_heads()) + (p.l2 ? " l2" : " nol2") +
+  return std::string(dtype_name(dtype)) + " S=" + std::to_string(p.S) + " C=" + std::to_string(p.chunk) +
+         " Hv=" + std::to_string(p.H) + " Hk=" + std::to_string(p.key_heads()) + (p.l2 ? " l2" : " nol2") +
          (p.with_init ? " init" : " noinit");
 }
 
@@ -288,9 +288,9 @@ TEST(GdnReference, GradientsMatchFiniteDifferences) {
         fd[i] = (lp - lm) / (2 * h);
       }
       // Central differences with h = 1e-6 on O(1) values: truncation ~1e-12, cancellation ~1e-10.
-      EXPECT_TRUE(all_close(to_double(*pairs[n].second), fd, 1e-8, 1e-6,
-                            std::string("reference ") + names[n] + (l2 ? " l2" : " nol2") + " Hk=" +
-                                std::to_string(hk)));
+      EXPECT_TRUE(
+          all_close(to_double(*pairs[n].second), fd, 1e-8, 1e-6,
+                    std::string("reference ") + names[n] + (l2 ? " l2" : " nol2") + " Hk=" + std::to_string(hk)));
     }
   }
 }
@@ -445,8 +445,9 @@ TEST_P(GdnGrouped, MatchesRecurrenceAndRepeatedHeads) {
       const double sum_tol = grad_dtype == DType::kFloat64 ? 1e-14 : 1e-6;
       EXPECT_TRUE(all_close(to_double(g.dq), sum_head_groups(rg.dq, G), sum_tol, sum_tol, tag + " dq vs repeated"));
       EXPECT_TRUE(all_close(to_double(g.dk), sum_head_groups(rg.dk, G), sum_tol, sum_tol, tag + " dk vs repeated"));
-      for (const auto& [a, b, name] : {std::tuple{&g.dv, &rg.dv, "dv"}, std::tuple{&g.dg, &rg.dg, "dg"},
-                                       std::tuple{&g.dbeta, &rg.dbeta, "dbeta"}, std::tuple{&g.dinit, &rg.dinit, "dinit"}}) {
+      for (const auto& [a, b, name] :
+           {std::tuple{&g.dv, &rg.dv, "dv"}, std::tuple{&g.dg, &rg.dg, "dg"}, std::tuple{&g.dbeta, &rg.dbeta, "dbeta"},
+            std::tuple{&g.dinit, &rg.dinit, "dinit"}}) {
         EXPECT_EQ(to_double(*a), to_double(*b)) << tag << " " << name << " vs repeated heads";
       }
     }
@@ -479,8 +480,8 @@ TEST(GdnGroupedMisc, RejectsValueHeadsNotAMultipleOfKeyHeads) {
   Grads g = alloc_grads(p, DType::kFloat32, DType::kFloat32);
   GdnBackwardArgs ba{in.args(), TensorView(), TensorView()};
   EXPECT_THROW(gdn_backward(ba, g.dq, g.dk, g.dv, g.dg, g.dbeta, g.dinit), Error);
-  Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat32, kWs), u = Tensor::empty({p.B, p.H, p.K, p.V},
-                                                                                           DType::kFloat32, kWs);
+  Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat32, kWs),
+         u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat32, kWs);
   GdnForwardArgs ta = in.args();
   ta.initial_state = {};
   EXPECT_THROW(gdn_transition(ta, m, u), Error);
@@ -513,10 +514,10 @@ TEST(GdnFp64, LargeInputsWithin1e10) {
     Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, DType::kFloat64, 36, -1e2, 1e2);
     const Grads g = run_backward(in, dout, dfin, DType::kFloat64);
     const Grads w = run_reference_backward(in, dout, dfin);
-    for (const auto& [a, b, name] : {std::tuple{&g.dq, &w.dq, "dq"}, std::tuple{&g.dk, &w.dk, "dk"},
-                                     std::tuple{&g.dv, &w.dv, "dv"}, std::tuple{&g.dg, &w.dg, "dg"},
-                                     std::tuple{&g.dbeta, &w.dbeta, "dbeta"},
-                                     std::tuple{&g.dinit, &w.dinit, "dinitial_state"}}) {
+    for (const auto& [a, b, name] :
+         {std::tuple{&g.dq, &w.dq, "dq"}, std::tuple{&g.dk, &w.dk, "dk"}, std::tuple{&g.dv, &w.dv, "dv"},
+          std::tuple{&g.dg, &w.dg, "dg"}, std::tuple{&g.dbeta, &w.dbeta, "dbeta"},
+          std::tuple{&g.dinit, &w.dinit, "dinitial_state"}}) {
       EXPECT_TRUE(within_rel(*a, *b, 1e-10, tag + " " + name));
     }
   }
