@@ -67,6 +67,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("indexer-heads", "DSA: indexer heads Hi", cxxopts::value<std::int64_t>()->default_value("64"))
     ("indexer-dim", "DSA: indexer head dim Di", cxxopts::value<std::int64_t>()->default_value("128"))
     ("chunk-size", "GDN: chunk length", cxxopts::value<std::int64_t>()->default_value("64"))
+    ("conv-width", "GDN: width W of the short causal depthwise conv (with SiLU) on q, k and v before the "
+                   "recurrence (0: none)", cxxopts::value<std::int64_t>()->default_value("0"))
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("seed", "seed of the random inputs", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("parallel")
@@ -134,6 +136,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     if (preset->dim_v > 0) o.dim_v = preset->dim_v;
     if (preset->indexer_heads > 0) o.indexer_heads = preset->indexer_heads;
     if (preset->indexer_dim > 0) o.indexer_dim = preset->indexer_dim;
+    if (preset->conv_width > 0) o.conv_width = preset->conv_width;
     o.causal = true;
   }
   // Without a preset every flag (or its default) applies; with one, only the flags given explicitly.
@@ -147,6 +150,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (given("dim-v")) o.dim_v = get_checked<std::int64_t>(r, "dim-v");
   if (given("indexer-heads")) o.indexer_heads = get_checked<std::int64_t>(r, "indexer-heads");
   if (given("indexer-dim")) o.indexer_dim = get_checked<std::int64_t>(r, "indexer-dim");
+  if (given("conv-width")) o.conv_width = get_checked<std::int64_t>(r, "conv-width");
 
   o.batch = get_checked<std::int64_t>(r, "batch");
   o.seq = parse_size(get_checked<std::string>(r, "seq"), "seq");
@@ -209,6 +213,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   check_min(o.window, 0, "window");
   check_min(o.topk, 1, "topk");
   check_min(o.chunk_size, 1, "chunk-size");
+  check_min(o.conv_width, 0, "conv-width");
   check_min(o.warmup, 0, "warmup");
   check_min(o.iters, 1, "iters");
   check_min(o.threads, 1, "threads");

@@ -38,6 +38,7 @@ struct SpBenchOptions {
   std::int64_t indexer_heads = 64;  // DSA indexer heads Hi
   std::int64_t indexer_dim = 128;   // DSA indexer head dim Di
   std::int64_t chunk_size = 64;     // GDN
+  std::int64_t conv_width = 0;      // GDN: short conv width W on q, k, v before the recurrence; 0: none
   DType dtype = DType::kFloat32;
 
   int warmup = 2;
