@@ -43,9 +43,10 @@
 // "out of memory: ..." naming the bytes asked for and the ledger's totals by category.
 // Errors: Error naming the tensor and the rule, for any shape / dtype / device mismatch, Hv not a positive multiple of
 // Hk, or chunk_size < 1, raised before any work. Tensors must be host tensors and the stream a CPU stream: a CUDA one
-// fails with "GDN kernels have no CUDA implementation yet". Argument checks on their own: every kernel f below has a
-// check_f with the same parameters that raises exactly the Error f would raise for them, and does no work, so that a
-// context-parallel caller can validate its local shapes before anything is sent and every rank fails together.
+// fails with "GDN kernels have no CUDA implementation yet".
+// Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
+// Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
+// before anything is sent and every rank fails together.
 //
 // Use under context parallelism (parallel/, docs/design.md sections 10.4, 10.5):
 //   chain: gdn_forward with initial_state = received state, send final_state on; backward: gdn_backward with
