@@ -192,6 +192,9 @@ std::vector<GdnCase> gdn_cases() {
     cases.push_back({mode, LayoutKind::kZigzag, 1, true, true, 96, 2, DType::kFloat64, true});
     cases.push_back({mode, LayoutKind::kContiguous, 1, true, false, 96, kH, DType::kFloat64, true});
     if (n % 2 == 0 && n >= 2) cases.push_back({mode, LayoutKind::kZigzag, 2, true, true, 96, 1, DType::kFloat64, true});
+    if (n % 2 == 0 && n >= 4) {
+      cases.push_back({mode, LayoutKind::kContiguous, 2, false, true, 96, 2, DType::kFloat64, true});
+    }
   }
   return cases;
 }
