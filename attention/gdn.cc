@@ -28,9 +28,12 @@ void check_state(const TensorView& t, const cpu::GdnDims& d, DType state_dtype, 
 }
 
 cpu::GdnDims validate_forward_args(const GdnForwardArgs& a) {
-  SEQPAR_CHECK(a.q.ndim() == 4, "gdn: q must be [B, S, H, K], got ", shape_str(a.q.shape()));
-  SEQPAR_CHECK(a.v.ndim() == 4, "gdn: v must be [B, S, H, V], got ", shape_str(a.v.shape()));
-  cpu::GdnDims d{a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), a.v.dim(3)};
+  SEQPAR_CHECK(a.q.ndim() == 4, "gdn: q must be [B, S, Hk, K], got ", shape_str(a.q.shape()));
+  SEQPAR_CHECK(a.v.ndim() == 4, "gdn: v must be [B, S, Hv, V], got ", shape_str(a.v.shape()));
+  cpu::GdnDims d{a.q.dim(0), a.q.dim(1), a.v.dim(2), a.q.dim(2), a.q.dim(3), a.v.dim(3)};
+  SEQPAR_CHECK(d.Hk >= 1 && d.H >= 1 && d.H % d.Hk == 0, "gdn: value heads Hv = ", d.H, " (v ", shape_str(a.v.shape()),
+               ") must be a positive multiple of key heads Hk = ", d.Hk, " (q ", shape_str(a.q.shape()),
+               "): value head h reads key head h / (Hv / Hk)");
   SEQPAR_CHECK(a.chunk_size >= 1, "gdn: chunk_size must be >= 1, got ", a.chunk_size);
   // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
   // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
@@ -38,7 +41,7 @@ cpu::GdnDims validate_forward_args(const GdnForwardArgs& a) {
   d.C = std::min(a.chunk_size, std::max<std::int64_t>(d.S, 1));
   SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
   check_activation(a.q, a.q.shape(), "q");
-  check_activation(a.k, {d.B, d.S, d.H, d.K}, "k");
+  check_activation(a.k, {d.B, d.S, d.Hk, d.K}, "k");
   check_activation(a.v, {d.B, d.S, d.H, d.V}, "v");
   check_activation(a.g, {d.B, d.S, d.H}, "g");
   check_activation(a.beta, {d.B, d.S, d.H}, "beta");
@@ -59,7 +62,7 @@ cpu::GdnDims validate_backward(const GdnBackwardArgs& args, const TensorView& dq
                                const TensorView& dinitial_state) {
   const cpu::GdnDims d = validate_forward_args(args.fwd);
   const DType sd = gdn_state_dtype(args.fwd.q.dtype());
-  const Shape qk{d.B, d.S, d.H, d.K}, vo{d.B, d.S, d.H, d.V}, gb{d.B, d.S, d.H};
+  const Shape qk{d.B, d.S, d.Hk, d.K}, vo{d.B, d.S, d.H, d.V}, gb{d.B, d.S, d.H};
   if (!args.dout.empty()) check_activation(args.dout, vo, "dout");
   if (!args.dfinal_state.empty()) check_state(args.dfinal_state, d, sd, "dfinal_state");
   if (!dq.empty()) check_activation(dq, qk, "dq");

@@ -5,7 +5,12 @@
 // form after Yang et al., "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", NeurIPS 2024;
 // the L2 normalisation x * rsqrt(sum x^2 + eps) as fla-org/flash-linear-attention's l2norm (fla/modules/l2norm), read
 // for the math only).
-// Per batch b and head h, with state S_t in R^{K x V} (S_0 = initial_state, or 0):
+// Heads: q and k have Hk key heads, v, g and beta Hv value heads, Hv a multiple of Hk; value head h reads key head
+// h / (Hv / Hk) (Qwen3-Next's gated delta layer, whose reference repeats q and k with repeat_interleave). The
+// recurrence, its state and its output belong to the value head; dq and dk of a key head are the sums over the
+// Hv / Hk value heads that read it. Hk = Hv is the plain one-to-one case.
+// Per batch b and value head h, with state S_t in R^{K x V} (S_0 = initial_state, or 0) and q_t, k_t of key head
+// h / (Hv / Hk):
 //   q_t <- scale * q_t / sqrt(|q_t|^2 + eps),  k_t <- k_t / sqrt(|k_t|^2 + eps)     (when use_qk_l2norm; eps = 1e-6)
 //   q_t <- scale * q_t                                                              (when not)
 //   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t,   final_state = S_S.
@@ -19,21 +24,26 @@
 // The backward recomputes these per chunk (start states are recomputed in a forward sweep) and runs the chunks in
 // reverse, carrying dS.
 //
-// Layouts (row-major, contiguous, host memory): q, k, dq, dk [B, S, H, K]; v, out, dout, dv [B, S, H, V];
-// g, beta, dg, dbeta [B, S, H]; states and their gradients [B, H, K, V]; transitions M [B, H, K, K], U [B, H, K, V].
+// Layouts (row-major, contiguous, host memory): q, k, dq, dk [B, S, Hk, K]; v, out, dout, dv [B, S, Hv, V];
+// g, beta, dg, dbeta [B, S, Hv]; states and their gradients [B, Hv, K, V]; transitions M [B, Hv, K, K],
+// U [B, Hv, K, V].
 // Dtypes: activations and their gradients may each be any floating dtype (fp32, bf16, fp16, fp64); arithmetic is in
-// fp32, or fp64 when q is fp64. States, state gradients and transitions have the "state dtype": fp32, or fp64 when q
-// is fp64 (docs/design.md section 3: what crosses ranks is fp32 or wider).
-// Threads: OpenMP over (batch, head); every output element is written by one worker in a fixed order, so results
-// are bitwise reproducible for any thread count.
+// fp32, or fp64 when q is fp64 (then every accumulator and scratch buffer is fp64). States, state gradients and
+// transitions have the "state dtype": fp32, or fp64 when q is fp64 (docs/design.md section 3: what crosses ranks is
+// fp32 or wider).
+// Threads: OpenMP over (batch, value head); every output element is written by one worker in a fixed order, so
+// results are bitwise reproducible for any thread count. With Hv > Hk the backward writes each value head's dq and
+// dk contribution to a compute-dtype workspace [B, S, Hv, K] and sums the Hv / Hk contributions of a key head in
+// value-head order afterwards.
 // Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
 // Extra memory: per worker O(chunk_size * (chunk_size + K + V) + K * V) scratch; the backward also keeps the start
-// state of every chunk of one (batch, head): ceil(S / chunk_size) * K * V values. Scratch comes from the memory
+// state of every chunk of one (batch, head): ceil(S / chunk_size) * K * V values, and with Hv > Hk the two
+// [B, S, Hv, K] contribution buffers of dq and dk (only those requested). Scratch comes from the memory
 // ledger (workspace) and is allocated before the parallel region; a failed allocation raises Error
 // "out of memory: ..." naming the bytes asked for and the ledger's totals by category.
-// Errors: Error naming the tensor and the rule, for any shape / dtype / device mismatch or chunk_size < 1, raised
-// before any work. Tensors must be host tensors and the stream a CPU stream: a CUDA one fails with "GDN kernels have
-// no CUDA implementation yet".
+// Errors: Error naming the tensor and the rule, for any shape / dtype / device mismatch, Hv not a positive multiple of
+// Hk, or chunk_size < 1, raised before any work. Tensors must be host tensors and the stream a CPU stream: a CUDA one
+// fails with "GDN kernels have no CUDA implementation yet".
 // Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
 // Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
 // before anything is sent and every rank fails together.
@@ -65,12 +75,12 @@ inline constexpr double kGdnL2NormEps = 1e-6;
 inline constexpr std::int64_t kGdnDefaultChunkSize = 64;
 
 struct GdnForwardArgs {
-  TensorView q;              // [B, S, H, K]
-  TensorView k;              // [B, S, H, K]
-  TensorView v;              // [B, S, H, V]
-  TensorView g;              // [B, S, H] log decay (<= 0)
-  TensorView beta;           // [B, S, H]
-  TensorView initial_state;  // optional [B, H, K, V], state dtype; empty = zeros
+  TensorView q;              // [B, S, Hk, K]
+  TensorView k;              // [B, S, Hk, K]
+  TensorView v;              // [B, S, Hv, V], Hv a multiple of Hk
+  TensorView g;              // [B, S, Hv] log decay (<= 0)
+  TensorView beta;           // [B, S, Hv]
+  TensorView initial_state;  // optional [B, Hv, K, V], state dtype; empty = zeros
   bool use_qk_l2norm = true;
   float scale = 0.0f;  // <= 0: 1 / sqrt(K)
   std::int64_t chunk_size = kGdnDefaultChunkSize;
@@ -79,22 +89,23 @@ struct GdnForwardArgs {
 // The dtype of states and transitions for inputs whose q has `q_dtype`: fp64 for fp64, fp32 otherwise.
 DType gdn_state_dtype(DType q_dtype);
 
-// out [B, S, H, V] (any floating dtype); final_state [B, H, K, V] (state dtype), may be empty to skip it.
-// S = 0 is allowed (final_state = initial_state).
+// out [B, S, Hv, V] (any floating dtype); final_state [B, Hv, K, V] (state dtype), may be empty to skip it.
+// S = 0 is allowed (final_state = initial_state). Errors also when Hv is not a positive multiple of Hk.
 void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
                  Stream stream = Stream::cpu());
 
 struct GdnBackwardArgs {
   GdnForwardArgs fwd;       // the forward's inputs (the same initial_state)
-  TensorView dout;          // [B, S, H, V] any floating dtype; may be empty (= zeros)
-  TensorView dfinal_state;  // optional [B, H, K, V] state dtype; empty = zeros
+  TensorView dout;          // [B, S, Hv, V] any floating dtype; may be empty (= zeros)
+  TensorView dfinal_state;  // optional [B, Hv, K, V] state dtype; empty = zeros
 };
 
 // Gradients of sum(dout * out) + sum(dfinal_state * final_state) with respect to the raw (un-normalised) q and k,
-// v, g, beta and initial_state; the L2 normalisation and the scale are differentiated through.
-// Every output is overwritten. dq, dk, dv, dg, dbeta: any floating dtype; dinitial_state: state dtype. Any output
-// may be an empty view to skip it; when dq, dk, dv, dg and dbeta are all empty only the reverse dS sweep runs
-// (no forward sweep for the chunk start states, no gradient of v, k, q, g, beta: about the cost of one forward, a
+// v, g, beta and initial_state; the L2 normalisation and the scale are differentiated through. dq, dk [B, S, Hk, K]
+// (summed over the value heads of each key head), dv [B, S, Hv, V], dg, dbeta [B, S, Hv], dinitial_state
+// [B, Hv, K, V]. Every output is overwritten. dq, dk, dv, dg, dbeta: any floating dtype; dinitial_state: state dtype.
+// Any output may be an empty view to skip it; when dq, dk, dv, dg and dbeta are all empty only the reverse dS sweep
+// runs (no forward sweep for the chunk start states, no gradient of v, k, q, g, beta: about the cost of one forward, a
 // quarter of the full backward), which is what a scan-mode caller needs for the local part of dS_start. dinitial_state
 // does not depend on v or initial_state.
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
@@ -104,7 +115,7 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const Tenso
 // ---- segment transitions (affine state maps) --------------------------------------------------------------
 
 // The map of the whole segment in `args` from a zero start: final_state = m * S_start + u for every S_start.
-// m [B, H, K, K], u [B, H, K, V], state dtype; args.initial_state must be empty. Same chunking as gdn_forward, so
+// m [B, Hv, K, K], u [B, Hv, K, V], state dtype; args.initial_state must be empty. Same chunking as gdn_forward, so
 // m * S_start + u agrees with gdn_forward's final_state to rounding. Cost: a forward whose state has K + V columns.
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u,
                     Stream stream = Stream::cpu());

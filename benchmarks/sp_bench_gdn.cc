@@ -1,8 +1,14 @@
 // sp_bench's GDN (gated delta rule) workload: chain or scan over the ring group, Ulysses all-to-all over heads,
-// through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, H, K], v [B, S, H, V], g beta [B, S, H],
-// initial_state [B, H, K, V], dout [B, S, H, V] (K = V = --head-dim); outputs out, final_state, dq, dk, dv, dg, dbeta,
-// dinitial_state. The reference is one attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64
-// reference of --check (sp_bench_check.h) is the token-by-token attn::reference::gdn_forward / gdn_backward.
+// through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, Hk, K], v [B, S, Hv, V], g beta [B, S, Hv],
+// initial_state [B, Hv, K, V], dout [B, S, Hv, V] (Hv = --heads value heads, Hk = --kv-heads key heads, K =
+// --head-dim, V = --dim-v); outputs out, final_state, dq, dk, dv, dg, dbeta, dinitial_state. The reference is one
+// attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64 reference of --check (sp_bench_check.h) is
+// the token-by-token attn::reference::gdn_forward / gdn_backward.
+// With --conv-width W > 0 (the qwen3-next preset: 4) the layer first runs the short causal depthwise conv with SiLU
+// over the channels of q, k and v (Qwen3-Next's conv1d over their concatenation; input conv_weight [C, W] with
+// C = 2 Hk K + Hv V, rows in the order q, k, v) through ShortConvContextParallel, and q, k, v are the conv's inputs:
+// dq, dk, dv are their gradients and dconv_weight [C, W] is a further output. The references run the same conv with
+// attn::short_conv_* (attn::reference::short_conv_* in fp64) before the recurrence.
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -18,9 +24,38 @@ namespace seqpar::bench {
 namespace {
 
 // Random-stream ids of the inputs.
-enum : std::uint64_t { kIdQ = 11, kIdK = 12, kIdV = 13, kIdG = 14, kIdBeta = 15, kIdState = 16, kIdDout = 17 };
+enum : std::uint64_t {
+  kIdQ = 11,
+  kIdK = 12,
+  kIdV = 13,
+  kIdG = 14,
+  kIdBeta = 15,
+  kIdState = 16,
+  kIdDout = 17,
+  kIdConvWeight = 18
+};
 
 std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o);
+
+// The GDN tensor shapes of the options: Hv = --heads value heads, Hk = --kv-heads key heads, K = --head-dim,
+// V = --dim-v.
+struct GdnShapes {
+  std::int64_t B, S, Hv, Hk, K, V;
+  Shape qk(std::int64_t s) const { return {B, s, Hk, K}; }
+  Shape v(std::int64_t s) const { return {B, s, Hv, V}; }
+  Shape gate(std::int64_t s) const { return {B, s, Hv}; }
+  Shape state() const { return {B, Hv, K, V}; }
+  // Conv channels of q, k, v (rows of conv_weight, in that order) and their first row.
+  std::int64_t conv_channels(int i) const { return i < 2 ? Hk * K : Hv * V; }
+  std::int64_t conv_row(int i) const { return i == 0 ? 0 : i == 1 ? Hk * K : 2 * Hk * K; }
+  std::int64_t conv_channels_total() const { return 2 * Hk * K + Hv * V; }
+};
+GdnShapes gdn_shapes(const SpBenchOptions& o) { return {o.batch, o.seq, o.heads, o.kv_heads, o.head_dim, o.dim_v}; }
+
+// [B, S, H, D] seen as the conv's [B, S, H D].
+TensorView channels_of(const TensorView& t) { return t.reshape({t.dim(0), t.dim(1), t.dim(2) * t.dim(3)}); }
+
+const char* const kQkv[] = {"q", "k", "v"};
 
 class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
  public:
@@ -29,18 +64,31 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     GdnCpConfig cfg;
     cfg.mode = parse_gdn_cp_mode(o.gdn_mode);
     cfg.chunk_size = o.chunk_size;
-    gdn_ = std::make_unique<GdnContextParallel>(groups_, SequenceLayout::for_groups(groups_, o.seq, o.layout), cfg);
+    const SequenceLayout layout = SequenceLayout::for_groups(groups_, o.seq, o.layout);
+    gdn_ = std::make_unique<GdnContextParallel>(groups_, layout, cfg);
+    if (o.conv_width > 0) conv_ = std::make_unique<ShortConvContextParallel>(groups_, layout);
   }
 
   std::vector<TensorSpec> input_specs() const override { return gdn_input_specs(o_); }
+  void release_outputs() override {
+    CpLayerWorkload::release_outputs();
+    for (ShortConvCpOutput& c : conv_out_) c = ShortConvCpOutput{};
+    dconv_weight_ = Tensor();
+  }
   std::vector<std::string> output_names() const override {
-    return {"out", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+    std::vector<std::string> names;
+    for (const ArraySpec& a : output_specs(o_.dtype, state_dtype_)) names.push_back(a.name);
+    return names;
   }
 
-  // Model FLOPs of the chunked algorithm (README): per token and head 6 C K + 4 C V + 6 K V forward.
+  // Model FLOPs of the chunked algorithm (README): per token and value head 6 C K + 4 C V + 6 K V forward, plus
+  // 2 W per token and conv channel with --conv-width W.
   double forward_flops() const override {
-    const double c = static_cast<double>(std::min(o_.chunk_size, o_.seq)), k = static_cast<double>(o_.head_dim), v = k;
-    return static_cast<double>(o_.batch * o_.seq * o_.heads) * (6 * c * k + 4 * c * v + 6 * k * v);
+    const double c = static_cast<double>(std::min(o_.chunk_size, o_.seq)), k = static_cast<double>(o_.head_dim),
+                 v = static_cast<double>(o_.dim_v);
+    const double conv = 2.0 * static_cast<double>(o_.conv_width * gdn_shapes(o_).conv_channels_total());
+    return static_cast<double>(o_.batch * o_.seq) *
+           (static_cast<double>(o_.heads) * (6 * c * k + 4 * c * v + 6 * k * v) + conv);
   }
   double backward_flops() const override { return 2.5 * forward_flops(); }
 
@@ -56,22 +104,24 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     const std::int64_t local = gdn_->layout().local_len();
     const std::vector<std::int64_t>& pos = gdn_->positions();
     const DType t = o_.dtype;
-    in_ = local_tensors(t, {qk_shape(local), qk_shape(local), qk_shape(local), gate_shape(local), gate_shape(local)});
+    in_ = local_tensors(t, {qk_shape(local), qk_shape(local), v_shape(local), gate_shape(local), gate_shape(local)});
     in_.push_back(Tensor::empty(state_shape(), state_dtype_, MemCategory::kModelState));  // initial_state
-    in_.push_back(Tensor::empty(qk_shape(local), t, MemCategory::kWorkspace));            // dout
+    in_.push_back(Tensor::empty(v_shape(local), t, MemCategory::kWorkspace));             // dout
+    if (conv_) in_.push_back(Tensor::empty(conv_weight_shape(), t, MemCategory::kModelState));
     fill(full, pos, views_of(in_));
   }
 
   NamedArrays gather_outputs() override {
     NamedArrays r;
-    r.emplace_back("out", gather(out_.out, qk_shape(o_.seq)));
+    r.emplace_back("out", gather(out_.out, v_shape(o_.seq)));
     r.emplace_back("final_state", copy(out_.final_state));
     r.emplace_back("dq", gather(grads_.dq, qk_shape(o_.seq)));
     r.emplace_back("dk", gather(grads_.dk, qk_shape(o_.seq)));
-    r.emplace_back("dv", gather(grads_.dv, qk_shape(o_.seq)));
+    r.emplace_back("dv", gather(grads_.dv, v_shape(o_.seq)));
     r.emplace_back("dg", gather(grads_.dg, gate_shape(o_.seq)));
     r.emplace_back("dbeta", gather(grads_.dbeta, gate_shape(o_.seq)));
     r.emplace_back("dinitial_state", copy(grads_.dinitial_state));
+    if (conv_) r.emplace_back("dconv_weight", copy(dconv_weight_));
     return r;
   }
 
@@ -84,19 +134,29 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     fill(full, all_positions(o_.seq), views_of(ref_in_));
     ref_out_ = zero_arrays(output_specs(o_.dtype, state_dtype_));
   }
-  void reference_forward() override { attn::gdn_forward(ref_args(), ref("out"), ref("final_state")); }
+  void reference_forward() override {
+    if (conv_) ref_conv_ = conv_forward(ref_in_, false);
+    attn::gdn_forward(args_of(ref_in_, ref_conv_), ref("out"), ref("final_state"));
+  }
   void reference_backward() override {
     attn::GdnBackwardArgs b;
-    b.fwd = ref_args();
+    b.fwd = args_of(ref_in_, ref_conv_);
     b.dout = find_array(ref_in_, "dout").view();
-    attn::gdn_backward(b, ref("dq"), ref("dk"), ref("dv"), ref("dg"), ref("dbeta"), ref("dinitial_state"));
+    if (!conv_) {
+      attn::gdn_backward(b, ref("dq"), ref("dk"), ref("dv"), ref("dg"), ref("dbeta"), ref("dinitial_state"));
+      return;
+    }
+    const NamedArrays dy = zero_like_qkv(ref_in_);
+    attn::gdn_backward(b, dy[0].second.view(), dy[1].second.view(), dy[2].second.view(), ref("dg"), ref("dbeta"),
+                       ref("dinitial_state"));
+    conv_backward(ref_in_, dy, ref_out_, false);
   }
   NamedArrays reference_outputs() override { return ref_out_; }
 
   // attn::reference: the token-by-token recurrence in fp64, keeping every state S_t for the backward.
   Fp64ReferenceCost fp64_reference_cost() const override {
     const double states = static_cast<double>(o_.batch * o_.heads) * static_cast<double>(o_.seq + 1) *
-                          static_cast<double>(o_.head_dim * o_.head_dim);
+                          static_cast<double>(o_.head_dim * o_.dim_v);
     double elems = 0;
     for (const auto& [name, a] : ref_in_) elems += 2.0 * static_cast<double>(a.numel());
     return {8.0 * (elems + 2.0 * states), 30.0 * states};
@@ -104,12 +164,19 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   NamedArrays fp64_reference_outputs() override {
     const NamedArrays in = widen_to_fp64(ref_in_);
     NamedArrays r = zero_arrays(output_specs(DType::kFloat64, DType::kFloat64));
+    const NamedArrays conv = conv_ ? conv_forward(in, true) : NamedArrays();
     attn::GdnBackwardArgs b;
-    b.fwd = args_of(in);
+    b.fwd = args_of(in, conv);
     b.dout = find_array(in, "dout").view();
     const std::vector<TensorView> v = views_of(r);
     attn::reference::gdn_forward(b.fwd, v[0], v[1]);
-    attn::reference::gdn_backward(b, v[2], v[3], v[4], v[5], v[6], v[7]);
+    if (!conv_) {
+      attn::reference::gdn_backward(b, v[2], v[3], v[4], v[5], v[6], v[7]);
+      return r;
+    }
+    const NamedArrays dy = zero_like_qkv(in);
+    attn::reference::gdn_backward(b, dy[0].second.view(), dy[1].second.view(), dy[2].second.view(), v[5], v[6], v[7]);
+    conv_backward(in, dy, r, true);
     return r;
   }
 
@@ -144,32 +211,91 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   }
 
  private:
-  Shape qk_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
-  Shape gate_shape(std::int64_t s) const { return {o_.batch, s, o_.heads}; }
-  Shape state_shape() const { return {o_.batch, o_.heads, o_.head_dim, o_.head_dim}; }
+  Shape qk_shape(std::int64_t s) const { return gdn_shapes(o_).qk(s); }
+  Shape v_shape(std::int64_t s) const { return gdn_shapes(o_).v(s); }
+  Shape gate_shape(std::int64_t s) const { return gdn_shapes(o_).gate(s); }
+  Shape state_shape() const { return gdn_shapes(o_).state(); }
+  Shape conv_weight_shape() const { return {gdn_shapes(o_).conv_channels_total(), o_.conv_width}; }
+  // Rows of q (0), k (1) or v (2) of a [C, W] conv weight or its gradient.
+  TensorView conv_rows(const TensorView& w, int i) const {
+    const GdnShapes d = gdn_shapes(o_);
+    return w.slice0(d.conv_row(i), d.conv_row(i) + d.conv_channels(i));
+  }
 
-  // Fills q, k, v, g, beta, initial_state, dout (in that order) at `positions` (initial_state is not sharded).
+  // silu(conv(x)) of q, k and v of `in` with their rows of in's conv_weight, by the kernels or (fp64_reference) the
+  // fp64 references; named q, k, v.
+  NamedArrays conv_forward(const NamedArrays& in, bool fp64_reference) const {
+    NamedArrays r = zero_like_qkv(in);
+    for (int i = 0; i < 3; ++i) {
+      attn::ShortConvArgs a;
+      a.x = channels_of(find_array(in, kQkv[i]).view());
+      a.weight = conv_rows(find_array(in, "conv_weight").view(), i);
+      const TensorView y = channels_of(r[i].second.view());
+      if (fp64_reference) {
+        attn::reference::short_conv_forward(a, y, {});
+      } else {
+        attn::short_conv_forward(a, y, {});
+      }
+    }
+    return r;
+  }
+  // The conv's backward from dy (the recurrence's gradients of the convolved q, k, v) into dq, dk, dv and
+  // dconv_weight of `out`.
+  void conv_backward(const NamedArrays& in, const NamedArrays& dy, const NamedArrays& out, bool fp64_reference) const {
+    for (int i = 0; i < 3; ++i) {
+      attn::ShortConvArgs a;
+      a.x = channels_of(find_array(in, kQkv[i]).view());
+      a.weight = conv_rows(find_array(in, "conv_weight").view(), i);
+      const TensorView dx = channels_of(find_array(out, std::string("d") + kQkv[i]).view());
+      const TensorView dw = conv_rows(find_array(out, "dconv_weight").view(), i);
+      if (fp64_reference) {
+        attn::reference::short_conv_backward(a, channels_of(dy[i].second.view()), dx, dw, {});
+      } else {
+        attn::short_conv_backward(a, channels_of(dy[i].second.view()), dx, dw, {});
+      }
+    }
+  }
+  // Zero arrays shaped and typed like q, k, v of `in`.
+  static NamedArrays zero_like_qkv(const NamedArrays& in) {
+    std::vector<ArraySpec> specs;
+    for (const char* name : kQkv) {
+      const npy::HostArray& a = find_array(in, name);
+      specs.push_back({name, a.dtype, a.shape});
+    }
+    return zero_arrays(specs);
+  }
+
+  // Fills q, k, v, g, beta, initial_state, dout and (with the conv) conv_weight, in that order, at `positions`
+  // (initial_state and conv_weight are not sharded).
   void fill(const NamedArrays* full, const std::vector<std::int64_t>& positions,
             const std::vector<TensorView>& dst) const {
-    const char* names[] = {"q", "k", "v", "g", "beta", "initial_state", "dout"};
-    const std::uint64_t ids[] = {kIdQ, kIdK, kIdV, kIdG, kIdBeta, kIdState, kIdDout};
-    const std::vector<std::int64_t> heads = all_positions(o_.heads);
-    for (int i = 0; i < 7; ++i) {
-      const bool is_state = i == 5;
+    const char* names[] = {"q", "k", "v", "g", "beta", "initial_state", "dout", "conv_weight"};
+    const std::uint64_t ids[] = {kIdQ, kIdK, kIdV, kIdG, kIdBeta, kIdState, kIdDout, kIdConvWeight};
+    const std::int64_t channels = gdn_shapes(o_).conv_channels_total();
+    for (int i = 0; i < static_cast<int>(dst.size()); ++i) {
+      const bool is_state = i == 5, is_weight = i == 7;
       if (full != nullptr) {
         const npy::HostArray& a = find_array(*full, names[i]);
-        if (is_state) {
+        if (is_state || is_weight) {
           copy_convert(a.view(), dst[i]);
         } else {
           shard_from_full(a, positions, dst[i]);
         }
         continue;
       }
-      // initial_state [B, H, K, V]: dim 1 is the head, generated like a sequence of H rows.
-      fill_random_shard(dst[i], o_.seed, ids[i], is_state ? o_.heads : o_.seq, is_state ? heads : positions);
+      if (is_state || is_weight) {
+        // initial_state [B, H, K, V]: dim 1 is the head, generated like a sequence of H rows; conv_weight [C, W] as
+        // [1, C, W], a sequence of C rows.
+        const std::int64_t rows = is_state ? o_.heads : channels;
+        const TensorView t = is_state ? dst[i] : dst[i].reshape({1, channels, o_.conv_width});
+        fill_random_shard(t, o_.seed, ids[i], rows, all_positions(rows));
+      } else {
+        fill_random_shard(dst[i], o_.seed, ids[i], o_.seq, positions);
+      }
       if (i == 3) affine_inplace(dst[i], -0.12, 0.1);  // g in [-0.22, -0.02): a decay per token
       if (i == 4) affine_inplace(dst[i], 0.5, 0.3);    // beta in [0.2, 0.8)
       if (i == 5) affine_inplace(dst[i], 0.0, 0.1);    // a small initial state
+      if (i == 7) affine_inplace(dst[i], 0.0, 0.5);    // conv weights in [-0.5, 0.5)
     }
   }
 
@@ -177,24 +303,28 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   // out, final_state, then the gradients, as gather_outputs() orders them.
   std::vector<ArraySpec> output_specs(DType dtype, DType state_dtype) const {
-    return {{"out", dtype, qk_shape(o_.seq)},     {"final_state", state_dtype, state_shape()},
-            {"dq", dtype, qk_shape(o_.seq)},      {"dk", dtype, qk_shape(o_.seq)},
-            {"dv", dtype, qk_shape(o_.seq)},      {"dg", dtype, gate_shape(o_.seq)},
-            {"dbeta", dtype, gate_shape(o_.seq)}, {"dinitial_state", state_dtype, state_shape()}};
+    std::vector<ArraySpec> r = {{"out", dtype, v_shape(o_.seq)},      {"final_state", state_dtype, state_shape()},
+                                {"dq", dtype, qk_shape(o_.seq)},      {"dk", dtype, qk_shape(o_.seq)},
+                                {"dv", dtype, v_shape(o_.seq)},       {"dg", dtype, gate_shape(o_.seq)},
+                                {"dbeta", dtype, gate_shape(o_.seq)}, {"dinitial_state", state_dtype, state_shape()}};
+    if (o_.conv_width > 0) r.push_back({"dconv_weight", dtype, conv_weight_shape()});
+    return r;
   }
 
-  attn::GdnForwardArgs args_of(const NamedArrays& in) const {
+  // The recurrence's arguments from `in`, with q, k, v from `qkv` when it is not empty (the convolved ones).
+  attn::GdnForwardArgs args_of(const NamedArrays& in, const NamedArrays& qkv = {}) const {
+    const NamedArrays& src = qkv.empty() ? in : qkv;
     attn::GdnForwardArgs a;
-    a.q = find_array(in, "q").view();
-    a.k = find_array(in, "k").view();
-    a.v = find_array(in, "v").view();
+    a.q = find_array(src, "q").view();
+    a.k = find_array(src, "k").view();
+    a.v = find_array(src, "v").view();
     a.g = find_array(in, "g").view();
     a.beta = find_array(in, "beta").view();
     a.initial_state = find_array(in, "initial_state").view();
     a.chunk_size = o_.chunk_size;
     return a;
   }
-  attn::GdnForwardArgs ref_args() const { return args_of(ref_in_); }
+  attn::GdnForwardArgs ref_args() const { return args_of(ref_in_); }  // the recurrence alone (no conv)
 
   npy::HostArray gather(const Tensor& local, const Shape& full_shape) const {
     npy::HostArray full(local.dtype(), full_shape);
@@ -209,9 +339,26 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   void reset_layer_counters() override { gdn_->reset_counters(); }
   GdnCpOutput run_forward() override {
-    return gdn_->forward(in_[kQ], in_[kK], in_[kV], in_[kG], in_[kBeta], in_[kState]);
+    if (!conv_) return gdn_->forward(in_[kQ], in_[kK], in_[kV], in_[kG], in_[kBeta], in_[kState]);
+    TensorView x[3];
+    for (int i = 0; i < 3; ++i) {
+      conv_out_[i] = conv_->forward(channels_of(in_[i].view()), conv_rows(in_[kConvWeight].view(), i));
+      x[i] = conv_out_[i].out.view().reshape(in_[i].shape());
+    }
+    return gdn_->forward(x[0], x[1], x[2], in_[kG], in_[kBeta], in_[kState]);
   }
-  GdnCpGrads run_backward(CpContext&& ctx) override { return gdn_->backward(std::move(ctx), in_[kDout]); }
+  GdnCpGrads run_backward(CpContext&& ctx) override {
+    GdnCpGrads g = gdn_->backward(std::move(ctx), in_[kDout]);
+    if (!conv_) return g;
+    dconv_weight_ = Tensor::empty(conv_weight_shape(), o_.dtype, MemCategory::kWorkspace);
+    Tensor* d[3] = {&g.dq, &g.dk, &g.dv};
+    for (int i = 0; i < 3; ++i) {
+      const Tensor dx =
+          conv_->backward(std::move(conv_out_[i].ctx), channels_of(d[i]->view()), conv_rows(dconv_weight_.view(), i));
+      *d[i] = Tensor::copy_of(dx.view().reshape(d[i]->shape()), dx.dtype(), MemCategory::kWorkspace);
+    }
+    return g;
+  }
   PhaseCounters forward_counters() override { return counters(); }
   PhaseCounters backward_counters() override { return counters(); }
   PhaseCounters counters() const {
@@ -225,39 +372,57 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   CpGroups groups_;
   DType state_dtype_;
   std::unique_ptr<GdnContextParallel> gdn_;
-  enum Input { kQ, kK, kV, kG, kBeta, kState, kDout };
-  std::vector<Tensor> in_;  // this rank's q, k, v, g, beta, initial_state, dout
+  std::unique_ptr<ShortConvContextParallel> conv_;  // --conv-width > 0
+  ShortConvCpOutput conv_out_[3];                   // the convolved q, k, v of the last forward, with their contexts
+  Tensor dconv_weight_;
+  enum Input { kQ, kK, kV, kG, kBeta, kState, kDout, kConvWeight };
+  std::vector<Tensor> in_;  // this rank's q, k, v, g, beta, initial_state, dout (, conv_weight)
   NamedArrays ref_in_, ref_out_;
+  NamedArrays ref_conv_;  // the single-rank reference's convolved q, k, v
 };
 
 std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
-  const Shape qk{o.batch, o.seq, o.heads, o.head_dim}, gate{o.batch, o.seq, o.heads},
-      state{o.batch, o.heads, o.head_dim, o.head_dim};
-  return {{"q", qk}, {"k", qk}, {"v", qk}, {"g", gate}, {"beta", gate}, {"initial_state", state}, {"dout", qk}};
+  const GdnShapes d = gdn_shapes(o);
+  std::vector<TensorSpec> r = {{"q", d.qk(d.S)},   {"k", d.qk(d.S)},      {"v", d.v(d.S)},
+                               {"g", d.gate(d.S)}, {"beta", d.gate(d.S)}, {"initial_state", d.state()},
+                               {"dout", d.v(d.S)}};
+  if (o.conv_width > 0) r.push_back({"conv_weight", {d.conv_channels_total(), o.conv_width}});
+  return r;
 }
 
 SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   WorkloadKind k;
   k.name = "gdn";
-  k.description = "gated delta rule (chain or scan over the ring, Ulysses over heads)";
-  k.presets = {{"qwen3-next", 32, 32, 128, 0, 64, 0, 0, 0,
-                "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"}};
-  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size"};
+  k.description = "gated delta rule (chain or scan over the ring, Ulysses over value heads)";
+  k.presets = {{"qwen3-next", 32, 16, 128, 0, 64, 128, 0, 0,
+                "GDN: 32 value heads on 16 key heads (each q, k head serves two value heads), K = V = 128, short conv "
+                "of width 4 on q, k, v, chunk 64, causal",
+                4}};
+  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "dim-v", "conv-width"};
   k.input_specs = gdn_input_specs;
   k.validate = [](SpBenchOptions& o) {
-    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
-                 o.grid.ulysses_size);
+    if (o.dim_v == 0) o.dim_v = o.head_dim;
+    SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
+    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " (GDN value heads) must be a multiple of --kv-heads ",
+                 o.kv_heads, " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
+    const int pu = o.grid.ulysses_size;
+    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " (GDN value heads) must be divisible by --ulysses-size ", pu);
+    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
+                 " (GDN key heads) must be divisible by --ulysses-size ", pu,
+                 " or divide it (then each key head is replicated)");
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous or ",
                  "zigzag)");
     SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
   };
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["chunk_size"] = o.chunk_size;
+    j["shape"]["dim_v"] = o.dim_v;
+    j["shape"]["conv_width"] = o.conv_width;
     j["gdn_mode"] = o.gdn_mode;
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
-    return str_cat("B=", o.batch, " S=", o.seq, " H=", o.heads, " K=V=", o.head_dim, " chunk=", o.chunk_size,
-                   " mode=", o.gdn_mode, " (causal recurrence)");
+    return str_cat("B=", o.batch, " S=", o.seq, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim, " V=", o.dim_v,
+                   " conv=", o.conv_width, " chunk=", o.chunk_size, " mode=", o.gdn_mode, " (causal recurrence)");
   };
   return k;
 }

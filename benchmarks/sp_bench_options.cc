@@ -1,7 +1,10 @@
 #include "benchmarks/sp_bench_options.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cxxopts.hpp>
+#include <map>
+#include <vector>
 
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/comm_factory.h"
@@ -51,18 +54,21 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("model", model_help, cxxopts::value<std::string>())
     ("batch", "batch size per data-parallel replica", cxxopts::value<std::int64_t>()->default_value("1"))
     ("seq", "global sequence length (K = 1024, M = 1024^2 suffixes)", cxxopts::value<std::string>()->default_value("4K"))
-    ("heads", "query heads", cxxopts::value<std::int64_t>()->default_value("8"))
-    ("kv-heads", "key/value heads (GQA; must divide --heads)", cxxopts::value<std::int64_t>()->default_value("8"))
+    ("heads", "query heads (GDN: value heads)", cxxopts::value<std::int64_t>()->default_value("8"))
+    ("kv-heads", "key/value heads (GQA; GDN: key heads of q and k); must divide --heads; 0: --heads",
+     cxxopts::value<std::int64_t>()->default_value("0"))
     ("head-dim", "head dimension", cxxopts::value<std::int64_t>()->default_value("64"))
     ("causal", "causal mask (presets turn it on; --causal=false turns it off)",
      cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
     ("window", "sliding window in tokens (0: none; needs --causal)", cxxopts::value<std::int64_t>()->default_value("0"))
     ("topk", "DSA: selected keys per query", cxxopts::value<std::int64_t>()->default_value("2048"))
-    ("dim-v", "DSA: value width Dv, the first Dv columns of the latent (0: --head-dim)",
+    ("dim-v", "value width (0: --head-dim); DSA: Dv, the first Dv columns of the latent; GDN: V",
      cxxopts::value<std::int64_t>()->default_value("0"))
     ("indexer-heads", "DSA: indexer heads Hi", cxxopts::value<std::int64_t>()->default_value("64"))
     ("indexer-dim", "DSA: indexer head dim Di", cxxopts::value<std::int64_t>()->default_value("128"))
     ("chunk-size", "GDN: chunk length", cxxopts::value<std::int64_t>()->default_value("64"))
+    ("conv-width", "GDN: width W of the short causal depthwise conv (with SiLU) on q, k and v before the "
+                   "recurrence (0: none)", cxxopts::value<std::int64_t>()->default_value("0"))
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("seed", "seed of the random inputs", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("parallel")
@@ -131,6 +137,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     if (preset->dim_v > 0) o.dim_v = preset->dim_v;
     if (preset->indexer_heads > 0) o.indexer_heads = preset->indexer_heads;
     if (preset->indexer_dim > 0) o.indexer_dim = preset->indexer_dim;
+    if (preset->conv_width > 0) o.conv_width = preset->conv_width;
     o.causal = true;
   }
   // Without a preset every flag (or its default) applies; with one, only the flags given explicitly.
@@ -144,6 +151,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (given("dim-v")) o.dim_v = get_checked<std::int64_t>(r, "dim-v");
   if (given("indexer-heads")) o.indexer_heads = get_checked<std::int64_t>(r, "indexer-heads");
   if (given("indexer-dim")) o.indexer_dim = get_checked<std::int64_t>(r, "indexer-dim");
+  if (given("conv-width")) o.conv_width = get_checked<std::int64_t>(r, "conv-width");
 
   o.batch = get_checked<std::int64_t>(r, "batch");
   o.seq = parse_size(get_checked<std::string>(r, "seq"), "seq");
@@ -195,6 +203,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag, " needs a non-empty path");
   }
 
+  if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
+
   // ---- rules ----
   check_min(o.batch, 1, "batch");
   check_min(o.seq, 1, "seq");
@@ -204,6 +214,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   check_min(o.window, 0, "window");
   check_min(o.topk, 1, "topk");
   check_min(o.chunk_size, 1, "chunk-size");
+  check_min(o.conv_width, 0, "conv-width");
   check_min(o.warmup, 0, "warmup");
   check_min(o.iters, 1, "iters");
   check_min(o.threads, 1, "threads");
@@ -216,10 +227,16 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                ": unknown mode (expected chain or scan)");
   SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,
                ": unknown selection mode (expected ring or allgather)");
+  // A kind's own flag (--dim-v: DSA and GDN) given with a kind that does not own it.
+  std::map<std::string, std::vector<std::string>> owners;
   for (const WorkloadKind& k : workload_kinds()) {
-    for (const std::string& flag : k.own_flags) {
-      SEQPAR_CHECK(k.name == o.attn || !r.count(flag), "--", flag, " needs --attn ", k.name, " (--attn ", o.attn, ")");
-    }
+    for (const std::string& flag : k.own_flags) owners[flag].push_back(k.name);
+  }
+  for (const auto& [flag, kinds] : owners) {
+    if (!r.count(flag) || std::find(kinds.begin(), kinds.end(), o.attn) != kinds.end()) continue;
+    std::string need;
+    for (std::size_t i = 0; i < kinds.size(); ++i) need += (i == 0 ? "" : " or ") + kinds[i];
+    SEQPAR_THROW("--", flag, " needs --attn ", need, " (--attn ", o.attn, ")");
   }
   SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   const std::int64_t grid_ranks = static_cast<std::int64_t>(o.grid.dp_size) * o.grid.ulysses_size * o.grid.ring_size;

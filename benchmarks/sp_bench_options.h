@@ -28,16 +28,17 @@ struct SpBenchOptions {
 
   std::int64_t batch = 1;
   std::int64_t seq = 4096;
-  std::int64_t heads = 8;     // query heads (DSA: attention heads; GDN: heads)
-  std::int64_t kv_heads = 8;  // MHA kv heads (GQA)
+  std::int64_t heads = 8;     // query heads (DSA: attention heads; GDN: value heads Hv)
+  std::int64_t kv_heads = 8;  // MHA kv heads (GQA); GDN key heads Hk (q, k); the flag's 0 means --heads
   std::int64_t head_dim = 64;
   bool causal = false;
   std::int64_t window = 0;
   std::int64_t topk = 2048;         // DSA
-  std::int64_t dim_v = 0;           // DSA value width Dv (first Dv latent columns); 0: --head-dim
+  std::int64_t dim_v = 0;           // value width: DSA Dv (first Dv latent columns), GDN V; 0: --head-dim
   std::int64_t indexer_heads = 64;  // DSA indexer heads Hi
   std::int64_t indexer_dim = 128;   // DSA indexer head dim Di
   std::int64_t chunk_size = 64;     // GDN
+  std::int64_t conv_width = 0;      // GDN: short conv width W on q, k, v before the recurrence; 0: none
   DType dtype = DType::kFloat32;
 
   int warmup = 2;

@@ -156,7 +156,8 @@ struct ModelPreset {
   std::string name;  // --model value
   std::int64_t heads = 0, kv_heads = 0, head_dim = 0, topk = 0, chunk_size = 0, dim_v = 0, indexer_heads = 0,
                indexer_dim = 0;
-  std::string note;  // one line for --help
+  std::string note;             // one line for --help
+  std::int64_t conv_width = 0;  // GDN short conv width (0: none)
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.

@@ -138,7 +138,8 @@ struct GdnContextParallel::Saved {
   Tensor q, k, v, g, beta;
   std::vector<Tensor> start;                          // start state of each of this rank's segments
   std::vector<Tensor> map_m;                          // scan: M of each of this rank's segments
-  std::int64_t batch = 0, heads = 0, dk = 0, dv = 0;  // heads: local (H / Pu)
+  std::int64_t batch = 0, heads = 0, dk = 0, dv = 0;  // heads: local value heads (Hv / Pu)
+  std::int64_t key_heads = 0;                         // global key heads Hk (q, k)
   DType state_dtype = DType::kFloat32;
 
   Shape state_shape() const { return {batch, heads, dk, dv}; }
@@ -196,6 +197,17 @@ attn::GdnForwardArgs forward_args(const SegmentInputs& in, const GdnCpConfig& cf
   return forward_args(in.q.view(), in.k.view(), in.v.view(), in.g.view(), in.beta.view(), cfg, start);
 }
 
+// The Ulysses plan of H value heads on Hk key heads over Pu ranks: value heads are split, key heads follow (split
+// when Pu divides Hk, else replicated). GDN's own errors first, identical on every rank.
+UlyssesHeads gdn_ulysses_heads(std::int64_t H, std::int64_t Hk, int pu) {
+  SEQPAR_CHECK(Hk >= 1 && H >= 1 && H % Hk == 0, "GDN CP: value heads Hv = ", H,
+               " must be a positive multiple of key heads Hk = ", Hk, " (value head h reads key head h / (Hv / Hk))");
+  SEQPAR_CHECK(H % pu == 0, "GDN CP: value heads Hv = ", H, " must be divisible by ulysses_size ", pu);
+  SEQPAR_CHECK(Hk % pu == 0 || pu % Hk == 0, "GDN CP: key heads Hk = ", Hk, " must be divisible by ulysses_size ", pu,
+               " or divide it (then each key head is replicated to ulysses_size / Hk ranks)");
+  return UlyssesHeads(H, Hk, pu);
+}
+
 // Point-to-point exchange of one round: sends to and receives from other ranks (self-messages are the caller's).
 struct Round {
   std::vector<P2POp> ops;
@@ -210,8 +222,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};
   SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
                "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
-               " must be [B, S_local, H, K], [B, S_local, H, K], [B, S_local, H, V], [B, S_local, H] x 2");
-  const std::int64_t B = q.dim(0), sl = q.dim(1), H = q.dim(2), K = q.dim(3), V = v.dim(3);
+               " must be [B, S_local, Hk, K], [B, S_local, Hk, K], [B, S_local, Hv, V], [B, S_local, Hv] x 2");
+  const std::int64_t B = q.dim(0), sl = q.dim(1), Hk = q.dim(2), H = v.dim(2), K = q.dim(3), V = v.dim(3);
   SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be seq_len ", layout_.seq_len(),
                " / (ring_size ", layout_.ring_size(), " x ulysses_size ", layout_.ulysses_size(),
                ") = ", layout_.local_len());
@@ -219,11 +231,12 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   check_shape(g, {B, sl, H}, "GDN CP g");
   check_shape(beta, {B, sl, H}, "GDN CP beta");
   const int pu = groups_.ulysses_size();
-  SEQPAR_CHECK(H % pu == 0, "GDN CP: heads ", H, " must be divisible by ulysses_size ", pu);
+  const UlyssesHeads heads = gdn_ulysses_heads(H, Hk, pu);
   auto sp_ = std::make_shared<Saved>();
   Saved& s = *sp_;
   s.batch = B;
   s.heads = H / pu;
+  s.key_heads = Hk;
   s.dk = K;
   s.dv = V;
   s.state_dtype = attn::gdn_state_dtype(q.dtype());
@@ -238,10 +251,11 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   const Stream stream = groups_.stream;
   Communicator& ring = groups_.ring;
 
-  // Ulysses: [B, S_local, H, *] -> [B, S_ring, H/Pu, *].
+  // Ulysses: [B, S_local, H, *] -> [B, S_ring, H/Pu, *] for the value heads; q and k follow their value heads (split
+  // when Pu divides Hk, else each key head replicated to the Pu / Hk ranks whose value heads read it).
   const std::int64_t sr = layout_.ring_shard_len();
-  s.q = a2a.to_heads(q, MemCategory::kSavedActivation);
-  s.k = a2a.to_heads(k, MemCategory::kSavedActivation);
+  s.q = a2a.kv_to_heads(q, heads, MemCategory::kSavedActivation);
+  s.k = a2a.kv_to_heads(k, heads, MemCategory::kSavedActivation);
   s.v = a2a.to_heads(v, MemCategory::kSavedActivation);
   s.g = a2a.to_heads(g, MemCategory::kSavedActivation);
   s.beta = a2a.to_heads(beta, MemCategory::kSavedActivation);
@@ -353,8 +367,9 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "GDN CP");
   const Saved& s = *saved;
   const int pu = groups_.ulysses_size();
-  const std::int64_t B = s.batch, H = s.heads * pu, K = s.dk, V = s.dv, sl = layout_.local_len(),
+  const std::int64_t B = s.batch, H = s.heads * pu, Hk = s.key_heads, K = s.dk, V = s.dv, sl = layout_.local_len(),
                      sr = layout_.ring_shard_len();
+  const UlyssesHeads heads = gdn_ulysses_heads(H, Hk, pu);
   const DeviceAlloc alloc{common_device({s.q.view(), dout, dfinal_state}, "GDN CP backward (saved tensors, dout)"),
                           groups_.stream};
   check_grad_input(dout, {B, sl, H, V}, "GDN CP dout");
@@ -374,8 +389,12 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
 
   const int n = static_cast<int>(segments_.size());
   const int me = ring.rank();
-  Tensor dq_h = alloc.empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
-  Tensor dk_h = alloc.empty({B, sr, s.heads, K}, dtype, MemCategory::kWorkspace);
+  // dq, dk of this rank's key heads; replicated key heads (Hk < Pu) are summed over their replicas afterwards, in
+  // the accumulation dtype (fp32, fp64 for fp64).
+  const DType qk_grad_dtype =
+      heads.replication == 1 ? dtype : (dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
+  Tensor dq_h = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dk_h = alloc.empty(s.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
   Tensor dv_h = alloc.empty({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
   Tensor dg_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
   Tensor db_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
@@ -405,8 +424,8 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
     const SegmentInputs& in = b.in;
     attn::GdnBackwardArgs& a = b.args;
     a.dfinal_state = ds_end;
-    Tensor dq = alloc.empty(in.q.shape(), dtype, MemCategory::kWorkspace);
-    Tensor dk = alloc.empty(in.k.shape(), dtype, MemCategory::kWorkspace);
+    Tensor dq = alloc.empty(in.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+    Tensor dk = alloc.empty(in.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
     Tensor dv = alloc.empty(in.v.shape(), dtype, MemCategory::kWorkspace);
     Tensor dg = alloc.empty(in.g.shape(), dtype, MemCategory::kWorkspace);
     Tensor db = alloc.empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
@@ -491,8 +510,10 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
     a2a.to_sequence(t.view(), out.view());
     return out;
   };
-  grads.dq = gather(dq_h, {B, sl, H, K});
-  grads.dk = gather(dk_h, {B, sl, H, K});
+  grads.dq = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
+  grads.dk = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
+  a2a.kv_grad_to_sequence(dq_h.view(), heads, grads.dq.view());
+  a2a.kv_grad_to_sequence(dk_h.view(), heads, grads.dk.view());
   grads.dv = gather(dv_h, {B, sl, H, V});
   grads.dg = gather(dg_h, {B, sl, H});
   grads.dbeta = gather(db_h, {B, sl, H});

@@ -10,11 +10,17 @@
 //          global segment order (ceil(log2 N) rounds of point-to-point messages) plus one shift round gives each
 //          segment its start state; then every segment runs with it. Backward: the local part L of dS_start from
 //          a cheap reverse sweep, the reverse scan of the maps (M^T, L), one shift round, then the full backward.
-// States, transitions and their gradients stay fp32 (fp64 for fp64 inputs) on the wire.
+// States, transitions and their gradients stay fp32 (fp64 for fp64 inputs) on the wire; with fp64 inputs every
+// kernel, composition and sum here runs in fp64.
 //
-// Under USP, heads are independent: an all-to-all over the Ulysses group turns [B, S/(Pu Pr), H, *] into
-// [B, S/Pr, H/Pu, *] (the ring shard), the chain or scan runs over the ring group, and the inverse all-to-all
-// restores the layout. final_state and d(initial_state) are returned in full ([B, H, K, V]) on every rank.
+// Heads: q and k have Hk key heads, v, g, beta, the states and out Hv value heads (Hv a multiple of Hk; value head h
+// reads key head h / (Hv / Hk), attention/gdn.h).
+// Under USP, value heads are independent: an all-to-all over the Ulysses group turns [B, S/(Pu Pr), Hv, *] into
+// [B, S/Pr, Hv/Pu, *] (the ring shard), the chain or scan runs over the ring group, and the inverse all-to-all
+// restores the layout. q and k follow their value heads: split the same way when Pu divides Hk, else (Hk < Pu,
+// Pu % Hk == 0) each key head is replicated to the Pu / Hk ranks whose value heads read it and the replicas' dq, dk
+// are summed in fp32 (fp64 for fp64) on the way back (UlyssesExchange, parallel/ulysses.h). final_state and
+// d(initial_state) are returned in full ([B, Hv, K, V]) on every rank.
 //
 // Short conv halo: a segment's first W-1 outputs need the W-1 inputs before it in global order; they are received
 // point to point from whichever ranks hold them (several when the segments before are shorter than W-1), and the
@@ -26,7 +32,8 @@
 // conv: SP) and host-synchronous; kernels run on groups.stream. The objects keep no state between calls: a forward's
 // context owns the saved tensors (saved_activation) until the backward consumes it.
 // Errors (before any communication, identical on every rank): the layout not built for the groups, stripe layout,
-// heads not divisible by ulysses_size, shape / dtype mismatches; a context that is empty, already used or made by
+// Hv not a multiple of Hk, Hv not divisible by ulysses_size, Hk neither divisible by ulysses_size nor dividing it,
+// shape / dtype mismatches; a context that is empty, already used or made by
 // another object.
 #pragma once
 
@@ -60,26 +67,27 @@ struct Segment {
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& positions_per_rank);
 
 struct GdnCpOutput {
-  Tensor out;          // [B, S_local, H, V], dtype of q
-  Tensor final_state;  // [B, H, K, V] state dtype, identical on every rank
+  Tensor out;          // [B, S_local, Hv, V], dtype of q
+  Tensor final_state;  // [B, Hv, K, V] state dtype, identical on every rank
   CpContext ctx;       // what the backward needs; hand it to backward() of the object that made it
 };
 
 struct GdnCpGrads {
-  Tensor dq, dk, dv, dg, dbeta;  // local, dtype of q
-  Tensor dinitial_state;         // [B, H, K, V] state dtype, identical on every rank
+  Tensor dq, dk;          // local [B, S_local, Hk, K], dtype of q (summed over the value heads of each key head)
+  Tensor dv, dg, dbeta;   // local [B, S_local, Hv, V] / [B, S_local, Hv], dtype of q
+  Tensor dinitial_state;  // [B, Hv, K, V] state dtype, identical on every rank
 };
 
 class GdnContextParallel : public CpLayerBase {
  public:
   GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config);
 
-  // q, k [B, S_local, H, K], v [B, S_local, H, V], g, beta [B, S_local, H] at positions(); initial_state: empty
-  // or the full [B, H, K, V] (state dtype), the same on every rank.
+  // q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta [B, S_local, Hv] at positions(); initial_state: empty
+  // or the full [B, Hv, K, V] (state dtype), the same on every rank.
   GdnCpOutput forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                       const TensorView& beta, const TensorView& initial_state = {});
-  // The context of a forward of this object (consumed and freed); dout [B, S_local, H, V]; dfinal_state: empty or
-  // the full [B, H, K, V], the same on every rank.
+  // The context of a forward of this object (consumed and freed); dout [B, S_local, Hv, V]; dfinal_state: empty or
+  // the full [B, Hv, K, V], the same on every rank.
   GdnCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state = {});
 
   // layout(), positions(), counters(), reset_counters(): CpLayerBase.

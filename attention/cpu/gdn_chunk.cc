@@ -222,15 +222,16 @@ struct ChunkScratch {
   std::int64_t total = 0;
 };
 
-// Loads rows t0..t0+c-1 of (b, h): normalised and scaled q (and the unscaled normalised copy qn with 1/norm rq),
-// normalised k (with rk), v (when load_v), g and beta.
+// Loads rows t0..t0+c-1 of (b, value head h): normalised and scaled q (and the unscaled normalised copy qn with
+// 1/norm rq) and normalised k (with rk) of key head h / group, v (when load_v), g and beta.
 template <typename T>
 void load_chunk(const GdnForwardArgs& a, const Dims& d, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t c,
                 bool load_q, bool load_v, T scale, ChunkScratch<T>& w) {
-  const std::int64_t K = d.K, V = d.V;
+  const std::int64_t K = d.K, V = d.V, hk = h / d.group();
   for (std::int64_t i = 0; i < c; ++i) {
     const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
-    load(a.k, tok * K, K, w.k + i * K);
+    const std::int64_t ktok = (b * d.S + t0 + i) * d.Hk + hk;
+    load(a.k, ktok * K, K, w.k + i * K);
     load(a.g, tok, 1, w.g + i);
     load(a.beta, tok, 1, w.beta + i);
     if (load_v) load(a.v, tok * V, V, w.v + i * V);
@@ -242,7 +243,7 @@ void load_chunk(const GdnForwardArgs& a, const Dims& d, std::int64_t b, std::int
     }
     if (load_q) {
       T* qi = w.qn + i * K;
-      load(a.q, tok * K, K, qi);
+      load(a.q, ktok * K, K, qi);
       if (a.use_qk_l2norm) {
         const T r = T(1) / std::sqrt(dot(qi, qi, K) + T(kGdnL2NormEps));
         w.rq[i] = r;
@@ -352,6 +353,42 @@ T resolve_scale(const GdnForwardArgs& a, const Dims& d) {
   return a.scale > 0.0f ? T(a.scale) : T(1) / std::sqrt(T(d.K));
 }
 
+// The per-value-head dq or dk of a grouped backward (H > Hk): a T workspace [B, S, H, K] that the chunk loop writes
+// instead of `out`, and reduce() sums the group() value heads of every key head into `out` in value-head order.
+// Without grouping (or when `out` is empty) target() is `out` itself and reduce() does nothing.
+template <typename T>
+class GroupedGrad {
+ public:
+  GroupedGrad(const Dims& d, const TensorView& out, const char* what) : target_(out) {
+    if (d.group() == 1 || out.empty()) return;
+    owner_ = zeroed_workspace({d.B, d.S, d.H, d.K}, dtype_v<T>, what);
+    target_ = owner_.view();
+  }
+  const TensorView& target() const { return target_; }
+
+  void reduce(const Dims& d, const TensorView& out) const {
+    if (!owner_.defined()) return;
+    const std::int64_t K = d.K, G = d.group(), rows = d.B * d.S * d.Hk;
+    const T* src = static_cast<const T*>(owner_.data());
+    const WorkerScratch<T> scratch({K}, "GDN dq/dk group sum");
+#pragma omp parallel for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      // Row r = (b, s, hk) of out; its value heads are rows r G .. r G + G - 1 of the workspace.
+      T* acc = scratch.buffer(0).data();
+      std::copy(src + r * G * K, src + (r * G + 1) * K, acc);
+      for (std::int64_t j = 1; j < G; ++j) {
+        const T* x = src + (r * G + j) * K;
+        for (std::int64_t e = 0; e < K; ++e) acc[e] += x[e];
+      }
+      store(acc, K, out, r * K);
+    }
+  }
+
+ private:
+  TensorView target_;
+  Tensor owner_;
+};
+
 // ---- forward ------------------------------------------------------------------------------------------------
 
 template <typename T>
@@ -399,6 +436,10 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
   const std::int64_t nc = d.num_chunks();
   const bool full = !dq_out.empty() || !dk_out.empty() || !dv_out.empty() || !dg_out.empty() || !dbeta_out.empty();
   const T scale = resolve_scale<T>(a, d);
+  // Grouped value heads: each value head's dq, dk contribution goes to [B, S, H, K] in T, summed per key head below.
+  const GroupedGrad<T> dq_group(d, dq_out, "GDN dq of every value head"),
+      dk_group(d, dk_out, "GDN dk of every value head");
+  const TensorView &dq_dst = dq_group.target(), &dk_dst = dk_group.target();
   // The start state of every chunk of one (batch, head) lives in the scratch's extra buffer.
   for_each_head<T>(BH, d, true, full ? nc * KV : 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
     T* starts = w.extra;
@@ -547,8 +588,8 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
         }
         for (std::int64_t i = 0; i < c; ++i) {
           const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
-          if (!dq_out.empty()) store(w.dq + i * K, K, dq_out, tok * K);
-          if (!dk_out.empty()) store(w.dk + i * K, K, dk_out, tok * K);
+          if (!dq_dst.empty()) store(w.dq + i * K, K, dq_dst, tok * K);
+          if (!dk_dst.empty()) store(w.dk + i * K, K, dk_dst, tok * K);
           if (!dv_out.empty()) store(w.dv + i * V, V, dv_out, tok * V);
           if (!dg_out.empty()) store(w.dg + i, 1, dg_out, tok);
           if (!dbeta_out.empty()) store(w.dbeta + i, 1, dbeta_out, tok);
@@ -558,6 +599,8 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
     }
     if (!dinit_out.empty()) store(w.ds, KV, dinit_out, bh * KV);
   });
+  dq_group.reduce(d, dq_out);
+  dk_group.reduce(d, dk_out);
 }
 
 // ---- transition ---------------------------------------------------------------------------------------------

@@ -8,10 +8,13 @@
 
 namespace seqpar::attn::cpu {
 
-// Validated sizes: q [B, S, H, K], v [B, S, H, V]; C = the chunk length used, min(chunk_size, max(S, 1)).
+// Validated sizes: q [B, S, Hk, K], v [B, S, H, V] (H value heads, a multiple of Hk); C = the chunk length used,
+// min(chunk_size, max(S, 1)).
 struct GdnDims {
-  std::int64_t B = 0, S = 0, H = 0, K = 0, V = 0, C = 0;
+  std::int64_t B = 0, S = 0, H = 0, Hk = 0, K = 0, V = 0, C = 0;
   std::int64_t num_chunks() const { return (S + C - 1) / C; }
+  // Value heads per key head; value head h reads key head h / group().
+  std::int64_t group() const { return H / Hk; }
 };
 
 void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,

@@ -20,13 +20,21 @@ void check_f64(const TensorView& t, const char* what) {
 const double* f64(const TensorView& t) { return t.data_as<double>(); }
 double* f64w(const TensorView& t) { return t.data_as<double>(); }
 
+// H value heads, Hk key heads: value head h reads q and k of key head h / (H / Hk).
 struct Dims {
-  std::int64_t B, S, H, K, V;
+  std::int64_t B, S, H, Hk, K, V;
+  // Element offset of token t's q or k row for value head h of batch b.
+  std::int64_t qk_row(std::int64_t b, std::int64_t t, std::int64_t h) const {
+    return ((b * S + t) * Hk + h / (H / Hk)) * K;
+  }
 };
 
 Dims dims_of(const GdnForwardArgs& a) {
   for (const TensorView* t : {&a.q, &a.k, &a.v, &a.g, &a.beta}) check_f64(*t, "input");
-  return {a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), a.v.dim(3)};
+  const Dims d{a.q.dim(0), a.q.dim(1), a.v.dim(2), a.q.dim(2), a.q.dim(3), a.v.dim(3)};
+  SEQPAR_CHECK(d.Hk >= 1 && d.H % d.Hk == 0, "gdn reference: value heads ", d.H, " must be a multiple of key heads ",
+               d.Hk);
+  return d;
 }
 
 double dotp(const double* a, const double* b, std::int64_t n) {
@@ -75,8 +83,8 @@ void gdn_forward(const GdnForwardArgs& a, const TensorView& out, const TensorVie
       }
       for (std::int64_t t = 0; t < d.S; ++t) {
         const std::int64_t tok = (b * d.S + t) * d.H + h;
-        normalise(f64(a.q) + tok * K, K, a.use_qk_l2norm, scale, q.data());
-        normalise(f64(a.k) + tok * K, K, a.use_qk_l2norm, 1.0, k.data());
+        normalise(f64(a.q) + d.qk_row(b, t, h), K, a.use_qk_l2norm, scale, q.data());
+        normalise(f64(a.k) + d.qk_row(b, t, h), K, a.use_qk_l2norm, 1.0, k.data());
         const double* v = f64(a.v) + tok * V;
         const double lam = std::exp(f64(a.g)[tok]), bt = f64(a.beta)[tok];
         for (std::int64_t j = 0; j < V; ++j) {
@@ -106,7 +114,10 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq_out, const T
   const Dims d = dims_of(a);
   const double scale = scale_of(a, d.K);
   const std::int64_t K = d.K, V = d.V, KV = K * V;
-  Vec states((d.S + 1) * KV), ds(KV), dp(KV), q(K), k(K), u(V), dq(K), dk(K), dpu(V), dptk(V);
+  Vec states((d.S + 1) * KV), ds(KV), dp(KV), q(K), k(K), u(V), dq(K), dk(K), dx(K), dpu(V), dptk(V);
+  for (const TensorView* t : {&dq_out, &dk_out}) {
+    if (!t->empty()) std::fill(f64w(*t), f64w(*t) + t->numel(), 0.0);
+  }
   for (std::int64_t b = 0; b < d.B; ++b) {
     for (std::int64_t h = 0; h < d.H; ++h) {
       const std::int64_t bh = b * d.H + h;
@@ -118,7 +129,7 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq_out, const T
       }
       for (std::int64_t t = 0; t < d.S; ++t) {
         const std::int64_t tok = (b * d.S + t) * d.H + h;
-        normalise(f64(a.k) + tok * K, K, a.use_qk_l2norm, 1.0, k.data());
+        normalise(f64(a.k) + d.qk_row(b, t, h), K, a.use_qk_l2norm, 1.0, k.data());
         const double* v = f64(a.v) + tok * V;
         const double lam = std::exp(f64(a.g)[tok]), bt = f64(a.beta)[tok];
         const double* sp = states.data() + t * KV;
@@ -140,8 +151,9 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq_out, const T
       }
       for (std::int64_t t = d.S - 1; t >= 0; --t) {
         const std::int64_t tok = (b * d.S + t) * d.H + h;
-        normalise(f64(a.q) + tok * K, K, a.use_qk_l2norm, scale, q.data());
-        normalise(f64(a.k) + tok * K, K, a.use_qk_l2norm, 1.0, k.data());
+        const std::int64_t qk = d.qk_row(b, t, h);
+        normalise(f64(a.q) + qk, K, a.use_qk_l2norm, scale, q.data());
+        normalise(f64(a.k) + qk, K, a.use_qk_l2norm, 1.0, k.data());
         const double* v = f64(a.v) + tok * V;
         const double* dout = args.dout.empty() ? nullptr : f64(args.dout) + tok * V;
         const double lam = std::exp(f64(a.g)[tok]), bt = f64(a.beta)[tok];
@@ -193,10 +205,15 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq_out, const T
         }
         if (!dg_out.empty()) f64w(dg_out)[tok] = lam * dlam;
         if (!dbeta_out.empty()) f64w(dbeta_out)[tok] = dbeta;
-        if (!dq_out.empty())
-          normalise_backward(f64(a.q) + tok * K, K, a.use_qk_l2norm, scale, dq.data(), f64w(dq_out) + tok * K);
-        if (!dk_out.empty())
-          normalise_backward(f64(a.k) + tok * K, K, a.use_qk_l2norm, 1.0, dk.data(), f64w(dk_out) + tok * K);
+        // q and k of a key head are shared by its value heads: their gradients add up.
+        if (!dq_out.empty()) {
+          normalise_backward(f64(a.q) + qk, K, a.use_qk_l2norm, scale, dq.data(), dx.data());
+          for (std::int64_t i = 0; i < K; ++i) f64w(dq_out)[qk + i] += dx[i];
+        }
+        if (!dk_out.empty()) {
+          normalise_backward(f64(a.k) + qk, K, a.use_qk_l2norm, 1.0, dk.data(), dx.data());
+          for (std::int64_t i = 0; i < K; ++i) f64w(dk_out)[qk + i] += dx[i];
+        }
         // dS_{t-1} = (I - beta k k^T) dP.
         for (std::int64_t i = 0; i < K; ++i) {
           for (std::int64_t j = 0; j < V; ++j) ds[i * V + j] = dp[i * V + j] - bt * k[i] * dptk[j];

@@ -17,6 +17,8 @@ using test::all_close;
 using test::to_double;
 using test::world;
 
+constexpr std::int64_t kB = 2, kH = 4, kK = 16, kV = 8;  // kH value heads
+
 struct GdnCase {
   GdnCpMode mode;
   LayoutKind layout;
@@ -24,35 +26,50 @@ struct GdnCase {
   bool initial_state = true;
   bool l2norm = true;
   std::int64_t seq = 96;
+  std::int64_t key_heads = kH;  // Hk: kH / key_heads value heads share each q, k head
+  DType dtype = DType::kFloat32;
+  bool large = false;  // values up to 1e4 (v, initial_state), 1e3 (q, k before the L2 norm, dout)
 };
 
 std::string case_name(const GdnCase& c) {
   return str_cat(gdn_cp_mode_name(c.mode), "_", layout_name(c.layout), "_u", c.ulysses_size,
-                 c.initial_state ? "_init" : "_noinit", c.l2norm ? "_l2" : "_nol2", "_S", c.seq);
+                 c.initial_state ? "_init" : "_noinit", c.l2norm ? "_l2" : "_nol2", "_S", c.seq, "_Hv", kH, "_Hk",
+                 c.key_heads, "_", dtype_name(c.dtype), c.large ? "_large" : "");
 }
 void PrintTo(const GdnCase& c, std::ostream* os) { *os << case_name(c); }
 
-constexpr std::int64_t kB = 2, kH = 4, kK = 16, kV = 8;
-
 struct GdnProblem {
-  Tensor q, k, v, g, beta, init, dout, dfinal;  // full, fp64 (rounded to fp32 values)
-  GdnProblem(std::int64_t seq, bool l2norm) {
-    auto make = [](const Shape& s, std::uint64_t seed, double lo, double hi) {
-      Tensor f32 = test::random_tensor(s, DType::kFloat32, seed, lo, hi);
-      return f32;
+  Tensor q, k, v, g, beta, init, dout, dfinal;  // full, in the case's dtype (init, dfinal: its state dtype)
+  explicit GdnProblem(const GdnCase& c) {
+    const DType t = c.dtype;
+    const std::int64_t seq = c.seq, hk = c.key_heads;
+    auto make = [t](const Shape& s, std::uint64_t seed, double lo, double hi) {
+      return test::random_tensor(s, t, seed, lo, hi);
     };
     // Without the L2 norm, keys of norm <= 1 keep (I - beta k k^T) a contraction.
-    const double kscale = l2norm ? 1.0 : 1.0 / std::sqrt(static_cast<double>(kK));
-    q = make({kB, seq, kH, kK}, 101, -1, 1);
-    k = make({kB, seq, kH, kK}, 102, -kscale, kscale);
-    v = make({kB, seq, kH, kV}, 103, -1, 1);
+    const double kscale = c.l2norm ? 1.0 : 1.0 / std::sqrt(static_cast<double>(kK));
+    const double qk = c.large && c.l2norm ? 1e3 : 1.0, big = c.large ? 1e4 : 1.0, dbig = c.large ? 1e3 : 1.0;
+    q = make({kB, seq, hk, kK}, 101, -qk, qk);
+    k = make({kB, seq, hk, kK}, 102, -kscale * qk, kscale * qk);
+    v = make({kB, seq, kH, kV}, 103, -big, big);
     g = make({kB, seq, kH}, 104, -0.1, -0.001);  // weak decay: states carry across segments
     beta = make({kB, seq, kH}, 105, 0.05, 0.5);
-    init = make({kB, kH, kK, kV}, 106, -0.5, 0.5);
-    dout = make({kB, seq, kH, kV}, 107, -1, 1);
-    dfinal = make({kB, kH, kK, kV}, 108, -1, 1);
+    init = make({kB, kH, kK, kV}, 106, -0.5 * big, 0.5 * big);
+    dout = make({kB, seq, kH, kV}, 107, -dbig, dbig);
+    dfinal = make({kB, kH, kK, kV}, 108, -dbig, dbig);
   }
 };
+
+// fp32: the chunked kernels against the fp64 recurrence, rounding of O(S) fp32 steps with O(1) values.
+// fp64: everything runs in fp64, so every tensor agrees with the recurrence to 1e-10 of its largest value.
+::testing::AssertionResult close_to(const std::vector<double>& got, const Tensor& want, const GdnCase& c,
+                                    const std::string& what) {
+  const std::vector<double> w = to_double(want);
+  if (c.dtype != DType::kFloat64) return all_close(got, w, 2e-4, 2e-3, what);
+  double scale = 0;
+  for (double x : w) scale = std::max(scale, std::abs(x));
+  return all_close(got, w, 1e-10 * scale, 0, what + " (fp64: 1e-10 of max |ref| " + std::to_string(scale) + ")");
+}
 
 Tensor f64(const Tensor& t) { return Tensor::copy_of(t.view(), DType::kFloat64, MemCategory::kWorkspace); }
 
@@ -76,7 +93,7 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   const GdnCase c = GetParam();
   const int n = world().size();
   SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
-  const GdnProblem p(c.seq, c.l2norm);
+  const GdnProblem p(c);
 
   // fp64 reference of the whole sequence.
   Tensor q64 = f64(p.q), k64 = f64(p.k), v64 = f64(p.v), g64 = f64(p.g), b64 = f64(p.beta), i64 = f64(p.init),
@@ -116,23 +133,22 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
       gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep), shard(p.g, pos, keep),
                   shard(p.beta, pos, keep), c.initial_state ? p.init.view() : TensorView());
   Tensor dout_local =
-      Tensor::empty({kB, static_cast<std::int64_t>(pos.size()), kH, kV}, DType::kFloat32, MemCategory::kWorkspace);
+      Tensor::empty({kB, static_cast<std::int64_t>(pos.size()), kH, kV}, c.dtype, MemCategory::kWorkspace);
   shard_sequence(p.dout.view(), pos, dout_local.view());
   GdnCpGrads gr = gdn.backward(std::move(o.ctx), dout_local.view(), p.dfinal.view());
 
-  // fp32 chunked kernels against the fp64 recurrence: rounding of O(S) fp32 steps with O(1) values.
-  const double atol = 2e-4, rtol = 2e-3;
   const std::string name = str_cat(case_name(c), " on ", grid.str());
   Communicator& sp = grid.sp();
-  EXPECT_TRUE(
-      all_close(gather(sp, gdn.layout(), o.out, {kB, c.seq, kH, kV}), to_double(ro), atol, rtol, name + " out"));
-  EXPECT_TRUE(all_close(to_double(o.final_state), to_double(rf), atol, rtol, name + " final_state"));
-  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dq, q64.shape()), to_double(rdq), atol, rtol, name + " dq"));
-  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dk, k64.shape()), to_double(rdk), atol, rtol, name + " dk"));
-  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dv, v64.shape()), to_double(rdv), atol, rtol, name + " dv"));
-  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dg, g64.shape()), to_double(rdg), atol, rtol, name + " dg"));
-  EXPECT_TRUE(all_close(gather(sp, gdn.layout(), gr.dbeta, b64.shape()), to_double(rdb), atol, rtol, name + " dbeta"));
-  EXPECT_TRUE(all_close(to_double(gr.dinitial_state), to_double(rdi), atol, rtol, name + " dinitial_state"));
+  EXPECT_TRUE(close_to(gather(sp, gdn.layout(), o.out, {kB, c.seq, kH, kV}), ro, c, name + " out"));
+  EXPECT_TRUE(close_to(to_double(o.final_state), rf, c, name + " final_state"));
+  EXPECT_TRUE(close_to(gather(sp, gdn.layout(), gr.dq, q64.shape()), rdq, c, name + " dq"));
+  EXPECT_TRUE(close_to(gather(sp, gdn.layout(), gr.dk, k64.shape()), rdk, c, name + " dk"));
+  EXPECT_TRUE(close_to(gather(sp, gdn.layout(), gr.dv, v64.shape()), rdv, c, name + " dv"));
+  EXPECT_TRUE(close_to(gather(sp, gdn.layout(), gr.dg, g64.shape()), rdg, c, name + " dg"));
+  EXPECT_TRUE(close_to(gather(sp, gdn.layout(), gr.dbeta, b64.shape()), rdb, c, name + " dbeta"));
+  EXPECT_TRUE(close_to(to_double(gr.dinitial_state), rdi, c, name + " dinitial_state"));
+  EXPECT_EQ(gr.dq.dtype(), c.dtype) << name;
+  EXPECT_EQ(gr.dinitial_state.dtype(), attn::gdn_state_dtype(c.dtype)) << name;
 
   // Message rounds: chain is sequential over the N segments, scan is logarithmic.
   const std::int64_t segments = static_cast<std::int64_t>(segments_in_global_order([&] {
@@ -162,6 +178,23 @@ std::vector<GdnCase> gdn_cases() {
       cases.push_back({mode, LayoutKind::kZigzag, 2});  // USP 2 x (n/2)
       cases.push_back({mode, LayoutKind::kContiguous, 2, false, false});
     }
+    // Grouped value heads: 4 value heads on 2 key heads (pairs, as Qwen3-Next) and on 1; under USP the key heads are
+    // split (Hk = 2 over Pu = 2) or replicated (Hk = 1 over Pu = 2, Hk = 2 over Pu = 4).
+    cases.push_back({mode, LayoutKind::kZigzag, 1, true, true, 96, 2});
+    cases.push_back({mode, LayoutKind::kContiguous, 1, true, false, 96, 1});
+    if (n % 2 == 0 && n >= 2) {
+      cases.push_back({mode, LayoutKind::kZigzag, 2, true, true, 96, 2});
+      cases.push_back({mode, LayoutKind::kContiguous, 2, true, true, 96, 1});
+    }
+    if (n % 4 == 0) cases.push_back({mode, LayoutKind::kZigzag, 4, true, true, 96, 2});
+    // fp64 storage: within 1e-10 of the recurrence, with large values and grouped heads, on both layouts, and
+    // under USP with replicated key heads.
+    cases.push_back({mode, LayoutKind::kZigzag, 1, true, true, 96, 2, DType::kFloat64, true});
+    cases.push_back({mode, LayoutKind::kContiguous, 1, true, false, 96, kH, DType::kFloat64, true});
+    if (n % 2 == 0 && n >= 2) cases.push_back({mode, LayoutKind::kZigzag, 2, true, true, 96, 1, DType::kFloat64, true});
+    if (n % 2 == 0 && n >= 4) {
+      cases.push_back({mode, LayoutKind::kContiguous, 2, false, true, 96, 2, DType::kFloat64, true});
+    }
   }
   return cases;
 }
@@ -184,6 +217,18 @@ TEST(GdnCp, ConfigurationErrors) {
   Tensor q = Tensor::zeros({1, 3, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);  // wrong local length
   Tensor gb = Tensor::zeros({1, 3, 1}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(gdn.forward(q.view(), q.view(), q.view(), gb.view(), gb.view()), Error);
+  // 4 value heads on 3 key heads: refused with GDN's rule, on every rank, before anything is sent.
+  Tensor q3 = Tensor::zeros({1, 2, 3, 4}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor v4 = Tensor::zeros({1, 2, 4, 4}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor g4 = Tensor::zeros({1, 2, 4}, DType::kFloat32, MemCategory::kWorkspace);
+  try {
+    gdn.forward(q3.view(), q3.view(), v4.view(), g4.view(), g4.view());
+    ADD_FAILURE() << "Hv 4 on Hk 3 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("value heads Hv = 4 must be a positive multiple of key heads Hk = 3"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Short conv with its halo, including segments shorter than W - 1 (the halo then spans several ranks).

@@ -31,11 +31,12 @@ using test::to_double;
 constexpr MemCategory kWs = MemCategory::kWorkspace;
 
 struct Problem {
-  std::int64_t B = 2, S = 16, H = 3, K = 16, V = 12;
+  std::int64_t B = 2, S = 16, H = 3, Hk = 0, K = 16, V = 12;  // H value heads; Hk key heads (0: H)
   bool l2 = true;
   bool with_init = true;
   std::int64_t chunk = kGdnDefaultChunkSize;
   std::uint64_t seed = 1;
+  std::int64_t key_heads() const { return Hk > 0 ? Hk : H; }
 };
 
 // Inputs in the storage dtype plus their fp64 copies (same rounded values) for the reference.
@@ -61,8 +62,8 @@ Inputs make_inputs(const Problem& p, DType dtype) {
   in.dtype = dtype;
   // Without the L2 normalisation, k is kept at norm ~ 0.6 so that I - beta k k^T stays a contraction.
   const double kr = p.l2 ? 1.0 : 1.0 / std::sqrt(static_cast<double>(p.K));
-  in.q = random_tensor({p.B, p.S, p.H, p.K}, dtype, p.seed * 11 + 1);
-  in.k = random_tensor({p.B, p.S, p.H, p.K}, dtype, p.seed * 11 + 2, -kr, kr);
+  in.q = random_tensor({p.B, p.S, p.key_heads(), p.K}, dtype, p.seed * 11 + 1);
+  in.k = random_tensor({p.B, p.S, p.key_heads(), p.K}, dtype, p.seed * 11 + 2, -kr, kr);
   in.v = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed * 11 + 3);
   in.g = random_tensor({p.B, p.S, p.H}, dtype, p.seed * 11 + 4, -0.3, -0.005);
   in.beta = random_tensor({p.B, p.S, p.H}, dtype, p.seed * 11 + 5, 0.05, 0.95);
@@ -105,8 +106,8 @@ struct Grads {
 
 Grads alloc_grads(const Problem& p, DType dtype, DType state_dtype) {
   Grads gr;
-  gr.dq = Tensor::empty({p.B, p.S, p.H, p.K}, dtype, kWs);
-  gr.dk = Tensor::empty({p.B, p.S, p.H, p.K}, dtype, kWs);
+  gr.dq = Tensor::empty({p.B, p.S, p.key_heads(), p.K}, dtype, kWs);
+  gr.dk = Tensor::empty({p.B, p.S, p.key_heads(), p.K}, dtype, kWs);
   gr.dv = Tensor::empty({p.B, p.S, p.H, p.V}, dtype, kWs);
   gr.dg = Tensor::empty({p.B, p.S, p.H}, dtype, kWs);
   gr.dbeta = Tensor::empty({p.B, p.S, p.H}, dtype, kWs);
@@ -128,7 +129,8 @@ Grads run_reference_backward(const Inputs& in, const TensorView& dout, const Ten
 
 std::string tag_of(const Problem& p, DType dtype) {
   return std::string(dtype_name(dtype)) + " S=" + std::to_string(p.S) + " C=" + std::to_string(p.chunk) +
-         (p.l2 ? " l2" : " nol2") + (p.with_init ? " init" : " noinit");
+         " Hv=" + std::to_string(p.H) + " Hk=" + std::to_string(p.key_heads()) + (p.l2 ? " l2" : " nol2") +
+         (p.with_init ? " init" : " noinit");
 }
 
 // ---- forward vs the recurrence -----------------------------------------------------------------------------
@@ -255,8 +257,10 @@ double reference_loss(const GdnForwardArgs& a, const Problem& p, const std::vect
 }
 
 TEST(GdnReference, GradientsMatchFiniteDifferences) {
-  for (bool l2 : {true, false}) {
-    const Problem p{.B = 2, .S = 7, .H = 2, .K = 4, .V = 3, .l2 = l2};
+  // (l2, key heads) with 2 value heads: one-to-one with and without the normalisation, and both value heads on one
+  // key head (dq and dk sum over them).
+  for (const auto& [l2, hk] : {std::pair{true, 2}, std::pair{false, 2}, std::pair{true, 1}, std::pair{false, 1}}) {
+    const Problem p{.B = 2, .S = 7, .H = 2, .Hk = hk, .K = 4, .V = 3, .l2 = l2};
     Inputs in = make_inputs(p, DType::kFloat64);
     const std::vector<double> wo = test::random_values(p.B * p.S * p.H * p.V, 91);
     const std::vector<double> ws = test::random_values(p.B * p.H * p.K * p.V, 92);
@@ -284,8 +288,9 @@ TEST(GdnReference, GradientsMatchFiniteDifferences) {
         fd[i] = (lp - lm) / (2 * h);
       }
       // Central differences with h = 1e-6 on O(1) values: truncation ~1e-12, cancellation ~1e-10.
-      EXPECT_TRUE(all_close(to_double(*pairs[n].second), fd, 1e-8, 1e-6,
-                            std::string("reference ") + names[n] + (l2 ? " l2" : " nol2")));
+      EXPECT_TRUE(
+          all_close(to_double(*pairs[n].second), fd, 1e-8, 1e-6,
+                    std::string("reference ") + names[n] + (l2 ? " l2" : " nol2") + " Hk=" + std::to_string(hk)));
     }
   }
 }
@@ -358,6 +363,166 @@ TEST(GdnBackwardMisc, SmallChunksAndStateOnlySweep) {
   EXPECT_TRUE(all_close(to_double(dinit), to_double(want.dinit), 1e-10, 1e-9, "state-only dinitial_state"));
 }
 
+// ---- grouped value heads (Hv = G Hk) ---------------------------------------------------------------------------
+
+// [B, S, Hk, D] -> [B, S, Hk G, D] with head e a copy of head e / G (torch's repeat_interleave along the heads).
+Tensor repeat_heads(const TensorView& t, std::int64_t G) {
+  const std::int64_t rows = t.dim(0) * t.dim(1), hk = t.dim(2);
+  Tensor out = Tensor::empty({t.dim(0), t.dim(1), hk * G, t.dim(3)}, t.dtype(), kWs);
+  const std::size_t row = static_cast<std::size_t>(t.dim(3)) * dtype_size(t.dtype());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t e = 0; e < hk * G; ++e) {
+      std::memcpy(static_cast<char*>(out.data()) + (r * hk * G + e) * row,
+                  static_cast<const char*>(t.data()) + (r * hk + e / G) * row, row);
+    }
+  }
+  return out;
+}
+
+// The adjoint of repeat_heads in fp64: [B, S, Hk G, D] -> [B, S, Hk, D] values, heads e G .. e G + G - 1 summed.
+std::vector<double> sum_head_groups(const TensorView& t, std::int64_t G) {
+  const std::vector<double> x = to_double(t);
+  const std::int64_t D = t.dim(3), n = t.numel() / (G * D);
+  std::vector<double> out(static_cast<std::size_t>(n * D), 0.0);
+  for (std::int64_t r = 0; r < n; ++r) {
+    for (std::int64_t j = 0; j < G; ++j) {
+      for (std::int64_t e = 0; e < D; ++e) out[r * D + e] += x[(r * G + j) * D + e];
+    }
+  }
+  return out;
+}
+
+// max |got - want| <= rel * max |want| over the tensor (relative to its scale).
+::testing::AssertionResult within_rel(const TensorView& got, const TensorView& want, double rel,
+                                      const std::string& what) {
+  double scale = 0;
+  for (double x : to_double(want)) scale = std::max(scale, std::abs(x));
+  return all_close(to_double(got), to_double(want), rel * scale, 0, what + " (rel " + std::to_string(rel) + ")");
+}
+
+class GdnGrouped : public ::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t>> {};
+
+// Hv value heads on Hk key heads against the fp64 recurrence (forward and backward), and against the one-to-one
+// kernel on q and k repeated to Hv heads, whose dq and dk summed over each group must equal the grouped ones.
+TEST_P(GdnGrouped, MatchesRecurrenceAndRepeatedHeads) {
+  Problem p;
+  std::tie(p.H, p.Hk) = GetParam();
+  const std::int64_t G = p.H / p.Hk;
+  for (const std::int64_t S : {std::int64_t{1}, std::int64_t{70}, std::int64_t{133}}) {
+    p.S = S;
+    p.seed = static_cast<std::uint64_t>(500 + S + 7 * p.H + p.Hk);
+    for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kBFloat16}) {
+      const std::string tag = tag_of(p, dtype);
+      const Inputs in = make_inputs(p, dtype);
+      const Outputs got = run_forward(in);
+      const Outputs want = run_reference(in);
+      const double atol = dtype == DType::kFloat64 ? 1e-10 : 5e-5;
+      const double rtol = dtype == DType::kFloat64 ? 1e-9 : 2e-4;
+      EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), atol, rtol, tag + " out"));
+      EXPECT_TRUE(all_close(to_double(got.final_state), to_double(want.final_state), atol, rtol, tag + " final"));
+      Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed + 7);
+      Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, gdn_state_dtype(dtype), p.seed + 8);
+      const DType grad_dtype = dtype == DType::kBFloat16 ? DType::kFloat32 : dtype;
+      const Grads g = run_backward(in, dout, dfin, grad_dtype);
+      expect_grads_close(g, run_reference_backward(in, dout, dfin), atol, rtol, tag);
+
+      // The same problem with q and k repeated to Hv heads, through the one-to-one path.
+      Inputs rep;
+      rep.p = p;
+      rep.p.Hk = 0;
+      rep.dtype = dtype;
+      rep.q = repeat_heads(in.q, G);
+      rep.k = repeat_heads(in.k, G);
+      for (auto [dst, src] : {std::pair{&rep.v, &in.v}, std::pair{&rep.g, &in.g}, std::pair{&rep.beta, &in.beta},
+                              std::pair{&rep.init, &in.init}}) {
+        *dst = Tensor::copy_of(*src, src->dtype(), kWs);
+      }
+      const Outputs rep_out = run_forward(rep);
+      EXPECT_EQ(to_double(got.out), to_double(rep_out.out)) << tag << " out vs repeated heads";
+      EXPECT_EQ(to_double(got.final_state), to_double(rep_out.final_state)) << tag << " final vs repeated heads";
+      const Grads rg = run_backward(rep, dout, dfin, grad_dtype);
+      // Per value head the arithmetic is identical; only the group sum differs (fp64 here, the kernel's dtype there).
+      const double sum_tol = grad_dtype == DType::kFloat64 ? 1e-14 : 1e-6;
+      EXPECT_TRUE(all_close(to_double(g.dq), sum_head_groups(rg.dq, G), sum_tol, sum_tol, tag + " dq vs repeated"));
+      EXPECT_TRUE(all_close(to_double(g.dk), sum_head_groups(rg.dk, G), sum_tol, sum_tol, tag + " dk vs repeated"));
+      for (const auto& [a, b, name] :
+           {std::tuple{&g.dv, &rg.dv, "dv"}, std::tuple{&g.dg, &rg.dg, "dg"}, std::tuple{&g.dbeta, &rg.dbeta, "dbeta"},
+            std::tuple{&g.dinit, &rg.dinit, "dinit"}}) {
+        EXPECT_EQ(to_double(*a), to_double(*b)) << tag << " " << name << " vs repeated heads";
+      }
+    }
+  }
+}
+
+// (Hv, Hk): Qwen3-Next's pairs, all value heads on one key head, three per key head.
+INSTANTIATE_TEST_SUITE_P(Heads, GdnGrouped,
+                         ::testing::Values(std::tuple<std::int64_t, std::int64_t>{4, 2},
+                                           std::tuple<std::int64_t, std::int64_t>{3, 1},
+                                           std::tuple<std::int64_t, std::int64_t>{6, 2}),
+                         [](const auto& info) {
+                           return "Hv" + std::to_string(std::get<0>(info.param)) + "_Hk" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+TEST(GdnGroupedMisc, RejectsValueHeadsNotAMultipleOfKeyHeads) {
+  Problem p;
+  p.H = 4;
+  p.Hk = 3;
+  const Inputs in = make_inputs(p, DType::kFloat32);
+  Tensor out = Tensor::empty({p.B, p.S, p.H, p.V}, DType::kFloat32, kWs);
+  try {
+    gdn_forward(in.args(), out, TensorView());
+    ADD_FAILURE() << "Hv 4 on Hk 3 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("value heads Hv = 4"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("multiple of key heads Hk = 3"), std::string::npos) << e.what();
+  }
+  Grads g = alloc_grads(p, DType::kFloat32, DType::kFloat32);
+  GdnBackwardArgs ba{in.args(), TensorView(), TensorView()};
+  EXPECT_THROW(gdn_backward(ba, g.dq, g.dk, g.dv, g.dg, g.dbeta, g.dinit), Error);
+  Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat32, kWs),
+         u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat32, kWs);
+  GdnForwardArgs ta = in.args();
+  ta.initial_state = {};
+  EXPECT_THROW(gdn_transition(ta, m, u), Error);
+}
+
+// fp64 storage computes in fp64: every output and gradient within 1e-10 of the recurrence relative to its scale,
+// with large values (|v| up to 1e4, |q|, |k| up to 1e3 before the normalisation, a state of 1e4), grouped heads and
+// chunk boundaries inside.
+TEST(GdnFp64, LargeInputsWithin1e10) {
+  for (const bool l2 : {true, false}) {
+    Problem p{.B = 1, .S = 200, .H = 4, .Hk = 2, .K = 24, .V = 20, .l2 = l2};
+    p.seed = 901 + l2;
+    Inputs in = make_inputs(p, DType::kFloat64);
+    if (l2) {
+      in.q = random_tensor({p.B, p.S, p.Hk, p.K}, DType::kFloat64, 31, -1e3, 1e3);
+      in.k = random_tensor({p.B, p.S, p.Hk, p.K}, DType::kFloat64, 32, -1e3, 1e3);
+    }
+    in.v = random_tensor({p.B, p.S, p.H, p.V}, DType::kFloat64, 33, -1e4, 1e4);
+    in.init = random_tensor({p.B, p.H, p.K, p.V}, DType::kFloat64, 34, -1e4, 1e4);
+    in.q64 = as_f64(in.q);
+    in.k64 = as_f64(in.k);
+    in.v64 = as_f64(in.v);
+    in.init64 = as_f64(in.init);
+    const std::string tag = std::string("fp64 large ") + (l2 ? "l2" : "nol2");
+    const Outputs got = run_forward(in);
+    const Outputs want = run_reference(in);
+    EXPECT_TRUE(within_rel(got.out, want.out, 1e-10, tag + " out"));
+    EXPECT_TRUE(within_rel(got.final_state, want.final_state, 1e-10, tag + " final_state"));
+    Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, DType::kFloat64, 35, -1e3, 1e3);
+    Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, DType::kFloat64, 36, -1e2, 1e2);
+    const Grads g = run_backward(in, dout, dfin, DType::kFloat64);
+    const Grads w = run_reference_backward(in, dout, dfin);
+    for (const auto& [a, b, name] :
+         {std::tuple{&g.dq, &w.dq, "dq"}, std::tuple{&g.dk, &w.dk, "dk"}, std::tuple{&g.dv, &w.dv, "dv"},
+          std::tuple{&g.dg, &w.dg, "dg"}, std::tuple{&g.dbeta, &w.dbeta, "dbeta"},
+          std::tuple{&g.dinit, &w.dinit, "dinitial_state"}}) {
+      EXPECT_TRUE(within_rel(*a, *b, 1e-10, tag + " " + name));
+    }
+  }
+}
+
 // ---- S = 8192 in fp32 ---------------------------------------------------------------------------------------
 
 // Tolerance: |err| <= 1e-5 + 1e-4 |ref| for out and final_state. Observed (g++ 12, AVX2): max abs error 5e-8 on out
@@ -422,14 +587,18 @@ struct Piece {
   }
 };
 
-class GdnSplit : public ::testing::TestWithParam<DType> {};
+class GdnSplit : public ::testing::TestWithParam<std::tuple<DType, bool>> {};
 
 TEST_P(GdnSplit, ChainAndScanEqualOneCall) {
-  const DType dtype = GetParam();
+  const auto [dtype, grouped] = GetParam();
   const DType sd = gdn_state_dtype(dtype);
   Problem p;
   p.S = 150;
   p.seed = 77;
+  if (grouped) {  // 4 value heads on 2 key heads
+    p.H = 4;
+    p.Hk = 2;
+  }
   const Inputs in = make_inputs(p, dtype);
   // Lengths 40, 1, 64, 45: a chunk boundary inside, a one-token piece, a full chunk.
   const std::vector<std::int64_t> cuts = {0, 40, 41, 105, 150};
@@ -575,8 +744,12 @@ TEST_P(GdnSplit, ChainAndScanEqualOneCall) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Dtypes, GdnSplit, ::testing::Values(DType::kFloat64, DType::kFloat32),
-                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Dtypes, GdnSplit,
+                         ::testing::Combine(::testing::Values(DType::kFloat64, DType::kFloat32), ::testing::Bool()),
+                         [](const auto& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) +
+                                  (std::get<1>(info.param) ? "_grouped" : "_heads1to1");
+                         });
 
 }  // namespace
 }  // namespace seqpar::attn
