@@ -68,7 +68,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
-  float* lse_out = static_cast<float*>(lse.data());
+  Acc* lse_out = static_cast<Acc*>(lse.data());
   const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s);
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_forward scratch");
   const WorkerScratch<Acc> ws({H * Dqk, nmax * Dqk, H * nmax, H * Dv, H, H, kTile * Dqk, kTile * H},
@@ -84,7 +84,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
       const std::int64_t n = collect_selected(s, idx, r, sel, slots);
       std::fill(o.begin(), o.end(), Acc(0));
       if (n == 0) {
-        for (std::int64_t h = 0; h < H; ++h) lse_out[(b * H + h) * s.Sq + t] = neg_inf();
+        for (std::int64_t h = 0; h < H; ++h) lse_out[(b * H + h) * s.Sq + t] = neg_inf<Acc>();
         store_row(out, r * H * Dv, o.data(), H * Dv, false);
         continue;
       }
@@ -118,7 +118,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
       for (std::int64_t h = 0; h < H; ++h) {
         const Acc inv = Acc(1) / sum[h];
         for (std::int64_t d = 0; d < Dv; ++d) o[h * Dv + d] *= inv;
-        lse_out[(b * H + h) * s.Sq + t] = static_cast<float>(mx[h] + std::log(sum[h]));
+        lse_out[(b * H + h) * s.Sq + t] = mx[h] + std::log(sum[h]);
       }
       store_row(out, r * H * Dv, o.data(), H * Dv, false);
     }
@@ -129,14 +129,17 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
 // pairs inside the block; probs (optional) gets sum_h p per slot. Key pass (with dout): dc per block latent row.
 template <typename T>
 void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& lse_t, const TensorView& dout_t,
-                   const float* delta, const TensorView& dq_t, const TensorView& dc_t, bool accumulate, float* probs) {
+                   const TensorView& delta_t, const TensorView& dq_t, const TensorView& dc_t, bool accumulate,
+                   const TensorView& probs_t) {
   using Acc = acc_t<T>;
   const std::int64_t H = s.H, Dqk = s.Dqk, Dv = s.Dv, Sq = s.Sq;
   const bool want_grad = !absent(dout_t);
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
-  const float* lse = static_cast<const float*>(lse_t.data());
+  const Acc* lse = static_cast<const Acc*>(lse_t.data());
+  const Acc* delta = static_cast<const Acc*>(delta_t.data());
+  Acc* probs = static_cast<Acc*>(probs_t.data());
   const std::int64_t rows = s.B * Sq;
   const Acc scale = Acc(s.scale);
   const std::int64_t nmax = max_selected(s);
@@ -157,7 +160,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
       std::fill(dq.begin(), dq.end(), Acc(0));
       if (n > 0) {
         if (want_grad) load_any(dout_t, r * H * Dv, H * Dv, dorow.data());
-        for (std::int64_t h = 0; h < H; ++h) lse_r[h] = static_cast<Acc>(lse[(b * H + h) * Sq + t]);
+        for (std::int64_t h = 0; h < H; ++h) lse_r[h] = lse[(b * H + h) * Sq + t];
         for_each_selected_tile_scores(
             q, c, s, b, r, sel, n, qrow, gath, cT, tile, [&](std::int64_t j0, std::int64_t nj, const Acc* const* rowp) {
               if (want_grad) dot_tile(dorow.data(), H, Dv, cT.data(), dptile.data());  // rows d < Dv of cT: the value
@@ -167,7 +170,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
                   const Acc pj = dead ? Acc(0) : std::exp(scale * tile[h * kTile + j] - lse_r[h]);
                   p[h * n + j0 + j] = pj;
                   if (want_grad && pj != Acc(0)) {
-                    const Acc ds = pj * (dptile[h * kTile + j] - static_cast<Acc>(delta[(b * H + h) * Sq + t]));
+                    const Acc ds = pj * (dptile[h * kTile + j] - delta[(b * H + h) * Sq + t]);
                     axpy(scale * ds, rowp[j], dq.data() + h * Dqk, Dqk);
                   }
                 }
@@ -177,7 +180,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
           for (std::int64_t j = 0; j < n; ++j) {
             Acc ps = 0;
             for (std::int64_t h = 0; h < H; ++h) ps += p[h * n + j];
-            probs[r * s.K + slots[j]] = static_cast<float>(ps);
+            probs[r * s.K + slots[j]] = ps;
           }
         }
       }
@@ -220,8 +223,8 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
                 dr = dorow.data();
               }
               for (std::int64_t h = 0; h < H; ++h) {
-                lse_r[h] = static_cast<Acc>(lse[(b * H + h) * Sq + t]);
-                delta_r[h] = static_cast<Acc>(delta[(b * H + h) * Sq + t]);
+                lse_r[h] = lse[(b * H + h) * Sq + t];
+                delta_r[h] = delta[(b * H + h) * Sq + t];
               }
             }
             for (std::int64_t j = 0; j < n; ++j) crows[j] = c + (b * s.Sk + keys[j]) * Dqk;
@@ -247,31 +250,23 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   for (std::int64_t km = 0; km < keys; ++km) store_row(dc_t, km * Dqk, dc_acc + km * Dqk, Dqk, accumulate);
 }
 
-void delta_impl(const TensorView& out, const TensorView& dout, float* delta, std::int64_t B, std::int64_t Sq,
-                std::int64_t H, std::int64_t Dv) {
-  const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
-  const WorkerScratch<double> wide_ws({wide ? Dv : 0, wide ? Dv : 0}, "dsa_attention_delta scratch");
-  const WorkerScratch<float> ws({wide ? 0 : Dv, wide ? 0 : Dv}, "dsa_attention_delta scratch");
+// delta [B, H, Sq] of dtype D (fp32 or fp64): the dot products in D.
+template <typename D>
+void delta_impl(const TensorView& out, const TensorView& dout, const TensorView& delta_t) {
+  const std::int64_t B = out.dim(0), Sq = out.dim(1), H = out.dim(2), Dv = out.dim(3);
+  D* delta = static_cast<D*>(delta_t.data());
+  const WorkerScratch<D> ws({Dv, Dv}, "dsa_attention_delta scratch");
 #pragma omp parallel
   {
-    const std::span<double> o = wide_ws.buffer(0), g = wide_ws.buffer(1);
-    const std::span<float> of = ws.buffer(0), gf = ws.buffer(1);
+    const std::span<D> o = ws.buffer(0), g = ws.buffer(1);
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < B * Sq; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t at = (r * H + h) * Dv;
-        float v;
-        if (wide) {
-          load_any(out, at, Dv, o.data());
-          load_any(dout, at, Dv, g.data());
-          v = static_cast<float>(dot(o.data(), g.data(), Dv));
-        } else {
-          load_any(out, at, Dv, of.data());
-          load_any(dout, at, Dv, gf.data());
-          v = dot(of.data(), gf.data(), Dv);
-        }
-        delta[(b * H + h) * Sq + t] = v;
+        load_any(out, at, Dv, o.data());
+        load_any(dout, at, Dv, g.data());
+        delta[(b * H + h) * Sq + t] = dot(o.data(), g.data(), Dv);
       }
     }
   }
@@ -284,13 +279,13 @@ void dsa_attention_forward_cpu(const DsaAttentionArgs& args, const DsaAttentionS
   dispatch_floating(args.q.dtype(), [&](auto tag) { forward_impl<decltype(tag)>(args, s, out, lse); });
 }
 
-void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, float* delta) {
-  delta_impl(out, dout, delta, out.dim(0), out.dim(1), out.dim(2), out.dim(3));
+void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, const TensorView& delta) {
+  dispatch_acc(delta.dtype(), [&](auto tag) { delta_impl<decltype(tag)>(out, dout, delta); });
 }
 
 void dsa_attention_backward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& lse,
-                                const TensorView& dout, const float* delta, const TensorView& dq, const TensorView& dc,
-                                bool accumulate, float* probs) {
+                                const TensorView& dout, const TensorView& delta, const TensorView& dq,
+                                const TensorView& dc, bool accumulate, const TensorView& probs) {
   dispatch_floating(args.q.dtype(), [&](auto tag) {
     backward_impl<decltype(tag)>(args, s, lse, dout, delta, dq, dc, accumulate, probs);
   });

@@ -193,10 +193,16 @@ TEST(DsaBoundary, IndexerArgumentsAreRejectedWithTheirRule) {
   a.q_pos = q_pos;
   expect_rejected([&] { check_dsa_indexer_topk_block(a, state); }, [&] { dsa_indexer_topk_block(a, state); },
                   "q_pos has 3 entries, expected 0 (meaning 0..3) or Sq = 4");
-  Tensor scores64 = zeros({1, 4, 2}, DType::kFloat64);
-  const DsaTopkState bad_state{scores64, positions};
+  Tensor scores16 = zeros({1, 4, 2}, DType::kFloat16);
+  const DsaTopkState bad_state{scores16, positions};
   expect_rejected([&] { check_dsa_topk_init(bad_state); }, [&] { dsa_topk_init(bad_state); },
-                  "top-k state scores has dtype fp64, expected fp32");
+                  "top-k state scores has dtype fp16, expected fp32 or fp64 (the DSA accumulator dtypes)");
+  // fp64 scores are the accumulator dtype of fp64 inputs only.
+  Tensor scores64 = zeros({1, 4, 2}, DType::kFloat64);
+  const DsaTopkState wide_state{scores64, positions};
+  expect_rejected([&] { check_dsa_indexer_topk_block(d.indexer(), wide_state); },
+                  [&] { dsa_indexer_topk_block(d.indexer(), wide_state); },
+                  "top-k state scores (fp32 indexer inputs) has dtype fp64, expected fp32");
   Tensor scores3 = zeros({1, 4, 3}), positions3 = zeros({1, 4, 3}, DType::kInt64);
   const DsaTopkState other{scores3, positions3};
   expect_rejected([&] { check_dsa_topk_merge(state, other); }, [&] { dsa_topk_merge(state, other); },
