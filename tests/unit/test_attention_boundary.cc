@@ -193,8 +193,8 @@ TEST(DsaBoundary, IndexerArgumentsAreRejectedWithTheirRule) {
   a.q_pos = q_pos;
   expect_rejected([&] { check_dsa_indexer_topk_block(a, state); }, [&] { dsa_indexer_topk_block(a, state); },
                   "q_pos has 3 entries, expected 0 (meaning 0..3) or Sq = 4");
-  Tensor scores16 = zeros({1, 4, 2}, DType::kFloat16);
-  const DsaTopkState bad_state{scores16, positions};
+  Tensor state16 = zeros({1, 4, 2}, DType::kFloat16);
+  const DsaTopkState bad_state{state16, positions};
   expect_rejected([&] { check_dsa_topk_init(bad_state); }, [&] { dsa_topk_init(bad_state); },
                   "top-k state scores has dtype fp16, expected fp32 or fp64 (the DSA accumulator dtypes)");
   // fp64 scores are the accumulator dtype of fp64 inputs only.
@@ -216,7 +216,7 @@ TEST(DsaBoundary, IndexerArgumentsAreRejectedWithTheirRule) {
                   "scores has dtype fp16, expected fp32");
   const DsaIndexerLossArgs loss{scores16, d.slots, d.topk};
   expect_rejected([&] { check_dsa_indexer_loss(loss, TensorView()); }, [&] { dsa_indexer_loss(loss, TensorView()); },
-                  "probs has dtype fp16, expected fp32");
+                  "probs has dtype fp16, expected fp32 or fp64 (the DSA accumulator dtypes)");
   Tensor dk_bad = zeros({1, 3, 4});
   expect_rejected([&] { check_dsa_indexer_backward(d.indexer(), d.topk, d.slots, d.dq_idx, d.dw, dk_bad, false); },
                   [&] { dsa_indexer_backward(d.indexer(), d.topk, d.slots, d.dq_idx, d.dw, dk_bad, false); },
