@@ -140,9 +140,19 @@ void check_state(const DsaTopkState& st, std::int64_t B, std::int64_t Sq, const 
   }
 }
 
-// lse, delta [B, H, Sq] of the accumulator dtype of q.
-void check_lse(const TensorView& lse, const cpu::DsaAttentionShape& s, DType acc, const char* what) {
-  detail::check_host_tensor(lse, {s.B, s.H, s.Sq}, acc, what, kFamily);
+// delta [B, H, Sq] of the accumulator dtype of q.
+void check_delta(const TensorView& delta, const cpu::DsaAttentionShape& s, DType acc) {
+  detail::check_host_tensor(delta, {s.B, s.H, s.Sq}, acc, "delta", kFamily);
+}
+
+// lse [B, H, Sq] of the accumulator dtype of q (dtype `inputs`), or fp64.
+void check_lse(const TensorView& lse, const cpu::DsaAttentionShape& s, DType inputs) {
+  detail::check_host(lse, "lse", kFamily);
+  check_shape(lse, {s.B, s.H, s.Sq}, "lse");
+  const DType acc = dsa_acc_dtype(inputs);
+  SEQPAR_CHECK(lse.dtype() == acc || lse.dtype() == DType::kFloat64, "lse has dtype ", dtype_name(lse.dtype()),
+               ", expected ", acc == DType::kFloat64 ? "fp64" : "fp32 or fp64", " for ", dtype_name(inputs),
+               " inputs");
 }
 
 void check_block_out(const TensorView& t, const cpu::DsaAttentionShape& s, const char* what) {
@@ -161,14 +171,14 @@ cpu::DsaIndexerShape validate_topk_block(const DsaIndexerArgs& args, const DsaTo
 cpu::DsaAttentionShape validate_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse) {
   cpu::DsaAttentionShape s = validate_attention(args);
   check_block_out(out, s, "out");
-  check_lse(lse, s, dsa_acc_dtype(args.q.dtype()), "lse");
+  check_lse(lse, s, args.q.dtype());
   return s;
 }
 
 cpu::DsaAttentionShape validate_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs) {
   cpu::DsaAttentionShape s = validate_attention(args);
   const DType acc = dsa_acc_dtype(args.q.dtype());
-  check_lse(lse, s, acc, "lse");
+  check_lse(lse, s, args.q.dtype());
   check_slot_array(probs, args.topk_indices, acc, "probs");
   return s;
 }
@@ -178,13 +188,13 @@ cpu::DsaAttentionShape validate_backward(const DsaAttentionBackwardArgs& args, c
   cpu::DsaAttentionShape s = validate_attention(args.fwd);
   const DType acc = dsa_acc_dtype(args.fwd.q.dtype());
   check_block_out(args.dout, s, "dout");
-  check_lse(args.lse, s, acc, "lse");
+  check_lse(args.lse, s, args.fwd.q.dtype());
   check_grad_output(dq, args.fwd.q.shape(), accumulate, acc, "dq");
   check_grad_output(dc, args.fwd.c.shape(), accumulate, acc, "dc");
   if (absent(args.delta)) {
     check_block_out(args.out, s, "out (needed for delta, which was not given)");
   } else {
-    check_lse(args.delta, s, acc, "delta");
+    check_delta(args.delta, s, acc);
   }
   if (!absent(args.probs)) check_slot_array(args.probs, args.fwd.topk_indices, acc, "probs");
   return s;

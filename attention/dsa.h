@@ -152,7 +152,11 @@ struct DsaAttentionArgs {
 // selected position after its query (> q_pos[t]).
 
 // out [B, Sq, H, Dv] any floating dtype (the block form passes the accumulator dtype), lse [B, H, Sq] of the
-// accumulator dtype of q; both overwritten with the result over the selected positions inside this block. Work: 2 * H * (Dqk + Dv) flops per selected pair; extra
+// accumulator dtype of q or fp64; both overwritten with the result over the selected positions inside this block.
+// An fp64 lse is allowed for any inputs: it is then fp64(row max) + log(fp64(row sum)) of the accumulator-dtype max
+// and sum, free of the fp32 rounding of lse (eps * |lse|), so that blocks merged in fp64 agree with one call to the
+// rounding of out (the backward and dsa_attention_probs read an fp64 lse likewise; p = exp(a - lse) takes the
+// difference in fp64). Work: 2 * H * (Dqk + Dv) flops per selected pair; extra
 // memory O(k * (Dqk + H)) per thread.
 void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
                            Stream stream = Stream::cpu());
@@ -161,7 +165,7 @@ struct DsaAttentionBackwardArgs {
   DsaAttentionArgs fwd;  // as in the forward (this block)
   TensorView out;        // [B, Sq, H, Dv] the final (merged) output, any floating dtype
   TensorView dout;       // [B, Sq, H, Dv] any floating dtype
-  TensorView lse;        // [B, H, Sq] accumulator dtype of q, the final lse
+  TensorView lse;        // [B, H, Sq] accumulator dtype of q or fp64, the final lse
   TensorView delta;      // optional [B, H, Sq] accumulator dtype = rowsum(dout * out); computed when not given
   TensorView probs;      // optional [B, Sq, k] accumulator dtype: when given, also does dsa_attention_probs for this
                          // block (the backward computes p anyway), so that a ring gets step (a) of the indexer loss
@@ -184,8 +188,8 @@ void dsa_attention_delta(const TensorView& out, const TensorView& dout, const Te
 
 // Step (a) of the indexer loss, main-attention side: probs [B, Sq, k] (accumulator dtype of q),
 //   probs[b, t, s] = sum_h exp(scale q_ht . c_j - lse[b, h, t])   for slot s selecting position j inside this block;
-// other slots are left untouched. lse [B, H, Sq] (accumulator dtype) must be the final lse. Heads are those of
-// args.q.
+// other slots are left untouched. lse [B, H, Sq] (accumulator dtype or fp64) must be the final lse. Heads are those
+// of args.q.
 void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
                          Stream stream = Stream::cpu());
 

@@ -29,8 +29,10 @@ attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, 
 
 // Merges a latent block's (out_b, lse_b) into the running (acc, lse), all of the accumulator dtype. The first block
 // is copied (merging into the empty state is the identity). attn::lse_merge takes fp32 only on this branch, so for
-// fp64 inputs the later blocks make a round trip through fp32 (about 1e-7 relative on out, 6e-8 of |lse| on lse):
-// TODO(issue 13, merge with the fp64 lse_merge): pass the fp64 state to the merge directly.
+// fp64 inputs the later blocks make a round trip through fp32 (about 1e-7 relative on out, 6e-8 of |lse| on lse).
+// TODO(issue 13 item 1, with the lossless merge of the MHA side): pass the fp64 state to the merge directly, and
+// keep lse (block_lse, lse_h) in fp64 for fp32 inputs too (the DSA kernels take an fp64 lse for any inputs), so that
+// merges of fp32 rings carry no fp32 rounding of lse either. tests/mpi/test_dsa_cp.cc *MergedWithMha64 check both.
 void merge_latent_block(const DeviceAlloc& alloc, bool first, const TensorView& acc, const TensorView& lse,
                         const TensorView& out_b, const TensorView& lse_b) {
   if (first) {

@@ -25,6 +25,38 @@ void load_any(const TensorView& t, std::int64_t at, std::int64_t n, Acc* dst) {
   });
 }
 
+// lse [B, H, Sq]: the accumulator dtype Acc, or fp64 for any inputs (attention/dsa.h). Read as fp64; written from the
+// row's max and sum, in fp64 when lse is fp64 (so that no fp32 rounding of lse, eps * |lse|, enters a merge).
+template <typename Acc>
+struct LseArray {
+  void* data;
+  bool wide;  // fp64
+  explicit LseArray(const TensorView& t) : data(t.data()), wide(t.dtype() == DType::kFloat64) {}
+  double operator[](std::int64_t i) const {
+    return wide ? static_cast<const double*>(data)[i] : static_cast<double>(static_cast<const Acc*>(data)[i]);
+  }
+  void set(std::int64_t i, Acc max, Acc sum) const {
+    if (wide) {
+      static_cast<double*>(data)[i] = static_cast<double>(max) + std::log(static_cast<double>(sum));
+    } else {
+      static_cast<Acc*>(data)[i] = max + std::log(sum);
+    }
+  }
+  void set_empty(std::int64_t i) const {
+    if (wide) {
+      static_cast<double*>(data)[i] = neg_inf<double>();
+    } else {
+      static_cast<Acc*>(data)[i] = neg_inf<Acc>();
+    }
+  }
+};
+
+// p = exp(scaled score - lse) with the difference taken in fp64 (lse may be fp64 for fp32 inputs), then in Acc.
+template <typename Acc>
+inline Acc prob(Acc scaled_score, double lse) {
+  return std::exp(static_cast<Acc>(static_cast<double>(scaled_score) - lse));
+}
+
 // The most positions of one row that can lie inside the block: min(k, Sk).
 inline std::int64_t max_selected(const AttnShape& s) { return std::min(s.K, s.Sk); }
 
@@ -68,7 +100,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
-  Acc* lse_out = static_cast<Acc*>(lse.data());
+  const LseArray<Acc> lse_out(lse);
   const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s);
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_forward scratch");
   const WorkerScratch<Acc> ws({H * Dqk, nmax * Dqk, H * nmax, H * Dv, H, H, kTile * Dqk, kTile * H},
@@ -84,7 +116,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
       const std::int64_t n = collect_selected(s, idx, r, sel, slots);
       std::fill(o.begin(), o.end(), Acc(0));
       if (n == 0) {
-        for (std::int64_t h = 0; h < H; ++h) lse_out[(b * H + h) * s.Sq + t] = neg_inf<Acc>();
+        for (std::int64_t h = 0; h < H; ++h) lse_out.set_empty((b * H + h) * s.Sq + t);
         store_row(out, r * H * Dv, o.data(), H * Dv, false);
         continue;
       }
@@ -118,7 +150,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
       for (std::int64_t h = 0; h < H; ++h) {
         const Acc inv = Acc(1) / sum[h];
         for (std::int64_t d = 0; d < Dv; ++d) o[h * Dv + d] *= inv;
-        lse_out[(b * H + h) * s.Sq + t] = mx[h] + std::log(sum[h]);
+        lse_out.set((b * H + h) * s.Sq + t, mx[h], sum[h]);
       }
       store_row(out, r * H * Dv, o.data(), H * Dv, false);
     }
@@ -137,7 +169,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
-  const Acc* lse = static_cast<const Acc*>(lse_t.data());
+  const LseArray<Acc> lse(lse_t);
   const Acc* delta = static_cast<const Acc*>(delta_t.data());
   Acc* probs = static_cast<Acc*>(probs_t.data());
   const std::int64_t rows = s.B * Sq;
@@ -145,14 +177,15 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   const std::int64_t nmax = max_selected(s);
 
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_backward query scratch");
-  const WorkerScratch<Acc> qws({H * Dqk, H * Dv, nmax * Dqk, H * nmax, H * Dqk, H, kTile * Dqk, kTile * H, kTile * H},
+  const WorkerScratch<Acc> qws({H * Dqk, H * Dv, nmax * Dqk, H * nmax, H * Dqk, kTile * Dqk, kTile * H, kTile * H},
                                "dsa_attention_backward query scratch");
+  const WorkerScratch<double> lws({H}, "dsa_attention_backward lse scratch");  // used by one pass at a time
 #pragma omp parallel
   {
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
     const std::span<Acc> qrow = qws.buffer(0), dorow = qws.buffer(1), gath = qws.buffer(2), p = qws.buffer(3),
-                         dq = qws.buffer(4), lse_r = qws.buffer(5), cT = qws.buffer(6), tile = qws.buffer(7),
-                         dptile = qws.buffer(8);
+                         dq = qws.buffer(4), cT = qws.buffer(5), tile = qws.buffer(6), dptile = qws.buffer(7);
+    const std::span<double> lse_r = lws.buffer(0);
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
@@ -167,7 +200,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
               for (std::int64_t h = 0; h < H; ++h) {
                 const bool dead = std::isinf(lse_r[h]);
                 for (std::int64_t j = 0; j < nj; ++j) {
-                  const Acc pj = dead ? Acc(0) : std::exp(scale * tile[h * kTile + j] - lse_r[h]);
+                  const Acc pj = dead ? Acc(0) : prob(scale * tile[h * kTile + j], lse_r[h]);
                   p[h * n + j0 + j] = pj;
                   if (want_grad && pj != Acc(0)) {
                     const Acc ds = pj * (dptile[h * kTile + j] - delta[(b * H + h) * Sq + t]);
@@ -194,13 +227,14 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
       zeroed_workspace({s.B * s.Sk * Dqk}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
   Acc* const dc_acc = static_cast<Acc*>(dc_acc_owner.data());
   const bool dout_in_place = dout_t.dtype() == dtype_v<Acc>;
-  const WorkerScratch<Acc> kws({H * Dqk, H * Dv, kTile * Dqk, kTile * H, kTile * H, H, H},
+  const WorkerScratch<Acc> kws({H * Dqk, H * Dv, kTile * Dqk, kTile * H, kTile * H, H},
                                "dsa_attention_backward key scratch");
 #pragma omp parallel
   {
     const KeyOwner mine;
     const std::span<Acc> qrow = kws.buffer(0), dorow = kws.buffer(1), cT = kws.buffer(2), tile = kws.buffer(3),
-                         dptile = kws.buffer(4), lse_r = kws.buffer(5), delta_r = kws.buffer(6);
+                         dptile = kws.buffer(4), delta_r = kws.buffer(5);
+    const std::span<double> lse_r = lws.buffer(0);
     const T* crows[kTile];
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
@@ -235,7 +269,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
               Acc* dc = dc_acc + (b * s.Sk + keys[j]) * Dqk;
               for (std::int64_t h = 0; h < H; ++h) {
                 if (std::isinf(lse_r[h])) continue;
-                const Acc pj = std::exp(scale * tile[h * kTile + j] - lse_r[h]);
+                const Acc pj = prob(scale * tile[h * kTile + j], lse_r[h]);
                 if (pj == Acc(0)) continue;
                 const Acc ds = pj * (dptile[h * kTile + j] - delta_r[h]);
                 axpy(scale * ds, qr + h * Dqk, dc, Dqk);

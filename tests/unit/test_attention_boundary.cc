@@ -157,7 +157,8 @@ TEST(DsaBoundary, AttentionArgumentsAreRejectedWithTheirRule) {
                   "out has shape [1, 4, 2, 8], expected [1, 4, 2, 4]");
   Tensor lse16 = zeros({1, 2, 4}, DType::kFloat16);
   expect_rejected([&] { check_dsa_attention_probs(d.attn(), lse16, d.slots); },
-                  [&] { dsa_attention_probs(d.attn(), lse16, d.slots); }, "lse has dtype fp16, expected fp32");
+                  [&] { dsa_attention_probs(d.attn(), lse16, d.slots); },
+                  "lse has dtype fp16, expected fp32 or fp64 for fp32 inputs");
   Tensor dc16 = zeros({1, 4, 8}, DType::kBFloat16);
   expect_rejected([&] { check_dsa_attention_backward(d.bwd(), d.dq, dc16, true); },
                   [&] { dsa_attention_backward(d.bwd(), d.dq, dc16, true); },

@@ -730,6 +730,58 @@ INSTANTIATE_TEST_SUITE_P(Logits, DsaFp64LargeLogitsTest, ::testing::Values(1e2, 
                            return str_cat("logits_1e", static_cast<int>(std::lround(std::log10(info.param))));
                          });
 
+// fp32 inputs with an fp64 lse (allowed for any inputs): the block lse is the fp64 sum of the fp32 max and the log of
+// the fp32 sum, without fp32's rounding of lse (eps * |lse|, ~6e-4 at logits 1e4), so latent blocks merged in fp64
+// (the merge formula written out here) reproduce the one-call out to fp32 rounding and its lse to ~1e-11 relative;
+// with fp32 block lse the same merge is off by the lse rounding.
+TEST(DsaAttention, Fp64LseOfFp32InputsMergesWithoutLseRounding) {
+  const Problem wide = large_logit_problem(1e4);
+  const Dims& d = wide.d;
+  Problem pr(d, DType::kFloat32, 171);
+  for (auto [dst, src] : {std::pair{&pr.q, &wide.q}, {&pr.c, &wide.c}}) {
+    *dst = Tensor::copy_of(*src, DType::kFloat32, MemCategory::kWorkspace);
+  }
+  const Tensor topk = pr.selected();
+  const DsaAttentionArgs args = pr.attention(topk);
+  const Shape out_shape{d.B, d.S, d.H, d.Dv}, lse_shape{d.B, d.H, d.S};
+  Tensor out = f32_zeros(out_shape), lse = acc_zeros(lse_shape, DType::kFloat64);
+  attn::dsa_attention_forward(args, out, lse);
+
+  auto merged = [&](DType lse_dtype) {
+    Tensor mo = acc_zeros(out_shape, DType::kFloat64), ml = acc_zeros(lse_shape, DType::kFloat64);
+    std::fill(ml.data_as<double>(), ml.data_as<double>() + ml.numel(), -INFINITY);
+    const std::int64_t Dv = d.Dv;
+    for (int r = 0; r < 3; ++r) {
+      const Pos rows = zigzag(d.S, 3, r);
+      const Tensor cb = gather_seq(pr.c, rows);
+      DsaAttentionArgs a = args;
+      a.c = cb;
+      a.c_pos = rows;
+      Tensor ob = acc_zeros(out_shape, DType::kFloat64), lb = Tensor::zeros(lse_shape, lse_dtype, MemCategory::kWorkspace);
+      attn::dsa_attention_forward(a, ob, lb);
+      const std::vector<double> lbv = to_double(lb);
+      for (std::int64_t b = 0; b < d.B; ++b)
+        for (std::int64_t t = 0; t < d.S; ++t)
+          for (std::int64_t h = 0; h < d.H; ++h) {
+            double& l = ml.data_as<double>()[(b * d.H + h) * d.S + t];
+            const double l_b = lbv[static_cast<std::size_t>((b * d.H + h) * d.S + t)];
+            if (std::isinf(l_b)) continue;
+            const double m = std::max(l, l_b), wa = std::exp(l - m), wb = std::exp(l_b - m);
+            double* o = mo.data_as<double>() + ((b * d.S + t) * d.H + h) * Dv;
+            const double* o_b = ob.data_as<double>() + ((b * d.S + t) * d.H + h) * Dv;
+            for (std::int64_t e = 0; e < Dv; ++e) o[e] = (wa * o[e] + wb * o_b[e]) / (wa + wb);
+            l = m + std::log(wa + wb);
+          }
+    }
+    return std::pair{to_double(mo), to_double(ml)};
+  };
+  const auto [mo64, ml64] = merged(DType::kFloat64);
+  EXPECT_LE(test::rel_error(mo64, to_double(out)), 1e-6) << "out merged from fp64 block lse";
+  EXPECT_LE(test::rel_error(ml64, to_double(lse)), 1e-10) << "lse merged from fp64 block lse";
+  const auto [mo32, ml32] = merged(DType::kFloat32);
+  EXPECT_GT(test::rel_error(mo32, to_double(out)), 1e-5) << "fp32 block lse should cost its rounding here";
+}
+
 // A top-k state whose scores are narrower than the accumulator dtype of the inputs is refused (fp64 inputs must be
 // selected on fp64 scores).
 TEST(DsaFp64, NarrowTopkStateIsRefused) {
@@ -740,7 +792,7 @@ TEST(DsaFp64, NarrowTopkStateIsRefused) {
   const Tensor topk = pr.selected();
   Tensor out = acc_zeros({pr.d.B, pr.d.S, pr.d.H, pr.d.Dv}, pr.dtype), lse = f32_zeros({pr.d.B, pr.d.H, pr.d.S});
   EXPECT_EQ(test::error_of([&] { attn::dsa_attention_forward(pr.attention(topk), out, lse); }),
-            "lse has dtype fp32, expected fp64");
+            "lse has dtype fp32, expected fp64 for fp64 inputs");
 }
 
 // ---- causality ----------------------------------------------------------------------------------------------------
