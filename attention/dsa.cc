@@ -34,8 +34,8 @@ void check_grad_output(const TensorView& t, const Shape& shape, bool accumulate,
 
 // An accumulator that no input dtype fixes (a top-k state on its own, the indexer loss arrays): fp32 or fp64.
 void check_acc_dtype(const TensorView& t, const char* what) {
-  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ",
-               dtype_name(t.dtype()), ", expected fp32 or fp64 (the DSA accumulator dtypes)");
+  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
+               ", expected fp32 or fp64 (the DSA accumulator dtypes)");
 }
 
 void check_topk_shape(const TensorView& topk, const char* what) {
@@ -151,8 +151,7 @@ void check_lse(const TensorView& lse, const cpu::DsaAttentionShape& s, DType inp
   check_shape(lse, {s.B, s.H, s.Sq}, "lse");
   const DType acc = dsa_acc_dtype(inputs);
   SEQPAR_CHECK(lse.dtype() == acc || lse.dtype() == DType::kFloat64, "lse has dtype ", dtype_name(lse.dtype()),
-               ", expected ", acc == DType::kFloat64 ? "fp64" : "fp32 or fp64", " for ", dtype_name(inputs),
-               " inputs");
+               ", expected ", acc == DType::kFloat64 ? "fp64" : "fp32 or fp64", " for ", dtype_name(inputs), " inputs");
 }
 
 void check_block_out(const TensorView& t, const cpu::DsaAttentionShape& s, const char* what) {
@@ -208,8 +207,7 @@ void validate_delta(const TensorView& out, const TensorView& dout, const TensorV
   detail::check_host(delta, "delta", kFamily);
   check_shape(delta, {out.dim(0), out.dim(2), out.dim(1)}, "delta");
   check_acc_dtype(delta, "delta");
-  SEQPAR_CHECK(delta.dtype() == DType::kFloat64 ||
-                   (out.dtype() != DType::kFloat64 && dout.dtype() != DType::kFloat64),
+  SEQPAR_CHECK(delta.dtype() == DType::kFloat64 || (out.dtype() != DType::kFloat64 && dout.dtype() != DType::kFloat64),
                "delta has dtype ", dtype_name(delta.dtype()), ", expected fp64 for out ", dtype_name(out.dtype()),
                " and dout ", dtype_name(dout.dtype()), " (fp64 inputs are reduced in fp64)");
 }
@@ -406,8 +404,8 @@ void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorVi
 
 void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs, Stream stream) {
   detail::check_stream(stream, "dsa_attention_probs", kFamily);
-  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), TensorView(),
-                                  TensorView(), TensorView(), false, probs);
+  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), TensorView(), TensorView(),
+                                  TensorView(), false, probs);
 }
 
 void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,

@@ -128,8 +128,8 @@ void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream
 void dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
 
 // scores [B, Sq, k] (the state's score dtype): the score of each selected key in dsa_topk_finalize's order
-// (ascending position), then 0 for the -1 padding. The indexer loss reads them with topk_indices (the scores of the final running state are
-// exactly the indexer's scores of the selected keys, so they need not be recomputed).
+// (ascending position), then 0 for the -1 padding. The indexer loss reads them with topk_indices (the scores of the
+// final running state are exactly the indexer's scores of the selected keys, so they need not be recomputed).
 void dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream = Stream::cpu());
 
 // Convenience for one key block: init + dsa_indexer_topk_block + finalize with a workspace state.
@@ -176,8 +176,8 @@ struct DsaAttentionBackwardArgs {
 //   p = exp(a - lse), dp = dout_h . c_j[:Dv], ds = p (dp - delta_h),
 //   dq_h += scale ds c_j,  dc_j += scale ds q_h  (all Dqk columns)  +  p dout_h  (first Dv columns).
 // dq [B, Sq, H, Dqk], dc [B, Sk, Dqk]. accumulate = false: overwritten (any floating dtype); accumulate = true:
-// the accumulator dtype of q, the block's contributions are added. dc_j is summed over heads and then over queries in increasing
-// (b, t) order, so it does not depend on the thread count.
+// the accumulator dtype of q, the block's contributions are added. dc_j is summed over heads and then over queries in
+// increasing (b, t) order, so it does not depend on the thread count.
 void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
                             bool accumulate, Stream stream = Stream::cpu());
 
@@ -217,7 +217,8 @@ double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscore
 // Step (c), for one key block: with s = q_idx_ti . k_idx_j of each selected pair inside the block and g = dscores,
 //   dw_ti += g relu(s),  and where s > 0:  dq_idx_ti += g w_ti k_idx_j,  dk_idx_j += g w_ti q_idx_ti.
 // dscores: accumulator dtype of the indexer inputs. dq_idx [B, Sq, Hi, Di], dw [B, Sq, Hi], dk_idx [B, Sk, Di].
-// accumulate = false: overwritten (any floating dtype); true: the accumulator dtype, added. dk_idx_j is summed over queries in increasing (b, t) order (thread-count independent).
+// accumulate = false: overwritten (any floating dtype); true: the accumulator dtype, added. dk_idx_j is summed over
+// queries in increasing (b, t) order (thread-count independent).
 void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
                           const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
                           Stream stream = Stream::cpu());

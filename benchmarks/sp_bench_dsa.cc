@@ -2,10 +2,10 @@
 // all-gather), sparse latent attention over the ring, heads over the Ulysses group, and the indexer KL loss, through
 // DsaContextParallel (parallel/dsa_cp.h). Inputs q [B, S, H, Dqk], c [B, S, Dqk], q_idx [B, S, Hi, Di],
 // k_idx [B, S, Di], w [B, S, Hi], dout [B, S, H, Dv] (Dqk = --head-dim, Dv = --dim-v, Hi = --indexer-heads,
-// Di = --indexer-dim); outputs out [B, S, H, Dv], lse [B, H, S] fp32 (fp64 for fp64), topk_indices [B, S, k] int64, loss [1] fp64,
+// Di = --indexer-dim); outputs out [B, S, H, Dv], lse [B, H, S] fp32, topk_indices [B, S, k] int64, loss [1] fp64,
 // dq, dc, dq_idx, dk_idx, dw. The reference is the single-device kernels (attention/dsa.h) on the whole sequence,
 // one call each; the fp64 reference of --check (sp_bench_check.h) is attn::reference on the one-rank kernel's
-// topk_indices.
+// topk_indices. lse and the kernels' accumulators are fp64 for fp64 inputs.
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -71,7 +71,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   }
 
   Tolerance tolerance(const std::string& name) const override {
-    // The selection is a strict total order on (fp32 score, position), independent of how the keys are split.
+    // The selection is a strict total order on (score, position), independent of how the keys are split.
     if (name == "topk_indices") return {0, 0};
     // lse (fp32; fp64 for fp64 inputs) differs only by the merge order of the latent blocks.
     if (name == "lse") return {1e-5, 1e-5};

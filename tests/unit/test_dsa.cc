@@ -757,7 +757,8 @@ TEST(DsaAttention, Fp64LseOfFp32InputsMergesWithoutLseRounding) {
       DsaAttentionArgs a = args;
       a.c = cb;
       a.c_pos = rows;
-      Tensor ob = acc_zeros(out_shape, DType::kFloat64), lb = Tensor::zeros(lse_shape, lse_dtype, MemCategory::kWorkspace);
+      Tensor ob = acc_zeros(out_shape, DType::kFloat64),
+             lb = Tensor::zeros(lse_shape, lse_dtype, MemCategory::kWorkspace);
       attn::dsa_attention_forward(a, ob, lb);
       const std::vector<double> lbv = to_double(lb);
       for (std::int64_t b = 0; b < d.B; ++b)
@@ -787,7 +788,9 @@ TEST(DsaAttention, Fp64LseOfFp32InputsMergesWithoutLseRounding) {
 TEST(DsaFp64, NarrowTopkStateIsRefused) {
   const Problem pr(Dims{.S = 8, .K = 4}, DType::kFloat64, 161);
   Tensor sc = f32_zeros({pr.d.B, pr.d.S, pr.d.K}), ps = i64({pr.d.B, pr.d.S, pr.d.K});
-  EXPECT_EQ(test::error_of([&] { attn::dsa_indexer_topk_block(pr.indexer(), {sc, ps}); }),
+  EXPECT_EQ(test::error_of([&] {
+              attn::dsa_indexer_topk_block(pr.indexer(), {sc, ps});
+            }),
             "top-k state scores (fp64 indexer inputs) has dtype fp32, expected fp64");
   const Tensor topk = pr.selected();
   Tensor out = acc_zeros({pr.d.B, pr.d.S, pr.d.H, pr.d.Dv}, pr.dtype), lse = f32_zeros({pr.d.B, pr.d.H, pr.d.S});

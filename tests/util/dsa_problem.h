@@ -82,8 +82,8 @@ inline double rel_error(const std::vector<double>& got, const std::vector<double
 
 // all_close with the absolute tolerance rel * max |want|: every element within rel of the tensor's scale (and the
 // element-wise message of all_close on failure).
-inline ::testing::AssertionResult rel_close(const std::vector<double>& got, const std::vector<double>& want,
-                                            double rel, const std::string& what) {
+inline ::testing::AssertionResult rel_close(const std::vector<double>& got, const std::vector<double>& want, double rel,
+                                            const std::string& what) {
   double scale = 0.0;
   for (double v : want)
     if (std::isfinite(v)) scale = std::max(scale, std::abs(v));
