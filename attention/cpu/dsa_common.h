@@ -211,10 +211,4 @@ decltype(auto) dispatch_acc(DType dtype, Fn&& fn) {
   return fn(float{});
 }
 
-// The data of an accumulator-dtype tensor (null for an absent one).
-template <typename Acc>
-inline Acc* acc_data(const TensorView& t) {
-  return static_cast<Acc*>(t.data());
-}
-
 }  // namespace seqpar::attn::dsa_detail
