@@ -20,16 +20,22 @@ void check_floating(const TensorView& t, const char* what) { detail::check_float
 // An optional tensor argument that was not given (a default TensorView has no data).
 bool absent(const TensorView& t) { return t.data() == nullptr; }
 
-// fp32 [B, Sq, k] arrays indexed like topk_indices (probs, scores, dscores).
-void check_slot_array(const TensorView& t, const TensorView& topk, const char* what) {
-  detail::check_host_tensor(t, topk.shape(), DType::kFloat32, what, kFamily);
+// [B, Sq, k] arrays of the accumulator dtype `acc` indexed like topk_indices (probs, scores, dscores).
+void check_slot_array(const TensorView& t, const TensorView& topk, DType acc, const char* what) {
+  detail::check_host_tensor(t, topk.shape(), acc, what, kFamily);
 }
 
-// Gradient outputs: any floating dtype when overwritten, fp32 when accumulated into.
-void check_grad_output(const TensorView& t, const Shape& shape, bool accumulate, const char* what) {
+// Gradient outputs: any floating dtype when overwritten, the accumulator dtype `acc` when accumulated into.
+void check_grad_output(const TensorView& t, const Shape& shape, bool accumulate, DType acc, const char* what) {
   check_floating(t, what);
   check_shape(t, shape, what);
-  if (accumulate) check_dtype(t, DType::kFloat32, str_cat(what, " (accumulate = true)").c_str());
+  if (accumulate) check_dtype(t, acc, str_cat(what, " (accumulate = true)").c_str());
+}
+
+// An accumulator that no input dtype fixes (a top-k state on its own, the indexer loss arrays): fp32 or fp64.
+void check_acc_dtype(const TensorView& t, const char* what) {
+  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
+               ", expected fp32 or fp64 (the DSA accumulator dtypes)");
 }
 
 void check_topk_shape(const TensorView& topk, const char* what) {
@@ -112,11 +118,18 @@ cpu::DsaAttentionShape validate_attention(const DsaAttentionArgs& a) {
   return s;
 }
 
-// B < 0: any [B, Sq, k].
-void check_state(const DsaTopkState& st, std::int64_t B, std::int64_t Sq, const char* what) {
+// B < 0: any [B, Sq, k]. The scores are fp32 or fp64, and of the accumulator dtype of the indexer inputs when
+// `inputs` is given.
+void check_state(const DsaTopkState& st, std::int64_t B, std::int64_t Sq, const char* what,
+                 const TensorView* inputs = nullptr) {
   detail::check_host(st.scores, what, kFamily);
   detail::check_host(st.positions, what, kFamily);
-  check_dtype(st.scores, DType::kFloat32, str_cat(what, " scores").c_str());
+  if (inputs != nullptr) {
+    check_dtype(st.scores, dsa_acc_dtype(inputs->dtype()),
+                str_cat(what, " scores (", dtype_name(inputs->dtype()), " indexer inputs)").c_str());
+  } else {
+    check_acc_dtype(st.scores, str_cat(what, " scores").c_str());
+  }
   check_dtype(st.positions, DType::kInt64, str_cat(what, " positions").c_str());
   SEQPAR_CHECK(st.scores.ndim() == 3 && st.scores.shape() == st.positions.shape(), what,
                ": scores and positions must both be [B, Sq, k], got ", shape_str(st.scores.shape()), " and ",
@@ -127,8 +140,18 @@ void check_state(const DsaTopkState& st, std::int64_t B, std::int64_t Sq, const 
   }
 }
 
-void check_lse(const TensorView& lse, const cpu::DsaAttentionShape& s, const char* what) {
-  detail::check_host_tensor(lse, {s.B, s.H, s.Sq}, DType::kFloat32, what, kFamily);
+// delta [B, H, Sq] of the accumulator dtype of q.
+void check_delta(const TensorView& delta, const cpu::DsaAttentionShape& s, DType acc) {
+  detail::check_host_tensor(delta, {s.B, s.H, s.Sq}, acc, "delta", kFamily);
+}
+
+// lse [B, H, Sq] of the accumulator dtype of q (dtype `inputs`), or fp64.
+void check_lse(const TensorView& lse, const cpu::DsaAttentionShape& s, DType inputs) {
+  detail::check_host(lse, "lse", kFamily);
+  check_shape(lse, {s.B, s.H, s.Sq}, "lse");
+  const DType acc = dsa_acc_dtype(inputs);
+  SEQPAR_CHECK(lse.dtype() == acc || lse.dtype() == DType::kFloat64, "lse has dtype ", dtype_name(lse.dtype()),
+               ", expected ", acc == DType::kFloat64 ? "fp64" : "fp32 or fp64", " for ", dtype_name(inputs), " inputs");
 }
 
 void check_block_out(const TensorView& t, const cpu::DsaAttentionShape& s, const char* what) {
@@ -140,37 +163,39 @@ void check_block_out(const TensorView& t, const cpu::DsaAttentionShape& s, const
 
 cpu::DsaIndexerShape validate_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state) {
   cpu::DsaIndexerShape s = validate_indexer(args);
-  check_state(state, s.B, s.Sq, "top-k state");
+  check_state(state, s.B, s.Sq, "top-k state", &args.q_idx);
   return s;
 }
 
 cpu::DsaAttentionShape validate_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse) {
   cpu::DsaAttentionShape s = validate_attention(args);
   check_block_out(out, s, "out");
-  check_lse(lse, s, "lse");
+  check_lse(lse, s, args.q.dtype());
   return s;
 }
 
 cpu::DsaAttentionShape validate_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs) {
   cpu::DsaAttentionShape s = validate_attention(args);
-  check_lse(lse, s, "lse");
-  check_slot_array(probs, args.topk_indices, "probs");
+  const DType acc = dsa_acc_dtype(args.q.dtype());
+  check_lse(lse, s, args.q.dtype());
+  check_slot_array(probs, args.topk_indices, acc, "probs");
   return s;
 }
 
 cpu::DsaAttentionShape validate_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq,
                                          const TensorView& dc, bool accumulate) {
   cpu::DsaAttentionShape s = validate_attention(args.fwd);
+  const DType acc = dsa_acc_dtype(args.fwd.q.dtype());
   check_block_out(args.dout, s, "dout");
-  check_lse(args.lse, s, "lse");
-  check_grad_output(dq, args.fwd.q.shape(), accumulate, "dq");
-  check_grad_output(dc, args.fwd.c.shape(), accumulate, "dc");
+  check_lse(args.lse, s, args.fwd.q.dtype());
+  check_grad_output(dq, args.fwd.q.shape(), accumulate, acc, "dq");
+  check_grad_output(dc, args.fwd.c.shape(), accumulate, acc, "dc");
   if (absent(args.delta)) {
     check_block_out(args.out, s, "out (needed for delta, which was not given)");
   } else {
-    check_lse(args.delta, s, "delta");
+    check_delta(args.delta, s, acc);
   }
-  if (!absent(args.probs)) check_slot_array(args.probs, args.fwd.topk_indices, "probs");
+  if (!absent(args.probs)) check_slot_array(args.probs, args.fwd.topk_indices, acc, "probs");
   return s;
 }
 
@@ -179,14 +204,20 @@ void validate_delta(const TensorView& out, const TensorView& dout, const TensorV
   check_floating(dout, "dout");
   SEQPAR_CHECK(out.ndim() == 4, "out must be [B, Sq, H, Dv], got ", shape_str(out.shape()));
   check_shape(dout, out.shape(), "dout");
-  detail::check_host_tensor(delta, {out.dim(0), out.dim(2), out.dim(1)}, DType::kFloat32, "delta", kFamily);
+  detail::check_host(delta, "delta", kFamily);
+  check_shape(delta, {out.dim(0), out.dim(2), out.dim(1)}, "delta");
+  check_acc_dtype(delta, "delta");
+  SEQPAR_CHECK(delta.dtype() == DType::kFloat64 || (out.dtype() != DType::kFloat64 && dout.dtype() != DType::kFloat64),
+               "delta has dtype ", dtype_name(delta.dtype()), ", expected fp64 for out ", dtype_name(out.dtype()),
+               " and dout ", dtype_name(dout.dtype()), " (fp64 inputs are reduced in fp64)");
 }
 
 void validate_loss(const DsaIndexerLossArgs& args, const TensorView& dscores) {
   check_topk_shape(args.topk_indices, "topk_indices");
-  check_slot_array(args.probs, args.topk_indices, "probs");
-  check_slot_array(args.scores, args.topk_indices, "scores");
-  if (!absent(dscores)) check_slot_array(dscores, args.topk_indices, "dscores");
+  check_acc_dtype(args.probs, "probs");
+  check_slot_array(args.probs, args.topk_indices, args.probs.dtype(), "probs");
+  check_slot_array(args.scores, args.topk_indices, args.probs.dtype(), "scores (like probs)");
+  if (!absent(dscores)) check_slot_array(dscores, args.topk_indices, args.probs.dtype(), "dscores (like probs)");
 }
 
 struct IndexerBlock {
@@ -203,7 +234,7 @@ IndexerBlock validate_indexer_selected(const DsaIndexerArgs& args, const TensorV
 IndexerBlock validate_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
                                       const TensorView& scores) {
   IndexerBlock r = validate_indexer_selected(args, topk_indices);
-  check_slot_array(scores, topk_indices, "scores");
+  check_slot_array(scores, topk_indices, dsa_acc_dtype(args.q_idx.dtype()), "scores");
   return r;
 }
 
@@ -211,14 +242,17 @@ IndexerBlock validate_indexer_backward(const DsaIndexerArgs& args, const TensorV
                                        const TensorView& dscores, const TensorView& dq_idx, const TensorView& dw,
                                        const TensorView& dk_idx, bool accumulate) {
   IndexerBlock r = validate_indexer_selected(args, topk_indices);
-  check_slot_array(dscores, topk_indices, "dscores");
-  check_grad_output(dq_idx, args.q_idx.shape(), accumulate, "dq_idx");
-  check_grad_output(dw, args.w.shape(), accumulate, "dw");
-  check_grad_output(dk_idx, args.k_idx.shape(), accumulate, "dk_idx");
+  const DType acc = dsa_acc_dtype(args.q_idx.dtype());
+  check_slot_array(dscores, topk_indices, acc, "dscores");
+  check_grad_output(dq_idx, args.q_idx.shape(), accumulate, acc, "dq_idx");
+  check_grad_output(dw, args.w.shape(), accumulate, acc, "dw");
+  check_grad_output(dk_idx, args.k_idx.shape(), accumulate, acc, "dk_idx");
   return r;
 }
 
 }  // namespace
+
+DType dsa_acc_dtype(DType storage) { return storage == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
 // ---- checks on their own ------------------------------------------------------------------------------------------
 
@@ -242,6 +276,7 @@ void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, 
   check_state(other, -1, -1, "other top-k state");
   SEQPAR_CHECK(state.scores.shape() == other.scores.shape(), "top-k states to merge must have one shape, got ",
                shape_str(state.scores.shape()), " and ", shape_str(other.scores.shape()));
+  check_dtype(other.scores, state.scores.dtype(), "other top-k state scores (like the state's)");
 }
 
 void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream) {
@@ -253,7 +288,7 @@ void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_i
 void check_dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream) {
   detail::check_stream(stream, "dsa_topk_selected_scores", kFamily);
   check_state(state, -1, -1, "top-k state");
-  detail::check_host_tensor(scores, state.scores.shape(), DType::kFloat32, "selected scores", kFamily);
+  detail::check_host_tensor(scores, state.scores.shape(), state.scores.dtype(), "selected scores", kFamily);
 }
 
 void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {
@@ -333,7 +368,8 @@ void dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& score
 
 void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {
   check_dsa_indexer_topk(args, topk_indices, stream);
-  Tensor scores = cpu::zeroed_workspace(topk_indices.shape(), DType::kFloat32, "dsa_indexer_topk state");
+  Tensor scores =
+      cpu::zeroed_workspace(topk_indices.shape(), dsa_acc_dtype(args.q_idx.dtype()), "dsa_indexer_topk state");
   Tensor positions = cpu::zeroed_workspace(topk_indices.shape(), DType::kInt64, "dsa_indexer_topk state");
   const DsaTopkState state{scores.view(), positions.view()};
   dsa_topk_init(state, stream);
@@ -348,28 +384,28 @@ void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, 
 
 void dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
   check_dsa_attention_delta(out, dout, delta, stream);
-  cpu::dsa_attention_delta_cpu(out, dout, static_cast<float*>(delta.data()));
+  cpu::dsa_attention_delta_cpu(out, dout, delta);
 }
 
 void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
                             bool accumulate, Stream stream) {
   detail::check_stream(stream, "dsa_attention_backward", kFamily);
   const cpu::DsaAttentionShape s = validate_backward(args, dq, dc, accumulate);
-  const float* delta = static_cast<const float*>(args.delta.data());
+  TensorView delta = args.delta;
   Tensor computed;
   if (absent(args.delta)) {
-    computed = cpu::zeroed_workspace({s.B, s.H, s.Sq}, DType::kFloat32, "dsa_attention_backward delta");
-    cpu::dsa_attention_delta_cpu(args.out, args.dout, computed.data_as<float>());
-    delta = computed.data_as<float>();
+    computed =
+        cpu::zeroed_workspace({s.B, s.H, s.Sq}, dsa_acc_dtype(args.fwd.q.dtype()), "dsa_attention_backward delta");
+    cpu::dsa_attention_delta_cpu(args.out, args.dout, computed.view());
+    delta = computed.view();
   }
-  float* probs = absent(args.probs) ? nullptr : static_cast<float*>(args.probs.data());
-  cpu::dsa_attention_backward_cpu(args.fwd, s, args.lse, args.dout, delta, dq, dc, accumulate, probs);
+  cpu::dsa_attention_backward_cpu(args.fwd, s, args.lse, args.dout, delta, dq, dc, accumulate, args.probs);
 }
 
 void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs, Stream stream) {
   detail::check_stream(stream, "dsa_attention_probs", kFamily);
-  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), nullptr, TensorView(),
-                                  TensorView(), false, static_cast<float*>(probs.data()));
+  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), TensorView(), TensorView(),
+                                  TensorView(), false, probs);
 }
 
 void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,

@@ -28,8 +28,9 @@
 //     dsa_attention_forward(args_block, out_b, lse_b)         attends to the selected positions inside the block only
 //   Attention backward (per latent block, with the FINAL out and lse):
 //     dsa_attention_backward(args_block, dq, dc_block, accumulate = true)
-//       dq (fp32) accumulates at the query's home; dc_block (fp32) is the block's latent gradient, summed over heads
-//       and over every query of this call that selected the position; it travels home with its block.
+//       dq (accumulator dtype) accumulates at the query's home; dc_block (accumulator dtype) is the block's latent
+//       gradient, summed over heads and over every query of this call that selected the position; it travels home
+//       with its block.
 //
 //   Indexer loss (three steps; every [B, Sq, k] array is indexed like topk_indices, O(Sq * k) memory):
 //     (a) per block:  dsa_attention_probs(attn_args_block, lse, probs)       probs[b,t,s] = sum_h p_hts
@@ -42,20 +43,26 @@
 //                     loss = dsa_indexer_loss({probs, scores, topk}, dscores)  p* = probs / sum_s probs;
 //                     returns sum over the rows of this call (double); the caller sums over ranks.
 //     (c) per block:  dsa_indexer_backward(idx_args_block, topk, dscores, dq_idx, dw, dk_idx_block, accumulate)
-//                     dq_idx, dw accumulate at the query's home; dk_idx_block (fp32) travels home with its block.
+//                     dq_idx, dw accumulate at the query's home; dk_idx_block (accumulator dtype) travels home with
+//                     its block.
 //
 // Layouts (row-major, contiguous, host memory): q [B, Sq, H, Dqk], c [B, Sk, Dqk], out [B, Sq, H, Dv],
-// lse [B, H, Sq] fp32; q_idx [B, Sq, Hi, Di], w [B, Sq, Hi], k_idx [B, Sk, Di]; topk_indices [B, Sq, k] int64.
-// Storage dtypes fp32, bf16, fp16, fp64; arithmetic in fp32 (fp64 for fp64 inputs); every accumulator that crosses
-// calls (top-k scores, block out, lse, dq, dc, dq_idx, dk_idx, dw, probs, scores, dscores) is fp32.
+// lse [B, H, Sq]; q_idx [B, Sq, Hi, Di], w [B, Sq, Hi], k_idx [B, Sk, Di]; topk_indices [B, Sq, k] int64.
+// Precision: storage dtypes fp32, bf16, fp16, fp64. The ACCUMULATOR DTYPE (dsa_acc_dtype) is fp64 for fp64 inputs
+// and fp32 for the others: all arithmetic runs in it, and every array that crosses calls (top-k scores, block out,
+// lse, delta, dq, dc, dq_idx, dk_idx, dw when accumulated, probs, scores, dscores) has it. So fp64 inputs are fp64
+// end to end: the indexer scores, the selection and its tie rule (on the fp64 scores: the selected set is the
+// fp64 reference's), the attention and its lse, every gradient and the indexer loss. The indexer loss itself
+// (step b) always reduces in fp64. Scales are given as float (DsaAttentionArgs::scale; 0 gives 1/sqrt(Dqk) exactly
+// in the accumulator dtype).
 // A query row with nothing selected (or nothing selected inside a block) gets lse = -inf, out = 0 and contributes
 // nothing to any gradient or to the loss.
 // Synchronisation: host-synchronous (the stream is an ordering token on the CPU).
 // Determinism: bitwise the same results run to run, independent of the thread count (fixed reduction orders; key
 // gradients are summed over queries in increasing query order).
 // Extra memory (besides the caller's [B, Sq, k] arrays): the indexer O(16 * (Di + Hi)) per thread, never an
-// [Sq, Sk] matrix; the attention forward O(k * (Dqk + H)) per thread; the backward passes one fp32 (fp64 for fp64
-// inputs) copy of the block's key gradient (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]). The key-gradient pass reads
+// [Sq, Sk] matrix; the attention forward O(k * (Dqk + H)) per thread; the backward passes one accumulator-dtype
+// copy of the block's key gradient (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]). The key-gradient pass reads
 // every query row once per thread. All of it comes from the memory ledger (workspace) before any parallel region; a
 // failed allocation raises Error "out of memory: ..." naming the bytes asked for and the ledger's totals.
 // Errors: seqpar::Error naming the tensor and the rule, raised before any work. Tensors must be host tensors and the
@@ -82,6 +89,9 @@ inline constexpr std::int64_t kDsaIndexerNumHeads = 64;  // Hi
 inline constexpr std::int64_t kDsaIndexerHeadDim = 128;  // Di
 inline constexpr std::int64_t kDsaTopK = 2048;           // k
 
+// The accumulator dtype of a storage dtype (see the header comment): fp64 for fp64, fp32 for fp32, bf16 and fp16.
+DType dsa_acc_dtype(DType storage);
+
 // ---- indexer and top-k selection ----------------------------------------------------------------------------------
 
 struct DsaIndexerArgs {
@@ -93,16 +103,16 @@ struct DsaIndexerArgs {
 };
 // q_idx, w, k_idx: any floating dtype, all the same.
 
-// The running top-k of every query: scores [B, Sq, k] fp32 and positions [B, Sq, k] int64, owned by the caller.
-// Scores are kept in fp32 for every input dtype (with fp64 inputs, ties are decided on the fp32-rounded scores).
+// The running top-k of every query: scores [B, Sq, k] of the accumulator dtype of the indexer inputs (fp64 for fp64
+// inputs, so that ties are decided on the fp64 scores) and positions [B, Sq, k] int64, owned by the caller.
 // The order of the entries inside a row is internal (a heap); only dsa_topk_finalize reads it. An empty slot has
 // position -1 and score -inf. k may exceed the number of keys.
 struct DsaTopkState {
-  TensorView scores;     // [B, Sq, k] fp32
+  TensorView scores;     // [B, Sq, k] fp32, or fp64 for fp64 indexer inputs
   TensorView positions;  // [B, Sq, k] int64
 };
 
-// Sets every slot empty.
+// Sets every slot empty (scores fp32 or fp64).
 void dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
 
 // Scores the keys of one block that are visible to each query (tile by tile, O(tile) extra memory per thread, no
@@ -110,16 +120,16 @@ void dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
 // Errors: shapes, dtypes, q_pos / k_pos sizes, k_pos not strictly increasing.
 void dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
 
-// Merges `other` (same shapes, disjoint key positions) into `state`.
+// Merges `other` (same shapes and score dtype, disjoint key positions) into `state`.
 void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream = Stream::cpu());
 
 // topk_indices [B, Sq, k] int64: the selected global positions of each row in ascending order, then -1 padding.
 // topk_indices may be state.positions itself (in place).
 void dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
 
-// scores [B, Sq, k] fp32: the score of each selected key in dsa_topk_finalize's order (ascending position), then
-// 0 for the -1 padding. The indexer loss reads them with topk_indices (the scores of the final running state are
-// exactly the indexer's scores of the selected keys, so they need not be recomputed).
+// scores [B, Sq, k] (the state's score dtype): the score of each selected key in dsa_topk_finalize's order
+// (ascending position), then 0 for the -1 padding. The indexer loss reads them with topk_indices (the scores of the
+// final running state are exactly the indexer's scores of the selected keys, so they need not be recomputed).
 void dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream = Stream::cpu());
 
 // Convenience for one key block: init + dsa_indexer_topk_block + finalize with a workspace state.
@@ -141,8 +151,12 @@ struct DsaAttentionArgs {
 // Errors: shapes, dtypes, sizes, c_pos not strictly increasing, a topk row not ascending / not -1 padded, or a
 // selected position after its query (> q_pos[t]).
 
-// out [B, Sq, H, Dv] any floating dtype (the block form passes fp32), lse [B, H, Sq] fp32; both overwritten with the
-// result over the selected positions inside this block. Work: 2 * H * (Dqk + Dv) flops per selected pair; extra
+// out [B, Sq, H, Dv] any floating dtype (the block form passes the accumulator dtype), lse [B, H, Sq] of the
+// accumulator dtype of q or fp64; both overwritten with the result over the selected positions inside this block.
+// An fp64 lse is allowed for any inputs: it is then fp64(row max) + log(fp64(row sum)) of the accumulator-dtype max
+// and sum, free of the fp32 rounding of lse (eps * |lse|), so that blocks merged in fp64 agree with one call to the
+// rounding of out (the backward and dsa_attention_probs read an fp64 lse likewise; p = exp(a - lse) takes the
+// difference in fp64). Work: 2 * H * (Dqk + Dv) flops per selected pair; extra
 // memory O(k * (Dqk + H)) per thread.
 void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
                            Stream stream = Stream::cpu());
@@ -151,55 +165,60 @@ struct DsaAttentionBackwardArgs {
   DsaAttentionArgs fwd;  // as in the forward (this block)
   TensorView out;        // [B, Sq, H, Dv] the final (merged) output, any floating dtype
   TensorView dout;       // [B, Sq, H, Dv] any floating dtype
-  TensorView lse;        // [B, H, Sq] fp32, the final lse
-  TensorView delta;      // optional [B, H, Sq] fp32 = rowsum(dout * out); computed from out / dout when not given
-  TensorView probs;      // optional [B, Sq, k] fp32: when given, also does dsa_attention_probs for this block (the
-                         // backward computes p anyway), so that a ring gets step (a) of the indexer loss for free
+  TensorView lse;        // [B, H, Sq] accumulator dtype of q or fp64, the final lse
+  TensorView delta;      // optional [B, H, Sq] accumulator dtype = rowsum(dout * out); computed when not given
+  TensorView probs;      // optional [B, Sq, k] accumulator dtype: when given, also does dsa_attention_probs for this
+                         // block (the backward computes p anyway), so that a ring gets step (a) of the indexer loss
+                         // for free
 };
 
 // Backward of one latent block with the final lse (docs/design.md section 8.1 applied to the selected pairs):
 //   p = exp(a - lse), dp = dout_h . c_j[:Dv], ds = p (dp - delta_h),
 //   dq_h += scale ds c_j,  dc_j += scale ds q_h  (all Dqk columns)  +  p dout_h  (first Dv columns).
 // dq [B, Sq, H, Dqk], dc [B, Sk, Dqk]. accumulate = false: overwritten (any floating dtype); accumulate = true:
-// fp32, the block's contributions are added. dc_j is summed over heads and then over queries in increasing
-// (b, t) order, so it does not depend on the thread count.
+// the accumulator dtype of q, the block's contributions are added. dc_j is summed over heads and then over queries in
+// increasing (b, t) order, so it does not depend on the thread count.
 void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
                             bool accumulate, Stream stream = Stream::cpu());
 
-// delta [B, H, Sq] fp32 = sum_d dout[b, t, h, d] * out[b, t, h, d] (fp64 sums for fp64 inputs, stored fp32).
+// delta [B, H, Sq] = sum_d dout[b, t, h, d] * out[b, t, h, d], summed in delta's dtype: fp32 or fp64, and fp64
+// when out or dout is fp64.
 void dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
                          Stream stream = Stream::cpu());
 
-// Step (a) of the indexer loss, main-attention side: probs [B, Sq, k] fp32,
+// Step (a) of the indexer loss, main-attention side: probs [B, Sq, k] (accumulator dtype of q),
 //   probs[b, t, s] = sum_h exp(scale q_ht . c_j - lse[b, h, t])   for slot s selecting position j inside this block;
-// other slots are left untouched. lse [B, H, Sq] fp32 must be the final lse. Heads are those of args.q.
+// other slots are left untouched. lse [B, H, Sq] (accumulator dtype or fp64) must be the final lse. Heads are those
+// of args.q.
 void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
                          Stream stream = Stream::cpu());
 
 // ---- indexer loss ------------------------------------------------------------------------------------------------
 
-// Step (a), indexer side: scores [B, Sq, k] fp32, scores[b, t, s] = I_tj for slot s selecting position j inside this
-// key block (k_pos); other slots untouched. topk_indices as in DsaAttentionArgs (checked the same way).
+// Step (a), indexer side: scores [B, Sq, k] (accumulator dtype of the indexer inputs), scores[b, t, s] = I_tj for
+// slot s selecting position j inside this key block (k_pos); other slots untouched. topk_indices as in
+// DsaAttentionArgs (checked the same way).
 void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,
                                  Stream stream = Stream::cpu());
 
 struct DsaIndexerLossArgs {
-  TensorView probs;         // [B, Sq, k] fp32 head-summed main-attention probabilities of the selected slots
-  TensorView scores;        // [B, Sq, k] fp32 indexer scores I of the selected slots
+  TensorView probs;         // [B, Sq, k] fp32 or fp64: head-summed main-attention probabilities of the selected slots
+  TensorView scores;        // [B, Sq, k] probs' dtype: indexer scores I of the selected slots
   TensorView topk_indices;  // [B, Sq, k] int64; slots with -1 are ignored
   float grad_scale = 1.0f;  // dscores = grad_scale * dL/dI (the upstream gradient of L)
 };
 
 // Step (b): per row, p* = probs / sum_s probs over the valid slots, LI = logsumexp(scores) over them,
 //   L_t = sum_s p*_s (log p*_s - (I_s - LI)), dscores_s = grad_scale (exp(I_s - LI) - p*_s), 0 on -1 slots.
-// Returns sum_t L_t over all (b, t) of this call in fp64 (fixed order). dscores [B, Sq, k] fp32 is overwritten
-// (may be a default TensorView when only the value is needed). A row with no valid slot adds 0.
+// Computed in fp64; returns sum_t L_t over all (b, t) of this call (fixed order). dscores [B, Sq, k] (probs' dtype)
+// is overwritten (may be a default TensorView when only the value is needed). A row with no valid slot adds 0.
 double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream = Stream::cpu());
 
 // Step (c), for one key block: with s = q_idx_ti . k_idx_j of each selected pair inside the block and g = dscores,
 //   dw_ti += g relu(s),  and where s > 0:  dq_idx_ti += g w_ti k_idx_j,  dk_idx_j += g w_ti q_idx_ti.
-// dq_idx [B, Sq, Hi, Di], dw [B, Sq, Hi], dk_idx [B, Sk, Di]. accumulate = false: overwritten (any floating dtype);
-// true: fp32, added. dk_idx_j is summed over queries in increasing (b, t) order (thread-count independent).
+// dscores: accumulator dtype of the indexer inputs. dq_idx [B, Sq, Hi, Di], dw [B, Sq, Hi], dk_idx [B, Sk, Di].
+// accumulate = false: overwritten (any floating dtype); true: the accumulator dtype, added. dk_idx_j is summed over
+// queries in increasing (b, t) order (thread-count independent).
 void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
                           const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
                           Stream stream = Stream::cpu());

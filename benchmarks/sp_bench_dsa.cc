@@ -5,7 +5,7 @@
 // Di = --indexer-dim); outputs out [B, S, H, Dv], lse [B, H, S] fp32, topk_indices [B, S, k] int64, loss [1] fp64,
 // dq, dc, dq_idx, dk_idx, dw. The reference is the single-device kernels (attention/dsa.h) on the whole sequence,
 // one call each; the fp64 reference of --check (sp_bench_check.h) is attn::reference on the one-rank kernel's
-// topk_indices.
+// topk_indices. lse and the kernels' accumulators are fp64 for fp64 inputs.
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -71,14 +71,14 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   }
 
   Tolerance tolerance(const std::string& name) const override {
-    // The selection is a strict total order on (fp32 score, position), independent of how the keys are split.
+    // The selection is a strict total order on (score, position), independent of how the keys are split.
     if (name == "topk_indices") return {0, 0};
-    // lse is fp32 for every storage dtype and differs only by the merge order of the latent blocks.
+    // lse (fp32; fp64 for fp64 inputs) differs only by the merge order of the latent blocks.
     if (name == "lse") return {1e-5, 1e-5};
     // The loss is an fp64 sum of per-row fp32 terms; under Ulysses the head-summed probabilities are reduced over
     // the group in another order, which moves each row's p* by fp32 rounding.
     if (name == "loss") return {1e-6, 1e-5};
-    // Every accumulator that crosses blocks (out, lse, dq, dc, dq_idx, dk_idx, dw) is fp32 (attention/dsa.h).
+    // Every accumulator that crosses blocks (out, lse, dq, dc, dq_idx, dk_idx, dw) is fp32 or wider (attention/dsa.h).
     return fp32_accumulator_tolerance(o_.dtype, name);
   }
 
@@ -111,11 +111,12 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
     ref_in_ = zero_arrays(in);
     fill(full, all_positions(o_.seq), views_of(ref_in_));
-    ref_out_ = zero_arrays(output_specs(o_.dtype, DType::kFloat32, true));
-    // fp32 work arrays of the indexer loss, indexed like topk_indices.
-    ref_probs_ = npy::HostArray(DType::kFloat32, topk_shape());
-    ref_scores_ = npy::HostArray(DType::kFloat32, topk_shape());
-    ref_dscores_ = npy::HostArray(DType::kFloat32, topk_shape());
+    const DType acc = attn::dsa_acc_dtype(o_.dtype);  // lse and the loss arrays (fp64 for fp64 inputs)
+    ref_out_ = zero_arrays(output_specs(o_.dtype, acc, true));
+    // Work arrays of the indexer loss, indexed like topk_indices.
+    ref_probs_ = npy::HostArray(acc, topk_shape());
+    ref_scores_ = npy::HostArray(acc, topk_shape());
+    ref_dscores_ = npy::HostArray(acc, topk_shape());
   }
 
   // One call each on the whole sequence: selection, then the attention forward.

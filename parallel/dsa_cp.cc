@@ -27,6 +27,28 @@ attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, 
   return {q_idx, w, k_idx, q_pos, k_pos};
 }
 
+// Merges a latent block's (out_b, lse_b) into the running (acc, lse), all of the accumulator dtype. The first block
+// is copied (merging into the empty state is the identity). attn::lse_merge takes fp32 only on this branch, so for
+// fp64 inputs the later blocks make a round trip through fp32 (about 1e-7 relative on out, 6e-8 of |lse| on lse).
+// TODO(issue 13 item 1, with the lossless merge of the MHA side): pass the fp64 state to the merge directly, and
+// keep lse (block_lse, lse_h) in fp64 for fp32 inputs too (the DSA kernels take an fp64 lse for any inputs), so that
+// merges of fp32 rings carry no fp32 rounding of lse either. tests/mpi/test_dsa_cp.cc *MergedWithMha64 check both.
+void merge_latent_block(const DeviceAlloc& alloc, bool first, const TensorView& acc, const TensorView& lse,
+                        const TensorView& out_b, const TensorView& lse_b) {
+  if (first) {
+    alloc.copy_convert(out_b, acc);
+    alloc.copy_convert(lse_b, lse);
+  } else if (acc.dtype() == DType::kFloat32) {
+    attn::lse_merge(acc, lse, out_b, lse_b, alloc.stream);
+  } else {
+    auto fp32 = [&](const TensorView& t) { return alloc.copy_of(t, DType::kFloat32, MemCategory::kWorkspace); };
+    Tensor acc32 = fp32(acc), lse32 = fp32(lse), out_b32 = fp32(out_b), lse_b32 = fp32(lse_b);
+    attn::lse_merge(acc32.view(), lse32.view(), out_b32.view(), lse_b32.view(), alloc.stream);
+    alloc.copy_convert(acc32.view(), acc);
+    alloc.copy_convert(lse32.view(), lse);
+  }
+}
+
 }  // namespace
 
 struct DsaContextParallel::Saved {
@@ -72,13 +94,14 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   const Stream stream = groups_.stream;
   Communicator& sp = groups_.sp;
   const std::int64_t k = config_.topk;
+  const DType acc_dtype = attn::dsa_acc_dtype(q.dtype());  // of the top-k scores, the merge state and lse
   auto s = std::make_shared<Saved>();
 
   // ---- selection over the SP group ----
   s->q_idx = alloc.copy_of(q_idx, q_idx.dtype(), MemCategory::kSavedActivation);
   s->k_idx = alloc.copy_of(k_idx, k_idx.dtype(), MemCategory::kSavedActivation);
   s->w = alloc.copy_of(w, w.dtype(), MemCategory::kSavedActivation);
-  Tensor scores = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor scores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
   Tensor state_pos = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kWorkspace);
   const attn::DsaTopkState state{scores.view(), state_pos.view()};
   attn::dsa_topk_init(state, stream);
@@ -97,7 +120,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     for (int src = 0; src < n; ++src) merge_block(src, all.view().slice0(src, src + 1).reshape({B, sl, di}));
   }
   s->topk_local = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kSavedActivation);
-  s->sel_scores = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kSavedActivation);
+  s->sel_scores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kSavedActivation);
   attn::dsa_topk_selected_scores(state, s->sel_scores.view(), stream);
   attn::dsa_topk_finalize(state, s->topk_local.view(), stream);
 
@@ -108,11 +131,12 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   s->topk_ring = a2a.gather_pieces(s->topk_local.view(), MemCategory::kSavedActivation);
 
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[groups_.ring.rank()];
-  Tensor acc = alloc.zeros({B, sr, hl, dv}, DType::kFloat32, MemCategory::kWorkspace);
-  s->lse_h = alloc.empty({B, hl, sr}, DType::kFloat32, MemCategory::kSavedActivation);
+  Tensor acc = alloc.zeros({B, sr, hl, dv}, acc_dtype, MemCategory::kWorkspace);
+  s->lse_h = alloc.empty({B, hl, sr}, acc_dtype, MemCategory::kSavedActivation);
   fill(s->lse_h.view(), -std::numeric_limits<double>::infinity(), stream);
-  Tensor block_out = alloc.empty(acc.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor block_lse = alloc.empty(s->lse_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor block_out = alloc.empty(acc.shape(), acc_dtype, MemCategory::kWorkspace);
+  Tensor block_lse = alloc.empty(s->lse_h.shape(), acc_dtype, MemCategory::kWorkspace);
+  bool first_block = true;
   ring_circulate(
       groups_.ring, s->c_ring.view(), kTagLatent,
       [&](int src, const TensorView& block) {
@@ -127,7 +151,8 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
         a.scale = config_.scale;
         const ScopedTimer timer(counters_.compute_s);
         attn::dsa_attention_forward(a, block_out.view(), block_lse.view(), stream);
-        attn::lse_merge(acc.view(), s->lse_h.view(), block_out.view(), block_lse.view(), stream);
+        merge_latent_block(alloc, first_block, acc.view(), s->lse_h.view(), block_out.view(), block_lse.view());
+        first_block = false;
       },
       &counters_.exposed_comm_s, stream);
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
@@ -138,7 +163,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
 
   DsaCpOutput o;
   o.out = alloc.empty({B, sl, H, dv}, q.dtype(), MemCategory::kWorkspace);
-  o.lse = alloc.empty({B, H, sl}, DType::kFloat32, MemCategory::kWorkspace);
+  o.lse = alloc.empty({B, H, sl}, acc_dtype, MemCategory::kWorkspace);
   a2a.to_sequence(s->out_h.view(), o.out.view());
   a2a.lse_to_sequence(s->lse_h.view(), o.lse.view());
   o.topk_indices = alloc.copy_of(s->topk_local.view(), DType::kInt64, MemCategory::kWorkspace);
@@ -154,7 +179,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const std::int64_t B = s->q_h.dim(0), sr = s->q_h.dim(1), hl = s->q_h.dim(2), dqk = s->q_h.dim(3),
                      dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk, hi = s->q_idx.dim(2),
                      di = s->q_idx.dim(3);
-  const DType dtype = s->q_h.dtype();
+  const DType dtype = s->q_h.dtype(), acc_dtype = attn::dsa_acc_dtype(dtype);
   const DeviceAlloc alloc{common_device({s->q_h.view(), dout}, "DSA CP backward (saved tensors, dout)"),
                           groups_.stream};
   check_grad_input(dout, {B, sl, hl * pu, dv}, "DSA CP dout");
@@ -167,11 +192,11 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
 
   // ---- attention backward (ring), with the head-summed probabilities for the indexer loss ----
   Tensor dout_h = a2a.to_heads(dout);
-  Tensor delta = alloc.empty(s->lse_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor delta = alloc.empty(s->lse_h.shape(), acc_dtype, MemCategory::kWorkspace);
   attn::dsa_attention_delta(s->out_h.view(), dout_h.view(), delta.view(), stream);
-  Tensor probs_ring = alloc.zeros({B, sr, k}, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dq_acc = alloc.zeros(s->q_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dc_ring = alloc.empty({B, sr, dqk}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor probs_ring = alloc.zeros({B, sr, k}, acc_dtype, MemCategory::kWorkspace);
+  Tensor dq_acc = alloc.zeros(s->q_h.shape(), acc_dtype, MemCategory::kWorkspace);
+  Tensor dc_ring = alloc.empty({B, sr, dqk}, acc_dtype, MemCategory::kWorkspace);
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[groups_.ring.rank()];
   ring_circulate_with_grad(
       groups_.ring, s->c_ring.view(), {B, sr, dqk}, dc_ring.view(), kTagLatent,
@@ -201,15 +226,15 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   g.dq = alloc.empty({B, sl, hl * pu, dqk}, dtype, MemCategory::kWorkspace);
   a2a.to_sequence(dq_h.view(), g.dq.view());
   // dc and probs: sum the Ulysses ranks' head subsets and return each rank its own sequence piece.
-  Tensor dc_local = alloc.empty({B, sl, dqk}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dc_local = alloc.empty({B, sl, dqk}, acc_dtype, MemCategory::kWorkspace);
   a2a.reduce_scatter_pieces(dc_ring.view(), dc_local.view());
   g.dc = alloc.empty({B, sl, dqk}, dtype, MemCategory::kWorkspace);
   alloc.copy_convert(dc_local.view(), g.dc.view());
-  Tensor probs = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor probs = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
   a2a.reduce_scatter_pieces(probs_ring.view(), probs.view());
 
   // ---- indexer loss and its backward (SP group) ----
-  Tensor dscores = alloc.empty({B, sl, k}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dscores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
   attn::DsaIndexerLossArgs la;
   la.probs = probs.view();
   la.scores = s->sel_scores.view();
@@ -225,9 +250,9 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   alloc.copy_convert(loss_sum.view(), loss_host);
   g.loss = loss;
 
-  Tensor dq_idx = alloc.zeros({B, sl, hi, di}, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dw = alloc.zeros({B, sl, hi}, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dk_idx = alloc.empty({B, sl, di}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dq_idx = alloc.zeros({B, sl, hi, di}, acc_dtype, MemCategory::kWorkspace);
+  Tensor dw = alloc.zeros({B, sl, hi}, acc_dtype, MemCategory::kWorkspace);
+  Tensor dk_idx = alloc.empty({B, sl, di}, acc_dtype, MemCategory::kWorkspace);
   ring_circulate_with_grad(
       sp, s->k_idx.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
       [&](int src, const TensorView& block, const TensorView& grad) {

@@ -9,13 +9,17 @@
 // Attention: the query heads are split over the Ulysses group by all-to-all; the latent (shared by all heads) and the
 // selected indices of the ring shard are all-gathered over the Ulysses group; the latent blocks then travel around
 // the ring group and each rank attends only to its selected positions inside each block, merging with the online
-// softmax (attn::lse_merge). The backward sends the fp32 dc accumulators home with their blocks
+// softmax (attn::lse_merge). The backward sends the dc accumulators home with their blocks
 // (ring_circulate_with_grad); dc and the head-summed attention probabilities of the ring shard are reduce-scattered
 // over the Ulysses group back to the sequence-sharded layout.
 //
 // Indexer loss (KL(p* || softmax(I)) summed over all queries; docs/design.md section 9.3): p* comes from the main
 // attention probabilities, which the attention backward produces for free, so the loss value and all gradients
 // come out of backward(). The index-key gradients travel home with the index-key blocks like dK / dV.
+//
+// Precision: every scratch array (top-k scores, the attention merge state and lse, delta, probs, the loss arrays and
+// every gradient accumulator, including those that travel) has the kernels' accumulator dtype
+// (attn::dsa_acc_dtype): fp64 for fp64 inputs, fp32 otherwise.
 //
 // Counters (CpCounters): attention_pairs, bytes over the ring and SP groups (bytes_*) and the Ulysses group (a2a_*),
 // exposed ring / SP wait time, Ulysses exchange time (a2a_s) and kernel time.
@@ -46,7 +50,7 @@ struct DsaCpConfig {
 
 struct DsaCpOutput {
   Tensor out;           // [B, S_local, H, Dv], dtype of q
-  Tensor lse;           // [B, H, S_local] fp32
+  Tensor lse;           // [B, H, S_local] attn::dsa_acc_dtype of q (fp64 for fp64 inputs, else fp32)
   Tensor topk_indices;  // [B, S_local, topk] int64 global positions, ascending, -1 padded
   CpContext ctx;        // what the backward needs; hand it to backward() of the object that made it
 };

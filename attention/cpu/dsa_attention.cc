@@ -25,6 +25,38 @@ void load_any(const TensorView& t, std::int64_t at, std::int64_t n, Acc* dst) {
   });
 }
 
+// lse [B, H, Sq]: the accumulator dtype Acc, or fp64 for any inputs (attention/dsa.h). Read as fp64; written from the
+// row's max and sum, in fp64 when lse is fp64 (so that no fp32 rounding of lse, eps * |lse|, enters a merge).
+template <typename Acc>
+struct LseArray {
+  void* data;
+  bool wide;  // fp64
+  explicit LseArray(const TensorView& t) : data(t.data()), wide(t.dtype() == DType::kFloat64) {}
+  double operator[](std::int64_t i) const {
+    return wide ? static_cast<const double*>(data)[i] : static_cast<double>(static_cast<const Acc*>(data)[i]);
+  }
+  void set(std::int64_t i, Acc max, Acc sum) const {
+    if (wide) {
+      static_cast<double*>(data)[i] = static_cast<double>(max) + std::log(static_cast<double>(sum));
+    } else {
+      static_cast<Acc*>(data)[i] = max + std::log(sum);
+    }
+  }
+  void set_empty(std::int64_t i) const {
+    if (wide) {
+      static_cast<double*>(data)[i] = neg_inf<double>();
+    } else {
+      static_cast<Acc*>(data)[i] = neg_inf<Acc>();
+    }
+  }
+};
+
+// p = exp(scaled score - lse) with the difference taken in fp64 (lse may be fp64 for fp32 inputs), then in Acc.
+template <typename Acc>
+inline Acc prob(Acc scaled_score, double lse) {
+  return std::exp(static_cast<Acc>(static_cast<double>(scaled_score) - lse));
+}
+
 // The most positions of one row that can lie inside the block: min(k, Sk).
 inline std::int64_t max_selected(const AttnShape& s) { return std::min(s.K, s.Sk); }
 
@@ -68,7 +100,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
-  float* lse_out = static_cast<float*>(lse.data());
+  const LseArray<Acc> lse_out(lse);
   const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s);
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_forward scratch");
   const WorkerScratch<Acc> ws({H * Dqk, nmax * Dqk, H * nmax, H * Dv, H, H, kTile * Dqk, kTile * H},
@@ -84,7 +116,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
       const std::int64_t n = collect_selected(s, idx, r, sel, slots);
       std::fill(o.begin(), o.end(), Acc(0));
       if (n == 0) {
-        for (std::int64_t h = 0; h < H; ++h) lse_out[(b * H + h) * s.Sq + t] = neg_inf();
+        for (std::int64_t h = 0; h < H; ++h) lse_out.set_empty((b * H + h) * s.Sq + t);
         store_row(out, r * H * Dv, o.data(), H * Dv, false);
         continue;
       }
@@ -118,7 +150,7 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
       for (std::int64_t h = 0; h < H; ++h) {
         const Acc inv = Acc(1) / sum[h];
         for (std::int64_t d = 0; d < Dv; ++d) o[h * Dv + d] *= inv;
-        lse_out[(b * H + h) * s.Sq + t] = static_cast<float>(mx[h] + std::log(sum[h]));
+        lse_out.set((b * H + h) * s.Sq + t, mx[h], sum[h]);
       }
       store_row(out, r * H * Dv, o.data(), H * Dv, false);
     }
@@ -129,27 +161,31 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
 // pairs inside the block; probs (optional) gets sum_h p per slot. Key pass (with dout): dc per block latent row.
 template <typename T>
 void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& lse_t, const TensorView& dout_t,
-                   const float* delta, const TensorView& dq_t, const TensorView& dc_t, bool accumulate, float* probs) {
+                   const TensorView& delta_t, const TensorView& dq_t, const TensorView& dc_t, bool accumulate,
+                   const TensorView& probs_t) {
   using Acc = acc_t<T>;
   const std::int64_t H = s.H, Dqk = s.Dqk, Dv = s.Dv, Sq = s.Sq;
   const bool want_grad = !absent(dout_t);
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
-  const float* lse = static_cast<const float*>(lse_t.data());
+  const LseArray<Acc> lse(lse_t);
+  const Acc* delta = static_cast<const Acc*>(delta_t.data());
+  Acc* probs = static_cast<Acc*>(probs_t.data());
   const std::int64_t rows = s.B * Sq;
   const Acc scale = Acc(s.scale);
   const std::int64_t nmax = max_selected(s);
 
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_backward query scratch");
-  const WorkerScratch<Acc> qws({H * Dqk, H * Dv, nmax * Dqk, H * nmax, H * Dqk, H, kTile * Dqk, kTile * H, kTile * H},
+  const WorkerScratch<Acc> qws({H * Dqk, H * Dv, nmax * Dqk, H * nmax, H * Dqk, kTile * Dqk, kTile * H, kTile * H},
                                "dsa_attention_backward query scratch");
+  const WorkerScratch<double> lws({H}, "dsa_attention_backward lse scratch");  // used by one pass at a time
 #pragma omp parallel
   {
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
     const std::span<Acc> qrow = qws.buffer(0), dorow = qws.buffer(1), gath = qws.buffer(2), p = qws.buffer(3),
-                         dq = qws.buffer(4), lse_r = qws.buffer(5), cT = qws.buffer(6), tile = qws.buffer(7),
-                         dptile = qws.buffer(8);
+                         dq = qws.buffer(4), cT = qws.buffer(5), tile = qws.buffer(6), dptile = qws.buffer(7);
+    const std::span<double> lse_r = lws.buffer(0);
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
@@ -157,17 +193,17 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
       std::fill(dq.begin(), dq.end(), Acc(0));
       if (n > 0) {
         if (want_grad) load_any(dout_t, r * H * Dv, H * Dv, dorow.data());
-        for (std::int64_t h = 0; h < H; ++h) lse_r[h] = static_cast<Acc>(lse[(b * H + h) * Sq + t]);
+        for (std::int64_t h = 0; h < H; ++h) lse_r[h] = lse[(b * H + h) * Sq + t];
         for_each_selected_tile_scores(
             q, c, s, b, r, sel, n, qrow, gath, cT, tile, [&](std::int64_t j0, std::int64_t nj, const Acc* const* rowp) {
               if (want_grad) dot_tile(dorow.data(), H, Dv, cT.data(), dptile.data());  // rows d < Dv of cT: the value
               for (std::int64_t h = 0; h < H; ++h) {
                 const bool dead = std::isinf(lse_r[h]);
                 for (std::int64_t j = 0; j < nj; ++j) {
-                  const Acc pj = dead ? Acc(0) : std::exp(scale * tile[h * kTile + j] - lse_r[h]);
+                  const Acc pj = dead ? Acc(0) : prob(scale * tile[h * kTile + j], lse_r[h]);
                   p[h * n + j0 + j] = pj;
                   if (want_grad && pj != Acc(0)) {
-                    const Acc ds = pj * (dptile[h * kTile + j] - static_cast<Acc>(delta[(b * H + h) * Sq + t]));
+                    const Acc ds = pj * (dptile[h * kTile + j] - delta[(b * H + h) * Sq + t]);
                     axpy(scale * ds, rowp[j], dq.data() + h * Dqk, Dqk);
                   }
                 }
@@ -177,7 +213,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
           for (std::int64_t j = 0; j < n; ++j) {
             Acc ps = 0;
             for (std::int64_t h = 0; h < H; ++h) ps += p[h * n + j];
-            probs[r * s.K + slots[j]] = static_cast<float>(ps);
+            probs[r * s.K + slots[j]] = ps;
           }
         }
       }
@@ -191,13 +227,14 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
       zeroed_workspace({s.B * s.Sk * Dqk}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
   Acc* const dc_acc = static_cast<Acc*>(dc_acc_owner.data());
   const bool dout_in_place = dout_t.dtype() == dtype_v<Acc>;
-  const WorkerScratch<Acc> kws({H * Dqk, H * Dv, kTile * Dqk, kTile * H, kTile * H, H, H},
+  const WorkerScratch<Acc> kws({H * Dqk, H * Dv, kTile * Dqk, kTile * H, kTile * H, H},
                                "dsa_attention_backward key scratch");
 #pragma omp parallel
   {
     const KeyOwner mine;
     const std::span<Acc> qrow = kws.buffer(0), dorow = kws.buffer(1), cT = kws.buffer(2), tile = kws.buffer(3),
-                         dptile = kws.buffer(4), lse_r = kws.buffer(5), delta_r = kws.buffer(6);
+                         dptile = kws.buffer(4), delta_r = kws.buffer(5);
+    const std::span<double> lse_r = lws.buffer(0);
     const T* crows[kTile];
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
@@ -220,8 +257,8 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
                 dr = dorow.data();
               }
               for (std::int64_t h = 0; h < H; ++h) {
-                lse_r[h] = static_cast<Acc>(lse[(b * H + h) * Sq + t]);
-                delta_r[h] = static_cast<Acc>(delta[(b * H + h) * Sq + t]);
+                lse_r[h] = lse[(b * H + h) * Sq + t];
+                delta_r[h] = delta[(b * H + h) * Sq + t];
               }
             }
             for (std::int64_t j = 0; j < n; ++j) crows[j] = c + (b * s.Sk + keys[j]) * Dqk;
@@ -232,7 +269,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
               Acc* dc = dc_acc + (b * s.Sk + keys[j]) * Dqk;
               for (std::int64_t h = 0; h < H; ++h) {
                 if (std::isinf(lse_r[h])) continue;
-                const Acc pj = std::exp(scale * tile[h * kTile + j] - lse_r[h]);
+                const Acc pj = prob(scale * tile[h * kTile + j], lse_r[h]);
                 if (pj == Acc(0)) continue;
                 const Acc ds = pj * (dptile[h * kTile + j] - delta_r[h]);
                 axpy(scale * ds, qr + h * Dqk, dc, Dqk);
@@ -247,31 +284,23 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   for (std::int64_t km = 0; km < keys; ++km) store_row(dc_t, km * Dqk, dc_acc + km * Dqk, Dqk, accumulate);
 }
 
-void delta_impl(const TensorView& out, const TensorView& dout, float* delta, std::int64_t B, std::int64_t Sq,
-                std::int64_t H, std::int64_t Dv) {
-  const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
-  const WorkerScratch<double> wide_ws({wide ? Dv : 0, wide ? Dv : 0}, "dsa_attention_delta scratch");
-  const WorkerScratch<float> ws({wide ? 0 : Dv, wide ? 0 : Dv}, "dsa_attention_delta scratch");
+// delta [B, H, Sq] of dtype D (fp32 or fp64): the dot products in D.
+template <typename D>
+void delta_impl(const TensorView& out, const TensorView& dout, const TensorView& delta_t) {
+  const std::int64_t B = out.dim(0), Sq = out.dim(1), H = out.dim(2), Dv = out.dim(3);
+  D* delta = static_cast<D*>(delta_t.data());
+  const WorkerScratch<D> ws({Dv, Dv}, "dsa_attention_delta scratch");
 #pragma omp parallel
   {
-    const std::span<double> o = wide_ws.buffer(0), g = wide_ws.buffer(1);
-    const std::span<float> of = ws.buffer(0), gf = ws.buffer(1);
+    const std::span<D> o = ws.buffer(0), g = ws.buffer(1);
 #pragma omp for schedule(static)
     for (std::int64_t r = 0; r < B * Sq; ++r) {
       const std::int64_t b = r / Sq, t = r % Sq;
       for (std::int64_t h = 0; h < H; ++h) {
         const std::int64_t at = (r * H + h) * Dv;
-        float v;
-        if (wide) {
-          load_any(out, at, Dv, o.data());
-          load_any(dout, at, Dv, g.data());
-          v = static_cast<float>(dot(o.data(), g.data(), Dv));
-        } else {
-          load_any(out, at, Dv, of.data());
-          load_any(dout, at, Dv, gf.data());
-          v = dot(of.data(), gf.data(), Dv);
-        }
-        delta[(b * H + h) * Sq + t] = v;
+        load_any(out, at, Dv, o.data());
+        load_any(dout, at, Dv, g.data());
+        delta[(b * H + h) * Sq + t] = dot(o.data(), g.data(), Dv);
       }
     }
   }
@@ -284,13 +313,13 @@ void dsa_attention_forward_cpu(const DsaAttentionArgs& args, const DsaAttentionS
   dispatch_floating(args.q.dtype(), [&](auto tag) { forward_impl<decltype(tag)>(args, s, out, lse); });
 }
 
-void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, float* delta) {
-  delta_impl(out, dout, delta, out.dim(0), out.dim(1), out.dim(2), out.dim(3));
+void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, const TensorView& delta) {
+  dispatch_acc(delta.dtype(), [&](auto tag) { delta_impl<decltype(tag)>(out, dout, delta); });
 }
 
 void dsa_attention_backward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& lse,
-                                const TensorView& dout, const float* delta, const TensorView& dq, const TensorView& dc,
-                                bool accumulate, float* probs) {
+                                const TensorView& dout, const TensorView& delta, const TensorView& dq,
+                                const TensorView& dc, bool accumulate, const TensorView& probs) {
   dispatch_floating(args.q.dtype(), [&](auto tag) {
     backward_impl<decltype(tag)>(args, s, lse, dout, delta, dq, dc, accumulate, probs);
   });

@@ -171,13 +171,13 @@ struct KeyOwner {
   bool operator()(std::int64_t m) const { return (m / kTile) % num == me; }
 };
 
-// Stores n Acc values at element offset `at` of `dst` (any floating dtype), adding to the fp32 contents when
-// `accumulate`.
+// Stores n Acc values at element offset `at` of `dst` (any floating dtype), adding to the contents when
+// `accumulate` (then dst holds Acc: the accumulator dtype, checked by attention/dsa.cc).
 template <typename Acc>
 inline void store_row(const TensorView& dst, std::int64_t at, const Acc* src, std::int64_t n, bool accumulate) {
   if (accumulate) {
-    float* d = static_cast<float*>(dst.data()) + at;
-    for (std::int64_t i = 0; i < n; ++i) d[i] = static_cast<float>(static_cast<Acc>(d[i]) + src[i]);
+    Acc* d = static_cast<Acc*>(dst.data()) + at;
+    for (std::int64_t i = 0; i < n; ++i) d[i] += src[i];
     return;
   }
   dispatch_floating(dst.dtype(), [&](auto tag) {
@@ -198,6 +198,17 @@ inline void store_row(const TensorView& dst, std::int64_t at, const Acc* src, st
 // An optional tensor argument that was not given (a default TensorView has no data).
 inline bool absent(const TensorView& t) { return t.data() == nullptr; }
 
-inline float neg_inf() { return -std::numeric_limits<float>::infinity(); }
+template <typename Acc = float>
+inline Acc neg_inf() {
+  return -std::numeric_limits<Acc>::infinity();
+}
+
+// fn(Acc{}) for an accumulator dtype (fp32 or fp64; attention/dsa.h dsa_acc_dtype), checked by attention/dsa.cc.
+template <typename Fn>
+decltype(auto) dispatch_acc(DType dtype, Fn&& fn) {
+  if (dtype == DType::kFloat64) return fn(double{});
+  SEQPAR_ASSERT(dtype == DType::kFloat32, "DSA accumulator of dtype ", dtype_name(dtype));
+  return fn(float{});
+}
 
 }  // namespace seqpar::attn::dsa_detail

@@ -39,11 +39,12 @@ void dsa_indexer_backward_cpu(const DsaIndexerArgs& args, const DsaIndexerShape&
 
 void dsa_attention_forward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& out,
                                const TensorView& lse);
-// delta [B, H, Sq] fp32 of out, dout [B, Sq, H, Dv].
-void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, float* delta);
-// dout empty: probabilities only (into probs). probs may be null. delta [B, H, Sq] (read when dout is given).
+// delta [B, H, Sq] (fp32 or fp64, computed in its dtype) of out, dout [B, Sq, H, Dv].
+void dsa_attention_delta_cpu(const TensorView& out, const TensorView& dout, const TensorView& delta);
+// dout absent: probabilities only (into probs). probs may be absent. lse, delta [B, H, Sq] and probs are of the
+// accumulator dtype of args.q (delta is read when dout is given).
 void dsa_attention_backward_cpu(const DsaAttentionArgs& args, const DsaAttentionShape& s, const TensorView& lse,
-                                const TensorView& dout, const float* delta, const TensorView& dq, const TensorView& dc,
-                                bool accumulate, float* probs);
+                                const TensorView& dout, const TensorView& delta, const TensorView& dq,
+                                const TensorView& dc, bool accumulate, const TensorView& probs);
 
 }  // namespace seqpar::attn::cpu

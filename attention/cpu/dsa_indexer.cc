@@ -16,16 +16,19 @@ using namespace dsa_detail;
 
 // ---- top-k heap ---------------------------------------------------------------------------------------------------
 // Strict total order on candidates: a valid candidate (position >= 0) beats an empty slot; a larger score wins; equal
-// scores go to the smaller position. Each row of the state is a binary heap whose root is the worst entry.
+// scores go to the smaller position. Each row of the state is a binary heap whose root is the worst entry. Scores are
+// of the accumulator type S (fp64 for fp64 inputs), so ties are decided on the scores the indexer computed.
 
-inline bool better(float sa, std::int64_t pa, float sb, std::int64_t pb) {
+template <typename S>
+inline bool better(S sa, std::int64_t pa, S sb, std::int64_t pb) {
   if (pb < 0) return pa >= 0;
   if (pa < 0) return false;
   if (sa != sb) return sa > sb;
   return pa < pb;
 }
 
-inline void sift_down(float* hs, std::int64_t* hp, std::int64_t K, std::int64_t i) {
+template <typename S>
+inline void sift_down(S* hs, std::int64_t* hp, std::int64_t K, std::int64_t i) {
   for (;;) {
     const std::int64_t l = 2 * i + 1, r = l + 1;
     std::int64_t worst = i;
@@ -38,7 +41,8 @@ inline void sift_down(float* hs, std::int64_t* hp, std::int64_t K, std::int64_t 
   }
 }
 
-inline void heap_offer(float* hs, std::int64_t* hp, std::int64_t K, float score, std::int64_t pos) {
+template <typename S>
+inline void heap_offer(S* hs, std::int64_t* hp, std::int64_t K, S score, std::int64_t pos) {
   if (K == 0 || !better(score, pos, hs[0], hp[0])) return;
   hs[0] = score;
   hp[0] = pos;
@@ -134,7 +138,7 @@ template <typename T>
 void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTopkState& st) {
   using Acc = acc_t<T>;
   const std::int64_t K = st.scores.dim(2);
-  float* scores = static_cast<float*>(st.scores.data());
+  Acc* scores = static_cast<Acc*>(st.scores.data());
   std::int64_t* positions = static_cast<std::int64_t*>(st.positions.data());
   const IndexerInputs<T> in(a, s, "dsa_indexer_topk_block scratch");
   in.for_each_row([&](auto& th, std::int64_t r) {
@@ -144,25 +148,53 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
     if (n_vis == 0) return;
     Acc tile_scores[kTile];
     th.load_query(r);
-    float* hs = scores + r * K;
+    Acc* hs = scores + r * K;
     std::int64_t* hp = positions + r * K;
     for (std::int64_t j0 = 0; j0 < n_vis; j0 += kTile) {
       const std::int64_t nj = std::min(kTile, n_vis - j0);
       th.load_keys(b, nj, [&](std::int64_t j) { return j0 + j; });
       th.scores(tile_scores);
       for (std::int64_t j = 0; j < nj; ++j) {
-        heap_offer(hs, hp, K, static_cast<float>(tile_scores[j]), s.k_pos[static_cast<std::size_t>(j0 + j)]);
+        heap_offer(hs, hp, K, tile_scores[j], s.k_pos[static_cast<std::size_t>(j0 + j)]);
       }
     }
   });
 }
 
+template <typename S>
+void selected_scores_impl(const DsaTopkState& state, const TensorView& scores) {
+  const std::int64_t K = state.scores.dim(2), rows = state.scores.dim(0) * state.scores.dim(1);
+  const std::int64_t* hp = static_cast<const std::int64_t*>(state.positions.data());
+  const S* hs = static_cast<const S*>(state.scores.data());
+  S* out = static_cast<S*>(scores.data());
+  const WorkerScratch<std::int64_t> ws({K}, "dsa_topk_selected_scores scratch");
+#pragma omp parallel
+  {
+    const std::span<std::int64_t> slot = ws.buffer(0);
+#pragma omp for schedule(static)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t* p = hp + r * K;
+      std::int64_t n = 0;
+      for (std::int64_t i = 0; i < K; ++i) {
+        if (p[i] >= 0) slot[n++] = i;
+      }
+      // Positions are distinct within a row, so this order is dsa_topk_finalize's.
+      std::sort(slot.begin(), slot.begin() + n, [&](std::int64_t a, std::int64_t b) { return p[a] < p[b]; });
+      for (std::int64_t i = 0; i < n; ++i) out[r * K + i] = hs[r * K + slot[i]];
+      std::fill(out + r * K + n, out + (r + 1) * K, S(0));
+    }
+  }
+}
+
 }  // namespace
 
 void dsa_topk_init_cpu(const DsaTopkState& state) {
-  float* sc = static_cast<float*>(state.scores.data());
+  dispatch_acc(state.scores.dtype(), [&](auto tag) {
+    using S = decltype(tag);
+    S* sc = static_cast<S*>(state.scores.data());
+    std::fill(sc, sc + state.scores.numel(), neg_inf<S>());
+  });
   std::int64_t* pos = static_cast<std::int64_t*>(state.positions.data());
-  std::fill(sc, sc + state.scores.numel(), neg_inf());
   std::fill(pos, pos + state.positions.numel(), std::int64_t{-1});
 }
 
@@ -172,16 +204,19 @@ void dsa_indexer_topk_block_cpu(const DsaIndexerArgs& args, const DsaIndexerShap
 
 void dsa_topk_merge_cpu(const DsaTopkState& state, const DsaTopkState& other) {
   const std::int64_t K = state.scores.dim(2), rows = state.scores.dim(0) * state.scores.dim(1);
-  float* hs = static_cast<float*>(state.scores.data());
   std::int64_t* hp = static_cast<std::int64_t*>(state.positions.data());
-  const float* os = static_cast<const float*>(other.scores.data());
   const std::int64_t* op = static_cast<const std::int64_t*>(other.positions.data());
+  dispatch_acc(state.scores.dtype(), [&](auto tag) {
+    using S = decltype(tag);
+    S* hs = static_cast<S*>(state.scores.data());
+    const S* os = static_cast<const S*>(other.scores.data());
 #pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t i = 0; i < K; ++i) {
-      if (op[r * K + i] >= 0) heap_offer(hs + r * K, hp + r * K, K, os[r * K + i], op[r * K + i]);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t i = 0; i < K; ++i) {
+        if (op[r * K + i] >= 0) heap_offer(hs + r * K, hp + r * K, K, os[r * K + i], op[r * K + i]);
+      }
     }
-  }
+  });
 }
 
 void dsa_topk_finalize_cpu(const DsaTopkState& state, const TensorView& topk_indices) {
@@ -206,27 +241,7 @@ void dsa_topk_finalize_cpu(const DsaTopkState& state, const TensorView& topk_ind
 }
 
 void dsa_topk_selected_scores_cpu(const DsaTopkState& state, const TensorView& scores) {
-  const std::int64_t K = state.scores.dim(2), rows = state.scores.dim(0) * state.scores.dim(1);
-  const std::int64_t* hp = static_cast<const std::int64_t*>(state.positions.data());
-  const float* hs = static_cast<const float*>(state.scores.data());
-  float* out = static_cast<float*>(scores.data());
-  const WorkerScratch<std::int64_t> ws({K}, "dsa_topk_selected_scores scratch");
-#pragma omp parallel
-  {
-    const std::span<std::int64_t> slot = ws.buffer(0);
-#pragma omp for schedule(static)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t* p = hp + r * K;
-      std::int64_t n = 0;
-      for (std::int64_t i = 0; i < K; ++i) {
-        if (p[i] >= 0) slot[n++] = i;
-      }
-      // Positions are distinct within a row, so this order is dsa_topk_finalize's.
-      std::sort(slot.begin(), slot.begin() + n, [&](std::int64_t a, std::int64_t b) { return p[a] < p[b]; });
-      for (std::int64_t i = 0; i < n; ++i) out[r * K + i] = hs[r * K + slot[i]];
-      std::fill(out + r * K + n, out + (r + 1) * K, 0.0f);
-    }
-  }
+  dispatch_acc(state.scores.dtype(), [&](auto tag) { selected_scores_impl<decltype(tag)>(state, scores); });
 }
 
 // ---- indexer loss -------------------------------------------------------------------------------------------------
@@ -239,7 +254,7 @@ void scores_selected_impl(const DsaIndexerArgs& a, const IndexerShape& s, const 
   using Acc = acc_t<T>;
   const std::int64_t K = topk.dim(2);
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
-  float* out = static_cast<float*>(scores.data());
+  Acc* out = static_cast<Acc*>(scores.data());
   const IndexerInputs<T> in(a, s, "dsa_indexer_scores_selected scratch");
   in.for_each_row([&](auto& th, std::int64_t r) {
     const std::int64_t b = r / s.Sq;
@@ -252,7 +267,7 @@ void scores_selected_impl(const DsaIndexerArgs& a, const IndexerShape& s, const 
           loaded = true;
           th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
           th.scores(tile_scores);
-          for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = static_cast<float>(tile_scores[j]);
+          for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = tile_scores[j];
         });
   });
 }
@@ -264,7 +279,7 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
   using Acc = acc_t<T>;
   const std::int64_t K = topk.dim(2), Hi = s.Hi, Di = s.Di;
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
-  const float* g_all = static_cast<const float*>(dscores.data());
+  const Acc* g_all = static_cast<const Acc*>(dscores.data());
   const std::int64_t rows = s.B * s.Sq;
 
   // Queries: dq_idx and dw of each row from the selected pairs inside the block.
@@ -282,7 +297,7 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
           th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
           th.dots();
           for (std::int64_t j = 0; j < n; ++j) {
-            const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
+            const Acc g = g_all[r * K + slots[j]];
             if (g == Acc(0)) continue;
             const Acc* k = acc_row(th.krows[j], Di, kbuf);
             for (std::int64_t i = 0; i < Hi; ++i) {
@@ -317,7 +332,7 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
                                th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
                                th.dots();
                                for (std::int64_t j = 0; j < n; ++j) {
-                                 const Acc g = static_cast<Acc>(g_all[r * K + slots[j]]);
+                                 const Acc g = g_all[r * K + slots[j]];
                                  if (g == Acc(0)) continue;
                                  Acc* dk = dk_acc + (b * s.Sk + keys[j]) * Di;
                                  for (std::int64_t i = 0; i < Hi; ++i) {
@@ -332,23 +347,15 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
   for (std::int64_t km = 0; km < keys; ++km) store_row(dk_idx, km * Di, dk_acc + km * Di, Di, accumulate);
 }
 
-}  // namespace
-
-void dsa_indexer_scores_selected_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s,
-                                     const TensorView& topk_indices, const std::vector<std::int32_t>& valid,
-                                     const TensorView& scores) {
-  dispatch_floating(args.q_idx.dtype(),
-                    [&](auto tag) { scores_selected_impl<decltype(tag)>(args, s, topk_indices, valid, scores); });
-}
-
-double dsa_indexer_loss_cpu(const DsaIndexerLossArgs& args, const TensorView& dscores) {
+template <typename S>
+double indexer_loss_impl(const DsaIndexerLossArgs& args, const TensorView& dscores) {
   const bool want_grad = !absent(dscores);
   const std::int64_t K = args.topk_indices.dim(2);
   const std::int64_t rows = args.topk_indices.dim(0) * args.topk_indices.dim(1);
   const std::int64_t* idx = static_cast<const std::int64_t*>(args.topk_indices.data());
-  const float* probs = static_cast<const float*>(args.probs.data());
-  const float* sc = static_cast<const float*>(args.scores.data());
-  float* g = want_grad ? static_cast<float*>(dscores.data()) : nullptr;
+  const S* probs = static_cast<const S*>(args.probs.data());
+  const S* sc = static_cast<const S*>(args.scores.data());
+  S* g = want_grad ? static_cast<S*>(dscores.data()) : nullptr;
   std::vector<double> row_loss(static_cast<std::size_t>(rows), 0.0);
 #pragma omp parallel for schedule(static)
   for (std::int64_t r = 0; r < rows; ++r) {
@@ -374,13 +381,26 @@ double dsa_indexer_loss_cpu(const DsaIndexerLossArgs& args, const TensorView& ds
         if (p > 0.0) loss += p * (std::log(p) - log_q);
         grad = std::exp(log_q) - p;
       }
-      if (want_grad) g[r * K + s] = static_cast<float>(args.grad_scale * grad);
+      if (want_grad) g[r * K + s] = static_cast<S>(args.grad_scale * grad);
     }
     row_loss[static_cast<std::size_t>(r)] = loss;
   }
   double total = 0.0;
   for (double v : row_loss) total += v;
   return total;
+}
+
+}  // namespace
+
+void dsa_indexer_scores_selected_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s,
+                                     const TensorView& topk_indices, const std::vector<std::int32_t>& valid,
+                                     const TensorView& scores) {
+  dispatch_floating(args.q_idx.dtype(),
+                    [&](auto tag) { scores_selected_impl<decltype(tag)>(args, s, topk_indices, valid, scores); });
+}
+
+double dsa_indexer_loss_cpu(const DsaIndexerLossArgs& args, const TensorView& dscores) {
+  return dispatch_acc(args.probs.dtype(), [&](auto tag) { return indexer_loss_impl<decltype(tag)>(args, dscores); });
 }
 
 void dsa_indexer_backward_cpu(const DsaIndexerArgs& args, const DsaIndexerShape& s, const TensorView& topk_indices,

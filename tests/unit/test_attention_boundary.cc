@@ -157,7 +157,8 @@ TEST(DsaBoundary, AttentionArgumentsAreRejectedWithTheirRule) {
                   "out has shape [1, 4, 2, 8], expected [1, 4, 2, 4]");
   Tensor lse16 = zeros({1, 2, 4}, DType::kFloat16);
   expect_rejected([&] { check_dsa_attention_probs(d.attn(), lse16, d.slots); },
-                  [&] { dsa_attention_probs(d.attn(), lse16, d.slots); }, "lse has dtype fp16, expected fp32");
+                  [&] { dsa_attention_probs(d.attn(), lse16, d.slots); },
+                  "lse has dtype fp16, expected fp32 or fp64 for fp32 inputs");
   Tensor dc16 = zeros({1, 4, 8}, DType::kBFloat16);
   expect_rejected([&] { check_dsa_attention_backward(d.bwd(), d.dq, dc16, true); },
                   [&] { dsa_attention_backward(d.bwd(), d.dq, dc16, true); },
@@ -193,10 +194,16 @@ TEST(DsaBoundary, IndexerArgumentsAreRejectedWithTheirRule) {
   a.q_pos = q_pos;
   expect_rejected([&] { check_dsa_indexer_topk_block(a, state); }, [&] { dsa_indexer_topk_block(a, state); },
                   "q_pos has 3 entries, expected 0 (meaning 0..3) or Sq = 4");
-  Tensor scores64 = zeros({1, 4, 2}, DType::kFloat64);
-  const DsaTopkState bad_state{scores64, positions};
+  Tensor state16 = zeros({1, 4, 2}, DType::kFloat16);
+  const DsaTopkState bad_state{state16, positions};
   expect_rejected([&] { check_dsa_topk_init(bad_state); }, [&] { dsa_topk_init(bad_state); },
-                  "top-k state scores has dtype fp64, expected fp32");
+                  "top-k state scores has dtype fp16, expected fp32 or fp64 (the DSA accumulator dtypes)");
+  // fp64 scores are the accumulator dtype of fp64 inputs only.
+  Tensor scores64 = zeros({1, 4, 2}, DType::kFloat64);
+  const DsaTopkState wide_state{scores64, positions};
+  expect_rejected([&] { check_dsa_indexer_topk_block(d.indexer(), wide_state); },
+                  [&] { dsa_indexer_topk_block(d.indexer(), wide_state); },
+                  "top-k state scores (fp32 indexer inputs) has dtype fp64, expected fp32");
   Tensor scores3 = zeros({1, 4, 3}), positions3 = zeros({1, 4, 3}, DType::kInt64);
   const DsaTopkState other{scores3, positions3};
   expect_rejected([&] { check_dsa_topk_merge(state, other); }, [&] { dsa_topk_merge(state, other); },
@@ -210,7 +217,7 @@ TEST(DsaBoundary, IndexerArgumentsAreRejectedWithTheirRule) {
                   "scores has dtype fp16, expected fp32");
   const DsaIndexerLossArgs loss{scores16, d.slots, d.topk};
   expect_rejected([&] { check_dsa_indexer_loss(loss, TensorView()); }, [&] { dsa_indexer_loss(loss, TensorView()); },
-                  "probs has dtype fp16, expected fp32");
+                  "probs has dtype fp16, expected fp32 or fp64 (the DSA accumulator dtypes)");
   Tensor dk_bad = zeros({1, 3, 4});
   expect_rejected([&] { check_dsa_indexer_backward(d.indexer(), d.topk, d.slots, d.dq_idx, d.dw, dk_bad, false); },
                   [&] { dsa_indexer_backward(d.indexer(), d.topk, d.slots, d.dq_idx, d.dw, dk_bad, false); },
