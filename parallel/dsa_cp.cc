@@ -108,11 +108,14 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   s->topk_ring = a2a.gather_pieces(s->topk_local.view(), MemCategory::kSavedActivation);
 
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[groups_.ring.rank()];
-  Tensor acc = alloc.zeros({B, sr, hl, dv}, DType::kFloat32, MemCategory::kWorkspace);
-  s->lse_h = alloc.empty({B, hl, sr}, DType::kFloat32, MemCategory::kSavedActivation);
-  fill(s->lse_h.view(), -std::numeric_limits<double>::infinity(), stream);
-  Tensor block_out = alloc.empty(acc.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor block_lse = alloc.empty(s->lse_h.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  // The merge state (as in RingAttention): out in the accumulator dtype, the running lse in fp64, rounded once into
+  // lse_h (the dtype the DSA kernels take) after the last block.
+  const DType lse_dtype = DType::kFloat32;  // the lse dtype of attn::dsa_attention_forward / backward
+  Tensor acc = alloc.zeros({B, sr, hl, dv}, attn::accumulator_dtype(q.dtype()), MemCategory::kWorkspace);
+  Tensor acc_lse = alloc.empty({B, hl, sr}, DType::kFloat64, MemCategory::kWorkspace);
+  fill(acc_lse.view(), -std::numeric_limits<double>::infinity(), stream);
+  Tensor block_out = alloc.empty(acc.shape(), acc.dtype(), MemCategory::kWorkspace);
+  Tensor block_lse = alloc.empty(acc_lse.shape(), lse_dtype, MemCategory::kWorkspace);
   ring_circulate(
       groups_.ring, s->c_ring.view(), kTagLatent,
       [&](int src, const TensorView& block) {
@@ -127,9 +130,10 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
         a.scale = config_.scale;
         const ScopedTimer timer(counters_.compute_s);
         attn::dsa_attention_forward(a, block_out.view(), block_lse.view(), stream);
-        attn::lse_merge(acc.view(), s->lse_h.view(), block_out.view(), block_lse.view(), stream);
+        attn::lse_merge(acc.view(), acc_lse.view(), block_out.view(), block_lse.view(), stream);
       },
       &counters_.exposed_comm_s, stream);
+  s->lse_h = alloc.copy_of(acc_lse.view(), lse_dtype, MemCategory::kSavedActivation);
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
   counters_.attention_pairs +=
       static_cast<double>(count_nonnegative(s->topk_ring.view(), stream)) * static_cast<double>(hl);
@@ -138,7 +142,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
 
   DsaCpOutput o;
   o.out = alloc.empty({B, sl, H, dv}, q.dtype(), MemCategory::kWorkspace);
-  o.lse = alloc.empty({B, H, sl}, DType::kFloat32, MemCategory::kWorkspace);
+  o.lse = alloc.empty({B, H, sl}, lse_dtype, MemCategory::kWorkspace);
   a2a.to_sequence(s->out_h.view(), o.out.view());
   a2a.lse_to_sequence(s->lse_h.view(), o.lse.view());
   o.topk_indices = alloc.copy_of(s->topk_local.view(), DType::kInt64, MemCategory::kWorkspace);

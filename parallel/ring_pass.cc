@@ -29,8 +29,9 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
                               const TensorView& home_grad, int tag, const RingGradVisit& visit, double* exposed_s,
                               Stream stream) {
   const DeviceAlloc alloc{common_device({local_block, home_grad}, "ring_circulate_with_grad"), stream};
-  SEQPAR_CHECK(home_grad.dtype() == DType::kFloat32 && home_grad.numel() == shape_numel(grad_shape),
-               "ring_circulate_with_grad: home_grad ", home_grad.str(), " must be fp32 with the elements of ",
+  const DType acc = home_grad.dtype();
+  SEQPAR_CHECK((acc == DType::kFloat32 || acc == DType::kFloat64) && home_grad.numel() == shape_numel(grad_shape),
+               "ring_circulate_with_grad: home_grad ", home_grad.str(), " must be fp32 or fp64 with the elements of ",
                shape_str(grad_shape));
   const int p = comm.size(), r = comm.rank();
   const int next = (r + 1) % p, prev = (r + p - 1) % p;
@@ -38,12 +39,12 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
   Tensor buf[2] = {alloc.copy_of(local_block, local_block.dtype(), MemCategory::kCommBuffer),
                    alloc.empty(local_block.shape(), local_block.dtype(), MemCategory::kCommBuffer)};
   // out[i]: this rank's running sum for the block of the step, sent downstream; in[i]: upstream partial sums.
-  Tensor out[2] = {alloc.empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer),
-                   alloc.empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer)};
+  Tensor out[2] = {alloc.empty(grad_shape, acc, MemCategory::kCommBuffer),
+                   alloc.empty(grad_shape, acc, MemCategory::kCommBuffer)};
   Tensor in[2];
   if (p > 1) {
-    in[0] = alloc.empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer);
-    in[1] = alloc.empty(grad_shape, DType::kFloat32, MemCategory::kCommBuffer);
+    in[0] = alloc.empty(grad_shape, acc, MemCategory::kCommBuffer);
+    in[1] = alloc.empty(grad_shape, acc, MemCategory::kCommBuffer);
   }
   // grads[i]: the step's exchange of accumulators (send ours downstream, receive the upstream partial), posted as
   // one group so that backends that run a communicator's operations in order (NCCL) never wait on a lone receive.

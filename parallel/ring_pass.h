@@ -4,7 +4,8 @@
 // the next block's send / receive is posted before the current block is processed (double buffering), so that
 // communication overlaps `visit`. Step s at rank r sees the block of rank (r - s) mod P.
 //
-// ring_circulate_with_grad: the same, plus an fp32 gradient accumulator per block that follows it one step behind:
+// ring_circulate_with_grad: the same, plus a gradient accumulator per block (fp32, or fp64 for fp64 results: the
+// dtype of home_grad) that follows it one step behind:
 // at each step `visit` adds this rank's contribution into a zeroed buffer while the upstream partial sum is in
 // flight; the partial is then added (fixed order: local contribution + upstream partial) and sent on, grouped with
 // the receive of the next partial (so that backends running a communicator's operations in order, like NCCL, never
@@ -28,7 +29,8 @@ using RingGradVisit = std::function<void(int src, const TensorView& block, const
 void ring_circulate(Communicator& comm, const TensorView& local_block, int tag, const RingVisit& visit,
                     double* exposed_s = nullptr, Stream stream = Stream::cpu());
 
-// home_grad: fp32 with the element count of `grad_shape`; receives the full gradient of this rank's block.
+// home_grad: fp32 or fp64 (the accumulators' dtype) with the element count of `grad_shape`; receives the full
+// gradient of this rank's block.
 void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block, const Shape& grad_shape,
                               const TensorView& home_grad, int tag, const RingGradVisit& visit,
                               double* exposed_s = nullptr, Stream stream = Stream::cpu());

@@ -123,9 +123,10 @@ void reduce_kv_replicas(const TensorView& in, std::int64_t r, const TensorView& 
   check_4d(out, "reduce_kv_replicas output");
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
   check_shape(in, {B, S, H * r, D}, "reduce_kv_replicas input");
-  check_dtype(in, DType::kFloat32, "reduce_kv_replicas input");
+  SEQPAR_CHECK(in.dtype() == DType::kFloat32 || in.dtype() == DType::kFloat64, "reduce_kv_replicas input has dtype ",
+               dtype_name(in.dtype()), ", expected fp32 or fp64 (the accumulator dtype)");
   const DeviceAlloc alloc{common_device({in, out}, "reduce_kv_replicas"), stream};
-  Tensor sum = alloc.zeros(out.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor sum = alloc.zeros(out.shape(), in.dtype(), MemCategory::kWorkspace);
   index_add_rows(in, 2, replica_sources(H, r), sum.view(), stream);  // replicas added in rank order: deterministic
   alloc.copy_convert(sum.view(), out);
 }
@@ -192,7 +193,7 @@ void UlyssesExchange::kv_grad_to_sequence(const TensorView& dkv_h, const Ulysses
   }
   check_4d(out, "Ulysses kv gradient");
   Tensor expanded =
-      alloc.empty({out.dim(0), out.dim(1), heads.hkv_expanded, out.dim(3)}, DType::kFloat32, MemCategory::kWorkspace);
+      alloc.empty({out.dim(0), out.dim(1), heads.hkv_expanded, out.dim(3)}, dkv_h.dtype(), MemCategory::kWorkspace);
   to_sequence(dkv_h, expanded.view());
   reduce_kv_replicas(expanded.view(), heads.replication, out, stream_);
 }

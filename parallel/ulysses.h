@@ -8,7 +8,8 @@
 //
 // GQA (UlyssesHeads): Hq % Pu == 0 is required. When Hkv % Pu == 0 the KV heads are split like the query heads.
 // When Hkv < Pu and Pu % Hkv == 0, KV head h is replicated to the Pu / Hkv ranks whose query heads use it, and in
-// the backward the gradients of the replicas are summed (in fp32) back into the one true dK / dV. Any other Hkv is
+// the backward the gradients of the replicas are summed (in the accumulator dtype: fp32, fp64 for fp64) back into
+// the one true dK / dV. Any other Hkv is
 // an error naming Hq, Hkv and Pu. The head partition depends only on (Hq, Hkv, Pu).
 // Communication volume per rank (README): each all-to-all of a tensor of N bytes sends and receives
 // (Pu - 1) / Pu * N.
@@ -44,7 +45,8 @@ void ulysses_gather_heads_bhs(Communicator& ulysses, const TensorView& in, const
                               Stream stream = Stream::cpu());
 
 // KV replication for Hkv < Pu: [B, S, Hkv, D] -> [B, S, Hkv * r, D] with expanded head e = copy of head e / r;
-// and the fp32 sum of replica gradients back: [B, S, Hkv * r, D] -> [B, S, Hkv, D] (any floating output dtype).
+// and the sum of replica gradients back: [B, S, Hkv * r, D] fp32 or fp64 (summed in that dtype) -> [B, S, Hkv, D]
+// (any floating output dtype).
 void replicate_kv_heads(const TensorView& in, std::int64_t replication, const TensorView& out,
                         Stream stream = Stream::cpu());
 void reduce_kv_replicas(const TensorView& in, std::int64_t replication, const TensorView& out,
@@ -65,7 +67,8 @@ class UlyssesExchange {
   void lse_to_sequence(const TensorView& lse_h, const TensorView& lse) const;
   // k or v [B, S_local, Hkv, D] -> [B, Pu S_local, hkv_expanded / Pu, D], replicated first when Hkv < Pu.
   Tensor kv_to_heads(const TensorView& kv, const UlyssesHeads& heads) const;
-  // The dK or dV of the head-sharded kv (fp32 when replicated) -> out [B, S_local, Hkv, D], replicas summed in fp32.
+  // The dK or dV of the head-sharded kv (fp32 or fp64 when replicated) -> out [B, S_local, Hkv, D], replicas summed
+  // in that dtype.
   void kv_grad_to_sequence(const TensorView& dkv_h, const UlyssesHeads& heads, const TensorView& out) const;
   // All-gather of a [B, S_local, ...] piece into the ring shard [B, Pu S_local, ...] (Ulysses-rank order).
   Tensor gather_pieces(const TensorView& local, MemCategory category) const;
