@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
@@ -45,6 +47,9 @@ std::vector<PrecisionCase> cases_for_world() {
     for (Placement pl : {Placement::kUlyssesInner, Placement::kRingInner}) {
       if (pl == Placement::kRingInner && (pu == 1 || pu == n)) continue;  // same groups as ulysses_inner
       for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+        // runtime: the ring-inner placement on zigzag only, and no stripe at 8 ranks (each case runs 9 problems)
+        if ((pl == Placement::kRingInner && layout != LayoutKind::kZigzag) || (n >= 8 && layout == LayoutKind::kStripe))
+          continue;
         for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
           for (bool causal : {false, true}) cases.push_back({pu, pl, layout, impl, causal});
         }
@@ -88,6 +93,8 @@ TEST_P(CpPrecision, MergesAddNoErrorAtLargeLogits) {
                                    {"dk", &got.dk, &one.dk, &ref.dk},
                                    {"dv", &got.dv, &one.dv, &ref.dv}}) {
         const double e_got = test::rel_err(*g, *r), e_one = test::rel_err(*o, *r);
+        if (std::getenv("SEQPAR_TEST_PRINT_ERRORS") != nullptr && world().rank() == 0)
+          std::printf("%s %s: %.3g (one rank %.3g)\n", what.c_str(), name, e_got, e_one);
         if (dtype == DType::kFloat64) {
           EXPECT_LE(e_got, 1e-10) << what << ": " << name << " against the fp64 reference";
           EXPECT_LE(test::rel_err(*g, *o), 1e-10) << what << ": " << name << " against one rank";
