@@ -38,8 +38,8 @@ void check_rows(const TensorView& t, const Shape& shape, DType storage, const ch
   check_shape(t, shape, what);
   const DType acc = accumulator_dtype(storage);
   SEQPAR_CHECK(t.dtype() == acc || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
-               ", expected ", dtype_name(acc), acc == DType::kFloat64 ? "" : " or fp64", " for ",
-               dtype_name(storage), " inputs");
+               ", expected ", dtype_name(acc), acc == DType::kFloat64 ? "" : " or fp64", " for ", dtype_name(storage),
+               " inputs");
 }
 
 // Validates q, k, v, positions and mask; returns the filled kernel parameters (ranges not yet set).
@@ -108,8 +108,10 @@ void validate_delta(const TensorView& out, const TensorView& dout, const TensorV
 void validate_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b) {
   SEQPAR_CHECK(out.ndim() == 4, "lse_merge: out must be [B, S, H, D], got ", out.str());
   const Shape rows{out.dim(0), out.dim(2), out.dim(1)};
-  for (auto [t, shape, what] : {std::tuple{&out, &out.shape(), "lse_merge out"}, {&out_b, &out.shape(), "lse_merge out_b"},
-                                {&lse, &rows, "lse_merge lse"}, {&lse_b, &rows, "lse_merge lse_b"}}) {
+  for (auto [t, shape, what] : {std::tuple{&out, &out.shape(), "lse_merge out"},
+                                {&out_b, &out.shape(), "lse_merge out_b"},
+                                {&lse, &rows, "lse_merge lse"},
+                                {&lse_b, &rows, "lse_merge lse_b"}}) {
     detail::check_host(*t, what, kFamily);
     check_shape(*t, *shape, what);
     SEQPAR_CHECK(t->dtype() == DType::kFloat32 || t->dtype() == DType::kFloat64, what, " has dtype ",

@@ -74,7 +74,8 @@ struct MhaForwardArgs {
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
 // of sizes Sq / Sk (or empty), mask (window >= 0; window > 0 requires causal), scale (<= 0: 1/sqrt(D), computed in
 // double). out: [B, Sq, Hq, D], any floating dtype (the ring passes the accumulator dtype); lse: [B, Hq, Sq] of the
-// accumulator dtype or fp64, natural log, -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf. Both outputs are overwritten.
+// accumulator dtype or fp64, natural log, -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf.
+// Both outputs are overwritten.
 // Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
 // positions, window < 0 or a window without causal, a non-CPU tensor or stream.
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,

@@ -134,8 +134,9 @@ void check_reference_fits(const Workload& wl, const std::string& attn) {
   const Fp64ReferenceCost cost = wl.fp64_reference_cost();
   SEQPAR_CHECK(cost.bytes > 0, "--check-against reference: --attn ", attn, " has no fp64 reference");
   SEQPAR_CHECK(reference_fits(cost), "--check-against reference: the fp64 reference of this problem needs ",
-               cost.bytes / kGiB, " GiB and ", cost.flops, " FLOPs; it runs only within ", kFp64ReferenceMaxBytes / kGiB,
-               " GiB and ", kFp64ReferenceMaxFlops, " FLOPs (make --seq, --batch or the heads smaller, or use "
+               cost.bytes / kGiB, " GiB and ", cost.flops, " FLOPs; it runs only within ",
+               kFp64ReferenceMaxBytes / kGiB, " GiB and ", kFp64ReferenceMaxFlops,
+               " FLOPs (make --seq, --batch or the heads smaller, or use "
                "--check-against 1-rank)");
 }
 

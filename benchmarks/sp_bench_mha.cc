@@ -1,7 +1,7 @@
 // sp_bench's MHA / GQA workload: ring, Ulysses and USP through UspAttention (ulysses-size 1 = pure ring,
-// ring-size 1 = pure Ulysses). Inputs q k v dout [B, S, H, D]; outputs out [B, S, Hq, D], lse [B, Hq, S] (fp32; fp64 for fp64),
-// dq, dk, dv. The reference is one attn::mha_forward + attn::mha_backward call on the full tensors; the fp64
-// reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward.
+// ring-size 1 = pure Ulysses). Inputs q k v dout [B, S, H, D]; outputs out [B, S, Hq, D], lse [B, Hq, S] (fp32;
+// fp64 for fp64), dq, dk, dv. The reference is one attn::mha_forward + attn::mha_backward call on the full tensors; the
+// fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward.
 #include <cmath>
 
 #include "attention/mha.h"

@@ -5,7 +5,8 @@
 //
 // Communication volume per rank (README): each all-to-all of a tensor of N bytes sends and receives
 // (Pu - 1) / Pu * N (q, k, v, out and lse forward; dout, dq, dk, dv backward; k, v replicated to Pu heads and their
-// gradients in the accumulator dtype when Hkv < Pu); the ring part is RingAttention's formula with S_local = S / Pr and H / Pu heads.
+// gradients in the accumulator dtype when Hkv < Pu); the ring part is RingAttention's formula with S_local = S / Pr
+// and H / Pu heads.
 // Counters (CpCounters): the ring's FLOPs, bytes and exposed time, plus the all-to-all bytes (a2a_bytes_*) and
 // seconds (a2a_s).
 // Synchronisation: forward() and backward() are collective over the Ulysses and ring groups and host-synchronous.

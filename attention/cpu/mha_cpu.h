@@ -93,7 +93,7 @@ struct MhaBackwardParams {
   DType dout_dtype = DType::kFloat32;
   const void* out = nullptr;  // [B, Sq, Hq, D] of out_dtype; used when delta == nullptr
   DType out_dtype = DType::kFloat32;
-  const void* lse = nullptr;    // [B, Hq, Sq] of lse_dtype (fp32 or fp64)
+  const void* lse = nullptr;  // [B, Hq, Sq] of lse_dtype (fp32 or fp64)
   DType lse_dtype = DType::kFloat32;
   const void* delta = nullptr;  // [B, Hq, Sq] of delta_dtype (fp32 or fp64), or nullptr
   DType delta_dtype = DType::kFloat32;

@@ -547,10 +547,12 @@ TEST_P(MhaLargeLogits, Fp64KernelMatchesReference) {
   const Inputs in = large_logit_inputs(p, logits, 1313);
   const Results got = run_kernel(p, in, DType::kFloat64);
   const Results want = run_reference(p, in);
-  for (auto [g, w, name] : {std::tuple{&got.out, &want.out, "out"}, {&got.lse, &want.lse, "lse"},
-                            {&got.dq, &want.dq, "dq"}, {&got.dk, &want.dk, "dk"}, {&got.dv, &want.dv, "dv"}}) {
+  for (auto [g, w, name] : {std::tuple{&got.out, &want.out, "out"},
+                            {&got.lse, &want.lse, "lse"},
+                            {&got.dq, &want.dq, "dq"},
+                            {&got.dk, &want.dk, "dk"},
+                            {&got.dv, &want.dv, "dv"}}) {
     EXPECT_LE(rel_err(*g, *w), 1e-10) << name << " at logits " << logits;
-    if (getenv("DBG")) std::printf("%s %g logits %g\n", name, rel_err(*g, *w), logits);
   }
 }
 
@@ -591,8 +593,7 @@ INSTANTIATE_TEST_SUITE_P(Mha, MhaLargeLogits,
                                            LogitCase{1e4, MaskKind::kNone}, LogitCase{1e2, MaskKind::kCausal},
                                            LogitCase{1e3, MaskKind::kCausal}, LogitCase{1e4, MaskKind::kCausal}),
                          [](const auto& info) {
-                           return str_cat(mask_name(info.param.mask), "_logits",
-                                          static_cast<int>(info.param.logits));
+                           return str_cat(mask_name(info.param.mask), "_logits", static_cast<int>(info.param.logits));
                          });
 
 // ---- LSE merge ----------------------------------------------------------------------------------
