@@ -32,9 +32,14 @@ void check_mask(const MaskSpec& mask) {
 
 void check_host_tensor(const TensorView& t, const char* what) { detail::check_floating(t, what, kFamily); }
 
-// lse and delta: [B, H, S] fp32.
-void check_rows(const TensorView& t, const Shape& shape, const char* what) {
-  detail::check_host_tensor(t, shape, DType::kFloat32, what, kFamily);
+// lse and delta: [B, H, S] of the accumulator dtype of `storage` or fp64 (never narrower than the accumulators).
+void check_rows(const TensorView& t, const Shape& shape, DType storage, const char* what) {
+  detail::check_host(t, what, kFamily);
+  check_shape(t, shape, what);
+  const DType acc = accumulator_dtype(storage);
+  SEQPAR_CHECK(t.dtype() == acc || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
+               ", expected ", dtype_name(acc), acc == DType::kFloat64 ? "" : " or fp64", " for ", dtype_name(storage),
+               " inputs");
 }
 
 // Validates q, k, v, positions and mask; returns the filled kernel parameters (ranges not yet set).
@@ -65,7 +70,7 @@ cpu::MhaParams validate_forward(const MhaForwardArgs& args, const TensorView& ou
   const cpu::MhaParams p = check_forward_args(args);
   check_host_tensor(out, "out");
   check_shape(out, args.q.shape(), "out");
-  check_rows(lse, {p.batch, p.hq, p.sq}, "lse");
+  check_rows(lse, {p.batch, p.hq, p.sq}, p.dtype, "lse");
   return p;
 }
 
@@ -74,9 +79,9 @@ cpu::MhaParams validate_backward(const MhaBackwardArgs& args, const TensorView& 
   const cpu::MhaParams p = check_forward_args(args.fwd);
   check_host_tensor(args.dout, "dout");
   check_shape(args.dout, args.fwd.q.shape(), "dout");
-  check_rows(args.lse, {p.batch, p.hq, p.sq}, "lse");
+  check_rows(args.lse, {p.batch, p.hq, p.sq}, p.dtype, "lse");
   if (!args.delta.empty()) {
-    check_rows(args.delta, {p.batch, p.hq, p.sq}, "delta");
+    check_rows(args.delta, {p.batch, p.hq, p.sq}, p.dtype, "delta");
   } else {
     check_host_tensor(args.out, "out (needed for delta, which was not given)");
     check_shape(args.out, args.fwd.q.shape(), "out");
@@ -85,7 +90,7 @@ cpu::MhaParams validate_backward(const MhaBackwardArgs& args, const TensorView& 
        {std::tuple{&dq, &args.fwd.q, "dq"}, {&dk, &args.fwd.k, "dk"}, {&dv, &args.fwd.k, "dv"}}) {
     check_host_tensor(*t, name);
     check_shape(*t, like->shape(), name);
-    if (accumulate) check_dtype(*t, DType::kFloat32, str_cat(name, " (accumulate = true)").c_str());
+    if (accumulate) check_dtype(*t, accumulator_dtype(p.dtype), str_cat(name, " (accumulate = true)").c_str());
   }
   return p;
 }
@@ -95,28 +100,45 @@ void validate_delta(const TensorView& out, const TensorView& dout, const TensorV
   check_host_tensor(dout, "dout");
   SEQPAR_CHECK(out.ndim() == 4, "out must be [B, S, H, D], got ", out.str());
   check_shape(dout, out.shape(), "dout");
-  check_rows(delta, {out.dim(0), out.dim(2), out.dim(1)}, "delta");
+  // fp64 when either input is fp64, so that an fp64 delta is never rounded through fp32
+  const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
+  check_rows(delta, {out.dim(0), out.dim(2), out.dim(1)}, wide ? DType::kFloat64 : DType::kFloat32, "delta");
 }
 
 void validate_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b) {
   SEQPAR_CHECK(out.ndim() == 4, "lse_merge: out must be [B, S, H, D], got ", out.str());
-  detail::check_host_tensor(out, out.shape(), DType::kFloat32, "lse_merge out", kFamily);
-  detail::check_host_tensor(out_b, out.shape(), DType::kFloat32, "lse_merge out_b", kFamily);
   const Shape rows{out.dim(0), out.dim(2), out.dim(1)};
-  check_rows(lse, rows, "lse_merge lse");
-  check_rows(lse_b, rows, "lse_merge lse_b");
+  for (auto [t, shape, what] : {std::tuple{&out, &out.shape(), "lse_merge out"},
+                                {&out_b, &out.shape(), "lse_merge out_b"},
+                                {&lse, &rows, "lse_merge lse"},
+                                {&lse_b, &rows, "lse_merge lse_b"}}) {
+    detail::check_host(*t, what, kFamily);
+    check_shape(*t, *shape, what);
+    SEQPAR_CHECK(t->dtype() == DType::kFloat32 || t->dtype() == DType::kFloat64, what, " has dtype ",
+                 dtype_name(t->dtype()), ", expected fp32 or fp64");
+  }
 }
 
 void zero_fill(const TensorView& t) {
   if (t.numel() > 0) std::memset(t.data(), 0, t.nbytes());
 }
 
-void fill_float(const TensorView& t, float value) {
-  float* p = static_cast<float*>(t.data());
-  for (std::int64_t i = 0; i < t.numel(); ++i) p[i] = value;
+// Element i of an fp32 or fp64 tensor, as double / set from a double.
+double load(const TensorView& t, std::int64_t i) {
+  return t.dtype() == DType::kFloat64 ? static_cast<const double*>(t.data())[i]
+                                      : static_cast<double>(static_cast<const float*>(t.data())[i]);
+}
+void store(const TensorView& t, std::int64_t i, double value) {
+  if (t.dtype() == DType::kFloat64) {
+    static_cast<double*>(t.data())[i] = value;
+  } else {
+    static_cast<float*>(t.data())[i] = static_cast<float>(value);
+  }
 }
 
 }  // namespace
+
+DType accumulator_dtype(DType storage) { return storage == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
 // ---- checks on their own ------------------------------------------------------------------------------------------
 
@@ -152,12 +174,12 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
   if (p.batch * p.sq * p.hq == 0) return;
   if (p.sk == 0) {
     zero_fill(out);
-    fill_float(lse, -std::numeric_limits<float>::infinity());
+    for (std::int64_t i = 0; i < lse.numel(); ++i) store(lse, i, -std::numeric_limits<double>::infinity());
     return;
   }
   const cpu::KeyRanges ranges = cpu::key_ranges(args.q_pos, p.sq, args.k_pos, p.sk, args.mask);
   p.ranges = &ranges;
-  cpu::mha_forward_cpu(p, out.data(), out.dtype(), static_cast<float*>(lse.data()));
+  cpu::mha_forward_cpu(p, out.data(), out.dtype(), lse.data(), lse.dtype());
 }
 
 void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
@@ -181,8 +203,10 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
   bp.dout_dtype = args.dout.dtype();
   bp.out = have_delta ? nullptr : args.out.data();
   bp.out_dtype = have_delta ? DType::kFloat32 : args.out.dtype();
-  bp.lse = static_cast<const float*>(args.lse.data());
-  bp.delta = have_delta ? static_cast<const float*>(args.delta.data()) : nullptr;
+  bp.lse = args.lse.data();
+  bp.lse_dtype = args.lse.dtype();
+  bp.delta = have_delta ? args.delta.data() : nullptr;
+  bp.delta_dtype = have_delta ? args.delta.dtype() : DType::kFloat64;
   bp.dq = dq.data();
   bp.dk = dk.data();
   bp.dv = dv.data();
@@ -196,8 +220,7 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
 void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
   check_mha_backward_delta(out, dout, delta, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
-  const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
-  float* dst = static_cast<float*>(delta.data());
+  const bool wide = delta.dtype() == DType::kFloat64;
   const char* o = static_cast<const char*>(out.data());
   const char* g = static_cast<const char*>(dout.data());
   const std::size_t os = dtype_size(out.dtype()), gs = dtype_size(dout.dtype());
@@ -214,19 +237,19 @@ void mha_backward_delta(const TensorView& out, const TensorView& dout, const Ten
     for (std::int64_t t = 0; t < B * S * H; ++t) {
       const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
       const std::size_t e = static_cast<std::size_t>(t * D);
+      double sum = 0.0;
       if (wide) {
         convert(o + e * os, out.dtype(), ro.data(), DType::kFloat64, static_cast<std::size_t>(D));
         convert(g + e * gs, dout.dtype(), rg.data(), DType::kFloat64, static_cast<std::size_t>(D));
-        double acc = 0.0;
-        for (std::int64_t d = 0; d < D; ++d) acc += ro[d] * rg[d];
-        dst[(b * H + h) * S + i] = static_cast<float>(acc);
+        for (std::int64_t d = 0; d < D; ++d) sum += ro[d] * rg[d];
       } else {
         convert(o + e * os, out.dtype(), fo.data(), DType::kFloat32, static_cast<std::size_t>(D));
         convert(g + e * gs, dout.dtype(), fg.data(), DType::kFloat32, static_cast<std::size_t>(D));
         float acc = 0.0f;
         for (std::int64_t d = 0; d < D; ++d) acc += fo[d] * fg[d];
-        dst[(b * H + h) * S + i] = acc;
+        sum = acc;
       }
+      store(delta, (b * H + h) * S + i, sum);
     }
   }
 }
@@ -235,41 +258,31 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
                Stream stream) {
   check_lse_merge(out, lse, out_b, lse_b, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
-  float* o = static_cast<float*>(out.data());
-  const float* ob = static_cast<const float*>(out_b.data());
-  float* l = static_cast<float*>(lse.data());
-  const float* lb = static_cast<const float*>(lse_b.data());
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 #pragma omp parallel for schedule(static) if (static_cast <double>(out.numel()) >= cpu::kMinParallelWork)
   for (std::int64_t t = 0; t < B * S * H; ++t) {
     const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
     const std::int64_t li = (b * H + h) * S + i;
-    const float l1 = l[li], l2 = lb[li];
-    float* orow = o + t * D;
-    const float* brow = ob + t * D;
+    const double l1 = load(lse, li), l2 = load(lse_b, li);
     // With mx = max, mn = min and e = exp(mn - mx) in [0, 1]: lse = mx + log1p(e); the weights are 1 / (1 + e)
     // for the larger side and e / (1 + e) for the smaller one, free of cancellation and of inf - inf.
-    float w1, w2, l_new;
-    if (l1 == kNegInf && l2 == kNegInf) {
-      w1 = 0.0f;
-      w2 = 0.0f;
-      l_new = kNegInf;
-    } else {
+    double w1 = 0.0, w2 = 0.0, l_new = kNegInf;
+    if (l1 != kNegInf || l2 != kNegInf) {
       const bool first_max = l1 >= l2;
-      const float mx = first_max ? l1 : l2, mn = first_max ? l2 : l1;
-      const double e = std::exp(static_cast<double>(mn) - static_cast<double>(mx));  // exp(-inf) = 0
-      l_new = static_cast<float>(static_cast<double>(mx) + std::log1p(e));
-      const float w_max = static_cast<float>(1.0 / (1.0 + e)), w_min = static_cast<float>(e / (1.0 + e));
+      const double mx = first_max ? l1 : l2, mn = first_max ? l2 : l1;
+      const double e = std::exp(mn - mx);  // exp(-inf) = 0
+      l_new = mx + std::log1p(e);
+      const double w_max = 1.0 / (1.0 + e), w_min = e / (1.0 + e);
       w1 = first_max ? w_max : w_min;
       w2 = first_max ? w_min : w_max;
     }
     for (std::int64_t d = 0; d < D; ++d) {
       // a side with weight 0 contributes nothing, even if its out holds garbage
-      const float a = w1 == 0.0f ? 0.0f : w1 * orow[d];
-      const float c = w2 == 0.0f ? 0.0f : w2 * brow[d];
-      orow[d] = a + c;
+      const double a = w1 == 0.0 ? 0.0 : w1 * load(out, t * D + d);
+      const double c = w2 == 0.0 ? 0.0 : w2 * load(out_b, t * D + d);
+      store(out, t * D + d, a + c);
     }
-    l[li] = l_new;
+    store(lse, li, l_new);
   }
 }
 

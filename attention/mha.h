@@ -2,13 +2,13 @@
 //
 // Math (docs/design.md section 8.1; FlashAttention-2, Dao 2023): for batch b, query head h, kv head h / (Hq / Hkv),
 //   a_ij = scale * q_i . k_j            for visible keys j
-//   lse_i = log sum_j exp(a_ij)         (natural log, fp32)
+//   lse_i = log sum_j exp(a_ij)         (natural log)
 //   o_i   = sum_j exp(a_ij - lse_i) v_j
 // Backward with the final lse and delta_i = dO_i . O_i:
 //   p_ij = exp(a_ij - lse_i), dV_j += p_ij dO_i, ds_ij = p_ij (dO_i . v_j - delta_i),
 //   dQ_i += scale ds_ij k_j, dK_j += scale ds_ij q_i.
 // Because blocks of keys can be processed in any order with the final lse, a ring calls mha_backward once per key
-// block, accumulating into fp32 dq / dk / dv.
+// block, accumulating into dq / dk / dv of the accumulator dtype.
 //
 // Masks are on global positions (q_pos, k_pos: any non-decreasing int64 sequences, as produced by contiguous,
 // zigzag or stripe layouts; empty = 0, 1, 2, ...):
@@ -17,9 +17,13 @@
 // tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
 // A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
 //
-// Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq] fp32.
+// Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq].
 // All contiguous, row-major, host memory (the CUDA path lands with its own issue).
-// Storage dtypes fp32, bf16, fp16, fp64; arithmetic in fp32 (fp64 for fp64 inputs). q, k, v share one dtype.
+// Storage dtypes fp32, bf16, fp16, fp64; q, k, v share one dtype. The accumulator dtype (accumulator_dtype()) is
+// fp64 for fp64 storage and fp32 otherwise: every score, running max / sum, output accumulator, lse, delta and
+// recomputed probability is computed in it, and lse, delta and accumulate = true gradients are stored in it. An
+// lse or delta may also be fp64 for 16-/32-bit storage (a merge keeps its running lse in fp64, see lse_merge);
+// they are never narrower than the accumulator dtype.
 // Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
 // Determinism: the same inputs give bitwise the same results, for any thread count (fixed reduction orders, no
 // atomics; the CPU kernels' OpenMP work items each own their outputs).
@@ -27,8 +31,10 @@
 // K and V once per call (B Sk Hkv D elements each, compute dtype); the backward keeps a dK / dV partial per query
 // head (2 B Hq Sk D elements, compute dtype) that is summed over each KV group in head order.
 // Parallelism (CPU, OpenMP): forward over (batch, query head, query tile of 64); backward over (batch, query head).
-// Accuracy: lse is fp32 by contract, so the fp64 backward (which recomputes P from lse) is accurate to about
-// |lse| 2^-24 relative, not to fp64 rounding; the fp64 forward is accurate to fp64 rounding.
+// Accuracy: fp64 storage gives fp64 results (lse, delta and the recomputed P in fp64): out, lse, dq, dk, dv agree
+// with the fp64 reference (attention/reference) to about 1e-13 relative at logits up to 1e4. For 32-/16-bit
+// storage a stored fp32 lse is rounded to |lse| 2^-24 absolute, which the backward's recomputed P inherits as a
+// relative error; pass an fp64 lse to avoid it.
 // Errors: Error naming the tensor and the rule for any shape, dtype or position mismatch, raised before any work.
 // Tensors must be host tensors and the stream a CPU stream: a CUDA one fails with "MHA kernels have no CUDA
 // implementation yet". Per-thread scratch comes from the memory ledger (workspace) before any parallel region; a
@@ -45,6 +51,10 @@
 #include "runtime/tensor.h"
 
 namespace seqpar::attn {
+
+// The accumulator dtype of a storage dtype: fp64 for fp64, fp32 for fp32, bf16 and fp16 (see above). The dtype of
+// the lse a kernel call or a CP layer returns for inputs of `storage`.
+DType accumulator_dtype(DType storage);
 
 struct MaskSpec {
   bool causal = false;
@@ -63,8 +73,9 @@ struct MhaForwardArgs {
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
 // of sizes Sq / Sk (or empty), mask (window >= 0; window > 0 requires causal), scale (<= 0: 1/sqrt(D), computed in
-// double). out: [B, Sq, Hq, D], any floating dtype (the ring passes fp32); lse: [B, Hq, Sq] fp32, natural log,
-// -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf. Both outputs are overwritten.
+// double). out: [B, Sq, Hq, D], any floating dtype (the ring passes the accumulator dtype); lse: [B, Hq, Sq] of the
+// accumulator dtype or fp64, natural log, -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf.
+// Both outputs are overwritten.
 // Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
 // positions, window < 0 or a window without causal, a non-CPU tensor or stream.
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
@@ -74,34 +85,40 @@ struct MhaBackwardArgs {
   MhaForwardArgs fwd;  // q, k, v, positions, mask, scale as in the forward
   TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
-  TensorView lse;      // [B, Hq, Sq] fp32, the final lse
-  TensorView delta;    // optional [B, Hq, Sq] fp32 rowsum(dout * out); computed from out/dout when empty
+  TensorView lse;      // [B, Hq, Sq] the final lse, accumulator dtype or fp64
+  TensorView delta;    // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
 };
 
 // Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md section 8.1).
 // args.out is read only when args.delta is empty (delta is then computed from out and dout as by
 // mha_backward_delta). dq [B, Sq, Hq, D], dk / dv [B, Sk, Hkv, D]:
 // accumulate = false: dq, dk, dv (any floating dtype) are overwritten.
-// accumulate = true: dq, dk, dv must be fp32 and the block's contributions are added to them (the sum of a call
-// per key block equals one call over all keys, up to fp32 rounding).
+// accumulate = true: dq, dk, dv must have the accumulator dtype and the block's contributions are added to them
+// (the sum of a call per key block equals one call over all keys, up to rounding of that dtype).
 // Rows with lse = -inf contribute nothing. Errors: as for mha_forward, plus shape / dtype mismatches of dout,
-// lse, delta, out and the gradients, and non-fp32 gradients with accumulate = true.
+// lse, delta, out and the gradients, and gradients of another dtype than the accumulator dtype with
+// accumulate = true.
 void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   bool accumulate, Stream stream = Stream::cpu());
 
-// delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d] in fp32 (fp64 sums for fp64 inputs, stored fp32).
-// out, dout [B, S, H, D] any floating dtypes (same shape); delta [B, H, S] fp32, overwritten. FlashAttention-2
-// (Dao 2023), the row term D_i of Algorithm 2. Errors: shape / dtype mismatches, non-CPU tensors.
+// delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d], summed in fp64 when out, dout or delta is fp64 and in
+// fp32 otherwise. out, dout [B, S, H, D] any floating dtypes (same shape); delta [B, H, S] fp32 or fp64 (fp64 when
+// out or dout is fp64), overwritten. FlashAttention-2 (Dao 2023), the row term D_i of Algorithm 2.
+// Errors: shape / dtype mismatches, non-CPU tensors.
 void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
                         Stream stream = Stream::cpu());
 
 // Merges a block result into a running one, in place, over disjoint key sets:
 //   lse = logaddexp(lse, lse_b); out = exp(lse_old - lse) out + exp(lse_b - lse) out_b.
-// out [B, S, H, D] fp32, lse [B, H, S] fp32; out_b same shape (fp32), lse_b [B, H, S] fp32.
-// Exact when either side is -inf (that side contributes nothing, even if its out holds garbage) and for lse
-// differences up to 1e4 (computed as lse = max + log1p(e), weights 1 / (1 + e) and e / (1 + e), e = exp(min - max)
-// in fp64, so there is no inf - inf and no cancellation). Both sides -inf: lse = -inf, out = 0.
-// Errors: dtype other than fp32, shape mismatches, non-CPU tensors.
+// out [B, S, H, D], out_b the same shape: fp32 or fp64 each; lse, lse_b [B, H, S]: fp32 or fp64 each. Everything is
+// computed in fp64 (lse = max + log1p(e), weights 1 / (1 + e) and e / (1 + e), e = exp(min - max), so there is no
+// inf - inf and no cancellation) and rounded once into out and lse. Exact when either side is -inf (that side
+// contributes nothing, even if its out holds garbage). Both sides -inf: lse = -inf, out = 0.
+// Precision: the weights are exp of lse differences, so an lse rounded to fp32 (|lse| 2^-24 absolute, 1e-4 at
+// |lse| = 1800) becomes a relative error of the merged out that one softmax pass over the same keys does not have.
+// A merge that adds no error beyond one online-softmax pass keeps the running lse and the blocks' lse in fp64
+// (mha_forward writes an fp64 lse on request) and out in the accumulator dtype; the ring (parallel/) does.
+// Errors: dtypes other than fp32 / fp64, shape mismatches, non-CPU tensors.
 void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                Stream stream = Stream::cpu());
 

@@ -144,6 +144,7 @@ int sp_bench_main(int argc, char** argv) {
   SpGrid grid(*world, o.grid);
 
   std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
+  if (o.check && o.check_against == "reference") check_reference_fits(*wl, o.attn);
   const std::vector<std::string> outputs = wl->output_names();
   SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
                "--test-corrupt ", o.test_corrupt, ": no such output");
@@ -174,7 +175,7 @@ int sp_bench_main(int argc, char** argv) {
     got = wl->gather_outputs();
     if (!o.test_corrupt.empty()) corrupt_for_test(got, o.test_corrupt);
     if (o.check) {
-      check = check_outputs(*world, grid, *wl, got, input_ptr, reference_ready, progress);
+      check = check_outputs(*world, grid, *wl, got, input_ptr, reference_ready, o.check_against, progress);
       report.check = &check;
     }
   }
@@ -193,7 +194,8 @@ int sp_bench_main(int argc, char** argv) {
   barrier(*world, kLongWaitS);
   const bool check_failed = o.check && !check.passed;
   if (check_failed && place.rank == 0) {
-    std::fprintf(stderr, "sp_bench: check failed: results differ from the single-rank reference beyond tolerance\n");
+    std::fprintf(stderr, "sp_bench: check failed: results differ from the %s beyond tolerance\n",
+                 o.check_against == "reference" ? "fp64 reference" : "single-rank reference");
   }
   return check_failed ? 1 : 0;
 }

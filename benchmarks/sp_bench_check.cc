@@ -43,6 +43,10 @@ void compare(const npy::HostArray& got, const npy::HostArray& want, double& max_
 
 bool rule1_ok(double max_abs, double max_ref, const Tolerance& tol) { return max_abs <= tol.atol + tol.rtol * max_ref; }
 
+bool reference_fits(const Fp64ReferenceCost& cost) {
+  return cost.bytes > 0 && cost.bytes <= kFp64ReferenceMaxBytes && cost.flops <= kFp64ReferenceMaxFlops;
+}
+
 const npy::HostArray* find_or_null(const NamedArrays& arrays, const std::string& name) {
   for (const auto& [n, a] : arrays) {
     if (n == name) return &a;
@@ -53,12 +57,15 @@ const npy::HostArray* find_or_null(const NamedArrays& arrays, const std::string&
 }  // namespace
 
 CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const NamedArrays& got,
-                          const NamedArrays* inputs, bool reference_ready, Progress& progress) {
+                          const NamedArrays* inputs, bool reference_ready, const std::string& against,
+                          Progress& progress) {
+  const bool vs_reference = against == "reference";
   const std::vector<std::string> names = wl.output_names();
   const std::size_t n = names.size();
   std::vector<double> err(kSlots * n, 0);
   for (std::size_t t = 0; t < n; ++t) err[kSlots * t + 2] = err[kSlots * t + 3] = -1;
   CheckReport report;
+  report.against = against;
   if (grid.coords().sp_rank == 0) {
     if (!reference_ready) {
       progress.note("check: single-rank reference", true);
@@ -74,8 +81,8 @@ CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl,
       all_ok = all_ok && rule1_ok(e[0], e[1], wl.tolerance(names[t]));
     }
     const Fp64ReferenceCost cost = wl.fp64_reference_cost();
-    const bool fits = cost.bytes > 0 && cost.bytes <= kFp64ReferenceMaxBytes && cost.flops <= kFp64ReferenceMaxFlops;
-    if (!all_ok && fits) {
+    const bool fits = reference_fits(cost);
+    if ((!all_ok || vs_reference) && fits) {
       progress.note("check: fp64 reference", true);
       const NamedArrays exact = wl.fp64_reference_outputs();
       for (std::size_t t = 0; t < n; ++t) {
@@ -108,7 +115,10 @@ CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl,
     c.one_rank_fp64_err = e[3];
     c.max_fp64 = e[4];
     c.ok = rule1_ok(c.max_abs, c.max_ref, tol);
-    if (!c.ok && c.fp64_err >= 0) {
+    if (vs_reference && c.fp64_err >= 0) {
+      c.rule = "reference";
+      c.ok = std::isfinite(c.fp64_err) && rule1_ok(c.fp64_err, c.max_fp64, tol);
+    } else if (!c.ok && c.fp64_err >= 0) {
       c.rule = "fp64";
       // An infinite error is never within bounds, even when the one-rank kernel's is infinite too (overflow).
       c.ok = std::isfinite(c.fp64_err) &&
@@ -118,6 +128,16 @@ CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl,
     report.tensors.push_back(c);
   }
   return report;
+}
+
+void check_reference_fits(const Workload& wl, const std::string& attn) {
+  const Fp64ReferenceCost cost = wl.fp64_reference_cost();
+  SEQPAR_CHECK(cost.bytes > 0, "--check-against reference: --attn ", attn, " has no fp64 reference");
+  SEQPAR_CHECK(reference_fits(cost), "--check-against reference: the fp64 reference of this problem needs ",
+               cost.bytes / kGiB, " GiB and ", cost.flops, " FLOPs; it runs only within ",
+               kFp64ReferenceMaxBytes / kGiB, " GiB and ", kFp64ReferenceMaxFlops,
+               " FLOPs (make --seq, --batch or the heads smaller, or use "
+               "--check-against 1-rank)");
 }
 
 void corrupt_for_test(NamedArrays& got, const std::string& name) {

@@ -9,7 +9,11 @@
 //      On ill-conditioned inputs (logits of 3e4, where fp32 rounding of the softmax dominates) the one-rank kernel
 //      is itself off against fp64, and D differs from K only by rounding of the same size: rule 2 passes it, while a
 //      wrong D is far from R however far K is. Tensors without an fp64 counterpart (DSA topk_indices) keep rule 1.
-// The table says which rule judged each tensor.
+// --check-against reference replaces both rules, for every tensor the fp64 reference defines, by
+//   3. "reference": max|D - R| <= atol + rtol * max|R| (the workload's tolerance), R the fp64 reference of
+//      attention/reference (sizes that fit only: check_reference_fits). Tensors without an fp64 counterpart keep
+//      rule 1.
+// The table says which rule judged each tensor and which comparison the run asked for.
 #pragma once
 
 #include <string>
@@ -36,6 +40,7 @@ struct CheckResult {
 };
 
 struct CheckReport {
+  std::string against = "1-rank";  // --check-against
   std::vector<CheckResult> tensors;
   bool passed = true;
   std::string fp64_note;  // why the fp64 reference was not computed where rule 1 failed; empty otherwise
@@ -44,8 +49,15 @@ struct CheckReport {
 // The rules above for `got` (the gathered outputs, on every SP rank): each data-parallel replica's SP root runs the
 // reference (reference_setup() unless `reference_ready`) and, where rule 1 fails, the fp64 reference; the errors
 // are reduced (max) over `world`. Collective over `world`; every rank gets the same report.
+// `against`: "1-rank" (rules 1 and 2) or "reference" (rule 3).
 CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const NamedArrays& got,
-                          const NamedArrays* inputs, bool reference_ready, Progress& progress);
+                          const NamedArrays* inputs, bool reference_ready, const std::string& against,
+                          Progress& progress);
+
+// --check-against reference: Error naming the size rule when the workload's fp64 reference does not fit
+// (Fp64ReferenceCost within kFp64ReferenceMaxBytes and kFp64ReferenceMaxFlops) or does not exist. Local
+// arithmetic on the options (identical on every rank); called before the timed runs.
+void check_reference_fits(const Workload& wl, const std::string& attn);
 
 // --test-corrupt: adds 0.1 (max|x| + 1) to element 0 of the floating tensor `name` (1 to an integer one), as a
 // wrong distributed result would. Throws Error naming the registered outputs when `name` is none of them.

@@ -89,6 +89,9 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("iters", "timed iterations (the median is reported)", cxxopts::value<int>()->default_value("5"))
     ("threads", "OpenMP threads per rank (default: OMP_NUM_THREADS, else 1)", cxxopts::value<int>())
     ("check", "compare every output and gradient with the single-rank reference; non-zero exit when over tolerance")
+    ("check-against", "what --check compares with (implies --check): 1-rank (the single-rank kernel, then the fp64 "
+                      "reference where that fails) | reference (the fp64 reference, for sizes that fit)",
+     cxxopts::value<std::string>()->default_value("1-rank"))
     ("gdn-compare-token", "GDN: also time the single-rank chunked kernel on the whole problem against the "
                           "token-by-token recurrence (the same kernel with chunk size 1), on rank 0")
     ("efficiency", "also time the whole problem on one rank, alone and with every rank busy: efficiency = "
@@ -189,7 +192,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                    "] (or pass --threads)");
     }
   }
-  o.check = r.count("check") > 0;
+  o.check = r.count("check") > 0 || r.count("check-against") > 0;
+  o.check_against = get_checked<std::string>(r, "check-against");
+  SEQPAR_CHECK(o.check_against == "1-rank" || o.check_against == "reference", "--check-against '", o.check_against,
+               "' is not one of 1-rank, reference");
   o.efficiency = r.count("efficiency") > 0;
   o.gdn_compare_token = r.count("gdn-compare-token") > 0;
   o.quiet = r.count("quiet") > 0;

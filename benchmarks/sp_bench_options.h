@@ -47,6 +47,9 @@ struct SpBenchOptions {
   std::uint64_t seed = 1234;
 
   bool check = false;
+  // --check-against: "1-rank" (the one-rank kernel, then the fp64 rule where it fails) or "reference" (the fp64
+  // references of attention/reference for every tensor they define; sizes that fit only). Implies --check.
+  std::string check_against = "1-rank";
   bool efficiency = false;
   bool gdn_compare_token = false;  // GDN: also time the single-rank chunked kernel against chunk_size 1
   std::string json_path;

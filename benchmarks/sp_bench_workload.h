@@ -55,6 +55,11 @@ struct Tolerance {
 // for a non-floating dtype, naming `what`.
 Tolerance fp32_accumulator_tolerance(DType dtype, const std::string& what);
 
+// The tolerance of fp64 results of kernels and merges that compute fp64 storage in fp64 throughout (MHA): the
+// distributed result agrees with the one-rank kernel and the fp64 reference to fp64 rounding, amplified by the
+// conditioning of the softmax backward at large logits (measured below 1e-12 relative at logits up to 1e4).
+inline constexpr Tolerance kFp64Tolerance{1e-12, 1e-10};
+
 // What the fp64 reference of a workload would take (bytes of memory, floating-point operations); zeros: none.
 struct Fp64ReferenceCost {
   double bytes = 0, flops = 0;

@@ -27,28 +27,6 @@ attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, 
   return {q_idx, w, k_idx, q_pos, k_pos};
 }
 
-// Merges a latent block's (out_b, lse_b) into the running (acc, lse), all of the accumulator dtype. The first block
-// is copied (merging into the empty state is the identity). attn::lse_merge takes fp32 only on this branch, so for
-// fp64 inputs the later blocks make a round trip through fp32 (about 1e-7 relative on out, 6e-8 of |lse| on lse).
-// TODO(issue 13 item 1, with the lossless merge of the MHA side): pass the fp64 state to the merge directly, and
-// keep lse (block_lse, lse_h) in fp64 for fp32 inputs too (the DSA kernels take an fp64 lse for any inputs), so that
-// merges of fp32 rings carry no fp32 rounding of lse either. tests/mpi/test_dsa_cp.cc *MergedWithMha64 check both.
-void merge_latent_block(const DeviceAlloc& alloc, bool first, const TensorView& acc, const TensorView& lse,
-                        const TensorView& out_b, const TensorView& lse_b) {
-  if (first) {
-    alloc.copy_convert(out_b, acc);
-    alloc.copy_convert(lse_b, lse);
-  } else if (acc.dtype() == DType::kFloat32) {
-    attn::lse_merge(acc, lse, out_b, lse_b, alloc.stream);
-  } else {
-    auto fp32 = [&](const TensorView& t) { return alloc.copy_of(t, DType::kFloat32, MemCategory::kWorkspace); };
-    Tensor acc32 = fp32(acc), lse32 = fp32(lse), out_b32 = fp32(out_b), lse_b32 = fp32(lse_b);
-    attn::lse_merge(acc32.view(), lse32.view(), out_b32.view(), lse_b32.view(), alloc.stream);
-    alloc.copy_convert(acc32.view(), acc);
-    alloc.copy_convert(lse32.view(), lse);
-  }
-}
-
 }  // namespace
 
 struct DsaContextParallel::Saved {
@@ -131,12 +109,14 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   s->topk_ring = a2a.gather_pieces(s->topk_local.view(), MemCategory::kSavedActivation);
 
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[groups_.ring.rank()];
+  // The merge state (as in RingAttention): out in the accumulator dtype, the running lse and every block's lse in
+  // fp64 (the DSA kernels write an fp64 lse for any inputs), so the merge weights carry no rounding of an fp32 lse;
+  // rounded once into lse_h (the accumulator dtype) after the last block.
   Tensor acc = alloc.zeros({B, sr, hl, dv}, acc_dtype, MemCategory::kWorkspace);
-  s->lse_h = alloc.empty({B, hl, sr}, acc_dtype, MemCategory::kSavedActivation);
-  fill(s->lse_h.view(), -std::numeric_limits<double>::infinity(), stream);
+  Tensor acc_lse = alloc.empty({B, hl, sr}, DType::kFloat64, MemCategory::kWorkspace);
+  fill(acc_lse.view(), -std::numeric_limits<double>::infinity(), stream);
   Tensor block_out = alloc.empty(acc.shape(), acc_dtype, MemCategory::kWorkspace);
-  Tensor block_lse = alloc.empty(s->lse_h.shape(), acc_dtype, MemCategory::kWorkspace);
-  bool first_block = true;
+  Tensor block_lse = alloc.empty(acc_lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
   ring_circulate(
       groups_.ring, s->c_ring.view(), kTagLatent,
       [&](int src, const TensorView& block) {
@@ -151,10 +131,10 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
         a.scale = config_.scale;
         const ScopedTimer timer(counters_.compute_s);
         attn::dsa_attention_forward(a, block_out.view(), block_lse.view(), stream);
-        merge_latent_block(alloc, first_block, acc.view(), s->lse_h.view(), block_out.view(), block_lse.view());
-        first_block = false;
+        attn::lse_merge(acc.view(), acc_lse.view(), block_out.view(), block_lse.view(), stream);
       },
       &counters_.exposed_comm_s, stream);
+  s->lse_h = alloc.copy_of(acc_lse.view(), acc_dtype, MemCategory::kSavedActivation);
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
   counters_.attention_pairs +=
       static_cast<double>(count_nonnegative(s->topk_ring.view(), stream)) * static_cast<double>(hl);

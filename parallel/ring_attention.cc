@@ -11,7 +11,12 @@
 namespace seqpar {
 namespace {
 
-constexpr int kTagKv = 101;  // (K, V) blocks around the ring; 102: their fp32 (dK, dV) accumulators
+constexpr int kTagKv = 101;  // (K, V) blocks around the ring; 102: their (dK, dV) accumulators
+
+// delta of the backward: fp64 when the inputs or dout are fp64 (attn::mha_backward_delta), else the accumulators'.
+DType delta_dtype(DType storage, DType dout) {
+  return dout == DType::kFloat64 ? DType::kFloat64 : attn::accumulator_dtype(storage);
+}
 
 Shape packed_shape(const Shape& kv_shape, std::int64_t n) {
   Shape s = kv_shape;
@@ -91,7 +96,7 @@ AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k,
   const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
   AttentionOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
-  o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, DType::kFloat32, MemCategory::kWorkspace);
+  o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, attn::accumulator_dtype(q.dtype()), MemCategory::kWorkspace);
   o.ctx = forward_into(q, k, v, o.out, o.lse);
   return o;
 }
@@ -113,7 +118,7 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
   common_device({q, out, lse}, "ring attention forward (q, out, lse)");
   check_shape(out, q.shape(), "ring attention out");
   check_shape(lse, {q.dim(0), q.dim(2), q.dim(1)}, "ring attention lse");
-  check_dtype(lse, DType::kFloat32, "ring attention lse");
+  check_dtype(lse, attn::accumulator_dtype(q.dtype()), "ring attention lse");
   const CommStreamScope stream_scope(groups_);
   auto s = std::make_shared<Saved>();
   s->q = alloc.copy_of(q, q.dtype(), MemCategory::kSavedActivation);
@@ -131,7 +136,7 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
                        << ", sent " << meter.bytes_sent_so_far() << " bytes";
   }
   s->out = alloc.copy_of(out, out.dtype(), MemCategory::kSavedActivation);
-  s->lse = alloc.copy_of(lse, DType::kFloat32, MemCategory::kSavedActivation);
+  s->lse = alloc.copy_of(lse, lse.dtype(), MemCategory::kSavedActivation);
   return CpContext::make(id_, "ring attention", std::move(s));
 }
 
@@ -171,10 +176,14 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
   Tensor kv = alloc.empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer);
   alloc.copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
   alloc.copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
-  Tensor acc_out = alloc.zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  fill(lse, -std::numeric_limits<double>::infinity(), stream);
-  Tensor block_out = alloc.empty(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
-  Tensor block_lse = alloc.empty(lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  // The merge state: out in the accumulator dtype, the running lse and every block's lse in fp64, so that the merge
+  // weights exp(lse_b - lse) carry no rounding of an fp32 lse (attn::lse_merge); lse is rounded once at the end.
+  const DType acc_dtype = attn::accumulator_dtype(q.dtype());
+  Tensor acc_out = alloc.zeros(q.shape(), acc_dtype, MemCategory::kWorkspace);
+  Tensor acc_lse = alloc.empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  fill(acc_lse.view(), -std::numeric_limits<double>::infinity(), stream);
+  Tensor block_out = alloc.empty(q.shape(), acc_dtype, MemCategory::kWorkspace);
+  Tensor block_lse = alloc.empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
 
   ring_circulate(
       groups_.ring, kv.view(), kTagKv,
@@ -184,11 +193,12 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
         const ScopedTimer timer(counters_.compute_s);
         attn::mha_forward(block_args(s, part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
                           block_lse.view(), stream);
-        attn::lse_merge(acc_out.view(), lse, block_out.view(), block_lse.view(), stream);
+        attn::lse_merge(acc_out.view(), acc_lse.view(), block_out.view(), block_lse.view(), stream);
         counters_.flops += flops_per_pair * static_cast<double>(pairs);
       },
       &counters_.exposed_comm_s, stream);
   alloc.copy_convert(acc_out.view(), out);
+  alloc.copy_convert(acc_lse.view(), lse);
 }
 
 void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
@@ -201,13 +211,14 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   const Shape pshape = packed_shape(kv_shape, 2);
   const Stream stream = groups_.stream;
 
-  Tensor delta = alloc.empty(s.lse.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  const DType acc_dtype = attn::accumulator_dtype(q.dtype());
+  Tensor delta = alloc.empty(s.lse.shape(), delta_dtype(q.dtype(), dout.dtype()), MemCategory::kWorkspace);
   attn::mha_backward_delta(s.out.view(), dout, delta.view(), stream);
-  Tensor dq_acc = alloc.zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dq_acc = alloc.zeros(q.shape(), acc_dtype, MemCategory::kWorkspace);
   Tensor kv = alloc.empty(pshape, q.dtype(), MemCategory::kCommBuffer);
   alloc.copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
   alloc.copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
-  Tensor dkv = alloc.empty(pshape, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor dkv = alloc.empty(pshape, acc_dtype, MemCategory::kWorkspace);
 
   attn::MhaBackwardArgs args;
   args.out = s.out.view();
@@ -278,9 +289,10 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   args.out = s.out.view();
   args.dout = dout;
   args.lse = s.lse.view();
-  Tensor dk_full = alloc.zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dv_full = alloc.zeros(full_shape, DType::kFloat32, MemCategory::kWorkspace);
-  Tensor dq_acc = alloc.zeros(q.shape(), DType::kFloat32, MemCategory::kWorkspace);
+  const DType acc_dtype = attn::accumulator_dtype(q.dtype());
+  Tensor dk_full = alloc.zeros(full_shape, acc_dtype, MemCategory::kWorkspace);
+  Tensor dv_full = alloc.zeros(full_shape, acc_dtype, MemCategory::kWorkspace);
+  Tensor dq_acc = alloc.zeros(q.shape(), acc_dtype, MemCategory::kWorkspace);
   {
     const ScopedTimer timer(counters_.compute_s);
     attn::mha_backward(args, dq_acc.view(), dk_full.view(), dv_full.view(), true, groups_.stream);
@@ -288,15 +300,15 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   counters_.flops += 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3)) *
                      static_cast<double>(attn::visible_pairs(args.fwd.q_pos, args.fwd.k_pos, args.fwd.mask));
 
-  // Pack every rank's rows (in its layout order) and reduce-scatter the fp32 sums.
+  // Pack every rank's rows (in its layout order) and reduce-scatter the sums (accumulator dtype).
   const Shape pshape = packed_shape(kv_shape, 2);
-  Tensor send = alloc.empty(packed_shape(pshape, size_), DType::kFloat32, MemCategory::kCommBuffer);
+  Tensor send = alloc.empty(packed_shape(pshape, size_), acc_dtype, MemCategory::kCommBuffer);
   for (int r = 0; r < size_; ++r) {
     const TensorView rank_part = send.view().slice0(r, r + 1).reshape(pshape);
     shard_sequence(dk_full.view(), positions_[r], part(rank_part, 0, kv_shape), alloc.stream);
     shard_sequence(dv_full.view(), positions_[r], part(rank_part, 1, kv_shape), alloc.stream);
   }
-  Tensor recv = alloc.empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty(pshape, acc_dtype, MemCategory::kCommBuffer);
   WorkHandle rs = groups_.ring.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
   timed_wait(rs, &counters_.exposed_comm_s);
   alloc.copy_convert(part(recv.view(), 0, kv_shape), dk);

@@ -6,17 +6,21 @@
 // impl = p2p (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; online-softmax merge of
 // FlashAttention-2): Q stays; the (K, V) block of rank src visits every rank, one hop per step over P steps; the
 // next block's send/receive is posted before the current block is computed (double buffering). Block results are
-// merged into fp32 (out, lse) with attn::lse_merge; blocks with no visible key are never computed.
-// Backward: (K, V) travel again; each block's fp32 (dK, dV) accumulator follows it one step behind (a rank computes
-// its contribution into a fresh buffer while the partial sum from upstream is in flight, then adds it), so that
-// after P hops the sum of every rank's contribution arrives back at the block's owner. dQ accumulates locally in
-// fp32, using the saved final lse.
+// merged with attn::lse_merge into a running out of the accumulator dtype (attn::accumulator_dtype: fp32, fp64 for
+// fp64 storage) and a running lse in fp64, each block's lse also in fp64: the merge adds no error beyond one
+// online-softmax pass over the same keys (an fp32 lse between steps would: its rounding, |lse| 2^-24, becomes a
+// relative error of the merge weights, 1e-4 at logits of 1800). lse is rounded to its returned dtype once, at the
+// end. Blocks with no visible key are never computed.
+// Backward: (K, V) travel again; each block's (dK, dV) accumulator (accumulator dtype) follows it one step behind (a
+// rank computes its contribution into a fresh buffer while the partial sum from upstream is in flight, then adds
+// it), so that after P hops the sum of every rank's contribution arrives back at the block's owner. dQ accumulates
+// locally in the accumulator dtype, using the saved final lse.
 //
 // impl = allgather (Megatron-style CP): all-gather K, V once and run one kernel call over the whole sequence in
-// global order; the backward all-gathers K, V again and reduce-scatters the fp32 dK, dV.
+// global order; the backward all-gathers K, V again and reduce-scatters dK, dV in the accumulator dtype.
 //
 // Communication volume per rank (README): with kv = 2 * B * S_local * Hkv * D * sizeof(dtype) and
-// dkv = 2 * B * S_local * Hkv * D * 4:
+// dkv = 2 * B * S_local * Hkv * D * sizeof(accumulator dtype) (4; 8 for fp64):
 //   p2p:       forward sends (P-1) kv; backward sends (P-1) kv + P dkv   (received: the same)
 //   allgather: forward sends (P-1) kv; backward sends (P-1) kv + (P-1) dkv
 // Counters (CpCounters): attention FLOPs executed (4 B Hq D per visible (q, k) pair forward; 2.5x that backward),
@@ -28,9 +32,9 @@
 // with ulysses_size = 1, or through UspAttention (parallel/usp.h), which runs the Ulysses exchange around it.
 // Synchronisation: forward() and backward() are collective over the ring communicator and host-synchronous; kernels
 // run on groups.stream.
-// Memory: what backward needs (q, k, v, out in storage dtype; lse fp32) is owned by the returned context, in the
-// saved_activation category; double buffers and travelling accumulators in comm_buffer; block results and the
-// returned outputs in workspace. The object keeps no state between calls (cp_common.h).
+// Memory: what backward needs (q, k, v, out in storage dtype; lse in the accumulator dtype) is owned by the
+// returned context, in the saved_activation category; double buffers and travelling accumulators in comm_buffer;
+// block results and the returned outputs in workspace. The object keeps no state between calls (cp_common.h).
 // Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
 // mismatch, Hq % Hkv != 0, window without causal, non-finite scale; a context that is empty, already used or made by
 // another object.
@@ -55,7 +59,7 @@ struct RingAttentionConfig {
 
 struct AttentionOutput {
   Tensor out;     // [B, S_local, Hq, D], dtype of q
-  Tensor lse;     // [B, Hq, S_local] fp32
+  Tensor lse;     // [B, Hq, S_local], attn::accumulator_dtype(dtype of q): fp32, fp64 for fp64
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 

@@ -4,7 +4,8 @@
 // the next block's send / receive is posted before the current block is processed (double buffering), so that
 // communication overlaps `visit`. Step s at rank r sees the block of rank (r - s) mod P.
 //
-// ring_circulate_with_grad: the same, plus a gradient accumulator per block that follows it one step behind:
+// ring_circulate_with_grad: the same, plus a gradient accumulator per block (fp32, or fp64 for fp64 results: the
+// dtype of home_grad) that follows it one step behind:
 // at each step `visit` adds this rank's contribution into a zeroed buffer while the upstream partial sum is in
 // flight; the partial is then added (fixed order: local contribution + upstream partial) and sent on, grouped with
 // the receive of the next partial (so that backends running a communicator's operations in order, like NCCL, never

@@ -5,7 +5,8 @@
 //
 // Communication volume per rank (README): each all-to-all of a tensor of N bytes sends and receives
 // (Pu - 1) / Pu * N (q, k, v, out and lse forward; dout, dq, dk, dv backward; k, v replicated to Pu heads and their
-// gradients in fp32 when Hkv < Pu); the ring part is RingAttention's formula with S_local = S / Pr and H / Pu heads.
+// gradients in the accumulator dtype when Hkv < Pu); the ring part is RingAttention's formula with S_local = S / Pr
+// and H / Pu heads.
 // Counters (CpCounters): the ring's FLOPs, bytes and exposed time, plus the all-to-all bytes (a2a_bytes_*) and
 // seconds (a2a_s).
 // Synchronisation: forward() and backward() are collective over the Ulysses and ring groups and host-synchronous.
@@ -26,7 +27,7 @@ class UspAttention {
   UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
 
   // q [B, S / (Pu Pr), Hq, D], k, v [B, S / (Pu Pr), Hkv, D] at positions(); out like q (workspace),
-  // lse [B, Hq, S_local] fp32; the context owns what the backward needs (saved_activation).
+  // lse [B, Hq, S_local] (fp32, fp64 for fp64 inputs); the context owns what the backward needs (saved_activation).
   AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
   // dout like q (any floating dtype) with the context of a forward of this object (consumed and freed); gradients
   // in the dtype of q.

@@ -80,9 +80,9 @@ void backward_typed(const MhaBackwardParams& bp) {
   auto write_dq = [&](std::int64_t b, std::int64_t i, std::int64_t h, const T* src, T* tmp) {
     const std::int64_t e = ((b * Sq + i) * Hq + h) * D;
     char* dqc = static_cast<char*>(bp.dq);
-    if (bp.accumulate) {
-      float* dst_row = reinterpret_cast<float*>(dqc) + e;
-      for (std::int64_t d = 0; d < D; ++d) dst_row[d] += static_cast<float>(src[d] * scale);
+    if (bp.accumulate) {  // dq has the compute dtype (checked by the boundary)
+      T* dst_row = reinterpret_cast<T*>(dqc) + e;
+      for (std::int64_t d = 0; d < D; ++d) dst_row[d] += src[d] * scale;
     } else {
       for (std::int64_t d = 0; d < D; ++d) tmp[d] = src[d] * scale;
       convert(tmp, cdt, dqc + static_cast<std::size_t>(e) * dq_size, bp.dq_dtype, static_cast<std::size_t>(D));
@@ -125,7 +125,7 @@ void backward_typed(const MhaBackwardParams& bp) {
                 static_cast<std::size_t>(D));
         const std::int64_t li = (b * Hq + h) * Sq + i;
         if (bp.delta != nullptr) {
-          delta[i] = static_cast<T>(bp.delta[li]);
+          delta[i] = static_cast<T>(load_wide(bp.delta, bp.delta_dtype, li));
         } else {
           convert(oin + static_cast<std::size_t>(e * D) * o_size, bp.out_dtype, row2.data(), cdt,
                   static_cast<std::size_t>(D));
@@ -133,10 +133,10 @@ void backward_typed(const MhaBackwardParams& bp) {
           for (std::int64_t d = 0; d < D; ++d) acc += dorow[d] * row2[static_cast<std::size_t>(d)];
           delta[i] = acc;
         }
-        const float l = bp.lse[li];
+        const double l = load_wide(bp.lse, bp.lse_dtype, li);
         // a row with lse = -inf has no visible key anywhere: +inf here makes every P of the row exp2(-inf) = 0
-        lse2[i] = l == -std::numeric_limits<float>::infinity() ? std::numeric_limits<T>::infinity()
-                                                               : static_cast<T>(l) * static_cast<T>(1.4426950408889634);
+        lse2[i] = l == -std::numeric_limits<double>::infinity() ? std::numeric_limits<T>::infinity()
+                                                                : static_cast<T>(l * 1.4426950408889634);
       }
       loaded_bh = bh;
       T* dq_h = nchunks > 1 ? dqp + task * Sq * Dp : dq.data();
@@ -216,9 +216,9 @@ void backward_typed(const MhaBackwardParams& bp) {
         }
         const std::int64_t e = ((b * Sk + j) * Hkv + hk) * D;
         void* out = which == 0 ? bp.dk : bp.dv;
-        if (bp.accumulate) {
-          float* dst_row = static_cast<float*>(out) + e;
-          for (std::int64_t d = 0; d < D; ++d) dst_row[d] += static_cast<float>(row[d] * mult);
+        if (bp.accumulate) {  // dk / dv have the compute dtype (checked by the boundary)
+          T* dst_row = static_cast<T*>(out) + e;
+          for (std::int64_t d = 0; d < D; ++d) dst_row[d] += row[d] * mult;
         } else {
           for (std::int64_t d = 0; d < D; ++d) row[d] *= mult;
           const DType odt = which == 0 ? bp.dk_dtype : bp.dv_dtype;

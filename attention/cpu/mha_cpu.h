@@ -84,8 +84,8 @@ inline MhaTiling mha_tiling(const MhaParams& p, std::int64_t vector_width) {
           (p.sq + kBlockQ - 1) / kBlockQ, nkt * kBlockK};
 }
 
-// out [B, Sq, Hq, D] of out_dtype; lse [B, Hq, Sq] fp32.
-void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, float* lse);
+// out [B, Sq, Hq, D] of out_dtype; lse [B, Hq, Sq] of lse_dtype (fp32 or fp64).
+void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, void* lse, DType lse_dtype);
 
 struct MhaBackwardParams {
   MhaParams fwd;
@@ -93,15 +93,23 @@ struct MhaBackwardParams {
   DType dout_dtype = DType::kFloat32;
   const void* out = nullptr;  // [B, Sq, Hq, D] of out_dtype; used when delta == nullptr
   DType out_dtype = DType::kFloat32;
-  const float* lse = nullptr;    // [B, Hq, Sq]
-  const float* delta = nullptr;  // [B, Hq, Sq] or nullptr
-  void* dq = nullptr;            // [B, Sq, Hq, D]
-  void* dk = nullptr;            // [B, Sk, Hkv, D]
-  void* dv = nullptr;            // [B, Sk, Hkv, D]
+  const void* lse = nullptr;  // [B, Hq, Sq] of lse_dtype (fp32 or fp64)
+  DType lse_dtype = DType::kFloat32;
+  const void* delta = nullptr;  // [B, Hq, Sq] of delta_dtype (fp32 or fp64), or nullptr
+  DType delta_dtype = DType::kFloat32;
+  void* dq = nullptr;  // [B, Sq, Hq, D]
+  void* dk = nullptr;  // [B, Sk, Hkv, D]
+  void* dv = nullptr;  // [B, Sk, Hkv, D]
   DType dq_dtype = DType::kFloat32, dk_dtype = DType::kFloat32, dv_dtype = DType::kFloat32;
-  bool accumulate = false;  // add into fp32 dq / dk / dv
+  bool accumulate = false;  // add into dq / dk / dv of the compute dtype (fp32, or fp64 for fp64 inputs)
 };
 
 void mha_backward_cpu(const MhaBackwardParams& p);
+
+// Element i of an fp32 or fp64 array, as double.
+inline double load_wide(const void* p, DType dtype, std::int64_t i) {
+  return dtype == DType::kFloat64 ? static_cast<const double*>(p)[i]
+                                  : static_cast<double>(static_cast<const float*>(p)[i]);
+}
 
 }  // namespace seqpar::attn::cpu

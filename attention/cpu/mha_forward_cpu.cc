@@ -60,7 +60,7 @@ constexpr DType compute_dtype() {
 }
 
 template <typename T>
-void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
+void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DType lse_dtype) {
   using S = Simd<T>;
   using V = typename S::V;
   constexpr int W = S::W;
@@ -178,19 +178,24 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
 
       for (int r = 0; r < mr; ++r) {
         const std::int64_t i = i0 + r;
-        float& lse_out = lse[(b * Hq + h) * Sq + i];
         const T* orow = o.data() + r * Dp;
+        double lse_out;  // natural log, from the base-2 running max and sum, in fp64 whatever T
         if (l[r] > T(0)) {
           const T inv = T(1) / l[r];
           for (std::int64_t d = 0; d < D; ++d) row[d] = orow[d] * inv;
-          lse_out = static_cast<float>((static_cast<double>(m[r]) + std::log2(static_cast<double>(l[r]))) *
-                                       0.6931471805599453);
+          lse_out = (static_cast<double>(m[r]) + std::log2(static_cast<double>(l[r]))) * 0.6931471805599453;
         } else if (l[r] == T(0)) {  // no visible key
           std::fill(row.begin(), row.end(), T(0));
-          lse_out = -std::numeric_limits<float>::infinity();
+          lse_out = -std::numeric_limits<double>::infinity();
         } else {  // NaN: a NaN or inf in q or k reached this row; propagate it, never report "no visible key"
           std::fill(row.begin(), row.end(), std::numeric_limits<T>::quiet_NaN());
-          lse_out = std::numeric_limits<float>::quiet_NaN();
+          lse_out = std::numeric_limits<double>::quiet_NaN();
+        }
+        const std::int64_t li = (b * Hq + h) * Sq + i;
+        if (lse_dtype == DType::kFloat64) {
+          static_cast<double*>(lse)[li] = lse_out;
+        } else {
+          static_cast<float*>(lse)[li] = static_cast<float>(lse_out);
         }
         const std::size_t off = static_cast<std::size_t>(((b * Sq + i) * Hq + h) * D) * out_size;
         convert(row.data(), cdt, outc + off, out_dtype, static_cast<std::size_t>(D));
@@ -201,11 +206,11 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, float* lse) {
 
 }  // namespace
 
-void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, float* lse) {
+void mha_forward_cpu(const MhaParams& p, void* out, DType out_dtype, void* lse, DType lse_dtype) {
   if (p.dtype == DType::kFloat64) {
-    forward_typed<double>(p, out, out_dtype, lse);
+    forward_typed<double>(p, out, out_dtype, lse, lse_dtype);
   } else {
-    forward_typed<float>(p, out, out_dtype, lse);
+    forward_typed<float>(p, out, out_dtype, lse, lse_dtype);
   }
 }
 

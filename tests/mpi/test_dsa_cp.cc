@@ -376,18 +376,6 @@ void print_errors(const std::string& what, const std::vector<double>& err) {
   std::printf("%s\n", line.c_str());
 }
 
-// attn::lse_merge takes an fp64 merge state (the fp64 merge of issue 13 item 1, MHA side).
-bool lse_merge_takes_fp64() {
-  const Tensor out = Tensor::zeros({1, 1, 1, 1}, DType::kFloat64, MemCategory::kWorkspace);
-  const Tensor lse = Tensor::zeros({1, 1, 1}, DType::kFloat64, MemCategory::kWorkspace);
-  try {
-    attn::check_lse_merge(out.view(), lse.view(), out.view(), lse.view());
-    return true;
-  } catch (const Error&) {
-    return false;
-  }
-}
-
 // fp64 inputs select exactly the fp64 reference's keys, on every grid, layout and selection mode, with the ties of
 // the fp32-rounded scores that the index-key twins create.
 TEST(DsaCpLargeLogits, Fp64SelectsTheReferenceKeys) {
@@ -401,19 +389,11 @@ TEST(DsaCpLargeLogits, Fp64SelectsTheReferenceKeys) {
 }
 
 // fp64 inputs: out, lse, loss and every gradient within 1e-10 of the fp64 reference (its own selection) at logits
-// and indexer scores up to 1e4. The latent ring merges its blocks with attn::lse_merge, which takes fp32 only until
-// the fp64 merge (issue 13 item 1, MHA side) is merged in: where it does not take fp64 yet, the grids whose ring has
-// more than one rank are skipped (one ring rank copies its one block and needs no merge).
-TEST(DsaCpLargeLogits, Fp64MatchesReferenceMergedWithMha64) {
-  const bool merge_fp64 = lse_merge_takes_fp64();
-  int skipped = 0;
+// and indexer scores up to 1e4, on every grid (the latent ring merges its blocks in fp64: attn::lse_merge).
+TEST(DsaCpLargeLogits, Fp64MatchesReference) {
   for (double logit : kLargeLogits) {
     const DsaProblem p(48, DType::kFloat64, logit);
     for (const DsaCase& c : large_logit_cases()) {
-      if (!merge_fp64 && world().size() / c.ulysses_size > 1) {
-        ++skipped;
-        continue;
-      }
       const DistResult ref = fp64_reference(p, c, reference_topk(p, c));
       const DistResult got = run_distributed(grid_of(c), c, p);
       const std::string name = str_cat(case_name(c), " logits ", logit);
@@ -430,20 +410,13 @@ TEST(DsaCpLargeLogits, Fp64MatchesReferenceMergedWithMha64) {
       print_errors(str_cat("fp64 ", name, " vs fp64 reference"), errors_of(got, ref));
     }
   }
-  if (skipped > 0) {
-    GTEST_SKIP() << skipped << " cases with ring_size > 1 need attn::lse_merge to take fp64 (issue 13 item 1, MHA "
-                 << "side); the others passed";
-  }
 }
 
 // fp32 inputs: distributed, every output's error against the fp64 reference (on the one-rank selection, which the
 // grid reproduces bitwise) is within 2x of the one-rank error, at logits and indexer scores up to 1e4. The floor of
-// the one-rank error is fp32's unit roundoff 2^-24. A ring of more than one rank merges its latent blocks with
-// attn::lse_merge, whose fp32 lse costs up to eps * |lse| (~6e-4 at logits 1e4) per merge: those grids are checked
-// once the merge of issue 13 item 1 (MHA side; detected by its fp64 state) is in, the others always.
-TEST(DsaCpLargeLogits, Fp32WithinTwiceTheOneRankErrorMergedWithMha64) {
-  const bool merge_fp64 = lse_merge_takes_fp64();
-  int skipped = 0;
+// the one-rank error is fp32's unit roundoff 2^-24. The latent ring's merges keep lse in fp64, so
+// they add no rounding of an fp32 lse (eps |lse|, ~6e-4 at logits 1e4, per merge).
+TEST(DsaCpLargeLogits, Fp32WithinTwiceTheOneRankError) {
   const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
   const SpGrid one_rank(*self, {1, 1, 1, Placement::kUlyssesInner});
   for (double logit : kLargeLogits) {
@@ -456,10 +429,6 @@ TEST(DsaCpLargeLogits, Fp32WithinTwiceTheOneRankErrorMergedWithMha64) {
     print_errors(str_cat("fp32 one rank, logits ", logit, " vs fp64 reference"), one_err);
     for (const DsaCase& c : large_logit_cases()) {
       if (c.topk != base.topk) continue;
-      if (!merge_fp64 && world().size() / c.ulysses_size > 1) {
-        ++skipped;
-        continue;
-      }
       const DistResult got = run_distributed(grid_of(c), c, p);
       const std::string name = str_cat(case_name(c), " logits ", logit);
       ASSERT_EQ(got.topk, one.topk) << name;
@@ -470,10 +439,6 @@ TEST(DsaCpLargeLogits, Fp32WithinTwiceTheOneRankErrorMergedWithMha64) {
             << name << " " << kErrNames[i] << ": distributed error " << err[i] << ", one-rank error " << one_err[i];
       }
     }
-  }
-  if (skipped > 0) {
-    GTEST_SKIP() << skipped << " cases with ring_size > 1 need the lossless merge of issue 13 item 1 (MHA side); the "
-                 << "others passed";
   }
 }
 

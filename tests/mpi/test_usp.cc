@@ -77,26 +77,11 @@ TEST_P(UspVsSingleRank, MatchesSingleRank) {
   RingAttentionConfig cfg;
   cfg.impl = c.impl;
   cfg.causal = c.causal;
-  const CpGroups groups = CpGroups::from(grid);
-  UspAttention usp(groups, SequenceLayout::for_groups(groups, shape.seq, c.layout), cfg);
-  ASSERT_EQ(usp.sp_rank(), grid.coords().sp_rank);
-  const auto& pos = usp.positions();
-  Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
-         v = test::local_piece(p.v.view(), pos), dout = test::local_piece(p.dout.view(), pos);
-  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
-  AttentionGrads g = usp.backward(std::move(o.ctx), dout.view());
-
-  Communicator& sp = grid.sp();
-  test::MhaResult got;
-  got.out = test::gather_full(sp, usp.layout(), o.out.view(), p.q.shape());
-  got.lse = test::gather_full(sp, usp.layout(), o.lse.view(), {shape.batch, shape.hq, shape.seq}, 2);
-  got.dq = test::gather_full(sp, usp.layout(), g.dq.view(), p.q.shape());
-  got.dk = test::gather_full(sp, usp.layout(), g.dk.view(), p.k.shape());
-  got.dv = test::gather_full(sp, usp.layout(), g.dv.view(), p.v.shape());
+  CpCounters counters;
+  const test::MhaResult got = test::usp_result(grid, shape, p, cfg, c.layout, &counters);
   test::expect_mha_match(got, want, c.dtype, str_cat(case_name(c), " on ", grid.str()));
 
   // All-to-all volume: each all-to-all of N bytes moves (Pu-1)/Pu of N each way.
-  const CpCounters counters = usp.counters();
   const std::int64_t pu = c.ulysses_size, sl = shape.seq / n, esz = dtype_size(c.dtype);
   const std::int64_t hkv_e = c.hkv % pu == 0 ? c.hkv : pu;
   const std::int64_t kv_grad_esz = c.hkv % pu == 0 ? esz : 4;

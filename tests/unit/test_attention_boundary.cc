@@ -82,9 +82,26 @@ TEST(MhaBoundary, ChecksAloneAndInTheKernelAgree) {
   expect_rejected([&] { check_mha_backward_delta(m.out, m.dout, delta_bad); },
                   [&] { mha_backward_delta(m.out, m.dout, delta_bad); },
                   "delta has shape [1, 8, 2], expected [1, 2, 8]");
-  Tensor out_b = zeros({1, 8, 2, 4}, DType::kFloat64);
+  Tensor out_b = zeros({1, 8, 2, 4}, DType::kBFloat16);
   expect_rejected([&] { check_lse_merge(m.out, m.lse, out_b, m.lse); }, [&] { lse_merge(m.out, m.lse, out_b, m.lse); },
-                  "lse_merge out_b has dtype fp64, expected fp32");
+                  "lse_merge out_b has dtype bf16, expected fp32 or fp64");
+  // fp64 inputs: lse and delta fp64 (an fp32 one would round them), accumulators fp64.
+  Mha w;
+  for (Tensor* t : {&w.q, &w.k, &w.v, &w.dout}) *t = Tensor::copy_of(*t, DType::kFloat64, kWs);
+  w.dq = zeros({1, 8, 2, 4}, DType::kFloat64);
+  w.dk = zeros({1, 8, 1, 4}, DType::kFloat64);
+  w.dv = zeros({1, 8, 1, 4}, DType::kFloat64);
+  expect_rejected([&] { check_mha_forward(w.args(), w.out, w.lse); }, [&] { mha_forward(w.args(), w.out, w.lse); },
+                  "lse has dtype fp32, expected fp64 for fp64 inputs");
+  w.lse = zeros({1, 2, 8}, DType::kFloat64);
+  expect_rejected([&] { check_mha_backward(w.bwd(), w.dq, m.dk, w.dv, true); },
+                  [&] { mha_backward(w.bwd(), w.dq, m.dk, w.dv, true); },
+                  "dk (accumulate = true) has dtype fp32, expected fp64");
+  EXPECT_EQ(error_of([&] { check_mha_forward(w.args(), w.out, w.lse); }), kNoError);
+  EXPECT_EQ(error_of([&] { check_mha_backward(w.bwd(), w.dq, w.dk, w.dv, true); }), kNoError);
+  // 16-/32-bit inputs may ask for an fp64 lse (the merges of parallel/ do).
+  Tensor lse64 = zeros({1, 2, 8}, DType::kFloat64);
+  EXPECT_EQ(error_of([&] { check_mha_forward(m.args(), m.out, lse64); }), kNoError);
 }
 
 // ---- DSA ------------------------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@
 #include "attention/cpu/mha_simd.h"
 #include "attention/mha.h"
 #include "attention/reference/mha_reference.h"
+#include "runtime/tensor_ops.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar::attn {
@@ -116,7 +117,7 @@ Results run_kernel(const Problem& p, const Inputs& in, DType out_dtype) {
   Results r;
   const MhaForwardArgs a = args_of(p, in);
   r.out = Tensor::empty(in.q.shape(), out_dtype, kWs);
-  r.lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+  r.lse = Tensor::empty({p.B, p.Hq, p.Sq}, accumulator_dtype(p.dtype), kWs);
   mha_forward(a, r.out, r.lse);
   r.dq = Tensor::empty(in.q.shape(), out_dtype, kWs);
   r.dk = Tensor::empty(in.k.shape(), out_dtype, kWs);
@@ -149,9 +150,8 @@ struct Tolerance {
 // fp64) and from rounding the outputs to the storage dtype.
 Tolerance tolerance(DType dtype) {
   switch (dtype) {
-    // fp64 arithmetic, but lse is fp32 by contract and the backward recomputes P = exp(a - lse) from it:
-    // relative error of P up to |lse| 2^-24 ~ 1e-6 for the |lse| < 10 here. The forward alone is ~1e-14.
-    case DType::kFloat64: return {2e-6, 2e-6};
+    // fp64 arithmetic throughout, lse and delta included: fp64 rounding over sums of a few hundred terms.
+    case DType::kFloat64: return {1e-12, 1e-10};
     // fp32 arithmetic (exp2 polynomial ~2 ulp, sums over <= a few hundred keys and D <= 256 products).
     case DType::kFloat32: return {3e-5, 3e-4};
     // bf16 outputs: 8 significant bits (relative step 2^-8 = 3.9e-3); the backward's delta uses the bf16 out.
@@ -177,8 +177,8 @@ void expect_matches_reference(const Problem& p, std::uint64_t seed) {
   EXPECT_FALSE(has_nan(got.out) || has_nan(got.lse) || has_nan(got.dq) || has_nan(got.dk) || has_nan(got.dv))
       << "NaN in the kernel's results";
   EXPECT_TRUE(test::all_close(test::to_double(got.out), test::to_double(want.out), tol.atol, tol.rtol, "out"));
-  // lse is fp32 for every input dtype: fp32 rounding of values of size |lse| (< 10 here).
-  const double lse_tol = p.dtype == DType::kFloat64 ? 1e-6 : 2e-5;
+  // lse is fp64 for fp64 inputs, else fp32: rounding of values of size |lse| (< 10 here).
+  const double lse_tol = p.dtype == DType::kFloat64 ? 1e-12 : 2e-5;
   EXPECT_TRUE(test::all_close(test::to_double(got.lse), test::to_double(want.lse), lse_tol, lse_tol, "lse"));
   EXPECT_TRUE(test::all_close(test::to_double(got.dq), test::to_double(want.dq), tol.atol, tol.rtol, "dq"));
   EXPECT_TRUE(test::all_close(test::to_double(got.dk), test::to_double(want.dk), tol.atol, tol.rtol, "dk"));
@@ -280,7 +280,7 @@ TEST_P(MhaGradCheck, MatchesCentralDifferences) {
   const std::vector<double> dout = test::to_double(in.dout);
   auto loss = [&]() {
     Tensor out = Tensor::empty(in.q.shape(), DType::kFloat64, kWs);
-    Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+    Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat64, kWs);
     mha_forward(args_of(p, in), out, lse);
     const double* o = out.data_as<double>();
     double l = 0.0;
@@ -300,8 +300,8 @@ TEST_P(MhaGradCheck, MatchesCentralDifferences) {
       x[i] = x0;
       fd[i] = (lp - lm) / (2 * h);
     }
-    // The backward recomputes P from the fp32 lse (relative error ~|lse| 2^-24 < 1e-6 here).
-    EXPECT_TRUE(test::all_close(test::to_double(*g), fd, 1e-6, 1e-5, name));
+    // Central differences: truncation and rounding errors ~1e-10 each (the kernel itself is fp64 throughout).
+    EXPECT_TRUE(test::all_close(test::to_double(*g), fd, 1e-8, 1e-7, name));
   }
 }
 
@@ -343,17 +343,19 @@ TEST_P(MhaKeyBlocks, MergedBlocksEqualOneCall) {
   Problem p{2, 100, 200, 4, 2, 32, sc.dtype, mask_of(sc.mask), sc.layout};
   if (sc.layout == Layout::kZigzag) p.Sk = p.Sq;
   const Inputs in = make_inputs(p, 4242);
-  const Results one = run_kernel(p, in, DType::kFloat32);
+  const DType acc = accumulator_dtype(p.dtype);
+  const Results one = run_kernel(p, in, acc);
 
-  Tensor out = Tensor::zeros(in.q.shape(), DType::kFloat32, kWs);
-  Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
-  std::fill(lse.data_as<float>(), lse.data_as<float>() + lse.numel(), -std::numeric_limits<float>::infinity());
-  Tensor dq = Tensor::zeros(in.q.shape(), DType::kFloat32, kWs);
+  // The merge state as the ring keeps it: out in the accumulator dtype, lse in fp64 (block lse too).
+  Tensor out = Tensor::zeros(in.q.shape(), acc, kWs);
+  Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat64, kWs);
+  fill(lse, -kInf);
+  Tensor dq = Tensor::zeros(in.q.shape(), acc, kWs);
   std::vector<double> dk_all, dv_all;  // [B, Sk, Hkv, D] assembled from the blocks
   std::vector<std::int64_t> bounds{0};
   for (std::int64_t c : sc.cuts) bounds.push_back(std::min(c, p.Sk));
   bounds.push_back(p.Sk);
-  Tensor delta = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+  Tensor delta = Tensor::empty({p.B, p.Hq, p.Sq}, acc, kWs);
   mha_backward_delta(one.out, in.dout, delta);
 
   std::vector<std::vector<double>> dk_blocks, dv_blocks;
@@ -362,12 +364,12 @@ TEST_P(MhaKeyBlocks, MergedBlocksEqualOneCall) {
     Tensor kb = slice_seq(in.k, j0, j1, p.dtype), vb = slice_seq(in.v, j0, j1, p.dtype);
     const std::span<const std::int64_t> kpos(in.pos.k.data() + j0, static_cast<std::size_t>(j1 - j0));
     const MhaForwardArgs a{in.q, kb, vb, in.pos.q, kpos, p.mask, p.scale};
-    Tensor ob = Tensor::empty(in.q.shape(), DType::kFloat32, kWs);
-    Tensor lb = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat32, kWs);
+    Tensor ob = Tensor::empty(in.q.shape(), acc, kWs);
+    Tensor lb = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat64, kWs);
     mha_forward(a, ob, lb);
     lse_merge(out, lse, ob, lb);
-    // backward of the block with the final out / lse, accumulating into fp32 gradients
-    Tensor dkb = Tensor::zeros(kb.shape(), DType::kFloat32, kWs), dvb = Tensor::zeros(kb.shape(), DType::kFloat32, kWs);
+    // backward of the block with the final out / lse, accumulating into gradients of the accumulator dtype
+    Tensor dkb = Tensor::zeros(kb.shape(), acc, kWs), dvb = Tensor::zeros(kb.shape(), acc, kWs);
     mha_backward(MhaBackwardArgs{a, one.out, in.dout, one.lse, delta}, dq, dkb, dvb, true);
     dk_blocks.push_back(test::to_double(dkb));
     dv_blocks.push_back(test::to_double(dvb));
@@ -382,12 +384,13 @@ TEST_P(MhaKeyBlocks, MergedBlocksEqualOneCall) {
         all->insert(all->end(), src.begin() + b * len * row, src.begin() + (b + 1) * len * row);
       }
   }
-  // Merging reassociates the softmax sums: fp32 rounding differences only.
-  EXPECT_TRUE(test::all_close(test::to_double(out), test::to_double(one.out), 2e-6, 2e-5, "merged out"));
-  EXPECT_TRUE(test::all_close(test::to_double(lse), test::to_double(one.lse), 2e-6, 2e-6, "merged lse"));
-  EXPECT_TRUE(test::all_close(test::to_double(dq), test::to_double(one.dq), 2e-6, 2e-5, "accumulated dq"));
-  EXPECT_TRUE(test::all_close(dk_all, test::to_double(one.dk), 2e-6, 2e-5, "accumulated dk"));
-  EXPECT_TRUE(test::all_close(dv_all, test::to_double(one.dv), 2e-6, 2e-5, "accumulated dv"));
+  // Merging reassociates the softmax sums: rounding differences of the accumulator dtype only.
+  const double t = acc == DType::kFloat64 ? 1e-13 : 2e-6, r = acc == DType::kFloat64 ? 1e-12 : 2e-5;
+  EXPECT_TRUE(test::all_close(test::to_double(out), test::to_double(one.out), t, r, "merged out"));
+  EXPECT_TRUE(test::all_close(test::to_double(lse), test::to_double(one.lse), t, t, "merged lse"));
+  EXPECT_TRUE(test::all_close(test::to_double(dq), test::to_double(one.dq), t, r, "accumulated dq"));
+  EXPECT_TRUE(test::all_close(dk_all, test::to_double(one.dk), t, r, "accumulated dk"));
+  EXPECT_TRUE(test::all_close(dv_all, test::to_double(one.dv), t, r, "accumulated dv"));
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -499,17 +502,99 @@ TEST(MhaEdge, LogitsOfSize1e3DoNotOverflow) {
     EXPECT_GT(max_abs_lse, 300.0) << "the logits were meant to be large";
     EXPECT_FALSE(has_nan(got.out) || has_nan(got.lse) || has_nan(got.dq) || has_nan(got.dk) || has_nan(got.dv));
     // fp32 logits of size 1e3 carry absolute rounding errors ~1e3 * 2^-24 * sqrt(D) ~ 2e-4, which become relative
-    // errors of the probabilities (fp64: forward exact to ~1e-12). The backward of both dtypes recomputes P from
-    // the fp32 lse (absolute error |lse| 2^-24 ~ 6e-5); gradients scale with |q|, |k| ~ 8.
-    const double t_out = dt == DType::kFloat64 ? 1e-9 : 2e-3;
-    const double t_grad = 2e-3;
-    EXPECT_TRUE(test::all_close(test::to_double(got.lse), test::to_double(want.lse), 1e-4, 1e-6, "lse"));
+    // errors of the probabilities; the fp32 backward recomputes P from the fp32 lse (absolute error
+    // |lse| 2^-24 ~ 6e-5); gradients scale with |q|, |k| ~ 8. fp64 is fp64 throughout: ~1e3 * 2^-53 ~ 1e-13.
+    const bool f64 = dt == DType::kFloat64;
+    const double t_out = f64 ? 1e-10 : 2e-3;
+    const double t_grad = f64 ? 1e-10 : 2e-3;
+    EXPECT_TRUE(test::all_close(test::to_double(got.lse), test::to_double(want.lse), f64 ? 1e-11 : 1e-4,
+                                f64 ? 1e-13 : 1e-6, "lse"));
     EXPECT_TRUE(test::all_close(test::to_double(got.out), test::to_double(want.out), t_out, t_out, "out"));
     EXPECT_TRUE(test::all_close(test::to_double(got.dq), test::to_double(want.dq), 8 * t_grad, t_grad, "dq"));
     EXPECT_TRUE(test::all_close(test::to_double(got.dk), test::to_double(want.dk), 8 * t_grad, t_grad, "dk"));
     EXPECT_TRUE(test::all_close(test::to_double(got.dv), test::to_double(want.dv), t_grad, t_grad, "dv"));
   }
 }
+
+// ---- precision at large logits (issue 13): fp64 means fp64, and key blocks merge without extra error ---------
+
+double rel_err(const TensorView& got, const TensorView& want) {
+  return test::rel_err(test::to_double(got), test::to_double(want));
+}
+
+// B = 2, S = 40, GQA 4 / 2, D = 8; logits about `logits` with a spread softmax (test::set_logit_offset).
+Problem large_logit_problem(DType dtype, MaskKind mask) {
+  return Problem{2, 40, 40, 4, 2, 8, dtype, mask_of(mask), Layout::kContiguous};
+}
+Inputs large_logit_inputs(const Problem& p, double logits, std::uint64_t seed) {
+  Inputs in = make_inputs(p, seed);
+  test::set_logit_offset(in.q, in.k, logits);
+  return in;
+}
+
+struct LogitCase {
+  double logits;
+  MaskKind mask;
+};
+
+class MhaLargeLogits : public ::testing::TestWithParam<LogitCase> {};
+
+// fp64 storage computes in fp64 throughout: every output within 1e-10 relative of the fp64 reference, at logits of
+// 1e2 to 1e4. (Before, lse was fp32 and the backward recomputed P from it: dq, dk, dv off by ~|lse| 2^-24.)
+TEST_P(MhaLargeLogits, Fp64KernelMatchesReference) {
+  const auto [logits, mask] = GetParam();
+  const Problem p = large_logit_problem(DType::kFloat64, mask);
+  const Inputs in = large_logit_inputs(p, logits, 1313);
+  const Results got = run_kernel(p, in, DType::kFloat64);
+  const Results want = run_reference(p, in);
+  for (auto [g, w, name] : {std::tuple{&got.out, &want.out, "out"},
+                            {&got.lse, &want.lse, "lse"},
+                            {&got.dq, &want.dq, "dq"},
+                            {&got.dk, &want.dk, "dk"},
+                            {&got.dv, &want.dv, "dv"}}) {
+    EXPECT_LE(rel_err(*g, *w), 1e-10) << name << " at logits " << logits;
+  }
+}
+
+// Key blocks merged with lse_merge (fp64 merge state) against the fp64 reference: at fp64 within 1e-10 like one
+// call; at fp32 within 2x of one call's own error (plus 1e-7 of the tensor's size, the rounding of the stored
+// result). An fp32 lse between the blocks fails this at logits >= 1e3: the merge weights inherit its rounding.
+TEST_P(MhaLargeLogits, MergedKeyBlocksAddNoError) {
+  const auto [logits, mask] = GetParam();
+  for (DType dt : {DType::kFloat64, DType::kFloat32}) {
+    const Problem p = large_logit_problem(dt, mask);
+    const Inputs in = large_logit_inputs(p, logits, 1414);
+    const DType acc = accumulator_dtype(dt);
+    const Results one = run_kernel(p, in, acc);
+    const Results want = run_reference(p, in);
+    Tensor out = Tensor::zeros(in.q.shape(), acc, kWs);
+    Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat64, kWs);
+    fill(lse, -kInf);
+    for (auto [j0, j1] : {std::pair<std::int64_t, std::int64_t>{0, 13}, {13, 27}, {27, 40}}) {
+      Tensor kb = slice_seq(in.k, j0, j1, dt), vb = slice_seq(in.v, j0, j1, dt);
+      const std::span<const std::int64_t> kpos(in.pos.k.data() + j0, static_cast<std::size_t>(j1 - j0));
+      Tensor ob = Tensor::empty(in.q.shape(), acc, kWs);
+      Tensor lb = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat64, kWs);
+      mha_forward(MhaForwardArgs{in.q, kb, vb, in.pos.q, kpos, p.mask, p.scale}, ob, lb);
+      lse_merge(out, lse, ob, lb);
+    }
+    const double e_one = rel_err(one.out, want.out), e_merged = rel_err(out, want.out);
+    if (dt == DType::kFloat64) {
+      EXPECT_LE(e_merged, 1e-10) << "merged out at logits " << logits;
+      EXPECT_LE(rel_err(lse, want.lse), 1e-13) << "merged lse at logits " << logits;
+    } else {
+      EXPECT_LE(e_merged, 2 * e_one + 1e-7) << "merged out at logits " << logits << " (one call: " << e_one << ")";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Mha, MhaLargeLogits,
+                         ::testing::Values(LogitCase{1e2, MaskKind::kNone}, LogitCase{1e3, MaskKind::kNone},
+                                           LogitCase{1e4, MaskKind::kNone}, LogitCase{1e2, MaskKind::kCausal},
+                                           LogitCase{1e3, MaskKind::kCausal}, LogitCase{1e4, MaskKind::kCausal}),
+                         [](const auto& info) {
+                           return str_cat(mask_name(info.param.mask), "_logits", static_cast<int>(info.param.logits));
+                         });
 
 // ---- LSE merge ----------------------------------------------------------------------------------
 

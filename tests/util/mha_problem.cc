@@ -9,7 +9,9 @@ MhaProblem::MhaProblem(const MhaShape& s)
     : q(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 11 + s.seed)),
       k(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 12 + s.seed)),
       v(random_tensor({s.batch, s.seq, s.hkv, s.dim}, s.dtype, 13 + s.seed)),
-      dout(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 14 + s.seed)) {}
+      dout(random_tensor({s.batch, s.seq, s.hq, s.dim}, s.dtype, 14 + s.seed)) {
+  if (s.logits > 0) set_logit_offset(q.view(), k.view(), s.logits);
+}
 
 MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
   attn::MhaForwardArgs args;
@@ -18,7 +20,7 @@ MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
   args.v = p.v.view();
   args.mask = s.mask;
   Tensor out = Tensor::empty(p.q.shape(), s.dtype, MemCategory::kWorkspace);
-  Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, attn::accumulator_dtype(s.dtype), MemCategory::kWorkspace);
   attn::mha_forward(args, out.view(), lse.view());
   attn::MhaBackwardArgs bargs;
   bargs.fwd = args;
@@ -63,6 +65,26 @@ std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout
   Tensor full = Tensor::empty(full_shape, local.dtype(), MemCategory::kWorkspace);
   gather_sequence(comm, layout, local, full.view(), seq_dim);
   return to_double(full);
+}
+
+MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+                     LayoutKind layout, CpCounters* counters) {
+  const CpGroups groups = CpGroups::from(grid);
+  UspAttention usp(groups, SequenceLayout::for_groups(groups, s.seq, layout), cfg);
+  const std::vector<std::int64_t>& pos = usp.positions();
+  Tensor q = local_piece(p.q.view(), pos), k = local_piece(p.k.view(), pos), v = local_piece(p.v.view(), pos),
+         dout = local_piece(p.dout.view(), pos);
+  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
+  AttentionGrads g = usp.backward(std::move(o.ctx), dout.view());
+  if (counters != nullptr) *counters = usp.counters();
+  Communicator& sp = grid.sp();
+  MhaResult r;
+  r.out = gather_full(sp, usp.layout(), o.out.view(), p.q.shape());
+  r.lse = gather_full(sp, usp.layout(), o.lse.view(), {s.batch, s.hq, s.seq}, 2);
+  r.dq = gather_full(sp, usp.layout(), g.dq.view(), p.q.shape());
+  r.dk = gather_full(sp, usp.layout(), g.dk.view(), p.k.shape());
+  r.dv = gather_full(sp, usp.layout(), g.dv.view(), p.v.shape());
+  return r;
 }
 
 void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, const std::string& what) {

@@ -7,6 +7,8 @@
 
 #include "attention/mha.h"
 #include "parallel/layout.h"
+#include "parallel/usp.h"
+#include "runtime/sp_grid.h"
 
 namespace seqpar::test {
 
@@ -15,6 +17,7 @@ struct MhaShape {
   DType dtype = DType::kFloat32;
   attn::MaskSpec mask;
   std::uint64_t seed = 0;  // added to the fixed seeds of q, k, v, dout (another problem of the same shape)
+  double logits = 0;       // > 0: logits of about this size with a spread softmax (test::set_logit_offset)
 };
 
 struct MhaProblem {
@@ -36,6 +39,11 @@ Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& posi
 // Gathers every rank's piece into the full tensor (seq_dim 1, or 2 for lse) and returns it as fp64.
 std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
                                 const Shape& full_shape, int seq_dim = 1);
+
+// UspAttention (pure ring when ulysses_size = 1, pure Ulysses when ring_size = 1) on `grid` over the layout's
+// shards of `p`, forward and backward; the gathered full results on every rank, and the layer's counters.
+MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+                     LayoutKind layout, CpCounters* counters = nullptr);
 
 // Per-dtype comparison of every tensor (out, lse, dq, dk, dv) with EXPECTs naming `what`.
 void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, const std::string& what);

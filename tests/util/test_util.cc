@@ -29,6 +29,26 @@ Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed, double
   return t;
 }
 
+void set_logit_offset(const TensorView& q, const TensorView& k, double logits) {
+  for (const TensorView* t : {&q, &k}) {
+    const std::int64_t D = t->dim(t->ndim() - 1);
+    const double a = t == &q ? logits * std::sqrt(static_cast<double>(D)) : 1.0;
+    char* p = static_cast<char*>(t->data());
+    const std::size_t row_bytes = static_cast<std::size_t>(D) * dtype_size(t->dtype());
+    for (std::int64_t r = 0; r < t->numel() / D; ++r) convert(&a, DType::kFloat64, p + r * row_bytes, t->dtype(), 1);
+  }
+}
+
+double rel_err(const std::vector<double>& got, const std::vector<double>& want) {
+  SEQPAR_CHECK(got.size() == want.size(), "rel_err: ", got.size(), " values against ", want.size());
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    num = std::max(num, std::abs(got[i] - want[i]));
+    den = std::max(den, std::abs(want[i]));
+  }
+  return den > 0.0 ? num / den : num;
+}
+
 std::vector<double> to_double(const TensorView& t) {
   std::vector<double> out(static_cast<std::size_t>(t.numel()));
   if (t.dtype() == DType::kInt64 || t.dtype() == DType::kInt32) {  // indices: exact as doubles below 2^53

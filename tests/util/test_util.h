@@ -19,6 +19,17 @@ std::vector<double> random_values(std::int64_t count, std::uint64_t seed, double
 // A tensor of `dtype` filled from random_values, rounded to `dtype`.
 Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed, double lo = -1.0, double hi = 1.0);
 
+// Large logits with a well-conditioned softmax (issue 13): sets coordinate 0 of every row of q [.., D] to
+// logits sqrt(D) and of k [.., D] to 1, so that with the default scale 1/sqrt(D) every logit is `logits` plus the
+// O(1) part of the other coordinates: lse is about `logits` while the probabilities stay spread. (q and k scaled as a
+// whole make every row one-hot at logits >= 1e3, with gradients of ~1e-49 that no algorithm with a rounded lse or
+// delta resolves relatively; a large coordinate in both q and k makes dq's component along it a cancellation of
+// condition a^2 for a = sqrt(logits sqrt(D)), 1e-10 relative at logits 1e4 even in fp64.)
+void set_logit_offset(const TensorView& q, const TensorView& k, double logits);
+
+// max |got - want| / max |want| (max |got - want| when want is all zeros): the relative error of a tensor as a whole.
+double rel_err(const std::vector<double>& got, const std::vector<double>& want);
+
 // The values of any floating tensor as fp64.
 // Integer tensors (indices) convert exactly below 2^53.
 std::vector<double> to_double(const TensorView& t);
