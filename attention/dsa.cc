@@ -125,7 +125,7 @@ void check_state(const DsaTopkState& st, std::int64_t B, std::int64_t Sq, const 
   detail::check_host(st.scores, what, kFamily);
   detail::check_host(st.positions, what, kFamily);
   if (inputs != nullptr) {
-    check_dtype(st.scores, dsa_acc_dtype(inputs->dtype()),
+    check_dtype(st.scores, accumulator_dtype(inputs->dtype()),
                 str_cat(what, " scores (", dtype_name(inputs->dtype()), " indexer inputs)").c_str());
   } else {
     check_acc_dtype(st.scores, str_cat(what, " scores").c_str());
@@ -149,7 +149,7 @@ void check_delta(const TensorView& delta, const cpu::DsaAttentionShape& s, DType
 void check_lse(const TensorView& lse, const cpu::DsaAttentionShape& s, DType inputs) {
   detail::check_host(lse, "lse", kFamily);
   check_shape(lse, {s.B, s.H, s.Sq}, "lse");
-  const DType acc = dsa_acc_dtype(inputs);
+  const DType acc = accumulator_dtype(inputs);
   SEQPAR_CHECK(lse.dtype() == acc || lse.dtype() == DType::kFloat64, "lse has dtype ", dtype_name(lse.dtype()),
                ", expected ", acc == DType::kFloat64 ? "fp64" : "fp32 or fp64", " for ", dtype_name(inputs), " inputs");
 }
@@ -176,7 +176,7 @@ cpu::DsaAttentionShape validate_forward(const DsaAttentionArgs& args, const Tens
 
 cpu::DsaAttentionShape validate_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs) {
   cpu::DsaAttentionShape s = validate_attention(args);
-  const DType acc = dsa_acc_dtype(args.q.dtype());
+  const DType acc = accumulator_dtype(args.q.dtype());
   check_lse(lse, s, args.q.dtype());
   check_slot_array(probs, args.topk_indices, acc, "probs");
   return s;
@@ -185,7 +185,7 @@ cpu::DsaAttentionShape validate_probs(const DsaAttentionArgs& args, const Tensor
 cpu::DsaAttentionShape validate_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq,
                                          const TensorView& dc, bool accumulate) {
   cpu::DsaAttentionShape s = validate_attention(args.fwd);
-  const DType acc = dsa_acc_dtype(args.fwd.q.dtype());
+  const DType acc = accumulator_dtype(args.fwd.q.dtype());
   check_block_out(args.dout, s, "dout");
   check_lse(args.lse, s, args.fwd.q.dtype());
   check_grad_output(dq, args.fwd.q.shape(), accumulate, acc, "dq");
@@ -234,7 +234,7 @@ IndexerBlock validate_indexer_selected(const DsaIndexerArgs& args, const TensorV
 IndexerBlock validate_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
                                       const TensorView& scores) {
   IndexerBlock r = validate_indexer_selected(args, topk_indices);
-  check_slot_array(scores, topk_indices, dsa_acc_dtype(args.q_idx.dtype()), "scores");
+  check_slot_array(scores, topk_indices, accumulator_dtype(args.q_idx.dtype()), "scores");
   return r;
 }
 
@@ -242,7 +242,7 @@ IndexerBlock validate_indexer_backward(const DsaIndexerArgs& args, const TensorV
                                        const TensorView& dscores, const TensorView& dq_idx, const TensorView& dw,
                                        const TensorView& dk_idx, bool accumulate) {
   IndexerBlock r = validate_indexer_selected(args, topk_indices);
-  const DType acc = dsa_acc_dtype(args.q_idx.dtype());
+  const DType acc = accumulator_dtype(args.q_idx.dtype());
   check_slot_array(dscores, topk_indices, acc, "dscores");
   check_grad_output(dq_idx, args.q_idx.shape(), accumulate, acc, "dq_idx");
   check_grad_output(dw, args.w.shape(), accumulate, acc, "dw");
@@ -251,8 +251,6 @@ IndexerBlock validate_indexer_backward(const DsaIndexerArgs& args, const TensorV
 }
 
 }  // namespace
-
-DType dsa_acc_dtype(DType storage) { return storage == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
 // ---- checks on their own ------------------------------------------------------------------------------------------
 
@@ -369,7 +367,7 @@ void dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& score
 void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream) {
   check_dsa_indexer_topk(args, topk_indices, stream);
   Tensor scores =
-      cpu::zeroed_workspace(topk_indices.shape(), dsa_acc_dtype(args.q_idx.dtype()), "dsa_indexer_topk state");
+      cpu::zeroed_workspace(topk_indices.shape(), accumulator_dtype(args.q_idx.dtype()), "dsa_indexer_topk state");
   Tensor positions = cpu::zeroed_workspace(topk_indices.shape(), DType::kInt64, "dsa_indexer_topk state");
   const DsaTopkState state{scores.view(), positions.view()};
   dsa_topk_init(state, stream);
@@ -395,7 +393,7 @@ void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorVi
   Tensor computed;
   if (absent(args.delta)) {
     computed =
-        cpu::zeroed_workspace({s.B, s.H, s.Sq}, dsa_acc_dtype(args.fwd.q.dtype()), "dsa_attention_backward delta");
+        cpu::zeroed_workspace({s.B, s.H, s.Sq}, accumulator_dtype(args.fwd.q.dtype()), "dsa_attention_backward delta");
     cpu::dsa_attention_delta_cpu(args.out, args.dout, computed.view());
     delta = computed.view();
   }

@@ -48,7 +48,7 @@
 //
 // Layouts (row-major, contiguous, host memory): q [B, Sq, H, Dqk], c [B, Sk, Dqk], out [B, Sq, H, Dv],
 // lse [B, H, Sq]; q_idx [B, Sq, Hi, Di], w [B, Sq, Hi], k_idx [B, Sk, Di]; topk_indices [B, Sq, k] int64.
-// Precision: storage dtypes fp32, bf16, fp16, fp64. The ACCUMULATOR DTYPE (dsa_acc_dtype) is fp64 for fp64 inputs
+// Precision: storage dtypes fp32, bf16, fp16, fp64. The ACCUMULATOR DTYPE (accumulator_dtype) is fp64 for fp64 inputs
 // and fp32 for the others: all arithmetic runs in it, and every array that crosses calls (top-k scores, block out,
 // lse, delta, dq, dc, dq_idx, dk_idx, dw when accumulated, probs, scores, dscores) has it. So fp64 inputs are fp64
 // end to end: the indexer scores, the selection and its tie rule (on the fp64 scores: the selected set is the
@@ -88,9 +88,6 @@ inline constexpr std::int64_t kDsaHeadDimV = 512;        // Dv = value width (fi
 inline constexpr std::int64_t kDsaIndexerNumHeads = 64;  // Hi
 inline constexpr std::int64_t kDsaIndexerHeadDim = 128;  // Di
 inline constexpr std::int64_t kDsaTopK = 2048;           // k
-
-// The accumulator dtype of a storage dtype (see the header comment): fp64 for fp64, fp32 for fp32, bf16 and fp16.
-DType dsa_acc_dtype(DType storage);
 
 // ---- indexer and top-k selection ----------------------------------------------------------------------------------
 

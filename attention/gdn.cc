@@ -46,14 +46,14 @@ cpu::GdnDims validate_forward_args(const GdnForwardArgs& a) {
   check_activation(a.g, {d.B, d.S, d.H}, "g");
   check_activation(a.beta, {d.B, d.S, d.H}, "beta");
   SEQPAR_CHECK(std::isfinite(a.scale), "GDN scale ", a.scale, " must be finite (0 or less: 1/sqrt(K))");
-  if (!a.initial_state.empty()) check_state(a.initial_state, d, gdn_state_dtype(a.q.dtype()), "initial_state");
+  if (!a.initial_state.empty()) check_state(a.initial_state, d, accumulator_dtype(a.q.dtype()), "initial_state");
   return d;
 }
 
 cpu::GdnDims validate_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state) {
   const cpu::GdnDims d = validate_forward_args(args);
   check_activation(out, {d.B, d.S, d.H, d.V}, "out");
-  if (!final_state.empty()) check_state(final_state, d, gdn_state_dtype(args.q.dtype()), "final_state");
+  if (!final_state.empty()) check_state(final_state, d, accumulator_dtype(args.q.dtype()), "final_state");
   return d;
 }
 
@@ -61,7 +61,7 @@ cpu::GdnDims validate_backward(const GdnBackwardArgs& args, const TensorView& dq
                                const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
                                const TensorView& dinitial_state) {
   const cpu::GdnDims d = validate_forward_args(args.fwd);
-  const DType sd = gdn_state_dtype(args.fwd.q.dtype());
+  const DType sd = accumulator_dtype(args.fwd.q.dtype());
   const Shape qk{d.B, d.S, d.Hk, d.K}, vo{d.B, d.S, d.H, d.V}, gb{d.B, d.S, d.H};
   if (!args.dout.empty()) check_activation(args.dout, vo, "dout");
   if (!args.dfinal_state.empty()) check_state(args.dfinal_state, d, sd, "dfinal_state");
@@ -78,7 +78,7 @@ cpu::GdnDims validate_transition(const GdnForwardArgs& args, const TensorView& m
   const cpu::GdnDims d = validate_forward_args(args);
   SEQPAR_CHECK(args.initial_state.empty(),
                "gdn_transition: initial_state must be empty (the map is taken from a zero start)");
-  const DType sd = gdn_state_dtype(args.q.dtype());
+  const DType sd = accumulator_dtype(args.q.dtype());
   detail::check_host_tensor(m, {d.B, d.H, d.K, d.K}, sd, "m", kFamily);
   detail::check_host_tensor(u, {d.B, d.H, d.K, d.V}, sd, "u", kFamily);
   return d;
@@ -143,8 +143,6 @@ cpu::ShortConvDims validate_conv_args(const ShortConvArgs& a) {
 }
 
 }  // namespace
-
-DType gdn_state_dtype(DType q_dtype) { return q_dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
 
 // ---- checks on their own ------------------------------------------------------------------------------------------
 

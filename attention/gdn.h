@@ -86,9 +86,6 @@ struct GdnForwardArgs {
   std::int64_t chunk_size = kGdnDefaultChunkSize;
 };
 
-// The dtype of states and transitions for inputs whose q has `q_dtype`: fp64 for fp64, fp32 otherwise.
-DType gdn_state_dtype(DType q_dtype);
-
 // out [B, S, Hv, V] (any floating dtype); final_state [B, Hv, K, V] (state dtype), may be empty to skip it.
 // S = 0 is allowed (final_state = initial_state). Errors also when Hv is not a positive multiple of Hk.
 void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,

@@ -138,8 +138,6 @@ void store(const TensorView& t, std::int64_t i, double value) {
 
 }  // namespace
 
-DType accumulator_dtype(DType storage) { return storage == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
-
 // ---- checks on their own ------------------------------------------------------------------------------------------
 
 void check_mha_forward_args(const MhaForwardArgs& args) { check_forward_args(args); }

@@ -52,10 +52,6 @@
 
 namespace seqpar::attn {
 
-// The accumulator dtype of a storage dtype: fp64 for fp64, fp32 for fp32, bf16 and fp16 (see above). The dtype of
-// the lse a kernel call or a CP layer returns for inputs of `storage`.
-DType accumulator_dtype(DType storage);
-
 struct MaskSpec {
   bool causal = false;
   std::int64_t window = 0;  // > 0: sliding window (requires causal); 0: none

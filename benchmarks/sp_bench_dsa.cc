@@ -111,7 +111,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
     ref_in_ = zero_arrays(in);
     fill(full, all_positions(o_.seq), views_of(ref_in_));
-    const DType acc = attn::dsa_acc_dtype(o_.dtype);  // lse and the loss arrays (fp64 for fp64 inputs)
+    const DType acc = accumulator_dtype(o_.dtype);  // lse and the loss arrays (fp64 for fp64 inputs)
     ref_out_ = zero_arrays(output_specs(o_.dtype, acc, true));
     // Work arrays of the indexer loss, indexed like topk_indices.
     ref_probs_ = npy::HostArray(acc, topk_shape());

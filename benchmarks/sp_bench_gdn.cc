@@ -60,7 +60,7 @@ const char* const kQkv[] = {"q", "k", "v"};
 class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
  public:
   GdnWorkload(const SpBenchOptions& o, const SpGrid& grid)
-      : o_(o), grid_(grid), groups_(CpGroups::from(grid)), state_dtype_(attn::gdn_state_dtype(o.dtype)) {
+      : o_(o), grid_(grid), groups_(CpGroups::from(grid)), state_dtype_(accumulator_dtype(o.dtype)) {
     GdnCpConfig cfg;
     cfg.mode = parse_gdn_cp_mode(o.gdn_mode);
     cfg.chunk_size = o.chunk_size;
@@ -95,7 +95,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   Tolerance tolerance(const std::string& name) const override {
     // The distributed recurrence composes segment states (chain) or affine maps (scan) in another order than the
     // single-rank chunk loop: differences grow with the number of composed segments, in the state dtype.
-    // The state is fp64 for fp64 storage (attn::gdn_state_dtype), so fp64 results agree far below fp32 precision.
+    // The state is fp64 for fp64 storage (accumulator_dtype), so fp64 results agree far below fp32 precision.
     if (o_.dtype == DType::kFloat64) return {1e-12, 1e-10};
     return fp32_accumulator_tolerance(o_.dtype, name);
   }

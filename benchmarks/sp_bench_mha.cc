@@ -82,7 +82,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     ref_dout_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     fill(full, all_positions(o_.seq), {ref_q_.view(), ref_k_.view(), ref_v_.view(), ref_dout_.view()});
     ref_out_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
-    ref_lse_ = npy::HostArray(attn::accumulator_dtype(o_.dtype), lse_shape());
+    ref_lse_ = npy::HostArray(accumulator_dtype(o_.dtype), lse_shape());
     ref_dq_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     ref_dk_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));
     ref_dv_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));

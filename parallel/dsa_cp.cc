@@ -72,7 +72,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   const Stream stream = groups_.stream;
   Communicator& sp = groups_.sp;
   const std::int64_t k = config_.topk;
-  const DType acc_dtype = attn::dsa_acc_dtype(q.dtype());  // of the top-k scores, the merge state and lse
+  const DType acc_dtype = accumulator_dtype(q.dtype());  // of the top-k scores, the merge state and lse
   auto s = std::make_shared<Saved>();
 
   // ---- selection over the SP group ----
@@ -159,7 +159,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const std::int64_t B = s->q_h.dim(0), sr = s->q_h.dim(1), hl = s->q_h.dim(2), dqk = s->q_h.dim(3),
                      dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk, hi = s->q_idx.dim(2),
                      di = s->q_idx.dim(3);
-  const DType dtype = s->q_h.dtype(), acc_dtype = attn::dsa_acc_dtype(dtype);
+  const DType dtype = s->q_h.dtype(), acc_dtype = accumulator_dtype(dtype);
   const DeviceAlloc alloc{common_device({s->q_h.view(), dout}, "DSA CP backward (saved tensors, dout)"),
                           groups_.stream};
   check_grad_input(dout, {B, sl, hl * pu, dv}, "DSA CP dout");

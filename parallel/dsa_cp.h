@@ -19,7 +19,7 @@
 //
 // Precision: every scratch array (top-k scores, the attention merge state and lse, delta, probs, the loss arrays and
 // every gradient accumulator, including those that travel) has the kernels' accumulator dtype
-// (attn::dsa_acc_dtype): fp64 for fp64 inputs, fp32 otherwise.
+// (accumulator_dtype): fp64 for fp64 inputs, fp32 otherwise.
 //
 // Counters (CpCounters): attention_pairs, bytes over the ring and SP groups (bytes_*) and the Ulysses group (a2a_*),
 // exposed ring / SP wait time, Ulysses exchange time (a2a_s) and kernel time.
@@ -50,7 +50,7 @@ struct DsaCpConfig {
 
 struct DsaCpOutput {
   Tensor out;           // [B, S_local, H, Dv], dtype of q
-  Tensor lse;           // [B, H, S_local] attn::dsa_acc_dtype of q (fp64 for fp64 inputs, else fp32)
+  Tensor lse;           // [B, H, S_local] accumulator_dtype of q (fp64 for fp64 inputs, else fp32)
   Tensor topk_indices;  // [B, S_local, topk] int64 global positions, ascending, -1 padded
   CpContext ctx;        // what the backward needs; hand it to backward() of the object that made it
 };

@@ -239,7 +239,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   s.key_heads = Hk;
   s.dk = K;
   s.dv = V;
-  s.state_dtype = attn::gdn_state_dtype(q.dtype());
+  s.state_dtype = accumulator_dtype(q.dtype());
   if (!initial_state.empty()) {
     check_shape(initial_state, {B, H, K, V}, "GDN CP initial_state");
     check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");

@@ -15,7 +15,7 @@ constexpr int kTagKv = 101;  // (K, V) blocks around the ring; 102: their (dK, d
 
 // delta of the backward: fp64 when the inputs or dout are fp64 (attn::mha_backward_delta), else the accumulators'.
 DType delta_dtype(DType storage, DType dout) {
-  return dout == DType::kFloat64 ? DType::kFloat64 : attn::accumulator_dtype(storage);
+  return dout == DType::kFloat64 ? DType::kFloat64 : accumulator_dtype(storage);
 }
 
 Shape packed_shape(const Shape& kv_shape, std::int64_t n) {
@@ -96,7 +96,7 @@ AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k,
   const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
   AttentionOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
-  o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, attn::accumulator_dtype(q.dtype()), MemCategory::kWorkspace);
+  o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, accumulator_dtype(q.dtype()), MemCategory::kWorkspace);
   o.ctx = forward_into(q, k, v, o.out, o.lse);
   return o;
 }
@@ -118,7 +118,7 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
   common_device({q, out, lse}, "ring attention forward (q, out, lse)");
   check_shape(out, q.shape(), "ring attention out");
   check_shape(lse, {q.dim(0), q.dim(2), q.dim(1)}, "ring attention lse");
-  check_dtype(lse, attn::accumulator_dtype(q.dtype()), "ring attention lse");
+  check_dtype(lse, accumulator_dtype(q.dtype()), "ring attention lse");
   const CommStreamScope stream_scope(groups_);
   auto s = std::make_shared<Saved>();
   s->q = alloc.copy_of(q, q.dtype(), MemCategory::kSavedActivation);
@@ -178,7 +178,7 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
   alloc.copy_convert(s.v.view(), part(kv.view(), 1, kv_shape));
   // The merge state: out in the accumulator dtype, the running lse and every block's lse in fp64, so that the merge
   // weights exp(lse_b - lse) carry no rounding of an fp32 lse (attn::lse_merge); lse is rounded once at the end.
-  const DType acc_dtype = attn::accumulator_dtype(q.dtype());
+  const DType acc_dtype = accumulator_dtype(q.dtype());
   Tensor acc_out = alloc.zeros(q.shape(), acc_dtype, MemCategory::kWorkspace);
   Tensor acc_lse = alloc.empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
   fill(acc_lse.view(), -std::numeric_limits<double>::infinity(), stream);
@@ -211,7 +211,7 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   const Shape pshape = packed_shape(kv_shape, 2);
   const Stream stream = groups_.stream;
 
-  const DType acc_dtype = attn::accumulator_dtype(q.dtype());
+  const DType acc_dtype = accumulator_dtype(q.dtype());
   Tensor delta = alloc.empty(s.lse.shape(), delta_dtype(q.dtype(), dout.dtype()), MemCategory::kWorkspace);
   attn::mha_backward_delta(s.out.view(), dout, delta.view(), stream);
   Tensor dq_acc = alloc.zeros(q.shape(), acc_dtype, MemCategory::kWorkspace);
@@ -289,7 +289,7 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   args.out = s.out.view();
   args.dout = dout;
   args.lse = s.lse.view();
-  const DType acc_dtype = attn::accumulator_dtype(q.dtype());
+  const DType acc_dtype = accumulator_dtype(q.dtype());
   Tensor dk_full = alloc.zeros(full_shape, acc_dtype, MemCategory::kWorkspace);
   Tensor dv_full = alloc.zeros(full_shape, acc_dtype, MemCategory::kWorkspace);
   Tensor dq_acc = alloc.zeros(q.shape(), acc_dtype, MemCategory::kWorkspace);

@@ -6,7 +6,7 @@
 // impl = p2p (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; online-softmax merge of
 // FlashAttention-2): Q stays; the (K, V) block of rank src visits every rank, one hop per step over P steps; the
 // next block's send/receive is posted before the current block is computed (double buffering). Block results are
-// merged with attn::lse_merge into a running out of the accumulator dtype (attn::accumulator_dtype: fp32, fp64 for
+// merged with attn::lse_merge into a running out of the accumulator dtype (accumulator_dtype: fp32, fp64 for
 // fp64 storage) and a running lse in fp64, each block's lse also in fp64: the merge adds no error beyond one
 // online-softmax pass over the same keys (an fp32 lse between steps would: its rounding, |lse| 2^-24, becomes a
 // relative error of the merge weights, 1e-4 at logits of 1800). lse is rounded to its returned dtype once, at the
@@ -59,7 +59,7 @@ struct RingAttentionConfig {
 
 struct AttentionOutput {
   Tensor out;     // [B, S_local, Hq, D], dtype of q
-  Tensor lse;     // [B, Hq, S_local], attn::accumulator_dtype(dtype of q): fp32, fp64 for fp64
+  Tensor lse;     // [B, Hq, S_local], accumulator_dtype(dtype of q): fp32, fp64 for fp64
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 

@@ -61,7 +61,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   Tensor k_h = a2a.kv_to_heads(k, heads);
   Tensor v_h = a2a.kv_to_heads(v, heads);
   Tensor out_h = alloc.empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
-  const DType lse_dtype = attn::accumulator_dtype(q.dtype());
+  const DType lse_dtype = accumulator_dtype(q.dtype());
   Tensor lse_h = alloc.empty({B, hq / pu, pu * sl}, lse_dtype, MemCategory::kWorkspace);
   CpContext ring_ctx = ring_attn_.forward_into(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view());
 
@@ -97,7 +97,7 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   Tensor dout_h = a2a.to_heads(dout.dtype() != dtype ? dout_cast.view() : dout);
 
   // Replica gradients travel in the accumulator dtype (fp32, fp64 for fp64) so that their sum is rounded once.
-  const DType kv_grad_dtype = heads.replication == 1 ? dtype : attn::accumulator_dtype(dtype);
+  const DType kv_grad_dtype = heads.replication == 1 ? dtype : accumulator_dtype(dtype);
   const int pu = groups_.ulysses_size();
   Tensor dq_h = alloc.empty(dout_h.shape(), dtype, MemCategory::kWorkspace);
   Tensor dk_h = alloc.empty({B, pu * sl, heads.hkv_expanded / pu, D}, kv_grad_dtype, MemCategory::kWorkspace);

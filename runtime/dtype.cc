@@ -136,4 +136,6 @@ void convert(const void* src, DType src_dtype, void* dst, DType dst_dtype, std::
   });
 }
 
+DType accumulator_dtype(DType storage) { return storage == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32; }
+
 }  // namespace seqpar

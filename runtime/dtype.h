@@ -19,6 +19,11 @@ std::size_t dtype_size(DType dtype);
 const char* dtype_name(DType dtype);  // "fp64", "fp32", "bf16", "fp16", "int32", "int64"
 // Parses the names above; throws Error naming the value and the accepted names otherwise.
 DType parse_dtype(std::string_view name);
+
+// The accumulator dtype of a storage dtype: fp64 for fp64, fp32 for fp32, bf16 and fp16. Every attention kernel
+// (MHA, DSA, GDN) computes scores, softmax statistics, states and accumulated gradients in it, and returns lse and
+// states in it (docs/design.md section 8.1).
+DType accumulator_dtype(DType storage);
 bool is_floating(DType dtype);
 
 // ---- bit-level conversions ------------------------------------------------------------------------

@@ -203,7 +203,7 @@ inline Acc neg_inf() {
   return -std::numeric_limits<Acc>::infinity();
 }
 
-// fn(Acc{}) for an accumulator dtype (fp32 or fp64; attention/dsa.h dsa_acc_dtype), checked by attention/dsa.cc.
+// fn(Acc{}) for an accumulator dtype (fp32 or fp64; attention/dsa.h accumulator_dtype), checked by attention/dsa.cc.
 template <typename Fn>
 decltype(auto) dispatch_acc(DType dtype, Fn&& fn) {
   if (dtype == DType::kFloat64) return fn(double{});

@@ -639,7 +639,7 @@ void transition_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& m
 
 void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,
                      const TensorView& final_state) {
-  if (gdn_state_dtype(args.q.dtype()) == DType::kFloat64) {
+  if (accumulator_dtype(args.q.dtype()) == DType::kFloat64) {
     forward_impl<double>(args, d, out, final_state);
   } else {
     forward_impl<float>(args, d, out, final_state);
@@ -649,7 +649,7 @@ void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorV
 void gdn_backward_cpu(const GdnBackwardArgs& args, const GdnDims& d, const TensorView& dq, const TensorView& dk,
                       const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
                       const TensorView& dinitial_state) {
-  if (gdn_state_dtype(args.fwd.q.dtype()) == DType::kFloat64) {
+  if (accumulator_dtype(args.fwd.q.dtype()) == DType::kFloat64) {
     backward_impl<double>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
   } else {
     backward_impl<float>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
@@ -657,7 +657,7 @@ void gdn_backward_cpu(const GdnBackwardArgs& args, const GdnDims& d, const Tenso
 }
 
 void gdn_transition_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& m, const TensorView& u) {
-  if (gdn_state_dtype(args.q.dtype()) == DType::kFloat64) {
+  if (accumulator_dtype(args.q.dtype()) == DType::kFloat64) {
     transition_impl<double>(args, d, m, u);
   } else {
     transition_impl<float>(args, d, m, u);

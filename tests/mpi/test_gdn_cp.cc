@@ -148,7 +148,7 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   EXPECT_TRUE(close_to(gather(sp, gdn.layout(), gr.dbeta, b64.shape()), rdb, c, name + " dbeta"));
   EXPECT_TRUE(close_to(to_double(gr.dinitial_state), rdi, c, name + " dinitial_state"));
   EXPECT_EQ(gr.dq.dtype(), c.dtype) << name;
-  EXPECT_EQ(gr.dinitial_state.dtype(), attn::gdn_state_dtype(c.dtype)) << name;
+  EXPECT_EQ(gr.dinitial_state.dtype(), accumulator_dtype(c.dtype)) << name;
 
   // Message rounds: chain is sequential over the N segments, scan is logarithmic.
   const std::int64_t segments = static_cast<std::int64_t>(segments_in_global_order([&] {

@@ -53,7 +53,7 @@ Tensor f64(const TensorView& t) { return Tensor::copy_of(t, DType::kFloat64, Mem
 Tensor f32_zeros(const Shape& s) { return Tensor::zeros(s, DType::kFloat32, MemCategory::kWorkspace); }
 // Zeros of the kernels' accumulator dtype for `storage` inputs (lse, top-k scores, probs, accumulated gradients).
 Tensor acc_zeros(const Shape& s, DType storage) {
-  return Tensor::zeros(s, attn::dsa_acc_dtype(storage), MemCategory::kWorkspace);
+  return Tensor::zeros(s, accumulator_dtype(storage), MemCategory::kWorkspace);
 }
 Tensor i64(const Shape& s) { return Tensor::empty(s, DType::kInt64, MemCategory::kWorkspace); }
 std::vector<std::int64_t> ints(const TensorView& t) {

@@ -67,7 +67,7 @@ Inputs make_inputs(const Problem& p, DType dtype) {
   in.v = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed * 11 + 3);
   in.g = random_tensor({p.B, p.S, p.H}, dtype, p.seed * 11 + 4, -0.3, -0.005);
   in.beta = random_tensor({p.B, p.S, p.H}, dtype, p.seed * 11 + 5, 0.05, 0.95);
-  in.init = random_tensor({p.B, p.H, p.K, p.V}, gdn_state_dtype(dtype), p.seed * 11 + 6);
+  in.init = random_tensor({p.B, p.H, p.K, p.V}, accumulator_dtype(dtype), p.seed * 11 + 6);
   in.q64 = as_f64(in.q);
   in.k64 = as_f64(in.k);
   in.v64 = as_f64(in.v);
@@ -86,7 +86,7 @@ Outputs run_forward(const Inputs& in) {
   Outputs o;
   // fp64 inputs give fp64 out; fp32 and bf16 inputs give fp32 out (what a ring accumulates).
   o.out = Tensor::empty({p.B, p.S, p.H, p.V}, in.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, kWs);
-  o.final_state = Tensor::empty({p.B, p.H, p.K, p.V}, gdn_state_dtype(in.dtype), kWs);
+  o.final_state = Tensor::empty({p.B, p.H, p.K, p.V}, accumulator_dtype(in.dtype), kWs);
   gdn_forward(in.args(), o.out, o.final_state);
   return o;
 }
@@ -298,7 +298,7 @@ TEST(GdnReference, GradientsMatchFiniteDifferences) {
 // ---- chunked backward vs the reference's backward -------------------------------------------------------------
 
 Grads run_backward(const Inputs& in, const TensorView& dout, const TensorView& dfin, DType grad_dtype) {
-  Grads gr = alloc_grads(in.p, grad_dtype, gdn_state_dtype(in.dtype));
+  Grads gr = alloc_grads(in.p, grad_dtype, accumulator_dtype(in.dtype));
   GdnBackwardArgs ba{in.args(), dout, dfin};
   gdn_backward(ba, gr.dq, gr.dk, gr.dv, gr.dg, gr.dbeta, gr.dinit);
   return gr;
@@ -326,7 +326,7 @@ TEST_P(GdnBackward, MatchesReference) {
   for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kBFloat16}) {
     const Inputs in = make_inputs(p, dtype);
     Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed + 7);
-    Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, gdn_state_dtype(dtype), p.seed + 8);
+    Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, accumulator_dtype(dtype), p.seed + 8);
     // bf16 inputs (and dout) with fp32 gradients: the reference sees the same rounded values.
     const DType grad_dtype = dtype == DType::kBFloat16 ? DType::kFloat32 : dtype;
     const Grads got = run_backward(in, dout, p.with_init ? dfin.view() : TensorView(), grad_dtype);
@@ -421,7 +421,7 @@ TEST_P(GdnGrouped, MatchesRecurrenceAndRepeatedHeads) {
       EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), atol, rtol, tag + " out"));
       EXPECT_TRUE(all_close(to_double(got.final_state), to_double(want.final_state), atol, rtol, tag + " final"));
       Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed + 7);
-      Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, gdn_state_dtype(dtype), p.seed + 8);
+      Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, accumulator_dtype(dtype), p.seed + 8);
       const DType grad_dtype = dtype == DType::kBFloat16 ? DType::kFloat32 : dtype;
       const Grads g = run_backward(in, dout, dfin, grad_dtype);
       expect_grads_close(g, run_reference_backward(in, dout, dfin), atol, rtol, tag);
@@ -591,7 +591,7 @@ class GdnSplit : public ::testing::TestWithParam<std::tuple<DType, bool>> {};
 
 TEST_P(GdnSplit, ChainAndScanEqualOneCall) {
   const auto [dtype, grouped] = GetParam();
-  const DType sd = gdn_state_dtype(dtype);
+  const DType sd = accumulator_dtype(dtype);
   Problem p;
   p.S = 150;
   p.seed = 77;

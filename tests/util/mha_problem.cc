@@ -20,7 +20,7 @@ MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
   args.v = p.v.view();
   args.mask = s.mask;
   Tensor out = Tensor::empty(p.q.shape(), s.dtype, MemCategory::kWorkspace);
-  Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, attn::accumulator_dtype(s.dtype), MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, accumulator_dtype(s.dtype), MemCategory::kWorkspace);
   attn::mha_forward(args, out.view(), lse.view());
   attn::MhaBackwardArgs bargs;
   bargs.fwd = args;
