@@ -106,11 +106,10 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     return r;
   }
 
+  NamedArrays make_full_inputs() const override { return full_inputs(nullptr); }
+
   void reference_setup(const NamedArrays* full) override {
-    std::vector<ArraySpec> in;
-    for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
-    ref_in_ = zero_arrays(in);
-    fill(full, all_positions(o_.seq), views_of(ref_in_));
+    ref_in_ = full_inputs(full);
     ref_out_ = zero_arrays(output_specs(o_.dtype, DType::kFloat32, true));
     // fp32 work arrays of the indexer loss, indexed like topk_indices.
     ref_probs_ = npy::HostArray(DType::kFloat32, topk_shape());
@@ -214,6 +213,15 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   }
 
   TensorView ref(const char* name) const { return find_array(ref_out_, name).view(); }
+
+  // The whole problem's inputs, from `full` or the seed.
+  NamedArrays full_inputs(const NamedArrays* full) const {
+    std::vector<ArraySpec> in;
+    for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
+    NamedArrays r = zero_arrays(in);
+    fill(full, all_positions(o_.seq), views_of(r));
+    return r;
+  }
 
   attn::DsaIndexerArgs ref_indexer_args() const {
     attn::DsaIndexerArgs a;

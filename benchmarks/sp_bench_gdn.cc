@@ -75,13 +75,10 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     return r;
   }
 
+  NamedArrays make_full_inputs() const override { return full_inputs(nullptr); }
+
   void reference_setup(const NamedArrays* full) override {
-    std::vector<ArraySpec> in;
-    for (const TensorSpec& t : gdn_input_specs(o_)) {
-      in.push_back({t.name, t.name == "initial_state" ? state_dtype_ : o_.dtype, t.shape});
-    }
-    ref_in_ = zero_arrays(in);
-    fill(full, all_positions(o_.seq), views_of(ref_in_));
+    ref_in_ = full_inputs(full);
     ref_out_ = zero_arrays(output_specs(o_.dtype, state_dtype_));
   }
   void reference_forward() override { attn::gdn_forward(ref_args(), ref("out"), ref("final_state")); }
@@ -174,6 +171,17 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   }
 
   TensorView ref(const char* name) const { return find_array(ref_out_, name).view(); }
+
+  // The whole problem's inputs (initial_state in the state dtype), from `full` or the seed.
+  NamedArrays full_inputs(const NamedArrays* full) const {
+    std::vector<ArraySpec> in;
+    for (const TensorSpec& t : gdn_input_specs(o_)) {
+      in.push_back({t.name, t.name == "initial_state" ? state_dtype_ : o_.dtype, t.shape});
+    }
+    NamedArrays r = zero_arrays(in);
+    fill(full, all_positions(o_.seq), views_of(r));
+    return r;
+  }
 
   // out, final_state, then the gradients, as gather_outputs() orders them.
   std::vector<ArraySpec> output_specs(DType dtype, DType state_dtype) const {

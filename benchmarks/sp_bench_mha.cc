@@ -73,6 +73,13 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     return r;
   }
 
+  NamedArrays make_full_inputs() const override {
+    NamedArrays r;
+    for (const TensorSpec& t : mha_input_specs(o_)) r.emplace_back(t.name, npy::HostArray(o_.dtype, t.shape));
+    fill(nullptr, all_positions(o_.seq), views_of(r));
+    return r;
+  }
+
   void reference_setup(const NamedArrays* full) override {
     ref_q_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     ref_k_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));

@@ -90,6 +90,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
     ("inputs", "read the full inputs from DIR/<name>.npy (fp32 or fp64, C order)", cxxopts::value<std::string>())
     ("dump", "write the full outputs and gradients to DIR/<name>.npy (rank 0)", cxxopts::value<std::string>())
+    ("dump-inputs", "with --dump: also write the full inputs to DIR/<name>.npy (fp32, fp64 for --dtype fp64), the "
+                    "files --inputs DIR reads")
     ("quiet", "no progress lines")
     ("help", "print this help");
   // Test hooks, not in --help (see SpBenchOptions).
@@ -184,6 +186,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   o.efficiency = r.count("efficiency") > 0;
   o.gdn_compare_token = r.count("gdn-compare-token") > 0;
   o.quiet = r.count("quiet") > 0;
+  o.dump_inputs = r.count("dump-inputs") > 0;
   if (r.count("json")) o.json_path = get_checked<std::string>(r, "json");
   if (r.count("inputs")) o.inputs_dir = get_checked<std::string>(r, "inputs");
   if (r.count("dump")) o.dump_dir = get_checked<std::string>(r, "dump");
@@ -195,6 +198,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   }
 
   // ---- rules ----
+  SEQPAR_CHECK(!o.dump_inputs || !o.dump_dir.empty(), "--dump-inputs needs --dump DIR (the directory it writes to)");
   check_min(o.batch, 1, "batch");
   check_min(o.seq, 1, "seq");
   check_min(o.heads, 1, "heads");

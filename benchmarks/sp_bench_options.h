@@ -51,6 +51,7 @@ struct SpBenchOptions {
   std::string json_path;
   std::string inputs_dir;
   std::string dump_dir;
+  bool dump_inputs = false;  // --dump also writes the full inputs, as --inputs reads them
   bool quiet = false;  // no progress lines
 
   // Test hooks (hidden from --help; the tests in tests/mpi/CMakeLists.txt use them):

@@ -23,6 +23,10 @@ bool has_rounds(const RunReport& r) { return r.phases.front().message_rounds >= 
 void print_header(const SpBenchOptions& o, const RunReport& r) {
   std::printf("# seqpar sp_bench %s\n", SEQPAR_VERSION);
   std::printf("# backend %s, world %d, grid %s, threads/rank %d\n", r.backend, r.world_size, r.grid.c_str(), o.threads);
+  std::printf("# host %s (%d ranks on it, %d cores), commit %s, date %s\n", r.node.host.c_str(), r.node.ranks_per_node,
+              r.node.cores_per_node, git_commit(), r.date_utc.c_str());
+  const std::string warning = oversubscription_warning(r.node, o.threads);
+  if (!warning.empty()) std::printf("# warning: %s\n", warning.c_str());
   std::printf("# attn %s%s, layout %s, impl %s, dtype %s\n", o.attn.c_str(),
               o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout),
               ring_impl_name(o.impl), dtype_name(o.dtype));
@@ -105,6 +109,10 @@ void print_variants(const SpBenchOptions& o, const std::vector<VariantTiming>& v
 nlohmann::json phase_json(const SpBenchOptions& o, const RunReport& r, const PhaseResult& p) {
   nlohmann::json pj = {{"phase", p.name},
                        {"time_ms", p.time_ms},
+                       {"time_min_ms", p.min_ms},
+                       {"time_median_ms", p.time_ms},
+                       {"time_max_ms", p.max_ms},
+                       {"time_iters_ms", p.iter_ms},
                        {"flops", p.flops},
                        {"tflops_per_rank", tflops_total(p) / r.world_size},
                        {"tflops_total", tflops_total(p)},
@@ -155,6 +163,12 @@ void print_report(const SpBenchOptions& o, const RunReport& r) {
 nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   nlohmann::json j;
   j["version"] = SEQPAR_VERSION;
+  // Where and when (README "sp_bench JSON").
+  j["git_commit"] = git_commit();
+  j["host"] = r.node.host;
+  j["date_utc"] = r.date_utc;
+  j["ranks_per_node"] = r.node.ranks_per_node;
+  j["cores_per_node"] = r.node.cores_per_node;
   j["backend"] = r.backend;
   j["world_size"] = r.world_size;
   j["grid"] = {{"dp_size", o.grid.dp_size},

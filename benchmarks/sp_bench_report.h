@@ -18,6 +18,8 @@ struct RunReport {
   const char* backend = "";
   int world_size = 1;
   std::string grid;  // SpGrid::str()
+  NodeInfo node;     // rank 0's node
+  std::string date_utc;  // start of the run, utc_now_iso8601()
   std::vector<PhaseResult> phases;
   const CheckReport* check = nullptr;  // null without --check
   std::vector<VariantTiming> variants;

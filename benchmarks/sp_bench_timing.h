@@ -52,6 +52,8 @@ LocalTimings time_iterations(Communicator& world, Workload& wl, const SpBenchOpt
 struct PhaseResult {
   std::string name;
   double time_ms = 0;           // median over iterations of the slowest rank's time
+  double min_ms = 0, max_ms = 0;  // the fastest and slowest iteration (each the slowest rank's time)
+  std::vector<double> iter_ms;  // every timed iteration, in order (each the slowest rank's time)
   double flops = 0;             // model FLOPs of the phase, all replicas
   double exposed_frac = 0;      // mean over ranks of exposed communication / phase time
   double bytes_sent = 0;        // max over ranks, per iteration

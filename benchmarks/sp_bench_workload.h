@@ -84,6 +84,10 @@ class Workload {
   // Collective over the SP group: the full outputs and gradients of the last forward / backward on every SP rank.
   virtual NamedArrays gather_outputs() = 0;
 
+  // The full inputs generated from the seed, exactly as setup() draws this rank's shard of them, in input_specs()
+  // order and the storage dtype (GDN's initial_state: the state dtype); for --dump-inputs (no communication).
+  virtual NamedArrays make_full_inputs() const = 0;
+
   // The single-rank reference of the same problem (no communication; called on one rank).
   virtual void reference_setup(const NamedArrays* full) = 0;
   virtual void reference_forward() = 0;
