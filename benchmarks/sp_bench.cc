@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "benchmarks/sp_bench_check.h"
+#include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_report.h"
 #include "benchmarks/sp_bench_timing.h"
@@ -154,12 +155,26 @@ int sp_bench_main(int argc, char** argv) {
 #if defined(_OPENMP)
   omp_set_num_threads(o.threads);
 #endif
-  const NamedArrays inputs = o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o);
-  const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
-  Progress progress(place.rank == 0 && !o.quiet);
   RunReport report;
   report.date_utc = utc_now_iso8601();
   report.node = node_info();
+  report.memory = estimate_memory(o, 0);
+  // The memory estimate, before anything is allocated: --dry-run prints it; a node that cannot hold it stops every
+  // rank with the node's figures.
+  const MemoryVerdict verdict = compare_with_node_memory(o, estimate_memory(o, place.rank));
+  if (o.dry_run) {
+    if (place.rank == 0) {
+      std::printf("%s# node: %s\n", describe_memory_estimate(report.memory).c_str(),
+                  !verdict.compared ? "not compared (nccl backend, or no MemAvailable)"
+                                    : str_cat(verdict.text, verdict.fits ? ": fits" : ": does NOT fit").c_str());
+    }
+    return 0;
+  }
+  SEQPAR_CHECK(verdict.fits, "memory estimate: ", verdict.text,
+               "; reduce --seq or --batch, or use more ranks or nodes (--dry-run prints the estimate by category)");
+  const NamedArrays inputs = o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o);
+  const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
+  Progress progress(place.rank == 0 && !o.quiet);
   const std::string oversubscribed = oversubscription_warning(report.node, o.threads);
   if (place.rank == 0 && !oversubscribed.empty()) std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
   auto world = make_world_communicator(o.backend);

@@ -34,7 +34,7 @@ void print_header(const SpBenchOptions& o, const RunReport& r) {
   std::printf("# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median); inputs %s\n",
               r.phases[0].flops, r.phases[1].flops, o.warmup, o.iters,
               o.inputs_dir.empty() ? str_cat("random (seed ", o.seed, ")").c_str() : o.inputs_dir.c_str());
-  std::printf("#\n");
+  std::printf("%s#\n", describe_memory_estimate(r.memory).c_str());
 }
 
 void print_phases(const SpBenchOptions& o, const RunReport& r) {
@@ -187,6 +187,10 @@ nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   if (kind.add_json) kind.add_json(o, j);
   j["warmup"] = o.warmup;
   j["iters"] = o.iters;
+  nlohmann::json mem = {{"ledger_peak_bytes", r.memory.ledger_bytes()}, {"total_bytes", r.memory.total_bytes()}};
+  for (const auto& [name, bytes] : r.memory.ledger) mem["ledger"][name] = bytes;
+  for (const auto& [name, bytes] : r.memory.host) mem["host"][name] = bytes;
+  j["memory_estimate"] = mem;
   j["phases"] = nlohmann::json::array();
   for (const PhaseResult& p : r.phases) j["phases"].push_back(phase_json(o, r, p));
   if (!r.variants.empty()) {

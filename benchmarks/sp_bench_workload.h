@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "benchmarks/npy.h"
+#include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "parallel/cp_common.h"
 #include "runtime/sp_grid.h"
@@ -179,6 +180,9 @@ struct WorkloadKind {
   std::function<void(const SpBenchOptions&, nlohmann::json&)> add_json;
   // The full input tensors (known before the grid exists, for --inputs).
   std::function<std::vector<TensorSpec>(const SpBenchOptions&)> input_specs;
+  // What one rank's distributed step holds, by ledger category (sp_bench_memory.h), from the options alone: the
+  // estimate that sp_bench compares with the node's memory before it allocates.
+  std::function<WorkloadMemory(const SpBenchOptions&)> estimate_memory;
   // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
   // SEQPAR_WORKLOAD_KIND.
   std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;
