@@ -23,9 +23,9 @@ WorldPlace mpi_world_place();
 // Where this run happens, for the benchmarks' headers and JSON. Collective over MPI_COMM_WORLD (MPI_Comm_split_type
 // into the ranks sharing this node's memory); every rank gets its own node's values.
 struct NodeInfo {
-  std::string host;         // gethostname() of this rank
-  int ranks_per_node = 1;   // MPI ranks on this node (MPI_COMM_TYPE_SHARED)
-  int cores_per_node = 1;   // online processors of this node (sysconf(_SC_NPROCESSORS_ONLN))
+  std::string host;        // gethostname() of this rank
+  int ranks_per_node = 1;  // MPI ranks on this node (MPI_COMM_TYPE_SHARED)
+  int cores_per_node = 1;  // online processors of this node (sysconf(_SC_NPROCESSORS_ONLN))
 };
 NodeInfo node_info();
 

@@ -23,8 +23,8 @@
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <fstream>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -41,7 +41,7 @@ namespace seqpar::bench {
 namespace {
 
 enum class Op { kSendRecv, kAllToAll, kAllGather, kReduceScatter, kAllReduce, kRingStep, kUlyssesQkv };
-constexpr Op kAllOps[] = {Op::kSendRecv,  Op::kAllToAll, Op::kAllGather,  Op::kReduceScatter,
+constexpr Op kAllOps[] = {Op::kSendRecv,  Op::kAllToAll, Op::kAllGather, Op::kReduceScatter,
                           Op::kAllReduce, Op::kRingStep, Op::kUlyssesQkv};
 const char* op_name(Op op) {
   switch (op) {
@@ -341,8 +341,9 @@ int comm_bench_main(int argc, char** argv) {
         world->backend_name(), world_size, grid.str().c_str(), dtype_name(o.dtype), o.warmup, o.iters);
     std::printf("# host %s (%d ranks on it, %d cores), commit %s, date %s\n", node.host.c_str(), node.ranks_per_node,
                 node.cores_per_node, git_commit(), date.c_str());
-    std::printf("# every group of a kind runs at once; busbw = algbw x (n-1)/n (allreduce: x 2(n-1)/n; sendrecv, "
-                "ring_step: x 1), see README\n");
+    std::printf(
+        "# every group of a kind runs at once; busbw = algbw x (n-1)/n (allreduce: x 2(n-1)/n; sendrecv, "
+        "ring_step: x 1), see README\n");
   }
   nlohmann::json results = nlohmann::json::array();
   std::int64_t total_wrong = 0;
@@ -367,8 +368,8 @@ int comm_bench_main(int argc, char** argv) {
       const char* redop = reduces(op) ? "sum" : "none";
       const char* place = in_place(op) ? "in" : "out";
       for (std::int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {
-        nlohmann::json row = {{"group", gname}, {"group_size", n},       {"op", op_name(op)},
-                              {"dtype", dname}, {"redop", redop},        {"in_place", in_place(op)}};
+        nlohmann::json row = {{"group", gname}, {"group_size", n}, {"op", op_name(op)},
+                              {"dtype", dname}, {"redop", redop},  {"in_place", in_place(op)}};
         const Buffers b = buffers_for(op, bytes, n, o.dtype, comm.device());
         if (b.recv.empty()) {  // the same on every rank: a function of the sizes only
           if (world_rank == 0) {
@@ -381,7 +382,8 @@ int comm_bench_main(int argc, char** argv) {
         }
         // count: the elements behind `size` (ring_step: of the k/v block; its gradient has as many in fp32).
         const std::int64_t size_bytes = size_of(op, b),
-                           count = op == Op::kRingStep ? b.send[0].numel() : size_bytes / static_cast<std::int64_t>(dtype_size(o.dtype));
+                           count = op == Op::kRingStep ? b.send[0].numel()
+                                                       : size_bytes / static_cast<std::int64_t>(dtype_size(o.dtype));
         for (int i = 0; i < o.warmup; ++i) run_once(op, comm, b);
         world->barrier()->wait();
         const double t0 = now_s();

@@ -176,7 +176,8 @@ int sp_bench_main(int argc, char** argv) {
   const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
   Progress progress(place.rank == 0 && !o.quiet);
   const std::string oversubscribed = oversubscription_warning(report.node, o.threads);
-  if (place.rank == 0 && !oversubscribed.empty()) std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
+  if (place.rank == 0 && !oversubscribed.empty())
+    std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
   auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);

@@ -295,7 +295,7 @@ WorkloadMemory dsa_memory(const SpBenchOptions& o) {
   const double lse = f * rows * o.heads, slots = rows * static_cast<double>(o.topk);
   const double indexer = q_idx + k_idx + w;
   const double sp = pu * pr, dims = std::max<double>({static_cast<double>(o.topk), static_cast<double>(o.head_dim),
-                                                     static_cast<double>(o.indexer_heads * o.indexer_dim)});
+                                                      static_cast<double>(o.indexer_heads * o.indexer_dim)});
   const double scratch = o.threads * 8 * 8 * dims;  // per-thread rows of the kernels (attention/cpu/dsa_*.cc)
   WorkloadMemory m;
   m.inputs = e * (q + c + indexer + out);  // q, c, q_idx, k_idx, w, dout
@@ -313,8 +313,8 @@ WorkloadMemory dsa_memory(const SpBenchOptions& o) {
   // dq_h, the loss side (probabilities, scores' gradients, fp32 indexer gradients) and the gradients themselves.
   m.backward.saved = saved;
   m.backward.outputs = m.forward.outputs + e * (q + c + indexer);
-  m.backward.workspace = e * out + lse + f * slots * pu + f * q + f * c * pu + e * q + f * c + 8 * slots +
-                         f * indexer + scratch;
+  m.backward.workspace =
+      e * out + lse + f * slots * pu + f * q + f * c * pu + e * q + f * c + 8 * slots + f * indexer + scratch;
   m.backward.comm = 2 * e * c * pu + 4 * f * c * pu + index_keys + f * k_idx * sp + a2a;
   m.full_inputs = m.inputs * sp;
   m.full_outputs = (m.backward.outputs - 8 * slots) * sp + 8 * slots * sp;  // out, lse, topk_indices, the gradients

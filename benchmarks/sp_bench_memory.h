@@ -25,7 +25,7 @@ struct PhaseMemory {
 // What one attention kind's step holds on one rank (bytes). Upper bounds by construction: each phase's transient
 // buffers are summed as if all were alive at once.
 struct WorkloadMemory {
-  double inputs = 0;             // this rank's input shards (Workload::setup)
+  double inputs = 0;  // this rank's input shards (Workload::setup)
   PhaseMemory forward, backward;
   double full_inputs = 0;        // the whole problem's inputs in the storage dtype (host arrays)
   double full_outputs = 0;       // the whole problem's outputs and gradients (host arrays)

@@ -217,10 +217,11 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   const double nchunks = std::clamp(std::ceil(8 / (batch * hq_local)), 1.0, nkt);
   const double fwd_kernel =
       c * (2 * batch * hkv_local * skp * dp + threads * (o.head_dim + 2 * 64 * dp + 64 * 64 + 128 + dp));
-  const double bwd_kernel = c * (batch * hq_local * skp * dp * 2 + (nchunks > 1 ? nchunks * batch * hq_local * sq * dp : 0) +
-                                 threads * (3 * sq * dp + 2 * sq + skp * dp + 2 * nkt * o.head_dim * 64 + 2 * 64 * 64 + 2 * dp));
+  const double bwd_kernel =
+      c * (batch * hq_local * skp * dp * 2 + (nchunks > 1 ? nchunks * batch * hq_local * sq * dp : 0) +
+           threads * (3 * sq * dp + 2 * sq + skp * dp + 2 * nkt * o.head_dim * 64 + 2 * 64 * 64 + 2 * dp));
   WorkloadMemory m;
-  m.inputs = e * (2 * q + 2 * kv_in);  // q, k, v, dout
+  m.inputs = e * (2 * q + 2 * kv_in);               // q, k, v, dout
   const double saved = e * (2 * q + 2 * kv) + lse;  // the ring's copies of q, k, v, out, and lse
   // Forward: q_h k_h v_h (and replicated kv), out_h lse_h, the fp32 accumulator and block result; the ring's kv
   // double buffer (p2p) or the gathered kv (allgather); the outputs out and lse.
@@ -238,7 +239,7 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   const double ring_p2p = e * 6 * kv + f * 2 * kv * (pr > 1 ? 4 : 2);
   const double ring_ag = std::max(gather, 2 * e * kv * pr + f * 2 * kv * (pr + 1));
   m.backward.comm = (o.impl == RingImpl::kP2P ? ring_p2p : ring_ag) + a2a;
-  m.full_inputs = m.inputs * pu * pr;  // the whole sequence: the local shard times P
+  m.full_inputs = m.inputs * pu * pr;                                  // the whole sequence: the local shard times P
   m.full_outputs = (e * (2 * q + 2 * kv_in) + e * q + lse) * pu * pr;  // out, lse, dq, dk, dv
   m.reference_scratch = 0;
   return m;

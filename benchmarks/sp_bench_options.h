@@ -52,8 +52,8 @@ struct SpBenchOptions {
   std::string inputs_dir;
   std::string dump_dir;
   bool dump_inputs = false;  // --dump also writes the full inputs, as --inputs reads them
-  bool quiet = false;  // no progress lines
-  bool dry_run = false;  // print the memory estimate and exit
+  bool quiet = false;        // no progress lines
+  bool dry_run = false;      // print the memory estimate and exit
 
   // Test hooks (hidden from --help; the tests in tests/mpi/CMakeLists.txt use them):
   std::string test_corrupt;                 // --test-corrupt NAME: perturb the gathered tensor NAME before the check

@@ -18,9 +18,9 @@ namespace seqpar::bench {
 struct RunReport {
   const char* backend = "";
   int world_size = 1;
-  std::string grid;  // SpGrid::str()
-  NodeInfo node;     // rank 0's node
-  std::string date_utc;  // start of the run, utc_now_iso8601()
+  std::string grid;       // SpGrid::str()
+  NodeInfo node;          // rank 0's node
+  std::string date_utc;   // start of the run, utc_now_iso8601()
   MemoryEstimate memory;  // world rank 0's estimate (the largest)
   std::vector<PhaseResult> phases;
   const CheckReport* check = nullptr;  // null without --check

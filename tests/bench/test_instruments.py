@@ -166,7 +166,7 @@ def test_sweep(tmp):
     check(all(abs(float(r["exposed_comm_pct"])) < 1e-9 for r in one), "one rank exposes no communication")
     for kind in ("mha", "gdn", "dsa"):
         out = os.path.join(tmp, f"{kind}.png")
-        p = subprocess.run([sys.executable, os.path.join(ARGS.scripts, "plot.py"), csv_path, "--attn", kind,
+        p = subprocess.run([ARGS.plot_python, os.path.join(ARGS.scripts, "plot.py"), csv_path, "--attn", kind,
                             "--out", out], capture_output=True, text=True, timeout=300)
         check(p.returncode == 0, f"plot.py --attn {kind}: exit {p.returncode}\n{p.stdout}{p.stderr}")
         head = open(out, "rb").read(24)
@@ -182,6 +182,8 @@ def main():
     ap.add_argument("--np-flag", default="-np")
     ap.add_argument("--bin-dir", required=True, help="directory holding sp_bench and comm_bench")
     ap.add_argument("--scripts", default=os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    ap.add_argument("--plot-python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
+                    help="the Python with matplotlib (Debian's python3-matplotlib: /usr/bin/python3)")
     ap.add_argument("what", choices=["json", "memory", "roundtrip", "comm", "sweep"])
     ap.add_argument("--np", type=int, default=2)
     argv = sys.argv[1:]
