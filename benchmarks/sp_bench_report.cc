@@ -31,9 +31,11 @@ void print_header(const SpBenchOptions& o, const RunReport& r) {
               o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout),
               ring_impl_name(o.impl), dtype_name(o.dtype));
   std::printf("# shapes %s\n", describe_shapes(o).c_str());
-  std::printf("# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median); inputs %s\n",
-              r.phases[0].flops, r.phases[1].flops, o.warmup, o.iters,
-              o.inputs_dir.empty() ? str_cat("random (seed ", o.seed, ")").c_str() : o.inputs_dir.c_str());
+  std::printf(
+      "# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median; JSON: min, max, each); inputs "
+      "%s\n",
+      r.phases[0].flops, r.phases[1].flops, o.warmup, o.iters,
+      o.inputs_dir.empty() ? str_cat("random (seed ", o.seed, ")").c_str() : o.inputs_dir.c_str());
   std::printf("%s#\n", describe_memory_estimate(r.memory).c_str());
 }
 
