@@ -56,6 +56,13 @@ def dsa_shape(j):
             f"indexer Hi={s['indexer_heads']} Di={s['indexer_dim']} (causal)")
 
 
+def mode_kind(flag, modes, shape):
+    """A kind whose ring algorithms are the values of one flag (default: those), plus Ulysses over heads."""
+    algos = {m: (RING, [flag, m]) for m in modes}
+    algos["ulysses"] = (ULYSSES, [])
+    return {"algos": algos, "default_algos": ",".join(modes), "shape": shape, "flags": lambda a: []}
+
+
 KINDS = {
     "mha": {
         "algos": {"p2p": (RING, ["--impl", "p2p"]), "allgather": (RING, ["--impl", "allgather"]),
@@ -63,20 +70,8 @@ KINDS = {
         "shape": mha_shape,
         "flags": lambda a: ["--kv-heads", str(a.kv_heads)] + (["--causal"] if a.causal else []),
     },
-    "gdn": {
-        "algos": {"chain": (RING, ["--gdn-mode", "chain"]), "scan": (RING, ["--gdn-mode", "scan"]),
-                  "ulysses": (ULYSSES, [])},
-        "default_algos": "chain,scan",
-        "shape": gdn_shape,
-        "flags": lambda a: [],
-    },
-    "dsa": {
-        "algos": {"ring": (RING, ["--dsa-select", "ring"]), "allgather": (RING, ["--dsa-select", "allgather"]),
-                  "ulysses": (ULYSSES, [])},
-        "default_algos": "ring,allgather",
-        "shape": dsa_shape,
-        "flags": lambda a: [],
-    },
+    "gdn": mode_kind("--gdn-mode", ["chain", "scan"], gdn_shape),
+    "dsa": mode_kind("--dsa-select", ["ring", "allgather"], dsa_shape),
 }
 
 # ---- modes: sp_bench flags and the phases they report (a future mode is one more row) ---------------------------
