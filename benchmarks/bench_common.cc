@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
@@ -54,6 +55,45 @@ WorldPlace mpi_world_place() {
   SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &p.size));
   SEQPAR_CHECK_MPI(MPI_Comm_rank(MPI_COMM_WORLD, &p.rank));
   return p;
+}
+
+NodeInfo node_info() {
+  NodeInfo n;
+  char name[256] = {};
+  n.host = gethostname(name, sizeof name - 1) == 0 ? name : "unknown";
+  MPI_Comm node = MPI_COMM_NULL;
+  SEQPAR_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  const int ok = MPI_Comm_size(node, &n.ranks_per_node);
+  MPI_Comm_free(&node);
+  SEQPAR_CHECK(ok == MPI_SUCCESS, "MPI_Comm_size of the node communicator failed");
+  const long cores = sysconf(_SC_NPROCESSORS_ONLN);
+  n.cores_per_node = cores > 0 ? static_cast<int>(cores) : 1;
+  return n;
+}
+
+std::string oversubscription_warning(const NodeInfo& node, int threads_per_rank) {
+  const long used = static_cast<long>(node.ranks_per_node) * threads_per_rank;
+  if (used <= node.cores_per_node) return "";
+  return str_cat("ranks per node ", node.ranks_per_node, " x threads per rank ", threads_per_rank, " = ", used,
+                 " exceeds the ", node.cores_per_node, " cores of node ", node.host,
+                 " (oversubscribed: timings are not meaningful)");
+}
+
+std::string utc_now_iso8601() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &utc);
+  return buf;
+}
+
+const char* git_commit() {
+#if defined(SEQPAR_GIT_COMMIT)
+  return SEQPAR_GIT_COMMIT;
+#else
+  return "unknown";
+#endif
 }
 
 std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, int argc, char** argv, int world_rank,

@@ -20,6 +20,26 @@ struct WorldPlace {
 };
 WorldPlace mpi_world_place();
 
+// Where this run happens, for the benchmarks' headers and JSON. Collective over MPI_COMM_WORLD (MPI_Comm_split_type
+// into the ranks sharing this node's memory); every rank gets its own node's values.
+struct NodeInfo {
+  std::string host;        // gethostname() of this rank
+  int ranks_per_node = 1;  // MPI ranks on this node (MPI_COMM_TYPE_SHARED)
+  int cores_per_node = 1;  // online processors of this node (sysconf(_SC_NPROCESSORS_ONLN))
+};
+NodeInfo node_info();
+
+// The warning of an oversubscribed node: "ranks per node R x threads per rank T = N exceeds the C cores of node H
+// (timings are not meaningful)", or "" when R x T <= C.
+std::string oversubscription_warning(const NodeInfo& node, int threads_per_rank);
+
+// The current time in UTC, ISO 8601 to the second: "2026-11-30T16:22:30Z".
+std::string utc_now_iso8601();
+
+// The git commit the build was configured from (CMake, at configure time: `git describe --always --dirty`), or
+// "unknown" outside a git checkout.
+const char* git_commit();
+
 // Parses argv with `spec`. Returns std::nullopt after printing the help of `help_groups` (all groups when empty)
 // on world rank 0 for --help, or "<program> (seqpar) <version>" for --version (when `spec` defines it). Throws Error
 // (same text on every rank) for a malformed command line or a stray positional argument.

@@ -1,10 +1,17 @@
 // comm_bench: message-size sweeps of the communication patterns of sequence parallelism on the groups of an SpGrid:
-// ring send/recv (each rank sends to the next and receives from the previous rank of its group), all-to-all,
-// all-gather and reduce-scatter, on the Ulysses, ring and SP groups. Prints nccl-tests style tables on rank 0:
-// size, count, time (us), algbw and busbw (GB/s) and the number of wrong elements of a verification pass.
+// the primitives (ring send/recv: each rank sends to the next and receives from the previous rank of its group;
+// all-to-all, all-gather, reduce-scatter, all-reduce) and the combined patterns the CP layers post (ring_step: a ring
+// backward step, the packed k/v block and its fp32 gradient accumulator exchanged as one group; ulysses_qkv: the
+// Ulysses all-to-alls of q, k and v posted together), on the Ulysses, ring and SP groups. Prints nccl-tests style
+// tables on rank 0: size, count, data type, reduction, in/out of place, time (us), algbw and busbw (GB/s), the number
+// of wrong elements of a verification pass and a status; sizes too small for a pattern are rows with status
+// "too-small"; the last line is the average bus bandwidth of every measured row, as nccl-tests prints it.
 // Definitions (README "comm_bench"): size as in nccl-tests (all-gather: the gathered output; reduce-scatter: the
-// input; all-to-all: the send buffer; send/recv: one message); algbw = size / time; busbw = algbw x factor with
-// factor (n-1)/n for all-gather, reduce-scatter and all-to-all and 1 for send/recv.
+// input; all-to-all: the send buffer; all-reduce: the buffer; send/recv: one message; ring_step: both messages a
+// rank sends; ulysses_qkv: the three send buffers); algbw = size / time; busbw = algbw x factor with factor (n-1)/n
+// for all-gather, reduce-scatter, all-to-all and ulysses_qkv, 2 (n-1)/n for all-reduce and 1 for send/recv and
+// ring_step. All-reduce runs in place (the Communicator's all_reduce is in place); the other collectives need
+// distinct buffers, so they run out of place.
 //
 // --backend mpi (default) or nccl; the world is made by make_world_communicator (runtime/comm_factory.h) and the
 // buffers live on the communicator's device (host for MPI, each rank's CUDA device for NCCL).
@@ -17,6 +24,7 @@
 #include <cxxopts.hpp>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -33,18 +41,33 @@
 namespace seqpar::bench {
 namespace {
 
-enum class Op { kSendRecv, kAllToAll, kAllGather, kReduceScatter };
-constexpr Op kAllOps[] = {Op::kSendRecv, Op::kAllToAll, Op::kAllGather, Op::kReduceScatter};
+enum class Op { kSendRecv, kAllToAll, kAllGather, kReduceScatter, kAllReduce, kRingStep, kUlyssesQkv };
+constexpr Op kAllOps[] = {Op::kSendRecv,  Op::kAllToAll, Op::kAllGather, Op::kReduceScatter,
+                          Op::kAllReduce, Op::kRingStep, Op::kUlyssesQkv};
 const char* op_name(Op op) {
   switch (op) {
     case Op::kSendRecv: return "sendrecv";
     case Op::kAllToAll: return "alltoall";
     case Op::kAllGather: return "allgather";
     case Op::kReduceScatter: return "reducescatter";
+    case Op::kAllReduce: return "allreduce";
+    case Op::kRingStep: return "ring_step";
+    case Op::kUlyssesQkv: return "ulysses_qkv";
   }
   return "?";
 }
-double busbw_factor(Op op, int n) { return op == Op::kSendRecv ? 1.0 : static_cast<double>(n - 1) / n; }
+double busbw_factor(Op op, int n) {
+  switch (op) {
+    case Op::kSendRecv:
+    case Op::kRingStep: return 1.0;
+    case Op::kAllReduce: return 2.0 * (n - 1) / n;
+    default: return static_cast<double>(n - 1) / n;
+  }
+}
+bool reduces(Op op) { return op == Op::kReduceScatter || op == Op::kAllReduce; }
+bool in_place(Op op) { return op == Op::kAllReduce; }
+// The ring step's gradient accumulator travels in fp32 whatever the data type (parallel/ring_pass.h).
+constexpr DType kGradDType = DType::kFloat32;
 
 struct Options {
   std::string backend = "mpi";
@@ -83,7 +106,7 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
     ("warmup", "untimed iterations per size", cxxopts::value<int>()->default_value("5"))
     ("iters", "timed iterations per size (mean reported)", cxxopts::value<int>()->default_value("20"))
     ("dtype", "fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
-    ("ops", "comma list: sendrecv,alltoall,allgather,reducescatter", cxxopts::value<std::string>()->default_value("sendrecv,alltoall,allgather,reducescatter"))
+    ("ops", "comma list: sendrecv,alltoall,allgather,reducescatter,allreduce,ring_step,ulysses_qkv", cxxopts::value<std::string>()->default_value("sendrecv,alltoall,allgather,reducescatter,allreduce,ring_step,ulysses_qkv"))
     ("groups", "comma list: ulysses,ring,sp", cxxopts::value<std::string>()->default_value("ulysses,ring,sp"))
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
     ("help", "print this help")
@@ -132,7 +155,7 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
       }
     }
     SEQPAR_CHECK(found, "--ops: unknown operation '", name,
-                 "' (expected sendrecv, alltoall, allgather, reducescatter)");
+                 "' (expected sendrecv, alltoall, allgather, reducescatter, allreduce, ring_step, ulysses_qkv)");
   }
   for (const std::string& name : split_list(r["groups"].as<std::string>())) {
     SEQPAR_CHECK(name == "ulysses" || name == "ring" || name == "sp", "--groups: unknown group '", name,
@@ -173,67 +196,130 @@ void all_reduce_max(Communicator& world, std::vector<double>& values) {
   copy_convert(buf, TensorView(values.data(), DType::kFloat64, {n}));
 }
 
+// The buffers of one pattern: send[i] goes out, recv[i] comes in (all-reduce: recv[0] alone, in place).
 struct Buffers {
-  Tensor send, recv;
+  std::vector<Tensor> send, recv;
 };
 
-// Element counts of the send and receive buffers for `bytes` (nccl-tests sizes), rounded down to what the group
-// size needs; 0 when the size is too small.
-void counts_for(Op op, std::int64_t bytes, int n, std::size_t esize, std::int64_t& send, std::int64_t& recv) {
-  std::int64_t elems = bytes / static_cast<std::int64_t>(esize);
+// The buffers of `op` for `bytes` (nccl-tests sizes) on a group of `n`, rounded down to what the group needs; empty
+// when the size is too small for one element per rank (the caller reports the row as too-small).
+Buffers buffers_for(Op op, std::int64_t bytes, int n, DType dtype, Device device) {
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(dtype)), elems = bytes / esize;
+  auto make = [&](std::int64_t count, std::optional<DType> t = std::nullopt) {
+    return Tensor::zeros({count}, t.value_or(dtype), MemCategory::kCommBuffer, device);
+  };
+  Buffers b;
   switch (op) {
-    case Op::kSendRecv: send = recv = elems; break;
-    case Op::kAllToAll: send = recv = elems / n * n; break;
+    case Op::kSendRecv:
+      if (elems < 1) return {};
+      b.send.push_back(make(elems));
+      b.recv.push_back(make(elems));
+      break;
+    case Op::kAllToAll:
+      if (elems / n < 1) return {};
+      b.send.push_back(make(elems / n * n));
+      b.recv.push_back(make(elems / n * n));
+      break;
     case Op::kAllGather:
-      recv = elems / n * n;
-      send = recv / n;
+      if (elems / n < 1) return {};
+      b.send.push_back(make(elems / n));
+      b.recv.push_back(make(elems / n * n));
       break;
     case Op::kReduceScatter:
-      send = elems / n * n;
-      recv = send / n;
+      if (elems / n < 1) return {};
+      b.send.push_back(make(elems / n * n));
+      b.recv.push_back(make(elems / n));
       break;
+    case Op::kAllReduce:
+      if (elems < 1) return {};
+      b.recv.push_back(make(elems));
+      break;
+    case Op::kRingStep: {  // k/v block and its fp32 gradient: count elements each, count (esize + 4) bytes
+      const std::int64_t count = bytes / (esize + static_cast<std::int64_t>(dtype_size(kGradDType)));
+      if (count < 1) return {};
+      b.send.push_back(make(count));
+      b.send.push_back(make(count, kGradDType));
+      b.recv.push_back(make(count));
+      b.recv.push_back(make(count, kGradDType));
+      break;
+    }
+    case Op::kUlyssesQkv: {  // q, k, v of equal size, each divisible by the group
+      const std::int64_t count = elems / 3 / n * n;
+      if (count < 1) return {};
+      for (int i = 0; i < 3; ++i) {
+        b.send.push_back(make(count));
+        b.recv.push_back(make(count));
+      }
+      break;
+    }
   }
+  return b;
+}
+
+// The size of a row (nccl-tests convention, see the top of this file) in bytes.
+std::int64_t size_of(Op op, const Buffers& b) {
+  std::int64_t bytes = 0;
+  if (op == Op::kAllGather || op == Op::kAllReduce) return b.recv[0].view().nbytes();
+  for (const Tensor& t : b.send) bytes += t.view().nbytes();
+  return bytes;
 }
 
 WorkHandle post(Op op, Communicator& c, const Buffers& b) {
-  const int n = c.size(), r = c.rank();
+  const int n = c.size(), r = c.rank(), next = (r + 1) % n, prev = (r + n - 1) % n;
   switch (op) {
-    case Op::kSendRecv:
-      return c.batch_isend_irecv({P2POp::send(b.send, (r + 1) % n), P2POp::recv(b.recv, (r + n - 1) % n)});
-    case Op::kAllToAll: return c.all_to_all(b.send, b.recv);
-    case Op::kAllGather: return c.all_gather(b.send, b.recv);
-    case Op::kReduceScatter: return c.reduce_scatter(b.send, b.recv, ReduceOp::kSum);
+    case Op::kSendRecv: return c.batch_isend_irecv({P2POp::send(b.send[0], next), P2POp::recv(b.recv[0], prev)});
+    case Op::kAllToAll: return c.all_to_all(b.send[0], b.recv[0]);
+    case Op::kAllGather: return c.all_gather(b.send[0], b.recv[0]);
+    case Op::kReduceScatter: return c.reduce_scatter(b.send[0], b.recv[0], ReduceOp::kSum);
+    case Op::kAllReduce: return c.all_reduce(b.recv[0], ReduceOp::kSum);
+    case Op::kRingStep:
+      return c.batch_isend_irecv({P2POp::send(b.send[0], next, 0), P2POp::recv(b.recv[0], prev, 0),
+                                  P2POp::send(b.send[1], next, 1), P2POp::recv(b.recv[1], prev, 1)});
+    case Op::kUlyssesQkv: break;
   }
-  SEQPAR_THROW("comm_bench: unknown operation");
+  SEQPAR_THROW("comm_bench: ", op_name(op), " is not one operation");
 }
 
-// Number of wrong elements after one run with the verification pattern.
+// Posts the pattern and waits for it (ulysses_qkv: its three all-to-alls posted together, then waited).
+void run_once(Op op, Communicator& c, const Buffers& b) {
+  if (op != Op::kUlyssesQkv) {
+    post(op, c, b)->wait();
+    return;
+  }
+  WorkHandle w[3];
+  for (int i = 0; i < 3; ++i) w[i] = c.all_to_all(b.send[i], b.recv[i]);
+  for (WorkHandle& h : w) h->wait();
+}
+
+// Number of wrong elements after one run with the verification pattern (send buffer i of rank s carries
+// pattern(s + i, j); the all-reduce buffer starts as rank s's pattern).
 std::int64_t verify(Op op, Communicator& c, const Buffers& b) {
-  const int n = c.size(), r = c.rank();
-  const std::int64_t count = b.recv.numel();
-  fill_pattern(b.send, r);
-  post(op, c, b)->wait();
-  const std::vector<double> got = as_f64(b.recv);
+  const int n = c.size(), r = c.rank(), prev = (r + n - 1) % n;
+  for (std::size_t i = 0; i < b.send.size(); ++i) fill_pattern(b.send[i], r + static_cast<int>(i));
+  if (op == Op::kAllReduce) fill_pattern(b.recv[0], r);
+  run_once(op, c, b);
   std::int64_t wrong = 0;
-  for (std::int64_t j = 0; j < count; ++j) {
-    double want = 0;
-    switch (op) {
-      case Op::kSendRecv: want = pattern((r + n - 1) % n, j); break;
-      case Op::kAllToAll: {
-        const std::int64_t blk = count / n;
-        want = pattern(static_cast<int>(j / blk), r * blk + j % blk);
-        break;
+  for (std::size_t i = 0; i < b.recv.size(); ++i) {
+    const std::vector<double> got = as_f64(b.recv[i]);
+    const std::int64_t count = b.recv[i].numel(), blk = count / n;
+    const int shift = static_cast<int>(i);
+    for (std::int64_t j = 0; j < count; ++j) {
+      double want = 0;
+      switch (op) {
+        case Op::kSendRecv:
+        case Op::kRingStep: want = pattern(prev + shift, j); break;
+        case Op::kAllToAll:
+        case Op::kUlyssesQkv: want = pattern(static_cast<int>(j / blk) + shift, r * blk + j % blk); break;
+        case Op::kAllGather: want = pattern(static_cast<int>(j / blk), j % blk); break;
+        case Op::kReduceScatter:
+          for (int s = 0; s < n; ++s) want += pattern(s, r * count + j);
+          break;
+        case Op::kAllReduce:
+          for (int s = 0; s < n; ++s) want += pattern(s, j);
+          break;
       }
-      case Op::kAllGather: {
-        const std::int64_t blk = count / n;
-        want = pattern(static_cast<int>(j / blk), j % blk);
-        break;
-      }
-      case Op::kReduceScatter:
-        for (int s = 0; s < n; ++s) want += pattern(s, r * count + j);
-        break;
+      if (got[static_cast<std::size_t>(j)] != want) ++wrong;
     }
-    if (got[static_cast<std::size_t>(j)] != want) ++wrong;
   }
   return wrong;
 }
@@ -244,9 +330,10 @@ int comm_bench_main(int argc, char** argv) {
   if (!parsed) return 0;
   const Options& o = *parsed;
 
+  const std::string date = utc_now_iso8601();
+  const NodeInfo node = node_info();
   auto world = make_world_communicator(o.backend);
   SpGrid grid(*world, o.grid);
-  const std::size_t esize = dtype_size(o.dtype);
 
   if (world_rank == 0) {
     std::printf("# seqpar comm_bench %s\n", version());
@@ -254,10 +341,17 @@ int comm_bench_main(int argc, char** argv) {
         "# backend %s, world %d, grid %s, dtype %s, warmup %d, iters %d (mean per iteration, max over "
         "ranks)\n",
         world->backend_name(), world_size, grid.str().c_str(), dtype_name(o.dtype), o.warmup, o.iters);
-    std::printf("# every group of a kind runs at once; busbw = algbw x (n-1)/n (sendrecv: x 1), see README\n");
+    std::printf("# host %s (%d ranks on it, %d cores), commit %s, date %s\n", node.host.c_str(), node.ranks_per_node,
+                node.cores_per_node, git_commit(), date.c_str());
+    std::printf(
+        "# every group of a kind runs at once; busbw = algbw x (n-1)/n (allreduce: x 2(n-1)/n; sendrecv, "
+        "ring_step: x 1), see README\n");
   }
   nlohmann::json results = nlohmann::json::array();
   std::int64_t total_wrong = 0;
+  double busbw_sum = 0;
+  int measured = 0;
+  const char* dname = dtype_name(o.dtype);
   for (const std::string& gname : o.groups) {
     Communicator& comm = gname == "ulysses" ? grid.ulysses() : gname == "ring" ? grid.ring() : grid.sp();
     const int n = comm.size();
@@ -269,22 +363,33 @@ int comm_bench_main(int argc, char** argv) {
       continue;
     }
     if (world_rank == 0) {
-      std::printf("# %13s %12s %12s %10s %11s %11s %8s\n", "op", "size(B)", "count(elts)", "time(us)", "algbw(GB/s)",
-                  "busbw(GB/s)", "#wrong");
+      std::printf("# %13s %12s %12s %6s %6s %5s %10s %11s %11s %8s %9s\n", "op", "size(B)", "count(elts)", "type",
+                  "redop", "place", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "status");
     }
     for (Op op : o.ops) {
+      const char* redop = reduces(op) ? "sum" : "none";
+      const char* place = in_place(op) ? "in" : "out";
       for (std::int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {
-        std::int64_t send_count = 0, recv_count = 0;
-        counts_for(op, bytes, n, esize, send_count, recv_count);
-        if (send_count == 0 || recv_count == 0) continue;
-        Buffers b{Tensor::zeros({send_count}, o.dtype, MemCategory::kCommBuffer, comm.device()),
-                  Tensor::zeros({recv_count}, o.dtype, MemCategory::kCommBuffer, comm.device())};
-        const std::int64_t size_bytes =
-            (op == Op::kAllGather ? recv_count : send_count) * static_cast<std::int64_t>(esize);
-        for (int i = 0; i < o.warmup; ++i) post(op, comm, b)->wait();
+        nlohmann::json row = {{"group", gname}, {"group_size", n}, {"op", op_name(op)},
+                              {"dtype", dname}, {"redop", redop},  {"in_place", in_place(op)}};
+        const Buffers b = buffers_for(op, bytes, n, o.dtype, comm.device());
+        if (b.recv.empty()) {  // the same on every rank: a function of the sizes only
+          if (world_rank == 0) {
+            std::printf("  %13s %12lld %12s %6s %6s %5s %10s %11s %11s %8s %9s\n", op_name(op),
+                        static_cast<long long>(bytes), "0", dname, redop, place, "-", "-", "-", "-", "too-small");
+            row.update({{"size_bytes", bytes}, {"count", 0}, {"status", "too-small"}});
+            results.push_back(row);
+          }
+          continue;
+        }
+        // count: the elements behind `size` (ring_step: of the k/v block; its gradient has as many in fp32).
+        const std::int64_t size_bytes = size_of(op, b),
+                           count = op == Op::kRingStep ? b.send[0].numel()
+                                                       : size_bytes / static_cast<std::int64_t>(dtype_size(o.dtype));
+        for (int i = 0; i < o.warmup; ++i) run_once(op, comm, b);
         world->barrier()->wait();
         const double t0 = now_s();
-        for (int i = 0; i < o.iters; ++i) post(op, comm, b)->wait();
+        for (int i = 0; i < o.iters; ++i) run_once(op, comm, b);
         std::vector<double> stats = {(now_s() - t0) / o.iters, 0};
         stats[1] = static_cast<double>(verify(op, comm, b));
         all_reduce_max(*world, stats);
@@ -292,28 +397,36 @@ int comm_bench_main(int argc, char** argv) {
         const double algbw = static_cast<double>(size_bytes) / t / 1e9;
         const double busbw = algbw * busbw_factor(op, n);
         total_wrong += static_cast<std::int64_t>(stats[1]);
+        busbw_sum += busbw;
+        ++measured;
         if (world_rank == 0) {
-          std::printf("  %13s %12lld %12lld %10.2f %11.3f %11.3f %8lld\n", op_name(op),
-                      static_cast<long long>(size_bytes), static_cast<long long>(size_bytes / esize), t * 1e6, algbw,
-                      busbw, static_cast<long long>(stats[1]));
+          std::printf("  %13s %12lld %12lld %6s %6s %5s %10.2f %11.3f %11.3f %8lld %9s\n", op_name(op),
+                      static_cast<long long>(size_bytes), static_cast<long long>(count), dname, redop, place, t * 1e6,
+                      algbw, busbw, static_cast<long long>(stats[1]), "ok");
           std::fflush(stdout);
-          results.push_back({{"group", gname},
-                             {"group_size", n},
-                             {"op", op_name(op)},
-                             {"size_bytes", size_bytes},
-                             {"count", size_bytes / static_cast<std::int64_t>(esize)},
-                             {"time_us", t * 1e6},
-                             {"algbw_gbps", algbw},
-                             {"busbw_gbps", busbw},
-                             {"wrong", stats[1]}});
+          row.update({{"size_bytes", size_bytes},
+                      {"count", count},
+                      {"time_us", t * 1e6},
+                      {"algbw_gbps", algbw},
+                      {"busbw_gbps", busbw},
+                      {"wrong", stats[1]},
+                      {"status", "ok"}});
+          results.push_back(row);
         }
       }
     }
   }
+  const double avg_busbw = measured > 0 ? busbw_sum / measured : 0.0;
   if (world_rank == 0) {
     std::printf("# wrong elements in total: %lld\n", static_cast<long long>(total_wrong));
+    std::printf("# Avg bus bandwidth    : %g\n#\n", avg_busbw);
     if (!o.json_path.empty()) {
       nlohmann::json j = {{"version", version()},
+                          {"git_commit", git_commit()},
+                          {"host", node.host},
+                          {"date_utc", date},
+                          {"ranks_per_node", node.ranks_per_node},
+                          {"cores_per_node", node.cores_per_node},
                           {"backend", world->backend_name()},
                           {"world_size", world_size},
                           {"grid",
@@ -321,11 +434,13 @@ int comm_bench_main(int argc, char** argv) {
                             {"ulysses_size", o.grid.ulysses_size},
                             {"ring_size", o.grid.ring_size},
                             {"placement", placement_name(o.grid.placement)}}},
-                          {"dtype", dtype_name(o.dtype)},
+                          {"dtype", dname},
+                          {"warmup", o.warmup},
+                          {"iters", o.iters},
+                          {"avg_busbw_gbps", avg_busbw},
+                          {"wrong_total", total_wrong},
                           {"results", results}};
-      std::ofstream out(o.json_path);
-      SEQPAR_CHECK(out.good(), "--json ", o.json_path, ": cannot open for writing");
-      out << j.dump(2) << "\n";
+      write_file_atomic(o.json_path, [&](std::ostream& out) { out << j.dump(2) << "\n"; });
     }
   }
   world->barrier()->wait();

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "benchmarks/sp_bench_check.h"
+#include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_report.h"
 #include "benchmarks/sp_bench_timing.h"
@@ -30,6 +31,7 @@
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/sp_grid.h"
+#include "runtime/tensor_ops.h"
 
 namespace seqpar::bench {
 namespace {
@@ -89,19 +91,36 @@ NamedArrays load_inputs(const SpBenchOptions& o) {
   return inputs;
 }
 
-// Rank 0 writes the --dump files and the --json file, each atomically (bench::write_file_atomic), after the table
-// was printed; a failure stops at the first file that fails and is raised on every rank with rank 0's message.
-void write_outputs(Communicator& world, const SpBenchOptions& o, const NamedArrays& got, const nlohmann::json* json) {
+// --dump-inputs: the full inputs as --inputs reads them (fp64 stays fp64; every other storage dtype is widened to
+// fp32, which holds its values exactly), from the loaded files or generated from the seed (rank 0).
+NamedArrays inputs_to_dump(Workload& wl, const NamedArrays* loaded) {
+  NamedArrays out;
+  for (const auto& [name, a] : loaded != nullptr ? *loaded : wl.make_full_inputs()) {
+    npy::HostArray wide(a.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, a.shape);
+    copy_convert(a.view(), wide.view());
+    out.emplace_back(name, std::move(wide));
+  }
+  return out;
+}
+
+// Rank 0 writes the --dump files (with --dump-inputs also the inputs) and the --json file, each atomically
+// (bench::write_file_atomic), after the table was printed; a failure stops at the first file that fails and is
+// raised on every rank with rank 0's message.
+void write_outputs(Communicator& world, const SpBenchOptions& o, Workload& wl, const NamedArrays& got,
+                   const NamedArrays* loaded, const nlohmann::json* json) {
   std::string error;
   if (world.rank() == 0) {
     try {
       if (!o.dump_dir.empty()) {
         std::string names;
-        for (const auto& [name, a] : got) {
-          const std::string path = (std::filesystem::path(o.dump_dir) / (name + ".npy")).string();
-          write_file_atomic(
-              path, [&](std::ostream& out) { npy::write(out, a.view(), path); }, o.test_fail_write_after);
-          names += " " + name;
+        const NamedArrays inputs = o.dump_inputs ? inputs_to_dump(wl, loaded) : NamedArrays{};
+        for (const NamedArrays* arrays : {&inputs, &got}) {
+          for (const auto& [name, a] : *arrays) {
+            const std::string path = (std::filesystem::path(o.dump_dir) / (name + ".npy")).string();
+            write_file_atomic(
+                path, [&](std::ostream& out) { npy::write(out, a.view(), path); }, o.test_fail_write_after);
+            names += " " + name;
+          }
         }
         std::printf("# dumped%s to %s\n", names.c_str(), o.dump_dir.c_str());
       }
@@ -136,9 +155,29 @@ int sp_bench_main(int argc, char** argv) {
 #if defined(_OPENMP)
   omp_set_num_threads(o.threads);
 #endif
+  RunReport report;
+  report.date_utc = utc_now_iso8601();
+  report.node = node_info();
+  report.memory = estimate_memory(o, 0);
+  // The memory estimate, before anything is allocated: --dry-run prints it; a node that cannot hold it stops every
+  // rank with the node's figures.
+  const MemoryVerdict verdict = compare_with_node_memory(o, estimate_memory(o, place.rank));
+  if (o.dry_run) {
+    if (place.rank == 0) {
+      std::printf("%s# node: %s\n", describe_memory_estimate(report.memory).c_str(),
+                  !verdict.compared ? "not compared (nccl backend, or no MemAvailable)"
+                                    : str_cat(verdict.text, verdict.fits ? ": fits" : ": does NOT fit").c_str());
+    }
+    return 0;
+  }
+  SEQPAR_CHECK(verdict.fits, "memory estimate: ", verdict.text,
+               "; reduce --seq or --batch, or use more ranks or nodes (--dry-run prints the estimate by category)");
   const NamedArrays inputs = o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o);
   const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
   Progress progress(place.rank == 0 && !o.quiet);
+  const std::string oversubscribed = oversubscription_warning(report.node, o.threads);
+  if (place.rank == 0 && !oversubscribed.empty())
+    std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
   auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);
@@ -148,9 +187,17 @@ int sp_bench_main(int argc, char** argv) {
   const std::vector<std::string> outputs = wl->output_names();
   SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
                "--test-corrupt ", o.test_corrupt, ": no such output");
+  std::vector<std::string> dumped = outputs;
+  if (o.dump_inputs) {
+    for (const TensorSpec& s : wl->input_specs()) {
+      SEQPAR_CHECK(std::find(outputs.begin(), outputs.end(), s.name) == outputs.end(), "sp_bench: input and output ",
+                   s.name, " would share one --dump file");
+      dumped.push_back(s.name);
+    }
+  }
   if (!o.json_path.empty() && !o.dump_dir.empty()) {  // rank 0 would write the JSON over a dumped array
     auto normal = [](const std::filesystem::path& p) { return std::filesystem::absolute(p).lexically_normal(); };
-    for (const std::string& name : outputs) {
+    for (const std::string& name : dumped) {
       SEQPAR_CHECK(normal(o.json_path) != normal(std::filesystem::path(o.dump_dir) / (name + ".npy")), "--json ",
                    o.json_path, " is the file --dump ", o.dump_dir, " writes for ", name, "; choose another path");
     }
@@ -161,7 +208,6 @@ int sp_bench_main(int argc, char** argv) {
   // ---- timing and the cross-rank reduction ----
   LocalTimings timings = time_iterations(*world, *wl, o, input_ptr, progress);
   const bool reference_ready = timings.reference_ready;
-  RunReport report;
   report.backend = world->backend_name();
   report.world_size = place.size;
   report.grid = grid.str();
@@ -190,7 +236,7 @@ int sp_bench_main(int argc, char** argv) {
   // ---- report (rank 0), then the files ----
   if (place.rank == 0) print_report(o, report);
   const nlohmann::json json = o.json_path.empty() || place.rank != 0 ? nlohmann::json() : report_json(o, report);
-  write_outputs(*world, o, got, o.json_path.empty() ? nullptr : &json);
+  write_outputs(*world, o, *wl, got, input_ptr, o.json_path.empty() ? nullptr : &json);
   barrier(*world, kLongWaitS);
   const bool check_failed = o.check && !check.passed;
   if (check_failed && place.rank == 0) {

@@ -6,6 +6,7 @@
 // dq, dc, dq_idx, dk_idx, dw. The reference is the single-device kernels (attention/dsa.h) on the whole sequence,
 // one call each; the fp64 reference of --check (sp_bench_check.h) is attn::reference on the one-rank kernel's
 // topk_indices. lse and the kernels' accumulators are fp64 for fp64 inputs.
+#include <algorithm>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
@@ -106,11 +107,10 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     return r;
   }
 
+  NamedArrays make_full_inputs() const override { return full_inputs(nullptr); }
+
   void reference_setup(const NamedArrays* full) override {
-    std::vector<ArraySpec> in;
-    for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
-    ref_in_ = zero_arrays(in);
-    fill(full, all_positions(o_.seq), views_of(ref_in_));
+    ref_in_ = full_inputs(full);
     const DType acc = accumulator_dtype(o_.dtype);  // lse and the loss arrays (fp64 for fp64 inputs)
     ref_out_ = zero_arrays(output_specs(o_.dtype, acc, true));
     // Work arrays of the indexer loss, indexed like topk_indices.
@@ -216,6 +216,15 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
 
   TensorView ref(const char* name) const { return find_array(ref_out_, name).view(); }
 
+  // The whole problem's inputs, from `full` or the seed.
+  NamedArrays full_inputs(const NamedArrays* full) const {
+    std::vector<ArraySpec> in;
+    for (const TensorSpec& t : dsa_input_specs(o_)) in.push_back({t.name, o_.dtype, t.shape});
+    NamedArrays r = zero_arrays(in);
+    fill(full, all_positions(o_.seq), views_of(r));
+    return r;
+  }
+
   attn::DsaIndexerArgs ref_indexer_args() const {
     attn::DsaIndexerArgs a;
     a.q_idx = find_array(ref_in_, "q_idx").view();
@@ -275,6 +284,45 @@ std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o) {
           {"dout", {B, S, o.heads, o.dim_v}}};
 }
 
+// What DsaWorkload's step holds on one rank (sp_bench_memory.h), following DsaContextParallel (parallel/dsa_cp.cc):
+// per rank S/P rows of q [., H, Dqk], the latent c [., Dqk], the indexer inputs q_idx [., Hi, Di], k_idx [., Di],
+// w [., Hi] and dout [., H, Dv]; per row k selected slots (int64 indices, fp32 scores and probabilities); fp32
+// accumulators; the latent and its gradient circulate over the ring, the index keys over the SP group.
+WorkloadMemory dsa_memory(const SpBenchOptions& o) {
+  const double e = static_cast<double>(dtype_size(o.dtype)), f = 4, pu = o.grid.ulysses_size, pr = o.grid.ring_size;
+  const double rows = static_cast<double>(o.batch) * static_cast<double>(o.seq) / (pu * pr);  // B x S/P
+  const double q = rows * o.heads * o.head_dim, c = rows * o.head_dim, q_idx = rows * o.indexer_heads * o.indexer_dim,
+               k_idx = rows * o.indexer_dim, w = rows * o.indexer_heads, out = rows * o.heads * o.dim_v;  // elements
+  const double lse = f * rows * o.heads, slots = rows * static_cast<double>(o.topk);
+  const double indexer = q_idx + k_idx + w;
+  const double sp = pu * pr, dims = std::max<double>({static_cast<double>(o.topk), static_cast<double>(o.head_dim),
+                                                      static_cast<double>(o.indexer_heads * o.indexer_dim)});
+  const double scratch = o.threads * 8 * 8 * dims;  // per-thread rows of the kernels (attention/cpu/dsa_*.cc)
+  WorkloadMemory m;
+  m.inputs = e * (q + c + indexer + out);  // q, c, q_idx, k_idx, w, dout
+  // Forward: the indexer inputs, the selection (indices and scores, this rank's and the ring group's), q_h, the
+  // ring's latent, lse_h and out_h; the selection's scores and state, the fp32 accumulator and block result; the
+  // outputs out, lse, topk_indices; the circulating (or gathered) index keys and latent, the Ulysses exchange.
+  const double saved = e * (indexer + q + c * pu + out) + 12 * slots + 8 * slots * pu + lse;
+  m.forward.saved = saved;
+  m.forward.outputs = e * out + lse + 8 * slots;
+  m.forward.workspace = 12 * slots + 2 * f * out + lse + scratch;
+  const double index_keys = o.dsa_select == "ring" ? 2 * e * k_idx : e * k_idx * sp;
+  const double a2a = pu > 1 ? 2 * e * std::max(q, out) : 0;
+  m.forward.comm = index_keys + 2 * e * c * pu + a2a;
+  // Backward: out, lse and topk_indices stay held; dout_h, delta, the ring's probabilities, dq and dc accumulators,
+  // dq_h, the loss side (probabilities, scores' gradients, fp32 indexer gradients) and the gradients themselves.
+  m.backward.saved = saved;
+  m.backward.outputs = m.forward.outputs + e * (q + c + indexer);
+  m.backward.workspace =
+      e * out + lse + f * slots * pu + f * q + f * c * pu + e * q + f * c + 8 * slots + f * indexer + scratch;
+  m.backward.comm = 2 * e * c * pu + 4 * f * c * pu + index_keys + f * k_idx * sp + a2a;
+  m.full_inputs = m.inputs * sp;
+  m.full_outputs = (m.backward.outputs - 8 * slots) * sp + 8 * slots * sp;  // out, lse, topk_indices, the gradients
+  m.reference_scratch = 3 * f * slots * sp;                                 // probabilities, scores, their gradient
+  return m;
+}
+
 SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   WorkloadKind k;
   k.name = "dsa";
@@ -285,6 +333,7 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
                 "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"}};
   k.own_flags = {"topk", "dsa-select", "dim-v", "indexer-heads", "indexer-dim"};
   k.input_specs = dsa_input_specs;
+  k.estimate_memory = dsa_memory;
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["topk"] = o.topk;
     j["shape"]["dim_v"] = o.dim_v;

@@ -125,13 +125,10 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     return r;
   }
 
+  NamedArrays make_full_inputs() const override { return full_inputs(nullptr); }
+
   void reference_setup(const NamedArrays* full) override {
-    std::vector<ArraySpec> in;
-    for (const TensorSpec& t : gdn_input_specs(o_)) {
-      in.push_back({t.name, t.name == "initial_state" ? state_dtype_ : o_.dtype, t.shape});
-    }
-    ref_in_ = zero_arrays(in);
-    fill(full, all_positions(o_.seq), views_of(ref_in_));
+    ref_in_ = full_inputs(full);
     ref_out_ = zero_arrays(output_specs(o_.dtype, state_dtype_));
   }
   void reference_forward() override {
@@ -301,6 +298,17 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   TensorView ref(const char* name) const { return find_array(ref_out_, name).view(); }
 
+  // The whole problem's inputs (initial_state in the state dtype), from `full` or the seed.
+  NamedArrays full_inputs(const NamedArrays* full) const {
+    std::vector<ArraySpec> in;
+    for (const TensorSpec& t : gdn_input_specs(o_)) {
+      in.push_back({t.name, t.name == "initial_state" ? state_dtype_ : o_.dtype, t.shape});
+    }
+    NamedArrays r = zero_arrays(in);
+    fill(full, all_positions(o_.seq), views_of(r));
+    return r;
+  }
+
   // out, final_state, then the gradients, as gather_outputs() orders them.
   std::vector<ArraySpec> output_specs(DType dtype, DType state_dtype) const {
     std::vector<ArraySpec> r = {{"out", dtype, v_shape(o_.seq)},      {"final_state", state_dtype, state_shape()},
@@ -390,6 +398,46 @@ std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
   return r;
 }
 
+// What GdnWorkload's step holds on one rank (sp_bench_memory.h), following GdnContextParallel (parallel/gdn_cp.cc)
+// and the chunked kernel (attention/cpu/gdn_chunk.cc): X = one [B, S/P, H, K] tensor, per segment (zigzag: two per
+// rank) a state [B, H/Pu, K, V] in the state dtype, per thread one chunk scratch of [C, C], [C, K] and [K, V] buffers
+// (backward: also the start state of every chunk of a segment).
+WorkloadMemory gdn_memory(const SpBenchOptions& o) {
+  const double e = static_cast<double>(dtype_size(o.dtype)), pu = o.grid.ulysses_size, pr = o.grid.ring_size;
+  const double st = static_cast<double>(dtype_size(attn::gdn_state_dtype(o.dtype)));
+  const double c = o.dtype == DType::kFloat64 ? 8 : 4, threads = o.threads, batch = static_cast<double>(o.batch);
+  const double sl = static_cast<double>(o.seq) / (pu * pr), kd = static_cast<double>(o.head_dim);
+  const double x = e * batch * sl * o.heads * kd, gate = e * batch * sl * o.heads;
+  const double state = st * batch * o.heads * kd * kd;  // initial_state, final_state, dinitial_state
+  const double segments = o.layout == LayoutKind::kZigzag && pr > 1 ? 2 : 1;
+  const double seg_state = st * batch * (o.heads / pu) * kd * kd;
+  const double chunk = static_cast<double>(std::min(o.chunk_size, o.seq)), m = std::max(chunk, kd);
+  const double seg_len = static_cast<double>(o.seq) / (pr * segments);
+  const double fwd_worker = c * (17 * chunk * m + 3 * m * m + 16 * chunk);
+  const double bwd_worker = fwd_worker + c * (17 * chunk * m + 3 * m * m + std::ceil(seg_len / chunk) * kd * kd);
+  const double a2a = pu > 1 ? 2 * x : 0;
+  const double ring = o.gdn_mode == "scan" ? 6 * segments * seg_state : 2 * segments * seg_state;
+  WorkloadMemory m_;
+  m_.inputs = 4 * x + 2 * gate + state;  // q, k, v, dout, g, beta, initial_state
+  // Forward: the context keeps q k v g beta in the heads layout and the segments' start states (and scan maps);
+  // out_h and each segment's out, the outputs out and final_state; the exchanged states.
+  const double saved = 3 * x + 2 * gate + 2 * segments * seg_state;
+  m_.forward.saved = saved;
+  m_.forward.outputs = x + state;
+  m_.forward.workspace = 2 * x + 4 * segments * seg_state + threads * fwd_worker;
+  m_.forward.comm = a2a + ring;
+  // Backward: out and final_state stay held; dout_h and its segment rows, the gradients in the heads layout and per
+  // segment, the outputs dq dk dv dg dbeta dinitial_state.
+  m_.backward.saved = saved;
+  m_.backward.outputs = x + state + 3 * x + 2 * gate + state;
+  m_.backward.workspace = 2 * x + 2 * (3 * x + 2 * gate) + 4 * segments * seg_state + threads * bwd_worker;
+  m_.backward.comm = a2a + ring;
+  m_.full_inputs = (4 * x + 2 * gate) * pu * pr + state;
+  m_.full_outputs = (4 * x + 2 * gate) * pu * pr + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states
+  m_.reference_scratch = threads * bwd_worker;
+  return m_;
+}
+
 SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   WorkloadKind k;
   k.name = "gdn";
@@ -400,6 +448,7 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                 4}};
   k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "dim-v", "conv-width"};
   k.input_specs = gdn_input_specs;
+  k.estimate_memory = gdn_memory;
   k.validate = [](SpBenchOptions& o) {
     if (o.dim_v == 0) o.dim_v = o.head_dim;
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");

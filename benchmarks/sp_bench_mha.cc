@@ -2,6 +2,7 @@
 // ring-size 1 = pure Ulysses). Inputs q k v dout [B, S, H, D]; outputs out [B, S, Hq, D], lse [B, Hq, S] (fp32;
 // fp64 for fp64), dq, dk, dv. The reference is one attn::mha_forward + attn::mha_backward call on the full tensors; the
 // fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward.
+#include <algorithm>
 #include <cmath>
 
 #include "attention/mha.h"
@@ -72,6 +73,13 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     r.emplace_back("dq", gather(grads_.dq, q_shape(o_.seq), 1));
     r.emplace_back("dk", gather(grads_.dk, kv_shape(o_.seq), 1));
     r.emplace_back("dv", gather(grads_.dv, kv_shape(o_.seq), 1));
+    return r;
+  }
+
+  NamedArrays make_full_inputs() const override {
+    NamedArrays r;
+    for (const TensorSpec& t : mha_input_specs(o_)) r.emplace_back(t.name, npy::HostArray(o_.dtype, t.shape));
+    fill(nullptr, all_positions(o_.seq), views_of(r));
     return r;
   }
 
@@ -189,6 +197,56 @@ std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o) {
   return {{"q", q}, {"k", kv}, {"v", kv}, {"dout", q}};
 }
 
+// What MhaWorkload's step holds on one rank (sp_bench_memory.h), following UspAttention and RingAttention
+// (parallel/usp.cc, ring_attention.cc, ring_pass.cc): per rank q [B, S/P, Hq, D] and, after the Ulysses exchange, kv
+// with hx heads (Hkv, or Pu when Pu > Hkv replicates them) over the ring shard; accumulators fp32.
+WorkloadMemory mha_memory(const SpBenchOptions& o) {
+  const double e = static_cast<double>(dtype_size(o.dtype)), f = 4, pu = o.grid.ulysses_size, pr = o.grid.ring_size;
+  const double sl = static_cast<double>(o.seq) / (pu * pr), bsd = static_cast<double>(o.batch) * sl * o.head_dim;
+  const bool replicate = o.kv_heads % o.grid.ulysses_size != 0;
+  const double hx = replicate ? pu : static_cast<double>(o.kv_heads);
+  const double q = bsd * o.heads, kv_in = bsd * o.kv_heads, kv = bsd * hx;  // elements per rank
+  const double lse = f * static_cast<double>(o.batch) * o.heads * sl;       // bytes
+  const double a2a = pu > 1 ? 2 * e * q : 0;                                // send + receive of one exchange
+  const double kv_grad = replicate ? f : e;
+  // The kernels' scratch on one block (attention/cpu/mha_*_cpu.cc): Sq = S / Pr query rows against Sk keys (one
+  // ring shard, or the whole sequence for allgather), in the compute type (fp64 for fp64, else fp32), 64 x 64
+  // tiles, D padded to the vector width (16 is enough), per-thread buffers for every thread.
+  const double c = o.dtype == DType::kFloat64 ? 8 : 4, threads = o.threads, batch = static_cast<double>(o.batch);
+  const double sq = static_cast<double>(o.seq) / pr, sk = o.impl == RingImpl::kP2P ? sq : static_cast<double>(o.seq);
+  const double dp = std::ceil(o.head_dim / 16.0) * 16, nkt = std::ceil(sk / 64), skp = 64 * nkt;
+  const double hq_local = o.heads / pu, hkv_local = hx / pu;
+  const double nchunks = std::clamp(std::ceil(8 / (batch * hq_local)), 1.0, nkt);
+  const double fwd_kernel =
+      c * (2 * batch * hkv_local * skp * dp + threads * (o.head_dim + 2 * 64 * dp + 64 * 64 + 128 + dp));
+  const double bwd_kernel =
+      c * (batch * hq_local * skp * dp * 2 + (nchunks > 1 ? nchunks * batch * hq_local * sq * dp : 0) +
+           threads * (3 * sq * dp + 2 * sq + skp * dp + 2 * nkt * o.head_dim * 64 + 2 * 64 * 64 + 2 * dp));
+  WorkloadMemory m;
+  m.inputs = e * (2 * q + 2 * kv_in);               // q, k, v, dout
+  const double saved = e * (2 * q + 2 * kv) + lse;  // the ring's copies of q, k, v, out, and lse
+  // Forward: q_h k_h v_h (and replicated kv), out_h lse_h, the fp32 accumulator and block result; the ring's kv
+  // double buffer (p2p) or the gathered kv (allgather); the outputs out and lse.
+  m.forward.saved = saved;
+  m.forward.outputs = e * q + lse;
+  m.forward.workspace = e * (2 * q + 2 * kv) + (replicate ? 2 * e * kv : 0) + 2 * f * q + 2 * lse + fwd_kernel;
+  const double gather = e * kv * (4 * pr + 2);
+  m.forward.comm = (o.impl == RingImpl::kP2P ? 6 * e * kv : gather) + a2a;
+  // Backward: the forward's out and lse stay held; dout_h, dq_h dk_h dv_h, delta, the fp32 dq accumulator and dk dv
+  // (p2p: one ring shard; allgather: the whole sequence); the circulating kv and gradient buffers.
+  m.backward.saved = saved;
+  m.backward.outputs = e * q + lse + e * (q + 2 * kv_in);
+  m.backward.workspace = 2 * e * q + 2 * kv_grad * kv + (replicate ? 2 * f * kv : 0) + lse + f * q +
+                         (o.impl == RingImpl::kP2P ? 2 * f * kv : 2 * f * kv * pr) + bwd_kernel;
+  const double ring_p2p = e * 6 * kv + f * 2 * kv * (pr > 1 ? 4 : 2);
+  const double ring_ag = std::max(gather, 2 * e * kv * pr + f * 2 * kv * (pr + 1));
+  m.backward.comm = (o.impl == RingImpl::kP2P ? ring_p2p : ring_ag) + a2a;
+  m.full_inputs = m.inputs * pu * pr;                                  // the whole sequence: the local shard times P
+  m.full_outputs = (e * (2 * q + 2 * kv_in) + e * q + lse) * pu * pr;  // out, lse, dq, dk, dv
+  m.reference_scratch = 0;
+  return m;
+}
+
 SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   WorkloadKind k;
   k.name = "mha";
@@ -196,6 +254,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0, "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"}};
   k.own_flags = {"test-logit-scale"};
   k.input_specs = mha_input_specs;
+  k.estimate_memory = mha_memory;
   k.validate = [](SpBenchOptions& o) {
     SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " must be a multiple of --kv-heads ", o.kv_heads,
                  " (GQA)");

@@ -99,6 +99,9 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
     ("inputs", "read the full inputs from DIR/<name>.npy (fp32 or fp64, C order)", cxxopts::value<std::string>())
     ("dump", "write the full outputs and gradients to DIR/<name>.npy (rank 0)", cxxopts::value<std::string>())
+    ("dump-inputs", "with --dump: also write the full inputs to DIR/<name>.npy (fp32, fp64 for --dtype fp64), the "
+                    "files --inputs DIR reads")
+    ("dry-run", "print the memory estimate per rank (by category) and whether the node can hold it, then exit 0")
     ("quiet", "no progress lines")
     ("help", "print this help")
     ("version", "print the version and exit");
@@ -106,7 +109,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   spec.add_options("test")
     ("test-corrupt", "", cxxopts::value<std::string>())
     ("test-fail-write-after", "", cxxopts::value<std::int64_t>())
-    ("test-logit-scale", "", cxxopts::value<double>());
+    ("test-logit-scale", "", cxxopts::value<double>())
+    ("test-mem-available-mib", "", cxxopts::value<double>());
   // clang-format on
 
   const std::optional<cxxopts::ParseResult> parsed =
@@ -199,12 +203,18 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   o.efficiency = r.count("efficiency") > 0;
   o.gdn_compare_token = r.count("gdn-compare-token") > 0;
   o.quiet = r.count("quiet") > 0;
+  o.dump_inputs = r.count("dump-inputs") > 0;
+  o.dry_run = r.count("dry-run") > 0;
   if (r.count("json")) o.json_path = get_checked<std::string>(r, "json");
   if (r.count("inputs")) o.inputs_dir = get_checked<std::string>(r, "inputs");
   if (r.count("dump")) o.dump_dir = get_checked<std::string>(r, "dump");
   if (r.count("test-corrupt")) o.test_corrupt = get_checked<std::string>(r, "test-corrupt");
   if (r.count("test-fail-write-after")) o.test_fail_write_after = get_checked<std::int64_t>(r, "test-fail-write-after");
   if (r.count("test-logit-scale")) o.test_logit_scale = get_checked<double>(r, "test-logit-scale");
+  if (r.count("test-mem-available-mib")) {
+    o.test_mem_available_mib = get_checked<double>(r, "test-mem-available-mib");
+    SEQPAR_CHECK(o.test_mem_available_mib > 0, "--test-mem-available-mib ", o.test_mem_available_mib, ": must be > 0");
+  }
   for (const char* flag : {"json", "inputs", "dump"}) {
     SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag, " needs a non-empty path");
   }
@@ -212,6 +222,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
 
   // ---- rules ----
+  SEQPAR_CHECK(!o.dump_inputs || !o.dump_dir.empty(), "--dump-inputs needs --dump DIR (the directory it writes to)");
   check_min(o.batch, 1, "batch");
   check_min(o.seq, 1, "seq");
   check_min(o.heads, 1, "heads");

@@ -55,12 +55,15 @@ struct SpBenchOptions {
   std::string json_path;
   std::string inputs_dir;
   std::string dump_dir;
-  bool quiet = false;  // no progress lines
+  bool dump_inputs = false;  // --dump also writes the full inputs, as --inputs reads them
+  bool quiet = false;        // no progress lines
+  bool dry_run = false;      // print the memory estimate and exit
 
   // Test hooks (hidden from --help; the tests in tests/mpi/CMakeLists.txt use them):
   std::string test_corrupt;                 // --test-corrupt NAME: perturb the gathered tensor NAME before the check
   std::int64_t test_fail_write_after = -1;  // --test-fail-write-after N: every output file fails after N bytes
   double test_logit_scale = 1;              // --test-logit-scale X (MHA): random q times X, logits times X
+  double test_mem_available_mib = 0;        // --test-mem-available-mib N: the node's available memory (0: real)
 };
 
 // Parses argv. Returns std::nullopt after printing the help on rank 0 (--help). Throws Error (same text on every

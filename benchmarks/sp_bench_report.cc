@@ -24,14 +24,20 @@ bool has_rounds(const RunReport& r) { return r.phases.front().message_rounds >= 
 void print_header(const SpBenchOptions& o, const RunReport& r) {
   std::printf("# seqpar sp_bench %s\n", version());
   std::printf("# backend %s, world %d, grid %s, threads/rank %d\n", r.backend, r.world_size, r.grid.c_str(), o.threads);
+  std::printf("# host %s (%d ranks on it, %d cores), commit %s, date %s\n", r.node.host.c_str(), r.node.ranks_per_node,
+              r.node.cores_per_node, git_commit(), r.date_utc.c_str());
+  const std::string warning = oversubscription_warning(r.node, o.threads);
+  if (!warning.empty()) std::printf("# warning: %s\n", warning.c_str());
   std::printf("# attn %s%s, layout %s, impl %s, dtype %s\n", o.attn.c_str(),
               o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout),
               ring_impl_name(o.impl), dtype_name(o.dtype));
   std::printf("# shapes %s\n", describe_shapes(o).c_str());
-  std::printf("# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median); inputs %s\n",
-              r.phases[0].flops, r.phases[1].flops, o.warmup, o.iters,
-              o.inputs_dir.empty() ? str_cat("random (seed ", o.seed, ")").c_str() : o.inputs_dir.c_str());
-  std::printf("#\n");
+  std::printf(
+      "# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median; JSON: min, max, each); inputs "
+      "%s\n",
+      r.phases[0].flops, r.phases[1].flops, o.warmup, o.iters,
+      o.inputs_dir.empty() ? str_cat("random (seed ", o.seed, ")").c_str() : o.inputs_dir.c_str());
+  std::printf("%s#\n", describe_memory_estimate(r.memory).c_str());
 }
 
 void print_phases(const SpBenchOptions& o, const RunReport& r) {
@@ -113,6 +119,10 @@ void print_variants(const SpBenchOptions& o, const std::vector<VariantTiming>& v
 nlohmann::json phase_json(const SpBenchOptions& o, const RunReport& r, const PhaseResult& p) {
   nlohmann::json pj = {{"phase", p.name},
                        {"time_ms", p.time_ms},
+                       {"time_min_ms", p.min_ms},
+                       {"time_median_ms", p.time_ms},
+                       {"time_max_ms", p.max_ms},
+                       {"time_iters_ms", p.iter_ms},
                        {"flops", p.flops},
                        {"tflops_per_rank", tflops_total(p) / r.world_size},
                        {"tflops_total", tflops_total(p)},
@@ -163,6 +173,12 @@ void print_report(const SpBenchOptions& o, const RunReport& r) {
 nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   nlohmann::json j;
   j["version"] = version();
+  // Where and when (README "sp_bench JSON").
+  j["git_commit"] = git_commit();
+  j["host"] = r.node.host;
+  j["date_utc"] = r.date_utc;
+  j["ranks_per_node"] = r.node.ranks_per_node;
+  j["cores_per_node"] = r.node.cores_per_node;
   j["backend"] = r.backend;
   j["world_size"] = r.world_size;
   j["grid"] = {{"dp_size", o.grid.dp_size},
@@ -181,6 +197,10 @@ nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   if (kind.add_json) kind.add_json(o, j);
   j["warmup"] = o.warmup;
   j["iters"] = o.iters;
+  nlohmann::json mem = {{"ledger_peak_bytes", r.memory.ledger_bytes()}, {"total_bytes", r.memory.total_bytes()}};
+  for (const auto& [name, bytes] : r.memory.ledger) mem["ledger"][name] = bytes;
+  for (const auto& [name, bytes] : r.memory.host) mem["host"][name] = bytes;
+  j["memory_estimate"] = mem;
   j["phases"] = nlohmann::json::array();
   for (const PhaseResult& p : r.phases) j["phases"].push_back(phase_json(o, r, p));
   if (!r.variants.empty()) {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "benchmarks/sp_bench_check.h"
+#include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_timing.h"
 #include "benchmarks/sp_bench_workload.h"
@@ -17,7 +18,10 @@ namespace seqpar::bench {
 struct RunReport {
   const char* backend = "";
   int world_size = 1;
-  std::string grid;  // SpGrid::str()
+  std::string grid;       // SpGrid::str()
+  NodeInfo node;          // rank 0's node
+  std::string date_utc;   // start of the run, utc_now_iso8601()
+  MemoryEstimate memory;  // world rank 0's estimate (the largest)
   std::vector<PhaseResult> phases;
   const CheckReport* check = nullptr;  // null without --check
   std::vector<VariantTiming> variants;

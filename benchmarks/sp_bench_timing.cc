@@ -11,15 +11,22 @@ namespace {
 constexpr double kMiB = 1024.0 * 1024.0;
 constexpr int kMemSlots = kNumMemCategories + 1;  // the categories, then the total
 
-// Medians over the iterations of the forward, the backward and their sum, from [fwd_0, bwd_0, fwd_1, ...].
-std::vector<double> phase_medians(const std::vector<double>& t, int iters) {
-  std::vector<double> f(iters), b(iters), fb(iters);
+// The per-iteration times of the forward, the backward and their sum, from [fwd_0, bwd_0, fwd_1, ...].
+std::vector<std::vector<double>> phase_series(const std::vector<double>& t, int iters) {
+  std::vector<std::vector<double>> s(3, std::vector<double>(iters));
   for (int i = 0; i < iters; ++i) {
-    f[i] = t[2 * i];
-    b[i] = t[2 * i + 1];
-    fb[i] = f[i] + b[i];
+    s[0][i] = t[2 * i];
+    s[1][i] = t[2 * i + 1];
+    s[2][i] = s[0][i] + s[1][i];
   }
-  return {median(f), median(b), median(fb)};
+  return s;
+}
+
+// Medians over the iterations of the forward, the backward and their sum.
+std::vector<double> phase_medians(const std::vector<double>& t, int iters) {
+  std::vector<double> m;
+  for (const std::vector<double>& s : phase_series(t, iters)) m.push_back(median(s));
+  return m;
 }
 
 // Records one phase's counters and memory peaks into `t`.
@@ -129,14 +136,17 @@ std::vector<PhaseResult> reduce_phases(Communicator& world, LocalTimings t, cons
   all_reduce(world, t.mem, ReduceOp::kMax);
 
   const double dp = o.grid.dp_size, ranks = world.size();
-  const std::vector<double> med = phase_medians(t.times, n);
+  const std::vector<std::vector<double>> series = phase_series(t.times, n);
   std::vector<PhaseResult> phases(3);
   const char* names[3] = {"fwd", "bwd", "fwd+bwd"};
   const double flops[2] = {dp * wl.forward_flops(), dp * wl.backward_flops()};
   for (int p = 0; p < 3; ++p) {
     PhaseResult& r = phases[p];
     r.name = names[p];
-    r.time_ms = 1e3 * med[p];
+    for (double x : series[p]) r.iter_ms.push_back(1e3 * x);
+    r.time_ms = median(r.iter_ms);
+    r.min_ms = *std::min_element(r.iter_ms.begin(), r.iter_ms.end());
+    r.max_ms = *std::max_element(r.iter_ms.begin(), r.iter_ms.end());
     if (p < 2) {
       r.flops = flops[p];
       r.exposed_frac = exposed_frac[p] / ranks;

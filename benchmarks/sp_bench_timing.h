@@ -51,14 +51,16 @@ LocalTimings time_iterations(Communicator& world, Workload& wl, const SpBenchOpt
 // One row of the results table.
 struct PhaseResult {
   std::string name;
-  double time_ms = 0;           // median over iterations of the slowest rank's time
-  double flops = 0;             // model FLOPs of the phase, all replicas
-  double exposed_frac = 0;      // mean over ranks of exposed communication / phase time
-  double bytes_sent = 0;        // max over ranks, per iteration
-  double executed_flops = 0;    // attention FLOPs executed per iteration, max over ranks (JSON only)
-  double message_rounds = -1;   // sequential message rounds per iteration, max over ranks (GDN); -1: none
-  std::vector<double> mem_mib;  // per ledger category, then total; max over ranks and iterations
-  double single_rank_ms = -1;   // --efficiency: the whole problem on one rank
+  double time_ms = 0;             // median over iterations of the slowest rank's time
+  double min_ms = 0, max_ms = 0;  // the fastest and slowest iteration (each the slowest rank's time)
+  std::vector<double> iter_ms;    // every timed iteration, in order (each the slowest rank's time)
+  double flops = 0;               // model FLOPs of the phase, all replicas
+  double exposed_frac = 0;        // mean over ranks of exposed communication / phase time
+  double bytes_sent = 0;          // max over ranks, per iteration
+  double executed_flops = 0;      // attention FLOPs executed per iteration, max over ranks (JSON only)
+  double message_rounds = -1;     // sequential message rounds per iteration, max over ranks (GDN); -1: none
+  std::vector<double> mem_mib;    // per ledger category, then total; max over ranks and iterations
+  double single_rank_ms = -1;     // --efficiency: the whole problem on one rank
   double efficiency = -1;
   double single_rank_busy_ms = -1;  // the same with every rank running its own copy at once
   double efficiency_busy = -1;

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "benchmarks/npy.h"
+#include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "parallel/cp_common.h"
 #include "runtime/sp_grid.h"
@@ -88,6 +89,10 @@ class Workload {
   virtual PhaseCounters backward() = 0;
   // Collective over the SP group: the full outputs and gradients of the last forward / backward on every SP rank.
   virtual NamedArrays gather_outputs() = 0;
+
+  // The full inputs generated from the seed, exactly as setup() draws this rank's shard of them, in input_specs()
+  // order and the storage dtype (GDN's initial_state: the state dtype); for --dump-inputs (no communication).
+  virtual NamedArrays make_full_inputs() const = 0;
 
   // The single-rank reference of the same problem (no communication; called on one rank).
   virtual void reference_setup(const NamedArrays* full) = 0;
@@ -181,6 +186,9 @@ struct WorkloadKind {
   std::function<void(const SpBenchOptions&, nlohmann::json&)> add_json;
   // The full input tensors (known before the grid exists, for --inputs).
   std::function<std::vector<TensorSpec>(const SpBenchOptions&)> input_specs;
+  // What one rank's distributed step holds, by ledger category (sp_bench_memory.h), from the options alone: the
+  // estimate that sp_bench compares with the node's memory before it allocates.
+  std::function<WorkloadMemory(const SpBenchOptions&)> estimate_memory;
   // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
   // SEQPAR_WORKLOAD_KIND.
   std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;

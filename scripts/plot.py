@@ -1,13 +1,21 @@
 #!/usr/bin/python3
-"""Plots a sweep.py CSV as one PNG with four panels (fwd+bwd phase): strong-scaling throughput and efficiency
-against ranks, throughput against sequence length, and weak-scaling throughput per rank against ranks; one line
-per grid/impl (and sequence length where several were swept). Uses matplotlib's Agg backend (no display needed);
-on Debian: /usr/bin/python3 with python3-matplotlib.
+"""Plots the strong-scaling runs of one attention kind of a sweep.py CSV as one PNG of six panels (one phase, default
+fwd+bwd), every panel against ranks with one colour per algorithm throughout (1rank, the shared baseline, in black)
+and one line style per sequence length:
+  time (error bars: min and max over the timed iterations) with the ideal-scaling line T1 / P;
+  parallel efficiency T1 / (P x T_P) (bars from the same spread), with 1 marked;
+  throughput (TFLOP/s, all ranks; bars from the spread);
+  bytes sent per rank (MiB); exposed communication (% of the phase time);
+  peak memory per rank by ledger category (stacked bars per algorithm and rank count, longest sequence), with the
+  sweep's memory estimate as a marker.
+Every y axis starts at zero; ranks are on a log2 axis. Uses matplotlib's Agg backend (no display needed): on Debian python3-matplotlib
+(scripts/install_deps.sh installs it).
 
-  /usr/bin/python3 scripts/plot.py docs/sweep.csv --out docs/scaling.png
+  scripts/plot.py docs/sweep.csv --attn mha --out docs/scaling.png
 """
 import argparse
 import csv
+import math
 import os
 import sys
 from collections import defaultdict
@@ -16,6 +24,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+
+MEM_CATEGORIES = [("model_state", "model"), ("saved_activation", "saved"), ("persistent_cache", "cache"),
+                  ("workspace", "workspace"), ("comm_buffer", "comm")]
+LINE_STYLES = ["-", "--", ":", "-."]
+BASELINE = "1rank"
 
 
 def num(x):
@@ -30,117 +44,153 @@ def fmt_seq(s):
     return f"{s // 1024}K" if s % 1024 == 0 else str(s)
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("csv", help="CSV written by scripts/sweep.py")
-    ap.add_argument("--out", default="scaling.png", help="PNG to write")
-    ap.add_argument("--phase", default="fwd+bwd", choices=["fwd", "bwd", "fwd+bwd"])
-    ap.add_argument("--title", default="", help="extra title text (e.g. the machine)")
-    ap.add_argument("--dpi", type=int, default=72)
-    args = ap.parse_args()
-
-    with open(args.csv, newline="") as f:
-        rows = [r for r in csv.DictReader(f) if r["phase"] == args.phase]
+def load(path, attn, phase):
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f))
+    kinds = sorted({r.get("attn", "mha") for r in rows})
+    if attn is None:
+        if len(kinds) > 1:
+            sys.exit(f"plot.py: {path} holds several kinds ({', '.join(kinds)}); choose one with --attn")
+        attn = kinds[0] if kinds else "mha"
+    rows = [r for r in rows if r.get("attn", "mha") == attn and r["phase"] == phase and r["scaling"] == "strong"]
     if not rows:
-        sys.exit(f"plot.py: no rows with phase {args.phase!r} in {args.csv}")
+        sys.exit(f"plot.py: no strong-scaling rows of --attn {attn}, phase {phase!r} in {path}")
     for r in rows:
         r["ranks"] = int(r["ranks"])
         r["seq"] = int(r["seq"])
-        r["tflops_total"] = float(r["tflops_total"])
-        r["tflops_per_rank"] = float(r["tflops_per_rank"])
-        eff = num(r.get("efficiency"))
-        r["eff"] = eff if eff is not None else num(r.get("sweep_efficiency"))
-        r["eff_busy"] = num(r.get("efficiency_busy"))
+        for k in ("time_ms", "tflops_total", "exposed_comm_pct", "bytes_sent_per_rank", "flops"):
+            r[k] = float(r[k])
+        r["tmin"] = num(r.get("time_min_ms")) or r["time_ms"]
+        r["tmax"] = num(r.get("time_max_ms")) or r["time_ms"]
+    return attn, rows
 
-    strong = [r for r in rows if r["scaling"] == "strong"]
-    weak = [r for r in rows if r["scaling"] == "weak"]
-    seqs = sorted({r["seq"] for r in strong})
 
-    def label(r, with_seq):
-        s = r["grid"] if r["impl"] in ("-", "p2p") else f"{r['grid']} {r['impl']}"
-        return f"{s} S={fmt_seq(r['seq'])}" if with_seq else s
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("csv", help="CSV written by scripts/sweep.py")
+    ap.add_argument("--attn", help="attention kind to plot (needed when the CSV holds several)")
+    ap.add_argument("--out", default="scaling.png", help="PNG to write")
+    ap.add_argument("--phase", default="fwd+bwd", choices=["fwd", "bwd", "fwd+bwd"])
+    ap.add_argument("--title", default="", help="extra title text (e.g. the machine)")
+    ap.add_argument("--dpi", type=int, default=150)
+    args = ap.parse_args()
 
-    def lines(data, key_fn, x, y, base_rows=None):
-        """Groups rows into lines; the 1-rank baseline row (grid '1rank') starts every line of its group."""
-        groups = defaultdict(list)
-        bases = defaultdict(list)
-        for r in data:
-            if r["grid"] == "1rank":
-                bases[r["seq"] if r["scaling"] == "strong" else "weak"].append(r)
-            else:
-                groups[key_fn(r)].append(r)
-        out = []
-        for name, rs in sorted(groups.items()):
-            base_key = rs[0]["seq"] if rs[0]["scaling"] == "strong" else "weak"
-            pts = sorted([(b[x], b[y]) for b in bases.get(base_key, []) if b[y] is not None] +
-                         [(r[x], r[y]) for r in rs if r[y] is not None])
-            out.append((name, pts))
-        return out
+    attn, rows = load(args.csv, args.attn, args.phase)
+    plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 9})
+    algos = sorted({r["algo"] for r in rows if r["algo"] != BASELINE})
+    colour = {BASELINE: "black", **{a: f"C{i}" for i, a in enumerate(algos)}}
+    seqs = sorted({r["seq"] for r in rows})
+    style = {s: LINE_STYLES[i % len(LINE_STYLES)] for i, s in enumerate(seqs)}
+    ranks_all = sorted({r["ranks"] for r in rows})
+    base = {r["seq"]: r for r in rows if r["algo"] == BASELINE}
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5))
-    many = len(seqs) > 1
-    ax = axes[0][0]
-    for name, pts in lines(strong, lambda r: label(r, many), "ranks", "tflops_total"):
-        ax.plot(*zip(*pts), marker="o", label=name)
-    ax.set(title=f"strong scaling: throughput ({args.phase})", xlabel="ranks", ylabel="TFLOP/s (all ranks)")
+    # One line per (algorithm, sequence length), starting at the shared 1-rank baseline.
+    lines = defaultdict(list)
+    for r in rows:
+        if r["algo"] != BASELINE:
+            lines[(r["algo"], r["seq"])].append(r)
+    for key, rs in lines.items():
+        if key[1] in base:
+            rs.append(base[key[1]])
+        rs.sort(key=lambda r: r["ranks"])
+    if not lines:  # only 1-rank runs: show the baseline alone
+        for s, b in base.items():
+            lines[(BASELINE, s)] = [b]
 
-    ax = axes[0][1]
-    for r in strong:
-        if r["grid"] == "1rank":
-            r["eff"] = 1.0
-    top = 1.15
-    any_busy = False
-    for name, pts in lines(strong, lambda r: label(r, many), "ranks", "eff"):
-        line, = ax.plot(*zip(*pts), marker="o", label=name)
-        top = max(top, max(y for _, y in pts) + 0.05)
-        busy = [p for p in lines([r for r in strong if r["grid"] != "1rank"] +
-                                 [dict(r, eff_busy=1.0) for r in strong if r["grid"] == "1rank"],
-                                 lambda r: label(r, many), "ranks", "eff_busy") if p[0] == name]
-        if busy and len(busy[0][1]) > 1:
-            ax.plot(*zip(*busy[0][1]), marker="x", ls="--", color=line.get_color())
-            top = max(top, max(y for _, y in busy[0][1]) + 0.05)
-            any_busy = True
-    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
-    ax.set(title="strong scaling: parallel efficiency" +
-           ("\n(solid: T1 alone; dashed: T1 with all ranks busy)" if any_busy else ""),
-           xlabel="ranks", ylabel="T1 / (P x T_P)", ylim=(0, top))
+    fig, axes = plt.subplots(2, 3, figsize=(16, 9.5))
+    (ax_t, ax_e, ax_r), (ax_b, ax_x, ax_m) = axes
 
-    ax = axes[1][0]
-    max_ranks = max((r["ranks"] for r in strong), default=1)
-    groups = defaultdict(list)
-    for r in strong:
-        groups[f"{label(r, False)} P={r['ranks']}"].append((r["seq"], r["tflops_total"]))
-    for name, pts in sorted(groups.items()):
-        ax.plot(*zip(*sorted(pts)), marker="o", label=name)
-    ax.set(title="throughput vs sequence length", xlabel="sequence length (tokens)", ylabel="TFLOP/s (all ranks)")
-    ax.set_xscale("log", base=2)
-    if seqs:
-        ax.set_xticks(seqs)
-        ax.set_xticklabels([fmt_seq(s) for s in seqs])
-        ax.minorticks_off()
+    def draw(ax, y, err=None):
+        """Every line in its algorithm's colour; the shared 1-rank points on top, in black."""
+        def one(rs, algo, seq, zorder):
+            xs = [r["ranks"] for r in rs]
+            ys = [y(r) for r in rs]
+            kw = dict(color=colour[algo], ls=style[seq], marker="o", ms=5, lw=1.6, zorder=zorder)
+            if err is None:
+                ax.plot(xs, ys, **kw)
+                return
+            lo_hi = [err(r) for r in rs]
+            yerr = [[max(0.0, v - lo) for v, (lo, _) in zip(ys, lo_hi)],
+                    [max(0.0, hi - v) for v, (_, hi) in zip(ys, lo_hi)]]
+            ax.errorbar(xs, ys, yerr=yerr, capsize=3, **kw)
+        for (algo, seq), rs in sorted(lines.items()):
+            one(rs, algo, seq, 2)
+        for seq, b in base.items():
+            one([b], BASELINE, seq, 3)
 
-    ax = axes[1][1]
-    if weak:
-        for name, pts in lines(weak, lambda r: label(r, False), "ranks", "tflops_per_rank"):
-            ax.plot(*zip(*pts), marker="o", label=name)
-        per_rank = sorted({r["seq"] // r["ranks"] for r in weak})
-        ax.set(title=f"weak scaling ({', '.join(fmt_seq(s) for s in per_rank)} tokens/rank)", xlabel="ranks",
-               ylabel="TFLOP/s per rank")
-    else:
-        ax.text(0.5, 0.5, "no weak-scaling runs", ha="center", va="center", transform=ax.transAxes)
-        ax.set_axis_off()
+    # Time, with the ideal scaling T1 / P of each sequence length.
+    draw(ax_t, lambda r: r["time_ms"], lambda r: (r["tmin"], r["tmax"]))
+    for s, b in base.items():
+        ax_t.plot(ranks_all, [b["time_ms"] / p for p in ranks_all], color="grey", ls=style[s], lw=1, alpha=0.7)
+    ax_t.set(title=f"time ({args.phase}; bars: min-max of iterations)", xlabel="ranks", ylabel="ms")
+    ax_t.set_ylim(bottom=0)
 
-    for a in axes.flat:
-        if a.lines:
-            a.grid(True, alpha=0.3)
-            a.legend(fontsize=7)
-            if a.get_xlabel() == "ranks":
-                a.set_xticks(sorted({r["ranks"] for r in rows}))
+    # Efficiency T1 / (P T_P), its bars from the spread of T_P.
+    def eff(r, t):
+        b = base.get(r["seq"])
+        return b["time_ms"] / (r["ranks"] * t) if b else float("nan")
+    draw(ax_e, lambda r: eff(r, r["time_ms"]), lambda r: (eff(r, r["tmax"]), eff(r, r["tmin"])))
+    ax_e.axhline(1.0, color="grey", lw=1, ls="--")
+    top = max([1.1] + [eff(r, r["tmin"]) * 1.05 for rs in lines.values() for r in rs
+                       if not math.isnan(eff(r, r["tmin"]))])
+    ax_e.set(title="parallel efficiency T1 / (P x T_P)", xlabel="ranks", ylabel="efficiency", ylim=(0, top))
+
+    # Throughput.
+    draw(ax_r, lambda r: r["tflops_total"],
+         lambda r: (r["flops"] / (r["tmax"] * 1e-3) / 1e12, r["flops"] / (r["tmin"] * 1e-3) / 1e12))
+    ax_r.set(title="throughput (all ranks)", xlabel="ranks", ylabel="TFLOP/s")
+    ax_r.set_ylim(bottom=0)
+
+    draw(ax_b, lambda r: r["bytes_sent_per_rank"] / 2**20)
+    ax_b.set(title="bytes sent per rank (per step)", xlabel="ranks", ylabel="MiB")
+    ax_b.set_ylim(bottom=0)
+
+    draw(ax_x, lambda r: r["exposed_comm_pct"])
+    ax_x.set(title="exposed communication (mean over ranks)", xlabel="ranks", ylabel="% of the phase time")
+    ax_x.set_ylim(bottom=0)
+
+    # Memory per category: stacked bars, one per (rank count, algorithm), at the longest sequence.
+    smax = seqs[-1]
+    bars = sorted([r for r in rows if r["seq"] == smax], key=lambda r: (r["ranks"], r["algo"] != BASELINE, r["algo"]))
+    hatch = ["", "//", "..", "xx", "\\\\"]
+    for i, r in enumerate(bars):
+        bottom = 0.0
+        for j, (cat, _) in enumerate(MEM_CATEGORIES):
+            v = num(r.get(f"mem_{cat}_mib")) or 0.0
+            ax_m.bar(i, v, bottom=bottom, color=colour[r["algo"]], alpha=0.35 + 0.13 * j, hatch=hatch[j],
+                     edgecolor="white", lw=0.5)
+            bottom += v
+        est = num(r.get("mem_estimate_mib"))
+        if est:
+            ax_m.plot([i - 0.4, i + 0.4], [est, est], color="red", lw=1.5)
+    ax_m.set_xticks(range(len(bars)))
+    ax_m.set_xticklabels([f"{r['algo']}\nP={r['ranks']}" for r in bars], fontsize=8)
+    ax_m.set(title=f"peak memory per rank, S={fmt_seq(smax)} (red: estimate)", ylabel="MiB")
+    ax_m.set_ylim(bottom=0)
+    ax_m.legend([plt.Rectangle((0, 0), 1, 1, facecolor="grey", alpha=0.35 + 0.13 * j, hatch=hatch[j])
+                 for j in range(len(MEM_CATEGORIES))], [short for _, short in MEM_CATEGORIES], fontsize=8,
+                loc="upper right")
+
+    for a in (ax_t, ax_e, ax_r, ax_b, ax_x):
+        a.grid(True, alpha=0.3)
+        a.set_xscale("log", base=2)
+        a.set_xticks(ranks_all)
+        a.set_xticklabels([str(p) for p in ranks_all])
+        a.minorticks_off()
+    # One legend for the figure: colours are algorithms, line styles sequence lengths.
+    handles = [Line2D([], [], color=colour[a], marker="o", lw=2, label=a) for a in [BASELINE] + algos]
+    handles += [Line2D([], [], color="grey", ls=style[s], lw=1.5, label=f"S={fmt_seq(s)}") for s in seqs]
+    handles.append(Line2D([], [], color="grey", lw=1, alpha=0.7, label="ideal T1 / P"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False)
+
     r0 = rows[0]
-    shape = (f"B={r0['batch']} Hq={r0['heads']} Hkv={r0['kv_heads']} D={r0['head_dim']} "
-             f"{'causal' if r0['causal'] == '1' else 'full'} {r0['layout']} {r0['dtype']}, {r0['threads']} thread(s)/rank")
-    fig.suptitle(f"seqpar sp_bench: {shape}" + (f"\n{args.title}" if args.title else ""), fontsize=10)
-    fig.tight_layout()
+    over = any(str(r.get("oversubscribed", "0")) == "1" for r in rows)
+    fig.suptitle(f"seqpar sp_bench, {attn} ({r0.get('mode', 'train')}): {r0.get('shape', '')}, {r0['layout']}, "
+                 f"{r0['dtype']}, {r0['threads']} thread(s)/rank"
+                 f"{', host ' + r0['host'] if r0.get('host') else ''}"
+                 f"{' (oversubscribed runs)' if over else ''}" + (f"\n{args.title}" if args.title else ""),
+                 fontsize=13)
+    fig.tight_layout(rect=(0, 0.05, 1, 0.95))
     # A temporary name in the same directory, renamed when complete (no truncated PNG on a full disk).
     root, ext = os.path.splitext(args.out)
     tmp_out = f"{root}.tmp{os.getpid()}{ext or '.png'}"
@@ -151,7 +201,7 @@ def main():
         if os.path.exists(tmp_out):
             os.remove(tmp_out)
         sys.exit(f"plot.py: cannot write {args.out}: {e}")
-    print(f"plot.py: wrote {args.out} ({len(rows)} rows, phase {args.phase}, largest run {max_ranks} ranks)",
+    print(f"plot.py: wrote {args.out} ({attn}, {len(rows)} rows, phase {args.phase}, ranks {ranks_all})",
           file=sys.stderr)
 
 

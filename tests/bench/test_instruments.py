@@ -1,0 +1,208 @@
+#!/usr/bin/env python3
+"""Checks of the benchmarks as measuring instruments (ctest, tests/mpi/CMakeLists.txt): each subcommand runs the
+programs under mpirun on small shapes and checks what they write against what it must be. No wall-clock asserts.
+
+  test_instruments.py --mpiexec mpirun --bin-dir build/benchmarks json
+  ... memory --np 2 -- --attn gdn --ring-size 2 ...   (the estimate against the ledger's measured peak)
+  ... roundtrip --np 2 -- --attn dsa --ring-size 2 ... (--dump --dump-inputs, then --inputs of that dump)
+  ... comm                                            (comm_bench table and JSON)
+  ... sweep --scripts scripts                         (sweep.py + plot.py on a small sweep of every kind)
+Prints "passed" at the end; any failed check raises with what was expected and what was found.
+"""
+import argparse
+import csv
+import datetime
+import filecmp
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+
+ARGS = None
+
+
+def run(np, program, args, expect_rc=0):
+    cmd = [ARGS.mpiexec, ARGS.np_flag, str(np), os.path.join(ARGS.bin_dir, program)] + [str(a) for a in args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    if expect_rc == 0 and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)}: exit {proc.returncode}, expected 0\n{out}")
+    if expect_rc != 0 and proc.returncode == 0:
+        raise AssertionError(f"{' '.join(cmd)}: exit 0, expected a failure\n{out}")
+    return out
+
+
+def check(cond, what):
+    if not cond:
+        raise AssertionError(what)
+
+
+def test_json(tmp):
+    """sp_bench --json: per-phase spread and every iteration, the run's metadata."""
+    path = os.path.join(tmp, "run.json")
+    threads = os.cpu_count() or 1  # 2 ranks x all the cores: always oversubscribed, so the warning must show
+    out = run(2, "sp_bench", ["--ring-size", 2, "--seq", 256, "--heads", 2, "--kv-heads", 2, "--head-dim", 16,
+                              "--warmup", 0, "--iters", 4, "--threads", threads, "--quiet", "--json", path])
+    check(f"# warning: ranks per node 2 x threads per rank {threads} = {2 * threads} exceeds the" in out,
+          f"no oversubscription warning in the table header:\n{out}")
+    check(out.count("sp_bench: warning: ranks per node 2") == 1, f"the warning must be printed once (rank 0):\n{out}")
+    j = json.load(open(path))
+    for key in ("version", "git_commit", "host", "date_utc", "ranks_per_node", "cores_per_node", "world_size",
+                "threads_per_rank", "grid", "memory_estimate"):
+        check(key in j, f"JSON has no '{key}'")
+    check(j["world_size"] == 2 and j["ranks_per_node"] == 2, f"world_size / ranks_per_node: {j['world_size']}, "
+          f"{j['ranks_per_node']} (expected 2, 2)")
+    check(j["cores_per_node"] == os.cpu_count(), f"cores_per_node {j['cores_per_node']} != {os.cpu_count()}")
+    check(j["threads_per_rank"] == threads, f"threads_per_rank {j['threads_per_rank']} != {threads}")
+    check(re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?|unknown", j["git_commit"]) is not None,
+          f"git_commit {j['git_commit']!r}")
+    date = datetime.datetime.strptime(j["date_utc"], "%Y-%m-%dT%H:%M:%SZ")
+    check(abs((datetime.datetime.utcnow() - date).total_seconds()) < 3600, f"date_utc {j['date_utc']} is not now")
+    check(j["grid"]["ring_size"] == 2 and j["grid"]["ulysses_size"] == 1, f"grid {j['grid']}")
+    for p in j["phases"]:
+        it = p["time_iters_ms"]
+        check(len(it) == 4, f"{p['phase']}: {len(it)} iterations, expected 4")
+        check(p["time_min_ms"] == min(it) and p["time_max_ms"] == max(it), f"{p['phase']}: min/max {p}")
+        check(abs(p["time_median_ms"] - statistics.median(it)) <= 1e-12 * max(it), f"{p['phase']}: median {p}")
+        check(p["time_ms"] == p["time_median_ms"], f"{p['phase']}: time_ms is the median")
+    fwd, bwd, both = j["phases"]
+    for i in range(4):  # fwd+bwd of iteration i is the sum of its phases
+        check(abs(both["time_iters_ms"][i] - fwd["time_iters_ms"][i] - bwd["time_iters_ms"][i]) < 1e-9,
+              f"fwd+bwd iteration {i}")
+
+
+def test_memory(tmp, np, flags):
+    """The estimate of the ledger's peak against the peak the ledger measured (max over phases and ranks)."""
+    path = os.path.join(tmp, "mem.json")
+    run(np, "sp_bench", ["--quiet", "--warmup", 0, "--iters", 1, "--json", path] + flags)
+    j = json.load(open(path))
+    measured = max(p["mem_peak_mib"]["total"] for p in j["phases"]) * 2**20
+    est = j["memory_estimate"]["ledger_peak_bytes"]
+    ratio = est / measured
+    print(f"memory estimate {est / 2**20:.2f} MiB, measured {measured / 2**20:.2f} MiB: ratio {ratio:.3f}")
+    # The rule (README "Memory estimate"): never below the measured peak, at most 1.5 x it.
+    check(1.0 <= ratio <= 1.5, f"estimate / measured = {ratio:.3f} is outside [1, 1.5] for {flags}")
+    cats = j["memory_estimate"]["ledger"]
+    check(abs(sum(cats.values()) - est) <= 1e-6 * est, "the categories must add up to the ledger peak")
+    dry = run(np, "sp_bench", ["--dry-run"] + flags)
+    check("# memory estimate per rank" in dry and "ledger peak" in dry and ": fits" in dry,
+          f"--dry-run must print the estimate and that it fits:\n{dry}")
+
+
+def read_npy_dir(d):
+    return {f: open(os.path.join(d, f), "rb").read() for f in sorted(os.listdir(d)) if f.endswith(".npy")}
+
+
+def test_roundtrip(tmp, np, flags):
+    """--dump DIR --dump-inputs, then --inputs DIR: the same outputs, bit for bit, and the same inputs dumped again."""
+    a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
+    base = ["--quiet", "--warmup", 0, "--iters", 1] + flags
+    out = run(np, "sp_bench", base + ["--dump", a, "--dump-inputs"])
+    check("# dumped " in out, f"no dump line:\n{out}")
+    run(np, "sp_bench", base + ["--inputs", a, "--dump", b, "--dump-inputs"])
+    fa, fb = read_npy_dir(a), read_npy_dir(b)
+    check(sorted(fa) == sorted(fb), f"different files: {sorted(fa)} vs {sorted(fb)}")
+    check(len(fa) >= 8, f"expected inputs and outputs, found {sorted(fa)}")
+    for name in fa:
+        check(fa[name] == fb[name], f"{name}: the run from the dumped inputs differs from the run that dumped them")
+
+
+def test_comm(tmp):
+    """comm_bench: dtype and reduction columns, in-place rows, combined patterns, too-small sizes, the summary."""
+    path = os.path.join(tmp, "comm.json")
+    out = run(2, "comm_bench", ["--ring-size", 2, "--min-bytes", 4, "--max-bytes", 1024, "--factor", 4,
+                                "--warmup", 1, "--iters", 2, "--dtype", "bf16", "--groups", "ring", "--json", path])
+    check(re.search(r"^# Avg bus bandwidth\s*:\s*[0-9.]+", out, re.M), f"no average bus bandwidth line:\n{out}")
+    check(re.search(r"^# wrong elements in total: 0$", out, re.M), f"wrong elements:\n{out}")
+    rows = [l.split() for l in out.splitlines() if l and not l.startswith("#")]
+    ops = {r[0] for r in rows}
+    for op in ("sendrecv", "alltoall", "allgather", "reducescatter", "allreduce", "ring_step", "ulysses_qkv"):
+        check(op in ops, f"no {op} rows in:\n{out}")
+    check(all(r[3] == "bf16" for r in rows), "every row names the data type")
+    check({r[4] for r in rows if r[0] in ("reducescatter", "allreduce")} == {"sum"}, "reductions name their op")
+    check(any(r[5] == "in" for r in rows) and any(r[5] == "out" for r in rows), "in-place and out-of-place rows")
+    small = [r for r in rows if r[-1] == "too-small"]
+    check(small, f"sizes below a pattern's minimum must be reported as too-small:\n{out}")
+    j = json.load(open(path))
+    check(isinstance(j.get("avg_busbw_gbps"), float), "JSON avg_busbw_gbps")
+    kinds = {(r["op"], r["in_place"], r["status"]) for r in j["results"]}
+    check(("ulysses_qkv", False, "ok") in kinds and ("allreduce", True, "ok") in kinds, f"JSON rows: {kinds}")
+    check(any(s == "too-small" for _, _, s in kinds), "JSON too-small rows")
+    check(all(r["dtype"] == "bf16" for r in j["results"]), "JSON dtype")
+
+
+def test_sweep(tmp):
+    """sweep.py for every kind at 1-2 ranks, then plot.py: labels, algorithms and the CSV's columns."""
+    csv_path, png = os.path.join(tmp, "sweep.csv"), os.path.join(tmp, "scaling.png")
+    sweep = [sys.executable, os.path.join(ARGS.scripts, "sweep.py"), "--sp-bench",
+             os.path.join(ARGS.bin_dir, "sp_bench"), "--mpirun", ARGS.mpiexec, "--ranks", "1,2", "--warmup", "0",
+             "--iters", "2", "--out", csv_path]
+    cases = [("mha", ["--seqs", "256", "--heads", "2", "--kv-heads", "2", "--head-dim", "16", "--algos",
+                      "p2p,allgather,ulysses"]),
+             ("gdn", ["--seqs", "256", "--heads", "2", "--head-dim", "16", "--extra", "--chunk-size 16"]),
+             ("dsa", ["--seqs", "256", "--heads", "2", "--head-dim", "16", "--extra",
+                      "--topk 16 --indexer-heads 2 --indexer-dim 8"])]
+    rows = []
+    for kind, extra in cases:
+        p = subprocess.run(sweep + ["--attn", kind] + extra + ["--append"] * bool(rows), capture_output=True,
+                           text=True, timeout=600)
+        check(p.returncode == 0, f"sweep.py --attn {kind}: exit {p.returncode}\n{p.stdout}{p.stderr}")
+        rows = list(csv.DictReader(open(csv_path)))
+    by_kind = {}
+    for r in rows:
+        by_kind.setdefault(r["attn"], set()).add(r["algo"])
+        check(r["time_min_ms"] and float(r["time_min_ms"]) <= float(r["time_ms"]) <= float(r["time_max_ms"]),
+              f"spread of {r}")
+    check(by_kind.get("mha") == {"1rank", "p2p", "allgather", "ulysses"}, f"mha algorithms {by_kind.get('mha')}")
+    check(by_kind.get("gdn") == {"1rank", "chain", "scan"}, f"gdn algorithms {by_kind.get('gdn')}")
+    check(by_kind.get("dsa") == {"1rank", "ring", "allgather"}, f"dsa algorithms {by_kind.get('dsa')}")
+    gdn = [r for r in rows if r["attn"] == "gdn"]
+    check(all("Hkv" not in r["shape"] and "chunk=16" in r["shape"] for r in gdn), f"GDN shape labels {gdn[0]}")
+    check(all(r["mode"] == "train" for r in rows), "the mode column")
+    one = [r for r in rows if r["ranks"] == "1"]
+    check(all(abs(float(r["exposed_comm_pct"])) < 1e-9 for r in one), "one rank exposes no communication")
+    for kind in ("mha", "gdn", "dsa"):
+        out = os.path.join(tmp, f"{kind}.png")
+        p = subprocess.run([ARGS.plot_python, os.path.join(ARGS.scripts, "plot.py"), csv_path, "--attn", kind,
+                            "--out", out], capture_output=True, text=True, timeout=300)
+        check(p.returncode == 0, f"plot.py --attn {kind}: exit {p.returncode}\n{p.stdout}{p.stderr}")
+        head = open(out, "rb").read(24)
+        check(head[:8] == b"\x89PNG\r\n\x1a\n", f"{out} is not a PNG")
+        width, height = int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big")
+        check(width >= 1500 and height >= 1000, f"{out}: {width} x {height} pixels, too small to read")
+
+
+def main():
+    global ARGS
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mpiexec", default="mpirun")
+    ap.add_argument("--np-flag", default="-np")
+    ap.add_argument("--bin-dir", required=True, help="directory holding sp_bench and comm_bench")
+    ap.add_argument("--scripts", default=os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+    ap.add_argument("--plot-python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
+                    help="the Python with matplotlib (Debian's python3-matplotlib: /usr/bin/python3)")
+    ap.add_argument("what", choices=["json", "memory", "roundtrip", "comm", "sweep"])
+    ap.add_argument("--np", type=int, default=2)
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)
+    ARGS = ap.parse_args(argv[:cut])
+    flags = argv[cut + 1:]  # sp_bench flags after "--" (memory, roundtrip)
+    with tempfile.TemporaryDirectory(prefix="seqpar_instr_") as tmp:
+        if ARGS.what == "json":
+            test_json(tmp)
+        elif ARGS.what == "memory":
+            test_memory(tmp, ARGS.np, flags)
+        elif ARGS.what == "roundtrip":
+            test_roundtrip(tmp, ARGS.np, flags)
+        elif ARGS.what == "comm":
+            test_comm(tmp)
+        else:
+            test_sweep(tmp)
+    print("passed")
+
+
+if __name__ == "__main__":
+    main()
