@@ -404,7 +404,7 @@ std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
 // (backward: also the start state of every chunk of a segment).
 WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double e = static_cast<double>(dtype_size(o.dtype)), pu = o.grid.ulysses_size, pr = o.grid.ring_size;
-  const double st = static_cast<double>(dtype_size(attn::gdn_state_dtype(o.dtype)));
+  const double st = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
   const double c = o.dtype == DType::kFloat64 ? 8 : 4, threads = o.threads, batch = static_cast<double>(o.batch);
   const double sl = static_cast<double>(o.seq) / (pu * pr), kd = static_cast<double>(o.head_dim);
   const double x = e * batch * sl * o.heads * kd, gate = e * batch * sl * o.heads;
