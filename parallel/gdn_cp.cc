@@ -207,6 +207,20 @@ struct Round {
 
 GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                         const TensorView& g, const TensorView& beta, const TensorView& initial_state) {
+  {
+    Fingerprint fp = fingerprint("GDN CP forward");
+    fp.add_text("mode", gdn_cp_mode_name(config_.mode))
+        .add_int("chunk_size", config_.chunk_size)
+        .add_flag("use_qk_l2norm", config_.use_qk_l2norm)
+        .add_real("scale", config_.scale)
+        .add_tensor("q", q)
+        .add_tensor("k", k)
+        .add_tensor("v", v)
+        .add_tensor("g", g)
+        .add_tensor("beta", beta)
+        .add_tensor("initial_state", initial_state);
+    agree(forward_agreement_, fp);
+  }
   const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};
   SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
                "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
@@ -352,6 +366,14 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
 GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "GDN CP");
   const Saved& s = *saved;
+  {
+    Fingerprint fp = fingerprint("GDN CP backward");
+    fp.add_tensor("saved q (head-sharded)", s.q.view())
+        .add_tensor("saved v (head-sharded)", s.v.view())
+        .add_tensor("dout", dout)
+        .add_tensor("dfinal_state", dfinal_state);
+    agree(backward_agreement_, fp);
+  }
   const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, H = s.heads * pu, K = s.dk, V = s.dv, sl = layout_.local_len(),
                      sr = layout_.ring_shard_len();
@@ -587,6 +609,13 @@ const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std
 }
 
 ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const TensorView& weight) {
+  {
+    Fingerprint fp("short conv CP forward");
+    fp.add_flag("use_silu", config_.use_silu);
+    add_layout_fields(fp, layout_);
+    fp.add_tensor("x", x).add_tensor("weight", weight);
+    forward_agreement_.run(groups_.sp, fp, groups_.stream);
+  }
   const DeviceAlloc alloc{common_device({x, weight}, "short conv CP forward"), groups_.stream};
   SEQPAR_CHECK(x.ndim() == 3 && x.dim(1) == layout_.local_len(), "short conv CP: x ", x.str(),
                " must be [B, S_local = ", layout_.local_len(), ", C]");
@@ -656,6 +685,14 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
 
 Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
+  {
+    Fingerprint fp("short conv CP backward");
+    fp.add_tensor("saved x", s->x.view())
+        .add_tensor("saved weight", s->weight.view())
+        .add_tensor("dout", dout)
+        .add_tensor("dweight", dweight);
+    backward_agreement_.run(groups_.sp, fp, groups_.stream);
+  }
   const TensorView x = s->x.view();
   const DeviceAlloc alloc{common_device({x, dout, dweight}, "short conv CP backward (saved x, dout, dweight)"),
                           groups_.stream};

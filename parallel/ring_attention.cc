@@ -87,28 +87,60 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   return a;
 }
 
+void RingAttention::agree_forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  Fingerprint fp("ring attention forward");
+  fp.add_text("impl", ring_impl_name(config_.impl))
+      .add_flag("causal", config_.causal)
+      .add_int("window", config_.window)
+      .add_real("scale", config_.scale);
+  add_layout_fields(fp, layout_);
+  fp.add_tensor("q", q).add_tensor("k", k).add_tensor("v", v);
+  forward_agreement_.run(groups_.ring, fp, groups_.stream);
+}
+
+void RingAttention::agree_backward(const CpContext& ctx, const TensorView& dout) {
+  const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
+  Fingerprint fp("ring attention backward");
+  fp.add_tensor("saved q", s->q.view()).add_tensor("saved k", s->k.view()).add_tensor("dout", dout);
+  backward_agreement_.run(groups_.ring, fp, groups_.stream);
+}
+
 AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  agree_forward(q, k, v);
   const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
   AttentionOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
   o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, DType::kFloat32, MemCategory::kWorkspace);
-  o.ctx = forward_into(q, k, v, o.out, o.lse);
+  o.ctx = run_forward(q, k, v, o.out, o.lse);
   return o;
 }
 
 AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) {
+  agree_backward(ctx, dout);
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
   const DeviceAlloc alloc = alloc_for(*s);
   AttentionGrads g;
   g.dq = alloc.empty(s->q.shape(), s->q.dtype(), MemCategory::kWorkspace);
   g.dk = alloc.empty(s->k.shape(), s->k.dtype(), MemCategory::kWorkspace);
   g.dv = alloc.empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);
-  backward_into(std::move(ctx), dout, g.dq, g.dk, g.dv);
+  run_backward(std::move(ctx), dout, g.dq, g.dk, g.dv);
   return g;
 }
 
 CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
                                       const TensorView& out, const TensorView& lse) {
+  agree_forward(q, k, v);
+  return run_forward(q, k, v, out, lse);
+}
+
+void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                  const TensorView& dv) {
+  agree_backward(ctx, dout);
+  run_backward(std::move(ctx), dout, dq, dk, dv);
+}
+
+CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                     const TensorView& out, const TensorView& lse) {
   const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
   common_device({q, out, lse}, "ring attention forward (q, out, lse)");
   check_shape(out, q.shape(), "ring attention out");
@@ -135,8 +167,8 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
   return CpContext::make(id_, "ring attention", std::move(s));
 }
 
-void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                  const TensorView& dv) {
+void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                 const TensorView& dv) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "ring attention");
   const Saved& s = *saved;
   common_device({s.q.view(), dout, dq, dk, dv}, "ring attention backward (saved tensors, dout, dq, dk, dv)");

@@ -33,7 +33,9 @@
 // returned outputs in workspace. The object keeps no state between calls (cp_common.h).
 // Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
 // mismatch, Hq % Hkv != 0, window without causal, non-finite scale; a context that is empty, already used or made by
-// another object.
+// another object; ranks of the ring group that disagree on the shapes or dtypes of q, k, v (backward: of the saved
+// q, k, v and of dout) or on impl, causal, window, scale or the layout (AgreementCheck, parallel/cp_common.h: one
+// all-reduce over the ring group on the first call of each configuration, before any data moves).
 #pragma once
 
 #include <cstdint>
@@ -76,7 +78,8 @@ class RingAttention {
   // dtype of q.
   AttentionGrads backward(CpContext&& ctx, const TensorView& dout);
 
-  // Lower-level entry points for composition (USP): results written to caller-owned tensors.
+  // Lower-level entry points for composition: results written to caller-owned tensors (with the same agreement
+  // check as forward() / backward()).
   CpContext forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                          const TensorView& lse);
   void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
@@ -86,9 +89,20 @@ class RingAttention {
   const std::vector<std::int64_t>& positions() const { return positions_[rank_]; }
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
+  // The agreement checks of forward (forward_into) and backward (backward_into): how often each ran or was cached.
+  const AgreementCheck& forward_agreement() const { return forward_agreement_; }
+  const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 
  private:
+  friend class UspAttention;  // runs the unchecked bodies after its own check over the SP group
   struct Saved;
+  // The agreement checks over the ring group (fingerprints of the call).
+  void agree_forward(const TensorView& q, const TensorView& k, const TensorView& v);
+  void agree_backward(const CpContext& ctx, const TensorView& dout);
+  CpContext run_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                        const TensorView& lse);
+  void run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                    const TensorView& dv);
   // Every check of forward's inputs, the MHA kernels' own on the local shapes included; returns their device.
   Device validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
   // Buffers of a call on the device of the saved tensors, ordered on the groups' stream.
@@ -112,6 +126,7 @@ class RingAttention {
   std::vector<std::vector<std::int64_t>> positions_;  // ring shard positions of every ring rank
   std::vector<std::int64_t> global_order_;            // 0..S-1 (allgather: keys in global order)
   CpCounters counters_;
+  AgreementCheck forward_agreement_, backward_agreement_;
 };
 
 }  // namespace seqpar
