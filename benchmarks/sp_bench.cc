@@ -140,6 +140,7 @@ int sp_bench_main(int argc, char** argv) {
   const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
   Progress progress(place.rank == 0 && !o.quiet);
   auto world = make_world_communicator(o.backend);
+  check_options_agree(*world, o);  // ranks started with other flags stop here, each naming the first that differs
   check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);
 

@@ -242,14 +242,19 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   k.description = "gated delta rule (chain or scan over the ring, Ulysses over heads)";
   k.presets = {{"qwen3-next", 32, 32, 128, 0, 64, 0, 0, 0,
                 "GDN: 32 heads (value heads; key heads shared by pairs), K = V = 128, chunk 64, causal"}};
-  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size"};
+  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "kv-heads"};
+  k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
+                         {"seq", "q", 1, &SpBenchOptions::seq},
+                         {"heads", "q", 2, &SpBenchOptions::heads},
+                         {"head-dim", "q", 3, &SpBenchOptions::head_dim}};
   k.input_specs = gdn_input_specs;
   k.validate = [](SpBenchOptions& o) {
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous or ",
                  "zigzag)");
-    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
+    SEQPAR_CHECK(o.causal || !o.given("causal"), "--causal=false: --attn gdn is a causal recurrence (the state ",
+                 "after token t depends on tokens 0..t only)");
   };
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["chunk_size"] = o.chunk_size;

@@ -271,6 +271,10 @@ void timed_wait(WorkHandle& work, double* exposed_s) {
   work.reset();
 }
 
+void timed_wait(const Communicator& comm, WorkHandle& work, double* exposed_s) {
+  timed_wait(work, comm.size() > 1 ? exposed_s : nullptr);
+}
+
 CommMeter::CommMeter(const CpGroups& groups, CpCounters& counters)
     : groups_(groups),
       counters_(counters),

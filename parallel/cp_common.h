@@ -166,6 +166,9 @@ class ScopedTimer {
 
 // Waits for `work` (a null handle is a no-op) and resets it, adding the seconds blocked to *exposed_s (may be null).
 void timed_wait(WorkHandle& work, double* exposed_s);
+// The same for an operation on `comm`, except that a group of one adds nothing: it moves no data (its collectives
+// are local copies), so none of its time is exposed communication.
+void timed_wait(const Communicator& comm, WorkHandle& work, double* exposed_s);
 
 // Adds to a CpCounters the bytes a set of communicators moved during its lifetime: `ring_or_sp` (deduplicated, so
 // that one communicator passed twice is counted once) into bytes_sent / bytes_received, `ulysses` into a2a_*.

@@ -106,7 +106,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     const int n = sp.size();
     Tensor all = alloc.empty({n, B, sl, di}, k_idx.dtype(), MemCategory::kCommBuffer);
     WorkHandle gather = sp.all_gather(s->k_idx.view(), all.view());
-    timed_wait(gather, &counters_.exposed_comm_s);
+    timed_wait(sp, gather, &counters_.exposed_comm_s);
     for (int src = 0; src < n; ++src) merge_block(src, all.view().slice0(src, src + 1).reshape({B, sl, di}));
   }
   s->topk_local = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kSavedActivation);
@@ -242,7 +242,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor loss_sum = alloc.empty({1}, DType::kFloat64, MemCategory::kCommBuffer);
   alloc.copy_convert(loss_host, loss_sum.view());
   WorkHandle reduce = sp.all_reduce(loss_sum.view(), ReduceOp::kSum);
-  timed_wait(reduce, &counters_.exposed_comm_s);
+  timed_wait(sp, reduce, &counters_.exposed_comm_s);
   alloc.copy_convert(loss_sum.view(), loss_host);
   g.loss = loss;
 

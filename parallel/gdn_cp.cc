@@ -352,7 +352,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   Tensor final_local = last_final.defined() ? std::move(last_final)
                                             : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
   WorkHandle bcast = ring.broadcast(final_local.view(), segments_.back().owner);
-  timed_wait(bcast, &counters_.exposed_comm_s);
+  timed_wait(ring, bcast, &counters_.exposed_comm_s);
   result.final_state = a2a.gather_heads_dim1(final_local.view());
   result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
   a2a.to_sequence(out_h.view(), result.out.view());
@@ -521,7 +521,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor dinit_local = first_dinit.defined() ? std::move(first_dinit)
                                              : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
   WorkHandle bcast = ring.broadcast(dinit_local.view(), segments_.front().owner);
-  timed_wait(bcast, &counters_.exposed_comm_s);
+  timed_wait(ring, bcast, &counters_.exposed_comm_s);
   grads.dinitial_state = a2a.gather_heads_dim1(dinit_local.view());
   return grads;
 }

@@ -275,7 +275,7 @@ attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_f
   alloc.copy_convert(s.v.view(), part(local.view(), 1, kv_shape));
   Tensor gathered = alloc.empty(packed_shape(packed_shape(kv_shape, 2), size_), s.k.dtype(), MemCategory::kCommBuffer);
   WorkHandle w = groups_.ring.all_gather(local.view(), gathered.view());
-  timed_wait(w, &counters_.exposed_comm_s);
+  timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
   for (int r = 0; r < size_; ++r) {
     const TensorView rank_kv = gathered.view().slice0(r, r + 1).reshape(packed_shape(kv_shape, 2));
     unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view(), alloc.stream);
@@ -330,7 +330,7 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   }
   Tensor recv = alloc.empty(pshape, DType::kFloat32, MemCategory::kCommBuffer);
   WorkHandle rs = groups_.ring.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
-  timed_wait(rs, &counters_.exposed_comm_s);
+  timed_wait(groups_.ring, rs, &counters_.exposed_comm_s);
   alloc.copy_convert(part(recv.view(), 0, kv_shape), dk);
   alloc.copy_convert(part(recv.view(), 1, kv_shape), dv);
   alloc.copy_convert(dq_acc.view(), dq);

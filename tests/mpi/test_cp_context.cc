@@ -274,5 +274,53 @@ TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
   EXPECT_EQ(counters(), expected());
 }
 
+// A group of one rank communicates nothing, so nothing can be exposed: every layer's forward and backward on groups
+// of one (each rank alone) report zero exposed communication time and zero bytes (issue 13: the exposed comm column
+// of sp_bench read 19% for a one-rank GDN forward, the wait of a broadcast to itself).
+TEST(CpContext, GroupsOfOneExposeNoCommunication) {
+  const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
+  const CpGroups groups(*self, *self, *self);
+  const std::int64_t seq = 37, B = 1, H = 2, D = 8;  // odd: a ring of one takes any length
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
+  auto rnd = [](const Shape& s, std::uint64_t seed, double lo = -1, double hi = 1) {
+    return test::random_tensor(s, DType::kFloat32, seed, lo, hi);
+  };
+  const Tensor q = rnd({B, seq, H, D}, 1), dout = rnd({B, seq, H, D}, 2), g = rnd({B, seq, H}, 3, -0.1, -0.01),
+               beta = rnd({B, seq, H}, 4, 0.1, 0.5), c = rnd({B, seq, D}, 5), qi = rnd({B, seq, 2, 8}, 6),
+               ki = rnd({B, seq, 8}, 7), wi = rnd({B, seq, 2}, 8), ddsa = rnd({B, seq, H, 4}, 9);
+  auto expect_nothing_exposed = [](const CpCounters& c, const std::string& what) {
+    EXPECT_EQ(c.total_exposed_s(), 0.0) << what;
+    EXPECT_EQ(c.total_bytes_sent(), 0) << what;
+  };
+  for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+    UspAttention usp(groups, layout, RingAttentionConfig{impl});
+    AttentionOutput o = usp.forward(q.view(), q.view(), q.view());
+    expect_nothing_exposed(usp.counters(), str_cat("MHA forward, ", ring_impl_name(impl)));
+    usp.backward(std::move(o.ctx), dout.view());
+    expect_nothing_exposed(usp.counters(), str_cat("MHA forward + backward, ", ring_impl_name(impl)));
+  }
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    GdnCpConfig cfg;
+    cfg.mode = mode;
+    cfg.chunk_size = 8;
+    GdnContextParallel gdn(groups, layout, cfg);
+    GdnCpOutput o = gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view());
+    expect_nothing_exposed(gdn.counters(), str_cat("GDN forward, ", gdn_cp_mode_name(mode)));
+    gdn.backward(std::move(o.ctx), dout.view());
+    expect_nothing_exposed(gdn.counters(), str_cat("GDN forward + backward, ", gdn_cp_mode_name(mode)));
+  }
+  for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
+    DsaCpConfig cfg;
+    cfg.select = select;
+    cfg.topk = 6;
+    cfg.dim_v = 4;
+    DsaContextParallel dsa(groups, layout, cfg);
+    DsaCpOutput o = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), wi.view());
+    expect_nothing_exposed(dsa.counters(), str_cat("DSA forward, ", dsa_select_mode_name(select)));
+    dsa.backward(std::move(o.ctx), ddsa.view());
+    expect_nothing_exposed(dsa.counters(), str_cat("DSA forward + backward, ", dsa_select_mode_name(select)));
+  }
+}
+
 }  // namespace
 }  // namespace seqpar
