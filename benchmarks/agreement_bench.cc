@@ -23,14 +23,10 @@
 namespace seqpar::bench {
 namespace {
 
-// The fields of a USP forward's fingerprint (parallel/usp.cc), with k of shape `k_shape`.
-Fingerprint usp_like_fingerprint(const SequenceLayout& layout, const Shape& q_shape, const Shape& k_shape) {
-  Fingerprint fp("USP forward");
-  fp.add_text("impl", "p2p").add_flag("causal", true).add_int("window", 0).add_real("scale", 0.0);
-  add_layout_fields(fp, layout);
+// The fingerprint of a USP forward (parallel/usp.cc) with k of shape `k_shape`.
+Fingerprint usp_fingerprint(const SequenceLayout& layout, const Shape& q_shape, const Shape& k_shape) {
   const TensorView q(nullptr, DType::kFloat32, q_shape), k(nullptr, DType::kFloat32, k_shape);
-  fp.add_tensor("q", q).add_tensor("k", k).add_tensor("v", k);
-  return fp;
+  return mha_forward_fingerprint("USP forward", RingAttentionConfig{}, layout, q, k, k);
 }
 
 // Median over `reps` of the slowest rank's mean seconds per call of `calls` calls of `fn`.
@@ -73,22 +69,19 @@ int agreement_bench_main(int argc, char** argv) {
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
   const Shape q_shape = {1, layout.local_len(), heads, head_dim};
-  const Fingerprint agreed = usp_like_fingerprint(layout, q_shape, q_shape);
-  const Fingerprint odd = usp_like_fingerprint(layout, q_shape, {1, layout.local_len(), heads / 2, head_dim * 2});
+  const Fingerprint agreed = usp_fingerprint(layout, q_shape, q_shape);
+  const Fingerprint odd = usp_fingerprint(layout, q_shape, {1, layout.local_len(), heads / 2, head_dim * 2});
 
   std::vector<std::pair<std::string, double>> rows;
   AgreementCheck cached(AgreementMode::kChanges), always(AgreementMode::kAlways);
   cached.run(groups.sp, agreed);  // the first call agrees; every timed call hits the cache
-  rows.emplace_back("cached", time_per_call(*world, reps, calls, [&] {
-                      cached.run(groups.sp, usp_like_fingerprint(layout, q_shape, q_shape));
+  rows.emplace_back("cached", time_per_call(*world, reps, calls,
+                                            [&] { cached.run(groups.sp, usp_fingerprint(layout, q_shape, q_shape)); }));
+  rows.emplace_back("first", time_per_call(*world, reps, calls, [&] {
+                      AgreementCheck(AgreementMode::kChanges).run(groups.sp, usp_fingerprint(layout, q_shape, q_shape));
                     }));
-  rows.emplace_back(
-      "first", time_per_call(*world, reps, calls, [&] {
-        AgreementCheck(AgreementMode::kChanges).run(groups.sp, usp_like_fingerprint(layout, q_shape, q_shape));
-      }));
-  rows.emplace_back("always", time_per_call(*world, reps, calls, [&] {
-                      always.run(groups.sp, usp_like_fingerprint(layout, q_shape, q_shape));
-                    }));
+  rows.emplace_back("always", time_per_call(*world, reps, calls,
+                                            [&] { always.run(groups.sp, usp_fingerprint(layout, q_shape, q_shape)); }));
   if (place.size > 1) {
     rows.emplace_back("mismatch", time_per_call(*world, reps, calls, [&] {
                         try {

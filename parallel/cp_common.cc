@@ -112,6 +112,11 @@ Fingerprint& Fingerprint::add_tensor(std::string_view name, const TensorView& t)
   return add_text(name, v);
 }
 
+Fingerprint& Fingerprint::add_tensors(std::initializer_list<std::pair<std::string_view, TensorView>> named) {
+  for (const auto& [name, t] : named) add_tensor(name, t);
+  return *this;
+}
+
 std::uint64_t Fingerprint::digest() const {
   std::uint64_t h = 14695981039346656037ull;  // FNV-1a 64
   for (const char c : text_) {

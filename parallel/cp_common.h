@@ -10,10 +10,12 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "runtime/comm.h"
@@ -98,6 +100,8 @@ class Fingerprint {
   Fingerprint& add_text(std::string_view name, std::string_view value);
   // dtype and shape ("fp32[1, 32, 4, 16]"), "cuda " before it for a device tensor, "none" for an empty view.
   Fingerprint& add_tensor(std::string_view name, const TensorView& t);
+  // add_tensor for each (name, tensor), in order.
+  Fingerprint& add_tensors(std::initializer_list<std::pair<std::string_view, TensorView>> named);
   const std::string& text() const { return text_; }
   std::uint64_t digest() const;  // FNV-1a 64 of text()
 

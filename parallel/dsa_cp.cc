@@ -51,11 +51,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
         .add_int("topk", config_.topk)
         .add_int("dim_v", config_.dim_v)
         .add_real("scale", config_.scale)
-        .add_tensor("q", q)
-        .add_tensor("c", c)
-        .add_tensor("q_idx", q_idx)
-        .add_tensor("k_idx", k_idx)
-        .add_tensor("w", w);
+        .add_tensors({{"q", q}, {"c", c}, {"q_idx", q_idx}, {"k_idx", k_idx}, {"w", w}});
     agree(forward_agreement_, fp);
   }
   const DeviceAlloc alloc{common_device({q, c, q_idx, k_idx, w}, "DSA CP forward"), groups_.stream};

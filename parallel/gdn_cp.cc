@@ -213,12 +213,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
         .add_int("chunk_size", config_.chunk_size)
         .add_flag("use_qk_l2norm", config_.use_qk_l2norm)
         .add_real("scale", config_.scale)
-        .add_tensor("q", q)
-        .add_tensor("k", k)
-        .add_tensor("v", v)
-        .add_tensor("g", g)
-        .add_tensor("beta", beta)
-        .add_tensor("initial_state", initial_state);
+        .add_tensors({{"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"initial_state", initial_state}});
     agree(forward_agreement_, fp);
   }
   const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};

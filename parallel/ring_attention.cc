@@ -87,15 +87,22 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   return a;
 }
 
+Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionConfig& config,
+                                    const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                                    const TensorView& v) {
+  Fingerprint fp(call);
+  fp.add_text("impl", ring_impl_name(config.impl))
+      .add_flag("causal", config.causal)
+      .add_int("window", config.window)
+      .add_real("scale", config.scale);
+  add_layout_fields(fp, layout);
+  fp.add_tensors({{"q", q}, {"k", k}, {"v", v}});
+  return fp;
+}
+
 void RingAttention::agree_forward(const TensorView& q, const TensorView& k, const TensorView& v) {
-  Fingerprint fp("ring attention forward");
-  fp.add_text("impl", ring_impl_name(config_.impl))
-      .add_flag("causal", config_.causal)
-      .add_int("window", config_.window)
-      .add_real("scale", config_.scale);
-  add_layout_fields(fp, layout_);
-  fp.add_tensor("q", q).add_tensor("k", k).add_tensor("v", v);
-  forward_agreement_.run(groups_.ring, fp, groups_.stream);
+  forward_agreement_.run(groups_.ring, mha_forward_fingerprint("ring attention forward", config_, layout_, q, k, v),
+                         groups_.stream);
 }
 
 void RingAttention::agree_backward(const CpContext& ctx, const TensorView& dout) {

@@ -39,6 +39,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "attention/mha.h"
@@ -66,6 +67,12 @@ struct AttentionGrads {
   Tensor dk;  // [B, S_local, Hkv, D]
   Tensor dv;  // [B, S_local, Hkv, D]
 };
+
+// The fields of an MHA forward (RingAttention, UspAttention) for the ranks' agreement check (AgreementCheck,
+// parallel/cp_common.h): `call`, the configuration (impl, causal, window, scale), the layout, q, k and v.
+Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionConfig& config,
+                                    const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                                    const TensorView& v);
 
 class RingAttention {
  public:

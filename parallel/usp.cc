@@ -27,16 +27,7 @@ UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout,
       ring_attn_(groups, layout, config) {}
 
 AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
-  {
-    Fingerprint fp("USP forward");
-    fp.add_text("impl", ring_impl_name(config_.impl))
-        .add_flag("causal", config_.causal)
-        .add_int("window", config_.window)
-        .add_real("scale", config_.scale);
-    add_layout_fields(fp, layout_);
-    fp.add_tensor("q", q).add_tensor("k", k).add_tensor("v", v);
-    forward_agreement_.run(groups_.sp, fp, groups_.stream);
-  }
+  forward_agreement_.run(groups_.sp, mha_forward_fingerprint("USP forward", config_, layout_, q, k, v), groups_.stream);
   const DeviceAlloc alloc{common_device({q, k, v}, "USP forward"), groups_.stream};
   check_4d(q, "USP q");
   check_4d(k, "USP k");

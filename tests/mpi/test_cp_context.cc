@@ -288,26 +288,28 @@ TEST(CpContext, GroupsOfOneExposeNoCommunication) {
   const Tensor q = rnd({B, seq, H, D}, 1), dout = rnd({B, seq, H, D}, 2), g = rnd({B, seq, H}, 3, -0.1, -0.01),
                beta = rnd({B, seq, H}, 4, 0.1, 0.5), c = rnd({B, seq, D}, 5), qi = rnd({B, seq, 2, 8}, 6),
                ki = rnd({B, seq, 8}, 7), wi = rnd({B, seq, 2}, 8), ddsa = rnd({B, seq, H, 4}, 9);
-  auto expect_nothing_exposed = [](const CpCounters& c, const std::string& what) {
-    EXPECT_EQ(c.total_exposed_s(), 0.0) << what;
-    EXPECT_EQ(c.total_bytes_sent(), 0) << what;
+  // Runs `layer`'s forward, then its backward on the forward's context; after each, nothing exposed or sent.
+  auto expect_nothing_exposed = [](const auto& layer, auto forward, auto backward, const std::string& what) {
+    auto o = forward();
+    EXPECT_EQ(layer.counters().total_exposed_s(), 0.0) << what << " forward";
+    backward(std::move(o.ctx));
+    EXPECT_EQ(layer.counters().total_exposed_s(), 0.0) << what << " forward + backward";
+    EXPECT_EQ(layer.counters().total_bytes_sent(), 0) << what;
   };
   for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
     UspAttention usp(groups, layout, RingAttentionConfig{impl});
-    AttentionOutput o = usp.forward(q.view(), q.view(), q.view());
-    expect_nothing_exposed(usp.counters(), str_cat("MHA forward, ", ring_impl_name(impl)));
-    usp.backward(std::move(o.ctx), dout.view());
-    expect_nothing_exposed(usp.counters(), str_cat("MHA forward + backward, ", ring_impl_name(impl)));
+    expect_nothing_exposed(
+        usp, [&] { return usp.forward(q.view(), q.view(), q.view()); },
+        [&](CpContext&& ctx) { usp.backward(std::move(ctx), dout.view()); }, str_cat("MHA ", ring_impl_name(impl)));
   }
   for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
     GdnCpConfig cfg;
     cfg.mode = mode;
     cfg.chunk_size = 8;
     GdnContextParallel gdn(groups, layout, cfg);
-    GdnCpOutput o = gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view());
-    expect_nothing_exposed(gdn.counters(), str_cat("GDN forward, ", gdn_cp_mode_name(mode)));
-    gdn.backward(std::move(o.ctx), dout.view());
-    expect_nothing_exposed(gdn.counters(), str_cat("GDN forward + backward, ", gdn_cp_mode_name(mode)));
+    expect_nothing_exposed(
+        gdn, [&] { return gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view()); },
+        [&](CpContext&& ctx) { gdn.backward(std::move(ctx), dout.view()); }, str_cat("GDN ", gdn_cp_mode_name(mode)));
   }
   for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
     DsaCpConfig cfg;
@@ -315,10 +317,10 @@ TEST(CpContext, GroupsOfOneExposeNoCommunication) {
     cfg.topk = 6;
     cfg.dim_v = 4;
     DsaContextParallel dsa(groups, layout, cfg);
-    DsaCpOutput o = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), wi.view());
-    expect_nothing_exposed(dsa.counters(), str_cat("DSA forward, ", dsa_select_mode_name(select)));
-    dsa.backward(std::move(o.ctx), ddsa.view());
-    expect_nothing_exposed(dsa.counters(), str_cat("DSA forward + backward, ", dsa_select_mode_name(select)));
+    expect_nothing_exposed(
+        dsa, [&] { return dsa.forward(q.view(), c.view(), qi.view(), ki.view(), wi.view()); },
+        [&](CpContext&& ctx) { dsa.backward(std::move(ctx), ddsa.view()); },
+        str_cat("DSA ", dsa_select_mode_name(select)));
   }
 }
 
