@@ -85,7 +85,7 @@ void check_layout_fits(const SpBenchOptions& o) {
     SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
   } catch (const Error& e) {
     const std::int64_t zigzag = pr == 1 ? pu : pr * std::lcm(std::int64_t{2}, pu), plain = pr * pu;
-    SEQPAR_THROW("--seq ", o.seq, " --layout ", layout_name(o.layout), ": ", e.message(), "; with --ring-size ", pr,
+    SEQPAR_THROW(e.message(), " (--seq ", o.seq, ", --layout ", layout_name(o.layout), "); with --ring-size ", pr,
                  " and --ulysses-size ", pu, " use a multiple of ", zigzag, " for --layout zigzag or of ", plain,
                  " for --layout contiguous or stripe (sequences are not padded)");
   }
