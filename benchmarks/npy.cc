@@ -185,11 +185,16 @@ const char* descr_of(DType dtype) {
   SEQPAR_THROW("npy: no .npy element type for ", dtype_name(dtype));
 }
 
-HostArray read(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+namespace {
+
+// Opens `path` and reads its preamble and header dictionary; on return `in` is at the first data byte, `file_size`
+// holds the file's size and `data_offset` the position of the data.
+Header read_preamble_and_header(std::ifstream& in, const std::string& path, std::streamoff& file_size,
+                                std::size_t& data_offset) {
+  in.open(path, std::ios::binary);
   SEQPAR_CHECK(in.good(), path, ": cannot open for reading (", std::strerror(errno), ")");
   in.seekg(0, std::ios::end);
-  const std::streamoff file_size = in.tellg();
+  file_size = in.tellg();
   in.seekg(0, std::ios::beg);
   SEQPAR_CHECK(file_size >= 10, path, ": not a .npy file (", file_size, " bytes, shorter than the fixed preamble)");
 
@@ -219,7 +224,24 @@ HostArray read(const std::string& path) {
   SEQPAR_CHECK(in.good(), path, ": read error in the header");
   SEQPAR_CHECK(!text.empty() && text.back() == '\n', path, ": malformed .npy header: it does not end with a newline");
 
-  const Header h = parse_header(text, path);
+  data_offset = preamble + header_len;
+  return parse_header(text, path);
+}
+
+}  // namespace
+
+Header read_header(const std::string& path) {
+  std::ifstream in;
+  std::streamoff file_size = 0;
+  std::size_t data_offset = 0;
+  return read_preamble_and_header(in, path, file_size, data_offset);
+}
+
+HostArray read(const std::string& path) {
+  std::ifstream in;
+  std::streamoff file_size = 0;
+  std::size_t data_offset = 0;
+  const Header h = read_preamble_and_header(in, path, file_size, data_offset);
   const DType dtype = dtype_of_descr(h.descr, path);
   SEQPAR_CHECK(!h.fortran_order, path, ": Fortran-order arrays are not supported (write the array in C order, e.g. ",
                "numpy.ascontiguousarray)");
@@ -232,7 +254,7 @@ HostArray read(const std::string& path) {
     numel *= static_cast<std::uint64_t>(d);
   }
   const std::uint64_t data_bytes = numel * dtype_size(dtype);
-  const std::uint64_t available = static_cast<std::uint64_t>(file_size) - preamble - header_len;
+  const std::uint64_t available = static_cast<std::uint64_t>(file_size) - data_offset;
   SEQPAR_CHECK(available == data_bytes, path, ": data size mismatch: shape ", shape_str(h.shape), " of ",
                dtype_name(dtype), " needs ", data_bytes, " bytes, the file holds ", available,
                available < data_bytes ? " (truncated)" : " (trailing bytes)");

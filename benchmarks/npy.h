@@ -44,6 +44,9 @@ Header parse_header(std::string_view text, const std::string& what);
 DType dtype_of_descr(const std::string& descr, const std::string& what);
 const char* descr_of(DType dtype);  // "<f8", "<f4", "<i4", "<i8"; throws for bf16 / fp16
 
+// Reads only the preamble and the header dictionary of a file (its shape, for sp_bench --inputs). Throws Error naming
+// the path for unreadable or malformed files.
+Header read_header(const std::string& path);
 // Reads a whole file. Throws Error naming the path for unreadable, malformed or unsupported files.
 HostArray read(const std::string& path);
 // Reads `path` and checks it has `shape`; throws Error naming the path, the expected and the found shape.

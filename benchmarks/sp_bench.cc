@@ -179,6 +179,7 @@ int sp_bench_main(int argc, char** argv) {
   if (place.rank == 0 && !oversubscribed.empty())
     std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
   auto world = make_world_communicator(o.backend);
+  check_options_agree(*world, o);  // ranks started with other flags stop here, each naming the first that differs
   check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);
 

@@ -332,6 +332,13 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   k.presets = {{"deepseek-v3.2", 128, 1, 576, 2048, 0, 512, 64, 128,
                 "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"}};
   k.own_flags = {"topk", "dsa-select", "dim-v", "indexer-heads", "indexer-dim"};
+  k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
+                         {"seq", "q", 1, &SpBenchOptions::seq},
+                         {"heads", "q", 2, &SpBenchOptions::heads},
+                         {"head-dim", "q", 3, &SpBenchOptions::head_dim},
+                         {"dim-v", "dout", 3, &SpBenchOptions::dim_v},
+                         {"indexer-heads", "q_idx", 2, &SpBenchOptions::indexer_heads},
+                         {"indexer-dim", "q_idx", 3, &SpBenchOptions::indexer_dim}};
   k.input_specs = dsa_input_specs;
   k.estimate_memory = dsa_memory;
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
@@ -347,6 +354,8 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   };
   k.validate = [](SpBenchOptions& o) {
     // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.
+    SEQPAR_CHECK(o.causal || !o.given("causal"), "--causal=false: --attn dsa is causal by construction (key j is ",
+                 "visible to query t iff j <= t)");
     o.causal = true;
     if (o.dim_v == 0) o.dim_v = o.head_dim;
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
@@ -357,7 +366,6 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
-    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": DSA selects its keys with the indexer (no window)");
   };
   return k;
 }

@@ -446,7 +446,13 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                 "GDN: 32 value heads on 16 key heads (each q, k head serves two value heads), K = V = 128, short conv "
                 "of width 4 on q, k, v, chunk 64, causal",
                 4}};
-  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "dim-v", "conv-width"};
+  k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "kv-heads", "dim-v", "conv-width"};
+  k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
+                         {"seq", "q", 1, &SpBenchOptions::seq},
+                         {"kv-heads", "q", 2, &SpBenchOptions::kv_heads},
+                         {"head-dim", "q", 3, &SpBenchOptions::head_dim},
+                         {"heads", "v", 2, &SpBenchOptions::heads},
+                         {"dim-v", "v", 3, &SpBenchOptions::dim_v}};
   k.input_specs = gdn_input_specs;
   k.estimate_memory = gdn_memory;
   k.validate = [](SpBenchOptions& o) {
@@ -461,7 +467,8 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                  " or divide it (then each key head is replicated)");
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous or ",
                  "zigzag)");
-    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": GDN has no attention window");
+    SEQPAR_CHECK(o.causal || !o.given("causal"), "--causal=false: --attn gdn is a causal recurrence (the state ",
+                 "after token t depends on tokens 0..t only)");
   };
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["chunk_size"] = o.chunk_size;

@@ -252,7 +252,12 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.name = "mha";
   k.description = "MHA/GQA (ring, Ulysses, USP)";
   k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0, "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"}};
-  k.own_flags = {"test-logit-scale"};
+  k.own_flags = {"test-logit-scale", "impl", "window", "kv-heads"};
+  k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
+                         {"seq", "q", 1, &SpBenchOptions::seq},
+                         {"heads", "q", 2, &SpBenchOptions::heads},
+                         {"head-dim", "q", 3, &SpBenchOptions::head_dim},
+                         {"kv-heads", "k", 2, &SpBenchOptions::kv_heads}};
   k.input_specs = mha_input_specs;
   k.estimate_memory = mha_memory;
   k.validate = [](SpBenchOptions& o) {

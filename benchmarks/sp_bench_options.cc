@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cxxopts.hpp>
-#include <map>
+#include <filesystem>
+#include <numeric>
 #include <vector>
 
+#include "benchmarks/npy.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
@@ -35,6 +37,59 @@ auto parse_flag(const char* flag, const std::string& value, Fn&& fn) {
 
 void check_min(std::int64_t value, std::int64_t min, const char* flag) {
   SEQPAR_CHECK(value >= min, "--", flag, " ", value, ": must be >= ", min);
+}
+
+// A flag that some kinds list as their own (WorkloadKind::own_flags) means nothing for the others: given with an
+// --attn that does not list it, it is an error naming the kinds that take it.
+void check_kinds_own_flags(const SpBenchOptions& o) {
+  std::vector<std::pair<std::string, std::string>> owners;  // (flag, "--attn a or --attn b")
+  for (const WorkloadKind& k : workload_kinds()) {
+    for (const std::string& flag : k.own_flags) {
+      auto it = std::find_if(owners.begin(), owners.end(), [&](const auto& e) { return e.first == flag; });
+      if (it == owners.end()) it = owners.insert(owners.end(), {flag, ""});
+      it->second += str_cat(it->second.empty() ? "" : " or ", "--attn ", k.name);
+    }
+  }
+  const std::vector<std::string>& mine = find_workload_kind(o.attn).own_flags;
+  for (const auto& [flag, kinds] : owners) {
+    SEQPAR_CHECK(!o.given(flag) || std::find(mine.begin(), mine.end(), flag) != mine.end(), "--", flag, " needs ",
+                 kinds, " (--attn ", o.attn, ")");
+  }
+}
+
+// --inputs: each shape flag of the kind is read from its file (its dimension `dim` of <dir>/<tensor>.npy) when it was
+// not given; a given one must match the file. The full shapes are checked again when the files are read.
+void shapes_from_inputs(const WorkloadKind& kind, SpBenchOptions& o) {
+  std::vector<std::pair<std::string, npy::Header>> headers;
+  for (const WorkloadKind::InputShapeFlag& f : kind.input_shape_flags) {
+    auto it = std::find_if(headers.begin(), headers.end(), [&](const auto& h) { return h.first == f.tensor; });
+    const std::string path = (std::filesystem::path(o.inputs_dir) / (f.tensor + ".npy")).string();
+    if (it == headers.end()) it = headers.insert(headers.end(), {f.tensor, npy::read_header(path)});
+    const Shape& shape = it->second.shape;
+    SEQPAR_CHECK(f.dim < static_cast<int>(shape.size()), path, ": shape ", shape_str(shape), " has no dimension ",
+                 f.dim, " (--", f.flag, " of --attn ", kind.name, ")");
+    if (!o.given(f.flag)) {
+      o.*f.field = shape[f.dim];
+      continue;
+    }
+    SEQPAR_CHECK(o.*f.field == shape[f.dim], "--", f.flag, " ", o.*f.field, " does not match --inputs: ", path,
+                 " has shape ", shape_str(shape), " (dimension ", f.dim, " is ", shape[f.dim], "); leave --", f.flag,
+                 " out to take it from the file");
+  }
+}
+
+// The layout's divisibility rule (the library's, raised here before any communication), with what would fit.
+// Sequences are never padded.
+void check_layout_fits(const SpBenchOptions& o) {
+  const std::int64_t pr = o.grid.ring_size, pu = o.grid.ulysses_size;
+  try {
+    SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
+  } catch (const Error& e) {
+    const std::int64_t zigzag = pr == 1 ? pu : pr * std::lcm(std::int64_t{2}, pu), plain = pr * pu;
+    SEQPAR_THROW(e.message(), " (--seq ", o.seq, ", --layout ", layout_name(o.layout), "); with --ring-size ", pr,
+                 " and --ulysses-size ", pu, " use a multiple of ", zigzag, " for --layout zigzag or of ", plain,
+                 " for --layout contiguous or stripe (sequences are not padded)");
+  }
 }
 
 }  // namespace
@@ -119,6 +174,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   const cxxopts::ParseResult& r = *parsed;
 
   SpBenchOptions o;
+  for (const cxxopts::KeyValue& kv : r.arguments()) o.given_flags.push_back(kv.key());
   o.attn = find_workload_kind(get_checked<std::string>(r, "attn")).name;
   if (r.count("model")) {
     o.model = get_checked<std::string>(r, "model");
@@ -219,6 +275,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag, " needs a non-empty path");
   }
 
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  if (!o.inputs_dir.empty()) shapes_from_inputs(kind, o);
   if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
 
   // ---- rules ----
@@ -244,27 +302,55 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                ": unknown mode (expected chain or scan)");
   SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,
                ": unknown selection mode (expected ring or allgather)");
-  // A kind's own flag (--dim-v: DSA and GDN) given with a kind that does not own it.
-  std::map<std::string, std::vector<std::string>> owners;
-  for (const WorkloadKind& k : workload_kinds()) {
-    for (const std::string& flag : k.own_flags) owners[flag].push_back(k.name);
-  }
-  for (const auto& [flag, kinds] : owners) {
-    if (!r.count(flag) || std::find(kinds.begin(), kinds.end(), o.attn) != kinds.end()) continue;
-    std::string need;
-    for (std::size_t i = 0; i < kinds.size(); ++i) need += (i == 0 ? "" : " or ") + kinds[i];
-    SEQPAR_THROW("--", flag, " needs --attn ", need, " (--attn ", o.attn, ")");
-  }
+  check_kinds_own_flags(o);
   SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   const std::int64_t grid_ranks = static_cast<std::int64_t>(o.grid.dp_size) * o.grid.ulysses_size * o.grid.ring_size;
   SEQPAR_CHECK(grid_ranks == world_size, "--dp-size ", o.grid.dp_size, " x --ulysses-size ", o.grid.ulysses_size,
                " x --ring-size ", o.grid.ring_size, " = ", grid_ranks, " must equal the number of MPI ranks (",
                world_size, ")");
-  const WorkloadKind& kind = find_workload_kind(o.attn);
   if (kind.validate) kind.validate(o);
-  // Layout divisibility (the same rule the library applies, raised here before any communication).
-  SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
+  check_layout_fits(o);
   return o;
+}
+
+void check_options_agree(Communicator& world, const SpBenchOptions& o) {
+  Fingerprint fp("sp_bench options");
+  fp.add_text("--attn", o.attn)
+      .add_text("--model", o.model)
+      .add_int("--dp-size", o.grid.dp_size)
+      .add_int("--ulysses-size", o.grid.ulysses_size)
+      .add_int("--ring-size", o.grid.ring_size)
+      .add_text("--placement", placement_name(o.grid.placement))
+      .add_text("--layout", layout_name(o.layout))
+      .add_text("--impl", ring_impl_name(o.impl))
+      .add_text("--backend", o.backend)
+      .add_text("--gdn-mode", o.gdn_mode)
+      .add_text("--dsa-select", o.dsa_select)
+      .add_int("--batch", o.batch)
+      .add_int("--seq", o.seq)
+      .add_int("--heads", o.heads)
+      .add_int("--kv-heads", o.kv_heads)
+      .add_int("--head-dim", o.head_dim)
+      .add_flag("--causal", o.causal)
+      .add_int("--window", o.window)
+      .add_int("--topk", o.topk)
+      .add_int("--dim-v", o.dim_v)
+      .add_int("--indexer-heads", o.indexer_heads)
+      .add_int("--indexer-dim", o.indexer_dim)
+      .add_int("--chunk-size", o.chunk_size)
+      .add_text("--dtype", dtype_name(o.dtype))
+      .add_int("--warmup", o.warmup)
+      .add_int("--iters", o.iters)
+      .add_int("--threads", o.threads)
+      .add_text("--seed", std::to_string(o.seed))
+      .add_flag("--check", o.check)
+      .add_flag("--efficiency", o.efficiency)
+      .add_flag("--gdn-compare-token", o.gdn_compare_token)
+      .add_text("--inputs", o.inputs_dir)
+      .add_text("--test-corrupt", o.test_corrupt)
+      .add_int("--test-fail-write-after", o.test_fail_write_after)
+      .add_real("--test-logit-scale", o.test_logit_scale);
+  AgreementCheck(AgreementMode::kAlways).run(world, fp);
 }
 
 std::string describe_shapes(const SpBenchOptions& o) { return find_workload_kind(o.attn).describe_shapes(o); }

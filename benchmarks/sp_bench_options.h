@@ -4,9 +4,11 @@
 // the same message before any communication (validation at the boundary, before any communication).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "benchmarks/bench_common.h"
 #include "parallel/layout.h"
@@ -58,6 +60,10 @@ struct SpBenchOptions {
   bool dump_inputs = false;  // --dump also writes the full inputs, as --inputs reads them
   bool quiet = false;        // no progress lines
   bool dry_run = false;      // print the memory estimate and exit
+  std::vector<std::string> given_flags;  // the flags given on the command line (a kind's rules on explicit flags)
+  bool given(const std::string& flag) const {
+    return std::find(given_flags.begin(), given_flags.end(), flag) != given_flags.end();
+  }
 
   // Test hooks (hidden from --help; the tests in tests/mpi/CMakeLists.txt use them):
   std::string test_corrupt;                 // --test-corrupt NAME: perturb the gathered tensor NAME before the check
@@ -70,6 +76,12 @@ struct SpBenchOptions {
 // rank) for unknown flags, malformed values and any rule violation, including a grid that does not match
 // `world_size`.
 std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank);
+
+// Collective over `world` (one all-reduce of the options' fingerprint, parallel/cp_common.h AgreementCheck): every
+// rank must have parsed the same options (mpirun may start ranks with different command lines). Throws Error, the
+// same on every rank, naming the first flag that differs and its value on each rank. --json and --dump are not
+// compared (rank 0 alone writes them).
+void check_options_agree(Communicator& world, const SpBenchOptions& o);
 
 // One-line configuration summary used in the table header (the kind's describe_shapes).
 std::string describe_shapes(const SpBenchOptions& o);

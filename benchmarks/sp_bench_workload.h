@@ -175,8 +175,17 @@ struct WorkloadKind {
   std::string name;         // --attn value, e.g. "mha"
   std::string description;  // one line: what runs (--help)
   std::vector<ModelPreset> presets;
-  // Flags only this kind accepts: given with another --attn they are an error naming the kind they need.
+  // Flags only some kinds accept: given with an --attn that does not list them they are an error naming the kinds
+  // that do (a flag may be listed by several kinds).
   std::vector<std::string> own_flags;
+  // Shape flags read from the --inputs files when not given (a given one must match its file): the flag, the input
+  // file stem, the dimension, and the option it sets.
+  struct InputShapeFlag {
+    std::string flag, tensor;
+    int dim;
+    std::int64_t SpBenchOptions::*field;
+  };
+  std::vector<InputShapeFlag> input_shape_flags;
   // The kind's rules on the parsed options, after the common ones (may set kind defaults, e.g. DSA's --causal;
   // optional). Throws Error naming the flag, the value and the rule.
   std::function<void(SpBenchOptions&)> validate;

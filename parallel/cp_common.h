@@ -10,10 +10,12 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "runtime/comm.h"
@@ -66,6 +68,69 @@ struct CpGroups {
 // names the caller in the message. Collective-free; identical on every rank.
 void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
 
+// ---- agreement of the ranks (docs/design.md section "Agreement of the ranks") ----------------------------------
+//
+// Every public forward() and backward() of the CP layers checks, before any data moves, that all ranks of its group
+// pass the same shapes, dtypes and configuration: each rank writes its call as named fields (a Fingerprint), and one
+// all-reduce (max) of three int64 (the 62-bit digest of the fields, its negation, the fields' text length) tells
+// every rank whether all digests are equal. Only when they differ, an all-gather of the fields' text lets every rank
+// name the first field that differs and its value on each rank, and every rank throws the same Error.
+//
+// When it runs (SEQPAR_AGREEMENT_CHECK, read once, at the first layer built):
+//   changes (default): on a call whose fingerprint differs from the last one this entry point of this layer object
+//            found all ranks agreeing on (the first call, and every call after a shape or configuration change).
+//            A repeated call pays only for writing its fingerprint (no message). What it cannot see: one rank
+//            changing alone while the others repeat the agreed call (that rank waits in the check and the others
+//            in their first message, until SEQPAR_COMM_TIMEOUT_S); use `always` to catch that too.
+//   always:  on every call (one 24-byte all-reduce per call).
+//   off:     never.
+enum class AgreementMode : std::uint8_t { kOff, kChanges, kAlways };
+const char* agreement_mode_name(AgreementMode mode);  // "off", "changes", "always"
+AgreementMode parse_agreement_mode(std::string_view name);
+// SEQPAR_AGREEMENT_CHECK (default changes), read once; Error naming the value and the accepted ones otherwise.
+AgreementMode agreement_mode();
+
+// The fields of one call, in order, as text ("name=value" lines). The first field names the call.
+class Fingerprint {
+ public:
+  explicit Fingerprint(std::string_view call);
+  Fingerprint& add_int(std::string_view name, std::int64_t value);
+  Fingerprint& add_real(std::string_view name, double value);  // shortest exact rendering
+  Fingerprint& add_flag(std::string_view name, bool value);    // "yes" / "no"
+  Fingerprint& add_text(std::string_view name, std::string_view value);
+  // dtype and shape ("fp32[1, 32, 4, 16]"), "cuda " before it for a device tensor, "none" for an empty view.
+  Fingerprint& add_tensor(std::string_view name, const TensorView& t);
+  // add_tensor for each (name, tensor), in order.
+  Fingerprint& add_tensors(std::initializer_list<std::pair<std::string_view, TensorView>> named);
+  const std::string& text() const { return text_; }
+  std::uint64_t digest() const;  // FNV-1a 64 of text()
+
+ private:
+  std::string text_;
+};
+
+// One entry point's agreement check and its cache (the digest of the last call every rank agreed on).
+class AgreementCheck {
+ public:
+  explicit AgreementCheck(AgreementMode mode = agreement_mode()) : mode_(mode) {}
+
+  // Collective over `comm` when it runs (see AgreementMode; every rank of `comm` must call it, in the same order
+  // as its other operations on `comm`). Throws Error, the same on every rank of `comm`: "<call>: the ranks of
+  // <group> (<members>) disagree on <field>: <value> on <group> rank(s) ...; <value> on ...". Buffers on
+  // comm.device() (copied on `stream`); waits with the default communication timeout.
+  void run(Communicator& comm, const Fingerprint& fp, Stream stream = Stream::cpu());
+
+  AgreementMode mode() const { return mode_; }
+  std::int64_t num_checks() const { return num_checks_; }    // calls that ran the collective
+  std::int64_t num_skipped() const { return num_skipped_; }  // calls served by the cache (mode off, a group of one)
+
+ private:
+  AgreementMode mode_;
+  bool have_agreed_ = false;
+  std::uint64_t agreed_digest_ = 0;
+  std::int64_t num_checks_ = 0, num_skipped_ = 0;
+};
+
 // Checks a gradient input or output buffer of a backward (dout, dq): `shape` and a floating dtype (Error naming
 // `what` otherwise; the device is checked by common_device). Layers call it before consuming their context, so that
 // a refused call leaves the context live.
@@ -105,6 +170,9 @@ class ScopedTimer {
 
 // Waits for `work` (a null handle is a no-op) and resets it, adding the seconds blocked to *exposed_s (may be null).
 void timed_wait(WorkHandle& work, double* exposed_s);
+// The same for an operation on `comm`, except that a group of one adds nothing: it moves no data (its collectives
+// are local copies), so none of its time is exposed communication.
+void timed_wait(const Communicator& comm, WorkHandle& work, double* exposed_s);
 
 // Adds to a CpCounters the bytes a set of communicators moved during its lifetime: `ring_or_sp` (deduplicated, so
 // that one communicator passed twice is counted once) into bytes_sent / bytes_received, `ulysses` into a2a_*.

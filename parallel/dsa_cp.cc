@@ -45,6 +45,15 @@ DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLay
 
 DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
                                         const TensorView& k_idx, const TensorView& w) {
+  {
+    Fingerprint fp = fingerprint("DSA CP forward");
+    fp.add_text("select", dsa_select_mode_name(config_.select))
+        .add_int("topk", config_.topk)
+        .add_int("dim_v", config_.dim_v)
+        .add_real("scale", config_.scale)
+        .add_tensors({{"q", q}, {"c", c}, {"q_idx", q_idx}, {"k_idx", k_idx}, {"w", w}});
+    agree(forward_agreement_, fp);
+  }
   const DeviceAlloc alloc{common_device({q, c, q_idx, k_idx, w}, "DSA CP forward"), groups_.stream};
   SEQPAR_CHECK(q.ndim() == 4 && c.ndim() == 3 && q_idx.ndim() == 4 && k_idx.ndim() == 3 && w.ndim() == 3, "DSA CP: q ",
                q.str(), ", c ", c.str(), ", q_idx ", q_idx.str(), ", k_idx ", k_idx.str(), ", w ", w.str(),
@@ -94,7 +103,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     const int n = sp.size();
     Tensor all = alloc.empty({n, B, sl, di}, k_idx.dtype(), MemCategory::kCommBuffer);
     WorkHandle gather = sp.all_gather(s->k_idx.view(), all.view());
-    timed_wait(gather, &counters_.exposed_comm_s);
+    timed_wait(sp, gather, &counters_.exposed_comm_s);
     for (int src = 0; src < n; ++src) merge_block(src, all.view().slice0(src, src + 1).reshape({B, sl, di}));
   }
   s->topk_local = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kSavedActivation);
@@ -155,6 +164,14 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
 
 DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "DSA CP");
+  {
+    Fingerprint fp = fingerprint("DSA CP backward");
+    fp.add_tensor("saved q (head-sharded)", s->q_h.view())
+        .add_tensor("saved q_idx", s->q_idx.view())
+        .add_tensor("dout", dout)
+        .add_real("loss_grad_scale", loss_grad_scale);
+    agree(backward_agreement_, fp);
+  }
   const int pu = layout_.ulysses_size();
   const std::int64_t B = s->q_h.dim(0), sr = s->q_h.dim(1), hl = s->q_h.dim(2), dqk = s->q_h.dim(3),
                      dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk, hi = s->q_idx.dim(2),
@@ -226,7 +243,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor loss_sum = alloc.empty({1}, DType::kFloat64, MemCategory::kCommBuffer);
   alloc.copy_convert(loss_host, loss_sum.view());
   WorkHandle reduce = sp.all_reduce(loss_sum.view(), ReduceOp::kSum);
-  timed_wait(reduce, sp.size() > 1 ? &counters_.exposed_comm_s : nullptr);  // one rank: no communication to expose
+  timed_wait(sp, reduce, &counters_.exposed_comm_s);
   alloc.copy_convert(loss_sum.view(), loss_host);
   g.loss = loss;
 

@@ -28,7 +28,9 @@
 // owns the saved tensors (saved_activation) until the backward consumes it.
 // Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
 // divisible by ulysses_size, shapes / dtypes, topk < 1, dim_v outside [1, Dqk]; a context that is empty, already
-// used or made by another object.
+// used or made by another object; ranks of the SP group that disagree on the inputs' shapes and dtypes, select,
+// topk, dim_v, scale or the layout (backward: the saved shapes, dout, loss_grad_scale) (AgreementCheck,
+// parallel/cp_common.h: one all-reduce over the SP group on the first call of each configuration).
 #pragma once
 
 #include <cstdint>

@@ -219,6 +219,15 @@ struct Round {
 
 GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                         const TensorView& g, const TensorView& beta, const TensorView& initial_state) {
+  {
+    Fingerprint fp = fingerprint("GDN CP forward");
+    fp.add_text("mode", gdn_cp_mode_name(config_.mode))
+        .add_int("chunk_size", config_.chunk_size)
+        .add_flag("use_qk_l2norm", config_.use_qk_l2norm)
+        .add_real("scale", config_.scale)
+        .add_tensors({{"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"initial_state", initial_state}});
+    agree(forward_agreement_, fp);
+  }
   const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};
   SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
                "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
@@ -352,7 +361,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   Tensor final_local = last_final.defined() ? std::move(last_final)
                                             : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
   WorkHandle bcast = ring.broadcast(final_local.view(), segments_.back().owner);
-  timed_wait(bcast, ring.size() > 1 ? &counters_.exposed_comm_s : nullptr);  // one rank: no communication to expose
+  timed_wait(ring, bcast, &counters_.exposed_comm_s);
   result.final_state = a2a.gather_heads_dim1(final_local.view());
   result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
   a2a.to_sequence(out_h.view(), result.out.view());
@@ -366,6 +375,14 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
 GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "GDN CP");
   const Saved& s = *saved;
+  {
+    Fingerprint fp = fingerprint("GDN CP backward");
+    fp.add_tensor("saved q (head-sharded)", s.q.view())
+        .add_tensor("saved v (head-sharded)", s.v.view())
+        .add_tensor("dout", dout)
+        .add_tensor("dfinal_state", dfinal_state);
+    agree(backward_agreement_, fp);
+  }
   const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, H = s.heads * pu, Hk = s.key_heads, K = s.dk, V = s.dv, sl = layout_.local_len(),
                      sr = layout_.ring_shard_len();
@@ -520,7 +537,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor dinit_local = first_dinit.defined() ? std::move(first_dinit)
                                              : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
   WorkHandle bcast = ring.broadcast(dinit_local.view(), segments_.front().owner);
-  timed_wait(bcast, ring.size() > 1 ? &counters_.exposed_comm_s : nullptr);  // one rank: no communication to expose
+  timed_wait(ring, bcast, &counters_.exposed_comm_s);
   grads.dinitial_state = a2a.gather_heads_dim1(dinit_local.view());
   return grads;
 }
@@ -608,6 +625,13 @@ const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std
 }
 
 ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const TensorView& weight) {
+  {
+    Fingerprint fp("short conv CP forward");
+    fp.add_flag("use_silu", config_.use_silu);
+    add_layout_fields(fp, layout_);
+    fp.add_tensor("x", x).add_tensor("weight", weight);
+    forward_agreement_.run(groups_.sp, fp, groups_.stream);
+  }
   const DeviceAlloc alloc{common_device({x, weight}, "short conv CP forward"), groups_.stream};
   SEQPAR_CHECK(x.ndim() == 3 && x.dim(1) == layout_.local_len(), "short conv CP: x ", x.str(),
                " must be [B, S_local = ", layout_.local_len(), ", C]");
@@ -677,6 +701,14 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
 
 Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
+  {
+    Fingerprint fp("short conv CP backward");
+    fp.add_tensor("saved x", s->x.view())
+        .add_tensor("saved weight", s->weight.view())
+        .add_tensor("dout", dout)
+        .add_tensor("dweight", dweight);
+    backward_agreement_.run(groups_.sp, fp, groups_.stream);
+  }
   const TensorView x = s->x.view();
   const DeviceAlloc alloc{common_device({x, dout, dweight}, "short conv CP backward (saved x, dout, dweight)"),
                           groups_.stream};

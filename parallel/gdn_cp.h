@@ -34,7 +34,10 @@
 // Errors (before any communication, identical on every rank): the layout not built for the groups, stripe layout,
 // Hv not a multiple of Hk, Hv not divisible by ulysses_size, Hk neither divisible by ulysses_size nor dividing it,
 // shape / dtype mismatches; a context that is empty, already used or made by
-// another object.
+// another object; ranks of the SP group that disagree on the inputs' shapes and dtypes (initial_state given or not
+// included), mode, chunk_size, use_qk_l2norm, scale or the layout (short conv: x, weight, use_silu; backward: the
+// saved shapes, dout, dfinal_state / dweight) (AgreementCheck, parallel/cp_common.h: one all-reduce over the SP
+// group on the first call of each configuration, before any data moves).
 #pragma once
 
 #include <cstdint>
@@ -122,6 +125,9 @@ class ShortConvContextParallel {
   Tensor backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight);
 
   std::int64_t halo_bytes_sent() const { return halo_bytes_sent_; }
+  // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  const AgreementCheck& forward_agreement() const { return forward_agreement_; }
+  const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 
  private:
   struct HaloPlan;
@@ -136,6 +142,7 @@ class ShortConvContextParallel {
   std::vector<Segment> segments_;
   std::shared_ptr<HaloPlan> plan_;  // a function of (layout, W) only: cached, not state between calls
   std::int64_t halo_bytes_sent_ = 0;
+  AgreementCheck forward_agreement_, backward_agreement_;
 };
 
 }  // namespace seqpar

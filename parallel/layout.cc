@@ -20,7 +20,8 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_s
   SEQPAR_CHECK(seq_len >= 1, "seq_len ", seq_len, " must be >= 1");
   const std::int64_t ranks = static_cast<std::int64_t>(ring_size) * ulysses_size;
   if (kind == LayoutKind::kZigzag) {
-    SEQPAR_CHECK(seq_len % (2 * ring_size) == 0, "seq_len ", seq_len,
+    // A ring of one holds the whole sequence in order (its two chunks are adjacent): any length.
+    SEQPAR_CHECK(ring_size == 1 || seq_len % (2 * ring_size) == 0, "seq_len ", seq_len,
                  " must be divisible by 2*ring_size=", 2 * ring_size, " for the zigzag layout");
     SEQPAR_CHECK((seq_len / ring_size) % ulysses_size == 0, "seq_len ", seq_len, " / ring_size ", ring_size, " = ",
                  seq_len / ring_size, " must be divisible by ulysses_size=", ulysses_size, " for the zigzag layout");
@@ -28,6 +29,13 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_s
     SEQPAR_CHECK(seq_len % ranks == 0, "seq_len ", seq_len, " must be divisible by ring_size*ulysses_size=", ranks,
                  " for the ", layout_name(kind), " layout");
   }
+}
+
+void add_layout_fields(Fingerprint& fp, const SequenceLayout& layout) {
+  fp.add_text("layout", layout_name(layout.kind()))
+      .add_int("seq_len", layout.seq_len())
+      .add_int("ring_size", layout.ring_size())
+      .add_int("ulysses_size", layout.ulysses_size());
 }
 
 SequenceLayout SequenceLayout::for_groups(const CpGroups& groups, std::int64_t seq_len, LayoutKind kind) {
@@ -43,6 +51,10 @@ std::vector<std::int64_t> SequenceLayout::ring_shard_positions(int ring_rank) co
       for (std::int64_t i = 0; i < len; ++i) pos[i] = ring_rank * len + i;
       break;
     case LayoutKind::kZigzag: {
+      if (ring_size_ == 1) {  // chunks 0 and 1 of the whole sequence, adjacent: 0 .. S-1 (S may be odd)
+        for (std::int64_t i = 0; i < len; ++i) pos[i] = i;
+        break;
+      }
       const std::int64_t chunk = len / 2;
       const std::int64_t second = 2 * ring_size_ - 1 - ring_rank;
       for (std::int64_t i = 0; i < chunk; ++i) {
@@ -172,5 +184,11 @@ CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, c
     : groups_(groups),
       layout_(layout),
       positions_((check_layout_matches(groups, layout, layer), layout.positions(groups.sp_rank()))) {}
+
+Fingerprint CpLayerBase::fingerprint(std::string_view call) const {
+  Fingerprint fp(call);
+  add_layout_fields(fp, layout_);
+  return fp;
+}
 
 }  // namespace seqpar

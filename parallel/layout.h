@@ -10,7 +10,8 @@
 // pieces in SP-rank order are the ring shards in ring order, each split in Ulysses order.
 //
 // Errors (raised identically on every rank, before any communication): seq_len not divisible as the layout
-// needs (S % (P*U) for contiguous and stripe; S % (2P) and (S/P) % U for zigzag), sizes < 1.
+// needs (S % (P*U) for contiguous and stripe; S % (2P) and (S/P) % U for zigzag, where a ring of one, P = 1, takes
+// any S % U == 0, odd lengths included), sizes < 1. Sequences are never padded.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +56,9 @@ class SequenceLayout {
   int ulysses_size_;
 };
 
+// Adds the layout's fields (kind, seq_len, ring_size, ulysses_size) to a call's fingerprint (AgreementCheck).
+void add_layout_fields(Fingerprint& fp, const SequenceLayout& layout);
+
 // Local copies along the sequence dimension (dim 1) of [B, S, ...] tensors; no communication. Host or device tensors
 // (runtime/tensor_ops.h gather_rows / scatter_rows on `stream`, whose errors they raise).
 // shard: local[b, i, ...] = full[b, positions[i], ...]. unshard: full[b, positions[i], ...] = local[b, i, ...].
@@ -95,16 +99,24 @@ class CpLayerBase {
   const std::vector<std::int64_t>& positions() const { return positions_; }
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
+  // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  const AgreementCheck& forward_agreement() const { return forward_agreement_; }
+  const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 
  protected:
   // Checks that `layout` matches the groups (check_layout_matches, naming `layer`).
   CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
+  // A fingerprint of `call` with the layout's fields (add_layout_fields), for the layer to add its own to.
+  Fingerprint fingerprint(std::string_view call) const;
+  // Runs `check` over the SP group with `fp` (AgreementCheck::run).
+  void agree(AgreementCheck& check, const Fingerprint& fp) { check.run(groups_.sp, fp, groups_.stream); }
 
   CpGroups groups_;
   SequenceLayout layout_;
   std::vector<std::int64_t> positions_;
   LayerId id_;
   CpCounters counters_;
+  AgreementCheck forward_agreement_, backward_agreement_;
 };
 
 }  // namespace seqpar

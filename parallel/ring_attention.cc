@@ -92,28 +92,67 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   return a;
 }
 
+Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionConfig& config,
+                                    const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                                    const TensorView& v) {
+  Fingerprint fp(call);
+  fp.add_text("impl", ring_impl_name(config.impl))
+      .add_flag("causal", config.causal)
+      .add_int("window", config.window)
+      .add_real("scale", config.scale);
+  add_layout_fields(fp, layout);
+  fp.add_tensors({{"q", q}, {"k", k}, {"v", v}});
+  return fp;
+}
+
+void RingAttention::agree_forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  forward_agreement_.run(groups_.ring, mha_forward_fingerprint("ring attention forward", config_, layout_, q, k, v),
+                         groups_.stream);
+}
+
+void RingAttention::agree_backward(const CpContext& ctx, const TensorView& dout) {
+  const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
+  Fingerprint fp("ring attention backward");
+  fp.add_tensor("saved q", s->q.view()).add_tensor("saved k", s->k.view()).add_tensor("dout", dout);
+  backward_agreement_.run(groups_.ring, fp, groups_.stream);
+}
+
 AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  agree_forward(q, k, v);
   const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
   AttentionOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
   o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, accumulator_dtype(q.dtype()), MemCategory::kWorkspace);
-  o.ctx = forward_into(q, k, v, o.out, o.lse);
+  o.ctx = run_forward(q, k, v, o.out, o.lse);
   return o;
 }
 
 AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) {
+  agree_backward(ctx, dout);
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
   const DeviceAlloc alloc = alloc_for(*s);
   AttentionGrads g;
   g.dq = alloc.empty(s->q.shape(), s->q.dtype(), MemCategory::kWorkspace);
   g.dk = alloc.empty(s->k.shape(), s->k.dtype(), MemCategory::kWorkspace);
   g.dv = alloc.empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);
-  backward_into(std::move(ctx), dout, g.dq, g.dk, g.dv);
+  run_backward(std::move(ctx), dout, g.dq, g.dk, g.dv);
   return g;
 }
 
 CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
                                       const TensorView& out, const TensorView& lse) {
+  agree_forward(q, k, v);
+  return run_forward(q, k, v, out, lse);
+}
+
+void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                  const TensorView& dv) {
+  agree_backward(ctx, dout);
+  run_backward(std::move(ctx), dout, dq, dk, dv);
+}
+
+CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                     const TensorView& out, const TensorView& lse) {
   const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
   common_device({q, out, lse}, "ring attention forward (q, out, lse)");
   check_shape(out, q.shape(), "ring attention out");
@@ -140,8 +179,8 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
   return CpContext::make(id_, "ring attention", std::move(s));
 }
 
-void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                  const TensorView& dv) {
+void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                                 const TensorView& dv) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "ring attention");
   const Saved& s = *saved;
   common_device({s.q.view(), dout, dq, dk, dv}, "ring attention backward (saved tensors, dout, dq, dk, dv)");
@@ -254,7 +293,7 @@ attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_f
   alloc.copy_convert(s.v.view(), part(local.view(), 1, kv_shape));
   Tensor gathered = alloc.empty(packed_shape(packed_shape(kv_shape, 2), size_), s.k.dtype(), MemCategory::kCommBuffer);
   WorkHandle w = groups_.ring.all_gather(local.view(), gathered.view());
-  timed_wait(w, &counters_.exposed_comm_s);
+  timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
   for (int r = 0; r < size_; ++r) {
     const TensorView rank_kv = gathered.view().slice0(r, r + 1).reshape(packed_shape(kv_shape, 2));
     unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view(), alloc.stream);
@@ -310,7 +349,7 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   }
   Tensor recv = alloc.empty(pshape, acc_dtype, MemCategory::kCommBuffer);
   WorkHandle rs = groups_.ring.reduce_scatter(send.view(), recv.view(), ReduceOp::kSum);
-  timed_wait(rs, &counters_.exposed_comm_s);
+  timed_wait(groups_.ring, rs, &counters_.exposed_comm_s);
   alloc.copy_convert(part(recv.view(), 0, kv_shape), dk);
   alloc.copy_convert(part(recv.view(), 1, kv_shape), dv);
   alloc.copy_convert(dq_acc.view(), dq);

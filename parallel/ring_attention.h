@@ -37,10 +37,13 @@
 // block results and the returned outputs in workspace. The object keeps no state between calls (cp_common.h).
 // Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
 // mismatch, Hq % Hkv != 0, window without causal, non-finite scale; a context that is empty, already used or made by
-// another object.
+// another object; ranks of the ring group that disagree on the shapes or dtypes of q, k, v (backward: of the saved
+// q, k, v and of dout) or on impl, causal, window, scale or the layout (AgreementCheck, parallel/cp_common.h: one
+// all-reduce over the ring group on the first call of each configuration, before any data moves).
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "attention/mha.h"
@@ -69,6 +72,12 @@ struct AttentionGrads {
   Tensor dv;  // [B, S_local, Hkv, D]
 };
 
+// The fields of an MHA forward (RingAttention, UspAttention) for the ranks' agreement check (AgreementCheck,
+// parallel/cp_common.h): `call`, the configuration (impl, causal, window, scale), the layout, q, k and v.
+Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionConfig& config,
+                                    const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                                    const TensorView& v);
+
 class RingAttention {
  public:
   // Validates the configuration and the layout against the groups here (collective-free).
@@ -80,7 +89,8 @@ class RingAttention {
   // dtype of q.
   AttentionGrads backward(CpContext&& ctx, const TensorView& dout);
 
-  // Lower-level entry points for composition (USP): results written to caller-owned tensors.
+  // Lower-level entry points for composition: results written to caller-owned tensors (with the same agreement
+  // check as forward() / backward()).
   CpContext forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                          const TensorView& lse);
   void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
@@ -90,9 +100,20 @@ class RingAttention {
   const std::vector<std::int64_t>& positions() const { return positions_[rank_]; }
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
+  // The agreement checks of forward (forward_into) and backward (backward_into): how often each ran or was cached.
+  const AgreementCheck& forward_agreement() const { return forward_agreement_; }
+  const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 
  private:
+  friend class UspAttention;  // runs the unchecked bodies after its own check over the SP group
   struct Saved;
+  // The agreement checks over the ring group (fingerprints of the call).
+  void agree_forward(const TensorView& q, const TensorView& k, const TensorView& v);
+  void agree_backward(const CpContext& ctx, const TensorView& dout);
+  CpContext run_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                        const TensorView& lse);
+  void run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
+                    const TensorView& dv);
   // Every check of forward's inputs, the MHA kernels' own on the local shapes included; returns their device.
   Device validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
   // Buffers of a call on the device of the saved tensors, ordered on the groups' stream.
@@ -116,6 +137,7 @@ class RingAttention {
   std::vector<std::vector<std::int64_t>> positions_;  // ring shard positions of every ring rank
   std::vector<std::int64_t> global_order_;            // 0..S-1 (allgather: keys in global order)
   CpCounters counters_;
+  AgreementCheck forward_agreement_, backward_agreement_;
 };
 
 }  // namespace seqpar

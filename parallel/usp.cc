@@ -27,6 +27,7 @@ UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout,
       ring_attn_(groups, layout, config) {}
 
 AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  forward_agreement_.run(groups_.sp, mha_forward_fingerprint("USP forward", config_, layout_, q, k, v), groups_.stream);
   const DeviceAlloc alloc{common_device({q, k, v}, "USP forward"), groups_.stream};
   check_4d(q, "USP q");
   check_4d(k, "USP k");
@@ -63,7 +64,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   Tensor out_h = alloc.empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
   const DType lse_dtype = accumulator_dtype(q.dtype());
   Tensor lse_h = alloc.empty({B, hq / pu, pu * sl}, lse_dtype, MemCategory::kWorkspace);
-  CpContext ring_ctx = ring_attn_.forward_into(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view());
+  CpContext ring_ctx = ring_attn_.run_forward(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view());
 
   AttentionOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
@@ -77,6 +78,11 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
 
 AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "USP");
+  {
+    Fingerprint fp("USP backward");
+    fp.add_text("saved q", str_cat(dtype_name(s->q_dtype), shape_str(s->q_shape))).add_tensor("dout", dout);
+    backward_agreement_.run(groups_.sp, fp, groups_.stream);
+  }
   check_4d(dout, "USP dout");
   const DeviceAlloc alloc{common_device({dout}, "USP backward"), groups_.stream};
   SEQPAR_CHECK(alloc.device == s->device, "USP backward: dout ", dout.str(), " must be on the forward's device ",
@@ -102,7 +108,7 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   Tensor dq_h = alloc.empty(dout_h.shape(), dtype, MemCategory::kWorkspace);
   Tensor dk_h = alloc.empty({B, pu * sl, heads.hkv_expanded / pu, D}, kv_grad_dtype, MemCategory::kWorkspace);
   Tensor dv_h = alloc.empty(dk_h.shape(), kv_grad_dtype, MemCategory::kWorkspace);
-  ring_attn_.backward_into(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view());
+  ring_attn_.run_backward(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view());
 
   AttentionGrads g;
   g.dq = alloc.empty(s->q_shape, dtype, MemCategory::kWorkspace);

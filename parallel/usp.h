@@ -11,7 +11,11 @@
 // seconds (a2a_s).
 // Synchronisation: forward() and backward() are collective over the Ulysses and ring groups and host-synchronous.
 // Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
-// splittable over Pu (UlyssesHeads), shape / dtype mismatches, a context that is empty, used or not this object's.
+// splittable over Pu (UlyssesHeads), shape / dtype mismatches, a context that is empty, used or not this object's;
+// ranks of the SP group that disagree on the shapes or dtypes of q, k, v (backward: of the saved q and of dout) or
+// on impl, causal, window, scale or the layout (AgreementCheck, parallel/cp_common.h: one all-reduce over the SP
+// group on the first call of each configuration, before any data moves; the inner ring attention is not checked
+// again).
 #pragma once
 
 #include <vector>
@@ -38,6 +42,9 @@ class UspAttention {
   const std::vector<std::int64_t>& positions() const { return positions_; }
   CpCounters counters() const;
   void reset_counters();
+  // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  const AgreementCheck& forward_agreement() const { return forward_agreement_; }
+  const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 
  private:
   struct Saved;
@@ -49,6 +56,7 @@ class UspAttention {
   std::vector<std::int64_t> positions_;
   RingAttention ring_attn_;
   CpCounters counters_;  // the all-to-all part; the ring's are ring_attn_'s
+  AgreementCheck forward_agreement_, backward_agreement_;
 };
 
 }  // namespace seqpar

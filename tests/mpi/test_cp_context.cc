@@ -200,8 +200,8 @@ TEST(CpContext, LayoutMustMatchTheGroups) {
 }
 
 // Device-neutral schedules: CUDA inputs (a fake device pointer: nothing reads it) reach the attention boundary,
-// which refuses them with its "no CUDA implementation yet" error before any buffer is allocated or any message is
-// sent (every communicator's counters unchanged), on every rank alike. Inputs on two devices are a clear error too.
+// which refuses them with its "no CUDA implementation yet" error before any buffer is allocated or any data is
+// sent (no message but the ranks' agreement check), on every rank alike. Inputs on two devices are a clear error too.
 TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
   const SpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
@@ -248,10 +248,22 @@ TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
          conv.forward(cuda({B, sl, D}), cuda({D, 4}));
        }},
   };
+  // The only message before the refusal is each layer's agreement check (one all-reduce of its call's fingerprint,
+  // parallel/cp_common.h): over the ring group for RingAttention, the SP group for the others; nothing else.
+  auto expected = [&] {
+    const std::int64_t ring_checks = ring.forward_agreement().num_checks(),
+                       sp_checks = usp.forward_agreement().num_checks() + gdn.forward_agreement().num_checks() +
+                                   dsa.forward_agreement().num_checks() + conv.forward_agreement().num_checks();
+    std::vector<std::int64_t> e = before;
+    e[1] += ring_checks;
+    e[2] += sp_checks;
+    e[3] = counters()[3] <= before[3] + 2 * 24 * sp_checks ? counters()[3] : -1;  // at most 2 x 24 bytes a check
+    return e;
+  };
   for (const auto& [name, call] : calls) {
     const std::string m = error_of(call);
     EXPECT_NE(m.find("kernels have no CUDA implementation yet"), std::string::npos) << name << ": " << m;
-    EXPECT_EQ(counters(), before) << name << " communicated before refusing CUDA inputs";
+    EXPECT_EQ(counters(), expected()) << name << " communicated before refusing CUDA inputs";
   }
 
   // A host q with CUDA k / v: refused by the layer itself, naming both devices.
@@ -259,7 +271,57 @@ TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
   const std::string m = error_of([&] { usp.forward(q.view(), cuda({B, sl, 2, D}), cuda({B, sl, 2, D})); });
   EXPECT_NE(m.find("USP forward: every input must be on one device"), std::string::npos) << m;
   EXPECT_NE(m.find("@cuda:0"), std::string::npos) << m;
-  EXPECT_EQ(counters(), before);
+  EXPECT_EQ(counters(), expected());
+}
+
+// A group of one rank communicates nothing, so nothing can be exposed: every layer's forward and backward on groups
+// of one (each rank alone) report zero exposed communication time and zero bytes (issue 13: the exposed comm column
+// of sp_bench read 19% for a one-rank GDN forward, the wait of a broadcast to itself).
+TEST(CpContext, GroupsOfOneExposeNoCommunication) {
+  const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
+  const CpGroups groups(*self, *self, *self);
+  const std::int64_t seq = 37, B = 1, H = 2, D = 8;  // odd: a ring of one takes any length
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
+  auto rnd = [](const Shape& s, std::uint64_t seed, double lo = -1, double hi = 1) {
+    return test::random_tensor(s, DType::kFloat32, seed, lo, hi);
+  };
+  const Tensor q = rnd({B, seq, H, D}, 1), dout = rnd({B, seq, H, D}, 2), g = rnd({B, seq, H}, 3, -0.1, -0.01),
+               beta = rnd({B, seq, H}, 4, 0.1, 0.5), c = rnd({B, seq, D}, 5), qi = rnd({B, seq, 2, 8}, 6),
+               ki = rnd({B, seq, 8}, 7), wi = rnd({B, seq, 2}, 8), ddsa = rnd({B, seq, H, 4}, 9);
+  // Runs `layer`'s forward, then its backward on the forward's context; after each, nothing exposed or sent.
+  auto expect_nothing_exposed = [](const auto& layer, auto forward, auto backward, const std::string& what) {
+    auto o = forward();
+    EXPECT_EQ(layer.counters().total_exposed_s(), 0.0) << what << " forward";
+    backward(std::move(o.ctx));
+    EXPECT_EQ(layer.counters().total_exposed_s(), 0.0) << what << " forward + backward";
+    EXPECT_EQ(layer.counters().total_bytes_sent(), 0) << what;
+  };
+  for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+    UspAttention usp(groups, layout, RingAttentionConfig{impl});
+    expect_nothing_exposed(
+        usp, [&] { return usp.forward(q.view(), q.view(), q.view()); },
+        [&](CpContext&& ctx) { usp.backward(std::move(ctx), dout.view()); }, str_cat("MHA ", ring_impl_name(impl)));
+  }
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    GdnCpConfig cfg;
+    cfg.mode = mode;
+    cfg.chunk_size = 8;
+    GdnContextParallel gdn(groups, layout, cfg);
+    expect_nothing_exposed(
+        gdn, [&] { return gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view()); },
+        [&](CpContext&& ctx) { gdn.backward(std::move(ctx), dout.view()); }, str_cat("GDN ", gdn_cp_mode_name(mode)));
+  }
+  for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
+    DsaCpConfig cfg;
+    cfg.select = select;
+    cfg.topk = 6;
+    cfg.dim_v = 4;
+    DsaContextParallel dsa(groups, layout, cfg);
+    expect_nothing_exposed(
+        dsa, [&] { return dsa.forward(q.view(), c.view(), qi.view(), ki.view(), wi.view()); },
+        [&](CpContext&& ctx) { dsa.backward(std::move(ctx), ddsa.view()); },
+        str_cat("DSA ", dsa_select_mode_name(select)));
+  }
 }
 
 }  // namespace

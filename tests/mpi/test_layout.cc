@@ -75,6 +75,12 @@ TEST(Layout, DivisibilityErrorsNameTheRule) {
             "seq_len 10 must be divisible by ring_size*ulysses_size=4 for the contiguous layout");
   EXPECT_EQ(message(LayoutKind::kStripe, 12, 2, 4),
             "seq_len 12 must be divisible by ring_size*ulysses_size=8 for the stripe layout");
+  // A ring of one takes any length (its two chunks are adjacent); Ulysses still divides it.
+  EXPECT_EQ(message(LayoutKind::kZigzag, 197, 1, 1), "no error");
+  EXPECT_EQ(SequenceLayout(LayoutKind::kZigzag, 197, 1, 1).ring_shard_positions(0),
+            SequenceLayout(LayoutKind::kContiguous, 197, 1, 1).ring_shard_positions(0));
+  EXPECT_EQ(message(LayoutKind::kZigzag, 197, 1, 2),
+            "seq_len 197 / ring_size 1 = 197 must be divisible by ulysses_size=2 for the zigzag layout");
   EXPECT_EQ(message(LayoutKind::kZigzag, 40, 2, 3),
             "seq_len 40 / ring_size 2 = 20 must be divisible by ulysses_size=3 for the zigzag layout");
   EXPECT_THROW(SequenceLayout(LayoutKind::kZigzag, 16, 0, 1), Error);
