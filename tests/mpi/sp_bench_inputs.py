@@ -45,7 +45,7 @@ def main():
     a = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="sp_bench_inputs.")
-    mha, dsa, gdn = (os.path.join(work, k) for k in ("mha", "dsa", "gdn"))
+    mha, dsa, gdn, gdn_grouped = (os.path.join(work, k) for k in ("mha", "dsa", "gdn", "gdn_grouped"))
     make_inputs(mha, [("q", [1, 64, 4, 16], -1, 1), ("k", [1, 64, 2, 16], -1, 1), ("v", [1, 64, 2, 16], -1, 1),
                       ("dout", [1, 64, 4, 16], -1, 1)])
     make_inputs(dsa, [("q", [1, 32, 4, 32], -1, 1), ("c", [1, 32, 32], -1, 1), ("q_idx", [1, 32, 2, 16], -1, 1),
@@ -53,6 +53,10 @@ def main():
     make_inputs(gdn, [("q", [1, 48, 2, 16], -1, 1), ("k", [1, 48, 2, 16], -1, 1), ("v", [1, 48, 2, 16], -1, 1),
                       ("g", [1, 48, 2], -0.22, -0.02), ("beta", [1, 48, 2], 0.2, 0.8),
                       ("initial_state", [1, 2, 16, 16], -0.1, 0.1), ("dout", [1, 48, 2, 16], -1, 1)])
+    # Grouped value heads: one key head (q, k [.., 1, K = 16]) serves two value heads (v [.., 2, V = 8]).
+    make_inputs(gdn_grouped, [("q", [1, 48, 1, 16], -1, 1), ("k", [1, 48, 1, 16], -1, 1), ("v", [1, 48, 2, 8], -1, 1),
+                              ("g", [1, 48, 2], -0.22, -0.02), ("beta", [1, 48, 2], 0.2, 0.8),
+                              ("initial_state", [1, 2, 16, 8], -0.1, 0.1), ("dout", [1, 48, 2, 8], -1, 1)])
 
     grid = ["--ring-size", str(a.np)]
     run = ["--check", "--quiet", "--warmup", "0", "--iters", "1"]
@@ -76,7 +80,12 @@ def main():
                                                   "32"], False,
          every_rank(r"--indexer-dim 32 does not match --inputs: \S*q_idx\.npy has shape \[1, 32, 2, 16\]")),
         ("gdn shapes from the files", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn], True,
-         r"# shapes B=1 S=48 H=2 K=V=16 .*# check passed"),
+         r"# shapes B=1 S=48 Hv=2 Hk=2 K=16 V=16 .*# check passed"),
+        ("gdn grouped value heads from the files", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_grouped],
+         True, r"# shapes B=1 S=48 Hv=2 Hk=1 K=16 V=8 .*# check passed"),
+        ("gdn --dim-v against v.npy", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_grouped, "--dim-v",
+                                       "16"], False,
+         every_rank(r"--dim-v 16 does not match --inputs: \S*v\.npy has shape \[1, 48, 2, 8\]")),
     ]
     failed = 0
     for name, flags, ok, regex in cases:
