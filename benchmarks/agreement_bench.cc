@@ -19,6 +19,7 @@
 #include "parallel/usp.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/sp_grid.h"
+#include "runtime/version.h"
 
 namespace seqpar::bench {
 namespace {
@@ -54,7 +55,8 @@ int agreement_bench_main(int argc, char** argv) {
     ("head-dim", "head dimension", cxxopts::value<std::int64_t>()->default_value("64"))
     ("calls", "calls per repetition of the check cases", cxxopts::value<int>()->default_value("1000"))
     ("reps", "repetitions (the median is reported)", cxxopts::value<int>()->default_value("5"))
-    ("help", "print this help");
+    ("help", "print this help")
+    ("version", "print the version and exit");
   // clang-format on
   const std::optional<cxxopts::ParseResult> parsed = parse_command_line(spec, argc, argv, place.rank);
   if (!parsed) return 0;
@@ -96,6 +98,7 @@ int agreement_bench_main(int argc, char** argv) {
   rows.emplace_back("usp fwd", time_per_call(*world, reps, 1, [&] { usp.forward(q.view(), q.view(), q.view()); }));
 
   if (place.rank == 0) {
+    std::printf("# seqpar agreement_bench %s\n", version());
     std::printf("# agreement_bench: ranks %d, SEQPAR_AGREEMENT_CHECK=%s (the layer's mode, used by 'usp fwd')\n",
                 place.size, agreement_mode_name(agreement_mode()));
     std::printf("# USP forward: B=1 S=%lld H=%lld D=%lld fp32 causal zigzag, ring of %d; fingerprint %zu bytes\n",

@@ -3,7 +3,7 @@
 #   lib/libseqpar_*.a                           the libraries (static)
 #   include/seqpar/{runtime,attention,parallel}  the public headers, with runtime/version.h; consumers include them
 #                                               as in the source tree (#include "parallel/usp.h")
-#   bin/{sp_bench,comm_bench,kernel_bench}      the benchmarks (when SEQPAR_BUILD_BENCHMARKS)
+#   bin/{sp_bench,comm_bench,kernel_bench,agreement_bench} the benchmarks (when SEQPAR_BUILD_BENCHMARKS)
 #   lib/cmake/seqpar/                           seqparConfig.cmake, seqparConfigVersion.cmake, the targets
 #                                               seqpar::runtime, ::attention_base, ::mha, ::dsa, ::gdn, ::rope,
 #                                               ::attention, ::parallel, and seqparNccl.cmake (NCCL builds)
@@ -29,8 +29,8 @@ install(FILES ${PROJECT_BINARY_DIR}/generated/runtime/version.h DESTINATION ${SE
 
 if(SEQPAR_BUILD_BENCHMARKS)
   # The installed benchmarks find shared libraries outside the system paths (CUDA) where they were linked from.
-  set_target_properties(sp_bench comm_bench kernel_bench PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
-  install(TARGETS sp_bench comm_bench kernel_bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  set_target_properties(sp_bench comm_bench kernel_bench agreement_bench PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
+  install(TARGETS sp_bench comm_bench kernel_bench agreement_bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 
 # ---- CMake package ----

@@ -91,7 +91,7 @@ if(STEP STREQUAL "install")
   foreach(f lib/cmake/seqpar/seqparConfig.cmake lib/cmake/seqpar/seqparConfigVersion.cmake
             lib/cmake/seqpar/seqparTargets.cmake lib/pkgconfig/seqpar.pc lib/libseqpar_runtime.a
             lib/libseqpar_parallel.a include/seqpar/runtime/version.h include/seqpar/parallel/usp.h
-            include/seqpar/attention/mha.h bin/sp_bench bin/comm_bench bin/kernel_bench)
+            include/seqpar/attention/mha.h bin/sp_bench bin/comm_bench bin/kernel_bench bin/agreement_bench)
     if(NOT EXISTS ${prefix}/${f})
       message(FATAL_ERROR "not installed: ${f}")
     endif()
@@ -117,7 +117,7 @@ if(STEP STREQUAL "install")
                           "${PACKAGE_VERSION_COMPATIBLE}, expected ${expect}")
     endif()
   endforeach()
-  foreach(bench sp_bench comm_bench kernel_bench)
+  foreach(bench sp_bench comm_bench kernel_bench agreement_bench)
     run("${bench} --version" ${MPIEXEC} ${NP_FLAG} 1 ${prefix}/bin/${bench} --version)
     if(NOT run_output STREQUAL "${bench} (seqpar) ${VERSION}\n")
       message(FATAL_ERROR "${bench} --version printed '${run_output}', expected '${bench} (seqpar) ${VERSION}'")
