@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <utility>
@@ -168,6 +169,7 @@ struct ModelPreset {
                indexer_dim = 0;
   std::string note;             // one line for --help
   std::int64_t conv_width = 0;  // GDN short conv width (0: none)
+  std::optional<attn::RopeConfig> rope;  // the model's RoPE (sp_bench_rope.h); none: --rope's default (none)
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.
