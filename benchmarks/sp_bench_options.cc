@@ -40,7 +40,10 @@ void check_min(std::int64_t value, std::int64_t min, const char* flag) {
 // RoPE (sp_bench_rope.h): the preset's configuration, then the --rope* flags given. --rope-factor and
 // --rope-original-max-pos set the llama3 and the yarn parameter alike; the others of each scaling stay at the
 // model's values (llama3: Llama 3.1's low 1, high 4; yarn: DeepSeek-V3's beta_fast 32, beta_slow 1).
+// A kind that does not own the flags is left to the ownership rule (its error names the kinds that apply RoPE).
 void parse_rope(const cxxopts::ParseResult& r, const std::optional<attn::RopeConfig>& preset, SpBenchOptions& o) {
+  const std::vector<std::string>& own = find_workload_kind(o.attn).own_flags;
+  if (std::find(own.begin(), own.end(), "rope") == own.end()) return;
   if (preset) {
     o.rope = true;
     o.rope_cfg = *preset;
@@ -69,7 +72,7 @@ void parse_rope(const cxxopts::ParseResult& r, const std::optional<attn::RopeCon
     try {
       attn::check_rope_config(c);
     } catch (const Error& e) {
-      SEQPAR_THROW("--rope: ", e.message());
+      SEQPAR_THROW("RoPE flags (--rope*): ", e.message());
     }
   }
 }
