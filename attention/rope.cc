@@ -70,9 +70,9 @@ void rotate(const TensorView& x, std::span<const std::int64_t> positions, const 
   if (r == 0) return;
   const std::vector<double> inv_freq = rope_inv_freq(cfg, r);
   const std::int64_t heads = x.ndim() == 4 ? x.dim(2) : 1;
-  cpu::rope_rotate_cpu(x, x.dim(0), x.dim(1), heads, x.dim(x.ndim() - 1), positions,
-                       {cfg.pairing == RopePairing::kInterleaved, cfg.column_offset, inv_freq,
-                        rope_attention_factor(cfg), sign});
+  cpu::rope_rotate_cpu(
+      x, x.dim(0), x.dim(1), heads, x.dim(x.ndim() - 1), positions,
+      {cfg.pairing == RopePairing::kInterleaved, cfg.column_offset, inv_freq, rope_attention_factor(cfg), sign});
 }
 
 RopeConfig plain(double theta) {
@@ -93,12 +93,9 @@ RopePairing parse_rope_pairing(const std::string& name) {
 
 std::string rope_scaling_name(RopeScaling s) {
   switch (s) {
-    case RopeScaling::kLlama3:
-      return "llama3";
-    case RopeScaling::kYarn:
-      return "yarn";
-    case RopeScaling::kNone:
-      break;
+    case RopeScaling::kLlama3: return "llama3";
+    case RopeScaling::kYarn: return "yarn";
+    case RopeScaling::kNone: break;
   }
   return "none";
 }

@@ -312,10 +312,10 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   CpGroups groups_;
   std::unique_ptr<DsaContextParallel> dsa_;
   enum Input { kQ, kC, kQIdx, kKIdx, kW, kDout };
-  std::vector<Tensor> in_;      // this rank's q, c, q_idx, k_idx, w, dout
+  std::vector<Tensor> in_;        // this rank's q, c, q_idx, k_idx, w, dout
   std::vector<RopeTarget> rope_;  // the rotated inputs (dsa_rope_targets)
   std::vector<Tensor> rotated_;   // their rotated copies of the last forward
-  double attention_pairs_ = 0;  // (query, selected key) x local heads of the last forward on this rank
+  double attention_pairs_ = 0;    // (query, selected key) x local heads of the last forward on this rank
   NamedArrays ref_in_, ref_rot_, ref_out_;
   npy::HostArray ref_probs_, ref_scores_, ref_dscores_;
 };

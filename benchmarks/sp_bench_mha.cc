@@ -213,7 +213,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   RingAttentionConfig cfg_;
   std::unique_ptr<UspAttention> usp_;
   enum Input { kQ, kK, kV, kDout };
-  std::vector<Tensor> in_;       // this rank's q, k, v, dout
+  std::vector<Tensor> in_;        // this rank's q, k, v, dout
   std::vector<RopeTarget> rope_;  // q and k with --rope; empty without
   std::vector<Tensor> rotated_;   // the rotated q, k of the last forward
   npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_;
@@ -258,8 +258,7 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   m.forward.saved = saved;
   m.forward.outputs = e * q + lse;
   const double rope = o.rope ? e * (q + kv_in) : 0;  // the rotated copies of q and k (held through the backward)
-  m.forward.workspace =
-      e * (2 * q + 2 * kv) + (replicate ? 2 * e * kv : 0) + 2 * f * q + 2 * lse + fwd_kernel + rope;
+  m.forward.workspace = e * (2 * q + 2 * kv) + (replicate ? 2 * e * kv : 0) + 2 * f * q + 2 * lse + fwd_kernel + rope;
   const double gather = e * kv * (4 * pr + 2);
   m.forward.comm = (o.impl == RingImpl::kP2P ? 6 * e * kv : gather) + a2a;
   // Backward: the forward's out and lse stay held; dout_h, dq_h dk_h dv_h, delta, the fp32 dq accumulator and dk dv

@@ -14,11 +14,11 @@ std::vector<std::string> rope_flags() {
 std::string describe_rope(const SpBenchOptions& o, const attn::RopeConfig& cfg) {
   if (!o.rope) return "";
   std::string s = str_cat("rope=", attn::rope_pairing_name(cfg.pairing));
-  if (cfg.rotary_dim > 0) s += str_cat(" r=", cfg.rotary_dim, cfg.column_offset > 0 ? str_cat("@", cfg.column_offset) : "");
+  if (cfg.rotary_dim > 0)
+    s += str_cat(" r=", cfg.rotary_dim, cfg.column_offset > 0 ? str_cat("@", cfg.column_offset) : "");
   s += str_cat(" theta=", cfg.theta);
   if (cfg.scaling == attn::RopeScaling::kLlama3) {
-    s += str_cat(" llama3(factor ", cfg.llama3.factor, ", original ", cfg.llama3.original_max_position_embeddings,
-                 ")");
+    s += str_cat(" llama3(factor ", cfg.llama3.factor, ", original ", cfg.llama3.original_max_position_embeddings, ")");
   } else if (cfg.scaling == attn::RopeScaling::kYarn) {
     s += str_cat(" yarn(factor ", cfg.yarn.factor, ", original ", cfg.yarn.original_max_position_embeddings, ")");
   }
@@ -53,8 +53,8 @@ void add_rope_json(const SpBenchOptions& o, nlohmann::json& j) {
 }
 
 void check_rope_fits(const attn::RopeConfig& cfg, std::int64_t head_dim, const char* what) {
-  SEQPAR_CHECK(cfg.column_offset + cfg.rotary_dim <= head_dim, "--rope-dim ", cfg.rotary_dim, " must be <= ", what,
-               " ", head_dim - cfg.column_offset);
+  SEQPAR_CHECK(cfg.column_offset + cfg.rotary_dim <= head_dim, "--rope-dim ", cfg.rotary_dim, " must be <= ", what, " ",
+               head_dim - cfg.column_offset);
   SEQPAR_CHECK(cfg.rotary_dim > 0 || (head_dim - cfg.column_offset) % 2 == 0, "--rope: ", what, " ", head_dim,
                " must be even to rotate every column (or give an even --rope-dim)");
 }

@@ -48,6 +48,7 @@ void rope_backward_all(const std::vector<RopeTarget>& targets, const std::vector
 // (attention/reference/rope_reference.h, fp64 arrays) instead of the kernel's.
 void rope_host(const attn::RopeConfig& cfg, npy::HostArray& a, bool backward, bool fp64_reference = false);
 // rope_host on the arrays named like the targets (forward) or their gradients "d<name>" (backward).
-void rope_named(const std::vector<RopeTarget>& targets, NamedArrays& arrays, bool backward, bool fp64_reference = false);
+void rope_named(const std::vector<RopeTarget>& targets, NamedArrays& arrays, bool backward,
+                bool fp64_reference = false);
 
 }  // namespace seqpar::bench

@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include <optional>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -169,7 +169,8 @@ struct ModelPreset {
                indexer_dim = 0;
   std::string note;             // one line for --help
   std::int64_t conv_width = 0;  // GDN short conv width (0: none)
-  std::optional<attn::RopeConfig> rope;  // the model's RoPE (sp_bench_rope.h); none: --rope's default (none)
+  // The model's RoPE (sp_bench_rope.h); none: --rope's default (none).
+  std::optional<attn::RopeConfig> rope;
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.

@@ -10,11 +10,11 @@
 namespace seqpar::attn::cpu {
 
 struct RopeRotation {
-  bool interleaved = false;            // pairs (o + 2i, o + 2i + 1); else (o + i, o + i + r/2)
-  std::int64_t column_offset = 0;      // o
-  std::span<const double> inv_freq;    // r/2 frequencies f_i
-  double attention_factor = 1.0;       // m, multiplies cos and sin
-  double sign = 1.0;                   // +1 forward, -1 backward (the transposed rotation)
+  bool interleaved = false;          // pairs (o + 2i, o + 2i + 1); else (o + i, o + i + r/2)
+  std::int64_t column_offset = 0;    // o
+  std::span<const double> inv_freq;  // r/2 frequencies f_i
+  double attention_factor = 1.0;     // m, multiplies cos and sin
+  double sign = 1.0;                 // +1 forward, -1 backward (the transposed rotation)
 };
 
 // Rotates the r = 2 inv_freq.size() columns [o, o + r) of each row of x ([batch, seq, heads, dim] contiguous) in

@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <numbers>
 #include <numeric>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention/reference/rope_reference.h"
@@ -98,8 +100,8 @@ TEST(Rope, EveryVariantMatchesTheFp64Reference) {
       Tensor back = Tensor::copy_of(x.view(), dtype, MemCategory::kWorkspace);
       attn::rope_backward(back.view(), pos, v.cfg);
       attn::reference::rope_backward(v.cfg, pos, x64.view(), want.view());
-      EXPECT_TRUE(test::all_close(test::to_double(back.view()), test::to_double(want.view()), tol, tol,
-                                  v.name + " backward"))
+      EXPECT_TRUE(
+          test::all_close(test::to_double(back.view()), test::to_double(want.view()), tol, tol, v.name + " backward"))
           << dtype_name(dtype);
     }
   }
@@ -249,29 +251,29 @@ TEST(RopeErrors, BadParametersAreRejectedWithTheirRule) {
   rejects(c, "rotary_dim 8 at column_offset 10 exceeds the head dim 16");
   c.column_offset = -1;
   rejects(c, "column_offset -1 must be >= 0");
-  c = RopeConfig{};
-  c.theta = -1;
-  rejects(c, "theta -1 must be positive and finite");
-  c = RopeConfig{};
-  c.scaling = RopeScaling::kLlama3;
-  c.llama3.low_freq_factor = 4;
-  rejects(c, "must satisfy 0 < low_freq_factor < high_freq_factor");
-  c.llama3 = {};
-  c.llama3.factor = 0.5;
-  rejects(c, "llama3: factor 0.5 must be >= 1");
-  c.llama3 = {};
-  c.llama3.original_max_position_embeddings = 0;
-  rejects(c, "original_max_position_embeddings 0 must be >= 1");
-  c = RopeConfig{};
-  c.scaling = RopeScaling::kYarn;
-  c.yarn.beta_fast = 1;
-  rejects(c, "beta_fast 1 and beta_slow 1 must satisfy beta_fast > beta_slow > 0");
-  c.yarn = {};
-  c.yarn.factor = 0;
-  rejects(c, "yarn: factor 0 must be >= 1");
-  c.yarn = {};
-  c.yarn.mscale = -1;
-  rejects(c, "must be finite and >= 0");
+  // One bad parameter at a time, on an otherwise default configuration.
+  const std::vector<std::pair<std::function<void(RopeConfig&)>, std::string>> cases = {
+      {[](RopeConfig& k) { k.theta = -1; }, "theta -1 must be positive and finite"},
+      {[](RopeConfig& k) { k.llama3.low_freq_factor = 4; }, "must satisfy 0 < low_freq_factor < high_freq_factor"},
+      {[](RopeConfig& k) { k.llama3.factor = 0.5; }, "llama3: factor 0.5 must be >= 1"},
+      {[](RopeConfig& k) { k.llama3.original_max_position_embeddings = 0; },
+       "llama3: original_max_position_embeddings 0 must be >= 1"},
+      {[](RopeConfig& k) { k.yarn.beta_fast = 1; },
+       "beta_fast 1 and beta_slow 1 must satisfy beta_fast > beta_slow > 0"},
+      {[](RopeConfig& k) { k.yarn.factor = 0; }, "yarn: factor 0 must be >= 1"},
+      {[](RopeConfig& k) { k.yarn.original_max_position_embeddings = -5; },
+       "yarn: original_max_position_embeddings -5 must be >= 1"},
+      {[](RopeConfig& k) { k.yarn.mscale = -1; }, "must be finite and >= 0"},
+  };
+  for (const auto& [mutate, needle] : cases) {
+    c = RopeConfig{};
+    // The scaling whose parameter the case sets (theta: any).
+    c.scaling = needle.find("llama3") != std::string::npos || needle.find("freq") != std::string::npos
+                    ? RopeScaling::kLlama3
+                    : RopeScaling::kYarn;
+    mutate(c);
+    rejects(c, needle);
+  }
   EXPECT_NE(error_of([] { (void)attn::parse_rope_pairing("neox"); }).find("not one of rotate-half, interleaved"),
             std::string::npos);
   EXPECT_NE(error_of([] { (void)attn::parse_rope_scaling("ntk"); }).find("not one of none, llama3, yarn"),
