@@ -51,8 +51,9 @@ void parse_rope(const cxxopts::ParseResult& r, const std::optional<attn::RopeCon
   if (r.count("rope")) {
     const std::string v = get_checked<std::string>(r, "rope");
     o.rope = v != "none";
-    if (o.rope)
+    if (o.rope) {
       o.rope_cfg.pairing = parse_flag("rope", v, [](const std::string& s) { return attn::parse_rope_pairing(s); });
+    }
   }
   attn::RopeConfig& c = o.rope_cfg;
   if (r.count("rope-dim")) c.rotary_dim = get_checked<std::int64_t>(r, "rope-dim");
