@@ -5,13 +5,20 @@
 // Di = --indexer-dim); outputs out [B, S, H, Dv], lse [B, H, S] fp32, topk_indices [B, S, k] int64, loss [1] fp64,
 // dq, dc, dq_idx, dk_idx, dw. The reference is the single-device kernels (attention/dsa.h) on the whole sequence,
 // one call each; the fp64 reference of --check (sp_bench_check.h) is attn::reference on the one-rank kernel's
-// topk_indices. lse and the kernels' accumulators are fp64 for fp64 inputs.
+// topk_indices. lse and the kernels' accumulators are fp64 for fp64 inputs. With --rope (the deepseek-v3.2 preset:
+// interleaved, 64 columns, YaRN factor 40), as DeepSeek-V3.2 does: the last --rope-dim columns of q and of the latent
+// c rotate with --rope's pairing, the first --rope-dim columns of the indexer's q_idx and k_idx rotate-half (the
+// indexer's layout in DeepSeek's fixed inference code), all at the global positions and before the layer; the
+// gradients get the transposed rotations after it; YaRN's mscale_all_dim multiplies the attention's softmax scale by
+// mscale^2 (attn::rope_softmax_scale_factor).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <nlohmann/json.hpp>
 
 #include "attention/dsa.h"
 #include "attention/reference/dsa_reference.h"
+#include "benchmarks/sp_bench_rope.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "parallel/dsa_cp.h"
 #include "parallel/layout.h"
@@ -28,6 +35,23 @@ constexpr const char* kInputNames[kNumInputs] = {"q", "c", "q_idx", "k_idx", "w"
 
 std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o);
 
+// The rotated inputs (none without --rope): q and the latent c on their last r columns with --rope's pairing, the
+// indexer's q_idx and k_idx on their first r columns, rotate-half.
+std::vector<RopeTarget> dsa_rope_targets(const SpBenchOptions& o) {
+  if (!o.rope) return {};
+  attn::RopeConfig latent = o.rope_cfg, indexer = o.rope_cfg;
+  latent.column_offset = o.head_dim - o.rope_cfg.rotary_dim;
+  indexer.pairing = attn::RopePairing::kRotateHalf;
+  indexer.column_offset = 0;
+  return {{"q", latent}, {"c", latent}, {"q_idx", indexer}, {"k_idx", indexer}};
+}
+
+// The attention's softmax scale: 1 / sqrt(Dqk), times YaRN's mscale^2 where the RoPE has one (DeepSeek-V3).
+float dsa_softmax_scale(const SpBenchOptions& o) {
+  const double factor = o.rope ? attn::rope_softmax_scale_factor(o.rope_cfg) : 1.0;
+  return factor == 1.0 ? 0.0f : static_cast<float>(factor / std::sqrt(static_cast<double>(o.head_dim)));
+}
+
 // (query, selected key) pairs of the whole problem: query t sees t + 1 keys and selects min(k, t + 1) of them.
 double selected_pairs(const SpBenchOptions& o) {
   const double s = static_cast<double>(o.seq), k = static_cast<double>(std::min(o.topk, o.seq));
@@ -42,11 +66,13 @@ double visible_pairs(const SpBenchOptions& o) {
 
 class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
  public:
-  DsaWorkload(const SpBenchOptions& o, const SpGrid& grid) : o_(o), grid_(grid), groups_(CpGroups::from(grid)) {
+  DsaWorkload(const SpBenchOptions& o, const SpGrid& grid)
+      : o_(o), grid_(grid), groups_(CpGroups::from(grid)), rope_(dsa_rope_targets(o)) {
     DsaCpConfig cfg;
     cfg.select = parse_dsa_select_mode(o.dsa_select);
     cfg.topk = o.topk;
     cfg.dim_v = o.dim_v;
+    cfg.scale = dsa_softmax_scale(o);
     dsa_ = std::make_unique<DsaContextParallel>(groups_, SequenceLayout::for_groups(groups_, o.seq, o.layout), cfg);
   }
 
@@ -111,6 +137,8 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
 
   void reference_setup(const NamedArrays* full) override {
     ref_in_ = full_inputs(full);
+    ref_rot_ = ref_in_;
+    rope_named(rope_, ref_rot_, /*backward=*/false);
     const DType acc = accumulator_dtype(o_.dtype);  // lse and the loss arrays (fp64 for fp64 inputs)
     ref_out_ = zero_arrays(output_specs(o_.dtype, acc, true));
     // Work arrays of the indexer loss, indexed like topk_indices.
@@ -145,6 +173,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     ref("loss").data_as<double>()[0] = loss;
     attn::dsa_indexer_backward(ref_indexer_args(), ref("topk_indices"), ref_dscores_.view(), ref("dq_idx"), ref("dw"),
                                ref("dk_idx"), /*accumulate=*/false);
+    rope_named(rope_, ref_out_, /*backward=*/true);
   }
   NamedArrays reference_outputs() override { return ref_out_; }
 
@@ -159,7 +188,8 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     return {8.0 * (elems + 3.0 * b * s * s), b * s * s * per_pair};
   }
   NamedArrays fp64_reference_outputs() override {
-    const NamedArrays in = widen_to_fp64(ref_in_);
+    NamedArrays in = widen_to_fp64(ref_in_);
+    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true);
     const DType f64 = DType::kFloat64;
     NamedArrays r = zero_arrays(output_specs(f64, f64, false));
     attn::DsaAttentionArgs a;
@@ -167,6 +197,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     a.c = find_array(in, "c").view();
     a.topk_indices = ref("topk_indices");
     a.dim_v = o_.dim_v;
+    a.scale = dsa_softmax_scale(o_);
     attn::DsaIndexerArgs idx;
     idx.q_idx = find_array(in, "q_idx").view();
     idx.w = find_array(in, "w").view();
@@ -176,6 +207,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     attn::reference::dsa_attention_backward(a, find_array(in, "dout").view(), out("dq"), out("dc"));
     out("loss").data_as<double>()[0] =
         attn::reference::dsa_indexer_loss(a, idx, out("dq_idx"), out("dw"), out("dk_idx"));
+    rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true);
     return r;
   }
 
@@ -225,19 +257,21 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     return r;
   }
 
+  // The reference's inputs after RoPE (ref_rot_; ref_in_ without it).
   attn::DsaIndexerArgs ref_indexer_args() const {
     attn::DsaIndexerArgs a;
-    a.q_idx = find_array(ref_in_, "q_idx").view();
-    a.w = find_array(ref_in_, "w").view();
-    a.k_idx = find_array(ref_in_, "k_idx").view();
+    a.q_idx = find_array(ref_rot_, "q_idx").view();
+    a.w = find_array(ref_rot_, "w").view();
+    a.k_idx = find_array(ref_rot_, "k_idx").view();
     return a;
   }
   attn::DsaAttentionArgs ref_attention_args() const {
     attn::DsaAttentionArgs a;
-    a.q = find_array(ref_in_, "q").view();
-    a.c = find_array(ref_in_, "c").view();
+    a.q = find_array(ref_rot_, "q").view();
+    a.c = find_array(ref_rot_, "c").view();
     a.topk_indices = ref("topk_indices");
     a.dim_v = o_.dim_v;
+    a.scale = dsa_softmax_scale(o_);
     return a;
   }
 
@@ -248,8 +282,18 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   }
 
   void reset_layer_counters() override { dsa_->reset_counters(); }
-  DsaCpOutput run_forward() override { return dsa_->forward(in_[kQ], in_[kC], in_[kQIdx], in_[kKIdx], in_[kW]); }
-  DsaCpGrads run_backward(CpContext&& ctx) override { return dsa_->backward(std::move(ctx), in_[kDout]); }
+  // With RoPE the layer sees rotated copies of q, c, q_idx, k_idx (held until the next forward).
+  DsaCpOutput run_forward() override {
+    if (rope_.empty()) return dsa_->forward(in_[kQ], in_[kC], in_[kQIdx], in_[kKIdx], in_[kW]);
+    rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kC].view(), in_[kQIdx].view(), in_[kKIdx].view()},
+                                   dsa_->positions());
+    return dsa_->forward(rotated_[0], rotated_[1], rotated_[2], rotated_[3], in_[kW]);
+  }
+  DsaCpGrads run_backward(CpContext&& ctx) override {
+    DsaCpGrads g = dsa_->backward(std::move(ctx), in_[kDout]);
+    rope_backward_all(rope_, {g.dq.view(), g.dc.view(), g.dq_idx.view(), g.dk_idx.view()}, dsa_->positions());
+    return g;
+  }
   // Executed FLOPs from the pairs the forward attended (the backward revisits them at 2.5 x the cost).
   PhaseCounters forward_counters() override {
     attention_pairs_ = dsa_->counters().attention_pairs;
@@ -268,9 +312,11 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   CpGroups groups_;
   std::unique_ptr<DsaContextParallel> dsa_;
   enum Input { kQ, kC, kQIdx, kKIdx, kW, kDout };
-  std::vector<Tensor> in_;      // this rank's q, c, q_idx, k_idx, w, dout
-  double attention_pairs_ = 0;  // (query, selected key) x local heads of the last forward on this rank
-  NamedArrays ref_in_, ref_out_;
+  std::vector<Tensor> in_;        // this rank's q, c, q_idx, k_idx, w, dout
+  std::vector<RopeTarget> rope_;  // the rotated inputs (dsa_rope_targets)
+  std::vector<Tensor> rotated_;   // their rotated copies of the last forward
+  double attention_pairs_ = 0;    // (query, selected key) x local heads of the last forward on this rank
+  NamedArrays ref_in_, ref_rot_, ref_out_;
   npy::HostArray ref_probs_, ref_scores_, ref_dscores_;
 };
 
@@ -306,7 +352,8 @@ WorkloadMemory dsa_memory(const SpBenchOptions& o) {
   const double saved = e * (indexer + q + c * pu + out) + 12 * slots + 8 * slots * pu + lse;
   m.forward.saved = saved;
   m.forward.outputs = e * out + lse + 8 * slots;
-  m.forward.workspace = 12 * slots + 2 * f * out + lse + scratch;
+  const double rope = o.rope ? e * (q + c + q_idx + k_idx) : 0;  // rotated copies, held through the backward
+  m.forward.workspace = 12 * slots + 2 * f * out + lse + scratch + rope;
   const double index_keys = o.dsa_select == "ring" ? 2 * e * k_idx : e * k_idx * sp;
   const double a2a = pu > 1 ? 2 * e * std::max(q, out) : 0;
   m.forward.comm = index_keys + 2 * e * c * pu + a2a;
@@ -315,11 +362,11 @@ WorkloadMemory dsa_memory(const SpBenchOptions& o) {
   m.backward.saved = saved;
   m.backward.outputs = m.forward.outputs + e * (q + c + indexer);
   m.backward.workspace =
-      e * out + lse + f * slots * pu + f * q + f * c * pu + e * q + f * c + 8 * slots + f * indexer + scratch;
+      e * out + lse + f * slots * pu + f * q + f * c * pu + e * q + f * c + 8 * slots + f * indexer + scratch + rope;
   m.backward.comm = 2 * e * c * pu + 4 * f * c * pu + index_keys + f * k_idx * sp + a2a;
   m.full_inputs = m.inputs * sp;
   m.full_outputs = (m.backward.outputs - 8 * slots) * sp + 8 * slots * sp;  // out, lse, topk_indices, the gradients
-  m.reference_scratch = 3 * f * slots * sp;                                 // probabilities, scores, their gradient
+  m.reference_scratch = 3 * f * slots * sp + m.full_inputs;  // probabilities, scores, their gradient; rotated inputs
   return m;
 }
 
@@ -329,8 +376,19 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   k.description =
       "DeepSeek sparse attention (indexer top-k over the SP group, sparse latent attention over the ring, heads "
       "over Ulysses, indexer loss; always causal)";
+  // DeepSeek-V3.2-Exp (config.json): qk_rope_head_dim 64, rope_theta 10000, rope_scaling yarn (factor 40, original
+  // 4096, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1: m = 1 on cos / sin, mscale^2 on the softmax scale).
+  attn::RopeConfig ds_rope;
+  ds_rope.pairing = attn::RopePairing::kInterleaved;
+  ds_rope.rotary_dim = 64;
+  ds_rope.scaling = attn::RopeScaling::kYarn;
+  ds_rope.yarn.factor = 40;
+  ds_rope.yarn.mscale = 1;
+  ds_rope.yarn.mscale_all_dim = 1;
   k.presets = {{"deepseek-v3.2", 128, 1, 576, 2048, 0, 512, 64, 128,
-                "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal"}};
+                "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal, RoPE on 64 "
+                "columns with YaRN (factor 40)",
+                0, ds_rope}};
   k.own_flags = {"topk", "dsa-select", "dim-v", "indexer-heads", "indexer-dim"};
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
                          {"seq", "q", 1, &SpBenchOptions::seq},
@@ -339,6 +397,7 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
                          {"dim-v", "dout", 3, &SpBenchOptions::dim_v},
                          {"indexer-heads", "q_idx", 2, &SpBenchOptions::indexer_heads},
                          {"indexer-dim", "q_idx", 3, &SpBenchOptions::indexer_dim}};
+  for (const std::string& f : rope_flags()) k.own_flags.push_back(f);
   k.input_specs = dsa_input_specs;
   k.estimate_memory = dsa_memory;
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
@@ -347,10 +406,12 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     j["shape"]["indexer_heads"] = o.indexer_heads;
     j["shape"]["indexer_dim"] = o.indexer_dim;
     j["dsa_select"] = o.dsa_select;
+    add_rope_json(o, j);
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
     return str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Dqk=", o.head_dim, " causal=yes Dv=", o.dim_v,
-                   " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select);
+                   " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select,
+                   o.rope ? " " + describe_rope(o, dsa_rope_targets(o)[0].cfg) : "");
   };
   k.validate = [](SpBenchOptions& o) {
     // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.
@@ -366,6 +427,11 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
+    if (o.rope) {
+      if (o.rope_cfg.rotary_dim == 0) o.rope_cfg.rotary_dim = 64;  // DeepSeek's qk_rope_head_dim
+      check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim");
+      check_rope_fits(o.rope_cfg, o.indexer_dim, "--indexer-dim");
+    }
   };
   return k;
 }

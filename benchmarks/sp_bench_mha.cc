@@ -1,12 +1,15 @@
 // sp_bench's MHA / GQA workload: ring, Ulysses and USP through UspAttention (ulysses-size 1 = pure ring,
 // ring-size 1 = pure Ulysses). Inputs q k v dout [B, S, H, D]; outputs out [B, S, Hq, D], lse [B, Hq, S] (fp32;
 // fp64 for fp64), dq, dk, dv. The reference is one attn::mha_forward + attn::mha_backward call on the full tensors; the
-// fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward.
+// fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward. With --rope, q and k
+// are rotated at their global positions before the layer and dq, dk get the transposed rotation after it
+// (sp_bench_rope.h); the references do the same on positions 0..S-1 (the fp64 one with the fp64 RoPE reference).
 #include <algorithm>
 #include <cmath>
 
 #include "attention/mha.h"
 #include "attention/reference/mha_reference.h"
+#include "benchmarks/sp_bench_rope.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
@@ -33,6 +36,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     cfg_.causal = o.causal;
     cfg_.window = o.window;
     usp_ = std::make_unique<UspAttention>(groups_, layout_, cfg_);
+    if (o.rope) rope_ = {{"q", o.rope_cfg}, {"k", o.rope_cfg}};
   }
 
   std::vector<TensorSpec> input_specs() const override { return mha_input_specs(o_); }
@@ -89,6 +93,12 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     ref_v_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));
     ref_dout_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     fill(full, all_positions(o_.seq), {ref_q_.view(), ref_k_.view(), ref_v_.view(), ref_dout_.view()});
+    ref_rq_ = ref_q_;
+    ref_rk_ = ref_k_;
+    if (o_.rope) {
+      rope_host(o_.rope_cfg, ref_rq_, /*backward=*/false);
+      rope_host(o_.rope_cfg, ref_rk_, /*backward=*/false);
+    }
     ref_out_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     ref_lse_ = npy::HostArray(accumulator_dtype(o_.dtype), lse_shape());
     ref_dq_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
@@ -103,6 +113,10 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     b.dout = ref_dout_.view();
     b.lse = ref_lse_.view();
     attn::mha_backward(b, ref_dq_.view(), ref_dk_.view(), ref_dv_.view(), /*accumulate=*/false);
+    if (o_.rope) {
+      rope_host(o_.rope_cfg, ref_dq_, /*backward=*/true);
+      rope_host(o_.rope_cfg, ref_dk_, /*backward=*/true);
+    }
   }
   NamedArrays reference_outputs() override {
     NamedArrays r;
@@ -122,7 +136,8 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     return {8.0 * (elems + 3.0 * s * s), 2 * 8.0 * static_cast<double>(o_.batch * o_.heads * o_.head_dim) * s * s};
   }
   NamedArrays fp64_reference_outputs() override {
-    const NamedArrays in = widen_to_fp64(NamedArrays{{"q", ref_q_}, {"k", ref_k_}, {"v", ref_v_}, {"dout", ref_dout_}});
+    NamedArrays in = widen_to_fp64(NamedArrays{{"q", ref_q_}, {"k", ref_k_}, {"v", ref_v_}, {"dout", ref_dout_}});
+    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true);
     const DType f64 = DType::kFloat64;
     NamedArrays r = zero_arrays({{"out", f64, q_shape(o_.seq)},
                                  {"lse", f64, lse_shape()},
@@ -137,6 +152,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     const std::vector<TensorView> v = views_of(r);
     attn::reference::mha_forward(a, v[0], v[1]);
     attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4]);
+    rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true);
     return r;
   }
 
@@ -167,16 +183,25 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
 
   attn::MhaForwardArgs ref_args() const {
     attn::MhaForwardArgs a;
-    a.q = ref_q_.view();
-    a.k = ref_k_.view();
+    a.q = ref_rq_.view();
+    a.k = ref_rk_.view();
     a.v = ref_v_.view();
     a.mask = {o_.causal, o_.window};
     return a;
   }
 
   void reset_layer_counters() override { usp_->reset_counters(); }
-  AttentionOutput run_forward() override { return usp_->forward(in_[kQ], in_[kK], in_[kV]); }
-  AttentionGrads run_backward(CpContext&& ctx) override { return usp_->backward(std::move(ctx), in_[kDout]); }
+  // With RoPE the layer sees rotated copies of q and k (held until the next forward).
+  AttentionOutput run_forward() override {
+    if (rope_.empty()) return usp_->forward(in_[kQ], in_[kK], in_[kV]);
+    rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kK].view()}, positions_);
+    return usp_->forward(rotated_[0], rotated_[1], in_[kV]);
+  }
+  AttentionGrads run_backward(CpContext&& ctx) override {
+    AttentionGrads g = usp_->backward(std::move(ctx), in_[kDout]);
+    rope_backward_all(rope_, {g.dq.view(), g.dk.view()}, positions_);
+    return g;
+  }
   PhaseCounters forward_counters() override { return phase_counters(usp_->counters()); }
   PhaseCounters backward_counters() override { return phase_counters(usp_->counters()); }
 
@@ -188,8 +213,11 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   RingAttentionConfig cfg_;
   std::unique_ptr<UspAttention> usp_;
   enum Input { kQ, kK, kV, kDout };
-  std::vector<Tensor> in_;  // this rank's q, k, v, dout
+  std::vector<Tensor> in_;        // this rank's q, k, v, dout
+  std::vector<RopeTarget> rope_;  // q and k with --rope; empty without
+  std::vector<Tensor> rotated_;   // the rotated q, k of the last forward
   npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_;
+  npy::HostArray ref_rq_, ref_rk_;  // the reference's q, k after RoPE (copies of ref_q_, ref_k_ without it)
 };
 
 std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o) {
@@ -229,7 +257,8 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   // double buffer (p2p) or the gathered kv (allgather); the outputs out and lse.
   m.forward.saved = saved;
   m.forward.outputs = e * q + lse;
-  m.forward.workspace = e * (2 * q + 2 * kv) + (replicate ? 2 * e * kv : 0) + 2 * f * q + 2 * lse + fwd_kernel;
+  const double rope = o.rope ? e * (q + kv_in) : 0;  // the rotated copies of q and k (held through the backward)
+  m.forward.workspace = e * (2 * q + 2 * kv) + (replicate ? 2 * e * kv : 0) + 2 * f * q + 2 * lse + fwd_kernel + rope;
   const double gather = e * kv * (4 * pr + 2);
   m.forward.comm = (o.impl == RingImpl::kP2P ? 6 * e * kv : gather) + a2a;
   // Backward: the forward's out and lse stay held; dout_h, dq_h dk_h dv_h, delta, the fp32 dq accumulator and dk dv
@@ -237,13 +266,13 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   m.backward.saved = saved;
   m.backward.outputs = e * q + lse + e * (q + 2 * kv_in);
   m.backward.workspace = 2 * e * q + 2 * kv_grad * kv + (replicate ? 2 * f * kv : 0) + lse + f * q +
-                         (o.impl == RingImpl::kP2P ? 2 * f * kv : 2 * f * kv * pr) + bwd_kernel;
+                         (o.impl == RingImpl::kP2P ? 2 * f * kv : 2 * f * kv * pr) + bwd_kernel + rope;
   const double ring_p2p = e * 6 * kv + f * 2 * kv * (pr > 1 ? 4 : 2);
   const double ring_ag = std::max(gather, 2 * e * kv * pr + f * 2 * kv * (pr + 1));
   m.backward.comm = (o.impl == RingImpl::kP2P ? ring_p2p : ring_ag) + a2a;
   m.full_inputs = m.inputs * pu * pr;                                  // the whole sequence: the local shard times P
   m.full_outputs = (e * (2 * q + 2 * kv_in) + e * q + lse) * pu * pr;  // out, lse, dq, dk, dv
-  m.reference_scratch = 0;
+  m.reference_scratch = o.rope ? m.full_inputs / 2 : 0;  // the reference's rotated q and k (at most half the inputs)
   return m;
 }
 
@@ -251,8 +280,26 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   WorkloadKind k;
   k.name = "mha";
   k.description = "MHA/GQA (ring, Ulysses, USP)";
-  k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0, "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"}};
+  // Llama 3.1 8B (config.json): rope_theta 500000, rope_scaling llama3 (factor 8, low 1, high 4, original 8192).
+  attn::RopeConfig llama3_rope;
+  llama3_rope.theta = 500000;
+  llama3_rope.scaling = attn::RopeScaling::kLlama3;
+  // Qwen3-Next-80B-A3B's full-attention layers (config.json): 16 q heads, 2 kv heads, head dim 256,
+  // partial_rotary_factor 0.25 (64 of 256 columns, rotate-half), rope_theta 1e7; the output gate is not modelled.
+  attn::RopeConfig qwen_rope;
+  qwen_rope.rotary_dim = 64;
+  qwen_rope.theta = 1e7;
+  k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0,
+                "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal, RoPE theta 500000 with llama3 scaling "
+                "(factor 8)",
+                0, llama3_rope},
+               {"qwen3-next-attn", 16, 2, 256, 0, 0, 0, 0, 0,
+                "MHA/GQA: Qwen3-Next's attention layers, 16 query heads, 2 kv heads, head dim 256, causal, partial "
+                "RoPE (64 columns) theta 1e7",
+                0, qwen_rope}};
   k.own_flags = {"test-logit-scale", "impl", "window", "kv-heads"};
+  for (const std::string& f : rope_flags()) k.own_flags.push_back(f);
+  k.add_json = add_rope_json;
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
                          {"seq", "q", 1, &SpBenchOptions::seq},
                          {"heads", "q", 2, &SpBenchOptions::heads},
@@ -271,11 +318,13 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                  " must be a finite number > 0");
     SEQPAR_CHECK(o.test_logit_scale == 1 || o.inputs_dir.empty(),
                  "--test-logit-scale scales the random q; it cannot be combined with --inputs");
+    if (o.rope) check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim");
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
     std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim,
                             " causal=", o.causal ? "yes" : "no");
     if (o.window > 0) s += str_cat(" window=", o.window);
+    if (o.rope) s += " " + describe_rope(o, o.rope_cfg);
     return s;
   };
   return k;

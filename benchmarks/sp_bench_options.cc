@@ -92,6 +92,48 @@ void check_layout_fits(const SpBenchOptions& o) {
   }
 }
 
+// RoPE (sp_bench_rope.h): the preset's configuration, then the --rope* flags given. --rope-factor and
+// --rope-original-max-pos set the llama3 and the yarn parameter alike; the others of each scaling stay at the
+// model's values (llama3: Llama 3.1's low 1, high 4; yarn: DeepSeek-V3's beta_fast 32, beta_slow 1).
+// A kind that does not own the flags is left to the ownership rule (its error names the kinds that apply RoPE).
+void parse_rope(const cxxopts::ParseResult& r, const std::optional<attn::RopeConfig>& preset, SpBenchOptions& o) {
+  const std::vector<std::string>& own = find_workload_kind(o.attn).own_flags;
+  if (std::find(own.begin(), own.end(), "rope") == own.end()) return;
+  if (preset) {
+    o.rope = true;
+    o.rope_cfg = *preset;
+  }
+  if (r.count("rope")) {
+    const std::string v = get_checked<std::string>(r, "rope");
+    o.rope = v != "none";
+    if (o.rope) {
+      o.rope_cfg.pairing = parse_flag("rope", v, [](const std::string& s) { return attn::parse_rope_pairing(s); });
+    }
+  }
+  attn::RopeConfig& c = o.rope_cfg;
+  if (r.count("rope-dim")) c.rotary_dim = get_checked<std::int64_t>(r, "rope-dim");
+  if (r.count("rope-theta")) c.theta = get_checked<double>(r, "rope-theta");
+  if (r.count("rope-scaling")) {
+    c.scaling = parse_flag("rope-scaling", get_checked<std::string>(r, "rope-scaling"),
+                           [](const std::string& s) { return attn::parse_rope_scaling(s); });
+  }
+  if (r.count("rope-factor")) c.llama3.factor = c.yarn.factor = get_checked<double>(r, "rope-factor");
+  if (r.count("rope-original-max-pos")) {
+    c.llama3.original_max_position_embeddings = c.yarn.original_max_position_embeddings =
+        get_checked<std::int64_t>(r, "rope-original-max-pos");
+  }
+  for (const char* flag : {"rope-dim", "rope-theta", "rope-scaling", "rope-factor", "rope-original-max-pos"}) {
+    SEQPAR_CHECK(o.rope || !r.count(flag), "--", flag, " needs --rope rotate-half or interleaved");
+  }
+  if (o.rope) {
+    try {
+      attn::check_rope_config(c);
+    } catch (const Error& e) {
+      SEQPAR_THROW("RoPE flags (--rope*): ", e.message());
+    }
+  }
+}
+
 }  // namespace
 
 std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank) {
@@ -124,6 +166,15 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("chunk-size", "GDN: chunk length", cxxopts::value<std::int64_t>()->default_value("64"))
     ("conv-width", "GDN: width W of the short causal depthwise conv (with SiLU) on q, k and v before the "
                    "recurrence (0: none)", cxxopts::value<std::int64_t>()->default_value("0"))
+    ("rope", "RoPE around the layer on the layout's global positions: none | rotate-half | interleaved (MHA: q and k; "
+             "DSA: the last --rope-dim columns of q and the latent with this pairing, the first of the indexer's q "
+             "and k rotate-half, as DeepSeek-V3.2; default none, presets set it)", cxxopts::value<std::string>())
+    ("rope-dim", "rotated columns r (partial rotary; MHA default: all of --head-dim, DSA: 64)",
+     cxxopts::value<std::int64_t>())
+    ("rope-theta", "RoPE base theta (default 10000)", cxxopts::value<double>())
+    ("rope-scaling", "RoPE frequency scaling: none | llama3 | yarn", cxxopts::value<std::string>())
+    ("rope-factor", "llama3 / yarn scaling factor", cxxopts::value<double>())
+    ("rope-original-max-pos", "llama3 / yarn original_max_position_embeddings", cxxopts::value<std::int64_t>())
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("seed", "seed of the random inputs", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("parallel")
@@ -176,6 +227,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   SpBenchOptions o;
   for (const cxxopts::KeyValue& kv : r.arguments()) o.given_flags.push_back(kv.key());
   o.attn = find_workload_kind(get_checked<std::string>(r, "attn")).name;
+  std::optional<attn::RopeConfig> preset_rope;
   if (r.count("model")) {
     o.model = get_checked<std::string>(r, "model");
     const ModelPreset* preset = nullptr;
@@ -201,6 +253,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     if (preset->indexer_heads > 0) o.indexer_heads = preset->indexer_heads;
     if (preset->indexer_dim > 0) o.indexer_dim = preset->indexer_dim;
     if (preset->conv_width > 0) o.conv_width = preset->conv_width;
+    preset_rope = preset->rope;
     o.causal = true;
   }
   // Without a preset every flag (or its default) applies; with one, only the flags given explicitly.
@@ -215,6 +268,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (given("indexer-heads")) o.indexer_heads = get_checked<std::int64_t>(r, "indexer-heads");
   if (given("indexer-dim")) o.indexer_dim = get_checked<std::int64_t>(r, "indexer-dim");
   if (given("conv-width")) o.conv_width = get_checked<std::int64_t>(r, "conv-width");
+  parse_rope(r, preset_rope, o);
 
   o.batch = get_checked<std::int64_t>(r, "batch");
   o.seq = parse_size(get_checked<std::string>(r, "seq"), "seq");
@@ -339,6 +393,15 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_int("--indexer-dim", o.indexer_dim)
       .add_int("--chunk-size", o.chunk_size)
       .add_int("--conv-width", o.conv_width)
+      .add_text("--rope", o.rope ? attn::rope_pairing_name(o.rope_cfg.pairing) : "none")
+      .add_int("--rope-dim", o.rope_cfg.rotary_dim)
+      .add_real("--rope-theta", o.rope_cfg.theta)
+      .add_text("--rope-scaling", attn::rope_scaling_name(o.rope_cfg.scaling))
+      .add_real("--rope-factor", o.rope_cfg.scaling == attn::RopeScaling::kYarn ? o.rope_cfg.yarn.factor
+                                                                                : o.rope_cfg.llama3.factor)
+      .add_int("--rope-original-max-pos", o.rope_cfg.scaling == attn::RopeScaling::kYarn
+                                              ? o.rope_cfg.yarn.original_max_position_embeddings
+                                              : o.rope_cfg.llama3.original_max_position_embeddings)
       .add_text("--dtype", dtype_name(o.dtype))
       .add_int("--warmup", o.warmup)
       .add_int("--iters", o.iters)

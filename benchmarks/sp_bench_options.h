@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "attention/rope.h"
 #include "benchmarks/bench_common.h"
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
@@ -42,6 +43,10 @@ struct SpBenchOptions {
   std::int64_t chunk_size = 64;     // GDN
   std::int64_t conv_width = 0;      // GDN: short conv width W on q, k, v before the recurrence; 0: none
   DType dtype = DType::kFloat32;
+  // RoPE around the layer (benchmarks/sp_bench_rope.h; MHA and DSA): on with --rope rotate-half | interleaved or a
+  // preset that has one. rope_cfg.rotary_dim is --rope-dim (0: the kind's default).
+  bool rope = false;
+  attn::RopeConfig rope_cfg;
 
   int warmup = 2;
   int iters = 5;

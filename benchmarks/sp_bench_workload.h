@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -168,6 +169,8 @@ struct ModelPreset {
                indexer_dim = 0;
   std::string note;             // one line for --help
   std::int64_t conv_width = 0;  // GDN short conv width (0: none)
+  // The model's RoPE (sp_bench_rope.h); none: --rope's default (none).
+  std::optional<attn::RopeConfig> rope;
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.

@@ -1,9 +1,8 @@
-// CPU rotary position embedding, "rotate half" convention (attention/rope.h).
+// CPU rotary position embedding: rotate-half and interleaved pairings on a window of columns (attention/rope.h).
 #include "attention/cpu/rope_cpu.h"
 
 #include <cmath>
 #include <type_traits>
-#include <vector>
 
 #include "attention/cpu/scratch.h"
 
@@ -12,11 +11,11 @@ namespace {
 
 template <typename T>
 void rotate(T* x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t dim,
-            std::span<const std::int64_t> positions, double theta, double sign) {
+            std::span<const std::int64_t> positions, const RopeRotation& rot) {
   using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
-  const std::int64_t half = dim / 2;
-  std::vector<double> inv_freq(static_cast<std::size_t>(half));
-  for (std::int64_t i = 0; i < half; ++i) inv_freq[i] = std::pow(theta, -2.0 * static_cast<double>(i) / dim);
+  const std::int64_t half = static_cast<std::int64_t>(rot.inv_freq.size());
+  // Column of the first and second member of pair i: (o + i, o + i + r/2) or (o + 2i, o + 2i + 1).
+  const std::int64_t first_stride = rot.interleaved ? 2 : 1, second_gap = rot.interleaved ? 1 : half;
   const WorkerScratch<Acc> ws({half, half}, "rope scratch");
 #pragma omp parallel
   {
@@ -24,18 +23,20 @@ void rotate(T* x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std:
 #pragma omp for schedule(static)
     for (std::int64_t s = 0; s < seq; ++s) {
       for (std::int64_t i = 0; i < half; ++i) {
-        const double angle = static_cast<double>(positions[s]) * inv_freq[i];
-        cos_v[i] = static_cast<Acc>(std::cos(angle));
-        sin_v[i] = static_cast<Acc>(sign * std::sin(angle));
+        const double angle = static_cast<double>(positions[s]) * rot.inv_freq[i];
+        cos_v[i] = static_cast<Acc>(rot.attention_factor * std::cos(angle));
+        sin_v[i] = static_cast<Acc>(rot.attention_factor * rot.sign * std::sin(angle));
       }
       for (std::int64_t b = 0; b < batch; ++b) {
         for (std::int64_t h = 0; h < heads; ++h) {
-          T* row = x + ((b * seq + s) * heads + h) * dim;
+          T* row = x + ((b * seq + s) * heads + h) * dim + rot.column_offset;
           for (std::int64_t i = 0; i < half; ++i) {
-            const Acc a = static_cast<Acc>(to_float(row[i]));
-            const Acc c = static_cast<Acc>(to_float(row[i + half]));
-            row[i] = static_cast<T>(a * cos_v[i] - c * sin_v[i]);
-            row[i + half] = static_cast<T>(c * cos_v[i] + a * sin_v[i]);
+            T& first = row[i * first_stride];
+            T& second = row[i * first_stride + second_gap];
+            const Acc a = static_cast<Acc>(to_float(first));
+            const Acc c = static_cast<Acc>(to_float(second));
+            first = static_cast<T>(a * cos_v[i] - c * sin_v[i]);
+            second = static_cast<T>(c * cos_v[i] + a * sin_v[i]);
           }
         }
       }
@@ -45,10 +46,11 @@ void rotate(T* x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std:
 
 }  // namespace
 
-void rope_rotate_cpu(const TensorView& x, std::span<const std::int64_t> positions, double theta, double sign) {
+void rope_rotate_cpu(const TensorView& x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t dim,
+                     std::span<const std::int64_t> positions, const RopeRotation& rot) {
   dispatch_floating(x.dtype(), [&](auto t) {
     using T = decltype(t);
-    rotate(static_cast<T*>(x.data()), x.dim(0), x.dim(1), x.dim(2), x.dim(3), positions, theta, sign);
+    rotate(static_cast<T*>(x.data()), batch, seq, heads, dim, positions, rot);
   });
 }
 
