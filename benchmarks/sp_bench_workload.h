@@ -168,6 +168,8 @@ struct ModelPreset {
                indexer_dim = 0;
   std::string note;             // one line for --help
   std::int64_t conv_width = 0;  // GDN short conv width (0: none)
+  double softcap = 0;           // MHA logit soft-capping (0: none)
+  bool sinks = false;           // MHA attention sinks
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.
