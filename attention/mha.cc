@@ -61,8 +61,8 @@ std::vector<double> check_head_vector(const TensorView& t, std::int64_t heads, c
   detail::check_host(t, what, kFamily);
   SEQPAR_CHECK(t.ndim() == 1 && t.dim(0) == heads, what, " must be [Hq] = [", heads, "] (one per query head), got ",
                t.str());
-  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ",
-               dtype_name(t.dtype()), ", expected fp32 or fp64");
+  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
+               ", expected fp32 or fp64");
   std::vector<double> values(static_cast<std::size_t>(heads));
   for (std::int64_t h = 0; h < heads; ++h) {
     values[h] = load(t, h);
@@ -156,8 +156,8 @@ void validate_delta(const TensorView& out, const TensorView& dout, const TensorV
 void check_wide(const TensorView& t, const Shape& shape, const char* what) {
   detail::check_host(t, what, kFamily);
   check_shape(t, shape, what);
-  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ",
-               dtype_name(t.dtype()), ", expected fp32 or fp64");
+  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
+               ", expected fp32 or fp64");
 }
 
 void validate_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b) {

@@ -188,8 +188,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.mods = cfg_.score_mods;
     const std::vector<TensorView> v = views_of(r);
     attn::reference::mha_forward(a, v[0], v[1]);
-    attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4],
-                                  o_.sinks ? v[5] : TensorView{});
+    attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4], o_.sinks ? v[5] : TensorView{});
     return r;
   }
 

@@ -221,8 +221,8 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
   alloc.copy_convert(acc_lse.view(), lse);
 }
 
-void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& delta,
-                                 const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
+                                 const TensorView& dk, const TensorView& dv) {
   const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();

@@ -70,9 +70,9 @@ struct AttentionOutput {
 };
 
 struct AttentionGrads {
-  Tensor dq;  // [B, S_local, Hq, D], dtype of q
-  Tensor dk;  // [B, S_local, Hkv, D]
-  Tensor dv;  // [B, S_local, Hkv, D]
+  Tensor dq;      // [B, S_local, Hq, D], dtype of q
+  Tensor dk;      // [B, S_local, Hkv, D]
+  Tensor dv;      // [B, S_local, Hkv, D]
   Tensor dsinks;  // [Hq] of all query heads, identical on every rank (sum over the whole sequence), dtype of the
                   // sinks; empty when config.score_mods has no sinks
 };

@@ -9,6 +9,7 @@
 
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/device_collectives.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -31,8 +32,8 @@ struct ModsCase {
 
 std::string case_name(const ModsCase& c) {
   return str_cat("u", c.ulysses_size, "_", ring_impl_name(c.impl), "_", layout_name(c.layout),
-                 c.mask.causal ? "_causal" : "_full", c.mask.window > 0 ? "_window" : "", c.softcap > 0 ? "_softcap" : "",
-                 c.alibi ? "_alibi" : "", c.sinks ? "_sinks" : "");
+                 c.mask.causal ? "_causal" : "_full", c.mask.window > 0 ? "_window" : "",
+                 c.softcap > 0 ? "_softcap" : "", c.alibi ? "_alibi" : "", c.sinks ? "_sinks" : "");
 }
 void PrintTo(const ModsCase& c, std::ostream* os) { *os << case_name(c); }
 
@@ -103,13 +104,7 @@ TEST(ScoreMods, BadParametersAreRefusedOnEveryRank) {
   auto error_of = [&](const std::function<void(RingAttentionConfig&)>& set) {
     RingAttentionConfig cfg;
     set(cfg);
-    try {
-      UspAttention usp(groups, layout, cfg);
-      usp.forward(q.view(), q.view(), q.view());
-    } catch (const Error& e) {
-      return e.message();
-    }
-    return std::string("<no error>");
+    return test::error_of([&] { UspAttention(groups, layout, cfg).forward(q.view(), q.view(), q.view()); });
   };
   std::string m = error_of([](RingAttentionConfig& c) { c.score_mods.softcap = -2.0f; });
   EXPECT_NE(m.find("softcap -2 must be finite and > 0"), std::string::npos) << m;

@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "attention/mha.h"
 #include "attention/reference/mha_reference.h"
+#include "tests/util/device_collectives.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar::attn {
@@ -69,8 +71,8 @@ Results kernel_results(const Case& c, const ModsProblem& s) {
   Tensor dq = Tensor::empty(s.q.shape(), c.dtype, kWs), dk = Tensor::empty(s.k.shape(), c.dtype, kWs),
          dv = Tensor::empty(s.k.shape(), c.dtype, kWs);
   mha_backward(MhaBackwardArgs{s.args, out, s.dout, lse, {}}, dq, dk, dv, false);
-  Results r{test::to_double(out), test::to_double(lse), test::to_double(dq), test::to_double(dk),
-            test::to_double(dv), {}};
+  Results r{test::to_double(out), test::to_double(lse), test::to_double(dq),
+            test::to_double(dk),  test::to_double(dv),  {}};
   if (c.mods.sinks) {
     const DType wide = c.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
     Tensor delta = Tensor::empty({c.B, c.Hq, c.Sq}, wide, kWs), dsinks = Tensor::empty({c.Hq}, wide, kWs);
@@ -89,14 +91,16 @@ Results reference_results(const Case& c, const MhaForwardArgs& a, const TensorVi
   r64.q = q;
   r64.k = k;
   r64.v = v;
-  Tensor out = Tensor::empty(q.shape(), DType::kFloat64, kWs), lse = Tensor::empty({c.B, c.Hq, c.Sq}, DType::kFloat64, kWs);
+  Tensor out = Tensor::empty(q.shape(), DType::kFloat64, kWs),
+         lse = Tensor::empty({c.B, c.Hq, c.Sq}, DType::kFloat64, kWs);
   reference::mha_forward(r64, out, lse);
   Tensor dq = Tensor::empty(q.shape(), DType::kFloat64, kWs), dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
          dv = Tensor::empty(k.shape(), DType::kFloat64, kWs);
   Tensor dsinks;
   if (!a.mods.sinks.empty()) dsinks = Tensor::empty({c.Hq}, DType::kFloat64, kWs);
   reference::mha_backward(r64, dout, dq, dk, dv, dsinks);
-  return {test::to_double(out), test::to_double(lse), test::to_double(dq), test::to_double(dk),
+  return {test::to_double(out), test::to_double(lse),
+          test::to_double(dq),  test::to_double(dk),
           test::to_double(dv),  a.mods.sinks.empty() ? std::vector<double>{} : test::to_double(dsinks)};
 }
 
@@ -141,7 +145,8 @@ TEST(MhaScoreMods, MatchReference) {
 
 // Loss L = sum(dout * out): central differences of the fp64 reference forward against its backward.
 double loss(const Case& c, const MhaForwardArgs& a, const TensorView& dout) {
-  Tensor out = Tensor::empty(a.q.shape(), DType::kFloat64, kWs), lse = Tensor::empty({c.B, c.Hq, c.Sq}, DType::kFloat64, kWs);
+  Tensor out = Tensor::empty(a.q.shape(), DType::kFloat64, kWs),
+         lse = Tensor::empty({c.B, c.Hq, c.Sq}, DType::kFloat64, kWs);
   reference::mha_forward(a, out, lse);
   double l = 0.0;
   const std::vector<double> o = test::to_double(out), g = test::to_double(dout);
@@ -220,7 +225,8 @@ TEST(MhaScoreMods, SinksOnceAfterBlockMerge) {
   EXPECT_TRUE(test::all_close(test::to_double(out), whole.out, 1e-13, 1e-11, "merged out"));
   EXPECT_TRUE(test::all_close(test::to_double(lse), whole.lse, 1e-13, 1e-12, "merged lse"));
   Tensor dq = Tensor::zeros(s.q.shape(), DType::kFloat64, kWs), dk = Tensor::zeros(s.k.shape(), DType::kFloat64, kWs);
-  Tensor dk_b = Tensor::zeros(k[0].shape(), DType::kFloat64, kWs), dv_b = Tensor::zeros(k[0].shape(), DType::kFloat64, kWs);
+  Tensor dk_b = Tensor::zeros(k[0].shape(), DType::kFloat64, kWs),
+         dv_b = Tensor::zeros(k[0].shape(), DType::kFloat64, kWs);
   for (int b = 0; b < 2; ++b) mha_backward(MhaBackwardArgs{blocks[b], out, s.dout, lse, {}}, dq, dk_b, dv_b, true);
   EXPECT_TRUE(test::all_close(test::to_double(dq), whole.dq, 1e-13, 1e-11, "block dq"));
 }
@@ -236,14 +242,10 @@ TEST(MhaScoreMods, AlibiSlopesFollowThePaper) {
   EXPECT_THROW(alibi_slopes(0), Error);
 }
 
-template <typename Fn>
-void expect_error(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
+// One clear Error naming the rule.
+void expect_error(const std::function<void()>& fn, const std::string& needle) {
+  const std::string m = test::error_of(fn);
+  EXPECT_TRUE(test::contains(m, needle)) << m;
 }
 
 TEST(MhaScoreMods, RejectsBadParameters) {

@@ -61,12 +61,8 @@ MhaResult reference_result(const MhaShape& s, const MhaProblem& p) {
   Tensor dsinks;
   if (!s.mods.sinks.empty()) dsinks = Tensor::empty({s.hq}, DType::kFloat64, MemCategory::kWorkspace);
   attn::reference::mha_backward(args, dout.view(), dq.view(), dk.view(), dv.view(), dsinks.view());
-  return {to_double(out),
-          to_double(lse),
-          to_double(dq),
-          to_double(dk),
-          to_double(dv),
-          s.mods.sinks.empty() ? std::vector<double>{} : to_double(dsinks)};
+  return {to_double(out), to_double(lse), to_double(dq),
+          to_double(dk),  to_double(dv),  s.mods.sinks.empty() ? std::vector<double>{} : to_double(dsinks)};
 }
 
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions) {
