@@ -90,7 +90,7 @@ struct MhaForwardArgs {
   std::span<const std::int64_t> k_pos;  // [Sk] global positions (empty: 0..Sk-1)
   MaskSpec mask;
   float scale = 0.0f;  // <= 0: 1 / sqrt(D)
-  ScoreMods mods;      // soft-capping, ALiBi, sinks (off by default)
+  ScoreMods mods{};    // soft-capping, ALiBi, sinks (off by default)
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions

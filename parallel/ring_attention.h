@@ -60,7 +60,7 @@ struct RingAttentionConfig {
   // p2p applies it after the last block is merged (attn::mha_apply_sinks), all-gather in its one kernel call; the
   // backward uses the final lse with the sink, and dsinks (AttentionGrads) is summed over the local rows and
   // all-reduced over the ring group (and gathered over the Ulysses group by USP).
-  attn::ScoreMods score_mods;
+  attn::ScoreMods score_mods{};
 };
 
 struct AttentionOutput {
