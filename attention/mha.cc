@@ -42,6 +42,35 @@ void check_rows(const TensorView& t, const Shape& shape, DType storage, const ch
                " inputs");
 }
 
+// Element i of an fp32 or fp64 tensor, as double / set from a double.
+double load(const TensorView& t, std::int64_t i) {
+  return t.dtype() == DType::kFloat64 ? static_cast<const double*>(t.data())[i]
+                                      : static_cast<double>(static_cast<const float*>(t.data())[i]);
+}
+void store(const TensorView& t, std::int64_t i, double value) {
+  if (t.dtype() == DType::kFloat64) {
+    static_cast<double*>(t.data())[i] = value;
+  } else {
+    static_cast<float*>(t.data())[i] = static_cast<float>(value);
+  }
+}
+
+// A per-head vector of ScoreMods (alibi_slopes, sinks): empty, or [heads] fp32 / fp64 finite host; as doubles.
+std::vector<double> check_head_vector(const TensorView& t, std::int64_t heads, const char* what) {
+  if (t.empty()) return {};
+  detail::check_host(t, what, kFamily);
+  SEQPAR_CHECK(t.ndim() == 1 && t.dim(0) == heads, what, " must be [Hq] = [", heads, "] (one per query head), got ",
+               t.str());
+  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
+               ", expected fp32 or fp64");
+  std::vector<double> values(static_cast<std::size_t>(heads));
+  for (std::int64_t h = 0; h < heads; ++h) {
+    values[h] = load(t, h);
+    SEQPAR_CHECK(std::isfinite(values[h]), what, "[", h, "] = ", values[h], " must be finite");
+  }
+  return values;
+}
+
 // Validates q, k, v, positions and mask; returns the filled kernel parameters (ranges not yet set).
 cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   SEQPAR_CHECK(a.q.ndim() == 4, "q must be [B, Sq, Hq, D], got ", a.q.str());
@@ -62,8 +91,26 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   check_positions(a.q_pos, Sq, "q_pos", "Sq");
   check_positions(a.k_pos, Sk, "k_pos", "Sk");
   check_mask(a.mask);
+  SEQPAR_CHECK(std::isfinite(a.mods.softcap) && a.mods.softcap >= 0.0f, "softcap ", a.mods.softcap,
+               " must be finite and > 0 (0: no soft-capping)");
   const double scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
-  return cpu::MhaParams{a.q.data(), a.k.data(), a.v.data(), a.q.dtype(), B, Sq, Sk, Hq, Hkv, D, scale};
+  return cpu::MhaParams{a.q.data(),
+                        a.k.data(),
+                        a.v.data(),
+                        a.q.dtype(),
+                        B,
+                        Sq,
+                        Sk,
+                        Hq,
+                        Hkv,
+                        D,
+                        scale,
+                        nullptr,
+                        a.mods.softcap,
+                        check_head_vector(a.mods.alibi_slopes, Hq, "alibi_slopes"),
+                        check_head_vector(a.mods.sinks, Hq, "sinks"),
+                        a.q_pos,
+                        a.k_pos};
 }
 
 cpu::MhaParams validate_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse) {
@@ -105,35 +152,26 @@ void validate_delta(const TensorView& out, const TensorView& dout, const TensorV
   check_rows(delta, {out.dim(0), out.dim(2), out.dim(1)}, wide ? DType::kFloat64 : DType::kFloat32, "delta");
 }
 
+// A host fp32 / fp64 tensor of the given shape (lse_merge, sinks).
+void check_wide(const TensorView& t, const Shape& shape, const char* what) {
+  detail::check_host(t, what, kFamily);
+  check_shape(t, shape, what);
+  SEQPAR_CHECK(t.dtype() == DType::kFloat32 || t.dtype() == DType::kFloat64, what, " has dtype ", dtype_name(t.dtype()),
+               ", expected fp32 or fp64");
+}
+
 void validate_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b) {
   SEQPAR_CHECK(out.ndim() == 4, "lse_merge: out must be [B, S, H, D], got ", out.str());
   const Shape rows{out.dim(0), out.dim(2), out.dim(1)};
   for (auto [t, shape, what] : {std::tuple{&out, &out.shape(), "lse_merge out"},
                                 {&out_b, &out.shape(), "lse_merge out_b"},
                                 {&lse, &rows, "lse_merge lse"},
-                                {&lse_b, &rows, "lse_merge lse_b"}}) {
-    detail::check_host(*t, what, kFamily);
-    check_shape(*t, *shape, what);
-    SEQPAR_CHECK(t->dtype() == DType::kFloat32 || t->dtype() == DType::kFloat64, what, " has dtype ",
-                 dtype_name(t->dtype()), ", expected fp32 or fp64");
-  }
+                                {&lse_b, &rows, "lse_merge lse_b"}})
+    check_wide(*t, *shape, what);
 }
 
 void zero_fill(const TensorView& t) {
   if (t.numel() > 0) std::memset(t.data(), 0, t.nbytes());
-}
-
-// Element i of an fp32 or fp64 tensor, as double / set from a double.
-double load(const TensorView& t, std::int64_t i) {
-  return t.dtype() == DType::kFloat64 ? static_cast<const double*>(t.data())[i]
-                                      : static_cast<double>(static_cast<const float*>(t.data())[i]);
-}
-void store(const TensorView& t, std::int64_t i, double value) {
-  if (t.dtype() == DType::kFloat64) {
-    static_cast<double*>(t.data())[i] = value;
-  } else {
-    static_cast<float*>(t.data())[i] = static_cast<float>(value);
-  }
 }
 
 }  // namespace
@@ -162,6 +200,26 @@ void check_lse_merge(const TensorView& out, const TensorView& lse, const TensorV
                      Stream stream) {
   detail::check_stream(stream, "lse_merge", kFamily);
   validate_merge(out, lse, out_b, lse_b);
+}
+
+void check_mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks, Stream stream) {
+  detail::check_stream(stream, "mha_apply_sinks", kFamily);
+  SEQPAR_CHECK(out.ndim() == 4, "mha_apply_sinks: out must be [B, S, H, D], got ", out.str());
+  check_wide(out, out.shape(), "mha_apply_sinks out");
+  check_wide(lse, {out.dim(0), out.dim(2), out.dim(1)}, "mha_apply_sinks lse");
+  SEQPAR_CHECK(!sinks.empty(), "mha_apply_sinks: sinks must be [H] = [", out.dim(2), "], got an empty tensor");
+  check_head_vector(sinks, out.dim(2), "sinks");
+}
+
+void check_mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
+                              const TensorView& dsinks, Stream stream) {
+  detail::check_stream(stream, "mha_sinks_backward", kFamily);
+  SEQPAR_CHECK(lse.ndim() == 3, "mha_sinks_backward: lse must be [B, H, S], got ", lse.str());
+  check_wide(lse, lse.shape(), "mha_sinks_backward lse");
+  check_wide(delta, lse.shape(), "mha_sinks_backward delta");
+  check_wide(dsinks, {lse.dim(1)}, "mha_sinks_backward dsinks");
+  SEQPAR_CHECK(!sinks.empty(), "mha_sinks_backward: sinks must be [H] = [", lse.dim(1), "], got an empty tensor");
+  check_head_vector(sinks, lse.dim(1), "sinks");
 }
 
 // ---- the kernels ---------------------------------------------------------------------------------------------------
@@ -282,6 +340,52 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
     }
     store(lse, li, l_new);
   }
+}
+
+void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks, Stream stream) {
+  check_mha_apply_sinks(out, lse, sinks, stream);
+  const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
+  for (std::int64_t t = 0; t < B * S * H; ++t) {
+    const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
+    const std::int64_t li = (b * H + h) * S + i;
+    double l = load(lse, li);
+    const double factor = cpu::add_sink(l, load(sinks, h));
+    for (std::int64_t d = 0; d < D; ++d) store(out, t * D + d, factor * load(out, t * D + d));
+    store(lse, li, l);
+  }
+}
+
+void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
+                        const TensorView& dsinks, Stream stream) {
+  check_mha_sinks_backward(delta, lse, sinks, dsinks, stream);
+  const std::int64_t B = lse.dim(0), H = lse.dim(1), S = lse.dim(2);
+  for (std::int64_t h = 0; h < H; ++h) {
+    const double sink = load(sinks, h);
+    double sum = 0.0;
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t i = 0; i < S; ++i) {
+        const std::int64_t li = (b * H + h) * S + i;
+        const double l = load(lse, li);
+        if (l != -std::numeric_limits<double>::infinity()) sum += std::exp(sink - l) * load(delta, li);
+      }
+    }
+    store(dsinks, h, -sum);
+  }
+}
+
+std::vector<float> alibi_slopes(std::int64_t num_heads) {
+  SEQPAR_CHECK(num_heads >= 1, "alibi_slopes: num_heads ", num_heads, " must be >= 1");
+  // 2^(-8 (h + 1) / n) for h < count, taking every `step`-th of the n slopes
+  auto geometric = [](std::int64_t n, std::int64_t count, std::int64_t step, std::vector<float>& out) {
+    for (std::int64_t h = 0; h < count; ++h)
+      out.push_back(static_cast<float>(std::exp2(-8.0 * static_cast<double>(h * step + 1) / static_cast<double>(n))));
+  };
+  std::int64_t pow2 = 1;
+  while (pow2 * 2 <= num_heads) pow2 *= 2;
+  std::vector<float> slopes;
+  geometric(pow2, pow2, 1, slopes);
+  geometric(2 * pow2, num_heads - pow2, 2, slopes);
+  return slopes;
 }
 
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,

@@ -17,6 +17,18 @@
 // tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
 // A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
 //
+// Score modifiers (ScoreMods, all off by default), applied to every visible score before the softmax:
+//   soft-capping (Gemma Team 2024, "Gemma 2", logit soft-capping): a_ij = cap * tanh(scale q_i . k_j / cap);
+//     backward: ds_pre = ds * (1 - tanh^2) before the usual scale;
+//   ALiBi (Press et al. 2022, "Train Short, Test Long"): a_ij += -slope_h * |q_pos[i] - k_pos[j]| on the global
+//     positions (causal: q_pos - k_pos); slopes per query head, e.g. alibi_slopes(Hq) (the paper's geometric rule);
+//   attention sinks (gpt-oss, OpenAI 2025; Xiao et al. 2023, "StreamingLLM"): a learned logit sink_h joins every
+//     row's softmax denominator without a value: lse_total = logaddexp(lse, sink_h), out = exp(lse - lse_total) out.
+//     The backward takes lse_total and the final out (delta = dO . O): dq, dk, dv need nothing else (the sink is a
+//     key with a zero value), and dsinks_h = -sum_rows exp(sink_h - lse_total) delta (mha_sinks_backward).
+//   A sink is applied once per row: a ring that merges key blocks leaves sinks out of the blocks and calls
+//   mha_apply_sinks once on the merged result.
+//
 // Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq].
 // All contiguous, row-major, host memory (the CUDA path lands with its own issue).
 // Storage dtypes fp32, bf16, fp16, fp64; q, k, v share one dtype. The accumulator dtype (accumulator_dtype()) is
@@ -46,6 +58,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "runtime/device.h"
 #include "runtime/tensor.h"
@@ -57,6 +70,18 @@ struct MaskSpec {
   std::int64_t window = 0;  // > 0: sliding window (requires causal); 0: none
 };
 
+// Score modifiers of one call (see the header comment). Heads are those of the call's q (under Ulysses, a slice).
+struct ScoreMods {
+  float softcap = 0.0f;     // > 0: a <- softcap * tanh(a / softcap); 0: off (< 0 or non-finite: error)
+  TensorView alibi_slopes;  // empty, or [Hq] fp32 / fp64 finite host: bias -slope_h |q_pos - k_pos|
+  TensorView sinks;         // empty, or [Hq] fp32 / fp64 finite host: learned sink logit per query head
+};
+
+// ALiBi slopes of Press et al. 2022 (reference code, get_slopes): for H a power of two, slope_h = 2^(-8 (h+1) / H);
+// otherwise the slopes of the largest power of two n < H followed by every other slope of 2n, H in all.
+// Errors: num_heads < 1.
+std::vector<float> alibi_slopes(std::int64_t num_heads);
+
 struct MhaForwardArgs {
   TensorView q;                         // [B, Sq, Hq, D]
   TensorView k;                         // [B, Sk, Hkv, D]
@@ -65,6 +90,7 @@ struct MhaForwardArgs {
   std::span<const std::int64_t> k_pos;  // [Sk] global positions (empty: 0..Sk-1)
   MaskSpec mask;
   float scale = 0.0f;  // <= 0: 1 / sqrt(D)
+  ScoreMods mods{};    // soft-capping, ALiBi, sinks (off by default)
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
@@ -73,15 +99,17 @@ struct MhaForwardArgs {
 // accumulator dtype or fp64, natural log, -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf.
 // Both outputs are overwritten.
 // Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
-// positions, window < 0 or a window without causal, a non-CPU tensor or stream.
+// positions, window < 0 or a window without causal, a non-CPU tensor or stream; mods: softcap < 0 or non-finite,
+// slopes / sinks not [Hq] fp32 / fp64 or not finite. With mods.sinks, lse is lse_total and out is scaled by
+// exp(lse - lse_total) (a row with no visible key: lse = sink_h, out = 0).
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
                  Stream stream = Stream::cpu());
 
 struct MhaBackwardArgs {
-  MhaForwardArgs fwd;  // q, k, v, positions, mask, scale as in the forward
+  MhaForwardArgs fwd;  // q, k, v, positions, mask, scale, mods as in the forward (sinks are not read: see lse)
   TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
-  TensorView lse;      // [B, Hq, Sq] the final lse, accumulator dtype or fp64
+  TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64
   TensorView delta;    // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
 };
 
@@ -118,6 +146,19 @@ void mha_backward_delta(const TensorView& out, const TensorView& dout, const Ten
 void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                Stream stream = Stream::cpu());
 
+// Sinks on a finished (merged) result, in place: lse_total = logaddexp(lse, sinks[h]), out *= exp(lse - lse_total),
+// lse = lse_total, in fp64. out [B, S, H, D] fp32 / fp64; lse [B, H, S] fp32 / fp64; sinks [H] fp32 / fp64 finite.
+// Call it once per row (after every key block is merged). Errors: shapes, dtypes, non-finite sinks, non-CPU.
+void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks,
+                     Stream stream = Stream::cpu());
+
+// Gradient of the sinks over the rows given: dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) delta[b, h, i],
+// summed in fp64 in (b, i) order. delta [B, H, S] = rowsum(dO * O) of the final out (mha_backward_delta); lse
+// [B, H, S] the final lse_total; fp32 / fp64 each. dsinks [H] fp32 / fp64, overwritten. Rows with lse = -inf add 0.
+// Under context parallelism each rank sums its rows and the caller all-reduces. Errors: shapes, dtypes, non-CPU.
+void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
+                        const TensorView& dsinks, Stream stream = Stream::cpu());
+
 // Number of (query, key) pairs visible under `mask` between the position sets: the work a forward call does,
 // used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs). Unlike the kernels, the positions are
 // taken as given: an empty span means no queries (keys). Errors: decreasing positions, an invalid mask.
@@ -136,5 +177,9 @@ void check_mha_backward_delta(const TensorView& out, const TensorView& dout, con
                               Stream stream = Stream::cpu());
 void check_lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                      Stream stream = Stream::cpu());
+void check_mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks,
+                           Stream stream = Stream::cpu());
+void check_mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
+                              const TensorView& dsinks, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

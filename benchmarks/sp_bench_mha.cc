@@ -20,7 +20,42 @@ namespace seqpar::bench {
 namespace {
 
 // Random-stream ids of the inputs (fixed: --inputs files and random inputs use the same names).
-enum : std::uint64_t { kIdQ = 1, kIdK = 2, kIdV = 3, kIdDout = 4 };
+enum : std::uint64_t { kIdQ = 1, kIdK = 2, kIdV = 3, kIdDout = 4, kIdSinks = 5 };
+
+// The score modifiers of the options: --softcap, --alibi (attn::alibi_slopes(heads)), --sinks (random logits in
+// [-1, 3) per query head from the seed, fp64 for --dtype fp64 so that dsinks keeps fp64 precision, else fp32). The
+// tensors own the values the returned ScoreMods views.
+attn::ScoreMods score_mods(const SpBenchOptions& o, Tensor& slopes, Tensor& sinks) {
+  attn::ScoreMods m;
+  m.softcap = static_cast<float>(o.softcap);
+  if (o.alibi) {
+    const std::vector<float> s = attn::alibi_slopes(o.heads);
+    slopes = Tensor::empty({o.heads}, DType::kFloat32, MemCategory::kWorkspace);
+    std::copy(s.begin(), s.end(), slopes.view().data_as<float>());
+    m.alibi_slopes = slopes.view();
+  }
+  if (o.sinks) {
+    sinks = Tensor::empty({o.heads}, o.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32,
+                          MemCategory::kWorkspace);
+    for (std::int64_t h = 0; h < o.heads; ++h) {
+      const float x = static_cast<float>(1.0 + 2.0 * random_uniform(o.seed, kIdSinks, static_cast<std::uint64_t>(h)));
+      if (sinks.dtype() == DType::kFloat64) {
+        sinks.view().data_as<double>()[h] = x;
+      } else {
+        sinks.view().data_as<float>()[h] = x;
+      }
+    }
+    m.sinks = sinks.view();
+  }
+  return m;
+}
+
+// A copy of a [H] tensor (dsinks) as an output array.
+npy::HostArray host_copy(const TensorView& t) {
+  npy::HostArray a(t.dtype(), t.shape());
+  std::copy_n(static_cast<const char*>(t.data()), t.nbytes(), static_cast<char*>(a.view().data()));
+  return a;
+}
 
 std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o);
 
@@ -35,12 +70,17 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     cfg_.impl = o.impl;
     cfg_.causal = o.causal;
     cfg_.window = o.window;
+    cfg_.score_mods = score_mods(o, slopes_, sinks_);
     usp_ = std::make_unique<UspAttention>(groups_, layout_, cfg_);
     if (o.rope) rope_ = {{"q", o.rope_cfg}, {"k", o.rope_cfg}};
   }
 
   std::vector<TensorSpec> input_specs() const override { return mha_input_specs(o_); }
-  std::vector<std::string> output_names() const override { return {"out", "lse", "dq", "dk", "dv"}; }
+  std::vector<std::string> output_names() const override {
+    std::vector<std::string> names = {"out", "lse", "dq", "dk", "dv"};
+    if (o_.sinks) names.push_back("dsinks");
+    return names;
+  }
 
   double forward_flops() const override {
     double pairs = static_cast<double>(o_.seq) * static_cast<double>(o_.seq);
@@ -55,8 +95,10 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   double backward_flops() const override { return 2.5 * forward_flops(); }
 
   Tolerance tolerance(const std::string& name) const override {
-    // fp64 storage computes, merges and returns lse in fp64 (attention/mha.h).
+    // fp64 storage computes, merges and returns lse in fp64 (attention/mha.h); dsinks is fp64 then too.
     if (o_.dtype == DType::kFloat64) return kFp64Tolerance;
+    // dsinks: a sum over all B S rows of fp32 terms, in fp64, in another order: the fp32 rule of one element.
+    if (name == "dsinks") return fp32_accumulator_tolerance(DType::kFloat32, name);
     // lse is fp32 for the other storage dtypes and differs only by the merge order of the blocks.
     if (name == "lse") return {1e-5, 1e-5};
     // The accumulators are fp32 (docs/design.md section 3).
@@ -77,6 +119,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     r.emplace_back("dq", gather(grads_.dq, q_shape(o_.seq), 1));
     r.emplace_back("dk", gather(grads_.dk, kv_shape(o_.seq), 1));
     r.emplace_back("dv", gather(grads_.dv, kv_shape(o_.seq), 1));
+    if (o_.sinks) r.emplace_back("dsinks", host_copy(grads_.dsinks.view()));  // already the sum on every rank
     return r;
   }
 
@@ -104,6 +147,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     ref_dq_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     ref_dk_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));
     ref_dv_ = npy::HostArray(o_.dtype, kv_shape(o_.seq));
+    if (o_.sinks) ref_dsinks_ = npy::HostArray(sinks_.dtype(), sinks_.shape());
   }
   void reference_forward() override { attn::mha_forward(ref_args(), ref_out_.view(), ref_lse_.view()); }
   void reference_backward() override {
@@ -117,6 +161,11 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
       rope_host(o_.rope_cfg, ref_dq_, /*backward=*/true);
       rope_host(o_.rope_cfg, ref_dk_, /*backward=*/true);
     }
+    if (o_.sinks) {
+      npy::HostArray delta(ref_lse_.dtype, lse_shape());
+      attn::mha_backward_delta(ref_out_.view(), ref_dout_.view(), delta.view());
+      attn::mha_sinks_backward(delta.view(), ref_lse_.view(), sinks_.view(), ref_dsinks_.view());
+    }
   }
   NamedArrays reference_outputs() override {
     NamedArrays r;
@@ -125,6 +174,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     r.emplace_back("dq", ref_dq_);
     r.emplace_back("dk", ref_dk_);
     r.emplace_back("dv", ref_dv_);
+    if (o_.sinks) r.emplace_back("dsinks", ref_dsinks_);
     return r;
   }
 
@@ -144,14 +194,16 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
                                  {"dq", f64, q_shape(o_.seq)},
                                  {"dk", f64, kv_shape(o_.seq)},
                                  {"dv", f64, kv_shape(o_.seq)}});
+    if (o_.sinks) r.emplace_back("dsinks", npy::HostArray(f64, {o_.heads}));
     attn::MhaForwardArgs a;
     a.q = find_array(in, "q").view();
     a.k = find_array(in, "k").view();
     a.v = find_array(in, "v").view();
     a.mask = {o_.causal, o_.window};
+    a.mods = cfg_.score_mods;
     const std::vector<TensorView> v = views_of(r);
     attn::reference::mha_forward(a, v[0], v[1]);
-    attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4]);
+    attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4], o_.sinks ? v[5] : TensorView{});
     rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true);
     return r;
   }
@@ -187,6 +239,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.k = ref_rk_.view();
     a.v = ref_v_.view();
     a.mask = {o_.causal, o_.window};
+    a.mods = cfg_.score_mods;
     return a;
   }
 
@@ -211,12 +264,13 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   SequenceLayout layout_;
   std::vector<std::int64_t> positions_;
   RingAttentionConfig cfg_;
+  Tensor slopes_, sinks_;  // what cfg_.score_mods views (--alibi, --sinks)
   std::unique_ptr<UspAttention> usp_;
   enum Input { kQ, kK, kV, kDout };
   std::vector<Tensor> in_;        // this rank's q, k, v, dout
   std::vector<RopeTarget> rope_;  // q and k with --rope; empty without
   std::vector<Tensor> rotated_;   // the rotated q, k of the last forward
-  npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_;
+  npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_, ref_dsinks_;
   npy::HostArray ref_rq_, ref_rk_;  // the reference's q, k after RoPE (copies of ref_q_, ref_k_ without it)
 };
 
@@ -289,6 +343,12 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   attn::RopeConfig qwen_rope;
   qwen_rope.rotary_dim = 64;
   qwen_rope.theta = 1e7;
+  // gpt-oss-20b (config.json): rope_theta 150000, rope_scaling yarn (factor 32, original 4096, beta_fast 32,
+  // beta_slow 1); learned sinks per head.
+  attn::RopeConfig gpt_oss_rope;
+  gpt_oss_rope.theta = 150000;
+  gpt_oss_rope.scaling = attn::RopeScaling::kYarn;
+  gpt_oss_rope.yarn.factor = 32;
   k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0,
                 "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal, RoPE theta 500000 with llama3 scaling "
                 "(factor 8)",
@@ -296,8 +356,15 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                {"qwen3-next-attn", 16, 2, 256, 0, 0, 0, 0, 0,
                 "MHA/GQA: Qwen3-Next's attention layers, 16 query heads, 2 kv heads, head dim 256, causal, partial "
                 "RoPE (64 columns) theta 1e7",
-                0, qwen_rope}};
-  k.own_flags = {"test-logit-scale", "impl", "window", "kv-heads"};
+                0, qwen_rope},
+               {"gemma2-9b", 16, 8, 256, 0, 0, 0, 0, 0,
+                "MHA/GQA: 16 query heads, 8 kv heads, head dim 256, logit soft-capping 50, causal, RoPE theta 10000",
+                0, attn::RopeConfig{}, 50.0},
+               {"gpt-oss-20b", 64, 8, 64, 0, 0, 0, 0, 0,
+                "MHA/GQA: 64 query heads, 8 kv heads, head dim 64, learned attention sinks, causal, RoPE theta "
+                "150000 with YaRN (factor 32)",
+                0, gpt_oss_rope, 0.0, true}};
+  k.own_flags = {"test-logit-scale", "impl", "window", "kv-heads", "softcap", "alibi", "sinks"};
   for (const std::string& f : rope_flags()) k.own_flags.push_back(f);
   k.add_json = add_rope_json;
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
@@ -314,6 +381,8 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
     SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ", pu);
     SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
                  " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
+    SEQPAR_CHECK(std::isfinite(o.softcap) && o.softcap >= 0, "--softcap ", o.softcap,
+                 " must be finite and > 0 (0: no soft-capping)");
     SEQPAR_CHECK(std::isfinite(o.test_logit_scale) && o.test_logit_scale > 0, "--test-logit-scale ", o.test_logit_scale,
                  " must be a finite number > 0");
     SEQPAR_CHECK(o.test_logit_scale == 1 || o.inputs_dir.empty(),
@@ -325,6 +394,9 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                             " causal=", o.causal ? "yes" : "no");
     if (o.window > 0) s += str_cat(" window=", o.window);
     if (o.rope) s += " " + describe_rope(o, o.rope_cfg);
+    if (o.softcap > 0) s += str_cat(" softcap=", o.softcap);
+    if (o.alibi) s += " alibi";
+    if (o.sinks) s += " sinks";
     return s;
   };
   return k;

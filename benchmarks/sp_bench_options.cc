@@ -158,6 +158,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("causal", "causal mask (presets turn it on; --causal=false turns it off)",
      cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
     ("window", "sliding window in tokens (0: none; needs --causal)", cxxopts::value<std::int64_t>()->default_value("0"))
+    ("softcap", "MHA: logit soft-capping, scores -> X tanh(scores / X) (Gemma 2; 0: none)",
+     cxxopts::value<double>()->default_value("0"))
+    ("alibi", "MHA: ALiBi position biases on global positions (slopes of Press et al. 2022)")
+    ("sinks", "MHA: learned attention sinks, one random logit per query head (gpt-oss); output dsinks")
     ("topk", "DSA: selected keys per query", cxxopts::value<std::int64_t>()->default_value("2048"))
     ("dim-v", "value width (0: --head-dim); DSA: Dv, the first Dv columns of the latent; GDN: V",
      cxxopts::value<std::int64_t>()->default_value("0"))
@@ -254,6 +258,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     if (preset->indexer_dim > 0) o.indexer_dim = preset->indexer_dim;
     if (preset->conv_width > 0) o.conv_width = preset->conv_width;
     preset_rope = preset->rope;
+    if (preset->softcap > 0) o.softcap = preset->softcap;
+    o.sinks = preset->sinks;
     o.causal = true;
   }
   // Without a preset every flag (or its default) applies; with one, only the flags given explicitly.
@@ -269,6 +275,9 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (given("indexer-dim")) o.indexer_dim = get_checked<std::int64_t>(r, "indexer-dim");
   if (given("conv-width")) o.conv_width = get_checked<std::int64_t>(r, "conv-width");
   parse_rope(r, preset_rope, o);
+  if (given("softcap")) o.softcap = get_checked<double>(r, "softcap");
+  if (given("sinks")) o.sinks = r.count("sinks") > 0;
+  o.alibi = r.count("alibi") > 0;
 
   o.batch = get_checked<std::int64_t>(r, "batch");
   o.seq = parse_size(get_checked<std::string>(r, "seq"), "seq");

@@ -36,6 +36,9 @@ struct SpBenchOptions {
   std::int64_t head_dim = 64;
   bool causal = false;
   std::int64_t window = 0;
+  double softcap = 0;               // MHA: logit soft-capping cap (0: none)
+  bool alibi = false;               // MHA: ALiBi biases with the slopes of attn::alibi_slopes(heads)
+  bool sinks = false;               // MHA: random learned attention sinks per query head (output dsinks)
   std::int64_t topk = 2048;         // DSA
   std::int64_t dim_v = 0;           // value width: DSA Dv (first Dv latent columns), GDN V; 0: --head-dim
   std::int64_t indexer_heads = 64;  // DSA indexer heads Hi

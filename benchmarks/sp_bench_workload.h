@@ -171,6 +171,8 @@ struct ModelPreset {
   std::int64_t conv_width = 0;  // GDN short conv width (0: none)
   // The model's RoPE (sp_bench_rope.h); none: --rope's default (none).
   std::optional<attn::RopeConfig> rope;
+  double softcap = 0;           // MHA logit soft-capping (0: none)
+  bool sinks = false;           // MHA attention sinks
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.

@@ -73,6 +73,7 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
   local.q_pos = local.k_pos = positions_[rank_];
   local.mask = {config_.causal, config_.window};
   local.scale = config_.scale;
+  local.mods = config_.score_mods;
   attn::check_mha_forward_args(local);
   return device;
 }
@@ -89,6 +90,8 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   a.k_pos = positions_[src];
   a.mask = {config_.causal, config_.window};
   a.scale = config_.scale;
+  a.mods = config_.score_mods;
+  a.mods.sinks = {};
   return a;
 }
 
@@ -99,7 +102,10 @@ Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionCo
   fp.add_text("impl", ring_impl_name(config.impl))
       .add_flag("causal", config.causal)
       .add_int("window", config.window)
-      .add_real("scale", config.scale);
+      .add_real("scale", config.scale)
+      .add_real("softcap", config.score_mods.softcap)
+      .add_tensor("alibi_slopes", config.score_mods.alibi_slopes)
+      .add_tensor("sinks", config.score_mods.sinks);
   add_layout_fields(fp, layout);
   fp.add_tensors({{"q", q}, {"k", k}, {"v", v}});
   return fp;
@@ -115,6 +121,14 @@ void RingAttention::agree_backward(const CpContext& ctx, const TensorView& dout)
   Fingerprint fp("ring attention backward");
   fp.add_tensor("saved q", s->q.view()).add_tensor("saved k", s->k.view()).add_tensor("dout", dout);
   backward_agreement_.run(groups_.ring, fp, groups_.stream);
+}
+
+void RingAttention::sinks_grad(const Saved& s, const TensorView& delta, const TensorView& dsinks) {
+  const TensorView& sinks = config_.score_mods.sinks;
+  if (sinks.empty()) return;
+  attn::mha_sinks_backward(delta, s.lse.view(), sinks, dsinks, groups_.stream);
+  WorkHandle w = groups_.ring.all_reduce(dsinks, ReduceOp::kSum);
+  timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
 }
 
 AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
@@ -135,7 +149,9 @@ AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) 
   g.dq = alloc.empty(s->q.shape(), s->q.dtype(), MemCategory::kWorkspace);
   g.dk = alloc.empty(s->k.shape(), s->k.dtype(), MemCategory::kWorkspace);
   g.dv = alloc.empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);
-  run_backward(std::move(ctx), dout, g.dq, g.dk, g.dv);
+  const TensorView& sinks = config_.score_mods.sinks;
+  if (!sinks.empty()) g.dsinks = alloc.empty(sinks.shape(), sinks.dtype(), MemCategory::kWorkspace);
+  run_backward(std::move(ctx), dout, g.dq, g.dk, g.dv, g.dsinks);
   return g;
 }
 
@@ -146,9 +162,9 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
 }
 
 void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                  const TensorView& dv) {
+                                  const TensorView& dv, const TensorView& dsinks) {
   agree_backward(ctx, dout);
-  run_backward(std::move(ctx), dout, dq, dk, dv);
+  run_backward(std::move(ctx), dout, dq, dk, dv, dsinks);
 }
 
 CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -180,7 +196,7 @@ CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, c
 }
 
 void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                 const TensorView& dv) {
+                                 const TensorView& dv, const TensorView& dsinks) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "ring attention");
   const Saved& s = *saved;
   common_device({s.q.view(), dout, dq, dk, dv}, "ring attention backward (saved tensors, dout, dq, dk, dv)");
@@ -190,14 +206,18 @@ void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const 
   check_grad_input(dq, s.q.shape(), "ring attention dq");
   check_grad_input(dk, s.k.shape(), "ring attention dk");
   check_grad_input(dv, s.v.shape(), "ring attention dv");
+  if (!config_.score_mods.sinks.empty()) attn::check_mha_sinks_backward(s.lse, s.lse, config_.score_mods.sinks, dsinks);
   ctx.consume<Saved>(id_, "ring attention");
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);
+  Tensor delta = alloc_for(s).empty(s.lse.shape(), delta_dtype(s.q.dtype(), dout.dtype()), MemCategory::kWorkspace);
+  attn::mha_backward_delta(s.out.view(), dout, delta.view(), groups_.stream);
   if (config_.impl == RingImpl::kP2P) {
-    backward_p2p(s, dout, dq, dk, dv);
+    backward_p2p(s, dout, delta, dq, dk, dv);
   } else {
-    backward_allgather(s, dout, dq, dk, dv);
+    backward_allgather(s, dout, delta, dq, dk, dv);
   }
+  sinks_grad(s, delta.view(), dsinks);
   SEQPAR_LOG(kDebug) << "ring attention backward (" << ring_impl_name(config_.impl) << ", ring " << rank_ << "/"
                      << size_ << "): sent " << meter.bytes_sent_so_far() << " bytes";
 }
@@ -236,12 +256,15 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
         counters_.flops += flops_per_pair * static_cast<double>(pairs);
       },
       &counters_.exposed_comm_s, stream);
+  // every block merged: the sink joins each row once
+  if (!config_.score_mods.sinks.empty())
+    attn::mha_apply_sinks(acc_out.view(), acc_lse.view(), config_.score_mods.sinks, stream);
   alloc.copy_convert(acc_out.view(), out);
   alloc.copy_convert(acc_lse.view(), lse);
 }
 
-void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                 const TensorView& dv) {
+void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
+                                 const TensorView& dk, const TensorView& dv) {
   const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
@@ -251,8 +274,6 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   const Stream stream = groups_.stream;
 
   const DType acc_dtype = accumulator_dtype(q.dtype());
-  Tensor delta = alloc.empty(s.lse.shape(), delta_dtype(q.dtype(), dout.dtype()), MemCategory::kWorkspace);
-  attn::mha_backward_delta(s.out.view(), dout, delta.view(), stream);
   Tensor dq_acc = alloc.zeros(q.shape(), acc_dtype, MemCategory::kWorkspace);
   Tensor kv = alloc.empty(pshape, q.dtype(), MemCategory::kCommBuffer);
   alloc.copy_convert(s.k.view(), part(kv.view(), 0, kv_shape));
@@ -263,7 +284,7 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   args.out = s.out.view();
   args.dout = dout;
   args.lse = s.lse.view();
-  args.delta = delta.view();
+  args.delta = delta;
   ring_circulate_with_grad(
       groups_.ring, kv.view(), pshape, dkv.view(), kTagKv,
       [&](int src, const TensorView& block, const TensorView& grad) {
@@ -301,6 +322,7 @@ attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_f
   }
   attn::MhaForwardArgs a = block_args(s, k_full.view(), v_full.view(), rank_);
   a.k_pos = global_order_;
+  a.mods.sinks = config_.score_mods.sinks;  // one call over every key: the sink joins it
   return a;
 }
 
@@ -316,8 +338,8 @@ void RingAttention::forward_allgather(const Saved& s, const TensorView& out, con
                      static_cast<double>(attn::visible_pairs(args.q_pos, args.k_pos, args.mask));
 }
 
-void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, const TensorView& dq,
-                                       const TensorView& dk, const TensorView& dv) {
+void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, const TensorView& delta,
+                                       const TensorView& dq, const TensorView& dk, const TensorView& dv) {
   const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
@@ -328,6 +350,7 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   args.out = s.out.view();
   args.dout = dout;
   args.lse = s.lse.view();
+  args.delta = delta;
   const DType acc_dtype = accumulator_dtype(q.dtype());
   Tensor dk_full = alloc.zeros(full_shape, acc_dtype, MemCategory::kWorkspace);
   Tensor dv_full = alloc.zeros(full_shape, acc_dtype, MemCategory::kWorkspace);

@@ -58,6 +58,12 @@ struct RingAttentionConfig {
   bool causal = true;
   std::int64_t window = 0;  // > 0: sliding window (needs causal)
   float scale = 0.0f;       // <= 0: 1 / sqrt(D)
+  // Soft-capping, ALiBi slopes and sinks ([Hq] of all query heads; views the caller keeps alive, e.g. the learned
+  // sinks parameter). Under Ulysses / USP each rank uses the entries of its heads. A sink is counted once per row:
+  // p2p applies it after the last block is merged (attn::mha_apply_sinks), all-gather in its one kernel call; the
+  // backward uses the final lse with the sink, and dsinks (AttentionGrads) is summed over the local rows and
+  // all-reduced over the ring group (and gathered over the Ulysses group by USP).
+  attn::ScoreMods score_mods{};
 };
 
 struct AttentionOutput {
@@ -67,9 +73,11 @@ struct AttentionOutput {
 };
 
 struct AttentionGrads {
-  Tensor dq;  // [B, S_local, Hq, D], dtype of q
-  Tensor dk;  // [B, S_local, Hkv, D]
-  Tensor dv;  // [B, S_local, Hkv, D]
+  Tensor dq;      // [B, S_local, Hq, D], dtype of q
+  Tensor dk;      // [B, S_local, Hkv, D]
+  Tensor dv;      // [B, S_local, Hkv, D]
+  Tensor dsinks;  // [Hq] of all query heads, identical on every rank (sum over the whole sequence), dtype of the
+                  // sinks; empty when config.score_mods has no sinks
 };
 
 // The fields of an MHA forward (RingAttention, UspAttention) for the ranks' agreement check (AgreementCheck,
@@ -93,8 +101,9 @@ class RingAttention {
   // check as forward() / backward()).
   CpContext forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                          const TensorView& lse);
+  // dsinks: [Hq of q] (fp32 / fp64) when the configuration has sinks, else empty; all-reduced over the ring group.
   void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                     const TensorView& dv);
+                     const TensorView& dv, const TensorView& dsinks = {});
 
   const SequenceLayout& layout() const { return layout_; }
   const std::vector<std::int64_t>& positions() const { return positions_[rank_]; }
@@ -113,18 +122,22 @@ class RingAttention {
   CpContext run_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& lse);
   void run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                    const TensorView& dv);
+                    const TensorView& dv, const TensorView& dsinks);
   // Every check of forward's inputs, the MHA kernels' own on the local shapes included; returns their device.
   Device validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
   // Buffers of a call on the device of the saved tensors, ordered on the groups' stream.
   DeviceAlloc alloc_for(const Saved& s) const;
   void forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse);
   void forward_allgather(const Saved& s, const TensorView& out, const TensorView& lse);
-  void backward_p2p(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                    const TensorView& dv);
-  void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                          const TensorView& dv);
+  // delta = rowsum(dout * out) of the local rows.
+  void backward_p2p(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
+                    const TensorView& dk, const TensorView& dv);
+  void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
+                          const TensorView& dk, const TensorView& dv);
+  // Forward arguments of one key block (score modifiers without the sinks: those join once per row).
   attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v, int src) const;
+  // dsinks of the local rows (from the final lse and delta), all-reduced over the ring group.
+  void sinks_grad(const Saved& s, const TensorView& delta, const TensorView& dsinks);
   // (K, V) of every ring rank in global order, [B, S, Hkv, D] each (all-gather into k_full, v_full), and the
   // forward arguments of this rank's queries against them.
   attn::MhaForwardArgs gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full);

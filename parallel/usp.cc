@@ -9,6 +9,19 @@ void check_4d(const TensorView& t, const char* what) {
   SEQPAR_CHECK(t.ndim() == 4, what, " ", t.str(), " must be [B, S, H, D]");
 }
 
+// The inner ring's configuration: the score modifiers' per-head vectors cut to this rank's Ulysses heads
+// [u H / Pu, (u + 1) H / Pu). Vectors of another shape are passed on whole, for forward() to reject.
+RingAttentionConfig ring_config(const CpGroups& groups, const RingAttentionConfig& config) {
+  RingAttentionConfig c = config;
+  const std::int64_t pu = groups.ulysses_size(), u = groups.ulysses.rank();
+  for (TensorView* t : {&c.score_mods.alibi_slopes, &c.score_mods.sinks}) {
+    if (t->empty() || t->ndim() != 1 || t->dim(0) % pu != 0) continue;
+    const std::int64_t n = t->dim(0) / pu;
+    *t = t->slice0(u * n, (u + 1) * n);
+  }
+  return c;
+}
+
 }  // namespace
 
 struct UspAttention::Saved {
@@ -24,7 +37,7 @@ UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout,
       layout_(layout),
       config_(config),
       positions_((check_layout_matches(groups, layout, "USP"), layout.positions(groups.sp_rank()))),
-      ring_attn_(groups, layout, config) {}
+      ring_attn_(groups, layout, ring_config(groups, config)) {}
 
 AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
   forward_agreement_.run(groups_.sp, mha_forward_fingerprint("USP forward", config_, layout_, q, k, v), groups_.stream);
@@ -52,6 +65,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   local.q_pos = local.k_pos = positions_;
   local.mask = {config_.causal, config_.window};
   local.scale = config_.scale;
+  local.mods = config_.score_mods;
   attn::check_mha_forward_args(local);
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
@@ -108,9 +122,17 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   Tensor dq_h = alloc.empty(dout_h.shape(), dtype, MemCategory::kWorkspace);
   Tensor dk_h = alloc.empty({B, pu * sl, heads.hkv_expanded / pu, D}, kv_grad_dtype, MemCategory::kWorkspace);
   Tensor dv_h = alloc.empty(dk_h.shape(), kv_grad_dtype, MemCategory::kWorkspace);
-  ring_attn_.run_backward(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view());
+  const TensorView& sinks = config_.score_mods.sinks;
+  Tensor dsinks_h;  // the sums over the ring group for this rank's heads, then gathered over the Ulysses group
+  if (!sinks.empty()) dsinks_h = alloc.empty({sinks.dim(0) / pu}, sinks.dtype(), MemCategory::kWorkspace);
+  ring_attn_.run_backward(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view(), dsinks_h);
 
   AttentionGrads g;
+  if (!sinks.empty()) {
+    const Tensor all = a2a.gather_heads_dim1(dsinks_h.view().reshape({1, sinks.dim(0) / pu}));
+    g.dsinks = alloc.empty(sinks.shape(), sinks.dtype(), MemCategory::kWorkspace);
+    alloc.copy_convert(all.view().reshape(sinks.shape()), g.dsinks.view());
+  }
   g.dq = alloc.empty(s->q_shape, dtype, MemCategory::kWorkspace);
   g.dk = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
   g.dv = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);

@@ -38,7 +38,9 @@ void backward_typed(const MhaBackwardParams& bp) {
   const DType cdt = std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
   const std::size_t in_size = dtype_size(p.dtype);
   const T scale = static_cast<T>(p.scale);
-  const T c_log2 = static_cast<T>(p.scale * 1.4426950408889634);
+  // with a score transform, S already holds log2(e) times the modified score
+  const bool transform = p.has_score_transform(), softcap = p.softcap > 0.0;
+  const T c_log2 = transform ? T(1) : static_cast<T>(p.scale * 1.4426950408889634);
 
   // Per query tile: the union of the visible key ranges of its rows [lo, hi).
   std::vector<std::int64_t> tile_lo(static_cast<std::size_t>(nqt), Sk), tile_hi(static_cast<std::size_t>(nqt), 0);
@@ -57,7 +59,7 @@ void backward_typed(const MhaBackwardParams& bp) {
   // row-major, K^T and V^T per key tile, the score tiles P and dP, two rows.
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
   const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
-                             BQ * BK, BQ * BK, Dp, Dp},
+                             BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0},
                             "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
   if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
@@ -93,7 +95,8 @@ void backward_typed(const MhaBackwardParams& bp) {
   {
     const std::span<T> q = ws.buffer(0), dout = ws.buffer(1), dq = ws.buffer(2), lse2 = ws.buffer(3),
                        delta = ws.buffer(4), kmat = ws.buffer(5), kt = ws.buffer(6), vt = ws.buffer(7),
-                       s = ws.buffer(8), dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11);
+                       s = ws.buffer(8), dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11),
+                       dtanh = ws.buffer(12);
     std::int64_t packed_kv = -1, loaded_bh = -1;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < B * Hq * nchunks; ++task) {
@@ -159,6 +162,7 @@ void backward_typed(const MhaBackwardParams& bp) {
           const T* do_t = dout.data() + i0 * Dp;
           gemm_tile<T, false>(mr, BK, static_cast<int>(D), q_t, static_cast<int>(Dp), kt_tile, BK, s.data(), BK);
           gemm_tile<T, false>(mr, BK, static_cast<int>(D), do_t, static_cast<int>(Dp), vt_tile, BK, dp.data(), BK);
+          if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), softcap ? dtanh.data() : nullptr);
           if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
           const V vc = S::set1(c_log2);
           for (int r = 0; r < mr; ++r) {
@@ -170,7 +174,8 @@ void backward_typed(const MhaBackwardParams& bp) {
               // fma(s, c, -lse2) would give NaN for s = -inf only if lse2 = -inf, which lse2 never is
               const V pv = S::exp2(S::sub(S::mul(S::load(srow + c), vc), vl));
               S::store(srow + c, pv);
-              S::store(dprow + c, S::mul(pv, S::sub(S::load(dprow + c), vd)));
+              const V ds = S::mul(pv, S::sub(S::load(dprow + c), vd));
+              S::store(dprow + c, softcap ? S::mul(ds, S::load(dtanh.data() + r * BK + c)) : ds);
             }
           }
           // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place)

@@ -7,7 +7,9 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <span>
 #include <vector>
@@ -42,7 +44,51 @@ struct MhaParams {
   std::int64_t batch = 0, sq = 0, sk = 0, hq = 0, hkv = 0, head_dim = 0;
   double scale = 0.0;  // > 0 (the default 1/sqrt(D) is resolved in double by the caller)
   const KeyRanges* ranges = nullptr;
+  // Score modifiers (attention/mha.h ScoreMods), resolved by the caller: softcap 0 = off; alibi / sinks [Hq] or
+  // empty; positions as given (empty: 0, 1, 2, ...), read by ALiBi only.
+  double softcap = 0.0;
+  std::vector<double> alibi, sinks;
+  std::span<const std::int64_t> q_pos, k_pos;
+  bool has_score_transform() const { return softcap > 0.0 || !alibi.empty(); }
 };
+
+// The score-transform step of both kernels, on a tile s [mr, kBlockK] of raw dot products q_i . k_j (rows i0..,
+// keys j0.., head h): s <- log2(e) (cap tanh(scale s / cap) + bias), bias = -slope_h |q_pos - k_pos| (keys past Sk
+// get no bias: they are masked). dtanh (or nullptr) <- 1 - tanh^2 (1 without softcap), the factor of ds.
+// Computed in double, rounded once to T.
+template <typename T>
+void transform_scores(const MhaParams& p, std::int64_t h, std::int64_t i0, int mr, std::int64_t j0, T* s, T* dtanh) {
+  const double slope = p.alibi.empty() ? 0.0 : p.alibi[static_cast<std::size_t>(h)];
+  const std::int64_t nc = std::min<std::int64_t>(kBlockK, p.sk - j0);
+  auto pos = [](std::span<const std::int64_t> ps, std::int64_t i) {
+    return ps.empty() ? i : ps[static_cast<std::size_t>(i)];
+  };
+  for (int r = 0; r < mr; ++r) {
+    const std::int64_t qp = pos(p.q_pos, i0 + r);
+    for (std::int64_t c = 0; c < kBlockK; ++c) {
+      double a = p.scale * static_cast<double>(s[r * kBlockK + c]);
+      double da = 1.0;
+      if (p.softcap > 0.0) {
+        const double t = std::tanh(a / p.softcap);
+        a = p.softcap * t;
+        da = 1.0 - t * t;
+      }
+      if (slope != 0.0 && c < nc) a -= slope * static_cast<double>(std::llabs(qp - pos(p.k_pos, j0 + c)));
+      s[r * kBlockK + c] = static_cast<T>(a * 1.4426950408889634);
+      if (dtanh != nullptr) dtanh[r * kBlockK + c] = static_cast<T>(da);
+    }
+  }
+}
+
+// The sink of one row (mods.sinks): lse <- logaddexp(lse, sink); returns exp(lse_old - lse_new), the factor of the
+// row's out (0 for a row with no visible key, NaN stays NaN).
+inline double add_sink(double& lse, double sink) {
+  const double m = std::max(lse, sink);
+  const double total = m + std::log(std::exp(lse - m) + std::exp(sink - m));
+  const double factor = std::exp(lse - total);
+  lse = total;
+  return factor;
+}
 
 // How a key tile [j0, j1) is seen by rows [i0, i1): skipped, fully visible, or partly visible.
 enum class TileKind { kSkip, kFull, kPartial };

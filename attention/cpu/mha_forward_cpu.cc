@@ -70,7 +70,9 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
   const KeyRanges& kr = *p.ranges;
   const DType cdt = compute_dtype<T>();
   const std::size_t in_size = dtype_size(p.dtype), out_size = dtype_size(out_dtype);
-  const T qscale = static_cast<T>(p.scale * 1.4426950408889634);
+  // with a score transform, Q stays unscaled and transform_scores applies scale and log2 e
+  const bool transform = p.has_score_transform();
+  const T qscale = transform ? T(1) : static_cast<T>(p.scale * 1.4426950408889634);
 
   // K^T per key tile [nkt][D][BK] and V [Skp][Dp], per (b, kv head), zero padded.
   const std::int64_t kt_size = nkt * D * BK, v_size = Skp * Dp;
@@ -141,6 +143,7 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
         if (kind == TileKind::kSkip) continue;
         gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt.data(), static_cast<int>(Dp), ktp_h + kt * D * BK, BK,
                             s.data(), BK);
+        if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), nullptr);
         if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
         for (int r = 0; r < mr; ++r) {
           T* srow = s.data() + r * BK;
@@ -190,6 +193,10 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
         } else {  // NaN: a NaN or inf in q or k reached this row; propagate it, never report "no visible key"
           std::fill(row.begin(), row.end(), std::numeric_limits<T>::quiet_NaN());
           lse_out = std::numeric_limits<double>::quiet_NaN();
+        }
+        if (!p.sinks.empty()) {  // the one place of the sink: it joins the finished row's denominator
+          const T factor = static_cast<T>(add_sink(lse_out, p.sinks[static_cast<std::size_t>(h)]));
+          for (std::int64_t d = 0; d < D; ++d) row[d] *= factor;
         }
         const std::int64_t li = (b * Hq + h) * Sq + i;
         if (lse_dtype == DType::kFloat64) {

@@ -17,6 +17,12 @@ struct Dims {
   double scale;
 };
 
+// Per-head value of a ScoreMods vector (fp32 / fp64 [Hq]), or `none` when the vector is empty.
+double head_value(const TensorView& t, std::int64_t h, double none) {
+  if (t.empty()) return none;
+  return t.dtype() == DType::kFloat64 ? t.data_as<double>()[h] : static_cast<double>(t.data_as<float>()[h]);
+}
+
 Dims check(const MhaForwardArgs& a) {
   for (const TensorView* t : {&a.q, &a.k, &a.v}) {
     SEQPAR_CHECK(t->ndim() == 4, "reference: q, k, v must be 4-d, got ", t->str());
@@ -41,13 +47,17 @@ bool visible(const MhaForwardArgs& a, std::int64_t i, std::int64_t j) {
   return a.mask.window <= 0 || qp - kp < a.mask.window;
 }
 
-// Probabilities p[i][j] (0 where masked) and lse[i] of one (b, h).
+// Probabilities p[i][j] (0 where masked) and lse[i] (with the sink) of one (b, h); dtanh[i][j] = d a_ij / d(scale
+// q.k) (1 - tanh^2 with soft-capping, else 1).
 void probabilities(const MhaForwardArgs& a, const Dims& d, std::int64_t b, std::int64_t h, std::vector<double>& p,
-                   std::vector<double>& lse) {
+                   std::vector<double>& lse, std::vector<double>& dtanh) {
   const double* q = a.q.data_as<double>();
   const double* k = a.k.data_as<double>();
   const std::int64_t hk = h / d.group;
   p.assign(static_cast<std::size_t>(d.Sq * d.Sk), 0.0);
+  dtanh.assign(static_cast<std::size_t>(d.Sq * d.Sk), 1.0);
+  const double cap = a.mods.softcap, slope = head_value(a.mods.alibi_slopes, h, 0.0);
+  const double sink = head_value(a.mods.sinks, h, -std::numeric_limits<double>::infinity());
   lse.assign(static_cast<std::size_t>(d.Sq), -std::numeric_limits<double>::infinity());
   std::vector<double> a_row(static_cast<std::size_t>(d.Sk));
   for (std::int64_t i = 0; i < d.Sq; ++i) {
@@ -58,10 +68,18 @@ void probabilities(const MhaForwardArgs& a, const Dims& d, std::int64_t b, std::
       for (std::int64_t e = 0; e < d.D; ++e)
         dot += q[((b * d.Sq + i) * d.Hq + h) * d.D + e] * k[((b * d.Sk + j) * d.Hkv + hk) * d.D + e];
       a_row[j] = d.scale * dot;
+      if (cap > 0.0) {
+        a_row[j] = cap * std::tanh(a_row[j] / cap);
+        dtanh[i * d.Sk + j] = 1.0 - std::pow(std::tanh(d.scale * dot / cap), 2);
+      }
+      const std::int64_t qp = a.q_pos.empty() ? i : a.q_pos[static_cast<std::size_t>(i)];
+      const std::int64_t kp = a.k_pos.empty() ? j : a.k_pos[static_cast<std::size_t>(j)];
+      a_row[j] -= slope * std::fabs(static_cast<double>(qp - kp));
       mx = std::max(mx, a_row[j]);
     }
-    if (mx == -std::numeric_limits<double>::infinity()) continue;  // no visible key
-    double sum = 0.0;
+    if (mx == -std::numeric_limits<double>::infinity() && sink == mx) continue;  // no visible key, no sink
+    mx = std::max(mx, sink);
+    double sum = std::exp(sink - mx);  // the sink: one more term of the denominator, without a value
     for (std::int64_t j = 0; j < d.Sk; ++j)
       if (visible(a, i, j)) sum += std::exp(a_row[j] - mx);
     lse[i] = mx + std::log(sum);
@@ -81,10 +99,10 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
   const double* v = args.v.data_as<double>();
   double* o = out.data_as<double>();
   double* l = lse.data_as<double>();
-  std::vector<double> p, row_lse;
+  std::vector<double> p, row_lse, dtanh;
   for (std::int64_t b = 0; b < d.B; ++b) {
     for (std::int64_t h = 0; h < d.Hq; ++h) {
-      probabilities(args, d, b, h, p, row_lse);
+      probabilities(args, d, b, h, p, row_lse, dtanh);
       const std::int64_t hk = h / d.group;
       for (std::int64_t i = 0; i < d.Sq; ++i) {
         l[(b * d.Hq + h) * d.Sq + i] = row_lse[i];
@@ -99,7 +117,7 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
 }
 
 void mha_backward(const MhaForwardArgs& args, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                  const TensorView& dv) {
+                  const TensorView& dv, const TensorView& dsinks) {
   const Dims d = check(args);
   for (const TensorView* t : {&dout, &dq, &dk, &dv}) check_dtype(*t, DType::kFloat64, "reference dout / dq / dk / dv");
   check_shape(dout, args.q.shape(), "reference dout");
@@ -116,10 +134,17 @@ void mha_backward(const MhaForwardArgs& args, const TensorView& dout, const Tens
   std::fill(gq, gq + dq.numel(), 0.0);
   std::fill(gk, gk + dk.numel(), 0.0);
   std::fill(gv, gv + dv.numel(), 0.0);
-  std::vector<double> p, row_lse, dp(static_cast<std::size_t>(d.Sk));
+  const bool sinks = !args.mods.sinks.empty();
+  SEQPAR_CHECK(sinks == !dsinks.empty(), "reference: dsinks must be given exactly when sinks are");
+  if (sinks) {
+    check_dtype(dsinks, DType::kFloat64, "reference dsinks");
+    check_shape(dsinks, {d.Hq}, "reference dsinks");
+    std::fill(dsinks.data_as<double>(), dsinks.data_as<double>() + d.Hq, 0.0);
+  }
+  std::vector<double> p, row_lse, dtanh, dp(static_cast<std::size_t>(d.Sk));
   for (std::int64_t b = 0; b < d.B; ++b) {
     for (std::int64_t h = 0; h < d.Hq; ++h) {
-      probabilities(args, d, b, h, p, row_lse);
+      probabilities(args, d, b, h, p, row_lse, dtanh);
       const std::int64_t hk = h / d.group;
       auto qi = [&](std::int64_t i) { return ((b * d.Sq + i) * d.Hq + h) * d.D; };
       auto kj = [&](std::int64_t j) { return ((b * d.Sk + j) * d.Hkv + hk) * d.D; };
@@ -132,10 +157,14 @@ void mha_backward(const MhaForwardArgs& args, const TensorView& dout, const Tens
           dp[j] = acc;
           rowdot += p[i * d.Sk + j] * acc;
         }
+        // the sink's probability exp(sink - lse) has dp = 0 (no value): d lse / d sink = p_sink, so
+        // d loss / d sink = sum_j p_ij (dp_ij - rowdot) d a_ij / d sink = -p_sink rowdot
+        if (sinks && row_lse[i] != -std::numeric_limits<double>::infinity())
+          dsinks.data_as<double>()[h] -= std::exp(head_value(args.mods.sinks, h, 0.0) - row_lse[i]) * rowdot;
         for (std::int64_t j = 0; j < d.Sk; ++j) {
           const double pij = p[i * d.Sk + j];
           if (pij == 0.0) continue;
-          const double ds = pij * (dp[j] - rowdot);
+          const double ds = pij * (dp[j] - rowdot) * dtanh[i * d.Sk + j];
           for (std::int64_t e = 0; e < d.D; ++e) {
             gv[kj(j) + e] += pij * go[qi(i) + e];
             gq[qi(i) + e] += d.scale * ds * k[kj(j) + e];

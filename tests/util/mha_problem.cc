@@ -19,6 +19,7 @@ MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
   args.k = p.k.view();
   args.v = p.v.view();
   args.mask = s.mask;
+  args.mods = s.mods;
   Tensor out = Tensor::empty(p.q.shape(), s.dtype, MemCategory::kWorkspace);
   Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, accumulator_dtype(s.dtype), MemCategory::kWorkspace);
   attn::mha_forward(args, out.view(), lse.view());
@@ -31,7 +32,15 @@ MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
   Tensor dk = Tensor::empty(p.k.shape(), s.dtype, MemCategory::kWorkspace);
   Tensor dv = Tensor::empty(p.v.shape(), s.dtype, MemCategory::kWorkspace);
   attn::mha_backward(bargs, dq.view(), dk.view(), dv.view(), false);
-  return {to_double(out), to_double(lse), to_double(dq), to_double(dk), to_double(dv)};
+  MhaResult r{to_double(out), to_double(lse), to_double(dq), to_double(dk), to_double(dv), {}};
+  if (!s.mods.sinks.empty()) {
+    Tensor delta = Tensor::empty(lse.shape(), lse.dtype(), MemCategory::kWorkspace);
+    Tensor dsinks = Tensor::empty(s.mods.sinks.shape(), s.mods.sinks.dtype(), MemCategory::kWorkspace);
+    attn::mha_backward_delta(out.view(), p.dout.view(), delta.view());
+    attn::mha_sinks_backward(delta.view(), lse.view(), s.mods.sinks, dsinks.view());
+    r.dsinks = to_double(dsinks);
+  }
+  return r;
 }
 
 MhaResult reference_result(const MhaShape& s, const MhaProblem& p) {
@@ -42,14 +51,18 @@ MhaResult reference_result(const MhaShape& s, const MhaProblem& p) {
   args.k = k.view();
   args.v = v.view();
   args.mask = s.mask;
+  args.mods = s.mods;
   Tensor out = Tensor::empty(q.shape(), DType::kFloat64, MemCategory::kWorkspace);
   Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, DType::kFloat64, MemCategory::kWorkspace);
   Tensor dq = Tensor::empty(q.shape(), DType::kFloat64, MemCategory::kWorkspace);
   Tensor dk = Tensor::empty(k.shape(), DType::kFloat64, MemCategory::kWorkspace);
   Tensor dv = Tensor::empty(v.shape(), DType::kFloat64, MemCategory::kWorkspace);
   attn::reference::mha_forward(args, out.view(), lse.view());
-  attn::reference::mha_backward(args, dout.view(), dq.view(), dk.view(), dv.view());
-  return {to_double(out), to_double(lse), to_double(dq), to_double(dk), to_double(dv)};
+  Tensor dsinks;
+  if (!s.mods.sinks.empty()) dsinks = Tensor::empty({s.hq}, DType::kFloat64, MemCategory::kWorkspace);
+  attn::reference::mha_backward(args, dout.view(), dq.view(), dk.view(), dv.view(), dsinks.view());
+  return {to_double(out), to_double(lse), to_double(dq),
+          to_double(dk),  to_double(dv),  s.mods.sinks.empty() ? std::vector<double>{} : to_double(dsinks)};
 }
 
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions) {
@@ -84,6 +97,7 @@ MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p,
   r.dq = gather_full(sp, usp.layout(), g.dq.view(), p.q.shape());
   r.dk = gather_full(sp, usp.layout(), g.dk.view(), p.k.shape());
   r.dv = gather_full(sp, usp.layout(), g.dv.view(), p.v.shape());
+  if (g.dsinks.defined()) r.dsinks = to_double(g.dsinks.view());
   return r;
 }
 
@@ -97,6 +111,8 @@ void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, 
   EXPECT_TRUE(all_close(got.dq, want.dq, atol, rtol, what + " dq"));
   EXPECT_TRUE(all_close(got.dk, want.dk, atol, rtol, what + " dk"));
   EXPECT_TRUE(all_close(got.dv, want.dv, atol, rtol, what + " dv"));
+  // dsinks: a sum over B S rows in another order (fp64 sums of fp32 terms)
+  EXPECT_TRUE(all_close(got.dsinks, want.dsinks, 10 * atol, 10 * rtol, what + " dsinks"));
 }
 
 }  // namespace seqpar::test

@@ -18,6 +18,7 @@ struct MhaShape {
   attn::MaskSpec mask;
   std::uint64_t seed = 0;  // added to the fixed seeds of q, k, v, dout (another problem of the same shape)
   double logits = 0;       // > 0: logits of about this size with a spread softmax (test::set_logit_offset)
+  attn::ScoreMods mods;    // soft-capping, ALiBi, sinks over all hq heads (views kept alive by the caller)
 };
 
 struct MhaProblem {
@@ -27,6 +28,7 @@ struct MhaProblem {
 
 struct MhaResult {
   std::vector<double> out, lse, dq, dk, dv;  // full tensors as fp64
+  std::vector<double> dsinks;                // [hq] when s.mods has sinks, else empty
 };
 
 // One mha_forward + mha_backward call over the whole sequence (the single-rank result).
@@ -41,7 +43,8 @@ std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout
                                 const Shape& full_shape, int seq_dim = 1);
 
 // UspAttention (pure ring when ulysses_size = 1, pure Ulysses when ring_size = 1) on `grid` over the layout's
-// shards of `p`, forward and backward; the gathered full results on every rank, and the layer's counters.
+// shards of `p`, forward and backward; the gathered full results on every rank (dsinks: this rank's, which is the
+// full sum), and the layer's counters.
 MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
                      LayoutKind layout, CpCounters* counters = nullptr);
 

@@ -1,0 +1,119 @@
+// Score modifiers (soft-capping, ALiBi, attention sinks) under every MHA CP path: ring p2p and all-gather, Ulysses
+// and USP on every grid of the world size, against the single-rank result of the whole problem (out, lse, dq, dk,
+// dv and dsinks, which every rank returns whole), GQA, B = 2, causal, non-causal and a window. The single-rank
+// result itself is checked against the fp64 reference. Bad parameters are refused on every rank before anything is
+// sent.
+#include <gtest/gtest.h>
+
+#include <functional>
+
+#include "parallel/usp.h"
+#include "runtime/sp_grid.h"
+#include "tests/util/device_collectives.h"
+#include "tests/util/mha_problem.h"
+#include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using test::world;
+
+constexpr std::int64_t kHq = 12;  // divisible by every Ulysses size of 1, 2, 3, 4, 8 ranks but 8
+
+struct ModsCase {
+  int ulysses_size;
+  RingImpl impl;
+  LayoutKind layout;
+  attn::MaskSpec mask;
+  float softcap;
+  bool alibi, sinks;
+};
+
+std::string case_name(const ModsCase& c) {
+  return str_cat("u", c.ulysses_size, "_", ring_impl_name(c.impl), "_", layout_name(c.layout),
+                 c.mask.causal ? "_causal" : "_full", c.mask.window > 0 ? "_window" : "",
+                 c.softcap > 0 ? "_softcap" : "", c.alibi ? "_alibi" : "", c.sinks ? "_sinks" : "");
+}
+void PrintTo(const ModsCase& c, std::ostream* os) { *os << case_name(c); }
+
+std::vector<ModsCase> cases_for_world() {
+  const int n = world().size();
+  std::vector<ModsCase> cases;
+  for (int pu = 1; pu <= n; ++pu) {
+    if (n % pu != 0 || kHq % pu != 0) continue;
+    for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+      cases.push_back({pu, impl, LayoutKind::kZigzag, {true, 0}, 4.0f, true, true});
+      cases.push_back({pu, impl, LayoutKind::kContiguous, {false, 0}, 4.0f, true, true});
+    }
+    cases.push_back({pu, RingImpl::kP2P, LayoutKind::kZigzag, {true, 20}, 3.0f, true, true});
+    cases.push_back({pu, RingImpl::kP2P, LayoutKind::kZigzag, {true, 0}, 0.0f, false, true});
+    cases.push_back({pu, RingImpl::kP2P, LayoutKind::kContiguous, {false, 0}, 2.0f, false, false});
+    cases.push_back({pu, RingImpl::kAllGather, LayoutKind::kZigzag, {true, 0}, 0.0f, true, false});
+  }
+  return cases;
+}
+
+class ScoreModsVsSingleRank : public ::testing::TestWithParam<ModsCase> {};
+
+TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
+  const ModsCase c = GetParam();
+  const int n = world().size();
+  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  test::MhaShape shape;
+  shape.batch = 2;
+  shape.seq = 48;
+  shape.hq = kHq;
+  shape.hkv = c.ulysses_size > 1 ? c.ulysses_size : 4;  // GQA; KV heads split over the Ulysses group
+  shape.dim = 16;
+  shape.mask = c.mask;
+  const std::vector<float> slopes = attn::alibi_slopes(kHq);
+  Tensor slopes_t = Tensor::empty({kHq}, DType::kFloat32, MemCategory::kWorkspace);
+  std::copy(slopes.begin(), slopes.end(), slopes_t.view().data_as<float>());
+  Tensor sinks = test::random_tensor({kHq}, DType::kFloat32, 21, -1.0, 3.0);
+  shape.mods.softcap = c.softcap;
+  if (c.alibi) shape.mods.alibi_slopes = slopes_t;
+  if (c.sinks) shape.mods.sinks = sinks;
+  const test::MhaProblem p(shape);
+  const test::MhaResult want = test::single_rank_result(shape, p);
+  if (n == 1) {  // the single-rank kernels themselves against the fp64 reference (once, on one rank)
+    test::expect_mha_match(want, test::reference_result(shape, p), DType::kFloat32, "single rank vs reference");
+  }
+  RingAttentionConfig cfg;
+  cfg.impl = c.impl;
+  cfg.causal = c.mask.causal;
+  cfg.window = c.mask.window;
+  cfg.score_mods = shape.mods;
+  const test::MhaResult got = test::usp_result(grid, shape, p, cfg, c.layout);
+  EXPECT_EQ(got.dsinks.size(), c.sinks ? static_cast<std::size_t>(kHq) : 0u);
+  test::expect_mha_match(got, want, DType::kFloat32, str_cat(case_name(c), " on ", grid.str()));
+}
+
+INSTANTIATE_TEST_SUITE_P(ScoreMods, ScoreModsVsSingleRank, ::testing::ValuesIn(cases_for_world()), test::CaseName());
+
+// Every rank gets the same one error, and nothing is sent.
+TEST(ScoreMods, BadParametersAreRefusedOnEveryRank) {
+  const int n = world().size();
+  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  const CpGroups groups = CpGroups::from(grid);
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, 8 * n);
+  Tensor q = test::random_tensor({1, 8, 4, 8}, DType::kFloat32, 1);
+  Tensor wrong = Tensor::zeros({5}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor half = Tensor::zeros({4}, DType::kBFloat16, MemCategory::kWorkspace);
+  const std::int64_t ops_before = grid.ring().counters().num_ops;
+  auto error_of = [&](const std::function<void(RingAttentionConfig&)>& set) {
+    RingAttentionConfig cfg;
+    set(cfg);
+    return test::error_of([&] { UspAttention(groups, layout, cfg).forward(q.view(), q.view(), q.view()); });
+  };
+  std::string m = error_of([](RingAttentionConfig& c) { c.score_mods.softcap = -2.0f; });
+  EXPECT_NE(m.find("softcap -2 must be finite and > 0"), std::string::npos) << m;
+  m = error_of([&](RingAttentionConfig& c) { c.score_mods.alibi_slopes = wrong; });
+  EXPECT_NE(m.find("alibi_slopes must be [Hq] = [4]"), std::string::npos) << m;
+  m = error_of([&](RingAttentionConfig& c) { c.score_mods.sinks = half; });
+  EXPECT_NE(m.find("sinks has dtype bf16"), std::string::npos) << m;
+  EXPECT_EQ(grid.ring().counters().num_ops, ops_before) << "a refused forward communicated";
+}
+
+}  // namespace
+}  // namespace seqpar
