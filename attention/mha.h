@@ -16,6 +16,10 @@
 // Because both sets are sorted, the keys visible to a query are one contiguous index range; the CPU kernels run
 // tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
 // A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
+// Dropout (args.dropout.p > 0; attention/dropout.h, FlashAttention with dropout): o_i = sum_j z_ij p_ij v_j with
+// z_ij = keep_ij / (1 - p) from a counter-based generator on (seed, b, global head, q_pos, k_pos); lse stays the
+// undropped one; backward dV_j += z_ij p_ij dO_i, ds_ij = p_ij (z_ij dO_i . v_j - delta_i) with delta of the dropped
+// out. Nothing is stored between forward and backward: both regenerate the mask.
 //
 // Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq].
 // All contiguous, row-major, host memory (the CUDA path lands with its own issue).
@@ -47,6 +51,7 @@
 #include <cstdint>
 #include <span>
 
+#include "attention/dropout.h"
 #include "runtime/device.h"
 #include "runtime/tensor.h"
 
@@ -65,6 +70,11 @@ struct MhaForwardArgs {
   std::span<const std::int64_t> k_pos;  // [Sk] global positions (empty: 0..Sk-1)
   MaskSpec mask;
   float scale = 0.0f;  // <= 0: 1 / sqrt(D)
+  // Dropout on the probabilities (attention/dropout.h); p = 0 (the default) is off. The mask is keyed by the
+  // global query head head_offset + h (a Ulysses rank holding heads [u Hq, (u+1) Hq) passes u Hq) and the global
+  // positions q_pos / k_pos, so every caller that sees a pair regenerates the same keep decision.
+  DropoutSpec dropout;
+  std::int64_t head_offset = 0;  // >= 0; read only when dropout.p > 0
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
@@ -73,7 +83,8 @@ struct MhaForwardArgs {
 // accumulator dtype or fp64, natural log, -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf.
 // Both outputs are overwritten.
 // Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
-// positions, window < 0 or a window without causal, a non-CPU tensor or stream.
+// positions, window < 0 or a window without causal, a non-CPU tensor or stream; dropout p not a finite number in
+// [0, 1), and with p > 0 a negative head_offset, positions outside [0, 2^32) or B, head_offset + Hq over 2^32.
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
                  Stream stream = Stream::cpu());
 

@@ -36,8 +36,8 @@
 // returned context, in the saved_activation category; double buffers and travelling accumulators in comm_buffer;
 // block results and the returned outputs in workspace. The object keeps no state between calls (cp_common.h).
 // Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
-// mismatch, Hq % Hkv != 0, window without causal, non-finite scale; a context that is empty, already used or made by
-// another object.
+// mismatch, Hq % Hkv != 0, window without causal, non-finite scale, dropout p outside [0, 1) (constructor); a
+// context that is empty, already used or made by another object.
 #pragma once
 
 #include <cstdint>
@@ -55,6 +55,9 @@ struct RingAttentionConfig {
   bool causal = true;
   std::int64_t window = 0;  // > 0: sliding window (needs causal)
   float scale = 0.0f;       // <= 0: 1 / sqrt(D)
+  // Dropout on the attention probabilities (attention/dropout.h): p in [0, 1), 0 = off. The mask is keyed by the
+  // global query head and global positions, so every grid and layout drops the same pairs as one rank.
+  attn::DropoutSpec dropout;
 };
 
 struct AttentionOutput {
@@ -80,9 +83,11 @@ class RingAttention {
   // dtype of q.
   AttentionGrads backward(CpContext&& ctx, const TensorView& dout);
 
-  // Lower-level entry points for composition (USP): results written to caller-owned tensors.
+  // Lower-level entry points for composition (USP): results written to caller-owned tensors. head_offset: the
+  // global index of q's head 0 (USP passes ulysses_rank * Hq_local), the head of the dropout key; kept in the
+  // context for the backward.
   CpContext forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                         const TensorView& lse);
+                         const TensorView& lse, std::int64_t head_offset = 0);
   void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                      const TensorView& dv);
 
@@ -94,7 +99,7 @@ class RingAttention {
  private:
   struct Saved;
   // Every check of forward's inputs, the MHA kernels' own on the local shapes included; returns their device.
-  Device validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
+  Device validate(const TensorView& q, const TensorView& k, const TensorView& v, std::int64_t head_offset) const;
   // Buffers of a call on the device of the saved tensors, ordered on the groups' stream.
   DeviceAlloc alloc_for(const Saved& s) const;
   void forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse);

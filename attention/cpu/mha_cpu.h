@@ -12,6 +12,7 @@
 #include <span>
 #include <vector>
 
+#include "attention/cpu/mha_dropout.h"
 #include "attention/mha.h"
 
 namespace seqpar::attn::cpu {
@@ -42,6 +43,7 @@ struct MhaParams {
   std::int64_t batch = 0, sq = 0, sk = 0, hq = 0, hkv = 0, head_dim = 0;
   double scale = 0.0;  // > 0 (the default 1/sqrt(D) is resolved in double by the caller)
   const KeyRanges* ranges = nullptr;
+  MhaDropout dropout;  // off unless args.dropout.p > 0
 };
 
 // How a key tile [j0, j1) is seen by rows [i0, i1): skipped, fully visible, or partly visible.
