@@ -73,7 +73,7 @@ struct MhaForwardArgs {
   // Dropout on the probabilities (attention/dropout.h); p = 0 (the default) is off. The mask is keyed by the
   // global query head head_offset + h (a Ulysses rank holding heads [u Hq, (u+1) Hq) passes u Hq) and the global
   // positions q_pos / k_pos, so every caller that sees a pair regenerates the same keep decision.
-  DropoutSpec dropout;
+  DropoutSpec dropout{};
   std::int64_t head_offset = 0;  // >= 0; read only when dropout.p > 0
 };
 

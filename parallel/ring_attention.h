@@ -57,7 +57,7 @@ struct RingAttentionConfig {
   float scale = 0.0f;       // <= 0: 1 / sqrt(D)
   // Dropout on the attention probabilities (attention/dropout.h): p in [0, 1), 0 = off. The mask is keyed by the
   // global query head and global positions, so every grid and layout drops the same pairs as one rank.
-  attn::DropoutSpec dropout;
+  attn::DropoutSpec dropout{};
 };
 
 struct AttentionOutput {
