@@ -1,7 +1,8 @@
 // sp_bench's MHA / GQA workload: ring, Ulysses and USP through UspAttention (ulysses-size 1 = pure ring,
 // ring-size 1 = pure Ulysses). Inputs q k v dout [B, S, H, D]; outputs out [B, S, Hq, D], lse [B, Hq, S] (fp32;
 // fp64 for fp64), dq, dk, dv. The reference is one attn::mha_forward + attn::mha_backward call on the full tensors; the
-// fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward.
+// fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward. --dropout P and
+// --dropout-seed S (MHA only) drop the same pairs in the layer, the one-rank kernel and the fp64 reference.
 #include <algorithm>
 #include <cmath>
 
@@ -32,6 +33,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     cfg_.impl = o.impl;
     cfg_.causal = o.causal;
     cfg_.window = o.window;
+    cfg_.dropout = {o.dropout, o.dropout_seed};
     usp_ = std::make_unique<UspAttention>(groups_, layout_, cfg_);
   }
 
@@ -134,6 +136,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.k = find_array(in, "k").view();
     a.v = find_array(in, "v").view();
     a.mask = {o_.causal, o_.window};
+    a.dropout = cfg_.dropout;
     const std::vector<TensorView> v = views_of(r);
     attn::reference::mha_forward(a, v[0], v[1]);
     attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4]);
@@ -171,6 +174,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.k = ref_k_.view();
     a.v = ref_v_.view();
     a.mask = {o_.causal, o_.window};
+    a.dropout = cfg_.dropout;
     return a;
   }
 
@@ -252,7 +256,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.name = "mha";
   k.description = "MHA/GQA (ring, Ulysses, USP)";
   k.presets = {{"llama3-8b", 32, 8, 128, 0, 0, 0, 0, 0, "MHA/GQA: 32 query heads, 8 kv heads, head dim 128, causal"}};
-  k.own_flags = {"test-logit-scale"};
+  k.own_flags = {"test-logit-scale", "dropout", "dropout-seed"};
   k.input_specs = mha_input_specs;
   k.estimate_memory = mha_memory;
   k.validate = [](SpBenchOptions& o) {
@@ -262,6 +266,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
     SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ", pu);
     SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
                  " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
+    attn::check_dropout({o.dropout, o.dropout_seed}, "--dropout");
     SEQPAR_CHECK(std::isfinite(o.test_logit_scale) && o.test_logit_scale > 0, "--test-logit-scale ", o.test_logit_scale,
                  " must be a finite number > 0");
     SEQPAR_CHECK(o.test_logit_scale == 1 || o.inputs_dir.empty(),
@@ -271,6 +276,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
     std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim,
                             " causal=", o.causal ? "yes" : "no");
     if (o.window > 0) s += str_cat(" window=", o.window);
+    if (o.dropout > 0) s += str_cat(" dropout=", o.dropout, " seed=", o.dropout_seed);
     return s;
   };
   return k;

@@ -61,6 +61,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("causal", "causal mask (presets turn it on; --causal=false turns it off)",
      cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
     ("window", "sliding window in tokens (0: none; needs --causal)", cxxopts::value<std::int64_t>()->default_value("0"))
+    ("dropout", "MHA: dropout probability p of the attention probabilities, in [0, 1) (0: none)",
+     cxxopts::value<std::string>()->default_value("0"))
+    ("dropout-seed", "MHA: seed of the dropout mask (Philox key; the mask is the same on every grid and layout)",
+     cxxopts::value<std::uint64_t>()->default_value("0"))
     ("topk", "DSA: selected keys per query", cxxopts::value<std::int64_t>()->default_value("2048"))
     ("dim-v", "value width (0: --head-dim); DSA: Dv, the first Dv columns of the latent; GDN: V",
      cxxopts::value<std::int64_t>()->default_value("0"))
@@ -163,6 +167,14 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   o.batch = get_checked<std::int64_t>(r, "batch");
   o.seq = parse_size(get_checked<std::string>(r, "seq"), "seq");
   o.window = get_checked<std::int64_t>(r, "window");
+  // read as text: cxxopts refuses "nan" before the rule could name it
+  o.dropout = parse_flag("dropout", get_checked<std::string>(r, "dropout"), [](const std::string& v) {
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    SEQPAR_CHECK(!v.empty() && end == v.c_str() + v.size(), "not a number");
+    return x;
+  });
+  o.dropout_seed = get_checked<std::uint64_t>(r, "dropout-seed");
   const std::string dtype = get_checked<std::string>(r, "dtype");
   o.dtype = parse_flag("dtype", dtype, [](const std::string& v) { return parse_dtype(v); });
   SEQPAR_CHECK(is_floating(o.dtype), "--dtype ", dtype, ": must be fp32, bf16, fp16 or fp64");

@@ -33,6 +33,8 @@ struct SpBenchOptions {
   std::int64_t head_dim = 64;
   bool causal = false;
   std::int64_t window = 0;
+  double dropout = 0;               // MHA: drop probability of the attention probabilities (attention/dropout.h)
+  std::uint64_t dropout_seed = 0;   // MHA: the dropout generator's seed
   std::int64_t topk = 2048;         // DSA
   std::int64_t dim_v = 0;           // value width: DSA Dv (first Dv latent columns), GDN V; 0: --head-dim
   std::int64_t indexer_heads = 64;  // DSA indexer heads Hi
