@@ -24,8 +24,7 @@ namespace {
 using test::world;
 
 struct DropoutCase {
-  int ulysses_size;
-  Placement placement;
+  SpGridConfig grid;  // dp_size 1; ring_size from the world size
   LayoutKind layout;
   RingImpl impl;
   bool causal;
@@ -33,7 +32,7 @@ struct DropoutCase {
 };
 
 std::string case_name(const DropoutCase& c) {
-  return str_cat("u", c.ulysses_size, "_", placement_name(c.placement), "_", layout_name(c.layout), "_",
+  return str_cat("u", c.grid.ulysses_size, "_", placement_name(c.grid.placement), "_", layout_name(c.layout), "_",
                  ring_impl_name(c.impl), c.causal ? "_causal" : "_full", "_hkv", c.hkv);
 }
 void PrintTo(const DropoutCase& c, std::ostream* os) { *os << case_name(c); }
@@ -48,35 +47,33 @@ std::vector<DropoutCase> cases_for_world() {
     for (Placement pl : {Placement::kUlyssesInner, Placement::kRingInner}) {
       if (pl == Placement::kRingInner && (pu == 1 || pu == n)) continue;  // same groups as ulysses_inner
       // Every layout, both ring implementations, causal and not, GQA with Hkv = 2 and MQA (Hkv < Pu from Pu = 2).
-      cases.push_back({pu, pl, LayoutKind::kZigzag, RingImpl::kP2P, true, 2});
-      cases.push_back({pu, pl, LayoutKind::kZigzag, RingImpl::kAllGather, false, 2});
-      cases.push_back({pu, pl, LayoutKind::kContiguous, RingImpl::kP2P, false, 2});
-      cases.push_back({pu, pl, LayoutKind::kStripe, RingImpl::kAllGather, true, 2});
-      cases.push_back({pu, pl, LayoutKind::kContiguous, RingImpl::kP2P, true, 1});
+      const SpGridConfig g{1, pu, n / pu, pl};
+      cases.push_back({g, LayoutKind::kZigzag, RingImpl::kP2P, true, 2});
+      cases.push_back({g, LayoutKind::kZigzag, RingImpl::kAllGather, false, 2});
+      cases.push_back({g, LayoutKind::kContiguous, RingImpl::kP2P, false, 2});
+      cases.push_back({g, LayoutKind::kStripe, RingImpl::kAllGather, true, 2});
+      cases.push_back({g, LayoutKind::kContiguous, RingImpl::kP2P, true, 1});
     }
   }
   return cases;
 }
 
 test::MhaShape shape_of(const DropoutCase& c, DType dtype) {
-  test::MhaShape shape;
-  shape.batch = 2;
-  shape.seq = 48;
-  shape.hq = kHq;
-  shape.hkv = c.hkv;
-  shape.dim = 16;
-  shape.dtype = dtype;
-  shape.mask = {c.causal, 0};
-  shape.dropout = {0.25, 0x5eed'0000'0017ull};
-  return shape;
+  return {.batch = 2,
+          .seq = 48,
+          .hq = kHq,
+          .hkv = c.hkv,
+          .dim = 16,
+          .dtype = dtype,
+          .mask = {c.causal, 0},
+          .dropout = {0.25, 0x5eed'0000'0017ull}};
 }
 
 class DropoutCp : public ::testing::TestWithParam<DropoutCase> {};
 
 TEST_P(DropoutCp, EveryGridDropsThePairsOneRankDrops) {
   const DropoutCase c = GetParam();
-  const int n = world().size();
-  const SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, c.placement});
+  const SpGrid grid(world(), c.grid);
   for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
     const test::MhaShape shape = shape_of(c, dtype);
     RingAttentionConfig cfg;
@@ -109,8 +106,7 @@ INSTANTIATE_TEST_SUITE_P(Cp, DropoutCp, ::testing::ValuesIn(cases_for_world()), 
 TEST(DropoutCp, AnotherSeedGivesAnotherResult) {
   const int n = world().size();
   const SpGrid grid(world(), {1, n % 2 == 0 ? 2 : 1, n % 2 == 0 ? n / 2 : n});
-  const DropoutCase c{
-      grid.config().ulysses_size, Placement::kUlyssesInner, LayoutKind::kZigzag, RingImpl::kP2P, true, 2};
+  const DropoutCase c{grid.config(), LayoutKind::kZigzag, RingImpl::kP2P, true, 2};
   test::MhaShape shape = shape_of(c, DType::kFloat32);
   const test::MhaProblem p(shape);
   RingAttentionConfig cfg;

@@ -6,7 +6,6 @@
 
 #include <cmath>
 #include <cstring>
-#include <functional>
 #include <limits>
 #include <string>
 #include <tuple>
@@ -287,17 +286,7 @@ TEST(DropoutGrad, ReferenceBackwardMatchesCentralDifferences) {
     };
     const double h = 1e-5;
     for (auto [t, g, name] : {std::tuple{&in.q, &ref.dq, "dq"}, {&in.k, &ref.dk, "dk"}, {&in.v, &ref.dv, "dv"}}) {
-      double* x = t->data_as<double>();
-      std::vector<double> fd(static_cast<std::size_t>(t->numel()));
-      for (std::int64_t i = 0; i < t->numel(); ++i) {
-        const double x0 = x[i];
-        x[i] = x0 + h;
-        const double lp = loss();
-        x[i] = x0 - h;
-        const double lm = loss();
-        x[i] = x0;
-        fd[i] = (lp - lm) / (2 * h);
-      }
+      const std::vector<double> fd = test::central_differences(*t, h, loss);
       EXPECT_TRUE(test::all_close(*g, fd, 1e-8, 1e-7, str_cat(name, causal ? " causal" : " full")));
     }
     const Results got = run_kernel(p, in);
@@ -309,14 +298,7 @@ TEST(DropoutGrad, ReferenceBackwardMatchesCentralDifferences) {
 
 // ---- argument checks ----------------------------------------------------------------------------
 
-void expect_error(const std::function<void()>& f, const std::string& needle) {
-  try {
-    f();
-    ADD_FAILURE() << "expected an Error containing '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(DropoutArgs, RejectsBadProbabilityAndCounterRanges) {
   Problem p;
