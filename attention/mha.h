@@ -89,7 +89,7 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
                  Stream stream = Stream::cpu());
 
 struct MhaBackwardArgs {
-  MhaForwardArgs fwd;  // q, k, v, positions, mask, scale as in the forward
+  MhaForwardArgs fwd;  // q, k, v, positions, mask, scale, dropout, head_offset as in the forward
   TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse, accumulator dtype or fp64
