@@ -32,6 +32,28 @@ void check_mask(const MaskSpec& mask) {
 
 void check_host_tensor(const TensorView& t, const char* what) { detail::check_floating(t, what, kFamily); }
 
+// Dropout's rules (p; with p > 0 the ranges of the generator's counter) and its kernel parameters.
+cpu::MhaDropout check_dropout_args(const MhaForwardArgs& a, std::int64_t B, std::int64_t Hq) {
+  check_dropout(a.dropout, kFamily);
+  cpu::MhaDropout d;
+  if (a.dropout.p == 0.0) return d;
+  constexpr std::int64_t kLimit = std::int64_t{1} << 32;
+  SEQPAR_CHECK(a.head_offset >= 0 && a.head_offset + Hq <= kLimit && B <= kLimit, "dropout: head_offset ",
+               a.head_offset, " + Hq ", Hq, " and batch ", B, " must lie in [0, 2^32] (the generator's counter)");
+  for (auto [pos, what] : {std::pair{a.q_pos, "q_pos"}, {a.k_pos, "k_pos"}}) {
+    SEQPAR_CHECK(pos.empty() || (pos.front() >= 0 && pos.back() < kLimit), "dropout: ", what, " [", pos.front(), ", ",
+                 pos.back(), "] must lie in [0, 2^32) (the generator's counter)");
+  }
+  d.on = true;
+  d.seed = a.dropout.seed;
+  d.threshold = dropout_threshold(a.dropout.p);
+  d.scale = 1.0 / (1.0 - a.dropout.p);
+  d.head_offset = a.head_offset;
+  d.q_pos = a.q_pos;
+  d.k_pos = a.k_pos;
+  return d;
+}
+
 // lse and delta: [B, H, S] of the accumulator dtype of `storage` or fp64 (never narrower than the accumulators).
 void check_rows(const TensorView& t, const Shape& shape, DType storage, const char* what) {
   detail::check_host(t, what, kFamily);
@@ -94,7 +116,7 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   SEQPAR_CHECK(std::isfinite(a.mods.softcap) && a.mods.softcap >= 0.0f, "softcap ", a.mods.softcap,
                " must be finite and > 0 (0: no soft-capping)");
   const double scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
-  return cpu::MhaParams{a.q.data(),
+  cpu::MhaParams p{a.q.data(),
                         a.k.data(),
                         a.v.data(),
                         a.q.dtype(),
@@ -111,6 +133,8 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
                         check_head_vector(a.mods.sinks, Hq, "sinks"),
                         a.q_pos,
                         a.k_pos};
+  p.dropout = check_dropout_args(a, B, Hq);
+  return p;
 }
 
 cpu::MhaParams validate_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse) {
@@ -175,6 +199,11 @@ void zero_fill(const TensorView& t) {
 }
 
 }  // namespace
+
+void check_dropout(const DropoutSpec& dropout, const char* what) {
+  SEQPAR_CHECK(std::isfinite(dropout.p) && dropout.p >= 0.0 && dropout.p < 1.0, what, ": dropout p ", dropout.p,
+               " must be a finite number in [0, 1) (0: no dropout)");
+}
 
 // ---- checks on their own ------------------------------------------------------------------------------------------
 

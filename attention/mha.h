@@ -16,6 +16,10 @@
 // Because both sets are sorted, the keys visible to a query are one contiguous index range; the CPU kernels run
 // tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
 // A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
+// Dropout (args.dropout.p > 0; attention/dropout.h, FlashAttention with dropout): o_i = sum_j z_ij p_ij v_j with
+// z_ij = keep_ij / (1 - p) from a counter-based generator on (seed, b, global head, q_pos, k_pos); lse stays the
+// undropped one; backward dV_j += z_ij p_ij dO_i, ds_ij = p_ij (z_ij dO_i . v_j - delta_i) with delta of the dropped
+// out. Nothing is stored between forward and backward: both regenerate the mask.
 //
 // Score modifiers (ScoreMods, all off by default), applied to every visible score before the softmax:
 //   soft-capping (Gemma Team 2024, "Gemma 2", logit soft-capping): a_ij = cap * tanh(scale q_i . k_j / cap);
@@ -60,6 +64,7 @@
 #include <span>
 #include <vector>
 
+#include "attention/dropout.h"
 #include "runtime/device.h"
 #include "runtime/tensor.h"
 
@@ -91,6 +96,11 @@ struct MhaForwardArgs {
   MaskSpec mask;
   float scale = 0.0f;  // <= 0: 1 / sqrt(D)
   ScoreMods mods{};    // soft-capping, ALiBi, sinks (off by default)
+  // Dropout on the probabilities (attention/dropout.h); p = 0 (the default) is off. The mask is keyed by the
+  // global query head head_offset + h (a Ulysses rank holding heads [u Hq, (u+1) Hq) passes u Hq) and the global
+  // positions q_pos / k_pos, so every caller that sees a pair regenerates the same keep decision.
+  DropoutSpec dropout{};
+  std::int64_t head_offset = 0;  // >= 0; read only when dropout.p > 0
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
@@ -100,13 +110,15 @@ struct MhaForwardArgs {
 // Both outputs are overwritten.
 // Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
 // positions, window < 0 or a window without causal, a non-CPU tensor or stream; mods: softcap < 0 or non-finite,
-// slopes / sinks not [Hq] fp32 / fp64 or not finite. With mods.sinks, lse is lse_total and out is scaled by
-// exp(lse - lse_total) (a row with no visible key: lse = sink_h, out = 0).
+// slopes / sinks not [Hq] fp32 / fp64 or not finite; dropout p not a finite number in [0, 1), and with p > 0 a
+// negative head_offset, positions outside [0, 2^32) or B, head_offset + Hq over 2^32. With mods.sinks, lse is
+// lse_total and out is scaled by exp(lse - lse_total) (a row with no visible key: lse = sink_h, out = 0).
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
                  Stream stream = Stream::cpu());
 
 struct MhaBackwardArgs {
-  MhaForwardArgs fwd;  // q, k, v, positions, mask, scale, mods as in the forward (sinks are not read: see lse)
+  MhaForwardArgs fwd;  // q, k, v, positions, mask, scale, mods, dropout, head_offset as in the forward (sinks are
+                      // not read: see lse)
   TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64

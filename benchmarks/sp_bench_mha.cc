@@ -4,6 +4,7 @@
 // fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward. With --rope, q and k
 // are rotated at their global positions before the layer and dq, dk get the transposed rotation after it
 // (sp_bench_rope.h); the references do the same on positions 0..S-1 (the fp64 one with the fp64 RoPE reference).
+// --dropout-seed S (MHA only) drop the same pairs in the layer, the one-rank kernel and the fp64 reference.
 #include <algorithm>
 #include <cmath>
 
@@ -71,6 +72,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     cfg_.causal = o.causal;
     cfg_.window = o.window;
     cfg_.score_mods = score_mods(o, slopes_, sinks_);
+    cfg_.dropout = {o.dropout, o.dropout_seed};
     usp_ = std::make_unique<UspAttention>(groups_, layout_, cfg_);
     if (o.rope) rope_ = {{"q", o.rope_cfg}, {"k", o.rope_cfg}};
   }
@@ -201,6 +203,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.v = find_array(in, "v").view();
     a.mask = {o_.causal, o_.window};
     a.mods = cfg_.score_mods;
+    a.dropout = cfg_.dropout;
     const std::vector<TensorView> v = views_of(r);
     attn::reference::mha_forward(a, v[0], v[1]);
     attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4], o_.sinks ? v[5] : TensorView{});
@@ -240,6 +243,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.v = ref_v_.view();
     a.mask = {o_.causal, o_.window};
     a.mods = cfg_.score_mods;
+    a.dropout = cfg_.dropout;
     return a;
   }
 
@@ -364,7 +368,8 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                 "MHA/GQA: 64 query heads, 8 kv heads, head dim 64, learned attention sinks, causal, RoPE theta "
                 "150000 with YaRN (factor 32)",
                 0, gpt_oss_rope, 0.0, true}};
-  k.own_flags = {"test-logit-scale", "impl", "window", "kv-heads", "softcap", "alibi", "sinks"};
+  k.own_flags = {"test-logit-scale", "impl", "window", "kv-heads", "softcap", "alibi", "sinks", "dropout",
+                 "dropout-seed"};
   for (const std::string& f : rope_flags()) k.own_flags.push_back(f);
   k.add_json = add_rope_json;
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
@@ -383,6 +388,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                  " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
     SEQPAR_CHECK(std::isfinite(o.softcap) && o.softcap >= 0, "--softcap ", o.softcap,
                  " must be finite and > 0 (0: no soft-capping)");
+    attn::check_dropout({o.dropout, o.dropout_seed}, "--dropout");
     SEQPAR_CHECK(std::isfinite(o.test_logit_scale) && o.test_logit_scale > 0, "--test-logit-scale ", o.test_logit_scale,
                  " must be a finite number > 0");
     SEQPAR_CHECK(o.test_logit_scale == 1 || o.inputs_dir.empty(),
@@ -397,6 +403,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
     if (o.softcap > 0) s += str_cat(" softcap=", o.softcap);
     if (o.alibi) s += " alibi";
     if (o.sinks) s += " sinks";
+    if (o.dropout > 0) s += str_cat(" dropout=", o.dropout, " seed=", o.dropout_seed);
     return s;
   };
   return k;

@@ -162,6 +162,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
      cxxopts::value<double>()->default_value("0"))
     ("alibi", "MHA: ALiBi position biases on global positions (slopes of Press et al. 2022)")
     ("sinks", "MHA: learned attention sinks, one random logit per query head (gpt-oss); output dsinks")
+    ("dropout", "MHA: dropout probability p of the attention probabilities, in [0, 1) (0: none)",
+     cxxopts::value<std::string>()->default_value("0"))
+    ("dropout-seed", "MHA: seed of the dropout mask (Philox key; the mask is the same on every grid and layout)",
+     cxxopts::value<std::uint64_t>()->default_value("0"))
     ("topk", "DSA: selected keys per query", cxxopts::value<std::int64_t>()->default_value("2048"))
     ("dim-v", "value width (0: --head-dim); DSA: Dv, the first Dv columns of the latent; GDN: V",
      cxxopts::value<std::int64_t>()->default_value("0"))
@@ -282,6 +286,14 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   o.batch = get_checked<std::int64_t>(r, "batch");
   o.seq = parse_size(get_checked<std::string>(r, "seq"), "seq");
   o.window = get_checked<std::int64_t>(r, "window");
+  // read as text: cxxopts refuses "nan" before the rule could name it
+  o.dropout = parse_flag("dropout", get_checked<std::string>(r, "dropout"), [](const std::string& v) {
+    char* end = nullptr;
+    const double x = std::strtod(v.c_str(), &end);
+    SEQPAR_CHECK(!v.empty() && end == v.c_str() + v.size(), "not a number");
+    return x;
+  });
+  o.dropout_seed = get_checked<std::uint64_t>(r, "dropout-seed");
   const std::string dtype = get_checked<std::string>(r, "dtype");
   o.dtype = parse_flag("dtype", dtype, [](const std::string& v) { return parse_dtype(v); });
   SEQPAR_CHECK(is_floating(o.dtype), "--dtype ", dtype, ": must be fp32, bf16, fp16 or fp64");
@@ -402,6 +414,11 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_int("--indexer-dim", o.indexer_dim)
       .add_int("--chunk-size", o.chunk_size)
       .add_int("--conv-width", o.conv_width)
+      .add_real("--softcap", o.softcap)
+      .add_flag("--alibi", o.alibi)
+      .add_flag("--sinks", o.sinks)
+      .add_real("--dropout", o.dropout)
+      .add_text("--dropout-seed", std::to_string(o.dropout_seed))
       .add_text("--rope", o.rope ? attn::rope_pairing_name(o.rope_cfg.pairing) : "none")
       .add_int("--rope-dim", o.rope_cfg.rotary_dim)
       .add_real("--rope-theta", o.rope_cfg.theta)

@@ -39,6 +39,8 @@ struct SpBenchOptions {
   double softcap = 0;               // MHA: logit soft-capping cap (0: none)
   bool alibi = false;               // MHA: ALiBi biases with the slopes of attn::alibi_slopes(heads)
   bool sinks = false;               // MHA: random learned attention sinks per query head (output dsinks)
+  double dropout = 0;               // MHA: drop probability of the attention probabilities (attention/dropout.h)
+  std::uint64_t dropout_seed = 0;   // MHA: the dropout generator's seed
   std::int64_t topk = 2048;         // DSA
   std::int64_t dim_v = 0;           // value width: DSA Dv (first Dv latent columns), GDN V; 0: --head-dim
   std::int64_t indexer_heads = 64;  // DSA indexer heads Hi

@@ -33,6 +33,7 @@ TensorView part(const TensorView& packed, std::int64_t i, const Shape& shape) {
 
 struct RingAttention::Saved {
   Tensor q, k, v, out, lse;
+  std::int64_t head_offset = 0;  // global index of q's head 0 (the dropout key)
 };
 
 RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config)
@@ -43,13 +44,15 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   SEQPAR_CHECK(std::isfinite(config.scale), "ring attention: scale ", config.scale,
                " must be finite (0 or less: 1/sqrt(D))");
   SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window, ") needs causal=true");
+  attn::check_dropout(config.dropout, "ring attention");
   positions_.reserve(size_);
   for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));
   global_order_.resize(static_cast<std::size_t>(layout_.seq_len()));
   for (std::int64_t i = 0; i < layout_.seq_len(); ++i) global_order_[i] = i;
 }
 
-Device RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v) const {
+Device RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v,
+                               std::int64_t head_offset) const {
   const Device device = common_device({q, k, v}, "ring attention forward");
   SEQPAR_CHECK(q.ndim() == 4 && k.ndim() == 4 && v.ndim() == 4, "ring attention: q ", q.str(), ", k ", k.str(), ", v ",
                v.str(), " must all be [B, S_local, H, D]");
@@ -74,6 +77,8 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
   local.mask = {config_.causal, config_.window};
   local.scale = config_.scale;
   local.mods = config_.score_mods;
+  local.dropout = config_.dropout;
+  local.head_offset = head_offset;
   attn::check_mha_forward_args(local);
   return device;
 }
@@ -92,6 +97,8 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   a.scale = config_.scale;
   a.mods = config_.score_mods;
   a.mods.sinks = {};
+  a.dropout = config_.dropout;
+  a.head_offset = s.head_offset;
   return a;
 }
 
@@ -105,7 +112,9 @@ Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionCo
       .add_real("scale", config.scale)
       .add_real("softcap", config.score_mods.softcap)
       .add_tensor("alibi_slopes", config.score_mods.alibi_slopes)
-      .add_tensor("sinks", config.score_mods.sinks);
+      .add_tensor("sinks", config.score_mods.sinks)
+      .add_real("dropout p", config.dropout.p)
+      .add_int("dropout seed", static_cast<std::int64_t>(config.dropout.seed));
   add_layout_fields(fp, layout);
   fp.add_tensors({{"q", q}, {"k", k}, {"v", v}});
   return fp;
@@ -133,11 +142,11 @@ void RingAttention::sinks_grad(const Saved& s, const TensorView& delta, const Te
 
 AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
   agree_forward(q, k, v);
-  const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
+  const DeviceAlloc alloc{validate(q, k, v, 0), groups_.stream};
   AttentionOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
   o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, accumulator_dtype(q.dtype()), MemCategory::kWorkspace);
-  o.ctx = run_forward(q, k, v, o.out, o.lse);
+  o.ctx = run_forward(q, k, v, o.out, o.lse, 0);
   return o;
 }
 
@@ -156,9 +165,9 @@ AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) 
 }
 
 CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, const TensorView& v,
-                                      const TensorView& out, const TensorView& lse) {
+                                      const TensorView& out, const TensorView& lse, std::int64_t head_offset) {
   agree_forward(q, k, v);
-  return run_forward(q, k, v, out, lse);
+  return run_forward(q, k, v, out, lse, head_offset);
 }
 
 void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
@@ -168,14 +177,15 @@ void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const
 }
 
 CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, const TensorView& v,
-                                     const TensorView& out, const TensorView& lse) {
-  const DeviceAlloc alloc{validate(q, k, v), groups_.stream};
+                                     const TensorView& out, const TensorView& lse, std::int64_t head_offset) {
+  const DeviceAlloc alloc{validate(q, k, v, head_offset), groups_.stream};
   common_device({q, out, lse}, "ring attention forward (q, out, lse)");
   check_shape(out, q.shape(), "ring attention out");
   check_shape(lse, {q.dim(0), q.dim(2), q.dim(1)}, "ring attention lse");
   check_dtype(lse, accumulator_dtype(q.dtype()), "ring attention lse");
   const CommStreamScope stream_scope(groups_);
   auto s = std::make_shared<Saved>();
+  s->head_offset = head_offset;
   s->q = alloc.copy_of(q, q.dtype(), MemCategory::kSavedActivation);
   s->k = alloc.copy_of(k, k.dtype(), MemCategory::kSavedActivation);
   s->v = alloc.copy_of(v, v.dtype(), MemCategory::kSavedActivation);

@@ -36,10 +36,11 @@
 // returned context, in the saved_activation category; double buffers and travelling accumulators in comm_buffer;
 // block results and the returned outputs in workspace. The object keeps no state between calls (cp_common.h).
 // Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
-// mismatch, Hq % Hkv != 0, window without causal, non-finite scale; a context that is empty, already used or made by
-// another object; ranks of the ring group that disagree on the shapes or dtypes of q, k, v (backward: of the saved
-// q, k, v and of dout) or on impl, causal, window, scale or the layout (AgreementCheck, parallel/cp_common.h: one
-// all-reduce over the ring group on the first call of each configuration, before any data moves).
+// mismatch, Hq % Hkv != 0, window without causal, non-finite scale, dropout p outside [0, 1) (constructor); a
+// context that is empty, already used or made by another object; ranks of the ring group that disagree on the
+// shapes or dtypes of q, k, v (backward: of the saved q, k, v and of dout) or on impl, causal, window, scale, the
+// score modifiers, dropout or the layout (AgreementCheck, parallel/cp_common.h: one all-reduce over the ring group
+// on the first call of each configuration, before any data moves).
 #pragma once
 
 #include <cstdint>
@@ -64,6 +65,9 @@ struct RingAttentionConfig {
   // backward uses the final lse with the sink, and dsinks (AttentionGrads) is summed over the local rows and
   // all-reduced over the ring group (and gathered over the Ulysses group by USP).
   attn::ScoreMods score_mods{};
+  // Dropout on the attention probabilities (attention/dropout.h): p in [0, 1), 0 = off. The mask is keyed by the
+  // global query head and global positions, so every grid and layout drops the same pairs as one rank.
+  attn::DropoutSpec dropout{};
 };
 
 struct AttentionOutput {
@@ -98,9 +102,10 @@ class RingAttention {
   AttentionGrads backward(CpContext&& ctx, const TensorView& dout);
 
   // Lower-level entry points for composition: results written to caller-owned tensors (with the same agreement
-  // check as forward() / backward()).
+  // check as forward() / backward()). head_offset: the global index of q's head 0 (USP passes ulysses_rank *
+  // Hq_local), the head of the dropout key; kept in the context for the backward.
   CpContext forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                         const TensorView& lse);
+                         const TensorView& lse, std::int64_t head_offset = 0);
   // dsinks: [Hq of q] (fp32 / fp64) when the configuration has sinks, else empty; all-reduced over the ring group.
   void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                      const TensorView& dv, const TensorView& dsinks = {});
@@ -120,11 +125,11 @@ class RingAttention {
   void agree_forward(const TensorView& q, const TensorView& k, const TensorView& v);
   void agree_backward(const CpContext& ctx, const TensorView& dout);
   CpContext run_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                        const TensorView& lse);
+                        const TensorView& lse, std::int64_t head_offset);
   void run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                     const TensorView& dv, const TensorView& dsinks);
   // Every check of forward's inputs, the MHA kernels' own on the local shapes included; returns their device.
-  Device validate(const TensorView& q, const TensorView& k, const TensorView& v) const;
+  Device validate(const TensorView& q, const TensorView& k, const TensorView& v, std::int64_t head_offset) const;
   // Buffers of a call on the device of the saved tensors, ordered on the groups' stream.
   DeviceAlloc alloc_for(const Saved& s) const;
   void forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse);

@@ -66,6 +66,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   local.mask = {config_.causal, config_.window};
   local.scale = config_.scale;
   local.mods = config_.score_mods;
+  local.dropout = config_.dropout;
   attn::check_mha_forward_args(local);
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
@@ -78,7 +79,10 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   Tensor out_h = alloc.empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
   const DType lse_dtype = accumulator_dtype(q.dtype());
   Tensor lse_h = alloc.empty({B, hq / pu, pu * sl}, lse_dtype, MemCategory::kWorkspace);
-  CpContext ring_ctx = ring_attn_.run_forward(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view());
+  // This rank holds query heads [u Hq / Pu, (u + 1) Hq / Pu) (ulysses.h): the global heads of the dropout key.
+  const std::int64_t head_offset = groups_.ulysses.rank() * (hq / pu);
+  CpContext ring_ctx =
+      ring_attn_.run_forward(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view(), head_offset);
 
   AttentionOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);

@@ -10,6 +10,8 @@
 // Counters (CpCounters): the ring's FLOPs, bytes and exposed time, plus the all-to-all bytes (a2a_bytes_*) and
 // seconds (a2a_s).
 // Synchronisation: forward() and backward() are collective over the Ulysses and ring groups and host-synchronous.
+// Dropout (config.dropout): the ring runs on heads [u Hq / Pu, (u + 1) Hq / Pu) of Ulysses rank u and keys its
+// mask by those global heads (RingAttention::forward_into's head_offset), so every grid drops the same pairs.
 // Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
 // splittable over Pu (UlyssesHeads), shape / dtype mismatches, a context that is empty, used or not this object's;
 // ranks of the SP group that disagree on the shapes or dtypes of q, k, v (backward: of the saved q and of dout) or

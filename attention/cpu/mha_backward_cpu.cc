@@ -5,6 +5,7 @@
 // for each key tile (outer) and each visible query tile (inner) recomputes P = exp2(S log2 e - lse log2 e) with the
 // final lse, and
 //   dP = dO V^T, dS = P (dP - delta), dV_j += P^T dO, dK_j += dS^T Q, dQ_i += dS K     (scale applied at the end).
+// Dropout: dP and then P are multiplied by the tile's multipliers z (cpu/mha_dropout.h, attention/dropout.h).
 // The number of key chunks per head depends on the shape only (enough items for 8 workers when B Hq < 8; one chunk
 // otherwise). With one chunk, dQ of the head is complete when the item ends; with several, each item writes a dQ
 // partial and the partials are summed in chunk order. dK / dV of every query head go to a per-head fp32 (fp64)
@@ -59,7 +60,7 @@ void backward_typed(const MhaBackwardParams& bp) {
   // row-major, K^T and V^T per key tile, the score tiles P and dP, two rows.
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
   const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
-                             BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0},
+                             BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0},
                             "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
   if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
@@ -96,7 +97,7 @@ void backward_typed(const MhaBackwardParams& bp) {
     const std::span<T> q = ws.buffer(0), dout = ws.buffer(1), dq = ws.buffer(2), lse2 = ws.buffer(3),
                        delta = ws.buffer(4), kmat = ws.buffer(5), kt = ws.buffer(6), vt = ws.buffer(7),
                        s = ws.buffer(8), dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11),
-                       dtanh = ws.buffer(12);
+                       dtanh = ws.buffer(12), z = ws.buffer(13);
     std::int64_t packed_kv = -1, loaded_bh = -1;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < B * Hq * nchunks; ++task) {
@@ -164,6 +165,10 @@ void backward_typed(const MhaBackwardParams& bp) {
           gemm_tile<T, false>(mr, BK, static_cast<int>(D), do_t, static_cast<int>(Dp), vt_tile, BK, dp.data(), BK);
           if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), softcap ? dtanh.data() : nullptr);
           if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
+          if (p.dropout.on) {  // dropout (attention/dropout.h): dP = z dO V^T, so that dS = P (z dP - delta) below
+            dropout_multipliers<T, BK>(p.dropout, b, h, i0, mr, j0, Sk, z.data());
+            multiply_tile<T, BK>(mr, z.data(), dp.data());
+          }
           const V vc = S::set1(c_log2);
           for (int r = 0; r < mr; ++r) {
             T* srow = s.data() + r * BK;
@@ -178,6 +183,7 @@ void backward_typed(const MhaBackwardParams& bp) {
               S::store(dprow + c, softcap ? S::mul(ds, S::load(dtanh.data() + r * BK + c)) : ds);
             }
           }
+          if (p.dropout.on) multiply_tile<T, BK>(mr, z.data(), s.data());  // dropout: dV_j += (z P)^T dO_i
           // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place)
           gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
                                    dv_h + j0 * Dp, static_cast<int>(Dp));

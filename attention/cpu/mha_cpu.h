@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "attention/cpu/mha_dropout.h"
 #include "attention/mha.h"
 
 namespace seqpar::attn::cpu {
@@ -50,6 +51,7 @@ struct MhaParams {
   std::vector<double> alibi, sinks;
   std::span<const std::int64_t> q_pos, k_pos;
   bool has_score_transform() const { return softcap > 0.0 || !alibi.empty(); }
+  MhaDropout dropout;  // off unless args.dropout.p > 0
 };
 
 // The score-transform step of both kernels, on a tile s [mr, kBlockK] of raw dot products q_i . k_j (rows i0..,

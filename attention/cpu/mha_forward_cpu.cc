@@ -5,7 +5,7 @@
 // running row max m and row sum l, O = diag(alpha) O + P V. Only [kBlockQ, kBlockK] scores exist at a time.
 // K (transposed per key tile) and V are converted to the compute type once per call and shared by all workers.
 // Each output element is produced by one work item in a fixed order of key tiles: bitwise deterministic for any
-// thread count.
+// thread count. Dropout: after the row sums, P is multiplied by the tile's multipliers z (cpu/mha_dropout.h).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -84,8 +84,8 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
   const char* vin = static_cast<const char*>(p.v);
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
   // Per-worker buffers, allocated before the regions: a converted K row; Q tile, O tile, S tile, m, l, a row.
-  const WorkerScratch<T> ws({D, BQ * Dp, BQ * Dp, BQ * BK, BQ, BQ, Dp}, "mha_forward per-thread scratch",
-                            region_workers(parallel));
+  const WorkerScratch<T> ws({D, BQ * Dp, BQ * Dp, BQ * BK, BQ, BQ, Dp, p.dropout.on ? BQ * BK : 0},
+                            "mha_forward per-thread scratch", region_workers(parallel));
 #pragma omp parallel if (parallel)
   {
     const std::span<T> row = ws.buffer(0);
@@ -108,7 +108,7 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
 #pragma omp parallel if (parallel)
   {
     const std::span<T> qt = ws.buffer(1), o = ws.buffer(2), s = ws.buffer(3), m = ws.buffer(4), l = ws.buffer(5),
-                       row = ws.buffer(6);
+                       row = ws.buffer(6), z = ws.buffer(7);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < num_tasks; ++task) {
       // query tiles in decreasing order: under a causal mask the late tiles are the long ones
@@ -174,6 +174,10 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
             const V va = S::set1(alpha);
             for (std::int64_t d = 0; d < Dp; d += W) S::store(orow + d, S::mul(S::load(orow + d), va));
           }
+        }
+        if (p.dropout.on) {  // dropout (attention/dropout.h): l summed the undropped P, O accumulates (z P) V
+          dropout_multipliers<T, BK>(p.dropout, b, h, i0, mr, j0, Sk, z.data());
+          multiply_tile<T, BK>(mr, z.data(), s.data());
         }
         gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, s.data(), BK, vp_h + j0 * Dp, static_cast<int>(Dp), o.data(),
                            static_cast<int>(Dp));

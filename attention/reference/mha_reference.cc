@@ -7,6 +7,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention/dropout.h"
 #include "runtime/error.h"
 
 namespace seqpar::attn::reference {
@@ -34,6 +35,7 @@ Dims check(const MhaForwardArgs& a) {
   check_shape(a.v, {d.B, d.Sk, d.Hkv, d.D}, "reference v");
   SEQPAR_CHECK(a.q_pos.empty() || static_cast<std::int64_t>(a.q_pos.size()) == d.Sq, "reference: q_pos size");
   SEQPAR_CHECK(a.k_pos.empty() || static_cast<std::int64_t>(a.k_pos.size()) == d.Sk, "reference: k_pos size");
+  check_dropout(a.dropout, "reference");
   d.group = d.Hq / d.Hkv;
   d.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(d.D));
   return d;
@@ -45,6 +47,15 @@ bool visible(const MhaForwardArgs& a, std::int64_t i, std::int64_t j) {
   if (!a.mask.causal) return true;
   if (kp > qp) return false;
   return a.mask.window <= 0 || qp - kp < a.mask.window;
+}
+
+// Dropout multiplier z_ij of (b, h) (attention/dropout.h): 1 without dropout, else keep / (1 - p), one
+// dropout_keep call per pair on the global head and positions.
+double dropout_z(const MhaForwardArgs& a, std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {
+  if (a.dropout.p == 0.0) return 1.0;
+  const std::int64_t qp = a.q_pos.empty() ? i : a.q_pos[static_cast<std::size_t>(i)];
+  const std::int64_t kp = a.k_pos.empty() ? j : a.k_pos[static_cast<std::size_t>(j)];
+  return dropout_keep(a.dropout.seed, b, a.head_offset + h, qp, kp, a.dropout.p) ? 1.0 / (1.0 - a.dropout.p) : 0.0;
 }
 
 // Probabilities p[i][j] (0 where masked) and lse[i] (with the sink) of one (b, h); dtanh[i][j] = d a_ij / d(scale
@@ -99,16 +110,18 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
   const double* v = args.v.data_as<double>();
   double* o = out.data_as<double>();
   double* l = lse.data_as<double>();
-  std::vector<double> p, row_lse, dtanh;
+  std::vector<double> p, row_lse, dtanh, z(static_cast<std::size_t>(d.Sk));
   for (std::int64_t b = 0; b < d.B; ++b) {
     for (std::int64_t h = 0; h < d.Hq; ++h) {
       probabilities(args, d, b, h, p, row_lse, dtanh);
       const std::int64_t hk = h / d.group;
       for (std::int64_t i = 0; i < d.Sq; ++i) {
         l[(b * d.Hq + h) * d.Sq + i] = row_lse[i];
+        for (std::int64_t j = 0; j < d.Sk; ++j) z[j] = dropout_z(args, b, h, i, j);
         for (std::int64_t e = 0; e < d.D; ++e) {
           double acc = 0.0;
-          for (std::int64_t j = 0; j < d.Sk; ++j) acc += p[i * d.Sk + j] * v[((b * d.Sk + j) * d.Hkv + hk) * d.D + e];
+          for (std::int64_t j = 0; j < d.Sk; ++j)
+            acc += z[j] * p[i * d.Sk + j] * v[((b * d.Sk + j) * d.Hkv + hk) * d.D + e];
           o[((b * d.Sq + i) * d.Hq + h) * d.D + e] = acc;
         }
       }
@@ -141,7 +154,7 @@ void mha_backward(const MhaForwardArgs& args, const TensorView& dout, const Tens
     check_shape(dsinks, {d.Hq}, "reference dsinks");
     std::fill(dsinks.data_as<double>(), dsinks.data_as<double>() + d.Hq, 0.0);
   }
-  std::vector<double> p, row_lse, dtanh, dp(static_cast<std::size_t>(d.Sk));
+  std::vector<double> p, row_lse, dtanh, dp(static_cast<std::size_t>(d.Sk)), z(static_cast<std::size_t>(d.Sk));
   for (std::int64_t b = 0; b < d.B; ++b) {
     for (std::int64_t h = 0; h < d.Hq; ++h) {
       probabilities(args, d, b, h, p, row_lse, dtanh);
@@ -149,13 +162,15 @@ void mha_backward(const MhaForwardArgs& args, const TensorView& dout, const Tens
       auto qi = [&](std::int64_t i) { return ((b * d.Sq + i) * d.Hq + h) * d.D; };
       auto kj = [&](std::int64_t j) { return ((b * d.Sk + j) * d.Hkv + hk) * d.D; };
       for (std::int64_t i = 0; i < d.Sq; ++i) {
-        // dp_ij = dO_i . v_j; softmax Jacobian: ds_ij = p_ij (dp_ij - sum_l p_il dp_il)
+        // dp_ij = z_ij dO_i . v_j (the gradient with respect to p_ij, o_i = sum_j z_ij p_ij v_j); softmax
+        // Jacobian: ds_ij = p_ij (dp_ij - sum_l p_il dp_il)
         double rowdot = 0.0;
         for (std::int64_t j = 0; j < d.Sk; ++j) {
           double acc = 0.0;
           for (std::int64_t e = 0; e < d.D; ++e) acc += go[qi(i) + e] * v[kj(j) + e];
-          dp[j] = acc;
-          rowdot += p[i * d.Sk + j] * acc;
+          z[j] = dropout_z(args, b, h, i, j);
+          dp[j] = z[j] * acc;
+          rowdot += p[i * d.Sk + j] * dp[j];
         }
         // the sink's probability exp(sink - lse) has dp = 0 (no value): d lse / d sink = p_sink, so
         // d loss / d sink = sum_j p_ij (dp_ij - rowdot) d a_ij / d sink = -p_sink rowdot
@@ -166,7 +181,7 @@ void mha_backward(const MhaForwardArgs& args, const TensorView& dout, const Tens
           if (pij == 0.0) continue;
           const double ds = pij * (dp[j] - rowdot) * dtanh[i * d.Sk + j];
           for (std::int64_t e = 0; e < d.D; ++e) {
-            gv[kj(j) + e] += pij * go[qi(i) + e];
+            gv[kj(j) + e] += z[j] * pij * go[qi(i) + e];
             gq[qi(i) + e] += d.scale * ds * k[kj(j) + e];
             gk[kj(j) + e] += d.scale * ds * q[qi(i) + e];
           }

@@ -289,17 +289,7 @@ TEST_P(MhaGradCheck, MatchesCentralDifferences) {
   };
   const double h = 1e-5;
   for (auto [t, g, name] : {std::tuple{&in.q, &got.dq, "dq"}, {&in.k, &got.dk, "dk"}, {&in.v, &got.dv, "dv"}}) {
-    double* x = t->data_as<double>();
-    std::vector<double> fd(static_cast<std::size_t>(t->numel()));
-    for (std::int64_t i = 0; i < t->numel(); ++i) {
-      const double x0 = x[i];
-      x[i] = x0 + h;
-      const double lp = loss();
-      x[i] = x0 - h;
-      const double lm = loss();
-      x[i] = x0;
-      fd[i] = (lp - lm) / (2 * h);
-    }
+    const std::vector<double> fd = test::central_differences(*t, h, loss);
     // Central differences: truncation and rounding errors ~1e-10 each (the kernel itself is fp64 throughout).
     EXPECT_TRUE(test::all_close(test::to_double(*g), fd, 1e-8, 1e-7, name));
   }
@@ -768,15 +758,7 @@ TEST(MhaSimd, Exp2MatchesStdAndUnderflowsToZero) {
 
 // ---- argument checks --------------------------------------------------------------------------------
 
-template <typename Fn>
-void expect_error(Fn&& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "expected an Error mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
+using test::expect_error;
 
 TEST(MhaArgs, RejectsInvalidConfigurations) {
   Problem p{1, 16, 16, 3, 2, 8, DType::kFloat32, {true, 0}, Layout::kContiguous};

@@ -20,6 +20,7 @@ MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
   args.v = p.v.view();
   args.mask = s.mask;
   args.mods = s.mods;
+  args.dropout = s.dropout;
   Tensor out = Tensor::empty(p.q.shape(), s.dtype, MemCategory::kWorkspace);
   Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, accumulator_dtype(s.dtype), MemCategory::kWorkspace);
   attn::mha_forward(args, out.view(), lse.view());
@@ -52,6 +53,7 @@ MhaResult reference_result(const MhaShape& s, const MhaProblem& p) {
   args.v = v.view();
   args.mask = s.mask;
   args.mods = s.mods;
+  args.dropout = s.dropout;
   Tensor out = Tensor::empty(q.shape(), DType::kFloat64, MemCategory::kWorkspace);
   Tensor lse = Tensor::empty({s.batch, s.hq, s.seq}, DType::kFloat64, MemCategory::kWorkspace);
   Tensor dq = Tensor::empty(q.shape(), DType::kFloat64, MemCategory::kWorkspace);

@@ -19,6 +19,7 @@ struct MhaShape {
   std::uint64_t seed = 0;  // added to the fixed seeds of q, k, v, dout (another problem of the same shape)
   double logits = 0;       // > 0: logits of about this size with a spread softmax (test::set_logit_offset)
   attn::ScoreMods mods;    // soft-capping, ALiBi, sinks over all hq heads (views kept alive by the caller)
+  attn::DropoutSpec dropout{};  // applied by single_rank_result and reference_result (usp_result: the config's)
 };
 
 struct MhaProblem {

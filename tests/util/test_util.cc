@@ -110,6 +110,21 @@ ErrorStats compare(const std::vector<double>& got, const std::vector<double>& wa
                                        << rtol << ")";
 }
 
+std::vector<double> central_differences(const TensorView& x, double h, const std::function<double()>& loss) {
+  double* v = x.data_as<double>();
+  std::vector<double> fd(static_cast<std::size_t>(x.numel()));
+  for (std::int64_t i = 0; i < x.numel(); ++i) {
+    const double x0 = v[i];
+    v[i] = x0 + h;
+    const double lp = loss();
+    v[i] = x0 - h;
+    const double lm = loss();
+    v[i] = x0;
+    fd[static_cast<std::size_t>(i)] = (lp - lm) / (2 * h);
+  }
+  return fd;
+}
+
 bool all_ranks(Communicator& comm, bool ok) {
   std::int32_t v = ok ? 0 : 1;
   comm.all_reduce(TensorView(&v, DType::kInt32, {1}), ReduceOp::kMax)->wait();

@@ -5,10 +5,12 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "runtime/comm.h"
+#include "runtime/error.h"
 #include "runtime/tensor.h"
 
 namespace seqpar::test {
@@ -47,6 +49,21 @@ ErrorStats compare(const std::vector<double>& got, const std::vector<double>& wa
 // index, both values and the rank.
 ::testing::AssertionResult all_close(const std::vector<double>& got, const std::vector<double>& want, double atol,
                                      double rtol, const std::string& what);
+
+// Central differences (loss(x + h e_i) - loss(x - h e_i)) / 2h for every element i of the fp64 tensor x, which is
+// perturbed in place (and restored) while `loss` is evaluated.
+std::vector<double> central_differences(const TensorView& x, double h, const std::function<double()>& loss);
+
+// gtest check that fn() throws seqpar::Error whose message contains `needle`.
+template <typename Fn>
+void expect_error(Fn&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an Error mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
 
 // True when every rank passes `ok`; used by MPI tests so that all ranks agree on a verdict.
 bool all_ranks(Communicator& comm, bool ok);
