@@ -41,11 +41,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "attention/mha.h"
 #include "parallel/cp_common.h"
 #include "parallel/layout.h"
+#include "parallel/ring_pass.h"
 #include "runtime/comm.h"
 
 namespace seqpar {
@@ -103,7 +106,8 @@ class RingAttention {
                     const TensorView& dv);
   void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                           const TensorView& dv);
-  attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v, int src) const;
+  attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v,
+                                  std::span<const std::int64_t> k_pos) const;
   // (K, V) of every ring rank in global order, [B, S, Hkv, D] each (all-gather into k_full, v_full), and the
   // forward arguments of this rank's queries against them.
   attn::MhaForwardArgs gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full);
@@ -115,6 +119,7 @@ class RingAttention {
   int rank_, size_;
   std::vector<std::vector<std::int64_t>> positions_;  // ring shard positions of every ring rank
   std::vector<std::int64_t> global_order_;            // 0..S-1 (allgather: keys in global order)
+  std::optional<WindowPlan> plan_;                    // p2p with a window: the rows each pair exchanges
   CpCounters counters_;
 };
 
