@@ -28,17 +28,17 @@ constexpr const char* kInputNames[kNumInputs] = {"q", "c", "q_idx", "k_idx", "w"
 
 std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o);
 
-// (query, selected key) pairs of the whole problem: query t sees t + 1 keys and selects min(k, t + 1) of them.
-double selected_pairs(const SpBenchOptions& o) {
-  const double s = static_cast<double>(o.seq), k = static_cast<double>(std::min(o.topk, o.seq));
-  // sum_{t=0}^{S-1} min(k, t+1) = k (k + 1) / 2 + (S - k) k
-  return static_cast<double>(o.batch) * (k * (k + 1) / 2 + (s - k) * k);
+// sum_{t=0}^{S-1} min(m, t+1) = m (m + 1) / 2 + (S - m) m, m <= S, per batch row.
+double capped_pairs(const SpBenchOptions& o, std::int64_t cap) {
+  const double s = static_cast<double>(o.seq), m = static_cast<double>(std::min(cap, o.seq));
+  return static_cast<double>(o.batch) * (m * (m + 1) / 2 + (s - m) * m);
 }
-// (query, visible key) pairs the indexer scores: S (S + 1) / 2 per batch row.
-double visible_pairs(const SpBenchOptions& o) {
-  const double s = static_cast<double>(o.seq);
-  return static_cast<double>(o.batch) * s * (s + 1) / 2;
-}
+// The candidates of query t: its t + 1 visible keys, or the last min(W, t + 1) with a window W.
+std::int64_t candidate_cap(const SpBenchOptions& o) { return o.window > 0 ? o.window : o.seq; }
+// (query, selected key) pairs of the whole problem: query t selects min(k, candidates) keys.
+double selected_pairs(const SpBenchOptions& o) { return capped_pairs(o, std::min(o.topk, candidate_cap(o))); }
+// (query, candidate key) pairs the indexer scores: S (S + 1) / 2 per batch row without a window.
+double visible_pairs(const SpBenchOptions& o) { return capped_pairs(o, candidate_cap(o)); }
 
 class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
  public:
@@ -47,6 +47,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     cfg.select = parse_dsa_select_mode(o.dsa_select);
     cfg.topk = o.topk;
     cfg.dim_v = o.dim_v;
+    cfg.window = o.window;
     dsa_ = std::make_unique<DsaContextParallel>(groups_, SequenceLayout::for_groups(groups_, o.seq, o.layout), cfg);
   }
 
@@ -171,6 +172,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     idx.q_idx = find_array(in, "q_idx").view();
     idx.w = find_array(in, "w").view();
     idx.k_idx = find_array(in, "k_idx").view();
+    idx.window = o_.window;
     const auto out = [&](const char* name) { return find_array(r, name).view(); };
     attn::reference::dsa_attention_forward(a, out("out"), out("lse"));
     attn::reference::dsa_attention_backward(a, find_array(in, "dout").view(), out("dq"), out("dc"));
@@ -230,6 +232,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     a.q_idx = find_array(ref_in_, "q_idx").view();
     a.w = find_array(ref_in_, "w").view();
     a.k_idx = find_array(ref_in_, "k_idx").view();
+    a.window = o_.window;
     return a;
   }
   attn::DsaAttentionArgs ref_attention_args() const {
@@ -343,7 +346,8 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
     return str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Dqk=", o.head_dim, " causal=yes Dv=", o.dim_v,
-                   " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select);
+                   " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select,
+                   o.window > 0 ? str_cat(" window=", o.window) : std::string());
   };
   k.validate = [](SpBenchOptions& o) {
     // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.
@@ -357,7 +361,6 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
-    SEQPAR_CHECK(o.window == 0, "--window ", o.window, ": DSA selects its keys with the indexer (no window)");
   };
   return k;
 }

@@ -255,13 +255,14 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     for (std::size_t i = 0; i < kinds.size(); ++i) need += (i == 0 ? "" : " or ") + kinds[i];
     SEQPAR_THROW("--", flag, " needs --attn ", need, " (--attn ", o.attn, ")");
   }
-  SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   const std::int64_t grid_ranks = static_cast<std::int64_t>(o.grid.dp_size) * o.grid.ulysses_size * o.grid.ring_size;
   SEQPAR_CHECK(grid_ranks == world_size, "--dp-size ", o.grid.dp_size, " x --ulysses-size ", o.grid.ulysses_size,
                " x --ring-size ", o.grid.ring_size, " = ", grid_ranks, " must equal the number of MPI ranks (",
                world_size, ")");
   const WorkloadKind& kind = find_workload_kind(o.attn);
   if (kind.validate) kind.validate(o);
+  // After the kind's rules: DSA implies --causal (its window limits the indexer's candidates), GDN refuses a window.
+  SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   // Layout divisibility (the same rule the library applies, raised here before any communication).
   SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
   return o;

@@ -32,12 +32,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
 #include "attention/dsa.h"
 #include "parallel/cp_common.h"
 #include "parallel/layout.h"
+#include "parallel/ring_pass.h"
 
 namespace seqpar {
 
@@ -46,6 +48,9 @@ struct DsaCpConfig {
   std::int64_t topk = attn::kDsaTopK;
   std::int64_t dim_v = attn::kDsaHeadDimV;
   float scale = 0.0f;  // <= 0: 1 / sqrt(Dqk)
+  // > 0: the indexer's candidates of query t are the keys with 0 <= t - k_pos < window (attn::DsaIndexerArgs::window);
+  // the selection then moves only the index-key rows a rank's queries can see (WindowPlan, parallel/ring_pass.h).
+  std::int64_t window = 0;
 };
 
 struct DsaCpOutput {
@@ -84,6 +89,7 @@ class DsaContextParallel : public CpLayerBase {
   DsaCpConfig config_;
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
   std::vector<std::vector<std::int64_t>> ring_positions_;  // every ring rank's ring shard
+  std::optional<WindowPlan> select_plan_;                  // ring selection with a window (over the SP group)
 };
 
 }  // namespace seqpar

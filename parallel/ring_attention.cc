@@ -34,13 +34,6 @@ TensorView part(const TensorView& packed, std::int64_t i, const Shape& shape) {
 Shape rows_shape(const Shape& kv_shape, std::int64_t n) { return {2 * kv_shape[0], n, kv_shape[2], kv_shape[3]}; }
 Shape kv_rows_shape(const Shape& kv_shape, std::int64_t n) { return {kv_shape[0], n, kv_shape[2], kv_shape[3]}; }
 
-// The global positions of `rows` of a block at `positions`.
-std::vector<std::int64_t> positions_of(const std::vector<std::int64_t>& positions, std::span<const std::int64_t> rows) {
-  std::vector<std::int64_t> out(rows.size());
-  for (std::size_t i = 0; i < rows.size(); ++i) out[i] = positions[static_cast<std::size_t>(rows[i])];
-  return out;
-}
-
 }  // namespace
 
 struct RingAttention::Saved {
@@ -213,7 +206,7 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
         [&](int src, const TensorView& block, std::span<const std::int64_t> rows) {
           const TensorView packed = block.reshape(packed_shape(kv_rows_shape(kv_shape, block.dim(1)), 2));
           const Shape rshape = kv_rows_shape(kv_shape, block.dim(1));
-          merge_block(part(packed, 0, rshape), part(packed, 1, rshape), positions_of(positions_[src], rows));
+          merge_block(part(packed, 0, rshape), part(packed, 1, rshape), positions_of_rows(positions_[src], rows));
         },
         &counters_.exposed_comm_s, stream);
     counters_.message_rounds += static_cast<std::int64_t>(plan_->rounds().size());
@@ -272,7 +265,7 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
           const Shape rshape = kv_rows_shape(kv_shape, block.dim(1));
           const TensorView packed = block.reshape(packed_shape(rshape, 2));
           const TensorView packed_grad = grad.reshape(packed_shape(rshape, 2));
-          block_grads(part(packed, 0, rshape), part(packed, 1, rshape), positions_of(positions_[src], rows),
+          block_grads(part(packed, 0, rshape), part(packed, 1, rshape), positions_of_rows(positions_[src], rows),
                       part(packed_grad, 0, rshape), part(packed_grad, 1, rshape));
         },
         &counters_.exposed_comm_s, stream);

@@ -137,6 +137,13 @@ WindowPlan::WindowPlan(const std::vector<std::vector<std::int64_t>>& positions, 
   }
 }
 
+std::vector<std::int64_t> positions_of_rows(const std::vector<std::int64_t>& positions,
+                                            std::span<const std::int64_t> rows) {
+  std::vector<std::int64_t> out(rows.size());
+  for (std::size_t i = 0; i < rows.size(); ++i) out[i] = positions[static_cast<std::size_t>(rows[i])];
+  return out;
+}
+
 std::int64_t WindowPlan::rows_sent() const { return total_rows(send_rows_); }
 std::int64_t WindowPlan::rows_received() const { return total_rows(recv_rows_); }
 

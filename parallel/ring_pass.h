@@ -86,6 +86,10 @@ class WindowPlan {
   std::vector<int> rounds_;
 };
 
+// The global positions of `rows` of a block whose rows sit at `positions` (positions[rows[i]]).
+std::vector<std::int64_t> positions_of_rows(const std::vector<std::int64_t>& positions,
+                                            std::span<const std::int64_t> rows);
+
 // rows: indices into the sender's block of the rows in `block` (block row i is the sender's row rows[i]).
 using WindowVisit = std::function<void(int src, const TensorView& block, std::span<const std::int64_t> rows)>;
 using WindowGradVisit = std::function<void(int src, const TensorView& block, std::span<const std::int64_t> rows,

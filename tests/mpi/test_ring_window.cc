@@ -176,7 +176,9 @@ TEST(RingWindow, PlanMatchesFormula) {
         EXPECT_EQ(static_cast<std::int64_t>(plan.recv_rows(d).size()), formula_rows(ch, r, (r - d + P) % P, w))
             << layout_name(kind) << " window " << w << " d " << d;
       }
-      if (P == 2 && w == 256 && kind == LayoutKind::kZigzag) EXPECT_EQ(plan.rows_sent(), 255);
+      if (P == 2 && w == 256 && kind == LayoutKind::kZigzag) {
+        EXPECT_EQ(plan.rows_sent(), 255);
+      }
     }
   }
 }
