@@ -14,8 +14,9 @@
 //
 // Positions are global token indices (std::span<const int64_t>; empty = 0, 1, 2, ...). Key j is visible to query t
 // iff pos_k(j) <= pos_q(t); with DsaIndexerArgs::window W > 0, only keys with pos_q(t) - pos_k(j) < W are candidates
-// of the selection (a sliding window for the indexer; attention and loss follow the selection). Every function below takes ONE BLOCK of keys (index keys or latents) with their global
-// positions, so that a context-parallel caller can feed blocks that arrive from other ranks, in any order:
+// of the selection (a sliding window for the indexer; attention and loss follow the selection). Every function below
+// takes ONE BLOCK of keys (index keys or latents) with their global positions, so that a context-parallel caller can
+// feed blocks that arrive from other ranks, in any order:
 //
 //   Selection (per query block, keys in any number of blocks, any order):
 //     dsa_topk_init(state)                                    scores = -inf, positions = -1

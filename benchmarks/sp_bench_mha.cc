@@ -177,14 +177,9 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   void reset_layer_counters() override { usp_->reset_counters(); }
   AttentionOutput run_forward() override { return usp_->forward(in_[kQ], in_[kK], in_[kV]); }
   AttentionGrads run_backward(CpContext&& ctx) override { return usp_->backward(std::move(ctx), in_[kDout]); }
-  PhaseCounters forward_counters() override { return counters(); }
-  PhaseCounters backward_counters() override { return counters(); }
-  // The ring's exchange rounds too (P - 1 / P around the full ring, fewer under a window: ring_attention.h).
-  PhaseCounters counters() const {
-    PhaseCounters p = phase_counters(usp_->counters());
-    p.message_rounds = usp_->counters().message_rounds;
-    return p;
-  }
+  // With the ring's exchange rounds (P - 1 / P around the full ring, fewer under a window: ring_attention.h).
+  PhaseCounters forward_counters() override { return phase_counters_with_rounds(usp_->counters()); }
+  PhaseCounters backward_counters() override { return phase_counters_with_rounds(usp_->counters()); }
 
   SpBenchOptions o_;
   const SpGrid& grid_;

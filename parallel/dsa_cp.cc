@@ -98,8 +98,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   auto merge_keys = [&](const TensorView& block, std::span<const std::int64_t> k_pos) {
     if (!any_visible(positions_, k_pos, config_.window)) return;
     const ScopedTimer timer(counters_.compute_s);
-    attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, k_pos, config_.window), state,
-                                 stream);
+    attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, k_pos, config_.window), state, stream);
   };
   auto merge_block = [&](int src, const TensorView& block) { merge_keys(block, sp_positions_[src]); };
   if (select_plan_) {  // a window: only the index-key rows some local query can see travel

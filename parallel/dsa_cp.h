@@ -13,6 +13,11 @@
 // (ring_circulate_with_grad); dc and the head-summed attention probabilities of the ring shard are reduce-scattered
 // over the Ulysses group back to the sequence-sharded layout.
 //
+// Window (DsaCpConfig::window W > 0): the indexer's candidates of query t are the keys with t - W < pos <= t
+// (attn::DsaIndexerArgs::window); ring selection then moves only the index-key rows some local query can see
+// (WindowPlan, window_exchange in parallel/ring_pass.h), and every ring pass skips the computation of blocks with no
+// candidate of a local query. The latent ring and the backward's index-key ring still circulate whole blocks.
+//
 // Indexer loss (KL(p* || softmax(I)) summed over all queries; docs/design.md section 9.3): p* comes from the main
 // attention probabilities, which the attention backward produces for free, so the loss value and all gradients
 // come out of backward(). The index-key gradients travel home with the index-key blocks like dK / dV.

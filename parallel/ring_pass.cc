@@ -82,7 +82,6 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
   alloc.copy_convert(in[last].view(), home_grad);
 }
 
-
 // ---- windowed schedule -----------------------------------------------------------------------------------
 
 namespace {
@@ -246,8 +245,7 @@ void window_exchange_with_grad(Communicator& comm, const WindowPlan& plan, const
     std::vector<P2POp> ops;
     if (cur.recv.defined()) {
       const auto rows = plan.recv_rows(d);
-      g.out = alloc.zeros(with_rows(grad_shape, static_cast<std::int64_t>(rows.size())), acc,
-                          MemCategory::kCommBuffer);
+      g.out = alloc.zeros(with_rows(grad_shape, static_cast<std::int64_t>(rows.size())), acc, MemCategory::kCommBuffer);
       visit((r - d + p) % p, cur.recv.view(), rows, g.out.view());
       ops.push_back(P2POp::send(g.out.view(), (r - d + p) % p, tag + 1));
     }

@@ -92,8 +92,8 @@ std::vector<std::int64_t> positions_of_rows(const std::vector<std::int64_t>& pos
 
 // rows: indices into the sender's block of the rows in `block` (block row i is the sender's row rows[i]).
 using WindowVisit = std::function<void(int src, const TensorView& block, std::span<const std::int64_t> rows)>;
-using WindowGradVisit = std::function<void(int src, const TensorView& block, std::span<const std::int64_t> rows,
-                                           const TensorView& grad)>;
+using WindowGradVisit =
+    std::function<void(int src, const TensorView& block, std::span<const std::int64_t> rows, const TensorView& grad)>;
 
 // local_block [N, L, ...] (rows along dim 1). visit runs on this rank's own block first (rows = all_rows()), then
 // on every received block in round order. Collective over `comm` (size plan.size(), rank plan.rank()).

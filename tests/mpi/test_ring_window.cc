@@ -92,8 +92,11 @@ std::vector<std::int64_t> windows_for(std::int64_t seq, int p) {
 
 void expect_fp64_match(const test::MhaResult& got, const test::MhaResult& want, const std::string& what) {
   const std::pair<const char*, std::pair<const std::vector<double>*, const std::vector<double>*>> tensors[] = {
-      {"out", {&got.out, &want.out}}, {"lse", {&got.lse, &want.lse}}, {"dq", {&got.dq, &want.dq}},
-      {"dk", {&got.dk, &want.dk}},    {"dv", {&got.dv, &want.dv}}};
+      {"out", {&got.out, &want.out}},
+      {"lse", {&got.lse, &want.lse}},
+      {"dq", {&got.dq, &want.dq}},
+      {"dk", {&got.dk, &want.dk}},
+      {"dv", {&got.dv, &want.dv}}};
   for (const auto& [name, t] : tensors) {
     EXPECT_TRUE(test::all_close(*t.first, *t.second, 1e-10, 1e-10, what + " " + name));
   }
@@ -109,8 +112,8 @@ TEST(RingWindow, ExactForEveryLayoutAndWindow) {
         const test::MhaProblem p(shape_of(c));
         const test::MhaResult want = test::single_rank_result(shape_of(c), p);
         const test::MhaResult got = test::usp_result(grid, shape_of(c), p, window_config(w), layout);
-        const std::string what = str_cat(layout_name(layout), " window ", w, " ", dtype_name(dtype), " at ", P,
-                                         " ranks");
+        const std::string what =
+            str_cat(layout_name(layout), " window ", w, " ", dtype_name(dtype), " at ", P, " ranks");
         if (dtype == DType::kFloat64) {
           expect_fp64_match(got, want, what);
         } else {
@@ -147,7 +150,8 @@ TEST(RingWindow, BytesAndRoundsMatchFormula) {
         // Forward: rows out as kv; backward: rows out again, plus the accumulators of the rows received sent home.
         const std::int64_t sent = 2 * out_rows * kv_row + in_rows * dkv_row;
         const std::int64_t received = 2 * in_rows * kv_row + out_rows * dkv_row;
-        const std::string what = str_cat(layout_name(layout), " window ", w, " ", dtype_name(dtype), " rank ", r, "/", P);
+        const std::string what =
+            str_cat(layout_name(layout), " window ", w, " ", dtype_name(dtype), " rank ", r, "/", P);
         EXPECT_EQ(counters.bytes_sent, sent) << what;
         EXPECT_EQ(counters.bytes_received, received) << what;
         EXPECT_EQ(counters.message_rounds, 2 * rounds) << what;  // forward + backward
