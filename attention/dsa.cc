@@ -92,6 +92,7 @@ cpu::DsaIndexerShape validate_indexer(const DsaIndexerArgs& a) {
   s.q_pos = detail::positions_or_iota(a.q_pos, s.Sq, "q_pos", "Sq");
   s.k_pos = detail::positions_or_iota(a.k_pos, s.Sk, "k_pos", "Sk");
   detail::check_strictly_increasing(s.k_pos, "k_pos");
+  SEQPAR_CHECK(a.window >= 0, "indexer window ", a.window, " must be >= 0 (0: no window)");
   return s;
 }
 

@@ -13,8 +13,10 @@
 // The main output gets no gradient from L and the indexer none from the main output.
 //
 // Positions are global token indices (std::span<const int64_t>; empty = 0, 1, 2, ...). Key j is visible to query t
-// iff pos_k(j) <= pos_q(t). Every function below takes ONE BLOCK of keys (index keys or latents) with their global
-// positions, so that a context-parallel caller can feed blocks that arrive from other ranks, in any order:
+// iff pos_k(j) <= pos_q(t); with DsaIndexerArgs::window W > 0, only keys with pos_q(t) - pos_k(j) < W are candidates
+// of the selection (a sliding window for the indexer; attention and loss follow the selection). Every function below
+// takes ONE BLOCK of keys (index keys or latents) with their global positions, so that a context-parallel caller can
+// feed blocks that arrive from other ranks, in any order:
 //
 //   Selection (per query block, keys in any number of blocks, any order):
 //     dsa_topk_init(state)                                    scores = -inf, positions = -1
@@ -97,6 +99,7 @@ struct DsaIndexerArgs {
   TensorView k_idx;                     // [B, Sk, Di] one key block (one head shared by all indexer heads)
   std::span<const std::int64_t> q_pos;  // [Sq] global positions, any order (empty: 0..Sq-1)
   std::span<const std::int64_t> k_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
+  std::int64_t window = 0;  // > 0: keys with q_pos - k_pos >= window are not candidates of the selection; 0: none
 };
 // q_idx, w, k_idx: any floating dtype, all the same.
 

@@ -52,17 +52,17 @@ float dsa_softmax_scale(const SpBenchOptions& o) {
   return factor == 1.0 ? 0.0f : static_cast<float>(factor / std::sqrt(static_cast<double>(o.head_dim)));
 }
 
-// (query, selected key) pairs of the whole problem: query t sees t + 1 keys and selects min(k, t + 1) of them.
-double selected_pairs(const SpBenchOptions& o) {
-  const double s = static_cast<double>(o.seq), k = static_cast<double>(std::min(o.topk, o.seq));
-  // sum_{t=0}^{S-1} min(k, t+1) = k (k + 1) / 2 + (S - k) k
-  return static_cast<double>(o.batch) * (k * (k + 1) / 2 + (s - k) * k);
+// sum_{t=0}^{S-1} min(m, t+1) = m (m + 1) / 2 + (S - m) m, m <= S, per batch row.
+double capped_pairs(const SpBenchOptions& o, std::int64_t cap) {
+  const double s = static_cast<double>(o.seq), m = static_cast<double>(std::min(cap, o.seq));
+  return static_cast<double>(o.batch) * (m * (m + 1) / 2 + (s - m) * m);
 }
-// (query, visible key) pairs the indexer scores: S (S + 1) / 2 per batch row.
-double visible_pairs(const SpBenchOptions& o) {
-  const double s = static_cast<double>(o.seq);
-  return static_cast<double>(o.batch) * s * (s + 1) / 2;
-}
+// The candidates of query t: its t + 1 visible keys, or the last min(W, t + 1) with a window W.
+std::int64_t candidate_cap(const SpBenchOptions& o) { return o.window > 0 ? o.window : o.seq; }
+// (query, selected key) pairs of the whole problem: query t selects min(k, candidates) keys.
+double selected_pairs(const SpBenchOptions& o) { return capped_pairs(o, std::min(o.topk, candidate_cap(o))); }
+// (query, candidate key) pairs the indexer scores: S (S + 1) / 2 per batch row without a window.
+double visible_pairs(const SpBenchOptions& o) { return capped_pairs(o, candidate_cap(o)); }
 
 class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
  public:
@@ -73,6 +73,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     cfg.topk = o.topk;
     cfg.dim_v = o.dim_v;
     cfg.scale = dsa_softmax_scale(o);
+    cfg.window = o.window;
     dsa_ = std::make_unique<DsaContextParallel>(groups_, SequenceLayout::for_groups(groups_, o.seq, o.layout), cfg);
   }
 
@@ -202,6 +203,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     idx.q_idx = find_array(in, "q_idx").view();
     idx.w = find_array(in, "w").view();
     idx.k_idx = find_array(in, "k_idx").view();
+    idx.window = o_.window;
     const auto out = [&](const char* name) { return find_array(r, name).view(); };
     attn::reference::dsa_attention_forward(a, out("out"), out("lse"));
     attn::reference::dsa_attention_backward(a, find_array(in, "dout").view(), out("dq"), out("dc"));
@@ -263,6 +265,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     a.q_idx = find_array(ref_rot_, "q_idx").view();
     a.w = find_array(ref_rot_, "w").view();
     a.k_idx = find_array(ref_rot_, "k_idx").view();
+    a.window = o_.window;
     return a;
   }
   attn::DsaAttentionArgs ref_attention_args() const {
@@ -389,7 +392,7 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
                 "DSA: 128 heads, latent 576 (value 512), indexer 64 heads x 128, top-k 2048, causal, RoPE on 64 "
                 "columns with YaRN (factor 40)",
                 0, ds_rope}};
-  k.own_flags = {"topk", "dsa-select", "dim-v", "indexer-heads", "indexer-dim"};
+  k.own_flags = {"topk", "dsa-select", "dim-v", "indexer-heads", "indexer-dim", "window"};
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
                          {"seq", "q", 1, &SpBenchOptions::seq},
                          {"heads", "q", 2, &SpBenchOptions::heads},
@@ -411,7 +414,8 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   k.describe_shapes = [](const SpBenchOptions& o) {
     return str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Dqk=", o.head_dim, " causal=yes Dv=", o.dim_v,
                    " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select,
-                   o.rope ? " " + describe_rope(o, dsa_rope_targets(o)[0].cfg) : "");
+                   (o.rope ? " " + describe_rope(o, dsa_rope_targets(o)[0].cfg) : std::string()),
+                   o.window > 0 ? str_cat(" window=", o.window) : std::string());
   };
   k.validate = [](SpBenchOptions& o) {
     // DSA is causal by construction (key j is visible to query t iff j <= t); --causal is implied.

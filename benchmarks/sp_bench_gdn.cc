@@ -367,13 +367,8 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     }
     return g;
   }
-  PhaseCounters forward_counters() override { return counters(); }
-  PhaseCounters backward_counters() override { return counters(); }
-  PhaseCounters counters() const {
-    PhaseCounters p = phase_counters(gdn_->counters());
-    p.message_rounds = gdn_->counters().message_rounds;
-    return p;
-  }
+  PhaseCounters forward_counters() override { return phase_counters_with_rounds(gdn_->counters()); }
+  PhaseCounters backward_counters() override { return phase_counters_with_rounds(gdn_->counters()); }
 
   SpBenchOptions o_;
   const SpGrid& grid_;

@@ -259,8 +259,8 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     rope_backward_all(rope_, {g.dq.view(), g.dk.view()}, positions_);
     return g;
   }
-  PhaseCounters forward_counters() override { return phase_counters(usp_->counters()); }
-  PhaseCounters backward_counters() override { return phase_counters(usp_->counters()); }
+  PhaseCounters forward_counters() override { return phase_counters_with_rounds(usp_->counters()); }
+  PhaseCounters backward_counters() override { return phase_counters_with_rounds(usp_->counters()); }
 
   SpBenchOptions o_;
   const SpGrid& grid_;

@@ -378,12 +378,13 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,
                ": unknown selection mode (expected ring or allgather)");
   check_kinds_own_flags(o);
-  SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   const std::int64_t grid_ranks = static_cast<std::int64_t>(o.grid.dp_size) * o.grid.ulysses_size * o.grid.ring_size;
   SEQPAR_CHECK(grid_ranks == world_size, "--dp-size ", o.grid.dp_size, " x --ulysses-size ", o.grid.ulysses_size,
                " x --ring-size ", o.grid.ring_size, " = ", grid_ranks, " must equal the number of MPI ranks (",
                world_size, ")");
   if (kind.validate) kind.validate(o);
+  // After the kind's rules: DSA implies --causal (its window limits the indexer's candidates), GDN refuses a window.
+  SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
   check_layout_fits(o);
   return o;
 }

@@ -159,6 +159,12 @@ PhaseCounters phase_counters(const CpCounters& c) {
   return p;
 }
 
+PhaseCounters phase_counters_with_rounds(const CpCounters& c) {
+  PhaseCounters p = phase_counters(c);
+  p.message_rounds = c.message_rounds;
+  return p;
+}
+
 std::vector<Tensor> local_tensors(DType dtype, const std::vector<Shape>& shapes, MemCategory category) {
   std::vector<Tensor> out;
   out.reserve(shapes.size());

@@ -17,14 +17,22 @@ namespace {
 constexpr int kTagIndexKeys = 301;  // 302: dk_idx accumulators
 constexpr int kTagLatent = 303;     // 304: dc accumulators
 
-// A block of keys at `k_pos` holds a key visible (causally) to some query at `q_pos` (both increasing).
-bool any_visible(const std::vector<std::int64_t>& q_pos, const std::vector<std::int64_t>& k_pos) {
-  return !q_pos.empty() && !k_pos.empty() && k_pos.front() <= q_pos.back();
+// A block of keys at `k_pos` holds a key visible (causally, and inside the window when window > 0) to some query at
+// `q_pos` (both increasing). Selected keys are candidates, so this also tells which latent blocks hold selections.
+bool any_visible(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos, std::int64_t window) {
+  if (q_pos.empty() || k_pos.empty() || k_pos.front() > q_pos.back()) return false;
+  if (window <= 0) return true;
+  for (const std::int64_t k : k_pos) {  // the nearest query at or after each key
+    const auto q = std::lower_bound(q_pos.begin(), q_pos.end(), k);
+    if (q != q_pos.end() && *q - k < window) return true;
+  }
+  return false;
 }
 
 attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, const TensorView& k_idx,
-                                  std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos) {
-  return {q_idx, w, k_idx, q_pos, k_pos};
+                                  std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
+                                  std::int64_t window = 0) {
+  return {q_idx, w, k_idx, q_pos, k_pos, window};
 }
 
 }  // namespace
@@ -39,8 +47,12 @@ DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLay
   SEQPAR_CHECK(config.topk >= 1, "DSA topk ", config.topk, " must be >= 1");
   SEQPAR_CHECK(config.dim_v >= 1, "DSA dim_v ", config.dim_v, " must be >= 1");
   SEQPAR_CHECK(std::isfinite(config.scale), "DSA scale ", config.scale, " must be finite (0 or less: 1/sqrt(Dqk))");
+  SEQPAR_CHECK(config.window >= 0, "DSA window ", config.window, " must be >= 0 (0: no window)");
   for (int r = 0; r < layout_.num_ranks(); ++r) sp_positions_.push_back(layout_.positions(r));
   for (int r = 0; r < layout_.ring_size(); ++r) ring_positions_.push_back(layout_.ring_shard_positions(r));
+  if (config.window > 0 && config.select == DsaSelectMode::kRing) {
+    select_plan_.emplace(sp_positions_, groups_.sp.rank(), config.window);
+  }
 }
 
 DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
@@ -51,6 +63,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
         .add_int("topk", config_.topk)
         .add_int("dim_v", config_.dim_v)
         .add_real("scale", config_.scale)
+        .add_int("window", config_.window)
         .add_tensors({{"q", q}, {"c", c}, {"q_idx", q_idx}, {"k_idx", k_idx}, {"w", w}});
     agree(forward_agreement_, fp);
   }
@@ -92,12 +105,20 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   Tensor state_pos = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kWorkspace);
   const attn::DsaTopkState state{scores.view(), state_pos.view()};
   attn::dsa_topk_init(state, stream);
-  auto merge_block = [&](int src, const TensorView& block) {
-    if (!any_visible(positions_, sp_positions_[src])) return;
+  auto merge_keys = [&](const TensorView& block, std::span<const std::int64_t> k_pos) {
+    if (!any_visible(positions_, k_pos, config_.window)) return;
     const ScopedTimer timer(counters_.compute_s);
-    attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src]), state, stream);
+    attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, k_pos, config_.window), state, stream);
   };
-  if (config_.select == DsaSelectMode::kRing) {
+  auto merge_block = [&](int src, const TensorView& block) { merge_keys(block, sp_positions_[src]); };
+  if (select_plan_) {  // a window: only the index-key rows some local query can see travel
+    window_exchange(
+        sp, *select_plan_, s->k_idx.view(), kTagIndexKeys,
+        [&](int src, const TensorView& block, std::span<const std::int64_t> rows) {
+          merge_keys(block, positions_of_rows(sp_positions_[src], rows));
+        },
+        &counters_.exposed_comm_s, stream);
+  } else if (config_.select == DsaSelectMode::kRing) {
     ring_circulate(sp, s->k_idx.view(), kTagIndexKeys, merge_block, &counters_.exposed_comm_s, stream);
   } else {
     const int n = sp.size();
@@ -129,7 +150,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   ring_circulate(
       groups_.ring, s->c_ring.view(), kTagLatent,
       [&](int src, const TensorView& block) {
-        if (!any_visible(my_ring_pos, ring_positions_[src])) return;
+        if (!any_visible(my_ring_pos, ring_positions_[src], config_.window)) return;
         attn::DsaAttentionArgs a;
         a.q = s->q_h.view();
         a.c = block;
@@ -198,7 +219,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   ring_circulate_with_grad(
       groups_.ring, s->c_ring.view(), {B, sr, dqk}, dc_ring.view(), kTagLatent,
       [&](int src, const TensorView& block, const TensorView& grad) {
-        if (!any_visible(my_ring_pos, ring_positions_[src])) return;
+        if (!any_visible(my_ring_pos, ring_positions_[src], config_.window)) return;
         attn::DsaAttentionBackwardArgs a;
         a.fwd.q = s->q_h.view();
         a.fwd.c = block;
@@ -253,7 +274,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   ring_circulate_with_grad(
       sp, s->k_idx.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
       [&](int src, const TensorView& block, const TensorView& grad) {
-        if (!any_visible(positions_, sp_positions_[src])) return;
+        if (!any_visible(positions_, sp_positions_[src], config_.window)) return;
         const ScopedTimer timer(counters_.compute_s);
         attn::dsa_indexer_backward(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src]),
                                    s->topk_local.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true, stream);

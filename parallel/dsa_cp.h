@@ -13,6 +13,11 @@
 // (ring_circulate_with_grad); dc and the head-summed attention probabilities of the ring shard are reduce-scattered
 // over the Ulysses group back to the sequence-sharded layout.
 //
+// Window (DsaCpConfig::window W > 0): the indexer's candidates of query t are the keys with t - W < pos <= t
+// (attn::DsaIndexerArgs::window); ring selection then moves only the index-key rows some local query can see
+// (WindowPlan, window_exchange in parallel/ring_pass.h), and every ring pass skips the computation of blocks with no
+// candidate of a local query. The latent ring and the backward's index-key ring still circulate whole blocks.
+//
 // Indexer loss (KL(p* || softmax(I)) summed over all queries; docs/design.md section 9.3): p* comes from the main
 // attention probabilities, which the attention backward produces for free, so the loss value and all gradients
 // come out of backward(). The index-key gradients travel home with the index-key blocks like dK / dV.
@@ -34,12 +39,14 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string_view>
 #include <vector>
 
 #include "attention/dsa.h"
 #include "parallel/cp_common.h"
 #include "parallel/layout.h"
+#include "parallel/ring_pass.h"
 
 namespace seqpar {
 
@@ -48,6 +55,9 @@ struct DsaCpConfig {
   std::int64_t topk = attn::kDsaTopK;
   std::int64_t dim_v = attn::kDsaHeadDimV;
   float scale = 0.0f;  // <= 0: 1 / sqrt(Dqk)
+  // > 0: the indexer's candidates of query t are the keys with 0 <= t - k_pos < window (attn::DsaIndexerArgs::window);
+  // the selection then moves only the index-key rows a rank's queries can see (WindowPlan, parallel/ring_pass.h).
+  std::int64_t window = 0;
 };
 
 struct DsaCpOutput {
@@ -86,6 +96,7 @@ class DsaContextParallel : public CpLayerBase {
   DsaCpConfig config_;
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
   std::vector<std::vector<std::int64_t>> ring_positions_;  // every ring rank's ring shard
+  std::optional<WindowPlan> select_plan_;                  // ring selection with a window (over the SP group)
 };
 
 }  // namespace seqpar

@@ -29,6 +29,11 @@ TensorView part(const TensorView& packed, std::int64_t i, const Shape& shape) {
   return packed.slice0(i, i + 1).reshape(shape);
 }
 
+// A packed [2, B, L, H, D] block read as [2B, L, H, D] (rows along dim 1, as the windowed exchange moves them) and
+// back, with n rows.
+Shape rows_shape(const Shape& kv_shape, std::int64_t n) { return {2 * kv_shape[0], n, kv_shape[2], kv_shape[3]}; }
+Shape kv_rows_shape(const Shape& kv_shape, std::int64_t n) { return {kv_shape[0], n, kv_shape[2], kv_shape[3]}; }
+
 }  // namespace
 
 struct RingAttention::Saved {
@@ -49,6 +54,7 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));
   global_order_.resize(static_cast<std::size_t>(layout_.seq_len()));
   for (std::int64_t i = 0; i < layout_.seq_len(); ++i) global_order_[i] = i;
+  if (config.window > 0 && config.impl == RingImpl::kP2P) plan_.emplace(positions_, rank_, config.window);
 }
 
 Device RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -86,13 +92,13 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
 DeviceAlloc RingAttention::alloc_for(const Saved& s) const { return {s.q.view().device(), groups_.stream}; }
 
 attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView& k, const TensorView& v,
-                                               int src) const {
+                                               std::span<const std::int64_t> k_pos) const {
   attn::MhaForwardArgs a;
   a.q = s.q.view();
   a.k = k;
   a.v = v;
   a.q_pos = positions_[rank_];
-  a.k_pos = positions_[src];
+  a.k_pos = k_pos;
   a.mask = {config_.causal, config_.window};
   a.scale = config_.scale;
   a.mods = config_.score_mods;
@@ -254,18 +260,34 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
   Tensor block_out = alloc.empty(q.shape(), acc_dtype, MemCategory::kWorkspace);
   Tensor block_lse = alloc.empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
 
-  ring_circulate(
-      groups_.ring, kv.view(), kTagKv,
-      [&](int src, const TensorView& block) {
-        const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
-        if (pairs == 0) return;  // nothing visible: never computed
-        const ScopedTimer timer(counters_.compute_s);
-        attn::mha_forward(block_args(s, part(block, 0, kv_shape), part(block, 1, kv_shape), src), block_out.view(),
-                          block_lse.view(), stream);
-        attn::lse_merge(acc_out.view(), acc_lse.view(), block_out.view(), block_lse.view(), stream);
-        counters_.flops += flops_per_pair * static_cast<double>(pairs);
-      },
-      &counters_.exposed_comm_s, stream);
+  // One block of keys (all of a rank's, or the rows the window lets through) merged into the running state.
+  auto merge_block = [&](const TensorView& k, const TensorView& v, std::span<const std::int64_t> k_pos) {
+    const std::int64_t pairs = attn::visible_pairs(positions_[rank_], k_pos, mask);
+    if (pairs == 0) return;  // nothing visible: never computed
+    const ScopedTimer timer(counters_.compute_s);
+    attn::mha_forward(block_args(s, k, v, k_pos), block_out.view(), block_lse.view(), stream);
+    attn::lse_merge(acc_out.view(), acc_lse.view(), block_out.view(), block_lse.view(), stream);
+    counters_.flops += flops_per_pair * static_cast<double>(pairs);
+  };
+  if (plan_) {
+    window_exchange(
+        groups_.ring, *plan_, kv.view().reshape(rows_shape(kv_shape, kv_shape[1])), kTagKv,
+        [&](int src, const TensorView& block, std::span<const std::int64_t> rows) {
+          const TensorView packed = block.reshape(packed_shape(kv_rows_shape(kv_shape, block.dim(1)), 2));
+          const Shape rshape = kv_rows_shape(kv_shape, block.dim(1));
+          merge_block(part(packed, 0, rshape), part(packed, 1, rshape), positions_of_rows(positions_[src], rows));
+        },
+        &counters_.exposed_comm_s, stream);
+    counters_.message_rounds += static_cast<std::int64_t>(plan_->rounds().size());
+  } else {
+    ring_circulate(
+        groups_.ring, kv.view(), kTagKv,
+        [&](int src, const TensorView& block) {
+          merge_block(part(block, 0, kv_shape), part(block, 1, kv_shape), positions_[src]);
+        },
+        &counters_.exposed_comm_s, stream);
+    counters_.message_rounds += size_ - 1;
+  }
   // every block merged: the sink joins each row once
   if (!config_.score_mods.sinks.empty())
     attn::mha_apply_sinks(acc_out.view(), acc_lse.view(), config_.score_mods.sinks, stream);
@@ -295,17 +317,39 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   args.dout = dout;
   args.lse = s.lse.view();
   args.delta = delta;
-  ring_circulate_with_grad(
-      groups_.ring, kv.view(), pshape, dkv.view(), kTagKv,
-      [&](int src, const TensorView& block, const TensorView& grad) {
-        const std::int64_t pairs = attn::visible_pairs(positions_[rank_], positions_[src], mask);
-        if (pairs == 0) return;
-        const ScopedTimer timer(counters_.compute_s);
-        args.fwd = block_args(s, part(block, 0, kv_shape), part(block, 1, kv_shape), src);
-        attn::mha_backward(args, dq_acc.view(), part(grad, 0, kv_shape), part(grad, 1, kv_shape), true, stream);
-        counters_.flops += flops_per_pair * static_cast<double>(pairs);
-      },
-      &counters_.exposed_comm_s, stream);
+  // One block's contribution: dq here, (dk, dv) of its rows into `grad` (packed [2, B, rows, Hkv, D]).
+  auto block_grads = [&](const TensorView& k, const TensorView& v, std::span<const std::int64_t> k_pos,
+                         const TensorView& dk_block, const TensorView& dv_block) {
+    const std::int64_t pairs = attn::visible_pairs(positions_[rank_], k_pos, mask);
+    if (pairs == 0) return;
+    const ScopedTimer timer(counters_.compute_s);
+    args.fwd = block_args(s, k, v, k_pos);
+    attn::mha_backward(args, dq_acc.view(), dk_block, dv_block, true, stream);
+    counters_.flops += flops_per_pair * static_cast<double>(pairs);
+  };
+  if (plan_) {
+    window_exchange_with_grad(
+        groups_.ring, *plan_, kv.view().reshape(rows_shape(kv_shape, kv_shape[1])), rows_shape(kv_shape, kv_shape[1]),
+        dkv.view(), kTagKv,
+        [&](int src, const TensorView& block, std::span<const std::int64_t> rows, const TensorView& grad) {
+          const Shape rshape = kv_rows_shape(kv_shape, block.dim(1));
+          const TensorView packed = block.reshape(packed_shape(rshape, 2));
+          const TensorView packed_grad = grad.reshape(packed_shape(rshape, 2));
+          block_grads(part(packed, 0, rshape), part(packed, 1, rshape), positions_of_rows(positions_[src], rows),
+                      part(packed_grad, 0, rshape), part(packed_grad, 1, rshape));
+        },
+        &counters_.exposed_comm_s, stream);
+    counters_.message_rounds += static_cast<std::int64_t>(plan_->rounds().size());
+  } else {
+    ring_circulate_with_grad(
+        groups_.ring, kv.view(), pshape, dkv.view(), kTagKv,
+        [&](int src, const TensorView& block, const TensorView& grad) {
+          block_grads(part(block, 0, kv_shape), part(block, 1, kv_shape), positions_[src], part(grad, 0, kv_shape),
+                      part(grad, 1, kv_shape));
+        },
+        &counters_.exposed_comm_s, stream);
+    counters_.message_rounds += size_ > 1 ? size_ : 0;
+  }
   alloc.copy_convert(part(dkv.view(), 0, kv_shape), dk);
   alloc.copy_convert(part(dkv.view(), 1, kv_shape), dv);
   alloc.copy_convert(dq_acc.view(), dq);
@@ -330,8 +374,7 @@ attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_f
     unshard_sequence(part(rank_kv, 0, kv_shape), positions_[r], k_full.view(), alloc.stream);
     unshard_sequence(part(rank_kv, 1, kv_shape), positions_[r], v_full.view(), alloc.stream);
   }
-  attn::MhaForwardArgs a = block_args(s, k_full.view(), v_full.view(), rank_);
-  a.k_pos = global_order_;
+  attn::MhaForwardArgs a = block_args(s, k_full.view(), v_full.view(), global_order_);
   a.mods.sinks = config_.score_mods.sinks;  // one call over every key: the sink joins it
   return a;
 }

@@ -19,10 +19,27 @@
 // impl = allgather (Megatron-style CP): all-gather K, V once and run one kernel call over the whole sequence in
 // global order; the backward all-gathers K, V again and reduce-scatters dK, dV in the accumulator dtype.
 //
+// Sliding window (window W > 0, p2p): only the key rows some local query can see travel, directly from owner to user
+// (WindowPlan, window_exchange in parallel/ring_pass.h, which states the schedule and its deadlock argument); the
+// backward returns the (dK, dV) rows of each received block straight to its owner. Blocks no local query sees are
+// neither sent, received nor computed; the all-gather implementation keeps its full traffic (a user choosing it asks
+// for the whole K / V).
+//
 // Communication volume per rank (README): with kv = 2 * B * S_local * Hkv * D * sizeof(dtype) and
 // dkv = 2 * B * S_local * Hkv * D * sizeof(accumulator dtype) (4; 8 for fp64):
 //   p2p:       forward sends (P-1) kv; backward sends (P-1) kv + P dkv   (received: the same)
 //   allgather: forward sends (P-1) kv; backward sends (P-1) kv + (P-1) dkv
+//   p2p with window W: forward sends out_rows * kv_row; backward out_rows * kv_row + in_rows * dkv_row (received:
+//     in_rows * kv_row, then in_rows * kv_row + out_rows * dkv_row), kv_row = kv / S_local, dkv_row = dkv / S_local,
+//     out_rows = sum over dst != r of rows(dst, r), in_rows = sum over src != r of rows(r, src), where, with the layout
+//     cut into chunks of c tokens (contiguous: c = S_local, chunk i on rank i; zigzag: c = S_local / 2, chunk i on
+//     rank min(i, 2P-1-i); stripe: c = 1, token t on rank t mod P):
+//       rows(dst, src) = sum over chunks b of src of clamp(W - 1 - (a - b - 1) c, 0, c),
+//     a the first chunk after b owned by dst (no term when none). E.g. contiguous: rows(r+e, r) = clamp(W - 1 -
+//     (e-1) S_local, 0, S_local); stripe (S_local >= 2): rows(dst, src) = [((dst - src) mod P) < W] (S_local, minus 1
+//     when dst < src); zigzag with W <= S_local / 2: W - 1 rows to each ring neighbour that holds a later chunk.
+// Message rounds (CpCounters::message_rounds, per call): P - 1 forward and P backward (P > 1) around the full ring;
+// with a window the ring distances d with any rows(r + d, r) > 0 over the group, forward and backward alike.
 // Counters (CpCounters): attention FLOPs executed (4 B Hq D per visible (q, k) pair forward; 2.5x that backward),
 // ring bytes sent and received, exposed communication time (blocked in Work::wait, not hidden behind computation)
 // and kernel time.
@@ -45,11 +62,14 @@
 
 #include <cstdint>
 #include <string_view>
+#include <optional>
+#include <span>
 #include <vector>
 
 #include "attention/mha.h"
 #include "parallel/cp_common.h"
 #include "parallel/layout.h"
+#include "parallel/ring_pass.h"
 #include "runtime/comm.h"
 
 namespace seqpar {
@@ -140,7 +160,8 @@ class RingAttention {
   void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
                           const TensorView& dk, const TensorView& dv);
   // Forward arguments of one key block (score modifiers without the sinks: those join once per row).
-  attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v, int src) const;
+  attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v,
+                                  std::span<const std::int64_t> k_pos) const;
   // dsinks of the local rows (from the final lse and delta), all-reduced over the ring group.
   void sinks_grad(const Saved& s, const TensorView& delta, const TensorView& dsinks);
   // (K, V) of every ring rank in global order, [B, S, Hkv, D] each (all-gather into k_full, v_full), and the
@@ -154,6 +175,7 @@ class RingAttention {
   int rank_, size_;
   std::vector<std::vector<std::int64_t>> positions_;  // ring shard positions of every ring rank
   std::vector<std::int64_t> global_order_;            // 0..S-1 (allgather: keys in global order)
+  std::optional<WindowPlan> plan_;                    // p2p with a window: the rows each pair exchanges
   CpCounters counters_;
   AgreementCheck forward_agreement_, backward_agreement_;
 };

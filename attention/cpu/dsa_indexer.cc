@@ -143,14 +143,17 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
   const IndexerInputs<T> in(a, s, "dsa_indexer_topk_block scratch");
   in.for_each_row([&](auto& th, std::int64_t r) {
     const std::int64_t b = r / s.Sq, t = r % s.Sq;
-    const std::int64_t n_vis =
-        std::upper_bound(s.k_pos.begin(), s.k_pos.end(), s.q_pos[static_cast<std::size_t>(t)]) - s.k_pos.begin();
-    if (n_vis == 0) return;
+    const std::int64_t q = s.q_pos[static_cast<std::size_t>(t)];
+    const std::int64_t n_vis = std::upper_bound(s.k_pos.begin(), s.k_pos.end(), q) - s.k_pos.begin();
+    // A window keeps the candidates with q - k_pos < window: from the first key at q - window + 1.
+    const std::int64_t first =
+        a.window > 0 ? std::lower_bound(s.k_pos.begin(), s.k_pos.end(), q - a.window + 1) - s.k_pos.begin() : 0;
+    if (n_vis <= first) return;
     Acc tile_scores[kTile];
     th.load_query(r);
     Acc* hs = scores + r * K;
     std::int64_t* hp = positions + r * K;
-    for (std::int64_t j0 = 0; j0 < n_vis; j0 += kTile) {
+    for (std::int64_t j0 = first; j0 < n_vis; j0 += kTile) {
       const std::int64_t nj = std::min(kTile, n_vis - j0);
       th.load_keys(b, nj, [&](std::int64_t j) { return j0 + j; });
       th.scores(tile_scores);

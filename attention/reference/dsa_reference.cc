@@ -38,6 +38,11 @@ struct Idx {
   std::int64_t B, Sq, Hi, Di, Sk;
   std::vector<std::int64_t> qp, kp;
   const double *q, *w, *k;
+  std::int64_t window = 0;
+  // Key j is a candidate of query t: causal, and inside the window when there is one.
+  bool candidate(std::int64_t t, std::int64_t j) const {
+    return kp[j] <= qp[t] && (window <= 0 || qp[t] - kp[j] < window);
+  }
 };
 Idx unpack(const DsaIndexerArgs& a) {
   Idx s{a.q_idx.dim(0), a.q_idx.dim(1), a.q_idx.dim(2), a.q_idx.dim(3), a.k_idx.dim(1), {}, {}, {}, {}, {}};
@@ -48,6 +53,7 @@ Idx unpack(const DsaIndexerArgs& a) {
   s.q = f64(a.q_idx, "q_idx");
   s.w = f64(a.w, "w");
   s.k = f64(a.k_idx, "k_idx");
+  s.window = a.window;
   return s;
 }
 
@@ -135,7 +141,7 @@ void dsa_indexer_scores(const DsaIndexerArgs& args, const TensorView& scores) {
   for (std::int64_t b = 0; b < s.B; ++b) {
     for (std::int64_t t = 0; t < s.Sq; ++t) {
       for (std::int64_t j = 0; j < s.Sk; ++j) {
-        out[(b * s.Sq + t) * s.Sk + j] = s.kp[j] <= s.qp[t] ? index_score(s, b, t, j) : kNegInf;
+        out[(b * s.Sq + t) * s.Sk + j] = s.candidate(t, j) ? index_score(s, b, t, j) : kNegInf;
       }
     }
   }
@@ -151,7 +157,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices
     for (std::int64_t t = 0; t < s.Sq; ++t) {
       std::vector<std::pair<double, std::int64_t>> cand;  // (score, position)
       for (std::int64_t j = 0; j < s.Sk; ++j) {
-        if (s.kp[j] <= s.qp[t]) cand.emplace_back(index_score(s, b, t, j), s.kp[j]);
+        if (s.candidate(t, j)) cand.emplace_back(index_score(s, b, t, j), s.kp[j]);
       }
       std::sort(cand.begin(), cand.end(), [](const auto& x, const auto& y) {
         return x.first != y.first ? x.first > y.first : x.second < y.second;

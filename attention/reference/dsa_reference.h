@@ -8,10 +8,11 @@
 
 namespace seqpar::attn::reference {
 
-// scores [B, Sq, Sk] fp64: I_tj for keys visible to query t, -inf for the others.
+// scores [B, Sq, Sk] fp64: I_tj for the candidate keys of query t (visible, inside args.window if > 0), -inf for
+// the others.
 void dsa_indexer_scores(const DsaIndexerArgs& args, const TensorView& scores);
 
-// topk_indices [B, Sq, k] int64: the k visible keys with the largest score (ties to the smaller position), in
+// topk_indices [B, Sq, k] int64: the k candidate keys with the largest score (ties to the smaller position), in
 // ascending position order, padded with -1.
 void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices);
 

@@ -35,11 +35,12 @@ struct DsaCase {
   DsaSelectMode select;
   std::int64_t topk = 12;
   std::int64_t seq = 96;
+  std::int64_t window = 0;  // > 0: the indexer's candidates are the last `window` keys of each query
 };
 
 std::string case_name(const DsaCase& c) {
   return str_cat("u", c.ulysses_size, "_", layout_name(c.layout), "_", dsa_select_mode_name(c.select), "_k", c.topk,
-                 "_S", c.seq);
+                 "_S", c.seq, c.window > 0 ? str_cat("_W", c.window) : std::string());
 }
 void PrintTo(const DsaCase& c, std::ostream* os) { *os << case_name(c); }
 
@@ -90,6 +91,7 @@ DistResult run_distributed(const SpGrid& grid, const DsaCase& c, const DsaProble
   cfg.select = c.select;
   cfg.topk = c.topk;
   cfg.dim_v = kDv;
+  cfg.window = c.window;
   const CpGroups groups = CpGroups::from(grid);
   DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
   const auto& pos = dsa.positions();
@@ -113,11 +115,12 @@ DistResult run_distributed(const SpGrid& grid, const DsaCase& c, const DsaProble
 }
 
 // Single-rank: top-k from one kernel call over the whole sequence (what every grid must reproduce bitwise).
-Tensor single_rank_topk(const DsaProblem& p, std::int64_t seq, std::int64_t topk) {
+Tensor single_rank_topk(const DsaProblem& p, std::int64_t seq, std::int64_t topk, std::int64_t window = 0) {
   attn::DsaIndexerArgs a;
   a.q_idx = p.q_idx.view();
   a.w = p.w.view();
   a.k_idx = p.k_idx.view();
+  a.window = window;
   Tensor t = Tensor::empty({kB, seq, topk}, DType::kInt64, MemCategory::kWorkspace);
   attn::dsa_indexer_topk(a, t.view());
   return t;
@@ -170,7 +173,7 @@ TEST_P(DsaCpVsSingleRank, MatchesSingleRankProblem) {
   const DistResult got = run_distributed(grid, c, p);
   const std::string name = str_cat(case_name(c), " on ", grid.str());
 
-  Tensor topk = single_rank_topk(p, c.seq, c.topk);
+  Tensor topk = single_rank_topk(p, c.seq, c.topk, c.window);
   EXPECT_EQ(got.topk, to_double(topk)) << name << ": topk_indices differ from the single-rank selection";
 
   const DistResult ref = fp64_reference(p, c, topk);
@@ -196,6 +199,15 @@ std::vector<DsaCase> dsa_cases() {
     }
   }
   cases.push_back({1, LayoutKind::kZigzag, DsaSelectMode::kRing, 200});  // k > S
+  // A window for the indexer's candidates: much smaller than, about and larger than S / P (S = 96).
+  for (std::int64_t window : {5, 30, 200}) {
+    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+      for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
+        cases.push_back({1, layout, select, 12, 96, window});
+      }
+    }
+  }
+  if (n % 2 == 0 && n >= 4) cases.push_back({2, LayoutKind::kZigzag, DsaSelectMode::kRing, 12, 96, 9});
   return cases;
 }
 
@@ -340,6 +352,7 @@ constexpr double kLargeLogits[] = {1e2, 1e3, 1e4};
 std::vector<DsaCase> large_logit_cases() {
   std::vector<DsaCase> cases;
   for (DsaCase c : dsa_cases()) {
+    if (c.window > 0) continue;  // the window has its own tests
     c.seq = 48;
     c.topk = c.topk > 12 ? 61 : 11;
     cases.push_back(c);
@@ -355,7 +368,7 @@ SpGrid grid_of(const DsaCase& c) {
 Tensor reference_topk(const DsaProblem& p, const DsaCase& c) {
   Tensor qi = f64(p.q_idx), w = f64(p.w), ki = f64(p.k_idx);
   Tensor t = Tensor::empty({kB, c.seq, c.topk}, DType::kInt64, MemCategory::kWorkspace);
-  attn::reference::dsa_indexer_topk({qi.view(), w.view(), ki.view(), {}, {}}, t.view());
+  attn::reference::dsa_indexer_topk({qi.view(), w.view(), ki.view(), {}, {}, c.window}, t.view());
   return t;
 }
 
@@ -440,6 +453,50 @@ TEST(DsaCpLargeLogits, Fp32WithinTwiceTheOneRankError) {
       }
     }
   }
+}
+
+// The window: every selected key is within W - 1 positions of its query, the fp64 kernel selects exactly the fp64
+// reference's keys, and the ring selection moves fewer bytes than without a window (only visible index-key rows).
+TEST(DsaCp, WindowLimitsCandidates) {
+  const std::int64_t window = 7;
+  const DsaCase c{1, LayoutKind::kZigzag, DsaSelectMode::kRing, 12, 96, window};
+  const DsaProblem p(c.seq);
+  const Tensor topk = single_rank_topk(p, c.seq, c.topk, window);
+  const std::int64_t* idx = topk.data_as<std::int64_t>();
+  for (std::int64_t b = 0; b < kB; ++b) {
+    for (std::int64_t t = 0; t < c.seq; ++t) {
+      std::int64_t n = 0;
+      for (std::int64_t s = 0; s < c.topk; ++s) {
+        const std::int64_t j = idx[(b * c.seq + t) * c.topk + s];
+        if (j < 0) continue;
+        ++n;
+        ASSERT_TRUE(j <= t && t - j < window) << "query " << t << " selected key " << j;
+      }
+      ASSERT_EQ(n, std::min(t + 1, window)) << "query " << t << ": every candidate fits in k = 12";
+    }
+  }
+  const DsaProblem p64(c.seq, DType::kFloat64, 1.0);
+  attn::DsaIndexerArgs a{p64.q_idx.view(), p64.w.view(), p64.k_idx.view(), {}, {}, window};
+  Tensor got = Tensor::empty({kB, c.seq, c.topk}, DType::kInt64, MemCategory::kWorkspace);
+  attn::dsa_indexer_topk(a, got.view());
+  EXPECT_EQ(to_double(got), to_double(reference_topk(p64, c)));
+
+  if (world().size() == 1) return;
+  auto selection_bytes = [&](std::int64_t w) {
+    DsaCpConfig cfg;
+    cfg.topk = c.topk;
+    cfg.dim_v = kDv;
+    cfg.window = w;
+    SpGrid grid(world(), test::ring_over_world());
+    const CpGroups groups = CpGroups::from(grid);
+    DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
+    const auto& pos = dsa.positions();
+    Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
+           w_ = piece(p.w, pos);
+    dsa.forward(q.view(), cc.view(), qi.view(), ki.view(), w_.view());
+    return dsa.counters().bytes_sent;
+  };
+  EXPECT_LT(selection_bytes(window), selection_bytes(0));
 }
 
 }  // namespace
