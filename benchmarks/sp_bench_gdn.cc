@@ -96,7 +96,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     // The distributed recurrence composes segment states (chain) or affine maps (scan) in another order than the
     // single-rank chunk loop: differences grow with the number of composed segments, in the state dtype.
     // The state is fp64 for fp64 storage (accumulator_dtype), so fp64 results agree far below fp32 precision.
-    if (o_.dtype == DType::kFloat64) return {1e-12, 1e-10};
+    if (o_.dtype == DType::kFloat64) return kFp64Tolerance;
     return fp32_accumulator_tolerance(o_.dtype, name);
   }
 
