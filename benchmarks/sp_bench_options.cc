@@ -406,8 +406,8 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_int("--rope-dim", o.rope_cfg.rotary_dim)
       .add_real("--rope-theta", o.rope_cfg.theta)
       .add_text("--rope-scaling", attn::rope_scaling_name(o.rope_cfg.scaling))
-      .add_real("--rope-factor", o.rope_cfg.scaling == attn::RopeScaling::kYarn ? o.rope_cfg.yarn.factor
-                                                                                : o.rope_cfg.llama3.factor)
+      .add_real("--rope-factor",
+                o.rope_cfg.scaling == attn::RopeScaling::kYarn ? o.rope_cfg.yarn.factor : o.rope_cfg.llama3.factor)
       .add_int("--rope-original-max-pos", o.rope_cfg.scaling == attn::RopeScaling::kYarn
                                               ? o.rope_cfg.yarn.original_max_position_embeddings
                                               : o.rope_cfg.llama3.original_max_position_embeddings)
@@ -425,7 +425,9 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_text("--inputs", o.inputs_dir)
       .add_text("--test-corrupt", o.test_corrupt)
       .add_int("--test-fail-write-after", o.test_fail_write_after)
-      .add_real("--test-logit-scale", o.test_logit_scale);
+      .add_real("--test-logit-scale", o.test_logit_scale)
+      // The library's layers require one mode on every rank (they cannot see a mismatch without paying the check).
+      .add_text("SEQPAR_AGREEMENT_CHECK", agreement_mode_name(agreement_mode()));
   AgreementCheck(AgreementMode::kAlways).run(world, fp);
 }
 
