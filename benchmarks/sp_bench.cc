@@ -162,6 +162,8 @@ int sp_bench_main(int argc, char** argv) {
   // The memory estimate, before anything is allocated: --dry-run prints it; a node that cannot hold it stops every
   // rank with the node's figures.
   const MemoryVerdict verdict = compare_with_node_memory(o, estimate_memory(o, place.rank));
+  // --check-against reference's size rule, before --dry-run's report: the dry run refuses what the run would.
+  if (o.check && o.check_against == "reference") check_reference_fits(o);
   if (o.dry_run) {
     if (place.rank == 0) {
       std::printf("%s# node: %s\n", describe_memory_estimate(report.memory).c_str(),
@@ -184,7 +186,6 @@ int sp_bench_main(int argc, char** argv) {
   SpGrid grid(*world, o.grid);
 
   std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
-  if (o.check && o.check_against == "reference") check_reference_fits(*wl, o.attn);
   const std::vector<std::string> outputs = wl->output_names();
   SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
                "--test-corrupt ", o.test_corrupt, ": no such output");
@@ -222,7 +223,7 @@ int sp_bench_main(int argc, char** argv) {
     got = wl->gather_outputs();
     if (!o.test_corrupt.empty()) corrupt_for_test(got, o.test_corrupt);
     if (o.check) {
-      check = check_outputs(*world, grid, *wl, got, input_ptr, reference_ready, o.check_against, progress);
+      check = check_outputs(*world, grid, *wl, o, got, input_ptr, reference_ready, progress);
       report.check = &check;
     }
   }

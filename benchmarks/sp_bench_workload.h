@@ -67,6 +67,9 @@ struct Fp64ReferenceCost {
   double bytes = 0, flops = 0;
 };
 
+// The number of elements of all of `specs` together (as a double, for cost estimates).
+double spec_elements(const std::vector<TensorSpec>& specs);
+
 class Workload {
  public:
   virtual ~Workload() = default;
@@ -104,8 +107,7 @@ class Workload {
   // The fp64 reference (attention/reference/: naive, every tensor fp64) of the same problem, on the inputs of
   // reference_setup() widened to fp64 (so it sees the same rounded inputs as the kernels), for the tensors it
   // defines (a subset of output_names(), fp64). Called on one rank after reference_forward() and
-  // reference_backward(), only when --check needs it and fp64_reference_cost() fits. Default: none.
-  virtual Fp64ReferenceCost fp64_reference_cost() const { return {}; }
+  // reference_backward(), only when --check needs it and its kind's fp64_reference_cost fits. Default: none.
   virtual NamedArrays fp64_reference_outputs() { return {}; }
 
   // Optional single-rank timings of kernel variants of the whole problem (called on world rank 0 only, after the
@@ -171,8 +173,8 @@ struct ModelPreset {
   std::int64_t conv_width = 0;  // GDN short conv width (0: none)
   // The model's RoPE (sp_bench_rope.h); none: --rope's default (none).
   std::optional<attn::RopeConfig> rope;
-  double softcap = 0;           // MHA logit soft-capping (0: none)
-  bool sinks = false;           // MHA attention sinks
+  double softcap = 0;  // MHA logit soft-capping (0: none)
+  bool sinks = false;  // MHA attention sinks
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.
@@ -203,6 +205,9 @@ struct WorkloadKind {
   // What one rank's distributed step holds, by ledger category (sp_bench_memory.h), from the options alone: the
   // estimate that sp_bench compares with the node's memory before it allocates.
   std::function<WorkloadMemory(const SpBenchOptions&)> estimate_memory;
+  // What Workload::fp64_reference_outputs() takes, from the options alone (so that --dry-run and the start of a run
+  // apply the same size rule before anything is allocated); null: the kind has no fp64 reference.
+  std::function<Fp64ReferenceCost(const SpBenchOptions&)> fp64_reference_cost;
   // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
   // SEQPAR_WORKLOAD_KIND.
   std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;
