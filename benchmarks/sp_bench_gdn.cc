@@ -452,7 +452,8 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                          {"kv-heads", "q", 2, &SpBenchOptions::kv_heads},
                          {"head-dim", "q", 3, &SpBenchOptions::head_dim},
                          {"heads", "v", 2, &SpBenchOptions::heads},
-                         {"dim-v", "v", 3, &SpBenchOptions::dim_v}};
+                         {"dim-v", "v", 3, &SpBenchOptions::dim_v},
+                         {"conv-width", "conv_weight", 1, &SpBenchOptions::conv_width, /*optional_file=*/true}};
   k.input_specs = gdn_input_specs;
   k.estimate_memory = gdn_memory;
   k.fp64_reference_cost = gdn_reference_cost;

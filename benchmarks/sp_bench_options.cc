@@ -64,6 +64,12 @@ void shapes_from_inputs(const WorkloadKind& kind, SpBenchOptions& o) {
   for (const WorkloadKind::InputShapeFlag& f : kind.input_shape_flags) {
     auto it = std::find_if(headers.begin(), headers.end(), [&](const auto& h) { return h.first == f.tensor; });
     const std::string path = (std::filesystem::path(o.inputs_dir) / (f.tensor + ".npy")).string();
+    if (f.optional_file && !std::filesystem::exists(path)) {
+      SEQPAR_CHECK(!o.given(f.flag) || o.*f.field == 0, "--", f.flag, " ", o.*f.field, " needs --inputs ", path,
+                   ", which does not exist (leave --", f.flag, " out to run without ", f.tensor, ")");
+      o.*f.field = 0;
+      continue;
+    }
     if (it == headers.end()) it = headers.insert(headers.end(), {f.tensor, npy::read_header(path)});
     const Shape& shape = it->second.shape;
     SEQPAR_CHECK(f.dim < static_cast<int>(shape.size()), path, ": shape ", shape_str(shape), " has no dimension ",

@@ -186,11 +186,13 @@ struct WorkloadKind {
   // that do (a flag may be listed by several kinds).
   std::vector<std::string> own_flags;
   // Shape flags read from the --inputs files when not given (a given one must match its file): the flag, the input
-  // file stem, the dimension, and the option it sets.
+  // file stem, the dimension, and the option it sets. An optional file (GDN's conv_weight) may be absent: the flag
+  // is then 0 when not given, and a given non-zero value is refused.
   struct InputShapeFlag {
     std::string flag, tensor;
     int dim;
     std::int64_t SpBenchOptions::*field;
+    bool optional_file = false;
   };
   std::vector<InputShapeFlag> input_shape_flags;
   // The kind's rules on the parsed options, after the common ones (may set kind defaults, e.g. DSA's --causal;
