@@ -76,7 +76,8 @@ void check_output_paths(Communicator& world, const SpBenchOptions& o) {
 // --inputs: the full inputs of the configured workload, checked (shape, element type, finite) on every rank.
 NamedArrays load_inputs(const SpBenchOptions& o) {
   NamedArrays inputs;
-  for (const TensorSpec& s : find_workload_kind(o.attn).input_specs(o)) {
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  for (const TensorSpec& s : kind.input_specs(o)) {
     npy::HostArray a = npy::read_expect((std::filesystem::path(o.inputs_dir) / (s.name + ".npy")).string(), s.shape);
     SEQPAR_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat64, o.inputs_dir, "/", s.name,
                  ".npy: element type ", dtype_name(a.dtype), " (inputs must be fp32 or fp64)");
@@ -85,6 +86,9 @@ NamedArrays load_inputs(const SpBenchOptions& o) {
                                                   : reinterpret_cast<const double*>(a.bytes.data())[i];
       SEQPAR_CHECK(std::isfinite(x), o.inputs_dir, "/", s.name, ".npy: element ", i, " is ", x,
                    " (inputs must be finite)");
+      if (!kind.input_value_rule) continue;
+      const std::string rule = kind.input_value_rule(s.name, x);
+      SEQPAR_CHECK(rule.empty(), o.inputs_dir, "/", s.name, ".npy: element ", i, " is ", x, " (", rule, ")");
     }
     inputs.emplace_back(s.name, std::move(a));
   }

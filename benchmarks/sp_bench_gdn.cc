@@ -455,6 +455,12 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                          {"dim-v", "v", 3, &SpBenchOptions::dim_v},
                          {"conv-width", "conv_weight", 1, &SpBenchOptions::conv_width, /*optional_file=*/true}};
   k.input_specs = gdn_input_specs;
+  // The recurrence's domain: g is the log decay (a decay exp(g) in (0, 1]), beta the write strength.
+  k.input_value_rule = [](const std::string& tensor, double x) -> std::string {
+    if (tensor == "g" && !(x <= 0)) return "--attn gdn: g is the log decay, every element must be <= 0";
+    if (tensor == "beta" && !(x > 0 && x < 1)) return "--attn gdn: beta must be in (0, 1)";
+    return "";
+  };
   k.estimate_memory = gdn_memory;
   k.fp64_reference_cost = gdn_reference_cost;
   k.validate = [](SpBenchOptions& o) {

@@ -204,6 +204,9 @@ struct WorkloadKind {
   std::function<void(const SpBenchOptions&, nlohmann::json&)> add_json;
   // The full input tensors (known before the grid exists, for --inputs).
   std::function<std::vector<TensorSpec>(const SpBenchOptions&)> input_specs;
+  // The kind's rule on the values of --inputs tensors, beyond "finite" (optional): "" when element value `x` of
+  // `tensor` is allowed, else the rule it breaks (sp_bench stops every rank naming the file, the element and it).
+  std::function<std::string(const std::string& tensor, double x)> input_value_rule;
   // What one rank's distributed step holds, by ledger category (sp_bench_memory.h), from the options alone: the
   // estimate that sp_bench compares with the node's memory before it allocates.
   std::function<WorkloadMemory(const SpBenchOptions&)> estimate_memory;

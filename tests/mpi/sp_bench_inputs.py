@@ -58,6 +58,14 @@ def main():
     make_inputs(gdn_grouped, [("q", [1, 48, 1, 16], -1, 1), ("k", [1, 48, 1, 16], -1, 1), ("v", [1, 48, 2, 8], -1, 1),
                               ("g", [1, 48, 2], -0.22, -0.02), ("beta", [1, 48, 2], 0.2, 0.8),
                               ("initial_state", [1, 2, 16, 8], -0.1, 0.1), ("dout", [1, 48, 2, 8], -1, 1)])
+    # Out of the recurrence's domain: g > 0 (a growing state), beta > 1.
+    gdn_bad = {}
+    for bad, (lo_g, hi_g, lo_b, hi_b) in {"g": (0.01, 0.2, 0.2, 0.8), "beta": (-0.22, -0.02, 1.1, 1.5)}.items():
+        gdn_bad[bad] = os.path.join(work, "gdn_bad_" + bad)
+        make_inputs(gdn_bad[bad], [("q", [1, 48, 2, 16], -1, 1), ("k", [1, 48, 2, 16], -1, 1),
+                                   ("v", [1, 48, 2, 16], -1, 1), ("g", [1, 48, 2], lo_g, hi_g),
+                                   ("beta", [1, 48, 2], lo_b, hi_b), ("initial_state", [1, 2, 16, 16], -0.1, 0.1),
+                                   ("dout", [1, 48, 2, 16], -1, 1)])
     # A short conv of width 3 on q, k, v: conv_weight [2 Hk K + Hv V, W] = [96, 3].
     make_inputs(gdn_conv, [("q", [1, 48, 2, 16], -1, 1), ("k", [1, 48, 2, 16], -1, 1), ("v", [1, 48, 2, 16], -1, 1),
                            ("g", [1, 48, 2], -0.22, -0.02), ("beta", [1, 48, 2], 0.2, 0.8),
@@ -101,6 +109,11 @@ def main():
                                                       "--conv-width", "3"], False,
          every_rank(r"--conv-width 3 needs --inputs \S*conv_weight\.npy, which does not exist \(leave --conv-width "
                     r"out to run without conv_weight\)")),
+        ("gdn g > 0", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_bad["g"]], False,
+         every_rank(r"\S*/g\.npy: element 0 is [0-9.e-]+ \(--attn gdn: g is the log decay, every element must be "
+                    r"<= 0\)")),
+        ("gdn beta > 1", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_bad["beta"]], False,
+         every_rank(r"\S*/beta\.npy: element 0 is [0-9.e-]+ \(--attn gdn: beta must be in \(0, 1\)\)")),
     ]
     failed = 0
     for name, flags, ok, regex in cases:
