@@ -466,8 +466,9 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   k.validate = [](SpBenchOptions& o) {
     if (o.dim_v == 0) o.dim_v = o.head_dim;
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
-    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " (GDN value heads) must be a multiple of --kv-heads ",
-                 o.kv_heads, " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
+    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " (GDN value heads) must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"),
+                 " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
     const int pu = o.grid.ulysses_size;
     SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " (GDN value heads) must be divisible by --ulysses-size ", pu);
     SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,

@@ -378,8 +378,8 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.estimate_memory = mha_memory;
   k.fp64_reference_cost = mha_reference_cost;
   k.validate = [](SpBenchOptions& o) {
-    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " must be a multiple of --kv-heads ", o.kv_heads,
-                 " (GQA)");
+    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"), " (GQA)");
     const int pu = o.grid.ulysses_size;
     SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ", pu);
     SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,

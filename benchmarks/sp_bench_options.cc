@@ -321,7 +321,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                    "] (or pass --threads)");
     }
   }
-  o.check = r.count("check") > 0 || r.count("check-against") > 0;
+  const bool check_flag = r.count("check") > 0 && r["check"].as<bool>();  // --check=false: no check
+  SEQPAR_CHECK(check_flag || r.count("check") == 0 || r.count("check-against") == 0, "--check-against ",
+               r["check-against"].as<std::string>(), " implies --check, but --check=false was given");
+  o.check = check_flag || r.count("check-against") > 0;
   o.check_against = get_checked<std::string>(r, "check-against");
   SEQPAR_CHECK(o.check_against == "1-rank" || o.check_against == "reference", "--check-against '", o.check_against,
                "' is not one of 1-rank, reference");
@@ -435,6 +438,10 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       // The library's layers require one mode on every rank (they cannot see a mismatch without paying the check).
       .add_text("SEQPAR_AGREEMENT_CHECK", agreement_mode_name(agreement_mode()));
   AgreementCheck(AgreementMode::kAlways).run(world, fp);
+}
+
+std::string preset_note(const SpBenchOptions& o, const std::string& flag) {
+  return o.model.empty() || o.given(flag) ? std::string() : str_cat(" (from --model ", o.model, ")");
 }
 
 std::string describe_shapes(const SpBenchOptions& o) { return find_workload_kind(o.attn).describe_shapes(o); }
