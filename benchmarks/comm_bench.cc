@@ -419,7 +419,13 @@ int comm_bench_main(int argc, char** argv) {
   const double avg_busbw = measured > 0 ? busbw_sum / measured : 0.0;
   if (world_rank == 0) {
     std::printf("# wrong elements in total: %lld\n", static_cast<long long>(total_wrong));
-    std::printf("# Avg bus bandwidth    : %g\n#\n", avg_busbw);
+    // Nothing measured (every size too small for its pattern): n/a (JSON null) rather than a bandwidth of 0.
+    if (measured > 0) {
+      std::printf("# Avg bus bandwidth    : %g\n#\n", avg_busbw);
+    } else {
+      std::printf("# Avg bus bandwidth    : n/a\n#\n");
+    }
+    const nlohmann::json avg_busbw_json = measured > 0 ? nlohmann::json(avg_busbw) : nlohmann::json();
     if (!o.json_path.empty()) {
       nlohmann::json j = {{"version", version()},
                           {"git_commit", git_commit()},
@@ -437,7 +443,7 @@ int comm_bench_main(int argc, char** argv) {
                           {"dtype", dname},
                           {"warmup", o.warmup},
                           {"iters", o.iters},
-                          {"avg_busbw_gbps", avg_busbw},
+                          {"avg_busbw_gbps", avg_busbw_json},
                           {"wrong_total", total_wrong},
                           {"results", results}};
       write_file_atomic(o.json_path, [&](std::ostream& out) { out << j.dump(2) << "\n"; });

@@ -76,7 +76,8 @@ void check_output_paths(Communicator& world, const SpBenchOptions& o) {
 // --inputs: the full inputs of the configured workload, checked (shape, element type, finite) on every rank.
 NamedArrays load_inputs(const SpBenchOptions& o) {
   NamedArrays inputs;
-  for (const TensorSpec& s : find_workload_kind(o.attn).input_specs(o)) {
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  for (const TensorSpec& s : kind.input_specs(o)) {
     npy::HostArray a = npy::read_expect((std::filesystem::path(o.inputs_dir) / (s.name + ".npy")).string(), s.shape);
     SEQPAR_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat64, o.inputs_dir, "/", s.name,
                  ".npy: element type ", dtype_name(a.dtype), " (inputs must be fp32 or fp64)");
@@ -85,6 +86,9 @@ NamedArrays load_inputs(const SpBenchOptions& o) {
                                                   : reinterpret_cast<const double*>(a.bytes.data())[i];
       SEQPAR_CHECK(std::isfinite(x), o.inputs_dir, "/", s.name, ".npy: element ", i, " is ", x,
                    " (inputs must be finite)");
+      if (!kind.input_value_rule) continue;
+      const std::string rule = kind.input_value_rule(s.name, x);
+      SEQPAR_CHECK(rule.empty(), o.inputs_dir, "/", s.name, ".npy: element ", i, " is ", x, " (", rule, ")");
     }
     inputs.emplace_back(s.name, std::move(a));
   }
@@ -162,6 +166,8 @@ int sp_bench_main(int argc, char** argv) {
   // The memory estimate, before anything is allocated: --dry-run prints it; a node that cannot hold it stops every
   // rank with the node's figures.
   const MemoryVerdict verdict = compare_with_node_memory(o, estimate_memory(o, place.rank));
+  // --check-against reference's size rule, before --dry-run's report: the dry run refuses what the run would.
+  if (o.check && o.check_against == "reference") check_reference_fits(o);
   if (o.dry_run) {
     if (place.rank == 0) {
       std::printf("%s# node: %s\n", describe_memory_estimate(report.memory).c_str(),
@@ -184,7 +190,6 @@ int sp_bench_main(int argc, char** argv) {
   SpGrid grid(*world, o.grid);
 
   std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
-  if (o.check && o.check_against == "reference") check_reference_fits(*wl, o.attn);
   const std::vector<std::string> outputs = wl->output_names();
   SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
                "--test-corrupt ", o.test_corrupt, ": no such output");
@@ -222,7 +227,7 @@ int sp_bench_main(int argc, char** argv) {
     got = wl->gather_outputs();
     if (!o.test_corrupt.empty()) corrupt_for_test(got, o.test_corrupt);
     if (o.check) {
-      check = check_outputs(*world, grid, *wl, got, input_ptr, reference_ready, o.check_against, progress);
+      check = check_outputs(*world, grid, *wl, o, got, input_ptr, reference_ready, progress);
       report.check = &check;
     }
   }

@@ -54,11 +54,16 @@ const npy::HostArray* find_or_null(const NamedArrays& arrays, const std::string&
   return nullptr;
 }
 
+Fp64ReferenceCost fp64_reference_cost(const SpBenchOptions& o) {
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  return kind.fp64_reference_cost ? kind.fp64_reference_cost(o) : Fp64ReferenceCost{};
+}
+
 }  // namespace
 
-CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const NamedArrays& got,
-                          const NamedArrays* inputs, bool reference_ready, const std::string& against,
-                          Progress& progress) {
+CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const SpBenchOptions& o,
+                          const NamedArrays& got, const NamedArrays* inputs, bool reference_ready, Progress& progress) {
+  const std::string& against = o.check_against;
   const bool vs_reference = against == "reference";
   const std::vector<std::string> names = wl.output_names();
   const std::size_t n = names.size();
@@ -80,7 +85,7 @@ CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl,
       compare(find_array(got, names[t]), find_array(want, names[t]), e[0], e[1]);
       all_ok = all_ok && rule1_ok(e[0], e[1], wl.tolerance(names[t]));
     }
-    const Fp64ReferenceCost cost = wl.fp64_reference_cost();
+    const Fp64ReferenceCost cost = fp64_reference_cost(o);
     const bool fits = reference_fits(cost);
     if ((!all_ok || vs_reference) && fits) {
       progress.note("check: fp64 reference", true);
@@ -130,9 +135,9 @@ CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl,
   return report;
 }
 
-void check_reference_fits(const Workload& wl, const std::string& attn) {
-  const Fp64ReferenceCost cost = wl.fp64_reference_cost();
-  SEQPAR_CHECK(cost.bytes > 0, "--check-against reference: --attn ", attn, " has no fp64 reference");
+void check_reference_fits(const SpBenchOptions& o) {
+  const Fp64ReferenceCost cost = fp64_reference_cost(o);
+  SEQPAR_CHECK(cost.bytes > 0, "--check-against reference: --attn ", o.attn, " has no fp64 reference");
   SEQPAR_CHECK(reference_fits(cost), "--check-against reference: the fp64 reference of this problem needs ",
                cost.bytes / kGiB, " GiB and ", cost.flops, " FLOPs; it runs only within ",
                kFp64ReferenceMaxBytes / kGiB, " GiB and ", kFp64ReferenceMaxFlops,

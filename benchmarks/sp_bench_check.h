@@ -49,15 +49,15 @@ struct CheckReport {
 // The rules above for `got` (the gathered outputs, on every SP rank): each data-parallel replica's SP root runs the
 // reference (reference_setup() unless `reference_ready`) and, where rule 1 fails, the fp64 reference; the errors
 // are reduced (max) over `world`. Collective over `world`; every rank gets the same report.
-// `against`: "1-rank" (rules 1 and 2) or "reference" (rule 3).
-CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const NamedArrays& got,
-                          const NamedArrays* inputs, bool reference_ready, const std::string& against,
-                          Progress& progress);
+// o.check_against: "1-rank" (rules 1 and 2) or "reference" (rule 3).
+CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const SpBenchOptions& o,
+                          const NamedArrays& got, const NamedArrays* inputs, bool reference_ready, Progress& progress);
 
 // --check-against reference: Error naming the size rule when the workload's fp64 reference does not fit
-// (Fp64ReferenceCost within kFp64ReferenceMaxBytes and kFp64ReferenceMaxFlops) or does not exist. Local
-// arithmetic on the options (identical on every rank); called before the timed runs.
-void check_reference_fits(const Workload& wl, const std::string& attn);
+// (WorkloadKind::fp64_reference_cost within kFp64ReferenceMaxBytes and kFp64ReferenceMaxFlops) or does not exist.
+// Local arithmetic on the options (identical on every rank); called before --dry-run's report and before anything
+// is allocated or sent, so that --dry-run refuses what the run would.
+void check_reference_fits(const SpBenchOptions& o);
 
 // --test-corrupt: adds 0.1 (max|x| + 1) to element 0 of the floating tensor `name` (1 to an integer one), as a
 // wrong distributed result would. Throws Error naming the registered outputs when `name` is none of them.

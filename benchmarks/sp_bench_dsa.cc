@@ -52,6 +52,16 @@ float dsa_softmax_scale(const SpBenchOptions& o) {
   return factor == 1.0 ? 0.0f : static_cast<float>(factor / std::sqrt(static_cast<double>(o.head_dim)));
 }
 
+// README "FLOPs": attention 2 H (Dqk + Dv) per selected pair, indexer 2 Hi Di per visible pair (forward);
+// backward 2.5 x the attention forward plus the indexer loss side 6 Hi Di per selected pair (scores of the
+// selected pairs, dq_idx and dk_idx).
+double attention_flops_per_pair(const SpBenchOptions& o) {
+  return 2.0 * static_cast<double>(o.heads) * static_cast<double>(o.head_dim + o.dim_v);
+}
+double indexer_flops_per_pair(const SpBenchOptions& o) {
+  return 2.0 * static_cast<double>(o.indexer_heads) * static_cast<double>(o.indexer_dim);
+}
+
 // sum_{t=0}^{S-1} min(m, t+1) = m (m + 1) / 2 + (S - m) m, m <= S, per batch row.
 double capped_pairs(const SpBenchOptions& o, std::int64_t cap) {
   const double s = static_cast<double>(o.seq), m = static_cast<double>(std::min(cap, o.seq));
@@ -82,31 +92,24 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     return {"out", "lse", "topk_indices", "loss", "dq", "dc", "dq_idx", "dk_idx", "dw"};
   }
 
-  // README "FLOPs": attention 2 H (Dqk + Dv) per selected pair, indexer 2 Hi Di per visible pair (forward);
-  // backward 2.5 x the attention forward plus the indexer loss side 6 Hi Di per selected pair (scores of the
-  // selected pairs, dq_idx and dk_idx).
-  double attention_flops_per_pair() const {
-    return 2.0 * static_cast<double>(o_.heads) * static_cast<double>(o_.head_dim + o_.dim_v);
-  }
-  double indexer_flops_per_pair() const {
-    return 2.0 * static_cast<double>(o_.indexer_heads) * static_cast<double>(o_.indexer_dim);
-  }
   double forward_flops() const override {
-    return selected_pairs(o_) * attention_flops_per_pair() + visible_pairs(o_) * indexer_flops_per_pair();
+    return selected_pairs(o_) * attention_flops_per_pair(o_) + visible_pairs(o_) * indexer_flops_per_pair(o_);
   }
   double backward_flops() const override {
-    return selected_pairs(o_) * (2.5 * attention_flops_per_pair() + 3.0 * indexer_flops_per_pair());
+    return selected_pairs(o_) * (2.5 * attention_flops_per_pair(o_) + 3.0 * indexer_flops_per_pair(o_));
   }
 
   Tolerance tolerance(const std::string& name) const override {
     // The selection is a strict total order on (score, position), independent of how the keys are split.
     if (name == "topk_indices") return {0, 0};
-    // lse (fp32; fp64 for fp64 inputs) differs only by the merge order of the latent blocks.
+    // fp64 storage is fp64 end to end (scores, accumulators, lse, loss terms; attention/dsa.h).
+    if (o_.dtype == DType::kFloat64) return kFp64Tolerance;
+    // lse (fp32) differs only by the merge order of the latent blocks.
     if (name == "lse") return {1e-5, 1e-5};
     // The loss is an fp64 sum of per-row fp32 terms; under Ulysses the head-summed probabilities are reduced over
     // the group in another order, which moves each row's p* by fp32 rounding.
     if (name == "loss") return {1e-6, 1e-5};
-    // Every accumulator that crosses blocks (out, lse, dq, dc, dq_idx, dk_idx, dw) is fp32 or wider (attention/dsa.h).
+    // Every accumulator that crosses blocks (out, lse, dq, dc, dq_idx, dk_idx, dw) is fp32 (attention/dsa.h).
     return fp32_accumulator_tolerance(o_.dtype, name);
   }
 
@@ -180,14 +183,6 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
 
   // attn::reference on the one-rank kernel's topk_indices (the selection itself is checked exactly): dense [S, S]
   // indexer scores and per-head masked softmax, in fp64. topk_indices has no fp64 counterpart.
-  Fp64ReferenceCost fp64_reference_cost() const override {
-    double elems = 0;
-    for (const auto& [name, a] : ref_out_) elems += static_cast<double>(a.numel());
-    for (const auto& [name, a] : ref_in_) elems += static_cast<double>(a.numel());
-    const double s = static_cast<double>(o_.seq), b = static_cast<double>(o_.batch);
-    const double per_pair = attention_flops_per_pair() * 3.5 + indexer_flops_per_pair() * 4;
-    return {8.0 * (elems + 3.0 * b * s * s), b * s * s * per_pair};
-  }
   NamedArrays fp64_reference_outputs() override {
     NamedArrays in = widen_to_fp64(ref_in_);
     rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true);
@@ -301,12 +296,12 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   PhaseCounters forward_counters() override {
     attention_pairs_ = dsa_->counters().attention_pairs;
     PhaseCounters p = phase_counters(dsa_->counters());
-    p.executed_flops = attention_pairs_ * attention_flops_per_pair() / static_cast<double>(o_.heads);
+    p.executed_flops = attention_pairs_ * attention_flops_per_pair(o_) / static_cast<double>(o_.heads);
     return p;
   }
   PhaseCounters backward_counters() override {
     PhaseCounters p = phase_counters(dsa_->counters());
-    p.executed_flops = 2.5 * attention_pairs_ * attention_flops_per_pair() / static_cast<double>(o_.heads);
+    p.executed_flops = 2.5 * attention_pairs_ * attention_flops_per_pair(o_) / static_cast<double>(o_.heads);
     return p;
   }
 
@@ -337,6 +332,15 @@ std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o) {
 // per rank S/P rows of q [., H, Dqk], the latent c [., Dqk], the indexer inputs q_idx [., Hi, Di], k_idx [., Di],
 // w [., Hi] and dout [., H, Dv]; per row k selected slots (int64 indices, fp32 scores and probabilities); fp32
 // accumulators; the latent and its gradient circulate over the ring, the index keys over the SP group.
+// The dense fp64 reference (attention/reference/): the inputs, the outputs (out and the gradients as large as the
+// inputs, lse, topk_indices, loss) and three [S, S] planes per batch, all fp64.
+Fp64ReferenceCost dsa_reference_cost(const SpBenchOptions& o) {
+  const double s = static_cast<double>(o.seq), b = static_cast<double>(o.batch);
+  const double elems = 2.0 * spec_elements(dsa_input_specs(o)) + b * s * static_cast<double>(o.heads + o.topk) + 1;
+  const double per_pair = attention_flops_per_pair(o) * 3.5 + indexer_flops_per_pair(o) * 4;
+  return {8.0 * (elems + 3.0 * b * s * s), b * s * s * per_pair};
+}
+
 WorkloadMemory dsa_memory(const SpBenchOptions& o) {
   const double e = static_cast<double>(dtype_size(o.dtype)), f = 4, pu = o.grid.ulysses_size, pr = o.grid.ring_size;
   const double rows = static_cast<double>(o.batch) * static_cast<double>(o.seq) / (pu * pr);  // B x S/P
@@ -403,6 +407,7 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   for (const std::string& f : rope_flags()) k.own_flags.push_back(f);
   k.input_specs = dsa_input_specs;
   k.estimate_memory = dsa_memory;
+  k.fp64_reference_cost = dsa_reference_cost;
   k.add_json = [](const SpBenchOptions& o, nlohmann::json& j) {
     j["shape"]["topk"] = o.topk;
     j["shape"]["dim_v"] = o.dim_v;

@@ -96,7 +96,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     // The distributed recurrence composes segment states (chain) or affine maps (scan) in another order than the
     // single-rank chunk loop: differences grow with the number of composed segments, in the state dtype.
     // The state is fp64 for fp64 storage (accumulator_dtype), so fp64 results agree far below fp32 precision.
-    if (o_.dtype == DType::kFloat64) return {1e-12, 1e-10};
+    if (o_.dtype == DType::kFloat64) return kFp64Tolerance;
     return fp32_accumulator_tolerance(o_.dtype, name);
   }
 
@@ -150,14 +150,6 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   }
   NamedArrays reference_outputs() override { return ref_out_; }
 
-  // attn::reference: the token-by-token recurrence in fp64, keeping every state S_t for the backward.
-  Fp64ReferenceCost fp64_reference_cost() const override {
-    const double states = static_cast<double>(o_.batch * o_.heads) * static_cast<double>(o_.seq + 1) *
-                          static_cast<double>(o_.head_dim * o_.dim_v);
-    double elems = 0;
-    for (const auto& [name, a] : ref_in_) elems += 2.0 * static_cast<double>(a.numel());
-    return {8.0 * (elems + 2.0 * states), 30.0 * states};
-  }
   NamedArrays fp64_reference_outputs() override {
     const NamedArrays in = widen_to_fp64(ref_in_);
     NamedArrays r = zero_arrays(output_specs(DType::kFloat64, DType::kFloat64));
@@ -397,6 +389,14 @@ std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
 // and the chunked kernel (attention/cpu/gdn_chunk.cc): X = one [B, S/P, H, K] tensor, per segment (zigzag: two per
 // rank) a state [B, H/Pu, K, V] in the state dtype, per thread one chunk scratch of [C, C], [C, K] and [K, V] buffers
 // (backward: also the start state of every chunk of a segment).
+// attn::reference: the token-by-token recurrence in fp64, keeping every state S_t for the backward; the inputs and
+// their gradients in fp64.
+Fp64ReferenceCost gdn_reference_cost(const SpBenchOptions& o) {
+  const double states = static_cast<double>(o.batch * o.heads) * static_cast<double>(o.seq + 1) *
+                        static_cast<double>(o.head_dim * o.dim_v);
+  return {8.0 * (2.0 * spec_elements(gdn_input_specs(o)) + 2.0 * states), 30.0 * states};
+}
+
 WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double e = static_cast<double>(dtype_size(o.dtype)), pu = o.grid.ulysses_size, pr = o.grid.ring_size;
   const double st = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
@@ -447,14 +447,23 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                          {"kv-heads", "q", 2, &SpBenchOptions::kv_heads},
                          {"head-dim", "q", 3, &SpBenchOptions::head_dim},
                          {"heads", "v", 2, &SpBenchOptions::heads},
-                         {"dim-v", "v", 3, &SpBenchOptions::dim_v}};
+                         {"dim-v", "v", 3, &SpBenchOptions::dim_v},
+                         {"conv-width", "conv_weight", 1, &SpBenchOptions::conv_width, /*optional_file=*/true}};
   k.input_specs = gdn_input_specs;
+  // The recurrence's domain: g is the log decay (a decay exp(g) in (0, 1]), beta the write strength.
+  k.input_value_rule = [](const std::string& tensor, double x) -> std::string {
+    if (tensor == "g" && !(x <= 0)) return "--attn gdn: g is the log decay, every element must be <= 0";
+    if (tensor == "beta" && !(x > 0 && x < 1)) return "--attn gdn: beta must be in (0, 1)";
+    return "";
+  };
   k.estimate_memory = gdn_memory;
+  k.fp64_reference_cost = gdn_reference_cost;
   k.validate = [](SpBenchOptions& o) {
     if (o.dim_v == 0) o.dim_v = o.head_dim;
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
-    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " (GDN value heads) must be a multiple of --kv-heads ",
-                 o.kv_heads, " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
+    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " (GDN value heads) must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"),
+                 " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
     const int pu = o.grid.ulysses_size;
     SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " (GDN value heads) must be divisible by --ulysses-size ", pu);
     SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,

@@ -180,13 +180,6 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     return r;
   }
 
-  // attn::reference: the [Sq, Sk] scores and probabilities of one (b, h) at a time, the inputs and outputs in fp64;
-  // forward and backward each about 4 B Hq S^2 D multiply-adds over all pairs (the mask is evaluated, not skipped).
-  Fp64ReferenceCost fp64_reference_cost() const override {
-    const double s = static_cast<double>(o_.seq), elems = 4.0 * static_cast<double>(shape_numel(q_shape(o_.seq))) +
-                                                          4.0 * static_cast<double>(shape_numel(kv_shape(o_.seq)));
-    return {8.0 * (elems + 3.0 * s * s), 2 * 8.0 * static_cast<double>(o_.batch * o_.heads * o_.head_dim) * s * s};
-  }
   NamedArrays fp64_reference_outputs() override {
     NamedArrays in = widen_to_fp64(NamedArrays{{"q", ref_q_}, {"k", ref_k_}, {"v", ref_v_}, {"dout", ref_dout_}});
     rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true);
@@ -283,6 +276,15 @@ std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o) {
   return {{"q", q}, {"k", kv}, {"v", kv}, {"dout", q}};
 }
 
+// attn::reference: the [Sq, Sk] scores and probabilities of one (b, h) at a time, the inputs and outputs in fp64
+// (outputs and gradients are as large as the inputs); forward and backward each about 4 B Hq S^2 D multiply-adds over
+// all pairs (the mask is evaluated, not skipped).
+Fp64ReferenceCost mha_reference_cost(const SpBenchOptions& o) {
+  const double s = static_cast<double>(o.seq);
+  return {8.0 * (2.0 * spec_elements(mha_input_specs(o)) + 3.0 * s * s),
+          2 * 8.0 * static_cast<double>(o.batch * o.heads * o.head_dim) * s * s};
+}
+
 // What MhaWorkload's step holds on one rank (sp_bench_memory.h), following UspAttention and RingAttention
 // (parallel/usp.cc, ring_attention.cc, ring_pass.cc): per rank q [B, S/P, Hq, D] and, after the Ulysses exchange, kv
 // with hx heads (Hkv, or Pu when Pu > Hkv replicates them) over the ring shard; accumulators fp32.
@@ -362,8 +364,8 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                 "RoPE (64 columns) theta 1e7",
                 0, qwen_rope},
                {"gemma2-9b", 16, 8, 256, 0, 0, 0, 0, 0,
-                "MHA/GQA: 16 query heads, 8 kv heads, head dim 256, logit soft-capping 50, causal, RoPE theta 10000",
-                0, attn::RopeConfig{}, 50.0},
+                "MHA/GQA: 16 query heads, 8 kv heads, head dim 256, logit soft-capping 50, causal, RoPE theta 10000", 0,
+                attn::RopeConfig{}, 50.0},
                {"gpt-oss-20b", 64, 8, 64, 0, 0, 0, 0, 0,
                 "MHA/GQA: 64 query heads, 8 kv heads, head dim 64, learned attention sinks, causal, RoPE theta "
                 "150000 with YaRN (factor 32)",
@@ -379,9 +381,10 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                          {"kv-heads", "k", 2, &SpBenchOptions::kv_heads}};
   k.input_specs = mha_input_specs;
   k.estimate_memory = mha_memory;
+  k.fp64_reference_cost = mha_reference_cost;
   k.validate = [](SpBenchOptions& o) {
-    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, " must be a multiple of --kv-heads ", o.kv_heads,
-                 " (GQA)");
+    SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"), " (GQA)");
     const int pu = o.grid.ulysses_size;
     SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ", pu);
     SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,

@@ -64,6 +64,12 @@ void shapes_from_inputs(const WorkloadKind& kind, SpBenchOptions& o) {
   for (const WorkloadKind::InputShapeFlag& f : kind.input_shape_flags) {
     auto it = std::find_if(headers.begin(), headers.end(), [&](const auto& h) { return h.first == f.tensor; });
     const std::string path = (std::filesystem::path(o.inputs_dir) / (f.tensor + ".npy")).string();
+    if (f.optional_file && !std::filesystem::exists(path)) {
+      SEQPAR_CHECK(!o.given(f.flag) || o.*f.field == 0, "--", f.flag, " ", o.*f.field, " needs --inputs ", path,
+                   ", which does not exist (leave --", f.flag, " out to run without ", f.tensor, ")");
+      o.*f.field = 0;
+      continue;
+    }
     if (it == headers.end()) it = headers.insert(headers.end(), {f.tensor, npy::read_header(path)});
     const Shape& shape = it->second.shape;
     SEQPAR_CHECK(f.dim < static_cast<int>(shape.size()), path, ": shape ", shape_str(shape), " has no dimension ",
@@ -327,7 +333,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                    "] (or pass --threads)");
     }
   }
-  o.check = r.count("check") > 0 || r.count("check-against") > 0;
+  const bool check_flag = r.count("check") > 0 && r["check"].as<bool>();  // --check=false: no check
+  SEQPAR_CHECK(check_flag || r.count("check") == 0 || r.count("check-against") == 0, "--check-against ",
+               r["check-against"].as<std::string>(), " implies --check, but --check=false was given");
+  o.check = check_flag || r.count("check-against") > 0;
   o.check_against = get_checked<std::string>(r, "check-against");
   SEQPAR_CHECK(o.check_against == "1-rank" || o.check_against == "reference", "--check-against '", o.check_against,
                "' is not one of 1-rank, reference");
@@ -424,8 +433,8 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_int("--rope-dim", o.rope_cfg.rotary_dim)
       .add_real("--rope-theta", o.rope_cfg.theta)
       .add_text("--rope-scaling", attn::rope_scaling_name(o.rope_cfg.scaling))
-      .add_real("--rope-factor", o.rope_cfg.scaling == attn::RopeScaling::kYarn ? o.rope_cfg.yarn.factor
-                                                                                : o.rope_cfg.llama3.factor)
+      .add_real("--rope-factor",
+                o.rope_cfg.scaling == attn::RopeScaling::kYarn ? o.rope_cfg.yarn.factor : o.rope_cfg.llama3.factor)
       .add_int("--rope-original-max-pos", o.rope_cfg.scaling == attn::RopeScaling::kYarn
                                               ? o.rope_cfg.yarn.original_max_position_embeddings
                                               : o.rope_cfg.llama3.original_max_position_embeddings)
@@ -443,8 +452,14 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_text("--inputs", o.inputs_dir)
       .add_text("--test-corrupt", o.test_corrupt)
       .add_int("--test-fail-write-after", o.test_fail_write_after)
-      .add_real("--test-logit-scale", o.test_logit_scale);
+      .add_real("--test-logit-scale", o.test_logit_scale)
+      // The library's layers require one mode on every rank (they cannot see a mismatch without paying the check).
+      .add_text("SEQPAR_AGREEMENT_CHECK", agreement_mode_name(agreement_mode()));
   AgreementCheck(AgreementMode::kAlways).run(world, fp);
+}
+
+std::string preset_note(const SpBenchOptions& o, const std::string& flag) {
+  return o.model.empty() || o.given(flag) ? std::string() : str_cat(" (from --model ", o.model, ")");
 }
 
 std::string describe_shapes(const SpBenchOptions& o) { return find_workload_kind(o.attn).describe_shapes(o); }

@@ -93,6 +93,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
 // compared (rank 0 alone writes them).
 void check_options_agree(Communicator& world, const SpBenchOptions& o);
 
+// " (from --model NAME)" when the value of `flag` (without "--") came from the --model preset, else "": for error
+// messages that name a value the user did not type.
+std::string preset_note(const SpBenchOptions& o, const std::string& flag);
+
 // One-line configuration summary used in the table header (the kind's describe_shapes).
 std::string describe_shapes(const SpBenchOptions& o);
 

@@ -43,6 +43,12 @@ Tolerance fp32_accumulator_tolerance(DType dtype, const std::string& what) {
   SEQPAR_THROW("sp_bench: no tolerance for dtype ", dtype_name(dtype), " (", what, ")");
 }
 
+double spec_elements(const std::vector<TensorSpec>& specs) {
+  double n = 0;
+  for (const TensorSpec& s : specs) n += static_cast<double>(shape_numel(s.shape));
+  return n;
+}
+
 bool register_workload_kind(WorkloadKind kind) {
   std::vector<WorkloadKind>& kinds = registry();
   for (const WorkloadKind& k : kinds) {

@@ -67,6 +67,9 @@ struct Fp64ReferenceCost {
   double bytes = 0, flops = 0;
 };
 
+// The number of elements of all of `specs` together (as a double, for cost estimates).
+double spec_elements(const std::vector<TensorSpec>& specs);
+
 class Workload {
  public:
   virtual ~Workload() = default;
@@ -104,8 +107,7 @@ class Workload {
   // The fp64 reference (attention/reference/: naive, every tensor fp64) of the same problem, on the inputs of
   // reference_setup() widened to fp64 (so it sees the same rounded inputs as the kernels), for the tensors it
   // defines (a subset of output_names(), fp64). Called on one rank after reference_forward() and
-  // reference_backward(), only when --check needs it and fp64_reference_cost() fits. Default: none.
-  virtual Fp64ReferenceCost fp64_reference_cost() const { return {}; }
+  // reference_backward(), only when --check needs it and its kind's fp64_reference_cost fits. Default: none.
   virtual NamedArrays fp64_reference_outputs() { return {}; }
 
   // Optional single-rank timings of kernel variants of the whole problem (called on world rank 0 only, after the
@@ -173,8 +175,8 @@ struct ModelPreset {
   std::int64_t conv_width = 0;  // GDN short conv width (0: none)
   // The model's RoPE (sp_bench_rope.h); none: --rope's default (none).
   std::optional<attn::RopeConfig> rope;
-  double softcap = 0;           // MHA logit soft-capping (0: none)
-  bool sinks = false;           // MHA attention sinks
+  double softcap = 0;  // MHA logit soft-capping (0: none)
+  bool sinks = false;  // MHA attention sinks
 };
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.
@@ -186,11 +188,13 @@ struct WorkloadKind {
   // that do (a flag may be listed by several kinds).
   std::vector<std::string> own_flags;
   // Shape flags read from the --inputs files when not given (a given one must match its file): the flag, the input
-  // file stem, the dimension, and the option it sets.
+  // file stem, the dimension, and the option it sets. An optional file (GDN's conv_weight) may be absent: the flag
+  // is then 0 when not given, and a given non-zero value is refused.
   struct InputShapeFlag {
     std::string flag, tensor;
     int dim;
     std::int64_t SpBenchOptions::*field;
+    bool optional_file = false;
   };
   std::vector<InputShapeFlag> input_shape_flags;
   // The kind's rules on the parsed options, after the common ones (may set kind defaults, e.g. DSA's --causal;
@@ -202,9 +206,15 @@ struct WorkloadKind {
   std::function<void(const SpBenchOptions&, nlohmann::json&)> add_json;
   // The full input tensors (known before the grid exists, for --inputs).
   std::function<std::vector<TensorSpec>(const SpBenchOptions&)> input_specs;
+  // The kind's rule on the values of --inputs tensors, beyond "finite" (optional): "" when element value `x` of
+  // `tensor` is allowed, else the rule it breaks (sp_bench stops every rank naming the file, the element and it).
+  std::function<std::string(const std::string& tensor, double x)> input_value_rule;
   // What one rank's distributed step holds, by ledger category (sp_bench_memory.h), from the options alone: the
   // estimate that sp_bench compares with the node's memory before it allocates.
   std::function<WorkloadMemory(const SpBenchOptions&)> estimate_memory;
+  // What Workload::fp64_reference_outputs() takes, from the options alone (so that --dry-run and the start of a run
+  // apply the same size rule before anything is allocated); null: the kind has no fp64 reference.
+  std::function<Fp64ReferenceCost(const SpBenchOptions&)> fp64_reference_cost;
   // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
   // SEQPAR_WORKLOAD_KIND.
   std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;

@@ -47,7 +47,8 @@ def mha_shape(j):
 
 def gdn_shape(j):
     s = j["shape"]
-    return f"B={s['batch']} H={s['heads']} K=V={s['head_dim']} chunk={s['chunk_size']} (causal recurrence)"
+    return (f"B={s['batch']} Hv={s['heads']} Hk={s['kv_heads']} K={s['head_dim']} V={s['dim_v']} "
+            f"conv={s['conv_width']} chunk={s['chunk_size']} (causal recurrence)")
 
 
 def dsa_shape(j):
@@ -56,11 +57,16 @@ def dsa_shape(j):
             f"indexer Hi={s['indexer_heads']} Di={s['indexer_dim']} (causal)")
 
 
-def mode_kind(flag, modes, shape):
+def kv_heads_flag(a):
+    """--kv-heads when given (sp_bench's default: as many as --heads)."""
+    return ["--kv-heads", str(a.kv_heads)] if a.kv_heads else []
+
+
+def mode_kind(flag, modes, shape, flags=lambda a: []):
     """A kind whose ring algorithms are the values of one flag (default: those), plus Ulysses over heads."""
     algos = {m: (RING, [flag, m]) for m in modes}
     algos["ulysses"] = (ULYSSES, [])
-    return {"algos": algos, "default_algos": ",".join(modes), "shape": shape, "flags": lambda a: []}
+    return {"algos": algos, "default_algos": ",".join(modes), "shape": shape, "flags": flags}
 
 
 KINDS = {
@@ -68,9 +74,9 @@ KINDS = {
         "algos": {"p2p": (RING, ["--impl", "p2p"]), "allgather": (RING, ["--impl", "allgather"]),
                   "ulysses": (ULYSSES, []), "usp": (USP, ["--impl", "p2p"])},
         "shape": mha_shape,
-        "flags": lambda a: ["--kv-heads", str(a.kv_heads)] + (["--causal"] if a.causal else []),
+        "flags": lambda a: kv_heads_flag(a) + (["--causal"] if a.causal else []),
     },
-    "gdn": mode_kind("--gdn-mode", ["chain", "scan"], gdn_shape),
+    "gdn": mode_kind("--gdn-mode", ["chain", "scan"], gdn_shape, kv_heads_flag),
     "dsa": mode_kind("--dsa-select", ["ring", "allgather"], dsa_shape),
 }
 
@@ -213,8 +219,9 @@ def main():
     ap.add_argument("--layout", default="zigzag")
     ap.add_argument("--causal", action="store_true", help="mha: causal mask (gdn and dsa are causal anyway)")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=8)
-    ap.add_argument("--kv-heads", type=int, default=8, help="mha only")
+    ap.add_argument("--heads", type=int, default=8, help="mha: query heads; gdn: value heads")
+    ap.add_argument("--kv-heads", type=int, default=0,
+                    help="mha: kv heads; gdn: key heads (default 0: as many as --heads, as sp_bench)")
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--dtype", default="fp32")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads per rank")

@@ -97,12 +97,14 @@ def read_npy_dir(d):
 
 
 def test_roundtrip(tmp, np, flags):
-    """--dump DIR --dump-inputs, then --inputs DIR: the same outputs, bit for bit, and the same inputs dumped again."""
+    """--dump DIR --dump-inputs, then --inputs DIR: the same outputs, bit for bit, and the same inputs dumped again.
+    The replay leaves out --conv-width: GDN takes it from conv_weight.npy."""
     a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
-    base = ["--quiet", "--warmup", 0, "--iters", 1] + flags
-    out = run(np, "sp_bench", base + ["--dump", a, "--dump-inputs"])
+    base = ["--quiet", "--warmup", 0, "--iters", 1]
+    out = run(np, "sp_bench", base + flags + ["--dump", a, "--dump-inputs"])
     check("# dumped " in out, f"no dump line:\n{out}")
-    run(np, "sp_bench", base + ["--inputs", a, "--dump", b, "--dump-inputs"])
+    replay = [f for i, f in enumerate(flags) if f != "--conv-width" and (i == 0 or flags[i - 1] != "--conv-width")]
+    run(np, "sp_bench", base + replay + ["--inputs", a, "--dump", b, "--dump-inputs"])
     fa, fb = read_npy_dir(a), read_npy_dir(b)
     check(sorted(fa) == sorted(fb), f"different files: {sorted(fa)} vs {sorted(fb)}")
     check(len(fa) >= 8, f"expected inputs and outputs, found {sorted(fa)}")
@@ -140,9 +142,10 @@ def test_sweep(tmp):
     sweep = [sys.executable, os.path.join(ARGS.scripts, "sweep.py"), "--sp-bench",
              os.path.join(ARGS.bin_dir, "sp_bench"), "--mpirun", ARGS.mpiexec, "--ranks", "1,2", "--warmup", "0",
              "--iters", "2", "--out", csv_path]
-    cases = [("mha", ["--seqs", "256", "--heads", "2", "--kv-heads", "2", "--head-dim", "16", "--algos",
-                      "p2p,allgather,ulysses"]),
-             ("gdn", ["--seqs", "256", "--heads", "2", "--head-dim", "16", "--extra", "--chunk-size 16"]),
+    # mha without --kv-heads: as many as --heads (sp_bench's default); gdn with 1 key head for 2 value heads.
+    cases = [("mha", ["--seqs", "256", "--heads", "2", "--head-dim", "16", "--algos", "p2p,allgather,ulysses"]),
+             ("gdn", ["--seqs", "256", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--extra",
+                      "--chunk-size 16"]),
              ("dsa", ["--seqs", "256", "--heads", "2", "--head-dim", "16", "--extra",
                       "--topk 16 --indexer-heads 2 --indexer-dim 8"])]
     rows = []
@@ -160,7 +163,10 @@ def test_sweep(tmp):
     check(by_kind.get("gdn") == {"1rank", "chain", "scan"}, f"gdn algorithms {by_kind.get('gdn')}")
     check(by_kind.get("dsa") == {"1rank", "ring", "allgather"}, f"dsa algorithms {by_kind.get('dsa')}")
     gdn = [r for r in rows if r["attn"] == "gdn"]
-    check(all("Hkv" not in r["shape"] and "chunk=16" in r["shape"] for r in gdn), f"GDN shape labels {gdn[0]}")
+    check(all("Hkv" not in r["shape"] and "Hv=2 Hk=1 " in r["shape"] and "chunk=16" in r["shape"] for r in gdn),
+          f"GDN shape labels {gdn[0]}")
+    mha = [r for r in rows if r["attn"] == "mha"]
+    check(all("Hq=2 Hkv=2 " in r["shape"] for r in mha), f"MHA shape labels {mha[0]}")
     check(all(r["mode"] == "train" for r in rows), "the mode column")
     one = [r for r in rows if r["ranks"] == "1"]
     check(all(abs(float(r["exposed_comm_pct"])) < 1e-9 for r in one), "one rank exposes no communication")

@@ -45,7 +45,8 @@ def main():
     a = ap.parse_args()
 
     work = tempfile.mkdtemp(prefix="sp_bench_inputs.")
-    mha, dsa, gdn, gdn_grouped = (os.path.join(work, k) for k in ("mha", "dsa", "gdn", "gdn_grouped"))
+    mha, dsa, gdn, gdn_grouped, gdn_conv = (os.path.join(work, k)
+                                            for k in ("mha", "dsa", "gdn", "gdn_grouped", "gdn_conv"))
     make_inputs(mha, [("q", [1, 64, 4, 16], -1, 1), ("k", [1, 64, 2, 16], -1, 1), ("v", [1, 64, 2, 16], -1, 1),
                       ("dout", [1, 64, 4, 16], -1, 1)])
     make_inputs(dsa, [("q", [1, 32, 4, 32], -1, 1), ("c", [1, 32, 32], -1, 1), ("q_idx", [1, 32, 2, 16], -1, 1),
@@ -57,6 +58,19 @@ def main():
     make_inputs(gdn_grouped, [("q", [1, 48, 1, 16], -1, 1), ("k", [1, 48, 1, 16], -1, 1), ("v", [1, 48, 2, 8], -1, 1),
                               ("g", [1, 48, 2], -0.22, -0.02), ("beta", [1, 48, 2], 0.2, 0.8),
                               ("initial_state", [1, 2, 16, 8], -0.1, 0.1), ("dout", [1, 48, 2, 8], -1, 1)])
+    # Out of the recurrence's domain: g > 0 (a growing state), beta > 1.
+    gdn_bad = {}
+    for bad, (lo_g, hi_g, lo_b, hi_b) in {"g": (0.01, 0.2, 0.2, 0.8), "beta": (-0.22, -0.02, 1.1, 1.5)}.items():
+        gdn_bad[bad] = os.path.join(work, "gdn_bad_" + bad)
+        make_inputs(gdn_bad[bad], [("q", [1, 48, 2, 16], -1, 1), ("k", [1, 48, 2, 16], -1, 1),
+                                   ("v", [1, 48, 2, 16], -1, 1), ("g", [1, 48, 2], lo_g, hi_g),
+                                   ("beta", [1, 48, 2], lo_b, hi_b), ("initial_state", [1, 2, 16, 16], -0.1, 0.1),
+                                   ("dout", [1, 48, 2, 16], -1, 1)])
+    # A short conv of width 3 on q, k, v: conv_weight [2 Hk K + Hv V, W] = [96, 3].
+    make_inputs(gdn_conv, [("q", [1, 48, 2, 16], -1, 1), ("k", [1, 48, 2, 16], -1, 1), ("v", [1, 48, 2, 16], -1, 1),
+                           ("g", [1, 48, 2], -0.22, -0.02), ("beta", [1, 48, 2], 0.2, 0.8),
+                           ("initial_state", [1, 2, 16, 16], -0.1, 0.1), ("dout", [1, 48, 2, 16], -1, 1),
+                           ("conv_weight", [96, 3], -0.5, 0.5)])
 
     grid = ["--ring-size", str(a.np)]
     run = ["--check", "--quiet", "--warmup", "0", "--iters", "1"]
@@ -86,6 +100,20 @@ def main():
         ("gdn --dim-v against v.npy", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_grouped, "--dim-v",
                                        "16"], False,
          every_rank(r"--dim-v 16 does not match --inputs: \S*v\.npy has shape \[1, 48, 2, 8\]")),
+        ("gdn conv width from conv_weight.npy", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_conv], True,
+         r"# shapes B=1 S=48 Hv=2 Hk=2 K=16 V=16 conv=3 .*dconv_weight .*# check passed"),
+        ("gdn --conv-width against conv_weight.npy", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_conv,
+                                                      "--conv-width", "4"], False,
+         every_rank(r"--conv-width 4 does not match --inputs: \S*conv_weight\.npy has shape \[96, 3\]")),
+        ("gdn --conv-width without conv_weight.npy", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn,
+                                                      "--conv-width", "3"], False,
+         every_rank(r"--conv-width 3 needs --inputs \S*conv_weight\.npy, which does not exist \(leave --conv-width "
+                    r"out to run without conv_weight\)")),
+        ("gdn g > 0", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_bad["g"]], False,
+         every_rank(r"\S*/g\.npy: element 0 is [0-9.e-]+ \(--attn gdn: g is the log decay, every element must be "
+                    r"<= 0\)")),
+        ("gdn beta > 1", ["--attn", "gdn", "--chunk-size", "16", "--inputs", gdn_bad["beta"]], False,
+         every_rank(r"\S*/beta\.npy: element 0 is [0-9.e-]+ \(--attn gdn: beta must be in \(0, 1\)\)")),
     ]
     failed = 0
     for name, flags, ok, regex in cases:
