@@ -440,7 +440,7 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   k.presets = {{"qwen3-next", 32, 16, 128, 0, 64, 128, 0, 0,
                 "GDN: 32 value heads on 16 key heads (each q, k head serves two value heads), K = V = 128, short conv "
                 "of width 4 on q, k, v, chunk 64, causal",
-                4}};
+                4, std::nullopt}};
   k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "kv-heads", "dim-v", "conv-width"};
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
                          {"seq", "q", 1, &SpBenchOptions::seq},
