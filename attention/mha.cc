@@ -117,22 +117,22 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
                " must be finite and > 0 (0: no soft-capping)");
   const double scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
   cpu::MhaParams p{a.q.data(),
-                        a.k.data(),
-                        a.v.data(),
-                        a.q.dtype(),
-                        B,
-                        Sq,
-                        Sk,
-                        Hq,
-                        Hkv,
-                        D,
-                        scale,
-                        nullptr,
-                        a.mods.softcap,
-                        check_head_vector(a.mods.alibi_slopes, Hq, "alibi_slopes"),
-                        check_head_vector(a.mods.sinks, Hq, "sinks"),
-                        a.q_pos,
-                        a.k_pos};
+                   a.k.data(),
+                   a.v.data(),
+                   a.q.dtype(),
+                   B,
+                   Sq,
+                   Sk,
+                   Hq,
+                   Hkv,
+                   D,
+                   scale,
+                   nullptr,
+                   a.mods.softcap,
+                   check_head_vector(a.mods.alibi_slopes, Hq, "alibi_slopes"),
+                   check_head_vector(a.mods.sinks, Hq, "sinks"),
+                   a.q_pos,
+                   a.k_pos};
   p.dropout = check_dropout_args(a, B, Hq);
   return p;
 }

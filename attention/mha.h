@@ -118,7 +118,7 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
 
 struct MhaBackwardArgs {
   MhaForwardArgs fwd;  // q, k, v, positions, mask, scale, mods, dropout, head_offset as in the forward (sinks are
-                      // not read: see lse)
+                       // not read: see lse)
   TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64

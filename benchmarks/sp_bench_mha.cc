@@ -370,8 +370,8 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                 "MHA/GQA: 64 query heads, 8 kv heads, head dim 64, learned attention sinks, causal, RoPE theta "
                 "150000 with YaRN (factor 32)",
                 0, gpt_oss_rope, 0.0, true}};
-  k.own_flags = {"test-logit-scale", "impl", "window", "kv-heads", "softcap", "alibi", "sinks", "dropout",
-                 "dropout-seed"};
+  k.own_flags = {"test-logit-scale", "impl",        "window", "kv-heads", "softcap", "alibi", "sinks",
+                 "dropout",          "dropout-seed"};
   for (const std::string& f : rope_flags()) k.own_flags.push_back(f);
   k.add_json = add_rope_json;
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},

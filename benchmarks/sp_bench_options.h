@@ -67,9 +67,9 @@ struct SpBenchOptions {
   std::string json_path;
   std::string inputs_dir;
   std::string dump_dir;
-  bool dump_inputs = false;  // --dump also writes the full inputs, as --inputs reads them
-  bool quiet = false;        // no progress lines
-  bool dry_run = false;      // print the memory estimate and exit
+  bool dump_inputs = false;              // --dump also writes the full inputs, as --inputs reads them
+  bool quiet = false;                    // no progress lines
+  bool dry_run = false;                  // print the memory estimate and exit
   std::vector<std::string> given_flags;  // the flags given on the command line (a kind's rules on explicit flags)
   bool given(const std::string& flag) const {
     return std::find(given_flags.begin(), given_flags.end(), flag) != given_flags.end();

@@ -61,9 +61,9 @@
 #pragma once
 
 #include <cstdint>
-#include <string_view>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "attention/mha.h"

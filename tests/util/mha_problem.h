@@ -16,9 +16,9 @@ struct MhaShape {
   std::int64_t batch = 2, seq = 192, hq = 4, hkv = 2, dim = 64;
   DType dtype = DType::kFloat32;
   attn::MaskSpec mask;
-  std::uint64_t seed = 0;  // added to the fixed seeds of q, k, v, dout (another problem of the same shape)
-  double logits = 0;       // > 0: logits of about this size with a spread softmax (test::set_logit_offset)
-  attn::ScoreMods mods;    // soft-capping, ALiBi, sinks over all hq heads (views kept alive by the caller)
+  std::uint64_t seed = 0;       // added to the fixed seeds of q, k, v, dout (another problem of the same shape)
+  double logits = 0;            // > 0: logits of about this size with a spread softmax (test::set_logit_offset)
+  attn::ScoreMods mods;         // soft-capping, ALiBi, sinks over all hq heads (views kept alive by the caller)
   attn::DropoutSpec dropout{};  // applied by single_rank_result and reference_result (usp_result: the config's)
 };
 
