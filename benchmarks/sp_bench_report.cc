@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 
+#include "benchmarks/sp_bench_workload.h"
 #include "runtime/memory.h"
 #include "runtime/version.h"
 
@@ -28,9 +29,15 @@ void print_header(const SpBenchOptions& o, const RunReport& r) {
               r.node.cores_per_node, git_commit(), r.date_utc.c_str());
   const std::string warning = oversubscription_warning(r.node, o.threads);
   if (!warning.empty()) std::printf("# warning: %s\n", warning.c_str());
-  std::printf("# attn %s%s, layout %s, impl %s, dtype %s\n", o.attn.c_str(),
-              o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout),
-              ring_impl_name(o.impl), dtype_name(o.dtype));
+  // The ring impl only where it means something (a kind that owns --impl; GDN's mode and DSA's selection are in the
+  // shapes line).
+  const std::vector<std::string>& own = find_workload_kind(o.attn).own_flags;
+  const std::string impl = std::find(own.begin(), own.end(), "impl") != own.end()
+                               ? str_cat(", impl ", ring_impl_name(o.impl))
+                               : std::string();
+  std::printf("# attn %s%s, layout %s%s, dtype %s\n", o.attn.c_str(),
+              o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout), impl.c_str(),
+              dtype_name(o.dtype));
   std::printf("# shapes %s\n", describe_shapes(o).c_str());
   std::printf(
       "# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median; JSON: min, max, each); inputs "
