@@ -429,30 +429,32 @@ TEST(DsaCpLargeLogits, Fp64MatchesReference) {
 // grid reproduces bitwise) is within 2x of the one-rank error, at logits and indexer scores up to 1e4. The floor of
 // the one-rank error is fp32's unit roundoff 2^-24. The latent ring's merges keep lse in fp64, so
 // they add no rounding of an fp32 lse (eps |lse|, ~6e-4 at logits 1e4, per merge).
-TEST(DsaCpLargeLogits, Fp32WithinTwiceTheOneRankError) {
+TEST(DsaCpLargeLogits, Fp32AndBf16WithinTwiceTheOneRankError) {
   const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
   const SpGrid one_rank(*self, {1, 1, 1, Placement::kUlyssesInner});
-  for (double logit : kLargeLogits) {
-    const DsaProblem p(48, DType::kFloat32, logit);
-    const DsaCase base = large_logit_cases().front();
-    const DistResult one = run_distributed(one_rank, base, p);
-    const DistResult ref = fp64_reference(p, base, single_rank_topk(p, base.seq, base.topk));
-    ASSERT_EQ(one.topk, ref.topk) << "the one-rank run selects what one kernel call selects";
-    const std::vector<double> one_err = errors_of(one, ref);
-    print_errors(str_cat("fp32 one rank, logits ", logit, " vs fp64 reference"), one_err);
-    for (const DsaCase& c : large_logit_cases()) {
-      if (c.topk != base.topk) continue;
-      const DistResult got = run_distributed(grid_of(c), c, p);
-      const std::string name = str_cat(case_name(c), " logits ", logit);
-      ASSERT_EQ(got.topk, one.topk) << name;
-      const std::vector<double> err = errors_of(got, ref);
-      print_errors(str_cat("fp32 ", name, " vs fp64 reference"), err);
-      for (std::size_t i = 0; i < err.size(); ++i) {
-        EXPECT_LE(err[i], 2.0 * std::max(one_err[i], 0x1p-24))
-            << name << " " << kErrNames[i] << ": distributed error " << err[i] << ", one-rank error " << one_err[i];
+  for (const auto& [dtype, unit_roundoff] : {std::pair{DType::kFloat32, 0x1p-24}, std::pair{DType::kBFloat16, 0x1p-8}})
+    for (double logit : kLargeLogits) {
+      const DsaProblem p(48, dtype, logit);
+      const DsaCase base = large_logit_cases().front();
+      const DistResult one = run_distributed(one_rank, base, p);
+      const DistResult ref = fp64_reference(p, base, single_rank_topk(p, base.seq, base.topk));
+      ASSERT_EQ(one.topk, ref.topk) << "the one-rank run selects what one kernel call selects";
+      const std::vector<double> one_err = errors_of(one, ref);
+      print_errors(str_cat(dtype_name(dtype), " one rank, logits ", logit, " vs fp64 reference"), one_err);
+      for (const DsaCase& c : large_logit_cases()) {
+        if (c.topk != base.topk) continue;
+        const DistResult got = run_distributed(grid_of(c), c, p);
+        const std::string name = str_cat(case_name(c), " logits ", logit);
+        ASSERT_EQ(got.topk, one.topk) << name;
+        const std::vector<double> err = errors_of(got, ref);
+        print_errors(str_cat(dtype_name(dtype), " ", name, " vs fp64 reference"), err);
+        for (std::size_t i = 0; i < err.size(); ++i) {
+          EXPECT_LE(err[i], 2.0 * std::max(one_err[i], unit_roundoff))
+              << dtype_name(dtype) << " " << name << " " << kErrNames[i] << ": distributed error " << err[i]
+              << ", one-rank error " << one_err[i];
+        }
       }
     }
-  }
 }
 
 // The window: every selected key is within W - 1 positions of its query, the fp64 kernel selects exactly the fp64
