@@ -14,6 +14,7 @@
 
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/cp_test.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -42,17 +43,14 @@ constexpr std::int64_t kHq = 8, kHkv = 2;
 std::vector<PrecisionCase> cases_for_world() {
   const int n = world().size();
   std::vector<PrecisionCase> cases;
-  for (int pu = 1; pu <= n; ++pu) {
-    if (n % pu != 0 || kHq % pu != 0) continue;
-    for (Placement pl : {Placement::kUlyssesInner, Placement::kRingInner}) {
-      if (pl == Placement::kRingInner && (pu == 1 || pu == n)) continue;  // same groups as ulysses_inner
-      for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
-        // runtime (each case runs 9 problems): the ring-inner placement on zigzag only, stripe up to 3 ranks
-        if ((pl == Placement::kRingInner && layout != LayoutKind::kZigzag) || (n > 3 && layout == LayoutKind::kStripe))
-          continue;
-        for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-          for (bool causal : {false, true}) cases.push_back({pu, pl, layout, impl, causal});
-        }
+  for (const SpGridConfig& g : test::usp_grids(kHq)) {
+    const Placement pl = g.placement;
+    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+      // runtime (each case runs 9 problems): the ring-inner placement on zigzag only, stripe up to 3 ranks
+      if ((pl == Placement::kRingInner && layout != LayoutKind::kZigzag) || (n > 3 && layout == LayoutKind::kStripe))
+        continue;
+      for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+        for (bool causal : {false, true}) cases.push_back({g.ulysses_size, pl, layout, impl, causal});
       }
     }
   }

@@ -14,6 +14,7 @@
 
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/cp_test.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -40,20 +41,14 @@ void PrintTo(const DropoutCase& c, std::ostream* os) { *os << case_name(c); }
 constexpr std::int64_t kHq = 8;
 
 std::vector<DropoutCase> cases_for_world() {
-  const int n = world().size();
   std::vector<DropoutCase> cases;
-  for (int pu = 1; pu <= n; ++pu) {
-    if (n % pu != 0 || kHq % pu != 0) continue;
-    for (Placement pl : {Placement::kUlyssesInner, Placement::kRingInner}) {
-      if (pl == Placement::kRingInner && (pu == 1 || pu == n)) continue;  // same groups as ulysses_inner
-      // Every layout, both ring implementations, causal and not, GQA with Hkv = 2 and MQA (Hkv < Pu from Pu = 2).
-      const SpGridConfig g{1, pu, n / pu, pl};
-      cases.push_back({g, LayoutKind::kZigzag, RingImpl::kP2P, true, 2});
-      cases.push_back({g, LayoutKind::kZigzag, RingImpl::kAllGather, false, 2});
-      cases.push_back({g, LayoutKind::kContiguous, RingImpl::kP2P, false, 2});
-      cases.push_back({g, LayoutKind::kStripe, RingImpl::kAllGather, true, 2});
-      cases.push_back({g, LayoutKind::kContiguous, RingImpl::kP2P, true, 1});
-    }
+  for (const SpGridConfig& g : test::usp_grids(kHq)) {
+    // Every layout, both ring implementations, causal and not, GQA with Hkv = 2 and MQA (Hkv < Pu from Pu = 2).
+    cases.push_back({g, LayoutKind::kZigzag, RingImpl::kP2P, true, 2});
+    cases.push_back({g, LayoutKind::kZigzag, RingImpl::kAllGather, false, 2});
+    cases.push_back({g, LayoutKind::kContiguous, RingImpl::kP2P, false, 2});
+    cases.push_back({g, LayoutKind::kStripe, RingImpl::kAllGather, true, 2});
+    cases.push_back({g, LayoutKind::kContiguous, RingImpl::kP2P, true, 1});
   }
   return cases;
 }

@@ -9,6 +9,7 @@
 
 #include "parallel/usp.h"
 #include "runtime/sp_grid.h"
+#include "tests/util/cp_test.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -38,10 +39,9 @@ std::string case_name(const ModsCase& c) {
 void PrintTo(const ModsCase& c, std::ostream* os) { *os << case_name(c); }
 
 std::vector<ModsCase> cases_for_world() {
-  const int n = world().size();
   std::vector<ModsCase> cases;
-  for (int pu = 1; pu <= n; ++pu) {
-    if (n % pu != 0 || kHq % pu != 0) continue;
+  for (const SpGridConfig& g : test::usp_grids(kHq, /*both_placements=*/false)) {
+    const int pu = g.ulysses_size;
     for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
       cases.push_back({pu, impl, LayoutKind::kZigzag, {true, 0}, 4.0f, true, true});
       cases.push_back({pu, impl, LayoutKind::kContiguous, {false, 0}, 4.0f, true, true});

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "parallel/cp_common.h"
 #include "parallel/layout.h"
@@ -19,6 +20,19 @@ inline std::int64_t saved_bytes() {
 inline SpGridConfig small_grid_config() {
   const int n = world().size();
   return n % 2 == 0 ? SpGridConfig{1, 2, n / 2} : SpGridConfig{1, 1, n};
+}
+
+// Every USP grid of the world for `heads` query heads: each Ulysses size dividing both the world size and heads,
+// with the ulysses-inner placement, and the ring-inner one where it makes other groups (1 < ulysses_size < world).
+inline std::vector<SpGridConfig> usp_grids(std::int64_t heads, bool both_placements = true) {
+  const int n = world().size();
+  std::vector<SpGridConfig> grids;
+  for (int pu = 1; pu <= n; ++pu) {
+    if (n % pu != 0 || heads % pu != 0) continue;
+    grids.push_back({1, pu, n / pu, Placement::kUlyssesInner});
+    if (both_placements && pu > 1 && pu < n) grids.push_back({1, pu, n / pu, Placement::kRingInner});
+  }
+  return grids;
 }
 
 // 48 tokens, one sequence, 4 heads of 16 on small_grid_config(), zigzag.
