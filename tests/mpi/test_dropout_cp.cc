@@ -61,6 +61,7 @@ test::MhaShape shape_of(const DropoutCase& c, DType dtype) {
           .dim = 16,
           .dtype = dtype,
           .mask = {c.causal, 0},
+          .mods = {},
           .dropout = {0.25, 0x5eed'0000'0017ull}};
 }
 
