@@ -132,8 +132,8 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
                    check_head_vector(a.mods.alibi_slopes, Hq, "alibi_slopes"),
                    check_head_vector(a.mods.sinks, Hq, "sinks"),
                    a.q_pos,
-                   a.k_pos};
-  p.dropout = check_dropout_args(a, B, Hq);
+                   a.k_pos,
+                   check_dropout_args(a, B, Hq)};
   return p;
 }
 
