@@ -437,6 +437,9 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
                  o.grid.ulysses_size);
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
     if (o.rope) {
+      SEQPAR_CHECK(o.rope_cfg.rotary_dim > 0 || !o.given("rope-dim"), "--rope-dim ", o.rope_cfg.rotary_dim,
+                   ": DSA rotates the last R columns of q and the latent (and the first R of the indexer's q, k); ",
+                   "give R > 0 or leave --rope-dim out for 64");
       if (o.rope_cfg.rotary_dim == 0) o.rope_cfg.rotary_dim = 64;  // DeepSeek's qk_rope_head_dim
       check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim");
       check_rope_fits(o.rope_cfg, o.indexer_dim, "--indexer-dim");
