@@ -18,6 +18,7 @@
 
 #include "attention/dsa.h"
 #include "attention/reference/dsa_reference.h"
+#include "benchmarks/flop_models.h"
 #include "benchmarks/sp_bench_rope.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "parallel/dsa_cp.h"
@@ -52,27 +53,12 @@ float dsa_softmax_scale(const SpBenchOptions& o) {
   return factor == 1.0 ? 0.0f : static_cast<float>(factor / std::sqrt(static_cast<double>(o.head_dim)));
 }
 
-// README "FLOPs": attention 2 H (Dqk + Dv) per selected pair, indexer 2 Hi Di per visible pair (forward);
-// backward 2.5 x the attention forward plus the indexer loss side 6 Hi Di per selected pair (scores of the
-// selected pairs, dq_idx and dk_idx).
-double attention_flops_per_pair(const SpBenchOptions& o) {
-  return 2.0 * static_cast<double>(o.heads) * static_cast<double>(o.head_dim + o.dim_v);
+// Model FLOPs (benchmarks/flop_models.h, README "FLOPs") of the options' shapes.
+DsaFlopShape dsa_flop_shape(const SpBenchOptions& o) {
+  return {o.batch, o.seq, o.heads, o.head_dim, o.dim_v, o.indexer_heads, o.indexer_dim, o.topk, o.window};
 }
-double indexer_flops_per_pair(const SpBenchOptions& o) {
-  return 2.0 * static_cast<double>(o.indexer_heads) * static_cast<double>(o.indexer_dim);
-}
-
-// sum_{t=0}^{S-1} min(m, t+1) = m (m + 1) / 2 + (S - m) m, m <= S, per batch row.
-double capped_pairs(const SpBenchOptions& o, std::int64_t cap) {
-  const double s = static_cast<double>(o.seq), m = static_cast<double>(std::min(cap, o.seq));
-  return static_cast<double>(o.batch) * (m * (m + 1) / 2 + (s - m) * m);
-}
-// The candidates of query t: its t + 1 visible keys, or the last min(W, t + 1) with a window W.
-std::int64_t candidate_cap(const SpBenchOptions& o) { return o.window > 0 ? o.window : o.seq; }
-// (query, selected key) pairs of the whole problem: query t selects min(k, candidates) keys.
-double selected_pairs(const SpBenchOptions& o) { return capped_pairs(o, std::min(o.topk, candidate_cap(o))); }
-// (query, candidate key) pairs the indexer scores: S (S + 1) / 2 per batch row without a window.
-double visible_pairs(const SpBenchOptions& o) { return capped_pairs(o, candidate_cap(o)); }
+double attention_flops_per_pair(const SpBenchOptions& o) { return dsa_attention_flops_per_pair(dsa_flop_shape(o)); }
+double indexer_flops_per_pair(const SpBenchOptions& o) { return dsa_indexer_flops_per_pair(dsa_flop_shape(o)); }
 
 class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
  public:
@@ -92,12 +78,8 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     return {"out", "lse", "topk_indices", "loss", "dq", "dc", "dq_idx", "dk_idx", "dw"};
   }
 
-  double forward_flops() const override {
-    return selected_pairs(o_) * attention_flops_per_pair(o_) + visible_pairs(o_) * indexer_flops_per_pair(o_);
-  }
-  double backward_flops() const override {
-    return selected_pairs(o_) * (2.5 * attention_flops_per_pair(o_) + 3.0 * indexer_flops_per_pair(o_));
-  }
+  double forward_flops() const override { return dsa_forward_flops(dsa_flop_shape(o_)); }
+  double backward_flops() const override { return dsa_backward_flops(dsa_flop_shape(o_)); }
 
   Tolerance tolerance(const std::string& name) const override {
     // The selection is a strict total order on (score, position), independent of how the keys are split.

@@ -14,6 +14,7 @@
 
 #include "attention/gdn.h"
 #include "attention/reference/gdn_reference.h"
+#include "benchmarks/flop_models.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/layout.h"
@@ -81,16 +82,13 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     return names;
   }
 
-  // Model FLOPs of the chunked algorithm (README): per token and value head 6 C K + 4 C V + 6 K V forward, plus
-  // 2 W per token and conv channel with --conv-width W.
-  double forward_flops() const override {
-    const double c = static_cast<double>(std::min(o_.chunk_size, o_.seq)), k = static_cast<double>(o_.head_dim),
-                 v = static_cast<double>(o_.dim_v);
-    const double conv = 2.0 * static_cast<double>(o_.conv_width * gdn_shapes(o_).conv_channels_total());
-    return static_cast<double>(o_.batch * o_.seq) *
-           (static_cast<double>(o_.heads) * (6 * c * k + 4 * c * v + 6 * k * v) + conv);
+  // Model FLOPs of the chunked algorithm (benchmarks/flop_models.h, README "FLOPs"), the conv included.
+  GdnFlopShape flop_shape() const {
+    return {o_.batch, o_.seq,        o_.heads,      o_.head_dim,
+            o_.dim_v, o_.chunk_size, o_.conv_width, gdn_shapes(o_).conv_channels_total()};
   }
-  double backward_flops() const override { return 2.5 * forward_flops(); }
+  double forward_flops() const override { return gdn_forward_flops(flop_shape()); }
+  double backward_flops() const override { return gdn_backward_flops(flop_shape()); }
 
   Tolerance tolerance(const std::string& name) const override {
     // The distributed recurrence composes segment states (chain) or affine maps (scan) in another order than the

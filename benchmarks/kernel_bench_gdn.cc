@@ -1,0 +1,83 @@
+// kernel_bench --kernel gdn: the chunked gated delta rule forward and backward (attention/gdn.h) at Qwen3-Next's
+// head shapes (K = V = 128, chunk 64; value heads --heads, default 8, on --kv-heads key heads, default half as many
+// as Qwen3-Next's 32 on 16), batch 1, q and k L2-normalised, zero initial state. The forward writes out and
+// final_state; the backward every gradient (dq, dk, dv, dg, dbeta, dinitial_state) for a random dout.
+// FLOPs: benchmarks/flop_models.h (README "FLOPs"), as sp_bench counts them without the short conv.
+#include <cstdio>
+
+#include "attention/gdn.h"
+#include "benchmarks/flop_models.h"
+#include "benchmarks/kernel_bench.h"
+#include "runtime/error.h"
+
+namespace seqpar::bench::kernel {
+
+void add_gdn_options(cxxopts::Options& opts) {
+  opts.add_options("gdn")("kv-heads", "GDN key heads Hk (0: heads / 2, at least 1)",
+                          cxxopts::value<std::int64_t>()->default_value("0"))(
+      "chunk-size", "GDN chunk length C", cxxopts::value<std::int64_t>()->default_value("64"));
+}
+
+nlohmann::json run_gdn(const Context& ctx) {
+  const std::vector<std::int64_t> seqs = ctx.seqs({8192}, {2048});
+  const std::int64_t B = 1, Hv = ctx.size_or("heads", 8),
+                     Hk = ctx.size_or("kv-heads", std::max<std::int64_t>(Hv / 2, 1));
+  const std::int64_t K = ctx.size_or("head-dim", 128), V = ctx.size_or("dim-v", 128);
+  const std::int64_t C = (*ctx.args)["chunk-size"].as<std::int64_t>();
+  std::printf("#\n# gdn: chunked gated delta rule, B=%lld Hv=%lld Hk=%lld K=%lld V=%lld chunk=%lld, qk L2 norm\n",
+              static_cast<long long>(B), static_cast<long long>(Hv), static_cast<long long>(Hk),
+              static_cast<long long>(K), static_cast<long long>(V), static_cast<long long>(C));
+  std::printf("# FLOPs: fwd B*S*Hv*(6*C*K + 4*C*V + 6*K*V), bwd 2.5x fwd\n");
+  std::printf("%7s %4s %4s %5s %5s %5s", "S", "Hv", "Hk", "K", "V", "C");
+  print_rate_header();
+  std::printf("\n");
+  nlohmann::json results = nlohmann::json::array();
+  for (std::int64_t S : seqs) {
+    const MemCategory ws = MemCategory::kWorkspace;
+    auto make = [&](Shape shape, std::uint32_t seed, float lo, float hi) {
+      Tensor t = Tensor::empty(std::move(shape), DType::kFloat32, ws);
+      fill(t, seed, lo, hi);
+      return t;
+    };
+    const Tensor q = make({B, S, Hk, K}, 1, -1, 1), k = make({B, S, Hk, K}, 2, -1, 1),
+                 v = make({B, S, Hv, V}, 3, -1, 1);
+    const Tensor g = make({B, S, Hv}, 4, -0.2f, -0.01f), beta = make({B, S, Hv}, 5, 0.05f, 0.95f);
+    const Tensor dout = make({B, S, Hv, V}, 6, -1, 1);
+    const Tensor out = Tensor::empty({B, S, Hv, V}, DType::kFloat32, ws),
+                 final_state = Tensor::empty({B, Hv, K, V}, DType::kFloat32, ws);
+    const Tensor dq = Tensor::empty(q.shape(), DType::kFloat32, ws), dk = Tensor::empty(k.shape(), DType::kFloat32, ws),
+                 dv = Tensor::empty(v.shape(), DType::kFloat32, ws), dg = Tensor::empty(g.shape(), DType::kFloat32, ws),
+                 dbeta = Tensor::empty(g.shape(), DType::kFloat32, ws),
+                 dinit = Tensor::empty(final_state.shape(), DType::kFloat32, ws);
+    attn::GdnForwardArgs a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.g = g;
+    a.beta = beta;
+    a.chunk_size = C;
+    const GdnFlopShape shape{B, S, Hv, K, V, C, 0, 0};
+    RateColumns r;
+    r.fwd_flops = gdn_forward_flops(shape);
+    r.bwd_flops = ctx.backward ? gdn_backward_flops(shape) : 0.0;
+    const std::vector<Timing> t = time_rounds({[&] { attn::gdn_forward(a, out, final_state); },
+                                               [&] {
+                                                 if (ctx.backward)
+                                                   attn::gdn_backward({a, dout, {}}, dq, dk, dv, dg, dbeta, dinit);
+                                               }},
+                                              ctx.warmup, ctx.min_time, r.rounds);
+    r.fwd = t[0];
+    r.bwd = t[1];
+    std::printf("%7lld %4lld %4lld %5lld %5lld %5lld", static_cast<long long>(S), static_cast<long long>(Hv),
+                static_cast<long long>(Hk), static_cast<long long>(K), static_cast<long long>(V),
+                static_cast<long long>(C));
+    print_rate_values(ctx, r);
+    std::printf("\n");
+    std::fflush(stdout);
+    results.push_back(
+        rate_json(ctx, "gdn", {{"S", S}, {"B", B}, {"Hv", Hv}, {"Hk", Hk}, {"K", K}, {"V", V}, {"chunk_size", C}}, r));
+  }
+  return results;
+}
+
+}  // namespace seqpar::bench::kernel
