@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "attention/cpu/gdn_cpu.h"
+#include "attention/cpu/mha_simd.h"
 #include "attention/cpu/scratch.h"
 #include "runtime/error.h"
 
@@ -33,10 +35,11 @@ struct Vec32<double> {
 // C[m, n] (+)= alpha * op(A) B, op(A) = A [m, k] or (kTransA) A^T with A [k, m]. Two rows of C and a block of
 // four vectors of columns are accumulated in registers over all of k; the rest of the columns take a scalar path.
 // When a_lower, op(A) is lower triangular (zero above the diagonal, also stored as zero), and the k loop stops
-// after the diagonal of the second row. The summation order is fixed (p ascending).
+// after the diagonal of the second row. The summation order is fixed (p ascending). The fp64 path, and the columns
+// of an fp32 product that are not a multiple of the SIMD width.
 template <typename T, bool kTransA>
-void gemm(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
-          std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, bool a_lower) {
+void gemm_generic(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
+                  std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, bool a_lower) {
   using VT = typename Vec32<T>::type;
   constexpr std::int64_t kLanes = 32 / static_cast<std::int64_t>(sizeof(T));
   constexpr int kNV = 4;
@@ -89,6 +92,44 @@ void gemm(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, s
   }
 }
 
+// C[m, n] (+)= alpha * op(A) B as above. fp32: the register-blocked micro-kernel of the MHA kernels (mha_simd.h,
+// kMR rows x kNV vectors of C in registers over all of k, k ascending) on the columns that fill whole vectors, the
+// generic path on the rest; alpha = -1 with accumulate runs as C = -(-C + op(A) B) (negation is exact), other alphas
+// scale the product. A lower-triangular op(A) is multiplied in full there (its upper part is stored as zeros).
+// Every element of C is reduced over k in ascending order either way, so the result does not depend on the blocking
+// or on the thread count.
+template <typename T, bool kTransA>
+void gemm(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
+          std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, bool a_lower) {
+  if constexpr (std::is_same_v<T, float> && Simd<float>::W > 1) {
+    constexpr std::int64_t W = Simd<float>::W;
+    const std::int64_t n_main = n / W * W;
+    if (n_main > 0 && (alpha == T(1) || alpha == T(-1)) && m > 0) {
+      const int mi = static_cast<int>(m), ni = static_cast<int>(n_main), ki = static_cast<int>(k);
+      const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
+      auto negate = [&] {
+        for (std::int64_t i = 0; i < m; ++i) {
+          T* ci = c + i * ldc;
+          for (std::int64_t j = 0; j < n_main; ++j) ci[j] = -ci[j];
+        }
+      };
+      const bool neg = alpha == T(-1);
+      if (accumulate) {
+        if (neg) negate();
+        gemm_tile<float, true, kTransA>(mi, ni, ki, a, la, b, lb, c, lc);
+      } else {
+        gemm_tile<float, false, kTransA>(mi, ni, ki, a, la, b, lb, c, lc);
+      }
+      if (neg) negate();
+      if (n_main < n)
+        gemm_generic<T, kTransA>(m, n - n_main, k, alpha, a, lda, b + n_main, ldb, c + n_main, ldc, accumulate,
+                                 a_lower);
+      return;
+    }
+  }
+  gemm_generic<T, kTransA>(m, n, k, alpha, a, lda, b, ldb, c, ldc, accumulate, a_lower);
+}
+
 // C[m, n] (+)= alpha * A[m, k] B[k, n].
 template <typename T>
 void mm_nn(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
@@ -103,14 +144,28 @@ void mm_tn(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, 
   gemm<T, true>(m, n, k, alpha, a, lda, b, ldb, c, ldc, accumulate, false);
 }
 
+// dst[j, i] = src[i, j] for src [rows, cols] (row stride lds), dst [cols, rows] (row stride ldd), in 16 x 16 tiles
+// so that both sides stream through whole cache lines.
+template <typename T>
+void transpose(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t lds, T* dst, std::int64_t ldd) {
+  constexpr std::int64_t kTile = 16;
+  for (std::int64_t i0 = 0; i0 < rows; i0 += kTile) {
+    const std::int64_t i1 = std::min(rows, i0 + kTile);
+    for (std::int64_t j0 = 0; j0 < cols; j0 += kTile) {
+      const std::int64_t j1 = std::min(cols, j0 + kTile);
+      for (std::int64_t j = j0; j < j1; ++j) {
+        for (std::int64_t i = i0; i < i1; ++i) dst[j * ldd + i] = src[i * lds + j];
+      }
+    }
+  }
+}
+
 // C[m, n] (+)= alpha * A B^T with A [m, k], B [n, k]: B is transposed into `bt` (n * k values, the worker's
 // transpose buffer) so that the inner loop runs over contiguous memory like mm_nn.
 template <typename T>
 void mm_nt(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
            std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, T* bt) {
-  for (std::int64_t j = 0; j < n; ++j) {
-    for (std::int64_t p = 0; p < k; ++p) bt[p * n + j] = b[j * ldb + p];
-  }
+  transpose(n, k, b, ldb, bt, n);
   mm_nn<T>(m, n, k, alpha, a, lda, bt, n, c, ldc, accumulate);
 }
 
@@ -123,14 +178,23 @@ T dot(const T* a, const T* b, std::int64_t n) {
 
 // ---- element access (storage dtype <-> compute dtype T) -----------------------------------------------------
 
+// Storage of the compute dtype is copied directly (the common case: fp32 activations, fp64 for fp64).
 template <typename T>
 void load(const TensorView& t, std::int64_t elem_offset, std::int64_t n, T* dst) {
+  if (t.dtype() == dtype_v<T>) {
+    std::memcpy(dst, static_cast<const T*>(t.data()) + elem_offset, static_cast<std::size_t>(n) * sizeof(T));
+    return;
+  }
   const auto* src = static_cast<const char*>(t.data()) + elem_offset * static_cast<std::int64_t>(dtype_size(t.dtype()));
   convert(src, t.dtype(), dst, dtype_v<T>, static_cast<std::size_t>(n));
 }
 
 template <typename T>
 void store(const T* src, std::int64_t n, const TensorView& t, std::int64_t elem_offset) {
+  if (t.dtype() == dtype_v<T>) {
+    std::memcpy(static_cast<T*>(t.data()) + elem_offset, src, static_cast<std::size_t>(n) * sizeof(T));
+    return;
+  }
   auto* dst = static_cast<char*>(t.data()) + elem_offset * static_cast<std::int64_t>(dtype_size(t.dtype()));
   convert(src, dtype_v<T>, dst, t.dtype(), static_cast<std::size_t>(n));
 }
@@ -221,6 +285,30 @@ struct ChunkScratch {
  private:
   std::int64_t total = 0;
 };
+
+// Asks for rows t0..t0+c-1 of `t` (row r of (b, head) at ((b S + r) heads + head) width) to be brought into the cache,
+// so that the next chunk's rows (one per token, heads * width elements apart) arrive while this chunk computes.
+inline void prefetch_rows(const TensorView& t, const Dims& d, std::int64_t b, std::int64_t heads, std::int64_t head,
+                          std::int64_t width, std::int64_t t0, std::int64_t c) {
+  if (t.empty() || c <= 0) return;
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(t.dtype())), bytes = width * esize;
+  const char* base = static_cast<const char*>(t.data());
+  for (std::int64_t i = 0; i < c; ++i) {
+    const char* row = base + ((b * d.S + t0 + i) * heads + head) * bytes;
+    for (std::int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
+  }
+}
+
+// Prefetches the rows of the chunk at t0 that load_chunk (and the backward's dout) reads; nothing past the sequence.
+inline void prefetch_chunk(const GdnForwardArgs& a, const TensorView& dout, const Dims& d, std::int64_t b,
+                           std::int64_t h, std::int64_t t0, bool with_q, bool with_v) {
+  if (t0 < 0 || t0 >= d.S) return;
+  const std::int64_t c = std::min(d.C, d.S - t0), hk = h / d.group();
+  prefetch_rows(a.k, d, b, d.Hk, hk, d.K, t0, c);
+  if (with_q) prefetch_rows(a.q, d, b, d.Hk, hk, d.K, t0, c);
+  if (with_v) prefetch_rows(a.v, d, b, d.H, h, d.V, t0, c);
+  prefetch_rows(dout, d, b, d.H, h, d.V, t0, c);
+}
 
 // Loads rows t0..t0+c-1 of (b, value head h): normalised and scaled q (and the unscaled normalised copy qn with
 // 1/norm rq) and normalised k (with rk) of key head h / group, v (when load_v), g and beta.
@@ -314,16 +402,25 @@ void decay_scores(const Dims& d, std::int64_t c, ChunkScratch<T>& w) {
   }
 }
 
+// vp = vsrc - W S for W [c, K] (vsrc [c, n], or null for zeros; S [K, n] with row stride lds).
+template <typename T>
+void subtract_product(const Dims& d, std::int64_t c, const T* vsrc, std::int64_t n, const T* s, std::int64_t lds, T* vp,
+                      ChunkScratch<T>& w) {
+  mm_nn<T>(c, n, d.K, T(1), w.w, d.K, s, lds, vp, n, false);
+  if (vsrc == nullptr) {
+    for (std::int64_t i = 0; i < c * n; ++i) vp[i] = -vp[i];
+  } else {
+    for (std::int64_t i = 0; i < c * n; ++i) vp[i] = vsrc[i] - vp[i];
+  }
+}
+
 // vp = vsrc - W S (vsrc [c, n] or null for zeros), then S <- exp(gamma_last) S + K~^T vp. S is [K, n] with row
 // stride lds.
 template <typename T>
 void advance_state(const Dims& d, std::int64_t c, const T* vsrc, std::int64_t n, T* s, std::int64_t lds, T* vp,
                    ChunkScratch<T>& w) {
   const std::int64_t K = d.K;
-  if (vsrc != nullptr) {
-    for (std::int64_t i = 0; i < c * n; ++i) vp[i] = vsrc[i];
-  }
-  mm_nn<T>(c, n, K, T(-1), w.w, K, s, lds, vp, n, vsrc != nullptr);
+  subtract_product(d, c, vsrc, n, s, lds, vp, w);
   const T decay = w.gam[c - 1];
   for (std::int64_t i = 0; i < K; ++i) {
     for (std::int64_t j = 0; j < n; ++j) s[i * lds + j] *= decay;
@@ -405,10 +502,10 @@ void forward_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& out,
     for (std::int64_t t0 = 0; t0 < d.S; t0 += d.C) {
       const std::int64_t c = std::min(d.C, d.S - t0);
       load_chunk(a, d, b, h, t0, c, true, true, scale, w);
+      prefetch_chunk(a, {}, d, b, h, t0 + d.C, true, true);
       prepare_chunk(d, c, true, w);
       // V' = U - W S_0 (state before this chunk), then O = diag(gam) Q S_0 + P V'.
-      for (std::int64_t i = 0; i < c * V; ++i) w.vp[i] = w.u[i];
-      mm_nn<T>(c, V, K, T(-1), w.w, K, w.s, V, w.vp, V, true);
+      subtract_product(d, c, w.u, V, w.s, V, w.vp, w);
       mm_nn<T>(c, V, K, T(1), w.q, K, w.s, V, w.o, V, false);
       for (std::int64_t i = 0; i < c; ++i) {
         for (std::int64_t j = 0; j < V; ++j) w.o[i * V + j] *= w.gam[i];
@@ -455,6 +552,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
         const std::int64_t t0 = n * C, c = std::min(C, d.S - t0);
         std::copy(w.s, w.s + KV, starts + n * KV);
         load_chunk(a, d, b, h, t0, c, false, true, scale, w);
+        prefetch_chunk(a, {}, d, b, h, t0 + C, false, true);
         prepare_chunk(d, c, true, w);
         advance_state(d, c, w.u, V, w.s, V, w.vp, w);
       }
@@ -467,6 +565,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
     for (std::int64_t n = nc - 1; n >= 0; --n) {
       const std::int64_t t0 = n * C, c = std::min(C, d.S - t0);
       load_chunk(a, d, b, h, t0, c, true, full, scale, w);
+      prefetch_chunk(a, args.dout, d, b, h, t0 - C, true, full);
       prepare_chunk(d, c, full, w);
       for (std::int64_t i = 0; i < c; ++i) {
         const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
@@ -497,8 +596,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
         std::fill(w.dgamma, w.dgamma + c, T(0));
         std::fill(w.dbeta, w.dbeta + c, T(0));
         // Recompute V' = U - W S_0.
-        for (std::int64_t i = 0; i < c * V; ++i) w.vp[i] = w.u[i];
-        mm_nn<T>(c, V, K, T(-1), w.w, K, s0, V, w.vp, V, true);
+        subtract_product(d, c, w.u, V, s0, V, w.vp, w);
         // dQ from the inter-chunk term O_i += gam_i Q_i S_0: dQ = diag(gam) dO S_0^T; dgamma_i += <dO_i, gam_i
         // (Q S_0)_i>.
         mm_nt<T>(c, K, V, T(1), dog, V, s0, V, w.dq, K, false, w.bt);

@@ -17,6 +17,10 @@
 #include <tuple>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "attention/gdn.h"
 #include "attention/reference/gdn_reference.h"
 #include "tests/util/test_util.h"
@@ -543,6 +547,49 @@ TEST(GdnLong, Fp32At8192) {
               so.max_abs, max_out, ss.max_abs, max_state);
   EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), 1e-5, 1e-4, "S=8192 fp32 out"));
   EXPECT_TRUE(all_close(to_double(got.final_state), to_double(want.final_state), 1e-5, 1e-4, "S=8192 fp32 final"));
+}
+
+// ---- SIMD-wide shapes and thread counts ------------------------------------------------------------------------
+
+// Head dims that fill whole SIMD vectors (K = 32, V = 48: the fp32 kernels' register-blocked products, as at
+// Qwen3-Next's K = V = 128) and a partial last chunk: forward and backward against the fp64 recurrence, in fp32 and
+// fp64; and every output bitwise the same for 1 and 3 threads.
+TEST(GdnSimdShapes, MatchesReferenceAndIndependentOfThreadCount) {
+  Problem p{.B = 2, .S = 150, .H = 4, .Hk = 2, .K = 32, .V = 48};
+  p.seed = 901;
+  for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
+    const std::string tag = tag_of(p, dtype) + " K=32 V=48";
+    const Inputs in = make_inputs(p, dtype);
+    const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed + 7);
+    const Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, accumulator_dtype(dtype), p.seed + 8);
+    const Outputs got = run_forward(in);
+    const Outputs want = run_reference(in);
+    // Same tolerances as GdnBackward / GdnGrouped for each dtype.
+    const double atol = dtype == DType::kFloat64 ? 1e-10 : 5e-5;
+    const double rtol = dtype == DType::kFloat64 ? 1e-9 : 2e-4;
+    EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), atol, rtol, tag + " out"));
+    EXPECT_TRUE(all_close(to_double(got.final_state), to_double(want.final_state), atol, rtol, tag + " final"));
+    const Grads g = run_backward(in, dout, dfin, dtype);
+    expect_grads_close(g, run_reference_backward(in, dout, dfin), atol, rtol, tag);
+#ifdef _OPENMP
+    const int keep = omp_get_max_threads();
+    for (int threads : {1, 3}) {
+      omp_set_num_threads(threads);
+      const Outputs o = run_forward(in);
+      const Grads t = run_backward(in, dout, dfin, dtype);
+      omp_set_num_threads(keep);
+      const std::string at = tag + " with " + std::to_string(threads) + " thread(s)";
+      EXPECT_EQ(to_double(o.out), to_double(got.out)) << at << ": out depends on the thread count";
+      EXPECT_EQ(to_double(o.final_state), to_double(got.final_state)) << at << ": final_state";
+      for (const auto& [a, b, name] :
+           {std::tuple{&t.dq, &g.dq, "dq"}, std::tuple{&t.dk, &g.dk, "dk"}, std::tuple{&t.dv, &g.dv, "dv"},
+            std::tuple{&t.dg, &g.dg, "dg"}, std::tuple{&t.dbeta, &g.dbeta, "dbeta"},
+            std::tuple{&t.dinit, &g.dinit, "dinitial_state"}}) {
+        EXPECT_EQ(to_double(*a), to_double(*b)) << at << ": " << name << " depends on the thread count";
+      }
+    }
+#endif
+  }
 }
 
 // ---- splitting a sequence: chain (state by hand) and scan (transition maps) -----------------------------------
