@@ -212,9 +212,11 @@ struct ChunkScratch {
   T *kb, *vb, *w, *u;  // diag(beta gam) k, diag(beta) v [C, K] / [C, V]; W = T kb, U = T vb
   T *kt, *vp, *p;      // K~ [C, K], V' [C, V], P = (Q K^T) * L [C, C]
   T *o, *s;            // out [C, V], running state [K, V]
+  T* ktr;              // k^T [K, C] (row stride C), the B operand of k k^T and Q K^T
   // Backward.
   T *dout, *dq, *dk, *dv, *dg, *dbeta, *dgamma;
   T *dkt, *dvp, *dp, *dw, *dt, *dvb, *dkb, *x, *da, *ds, *ds_new, *qs;
+  T* s0t;    // S_0^T [V, K], the B operand of dQ and dW
   T* bt;     // the transpose buffer of mm_nt
   T* extra;  // `extra` values for the caller (chunk start states, transition state)
 
@@ -236,14 +238,15 @@ struct ChunkScratch {
                        o_v = take(C * V), o_g = take(C), o_beta = take(C), o_gamma = take(C), o_gam = take(C),
                        o_kk = take(C * C), o_e = take(C * C), o_a = take(C * C), o_t = take(C * C), o_kb = take(C * K),
                        o_vb = take(C * V), o_w = take(C * K), o_u = take(C * V), o_kt = take(C * K), o_vp = take(C * V),
-                       o_p = take(C * C), o_o = take(C * V), o_s = take(K * V);
+                       o_p = take(C * C), o_o = take(C * V), o_s = take(K * V), o_ktr = take(K * C);
     std::int64_t o_b[18] = {};
-    std::int64_t o_qs = 0;
+    std::int64_t o_qs = 0, o_s0t = 0;
     if (backward) {
       const std::int64_t sizes[18] = {C * V, C * K, C * K, C * V, C,     C,     C,     C * K, C * V,
                                       C * C, C * K, C * C, C * V, C * K, C * C, C * C, K * V, K * V};
       for (int i = 0; i < 18; ++i) o_b[i] = take(sizes[i]);
       o_qs = take(C * V);
+      o_s0t = take(V * K);
     }
     const std::int64_t o_bt = take(std::max({C * C, C * K, C * V, K * V}));
     const std::int64_t o_extra = take(extra_count);
@@ -272,11 +275,13 @@ struct ChunkScratch {
     p = base + o_p;
     o = base + o_o;
     s = base + o_s;
+    ktr = base + o_ktr;
     if (backward) {
       T** ptrs[18] = {&dout, &dq, &dk, &dv,  &dg,  &dbeta, &dgamma, &dkt, &dvp,
                       &dp,   &dw, &dt, &dvb, &dkb, &x,     &da,     &ds,  &ds_new};
       for (int i = 0; i < 18; ++i) *ptrs[i] = base + o_b[i];
       qs = base + o_qs;
+      s0t = base + o_s0t;
     }
     bt = base + o_bt;
     extra = base + o_extra;
@@ -353,7 +358,8 @@ void prepare_chunk(const Dims& d, std::int64_t c, bool with_v, ChunkScratch<T>& 
     w.gamma[i] = acc;
     w.gam[i] = std::exp(acc);
   }
-  mm_nt<T>(c, c, K, T(1), w.k, K, w.k, K, w.kk, C, false, w.bt);
+  transpose(c, K, w.k, K, w.ktr, C);
+  mm_nn<T>(c, c, K, T(1), w.k, K, w.ktr, C, w.kk, C, false);
   for (std::int64_t i = 0; i < c; ++i) {
     for (std::int64_t j = 0; j < c; ++j) {
       w.e[i * C + j] = j <= i ? std::exp(w.gamma[i] - w.gamma[j]) : T(0);
@@ -390,11 +396,12 @@ void prepare_chunk(const Dims& d, std::int64_t c, bool with_v, ChunkScratch<T>& 
   }
 }
 
-// P = (Q K^T) * L with L_ij = exp(gamma_i - gamma_j) for j <= i, 0 above the diagonal.
+// P = (Q K^T) * L (after prepare_chunk, which leaves k^T in ktr) with L_ij = exp(gamma_i - gamma_j) for j <= i, 0 above
+// the diagonal.
 template <typename T>
 void decay_scores(const Dims& d, std::int64_t c, ChunkScratch<T>& w) {
   const std::int64_t C = d.C;
-  mm_nt<T>(c, c, d.K, T(1), w.q, d.K, w.k, d.K, w.p, C, false, w.bt);
+  mm_nn<T>(c, c, d.K, T(1), w.q, d.K, w.ktr, C, w.p, C, false);
   for (std::int64_t i = 0; i < c; ++i) {
     for (std::int64_t j = 0; j < c; ++j) {
       w.p[i * C + j] = j <= i ? w.p[i * C + j] * w.e[i * C + j] : T(0);
@@ -414,18 +421,20 @@ void subtract_product(const Dims& d, std::int64_t c, const T* vsrc, std::int64_t
   }
 }
 
-// vp = vsrc - W S (vsrc [c, n] or null for zeros), then S <- exp(gamma_last) S + K~^T vp. S is [K, n] with row
+// vp = vsrc - W S (vsrc [c, n] or null for zeros), then s_next = exp(gamma_last) S + K~^T vp (s_next = null: S itself
+// is updated). S and s_next are [K, n] with row stride lds. S is [K, n] with row
 // stride lds.
 template <typename T>
 void advance_state(const Dims& d, std::int64_t c, const T* vsrc, std::int64_t n, T* s, std::int64_t lds, T* vp,
-                   ChunkScratch<T>& w) {
+                   ChunkScratch<T>& w, T* s_next = nullptr) {
   const std::int64_t K = d.K;
   subtract_product(d, c, vsrc, n, s, lds, vp, w);
   const T decay = w.gam[c - 1];
+  T* dst = s_next != nullptr ? s_next : s;
   for (std::int64_t i = 0; i < K; ++i) {
-    for (std::int64_t j = 0; j < n; ++j) s[i * lds + j] *= decay;
+    for (std::int64_t j = 0; j < n; ++j) dst[i * lds + j] = decay * s[i * lds + j];
   }
-  mm_tn<T>(K, n, c, T(1), w.kt, K, vp, n, s, lds, true);
+  mm_tn<T>(K, n, c, T(1), w.kt, K, vp, n, dst, lds, true);
 }
 
 // Runs body(scratch, bh) for bh in [0, count) with one ChunkScratch per OpenMP thread (dynamic schedule, one
@@ -541,20 +550,19 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
   for_each_head<T>(BH, d, true, full ? nc * KV : 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
     T* starts = w.extra;
     const std::int64_t b = bh / d.H, h = bh % d.H;
-    // Forward sweep: the start state of every chunk.
+    // Forward sweep: the start state of every chunk, each advanced from the previous one in place.
     if (full) {
       if (a.initial_state.empty()) {
-        std::fill(w.s, w.s + KV, T(0));
+        std::fill(starts, starts + KV, T(0));
       } else {
-        load(a.initial_state, bh * KV, KV, w.s);
+        load(a.initial_state, bh * KV, KV, starts);
       }
-      for (std::int64_t n = 0; n < nc; ++n) {
+      for (std::int64_t n = 0; n + 1 < nc; ++n) {
         const std::int64_t t0 = n * C, c = std::min(C, d.S - t0);
-        std::copy(w.s, w.s + KV, starts + n * KV);
         load_chunk(a, d, b, h, t0, c, false, true, scale, w);
         prefetch_chunk(a, {}, d, b, h, t0 + C, false, true);
         prepare_chunk(d, c, true, w);
-        advance_state(d, c, w.u, V, w.s, V, w.vp, w);
+        advance_state(d, c, w.u, V, starts + n * KV, V, w.vp, w, starts + (n + 1) * KV);
       }
     }
     if (args.dfinal_state.empty()) {
@@ -599,7 +607,8 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
         subtract_product(d, c, w.u, V, s0, V, w.vp, w);
         // dQ from the inter-chunk term O_i += gam_i Q_i S_0: dQ = diag(gam) dO S_0^T; dgamma_i += <dO_i, gam_i
         // (Q S_0)_i>.
-        mm_nt<T>(c, K, V, T(1), dog, V, s0, V, w.dq, K, false, w.bt);
+        transpose(K, V, s0, V, w.s0t, K);
+        mm_nn<T>(c, K, V, T(1), dog, V, w.s0t, K, w.dq, K, false);
         for (std::int64_t i = 0; i < c; ++i) w.dgamma[i] += dot(w.dq + i * K, w.q + i * K, K);
         // From S_C: dgamma_c += gam_c <S_0, dS_C>; dK~ = V' dS_C^T, then into dk and gamma.
         w.dgamma[c - 1] += gam_c * dot(s0, w.ds, KV);
@@ -628,7 +637,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
         mm_nn<T>(c, K, c, T(1), w.dp, C, w.k, K, w.dq, K, true, true);
         mm_tn<T>(c, K, c, T(1), w.dp, C, w.q, K, w.dk, K, true);
         // V' = U - W S_0: dU = dV', dW = -dV' S_0^T.
-        mm_nt<T>(c, K, V, T(-1), w.dvp, V, s0, V, w.dw, K, false, w.bt);
+        mm_nn<T>(c, K, V, T(-1), w.dvp, V, w.s0t, K, w.dw, K, false);
         // U = T vb, W = T kb: dT = dU vb^T + dW kb^T (lower part), dvb = T^T dU, dkb = T^T dW.
         mm_nt<T>(c, c, V, T(1), w.dvp, V, w.vb, V, w.dt, C, false, w.bt);
         mm_nt<T>(c, c, K, T(1), w.dw, K, w.kb, K, w.dt, C, true, w.bt);
