@@ -7,6 +7,7 @@ programs under mpirun on small shapes and checks what they write against what it
   ... roundtrip --np 2 -- --attn dsa --ring-size 2 ... (--dump --dump-inputs, then --inputs of that dump)
   ... comm                                            (comm_bench table and JSON)
   ... sweep --scripts scripts                         (sweep.py + plot.py on a small sweep of every kind)
+  ... kernel                                          (kernel_bench --kernel all: tables, JSON, FLOP counts)
 Prints "passed" at the end; any failed check raises with what was expected and what was found.
 """
 import argparse
@@ -181,16 +182,73 @@ def test_sweep(tmp):
         check(width >= 1500 and height >= 1000, f"{out}: {width} x {height} pixels, too small to read")
 
 
+def kernel_flops(r):
+    """The model FLOPs of a kernel_bench row (README "FLOPs"), computed here from the row's shape, pair by pair."""
+    if r["kernel"] == "mha":
+        fwd = 4 * r["B"] * r["Hq"] * r["S"] * r["S"] * r["D"] * (0.5 if r["causal"] else 1.0)
+        return fwd, 2.5 * fwd
+    if r["kernel"] == "dsa":
+        # query t sees keys 0..t (t + 1 candidates) and selects min(topk, t + 1) of them
+        sel = sum(min(r["topk"], t + 1) for t in range(r["S"])) * r["B"]
+        vis = sum(t + 1 for t in range(r["S"])) * r["B"]
+        att, idx = 2 * r["H"] * (r["Dqk"] + r["Dv"]), 2 * r["Hi"] * r["Di"]
+        return sel * att + vis * idx, sel * (2.5 * att + 3 * idx)
+    c, k, v = min(r["chunk_size"], r["S"]), r["K"], r["V"]
+    fwd = r["B"] * r["S"] * r["Hv"] * (6 * c * k + 4 * c * v + 6 * k * v)
+    return fwd, 2.5 * fwd
+
+
+def test_kernel(tmp):
+    """kernel_bench --kernel all on small shapes: one table per kind, the JSON's metadata and rows, and every row's FLOPs,
+    GFLOP/s and ratios against the formulas computed here."""
+    path = os.path.join(tmp, "kernel.json")
+    exe = os.path.join(ARGS.bin_dir, "kernel_bench")
+    cmd = [exe, "--kernel", "all", "--seq", "96,128", "--dim", "32", "--mask", "both", "--hq", "2", "--hkv", "1",
+           "--heads", "2", "--kv-heads", "1", "--head-dim", "32", "--dim-v", "16", "--topk", "8", "--indexer-heads",
+           "2", "--indexer-dim", "16", "--chunk-size", "32", "--min-time", "0", "--warmup", "0", "--square", "64",
+           "--threads", "1", "--json", path]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    check(p.returncode == 0, f"{' '.join(cmd)}: exit {p.returncode}\n{out}")
+    for kind in ("mha", "dsa", "gdn"):
+        check(re.search(rf"^# {kind}: ", out, re.M), f"no {kind} table header:\n{out}")
+    check(re.search(r"^# square SGEMM 64\^3: [0-9.]+ GFLOP/s", out, re.M), f"no square SGEMM line:\n{out}")
+    j = json.load(open(path))
+    for key in ("benchmark", "version", "kernel", "threads", "openblas", "openblas_core", "square_n",
+                "square_sgemm_gflops", "results"):
+        check(key in j, f"kernel_bench JSON has no '{key}'")
+    check(j["benchmark"] == "kernel_bench" and j["kernel"] == "all" and j["threads"] == 1, f"metadata {j}")
+    check(j["square_sgemm_gflops"] > 0, "square SGEMM GFLOP/s")
+    rows = j["results"]
+    counts = {kind: sum(r["kernel"] == kind for r in rows) for kind in ("mha", "dsa", "gdn")}
+    # mha: 2 lengths x 1 head dim x 2 masks; dsa and gdn: 2 lengths
+    check(counts == {"mha": 4, "dsa": 2, "gdn": 2}, f"rows per kind {counts}")
+    for r in rows:
+        check(r["threads"] == 1 and r["rounds"] >= 1, f"row {r}")
+        fwd, bwd = kernel_flops(r)
+        for phase, want in (("fwd", fwd), ("bwd", bwd)):
+            got = r[f"{phase}_flops"]
+            check(abs(got - want) <= 1e-12 * want, f"{r['kernel']} S={r['S']} {phase}_flops {got} != {want}")
+            check(r[f"{phase}_ms"] > 0 and r[f"{phase}_mean_ms"] >= r[f"{phase}_ms"], f"{phase} times of {r}")
+            gf = want / (r[f"{phase}_ms"] * 1e-3) / 1e9
+            check(abs(r[f"{phase}_gflops"] - gf) <= 1e-9 * gf, f"{r['kernel']} {phase}_gflops {r[f'{phase}_gflops']}")
+            ratio = gf / j["square_sgemm_gflops"]
+            check(abs(r[f"{phase}_ratio_square"] - ratio) <= 1e-9 * ratio, f"{r['kernel']} {phase}_ratio_square")
+    bad = subprocess.run([exe, "--kernel", "flash"], capture_output=True, text=True, timeout=60)
+    check(bad.returncode != 0 and "--kernel flash must be mha, dsa, gdn or all" in bad.stderr,
+          f"--kernel flash must be refused by name:\n{bad.stdout}{bad.stderr}")
+
+
 def main():
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mpiexec", default="mpirun")
     ap.add_argument("--np-flag", default="-np")
-    ap.add_argument("--bin-dir", required=True, help="directory holding sp_bench and comm_bench")
+    ap.add_argument("--bin-dir", required=True, help="directory holding sp_bench, comm_bench and kernel_bench")
     ap.add_argument("--scripts", default=os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     ap.add_argument("--plot-python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
                     help="the Python with matplotlib (Debian's python3-matplotlib: /usr/bin/python3)")
-    ap.add_argument("what", choices=["json", "memory", "roundtrip", "comm", "sweep"])
+    ap.add_argument("what", choices=["json", "memory", "roundtrip", "comm", "sweep", "kernel"])
     ap.add_argument("--np", type=int, default=2)
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -205,6 +263,8 @@ def main():
             test_roundtrip(tmp, ARGS.np, flags)
         elif ARGS.what == "comm":
             test_comm(tmp)
+        elif ARGS.what == "kernel":
+            test_kernel(tmp)
         else:
             test_sweep(tmp)
     print("passed")
