@@ -1,40 +1,25 @@
 // Algebra of GDN segment maps S_end = M S_start + U (docs/design.md section 10.1): composition, application, the
 // adjoint used by a reverse scan, and the transpose. Per (batch, head) matrix products in the state dtype (fp32 or
-// fp64), OpenMP over (batch, head), fixed summation order.
+// fp64) on the chunk kernels' products (gdn_gemm.h), OpenMP over (batch, head), fixed summation order.
 #include <algorithm>
 #include <cstdint>
 
 #include "attention/cpu/gdn_cpu.h"
+#include "attention/cpu/gdn_gemm.h"
 
 namespace seqpar::attn::cpu {
 namespace {
 
-// c (+)= a b for row-major a [n, k], b [k, m].
+// c (+)= a b for row-major a [n, k], b [k, m] (gdn_gemm.h).
 template <typename T>
 void matmul(std::int64_t n, std::int64_t m, std::int64_t k, const T* a, const T* b, T* c, bool accumulate) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    T* ci = c + i * m;
-    if (!accumulate) std::fill(ci, ci + m, T(0));
-    for (std::int64_t p = 0; p < k; ++p) {
-      const T aip = a[i * k + p];
-      const T* bp = b + p * m;
-      for (std::int64_t j = 0; j < m; ++j) ci[j] += aip * bp[j];
-    }
-  }
+  gdn::mm_nn<T>(n, m, k, T(1), a, k, b, m, c, m, accumulate);
 }
 
 // c (+)= a^T b for row-major a [k, n], b [k, m].
 template <typename T>
 void matmul_tn(std::int64_t n, std::int64_t m, std::int64_t k, const T* a, const T* b, T* c, bool accumulate) {
-  if (!accumulate) std::fill(c, c + n * m, T(0));
-  for (std::int64_t p = 0; p < k; ++p) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      const T api = a[p * n + i];
-      T* ci = c + i * m;
-      const T* bp = b + p * m;
-      for (std::int64_t j = 0; j < m; ++j) ci[j] += api * bp[j];
-    }
-  }
+  gdn::mm_tn<T>(n, m, k, T(1), a, n, b, m, c, m, accumulate);
 }
 
 template <typename Fn>
@@ -104,9 +89,7 @@ void gdn_transition_transpose_cpu(const TensorView& m, const TensorView& mt) {
     T* pt = mt.data_as<T>();
 #pragma omp parallel for schedule(static)
     for (std::int64_t bh = 0; bh < BH; ++bh) {
-      for (std::int64_t i = 0; i < K; ++i) {
-        for (std::int64_t j = 0; j < K; ++j) pt[bh * K * K + j * K + i] = pm[bh * K * K + i * K + j];
-      }
+      gdn::transpose(K, K, pm + bh * K * K, K, pt + bh * K * K, K);
     }
   });
 }
