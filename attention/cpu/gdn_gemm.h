@@ -87,35 +87,52 @@ void gemm_generic(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const
   }
 }
 
-// C[m, n] (+)= alpha * op(A) B as above. fp32: the register-blocked micro-kernel of the MHA kernels (mha_simd.h,
-// kMR rows x kNV vectors of C in registers over all of k, k ascending) on the columns that fill whole vectors, the
-// generic path on the rest; alpha = -1 with accumulate runs as C = -(-C + op(A) B) (negation is exact), other alphas
-// scale the product. A lower-triangular op(A) is multiplied in full there (its upper part is stored as zeros).
-// Every element of C is reduced over k in ascending order either way, so the result does not depend on the blocking
-// or on the thread count.
+// C[m, n] (+)= alpha * op(A) B as above, alpha = 1 or -1 (any other alpha, and fp64: gemm_generic). fp32: the
+// register-blocked micro-kernel of the MHA kernels (mha_simd.h, kMR rows x kNV vectors of C in registers over all of
+// k, k ascending) on the columns that fill whole vectors, gemm_generic on the rest. As in gemm_generic, a product
+// that accumulates is summed on its own (in 64 x 64 blocks on the stack) and then added to C: summing the products
+// onto C's old value would round them at C's magnitude. A lower-triangular op(A) is multiplied in full here (its upper
+// part is stored as zeros). Every element of C is reduced over k in ascending order either way, so the result does
+// not depend on the blocking or on the thread count.
 template <typename T, bool kTransA>
 void gemm(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda, const T* b,
           std::int64_t ldb, T* c, std::int64_t ldc, bool accumulate, bool a_lower) {
   if constexpr (std::is_same_v<T, float> && Simd<float>::W > 1) {
-    constexpr std::int64_t W = Simd<float>::W;
+    constexpr std::int64_t W = Simd<float>::W, kBlock = 64;
+    static_assert(kBlock % W == 0);
     const std::int64_t n_main = n / W * W;
-    if (n_main > 0 && (alpha == T(1) || alpha == T(-1)) && m > 0) {
-      const int mi = static_cast<int>(m), ni = static_cast<int>(n_main), ki = static_cast<int>(k);
-      const int la = static_cast<int>(lda), lb = static_cast<int>(ldb), lc = static_cast<int>(ldc);
-      auto negate = [&] {
-        for (std::int64_t i = 0; i < m; ++i) {
-          T* ci = c + i * ldc;
-          for (std::int64_t j = 0; j < n_main; ++j) ci[j] = -ci[j];
-        }
-      };
+    if (n_main > 0 && m > 0 && (alpha == T(1) || alpha == T(-1))) {
+      const int ki = static_cast<int>(k), la = static_cast<int>(lda), lb = static_cast<int>(ldb);
       const bool neg = alpha == T(-1);
-      if (accumulate) {
-        if (neg) negate();
-        gemm_tile<float, true, kTransA>(mi, ni, ki, a, la, b, lb, c, lc);
+      if (!accumulate) {
+        gemm_tile<float, false, kTransA>(static_cast<int>(m), static_cast<int>(n_main), ki, a, la, b, lb, c,
+                                         static_cast<int>(ldc));
+        if (neg) {
+          for (std::int64_t i = 0; i < m; ++i) {
+            for (std::int64_t j = 0; j < n_main; ++j) c[i * ldc + j] = -c[i * ldc + j];
+          }
+        }
       } else {
-        gemm_tile<float, false, kTransA>(mi, ni, ki, a, la, b, lb, c, lc);
+        alignas(64) float block[kBlock * kBlock];
+        for (std::int64_t i0 = 0; i0 < m; i0 += kBlock) {
+          const std::int64_t rows = std::min(kBlock, m - i0);
+          const float* a0 = kTransA ? a + i0 : a + i0 * lda;
+          for (std::int64_t j0 = 0; j0 < n_main; j0 += kBlock) {
+            const std::int64_t cols = std::min(kBlock, n_main - j0);
+            gemm_tile<float, false, kTransA>(static_cast<int>(rows), static_cast<int>(cols), ki, a0, la, b + j0, lb,
+                                             block, static_cast<int>(kBlock));
+            for (std::int64_t i = 0; i < rows; ++i) {
+              float* ci = c + (i0 + i) * ldc + j0;
+              const float* pi = block + i * kBlock;
+              if (neg) {
+                for (std::int64_t j = 0; j < cols; ++j) ci[j] -= pi[j];
+              } else {
+                for (std::int64_t j = 0; j < cols; ++j) ci[j] += pi[j];
+              }
+            }
+          }
+        }
       }
-      if (neg) negate();
       if (n_main < n)
         gemm_generic<T, kTransA>(m, n - n_main, k, alpha, a, lda, b + n_main, ldb, c + n_main, ldc, accumulate,
                                  a_lower);
@@ -164,11 +181,23 @@ void mm_nt(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, 
   mm_nn<T>(m, n, k, alpha, a, lda, bt, n, c, ldc, accumulate);
 }
 
+// sum_i a[i] b[i] in a fixed order: kLanes interleaved partial sums (the compiler keeps them in two vector registers;
+// one running sum would serialise on the add latency, as strict floating point may not reassociate it), then the
+// partial sums pairwise.
 template <typename T>
 T dot(const T* a, const T* b, std::int64_t n) {
-  T s = 0;
-  for (std::int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
+  constexpr int kLanes = 128 / static_cast<int>(sizeof(T));
+  T acc[kLanes] = {};
+  std::int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma GCC unroll 32
+    for (int l = 0; l < kLanes; ++l) acc[l] += a[i + l] * b[i + l];
+  }
+  for (int l = 0; i + l < n; ++l) acc[l] += a[i + l] * b[i + l];
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    for (int l = 0; l < width; ++l) acc[l] += acc[l + width];
+  }
+  return acc[0];
 }
 
 }  // namespace seqpar::attn::cpu::gdn
