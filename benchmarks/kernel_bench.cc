@@ -17,7 +17,7 @@
 // so that kernel and SGEMM see the same machine load; --warmup untimed rounds, then rounds until --min-time seconds
 // have passed (at least one). The table uses the fastest call of each kind (the machine may be shared, and the
 // fastest call is the most reproducible figure); the JSON output also has the means.
-// Usage: kernel_bench [--kernel mha|dsa|gdn|all] [--quick] [--seq 1024,4096] [--threads N] [--json out.json]
+// Usage: kernel_bench [--kernel mha|dsa|gdn|all] [--quick | --long] [--seq 1024,4096] [--threads N] [--json out.json]
 //   (kind options: --help)
 #include "benchmarks/kernel_bench.h"
 
@@ -48,9 +48,13 @@ namespace seqpar::bench::kernel {
 using Clock = std::chrono::steady_clock;
 
 std::vector<std::int64_t> Context::seqs(const std::vector<std::int64_t>& fallback,
+                                        const std::vector<std::int64_t>& long_seqs,
                                         const std::vector<std::int64_t>& quick_seqs) const {
   if (args->count("seq")) return (*args)["seq"].as<std::vector<std::int64_t>>();
-  return quick ? quick_seqs : fallback;
+  if (quick) return quick_seqs;
+  std::vector<std::int64_t> s = fallback;
+  if (args->count("long")) s.insert(s.end(), long_seqs.begin(), long_seqs.end());
+  return s;
 }
 
 std::int64_t Context::size_or(const char* name, std::int64_t fallback) const {
@@ -145,8 +149,8 @@ constexpr Kind kKinds[] = {{"mha", run_mha}, {"dsa", run_dsa}, {"gdn", run_gdn}}
 int run(int argc, char** argv) {
   cxxopts::Options opts("kernel_bench", "CPU MHA / DSA / GDN forward and backward GFLOP/s vs OpenBLAS SGEMM");
   opts.add_options()("kernel", "mha, dsa, gdn or all", cxxopts::value<std::string>()->default_value("mha"))(
-      "seq", "sequence lengths (default per kind: mha 1024,4096,16384; dsa 4096; gdn 8192)",
-      cxxopts::value<std::vector<std::int64_t>>())(
+      "seq", "sequence lengths (default per kind: mha 1024,4096; dsa 4096; gdn 8192)",
+      cxxopts::value<std::vector<std::int64_t>>())("long", "also the long lengths: mha 16384, dsa 16384, gdn 32768")(
       "threads", "threads for the kernels and OpenBLAS (0: OpenMP default)", cxxopts::value<int>()->default_value("0"))(
       "warmup", "untimed rounds before timing", cxxopts::value<int>()->default_value("1"))(
       "min-time", "seconds of timed rounds per configuration", cxxopts::value<double>()->default_value("1.0"))(

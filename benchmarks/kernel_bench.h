@@ -25,8 +25,8 @@ struct Context {
   bool backward = true;      // false: --no-backward
   double square_gflops = 0;  // square SGEMM GFLOP/s of this run (0: not measured)
 
-  // --seq when given, else `fallback` (`quick` when --quick).
-  std::vector<std::int64_t> seqs(const std::vector<std::int64_t>& fallback,
+  // --seq when given; else `quick` with --quick, or `fallback` followed by `long_seqs` with --long.
+  std::vector<std::int64_t> seqs(const std::vector<std::int64_t>& fallback, const std::vector<std::int64_t>& long_seqs,
                                  const std::vector<std::int64_t>& quick) const;
   // An int64 option whose value <= 0 means "the kind's default".
   std::int64_t size_or(const char* name, std::int64_t fallback) const;

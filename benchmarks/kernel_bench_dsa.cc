@@ -24,7 +24,7 @@ void add_dsa_options(cxxopts::Options& opts) {
 
 nlohmann::json run_dsa(const Context& ctx) {
   const cxxopts::ParseResult& args = *ctx.args;
-  const std::vector<std::int64_t> seqs = ctx.seqs({4096}, {1024});
+  const std::vector<std::int64_t> seqs = ctx.seqs({4096}, {16384}, {1024});
   DsaFlopShape fs;
   fs.heads = ctx.size_or("heads", 16);
   fs.head_dim = ctx.size_or("head-dim", attn::kDsaHeadDimQk);

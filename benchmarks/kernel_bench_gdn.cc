@@ -19,7 +19,7 @@ void add_gdn_options(cxxopts::Options& opts) {
 }
 
 nlohmann::json run_gdn(const Context& ctx) {
-  const std::vector<std::int64_t> seqs = ctx.seqs({8192}, {2048});
+  const std::vector<std::int64_t> seqs = ctx.seqs({8192}, {32768}, {2048});
   const std::int64_t B = 1, Hv = ctx.size_or("heads", 8),
                      Hk = ctx.size_or("kv-heads", std::max<std::int64_t>(Hv / 2, 1));
   const std::int64_t K = ctx.size_or("head-dim", 128), V = ctx.size_or("dim-v", 128);

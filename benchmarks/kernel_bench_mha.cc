@@ -56,7 +56,7 @@ void add_mha_options(cxxopts::Options& opts) {
 
 nlohmann::json run_mha(const Context& ctx) {
   const cxxopts::ParseResult& args = *ctx.args;
-  const std::vector<std::int64_t> seqs = ctx.seqs({1024, 4096, 16384}, {1024});
+  const std::vector<std::int64_t> seqs = ctx.seqs({1024, 4096}, {16384}, {1024});
   const std::vector<std::int64_t> dims = args["dim"].as<std::vector<std::int64_t>>();
   const std::string mask_arg = args["mask"].as<std::string>();
   SEQPAR_CHECK(mask_arg == "none" || mask_arg == "causal" || mask_arg == "both", "--mask ", mask_arg,
