@@ -49,13 +49,8 @@ nlohmann::json run_gdn(const Context& ctx) {
                  dv = Tensor::empty(v.shape(), DType::kFloat32, ws), dg = Tensor::empty(g.shape(), DType::kFloat32, ws),
                  dbeta = Tensor::empty(g.shape(), DType::kFloat32, ws),
                  dinit = Tensor::empty(final_state.shape(), DType::kFloat32, ws);
-    attn::GdnForwardArgs a;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.g = g;
-    a.beta = beta;
-    a.chunk_size = C;
+    // zero initial state, q and k L2-normalised, scale 1 / sqrt(K)
+    const attn::GdnForwardArgs a{q, k, v, g, beta, {}, true, 0.0f, C};
     const GdnFlopShape shape{B, S, Hv, K, V, C, 0, 0};
     RateColumns r;
     r.fwd_flops = gdn_forward_flops(shape);

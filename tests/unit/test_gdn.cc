@@ -131,6 +131,16 @@ void expect_grads_close(const Grads& got, const Grads& want, double atol, double
 Grads run_backward(const Inputs& in, const TensorView& dout, const TensorView& dfin, DType grad_dtype);
 Grads run_reference_backward(const Inputs& in, const TensorView& dout, const TensorView& dfin);
 
+// The kernel's forward of `in` against the fp64 recurrence: out and final_state within atol + rtol |want|, named by
+// `tag`. Returns the kernel's outputs.
+Outputs expect_forward_matches_reference(const Inputs& in, double atol, double rtol, const std::string& tag) {
+  Outputs got = run_forward(in);
+  const Outputs want = run_reference(in);
+  EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), atol, rtol, tag + " out"));
+  EXPECT_TRUE(all_close(to_double(got.final_state), to_double(want.final_state), atol, rtol, tag + " final"));
+  return got;
+}
+
 std::string tag_of(const Problem& p, DType dtype) {
   return std::string(dtype_name(dtype)) + " S=" + std::to_string(p.S) + " C=" + std::to_string(p.chunk) +
          " Hv=" + std::to_string(p.H) + " Hk=" + std::to_string(p.key_heads()) + (p.l2 ? " l2" : " nol2") +
@@ -418,12 +428,9 @@ TEST_P(GdnGrouped, MatchesRecurrenceAndRepeatedHeads) {
     for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kBFloat16}) {
       const std::string tag = tag_of(p, dtype);
       const Inputs in = make_inputs(p, dtype);
-      const Outputs got = run_forward(in);
-      const Outputs want = run_reference(in);
       const double atol = dtype == DType::kFloat64 ? 1e-10 : 5e-5;
       const double rtol = dtype == DType::kFloat64 ? 1e-9 : 2e-4;
-      EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), atol, rtol, tag + " out"));
-      EXPECT_TRUE(all_close(to_double(got.final_state), to_double(want.final_state), atol, rtol, tag + " final"));
+      const Outputs got = expect_forward_matches_reference(in, atol, rtol, tag);
       Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed + 7);
       Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, accumulator_dtype(dtype), p.seed + 8);
       const DType grad_dtype = dtype == DType::kBFloat16 ? DType::kFloat32 : dtype;
@@ -562,13 +569,10 @@ TEST(GdnSimdShapes, MatchesReferenceAndIndependentOfThreadCount) {
     const Inputs in = make_inputs(p, dtype);
     const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed + 7);
     const Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, accumulator_dtype(dtype), p.seed + 8);
-    const Outputs got = run_forward(in);
-    const Outputs want = run_reference(in);
     // Same tolerances as GdnBackward / GdnGrouped for each dtype.
     const double atol = dtype == DType::kFloat64 ? 1e-10 : 5e-5;
     const double rtol = dtype == DType::kFloat64 ? 1e-9 : 2e-4;
-    EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), atol, rtol, tag + " out"));
-    EXPECT_TRUE(all_close(to_double(got.final_state), to_double(want.final_state), atol, rtol, tag + " final"));
+    const Outputs got = expect_forward_matches_reference(in, atol, rtol, tag);
     const Grads g = run_backward(in, dout, dfin, dtype);
     expect_grads_close(g, run_reference_backward(in, dout, dfin), atol, rtol, tag);
 #ifdef _OPENMP
