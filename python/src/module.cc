@@ -92,10 +92,21 @@ py::tuple attention_grads(AttentionGrads&& g) {
   return py::make_tuple(to_torch(std::move(g.dq)), to_torch(std::move(g.dk)), to_torch(std::move(g.dv)));
 }
 
-// The accessors every CP layer binding has: its layout and this rank's positions.
-template <typename Layer, typename... Extra>
+// The constructor of every CP layer binding, Layer(grid, layout, config); the layer keeps the grid (which owns the
+// communicators) alive.
+template <typename Layer, typename Config>
+void def_layer_init(py::class_<Layer>& cls) {
+  cls.def(py::init([](const Grid& g, const SequenceLayout& layout, const Config& config) {
+            return std::make_unique<Layer>(CpGroups::from(g.grid), layout, config);
+          }),
+          py::arg("grid"), py::arg("layout"), py::arg("config"), py::keep_alive<1, 2>());
+}
+
+// A CP layer binding with its constructor and the accessors of its layout and this rank's positions.
+template <typename Layer, typename Config>
 py::class_<Layer> bind_layer(py::module_& m, const char* name, const char* doc) {
   py::class_<Layer> cls(m, name, doc);
+  def_layer_init<Layer, Config>(cls);
   cls.def_property_readonly("layout", [](const Layer& l) { return l.layout(); })
       .def_property_readonly("positions", [](const Layer& l) { return int64_tensor(l.positions()); });
   return cls;
@@ -236,11 +247,7 @@ PYBIND11_MODULE(_seqpar, m) {
       .def_readwrite("scale", &RingAttentionConfig::scale);
   enum_property(mha_config, "impl", &RingAttentionConfig::impl, ring_impl_name, parse_ring_impl);
 
-  bind_layer<UspAttention>(m, "UspAttention", "MHA / GQA under USP (parallel/usp.h)")
-      .def(py::init([](const Grid& g, const SequenceLayout& layout, const RingAttentionConfig& config) {
-             return std::make_unique<UspAttention>(CpGroups::from(g.grid), layout, config);
-           }),
-           py::arg("grid"), py::arg("layout"), py::arg("config"), py::keep_alive<1, 2>())
+  bind_layer<UspAttention, RingAttentionConfig>(m, "UspAttention", "MHA / GQA under USP (parallel/usp.h)")
       .def("forward",
            [](UspAttention& a, py::handle q, py::handle k, py::handle v) {
              AttentionOutput r = a.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"));
@@ -263,11 +270,7 @@ PYBIND11_MODULE(_seqpar, m) {
       .def_readwrite("chunk_size", &GdnCpConfig::chunk_size);
   enum_property(gdn_config, "mode", &GdnCpConfig::mode, gdn_cp_mode_name, parse_gdn_cp_mode);
 
-  bind_layer<GdnContextParallel>(m, "GdnContextParallel", "Gated delta rule under CP (parallel/gdn_cp.h)")
-      .def(py::init([](const Grid& g, const SequenceLayout& layout, const GdnCpConfig& config) {
-             return std::make_unique<GdnContextParallel>(CpGroups::from(g.grid), layout, config);
-           }),
-           py::arg("grid"), py::arg("layout"), py::arg("config"), py::keep_alive<1, 2>())
+  bind_layer<GdnContextParallel, GdnCpConfig>(m, "GdnContextParallel", "Gated delta rule under CP (parallel/gdn_cp.h)")
       .def("forward",
            [](GdnContextParallel& l, py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta,
               py::handle initial_state) {
@@ -286,12 +289,10 @@ PYBIND11_MODULE(_seqpar, m) {
       .def(py::init([](bool use_silu) { return ShortConvCpConfig{use_silu}; }), py::arg("use_silu") = true)
       .def_readwrite("use_silu", &ShortConvCpConfig::use_silu);
 
-  py::class_<ShortConvContextParallel>(m, "ShortConvContextParallel",
-                                       "The short causal depthwise conv under CP (parallel/gdn_cp.h)")
-      .def(py::init([](const Grid& g, const SequenceLayout& layout, const ShortConvCpConfig& config) {
-             return std::make_unique<ShortConvContextParallel>(CpGroups::from(g.grid), layout, config);
-           }),
-           py::arg("grid"), py::arg("layout"), py::arg("config"), py::keep_alive<1, 2>())
+  py::class_<ShortConvContextParallel> short_conv(m, "ShortConvContextParallel",
+                                                  "The short causal depthwise conv under CP (parallel/gdn_cp.h)");
+  def_layer_init<ShortConvContextParallel, ShortConvCpConfig>(short_conv);
+  short_conv
       .def("forward",
            [](ShortConvContextParallel& l, py::handle x, py::handle weight) {
              ShortConvCpOutput r = l.forward(view_of(x, "x"), view_of(weight, "weight"));
@@ -316,11 +317,8 @@ PYBIND11_MODULE(_seqpar, m) {
       .def_readwrite("window", &DsaCpConfig::window);
   enum_property(dsa_config, "select", &DsaCpConfig::select, dsa_select_mode_name, parse_dsa_select_mode);
 
-  bind_layer<DsaContextParallel>(m, "DsaContextParallel", "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
-      .def(py::init([](const Grid& g, const SequenceLayout& layout, const DsaCpConfig& config) {
-             return std::make_unique<DsaContextParallel>(CpGroups::from(g.grid), layout, config);
-           }),
-           py::arg("grid"), py::arg("layout"), py::arg("config"), py::keep_alive<1, 2>())
+  bind_layer<DsaContextParallel, DsaCpConfig>(m, "DsaContextParallel",
+                                              "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
       .def("forward",
            [](DsaContextParallel& l, py::handle q, py::handle c, py::handle q_idx, py::handle k_idx, py::handle w) {
              DsaCpOutput r = l.forward(view_of(q, "q"), view_of(c, "c"), view_of(q_idx, "q_idx"),
