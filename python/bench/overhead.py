@@ -6,8 +6,9 @@ functions, DLPack views) against the same call from C++ (sp_bench), same shapes,
 
 Runs two jobs one after the other: `mpirun -np N sp_bench ... --json` and `mpirun -np N python3 <this script>
 --worker`, which times the Python layer the way sp_bench times (ranks synchronised by a barrier before each phase,
-an iteration's time is the slowest rank's, the median over --iters after --warmup), then prints both and the
-overhead = Python / C++ - 1 per phase. The worker needs the module: PYTHONPATH=<build>/python (or pip install .).
+an iteration's time is the slowest rank's, --iters after --warmup), alternating the two jobs --rounds times so that
+both see the same load of a shared machine. Prints the fastest and the median iteration of each and the overhead
+= Python / C++ - 1 per phase (the fastest iterations are the least disturbed by other processes). The worker needs the module: PYTHONPATH=<build>/python (or pip install .).
 """
 
 import argparse
@@ -73,7 +74,7 @@ def time_python(grid, args):
             times["fwd+bwd"].append((slowest[0].item() + slowest[1].item()) * 1e3)
         for t in inputs:
             t.grad = None
-    return {phase: statistics.median(v) for phase, v in times.items()}
+    return times
 
 
 def common_flags(args):
@@ -81,6 +82,10 @@ def common_flags(args):
              "--head-dim", str(args.head_dim), "--ulysses-size", str(args.ulysses_size), "--layout", args.layout,
              "--dtype", args.dtype, "--warmup", str(args.warmup), "--iters", str(args.iters)]
     return flags + (["--impl", args.impl] if args.attn == "mha" else ["--gdn-mode", args.gdn_mode])
+
+
+def summary(iters_ms):
+    return min(iters_ms), statistics.median(iters_ms)
 
 
 def run_job(args, program, extra, json_path):
@@ -107,6 +112,7 @@ def main():
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3, help="alternations of the two jobs")
     args = parser.parse_args()
 
     if args.worker:
@@ -121,21 +127,29 @@ def main():
 
     if not args.sp_bench:
         parser.error("--sp-bench is required (the launcher runs it)")
-    env_threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
+    threads = os.environ.setdefault("OMP_NUM_THREADS", "1")
+    cpp = {"fwd": [], "bwd": [], "fwd+bwd": []}
+    py = {"fwd": [], "bwd": [], "fwd+bwd": []}
     with tempfile.TemporaryDirectory() as tmp:
         cpp_json, py_json = os.path.join(tmp, "cpp.json"), os.path.join(tmp, "py.json")
-        ring = ["--ring-size", str(args.np // args.ulysses_size)]
-        report = run_job(args, [args.sp_bench], ring + ["--causal", "--threads", env_threads, "--json", cpp_json,
-                                                        "--quiet"] if args.attn == "mha" else
-                         ring + ["--threads", env_threads, "--json", cpp_json, "--quiet"], cpp_json)
-        cpp = {p["phase"]: p["time_median_ms"] for p in report["phases"]}
-        py = run_job(args, [sys.executable, os.path.abspath(__file__)], ["--worker", py_json], py_json)
-    print(f"# {args.attn} S={args.seq} heads {args.heads}/{args.kv_heads} D {args.head_dim} {args.dtype}, "
-          f"grid {py['grid']}, {args.layout}, {env_threads} thread(s) per rank; median of {args.iters} after "
-          f"{args.warmup} warm-up, slowest rank")
-    print(f"{'phase':>9} {'C++ (ms)':>10} {'Python (ms)':>12} {'overhead':>9}")
+        sp_bench_flags = ["--ring-size", str(args.np // args.ulysses_size), "--threads", threads, "--json", cpp_json,
+                          "--quiet"] + (["--causal"] if args.attn == "mha" else [])
+        for _ in range(args.rounds):  # interleaved, so that both see the same load of a shared machine
+            for p in run_job(args, [args.sp_bench], sp_bench_flags, cpp_json)["phases"]:
+                cpp[p["phase"]] += p["time_iters_ms"]
+            result = run_job(args, [sys.executable, os.path.abspath(__file__)], ["--worker", py_json], py_json)
+            grid = result.pop("grid")
+            for phase, values in result.items():
+                py[phase] += values
+    print(f"# {args.attn} S={args.seq} heads {args.heads}/{args.kv_heads} D {args.head_dim} {args.dtype}, grid {grid}, "
+          f"{args.layout}, {threads} thread(s) per rank; {args.rounds} interleaved rounds of {args.iters} timed "
+          f"iterations (after {args.warmup} warm-up) each; an iteration's time is the slowest rank's")
+    print(f"{'phase':>9} {'C++ min':>10} {'Python min':>11} {'overhead':>9} {'C++ median':>11} {'Python median':>14} "
+          f"{'overhead':>9}   (ms)")
     for phase in ("fwd", "bwd", "fwd+bwd"):
-        print(f"{phase:>9} {cpp[phase]:10.2f} {py[phase]:12.2f} {100 * (py[phase] / cpp[phase] - 1):8.2f}%")
+        (c_min, c_med), (p_min, p_med) = summary(cpp[phase]), summary(py[phase])
+        print(f"{phase:>9} {c_min:10.2f} {p_min:11.2f} {100 * (p_min / c_min - 1):8.2f}% {c_med:11.2f} "
+              f"{p_med:14.2f} {100 * (p_med / c_med - 1):8.2f}%")
     return 0
 
 
