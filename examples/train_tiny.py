@@ -18,7 +18,6 @@ MPI_COMM_SELF).
 """
 
 import argparse
-import math
 import sys
 
 import torch
