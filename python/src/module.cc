@@ -12,6 +12,7 @@
 #include <memory>
 #include <string>
 #include <type_traits>
+#include <utility>
 
 #include "dlpack_bridge.h"
 #include "parallel/dsa_cp.h"
@@ -86,6 +87,12 @@ void enum_property(py::class_<Class>& cls, const char* name, Enum Class::*field,
   cls.def_property(
       name, [field, to_name](const Class& c) { return std::string(to_name(c.*field)); },
       [field, parse](Class& c, const std::string& value) { c.*field = parse(value); });
+}
+
+// Read-write attributes for the plain fields of a configuration struct: def_fields(cls, {"name", &Config::field}, ...).
+template <typename Class, typename... Members>
+void def_fields(py::class_<Class>& cls, std::pair<const char*, Members Class::*>... fields) {
+  (cls.def_readwrite(fields.first, fields.second), ...);
 }
 
 py::tuple attention_grads(AttentionGrads&& g) {
@@ -232,20 +239,18 @@ PYBIND11_MODULE(_seqpar, m) {
 
   // ---- MHA / GQA: UspAttention (ring when ulysses_size = 1, Ulysses when ring_size = 1) -------------------------
   py::class_<RingAttentionConfig> mha_config(m, "RingAttentionConfig");
-  mha_config
-      .def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale) {
-             RingAttentionConfig c;
-             c.impl = parse_ring_impl(impl);
-             c.causal = causal;
-             c.window = window;
-             c.scale = scale;
-             return c;
-           }),
-           py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0f)
-      .def_readwrite("causal", &RingAttentionConfig::causal)
-      .def_readwrite("window", &RingAttentionConfig::window)
-      .def_readwrite("scale", &RingAttentionConfig::scale);
+  mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale) {
+                   RingAttentionConfig c;
+                   c.impl = parse_ring_impl(impl);
+                   c.causal = causal;
+                   c.window = window;
+                   c.scale = scale;
+                   return c;
+                 }),
+                 py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0f);
   enum_property(mha_config, "impl", &RingAttentionConfig::impl, ring_impl_name, parse_ring_impl);
+  def_fields(mha_config, std::pair{"causal", &RingAttentionConfig::causal},
+             std::pair{"window", &RingAttentionConfig::window}, std::pair{"scale", &RingAttentionConfig::scale});
 
   bind_layer<UspAttention, RingAttentionConfig>(m, "UspAttention", "MHA / GQA under USP (parallel/usp.h)")
       .def("forward",
@@ -259,16 +264,14 @@ PYBIND11_MODULE(_seqpar, m) {
 
   // ---- GDN and its short conv ---------------------------------------------------------------------------------
   py::class_<GdnCpConfig> gdn_config(m, "GdnCpConfig");
-  gdn_config
-      .def(py::init([](const std::string& mode, bool use_qk_l2norm, float scale, std::int64_t chunk_size) {
-             return GdnCpConfig{parse_gdn_cp_mode(mode), use_qk_l2norm, scale, chunk_size};
-           }),
-           py::arg("mode") = "scan", py::arg("use_qk_l2norm") = true, py::arg("scale") = 0.0f,
-           py::arg("chunk_size") = attn::kGdnDefaultChunkSize)
-      .def_readwrite("use_qk_l2norm", &GdnCpConfig::use_qk_l2norm)
-      .def_readwrite("scale", &GdnCpConfig::scale)
-      .def_readwrite("chunk_size", &GdnCpConfig::chunk_size);
+  gdn_config.def(py::init([](const std::string& mode, bool use_qk_l2norm, float scale, std::int64_t chunk_size) {
+                   return GdnCpConfig{parse_gdn_cp_mode(mode), use_qk_l2norm, scale, chunk_size};
+                 }),
+                 py::arg("mode") = "scan", py::arg("use_qk_l2norm") = true, py::arg("scale") = 0.0f,
+                 py::arg("chunk_size") = attn::kGdnDefaultChunkSize);
   enum_property(gdn_config, "mode", &GdnCpConfig::mode, gdn_cp_mode_name, parse_gdn_cp_mode);
+  def_fields(gdn_config, std::pair{"use_qk_l2norm", &GdnCpConfig::use_qk_l2norm},
+             std::pair{"scale", &GdnCpConfig::scale}, std::pair{"chunk_size", &GdnCpConfig::chunk_size});
 
   bind_layer<GdnContextParallel, GdnCpConfig>(m, "GdnContextParallel", "Gated delta rule under CP (parallel/gdn_cp.h)")
       .def("forward",
@@ -304,18 +307,15 @@ PYBIND11_MODULE(_seqpar, m) {
 
   // ---- DSA ----------------------------------------------------------------------------------------------------
   py::class_<DsaCpConfig> dsa_config(m, "DsaCpConfig");
-  dsa_config
-      .def(py::init(
-               [](const std::string& select, std::int64_t topk, std::int64_t dim_v, float scale, std::int64_t window) {
-                 return DsaCpConfig{parse_dsa_select_mode(select), topk, dim_v, scale, window};
-               }),
-           py::arg("select") = "ring", py::arg("topk") = attn::kDsaTopK, py::arg("dim_v") = attn::kDsaHeadDimV,
-           py::arg("scale") = 0.0f, py::arg("window") = 0)
-      .def_readwrite("topk", &DsaCpConfig::topk)
-      .def_readwrite("dim_v", &DsaCpConfig::dim_v)
-      .def_readwrite("scale", &DsaCpConfig::scale)
-      .def_readwrite("window", &DsaCpConfig::window);
+  dsa_config.def(
+      py::init([](const std::string& select, std::int64_t topk, std::int64_t dim_v, float scale, std::int64_t window) {
+        return DsaCpConfig{parse_dsa_select_mode(select), topk, dim_v, scale, window};
+      }),
+      py::arg("select") = "ring", py::arg("topk") = attn::kDsaTopK, py::arg("dim_v") = attn::kDsaHeadDimV,
+      py::arg("scale") = 0.0f, py::arg("window") = 0);
   enum_property(dsa_config, "select", &DsaCpConfig::select, dsa_select_mode_name, parse_dsa_select_mode);
+  def_fields(dsa_config, std::pair{"topk", &DsaCpConfig::topk}, std::pair{"dim_v", &DsaCpConfig::dim_v},
+             std::pair{"scale", &DsaCpConfig::scale}, std::pair{"window", &DsaCpConfig::window});
 
   bind_layer<DsaContextParallel, DsaCpConfig>(m, "DsaContextParallel",
                                               "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
