@@ -7,6 +7,21 @@ jobs=${SEQPAR_JOBS:-$(nproc)}
 
 "$root/scripts/install_deps.sh"
 
+# The Python module and its tests (README "Python / PyTorch"): pip installs, by name, the packages that do not import
+# yet (torch from PyPI runs on the CPU). Without them the module or its tests are left out (CMake says which), and
+# everything else still builds and runs.
+python_missing=()
+for p in torch pybind11 mpi4py numpy pytest; do
+  python3 -c "import $p" 2>/dev/null || python_missing+=("$p")
+done
+if [ ${#python_missing[@]} -gt 0 ]; then
+  echo "common.sh: pip installing ${python_missing[*]}"
+  # (a Debian python3 marks its environment externally managed, PEP 668: the second try installs anyway)
+  python3 -m pip install -q "${python_missing[@]}" ||
+    python3 -m pip install -q --break-system-packages "${python_missing[@]}" ||
+    echo "common.sh: warning: pip install ${python_missing[*]} failed; the Python module or its tests will be off" >&2
+fi
+
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [ ! -f "$build_dir/CMakeCache.txt" ]; then

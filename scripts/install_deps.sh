@@ -10,7 +10,7 @@ packages=(
   libgtest-dev libgmock-dev
   nlohmann-json3-dev
   libopenblas-dev
-  python3 python3-matplotlib python3-numpy
+  python3 python3-dev python3-pip python3-matplotlib python3-numpy
 )
 
 missing=()

@@ -1,0 +1,143 @@
+#include "dlpack_bridge.h"
+
+#include <cstring>
+#include <memory>
+#include <string>
+
+#include "runtime/error.h"
+
+namespace py = pybind11;
+
+namespace seqpar::python {
+namespace {
+
+// The DLPack ABI (dlpack.h, versions 0.5-0.8: the layout of the unversioned capsule "dltensor").
+struct DLDevice {
+  std::int32_t device_type;  // kDLCPU = 1
+  std::int32_t device_id;
+};
+struct DLDataType {
+  std::uint8_t code;  // kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4
+  std::uint8_t bits;
+  std::uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  std::int32_t ndim;
+  DLDataType dtype;
+  std::int64_t* shape;
+  std::int64_t* strides;  // in elements; null means compact row-major
+  std::uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+constexpr std::int32_t kDLCPU = 1;
+constexpr std::uint8_t kDLInt = 0, kDLFloat = 2, kDLBfloat = 4;
+constexpr const char* kCapsuleName = "dltensor";
+
+DType dtype_of_dl(const DLDataType& t, const char* what) {
+  SEQPAR_CHECK(t.lanes == 1, what, ": vector dtypes (DLPack lanes ", t.lanes, ") are not supported");
+  if (t.code == kDLFloat && t.bits == 64) return DType::kFloat64;
+  if (t.code == kDLFloat && t.bits == 32) return DType::kFloat32;
+  if (t.code == kDLFloat && t.bits == 16) return DType::kFloat16;
+  if (t.code == kDLBfloat && t.bits == 16) return DType::kBFloat16;
+  if (t.code == kDLInt && t.bits == 64) return DType::kInt64;
+  if (t.code == kDLInt && t.bits == 32) return DType::kInt32;
+  SEQPAR_THROW(what, ": dtype (DLPack code ", int{t.code}, ", ", int{t.bits},
+               " bits) is not one of float64, float32, bfloat16, float16, int64, int32");
+}
+
+DLDataType dl_of_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat64: return {kDLFloat, 64, 1};
+    case DType::kFloat32: return {kDLFloat, 32, 1};
+    case DType::kFloat16: return {kDLFloat, 16, 1};
+    case DType::kBFloat16: return {kDLBfloat, 16, 1};
+    case DType::kInt64: return {kDLInt, 64, 1};
+    case DType::kInt32: return {kDLInt, 32, 1};
+  }
+  SEQPAR_THROW("unknown dtype ", static_cast<int>(dtype));
+}
+
+// What an exported tensor's DLManagedTensor owns.
+struct Exported {
+  Tensor tensor;
+  Shape shape;
+  DLManagedTensor managed{};
+};
+
+void delete_exported(DLManagedTensor* self) { delete static_cast<Exported*>(self->manager_ctx); }
+
+// A capsule nobody consumed (torch renames the ones it takes to "used_dltensor") still owns its tensor.
+void destroy_capsule(PyObject* capsule) {
+  if (!PyCapsule_IsValid(capsule, kCapsuleName)) return;
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, kCapsuleName));
+  if (managed != nullptr && managed->deleter != nullptr) managed->deleter(managed);
+}
+
+// Kept for the life of the process: a static py::object would be released after the interpreter has finalised.
+const py::object& torch_from_dlpack() {
+  static const py::object* fn = new py::object(py::module_::import("torch").attr("from_dlpack"));
+  return *fn;
+}
+
+}  // namespace
+
+TensorView view_of(py::handle tensor, const char* what) {
+  if (tensor.is_none()) return {};
+  SEQPAR_CHECK(py::hasattr(tensor, "__dlpack__"), what, ": expected a torch.Tensor, got ",
+               std::string(py::str(py::type::of(tensor).attr("__name__"))));
+  const py::object capsule = tensor.attr("__dlpack__")();
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
+  if (managed == nullptr) throw py::error_already_set();
+  const DLTensor& t = managed->dl_tensor;
+  SEQPAR_CHECK(t.device.device_type == kDLCPU, what, ": seqpar's Python layers take CPU tensors (DLPack device type ",
+               t.device.device_type, ")");
+  const DType dtype = dtype_of_dl(t.dtype, what);
+  Shape shape(t.shape, t.shape + t.ndim);
+  if (t.strides != nullptr) {
+    std::int64_t expected = 1;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      SEQPAR_CHECK(shape[d] == 1 || t.strides[d] == expected, what, ": tensor of shape ", shape_str(shape),
+                   " is not contiguous (stride ", t.strides[d], " in dim ", d, " where ", expected,
+                   " was expected); seqpar takes contiguous row-major tensors: call .contiguous() first");
+      expected *= shape[d];
+    }
+  }
+  SEQPAR_CHECK(t.byte_offset % dtype_size(dtype) == 0, what, ": byte offset ", t.byte_offset,
+               " is not a multiple of the element size");
+  // The view outlives the capsule (dropped here): the memory stays the caller's tensor's.
+  return TensorView(static_cast<char*>(t.data) + t.byte_offset, dtype, std::move(shape));
+}
+
+py::object to_torch(Tensor&& tensor) {
+  SEQPAR_CHECK(tensor.view().device().is_cpu(), "to_torch: only CPU tensors are exported");
+  auto owner = std::make_unique<Exported>();
+  owner->tensor = std::move(tensor);
+  owner->shape = owner->tensor.shape();
+  DLTensor& t = owner->managed.dl_tensor;
+  t.data = owner->tensor.data();
+  t.device = {kDLCPU, 0};
+  t.ndim = static_cast<std::int32_t>(owner->shape.size());
+  t.dtype = dl_of_dtype(owner->tensor.dtype());
+  t.shape = owner->shape.data();
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  owner->managed.manager_ctx = owner.get();
+  owner->managed.deleter = delete_exported;
+  DLManagedTensor* managed = &owner.release()->managed;
+  py::capsule capsule(managed, kCapsuleName, &destroy_capsule);
+  return torch_from_dlpack()(capsule);
+}
+
+py::object int64_tensor(const std::vector<std::int64_t>& values) {
+  Tensor t = Tensor::empty({static_cast<std::int64_t>(values.size())}, DType::kInt64, MemCategory::kWorkspace);
+  if (!values.empty()) std::memcpy(t.data(), values.data(), values.size() * sizeof(std::int64_t));
+  return to_torch(std::move(t));
+}
+
+}  // namespace seqpar::python

@@ -1,0 +1,334 @@
+// seqpar._seqpar: the pybind11 bindings under the Python package seqpar (python/seqpar; README "Python / PyTorch",
+// docs/design.md section 17). One binding per C++ class, with the C++ names: SpGrid, SequenceLayout, the layers'
+// configuration structs and the CP layers' forward / backward. Tensors cross as DLPack views (dlpack_bridge.h): the
+// inputs are the caller's torch tensors, the outputs seqpar Tensors handed to torch, neither copied. A layer's
+// forward returns its CpContext as an opaque Context object for the backward (which consumes it).
+// seqpar::Error becomes seqpar.Error (a RuntimeError) with the same message.
+#include <mpi.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "dlpack_bridge.h"
+#include "parallel/dsa_cp.h"
+#include "parallel/gdn_cp.h"
+#include "parallel/layout.h"
+#include "parallel/usp.h"
+#include "runtime/error.h"
+#include "runtime/mpi_comm.h"
+#include "runtime/sp_grid.h"
+#include "runtime/version.h"
+
+namespace py = pybind11;
+using namespace seqpar;
+using python::int64_tensor;
+using python::to_torch;
+using python::view_of;
+
+namespace {
+
+// MPI for the process: initialised at the first communicator (unless mpi4py or the caller already did), finalised
+// by finalize() (registered with atexit by the package), which finalises only what this module initialised.
+std::unique_ptr<MpiSession> g_session;
+std::shared_ptr<Communicator> g_world;
+
+void ensure_mpi() {
+  if (g_session) return;
+  int argc = 0;
+  char** argv = nullptr;
+  g_session = std::make_unique<MpiSession>(&argc, &argv);
+}
+
+std::shared_ptr<Communicator> world() {
+  ensure_mpi();
+  if (!g_world) g_world = MpiCommunicator::world();
+  return g_world;
+}
+
+// An mpi4py communicator, duplicated (seqpar's traffic never mixes with the caller's) and owned by the result.
+std::shared_ptr<Communicator> from_mpi4py(const py::object& comm) {
+  ensure_mpi();
+  const auto address = py::module_::import("mpi4py.MPI").attr("_addressof")(comm).cast<std::uintptr_t>();
+  MPI_Comm handle = *reinterpret_cast<MPI_Comm*>(address);
+  MPI_Comm dup = MPI_COMM_NULL;
+  SEQPAR_CHECK(MPI_Comm_dup(handle, &dup) == MPI_SUCCESS, "MPI_Comm_dup of the mpi4py communicator failed");
+  auto result = std::make_shared<MpiCommunicator>(dup, /*owned=*/true);
+  result->set_name("mpi4py");
+  return result;
+}
+
+// The grid with the communicator it was built over (the process's world, or a duplicate of an mpi4py one).
+struct Grid {
+  std::shared_ptr<Communicator> world;
+  SpGrid grid;
+  Grid(std::shared_ptr<Communicator> w, const SpGridConfig& config) : world(std::move(w)), grid(*world, config) {}
+};
+
+std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
+  if (comm.is_none()) return world();
+  if (py::isinstance<Communicator>(comm)) return comm.cast<std::shared_ptr<Communicator>>();
+  return from_mpi4py(comm);
+}
+
+ReduceOp parse_reduce_op(const std::string& op) {
+  static constexpr const char* kNames[] = {"sum", "max"};
+  return static_cast<ReduceOp>(parse_option_index(op, kNames, "reduce op"));
+}
+
+// A string property over an enum field with name / parse functions.
+template <typename Class, typename Enum>
+void enum_property(py::class_<Class>& cls, const char* name, Enum Class::*field, const char* (*to_name)(Enum),
+                   Enum (*parse)(std::string_view)) {
+  cls.def_property(
+      name, [field, to_name](const Class& c) { return std::string(to_name(c.*field)); },
+      [field, parse](Class& c, const std::string& value) { c.*field = parse(value); });
+}
+
+// Read-write attributes for the plain fields of a configuration struct: def_fields(cls, {"name", &Config::field}, ...).
+template <typename Class, typename... Members>
+void def_fields(py::class_<Class>& cls, std::pair<const char*, Members Class::*>... fields) {
+  (cls.def_readwrite(fields.first, fields.second), ...);
+}
+
+py::tuple attention_grads(AttentionGrads&& g) {
+  return py::make_tuple(to_torch(std::move(g.dq)), to_torch(std::move(g.dk)), to_torch(std::move(g.dv)));
+}
+
+// The constructor of every CP layer binding, Layer(grid, layout, config); the layer keeps the grid (which owns the
+// communicators) alive.
+template <typename Layer, typename Config>
+void def_layer_init(py::class_<Layer>& cls) {
+  cls.def(py::init([](const Grid& g, const SequenceLayout& layout, const Config& config) {
+            return std::make_unique<Layer>(CpGroups::from(g.grid), layout, config);
+          }),
+          py::arg("grid"), py::arg("layout"), py::arg("config"), py::keep_alive<1, 2>());
+}
+
+// A CP layer binding with its constructor and the accessors of its layout and this rank's positions.
+template <typename Layer, typename Config>
+py::class_<Layer> bind_layer(py::module_& m, const char* name, const char* doc) {
+  py::class_<Layer> cls(m, name, doc);
+  def_layer_init<Layer, Config>(cls);
+  cls.def_property_readonly("layout", [](const Layer& l) { return l.layout(); })
+      .def_property_readonly("positions", [](const Layer& l) { return int64_tensor(l.positions()); });
+  return cls;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_seqpar, m) {
+  m.doc() = "seqpar's compiled bindings (use the package seqpar)";
+  m.attr("__version__") = version();
+  py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+
+  m.def(
+      "finalize",
+      [] {
+        g_world.reset();
+        g_session.reset();
+      },
+      "Frees the world communicator and finalises MPI when seqpar initialised it (registered with atexit).");
+  m.def(
+      "abort", [](int code) { MPI_Abort(MPI_COMM_WORLD, code); }, py::arg("code") = 1,
+      "MPI_Abort(MPI_COMM_WORLD, code): stops every rank of the job.");
+  m.def("mpi_initialized", [] {
+    int flag = 0;
+    MPI_Initialized(&flag);
+    return flag != 0;
+  });
+
+  py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator",
+                                                          "A seqpar communicator (MPI backend): world, a grid's group "
+                                                          "or a duplicate of an mpi4py communicator")
+      .def_property_readonly("rank", &Communicator::rank)
+      .def_property_readonly("size", &Communicator::size)
+      .def_property_readonly("name", &Communicator::name)
+      .def(
+          "all_reduce",
+          [](Communicator& c, py::handle tensor, const std::string& op) {
+            c.all_reduce(view_of(tensor, "all_reduce tensor"), parse_reduce_op(op))->wait();
+          },
+          py::arg("tensor"), py::arg("op") = "sum", "In place on every rank (collective); op 'sum' or 'max'.")
+      .def(
+          "broadcast",
+          [](Communicator& c, py::handle tensor, int root) {
+            c.broadcast(view_of(tensor, "broadcast tensor"), root)->wait();
+          },
+          py::arg("tensor"), py::arg("root") = 0)
+      .def("barrier", [](Communicator& c) { c.barrier()->wait(); });
+  m.def("world", &world, "The process's MPI world (MPI_COMM_WORLD duplicated); initialises MPI if needed.");
+  m.def("from_mpi4py", &from_mpi4py, py::arg("comm"), "A seqpar communicator over a duplicate of an mpi4py one.");
+
+  py::class_<Grid>(m, "SpGrid", "The SP process grid (runtime/sp_grid.h): world = dp x ulysses x ring")
+      .def(py::init(
+               [](int dp_size, int ulysses_size, int ring_size, const std::string& placement, const py::object& comm) {
+                 return std::make_unique<Grid>(
+                     resolve_comm(comm), SpGridConfig{dp_size, ulysses_size, ring_size, parse_placement(placement)});
+               }),
+           py::arg("dp_size") = 1, py::arg("ulysses_size") = 1, py::arg("ring_size") = 1,
+           py::arg("placement") = "ulysses_inner", py::arg("comm") = py::none())
+      .def_property_readonly("dp_size", [](const Grid& g) { return g.grid.config().dp_size; })
+      .def_property_readonly("ulysses_size", [](const Grid& g) { return g.grid.config().ulysses_size; })
+      .def_property_readonly("ring_size", [](const Grid& g) { return g.grid.config().ring_size; })
+      .def_property_readonly("placement",
+                             [](const Grid& g) { return std::string(placement_name(g.grid.config().placement)); })
+      .def_property_readonly("dp_rank", [](const Grid& g) { return g.grid.coords().dp_rank; })
+      .def_property_readonly("ulysses_rank", [](const Grid& g) { return g.grid.coords().ulysses_rank; })
+      .def_property_readonly("ring_rank", [](const Grid& g) { return g.grid.coords().ring_rank; })
+      .def_property_readonly("sp_rank", [](const Grid& g) { return g.grid.coords().sp_rank; })
+      .def_property_readonly("world_rank", [](const Grid& g) { return g.grid.world_rank(); })
+      .def_property_readonly("world", [](const Grid& g) { return g.world; })
+      // The groups are owned by the grid: borrowed references that keep it alive.
+      .def_property_readonly(
+          "ulysses", [](const Grid& g) -> Communicator& { return g.grid.ulysses(); },
+          py::return_value_policy::reference_internal)
+      .def_property_readonly(
+          "ring", [](const Grid& g) -> Communicator& { return g.grid.ring(); },
+          py::return_value_policy::reference_internal)
+      .def_property_readonly(
+          "sp", [](const Grid& g) -> Communicator& { return g.grid.sp(); }, py::return_value_policy::reference_internal)
+      .def_property_readonly(
+          "dp", [](const Grid& g) -> Communicator& { return g.grid.dp(); }, py::return_value_policy::reference_internal)
+      .def("__str__", [](const Grid& g) { return g.grid.str(); });
+
+  py::class_<SequenceLayout>(m, "SequenceLayout", "Which global positions each SP rank holds (parallel/layout.h)")
+      .def(py::init([](const std::string& kind, std::int64_t seq_len, int ring_size, int ulysses_size) {
+             return SequenceLayout(parse_layout(kind), seq_len, ring_size, ulysses_size);
+           }),
+           py::arg("kind"), py::arg("seq_len"), py::arg("ring_size"), py::arg("ulysses_size") = 1)
+      .def_static(
+          "for_grid",
+          [](const Grid& g, std::int64_t seq_len, const std::string& kind) {
+            return SequenceLayout::for_groups(CpGroups::from(g.grid), seq_len, parse_layout(kind));
+          },
+          py::arg("grid"), py::arg("seq_len"), py::arg("kind") = "zigzag")
+      .def_property_readonly("kind", [](const SequenceLayout& l) { return std::string(layout_name(l.kind())); })
+      .def_property_readonly("seq_len", &SequenceLayout::seq_len)
+      .def_property_readonly("ring_size", &SequenceLayout::ring_size)
+      .def_property_readonly("ulysses_size", &SequenceLayout::ulysses_size)
+      .def_property_readonly("num_ranks", &SequenceLayout::num_ranks)
+      .def_property_readonly("local_len", &SequenceLayout::local_len)
+      .def(
+          "positions", [](const SequenceLayout& l, int sp_rank) { return int64_tensor(l.positions(sp_rank)); },
+          py::arg("sp_rank"), "This SP rank's increasing global positions (torch int64).")
+      .def(
+          "ring_shard_positions",
+          [](const SequenceLayout& l, int ring_rank) { return int64_tensor(l.ring_shard_positions(ring_rank)); },
+          py::arg("ring_rank"));
+
+  m.def(
+      "scatter_sequence",
+      [](const Grid& g, const SequenceLayout& layout, py::handle full, py::handle local, int root) {
+        scatter_sequence(g.grid.sp(), layout, view_of(full, "full"), view_of(local, "local"), root);
+      },
+      py::arg("grid"), py::arg("layout"), py::arg("full"), py::arg("local"), py::arg("root") = 0);
+  m.def(
+      "gather_sequence",
+      [](const Grid& g, const SequenceLayout& layout, py::handle local, py::handle full, int seq_dim) {
+        gather_sequence(g.grid.sp(), layout, view_of(local, "local"), view_of(full, "full"), seq_dim);
+      },
+      py::arg("grid"), py::arg("layout"), py::arg("local"), py::arg("full"), py::arg("seq_dim") = 1);
+
+  py::class_<CpContext>(m, "Context", "What a forward saved for its backward (consumed by the backward)")
+      .def_property_readonly("live", &CpContext::live);
+
+  // ---- MHA / GQA: UspAttention (ring when ulysses_size = 1, Ulysses when ring_size = 1) -------------------------
+  py::class_<RingAttentionConfig> mha_config(m, "RingAttentionConfig");
+  mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale) {
+                   RingAttentionConfig c;
+                   c.impl = parse_ring_impl(impl);
+                   c.causal = causal;
+                   c.window = window;
+                   c.scale = scale;
+                   return c;
+                 }),
+                 py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0f);
+  enum_property(mha_config, "impl", &RingAttentionConfig::impl, ring_impl_name, parse_ring_impl);
+  def_fields(mha_config, std::pair{"causal", &RingAttentionConfig::causal},
+             std::pair{"window", &RingAttentionConfig::window}, std::pair{"scale", &RingAttentionConfig::scale});
+
+  bind_layer<UspAttention, RingAttentionConfig>(m, "UspAttention", "MHA / GQA under USP (parallel/usp.h)")
+      .def("forward",
+           [](UspAttention& a, py::handle q, py::handle k, py::handle v) {
+             AttentionOutput r = a.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"));
+             return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.lse)), std::move(r.ctx));
+           })
+      .def("backward", [](UspAttention& a, CpContext& ctx, py::handle dout) {
+        return attention_grads(a.backward(std::move(ctx), view_of(dout, "dout")));
+      });
+
+  // ---- GDN and its short conv ---------------------------------------------------------------------------------
+  py::class_<GdnCpConfig> gdn_config(m, "GdnCpConfig");
+  gdn_config.def(py::init([](const std::string& mode, bool use_qk_l2norm, float scale, std::int64_t chunk_size) {
+                   return GdnCpConfig{parse_gdn_cp_mode(mode), use_qk_l2norm, scale, chunk_size};
+                 }),
+                 py::arg("mode") = "scan", py::arg("use_qk_l2norm") = true, py::arg("scale") = 0.0f,
+                 py::arg("chunk_size") = attn::kGdnDefaultChunkSize);
+  enum_property(gdn_config, "mode", &GdnCpConfig::mode, gdn_cp_mode_name, parse_gdn_cp_mode);
+  def_fields(gdn_config, std::pair{"use_qk_l2norm", &GdnCpConfig::use_qk_l2norm},
+             std::pair{"scale", &GdnCpConfig::scale}, std::pair{"chunk_size", &GdnCpConfig::chunk_size});
+
+  bind_layer<GdnContextParallel, GdnCpConfig>(m, "GdnContextParallel", "Gated delta rule under CP (parallel/gdn_cp.h)")
+      .def("forward",
+           [](GdnContextParallel& l, py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta,
+              py::handle initial_state) {
+             GdnCpOutput r = l.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(g, "g"),
+                                       view_of(beta, "beta"), view_of(initial_state, "initial_state"));
+             return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.final_state)), std::move(r.ctx));
+           })
+      .def("backward", [](GdnContextParallel& l, CpContext& ctx, py::handle dout, py::handle dfinal_state) {
+        GdnCpGrads r = l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dfinal_state, "dfinal_state"));
+        return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dk)), to_torch(std::move(r.dv)),
+                              to_torch(std::move(r.dg)), to_torch(std::move(r.dbeta)),
+                              to_torch(std::move(r.dinitial_state)));
+      });
+
+  py::class_<ShortConvCpConfig>(m, "ShortConvCpConfig")
+      .def(py::init([](bool use_silu) { return ShortConvCpConfig{use_silu}; }), py::arg("use_silu") = true)
+      .def_readwrite("use_silu", &ShortConvCpConfig::use_silu);
+
+  py::class_<ShortConvContextParallel> short_conv(m, "ShortConvContextParallel",
+                                                  "The short causal depthwise conv under CP (parallel/gdn_cp.h)");
+  def_layer_init<ShortConvContextParallel, ShortConvCpConfig>(short_conv);
+  short_conv
+      .def("forward",
+           [](ShortConvContextParallel& l, py::handle x, py::handle weight) {
+             ShortConvCpOutput r = l.forward(view_of(x, "x"), view_of(weight, "weight"));
+             return py::make_tuple(to_torch(std::move(r.out)), std::move(r.ctx));
+           })
+      .def("backward", [](ShortConvContextParallel& l, CpContext& ctx, py::handle dout, py::handle dweight) {
+        return to_torch(l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dweight, "dweight")));
+      });
+
+  // ---- DSA ----------------------------------------------------------------------------------------------------
+  py::class_<DsaCpConfig> dsa_config(m, "DsaCpConfig");
+  dsa_config.def(
+      py::init([](const std::string& select, std::int64_t topk, std::int64_t dim_v, float scale, std::int64_t window) {
+        return DsaCpConfig{parse_dsa_select_mode(select), topk, dim_v, scale, window};
+      }),
+      py::arg("select") = "ring", py::arg("topk") = attn::kDsaTopK, py::arg("dim_v") = attn::kDsaHeadDimV,
+      py::arg("scale") = 0.0f, py::arg("window") = 0);
+  enum_property(dsa_config, "select", &DsaCpConfig::select, dsa_select_mode_name, parse_dsa_select_mode);
+  def_fields(dsa_config, std::pair{"topk", &DsaCpConfig::topk}, std::pair{"dim_v", &DsaCpConfig::dim_v},
+             std::pair{"scale", &DsaCpConfig::scale}, std::pair{"window", &DsaCpConfig::window});
+
+  bind_layer<DsaContextParallel, DsaCpConfig>(m, "DsaContextParallel",
+                                              "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
+      .def("forward",
+           [](DsaContextParallel& l, py::handle q, py::handle c, py::handle q_idx, py::handle k_idx, py::handle w) {
+             DsaCpOutput r = l.forward(view_of(q, "q"), view_of(c, "c"), view_of(q_idx, "q_idx"),
+                                       view_of(k_idx, "k_idx"), view_of(w, "w"));
+             return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.lse)),
+                                   to_torch(std::move(r.topk_indices)), std::move(r.ctx));
+           })
+      .def("backward", [](DsaContextParallel& l, CpContext& ctx, py::handle dout, float loss_grad_scale) {
+        DsaCpGrads r = l.backward(std::move(ctx), view_of(dout, "dout"), loss_grad_scale);
+        return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dc)), to_torch(std::move(r.dq_idx)),
+                              to_torch(std::move(r.dk_idx)), to_torch(std::move(r.dw)), r.loss);
+      });
+}

@@ -1,0 +1,78 @@
+"""seqpar.GdnContextParallel (chain / scan, Ulysses x ring, initial_state and final_state) and
+seqpar.ShortConvContextParallel against the token-by-token recurrence and torch's conv1d on the whole sequence,
+forward and backward, at every (ulysses_size, ring_size) of the world."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import seqpar
+from references import gdn_reference, random_full, run_against_reference, short_conv_reference, usp_grids
+
+B, S, HK, HV, K, V = 1, 48, 2, 4, 8, 8
+WORLD = seqpar.world().size
+# fp64 is fp64 end to end (chunked vs token-by-token summation orders differ by rounding only); fp32 adds 2^-24 per
+# operation over 48 steps of a contracting recurrence.
+RTOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+def gdn_inputs(dtype, with_initial_state):
+    q, k = random_full((B, S, HK, K), dtype), random_full((B, S, HK, K), dtype)
+    v = random_full((B, S, HV, V), dtype)
+    g = F.logsigmoid(torch.randn(B, S, HV, dtype=torch.float64) + 2).to(dtype).requires_grad_()  # log decay < 0
+    beta = torch.sigmoid(torch.randn(B, S, HV, dtype=torch.float64)).to(dtype).requires_grad_()
+    state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    initial = random_full((B, HV, K, V), state_dtype, 0.5) if with_initial_state else None
+    return [q, k, v, g, beta], [initial]
+
+
+def run_gdn(grid, layout, config, dtype, with_initial_state):
+    gdn = seqpar.GdnContextParallel(grid, layout, config)
+    sharded, replicated = gdn_inputs(dtype, with_initial_state)
+
+    def layer(q, k, v, g, beta, initial_state):
+        out, final_state = gdn(q, k, v, g, beta, initial_state)
+        return [out], [final_state]
+
+    def reference(q, k, v, g, beta, initial_state):
+        out, final_state = gdn_reference(q, k, v, g, beta, initial_state, config.scale, config.use_qk_l2norm)
+        return [out], [final_state]
+
+    run_against_reference(grid, layout, sharded, replicated, layer, reference, RTOL[dtype])
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mode", ["chain", "scan"])
+@pytest.mark.parametrize("with_initial_state", [False, True], ids=["zero_state", "initial_state"])
+def test_gdn_fp64_matches_recurrence(grid_shape, kind, mode, with_initial_state):
+    grid = seqpar.SpGrid(1, *grid_shape)
+    layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
+    config = seqpar.GdnCpConfig(mode=mode, chunk_size=4)
+    run_gdn(grid, layout, config, torch.float64, with_initial_state)
+
+
+def test_gdn_fp32_without_l2norm():
+    grid = seqpar.SpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, S)
+    run_gdn(grid, layout, seqpar.GdnCpConfig(use_qk_l2norm=False, scale=0.25), torch.float32, True)
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("width", [4, 20])  # 20 > S_local at 4 ranks: the halo spans several ranks
+def test_short_conv_fp64_matches_conv1d(grid_shape, kind, width):
+    grid = seqpar.SpGrid(1, *grid_shape)
+    layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
+    conv = seqpar.ShortConvContextParallel(grid, layout, channels=6, width=width, dtype=torch.float64)
+    x = random_full((B, S, 6))
+    run_against_reference(grid, layout, [x], [conv.weight], lambda x, w: ([seqpar.ShortConvFunction.apply(
+        conv.layer, grid, x, w)], []), lambda x, w: ([short_conv_reference(x, w)], []), 1e-12)
+
+
+def test_gdn_refuses_stripe():
+    grid = seqpar.SpGrid(1, 1, WORLD)
+    if WORLD == 1:
+        pytest.skip("a ring of one holds one segment in any layout")
+    with pytest.raises(seqpar.Error, match="stripe"):
+        seqpar.GdnContextParallel(grid, seqpar.SequenceLayout.for_grid(grid, S, "stripe"))

@@ -1,0 +1,76 @@
+"""Layouts, the scatter / gather helpers, communicators (the world and mpi4py ones) and the tensor boundary."""
+
+import pytest
+import torch
+
+import seqpar
+from references import mha_reference, random_full, run_against_reference, usp_grids
+
+WORLD = seqpar.world().size
+S = 24 * WORLD
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous", "stripe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_scatter_shard_gather_round_trip(grid_shape, kind, dtype):
+    """scatter_sequence (from the root) and shard_sequence (local) give the same piece; gather_sequence restores
+    the full tensor bit for bit; the pieces' positions tile 0..S-1."""
+    grid = seqpar.SpGrid(1, *grid_shape)
+    layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
+    full = torch.randn(2, S, 3, 5).to(dtype)
+    root_only = full if grid.sp_rank == 0 else torch.full_like(full, float("nan"))  # read on the root only
+    local = seqpar.scatter_sequence(grid, layout, root_only)
+    assert torch.equal(local, seqpar.shard_sequence(full, layout, grid.sp_rank))
+    assert torch.equal(seqpar.gather_sequence(grid, layout, local), full)
+    lse_like = full[:, :, 0].transpose(1, 2).contiguous()[:, :, None, :].reshape(2, 5, S)  # [B, H, S]
+    lse_local = lse_like.index_select(2, layout.positions(grid.sp_rank))
+    assert torch.equal(seqpar.gather_sequence(grid, layout, lse_local, seq_dim=2), lse_like)
+    everyone = torch.cat([layout.positions(r) for r in range(layout.num_ranks)]).sort().values
+    assert torch.equal(everyone, torch.arange(S))
+
+
+def test_grid_coordinates_and_groups():
+    for u, r in usp_grids(WORLD):
+        for placement in ("ulysses_inner", "ring_inner"):
+            grid = seqpar.SpGrid(1, u, r, placement)
+            assert (grid.ulysses.size, grid.ring.size, grid.sp.size, grid.dp.size) == (u, r, u * r, 1)
+            assert grid.sp_rank == grid.ring_rank * u + grid.ulysses_rank == grid.sp.rank
+            assert grid.placement == placement and grid.world_rank == seqpar.world().rank
+    if WORLD % 2 == 0:
+        grid = seqpar.SpGrid(2, 1, WORLD // 2)
+        assert grid.dp.size == 2 and grid.dp_rank == seqpar.world().rank // (WORLD // 2)
+
+
+def test_mpi4py_communicator():
+    """A grid over an mpi4py communicator (duplicated): here each half of the world is its own SP group, and
+    attention on it matches the reference on the whole sequence."""
+    MPI = pytest.importorskip("mpi4py.MPI")
+    world = MPI.COMM_WORLD
+    half = world.Split(world.Get_rank() % 2 if WORLD > 1 else 0, world.Get_rank())
+    grid = seqpar.SpGrid(1, 1, half.Get_size(), comm=half)
+    assert grid.world.name == "mpi4py" and grid.world.size == half.Get_size()
+    layout = seqpar.SequenceLayout.for_grid(grid, 48)
+    attn = seqpar.UspAttention(grid, layout)
+    q, k, v = (random_full((1, 48, 2, 8)) for _ in range(3))
+    run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn(q, k, v)], []),
+                          lambda q, k, v: ([mha_reference(q, k, v)], []), 1e-10)
+    half.Free()
+
+
+def test_raw_bindings_outputs_and_context():
+    """The raw binding: outputs are torch tensors over seqpar's own buffers (contiguous, writable), the context is
+    consumed by the backward and refused the second time, and a dtype outside the four is refused by name."""
+    grid = seqpar.SpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, S)
+    raw = seqpar._seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig())
+    q = torch.randn(1, layout.local_len, 2, 8)
+    out, lse, ctx = raw.forward(q, q, q)
+    assert out.is_contiguous() and out.dtype == torch.float32 and lse.dtype == torch.float32 and ctx.live
+    out.add_(1.0)  # writable
+    dq, dk, dv = raw.backward(ctx, torch.ones_like(out))
+    assert not ctx.live and dq.shape == q.shape
+    with pytest.raises(seqpar.Error, match="(?i)context"):
+        raw.backward(ctx, torch.ones_like(out))  # a context is used once
+    with pytest.raises(seqpar.Error, match="float64, float32, bfloat16, float16"):
+        raw.forward(q.to(torch.complex64), q, q)
