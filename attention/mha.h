@@ -80,6 +80,12 @@ struct MaskSpec {
   // Per query: the key positions [doc_lo[i], doc_hi[i]) of its document (SequenceLayout::doc_bounds); both empty: no
   // document bound. Views the caller keeps alive for the call.
   std::span<const std::int64_t> doc_lo, doc_hi;
+
+  MaskSpec() = default;
+  // {causal, window} as before the document bounds existed (no missing-initializer warnings), or all four.
+  MaskSpec(bool causal_, std::int64_t window_ = 0, std::span<const std::int64_t> doc_lo_ = {},
+           std::span<const std::int64_t> doc_hi_ = {})
+      : causal(causal_), window(window_), doc_lo(doc_lo_), doc_hi(doc_hi_) {}
 };
 
 // Score modifiers of one call (see the header comment). Heads are those of the call's q (under Ulysses, a slice).
