@@ -85,6 +85,7 @@ std::vector<Positions> balanced_shards(const Positions& cu, int ring, std::int64
   std::vector<Positions> shards(ring);
   for (int r = 0; r < ring; ++r) {
     std::sort(owned[r].begin(), owned[r].end(), [](const Chunk* x, const Chunk* y) { return x->start < y->start; });
+    shards[r].reserve(static_cast<std::size_t>(tokens[r]));  // sized up front: a huge row fails at once
     for (const Chunk* ch : owned[r]) {
       for (std::int64_t i = 0; i < ch->len; ++i) shards[r].push_back(ch->start + i);
     }
@@ -123,6 +124,7 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
       d.padded_len = round_up(T, P * U);
       const std::int64_t len = d.padded_len / P;
       for (std::int64_t r = 0; r < P; ++r) {
+        d.shards[r].reserve(static_cast<std::size_t>(len));  // sized up front: a huge row fails at once
         for (std::int64_t i = 0; i < len; ++i) {
           d.shards[r].push_back(kind == LayoutKind::kContiguous ? r * len + i : i * P + r);
         }
@@ -138,6 +140,7 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
       d.padded_len = docs_end + P * extra;
       for (std::int64_t r = 0; r < P; ++r) {
         Positions& shard = d.shards[r];
+        shard.reserve(static_cast<std::size_t>(d.padded_len / P));
         if (P == 1) {
           for (std::int64_t i = 0; i < docs_end; ++i) shard.push_back(i);
         } else {

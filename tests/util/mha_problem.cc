@@ -157,12 +157,12 @@ MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p,
 }
 
 void expect_mha_close(const MhaResult& got, const MhaResult& want, double tol, const std::string& what) {
-  EXPECT_TRUE(all_close(got.out, want.out, tol, tol, what + " out"));
-  EXPECT_TRUE(all_close(got.lse, want.lse, tol, tol, what + " lse"));
-  EXPECT_TRUE(all_close(got.dq, want.dq, tol, tol, what + " dq"));
-  EXPECT_TRUE(all_close(got.dk, want.dk, tol, tol, what + " dk"));
-  EXPECT_TRUE(all_close(got.dv, want.dv, tol, tol, what + " dv"));
-  EXPECT_TRUE(all_close(got.dsinks, want.dsinks, tol, tol, what + " dsinks"));
+  const std::pair<const char*, std::vector<double> MhaResult::*> tensors[] = {
+      {"out", &MhaResult::out}, {"lse", &MhaResult::lse}, {"dq", &MhaResult::dq},
+      {"dk", &MhaResult::dk},   {"dv", &MhaResult::dv},   {"dsinks", &MhaResult::dsinks}};
+  for (const auto& [name, field] : tensors) {
+    EXPECT_TRUE(all_close(got.*field, want.*field, tol, tol, what + " " + name));
+  }
 }
 
 void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, const std::string& what) {
