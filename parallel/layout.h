@@ -32,6 +32,8 @@
 // flop_imbalance() = max / mean over ring ranks of the causal attention work of their tokens, sum over held tokens of
 // (offset in document + 1) (what a ring rank's queries compute under a causal mask; 1 when there is no work).
 //
+// Memory: a layout holds every ring shard's slots (padded_len int64 in all), built once by the constructor and shared
+// by copies; a row too large to hold fails there with std::bad_alloc.
 // Errors (raised identically on every rank, before any communication): sizes < 1; seq_len < 1; cu_seqlens that do not
 // start at 0, have fewer than 2 entries, hold a negative value, decrease, or end at a total T < 1 (each naming the
 // index, the value and the rule).
