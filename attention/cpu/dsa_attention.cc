@@ -60,18 +60,40 @@ inline Acc prob(Acc scaled_score, double lse) {
 // The most positions of one row that can lie inside the block: min(k, Sk).
 inline std::int64_t max_selected(const AttnShape& s) { return std::min(s.K, s.Sk); }
 
-// One query row's selected latent rows, gathered once for all heads: g [pad16(n), Qp] (rows as Acc, zero padded to
-// Qp = pad16(Dqk) columns; its first Dv columns are the values) and gT [Dqk, pad16(n)], its transpose.
+// The per-row products run over tiles of at most kLatentTile selected latent rows, gathered as gT [Dqk, pad16(m)]
+// (the tile transposed, for the products with q and dout) or as g [m, Qp] (rows as Acc, zero padded to Qp =
+// pad16(Dqk) columns; the first Dv columns are the values), so that a tile stays in the core's L2 cache.
+inline constexpr std::int64_t kLatentTile = 128;
+
+// Width of the per-thread tile buffers for rows with at most nmax selected positions.
+inline std::int64_t latent_tile(std::int64_t nmax) { return std::min(kLatentTile, pad16(nmax)); }
+
 template <typename T, typename Acc>
-void gather_latents(const T* c, const AttnShape& s, std::int64_t b, const std::int64_t* keys, std::int64_t n,
-                    Acc* g, Acc* gT) {
-  const std::int64_t np = pad16(n), Qp = pad16(s.Dqk);
-  gather_rows(c + b * s.Sk * s.Dqk, keys, n, np, s.Dqk, Qp, g);
-  gather_transposed<Acc>([&](std::int64_t j) { return g + j * Qp; }, n, s.Dqk, np, gT);
+void latent_tile_transposed(const T* c, const AttnShape& s, std::int64_t b, const std::int64_t* keys, std::int64_t m,
+                            Acc* gT) {
+  const T* base = c + b * s.Sk * s.Dqk;
+  gather_transposed<Acc>([&](std::int64_t j) { return base + keys[j] * s.Dqk; }, m, s.Dqk, pad16(m), gT);
 }
 
-// Per query row: the selected latent rows gathered once (gather_latents), scores [H, n] = q [H, Dqk] x gT (one
-// product for all heads), the softmax per head, out [H, Dv] = p [H, n] x g[:, :Dv].
+template <typename T, typename Acc>
+void latent_tile_rows(const T* c, const AttnShape& s, std::int64_t b, const std::int64_t* keys, std::int64_t m,
+                      Acc* g) {
+  gather_rows(c + b * s.Sk * s.Dqk, keys, m, m, s.Dqk, pad16(s.Dqk), g);
+}
+
+// C [M, N] (=|+=) A x g for the latent tile starting at j0: overwritten for the first tile, accumulated after.
+template <typename Acc>
+void gemm_tiles_accumulate(std::int64_t j0, std::int64_t M, std::int64_t N, std::int64_t m, const Acc* A,
+                           std::int64_t lda, const Acc* g, std::int64_t ldg, Acc* C, std::int64_t ldc) {
+  if (j0 == 0) {
+    gemm<Acc>(M, N, m, A, lda, g, ldg, C, ldc);
+  } else {
+    gemm<Acc, true>(M, N, m, A, lda, g, ldg, C, ldc);
+  }
+}
+
+// Per query row, over tiles of its selected latent rows: scores [H, n] = q [H, Dqk] x gT (one product for all heads),
+// the softmax per head, then out [H, Dv] = p [H, n] x g[:, :Dv].
 template <typename T>
 void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& out, const TensorView& lse) {
   using Acc = acc_t<T>;
@@ -82,8 +104,8 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
   const LseArray<Acc> lse_out(lse);
   const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s), npad = pad16(nmax);
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_forward scratch");
-  const WorkerScratch<Acc> ws({H * Dqk, npad * Qp, Dqk * npad, H * npad, H * Vp, H, H},
-                              "dsa_attention_forward scratch");
+  const std::int64_t L = latent_tile(nmax);
+  const WorkerScratch<Acc> ws({H * Dqk, L * Qp, Dqk * L, H * npad, H * Vp, H, H}, "dsa_attention_forward scratch");
 #pragma omp parallel
   {
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
@@ -103,8 +125,11 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
       }
       const std::int64_t np = pad16(n);
       load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
-      gather_latents(c, s, b, sel.data(), n, g.data(), gT.data());
-      gemm<Acc>(H, np, Dqk, qrow.data(), Dqk, gT.data(), np, score.data(), np);
+      for (std::int64_t j0 = 0; j0 < n; j0 += L) {
+        const std::int64_t m = std::min(L, n - j0);
+        latent_tile_transposed(c, s, b, sel.data() + j0, m, gT.data());
+        gemm<Acc>(H, pad16(m), Dqk, qrow.data(), Dqk, gT.data(), pad16(m), score.data() + j0, np);
+      }
       for (std::int64_t h = 0; h < H; ++h) {
         Acc* sc = score.data() + h * np;
         Acc m = neg_inf<Acc>();
@@ -120,7 +145,11 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
         mx[h] = m;
         sum[h] = z;
       }
-      gemm<Acc>(H, Vp, n, score.data(), np, g.data(), Qp, o.data(), Vp);
+      for (std::int64_t j0 = 0; j0 < n; j0 += L) {
+        const std::int64_t m = std::min(L, n - j0);
+        latent_tile_rows(c, s, b, sel.data() + j0, m, g.data());
+        gemm_tiles_accumulate(j0, H, Vp, m, score.data() + j0, np, g.data(), Qp, o.data(), Vp);
+      }
       for (std::int64_t h = 0; h < H; ++h) {
         const Acc inv = Acc(1) / sum[h];
         for (std::int64_t d = 0; d < Dv; ++d) o[h * Vp + d] *= inv;
@@ -167,7 +196,8 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
       zeroed_workspace({want_grad ? s.B * s.Sk * Dqk : 0}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
   Acc* const dc_acc = static_cast<Acc*>(dc_acc_owner.data());
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_backward scratch");
-  const WorkerScratch<Acc> ws({H * Qp, H * Vp, npad * Qp, Dqk * npad, H * npad, H * npad, H * Qp},
+  const std::int64_t L = latent_tile(nmax);
+  const WorkerScratch<Acc> ws({H * Qp, H * Vp, L * Qp, Dqk * L, H * npad, H * npad, H * Qp},
                               "dsa_attention_backward scratch");
   const WorkerScratch<double> lws({H}, "dsa_attention_backward lse scratch");
 #pragma omp parallel
@@ -175,7 +205,7 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
     const std::span<Acc> qrow = ws.buffer(0), dorow = ws.buffer(1), g = ws.buffer(2), gT = ws.buffer(3),
                          p = ws.buffer(4), ds = ws.buffer(5), dq = ws.buffer(6);
-    // the key pass reuses the query pass's buffers: own [H, npad] in p, part [npad, Qp] in g
+    // the key pass reuses the query pass's buffers: own [H, L] in p, part [L, Qp] in g
     const std::span<Acc> own = p, part = g;
     const std::span<double> lse_r = lws.buffer(0);
     const KeyOwner mine;
@@ -200,9 +230,12 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
           const std::int64_t np = pad16(n);
           load_padded(r);
           for (std::int64_t h = 0; h < H; ++h) lse_r[h] = lse[(b * H + h) * Sq + t];
-          gather_latents(c, s, b, sel.data(), n, g.data(), gT.data());
-          gemm<Acc>(H, np, Dqk, qrow.data(), Qp, gT.data(), np, p.data(), np);
-          if (want_grad) gemm<Acc>(H, np, Dv, dorow.data(), Vp, gT.data(), np, ds.data(), np);
+          for (std::int64_t j0 = 0; j0 < n; j0 += L) {
+            const std::int64_t m = std::min(L, n - j0), mp = pad16(m);
+            latent_tile_transposed(c, s, b, sel.data() + j0, m, gT.data());
+            gemm<Acc>(H, mp, Dqk, qrow.data(), Qp, gT.data(), mp, p.data() + j0, np);
+            if (want_grad) gemm<Acc>(H, mp, Dv, dorow.data(), Vp, gT.data(), mp, ds.data() + j0, np);
+          }
           for (std::int64_t h = 0; h < H; ++h) {
             const bool dead = std::isinf(lse_r[h]);
             const Acc dl = want_grad ? delta[(b * H + h) * Sq + t] : Acc(0);
@@ -223,7 +256,11 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
             }
           }
           if (want_grad) {
-            gemm<Acc>(H, Qp, n, ds.data(), np, g.data(), Qp, dq.data(), Qp);
+            for (std::int64_t j0 = 0; j0 < n; j0 += L) {
+              const std::int64_t m = std::min(L, n - j0);
+              latent_tile_rows(c, s, b, sel.data() + j0, m, g.data());
+              gemm_tiles_accumulate(j0, H, Qp, m, ds.data() + j0, np, g.data(), Qp, dq.data(), Qp);
+            }
             Acc* kept = coef + (r - r0) * coef_row;
             for (std::int64_t h = 0; h < H; ++h) {
               std::copy(p.data() + h * np, p.data() + (h + 1) * np, kept + h * npad);
@@ -244,11 +281,14 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
         if (n_own == 0) continue;
         load_padded(r);
         const Acc* kept = coef + (r - r0) * coef_row;
-        gather_columns(kept + H * npad, H, npad, slots.data(), n_own, own.data(), npad);
-        gemm<Acc, false, true>(n_own, Qp, H, own.data(), npad, qrow.data(), Qp, part.data(), Qp);
-        gather_columns(kept, H, npad, slots.data(), n_own, own.data(), npad);
-        gemm<Acc, true, true>(n_own, Vp, H, own.data(), npad, dorow.data(), Vp, part.data(), Qp);
-        scatter_add_rows(part.data(), Qp, sel.data(), n_own, Dqk, dc_acc + r / Sq * s.Sk * Dqk);
+        for (std::int64_t i0 = 0; i0 < n_own; i0 += L) {
+          const std::int64_t m = std::min(L, n_own - i0);
+          gather_columns(kept + H * npad, H, npad, slots.data() + i0, m, own.data(), L);
+          gemm<Acc, false, true>(m, Qp, H, own.data(), L, qrow.data(), Qp, part.data(), Qp);
+          gather_columns(kept, H, npad, slots.data() + i0, m, own.data(), L);
+          gemm<Acc, true, true>(m, Vp, H, own.data(), L, dorow.data(), Vp, part.data(), Qp);
+          scatter_add_rows(part.data(), Qp, sel.data() + i0, m, Dqk, dc_acc + r / Sq * s.Sk * Dqk);
+        }
       }
 #pragma omp barrier
     }

@@ -90,6 +90,35 @@ inline void gather_rows(const T* base, const std::int64_t* keys, std::int64_t n,
   std::fill(dst + n * ld, dst + rows_pad * ld, Acc(0));
 }
 
+#if defined(__AVX512F__) && !defined(SEQPAR_MHA_SCALAR) && !defined(SEQPAR_MHA_NO_AVX512)
+// dst[d * ld + j] = rows[j][d] for j, d < 16: a 16 x 16 fp32 transpose in registers.
+inline void transpose16(const float* const* rows, float* dst, std::int64_t ld) {
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(rows[j]);
+  for (int j = 0; j < 16; j += 2) {  // 2 x 2 blocks of single elements
+    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {  // 4 x 4 blocks
+    const __m512d a = _mm512_castps_pd(t[j]), b = _mm512_castps_pd(t[j + 1]);
+    const __m512d c = _mm512_castps_pd(t[j + 2]), d = _mm512_castps_pd(t[j + 3]);
+    r[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit lanes across groups of four rows
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), b = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88), d = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xdd);
+    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[j + 8] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[j + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[j + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+  for (int d = 0; d < 16; ++d) _mm512_storeu_ps(dst + d * ld, t[d]);  // t[d] is column d
+}
+#endif
+
 // dst[d * ld + j] = row(j)[d] as Acc for j < n, d < D (row(j): a pointer to D elements of any floating type), and
 // zero in the padding columns n <= j < pad16(n). Blocks of 16 rows, so that the reads stay sequential.
 template <typename Acc, typename RowFn>
@@ -98,7 +127,19 @@ inline void gather_transposed(RowFn&& row, std::int64_t n, std::int64_t D, std::
     const std::int64_t nj = std::min(kPad, n - j0);
     decltype(row(0)) rows[kPad];
     for (std::int64_t j = 0; j < nj; ++j) rows[j] = row(j0 + j);
-    for (std::int64_t d = 0; d < D; ++d) {
+    std::int64_t d = 0;
+#if defined(__AVX512F__) && !defined(SEQPAR_MHA_SCALAR) && !defined(SEQPAR_MHA_NO_AVX512)
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(*row(0))>, float> && std::is_same_v<Acc, float>) {
+      if (nj == kPad) {
+        const float* at[kPad];
+        for (; d + kPad <= D; d += kPad) {
+          for (std::int64_t j = 0; j < kPad; ++j) at[j] = rows[j] + d;
+          transpose16(at, dst + d * ld + j0, ld);
+        }
+      }
+    }
+#endif
+    for (; d < D; ++d) {
       Acc* out = dst + d * ld + j0;
       for (std::int64_t j = 0; j < nj; ++j) out[j] = load<Acc>(rows[j][d]);
       for (std::int64_t j = nj; j < kPad; ++j) out[j] = Acc(0);

@@ -300,13 +300,14 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
   const Tensor coef_owner = zeroed_workspace({chunk * Hi * npad}, dtype_v<Acc>, "dsa_indexer_backward coefficients");
   Acc* const coef = static_cast<Acc*>(coef_owner.data());
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_indexer_backward scratch");
-  const WorkerScratch<Acc> ws({Hi * Di, Hi, npad * Dp, Di * npad, Hi * npad, Hi * Dp, Hi, Hi * Dp},
+  const WorkerScratch<Acc> ws({Hi * Di, Hi, npad * Dp, Di * npad, Hi * npad, Hi * Dp, Hi, Hi * Dp, npad},
                               "dsa_indexer_backward scratch");
 #pragma omp parallel
   {
     const std::span<std::int64_t> slots = iws.buffer(0), keys = iws.buffer(1);
     const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), kg = ws.buffer(2), kT = ws.buffer(3),
-                         sbuf = ws.buffer(4), dq = ws.buffer(5), dwr = ws.buffer(6), qpad = ws.buffer(7);
+                         sbuf = ws.buffer(4), dq = ws.buffer(5), dwr = ws.buffer(6), qpad = ws.buffer(7),
+                         gsel = ws.buffer(8);  // dscores of the row's selected slots
     // the key pass reuses the query pass's buffers: own [Hi, npad] in sbuf, part [npad, Dp] in kg
     const std::span<Acc> own = sbuf, part = kg;
     const KeyOwner mine;
@@ -326,15 +327,19 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
           gather_transposed<Acc>([&](std::int64_t j) { return kg.data() + j * Dp; }, n, Di, np, kT.data());
           gemm<Acc>(Hi, np, Di, qr, Di, kT.data(), np, sbuf.data(), np);
           Acc* c = coef + (r - r0) * Hi * npad;
+          for (std::int64_t j = 0; j < np; ++j) gsel[j] = j < n ? g_all[r * K + slots[j]] : Acc(0);
           for (std::int64_t i = 0; i < Hi; ++i) {
-            Acc dwi = 0;
-            for (std::int64_t j = 0; j < n; ++j) {
-              const Acc g = g_all[r * K + slots[j]], sd = sbuf[i * np + j];
-              const bool live = sd > Acc(0);
-              dwi += g * (live ? sd : Acc(0));
-              c[i * npad + j] = live ? g * wr[i] : Acc(0);
+            Acc* __restrict sd = sbuf.data() + i * np;
+            Acc* __restrict ci = c + i * npad;
+            const Acc* __restrict gs = gsel.data();
+            const Acc wi = wr[i];
+#pragma omp simd
+            for (std::int64_t j = 0; j < np; ++j) {
+              const Acc v = sd[j];
+              ci[j] = v > Acc(0) ? gs[j] * wi : Acc(0);
+              sd[j] = v > Acc(0) ? v : Acc(0);
             }
-            dwr[i] = dwi;
+            dwr[i] = dot(sd, gs, n);
           }
           gemm<Acc>(Hi, Dp, n, c, npad, kg.data(), Dp, dq.data(), Dp);
         }
