@@ -160,9 +160,9 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
   }
 }
 
-// Shared by the backward and dsa_attention_probs, in chunks of query rows (chunk_rows). Query pass, per row with its
-// latent rows gathered once: scores = q x gT and dp = dout x gT[:Dv] (one product each for all heads), p, ds, the
-// head-summed probs, dq = scale ds [H, n] x g; p and scale ds are kept for the key pass. Key pass (with dout): each
+// Shared by the backward and dsa_attention_probs, in chunks of query rows (chunk_rows). Query pass, per row over
+// latent tiles: scores = q x gT and dp = dout x gT[:Dv] (one product each for all heads), p, ds, the head-summed
+// probs, dq = scale ds [H, n] x g; p and scale ds are kept for the key pass. Key pass (with dout): each
 // thread, over the chunk's rows in order, for the latent rows it owns:
 //   dc_j += (scale ds)[:, j]^T q  +  p[:, j]^T dout   (one [n_own, H] x [H, Dqk] and one [n_own, H] x [H, Dv] product)
 // then a scatter-add, so that dc_j is summed over queries in increasing (b, t) whatever the thread count.
@@ -224,7 +224,8 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
 #pragma omp for schedule(dynamic, 2)
       for (std::int64_t r = r0; r < r1; ++r) {
         const std::int64_t b = r / Sq, t = r % Sq;
-        const std::int64_t n = collect_selected(idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos, slots, sel);
+        const std::int64_t n =
+            collect_selected(idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos, slots, sel);
         std::fill(dq.begin(), dq.end(), Acc(0));
         if (n > 0) {
           const std::int64_t np = pad16(n);

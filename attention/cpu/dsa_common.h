@@ -1,5 +1,6 @@
 // Private helpers shared by the DSA CPU kernels (attention/cpu/dsa_*.cc): the per-block view of a top-k row, the
-// key ownership of the key-gradient passes, fixed-order dot products and typed loads / stores. Not a public header.
+// GEMM tiles and the gathers that feed them, the chunks and key ownership of the key-gradient passes, fixed-order dot
+// products and typed loads / stores (docs/design.md section 9.6). Not a public header.
 // The argument checks live in attention/dsa.cc.
 #pragma once
 
@@ -76,13 +77,13 @@ template <typename Acc, bool kAccumulate = false, bool kTransA = false>
 inline void gemm(std::int64_t M, std::int64_t N, std::int64_t K, const Acc* A, std::int64_t lda, const Acc* B,
                  std::int64_t ldb, Acc* C, std::int64_t ldc) {
   cpu::gemm_tile<Acc, kAccumulate, kTransA>(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), A,
-                                       static_cast<int>(lda), B, static_cast<int>(ldb), C, static_cast<int>(ldc));
+                                            static_cast<int>(lda), B, static_cast<int>(ldb), C, static_cast<int>(ldc));
 }
 
 // dst [rows_pad, ld] = the rows base + keys[j] * D (j < n) as Acc, zero in columns D..ld and rows n..rows_pad.
 template <typename Acc, typename T>
-inline void gather_rows(const T* base, const std::int64_t* keys, std::int64_t n, std::int64_t rows_pad,
-                        std::int64_t D, std::int64_t ld, Acc* dst) {
+inline void gather_rows(const T* base, const std::int64_t* keys, std::int64_t n, std::int64_t rows_pad, std::int64_t D,
+                        std::int64_t ld, Acc* dst) {
   for (std::int64_t j = 0; j < n; ++j) {
     load_row(base + keys[j] * D, dst + j * ld, D);
     std::fill(dst + j * ld + D, dst + (j + 1) * ld, Acc(0));
@@ -109,7 +110,8 @@ inline void transpose16(const float* const* rows, float* dst, std::int64_t ld) {
   }
   for (int j = 0; j < 4; ++j) {  // 128-bit lanes across groups of four rows
     const __m512 a = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), b = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xdd);
-    const __m512 c = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88), d = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88),
+                 d = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xdd);
     t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
     t[j + 8] = _mm512_shuffle_f32x4(a, c, 0xdd);
     t[j + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
@@ -222,8 +224,8 @@ inline std::int64_t owned_selected(const KeyOwner& mine, const std::int64_t* row
 
 // acc[(base + keys[i]) * D + d] += t[i * ldt + d] for i < n, d < D: the key pass's scatter-add.
 template <typename Acc>
-inline void scatter_add_rows(const Acc* t, std::int64_t ldt, const std::int64_t* keys, std::int64_t n,
-                             std::int64_t D, Acc* acc) {
+inline void scatter_add_rows(const Acc* t, std::int64_t ldt, const std::int64_t* keys, std::int64_t n, std::int64_t D,
+                             Acc* acc) {
   for (std::int64_t i = 0; i < n; ++i) {
     Acc* dst = acc + keys[i] * D;
     const Acc* src = t + i * ldt;

@@ -61,8 +61,8 @@ inline constexpr std::int64_t kKeyPanel = 64;
 // increasing order wherever it lies), so a pair's score is bitwise the same in the top-k pass and in the selected
 // scores, in whichever block, panel or column it is computed.
 template <typename Acc>
-__attribute__((noinline)) void index_scores(const Acc* q, const Acc* w, const Acc* kT, std::int64_t ldk,
-                                            std::int64_t N, std::int64_t Hi, std::int64_t Di, Acc* s, Acc* out) {
+__attribute__((noinline)) void index_scores(const Acc* q, const Acc* w, const Acc* kT, std::int64_t ldk, std::int64_t N,
+                                            std::int64_t Hi, std::int64_t Di, Acc* s, Acc* out) {
   using S = cpu::Simd<Acc>;
   gemm<Acc>(Hi, N, Di, q, Di, kT, ldk, s, N);
   for (std::int64_t l0 = 0; l0 < N; l0 += S::W) {
@@ -100,12 +100,13 @@ struct IndexerInputs {
         w(static_cast<const T*>(a.w.data())),
         k_idx(static_cast<const T*>(a.k_idx.data())) {}
 
-  const Acc* query(std::int64_t r, std::span<Acc> buf) const { return acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, buf); }
+  const Acc* query(std::int64_t r, std::span<Acc> buf) const {
+    return acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, buf);
+  }
   const Acc* weights(std::int64_t r, std::span<Acc> buf) const { return acc_row(w + r * s.Hi, s.Hi, buf); }
   // The n block keys keys[0..n) of batch b as the columns of kT [Di, pad16(n)].
   void keys_transposed(std::int64_t b, const std::int64_t* keys, std::int64_t n, Acc* kT) const {
-    gather_transposed<Acc>([&](std::int64_t j) { return k_idx + (b * s.Sk + keys[j]) * s.Di; }, n, s.Di, pad16(n),
-                           kT);
+    gather_transposed<Acc>([&](std::int64_t j) { return k_idx + (b * s.Sk + keys[j]) * s.Di; }, n, s.Di, pad16(n), kT);
   }
 };
 

@@ -969,9 +969,9 @@ void check_thread_independence(const Dims& d) {
     attn::dsa_attention_backward({a, out, dout, lse, {}, {}}, dq, dc, false);
     LossResult l = kernel_loss(pr, topk);
     omp_set_num_threads(keep);
-    std::vector<std::vector<double> > all = {to_double(out),  to_double(lse),       to_double(dq),
-                                             to_double(dc),   to_double(l.dscores), to_double(l.dq_idx),
-                                             to_double(l.dw), to_double(l.dk_idx),  {l.loss}};
+    std::vector<std::vector<double>> all = {to_double(out),  to_double(lse),       to_double(dq),
+                                            to_double(dc),   to_double(l.dscores), to_double(l.dq_idx),
+                                            to_double(l.dw), to_double(l.dk_idx),  {l.loss}};
     const auto idx = ints(topk);
     all.emplace_back(idx.begin(), idx.end());
     return all;
