@@ -337,6 +337,36 @@ TEST(DsaTopk, SelectedScoresFollowTopkIndices) {
 
 // ---- sparse latent attention --------------------------------------------------------------------------------------
 
+// out, lse, dq, dc of one attention forward and backward over topk with the upstream gradient dout: the kernels
+// (out, dq, dc in the storage dtype, lse in the accumulator dtype) or the fp64 reference on the same rounded inputs.
+struct AttentionResult {
+  Tensor out, lse, dq, dc;
+};
+AttentionResult kernel_attention(const Problem& pr, const TensorView& topk, const TensorView& dout) {
+  const Dims& d = pr.d;
+  const DsaAttentionArgs args = pr.attention(topk);
+  AttentionResult r;
+  r.out = Tensor::empty({d.B, d.S, d.H, d.Dv}, pr.dtype, MemCategory::kWorkspace);
+  r.lse = acc_zeros({d.B, d.H, d.S}, pr.dtype);
+  attn::dsa_attention_forward(args, r.out, r.lse);
+  r.dq = Tensor::empty(pr.q.shape(), pr.dtype, MemCategory::kWorkspace);
+  r.dc = Tensor::empty(pr.c.shape(), pr.dtype, MemCategory::kWorkspace);
+  attn::dsa_attention_backward({args, r.out, dout, r.lse, {}, {}}, r.dq, r.dc, false);
+  return r;
+}
+AttentionResult reference_attention(const Problem& pr, const TensorView& topk, const TensorView& dout) {
+  const Dims& d = pr.d;
+  const Tensor q64 = f64(pr.q), c64 = f64(pr.c), dout64 = f64(dout);
+  DsaAttentionArgs ref = pr.attention(topk);
+  ref.q = q64;
+  ref.c = c64;
+  auto empty = [](const Shape& s) { return Tensor::empty(s, DType::kFloat64, MemCategory::kWorkspace); };
+  AttentionResult r{empty({d.B, d.S, d.H, d.Dv}), empty({d.B, d.H, d.S}), empty(pr.q.shape()), empty(pr.c.shape())};
+  attn::reference::dsa_attention_forward(ref, r.out, r.lse);
+  attn::reference::dsa_attention_backward(ref, dout64, r.dq, r.dc);
+  return r;
+}
+
 class DsaAttentionTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(DsaAttentionTest, ForwardBackwardMatchReference) {
@@ -344,31 +374,14 @@ TEST_P(DsaAttentionTest, ForwardBackwardMatchReference) {
   Dims d;
   const Problem pr(d, dt, 51);
   const Tensor topk = pr.selected();
-  const DsaAttentionArgs args = pr.attention(topk);
-  Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, dt, MemCategory::kWorkspace);
-  Tensor lse = acc_zeros({d.B, d.H, d.S}, dt);
-  attn::dsa_attention_forward(args, out, lse);
   const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, dt, 52);
-  Tensor dq = Tensor::empty(pr.q.shape(), dt, MemCategory::kWorkspace);
-  Tensor dc = Tensor::empty(pr.c.shape(), dt, MemCategory::kWorkspace);
-  attn::dsa_attention_backward({args, out, dout, lse, {}, {}}, dq, dc, false);
-
-  const Tensor q64 = f64(pr.q), c64 = f64(pr.c), dout64 = f64(dout);
-  DsaAttentionArgs ref = args;
-  ref.q = q64;
-  ref.c = c64;
-  Tensor out_r = Tensor::empty(out.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  Tensor lse_r = Tensor::empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  Tensor dq_r = Tensor::empty(dq.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  Tensor dc_r = Tensor::empty(dc.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  attn::reference::dsa_attention_forward(ref, out_r, lse_r);
-  attn::reference::dsa_attention_backward(ref, dout64, dq_r, dc_r);
+  const AttentionResult k = kernel_attention(pr, topk, dout), r = reference_attention(pr, topk, dout);
   const Tol tol = tol_for(dt);
-  EXPECT_TRUE(all_close(to_double(out), to_double(out_r), tol.atol, tol.rtol, "out"));
+  EXPECT_TRUE(all_close(to_double(k.out), to_double(r.out), tol.atol, tol.rtol, "out"));
   const double lse_tol = dt == DType::kFloat64 ? 1e-12 : 1e-5;  // lse has the accumulator dtype (fp32 or fp64)
-  EXPECT_TRUE(all_close(to_double(lse), to_double(lse_r), lse_tol, lse_tol, "lse"));
-  EXPECT_TRUE(all_close(to_double(dq), to_double(dq_r), tol.atol, tol.rtol, "dq"));
-  EXPECT_TRUE(all_close(to_double(dc), to_double(dc_r), tol.atol, tol.rtol, "dc"));
+  EXPECT_TRUE(all_close(to_double(k.lse), to_double(r.lse), lse_tol, lse_tol, "lse"));
+  EXPECT_TRUE(all_close(to_double(k.dq), to_double(r.dq), tol.atol, tol.rtol, "dq"));
+  EXPECT_TRUE(all_close(to_double(k.dc), to_double(r.dc), tol.atol, tol.rtol, "dc"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, DsaAttentionTest,
@@ -904,36 +917,26 @@ TEST_P(DsaKernelTilingTest, MatchesReference) {
   attn::reference::dsa_indexer_topk({qi64, w64, ki64, {}, {}, kc.window}, topk_r);
   EXPECT_EQ(ints(topk), ints(topk_r));
 
-  const DsaAttentionArgs a = pr.attention(topk);
-  Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, dt, MemCategory::kWorkspace);
-  Tensor lse = acc_zeros({d.B, d.H, d.S}, dt);
-  attn::dsa_attention_forward(a, out, lse);
   const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, dt, 172);
-  Tensor dq = Tensor::empty(pr.q.shape(), dt, MemCategory::kWorkspace);
-  Tensor dc = Tensor::empty(pr.c.shape(), dt, MemCategory::kWorkspace);
-  attn::dsa_attention_backward({a, out, dout, lse, {}, {}}, dq, dc, false);
+  const AttentionResult ka = kernel_attention(pr, topk, dout), ra = reference_attention(pr, topk, dout);
   const LossResult k = kernel_loss(pr, topk);
-
-  const Tensor q64 = f64(pr.q), c64 = f64(pr.c), dout64 = f64(dout);
-  DsaAttentionArgs ra = a;
-  ra.q = q64;
-  ra.c = c64;
+  DsaAttentionArgs a64 = pr.attention(topk);
+  const Tensor q64 = f64(pr.q), c64 = f64(pr.c);
+  a64.q = q64;
+  a64.c = c64;
   auto f64_like = [](const Tensor& t) { return Tensor::empty(t.shape(), DType::kFloat64, MemCategory::kWorkspace); };
-  Tensor out_r = f64_like(out), lse_r = f64_like(lse), dq_r = f64_like(dq), dc_r = f64_like(dc);
-  attn::reference::dsa_attention_forward(ra, out_r, lse_r);
-  attn::reference::dsa_attention_backward(ra, dout64, dq_r, dc_r);
   Tensor dqi_r = f64_like(qi64), dw_r = f64_like(w64), dki_r = f64_like(ki64);
-  const double loss_r = attn::reference::dsa_indexer_loss(ra, {qi64, w64, ki64, {}, {}}, dqi_r, dw_r, dki_r);
+  const double loss_r = attn::reference::dsa_indexer_loss(a64, {qi64, w64, ki64, {}, {}}, dqi_r, dw_r, dki_r);
 
   // Errors relative to each tensor's largest element: fp64 is fp64 end to end (observed below 1e-14); fp32 sums up
   // to Dqk = 576 or Hi Di = 8192 products in fp32 (observed below 4e-6); bf16 stores out, dq and dc in bf16 (2^-9,
   // observed below 4e-3), while the indexer side keeps the fp32 accumulator dtype.
   const double rel = dt == DType::kFloat64 ? 1e-12 : dt == DType::kFloat32 ? 2e-5 : 1e-2;
   const double rel_idx = dt == DType::kFloat64 ? 1e-12 : 2e-5;
-  EXPECT_TRUE(rel_close(to_double(out), to_double(out_r), rel, "out"));
-  EXPECT_TRUE(rel_close(to_double(lse), to_double(lse_r), rel_idx, "lse"));
-  EXPECT_TRUE(rel_close(to_double(dq), to_double(dq_r), rel, "dq"));
-  EXPECT_TRUE(rel_close(to_double(dc), to_double(dc_r), rel, "dc"));
+  EXPECT_TRUE(rel_close(to_double(ka.out), to_double(ra.out), rel, "out"));
+  EXPECT_TRUE(rel_close(to_double(ka.lse), to_double(ra.lse), rel_idx, "lse"));
+  EXPECT_TRUE(rel_close(to_double(ka.dq), to_double(ra.dq), rel, "dq"));
+  EXPECT_TRUE(rel_close(to_double(ka.dc), to_double(ra.dc), rel, "dc"));
   EXPECT_NEAR(k.loss, loss_r, rel_idx * std::abs(loss_r));
   EXPECT_TRUE(rel_close(to_double(k.dq_idx), to_double(dqi_r), rel_idx, "dq_idx"));
   EXPECT_TRUE(rel_close(to_double(k.dw), to_double(dw_r), rel_idx, "dw"));
