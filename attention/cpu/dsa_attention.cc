@@ -60,25 +60,20 @@ inline Acc prob(Acc scaled_score, double lse) {
 // The most positions of one row that can lie inside the block: min(k, Sk).
 inline std::int64_t max_selected(const AttnShape& s) { return std::min(s.K, s.Sk); }
 
-// The per-row products run over tiles of at most kLatentTile selected latent rows, gathered as gT [Dqk, pad16(m)]
-// (the tile transposed, for the products with q and dout) or as g [m, Qp] (rows as Acc, zero padded to Qp =
-// pad16(Dqk) columns; the first Dv columns are the values), so that a tile stays in the core's L2 cache.
+// The per-row products run over tiles of at most kLatentTile selected latent rows. Each tile is read from c once,
+// into g [m, Qp] (rows as Acc, zero padded to Qp = pad16(Dqk) columns; the first Dv columns are the values), and
+// transposed from there into gT [Dqk, pad16(m)] (for the products with q and dout); both stay in the core's L2.
 inline constexpr std::int64_t kLatentTile = 128;
 
 // Width of the per-thread tile buffers for rows with at most nmax selected positions.
 inline std::int64_t latent_tile(std::int64_t nmax) { return std::min(kLatentTile, pad16(nmax)); }
 
 template <typename T, typename Acc>
-void latent_tile_transposed(const T* c, const AttnShape& s, std::int64_t b, const std::int64_t* keys, std::int64_t m,
-                            Acc* gT) {
-  const T* base = c + b * s.Sk * s.Dqk;
-  gather_transposed<Acc>([&](std::int64_t j) { return base + keys[j] * s.Dqk; }, m, s.Dqk, pad16(m), gT);
-}
-
-template <typename T, typename Acc>
-void latent_tile_rows(const T* c, const AttnShape& s, std::int64_t b, const std::int64_t* keys, std::int64_t m,
-                      Acc* g) {
-  gather_rows(c + b * s.Sk * s.Dqk, keys, m, m, s.Dqk, pad16(s.Dqk), g);
+void gather_latent_tile(const T* c, const AttnShape& s, std::int64_t b, const std::int64_t* keys, std::int64_t m,
+                        Acc* g, Acc* gT) {
+  const std::int64_t Qp = pad16(s.Dqk);
+  gather_rows(c + b * s.Sk * s.Dqk, keys, m, m, s.Dqk, Qp, g);
+  gather_transposed<Acc>([&](std::int64_t j) { return g + j * Qp; }, m, s.Dqk, pad16(m), gT);
 }
 
 // C [M, N] (=|+=) A x g for the latent tile starting at j0: overwritten for the first tile, accumulated after.
@@ -92,8 +87,9 @@ void gemm_tiles_accumulate(std::int64_t j0, std::int64_t M, std::int64_t N, std:
   }
 }
 
-// Per query row, over tiles of its selected latent rows: scores [H, n] = q [H, Dqk] x gT (one product for all heads),
-// the softmax per head, then out [H, Dv] = p [H, n] x g[:, :Dv].
+// Per query row, over tiles of its selected latent rows (flash style, each tile read once): scores [H, m] = q [H, Dqk]
+// x gT (one product for all heads), the running max and sum per head (rescaling out when the max grows), then
+// out [H, Dv] += p [H, m] x g[:, :Dv].
 template <typename T>
 void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& out, const TensorView& lse) {
   using Acc = acc_t<T>;
@@ -102,10 +98,10 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
   const LseArray<Acc> lse_out(lse);
-  const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s), npad = pad16(nmax);
+  const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s);
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_forward scratch");
   const std::int64_t L = latent_tile(nmax);
-  const WorkerScratch<Acc> ws({H * Dqk, L * Qp, Dqk * L, H * npad, H * Vp, H, H}, "dsa_attention_forward scratch");
+  const WorkerScratch<Acc> ws({H * Dqk, L * Qp, Dqk * L, H * L, H * Vp, H, H}, "dsa_attention_forward scratch");
 #pragma omp parallel
   {
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
@@ -123,32 +119,35 @@ void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVie
         }
         continue;
       }
-      const std::int64_t np = pad16(n);
       load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
       for (std::int64_t j0 = 0; j0 < n; j0 += L) {
-        const std::int64_t m = std::min(L, n - j0);
-        latent_tile_transposed(c, s, b, sel.data() + j0, m, gT.data());
-        gemm<Acc>(H, pad16(m), Dqk, qrow.data(), Dqk, gT.data(), pad16(m), score.data() + j0, np);
-      }
-      for (std::int64_t h = 0; h < H; ++h) {
-        Acc* sc = score.data() + h * np;
-        Acc m = neg_inf<Acc>();
-        for (std::int64_t j = 0; j < n; ++j) {
-          sc[j] *= Acc(s.scale);
-          m = std::max(m, sc[j]);
+        const std::int64_t m = std::min(L, n - j0), mp = pad16(m);
+        gather_latent_tile(c, s, b, sel.data() + j0, m, g.data(), gT.data());
+        gemm<Acc>(H, mp, Dqk, qrow.data(), Dqk, gT.data(), mp, score.data(), mp);
+        for (std::int64_t h = 0; h < H; ++h) {
+          Acc* sc = score.data() + h * mp;
+          Acc mt = j0 == 0 ? neg_inf<Acc>() : mx[h];
+          for (std::int64_t j = 0; j < m; ++j) {
+            sc[j] *= Acc(s.scale);
+            mt = std::max(mt, sc[j]);
+          }
+          Acc z = 0;
+          for (std::int64_t j = 0; j < m; ++j) {
+            sc[j] = std::exp(sc[j] - mt);
+            z += sc[j];
+          }
+          if (j0 == 0) {
+            sum[h] = z;
+          } else {
+            const Acc corr = std::exp(mx[h] - mt);  // the earlier tiles' terms against the new max
+            sum[h] = sum[h] * corr + z;
+            if (corr != Acc(1)) {
+              for (std::int64_t d = 0; d < Vp; ++d) o[h * Vp + d] *= corr;
+            }
+          }
+          mx[h] = mt;
         }
-        Acc z = 0;
-        for (std::int64_t j = 0; j < n; ++j) {
-          sc[j] = std::exp(sc[j] - m);
-          z += sc[j];
-        }
-        mx[h] = m;
-        sum[h] = z;
-      }
-      for (std::int64_t j0 = 0; j0 < n; j0 += L) {
-        const std::int64_t m = std::min(L, n - j0);
-        latent_tile_rows(c, s, b, sel.data() + j0, m, g.data());
-        gemm_tiles_accumulate(j0, H, Vp, m, score.data() + j0, np, g.data(), Qp, o.data(), Vp);
+        gemm_tiles_accumulate(j0, H, Vp, m, score.data(), mp, g.data(), Qp, o.data(), Vp);
       }
       for (std::int64_t h = 0; h < H; ++h) {
         const Acc inv = Acc(1) / sum[h];
@@ -231,23 +230,25 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
           const std::int64_t np = pad16(n);
           load_padded(r);
           for (std::int64_t h = 0; h < H; ++h) lse_r[h] = lse[(b * H + h) * Sq + t];
+          const Acc* dl = want_grad ? delta + b * H * Sq + t : nullptr;  // delta[b, h, t] at dl[h * Sq]
           for (std::int64_t j0 = 0; j0 < n; j0 += L) {
             const std::int64_t m = std::min(L, n - j0), mp = pad16(m);
-            latent_tile_transposed(c, s, b, sel.data() + j0, m, gT.data());
+            gather_latent_tile(c, s, b, sel.data() + j0, m, g.data(), gT.data());
             gemm<Acc>(H, mp, Dqk, qrow.data(), Qp, gT.data(), mp, p.data() + j0, np);
             if (want_grad) gemm<Acc>(H, mp, Dv, dorow.data(), Vp, gT.data(), mp, ds.data() + j0, np);
-          }
-          for (std::int64_t h = 0; h < H; ++h) {
-            const bool dead = std::isinf(lse_r[h]);
-            const Acc dl = want_grad ? delta[(b * H + h) * Sq + t] : Acc(0);
-            Acc* ph = p.data() + h * np;
-            Acc* dsh = ds.data() + h * np;
-            for (std::int64_t j = 0; j < n; ++j) {
-              ph[j] = dead ? Acc(0) : prob(scale * ph[j], lse_r[h]);
-              if (want_grad) dsh[j] = scale * (ph[j] * (dsh[j] - dl));
+            for (std::int64_t h = 0; h < H; ++h) {
+              const bool dead = std::isinf(lse_r[h]);
+              Acc* ph = p.data() + h * np + j0;
+              Acc* dsh = ds.data() + h * np + j0;
+              for (std::int64_t j = 0; j < m; ++j) {
+                ph[j] = dead ? Acc(0) : prob(scale * ph[j], lse_r[h]);
+                if (want_grad) dsh[j] = scale * (ph[j] * (dsh[j] - dl[h * Sq]));
+              }
+              std::fill(ph + m, ph + mp, Acc(0));
+              if (want_grad) std::fill(dsh + m, dsh + mp, Acc(0));
             }
-            std::fill(ph + n, ph + np, Acc(0));
-            if (want_grad) std::fill(dsh + n, dsh + np, Acc(0));
+            if (!want_grad) continue;
+            gemm_tiles_accumulate(j0, H, Qp, m, ds.data() + j0, np, g.data(), Qp, dq.data(), Qp);
           }
           if (probs != nullptr) {
             for (std::int64_t j = 0; j < n; ++j) {
@@ -257,11 +258,6 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
             }
           }
           if (want_grad) {
-            for (std::int64_t j0 = 0; j0 < n; j0 += L) {
-              const std::int64_t m = std::min(L, n - j0);
-              latent_tile_rows(c, s, b, sel.data() + j0, m, g.data());
-              gemm_tiles_accumulate(j0, H, Qp, m, ds.data() + j0, np, g.data(), Qp, dq.data(), Qp);
-            }
             Acc* kept = coef + (r - r0) * coef_row;
             for (std::int64_t h = 0; h < H; ++h) {
               std::copy(p.data() + h * np, p.data() + (h + 1) * np, kept + h * npad);

@@ -234,13 +234,14 @@ inline void scatter_add_rows(const Acc* t, std::int64_t ldt, const std::int64_t*
 }
 
 // Query rows per chunk of a key-gradient pass: as many as keep the chunk's coefficients (bytes_per_row each) within
-// the key-gradient accumulator's size (so that the pass at most doubles what it holds) or, when that is smaller, one
-// row per worker; never above kChunkBytes, at least one.
+// the key-gradient accumulator's size (so that the pass at most doubles what it holds) or, when that is smaller,
+// kRowsPerWorker rows per worker (few barriers); never above kChunkBytes, at least one.
 inline constexpr std::int64_t kChunkBytes = std::int64_t{32} << 20;
+inline constexpr std::int64_t kRowsPerWorker = 32;
 inline std::int64_t chunk_rows(std::int64_t bytes_per_row, std::int64_t accumulator_bytes, std::int64_t rows,
                                int workers) {
   const std::int64_t per_row = std::max<std::int64_t>(bytes_per_row, 1);
-  const std::int64_t budget = std::min(kChunkBytes, std::max(accumulator_bytes, per_row * workers));
+  const std::int64_t budget = std::min(kChunkBytes, std::max(accumulator_bytes, per_row * kRowsPerWorker * workers));
   return std::clamp<std::int64_t>(budget / per_row, 1, std::max<std::int64_t>(rows, 1));
 }
 
