@@ -191,9 +191,8 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   const Tensor coef_owner =
       zeroed_workspace({want_grad ? chunk * coef_row : 0}, dtype_v<Acc>, "dsa_attention_backward coefficients");
   Acc* const coef = static_cast<Acc*>(coef_owner.data());
-  const Tensor dc_acc_owner =
-      zeroed_workspace({want_grad ? s.B * s.Sk * Dqk : 0}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
-  Acc* const dc_acc = static_cast<Acc*>(dc_acc_owner.data());
+  const KeyGradient<Acc> dc_acc(want_grad ? dc_t : TensorView{}, want_grad ? s.B * s.Sk : 0, Dqk, accumulate,
+                                "dsa_attention_backward dc accumulator");
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_backward scratch");
   const std::int64_t L = latent_tile(nmax);
   const WorkerScratch<Acc> ws({H * Qp, H * Vp, L * Qp, Dqk * L, H * npad, H * npad, H * Qp},
@@ -284,16 +283,13 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
           gemm<Acc, false, true>(m, Qp, H, own.data(), L, qrow.data(), Qp, part.data(), Qp);
           gather_columns(kept, H, npad, slots.data() + i0, m, own.data(), L);
           gemm<Acc, true, true>(m, Vp, H, own.data(), L, dorow.data(), Vp, part.data(), Qp);
-          scatter_add_rows(part.data(), Qp, sel.data() + i0, m, Dqk, dc_acc + r / Sq * s.Sk * Dqk);
+          scatter_add_rows(part.data(), Qp, sel.data() + i0, m, Dqk, dc_acc.data() + r / Sq * s.Sk * Dqk);
         }
       }
 #pragma omp barrier
     }
   }
-  if (!want_grad) return;
-  const std::int64_t keys = s.B * s.Sk;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t km = 0; km < keys; ++km) store_row(dc_t, km * Dqk, dc_acc + km * Dqk, Dqk, accumulate);
+  dc_acc.finish();
 }
 
 // delta [B, H, Sq] of dtype D (fp32 or fp64): the dot products in D.

@@ -18,6 +18,7 @@
 #endif
 
 #include "attention/cpu/mha_simd.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/dtype.h"
 #include "runtime/error.h"
 #include "runtime/tensor.h"
@@ -233,15 +234,14 @@ inline void scatter_add_rows(const Acc* t, std::int64_t ldt, const std::int64_t*
   }
 }
 
-// Query rows per chunk of a key-gradient pass: as many as keep the chunk's coefficients (bytes_per_row each) within
-// the key-gradient accumulator's size (so that the pass at most doubles what it holds) or, when that is smaller,
-// kRowsPerWorker rows per worker (few barriers); never above kChunkBytes, at least one.
+// Query rows per chunk of a key-gradient pass: as many as keep the chunk's kept values (bytes_per_row each) within
+// the key-gradient accumulator's size, or one row per worker when that is larger; never above kChunkBytes, at least
+// one.
 inline constexpr std::int64_t kChunkBytes = std::int64_t{32} << 20;
-inline constexpr std::int64_t kRowsPerWorker = 32;
 inline std::int64_t chunk_rows(std::int64_t bytes_per_row, std::int64_t accumulator_bytes, std::int64_t rows,
                                int workers) {
   const std::int64_t per_row = std::max<std::int64_t>(bytes_per_row, 1);
-  const std::int64_t budget = std::min(kChunkBytes, std::max(accumulator_bytes, per_row * kRowsPerWorker * workers));
+  const std::int64_t budget = std::min(kChunkBytes, std::max(accumulator_bytes, per_row * workers));
   return std::clamp<std::int64_t>(budget / per_row, 1, std::max<std::int64_t>(rows, 1));
 }
 
@@ -268,6 +268,40 @@ inline void store_row(const TensorView& dst, std::int64_t at, const Acc* src, st
     }
   });
 }
+
+// The key-gradient accumulator of a backward call ([keys, D] of Acc): the output itself when it has the accumulator
+// dtype (zeroed first unless `accumulate`), so that no copy is needed, else a zeroed workspace copy that finish()
+// stores into the output. Either way each key's gradient is summed over queries in increasing order.
+template <typename Acc>
+class KeyGradient {
+ public:
+  KeyGradient(const TensorView& out, std::int64_t keys, std::int64_t D, bool accumulate, const std::string& what)
+      : out_(out), keys_(keys), D_(D), accumulate_(accumulate), direct_(out.dtype() == dtype_v<Acc>) {
+    if (direct_) {
+      data_ = static_cast<Acc*>(out.data());
+      if (!accumulate) {
+#pragma omp parallel for schedule(static)
+        for (std::int64_t k = 0; k < keys; ++k) std::fill(data_ + k * D, data_ + (k + 1) * D, Acc(0));
+      }
+    } else {
+      owner_ = cpu::zeroed_workspace({keys * D}, dtype_v<Acc>, what);
+      data_ = static_cast<Acc*>(owner_.data());
+    }
+  }
+  Acc* data() const { return data_; }
+  void finish() const {
+    if (direct_) return;
+#pragma omp parallel for schedule(static)
+    for (std::int64_t k = 0; k < keys_; ++k) store_row(out_, k * D_, data_ + k * D_, D_, accumulate_);
+  }
+
+ private:
+  TensorView out_;
+  std::int64_t keys_, D_;
+  bool accumulate_, direct_;
+  Tensor owner_;
+  Acc* data_ = nullptr;
+};
 
 // An optional tensor argument that was not given (a default TensorView has no data).
 inline bool absent(const TensorView& t) { return t.data() == nullptr; }
