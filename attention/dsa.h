@@ -64,12 +64,13 @@
 // gradients are summed over queries in increasing query order).
 // Extra memory (besides the caller's [B, Sq, k] arrays; never an [Sq, Sk] matrix): the top-k pass one accumulator-dtype
 // copy of the key block ([B, Sk, Di], transposed in panels of 64 keys) and O(Hi * (Di + 64)) per thread; the
-// attention forward O(k * H + 128 * Dqk) per thread; the backward passes one accumulator-dtype copy of the block's key
-// gradient (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]), the per-pair coefficients of a chunk of query rows (at most the
-// size of that copy, or one row per thread when larger; at most 32 MiB) and O(k * (H + Di) + 128 * Dqk) per thread
-// (docs/design.md section 9.6). The key-gradient pass reads every query row of a chunk once per thread. All of it
-// comes from the memory ledger (workspace) before any parallel region; a failed allocation raises Error "out of
-// memory: ..." naming the bytes asked for and the ledger's totals.
+// attention forward O(H * Dqk + 128 * Dqk) per thread; the backward passes accumulate the block's key gradient
+// (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]) in the output when it has the accumulator dtype, else in one
+// accumulator-dtype copy, keep per-pair values of a chunk of query rows (at most the size of that gradient, or one
+// row per thread when larger; at most 32 MiB) and use O(k * (H + Di) + 128 * Dqk) per thread (docs/design.md
+// section 9.6). The key-gradient pass reads every query row of a chunk once per thread. All of it comes from the
+// memory ledger (workspace) before any parallel region; a failed allocation raises Error "out of memory: ..." naming
+// the bytes asked for and the ledger's totals.
 // Errors: seqpar::Error naming the tensor and the rule, raised before any work. Tensors must be host tensors and the
 // stream a CPU stream: a CUDA one fails with "DSA kernels have no CUDA implementation yet".
 // Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
@@ -160,7 +161,7 @@ struct DsaAttentionArgs {
 // and sum, free of the fp32 rounding of lse (eps * |lse|), so that blocks merged in fp64 agree with one call to the
 // rounding of out (the backward and dsa_attention_probs read an fp64 lse likewise; p = exp(a - lse) takes the
 // difference in fp64). Work: 2 * H * (Dqk + Dv) flops per selected pair; extra
-// memory O(k * H + 128 * Dqk) per thread.
+// memory O((H + 128) * Dqk) per thread.
 void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
                            Stream stream = Stream::cpu());
 
