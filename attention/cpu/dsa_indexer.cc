@@ -294,24 +294,20 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
   const IndexerInputs<T> in(a, s);
 
   const KeyGradient<Acc> dk_acc(dk_idx, s.B * s.Sk, Di, accumulate, "dsa_indexer_backward dk_idx accumulator");
-  // Kept per chunk row for the key pass: the relu mask [s_ij > 0] (one byte per pair) and g of the selected slots.
-  const std::int64_t per_row = Hi * npad + npad * static_cast<std::int64_t>(sizeof(Acc));
-  const std::int64_t chunk =
-      chunk_rows(per_row, s.B * s.Sk * Di * static_cast<std::int64_t>(sizeof(Acc)), rows, max_workers());
-  const Tensor live_owner =  // bytes, in int32 words
-      zeroed_workspace({(chunk * Hi * npad + 3) / 4}, DType::kInt32, "dsa_indexer_backward relu mask");
-  std::uint8_t* const live = static_cast<std::uint8_t*>(live_owner.data());
-  const Tensor g_owner = zeroed_workspace({chunk * npad}, dtype_v<Acc>, "dsa_indexer_backward kept dscores");
-  Acc* const g_kept = static_cast<Acc*>(g_owner.data());
+  // Kept per chunk row for the key pass: a [Hi, npad].
+  const std::int64_t chunk = chunk_rows(Hi * npad * static_cast<std::int64_t>(sizeof(Acc)),
+                                        s.B * s.Sk * Di * static_cast<std::int64_t>(sizeof(Acc)), rows, max_workers());
+  const Tensor coef_owner = zeroed_workspace({chunk * Hi * npad}, dtype_v<Acc>, "dsa_indexer_backward coefficients");
+  Acc* const coef = static_cast<Acc*>(coef_owner.data());
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_indexer_backward scratch");
-  const WorkerScratch<Acc> ws({Hi * Di, Hi, npad * Dp, Di * npad, Hi * npad, Hi * Dp, Hi, Hi * Dp, Hi * npad},
+  const WorkerScratch<Acc> ws({Hi * Di, Hi, npad * Dp, Di * npad, Hi * npad, Hi * Dp, Hi, Hi * Dp, npad},
                               "dsa_indexer_backward scratch");
 #pragma omp parallel
   {
     const std::span<std::int64_t> slots = iws.buffer(0), keys = iws.buffer(1);
     const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), kg = ws.buffer(2), kT = ws.buffer(3),
                          sbuf = ws.buffer(4), dq = ws.buffer(5), dwr = ws.buffer(6), qpad = ws.buffer(7),
-                         coef = ws.buffer(8);  // a [Hi, npad]
+                         gs = ws.buffer(8);  // dscores of the row's selected slots, zero padded
     // the key pass reuses the query pass's buffers: own [Hi, npad] in sbuf, part [npad, Dp] in kg
     const std::span<Acc> own = sbuf, part = kg;
     const KeyOwner mine;
@@ -330,23 +326,22 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
           gather_rows(in.k_idx + b * s.Sk * Di, keys.data(), n, np, Di, Dp, kg.data());
           gather_transposed<Acc>([&](std::int64_t j) { return kg.data() + j * Dp; }, n, Di, np, kT.data());
           gemm<Acc>(Hi, np, Di, qr, Di, kT.data(), np, sbuf.data(), np);
-          Acc* const gs = g_kept + (r - r0) * npad;  // dscores of the row's selected slots, zero padded
+          Acc* const c = coef + (r - r0) * Hi * npad;
           for (std::int64_t j = 0; j < np; ++j) gs[j] = j < n ? g_all[r * K + slots[j]] : Acc(0);
           for (std::int64_t i = 0; i < Hi; ++i) {
             Acc* __restrict sd = sbuf.data() + i * np;
-            Acc* __restrict ci = coef.data() + i * npad;
-            std::uint8_t* __restrict li = live + ((r - r0) * Hi + i) * npad;
+            Acc* __restrict ci = c + i * npad;
+            const Acc* __restrict g = gs.data();
             const Acc wi = wr[i];
 #pragma omp simd
             for (std::int64_t j = 0; j < np; ++j) {
               const Acc v = sd[j];
-              li[j] = v > Acc(0);
-              ci[j] = v > Acc(0) ? gs[j] * wi : Acc(0);
+              ci[j] = v > Acc(0) ? g[j] * wi : Acc(0);
               sd[j] = v > Acc(0) ? v : Acc(0);
             }
-            dwr[i] = dot(sd, gs, n);
+            dwr[i] = dot(sd, g, n);
           }
-          gemm<Acc>(Hi, Dp, n, coef.data(), npad, kg.data(), Dp, dq.data(), Dp);
+          gemm<Acc>(Hi, Dp, n, c, npad, kg.data(), Dp, dq.data(), Dp);
         }
         for (std::int64_t i = 0; i < Hi; ++i) store_row(dq_idx, (r * Hi + i) * Di, dq.data() + i * Dp, Di, accumulate);
         store_row(dw, r * Hi, dwr.data(), Hi, accumulate);
@@ -360,15 +355,7 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
           std::copy(qr + i * Di, qr + (i + 1) * Di, qpad.data() + i * Dp);
           std::fill(qpad.data() + i * Dp + Di, qpad.data() + (i + 1) * Dp, Acc(0));
         }
-        // a_ij = g_j w_i [s_ij > 0] of the owned columns, from the kept mask and dscores
-        const Acc* wr = in.weights(r, wbuf);
-        const Acc* gs = g_kept + (r - r0) * npad;
-        for (std::int64_t i = 0; i < Hi; ++i) {
-          const std::uint8_t* li = live + ((r - r0) * Hi + i) * npad;
-          for (std::int64_t c = 0; c < n_own; ++c) {
-            own[i * npad + c] = li[slots[c]] ? gs[slots[c]] * wr[i] : Acc(0);
-          }
-        }
+        gather_columns(coef + (r - r0) * Hi * npad, Hi, npad, slots.data(), n_own, own.data(), npad);
         gemm<Acc, false, true>(n_own, Dp, Hi, own.data(), npad, qpad.data(), Dp, part.data(), Dp);
         scatter_add_rows(part.data(), Dp, keys.data(), n_own, Di, dk_acc.data() + r / s.Sq * s.Sk * Di);
       }
