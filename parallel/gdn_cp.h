@@ -59,15 +59,26 @@ struct GdnCpConfig {
   std::int64_t chunk_size = attn::kGdnDefaultChunkSize;
 };
 
-// One run of consecutive global positions held by one rank.
+// One run of consecutive tokens held by one rank in consecutive rows.
 struct Segment {
-  std::int64_t start = 0;  // first global position
+  std::int64_t start = 0;  // first token (global index)
   std::int64_t length = 0;
   int owner = 0;                  // rank in the group
   std::int64_t local_offset = 0;  // row of the owner's local tensor where the segment starts
 };
-// The segments of all ranks (positions_per_rank[r] = rank r's increasing positions), in global order.
-std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& positions_per_rank);
+// The segments of all ranks (tokens_per_rank[r] = the token of each row of rank r's shard, increasing over its
+// tokens; -1 marks a padding row, which belongs to no segment and ends a run), in global order.
+std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& tokens_per_rank);
+
+// The part of a segment inside one document: rows [offset, offset + length) of the segment, tokens of document
+// `doc`; starts_doc / ends_doc: the piece holds the document's first / last token. A segment's state runs through
+// its pieces except at a document start, where it restarts from that document's initial state.
+struct SegmentPiece {
+  std::int64_t offset = 0, length = 0, doc = 0;
+  bool starts_doc = false, ends_doc = false;
+};
+// The pieces of `seg` in order, for documents with bounds cu_seqlens ([N+1], validated; {0, S} for one document).
+std::vector<SegmentPiece> segment_pieces(const Segment& seg, const std::vector<std::int64_t>& cu_seqlens);
 
 struct GdnCpOutput {
   Tensor out;          // [B, S_local, Hv, V], dtype of q
@@ -98,9 +109,12 @@ class GdnContextParallel : public CpLayerBase {
  private:
   struct Saved;
   GdnCpConfig config_;
-  std::vector<Segment> segments_;    // ring-level segments (of the ring shards), global order
-  std::vector<int> mine_;            // indices into segments_ of this rank's segments, in global order
-  std::map<int, std::size_t> slot_;  // global segment index -> index in mine_
+  std::vector<Segment> segments_;                  // ring-level segments (of the ring shards), global order
+  std::vector<std::vector<SegmentPiece>> pieces_;  // per segment
+  std::vector<std::int64_t> cu_seqlens_;           // document bounds ({0, seq_len} for an unpacked layout)
+  std::int64_t ring_shard_rows_ = 0;               // rows of this rank's ring shard (padding included)
+  std::vector<int> mine_;                          // indices into segments_ of this rank's segments, in global order
+  std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
 };
 
 struct ShortConvCpConfig {
@@ -138,7 +152,8 @@ class ShortConvContextParallel {
   SequenceLayout layout_;
   ShortConvCpConfig config_;
   LayerId id_;
-  std::vector<std::vector<std::int64_t>> positions_;
+  std::vector<std::vector<std::int64_t>> tokens_;  // per SP rank: the token of each row (-1: padding)
+  std::vector<std::int64_t> cu_seqlens_;           // document bounds ({0, seq_len} for an unpacked layout)
   std::vector<Segment> segments_;
   std::shared_ptr<HaloPlan> plan_;  // a function of (layout, W) only: cached, not state between calls
   std::int64_t halo_bytes_sent_ = 0;
