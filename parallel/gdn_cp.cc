@@ -222,6 +222,7 @@ GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLay
   cu_seqlens_ = document_bounds(layout_);
   for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
     pieces_.push_back(segment_pieces(segments_[i], cu_seqlens_));
+    if (!pieces_.back().front().starts_doc) ++chain_links_;  // a state passes from segment i - 1 to segment i
     if (segments_[i].owner == groups.ring.rank()) {
       slot_[i] = mine_.size();
       mine_.push_back(i);
@@ -384,8 +385,6 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
 
   {
     const CommMeter meter(groups_, counters_);
-    std::int64_t links = 0;  // segments that continue the one before: the chain's sequential rounds
-    for (int i = 0; i < n; ++i) links += continues(i) ? 1 : 0;
     if (config_.mode == GdnCpMode::kChain) {
       std::vector<WorkHandle> sends;
       std::vector<Tensor> ends(mine_.size());  // end states; alive until their sends complete
@@ -405,7 +404,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
         }
       }
       for (auto& w : sends) wait_timed(std::move(w));
-      counters_.message_rounds += links;
+      counters_.message_rounds += chain_links_;
     } else {
       // 1. Each segment's map, packed as [M | U]: a segment that carries its incoming state through (one piece, which
       // continues a document) has the map of that piece from a zero start; any other starts from known states only
@@ -576,8 +575,6 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
 
   {
     const CommMeter meter(groups_, counters_);
-    std::int64_t links = 0;
-    for (int i = 0; i < n; ++i) links += continues(i) ? 1 : 0;
     if (config_.mode == GdnCpMode::kChain) {
       std::vector<WorkHandle> sends;
       std::vector<Tensor> ds_starts(mine_.size());  // alive until their sends complete
@@ -597,7 +594,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
         }
       }
       for (auto& w : sends) wait_timed(std::move(w));
-      counters_.message_rounds += links;
+      counters_.message_rounds += chain_links_;
     } else {
       // 1. Each segment's map (M^T, L) of dS_start in terms of dS_end. A segment that carries its state through and
       // whose last token ends no document: M^T and the local part L from the cheap reverse sweep. Any other: M = 0

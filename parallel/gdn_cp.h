@@ -113,6 +113,7 @@ class GdnContextParallel : public CpLayerBase {
   std::vector<std::vector<SegmentPiece>> pieces_;  // per segment
   std::vector<std::int64_t> cu_seqlens_;           // document bounds ({0, seq_len} for an unpacked layout)
   std::int64_t ring_shard_rows_ = 0;               // rows of this rank's ring shard (padding included)
+  std::int64_t chain_links_ = 0;                   // segments that continue the document of the one before
   std::vector<int> mine_;                          // indices into segments_ of this rank's segments, in global order
   std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
 };
