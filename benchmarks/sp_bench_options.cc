@@ -89,7 +89,7 @@ void shapes_from_inputs(const WorkloadKind& kind, SpBenchOptions& o) {
 void check_layout_fits(const SpBenchOptions& o) {
   const std::int64_t pr = o.grid.ring_size, pu = o.grid.ulysses_size;
   try {
-    SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
+    check_unpadded(SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size), "sp_bench");
   } catch (const Error& e) {
     const std::int64_t zigzag = pr == 1 ? pu : pr * std::lcm(std::int64_t{2}, pu), plain = pr * pu;
     SEQPAR_THROW(e.message(), " (--seq ", o.seq, ", --layout ", layout_name(o.layout), "); with --ring-size ", pr,

@@ -44,6 +44,7 @@ struct RingAttention::Saved {
 RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config)
     : groups_(groups), layout_(layout), config_(config), rank_(groups.ring.rank()), size_(groups.ring.size()) {
   check_layout_matches(groups, layout, "ring attention");
+  check_unpadded(layout, "ring attention");
   SEQPAR_CHECK(config.window >= 0, "window ", config.window, " must be >= 0 (0: no window)");
   // The kernels check this too, but only once the first (K, V) block is already on the wire.
   SEQPAR_CHECK(std::isfinite(config.scale), "ring attention: scale ", config.scale,

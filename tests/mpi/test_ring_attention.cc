@@ -217,7 +217,10 @@ TEST(RingAttention, DivisibilityErrorsOnEveryRank) {
   if (P == 1) {  // a ring of one holds the whole sequence: any length (issue 13)
     EXPECT_EQ(message, "");
   } else {
-    EXPECT_EQ(message, str_cat("seq_len ", bad, " must be divisible by 2*ring_size=", 2 * P, " for the zigzag layout"));
+    EXPECT_EQ(message, str_cat("ring attention: the zigzag layout of seq_len ", bad, " on ring_size ", P,
+                               " x ulysses_size 1 pads the row to ", (bad + 2 * P - 1) / (2 * P) * (2 * P),
+                               " slots, which ring attention does not support yet; use a seq_len divisible as the "
+                               "layout needs"));
   }
   EXPECT_TRUE(test::all_ranks(world(), P == 1 || !message.empty()));
   if (P > 1) {
