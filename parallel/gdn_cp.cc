@@ -153,22 +153,19 @@ namespace {
 
 // ---- what the layers read from the layout: the token of every row (-1: padding) and the document bounds ----
 
-std::vector<std::int64_t> shard_tokens(const SequenceLayout& layout, int sp_rank) { return layout.positions(sp_rank); }
-
-// The rows of ring shard `ring_rank` (what a rank holds after the Ulysses all-to-all): the shards of its Ulysses
-// ranks in Ulysses order.
-std::vector<std::int64_t> ring_shard_tokens(const SequenceLayout& layout, int ring_rank) {
-  std::vector<std::int64_t> tokens;
-  for (int u = 0; u < layout.ulysses_size(); ++u) {
-    const std::vector<std::int64_t> t = shard_tokens(layout, ring_rank * layout.ulysses_size() + u);
-    tokens.insert(tokens.end(), t.begin(), t.end());
-  }
-  return tokens;
+std::vector<std::int64_t> shard_tokens(const SequenceLayout& layout, int sp_rank) {
+  return layout.token_index(sp_rank);
 }
 
-std::vector<std::int64_t> document_bounds(const SequenceLayout& layout) { return {0, layout.seq_len()}; }
+// The rows of ring shard `ring_rank` (what a rank holds after the Ulysses all-to-all).
+std::vector<std::int64_t> ring_shard_tokens(const SequenceLayout& layout, int ring_rank) {
+  return layout.tokens_of_slots(layout.ring_shard_positions(ring_rank));
+}
 
-bool packed_layout(const SequenceLayout&) { return false; }
+std::vector<std::int64_t> document_bounds(const SequenceLayout& layout) {
+  const std::span<const std::int64_t> cu = layout.cu_seqlens();
+  return {cu.begin(), cu.end()};
+}
 
 }  // namespace
 
@@ -207,7 +204,7 @@ struct GdnContextParallel::Saved {
 };
 
 GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
-    : CpLayerBase(groups, layout, "GDN CP"), config_(config) {
+    : CpLayerBase(groups, layout, "GDN CP", /*supports_padding=*/true), config_(config) {
   SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
                "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
                "make every token its own segment");
@@ -320,7 +317,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   s.key_heads = Hk;
   s.dk = K;
   s.dv = V;
-  s.packed = packed_layout(layout_);
+  s.packed = layout_.is_packed();
   s.num_docs = static_cast<std::int64_t>(cu_seqlens_.size()) - 1;
   s.state_dtype = accumulator_dtype(q.dtype());
   SEQPAR_CHECK(!s.packed || B == 1, "GDN CP: a packed layout (", s.num_docs,
@@ -803,7 +800,7 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
     attn::check_short_conv_args(local);
   }
   const std::int64_t B = x.dim(0), C = x.dim(2), W = weight.dim(1);
-  SEQPAR_CHECK(!packed_layout(layout_) || B == 1, "short conv CP: a packed layout (", cu_seqlens_.size() - 1,
+  SEQPAR_CHECK(!layout_.is_packed() || B == 1, "short conv CP: a packed layout (", cu_seqlens_.size() - 1,
                " documents in one row) needs batch size 1, got B = ", B);
   const int me = groups_.sp.rank(), n = groups_.sp.size();
   const HaloPlan& plan = plan_for(W);
