@@ -363,6 +363,18 @@ TEST(GdnCpPacked, BadInputFailsOnEveryRank) {
          g1 = Tensor::zeros({1, sl, kH}, DType::kFloat32, kWs);
   Tensor init1 = Tensor::zeros({1, kH, kK, kV}, DType::kFloat32, kWs);  // 2 documents need [2, H, K, V]
   test::expect_error([&] { gdn.forward(q1, q1, v1, g1, g1, init1); }, "initial_state");
+  if (world().size() > 1) {
+    // Ranks handed different packings of the same 12 tokens: the named agreement error on every rank.
+    const SequenceLayout other =
+        packed_layout(grid, LayoutKind::kZigzag,
+                      world().rank() == 0 ? std::vector<std::int64_t>{5, 7} : std::vector<std::int64_t>{6, 6});
+    GdnContextParallel g(groups, other, GdnCpConfig{});
+    const std::int64_t n = other.local_len();
+    Tensor q = Tensor::zeros({1, n, 2, kK}, DType::kFloat32, kWs),
+           v = Tensor::zeros({1, n, kH, kV}, DType::kFloat32, kWs),
+           gb = Tensor::zeros({1, n, kH}, DType::kFloat32, kWs);
+    test::expect_error([&] { g.forward(q, q, v, gb, gb); }, "disagree on");
+  }
   ShortConvContextParallel conv(groups, lay);
   Tensor x2 = Tensor::zeros({2, sl, kC}, DType::kFloat32, kWs), w = Tensor::zeros({kC, kW}, DType::kFloat32, kWs);
   test::expect_error([&] { conv.forward(x2, w); }, "needs batch size 1, got B = 2");
