@@ -129,6 +129,26 @@ std::vector<double> gather(Communicator& sp, const Tensor& local, const std::vec
   return to_double(full);
 }
 
+// Copies `n` token rows from row `src_row` and state row `src_state` of `src` to rows `dst_row` / `dst_state` of
+// `dst` (every token tensor, initial_state and dfinal_state).
+void copy_document(const Row& src, std::int64_t src_row, std::int64_t src_state, std::int64_t n, Row& dst,
+                   std::int64_t dst_row, std::int64_t dst_state) {
+  auto copy = [](const Tensor& from, const Tensor& to, std::int64_t lo, std::int64_t to_lo, std::int64_t count) {
+    const std::int64_t row = from.numel() / (from.dim(0) == 1 ? from.dim(1) : from.dim(0));
+    std::copy(from.data_as<float>() + lo * row, from.data_as<float>() + (lo + count) * row,
+              to.data_as<float>() + to_lo * row);
+  };
+  for (auto [from, to] : {std::pair{&src.q, &dst.q},
+                          {&src.k, &dst.k},
+                          {&src.v, &dst.v},
+                          {&src.g, &dst.g},
+                          {&src.beta, &dst.beta},
+                          {&src.dout, &dst.dout}})
+    copy(*from, *to, src_row, dst_row, n);
+  copy(src.init, dst.init, src_state, dst_state, 1);
+  copy(src.dfinal, dst.dfinal, src_state, dst_state, 1);
+}
+
 struct CpRun {
   GdnCpMode mode = GdnCpMode::kScan;
   SpGridConfig grid;
@@ -257,19 +277,7 @@ TEST(GdnCpPacked, EveryDocumentEqualsItselfAloneUnpacked) {
     if (len == 0) continue;
     // Document d as its own row: the same values, seed-independent copies of the packed row's rows.
     Row one({len}, r.hk, 0);
-    auto copy_rows = [&](const Tensor& src, Tensor& dst, std::int64_t lo, std::int64_t n) {
-      const std::int64_t row = src.numel() / (src.dim(0) == 1 ? src.dim(1) : src.dim(0));
-      std::copy(src.data_as<float>() + lo * row, src.data_as<float>() + (lo + n) * row, dst.data_as<float>());
-    };
-    for (auto [src, dst] : {std::pair{&r.q, &one.q},
-                            {&r.k, &one.k},
-                            {&r.v, &one.v},
-                            {&r.g, &one.g},
-                            {&r.beta, &one.beta},
-                            {&r.dout, &one.dout}})
-      copy_rows(*src, *dst, begin, len);
-    copy_rows(r.init, one.init, static_cast<std::int64_t>(d), 1);
-    copy_rows(r.dfinal, one.dfinal, static_cast<std::int64_t>(d), 1);
+    copy_document(r, begin, static_cast<std::int64_t>(d), len, one, 0, 0);
     const SequenceLayout lay(c.kind, len, grid.ring().size(), grid.ulysses().size());
     const Result alone = run_cp(groups, lay, c, one, one.init, one.dfinal);
     auto part = [](const std::vector<double>& v, std::int64_t lo, std::int64_t hi, std::int64_t per) {
@@ -307,20 +315,7 @@ TEST(GdnCpPacked, NoLeaksBetweenDocuments) {
     const Row base(lens, 2, 5), other(lens, 2, 6);
     const Result a = run_cp(groups, lay, c, base, base.init, base.dfinal);
     Row pert(lens, 2, 5);
-    auto splice = [&](const Tensor& src, Tensor& dst, std::int64_t lo, std::int64_t n) {
-      const std::int64_t row = src.numel() / (src.dim(0) == 1 ? src.dim(1) : src.dim(0));
-      std::copy(src.data_as<float>() + lo * row, src.data_as<float>() + (lo + n) * row,
-                dst.data_as<float>() + lo * row);
-    };
-    for (auto [src, dst] : {std::pair{&other.q, &pert.q},
-                            {&other.k, &pert.k},
-                            {&other.v, &pert.v},
-                            {&other.g, &pert.g},
-                            {&other.beta, &pert.beta},
-                            {&other.dout, &pert.dout}})
-      splice(*src, *dst, lens[0], lens[1]);
-    splice(other.init, pert.init, 1, 1);
-    splice(other.dfinal, pert.dfinal, 1, 1);
+    copy_document(other, lens[0], 1, lens[1], pert, lens[0], 1);
     const Result b = run_cp(groups, lay, c, pert, pert.init, pert.dfinal);
     // Elements of document 1: token rows [29, 60) or state row 1; everything else must be identical.
     auto check = [&](const std::vector<double>& x, const std::vector<double>& y, std::int64_t per_unit, std::int64_t lo,
@@ -354,26 +349,25 @@ TEST(GdnCpPacked, BadInputFailsOnEveryRank) {
   const SequenceLayout lay = packed_layout(grid, LayoutKind::kZigzag, {5, 7});
   GdnContextParallel gdn(groups, lay, GdnCpConfig{});
   const std::int64_t sl = lay.local_len();
-  Tensor q2 = Tensor::zeros({2, sl, 2, kK}, DType::kFloat32, kWs),
-         v2 = Tensor::zeros({2, sl, kH, kV}, DType::kFloat32, kWs),
-         g2 = Tensor::zeros({2, sl, kH}, DType::kFloat32, kWs);
-  test::expect_error([&] { gdn.forward(q2, q2, v2, g2, g2); }, "needs batch size 1, got B = 2");
-  Tensor q1 = Tensor::zeros({1, sl, 2, kK}, DType::kFloat32, kWs),
-         v1 = Tensor::zeros({1, sl, kH, kV}, DType::kFloat32, kWs),
-         g1 = Tensor::zeros({1, sl, kH}, DType::kFloat32, kWs);
+  // Zero q (= k), v and g (= beta) of `batch` rows and `rows` tokens, and a forward of `layer` on them.
+  struct Inputs {
+    Tensor q, v, g;
+    Inputs(std::int64_t batch, std::int64_t rows)
+        : q(Tensor::zeros({batch, rows, 2, kK}, DType::kFloat32, kWs)),
+          v(Tensor::zeros({batch, rows, kH, kV}, DType::kFloat32, kWs)),
+          g(Tensor::zeros({batch, rows, kH}, DType::kFloat32, kWs)) {}
+    void forward(GdnContextParallel& layer, const TensorView& init = {}) const { layer.forward(q, q, v, g, g, init); }
+  };
+  test::expect_error([&] { Inputs(2, sl).forward(gdn); }, "needs batch size 1, got B = 2");
   Tensor init1 = Tensor::zeros({1, kH, kK, kV}, DType::kFloat32, kWs);  // 2 documents need [2, H, K, V]
-  test::expect_error([&] { gdn.forward(q1, q1, v1, g1, g1, init1); }, "initial_state");
+  test::expect_error([&] { Inputs(1, sl).forward(gdn, init1); }, "initial_state");
   if (world().size() > 1) {
     // Ranks handed different packings of the same 12 tokens: the named agreement error on every rank.
     const SequenceLayout other =
         packed_layout(grid, LayoutKind::kZigzag,
                       world().rank() == 0 ? std::vector<std::int64_t>{5, 7} : std::vector<std::int64_t>{6, 6});
     GdnContextParallel g(groups, other, GdnCpConfig{});
-    const std::int64_t n = other.local_len();
-    Tensor q = Tensor::zeros({1, n, 2, kK}, DType::kFloat32, kWs),
-           v = Tensor::zeros({1, n, kH, kV}, DType::kFloat32, kWs),
-           gb = Tensor::zeros({1, n, kH}, DType::kFloat32, kWs);
-    test::expect_error([&] { g.forward(q, q, v, gb, gb); }, "disagree on");
+    test::expect_error([&] { Inputs(1, other.local_len()).forward(g); }, "disagree on");
   }
   ShortConvContextParallel conv(groups, lay);
   Tensor x2 = Tensor::zeros({2, sl, kC}, DType::kFloat32, kWs), w = Tensor::zeros({kC, kW}, DType::kFloat32, kWs);
