@@ -17,7 +17,13 @@ constexpr int kTagScan = 10000;
 constexpr int kTagShift = 14000;
 constexpr int kTagHalo = 18000;
 constexpr int kTagHaloGrad = 19000;
-constexpr std::int64_t kMaxSegments = 4000;  // keeps every tag family inside MPI's guaranteed tag range
+// The chain's messages of segment i carry tag base + i mod kTagSpan, inside MPI's guaranteed tag range for any number
+// of segments. Two chain messages between the same pair of ranks are posted in increasing (backward: decreasing)
+// segment order by the sender and the receiver alike, so where tags repeat (segments kTagSpan apart) they still match
+// in order (MPI's non-overtaking rule; NCCL matches by order anyway). Scan and shift rounds send one packed message
+// per peer (PackedRound).
+constexpr int kTagSpan = 4000;
+int tag_of(int base, int segment) { return base + segment % kTagSpan; }
 
 // Rows [offset, offset + length) of positions along dim 1.
 std::vector<std::int64_t> row_range(std::int64_t offset, std::int64_t length) {
@@ -41,6 +47,59 @@ void put_rows(const TensorView& src, const TensorView& dst, std::int64_t offset,
   scatter_rows(src, 1, row_range(offset, src.dim(1)), dst, stream);
 }
 
+// One round of point-to-point messages with at most one message per peer and direction: the pieces a rank sends a
+// peer are packed into one buffer in the order they were added, and a receiver adds its pieces from a peer in the
+// order that peer adds them (both in increasing segment order, or both in decreasing). Packing keeps a round at one
+// message per peer however many segments a rank holds (a packed row of many short documents has thousands).
+class PackedRound {
+ public:
+  explicit PackedRound(const DeviceAlloc& alloc) : alloc_(alloc) {}
+  void send(const TensorView& t, int peer) { sends_[peer].push_back(t); }
+  void recv(const TensorView& t, int peer) { recvs_[peer].push_back(t); }
+  // Posts the messages (tag `tag`), waits (the wait counted into exposed_s) and unpacks what arrived; no-op when
+  // nothing was added.
+  void run(Communicator& comm, int tag, double* exposed_s) {
+    if (sends_.empty() && recvs_.empty()) return;
+    std::vector<P2POp> ops;
+    std::vector<Tensor> buffers;
+    for (const auto& [peer, views] : sends_) {
+      buffers.push_back(pack(views));
+      for (std::int64_t off = 0; const TensorView& v : views) {
+        alloc_.copy_convert(v, part(buffers.back(), off, v));
+        off += v.numel();
+      }
+      ops.push_back(P2POp::send(buffers.back().view(), peer, tag));
+    }
+    std::vector<std::pair<const std::vector<TensorView>*, std::size_t>> unpack;
+    for (const auto& [peer, views] : recvs_) {
+      buffers.push_back(pack(views));
+      unpack.emplace_back(&views, buffers.size() - 1);
+      ops.push_back(P2POp::recv(buffers.back().view(), peer, tag));
+    }
+    WorkHandle w = comm.batch_isend_irecv(ops);
+    timed_wait(w, exposed_s);
+    for (const auto& [views, b] : unpack) {
+      for (std::int64_t off = 0; const TensorView& v : *views) {
+        alloc_.copy_convert(part(buffers[b], off, v), v);
+        off += v.numel();
+      }
+    }
+  }
+
+ private:
+  // A buffer for `views` end to end (one dtype: the state dtype).
+  Tensor pack(const std::vector<TensorView>& views) const {
+    std::int64_t n = 0;
+    for (const TensorView& v : views) n += v.numel();
+    return alloc_.empty({n}, views.front().dtype(), MemCategory::kCommBuffer);
+  }
+  static TensorView part(const Tensor& buffer, std::int64_t off, const TensorView& like) {
+    return buffer.view().slice0(off, off + like.numel()).reshape(like.shape());
+  }
+  const DeviceAlloc& alloc_;
+  std::map<int, std::vector<TensorView>> sends_, recvs_;
+};
+
 // Kogge-Stone inclusive scan of packed [M | U] affine maps over the segments in global order (dir = +1:
 // agg_i <- agg_i o agg_{i-o}) or in reverse order (dir = -1: agg_i <- agg_i o agg_{i+o}), for o = 1, 2, 4, ...
 // `mine` lists this rank's segments (indices into `segments`), `agg` their maps. Returns the number of rounds.
@@ -56,29 +115,24 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
   for (std::size_t j = 0; j < mine.size(); ++j) slot[mine[j]] = j;
   std::int64_t rounds = 0;
   for (int o = 1; o < n; o *= 2, ++rounds) {
-    std::vector<P2POp> ops;
+    PackedRound round(alloc);
     std::vector<Tensor> snapshot(mine.size()), received(mine.size());
     for (std::size_t j = 0; j < mine.size(); ++j) {
       snapshot[j] = alloc.copy_of(agg[j].view(), agg[j].dtype(), MemCategory::kCommBuffer);
     }
     for (std::size_t j = 0; j < mine.size(); ++j) {
       const int i = mine[j], to = i + dir * o, from = i - dir * o;
-      if (to >= 0 && to < n && segments[to].owner != me) {
-        ops.push_back(P2POp::send(snapshot[j].view(), segments[to].owner, kTagScan + to));
-      }
+      if (to >= 0 && to < n && segments[to].owner != me) round.send(snapshot[j].view(), segments[to].owner);
       if (from >= 0 && from < n) {
         received[j] = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
         if (segments[from].owner == me) {
           alloc.copy_convert(snapshot[slot[from]].view(), received[j].view());
         } else {
-          ops.push_back(P2POp::recv(received[j].view(), segments[from].owner, kTagScan + i));
+          round.recv(received[j].view(), segments[from].owner);
         }
       }
     }
-    if (!ops.empty()) {
-      WorkHandle w = ring.batch_isend_irecv(ops);
-      timed_wait(w, exposed_s);
-    }
+    round.run(ring, kTagScan, exposed_s);
     for (std::size_t j = 0; j < mine.size(); ++j) {
       if (!received[j].defined()) continue;
       Tensor next = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
@@ -214,8 +268,6 @@ GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLay
   for (int r = 0; r < groups.ring_size(); ++r) ring_tokens.push_back(ring_shard_tokens(layout_, r));
   ring_shard_rows_ = static_cast<std::int64_t>(ring_tokens[groups.ring.rank()].size());
   segments_ = segments_in_global_order(ring_tokens);
-  SEQPAR_CHECK(static_cast<std::int64_t>(segments_.size()) <= kMaxSegments, "GDN under CP: ", segments_.size(),
-               " segments exceed the supported ", kMaxSegments);
   cu_seqlens_ = document_bounds(layout_);
   for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
     pieces_.push_back(segment_pieces(segments_[i], cu_seqlens_));
@@ -260,13 +312,6 @@ UlyssesHeads gdn_ulysses_heads(std::int64_t H, std::int64_t Hk, int pu) {
                " or divide it (then each key head is replicated to ulysses_size / Hk ranks)");
   return UlyssesHeads(H, Hk, pu);
 }
-
-// Point-to-point exchange of one round: sends to and receives from other ranks (self-messages are the caller's).
-struct Round {
-  std::vector<P2POp> ops;
-  void send(const TensorView& t, int peer, int tag) { ops.push_back(P2POp::send(t, peer, tag)); }
-  void recv(const TensorView& t, int peer, int tag) { ops.push_back(P2POp::recv(t, peer, tag)); }
-};
 
 // Every document's state summed over the ring (each is written by the one rank whose piece ends or starts the
 // document, zeros elsewhere: the sum is exact); then the zero-length documents', which pass `through` (their
@@ -392,12 +437,12 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
           if (segments_[i - 1].owner == me) {
             alloc.copy_convert(ends[j - 1].view(), s.start[j].view());
           } else {
-            wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, kTagChainFwd + i));
+            wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, tag_of(kTagChainFwd, i)));
           }
         }
         ends[j] = run_pieces(j, true, true);
         if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me) {
-          sends.push_back(ring.isend(ends[j].view(), segments_[i + 1].owner, kTagChainFwd + i + 1));
+          sends.push_back(ring.isend(ends[j].view(), segments_[i + 1].owner, tag_of(kTagChainFwd, i + 1)));
         }
       }
       for (auto& w : sends) wait_timed(std::move(w));
@@ -428,20 +473,20 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
       // shift by one segment gives the incoming states.
       const std::vector<Tensor> end =
           scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, Tensor(), counters_, alloc);
-      Round shift;
+      PackedRound shift(alloc);
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
         s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
         if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me)
-          shift.send(end[j].view(), segments_[i + 1].owner, kTagShift + i + 1);
+          shift.send(end[j].view(), segments_[i + 1].owner);
         if (!continues(i)) continue;
         if (segments_[i - 1].owner == me) {
           alloc.copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
         } else {
-          shift.recv(s.start[j].view(), segments_[i - 1].owner, kTagShift + i);
+          shift.recv(s.start[j].view(), segments_[i - 1].owner);
         }
       }
-      if (!shift.ops.empty()) wait_timed(ring.batch_isend_irecv(shift.ops));
+      shift.run(ring, kTagShift, &counters_.exposed_comm_s);
       if (n > 1) ++counters_.message_rounds;
       // 4. The pieces that continue a document run from their incoming state.
       for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(j, false, true);
@@ -582,12 +627,12 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
           if (segments_[i + 1].owner == me) {
             alloc.copy_convert(ds_starts[jj + 1].view(), ds_end.view());
           } else {
-            wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, kTagChainBwd + i));
+            wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, i)));
           }
         }
         ds_starts[jj] = run_pieces(jj, true, true, ds_end.view());
         if (continues(i) && segments_[i - 1].owner != me) {
-          sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, kTagChainBwd + i - 1));
+          sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, tag_of(kTagChainBwd, i - 1)));
         }
       }
       for (auto& w : sends) wait_timed(std::move(w));
@@ -616,21 +661,20 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       // segment gives each dS_end.
       const std::vector<Tensor> ds_start =
           scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1, agg, Tensor(), counters_, alloc);
-      Round shift;
+      PackedRound shift(alloc);
       std::vector<Tensor> ds_end(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
         ds_end[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        if (continues(i) && segments_[i - 1].owner != me)
-          shift.send(ds_start[j].view(), segments_[i - 1].owner, kTagShift + i - 1);
+        if (continues(i) && segments_[i - 1].owner != me) shift.send(ds_start[j].view(), segments_[i - 1].owner);
         if (!continued(i)) continue;
         if (segments_[i + 1].owner == me) {
           alloc.copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
         } else {
-          shift.recv(ds_end[j].view(), segments_[i + 1].owner, kTagShift + i);
+          shift.recv(ds_end[j].view(), segments_[i + 1].owner);
         }
       }
-      if (!shift.ops.empty()) wait_timed(ring.batch_isend_irecv(shift.ops));
+      shift.run(ring, kTagShift, &counters_.exposed_comm_s);
       if (n > 1) ++counters_.message_rounds;
       // 4. The pieces whose document goes on in the next segment run with their dS_end.
       for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(j, false, true, ds_end[j].view());

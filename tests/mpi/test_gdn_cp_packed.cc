@@ -261,6 +261,23 @@ TEST(GdnCpPacked, OddTotalsUnpackedAndPacked) {
   }
 }
 
+// More segments than a tag family spans (4000): 4200 documents of 2 and 1 tokens, zigzag padding each to 2 P slots,
+// make 6300 segments, with a state link inside every 2-token document (its two tokens on ring ranks 0 and 1).
+TEST(GdnCpPacked, MoreSegmentsThanTags) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank holds the row as one segment";
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  std::vector<std::int64_t> lens;
+  for (int i = 0; i < 2100; ++i) lens.insert(lens.end(), {2, 1});
+  const Row r(lens, 2, 123);
+  const Result want = reference(r, true);
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    const CpRun c{mode, test::ring_over_world(), LayoutKind::kZigzag, true};
+    expect_close(run_cp(groups, packed_layout(grid, c.kind, lens), c, r, r.init, r.dfinal), want, 2e-4, 2e-3,
+                 str_cat(gdn_cp_mode_name(mode), " 4200 documents"));
+  }
+}
+
 // Each document alone through the unpacked CP path (its own layout, its initial state as a batch of one) equals its
 // part of the packed result; one document over the whole row equals the unpacked path of the same row.
 TEST(GdnCpPacked, EveryDocumentEqualsItselfAloneUnpacked) {
