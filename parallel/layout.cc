@@ -343,14 +343,13 @@ void unshard_sequence_bhs(const TensorView& local, const Positions& pos, const T
 
 namespace {
 
-// The local rows of `sp_rank` that hold tokens, and those tokens (both increasing).
+// The rows that hold tokens (tokens[i] >= 0) and those tokens, both in row order.
 struct RealRows {
   Positions rows, tokens;
   bool all = true;  // no padding row
 };
-RealRows real_rows(const SequenceLayout& layout, int sp_rank) {
+RealRows real_rows(std::span<const std::int64_t> tokens) {
   RealRows r;
-  const Positions tokens = layout.token_index(sp_rank);
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     if (tokens[i] < 0) {
       r.all = false;
@@ -362,9 +361,11 @@ RealRows real_rows(const SequenceLayout& layout, int sp_rank) {
   return r;
 }
 
-Shape with_dim(Shape s, int dim, std::int64_t len) {
-  s[static_cast<std::size_t>(dim)] = len;
-  return s;
+// A buffer shaped like `local` with only the real rows along seq_dim.
+Tensor real_rows_buffer(const DeviceAlloc& alloc, const TensorView& local, int seq_dim, const RealRows& r) {
+  Shape s = local.shape();
+  s[static_cast<std::size_t>(seq_dim)] = static_cast<std::int64_t>(r.rows.size());
+  return alloc.empty(s, local.dtype(), MemCategory::kWorkspace);
 }
 
 void check_seq_dim(int seq_dim, const char* what) {
@@ -384,42 +385,61 @@ void check_sequence_tensor(const SequenceLayout& layout, const TensorView& t, st
                                        : " (local_len: padded_len / ranks)");
 }
 
-void shard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& full, const TensorView& local,
-                    int seq_dim, Stream stream) {
-  check_seq_dim(seq_dim, "shard_sequence");
-  check_sequence_tensor(layout, full, layout.seq_len(), seq_dim, "shard_sequence", "full");
-  check_sequence_tensor(layout, local, layout.local_len(), seq_dim, "shard_sequence", "local");
-  const RealRows r = real_rows(layout, sp_rank);
+namespace {
+// gather_token_rows (to_local) and scatter_token_rows: real rows move through a buffer of only those rows.
+void copy_token_rows(const TensorView& full, const TensorView& local, int seq_dim, std::span<const std::int64_t> tokens,
+                     bool to_local, Stream stream) {
+  const RealRows r = real_rows(tokens);
   if (r.all) {
-    gather_rows(full, seq_dim, r.tokens, local, stream);
+    to_local ? gather_rows(full, seq_dim, r.tokens, local, stream)
+             : scatter_rows(local, seq_dim, r.tokens, full, stream);
     return;
   }
-  // Padding rows become zero: zero the piece, then place the real rows.
-  const DeviceAlloc alloc{common_device({full, local}, "shard_sequence"), stream};
-  alloc.copy_convert(alloc.zeros(local.shape(), local.dtype(), MemCategory::kWorkspace).view(), local);
+  const DeviceAlloc alloc{common_device({full, local}, to_local ? "gather_token_rows" : "scatter_token_rows"), stream};
+  // Padding rows of a gathered piece become zero: zero the piece, then place the real rows.
+  if (to_local) alloc.copy_convert(alloc.zeros(local.shape(), local.dtype(), MemCategory::kWorkspace).view(), local);
   if (r.rows.empty()) return;
-  Tensor tmp = alloc.empty(with_dim(local.shape(), seq_dim, static_cast<std::int64_t>(r.rows.size())), local.dtype(),
-                           MemCategory::kWorkspace);
-  gather_rows(full, seq_dim, r.tokens, tmp.view(), stream);
-  scatter_rows(tmp.view(), seq_dim, r.rows, local, stream);
+  Tensor tmp = real_rows_buffer(alloc, local, seq_dim, r);
+  if (to_local) {
+    gather_rows(full, seq_dim, r.tokens, tmp.view(), stream);
+    scatter_rows(tmp.view(), seq_dim, r.rows, local, stream);
+  } else {
+    gather_rows(local, seq_dim, r.rows, tmp.view(), stream);
+    scatter_rows(tmp.view(), seq_dim, r.tokens, full, stream);
+  }
+}
+}  // namespace
+
+void gather_token_rows(const TensorView& full, int seq_dim, std::span<const std::int64_t> tokens,
+                       const TensorView& local, Stream stream) {
+  copy_token_rows(full, local, seq_dim, tokens, true, stream);
+}
+
+void scatter_token_rows(const TensorView& local, int seq_dim, std::span<const std::int64_t> tokens,
+                        const TensorView& full, Stream stream) {
+  copy_token_rows(full, local, seq_dim, tokens, false, stream);
+}
+
+namespace {
+// The checks of shard_sequence / unshard_sequence (`what`).
+void check_shard_args(const SequenceLayout& layout, const TensorView& full, const TensorView& local, int seq_dim,
+                      const char* what) {
+  check_seq_dim(seq_dim, what);
+  check_sequence_tensor(layout, full, layout.seq_len(), seq_dim, what, "full");
+  check_sequence_tensor(layout, local, layout.local_len(), seq_dim, what, "local");
+}
+}  // namespace
+
+void shard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& full, const TensorView& local,
+                    int seq_dim, Stream stream) {
+  check_shard_args(layout, full, local, seq_dim, "shard_sequence");
+  gather_token_rows(full, seq_dim, layout.token_index(sp_rank), local, stream);
 }
 
 void unshard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& local, const TensorView& full,
                       int seq_dim, Stream stream) {
-  check_seq_dim(seq_dim, "unshard_sequence");
-  check_sequence_tensor(layout, full, layout.seq_len(), seq_dim, "unshard_sequence", "full");
-  check_sequence_tensor(layout, local, layout.local_len(), seq_dim, "unshard_sequence", "local");
-  const RealRows r = real_rows(layout, sp_rank);
-  if (r.all) {
-    scatter_rows(local, seq_dim, r.tokens, full, stream);
-    return;
-  }
-  if (r.rows.empty()) return;
-  const DeviceAlloc alloc{common_device({full, local}, "unshard_sequence"), stream};
-  Tensor tmp = alloc.empty(with_dim(local.shape(), seq_dim, static_cast<std::int64_t>(r.rows.size())), local.dtype(),
-                           MemCategory::kWorkspace);
-  gather_rows(local, seq_dim, r.rows, tmp.view(), stream);
-  scatter_rows(tmp.view(), seq_dim, r.tokens, full, stream);
+  check_shard_args(layout, full, local, seq_dim, "unshard_sequence");
+  scatter_token_rows(local, seq_dim, layout.token_index(sp_rank), full, stream);
 }
 
 namespace {

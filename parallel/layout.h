@@ -172,6 +172,13 @@ void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_
 // gather_rows / scatter_rows.
 void shard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& full, const TensorView& local,
                     int seq_dim = 1, Stream stream = Stream::cpu());
+// The copies behind them, by token index along seq_dim: gather: local row i = full row tokens[i], zeros where
+// tokens[i] < 0; scatter: full row tokens[i] = local row i where tokens[i] >= 0. Errors: those of gather_rows /
+// scatter_rows.
+void gather_token_rows(const TensorView& full, int seq_dim, std::span<const std::int64_t> tokens,
+                       const TensorView& local, Stream stream = Stream::cpu());
+void scatter_token_rows(const TensorView& local, int seq_dim, std::span<const std::int64_t> tokens,
+                        const TensorView& full, Stream stream = Stream::cpu());
 void unshard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& local, const TensorView& full,
                       int seq_dim = 1, Stream stream = Stream::cpu());
 // Error naming `what` and `name` unless t has `len` rows along seq_dim and, for a packed layout, batch 1 (the check a

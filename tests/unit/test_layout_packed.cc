@@ -228,7 +228,9 @@ TEST(LayoutBalanced, LongTailedMixIsBalanced) {
       EXPECT_NEAR(c.flop_imbalance(), imbalance(work_per_ring_rank(c)), 1e-12);
       contiguous_sum += c.flop_imbalance();
     }
-    if (ring == 8) EXPECT_GT(contiguous_sum / seeds, 1.5) << "the contiguous split of the mix is badly imbalanced";
+    if (ring == 8) {
+      EXPECT_GT(contiguous_sum / seeds, 1.5) << "the contiguous split of the mix is badly imbalanced";
+    }
   }
   // Zigzag per document pairs early and late chunks: equal work on every rank when no document needs padding.
   const std::vector<std::int64_t> cu = {0, 16, 24, 88};
