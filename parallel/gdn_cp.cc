@@ -257,6 +257,18 @@ struct GdnContextParallel::Saved {
   }
 };
 
+namespace {
+
+// `count` maps packed as [M | U] (Saved::packed_numel), all zero.
+template <typename SavedT>
+std::vector<Tensor> zero_maps(const SavedT& s, std::size_t count, const DeviceAlloc& alloc) {
+  std::vector<Tensor> maps(count);
+  for (Tensor& m : maps) m = alloc.zeros({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+  return maps;
+}
+
+}  // namespace
+
 GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
     : CpLayerBase(groups, layout, "GDN CP", /*supports_padding=*/true), config_(config) {
   SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
@@ -311,6 +323,13 @@ UlyssesHeads gdn_ulysses_heads(std::int64_t H, std::int64_t Hk, int pu) {
   SEQPAR_CHECK(Hk % pu == 0 || pu % Hk == 0, "GDN CP: key heads Hk = ", Hk, " must be divisible by ulysses_size ", pu,
                " or divide it (then each key head is replicated to ulysses_size / Hk ranks)");
   return UlyssesHeads(H, Hk, pu);
+}
+
+// The end of a chain phase: waits for this rank's sends (the wait counted as exposed) and adds the chain's sequential
+// rounds, one per link between segments.
+void finish_chain_sends(std::vector<WorkHandle>& sends, CpCounters& counters, std::int64_t links) {
+  for (auto& w : sends) timed_wait(w, &counters.exposed_comm_s);
+  counters.message_rounds += links;
 }
 
 // Every document's state summed over the ring (each is written by the one rank whose piece ends or starts the
@@ -399,6 +418,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   s.map_m.resize(mine_.size());
 
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
+  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
   // Segment i continues the document of the segment before it (its first token starts no document): only then does a
   // state pass between the two.
   auto continues = [&](int i) { return !pieces_[i].front().starts_doc; };
@@ -445,16 +465,14 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
           sends.push_back(ring.isend(ends[j].view(), segments_[i + 1].owner, tag_of(kTagChainFwd, i + 1)));
         }
       }
-      for (auto& w : sends) wait_timed(std::move(w));
-      counters_.message_rounds += chain_links_;
+      finish_chain(sends);
     } else {
       // 1. Each segment's map, packed as [M | U]: a segment that carries its incoming state through (one piece, which
       // continues a document) has the map of that piece from a zero start; any other starts from known states only
       // (M = 0), so its pieces run now and U is the end state of its last piece.
-      std::vector<Tensor> agg(mine_.size());
+      std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
-        agg[j] = alloc.zeros({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         if (pieces_[i].size() == 1 && continues(i)) {
           const Segment& seg = segments_[i];
           const SegmentInputs in = segment_inputs(s, seg.local_offset, seg.length, stream);
@@ -553,6 +571,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor dinits = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
 
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
+  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
   auto continues = [&](int i) { return !pieces_[i].front().starts_doc; };
   // Segment i passes a state gradient back from the segment after it (its last token ends no document).
   auto continued = [&](int i) { return !pieces_[i].back().ends_doc; };
@@ -635,17 +654,15 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
           sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, tag_of(kTagChainBwd, i - 1)));
         }
       }
-      for (auto& w : sends) wait_timed(std::move(w));
-      counters_.message_rounds += chain_links_;
+      finish_chain(sends);
     } else {
       // 1. Each segment's map (M^T, L) of dS_start in terms of dS_end. A segment that carries its state through and
       // whose last token ends no document: M^T and the local part L from the cheap reverse sweep. Any other: M = 0
       // (dS_end comes from its documents' dfinal_state), its pieces that end a document run now, and L is the dS_start
       // of its continuing piece (0 when its first token starts a document).
-      std::vector<Tensor> agg(mine_.size());
+      std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
-        agg[j] = alloc.zeros({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         if (pieces_[i].size() == 1 && continues(i) && continued(i)) {
           const PieceBackward b = piece_backward(j, pieces_[i].front());
           const ScopedTimer timer(counters_.compute_s);
