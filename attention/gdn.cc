@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 #include "attention/boundary.h"
 #include "attention/cpu/gdn_cpu.h"
@@ -22,12 +24,41 @@ void check_activation(const TensorView& t, const Shape& shape, const char* what)
   check_shape(t, shape, what);
 }
 
-// States and their gradients [B, H, K, V] in the state dtype.
-void check_state(const TensorView& t, const cpu::GdnDims& d, DType state_dtype, const char* what) {
-  detail::check_host_tensor(t, {d.B, d.H, d.K, d.V}, state_dtype, what, kFamily);
+// The document bounds of a packed row of `total` tokens (int64 [N+1], host): starts at 0, no entry negative,
+// non-decreasing, ends at `total`. Returns them; empty when cu_seqlens is empty (an unpacked batch).
+std::vector<std::int64_t> validate_cu_seqlens(const TensorView& cu_seqlens, std::int64_t batch, std::int64_t total,
+                                              const char* fn) {
+  if (cu_seqlens.empty()) return {};
+  detail::check_host(cu_seqlens, "cu_seqlens", kFamily);
+  SEQPAR_CHECK(cu_seqlens.dtype() == DType::kInt64 && cu_seqlens.ndim() == 1, fn,
+               ": cu_seqlens must be int64 [N+1], got ", cu_seqlens.str());
+  SEQPAR_CHECK(batch == 1, fn, ": a packed row (cu_seqlens given) must have batch size 1, got B = ", batch,
+               " (pack the batch into one row)");
+  const std::int64_t* p = cu_seqlens.data_as<std::int64_t>();
+  std::vector<std::int64_t> cu(p, p + cu_seqlens.numel());
+  for (std::size_t i = 0; i < cu.size(); ++i)
+    SEQPAR_CHECK(cu[i] >= 0, fn, ": cu_seqlens[", i, "] = ", cu[i], " is negative (document bounds are >= 0)");
+  SEQPAR_CHECK(cu.front() == 0, fn, ": cu_seqlens[0] must be 0, got ", cu.front());
+  detail::check_non_decreasing(cu, "cu_seqlens");
+  SEQPAR_CHECK(cu.back() == total, fn, ": cu_seqlens must end at the row's token count T = ", total,
+               ", got cu_seqlens[", cu.size() - 1, "] = ", cu.back());
+  return cu;
 }
 
-cpu::GdnDims validate_forward_args(const GdnForwardArgs& a) {
+// Validated sizes and, for a packed row, the document bounds. States are [num_states, H, K, V]: one per batch row,
+// or one per document.
+struct Checked {
+  cpu::GdnDims d;
+  std::vector<std::int64_t> cu;
+  std::int64_t num_states() const { return cu.empty() ? d.B : static_cast<std::int64_t>(cu.size()) - 1; }
+};
+
+// States and their gradients [B, H, K, V] ([N, H, K, V] packed) in the state dtype.
+void check_state(const TensorView& t, const Checked& c, DType state_dtype, const char* what) {
+  detail::check_host_tensor(t, {c.num_states(), c.d.H, c.d.K, c.d.V}, state_dtype, what, kFamily);
+}
+
+Checked validate_forward_args(const GdnForwardArgs& a) {
   SEQPAR_CHECK(a.q.ndim() == 4, "gdn: q must be [B, S, Hk, K], got ", shape_str(a.q.shape()));
   SEQPAR_CHECK(a.v.ndim() == 4, "gdn: v must be [B, S, Hv, V], got ", shape_str(a.v.shape()));
   cpu::GdnDims d{a.q.dim(0), a.q.dim(1), a.v.dim(2), a.q.dim(2), a.q.dim(3), a.v.dim(3)};
@@ -46,38 +77,42 @@ cpu::GdnDims validate_forward_args(const GdnForwardArgs& a) {
   check_activation(a.g, {d.B, d.S, d.H}, "g");
   check_activation(a.beta, {d.B, d.S, d.H}, "beta");
   SEQPAR_CHECK(std::isfinite(a.scale), "GDN scale ", a.scale, " must be finite (0 or less: 1/sqrt(K))");
-  if (!a.initial_state.empty()) check_state(a.initial_state, d, accumulator_dtype(a.q.dtype()), "initial_state");
-  return d;
+  const Checked c{d, validate_cu_seqlens(a.cu_seqlens, d.B, d.S, "gdn")};
+  if (!a.initial_state.empty()) check_state(a.initial_state, c, accumulator_dtype(a.q.dtype()), "initial_state");
+  return c;
 }
 
-cpu::GdnDims validate_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state) {
-  const cpu::GdnDims d = validate_forward_args(args);
+Checked validate_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state) {
+  const Checked c = validate_forward_args(args);
+  const cpu::GdnDims& d = c.d;
   check_activation(out, {d.B, d.S, d.H, d.V}, "out");
-  if (!final_state.empty()) check_state(final_state, d, accumulator_dtype(args.q.dtype()), "final_state");
-  return d;
+  if (!final_state.empty()) check_state(final_state, c, accumulator_dtype(args.q.dtype()), "final_state");
+  return c;
 }
 
-cpu::GdnDims validate_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
-                               const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
-                               const TensorView& dinitial_state) {
-  const cpu::GdnDims d = validate_forward_args(args.fwd);
+Checked validate_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                          const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state) {
+  const Checked c = validate_forward_args(args.fwd);
+  const cpu::GdnDims& d = c.d;
   const DType sd = accumulator_dtype(args.fwd.q.dtype());
   const Shape qk{d.B, d.S, d.Hk, d.K}, vo{d.B, d.S, d.H, d.V}, gb{d.B, d.S, d.H};
   if (!args.dout.empty()) check_activation(args.dout, vo, "dout");
-  if (!args.dfinal_state.empty()) check_state(args.dfinal_state, d, sd, "dfinal_state");
+  if (!args.dfinal_state.empty()) check_state(args.dfinal_state, c, sd, "dfinal_state");
   if (!dq.empty()) check_activation(dq, qk, "dq");
   if (!dk.empty()) check_activation(dk, qk, "dk");
   if (!dv.empty()) check_activation(dv, vo, "dv");
   if (!dg.empty()) check_activation(dg, gb, "dg");
   if (!dbeta.empty()) check_activation(dbeta, gb, "dbeta");
-  if (!dinitial_state.empty()) check_state(dinitial_state, d, sd, "dinitial_state");
-  return d;
+  if (!dinitial_state.empty()) check_state(dinitial_state, c, sd, "dinitial_state");
+  return c;
 }
 
 cpu::GdnDims validate_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u) {
-  const cpu::GdnDims d = validate_forward_args(args);
+  const cpu::GdnDims d = validate_forward_args(args).d;
   SEQPAR_CHECK(args.initial_state.empty(),
                "gdn_transition: initial_state must be empty (the map is taken from a zero start)");
+  SEQPAR_CHECK(args.cu_seqlens.empty(),
+               "gdn_transition: cu_seqlens must be empty (take the map of each piece between document starts)");
   const DType sd = accumulator_dtype(args.q.dtype());
   detail::check_host_tensor(m, {d.B, d.H, d.K, d.K}, sd, "m", kFamily);
   detail::check_host_tensor(u, {d.B, d.H, d.K, d.V}, sd, "u", kFamily);
@@ -129,6 +164,12 @@ void check_like_x(const TensorView& t, const Shape& shape, const ShortConvArgs& 
   detail::check_host_tensor(t, shape, a.x.dtype(), what, kFamily);
 }
 
+// Conv states and their gradients: [B, W-1, C], or [N, W-1, C] for a packed row.
+Shape conv_state_shape(const cpu::ShortConvDims& d) {
+  const std::int64_t n = d.cu_seqlens.empty() ? d.B : static_cast<std::int64_t>(d.cu_seqlens.size()) - 1;
+  return {n, d.W - 1, d.C};
+}
+
 cpu::ShortConvDims validate_conv_args(const ShortConvArgs& a) {
   check_floating(a.x, "x");
   detail::check_host(a.weight, "weight", kFamily);
@@ -138,7 +179,8 @@ cpu::ShortConvDims validate_conv_args(const ShortConvArgs& a) {
   SEQPAR_CHECK(d.W >= 1, "short_conv: kernel width W must be >= 1, got ", d.W);
   check_shape(a.weight, {d.C, d.W}, "weight");
   check_dtype(a.weight, a.x.dtype(), "weight");
-  if (!a.initial_conv_state.empty()) check_like_x(a.initial_conv_state, {d.B, d.W - 1, d.C}, a, "initial_conv_state");
+  d.cu_seqlens = validate_cu_seqlens(a.cu_seqlens, d.B, d.S, "short_conv");
+  if (!a.initial_conv_state.empty()) check_like_x(a.initial_conv_state, conv_state_shape(d), a, "initial_conv_state");
   return d;
 }
 
@@ -204,7 +246,7 @@ void check_short_conv_forward(const ShortConvArgs& args, const TensorView& out, 
   detail::check_stream(stream, "short_conv_forward", kFamily);
   const cpu::ShortConvDims d = validate_conv_args(args);
   check_like_x(out, {d.B, d.S, d.C}, args, "out");
-  if (!final_conv_state.empty()) check_like_x(final_conv_state, {d.B, d.W - 1, d.C}, args, "final_conv_state");
+  if (!final_conv_state.empty()) check_like_x(final_conv_state, conv_state_shape(d), args, "final_conv_state");
 }
 
 void check_short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
@@ -214,21 +256,97 @@ void check_short_conv_backward(const ShortConvArgs& args, const TensorView& dout
   check_like_x(dout, {d.B, d.S, d.C}, args, "dout");
   if (!dx.empty()) check_like_x(dx, {d.B, d.S, d.C}, args, "dx");
   if (!dweight.empty()) check_like_x(dweight, {d.C, d.W}, args, "dweight");
-  if (!dinitial_conv_state.empty()) check_like_x(dinitial_conv_state, {d.B, d.W - 1, d.C}, args, "dinitial_conv_state");
+  if (!dinitial_conv_state.empty()) check_like_x(dinitial_conv_state, conv_state_shape(d), args, "dinitial_conv_state");
 }
 
 // ---- the kernels ---------------------------------------------------------------------------------------------------
 
+namespace {
+
+// Rows [begin, end) of a [1, T, ...] tensor as a [1, end - begin, ...] view (an empty view stays empty).
+TensorView doc_rows(const TensorView& t, std::int64_t begin, std::int64_t end) {
+  if (t.empty()) return {};
+  Shape rows(t.shape().begin() + 1, t.shape().end());
+  const TensorView part = t.reshape(rows).slice0(begin, end);
+  rows[0] = end - begin;
+  rows.insert(rows.begin(), 1);
+  return part.reshape(rows);
+}
+
+// State d of a [N, ...] state tensor as [1, ...] (an empty view stays empty).
+TensorView doc_state(const TensorView& t, std::int64_t d) { return t.empty() ? TensorView() : t.slice0(d, d + 1); }
+
+// dst = src, or zeros when src is empty (states: fp32 or fp64, same dtype).
+void copy_or_zero(const TensorView& src, const TensorView& dst) {
+  if (dst.empty()) return;
+  if (src.empty()) {
+    std::memset(dst.data(), 0, dst.nbytes());
+  } else {
+    std::memcpy(dst.data(), src.data(), dst.nbytes());
+  }
+}
+
+// The arguments and sizes of document `doc` (rows [begin, end), end > begin) of a packed row.
+struct Document {
+  GdnForwardArgs args;
+  cpu::GdnDims d;
+};
+
+Document document(const GdnForwardArgs& a, const cpu::GdnDims& d, std::int64_t doc, std::int64_t begin,
+                  std::int64_t end) {
+  Document r{a, d};
+  r.args.q = doc_rows(a.q, begin, end);
+  r.args.k = doc_rows(a.k, begin, end);
+  r.args.v = doc_rows(a.v, begin, end);
+  r.args.g = doc_rows(a.g, begin, end);
+  r.args.beta = doc_rows(a.beta, begin, end);
+  r.args.initial_state = doc_state(a.initial_state, doc);
+  r.args.cu_seqlens = TensorView();
+  r.d.S = end - begin;
+  r.d.C = std::min(a.chunk_size, r.d.S);
+  return r;
+}
+
+}  // namespace
+
 void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state, Stream stream) {
   detail::check_stream(stream, "gdn_forward", kFamily);
-  cpu::gdn_forward_cpu(args, validate_forward(args, out, final_state), out, final_state);
+  const Checked c = validate_forward(args, out, final_state);
+  if (c.cu.empty()) {
+    cpu::gdn_forward_cpu(args, c.d, out, final_state);
+    return;
+  }
+  // A packed row: every document on its own rows from its own initial state.
+  for (std::int64_t doc = 0; doc + 1 < static_cast<std::int64_t>(c.cu.size()); ++doc) {
+    const std::int64_t begin = c.cu[doc], end = c.cu[doc + 1];
+    if (begin == end) {
+      copy_or_zero(doc_state(args.initial_state, doc), doc_state(final_state, doc));
+      continue;
+    }
+    const Document dc = document(args, c.d, doc, begin, end);
+    cpu::gdn_forward_cpu(dc.args, dc.d, doc_rows(out, begin, end), doc_state(final_state, doc));
+  }
 }
 
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) {
   detail::check_stream(stream, "gdn_backward", kFamily);
-  const cpu::GdnDims d = validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
-  cpu::gdn_backward_cpu(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+  const Checked c = validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
+  if (c.cu.empty()) {
+    cpu::gdn_backward_cpu(args, c.d, dq, dk, dv, dg, dbeta, dinitial_state);
+    return;
+  }
+  for (std::int64_t doc = 0; doc + 1 < static_cast<std::int64_t>(c.cu.size()); ++doc) {
+    const std::int64_t begin = c.cu[doc], end = c.cu[doc + 1];
+    if (begin == end) {  // the state passes through unchanged: so does its gradient
+      copy_or_zero(doc_state(args.dfinal_state, doc), doc_state(dinitial_state, doc));
+      continue;
+    }
+    const Document dc = document(args.fwd, c.d, doc, begin, end);
+    GdnBackwardArgs b{dc.args, doc_rows(args.dout, begin, end), doc_state(args.dfinal_state, doc)};
+    cpu::gdn_backward_cpu(b, dc.d, doc_rows(dq, begin, end), doc_rows(dk, begin, end), doc_rows(dv, begin, end),
+                          doc_rows(dg, begin, end), doc_rows(dbeta, begin, end), doc_state(dinitial_state, doc));
+  }
 }
 
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {

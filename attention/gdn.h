@@ -48,6 +48,16 @@
 // Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
 // before anything is sent and every rank fails together.
 //
+// Packed rows (cu_seqlens; flash-linear-attention's chunk_gated_delta_rule convention; docs/design.md section 15.4):
+// with GdnForwardArgs::cu_seqlens = int64 [N+1] the tensors hold one row (B = 1) of T tokens packed from N documents,
+// document d being rows [cu_seqlens[d], cu_seqlens[d+1]). Every document runs the recurrence above on its own rows
+// from its own start state initial_state[d] (zeros when initial_state is empty), and nothing flows from one document
+// into the next. States and their gradients are then [N, Hv, K, V]: final_state[d] is document d's end state,
+// dinitial_state[d] its start-state gradient, dfinal_state[d] the gradient arriving at its end state. A zero-length
+// document has final_state[d] = initial_state[d] and dinitial_state[d] = dfinal_state[d]. cu_seqlens must start at 0,
+// be non-decreasing (so no entry is negative) and end at T; N >= 0 (N = 0 only for T = 0). B > 1 with cu_seqlens is
+// an error (pack the batch into one row instead).
+//
 // Use under context parallelism (parallel/, docs/design.md sections 10.4, 10.5):
 //   chain: gdn_forward with initial_state = received state, send final_state on; backward: gdn_backward with
 //          dfinal_state = received gradient, send dinitial_state back.
@@ -84,17 +94,21 @@ struct GdnForwardArgs {
   bool use_qk_l2norm = true;
   float scale = 0.0f;  // <= 0: 1 / sqrt(K)
   std::int64_t chunk_size = kGdnDefaultChunkSize;
+  // optional int64 [N+1]: a packed row of N documents (B = 1, T = S tokens; see the header comment). Then
+  // initial_state, final_state and their gradients are [N, Hv, K, V].
+  TensorView cu_seqlens = {};
 };
 
-// out [B, S, Hv, V] (any floating dtype); final_state [B, Hv, K, V] (state dtype), may be empty to skip it.
-// S = 0 is allowed (final_state = initial_state). Errors also when Hv is not a positive multiple of Hk.
+// out [B, S, Hv, V] (any floating dtype); final_state [B, Hv, K, V] (state dtype; [N, Hv, K, V] with cu_seqlens), may
+// be empty to skip it. S = 0 is allowed (final_state = initial_state). Errors also when Hv is not a positive multiple
+// of Hk, and for a cu_seqlens that breaks a rule above (the message names the entry and the rule).
 void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
                  Stream stream = Stream::cpu());
 
 struct GdnBackwardArgs {
   GdnForwardArgs fwd;       // the forward's inputs (the same initial_state)
   TensorView dout;          // [B, S, Hv, V] any floating dtype; may be empty (= zeros)
-  TensorView dfinal_state;  // optional [B, Hv, K, V] state dtype; empty = zeros
+  TensorView dfinal_state;  // optional [B, Hv, K, V] ([N, Hv, K, V] with cu_seqlens) state dtype; empty = zeros
 };
 
 // Gradients of sum(dout * out) + sum(dfinal_state * final_state) with respect to the raw (un-normalised) q and k,
@@ -104,7 +118,8 @@ struct GdnBackwardArgs {
 // Any output may be an empty view to skip it; when dq, dk, dv, dg and dbeta are all empty only the reverse dS sweep
 // runs (no forward sweep for the chunk start states, no gradient of v, k, q, g, beta: about the cost of one forward, a
 // quarter of the full backward), which is what a scan-mode caller needs for the local part of dS_start. dinitial_state
-// does not depend on v or initial_state.
+// does not depend on v or initial_state. With fwd.cu_seqlens every document is differentiated on its own rows
+// (dinitial_state and dfinal_state [N, Hv, K, V]).
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state,
                   Stream stream = Stream::cpu());
@@ -114,6 +129,7 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const Tenso
 // The map of the whole segment in `args` from a zero start: final_state = m * S_start + u for every S_start.
 // m [B, Hv, K, K], u [B, Hv, K, V], state dtype; args.initial_state must be empty. Same chunking as gdn_forward, so
 // m * S_start + u agrees with gdn_forward's final_state to rounding. Cost: a forward whose state has K + V columns.
+// args.cu_seqlens must be empty (a segment map of a packed row is taken per piece between document starts).
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u,
                     Stream stream = Stream::cpu());
 
@@ -141,21 +157,27 @@ void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream 
 //   y[b, t, c] = sum_{w < W} weight[c, w] xin[b, t + w, c]        (weight[c, W-1] multiplies the current token)
 //   out = silu(y) = y * sigmoid(y) when use_silu, else y.
 // final_conv_state [B, W-1, C] = the last W-1 rows of xin (what the next segment needs; valid also when S < W-1).
+// Packed rows (cu_seqlens int64 [N+1], B = 1, the rules of gdn_forward): document d is convolved on its own, with
+// xin = concat(initial_conv_state[d], x[cu_seqlens[d] : cu_seqlens[d+1]]): no output reads an input of another
+// document. The conv states and their gradients are then [N, W-1, C] (a zero-length document: final_conv_state[d] =
+// initial_conv_state[d], dinitial_conv_state[d] = 0).
 // All tensors share x's dtype (any floating dtype); arithmetic in fp32 (fp64 for fp64). Threads: OpenMP over
 // (batch, channel block); reductions over (b, t) run in a fixed order.
 
 struct ShortConvArgs {
   TensorView x;                   // [B, S, C]
   TensorView weight;              // [C, W], W >= 1
-  TensorView initial_conv_state;  // optional [B, W-1, C]
+  TensorView initial_conv_state;  // optional [B, W-1, C] ([N, W-1, C] with cu_seqlens)
   bool use_silu = true;
+  TensorView cu_seqlens = {};  // optional int64 [N+1]: a packed row of N documents (B = 1)
 };
 
-// out [B, S, C]; final_conv_state may be empty to skip it.
+// out [B, S, C]; final_conv_state ([B, W-1, C], [N, W-1, C] with cu_seqlens) may be empty to skip it.
 void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
                         Stream stream = Stream::cpu());
 
-// Gradients of sum(dout * out): dx [B, S, C], dweight [C, W], dinitial_conv_state [B, W-1, C] (each may be empty
+// Gradients of sum(dout * out): dx [B, S, C], dweight [C, W], dinitial_conv_state [B, W-1, C] or [N, W-1, C] with
+// cu_seqlens (each may be empty
 // to skip it; all overwritten). The halo gradient dinitial_conv_state goes back to the owner of those inputs.
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state,

@@ -9,6 +9,10 @@
 // C = 2 Hk K + Hv V, rows in the order q, k, v) through ShortConvContextParallel, and q, k, v are the conv's inputs:
 // dq, dk, dv are their gradients and dconv_weight [C, W] is a further output. The references run the same conv with
 // attn::short_conv_* (attn::reference::short_conv_* in fp64) before the recurrence.
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md section 15.4): the layer runs on the packed
+// layout, every document from its own initial state; initial_state, final_state and dinitial_state are [N, Hv, K, V]
+// (one per document, also in --inputs and --dump), and the references are one call over the whole row with
+// cu_seqlens (the conv's too): the single-rank packed result.
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -42,16 +46,20 @@ std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o);
 // V = --dim-v.
 struct GdnShapes {
   std::int64_t B, S, Hv, Hk, K, V;
+  std::int64_t N;  // states: one per batch row, or one per document of a packed row
   Shape qk(std::int64_t s) const { return {B, s, Hk, K}; }
   Shape v(std::int64_t s) const { return {B, s, Hv, V}; }
   Shape gate(std::int64_t s) const { return {B, s, Hv}; }
-  Shape state() const { return {B, Hv, K, V}; }
+  Shape state() const { return {N, Hv, K, V}; }
   // Conv channels of q, k, v (rows of conv_weight, in that order) and their first row.
   std::int64_t conv_channels(int i) const { return i < 2 ? Hk * K : Hv * V; }
   std::int64_t conv_row(int i) const { return i == 0 ? 0 : i == 1 ? Hk * K : 2 * Hk * K; }
   std::int64_t conv_channels_total() const { return 2 * Hk * K + Hv * V; }
 };
-GdnShapes gdn_shapes(const SpBenchOptions& o) { return {o.batch, o.seq, o.heads, o.kv_heads, o.head_dim, o.dim_v}; }
+GdnShapes gdn_shapes(const SpBenchOptions& o) {
+  const std::int64_t states = o.packed() ? static_cast<std::int64_t>(o.doc_lens.size()) : o.batch;
+  return {o.batch, o.seq, o.heads, o.kv_heads, o.head_dim, o.dim_v, states};
+}
 
 // [B, S, H, D] seen as the conv's [B, S, H D].
 TensorView channels_of(const TensorView& t) { return t.reshape({t.dim(0), t.dim(1), t.dim(2) * t.dim(3)}); }
@@ -65,9 +73,14 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     GdnCpConfig cfg;
     cfg.mode = parse_gdn_cp_mode(o.gdn_mode);
     cfg.chunk_size = o.chunk_size;
-    const SequenceLayout layout = SequenceLayout::for_groups(groups_, o.seq, o.layout);
+    const SequenceLayout layout = sp_bench_layout(o);
     gdn_ = std::make_unique<GdnContextParallel>(groups_, layout, cfg);
     if (o.conv_width > 0) conv_ = std::make_unique<ShortConvContextParallel>(groups_, layout);
+    if (o.packed()) {
+      const std::vector<std::int64_t> cu = cu_seqlens_of(o.doc_lens);
+      cu_seqlens_ = Tensor::empty({static_cast<std::int64_t>(cu.size())}, DType::kInt64, MemCategory::kWorkspace);
+      std::copy(cu.begin(), cu.end(), cu_seqlens_.data_as<std::int64_t>());
+    }
   }
 
   std::vector<TensorSpec> input_specs() const override { return gdn_input_specs(o_); }
@@ -100,7 +113,8 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   void setup(const NamedArrays* full) override {
     const std::int64_t local = gdn_->layout().local_len();
-    const std::vector<std::int64_t>& pos = gdn_->positions();
+    // This rank's token of every local row (-1: a padding row, filled with zeros).
+    const std::vector<std::int64_t> pos = gdn_->layout().token_index(groups_.sp_rank());
     const DType t = o_.dtype;
     in_ = local_tensors(t, {qk_shape(local), qk_shape(local), v_shape(local), gate_shape(local), gate_shape(local)});
     in_.push_back(Tensor::empty(state_shape(), state_dtype_, MemCategory::kModelState));  // initial_state
@@ -217,6 +231,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
       attn::ShortConvArgs a;
       a.x = channels_of(find_array(in, kQkv[i]).view());
       a.weight = conv_rows(find_array(in, "conv_weight").view(), i);
+      a.cu_seqlens = cu_seqlens_.view();
       const TensorView y = channels_of(r[i].second.view());
       if (fp64_reference) {
         attn::reference::short_conv_forward(a, y, {});
@@ -233,6 +248,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
       attn::ShortConvArgs a;
       a.x = channels_of(find_array(in, kQkv[i]).view());
       a.weight = conv_rows(find_array(in, "conv_weight").view(), i);
+      a.cu_seqlens = cu_seqlens_.view();
       const TensorView dx = channels_of(find_array(out, std::string("d") + kQkv[i]).view());
       const TensorView dw = conv_rows(find_array(out, "dconv_weight").view(), i);
       if (fp64_reference) {
@@ -271,8 +287,8 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
         continue;
       }
       if (is_state || is_weight) {
-        // initial_state [B, H, K, V]: dim 1 is the head, generated like a sequence of H rows; conv_weight [C, W] as
-        // [1, C, W], a sequence of C rows.
+        // initial_state [B or N, H, K, V]: dim 1 is the head, generated like a sequence of H rows; conv_weight [C, W]
+        // as [1, C, W], a sequence of C rows.
         const std::int64_t rows = is_state ? o_.heads : channels;
         const TensorView t = is_state ? dst[i] : dst[i].reshape({1, channels, o_.conv_width});
         fill_random_shard(t, o_.seed, ids[i], rows, all_positions(rows));
@@ -320,6 +336,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     a.beta = find_array(in, "beta").view();
     a.initial_state = find_array(in, "initial_state").view();
     a.chunk_size = o_.chunk_size;
+    a.cu_seqlens = cu_seqlens_.view();  // empty unless packed
     return a;
   }
   attn::GdnForwardArgs ref_args() const { return args_of(ref_in_); }  // the recurrence alone (no conv)
@@ -370,6 +387,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   Tensor dconv_weight_;
   enum Input { kQ, kK, kV, kG, kBeta, kState, kDout, kConvWeight };
   std::vector<Tensor> in_;  // this rank's q, k, v, g, beta, initial_state, dout (, conv_weight)
+  Tensor cu_seqlens_;       // a packed row's cu_seqlens (int64 [N+1]) for the references; undefined otherwise
   NamedArrays ref_in_, ref_out_;
   NamedArrays ref_conv_;  // the single-rank reference's convolved q, k, v
 };
@@ -401,7 +419,8 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double c = o.dtype == DType::kFloat64 ? 8 : 4, threads = o.threads, batch = static_cast<double>(o.batch);
   const double sl = static_cast<double>(o.seq) / (pu * pr), kd = static_cast<double>(o.head_dim);
   const double x = e * batch * sl * o.heads * kd, gate = e * batch * sl * o.heads;
-  const double state = st * batch * o.heads * kd * kd;  // initial_state, final_state, dinitial_state
+  // initial_state, final_state, dinitial_state: one per batch row or per document
+  const double state = st * static_cast<double>(gdn_shapes(o).N) * o.heads * kd * kd;
   const double segments = o.layout == LayoutKind::kZigzag && pr > 1 ? 2 : 1;
   const double seg_state = st * batch * (o.heads / pu) * kd * kd;
   const double chunk = static_cast<double>(std::min(o.chunk_size, o.seq)), m = std::max(chunk, kd);
@@ -456,6 +475,7 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   };
   k.estimate_memory = gdn_memory;
   k.fp64_reference_cost = gdn_reference_cost;
+  k.supports_packing = true;
   k.validate = [](SpBenchOptions& o) {
     if (o.dim_v == 0) o.dim_v = o.head_dim;
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
@@ -479,8 +499,9 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
     j["gdn_mode"] = o.gdn_mode;
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
-    return str_cat("B=", o.batch, " S=", o.seq, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim, " V=", o.dim_v,
-                   " conv=", o.conv_width, " chunk=", o.chunk_size, " mode=", o.gdn_mode, " (causal recurrence)");
+    return str_cat("B=", o.batch, " S=", o.seq, o.packed() ? str_cat(" docs=", o.doc_lens.size()) : std::string(),
+                   " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim, " V=", o.dim_v, " conv=", o.conv_width,
+                   " chunk=", o.chunk_size, " mode=", o.gdn_mode, " (causal recurrence)");
   };
   return k;
 }

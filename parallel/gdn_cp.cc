@@ -17,7 +17,13 @@ constexpr int kTagScan = 10000;
 constexpr int kTagShift = 14000;
 constexpr int kTagHalo = 18000;
 constexpr int kTagHaloGrad = 19000;
-constexpr std::int64_t kMaxSegments = 4000;  // keeps every tag family inside MPI's guaranteed tag range
+// The chain's messages of segment i carry tag base + i mod kTagSpan, inside MPI's guaranteed tag range for any number
+// of segments. Two chain messages between the same pair of ranks are posted in increasing (backward: decreasing)
+// segment order by the sender and the receiver alike, so where tags repeat (segments kTagSpan apart) they still match
+// in order (MPI's non-overtaking rule; NCCL matches by order anyway). Scan and shift rounds send one packed message
+// per peer (PackedRound).
+constexpr int kTagSpan = 4000;
+int tag_of(int base, int segment) { return base + segment % kTagSpan; }
 
 // Rows [offset, offset + length) of positions along dim 1.
 std::vector<std::int64_t> row_range(std::int64_t offset, std::int64_t length) {
@@ -41,6 +47,59 @@ void put_rows(const TensorView& src, const TensorView& dst, std::int64_t offset,
   scatter_rows(src, 1, row_range(offset, src.dim(1)), dst, stream);
 }
 
+// One round of point-to-point messages with at most one message per peer and direction: the pieces a rank sends a
+// peer are packed into one buffer in the order they were added, and a receiver adds its pieces from a peer in the
+// order that peer adds them (both in increasing segment order, or both in decreasing). Packing keeps a round at one
+// message per peer however many segments a rank holds (a packed row of many short documents has thousands).
+class PackedRound {
+ public:
+  explicit PackedRound(const DeviceAlloc& alloc) : alloc_(alloc) {}
+  void send(const TensorView& t, int peer) { sends_[peer].push_back(t); }
+  void recv(const TensorView& t, int peer) { recvs_[peer].push_back(t); }
+  // Posts the messages (tag `tag`), waits (the wait counted into exposed_s) and unpacks what arrived; no-op when
+  // nothing was added.
+  void run(Communicator& comm, int tag, double* exposed_s) {
+    if (sends_.empty() && recvs_.empty()) return;
+    std::vector<P2POp> ops;
+    std::vector<Tensor> buffers;
+    for (const auto& [peer, views] : sends_) {
+      buffers.push_back(pack(views));
+      for (std::int64_t off = 0; const TensorView& v : views) {
+        alloc_.copy_convert(v, part(buffers.back(), off, v));
+        off += v.numel();
+      }
+      ops.push_back(P2POp::send(buffers.back().view(), peer, tag));
+    }
+    std::vector<std::pair<const std::vector<TensorView>*, std::size_t>> unpack;
+    for (const auto& [peer, views] : recvs_) {
+      buffers.push_back(pack(views));
+      unpack.emplace_back(&views, buffers.size() - 1);
+      ops.push_back(P2POp::recv(buffers.back().view(), peer, tag));
+    }
+    WorkHandle w = comm.batch_isend_irecv(ops);
+    timed_wait(w, exposed_s);
+    for (const auto& [views, b] : unpack) {
+      for (std::int64_t off = 0; const TensorView& v : *views) {
+        alloc_.copy_convert(part(buffers[b], off, v), v);
+        off += v.numel();
+      }
+    }
+  }
+
+ private:
+  // A buffer for `views` end to end (one dtype: the state dtype).
+  Tensor pack(const std::vector<TensorView>& views) const {
+    std::int64_t n = 0;
+    for (const TensorView& v : views) n += v.numel();
+    return alloc_.empty({n}, views.front().dtype(), MemCategory::kCommBuffer);
+  }
+  static TensorView part(const Tensor& buffer, std::int64_t off, const TensorView& like) {
+    return buffer.view().slice0(off, off + like.numel()).reshape(like.shape());
+  }
+  const DeviceAlloc& alloc_;
+  std::map<int, std::vector<TensorView>> sends_, recvs_;
+};
+
 // Kogge-Stone inclusive scan of packed [M | U] affine maps over the segments in global order (dir = +1:
 // agg_i <- agg_i o agg_{i-o}) or in reverse order (dir = -1: agg_i <- agg_i o agg_{i+o}), for o = 1, 2, 4, ...
 // `mine` lists this rank's segments (indices into `segments`), `agg` their maps. Returns the number of rounds.
@@ -56,29 +115,24 @@ std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments,
   for (std::size_t j = 0; j < mine.size(); ++j) slot[mine[j]] = j;
   std::int64_t rounds = 0;
   for (int o = 1; o < n; o *= 2, ++rounds) {
-    std::vector<P2POp> ops;
+    PackedRound round(alloc);
     std::vector<Tensor> snapshot(mine.size()), received(mine.size());
     for (std::size_t j = 0; j < mine.size(); ++j) {
       snapshot[j] = alloc.copy_of(agg[j].view(), agg[j].dtype(), MemCategory::kCommBuffer);
     }
     for (std::size_t j = 0; j < mine.size(); ++j) {
       const int i = mine[j], to = i + dir * o, from = i - dir * o;
-      if (to >= 0 && to < n && segments[to].owner != me) {
-        ops.push_back(P2POp::send(snapshot[j].view(), segments[to].owner, kTagScan + to));
-      }
+      if (to >= 0 && to < n && segments[to].owner != me) round.send(snapshot[j].view(), segments[to].owner);
       if (from >= 0 && from < n) {
         received[j] = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
         if (segments[from].owner == me) {
           alloc.copy_convert(snapshot[slot[from]].view(), received[j].view());
         } else {
-          ops.push_back(P2POp::recv(received[j].view(), segments[from].owner, kTagScan + i));
+          round.recv(received[j].view(), segments[from].owner);
         }
       }
     }
-    if (!ops.empty()) {
-      WorkHandle w = ring.batch_isend_irecv(ops);
-      timed_wait(w, exposed_s);
-    }
+    round.run(ring, kTagScan, exposed_s);
     for (std::size_t j = 0; j < mine.size(); ++j) {
       if (!received[j].defined()) continue;
       Tensor next = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
@@ -116,14 +170,18 @@ std::vector<Tensor> scan_and_apply(Communicator& ring, const std::vector<Segment
 
 }  // namespace
 
-std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& positions_per_rank) {
+std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& tokens_per_rank) {
   std::vector<Segment> segs;
-  for (int r = 0; r < static_cast<int>(positions_per_rank.size()); ++r) {
-    const auto& pos = positions_per_rank[r];
-    for (std::size_t i = 0; i < pos.size();) {
+  for (int r = 0; r < static_cast<int>(tokens_per_rank.size()); ++r) {
+    const auto& tok = tokens_per_rank[r];
+    for (std::size_t i = 0; i < tok.size();) {
+      if (tok[i] < 0) {  // padding
+        ++i;
+        continue;
+      }
       std::size_t j = i + 1;
-      while (j < pos.size() && pos[j] == pos[j - 1] + 1) ++j;
-      segs.push_back({pos[i], static_cast<std::int64_t>(j - i), r, static_cast<std::int64_t>(i)});
+      while (j < tok.size() && tok[j] >= 0 && tok[j] == tok[j - 1] + 1) ++j;
+      segs.push_back({tok[i], static_cast<std::int64_t>(j - i), r, static_cast<std::int64_t>(i)});
       i = j;
     }
   }
@@ -131,18 +189,63 @@ std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std:
   return segs;
 }
 
+std::vector<SegmentPiece> segment_pieces(const Segment& seg, const std::vector<std::int64_t>& cu_seqlens) {
+  std::vector<SegmentPiece> pieces;
+  const std::int64_t end = seg.start + seg.length;
+  for (std::int64_t t = seg.start; t < end;) {
+    // The document of token t: the last d with cu_seqlens[d] <= t (it holds t, being non-empty).
+    const auto d =
+        static_cast<std::int64_t>(std::upper_bound(cu_seqlens.begin(), cu_seqlens.end(), t) - cu_seqlens.begin()) - 1;
+    const std::int64_t stop = std::min(end, cu_seqlens[d + 1]);
+    pieces.push_back({t - seg.start, stop - t, d, t == cu_seqlens[d], stop == cu_seqlens[d + 1]});
+    t = stop;
+  }
+  return pieces;
+}
+
+namespace {
+
+// ---- what the layers read from the layout: the token of every row (-1: padding) and the document bounds ----
+
+std::vector<std::int64_t> shard_tokens(const SequenceLayout& layout, int sp_rank) {
+  return layout.token_index(sp_rank);
+}
+
+// The rows of ring shard `ring_rank` (what a rank holds after the Ulysses all-to-all).
+std::vector<std::int64_t> ring_shard_tokens(const SequenceLayout& layout, int ring_rank) {
+  return layout.tokens_of_slots(layout.ring_shard_positions(ring_rank));
+}
+
+std::vector<std::int64_t> document_bounds(const SequenceLayout& layout) {
+  const std::span<const std::int64_t> cu = layout.cu_seqlens();
+  return {cu.begin(), cu.end()};
+}
+
+}  // namespace
+
 // ---- GDN under CP --------------------------------------------------------------------------------------------
 
 struct GdnContextParallel::Saved {
   // Ring-level (head-sharded) saved inputs and per-segment state.
   Tensor q, k, v, g, beta;
-  std::vector<Tensor> start;                          // start state of each of this rank's segments
-  std::vector<Tensor> map_m;                          // scan: M of each of this rank's segments
+  Tensor init;                                        // this rank's heads of initial_state (undefined: zeros)
+  std::vector<Tensor> start;                          // incoming state of each of this rank's segments
+  std::vector<Tensor> map_m;                          // scan: M of each segment that carries its incoming state
   std::int64_t batch = 0, heads = 0, dk = 0, dv = 0;  // heads: local value heads (Hv / Pu)
   std::int64_t key_heads = 0;                         // global key heads Hk (q, k)
+  std::int64_t num_docs = 1;                          // documents (1 for an unpacked layout)
+  bool packed = false;
   DType state_dtype = DType::kFloat32;
 
+  // One document's state (this rank's heads): [B, Hl, K, V], B = 1 when packed.
   Shape state_shape() const { return {batch, heads, dk, dv}; }
+  // Every document's states: [N, Hl, K, V] packed, [B, Hl, K, V] otherwise.
+  Shape states_shape() const { return {packed ? num_docs : batch, heads, dk, dv}; }
+  // Document d's state inside a states_shape() tensor (undefined stays empty: zeros).
+  TensorView doc_state(const Tensor& states, std::int64_t d) const {
+    if (!states.defined()) return {};
+    return packed ? states.view().slice0(d, d + 1) : states.view();
+  }
   Shape map_shape() const { return {batch, heads, dk, dk}; }
   // A map packed as [M | U] (what the scan sends) and its two parts.
   std::int64_t packed_numel() const { return shape_numel(map_shape()) + shape_numel(state_shape()); }
@@ -154,19 +257,33 @@ struct GdnContextParallel::Saved {
   }
 };
 
+namespace {
+
+// `count` maps packed as [M | U] (Saved::packed_numel), all zero.
+template <typename SavedT>
+std::vector<Tensor> zero_maps(const SavedT& s, std::size_t count, const DeviceAlloc& alloc) {
+  std::vector<Tensor> maps(count);
+  for (Tensor& m : maps) m = alloc.zeros({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+  return maps;
+}
+
+}  // namespace
+
 GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
-    : CpLayerBase(groups, layout, "GDN CP"), config_(config) {
+    : CpLayerBase(groups, layout, "GDN CP", /*supports_padding=*/true), config_(config) {
   SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
                "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
                "make every token its own segment");
   SEQPAR_CHECK(config.chunk_size >= 1, "GDN chunk_size ", config.chunk_size, " must be >= 1");
   SEQPAR_CHECK(std::isfinite(config.scale), "GDN scale ", config.scale, " must be finite (0 or less: 1/sqrt(K))");
-  std::vector<std::vector<std::int64_t>> ring_positions;
-  for (int r = 0; r < groups.ring_size(); ++r) ring_positions.push_back(layout_.ring_shard_positions(r));
-  segments_ = segments_in_global_order(ring_positions);
-  SEQPAR_CHECK(static_cast<std::int64_t>(segments_.size()) <= kMaxSegments, "GDN under CP: ", segments_.size(),
-               " segments exceed the supported ", kMaxSegments);
+  std::vector<std::vector<std::int64_t>> ring_tokens;
+  for (int r = 0; r < groups.ring_size(); ++r) ring_tokens.push_back(ring_shard_tokens(layout_, r));
+  ring_shard_rows_ = static_cast<std::int64_t>(ring_tokens[groups.ring.rank()].size());
+  segments_ = segments_in_global_order(ring_tokens);
+  cu_seqlens_ = document_bounds(layout_);
   for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
+    pieces_.push_back(segment_pieces(segments_[i], cu_seqlens_));
+    if (!pieces_.back().front().starts_doc) ++chain_links_;  // a state passes from segment i - 1 to segment i
     if (segments_[i].owner == groups.ring.rank()) {
       slot_[i] = mine_.size();
       mine_.push_back(i);
@@ -176,15 +293,15 @@ GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLay
 
 namespace {
 
-// Inputs of one segment, copied out of the ring-level tensors.
+// Inputs of `length` rows from `offset` of the ring-level tensors, copied out.
 struct SegmentInputs {
   Tensor q, k, v, g, beta;
 };
 
 template <typename SavedT>
-SegmentInputs segment_inputs(const SavedT& s, const Segment& seg, Stream stream) {
+SegmentInputs segment_inputs(const SavedT& s, std::int64_t offset, std::int64_t length, Stream stream) {
   const MemCategory c = MemCategory::kWorkspace;
-  auto rows = [&](const Tensor& t) { return take_rows(t.view(), seg.local_offset, seg.length, c, stream); };
+  auto rows = [&](const Tensor& t) { return take_rows(t.view(), offset, length, c, stream); };
   return {rows(s.q), rows(s.k), rows(s.v), rows(s.g), rows(s.beta)};
 }
 
@@ -208,12 +325,28 @@ UlyssesHeads gdn_ulysses_heads(std::int64_t H, std::int64_t Hk, int pu) {
   return UlyssesHeads(H, Hk, pu);
 }
 
-// Point-to-point exchange of one round: sends to and receives from other ranks (self-messages are the caller's).
-struct Round {
-  std::vector<P2POp> ops;
-  void send(const TensorView& t, int peer, int tag) { ops.push_back(P2POp::send(t, peer, tag)); }
-  void recv(const TensorView& t, int peer, int tag) { ops.push_back(P2POp::recv(t, peer, tag)); }
-};
+// The end of a chain phase: waits for this rank's sends (the wait counted as exposed) and adds the chain's sequential
+// rounds, one per link between segments.
+void finish_chain_sends(std::vector<WorkHandle>& sends, CpCounters& counters, std::int64_t links) {
+  for (auto& w : sends) timed_wait(w, &counters.exposed_comm_s);
+  counters.message_rounds += links;
+}
+
+// Every document's state summed over the ring (each is written by the one rank whose piece ends or starts the
+// document, zeros elsewhere: the sum is exact); then the zero-length documents', which pass `through` (their
+// initial state forward, their dfinal_state backward; zeros when undefined) unchanged.
+void finish_doc_states(Communicator& ring, const Tensor& states, const std::vector<std::int64_t>& cu_seqlens,
+                       const Tensor& through, bool packed, const DeviceAlloc& alloc, double* exposed_s) {
+  WorkHandle sum = ring.all_reduce(states.view(), ReduceOp::kSum);
+  timed_wait(ring, sum, exposed_s);
+  if (!packed) return;
+  for (std::size_t d = 0; d + 1 < cu_seqlens.size(); ++d) {
+    if (cu_seqlens[d] != cu_seqlens[d + 1]) continue;
+    const auto i = static_cast<std::int64_t>(d);
+    const TensorView dst = states.view().slice0(i, i + 1);
+    if (through.defined()) alloc.copy_convert(through.view().slice0(i, i + 1), dst);
+  }
+}
 
 }  // namespace
 
@@ -233,9 +366,9 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
                "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
                " must be [B, S_local, Hk, K], [B, S_local, Hk, K], [B, S_local, Hv, V], [B, S_local, Hv] x 2");
   const std::int64_t B = q.dim(0), sl = q.dim(1), Hk = q.dim(2), H = v.dim(2), K = q.dim(3), V = v.dim(3);
-  SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be seq_len ", layout_.seq_len(),
-               " / (ring_size ", layout_.ring_size(), " x ulysses_size ", layout_.ulysses_size(),
-               ") = ", layout_.local_len());
+  SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be the layout's local_len ",
+               layout_.local_len(), " (seq_len ", layout_.seq_len(), " over ring_size ", layout_.ring_size(),
+               " x ulysses_size ", layout_.ulysses_size(), ")");
   check_shape(v, {B, sl, H, V}, "GDN CP v");
   check_shape(g, {B, sl, H}, "GDN CP g");
   check_shape(beta, {B, sl, H}, "GDN CP beta");
@@ -248,13 +381,17 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   s.key_heads = Hk;
   s.dk = K;
   s.dv = V;
+  s.packed = layout_.is_packed();
+  s.num_docs = static_cast<std::int64_t>(cu_seqlens_.size()) - 1;
   s.state_dtype = accumulator_dtype(q.dtype());
+  SEQPAR_CHECK(!s.packed || B == 1, "GDN CP: a packed layout (", s.num_docs,
+               " documents in one row) needs batch size 1, got B = ", B);
   if (!initial_state.empty()) {
-    check_shape(initial_state, {B, H, K, V}, "GDN CP initial_state");
+    check_shape(initial_state, {s.packed ? s.num_docs : B, H, K, V}, "GDN CP initial_state");
     check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
   }
   // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
-  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, initial_state));
+  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, s.packed ? TensorView() : initial_state));
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
@@ -262,107 +399,122 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
 
   // Ulysses: [B, S_local, H, *] -> [B, S_ring, H/Pu, *] for the value heads; q and k follow their value heads (split
   // when Pu divides Hk, else each key head replicated to the Pu / Hk ranks whose value heads read it).
-  const std::int64_t sr = layout_.ring_shard_len();
+  const std::int64_t sr = ring_shard_rows_;
   s.q = a2a.kv_to_heads(q, heads, MemCategory::kSavedActivation);
   s.k = a2a.kv_to_heads(k, heads, MemCategory::kSavedActivation);
   s.v = a2a.to_heads(v, MemCategory::kSavedActivation);
   s.g = a2a.to_heads(g, MemCategory::kSavedActivation);
   s.beta = a2a.to_heads(beta, MemCategory::kSavedActivation);
-  // This rank's heads of the initial state.
-  Tensor init_local;
-  if (!initial_state.empty()) init_local = a2a.my_heads_dim1(initial_state);
+  // This rank's heads of the initial states.
+  if (!initial_state.empty()) s.init = a2a.my_heads_dim1(initial_state);
 
   const int n = static_cast<int>(segments_.size());
   const int me = ring.rank();
-  Tensor out_h = alloc.empty({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
-  Tensor last_final;  // final state of the last segment, on its owner
+  // Padding rows belong to no segment: their outputs stay 0.
+  Tensor out_h = alloc.zeros({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
+  // The end state of every document that ends in one of this rank's pieces (summed over the ring afterwards).
+  Tensor finals = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
   s.start.resize(mine_.size());
   s.map_m.resize(mine_.size());
 
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
-  auto run_segment = [&](std::size_t j, const TensorView& start, const TensorView& final_state) {
+  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
+  // Segment i continues the document of the segment before it (its first token starts no document): only then does a
+  // state pass between the two.
+  auto continues = [&](int i) { return !pieces_[i].front().starts_doc; };
+  // Runs the pieces of segment j that start a document (when `known`: from the document's initial state) and the
+  // piece that continues the previous segment's document (when `continuing`: from s.start[j]); writes their out
+  // rows and the end state of every document that ends here into `finals`. Returns the end state of the last piece
+  // run.
+  auto run_pieces = [&](std::size_t j, bool known, bool continuing) {
     const Segment& seg = segments_[mine_[j]];
-    const SegmentInputs in = segment_inputs(s, seg, stream);
-    Tensor out_seg = alloc.empty({B, seg.length, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
-    {
-      const ScopedTimer timer(counters_.compute_s);
-      attn::gdn_forward(forward_args(in, config_, start), out_seg.view(), final_state, stream);
+    Tensor end;
+    for (const SegmentPiece& p : pieces_[mine_[j]]) {
+      if (p.starts_doc ? !known : !continuing) continue;
+      const SegmentInputs in = segment_inputs(s, seg.local_offset + p.offset, p.length, stream);
+      Tensor out_p = alloc.empty({B, p.length, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
+      end = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+      {
+        const ScopedTimer timer(counters_.compute_s);
+        const TensorView start = p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view();
+        attn::gdn_forward(forward_args(in, config_, start), out_p.view(), end.view(), stream);
+      }
+      put_rows(out_p.view(), out_h.view(), seg.local_offset + p.offset, stream);
+      if (p.ends_doc) alloc.copy_convert(end.view(), s.doc_state(finals, p.doc));
     }
-    put_rows(out_seg.view(), out_h.view(), seg.local_offset, stream);
+    return end;
   };
 
   {
     const CommMeter meter(groups_, counters_);
     if (config_.mode == GdnCpMode::kChain) {
       std::vector<WorkHandle> sends;
-      std::vector<Tensor> finals(mine_.size());  // end states; alive until their sends complete
+      std::vector<Tensor> ends(mine_.size());  // end states; alive until their sends complete
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
         s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-        if (i == 0) {
-          if (init_local.defined()) alloc.copy_convert(init_local.view(), s.start[j].view());
-        } else if (segments_[i - 1].owner == me) {
-          alloc.copy_convert(finals[j - 1].view(), s.start[j].view());
-        } else {
-          wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, kTagChainFwd + i));
+        if (continues(i)) {  // i > 0: token 0 starts a document
+          if (segments_[i - 1].owner == me) {
+            alloc.copy_convert(ends[j - 1].view(), s.start[j].view());
+          } else {
+            wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, tag_of(kTagChainFwd, i)));
+          }
         }
-        finals[j] = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        run_segment(j, s.start[j].view(), finals[j].view());
-        if (i + 1 < n && segments_[i + 1].owner != me) {
-          sends.push_back(ring.isend(finals[j].view(), segments_[i + 1].owner, kTagChainFwd + i + 1));
+        ends[j] = run_pieces(j, true, true);
+        if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me) {
+          sends.push_back(ring.isend(ends[j].view(), segments_[i + 1].owner, tag_of(kTagChainFwd, i + 1)));
         }
-        if (i + 1 == n) last_final = alloc.copy_of(finals[j].view(), s.state_dtype, MemCategory::kWorkspace);
       }
-      for (auto& w : sends) wait_timed(std::move(w));
-      counters_.message_rounds += n - 1;
+      finish_chain(sends);
     } else {
-      // 1. Each segment's map from a zero start, packed as [M | U].
-      std::vector<Tensor> agg(mine_.size());
+      // 1. Each segment's map, packed as [M | U]: a segment that carries its incoming state through (one piece, which
+      // continues a document) has the map of that piece from a zero start; any other starts from known states only
+      // (M = 0), so its pieces run now and U is the end state of its last piece.
+      std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
       for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const SegmentInputs in = segment_inputs(s, segments_[mine_[j]], stream);
-        agg[j] = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
-        {
-          const ScopedTimer timer(counters_.compute_s);
-          attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
+        const int i = mine_[j];
+        if (pieces_[i].size() == 1 && continues(i)) {
+          const Segment& seg = segments_[i];
+          const SegmentInputs in = segment_inputs(s, seg.local_offset, seg.length, stream);
+          {
+            const ScopedTimer timer(counters_.compute_s);
+            attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
+          }
+          s.map_m[j] = alloc.copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
+        } else {
+          const Tensor end = run_pieces(j, true, false);
+          alloc.copy_convert(end.view(), s.u_of(agg[j]));
         }
-        s.map_m[j] = alloc.copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
       }
-      // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment from the global
-      // initial state; then a shift by one segment gives the start states.
+      // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment (U of its
+      // scanned map: the first segment starts a document, so no map depends on a state before the row); then a
+      // shift by one segment gives the incoming states.
       const std::vector<Tensor> end =
-          scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, init_local, counters_, alloc);
-      Round shift;
+          scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, Tensor(), counters_, alloc);
+      PackedRound shift(alloc);
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
         s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-        if (i + 1 < n && segments_[i + 1].owner != me)
-          shift.send(end[j].view(), segments_[i + 1].owner, kTagShift + i + 1);
-        if (i == 0) {
-          if (init_local.defined()) alloc.copy_convert(init_local.view(), s.start[j].view());
-        } else if (segments_[i - 1].owner == me) {
+        if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me)
+          shift.send(end[j].view(), segments_[i + 1].owner);
+        if (!continues(i)) continue;
+        if (segments_[i - 1].owner == me) {
           alloc.copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
         } else {
-          shift.recv(s.start[j].view(), segments_[i - 1].owner, kTagShift + i);
+          shift.recv(s.start[j].view(), segments_[i - 1].owner);
         }
       }
-      if (!shift.ops.empty()) wait_timed(ring.batch_isend_irecv(shift.ops));
+      shift.run(ring, kTagShift, &counters_.exposed_comm_s);
       if (n > 1) ++counters_.message_rounds;
-      // 4. Every segment runs from its start state.
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        Tensor fin = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-        run_segment(j, s.start[j].view(), fin.view());
-        if (mine_[j] + 1 == n) last_final = std::move(fin);
-      }
+      // 4. The pieces that continue a document run from their incoming state.
+      for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(j, false, true);
     }
   }
 
-  // final_state: broadcast from the last segment's owner over the ring, then gather heads over Ulysses.
+  // final_state: every document's end state summed over the ring, then the heads gathered over Ulysses.
   GdnCpOutput result;
-  Tensor final_local = last_final.defined() ? std::move(last_final)
-                                            : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-  WorkHandle bcast = ring.broadcast(final_local.view(), segments_.back().owner);
-  timed_wait(ring, bcast, &counters_.exposed_comm_s);
-  result.final_state = a2a.gather_heads_dim1(final_local.view());
+  finish_doc_states(ring, finals, cu_seqlens_, s.init, s.packed, alloc, &counters_.exposed_comm_s);
+  result.final_state = a2a.gather_heads_dim1(finals.view());
   result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
   a2a.to_sequence(out_h.view(), result.out.view());
   SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank() << "/"
@@ -385,13 +537,13 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   }
   const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, H = s.heads * pu, Hk = s.key_heads, K = s.dk, V = s.dv, sl = layout_.local_len(),
-                     sr = layout_.ring_shard_len();
+                     sr = ring_shard_rows_;
   const UlyssesHeads heads = gdn_ulysses_heads(H, Hk, pu);
   const DeviceAlloc alloc{common_device({s.q.view(), dout, dfinal_state}, "GDN CP backward (saved tensors, dout)"),
                           groups_.stream};
   check_grad_input(dout, {B, sl, H, V}, "GDN CP dout");
   if (!dfinal_state.empty()) {
-    check_shape(dfinal_state, {B, H, K, V}, "GDN CP dfinal_state");
+    check_shape(dfinal_state, {s.packed ? s.num_docs : B, H, K, V}, "GDN CP dfinal_state");
     check_dtype(dfinal_state, s.state_dtype, "GDN CP dfinal_state");
   }
   ctx.consume<Saved>(id_, "GDN CP");
@@ -407,40 +559,44 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const int n = static_cast<int>(segments_.size());
   const int me = ring.rank();
   // dq, dk of this rank's key heads; replicated key heads (Hk < Pu) are summed over their replicas afterwards, in
-  // the accumulation dtype (fp32, fp64 for fp64).
+  // the accumulation dtype (fp32, fp64 for fp64). Padding rows belong to no segment: their gradients stay 0.
   const DType qk_grad_dtype =
       heads.replication == 1 ? dtype : (dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
-  Tensor dq_h = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-  Tensor dk_h = alloc.empty(s.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-  Tensor dv_h = alloc.empty({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
-  Tensor dg_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
-  Tensor db_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
-  Tensor first_dinit;  // d(initial_state) of segment 0, on its owner
+  Tensor dq_h = alloc.zeros(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dk_h = alloc.zeros(s.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dv_h = alloc.zeros({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
+  Tensor dg_h = alloc.zeros({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
+  Tensor db_h = alloc.zeros({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
+  // d(initial_state) of every document that starts in one of this rank's pieces (summed over the ring afterwards).
+  Tensor dinits = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
 
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
-  // The backward arguments of segment j (its inputs and dout rows, owned by the returned struct; moving Tensors
-  // keeps their buffers, so the views in `args` stay valid).
-  struct SegmentBackward {
+  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
+  auto continues = [&](int i) { return !pieces_[i].front().starts_doc; };
+  // Segment i passes a state gradient back from the segment after it (its last token ends no document).
+  auto continued = [&](int i) { return !pieces_[i].back().ends_doc; };
+  // The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
+  // Tensors keeps their buffers, so the views in `args` stay valid).
+  struct PieceBackward {
     SegmentInputs in;
     Tensor dout;
     attn::GdnBackwardArgs args;
   };
-  auto segment_backward = [&](std::size_t j) {
-    const Segment& seg = segments_[mine_[j]];
-    SegmentBackward b{segment_inputs(s, seg, stream),
-                      take_rows(dout_h.view(), seg.local_offset, seg.length, MemCategory::kWorkspace, stream),
-                      {}};
-    b.args.fwd = forward_args(b.in, config_, s.start[j].view());
+  auto piece_backward = [&](std::size_t j, const SegmentPiece& p) {
+    const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
+    PieceBackward b{segment_inputs(s, offset, p.length, stream),
+                    take_rows(dout_h.view(), offset, p.length, MemCategory::kWorkspace, stream),
+                    {}};
+    b.args.fwd = forward_args(b.in, config_, p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view());
     b.args.dout = b.dout.view();
     return b;
   };
-  // Full backward of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
-  auto run_segment = [&](std::size_t j, const TensorView& ds_end) {
-    const Segment& seg = segments_[mine_[j]];
-    SegmentBackward b = segment_backward(j);
+  // Full backward of piece p of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
+  auto run_piece = [&](std::size_t j, const SegmentPiece& p, const TensorView& ds_end) {
+    const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
+    PieceBackward b = piece_backward(j, p);
     const SegmentInputs& in = b.in;
-    attn::GdnBackwardArgs& a = b.args;
-    a.dfinal_state = ds_end;
+    b.args.dfinal_state = ds_end;
     Tensor dq = alloc.empty(in.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
     Tensor dk = alloc.empty(in.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
     Tensor dv = alloc.empty(in.v.shape(), dtype, MemCategory::kWorkspace);
@@ -449,14 +605,33 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
     Tensor ds_start = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
     {
       const ScopedTimer timer(counters_.compute_s);
-      attn::gdn_backward(a, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
+      attn::gdn_backward(b.args, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
     }
-    put_rows(dq.view(), dq_h.view(), seg.local_offset, stream);
-    put_rows(dk.view(), dk_h.view(), seg.local_offset, stream);
-    put_rows(dv.view(), dv_h.view(), seg.local_offset, stream);
-    put_rows(dg.view(), dg_h.view(), seg.local_offset, stream);
-    put_rows(db.view(), db_h.view(), seg.local_offset, stream);
+    put_rows(dq.view(), dq_h.view(), offset, stream);
+    put_rows(dk.view(), dk_h.view(), offset, stream);
+    put_rows(dv.view(), dv_h.view(), offset, stream);
+    put_rows(dg.view(), dg_h.view(), offset, stream);
+    put_rows(db.view(), db_h.view(), offset, stream);
     return ds_start;
+  };
+  // Runs, last first, the pieces of segment j that end their document (when `known`: dS_end = that document's
+  // dfinal_state) and the piece whose document goes on in the next segment (when `waiting`: dS_end = ds_end_in);
+  // records dinitial_state of every document that starts here into `dinits`. Returns dS_start of the piece that
+  // continues the previous segment's document when it ran (the segment's dS_start), else an undefined tensor.
+  auto run_pieces = [&](std::size_t j, bool known, bool waiting, const TensorView& ds_end_in) {
+    Tensor seg_ds_start;
+    const std::vector<SegmentPiece>& pc = pieces_[mine_[j]];
+    for (auto it = pc.rbegin(); it != pc.rend(); ++it) {
+      const SegmentPiece& p = *it;
+      if (p.ends_doc ? !known : !waiting) continue;
+      Tensor ds = run_piece(j, p, p.ends_doc ? s.doc_state(dfinal_local, p.doc) : ds_end_in);
+      if (p.starts_doc) {
+        alloc.copy_convert(ds.view(), s.doc_state(dinits, p.doc));
+      } else {
+        seg_ds_start = std::move(ds);
+      }
+    }
+    return seg_ds_start;
   };
 
   {
@@ -467,57 +642,59 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
       for (std::size_t jj = mine_.size(); jj-- > 0;) {
         const int i = mine_[jj];
         Tensor ds_end = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        if (i == n - 1) {
-          if (dfinal_local.defined()) alloc.copy_convert(dfinal_local.view(), ds_end.view());
-        } else if (segments_[i + 1].owner == me) {
-          alloc.copy_convert(ds_starts[jj + 1].view(), ds_end.view());
-        } else {
-          wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, kTagChainBwd + i));
+        if (continued(i)) {  // i + 1 < n: the last token of the row ends a document
+          if (segments_[i + 1].owner == me) {
+            alloc.copy_convert(ds_starts[jj + 1].view(), ds_end.view());
+          } else {
+            wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, i)));
+          }
         }
-        ds_starts[jj] = run_segment(jj, ds_end.view());
-        if (i > 0 && segments_[i - 1].owner != me) {
-          sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, kTagChainBwd + i - 1));
+        ds_starts[jj] = run_pieces(jj, true, true, ds_end.view());
+        if (continues(i) && segments_[i - 1].owner != me) {
+          sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, tag_of(kTagChainBwd, i - 1)));
         }
-        if (i == 0) first_dinit = alloc.copy_of(ds_starts[jj].view(), s.state_dtype, MemCategory::kWorkspace);
       }
-      for (auto& w : sends) wait_timed(std::move(w));
-      counters_.message_rounds += n - 1;
+      finish_chain(sends);
     } else {
-      // 1. Local parts L (cheap reverse sweep) and the maps (M^T, L).
-      std::vector<Tensor> agg(mine_.size());
+      // 1. Each segment's map (M^T, L) of dS_start in terms of dS_end. A segment that carries its state through and
+      // whose last token ends no document: M^T and the local part L from the cheap reverse sweep. Any other: M = 0
+      // (dS_end comes from its documents' dfinal_state), its pieces that end a document run now, and L is the dS_start
+      // of its continuing piece (0 when its first token starts a document).
+      std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
       for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const SegmentBackward b = segment_backward(j);
-        agg[j] = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
-        const ScopedTimer timer(counters_.compute_s);
-        attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
-        attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
+        const int i = mine_[j];
+        if (pieces_[i].size() == 1 && continues(i) && continued(i)) {
+          const PieceBackward b = piece_backward(j, pieces_[i].front());
+          const ScopedTimer timer(counters_.compute_s);
+          attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
+          attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
+        } else {
+          const Tensor l = run_pieces(j, true, false, {});
+          if (l.defined()) alloc.copy_convert(l.view(), s.u_of(agg[j]));
+        }
       }
       // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
-      // of every segment; then a shift to the previous segment gives each dS_end.
-      const std::vector<Tensor> ds_start = scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1,
-                                                          agg, dfinal_local, counters_, alloc);
-      Round shift;
+      // of every segment (U of its scanned map: the last segment ends a document); then a shift to the previous
+      // segment gives each dS_end.
+      const std::vector<Tensor> ds_start =
+          scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1, agg, Tensor(), counters_, alloc);
+      PackedRound shift(alloc);
       std::vector<Tensor> ds_end(mine_.size());
       for (std::size_t j = 0; j < mine_.size(); ++j) {
         const int i = mine_[j];
         ds_end[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        if (i > 0 && segments_[i - 1].owner != me)
-          shift.send(ds_start[j].view(), segments_[i - 1].owner, kTagShift + i - 1);
-        if (i == n - 1) {
-          if (dfinal_local.defined()) alloc.copy_convert(dfinal_local.view(), ds_end[j].view());
-        } else if (segments_[i + 1].owner == me) {
+        if (continues(i) && segments_[i - 1].owner != me) shift.send(ds_start[j].view(), segments_[i - 1].owner);
+        if (!continued(i)) continue;
+        if (segments_[i + 1].owner == me) {
           alloc.copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
         } else {
-          shift.recv(ds_end[j].view(), segments_[i + 1].owner, kTagShift + i);
+          shift.recv(ds_end[j].view(), segments_[i + 1].owner);
         }
       }
-      if (!shift.ops.empty()) wait_timed(ring.batch_isend_irecv(shift.ops));
+      shift.run(ring, kTagShift, &counters_.exposed_comm_s);
       if (n > 1) ++counters_.message_rounds;
-      // 4. Full backward of every segment.
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        Tensor d0 = run_segment(j, ds_end[j].view());
-        if (mine_[j] == 0) first_dinit = std::move(d0);
-      }
+      // 4. The pieces whose document goes on in the next segment run with their dS_end.
+      for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(j, false, true, ds_end[j].view());
     }
   }
 
@@ -534,11 +711,8 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   grads.dv = gather(dv_h, {B, sl, H, V});
   grads.dg = gather(dg_h, {B, sl, H});
   grads.dbeta = gather(db_h, {B, sl, H});
-  Tensor dinit_local = first_dinit.defined() ? std::move(first_dinit)
-                                             : alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
-  WorkHandle bcast = ring.broadcast(dinit_local.view(), segments_.front().owner);
-  timed_wait(ring, bcast, &counters_.exposed_comm_s);
-  grads.dinitial_state = a2a.gather_heads_dim1(dinit_local.view());
+  finish_doc_states(ring, dinits, cu_seqlens_, dfinal_local, s.packed, alloc, &counters_.exposed_comm_s);
+  grads.dinitial_state = a2a.gather_heads_dim1(dinits.view());
   return grads;
 }
 
@@ -575,9 +749,44 @@ ShortConvContextParallel::ShortConvContextParallel(const CpGroups& groups, const
                                                    const ShortConvCpConfig& config)
     : groups_(groups), layout_(layout), config_(config) {
   check_layout_matches(groups, layout, "short conv CP");
-  for (int r = 0; r < groups.sp.size(); ++r) positions_.push_back(layout.positions(r));
-  segments_ = segments_in_global_order(positions_);
+  for (int r = 0; r < groups.sp.size(); ++r) tokens_.push_back(shard_tokens(layout, r));
+  segments_ = segments_in_global_order(tokens_);
+  cu_seqlens_ = document_bounds(layout);
 }
+
+namespace {
+
+// The conv arguments of one segment: its rows xs and, when it holds more than one document (a packed row, B = 1),
+// their bounds inside the segment with one conv state per piece: the halo for the first (zeros beyond its document's
+// start), zeros for the others (each starts a document).
+struct SegmentConv {
+  Tensor cu, states;
+  attn::ShortConvArgs args;
+};
+
+SegmentConv segment_conv(const TensorView& xs, const TensorView& weight, const TensorView& halo,
+                         const std::vector<SegmentPiece>& pieces, bool use_silu, const DeviceAlloc& alloc) {
+  SegmentConv c;
+  c.args.x = xs;
+  c.args.weight = weight;
+  c.args.use_silu = use_silu;
+  c.args.initial_conv_state = halo;
+  if (pieces.size() == 1) return c;
+  const auto np = static_cast<std::int64_t>(pieces.size());
+  c.cu = Tensor::empty({np + 1}, DType::kInt64, MemCategory::kWorkspace);
+  std::int64_t* cu = c.cu.data_as<std::int64_t>();
+  for (std::int64_t i = 0; i < np; ++i) cu[i] = pieces[i].offset;
+  cu[np] = pieces.back().offset + pieces.back().length;
+  c.args.cu_seqlens = c.cu.view();
+  if (!halo.empty()) {
+    c.states = alloc.zeros({np, halo.dim(1), halo.dim(2)}, halo.dtype(), MemCategory::kWorkspace);
+    alloc.copy_convert(halo, c.states.view().slice0(0, 1));
+    c.args.initial_conv_state = c.states.view();
+  }
+  return c;
+}
+
+}  // namespace
 
 const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std::int64_t W) {
   if (plan_ && plan_->width == W) return *plan_;
@@ -585,17 +794,23 @@ const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std
   const int me = groups_.sp.rank(), n = groups_.sp.size();
   auto plan = std::make_shared<HaloPlan>();
   plan->width = W;
-  std::vector<std::pair<int, std::int64_t>> where(static_cast<std::size_t>(layout_.seq_len()));
-  for (int r = 0; r < n; ++r)
-    for (std::size_t i = 0; i < positions_[r].size(); ++i) where[positions_[r][i]] = {r, static_cast<std::int64_t>(i)};
+  std::vector<std::pair<int, std::int64_t>> where(static_cast<std::size_t>(cu_seqlens_.back()));
+  for (int r = 0; r < n; ++r) {
+    for (std::size_t i = 0; i < tokens_[r].size(); ++i) {
+      if (tokens_[r][i] >= 0) where[tokens_[r][i]] = {r, static_cast<std::int64_t>(i)};
+    }
+  }
   plan->give.assign(n, {});
   plan->take_count.assign(n, 0);
   for (int i = 0; i < static_cast<int>(segments_.size()); ++i) {
     const Segment& seg = segments_[i];
+    // The halo stops at the start of the segment's first document: inputs before it are zeros.
+    const std::int64_t doc_start = cu_seqlens_[segment_pieces(seg, cu_seqlens_).front().doc];
     std::vector<HaloPlan::Need> need;
     for (std::int64_t w = W - 1; w >= 1; --w) {
       const std::int64_t p = seg.start - w;
-      need.push_back({p, p >= 0 ? where[p].first : -1, p >= 0 ? where[p].second : -1});
+      const bool inside = p >= doc_start;
+      need.push_back({p, inside ? where[p].first : -1, inside ? where[p].second : -1});
     }
     if (seg.owner == me) {
       plan->mine.push_back(i);
@@ -646,6 +861,8 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
     attn::check_short_conv_args(local);
   }
   const std::int64_t B = x.dim(0), C = x.dim(2), W = weight.dim(1);
+  SEQPAR_CHECK(!layout_.is_packed() || B == 1, "short conv CP: a packed layout (", cu_seqlens_.size() - 1,
+               " documents in one row) needs batch size 1, got B = ", B);
   const int me = groups_.sp.rank(), n = groups_.sp.size();
   const HaloPlan& plan = plan_for(W);
   const CommStreamScope stream_scope(groups_);
@@ -673,7 +890,7 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
   s->weight = alloc.copy_of(weight, weight.dtype(), MemCategory::kSavedActivation);
   s->width = W;
   ShortConvCpOutput o;
-  o.out = alloc.empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
+  o.out = alloc.zeros(x.shape(), x.dtype(), MemCategory::kWorkspace);  // padding rows stay 0
   // Assemble each segment's conv state (kept for the backward) and run it.
   s->halo.resize(plan.mine.size());
   for (std::size_t j = 0; j < plan.mine.size(); ++j) {
@@ -686,12 +903,9 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
     }
     Tensor xs = take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream);
     Tensor ys = alloc.empty(xs.shape(), x.dtype(), MemCategory::kWorkspace);
-    attn::ShortConvArgs a;
-    a.x = xs.view();
-    a.weight = weight;
-    a.initial_conv_state = W > 1 ? state.view() : TensorView();
-    a.use_silu = config_.use_silu;
-    attn::short_conv_forward(a, ys.view(), {}, stream);
+    const SegmentConv sc = segment_conv(xs.view(), weight, W > 1 ? state.view() : TensorView(),
+                                        segment_pieces(seg, cu_seqlens_), config_.use_silu, alloc);
+    attn::short_conv_forward(sc.args, ys.view(), {}, stream);
     put_rows(ys.view(), o.out.view(), seg.local_offset, stream);
     s->halo[j] = std::move(state);
   }
@@ -741,21 +955,22 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
     Tensor xs = to_acc(take_rows(x, seg.local_offset, seg.length, MemCategory::kWorkspace, stream));
     Tensor dys = to_acc(take_rows(dout, seg.local_offset, seg.length, MemCategory::kWorkspace, stream));
     Tensor halo = W > 1 ? alloc.copy_of(s->halo[j].view(), acc, MemCategory::kWorkspace) : Tensor();
-    attn::ShortConvArgs a;
-    a.x = xs.view();
-    a.weight = weight.view();
-    a.initial_conv_state = W > 1 ? halo.view() : TensorView();
-    a.use_silu = config_.use_silu;
+    const SegmentConv sc = segment_conv(xs.view(), weight.view(), W > 1 ? halo.view() : TensorView(),
+                                        segment_pieces(seg, cu_seqlens_), config_.use_silu, alloc);
     Tensor dxs = alloc.empty(xs.shape(), acc, MemCategory::kWorkspace);
     Tensor dws = alloc.empty(s->weight.shape(), acc, MemCategory::kWorkspace);
-    Tensor dstate = alloc.empty({B, W - 1, C}, acc, MemCategory::kWorkspace);
-    attn::short_conv_backward(a, dys.view(), dxs.view(), dws.view(), W > 1 ? dstate.view() : TensorView(), stream);
+    // d(conv states): one per piece; the first is the halo's gradient.
+    const std::int64_t nstates = sc.states.defined() ? sc.states.dim(0) : B;
+    Tensor dstates = alloc.empty({nstates, W - 1, C}, acc, MemCategory::kWorkspace);
+    attn::short_conv_backward(sc.args, dys.view(), dxs.view(), dws.view(), W > 1 ? dstates.view() : TensorView(),
+                              stream);
+    const TensorView dstate = sc.states.defined() ? dstates.view().slice0(0, 1) : dstates.view();
     // dx rows of the segment (segments are disjoint), then the halo gradients: into our own dx, or to their owners.
     index_add_rows(dxs.view(), 1, row_range(seg.local_offset, seg.length), dx32.view(), stream);
     add_inplace(dw32.view(), dws.view(), stream);
     for (const HaloPlan::Source& src : plan.sources[j]) {
       Tensor g = alloc.empty({B, static_cast<std::int64_t>(src.slots.size()), C}, acc, MemCategory::kWorkspace);
-      gather_rows(dstate.view(), 1, src.slots, g.view(), stream);
+      gather_rows(dstate, 1, src.slots, g.view(), stream);
       if (src.peer == me) {
         index_add_rows(g.view(), 1, src.rows, dx32.view(), stream);
       } else {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "attention/gdn.h"
 
@@ -32,9 +33,10 @@ void gdn_transition_apply_adjoint_cpu(const TensorView& m, const TensorView& ds_
                                       const TensorView& ds_start);
 void gdn_transition_transpose_cpu(const TensorView& m, const TensorView& mt);
 
-// x [B, S, C], weight [C, W].
+// x [B, S, C], weight [C, W]; cu_seqlens: the validated document bounds of a packed row (B = 1), empty otherwise.
 struct ShortConvDims {
   std::int64_t B = 0, S = 0, C = 0, W = 0;
+  std::vector<std::int64_t> cu_seqlens = {};
 };
 
 void short_conv_forward_cpu(const ShortConvArgs& args, const ShortConvDims& d, const TensorView& out,

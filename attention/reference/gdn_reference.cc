@@ -62,6 +62,25 @@ void normalise_backward(const double* x, std::int64_t n, bool l2, double s, cons
   for (std::int64_t i = 0; i < n; ++i) dx[i] = (s * dy[i] - x[i] * r * yd) * r;
 }
 
+// One independent sequence: tokens [begin, end) of batch row b, starting from state row `state` of the state
+// tensors. Unpacked: one per batch row ({b, 0, S, b}); packed (cu_seqlens, B = 1): one per document.
+struct Run {
+  std::int64_t b, begin, end, state;
+};
+
+std::vector<Run> runs_of(const TensorView& cu_seqlens, std::int64_t B, std::int64_t S) {
+  std::vector<Run> runs;
+  if (cu_seqlens.empty()) {
+    for (std::int64_t b = 0; b < B; ++b) runs.push_back({b, 0, S, b});
+    return runs;
+  }
+  SEQPAR_CHECK(B == 1, "gdn reference: a packed row must have B = 1, got ", B);
+  const std::int64_t* cu = cu_seqlens.data_as<std::int64_t>();
+  for (std::int64_t i = 0; i + 1 < cu_seqlens.numel(); ++i) runs.push_back({0, cu[i], cu[i + 1], i});
+  SEQPAR_CHECK(cu[0] == 0 && cu[cu_seqlens.numel() - 1] == S, "gdn reference: cu_seqlens must run from 0 to ", S);
+  return runs;
+}
+
 double scale_of(const GdnForwardArgs& a, std::int64_t K) {
   return a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(K));
 }
@@ -73,15 +92,16 @@ void gdn_forward(const GdnForwardArgs& a, const TensorView& out, const TensorVie
   const double scale = scale_of(a, d.K);
   const std::int64_t K = d.K, V = d.V;
   Vec s(K * V), q(K), k(K), u(V);
-  for (std::int64_t b = 0; b < d.B; ++b) {
+  for (const Run& run : runs_of(a.cu_seqlens, d.B, d.S)) {
+    const std::int64_t b = run.b;
     for (std::int64_t h = 0; h < d.H; ++h) {
-      const std::int64_t bh = b * d.H + h;
+      const std::int64_t bh = run.state * d.H + h;  // state row
       if (a.initial_state.empty()) {
         std::fill(s.begin(), s.end(), 0.0);
       } else {
         std::copy(f64(a.initial_state) + bh * K * V, f64(a.initial_state) + (bh + 1) * K * V, s.begin());
       }
-      for (std::int64_t t = 0; t < d.S; ++t) {
+      for (std::int64_t t = run.begin; t < run.end; ++t) {
         const std::int64_t tok = (b * d.S + t) * d.H + h;
         normalise(f64(a.q) + d.qk_row(b, t, h), K, a.use_qk_l2norm, scale, q.data());
         normalise(f64(a.k) + d.qk_row(b, t, h), K, a.use_qk_l2norm, 1.0, k.data());
@@ -118,22 +138,23 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq_out, const T
   for (const TensorView* t : {&dq_out, &dk_out}) {
     if (!t->empty()) std::fill(f64w(*t), f64w(*t) + t->numel(), 0.0);
   }
-  for (std::int64_t b = 0; b < d.B; ++b) {
+  for (const Run& run : runs_of(a.cu_seqlens, d.B, d.S)) {
+    const std::int64_t b = run.b;
     for (std::int64_t h = 0; h < d.H; ++h) {
-      const std::int64_t bh = b * d.H + h;
-      // Forward, keeping S_0 .. S_S.
+      const std::int64_t bh = run.state * d.H + h;  // state row
+      // Forward, keeping the run's states: states[t - begin] = S_{t-1}.
       if (a.initial_state.empty()) {
         std::fill(states.begin(), states.begin() + KV, 0.0);
       } else {
         std::copy(f64(a.initial_state) + bh * KV, f64(a.initial_state) + (bh + 1) * KV, states.begin());
       }
-      for (std::int64_t t = 0; t < d.S; ++t) {
+      for (std::int64_t t = run.begin; t < run.end; ++t) {
         const std::int64_t tok = (b * d.S + t) * d.H + h;
         normalise(f64(a.k) + d.qk_row(b, t, h), K, a.use_qk_l2norm, 1.0, k.data());
         const double* v = f64(a.v) + tok * V;
         const double lam = std::exp(f64(a.g)[tok]), bt = f64(a.beta)[tok];
-        const double* sp = states.data() + t * KV;
-        double* sn = states.data() + (t + 1) * KV;
+        const double* sp = states.data() + (t - run.begin) * KV;
+        double* sn = states.data() + (t - run.begin + 1) * KV;
         for (std::int64_t j = 0; j < V; ++j) {
           u[j] = 0;
           for (std::int64_t i = 0; i < K; ++i) u[j] += k[i] * sp[i * V + j];
@@ -149,7 +170,7 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq_out, const T
       } else {
         std::copy(f64(args.dfinal_state) + bh * KV, f64(args.dfinal_state) + (bh + 1) * KV, ds.begin());
       }
-      for (std::int64_t t = d.S - 1; t >= 0; --t) {
+      for (std::int64_t t = run.end - 1; t >= run.begin; --t) {
         const std::int64_t tok = (b * d.S + t) * d.H + h;
         const std::int64_t qk = d.qk_row(b, t, h);
         normalise(f64(a.q) + qk, K, a.use_qk_l2norm, scale, q.data());
@@ -157,8 +178,8 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq_out, const T
         const double* v = f64(a.v) + tok * V;
         const double* dout = args.dout.empty() ? nullptr : f64(args.dout) + tok * V;
         const double lam = std::exp(f64(a.g)[tok]), bt = f64(a.beta)[tok];
-        const double* sp = states.data() + t * KV;        // S_{t-1}
-        const double* sn = states.data() + (t + 1) * KV;  // S_t
+        const double* sp = states.data() + (t - run.begin) * KV;      // S_{t-1}
+        const double* sn = states.data() + (t - run.begin + 1) * KV;  // S_t
         // o_t = S_t^T q_t: dS_t += q_t do_t^T, dq_t = S_t do_t.
         for (std::int64_t i = 0; i < K; ++i) {
           dq[i] = 0;
@@ -229,23 +250,24 @@ void short_conv_forward(const ShortConvArgs& a, const TensorView& out, const Ten
   const std::int64_t B = a.x.dim(0), S = a.x.dim(1), C = a.x.dim(2), W = a.weight.dim(1);
   const double* x = f64(a.x);
   const double* w = f64(a.weight);
-  auto xin = [&](std::int64_t b, std::int64_t t, std::int64_t c) -> double {
-    if (t >= 0) return x[(b * S + t) * C + c];
+  // xin of run r at token t (t >= r.begin - (W-1)): the run's own tokens, else its conv state (or 0).
+  auto xin = [&](const Run& r, std::int64_t t, std::int64_t c) -> double {
+    if (t >= r.begin) return x[(r.b * S + t) * C + c];
     if (a.initial_conv_state.empty()) return 0.0;
-    return f64(a.initial_conv_state)[(b * (W - 1) + t + W - 1) * C + c];
+    return f64(a.initial_conv_state)[(r.state * (W - 1) + t - r.begin + W - 1) * C + c];
   };
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t t = 0; t < S; ++t) {
+  for (const Run& r : runs_of(a.cu_seqlens, B, S)) {
+    for (std::int64_t t = r.begin; t < r.end; ++t) {
       for (std::int64_t c = 0; c < C; ++c) {
         double y = 0;
-        for (std::int64_t j = 0; j < W; ++j) y += w[c * W + j] * xin(b, t - (W - 1) + j, c);
-        f64w(out)[(b * S + t) * C + c] = a.use_silu ? y / (1.0 + std::exp(-y)) : y;
+        for (std::int64_t j = 0; j < W; ++j) y += w[c * W + j] * xin(r, t - (W - 1) + j, c);
+        f64w(out)[(r.b * S + t) * C + c] = a.use_silu ? y / (1.0 + std::exp(-y)) : y;
       }
     }
     if (!final_conv_state.empty()) {
       for (std::int64_t i = 0; i < W - 1; ++i) {
         for (std::int64_t c = 0; c < C; ++c)
-          f64w(final_conv_state)[(b * (W - 1) + i) * C + c] = xin(b, S - (W - 1) + i, c);
+          f64w(final_conv_state)[(r.state * (W - 1) + i) * C + c] = xin(r, r.end - (W - 1) + i, c);
       }
     }
   }
@@ -258,29 +280,30 @@ void short_conv_backward(const ShortConvArgs& a, const TensorView& dout, const T
   const double* x = f64(a.x);
   const double* w = f64(a.weight);
   const bool has_init = !a.initial_conv_state.empty();
-  auto xin = [&](std::int64_t b, std::int64_t t, std::int64_t c) -> double {
-    if (t >= 0) return x[(b * S + t) * C + c];
+  auto xin = [&](const Run& r, std::int64_t t, std::int64_t c) -> double {
+    if (t >= r.begin) return x[(r.b * S + t) * C + c];
     if (!has_init) return 0.0;
-    return f64(a.initial_conv_state)[(b * (W - 1) + t + W - 1) * C + c];
+    return f64(a.initial_conv_state)[(r.state * (W - 1) + t - r.begin + W - 1) * C + c];
   };
-  Vec gx(B * S * C, 0.0), gw(C * W, 0.0), gi(B * std::max<std::int64_t>(W - 1, 0) * C, 0.0);
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t t = 0; t < S; ++t) {
+  const std::vector<Run> runs = runs_of(a.cu_seqlens, B, S);
+  Vec gx(B * S * C, 0.0), gw(C * W, 0.0), gi(runs.size() * std::max<std::int64_t>(W - 1, 0) * C, 0.0);
+  for (const Run& r : runs) {
+    for (std::int64_t t = r.begin; t < r.end; ++t) {
       for (std::int64_t c = 0; c < C; ++c) {
         double y = 0;
-        for (std::int64_t j = 0; j < W; ++j) y += w[c * W + j] * xin(b, t - (W - 1) + j, c);
-        double dy = f64(dout)[(b * S + t) * C + c];
+        for (std::int64_t j = 0; j < W; ++j) y += w[c * W + j] * xin(r, t - (W - 1) + j, c);
+        double dy = f64(dout)[(r.b * S + t) * C + c];
         if (a.use_silu) {
           const double sg = 1.0 / (1.0 + std::exp(-y));
           dy *= sg * (1.0 + y * (1.0 - sg));
         }
         for (std::int64_t j = 0; j < W; ++j) {
           const std::int64_t tt = t - (W - 1) + j;
-          gw[c * W + j] += dy * xin(b, tt, c);
-          if (tt >= 0) {
-            gx[(b * S + tt) * C + c] += w[c * W + j] * dy;
+          gw[c * W + j] += dy * xin(r, tt, c);
+          if (tt >= r.begin) {
+            gx[(r.b * S + tt) * C + c] += w[c * W + j] * dy;
           } else {
-            gi[(b * (W - 1) + tt + W - 1) * C + c] += w[c * W + j] * dy;
+            gi[(r.state * (W - 1) + tt - r.begin + W - 1) * C + c] += w[c * W + j] * dy;
           }
         }
       }

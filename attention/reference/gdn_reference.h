@@ -5,7 +5,9 @@
 // Recurrence (docs/design.md section 10.1), per batch b and value head h, with q_t and k_t of key head
 // h / (Hv / Hk) (dq and dk summed over the value heads that share a key head):
 //   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t,
-// after the optional L2 normalisation of q and k (eps kGdnL2NormEps) and the scale on q.
+// after the optional L2 normalisation of q and k (eps kGdnL2NormEps) and the scale on q. With cu_seqlens (B = 1) each
+// document runs that recurrence on its own tokens from its own state row, and the conv reads only its own document's
+// inputs and conv state row (attention/gdn.h): the loops below go document by document, token by token.
 // Backward: reverse mode of that recurrence with every state S_t kept (O(S K V) memory), written out step by step
 // in gdn_reference.cc; the tests check it against central finite differences.
 #pragma once
