@@ -401,6 +401,14 @@ TEST(Comm, InvalidArgumentsThrowBeforeCommunicating) {
         {P2POp::send(x, 0), P2POp::recv(buf.view().slice0(0, 4), 0), P2POp::recv(buf.view().slice0(3, 7), 0)});
   });
   EXPECT_TRUE(contains(m, "batch_isend_irecv: operations 1 and 2 ")) << m;
+  // The overlap found is with a buffer that is not the receive's neighbour in address order: a long send spans a
+  // short send and the receive.
+  Tensor wide = make(DType::kFloat32, 16);
+  m = error_of([&] {
+    w.batch_isend_irecv({P2POp::send(wide.view().slice0(0, 16), 0), P2POp::send(wide.view().slice0(0, 1), 0),
+                         P2POp::recv(wide.view().slice0(9, 10), 0)});
+  });
+  EXPECT_TRUE(contains(m, "batch_isend_irecv: operations 0 and 2 ")) << m;
   {
     const int right = mod(w.rank() + 1, p), left = mod(w.rank() - 1, p);
     Tensor in = make(DType::kFloat32, 8);
