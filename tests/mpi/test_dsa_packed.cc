@@ -102,7 +102,7 @@ Result run_cp(const SpGrid& grid, const SequenceLayout& layout, const DsaCpConfi
 }
 
 // Document by document on one device (no bounds), assembled in token space; topk shifted to the document's tokens.
-Result per_document(const Inputs& in, const std::vector<std::int64_t>& cu, std::int64_t K) {
+Result per_document(const Inputs& in, const std::vector<std::int64_t>& cu, std::int64_t K, std::int64_t window = 0) {
   const std::int64_t T = cu.back();
   Result all;
   all.lse.assign(static_cast<std::size_t>(H * T), 0.0);
@@ -110,7 +110,7 @@ Result per_document(const Inputs& in, const std::vector<std::int64_t>& cu, std::
     const std::int64_t start = cu[d], n = cu[d + 1] - cu[d];
     if (n == 0) continue;
     Inputs alone_in = in.rows(start, n);
-    const Result a = test::dsa_packed::run(alone_in, K, {}, {}, false);
+    const Result a = test::dsa_packed::run(alone_in, K, {}, {}, false, window);
     for (std::int64_t x : a.topk) all.topk.push_back(x < 0 ? -1 : x + start);
     for (auto [dst, src] :
          {std::pair{&all.out, &a.out}, std::pair{&all.dq, &a.dq}, std::pair{&all.dc, &a.dc},
@@ -143,10 +143,10 @@ const std::vector<LayoutKind> kAllKinds = {LayoutKind::kContiguous, LayoutKind::
 
 // Every USP grid, kind and selection mode on one packing (fp64 inputs): the CP result equals the per-document one.
 void check_packing(const std::vector<std::int64_t>& lens, std::int64_t K, std::uint64_t seed,
-                   const std::vector<LayoutKind>& kinds = kAllKinds) {
+                   const std::vector<LayoutKind>& kinds = kAllKinds, std::int64_t window = 0) {
   const std::vector<std::int64_t> cu = cu_seqlens_of(lens);
   const Inputs in(cu.back(), DType::kFloat64, seed);
-  const Result want = per_document(in, cu, K);
+  const Result want = per_document(in, cu, K, window);
   for (const SpGridConfig& gc : test::usp_grids(H)) {
     const SpGrid grid(world(), gc);
     const CpGroups groups = CpGroups::from(grid);
@@ -156,8 +156,9 @@ void check_packing(const std::vector<std::int64_t>& lens, std::int64_t K, std::u
         cfg.select = select;
         cfg.topk = K;
         cfg.dim_v = Dv;
-        const std::string what = str_cat("T=", cu.back(), " docs=", lens.size(), " k=", K, " ", grid.str(), " ",
-                                         layout_name(kind), " ", dsa_select_mode_name(select));
+        cfg.window = window;
+        const std::string what = str_cat("T=", cu.back(), " docs=", lens.size(), " k=", K, " W=", window, " ",
+                                         grid.str(), " ", layout_name(kind), " ", dsa_select_mode_name(select));
         expect_match(run_cp(grid, SequenceLayout::packed_for_groups(groups, cu, kind), cfg, in, what), want, what);
       }
     }
@@ -167,6 +168,11 @@ void check_packing(const std::vector<std::int64_t>& lens, std::int64_t K, std::u
 // An odd total with zero-length documents, documents of length 1, documents shorter than k and than the number of
 // ranks, and a long one.
 TEST(DsaPacked, MixedDocumentsMatchEachDocumentAlone) { check_packing({37, 1, 0, 64, 3, 0, 90, 2}, 8, 11); }
+
+// The indexer's sliding window counts inside each document (ring selection moves only the rows a window can see).
+TEST(DsaPacked, WindowInsideDocuments) {
+  check_packing({37, 1, 0, 64, 3, 0, 90, 2}, 8, 16, {LayoutKind::kZigzag, LayoutKind::kBalanced}, 6);
+}
 
 TEST(DsaPacked, AllDocumentsOfLengthOne) {
   check_packing(std::vector<std::int64_t>(13, 1), 4, 12, {LayoutKind::kZigzag, LayoutKind::kBalanced});

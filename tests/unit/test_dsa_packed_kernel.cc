@@ -42,7 +42,8 @@ struct Row {
   }
 };
 
-void expect_each_document_alone(const Row& row, DType dtype, std::int64_t K, std::uint64_t seed) {
+void expect_each_document_alone(const Row& row, DType dtype, std::int64_t K, std::uint64_t seed,
+                                std::int64_t window = 0) {
   const std::int64_t S = row.slots();
   Inputs in(S, dtype, seed);
   Pos lo, hi;
@@ -65,16 +66,16 @@ void expect_each_document_alone(const Row& row, DType dtype, std::int64_t K, std
                   static_cast<std::size_t>(per) * dtype_size(t->dtype()));
     }
   }
-  const Result got = run(in, K, lo, hi, false);
+  const Result got = run(in, K, lo, hi, false, window);
   const double tol = dtype == DType::kFloat64 ? 1e-12 : 2e-5;
-  const std::string what = str_cat(dtype_name(dtype), " S=", S, " K=", K);
+  const std::string what = str_cat(dtype_name(dtype), " S=", S, " K=", K, " window=", window);
   double loss_sum = 0.0;
   for (std::size_t d = 0, s0 = 0; d < row.lens.size(); ++d) {
     const std::int64_t start = static_cast<std::int64_t>(s0), n = row.lens[d];
     s0 += static_cast<std::size_t>(n + row.pad[d]);
     if (n == 0) continue;
     Inputs alone_in = in.rows(start, n);
-    const Result alone = run(alone_in, K, {}, {}, false);
+    const Result alone = run(alone_in, K, {}, {}, false, window);
     const std::string doc = str_cat(what, " document ", d, " (len ", n, ")");
     for (std::int64_t i = 0; i < n * K; ++i) {
       const std::int64_t want = alone.topk[static_cast<std::size_t>(i)];
@@ -116,7 +117,7 @@ void expect_each_document_alone(const Row& row, DType dtype, std::int64_t K, std
   }
   if (dtype != DType::kFloat64) return;
   // The fp64 reference tests the document per (query, key) pair: an independent implementation of the bounds.
-  const Result ref = run(in, K, lo, hi, true);
+  const Result ref = run(in, K, lo, hi, true, window);
   EXPECT_EQ(got.topk, ref.topk) << what << " vs reference";
   EXPECT_TRUE(test::all_close(got.out, ref.out, 1e-12, 1e-12, what + " out vs reference"));
   EXPECT_TRUE(test::all_close(got.dq, ref.dq, 1e-11, 1e-11, what + " dq vs reference"));
@@ -142,6 +143,13 @@ TEST(DsaPackedKernel, EachDocumentAsIfAlone) {
     for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
       for (std::int64_t K : {8, 70}) expect_each_document_alone(row, dtype, K, seed += 10);
     }
+  }
+}
+
+// A sliding window of the indexer counts from the document's own start (slot distances inside a document).
+TEST(DsaPackedKernel, WindowInsideDocuments) {
+  for (std::int64_t window : {1, 6, 40}) {
+    expect_each_document_alone({{20, 5, 0, 33}, {3, 0, 2, 7}}, DType::kFloat64, 8, 300 + window, window);
   }
 }
 

@@ -60,12 +60,13 @@ struct Result {
 
 // Kernels (reference = false) or the fp64 reference: top-k with document bounds, attention forward and backward,
 // indexer loss with its gradients. Positions 0..S-1 (the slots of the row).
-inline Result run(Inputs& in, std::int64_t K, const Pos& lo, const Pos& hi, bool reference) {
+inline Result run(Inputs& in, std::int64_t K, const Pos& lo, const Pos& hi, bool reference, std::int64_t window = 0) {
   const std::int64_t S = in.q.dim(1);
   const DType acc = accumulator_dtype(in.q.dtype());
   attn::DsaIndexerArgs ia{in.q_idx, in.w, in.k_idx, {}, {}};
   ia.doc_lo = lo;
   ia.doc_hi = hi;
+  ia.window = window;
   Tensor topk = Tensor::empty({1, S, K}, DType::kInt64, MemCategory::kWorkspace);
   Tensor out = Tensor::empty({1, S, H, Dv}, reference ? DType::kFloat64 : in.q.dtype(), MemCategory::kWorkspace);
   Tensor lse = Tensor::empty({1, H, S}, reference ? DType::kFloat64 : acc, MemCategory::kWorkspace);
