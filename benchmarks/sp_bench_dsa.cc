@@ -142,14 +142,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     NamedArrays r;
     r.emplace_back("out", gather(out_.out, out_shape(o_.seq), 1));
     r.emplace_back("lse", gather(out_.lse, lse_shape(), 2));
-    // slot positions -> token indices (the same where the layout pads nothing)
-    std::int64_t* slots = out_.topk_indices.data_as<std::int64_t>();
-    std::vector<std::int64_t> selected;
-    for (std::int64_t i = 0; i < out_.topk_indices.numel(); ++i)
-      if (slots[i] >= 0) selected.push_back(slots[i]);
-    const std::vector<std::int64_t> tokens = dsa_->layout().tokens_of_slots(selected);
-    for (std::int64_t i = 0, n = 0; i < out_.topk_indices.numel(); ++i)
-      if (slots[i] >= 0) slots[i] = tokens[static_cast<std::size_t>(n++)];
+    dsa_topk_slots_to_tokens(dsa_->layout(), out_.topk_indices.view());  // the same where nothing is padded
     r.emplace_back("topk_indices", gather(out_.topk_indices, topk_shape(), 1));
     npy::HostArray loss(DType::kFloat64, {1});
     reinterpret_cast<double*>(loss.bytes.data())[0] = grads_.loss;

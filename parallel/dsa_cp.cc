@@ -48,6 +48,14 @@ attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, 
 
 }  // namespace
 
+void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& topk_indices) {
+  SEQPAR_CHECK(topk_indices.dtype() == DType::kInt64 && topk_indices.device().is_cpu(),
+               "dsa_topk_slots_to_tokens: topk_indices ", topk_indices.str(), " must be an int64 host tensor");
+  std::int64_t* t = static_cast<std::int64_t*>(topk_indices.data());
+  for (std::int64_t i = 0; i < topk_indices.numel(); ++i)
+    if (t[i] >= 0) t[i] = layout.token_of_slot(t[i]);
+}
+
 struct DsaContextParallel::Saved {
   Tensor q_h, c_ring, topk_ring, out_h, lse_h;     // head-sharded attention side
   Tensor q_idx, k_idx, w, topk_local, sel_scores;  // sequence-sharded indexer side

@@ -85,6 +85,11 @@ struct DsaCpGrads {
   double loss = 0;  // indexer KL loss summed over the whole sequence (the same on every rank)
 };
 
+// Rewrites topk_indices ([..., k] int64 host tensor, e.g. DsaCpOutput::topk_indices) in place from slot positions of
+// `layout` to token indices of the user's row (SequenceLayout::token_of_slot; selected slots always hold tokens);
+// -1 stays -1. No communication. Errors: a non-int64 or non-host tensor.
+void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& topk_indices);
+
 class DsaContextParallel : public CpLayerBase {
  public:
   DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config);

@@ -79,17 +79,9 @@ Result run_cp(const SpGrid& grid, const SequenceLayout& layout, const DsaCpConfi
   expect_clean_padding(layout, r, o, g, what);
   Communicator& sp = grid.sp();
   Result res;
-  // topk slots -> token indices (-1 stays -1) before the gather
-  {
-    std::int64_t* t = o.topk_indices.data_as<std::int64_t>();
-    std::vector<std::int64_t> slots(t, t + o.topk_indices.numel()), valid;
-    for (std::int64_t s : slots)
-      if (s >= 0) valid.push_back(s);
-    const std::vector<std::int64_t> tokens = layout.tokens_of_slots(valid);
-    for (std::size_t i = 0, v = 0; i < slots.size(); ++i) t[i] = slots[i] < 0 ? -1 : tokens[v++];
-    for (double x : gathered(sp, layout, o.topk_indices, o.topk_indices.shape()))
-      res.topk.push_back(static_cast<std::int64_t>(x));
-  }
+  dsa_topk_slots_to_tokens(layout, o.topk_indices.view());  // before the gather
+  for (double x : gathered(sp, layout, o.topk_indices, o.topk_indices.shape()))
+    res.topk.push_back(static_cast<std::int64_t>(x));
   res.out = gathered(sp, layout, o.out, o.out.shape());
   res.lse = gathered(sp, layout, o.lse, o.lse.shape(), 2);
   res.dq = gathered(sp, layout, g.dq, g.dq.shape());
