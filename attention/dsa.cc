@@ -93,6 +93,10 @@ cpu::DsaIndexerShape validate_indexer(const DsaIndexerArgs& a) {
   s.k_pos = detail::positions_or_iota(a.k_pos, s.Sk, "k_pos", "Sk");
   detail::check_strictly_increasing(s.k_pos, "k_pos");
   SEQPAR_CHECK(a.window >= 0, "indexer window ", a.window, " must be >= 0 (0: no window)");
+  SEQPAR_CHECK(
+      a.doc_lo.size() == a.doc_hi.size() && (a.doc_lo.empty() || static_cast<std::int64_t>(a.doc_lo.size()) == s.Sq),
+      "indexer doc_lo / doc_hi have ", a.doc_lo.size(), " / ", a.doc_hi.size(),
+      " entries, expected both 0 (no document bounds) or both Sq = ", s.Sq);
   return s;
 }
 

@@ -12,9 +12,17 @@
 //              dI_tj = softmax_{J_t}(I_t)_j - p*_tj, then through the relu into q_idx, k_idx and w.
 // The main output gets no gradient from L and the indexer none from the main output.
 //
-// Positions are global token indices (std::span<const int64_t>; empty = 0, 1, 2, ...). Key j is visible to query t
-// iff pos_k(j) <= pos_q(t); with DsaIndexerArgs::window W > 0, only keys with pos_q(t) - pos_k(j) < W are candidates
-// of the selection (a sliding window for the indexer; attention and loss follow the selection). Every function below
+// Positions are global positions (std::span<const int64_t>; empty = 0, 1, 2, ...): token indices of an unpacked row,
+// or the SLOT positions of a layout (parallel/layout.h) for packed and padded rows, so that topk_indices hold slot
+// positions, like every other position of the library (map them to tokens with SequenceLayout::tokens_of_slots; inside
+// a document a slot difference is a token distance). Key j is visible to query t iff pos_k(j) <= pos_q(t) and, with
+// DsaIndexerArgs::doc_lo / doc_hi (packed rows, docs/design.md section 15.5), doc_lo[t] <= pos_k(j) < doc_hi[t]: the
+// indexer scores, the top-k and hence the attention and the indexer loss see only the query's own document (top-k
+// padded with -1 when the document prefix is shorter than k); a query with doc_lo >= doc_hi (a padding row) selects
+// nothing: out 0, lse -inf, loss 0, no gradient. With DsaIndexerArgs::window W > 0, only keys with
+// pos_q(t) - pos_k(j) < W are candidates of the selection (a sliding window for the indexer, counting inside the
+// document; attention and loss follow the selection). The kernels narrow each query's candidate key range by binary
+// search (keys are sorted), so the bounds cost no per-key test. Every function below
 // takes ONE BLOCK of keys (index keys or latents) with their global positions, so that a context-parallel caller can
 // feed blocks that arrive from other ranks, in any order:
 //
@@ -104,8 +112,12 @@ struct DsaIndexerArgs {
   std::span<const std::int64_t> q_pos;  // [Sq] global positions, any order (empty: 0..Sq-1)
   std::span<const std::int64_t> k_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
   std::int64_t window = 0;  // > 0: keys with q_pos - k_pos >= window are not candidates of the selection; 0: none
+  // Per query: the key positions [doc_lo[t], doc_hi[t]) of its document (packed rows, SequenceLayout::doc_bounds);
+  // both empty: no document bound. Only the selection reads them (see the header comment). Views kept alive by the
+  // caller for the call.
+  std::span<const std::int64_t> doc_lo{}, doc_hi{};
 };
-// q_idx, w, k_idx: any floating dtype, all the same.
+// q_idx, w, k_idx: any floating dtype, all the same. doc_lo / doc_hi: both empty or both of size Sq.
 
 // The running top-k of every query: scores [B, Sq, k] of the accumulator dtype of the indexer inputs (fp64 for fp64
 // inputs, so that ties are decided on the fp64 scores) and positions [B, Sq, k] int64, owned by the caller.

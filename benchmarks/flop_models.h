@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace seqpar::bench {
 
@@ -16,6 +17,7 @@ struct DsaFlopShape {
   std::int64_t heads = 0, head_dim = 0, dim_v = 0;  // H, Dqk, Dv
   std::int64_t indexer_heads = 0, indexer_dim = 0;  // Hi, Di
   std::int64_t topk = 0, window = 0;                // k; window W > 0 caps the candidates of a query
+  std::vector<std::int64_t> doc_lens;               // a packed row's document lengths (batch 1); empty: one of seq
 };
 
 // Attention: 2 H (Dqk + Dv) per (query, selected key) pair (scores and the weighted value sum).
@@ -26,12 +28,20 @@ inline double dsa_attention_flops_per_pair(const DsaFlopShape& s) {
 inline double dsa_indexer_flops_per_pair(const DsaFlopShape& s) {
   return 2.0 * static_cast<double>(s.indexer_heads) * static_cast<double>(s.indexer_dim);
 }
-// sum_{t=0}^{S-1} min(m, t+1) = m (m + 1) / 2 + (S - m) m with m = min(cap, S), times the batch.
+// Per document of L tokens (a query sees keys of its own document only): sum_{t=0}^{L-1} min(m, t+1) =
+// m (m + 1) / 2 + (L - m) m with m = min(cap, L); summed over the documents (one of S tokens when not packed), times
+// the batch.
 inline double dsa_capped_pairs(const DsaFlopShape& s, std::int64_t cap) {
-  const double n = static_cast<double>(s.seq), m = static_cast<double>(std::min(cap, s.seq));
-  return static_cast<double>(s.batch) * (m * (m + 1) / 2 + (n - m) * m);
+  double pairs = 0;
+  const auto add = [&](std::int64_t len) {
+    const double n = static_cast<double>(len), m = static_cast<double>(std::min(cap, len));
+    pairs += m * (m + 1) / 2 + (n - m) * m;
+  };
+  if (s.doc_lens.empty()) add(s.seq);
+  for (const std::int64_t len : s.doc_lens) add(len);
+  return static_cast<double>(s.batch) * pairs;
 }
-// The candidates of query t: its t + 1 visible keys, or the last min(W, t + 1) with a window W.
+// The candidates of query t: its t + 1 visible keys (of its document), or the last min(W, t + 1) with a window W.
 inline std::int64_t dsa_candidate_cap(const DsaFlopShape& s) { return s.window > 0 ? s.window : s.seq; }
 // (query, selected key) pairs: query t selects min(k, candidates) keys.
 inline double dsa_selected_pairs(const DsaFlopShape& s) {

@@ -11,6 +11,10 @@
 // indexer's layout in DeepSeek's fixed inference code), all at the global positions and before the layer; the
 // gradients get the transposed rotations after it; YaRN's mscale_all_dim multiplies the attention's softmax scale by
 // mscale^2 (attn::rope_softmax_scale_factor).
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy) and lengths that need padding (docs/design.md section 15.5):
+// the layer runs on sp_bench_layout (padding rows zero, RoPE at the positions inside each document), its topk_indices
+// (slot positions) are mapped to token indices before they are gathered, and the references are one call over the
+// whole row with the documents' bounds (attn::DsaIndexerArgs doc_lo / doc_hi): the single-rank packed result.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -55,7 +59,8 @@ float dsa_softmax_scale(const SpBenchOptions& o) {
 
 // Model FLOPs (benchmarks/flop_models.h, README "FLOPs") of the options' shapes.
 DsaFlopShape dsa_flop_shape(const SpBenchOptions& o) {
-  return {o.batch, o.seq, o.heads, o.head_dim, o.dim_v, o.indexer_heads, o.indexer_dim, o.topk, o.window};
+  return {o.batch,         o.seq,         o.heads, o.head_dim, o.dim_v,
+          o.indexer_heads, o.indexer_dim, o.topk,  o.window,   o.packed() ? o.doc_lens : std::vector<std::int64_t>{}};
 }
 double attention_flops_per_pair(const SpBenchOptions& o) { return dsa_attention_flops_per_pair(dsa_flop_shape(o)); }
 double indexer_flops_per_pair(const SpBenchOptions& o) { return dsa_indexer_flops_per_pair(dsa_flop_shape(o)); }
@@ -64,13 +69,21 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
  public:
   DsaWorkload(const SpBenchOptions& o, const SpGrid& grid)
       : o_(o), grid_(grid), groups_(CpGroups::from(grid)), rope_(dsa_rope_targets(o)) {
+    const SequenceLayout layout = sp_bench_layout(o);
+    tokens_ = layout.token_index(grid.coords().sp_rank);
+    rope_positions_ = layout.rope_positions(grid.coords().sp_rank);
+    if (o.packed()) {
+      const SequenceLayout one = SequenceLayout::packed(LayoutKind::kContiguous, layout.cu_seqlens(), 1);
+      ref_docs_ = one.doc_bounds(0);
+      ref_rope_positions_ = one.rope_positions(0);
+    }
     DsaCpConfig cfg;
     cfg.select = parse_dsa_select_mode(o.dsa_select);
     cfg.topk = o.topk;
     cfg.dim_v = o.dim_v;
     cfg.scale = dsa_softmax_scale(o);
     cfg.window = o.window;
-    dsa_ = std::make_unique<DsaContextParallel>(groups_, SequenceLayout::for_groups(groups_, o.seq, o.layout), cfg);
+    dsa_ = std::make_unique<DsaContextParallel>(groups_, layout, cfg);
   }
 
   std::vector<TensorSpec> input_specs() const override { return dsa_input_specs(o_); }
@@ -100,13 +113,14 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     const DType t = o_.dtype;
     in_ = local_tensors(t, {q_shape(local), c_shape(local), q_idx_shape(local), k_idx_shape(local), w_shape(local)});
     in_.push_back(Tensor::empty(out_shape(local), t, MemCategory::kWorkspace));  // dout
-    fill(full, dsa_->positions(), views_of(in_));
+    fill(full, tokens_, views_of(in_));
   }
 
   NamedArrays gather_outputs() override {
     NamedArrays r;
     r.emplace_back("out", gather(out_.out, out_shape(o_.seq), 1));
     r.emplace_back("lse", gather(out_.lse, lse_shape(), 2));
+    dsa_topk_slots_to_tokens(dsa_->layout(), out_.topk_indices.view());  // the same where nothing is padded
     r.emplace_back("topk_indices", gather(out_.topk_indices, topk_shape(), 1));
     npy::HostArray loss(DType::kFloat64, {1});
     reinterpret_cast<double*>(loss.bytes.data())[0] = grads_.loss;
@@ -124,7 +138,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   void reference_setup(const NamedArrays* full) override {
     ref_in_ = full_inputs(full);
     ref_rot_ = ref_in_;
-    rope_named(rope_, ref_rot_, /*backward=*/false);
+    rope_named(rope_, ref_rot_, /*backward=*/false, false, ref_rope_positions_);
     const DType acc = accumulator_dtype(o_.dtype);  // lse and the loss arrays (fp64 for fp64 inputs)
     ref_out_ = zero_arrays(output_specs(o_.dtype, acc, true));
     // Work arrays of the indexer loss, indexed like topk_indices.
@@ -159,7 +173,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     ref("loss").data_as<double>()[0] = loss;
     attn::dsa_indexer_backward(ref_indexer_args(), ref("topk_indices"), ref_dscores_.view(), ref("dq_idx"), ref("dw"),
                                ref("dk_idx"), /*accumulate=*/false);
-    rope_named(rope_, ref_out_, /*backward=*/true);
+    rope_named(rope_, ref_out_, /*backward=*/true, false, ref_rope_positions_);
   }
   NamedArrays reference_outputs() override { return ref_out_; }
 
@@ -167,7 +181,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   // indexer scores and per-head masked softmax, in fp64. topk_indices has no fp64 counterpart.
   NamedArrays fp64_reference_outputs() override {
     NamedArrays in = widen_to_fp64(ref_in_);
-    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true);
+    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true, ref_rope_positions_);
     const DType f64 = DType::kFloat64;
     NamedArrays r = zero_arrays(output_specs(f64, f64, false));
     attn::DsaAttentionArgs a;
@@ -181,12 +195,14 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     idx.w = find_array(in, "w").view();
     idx.k_idx = find_array(in, "k_idx").view();
     idx.window = o_.window;
+    idx.doc_lo = ref_docs_.lo;
+    idx.doc_hi = ref_docs_.hi;
     const auto out = [&](const char* name) { return find_array(r, name).view(); };
     attn::reference::dsa_attention_forward(a, out("out"), out("lse"));
     attn::reference::dsa_attention_backward(a, find_array(in, "dout").view(), out("dq"), out("dc"));
     out("loss").data_as<double>()[0] =
         attn::reference::dsa_indexer_loss(a, idx, out("dq_idx"), out("dw"), out("dk_idx"));
-    rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true);
+    rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true, ref_rope_positions_);
     return r;
   }
 
@@ -243,6 +259,8 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     a.w = find_array(ref_rot_, "w").view();
     a.k_idx = find_array(ref_rot_, "k_idx").view();
     a.window = o_.window;
+    a.doc_lo = ref_docs_.lo;  // packed: each token's document (slots = tokens on one rank)
+    a.doc_hi = ref_docs_.hi;
     return a;
   }
   attn::DsaAttentionArgs ref_attention_args() const {
@@ -266,12 +284,12 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   DsaCpOutput run_forward() override {
     if (rope_.empty()) return dsa_->forward(in_[kQ], in_[kC], in_[kQIdx], in_[kKIdx], in_[kW]);
     rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kC].view(), in_[kQIdx].view(), in_[kKIdx].view()},
-                                   dsa_->positions());
+                                   rope_positions_);
     return dsa_->forward(rotated_[0], rotated_[1], rotated_[2], rotated_[3], in_[kW]);
   }
   DsaCpGrads run_backward(CpContext&& ctx) override {
     DsaCpGrads g = dsa_->backward(std::move(ctx), in_[kDout]);
-    rope_backward_all(rope_, {g.dq.view(), g.dc.view(), g.dq_idx.view(), g.dk_idx.view()}, dsa_->positions());
+    rope_backward_all(rope_, {g.dq.view(), g.dc.view(), g.dq_idx.view(), g.dk_idx.view()}, rope_positions_);
     return g;
   }
   // Executed FLOPs from the pairs the forward attended (the backward revisits them at 2.5 x the cost).
@@ -292,10 +310,14 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   CpGroups groups_;
   std::unique_ptr<DsaContextParallel> dsa_;
   enum Input { kQ, kC, kQIdx, kKIdx, kW, kDout };
-  std::vector<Tensor> in_;        // this rank's q, c, q_idx, k_idx, w, dout
-  std::vector<RopeTarget> rope_;  // the rotated inputs (dsa_rope_targets)
-  std::vector<Tensor> rotated_;   // their rotated copies of the last forward
-  double attention_pairs_ = 0;    // (query, selected key) x local heads of the last forward on this rank
+  std::vector<Tensor> in_;                        // this rank's q, c, q_idx, k_idx, w, dout
+  std::vector<RopeTarget> rope_;                  // the rotated inputs (dsa_rope_targets)
+  std::vector<Tensor> rotated_;                   // their rotated copies of the last forward
+  std::vector<std::int64_t> tokens_;              // this rank's token per local row (-1: padding)
+  std::vector<std::int64_t> rope_positions_;      // this rank's RoPE positions (inside each document)
+  DocBounds ref_docs_;                            // packed: each token's document bounds for the references
+  std::vector<std::int64_t> ref_rope_positions_;  // packed: the references' RoPE positions (empty: 0..S-1)
+  double attention_pairs_ = 0;  // (query, selected key) x local heads of the last forward on this rank
   NamedArrays ref_in_, ref_rot_, ref_out_;
   npy::HostArray ref_probs_, ref_scores_, ref_dscores_;
 };
@@ -401,6 +423,7 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   k.describe_shapes = [](const SpBenchOptions& o) {
     return str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Dqk=", o.head_dim, " causal=yes Dv=", o.dim_v,
                    " topk=", o.topk, " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select,
+                   o.packed() ? str_cat(" docs=", o.doc_lens.size()) : std::string(),
                    (o.rope ? " " + describe_rope(o, dsa_rope_targets(o)[0].cfg) : std::string()),
                    o.window > 0 ? str_cat(" window=", o.window) : std::string());
   };

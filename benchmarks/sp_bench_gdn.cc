@@ -475,7 +475,6 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
   };
   k.estimate_memory = gdn_memory;
   k.fp64_reference_cost = gdn_reference_cost;
-  k.supports_packing = true;
   k.validate = [](SpBenchOptions& o) {
     if (o.dim_v == 0) o.dim_v = o.head_dim;
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");

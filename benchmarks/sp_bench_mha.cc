@@ -398,7 +398,6 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.input_specs = mha_input_specs;
   k.estimate_memory = mha_memory;
   k.fp64_reference_cost = mha_reference_cost;
-  k.supports_packing = true;
   k.validate = [](SpBenchOptions& o) {
     SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, preset_note(o, "heads"),
                  " must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"), " (GQA)");

@@ -4,7 +4,6 @@
 #include <cstdlib>
 #include <cxxopts.hpp>
 #include <filesystem>
-#include <numeric>
 #include <vector>
 
 #include "benchmarks/npy.h"
@@ -85,7 +84,7 @@ void shapes_from_inputs(const WorkloadKind& kind, SpBenchOptions& o) {
 }
 
 // Packed rows: --doc-lens, --doc-dist or --inputs DIR/cu_seqlens.npy (at most one), then their rules.
-void parse_packing(const cxxopts::ParseResult& r, const WorkloadKind& kind, SpBenchOptions& o) {
+void parse_packing(const cxxopts::ParseResult& r, SpBenchOptions& o) {
   const std::filesystem::path cu_file = std::filesystem::path(o.inputs_dir) / "cu_seqlens.npy";
   const bool from_file = !o.inputs_dir.empty() && std::filesystem::exists(cu_file);
   const int sources = static_cast<int>(r.count("doc-lens") > 0) + static_cast<int>(r.count("doc-dist") > 0) +
@@ -94,7 +93,6 @@ void parse_packing(const cxxopts::ParseResult& r, const WorkloadKind& kind, SpBe
                "give one");
   if (sources == 0) return;
   const char* source = r.count("doc-lens") ? "--doc-lens" : r.count("doc-dist") ? "--doc-dist" : "cu_seqlens.npy";
-  SEQPAR_CHECK(kind.supports_packing, source, ": packed sequences are not supported yet by --attn ", o.attn);
   if (r.count("doc-lens")) {
     const std::string text = get_checked<std::string>(r, "doc-lens");
     for (std::size_t begin = 0; begin <= text.size();) {
@@ -131,22 +129,6 @@ void parse_packing(const cxxopts::ParseResult& r, const WorkloadKind& kind, SpBe
                " does not match --doc-lens, whose lengths sum to ", total, "; leave --seq out");
   o.seq = total;
   SEQPAR_CHECK(o.batch == 1, "--batch ", o.batch, ": a packed row (", source, ") takes --batch 1");
-}
-
-// The layout's rule for kinds without padding (the library's, raised here before any communication), with what
-// would fit; the kinds that support packing take any length.
-void check_layout_fits(const SpBenchOptions& o) {
-  const std::int64_t pr = o.grid.ring_size, pu = o.grid.ulysses_size;
-  if (find_workload_kind(o.attn).supports_packing) return;
-  try {
-    check_unpadded(SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size),
-                   str_cat("--attn ", o.attn).c_str());
-  } catch (const Error& e) {
-    const std::int64_t zigzag = pr == 1 ? pu : pr * std::lcm(std::int64_t{2}, pu), plain = pr * pu;
-    SEQPAR_THROW(e.message(), " (--seq ", o.seq, ", --layout ", layout_name(o.layout), "); with --ring-size ", pr,
-                 " and --ulysses-size ", pu, " use a multiple of ", zigzag, " for --layout zigzag or of ", plain,
-                 " for --layout contiguous or stripe");
-  }
 }
 
 // RoPE (sp_bench_rope.h): the preset's configuration, then the --rope* flags given. --rope-factor and
@@ -419,7 +401,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (!o.inputs_dir.empty()) shapes_from_inputs(kind, o);
   if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
   check_min(o.seq, 1, "seq");
-  parse_packing(r, kind, o);
+  parse_packing(r, o);
 
   // ---- rules ----
   SEQPAR_CHECK(!o.dump_inputs || !o.dump_dir.empty(), "--dump-inputs needs --dump DIR (the directory it writes to)");
@@ -452,7 +434,6 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   if (kind.validate) kind.validate(o);
   // After the kind's rules: DSA implies --causal (its window limits the indexer's candidates), GDN refuses a window.
   SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
-  check_layout_fits(o);
   return o;
 }
 

@@ -215,10 +215,6 @@ struct WorkloadKind {
   // What Workload::fp64_reference_outputs() takes, from the options alone (so that --dry-run and the start of a run
   // apply the same size rule before anything is allocated); null: the kind has no fp64 reference.
   std::function<Fp64ReferenceCost(const SpBenchOptions&)> fp64_reference_cost;
-  // Packed rows and padded lengths (--doc-lens, --doc-dist, --inputs DIR/cu_seqlens.npy, any --seq): the workload
-  // builds its layout with sp_bench_layout. Kinds without it refuse those flags ("not supported yet") and lengths
-  // that need padding.
-  bool supports_packing = false;
   // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
   // SEQPAR_WORKLOAD_KIND.
   std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;

@@ -17,25 +17,44 @@ namespace {
 constexpr int kTagIndexKeys = 301;  // 302: dk_idx accumulators
 constexpr int kTagLatent = 303;     // 304: dc accumulators
 
-// A block of keys at `k_pos` holds a key visible (causally, and inside the window when window > 0) to some query at
-// `q_pos` (both increasing). Selected keys are candidates, so this also tells which latent blocks hold selections.
-bool any_visible(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos, std::int64_t window) {
+// A block of keys at `k_pos` holds a candidate of some query at `q_pos` (increasing): a key visible causally, inside
+// the window when window > 0, and inside the query's document [doc.lo, doc.hi) for packed and padded rows (doc empty:
+// no document bound). Selected keys are candidates, so this also tells which latent blocks hold selections; a block
+// that shares no document with the local queries is skipped (it still travels on).
+bool any_candidate(std::span<const std::int64_t> q_pos, const DocBounds& doc, std::span<const std::int64_t> k_pos,
+                   std::int64_t window) {
   if (q_pos.empty() || k_pos.empty() || k_pos.front() > q_pos.back()) return false;
-  if (window <= 0) return true;
-  for (const std::int64_t k : k_pos) {  // the nearest query at or after each key
-    const auto q = std::lower_bound(q_pos.begin(), q_pos.end(), k);
-    if (q != q_pos.end() && *q - k < window) return true;
+  if (window <= 0 && doc.lo.empty()) return true;
+  for (std::size_t t = 0; t < q_pos.size(); ++t) {  // the first key at or after the query's lowest candidate
+    std::int64_t lo = window > 0 ? q_pos[t] - window + 1 : k_pos.front(), hi = q_pos[t] + 1;
+    if (!doc.lo.empty()) {
+      lo = std::max(lo, doc.lo[t]);
+      hi = std::min(hi, doc.hi[t]);
+    }
+    const auto k = std::lower_bound(k_pos.begin(), k_pos.end(), lo);
+    if (k != k_pos.end() && *k < hi) return true;
   }
   return false;
 }
 
 attn::DsaIndexerArgs indexer_args(const TensorView& q_idx, const TensorView& w, const TensorView& k_idx,
                                   std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
-                                  std::int64_t window = 0) {
-  return {q_idx, w, k_idx, q_pos, k_pos, window};
+                                  const DocBounds& doc, std::int64_t window = 0) {
+  attn::DsaIndexerArgs a{q_idx, w, k_idx, q_pos, k_pos, window};
+  a.doc_lo = doc.lo;
+  a.doc_hi = doc.hi;
+  return a;
 }
 
 }  // namespace
+
+void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& topk_indices) {
+  SEQPAR_CHECK(topk_indices.dtype() == DType::kInt64 && topk_indices.device().is_cpu(),
+               "dsa_topk_slots_to_tokens: topk_indices ", topk_indices.str(), " must be an int64 host tensor");
+  std::int64_t* t = static_cast<std::int64_t*>(topk_indices.data());
+  for (std::int64_t i = 0; i < topk_indices.numel(); ++i)
+    if (t[i] >= 0) t[i] = layout.token_of_slot(t[i]);
+}
 
 struct DsaContextParallel::Saved {
   Tensor q_h, c_ring, topk_ring, out_h, lse_h;     // head-sharded attention side
@@ -50,6 +69,10 @@ DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLay
   SEQPAR_CHECK(config.window >= 0, "DSA window ", config.window, " must be >= 0 (0: no window)");
   for (int r = 0; r < layout_.num_ranks(); ++r) sp_positions_.push_back(layout_.positions(r));
   for (int r = 0; r < layout_.ring_size(); ++r) ring_positions_.push_back(layout_.ring_shard_positions(r));
+  if (layout_.is_packed() || layout_.has_padding()) {  // unpacked, unpadded rows: no document bound (one document)
+    doc_ = layout_.doc_bounds_of_slots(positions_);
+    ring_doc_ = layout_.doc_bounds_of_slots(ring_positions_[groups_.ring.rank()]);
+  }
   if (config.window > 0 && config.select == DsaSelectMode::kRing) {
     select_plan_.emplace(sp_positions_, groups_.sp.rank(), config.window);
   }
@@ -72,9 +95,10 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
                q.str(), ", c ", c.str(), ", q_idx ", q_idx.str(), ", k_idx ", k_idx.str(), ", w ", w.str(),
                " must be [B,S,H,Dqk], [B,S,Dqk], [B,S,Hi,Di], [B,S,Di], [B,S,Hi]");
   const std::int64_t B = q.dim(0), sl = q.dim(1), H = q.dim(2), dqk = q.dim(3), hi = q_idx.dim(2), di = q_idx.dim(3);
-  SEQPAR_CHECK(sl == layout_.local_len(), "DSA CP: local sequence length ", sl, " must be seq_len ", layout_.seq_len(),
-               " / (ring_size ", layout_.ring_size(), " x ulysses_size ", layout_.ulysses_size(),
+  SEQPAR_CHECK(sl == layout_.local_len(), "DSA CP: local sequence length ", sl, " must be the layout's padded length ",
+               layout_.padded_len(), " / (ring_size ", layout_.ring_size(), " x ulysses_size ", layout_.ulysses_size(),
                ") = ", layout_.local_len());
+  check_sequence_tensor(layout_, q, sl, 1, "DSA CP", "q");
   check_shape(c, {B, sl, dqk}, "DSA CP c");
   check_shape(q_idx, {B, sl, hi, di}, "DSA CP q_idx");
   check_shape(k_idx, {B, sl, di}, "DSA CP k_idx");
@@ -87,7 +111,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
                  t->str());
   }
   // The kernels' own checks on the local shapes (devices included) before anything is allocated or sent.
-  attn::check_dsa_indexer_args(indexer_args(q_idx, w, k_idx, positions_, positions_));
+  attn::check_dsa_indexer_args(indexer_args(q_idx, w, k_idx, positions_, positions_, doc_));
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);
   const UlyssesExchange a2a(groups_, counters_);
@@ -106,9 +130,10 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   const attn::DsaTopkState state{scores.view(), state_pos.view()};
   attn::dsa_topk_init(state, stream);
   auto merge_keys = [&](const TensorView& block, std::span<const std::int64_t> k_pos) {
-    if (!any_visible(positions_, k_pos, config_.window)) return;
+    if (!any_candidate(positions_, doc_, k_pos, config_.window)) return;
     const ScopedTimer timer(counters_.compute_s);
-    attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, k_pos, config_.window), state, stream);
+    attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, k_pos, doc_, config_.window), state,
+                                 stream);
   };
   auto merge_block = [&](int src, const TensorView& block) { merge_keys(block, sp_positions_[src]); };
   if (select_plan_) {  // a window: only the index-key rows some local query can see travel
@@ -150,7 +175,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   ring_circulate(
       groups_.ring, s->c_ring.view(), kTagLatent,
       [&](int src, const TensorView& block) {
-        if (!any_visible(my_ring_pos, ring_positions_[src], config_.window)) return;
+        if (!any_candidate(my_ring_pos, ring_doc_, ring_positions_[src], config_.window)) return;
         attn::DsaAttentionArgs a;
         a.q = s->q_h.view();
         a.c = block;
@@ -219,7 +244,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   ring_circulate_with_grad(
       groups_.ring, s->c_ring.view(), {B, sr, dqk}, dc_ring.view(), kTagLatent,
       [&](int src, const TensorView& block, const TensorView& grad) {
-        if (!any_visible(my_ring_pos, ring_positions_[src], config_.window)) return;
+        if (!any_candidate(my_ring_pos, ring_doc_, ring_positions_[src], config_.window)) return;
         attn::DsaAttentionBackwardArgs a;
         a.fwd.q = s->q_h.view();
         a.fwd.c = block;
@@ -274,9 +299,9 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   ring_circulate_with_grad(
       sp, s->k_idx.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
       [&](int src, const TensorView& block, const TensorView& grad) {
-        if (!any_visible(positions_, sp_positions_[src], config_.window)) return;
+        if (!any_candidate(positions_, doc_, sp_positions_[src], config_.window)) return;
         const ScopedTimer timer(counters_.compute_s);
-        attn::dsa_indexer_backward(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src]),
+        attn::dsa_indexer_backward(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src], doc_),
                                    s->topk_local.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true, stream);
       },
       &counters_.exposed_comm_s, stream);

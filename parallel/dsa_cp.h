@@ -22,6 +22,15 @@
 // attention probabilities, which the attention backward produces for free, so the loss value and all gradients
 // come out of backward(). The index-key gradients travel home with the index-key blocks like dK / dV.
 //
+// Packed and padded rows (docs/design.md section 15.5; any SequenceLayout, parallel/layout.h): the indexer scores,
+// the top-k and the indexer loss of a query see only its own document (attn::DsaIndexerArgs::doc_lo / doc_hi from
+// the layout's doc_bounds), so the sparse attention attends only inside it; topk_indices hold SLOT positions
+// (layout().tokens_of_slots maps them to token indices; a document's k-th slot is its k-th token) and are -1 padded
+// when the document prefix is shorter than topk. Padding rows select nothing: out 0, lse -inf, no loss, gradients 0.
+// Every ring step skips the scoring or attention of a block that holds no candidate of a local query (a block of
+// other documents still travels on). cu_seqlens that differ between ranks fail in the agreement check (the layout's
+// digest is part of the fingerprint) before any message of the call.
+//
 // Precision: every scratch array (top-k scores, the attention merge state and lse, delta, probs, the loss arrays and
 // every gradient accumulator, including those that travel) has the kernels' accumulator dtype
 // (accumulator_dtype): fp64 for fp64 inputs, fp32 otherwise.
@@ -63,7 +72,7 @@ struct DsaCpConfig {
 struct DsaCpOutput {
   Tensor out;           // [B, S_local, H, Dv], dtype of q
   Tensor lse;           // [B, H, S_local] accumulator_dtype of q (fp64 for fp64 inputs, else fp32)
-  Tensor topk_indices;  // [B, S_local, topk] int64 global positions, ascending, -1 padded
+  Tensor topk_indices;  // [B, S_local, topk] int64 global SLOT positions (layout()), ascending, -1 padded
   CpContext ctx;        // what the backward needs; hand it to backward() of the object that made it
 };
 
@@ -76,12 +85,19 @@ struct DsaCpGrads {
   double loss = 0;  // indexer KL loss summed over the whole sequence (the same on every rank)
 };
 
+// Rewrites topk_indices ([..., k] int64 host tensor, e.g. DsaCpOutput::topk_indices) in place from slot positions of
+// `layout` to token indices of the user's row (SequenceLayout::token_of_slot; selected slots always hold tokens);
+// -1 stays -1. No communication. Errors: a non-int64 or non-host tensor.
+void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& topk_indices);
+
 class DsaContextParallel : public CpLayerBase {
  public:
   DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config);
 
   // q [B, S_local, H, Dqk], c [B, S_local, Dqk], q_idx [B, S_local, Hi, Di], k_idx [B, S_local, Di],
-  // w [B, S_local, Hi], all one dtype, at positions(); S_local = seq_len / (ulysses_size * ring_size).
+  // w [B, S_local, Hi], all one dtype, at positions(); S_local = layout().local_len() (padded_len / (ulysses_size *
+  // ring_size)); B = 1 for a packed layout. Padding rows (token_index -1) should be zero (shard_sequence makes them
+  // so); they select nothing whatever they hold.
   DsaCpOutput forward(const TensorView& q, const TensorView& c, const TensorView& q_idx, const TensorView& k_idx,
                       const TensorView& w);
   // The context of a forward of this object (consumed and freed); dout [B, S_local, H, Dv]; loss_grad_scale
@@ -97,6 +113,7 @@ class DsaContextParallel : public CpLayerBase {
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
   std::vector<std::vector<std::int64_t>> ring_positions_;  // every ring rank's ring shard
   std::optional<WindowPlan> select_plan_;                  // ring selection with a window (over the SP group)
+  DocBounds doc_, ring_doc_;  // packed or padded rows: document bounds of positions() and of the ring shard; else empty
 };
 
 }  // namespace seqpar

@@ -270,7 +270,7 @@ std::vector<Tensor> zero_maps(const SavedT& s, std::size_t count, const DeviceAl
 }  // namespace
 
 GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
-    : CpLayerBase(groups, layout, "GDN CP", /*supports_padding=*/true), config_(config) {
+    : CpLayerBase(groups, layout, "GDN CP"), config_(config) {
   SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
                "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
                "make every token its own segment");

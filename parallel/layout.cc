@@ -524,27 +524,16 @@ void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, c
   if (is_root) unshard_pieces(layout, all.view(), local.shape(), full, seq_dim, stream);
 }
 
-void check_unpadded(const SequenceLayout& layout, const char* layer) {
-  SEQPAR_CHECK(!layout.is_packed(), layer, ": the ", layout_name(layout.kind()), " layout packs ", layout.num_docs(),
-               " documents (cu_seqlens), which ", layer, " does not support yet");
-  SEQPAR_CHECK(!layout.has_padding(), layer, ": the ", layout_name(layout.kind()), " layout of seq_len ",
-               layout.seq_len(), " on ring_size ", layout.ring_size(), " x ulysses_size ", layout.ulysses_size(),
-               " pads the row to ", layout.padded_len(), " slots, which ", layer,
-               " does not support yet; use a seq_len divisible as the layout needs");
-}
-
 namespace {
-const SequenceLayout& checked_layout(const CpGroups& groups, const SequenceLayout& layout, const char* layer,
-                                     bool supports_padding) {
+const SequenceLayout& checked_layout(const CpGroups& groups, const SequenceLayout& layout, const char* layer) {
   check_layout_matches(groups, layout, layer);
-  if (!supports_padding) check_unpadded(layout, layer);
   return layout;
 }
 }  // namespace
 
-CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer, bool supports_padding)
+CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer)
     : groups_(groups),
-      layout_(checked_layout(groups, layout, layer, supports_padding)),
+      layout_(checked_layout(groups, layout, layer)),
       positions_(layout.positions(groups.sp_rank())) {}
 
 Fingerprint CpLayerBase::fingerprint(std::string_view call) const {

@@ -133,11 +133,6 @@ class SequenceLayout {
   std::shared_ptr<const Data> data_;  // immutable, shared by copies
 };
 
-// Error naming `layer` when the layout pads or packs the row (for a layer that supports neither yet): "<layer>: the
-// <kind> layout of seq_len S on ring_size P x ulysses_size U pads the row to N slots, which <layer> does not support
-// yet; use a seq_len divisible as the layout needs" (or "... packs D documents (cu_seqlens) ...").
-void check_unpadded(const SequenceLayout& layout, const char* layer);
-
 // Synthetic document mixes for benchmarks and tests: document lengths summing to exactly `total` tokens (>= 1), drawn
 // from a splitmix64 stream seeded by `seed` (the same lengths on every platform). Names:
 //   "longtail": lengths log-uniform in [64, 16384] (many short documents, most tokens in a few long ones; the last
@@ -221,9 +216,9 @@ class CpLayerBase {
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 
  protected:
-  // Checks that `layout` matches the groups (check_layout_matches, naming `layer`) and, unless the layer supports
-  // padded and packed rows, that the layout has neither (check_unpadded).
-  CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer, bool supports_padding = false);
+  // Checks that `layout` matches the groups (check_layout_matches, naming `layer`). Every layer takes padded and
+  // packed rows.
+  CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
   // A fingerprint of `call` with the layout's fields (add_layout_fields), for the layer to add its own to.
   Fingerprint fingerprint(std::string_view call) const;
   // Runs `check` over the SP group with `fp` (AgreementCheck::run).

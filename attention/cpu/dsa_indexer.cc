@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "attention/cpu/dsa_common.h"
@@ -136,10 +137,15 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq, t = r % s.Sq;
       const std::int64_t q = s.q_pos[static_cast<std::size_t>(t)];
-      const std::int64_t n_vis = std::upper_bound(s.k_pos.begin(), s.k_pos.end(), q) - s.k_pos.begin();
-      // A window keeps the candidates with q - k_pos < window: from the first key at q - window + 1.
-      const std::int64_t first =
-          a.window > 0 ? std::lower_bound(s.k_pos.begin(), s.k_pos.end(), q - a.window + 1) - s.k_pos.begin() : 0;
+      // Candidates: k_pos <= q, inside the window (q - k_pos < window: from q - window + 1) and inside the document
+      // [doc_lo, doc_hi): one index range [first, n_vis) of the sorted keys.
+      std::int64_t lo = a.window > 0 ? q - a.window + 1 : std::numeric_limits<std::int64_t>::min(), hi = q + 1;
+      if (!a.doc_lo.empty()) {
+        lo = std::max(lo, a.doc_lo[static_cast<std::size_t>(t)]);
+        hi = std::min(hi, a.doc_hi[static_cast<std::size_t>(t)]);
+      }
+      const std::int64_t n_vis = std::lower_bound(s.k_pos.begin(), s.k_pos.end(), hi) - s.k_pos.begin();
+      const std::int64_t first = std::lower_bound(s.k_pos.begin(), s.k_pos.end(), lo) - s.k_pos.begin();
       if (n_vis <= first) continue;
       const Acc* qr = in.query(r, qbuf);
       const Acc* wr = in.weights(r, wbuf);

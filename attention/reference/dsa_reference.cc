@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <span>
 #include <vector>
 
 #include "runtime/error.h"
@@ -39,8 +40,11 @@ struct Idx {
   std::vector<std::int64_t> qp, kp;
   const double *q, *w, *k;
   std::int64_t window = 0;
-  // Key j is a candidate of query t: causal, and inside the window when there is one.
+  std::span<const std::int64_t> doc_lo{}, doc_hi{};
+  // Key j is a candidate of query t: causal, inside the window when there is one, and inside the query's document
+  // [doc_lo, doc_hi) when there are document bounds (a padding query, lo >= hi, has no candidate).
   bool candidate(std::int64_t t, std::int64_t j) const {
+    if (!doc_lo.empty() && (kp[j] < doc_lo[t] || kp[j] >= doc_hi[t])) return false;
     return kp[j] <= qp[t] && (window <= 0 || qp[t] - kp[j] < window);
   }
 };
@@ -54,6 +58,10 @@ Idx unpack(const DsaIndexerArgs& a) {
   s.w = f64(a.w, "w");
   s.k = f64(a.k_idx, "k_idx");
   s.window = a.window;
+  SEQPAR_CHECK(a.doc_lo.size() == a.doc_hi.size() && (a.doc_lo.empty() || std::ssize(a.doc_lo) == s.Sq),
+               "doc_lo / doc_hi must both be empty or both have Sq entries");
+  s.doc_lo = a.doc_lo;
+  s.doc_hi = a.doc_hi;
   return s;
 }
 

@@ -2,7 +2,10 @@
 // the world size is even (else a ring over the world), and the ledger's saved_activation bytes.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "parallel/cp_common.h"
@@ -10,6 +13,7 @@
 #include "runtime/memory.h"
 #include "runtime/sp_grid.h"
 #include "tests/util/mpi_test.h"
+#include "tests/util/test_util.h"
 
 namespace seqpar::test {
 
@@ -43,5 +47,25 @@ struct SmallCpCase {
   SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
   std::int64_t sl = layout.local_len();
 };
+
+// The bad-packing checks of a CP layer on packed rows (issue 14): `forward_error(layout, batch)` runs one forward of
+// the layer over `layout` with batch B and returns its Error message (empty: none). B > 1 with a packed layout, and
+// (on more than one rank) rank 0 handed another packing of the same total, each fail with one named error on every
+// rank before any message.
+template <typename ForwardError>
+void expect_bad_packings_fail(const CpGroups& groups, ForwardError&& forward_error) {
+  const std::vector<std::int64_t> cu = {0, 5, 12};
+  std::string message = forward_error(SequenceLayout::packed_for_groups(groups, cu, LayoutKind::kZigzag), 2);
+  EXPECT_NE(message.find("has batch B = 2; a packed layout (cu_seqlens) takes B = 1"), std::string::npos) << message;
+  EXPECT_TRUE(all_ranks(world(), !message.empty()));
+  if (world().size() == 1) return;
+  // Rank 0 was handed another packing of the same total (contiguous: the same padded length, so only the digest
+  // differs).
+  const std::vector<std::int64_t> other = {0, 6, 12};
+  message = forward_error(
+      SequenceLayout::packed_for_groups(groups, world().rank() == 0 ? other : cu, LayoutKind::kContiguous), 1);
+  EXPECT_NE(message.find("disagree on cu_seqlens digest"), std::string::npos) << message;
+  EXPECT_TRUE(all_ranks(world(), !message.empty()));
+}
 
 }  // namespace seqpar::test
