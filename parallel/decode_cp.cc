@@ -1,0 +1,453 @@
+// Inference with sharded caches under context parallelism (math, bytes and rules: parallel/decode_cp.h).
+#include "parallel/decode_cp.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+
+#include "runtime/error.h"
+#include "runtime/tensor_ops.h"
+
+namespace seqpar {
+namespace {
+
+constexpr std::array<const char*, 2> kCacheShardNames = {"contiguous", "interleave"};
+
+// [0, 1, ..., n) shifted by `first`.
+std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t n) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = first + i;
+  return v;
+}
+
+// The fields every decode-side call shares: the sharding and the length / step of the cache it is given.
+void add_cache_fields(Fingerprint& fp, std::int64_t length, std::int64_t steps) {
+  fp.add_int("cache_length", length).add_int("cache_steps", steps);
+}
+
+// A view at element `offset` of a flat buffer, with `shape`.
+TensorView sub_view(const Tensor& buf, std::int64_t offset, const Shape& shape) {
+  auto* p = static_cast<char*>(buf.data()) + static_cast<std::size_t>(offset) * dtype_size(buf.dtype());
+  return TensorView(p, buf.dtype(), shape, buf.view().device());
+}
+
+// The exact merge of P shards' (out_r, lse_r) (parallel/decode_cp.h), in fp64 and rank order. recv holds P blocks
+// of [out_r (B n Hq D) | lse hi (B Hq n) | lse lo (B Hq n)] of type T; out [B, n, Hq, D] of T, lse [B, Hq, n] of T.
+template <typename T>
+void merge_shards(const T* recv, int num_ranks, std::int64_t B, std::int64_t n, std::int64_t hq, std::int64_t dim,
+                  T* out, T* lse) {
+  const std::int64_t rows = B * n * hq, block = rows * (dim + 2);
+  std::vector<double> w(static_cast<std::size_t>(num_ranks)), acc(static_cast<std::size_t>(dim));
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t h = 0; h < hq; ++h) {
+        const std::int64_t o_off = ((b * n + i) * hq + h) * dim, l_off = (b * hq + h) * n + i;
+        double m = -std::numeric_limits<double>::infinity();
+        for (int r = 0; r < num_ranks; ++r) {
+          const T* blk = recv + r * block;
+          w[r] = static_cast<double>(blk[rows * dim + l_off]) + static_cast<double>(blk[rows * dim + rows + l_off]);
+          m = std::max(m, w[r]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        if (m == -std::numeric_limits<double>::infinity()) {  // no rank holds a visible key
+          for (std::int64_t d = 0; d < dim; ++d) out[o_off + d] = T(0);
+          lse[l_off] = static_cast<T>(m);
+          continue;
+        }
+        double l = 0;
+        for (int r = 0; r < num_ranks; ++r) {
+          w[r] = std::exp(w[r] - m);  // 0 for a shard with lse -inf (its out is 0)
+          l += w[r];
+          const T* o = recv + r * block + o_off;
+          for (std::int64_t d = 0; d < dim; ++d) acc[d] += w[r] * static_cast<double>(o[d]);
+        }
+        for (std::int64_t d = 0; d < dim; ++d) out[o_off + d] = static_cast<T>(acc[d] / l);
+        lse[l_off] = static_cast<T>(m + std::log(l));
+      }
+    }
+  }
+}
+
+// lse (fp64) written as hi + lo of type T.
+template <typename T>
+void split_lse(const double* lse, std::int64_t count, T* hi, T* lo) {
+  for (std::int64_t i = 0; i < count; ++i) {
+    hi[i] = static_cast<T>(lse[i]);
+    lo[i] = std::isfinite(lse[i]) ? static_cast<T>(lse[i] - static_cast<double>(hi[i])) : T(0);
+  }
+}
+
+}  // namespace
+
+const char* cache_shard_name(CacheShardKind kind) { return kCacheShardNames[static_cast<int>(kind)]; }
+CacheShardKind parse_cache_shard(std::string_view name) {
+  return static_cast<CacheShardKind>(parse_option_index(name, kCacheShardNames, "cache shard"));
+}
+
+// ---- CacheSharding -----------------------------------------------------------------------------------------------
+
+CacheSharding::CacheSharding(CacheShardKind kind, std::int64_t capacity, int num_ranks, std::int64_t interleave)
+    : kind_(kind), capacity_(capacity), num_ranks_(num_ranks), interleave_(interleave), block_(1) {
+  SEQPAR_CHECK(capacity >= 0, "CacheSharding: capacity ", capacity, " must be >= 0");
+  SEQPAR_CHECK(num_ranks >= 1, "CacheSharding: num_ranks ", num_ranks, " must be >= 1");
+  SEQPAR_CHECK(interleave >= 1, "CacheSharding: interleave ", interleave, " must be >= 1");
+  if (kind == CacheShardKind::kContiguous) {
+    interleave_ = 1;
+    block_ = std::max<std::int64_t>(1, (capacity + num_ranks - 1) / num_ranks);
+  }
+}
+
+int CacheSharding::owner(std::int64_t t) const {
+  return kind_ == CacheShardKind::kContiguous ? static_cast<int>(t / block_)
+                                              : static_cast<int>((t / interleave_) % num_ranks_);
+}
+
+std::int64_t CacheSharding::local_capacity(int rank) const {
+  if (kind_ == CacheShardKind::kContiguous) return std::clamp<std::int64_t>(capacity_ - rank * block_, 0, block_);
+  const std::int64_t cycle = interleave_ * num_ranks_;
+  return capacity_ / cycle * interleave_ +
+         std::clamp<std::int64_t>(capacity_ % cycle - rank * interleave_, 0, interleave_);
+}
+
+std::vector<std::int64_t> CacheSharding::owned(int rank, std::int64_t begin, std::int64_t end) const {
+  std::vector<std::int64_t> out;
+  for (std::int64_t t = begin; t < end; ++t) {
+    if (owner(t) == rank) out.push_back(t);
+  }
+  return out;
+}
+
+std::string CacheSharding::str() const {
+  return str_cat(cache_shard_name(kind_), kind_ == CacheShardKind::kInterleave ? str_cat(" ", interleave_) : "",
+                 " over ", num_ranks_, " ranks, capacity ", capacity_);
+}
+
+// ---- ShardedKvCache ----------------------------------------------------------------------------------------------
+
+namespace {
+attn::KvCacheSpec local_spec(const CacheSharding& sharding, int rank, attn::KvCacheSpec spec) {
+  SEQPAR_CHECK(spec.capacity == sharding.capacity(), "ShardedKvCache: spec capacity ", spec.capacity,
+               " differs from the sharding's ", sharding.capacity());
+  SEQPAR_CHECK(rank >= 0 && rank < sharding.num_ranks(), "ShardedKvCache: rank ", rank, " outside [0, ",
+               sharding.num_ranks(), ")");
+  spec.capacity = sharding.local_capacity(rank);
+  return spec;
+}
+}  // namespace
+
+ShardedKvCache::ShardedKvCache(const CacheSharding& sharding, int rank, const attn::KvCacheSpec& spec)
+    : sharding_(sharding), rank_(rank), spec_(spec), local_(local_spec(sharding, rank, spec)) {}
+
+// ---- MHA ---------------------------------------------------------------------------------------------------------
+
+MhaDecodeContextParallel::MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config)
+    : groups_(groups), config_(config) {
+  SEQPAR_CHECK(groups.ulysses_size() == 1, "MhaDecodeContextParallel: ulysses_size ", groups.ulysses_size(),
+               " is not supported yet (the cache is sharded over the ring group; use ulysses_size 1)");
+  SEQPAR_CHECK(config.interleave >= 1, "MhaDecodeContextParallel: interleave ", config.interleave, " must be >= 1");
+  SEQPAR_CHECK(std::isfinite(config.scale), "MhaDecodeContextParallel: scale ", config.scale, " must be finite");
+}
+
+ShardedKvCache MhaDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
+                                                    std::int64_t head_dim, DType dtype) const {
+  const CacheSharding sharding(config_.shard, capacity, groups_.ring.size(), config_.interleave);
+  return ShardedKvCache(sharding, groups_.ring.rank(), attn::KvCacheSpec{batch, capacity, kv_heads, head_dim, dtype});
+}
+
+std::int64_t MhaDecodeContextParallel::decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads,
+                                                             std::int64_t head_dim, DType dtype) const {
+  return static_cast<std::int64_t>(groups_.ring.size() - 1) * batch * n * q_heads * (head_dim + 2) *
+         static_cast<std::int64_t>(dtype_size(accumulator_dtype(dtype)));
+}
+
+void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const char* call) const {
+  const CacheSharding& s = cache.sharding();
+  const CacheSharding mine(config_.shard, s.capacity(), groups_.ring.size(), config_.interleave);
+  SEQPAR_CHECK(s == mine && cache.rank() == groups_.ring.rank(), "MhaDecodeContextParallel::", call,
+               ": the cache is sharded ", s.str(), " for rank ", cache.rank(), ", but this layer shards ", mine.str(),
+               " and this is ring rank ", groups_.ring.rank(), " (make the cache with this layer's make_cache)");
+}
+
+void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
+                                     std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
+  Fingerprint fp(call);
+  fp.add_text("shard", cache_shard_name(config_.shard))
+      .add_int("interleave", config_.interleave)
+      .add_real("scale", config_.scale)
+      .add_text("prefill_impl", ring_impl_name(config_.prefill_impl))
+      .add_int("capacity", cache.spec().capacity)
+      .add_int("batch", cache.spec().batch)
+      .add_int("kv_heads", cache.spec().kv_heads)
+      .add_int("head_dim", cache.spec().head_dim)
+      .add_text("cache dtype", dtype_name(cache.spec().dtype));
+  add_cache_fields(fp, cache.length(), cache.num_steps());
+  if (layout != nullptr) add_layout_fields(fp, *layout);
+  fp.add_tensors(tensors);
+  agreement_.run(groups_.ring, fp, groups_.stream);
+}
+
+PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const SequenceLayout& layout,
+                                                const TensorView& q, const TensorView& k, const TensorView& v) {
+  const char* who = "MhaDecodeContextParallel::prefill";
+  check_cache(cache, "prefill");
+  check_layout_matches(groups_, layout, who);
+  const attn::KvCacheSpec& s = cache.spec();
+  const Shape kv_shape{s.batch, layout.local_len(), s.kv_heads, s.head_dim};
+  check_shape(k, kv_shape, "MhaDecodeContextParallel::prefill k (the cache's [B, S_local, Hkv, D])");
+  check_shape(v, kv_shape, "MhaDecodeContextParallel::prefill v (the cache's [B, S_local, Hkv, D])");
+  SEQPAR_CHECK(k.dtype() == s.dtype && v.dtype() == s.dtype, who, ": k and v must have the cache's dtype ",
+               dtype_name(s.dtype), ", got ", dtype_name(k.dtype()), " and ", dtype_name(v.dtype()));
+  agree(cache, who, &layout, {{"q", q}, {"k", k}, {"v", v}});
+  SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
+               " tokens; a prompt continuation (persistent-cache prefill) is not supported yet");
+  SEQPAR_CHECK(layout.seq_len() <= s.capacity, who, ": the prompt of ", layout.seq_len(),
+               " tokens does not fit the cache capacity ", s.capacity);
+  RingAttentionConfig rc;
+  rc.impl = config_.prefill_impl;
+  rc.causal = true;
+  rc.scale = config_.scale;
+  RingAttention ring(groups_, layout, rc);
+  AttentionOutput o = ring.forward(q, k, v);
+  counters_ += ring.counters();
+  reshard_prompt(cache, layout, k, v);
+  cache.length_ = layout.seq_len();
+  return {std::move(o.out), std::move(o.lse)};
+}
+
+void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
+                                              const TensorView& v) {
+  const attn::KvCacheSpec& s = cache.spec();
+  const CacheSharding& sh = cache.sharding();
+  const int P = groups_.ring.size(), me = groups_.ring.rank();
+  const std::int64_t row = s.kv_heads * s.head_dim, T = layout.seq_len();
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  ScopedTimer timer(counters_.compute_s);
+  // Send: for each destination d, the rows of my tokens d owns, K then V, each [B, m, Hkv, D].
+  const std::vector<std::int64_t> mine = layout.positions(me);
+  std::vector<std::vector<std::int64_t>> to(P);
+  for (std::size_t i = 0; i < mine.size(); ++i) to[sh.owner(mine[i])].push_back(static_cast<std::int64_t>(i));
+  std::vector<std::int64_t> send_counts(P), recv_counts(P);
+  std::int64_t send_total = 0, recv_total = 0;
+  for (int d = 0; d < P; ++d)
+    send_total += send_counts[d] = 2 * s.batch * static_cast<std::int64_t>(to[d].size()) * row;
+  // Receive: from each source, the rows of its tokens I own, in its (increasing) order.
+  const std::vector<std::int64_t> owned = sh.owned(me, 0, T);
+  std::vector<std::vector<std::int64_t>> from(P);  // indices into `owned`
+  for (int src = 0; src < P; ++src) {
+    for (std::int64_t t : layout.positions(src)) {
+      if (sh.owner(t) == me) {
+        from[src].push_back(std::lower_bound(owned.begin(), owned.end(), t) - owned.begin());
+      }
+    }
+    recv_total += recv_counts[src] = 2 * s.batch * static_cast<std::int64_t>(from[src].size()) * row;
+  }
+  Tensor send = alloc.empty({send_total}, s.dtype, MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty({recv_total}, s.dtype, MemCategory::kCommBuffer);
+  std::int64_t off = 0;
+  for (int d = 0; d < P; ++d) {
+    const std::int64_t m = static_cast<std::int64_t>(to[d].size());
+    if (m == 0) continue;
+    const Shape shape{s.batch, m, s.kv_heads, s.head_dim};
+    gather_rows(k, 1, to[d], sub_view(send, off, shape), groups_.stream);
+    gather_rows(v, 1, to[d], sub_view(send, off + send_counts[d] / 2, shape), groups_.stream);
+    off += send_counts[d];
+  }
+  {
+    CommMeter meter(groups_, counters_);
+    WorkHandle w = groups_.ring.all_to_all_v(send, send_counts, recv, recv_counts);
+    timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+  }
+  const std::int64_t m_all = static_cast<std::int64_t>(owned.size());
+  Tensor k_own = alloc.empty({s.batch, m_all, s.kv_heads, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+  Tensor v_own = alloc.empty({s.batch, m_all, s.kv_heads, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+  off = 0;
+  for (int src = 0; src < P; ++src) {
+    const std::int64_t m = static_cast<std::int64_t>(from[src].size());
+    if (m == 0) continue;
+    const Shape shape{s.batch, m, s.kv_heads, s.head_dim};
+    scatter_rows(sub_view(recv, off, shape), 1, from[src], k_own, groups_.stream);
+    scatter_rows(sub_view(recv, off + recv_counts[src] / 2, shape), 1, from[src], v_own, groups_.stream);
+    off += recv_counts[src];
+  }
+  cache.local_.append(k_own, v_own, owned);
+}
+
+DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,
+                                              const TensorView& v) {
+  const char* who = "MhaDecodeContextParallel::decode";
+  check_cache(cache, "decode");
+  const attn::KvCacheSpec& s = cache.spec();
+  SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hq, D] with n >= 1, got ",
+               shape_str(q.shape()));
+  const std::int64_t n = q.dim(1), hq = q.dim(2), B = s.batch, D = s.head_dim;
+  const Shape kv_shape{B, n, s.kv_heads, D};
+  check_shape(k, kv_shape, "MhaDecodeContextParallel::decode k_new (the cache's [B, n, Hkv, D])");
+  check_shape(v, kv_shape, "MhaDecodeContextParallel::decode v_new (the cache's [B, n, Hkv, D])");
+  SEQPAR_CHECK(q.dim(0) == B && q.dim(3) == D && hq % s.kv_heads == 0, who, ": q_new ", shape_str(q.shape()),
+               " must be [", B, ", n, Hq, ", D, "] with Hq a multiple of Hkv = ", s.kv_heads, " (the cache's)");
+  SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
+               ": q_new, k_new, v_new must have the cache's dtype ", dtype_name(s.dtype));
+  agree(cache, who, nullptr, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
+  const std::int64_t L = cache.length();
+  SEQPAR_CHECK(L + n <= s.capacity, who, ": ", n, " new tokens after ", L, " would run past the cache capacity ",
+               s.capacity);
+  const std::vector<std::int64_t> q_pos = iota_from(L, n);
+  const DType acc = accumulator_dtype(s.dtype);
+  const std::int64_t rows = B * n * hq, block = rows * (D + 2);
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  Tensor send = alloc.empty({block}, acc, MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty({block * groups_.ring.size()}, acc, MemCategory::kCommBuffer);
+  {
+    ScopedTimer timer(counters_.compute_s);
+    // The owner appends the new tokens it owns, then every rank attends the queries to its shard.
+    std::vector<std::int64_t> idx, pos;
+    for (std::int64_t t : cache.sharding().owned(cache.rank(), L, L + n)) {
+      idx.push_back(t - L);
+      pos.push_back(t);
+    }
+    if (!idx.empty()) {
+      const Shape shape{B, static_cast<std::int64_t>(idx.size()), s.kv_heads, D};
+      Tensor k_own = alloc.empty(shape, s.dtype, MemCategory::kWorkspace);
+      Tensor v_own = alloc.empty(shape, s.dtype, MemCategory::kWorkspace);
+      gather_rows(k, 1, idx, k_own, groups_.stream);
+      gather_rows(v, 1, idx, v_own, groups_.stream);
+      cache.local_.append(k_own, v_own, pos);
+    }
+    Tensor lse_r = alloc.empty({B, hq, n}, DType::kFloat64, MemCategory::kWorkspace);
+    attn::mha_decode(cache.local_, q, q_pos, sub_view(send, 0, {B, n, hq, D}), lse_r, config_.scale, groups_.stream);
+    if (acc == DType::kFloat64) {
+      split_lse(lse_r.data_as<double>(), rows, send.data_as<double>() + rows * D,
+                send.data_as<double>() + rows * D + rows);
+    } else {
+      split_lse(lse_r.data_as<double>(), rows, send.data_as<float>() + rows * D,
+                send.data_as<float>() + rows * D + rows);
+    }
+  }
+  {
+    CommMeter meter(groups_, counters_);
+    WorkHandle w = groups_.ring.all_gather(send, recv);
+    timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+  }
+  cache.length_ += n;
+  ++cache.num_steps_;
+  DecodeOutput result;
+  ScopedTimer timer(counters_.compute_s);
+  Tensor merged = alloc.empty({B, n, hq, D}, acc, MemCategory::kWorkspace);
+  result.lse = alloc.empty({B, hq, n}, acc, MemCategory::kWorkspace);
+  if (acc == DType::kFloat64) {
+    merge_shards(recv.data_as<double>(), groups_.ring.size(), B, n, hq, D, merged.data_as<double>(),
+                 result.lse.data_as<double>());
+  } else {
+    merge_shards(recv.data_as<float>(), groups_.ring.size(), B, n, hq, D, merged.data_as<float>(),
+                 result.lse.data_as<float>());
+  }
+  result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
+  return result;
+}
+
+// ---- GDN ---------------------------------------------------------------------------------------------------------
+
+GdnDecodeContextParallel::GdnDecodeContextParallel(const CpGroups& groups, const GdnCpConfig& config,
+                                                   std::int64_t value_heads, std::int64_t key_heads)
+    : groups_(groups), config_(config), hv_(value_heads), hk_(key_heads) {
+  const int P = groups.sp.size();
+  SEQPAR_CHECK(key_heads >= 1 && value_heads >= 1 && value_heads % key_heads == 0,
+               "GdnDecodeContextParallel: value_heads Hv = ", value_heads,
+               " must be a positive multiple of key_heads Hk = ", key_heads);
+  SEQPAR_CHECK(value_heads % P == 0 && key_heads % P == 0, "GdnDecodeContextParallel: value_heads Hv = ", value_heads,
+               " and key_heads Hk = ", key_heads, " must both be divisible by the SP group size ", P,
+               " (decode splits whole heads over the group; a key head is not replicated)");
+}
+
+attn::GdnCache GdnDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim,
+                                                    DType dtype) const {
+  attn::GdnCacheSpec spec;
+  spec.batch = batch;
+  spec.value_heads = local_value_heads();
+  spec.key_dim = key_dim;
+  spec.value_dim = value_dim;
+  spec.state_dtype = accumulator_dtype(dtype);
+  return attn::GdnCache(spec);
+}
+
+void GdnDecodeContextParallel::agree(const attn::GdnCache& cache, std::string_view call,
+                                     std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
+  Fingerprint fp(call);
+  fp.add_text("mode", gdn_cp_mode_name(config_.mode))
+      .add_flag("use_qk_l2norm", config_.use_qk_l2norm)
+      .add_real("scale", config_.scale)
+      .add_int("chunk_size", config_.chunk_size)
+      .add_int("value_heads", hv_)
+      .add_int("key_heads", hk_)
+      .add_tensor("cache state", cache.state());
+  add_cache_fields(fp, cache.length(), 0);
+  fp.add_tensors(tensors);
+  agreement_.run(groups_.sp, fp, groups_.stream);
+}
+
+Tensor GdnDecodeContextParallel::local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const {
+  SEQPAR_CHECK(t.ndim() >= 3 && t.dim(2) == total, "GdnDecodeContextParallel: ", t.str(), " must have ", total,
+               " heads in dimension 2");
+  Shape shape = t.shape();
+  shape[2] = local;
+  Tensor out = Tensor::empty(shape, t.dtype(), MemCategory::kWorkspace);
+  gather_rows(t, 2, iota_from(groups_.sp_rank() * local, local), out, groups_.stream);
+  return out;
+}
+
+PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const SequenceLayout& layout,
+                                                const TensorView& q, const TensorView& k, const TensorView& v,
+                                                const TensorView& g, const TensorView& beta,
+                                                const TensorView& initial_state) {
+  const char* who = "GdnDecodeContextParallel::prefill";
+  const attn::GdnCacheSpec& s = cache.spec();
+  SEQPAR_CHECK(q.ndim() == 4 && v.ndim() == 4 && q.dim(2) == hk_ && v.dim(2) == hv_ && q.dim(0) == s.batch &&
+                   q.dim(3) == s.key_dim && v.dim(3) == s.value_dim && s.value_heads == local_value_heads(),
+               who, ": q ", shape_str(q.shape()), " and v ", shape_str(v.shape()), " must be [", s.batch, ", S, ", hk_,
+               ", ", s.key_dim, "] and [", s.batch, ", S, ", hv_, ", ", s.value_dim, "] for a cache of this layer (",
+               s.value_heads, " of its heads per rank)");
+  agree(cache, who, {{"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"initial_state", initial_state}});
+  SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
+               " tokens; a prompt continuation is not supported yet");
+  GdnContextParallel gdn(groups_, layout, config_);
+  GdnCpOutput o = gdn.forward(q, k, v, g, beta, initial_state);
+  const Tensor mine =
+      local_heads(o.final_state.view().reshape({s.batch, 1, hv_, s.key_dim * s.value_dim}), hv_, local_value_heads());
+  cache.set_state(mine.view().reshape(cache.state().shape()), layout.seq_len());
+  return {std::move(o.out), Tensor()};
+}
+
+DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const TensorView& q, const TensorView& k,
+                                              const TensorView& v, const TensorView& g, const TensorView& beta) {
+  const char* who = "GdnDecodeContextParallel::decode";
+  const attn::GdnCacheSpec& s = cache.spec();
+  SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hk, K] with n >= 1, got ",
+               shape_str(q.shape()));
+  const std::int64_t n = q.dim(1);
+  check_shape(q, {s.batch, n, hk_, s.key_dim}, "GdnDecodeContextParallel::decode q_new");
+  check_shape(k, {s.batch, n, hk_, s.key_dim}, "GdnDecodeContextParallel::decode k_new");
+  check_shape(v, {s.batch, n, hv_, s.value_dim}, "GdnDecodeContextParallel::decode v_new");
+  check_shape(g, {s.batch, n, hv_}, "GdnDecodeContextParallel::decode g_new");
+  check_shape(beta, {s.batch, n, hv_}, "GdnDecodeContextParallel::decode beta_new");
+  SEQPAR_CHECK(s.value_heads == local_value_heads(), who, ": the cache holds ", s.value_heads,
+               " value heads, this layer's ranks ", local_value_heads(), " (make it with this layer's make_cache)");
+  agree(cache, who, {{"q_new", q}, {"k_new", k}, {"v_new", v}, {"g_new", g}, {"beta_new", beta}});
+  const std::int64_t lv = local_value_heads(), lk = local_key_heads();
+  attn::GdnForwardArgs a;
+  const Tensor ql = local_heads(q, hk_, lk), kl = local_heads(k, hk_, lk), vl = local_heads(v, hv_, lv);
+  const Tensor gl = local_heads(g, hv_, lv), bl = local_heads(beta, hv_, lv);
+  a.q = ql;
+  a.k = kl;
+  a.v = vl;
+  a.g = gl;
+  a.beta = bl;
+  a.use_qk_l2norm = config_.use_qk_l2norm;
+  a.scale = config_.scale;
+  DecodeOutput result;
+  result.out = Tensor::empty({s.batch, n, lv, s.value_dim}, q.dtype(), MemCategory::kWorkspace);
+  attn::gdn_decode(cache, a, result.out, groups_.stream);
+  return result;
+}
+
+}  // namespace seqpar
