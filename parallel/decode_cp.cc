@@ -164,7 +164,7 @@ std::int64_t MhaDecodeContextParallel::decode_bytes_per_step(std::int64_t batch,
 void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const char* call) const {
   const CacheSharding& s = cache.sharding();
   const CacheSharding mine(config_.shard, s.capacity(), groups_.ring.size(), config_.interleave);
-  SEQPAR_CHECK(s == mine && cache.rank() == groups_.ring.rank(), "MhaDecodeContextParallel::", call,
+  SEQPAR_CHECK(s == mine && cache.rank() == groups_.ring.rank(), call,
                ": the cache is sharded ", s.str(), " for rank ", cache.rank(), ", but this layer shards ", mine.str(),
                " and this is ring rank ", groups_.ring.rank(), " (make the cache with this layer's make_cache)");
 }
@@ -187,15 +187,14 @@ void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_vi
   agreement_.run(groups_.ring, fp, groups_.stream);
 }
 
-PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const SequenceLayout& layout,
-                                                const TensorView& q, const TensorView& k, const TensorView& v) {
-  const char* who = "MhaDecodeContextParallel::prefill";
-  check_cache(cache, "prefill");
+void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,
+                                            const TensorView& q, const TensorView& k, const TensorView& v) {
+  check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
   const Shape kv_shape{s.batch, layout.local_len(), s.kv_heads, s.head_dim};
-  check_shape(k, kv_shape, "MhaDecodeContextParallel::prefill k (the cache's [B, S_local, Hkv, D])");
-  check_shape(v, kv_shape, "MhaDecodeContextParallel::prefill v (the cache's [B, S_local, Hkv, D])");
+  check_shape(k, kv_shape, str_cat(who, " k (the cache's [B, S_local, Hkv, D])").c_str());
+  check_shape(v, kv_shape, str_cat(who, " v (the cache's [B, S_local, Hkv, D])").c_str());
   SEQPAR_CHECK(k.dtype() == s.dtype && v.dtype() == s.dtype, who, ": k and v must have the cache's dtype ",
                dtype_name(s.dtype), ", got ", dtype_name(k.dtype()), " and ", dtype_name(v.dtype()));
   agree(cache, who, &layout, {{"q", q}, {"k", k}, {"v", v}});
@@ -203,6 +202,11 @@ PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const Seq
                " tokens; a prompt continuation (persistent-cache prefill) is not supported yet");
   SEQPAR_CHECK(layout.seq_len() <= s.capacity, who, ": the prompt of ", layout.seq_len(),
                " tokens does not fit the cache capacity ", s.capacity);
+}
+
+PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const SequenceLayout& layout,
+                                                const TensorView& q, const TensorView& k, const TensorView& v) {
+  check_prompt(cache, layout, "MhaDecodeContextParallel::prefill", q, k, v);
   RingAttentionConfig rc;
   rc.impl = config_.prefill_impl;
   rc.causal = true;
@@ -213,6 +217,13 @@ PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const Seq
   reshard_prompt(cache, layout, k, v);
   cache.length_ = layout.seq_len();
   return {std::move(o.out), std::move(o.lse)};
+}
+
+void MhaDecodeContextParallel::fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
+                                   const TensorView& v) {
+  check_prompt(cache, layout, "MhaDecodeContextParallel::fill", {}, k, v);
+  reshard_prompt(cache, layout, k, v);
+  cache.length_ = layout.seq_len();
 }
 
 void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
@@ -276,7 +287,7 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
 DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,
                                               const TensorView& v) {
   const char* who = "MhaDecodeContextParallel::decode";
-  check_cache(cache, "decode");
+  check_cache(cache, who);
   const attn::KvCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hq, D] with n >= 1, got ",
                shape_str(q.shape()));

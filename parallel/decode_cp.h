@@ -142,6 +142,9 @@ class MhaDecodeContextParallel {
   // out and lse (RingAttention::forward); the cache then holds the T tokens, each on its owner.
   PrefillOutput prefill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                         const TensorView& v);
+  // prefill without the prompt's attention: the cache takes k, v (the same shapes and rules as prefill) re-sharded
+  // to their owners; for caches whose prompt was computed elsewhere (or benchmarks of the decode step alone).
+  void fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
   // One step of n >= 1 new tokens at positions cache.length() .. + n - 1: q_new [B, n, Hq, D], k_new, v_new
   // [B, n, Hkv, D], identical on every rank. Returns out [B, n, Hq, D] and lse [B, Hq, n] of the n queries against
   // every token so far, the new ones included (causally), identical on every rank. Errors (cache unchanged, on every
@@ -157,6 +160,9 @@ class MhaDecodeContextParallel {
 
  private:
   void check_cache(const ShardedKvCache& cache, const char* call) const;
+  // Every check of prefill / fill before any data moves (the agreement check included).
+  void check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who, const TensorView& q,
+                    const TensorView& k, const TensorView& v);
   void agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
              std::initializer_list<std::pair<std::string_view, TensorView>> tensors);
   // Moves the prompt's k, v from the compute layout to their cache owners and appends them.
