@@ -164,9 +164,9 @@ std::int64_t MhaDecodeContextParallel::decode_bytes_per_step(std::int64_t batch,
 void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const char* call) const {
   const CacheSharding& s = cache.sharding();
   const CacheSharding mine(config_.shard, s.capacity(), groups_.ring.size(), config_.interleave);
-  SEQPAR_CHECK(s == mine && cache.rank() == groups_.ring.rank(), call,
-               ": the cache is sharded ", s.str(), " for rank ", cache.rank(), ", but this layer shards ", mine.str(),
-               " and this is ring rank ", groups_.ring.rank(), " (make the cache with this layer's make_cache)");
+  SEQPAR_CHECK(s == mine && cache.rank() == groups_.ring.rank(), call, ": the cache is sharded ", s.str(), " for rank ",
+               cache.rank(), ", but this layer shards ", mine.str(), " and this is ring rank ", groups_.ring.rank(),
+               " (make the cache with this layer's make_cache)");
 }
 
 void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
@@ -220,7 +220,7 @@ PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const Seq
 }
 
 void MhaDecodeContextParallel::fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
-                                   const TensorView& v) {
+                                    const TensorView& v) {
   check_prompt(cache, layout, "MhaDecodeContextParallel::fill", {}, k, v);
   reshard_prompt(cache, layout, k, v);
   cache.length_ = layout.seq_len();
