@@ -130,7 +130,9 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   MhaDecodeContextParallel layer(groups, cfg);
   const SequenceLayout layout(o.layout, T, groups.ring.size());
   const std::vector<std::int64_t> pos = layout.positions(groups.ring.rank());
-  const Tensor q = make_rows(o, 1, S, pos, hq, D), k = make_rows(o, 2, S, pos, hkv, D);
+  const bool fill = d.prefill == "fill";  // the prompt's K/V only: no queries needed
+  const Tensor q = make_rows(o, 1, S, fill ? std::vector<std::int64_t>{} : pos, hq, D);
+  const Tensor k = make_rows(o, 2, S, pos, hkv, D);
   const Tensor v = make_rows(o, 3, S, pos, hkv, D);
   DecodeReport rep;
   const std::int64_t before = persistent_bytes();
@@ -138,7 +140,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.prefill_s = time_prefill(world, o, [&] {
     cache.reset();
     cache.emplace(layer.make_cache(B, S, hkv, D, o.dtype));
-    if (d.prefill == "fill") {
+    if (fill) {
       layer.fill(*cache, layout, k, v);
     } else {
       layer.prefill(*cache, layout, q, k, v);

@@ -143,22 +143,24 @@ ShardedKvCache::ShardedKvCache(const CacheSharding& sharding, int rank, const at
 
 MhaDecodeContextParallel::MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config)
     : groups_(groups), config_(config) {
-  SEQPAR_CHECK(groups.ulysses_size() == 1, "MhaDecodeContextParallel: ulysses_size ", groups.ulysses_size(),
-               " is not supported yet (the cache is sharded over the ring group; use ulysses_size 1)");
   SEQPAR_CHECK(config.interleave >= 1, "MhaDecodeContextParallel: interleave ", config.interleave, " must be >= 1");
   SEQPAR_CHECK(std::isfinite(config.scale), "MhaDecodeContextParallel: scale ", config.scale, " must be finite");
 }
 
 ShardedKvCache MhaDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
                                                     std::int64_t head_dim, DType dtype) const {
+  const int pu = groups_.ulysses_size();
+  SEQPAR_CHECK(kv_heads >= 1 && kv_heads % pu == 0, "MhaDecodeContextParallel::make_cache: kv_heads Hkv = ", kv_heads,
+               " must be divisible by ulysses_size ", pu, " (decode splits whole KV heads over the Ulysses group)");
   const CacheSharding sharding(config_.shard, capacity, groups_.ring.size(), config_.interleave);
-  return ShardedKvCache(sharding, groups_.ring.rank(), attn::KvCacheSpec{batch, capacity, kv_heads, head_dim, dtype});
+  return ShardedKvCache(sharding, groups_.ring.rank(),
+                        attn::KvCacheSpec{batch, capacity, kv_heads / pu, head_dim, dtype});
 }
 
 std::int64_t MhaDecodeContextParallel::decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads,
                                                              std::int64_t head_dim, DType dtype) const {
-  return static_cast<std::int64_t>(groups_.ring.size() - 1) * batch * n * q_heads * (head_dim + 2) *
-         static_cast<std::int64_t>(dtype_size(accumulator_dtype(dtype)));
+  return static_cast<std::int64_t>(groups_.ring.size() - 1) * batch * n * (q_heads / groups_.ulysses_size()) *
+         (head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(dtype)));
 }
 
 void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const char* call) const {
@@ -184,7 +186,7 @@ void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_vi
   add_cache_fields(fp, cache.length(), cache.num_steps());
   if (layout != nullptr) add_layout_fields(fp, *layout);
   fp.add_tensors(tensors);
-  agreement_.run(groups_.ring, fp, groups_.stream);
+  agreement_.run(groups_.sp, fp, groups_.stream);
 }
 
 void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,
@@ -192,7 +194,7 @@ void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const S
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
-  const Shape kv_shape{s.batch, layout.local_len(), s.kv_heads, s.head_dim};
+  const Shape kv_shape{s.batch, layout.local_len(), s.kv_heads * groups_.ulysses_size(), s.head_dim};
   check_shape(k, kv_shape, str_cat(who, " k (the cache's [B, S_local, Hkv, D])").c_str());
   check_shape(v, kv_shape, str_cat(who, " v (the cache's [B, S_local, Hkv, D])").c_str());
   SEQPAR_CHECK(k.dtype() == s.dtype && v.dtype() == s.dtype, who, ": k and v must have the cache's dtype ",
@@ -211,9 +213,9 @@ PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const Seq
   rc.impl = config_.prefill_impl;
   rc.causal = true;
   rc.scale = config_.scale;
-  RingAttention ring(groups_, layout, rc);
-  AttentionOutput o = ring.forward(q, k, v);
-  counters_ += ring.counters();
+  UspAttention usp(groups_, layout, rc);  // a ring when ulysses_size = 1
+  AttentionOutput o = usp.forward(q, k, v);
+  counters_ += usp.counters();
   reshard_prompt(cache, layout, k, v);
   cache.length_ = layout.seq_len();
   return {std::move(o.out), std::move(o.lse)};
@@ -230,24 +232,30 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
                                               const TensorView& v) {
   const attn::KvCacheSpec& s = cache.spec();
   const CacheSharding& sh = cache.sharding();
-  const int P = groups_.ring.size(), me = groups_.ring.rank();
-  const std::int64_t row = s.kv_heads * s.head_dim, T = layout.seq_len();
+  // Over the SP group: SP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the
+  // KV heads [ulysses_rank(d) hl, (ulysses_rank(d) + 1) hl).
+  const int P = groups_.sp.size(), pu = groups_.ulysses_size(), me = groups_.sp_rank(), my_ring = groups_.ring.rank();
+  const std::int64_t hl = s.kv_heads, row = hl * s.head_dim, T = layout.seq_len();
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
   ScopedTimer timer(counters_.compute_s);
-  // Send: for each destination d, the rows of my tokens d owns, K then V, each [B, m, Hkv, D].
+  // Send: for each destination d, the rows of my tokens it stores, K then V, each [B, m, hl, D].
   const std::vector<std::int64_t> mine = layout.positions(me);
   std::vector<std::vector<std::int64_t>> to(P);
-  for (std::size_t i = 0; i < mine.size(); ++i) to[sh.owner(mine[i])].push_back(static_cast<std::int64_t>(i));
+  for (int d = 0; d < P; ++d) {
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      if (sh.owner(mine[i]) == d / pu) to[d].push_back(static_cast<std::int64_t>(i));
+    }
+  }
   std::vector<std::int64_t> send_counts(P), recv_counts(P);
   std::int64_t send_total = 0, recv_total = 0;
   for (int d = 0; d < P; ++d)
     send_total += send_counts[d] = 2 * s.batch * static_cast<std::int64_t>(to[d].size()) * row;
-  // Receive: from each source, the rows of its tokens I own, in its (increasing) order.
-  const std::vector<std::int64_t> owned = sh.owned(me, 0, T);
+  // Receive: from each source, the rows of its tokens my ring rank owns, in its (increasing) order.
+  const std::vector<std::int64_t> owned = sh.owned(my_ring, 0, T);
   std::vector<std::vector<std::int64_t>> from(P);  // indices into `owned`
   for (int src = 0; src < P; ++src) {
     for (std::int64_t t : layout.positions(src)) {
-      if (sh.owner(t) == me) {
+      if (sh.owner(t) == my_ring) {
         from[src].push_back(std::lower_bound(owned.begin(), owned.end(), t) - owned.begin());
       }
     }
@@ -259,24 +267,33 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
   for (int d = 0; d < P; ++d) {
     const std::int64_t m = static_cast<std::int64_t>(to[d].size());
     if (m == 0) continue;
-    const Shape shape{s.batch, m, s.kv_heads, s.head_dim};
-    gather_rows(k, 1, to[d], sub_view(send, off, shape), groups_.stream);
-    gather_rows(v, 1, to[d], sub_view(send, off + send_counts[d] / 2, shape), groups_.stream);
+    const Shape shape{s.batch, m, hl, s.head_dim};
+    const std::vector<std::int64_t> heads = iota_from((d % pu) * hl, hl);
+    for (const auto& [src, half] : {std::pair{k, 0}, std::pair{v, 1}}) {
+      const TensorView dst = sub_view(send, off + half * send_counts[d] / 2, shape);
+      if (pu == 1) {
+        gather_rows(src, 1, to[d], dst, groups_.stream);
+        continue;
+      }
+      Tensor rows = alloc.empty({s.batch, m, hl * pu, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+      gather_rows(src, 1, to[d], rows, groups_.stream);
+      gather_rows(rows, 2, heads, dst, groups_.stream);
+    }
     off += send_counts[d];
   }
   {
     CommMeter meter(groups_, counters_);
-    WorkHandle w = groups_.ring.all_to_all_v(send, send_counts, recv, recv_counts);
-    timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+    WorkHandle w = groups_.sp.all_to_all_v(send, send_counts, recv, recv_counts);
+    timed_wait(groups_.sp, w, &counters_.exposed_comm_s);
   }
   const std::int64_t m_all = static_cast<std::int64_t>(owned.size());
-  Tensor k_own = alloc.empty({s.batch, m_all, s.kv_heads, s.head_dim}, s.dtype, MemCategory::kWorkspace);
-  Tensor v_own = alloc.empty({s.batch, m_all, s.kv_heads, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+  Tensor k_own = alloc.empty({s.batch, m_all, hl, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+  Tensor v_own = alloc.empty({s.batch, m_all, hl, s.head_dim}, s.dtype, MemCategory::kWorkspace);
   off = 0;
   for (int src = 0; src < P; ++src) {
     const std::int64_t m = static_cast<std::int64_t>(from[src].size());
     if (m == 0) continue;
-    const Shape shape{s.batch, m, s.kv_heads, s.head_dim};
+    const Shape shape{s.batch, m, hl, s.head_dim};
     scatter_rows(sub_view(recv, off, shape), 1, from[src], k_own, groups_.stream);
     scatter_rows(sub_view(recv, off + recv_counts[src] / 2, shape), 1, from[src], v_own, groups_.stream);
     off += recv_counts[src];
@@ -291,12 +308,13 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
   const attn::KvCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hq, D] with n >= 1, got ",
                shape_str(q.shape()));
-  const std::int64_t n = q.dim(1), hq = q.dim(2), B = s.batch, D = s.head_dim;
-  const Shape kv_shape{B, n, s.kv_heads, D};
+  const int pu = groups_.ulysses_size();
+  const std::int64_t n = q.dim(1), hq_all = q.dim(2), B = s.batch, D = s.head_dim, hq = hq_all / pu;
+  const Shape kv_shape{B, n, s.kv_heads * pu, D};
   check_shape(k, kv_shape, "MhaDecodeContextParallel::decode k_new (the cache's [B, n, Hkv, D])");
   check_shape(v, kv_shape, "MhaDecodeContextParallel::decode v_new (the cache's [B, n, Hkv, D])");
-  SEQPAR_CHECK(q.dim(0) == B && q.dim(3) == D && hq % s.kv_heads == 0, who, ": q_new ", shape_str(q.shape()),
-               " must be [", B, ", n, Hq, ", D, "] with Hq a multiple of Hkv = ", s.kv_heads, " (the cache's)");
+  SEQPAR_CHECK(q.dim(0) == B && q.dim(3) == D && hq_all % (s.kv_heads * pu) == 0, who, ": q_new ", shape_str(q.shape()),
+               " must be [", B, ", n, Hq, ", D, "] with Hq a multiple of Hkv = ", s.kv_heads * pu, " (the cache's)");
   SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
                ": q_new, k_new, v_new must have the cache's dtype ", dtype_name(s.dtype));
   agree(cache, who, nullptr, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
@@ -312,6 +330,13 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
   {
     ScopedTimer timer(counters_.compute_s);
     // The owner appends the new tokens it owns, then every rank attends the queries to its shard.
+    // This rank's heads of the new tokens (all of them when ulysses_size = 1).
+    const auto heads = [&](const TensorView& t, std::int64_t local) {
+      Tensor h = alloc.empty({B, n, local, D}, s.dtype, MemCategory::kWorkspace);
+      gather_rows(t, 2, iota_from(groups_.ulysses.rank() * local, local), h, groups_.stream);
+      return h;
+    };
+    const Tensor q_l = heads(q, hq), k_l = heads(k, s.kv_heads), v_l = heads(v, s.kv_heads);
     std::vector<std::int64_t> idx, pos;
     for (std::int64_t t : cache.sharding().owned(cache.rank(), L, L + n)) {
       idx.push_back(t - L);
@@ -321,12 +346,12 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
       const Shape shape{B, static_cast<std::int64_t>(idx.size()), s.kv_heads, D};
       Tensor k_own = alloc.empty(shape, s.dtype, MemCategory::kWorkspace);
       Tensor v_own = alloc.empty(shape, s.dtype, MemCategory::kWorkspace);
-      gather_rows(k, 1, idx, k_own, groups_.stream);
-      gather_rows(v, 1, idx, v_own, groups_.stream);
+      gather_rows(k_l, 1, idx, k_own, groups_.stream);
+      gather_rows(v_l, 1, idx, v_own, groups_.stream);
       cache.local_.append(k_own, v_own, pos);
     }
     Tensor lse_r = alloc.empty({B, hq, n}, DType::kFloat64, MemCategory::kWorkspace);
-    attn::mha_decode(cache.local_, q, q_pos, sub_view(send, 0, {B, n, hq, D}), lse_r, config_.scale, groups_.stream);
+    attn::mha_decode(cache.local_, q_l, q_pos, sub_view(send, 0, {B, n, hq, D}), lse_r, config_.scale, groups_.stream);
     if (acc == DType::kFloat64) {
       split_lse(lse_r.data_as<double>(), rows, send.data_as<double>() + rows * D,
                 send.data_as<double>() + rows * D + rows);

@@ -1,24 +1,27 @@
 // Inference under context parallelism: the prompt's prefill under CP fills caches that stay sharded over the group,
 // and each decode step attends the new tokens to them (docs/design.md section 16).
 //
-// MHA / GQA: the K/V cache of a CP group of P ranks (groups.ring; the Ulysses size must be 1) is sharded by token
-// (CacheSharding): `contiguous` (blocks of ceil(capacity / P) tokens, rank r holding [r blk, (r+1) blk)) or
-// `interleave I` (token t on rank (t / I) mod P, I >= 1: the scheme of vLLM's decode context parallelism, which keeps
-// appends balanced). A token's K/V is stored only on its owner.
-//   prefill: the prompt's training forward under CP (RingAttention over `layout`, any layout kind and ring impl)
-//     gives the prompt's out and lse in the compute layout; then one all_to_all_v over the group moves every prompt
-//     token's K and V from the rank that computed it to its cache owner (re-sharding from the compute layout to the
-//     cache layout). Bytes sent by rank r: 2 B Hkv D bytes(dtype) times the number of its prompt tokens another rank
-//     owns.
+// MHA / GQA: the K/V cache of a CP group of P ranks (groups.ring) is sharded by token (CacheSharding): `contiguous`
+// (blocks of ceil(capacity / P) tokens, rank r holding [r blk, (r+1) blk)) or `interleave I` (token t on rank (t / I)
+// mod P, I >= 1: the scheme of vLLM's decode context parallelism, which keeps appends balanced). A token's K/V is
+// stored only on its owner. Under USP (ulysses_size Pu > 1) the Ulysses group splits the heads: SP rank (ring r,
+// Ulysses u) stores, for the tokens ring rank r owns, the KV heads [u Hkv / Pu, (u+1) Hkv / Pu) and attends the query
+// heads [u Hq / Pu, (u+1) Hq / Pu) (Hkv and Hq divisible by Pu, Error otherwise: KV heads are not replicated); the
+// merge runs over the ring group only.
+//   prefill: the prompt's training forward under CP (UspAttention over `layout`: a ring when Pu = 1; any layout kind
+//     and ring impl) gives the prompt's out and lse in the compute layout; then one all_to_all_v over the SP group
+//     moves every prompt token's K and V (of each head) from the rank that computed it to the rank that stores it
+//     (re-sharding from the compute layout to the cache layout). Bytes sent by a rank: 2 B (Hkv / Pu) D bytes(dtype)
+//     per (token, destination) pair it sends to another rank.
 //   decode step of n new tokens at positions L..L+n-1 (L = the cache's length; q, k, v of the new tokens identical
 //     on every rank): the owner of each new token appends its K/V; every rank attends the n queries to its shard
 //     (attn::mha_decode: out_r, lse_r, with lse_r = -inf where it holds nothing visible), and one all-gather of
 //     (out_r, lse_r) over the group lets every rank merge exactly, in fp64, in rank order:
 //       m = max_r lse_r,  l = sum_r exp(lse_r - m),  out = sum_r exp(lse_r - m) out_r / l,  lse = m + log l
 //     (with out_r = u_r / l_r the local normalised output, exp(lse_r) = exp(m_r) l_r: the global softmax of the
-//     shards' m_r, l_r, u_r). Every rank ends with the same out and lse.
+//     shards' m_r, l_r, u_r). Every rank of a ring group ends with the same out and lse of its query heads.
 //     Bytes per step (CpCounters::bytes_sent, and bytes_received the same), accumulator dtype a (4; 8 for fp64):
-//       merge_bytes = (P - 1) B n Hq (D + 2) bytes(a)
+//       merge_bytes = (Pr - 1) B n (Hq / Pu) (D + 2) bytes(a)       (Pr = ring_size, Pu = ulysses_size)
 //     (each rank's out_r and its lse as two numbers of dtype a, hi + lo, so that fp32 carries the fp64 lse of the
 //     merge to 2^-48: the weights exp(lse_r - m) keep fp64 accuracy). Before it, the ranks' agreement check (one
 //     24-byte all-reduce, AgreementCheck) runs on every step, since the step's fingerprint holds the cache length;
@@ -55,6 +58,7 @@
 #include "parallel/gdn_cp.h"
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
+#include "parallel/usp.h"
 
 namespace seqpar {
 
@@ -92,11 +96,12 @@ class CacheSharding {
 // slots holding the rank's tokens at their global positions), the sharding, and the length of the whole cache.
 class ShardedKvCache {
  public:
-  // spec: the whole cache (spec.capacity = sharding.capacity()); the local shard holds local_capacity(rank) slots.
+  // spec: B, the whole cache's capacity (= sharding.capacity()), the KV heads this rank stores (Hkv / ulysses_size),
+  // D and the dtype; the local shard holds local_capacity(rank) slots of those heads.
   ShardedKvCache(const CacheSharding& sharding, int rank, const attn::KvCacheSpec& spec);
   const CacheSharding& sharding() const { return sharding_; }
   int rank() const { return rank_; }
-  const attn::KvCacheSpec& spec() const { return spec_; }  // of the whole cache
+  const attn::KvCacheSpec& spec() const { return spec_; }  // capacity of the whole cache, this rank's KV heads
   std::int64_t length() const { return length_; }          // tokens in the whole cache (the same on every rank)
   std::int64_t num_steps() const { return num_steps_; }    // decode steps since the prefill
   const attn::MhaKvCache& local() const { return local_; }
@@ -118,8 +123,8 @@ struct MhaDecodeConfig {
 };
 
 struct DecodeOutput {
-  Tensor out;  // [B, n, H, D]: MHA all Hq heads (dtype of q), GDN this rank's Hv / P heads (dtype of q)
-  Tensor lse;  // MHA: [B, Hq, n] accumulator dtype (fp32; fp64 for fp64), identical on every rank; GDN: empty
+  Tensor out;  // [B, n, H, D], this rank's heads (dtype of q): MHA Hq / ulysses_size, GDN Hv / P
+  Tensor lse;  // MHA: [B, Hq / ulysses_size, n] accumulator dtype (fp32; fp64 for fp64); GDN: empty
 };
 
 struct PrefillOutput {
@@ -127,34 +132,40 @@ struct PrefillOutput {
   Tensor lse;  // MHA: [B, Hq, S_local] accumulator dtype; GDN: empty
 };
 
-// MHA / GQA causal attention for inference over the group groups.ring (ulysses_size 1).
+// MHA / GQA causal attention for inference: the cache sharded by token over groups.ring, heads over groups.ulysses.
 class MhaDecodeContextParallel {
  public:
-  // Errors: ulysses_size != 1 ("not supported yet"), interleave < 1, a non-finite scale.
+  // Errors: interleave < 1, a non-finite scale.
   MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config);
 
-  // An empty cache of `capacity` tokens sharded by the configuration over the group (collective-free).
+  // An empty cache of `capacity` tokens sharded by the configuration over the ring group, holding this rank's
+  // kv_heads / ulysses_size heads (collective-free). Errors: kv_heads not divisible by ulysses_size.
   ShardedKvCache make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads, std::int64_t head_dim,
                             DType dtype) const;
 
-  // The prompt: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] at layout.positions(rank) (layout built for the
-  // groups, seq_len T = the prompt length). The cache must be empty and hold at least T tokens. Returns the prompt's
-  // out and lse (RingAttention::forward); the cache then holds the T tokens, each on its owner.
+  // The prompt: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] (all heads) at layout.positions(sp_rank) (layout
+  // built for the groups, seq_len T = the prompt length). The cache must be empty and hold at least T tokens.
+  // Returns the prompt's out and lse (UspAttention::forward); the cache then holds the T tokens on their owners.
   PrefillOutput prefill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                         const TensorView& v);
   // prefill without the prompt's attention: the cache takes k, v (the same shapes and rules as prefill) re-sharded
   // to their owners; for caches whose prompt was computed elsewhere (or benchmarks of the decode step alone).
   void fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
   // One step of n >= 1 new tokens at positions cache.length() .. + n - 1: q_new [B, n, Hq, D], k_new, v_new
-  // [B, n, Hkv, D], identical on every rank. Returns out [B, n, Hq, D] and lse [B, Hq, n] of the n queries against
-  // every token so far, the new ones included (causally), identical on every rank. Errors (cache unchanged, on every
+  // [B, n, Hkv, D], all heads, identical on every rank. Returns out [B, n, Hq / Pu, D] and lse [B, Hq / Pu, n] of
+  // this rank's query heads (from q_head_offset()) against every token so far, the new ones included (causally),
+  // identical on the ranks of a ring group. Errors (cache unchanged, on every
   // rank): a cache made with another sharding, shape or dtype than this object and the inputs; ranks disagreeing on
   // shapes, configuration, cache length or step; length + n past the capacity.
   DecodeOutput decode(ShardedKvCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new);
 
-  // merge_bytes of the header comment for one step of n queries of B x Hq heads of dimension D and dtype `dtype`.
+  // merge_bytes of the header comment for one step of n queries of B x Hq heads (all of the model's) of dimension D.
   std::int64_t decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads, std::int64_t head_dim,
                                      DType dtype) const;
+  // The first query head of decode's out on this rank: ulysses_rank * Hq / Pu.
+  std::int64_t q_head_offset(std::int64_t q_heads) const {
+    return groups_.ulysses.rank() * (q_heads / groups_.ulysses_size());
+  }
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
 

@@ -44,10 +44,12 @@ struct MhaCase {
   std::int64_t n;     // tokens per step
   DType dtype = DType::kFloat32;
   RingImpl impl = RingImpl::kP2P;
+  bool usp = false;  // Ulysses 2 (heads) x ring P/2 (the cache) when the world size is even
 };
 std::string case_name(const MhaCase& c) {
   return str_cat(cache_shard_name(c.shard), c.shard == CacheShardKind::kInterleave ? str_cat(c.interleave) : "", "_",
-                 layout_name(c.layout), "_n", c.n, "_", dtype_name(c.dtype), "_", ring_impl_name(c.impl));
+                 layout_name(c.layout), "_n", c.n, "_", dtype_name(c.dtype), "_", ring_impl_name(c.impl),
+                 c.usp ? "_usp" : "");
 }
 
 constexpr std::int64_t kB = 2, kHq = 4, kHkv = 2, kD = 16, kPrompt = 96, kSteps = 4;
@@ -56,9 +58,10 @@ class MhaDecodeCp : public ::testing::TestWithParam<MhaCase> {};
 
 TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
   const MhaCase c = GetParam();
-  const SpGrid grid(world(), test::ring_over_world());
+  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  const int P = groups.ring.size(), me = groups.ring.rank();
+  const int P = groups.ring.size(), me = groups.ring.rank(), pu = groups.ulysses_size();
+  const std::int64_t hq = kHq / pu, hkv = kHkv / pu;  // this rank's heads
   const test::DecodeSchedule sched{kPrompt, kSteps, c.n};
   const test::MhaDecodeProblem p(kB, sched.total(), kHq, kHkv, kD, c.dtype, 7);
   MhaDecodeConfig cfg;
@@ -70,13 +73,13 @@ TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
   const std::int64_t before = persistent_bytes();
   ShardedKvCache cache = layer.make_cache(kB, sched.total(), kHkv, kD, c.dtype);
   const std::int64_t slots = cache.sharding().local_capacity(me);
-  EXPECT_EQ(persistent_bytes() - before, 2 * kB * kHkv * kD * slots * static_cast<std::int64_t>(dtype_size(c.dtype)));
+  EXPECT_EQ(persistent_bytes() - before, 2 * kB * hkv * kD * slots * static_cast<std::int64_t>(dtype_size(c.dtype)));
   // About capacity / P slots per rank: at most one interleave block (or one contiguous rounding) away.
   const std::int64_t spread = c.shard == CacheShardKind::kInterleave ? c.interleave : P;
   EXPECT_LE(std::abs(slots * P - sched.total()), spread * P) << "slots " << slots;
 
-  const SequenceLayout layout(c.layout, sched.prompt, P);
-  const std::vector<std::int64_t> pos = layout.positions(me);
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, sched.prompt, c.layout);
+  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
   const auto local = [&](const TensorView& full) {
     Tensor prompt = rows_of(full, 0, sched.prompt);
     Tensor t = Tensor::empty({kB, layout.local_len(), full.dim(2), kD}, c.dtype, MemCategory::kWorkspace);
@@ -93,36 +96,41 @@ TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
                         test::decode_rtol(c.dtype), "prefill out"));
 
   layer.reset_counters();
+  const std::int64_t h0 = layer.q_head_offset(kHq);
+  EXPECT_EQ(h0, groups.ulysses.rank() * hq);
   for (std::int64_t step = 0; step < sched.steps; ++step) {
     const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
     const DecodeOutput o = layer.decode(cache, rows_of(p.q, t0, t1), rows_of(p.k, t0, t1), rows_of(p.v, t0, t1));
-    EXPECT_TRUE(all_close(to_double(o.out), to_double(rows_of(p.ref_out, t0, t1)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
-    EXPECT_TRUE(all_close(to_double(o.lse), to_double(rows_of(p.ref_lse, t0, t1, 2)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("lse of step ", step)));
+    const Tensor want_out = rows_of(rows_of(p.ref_out, t0, t1), h0, h0 + hq, 2);  // this rank's heads
+    const Tensor want_lse = rows_of(rows_of(p.ref_lse, t0, t1, 2), h0, h0 + hq, 1);
+    EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                          str_cat("out of step ", step)));
+    EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                          str_cat("lse of step ", step)));
   }
   EXPECT_EQ(cache.length(), sched.total());
   EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, sched.total()));
-  // (P - 1) B n Hq (D + 2) accumulator elements per step, each way.
+  // (P - 1) B n (Hq / Pu) (D + 2) accumulator elements per step, each way.
   const std::int64_t per_step =
-      (P - 1) * kB * c.n * kHq * (kD + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(c.dtype)));
+      (P - 1) * kB * c.n * hq * (kD + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(c.dtype)));
   EXPECT_EQ(layer.decode_bytes_per_step(kB, c.n, kHq, kD, c.dtype), per_step);
   EXPECT_EQ(layer.counters().bytes_sent, sched.steps * per_step);
   EXPECT_EQ(layer.counters().bytes_received, sched.steps * per_step);
-  EXPECT_EQ(persistent_bytes() - before, 2 * kB * kHkv * kD * slots * static_cast<std::int64_t>(dtype_size(c.dtype)));
+  EXPECT_EQ(persistent_bytes() - before, 2 * kB * hkv * kD * slots * static_cast<std::int64_t>(dtype_size(c.dtype)));
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, MhaDecodeCp,
-                         ::testing::Values(MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kZigzag, 1},
-                                           MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kContiguous, 1},
-                                           MhaCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, 3},
-                                           MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kStripe, 2,
-                                                   DType::kFloat64},
-                                           MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, 2,
-                                                   DType::kFloat64, RingImpl::kAllGather},
-                                           MhaCase{CacheShardKind::kInterleave, 16, LayoutKind::kContiguous, 1,
-                                                   DType::kFloat32, RingImpl::kAllGather}),
-                         test::CaseName());
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MhaDecodeCp,
+    ::testing::Values(
+        MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kZigzag, 1},
+        MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kContiguous, 1},
+        MhaCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, 3},
+        MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kStripe, 2, DType::kFloat64},
+        MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, 2, DType::kFloat64, RingImpl::kAllGather},
+        MhaCase{CacheShardKind::kInterleave, 16, LayoutKind::kContiguous, 1, DType::kFloat32, RingImpl::kAllGather},
+        MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, 2, DType::kFloat32, RingImpl::kP2P, true},
+        MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, 1, DType::kFloat64, RingImpl::kP2P, true}),
+    test::CaseName());
 
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
 TEST(MhaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
