@@ -112,13 +112,6 @@ std::vector<double> time_prefill(Communicator& world, const SpBenchOptions& o, F
   return times;
 }
 
-// The check's verdict of rank 0, on every rank.
-bool verdict_everywhere(Communicator& world, bool passed) {
-  std::vector<double> bad{passed ? 0.0 : 1.0};
-  all_reduce(world, bad, ReduceOp::kMax);
-  return bad[0] == 0.0;
-}
-
 DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o) {
   const DecodeOptions& d = o.decode;
   const std::int64_t B = o.batch, hq = o.heads, hkv = o.kv_heads, D = o.head_dim, T = d.context;
@@ -128,8 +121,8 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   cfg.interleave = d.interleave;
   cfg.prefill_impl = o.impl;
   MhaDecodeContextParallel layer(groups, cfg);
-  const SequenceLayout layout(o.layout, T, groups.ring.size());
-  const std::vector<std::int64_t> pos = layout.positions(groups.ring.rank());
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, T, o.layout);
+  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
   const bool fill = d.prefill == "fill";  // the prompt's K/V only: no queries needed
   const Tensor q = make_rows(o, 1, S, fill ? std::vector<std::int64_t>{} : pos, hq, D);
   const Tensor k = make_rows(o, 2, S, pos, hkv, D);
@@ -149,8 +142,8 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   std::vector<double> cache_bytes{static_cast<double>(persistent_bytes() - before)};
   all_reduce(world, cache_bytes, ReduceOp::kMax);
   rep.cache_bytes = cache_bytes[0];
-  rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv, D, o.dtype})) / groups.ring.size();
-  rep.formula_text = str_cat("M_KV / P = 2 B Hkv (T + N n) D bytes / P");
+  rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv, D, o.dtype})) / groups.sp.size();
+  rep.formula_text = str_cat("M_KV / P = 2 B Hkv (T + N n) D bytes / (ring x ulysses)");
   layer.reset_counters();
   std::vector<Tensor> outs, lses;
   for (std::int64_t step = 0; step < N; ++step) {
@@ -170,32 +163,40 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.bytes_formula = layer.decode_bytes_per_step(B, n, hq, D, o.dtype);
   if (!o.check) return rep;
   rep.checked = true;
-  if (world.rank() == 0) {
-    // The training kernel over the whole sequence, rows T.. (its queries at T..S-1 against every key, causal).
-    const std::vector<std::int64_t> all = range(0, S), tail = range(T, S);
-    const Tensor kf = make_rows(o, 2, S, all, hkv, D), vf = make_rows(o, 3, S, all, hkv, D);
-    const Tensor qt = make_rows(o, 1, S, tail, hq, D);
-    attn::MhaForwardArgs a;
-    a.q = qt;
-    a.k = kf;
-    a.v = vf;
-    a.q_pos = tail;
-    a.mask.causal = true;
-    Tensor out = Tensor::empty({B, N * n, hq, D}, o.dtype, MemCategory::kWorkspace);
-    Tensor lse = Tensor::empty({B, hq, N * n}, accumulator_dtype(o.dtype), MemCategory::kWorkspace);
-    attn::mha_forward(a, out, lse);
-    for (std::int64_t step = 0; step < N; ++step) {
-      const std::vector<std::int64_t> rows = range(step * n, (step + 1) * n);
-      Tensor want_out = Tensor::empty({B, n, hq, D}, o.dtype, MemCategory::kWorkspace);
-      Tensor want_lse = Tensor::empty({B, hq, n}, lse.dtype(), MemCategory::kWorkspace);
-      gather_rows(out, 1, rows, want_out);
-      gather_rows(lse, 2, rows, want_lse);
-      rep.out_err = std::max(rep.out_err, rel_err(outs[step], want_out));
-      rep.lse_err = std::max(rep.lse_err, rel_err(lses[step], want_lse));
-    }
-    rep.passed = rep.out_err <= tolerance(o.dtype) && rep.lse_err <= tolerance(accumulator_dtype(o.dtype));
+  // The training kernel over the whole sequence, rows T.. (its queries at T..S-1 against every key, causal), for this
+  // rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
+  const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
+  const std::vector<std::int64_t> all = range(0, S), tail = range(T, S);
+  const auto heads = [&](const Tensor& t, std::int64_t local) {
+    Tensor h = Tensor::empty({B, t.dim(1), local, D}, o.dtype, MemCategory::kWorkspace);
+    gather_rows(t, 2, range(u * local, (u + 1) * local), h);
+    return h;
+  };
+  const Tensor kf = heads(make_rows(o, 2, S, all, hkv, D), hkv_l), vf = heads(make_rows(o, 3, S, all, hkv, D), hkv_l);
+  const Tensor qt = heads(make_rows(o, 1, S, tail, hq, D), hq_l);
+  attn::MhaForwardArgs a;
+  a.q = qt;
+  a.k = kf;
+  a.v = vf;
+  a.q_pos = tail;
+  a.mask.causal = true;
+  Tensor out = Tensor::empty({B, N * n, hq_l, D}, o.dtype, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({B, hq_l, N * n}, accumulator_dtype(o.dtype), MemCategory::kWorkspace);
+  attn::mha_forward(a, out, lse);
+  for (std::int64_t step = 0; step < N; ++step) {
+    const std::vector<std::int64_t> rows = range(step * n, (step + 1) * n);
+    Tensor want_out = Tensor::empty({B, n, hq_l, D}, o.dtype, MemCategory::kWorkspace);
+    Tensor want_lse = Tensor::empty({B, hq_l, n}, lse.dtype(), MemCategory::kWorkspace);
+    gather_rows(out, 1, rows, want_out);
+    gather_rows(lse, 2, rows, want_lse);
+    rep.out_err = std::max(rep.out_err, rel_err(outs[step], want_out));
+    rep.lse_err = std::max(rep.lse_err, rel_err(lses[step], want_lse));
   }
-  rep.passed = verdict_everywhere(world, rep.passed);
+  std::vector<double> errs{rep.out_err, rep.lse_err};
+  all_reduce(world, errs, ReduceOp::kMax);
+  rep.out_err = errs[0];
+  rep.lse_err = errs[1];
+  rep.passed = rep.out_err <= tolerance(o.dtype) && rep.lse_err <= tolerance(accumulator_dtype(o.dtype));
   return rep;
 }
 
@@ -241,60 +242,41 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   all_reduce(world, rep.step_s, ReduceOp::kMax);
   if (!o.check) return rep;
   rep.checked = true;
-  // Every rank's heads to every rank (outside the timing): outs [N][B, n, Hv / P, V] and the state.
-  const std::int64_t lv = layer.local_value_heads(), P = groups.sp.size();
+  // The single-rank chunked kernel over the whole sequence for this rank's heads (value heads from head_offset(), the
+  // key heads they read), on every rank: rows T.. of out and the final state.
+  const std::int64_t lv = layer.local_value_heads(), lk = layer.local_key_heads(), r = groups.sp_rank();
+  const std::array<Tensor, 5> full = inputs(range(0, S));
+  const auto heads = [&](const Tensor& t, std::int64_t local) {
+    Shape shape = t.shape();
+    shape[2] = local;
+    Tensor h = Tensor::empty(shape, o.dtype, MemCategory::kWorkspace);
+    gather_rows(t, 2, range(r * local, (r + 1) * local), h);
+    return h;
+  };
+  const Tensor q = heads(full[0], lk), k = heads(full[1], lk), v = heads(full[2], lv);
+  const Tensor g = heads(full[3], lv), beta = heads(full[4], lv);
+  attn::GdnForwardArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.g = g;
+  a.beta = beta;
+  a.chunk_size = o.chunk_size;
   const DType sd = accumulator_dtype(o.dtype);
-  Tensor mine = Tensor::empty({N, B * n * lv * V}, o.dtype, MemCategory::kWorkspace);
+  Tensor out = Tensor::empty({B, S, lv, V}, o.dtype, MemCategory::kWorkspace);
+  Tensor final_state = Tensor::empty({B, lv, K, V}, sd, MemCategory::kWorkspace);
+  attn::gdn_forward(a, out, final_state);
   for (std::int64_t step = 0; step < N; ++step) {
-    copy_convert(outs[step],
-                 TensorView(static_cast<char*>(mine.data()) + step * outs[step].nbytes(), o.dtype, {B * n * lv * V}));
+    Tensor want = Tensor::empty({B, n, lv, V}, o.dtype, MemCategory::kWorkspace);
+    gather_rows(out, 1, range(T + step * n, T + (step + 1) * n), want);
+    rep.out_err = std::max(rep.out_err, rel_err(outs[step], want));
   }
-  Tensor all_out = Tensor::empty({P, N, B, n, lv, V}, o.dtype, MemCategory::kWorkspace);
-  Tensor all_state = Tensor::empty({P, B, lv, K, V}, sd, MemCategory::kWorkspace);
-  groups.sp.all_gather(mine, all_out)->wait();
-  groups.sp.all_gather(cache->state(), all_state)->wait();
-  if (world.rank() == 0) {
-    const std::array<Tensor, 5> full = inputs(range(0, S));
-    attn::GdnForwardArgs a;
-    a.q = full[0];
-    a.k = full[1];
-    a.v = full[2];
-    a.g = full[3];
-    a.beta = full[4];
-    a.chunk_size = o.chunk_size;
-    Tensor out = Tensor::empty({B, S, hv, V}, o.dtype, MemCategory::kWorkspace);
-    Tensor final_state = Tensor::empty({B, hv, K, V}, sd, MemCategory::kWorkspace);
-    attn::gdn_forward(a, out, final_state);
-    // Reassemble [B, N n, Hv, V] and [B, Hv, K, V] from the ranks' heads.
-    Tensor got = Tensor::empty({B, N * n, hv, V}, o.dtype, MemCategory::kWorkspace);
-    Tensor got_state = Tensor::empty({B, hv, K, V}, sd, MemCategory::kWorkspace);
-    const std::size_t es = dtype_size(o.dtype), ss = dtype_size(sd);
-    for (std::int64_t r = 0; r < P; ++r) {
-      for (std::int64_t step = 0; step < N; ++step) {
-        for (std::int64_t b = 0; b < B; ++b) {
-          for (std::int64_t i = 0; i < n; ++i) {
-            const char* src = static_cast<const char*>(all_out.data()) +
-                              static_cast<std::size_t>((((r * N + step) * B + b) * n + i) * lv * V) * es;
-            char* dst = static_cast<char*>(got.data()) +
-                        static_cast<std::size_t>(((b * N * n + step * n + i) * hv + r * lv) * V) * es;
-            std::copy(src, src + lv * V * es, dst);
-          }
-        }
-      }
-      for (std::int64_t b = 0; b < B; ++b) {
-        const char* src =
-            static_cast<const char*>(all_state.data()) + static_cast<std::size_t>((r * B + b) * lv * K * V) * ss;
-        char* dst = static_cast<char*>(got_state.data()) + static_cast<std::size_t>((b * hv + r * lv) * K * V) * ss;
-        std::copy(src, src + lv * K * V * ss, dst);
-      }
-    }
-    Tensor want = Tensor::empty({B, N * n, hv, V}, o.dtype, MemCategory::kWorkspace);
-    gather_rows(out, 1, range(T, S), want);
-    rep.out_err = rel_err(got, want);
-    rep.state_err = rel_err(got_state, final_state);
-    rep.passed = rep.out_err <= tolerance(o.dtype) && rep.state_err <= tolerance(sd);
-  }
-  rep.passed = verdict_everywhere(world, rep.passed);
+  rep.state_err = rel_err(cache->state(), final_state);
+  std::vector<double> errs{rep.out_err, rep.state_err};
+  all_reduce(world, errs, ReduceOp::kMax);
+  rep.out_err = errs[0];
+  rep.state_err = errs[1];
+  rep.passed = rep.out_err <= tolerance(o.dtype) && rep.state_err <= tolerance(sd);
   return rep;
 }
 
@@ -303,8 +285,6 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(o.attn != "dsa", "--mode decode: --attn dsa is not supported yet (decode runs --attn mha and gdn)");
   SEQPAR_CHECK(o.attn == "mha" || o.attn == "gdn", "--mode decode: --attn ", o.attn, " has no decode");
   SEQPAR_CHECK(o.grid.dp_size == 1, "--mode decode: --dp-size ", o.grid.dp_size, " must be 1");
-  SEQPAR_CHECK(o.attn != "mha" || o.grid.ulysses_size == 1, "--mode decode --attn mha: --ulysses-size ",
-               o.grid.ulysses_size, " is not supported yet (the K/V cache is sharded over --ring-size ranks)");
   SEQPAR_CHECK(d.context >= 1 && d.decode_steps >= 1 && d.new_tokens >= 1 && d.interleave >= 1, "--context ", d.context,
                ", --decode-steps ", d.decode_steps, ", --new-tokens ", d.new_tokens, " and --interleave ", d.interleave,
                " must be >= 1");
