@@ -13,6 +13,7 @@ namespace seqpar {
 namespace {
 
 constexpr std::array<const char*, 2> kCacheShardNames = {"contiguous", "interleave"};
+constexpr std::array<const char*, 3> kChunkModeNames = {"auto", "pass-kv", "pass-q"};
 
 // [0, 1, ..., n) shifted by `first`.
 std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t n) {
@@ -83,6 +84,11 @@ void split_lse(const double* lse, std::int64_t count, T* hi, T* lo) {
 const char* cache_shard_name(CacheShardKind kind) { return kCacheShardNames[static_cast<int>(kind)]; }
 CacheShardKind parse_cache_shard(std::string_view name) {
   return static_cast<CacheShardKind>(parse_option_index(name, kCacheShardNames, "cache shard"));
+}
+
+const char* chunk_prefill_mode_name(ChunkPrefillMode mode) { return kChunkModeNames[static_cast<int>(mode)]; }
+ChunkPrefillMode parse_chunk_prefill_mode(std::string_view name) {
+  return static_cast<ChunkPrefillMode>(parse_option_index(name, kChunkModeNames, "chunk prefill mode"));
 }
 
 // ---- CacheSharding -----------------------------------------------------------------------------------------------
@@ -229,17 +235,23 @@ void MhaDecodeContextParallel::fill(ShardedKvCache& cache, const SequenceLayout&
 }
 
 void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
-                                              const TensorView& v) {
+                                              const TensorView& v, std::int64_t offset) {
   const attn::KvCacheSpec& s = cache.spec();
   const CacheSharding& sh = cache.sharding();
   // Over the SP group: SP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the
   // KV heads [ulysses_rank(d) hl, (ulysses_rank(d) + 1) hl).
   const int P = groups_.sp.size(), pu = groups_.ulysses_size(), me = groups_.sp_rank(), my_ring = groups_.ring.rank();
   const std::int64_t hl = s.kv_heads, row = hl * s.head_dim, T = layout.seq_len();
+  // Global positions: the layout's plus `offset` (a chunk after `offset` cached tokens).
+  const auto positions_of = [&](int sp_rank) {
+    std::vector<std::int64_t> pos = layout.positions(sp_rank);
+    for (std::int64_t& t : pos) t += offset;
+    return pos;
+  };
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
   ScopedTimer timer(counters_.compute_s);
   // Send: for each destination d, the rows of my tokens it stores, K then V, each [B, m, hl, D].
-  const std::vector<std::int64_t> mine = layout.positions(me);
+  const std::vector<std::int64_t> mine = positions_of(me);
   std::vector<std::vector<std::int64_t>> to(P);
   for (int d = 0; d < P; ++d) {
     for (std::size_t i = 0; i < mine.size(); ++i) {
@@ -251,10 +263,10 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
   for (int d = 0; d < P; ++d)
     send_total += send_counts[d] = 2 * s.batch * static_cast<std::int64_t>(to[d].size()) * row;
   // Receive: from each source, the rows of its tokens my ring rank owns, in its (increasing) order.
-  const std::vector<std::int64_t> owned = sh.owned(my_ring, 0, T);
+  const std::vector<std::int64_t> owned = sh.owned(my_ring, offset, offset + T);
   std::vector<std::vector<std::int64_t>> from(P);  // indices into `owned`
   for (int src = 0; src < P; ++src) {
-    for (std::int64_t t : layout.positions(src)) {
+    for (std::int64_t t : positions_of(src)) {
       if (sh.owner(t) == my_ring) {
         from[src].push_back(std::lower_bound(owned.begin(), owned.end(), t) - owned.begin());
       }
@@ -299,6 +311,166 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
     off += recv_counts[src];
   }
   cache.local_.append(k_own, v_own, owned);
+}
+
+std::int64_t MhaDecodeContextParallel::pass_kv_bytes(const ShardedKvCache& cache) const {
+  const attn::KvCacheSpec& s = cache.spec();
+  std::int64_t m_max = 0;
+  for (int r = 0; r < groups_.ring.size(); ++r) {
+    m_max =
+        std::max<std::int64_t>(m_max, static_cast<std::int64_t>(cache.sharding().owned(r, 0, cache.length()).size()));
+  }
+  return static_cast<std::int64_t>(groups_.ring.size() - 1) * 2 * s.batch * m_max * s.kv_heads * s.head_dim *
+         static_cast<std::int64_t>(dtype_size(s.dtype));
+}
+
+std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new,
+                                                    std::int64_t q_heads) const {
+  const attn::KvCacheSpec& s = cache.spec();
+  const std::int64_t P = groups_.ring.size(), t_loc = t_new / P;
+  return (P - 1) * s.batch * t_loc * q_heads *
+         (s.head_dim * static_cast<std::int64_t>(dtype_size(s.dtype)) +
+          (s.head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(s.dtype))));
+}
+
+ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new,
+                                                             std::int64_t q_heads) const {
+  return pass_q_bytes(cache, t_new, q_heads) < pass_kv_bytes(cache) ? ChunkPrefillMode::kPassQ
+                                                                    : ChunkPrefillMode::kPassKv;
+}
+
+PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q,
+                                               const TensorView& k, const TensorView& v, ChunkPrefillMode mode) {
+  const char* who = "MhaDecodeContextParallel::extend";
+  SEQPAR_CHECK(groups_.ulysses_size() == 1, who, ": ulysses_size ", groups_.ulysses_size(),
+               " is not supported yet (use ulysses_size 1)");
+  check_cache(cache, who);
+  check_layout_matches(groups_, layout, who);
+  const attn::KvCacheSpec& s = cache.spec();
+  const std::int64_t B = s.batch, D = s.head_dim, t_loc = layout.local_len(), t_new = layout.seq_len();
+  const Shape kv_shape{B, t_loc, s.kv_heads, D};
+  check_shape(k, kv_shape, "MhaDecodeContextParallel::extend k (the cache's [B, S_local, Hkv, D])");
+  check_shape(v, kv_shape, "MhaDecodeContextParallel::extend v (the cache's [B, S_local, Hkv, D])");
+  SEQPAR_CHECK(q.ndim() == 4 && q.dim(0) == B && q.dim(1) == t_loc && q.dim(3) == D && q.dim(2) % s.kv_heads == 0, who,
+               ": q ", shape_str(q.shape()), " must be [", B, ", ", t_loc, ", Hq, ", D,
+               "] with Hq a multiple of Hkv = ", s.kv_heads);
+  SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
+               ": q, k, v must have the cache's dtype ", dtype_name(s.dtype));
+  agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q}, {"k", k}, {"v", v}});
+  const std::int64_t L = cache.length(), hq = q.dim(2);
+  SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
+               " would run past the cache capacity ", s.capacity);
+  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, t_new, hq);
+  const int P = groups_.ring.size(), me = groups_.ring.rank();
+  const DType acc = accumulator_dtype(s.dtype);
+  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  const auto chunk_positions = [&](int r) {
+    std::vector<std::int64_t> pos = layout.positions(r);
+    for (std::int64_t& t : pos) t += L;
+    return pos;
+  };
+  const std::vector<std::int64_t> q_pos = chunk_positions(me);
+  // 1. The chunk's own causal attention (the training forward over the chunk; positions relative to L).
+  RingAttentionConfig rc;
+  rc.impl = config_.prefill_impl;
+  rc.scale = config_.scale;
+  RingAttention ring(groups_, layout, rc);
+  AttentionOutput own = ring.forward(q, k, v);
+  counters_ += ring.counters();
+  // 2. The cached part: P partial (out, lse hi, lo) blocks for this rank's queries, then the chunk's as block P.
+  Tensor parts = alloc.empty({block * (P + 1)}, acc, MemCategory::kCommBuffer);
+  Tensor lse64 = alloc.empty({B, hq, t_loc}, DType::kFloat64, MemCategory::kWorkspace);
+  // Writes one partial's lse (fp64 in lse64) into block `r` of `buf` after its out.
+  const auto put_lse = [&](const Tensor& buf, std::int64_t r) {
+    if (acc == DType::kFloat64) {
+      double* b = buf.data_as<double>() + r * block + rows * D;
+      split_lse(lse64.data_as<double>(), rows, b, b + rows);
+    } else {
+      float* b = buf.data_as<float>() + r * block + rows * D;
+      split_lse(lse64.data_as<double>(), rows, b, b + rows);
+    }
+  };
+  if (mode == ChunkPrefillMode::kPassKv) {
+    std::vector<std::vector<std::int64_t>> held(P);
+    std::int64_t m_max = 0;
+    for (int r = 0; r < P; ++r) {
+      held[r] = cache.sharding().owned(r, 0, L);
+      m_max = std::max<std::int64_t>(m_max, static_cast<std::int64_t>(held[r].size()));
+    }
+    const std::int64_t shard = B * m_max * s.kv_heads * D;  // elements of one of K, V, padded
+    Tensor send = alloc.zeros({2 * shard}, s.dtype, MemCategory::kCommBuffer);
+    Tensor recv = alloc.empty({P * 2 * shard}, s.dtype, MemCategory::kCommBuffer);
+    const std::int64_t m_me = cache.local().length();
+    for (std::int64_t b = 0; b < B; ++b) {
+      const Shape rows_shape{1, m_me, s.kv_heads, D};
+      copy_convert(cache.local().k_rows(b), sub_view(send, b * m_max * s.kv_heads * D, rows_shape));
+      copy_convert(cache.local().v_rows(b), sub_view(send, shard + b * m_max * s.kv_heads * D, rows_shape));
+    }
+    {
+      CommMeter meter(groups_, counters_);
+      WorkHandle w = groups_.ring.all_gather(send, recv);
+      timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+    }
+    ScopedTimer timer(counters_.compute_s);
+    for (int r = 0; r < P; ++r) {
+      const std::int64_t m_r = static_cast<std::int64_t>(held[r].size());
+      for (std::int64_t b = 0; b < B; ++b) {
+        attn::MhaForwardArgs a;
+        a.q = q.slice0(b, b + 1);
+        a.k = sub_view(recv, r * 2 * shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
+        a.v = sub_view(recv, r * 2 * shard + shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
+        a.q_pos = q_pos;
+        a.k_pos = held[r];
+        a.mask.causal = true;
+        a.scale = config_.scale;
+        attn::mha_forward(a, sub_view(parts, r * block + b * t_loc * hq * D, {1, t_loc, hq, D}),
+                          lse64.view().slice0(b, b + 1), groups_.stream);
+      }
+      put_lse(parts, r);
+    }
+  } else {
+    Tensor q_all = alloc.empty({P * B * t_loc * hq * D}, s.dtype, MemCategory::kCommBuffer);
+    Tensor send = alloc.empty({block * P}, acc, MemCategory::kCommBuffer);
+    {
+      CommMeter meter(groups_, counters_);
+      WorkHandle w = groups_.ring.all_gather(q, q_all);
+      timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+    }
+    {
+      ScopedTimer timer(counters_.compute_s);
+      for (int r = 0; r < P; ++r) {
+        attn::mha_decode(cache.local(), sub_view(q_all, r * B * t_loc * hq * D, {B, t_loc, hq, D}), chunk_positions(r),
+                         sub_view(send, r * block, {B, t_loc, hq, D}), lse64, config_.scale, groups_.stream);
+        put_lse(send, r);
+      }
+    }
+    CommMeter meter(groups_, counters_);
+    WorkHandle w = groups_.ring.all_to_all(send, sub_view(parts, 0, {block * P}));
+    timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+  }
+  // 3. Merge the P cached partials and the chunk's own.
+  PrefillOutput result;
+  {
+    ScopedTimer timer(counters_.compute_s);
+    copy_convert(own.out, sub_view(parts, P * block, {B, t_loc, hq, D}));
+    copy_convert(own.lse, lse64);
+    put_lse(parts, P);
+    Tensor merged = alloc.empty({B, t_loc, hq, D}, acc, MemCategory::kWorkspace);
+    result.lse = alloc.empty({B, hq, t_loc}, acc, MemCategory::kWorkspace);
+    if (acc == DType::kFloat64) {
+      merge_shards(parts.data_as<double>(), P + 1, B, t_loc, hq, D, merged.data_as<double>(),
+                   result.lse.data_as<double>());
+    } else {
+      merge_shards(parts.data_as<float>(), P + 1, B, t_loc, hq, D, merged.data_as<float>(),
+                   result.lse.data_as<float>());
+    }
+    result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
+  }
+  // 4. The chunk's K/V join the cache on their owners.
+  reshard_prompt(cache, layout, k, v, L);
+  cache.length_ = L + t_new;
+  return result;
 }
 
 DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,

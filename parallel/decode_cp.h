@@ -30,6 +30,21 @@
 //   two dependent ones, the same bytes order (P - 1 blocks in, a ring all-reduce 2 (P - 1) / P twice), and an
 //   order-fixed fp64 merge that is bitwise identical on every rank.
 //
+// Persistent-cache prefill (extend): a further prompt chunk of T_new tokens at positions L..L+T_new-1 (L = the
+// cache's length; q, k, v in a layout of T_new tokens over the ring, its positions shifted by L) attends to the cache
+// and, causally, to itself; then its K/V join the cache on their owners. ulysses_size must be 1. The chunk's own part
+// is the training forward (RingAttention); the cached part takes one of two routes (after Meta's "Context
+// Parallelism for Scalable Million-Token Inference", MLSys 2025):
+//   pass-KV: every rank's cache shard goes to every rank (one all-gather of the shards, padded to the longest, m_max
+//     rows); each rank attends its queries to every shard. Bytes sent per rank: (P - 1) 2 B m_max Hkv D bytes(dtype),
+//     m_max ~ L / P.
+//   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q, each rank attends every rank's
+//     queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries' owner.
+//     Bytes sent per rank: (P - 1) B T_loc Hq (D bytes(dtype) + (D + 2) bytes(a)), T_loc = T_new / P.
+// Every query then merges its P cached partials and the chunk's own (out, lse) with the formulas above. Both routes
+// give the same result (to rounding); auto takes the one that sends fewer bytes (pass-Q iff its bytes are fewer:
+// a short chunk after a long cache, the case of multi-turn prompts), as the paper's heuristic on the cache-miss rate.
+//
 // GDN: the state [B, Hv, K, V] does not grow with the context, so there is nothing to shard by token: the value heads
 // are split over the whole SP group (P = groups.sp.size(), rank r holding heads [r Hv / P, (r+1) Hv / P) and key heads
 // [r Hk / P, (r+1) Hk / P)); Hv and Hk must both be divisible by P (Error otherwise, naming both: a key head is never
@@ -65,6 +80,11 @@ namespace seqpar {
 enum class CacheShardKind : std::uint8_t { kContiguous, kInterleave };
 const char* cache_shard_name(CacheShardKind kind);  // "contiguous", "interleave"
 CacheShardKind parse_cache_shard(std::string_view name);
+
+// The route of a persistent-cache prefill (see the header comment).
+enum class ChunkPrefillMode : std::uint8_t { kAuto, kPassKv, kPassQ };
+const char* chunk_prefill_mode_name(ChunkPrefillMode mode);  // "auto", "pass-kv", "pass-q"
+ChunkPrefillMode parse_chunk_prefill_mode(std::string_view name);
 
 // Which rank of a group of num_ranks holds token t of a cache of `capacity` tokens (see the header comment).
 class CacheSharding {
@@ -151,6 +171,19 @@ class MhaDecodeContextParallel {
   // prefill without the prompt's attention: the cache takes k, v (the same shapes and rules as prefill) re-sharded
   // to their owners; for caches whose prompt was computed elsewhere (or benchmarks of the decode step alone).
   void fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
+  // Persistent-cache prefill: a chunk of T_new = layout.seq_len() tokens after the cache's L; q [B, S_local, Hq, D],
+  // k, v [B, S_local, Hkv, D] at L + layout.positions(rank). Returns the chunk's out and lse in the compute layout
+  // (those of one prefill of the L + T_new tokens, rows L..); the cache then holds L + T_new tokens. mode kAuto:
+  // choose_chunk_mode. Errors (cache unchanged, every rank): ulysses_size != 1, shapes, L + T_new past the capacity,
+  // ranks disagreeing on shapes, mode, length.
+  PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                       const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
+  // The bytes each route sends per rank (the header comment's formulas) for a chunk of t_new tokens after `cache`'s
+  // length, and the route kAuto takes (pass-Q iff fewer bytes).
+  std::int64_t pass_kv_bytes(const ShardedKvCache& cache) const;
+  std::int64_t pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
+  ChunkPrefillMode choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
+
   // One step of n >= 1 new tokens at positions cache.length() .. + n - 1: q_new [B, n, Hq, D], k_new, v_new
   // [B, n, Hkv, D], all heads, identical on every rank. Returns out [B, n, Hq / Pu, D] and lse [B, Hq / Pu, n] of
   // this rank's query heads (from q_head_offset()) against every token so far, the new ones included (causally),
@@ -176,8 +209,10 @@ class MhaDecodeContextParallel {
                     const TensorView& k, const TensorView& v);
   void agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
              std::initializer_list<std::pair<std::string_view, TensorView>> tensors);
-  // Moves the prompt's k, v from the compute layout to their cache owners and appends them.
-  void reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
+  // Moves the prompt's (or a chunk's) k, v from the compute layout (positions offset by `offset`) to the ranks that
+  // store them and appends them.
+  void reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v,
+                      std::int64_t offset = 0);
 
   CpGroups groups_;
   MhaDecodeConfig config_;

@@ -132,6 +132,87 @@ INSTANTIATE_TEST_SUITE_P(
         MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, 1, DType::kFloat64, RingImpl::kP2P, true}),
     test::CaseName());
 
+// ---- persistent-cache prefill: a chunk after a cache (pass-KV, pass-Q) ----------------------------------------------
+
+struct ExtendCase {
+  CacheShardKind shard;
+  std::int64_t interleave;
+  LayoutKind layout;  // of the prompt's and the chunk's forward
+  ChunkPrefillMode mode;
+  DType dtype = DType::kFloat32;
+};
+std::string case_name(const ExtendCase& c) {
+  return str_cat(cache_shard_name(c.shard), c.shard == CacheShardKind::kInterleave ? str_cat(c.interleave) : "", "_",
+                 layout_name(c.layout), "_",
+                 c.mode == ChunkPrefillMode::kAuto ? "auto" : (c.mode == ChunkPrefillMode::kPassQ ? "passq" : "passkv"),
+                 "_", dtype_name(c.dtype));
+}
+
+class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
+
+// Prompt of 96, a chunk of 48 after it, then 2 decode steps: every output equals the rows of one causal attention
+// over the 146 tokens (the fp64 reference), so the chunk equals one prefill of the concatenation.
+TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
+  const ExtendCase c = GetParam();
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const int P = groups.ring.size(), me = groups.ring.rank();
+  constexpr std::int64_t kChunk = 48, kSteps2 = 2;
+  const std::int64_t total = kPrompt + kChunk + kSteps2;
+  const test::MhaDecodeProblem p(kB, total, kHq, kHkv, kD, c.dtype, 13);
+  MhaDecodeConfig cfg;
+  cfg.shard = c.shard;
+  cfg.interleave = c.interleave;
+  MhaDecodeContextParallel layer(groups, cfg);
+  ShardedKvCache cache = layer.make_cache(kB, total, kHkv, kD, c.dtype);
+  // Rows [first, first + len) of `full`, this rank's part under a layout of len tokens.
+  const auto local = [&](const TensorView& full, const SequenceLayout& layout, std::int64_t first) {
+    Tensor rows = rows_of(full, first, first + layout.seq_len());
+    Shape shape = full.shape();
+    shape[1] = layout.local_len();
+    Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+    shard_sequence(rows, layout.positions(me), t);
+    return t;
+  };
+  const SequenceLayout prompt(c.layout, kPrompt, P), chunk(c.layout, kChunk, P);
+  layer.prefill(cache, prompt, local(p.q, prompt, 0), local(p.k, prompt, 0), local(p.v, prompt, 0));
+  if (c.mode == ChunkPrefillMode::kAuto) {
+    // The rule: pass-Q exactly when it sends fewer bytes than pass-KV.
+    const bool q_fewer = layer.pass_q_bytes(cache, kChunk, kHq) < layer.pass_kv_bytes(cache);
+    EXPECT_EQ(layer.choose_chunk_mode(cache, kChunk, kHq),
+              q_fewer ? ChunkPrefillMode::kPassQ : ChunkPrefillMode::kPassKv);
+  }
+  const PrefillOutput o = layer.extend(cache, chunk, local(p.q, chunk, kPrompt), local(p.k, chunk, kPrompt),
+                                       local(p.v, chunk, kPrompt), c.mode);
+  EXPECT_EQ(cache.length(), kPrompt + kChunk);
+  EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, kPrompt + kChunk));
+  const Tensor want_out = local(p.ref_out, chunk, kPrompt);
+  Tensor lse_rows = rows_of(p.ref_lse, kPrompt, kPrompt + kChunk, 2);
+  Tensor want_lse = Tensor::empty({kB, kHq, chunk.local_len()}, DType::kFloat64, MemCategory::kWorkspace);
+  shard_sequence_bhs(lse_rows, chunk.positions(me), want_lse);
+  EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                        "chunk out"));
+  EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                        "chunk lse"));
+  for (std::int64_t t = kPrompt + kChunk; t < total; ++t) {
+    const DecodeOutput d = layer.decode(cache, rows_of(p.q, t, t + 1), rows_of(p.k, t, t + 1), rows_of(p.v, t, t + 1));
+    EXPECT_TRUE(all_close(to_double(d.out), to_double(rows_of(p.ref_out, t, t + 1)), test::decode_atol(c.dtype),
+                          test::decode_rtol(c.dtype), str_cat("out at ", t)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MhaExtendCp,
+    ::testing::Values(
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv},
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassQ},
+        ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, ChunkPrefillMode::kPassKv},
+        ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ},
+        ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, ChunkPrefillMode::kAuto},
+        ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kStripe, ChunkPrefillMode::kPassQ, DType::kFloat64},
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat64}),
+    test::CaseName());
+
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
 TEST(MhaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
   const SpGrid grid(world(), test::ring_over_world());
