@@ -73,6 +73,9 @@ double quantile(std::vector<double> v, double q) {
 struct DecodeReport {
   std::vector<double> prefill_s;  // slowest rank per iteration
   std::vector<double> step_s;     // slowest rank per step
+  std::vector<double> chunk_s;    // --chunk: the persistent-cache prefill, slowest rank per iteration
+  std::string chunk_mode;         // the route it took
+  std::int64_t chunk_bytes = 0, chunk_pass_bytes = 0;  // sent per rank: all of extend; the route's formula
   std::int64_t bytes_per_step = 0, bytes_formula = 0;
   double cache_bytes = 0, cache_formula = 0;  // per rank: largest over the ranks; the formula's
   std::string formula_text;
@@ -97,17 +100,24 @@ double rel_err(const TensorView& got, const TensorView& want) {
   return ref > 0 ? err / ref : err;
 }
 
+// The seconds of fn on the slowest rank (after a barrier).
+template <typename Fn>
+double time_once(Communicator& world, Fn&& fn) {
+  barrier(world);
+  const double t0 = now_s();
+  fn();
+  std::vector<double> t{now_s() - t0};
+  all_reduce(world, t, ReduceOp::kMax);
+  return t[0];
+}
+
 // Times fn once per iteration (warmup untimed); each time is the slowest rank's.
 template <typename Fn>
 std::vector<double> time_prefill(Communicator& world, const SpBenchOptions& o, Fn&& fn) {
   std::vector<double> times;
   for (int it = 0; it < o.warmup + o.iters; ++it) {
-    barrier(world);
-    const double t0 = now_s();
-    fn();
-    std::vector<double> t{now_s() - t0};
-    all_reduce(world, t, ReduceOp::kMax);
-    if (it >= o.warmup) times.push_back(t[0]);
+    const double t = time_once(world, fn);
+    if (it >= o.warmup) times.push_back(t);
   }
   return times;
 }
@@ -115,7 +125,8 @@ std::vector<double> time_prefill(Communicator& world, const SpBenchOptions& o, F
 DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o) {
   const DecodeOptions& d = o.decode;
   const std::int64_t B = o.batch, hq = o.heads, hkv = o.kv_heads, D = o.head_dim, T = d.context;
-  const std::int64_t n = d.new_tokens, N = d.decode_steps, S = T + N * n;
+  // The prompt [0, T), the optional chunk [T, T0), the decode steps [T0, S).
+  const std::int64_t n = d.new_tokens, N = d.decode_steps, T0 = T + d.chunk, S = T0 + N * n;
   MhaDecodeConfig cfg;
   cfg.shard = parse_cache_shard(d.cache_shard);
   cfg.interleave = d.interleave;
@@ -127,27 +138,49 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   const Tensor q = make_rows(o, 1, S, fill ? std::vector<std::int64_t>{} : pos, hq, D);
   const Tensor k = make_rows(o, 2, S, pos, hkv, D);
   const Tensor v = make_rows(o, 3, S, pos, hkv, D);
+  // The chunk of a persistent-cache prefill (--chunk), at T + its layout's positions.
+  const SequenceLayout chunk_layout(o.layout, std::max<std::int64_t>(d.chunk, groups.ring.size()), groups.ring.size());
+  std::vector<std::int64_t> chunk_pos;
+  if (d.chunk > 0) {
+    for (std::int64_t t : chunk_layout.positions(groups.ring.rank())) chunk_pos.push_back(T + t);
+  }
+  const Tensor qc = make_rows(o, 1, S, chunk_pos, hq, D), kc = make_rows(o, 2, S, chunk_pos, hkv, D);
+  const Tensor vc = make_rows(o, 3, S, chunk_pos, hkv, D);
+  const ChunkPrefillMode chunk_mode = parse_chunk_prefill_mode(d.chunk_mode);
   DecodeReport rep;
   const std::int64_t before = persistent_bytes();
   std::optional<ShardedKvCache> cache;
-  rep.prefill_s = time_prefill(world, o, [&] {
+  for (int it = 0; it < o.warmup + o.iters; ++it) {
     cache.reset();
     cache.emplace(layer.make_cache(B, S, hkv, D, o.dtype));
-    if (fill) {
-      layer.fill(*cache, layout, k, v);
-    } else {
-      layer.prefill(*cache, layout, q, k, v);
-    }
-  });
+    const double t_prefill = time_once(world, [&] {
+      if (fill) {
+        layer.fill(*cache, layout, k, v);
+      } else {
+        layer.prefill(*cache, layout, q, k, v);
+      }
+    });
+    if (it >= o.warmup) rep.prefill_s.push_back(t_prefill);
+    if (d.chunk == 0) continue;
+    const ChunkPrefillMode used =
+        chunk_mode == ChunkPrefillMode::kAuto ? layer.choose_chunk_mode(*cache, d.chunk, hq) : chunk_mode;
+    rep.chunk_mode = chunk_prefill_mode_name(used);
+    rep.chunk_pass_bytes =
+        used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(*cache, d.chunk, hq) : layer.pass_kv_bytes(*cache);
+    layer.reset_counters();
+    const double t_chunk = time_once(world, [&] { layer.extend(*cache, chunk_layout, qc, kc, vc, chunk_mode); });
+    rep.chunk_bytes = layer.counters().bytes_sent;
+    if (it >= o.warmup) rep.chunk_s.push_back(t_chunk);
+  }
   std::vector<double> cache_bytes{static_cast<double>(persistent_bytes() - before)};
   all_reduce(world, cache_bytes, ReduceOp::kMax);
   rep.cache_bytes = cache_bytes[0];
   rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv, D, o.dtype})) / groups.sp.size();
-  rep.formula_text = str_cat("M_KV / P = 2 B Hkv (T + N n) D bytes / (ring x ulysses)");
+  rep.formula_text = str_cat("M_KV / P = 2 B Hkv (T + chunk + N n) D bytes / (ring x ulysses)");
   layer.reset_counters();
   std::vector<Tensor> outs, lses;
   for (std::int64_t step = 0; step < N; ++step) {
-    const std::vector<std::int64_t> rows = range(T + step * n, T + (step + 1) * n);
+    const std::vector<std::int64_t> rows = range(T0 + step * n, T0 + (step + 1) * n);
     const Tensor qd = make_rows(o, 1, S, rows, hq, D), kd = make_rows(o, 2, S, rows, hkv, D);
     const Tensor vd = make_rows(o, 3, S, rows, hkv, D);
     const double t0 = now_s();
@@ -166,7 +199,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   // The training kernel over the whole sequence, rows T.. (its queries at T..S-1 against every key, causal), for this
   // rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
   const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
-  const std::vector<std::int64_t> all = range(0, S), tail = range(T, S);
+  const std::vector<std::int64_t> all = range(0, S), tail = range(T0, S);
   const auto heads = [&](const Tensor& t, std::int64_t local) {
     Tensor h = Tensor::empty({B, t.dim(1), local, D}, o.dtype, MemCategory::kWorkspace);
     gather_rows(t, 2, range(u * local, (u + 1) * local), h);
@@ -298,6 +331,17 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(d.prefill == "forward" || d.prefill == "fill", "--prefill '", d.prefill,
                "' is not one of forward, fill");
   SEQPAR_CHECK(d.prefill == "forward" || o.attn == "mha", "--prefill fill needs --attn mha");
+  SEQPAR_CHECK(d.chunk >= 0, "--chunk ", d.chunk, " must be >= 0");
+  SEQPAR_CHECK(d.chunk == 0 || (o.attn == "mha" && o.grid.ulysses_size == 1),
+               "--chunk (a persistent-cache prefill) needs --attn mha and --ulysses-size 1");
+  parse_chunk_prefill_mode(d.chunk_mode);
+  if (d.chunk > 0) {
+    try {
+      SequenceLayout(o.layout, d.chunk, o.grid.ring_size);
+    } catch (const Error& e) {
+      SEQPAR_THROW("--chunk ", d.chunk, " (--layout ", layout_name(o.layout), "): ", e.message());
+    }
+  }
   SEQPAR_CHECK(!o.check || d.prefill == "forward", "--check needs --prefill forward");
   SEQPAR_CHECK(o.check_against == "1-rank", "--mode decode: --check-against ", o.check_against,
                " is not supported (decode checks against the single-rank training forward)");
@@ -324,6 +368,11 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
   std::printf(", prefill %s, layout %s, %s\n", d.prefill.c_str(), layout_name(o.layout), shapes.c_str());
   std::printf("# %-14s %12s %12s\n", "phase", "median_ms", "p99_ms");
   std::printf("  %-14s %12.3f %12s\n", "prefill", median(r.prefill_s) * 1e3, "-");
+  if (!r.chunk_s.empty()) {
+    std::printf("  %-14s %12.3f %12s   (%s; sent per rank %lld bytes, of which the route's %lld)\n", "chunk prefill",
+                median(r.chunk_s) * 1e3, "-", r.chunk_mode.c_str(), static_cast<long long>(r.chunk_bytes),
+                static_cast<long long>(r.chunk_pass_bytes));
+  }
   std::printf("  %-14s %12.3f %12.3f\n", "decode step", median(r.step_s) * 1e3, quantile(r.step_s, 0.99) * 1e3);
   std::printf("# bytes per step (sent per rank): %lld (formula %lld)\n", static_cast<long long>(r.bytes_per_step),
               static_cast<long long>(r.bytes_formula));
@@ -359,6 +408,13 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["interleave"] = d.interleave;
   j["prefill_mode"] = d.prefill;
   j["prefill_s"] = {{"median", median(r.prefill_s)}, {"iterations", r.prefill_s}};
+  if (!r.chunk_s.empty()) {
+    j["chunk"] = d.chunk;
+    j["chunk_prefill_s"] = {{"median", median(r.chunk_s)}, {"iterations", r.chunk_s}};
+    j["chunk_mode"] = r.chunk_mode;
+    j["chunk_bytes_sent"] = r.chunk_bytes;
+    j["chunk_route_bytes"] = r.chunk_pass_bytes;
+  }
   j["decode_step_s"] = {{"median", median(r.step_s)}, {"p99", quantile(r.step_s, 0.99)}, {"steps", r.step_s}};
   j["bytes_per_step"] = r.bytes_per_step;
   j["bytes_per_step_formula"] = r.bytes_formula;
@@ -389,6 +445,10 @@ void add_decode_options(cxxopts::Options& spec) {
      cxxopts::value<std::string>()->default_value("interleave"))
     ("interleave", "decode, MHA: I of --cache-shard interleave (token t on rank (t / I) mod P)",
      cxxopts::value<std::int64_t>()->default_value("1"))
+    ("chunk", "decode, MHA: a further prompt chunk of C tokens after the prompt, prefilled against the cache "
+              "(persistent-cache prefill; 0: none)", cxxopts::value<std::string>()->default_value("0"))
+    ("chunk-mode", "decode, MHA: the chunk's route: auto (fewer bytes) | pass-kv | pass-q",
+     cxxopts::value<std::string>()->default_value("auto"))
     ("prefill", "decode: forward (the prompt's attention under CP fills the cache) | fill (MHA: the prompt's K/V "
                 "only, no attention)", cxxopts::value<std::string>()->default_value("forward"));
   // clang-format on
@@ -404,12 +464,15 @@ DecodeOptions parse_decode_options(const cxxopts::ParseResult& r) {
     d.cache_shard = r["cache-shard"].as<std::string>();
     d.interleave = r["interleave"].as<std::int64_t>();
     d.prefill = r["prefill"].as<std::string>();
+    d.chunk = parse_size(r["chunk"].as<std::string>(), "chunk");
+    d.chunk_mode = r["chunk-mode"].as<std::string>();
   } catch (const cxxopts::exceptions::exception& e) {
     SEQPAR_THROW("decode flags: ", e.what());
   }
   SEQPAR_CHECK(d.mode == "train" || d.mode == "decode", "--mode '", d.mode, "' is not one of train, decode");
   if (d.mode == "train") {
-    for (const char* flag : {"context", "decode-steps", "new-tokens", "cache-shard", "interleave", "prefill"}) {
+    for (const char* flag :
+         {"context", "decode-steps", "new-tokens", "cache-shard", "interleave", "prefill", "chunk", "chunk-mode"}) {
       SEQPAR_CHECK(r.count(flag) == 0, "--", flag, " needs --mode decode");
     }
   }
@@ -427,7 +490,9 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
       .add_int("--new-tokens", d.new_tokens)
       .add_text("--cache-shard", d.cache_shard)
       .add_int("--interleave", d.interleave)
-      .add_text("--prefill", d.prefill);
+      .add_text("--prefill", d.prefill)
+      .add_int("--chunk", d.chunk)
+      .add_text("--chunk-mode", d.chunk_mode);
   AgreementCheck(AgreementMode::kAlways).run(*world, fp);
   SpGrid grid(*world, o.grid);
   const CpGroups groups = CpGroups::from(grid);
