@@ -139,10 +139,11 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   const Tensor k = make_rows(o, 2, S, pos, hkv, D);
   const Tensor v = make_rows(o, 3, S, pos, hkv, D);
   // The chunk of a persistent-cache prefill (--chunk), at T + its layout's positions.
-  const SequenceLayout chunk_layout(o.layout, std::max<std::int64_t>(d.chunk, groups.ring.size()), groups.ring.size());
+  std::optional<SequenceLayout> chunk_layout;
   std::vector<std::int64_t> chunk_pos;
   if (d.chunk > 0) {
-    for (std::int64_t t : chunk_layout.positions(groups.ring.rank())) chunk_pos.push_back(T + t);
+    chunk_layout.emplace(o.layout, d.chunk, groups.ring.size());
+    for (std::int64_t t : chunk_layout->positions(groups.ring.rank())) chunk_pos.push_back(T + t);
   }
   const Tensor qc = make_rows(o, 1, S, chunk_pos, hq, D), kc = make_rows(o, 2, S, chunk_pos, hkv, D);
   const Tensor vc = make_rows(o, 3, S, chunk_pos, hkv, D);
@@ -168,7 +169,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
     rep.chunk_pass_bytes =
         used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(*cache, d.chunk, hq) : layer.pass_kv_bytes(*cache);
     layer.reset_counters();
-    const double t_chunk = time_once(world, [&] { layer.extend(*cache, chunk_layout, qc, kc, vc, chunk_mode); });
+    const double t_chunk = time_once(world, [&] { layer.extend(*cache, *chunk_layout, qc, kc, vc, chunk_mode); });
     rep.chunk_bytes = layer.counters().bytes_sent;
     if (it >= o.warmup) rep.chunk_s.push_back(t_chunk);
   }
