@@ -9,7 +9,7 @@
 #include <optional>
 #include <vector>
 
-#include "attention/gdn.h"
+#include "attention/gdn_decode.h"
 #include "attention/mha.h"
 #include "benchmarks/sp_bench_options.h"
 #include "parallel/decode_cp.h"
@@ -201,11 +201,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   // rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
   const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
   const std::vector<std::int64_t> all = range(0, S), tail = range(T0, S);
-  const auto heads = [&](const Tensor& t, std::int64_t local) {
-    Tensor h = Tensor::empty({B, t.dim(1), local, D}, o.dtype, MemCategory::kWorkspace);
-    gather_rows(t, 2, range(u * local, (u + 1) * local), h);
-    return h;
-  };
+  const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, u * local, (u + 1) * local); };
   const Tensor kf = heads(make_rows(o, 2, S, all, hkv, D), hkv_l), vf = heads(make_rows(o, 3, S, all, hkv, D), hkv_l);
   const Tensor qt = heads(make_rows(o, 1, S, tail, hq, D), hq_l);
   attn::MhaForwardArgs a;
@@ -280,21 +276,10 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   // key heads they read), on every rank: rows T.. of out and the final state.
   const std::int64_t lv = layer.local_value_heads(), lk = layer.local_key_heads(), r = groups.sp_rank();
   const std::array<Tensor, 5> full = inputs(range(0, S));
-  const auto heads = [&](const Tensor& t, std::int64_t local) {
-    Shape shape = t.shape();
-    shape[2] = local;
-    Tensor h = Tensor::empty(shape, o.dtype, MemCategory::kWorkspace);
-    gather_rows(t, 2, range(r * local, (r + 1) * local), h);
-    return h;
-  };
+  const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, r * local, (r + 1) * local); };
   const Tensor q = heads(full[0], lk), k = heads(full[1], lk), v = heads(full[2], lv);
   const Tensor g = heads(full[3], lv), beta = heads(full[4], lv);
-  attn::GdnForwardArgs a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.g = g;
-  a.beta = beta;
+  attn::GdnForwardArgs a = attn::gdn_args(q, k, v, g, beta);
   a.chunk_size = o.chunk_size;
   const DType sd = accumulator_dtype(o.dtype);
   Tensor out = Tensor::empty({B, S, lv, V}, o.dtype, MemCategory::kWorkspace);

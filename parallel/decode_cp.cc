@@ -81,6 +81,16 @@ void split_lse(const double* lse, std::int64_t count, T* hi, T* lo) {
 
 }  // namespace
 
+Tensor slice_dim(const TensorView& t, int dim, std::int64_t begin, std::int64_t end, Stream stream) {
+  SEQPAR_CHECK(dim >= 0 && dim < t.ndim() && 0 <= begin && begin <= end && end <= t.dim(dim), "slice_dim: [", begin,
+               ", ", end, ") of dimension ", dim, " of ", t.str());
+  Shape shape = t.shape();
+  shape[dim] = end - begin;
+  Tensor out = Tensor::empty(shape, t.dtype(), MemCategory::kWorkspace, t.device());
+  gather_rows(t, dim, iota_from(begin, end - begin), out, stream);
+  return out;
+}
+
 const char* cache_shard_name(CacheShardKind kind) { return kCacheShardNames[static_cast<int>(kind)]; }
 CacheShardKind parse_cache_shard(std::string_view name) {
   return static_cast<CacheShardKind>(parse_option_index(name, kCacheShardNames, "cache shard"));
@@ -504,9 +514,8 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
     // The owner appends the new tokens it owns, then every rank attends the queries to its shard.
     // This rank's heads of the new tokens (all of them when ulysses_size = 1).
     const auto heads = [&](const TensorView& t, std::int64_t local) {
-      Tensor h = alloc.empty({B, n, local, D}, s.dtype, MemCategory::kWorkspace);
-      gather_rows(t, 2, iota_from(groups_.ulysses.rank() * local, local), h, groups_.stream);
-      return h;
+      const std::int64_t u = groups_.ulysses.rank();
+      return slice_dim(t, 2, u * local, (u + 1) * local, groups_.stream);
     };
     const Tensor q_l = heads(q, hq), k_l = heads(k, s.kv_heads), v_l = heads(v, s.kv_heads);
     std::vector<std::int64_t> idx, pos;
@@ -597,11 +606,7 @@ void GdnDecodeContextParallel::agree(const attn::GdnCache& cache, std::string_vi
 Tensor GdnDecodeContextParallel::local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const {
   SEQPAR_CHECK(t.ndim() >= 3 && t.dim(2) == total, "GdnDecodeContextParallel: ", t.str(), " must have ", total,
                " heads in dimension 2");
-  Shape shape = t.shape();
-  shape[2] = local;
-  Tensor out = Tensor::empty(shape, t.dtype(), MemCategory::kWorkspace);
-  gather_rows(t, 2, iota_from(groups_.sp_rank() * local, local), out, groups_.stream);
-  return out;
+  return slice_dim(t, 2, groups_.sp_rank() * local, (groups_.sp_rank() + 1) * local, groups_.stream);
 }
 
 PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const SequenceLayout& layout,
@@ -642,19 +647,12 @@ DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const Tenso
                " value heads, this layer's ranks ", local_value_heads(), " (make it with this layer's make_cache)");
   agree(cache, who, {{"q_new", q}, {"k_new", k}, {"v_new", v}, {"g_new", g}, {"beta_new", beta}});
   const std::int64_t lv = local_value_heads(), lk = local_key_heads();
-  attn::GdnForwardArgs a;
   const Tensor ql = local_heads(q, hk_, lk), kl = local_heads(k, hk_, lk), vl = local_heads(v, hv_, lv);
   const Tensor gl = local_heads(g, hv_, lv), bl = local_heads(beta, hv_, lv);
-  a.q = ql;
-  a.k = kl;
-  a.v = vl;
-  a.g = gl;
-  a.beta = bl;
-  a.use_qk_l2norm = config_.use_qk_l2norm;
-  a.scale = config_.scale;
   DecodeOutput result;
   result.out = Tensor::empty({s.batch, n, lv, s.value_dim}, q.dtype(), MemCategory::kWorkspace);
-  attn::gdn_decode(cache, a, result.out, groups_.stream);
+  attn::gdn_decode(cache, attn::gdn_args(ql, kl, vl, gl, bl, config_.use_qk_l2norm, config_.scale), result.out,
+                   groups_.stream);
   return result;
 }
 

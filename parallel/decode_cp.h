@@ -86,6 +86,10 @@ enum class ChunkPrefillMode : std::uint8_t { kAuto, kPassKv, kPassQ };
 const char* chunk_prefill_mode_name(ChunkPrefillMode mode);  // "auto", "pass-kv", "pass-q"
 ChunkPrefillMode parse_chunk_prefill_mode(std::string_view name);
 
+// Entries [begin, end) of dimension `dim` of t, copied into a new tensor (workspace, t's dtype; gather_rows of
+// runtime/tensor_ops.h on `stream`): how a rank takes its heads (dim 2) or a step its tokens (dim 1).
+Tensor slice_dim(const TensorView& t, int dim, std::int64_t begin, std::int64_t end, Stream stream = Stream::cpu());
+
 // Which rank of a group of num_ranks holds token t of a cache of `capacity` tokens (see the header comment).
 class CacheSharding {
  public:

@@ -125,7 +125,7 @@ TEST_P(GdnDecode, StepsEqualTheRecurrenceOverTheWholeSequence) {
     const Tensor q = rows(p.q), k = rows(p.k), v = rows(p.v), g = rows(p.g), beta = rows(p.beta);
     Tensor out = Tensor::empty({B, sched.prompt, hv, V}, c.dtype, kWs);
     Tensor final_state = Tensor::empty({B, hv, K, V}, spec.state_dtype, kWs);
-    gdn_forward(test::gdn_args(q, k, v, g, beta), out, final_state);
+    gdn_forward(gdn_args(q, k, v, g, beta), out, final_state);
     cache.set_state(final_state, sched.prompt);
   }
   for (std::int64_t step = 0; step < sched.steps; ++step) {
@@ -133,7 +133,7 @@ TEST_P(GdnDecode, StepsEqualTheRecurrenceOverTheWholeSequence) {
     const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
     const Tensor q = rows(p.q), k = rows(p.k), v = rows(p.v), g = rows(p.g), beta = rows(p.beta);
     Tensor out = Tensor::empty({B, c.n, hv, V}, c.dtype, kWs);
-    gdn_decode(cache, test::gdn_args(q, k, v, g, beta), out);
+    gdn_decode(cache, gdn_args(q, k, v, g, beta), out);
     EXPECT_TRUE(all_close(to_double(out), to_double(rows(p.ref_out)), test::decode_atol(c.dtype),
                           test::decode_rtol(c.dtype), str_cat("out of step ", step)));
   }
@@ -161,7 +161,7 @@ TEST(GdnDecode, RefusedStepChangesNothing) {
   const Tensor v = test::random_tensor({1, 1, 2, 4}, DType::kFloat32, 3);
   const Tensor g = test::random_tensor({1, 1, 2}, DType::kFloat32, 4);
   Tensor out = Tensor::empty({1, 1, 2, 4}, DType::kFloat32, kWs);
-  test::expect_error([&] { gdn_decode(cache, test::gdn_args(q, q, v, g, g), out); }, "do not match the cache");
+  test::expect_error([&] { gdn_decode(cache, gdn_args(q, q, v, g, g), out); }, "do not match the cache");
   EXPECT_EQ(cache.length(), 5);
   EXPECT_EQ(to_double(cache.state()), to_double(init));
 }

@@ -6,10 +6,11 @@
 #include <cstdint>
 #include <vector>
 
-#include "attention/gdn.h"
+#include "attention/gdn_decode.h"
 #include "attention/mha.h"
 #include "attention/reference/gdn_reference.h"
 #include "attention/reference/mha_reference.h"
+#include "parallel/decode_cp.h"
 #include "runtime/tensor_ops.h"
 #include "tests/util/test_util.h"
 
@@ -17,27 +18,10 @@ namespace seqpar::test {
 
 // Rows [begin, end) of dimension `dim` of `full` (a copy, workspace).
 inline Tensor rows_of(const TensorView& full, std::int64_t begin, std::int64_t end, int dim = 1) {
-  Shape shape = full.shape();
-  shape[dim] = end - begin;
-  Tensor out = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-  std::vector<std::int64_t> idx;
-  for (std::int64_t i = begin; i < end; ++i) idx.push_back(i);
-  gather_rows(full, dim, idx, out);
-  return out;
+  return slice_dim(full, dim, begin, end);
 }
 
 inline Tensor as_f64(const TensorView& t) { return Tensor::copy_of(t, DType::kFloat64, MemCategory::kWorkspace); }
-
-inline attn::GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
-                                     const TensorView& beta) {
-  attn::GdnForwardArgs a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.g = g;
-  a.beta = beta;
-  return a;
-}
 
 inline attn::ShortConvArgs conv_args(const TensorView& x, const TensorView& weight) {
   attn::ShortConvArgs a;
@@ -88,7 +72,7 @@ struct GdnDecodeProblem {
     g = random_tensor({B, S, hv}, dtype, seed + 4, -0.1, -0.001);  // weak decay: the prompt's state matters
     beta = random_tensor({B, S, hv}, dtype, seed + 5, 0.05, 0.5);
     const Tensor q64 = as_f64(q), k64 = as_f64(k), v64 = as_f64(v), g64 = as_f64(g), b64 = as_f64(beta);
-    const attn::GdnForwardArgs a = gdn_args(q64, k64, v64, g64, b64);
+    const attn::GdnForwardArgs a = attn::gdn_args(q64, k64, v64, g64, b64);
     ref_out = Tensor::empty({B, S, hv, V}, DType::kFloat64, MemCategory::kWorkspace);
     ref_final = Tensor::empty({B, hv, K, V}, DType::kFloat64, MemCategory::kWorkspace);
     attn::reference::gdn_forward(a, ref_out, ref_final);
