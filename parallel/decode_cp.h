@@ -55,9 +55,10 @@
 //
 // Ranks' agreement: every prefill and decode checks, before any data moves, that the ranks of the group pass the
 // same shapes and dtypes, the same configuration and sharding, and caches of the same length and step count
-// (AgreementCheck over the group: one 24-byte all-reduce; Error on every rank naming the field, for example
-// "... disagree on cache_length: 96 on ring rank(s) 1-3; 0 on ring rank(s) 0"). Then the capacity check (the same on
-// every rank). A refused call leaves every cache as it was.
+// (AgreementCheck over the SP group: one 24-byte all-reduce; Error on every rank naming the field, for example
+// "... disagree on cache_length: 96 on sp rank(s) 1-3; 0 on sp rank(s) 0"; SEQPAR_AGREEMENT_CHECK=off skips it and
+// with it this protection). Then the capacity check (the same on every rank). A refused call leaves every cache as it
+// was.
 // Synchronisation: every public call is collective over its group and host-synchronous; kernels on groups.stream
 // (host). Memory: caches in persistent_cache; buffers of a step in workspace / comm_buffer, freed at return.
 #pragma once
