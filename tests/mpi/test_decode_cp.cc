@@ -384,5 +384,20 @@ TEST(GdnDecodeCpErrors, CacheOfAnotherShapeFailsAndChangesNothing) {
   EXPECT_EQ(cache.length(), 0);
 }
 
+TEST(GdnDecodeCpErrors, RanksThatDisagreeOnTheLengthFailEverywhereAndChangeNothing) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  GdnDecodeContextParallel layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  attn::GdnCache cache = layer.make_cache(kB, kGK, kGV, DType::kFloat32);
+  const test::GdnDecodeProblem p(kB, 1, key_heads(), value_heads(), kGK, kGV, DType::kFloat32, 5);
+  const Tensor state = test::random_tensor(cache.state().shape(), DType::kFloat32, 6);
+  cache.set_state(state, world().rank() == 0 ? 7 : 8);  // rank 0 is a token behind
+  const std::int64_t length = cache.length();
+  EXPECT_TRUE(fails_everywhere([&] { layer.decode(cache, p.q, p.k, p.v, p.g, p.beta); }, "disagree on cache_length"));
+  EXPECT_EQ(cache.length(), length);
+  EXPECT_EQ(to_double(cache.state()), to_double(state));
+}
+
 }  // namespace
 }  // namespace seqpar
