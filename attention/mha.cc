@@ -24,7 +24,11 @@ void check_positions(std::span<const std::int64_t> pos, std::int64_t len, const 
   detail::check_non_decreasing(pos, what);
 }
 
-void check_mask(const MaskSpec& mask) {
+void check_mask(const MaskSpec& mask, std::int64_t sq) {
+  SEQPAR_CHECK(mask.doc_lo.size() == mask.doc_hi.size() &&
+                   (mask.doc_lo.empty() || static_cast<std::int64_t>(mask.doc_lo.size()) == sq),
+               "mask.doc_lo / doc_hi have ", mask.doc_lo.size(), " / ", mask.doc_hi.size(),
+               " entries, expected both 0 (no document bounds) or both Sq = ", sq);
   SEQPAR_CHECK(mask.window >= 0, "mask.window ", mask.window, " must be >= 0 (0: no window)");
   SEQPAR_CHECK(mask.window == 0 || mask.causal, "mask.window ", mask.window,
                " requires mask.causal = true (sliding windows are causal)");
@@ -112,7 +116,7 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   SEQPAR_CHECK(std::isfinite(a.scale), "scale ", a.scale, " must be finite (0 or less: 1/sqrt(D))");
   check_positions(a.q_pos, Sq, "q_pos", "Sq");
   check_positions(a.k_pos, Sk, "k_pos", "Sk");
-  check_mask(a.mask);
+  check_mask(a.mask, Sq);
   SEQPAR_CHECK(std::isfinite(a.mods.softcap) && a.mods.softcap >= 0.0f, "softcap ", a.mods.softcap,
                " must be finite and > 0 (0: no soft-capping)");
   const double scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
@@ -421,7 +425,7 @@ std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const 
                            const MaskSpec& mask) {
   detail::check_non_decreasing(q_pos, "q_pos");
   detail::check_non_decreasing(k_pos, "k_pos");
-  check_mask(mask);
+  check_mask(mask, static_cast<std::int64_t>(q_pos.size()));
   const cpu::KeyRanges r = cpu::key_ranges(q_pos, static_cast<std::int64_t>(q_pos.size()), k_pos,
                                            static_cast<std::int64_t>(k_pos.size()), mask);
   std::int64_t n = 0;

@@ -10,9 +10,13 @@
 // Because blocks of keys can be processed in any order with the final lse, a ring calls mha_backward once per key
 // block, accumulating into dq / dk / dv of the accumulator dtype.
 //
-// Masks are on global positions (q_pos, k_pos: any non-decreasing int64 sequences, as produced by contiguous,
-// zigzag or stripe layouts; empty = 0, 1, 2, ...):
+// Masks are on global positions (q_pos, k_pos: any non-decreasing int64 sequences, as produced by every layout's
+// slots, parallel/layout.h; empty = 0, 1, 2, ...):
 //   causal: key j visible to query i iff k_pos[j] <= q_pos[i]; window W > 0 adds q_pos[i] - k_pos[j] < W.
+//   documents (packed rows, docs/design.md section 15.3; mask.doc_lo / doc_hi, [Sq] each, or both empty): key j is
+//   visible to query i only if doc_lo[i] <= k_pos[j] < doc_hi[i], the slots of the query's own document (with or
+//   without causal). The window then counts inside the document, from its own start. A query with doc_lo >= doc_hi
+//   (a padding row) sees no key: out 0, lse -inf, no gradient.
 // Because both sets are sorted, the keys visible to a query are one contiguous index range; the CPU kernels run
 // tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
 // A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
@@ -73,6 +77,15 @@ namespace seqpar::attn {
 struct MaskSpec {
   bool causal = false;
   std::int64_t window = 0;  // > 0: sliding window (requires causal); 0: none
+  // Per query: the key positions [doc_lo[i], doc_hi[i]) of its document (SequenceLayout::doc_bounds); both empty: no
+  // document bound. Views the caller keeps alive for the call.
+  std::span<const std::int64_t> doc_lo, doc_hi;
+
+  MaskSpec() = default;
+  // {causal, window} as before the document bounds existed (no missing-initializer warnings), or all four.
+  MaskSpec(bool causal_, std::int64_t window_ = 0, std::span<const std::int64_t> doc_lo_ = {},
+           std::span<const std::int64_t> doc_hi_ = {})
+      : causal(causal_), window(window_), doc_lo(doc_lo_), doc_hi(doc_hi_) {}
 };
 
 // Score modifiers of one call (see the header comment). Heads are those of the call's q (under Ulysses, a slice).
@@ -109,7 +122,8 @@ struct MhaForwardArgs {
 // accumulator dtype or fp64, natural log, -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf.
 // Both outputs are overwritten.
 // Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
-// positions, window < 0 or a window without causal, a non-CPU tensor or stream; mods: softcap < 0 or non-finite,
+// positions, window < 0 or a window without causal, doc_lo / doc_hi not both empty or both of size Sq, a non-CPU
+// tensor or stream; mods: softcap < 0 or non-finite,
 // slopes / sinks not [Hq] fp32 / fp64 or not finite; dropout p not a finite number in [0, 1), and with p > 0 a
 // negative head_offset, positions outside [0, 2^32) or B, head_offset + Hq over 2^32. With mods.sinks, lse is
 // lse_total and out is scaled by exp(lse - lse_total) (a row with no visible key: lse = sink_h, out = 0).
@@ -173,7 +187,8 @@ void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const Te
 
 // Number of (query, key) pairs visible under `mask` between the position sets: the work a forward call does,
 // used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs). Unlike the kernels, the positions are
-// taken as given: an empty span means no queries (keys). Errors: decreasing positions, an invalid mask.
+// taken as given: an empty span means no queries (keys); mask.doc_lo / doc_hi, when given, have q_pos.size() entries.
+// Errors: decreasing positions, an invalid mask.
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
                            const MaskSpec& mask);
 

@@ -119,7 +119,14 @@ void write_outputs(Communicator& world, const SpBenchOptions& o, Workload& wl, c
       if (!o.dump_dir.empty()) {
         std::string names;
         const NamedArrays inputs = o.dump_inputs ? inputs_to_dump(wl, loaded) : NamedArrays{};
-        for (const NamedArrays* arrays : {&inputs, &got}) {
+        NamedArrays packing;  // a packed row's cu_seqlens (int64 [N+1]), as --inputs reads it
+        if (o.packed()) {
+          const std::vector<std::int64_t> cu = cu_seqlens_of(o.doc_lens);
+          npy::HostArray a(DType::kInt64, {static_cast<std::int64_t>(cu.size())});
+          std::copy(cu.begin(), cu.end(), a.view().data_as<std::int64_t>());
+          packing.emplace_back("cu_seqlens", std::move(a));
+        }
+        for (const NamedArrays* arrays : {static_cast<const NamedArrays*>(&packing), &inputs, &got}) {
           for (const auto& [name, a] : *arrays) {
             const std::string path = (std::filesystem::path(o.dump_dir) / (name + ".npy")).string();
             write_file_atomic(
@@ -172,6 +179,8 @@ int sp_bench_main(int argc, char** argv) {
   if (o.check && o.check_against == "reference") check_reference_fits(o);
   if (o.dry_run) {
     if (place.rank == 0) {
+      const std::string packing = describe_packing(o);
+      if (!packing.empty()) std::printf("%s\n", packing.c_str());
       std::printf("%s# node: %s\n", describe_memory_estimate(report.memory).c_str(),
                   !verdict.compared ? "not compared (nccl backend, or no MemAvailable)"
                                     : str_cat(verdict.text, verdict.fits ? ": fits" : ": does NOT fit").c_str());

@@ -5,6 +5,9 @@
 // are rotated at their global positions before the layer and dq, dk get the transposed rotation after it
 // (sp_bench_rope.h); the references do the same on positions 0..S-1 (the fp64 one with the fp64 RoPE reference).
 // --dropout-seed S (MHA only) drop the same pairs in the layer, the one-rank kernel and the fp64 reference.
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md section 15): the layer runs on the packed
+// layout (padding rows zero), RoPE uses the positions inside each document, and the references are one call over
+// the whole row with the documents' bounds (attn::MaskSpec doc_lo / doc_hi): the single-rank packed result.
 #include <algorithm>
 #include <cmath>
 
@@ -66,8 +69,14 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
       : o_(o),
         grid_(grid),
         groups_(CpGroups::from(grid)),
-        layout_(SequenceLayout::for_groups(groups_, o.seq, o.layout)),
-        positions_(layout_.positions(grid.coords().sp_rank)) {
+        layout_(sp_bench_layout(o)),
+        tokens_(layout_.token_index(grid.coords().sp_rank)),
+        rope_positions_(layout_.rope_positions(grid.coords().sp_rank)) {
+    if (o.packed()) {
+      const SequenceLayout one = SequenceLayout::packed(LayoutKind::kContiguous, layout_.cu_seqlens(), 1);
+      ref_docs_ = one.doc_bounds(0);
+      ref_rope_positions_ = one.rope_positions(0);
+    }
     cfg_.impl = o.impl;
     cfg_.causal = o.causal;
     cfg_.window = o.window;
@@ -86,11 +95,11 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
 
   double forward_flops() const override {
     double pairs = static_cast<double>(o_.seq) * static_cast<double>(o_.seq);
-    if (o_.causal && o_.window == 0) {
+    if (o_.causal && o_.window == 0 && !o_.packed()) {
       pairs /= 2;
-    } else if (o_.causal) {
+    } else if (o_.causal || o_.packed()) {
       const std::vector<std::int64_t> pos = all_positions(o_.seq);
-      pairs = static_cast<double>(attn::visible_pairs(pos, pos, {true, o_.window}));
+      pairs = static_cast<double>(attn::visible_pairs(pos, pos, ref_mask()));
     }
     return 4.0 * static_cast<double>(o_.batch * o_.heads * o_.head_dim) * pairs;
   }
@@ -111,7 +120,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     const std::int64_t local = layout_.local_len();
     in_ = local_tensors(o_.dtype, {q_shape(local), kv_shape(local), kv_shape(local)});
     in_.push_back(Tensor::empty(q_shape(local), o_.dtype, MemCategory::kWorkspace));  // dout
-    fill(full, positions_, views_of(in_));
+    fill(full, tokens_, views_of(in_));
   }
 
   NamedArrays gather_outputs() override {
@@ -141,8 +150,8 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     ref_rq_ = ref_q_;
     ref_rk_ = ref_k_;
     if (o_.rope) {
-      rope_host(o_.rope_cfg, ref_rq_, /*backward=*/false);
-      rope_host(o_.rope_cfg, ref_rk_, /*backward=*/false);
+      rope_host(o_.rope_cfg, ref_rq_, /*backward=*/false, false, ref_rope_positions_);
+      rope_host(o_.rope_cfg, ref_rk_, /*backward=*/false, false, ref_rope_positions_);
     }
     ref_out_ = npy::HostArray(o_.dtype, q_shape(o_.seq));
     ref_lse_ = npy::HostArray(accumulator_dtype(o_.dtype), lse_shape());
@@ -160,8 +169,8 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     b.lse = ref_lse_.view();
     attn::mha_backward(b, ref_dq_.view(), ref_dk_.view(), ref_dv_.view(), /*accumulate=*/false);
     if (o_.rope) {
-      rope_host(o_.rope_cfg, ref_dq_, /*backward=*/true);
-      rope_host(o_.rope_cfg, ref_dk_, /*backward=*/true);
+      rope_host(o_.rope_cfg, ref_dq_, /*backward=*/true, false, ref_rope_positions_);
+      rope_host(o_.rope_cfg, ref_dk_, /*backward=*/true, false, ref_rope_positions_);
     }
     if (o_.sinks) {
       npy::HostArray delta(ref_lse_.dtype, lse_shape());
@@ -182,7 +191,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
 
   NamedArrays fp64_reference_outputs() override {
     NamedArrays in = widen_to_fp64(NamedArrays{{"q", ref_q_}, {"k", ref_k_}, {"v", ref_v_}, {"dout", ref_dout_}});
-    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true);
+    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true, ref_rope_positions_);
     const DType f64 = DType::kFloat64;
     NamedArrays r = zero_arrays({{"out", f64, q_shape(o_.seq)},
                                  {"lse", f64, lse_shape()},
@@ -194,13 +203,13 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.q = find_array(in, "q").view();
     a.k = find_array(in, "k").view();
     a.v = find_array(in, "v").view();
-    a.mask = {o_.causal, o_.window};
+    a.mask = ref_mask();
     a.mods = cfg_.score_mods;
     a.dropout = cfg_.dropout;
     const std::vector<TensorView> v = views_of(r);
     attn::reference::mha_forward(a, v[0], v[1]);
     attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4], o_.sinks ? v[5] : TensorView{});
-    rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true);
+    rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true, ref_rope_positions_);
     return r;
   }
 
@@ -209,7 +218,11 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   Shape kv_shape(std::int64_t s) const { return {o_.batch, s, o_.kv_heads, o_.head_dim}; }
   Shape lse_shape() const { return {o_.batch, o_.heads, o_.seq}; }
 
-  // Fills q, k, v, dout at `positions`, from the loaded files or from the seed.
+  // The references' mask: the options' plus, for a packed row, each token's document (slots = tokens on one rank).
+  attn::MaskSpec ref_mask() const { return {o_.causal, o_.window, ref_docs_.lo, ref_docs_.hi}; }
+
+  // Fills q, k, v, dout at the token indices `positions` (-1: a padding row, zeros), from the loaded files or from
+  // the seed.
   void fill(const NamedArrays* full, const std::vector<std::int64_t>& positions, std::vector<TensorView> dst) const {
     const char* names[] = {"q", "k", "v", "dout"};
     const std::uint64_t ids[] = {kIdQ, kIdK, kIdV, kIdDout};
@@ -234,7 +247,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     a.q = ref_rq_.view();
     a.k = ref_rk_.view();
     a.v = ref_v_.view();
-    a.mask = {o_.causal, o_.window};
+    a.mask = ref_mask();
     a.mods = cfg_.score_mods;
     a.dropout = cfg_.dropout;
     return a;
@@ -244,12 +257,12 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   // With RoPE the layer sees rotated copies of q and k (held until the next forward).
   AttentionOutput run_forward() override {
     if (rope_.empty()) return usp_->forward(in_[kQ], in_[kK], in_[kV]);
-    rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kK].view()}, positions_);
+    rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kK].view()}, rope_positions_);
     return usp_->forward(rotated_[0], rotated_[1], in_[kV]);
   }
   AttentionGrads run_backward(CpContext&& ctx) override {
     AttentionGrads g = usp_->backward(std::move(ctx), in_[kDout]);
-    rope_backward_all(rope_, {g.dq.view(), g.dk.view()}, positions_);
+    rope_backward_all(rope_, {g.dq.view(), g.dk.view()}, rope_positions_);
     return g;
   }
   PhaseCounters forward_counters() override { return phase_counters_with_rounds(usp_->counters()); }
@@ -259,7 +272,10 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   const SpGrid& grid_;
   CpGroups groups_;
   SequenceLayout layout_;
-  std::vector<std::int64_t> positions_;
+  std::vector<std::int64_t> tokens_;              // this rank's token per local row (-1: padding)
+  std::vector<std::int64_t> rope_positions_;      // this rank's RoPE positions (inside each document)
+  DocBounds ref_docs_;                            // packed: each token's document bounds for the references
+  std::vector<std::int64_t> ref_rope_positions_;  // packed: the references' RoPE positions (empty: 0..S-1)
   RingAttentionConfig cfg_;
   Tensor slopes_, sinks_;  // what cfg_.score_mods views (--alibi, --sinks)
   std::unique_ptr<UspAttention> usp_;
@@ -382,6 +398,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.input_specs = mha_input_specs;
   k.estimate_memory = mha_memory;
   k.fp64_reference_cost = mha_reference_cost;
+  k.supports_packing = true;
   k.validate = [](SpBenchOptions& o) {
     SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, preset_note(o, "heads"),
                  " must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"), " (GQA)");
@@ -401,6 +418,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
   k.describe_shapes = [](const SpBenchOptions& o) {
     std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim,
                             " causal=", o.causal ? "yes" : "no");
+    if (o.packed()) s += str_cat(" docs=", o.doc_lens.size());
     if (o.window > 0) s += str_cat(" window=", o.window);
     if (o.rope) s += " " + describe_rope(o, o.rope_cfg);
     if (o.softcap > 0) s += str_cat(" softcap=", o.softcap);

@@ -85,17 +85,68 @@ void shapes_from_inputs(const WorkloadKind& kind, SpBenchOptions& o) {
   }
 }
 
-// The layout's divisibility rule (the library's, raised here before any communication), with what would fit.
-// Sequences are never padded.
+// Packed rows: --doc-lens, --doc-dist or --inputs DIR/cu_seqlens.npy (at most one), then their rules.
+void parse_packing(const cxxopts::ParseResult& r, const WorkloadKind& kind, SpBenchOptions& o) {
+  const std::filesystem::path cu_file = std::filesystem::path(o.inputs_dir) / "cu_seqlens.npy";
+  const bool from_file = !o.inputs_dir.empty() && std::filesystem::exists(cu_file);
+  const int sources = static_cast<int>(r.count("doc-lens") > 0) + static_cast<int>(r.count("doc-dist") > 0) +
+                      static_cast<int>(from_file);
+  SEQPAR_CHECK(sources <= 1, "--doc-lens, --doc-dist and --inputs DIR/cu_seqlens.npy each describe the packed row; ",
+               "give one");
+  if (sources == 0) return;
+  const char* source = r.count("doc-lens") ? "--doc-lens" : r.count("doc-dist") ? "--doc-dist" : "cu_seqlens.npy";
+  SEQPAR_CHECK(kind.supports_packing, source, ": packed sequences are not supported yet by --attn ", o.attn);
+  if (r.count("doc-lens")) {
+    const std::string text = get_checked<std::string>(r, "doc-lens");
+    for (std::size_t begin = 0; begin <= text.size();) {
+      const std::size_t end = std::min(text.find(',', begin), text.size());
+      o.doc_lens.push_back(parse_size(text.substr(begin, end - begin), "doc-lens"));
+      begin = end + 1;
+    }
+  } else if (r.count("doc-dist")) {
+    o.doc_dist = get_checked<std::string>(r, "doc-dist");
+    o.doc_lens = synthetic_doc_lens(o.doc_dist, o.seq, o.seed);
+  } else {
+    const npy::HostArray cu = npy::read(cu_file.string());
+    SEQPAR_CHECK((cu.dtype == DType::kInt64 || cu.dtype == DType::kInt32) && cu.shape.size() == 1, cu_file.string(),
+                 ": cu_seqlens must be a 1-d int32 or int64 array [N+1], got ", dtype_name(cu.dtype), " ",
+                 shape_str(cu.shape));
+    std::vector<std::int64_t> values(static_cast<std::size_t>(cu.numel()));
+    for (std::int64_t i = 0; i < cu.numel(); ++i) {
+      values[i] =
+          cu.dtype == DType::kInt64 ? cu.view().data_as<std::int64_t>()[i] : cu.view().data_as<std::int32_t>()[i];
+    }
+    try {
+      (void)SequenceLayout::packed(LayoutKind::kContiguous, values, 1);  // the cu_seqlens rules
+    } catch (const Error& e) {
+      SEQPAR_THROW(cu_file.string(), ": ", e.message());
+    }
+    for (std::size_t i = 1; i < values.size(); ++i) o.doc_lens.push_back(values[i] - values[i - 1]);
+    SEQPAR_CHECK(values.back() == o.seq, cu_file.string(), ": cu_seqlens ends at ", values.back(),
+                 " tokens, but the inputs hold S = ", o.seq, " (dimension 1 of q)");
+  }
+  std::int64_t total = 0;
+  for (std::int64_t len : o.doc_lens) total += len;
+  SEQPAR_CHECK(total >= 1, source, ": the documents hold ", total, " tokens; a packed row needs at least one");
+  SEQPAR_CHECK(!r.count("doc-lens") || !o.given("seq") || o.seq == total, "--seq ", o.seq,
+               " does not match --doc-lens, whose lengths sum to ", total, "; leave --seq out");
+  o.seq = total;
+  SEQPAR_CHECK(o.batch == 1, "--batch ", o.batch, ": a packed row (", source, ") takes --batch 1");
+}
+
+// The layout's rule for kinds without padding (the library's, raised here before any communication), with what
+// would fit; the kinds that support packing take any length.
 void check_layout_fits(const SpBenchOptions& o) {
   const std::int64_t pr = o.grid.ring_size, pu = o.grid.ulysses_size;
+  if (find_workload_kind(o.attn).supports_packing) return;
   try {
-    SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
+    check_unpadded(SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size),
+                   str_cat("--attn ", o.attn).c_str());
   } catch (const Error& e) {
     const std::int64_t zigzag = pr == 1 ? pu : pr * std::lcm(std::int64_t{2}, pu), plain = pr * pu;
     SEQPAR_THROW(e.message(), " (--seq ", o.seq, ", --layout ", layout_name(o.layout), "); with --ring-size ", pr,
                  " and --ulysses-size ", pu, " use a multiple of ", zigzag, " for --layout zigzag or of ", plain,
-                 " for --layout contiguous or stripe (sequences are not padded)");
+                 " for --layout contiguous or stripe");
   }
 }
 
@@ -190,6 +241,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("rope-scaling", "RoPE frequency scaling: none | llama3 | yarn", cxxopts::value<std::string>())
     ("rope-factor", "llama3 / yarn scaling factor", cxxopts::value<double>())
     ("rope-original-max-pos", "llama3 / yarn original_max_position_embeddings", cxxopts::value<std::int64_t>())
+    ("doc-lens", "a packed row of documents with these comma-separated lengths (their sum is --seq, --batch 1; "
+                 "zero-length documents allowed)", cxxopts::value<std::string>())
+    ("doc-dist", "a packed row of --seq tokens in synthetic documents drawn with --seed: longtail (lengths "
+                 "log-uniform in 64..16384) | short (log-uniform in 1..256)", cxxopts::value<std::string>())
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("seed", "seed of the random inputs", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("parallel")
@@ -199,7 +254,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("ring-size", "ring degree Pr", cxxopts::value<int>()->default_value("1"))
     ("dp-size", "data-parallel replicas", cxxopts::value<int>()->default_value("1"))
     ("placement", "ulysses_inner | ring_inner", cxxopts::value<std::string>()->default_value("ulysses_inner"))
-    ("layout", "contiguous | zigzag | stripe", cxxopts::value<std::string>()->default_value("zigzag"))
+    ("layout", "contiguous | zigzag | stripe | balanced (packed rows: whole chunks of documents, equal causal "
+               "work per ring rank)", cxxopts::value<std::string>()->default_value("zigzag"))
     ("impl", "ring implementation: p2p | allgather", cxxopts::value<std::string>()->default_value("p2p"))
     ("gdn-mode", "GDN state passing: chain | scan (default scan, as in GdnCpConfig)",
      cxxopts::value<std::string>()->default_value("scan"))
@@ -364,6 +420,8 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   const WorkloadKind& kind = find_workload_kind(o.attn);
   if (!o.inputs_dir.empty()) shapes_from_inputs(kind, o);
   if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
+  check_min(o.seq, 1, "seq");
+  parse_packing(r, kind, o);
 
   // ---- rules ----
   SEQPAR_CHECK(!o.dump_inputs || !o.dump_dir.empty(), "--dump-inputs needs --dump DIR (the directory it writes to)");
@@ -415,6 +473,7 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_text("--dsa-select", o.dsa_select)
       .add_int("--batch", o.batch)
       .add_int("--seq", o.seq)
+      .add_text("--doc-lens", doc_lens_text(o))
       .add_int("--heads", o.heads)
       .add_int("--kv-heads", o.kv_heads)
       .add_int("--head-dim", o.head_dim)
@@ -465,5 +524,19 @@ std::string preset_note(const SpBenchOptions& o, const std::string& flag) {
 }
 
 std::string describe_shapes(const SpBenchOptions& o) { return find_workload_kind(o.attn).describe_shapes(o); }
+
+std::string doc_lens_text(const SpBenchOptions& o) {
+  std::string s;
+  for (std::size_t i = 0; i < o.doc_lens.size(); ++i) {
+    if (i > 0) s += ',';
+    s += std::to_string(o.doc_lens[i]);
+  }
+  return s;
+}
+
+SequenceLayout sp_bench_layout(const SpBenchOptions& o) {
+  if (!o.packed()) return SequenceLayout(o.layout, o.seq, o.grid.ring_size, o.grid.ulysses_size);
+  return SequenceLayout::packed(o.layout, cu_seqlens_of(o.doc_lens), o.grid.ring_size, o.grid.ulysses_size);
+}
 
 }  // namespace seqpar::bench

@@ -32,6 +32,11 @@ struct SpBenchOptions {
 
   std::int64_t batch = 1;
   std::int64_t seq = 4096;
+  // A packed row (docs/design.md section 15): the document lengths from --doc-lens, --doc-dist (with --seed) or
+  // --inputs DIR/cu_seqlens.npy; empty: one unpacked row. When set, seq is their sum and batch is 1.
+  std::vector<std::int64_t> doc_lens;
+  std::string doc_dist;  // --doc-dist NAME (parallel/layout.h synthetic_doc_lens), empty when not given
+  bool packed() const { return !doc_lens.empty(); }
   std::int64_t heads = 8;     // query heads (DSA: attention heads; GDN: value heads Hv)
   std::int64_t kv_heads = 8;  // MHA kv heads (GQA); GDN key heads Hk (q, k); the flag's 0 means --heads
   std::int64_t head_dim = 64;
@@ -102,5 +107,11 @@ std::string preset_note(const SpBenchOptions& o, const std::string& flag);
 
 // One-line configuration summary used in the table header (the kind's describe_shapes).
 std::string describe_shapes(const SpBenchOptions& o);
+
+// The layout of the run (local arithmetic): packed over cu_seqlens_of(o.doc_lens) when o.packed(), else one row of
+// o.seq tokens; --layout over --ring-size x --ulysses-size.
+SequenceLayout sp_bench_layout(const SpBenchOptions& o);
+// The document lengths joined by commas ("" when not packed), as --doc-lens takes them.
+std::string doc_lens_text(const SpBenchOptions& o);
 
 }  // namespace seqpar::bench

@@ -22,6 +22,21 @@ double tflops_total(const PhaseResult& p) { return p.flops / (p.time_ms * 1e-3) 
 
 bool has_rounds(const RunReport& r) { return r.phases.front().message_rounds >= 0; }
 
+}  // namespace
+
+std::string describe_packing(const SpBenchOptions& o) {
+  const SequenceLayout layout = sp_bench_layout(o);
+  if (!o.packed() && !layout.has_padding()) return "";
+  return str_cat("# packing: ", layout.num_docs(), " document(s)",
+                 o.doc_dist.empty() ? std::string() : str_cat(" (--doc-dist ", o.doc_dist, ", seed ", o.seed, ")"),
+                 ", partition ", layout_name(layout.kind()), " over ", layout.ring_size(), " ring rank(s)",
+                 layout.chunk_len() > 0 ? str_cat(", chunks of ", layout.chunk_len()) : std::string(), ": padded_len ",
+                 layout.padded_len(), " (", layout.padded_len() - layout.seq_len(), " padding), causal FLOP imbalance ",
+                 fmt("%.4f", layout.flop_imbalance()), " (max / mean per ring rank)");
+}
+
+namespace {
+
 void print_header(const SpBenchOptions& o, const RunReport& r) {
   std::printf("# seqpar sp_bench %s\n", version());
   std::printf("# backend %s, world %d, grid %s, threads/rank %d\n", r.backend, r.world_size, r.grid.c_str(), o.threads);
@@ -39,6 +54,8 @@ void print_header(const SpBenchOptions& o, const RunReport& r) {
               o.model.empty() ? "" : str_cat(" (model ", o.model, ")").c_str(), layout_name(o.layout), impl.c_str(),
               dtype_name(o.dtype));
   std::printf("# shapes %s\n", describe_shapes(o).c_str());
+  const std::string packing = describe_packing(o);
+  if (!packing.empty()) std::printf("%s\n", packing.c_str());
   std::printf(
       "# FLOPs per step (all replicas): fwd %.4g, bwd %.4g; warmup %d, iters %d (median; JSON: min, max, each); inputs "
       "%s\n",
@@ -195,6 +212,18 @@ nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   j["attn"] = o.attn;
   j["model"] = o.model;
   j["layout"] = layout_name(o.layout);
+  {
+    const SequenceLayout layout = sp_bench_layout(o);
+    j["packing"] = {{"documents", layout.num_docs()},
+                    {"packed", o.packed()},
+                    {"doc_dist", o.doc_dist},
+                    {"cu_seqlens", std::vector<std::int64_t>(layout.cu_seqlens().begin(), layout.cu_seqlens().end())},
+                    {"partition", layout_name(layout.kind())},
+                    {"chunk_len", layout.chunk_len()},
+                    {"padded_len", layout.padded_len()},
+                    {"flop_imbalance", layout.flop_imbalance()},
+                    {"ring_work", layout.ring_work()}};
+  }
   j["impl"] = ring_impl_name(o.impl);
   j["dtype"] = dtype_name(o.dtype);
   j["threads_per_rank"] = o.threads;

@@ -74,8 +74,10 @@ void rope_backward_all(const std::vector<RopeTarget>& targets, const std::vector
   for (std::size_t i = 0; i < targets.size(); ++i) attn::rope_backward(grads[i], positions, targets[i].cfg);
 }
 
-void rope_host(const attn::RopeConfig& cfg, npy::HostArray& a, bool backward, bool fp64_reference) {
-  const std::vector<std::int64_t> pos = all_positions(a.shape.at(1));
+void rope_host(const attn::RopeConfig& cfg, npy::HostArray& a, bool backward, bool fp64_reference,
+               std::span<const std::int64_t> positions) {
+  const std::vector<std::int64_t> pos =
+      positions.empty() ? all_positions(a.shape.at(1)) : std::vector<std::int64_t>(positions.begin(), positions.end());
   if (!fp64_reference) {
     backward ? attn::rope_backward(a.view(), pos, cfg) : attn::rope_forward(a.view(), pos, cfg);
     return;
@@ -85,13 +87,14 @@ void rope_host(const attn::RopeConfig& cfg, npy::HostArray& a, bool backward, bo
            : attn::reference::rope_forward(cfg, pos, in.view(), a.view());
 }
 
-void rope_named(const std::vector<RopeTarget>& targets, NamedArrays& arrays, bool backward, bool fp64_reference) {
+void rope_named(const std::vector<RopeTarget>& targets, NamedArrays& arrays, bool backward, bool fp64_reference,
+                std::span<const std::int64_t> positions) {
   for (const RopeTarget& t : targets) {
     const std::string name = backward ? "d" + t.name : t.name;
     bool found = false;
     for (auto& [n, a] : arrays) {
       if (n != name) continue;
-      rope_host(t.cfg, a, backward, fp64_reference);
+      rope_host(t.cfg, a, backward, fp64_reference, positions);
       found = true;
     }
     SEQPAR_CHECK(found, "sp_bench RoPE: no array named ", name);

@@ -43,12 +43,14 @@ std::vector<Tensor> rope_rotated_copies(const std::vector<RopeTarget>& targets, 
 void rope_backward_all(const std::vector<RopeTarget>& targets, const std::vector<TensorView>& grads,
                        std::span<const std::int64_t> positions);
 
-// The same on the host arrays of the single-rank reference (dim 1 is the sequence, positions 0..S-1), in place:
-// the rotation (backward: its transpose) of `a`; with `fp64_reference` the fp64 reference's rotation
-// (attention/reference/rope_reference.h, fp64 arrays) instead of the kernel's.
-void rope_host(const attn::RopeConfig& cfg, npy::HostArray& a, bool backward, bool fp64_reference = false);
+// The same on the host arrays of the single-rank reference (dim 1 is the sequence, at `positions`: empty means
+// 0..S-1; a packed row passes each token's position inside its document), in place: the rotation (backward: its
+// transpose) of `a`; with `fp64_reference` the fp64 reference's rotation (attention/reference/rope_reference.h,
+// fp64 arrays) instead of the kernel's.
+void rope_host(const attn::RopeConfig& cfg, npy::HostArray& a, bool backward, bool fp64_reference = false,
+               std::span<const std::int64_t> positions = {});
 // rope_host on the arrays named like the targets (forward) or their gradients "d<name>" (backward).
-void rope_named(const std::vector<RopeTarget>& targets, NamedArrays& arrays, bool backward,
-                bool fp64_reference = false);
+void rope_named(const std::vector<RopeTarget>& targets, NamedArrays& arrays, bool backward, bool fp64_reference = false,
+                std::span<const std::int64_t> positions = {});
 
 }  // namespace seqpar::bench

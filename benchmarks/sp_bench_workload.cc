@@ -89,8 +89,12 @@ void fill_random_shard(const TensorView& dst, std::uint64_t seed, std::uint64_t 
     T* out = dst.data_as<T>();
     for (std::int64_t b = 0; b < batch; ++b) {
       for (std::int64_t i = 0; i < local; ++i) {
-        const std::uint64_t base = static_cast<std::uint64_t>((b * seq_len + positions[i]) * row);
         T* dst_row = out + (b * local + i) * row;
+        if (positions[i] < 0) {
+          std::fill(dst_row, dst_row + row, T{});
+          continue;
+        }
+        const std::uint64_t base = static_cast<std::uint64_t>((b * seq_len + positions[i]) * row);
         for (std::int64_t e = 0; e < row; ++e) {
           const double v = random_uniform(seed, tensor_id, base + static_cast<std::uint64_t>(e));
           if constexpr (std::is_same_v<T, double>) {
@@ -107,7 +111,7 @@ void fill_random_shard(const TensorView& dst, std::uint64_t seed, std::uint64_t 
 void shard_from_full(const npy::HostArray& full, const std::vector<std::int64_t>& positions, const TensorView& dst) {
   npy::HostArray converted(dst.dtype(), full.shape);
   copy_convert(full.view(), converted.view());
-  shard_sequence(converted.view(), positions, dst);
+  gather_token_rows(converted.view(), 1, positions, dst);
 }
 
 void affine_inplace(const TensorView& t, double offset, double slope) {

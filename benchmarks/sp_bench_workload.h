@@ -215,6 +215,10 @@ struct WorkloadKind {
   // What Workload::fp64_reference_outputs() takes, from the options alone (so that --dry-run and the start of a run
   // apply the same size rule before anything is allocated); null: the kind has no fp64 reference.
   std::function<Fp64ReferenceCost(const SpBenchOptions&)> fp64_reference_cost;
+  // Packed rows and padded lengths (--doc-lens, --doc-dist, --inputs DIR/cu_seqlens.npy, any --seq): the workload
+  // builds its layout with sp_bench_layout. Kinds without it refuse those flags ("not supported yet") and lengths
+  // that need padding.
+  bool supports_packing = false;
   // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
   // SEQPAR_WORKLOAD_KIND.
   std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;
@@ -257,11 +261,13 @@ std::string workload_kind_names(const std::string& separator);
 double random_uniform(std::uint64_t seed, std::uint64_t tensor_id, std::uint64_t index);
 
 // Fills the [B, S_local, ...] shard at `positions` of the full [B, seq_len, ...] random tensor `tensor_id`.
-// Passing positions 0..seq_len-1 fills the full tensor; shards and the full tensor agree element by element.
+// Passing positions 0..seq_len-1 fills the full tensor; shards and the full tensor agree element by element. A
+// negative position (a padding row, SequenceLayout::token_index) gets zeros.
 void fill_random_shard(const TensorView& dst, std::uint64_t seed, std::uint64_t tensor_id, std::int64_t seq_len,
                        const std::vector<std::int64_t>& positions);
 
-// The full tensor `name` of `full` converted to dtype and cut to `positions` (dim 1).
+// The full tensor `name` of `full` converted to dtype and cut to `positions` (dim 1; a negative position, a padding
+// row, gets zeros).
 void shard_from_full(const npy::HostArray& full, const std::vector<std::int64_t>& positions, const TensorView& dst);
 
 // x -> offset + slope * x, in place (floating dtypes; maps the uniform [-1, 1) inputs to the ranges a kind needs).

@@ -1,11 +1,39 @@
 #include "parallel/layout.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
 
 namespace {
-constexpr const char* kLayoutNames[] = {"contiguous", "zigzag", "stripe"};
+constexpr const char* kLayoutNames[] = {"contiguous", "zigzag", "stripe", "balanced"};
+
+using Positions = std::vector<std::int64_t>;
+
+std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
+
+// Causal work of the tokens [a, b) of one document: sum of (offset + 1).
+std::int64_t causal_work(std::int64_t a, std::int64_t b) { return (b * (b + 1) - a * (a + 1)) / 2; }
+
+void check_cu_seqlens(std::span<const std::int64_t> cu) {
+  SEQPAR_CHECK(cu.size() >= 2, "cu_seqlens has ", cu.size(),
+               " entries; it must have N+1 >= 2 (one more than the number of documents)");
+  SEQPAR_CHECK(cu[0] == 0, "cu_seqlens[0] = ", cu[0], " must be 0");
+  for (std::size_t i = 1; i < cu.size(); ++i) {
+    SEQPAR_CHECK(cu[i] >= 0, "cu_seqlens[", i, "] = ", cu[i], " must be >= 0");
+    SEQPAR_CHECK(cu[i] >= cu[i - 1], "cu_seqlens[", i, "] = ", cu[i], " < cu_seqlens[", i - 1, "] = ", cu[i - 1],
+                 ": cu_seqlens must be non-decreasing");
+  }
+  SEQPAR_CHECK(cu.back() >= 1, "cu_seqlens ends at a total of ", cu.back(),
+               " tokens; a row must hold at least one token");
+}
+// The cu_seqlens of one unpacked row of seq_len tokens.
+Positions unpacked_cu_seqlens(std::int64_t seq_len) {
+  SEQPAR_CHECK(seq_len >= 1, "seq_len ", seq_len, " must be >= 1");
+  return {0, seq_len};
+}
 }  // namespace
 
 const char* layout_name(LayoutKind kind) { return kLayoutNames[static_cast<int>(kind)]; }
@@ -13,73 +41,289 @@ LayoutKind parse_layout(std::string_view name) {
   return static_cast<LayoutKind>(parse_option_index(name, kLayoutNames, "layout"));
 }
 
+struct SequenceLayout::Data {
+  bool packed = false;
+  Positions cu, slot_cu;  // token space, slot space; [N+1]
+  std::int64_t padded_len = 0;
+  std::int64_t chunk_len = 0;
+  std::vector<Positions> shards;  // slots of each ring shard, increasing
+  std::vector<std::int64_t> work;
+  double imbalance = 1.0;
+  std::uint64_t digest = 0;
+};
+
+namespace {
+
+// The balanced partition (layout.h): chunks of c tokens, largest causal work first, each to the ring rank with
+// least work among those whose token count stays within c of the smallest. Returns the slots of each ring rank.
+std::vector<Positions> balanced_shards(const Positions& cu, int ring, std::int64_t c) {
+  struct Chunk {
+    std::int64_t work, start, len;
+  };
+  std::vector<Chunk> chunks;
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const std::int64_t len = cu[d + 1] - cu[d];
+    for (std::int64_t a = 0; a < len; a += c) {
+      const std::int64_t b = std::min(len, a + c);
+      chunks.push_back({causal_work(a, b), cu[d] + a, b - a});
+    }
+  }
+  std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& x, const Chunk& y) { return x.work > y.work; });
+  std::vector<std::int64_t> tokens(ring, 0), work(ring, 0);
+  std::vector<std::vector<const Chunk*>> owned(ring);
+  for (const Chunk& ch : chunks) {
+    const std::int64_t least = *std::min_element(tokens.begin(), tokens.end());
+    int best = -1;
+    for (int r = 0; r < ring; ++r) {
+      if (tokens[r] + ch.len > least + c) continue;  // the rank with the fewest tokens always qualifies
+      if (best < 0 || work[r] < work[best]) best = r;
+    }
+    tokens[best] += ch.len;
+    work[best] += ch.work;
+    owned[best].push_back(&ch);
+  }
+  std::vector<Positions> shards(ring);
+  for (int r = 0; r < ring; ++r) {
+    std::sort(owned[r].begin(), owned[r].end(), [](const Chunk* x, const Chunk* y) { return x->start < y->start; });
+    for (const Chunk* ch : owned[r]) {
+      for (std::int64_t i = 0; i < ch->len; ++i) shards[r].push_back(ch->start + i);
+    }
+  }
+  return shards;
+}
+
+}  // namespace
+
 SequenceLayout::SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_size, int ulysses_size)
-    : kind_(kind), seq_len_(seq_len), ring_size_(ring_size), ulysses_size_(ulysses_size) {
+    : SequenceLayout(kind, unpacked_cu_seqlens(seq_len), false, ring_size, ulysses_size) {}
+
+SequenceLayout SequenceLayout::packed(LayoutKind kind, std::span<const std::int64_t> cu_seqlens, int ring_size,
+                                      int ulysses_size) {
+  check_cu_seqlens(cu_seqlens);
+  return SequenceLayout(kind, Positions(cu_seqlens.begin(), cu_seqlens.end()), true, ring_size, ulysses_size);
+}
+
+SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bool packed, int ring_size,
+                               int ulysses_size)
+    : kind_(kind), ring_size_(ring_size), ulysses_size_(ulysses_size) {
   SEQPAR_CHECK(ring_size >= 1 && ulysses_size >= 1, "ring_size ", ring_size, " and ulysses_size ", ulysses_size,
                " must be >= 1");
-  SEQPAR_CHECK(seq_len >= 1, "seq_len ", seq_len, " must be >= 1");
-  const std::int64_t ranks = static_cast<std::int64_t>(ring_size) * ulysses_size;
-  if (kind == LayoutKind::kZigzag) {
-    // A ring of one holds the whole sequence in order (its two chunks are adjacent): any length.
-    SEQPAR_CHECK(ring_size == 1 || seq_len % (2 * ring_size) == 0, "seq_len ", seq_len,
-                 " must be divisible by 2*ring_size=", 2 * ring_size, " for the zigzag layout");
-    SEQPAR_CHECK((seq_len / ring_size) % ulysses_size == 0, "seq_len ", seq_len, " / ring_size ", ring_size, " = ",
-                 seq_len / ring_size, " must be divisible by ulysses_size=", ulysses_size, " for the zigzag layout");
-  } else {
-    SEQPAR_CHECK(seq_len % ranks == 0, "seq_len ", seq_len, " must be divisible by ring_size*ulysses_size=", ranks,
-                 " for the ", layout_name(kind), " layout");
+  SEQPAR_CHECK(static_cast<int>(kind) < 4, "unknown layout kind ", static_cast<int>(kind));
+  auto data = std::make_shared<Data>();
+  Data& d = *data;
+  d.packed = packed;
+  d.cu = std::move(cu);
+  const std::int64_t T = d.cu.back(), P = ring_size, U = ulysses_size;
+  const std::size_t N = d.cu.size() - 1;
+  d.shards.assign(static_cast<std::size_t>(P), {});
+  switch (kind) {
+    case LayoutKind::kContiguous:
+    case LayoutKind::kStripe: {
+      d.slot_cu = d.cu;
+      d.padded_len = round_up(T, P * U);
+      const std::int64_t len = d.padded_len / P;
+      for (std::int64_t r = 0; r < P; ++r) {
+        for (std::int64_t i = 0; i < len; ++i) {
+          d.shards[r].push_back(kind == LayoutKind::kContiguous ? r * len + i : i * P + r);
+        }
+      }
+      break;
+    }
+    case LayoutKind::kZigzag: {
+      d.slot_cu.assign(N + 1, 0);
+      const std::int64_t unit = P == 1 ? 1 : 2 * P;  // a ring of one pads no document
+      for (std::size_t k = 0; k < N; ++k) d.slot_cu[k + 1] = d.slot_cu[k] + round_up(d.cu[k + 1] - d.cu[k], unit);
+      const std::int64_t docs_end = d.slot_cu[N];
+      const std::int64_t extra = ((U - (docs_end / P) % U) % U);  // trailing padding slots per ring shard
+      d.padded_len = docs_end + P * extra;
+      for (std::int64_t r = 0; r < P; ++r) {
+        Positions& shard = d.shards[r];
+        if (P == 1) {
+          for (std::int64_t i = 0; i < docs_end; ++i) shard.push_back(i);
+        } else {
+          for (std::size_t k = 0; k < N; ++k) {
+            const std::int64_t chunk = (d.slot_cu[k + 1] - d.slot_cu[k]) / (2 * P);
+            for (const std::int64_t c : {r, 2 * P - 1 - r}) {
+              for (std::int64_t i = 0; i < chunk; ++i) shard.push_back(d.slot_cu[k] + c * chunk + i);
+            }
+          }
+        }
+        for (std::int64_t i = 0; i < extra; ++i) shard.push_back(docs_end + r * extra + i);
+      }
+      break;
+    }
+    case LayoutKind::kBalanced: {
+      d.slot_cu = d.cu;
+      d.chunk_len = std::max<std::int64_t>(1, (T + 32 * P - 1) / (32 * P));
+      d.shards = balanced_shards(d.cu, ring_size, d.chunk_len);
+      std::int64_t most = 0;
+      for (const Positions& shard : d.shards) most = std::max<std::int64_t>(most, shard.size());
+      const std::int64_t len = round_up(std::max<std::int64_t>(most, 1), U);
+      d.padded_len = P * len;
+      std::int64_t next_pad = T;
+      for (Positions& shard : d.shards) {
+        while (static_cast<std::int64_t>(shard.size()) < len) shard.push_back(next_pad++);
+      }
+      break;
+    }
   }
+  data_ = data;
+  // Per-ring-rank causal work and the digest.
+  d.work.assign(static_cast<std::size_t>(P), 0);
+  for (std::int64_t r = 0; r < P; ++r) {
+    for (const std::int64_t slot : d.shards[r]) {
+      const std::int64_t k = doc_of_slot(slot);
+      if (k >= 0) d.work[r] += slot - d.slot_cu[k] + 1;
+    }
+  }
+  std::int64_t total = 0, most = 0;
+  for (const std::int64_t w : d.work) {
+    total += w;
+    most = std::max(most, w);
+  }
+  d.imbalance = total > 0 ? static_cast<double>(most) * static_cast<double>(P) / static_cast<double>(total) : 1.0;
+  std::uint64_t h = 1469598103934665603ULL;
+  for (const std::int64_t v : d.cu) {
+    for (int byte = 0; byte < 8; ++byte) {
+      h ^= (static_cast<std::uint64_t>(v) >> (8 * byte)) & 0xffU;
+      h *= 1099511628211ULL;
+    }
+  }
+  d.digest = h;
+}
+
+std::int64_t SequenceLayout::seq_len() const { return data_->cu.back(); }
+std::int64_t SequenceLayout::padded_len() const { return data_->padded_len; }
+bool SequenceLayout::is_packed() const { return data_->packed; }
+std::int64_t SequenceLayout::num_docs() const { return static_cast<std::int64_t>(data_->cu.size()) - 1; }
+std::span<const std::int64_t> SequenceLayout::cu_seqlens() const { return data_->cu; }
+std::span<const std::int64_t> SequenceLayout::slot_cu_seqlens() const { return data_->slot_cu; }
+double SequenceLayout::flop_imbalance() const { return data_->imbalance; }
+const std::vector<std::int64_t>& SequenceLayout::ring_work() const { return data_->work; }
+std::int64_t SequenceLayout::chunk_len() const { return data_->chunk_len; }
+std::uint64_t SequenceLayout::cu_seqlens_digest() const { return data_->digest; }
+
+std::int64_t SequenceLayout::doc_of_slot(std::int64_t slot) const {
+  SEQPAR_CHECK(0 <= slot && slot < padded_len(), "slot ", slot, " outside [0, ", padded_len(), ")");
+  const Positions& sc = data_->slot_cu;
+  // The last document starting at or before the slot (zero-length documents start where the next one does).
+  const std::int64_t k = std::upper_bound(sc.begin(), sc.end(), slot) - sc.begin() - 1;
+  if (k >= num_docs()) return -1;  // trailing padding
+  return slot - sc[k] < data_->cu[k + 1] - data_->cu[k] ? k : -1;
+}
+
+std::int64_t SequenceLayout::token_of_slot(std::int64_t slot) const {
+  const std::int64_t k = doc_of_slot(slot);
+  return k < 0 ? -1 : data_->cu[k] + slot - data_->slot_cu[k];
+}
+
+std::vector<std::int64_t> SequenceLayout::tokens_of_slots(std::span<const std::int64_t> slots) const {
+  Positions out(slots.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) out[i] = token_of_slot(slots[i]);
+  return out;
+}
+
+DocBounds SequenceLayout::doc_bounds_of_slots(std::span<const std::int64_t> slots) const {
+  DocBounds b;
+  b.lo.resize(slots.size());
+  b.hi.resize(slots.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const std::int64_t k = doc_of_slot(slots[i]);
+    b.lo[i] = k < 0 ? slots[i] : data_->slot_cu[k];
+    b.hi[i] = k < 0 ? slots[i] : data_->slot_cu[k] + data_->cu[k + 1] - data_->cu[k];
+  }
+  return b;
+}
+
+std::vector<std::int64_t> SequenceLayout::rope_positions_of_slots(std::span<const std::int64_t> slots) const {
+  Positions out(slots.size());
+  for (std::size_t i = 0; i < slots.size(); ++i) {
+    const std::int64_t k = doc_of_slot(slots[i]);
+    out[i] = k < 0 ? 0 : slots[i] - data_->slot_cu[k];
+  }
+  return out;
+}
+
+std::vector<std::int64_t> SequenceLayout::token_index(int sp_rank) const { return tokens_of_slots(positions(sp_rank)); }
+std::vector<std::int64_t> SequenceLayout::doc_index(int sp_rank) const {
+  const Positions pos = positions(sp_rank);
+  Positions out(pos.size());
+  for (std::size_t i = 0; i < pos.size(); ++i) out[i] = doc_of_slot(pos[i]);
+  return out;
+}
+DocBounds SequenceLayout::doc_bounds(int sp_rank) const { return doc_bounds_of_slots(positions(sp_rank)); }
+std::vector<std::int64_t> SequenceLayout::rope_positions(int sp_rank) const {
+  return rope_positions_of_slots(positions(sp_rank));
+}
+
+namespace {
+constexpr const char* kDocDists[] = {"longtail", "short"};
+}  // namespace
+
+std::vector<std::int64_t> synthetic_doc_lens(std::string_view dist, std::int64_t total, std::uint64_t seed) {
+  const int which = parse_option_index(dist, kDocDists, "document distribution");
+  SEQPAR_CHECK(total >= 1, "synthetic_doc_lens: total ", total, " must be >= 1");
+  const double lo = which == 0 ? 64.0 : 1.0, ratio = 256.0;  // [64, 16384] or [1, 256]
+  std::uint64_t state = seed;
+  auto next = [&state] {  // splitmix64 (Steele, Lea, Flood 2014)
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+    return z ^ (z >> 31);
+  };
+  Positions lens;
+  for (std::int64_t sum = 0; sum < total;) {
+    const double u = static_cast<double>(next() >> 11) * 0x1.0p-53;
+    const std::int64_t len = std::min(total - sum, static_cast<std::int64_t>(lo * std::pow(ratio, u)));
+    lens.push_back(len);
+    sum += len;
+  }
+  return lens;
+}
+
+std::vector<std::int64_t> cu_seqlens_of(std::span<const std::int64_t> doc_lens) {
+  Positions cu{0};
+  for (std::size_t i = 0; i < doc_lens.size(); ++i) {
+    SEQPAR_CHECK(doc_lens[i] >= 0, "document length ", doc_lens[i], " (document ", i, ") must be >= 0");
+    cu.push_back(cu.back() + doc_lens[i]);
+  }
+  return cu;
 }
 
 void add_layout_fields(Fingerprint& fp, const SequenceLayout& layout) {
   fp.add_text("layout", layout_name(layout.kind()))
       .add_int("seq_len", layout.seq_len())
+      .add_int("padded_len", layout.padded_len())
       .add_int("ring_size", layout.ring_size())
       .add_int("ulysses_size", layout.ulysses_size());
+  if (layout.is_packed()) {
+    fp.add_int("num_docs", layout.num_docs())
+        .add_int("cu_seqlens digest", static_cast<std::int64_t>(layout.cu_seqlens_digest()));
+  }
 }
 
 SequenceLayout SequenceLayout::for_groups(const CpGroups& groups, std::int64_t seq_len, LayoutKind kind) {
   return SequenceLayout(kind, seq_len, groups.ring_size(), groups.ulysses_size());
 }
 
+SequenceLayout SequenceLayout::packed_for_groups(const CpGroups& groups, std::span<const std::int64_t> cu_seqlens,
+                                                 LayoutKind kind) {
+  return packed(kind, cu_seqlens, groups.ring_size(), groups.ulysses_size());
+}
+
 std::vector<std::int64_t> SequenceLayout::ring_shard_positions(int ring_rank) const {
   SEQPAR_CHECK(0 <= ring_rank && ring_rank < ring_size_, "ring_rank ", ring_rank, " outside [0, ", ring_size_, ")");
-  const std::int64_t len = ring_shard_len();
-  std::vector<std::int64_t> pos(static_cast<std::size_t>(len));
-  switch (kind_) {
-    case LayoutKind::kContiguous:
-      for (std::int64_t i = 0; i < len; ++i) pos[i] = ring_rank * len + i;
-      break;
-    case LayoutKind::kZigzag: {
-      if (ring_size_ == 1) {  // chunks 0 and 1 of the whole sequence, adjacent: 0 .. S-1 (S may be odd)
-        for (std::int64_t i = 0; i < len; ++i) pos[i] = i;
-        break;
-      }
-      const std::int64_t chunk = len / 2;
-      const std::int64_t second = 2 * ring_size_ - 1 - ring_rank;
-      for (std::int64_t i = 0; i < chunk; ++i) {
-        pos[i] = ring_rank * chunk + i;
-        pos[chunk + i] = second * chunk + i;
-      }
-      break;
-    }
-    case LayoutKind::kStripe:
-      for (std::int64_t i = 0; i < len; ++i) pos[i] = i * ring_size_ + ring_rank;
-      break;
-  }
-  return pos;
+  return data_->shards[static_cast<std::size_t>(ring_rank)];
 }
 
 std::vector<std::int64_t> SequenceLayout::positions(int sp_rank) const {
   SEQPAR_CHECK(0 <= sp_rank && sp_rank < num_ranks(), "sp_rank ", sp_rank, " outside [0, ", num_ranks(), ")");
   const int ring_rank = sp_rank / ulysses_size_;
   const int ulysses_rank = sp_rank % ulysses_size_;
-  const std::vector<std::int64_t> shard = ring_shard_positions(ring_rank);
+  const Positions& shard = data_->shards[static_cast<std::size_t>(ring_rank)];
   const std::int64_t len = local_len();
-  return std::vector<std::int64_t>(shard.begin() + ulysses_rank * len, shard.begin() + (ulysses_rank + 1) * len);
+  return Positions(shard.begin() + ulysses_rank * len, shard.begin() + (ulysses_rank + 1) * len);
 }
-
-using Positions = std::vector<std::int64_t>;
 
 void shard_sequence(const TensorView& full, const Positions& pos, const TensorView& local, Stream stream) {
   gather_rows(full, 1, pos, local, stream);
@@ -99,22 +343,120 @@ void unshard_sequence_bhs(const TensorView& local, const Positions& pos, const T
 
 namespace {
 
-void check_gather(const Communicator& comm, const SequenceLayout& layout, int seq_dim, const char* what) {
-  SEQPAR_CHECK(comm.size() == layout.num_ranks(), what, ": communicator size ", comm.size(), " != layout ranks ",
-               layout.num_ranks());
+// The rows that hold tokens (tokens[i] >= 0) and those tokens, both in row order.
+struct RealRows {
+  Positions rows, tokens;
+  bool all = true;  // no padding row
+};
+RealRows real_rows(std::span<const std::int64_t> tokens) {
+  RealRows r;
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0) {
+      r.all = false;
+      continue;
+    }
+    r.rows.push_back(static_cast<std::int64_t>(i));
+    r.tokens.push_back(tokens[i]);
+  }
+  return r;
+}
+
+// A buffer shaped like `local` with only the real rows along seq_dim.
+Tensor real_rows_buffer(const DeviceAlloc& alloc, const TensorView& local, int seq_dim, const RealRows& r) {
+  Shape s = local.shape();
+  s[static_cast<std::size_t>(seq_dim)] = static_cast<std::int64_t>(r.rows.size());
+  return alloc.empty(s, local.dtype(), MemCategory::kWorkspace);
+}
+
+void check_seq_dim(int seq_dim, const char* what) {
   SEQPAR_CHECK(seq_dim == 1 || seq_dim == 2, what, ": seq_dim ", seq_dim, " must be 1 or 2");
 }
 
-// The pieces of every SP rank, [n, local shape] in rank order, written to their positions in `full`.
+}  // namespace
+
+void check_sequence_tensor(const SequenceLayout& layout, const TensorView& t, std::int64_t len, int seq_dim,
+                           const char* what, const char* name) {
+  SEQPAR_CHECK(t.ndim() > seq_dim, what, ": ", name, " ", t.str(), " has no sequence dimension ", seq_dim);
+  SEQPAR_CHECK(!layout.is_packed() || t.dim(0) == 1, what, ": ", name, " ", t.str(), " has batch B = ", t.dim(0),
+               "; a packed layout (cu_seqlens) takes B = 1");
+  SEQPAR_CHECK(t.dim(seq_dim) == len, what, ": ", name, " ", t.str(), " has ", t.dim(seq_dim), " rows along dim ",
+               seq_dim, "; the layout needs ", len,
+               len == layout.seq_len() ? " (seq_len: the tokens of the row, cu_seqlens' last entry)"
+                                       : " (local_len: padded_len / ranks)");
+}
+
+namespace {
+// gather_token_rows (to_local) and scatter_token_rows: real rows move through a buffer of only those rows.
+void copy_token_rows(const TensorView& full, const TensorView& local, int seq_dim, std::span<const std::int64_t> tokens,
+                     bool to_local, Stream stream) {
+  const RealRows r = real_rows(tokens);
+  if (r.all) {
+    to_local ? gather_rows(full, seq_dim, r.tokens, local, stream)
+             : scatter_rows(local, seq_dim, r.tokens, full, stream);
+    return;
+  }
+  const DeviceAlloc alloc{common_device({full, local}, to_local ? "gather_token_rows" : "scatter_token_rows"), stream};
+  // Padding rows of a gathered piece become zero: zero the piece, then place the real rows.
+  if (to_local) alloc.copy_convert(alloc.zeros(local.shape(), local.dtype(), MemCategory::kWorkspace).view(), local);
+  if (r.rows.empty()) return;
+  Tensor tmp = real_rows_buffer(alloc, local, seq_dim, r);
+  if (to_local) {
+    gather_rows(full, seq_dim, r.tokens, tmp.view(), stream);
+    scatter_rows(tmp.view(), seq_dim, r.rows, local, stream);
+  } else {
+    gather_rows(local, seq_dim, r.rows, tmp.view(), stream);
+    scatter_rows(tmp.view(), seq_dim, r.tokens, full, stream);
+  }
+}
+}  // namespace
+
+void gather_token_rows(const TensorView& full, int seq_dim, std::span<const std::int64_t> tokens,
+                       const TensorView& local, Stream stream) {
+  copy_token_rows(full, local, seq_dim, tokens, true, stream);
+}
+
+void scatter_token_rows(const TensorView& local, int seq_dim, std::span<const std::int64_t> tokens,
+                        const TensorView& full, Stream stream) {
+  copy_token_rows(full, local, seq_dim, tokens, false, stream);
+}
+
+namespace {
+// The checks of shard_sequence / unshard_sequence (`what`).
+void check_shard_args(const SequenceLayout& layout, const TensorView& full, const TensorView& local, int seq_dim,
+                      const char* what) {
+  check_seq_dim(seq_dim, what);
+  check_sequence_tensor(layout, full, layout.seq_len(), seq_dim, what, "full");
+  check_sequence_tensor(layout, local, layout.local_len(), seq_dim, what, "local");
+}
+}  // namespace
+
+void shard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& full, const TensorView& local,
+                    int seq_dim, Stream stream) {
+  check_shard_args(layout, full, local, seq_dim, "shard_sequence");
+  gather_token_rows(full, seq_dim, layout.token_index(sp_rank), local, stream);
+}
+
+void unshard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& local, const TensorView& full,
+                      int seq_dim, Stream stream) {
+  check_shard_args(layout, full, local, seq_dim, "unshard_sequence");
+  scatter_token_rows(local, seq_dim, layout.token_index(sp_rank), full, stream);
+}
+
+namespace {
+
+void check_gather(const Communicator& comm, const SequenceLayout& layout, const TensorView& local, int seq_dim,
+                  const char* what) {
+  SEQPAR_CHECK(comm.size() == layout.num_ranks(), what, ": communicator size ", comm.size(), " != layout ranks ",
+               layout.num_ranks());
+  check_seq_dim(seq_dim, what);
+  check_sequence_tensor(layout, local, layout.local_len(), seq_dim, what, "local");
+}
+
+// The pieces of every SP rank, [n, local shape] in rank order, written to their tokens in `full`.
 void unshard_pieces(const SequenceLayout& layout, const TensorView& all, const Shape& local_shape,
                     const TensorView& full, int seq_dim, Stream stream) {
   for (int r = 0; r < layout.num_ranks(); ++r) {
-    const TensorView piece = all.slice0(r, r + 1).reshape(local_shape);
-    if (seq_dim == 1) {
-      unshard_sequence(piece, layout.positions(r), full, stream);
-    } else {
-      unshard_sequence_bhs(piece, layout.positions(r), full, stream);
-    }
+    unshard_sequence(layout, r, all.slice0(r, r + 1).reshape(local_shape), full, seq_dim, stream);
   }
 }
 
@@ -129,8 +471,7 @@ Shape per_rank_shape(int n, const Shape& shape) {
 
 void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
                       int root, Stream stream) {
-  SEQPAR_CHECK(comm.size() == layout.num_ranks(), "scatter_sequence: communicator size ", comm.size(),
-               " != layout ranks ", layout.num_ranks());
+  check_gather(comm, layout, local, 1, "scatter_sequence");
   const int n = comm.size();
   // Root packs every rank's piece in rank order, then an all_to_all_v with zero counts elsewhere delivers them.
   const DeviceAlloc alloc{common_device({full, local}, "scatter_sequence"), stream};
@@ -140,7 +481,7 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
   if (comm.rank() == root) {
     packed = alloc.empty(per_rank_shape(n, local.shape()), local.dtype(), MemCategory::kCommBuffer);
     for (int r = 0; r < n; ++r) {
-      shard_sequence(full, layout.positions(r), packed.view().slice0(r, r + 1).reshape(local.shape()), stream);
+      shard_sequence(layout, r, full, packed.view().slice0(r, r + 1).reshape(local.shape()), 1, stream);
       send_counts[r] = local.numel();
     }
   } else {
@@ -151,7 +492,7 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
 
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
                      int seq_dim, Stream stream) {
-  check_gather(comm, layout, seq_dim, "gather_sequence");
+  check_gather(comm, layout, local, seq_dim, "gather_sequence");
   const DeviceAlloc alloc{common_device({local, full}, "gather_sequence"), stream};
   Tensor all = alloc.empty(per_rank_shape(comm.size(), local.shape()), local.dtype(), MemCategory::kCommBuffer);
   comm.all_gather(local, all.view())->wait();
@@ -160,7 +501,7 @@ void gather_sequence(Communicator& comm, const SequenceLayout& layout, const Ten
 
 void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
                              const TensorView& full, int root, int seq_dim, Stream stream) {
-  check_gather(comm, layout, seq_dim, "gather_sequence_to_root");
+  check_gather(comm, layout, local, seq_dim, "gather_sequence_to_root");
   SEQPAR_CHECK(root >= 0 && root < comm.size(), "gather_sequence_to_root: root ", root, " outside the communicator of ",
                comm.size(), " ranks");
   const bool is_root = comm.rank() == root;
@@ -180,10 +521,28 @@ void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, c
   if (is_root) unshard_pieces(layout, all.view(), local.shape(), full, seq_dim, stream);
 }
 
-CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer)
+void check_unpadded(const SequenceLayout& layout, const char* layer) {
+  SEQPAR_CHECK(!layout.is_packed(), layer, ": the ", layout_name(layout.kind()), " layout packs ", layout.num_docs(),
+               " documents (cu_seqlens), which ", layer, " does not support yet");
+  SEQPAR_CHECK(!layout.has_padding(), layer, ": the ", layout_name(layout.kind()), " layout of seq_len ",
+               layout.seq_len(), " on ring_size ", layout.ring_size(), " x ulysses_size ", layout.ulysses_size(),
+               " pads the row to ", layout.padded_len(), " slots, which ", layer,
+               " does not support yet; use a seq_len divisible as the layout needs");
+}
+
+namespace {
+const SequenceLayout& checked_layout(const CpGroups& groups, const SequenceLayout& layout, const char* layer,
+                                     bool supports_padding) {
+  check_layout_matches(groups, layout, layer);
+  if (!supports_padding) check_unpadded(layout, layer);
+  return layout;
+}
+}  // namespace
+
+CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer, bool supports_padding)
     : groups_(groups),
-      layout_(layout),
-      positions_((check_layout_matches(groups, layout, layer), layout.positions(groups.sp_rank()))) {}
+      layout_(checked_layout(groups, layout, layer, supports_padding)),
+      positions_(layout.positions(groups.sp_rank())) {}
 
 Fingerprint CpLayerBase::fingerprint(std::string_view call) const {
   Fingerprint fp(call);

@@ -52,8 +52,10 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   attn::check_dropout(config.dropout, "ring attention");
   positions_.reserve(size_);
   for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));
-  global_order_.resize(static_cast<std::size_t>(layout_.seq_len()));
-  for (std::int64_t i = 0; i < layout_.seq_len(); ++i) global_order_[i] = i;
+  global_order_.resize(static_cast<std::size_t>(layout_.padded_len()));
+  for (std::int64_t i = 0; i < layout_.padded_len(); ++i) global_order_[i] = i;
+  // Packed or padded rows: every local query sees only its own document's slots (padding rows none).
+  if (layout_.is_packed() || layout_.has_padding()) doc_ = layout_.doc_bounds_of_slots(positions_[rank_]);
   if (config.window > 0 && config.impl == RingImpl::kP2P) plan_.emplace(positions_, rank_, config.window);
 }
 
@@ -71,8 +73,9 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
   SEQPAR_CHECK(q.dim(0) == k.dim(0) && q.dim(3) == k.dim(3), "ring attention: q ", q.str(), " and k ", k.str(),
                " must share batch and head dim");
   SEQPAR_CHECK(q.dim(1) == layout_.ring_shard_len() && k.dim(1) == layout_.ring_shard_len(),
-               "ring attention: local sequence length ", q.dim(1), " (q) / ", k.dim(1), " (k) must be seq_len ",
-               layout_.seq_len(), " / ring_size ", size_, " = ", layout_.ring_shard_len());
+               "ring attention: local sequence length ", q.dim(1), " (q) / ", k.dim(1), " (k) must be padded_len ",
+               layout_.padded_len(), " / ring_size ", size_, " = ", layout_.ring_shard_len());
+  check_sequence_tensor(layout_, q, layout_.ring_shard_len(), 1, "ring attention", "q");
   SEQPAR_CHECK(k.dim(2) >= 1 && q.dim(2) % k.dim(2) == 0, "ring attention: Hq ", q.dim(2),
                " must be a multiple of Hkv ", k.dim(2));
   attn::MhaForwardArgs local;
@@ -80,7 +83,7 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
   local.k = k;
   local.v = v;
   local.q_pos = local.k_pos = positions_[rank_];
-  local.mask = {config_.causal, config_.window};
+  local.mask = mask();
   local.scale = config_.scale;
   local.mods = config_.score_mods;
   local.dropout = config_.dropout;
@@ -99,7 +102,7 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   a.v = v;
   a.q_pos = positions_[rank_];
   a.k_pos = k_pos;
-  a.mask = {config_.causal, config_.window};
+  a.mask = mask();
   a.scale = config_.scale;
   a.mods = config_.score_mods;
   a.mods.sinks = {};
@@ -245,7 +248,7 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
   const double flops_per_pair = 4.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));
-  const attn::MaskSpec mask{config_.causal, config_.window};
+  const attn::MaskSpec mask = this->mask();
   const Stream stream = groups_.stream;
 
   Tensor kv = alloc.empty(packed_shape(kv_shape, 2), q.dtype(), MemCategory::kCommBuffer);
@@ -301,7 +304,7 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
   const double flops_per_pair = 10.0 * static_cast<double>(q.dim(0) * q.dim(2) * q.dim(3));  // 2.5 x forward
-  const attn::MaskSpec mask{config_.causal, config_.window};
+  const attn::MaskSpec mask = this->mask();
   const Shape pshape = packed_shape(kv_shape, 2);
   const Stream stream = groups_.stream;
 
@@ -360,7 +363,7 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
 attn::MhaForwardArgs RingAttention::gather_kv_global(const Saved& s, Tensor& k_full, Tensor& v_full) {
   const DeviceAlloc alloc = alloc_for(s);
   const Shape& kv_shape = s.k.shape();
-  const Shape full_shape = {kv_shape[0], layout_.seq_len(), kv_shape[2], kv_shape[3]};
+  const Shape full_shape = {kv_shape[0], layout_.padded_len(), kv_shape[2], kv_shape[3]};
   k_full = alloc.empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
   v_full = alloc.empty(full_shape, s.k.dtype(), MemCategory::kCommBuffer);
   Tensor local = alloc.empty(packed_shape(kv_shape, 2), s.k.dtype(), MemCategory::kCommBuffer);

@@ -2,6 +2,11 @@
 //
 // Each rank holds q, k, v for the positions its layout gives (SequenceLayout::ring_shard_positions(ring_rank)) and
 // gets exactly the rows of out, lse, dq, dk, dv that one rank computing the whole sequence would get.
+// Packed and padded rows (docs/design.md section 15.3): positions are slots; each local query sees only the keys of
+// its own document (attn::MaskSpec doc_lo / doc_hi from SequenceLayout::doc_bounds_of_slots), so the result of
+// document d is that of d run alone; padding rows give out 0, lse -inf and gradients 0. A (K, V) block that shares
+// no document with the local queries has no visible pair and is never computed (it still travels on). Packed
+// layouts take B = 1.
 //
 // impl = p2p (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; online-softmax merge of
 // FlashAttention-2): Q stays; the (K, V) block of rank src visits every rank, one hop per step over P steps; the
@@ -53,11 +58,11 @@
 // returned context, in the saved_activation category; double buffers and travelling accumulators in comm_buffer;
 // block results and the returned outputs in workspace. The object keeps no state between calls (cp_common.h).
 // Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
-// mismatch, Hq % Hkv != 0, window without causal, non-finite scale, dropout p outside [0, 1) (constructor); a
-// context that is empty, already used or made by another object; ranks of the ring group that disagree on the
-// shapes or dtypes of q, k, v (backward: of the saved q, k, v and of dout) or on impl, causal, window, scale, the
-// score modifiers, dropout or the layout (AgreementCheck, parallel/cp_common.h: one all-reduce over the ring group
-// on the first call of each configuration, before any data moves).
+// mismatch, B != 1 with a packed layout, Hq % Hkv != 0, window without causal, non-finite scale, dropout p outside [0,
+// 1) (constructor); a context that is empty, already used or made by another object; ranks of the ring group that
+// disagree on the shapes or dtypes of q, k, v (backward: of the saved q, k, v and of dout) or on impl, causal, window,
+// scale, the score modifiers, dropout or the layout, cu_seqlens included (AgreementCheck, parallel/cp_common.h: one
+// all-reduce over the ring group on the first call of each configuration, before any data moves).
 #pragma once
 
 #include <cstdint>
@@ -159,6 +164,8 @@ class RingAttention {
                     const TensorView& dk, const TensorView& dv);
   void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
                           const TensorView& dk, const TensorView& dv);
+  // The mask of this rank's queries: causal, window, and for packed or padded rows the document bounds (doc_).
+  attn::MaskSpec mask() const { return {config_.causal, config_.window, doc_.lo, doc_.hi}; }
   // Forward arguments of one key block (score modifiers without the sinks: those join once per row).
   attn::MhaForwardArgs block_args(const Saved& s, const TensorView& k, const TensorView& v,
                                   std::span<const std::int64_t> k_pos) const;
@@ -176,6 +183,7 @@ class RingAttention {
   std::vector<std::vector<std::int64_t>> positions_;  // ring shard positions of every ring rank
   std::vector<std::int64_t> global_order_;            // 0..S-1 (allgather: keys in global order)
   std::optional<WindowPlan> plan_;                    // p2p with a window: the rows each pair exchanges
+  DocBounds doc_;  // packed or padded rows: each local query's document slots (empty: no document bound)
   CpCounters counters_;
   AgreementCheck forward_agreement_, backward_agreement_;
 };

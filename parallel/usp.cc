@@ -47,8 +47,9 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   check_4d(v, "USP v");
   SEQPAR_CHECK(k.shape() == v.shape(), "USP: k ", k.str(), " and v ", v.str(), " must have one shape");
   SEQPAR_CHECK(q.dim(1) == layout_.local_len() && k.dim(1) == layout_.local_len(), "USP: local sequence length ",
-               q.dim(1), " must be seq_len ", layout_.seq_len(), " / (ring_size ", layout_.ring_size(),
+               q.dim(1), " must be padded_len ", layout_.padded_len(), " / (ring_size ", layout_.ring_size(),
                " x ulysses_size ", layout_.ulysses_size(), ") = ", layout_.local_len());
+  check_sequence_tensor(layout_, q, layout_.local_len(), 1, "USP", "q");
   SEQPAR_CHECK(q.dtype() == k.dtype() && q.dtype() == v.dtype(), "USP: q, k, v dtypes differ (", dtype_name(q.dtype()),
                ", ", dtype_name(k.dtype()), ", ", dtype_name(v.dtype()), ")");
   // Checked here, not only by the ring after the all-to-all, so that no message is sent with bad inputs.

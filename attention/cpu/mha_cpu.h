@@ -2,7 +2,8 @@
 //
 // Kernels take one flat parameter struct (pointers, sizes, flags). Visibility is reduced to one contiguous key
 // range per query row: because q_pos and k_pos are non-decreasing, the keys visible to query i under any MaskSpec
-// are the indices [key_begin[i], key_end[i]) (causal: k_pos <= q_pos; window W: k_pos > q_pos - W). A tile of
+// are the indices [key_begin[i], key_end[i]) (causal: k_pos <= q_pos; window W: k_pos > q_pos - W; document:
+// doc_lo[i] <= k_pos < doc_hi[i]). A tile of
 // keys is then fully visible, partly visible or invisible for a tile of rows by comparing index ranges only.
 #pragma once
 

@@ -28,7 +28,8 @@ KeyRanges key_ranges(std::span<const std::int64_t> q_pos, std::int64_t sq, std::
   KeyRanges r;
   r.begin.assign(static_cast<std::size_t>(sq), 0);
   r.end.assign(static_cast<std::size_t>(sq), sk);
-  if (!mask.causal) return r;
+  const bool docs = !mask.doc_lo.empty();
+  if (!mask.causal && !docs) return r;
   auto qp = [&](std::int64_t i) { return q_pos.empty() ? i : q_pos[static_cast<std::size_t>(i)]; };
   auto kp = [&](std::int64_t j) { return k_pos.empty() ? j : k_pos[static_cast<std::size_t>(j)]; };
   // first key index with k_pos > x (k_pos non-decreasing)
@@ -44,10 +45,17 @@ KeyRanges key_ranges(std::span<const std::int64_t> q_pos, std::int64_t sq, std::
     return lo;
   };
   for (std::int64_t i = 0; i < sq; ++i) {
+    const std::size_t u = static_cast<std::size_t>(i);
     const std::int64_t pos = qp(i);
-    r.end[static_cast<std::size_t>(i)] = upper(pos);
+    if (mask.causal) r.end[u] = upper(pos);
     // window: k_pos > pos - W, i.e. the first index with k_pos > pos - W
-    if (mask.window > 0) r.begin[static_cast<std::size_t>(i)] = upper(pos - mask.window);
+    if (mask.window > 0) r.begin[u] = upper(pos - mask.window);
+    // document: doc_lo <= k_pos < doc_hi, i.e. from the first index with k_pos > doc_lo - 1 to the first with
+    // k_pos > doc_hi - 1 (one contiguous range intersected with the causal one: still one range)
+    if (docs) {
+      r.begin[u] = std::max(r.begin[u], upper(mask.doc_lo[u] - 1));
+      r.end[u] = std::min(r.end[u], upper(mask.doc_hi[u] - 1));
+    }
   }
   return r;
 }

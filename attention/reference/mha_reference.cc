@@ -44,6 +44,11 @@ Dims check(const MhaForwardArgs& a) {
 bool visible(const MhaForwardArgs& a, std::int64_t i, std::int64_t j) {
   const std::int64_t qp = a.q_pos.empty() ? i : a.q_pos[static_cast<std::size_t>(i)];
   const std::int64_t kp = a.k_pos.empty() ? j : a.k_pos[static_cast<std::size_t>(j)];
+  // documents: the key must lie in the query's own document, [doc_lo, doc_hi) (a padding query has none)
+  if (!a.mask.doc_lo.empty()) {
+    const std::size_t u = static_cast<std::size_t>(i);
+    if (kp < a.mask.doc_lo[u] || kp >= a.mask.doc_hi[u]) return false;
+  }
   if (!a.mask.causal) return true;
   if (kp > qp) return false;
   return a.mask.window <= 0 || qp - kp < a.mask.window;

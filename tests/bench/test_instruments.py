@@ -98,12 +98,14 @@ def read_npy_dir(d):
 
 def test_roundtrip(tmp, np, flags):
     """--dump DIR --dump-inputs, then --inputs DIR: the same outputs, bit for bit, and the same inputs dumped again.
-    The replay leaves out --conv-width: GDN takes it from conv_weight.npy."""
+    The replay leaves out --conv-width (GDN takes it from conv_weight.npy) and --doc-lens / --doc-dist (a packed row
+    is read from cu_seqlens.npy)."""
     a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
     base = ["--quiet", "--warmup", 0, "--iters", 1]
     out = run(np, "sp_bench", base + flags + ["--dump", a, "--dump-inputs"])
     check("# dumped " in out, f"no dump line:\n{out}")
-    replay = [f for i, f in enumerate(flags) if f != "--conv-width" and (i == 0 or flags[i - 1] != "--conv-width")]
+    dropped = ("--conv-width", "--doc-lens", "--doc-dist")
+    replay = [f for i, f in enumerate(flags) if f not in dropped and (i == 0 or flags[i - 1] not in dropped)]
     run(np, "sp_bench", base + replay + ["--inputs", a, "--dump", b, "--dump-inputs"])
     fa, fb = read_npy_dir(a), read_npy_dir(b)
     check(sorted(fa) == sorted(fb), f"different files: {sorted(fa)} vs {sorted(fb)}")

@@ -60,31 +60,61 @@ TEST(Layout, PositionsPartitionTheSequence) {
   }
 }
 
-TEST(Layout, DivisibilityErrorsNameTheRule) {
-  auto message = [](LayoutKind kind, std::int64_t seq, int ring, int uly) {
-    try {
-      SequenceLayout(kind, seq, ring, uly);
-    } catch (const Error& e) {
-      return e.message();
-    }
-    return std::string("no error");
-  };
-  EXPECT_EQ(message(LayoutKind::kZigzag, 8190, 4, 1),
-            "seq_len 8190 must be divisible by 2*ring_size=8 for the zigzag layout");
-  EXPECT_EQ(message(LayoutKind::kContiguous, 10, 4, 1),
-            "seq_len 10 must be divisible by ring_size*ulysses_size=4 for the contiguous layout");
-  EXPECT_EQ(message(LayoutKind::kStripe, 12, 2, 4),
-            "seq_len 12 must be divisible by ring_size*ulysses_size=8 for the stripe layout");
-  // A ring of one takes any length (its two chunks are adjacent); Ulysses still divides it.
-  EXPECT_EQ(message(LayoutKind::kZigzag, 197, 1, 1), "no error");
+// Any length is accepted now (the layout pads, docs/design.md section 15); bad sizes and names still fail.
+TEST(Layout, AnyLengthIsPaddedAndBadSizesFail) {
+  EXPECT_EQ(SequenceLayout(LayoutKind::kZigzag, 8190, 4, 1).padded_len(), 8192);
+  EXPECT_EQ(SequenceLayout(LayoutKind::kContiguous, 10, 4, 1).padded_len(), 12);
+  EXPECT_EQ(SequenceLayout(LayoutKind::kStripe, 12, 2, 4).padded_len(), 16);
   EXPECT_EQ(SequenceLayout(LayoutKind::kZigzag, 197, 1, 1).ring_shard_positions(0),
             SequenceLayout(LayoutKind::kContiguous, 197, 1, 1).ring_shard_positions(0));
-  EXPECT_EQ(message(LayoutKind::kZigzag, 197, 1, 2),
-            "seq_len 197 / ring_size 1 = 197 must be divisible by ulysses_size=2 for the zigzag layout");
-  EXPECT_EQ(message(LayoutKind::kZigzag, 40, 2, 3),
-            "seq_len 40 / ring_size 2 = 20 must be divisible by ulysses_size=3 for the zigzag layout");
+  EXPECT_EQ(SequenceLayout(LayoutKind::kZigzag, 197, 1, 2).padded_len(), 198);
   EXPECT_THROW(SequenceLayout(LayoutKind::kZigzag, 16, 0, 1), Error);
   EXPECT_THROW(parse_layout("zig-zag"), Error);
+}
+
+// Scatter then gather returns the user's tokens for padded and packed layouts of every kind; padding rows of the
+// local pieces are zero, real rows hold the token the layout names (token_index).
+TEST(Layout, PaddedAndPackedScatterGatherRoundTrip) {
+  const int n = world().size();
+  const std::vector<std::vector<std::int64_t>> rows = {{197}, {1, 0, 5, 1, 30, 2}, {1}, {3, 3, 3}};
+  for (const auto& lens : rows) {
+    const auto cu = cu_seqlens_of(lens);
+    for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe, LayoutKind::kBalanced}) {
+      for (int uly : {1, 2}) {
+        if (n % uly != 0) continue;
+        const SequenceLayout layout = SequenceLayout::packed(kind, cu, n / uly, uly);
+        const std::int64_t T = layout.seq_len();
+        Tensor full = test::random_tensor({1, T, 3}, DType::kFloat32, 5);
+        Tensor local = Tensor::empty({1, layout.local_len(), 3}, DType::kFloat32, MemCategory::kWorkspace);
+        scatter_sequence(world(), layout, full.view(), local.view());
+        const auto tok = layout.token_index(world().rank());
+        const float* f = full.data_as<float>();
+        const float* l = local.data_as<float>();
+        for (std::size_t i = 0; i < tok.size(); ++i) {
+          for (int c = 0; c < 3; ++c) {
+            EXPECT_EQ(l[i * 3 + c], tok[i] < 0 ? 0.0f : f[tok[i] * 3 + c]) << layout_name(kind) << " row " << i;
+          }
+        }
+        Tensor back = Tensor::zeros(full.shape(), DType::kFloat32, MemCategory::kWorkspace);
+        gather_sequence(world(), layout, local.view(), back.view());
+        EXPECT_EQ(test::to_double(back), test::to_double(full)) << layout_name(kind) << " ulysses " << uly;
+        Tensor root_back = Tensor::zeros(full.shape(), DType::kFloat32, MemCategory::kWorkspace);
+        gather_sequence_to_root(world(), layout, local.view(), root_back.view());
+        if (world().rank() == 0) EXPECT_EQ(test::to_double(root_back), test::to_double(full));
+      }
+    }
+  }
+  // B > 1 with a packed layout: one clear error on every rank, before any message.
+  const SequenceLayout packed = SequenceLayout::packed(LayoutKind::kZigzag, std::vector<std::int64_t>{0, 3, 9}, n);
+  Tensor full = Tensor::zeros({2, 9, 3}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor local = Tensor::zeros({2, packed.local_len(), 3}, DType::kFloat32, MemCategory::kWorkspace);
+  try {
+    scatter_sequence(world(), packed, full.view(), local.view());
+    ADD_FAILURE() << "B = 2 with a packed layout must fail";
+  } catch (const Error& e) {
+    EXPECT_NE(e.message().find("has batch B = 2; a packed layout (cu_seqlens) takes B = 1"), std::string::npos)
+        << e.message();
+  }
 }
 
 TEST(Layout, ScatterGatherRoundTripIsIdentity) {

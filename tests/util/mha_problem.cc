@@ -1,5 +1,8 @@
 #include "tests/util/mha_problem.h"
 
+#include <limits>
+#include <numeric>
+
 #include "attention/reference/mha_reference.h"
 #include "tests/util/test_util.h"
 
@@ -67,6 +70,41 @@ MhaResult reference_result(const MhaShape& s, const MhaProblem& p) {
           to_double(dk),  to_double(dv),  s.mods.sinks.empty() ? std::vector<double>{} : to_double(dsinks)};
 }
 
+MhaResult per_document_result(const MhaShape& s, const MhaProblem& p, const std::vector<std::int64_t>& cu) {
+  const std::int64_t T = s.seq;
+  MhaResult want;
+  want.out.assign(static_cast<std::size_t>(T * s.hq * s.dim), 0.0);
+  want.dq = want.out;
+  want.dk.assign(static_cast<std::size_t>(T * s.hkv * s.dim), 0.0);
+  want.dv = want.dk;
+  want.lse.assign(static_cast<std::size_t>(s.hq * T), -std::numeric_limits<double>::infinity());
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const std::int64_t a = cu[d], len = cu[d + 1] - cu[d];
+    if (len == 0) continue;
+    std::vector<std::int64_t> rows(static_cast<std::size_t>(len));
+    std::iota(rows.begin(), rows.end(), a);
+    MhaShape sub = s;
+    sub.seq = len;
+    MhaProblem doc;
+    doc.q = local_piece(p.q.view(), rows);
+    doc.k = local_piece(p.k.view(), rows);
+    doc.v = local_piece(p.v.view(), rows);
+    doc.dout = local_piece(p.dout.view(), rows);
+    const MhaResult r = single_rank_result(sub, doc);
+    auto place_rows = [&](const std::vector<double>& from, std::vector<double>& to, std::int64_t row) {
+      std::copy(from.begin(), from.end(), to.begin() + a * row);
+    };
+    place_rows(r.out, want.out, s.hq * s.dim);
+    place_rows(r.dq, want.dq, s.hq * s.dim);
+    place_rows(r.dk, want.dk, s.hkv * s.dim);
+    place_rows(r.dv, want.dv, s.hkv * s.dim);
+    for (std::int64_t h = 0; h < s.hq; ++h) {
+      for (std::int64_t i = 0; i < len; ++i) want.lse[h * T + a + i] = r.lse[h * len + i];
+    }
+  }
+  return want;
+}
+
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions) {
   Shape s = full.shape();
   s[1] = static_cast<std::int64_t>(positions.size());
@@ -85,10 +123,21 @@ std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout
 MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
                      LayoutKind layout, CpCounters* counters) {
   const CpGroups groups = CpGroups::from(grid);
-  UspAttention usp(groups, SequenceLayout::for_groups(groups, s.seq, layout), cfg);
-  const std::vector<std::int64_t>& pos = usp.positions();
-  Tensor q = local_piece(p.q.view(), pos), k = local_piece(p.k.view(), pos), v = local_piece(p.v.view(), pos),
-         dout = local_piece(p.dout.view(), pos);
+  return usp_result(grid, s, p, cfg, SequenceLayout::for_groups(groups, s.seq, layout), counters);
+}
+
+MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+                     const SequenceLayout& layout, CpCounters* counters, std::vector<Tensor>* local) {
+  const CpGroups groups = CpGroups::from(grid);
+  UspAttention usp(groups, layout, cfg);
+  auto piece = [&](const Tensor& full) {
+    Shape shape = full.shape();
+    shape[1] = layout.local_len();
+    Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+    shard_sequence(layout, groups.sp_rank(), full.view(), t.view());
+    return t;
+  };
+  Tensor q = piece(p.q), k = piece(p.k), v = piece(p.v), dout = piece(p.dout);
   AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
   AttentionGrads g = usp.backward(std::move(o.ctx), dout.view());
   if (counters != nullptr) *counters = usp.counters();
@@ -100,7 +149,20 @@ MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p,
   r.dk = gather_full(sp, usp.layout(), g.dk.view(), p.k.shape());
   r.dv = gather_full(sp, usp.layout(), g.dv.view(), p.v.shape());
   if (g.dsinks.defined()) r.dsinks = to_double(g.dsinks.view());
+  if (local != nullptr) {
+    local->clear();
+    for (Tensor* t : {&o.out, &o.lse, &g.dq, &g.dk, &g.dv}) local->push_back(std::move(*t));
+  }
   return r;
+}
+
+void expect_mha_close(const MhaResult& got, const MhaResult& want, double tol, const std::string& what) {
+  EXPECT_TRUE(all_close(got.out, want.out, tol, tol, what + " out"));
+  EXPECT_TRUE(all_close(got.lse, want.lse, tol, tol, what + " lse"));
+  EXPECT_TRUE(all_close(got.dq, want.dq, tol, tol, what + " dq"));
+  EXPECT_TRUE(all_close(got.dk, want.dk, tol, tol, what + " dk"));
+  EXPECT_TRUE(all_close(got.dv, want.dv, tol, tol, what + " dv"));
+  EXPECT_TRUE(all_close(got.dsinks, want.dsinks, tol, tol, what + " dsinks"));
 }
 
 void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, const std::string& what) {

@@ -23,7 +23,8 @@ struct MhaShape {
 };
 
 struct MhaProblem {
-  Tensor q, k, v, dout;  // full [B, S, H, D]
+  Tensor q, k, v, dout;    // full [B, S, H, D]
+  MhaProblem() = default;  // tensors set by the caller (e.g. one document of a packed problem)
   explicit MhaProblem(const MhaShape& s);
 };
 
@@ -37,6 +38,10 @@ MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p);
 // The fp64 reference (attention/reference) on the dtype-rounded inputs.
 MhaResult reference_result(const MhaShape& s, const MhaProblem& p);
 
+// A packed problem (B = 1, s.seq = cu.back()) run one document at a time: document d alone through
+// single_rank_result, written into the full result at its tokens (lse -inf, everything else 0 where no document is).
+MhaResult per_document_result(const MhaShape& s, const MhaProblem& p, const std::vector<std::int64_t>& cu);
+
 // This rank's [B, S_local, ...] piece of a full [B, S, ...] tensor.
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions);
 // Gathers every rank's piece into the full tensor (seq_dim 1, or 2 for lse) and returns it as fp64.
@@ -48,6 +53,14 @@ std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout
 // full sum), and the layer's counters.
 MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
                      LayoutKind layout, CpCounters* counters = nullptr);
+// The same on a given layout (packed or padded: pieces cut by shard_sequence(layout, sp_rank, ...), s.seq = the
+// layout's seq_len). `local`, when given, receives this rank's local out, lse, dq, dk, dv (padding rows included).
+MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+                     const SequenceLayout& layout, CpCounters* counters = nullptr,
+                     std::vector<Tensor>* local = nullptr);
+
+// Every tensor (out, lse, dq, dk, dv, dsinks) within atol = rtol = tol, with EXPECTs naming `what`.
+void expect_mha_close(const MhaResult& got, const MhaResult& want, double tol, const std::string& what);
 
 // Per-dtype comparison of every tensor (out, lse, dq, dk, dv) with EXPECTs naming `what`.
 void expect_mha_match(const MhaResult& got, const MhaResult& want, DType dtype, const std::string& what);
