@@ -62,11 +62,15 @@
 // Synchronisation: host-synchronous (the stream is an ordering token on the CPU).
 // Determinism: bitwise the same results run to run, independent of the thread count (fixed reduction orders; key
 // gradients are summed over queries in increasing query order).
-// Extra memory (besides the caller's [B, Sq, k] arrays): the indexer O(16 * (Di + Hi)) per thread, never an
-// [Sq, Sk] matrix; the attention forward O(k * (Dqk + H)) per thread; the backward passes one accumulator-dtype
-// copy of the block's key gradient (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]). The key-gradient pass reads
-// every query row once per thread. All of it comes from the memory ledger (workspace) before any parallel region; a
-// failed allocation raises Error "out of memory: ..." naming the bytes asked for and the ledger's totals.
+// Extra memory (besides the caller's [B, Sq, k] arrays; never an [Sq, Sk] matrix): the top-k pass one accumulator-dtype
+// copy of the key block ([B, Sk, Di], transposed in panels of 64 keys) and O(Hi * (Di + 64)) per thread; the
+// attention forward O(H * Dqk + 128 * Dqk) per thread; the backward passes accumulate the block's key gradient
+// (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]) in the output when it has the accumulator dtype, else in one
+// accumulator-dtype copy, keep per-pair values of a chunk of query rows (at most the size of that gradient, or one
+// row per thread when larger; at most 32 MiB) and use O(k * (H + Di) + 128 * Dqk) per thread (docs/design.md
+// section 9.6). The key-gradient pass reads every query row of a chunk once per thread. All of it comes from the
+// memory ledger (workspace) before any parallel region; a failed allocation raises Error "out of memory: ..." naming
+// the bytes asked for and the ledger's totals.
 // Errors: seqpar::Error naming the tensor and the rule, raised before any work. Tensors must be host tensors and the
 // stream a CPU stream: a CUDA one fails with "DSA kernels have no CUDA implementation yet".
 // Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
@@ -115,9 +119,9 @@ struct DsaTopkState {
 // Sets every slot empty (scores fp32 or fp64).
 void dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
 
-// Scores the keys of one block that are visible to each query (tile by tile, O(tile) extra memory per thread, no
-// [Sq, Sk] matrix) and merges them into `state`. Every key position must be fed once over all calls.
-// Errors: shapes, dtypes, q_pos / k_pos sizes, k_pos not strictly increasing.
+// Scores the keys of one block that are visible to each query (tile by tile: one accumulator-dtype copy of the key
+// block and O(tile) extra memory per thread, no [Sq, Sk] matrix) and merges them into `state`. Every key position must
+// be fed once over all calls. Errors: shapes, dtypes, q_pos / k_pos sizes, k_pos not strictly increasing.
 void dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
 
 // Merges `other` (same shapes and score dtype, disjoint key positions) into `state`.
@@ -157,7 +161,7 @@ struct DsaAttentionArgs {
 // and sum, free of the fp32 rounding of lse (eps * |lse|), so that blocks merged in fp64 agree with one call to the
 // rounding of out (the backward and dsa_attention_probs read an fp64 lse likewise; p = exp(a - lse) takes the
 // difference in fp64). Work: 2 * H * (Dqk + Dv) flops per selected pair; extra
-// memory O(k * (Dqk + H)) per thread.
+// memory O((H + 128) * Dqk) per thread.
 void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
                            Stream stream = Stream::cpu());
 

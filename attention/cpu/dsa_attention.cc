@@ -60,111 +60,117 @@ inline Acc prob(Acc scaled_score, double lse) {
 // The most positions of one row that can lie inside the block: min(k, Sk).
 inline std::int64_t max_selected(const AttnShape& s) { return std::min(s.K, s.Sk); }
 
-// The local indices (into the block) and slots of the selected positions of row r inside the block; m and slot
-// hold max_selected(s) entries. Returns their number.
-inline std::int64_t collect_selected(const AttnShape& s, const std::int64_t* idx, std::int64_t r,
-                                     std::span<std::int64_t> m, std::span<std::int64_t> slot) {
-  std::int64_t n = 0;
-  for_each_selected_in_block(idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos,
-                             [&](std::int64_t sl, std::int64_t mm) {
-                               slot[n] = sl;
-                               m[n++] = mm;
-                             });
-  return n;
+// The per-row products run over tiles of at most kLatentTile selected latent rows. Each tile is read from c once,
+// into g [m, Qp] (rows as Acc, zero padded to Qp = pad16(Dqk) columns; the first Dv columns are the values), and
+// transposed from there into gT [Dqk, pad16(m)] (for the products with q and dout); both stay in the core's L2.
+inline constexpr std::int64_t kLatentTile = 128;
+
+// Width of the per-thread tile buffers for rows with at most nmax selected positions.
+inline std::int64_t latent_tile(std::int64_t nmax) { return std::min(kLatentTile, pad16(nmax)); }
+
+template <typename T, typename Acc>
+void gather_latent_tile(const T* c, const AttnShape& s, std::int64_t b, const std::int64_t* keys, std::int64_t m,
+                        Acc* g, Acc* gT) {
+  const std::int64_t Qp = pad16(s.Dqk);
+  gather_rows(c + b * s.Sk * s.Dqk, keys, m, m, s.Dqk, Qp, g);
+  gather_transposed<Acc>([&](std::int64_t j) { return g + j * Qp; }, m, s.Dqk, pad16(m), gT);
 }
 
-// Loads query row r (batch b) and its n selected latent rows sel[0..n) into qrow [H, Dqk] and gath [n, Dqk], then
-// for each tile of up to kTile of them fills cT (the tile transposed) and tile [H, kTile] = q_h . c_j, and calls
-// fn(j0, nj, rows) with the tile's first index, its size and its gathered rows.
-template <typename T, typename Acc, typename Fn>
-void for_each_selected_tile_scores(const T* q, const T* c, const AttnShape& s, std::int64_t b, std::int64_t r,
-                                   std::span<const std::int64_t> sel, std::int64_t n, std::span<Acc> qrow,
-                                   std::span<Acc> gath, std::span<Acc> cT, std::span<Acc> tile, Fn&& fn) {
-  const std::int64_t H = s.H, Dqk = s.Dqk;
-  load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
-  for (std::int64_t j = 0; j < n; ++j) load_row(c + (b * s.Sk + sel[j]) * Dqk, gath.data() + j * Dqk, Dqk);
-  const Acc* rows[kTile];
-  for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {
-    const std::int64_t nj = std::min(kTile, n - j0);
-    for (std::int64_t j = 0; j < nj; ++j) rows[j] = gath.data() + (j0 + j) * Dqk;
-    load_tile_transposed(rows, nj, Dqk, cT.data());
-    dot_tile(qrow.data(), H, Dqk, cT.data(), tile.data());
-    fn(j0, nj, rows);
+// C [M, N] (=|+=) A x g for the latent tile starting at j0: overwritten for the first tile, accumulated after.
+template <typename Acc>
+void gemm_tiles_accumulate(std::int64_t j0, std::int64_t M, std::int64_t N, std::int64_t m, const Acc* A,
+                           std::int64_t lda, const Acc* g, std::int64_t ldg, Acc* C, std::int64_t ldc) {
+  if (j0 == 0) {
+    gemm<Acc>(M, N, m, A, lda, g, ldg, C, ldc);
+  } else {
+    gemm<Acc, true>(M, N, m, A, lda, g, ldg, C, ldc);
   }
 }
 
+// Per query row, over tiles of its selected latent rows (flash style, each tile read once): scores [H, m] = q [H, Dqk]
+// x gT (one product for all heads), the running max and sum per head (rescaling out when the max grows), then
+// out [H, Dv] += p [H, m] x g[:, :Dv].
 template <typename T>
 void forward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& out, const TensorView& lse) {
   using Acc = acc_t<T>;
-  const std::int64_t H = s.H, Dqk = s.Dqk, Dv = s.Dv;
+  const std::int64_t H = s.H, Dqk = s.Dqk, Dv = s.Dv, Qp = pad16(Dqk), Vp = pad16(Dv);
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
   const std::int64_t* idx = static_cast<const std::int64_t*>(a.topk_indices.data());
   const LseArray<Acc> lse_out(lse);
   const std::int64_t rows = s.B * s.Sq, nmax = max_selected(s);
   const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_forward scratch");
-  const WorkerScratch<Acc> ws({H * Dqk, nmax * Dqk, H * nmax, H * Dv, H, H, kTile * Dqk, kTile * H},
-                              "dsa_attention_forward scratch");
+  const std::int64_t L = latent_tile(nmax);
+  const WorkerScratch<Acc> ws({H * Dqk, L * Qp, Dqk * L, H * L, H * Vp, H, H}, "dsa_attention_forward scratch");
 #pragma omp parallel
   {
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
-    const std::span<Acc> qrow = ws.buffer(0), gath = ws.buffer(1), score = ws.buffer(2), o = ws.buffer(3),
-                         mx = ws.buffer(4), sum = ws.buffer(5), cT = ws.buffer(6), tile = ws.buffer(7);
+    const std::span<Acc> qrow = ws.buffer(0), g = ws.buffer(1), gT = ws.buffer(2), score = ws.buffer(3),
+                         o = ws.buffer(4), mx = ws.buffer(5), sum = ws.buffer(6);
 #pragma omp for schedule(dynamic, 2)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq, t = r % s.Sq;
-      const std::int64_t n = collect_selected(s, idx, r, sel, slots);
-      std::fill(o.begin(), o.end(), Acc(0));
+      const std::int64_t n = collect_selected(idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos, slots, sel);
       if (n == 0) {
-        for (std::int64_t h = 0; h < H; ++h) lse_out.set_empty((b * H + h) * s.Sq + t);
-        store_row(out, r * H * Dv, o.data(), H * Dv, false);
+        std::fill(o.begin(), o.end(), Acc(0));
+        for (std::int64_t h = 0; h < H; ++h) {
+          lse_out.set_empty((b * H + h) * s.Sq + t);
+          store_row(out, (r * H + h) * Dv, o.data(), Dv, false);
+        }
         continue;
       }
-      // scores [H, n], a tile of kTile latent rows (transposed) against all heads at a time
-      for_each_selected_tile_scores(q, c, s, b, r, sel, n, qrow, gath, cT, tile,
-                                    [&](std::int64_t j0, std::int64_t nj, const Acc* const*) {
-                                      for (std::int64_t h = 0; h < H; ++h) {
-                                        for (std::int64_t j = 0; j < nj; ++j) {
-                                          score[h * n + j0 + j] = Acc(s.scale) * tile[h * kTile + j];
-                                        }
-                                      }
-                                    });
-      for (std::int64_t h = 0; h < H; ++h) {
-        Acc m = score[h * n];
-        for (std::int64_t j = 1; j < n; ++j) m = std::max(m, score[h * n + j]);
-        Acc z = 0;
-        for (std::int64_t j = 0; j < n; ++j) {
-          const Acc e = std::exp(score[h * n + j] - m);
-          score[h * n + j] = e;
-          z += e;
-        }
-        mx[h] = m;
-        sum[h] = z;
-      }
-      for (std::int64_t j0 = 0; j0 < n; j0 += kTile) {  // a tile of latent rows stays in cache across heads
-        const std::int64_t j1 = std::min(n, j0 + kTile);
+      load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
+      for (std::int64_t j0 = 0; j0 < n; j0 += L) {
+        const std::int64_t m = std::min(L, n - j0), mp = pad16(m);
+        gather_latent_tile(c, s, b, sel.data() + j0, m, g.data(), gT.data());
+        gemm<Acc>(H, mp, Dqk, qrow.data(), Dqk, gT.data(), mp, score.data(), mp);
         for (std::int64_t h = 0; h < H; ++h) {
-          for (std::int64_t j = j0; j < j1; ++j) axpy(score[h * n + j], gath.data() + j * Dqk, o.data() + h * Dv, Dv);
+          Acc* sc = score.data() + h * mp;
+          Acc mt = j0 == 0 ? neg_inf<Acc>() : mx[h];
+          for (std::int64_t j = 0; j < m; ++j) {
+            sc[j] *= Acc(s.scale);
+            mt = std::max(mt, sc[j]);
+          }
+          Acc z = 0;
+          for (std::int64_t j = 0; j < m; ++j) {
+            sc[j] = std::exp(sc[j] - mt);
+            z += sc[j];
+          }
+          if (j0 == 0) {
+            sum[h] = z;
+          } else {
+            const Acc corr = std::exp(mx[h] - mt);  // the earlier tiles' terms against the new max
+            sum[h] = sum[h] * corr + z;
+            if (corr != Acc(1)) {
+              for (std::int64_t d = 0; d < Vp; ++d) o[h * Vp + d] *= corr;
+            }
+          }
+          mx[h] = mt;
         }
+        gemm_tiles_accumulate(j0, H, Vp, m, score.data(), mp, g.data(), Qp, o.data(), Vp);
       }
       for (std::int64_t h = 0; h < H; ++h) {
         const Acc inv = Acc(1) / sum[h];
-        for (std::int64_t d = 0; d < Dv; ++d) o[h * Dv + d] *= inv;
+        for (std::int64_t d = 0; d < Dv; ++d) o[h * Vp + d] *= inv;
         lse_out.set((b * H + h) * s.Sq + t, mx[h], sum[h]);
+        store_row(out, (r * H + h) * Dv, o.data() + h * Vp, Dv, false);
       }
-      store_row(out, r * H * Dv, o.data(), H * Dv, false);
     }
   }
 }
 
-// Shared by the backward and dsa_attention_probs. Query pass: per row, p (and with dout, ds and dq) over the selected
-// pairs inside the block; probs (optional) gets sum_h p per slot. Key pass (with dout): dc per block latent row.
+// Shared by the backward and dsa_attention_probs, in chunks of query rows (chunk_rows). Query pass, per row over
+// latent tiles: scores = q x gT and dp = dout x gT[:Dv] (one product each for all heads), p, ds, the head-summed
+// probs, dq = scale ds [H, n] x g; p and scale ds are kept for the key pass. Key pass (with dout): each
+// thread, over the chunk's rows in order, for the latent rows it owns:
+//   dc_j += (scale ds)[:, j]^T q  +  p[:, j]^T dout   (one [n_own, H] x [H, Dqk] and one [n_own, H] x [H, Dv] product)
+// then a scatter-add, so that dc_j is summed over queries in increasing (b, t) whatever the thread count.
 template <typename T>
 void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorView& lse_t, const TensorView& dout_t,
                    const TensorView& delta_t, const TensorView& dq_t, const TensorView& dc_t, bool accumulate,
                    const TensorView& probs_t) {
   using Acc = acc_t<T>;
-  const std::int64_t H = s.H, Dqk = s.Dqk, Dv = s.Dv, Sq = s.Sq;
+  const std::int64_t H = s.H, Dqk = s.Dqk, Dv = s.Dv, Sq = s.Sq, Qp = pad16(Dqk), Vp = pad16(Dv);
   const bool want_grad = !absent(dout_t);
   const T* q = static_cast<const T*>(a.q.data());
   const T* c = static_cast<const T*>(a.c.data());
@@ -174,114 +180,116 @@ void backward_impl(const DsaAttentionArgs& a, const AttnShape& s, const TensorVi
   Acc* probs = static_cast<Acc*>(probs_t.data());
   const std::int64_t rows = s.B * Sq;
   const Acc scale = Acc(s.scale);
-  const std::int64_t nmax = max_selected(s);
+  const std::int64_t nmax = max_selected(s), npad = pad16(nmax);
 
-  const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_backward query scratch");
-  const WorkerScratch<Acc> qws({H * Dqk, H * Dv, nmax * Dqk, H * nmax, H * Dqk, kTile * Dqk, kTile * H, kTile * H},
-                               "dsa_attention_backward query scratch");
-  const WorkerScratch<double> lws({H}, "dsa_attention_backward lse scratch");  // used by one pass at a time
+  // per chunk row: p [H, npad] then scale ds [H, npad]
+  const std::int64_t coef_row = 2 * H * npad;
+  const std::int64_t chunk =
+      want_grad ? chunk_rows(coef_row * static_cast<std::int64_t>(sizeof(Acc)),
+                             s.B * s.Sk * Dqk * static_cast<std::int64_t>(sizeof(Acc)), rows, max_workers())
+                : rows;
+  const Tensor coef_owner =
+      zeroed_workspace({want_grad ? chunk * coef_row : 0}, dtype_v<Acc>, "dsa_attention_backward coefficients");
+  Acc* const coef = static_cast<Acc*>(coef_owner.data());
+  const KeyGradient<Acc> dc_acc(want_grad ? dc_t : TensorView{}, want_grad ? s.B * s.Sk : 0, Dqk, accumulate,
+                                "dsa_attention_backward dc accumulator");
+  const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_attention_backward scratch");
+  const std::int64_t L = latent_tile(nmax);
+  const WorkerScratch<Acc> ws({H * Qp, H * Vp, L * Qp, Dqk * L, H * npad, H * npad, H * Qp},
+                              "dsa_attention_backward scratch");
+  const WorkerScratch<double> lws({H}, "dsa_attention_backward lse scratch");
 #pragma omp parallel
   {
     const std::span<std::int64_t> sel = iws.buffer(0), slots = iws.buffer(1);
-    const std::span<Acc> qrow = qws.buffer(0), dorow = qws.buffer(1), gath = qws.buffer(2), p = qws.buffer(3),
-                         dq = qws.buffer(4), cT = qws.buffer(5), tile = qws.buffer(6), dptile = qws.buffer(7);
+    const std::span<Acc> qrow = ws.buffer(0), dorow = ws.buffer(1), g = ws.buffer(2), gT = ws.buffer(3),
+                         p = ws.buffer(4), ds = ws.buffer(5), dq = ws.buffer(6);
+    // the key pass reuses the query pass's buffers: own [H, L] in p, part [L, Qp] in g
+    const std::span<Acc> own = p, part = g;
     const std::span<double> lse_r = lws.buffer(0);
+    const KeyOwner mine;
+    // q and dout rows of row r as Acc, zero padded to Qp and Vp columns ([H, Qp], [H, Vp]).
+    auto load_padded = [&](std::int64_t r) {
+      for (std::int64_t h = 0; h < H; ++h) {
+        load_row(q + (r * H + h) * Dqk, qrow.data() + h * Qp, Dqk);
+        std::fill(qrow.data() + h * Qp + Dqk, qrow.data() + (h + 1) * Qp, Acc(0));
+        if (!want_grad) continue;
+        load_any(dout_t, (r * H + h) * Dv, Dv, dorow.data() + h * Vp);
+        std::fill(dorow.data() + h * Vp + Dv, dorow.data() + (h + 1) * Vp, Acc(0));
+      }
+    };
+    for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const std::int64_t r1 = std::min(rows, r0 + chunk);
 #pragma omp for schedule(dynamic, 2)
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / Sq, t = r % Sq;
-      const std::int64_t n = collect_selected(s, idx, r, sel, slots);
-      std::fill(dq.begin(), dq.end(), Acc(0));
-      if (n > 0) {
-        if (want_grad) load_any(dout_t, r * H * Dv, H * Dv, dorow.data());
-        for (std::int64_t h = 0; h < H; ++h) lse_r[h] = lse[(b * H + h) * Sq + t];
-        for_each_selected_tile_scores(
-            q, c, s, b, r, sel, n, qrow, gath, cT, tile, [&](std::int64_t j0, std::int64_t nj, const Acc* const* rowp) {
-              if (want_grad) dot_tile(dorow.data(), H, Dv, cT.data(), dptile.data());  // rows d < Dv of cT: the value
-              for (std::int64_t h = 0; h < H; ++h) {
-                const bool dead = std::isinf(lse_r[h]);
-                for (std::int64_t j = 0; j < nj; ++j) {
-                  const Acc pj = dead ? Acc(0) : prob(scale * tile[h * kTile + j], lse_r[h]);
-                  p[h * n + j0 + j] = pj;
-                  if (want_grad && pj != Acc(0)) {
-                    const Acc ds = pj * (dptile[h * kTile + j] - delta[(b * H + h) * Sq + t]);
-                    axpy(scale * ds, rowp[j], dq.data() + h * Dqk, Dqk);
-                  }
-                }
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const std::int64_t b = r / Sq, t = r % Sq;
+        const std::int64_t n =
+            collect_selected(idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos, slots, sel);
+        std::fill(dq.begin(), dq.end(), Acc(0));
+        if (n > 0) {
+          const std::int64_t np = pad16(n);
+          load_padded(r);
+          for (std::int64_t h = 0; h < H; ++h) lse_r[h] = lse[(b * H + h) * Sq + t];
+          const Acc* dl = want_grad ? delta + b * H * Sq + t : nullptr;  // delta[b, h, t] at dl[h * Sq]
+          for (std::int64_t j0 = 0; j0 < n; j0 += L) {
+            const std::int64_t m = std::min(L, n - j0), mp = pad16(m);
+            gather_latent_tile(c, s, b, sel.data() + j0, m, g.data(), gT.data());
+            gemm<Acc>(H, mp, Dqk, qrow.data(), Qp, gT.data(), mp, p.data() + j0, np);
+            if (want_grad) gemm<Acc>(H, mp, Dv, dorow.data(), Vp, gT.data(), mp, ds.data() + j0, np);
+            for (std::int64_t h = 0; h < H; ++h) {
+              const bool dead = std::isinf(lse_r[h]);
+              Acc* ph = p.data() + h * np + j0;
+              Acc* dsh = ds.data() + h * np + j0;
+              for (std::int64_t j = 0; j < m; ++j) {
+                ph[j] = dead ? Acc(0) : prob(scale * ph[j], lse_r[h]);
+                if (want_grad) dsh[j] = scale * (ph[j] * (dsh[j] - dl[h * Sq]));
               }
-            });
-        if (probs != nullptr) {
-          for (std::int64_t j = 0; j < n; ++j) {
-            Acc ps = 0;
-            for (std::int64_t h = 0; h < H; ++h) ps += p[h * n + j];
-            probs[r * s.K + slots[j]] = ps;
+              std::fill(ph + m, ph + mp, Acc(0));
+              if (want_grad) std::fill(dsh + m, dsh + mp, Acc(0));
+            }
+            if (!want_grad) continue;
+            gemm_tiles_accumulate(j0, H, Qp, m, ds.data() + j0, np, g.data(), Qp, dq.data(), Qp);
+          }
+          if (probs != nullptr) {
+            for (std::int64_t j = 0; j < n; ++j) {
+              Acc ps = 0;
+              for (std::int64_t h = 0; h < H; ++h) ps += p[h * np + j];
+              probs[r * s.K + slots[j]] = ps;
+            }
+          }
+          if (want_grad) {
+            Acc* kept = coef + (r - r0) * coef_row;
+            for (std::int64_t h = 0; h < H; ++h) {
+              std::copy(p.data() + h * np, p.data() + (h + 1) * np, kept + h * npad);
+              std::copy(ds.data() + h * np, ds.data() + (h + 1) * np, kept + (H + h) * npad);
+            }
           }
         }
+        if (want_grad) {
+          for (std::int64_t h = 0; h < H; ++h) {
+            store_row(dq_t, (r * H + h) * Dqk, dq.data() + h * Qp, Dqk, accumulate);
+          }
+        }
+      }  // implicit barrier: the chunk's p and ds are complete
+      if (!want_grad) continue;
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const std::int64_t n_own = owned_selected(mine, idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos,
+                                                  slots.data(), sel.data());
+        if (n_own == 0) continue;
+        load_padded(r);
+        const Acc* kept = coef + (r - r0) * coef_row;
+        for (std::int64_t i0 = 0; i0 < n_own; i0 += L) {
+          const std::int64_t m = std::min(L, n_own - i0);
+          gather_columns(kept + H * npad, H, npad, slots.data() + i0, m, own.data(), L);
+          gemm<Acc, false, true>(m, Qp, H, own.data(), L, qrow.data(), Qp, part.data(), Qp);
+          gather_columns(kept, H, npad, slots.data() + i0, m, own.data(), L);
+          gemm<Acc, true, true>(m, Vp, H, own.data(), L, dorow.data(), Vp, part.data(), Qp);
+          scatter_add_rows(part.data(), Qp, sel.data() + i0, m, Dqk, dc_acc.data() + r / Sq * s.Sk * Dqk);
+        }
       }
-      if (want_grad) store_row(dq_t, r * H * Dqk, dq.data(), H * Dqk, accumulate);
+#pragma omp barrier
     }
   }
-  if (!want_grad) return;
-
-  // Keys: dc of each block latent row, summed over its selecting queries in increasing (b, t) (see KeyOwner).
-  const Tensor dc_acc_owner =
-      zeroed_workspace({s.B * s.Sk * Dqk}, dtype_v<Acc>, "dsa_attention_backward dc accumulator");
-  Acc* const dc_acc = static_cast<Acc*>(dc_acc_owner.data());
-  const bool dout_in_place = dout_t.dtype() == dtype_v<Acc>;
-  const WorkerScratch<Acc> kws({H * Dqk, H * Dv, kTile * Dqk, kTile * H, kTile * H, H},
-                               "dsa_attention_backward key scratch");
-#pragma omp parallel
-  {
-    const KeyOwner mine;
-    const std::span<Acc> qrow = kws.buffer(0), dorow = kws.buffer(1), cT = kws.buffer(2), tile = kws.buffer(3),
-                         dptile = kws.buffer(4), delta_r = kws.buffer(5);
-    const std::span<double> lse_r = lws.buffer(0);
-    const T* crows[kTile];
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / Sq, t = r % Sq;
-      const Acc* qr = nullptr;
-      const Acc* dr = nullptr;
-      for_each_selected_tile(
-          idx + r * s.K, s.valid[static_cast<std::size_t>(r)], s.c_pos, mine,
-          [&](const std::int64_t*, const std::int64_t* keys, std::int64_t n) {
-            if (qr == nullptr) {  // the query row as Acc: in place for fp32 / fp64 storage, converted otherwise
-              if constexpr (std::is_same_v<T, Acc>) {
-                qr = q + r * H * Dqk;
-              } else {
-                load_row(q + r * H * Dqk, qrow.data(), H * Dqk);
-                qr = qrow.data();
-              }
-              if (dout_in_place) {
-                dr = static_cast<const Acc*>(dout_t.data()) + r * H * Dv;
-              } else {
-                load_any(dout_t, r * H * Dv, H * Dv, dorow.data());
-                dr = dorow.data();
-              }
-              for (std::int64_t h = 0; h < H; ++h) {
-                lse_r[h] = lse[(b * H + h) * Sq + t];
-                delta_r[h] = delta[(b * H + h) * Sq + t];
-              }
-            }
-            for (std::int64_t j = 0; j < n; ++j) crows[j] = c + (b * s.Sk + keys[j]) * Dqk;
-            load_tile_transposed(crows, n, Dqk, cT.data());
-            dot_tile(qr, H, Dqk, cT.data(), tile.data());
-            dot_tile(dr, H, Dv, cT.data(), dptile.data());
-            for (std::int64_t j = 0; j < n; ++j) {
-              Acc* dc = dc_acc + (b * s.Sk + keys[j]) * Dqk;
-              for (std::int64_t h = 0; h < H; ++h) {
-                if (std::isinf(lse_r[h])) continue;
-                const Acc pj = prob(scale * tile[h * kTile + j], lse_r[h]);
-                if (pj == Acc(0)) continue;
-                const Acc ds = pj * (dptile[h * kTile + j] - delta_r[h]);
-                axpy(scale * ds, qr + h * Dqk, dc, Dqk);
-                axpy(pj, dr + h * Dv, dc, Dv);
-              }
-            }
-          });
-    }
-  }
-  const std::int64_t keys = s.B * s.Sk;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t km = 0; km < keys; ++km) store_row(dc_t, km * Dqk, dc_acc + km * Dqk, Dqk, accumulate);
+  dc_acc.finish();
 }
 
 // delta [B, H, Sq] of dtype D (fp32 or fp64): the dot products in D.

@@ -1,5 +1,6 @@
 // Private helpers shared by the DSA CPU kernels (attention/cpu/dsa_*.cc): the per-block view of a top-k row, the
-// key ownership of the key-gradient passes, fixed-order dot products and typed loads / stores. Not a public header.
+// GEMM tiles and the gathers that feed them, the chunks and key ownership of the key-gradient passes, fixed-order dot
+// products and typed loads / stores (docs/design.md section 9.6). Not a public header.
 // The argument checks live in attention/dsa.cc.
 #pragma once
 
@@ -16,6 +17,8 @@
 #include <omp.h>
 #endif
 
+#include "attention/cpu/mha_simd.h"
+#include "attention/cpu/scratch.h"
 #include "runtime/dtype.h"
 #include "runtime/error.h"
 #include "runtime/tensor.h"
@@ -60,61 +63,100 @@ inline Acc dot(const Acc* a, const Acc* b, std::int64_t n) {
   return lane[0];
 }
 
-// Tiles of kTile rows of the second operand, stored transposed ([D][kTile], zero-padded), feed dot_tile.
+// Key tiles of kTile keys: the unit of KeyOwner's ownership.
 inline constexpr std::int64_t kTile = 16;
 
-// out[r * kTile + l] = sum_d a[r * D + d] * bT[d * kTile + l] for r < rows, l < kTile, with d ascending. Every lane
-// runs the same sequence of operations, so a pair's value does not depend on its lane, its tile or the tiling; kept
-// out of line so that every caller runs the same instructions.
-template <typename Acc>
-__attribute__((noinline)) void dot_tile(const Acc* a, std::int64_t rows, std::int64_t D, const Acc* bT, Acc* out) {
-  std::int64_t r = 0;
-  for (; r + 4 <= rows; r += 4) {
-    Acc s0[kTile] = {}, s1[kTile] = {}, s2[kTile] = {}, s3[kTile] = {};
-    const Acc *a0 = a + r * D, *a1 = a0 + D, *a2 = a1 + D, *a3 = a2 + D;
-    for (std::int64_t d = 0; d < D; ++d) {
-      const Acc* br = bT + d * kTile;
-      const Acc x0 = a0[d], x1 = a1[d], x2 = a2[d], x3 = a3[d];
-      for (std::int64_t l = 0; l < kTile; ++l) {
-        s0[l] += x0 * br[l];
-        s1[l] += x1 * br[l];
-        s2[l] += x2 * br[l];
-        s3[l] += x3 * br[l];
+// Widths of the GEMM operands are padded to a multiple of kPad (the fp32 SIMD width of gemm_tile, mha_simd.h);
+// padding rows and columns are zero.
+inline constexpr std::int64_t kPad = 16;
+inline std::int64_t pad16(std::int64_t n) { return (n + kPad - 1) / kPad * kPad; }
+
+// C[M, N] (=|+=) op(A) B with gemm_tile (attention/cpu/mha_simd.h): N a multiple of kPad, every element reduced over
+// k in increasing order with the same instructions wherever it lies in C, so that a value does not depend on the
+// shape of the product it was computed in.
+template <typename Acc, bool kAccumulate = false, bool kTransA = false>
+inline void gemm(std::int64_t M, std::int64_t N, std::int64_t K, const Acc* A, std::int64_t lda, const Acc* B,
+                 std::int64_t ldb, Acc* C, std::int64_t ldc) {
+  cpu::gemm_tile<Acc, kAccumulate, kTransA>(static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), A,
+                                            static_cast<int>(lda), B, static_cast<int>(ldb), C, static_cast<int>(ldc));
+}
+
+// dst [rows_pad, ld] = the rows base + keys[j] * D (j < n) as Acc, zero in columns D..ld and rows n..rows_pad.
+template <typename Acc, typename T>
+inline void gather_rows(const T* base, const std::int64_t* keys, std::int64_t n, std::int64_t rows_pad, std::int64_t D,
+                        std::int64_t ld, Acc* dst) {
+  for (std::int64_t j = 0; j < n; ++j) {
+    load_row(base + keys[j] * D, dst + j * ld, D);
+    std::fill(dst + j * ld + D, dst + (j + 1) * ld, Acc(0));
+  }
+  std::fill(dst + n * ld, dst + rows_pad * ld, Acc(0));
+}
+
+#if defined(__AVX512F__) && !defined(SEQPAR_MHA_SCALAR) && !defined(SEQPAR_MHA_NO_AVX512)
+// dst[d * ld + j] = rows[j][d] for j, d < 16: a 16 x 16 fp32 transpose in registers.
+inline void transpose16(const float* const* rows, float* dst, std::int64_t ld) {
+  __m512 r[16], t[16];
+  for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(rows[j]);
+  for (int j = 0; j < 16; j += 2) {  // 2 x 2 blocks of single elements
+    t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+    t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+  }
+  for (int j = 0; j < 16; j += 4) {  // 4 x 4 blocks
+    const __m512d a = _mm512_castps_pd(t[j]), b = _mm512_castps_pd(t[j + 1]);
+    const __m512d c = _mm512_castps_pd(t[j + 2]), d = _mm512_castps_pd(t[j + 3]);
+    r[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+    r[j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+    r[j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+    r[j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+  }
+  for (int j = 0; j < 4; ++j) {  // 128-bit lanes across groups of four rows
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[j + 4], 0x88), b = _mm512_shuffle_f32x4(r[j], r[j + 4], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0x88),
+                 d = _mm512_shuffle_f32x4(r[j + 8], r[j + 12], 0xdd);
+    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[j + 8] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[j + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[j + 12] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+  for (int d = 0; d < 16; ++d) _mm512_storeu_ps(dst + d * ld, t[d]);  // t[d] is column d
+}
+#endif
+
+// dst[d * ld + j] = row(j)[d] as Acc for j < n, d < D (row(j): a pointer to D elements of any floating type), and
+// zero in the padding columns n <= j < pad16(n). Blocks of 16 rows, so that the reads stay sequential.
+template <typename Acc, typename RowFn>
+inline void gather_transposed(RowFn&& row, std::int64_t n, std::int64_t D, std::int64_t ld, Acc* dst) {
+  for (std::int64_t j0 = 0; j0 < n; j0 += kPad) {
+    const std::int64_t nj = std::min(kPad, n - j0);
+    decltype(row(0)) rows[kPad];
+    for (std::int64_t j = 0; j < nj; ++j) rows[j] = row(j0 + j);
+    std::int64_t d = 0;
+#if defined(__AVX512F__) && !defined(SEQPAR_MHA_SCALAR) && !defined(SEQPAR_MHA_NO_AVX512)
+    if constexpr (std::is_same_v<std::remove_cvref_t<decltype(*row(0))>, float> && std::is_same_v<Acc, float>) {
+      if (nj == kPad) {
+        const float* at[kPad];
+        for (; d + kPad <= D; d += kPad) {
+          for (std::int64_t j = 0; j < kPad; ++j) at[j] = rows[j] + d;
+          transpose16(at, dst + d * ld + j0, ld);
+        }
       }
     }
-    for (std::int64_t l = 0; l < kTile; ++l) {
-      out[r * kTile + l] = s0[l];
-      out[(r + 1) * kTile + l] = s1[l];
-      out[(r + 2) * kTile + l] = s2[l];
-      out[(r + 3) * kTile + l] = s3[l];
+#endif
+    for (; d < D; ++d) {
+      Acc* out = dst + d * ld + j0;
+      for (std::int64_t j = 0; j < nj; ++j) out[j] = load<Acc>(rows[j][d]);
+      for (std::int64_t j = nj; j < kPad; ++j) out[j] = Acc(0);
     }
-  }
-  for (; r < rows; ++r) {
-    Acc s0[kTile] = {};
-    const Acc* a0 = a + r * D;
-    for (std::int64_t d = 0; d < D; ++d) {
-      const Acc* br = bT + d * kTile;
-      const Acc x0 = a0[d];
-      for (std::int64_t l = 0; l < kTile; ++l) s0[l] += x0 * br[l];
-    }
-    for (std::int64_t l = 0; l < kTile; ++l) out[r * kTile + l] = s0[l];
   }
 }
 
-// tileT[d * kTile + j] = rows[j][d] as Acc for j < n (n <= kTile), zero for the padding lanes.
-template <typename Acc, typename T>
-inline void load_tile_transposed(const T* const* rows, std::int64_t n, std::int64_t D, Acc* tileT) {
-  for (std::int64_t d = 0; d < D; ++d) {
-    Acc* dst = tileT + d * kTile;
-    for (std::int64_t j = 0; j < n; ++j) dst[j] = load<Acc>(rows[j][d]);
-    for (std::int64_t j = n; j < kTile; ++j) dst[j] = Acc(0);
-  }
-}
-
-// y += alpha * x
+// dst[i * ldd + c] = src[i * lds + cols[c]] for i < rows, c < n: the chosen columns of a row-major matrix.
 template <typename Acc>
-inline void axpy(Acc alpha, const Acc* x, Acc* y, std::int64_t n) {
-  for (std::int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
+inline void gather_columns(const Acc* src, std::int64_t rows, std::int64_t lds, const std::int64_t* cols,
+                           std::int64_t n, Acc* dst, std::int64_t ldd) {
+  for (std::int64_t i = 0; i < rows; ++i) {
+    for (std::int64_t c = 0; c < n; ++c) dst[i * ldd + c] = src[i * lds + cols[c]];
+  }
 }
 
 // The selected slots of one row (valid prefix row[0..n)) that lie in a block with strictly increasing positions
@@ -137,29 +179,23 @@ inline void for_each_selected_in_block(const std::int64_t* row, std::int64_t n, 
   }
 }
 
-// The selected slots of one row inside the block whose local key index passes `keep`, in tiles of up to kTile:
-// fn(slots, keys, n).
-template <typename Keep, typename Fn>
-inline void for_each_selected_tile(const std::int64_t* row, std::int64_t n_valid, const std::vector<std::int64_t>& bpos,
-                                   Keep&& keep, Fn&& fn) {
-  std::int64_t slots[kTile], keys[kTile];
+// The selected slots of one row (valid prefix n_valid) that lie in the block, in ascending order, and their local
+// indices into the block; slots and keys hold min(k, block size) entries. Returns their number.
+inline std::int64_t collect_selected(const std::int64_t* row, std::int64_t n_valid,
+                                     const std::vector<std::int64_t>& bpos, std::span<std::int64_t> slots,
+                                     std::span<std::int64_t> keys) {
   std::int64_t n = 0;
   for_each_selected_in_block(row, n_valid, bpos, [&](std::int64_t slot, std::int64_t m) {
-    if (!keep(m)) return;
-    slots[n] = slot;
-    keys[n] = m;
-    if (++n == kTile) {
-      fn(slots, keys, n);
-      n = 0;
-    }
+    slots[static_cast<std::size_t>(n)] = slot;
+    keys[static_cast<std::size_t>(n++)] = m;
   });
-  if (n > 0) fn(slots, keys, n);
+  return n;
 }
 
-// Key-gradient passes (dc, dk_idx): inside a parallel region every thread walks all query rows in increasing (b, t)
-// and handles only the keys it owns (tiles of kTile keys dealt round robin). Each key's gradient is therefore summed
-// over queries in increasing (b, t) and heads in increasing order whatever the thread count, no per-thread copies of
-// the gradient are needed, and each query row is read once per thread instead of once per selected pair.
+// Key-gradient passes (dc, dk_idx): a query pass over a chunk of query rows (any thread per row) keeps each selected
+// pair's coefficients; then, inside a parallel region, every thread walks the chunk's rows in increasing (b, t) and
+// handles only the keys it owns (tiles of kTile keys dealt round robin). Each key's gradient is therefore summed
+// over queries in increasing (b, t) whatever the thread count, and no per-thread copies of the gradient are needed.
 struct KeyOwner {
   int me = 0, num = 1;
   KeyOwner() {
@@ -170,6 +206,44 @@ struct KeyOwner {
   }
   bool operator()(std::int64_t m) const { return (m / kTile) % num == me; }
 };
+
+// The selected slots of one row inside the block (for_each_selected_in_block's order) whose key `mine` owns:
+// cols[i] = the slot's rank among the row's selected slots in the block (its column in the query pass), keys[i] its
+// local key index; returns their number.
+inline std::int64_t owned_selected(const KeyOwner& mine, const std::int64_t* row, std::int64_t n_valid,
+                                   const std::vector<std::int64_t>& bpos, std::int64_t* cols, std::int64_t* keys) {
+  std::int64_t rank = 0, n = 0;
+  for_each_selected_in_block(row, n_valid, bpos, [&](std::int64_t, std::int64_t m) {
+    if (mine(m)) {
+      cols[n] = rank;
+      keys[n++] = m;
+    }
+    ++rank;
+  });
+  return n;
+}
+
+// acc[(base + keys[i]) * D + d] += t[i * ldt + d] for i < n, d < D: the key pass's scatter-add.
+template <typename Acc>
+inline void scatter_add_rows(const Acc* t, std::int64_t ldt, const std::int64_t* keys, std::int64_t n, std::int64_t D,
+                             Acc* acc) {
+  for (std::int64_t i = 0; i < n; ++i) {
+    Acc* dst = acc + keys[i] * D;
+    const Acc* src = t + i * ldt;
+    for (std::int64_t d = 0; d < D; ++d) dst[d] += src[d];
+  }
+}
+
+// Query rows per chunk of a key-gradient pass: as many as keep the chunk's kept values (bytes_per_row each) within
+// the key-gradient accumulator's size, or one row per worker when that is larger; never above kChunkBytes, at least
+// one.
+inline constexpr std::int64_t kChunkBytes = std::int64_t{32} << 20;
+inline std::int64_t chunk_rows(std::int64_t bytes_per_row, std::int64_t accumulator_bytes, std::int64_t rows,
+                               int workers) {
+  const std::int64_t per_row = std::max<std::int64_t>(bytes_per_row, 1);
+  const std::int64_t budget = std::min(kChunkBytes, std::max(accumulator_bytes, per_row * workers));
+  return std::clamp<std::int64_t>(budget / per_row, 1, std::max<std::int64_t>(rows, 1));
+}
 
 // Stores n Acc values at element offset `at` of `dst` (any floating dtype), adding to the contents when
 // `accumulate` (then dst holds Acc: the accumulator dtype, checked by attention/dsa.cc).
@@ -194,6 +268,40 @@ inline void store_row(const TensorView& dst, std::int64_t at, const Acc* src, st
     }
   });
 }
+
+// The key-gradient accumulator of a backward call ([keys, D] of Acc): the output itself when it has the accumulator
+// dtype (zeroed first unless `accumulate`), so that no copy is needed, else a zeroed workspace copy that finish()
+// stores into the output. Either way each key's gradient is summed over queries in increasing order.
+template <typename Acc>
+class KeyGradient {
+ public:
+  KeyGradient(const TensorView& out, std::int64_t keys, std::int64_t D, bool accumulate, const std::string& what)
+      : out_(out), keys_(keys), D_(D), accumulate_(accumulate), direct_(out.dtype() == dtype_v<Acc>) {
+    if (direct_) {
+      data_ = static_cast<Acc*>(out.data());
+      if (!accumulate) {
+#pragma omp parallel for schedule(static)
+        for (std::int64_t k = 0; k < keys; ++k) std::fill(data_ + k * D, data_ + (k + 1) * D, Acc(0));
+      }
+    } else {
+      owner_ = cpu::zeroed_workspace({keys * D}, dtype_v<Acc>, what);
+      data_ = static_cast<Acc*>(owner_.data());
+    }
+  }
+  Acc* data() const { return data_; }
+  void finish() const {
+    if (direct_) return;
+#pragma omp parallel for schedule(static)
+    for (std::int64_t k = 0; k < keys_; ++k) store_row(out_, k * D_, data_ + k * D_, D_, accumulate_);
+  }
+
+ private:
+  TensorView out_;
+  std::int64_t keys_, D_;
+  bool accumulate_, direct_;
+  Tensor owner_;
+  Acc* data_ = nullptr;
+};
 
 // An optional tensor argument that was not given (a default TensorView has no data).
 inline bool absent(const TensorView& t) { return t.data() == nullptr; }

@@ -51,19 +51,27 @@ inline void heap_offer(S* hs, std::int64_t* hp, std::int64_t K, S score, std::in
 
 using IndexerShape = DsaIndexerShape;
 
-// I_tj for one query (Acc rows q [Hi, Di], w [Hi]) and a tile of keys kT [Di, kTile] (transposed, zero-padded):
-// out[l] = sum_i w_i relu(s_il), s = dot_tile(q, kT), heads in ascending order for every lane. Out of line, so that a
-// pair's score is bitwise the same wherever (topk or selected scores) and in whichever tile it is computed.
+// Keys per panel of the top-k pass: k_idx is converted once per call into panels of kKeyPanel keys stored
+// transposed ([Di, kKeyPanel], zero padded), the B operand of one [Hi, Di] x [Di, kKeyPanel] product per query row.
+inline constexpr std::int64_t kKeyPanel = 64;
+
+// Index scores of one query row (Acc rows q [Hi, Di], w [Hi]) against N keys, N a multiple of kPad: kT [Di, ldk] holds
+// the keys as columns (zero padded), s [Hi, N] receives q_idx_i . k_j, out[l] = sum_i w_i relu(s_il) with heads in
+// ascending order. Every score of the indexer goes through these instructions (gemm reduces each element over d in
+// increasing order wherever it lies), so a pair's score is bitwise the same in the top-k pass and in the selected
+// scores, in whichever block, panel or column it is computed.
 template <typename Acc>
-__attribute__((noinline)) void index_score_tile(const Acc* q, const Acc* w, const Acc* kT, std::int64_t Hi,
-                                                std::int64_t Di, Acc* s, Acc* out) {
-  dot_tile(q, Hi, Di, kT, s);
-  Acc total[kTile] = {};
-  for (std::int64_t i = 0; i < Hi; ++i) {
-    const Acc wi = w[i];
-    for (std::int64_t l = 0; l < kTile; ++l) total[l] += wi * std::max(s[i * kTile + l], Acc(0));
+__attribute__((noinline)) void index_scores(const Acc* q, const Acc* w, const Acc* kT, std::int64_t ldk, std::int64_t N,
+                                            std::int64_t Hi, std::int64_t Di, Acc* s, Acc* out) {
+  using S = cpu::Simd<Acc>;
+  gemm<Acc>(Hi, N, Di, q, Di, kT, ldk, s, N);
+  for (std::int64_t l0 = 0; l0 < N; l0 += S::W) {
+    typename S::V total = S::zero();
+    for (std::int64_t i = 0; i < Hi; ++i) {
+      total = S::fma(S::set1(w[i]), S::max(S::load(s + i * N + l0), S::zero()), total);
+    }
+    S::store(out + l0, total);
   }
-  for (std::int64_t l = 0; l < kTile; ++l) out[l] = total[l];
 }
 
 // A row of a storage-typed buffer as Acc: the pointer itself when the types agree, else converted into `buf`
@@ -78,90 +86,81 @@ inline const Acc* acc_row(const T* src, std::int64_t n, std::span<Acc> buf) {
   }
 }
 
-// The indexer inputs of one call and each thread's view of them: a query row (q_idx and w) as Acc, and a tile of
-// key rows transposed with its per-head dot products. The per-thread buffers are allocated before the region.
+// The indexer inputs of one call. rows(...) gives each query row's selected slots inside the block (for the passes
+// over the selection); the per-thread buffers are allocated before the region by the callers.
 template <typename T>
 struct IndexerInputs {
   using Acc = acc_t<T>;
   const IndexerShape& s;
   const T *q_idx, *w, *k_idx;
-  WorkerScratch<Acc> ws;
 
-  IndexerInputs(const DsaIndexerArgs& a, const IndexerShape& shape, const char* what)
+  IndexerInputs(const DsaIndexerArgs& a, const IndexerShape& shape)
       : s(shape),
         q_idx(static_cast<const T*>(a.q_idx.data())),
         w(static_cast<const T*>(a.w.data())),
-        k_idx(static_cast<const T*>(a.k_idx.data())),
-        ws({s.Hi * s.Di, s.Hi, kTile * s.Di, kTile * s.Hi}, what) {}
+        k_idx(static_cast<const T*>(a.k_idx.data())) {}
 
-  // Inside the parallel region: the calling thread's buffers.
-  struct Thread {
-    const IndexerInputs& in;
-    std::span<Acc> qbuf, wbuf, kT, sbuf;  // sbuf [Hi, kTile]: q_idx_i . k_j of the tile
-    const Acc* q = nullptr;               // [Hi, Di] query row r
-    const Acc* wr = nullptr;              // [Hi]
-    const T* krows[kTile];
-
-    void load_query(std::int64_t r) {
-      q = acc_row(in.q_idx + r * in.s.Hi * in.s.Di, in.s.Hi * in.s.Di, qbuf);
-      wr = acc_row(in.w + r * in.s.Hi, in.s.Hi, wbuf);
-    }
-    // Keys b * Sk + key(j), j < n <= kTile, transposed into kT.
-    template <typename KeyFn>
-    void load_keys(std::int64_t b, std::int64_t n, KeyFn&& key) {
-      for (std::int64_t j = 0; j < n; ++j) krows[j] = in.k_idx + (b * in.s.Sk + key(j)) * in.s.Di;
-      load_tile_transposed(krows, n, in.s.Di, kT.data());
-    }
-    // Index scores I of the loaded query against the loaded keys.
-    void scores(Acc* out) { index_score_tile(q, wr, kT.data(), in.s.Hi, in.s.Di, sbuf.data(), out); }
-    // Only the per-head dot products, into sbuf.
-    void dots() { dot_tile(q, in.s.Hi, in.s.Di, kT.data(), sbuf.data()); }
-  };
-  Thread thread() const {
-    return {*this, ws.buffer(0), ws.buffer(1), ws.buffer(2), ws.buffer(3), nullptr, nullptr, {}};
+  const Acc* query(std::int64_t r, std::span<Acc> buf) const {
+    return acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, buf);
   }
-
-  // fn(thread, r) for every query row r = b * Sq + t, in a parallel region (dynamic schedule).
-  template <typename Fn>
-  void for_each_row(Fn&& fn) const {
-    const std::int64_t rows = s.B * s.Sq;
-#pragma omp parallel
-    {
-      Thread th = thread();
-#pragma omp for schedule(dynamic, 4)
-      for (std::int64_t r = 0; r < rows; ++r) fn(th, r);
-    }
+  const Acc* weights(std::int64_t r, std::span<Acc> buf) const { return acc_row(w + r * s.Hi, s.Hi, buf); }
+  // The n block keys keys[0..n) of batch b as the columns of kT [Di, pad16(n)].
+  void keys_transposed(std::int64_t b, const std::int64_t* keys, std::int64_t n, Acc* kT) const {
+    gather_transposed<Acc>([&](std::int64_t j) { return k_idx + (b * s.Sk + keys[j]) * s.Di; }, n, s.Di, pad16(n), kT);
   }
 };
 
 template <typename T>
 void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTopkState& st) {
   using Acc = acc_t<T>;
-  const std::int64_t K = st.scores.dim(2);
+  const std::int64_t K = st.scores.dim(2), Hi = s.Hi, Di = s.Di, rows = s.B * s.Sq;
+  if (K == 0 || s.Sk == 0) return;
   Acc* scores = static_cast<Acc*>(st.scores.data());
   std::int64_t* positions = static_cast<std::int64_t*>(st.positions.data());
-  const IndexerInputs<T> in(a, s, "dsa_indexer_topk_block scratch");
-  in.for_each_row([&](auto& th, std::int64_t r) {
-    const std::int64_t b = r / s.Sq, t = r % s.Sq;
-    const std::int64_t q = s.q_pos[static_cast<std::size_t>(t)];
-    const std::int64_t n_vis = std::upper_bound(s.k_pos.begin(), s.k_pos.end(), q) - s.k_pos.begin();
-    // A window keeps the candidates with q - k_pos < window: from the first key at q - window + 1.
-    const std::int64_t first =
-        a.window > 0 ? std::lower_bound(s.k_pos.begin(), s.k_pos.end(), q - a.window + 1) - s.k_pos.begin() : 0;
-    if (n_vis <= first) return;
-    Acc tile_scores[kTile];
-    th.load_query(r);
-    Acc* hs = scores + r * K;
-    std::int64_t* hp = positions + r * K;
-    for (std::int64_t j0 = first; j0 < n_vis; j0 += kTile) {
-      const std::int64_t nj = std::min(kTile, n_vis - j0);
-      th.load_keys(b, nj, [&](std::int64_t j) { return j0 + j; });
-      th.scores(tile_scores);
-      for (std::int64_t j = 0; j < nj; ++j) {
-        heap_offer(hs, hp, K, tile_scores[j], s.k_pos[static_cast<std::size_t>(j0 + j)]);
+  const IndexerInputs<T> in(a, s);
+  const std::int64_t panels = (s.Sk + kKeyPanel - 1) / kKeyPanel, panel_size = Di * kKeyPanel;
+  const Tensor kT_owner =
+      zeroed_workspace({s.B * panels * panel_size}, dtype_v<Acc>, "dsa_indexer_topk_block key panels");
+  Acc* const kT = static_cast<Acc*>(kT_owner.data());
+  const WorkerScratch<Acc> ws({Hi * Di, Hi, Hi * kKeyPanel, kKeyPanel}, "dsa_indexer_topk_block scratch");
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (std::int64_t bp = 0; bp < s.B * panels; ++bp) {
+      const std::int64_t b = bp / panels, j0 = (bp % panels) * kKeyPanel;
+      gather_transposed<Acc>([&](std::int64_t j) { return in.k_idx + (b * s.Sk + j0 + j) * Di; },
+                             std::min(kKeyPanel, s.Sk - j0), Di, kKeyPanel, kT + bp * panel_size);
+    }
+    const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), sbuf = ws.buffer(2), tile = ws.buffer(3);
+#pragma omp for schedule(dynamic, 4)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t b = r / s.Sq, t = r % s.Sq;
+      const std::int64_t q = s.q_pos[static_cast<std::size_t>(t)];
+      const std::int64_t n_vis = std::upper_bound(s.k_pos.begin(), s.k_pos.end(), q) - s.k_pos.begin();
+      // A window keeps the candidates with q - k_pos < window: from the first key at q - window + 1.
+      const std::int64_t first =
+          a.window > 0 ? std::lower_bound(s.k_pos.begin(), s.k_pos.end(), q - a.window + 1) - s.k_pos.begin() : 0;
+      if (n_vis <= first) continue;
+      const Acc* qr = in.query(r, qbuf);
+      const Acc* wr = in.weights(r, wbuf);
+      Acc* hs = scores + r * K;
+      std::int64_t* hp = positions + r * K;
+      for (std::int64_t p = first / kKeyPanel; p * kKeyPanel < n_vis; ++p) {
+        const std::int64_t p0 = p * kKeyPanel;
+        // the columns [c0, c1) of the panel that cover the candidates, in whole SIMD widths
+        const std::int64_t c0 = std::max<std::int64_t>(first - p0, 0) / kPad * kPad;
+        const std::int64_t c1 = std::min(pad16(n_vis - p0), kKeyPanel);
+        index_scores(qr, wr, kT + (b * panels + p) * panel_size + c0, kKeyPanel, c1 - c0, Hi, Di, sbuf.data(),
+                     tile.data());
+        const std::int64_t j1 = std::min(n_vis, p0 + kKeyPanel);
+        for (std::int64_t j = std::max(first, p0); j < j1; ++j) {
+          const Acc score = tile[static_cast<std::size_t>(j - p0 - c0)];
+          if (score < hs[0]) continue;  // worse than the row's worst entry: rejected by one compare
+          heap_offer(hs, hp, K, score, s.k_pos[static_cast<std::size_t>(j)]);
+        }
       }
     }
-  });
+  }
 }
 
 template <typename S>
@@ -255,99 +254,115 @@ template <typename T>
 void scores_selected_impl(const DsaIndexerArgs& a, const IndexerShape& s, const TensorView& topk,
                           const std::vector<std::int32_t>& valid, const TensorView& scores) {
   using Acc = acc_t<T>;
-  const std::int64_t K = topk.dim(2);
+  const std::int64_t K = topk.dim(2), Hi = s.Hi, Di = s.Di, rows = s.B * s.Sq;
+  const std::int64_t nmax = std::min(K, s.Sk), npad = pad16(nmax);
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
   Acc* out = static_cast<Acc*>(scores.data());
-  const IndexerInputs<T> in(a, s, "dsa_indexer_scores_selected scratch");
-  in.for_each_row([&](auto& th, std::int64_t r) {
-    const std::int64_t b = r / s.Sq;
-    Acc tile_scores[kTile];
-    bool loaded = false;
-    for_each_selected_tile(
-        idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
-        [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-          if (!loaded) th.load_query(r);
-          loaded = true;
-          th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
-          th.scores(tile_scores);
-          for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = tile_scores[j];
-        });
-  });
+  const IndexerInputs<T> in(a, s);
+  const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_indexer_scores_selected scratch");
+  const WorkerScratch<Acc> ws({Hi * Di, Hi, Di * npad, Hi * npad, npad}, "dsa_indexer_scores_selected scratch");
+#pragma omp parallel
+  {
+    const std::span<std::int64_t> slots = iws.buffer(0), keys = iws.buffer(1);
+    const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), kT = ws.buffer(2), sbuf = ws.buffer(3),
+                         tile = ws.buffer(4);
+#pragma omp for schedule(dynamic, 4)
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t n = collect_selected(idx + r * K, valid[static_cast<std::size_t>(r)], s.k_pos, slots, keys);
+      if (n == 0) continue;
+      in.keys_transposed(r / s.Sq, keys.data(), n, kT.data());
+      index_scores(in.query(r, qbuf), in.weights(r, wbuf), kT.data(), pad16(n), pad16(n), Hi, Di, sbuf.data(),
+                   tile.data());
+      for (std::int64_t j = 0; j < n; ++j) out[r * K + slots[j]] = tile[j];
+    }
+  }
 }
 
+// Query pass per chunk of rows: s = q_idx . k_j of the row's selected pairs in the block (one [Hi, Di] x [Di, n]
+// product), dw_i = sum_j g_j relu(s_ij), the coefficients a_ij = g_j w_i [s_ij > 0] (kept for the key pass) and
+// dq_idx = a [Hi, n] x k [n, Di]. Key pass: each thread, over the chunk's rows in order, dk_idx_j += sum_i a_ij q_idx_i
+// for the keys it owns (one [n_own, Hi] x [Hi, Di] product per row, then a scatter-add).
 template <typename T>
 void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const TensorView& topk,
                            const std::vector<std::int32_t>& valid, const TensorView& dscores, const TensorView& dq_idx,
                            const TensorView& dw, const TensorView& dk_idx, bool accumulate) {
   using Acc = acc_t<T>;
-  const std::int64_t K = topk.dim(2), Hi = s.Hi, Di = s.Di;
+  const std::int64_t K = topk.dim(2), Hi = s.Hi, Di = s.Di, Dp = pad16(Di), rows = s.B * s.Sq;
+  const std::int64_t nmax = std::min(K, s.Sk), npad = pad16(nmax);
   const std::int64_t* idx = static_cast<const std::int64_t*>(topk.data());
   const Acc* g_all = static_cast<const Acc*>(dscores.data());
-  const std::int64_t rows = s.B * s.Sq;
+  const IndexerInputs<T> in(a, s);
 
-  // Queries: dq_idx and dw of each row from the selected pairs inside the block.
-  const IndexerInputs<T> qin(a, s, "dsa_indexer_backward query scratch");
-  const WorkerScratch<Acc> qws({Di, Hi * Di, Hi}, "dsa_indexer_backward query scratch");
-  qin.for_each_row([&](auto& th, std::int64_t r) {
-    const std::span<Acc> kbuf = qws.buffer(0), dq = qws.buffer(1), dwr = qws.buffer(2);
-    const std::int64_t b = r / s.Sq;
-    std::fill(dq.begin(), dq.end(), Acc(0));
-    std::fill(dwr.begin(), dwr.end(), Acc(0));
-    th.load_query(r);
-    for_each_selected_tile(
-        idx + r * K, valid[r], s.k_pos, [](std::int64_t) { return true; },
-        [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-          th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
-          th.dots();
-          for (std::int64_t j = 0; j < n; ++j) {
-            const Acc g = g_all[r * K + slots[j]];
-            if (g == Acc(0)) continue;
-            const Acc* k = acc_row(th.krows[j], Di, kbuf);
-            for (std::int64_t i = 0; i < Hi; ++i) {
-              const Acc sd = th.sbuf[i * kTile + j];
-              if (sd > Acc(0)) {
-                dwr[i] += g * sd;
-                axpy(g * th.wr[i], k, dq.data() + i * Di, Di);
-              }
-            }
-          }
-        });
-    store_row(dq_idx, r * Hi * Di, dq.data(), Hi * Di, accumulate);
-    store_row(dw, r * Hi, dwr.data(), Hi, accumulate);
-  });
-
-  // Keys: dk_idx of each block key, summed over its selecting queries in increasing (b, t) (see KeyOwner).
-  const Tensor dk_acc_owner =
-      zeroed_workspace({s.B * s.Sk * Di}, dtype_v<Acc>, "dsa_indexer_backward dk_idx accumulator");
-  Acc* const dk_acc = static_cast<Acc*>(dk_acc_owner.data());
-  const IndexerInputs<T> kin(a, s, "dsa_indexer_backward key scratch");
+  const KeyGradient<Acc> dk_acc(dk_idx, s.B * s.Sk, Di, accumulate, "dsa_indexer_backward dk_idx accumulator");
+  // Kept per chunk row for the key pass: a [Hi, npad].
+  const std::int64_t chunk = chunk_rows(Hi * npad * static_cast<std::int64_t>(sizeof(Acc)),
+                                        s.B * s.Sk * Di * static_cast<std::int64_t>(sizeof(Acc)), rows, max_workers());
+  const Tensor coef_owner = zeroed_workspace({chunk * Hi * npad}, dtype_v<Acc>, "dsa_indexer_backward coefficients");
+  Acc* const coef = static_cast<Acc*>(coef_owner.data());
+  const WorkerScratch<std::int64_t> iws({nmax, nmax}, "dsa_indexer_backward scratch");
+  const WorkerScratch<Acc> ws({Hi * Di, Hi, npad * Dp, Di * npad, Hi * npad, Hi * Dp, Hi, Hi * Dp, npad},
+                              "dsa_indexer_backward scratch");
 #pragma omp parallel
   {
+    const std::span<std::int64_t> slots = iws.buffer(0), keys = iws.buffer(1);
+    const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), kg = ws.buffer(2), kT = ws.buffer(3),
+                         sbuf = ws.buffer(4), dq = ws.buffer(5), dwr = ws.buffer(6), qpad = ws.buffer(7),
+                         gs = ws.buffer(8);  // dscores of the row's selected slots, zero padded
+    // the key pass reuses the query pass's buffers: own [Hi, npad] in sbuf, part [npad, Dp] in kg
+    const std::span<Acc> own = sbuf, part = kg;
     const KeyOwner mine;
-    auto th = kin.thread();
-    for (std::int64_t r = 0; r < rows; ++r) {
-      const std::int64_t b = r / s.Sq;
-      bool loaded = false;
-      for_each_selected_tile(idx + r * K, valid[r], s.k_pos, mine,
-                             [&](const std::int64_t* slots, const std::int64_t* keys, std::int64_t n) {
-                               if (!loaded) th.load_query(r);
-                               loaded = true;
-                               th.load_keys(b, n, [&](std::int64_t j) { return keys[j]; });
-                               th.dots();
-                               for (std::int64_t j = 0; j < n; ++j) {
-                                 const Acc g = g_all[r * K + slots[j]];
-                                 if (g == Acc(0)) continue;
-                                 Acc* dk = dk_acc + (b * s.Sk + keys[j]) * Di;
-                                 for (std::int64_t i = 0; i < Hi; ++i) {
-                                   if (th.sbuf[i * kTile + j] > Acc(0)) axpy(g * th.wr[i], th.q + i * Di, dk, Di);
-                                 }
-                               }
-                             });
+    for (std::int64_t r0 = 0; r0 < rows; r0 += chunk) {
+      const std::int64_t r1 = std::min(rows, r0 + chunk);
+#pragma omp for schedule(dynamic, 2)
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const std::int64_t b = r / s.Sq;
+        const std::int64_t n = collect_selected(idx + r * K, valid[static_cast<std::size_t>(r)], s.k_pos, slots, keys);
+        std::fill(dwr.begin(), dwr.end(), Acc(0));
+        std::fill(dq.begin(), dq.end(), Acc(0));
+        if (n > 0) {
+          const std::int64_t np = pad16(n);
+          const Acc* qr = in.query(r, qbuf);
+          const Acc* wr = in.weights(r, wbuf);
+          gather_rows(in.k_idx + b * s.Sk * Di, keys.data(), n, np, Di, Dp, kg.data());
+          gather_transposed<Acc>([&](std::int64_t j) { return kg.data() + j * Dp; }, n, Di, np, kT.data());
+          gemm<Acc>(Hi, np, Di, qr, Di, kT.data(), np, sbuf.data(), np);
+          Acc* const c = coef + (r - r0) * Hi * npad;
+          for (std::int64_t j = 0; j < np; ++j) gs[j] = j < n ? g_all[r * K + slots[j]] : Acc(0);
+          for (std::int64_t i = 0; i < Hi; ++i) {
+            Acc* __restrict sd = sbuf.data() + i * np;
+            Acc* __restrict ci = c + i * npad;
+            const Acc* __restrict g = gs.data();
+            const Acc wi = wr[i];
+#pragma omp simd
+            for (std::int64_t j = 0; j < np; ++j) {
+              const Acc v = sd[j];
+              ci[j] = v > Acc(0) ? g[j] * wi : Acc(0);
+              sd[j] = v > Acc(0) ? v : Acc(0);
+            }
+            dwr[i] = dot(sd, g, n);
+          }
+          gemm<Acc>(Hi, Dp, n, c, npad, kg.data(), Dp, dq.data(), Dp);
+        }
+        for (std::int64_t i = 0; i < Hi; ++i) store_row(dq_idx, (r * Hi + i) * Di, dq.data() + i * Dp, Di, accumulate);
+        store_row(dw, r * Hi, dwr.data(), Hi, accumulate);
+      }  // implicit barrier: the chunk's coefficients are complete
+      for (std::int64_t r = r0; r < r1; ++r) {
+        const std::int64_t n_own =
+            owned_selected(mine, idx + r * K, valid[static_cast<std::size_t>(r)], s.k_pos, slots.data(), keys.data());
+        if (n_own == 0) continue;
+        const Acc* qr = in.query(r, qbuf);
+        for (std::int64_t i = 0; i < Hi; ++i) {
+          std::copy(qr + i * Di, qr + (i + 1) * Di, qpad.data() + i * Dp);
+          std::fill(qpad.data() + i * Dp + Di, qpad.data() + (i + 1) * Dp, Acc(0));
+        }
+        gather_columns(coef + (r - r0) * Hi * npad, Hi, npad, slots.data(), n_own, own.data(), npad);
+        gemm<Acc, false, true>(n_own, Dp, Hi, own.data(), npad, qpad.data(), Dp, part.data(), Dp);
+        scatter_add_rows(part.data(), Dp, keys.data(), n_own, Di, dk_acc.data() + r / s.Sq * s.Sk * Di);
+      }
+#pragma omp barrier
     }
   }
-  const std::int64_t keys = s.B * s.Sk;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t km = 0; km < keys; ++km) store_row(dk_idx, km * Di, dk_acc + km * Di, Di, accumulate);
+  dk_acc.finish();
 }
 
 template <typename S>

@@ -14,6 +14,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "attention/dsa.h"
@@ -336,6 +337,36 @@ TEST(DsaTopk, SelectedScoresFollowTopkIndices) {
 
 // ---- sparse latent attention --------------------------------------------------------------------------------------
 
+// out, lse, dq, dc of one attention forward and backward over topk with the upstream gradient dout: the kernels
+// (out, dq, dc in the storage dtype, lse in the accumulator dtype) or the fp64 reference on the same rounded inputs.
+struct AttentionResult {
+  Tensor out, lse, dq, dc;
+};
+AttentionResult kernel_attention(const Problem& pr, const TensorView& topk, const TensorView& dout) {
+  const Dims& d = pr.d;
+  const DsaAttentionArgs args = pr.attention(topk);
+  AttentionResult r;
+  r.out = Tensor::empty({d.B, d.S, d.H, d.Dv}, pr.dtype, MemCategory::kWorkspace);
+  r.lse = acc_zeros({d.B, d.H, d.S}, pr.dtype);
+  attn::dsa_attention_forward(args, r.out, r.lse);
+  r.dq = Tensor::empty(pr.q.shape(), pr.dtype, MemCategory::kWorkspace);
+  r.dc = Tensor::empty(pr.c.shape(), pr.dtype, MemCategory::kWorkspace);
+  attn::dsa_attention_backward({args, r.out, dout, r.lse, {}, {}}, r.dq, r.dc, false);
+  return r;
+}
+AttentionResult reference_attention(const Problem& pr, const TensorView& topk, const TensorView& dout) {
+  const Dims& d = pr.d;
+  const Tensor q64 = f64(pr.q), c64 = f64(pr.c), dout64 = f64(dout);
+  DsaAttentionArgs ref = pr.attention(topk);
+  ref.q = q64;
+  ref.c = c64;
+  auto empty = [](const Shape& s) { return Tensor::empty(s, DType::kFloat64, MemCategory::kWorkspace); };
+  AttentionResult r{empty({d.B, d.S, d.H, d.Dv}), empty({d.B, d.H, d.S}), empty(pr.q.shape()), empty(pr.c.shape())};
+  attn::reference::dsa_attention_forward(ref, r.out, r.lse);
+  attn::reference::dsa_attention_backward(ref, dout64, r.dq, r.dc);
+  return r;
+}
+
 class DsaAttentionTest : public ::testing::TestWithParam<DType> {};
 
 TEST_P(DsaAttentionTest, ForwardBackwardMatchReference) {
@@ -343,31 +374,14 @@ TEST_P(DsaAttentionTest, ForwardBackwardMatchReference) {
   Dims d;
   const Problem pr(d, dt, 51);
   const Tensor topk = pr.selected();
-  const DsaAttentionArgs args = pr.attention(topk);
-  Tensor out = Tensor::empty({d.B, d.S, d.H, d.Dv}, dt, MemCategory::kWorkspace);
-  Tensor lse = acc_zeros({d.B, d.H, d.S}, dt);
-  attn::dsa_attention_forward(args, out, lse);
   const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, dt, 52);
-  Tensor dq = Tensor::empty(pr.q.shape(), dt, MemCategory::kWorkspace);
-  Tensor dc = Tensor::empty(pr.c.shape(), dt, MemCategory::kWorkspace);
-  attn::dsa_attention_backward({args, out, dout, lse, {}, {}}, dq, dc, false);
-
-  const Tensor q64 = f64(pr.q), c64 = f64(pr.c), dout64 = f64(dout);
-  DsaAttentionArgs ref = args;
-  ref.q = q64;
-  ref.c = c64;
-  Tensor out_r = Tensor::empty(out.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  Tensor lse_r = Tensor::empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  Tensor dq_r = Tensor::empty(dq.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  Tensor dc_r = Tensor::empty(dc.shape(), DType::kFloat64, MemCategory::kWorkspace);
-  attn::reference::dsa_attention_forward(ref, out_r, lse_r);
-  attn::reference::dsa_attention_backward(ref, dout64, dq_r, dc_r);
+  const AttentionResult k = kernel_attention(pr, topk, dout), r = reference_attention(pr, topk, dout);
   const Tol tol = tol_for(dt);
-  EXPECT_TRUE(all_close(to_double(out), to_double(out_r), tol.atol, tol.rtol, "out"));
+  EXPECT_TRUE(all_close(to_double(k.out), to_double(r.out), tol.atol, tol.rtol, "out"));
   const double lse_tol = dt == DType::kFloat64 ? 1e-12 : 1e-5;  // lse has the accumulator dtype (fp32 or fp64)
-  EXPECT_TRUE(all_close(to_double(lse), to_double(lse_r), lse_tol, lse_tol, "lse"));
-  EXPECT_TRUE(all_close(to_double(dq), to_double(dq_r), tol.atol, tol.rtol, "dq"));
-  EXPECT_TRUE(all_close(to_double(dc), to_double(dc_r), tol.atol, tol.rtol, "dc"));
+  EXPECT_TRUE(all_close(to_double(k.lse), to_double(r.lse), lse_tol, lse_tol, "lse"));
+  EXPECT_TRUE(all_close(to_double(k.dq), to_double(r.dq), tol.atol, tol.rtol, "dq"));
+  EXPECT_TRUE(all_close(to_double(k.dc), to_double(r.dc), tol.atol, tol.rtol, "dc"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, DsaAttentionTest,
@@ -870,15 +884,81 @@ TEST(Dsa, CausalityOfEveryOutput) {
   EXPECT_NE(to_double(a.out), to_double(b.out));
 }
 
+// ---- the kernels' tiling -----------------------------------------------------------------------------------------
+
+// The CPU kernels run GEMM tiles: key panels of 64 in the top-k pass, latent tiles of up to 128 selected rows,
+// every width padded to the 16-wide SIMD tiles, and chunks of query rows in the key-gradient passes. These cases put
+// the edges of that tiling against the fp64 reference: DeepSeek-V3.2's widths (Dqk 576, Dv 512, Hi 64, Di 128) with
+// 16 heads, S a multiple of no tile, k above the visible keys of the early rows, rows with more selected positions
+// than one latent tile, widths that are not multiples of 16, and a window that starts the candidates inside a panel.
+struct KernelCase {
+  const char* name;
+  Dims d;
+  std::int64_t window;
+};
+
+const KernelCase kKernelCases[] = {
+    {"deepseek_widths", {.B = 1, .S = 100, .H = 16, .Dqk = 576, .Dv = 512, .Hi = 64, .Di = 128, .K = 40}, 0},
+    {"latent_tiles", {.B = 1, .S = 200, .H = 3, .Dqk = 20, .Dv = 16, .Hi = 3, .Di = 12, .K = 150}, 0},
+    {"window_in_panel", {.B = 2, .S = 150, .H = 2, .Dqk = 33, .Dv = 17, .Hi = 5, .Di = 19, .K = 30}, 70},
+};
+
+class DsaKernelTilingTest : public ::testing::TestWithParam<std::tuple<DType, KernelCase>> {};
+
+TEST_P(DsaKernelTilingTest, MatchesReference) {
+  const auto& [dt, kc] = GetParam();
+  const Dims& d = kc.d;
+  const Problem pr(d, dt, 171);
+  DsaIndexerArgs ia = pr.indexer();
+  ia.window = kc.window;
+  Tensor topk = i64({d.B, d.S, d.K}), topk_r = i64({d.B, d.S, d.K});
+  attn::dsa_indexer_topk(ia, topk);
+  const Tensor qi64 = f64(pr.q_idx), w64 = f64(pr.w), ki64 = f64(pr.k_idx);
+  attn::reference::dsa_indexer_topk({qi64, w64, ki64, {}, {}, kc.window}, topk_r);
+  EXPECT_EQ(ints(topk), ints(topk_r));
+
+  const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, dt, 172);
+  const AttentionResult ka = kernel_attention(pr, topk, dout), ra = reference_attention(pr, topk, dout);
+  const LossResult k = kernel_loss(pr, topk);
+  DsaAttentionArgs a64 = pr.attention(topk);
+  const Tensor q64 = f64(pr.q), c64 = f64(pr.c);
+  a64.q = q64;
+  a64.c = c64;
+  auto f64_like = [](const Tensor& t) { return Tensor::empty(t.shape(), DType::kFloat64, MemCategory::kWorkspace); };
+  Tensor dqi_r = f64_like(qi64), dw_r = f64_like(w64), dki_r = f64_like(ki64);
+  const double loss_r = attn::reference::dsa_indexer_loss(a64, {qi64, w64, ki64, {}, {}}, dqi_r, dw_r, dki_r);
+
+  // Errors relative to each tensor's largest element: fp64 is fp64 end to end (observed below 1e-14); fp32 sums up
+  // to Dqk = 576 or Hi Di = 8192 products in fp32 (observed below 4e-6); bf16 stores out, dq and dc in bf16 (2^-9,
+  // observed below 4e-3), while the indexer side keeps the fp32 accumulator dtype.
+  const double rel = dt == DType::kFloat64 ? 1e-12 : dt == DType::kFloat32 ? 2e-5 : 1e-2;
+  const double rel_idx = dt == DType::kFloat64 ? 1e-12 : 2e-5;
+  EXPECT_TRUE(rel_close(to_double(ka.out), to_double(ra.out), rel, "out"));
+  EXPECT_TRUE(rel_close(to_double(ka.lse), to_double(ra.lse), rel_idx, "lse"));
+  EXPECT_TRUE(rel_close(to_double(ka.dq), to_double(ra.dq), rel, "dq"));
+  EXPECT_TRUE(rel_close(to_double(ka.dc), to_double(ra.dc), rel, "dc"));
+  EXPECT_NEAR(k.loss, loss_r, rel_idx * std::abs(loss_r));
+  EXPECT_TRUE(rel_close(to_double(k.dq_idx), to_double(dqi_r), rel_idx, "dq_idx"));
+  EXPECT_TRUE(rel_close(to_double(k.dw), to_double(dw_r), rel_idx, "dw"));
+  EXPECT_TRUE(rel_close(to_double(k.dk_idx), to_double(dki_r), rel_idx, "dk_idx"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DsaKernelTilingTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat32, DType::kBFloat16, DType::kFloat64),
+                                            ::testing::ValuesIn(kKernelCases)),
+                         [](const ::testing::TestParamInfo<std::tuple<DType, KernelCase>>& info) {
+                           return str_cat(std::get<1>(info.param).name, "_", dtype_name(std::get<0>(info.param)));
+                         });
+
 // ---- determinism --------------------------------------------------------------------------------------------------
 
 // Every output is bitwise the same for 1 and 3 threads (fixed reduction orders; key gradients summed over queries in
-// increasing order by their owning thread).
-TEST(Dsa, BitwiseIndependentOfThreadCount) {
+// increasing order by their owning thread), also with several latent tiles per row and key pass (k = 150 > 128) and
+// several chunks of query rows.
+void check_thread_independence(const Dims& d) {
 #ifndef _OPENMP
   GTEST_SKIP() << "built without OpenMP: one thread only";
 #else
-  const Dims d{.S = 40, .K = 12};
   const Problem pr(d, DType::kBFloat16, 141);
   const Tensor dout = random_tensor({d.B, d.S, d.H, d.Dv}, DType::kFloat32, 142);
   auto run = [&](int threads) {
@@ -892,9 +972,9 @@ TEST(Dsa, BitwiseIndependentOfThreadCount) {
     attn::dsa_attention_backward({a, out, dout, lse, {}, {}}, dq, dc, false);
     LossResult l = kernel_loss(pr, topk);
     omp_set_num_threads(keep);
-    std::vector<std::vector<double> > all = {to_double(out),  to_double(lse),       to_double(dq),
-                                             to_double(dc),   to_double(l.dscores), to_double(l.dq_idx),
-                                             to_double(l.dw), to_double(l.dk_idx),  {l.loss}};
+    std::vector<std::vector<double>> all = {to_double(out),  to_double(lse),       to_double(dq),
+                                            to_double(dc),   to_double(l.dscores), to_double(l.dq_idx),
+                                            to_double(l.dw), to_double(l.dk_idx),  {l.loss}};
     const auto idx = ints(topk);
     all.emplace_back(idx.begin(), idx.end());
     return all;
@@ -904,6 +984,12 @@ TEST(Dsa, BitwiseIndependentOfThreadCount) {
   for (std::size_t i = 0; i < one.size(); ++i)
     EXPECT_EQ(one[i], three[i]) << names[i] << " depends on the thread count";
 #endif
+}
+
+TEST(Dsa, BitwiseIndependentOfThreadCount) { check_thread_independence({.S = 40, .K = 12}); }
+
+TEST(Dsa, BitwiseIndependentOfThreadCountAcrossTiles) {
+  check_thread_independence({.B = 1, .S = 200, .H = 3, .Dqk = 20, .Dv = 16, .Hi = 3, .Di = 12, .K = 150});
 }
 
 }  // namespace
