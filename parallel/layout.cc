@@ -123,6 +123,7 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
       d.padded_len = round_up(T, P * U);
       const std::int64_t len = d.padded_len / P;
       for (std::int64_t r = 0; r < P; ++r) {
+        d.shards[r].reserve(static_cast<std::size_t>(len));  // one allocation: a length past memory fails at once
         for (std::int64_t i = 0; i < len; ++i) {
           d.shards[r].push_back(kind == LayoutKind::kContiguous ? r * len + i : i * P + r);
         }
@@ -138,6 +139,7 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
       d.padded_len = docs_end + P * extra;
       for (std::int64_t r = 0; r < P; ++r) {
         Positions& shard = d.shards[r];
+        shard.reserve(static_cast<std::size_t>(d.padded_len / P));  // one allocation, as above
         if (P == 1) {
           for (std::int64_t i = 0; i < docs_end; ++i) shard.push_back(i);
         } else {
