@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "benchmarks/sp_bench_check.h"
+#include "benchmarks/sp_bench_decode.h"
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_report.h"
@@ -163,6 +164,7 @@ int sp_bench_main(int argc, char** argv) {
   const std::optional<SpBenchOptions> parsed = parse_sp_bench_options(argc, argv, place.size, place.rank);
   if (!parsed) return 0;
   const SpBenchOptions& o = *parsed;
+  if (o.decode.mode == "decode") return run_decode_bench(o, place);  // benchmarks/sp_bench_decode.h
 #if defined(_OPENMP)
   omp_set_num_threads(o.threads);
 #endif

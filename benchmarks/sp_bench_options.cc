@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "benchmarks/npy.h"
+#include "benchmarks/sp_bench_decode.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
@@ -270,13 +271,14 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("test-logit-scale", "", cxxopts::value<double>())
     ("test-mem-available-mib", "", cxxopts::value<double>());
   // clang-format on
-
+  add_decode_options(spec);  // --mode decode and its flags (benchmarks/sp_bench_decode.h)
   const std::optional<cxxopts::ParseResult> parsed =
-      parse_command_line(spec, argc, argv, world_rank, {"problem", "parallel", "run"});
+      parse_command_line(spec, argc, argv, world_rank, {"problem", "parallel", "run", "decode"});
   if (!parsed) return std::nullopt;
   const cxxopts::ParseResult& r = *parsed;
 
   SpBenchOptions o;
+  o.decode = parse_decode_options(r);
   for (const cxxopts::KeyValue& kv : r.arguments()) o.given_flags.push_back(kv.key());
   o.attn = find_workload_kind(get_checked<std::string>(r, "attn")).name;
   std::optional<attn::RopeConfig> preset_rope;

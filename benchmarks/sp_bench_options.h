@@ -12,6 +12,7 @@
 
 #include "attention/rope.h"
 #include "benchmarks/bench_common.h"
+#include "benchmarks/sp_bench_decode.h"
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
 #include "runtime/dtype.h"
@@ -85,6 +86,8 @@ struct SpBenchOptions {
   std::int64_t test_fail_write_after = -1;  // --test-fail-write-after N: every output file fails after N bytes
   double test_logit_scale = 1;              // --test-logit-scale X (MHA): random q times X, logits times X
   double test_mem_available_mib = 0;        // --test-mem-available-mib N: the node's available memory (0: real)
+
+  DecodeOptions decode;  // --mode decode and its flags (benchmarks/sp_bench_decode.h)
 };
 
 // Parses argv. Returns std::nullopt after printing the help on rank 0 (--help). Throws Error (same text on every

@@ -1,11 +1,14 @@
 // CPU flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1; docs/design.md section 8.1).
 //
-// Work item: (batch, query head, tile of kBlockQ queries), scheduled by OpenMP. For each visible tile of kBlockK
-// keys: S = Q K^T (Q pre-scaled by scale * log2 e, so that exp2 replaces exp), online softmax in base 2 with
-// running row max m and row sum l, O = diag(alpha) O + P V. Only [kBlockQ, kBlockK] scores exist at a time.
-// K (transposed per key tile) and V are converted to the compute type once per call and shared by all workers.
-// Each output element is produced by one work item in a fixed order of key tiles: bitwise deterministic for any
-// thread count. Dropout: after the row sums, P is multiplied by the tile's multipliers z (cpu/mha_dropout.h).
+// Work item: (batch, query head, tile of kBlockQ queries), or for decode shapes (group * Sq <= kBlockQ, no score
+// transform, no dropout) (batch, KV head) with the group's query heads as the tile's rows, scheduled by OpenMP. For
+// each visible tile of kBlockK keys: S = Q K^T (Q pre-scaled by scale * log2 e, so that exp2 replaces exp), online
+// softmax in base 2 with running row max m and row sum l, O = diag(alpha) O + P V. Only [kBlockQ, kBlockK] scores exist
+// at a time. K (transposed per key tile) and V are converted to the compute type once per call and shared by all
+// workers, unless they already are of the compute type: then V is read in place, and so is K by decode-shape work items
+// (each transposes the key tile it attends; no copy of the cache per call). Each output element is produced by one work
+// item in a fixed order of key tiles: bitwise deterministic for any thread count. Dropout: after the row sums, P is
+// multiplied by the tile's multipliers z (cpu/mha_dropout.h).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -82,61 +85,100 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
   const bool transform = p.has_score_transform();
   const T qscale = transform ? T(1) : static_cast<T>(p.scale * 1.4426950408889634);
 
-  // K^T per key tile [nkt][D][BK] and V [Skp][Dp], per (b, kv head), zero padded.
+  // Decode shape (few queries, no per-head score transform or dropout): one task per (b, kv head) whose tile rows
+  // are the group's query heads times the Sq queries, row r = (head hk * group + r / Sq, query r % Sq), so that a
+  // task reads its K and V rows once for the whole group. Otherwise one task per (b, query head, query tile).
+  const bool grouped = !transform && !p.dropout.on && group * Sq <= BQ;
+  // K and V already of the compute type are read in place: V rows directly by the P V product (when D needs no
+  // padding), K tiles transposed into a per-worker [D][BK] buffer by the task that attends them (grouped tasks only;
+  // with many query tiles one shared transposition per call is cheaper). Otherwise K^T per key tile [nkt][D][BK]
+  // and V [Skp][Dp] per (b, kv head), zero padded, are converted once per call and shared by all workers. The
+  // products see the same numbers in the same order either way: the results are bitwise the same.
+  const bool k_in_place = grouped && p.dtype == cdt;
+  const bool v_in_place = p.dtype == cdt && Dp == D;
   const std::int64_t kt_size = nkt * D * BK, v_size = Skp * Dp;
-  Tensor kt_pack = zeroed_workspace({B * Hkv * kt_size}, cdt, "mha_forward K pack");
-  Tensor v_pack = zeroed_workspace({B * Hkv * v_size}, cdt, "mha_forward V pack");
+  Tensor kt_pack = zeroed_workspace({k_in_place ? 0 : B * Hkv * kt_size}, cdt, "mha_forward K pack");
+  Tensor v_pack = zeroed_workspace({v_in_place ? 0 : B * Hkv * v_size}, cdt, "mha_forward V pack");
   T* ktp = static_cast<T*>(kt_pack.data());
   T* vp = static_cast<T*>(v_pack.data());
   const char* kin = static_cast<const char*>(p.k);
   const char* vin = static_cast<const char*>(p.v);
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
-  // Per-worker buffers, allocated before the regions: a converted K row; Q tile, O tile, S tile, m, l, a row.
-  const WorkerScratch<T> ws({D, BQ * Dp, BQ * Dp, BQ * BK, BQ, BQ, Dp, p.dropout.on ? BQ * BK : 0},
-                            "mha_forward per-thread scratch", region_workers(parallel));
-#pragma omp parallel if (parallel)
-  {
-    const std::span<T> row = ws.buffer(0);
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < B * Hkv * nkt; ++t) {
-      const std::int64_t bh = t / nkt, kt = t % nkt, b = bh / Hkv, h = bh % Hkv;
-      T* ktile = ktp + bh * kt_size + kt * D * BK;
-      for (std::int64_t j = kt * BK; j < std::min(Sk, (kt + 1) * BK); ++j) {
-        const std::size_t off = static_cast<std::size_t>(((b * Sk + j) * Hkv + h) * D) * in_size;
+  // Per-worker buffers, allocated before the regions: a converted K row; Q tile, O tile, S tile, m, l, a row, the
+  // dropout multipliers, an in-place K tile transposed.
+  const WorkerScratch<T> ws(
+      {D, BQ * Dp, BQ * Dp, BQ * BK, BQ, BQ, Dp, p.dropout.on ? BQ * BK : 0, k_in_place ? D * BK : 0},
+      "mha_forward per-thread scratch", region_workers(parallel));
+  // K^T of keys [j0, j1) of (b, kv head h) into `tile` [D][BK]: columns past j1 - j0 stay zero.
+  auto transpose_k = [&](std::int64_t b, std::int64_t h, std::int64_t j0, std::int64_t j1, T* tile, std::span<T> row) {
+    for (std::int64_t j = j0; j < j1; ++j) {
+      const std::size_t off = static_cast<std::size_t>(((b * Sk + j) * Hkv + h) * D) * in_size;
+      const T* src = reinterpret_cast<const T*>(kin + off);
+      if (!k_in_place) {
         convert(kin + off, p.dtype, row.data(), cdt, static_cast<std::size_t>(D));
-        for (std::int64_t d = 0; d < D; ++d) ktile[d * BK + (j - kt * BK)] = row[static_cast<std::size_t>(d)];
-        convert(vin + off, p.dtype, vp + bh * v_size + j * Dp, cdt, static_cast<std::size_t>(D));
+        src = row.data();
+      }
+      for (std::int64_t d = 0; d < D; ++d) tile[d * BK + (j - j0)] = src[d];
+    }
+  };
+  if (!k_in_place || !v_in_place) {
+#pragma omp parallel if (parallel)
+    {
+      const std::span<T> row = ws.buffer(0);
+#pragma omp for schedule(static)
+      for (std::int64_t t = 0; t < B * Hkv * nkt; ++t) {
+        const std::int64_t bh = t / nkt, kt = t % nkt, b = bh / Hkv, h = bh % Hkv;
+        const std::int64_t j0 = kt * BK, j1 = std::min(Sk, j0 + BK);
+        if (!k_in_place) transpose_k(b, h, j0, j1, ktp + bh * kt_size + kt * D * BK, row);
+        for (std::int64_t j = j0; !v_in_place && j < j1; ++j) {
+          const std::size_t off = static_cast<std::size_t>(((b * Sk + j) * Hkv + h) * D) * in_size;
+          convert(vin + off, p.dtype, vp + bh * v_size + j * Dp, cdt, static_cast<std::size_t>(D));
+        }
       }
     }
   }
+  // Visible key ranges of a grouped task's rows (the same for every task).
+  KeyRanges grouped_ranges;
+  if (grouped) {
+    for (std::int64_t r = 0; r < group * Sq; ++r) {
+      grouped_ranges.begin.push_back(kr.begin[static_cast<std::size_t>(r % Sq)]);
+      grouped_ranges.end.push_back(kr.end[static_cast<std::size_t>(r % Sq)]);
+    }
+  }
+  const KeyRanges& rows_kr = grouped ? grouped_ranges : kr;
 
   const char* qin = static_cast<const char*>(p.q);
   char* outc = static_cast<char*>(out);
-  const std::int64_t num_tasks = B * Hq * nqt;
+  const std::int64_t num_tasks = grouped ? B * Hkv : B * Hq * nqt;
 #pragma omp parallel if (parallel)
   {
     const std::span<T> qt = ws.buffer(1), o = ws.buffer(2), s = ws.buffer(3), m = ws.buffer(4), l = ws.buffer(5),
-                       row = ws.buffer(6), z = ws.buffer(7);
+                       row = ws.buffer(6), z = ws.buffer(7), kbuf = ws.buffer(8);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < num_tasks; ++task) {
       // query tiles in decreasing order: under a causal mask the late tiles are the long ones
-      const std::int64_t qi = nqt - 1 - task / (B * Hq), bh = task % (B * Hq), b = bh / Hq, h = bh % Hq;
-      const std::int64_t hk = h / group;
-      const std::int64_t i0 = qi * BQ, i1 = std::min(Sq, i0 + BQ);
+      const std::int64_t qi = grouped ? 0 : nqt - 1 - task / (B * Hq), bh = task % (B * Hq);
+      const std::int64_t b = grouped ? task / Hkv : bh / Hq, h = grouped ? -1 : bh % Hq;
+      const std::int64_t hk = grouped ? task % Hkv : h / group;
+      // tile rows [i0, i1) of rows_kr; row r is query head head_of(r), query query_of(r)
+      const std::int64_t i0 = qi * BQ, i1 = grouped ? group * Sq : std::min(Sq, i0 + BQ);
+      auto head_of = [&](int r) { return grouped ? hk * group + r / Sq : h; };
+      auto query_of = [&](int r) { return grouped ? r % Sq : i0 + r; };
       const int mr = static_cast<int>(i1 - i0);
       const T* ktp_h = ktp + (b * Hkv + hk) * kt_size;
       const T* vp_h = vp + (b * Hkv + hk) * v_size;
 
       std::int64_t lo = Sk, hi = 0;
       for (std::int64_t i = i0; i < i1; ++i) {
-        const std::int64_t kb = kr.begin[static_cast<std::size_t>(i)], ke = kr.end[static_cast<std::size_t>(i)];
+        const std::int64_t kb = rows_kr.begin[static_cast<std::size_t>(i)];
+        const std::int64_t ke = rows_kr.end[static_cast<std::size_t>(i)];
         if (kb < ke) {
           lo = std::min(lo, kb);
           hi = std::max(hi, ke);
         }
       }
       for (int r = 0; r < mr; ++r) {
-        const std::size_t off = static_cast<std::size_t>(((b * Sq + i0 + r) * Hq + h) * D) * in_size;
+        const std::size_t off = static_cast<std::size_t>(((b * Sq + query_of(r)) * Hq + head_of(r)) * D) * in_size;
         T* qrow = qt.data() + r * Dp;
         convert(qin + off, p.dtype, qrow, cdt, static_cast<std::size_t>(D));
         for (std::int64_t d = 0; d < D; ++d) qrow[d] *= qscale;
@@ -147,12 +189,17 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
 
       for (std::int64_t kt = lo / BK; lo < hi && kt < (hi + BK - 1) / BK; ++kt) {
         const std::int64_t j0 = kt * BK, j1 = std::min(Sk, j0 + BK);
-        const TileKind kind = classify(kr, i0, i1, j0, j1, BK);
+        const TileKind kind = classify(rows_kr, i0, i1, j0, j1, BK);
         if (kind == TileKind::kSkip) continue;
-        gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt.data(), static_cast<int>(Dp), ktp_h + kt * D * BK, BK,
-                            s.data(), BK);
+        const T* ktile = ktp_h + kt * D * BK;
+        if (k_in_place) {
+          if (j1 - j0 < BK) std::fill(kbuf.begin(), kbuf.end(), T(0));
+          transpose_k(b, hk, j0, j1, kbuf.data(), row);
+          ktile = kbuf.data();
+        }
+        gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt.data(), static_cast<int>(Dp), ktile, BK, s.data(), BK);
         if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), nullptr);
-        if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
+        if (kind == TileKind::kPartial) mask_partial_tile(rows_kr, i0, mr, j0, s.data());
         for (int r = 0; r < mr; ++r) {
           T* srow = s.data() + r * BK;
           V vmax = S::load(srow);
@@ -187,12 +234,19 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
           dropout_multipliers<T, BK>(p.dropout, b, h, i0, mr, j0, Sk, z.data());
           multiply_tile<T, BK>(mr, z.data(), s.data());
         }
-        gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, s.data(), BK, vp_h + j0 * Dp, static_cast<int>(Dp), o.data(),
-                           static_cast<int>(Dp));
+        // in place: only the tile's j1 - j0 rows of V exist (P is zero past them)
+        if (v_in_place) {
+          const T* vrows = reinterpret_cast<const T*>(vin) + ((b * Sk + j0) * Hkv + hk) * D;
+          gemm_tile<T, true>(mr, static_cast<int>(Dp), static_cast<int>(j1 - j0), s.data(), BK, vrows,
+                             static_cast<int>(Hkv * D), o.data(), static_cast<int>(Dp));
+        } else {
+          gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, s.data(), BK, vp_h + j0 * Dp, static_cast<int>(Dp), o.data(),
+                             static_cast<int>(Dp));
+        }
       }
 
       for (int r = 0; r < mr; ++r) {
-        const std::int64_t i = i0 + r;
+        const std::int64_t i = query_of(r), hr = head_of(r);
         const T* orow = o.data() + r * Dp;
         double lse_out;  // natural log, from the base-2 running max and sum, in fp64 whatever T
         if (l[r] > T(0)) {
@@ -207,16 +261,16 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
           lse_out = std::numeric_limits<double>::quiet_NaN();
         }
         if (!p.sinks.empty()) {  // the one place of the sink: it joins the finished row's denominator
-          const T factor = static_cast<T>(add_sink(lse_out, p.sinks[static_cast<std::size_t>(h)]));
+          const T factor = static_cast<T>(add_sink(lse_out, p.sinks[static_cast<std::size_t>(hr)]));
           for (std::int64_t d = 0; d < D; ++d) row[d] *= factor;
         }
-        const std::int64_t li = (b * Hq + h) * Sq + i;
+        const std::int64_t li = (b * Hq + hr) * Sq + i;
         if (lse_dtype == DType::kFloat64) {
           static_cast<double*>(lse)[li] = lse_out;
         } else {
           static_cast<float*>(lse)[li] = static_cast<float>(lse_out);
         }
-        const std::size_t off = static_cast<std::size_t>(((b * Sq + i) * Hq + h) * D) * out_size;
+        const std::size_t off = static_cast<std::size_t>(((b * Sq + i) * Hq + hr) * D) * out_size;
         convert(row.data(), cdt, outc + off, out_dtype, static_cast<std::size_t>(D));
       }
     }

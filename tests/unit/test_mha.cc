@@ -717,6 +717,40 @@ TEST(MhaDeterminism, OneAndTwoThreadsAreBitwiseEqual) {
 #endif
 }
 
+// Decode shapes (group * Sq <= 64 rows, no score transform) run one work item per (b, KV head) and read K and V of
+// the compute dtype in place; longer query blocks run per (b, query head, tile) from packed copies. The rows of a
+// one-query or three-query call must equal the same rows of one 70-query call bit for bit: fp32 with D = 64 (K and
+// V in place), bf16 (both converted and packed) and fp32 with D = 40 (V not a multiple of the vector width: packed),
+// keys not a multiple of the 64-key tile.
+TEST(MhaDeterminism, DecodeShapeRowsEqualRowsOfALongQueryBlock) {
+  for (auto [dtype, D] : {std::pair{DType::kFloat32, std::int64_t{64}}, std::pair{DType::kBFloat16, std::int64_t{64}},
+                          std::pair{DType::kFloat32, std::int64_t{40}}}) {
+    Problem p{2, 70, 300, 8, 2, D, dtype, {true, 0}, Layout::kContiguous};
+    const Inputs in = make_inputs(p, 57);
+    const DType acc = accumulator_dtype(dtype);
+    Tensor out = Tensor::empty(in.q.shape(), acc, kWs), lse = Tensor::empty({p.B, p.Hq, p.Sq}, acc, kWs);
+    mha_forward(args_of(p, in), out, lse);
+    for (auto [i0, n] : {std::pair{std::int64_t{0}, std::int64_t{1}},
+                         {std::int64_t{33}, std::int64_t{3}},
+                         {std::int64_t{69}, std::int64_t{1}}}) {
+      const Tensor q = slice_seq(in.q, i0, i0 + n, dtype);
+      const std::vector<std::int64_t> q_pos(in.pos.q.begin() + i0, in.pos.q.begin() + i0 + n);
+      Tensor o1 = Tensor::empty(q.shape(), acc, kWs), l1 = Tensor::empty({p.B, p.Hq, n}, acc, kWs);
+      mha_forward(MhaForwardArgs{q, in.k, in.v, q_pos, in.pos.k, p.mask, p.scale}, o1, l1);
+      const Tensor o_rows = slice_seq(out, i0, i0 + n, acc);
+      EXPECT_EQ(std::memcmp(o1.data(), o_rows.data(), o1.nbytes()), 0)
+          << dtype_name(dtype) << " D " << D << " out rows " << i0 << "..+" << n;
+      for (std::int64_t b = 0; b < p.B; ++b)
+        for (std::int64_t h = 0; h < p.Hq; ++h)
+          EXPECT_EQ(std::memcmp(static_cast<const char*>(l1.data()) + ((b * p.Hq + h) * n) * dtype_size(acc),
+                                static_cast<const char*>(lse.data()) + ((b * p.Hq + h) * p.Sq + i0) * dtype_size(acc),
+                                static_cast<std::size_t>(n) * dtype_size(acc)),
+                    0)
+              << dtype_name(dtype) << " D " << D << " lse of b " << b << " h " << h << " rows " << i0;
+    }
+  }
+}
+
 // ---- the vectorised exp2 of the kernels ---------------------------------------------------------------
 
 TEST(MhaSimd, Exp2MatchesStdAndUnderflowsToZero) {

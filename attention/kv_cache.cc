@@ -1,0 +1,136 @@
+// The MHA key-value cache and the decode kernel (math and rules: attention/kv_cache.h). The attention itself is
+// attention/mha.h's mha_forward on the cache's rows: there is one attention kernel.
+#include "attention/kv_cache.h"
+
+#include "attention/boundary.h"
+#include "attention/mha.h"
+#include "runtime/error.h"
+#include "runtime/tensor_ops.h"
+
+namespace seqpar::attn {
+namespace {
+
+constexpr const char* kFamily = "MHA";
+
+// Rows [begin, begin + n) of batch row b of a [B, capacity, H, D] tensor, as a [1, n, H, D] view.
+TensorView rows(const Tensor& t, std::int64_t b, std::int64_t begin, std::int64_t n) {
+  const std::int64_t row = t.dim(2) * t.dim(3);
+  auto* base =
+      static_cast<char*>(t.data()) + static_cast<std::size_t>((b * t.dim(1) + begin) * row) * dtype_size(t.dtype());
+  return TensorView(base, t.dtype(), {1, n, t.dim(2), t.dim(3)});
+}
+
+}  // namespace
+
+std::int64_t mha_kv_cache_bytes(const KvCacheSpec& s) {
+  return 2 * s.batch * s.capacity * s.kv_heads * s.head_dim * static_cast<std::int64_t>(dtype_size(s.dtype));
+}
+
+MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec) {
+  SEQPAR_CHECK(spec.batch >= 1 && spec.kv_heads >= 1 && spec.head_dim >= 1, "MhaKvCache: batch ", spec.batch,
+               ", kv_heads ", spec.kv_heads, " and head_dim ", spec.head_dim, " must be >= 1");
+  SEQPAR_CHECK(spec.capacity >= 0, "MhaKvCache: capacity ", spec.capacity, " must be >= 0");
+  SEQPAR_CHECK(is_floating(spec.dtype), "MhaKvCache: dtype ", dtype_name(spec.dtype),
+               " must be a floating dtype (fp32, bf16, fp16 or fp64)");
+  const Shape shape{spec.batch, spec.capacity, spec.kv_heads, spec.head_dim};
+  k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
+  v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
+  positions_.reserve(static_cast<std::size_t>(spec.capacity));
+}
+
+TensorView MhaKvCache::k_rows(std::int64_t b) const {
+  SEQPAR_CHECK(b >= 0 && b < spec_.batch, "MhaKvCache::k_rows: batch row ", b, " outside [0, ", spec_.batch, ")");
+  return rows(k_, b, 0, length());
+}
+
+TensorView MhaKvCache::v_rows(std::int64_t b) const {
+  SEQPAR_CHECK(b >= 0 && b < spec_.batch, "MhaKvCache::v_rows: batch row ", b, " outside [0, ", spec_.batch, ")");
+  return rows(v_, b, 0, length());
+}
+
+std::vector<std::int64_t> MhaKvCache::resolve_positions(std::int64_t n, std::span<const std::int64_t> positions) const {
+  const std::int64_t next = positions_.empty() ? 0 : positions_.back() + 1;
+  std::vector<std::int64_t> pos;
+  if (positions.empty()) {
+    for (std::int64_t i = 0; i < n; ++i) pos.push_back(next + i);
+    return pos;
+  }
+  SEQPAR_CHECK(static_cast<std::int64_t>(positions.size()) == n, "MhaKvCache::append: positions has ", positions.size(),
+               " entries for n = ", n, " new tokens (k_new dim 1)");
+  detail::check_strictly_increasing(positions, "MhaKvCache::append positions");
+  SEQPAR_CHECK(n == 0 || positions.front() >= next, "MhaKvCache::append: position ", positions.front(),
+               " must follow the last stored position ", next - 1, " (positions strictly increase along the cache)");
+  pos.assign(positions.begin(), positions.end());
+  return pos;
+}
+
+void MhaKvCache::check_append(const TensorView& k_new, const TensorView& v_new,
+                              std::span<const std::int64_t> positions) const {
+  SEQPAR_CHECK(k_new.ndim() == 4, "MhaKvCache::append: k_new must be [B, n, Hkv, D], got ", shape_str(k_new.shape()));
+  const std::int64_t n = k_new.dim(1);
+  const Shape shape{spec_.batch, n, spec_.kv_heads, spec_.head_dim};
+  detail::check_floating(k_new, "k_new", kFamily);
+  detail::check_floating(v_new, "v_new", kFamily);
+  check_shape(k_new, shape, "MhaKvCache::append k_new (the cache's [B, n, Hkv, D])");
+  check_shape(v_new, shape, "MhaKvCache::append v_new (the cache's [B, n, Hkv, D])");
+  SEQPAR_CHECK(length() + n <= spec_.capacity, "MhaKvCache::append: ", n, " new tokens after ", length(),
+               " stored would run past the capacity ", spec_.capacity);
+  resolve_positions(n, positions);
+}
+
+void MhaKvCache::append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions) {
+  check_append(k_new, v_new, positions);
+  const std::int64_t n = k_new.dim(1);
+  std::vector<std::int64_t> pos = resolve_positions(n, positions);
+  if (n == 0) return;
+  for (std::int64_t b = 0; b < spec_.batch; ++b) {
+    copy_convert(k_new.slice0(b, b + 1), rows(k_, b, length(), n));
+    copy_convert(v_new.slice0(b, b + 1), rows(v_, b, length(), n));
+  }
+  positions_.insert(positions_.end(), pos.begin(), pos.end());
+}
+
+namespace {
+
+// The mha_forward arguments of batch row b (q, out, lse of that row; the cache's stored rows).
+MhaForwardArgs row_args(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos, float scale,
+                        std::int64_t b) {
+  MhaForwardArgs a;
+  a.q = q.slice0(b, b + 1);
+  a.k = cache.k_rows(b);
+  a.v = cache.v_rows(b);
+  a.q_pos = q_pos;
+  a.k_pos = cache.positions();
+  a.mask.causal = true;
+  a.scale = scale;
+  return a;
+}
+
+}  // namespace
+
+void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
+                      const TensorView& out, const TensorView& lse, float scale, Stream stream) {
+  const KvCacheSpec& s = cache.spec();
+  SEQPAR_CHECK(q.ndim() == 4, "mha_decode: q must be [B, n, Hq, D], got ", shape_str(q.shape()));
+  SEQPAR_CHECK(q.dim(0) == s.batch && q.dim(3) == s.head_dim, "mha_decode: q ", shape_str(q.shape()),
+               " must have the cache's batch ", s.batch, " and head_dim ", s.head_dim);
+  SEQPAR_CHECK(q.dtype() == s.dtype, "mha_decode: q has dtype ", dtype_name(q.dtype()), ", the cache ",
+               dtype_name(s.dtype), " (q, k and v share one dtype)");
+  SEQPAR_CHECK(static_cast<std::int64_t>(q_pos.size()) == q.dim(1), "mha_decode: q_pos has ", q_pos.size(),
+               " entries for n = ", q.dim(1), " queries");
+  SEQPAR_CHECK(out.ndim() == 4 && out.dim(0) == s.batch, "mha_decode: out must be [B, n, Hq, D], got ",
+               shape_str(out.shape()));
+  SEQPAR_CHECK(lse.ndim() == 3 && lse.dim(0) == s.batch, "mha_decode: lse must be [B, Hq, n], got ",
+               shape_str(lse.shape()));
+  check_mha_forward(row_args(cache, q, q_pos, scale, 0), out.slice0(0, 1), lse.slice0(0, 1), stream);
+}
+
+void mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
+                const TensorView& out, const TensorView& lse, float scale, Stream stream) {
+  check_mha_decode(cache, q, q_pos, out, lse, scale, stream);
+  for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
+    mha_forward(row_args(cache, q, q_pos, scale, b), out.slice0(b, b + 1), lse.slice0(b, b + 1), stream);
+  }
+}
+
+}  // namespace seqpar::attn

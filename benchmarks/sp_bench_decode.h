@@ -1,0 +1,41 @@
+// sp_bench --mode decode: inference with sharded caches (parallel/decode_cp.h). A prompt of --context T tokens is
+// prefilled under CP into the caches, then --decode-steps N steps of --new-tokens n tokens each attend to them.
+// Rows: prefill (median over --iters, after --warmup), decode step (median and p99 over the N steps; each step's time
+// is the slowest rank's), with --chunk C a persistent-cache prefill of C more tokens (pass-KV / pass-Q) timed
+// between them, bytes per step (CpCounters, against the documented formula) and cache MiB per rank (the
+// ledger's persistent_cache, against M_KV / P for MHA and the state for GDN). --check compares every step's output
+// (MHA: out and lse; GDN: out of every head and the final state) with the single-rank training forward over the
+// T + N n tokens, on rank 0. --attn mha and gdn (DSA: "not supported yet").
+#pragma once
+
+#include <cstdint>
+#include <cxxopts.hpp>
+#include <string>
+
+#include "benchmarks/bench_common.h"
+
+namespace seqpar::bench {
+
+struct SpBenchOptions;
+
+struct DecodeOptions {
+  std::string mode = "train";              // --mode train | decode
+  std::int64_t context = 4096;             // --context T (prompt tokens)
+  std::int64_t decode_steps = 16;          // --decode-steps N
+  std::int64_t new_tokens = 1;             // --new-tokens n (queries per step)
+  std::string cache_shard = "interleave";  // --cache-shard contiguous | interleave
+  std::int64_t interleave = 1;             // --interleave I
+  std::string prefill = "forward";         // --prefill forward | fill (MHA: fill skips the prompt's attention)
+  std::int64_t chunk = 0;                  // --chunk C: a persistent-cache prefill of C tokens after the prompt
+  std::string chunk_mode = "auto";         // --chunk-mode auto | pass-kv | pass-q
+};
+
+// The decode flags (help group "decode").
+void add_decode_options(cxxopts::Options& spec);
+// Reads them (their rules are checked by run_decode_bench, before any communication).
+DecodeOptions parse_decode_options(const cxxopts::ParseResult& r);
+
+// The whole decode run (every rank); returns the exit status (1 when --check failed).
+int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place);
+
+}  // namespace seqpar::bench

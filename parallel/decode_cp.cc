@@ -1,0 +1,659 @@
+// Inference with sharded caches under context parallelism (math, bytes and rules: parallel/decode_cp.h).
+#include "parallel/decode_cp.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+
+#include "runtime/error.h"
+#include "runtime/tensor_ops.h"
+
+namespace seqpar {
+namespace {
+
+constexpr std::array<const char*, 2> kCacheShardNames = {"contiguous", "interleave"};
+constexpr std::array<const char*, 3> kChunkModeNames = {"auto", "pass-kv", "pass-q"};
+
+// [0, 1, ..., n) shifted by `first`.
+std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t n) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = first + i;
+  return v;
+}
+
+// The fields every decode-side call shares: the sharding and the length / step of the cache it is given.
+void add_cache_fields(Fingerprint& fp, std::int64_t length, std::int64_t steps) {
+  fp.add_int("cache_length", length).add_int("cache_steps", steps);
+}
+
+// A view at element `offset` of a flat buffer, with `shape`.
+TensorView sub_view(const Tensor& buf, std::int64_t offset, const Shape& shape) {
+  auto* p = static_cast<char*>(buf.data()) + static_cast<std::size_t>(offset) * dtype_size(buf.dtype());
+  return TensorView(p, buf.dtype(), shape, buf.view().device());
+}
+
+// The exact merge of P shards' (out_r, lse_r) (parallel/decode_cp.h), in fp64 and rank order. recv holds P blocks
+// of [out_r (B n Hq D) | lse hi (B Hq n) | lse lo (B Hq n)] of type T; out [B, n, Hq, D] of T, lse [B, Hq, n] of T.
+template <typename T>
+void merge_shards(const T* recv, int num_ranks, std::int64_t B, std::int64_t n, std::int64_t hq, std::int64_t dim,
+                  T* out, T* lse) {
+  const std::int64_t rows = B * n * hq, block = rows * (dim + 2);
+  std::vector<double> w(static_cast<std::size_t>(num_ranks)), acc(static_cast<std::size_t>(dim));
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (std::int64_t h = 0; h < hq; ++h) {
+        const std::int64_t o_off = ((b * n + i) * hq + h) * dim, l_off = (b * hq + h) * n + i;
+        double m = -std::numeric_limits<double>::infinity();
+        for (int r = 0; r < num_ranks; ++r) {
+          const T* blk = recv + r * block;
+          w[r] = static_cast<double>(blk[rows * dim + l_off]) + static_cast<double>(blk[rows * dim + rows + l_off]);
+          m = std::max(m, w[r]);
+        }
+        std::fill(acc.begin(), acc.end(), 0.0);
+        if (m == -std::numeric_limits<double>::infinity()) {  // no rank holds a visible key
+          for (std::int64_t d = 0; d < dim; ++d) out[o_off + d] = T(0);
+          lse[l_off] = static_cast<T>(m);
+          continue;
+        }
+        double l = 0;
+        for (int r = 0; r < num_ranks; ++r) {
+          w[r] = std::exp(w[r] - m);  // 0 for a shard with lse -inf (its out is 0)
+          l += w[r];
+          const T* o = recv + r * block + o_off;
+          for (std::int64_t d = 0; d < dim; ++d) acc[d] += w[r] * static_cast<double>(o[d]);
+        }
+        for (std::int64_t d = 0; d < dim; ++d) out[o_off + d] = static_cast<T>(acc[d] / l);
+        lse[l_off] = static_cast<T>(m + std::log(l));
+      }
+    }
+  }
+}
+
+// lse (fp64) written as hi + lo of type T.
+template <typename T>
+void split_lse(const double* lse, std::int64_t count, T* hi, T* lo) {
+  for (std::int64_t i = 0; i < count; ++i) {
+    hi[i] = static_cast<T>(lse[i]);
+    lo[i] = std::isfinite(lse[i]) ? static_cast<T>(lse[i] - static_cast<double>(hi[i])) : T(0);
+  }
+}
+
+}  // namespace
+
+Tensor slice_dim(const TensorView& t, int dim, std::int64_t begin, std::int64_t end, Stream stream) {
+  SEQPAR_CHECK(dim >= 0 && dim < t.ndim() && 0 <= begin && begin <= end && end <= t.dim(dim), "slice_dim: [", begin,
+               ", ", end, ") of dimension ", dim, " of ", t.str());
+  Shape shape = t.shape();
+  shape[dim] = end - begin;
+  Tensor out = Tensor::empty(shape, t.dtype(), MemCategory::kWorkspace, t.device());
+  gather_rows(t, dim, iota_from(begin, end - begin), out, stream);
+  return out;
+}
+
+const char* cache_shard_name(CacheShardKind kind) { return kCacheShardNames[static_cast<int>(kind)]; }
+CacheShardKind parse_cache_shard(std::string_view name) {
+  return static_cast<CacheShardKind>(parse_option_index(name, kCacheShardNames, "cache shard"));
+}
+
+const char* chunk_prefill_mode_name(ChunkPrefillMode mode) { return kChunkModeNames[static_cast<int>(mode)]; }
+ChunkPrefillMode parse_chunk_prefill_mode(std::string_view name) {
+  return static_cast<ChunkPrefillMode>(parse_option_index(name, kChunkModeNames, "chunk prefill mode"));
+}
+
+// ---- CacheSharding -----------------------------------------------------------------------------------------------
+
+CacheSharding::CacheSharding(CacheShardKind kind, std::int64_t capacity, int num_ranks, std::int64_t interleave)
+    : kind_(kind), capacity_(capacity), num_ranks_(num_ranks), interleave_(interleave), block_(1) {
+  SEQPAR_CHECK(capacity >= 0, "CacheSharding: capacity ", capacity, " must be >= 0");
+  SEQPAR_CHECK(num_ranks >= 1, "CacheSharding: num_ranks ", num_ranks, " must be >= 1");
+  SEQPAR_CHECK(interleave >= 1, "CacheSharding: interleave ", interleave, " must be >= 1");
+  if (kind == CacheShardKind::kContiguous) {
+    interleave_ = 1;
+    block_ = std::max<std::int64_t>(1, (capacity + num_ranks - 1) / num_ranks);
+  }
+}
+
+int CacheSharding::owner(std::int64_t t) const {
+  return kind_ == CacheShardKind::kContiguous ? static_cast<int>(t / block_)
+                                              : static_cast<int>((t / interleave_) % num_ranks_);
+}
+
+std::int64_t CacheSharding::local_capacity(int rank) const {
+  if (kind_ == CacheShardKind::kContiguous) return std::clamp<std::int64_t>(capacity_ - rank * block_, 0, block_);
+  const std::int64_t cycle = interleave_ * num_ranks_;
+  return capacity_ / cycle * interleave_ +
+         std::clamp<std::int64_t>(capacity_ % cycle - rank * interleave_, 0, interleave_);
+}
+
+std::vector<std::int64_t> CacheSharding::owned(int rank, std::int64_t begin, std::int64_t end) const {
+  std::vector<std::int64_t> out;
+  for (std::int64_t t = begin; t < end; ++t) {
+    if (owner(t) == rank) out.push_back(t);
+  }
+  return out;
+}
+
+std::string CacheSharding::str() const {
+  return str_cat(cache_shard_name(kind_), kind_ == CacheShardKind::kInterleave ? str_cat(" ", interleave_) : "",
+                 " over ", num_ranks_, " ranks, capacity ", capacity_);
+}
+
+// ---- ShardedKvCache ----------------------------------------------------------------------------------------------
+
+namespace {
+attn::KvCacheSpec local_spec(const CacheSharding& sharding, int rank, attn::KvCacheSpec spec) {
+  SEQPAR_CHECK(spec.capacity == sharding.capacity(), "ShardedKvCache: spec capacity ", spec.capacity,
+               " differs from the sharding's ", sharding.capacity());
+  SEQPAR_CHECK(rank >= 0 && rank < sharding.num_ranks(), "ShardedKvCache: rank ", rank, " outside [0, ",
+               sharding.num_ranks(), ")");
+  spec.capacity = sharding.local_capacity(rank);
+  return spec;
+}
+}  // namespace
+
+ShardedKvCache::ShardedKvCache(const CacheSharding& sharding, int rank, const attn::KvCacheSpec& spec)
+    : sharding_(sharding), rank_(rank), spec_(spec), local_(local_spec(sharding, rank, spec)) {}
+
+// ---- MHA ---------------------------------------------------------------------------------------------------------
+
+MhaDecodeContextParallel::MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config)
+    : groups_(groups), config_(config) {
+  SEQPAR_CHECK(config.interleave >= 1, "MhaDecodeContextParallel: interleave ", config.interleave, " must be >= 1");
+  SEQPAR_CHECK(std::isfinite(config.scale), "MhaDecodeContextParallel: scale ", config.scale, " must be finite");
+}
+
+ShardedKvCache MhaDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
+                                                    std::int64_t head_dim, DType dtype) const {
+  const int pu = groups_.ulysses_size();
+  SEQPAR_CHECK(kv_heads >= 1 && kv_heads % pu == 0, "MhaDecodeContextParallel::make_cache: kv_heads Hkv = ", kv_heads,
+               " must be divisible by ulysses_size ", pu, " (decode splits whole KV heads over the Ulysses group)");
+  const CacheSharding sharding(config_.shard, capacity, groups_.ring.size(), config_.interleave);
+  return ShardedKvCache(sharding, groups_.ring.rank(),
+                        attn::KvCacheSpec{batch, capacity, kv_heads / pu, head_dim, dtype});
+}
+
+std::int64_t MhaDecodeContextParallel::decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads,
+                                                             std::int64_t head_dim, DType dtype) const {
+  return static_cast<std::int64_t>(groups_.ring.size() - 1) * batch * n * (q_heads / groups_.ulysses_size()) *
+         (head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(dtype)));
+}
+
+void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const char* call) const {
+  const CacheSharding& s = cache.sharding();
+  const CacheSharding mine(config_.shard, s.capacity(), groups_.ring.size(), config_.interleave);
+  SEQPAR_CHECK(s == mine && cache.rank() == groups_.ring.rank(), call, ": the cache is sharded ", s.str(), " for rank ",
+               cache.rank(), ", but this layer shards ", mine.str(), " and this is ring rank ", groups_.ring.rank(),
+               " (make the cache with this layer's make_cache)");
+}
+
+void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
+                                     std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
+  Fingerprint fp(call);
+  fp.add_text("shard", cache_shard_name(config_.shard))
+      .add_int("interleave", config_.interleave)
+      .add_real("scale", config_.scale)
+      .add_text("prefill_impl", ring_impl_name(config_.prefill_impl))
+      .add_int("capacity", cache.spec().capacity)
+      .add_int("batch", cache.spec().batch)
+      .add_int("kv_heads", cache.spec().kv_heads)
+      .add_int("head_dim", cache.spec().head_dim)
+      .add_text("cache dtype", dtype_name(cache.spec().dtype));
+  add_cache_fields(fp, cache.length(), cache.num_steps());
+  if (layout != nullptr) add_layout_fields(fp, *layout);
+  fp.add_tensors(tensors);
+  agreement_.run(groups_.sp, fp, groups_.stream);
+}
+
+void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,
+                                            const TensorView& q, const TensorView& k, const TensorView& v) {
+  check_cache(cache, who);
+  check_layout_matches(groups_, layout, who);
+  const attn::KvCacheSpec& s = cache.spec();
+  const Shape kv_shape{s.batch, layout.local_len(), s.kv_heads * groups_.ulysses_size(), s.head_dim};
+  check_shape(k, kv_shape, str_cat(who, " k (the cache's [B, S_local, Hkv, D])").c_str());
+  check_shape(v, kv_shape, str_cat(who, " v (the cache's [B, S_local, Hkv, D])").c_str());
+  SEQPAR_CHECK(k.dtype() == s.dtype && v.dtype() == s.dtype, who, ": k and v must have the cache's dtype ",
+               dtype_name(s.dtype), ", got ", dtype_name(k.dtype()), " and ", dtype_name(v.dtype()));
+  agree(cache, who, &layout, {{"q", q}, {"k", k}, {"v", v}});
+  SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
+               " tokens; a prompt continuation (persistent-cache prefill) is not supported yet");
+  SEQPAR_CHECK(layout.seq_len() <= s.capacity, who, ": the prompt of ", layout.seq_len(),
+               " tokens does not fit the cache capacity ", s.capacity);
+}
+
+PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const SequenceLayout& layout,
+                                                const TensorView& q, const TensorView& k, const TensorView& v) {
+  check_prompt(cache, layout, "MhaDecodeContextParallel::prefill", q, k, v);
+  RingAttentionConfig rc;
+  rc.impl = config_.prefill_impl;
+  rc.causal = true;
+  rc.scale = config_.scale;
+  UspAttention usp(groups_, layout, rc);  // a ring when ulysses_size = 1
+  AttentionOutput o = usp.forward(q, k, v);
+  counters_ += usp.counters();
+  reshard_prompt(cache, layout, k, v);
+  cache.length_ = layout.seq_len();
+  return {std::move(o.out), std::move(o.lse)};
+}
+
+void MhaDecodeContextParallel::fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
+                                    const TensorView& v) {
+  check_prompt(cache, layout, "MhaDecodeContextParallel::fill", {}, k, v);
+  reshard_prompt(cache, layout, k, v);
+  cache.length_ = layout.seq_len();
+}
+
+void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
+                                              const TensorView& v, std::int64_t offset) {
+  const attn::KvCacheSpec& s = cache.spec();
+  const CacheSharding& sh = cache.sharding();
+  // Over the SP group: SP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the
+  // KV heads [ulysses_rank(d) hl, (ulysses_rank(d) + 1) hl).
+  const int P = groups_.sp.size(), pu = groups_.ulysses_size(), me = groups_.sp_rank(), my_ring = groups_.ring.rank();
+  const std::int64_t hl = s.kv_heads, row = hl * s.head_dim, T = layout.seq_len();
+  // Global positions: the layout's plus `offset` (a chunk after `offset` cached tokens).
+  const auto positions_of = [&](int sp_rank) {
+    std::vector<std::int64_t> pos = layout.positions(sp_rank);
+    for (std::int64_t& t : pos) t += offset;
+    return pos;
+  };
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  ScopedTimer timer(counters_.compute_s);
+  // Send: for each destination d, the rows of my tokens it stores, K then V, each [B, m, hl, D].
+  const std::vector<std::int64_t> mine = positions_of(me);
+  std::vector<std::vector<std::int64_t>> to(P);
+  for (int d = 0; d < P; ++d) {
+    for (std::size_t i = 0; i < mine.size(); ++i) {
+      if (sh.owner(mine[i]) == d / pu) to[d].push_back(static_cast<std::int64_t>(i));
+    }
+  }
+  std::vector<std::int64_t> send_counts(P), recv_counts(P);
+  std::int64_t send_total = 0, recv_total = 0;
+  for (int d = 0; d < P; ++d)
+    send_total += send_counts[d] = 2 * s.batch * static_cast<std::int64_t>(to[d].size()) * row;
+  // Receive: from each source, the rows of its tokens my ring rank owns, in its (increasing) order.
+  const std::vector<std::int64_t> owned = sh.owned(my_ring, offset, offset + T);
+  std::vector<std::vector<std::int64_t>> from(P);  // indices into `owned`
+  for (int src = 0; src < P; ++src) {
+    for (std::int64_t t : positions_of(src)) {
+      if (sh.owner(t) == my_ring) {
+        from[src].push_back(std::lower_bound(owned.begin(), owned.end(), t) - owned.begin());
+      }
+    }
+    recv_total += recv_counts[src] = 2 * s.batch * static_cast<std::int64_t>(from[src].size()) * row;
+  }
+  Tensor send = alloc.empty({send_total}, s.dtype, MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty({recv_total}, s.dtype, MemCategory::kCommBuffer);
+  std::int64_t off = 0;
+  for (int d = 0; d < P; ++d) {
+    const std::int64_t m = static_cast<std::int64_t>(to[d].size());
+    if (m == 0) continue;
+    const Shape shape{s.batch, m, hl, s.head_dim};
+    const std::vector<std::int64_t> heads = iota_from((d % pu) * hl, hl);
+    for (const auto& [src, half] : {std::pair{k, 0}, std::pair{v, 1}}) {
+      const TensorView dst = sub_view(send, off + half * send_counts[d] / 2, shape);
+      if (pu == 1) {
+        gather_rows(src, 1, to[d], dst, groups_.stream);
+        continue;
+      }
+      Tensor rows = alloc.empty({s.batch, m, hl * pu, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+      gather_rows(src, 1, to[d], rows, groups_.stream);
+      gather_rows(rows, 2, heads, dst, groups_.stream);
+    }
+    off += send_counts[d];
+  }
+  {
+    CommMeter meter(groups_, counters_);
+    WorkHandle w = groups_.sp.all_to_all_v(send, send_counts, recv, recv_counts);
+    timed_wait(groups_.sp, w, &counters_.exposed_comm_s);
+  }
+  const std::int64_t m_all = static_cast<std::int64_t>(owned.size());
+  Tensor k_own = alloc.empty({s.batch, m_all, hl, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+  Tensor v_own = alloc.empty({s.batch, m_all, hl, s.head_dim}, s.dtype, MemCategory::kWorkspace);
+  off = 0;
+  for (int src = 0; src < P; ++src) {
+    const std::int64_t m = static_cast<std::int64_t>(from[src].size());
+    if (m == 0) continue;
+    const Shape shape{s.batch, m, hl, s.head_dim};
+    scatter_rows(sub_view(recv, off, shape), 1, from[src], k_own, groups_.stream);
+    scatter_rows(sub_view(recv, off + recv_counts[src] / 2, shape), 1, from[src], v_own, groups_.stream);
+    off += recv_counts[src];
+  }
+  cache.local_.append(k_own, v_own, owned);
+}
+
+std::int64_t MhaDecodeContextParallel::pass_kv_bytes(const ShardedKvCache& cache) const {
+  const attn::KvCacheSpec& s = cache.spec();
+  std::int64_t m_max = 0;
+  for (int r = 0; r < groups_.ring.size(); ++r) {
+    m_max =
+        std::max<std::int64_t>(m_max, static_cast<std::int64_t>(cache.sharding().owned(r, 0, cache.length()).size()));
+  }
+  return static_cast<std::int64_t>(groups_.ring.size() - 1) * 2 * s.batch * m_max * s.kv_heads * s.head_dim *
+         static_cast<std::int64_t>(dtype_size(s.dtype));
+}
+
+std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new,
+                                                    std::int64_t q_heads) const {
+  const attn::KvCacheSpec& s = cache.spec();
+  const std::int64_t P = groups_.ring.size(), t_loc = t_new / P;
+  return (P - 1) * s.batch * t_loc * q_heads *
+         (s.head_dim * static_cast<std::int64_t>(dtype_size(s.dtype)) +
+          (s.head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(s.dtype))));
+}
+
+ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new,
+                                                             std::int64_t q_heads) const {
+  return pass_q_bytes(cache, t_new, q_heads) < pass_kv_bytes(cache) ? ChunkPrefillMode::kPassQ
+                                                                    : ChunkPrefillMode::kPassKv;
+}
+
+PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q,
+                                               const TensorView& k, const TensorView& v, ChunkPrefillMode mode) {
+  const char* who = "MhaDecodeContextParallel::extend";
+  SEQPAR_CHECK(groups_.ulysses_size() == 1, who, ": ulysses_size ", groups_.ulysses_size(),
+               " is not supported yet (use ulysses_size 1)");
+  check_cache(cache, who);
+  check_layout_matches(groups_, layout, who);
+  const attn::KvCacheSpec& s = cache.spec();
+  const std::int64_t B = s.batch, D = s.head_dim, t_loc = layout.local_len(), t_new = layout.seq_len();
+  const Shape kv_shape{B, t_loc, s.kv_heads, D};
+  check_shape(k, kv_shape, "MhaDecodeContextParallel::extend k (the cache's [B, S_local, Hkv, D])");
+  check_shape(v, kv_shape, "MhaDecodeContextParallel::extend v (the cache's [B, S_local, Hkv, D])");
+  SEQPAR_CHECK(q.ndim() == 4 && q.dim(0) == B && q.dim(1) == t_loc && q.dim(3) == D && q.dim(2) % s.kv_heads == 0, who,
+               ": q ", shape_str(q.shape()), " must be [", B, ", ", t_loc, ", Hq, ", D,
+               "] with Hq a multiple of Hkv = ", s.kv_heads);
+  SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
+               ": q, k, v must have the cache's dtype ", dtype_name(s.dtype));
+  agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q}, {"k", k}, {"v", v}});
+  const std::int64_t L = cache.length(), hq = q.dim(2);
+  SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
+               " would run past the cache capacity ", s.capacity);
+  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, t_new, hq);
+  const int P = groups_.ring.size(), me = groups_.ring.rank();
+  const DType acc = accumulator_dtype(s.dtype);
+  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  const auto chunk_positions = [&](int r) {
+    std::vector<std::int64_t> pos = layout.positions(r);
+    for (std::int64_t& t : pos) t += L;
+    return pos;
+  };
+  const std::vector<std::int64_t> q_pos = chunk_positions(me);
+  // 1. The chunk's own causal attention (the training forward over the chunk; positions relative to L).
+  RingAttentionConfig rc;
+  rc.impl = config_.prefill_impl;
+  rc.scale = config_.scale;
+  RingAttention ring(groups_, layout, rc);
+  AttentionOutput own = ring.forward(q, k, v);
+  counters_ += ring.counters();
+  // 2. The cached part: P partial (out, lse hi, lo) blocks for this rank's queries, then the chunk's as block P.
+  Tensor parts = alloc.empty({block * (P + 1)}, acc, MemCategory::kCommBuffer);
+  Tensor lse64 = alloc.empty({B, hq, t_loc}, DType::kFloat64, MemCategory::kWorkspace);
+  // Writes one partial's lse (fp64 in lse64) into block `r` of `buf` after its out.
+  const auto put_lse = [&](const Tensor& buf, std::int64_t r) {
+    if (acc == DType::kFloat64) {
+      double* b = buf.data_as<double>() + r * block + rows * D;
+      split_lse(lse64.data_as<double>(), rows, b, b + rows);
+    } else {
+      float* b = buf.data_as<float>() + r * block + rows * D;
+      split_lse(lse64.data_as<double>(), rows, b, b + rows);
+    }
+  };
+  if (mode == ChunkPrefillMode::kPassKv) {
+    std::vector<std::vector<std::int64_t>> held(P);
+    std::int64_t m_max = 0;
+    for (int r = 0; r < P; ++r) {
+      held[r] = cache.sharding().owned(r, 0, L);
+      m_max = std::max<std::int64_t>(m_max, static_cast<std::int64_t>(held[r].size()));
+    }
+    const std::int64_t shard = B * m_max * s.kv_heads * D;  // elements of one of K, V, padded
+    Tensor send = alloc.zeros({2 * shard}, s.dtype, MemCategory::kCommBuffer);
+    Tensor recv = alloc.empty({P * 2 * shard}, s.dtype, MemCategory::kCommBuffer);
+    const std::int64_t m_me = cache.local().length();
+    for (std::int64_t b = 0; b < B; ++b) {
+      const Shape rows_shape{1, m_me, s.kv_heads, D};
+      copy_convert(cache.local().k_rows(b), sub_view(send, b * m_max * s.kv_heads * D, rows_shape));
+      copy_convert(cache.local().v_rows(b), sub_view(send, shard + b * m_max * s.kv_heads * D, rows_shape));
+    }
+    {
+      CommMeter meter(groups_, counters_);
+      WorkHandle w = groups_.ring.all_gather(send, recv);
+      timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+    }
+    ScopedTimer timer(counters_.compute_s);
+    for (int r = 0; r < P; ++r) {
+      const std::int64_t m_r = static_cast<std::int64_t>(held[r].size());
+      for (std::int64_t b = 0; b < B; ++b) {
+        attn::MhaForwardArgs a;
+        a.q = q.slice0(b, b + 1);
+        a.k = sub_view(recv, r * 2 * shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
+        a.v = sub_view(recv, r * 2 * shard + shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
+        a.q_pos = q_pos;
+        a.k_pos = held[r];
+        a.mask.causal = true;
+        a.scale = config_.scale;
+        attn::mha_forward(a, sub_view(parts, r * block + b * t_loc * hq * D, {1, t_loc, hq, D}),
+                          lse64.view().slice0(b, b + 1), groups_.stream);
+      }
+      put_lse(parts, r);
+    }
+  } else {
+    Tensor q_all = alloc.empty({P * B * t_loc * hq * D}, s.dtype, MemCategory::kCommBuffer);
+    Tensor send = alloc.empty({block * P}, acc, MemCategory::kCommBuffer);
+    {
+      CommMeter meter(groups_, counters_);
+      WorkHandle w = groups_.ring.all_gather(q, q_all);
+      timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+    }
+    {
+      ScopedTimer timer(counters_.compute_s);
+      for (int r = 0; r < P; ++r) {
+        attn::mha_decode(cache.local(), sub_view(q_all, r * B * t_loc * hq * D, {B, t_loc, hq, D}), chunk_positions(r),
+                         sub_view(send, r * block, {B, t_loc, hq, D}), lse64, config_.scale, groups_.stream);
+        put_lse(send, r);
+      }
+    }
+    CommMeter meter(groups_, counters_);
+    WorkHandle w = groups_.ring.all_to_all(send, sub_view(parts, 0, {block * P}));
+    timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+  }
+  // 3. Merge the P cached partials and the chunk's own.
+  PrefillOutput result;
+  {
+    ScopedTimer timer(counters_.compute_s);
+    copy_convert(own.out, sub_view(parts, P * block, {B, t_loc, hq, D}));
+    copy_convert(own.lse, lse64);
+    put_lse(parts, P);
+    Tensor merged = alloc.empty({B, t_loc, hq, D}, acc, MemCategory::kWorkspace);
+    result.lse = alloc.empty({B, hq, t_loc}, acc, MemCategory::kWorkspace);
+    if (acc == DType::kFloat64) {
+      merge_shards(parts.data_as<double>(), P + 1, B, t_loc, hq, D, merged.data_as<double>(),
+                   result.lse.data_as<double>());
+    } else {
+      merge_shards(parts.data_as<float>(), P + 1, B, t_loc, hq, D, merged.data_as<float>(),
+                   result.lse.data_as<float>());
+    }
+    result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
+  }
+  // 4. The chunk's K/V join the cache on their owners.
+  reshard_prompt(cache, layout, k, v, L);
+  cache.length_ = L + t_new;
+  return result;
+}
+
+DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,
+                                              const TensorView& v) {
+  const char* who = "MhaDecodeContextParallel::decode";
+  check_cache(cache, who);
+  const attn::KvCacheSpec& s = cache.spec();
+  SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hq, D] with n >= 1, got ",
+               shape_str(q.shape()));
+  const int pu = groups_.ulysses_size();
+  const std::int64_t n = q.dim(1), hq_all = q.dim(2), B = s.batch, D = s.head_dim, hq = hq_all / pu;
+  const Shape kv_shape{B, n, s.kv_heads * pu, D};
+  check_shape(k, kv_shape, "MhaDecodeContextParallel::decode k_new (the cache's [B, n, Hkv, D])");
+  check_shape(v, kv_shape, "MhaDecodeContextParallel::decode v_new (the cache's [B, n, Hkv, D])");
+  SEQPAR_CHECK(q.dim(0) == B && q.dim(3) == D && hq_all % (s.kv_heads * pu) == 0, who, ": q_new ", shape_str(q.shape()),
+               " must be [", B, ", n, Hq, ", D, "] with Hq a multiple of Hkv = ", s.kv_heads * pu, " (the cache's)");
+  SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
+               ": q_new, k_new, v_new must have the cache's dtype ", dtype_name(s.dtype));
+  agree(cache, who, nullptr, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
+  const std::int64_t L = cache.length();
+  SEQPAR_CHECK(L + n <= s.capacity, who, ": ", n, " new tokens after ", L, " would run past the cache capacity ",
+               s.capacity);
+  const std::vector<std::int64_t> q_pos = iota_from(L, n);
+  const DType acc = accumulator_dtype(s.dtype);
+  const std::int64_t rows = B * n * hq, block = rows * (D + 2);
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  Tensor send = alloc.empty({block}, acc, MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty({block * groups_.ring.size()}, acc, MemCategory::kCommBuffer);
+  {
+    ScopedTimer timer(counters_.compute_s);
+    // The owner appends the new tokens it owns, then every rank attends the queries to its shard.
+    // This rank's heads of the new tokens (all of them when ulysses_size = 1).
+    const auto heads = [&](const TensorView& t, std::int64_t local) {
+      const std::int64_t u = groups_.ulysses.rank();
+      return slice_dim(t, 2, u * local, (u + 1) * local, groups_.stream);
+    };
+    const Tensor q_l = heads(q, hq), k_l = heads(k, s.kv_heads), v_l = heads(v, s.kv_heads);
+    std::vector<std::int64_t> idx, pos;
+    for (std::int64_t t : cache.sharding().owned(cache.rank(), L, L + n)) {
+      idx.push_back(t - L);
+      pos.push_back(t);
+    }
+    if (!idx.empty()) {
+      const Shape shape{B, static_cast<std::int64_t>(idx.size()), s.kv_heads, D};
+      Tensor k_own = alloc.empty(shape, s.dtype, MemCategory::kWorkspace);
+      Tensor v_own = alloc.empty(shape, s.dtype, MemCategory::kWorkspace);
+      gather_rows(k_l, 1, idx, k_own, groups_.stream);
+      gather_rows(v_l, 1, idx, v_own, groups_.stream);
+      cache.local_.append(k_own, v_own, pos);
+    }
+    Tensor lse_r = alloc.empty({B, hq, n}, DType::kFloat64, MemCategory::kWorkspace);
+    attn::mha_decode(cache.local_, q_l, q_pos, sub_view(send, 0, {B, n, hq, D}), lse_r, config_.scale, groups_.stream);
+    if (acc == DType::kFloat64) {
+      split_lse(lse_r.data_as<double>(), rows, send.data_as<double>() + rows * D,
+                send.data_as<double>() + rows * D + rows);
+    } else {
+      split_lse(lse_r.data_as<double>(), rows, send.data_as<float>() + rows * D,
+                send.data_as<float>() + rows * D + rows);
+    }
+  }
+  {
+    CommMeter meter(groups_, counters_);
+    WorkHandle w = groups_.ring.all_gather(send, recv);
+    timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+  }
+  cache.length_ += n;
+  ++cache.num_steps_;
+  DecodeOutput result;
+  ScopedTimer timer(counters_.compute_s);
+  Tensor merged = alloc.empty({B, n, hq, D}, acc, MemCategory::kWorkspace);
+  result.lse = alloc.empty({B, hq, n}, acc, MemCategory::kWorkspace);
+  if (acc == DType::kFloat64) {
+    merge_shards(recv.data_as<double>(), groups_.ring.size(), B, n, hq, D, merged.data_as<double>(),
+                 result.lse.data_as<double>());
+  } else {
+    merge_shards(recv.data_as<float>(), groups_.ring.size(), B, n, hq, D, merged.data_as<float>(),
+                 result.lse.data_as<float>());
+  }
+  result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
+  return result;
+}
+
+// ---- GDN ---------------------------------------------------------------------------------------------------------
+
+GdnDecodeContextParallel::GdnDecodeContextParallel(const CpGroups& groups, const GdnCpConfig& config,
+                                                   std::int64_t value_heads, std::int64_t key_heads)
+    : groups_(groups), config_(config), hv_(value_heads), hk_(key_heads) {
+  const int P = groups.sp.size();
+  SEQPAR_CHECK(key_heads >= 1 && value_heads >= 1 && value_heads % key_heads == 0,
+               "GdnDecodeContextParallel: value_heads Hv = ", value_heads,
+               " must be a positive multiple of key_heads Hk = ", key_heads);
+  SEQPAR_CHECK(value_heads % P == 0 && key_heads % P == 0, "GdnDecodeContextParallel: value_heads Hv = ", value_heads,
+               " and key_heads Hk = ", key_heads, " must both be divisible by the SP group size ", P,
+               " (decode splits whole heads over the group; a key head is not replicated)");
+}
+
+attn::GdnCache GdnDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim,
+                                                    DType dtype) const {
+  attn::GdnCacheSpec spec;
+  spec.batch = batch;
+  spec.value_heads = local_value_heads();
+  spec.key_dim = key_dim;
+  spec.value_dim = value_dim;
+  spec.state_dtype = accumulator_dtype(dtype);
+  return attn::GdnCache(spec);
+}
+
+void GdnDecodeContextParallel::agree(const attn::GdnCache& cache, std::string_view call,
+                                     std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
+  Fingerprint fp(call);
+  fp.add_text("mode", gdn_cp_mode_name(config_.mode))
+      .add_flag("use_qk_l2norm", config_.use_qk_l2norm)
+      .add_real("scale", config_.scale)
+      .add_int("chunk_size", config_.chunk_size)
+      .add_int("value_heads", hv_)
+      .add_int("key_heads", hk_)
+      .add_tensor("cache state", cache.state());
+  add_cache_fields(fp, cache.length(), 0);
+  fp.add_tensors(tensors);
+  agreement_.run(groups_.sp, fp, groups_.stream);
+}
+
+Tensor GdnDecodeContextParallel::local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const {
+  SEQPAR_CHECK(t.ndim() >= 3 && t.dim(2) == total, "GdnDecodeContextParallel: ", t.str(), " must have ", total,
+               " heads in dimension 2");
+  return slice_dim(t, 2, groups_.sp_rank() * local, (groups_.sp_rank() + 1) * local, groups_.stream);
+}
+
+PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const SequenceLayout& layout,
+                                                const TensorView& q, const TensorView& k, const TensorView& v,
+                                                const TensorView& g, const TensorView& beta,
+                                                const TensorView& initial_state) {
+  const char* who = "GdnDecodeContextParallel::prefill";
+  const attn::GdnCacheSpec& s = cache.spec();
+  SEQPAR_CHECK(q.ndim() == 4 && v.ndim() == 4 && q.dim(2) == hk_ && v.dim(2) == hv_ && q.dim(0) == s.batch &&
+                   q.dim(3) == s.key_dim && v.dim(3) == s.value_dim && s.value_heads == local_value_heads(),
+               who, ": q ", shape_str(q.shape()), " and v ", shape_str(v.shape()), " must be [", s.batch, ", S, ", hk_,
+               ", ", s.key_dim, "] and [", s.batch, ", S, ", hv_, ", ", s.value_dim, "] for a cache of this layer (",
+               s.value_heads, " of its heads per rank)");
+  agree(cache, who, {{"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"initial_state", initial_state}});
+  SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
+               " tokens; a prompt continuation is not supported yet");
+  GdnContextParallel gdn(groups_, layout, config_);
+  GdnCpOutput o = gdn.forward(q, k, v, g, beta, initial_state);
+  const Tensor mine =
+      local_heads(o.final_state.view().reshape({s.batch, 1, hv_, s.key_dim * s.value_dim}), hv_, local_value_heads());
+  cache.set_state(mine.view().reshape(cache.state().shape()), layout.seq_len());
+  return {std::move(o.out), Tensor()};
+}
+
+DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const TensorView& q, const TensorView& k,
+                                              const TensorView& v, const TensorView& g, const TensorView& beta) {
+  const char* who = "GdnDecodeContextParallel::decode";
+  const attn::GdnCacheSpec& s = cache.spec();
+  SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hk, K] with n >= 1, got ",
+               shape_str(q.shape()));
+  const std::int64_t n = q.dim(1);
+  check_shape(q, {s.batch, n, hk_, s.key_dim}, "GdnDecodeContextParallel::decode q_new");
+  check_shape(k, {s.batch, n, hk_, s.key_dim}, "GdnDecodeContextParallel::decode k_new");
+  check_shape(v, {s.batch, n, hv_, s.value_dim}, "GdnDecodeContextParallel::decode v_new");
+  check_shape(g, {s.batch, n, hv_}, "GdnDecodeContextParallel::decode g_new");
+  check_shape(beta, {s.batch, n, hv_}, "GdnDecodeContextParallel::decode beta_new");
+  SEQPAR_CHECK(s.value_heads == local_value_heads(), who, ": the cache holds ", s.value_heads,
+               " value heads, this layer's ranks ", local_value_heads(), " (make it with this layer's make_cache)");
+  agree(cache, who, {{"q_new", q}, {"k_new", k}, {"v_new", v}, {"g_new", g}, {"beta_new", beta}});
+  const std::int64_t lv = local_value_heads(), lk = local_key_heads();
+  const Tensor ql = local_heads(q, hk_, lk), kl = local_heads(k, hk_, lk), vl = local_heads(v, hv_, lv);
+  const Tensor gl = local_heads(g, hv_, lv), bl = local_heads(beta, hv_, lv);
+  DecodeOutput result;
+  result.out = Tensor::empty({s.batch, n, lv, s.value_dim}, q.dtype(), MemCategory::kWorkspace);
+  attn::gdn_decode(cache, attn::gdn_args(ql, kl, vl, gl, bl, config_.use_qk_l2norm, config_.scale), result.out,
+                   groups_.stream);
+  return result;
+}
+
+}  // namespace seqpar

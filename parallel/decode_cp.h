@@ -1,0 +1,267 @@
+// Inference under context parallelism: the prompt's prefill under CP fills caches that stay sharded over the group,
+// and each decode step attends the new tokens to them (docs/design.md section 16).
+//
+// MHA / GQA: the K/V cache of a CP group of P ranks (groups.ring) is sharded by token (CacheSharding): `contiguous`
+// (blocks of ceil(capacity / P) tokens, rank r holding [r blk, (r+1) blk)) or `interleave I` (token t on rank (t / I)
+// mod P, I >= 1: the scheme of vLLM's decode context parallelism, which keeps appends balanced). A token's K/V is
+// stored only on its owner. Under USP (ulysses_size Pu > 1) the Ulysses group splits the heads: SP rank (ring r,
+// Ulysses u) stores, for the tokens ring rank r owns, the KV heads [u Hkv / Pu, (u+1) Hkv / Pu) and attends the query
+// heads [u Hq / Pu, (u+1) Hq / Pu) (Hkv and Hq divisible by Pu, Error otherwise: KV heads are not replicated); the
+// merge runs over the ring group only.
+//   prefill: the prompt's training forward under CP (UspAttention over `layout`: a ring when Pu = 1; any layout kind
+//     and ring impl) gives the prompt's out and lse in the compute layout; then one all_to_all_v over the SP group
+//     moves every prompt token's K and V (of each head) from the rank that computed it to the rank that stores it
+//     (re-sharding from the compute layout to the cache layout). Bytes sent by a rank: 2 B (Hkv / Pu) D bytes(dtype)
+//     per (token, destination) pair it sends to another rank.
+//   decode step of n new tokens at positions L..L+n-1 (L = the cache's length; q, k, v of the new tokens identical
+//     on every rank): the owner of each new token appends its K/V; every rank attends the n queries to its shard
+//     (attn::mha_decode: out_r, lse_r, with lse_r = -inf where it holds nothing visible), and one all-gather of
+//     (out_r, lse_r) over the group lets every rank merge exactly, in fp64, in rank order:
+//       m = max_r lse_r,  l = sum_r exp(lse_r - m),  out = sum_r exp(lse_r - m) out_r / l,  lse = m + log l
+//     (with out_r = u_r / l_r the local normalised output, exp(lse_r) = exp(m_r) l_r: the global softmax of the
+//     shards' m_r, l_r, u_r). Every rank of a ring group ends with the same out and lse of its query heads.
+//     Bytes per step (CpCounters::bytes_sent, and bytes_received the same), accumulator dtype a (4; 8 for fp64):
+//       merge_bytes = (Pr - 1) B n (Hq / Pu) (D + 2) bytes(a)       (Pr = ring_size, Pu = ulysses_size)
+//     (each rank's out_r and its lse as two numbers of dtype a, hi + lo, so that fp32 carries the fp64 lse of the
+//     merge to 2^-48: the weights exp(lse_r - m) keep fp64 accuracy). Before it, the ranks' agreement check (one
+//     24-byte all-reduce, AgreementCheck) runs on every step, since the step's fingerprint holds the cache length;
+//     it is not counted in CpCounters.
+//   Chosen over an all-reduce of the max then of (exp(lse_r - m) out_r, exp(lse_r - m)): one collective instead of
+//   two dependent ones, the same bytes order (P - 1 blocks in, a ring all-reduce 2 (P - 1) / P twice), and an
+//   order-fixed fp64 merge that is bitwise identical on every rank.
+//
+// Persistent-cache prefill (extend): a further prompt chunk of T_new tokens at positions L..L+T_new-1 (L = the
+// cache's length; q, k, v in a layout of T_new tokens over the ring, its positions shifted by L) attends to the cache
+// and, causally, to itself; then its K/V join the cache on their owners. ulysses_size must be 1. The chunk's own part
+// is the training forward (RingAttention); the cached part takes one of two routes (after Meta's "Context
+// Parallelism for Scalable Million-Token Inference", MLSys 2025):
+//   pass-KV: every rank's cache shard goes to every rank (one all-gather of the shards, padded to the longest, m_max
+//     rows); each rank attends its queries to every shard. Bytes sent per rank: (P - 1) 2 B m_max Hkv D bytes(dtype),
+//     m_max ~ L / P.
+//   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q, each rank attends every rank's
+//     queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries' owner.
+//     Bytes sent per rank: (P - 1) B T_loc Hq (D bytes(dtype) + (D + 2) bytes(a)), T_loc = T_new / P.
+// Every query then merges its P cached partials and the chunk's own (out, lse) with the formulas above. Both routes
+// give the same result (to rounding); auto takes the one that sends fewer bytes (pass-Q iff its bytes are fewer:
+// a short chunk after a long cache, the case of multi-turn prompts), as the paper's heuristic on the cache-miss rate.
+//
+// GDN: the state [B, Hv, K, V] does not grow with the context, so there is nothing to shard by token: the value heads
+// are split over the whole SP group (P = groups.sp.size(), rank r holding heads [r Hv / P, (r+1) Hv / P) and key heads
+// [r Hk / P, (r+1) Hk / P)); Hv and Hk must both be divisible by P (Error otherwise, naming both: a key head is never
+// replicated). Prefill runs GdnContextParallel (chain or scan, any layout and grid it accepts), whose final_state is
+// full on every rank: each rank keeps the slice of its heads (the states move to their head owners without a
+// message). A decode step slices the new tokens' heads and runs attn::gdn_decode on them: no data message (only the
+// agreement check), out of its heads [B, n, Hv / P, V].
+//
+// Ranks' agreement: every prefill and decode checks, before any data moves, that the ranks of the group pass the
+// same shapes and dtypes, the same configuration and sharding, and caches of the same length and step count
+// (AgreementCheck over the SP group: one 24-byte all-reduce; Error on every rank naming the field, for example
+// "... disagree on cache_length: 96 on sp rank(s) 1-3; 0 on sp rank(s) 0"; SEQPAR_AGREEMENT_CHECK=off skips it and
+// with it this protection). Then the capacity check (the same on every rank). A refused call leaves every cache as it
+// was.
+// Synchronisation: every public call is collective over its group and host-synchronous; kernels on groups.stream
+// (host). Memory: caches in persistent_cache; buffers of a step in workspace / comm_buffer, freed at return.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "attention/gdn_decode.h"
+#include "attention/kv_cache.h"
+#include "parallel/cp_common.h"
+#include "parallel/gdn_cp.h"
+#include "parallel/layout.h"
+#include "parallel/ring_attention.h"
+#include "parallel/usp.h"
+
+namespace seqpar {
+
+enum class CacheShardKind : std::uint8_t { kContiguous, kInterleave };
+const char* cache_shard_name(CacheShardKind kind);  // "contiguous", "interleave"
+CacheShardKind parse_cache_shard(std::string_view name);
+
+// The route of a persistent-cache prefill (see the header comment).
+enum class ChunkPrefillMode : std::uint8_t { kAuto, kPassKv, kPassQ };
+const char* chunk_prefill_mode_name(ChunkPrefillMode mode);  // "auto", "pass-kv", "pass-q"
+ChunkPrefillMode parse_chunk_prefill_mode(std::string_view name);
+
+// Entries [begin, end) of dimension `dim` of t, copied into a new tensor (workspace, t's dtype; gather_rows of
+// runtime/tensor_ops.h on `stream`): how a rank takes its heads (dim 2) or a step its tokens (dim 1).
+Tensor slice_dim(const TensorView& t, int dim, std::int64_t begin, std::int64_t end, Stream stream = Stream::cpu());
+
+// Which rank of a group of num_ranks holds token t of a cache of `capacity` tokens (see the header comment).
+class CacheSharding {
+ public:
+  // Errors: capacity < 0, num_ranks < 1, interleave < 1.
+  CacheSharding(CacheShardKind kind, std::int64_t capacity, int num_ranks, std::int64_t interleave = 1);
+
+  CacheShardKind kind() const { return kind_; }
+  std::int64_t capacity() const { return capacity_; }
+  int num_ranks() const { return num_ranks_; }
+  std::int64_t interleave() const { return interleave_; }  // I (interleave); 1 for contiguous
+  int owner(std::int64_t t) const;
+  // The number of tokens of [0, capacity) on `rank`.
+  std::int64_t local_capacity(int rank) const;
+  // The tokens of [begin, end) that `rank` owns, increasing.
+  std::vector<std::int64_t> owned(int rank, std::int64_t begin, std::int64_t end) const;
+  std::string str() const;  // "contiguous" or "interleave 16", with " over P ranks, capacity C"
+  bool operator==(const CacheSharding& o) const = default;
+
+ private:
+  CacheShardKind kind_;
+  std::int64_t capacity_;
+  int num_ranks_;
+  std::int64_t interleave_;
+  std::int64_t block_;  // contiguous: ceil(capacity / num_ranks)
+};
+
+// One layer's K/V cache on one rank of the group: the local shard (an attn::MhaKvCache of local_capacity(rank)
+// slots holding the rank's tokens at their global positions), the sharding, and the length of the whole cache.
+class ShardedKvCache {
+ public:
+  // spec: B, the whole cache's capacity (= sharding.capacity()), the KV heads this rank stores (Hkv / ulysses_size),
+  // D and the dtype; the local shard holds local_capacity(rank) slots of those heads.
+  ShardedKvCache(const CacheSharding& sharding, int rank, const attn::KvCacheSpec& spec);
+  const CacheSharding& sharding() const { return sharding_; }
+  int rank() const { return rank_; }
+  const attn::KvCacheSpec& spec() const { return spec_; }  // capacity of the whole cache, this rank's KV heads
+  std::int64_t length() const { return length_; }          // tokens in the whole cache (the same on every rank)
+  std::int64_t num_steps() const { return num_steps_; }    // decode steps since the prefill
+  const attn::MhaKvCache& local() const { return local_; }
+
+ private:
+  friend class MhaDecodeContextParallel;
+  CacheSharding sharding_;
+  int rank_;
+  attn::KvCacheSpec spec_;
+  attn::MhaKvCache local_;
+  std::int64_t length_ = 0, num_steps_ = 0;
+};
+
+struct MhaDecodeConfig {
+  CacheShardKind shard = CacheShardKind::kInterleave;
+  std::int64_t interleave = 1;  // I of the interleaved sharding (>= 1)
+  float scale = 0.0f;           // <= 0: 1 / sqrt(D)
+  RingImpl prefill_impl = RingImpl::kP2P;
+};
+
+struct DecodeOutput {
+  Tensor out;  // [B, n, H, D], this rank's heads (dtype of q): MHA Hq / ulysses_size, GDN Hv / P
+  Tensor lse;  // MHA: [B, Hq / ulysses_size, n] accumulator dtype (fp32; fp64 for fp64); GDN: empty
+};
+
+struct PrefillOutput {
+  Tensor out;  // the prompt's output in the compute layout: [B, S_local, H, D] (dtype of q)
+  Tensor lse;  // MHA: [B, Hq, S_local] accumulator dtype; GDN: empty
+};
+
+// MHA / GQA causal attention for inference: the cache sharded by token over groups.ring, heads over groups.ulysses.
+class MhaDecodeContextParallel {
+ public:
+  // Errors: interleave < 1, a non-finite scale.
+  MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config);
+
+  // An empty cache of `capacity` tokens sharded by the configuration over the ring group, holding this rank's
+  // kv_heads / ulysses_size heads (collective-free). Errors: kv_heads not divisible by ulysses_size.
+  ShardedKvCache make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads, std::int64_t head_dim,
+                            DType dtype) const;
+
+  // The prompt: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] (all heads) at layout.positions(sp_rank) (layout
+  // built for the groups, seq_len T = the prompt length). The cache must be empty and hold at least T tokens.
+  // Returns the prompt's out and lse (UspAttention::forward); the cache then holds the T tokens on their owners.
+  PrefillOutput prefill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                        const TensorView& v);
+  // prefill without the prompt's attention: the cache takes k, v (the same shapes and rules as prefill) re-sharded
+  // to their owners; for caches whose prompt was computed elsewhere (or benchmarks of the decode step alone).
+  void fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
+  // Persistent-cache prefill: a chunk of T_new = layout.seq_len() tokens after the cache's L; q [B, S_local, Hq, D],
+  // k, v [B, S_local, Hkv, D] at L + layout.positions(rank). Returns the chunk's out and lse in the compute layout
+  // (those of one prefill of the L + T_new tokens, rows L..); the cache then holds L + T_new tokens. mode kAuto:
+  // choose_chunk_mode. Errors (cache unchanged, every rank): ulysses_size != 1, shapes, L + T_new past the capacity,
+  // ranks disagreeing on shapes, mode, length.
+  PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                       const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
+  // The bytes each route sends per rank (the header comment's formulas) for a chunk of t_new tokens after `cache`'s
+  // length, and the route kAuto takes (pass-Q iff fewer bytes).
+  std::int64_t pass_kv_bytes(const ShardedKvCache& cache) const;
+  std::int64_t pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
+  ChunkPrefillMode choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
+
+  // One step of n >= 1 new tokens at positions cache.length() .. + n - 1: q_new [B, n, Hq, D], k_new, v_new
+  // [B, n, Hkv, D], all heads, identical on every rank. Returns out [B, n, Hq / Pu, D] and lse [B, Hq / Pu, n] of
+  // this rank's query heads (from q_head_offset()) against every token so far, the new ones included (causally),
+  // identical on the ranks of a ring group. Errors (cache unchanged, on every
+  // rank): a cache made with another sharding, shape or dtype than this object and the inputs; ranks disagreeing on
+  // shapes, configuration, cache length or step; length + n past the capacity.
+  DecodeOutput decode(ShardedKvCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new);
+
+  // merge_bytes of the header comment for one step of n queries of B x Hq heads (all of the model's) of dimension D.
+  std::int64_t decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads, std::int64_t head_dim,
+                                     DType dtype) const;
+  // The first query head of decode's out on this rank: ulysses_rank * Hq / Pu.
+  std::int64_t q_head_offset(std::int64_t q_heads) const {
+    return groups_.ulysses.rank() * (q_heads / groups_.ulysses_size());
+  }
+  const CpCounters& counters() const { return counters_; }
+  void reset_counters() { counters_.reset(); }
+
+ private:
+  void check_cache(const ShardedKvCache& cache, const char* call) const;
+  // Every check of prefill / fill before any data moves (the agreement check included).
+  void check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who, const TensorView& q,
+                    const TensorView& k, const TensorView& v);
+  void agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
+             std::initializer_list<std::pair<std::string_view, TensorView>> tensors);
+  // Moves the prompt's (or a chunk's) k, v from the compute layout (positions offset by `offset`) to the ranks that
+  // store them and appends them.
+  void reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v,
+                      std::int64_t offset = 0);
+
+  CpGroups groups_;
+  MhaDecodeConfig config_;
+  CpCounters counters_;
+  AgreementCheck agreement_;
+};
+
+// GDN for inference with the value heads split over groups.sp (see the header comment).
+class GdnDecodeContextParallel {
+ public:
+  // value_heads Hv and key_heads Hk of the model. Errors: Hv or Hk not divisible by the SP group size, Hv not a
+  // multiple of Hk.
+  GdnDecodeContextParallel(const CpGroups& groups, const GdnCpConfig& config, std::int64_t value_heads,
+                           std::int64_t key_heads);
+
+  std::int64_t local_value_heads() const { return hv_ / groups_.sp.size(); }
+  std::int64_t local_key_heads() const { return hk_ / groups_.sp.size(); }
+  std::int64_t head_offset() const { return groups_.sp_rank() * local_value_heads(); }  // first value head held
+
+  // The cache of this rank's heads (state dtype: accumulator_dtype(dtype)), collective-free.
+  attn::GdnCache make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim, DType dtype) const;
+
+  // The prompt under CP (GdnContextParallel over `layout`: q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta
+  // [B, S_local, Hv], initial_state empty or the full [B, Hv, K, V]); the cache (length 0) takes the final state of
+  // its heads. Returns the prompt's out in the compute layout.
+  PrefillOutput prefill(attn::GdnCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& g, const TensorView& beta,
+                        const TensorView& initial_state = {});
+  // One step of n new tokens, all heads, identical on every rank: q_new, k_new [B, n, Hk, K], v_new [B, n, Hv, V],
+  // g_new, beta_new [B, n, Hv]. Returns out of this rank's heads [B, n, Hv / P, V]. Errors (cache unchanged): shapes
+  // against the cache, ranks disagreeing on shapes, configuration or the cache length.
+  DecodeOutput decode(attn::GdnCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new,
+                      const TensorView& g_new, const TensorView& beta_new);
+
+ private:
+  void agree(const attn::GdnCache& cache, std::string_view call,
+             std::initializer_list<std::pair<std::string_view, TensorView>> tensors);
+  // This rank's heads of a [B, n, H, X] (or [B, n, H]) tensor of `total` heads, `local` per rank.
+  Tensor local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const;
+
+  CpGroups groups_;
+  GdnCpConfig config_;
+  std::int64_t hv_, hk_;
+  AgreementCheck agreement_;
+};
+
+}  // namespace seqpar

@@ -1,0 +1,403 @@
+// Inference under CP (parallel/decode_cp.h) against the fp64 references over the whole sequence: N decode steps of n
+// tokens after a T-token prefill under CP return rows T..T+Nn-1 of the causal attention (MHA, B = 2, GQA: out and
+// lse on every rank) or of the token-by-token recurrence (GDN: each rank's heads of out and of the final state) over
+// the T + Nn tokens. The ledger's persistent_cache per rank is the shard's 2 B Hkv D bytes per owned slot (about
+// capacity / P) for MHA and B (Hv / P) K V state bytes for GDN, whatever T; the bytes of a step equal the documented
+// merge bytes (CpCounters); bad input fails on every rank with one message and leaves every cache unchanged.
+// Tolerances: test::decode_atol / decode_rtol.
+#include <gtest/gtest.h>
+
+#include "parallel/decode_cp.h"
+#include "runtime/sp_grid.h"
+#include "tests/util/cp_test.h"
+#include "tests/util/decode_problem.h"
+#include "tests/util/mpi_test.h"
+
+namespace seqpar {
+namespace {
+
+using test::all_close, test::rows_of, test::to_double, test::world;
+
+std::int64_t persistent_bytes() {
+  return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kPersistentCache)];
+}
+
+// Runs fn, which must throw Error on this rank with `needle` in its message; true on every rank when every rank did.
+template <typename Fn>
+bool fails_everywhere(Fn&& fn, const std::string& needle) {
+  bool ok = false;
+  try {
+    fn();
+  } catch (const Error& e) {
+    ok = std::string(e.what()).find(needle) != std::string::npos;
+    EXPECT_TRUE(ok) << e.what();
+  }
+  return test::all_ranks(world(), ok);
+}
+
+// ---- MHA ---------------------------------------------------------------------------------------------------------
+
+struct MhaCase {
+  CacheShardKind shard;
+  std::int64_t interleave;
+  LayoutKind layout;  // of the prompt's forward
+  std::int64_t n;     // tokens per step
+  DType dtype = DType::kFloat32;
+  RingImpl impl = RingImpl::kP2P;
+  bool usp = false;  // Ulysses 2 (heads) x ring P/2 (the cache) when the world size is even
+};
+std::string case_name(const MhaCase& c) {
+  return str_cat(cache_shard_name(c.shard), c.shard == CacheShardKind::kInterleave ? str_cat(c.interleave) : "", "_",
+                 layout_name(c.layout), "_n", c.n, "_", dtype_name(c.dtype), "_", ring_impl_name(c.impl),
+                 c.usp ? "_usp" : "");
+}
+
+constexpr std::int64_t kB = 2, kHq = 4, kHkv = 2, kD = 16, kPrompt = 96, kSteps = 4;
+
+class MhaDecodeCp : public ::testing::TestWithParam<MhaCase> {};
+
+TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
+  const MhaCase c = GetParam();
+  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const int P = groups.ring.size(), me = groups.ring.rank(), pu = groups.ulysses_size();
+  const std::int64_t hq = kHq / pu, hkv = kHkv / pu;  // this rank's heads
+  const test::DecodeSchedule sched{kPrompt, kSteps, c.n};
+  const test::MhaDecodeProblem p(kB, sched.total(), kHq, kHkv, kD, c.dtype, 7);
+  MhaDecodeConfig cfg;
+  cfg.shard = c.shard;
+  cfg.interleave = c.interleave;
+  cfg.prefill_impl = c.impl;
+  MhaDecodeContextParallel layer(groups, cfg);
+
+  const std::int64_t before = persistent_bytes();
+  ShardedKvCache cache = layer.make_cache(kB, sched.total(), kHkv, kD, c.dtype);
+  const std::int64_t slots = cache.sharding().local_capacity(me);
+  EXPECT_EQ(persistent_bytes() - before, 2 * kB * hkv * kD * slots * static_cast<std::int64_t>(dtype_size(c.dtype)));
+  // About capacity / P slots per rank: at most one interleave block (or one contiguous rounding) away.
+  const std::int64_t spread = c.shard == CacheShardKind::kInterleave ? c.interleave : P;
+  EXPECT_LE(std::abs(slots * P - sched.total()), spread * P) << "slots " << slots;
+
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, sched.prompt, c.layout);
+  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
+  const auto local = [&](const TensorView& full) {
+    Tensor prompt = rows_of(full, 0, sched.prompt);
+    Tensor t = Tensor::empty({kB, layout.local_len(), full.dim(2), kD}, c.dtype, MemCategory::kWorkspace);
+    shard_sequence(prompt, pos, t);
+    return t;
+  };
+  const PrefillOutput pre = layer.prefill(cache, layout, local(p.q), local(p.k), local(p.v));
+  EXPECT_EQ(cache.length(), sched.prompt);
+  EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, sched.prompt));
+  Tensor ref_prompt = rows_of(p.ref_out, 0, sched.prompt);
+  Tensor ref_local = Tensor::empty({kB, layout.local_len(), kHq, kD}, DType::kFloat64, MemCategory::kWorkspace);
+  shard_sequence(ref_prompt, pos, ref_local);
+  EXPECT_TRUE(all_close(to_double(pre.out), to_double(ref_local), test::decode_atol(c.dtype),
+                        test::decode_rtol(c.dtype), "prefill out"));
+
+  layer.reset_counters();
+  const std::int64_t h0 = layer.q_head_offset(kHq);
+  EXPECT_EQ(h0, groups.ulysses.rank() * hq);
+  for (std::int64_t step = 0; step < sched.steps; ++step) {
+    const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
+    const DecodeOutput o = layer.decode(cache, rows_of(p.q, t0, t1), rows_of(p.k, t0, t1), rows_of(p.v, t0, t1));
+    const Tensor want_out = rows_of(rows_of(p.ref_out, t0, t1), h0, h0 + hq, 2);  // this rank's heads
+    const Tensor want_lse = rows_of(rows_of(p.ref_lse, t0, t1, 2), h0, h0 + hq, 1);
+    EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                          str_cat("out of step ", step)));
+    EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                          str_cat("lse of step ", step)));
+  }
+  EXPECT_EQ(cache.length(), sched.total());
+  EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, sched.total()));
+  // (P - 1) B n (Hq / Pu) (D + 2) accumulator elements per step, each way.
+  const std::int64_t per_step =
+      (P - 1) * kB * c.n * hq * (kD + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(c.dtype)));
+  EXPECT_EQ(layer.decode_bytes_per_step(kB, c.n, kHq, kD, c.dtype), per_step);
+  EXPECT_EQ(layer.counters().bytes_sent, sched.steps * per_step);
+  EXPECT_EQ(layer.counters().bytes_received, sched.steps * per_step);
+  EXPECT_EQ(persistent_bytes() - before, 2 * kB * hkv * kD * slots * static_cast<std::int64_t>(dtype_size(c.dtype)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MhaDecodeCp,
+    ::testing::Values(
+        MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kZigzag, 1},
+        MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kContiguous, 1},
+        MhaCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, 3},
+        MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kStripe, 2, DType::kFloat64},
+        MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, 2, DType::kFloat64, RingImpl::kAllGather},
+        MhaCase{CacheShardKind::kInterleave, 16, LayoutKind::kContiguous, 1, DType::kFloat32, RingImpl::kAllGather},
+        MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, 2, DType::kFloat32, RingImpl::kP2P, true},
+        MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, 1, DType::kFloat64, RingImpl::kP2P, true}),
+    test::CaseName());
+
+// ---- persistent-cache prefill: a chunk after a cache (pass-KV, pass-Q) ----------------------------------------------
+
+struct ExtendCase {
+  CacheShardKind shard;
+  std::int64_t interleave;
+  LayoutKind layout;  // of the prompt's and the chunk's forward
+  ChunkPrefillMode mode;
+  DType dtype = DType::kFloat32;
+};
+std::string case_name(const ExtendCase& c) {
+  return str_cat(cache_shard_name(c.shard), c.shard == CacheShardKind::kInterleave ? str_cat(c.interleave) : "", "_",
+                 layout_name(c.layout), "_",
+                 c.mode == ChunkPrefillMode::kAuto ? "auto" : (c.mode == ChunkPrefillMode::kPassQ ? "passq" : "passkv"),
+                 "_", dtype_name(c.dtype));
+}
+
+class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
+
+// Prompt of 96, a chunk of 48 after it, then 2 decode steps: every output equals the rows of one causal attention
+// over the 146 tokens (the fp64 reference), so the chunk equals one prefill of the concatenation.
+TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
+  const ExtendCase c = GetParam();
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const int P = groups.ring.size(), me = groups.ring.rank();
+  constexpr std::int64_t kChunk = 48, kSteps2 = 2;
+  const std::int64_t total = kPrompt + kChunk + kSteps2;
+  const test::MhaDecodeProblem p(kB, total, kHq, kHkv, kD, c.dtype, 13);
+  MhaDecodeConfig cfg;
+  cfg.shard = c.shard;
+  cfg.interleave = c.interleave;
+  MhaDecodeContextParallel layer(groups, cfg);
+  ShardedKvCache cache = layer.make_cache(kB, total, kHkv, kD, c.dtype);
+  // Rows [first, first + len) of `full`, this rank's part under a layout of len tokens.
+  const auto local = [&](const TensorView& full, const SequenceLayout& layout, std::int64_t first) {
+    Tensor rows = rows_of(full, first, first + layout.seq_len());
+    Shape shape = full.shape();
+    shape[1] = layout.local_len();
+    Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+    shard_sequence(rows, layout.positions(me), t);
+    return t;
+  };
+  const SequenceLayout prompt(c.layout, kPrompt, P), chunk(c.layout, kChunk, P);
+  layer.prefill(cache, prompt, local(p.q, prompt, 0), local(p.k, prompt, 0), local(p.v, prompt, 0));
+  if (c.mode == ChunkPrefillMode::kAuto) {
+    // The rule: pass-Q exactly when it sends fewer bytes than pass-KV.
+    const bool q_fewer = layer.pass_q_bytes(cache, kChunk, kHq) < layer.pass_kv_bytes(cache);
+    EXPECT_EQ(layer.choose_chunk_mode(cache, kChunk, kHq),
+              q_fewer ? ChunkPrefillMode::kPassQ : ChunkPrefillMode::kPassKv);
+  }
+  const PrefillOutput o = layer.extend(cache, chunk, local(p.q, chunk, kPrompt), local(p.k, chunk, kPrompt),
+                                       local(p.v, chunk, kPrompt), c.mode);
+  EXPECT_EQ(cache.length(), kPrompt + kChunk);
+  EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, kPrompt + kChunk));
+  const Tensor want_out = local(p.ref_out, chunk, kPrompt);
+  Tensor lse_rows = rows_of(p.ref_lse, kPrompt, kPrompt + kChunk, 2);
+  Tensor want_lse = Tensor::empty({kB, kHq, chunk.local_len()}, DType::kFloat64, MemCategory::kWorkspace);
+  shard_sequence_bhs(lse_rows, chunk.positions(me), want_lse);
+  EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                        "chunk out"));
+  EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                        "chunk lse"));
+  for (std::int64_t t = kPrompt + kChunk; t < total; ++t) {
+    const DecodeOutput d = layer.decode(cache, rows_of(p.q, t, t + 1), rows_of(p.k, t, t + 1), rows_of(p.v, t, t + 1));
+    EXPECT_TRUE(all_close(to_double(d.out), to_double(rows_of(p.ref_out, t, t + 1)), test::decode_atol(c.dtype),
+                          test::decode_rtol(c.dtype), str_cat("out at ", t)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MhaExtendCp,
+    ::testing::Values(
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv},
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassQ},
+        ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, ChunkPrefillMode::kPassKv},
+        ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ},
+        ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, ChunkPrefillMode::kAuto},
+        ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kStripe, ChunkPrefillMode::kPassQ, DType::kFloat64},
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat64}),
+    test::CaseName());
+
+// The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
+TEST(MhaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const int P = groups.ring.size();
+  MhaDecodeContextParallel layer(groups, MhaDecodeConfig{});
+  for (const std::int64_t T : {1024, 4096}) {
+    const std::int64_t before = persistent_bytes();
+    ShardedKvCache cache = layer.make_cache(1, T, 8, 128, DType::kBFloat16);
+    const double per_rank = static_cast<double>(persistent_bytes() - before);
+    const double formula = 2.0 * 1 * 8 * T * 128 * 2 / P;  // M_KV / P for L = 1, B = 1, bf16
+    EXPECT_NEAR(per_rank / formula, 1.0, P * 1.0 / T) << "T " << T;
+  }
+}
+
+struct Bad {
+  test::MhaDecodeProblem p{kB, kPrompt + 4, kHq, kHkv, kD, DType::kFloat32, 9};
+  SpGrid grid{world(), test::ring_over_world()};
+  CpGroups groups = CpGroups::from(grid);
+  SequenceLayout layout{LayoutKind::kZigzag, kPrompt, groups.ring.size()};
+  Tensor local(const TensorView& full) const {
+    Tensor prompt = rows_of(full, 0, kPrompt);
+    Tensor t = Tensor::empty({kB, layout.local_len(), full.dim(2), kD}, full.dtype(), MemCategory::kWorkspace);
+    shard_sequence(prompt, layout.positions(groups.ring.rank()), t);
+    return t;
+  }
+  void prefill(MhaDecodeContextParallel& layer, ShardedKvCache& cache) const {
+    layer.prefill(cache, layout, local(p.q), local(p.k), local(p.v));
+  }
+  DecodeOutput step(MhaDecodeContextParallel& layer, ShardedKvCache& cache, std::int64_t n) const {
+    return layer.decode(cache, rows_of(p.q, kPrompt, kPrompt + n), rows_of(p.k, kPrompt, kPrompt + n),
+                        rows_of(p.v, kPrompt, kPrompt + n));
+  }
+};
+
+TEST(MhaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
+  Bad b;
+  MhaDecodeContextParallel layer(b.groups, MhaDecodeConfig{});
+  ShardedKvCache cache = layer.make_cache(kB, kPrompt + 1, kHkv, kD, DType::kFloat32);
+  b.prefill(layer, cache);
+  const std::vector<std::int64_t> held = cache.local().positions();
+  EXPECT_TRUE(
+      fails_everywhere([&] { b.step(layer, cache, 2); }, "2 new tokens after 96 would run past the cache capacity 97"));
+  EXPECT_EQ(cache.length(), kPrompt);
+  EXPECT_EQ(cache.num_steps(), 0);
+  EXPECT_EQ(cache.local().positions(), held);
+  b.step(layer, cache, 1);  // the one token that fits still works
+  EXPECT_EQ(cache.length(), kPrompt + 1);
+}
+
+TEST(MhaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
+  Bad b;
+  MhaDecodeConfig contiguous;
+  contiguous.shard = CacheShardKind::kContiguous;
+  MhaDecodeContextParallel layer(b.groups, MhaDecodeConfig{}), other(b.groups, contiguous);
+  ShardedKvCache cache = other.make_cache(kB, kPrompt + 4, kHkv, kD, DType::kFloat32);
+  EXPECT_TRUE(fails_everywhere([&] { b.prefill(layer, cache); }, "the cache is sharded contiguous over"));
+  EXPECT_EQ(cache.length(), 0);
+  ShardedKvCache wide = layer.make_cache(kB, kPrompt + 4, 2 * kHkv, kD, DType::kFloat32);
+  EXPECT_TRUE(fails_everywhere([&] { b.prefill(layer, wide); }, "prefill k (the cache's [B, S_local, Hkv, D])"));
+  EXPECT_EQ(wide.length(), 0);
+  EXPECT_EQ(wide.local().length(), 0);
+}
+
+TEST(MhaDecodeCpErrors, RanksThatDisagreeOnTheLengthFailEverywhereAndChangeNothing) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
+  Bad b;
+  MhaDecodeContextParallel layer(b.groups, MhaDecodeConfig{});
+  ShardedKvCache fresh = layer.make_cache(kB, kPrompt + 4, kHkv, kD, DType::kFloat32);
+  ShardedKvCache filled = layer.make_cache(kB, kPrompt + 4, kHkv, kD, DType::kFloat32);
+  b.prefill(layer, filled);
+  ShardedKvCache& mine = world().rank() == 0 ? fresh : filled;
+  const std::int64_t length = mine.length(), local = mine.local().length();
+  EXPECT_TRUE(fails_everywhere([&] { b.step(layer, mine, 1); }, "disagree on cache_length"));
+  EXPECT_EQ(mine.length(), length);
+  EXPECT_EQ(mine.local().length(), local);
+}
+
+// ---- GDN ---------------------------------------------------------------------------------------------------------
+
+constexpr std::int64_t kGK = 8, kGV = 8;
+// Hk = 2P key heads and Hv = 2 Hk value heads: two key heads and four value heads per rank at every world size.
+std::int64_t key_heads() { return 2 * world().size(); }
+std::int64_t value_heads() { return 4 * world().size(); }
+
+struct GdnCase {
+  GdnCpMode mode;
+  LayoutKind layout;
+  std::int64_t n;
+  bool usp = false;  // Ulysses 2 x ring P/2 for the prefill when the world size is even
+  DType dtype = DType::kFloat32;
+};
+std::string case_name(const GdnCase& c) {
+  return str_cat(gdn_cp_mode_name(c.mode), "_", layout_name(c.layout), "_n", c.n, c.usp ? "_usp" : "", "_",
+                 dtype_name(c.dtype));
+}
+
+class GdnDecodeCp : public ::testing::TestWithParam<GdnCase> {};
+
+TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
+  const GdnCase c = GetParam();
+  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const test::DecodeSchedule sched{kPrompt, 3, c.n};
+  const test::GdnDecodeProblem p(kB, sched.total(), key_heads(), value_heads(), kGK, kGV, c.dtype, 17);
+  GdnCpConfig cfg;
+  cfg.mode = c.mode;
+  GdnDecodeContextParallel layer(groups, cfg, value_heads(), key_heads());
+  const std::int64_t lv = layer.local_value_heads(), h0 = layer.head_offset();
+  EXPECT_EQ(lv * world().size(), value_heads());
+
+  const std::int64_t before = persistent_bytes();
+  attn::GdnCache cache = layer.make_cache(kB, kGK, kGV, c.dtype);
+  const std::int64_t state_bytes =
+      kB * lv * kGK * kGV * static_cast<std::int64_t>(dtype_size(accumulator_dtype(c.dtype)));
+  EXPECT_EQ(persistent_bytes() - before, state_bytes);
+
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, sched.prompt, c.layout);
+  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
+  const auto local = [&](const TensorView& full) {
+    Tensor prompt = rows_of(full, 0, sched.prompt);
+    Shape shape = full.shape();
+    shape[1] = layout.local_len();
+    Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+    shard_sequence(prompt, pos, t);
+    return t;
+  };
+  layer.prefill(cache, layout, local(p.q), local(p.k), local(p.v), local(p.g), local(p.beta));
+  EXPECT_EQ(cache.length(), sched.prompt);
+  const auto my_heads = [&](const TensorView& t) { return rows_of(t, h0, h0 + lv, 2); };
+  for (std::int64_t step = 0; step < sched.steps; ++step) {
+    const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
+    const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
+    const DecodeOutput o = layer.decode(cache, rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta));
+    EXPECT_TRUE(all_close(to_double(o.out), to_double(my_heads(rows(p.ref_out))), test::decode_atol(c.dtype),
+                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
+  }
+  EXPECT_EQ(cache.length(), sched.total());
+  const Tensor ref_final = rows_of(p.ref_final, h0, h0 + lv, 1);
+  EXPECT_TRUE(all_close(to_double(cache.state()), to_double(ref_final), test::decode_atol(c.dtype),
+                        test::decode_rtol(c.dtype), "final_state of this rank's heads"));
+  EXPECT_EQ(persistent_bytes() - before, state_bytes);  // constant in T
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GdnDecodeCp,
+                         ::testing::Values(GdnCase{GdnCpMode::kScan, LayoutKind::kZigzag, 1},
+                                           GdnCase{GdnCpMode::kChain, LayoutKind::kContiguous, 2},
+                                           GdnCase{GdnCpMode::kScan, LayoutKind::kContiguous, 1, true},
+                                           GdnCase{GdnCpMode::kChain, LayoutKind::kZigzag, 3, false, DType::kFloat64}),
+                         test::CaseName());
+
+TEST(GdnDecodeCpErrors, HeadsThatDoNotDivideFailEverywhere) {
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const int P = world().size();
+  const std::int64_t hk = P + 1, hv = 2 * (P + 1);  // P + 1 never divides by P > 1; P = 1 takes any
+  if (P == 1) GTEST_SKIP() << "every head count divides over one rank";
+  EXPECT_TRUE(fails_everywhere([&] { GdnDecodeContextParallel(groups, GdnCpConfig{}, hv, hk); },
+                               str_cat("must both be divisible by the SP group size ", P)));
+}
+
+TEST(GdnDecodeCpErrors, CacheOfAnotherShapeFailsAndChangesNothing) {
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  GdnDecodeContextParallel layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  attn::GdnCache cache = layer.make_cache(kB, kGK, 2 * kGV, DType::kFloat32);  // V twice the problem's
+  const test::GdnDecodeProblem p(kB, 1, key_heads(), value_heads(), kGK, kGV, DType::kFloat32, 3);
+  EXPECT_TRUE(fails_everywhere([&] { layer.decode(cache, p.q, p.k, p.v, p.g, p.beta); }, "decode v_new"));
+  EXPECT_EQ(cache.length(), 0);
+}
+
+TEST(GdnDecodeCpErrors, RanksThatDisagreeOnTheLengthFailEverywhereAndChangeNothing) {
+  if (world().size() == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  GdnDecodeContextParallel layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  attn::GdnCache cache = layer.make_cache(kB, kGK, kGV, DType::kFloat32);
+  const test::GdnDecodeProblem p(kB, 1, key_heads(), value_heads(), kGK, kGV, DType::kFloat32, 5);
+  const Tensor state = test::random_tensor(cache.state().shape(), DType::kFloat32, 6);
+  cache.set_state(state, world().rank() == 0 ? 7 : 8);  // rank 0 is a token behind
+  const std::int64_t length = cache.length();
+  EXPECT_TRUE(fails_everywhere([&] { layer.decode(cache, p.q, p.k, p.v, p.g, p.beta); }, "disagree on cache_length"));
+  EXPECT_EQ(cache.length(), length);
+  EXPECT_EQ(to_double(cache.state()), to_double(state));
+}
+
+}  // namespace
+}  // namespace seqpar
