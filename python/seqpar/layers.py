@@ -1,9 +1,9 @@
 """seqpar's CP layers as torch.autograd.Function and torch.nn.Module.
 
-Every function takes this rank's piece of the sequence ([B, S_local, ...] at layout.positions(grid.sp_rank)) and
-returns this rank's piece of the outputs; forward and backward are collective over the grid's SP group, so every
-rank of the group must call them in the same order (autograd on CPU runs the backward on the calling thread, in
-the same order on every rank for the same model).
+Every function takes this rank's piece of the sequence ([B, local_len, ...]; its rows are the tokens
+layout.token_index(grid.sp_rank), padding rows -1) and returns this rank's piece of the outputs; forward and
+backward are collective over the grid's SP group, so every rank of the group must call them in the same order
+(autograd on CPU runs the backward on the calling thread, in the same order on every rank for the same model).
 
 Tensors: CPU, contiguous row-major, one floating dtype per call (fp32, bf16, fp16, fp64); they reach C++ as
 DLPack views, the outputs come back the same way (no copy). A non-contiguous input is refused with seqpar.Error

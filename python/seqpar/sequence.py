@@ -1,4 +1,9 @@
-"""Cutting a full batch into this rank's piece of a SequenceLayout and putting it back together."""
+"""Cutting a full batch into this rank's piece of a SequenceLayout and putting it back together.
+
+The full tensor holds the row's seq_len real tokens ([B, T, ...], B = 1 for a packed row); a rank's piece holds
+layout.local_len slots, some of which may be padding (layout.token_index(sp_rank) = -1): zeros on the way in,
+dropped on the way out.
+"""
 
 import torch
 
@@ -6,16 +11,25 @@ from . import _seqpar
 
 
 def shard_sequence(full, layout, sp_rank, seq_dim=1):
-    """This SP rank's piece of `full` ([B, S, ...] with seq_dim 1): the rows at layout.positions(sp_rank).
+    """This SP rank's piece of `full` ([B, T, ...] with seq_dim 1): row i is token layout.token_index(sp_rank)[i],
+    or zeros for a padding row.
 
-    A torch index_select, so it is differentiable (its gradient scatters back into the full tensor) and needs no
-    communication: every rank holds the full batch (the usual data loader), each keeps its piece.
+    A torch index_select, so it is differentiable (its gradient scatters back into the full tensor, padding rows
+    dropped) and needs no communication: every rank holds the full batch (the usual data loader), each keeps its piece.
     """
-    return full.index_select(seq_dim, layout.positions(sp_rank))
+    tokens = layout.token_index(sp_rank)
+    padding = tokens < 0
+    if not bool(padding.any()):
+        return full.index_select(seq_dim, tokens)
+    zero_shape = list(full.shape)
+    zero_shape[seq_dim] = 1
+    with_zero = torch.cat([full, full.new_zeros(zero_shape)], seq_dim)  # row T: the zeros of every padding row
+    return with_zero.index_select(seq_dim, tokens.masked_fill(padding, full.shape[seq_dim]))
 
 
 def scatter_sequence(grid, layout, full, root=0):
-    """Collective over grid.sp: root's full [B, S, ...] tensor is cut by the layout, every rank gets its piece.
+    """Collective over grid.sp: root's full [B, T, ...] tensor is cut by the layout, every rank gets its
+    [B, local_len, ...] piece (padding rows zero).
 
     Every rank passes a tensor of the full shape and dtype (read on `root` only). No autograd.
     """
@@ -27,8 +41,9 @@ def scatter_sequence(grid, layout, full, root=0):
 
 
 def gather_sequence(grid, layout, local, seq_dim=1):
-    """Collective over grid.sp: every rank's piece gathered into the full tensor on every rank (seq_dim 1 for
-    [B, S, ...], 2 for [B, H, S] such as lse). No autograd (for evaluation, checks and outputs)."""
+    """Collective over grid.sp: every rank's piece gathered into the full tensor of seq_len rows on every rank
+    (padding rows dropped; seq_dim 1 for [B, T, ...], 2 for [B, H, T] such as lse). No autograd (for evaluation,
+    checks and outputs)."""
     shape = list(local.shape)
     shape[seq_dim] = layout.seq_len
     full = torch.empty(shape, dtype=local.dtype)

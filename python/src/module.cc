@@ -75,6 +75,13 @@ std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
   return from_mpi4py(comm);
 }
 
+// A list of ints or a torch int64 tensor (anything with tolist()) as int64 values (cu_seqlens).
+std::vector<std::int64_t> int64_list(py::handle values) {
+  py::object obj = py::reinterpret_borrow<py::object>(values);
+  if (py::hasattr(obj, "tolist")) obj = obj.attr("tolist")();
+  return obj.cast<std::vector<std::int64_t>>();
+}
+
 ReduceOp parse_reduce_op(const std::string& op) {
   static constexpr const char* kNames[] = {"sum", "max"};
   return static_cast<ReduceOp>(parse_option_index(op, kNames, "reduce op"));
@@ -196,7 +203,9 @@ PYBIND11_MODULE(_seqpar, m) {
           "dp", [](const Grid& g) -> Communicator& { return g.grid.dp(); }, py::return_value_policy::reference_internal)
       .def("__str__", [](const Grid& g) { return g.grid.str(); });
 
-  py::class_<SequenceLayout>(m, "SequenceLayout", "Which global positions each SP rank holds (parallel/layout.h)")
+  py::class_<SequenceLayout>(
+      m, "SequenceLayout",
+      "Which tokens each SP rank holds, padded into slots; packed rows of documents (parallel/layout.h)")
       .def(py::init([](const std::string& kind, std::int64_t seq_len, int ring_size, int ulysses_size) {
              return SequenceLayout(parse_layout(kind), seq_len, ring_size, ulysses_size);
            }),
@@ -207,7 +216,35 @@ PYBIND11_MODULE(_seqpar, m) {
             return SequenceLayout::for_groups(CpGroups::from(g.grid), seq_len, parse_layout(kind));
           },
           py::arg("grid"), py::arg("seq_len"), py::arg("kind") = "zigzag")
+      .def_static(
+          "packed",
+          [](const std::string& kind, py::handle cu_seqlens, int ring_size, int ulysses_size) {
+            return SequenceLayout::packed(parse_layout(kind), int64_list(cu_seqlens), ring_size, ulysses_size);
+          },
+          py::arg("kind"), py::arg("cu_seqlens"), py::arg("ring_size"), py::arg("ulysses_size") = 1,
+          "One packed row: cu_seqlens [N+1] (list or int64 tensor; 0, non-decreasing, last = T >= 1).")
+      .def_static(
+          "packed_for_grid",
+          [](const Grid& g, py::handle cu_seqlens, const std::string& kind) {
+            return SequenceLayout::packed_for_groups(CpGroups::from(g.grid), int64_list(cu_seqlens),
+                                                     parse_layout(kind));
+          },
+          py::arg("grid"), py::arg("cu_seqlens"), py::arg("kind") = "zigzag")
       .def_property_readonly("kind", [](const SequenceLayout& l) { return std::string(layout_name(l.kind())); })
+      .def_property_readonly("padded_len", &SequenceLayout::padded_len)
+      .def_property_readonly("is_packed", &SequenceLayout::is_packed)
+      .def_property_readonly("cu_seqlens",
+                             [](const SequenceLayout& l) {
+                               const auto cu = l.cu_seqlens();
+                               return int64_tensor(std::vector<std::int64_t>(cu.begin(), cu.end()));
+                             })
+      .def(
+          "token_index", [](const SequenceLayout& l, int sp_rank) { return int64_tensor(l.token_index(sp_rank)); },
+          py::arg("sp_rank"), "Per local row of this SP rank: its token in [0, seq_len), or -1 for padding.")
+      .def(
+          "rope_positions",
+          [](const SequenceLayout& l, int sp_rank) { return int64_tensor(l.rope_positions(sp_rank)); },
+          py::arg("sp_rank"), "Per local row: the offset inside its document (0 for padding), for RoPE.")
       .def_property_readonly("seq_len", &SequenceLayout::seq_len)
       .def_property_readonly("ring_size", &SequenceLayout::ring_size)
       .def_property_readonly("ulysses_size", &SequenceLayout::ulysses_size)
@@ -215,7 +252,7 @@ PYBIND11_MODULE(_seqpar, m) {
       .def_property_readonly("local_len", &SequenceLayout::local_len)
       .def(
           "positions", [](const SequenceLayout& l, int sp_rank) { return int64_tensor(l.positions(sp_rank)); },
-          py::arg("sp_rank"), "This SP rank's increasing global positions (torch int64).")
+          py::arg("sp_rank"), "This SP rank's increasing slot positions in [0, padded_len) (torch int64).")
       .def(
           "ring_shard_positions",
           [](const SequenceLayout& l, int ring_rank) { return int64_tensor(l.ring_shard_positions(ring_rank)); },

@@ -10,15 +10,24 @@ import torch.nn.functional as F
 import seqpar
 
 
-def mha_reference(q, k, v, causal=True, window=0, scale=0.0):
-    """Materialised softmax attention, GQA by repeating each kv head over its Hq / Hkv query heads."""
+def same_document(S, cu_seqlens=None):
+    """[S, S] bool: tokens i and j lie in the same document of cu_seqlens (all True without one)."""
+    if cu_seqlens is None:
+        return torch.ones(S, S, dtype=torch.bool)
+    doc = torch.bucketize(torch.arange(S), torch.as_tensor(cu_seqlens)[1:], right=True)
+    return doc[:, None] == doc[None, :]
+
+
+def mha_reference(q, k, v, causal=True, window=0, scale=0.0, cu_seqlens=None):
+    """Materialised softmax attention, GQA by repeating each kv head over its Hq / Hkv query heads; with cu_seqlens
+    (a packed row) a query sees the keys of its own document only."""
     S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
     rep = Hq // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     scale = scale if scale > 0 else 1.0 / math.sqrt(D)
     scores = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    visible = torch.ones(S, S, dtype=torch.bool)
+    visible = same_document(S, cu_seqlens)
     if causal:
         visible &= j <= i
     if window > 0:
@@ -45,7 +54,21 @@ def gdn_reference(q, k, v, g, beta, initial_state=None, scale=0.0, use_qk_l2norm
         ks = torch.einsum("bhk,bhkv->bhv", kt, state)
         state = decay * (state - bt * kt[..., :, None] * ks[..., None, :]) + bt * kt[..., :, None] * vt[..., None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
-    return torch.stack(outs, 1), state
+    out = torch.stack(outs, 1) if outs else q.new_zeros(B, 0, Hv, V)  # an empty document
+    return out, state
+
+
+def gdn_packed_reference(q, k, v, g, beta, initial_state, cu_seqlens, scale=0.0, use_qk_l2norm=True):
+    """gdn_reference on each document of a packed row ([1, T, ...]) alone from its own initial_state[d]
+    ([N, Hv, K, V]); the outputs concatenated, the final states stacked [N, Hv, K, V]."""
+    outs, finals = [], []
+    for d in range(len(cu_seqlens) - 1):
+        lo, hi = cu_seqlens[d], cu_seqlens[d + 1]
+        out, final = gdn_reference(*(t[:, lo:hi] for t in (q, k, v, g, beta)), initial_state[d:d + 1], scale,
+                                   use_qk_l2norm)
+        outs.append(out)
+        finals.append(final)
+    return torch.cat(outs, 1), torch.cat(finals, 0)
 
 
 def short_conv_reference(x, weight, use_silu=True):
@@ -106,14 +129,17 @@ def check_close(name, got, want, rtol):
 def run_against_reference(grid, layout, full_sharded, full_replicated, layer, reference, rtol, seed=1):
     """Runs `layer` on this rank's pieces and `reference` on the whole sequence, forward and backward.
 
-    full_sharded: [B, S, ...] leaf tensors (fp64 or the tested dtype), cut by the layout; full_replicated: tensors
+    full_sharded: [B, T, ...] leaf tensors (fp64 or the tested dtype), cut by the layout (padding rows zero, their
+    outputs not compared); full_replicated: tensors
     the same on every rank (or None). layer(*local_sharded, *replicated) -> (sharded outputs, replicated outputs);
     reference(*full_sharded, *replicated) -> the same outputs for the whole sequence, in fp64.
     The loss is sum(out * dout) over every output with random dout; each rank adds its rows, and replicated outputs
     once over the group (1 / sp_size each). Checks every output's rows and every input's gradient (the gradients
     summed over the SP group, the way a training step sums parameter gradients).
     """
-    pos = layout.positions(grid.sp_rank)
+    tokens = layout.token_index(grid.sp_rank)  # per local row; -1 for a padding row
+    real_rows = (tokens >= 0).nonzero().flatten()
+    real_tokens = tokens.index_select(0, real_rows)
     ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in full_sharded]
     ref_repl = [None if t is None else t.detach().to(torch.float64).requires_grad_() for t in full_replicated]
     ref_sharded_out, ref_repl_out = reference(*ref_inputs, *ref_repl)
@@ -128,12 +154,13 @@ def run_against_reference(grid, layout, full_sharded, full_replicated, layer, re
     local = [seqpar.shard_sequence(t, layout, grid.sp_rank) for t in full_sharded]
     sharded_out, repl_out = layer(*local, *full_replicated)
     n = grid.sp.size
-    loss = sum((o.to(torch.float64) * d.index_select(1, pos)).sum() for o, d in zip(sharded_out, douts))
+    loss = sum((o.to(torch.float64) * seqpar.shard_sequence(d, layout, grid.sp_rank)).sum()
+               for o, d in zip(sharded_out, douts))  # zero dout on padding rows
     loss = loss + sum((o.to(torch.float64) * d).sum() / n for o, d in zip(repl_out, drepl))
     loss.backward()
 
     for i, (o, r) in enumerate(zip(sharded_out, ref_sharded_out)):
-        check_close(f"out{i}", o, r.index_select(1, pos), rtol)
+        check_close(f"out{i}", o.index_select(1, real_rows), r.index_select(1, real_tokens), rtol)
     for i, (o, r) in enumerate(zip(repl_out, ref_repl_out)):
         check_close(f"replicated out{i}", o, r, rtol)
     for i, (t, r) in enumerate(itertools.chain(zip(full_sharded, ref_inputs), zip(full_replicated, ref_repl))):

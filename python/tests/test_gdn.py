@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import seqpar
-from references import gdn_reference, random_full, run_against_reference, short_conv_reference, usp_grids
+from references import (gdn_packed_reference, gdn_reference, random_full, run_against_reference,
+                        short_conv_reference, usp_grids)
 
 B, S, HK, HV, K, V = 1, 48, 2, 4, 8, 8
 WORLD = seqpar.world().size
@@ -16,19 +17,19 @@ WORLD = seqpar.world().size
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
-def gdn_inputs(dtype, with_initial_state):
-    q, k = random_full((B, S, HK, K), dtype), random_full((B, S, HK, K), dtype)
-    v = random_full((B, S, HV, V), dtype)
-    g = F.logsigmoid(torch.randn(B, S, HV, dtype=torch.float64) + 2).to(dtype).requires_grad_()  # log decay < 0
-    beta = torch.sigmoid(torch.randn(B, S, HV, dtype=torch.float64)).to(dtype).requires_grad_()
+def gdn_inputs(dtype, with_initial_state, T=S, num_states=B):
+    q, k = random_full((B, T, HK, K), dtype), random_full((B, T, HK, K), dtype)
+    v = random_full((B, T, HV, V), dtype)
+    g = F.logsigmoid(torch.randn(B, T, HV, dtype=torch.float64) + 2).to(dtype).requires_grad_()  # log decay < 0
+    beta = torch.sigmoid(torch.randn(B, T, HV, dtype=torch.float64)).to(dtype).requires_grad_()
     state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    initial = random_full((B, HV, K, V), state_dtype, 0.5) if with_initial_state else None
+    initial = random_full((num_states, HV, K, V), state_dtype, 0.5) if with_initial_state else None
     return [q, k, v, g, beta], [initial]
 
 
 def run_gdn(grid, layout, config, dtype, with_initial_state):
     gdn = seqpar.GdnContextParallel(grid, layout, config)
-    sharded, replicated = gdn_inputs(dtype, with_initial_state)
+    sharded, replicated = gdn_inputs(dtype, with_initial_state, layout.seq_len)
 
     def layer(q, k, v, g, beta, initial_state):
         out, final_state = gdn(q, k, v, g, beta, initial_state)
@@ -50,6 +51,43 @@ def test_gdn_fp64_matches_recurrence(grid_shape, kind, mode, with_initial_state)
     layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
     config = seqpar.GdnCpConfig(mode=mode, chunk_size=4)
     run_gdn(grid, layout, config, torch.float64, with_initial_state)
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mode", ["chain", "scan"])
+def test_gdn_padded_odd_length(grid_shape, kind, mode):
+    """T = 53 tokens (padded as the layout needs) against the recurrence on the 53 tokens."""
+    grid = seqpar.SpGrid(1, *grid_shape)
+    layout = seqpar.SequenceLayout.for_grid(grid, 53, kind)
+    run_gdn(grid, layout, seqpar.GdnCpConfig(mode=mode, chunk_size=4), torch.float64, True)
+
+
+CU_SEQLENS = [0, 7, 7, 26, 41]  # a zero-length document; lengths no layout divides
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("mode", ["chain", "scan"])
+def test_gdn_packed_per_document_states(grid_shape, kind, mode):
+    """A packed row: each document runs from its own initial_state[d] and ends in final_state[d]
+    ([N, Hv, K, V]), against the recurrence on each document alone."""
+    grid = seqpar.SpGrid(1, *grid_shape)
+    layout = seqpar.SequenceLayout.packed_for_grid(grid, CU_SEQLENS, kind)
+    config = seqpar.GdnCpConfig(mode=mode, chunk_size=4)
+    gdn = seqpar.GdnContextParallel(grid, layout, config)
+    sharded, replicated = gdn_inputs(torch.float64, True, CU_SEQLENS[-1], len(CU_SEQLENS) - 1)
+
+    def layer(q, k, v, g, beta, initial_state):
+        out, final_state = gdn(q, k, v, g, beta, initial_state)
+        return [out], [final_state]
+
+    def reference(q, k, v, g, beta, initial_state):
+        out, final_state = gdn_packed_reference(q, k, v, g, beta, initial_state, CU_SEQLENS, config.scale,
+                                                config.use_qk_l2norm)
+        return [out], [final_state]
+
+    run_against_reference(grid, layout, sharded, replicated, layer, reference, RTOL[torch.float64])
 
 
 def test_gdn_fp32_without_l2norm():

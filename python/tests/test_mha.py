@@ -36,6 +36,50 @@ def test_usp_fp64_matches_reference(grid_shape, kind, impl, causal, window):
     run_mha(grid, layout, seqpar.RingAttentionConfig(impl=impl, causal=causal, window=window), torch.float64)
 
 
+# A packed row with a zero-length document and lengths no layout divides; an unpacked odd length.
+CU_SEQLENS = [0, 5, 5, 22, 40, 53]
+ODD_T = 197
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous", "balanced"])
+@pytest.mark.parametrize("impl,causal,window", CONFIGS, ids=lambda x: str(x))
+def test_usp_packed_row_matches_per_document_reference(grid_shape, kind, impl, causal, window):
+    """Attention inside each document of a packed row (padded per the layout) against the fp64 materialised
+    attention with a per-document mask, forward and backward."""
+    grid = seqpar.SpGrid(1, *grid_shape)
+    layout = seqpar.SequenceLayout.packed_for_grid(grid, torch.tensor(CU_SEQLENS), kind)
+    assert layout.is_packed and layout.seq_len == CU_SEQLENS[-1] and layout.padded_len % layout.num_ranks == 0
+    assert layout.cu_seqlens.tolist() == CU_SEQLENS
+    config = seqpar.RingAttentionConfig(impl=impl, causal=causal, window=window)
+    attn = seqpar.UspAttention(grid, layout, config)
+    T = CU_SEQLENS[-1]
+    q, k, v = random_full((1, T, HQ, D)), random_full((1, T, HKV, D)), random_full((1, T, HKV, D))
+    run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn(q, k, v)], []),
+                          lambda q, k, v: ([mha_reference(q, k, v, causal, window, cu_seqlens=CU_SEQLENS)], []),
+                          RTOL[torch.float64])
+    rope = layout.rope_positions(grid.sp_rank)
+    tokens = layout.token_index(grid.sp_rank)
+    starts = torch.tensor(CU_SEQLENS)
+    doc = torch.bucketize(tokens.clamp(min=0), starts[1:], right=True)
+    want = torch.where(tokens >= 0, tokens - starts.index_select(0, doc), 0)
+    assert torch.equal(rope, want), "rope_positions are not the offsets inside the documents"
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous", "stripe"])
+@pytest.mark.parametrize("impl", ["p2p", "allgather"])
+def test_usp_padded_odd_length(grid_shape, kind, impl):
+    """T = 197 tokens, padded to what the layout needs, against the fp64 reference on the 197 tokens."""
+    grid = seqpar.SpGrid(1, *grid_shape)
+    layout = seqpar.SequenceLayout.for_grid(grid, ODD_T, kind)
+    assert layout.seq_len == ODD_T and layout.padded_len >= ODD_T and not layout.is_packed
+    attn = seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig(impl=impl, causal=True))
+    q, k, v = random_full((B, ODD_T, HQ, D)), random_full((B, ODD_T, HKV, D)), random_full((B, ODD_T, HKV, D))
+    run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn(q, k, v)], []),
+                          lambda q, k, v: ([mha_reference(q, k, v, True)], []), RTOL[torch.float64])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_usp_dtypes(dtype):
     grid = seqpar.SpGrid(1, *usp_grids(WORLD)[len(usp_grids(WORLD)) // 2])
@@ -70,8 +114,8 @@ def test_errors_are_seqpar_errors_on_every_rank():
         attn(q.transpose(1, 2), k, k)
     with pytest.raises(RuntimeError, match="dtype|fp32|fp64"):
         attn(q, k.float(), k)
-    with pytest.raises(seqpar.Error, match="divisible|seq_len"):
-        seqpar.SequenceLayout("contiguous", 7, 2)  # arithmetic only: no communication
+    with pytest.raises(seqpar.Error, match="cu_seqlens"):
+        seqpar.SequenceLayout.packed("zigzag", [0, 9, 4], 2)  # decreasing; arithmetic only: no communication
     with pytest.raises(seqpar.Error, match="not one of"):
         seqpar.RingAttentionConfig(impl="ringy")
     with pytest.raises(seqpar.Error):

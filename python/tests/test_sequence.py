@@ -30,6 +30,38 @@ def test_scatter_shard_gather_round_trip(grid_shape, kind, dtype):
     assert torch.equal(everyone, torch.arange(S))
 
 
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous", "stripe", "balanced"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_padded_and_packed_round_trip(grid_shape, kind, packed):
+    """A packed row (a zero-length document, lengths no layout divides) or an odd unpacked length: scatter and
+    shard give the same piece, padding rows zero; gather restores the T-row tensor bit for bit; the real rows'
+    token_index tile 0..T-1; shard_sequence's gradient lands on the tokens and drops the padding."""
+    grid = seqpar.SpGrid(1, *grid_shape)
+    cu_seqlens = [0, 3, 3, 17, 29, 30]
+    if packed:
+        layout = seqpar.SequenceLayout.packed_for_grid(grid, cu_seqlens, kind)
+    else:
+        layout = seqpar.SequenceLayout.for_grid(grid, 31, kind)
+    T = layout.seq_len
+    assert layout.is_packed == packed and layout.padded_len == layout.local_len * layout.num_ranks >= T
+    assert layout.cu_seqlens.tolist() == (cu_seqlens if packed else [0, T])
+    full = torch.randn(1, T, 3, 2, dtype=torch.float64, requires_grad=True)
+    local = seqpar.scatter_sequence(grid, layout, full)
+    tokens = layout.token_index(grid.sp_rank)
+    assert local.shape == (1, layout.local_len, 3, 2) and tokens.shape == (layout.local_len,)
+    assert torch.equal(local, seqpar.shard_sequence(full, layout, grid.sp_rank).detach())
+    assert torch.equal(local[:, tokens < 0], torch.zeros_like(local[:, tokens < 0])), "padding rows are not zero"
+    assert torch.equal(local[:, tokens >= 0], full.detach()[:, tokens[tokens >= 0]])
+    assert torch.equal(seqpar.gather_sequence(grid, layout, local), full.detach())
+    everyone = torch.cat([layout.token_index(r) for r in range(layout.num_ranks)])
+    assert torch.equal(everyone[everyone >= 0].sort().values, torch.arange(T))
+    assert int((everyone < 0).sum()) == layout.padded_len - T
+    seqpar.shard_sequence(full, layout, grid.sp_rank).sum().backward()
+    want = torch.zeros(T, dtype=torch.float64).index_fill(0, tokens[tokens >= 0], 1.0)
+    assert torch.equal(full.grad[0, :, 0, 0], want)
+
+
 def test_grid_coordinates_and_groups():
     for u, r in usp_grids(WORLD):
         for placement in ("ulysses_inner", "ring_inner"):
