@@ -389,4 +389,17 @@ void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, cons
   cpu::short_conv_backward_cpu(args, validate_conv_args(args), dout, dx, dweight, dinitial_conv_state);
 }
 
+GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                        const TensorView& beta, bool use_qk_l2norm, float scale) {
+  GdnForwardArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.g = g;
+  a.beta = beta;
+  a.use_qk_l2norm = use_qk_l2norm;
+  a.scale = scale;
+  return a;
+}
+
 }  // namespace seqpar::attn

@@ -99,6 +99,10 @@ struct GdnForwardArgs {
   TensorView cu_seqlens = {};
 };
 
+// The GdnForwardArgs of the five activations (initial_state empty, chunk_size the default).
+GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
+                        const TensorView& beta, bool use_qk_l2norm = true, float scale = 0.0f);
+
 // out [B, S, Hv, V] (any floating dtype); final_state [B, Hv, K, V] (state dtype; [N, Hv, K, V] with cu_seqlens), may
 // be empty to skip it. S = 0 is allowed (final_state = initial_state). Errors also when Hv is not a positive multiple
 // of Hk, and for a cu_seqlens that breaks a rule above (the message names the entry and the rule).

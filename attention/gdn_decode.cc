@@ -8,19 +8,6 @@
 
 namespace seqpar::attn {
 
-GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
-                        const TensorView& beta, bool use_qk_l2norm, float scale) {
-  GdnForwardArgs a;
-  a.q = q;
-  a.k = k;
-  a.v = v;
-  a.g = g;
-  a.beta = beta;
-  a.use_qk_l2norm = use_qk_l2norm;
-  a.scale = scale;
-  return a;
-}
-
 std::int64_t gdn_cache_bytes(const GdnCacheSpec& s) {
   return s.batch * s.value_heads * s.key_dim * s.value_dim * static_cast<std::int64_t>(dtype_size(s.state_dtype)) +
          s.batch * (s.conv_width - 1) * s.conv_channels * static_cast<std::int64_t>(dtype_size(s.conv_dtype));

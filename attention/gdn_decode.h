@@ -40,10 +40,6 @@ struct GdnCacheSpec {
   DType conv_dtype = DType::kFloat32;   // dtype of the conv inputs x
 };
 
-// The GdnForwardArgs of the five activations (initial_state empty, chunk_size the default).
-GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
-                        const TensorView& beta, bool use_qk_l2norm = true, float scale = 0.0f);
-
 // B Hv K V bytes(state_dtype) + B (W-1) C bytes(conv_dtype): M_GDN of one layer.
 std::int64_t gdn_cache_bytes(const GdnCacheSpec& spec);
 

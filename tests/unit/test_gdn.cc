@@ -625,14 +625,8 @@ void put_seq(const TensorView& piece, const TensorView& t, std::int64_t s0) {
 struct Piece {
   Tensor q, k, v, g, beta;
   GdnForwardArgs args(const Inputs& in, const TensorView& init) const {
-    GdnForwardArgs a;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.g = g;
-    a.beta = beta;
+    GdnForwardArgs a = gdn_args(q, k, v, g, beta, in.p.l2);
     a.initial_state = init;
-    a.use_qk_l2norm = in.p.l2;
     a.chunk_size = in.p.chunk;
     return a;
   }
