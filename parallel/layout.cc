@@ -532,9 +532,7 @@ const SequenceLayout& checked_layout(const CpGroups& groups, const SequenceLayou
 }  // namespace
 
 CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer)
-    : groups_(groups),
-      layout_(checked_layout(groups, layout, layer)),
-      positions_(layout.positions(groups.sp_rank())) {}
+    : groups_(groups), layout_(checked_layout(groups, layout, layer)), positions_(layout.positions(groups.sp_rank())) {}
 
 Fingerprint CpLayerBase::fingerprint(std::string_view call) const {
   Fingerprint fp(call);

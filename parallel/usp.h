@@ -12,8 +12,8 @@
 // Synchronisation: forward() and backward() are collective over the Ulysses and ring groups and host-synchronous.
 // Dropout (config.dropout): the ring runs on heads [u Hq / Pu, (u + 1) Hq / Pu) of Ulysses rank u and keys its
 // mask by those global heads (RingAttention::forward_into's head_offset), so every grid drops the same pairs.
-// Packed and padded layouts (docs/design.md section 15): the local tensors are the layout's padded pieces (positions are
-// slots); every query attends inside its own document only, as in ring_attention.h, padding rows give out 0, lse
+// Packed and padded layouts (docs/design.md section 15): the local tensors are the layout's padded pieces (positions
+// are slots); every query attends inside its own document only, as in ring_attention.h, padding rows give out 0, lse
 // -inf and gradients 0. A packed layout takes B = 1.
 // Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
 // splittable over Pu (UlyssesHeads), shape / dtype mismatches, a context that is empty, used or not this object's;
