@@ -252,10 +252,11 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
   // KV heads [ulysses_rank(d) hl, (ulysses_rank(d) + 1) hl).
   const int P = groups_.sp.size(), pu = groups_.ulysses_size(), me = groups_.sp_rank(), my_ring = groups_.ring.rank();
   const std::int64_t hl = s.kv_heads, row = hl * s.head_dim, T = layout.seq_len();
-  // Global positions: the layout's plus `offset` (a chunk after `offset` cached tokens).
+  // Global token positions of a rank's rows: the layout's tokens (not its slots: a padded layout holds padding rows,
+  // token -1, which are stored nowhere) plus `offset` (a chunk after `offset` cached tokens).
   const auto positions_of = [&](int sp_rank) {
-    std::vector<std::int64_t> pos = layout.positions(sp_rank);
-    for (std::int64_t& t : pos) t += offset;
+    std::vector<std::int64_t> pos = layout.token_index(sp_rank);
+    for (std::int64_t& t : pos) t = t < 0 ? -1 : t + offset;
     return pos;
   };
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
@@ -265,7 +266,7 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
   std::vector<std::vector<std::int64_t>> to(P);
   for (int d = 0; d < P; ++d) {
     for (std::size_t i = 0; i < mine.size(); ++i) {
-      if (sh.owner(mine[i]) == d / pu) to[d].push_back(static_cast<std::int64_t>(i));
+      if (mine[i] >= 0 && sh.owner(mine[i]) == d / pu) to[d].push_back(static_cast<std::int64_t>(i));
     }
   }
   std::vector<std::int64_t> send_counts(P), recv_counts(P);
@@ -277,7 +278,7 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
   std::vector<std::vector<std::int64_t>> from(P);  // indices into `owned`
   for (int src = 0; src < P; ++src) {
     for (std::int64_t t : positions_of(src)) {
-      if (sh.owner(t) == my_ring) {
+      if (t >= 0 && sh.owner(t) == my_ring) {
         from[src].push_back(std::lower_bound(owned.begin(), owned.end(), t) - owned.begin());
       }
     }
