@@ -486,8 +486,8 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
     SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
                  " (GDN key heads) must be divisible by --ulysses-size ", pu,
                  " or divide it (then each key head is replicated)");
-    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous or ",
-                 "zigzag)");
+    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous, ",
+                 "zigzag or balanced)");
     SEQPAR_CHECK(o.causal || !o.given("causal"), "--causal=false: --attn gdn is a causal recurrence (the state ",
                  "after token t depends on tokens 0..t only)");
   };

@@ -1,6 +1,6 @@
 // GDN (gated delta rule) and its short causal conv under context parallelism (docs/design.md section 10).
 //
-// The sequence is sharded by a SequenceLayout (contiguous or zigzag; stripe would make every token its own
+// The sequence is sharded by a SequenceLayout (contiguous, zigzag or balanced; stripe would make every token its own
 // segment and is refused). A rank's positions form one or more segments (maximal runs of consecutive positions);
 // zigzag gives two per rank, and the segments in global order visit every rank twice. Each step of the recurrence
 // is affine in the state, so a segment is one map S_end = M S_start + U:
