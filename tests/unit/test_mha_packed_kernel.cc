@@ -104,16 +104,22 @@ TEST(MhaPackedKernel, PaddingRowsAreZeroAndNeverNaN) {
     for (std::int64_t i = 0; i < S; ++i) {
       for (std::int64_t e = 0; e < qrow; ++e) {
         ASSERT_FALSE(std::isnan(got.out[i * qrow + e]) || std::isnan(got.dq[i * qrow + e]));
-        if (pad[i]) ASSERT_EQ(got.out[i * qrow + e], 0.0) << "row " << i;
-        if (pad[i]) ASSERT_EQ(got.dq[i * qrow + e], 0.0) << "row " << i;
+        if (pad[i]) {
+          ASSERT_EQ(got.out[i * qrow + e], 0.0) << "row " << i;
+          ASSERT_EQ(got.dq[i * qrow + e], 0.0) << "row " << i;
+        }
       }
       for (std::int64_t e = 0; e < krow; ++e) {
         ASSERT_FALSE(std::isnan(got.dk[i * krow + e]) || std::isnan(got.dv[i * krow + e]));
-        if (pad[i]) ASSERT_EQ(got.dk[i * krow + e], 0.0) << "row " << i;
-        if (pad[i]) ASSERT_EQ(got.dv[i * krow + e], 0.0) << "row " << i;
+        if (pad[i]) {
+          ASSERT_EQ(got.dk[i * krow + e], 0.0) << "row " << i;
+          ASSERT_EQ(got.dv[i * krow + e], 0.0) << "row " << i;
+        }
       }
       for (std::int64_t h = 0; h < s.hq; ++h) {
-        if (pad[i]) ASSERT_EQ(got.lse[h * S + i], -std::numeric_limits<double>::infinity());
+        if (pad[i]) {
+          ASSERT_EQ(got.lse[h * S + i], -std::numeric_limits<double>::infinity());
+        }
       }
     }
   }
