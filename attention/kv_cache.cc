@@ -12,21 +12,13 @@ namespace {
 
 constexpr const char* kFamily = "MHA";
 
-// Rows [begin, begin + n) of batch row b of a [B, capacity, H, D] tensor, as a [1, n, H, D] view.
-TensorView rows(const Tensor& t, std::int64_t b, std::int64_t begin, std::int64_t n) {
-  const std::int64_t row = t.dim(2) * t.dim(3);
-  auto* base =
-      static_cast<char*>(t.data()) + static_cast<std::size_t>((b * t.dim(1) + begin) * row) * dtype_size(t.dtype());
-  return TensorView(base, t.dtype(), {1, n, t.dim(2), t.dim(3)});
-}
-
 }  // namespace
 
 std::int64_t mha_kv_cache_bytes(const KvCacheSpec& s) {
   return 2 * s.batch * s.capacity * s.kv_heads * s.head_dim * static_cast<std::int64_t>(dtype_size(s.dtype));
 }
 
-MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec) {
+MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec), positions_(spec.capacity, "MhaKvCache") {
   SEQPAR_CHECK(spec.batch >= 1 && spec.kv_heads >= 1 && spec.head_dim >= 1, "MhaKvCache: batch ", spec.batch,
                ", kv_heads ", spec.kv_heads, " and head_dim ", spec.head_dim, " must be >= 1");
   SEQPAR_CHECK(spec.capacity >= 0, "MhaKvCache: capacity ", spec.capacity, " must be >= 0");
@@ -35,33 +27,16 @@ MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec) {
   const Shape shape{spec.batch, spec.capacity, spec.kv_heads, spec.head_dim};
   k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
   v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
-  positions_.reserve(static_cast<std::size_t>(spec.capacity));
 }
 
 TensorView MhaKvCache::k_rows(std::int64_t b) const {
   SEQPAR_CHECK(b >= 0 && b < spec_.batch, "MhaKvCache::k_rows: batch row ", b, " outside [0, ", spec_.batch, ")");
-  return rows(k_, b, 0, length());
+  return cache_rows(k_, b, 0, length());
 }
 
 TensorView MhaKvCache::v_rows(std::int64_t b) const {
   SEQPAR_CHECK(b >= 0 && b < spec_.batch, "MhaKvCache::v_rows: batch row ", b, " outside [0, ", spec_.batch, ")");
-  return rows(v_, b, 0, length());
-}
-
-std::vector<std::int64_t> MhaKvCache::resolve_positions(std::int64_t n, std::span<const std::int64_t> positions) const {
-  const std::int64_t next = positions_.empty() ? 0 : positions_.back() + 1;
-  std::vector<std::int64_t> pos;
-  if (positions.empty()) {
-    for (std::int64_t i = 0; i < n; ++i) pos.push_back(next + i);
-    return pos;
-  }
-  SEQPAR_CHECK(static_cast<std::int64_t>(positions.size()) == n, "MhaKvCache::append: positions has ", positions.size(),
-               " entries for n = ", n, " new tokens (k_new dim 1)");
-  detail::check_strictly_increasing(positions, "MhaKvCache::append positions");
-  SEQPAR_CHECK(n == 0 || positions.front() >= next, "MhaKvCache::append: position ", positions.front(),
-               " must follow the last stored position ", next - 1, " (positions strictly increase along the cache)");
-  pos.assign(positions.begin(), positions.end());
-  return pos;
+  return cache_rows(v_, b, 0, length());
 }
 
 void MhaKvCache::check_append(const TensorView& k_new, const TensorView& v_new,
@@ -73,21 +48,15 @@ void MhaKvCache::check_append(const TensorView& k_new, const TensorView& v_new,
   detail::check_floating(v_new, "v_new", kFamily);
   check_shape(k_new, shape, "MhaKvCache::append k_new (the cache's [B, n, Hkv, D])");
   check_shape(v_new, shape, "MhaKvCache::append v_new (the cache's [B, n, Hkv, D])");
-  SEQPAR_CHECK(length() + n <= spec_.capacity, "MhaKvCache::append: ", n, " new tokens after ", length(),
-               " stored would run past the capacity ", spec_.capacity);
-  resolve_positions(n, positions);
+  positions_.check_new(n, positions);
 }
 
 void MhaKvCache::append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions) {
   check_append(k_new, v_new, positions);
-  const std::int64_t n = k_new.dim(1);
-  std::vector<std::int64_t> pos = resolve_positions(n, positions);
-  if (n == 0) return;
-  for (std::int64_t b = 0; b < spec_.batch; ++b) {
-    copy_convert(k_new.slice0(b, b + 1), rows(k_, b, length(), n));
-    copy_convert(v_new.slice0(b, b + 1), rows(v_, b, length(), n));
-  }
-  positions_.insert(positions_.end(), pos.begin(), pos.end());
+  const std::vector<std::int64_t> pos = positions_.check_new(k_new.dim(1), positions);
+  write_cache_rows(k_, length(), k_new);
+  write_cache_rows(v_, length(), v_new);
+  positions_.push(pos);
 }
 
 namespace {

@@ -27,6 +27,7 @@
 #include <span>
 #include <vector>
 
+#include "attention/token_cache.h"
 #include "runtime/device.h"
 #include "runtime/tensor.h"
 
@@ -52,9 +53,9 @@ class MhaKvCache {
 
   const KvCacheSpec& spec() const { return spec_; }
   std::int64_t capacity() const { return spec_.capacity; }
-  std::int64_t length() const { return static_cast<std::int64_t>(positions_.size()); }
+  std::int64_t length() const { return positions_.length(); }
   // Global positions of the stored tokens, [length()], strictly increasing.
-  const std::vector<std::int64_t>& positions() const { return positions_; }
+  const std::vector<std::int64_t>& positions() const { return positions_.positions(); }
   // The stored rows of batch row b: [1, length(), Hkv, D] (contiguous views into the cache).
   TensorView k_rows(std::int64_t b) const;
   TensorView v_rows(std::int64_t b) const;
@@ -71,10 +72,9 @@ class MhaKvCache {
   void clear() { positions_.clear(); }
 
  private:
-  std::vector<std::int64_t> resolve_positions(std::int64_t n, std::span<const std::int64_t> positions) const;
   KvCacheSpec spec_;
   Tensor k_, v_;
-  std::vector<std::int64_t> positions_;
+  TokenPositions positions_;
 };
 
 // Decode: the n new queries q [B, n, Hq, D] (the cache's dtype, Hq a multiple of Hkv) at global positions q_pos

@@ -1,10 +1,12 @@
-// Inference caches on one device (attention/kv_cache.h, attention/gdn_decode.h): N decode steps of n tokens after a
-// T-token prefill return rows T..T+Nn-1 of the fp64 reference over the T + Nn tokens (MHA with B = 2 and GQA: out and
-// lse; GDN: out and the final state; the short conv: out and its tail); the ledger's persistent_cache holds exactly
-// the documented bytes; a refused append or step leaves the cache unchanged.
-// Tolerances: test::decode_atol / decode_rtol (tests/util/decode_problem.h).
+// Inference caches on one device (attention/kv_cache.h, attention/dsa_cache.h, attention/gdn_decode.h): N decode
+// steps of n tokens after a T-token prefill return rows T..T+Nn-1 of the fp64 reference over the T + Nn tokens (MHA
+// with B = 2 and GQA: out and lse; DSA: topk_indices bitwise those of the single-device training selection, out and
+// lse against the fp64 reference; GDN: out and the final state; the short conv: out and its tail); the ledger's
+// persistent_cache holds exactly the documented bytes; a refused append or step leaves the cache unchanged. Tolerances:
+// test::decode_atol / decode_rtol (tests/util/decode_problem.h).
 #include <gtest/gtest.h>
 
+#include "attention/dsa_cache.h"
 #include "attention/gdn_decode.h"
 #include "attention/kv_cache.h"
 #include "tests/util/decode_problem.h"
@@ -91,6 +93,100 @@ TEST(KvCache, RefusedAppendsAndStepsChangeNothing) {
   Tensor out = Tensor::empty({2, 1, 4, 16}, DType::kFloat32, kWs), lse = Tensor::empty({2, 4, 1}, DType::kFloat32, kWs);
   const std::vector<std::int64_t> q_pos{6};
   test::expect_error([&] { mha_decode(cache, q, q_pos, out, lse); }, "q has dtype fp64, the cache fp32");
+}
+
+// ---- DSA ---------------------------------------------------------------------------------------------------------
+
+TEST(DsaCache, LedgerHoldsTheFormulaForOneLayer) {
+  const std::int64_t before = persistent_bytes();
+  const DsaCacheSpec spec{2, 100, 32, 72, DType::kBFloat16};
+  {
+    DsaCache cache(spec);
+    // M = L B T (Di + Dqk) bytes with L = 1, T = capacity, 2 bytes per bf16 element.
+    EXPECT_EQ(dsa_cache_bytes(spec), 1 * 2 * 100 * (32 + 72) * 2);
+    EXPECT_EQ(persistent_bytes() - before, dsa_cache_bytes(spec));
+  }
+  EXPECT_EQ(persistent_bytes(), before);
+}
+
+struct DsaCase {
+  DType dtype;
+  std::int64_t n;
+  std::int64_t window = 0;
+};
+std::string case_name(const DsaCase& c) {
+  return str_cat(dtype_name(c.dtype), "_n", c.n, c.window > 0 ? str_cat("_window", c.window) : "");
+}
+
+class DsaDecode : public ::testing::TestWithParam<DsaCase> {};
+
+TEST_P(DsaDecode, StepsEqualRowsOfTheTrainingForward) {
+  const DsaCase c = GetParam();
+  const std::int64_t B = 2, H = 4, dqk = 24, dv = 16, hi = 2, di = 8, k = 9;
+  const test::DecodeSchedule sched{37, 4, c.n};
+  const test::DsaDecodeProblem p(B, sched.total(), H, dqk, dv, hi, di, k, c.window, c.dtype, 41);
+  EXPECT_TRUE(p.ref_topk_matches) << "the kernels' fp64 selection differs from the fp64 reference's";
+  DsaCache cache(DsaCacheSpec{B, sched.total(), di, dqk, c.dtype});
+  cache.append(rows_of(p.k_idx, 0, sched.prompt), rows_of(p.c, 0, sched.prompt));
+  const DType acc = accumulator_dtype(c.dtype);
+  for (std::int64_t step = 0; step < sched.steps; ++step) {
+    const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
+    cache.append(rows_of(p.k_idx, t0, t1), rows_of(p.c, t0, t1));
+    std::vector<std::int64_t> q_pos;
+    for (std::int64_t t = t0; t < t1; ++t) q_pos.push_back(t);
+    const Tensor q = rows_of(p.q, t0, t1), q_idx = rows_of(p.q_idx, t0, t1), w = rows_of(p.w, t0, t1);
+    DsaDecodeArgs a{q, q_idx, w, q_pos, c.window, dv};
+    Tensor topk = Tensor::empty({B, c.n, k}, DType::kInt64, kWs);
+    Tensor out = Tensor::empty({B, c.n, H, dv}, c.dtype, kWs), lse = Tensor::empty({B, H, c.n}, acc, kWs);
+    dsa_decode(cache, a, topk, out, lse);
+    EXPECT_EQ(to_double(topk), to_double(rows_of(p.topk_indices, t0, t1))) << "topk_indices of step " << step;
+    EXPECT_TRUE(all_close(to_double(out), to_double(rows_of(p.ref_out, t0, t1)), test::decode_atol(c.dtype),
+                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
+    EXPECT_TRUE(all_close(to_double(lse), to_double(rows_of(p.ref_lse, t0, t1, 2)), test::decode_atol(c.dtype),
+                          test::decode_rtol(c.dtype), str_cat("lse of step ", step)));
+  }
+  EXPECT_EQ(cache.length(), sched.total());
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, DsaDecode,
+                         ::testing::Values(DsaCase{DType::kFloat32, 1}, DsaCase{DType::kFloat32, 3},
+                                           DsaCase{DType::kFloat64, 1}, DsaCase{DType::kFloat64, 2, 20}),
+                         [](const auto& info) { return case_name(info.param); });
+
+TEST(DsaCache, RefusedAppendsAndStepsChangeNothing) {
+  const DsaCacheSpec spec{2, 8, 8, 16, DType::kFloat32};
+  DsaCache cache(spec);
+  cache.append(test::random_tensor({2, 6, 8}, DType::kFloat32, 1), test::random_tensor({2, 6, 16}, DType::kFloat32, 2));
+  const std::vector<double> k_before = to_double(cache.k_idx_rows(1)), c_before = to_double(cache.c_rows(1));
+  const auto expect_unchanged = [&] {
+    EXPECT_EQ(cache.length(), 6);
+    EXPECT_EQ(to_double(cache.k_idx_rows(1)), k_before);
+    EXPECT_EQ(to_double(cache.c_rows(1)), c_before);
+  };
+  const auto rows = [](std::int64_t n, std::int64_t width, std::uint64_t seed) {
+    return test::random_tensor({2, n, width}, DType::kFloat32, seed);
+  };
+  test::expect_error([&] { cache.append(rows(3, 8, 3), rows(3, 16, 4)); },
+                     "DsaCache::append: 3 new tokens after 6 stored would run past the capacity 8");
+  expect_unchanged();
+  test::expect_error([&] { cache.append(rows(1, 8, 5), rows(1, 12, 6)); }, "c_new (the cache's [B, n, Dqk])");
+  expect_unchanged();
+  const std::vector<std::int64_t> back{3};
+  test::expect_error([&] { cache.append(rows(1, 8, 7), rows(1, 16, 8), back); },
+                     "must follow the last stored position 5");
+  expect_unchanged();
+  const Tensor q = test::random_tensor({2, 1, 2, 16}, DType::kFloat64, 9);
+  const Tensor q_idx = test::random_tensor({2, 1, 2, 8}, DType::kFloat32, 10);
+  const Tensor w = test::random_tensor({2, 1, 2}, DType::kFloat32, 11);
+  const std::vector<std::int64_t> q_pos{6};
+  Tensor topk = Tensor::empty({2, 1, 4}, DType::kInt64, kWs);
+  Tensor out = Tensor::empty({2, 1, 2, 16}, DType::kFloat32, kWs), lse = Tensor::empty({2, 2, 1}, DType::kFloat32, kWs);
+  test::expect_error(
+      [&] {
+        dsa_decode(cache, {q, q_idx, w, q_pos, 0, 16}, topk, out, lse);
+      },
+      "q has dtype fp64, the cache fp32");
+  expect_unchanged();
 }
 
 // ---- GDN ---------------------------------------------------------------------------------------------------------

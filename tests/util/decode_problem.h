@@ -6,8 +6,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention/dsa.h"
 #include "attention/gdn_decode.h"
 #include "attention/mha.h"
+#include "attention/reference/dsa_reference.h"
 #include "attention/reference/gdn_reference.h"
 #include "attention/reference/mha_reference.h"
 #include "parallel/decode_cp.h"
@@ -76,6 +78,45 @@ struct GdnDecodeProblem {
     ref_out = Tensor::empty({B, S, hv, V}, DType::kFloat64, MemCategory::kWorkspace);
     ref_final = Tensor::empty({B, hv, K, V}, DType::kFloat64, MemCategory::kWorkspace);
     attn::reference::gdn_forward(a, ref_out, ref_final);
+  }
+};
+
+// DSA: q [B, S, H, Dqk], c [B, S, Dqk], q_idx [B, S, Hi, Di], k_idx [B, S, Di], w [B, S, Hi] of the whole sequence,
+// and its training forward: topk_indices [B, S, k] of the single-device kernel on the inputs' dtype (attn::
+// dsa_indexer_topk over all keys: what a decode must return bitwise), and out, lse of the fp64 reference attention
+// over that selection. For fp64 inputs the selection also equals the fp64 reference's (ref_topk_matches).
+struct DsaDecodeProblem {
+  Tensor q, c, q_idx, k_idx, w;
+  Tensor topk_indices;      // int64 [B, S, k]
+  Tensor ref_out, ref_lse;  // fp64 [B, S, H, Dv], [B, H, S]
+  bool ref_topk_matches = true;
+  DsaDecodeProblem(std::int64_t B, std::int64_t S, std::int64_t H, std::int64_t dqk, std::int64_t dv, std::int64_t hi,
+                   std::int64_t di, std::int64_t topk, std::int64_t window, DType dtype, std::uint64_t seed) {
+    q = random_tensor({B, S, H, dqk}, dtype, seed + 1);
+    c = random_tensor({B, S, dqk}, dtype, seed + 2);
+    q_idx = random_tensor({B, S, hi, di}, dtype, seed + 3);
+    k_idx = random_tensor({B, S, di}, dtype, seed + 4);
+    w = random_tensor({B, S, hi}, dtype, seed + 5);
+    attn::DsaIndexerArgs idx{q_idx, w, k_idx, {}, {}};
+    idx.window = window;
+    topk_indices = Tensor::empty({B, S, topk}, DType::kInt64, MemCategory::kWorkspace);
+    attn::dsa_indexer_topk(idx, topk_indices);
+    const Tensor q64 = as_f64(q), c64 = as_f64(c), qi64 = as_f64(q_idx), ki64 = as_f64(k_idx), w64 = as_f64(w);
+    if (dtype == DType::kFloat64) {
+      attn::DsaIndexerArgs idx64{qi64, w64, ki64, {}, {}};
+      idx64.window = window;
+      Tensor ref_topk = Tensor::empty({B, S, topk}, DType::kInt64, MemCategory::kWorkspace);
+      attn::reference::dsa_indexer_topk(idx64, ref_topk);
+      ref_topk_matches = to_double(ref_topk) == to_double(topk_indices);
+    }
+    attn::DsaAttentionArgs a;
+    a.q = q64;
+    a.c = c64;
+    a.topk_indices = topk_indices;
+    a.dim_v = dv;
+    ref_out = Tensor::empty({B, S, H, dv}, DType::kFloat64, MemCategory::kWorkspace);
+    ref_lse = Tensor::empty({B, H, S}, DType::kFloat64, MemCategory::kWorkspace);
+    attn::reference::dsa_attention_forward(a, ref_out, ref_lse);
   }
 };
 
