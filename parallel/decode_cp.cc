@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "parallel/decode_shared.h"
 #include "runtime/error.h"
 #include "runtime/tensor_ops.h"
 
@@ -15,69 +16,12 @@ namespace {
 constexpr std::array<const char*, 2> kCacheShardNames = {"contiguous", "interleave"};
 constexpr std::array<const char*, 3> kChunkModeNames = {"auto", "pass-kv", "pass-q"};
 
-// [0, 1, ..., n) shifted by `first`.
-std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t n) {
-  std::vector<std::int64_t> v(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = first + i;
-  return v;
-}
-
-// The fields every decode-side call shares: the sharding and the length / step of the cache it is given.
-void add_cache_fields(Fingerprint& fp, std::int64_t length, std::int64_t steps) {
-  fp.add_int("cache_length", length).add_int("cache_steps", steps);
-}
-
-// A view at element `offset` of a flat buffer, with `shape`.
-TensorView sub_view(const Tensor& buf, std::int64_t offset, const Shape& shape) {
-  auto* p = static_cast<char*>(buf.data()) + static_cast<std::size_t>(offset) * dtype_size(buf.dtype());
-  return TensorView(p, buf.dtype(), shape, buf.view().device());
-}
-
-// The exact merge of P shards' (out_r, lse_r) (parallel/decode_cp.h), in fp64 and rank order. recv holds P blocks
-// of [out_r (B n Hq D) | lse hi (B Hq n) | lse lo (B Hq n)] of type T; out [B, n, Hq, D] of T, lse [B, Hq, n] of T.
-template <typename T>
-void merge_shards(const T* recv, int num_ranks, std::int64_t B, std::int64_t n, std::int64_t hq, std::int64_t dim,
-                  T* out, T* lse) {
-  const std::int64_t rows = B * n * hq, block = rows * (dim + 2);
-  std::vector<double> w(static_cast<std::size_t>(num_ranks)), acc(static_cast<std::size_t>(dim));
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t h = 0; h < hq; ++h) {
-        const std::int64_t o_off = ((b * n + i) * hq + h) * dim, l_off = (b * hq + h) * n + i;
-        double m = -std::numeric_limits<double>::infinity();
-        for (int r = 0; r < num_ranks; ++r) {
-          const T* blk = recv + r * block;
-          w[r] = static_cast<double>(blk[rows * dim + l_off]) + static_cast<double>(blk[rows * dim + rows + l_off]);
-          m = std::max(m, w[r]);
-        }
-        std::fill(acc.begin(), acc.end(), 0.0);
-        if (m == -std::numeric_limits<double>::infinity()) {  // no rank holds a visible key
-          for (std::int64_t d = 0; d < dim; ++d) out[o_off + d] = T(0);
-          lse[l_off] = static_cast<T>(m);
-          continue;
-        }
-        double l = 0;
-        for (int r = 0; r < num_ranks; ++r) {
-          w[r] = std::exp(w[r] - m);  // 0 for a shard with lse -inf (its out is 0)
-          l += w[r];
-          const T* o = recv + r * block + o_off;
-          for (std::int64_t d = 0; d < dim; ++d) acc[d] += w[r] * static_cast<double>(o[d]);
-        }
-        for (std::int64_t d = 0; d < dim; ++d) out[o_off + d] = static_cast<T>(acc[d] / l);
-        lse[l_off] = static_cast<T>(m + std::log(l));
-      }
-    }
-  }
-}
-
-// lse (fp64) written as hi + lo of type T.
-template <typename T>
-void split_lse(const double* lse, std::int64_t count, T* hi, T* lo) {
-  for (std::int64_t i = 0; i < count; ++i) {
-    hi[i] = static_cast<T>(lse[i]);
-    lo[i] = std::isfinite(lse[i]) ? static_cast<T>(lse[i] - static_cast<double>(hi[i])) : T(0);
-  }
-}
+// Shared with the DSA decode layer (parallel/decode_shared.h).
+using decode_detail::add_cache_fields;
+using decode_detail::iota_from;
+using decode_detail::merge_shards;
+using decode_detail::split_lse;
+using decode_detail::sub_view;
 
 }  // namespace
 
@@ -246,82 +190,11 @@ void MhaDecodeContextParallel::fill(ShardedKvCache& cache, const SequenceLayout&
 
 void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
                                               const TensorView& v, std::int64_t offset) {
-  const attn::KvCacheSpec& s = cache.spec();
-  const CacheSharding& sh = cache.sharding();
-  // Over the SP group: SP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the
-  // KV heads [ulysses_rank(d) hl, (ulysses_rank(d) + 1) hl).
-  const int P = groups_.sp.size(), pu = groups_.ulysses_size(), me = groups_.sp_rank(), my_ring = groups_.ring.rank();
-  const std::int64_t hl = s.kv_heads, row = hl * s.head_dim, T = layout.seq_len();
-  // Global token positions of a rank's rows: the layout's tokens (not its slots: a padded layout holds padding rows,
-  // token -1, which are stored nowhere) plus `offset` (a chunk after `offset` cached tokens).
-  const auto positions_of = [&](int sp_rank) {
-    std::vector<std::int64_t> pos = layout.token_index(sp_rank);
-    for (std::int64_t& t : pos) t = t < 0 ? -1 : t + offset;
-    return pos;
-  };
-  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
-  ScopedTimer timer(counters_.compute_s);
-  // Send: for each destination d, the rows of my tokens it stores, K then V, each [B, m, hl, D].
-  const std::vector<std::int64_t> mine = positions_of(me);
-  std::vector<std::vector<std::int64_t>> to(P);
-  for (int d = 0; d < P; ++d) {
-    for (std::size_t i = 0; i < mine.size(); ++i) {
-      if (mine[i] >= 0 && sh.owner(mine[i]) == d / pu) to[d].push_back(static_cast<std::int64_t>(i));
-    }
-  }
-  std::vector<std::int64_t> send_counts(P), recv_counts(P);
-  std::int64_t send_total = 0, recv_total = 0;
-  for (int d = 0; d < P; ++d)
-    send_total += send_counts[d] = 2 * s.batch * static_cast<std::int64_t>(to[d].size()) * row;
-  // Receive: from each source, the rows of its tokens my ring rank owns, in its (increasing) order.
-  const std::vector<std::int64_t> owned = sh.owned(my_ring, offset, offset + T);
-  std::vector<std::vector<std::int64_t>> from(P);  // indices into `owned`
-  for (int src = 0; src < P; ++src) {
-    for (std::int64_t t : positions_of(src)) {
-      if (t >= 0 && sh.owner(t) == my_ring) {
-        from[src].push_back(std::lower_bound(owned.begin(), owned.end(), t) - owned.begin());
-      }
-    }
-    recv_total += recv_counts[src] = 2 * s.batch * static_cast<std::int64_t>(from[src].size()) * row;
-  }
-  Tensor send = alloc.empty({send_total}, s.dtype, MemCategory::kCommBuffer);
-  Tensor recv = alloc.empty({recv_total}, s.dtype, MemCategory::kCommBuffer);
-  std::int64_t off = 0;
-  for (int d = 0; d < P; ++d) {
-    const std::int64_t m = static_cast<std::int64_t>(to[d].size());
-    if (m == 0) continue;
-    const Shape shape{s.batch, m, hl, s.head_dim};
-    const std::vector<std::int64_t> heads = iota_from((d % pu) * hl, hl);
-    for (const auto& [src, half] : {std::pair{k, 0}, std::pair{v, 1}}) {
-      const TensorView dst = sub_view(send, off + half * send_counts[d] / 2, shape);
-      if (pu == 1) {
-        gather_rows(src, 1, to[d], dst, groups_.stream);
-        continue;
-      }
-      Tensor rows = alloc.empty({s.batch, m, hl * pu, s.head_dim}, s.dtype, MemCategory::kWorkspace);
-      gather_rows(src, 1, to[d], rows, groups_.stream);
-      gather_rows(rows, 2, heads, dst, groups_.stream);
-    }
-    off += send_counts[d];
-  }
-  {
-    CommMeter meter(groups_, counters_);
-    WorkHandle w = groups_.sp.all_to_all_v(send, send_counts, recv, recv_counts);
-    timed_wait(groups_.sp, w, &counters_.exposed_comm_s);
-  }
-  const std::int64_t m_all = static_cast<std::int64_t>(owned.size());
-  Tensor k_own = alloc.empty({s.batch, m_all, hl, s.head_dim}, s.dtype, MemCategory::kWorkspace);
-  Tensor v_own = alloc.empty({s.batch, m_all, hl, s.head_dim}, s.dtype, MemCategory::kWorkspace);
-  off = 0;
-  for (int src = 0; src < P; ++src) {
-    const std::int64_t m = static_cast<std::int64_t>(from[src].size());
-    if (m == 0) continue;
-    const Shape shape{s.batch, m, hl, s.head_dim};
-    scatter_rows(sub_view(recv, off, shape), 1, from[src], k_own, groups_.stream);
-    scatter_rows(sub_view(recv, off + recv_counts[src] / 2, shape), 1, from[src], v_own, groups_.stream);
-    off += recv_counts[src];
-  }
-  cache.local_.append(k_own, v_own, owned);
+  // SP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the KV heads
+  // [ulysses_rank(d) Hkv / Pu, (ulysses_rank(d) + 1) Hkv / Pu).
+  const decode_detail::StoredRows kv = decode_detail::reshard_to_owners(groups_, counters_, cache.sharding(),
+                                                                        groups_.ulysses_size(), layout, offset, {k, v});
+  cache.local_.append(kv.rows[0], kv.rows[1], kv.tokens);
 }
 
 std::int64_t MhaDecodeContextParallel::pass_kv_bytes(const ShardedKvCache& cache) const {

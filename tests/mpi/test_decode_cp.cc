@@ -18,22 +18,7 @@ namespace {
 
 using test::all_close, test::rows_of, test::to_double, test::world;
 
-std::int64_t persistent_bytes() {
-  return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kPersistentCache)];
-}
-
-// Runs fn, which must throw Error on this rank with `needle` in its message; true on every rank when every rank did.
-template <typename Fn>
-bool fails_everywhere(Fn&& fn, const std::string& needle) {
-  bool ok = false;
-  try {
-    fn();
-  } catch (const Error& e) {
-    ok = std::string(e.what()).find(needle) != std::string::npos;
-    EXPECT_TRUE(ok) << e.what();
-  }
-  return test::all_ranks(world(), ok);
-}
+using test::fails_everywhere, test::persistent_bytes;
 
 // ---- MHA ---------------------------------------------------------------------------------------------------------
 

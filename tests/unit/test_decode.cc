@@ -14,12 +14,8 @@
 namespace seqpar::attn {
 namespace {
 
-using test::all_close, test::rows_of, test::to_double;
+using test::all_close, test::persistent_bytes, test::rows_of, test::to_double;
 constexpr MemCategory kWs = MemCategory::kWorkspace;
-
-std::int64_t persistent_bytes() {
-  return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kPersistentCache)];
-}
 
 TEST(KvCache, LedgerHoldsTheFormulaForOneLayer) {
   const std::int64_t before = persistent_bytes();

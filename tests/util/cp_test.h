@@ -17,6 +17,19 @@
 
 namespace seqpar::test {
 
+// Runs fn, which must throw Error on this rank with `needle` in its message; true on every rank when every rank did.
+template <typename Fn>
+bool fails_everywhere(Fn&& fn, const std::string& needle) {
+  bool ok = false;
+  try {
+    fn();
+  } catch (const Error& e) {
+    ok = std::string(e.what()).find(needle) != std::string::npos;
+    EXPECT_TRUE(ok) << e.what();
+  }
+  return all_ranks(world(), ok);
+}
+
 inline std::int64_t saved_bytes() {
   return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kSavedActivation)];
 }

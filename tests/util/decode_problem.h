@@ -13,6 +13,7 @@
 #include "attention/reference/gdn_reference.h"
 #include "attention/reference/mha_reference.h"
 #include "parallel/decode_cp.h"
+#include "runtime/memory.h"
 #include "runtime/tensor_ops.h"
 #include "tests/util/test_util.h"
 
@@ -21,6 +22,11 @@ namespace seqpar::test {
 // Rows [begin, end) of dimension `dim` of `full` (a copy, workspace).
 inline Tensor rows_of(const TensorView& full, std::int64_t begin, std::int64_t end, int dim = 1) {
   return slice_dim(full, dim, begin, end);
+}
+
+// The ledger's persistent_cache bytes now (the caches' category).
+inline std::int64_t persistent_bytes() {
+  return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kPersistentCache)];
 }
 
 inline Tensor as_f64(const TensorView& t) { return Tensor::copy_of(t, DType::kFloat64, MemCategory::kWorkspace); }
