@@ -11,6 +11,7 @@
 
 #include "attention/gdn_decode.h"
 #include "attention/mha.h"
+#include "benchmarks/sp_bench_decode_internal.h"
 #include "benchmarks/sp_bench_options.h"
 #include "parallel/decode_cp.h"
 #include "runtime/comm_factory.h"
@@ -19,7 +20,7 @@
 #include "runtime/tensor_ops.h"
 
 namespace seqpar::bench {
-namespace {
+namespace decode_detail {
 
 constexpr double kMiB = 1024.0 * 1024.0;
 
@@ -35,7 +36,7 @@ double input_value(std::uint64_t seed, int salt, std::uint64_t index, double lo,
 
 // Rows `positions` of the [B, S, heads, width] input `salt` (width 0: [B, S, heads]), in `dtype`.
 Tensor make_rows(const SpBenchOptions& o, int salt, std::int64_t S, const std::vector<std::int64_t>& positions,
-                 std::int64_t heads, std::int64_t width, double lo = -1, double hi = 1) {
+                 std::int64_t heads, std::int64_t width, double lo, double hi) {
   const std::int64_t B = o.batch, n = static_cast<std::int64_t>(positions.size()), w = std::max<std::int64_t>(width, 1);
   std::vector<double> values(static_cast<std::size_t>(B * n * heads * w));
   for (std::int64_t b = 0; b < B; ++b) {
@@ -70,19 +71,6 @@ double quantile(std::vector<double> v, double q) {
   return v[std::min(i, v.size() - 1)];
 }
 
-struct DecodeReport {
-  std::vector<double> prefill_s;  // slowest rank per iteration
-  std::vector<double> step_s;     // slowest rank per step
-  std::vector<double> chunk_s;    // --chunk: the persistent-cache prefill, slowest rank per iteration
-  std::string chunk_mode;         // the route it took
-  std::int64_t chunk_bytes = 0, chunk_pass_bytes = 0;  // sent per rank: all of extend; the route's formula
-  std::int64_t bytes_per_step = 0, bytes_formula = 0;
-  double cache_bytes = 0, cache_formula = 0;  // per rank: largest over the ranks; the formula's
-  std::string formula_text;
-  bool checked = false, passed = true;
-  double out_err = 0, lse_err = 0, state_err = 0;  // max |got - want| / max |want|
-};
-
 // Tolerance of a decode result against the single-rank kernels, relative to the largest reference value: the same
 // arithmetic in another order (fp64: 1e-12; fp32: 1e-5), or the rounding of a 16-bit output (1e-2).
 double tolerance(DType dtype) { return dtype == DType::kFloat64 ? 1e-12 : (dtype == DType::kFloat32 ? 1e-5 : 1e-2); }
@@ -100,27 +88,11 @@ double rel_err(const TensorView& got, const TensorView& want) {
   return ref > 0 ? err / ref : err;
 }
 
-// The seconds of fn on the slowest rank (after a barrier).
-template <typename Fn>
-double time_once(Communicator& world, Fn&& fn) {
-  barrier(world);
-  const double t0 = now_s();
-  fn();
-  std::vector<double> t{now_s() - t0};
-  all_reduce(world, t, ReduceOp::kMax);
-  return t[0];
-}
+}  // namespace decode_detail
 
-// Times fn once per iteration (warmup untimed); each time is the slowest rank's.
-template <typename Fn>
-std::vector<double> time_prefill(Communicator& world, const SpBenchOptions& o, Fn&& fn) {
-  std::vector<double> times;
-  for (int it = 0; it < o.warmup + o.iters; ++it) {
-    const double t = time_once(world, fn);
-    if (it >= o.warmup) times.push_back(t);
-  }
-  return times;
-}
+namespace {
+
+using namespace decode_detail;
 
 DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o) {
   const DecodeOptions& d = o.decode;
@@ -301,8 +273,8 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
 
 void check_decode_options(const SpBenchOptions& o) {
   const DecodeOptions& d = o.decode;
-  SEQPAR_CHECK(o.attn != "dsa", "--mode decode: --attn dsa is not supported yet (decode runs --attn mha and gdn)");
-  SEQPAR_CHECK(o.attn == "mha" || o.attn == "gdn", "--mode decode: --attn ", o.attn, " has no decode");
+  SEQPAR_CHECK(o.attn == "mha" || o.attn == "gdn" || o.attn == "dsa", "--mode decode: --attn ", o.attn,
+               " has no decode");
   SEQPAR_CHECK(o.grid.dp_size == 1, "--mode decode: --dp-size ", o.grid.dp_size, " must be 1");
   SEQPAR_CHECK(d.context >= 1 && d.decode_steps >= 1 && d.new_tokens >= 1 && d.interleave >= 1, "--context ", d.context,
                ", --decode-steps ", d.decode_steps, ", --new-tokens ", d.new_tokens, " and --interleave ", d.interleave,
@@ -311,12 +283,13 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(o.conv_width == 0,
                "--mode decode: --conv-width is not supported yet (the short conv's tail is in "
                "attn::GdnCache, its decode under CP is not)");
-  SEQPAR_CHECK(o.window == 0 && o.softcap == 0 && !o.alibi && !o.sinks && o.dropout == 0 && !o.rope,
-               "--mode decode: --window, --softcap, --alibi, --sinks, --dropout and --rope are not supported yet "
-               "(decode is plain causal attention)");
+  SEQPAR_CHECK(
+      (o.window == 0 || o.attn == "dsa") && o.softcap == 0 && !o.alibi && !o.sinks && o.dropout == 0 && !o.rope,
+      "--mode decode: --window (but for --attn dsa's indexer), --softcap, --alibi, --sinks, --dropout and --rope "
+      "are not supported yet (decode is plain causal attention)");
   SEQPAR_CHECK(d.prefill == "forward" || d.prefill == "fill", "--prefill '", d.prefill,
                "' is not one of forward, fill");
-  SEQPAR_CHECK(d.prefill == "forward" || o.attn == "mha", "--prefill fill needs --attn mha");
+  SEQPAR_CHECK(d.prefill == "forward" || o.attn != "gdn", "--prefill fill needs --attn mha or dsa");
   SEQPAR_CHECK(d.chunk >= 0, "--chunk ", d.chunk, " must be >= 0");
   SEQPAR_CHECK(d.chunk == 0 || (o.attn == "mha" && o.grid.ulysses_size == 1),
                "--chunk (a persistent-cache prefill) needs --attn mha and --ulysses-size 1");
@@ -348,9 +321,12 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
               static_cast<long long>(d.new_tokens), d.cache_shard.c_str());
   if (d.cache_shard == "interleave") std::printf(" %lld", static_cast<long long>(d.interleave));
   const std::string shapes =
-      o.attn == "mha" ? str_cat("B=", o.batch, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim, " causal")
-                      : str_cat("B=", o.batch, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
-                                " V=", o.dim_v > 0 ? o.dim_v : o.head_dim, " mode=", o.gdn_mode);
+      o.attn == "mha"   ? str_cat("B=", o.batch, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim, " causal")
+      : o.attn == "dsa" ? str_cat("B=", o.batch, " H=", o.heads, " Dqk=", o.head_dim, " Dv=", o.dim_v, " topk=", o.topk,
+                                  " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select,
+                                  o.window > 0 ? str_cat(" window=", o.window) : std::string())
+                        : str_cat("B=", o.batch, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
+                                  " V=", o.dim_v > 0 ? o.dim_v : o.head_dim, " mode=", o.gdn_mode);
   std::printf(", prefill %s, layout %s, %s\n", d.prefill.c_str(), layout_name(o.layout), shapes.c_str());
   std::printf("# %-14s %12s %12s\n", "phase", "median_ms", "p99_ms");
   std::printf("  %-14s %12.3f %12s\n", "prefill", median(r.prefill_s) * 1e3, "-");
@@ -366,8 +342,12 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
               r.cache_formula / kMiB);
   if (r.checked) {
     std::printf("# check %s: out rel err %.3g, %s rel err %.3g (tolerance %.3g)\n", r.passed ? "passed" : "FAILED",
-                r.out_err, o.attn == "mha" ? "lse" : "final_state", o.attn == "mha" ? r.lse_err : r.state_err,
+                r.out_err, o.attn == "gdn" ? "final_state" : "lse", o.attn == "gdn" ? r.state_err : r.lse_err,
                 tolerance(o.dtype));
+    if (r.topk_mismatches >= 0) {
+      std::printf("# topk_indices: %lld entries differ from the single-rank selection\n",
+                  static_cast<long long>(r.topk_mismatches));
+    }
   }
   std::fflush(stdout);
 }
@@ -387,6 +367,14 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["heads"] = o.heads;
   j["kv_heads"] = o.kv_heads;
   j["head_dim"] = o.head_dim;
+  if (o.attn == "dsa") {
+    j["dim_v"] = o.dim_v;
+    j["topk"] = o.topk;
+    j["indexer_heads"] = o.indexer_heads;
+    j["indexer_dim"] = o.indexer_dim;
+    j["window"] = o.window;
+    j["dsa_select"] = o.dsa_select;
+  }
   j["context"] = d.context;
   j["decode_steps"] = d.decode_steps;
   j["new_tokens"] = d.new_tokens;
@@ -411,6 +399,7 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
                   {"out_rel_err", r.out_err},
                   {"lse_rel_err", r.lse_err},
                   {"final_state_rel_err", r.state_err}};
+    if (r.topk_mismatches >= 0) j["check"]["topk_indices_mismatches"] = r.topk_mismatches;
   }
   return j;
 }
@@ -482,7 +471,9 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
   AgreementCheck(AgreementMode::kAlways).run(*world, fp);
   SpGrid grid(*world, o.grid);
   const CpGroups groups = CpGroups::from(grid);
-  const DecodeReport rep = o.attn == "mha" ? run_mha(*world, groups, o) : run_gdn(*world, groups, o);
+  const DecodeReport rep = o.attn == "mha"   ? run_mha(*world, groups, o)
+                           : o.attn == "dsa" ? run_dsa(*world, groups, o)  // benchmarks/sp_bench_decode_dsa.cc
+                                             : run_gdn(*world, groups, o);
   if (place.rank == 0) {
     print_decode_report(o, rep, place.size);
     if (!o.json_path.empty()) {

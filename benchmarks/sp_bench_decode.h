@@ -5,7 +5,8 @@
 // between them, bytes per step (CpCounters, against the documented formula) and cache MiB per rank (the
 // ledger's persistent_cache, against M_KV / P for MHA and the state for GDN). --check compares every step's output
 // (MHA: out and lse; GDN: out of every head and the final state) with the single-rank training forward over the
-// T + N n tokens, on rank 0. --attn mha and gdn (DSA: "not supported yet").
+// T + N n tokens, on rank 0. --attn mha, gdn and dsa (DSA: out, lse and topk_indices;
+// benchmarks/sp_bench_decode_dsa.cc).
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,70 @@
+// Internal to benchmarks/: what the workloads of sp_bench --mode decode share (sp_bench_decode.cc: MHA, GDN, the
+// options, the report; sp_bench_decode_dsa.cc: DSA). Not a public header.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "benchmarks/bench_common.h"
+#include "benchmarks/sp_bench_options.h"
+#include "parallel/cp_common.h"
+#include "runtime/comm.h"
+#include "runtime/tensor.h"
+
+namespace seqpar::bench::decode_detail {
+
+struct DecodeReport {
+  std::vector<double> prefill_s;  // slowest rank per iteration
+  std::vector<double> step_s;     // slowest rank per step
+  std::vector<double> chunk_s;    // --chunk: the persistent-cache prefill, slowest rank per iteration
+  std::string chunk_mode;         // the route it took
+  std::int64_t chunk_bytes = 0, chunk_pass_bytes = 0;  // sent per rank: all of extend; the route's formula
+  std::int64_t bytes_per_step = 0, bytes_formula = 0;
+  double cache_bytes = 0, cache_formula = 0;  // per rank: largest over the ranks; the formula's
+  std::string formula_text;
+  bool checked = false, passed = true;
+  double out_err = 0, lse_err = 0, state_err = 0;  // max |got - want| / max |want|
+  std::int64_t topk_mismatches = -1;               // DSA: topk_indices entries that differ (-1: not checked)
+};
+
+// Rows `positions` of the deterministic [B, S, heads, width] input `salt` (width 0: [B, S, heads]), in --dtype:
+// element (b, t, h, x) is a function of the seed and its index in the whole sequence, so that every rank makes the
+// rows of any positions without the rest. Values uniform in [lo, hi).
+Tensor make_rows(const SpBenchOptions& o, int salt, std::int64_t S, const std::vector<std::int64_t>& positions,
+                 std::int64_t heads, std::int64_t width, double lo = -1, double hi = 1);
+// begin, begin + 1, ..., end - 1.
+std::vector<std::int64_t> range(std::int64_t begin, std::int64_t end);
+// The ledger's persistent_cache bytes now.
+std::int64_t persistent_bytes();
+// Tolerance of a decode result against the single-rank kernels, relative to the largest reference value.
+double tolerance(DType dtype);
+// max |got - want| / max |want| (equal infinities ignored).
+double rel_err(const TensorView& got, const TensorView& want);
+
+// The seconds of fn on the slowest rank (after a barrier).
+template <typename Fn>
+double time_once(Communicator& world, Fn&& fn) {
+  barrier(world);
+  const double t0 = now_s();
+  fn();
+  std::vector<double> t{now_s() - t0};
+  all_reduce(world, t, ReduceOp::kMax);
+  return t[0];
+}
+
+// Times fn once per iteration (warmup untimed); each time is the slowest rank's.
+template <typename Fn>
+std::vector<double> time_prefill(Communicator& world, const SpBenchOptions& o, Fn&& fn) {
+  std::vector<double> times;
+  for (int it = 0; it < o.warmup + o.iters; ++it) {
+    const double t = time_once(world, fn);
+    if (it >= o.warmup) times.push_back(t);
+  }
+  return times;
+}
+
+// The DSA decode workload (benchmarks/sp_bench_decode_dsa.cc): prefill (or fill), steps, bytes, cache, --check.
+DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchOptions& o);
+
+}  // namespace seqpar::bench::decode_detail
