@@ -61,9 +61,7 @@ std::int64_t dsa_cache_bytes(const DsaCacheSpec& s) {
 DsaCache::DsaCache(const DsaCacheSpec& spec) : spec_(spec), positions_(spec.capacity, "DsaCache") {
   SEQPAR_CHECK(spec.batch >= 1 && spec.index_dim >= 1 && spec.latent_dim >= 1, "DsaCache: batch ", spec.batch,
                ", index_dim ", spec.index_dim, " and latent_dim ", spec.latent_dim, " must be >= 1");
-  SEQPAR_CHECK(spec.capacity >= 0, "DsaCache: capacity ", spec.capacity, " must be >= 0");
-  SEQPAR_CHECK(is_floating(spec.dtype), "DsaCache: dtype ", dtype_name(spec.dtype),
-               " must be a floating dtype (fp32, bf16, fp16 or fp64)");
+  check_cache_dtype(spec.dtype, "DsaCache");
   k_idx_ = Tensor::empty({spec.batch, spec.capacity, spec.index_dim}, spec.dtype, MemCategory::kPersistentCache);
   c_ = Tensor::empty({spec.batch, spec.capacity, spec.latent_dim}, spec.dtype, MemCategory::kPersistentCache);
 }

@@ -21,9 +21,7 @@ std::int64_t mha_kv_cache_bytes(const KvCacheSpec& s) {
 MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec), positions_(spec.capacity, "MhaKvCache") {
   SEQPAR_CHECK(spec.batch >= 1 && spec.kv_heads >= 1 && spec.head_dim >= 1, "MhaKvCache: batch ", spec.batch,
                ", kv_heads ", spec.kv_heads, " and head_dim ", spec.head_dim, " must be >= 1");
-  SEQPAR_CHECK(spec.capacity >= 0, "MhaKvCache: capacity ", spec.capacity, " must be >= 0");
-  SEQPAR_CHECK(is_floating(spec.dtype), "MhaKvCache: dtype ", dtype_name(spec.dtype),
-               " must be a floating dtype (fp32, bf16, fp16 or fp64)");
+  check_cache_dtype(spec.dtype, "MhaKvCache");
   const Shape shape{spec.batch, spec.capacity, spec.kv_heads, spec.head_dim};
   k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
   v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);

@@ -1,8 +1,6 @@
 // The positions and row storage of the token caches (attention/token_cache.h).
 #include "attention/token_cache.h"
 
-#include <algorithm>
-
 #include "attention/boundary.h"
 #include "runtime/error.h"
 #include "runtime/tensor_ops.h"
@@ -10,7 +8,8 @@
 namespace seqpar::attn {
 
 TokenPositions::TokenPositions(std::int64_t capacity, const char* cache) : capacity_(capacity), cache_(cache) {
-  positions_.reserve(static_cast<std::size_t>(std::max<std::int64_t>(capacity, 0)));
+  SEQPAR_CHECK(capacity >= 0, cache, ": capacity ", capacity, " must be >= 0");
+  positions_.reserve(static_cast<std::size_t>(capacity));
 }
 
 std::vector<std::int64_t> TokenPositions::check_new(std::int64_t n, std::span<const std::int64_t> positions) const {
@@ -29,6 +28,11 @@ std::vector<std::int64_t> TokenPositions::check_new(std::int64_t n, std::span<co
                " must follow the last stored position ", next - 1, " (positions strictly increase along the cache)");
   pos.assign(positions.begin(), positions.end());
   return pos;
+}
+
+void check_cache_dtype(DType dtype, const char* cache) {
+  SEQPAR_CHECK(is_floating(dtype), cache, ": dtype ", dtype_name(dtype),
+               " must be a floating dtype (fp32, bf16, fp16 or fp64)");
 }
 
 TensorView cache_rows(const Tensor& t, std::int64_t b, std::int64_t begin, std::int64_t n) {

@@ -15,6 +15,7 @@ namespace seqpar::attn {
 // capacity rule of its appends. `cache` names the owner in messages ("MhaKvCache").
 class TokenPositions {
  public:
+  // Errors: capacity < 0 ("<cache>: capacity -1 must be >= 0").
   TokenPositions(std::int64_t capacity, const char* cache);
 
   std::int64_t capacity() const { return capacity_; }
@@ -36,6 +37,9 @@ class TokenPositions {
   const char* cache_;
   std::vector<std::int64_t> positions_;
 };
+
+// A cache's storage dtype must be floating (fp32, bf16, fp16, fp64): Error naming `cache` otherwise.
+void check_cache_dtype(DType dtype, const char* cache);
 
 // Rows [begin, begin + n) of batch row b of a [B, capacity, ...] cache tensor, as a [1, n, ...] view (contiguous).
 TensorView cache_rows(const Tensor& t, std::int64_t b, std::int64_t begin, std::int64_t n);

@@ -368,12 +368,12 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["kv_heads"] = o.kv_heads;
   j["head_dim"] = o.head_dim;
   if (o.attn == "dsa") {
-    j["dim_v"] = o.dim_v;
-    j["topk"] = o.topk;
-    j["indexer_heads"] = o.indexer_heads;
-    j["indexer_dim"] = o.indexer_dim;
-    j["window"] = o.window;
-    j["dsa_select"] = o.dsa_select;
+    j["dsa"] = {{"dim_v", o.dim_v},
+                {"topk", o.topk},
+                {"indexer_heads", o.indexer_heads},
+                {"indexer_dim", o.indexer_dim},
+                {"window", o.window},
+                {"select", o.dsa_select}};
   }
   j["context"] = d.context;
   j["decode_steps"] = d.decode_steps;

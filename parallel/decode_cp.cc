@@ -85,19 +85,12 @@ std::string CacheSharding::str() const {
 
 // ---- ShardedKvCache ----------------------------------------------------------------------------------------------
 
-namespace {
-attn::KvCacheSpec local_spec(const CacheSharding& sharding, int rank, attn::KvCacheSpec spec) {
-  SEQPAR_CHECK(spec.capacity == sharding.capacity(), "ShardedKvCache: spec capacity ", spec.capacity,
+void check_cache_shard(const CacheSharding& sharding, int rank, std::int64_t capacity) {
+  SEQPAR_CHECK(capacity == sharding.capacity(), "sharded cache: spec capacity ", capacity,
                " differs from the sharding's ", sharding.capacity());
-  SEQPAR_CHECK(rank >= 0 && rank < sharding.num_ranks(), "ShardedKvCache: rank ", rank, " outside [0, ",
+  SEQPAR_CHECK(rank >= 0 && rank < sharding.num_ranks(), "sharded cache: rank ", rank, " outside [0, ",
                sharding.num_ranks(), ")");
-  spec.capacity = sharding.local_capacity(rank);
-  return spec;
 }
-}  // namespace
-
-ShardedKvCache::ShardedKvCache(const CacheSharding& sharding, int rank, const attn::KvCacheSpec& spec)
-    : sharding_(sharding), rank_(rank), spec_(spec), local_(local_spec(sharding, rank, spec)) {}
 
 // ---- MHA ---------------------------------------------------------------------------------------------------------
 
@@ -134,19 +127,11 @@ void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const ch
 void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
                                      std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
   Fingerprint fp(call);
-  fp.add_text("shard", cache_shard_name(config_.shard))
-      .add_int("interleave", config_.interleave)
-      .add_real("scale", config_.scale)
+  fp.add_real("scale", config_.scale)
       .add_text("prefill_impl", ring_impl_name(config_.prefill_impl))
-      .add_int("capacity", cache.spec().capacity)
-      .add_int("batch", cache.spec().batch)
       .add_int("kv_heads", cache.spec().kv_heads)
-      .add_int("head_dim", cache.spec().head_dim)
-      .add_text("cache dtype", dtype_name(cache.spec().dtype));
-  add_cache_fields(fp, cache.length(), cache.num_steps());
-  if (layout != nullptr) add_layout_fields(fp, *layout);
-  fp.add_tensors(tensors);
-  agreement_.run(groups_.sp, fp, groups_.stream);
+      .add_int("head_dim", cache.spec().head_dim);
+  decode_detail::agree_on_cache(agreement_, groups_, fp, cache, layout, tensors);
 }
 
 void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,

@@ -117,28 +117,44 @@ class CacheSharding {
   std::int64_t block_;  // contiguous: ceil(capacity / num_ranks)
 };
 
-// One layer's K/V cache on one rank of the group: the local shard (an attn::MhaKvCache of local_capacity(rank)
-// slots holding the rank's tokens at their global positions), the sharding, and the length of the whole cache.
-class ShardedKvCache {
+// The checks of a sharded cache's construction: `capacity` (the whole cache's) equal to the sharding's, rank inside
+// [0, num_ranks). Errors name both.
+void check_cache_shard(const CacheSharding& sharding, int rank, std::int64_t capacity);
+
+// One layer's cache on one rank of a token-sharded group: the local shard (Local: attn::MhaKvCache or attn::DsaCache
+// of local_capacity(rank) slots holding the rank's tokens at their global positions), the sharding, and the length
+// of the whole cache. Only the decode layers (friends) write it.
+template <typename Local, typename Spec>
+class ShardedCache {
  public:
-  // spec: B, the whole cache's capacity (= sharding.capacity()), the KV heads this rank stores (Hkv / ulysses_size),
-  // D and the dtype; the local shard holds local_capacity(rank) slots of those heads.
-  ShardedKvCache(const CacheSharding& sharding, int rank, const attn::KvCacheSpec& spec);
+  // spec: B, the whole cache's capacity (= sharding.capacity()) and the per-token shape this rank stores (MHA: its
+  // Hkv / ulysses_size KV heads, D; DSA: Di, Dqk) with the dtype; the local shard holds local_capacity(rank) slots.
+  ShardedCache(const CacheSharding& sharding, int rank, const Spec& spec)
+      : sharding_(sharding), rank_(rank), spec_(spec), local_(local_spec(sharding, rank, spec)) {}
   const CacheSharding& sharding() const { return sharding_; }
-  int rank() const { return rank_; }
-  const attn::KvCacheSpec& spec() const { return spec_; }  // capacity of the whole cache, this rank's KV heads
-  std::int64_t length() const { return length_; }          // tokens in the whole cache (the same on every rank)
-  std::int64_t num_steps() const { return num_steps_; }    // decode steps since the prefill
-  const attn::MhaKvCache& local() const { return local_; }
+  int rank() const { return rank_; }                     // the rank in the sharding's group (MHA: ring, DSA: SP)
+  const Spec& spec() const { return spec_; }             // capacity of the whole cache
+  std::int64_t length() const { return length_; }        // tokens in the whole cache (the same on every rank)
+  std::int64_t num_steps() const { return num_steps_; }  // decode steps since the prefill
+  const Local& local() const { return local_; }
 
  private:
   friend class MhaDecodeContextParallel;
+  friend class DsaDecodeContextParallel;
+  static Spec local_spec(const CacheSharding& sharding, int rank, Spec spec) {
+    check_cache_shard(sharding, rank, spec.capacity);
+    spec.capacity = sharding.local_capacity(rank);
+    return spec;
+  }
   CacheSharding sharding_;
   int rank_;
-  attn::KvCacheSpec spec_;
-  attn::MhaKvCache local_;
+  Spec spec_;
+  Local local_;
   std::int64_t length_ = 0, num_steps_ = 0;
 };
+
+// The K/V cache of MhaDecodeContextParallel (sharded over the ring group; rank() is the ring rank).
+using ShardedKvCache = ShardedCache<attn::MhaKvCache, attn::KvCacheSpec>;
 
 struct MhaDecodeConfig {
   CacheShardKind shard = CacheShardKind::kInterleave;

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "parallel/cp_common.h"
@@ -22,6 +24,24 @@ std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t n);
 
 // The fields every decode-side call shares: the sharding and the length / step of the cache it is given.
 void add_cache_fields(Fingerprint& fp, std::int64_t length, std::int64_t steps);
+
+// Adds the fields of a sharded cache (ShardedCache: its sharding, capacity, batch, dtype, length and step count), the
+// layout's (when given) and the tensors to `fp` (which holds the layer's own fields), then runs `check` over groups.sp.
+template <typename Cache>
+void agree_on_cache(AgreementCheck& check, const CpGroups& groups, Fingerprint& fp, const Cache& cache,
+                    const SequenceLayout* layout,
+                    std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
+  const CacheSharding& sh = cache.sharding();
+  fp.add_text("shard", cache_shard_name(sh.kind()))
+      .add_int("interleave", sh.interleave())
+      .add_int("capacity", cache.spec().capacity)
+      .add_int("batch", cache.spec().batch)
+      .add_text("cache dtype", dtype_name(cache.spec().dtype));
+  add_cache_fields(fp, cache.length(), cache.num_steps());
+  if (layout != nullptr) add_layout_fields(fp, *layout);
+  fp.add_tensors(tensors);
+  check.run(groups.sp, fp, groups.stream);
+}
 
 // A view at element `offset` of a flat buffer, with `shape`.
 TensorView sub_view(const Tensor& buf, std::int64_t offset, const Shape& shape);

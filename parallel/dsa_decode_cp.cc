@@ -15,21 +15,9 @@ namespace {
 using decode_detail::iota_from;
 using decode_detail::sub_view;
 
-attn::DsaCacheSpec local_spec(const CacheSharding& sharding, int rank, attn::DsaCacheSpec spec) {
-  SEQPAR_CHECK(spec.capacity == sharding.capacity(), "ShardedDsaCache: spec capacity ", spec.capacity,
-               " differs from the sharding's ", sharding.capacity());
-  SEQPAR_CHECK(rank >= 0 && rank < sharding.num_ranks(), "ShardedDsaCache: rank ", rank, " outside [0, ",
-               sharding.num_ranks(), ")");
-  spec.capacity = sharding.local_capacity(rank);
-  return spec;
-}
-
 std::int64_t acc_bytes(DType dtype) { return static_cast<std::int64_t>(dtype_size(accumulator_dtype(dtype))); }
 
 }  // namespace
-
-ShardedDsaCache::ShardedDsaCache(const CacheSharding& sharding, int rank, const attn::DsaCacheSpec& spec)
-    : sharding_(sharding), rank_(rank), spec_(spec), local_(local_spec(sharding, rank, spec)) {}
 
 DsaDecodeContextParallel::DsaDecodeContextParallel(const CpGroups& groups, const DsaDecodeConfig& config)
     : groups_(groups), config_(config) {
@@ -70,22 +58,14 @@ void DsaDecodeContextParallel::check_cache(const ShardedDsaCache& cache, const c
 void DsaDecodeContextParallel::agree(const ShardedDsaCache& cache, std::string_view call, const SequenceLayout* layout,
                                      std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
   Fingerprint fp(call);
-  fp.add_text("shard", cache_shard_name(config_.shard))
-      .add_int("interleave", config_.interleave)
-      .add_int("topk", config_.topk)
+  fp.add_int("topk", config_.topk)
       .add_int("dim_v", config_.dim_v)
       .add_real("scale", config_.scale)
       .add_int("window", config_.window)
       .add_text("prefill_select", dsa_select_mode_name(config_.prefill_select))
-      .add_int("capacity", cache.spec().capacity)
-      .add_int("batch", cache.spec().batch)
       .add_int("index_dim", cache.spec().index_dim)
-      .add_int("latent_dim", cache.spec().latent_dim)
-      .add_text("cache dtype", dtype_name(cache.spec().dtype));
-  decode_detail::add_cache_fields(fp, cache.length(), cache.num_steps());
-  if (layout != nullptr) add_layout_fields(fp, *layout);
-  fp.add_tensors(tensors);
-  agreement_.run(groups_.sp, fp, groups_.stream);
+      .add_int("latent_dim", cache.spec().latent_dim);
+  decode_detail::agree_on_cache(agreement_, groups_, fp, cache, layout, tensors);
 }
 
 void DsaDecodeContextParallel::check_prompt(const ShardedDsaCache& cache, const SequenceLayout& layout, const char* who,

@@ -55,28 +55,10 @@
 
 namespace seqpar {
 
-// One layer's DSA cache on one SP rank: the local shard (an attn::DsaCache of local_capacity(rank) slots holding
-// the rank's tokens at their global positions), the sharding over the SP group, and the length of the whole cache.
-class ShardedDsaCache {
- public:
-  // spec: B, the whole cache's capacity (= sharding.capacity()), Di, Dqk and the dtype. Errors: capacity differing
-  // from the sharding's, rank outside [0, num_ranks).
-  ShardedDsaCache(const CacheSharding& sharding, int rank, const attn::DsaCacheSpec& spec);
-  const CacheSharding& sharding() const { return sharding_; }
-  int rank() const { return rank_; }                        // the SP rank
-  const attn::DsaCacheSpec& spec() const { return spec_; }  // capacity of the whole cache
-  std::int64_t length() const { return length_; }           // tokens in the whole cache (the same on every rank)
-  std::int64_t num_steps() const { return num_steps_; }     // decode steps since the prefill
-  const attn::DsaCache& local() const { return local_; }
-
- private:
-  friend class DsaDecodeContextParallel;
-  CacheSharding sharding_;
-  int rank_;
-  attn::DsaCacheSpec spec_;
-  attn::DsaCache local_;
-  std::int64_t length_ = 0, num_steps_ = 0;
-};
+// One layer's DSA cache on one SP rank: the local attn::DsaCache of local_capacity(sp_rank) slots holding the rank's
+// tokens at their global positions, the sharding over the SP group, the length and step count of the whole cache
+// (ShardedCache, parallel/decode_cp.h; rank() is the SP rank).
+using ShardedDsaCache = ShardedCache<attn::DsaCache, attn::DsaCacheSpec>;
 
 struct DsaDecodeConfig {
   CacheShardKind shard = CacheShardKind::kInterleave;

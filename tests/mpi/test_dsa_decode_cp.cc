@@ -100,10 +100,7 @@ TEST_P(DsaDecodeCp, StepsEqualRowsOfTheTrainingForward) {
     const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
     const DsaDecodeOutput o = layer.decode(cache, rows(p.q), rows(p.c), rows(p.q_idx), rows(p.k_idx), rows(p.w));
     EXPECT_EQ(to_double(o.topk_indices), to_double(rows(p.topk_indices))) << "topk_indices of step " << step;
-    EXPECT_TRUE(all_close(to_double(o.out), to_double(rows(p.ref_out)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
-    EXPECT_TRUE(all_close(to_double(o.lse), to_double(rows_of(p.ref_lse, t0, t1, 2)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("lse of step ", step)));
+    test::expect_step_close(o.out, o.lse, p.ref_out, p.ref_lse, t0, t1, c.dtype, str_cat("step ", step));
   }
   EXPECT_EQ(cache.length(), sched.total());
   EXPECT_EQ(cache.num_steps(), sched.steps);

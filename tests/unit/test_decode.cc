@@ -48,14 +48,9 @@ TEST_P(MhaDecode, StepsEqualRowsOfTheWholeSequence) {
   for (std::int64_t step = 0; step < sched.steps; ++step) {
     const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
     cache.append(rows_of(p.k, t0, t1), rows_of(p.v, t0, t1));
-    std::vector<std::int64_t> q_pos;
-    for (std::int64_t t = t0; t < t1; ++t) q_pos.push_back(t);
     Tensor out = Tensor::empty({B, c.n, hq, D}, c.dtype, kWs), lse = Tensor::empty({B, hq, c.n}, acc, kWs);
-    mha_decode(cache, rows_of(p.q, t0, t1), q_pos, out, lse);
-    EXPECT_TRUE(all_close(to_double(out), to_double(rows_of(p.ref_out, t0, t1)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
-    EXPECT_TRUE(all_close(to_double(lse), to_double(rows_of(p.ref_lse, t0, t1, 2)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("lse of step ", step)));
+    mha_decode(cache, rows_of(p.q, t0, t1), test::step_positions(t0, t1), out, lse);
+    test::expect_step_close(out, lse, p.ref_out, p.ref_lse, t0, t1, c.dtype, str_cat("step ", step));
   }
   EXPECT_EQ(cache.length(), sched.total());
 }
@@ -128,18 +123,14 @@ TEST_P(DsaDecode, StepsEqualRowsOfTheTrainingForward) {
   for (std::int64_t step = 0; step < sched.steps; ++step) {
     const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
     cache.append(rows_of(p.k_idx, t0, t1), rows_of(p.c, t0, t1));
-    std::vector<std::int64_t> q_pos;
-    for (std::int64_t t = t0; t < t1; ++t) q_pos.push_back(t);
+    const std::vector<std::int64_t> q_pos = test::step_positions(t0, t1);
     const Tensor q = rows_of(p.q, t0, t1), q_idx = rows_of(p.q_idx, t0, t1), w = rows_of(p.w, t0, t1);
     DsaDecodeArgs a{q, q_idx, w, q_pos, c.window, dv};
     Tensor topk = Tensor::empty({B, c.n, k}, DType::kInt64, kWs);
     Tensor out = Tensor::empty({B, c.n, H, dv}, c.dtype, kWs), lse = Tensor::empty({B, H, c.n}, acc, kWs);
     dsa_decode(cache, a, topk, out, lse);
     EXPECT_EQ(to_double(topk), to_double(rows_of(p.topk_indices, t0, t1))) << "topk_indices of step " << step;
-    EXPECT_TRUE(all_close(to_double(out), to_double(rows_of(p.ref_out, t0, t1)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
-    EXPECT_TRUE(all_close(to_double(lse), to_double(rows_of(p.ref_lse, t0, t1, 2)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("lse of step ", step)));
+    test::expect_step_close(out, lse, p.ref_out, p.ref_lse, t0, t1, c.dtype, str_cat("step ", step));
   }
   EXPECT_EQ(cache.length(), sched.total());
 }

@@ -3,7 +3,10 @@
 // the whole sequence, whose rows T.. are what the decode steps must return.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "attention/dsa.h"
@@ -130,5 +133,23 @@ struct DsaDecodeProblem {
 // another order), fp32 to 2e-5 absolute + 2e-4 relative (values of O(1), fp32 accumulation).
 inline double decode_atol(DType dtype) { return dtype == DType::kFloat64 ? 1e-11 : 2e-5; }
 inline double decode_rtol(DType dtype) { return dtype == DType::kFloat64 ? 1e-11 : 2e-4; }
+
+// The global positions [t0, t1) of a step's tokens.
+inline std::vector<std::int64_t> step_positions(std::int64_t t0, std::int64_t t1) {
+  std::vector<std::int64_t> pos;
+  for (std::int64_t t = t0; t < t1; ++t) pos.push_back(t);
+  return pos;
+}
+
+// A step's out [B, n, H, D] and lse [B, H, n] against rows [t0, t1) of the reference's out [B, S, H, D] and
+// lse [B, H, S], with the decode tolerances of `dtype`.
+inline void expect_step_close(const TensorView& out, const TensorView& lse, const TensorView& ref_out,
+                              const TensorView& ref_lse, std::int64_t t0, std::int64_t t1, DType dtype,
+                              const std::string& what) {
+  EXPECT_TRUE(all_close(to_double(out), to_double(rows_of(ref_out, t0, t1)), decode_atol(dtype), decode_rtol(dtype),
+                        str_cat("out of ", what)));
+  EXPECT_TRUE(all_close(to_double(lse), to_double(rows_of(ref_lse, t0, t1, 2)), decode_atol(dtype), decode_rtol(dtype),
+                        str_cat("lse of ", what)));
+}
 
 }  // namespace seqpar::test
