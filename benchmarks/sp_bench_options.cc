@@ -401,6 +401,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
 
   const WorkloadKind& kind = find_workload_kind(o.attn);
   if (!o.inputs_dir.empty()) shapes_from_inputs(kind, o);
+  decode_shapes_from_inputs(o);               // --mode decode --inputs: --context and --decode-steps
   if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
   check_min(o.seq, 1, "seq");
   parse_packing(r, o);
