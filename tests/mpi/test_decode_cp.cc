@@ -312,6 +312,25 @@ std::string case_name(const GdnCase& c) {
 
 class GdnDecodeCp : public ::testing::TestWithParam<GdnCase> {};
 
+// The decode steps of `sched` after the prompt (with p's conv when it has one): each step's out of this rank's heads
+// and then the final state equal the fp64 reference over the whole sequence.
+void expect_steps_and_final_state(GdnDecodeContextParallel& layer, attn::GdnCache& cache,
+                                  const test::GdnDecodeProblem& p, const test::DecodeSchedule& sched, DType dtype) {
+  const std::int64_t lv = layer.local_value_heads(), h0 = layer.head_offset();
+  const auto my_heads = [&](const TensorView& t) { return rows_of(t, h0, h0 + lv, 2); };
+  for (std::int64_t step = 0; step < sched.steps; ++step) {
+    const std::int64_t t0 = sched.first(step), t1 = t0 + sched.n;
+    const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
+    const DecodeOutput o = layer.decode(cache, rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta), p.conv_weight);
+    EXPECT_TRUE(all_close(to_double(o.out), to_double(my_heads(rows(p.ref_out))), test::decode_atol(dtype),
+                          test::decode_rtol(dtype), str_cat("out of step ", step)));
+  }
+  EXPECT_EQ(cache.length(), sched.total());
+  const Tensor ref_final = rows_of(p.ref_final, h0, h0 + lv, 1);
+  EXPECT_TRUE(all_close(to_double(cache.state()), to_double(ref_final), test::decode_atol(dtype),
+                        test::decode_rtol(dtype), "final_state of this rank's heads"));
+}
+
 TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   const GdnCase c = GetParam();
   const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
@@ -321,7 +340,7 @@ TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   GdnCpConfig cfg;
   cfg.mode = c.mode;
   GdnDecodeContextParallel layer(groups, cfg, value_heads(), key_heads());
-  const std::int64_t lv = layer.local_value_heads(), h0 = layer.head_offset();
+  const std::int64_t lv = layer.local_value_heads();
   EXPECT_EQ(lv * world().size(), value_heads());
 
   const std::int64_t before = persistent_bytes();
@@ -342,18 +361,7 @@ TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   };
   layer.prefill(cache, layout, local(p.q), local(p.k), local(p.v), local(p.g), local(p.beta));
   EXPECT_EQ(cache.length(), sched.prompt);
-  const auto my_heads = [&](const TensorView& t) { return rows_of(t, h0, h0 + lv, 2); };
-  for (std::int64_t step = 0; step < sched.steps; ++step) {
-    const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
-    const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
-    const DecodeOutput o = layer.decode(cache, rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta));
-    EXPECT_TRUE(all_close(to_double(o.out), to_double(my_heads(rows(p.ref_out))), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
-  }
-  EXPECT_EQ(cache.length(), sched.total());
-  const Tensor ref_final = rows_of(p.ref_final, h0, h0 + lv, 1);
-  EXPECT_TRUE(all_close(to_double(cache.state()), to_double(ref_final), test::decode_atol(c.dtype),
-                        test::decode_rtol(c.dtype), "final_state of this rank's heads"));
+  expect_steps_and_final_state(layer, cache, p, sched, c.dtype);
   EXPECT_EQ(persistent_bytes() - before, state_bytes);  // constant in T
 }
 
@@ -392,7 +400,7 @@ TEST_P(GdnConvDecodeCp, StepsWithTheConvEqualTheTrainingForward) {
   GdnCpConfig cfg;
   cfg.mode = c.mode;
   GdnDecodeContextParallel layer(groups, cfg, value_heads(), key_heads());
-  const std::int64_t lv = layer.local_value_heads(), h0 = layer.head_offset();
+  const std::int64_t lv = layer.local_value_heads();
   const std::int64_t before = persistent_bytes();
   attn::GdnCache cache = layer.make_cache(kB, kGK, kGV, c.dtype, c.width);
   const std::vector<std::int64_t> mine = layer.local_conv_channels(groups.sp_rank(), kGK, kGV);
@@ -449,18 +457,7 @@ TEST_P(GdnConvDecodeCp, StepsWithTheConvEqualTheTrainingForward) {
     for (std::int64_t tok : layout.token_index(groups.sp_rank())) m += tok >= lo ? 1 : 0;
     EXPECT_EQ(layer.conv_tail_bytes_sent(), m * kB * (C - c_r) * esize);
   }
-  const auto my_heads = [&](const TensorView& t) { return rows_of(t, h0, h0 + lv, 2); };
-  for (std::int64_t step = 0; step < sched.steps; ++step) {
-    const std::int64_t t0 = sched.first(step), t1 = t0 + sched.n;
-    const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
-    const DecodeOutput o = layer.decode(cache, rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta), p.conv_weight);
-    EXPECT_TRUE(all_close(to_double(o.out), to_double(my_heads(rows(p.ref_out))), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
-  }
-  EXPECT_EQ(cache.length(), sched.total());
-  const Tensor ref_final = rows_of(p.ref_final, h0, h0 + lv, 1);
-  EXPECT_TRUE(all_close(to_double(cache.state()), to_double(ref_final), test::decode_atol(c.dtype),
-                        test::decode_rtol(c.dtype), "final_state of this rank's heads"));
+  expect_steps_and_final_state(layer, cache, p, sched, c.dtype);
 }
 
 INSTANTIATE_TEST_SUITE_P(
