@@ -339,7 +339,7 @@ std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache,
                                                     std::int64_t q_heads) const {
   const attn::KvCacheSpec& s = cache.spec();
   const std::int64_t P = groups_.ring.size(), t_loc = t_new / P;
-  return (P - 1) * s.batch * t_loc * q_heads *
+  return (P - 1) * s.batch * t_loc * (q_heads / groups_.ulysses_size()) *
          (s.head_dim * static_cast<std::int64_t>(dtype_size(s.dtype)) +
           (s.head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(s.dtype))));
 }
@@ -350,44 +350,57 @@ ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCach
                                                                     : ChunkPrefillMode::kPassKv;
 }
 
-PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q,
-                                               const TensorView& k, const TensorView& v, ChunkPrefillMode mode) {
+PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout,
+                                               const TensorView& q_in, const TensorView& k, const TensorView& v,
+                                               ChunkPrefillMode mode) {
   const char* who = "MhaDecodeContextParallel::extend";
-  SEQPAR_CHECK(groups_.ulysses_size() == 1, who, ": ulysses_size ", groups_.ulysses_size(),
-               " is not supported yet (use ulysses_size 1)");
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
-  const std::int64_t B = s.batch, D = s.head_dim, t_loc = layout.local_len(), t_new = layout.seq_len();
-  const Shape kv_shape{B, t_loc, s.kv_heads, D};
+  const int pu = groups_.ulysses_size();
+  const std::int64_t B = s.batch, D = s.head_dim, sl = layout.local_len(), t_new = layout.seq_len();
+  const std::int64_t hkv = s.kv_heads * pu;  // all KV heads (the cache holds Hkv / Pu of them)
+  const Shape kv_shape{B, sl, hkv, D};
   check_shape(k, kv_shape, "MhaDecodeContextParallel::extend k (the cache's [B, S_local, Hkv, D])");
   check_shape(v, kv_shape, "MhaDecodeContextParallel::extend v (the cache's [B, S_local, Hkv, D])");
-  SEQPAR_CHECK(q.ndim() == 4 && q.dim(0) == B && q.dim(1) == t_loc && q.dim(3) == D && q.dim(2) % s.kv_heads == 0, who,
-               ": q ", shape_str(q.shape()), " must be [", B, ", ", t_loc, ", Hq, ", D,
-               "] with Hq a multiple of Hkv = ", s.kv_heads);
-  SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
+  SEQPAR_CHECK(q_in.ndim() == 4 && q_in.dim(0) == B && q_in.dim(1) == sl && q_in.dim(3) == D && q_in.dim(2) % hkv == 0,
+               who, ": q ", shape_str(q_in.shape()), " must be [", B, ", ", sl, ", Hq, ", D,
+               "] with Hq a multiple of Hkv = ", hkv);
+  SEQPAR_CHECK(q_in.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
                ": q, k, v must have the cache's dtype ", dtype_name(s.dtype));
-  agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q}, {"k", k}, {"v", v}});
-  const std::int64_t L = cache.length(), hq = q.dim(2);
+  agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q_in}, {"k", k}, {"v", v}});
+  const std::int64_t L = cache.length(), hq_all = q_in.dim(2);
   SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
                " would run past the cache capacity ", s.capacity);
-  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, t_new, hq);
+  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, t_new, hq_all);
   const int P = groups_.ring.size(), me = groups_.ring.rank();
   const DType acc = accumulator_dtype(s.dtype);
-  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  // Under USP the Ulysses exchange first gives this rank its ring shard of the chunk for its query and KV heads
+  // (hq = Hq / Pu of them, t_loc = the ring shard's rows), as in UspAttention; a group of one keeps q, k, v as they
+  // are.
+  const UlyssesExchange a2a(groups_, counters_);
+  Tensor q_h, k_h, v_h;
+  if (pu > 1) {
+    q_h = a2a.to_heads(q_in);
+    k_h = a2a.to_heads(k);
+    v_h = a2a.to_heads(v);
+  }
+  const TensorView q = pu > 1 ? q_h.view() : q_in;
+  const std::int64_t t_loc = layout.ring_shard_len(), hq = hq_all / pu;
+  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
   const auto chunk_positions = [&](int r) {
-    std::vector<std::int64_t> pos = layout.positions(r);
+    std::vector<std::int64_t> pos = layout.ring_shard_positions(r);
     for (std::int64_t& t : pos) t += L;
     return pos;
   };
   const std::vector<std::int64_t> q_pos = chunk_positions(me);
-  // 1. The chunk's own causal attention (the training forward over the chunk; positions relative to L).
+  // 1. The chunk's own causal attention (the training forward over the chunk's ring shards; positions relative to L).
   RingAttentionConfig rc;
   rc.impl = config_.prefill_impl;
   rc.scale = config_.scale;
   RingAttention ring(groups_, layout, rc);
-  AttentionOutput own = ring.forward(q, k, v);
+  AttentionOutput own = pu > 1 ? ring.forward(q, k_h, v_h) : ring.forward(q, k, v);
   counters_ += ring.counters();
   // 2. The cached part: P partial (out, lse hi, lo) blocks for this rank's queries, then the chunk's as block P.
   Tensor parts = alloc.empty({block * (P + 1)}, acc, MemCategory::kCommBuffer);
@@ -477,6 +490,14 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
                    result.lse.data_as<float>());
     }
     result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
+  }
+  if (pu > 1) {  // back to the compute layout: [B, S_local, Hq, D] and [B, Hq, S_local]
+    PrefillOutput seq;
+    seq.out = alloc.empty(q_in.shape(), q_in.dtype(), MemCategory::kWorkspace);
+    seq.lse = alloc.empty({B, hq_all, sl}, acc, MemCategory::kWorkspace);
+    a2a.to_sequence(result.out, seq.out);
+    a2a.lse_to_sequence(result.lse, seq.lse);
+    result = std::move(seq);
   }
   // 4. The chunk's K/V join the cache on their owners.
   reshard_prompt(cache, layout, k, v, L);

@@ -31,17 +31,21 @@
 //   order-fixed fp64 merge that is bitwise identical on every rank.
 //
 // Persistent-cache prefill (extend): a further prompt chunk of T_new tokens at positions L..L+T_new-1 (L = the
-// cache's length; q, k, v in a layout of T_new tokens over the ring, its positions shifted by L) attends to the cache
-// and, causally, to itself; then its K/V join the cache on their owners. ulysses_size must be 1. The chunk's own part
-// is the training forward (RingAttention); the cached part takes one of two routes (after Meta's "Context
-// Parallelism for Scalable Million-Token Inference", MLSys 2025):
-//   pass-KV: every rank's cache shard goes to every rank (one all-gather of the shards, padded to the longest, m_max
-//     rows); each rank attends its queries to every shard. Bytes sent per rank: (P - 1) 2 B m_max Hkv D bytes(dtype),
-//     m_max ~ L / P.
-//   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q, each rank attends every rank's
-//     queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries' owner.
-//     Bytes sent per rank: (P - 1) B T_loc Hq (D bytes(dtype) + (D + 2) bytes(a)), T_loc = T_new / P.
-// Every query then merges its P cached partials and the chunk's own (out, lse) with the formulas above. Both routes
+// cache's length; q, k, v in a layout of T_new tokens over the groups, its positions shifted by L) attends to the
+// cache and, causally, to itself; then its K/V join the cache on their owners. Under USP the Ulysses exchange first
+// gives each rank the ring shard of the chunk for its heads (Hq / Pu query heads, the Hkv / Pu KV heads its cache
+// holds), as UspAttention does; everything below then runs over the ring group (P = Pr ranks) with those heads, and
+// the inverse exchange returns out and lse to the compute layout (Ulysses bytes: UspAttention's for q, k, v, out and
+// lse). The chunk's own part is the training forward (RingAttention on the ring shards); the cached part takes one of
+// two routes (after Meta's "Context Parallelism for Scalable Million-Token Inference", MLSys 2025):
+//   pass-KV: every rank's cache shard goes to every rank of its ring group (one all-gather of the shards, padded to
+//     the longest, m_max rows); each rank attends its queries to every shard. Bytes sent per rank:
+//     (Pr - 1) 2 B m_max (Hkv / Pu) D bytes(dtype), m_max ~ L / Pr.
+//   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q over the ring group, each rank attends
+//     every rank's queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries'
+//     owner. Bytes sent per rank: (Pr - 1) B T_loc (Hq / Pu) (D bytes(dtype) + (D + 2) bytes(a)), T_loc = T_new / Pr
+//     (the ring shard's rows; a padded layout sends its padding rows too).
+// Every query then merges its Pr cached partials and the chunk's own (out, lse) with the formulas above. Both routes
 // give the same result (to rounding); auto takes the one that sends fewer bytes (pass-Q iff its bytes are fewer:
 // a short chunk after a long cache, the case of multi-turn prompts), as the paper's heuristic on the cache-miss rate.
 //
@@ -190,14 +194,14 @@ class MhaDecodeContextParallel {
   // to their owners; for caches whose prompt was computed elsewhere (or benchmarks of the decode step alone).
   void fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
   // Persistent-cache prefill: a chunk of T_new = layout.seq_len() tokens after the cache's L; q [B, S_local, Hq, D],
-  // k, v [B, S_local, Hkv, D] at L + layout.positions(rank). Returns the chunk's out and lse in the compute layout
-  // (those of one prefill of the L + T_new tokens, rows L..); the cache then holds L + T_new tokens. mode kAuto:
-  // choose_chunk_mode. Errors (cache unchanged, every rank): ulysses_size != 1, shapes, L + T_new past the capacity,
-  // ranks disagreeing on shapes, mode, length.
+  // k, v [B, S_local, Hkv, D] (all heads) at L + layout.positions(sp_rank) (layout built for the groups). Returns the
+  // chunk's out [B, S_local, Hq, D] and lse [B, Hq, S_local] in the compute layout (those of one prefill of the
+  // L + T_new tokens, rows L..); the cache then holds L + T_new tokens. mode kAuto: choose_chunk_mode. Errors (cache
+  // unchanged, every rank): shapes, L + T_new past the capacity, ranks disagreeing on shapes, mode, length.
   PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                        const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
-  // The bytes each route sends per rank (the header comment's formulas) for a chunk of t_new tokens after `cache`'s
-  // length, and the route kAuto takes (pass-Q iff fewer bytes).
+  // The bytes each route sends per rank (the header comment's formulas) for a chunk of t_new tokens with q_heads
+  // query heads (all of the model's) after `cache`'s length, and the route kAuto takes (pass-Q iff fewer bytes).
   std::int64_t pass_kv_bytes(const ShardedKvCache& cache) const;
   std::int64_t pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
   ChunkPrefillMode choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;

@@ -140,12 +140,13 @@ struct ExtendCase {
   LayoutKind layout;  // of the prompt's and the chunk's forward
   ChunkPrefillMode mode;
   DType dtype = DType::kFloat32;
+  bool usp = false;  // Ulysses 2 (heads) x ring P/2 (the cache) when the world size is even
 };
 std::string case_name(const ExtendCase& c) {
   return str_cat(cache_shard_name(c.shard), c.shard == CacheShardKind::kInterleave ? str_cat(c.interleave) : "", "_",
                  layout_name(c.layout), "_",
                  c.mode == ChunkPrefillMode::kAuto ? "auto" : (c.mode == ChunkPrefillMode::kPassQ ? "passq" : "passkv"),
-                 "_", dtype_name(c.dtype));
+                 "_", dtype_name(c.dtype), c.usp ? "_usp" : "");
 }
 
 class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
@@ -154,9 +155,10 @@ class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
 // over the 146 tokens (the fp64 reference), so the chunk equals one prefill of the concatenation.
 TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   const ExtendCase c = GetParam();
-  const SpGrid grid(world(), test::ring_over_world());
+  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  const int P = groups.ring.size(), me = groups.ring.rank();
+  const int me = groups.ring.rank(), sp = groups.sp_rank(), pu = groups.ulysses_size();
+  const std::int64_t u = groups.ulysses.rank(), hq = kHq / pu;  // this rank's query heads in decode
   constexpr std::int64_t kChunk = 48, kSteps2 = 2;
   const std::int64_t total = kPrompt + kChunk + kSteps2;
   const test::MhaDecodeProblem p(kB, total, kHq, kHkv, kD, c.dtype, 13);
@@ -171,10 +173,11 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
     Shape shape = full.shape();
     shape[1] = layout.local_len();
     Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-    shard_sequence(rows, layout.positions(me), t);
+    shard_sequence(rows, layout.positions(sp), t);
     return t;
   };
-  const SequenceLayout prompt(c.layout, kPrompt, P), chunk(c.layout, kChunk, P);
+  const SequenceLayout prompt = SequenceLayout::for_groups(groups, kPrompt, c.layout);
+  const SequenceLayout chunk = SequenceLayout::for_groups(groups, kChunk, c.layout);
   layer.prefill(cache, prompt, local(p.q, prompt, 0), local(p.k, prompt, 0), local(p.v, prompt, 0));
   if (c.mode == ChunkPrefillMode::kAuto) {
     // The rule: pass-Q exactly when it sends fewer bytes than pass-KV.
@@ -189,15 +192,16 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   const Tensor want_out = local(p.ref_out, chunk, kPrompt);
   Tensor lse_rows = rows_of(p.ref_lse, kPrompt, kPrompt + kChunk, 2);
   Tensor want_lse = Tensor::empty({kB, kHq, chunk.local_len()}, DType::kFloat64, MemCategory::kWorkspace);
-  shard_sequence_bhs(lse_rows, chunk.positions(me), want_lse);
+  shard_sequence_bhs(lse_rows, chunk.positions(sp), want_lse);
   EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
                         "chunk out"));
   EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
                         "chunk lse"));
   for (std::int64_t t = kPrompt + kChunk; t < total; ++t) {
     const DecodeOutput d = layer.decode(cache, rows_of(p.q, t, t + 1), rows_of(p.k, t, t + 1), rows_of(p.v, t, t + 1));
-    EXPECT_TRUE(all_close(to_double(d.out), to_double(rows_of(p.ref_out, t, t + 1)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out at ", t)));
+    const Tensor want = rows_of(rows_of(p.ref_out, t, t + 1), u * hq, (u + 1) * hq, 2);
+    EXPECT_TRUE(all_close(to_double(d.out), to_double(want), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                          str_cat("out at ", t)));
   }
 }
 
@@ -210,7 +214,16 @@ INSTANTIATE_TEST_SUITE_P(
         ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ},
         ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, ChunkPrefillMode::kAuto},
         ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kStripe, ChunkPrefillMode::kPassQ, DType::kFloat64},
-        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat64}),
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat64},
+        // Under USP (2 x 1, 2 x 2, 2 x 4 at 2, 4, 8 ranks): the Ulysses group splits the heads, the ring the cache.
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat32,
+                   true},
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassQ, DType::kFloat32,
+                   true},
+        ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ, DType::kFloat64,
+                   true},
+        ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kBalanced, ChunkPrefillMode::kAuto, DType::kFloat32,
+                   true}),
     test::CaseName());
 
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
