@@ -357,6 +357,10 @@ void check_decode_options(const SpBenchOptions& o) {
   }
   SEQPAR_CHECK(bad.empty(), bad);
   parse_cache_shard(d.cache_shard);
+  for (const char* flag : {"cache-shard", "interleave"}) {
+    SEQPAR_CHECK(o.attn == "mha" || !o.given(flag), "--", flag, " needs --attn mha (--attn ", o.attn,
+                 " splits its heads over the ranks, not its tokens)");
+  }
   SEQPAR_CHECK(d.cache_shard == "interleave" || !o.given("interleave"), "--interleave ", d.interleave,
                " needs --cache-shard interleave (--cache-shard ", d.cache_shard, " does not read it)");
   SEQPAR_CHECK(!o.packed(), "--mode decode: a packed row (--doc-lens, --doc-dist or --inputs DIR/cu_seqlens.npy) is ",
@@ -401,9 +405,10 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
               static_cast<long long>(d.new_tokens), d.cache_shard.c_str());
   if (d.cache_shard == "interleave") std::printf(" %lld", static_cast<long long>(d.interleave));
   const std::string shapes =
-      o.attn == "mha" ? str_cat("B=", o.batch, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim, " causal")
-                      : str_cat("B=", o.batch, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
-                                " V=", o.dim_v > 0 ? o.dim_v : o.head_dim, " mode=", o.gdn_mode);
+      o.attn == "mha"
+          ? str_cat("B=", o.batch, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim, " causal")
+          : str_cat("B=", o.batch, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
+                    " V=", o.dim_v > 0 ? o.dim_v : o.head_dim, " mode=", o.gdn_mode, " conv=", o.conv_width);
   std::printf(", prefill %s, layout %s, %s\n", d.prefill.c_str(), layout_name(o.layout), shapes.c_str());
   std::printf("# %-14s %12s %12s\n", "phase", "median_ms", "p99_ms");
   std::printf("  %-14s %12.3f %12s\n", "prefill", median(r.prefill_s) * 1e3, "-");
@@ -440,6 +445,7 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["heads"] = o.heads;
   j["kv_heads"] = o.kv_heads;
   j["head_dim"] = o.head_dim;
+  if (o.attn == "gdn") j["conv_width"] = o.conv_width;
   j["context"] = d.context;
   j["decode_steps"] = d.decode_steps;
   j["new_tokens"] = d.new_tokens;
