@@ -388,7 +388,6 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(!o.check || d.prefill == "forward", "--check needs --prefill forward");
   SEQPAR_CHECK(o.check_against == "1-rank", "--mode decode: --check-against ", o.check_against,
                " is not supported (decode checks against the single-rank training forward)");
-  SEQPAR_CHECK(o.dump_dir.empty() || d.prefill == "forward", "--dump needs --prefill forward");
   try {
     SequenceLayout(o.layout, d.context, o.grid.ring_size, o.grid.ulysses_size);
   } catch (const Error& e) {
