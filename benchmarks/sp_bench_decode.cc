@@ -11,7 +11,6 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
-#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <tuple>
@@ -117,11 +116,14 @@ Tensor concat_steps(const std::vector<Tensor>& steps, int dim) {
 }
 
 // The full [.., H, ..] array `full_shape` from every SP rank's block of heads `local` (dimension `dim`, the same size
-// on every rank, starting at head first_head(sp rank)): one all-gather over `sp`; ranks holding the same heads (the
-// ring group of an MHA run) write the same values.
+// on every rank, starting at head `first_head` of the rank): two all-gathers over `sp` (the first heads, then the
+// blocks); ranks holding the same heads (the ring group of an MHA run) write the same values.
 npy::HostArray gather_heads(Communicator& sp, const Tensor& local, int dim, const Shape& full_shape,
-                            const std::function<std::int64_t(int)>& first_head) {
+                            std::int64_t first_head) {
   const int P = sp.size();
+  std::vector<std::int64_t> firsts(static_cast<std::size_t>(P));
+  sp.all_gather(TensorView(&first_head, DType::kInt64, {1}), TensorView(firsts.data(), DType::kInt64, {P}))
+      ->wait(kLongWaitS);
   Tensor all = Tensor::empty({P * local.numel()}, local.dtype(), MemCategory::kCommBuffer);
   sp.all_gather(local, all)->wait(kLongWaitS);
   npy::HostArray full(local.dtype(), full_shape);
@@ -129,7 +131,7 @@ npy::HostArray gather_heads(Communicator& sp, const Tensor& local, int dim, cons
   for (int r = 0; r < P; ++r) {
     const TensorView block(static_cast<char*>(all.data()) + r * local.numel() * dtype_size(local.dtype()),
                            local.dtype(), local.shape());
-    scatter_rows(block, dim, token_range(first_head(r), first_head(r) + h), full.view());
+    scatter_rows(block, dim, token_range(firsts[r], firsts[r] + h), full.view());
   }
   return full;
 }
@@ -213,8 +215,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
     lse_all = concat_steps(lses, 2);
   }
   if (results != nullptr) {
-    // Query heads [u Hq / Pu, ...) on SP rank (ring r, Ulysses u) = r Pu + u.
-    const auto first = [&](int sp_rank) { return (sp_rank % pu) * hq_l; };
+    const std::int64_t first = layer.q_head_offset(hq);  // query heads [u Hq / Pu, ...) of Ulysses rank u
     results->outputs.emplace_back("out_dec", gather_heads(groups.sp, out_all, 2, {B, N * n, hq, D}, first));
     results->outputs.emplace_back("lse_dec", gather_heads(groups.sp, lse_all, 1, {B, hq, N * n}, first));
   }
@@ -243,8 +244,8 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   return rep;
 }
 
-// The conv inputs x = [q | k | v] of `in`'s tokens `rows` through the single-rank short conv (with SiLU): the
-// convolved q, k, v of the training forward (benchmarks/sp_bench_gdn.cc), each [B, n, H, X].
+// The conv inputs q, k, v (x[0..2], each [B, S, H, X]) through the single-rank short conv with SiLU, each with its
+// rows of weight [2 Hk K + Hv V, W]: the convolved q, k, v of the training forward (benchmarks/sp_bench_gdn.cc).
 std::array<Tensor, 3> convolved_qkv(const std::array<Tensor, 5>& x, const TensorView& weight) {
   std::array<Tensor, 3> y;
   std::int64_t row = 0;
@@ -306,7 +307,7 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   Tensor out_all;
   if (!outs.empty()) out_all = concat_steps(outs, 1);
   if (results != nullptr) {
-    const auto first = [&](int sp_rank) { return sp_rank * lv; };
+    const std::int64_t first = layer.head_offset();
     results->outputs.emplace_back("out_dec", gather_heads(groups.sp, out_all, 2, {B, N * n, hv, V}, first));
     const Tensor state = Tensor::copy_of(cache->state(), cache->state().dtype(), MemCategory::kWorkspace);
     results->outputs.emplace_back("final_state", gather_heads(groups.sp, state, 1, {B, hv, K, V}, first));

@@ -83,34 +83,38 @@ DecodeInputs::DecodeInputs(const SpBenchOptions& o, std::vector<DecodeInput> inp
       first_step_(o.decode.context + o.decode.chunk),
       total_(first_step_ + o.decode.decode_steps * o.decode.new_tokens) {}
 
-const DecodeInput& DecodeInputs::find(const std::string& name) const {
-  for (const DecodeInput& in : inputs_) {
-    if (in.name == name) return in;
-  }
-  SEQPAR_THROW("sp_bench decode: no input named ", name);
+const DecodeInput* DecodeInputs::lookup(const std::string& name) const {
+  const auto it = std::find_if(inputs_.begin(), inputs_.end(), [&](const DecodeInput& in) { return in.name == name; });
+  return it == inputs_.end() ? nullptr : &*it;
 }
 
-double DecodeInputs::value(const DecodeInput& in, std::int64_t b, std::int64_t t, std::int64_t e) const {
-  const std::int64_t w = shape_numel(in.row);
-  if (loaded_ == nullptr) {
-    return input_value(o_.seed, in.salt, static_cast<std::uint64_t>((b * total_ + t) * w + e), in.lo, in.hi);
-  }
-  if (t < prompt_) return element(find_array(*loaded_, in.name), (b * prompt_ + t) * w + e);
-  const std::int64_t steps = total_ - first_step_;
-  return element(find_array(*loaded_, in.name + "_dec"), (b * steps + t - first_step_) * w + e);
+const DecodeInput& DecodeInputs::find(const std::string& name) const {
+  const DecodeInput* in = lookup(name);
+  SEQPAR_CHECK(in != nullptr, "sp_bench decode: no input named ", name);
+  return *in;
 }
 
 Tensor DecodeInputs::rows(const std::string& name, std::span<const std::int64_t> tokens) const {
   const DecodeInput& in = find(name);
   const std::int64_t B = o_.batch, n = static_cast<std::int64_t>(tokens.size()), w = shape_numel(in.row);
+  const std::int64_t steps = total_ - first_step_;
+  // The files of the prompt's rows and of the steps' (with --inputs).
+  const npy::HostArray* prompt = loaded_ != nullptr ? &find_array(*loaded_, name) : nullptr;
+  const npy::HostArray* dec = loaded_ != nullptr ? &find_array(*loaded_, name + "_dec") : nullptr;
   std::vector<double> values(static_cast<std::size_t>(B * n * w), 0.0);
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      const std::int64_t t = tokens[static_cast<std::size_t>(i)];
-      SEQPAR_CHECK(t < total_ && (loaded_ == nullptr || t < prompt_ || t >= first_step_), "sp_bench decode: token ", t,
-                   " of ", name, " has no input");
-      if (t < 0) continue;  // a padding row
-      for (std::int64_t e = 0; e < w; ++e) values[static_cast<std::size_t>((b * n + i) * w + e)] = value(in, b, t, e);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t t = tokens[static_cast<std::size_t>(i)];
+    SEQPAR_CHECK(t < total_ && (loaded_ == nullptr || t < prompt_ || t >= first_step_), "sp_bench decode: token ", t,
+                 " of ", name, " has no input");
+    if (t < 0) continue;  // a padding row
+    for (std::int64_t b = 0; b < B; ++b) {
+      double* dst = values.data() + (b * n + i) * w;
+      for (std::int64_t e = 0; e < w; ++e) {
+        dst[e] = loaded_ == nullptr
+                     ? input_value(o_.seed, in.salt, static_cast<std::uint64_t>((b * total_ + t) * w + e), in.lo, in.hi)
+                 : t < prompt_ ? element(*prompt, (b * prompt_ + t) * w + e)
+                               : element(*dec, (b * steps + t - first_step_) * w + e);
+      }
     }
   }
   Shape shape{B, n};
@@ -121,16 +125,17 @@ Tensor DecodeInputs::rows(const std::string& name, std::span<const std::int64_t>
 }
 
 Tensor DecodeInputs::whole(const std::string& name) const {
-  const auto it = std::find_if(inputs_.begin(), inputs_.end(), [&](const DecodeInput& in) { return in.name == name; });
-  if (it == inputs_.end()) return Tensor();
-  const std::int64_t w = shape_numel(it->row);
+  const DecodeInput* in = lookup(name);
+  if (in == nullptr) return Tensor();
+  const std::int64_t w = shape_numel(in->row);
+  const npy::HostArray* file = loaded_ != nullptr ? &find_array(*loaded_, name) : nullptr;
   std::vector<double> values(static_cast<std::size_t>(w));
   for (std::int64_t e = 0; e < w; ++e) {
     values[static_cast<std::size_t>(e)] =
-        loaded_ != nullptr ? element(find_array(*loaded_, name), e) : input_value(o_.seed, it->salt, e, it->lo, it->hi);
+        file != nullptr ? element(*file, e) : input_value(o_.seed, in->salt, e, in->lo, in->hi);
   }
-  Tensor t = Tensor::empty(it->row, it->state_dtype ? accumulator_dtype(o_.dtype) : o_.dtype, MemCategory::kWorkspace);
-  copy_convert(TensorView(values.data(), DType::kFloat64, it->row), t);
+  Tensor t = Tensor::empty(in->row, in->state_dtype ? accumulator_dtype(o_.dtype) : o_.dtype, MemCategory::kWorkspace);
+  copy_convert(TensorView(values.data(), DType::kFloat64, in->row), t);
   return t;
 }
 
@@ -139,8 +144,7 @@ NamedArrays DecodeInputs::full() const {
   const std::vector<std::int64_t> prompt = token_range(0, prompt_), steps = token_range(first_step_, total_);
   for (const TensorSpec& s : decode_input_specs(o_, inputs_)) {
     // Not an input's own name: the file x_dec of token input x.
-    const bool dec =
-        std::none_of(inputs_.begin(), inputs_.end(), [&](const DecodeInput& in) { return in.name == s.name; });
+    const bool dec = lookup(s.name) == nullptr;
     const std::string base = dec ? s.name.substr(0, s.name.size() - 4) : s.name;
     const Tensor t = find(base).per_token ? rows(base, dec ? steps : prompt) : whole(base);
     npy::HostArray a(t.dtype(), t.shape());

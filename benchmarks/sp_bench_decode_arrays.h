@@ -51,8 +51,8 @@ class DecodeInputs {
   NamedArrays full() const;
 
  private:
-  const DecodeInput& find(const std::string& name) const;
-  double value(const DecodeInput& in, std::int64_t b, std::int64_t t, std::int64_t e) const;
+  const DecodeInput* lookup(const std::string& name) const;  // nullptr when not an input of this run
+  const DecodeInput& find(const std::string& name) const;    // Error when not
 
   const SpBenchOptions& o_;
   std::vector<DecodeInput> inputs_;
