@@ -50,7 +50,8 @@ struct DecodeReport {
   std::vector<double> step_s;     // slowest rank per step
   std::vector<double> chunk_s;    // --chunk: the persistent-cache prefill, slowest rank per iteration
   std::string chunk_mode;         // the route it took
-  std::int64_t chunk_bytes = 0, chunk_pass_bytes = 0;  // sent per rank: all of extend; the route's formula
+  // Sent per rank: all of extend (ring and SP groups), the route's measured, the route's formula.
+  std::int64_t chunk_bytes = 0, chunk_route_bytes = 0, chunk_pass_bytes = 0;
   std::int64_t bytes_per_step = 0, bytes_formula = 0;
   double cache_bytes = 0, cache_formula = 0;  // per rank: largest over the ranks; the formula's
   std::string formula_text;
@@ -184,6 +185,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
     layer.reset_counters();
     const double t_chunk = time_once(world, [&] { layer.extend(*cache, *chunk_layout, qc, kc, vc, chunk_mode); });
     rep.chunk_bytes = layer.counters().bytes_sent;
+    rep.chunk_route_bytes = layer.chunk_route_bytes_sent();
     if (it >= o.warmup) rep.chunk_s.push_back(t_chunk);
   }
   std::vector<double> cache_bytes{static_cast<double>(persistent_bytes() - before)};
@@ -413,8 +415,9 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
   std::printf("# %-14s %12s %12s\n", "phase", "median_ms", "p99_ms");
   std::printf("  %-14s %12.3f %12s\n", "prefill", median(r.prefill_s) * 1e3, "-");
   if (!r.chunk_s.empty()) {
-    std::printf("  %-14s %12.3f %12s   (%s; sent per rank %lld bytes, of which the route's %lld)\n", "chunk prefill",
-                median(r.chunk_s) * 1e3, "-", r.chunk_mode.c_str(), static_cast<long long>(r.chunk_bytes),
+    std::printf("  %-14s %12.3f %12s   (%s; sent per rank %lld bytes, of which the route's %lld, formula %lld)\n",
+                "chunk prefill", median(r.chunk_s) * 1e3, "-", r.chunk_mode.c_str(),
+                static_cast<long long>(r.chunk_bytes), static_cast<long long>(r.chunk_route_bytes),
                 static_cast<long long>(r.chunk_pass_bytes));
   }
   std::printf("  %-14s %12.3f %12.3f\n", "decode step", median(r.step_s) * 1e3, quantile(r.step_s, 0.99) * 1e3);
@@ -458,7 +461,8 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
     j["chunk_prefill_s"] = {{"median", median(r.chunk_s)}, {"iterations", r.chunk_s}};
     j["chunk_mode"] = r.chunk_mode;
     j["chunk_bytes_sent"] = r.chunk_bytes;
-    j["chunk_route_bytes"] = r.chunk_pass_bytes;
+    j["chunk_route_bytes"] = r.chunk_route_bytes;
+    j["chunk_route_bytes_formula"] = r.chunk_pass_bytes;
   }
   j["decode_step_s"] = {{"median", median(r.step_s)}, {"p99", quantile(r.step_s, 0.99)}, {"steps", r.step_s}};
   j["bytes_per_step"] = r.bytes_per_step;

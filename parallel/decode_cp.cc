@@ -415,6 +415,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
       split_lse(lse64.data_as<double>(), rows, b, b + rows);
     }
   };
+  CpCounters route;  // the bytes of the route alone (chunk_route_bytes_sent)
   if (mode == ChunkPrefillMode::kPassKv) {
     std::vector<std::vector<std::int64_t>> held(P);
     std::int64_t m_max = 0;
@@ -432,7 +433,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
       copy_convert(cache.local().v_rows(b), sub_view(send, shard + b * m_max * s.kv_heads * D, rows_shape));
     }
     {
-      CommMeter meter(groups_, counters_);
+      CommMeter meter(groups_, route);
       WorkHandle w = groups_.ring.all_gather(send, recv);
       timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
     }
@@ -457,7 +458,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
     Tensor q_all = alloc.empty({P * B * t_loc * hq * D}, s.dtype, MemCategory::kCommBuffer);
     Tensor send = alloc.empty({block * P}, acc, MemCategory::kCommBuffer);
     {
-      CommMeter meter(groups_, counters_);
+      CommMeter meter(groups_, route);
       WorkHandle w = groups_.ring.all_gather(q, q_all);
       timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
     }
@@ -469,10 +470,12 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
         put_lse(send, r);
       }
     }
-    CommMeter meter(groups_, counters_);
+    CommMeter meter(groups_, route);
     WorkHandle w = groups_.ring.all_to_all(send, sub_view(parts, 0, {block * P}));
     timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
   }
+  chunk_route_bytes_sent_ = route.bytes_sent;
+  counters_ += route;
   // 3. Merge the P cached partials and the chunk's own.
   PrefillOutput result;
   {

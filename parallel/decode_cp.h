@@ -205,6 +205,9 @@ class MhaDecodeContextParallel {
   std::int64_t pass_kv_bytes(const ShardedKvCache& cache) const;
   std::int64_t pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
   ChunkPrefillMode choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
+  // The bytes this rank sent over the ring group for the route of the last extend (CommMeter: the all-gather of the
+  // shards, or of q and the all-to-all of the partials), to compare with pass_kv_bytes / pass_q_bytes.
+  std::int64_t chunk_route_bytes_sent() const { return chunk_route_bytes_sent_; }
 
   // One step of n >= 1 new tokens at positions cache.length() .. + n - 1: q_new [B, n, Hq, D], k_new, v_new
   // [B, n, Hkv, D], all heads, identical on every rank. Returns out [B, n, Hq / Pu, D] and lse [B, Hq / Pu, n] of
@@ -239,6 +242,7 @@ class MhaDecodeContextParallel {
   CpGroups groups_;
   MhaDecodeConfig config_;
   CpCounters counters_;
+  std::int64_t chunk_route_bytes_sent_ = 0;
   AgreementCheck agreement_;
 };
 

@@ -185,8 +185,17 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
     EXPECT_EQ(layer.choose_chunk_mode(cache, kChunk, kHq),
               q_fewer ? ChunkPrefillMode::kPassQ : ChunkPrefillMode::kPassKv);
   }
+  // The route's bytes by the formulas (Hq / Pu, Hkv / Pu under USP), before the chunk changes the cache.
+  const ChunkPrefillMode used =
+      c.mode == ChunkPrefillMode::kAuto ? layer.choose_chunk_mode(cache, kChunk, kHq) : c.mode;
+  const std::int64_t route_bytes =
+      used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(cache, kChunk, kHq) : layer.pass_kv_bytes(cache);
   const PrefillOutput o = layer.extend(cache, chunk, local(p.q, chunk, kPrompt), local(p.k, chunk, kPrompt),
                                        local(p.v, chunk, kPrompt), c.mode);
+  // What the route sent (CommMeter) is the formula's, exactly when the chunk's ring shards hold no padding rows.
+  if (!chunk.has_padding()) {
+    EXPECT_EQ(layer.chunk_route_bytes_sent(), route_bytes) << chunk_prefill_mode_name(used);
+  }
   EXPECT_EQ(cache.length(), kPrompt + kChunk);
   EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, kPrompt + kChunk));
   const Tensor want_out = local(p.ref_out, chunk, kPrompt);
