@@ -23,6 +23,7 @@
 
 #include "benchmarks/sp_bench_check.h"
 #include "benchmarks/sp_bench_decode.h"
+#include "benchmarks/sp_bench_io.h"
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_report.h"
@@ -36,126 +37,6 @@
 
 namespace seqpar::bench {
 namespace {
-
-// Whether a file can be created in `dir` (a probe file, removed again).
-bool can_create_in(const std::filesystem::path& dir) {
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) return false;
-  const std::filesystem::path probe_path = dir / ".sp_bench_write_probe";
-  const bool ok = std::ofstream(probe_path).good();
-  std::filesystem::remove(probe_path, ec);
-  return ok;
-}
-
-// --json and --dump are written by rank 0 at the end of the run, each through a temporary file in the target
-// directory; find out now whether that will work, on rank 0, and fail on every rank with the same message (one
-// small all-reduce, before the grid exists).
-void check_output_paths(Communicator& world, const SpBenchOptions& o) {
-  std::int32_t bad[2] = {0, 0};  // json, dump
-  if (world.rank() == 0) {
-    // First, so that --json may name a file in the --dump directory.
-    if (!o.dump_dir.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(o.dump_dir, ec);
-      bad[1] = !ec && can_create_in(o.dump_dir) ? 0 : 1;
-    }
-    if (!o.json_path.empty()) {
-      const std::filesystem::path dir = std::filesystem::path(o.json_path).parent_path();
-      bad[0] =
-          can_create_in(dir.empty() ? std::filesystem::path(".") : dir) && !std::filesystem::is_directory(o.json_path)
-              ? 0
-              : 1;
-    }
-  }
-  world.all_reduce(TensorView(bad, DType::kInt32, {2}), ReduceOp::kMax)->wait();
-  SEQPAR_CHECK(!bad[0], "--json ", o.json_path,
-               ": cannot create a file in its directory (checked on rank 0, which writes it)");
-  SEQPAR_CHECK(!bad[1], "--dump ", o.dump_dir,
-               ": cannot create the directory or write into it (checked on rank 0, which writes it)");
-}
-
-// --inputs: the full inputs of the configured workload, checked (shape, element type, finite) on every rank.
-NamedArrays load_inputs(const SpBenchOptions& o) {
-  NamedArrays inputs;
-  const WorkloadKind& kind = find_workload_kind(o.attn);
-  for (const TensorSpec& s : kind.input_specs(o)) {
-    npy::HostArray a = npy::read_expect((std::filesystem::path(o.inputs_dir) / (s.name + ".npy")).string(), s.shape);
-    SEQPAR_CHECK(a.dtype == DType::kFloat32 || a.dtype == DType::kFloat64, o.inputs_dir, "/", s.name,
-                 ".npy: element type ", dtype_name(a.dtype), " (inputs must be fp32 or fp64)");
-    for (std::int64_t i = 0; i < a.numel(); ++i) {
-      const double x = a.dtype == DType::kFloat32 ? reinterpret_cast<const float*>(a.bytes.data())[i]
-                                                  : reinterpret_cast<const double*>(a.bytes.data())[i];
-      SEQPAR_CHECK(std::isfinite(x), o.inputs_dir, "/", s.name, ".npy: element ", i, " is ", x,
-                   " (inputs must be finite)");
-      if (!kind.input_value_rule) continue;
-      const std::string rule = kind.input_value_rule(s.name, x);
-      SEQPAR_CHECK(rule.empty(), o.inputs_dir, "/", s.name, ".npy: element ", i, " is ", x, " (", rule, ")");
-    }
-    inputs.emplace_back(s.name, std::move(a));
-  }
-  return inputs;
-}
-
-// --dump-inputs: the full inputs as --inputs reads them (fp64 stays fp64; every other storage dtype is widened to
-// fp32, which holds its values exactly), from the loaded files or generated from the seed (rank 0).
-NamedArrays inputs_to_dump(Workload& wl, const NamedArrays* loaded) {
-  NamedArrays out;
-  for (const auto& [name, a] : loaded != nullptr ? *loaded : wl.make_full_inputs()) {
-    npy::HostArray wide(a.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, a.shape);
-    copy_convert(a.view(), wide.view());
-    out.emplace_back(name, std::move(wide));
-  }
-  return out;
-}
-
-// Rank 0 writes the --dump files (with --dump-inputs also the inputs) and the --json file, each atomically
-// (bench::write_file_atomic), after the table was printed; a failure stops at the first file that fails and is
-// raised on every rank with rank 0's message.
-void write_outputs(Communicator& world, const SpBenchOptions& o, Workload& wl, const NamedArrays& got,
-                   const NamedArrays* loaded, const nlohmann::json* json) {
-  std::string error;
-  if (world.rank() == 0) {
-    try {
-      if (!o.dump_dir.empty()) {
-        std::string names;
-        const NamedArrays inputs = o.dump_inputs ? inputs_to_dump(wl, loaded) : NamedArrays{};
-        NamedArrays packing;  // a packed row's cu_seqlens (int64 [N+1]), as --inputs reads it
-        if (o.packed()) {
-          const std::vector<std::int64_t> cu = cu_seqlens_of(o.doc_lens);
-          npy::HostArray a(DType::kInt64, {static_cast<std::int64_t>(cu.size())});
-          std::copy(cu.begin(), cu.end(), a.view().data_as<std::int64_t>());
-          packing.emplace_back("cu_seqlens", std::move(a));
-        }
-        for (const NamedArrays* arrays : {static_cast<const NamedArrays*>(&packing), &inputs, &got}) {
-          for (const auto& [name, a] : *arrays) {
-            const std::string path = (std::filesystem::path(o.dump_dir) / (name + ".npy")).string();
-            write_file_atomic(
-                path, [&](std::ostream& out) { npy::write(out, a.view(), path); }, o.test_fail_write_after);
-            names += " " + name;
-          }
-        }
-        std::printf("# dumped%s to %s\n", names.c_str(), o.dump_dir.c_str());
-      }
-      if (json != nullptr) {
-        write_file_atomic(
-            o.json_path, [&](std::ostream& out) { out << json->dump(2) << "\n"; }, o.test_fail_write_after);
-      }
-      std::fflush(stdout);
-    } catch (const Error& e) {
-      error = e.message();
-    } catch (const std::exception& e) {  // whatever it is, the other ranks must hear of it
-      error = e.what();
-    }
-  }
-  // The message travels from rank 0 (length, then the bytes as int32), so every rank fails with the same line.
-  std::int32_t length = static_cast<std::int32_t>(error.size());
-  world.broadcast(TensorView(&length, DType::kInt32, {1}), 0)->wait(kLongWaitS);
-  if (length == 0) return;
-  std::vector<std::int32_t> chars(error.begin(), error.end());
-  chars.resize(static_cast<std::size_t>(length));
-  world.broadcast(TensorView(chars.data(), DType::kInt32, {length}), 0)->wait();
-  SEQPAR_THROW("writing the output files (rank 0): ", std::string(chars.begin(), chars.end()));
-}
 
 int sp_bench_main(int argc, char** argv) {
   const WorldPlace place = mpi_world_place();
@@ -189,7 +70,9 @@ int sp_bench_main(int argc, char** argv) {
   }
   SEQPAR_CHECK(verdict.fits, "memory estimate: ", verdict.text,
                "; reduce --seq or --batch, or use more ranks or nodes (--dry-run prints the estimate by category)");
-  const NamedArrays inputs = o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o);
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  const NamedArrays inputs =
+      o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o, kind.input_specs(o), kind.input_value_rule);
   const NamedArrays* input_ptr = o.inputs_dir.empty() ? nullptr : &inputs;
   Progress progress(place.rank == 0 && !o.quiet);
   const std::string oversubscribed = oversubscription_warning(report.node, o.threads);
@@ -212,13 +95,7 @@ int sp_bench_main(int argc, char** argv) {
       dumped.push_back(s.name);
     }
   }
-  if (!o.json_path.empty() && !o.dump_dir.empty()) {  // rank 0 would write the JSON over a dumped array
-    auto normal = [](const std::filesystem::path& p) { return std::filesystem::absolute(p).lexically_normal(); };
-    for (const std::string& name : dumped) {
-      SEQPAR_CHECK(normal(o.json_path) != normal(std::filesystem::path(o.dump_dir) / (name + ".npy")), "--json ",
-                   o.json_path, " is the file --dump ", o.dump_dir, " writes for ", name, "; choose another path");
-    }
-  }
+  check_json_not_dumped(o, dumped);
   progress.note("making inputs", true);
   wl->setup(input_ptr);
 
@@ -253,7 +130,9 @@ int sp_bench_main(int argc, char** argv) {
   // ---- report (rank 0), then the files ----
   if (place.rank == 0) print_report(o, report);
   const nlohmann::json json = o.json_path.empty() || place.rank != 0 ? nlohmann::json() : report_json(o, report);
-  write_outputs(*world, o, *wl, got, input_ptr, o.json_path.empty() ? nullptr : &json);
+  write_outputs(
+      *world, o, [&] { return widen_for_dump(input_ptr != nullptr ? *input_ptr : wl->make_full_inputs()); }, got,
+      o.json_path.empty() ? nullptr : &json);
   barrier(*world, kLongWaitS);
   const bool check_failed = o.check && !check.passed;
   if (check_failed && place.rank == 0) {

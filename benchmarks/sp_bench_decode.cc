@@ -2,17 +2,28 @@
 // state split by heads (parallel/decode_cp.h).
 #include "benchmarks/sp_bench_decode.h"
 
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <tuple>
 #include <vector>
 
 #include "attention/gdn_decode.h"
 #include "attention/mha.h"
+#include "benchmarks/npy.h"
+#include "benchmarks/sp_bench_decode_arrays.h"
 #include "benchmarks/sp_bench_decode_internal.h"
+#include "benchmarks/sp_bench_io.h"
 #include "benchmarks/sp_bench_options.h"
+#include "benchmarks/sp_bench_timing.h"
 #include "parallel/decode_cp.h"
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
@@ -23,42 +34,6 @@ namespace seqpar::bench {
 namespace decode_detail {
 
 constexpr double kMiB = 1024.0 * 1024.0;
-
-// Deterministic inputs: element (b, t, h, x) of input `salt` is a function of the seed and its global index in the
-// whole [B, S, H, X] sequence, so that every rank makes the rows of any positions without the rest.
-double input_value(std::uint64_t seed, int salt, std::uint64_t index, double lo, double hi) {
-  std::uint64_t z = seed * 0x9e3779b97f4a7c15ull + static_cast<std::uint64_t>(salt) * 0xbf58476d1ce4e5b9ull + index;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  return lo + (hi - lo) * static_cast<double>(z >> 11) * 0x1.0p-53;
-}
-
-// Rows `positions` of the [B, S, heads, width] input `salt` (width 0: [B, S, heads]), in `dtype`.
-Tensor make_rows(const SpBenchOptions& o, int salt, std::int64_t S, const std::vector<std::int64_t>& positions,
-                 std::int64_t heads, std::int64_t width, double lo, double hi) {
-  const std::int64_t B = o.batch, n = static_cast<std::int64_t>(positions.size()), w = std::max<std::int64_t>(width, 1);
-  std::vector<double> values(static_cast<std::size_t>(B * n * heads * w));
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t i = 0; i < n; ++i) {
-      for (std::int64_t e = 0; e < heads * w; ++e) {
-        const std::uint64_t index = static_cast<std::uint64_t>((b * S + positions[i]) * heads * w + e);
-        values[static_cast<std::size_t>((b * n + i) * heads * w + e)] = input_value(o.seed, salt, index, lo, hi);
-      }
-    }
-  }
-  Shape shape{B, n, heads};
-  if (width > 0) shape.push_back(width);
-  Tensor t = Tensor::empty(shape, o.dtype, MemCategory::kWorkspace);
-  copy_convert(TensorView(values.data(), DType::kFloat64, shape), t);
-  return t;
-}
-
-std::vector<std::int64_t> range(std::int64_t begin, std::int64_t end) {
-  std::vector<std::int64_t> v;
-  for (std::int64_t t = begin; t < end; ++t) v.push_back(t);
-  return v;
-}
 
 std::int64_t persistent_bytes() {
   return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kPersistentCache)];
@@ -88,13 +63,48 @@ double rel_err(const TensorView& got, const TensorView& want) {
   return ref > 0 ? err / ref : err;
 }
 
+// The per-step results [.., n, ..] (along `dim`) of N steps side by side: [.., N n, ..].
+Tensor concat_steps(const std::vector<Tensor>& steps, int dim) {
+  Shape shape = steps.front().shape();
+  const std::int64_t n = shape[dim];
+  shape[dim] = n * static_cast<std::int64_t>(steps.size());
+  Tensor all = Tensor::empty(shape, steps.front().dtype(), MemCategory::kWorkspace);
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    scatter_rows(steps[i], dim, token_range(static_cast<std::int64_t>(i) * n, static_cast<std::int64_t>(i + 1) * n),
+                 all);
+  }
+  return all;
+}
+
+// The full [.., H, ..] array `full_shape` from every SP rank's block of heads `local` (dimension `dim`, the same size
+// on every rank, starting at head `first_head` of the rank): two all-gathers over `sp` (the first heads, then the
+// blocks); ranks holding the same heads (the ring group of an MHA run) write the same values.
+npy::HostArray gather_heads(Communicator& sp, const Tensor& local, int dim, const Shape& full_shape,
+                            std::int64_t first_head) {
+  const int P = sp.size();
+  std::vector<std::int64_t> firsts(static_cast<std::size_t>(P));
+  sp.all_gather(TensorView(&first_head, DType::kInt64, {1}), TensorView(firsts.data(), DType::kInt64, {P}))
+      ->wait(kLongWaitS);
+  Tensor all = Tensor::empty({P * local.numel()}, local.dtype(), MemCategory::kCommBuffer);
+  sp.all_gather(local, all)->wait(kLongWaitS);
+  npy::HostArray full(local.dtype(), full_shape);
+  const std::int64_t h = local.dim(dim);
+  for (int r = 0; r < P; ++r) {
+    const TensorView block(static_cast<char*>(all.data()) + r * local.numel() * dtype_size(local.dtype()),
+                           local.dtype(), local.shape());
+    scatter_rows(block, dim, token_range(firsts[r], firsts[r] + h), full.view());
+  }
+  return full;
+}
+
 }  // namespace decode_detail
 
 namespace {
 
 using namespace decode_detail;
 
-DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o) {
+DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
+                     DecodeResults* results) {
   const DecodeOptions& d = o.decode;
   const std::int64_t B = o.batch, hq = o.heads, hkv = o.kv_heads, D = o.head_dim, T = d.context;
   // The prompt [0, T), the optional chunk [T, T0), the decode steps [T0, S).
@@ -105,20 +115,18 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   cfg.prefill_impl = o.impl;
   MhaDecodeContextParallel layer(groups, cfg);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, T, o.layout);
-  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
+  const std::vector<std::int64_t> pos = layout.token_index(groups.sp_rank());
   const bool fill = d.prefill == "fill";  // the prompt's K/V only: no queries needed
-  const Tensor q = make_rows(o, 1, S, fill ? std::vector<std::int64_t>{} : pos, hq, D);
-  const Tensor k = make_rows(o, 2, S, pos, hkv, D);
-  const Tensor v = make_rows(o, 3, S, pos, hkv, D);
-  // The chunk of a persistent-cache prefill (--chunk), at T + its layout's positions.
+  const Tensor q = in.rows("q", fill ? std::vector<std::int64_t>{} : pos);
+  const Tensor k = in.rows("k", pos), v = in.rows("v", pos);
+  // The chunk of a persistent-cache prefill (--chunk), at T + its layout's tokens.
   std::optional<SequenceLayout> chunk_layout;
   std::vector<std::int64_t> chunk_pos;
   if (d.chunk > 0) {
-    chunk_layout.emplace(o.layout, d.chunk, groups.ring.size());
-    for (std::int64_t t : chunk_layout->positions(groups.ring.rank())) chunk_pos.push_back(T + t);
+    chunk_layout.emplace(SequenceLayout::for_groups(groups, d.chunk, o.layout));
+    for (std::int64_t t : chunk_layout->token_index(groups.sp_rank())) chunk_pos.push_back(t < 0 ? -1 : T + t);
   }
-  const Tensor qc = make_rows(o, 1, S, chunk_pos, hq, D), kc = make_rows(o, 2, S, chunk_pos, hkv, D);
-  const Tensor vc = make_rows(o, 3, S, chunk_pos, hkv, D);
+  const Tensor qc = in.rows("q", chunk_pos), kc = in.rows("k", chunk_pos), vc = in.rows("v", chunk_pos);
   const ChunkPrefillMode chunk_mode = parse_chunk_prefill_mode(d.chunk_mode);
   DecodeReport rep;
   const std::int64_t before = persistent_bytes();
@@ -143,6 +151,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
     layer.reset_counters();
     const double t_chunk = time_once(world, [&] { layer.extend(*cache, *chunk_layout, qc, kc, vc, chunk_mode); });
     rep.chunk_bytes = layer.counters().bytes_sent;
+    rep.chunk_route_bytes = layer.chunk_route_bytes_sent();
     if (it >= o.warmup) rep.chunk_s.push_back(t_chunk);
   }
   std::vector<double> cache_bytes{static_cast<double>(persistent_bytes() - before)};
@@ -152,14 +161,14 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.formula_text = str_cat("M_KV / P = 2 B Hkv (T + chunk + N n) D bytes / (ring x ulysses)");
   layer.reset_counters();
   std::vector<Tensor> outs, lses;
+  const bool keep = o.check || results != nullptr;
   for (std::int64_t step = 0; step < N; ++step) {
-    const std::vector<std::int64_t> rows = range(T0 + step * n, T0 + (step + 1) * n);
-    const Tensor qd = make_rows(o, 1, S, rows, hq, D), kd = make_rows(o, 2, S, rows, hkv, D);
-    const Tensor vd = make_rows(o, 3, S, rows, hkv, D);
+    const std::vector<std::int64_t> rows = token_range(T0 + step * n, T0 + (step + 1) * n);
+    const Tensor qd = in.rows("q", rows), kd = in.rows("k", rows), vd = in.rows("v", rows);
     const double t0 = now_s();
     DecodeOutput r = layer.decode(*cache, qd, kd, vd);
     rep.step_s.push_back(now_s() - t0);
-    if (o.check) {
+    if (keep) {
       outs.push_back(std::move(r.out));
       lses.push_back(std::move(r.lse));
     }
@@ -167,15 +176,25 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   all_reduce(world, rep.step_s, ReduceOp::kMax);
   rep.bytes_per_step = layer.counters().bytes_sent / N;
   rep.bytes_formula = layer.decode_bytes_per_step(B, n, hq, D, o.dtype);
+  const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
+  Tensor out_all, lse_all;
+  if (keep) {
+    out_all = concat_steps(outs, 1);
+    lse_all = concat_steps(lses, 2);
+  }
+  if (results != nullptr) {
+    const std::int64_t first = layer.q_head_offset(hq);  // query heads [u Hq / Pu, ...) of Ulysses rank u
+    results->outputs.emplace_back("out_dec", gather_heads(groups.sp, out_all, 2, {B, N * n, hq, D}, first));
+    results->outputs.emplace_back("lse_dec", gather_heads(groups.sp, lse_all, 1, {B, hq, N * n}, first));
+  }
   if (!o.check) return rep;
   rep.checked = true;
-  // The training kernel over the whole sequence, rows T.. (its queries at T..S-1 against every key, causal), for this
-  // rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
-  const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
-  const std::vector<std::int64_t> all = range(0, S), tail = range(T0, S);
+  // The training kernel over the whole sequence, rows T0.. (its queries at T0..S-1 against every key, causal), for
+  // this rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
+  const std::vector<std::int64_t> all = token_range(0, S), tail = token_range(T0, S);
   const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, u * local, (u + 1) * local); };
-  const Tensor kf = heads(make_rows(o, 2, S, all, hkv, D), hkv_l), vf = heads(make_rows(o, 3, S, all, hkv, D), hkv_l);
-  const Tensor qt = heads(make_rows(o, 1, S, tail, hq, D), hq_l);
+  const Tensor kf = heads(in.rows("k", all), hkv_l), vf = heads(in.rows("v", all), hkv_l);
+  const Tensor qt = heads(in.rows("q", tail), hq_l);
   attn::MhaForwardArgs a;
   a.q = qt;
   a.k = kf;
@@ -185,16 +204,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   Tensor out = Tensor::empty({B, N * n, hq_l, D}, o.dtype, MemCategory::kWorkspace);
   Tensor lse = Tensor::empty({B, hq_l, N * n}, accumulator_dtype(o.dtype), MemCategory::kWorkspace);
   attn::mha_forward(a, out, lse);
-  for (std::int64_t step = 0; step < N; ++step) {
-    const std::vector<std::int64_t> rows = range(step * n, (step + 1) * n);
-    Tensor want_out = Tensor::empty({B, n, hq_l, D}, o.dtype, MemCategory::kWorkspace);
-    Tensor want_lse = Tensor::empty({B, hq_l, n}, lse.dtype(), MemCategory::kWorkspace);
-    gather_rows(out, 1, rows, want_out);
-    gather_rows(lse, 2, rows, want_lse);
-    rep.out_err = std::max(rep.out_err, rel_err(outs[step], want_out));
-    rep.lse_err = std::max(rep.lse_err, rel_err(lses[step], want_lse));
-  }
-  std::vector<double> errs{rep.out_err, rep.lse_err};
+  std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse)};
   all_reduce(world, errs, ReduceOp::kMax);
   rep.out_err = errs[0];
   rep.lse_err = errs[1];
@@ -202,7 +212,26 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   return rep;
 }
 
-DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchOptions& o) {
+// The conv inputs q, k, v (x[0..2], each [B, S, H, X]) through the single-rank short conv with SiLU, each with its
+// rows of weight [2 Hk K + Hv V, W]: the convolved q, k, v of the training forward (benchmarks/sp_bench_gdn.cc).
+std::array<Tensor, 3> convolved_qkv(const std::array<Tensor, 5>& x, const TensorView& weight) {
+  std::array<Tensor, 3> y;
+  std::int64_t row = 0;
+  for (int i = 0; i < 3; ++i) {
+    const Tensor& t = x[i];
+    const std::int64_t B = t.dim(0), S = t.dim(1), c = t.dim(2) * t.dim(3);
+    y[i] = Tensor::empty(t.shape(), t.dtype(), MemCategory::kWorkspace);
+    attn::ShortConvArgs a;
+    a.x = t.view().reshape({B, S, c});
+    a.weight = weight.slice0(row, row + c);
+    attn::short_conv_forward(a, y[i].view().reshape({B, S, c}), {});
+    row += c;
+  }
+  return y;
+}
+
+DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
+                     DecodeResults* results) {
   const DecodeOptions& d = o.decode;
   const std::int64_t B = o.batch, hv = o.heads, hk = o.kv_heads, K = o.head_dim;
   const std::int64_t V = o.dim_v > 0 ? o.dim_v : o.head_dim, T = d.context;
@@ -212,58 +241,68 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   cfg.chunk_size = o.chunk_size;
   GdnDecodeContextParallel layer(groups, cfg, hv, hk);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, T, o.layout);
-  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
-  // Inputs of the token range `rows`: q, k, v, g (log decay in [-0.1, -0.001)), beta in [0.05, 0.5).
-  const auto inputs = [&](const std::vector<std::int64_t>& rows) {
-    return std::array<Tensor, 5>{make_rows(o, 1, S, rows, hk, K), make_rows(o, 2, S, rows, hk, K),
-                                 make_rows(o, 3, S, rows, hv, V), make_rows(o, 4, S, rows, hv, 0, -0.1, -0.001),
-                                 make_rows(o, 5, S, rows, hv, 0, 0.05, 0.5)};
+  const std::vector<std::int64_t> pos = layout.token_index(groups.sp_rank());
+  const auto inputs = [&](std::span<const std::int64_t> rows) {
+    return std::array<Tensor, 5>{in.rows("q", rows), in.rows("k", rows), in.rows("v", rows), in.rows("g", rows),
+                                 in.rows("beta", rows)};
   };
   const std::array<Tensor, 5> prompt = inputs(pos);
+  const Tensor initial_state = in.whole("initial_state"), conv_weight = in.whole("conv_weight");
   DecodeReport rep;
   const std::int64_t before = persistent_bytes();
   std::optional<attn::GdnCache> cache;
   rep.prefill_s = time_prefill(world, o, [&] {
     cache.reset();
-    cache.emplace(layer.make_cache(B, K, V, o.dtype));
-    layer.prefill(*cache, layout, prompt[0], prompt[1], prompt[2], prompt[3], prompt[4]);
+    cache.emplace(layer.make_cache(B, K, V, o.dtype, o.conv_width));
+    layer.prefill(*cache, layout, prompt[0], prompt[1], prompt[2], prompt[3], prompt[4], initial_state, conv_weight);
   });
   std::vector<double> cache_bytes{static_cast<double>(persistent_bytes() - before)};
   all_reduce(world, cache_bytes, ReduceOp::kMax);
   rep.cache_bytes = cache_bytes[0];
   rep.cache_formula = static_cast<double>(attn::gdn_cache_bytes(cache->spec()));
-  rep.formula_text = "B (Hv / P) K V bytes(state), constant in T";
+  rep.formula_text = o.conv_width > 0 ? "B (Hv / P) K V bytes(state) + B (W-1) C / P bytes, constant in T"
+                                      : "B (Hv / P) K V bytes(state), constant in T";
   std::vector<Tensor> outs;
   for (std::int64_t step = 0; step < N; ++step) {
-    const std::array<Tensor, 5> in = inputs(range(T + step * n, T + (step + 1) * n));
+    const std::array<Tensor, 5> x = inputs(token_range(T + step * n, T + (step + 1) * n));
     const double t0 = now_s();
-    DecodeOutput r = layer.decode(*cache, in[0], in[1], in[2], in[3], in[4]);
+    DecodeOutput r = layer.decode(*cache, x[0], x[1], x[2], x[3], x[4], conv_weight);
     rep.step_s.push_back(now_s() - t0);
-    if (o.check) outs.push_back(std::move(r.out));
+    if (o.check || results != nullptr) outs.push_back(std::move(r.out));
   }
   all_reduce(world, rep.step_s, ReduceOp::kMax);
+  const std::int64_t lv = layer.local_value_heads(), lk = layer.local_key_heads(), r = groups.sp_rank();
+  Tensor out_all;
+  if (!outs.empty()) out_all = concat_steps(outs, 1);
+  if (results != nullptr) {
+    const std::int64_t first = layer.head_offset();
+    results->outputs.emplace_back("out_dec", gather_heads(groups.sp, out_all, 2, {B, N * n, hv, V}, first));
+    const Tensor state = Tensor::copy_of(cache->state(), cache->state().dtype(), MemCategory::kWorkspace);
+    results->outputs.emplace_back("final_state", gather_heads(groups.sp, state, 1, {B, hv, K, V}, first));
+  }
   if (!o.check) return rep;
   rep.checked = true;
-  // The single-rank chunked kernel over the whole sequence for this rank's heads (value heads from head_offset(), the
-  // key heads they read), on every rank: rows T.. of out and the final state.
-  const std::int64_t lv = layer.local_value_heads(), lk = layer.local_key_heads(), r = groups.sp_rank();
-  const std::array<Tensor, 5> full = inputs(range(0, S));
-  const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, r * local, (r + 1) * local); };
+  // The single-rank training forward over the whole sequence (the conv over all heads, then the chunked kernel) for
+  // this rank's heads (value heads from head_offset(), the key heads they read), on every rank: rows T.. of out and
+  // the final state.
+  std::array<Tensor, 5> full = inputs(token_range(0, S));
+  if (conv_weight.defined()) {
+    std::array<Tensor, 3> y = convolved_qkv(full, conv_weight);
+    for (int i = 0; i < 3; ++i) full[i] = std::move(y[i]);
+  }
+  const auto heads = [&](const TensorView& t, std::int64_t local, int dim = 2) {
+    return slice_dim(t, dim, r * local, (r + 1) * local);
+  };
   const Tensor q = heads(full[0], lk), k = heads(full[1], lk), v = heads(full[2], lv);
-  const Tensor g = heads(full[3], lv), beta = heads(full[4], lv);
+  const Tensor g = heads(full[3], lv), beta = heads(full[4], lv), s0 = heads(initial_state, lv, 1);
   attn::GdnForwardArgs a = attn::gdn_args(q, k, v, g, beta);
   a.chunk_size = o.chunk_size;
+  a.initial_state = s0;
   const DType sd = accumulator_dtype(o.dtype);
   Tensor out = Tensor::empty({B, S, lv, V}, o.dtype, MemCategory::kWorkspace);
   Tensor final_state = Tensor::empty({B, lv, K, V}, sd, MemCategory::kWorkspace);
   attn::gdn_forward(a, out, final_state);
-  for (std::int64_t step = 0; step < N; ++step) {
-    Tensor want = Tensor::empty({B, n, lv, V}, o.dtype, MemCategory::kWorkspace);
-    gather_rows(out, 1, range(T + step * n, T + (step + 1) * n), want);
-    rep.out_err = std::max(rep.out_err, rel_err(outs[step], want));
-  }
-  rep.state_err = rel_err(cache->state(), final_state);
-  std::vector<double> errs{rep.out_err, rep.state_err};
+  std::vector<double> errs{rel_err(out_all, slice_dim(out, 1, T, S)), rel_err(cache->state(), final_state)};
   all_reduce(world, errs, ReduceOp::kMax);
   rep.out_err = errs[0];
   rep.state_err = errs[1];
@@ -276,13 +315,27 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(o.attn == "mha" || o.attn == "gdn" || o.attn == "dsa", "--mode decode: --attn ", o.attn,
                " has no decode");
   SEQPAR_CHECK(o.grid.dp_size == 1, "--mode decode: --dp-size ", o.grid.dp_size, " must be 1");
-  SEQPAR_CHECK(d.context >= 1 && d.decode_steps >= 1 && d.new_tokens >= 1 && d.interleave >= 1, "--context ", d.context,
-               ", --decode-steps ", d.decode_steps, ", --new-tokens ", d.new_tokens, " and --interleave ", d.interleave,
-               " must be >= 1");
+  // Every bad count in one line, each as --mode train words it ("--flag value: must be >= min").
+  std::string bad;
+  for (const auto& [flag, value, min] : {std::tuple{"context", d.context, 1},
+                                         {"decode-steps", d.decode_steps, 1},
+                                         {"new-tokens", d.new_tokens, 1},
+                                         {"interleave", d.interleave, 1},
+                                         {"chunk", d.chunk, 0}}) {
+    if (value < min) bad += str_cat(bad.empty() ? "" : "; ", "--", flag, " ", value, ": must be >= ", min);
+  }
+  SEQPAR_CHECK(bad.empty(), bad);
   parse_cache_shard(d.cache_shard);
-  SEQPAR_CHECK(o.conv_width == 0,
-               "--mode decode: --conv-width is not supported yet (the short conv's tail is in "
-               "attn::GdnCache, its decode under CP is not)");
+  for (const char* flag : {"cache-shard", "interleave"}) {
+    SEQPAR_CHECK(o.attn != "gdn" || !o.given(flag), "--", flag, " needs --attn mha or dsa (--attn ", o.attn,
+                 " splits its heads over the ranks, not its tokens)");
+  }
+  SEQPAR_CHECK(d.cache_shard == "interleave" || !o.given("interleave"), "--interleave ", d.interleave,
+               " needs --cache-shard interleave (--cache-shard ", d.cache_shard, " does not read it)");
+  SEQPAR_CHECK(!o.packed(), "--mode decode: a packed row (--doc-lens, --doc-dist or --inputs DIR/cu_seqlens.npy) is ",
+               "not supported (decode runs one prompt per batch row)");
+  SEQPAR_CHECK(o.causal || !o.given("causal"), "--mode decode: --causal=false: decode attention is causal (a new ",
+               "token attends to the tokens before it)");
   SEQPAR_CHECK(
       (o.window == 0 || o.attn == "dsa") && o.softcap == 0 && !o.alibi && !o.sinks && o.dropout == 0 && !o.rope,
       "--mode decode: --window (but for --attn dsa's indexer), --softcap, --alibi, --sinks, --dropout and --rope "
@@ -290,13 +343,14 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(d.prefill == "forward" || d.prefill == "fill", "--prefill '", d.prefill,
                "' is not one of forward, fill");
   SEQPAR_CHECK(d.prefill == "forward" || o.attn != "gdn", "--prefill fill needs --attn mha or dsa");
-  SEQPAR_CHECK(d.chunk >= 0, "--chunk ", d.chunk, " must be >= 0");
-  SEQPAR_CHECK(d.chunk == 0 || (o.attn == "mha" && o.grid.ulysses_size == 1),
-               "--chunk (a persistent-cache prefill) needs --attn mha and --ulysses-size 1");
+  SEQPAR_CHECK(d.chunk == 0 || o.attn == "mha", "--chunk (a persistent-cache prefill) needs --attn mha");
+  SEQPAR_CHECK(d.chunk == 0 || (o.inputs_dir.empty() && o.dump_dir.empty()), "--chunk ", d.chunk,
+               " cannot be combined with --inputs or --dump (the chunk's tokens have no files)");
   parse_chunk_prefill_mode(d.chunk_mode);
+  SEQPAR_CHECK(d.chunk > 0 || !o.given("chunk-mode"), "--chunk-mode needs --chunk C > 0");
   if (d.chunk > 0) {
     try {
-      SequenceLayout(o.layout, d.chunk, o.grid.ring_size);
+      SequenceLayout(o.layout, d.chunk, o.grid.ring_size, o.grid.ulysses_size);
     } catch (const Error& e) {
       SEQPAR_THROW("--chunk ", d.chunk, " (--layout ", layout_name(o.layout), "): ", e.message());
     }
@@ -304,7 +358,6 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(!o.check || d.prefill == "forward", "--check needs --prefill forward");
   SEQPAR_CHECK(o.check_against == "1-rank", "--mode decode: --check-against ", o.check_against,
                " is not supported (decode checks against the single-rank training forward)");
-  SEQPAR_CHECK(o.inputs_dir.empty() && o.dump_dir.empty(), "--mode decode: --inputs and --dump are not supported yet");
   try {
     SequenceLayout(o.layout, d.context, o.grid.ring_size, o.grid.ulysses_size);
   } catch (const Error& e) {
@@ -321,18 +374,20 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
               static_cast<long long>(d.new_tokens), d.cache_shard.c_str());
   if (d.cache_shard == "interleave") std::printf(" %lld", static_cast<long long>(d.interleave));
   const std::string shapes =
-      o.attn == "mha"   ? str_cat("B=", o.batch, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim, " causal")
-      : o.attn == "dsa" ? str_cat("B=", o.batch, " H=", o.heads, " Dqk=", o.head_dim, " Dv=", o.dim_v, " topk=", o.topk,
-                                  " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select,
-                                  o.window > 0 ? str_cat(" window=", o.window) : std::string())
-                        : str_cat("B=", o.batch, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
-                                  " V=", o.dim_v > 0 ? o.dim_v : o.head_dim, " mode=", o.gdn_mode);
+      o.attn == "mha" ? str_cat("B=", o.batch, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim, " causal")
+      : o.attn == "dsa"
+          ? str_cat("B=", o.batch, " H=", o.heads, " Dqk=", o.head_dim, " Dv=", o.dim_v, " topk=", o.topk,
+                    " indexer Hi=", o.indexer_heads, " Di=", o.indexer_dim, " select=", o.dsa_select,
+                    o.window > 0 ? str_cat(" window=", o.window) : std::string())
+          : str_cat("B=", o.batch, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
+                    " V=", o.dim_v > 0 ? o.dim_v : o.head_dim, " mode=", o.gdn_mode, " conv=", o.conv_width);
   std::printf(", prefill %s, layout %s, %s\n", d.prefill.c_str(), layout_name(o.layout), shapes.c_str());
   std::printf("# %-14s %12s %12s\n", "phase", "median_ms", "p99_ms");
   std::printf("  %-14s %12.3f %12s\n", "prefill", median(r.prefill_s) * 1e3, "-");
   if (!r.chunk_s.empty()) {
-    std::printf("  %-14s %12.3f %12s   (%s; sent per rank %lld bytes, of which the route's %lld)\n", "chunk prefill",
-                median(r.chunk_s) * 1e3, "-", r.chunk_mode.c_str(), static_cast<long long>(r.chunk_bytes),
+    std::printf("  %-14s %12.3f %12s   (%s; sent per rank %lld bytes, of which the route's %lld, formula %lld)\n",
+                "chunk prefill", median(r.chunk_s) * 1e3, "-", r.chunk_mode.c_str(),
+                static_cast<long long>(r.chunk_bytes), static_cast<long long>(r.chunk_route_bytes),
                 static_cast<long long>(r.chunk_pass_bytes));
   }
   std::printf("  %-14s %12.3f %12.3f\n", "decode step", median(r.step_s) * 1e3, quantile(r.step_s, 0.99) * 1e3);
@@ -367,6 +422,7 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["heads"] = o.heads;
   j["kv_heads"] = o.kv_heads;
   j["head_dim"] = o.head_dim;
+  if (o.attn == "gdn") j["conv_width"] = o.conv_width;
   if (o.attn == "dsa") {
     j["dsa"] = {{"dim_v", o.dim_v},
                 {"topk", o.topk},
@@ -387,7 +443,8 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
     j["chunk_prefill_s"] = {{"median", median(r.chunk_s)}, {"iterations", r.chunk_s}};
     j["chunk_mode"] = r.chunk_mode;
     j["chunk_bytes_sent"] = r.chunk_bytes;
-    j["chunk_route_bytes"] = r.chunk_pass_bytes;
+    j["chunk_route_bytes"] = r.chunk_route_bytes;
+    j["chunk_route_bytes_formula"] = r.chunk_pass_bytes;
   }
   j["decode_step_s"] = {{"median", median(r.step_s)}, {"p99", quantile(r.step_s, 0.99)}, {"steps", r.step_s}};
   j["bytes_per_step"] = r.bytes_per_step;
@@ -416,9 +473,9 @@ void add_decode_options(cxxopts::Options& spec) {
     ("decode-steps", "decode: steps N after the prompt", cxxopts::value<std::int64_t>()->default_value("16"))
     ("new-tokens", "decode: new tokens (queries) n per step, e.g. speculative drafts",
      cxxopts::value<std::int64_t>()->default_value("1"))
-    ("cache-shard", "decode, MHA: K/V cache sharding over the ring: contiguous | interleave",
+    ("cache-shard", "decode, MHA and DSA: cache sharding over the ring (DSA: the SP group): contiguous | interleave",
      cxxopts::value<std::string>()->default_value("interleave"))
-    ("interleave", "decode, MHA: I of --cache-shard interleave (token t on rank (t / I) mod P)",
+    ("interleave", "decode, MHA and DSA: I of --cache-shard interleave (token t on rank (t / I) mod P)",
      cxxopts::value<std::int64_t>()->default_value("1"))
     ("chunk", "decode, MHA: a further prompt chunk of C tokens after the prompt, prefilled against the cache "
               "(persistent-cache prefill; 0: none)", cxxopts::value<std::string>()->default_value("0"))
@@ -450,14 +507,40 @@ DecodeOptions parse_decode_options(const cxxopts::ParseResult& r) {
          {"context", "decode-steps", "new-tokens", "cache-shard", "interleave", "prefill", "chunk", "chunk-mode"}) {
       SEQPAR_CHECK(r.count(flag) == 0, "--", flag, " needs --mode decode");
     }
+  } else {
+    // The flags only the training step reads, refused as --mode train refuses the decode flags.
+    for (const char* flag : {"doc-lens", "doc-dist", "efficiency", "gdn-compare-token", "dry-run", "test-corrupt",
+                             "test-logit-scale", "test-mem-available-mib"}) {
+      SEQPAR_CHECK(r.count(flag) == 0, "--", flag, " needs --mode train (--mode decode does not read it)");
+    }
   }
   return d;
 }
 
 int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
   check_decode_options(o);  // local: every rank fails alike, before any communication
+#if defined(_OPENMP)
+  omp_set_num_threads(o.threads);
+#endif
+  const DecodeArrays arrays = decode_arrays(o);
+  std::vector<std::string> dumped;
+  for (const TensorSpec& s : arrays.outputs) dumped.push_back(s.name);
+  if (o.dump_inputs) {
+    for (const TensorSpec& s : decode_input_specs(o, arrays.inputs)) dumped.push_back(s.name);
+  }
+  check_json_not_dumped(o, dumped);
+  // --inputs: every file read and checked on every rank (g_dec and beta_dec by the rules of g and beta).
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  const auto rule = [&](const std::string& name, double x) {
+    const std::string base = name.ends_with("_dec") ? name.substr(0, name.size() - 4) : name;
+    return kind.input_value_rule ? kind.input_value_rule(base, x) : std::string();
+  };
+  const NamedArrays loaded =
+      o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o, decode_input_specs(o, arrays.inputs), rule);
+  const DecodeInputs inputs(o, arrays.inputs, o.inputs_dir.empty() ? nullptr : &loaded);
   auto world = make_world_communicator(o.backend);
   check_options_agree(*world, o);
+  check_output_paths(*world, o);
   const DecodeOptions& d = o.decode;
   Fingerprint fp("sp_bench decode options");
   fp.add_int("--context", d.context)
@@ -467,25 +550,49 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
       .add_int("--interleave", d.interleave)
       .add_text("--prefill", d.prefill)
       .add_int("--chunk", d.chunk)
-      .add_text("--chunk-mode", d.chunk_mode);
+      .add_text("--chunk-mode", d.chunk_mode)
+      .add_text("--dump", o.dump_dir);
   AgreementCheck(AgreementMode::kAlways).run(*world, fp);
   SpGrid grid(*world, o.grid);
   const CpGroups groups = CpGroups::from(grid);
-  const DecodeReport rep = o.attn == "mha"   ? run_mha(*world, groups, o)
-                           : o.attn == "dsa" ? run_dsa(*world, groups, o)  // benchmarks/sp_bench_decode_dsa.cc
-                                             : run_gdn(*world, groups, o);
-  if (place.rank == 0) {
-    print_decode_report(o, rep, place.size);
-    if (!o.json_path.empty()) {
-      const nlohmann::json j = decode_json(o, rep, place.size);
-      write_file_atomic(o.json_path, [&](std::ostream& out) { out << j.dump(2) << "\n"; });
-    }
-  }
+  DecodeResults results;
+  DecodeResults* dump = o.dump_dir.empty() ? nullptr : &results;
+  const DecodeReport rep = o.attn == "mha" ? run_mha(*world, groups, o, inputs, dump)
+                           : o.attn == "dsa"
+                               ? run_dsa(*world, groups, o, inputs, dump)  // benchmarks/sp_bench_decode_dsa.cc
+                               : run_gdn(*world, groups, o, inputs, dump);
+  if (place.rank == 0) print_decode_report(o, rep, place.size);
+  const nlohmann::json json =
+      o.json_path.empty() || place.rank != 0 ? nlohmann::json() : decode_json(o, rep, place.size);
+  write_outputs(
+      *world, o, [&] { return widen_for_dump(inputs.full()); }, results.outputs, o.json_path.empty() ? nullptr : &json);
   barrier(*world);
   if (rep.checked && !rep.passed && place.rank == 0) {
     std::fprintf(stderr, "sp_bench: check failed: decode results differ from the single-rank forward\n");
   }
   return rep.checked && !rep.passed ? 1 : 0;
+}
+
+void decode_shapes_from_inputs(SpBenchOptions& o) {
+  if (o.decode.mode != "decode" || o.inputs_dir.empty()) return;
+  const std::string first = decode_arrays(o).inputs.front().name;
+  const auto dim1 = [&](const std::string& name) {
+    const std::string path = (std::filesystem::path(o.inputs_dir) / (name + ".npy")).string();
+    const Shape shape = npy::read_header(path).shape;
+    SEQPAR_CHECK(shape.size() >= 2, path, ": shape ", shape_str(shape), " has no token dimension (dimension 1)");
+    return std::pair{path, shape[1]};
+  };
+  DecodeOptions& d = o.decode;
+  const auto [prompt_path, t] = dim1(first);
+  SEQPAR_CHECK(!o.given("context") || d.context == t, "--context ", d.context,
+               " does not match --inputs: ", prompt_path, " holds ", t,
+               " tokens; leave --context out to take it from the file");
+  d.context = t;
+  const auto [dec_path, steps] = dim1(first + "_dec");
+  if (!o.given("decode-steps") && d.new_tokens >= 1 && steps % d.new_tokens == 0) d.decode_steps = steps / d.new_tokens;
+  SEQPAR_CHECK(d.decode_steps * d.new_tokens == steps, "--decode-steps ", d.decode_steps, " x --new-tokens ",
+               d.new_tokens, " does not match --inputs: ", dec_path, " holds ", steps,
+               " decode tokens; leave --decode-steps out to take it from the file");
 }
 
 }  // namespace seqpar::bench

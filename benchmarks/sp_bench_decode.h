@@ -5,8 +5,17 @@
 // between them, bytes per step (CpCounters, against the documented formula) and cache MiB per rank (the
 // ledger's persistent_cache, against M_KV / P for MHA and the state for GDN). --check compares every step's output
 // (MHA: out and lse; GDN: out of every head and the final state) with the single-rank training forward over the
-// T + N n tokens, on rank 0. --attn mha, gdn and dsa (DSA: out, lse and topk_indices;
-// benchmarks/sp_bench_decode_dsa.cc).
+// T + N n tokens, on rank 0. --attn mha, gdn and dsa (DSA: out, lse and topk_indices exactly;
+// benchmarks/sp_bench_decode_dsa.cc); GDN with --conv-width W runs the short conv before the recurrence
+// (parallel/decode_cp.h).
+// Files (benchmarks/sp_bench_io.h, the rules of --mode train): each kind names its inputs and outputs
+// (DecodeArrays). A token input `x` is two files: the prompt's rows x [B, T, ...] and the decode tokens' x_dec
+// [B, N n, ...] (the N steps of n tokens, in order); inputs without a token axis (GDN's initial_state, conv_weight)
+// are one file. --inputs DIR reads them all (the shapes of --mode train's flags, --context and --decode-steps are
+// taken from the files when not given); --dump DIR writes the outputs (MHA out_dec [B, N n, Hq, D], lse_dec
+// [B, Hq, N n]; GDN out_dec [B, N n, Hv, V], final_state [B, Hv, K, V]: every rank's heads gathered; DSA out_dec
+// [B, N n, H, Dv], lse_dec [B, H, N n], topk_indices_dec [B, N n, k] int64, the same on every rank), with
+// --dump-inputs also the inputs, so that --inputs DIR replays the run (the names: sp_bench_decode_arrays.h).
 #pragma once
 
 #include <cstdint>
@@ -33,8 +42,12 @@ struct DecodeOptions {
 
 // The decode flags (help group "decode").
 void add_decode_options(cxxopts::Options& spec);
-// Reads them (their rules are checked by run_decode_bench, before any communication).
+// Reads them (their rules are checked by run_decode_bench, before any communication); with --mode decode, refuses
+// the flags only --mode train reads ("--doc-lens needs --mode train").
 DecodeOptions parse_decode_options(const cxxopts::ParseResult& r);
+// --mode decode --inputs: --context from dimension 1 of the prompt's first input and --decode-steps from that of its
+// _dec file (N n) when not given; a given one must match. Called after --mode train's shapes_from_inputs.
+void decode_shapes_from_inputs(SpBenchOptions& o);
 
 // The whole decode run (every rank); returns the exit status (1 when --check failed).
 int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place);

@@ -7,7 +7,9 @@
 #include <vector>
 
 #include "benchmarks/bench_common.h"
+#include "benchmarks/sp_bench_decode_arrays.h"
 #include "benchmarks/sp_bench_options.h"
+#include "benchmarks/sp_bench_workload.h"
 #include "parallel/cp_common.h"
 #include "runtime/comm.h"
 #include "runtime/tensor.h"
@@ -19,7 +21,8 @@ struct DecodeReport {
   std::vector<double> step_s;     // slowest rank per step
   std::vector<double> chunk_s;    // --chunk: the persistent-cache prefill, slowest rank per iteration
   std::string chunk_mode;         // the route it took
-  std::int64_t chunk_bytes = 0, chunk_pass_bytes = 0;  // sent per rank: all of extend; the route's formula
+  // Sent per rank: all of extend (ring and SP groups), the route's measured, the route's formula.
+  std::int64_t chunk_bytes = 0, chunk_route_bytes = 0, chunk_pass_bytes = 0;
   std::int64_t bytes_per_step = 0, bytes_formula = 0;
   double cache_bytes = 0, cache_formula = 0;  // per rank: largest over the ranks; the formula's
   std::string formula_text;
@@ -28,19 +31,19 @@ struct DecodeReport {
   std::int64_t topk_mismatches = -1;               // DSA: topk_indices entries that differ (-1: not checked)
 };
 
-// Rows `positions` of the deterministic [B, S, heads, width] input `salt` (width 0: [B, S, heads]), in --dtype:
-// element (b, t, h, x) is a function of the seed and its index in the whole sequence, so that every rank makes the
-// rows of any positions without the rest. Values uniform in [lo, hi).
-Tensor make_rows(const SpBenchOptions& o, int salt, std::int64_t S, const std::vector<std::int64_t>& positions,
-                 std::int64_t heads, std::int64_t width, double lo = -1, double hi = 1);
-// begin, begin + 1, ..., end - 1.
-std::vector<std::int64_t> range(std::int64_t begin, std::int64_t end);
+// A run's results for --dump: its outputs gathered from every rank's heads (filled on every rank).
+struct DecodeResults {
+  NamedArrays outputs;
+};
+
 // The ledger's persistent_cache bytes now.
 std::int64_t persistent_bytes();
 // Tolerance of a decode result against the single-rank kernels, relative to the largest reference value.
 double tolerance(DType dtype);
 // max |got - want| / max |want| (equal infinities ignored).
 double rel_err(const TensorView& got, const TensorView& want);
+// The per-step results [.., n, ..] (along `dim`) of N steps side by side: [.., N n, ..].
+Tensor concat_steps(const std::vector<Tensor>& steps, int dim);
 
 // The seconds of fn on the slowest rank (after a barrier).
 template <typename Fn>
@@ -64,7 +67,9 @@ std::vector<double> time_prefill(Communicator& world, const SpBenchOptions& o, F
   return times;
 }
 
-// The DSA decode workload (benchmarks/sp_bench_decode_dsa.cc): prefill (or fill), steps, bytes, cache, --check.
-DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchOptions& o);
+// The DSA decode workload (benchmarks/sp_bench_decode_dsa.cc): prefill (or fill), steps, bytes, cache, --check;
+// with `results`, the outputs for --dump (out_dec, lse_dec, topk_indices_dec).
+DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
+                     DecodeResults* results);
 
 }  // namespace seqpar::bench::decode_detail

@@ -64,6 +64,8 @@ void shapes_from_inputs(const WorkloadKind& kind, SpBenchOptions& o) {
   for (const WorkloadKind::InputShapeFlag& f : kind.input_shape_flags) {
     auto it = std::find_if(headers.begin(), headers.end(), [&](const auto& h) { return h.first == f.tensor; });
     const std::string path = (std::filesystem::path(o.inputs_dir) / (f.tensor + ".npy")).string();
+    // --mode decode reads no training-only array (DSA's dout, which carries --dim-v): its flag stays as given.
+    if (o.decode.mode == "decode" && f.tensor == "dout") continue;
     if (f.optional_file && !std::filesystem::exists(path)) {
       SEQPAR_CHECK(!o.given(f.flag) || o.*f.field == 0, "--", f.flag, " ", o.*f.field, " needs --inputs ", path,
                    ", which does not exist (leave --", f.flag, " out to run without ", f.tensor, ")");
@@ -401,6 +403,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
 
   const WorkloadKind& kind = find_workload_kind(o.attn);
   if (!o.inputs_dir.empty()) shapes_from_inputs(kind, o);
+  decode_shapes_from_inputs(o);               // --mode decode --inputs: --context and --decode-steps
   if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
   check_min(o.seq, 1, "seq");
   parse_packing(r, o);

@@ -197,7 +197,7 @@ std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache,
                                                     std::int64_t q_heads) const {
   const attn::KvCacheSpec& s = cache.spec();
   const std::int64_t P = groups_.ring.size(), t_loc = t_new / P;
-  return (P - 1) * s.batch * t_loc * q_heads *
+  return (P - 1) * s.batch * t_loc * (q_heads / groups_.ulysses_size()) *
          (s.head_dim * static_cast<std::int64_t>(dtype_size(s.dtype)) +
           (s.head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(s.dtype))));
 }
@@ -208,44 +208,57 @@ ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCach
                                                                     : ChunkPrefillMode::kPassKv;
 }
 
-PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q,
-                                               const TensorView& k, const TensorView& v, ChunkPrefillMode mode) {
+PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout,
+                                               const TensorView& q_in, const TensorView& k, const TensorView& v,
+                                               ChunkPrefillMode mode) {
   const char* who = "MhaDecodeContextParallel::extend";
-  SEQPAR_CHECK(groups_.ulysses_size() == 1, who, ": ulysses_size ", groups_.ulysses_size(),
-               " is not supported yet (use ulysses_size 1)");
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
-  const std::int64_t B = s.batch, D = s.head_dim, t_loc = layout.local_len(), t_new = layout.seq_len();
-  const Shape kv_shape{B, t_loc, s.kv_heads, D};
+  const int pu = groups_.ulysses_size();
+  const std::int64_t B = s.batch, D = s.head_dim, sl = layout.local_len(), t_new = layout.seq_len();
+  const std::int64_t hkv = s.kv_heads * pu;  // all KV heads (the cache holds Hkv / Pu of them)
+  const Shape kv_shape{B, sl, hkv, D};
   check_shape(k, kv_shape, "MhaDecodeContextParallel::extend k (the cache's [B, S_local, Hkv, D])");
   check_shape(v, kv_shape, "MhaDecodeContextParallel::extend v (the cache's [B, S_local, Hkv, D])");
-  SEQPAR_CHECK(q.ndim() == 4 && q.dim(0) == B && q.dim(1) == t_loc && q.dim(3) == D && q.dim(2) % s.kv_heads == 0, who,
-               ": q ", shape_str(q.shape()), " must be [", B, ", ", t_loc, ", Hq, ", D,
-               "] with Hq a multiple of Hkv = ", s.kv_heads);
-  SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
+  SEQPAR_CHECK(q_in.ndim() == 4 && q_in.dim(0) == B && q_in.dim(1) == sl && q_in.dim(3) == D && q_in.dim(2) % hkv == 0,
+               who, ": q ", shape_str(q_in.shape()), " must be [", B, ", ", sl, ", Hq, ", D,
+               "] with Hq a multiple of Hkv = ", hkv);
+  SEQPAR_CHECK(q_in.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
                ": q, k, v must have the cache's dtype ", dtype_name(s.dtype));
-  agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q}, {"k", k}, {"v", v}});
-  const std::int64_t L = cache.length(), hq = q.dim(2);
+  agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q_in}, {"k", k}, {"v", v}});
+  const std::int64_t L = cache.length(), hq_all = q_in.dim(2);
   SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
                " would run past the cache capacity ", s.capacity);
-  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, t_new, hq);
+  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, t_new, hq_all);
   const int P = groups_.ring.size(), me = groups_.ring.rank();
   const DType acc = accumulator_dtype(s.dtype);
-  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  // Under USP the Ulysses exchange first gives this rank its ring shard of the chunk for its query and KV heads
+  // (hq = Hq / Pu of them, t_loc = the ring shard's rows), as in UspAttention; a group of one keeps q, k, v as they
+  // are.
+  const UlyssesExchange a2a(groups_, counters_);
+  Tensor q_h, k_h, v_h;
+  if (pu > 1) {
+    q_h = a2a.to_heads(q_in);
+    k_h = a2a.to_heads(k);
+    v_h = a2a.to_heads(v);
+  }
+  const TensorView q = pu > 1 ? q_h.view() : q_in;
+  const std::int64_t t_loc = layout.ring_shard_len(), hq = hq_all / pu;
+  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
   const auto chunk_positions = [&](int r) {
-    std::vector<std::int64_t> pos = layout.positions(r);
+    std::vector<std::int64_t> pos = layout.ring_shard_positions(r);
     for (std::int64_t& t : pos) t += L;
     return pos;
   };
   const std::vector<std::int64_t> q_pos = chunk_positions(me);
-  // 1. The chunk's own causal attention (the training forward over the chunk; positions relative to L).
+  // 1. The chunk's own causal attention (the training forward over the chunk's ring shards; positions relative to L).
   RingAttentionConfig rc;
   rc.impl = config_.prefill_impl;
   rc.scale = config_.scale;
   RingAttention ring(groups_, layout, rc);
-  AttentionOutput own = ring.forward(q, k, v);
+  AttentionOutput own = pu > 1 ? ring.forward(q, k_h, v_h) : ring.forward(q, k, v);
   counters_ += ring.counters();
   // 2. The cached part: P partial (out, lse hi, lo) blocks for this rank's queries, then the chunk's as block P.
   Tensor parts = alloc.empty({block * (P + 1)}, acc, MemCategory::kCommBuffer);
@@ -260,6 +273,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
       split_lse(lse64.data_as<double>(), rows, b, b + rows);
     }
   };
+  CpCounters route;  // the bytes of the route alone (chunk_route_bytes_sent)
   if (mode == ChunkPrefillMode::kPassKv) {
     std::vector<std::vector<std::int64_t>> held(P);
     std::int64_t m_max = 0;
@@ -277,7 +291,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
       copy_convert(cache.local().v_rows(b), sub_view(send, shard + b * m_max * s.kv_heads * D, rows_shape));
     }
     {
-      CommMeter meter(groups_, counters_);
+      CommMeter meter(groups_, route);
       WorkHandle w = groups_.ring.all_gather(send, recv);
       timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
     }
@@ -302,7 +316,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
     Tensor q_all = alloc.empty({P * B * t_loc * hq * D}, s.dtype, MemCategory::kCommBuffer);
     Tensor send = alloc.empty({block * P}, acc, MemCategory::kCommBuffer);
     {
-      CommMeter meter(groups_, counters_);
+      CommMeter meter(groups_, route);
       WorkHandle w = groups_.ring.all_gather(q, q_all);
       timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
     }
@@ -314,10 +328,12 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
         put_lse(send, r);
       }
     }
-    CommMeter meter(groups_, counters_);
+    CommMeter meter(groups_, route);
     WorkHandle w = groups_.ring.all_to_all(send, sub_view(parts, 0, {block * P}));
     timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
   }
+  chunk_route_bytes_sent_ = route.bytes_sent;
+  counters_ += route;
   // 3. Merge the P cached partials and the chunk's own.
   PrefillOutput result;
   {
@@ -335,6 +351,14 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
                    result.lse.data_as<float>());
     }
     result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
+  }
+  if (pu > 1) {  // back to the compute layout: [B, S_local, Hq, D] and [B, Hq, S_local]
+    PrefillOutput seq;
+    seq.out = alloc.empty(q_in.shape(), q_in.dtype(), MemCategory::kWorkspace);
+    seq.lse = alloc.empty({B, hq_all, sl}, acc, MemCategory::kWorkspace);
+    a2a.to_sequence(result.out, seq.out);
+    a2a.lse_to_sequence(result.lse, seq.lse);
+    result = std::move(seq);
   }
   // 4. The chunk's K/V join the cache on their owners.
   reshard_prompt(cache, layout, k, v, L);
@@ -424,9 +448,37 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
 
 // ---- GDN ---------------------------------------------------------------------------------------------------------
 
+namespace {
+
+// [B, S, h_i, d_i] tensors (one dtype) side by side along the channels: [B, S, sum_i h_i d_i] (workspace).
+Tensor concat_channels(std::initializer_list<TensorView> parts, Stream stream) {
+  const TensorView& first = *parts.begin();
+  const std::int64_t B = first.dim(0), S = first.dim(1);
+  std::int64_t channels = 0;
+  for (const TensorView& t : parts) channels += t.dim(2) * t.dim(3);
+  Tensor x = Tensor::empty({B, S, channels}, first.dtype(), MemCategory::kWorkspace, first.device());
+  std::int64_t off = 0;
+  for (const TensorView& t : parts) {
+    const std::int64_t c = t.dim(2) * t.dim(3);
+    scatter_rows(t.reshape({B, S, c}), 2, iota_from(off, c), x, stream);
+    off += c;
+  }
+  return x;
+}
+
+// The inverse for one part: channels [off, off + h d) of x [B, S, C], copied into a new [B, S, h, d] tensor.
+Tensor channels_as_heads(const TensorView& x, std::int64_t off, std::int64_t h, std::int64_t d, Stream stream) {
+  Tensor t = Tensor::empty({x.dim(0), x.dim(1), h, d}, x.dtype(), MemCategory::kWorkspace, x.device());
+  gather_rows(x, 2, iota_from(off, h * d), t.view().reshape({x.dim(0), x.dim(1), h * d}), stream);
+  return t;
+}
+
+}  // namespace
+
 GdnDecodeContextParallel::GdnDecodeContextParallel(const CpGroups& groups, const GdnCpConfig& config,
-                                                   std::int64_t value_heads, std::int64_t key_heads)
-    : groups_(groups), config_(config), hv_(value_heads), hk_(key_heads) {
+                                                   std::int64_t value_heads, std::int64_t key_heads,
+                                                   const ShortConvCpConfig& conv)
+    : groups_(groups), config_(config), hv_(value_heads), hk_(key_heads), conv_(conv) {
   const int P = groups.sp.size();
   SEQPAR_CHECK(key_heads >= 1 && value_heads >= 1 && value_heads % key_heads == 0,
                "GdnDecodeContextParallel: value_heads Hv = ", value_heads,
@@ -436,14 +488,34 @@ GdnDecodeContextParallel::GdnDecodeContextParallel(const CpGroups& groups, const
                " (decode splits whole heads over the group; a key head is not replicated)");
 }
 
+std::int64_t GdnDecodeContextParallel::conv_channels(std::int64_t key_dim, std::int64_t value_dim) const {
+  return 2 * hk_ * key_dim + hv_ * value_dim;
+}
+
+std::vector<std::int64_t> GdnDecodeContextParallel::local_conv_channels(int sp_rank, std::int64_t key_dim,
+                                                                        std::int64_t value_dim) const {
+  const std::int64_t lk = local_key_heads() * key_dim, lv = local_value_heads() * value_dim;
+  std::vector<std::int64_t> c = iota_from(sp_rank * lk, lk);  // q
+  for (std::int64_t i : iota_from(hk_ * key_dim + sp_rank * lk, lk)) c.push_back(i);
+  for (std::int64_t i : iota_from(2 * hk_ * key_dim + sp_rank * lv, lv)) c.push_back(i);
+  return c;
+}
+
 attn::GdnCache GdnDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim,
-                                                    DType dtype) const {
+                                                    DType dtype, std::int64_t conv_width) const {
+  SEQPAR_CHECK(conv_width >= 0, "GdnDecodeContextParallel::make_cache: conv_width ", conv_width,
+               " must be >= 0 (0: no short conv)");
   attn::GdnCacheSpec spec;
   spec.batch = batch;
   spec.value_heads = local_value_heads();
   spec.key_dim = key_dim;
   spec.value_dim = value_dim;
   spec.state_dtype = accumulator_dtype(dtype);
+  if (conv_width > 0) {
+    spec.conv_channels = 2 * local_key_heads() * key_dim + local_value_heads() * value_dim;
+    spec.conv_width = conv_width;
+    spec.conv_dtype = dtype;
+  }
   return attn::GdnCache(spec);
 }
 
@@ -456,7 +528,9 @@ void GdnDecodeContextParallel::agree(const attn::GdnCache& cache, std::string_vi
       .add_int("chunk_size", config_.chunk_size)
       .add_int("value_heads", hv_)
       .add_int("key_heads", hk_)
-      .add_tensor("cache state", cache.state());
+      .add_flag("conv use_silu", conv_.use_silu)
+      .add_tensor("cache state", cache.state())
+      .add_tensor("cache conv tail", cache.conv_state());
   add_cache_fields(fp, cache.length(), 0);
   fp.add_tensors(tensors);
   agreement_.run(groups_.sp, fp, groups_.stream);
@@ -468,10 +542,90 @@ Tensor GdnDecodeContextParallel::local_heads(const TensorView& t, std::int64_t t
   return slice_dim(t, 2, groups_.sp_rank() * local, (groups_.sp_rank() + 1) * local, groups_.stream);
 }
 
+void GdnDecodeContextParallel::check_conv(const attn::GdnCache& cache, const char* who, const TensorView& q,
+                                          const TensorView& k, const TensorView& v,
+                                          const TensorView& conv_weight) const {
+  const attn::GdnCacheSpec& s = cache.spec();
+  const bool has_tail = s.conv_channels > 0;
+  SEQPAR_CHECK(conv_weight.empty() != has_tail, who, ": conv_weight is ", conv_weight.empty() ? "absent" : "given",
+               ", but the cache was made ", has_tail ? "with" : "without",
+               " a short-conv tail (make_cache's conv_width; the conv runs exactly when both have it)");
+  if (!has_tail) return;
+  const std::int64_t C = conv_channels(s.key_dim, s.value_dim);
+  check_shape(conv_weight, {C, s.conv_width}, str_cat(who, " conv_weight ([C = 2 Hk K + Hv V, W])").c_str());
+  SEQPAR_CHECK(q.dtype() == s.conv_dtype && k.dtype() == s.conv_dtype && v.dtype() == s.conv_dtype &&
+                   conv_weight.dtype() == s.conv_dtype,
+               who, ": with the short conv, q, k, v and conv_weight must have the cache's conv dtype ",
+               dtype_name(s.conv_dtype), ", got ", dtype_name(q.dtype()), ", ", dtype_name(k.dtype()), ", ",
+               dtype_name(v.dtype()), " and ", dtype_name(conv_weight.dtype()));
+}
+
+Tensor GdnDecodeContextParallel::gather_conv_tail(const SequenceLayout& layout, const TensorView& x,
+                                                  std::int64_t key_dim, std::int64_t value_dim, std::int64_t width) {
+  const int P = groups_.sp.size(), me = groups_.sp_rank();
+  const std::int64_t B = x.dim(0), keep = width - 1, first = layout.seq_len() - keep;
+  // The rows of SP rank r's shard that hold tail tokens, and the tail rows they fill (tokens [first, T), >= 0).
+  const auto tail_rows = [&](int r, std::vector<std::int64_t>* rows, std::vector<std::int64_t>* slots) {
+    const std::vector<std::int64_t> tokens = layout.token_index(r);
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < 0 || tokens[i] < first) continue;
+      if (rows != nullptr) rows->push_back(static_cast<std::int64_t>(i));
+      slots->push_back(tokens[i] - first);
+    }
+  };
+  std::vector<std::int64_t> rows, slots;
+  tail_rows(me, &rows, &slots);
+  const std::int64_t m = static_cast<std::int64_t>(rows.size());
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  // Send: to each rank d, my tail rows restricted to d's channels, [B, m, C_d].
+  std::vector<std::vector<std::int64_t>> channels(P);
+  std::vector<std::int64_t> send_counts(P), recv_counts(P);
+  std::int64_t send_total = 0;
+  for (int d = 0; d < P; ++d) {
+    channels[d] = local_conv_channels(d, key_dim, value_dim);
+    send_total += send_counts[d] = B * m * static_cast<std::int64_t>(channels[d].size());
+  }
+  const std::int64_t c_me = static_cast<std::int64_t>(channels[me].size());
+  Tensor mine = alloc.empty({B, m, x.dim(2)}, x.dtype(), MemCategory::kWorkspace);
+  gather_rows(x, 1, rows, mine, groups_.stream);
+  Tensor send = alloc.empty({send_total}, x.dtype(), MemCategory::kCommBuffer);
+  std::int64_t off = 0;
+  for (int d = 0; d < P; ++d) {
+    gather_rows(mine, 2, channels[d], sub_view(send, off, {B, m, static_cast<std::int64_t>(channels[d].size())}),
+                groups_.stream);
+    off += send_counts[d];
+  }
+  // Receive: from each source, its tail rows (in its row order) of my channels.
+  std::vector<std::vector<std::int64_t>> from(P);
+  std::int64_t recv_total = 0;
+  for (int src = 0; src < P; ++src) {
+    tail_rows(src, nullptr, &from[src]);
+    recv_total += recv_counts[src] = B * static_cast<std::int64_t>(from[src].size()) * c_me;
+  }
+  Tensor recv = alloc.empty({recv_total}, x.dtype(), MemCategory::kCommBuffer);
+  {
+    CpCounters counters;
+    {
+      CommMeter meter(groups_, counters);
+      WorkHandle w = groups_.sp.all_to_all_v(send, send_counts, recv, recv_counts);
+      timed_wait(groups_.sp, w, nullptr);
+    }
+    conv_tail_bytes_sent_ = counters.bytes_sent;
+  }
+  Tensor tail = alloc.zeros({B, keep, c_me}, x.dtype(), MemCategory::kWorkspace);  // zeros before token 0
+  off = 0;
+  for (int src = 0; src < P; ++src) {
+    const std::int64_t m_src = static_cast<std::int64_t>(from[src].size());
+    if (m_src > 0) scatter_rows(sub_view(recv, off, {B, m_src, c_me}), 1, from[src], tail, groups_.stream);
+    off += recv_counts[src];
+  }
+  return tail;
+}
+
 PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const SequenceLayout& layout,
                                                 const TensorView& q, const TensorView& k, const TensorView& v,
                                                 const TensorView& g, const TensorView& beta,
-                                                const TensorView& initial_state) {
+                                                const TensorView& initial_state, const TensorView& conv_weight) {
   const char* who = "GdnDecodeContextParallel::prefill";
   const attn::GdnCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && v.ndim() == 4 && q.dim(2) == hk_ && v.dim(2) == hv_ && q.dim(0) == s.batch &&
@@ -479,19 +633,46 @@ PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const Seq
                who, ": q ", shape_str(q.shape()), " and v ", shape_str(v.shape()), " must be [", s.batch, ", S, ", hk_,
                ", ", s.key_dim, "] and [", s.batch, ", S, ", hv_, ", ", s.value_dim, "] for a cache of this layer (",
                s.value_heads, " of its heads per rank)");
-  agree(cache, who, {{"q", q}, {"k", k}, {"v", v}, {"g", g}, {"beta", beta}, {"initial_state", initial_state}});
+  check_conv(cache, who, q, k, v, conv_weight);
+  if (!conv_weight.empty()) check_shape(k, q.shape(), str_cat(who, " k (q's shape)").c_str());
+  agree(cache, who,
+        {{"q", q},
+         {"k", k},
+         {"v", v},
+         {"g", g},
+         {"beta", beta},
+         {"initial_state", initial_state},
+         {"conv_weight", conv_weight}});
   SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
                " tokens; a prompt continuation is not supported yet");
   GdnContextParallel gdn(groups_, layout, config_);
-  GdnCpOutput o = gdn.forward(q, k, v, g, beta, initial_state);
+  GdnCpOutput o;
+  Tensor tail;
+  conv_tail_bytes_sent_ = 0;
+  if (conv_weight.empty()) {
+    o = gdn.forward(q, k, v, g, beta, initial_state);
+  } else {
+    // The conv over x = [q | k | v] (one halo exchange for all channels), then the recurrence on its output.
+    const Tensor x = concat_channels({q, k, v}, groups_.stream);
+    ShortConvContextParallel conv(groups_, layout, conv_);
+    const Tensor y = conv.forward(x, conv_weight).out;
+    const std::int64_t qk = hk_ * s.key_dim;
+    const Tensor qc = channels_as_heads(y, 0, hk_, s.key_dim, groups_.stream);
+    const Tensor kc = channels_as_heads(y, qk, hk_, s.key_dim, groups_.stream);
+    const Tensor vc = channels_as_heads(y, 2 * qk, hv_, s.value_dim, groups_.stream);
+    o = gdn.forward(qc, kc, vc, g, beta, initial_state);
+    tail = gather_conv_tail(layout, x, s.key_dim, s.value_dim, s.conv_width);
+  }
   const Tensor mine =
       local_heads(o.final_state.view().reshape({s.batch, 1, hv_, s.key_dim * s.value_dim}), hv_, local_value_heads());
   cache.set_state(mine.view().reshape(cache.state().shape()), layout.seq_len());
+  if (!conv_weight.empty()) cache.set_conv_state(tail);
   return {std::move(o.out), Tensor()};
 }
 
 DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const TensorView& q, const TensorView& k,
-                                              const TensorView& v, const TensorView& g, const TensorView& beta) {
+                                              const TensorView& v, const TensorView& g, const TensorView& beta,
+                                              const TensorView& conv_weight) {
   const char* who = "GdnDecodeContextParallel::decode";
   const attn::GdnCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hk, K] with n >= 1, got ",
@@ -504,12 +685,31 @@ DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const Tenso
   check_shape(beta, {s.batch, n, hv_}, "GdnDecodeContextParallel::decode beta_new");
   SEQPAR_CHECK(s.value_heads == local_value_heads(), who, ": the cache holds ", s.value_heads,
                " value heads, this layer's ranks ", local_value_heads(), " (make it with this layer's make_cache)");
-  agree(cache, who, {{"q_new", q}, {"k_new", k}, {"v_new", v}, {"g_new", g}, {"beta_new", beta}});
+  check_conv(cache, who, q, k, v, conv_weight);
+  agree(cache, who,
+        {{"q_new", q}, {"k_new", k}, {"v_new", v}, {"g_new", g}, {"beta_new", beta}, {"conv_weight", conv_weight}});
   const std::int64_t lv = local_value_heads(), lk = local_key_heads();
-  const Tensor ql = local_heads(q, hk_, lk), kl = local_heads(k, hk_, lk), vl = local_heads(v, hv_, lv);
+  Tensor ql = local_heads(q, hk_, lk), kl = local_heads(k, hk_, lk), vl = local_heads(v, hv_, lv);
   const Tensor gl = local_heads(g, hv_, lv), bl = local_heads(beta, hv_, lv);
   DecodeOutput result;
   result.out = Tensor::empty({s.batch, n, lv, s.value_dim}, q.dtype(), MemCategory::kWorkspace);
+  const attn::GdnForwardArgs args = attn::gdn_args(ql, kl, vl, gl, bl, config_.use_qk_l2norm, config_.scale);
+  if (!conv_weight.empty()) {
+    // The recurrence's checks first (the convolved heads have these shapes), so that a refused step leaves the tail.
+    attn::check_gdn_decode(cache, args, result.out, groups_.stream);
+    const Tensor x = concat_channels({ql, kl, vl}, groups_.stream);
+    Tensor w = Tensor::empty({s.conv_channels, s.conv_width}, conv_weight.dtype(), MemCategory::kWorkspace);
+    gather_rows(conv_weight, 0, local_conv_channels(groups_.sp_rank(), s.key_dim, s.value_dim), w, groups_.stream);
+    Tensor y = Tensor::empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
+    attn::ShortConvArgs a;
+    a.x = x;
+    a.weight = w;
+    a.use_silu = conv_.use_silu;
+    attn::short_conv_decode(cache, a, y, groups_.stream);
+    ql = channels_as_heads(y, 0, lk, s.key_dim, groups_.stream);
+    kl = channels_as_heads(y, lk * s.key_dim, lk, s.key_dim, groups_.stream);
+    vl = channels_as_heads(y, 2 * lk * s.key_dim, lv, s.value_dim, groups_.stream);
+  }
   attn::gdn_decode(cache, attn::gdn_args(ql, kl, vl, gl, bl, config_.use_qk_l2norm, config_.scale), result.out,
                    groups_.stream);
   return result;

@@ -31,17 +31,21 @@
 //   order-fixed fp64 merge that is bitwise identical on every rank.
 //
 // Persistent-cache prefill (extend): a further prompt chunk of T_new tokens at positions L..L+T_new-1 (L = the
-// cache's length; q, k, v in a layout of T_new tokens over the ring, its positions shifted by L) attends to the cache
-// and, causally, to itself; then its K/V join the cache on their owners. ulysses_size must be 1. The chunk's own part
-// is the training forward (RingAttention); the cached part takes one of two routes (after Meta's "Context
-// Parallelism for Scalable Million-Token Inference", MLSys 2025):
-//   pass-KV: every rank's cache shard goes to every rank (one all-gather of the shards, padded to the longest, m_max
-//     rows); each rank attends its queries to every shard. Bytes sent per rank: (P - 1) 2 B m_max Hkv D bytes(dtype),
-//     m_max ~ L / P.
-//   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q, each rank attends every rank's
-//     queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries' owner.
-//     Bytes sent per rank: (P - 1) B T_loc Hq (D bytes(dtype) + (D + 2) bytes(a)), T_loc = T_new / P.
-// Every query then merges its P cached partials and the chunk's own (out, lse) with the formulas above. Both routes
+// cache's length; q, k, v in a layout of T_new tokens over the groups, its positions shifted by L) attends to the
+// cache and, causally, to itself; then its K/V join the cache on their owners. Under USP the Ulysses exchange first
+// gives each rank the ring shard of the chunk for its heads (Hq / Pu query heads, the Hkv / Pu KV heads its cache
+// holds), as UspAttention does; everything below then runs over the ring group (P = Pr ranks) with those heads, and
+// the inverse exchange returns out and lse to the compute layout (Ulysses bytes: UspAttention's for q, k, v, out and
+// lse). The chunk's own part is the training forward (RingAttention on the ring shards); the cached part takes one of
+// two routes (after Meta's "Context Parallelism for Scalable Million-Token Inference", MLSys 2025):
+//   pass-KV: every rank's cache shard goes to every rank of its ring group (one all-gather of the shards, padded to
+//     the longest, m_max rows); each rank attends its queries to every shard. Bytes sent per rank:
+//     (Pr - 1) 2 B m_max (Hkv / Pu) D bytes(dtype), m_max ~ L / Pr.
+//   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q over the ring group, each rank attends
+//     every rank's queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries'
+//     owner. Bytes sent per rank: (Pr - 1) B T_loc (Hq / Pu) (D bytes(dtype) + (D + 2) bytes(a)), T_loc = T_new / Pr
+//     (the ring shard's rows; a padded layout sends its padding rows too).
+// Every query then merges its Pr cached partials and the chunk's own (out, lse) with the formulas above. Both routes
 // give the same result (to rounding); auto takes the one that sends fewer bytes (pass-Q iff its bytes are fewer:
 // a short chunk after a long cache, the case of multi-turn prompts), as the paper's heuristic on the cache-miss rate.
 //
@@ -52,6 +56,19 @@
 // full on every rank: each rank keeps the slice of its heads (the states move to their head owners without a
 // message). A decode step slices the new tokens' heads and runs attn::gdn_decode on them: no data message (only the
 // agreement check), out of its heads [B, n, Hv / P, V].
+// The short conv (optional: conv_weight [C, W] given to prefill and decode, the cache made with conv_width W): the
+// layer's q, k, v are then the conv's inputs x = [q | k | v] over C = 2 Hk K + Hv V channels (rows of conv_weight
+// in that order: q's Hk K channels, k's, then v's Hv V; Qwen3-Next's conv1d over the concatenated projections), and
+// the recurrence reads silu(conv(x)) (ShortConvCpConfig::use_silu) split back into q, k, v. The conv is depthwise, so
+// a rank needs only the channels of its heads: C_r = 2 (Hk / P) K + (Hv / P) V, the q and k channels of its key heads
+// and the v channels of its value heads (in that order in its cache's tail).
+//   prefill: ShortConvContextParallel over `layout` (its halo exchange), then the recurrence under CP as above. The
+//     tail, the last W-1 conv inputs of the whole prompt (tokens [T - W + 1, T); zeros before token 0 when T < W - 1),
+//     may lie on several ranks (or a rank may hold none of it): one all_to_all_v over the SP group sends each rank
+//     the rows of the tail this rank holds, restricted to the receiver's channels. Bytes sent by a rank holding m of
+//     the tail tokens: m B (C - C_r) bytes(x) (its own block stays local); over the group min(W-1, T) B C (P-1) / P.
+//   decode step: attn::short_conv_decode on the rank's C_r channels of the new tokens (the cached tail before
+//     them), then attn::gdn_decode on the convolved heads: still no data message.
 //
 // Ranks' agreement: every prefill and decode checks, before any data moves, that the ranks of the group pass the
 // same shapes and dtypes, the same configuration and sharding, and caches of the same length and step count
@@ -193,17 +210,20 @@ class MhaDecodeContextParallel {
   // to their owners; for caches whose prompt was computed elsewhere (or benchmarks of the decode step alone).
   void fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
   // Persistent-cache prefill: a chunk of T_new = layout.seq_len() tokens after the cache's L; q [B, S_local, Hq, D],
-  // k, v [B, S_local, Hkv, D] at L + layout.positions(rank). Returns the chunk's out and lse in the compute layout
-  // (those of one prefill of the L + T_new tokens, rows L..); the cache then holds L + T_new tokens. mode kAuto:
-  // choose_chunk_mode. Errors (cache unchanged, every rank): ulysses_size != 1, shapes, L + T_new past the capacity,
-  // ranks disagreeing on shapes, mode, length.
+  // k, v [B, S_local, Hkv, D] (all heads) at L + layout.positions(sp_rank) (layout built for the groups). Returns the
+  // chunk's out [B, S_local, Hq, D] and lse [B, Hq, S_local] in the compute layout (those of one prefill of the
+  // L + T_new tokens, rows L..); the cache then holds L + T_new tokens. mode kAuto: choose_chunk_mode. Errors (cache
+  // unchanged, every rank): shapes, L + T_new past the capacity, ranks disagreeing on shapes, mode, length.
   PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                        const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
-  // The bytes each route sends per rank (the header comment's formulas) for a chunk of t_new tokens after `cache`'s
-  // length, and the route kAuto takes (pass-Q iff fewer bytes).
+  // The bytes each route sends per rank (the header comment's formulas) for a chunk of t_new tokens with q_heads
+  // query heads (all of the model's) after `cache`'s length, and the route kAuto takes (pass-Q iff fewer bytes).
   std::int64_t pass_kv_bytes(const ShardedKvCache& cache) const;
   std::int64_t pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
   ChunkPrefillMode choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
+  // The bytes this rank sent over the ring group for the route of the last extend (CommMeter: the all-gather of the
+  // shards, or of q and the all-to-all of the partials), to compare with pass_kv_bytes / pass_q_bytes.
+  std::int64_t chunk_route_bytes_sent() const { return chunk_route_bytes_sent_; }
 
   // One step of n >= 1 new tokens at positions cache.length() .. + n - 1: q_new [B, n, Hq, D], k_new, v_new
   // [B, n, Hkv, D], all heads, identical on every rank. Returns out [B, n, Hq / Pu, D] and lse [B, Hq / Pu, n] of
@@ -238,45 +258,70 @@ class MhaDecodeContextParallel {
   CpGroups groups_;
   MhaDecodeConfig config_;
   CpCounters counters_;
+  std::int64_t chunk_route_bytes_sent_ = 0;
   AgreementCheck agreement_;
 };
 
 // GDN for inference with the value heads split over groups.sp (see the header comment).
 class GdnDecodeContextParallel {
  public:
-  // value_heads Hv and key_heads Hk of the model. Errors: Hv or Hk not divisible by the SP group size, Hv not a
-  // multiple of Hk.
+  // value_heads Hv and key_heads Hk of the model; conv: the short conv's configuration (used only when prefill and
+  // decode get a conv_weight). Errors: Hv or Hk not divisible by the SP group size, Hv not a multiple of Hk.
   GdnDecodeContextParallel(const CpGroups& groups, const GdnCpConfig& config, std::int64_t value_heads,
-                           std::int64_t key_heads);
+                           std::int64_t key_heads, const ShortConvCpConfig& conv = {});
 
   std::int64_t local_value_heads() const { return hv_ / groups_.sp.size(); }
   std::int64_t local_key_heads() const { return hk_ / groups_.sp.size(); }
   std::int64_t head_offset() const { return groups_.sp_rank() * local_value_heads(); }  // first value head held
+  // Bytes this rank sent in the last prefill's exchange of the conv tail (CommMeter over the SP group; 0 without
+  // a conv): m B (C - C_r) bytes(x) of the header comment.
+  std::int64_t conv_tail_bytes_sent() const { return conv_tail_bytes_sent_; }
 
-  // The cache of this rank's heads (state dtype: accumulator_dtype(dtype)), collective-free.
-  attn::GdnCache make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim, DType dtype) const;
+  // The cache of this rank's heads (state dtype: accumulator_dtype(dtype)), collective-free. conv_width W > 0: with
+  // the short conv's tail [B, W-1, C_r] of this rank's channels (dtype: that of the conv inputs); 0: no conv.
+  // Errors: conv_width < 0.
+  attn::GdnCache make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim, DType dtype,
+                            std::int64_t conv_width = 0) const;
+  // The conv channels C = 2 Hk K + Hv V of the model, and those of SP rank `sp_rank` (increasing indices into C:
+  // its key heads' q channels, their k channels, its value heads' v channels; C_r of them).
+  std::int64_t conv_channels(std::int64_t key_dim, std::int64_t value_dim) const;
+  std::vector<std::int64_t> local_conv_channels(int sp_rank, std::int64_t key_dim, std::int64_t value_dim) const;
 
   // The prompt under CP (GdnContextParallel over `layout`: q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta
   // [B, S_local, Hv], initial_state empty or the full [B, Hv, K, V]); the cache (length 0) takes the final state of
-  // its heads. Returns the prompt's out in the compute layout.
+  // its heads. conv_weight [C, W] (dtype of q, k, v; the same on every rank): q, k, v are the conv's inputs (see the
+  // header comment) and the cache (made with conv_width W) also takes the tail of its channels; empty: no conv (the
+  // cache must have none). Returns the prompt's out in the compute layout.
+  // Errors (cache unchanged, every rank): shapes and dtypes against the cache, conv_weight given to a cache without
+  // a tail or missing for one with a tail, a cache that is not empty, ranks disagreeing on any input's shape.
   PrefillOutput prefill(attn::GdnCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& g, const TensorView& beta,
-                        const TensorView& initial_state = {});
+                        const TensorView& initial_state = {}, const TensorView& conv_weight = {});
   // One step of n new tokens, all heads, identical on every rank: q_new, k_new [B, n, Hk, K], v_new [B, n, Hv, V],
-  // g_new, beta_new [B, n, Hv]. Returns out of this rank's heads [B, n, Hv / P, V]. Errors (cache unchanged): shapes
-  // against the cache, ranks disagreeing on shapes, configuration or the cache length.
+  // g_new, beta_new [B, n, Hv]; conv_weight as for prefill (then q_new, k_new, v_new are the conv's inputs). Returns
+  // out of this rank's heads [B, n, Hv / P, V]. Errors (cache unchanged): shapes against the cache, conv_weight given
+  // or missing against the cache's tail, ranks disagreeing on shapes, configuration or the cache length.
   DecodeOutput decode(attn::GdnCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new,
-                      const TensorView& g_new, const TensorView& beta_new);
+                      const TensorView& g_new, const TensorView& beta_new, const TensorView& conv_weight = {});
 
  private:
   void agree(const attn::GdnCache& cache, std::string_view call,
              std::initializer_list<std::pair<std::string_view, TensorView>> tensors);
   // This rank's heads of a [B, n, H, X] (or [B, n, H]) tensor of `total` heads, `local` per rank.
   Tensor local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const;
+  // The checks of conv_weight against the cache and q, k, v (who: the calling function).
+  void check_conv(const attn::GdnCache& cache, const char* who, const TensorView& q, const TensorView& k,
+                  const TensorView& v, const TensorView& conv_weight) const;
+  // Moves the prompt's last W-1 conv inputs (x [B, S_local, C] at layout's tokens) to every rank, each its channels
+  // (one all_to_all_v over the SP group): [B, W-1, C_r].
+  Tensor gather_conv_tail(const SequenceLayout& layout, const TensorView& x, std::int64_t key_dim,
+                          std::int64_t value_dim, std::int64_t width);
 
   CpGroups groups_;
   GdnCpConfig config_;
   std::int64_t hv_, hk_;
+  ShortConvCpConfig conv_;
+  std::int64_t conv_tail_bytes_sent_ = 0;
   AgreementCheck agreement_;
 };
 

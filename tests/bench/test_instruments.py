@@ -5,6 +5,7 @@ programs under mpirun on small shapes and checks what they write against what it
   test_instruments.py --mpiexec mpirun --bin-dir build/benchmarks json
   ... memory --np 2 -- --attn gdn --ring-size 2 ...   (the estimate against the ledger's measured peak)
   ... roundtrip --np 2 -- --attn dsa --ring-size 2 ... (--dump --dump-inputs, then --inputs of that dump)
+  ... decode-grids --np 4 -- --mode decode ...        (a grid's decode --dump against one rank's on its inputs)
   ... comm                                            (comm_bench table and JSON)
   ... sweep --scripts scripts                         (sweep.py + plot.py on a small sweep of every kind)
   ... kernel                                          (kernel_bench --kernel all: tables, JSON, FLOP counts)
@@ -113,6 +114,39 @@ def test_roundtrip(tmp, np, flags):
     check(len(fa) >= 8, f"expected inputs and outputs, found {sorted(fa)}")
     for name in fa:
         check(fa[name] == fb[name], f"{name}: the run from the dumped inputs differs from the run that dumped them")
+
+
+def read_npy_floats(path):
+    """The elements of a little-endian fp32 / fp64 C-order .npy file (version 1.0, as sp_bench writes them)."""
+    import ast
+    import struct
+    data = open(path, "rb").read()
+    check(data[:6] == b"\x93NUMPY" and data[6] == 1, f"{path}: not a version 1.0 .npy file")
+    (hlen,) = struct.unpack("<H", data[8:10])
+    header = ast.literal_eval(data[10:10 + hlen].decode("latin1"))
+    check(header["descr"] in ("<f4", "<f8") and not header["fortran_order"], f"{path}: header {header}")
+    size = 4 if header["descr"] == "<f4" else 8
+    body = data[10 + hlen:]
+    return struct.unpack(f"<{len(body) // size}{'f' if size == 4 else 'd'}", body)
+
+
+def test_decode_grids(tmp, np, flags):
+    """sp_bench --mode decode --dump on a grid against the same inputs on one rank: every rank's heads land in their
+    place in the gathered outputs (each output equal to the one-rank run's to fp32 rounding)."""
+    a, b = os.path.join(tmp, "a"), os.path.join(tmp, "b")
+    base = ["--quiet", "--warmup", 0, "--iters", 1]
+    run(np, "sp_bench", base + flags + ["--dump", a, "--dump-inputs"])
+    grid = ("--ring-size", "--ulysses-size", "--placement", "--conv-width")
+    one = [f for i, f in enumerate(flags) if f not in grid and (i == 0 or flags[i - 1] not in grid)]
+    run(1, "sp_bench", base + one + ["--inputs", a, "--dump", b])
+    outputs = sorted(f for f in os.listdir(b) if f.endswith(".npy"))
+    check(outputs and all(o in os.listdir(a) for o in outputs), f"outputs {outputs} vs {sorted(os.listdir(a))}")
+    for name in outputs:
+        x, y = read_npy_floats(os.path.join(a, name)), read_npy_floats(os.path.join(b, name))
+        check(len(x) == len(y), f"{name}: {len(x)} vs {len(y)} elements")
+        err = max(abs(p - q) for p, q in zip(x, y))
+        ref = max(abs(q) for q in y)
+        check(err <= 1e-5 * ref + 1e-6, f"{name}: the {np}-rank run differs from the one-rank run by {err} (max {ref})")
 
 
 def test_comm(tmp):
@@ -250,7 +284,7 @@ def main():
     ap.add_argument("--scripts", default=os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     ap.add_argument("--plot-python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
                     help="the Python with matplotlib (Debian's python3-matplotlib: /usr/bin/python3)")
-    ap.add_argument("what", choices=["json", "memory", "roundtrip", "comm", "sweep", "kernel"])
+    ap.add_argument("what", choices=["json", "memory", "roundtrip", "decode-grids", "comm", "sweep", "kernel"])
     ap.add_argument("--np", type=int, default=2)
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -263,6 +297,8 @@ def main():
             test_memory(tmp, ARGS.np, flags)
         elif ARGS.what == "roundtrip":
             test_roundtrip(tmp, ARGS.np, flags)
+        elif ARGS.what == "decode-grids":
+            test_decode_grids(tmp, ARGS.np, flags)
         elif ARGS.what == "comm":
             test_comm(tmp)
         elif ARGS.what == "kernel":

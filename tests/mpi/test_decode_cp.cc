@@ -125,12 +125,13 @@ struct ExtendCase {
   LayoutKind layout;  // of the prompt's and the chunk's forward
   ChunkPrefillMode mode;
   DType dtype = DType::kFloat32;
+  bool usp = false;  // Ulysses 2 (heads) x ring P/2 (the cache) when the world size is even
 };
 std::string case_name(const ExtendCase& c) {
   return str_cat(cache_shard_name(c.shard), c.shard == CacheShardKind::kInterleave ? str_cat(c.interleave) : "", "_",
                  layout_name(c.layout), "_",
                  c.mode == ChunkPrefillMode::kAuto ? "auto" : (c.mode == ChunkPrefillMode::kPassQ ? "passq" : "passkv"),
-                 "_", dtype_name(c.dtype));
+                 "_", dtype_name(c.dtype), c.usp ? "_usp" : "");
 }
 
 class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
@@ -139,9 +140,10 @@ class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
 // over the 146 tokens (the fp64 reference), so the chunk equals one prefill of the concatenation.
 TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   const ExtendCase c = GetParam();
-  const SpGrid grid(world(), test::ring_over_world());
+  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  const int P = groups.ring.size(), me = groups.ring.rank();
+  const int me = groups.ring.rank(), sp = groups.sp_rank(), pu = groups.ulysses_size();
+  const std::int64_t u = groups.ulysses.rank(), hq = kHq / pu;  // this rank's query heads in decode
   constexpr std::int64_t kChunk = 48, kSteps2 = 2;
   const std::int64_t total = kPrompt + kChunk + kSteps2;
   const test::MhaDecodeProblem p(kB, total, kHq, kHkv, kD, c.dtype, 13);
@@ -156,10 +158,11 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
     Shape shape = full.shape();
     shape[1] = layout.local_len();
     Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-    shard_sequence(rows, layout.positions(me), t);
+    shard_sequence(rows, layout.positions(sp), t);
     return t;
   };
-  const SequenceLayout prompt(c.layout, kPrompt, P), chunk(c.layout, kChunk, P);
+  const SequenceLayout prompt = SequenceLayout::for_groups(groups, kPrompt, c.layout);
+  const SequenceLayout chunk = SequenceLayout::for_groups(groups, kChunk, c.layout);
   layer.prefill(cache, prompt, local(p.q, prompt, 0), local(p.k, prompt, 0), local(p.v, prompt, 0));
   if (c.mode == ChunkPrefillMode::kAuto) {
     // The rule: pass-Q exactly when it sends fewer bytes than pass-KV.
@@ -167,22 +170,32 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
     EXPECT_EQ(layer.choose_chunk_mode(cache, kChunk, kHq),
               q_fewer ? ChunkPrefillMode::kPassQ : ChunkPrefillMode::kPassKv);
   }
+  // The route's bytes by the formulas (Hq / Pu, Hkv / Pu under USP), before the chunk changes the cache.
+  const ChunkPrefillMode used =
+      c.mode == ChunkPrefillMode::kAuto ? layer.choose_chunk_mode(cache, kChunk, kHq) : c.mode;
+  const std::int64_t route_bytes =
+      used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(cache, kChunk, kHq) : layer.pass_kv_bytes(cache);
   const PrefillOutput o = layer.extend(cache, chunk, local(p.q, chunk, kPrompt), local(p.k, chunk, kPrompt),
                                        local(p.v, chunk, kPrompt), c.mode);
+  // What the route sent (CommMeter) is the formula's, exactly when the chunk's ring shards hold no padding rows.
+  if (!chunk.has_padding()) {
+    EXPECT_EQ(layer.chunk_route_bytes_sent(), route_bytes) << chunk_prefill_mode_name(used);
+  }
   EXPECT_EQ(cache.length(), kPrompt + kChunk);
   EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, kPrompt + kChunk));
   const Tensor want_out = local(p.ref_out, chunk, kPrompt);
   Tensor lse_rows = rows_of(p.ref_lse, kPrompt, kPrompt + kChunk, 2);
   Tensor want_lse = Tensor::empty({kB, kHq, chunk.local_len()}, DType::kFloat64, MemCategory::kWorkspace);
-  shard_sequence_bhs(lse_rows, chunk.positions(me), want_lse);
+  shard_sequence_bhs(lse_rows, chunk.positions(sp), want_lse);
   EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
                         "chunk out"));
   EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
                         "chunk lse"));
   for (std::int64_t t = kPrompt + kChunk; t < total; ++t) {
     const DecodeOutput d = layer.decode(cache, rows_of(p.q, t, t + 1), rows_of(p.k, t, t + 1), rows_of(p.v, t, t + 1));
-    EXPECT_TRUE(all_close(to_double(d.out), to_double(rows_of(p.ref_out, t, t + 1)), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out at ", t)));
+    const Tensor want = rows_of(rows_of(p.ref_out, t, t + 1), u * hq, (u + 1) * hq, 2);
+    EXPECT_TRUE(all_close(to_double(d.out), to_double(want), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
+                          str_cat("out at ", t)));
   }
 }
 
@@ -195,7 +208,16 @@ INSTANTIATE_TEST_SUITE_P(
         ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ},
         ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, ChunkPrefillMode::kAuto},
         ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kStripe, ChunkPrefillMode::kPassQ, DType::kFloat64},
-        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat64}),
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat64},
+        // Under USP (2 x 1, 2 x 2, 2 x 4 at 2, 4, 8 ranks): the Ulysses group splits the heads, the ring the cache.
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassKv, DType::kFloat32,
+                   true},
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassQ, DType::kFloat32,
+                   true},
+        ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ, DType::kFloat64,
+                   true},
+        ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kBalanced, ChunkPrefillMode::kAuto, DType::kFloat32,
+                   true}),
     test::CaseName());
 
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
@@ -297,6 +319,25 @@ std::string case_name(const GdnCase& c) {
 
 class GdnDecodeCp : public ::testing::TestWithParam<GdnCase> {};
 
+// The decode steps of `sched` after the prompt (with p's conv when it has one): each step's out of this rank's heads
+// and then the final state equal the fp64 reference over the whole sequence.
+void expect_steps_and_final_state(GdnDecodeContextParallel& layer, attn::GdnCache& cache,
+                                  const test::GdnDecodeProblem& p, const test::DecodeSchedule& sched, DType dtype) {
+  const std::int64_t lv = layer.local_value_heads(), h0 = layer.head_offset();
+  const auto my_heads = [&](const TensorView& t) { return rows_of(t, h0, h0 + lv, 2); };
+  for (std::int64_t step = 0; step < sched.steps; ++step) {
+    const std::int64_t t0 = sched.first(step), t1 = t0 + sched.n;
+    const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
+    const DecodeOutput o = layer.decode(cache, rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta), p.conv_weight);
+    EXPECT_TRUE(all_close(to_double(o.out), to_double(my_heads(rows(p.ref_out))), test::decode_atol(dtype),
+                          test::decode_rtol(dtype), str_cat("out of step ", step)));
+  }
+  EXPECT_EQ(cache.length(), sched.total());
+  const Tensor ref_final = rows_of(p.ref_final, h0, h0 + lv, 1);
+  EXPECT_TRUE(all_close(to_double(cache.state()), to_double(ref_final), test::decode_atol(dtype),
+                        test::decode_rtol(dtype), "final_state of this rank's heads"));
+}
+
 TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   const GdnCase c = GetParam();
   const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
@@ -306,7 +347,7 @@ TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   GdnCpConfig cfg;
   cfg.mode = c.mode;
   GdnDecodeContextParallel layer(groups, cfg, value_heads(), key_heads());
-  const std::int64_t lv = layer.local_value_heads(), h0 = layer.head_offset();
+  const std::int64_t lv = layer.local_value_heads();
   EXPECT_EQ(lv * world().size(), value_heads());
 
   const std::int64_t before = persistent_bytes();
@@ -327,18 +368,7 @@ TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   };
   layer.prefill(cache, layout, local(p.q), local(p.k), local(p.v), local(p.g), local(p.beta));
   EXPECT_EQ(cache.length(), sched.prompt);
-  const auto my_heads = [&](const TensorView& t) { return rows_of(t, h0, h0 + lv, 2); };
-  for (std::int64_t step = 0; step < sched.steps; ++step) {
-    const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
-    const auto rows = [&](const TensorView& t) { return rows_of(t, t0, t1); };
-    const DecodeOutput o = layer.decode(cache, rows(p.q), rows(p.k), rows(p.v), rows(p.g), rows(p.beta));
-    EXPECT_TRUE(all_close(to_double(o.out), to_double(my_heads(rows(p.ref_out))), test::decode_atol(c.dtype),
-                          test::decode_rtol(c.dtype), str_cat("out of step ", step)));
-  }
-  EXPECT_EQ(cache.length(), sched.total());
-  const Tensor ref_final = rows_of(p.ref_final, h0, h0 + lv, 1);
-  EXPECT_TRUE(all_close(to_double(cache.state()), to_double(ref_final), test::decode_atol(c.dtype),
-                        test::decode_rtol(c.dtype), "final_state of this rank's heads"));
+  expect_steps_and_final_state(layer, cache, p, sched, c.dtype);
   EXPECT_EQ(persistent_bytes() - before, state_bytes);  // constant in T
 }
 
@@ -348,6 +378,123 @@ INSTANTIATE_TEST_SUITE_P(Cases, GdnDecodeCp,
                                            GdnCase{GdnCpMode::kScan, LayoutKind::kContiguous, 1, true},
                                            GdnCase{GdnCpMode::kChain, LayoutKind::kZigzag, 3, false, DType::kFloat64}),
                          test::CaseName());
+
+// The short conv under CP: a prompt of `prompt` tokens (any layout) whose conv tail may lie on several ranks, then
+// decode steps with the conv. Every step's out and the final state equal the fp64 training forward (conv, then the
+// recurrence) over the whole sequence; the tail in each rank's cache is the last W-1 inputs of its channels; the tail
+// exchange sent m B (C - C_r) bytes(x) from a rank holding m of the tail tokens.
+struct GdnConvCase {
+  std::int64_t prompt;
+  std::int64_t width;
+  LayoutKind layout;
+  GdnCpMode mode = GdnCpMode::kScan;
+  bool usp = false;
+  DType dtype = DType::kFloat32;
+};
+std::string case_name(const GdnConvCase& c) {
+  return str_cat("T", c.prompt, "_W", c.width, "_", layout_name(c.layout), "_", gdn_cp_mode_name(c.mode),
+                 c.usp ? "_usp" : "", "_", dtype_name(c.dtype));
+}
+
+class GdnConvDecodeCp : public ::testing::TestWithParam<GdnConvCase> {};
+
+TEST_P(GdnConvDecodeCp, StepsWithTheConvEqualTheTrainingForward) {
+  const GdnConvCase c = GetParam();
+  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const test::DecodeSchedule sched{c.prompt, 3, 2};
+  const test::GdnDecodeProblem p(kB, sched.total(), key_heads(), value_heads(), kGK, kGV, c.dtype, 23, c.width);
+  GdnCpConfig cfg;
+  cfg.mode = c.mode;
+  GdnDecodeContextParallel layer(groups, cfg, value_heads(), key_heads());
+  const std::int64_t lv = layer.local_value_heads();
+  const std::int64_t before = persistent_bytes();
+  attn::GdnCache cache = layer.make_cache(kB, kGK, kGV, c.dtype, c.width);
+  const std::vector<std::int64_t> mine = layer.local_conv_channels(groups.sp_rank(), kGK, kGV);
+  const std::int64_t C = layer.conv_channels(kGK, kGV), c_r = static_cast<std::int64_t>(mine.size());
+  const std::int64_t esize = static_cast<std::int64_t>(dtype_size(c.dtype));
+  EXPECT_EQ(C, c_r * world().size());
+  EXPECT_EQ(persistent_bytes() - before,
+            kB * lv * kGK * kGV * static_cast<std::int64_t>(dtype_size(accumulator_dtype(c.dtype))) +
+                kB * (c.width - 1) * c_r * esize);
+
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, sched.prompt, c.layout);
+  const auto local = [&](const TensorView& full) {
+    Tensor prompt = rows_of(full, 0, sched.prompt);
+    Shape shape = full.shape();
+    shape[1] = layout.local_len();
+    Tensor t = Tensor::zeros(shape, full.dtype(), MemCategory::kWorkspace);  // padding rows stay zero
+    std::vector<std::int64_t> rows, toks;
+    const std::vector<std::int64_t> tokens = layout.token_index(groups.sp_rank());
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] < 0) continue;
+      rows.push_back(static_cast<std::int64_t>(i));
+      toks.push_back(tokens[i]);
+    }
+    shape[1] = static_cast<std::int64_t>(rows.size());
+    Tensor picked = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+    gather_rows(prompt, 1, toks, picked);
+    scatter_rows(picked, 1, rows, t);
+    return t;
+  };
+  layer.prefill(cache, layout, local(p.q), local(p.k), local(p.v), local(p.g), local(p.beta), {}, p.conv_weight);
+  EXPECT_EQ(cache.length(), sched.prompt);
+  // The tail: the last W-1 inputs of the prompt (zeros before token 0), this rank's channels of x = [q | k | v].
+  {
+    const std::int64_t keep = c.width - 1, first = sched.prompt - keep;
+    Tensor x = Tensor::zeros({kB, keep, C}, c.dtype, MemCategory::kWorkspace);
+    const std::int64_t lo = std::max<std::int64_t>(first, 0);
+    std::int64_t off = 0;
+    for (const Tensor* t : {&p.q, &p.k, &p.v}) {
+      const std::int64_t ch = t->dim(2) * t->dim(3);
+      Tensor rows = rows_of(*t, lo, sched.prompt);
+      Tensor place = Tensor::zeros({kB, keep, ch}, c.dtype, MemCategory::kWorkspace);
+      std::vector<std::int64_t> at;
+      for (std::int64_t tok = lo; tok < sched.prompt; ++tok) at.push_back(tok - first);
+      scatter_rows(rows.view().reshape({kB, sched.prompt - lo, ch}), 1, at, place);
+      std::vector<std::int64_t> cols;
+      for (std::int64_t i = 0; i < ch; ++i) cols.push_back(off + i);
+      scatter_rows(place, 2, cols, x);
+      off += ch;
+    }
+    Tensor want = Tensor::empty({kB, keep, c_r}, c.dtype, MemCategory::kWorkspace);
+    gather_rows(x, 2, mine, want);
+    EXPECT_EQ(to_double(cache.conv_state()), to_double(want)) << "conv tail of sp rank " << groups.sp_rank();
+    std::int64_t m = 0;
+    for (std::int64_t tok : layout.token_index(groups.sp_rank())) m += tok >= lo ? 1 : 0;
+    EXPECT_EQ(layer.conv_tail_bytes_sent(), m * kB * (C - c_r) * esize);
+  }
+  expect_steps_and_final_state(layer, cache, p, sched, c.dtype);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, GdnConvDecodeCp,
+    ::testing::Values(GdnConvCase{96, 4, LayoutKind::kZigzag},
+                      GdnConvCase{96, 4, LayoutKind::kContiguous, GdnCpMode::kChain},
+                      GdnConvCase{97, 4, LayoutKind::kContiguous, GdnCpMode::kScan, false, DType::kFloat64},
+                      GdnConvCase{40, 16, LayoutKind::kZigzag},    // a tail of 15 tokens over several ranks
+                      GdnConvCase{2, 4, LayoutKind::kContiguous},  // shorter than W - 1: zeros before the prompt
+                      GdnConvCase{96, 4, LayoutKind::kBalanced, GdnCpMode::kScan, true},
+                      GdnConvCase{96, 1, LayoutKind::kZigzag}),  // W = 1: an empty tail
+    test::CaseName());
+
+TEST(GdnDecodeCpErrors, ConvWeightAgainstTheCacheFailsAndChangesNothing) {
+  const SpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  GdnDecodeContextParallel layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  const test::GdnDecodeProblem p(kB, 1, key_heads(), value_heads(), kGK, kGV, DType::kFloat32, 3, 4);
+  attn::GdnCache plain = layer.make_cache(kB, kGK, kGV, DType::kFloat32);
+  EXPECT_TRUE(fails_everywhere([&] { layer.decode(plain, p.q, p.k, p.v, p.g, p.beta, p.conv_weight); },
+                               "conv_weight is given, but the cache was made without"));
+  attn::GdnCache with_tail = layer.make_cache(kB, kGK, kGV, DType::kFloat32, 4);
+  EXPECT_TRUE(fails_everywhere([&] { layer.decode(with_tail, p.q, p.k, p.v, p.g, p.beta); },
+                               "conv_weight is absent, but the cache was made with"));
+  const Tensor narrow = rows_of(p.conv_weight, 0, 3, 1);  // W = 3 against the cache's 4
+  EXPECT_TRUE(fails_everywhere([&] { layer.decode(with_tail, p.q, p.k, p.v, p.g, p.beta, narrow); }, "conv_weight"));
+  EXPECT_EQ(plain.length(), 0);
+  EXPECT_EQ(with_tail.length(), 0);
+  EXPECT_EQ(to_double(with_tail.conv_state()), std::vector<double>(to_double(with_tail.conv_state()).size(), 0.0));
+}
 
 TEST(GdnDecodeCpErrors, HeadsThatDoNotDivideFailEverywhere) {
   const SpGrid grid(world(), test::ring_over_world());

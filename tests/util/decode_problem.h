@@ -71,18 +71,34 @@ struct MhaDecodeProblem {
 };
 
 // GDN: q, k [B, S, Hk, K], v [B, S, Hv, V], g, beta [B, S, Hv] of the whole sequence (zero initial state), and the
-// fp64 token-by-token reference over it (out and final_state).
+// fp64 token-by-token reference over it (out and final_state). conv_width W > 0: q, k, v are the inputs of the short
+// conv with SiLU, conv_weight [2 Hk K + Hv V, W] (rows q, k, v), and the reference runs the fp64 conv over the whole
+// sequence before the recurrence (the training forward of the layer).
 struct GdnDecodeProblem {
-  Tensor q, k, v, g, beta;
+  Tensor q, k, v, g, beta, conv_weight;
   Tensor ref_out, ref_final;  // fp64 [B, S, Hv, V], [B, Hv, K, V]
   GdnDecodeProblem(std::int64_t B, std::int64_t S, std::int64_t hk, std::int64_t hv, std::int64_t K, std::int64_t V,
-                   DType dtype, std::uint64_t seed) {
+                   DType dtype, std::uint64_t seed, std::int64_t conv_width = 0) {
     q = random_tensor({B, S, hk, K}, dtype, seed + 1);
     k = random_tensor({B, S, hk, K}, dtype, seed + 2);
     v = random_tensor({B, S, hv, V}, dtype, seed + 3);
     g = random_tensor({B, S, hv}, dtype, seed + 4, -0.1, -0.001);  // weak decay: the prompt's state matters
     beta = random_tensor({B, S, hv}, dtype, seed + 5, 0.05, 0.5);
-    const Tensor q64 = as_f64(q), k64 = as_f64(k), v64 = as_f64(v), g64 = as_f64(g), b64 = as_f64(beta);
+    Tensor q64 = as_f64(q), k64 = as_f64(k), v64 = as_f64(v);
+    const Tensor g64 = as_f64(g), b64 = as_f64(beta);
+    if (conv_width > 0) {
+      conv_weight = random_tensor({2 * hk * K + hv * V, conv_width}, dtype, seed + 6, -0.5, 0.5);
+      const Tensor w64 = as_f64(conv_weight);
+      std::int64_t row = 0;
+      for (Tensor* t : {&q64, &k64, &v64}) {  // depthwise: each part with its rows of the weight
+        const std::int64_t c = t->dim(2) * t->dim(3);
+        Tensor y = Tensor::empty(t->shape(), DType::kFloat64, MemCategory::kWorkspace);
+        attn::reference::short_conv_forward(conv_args(t->view().reshape({B, S, c}), w64.view().slice0(row, row + c)),
+                                            y.view().reshape({B, S, c}), {});
+        *t = std::move(y);
+        row += c;
+      }
+    }
     const attn::GdnForwardArgs a = attn::gdn_args(q64, k64, v64, g64, b64);
     ref_out = Tensor::empty({B, S, hv, V}, DType::kFloat64, MemCategory::kWorkspace);
     ref_final = Tensor::empty({B, hv, K, V}, DType::kFloat64, MemCategory::kWorkspace);
