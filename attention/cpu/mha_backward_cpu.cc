@@ -1,9 +1,9 @@
 // CPU flash-attention backward (FlashAttention-2, Dao 2023, Algorithm 2; docs/design.md section 8.1), deterministic.
 //
 // Work item: (batch, query head, chunk of key tiles), scheduled by OpenMP. It converts Q, dO of its head and K
-// (row-major and transposed per key tile), V (transposed per key tile) of its key chunk to the compute type (Q and
-// dO are read in place when they already are and need no padding; rows of query tiles with no visible key and key
-// tiles that no query sees are not loaded at all: a ring block of a packed row may have many), then
+// (row-major and transposed per key tile), V (transposed per key tile) of its key chunk to the compute type (rows
+// of query tiles with no visible key and key tiles that no query sees are not loaded at all: a ring block of a
+// packed row may have many), then
 // for each key tile (outer) and each visible query tile (inner) recomputes P = exp2(S log2 e - lse log2 e) with the
 // final lse, and
 //   dP = dO V^T, dS = P (dP - delta), dV_j += P^T dO, dK_j += dS^T Q, dQ_i += dS K     (scale applied at the end).
@@ -67,11 +67,6 @@ void backward_typed(const MhaBackwardParams& bp) {
     std::int64_t open = 0;
     for (std::int64_t t = 0; t < nkt; ++t) key_tile_seen[t] = (open += marks[t]) > 0;
   }
-  // Q and dO rows of the compute type without padding columns are read in place (row stride Hq D) rather than
-  // copied per head: the products see the same numbers in the same order, the results are bitwise the same.
-  const bool q_in_place = p.dtype == cdt && Dp == D;
-  const bool do_in_place = bp.dout_dtype == cdt && Dp == D;
-  const int ldq = static_cast<int>(q_in_place ? Hq * D : Dp), lddo = static_cast<int>(do_in_place ? Hq * D : Dp);
 
   // Key chunks per head (in key tiles): a function of the shape only, so results do not depend on the thread count.
   const std::int64_t nchunks = std::clamp<std::int64_t>((8 + B * Hq - 1) / (B * Hq), 1, nkt);
@@ -79,10 +74,9 @@ void backward_typed(const MhaBackwardParams& bp) {
   // Per-worker buffers (allocated here, before the parallel region): q, dout and dq of one head, lse2, delta, K
   // row-major, K^T and V^T per key tile, the score tiles P and dP, two rows.
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
-  const WorkerScratch<T> ws(
-      {q_in_place ? 0 : Sq * Dp, do_in_place ? 0 : Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK,
-       nkt * D * BK, BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0},
-      "mha_backward per-thread scratch", region_workers(parallel));
+  const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
+                             BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0},
+                            "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
   if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
   T* dqp = nchunks > 1 ? static_cast<T*>(dq_partials.data()) : nullptr;
@@ -145,15 +139,11 @@ void backward_typed(const MhaBackwardParams& bp) {
       for (std::int64_t i = 0; i < Sq && loaded_bh != bh; ++i) {
         if (tile_lo[i / BQ] >= tile_hi[i / BQ]) continue;  // a query tile with no visible key is never read
         const std::int64_t e = (b * Sq + i) * Hq + h;
-        if (!q_in_place) {
-          convert(qin + static_cast<std::size_t>(e * D) * in_size, p.dtype, q.data() + i * Dp, cdt,
-                  static_cast<std::size_t>(D));
-        }
-        const T* dorow = do_in_place ? reinterpret_cast<const T*>(doin) + e * D : dout.data() + i * Dp;
-        if (!do_in_place) {
-          convert(doin + static_cast<std::size_t>(e * D) * do_size, bp.dout_dtype, dout.data() + i * Dp, cdt,
-                  static_cast<std::size_t>(D));
-        }
+        convert(qin + static_cast<std::size_t>(e * D) * in_size, p.dtype, q.data() + i * Dp, cdt,
+                static_cast<std::size_t>(D));
+        T* dorow = dout.data() + i * Dp;
+        convert(doin + static_cast<std::size_t>(e * D) * do_size, bp.dout_dtype, dorow, cdt,
+                static_cast<std::size_t>(D));
         const std::int64_t li = (b * Hq + h) * Sq + i;
         if (bp.delta != nullptr) {
           delta[i] = static_cast<T>(load_wide(bp.delta, bp.delta_dtype, li));
@@ -186,12 +176,10 @@ void backward_typed(const MhaBackwardParams& bp) {
           const TileKind kind = classify(kr, i0, i1, j0, j1, BK);
           if (kind == TileKind::kSkip) continue;
           const int mr = static_cast<int>(i1 - i0);
-          const T* q_t =
-              q_in_place ? reinterpret_cast<const T*>(qin) + ((b * Sq + i0) * Hq + h) * D : q.data() + i0 * Dp;
-          const T* do_t =
-              do_in_place ? reinterpret_cast<const T*>(doin) + ((b * Sq + i0) * Hq + h) * D : dout.data() + i0 * Dp;
-          gemm_tile<T, false>(mr, BK, static_cast<int>(D), q_t, ldq, kt_tile, BK, s.data(), BK);
-          gemm_tile<T, false>(mr, BK, static_cast<int>(D), do_t, lddo, vt_tile, BK, dp.data(), BK);
+          const T* q_t = q.data() + i0 * Dp;
+          const T* do_t = dout.data() + i0 * Dp;
+          gemm_tile<T, false>(mr, BK, static_cast<int>(D), q_t, static_cast<int>(Dp), kt_tile, BK, s.data(), BK);
+          gemm_tile<T, false>(mr, BK, static_cast<int>(D), do_t, static_cast<int>(Dp), vt_tile, BK, dp.data(), BK);
           if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), softcap ? dtanh.data() : nullptr);
           if (kind == TileKind::kPartial) mask_partial_tile(kr, i0, mr, j0, s.data());
           if (p.dropout.on) {  // dropout (attention/dropout.h): dP = z dO V^T, so that dS = P (z dP - delta) below
@@ -214,10 +202,10 @@ void backward_typed(const MhaBackwardParams& bp) {
           }
           if (p.dropout.on) multiply_tile<T, BK>(mr, z.data(), s.data());  // dropout: dV_j += (z P)^T dO_i
           // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place)
-          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, lddo, dv_h + j0 * Dp,
-                                   static_cast<int>(Dp));
-          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, ldq, dk_h + j0 * Dp,
-                                   static_cast<int>(Dp));
+          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
+                                   dv_h + j0 * Dp, static_cast<int>(Dp));
+          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, static_cast<int>(Dp),
+                                   dk_h + j0 * Dp, static_cast<int>(Dp));
           gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, dp.data(), BK, kmat.data() + j0 * Dp, static_cast<int>(Dp),
                              dq_h + i0 * Dp, static_cast<int>(Dp));
         }
