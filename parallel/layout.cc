@@ -58,8 +58,9 @@ struct SequenceLayout::Data {
 namespace {
 
 // The balanced partition (layout.h): the row cut into chunks [k c, (k+1) c) of c tokens (across document bounds),
-// largest causal work first, each to the ring rank with least work among those whose token count stays within c of
-// the smallest. Returns the slots of each ring rank.
+// largest causal work first (causal pairs; when chunks are whole kernel tiles, the kernels' tile pairs), each to the
+// ring rank with least work among those whose token count stays within c of the smallest. Returns the slots of each
+// ring rank.
 std::vector<Positions> balanced_shards(const Positions& cu, int ring, std::int64_t c) {
   struct Chunk {
     std::int64_t work, start, len;
@@ -71,9 +72,25 @@ std::vector<Positions> balanced_shards(const Positions& cu, int ring, std::int64
     const std::int64_t b = std::min(T, a + c);
     Chunk ch{0, a, b - a};
     while (cu[d + 1] <= a) ++d;
-    for (std::size_t k = d; k + 1 < cu.size() && cu[k] < b; ++k) {  // each document's part of [a, b)
-      const std::int64_t lo = std::max(a, cu[k]), hi = std::min(b, cu[k + 1]);
-      if (lo < hi) ch.work += causal_work(lo - cu[k], hi - cu[k]);
+    if (c % kTileAlign != 0) {
+      for (std::size_t k = d; k + 1 < cu.size() && cu[k] < b; ++k) {  // each document's part of [a, b)
+        const std::int64_t lo = std::max(a, cu[k]), hi = std::min(b, cu[k + 1]);
+        if (lo < hi) ch.work += causal_work(lo - cu[k], hi - cu[k]);
+      }
+    } else {
+      // Whole tiles: the work the kernels do, (query tile, key tile) pairs that are not skipped. A query tile's
+      // rows of document k see the key tiles from the document's first to the tile itself.
+      for (std::int64_t t0 = a; t0 < b; t0 += kTileAlign) {
+        const std::int64_t t1 = std::min(b, t0 + kTileAlign);
+        std::int64_t last = -1;  // the highest key tile counted for this query tile
+        for (std::size_t k = d; k + 1 < cu.size() && cu[k] < t1; ++k) {
+          if (std::min(t1, cu[k + 1]) <= std::max(t0, cu[k])) continue;
+          const std::int64_t lo = std::max(cu[k] / kTileAlign, last + 1),
+                             hi = (std::min(t1, cu[k + 1]) - 1) / kTileAlign;
+          if (lo <= hi) ch.work += hi - lo + 1;
+          last = std::max(last, hi);
+        }
+      }
     }
     chunks.push_back(ch);
   }
