@@ -347,7 +347,9 @@ Fp64ReferenceCost dsa_reference_cost(const SpBenchOptions& o) {
 
 WorkloadMemory dsa_memory(const SpBenchOptions& o) {
   const double e = static_cast<double>(dtype_size(o.dtype)), f = 4, pu = o.grid.ulysses_size, pr = o.grid.ring_size;
-  const double rows = static_cast<double>(o.batch) * static_cast<double>(o.seq) / (pu * pr);  // B x S/P
+  // B x S/P, S the layout's padded length (padding rows are allocated like tokens; the host arrays hold o.seq rows)
+  const double s_pad = static_cast<double>(sp_bench_padded_len(o)), unpad = static_cast<double>(o.seq) / s_pad;
+  const double rows = static_cast<double>(o.batch) * s_pad / (pu * pr);
   const double q = rows * o.heads * o.head_dim, c = rows * o.head_dim, q_idx = rows * o.indexer_heads * o.indexer_dim,
                k_idx = rows * o.indexer_dim, w = rows * o.indexer_heads, out = rows * o.heads * o.dim_v;  // elements
   const double lse = f * rows * o.heads, slots = rows * static_cast<double>(o.topk);
@@ -375,9 +377,10 @@ WorkloadMemory dsa_memory(const SpBenchOptions& o) {
   m.backward.workspace =
       e * out + lse + f * slots * pu + f * q + f * c * pu + e * q + f * c + 8 * slots + f * indexer + scratch + rope;
   m.backward.comm = 2 * e * c * pu + 4 * f * c * pu + index_keys + f * k_idx * sp + a2a;
-  m.full_inputs = m.inputs * sp;
-  m.full_outputs = (m.backward.outputs - 8 * slots) * sp + 8 * slots * sp;  // out, lse, topk_indices, the gradients
-  m.reference_scratch = 3 * f * slots * sp + m.full_inputs;  // probabilities, scores, their gradient; rotated inputs
+  m.full_inputs = m.inputs * sp * unpad;
+  // out, lse, topk_indices, the gradients
+  m.full_outputs = ((m.backward.outputs - 8 * slots) * sp + 8 * slots * sp) * unpad;
+  m.reference_scratch = 3 * f * slots * sp * unpad + m.full_inputs;  // probabilities, scores, their gradient; rotated
   return m;
 }
 

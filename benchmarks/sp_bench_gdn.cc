@@ -413,18 +413,31 @@ Fp64ReferenceCost gdn_reference_cost(const SpBenchOptions& o) {
   return {8.0 * (2.0 * spec_elements(gdn_input_specs(o)) + 2.0 * states), 30.0 * states};
 }
 
+double max_segments_per_ring_rank(const SpBenchOptions& o) {
+  const SequenceLayout layout = sp_bench_layout(o);
+  std::vector<std::vector<std::int64_t>> tokens;
+  for (int r = 0; r < layout.ring_size(); ++r) tokens.push_back(layout.tokens_of_slots(layout.ring_shard_positions(r)));
+  std::vector<double> count(tokens.size(), 0);
+  for (const Segment& seg : segments_in_global_order(tokens)) count[static_cast<std::size_t>(seg.owner)] += 1;
+  return std::max(1.0, *std::max_element(count.begin(), count.end()));
+}
+
 WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double e = static_cast<double>(dtype_size(o.dtype)), pu = o.grid.ulysses_size, pr = o.grid.ring_size;
   const double st = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
   const double c = o.dtype == DType::kFloat64 ? 8 : 4, threads = o.threads, batch = static_cast<double>(o.batch);
-  const double sl = static_cast<double>(o.seq) / (pu * pr), kd = static_cast<double>(o.head_dim);
+  // S: the layout's padded length (padding rows are allocated like tokens; the host arrays hold o.seq rows)
+  const double s_pad = static_cast<double>(sp_bench_padded_len(o)), unpad = static_cast<double>(o.seq) / s_pad;
+  const double sl = s_pad / (pu * pr), kd = static_cast<double>(o.head_dim);
   const double x = e * batch * sl * o.heads * kd, gate = e * batch * sl * o.heads;
   // initial_state, final_state, dinitial_state: one per batch row or per document
   const double state = st * static_cast<double>(gdn_shapes(o).N) * o.heads * kd * kd;
-  const double segments = o.layout == LayoutKind::kZigzag && pr > 1 ? 2 : 1;
+  // segments per ring rank (maximal runs of consecutive tokens; zigzag: two per document and rank): the most any
+  // ring rank holds
+  const double segments = max_segments_per_ring_rank(o);
   const double seg_state = st * batch * (o.heads / pu) * kd * kd;
   const double chunk = static_cast<double>(std::min(o.chunk_size, o.seq)), m = std::max(chunk, kd);
-  const double seg_len = static_cast<double>(o.seq) / (pr * segments);
+  const double seg_len = s_pad / (pr * segments);
   const double fwd_worker = c * (17 * chunk * m + 3 * m * m + 16 * chunk);
   const double bwd_worker = fwd_worker + c * (17 * chunk * m + 3 * m * m + std::ceil(seg_len / chunk) * kd * kd);
   const double a2a = pu > 1 ? 2 * x : 0;
@@ -444,8 +457,8 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   m_.backward.outputs = x + state + 3 * x + 2 * gate + state;
   m_.backward.workspace = 2 * x + 2 * (3 * x + 2 * gate) + 4 * segments * seg_state + threads * bwd_worker;
   m_.backward.comm = a2a + ring;
-  m_.full_inputs = (4 * x + 2 * gate) * pu * pr + state;
-  m_.full_outputs = (4 * x + 2 * gate) * pu * pr + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states
+  m_.full_inputs = (4 * x + 2 * gate) * pu * pr * unpad + state;
+  m_.full_outputs = (4 * x + 2 * gate) * pu * pr * unpad + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states
   m_.reference_scratch = threads * bwd_worker;
   return m_;
 }

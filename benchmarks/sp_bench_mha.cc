@@ -303,10 +303,12 @@ Fp64ReferenceCost mha_reference_cost(const SpBenchOptions& o) {
 
 // What MhaWorkload's step holds on one rank (sp_bench_memory.h), following UspAttention and RingAttention
 // (parallel/usp.cc, ring_attention.cc, ring_pass.cc): per rank q [B, S/P, Hq, D] and, after the Ulysses exchange, kv
-// with hx heads (Hkv, or Pu when Pu > Hkv replicates them) over the ring shard; accumulators fp32.
+// with hx heads (Hkv, or Pu when Pu > Hkv replicates them) over the ring shard; accumulators fp32. S is the layout's
+// padded length (every padding row is allocated like a token); the host arrays of the whole problem hold o.seq rows.
 WorkloadMemory mha_memory(const SpBenchOptions& o) {
   const double e = static_cast<double>(dtype_size(o.dtype)), f = 4, pu = o.grid.ulysses_size, pr = o.grid.ring_size;
-  const double sl = static_cast<double>(o.seq) / (pu * pr), bsd = static_cast<double>(o.batch) * sl * o.head_dim;
+  const double s_pad = static_cast<double>(sp_bench_padded_len(o)), unpad = static_cast<double>(o.seq) / s_pad;
+  const double sl = s_pad / (pu * pr), bsd = static_cast<double>(o.batch) * sl * o.head_dim;
   const bool replicate = o.kv_heads % o.grid.ulysses_size != 0;
   const double hx = replicate ? pu : static_cast<double>(o.kv_heads);
   const double q = bsd * o.heads, kv_in = bsd * o.kv_heads, kv = bsd * hx;  // elements per rank
@@ -317,7 +319,7 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   // ring shard, or the whole sequence for allgather), in the compute type (fp64 for fp64, else fp32), 64 x 64
   // tiles, D padded to the vector width (16 is enough), per-thread buffers for every thread.
   const double c = o.dtype == DType::kFloat64 ? 8 : 4, threads = o.threads, batch = static_cast<double>(o.batch);
-  const double sq = static_cast<double>(o.seq) / pr, sk = o.impl == RingImpl::kP2P ? sq : static_cast<double>(o.seq);
+  const double sq = s_pad / pr, sk = o.impl == RingImpl::kP2P ? sq : s_pad;
   const double dp = std::ceil(o.head_dim / 16.0) * 16, nkt = std::ceil(sk / 64), skp = 64 * nkt;
   const double hq_local = o.heads / pu, hkv_local = hx / pu;
   const double nchunks = std::clamp(std::ceil(8 / (batch * hq_local)), 1.0, nkt);
@@ -346,8 +348,8 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   const double ring_p2p = e * 6 * kv + f * 2 * kv * (pr > 1 ? 4 : 2);
   const double ring_ag = std::max(gather, 2 * e * kv * pr + f * 2 * kv * (pr + 1));
   m.backward.comm = (o.impl == RingImpl::kP2P ? ring_p2p : ring_ag) + a2a;
-  m.full_inputs = m.inputs * pu * pr;                                  // the whole sequence: the local shard times P
-  m.full_outputs = (e * (2 * q + 2 * kv_in) + e * q + lse) * pu * pr;  // out, lse, dq, dk, dv
+  m.full_inputs = m.inputs * pu * pr * unpad;  // the whole sequence: the local shard times P, less the padding
+  m.full_outputs = (e * (2 * q + 2 * kv_in) + e * q + lse) * pu * pr * unpad;  // out, lse, dq, dk, dv
   m.reference_scratch = o.rope ? m.full_inputs / 2 : 0;  // the reference's rotated q and k (at most half the inputs)
   return m;
 }

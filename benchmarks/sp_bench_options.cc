@@ -523,4 +523,6 @@ SequenceLayout sp_bench_layout(const SpBenchOptions& o) {
   return SequenceLayout::packed(o.layout, cu_seqlens_of(o.doc_lens), o.grid.ring_size, o.grid.ulysses_size);
 }
 
+std::int64_t sp_bench_padded_len(const SpBenchOptions& o) { return sp_bench_layout(o).padded_len(); }
+
 }  // namespace seqpar::bench

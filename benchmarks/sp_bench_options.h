@@ -111,6 +111,9 @@ std::string describe_shapes(const SpBenchOptions& o);
 // The layout of the run (local arithmetic): packed over cu_seqlens_of(o.doc_lens) when o.packed(), else one row of
 // o.seq tokens; --layout over --ring-size x --ulysses-size.
 SequenceLayout sp_bench_layout(const SpBenchOptions& o);
+// Slots of that layout (padded_len): the rows the distributed step allocates, padding included (o.seq when nothing
+// is padded). Local arithmetic.
+std::int64_t sp_bench_padded_len(const SpBenchOptions& o);
 // The document lengths joined by commas ("" when not packed), as --doc-lens takes them.
 std::string doc_lens_text(const SpBenchOptions& o);
 

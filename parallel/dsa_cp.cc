@@ -74,7 +74,8 @@ DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLay
     ring_doc_ = layout_.doc_bounds_of_slots(ring_positions_[groups_.ring.rank()]);
   }
   if (config.window > 0 && config.select == DsaSelectMode::kRing) {
-    select_plan_.emplace(sp_positions_, groups_.sp.rank(), config.window);
+    // packed or padded: rows of other documents and padding rows are never sent
+    select_plan_.emplace(sp_positions_, groups_.sp.rank(), config.window, window_doc_bounds(layout_, sp_positions_));
   }
 }
 

@@ -11,6 +11,9 @@ namespace {
 constexpr const char* kLayoutNames[] = {"contiguous", "zigzag", "stripe", "balanced"};
 
 using Positions = std::vector<std::int64_t>;
+// The balanced kind's chunk unit: the key / query tile of the CPU attention kernels (attention/cpu/mha_cpu.h
+// kBlockQ = kBlockK = 64).
+constexpr std::int64_t kTileAlign = 64;
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
 
@@ -54,19 +57,42 @@ struct SequenceLayout::Data {
 
 namespace {
 
-// The balanced partition (layout.h): chunks of c tokens, largest causal work first, each to the ring rank with
-// least work among those whose token count stays within c of the smallest. Returns the slots of each ring rank.
+// The balanced partition (layout.h): the row cut into chunks [k c, (k+1) c) of c tokens (across document bounds),
+// largest causal work first (causal pairs; when chunks are whole kernel tiles, the kernels' tile pairs), each to the
+// ring rank with least work among those whose token count stays within c of the smallest. Returns the slots of each
+// ring rank.
 std::vector<Positions> balanced_shards(const Positions& cu, int ring, std::int64_t c) {
   struct Chunk {
     std::int64_t work, start, len;
   };
   std::vector<Chunk> chunks;
-  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
-    const std::int64_t len = cu[d + 1] - cu[d];
-    for (std::int64_t a = 0; a < len; a += c) {
-      const std::int64_t b = std::min(len, a + c);
-      chunks.push_back({causal_work(a, b), cu[d] + a, b - a});
+  const std::int64_t T = cu.back();
+  std::size_t d = 0;  // the document of the chunk's first token (zero-length documents skipped)
+  for (std::int64_t a = 0; a < T; a += c) {
+    const std::int64_t b = std::min(T, a + c);
+    Chunk ch{0, a, b - a};
+    while (cu[d + 1] <= a) ++d;
+    if (c % kTileAlign != 0) {
+      for (std::size_t k = d; k + 1 < cu.size() && cu[k] < b; ++k) {  // each document's part of [a, b)
+        const std::int64_t lo = std::max(a, cu[k]), hi = std::min(b, cu[k + 1]);
+        if (lo < hi) ch.work += causal_work(lo - cu[k], hi - cu[k]);
+      }
+    } else {
+      // Whole tiles: the work the kernels do, (query tile, key tile) pairs that are not skipped. A query tile's
+      // rows of document k see the key tiles from the document's first to the tile itself.
+      for (std::int64_t t0 = a; t0 < b; t0 += kTileAlign) {
+        const std::int64_t t1 = std::min(b, t0 + kTileAlign);
+        std::int64_t last = -1;  // the highest key tile counted for this query tile
+        for (std::size_t k = d; k + 1 < cu.size() && cu[k] < t1; ++k) {
+          if (std::min(t1, cu[k + 1]) <= std::max(t0, cu[k])) continue;
+          const std::int64_t lo = std::max(cu[k] / kTileAlign, last + 1),
+                             hi = (std::min(t1, cu[k + 1]) - 1) / kTileAlign;
+          if (lo <= hi) ch.work += hi - lo + 1;
+          last = std::max(last, hi);
+        }
+      }
     }
+    chunks.push_back(ch);
   }
   std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& x, const Chunk& y) { return x.work > y.work; });
   std::vector<std::int64_t> tokens(ring, 0), work(ring, 0);
@@ -157,7 +183,10 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
     }
     case LayoutKind::kBalanced: {
       d.slot_cu = d.cu;
-      d.chunk_len = std::max<std::int64_t>(1, (T + 32 * P - 1) / (32 * P));
+      // About 32 chunks per ring rank; from 32 tokens on, c is a multiple of the CPU kernels' tile (64), so that
+      // every chunk but the row's last starts a rank's local tile and a tile never spans two chunks.
+      const std::int64_t c = (T + 32 * P - 1) / (32 * P);
+      d.chunk_len = c >= kTileAlign / 2 ? round_up(c, kTileAlign) : c;
       d.shards = balanced_shards(d.cu, ring_size, d.chunk_len);
       std::int64_t most = 0;
       for (const Positions& shard : d.shards) most = std::max<std::int64_t>(most, shard.size());

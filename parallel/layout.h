@@ -23,8 +23,11 @@
 //               (causal work per document is equal on every rank). A ring of one (P = 1) pads no document (its two
 //               chunks are adjacent: any length). Then P e trailing slots, e = (-sum_d padded_d / P) mod U, give every
 //               ring shard e padding slots at its end so that it divides into U pieces.
-//   balanced:   slots = tokens, padded at the end. Every document is cut into chunks of c = ceil(T / (32 P)) tokens
-//               (its last chunk shorter) and whole chunks are assigned to ring ranks, largest causal work first, each
+//   balanced:   slots = tokens, padded at the end. The row is cut into chunks [k c, (k+1) c) of c tokens, c =
+//               ceil(T / (32 P)) rounded up to a multiple of 64 (the CPU kernels' tile) when it is 32 or more (the
+//               last chunk shorter; a chunk may hold the end of one document and the start of the next), and whole
+//               chunks are assigned to ring ranks, largest causal work first (whole-tile chunks: counted in the
+//               kernels' (query tile, key tile) pairs), each
 //               to the rank with least work among the ranks whose token count stays within c of the smallest; so the
 //               ring ranks' token counts differ by at most one chunk and their causal attention FLOPs are close
 //               (flop_imbalance()). Ring shard r = its chunks' slots, then its share of the trailing padding (the

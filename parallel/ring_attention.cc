@@ -56,7 +56,10 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   for (std::int64_t i = 0; i < layout_.padded_len(); ++i) global_order_[i] = i;
   // Packed or padded rows: every local query sees only its own document's slots (padding rows none).
   if (layout_.is_packed() || layout_.has_padding()) doc_ = layout_.doc_bounds_of_slots(positions_[rank_]);
-  if (config.window > 0 && config.impl == RingImpl::kP2P) plan_.emplace(positions_, rank_, config.window);
+  // packed or padded: rows of other documents and padding rows are never sent
+  if (config.window > 0 && config.impl == RingImpl::kP2P) {
+    plan_.emplace(positions_, rank_, config.window, window_doc_bounds(layout_, positions_));
+  }
 }
 
 Device RingAttention::validate(const TensorView& q, const TensorView& k, const TensorView& v,

@@ -86,13 +86,19 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
 
 namespace {
 
-// Rows j of k_pos with 0 <= q - k_pos[j] < window for some q of q_pos (both increasing).
+// Rows j of k_pos with 0 <= q - k_pos[j] < window for some q of q_pos (both increasing) and, with q_docs (the
+// queries' document bounds, or null), lo(q) <= k_pos[j] < hi(q). The nearest query at or after the key decides:
+// documents are contiguous runs of slots with their padding at the end, so a later query lies in the same document
+// only if the nearest one does, and is no closer.
 std::vector<std::int64_t> visible_rows(const std::vector<std::int64_t>& q_pos, const std::vector<std::int64_t>& k_pos,
-                                       std::int64_t window) {
+                                       std::int64_t window, const DocBounds* q_docs) {
   std::vector<std::int64_t> rows;
   for (std::size_t j = 0; j < k_pos.size(); ++j) {
-    const auto q = std::lower_bound(q_pos.begin(), q_pos.end(), k_pos[j]);  // the nearest query at or after the key
-    if (q != q_pos.end() && *q - k_pos[j] < window) rows.push_back(static_cast<std::int64_t>(j));
+    const auto q = std::lower_bound(q_pos.begin(), q_pos.end(), k_pos[j]);
+    if (q == q_pos.end() || *q - k_pos[j] >= window) continue;
+    const std::size_t i = static_cast<std::size_t>(q - q_pos.begin());
+    if (q_docs != nullptr && (k_pos[j] < q_docs->lo[i] || k_pos[j] >= q_docs->hi[i])) continue;
+    rows.push_back(static_cast<std::int64_t>(j));
   }
   return rows;
 }
@@ -111,7 +117,8 @@ std::int64_t total_rows(const std::vector<std::vector<std::int64_t>>& lists) {
 
 }  // namespace
 
-WindowPlan::WindowPlan(const std::vector<std::vector<std::int64_t>>& positions, int rank, std::int64_t window)
+WindowPlan::WindowPlan(const std::vector<std::vector<std::int64_t>>& positions, int rank, std::int64_t window,
+                       const std::vector<DocBounds>& doc_bounds)
     : size_(static_cast<int>(positions.size())), rank_(rank) {
   SEQPAR_CHECK(size_ >= 1 && rank >= 0 && rank < size_, "WindowPlan: rank ", rank, " outside a group of ", size_);
   SEQPAR_CHECK(window > 0, "WindowPlan: window ", window, " must be > 0");
@@ -120,20 +127,37 @@ WindowPlan::WindowPlan(const std::vector<std::vector<std::int64_t>>& positions, 
     SEQPAR_CHECK(static_cast<std::int64_t>(p.size()) == block_rows_ && std::is_sorted(p.begin(), p.end()),
                  "WindowPlan: every rank needs ", block_rows_, " increasing positions; got ", p.size());
   }
+  SEQPAR_CHECK(doc_bounds.empty() || doc_bounds.size() == positions.size(), "WindowPlan: ", doc_bounds.size(),
+               " ranks' document bounds for ", positions.size(), " ranks' positions (none or one per rank)");
+  for (const DocBounds& b : doc_bounds) {
+    SEQPAR_CHECK(static_cast<std::int64_t>(b.lo.size()) == block_rows_ && b.hi.size() == b.lo.size(),
+                 "WindowPlan: document bounds of ", b.lo.size(), " / ", b.hi.size(), " positions; expected ",
+                 block_rows_);
+  }
+  // rows(dst, src)
+  const auto rows = [&](int dst, int src) {
+    return visible_rows(positions[dst], positions[src], window, doc_bounds.empty() ? nullptr : &doc_bounds[dst]);
+  };
   all_rows_.resize(static_cast<std::size_t>(block_rows_));
   std::iota(all_rows_.begin(), all_rows_.end(), 0);
   send_rows_.resize(static_cast<std::size_t>(size_));
   recv_rows_.resize(static_cast<std::size_t>(size_));
   for (int d = 1; d < size_; ++d) {
     const int next = (rank + d) % size_, prev = (rank - d + size_) % size_;
-    send_rows_[d] = visible_rows(positions[next], positions[rank], window);
-    recv_rows_[d] = visible_rows(positions[rank], positions[prev], window);
+    send_rows_[d] = rows(next, rank);
+    recv_rows_[d] = rows(rank, prev);
     bool any = false;  // any pair (r + d, r) of the group
-    for (int r = 0; r < size_ && !any; ++r) {
-      any = !visible_rows(positions[(r + d) % size_], positions[r], window).empty();
-    }
+    for (int r = 0; r < size_ && !any; ++r) any = !rows((r + d) % size_, r).empty();
     if (any) rounds_.push_back(d);
   }
+}
+
+std::vector<DocBounds> window_doc_bounds(const SequenceLayout& layout,
+                                         const std::vector<std::vector<std::int64_t>>& positions) {
+  std::vector<DocBounds> docs;
+  if (!layout.is_packed() && !layout.has_padding()) return docs;
+  for (const auto& pos : positions) docs.push_back(layout.doc_bounds_of_slots(pos));
+  return docs;
 }
 
 std::vector<std::int64_t> positions_of_rows(const std::vector<std::int64_t>& positions,

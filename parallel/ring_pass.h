@@ -41,6 +41,7 @@
 #include <span>
 #include <vector>
 
+#include "parallel/layout.h"
 #include "runtime/comm.h"
 
 namespace seqpar {
@@ -59,11 +60,16 @@ void ring_circulate_with_grad(Communicator& comm, const TensorView& local_block,
                               double* exposed_s = nullptr, Stream stream = Stream::cpu());
 
 // The rows each rank of a ring needs of each other rank's block under a causal sliding window (see above). Built
-// identically on every rank from `positions` (every rank's increasing global positions, all of one length L) and
-// `window` (> 0). Cost: O(P^2 L) on construction; no communication.
+// identically on every rank from `positions` (every rank's increasing global positions, all of one length L),
+// `window` (> 0) and, for a packed or padded row, `doc_bounds`: every rank's per-position document bounds
+// (SequenceLayout::doc_bounds_of_slots of its positions; a padding position has lo = hi). With them a key row is
+// needed only when a query of its own document sees it, rows(dst, src) = { j : 0 <= q - pos_src[j] < W and
+// lo(q) <= pos_src[j] < hi(q) for some q in pos_dst }, so rows of other documents and padding rows never travel;
+// empty: one document, no padding. Cost: O(P^2 L log L) on construction; no communication.
 class WindowPlan {
  public:
-  WindowPlan(const std::vector<std::vector<std::int64_t>>& positions, int rank, std::int64_t window);
+  WindowPlan(const std::vector<std::vector<std::int64_t>>& positions, int rank, std::int64_t window,
+             const std::vector<DocBounds>& doc_bounds = {});
 
   int size() const { return size_; }
   int rank() const { return rank_; }
@@ -85,6 +91,11 @@ class WindowPlan {
   std::vector<std::int64_t> all_rows_;
   std::vector<int> rounds_;
 };
+
+// WindowPlan's doc_bounds for ranks holding `positions` of `layout`: each rank's bounds when the layout is packed or
+// padded, else none (one document).
+std::vector<DocBounds> window_doc_bounds(const SequenceLayout& layout,
+                                         const std::vector<std::vector<std::int64_t>>& positions);
 
 // The global positions of `rows` of a block whose rows sit at `positions` (positions[rows[i]]).
 std::vector<std::int64_t> positions_of_rows(const std::vector<std::int64_t>& positions,

@@ -49,7 +49,20 @@ std::string ledger_totals();
 // Raw allocation through the ledger: 64-byte aligned host memory, or device memory on CUDA.
 // Throws Error naming the size, the category and the ledger's current bytes per category when the allocation
 // fails ("out of memory: ..."); SEQPAR_FAULT=oom (runtime/fault.h) makes a chosen allocation fail the same way.
+// Host blocks of at least 1 MiB are not returned to the C library when freed but kept in a per-process cache and
+// handed to the next host allocation of the same size class (the size rounded up to 64 KiB), as a GPU caching
+// allocator does: the C library returns such blocks to the kernel (munmap), so that without the cache every step's
+// temporaries page-fault and are zeroed by the kernel again, a cost linear in the sequence that a ring pays once per
+// block call on every rank. The cache holds at most host_cache_limit() bytes (SEQPAR_HOST_CACHE_MB, default 1024;
+// 0: off); a block that would exceed it is freed. An allocation that fails first empties the cache and retries.
+// The ledger counts live bytes only (cached blocks are free); reused memory is not zeroed (as with malloc).
 void* ledger_allocate(std::size_t bytes, MemCategory category, Device device);
 void ledger_free(void* ptr, std::size_t bytes, MemCategory category, Device device);
+// The cache's limit in bytes; setting it frees cached blocks beyond the new limit (0 empties and disables it).
+// Thread-safe.
+std::size_t host_cache_limit();
+void set_host_cache_limit(std::size_t bytes);
+// Bytes currently held by the cache (freed blocks waiting for reuse).
+std::size_t host_cache_bytes();
 
 }  // namespace seqpar

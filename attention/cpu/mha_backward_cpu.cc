@@ -1,7 +1,9 @@
 // CPU flash-attention backward (FlashAttention-2, Dao 2023, Algorithm 2; docs/design.md section 8.1), deterministic.
 //
 // Work item: (batch, query head, chunk of key tiles), scheduled by OpenMP. It converts Q, dO of its head and K
-// (row-major and transposed per key tile), V (transposed per key tile) of its key chunk to the compute type, then
+// (row-major and transposed per key tile), V (transposed per key tile) of its key chunk to the compute type (rows
+// of query tiles with no visible key and key tiles that no query sees are not loaded at all: a ring block of a
+// packed row may have many), then
 // for each key tile (outer) and each visible query tile (inner) recomputes P = exp2(S log2 e - lse log2 e) with the
 // final lse, and
 //   dP = dO V^T, dS = P (dP - delta), dV_j += P^T dO, dK_j += dS^T Q, dQ_i += dS K     (scale applied at the end).
@@ -51,6 +53,19 @@ void backward_typed(const MhaBackwardParams& bp) {
       tile_lo[i / BQ] = std::min(tile_lo[i / BQ], kb);
       tile_hi[i / BQ] = std::max(tile_hi[i / BQ], ke);
     }
+  }
+  // Key tiles some query tile sees: only their K / V rows are loaded (a ring block of a packed row may leave many
+  // unseen); the others keep dK = dV = 0.
+  std::vector<char> key_tile_seen(static_cast<std::size_t>(nkt), 0);
+  {
+    std::vector<std::int64_t> marks(static_cast<std::size_t>(nkt) + 1, 0);
+    for (std::int64_t qi = 0; qi < nqt; ++qi) {
+      if (tile_lo[qi] >= tile_hi[qi]) continue;
+      ++marks[tile_lo[qi] / BK];
+      --marks[(tile_hi[qi] - 1) / BK + 1];
+    }
+    std::int64_t open = 0;
+    for (std::int64_t t = 0; t < nkt; ++t) key_tile_seen[t] = (open += marks[t]) > 0;
   }
 
   // Key chunks per head (in key tiles): a function of the shape only, so results do not depend on the thread count.
@@ -108,6 +123,7 @@ void backward_typed(const MhaBackwardParams& bp) {
       if (packed_kv != (b * Hkv + hk) * nchunks + chunk) {
         packed_kv = (b * Hkv + hk) * nchunks + chunk;
         for (std::int64_t j = kt_begin * BK; j < std::min(Sk, kt_end * BK); ++j) {
+          if (!key_tile_seen[j / BK]) continue;
           const std::size_t off = static_cast<std::size_t>(((b * Sk + j) * Hkv + hk) * D) * in_size;
           T* krow = kmat.data() + j * Dp;
           convert(kin + off, p.dtype, krow, cdt, static_cast<std::size_t>(D));
@@ -121,6 +137,7 @@ void backward_typed(const MhaBackwardParams& bp) {
         }
       }
       for (std::int64_t i = 0; i < Sq && loaded_bh != bh; ++i) {
+        if (tile_lo[i / BQ] >= tile_hi[i / BQ]) continue;  // a query tile with no visible key is never read
         const std::int64_t e = (b * Sq + i) * Hq + h;
         convert(qin + static_cast<std::size_t>(e * D) * in_size, p.dtype, q.data() + i * Dp, cdt,
                 static_cast<std::size_t>(D));
@@ -217,6 +234,7 @@ void backward_typed(const MhaBackwardParams& bp) {
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < B * Hkv * Sk; ++t) {
       const std::int64_t b = t / (Hkv * Sk), hk = (t / Sk) % Hkv, j = t % Sk;
+      if (bp.accumulate && !key_tile_seen[j / BK]) continue;  // a key no query sees adds nothing
       for (int which = 0; which < 2; ++which) {
         const T* scratch = which == 0 ? dks : dvs;
         const T mult = which == 0 ? scale : T(1);

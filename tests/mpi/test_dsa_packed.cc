@@ -5,11 +5,13 @@
 // tensor are 0 (lse -inf, topk -1) and nothing is NaN; bad packings fail on every rank before any message.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <string>
 
 #include "parallel/dsa_cp.h"
+#include "parallel/ring_pass.h"
 #include "runtime/sp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/dsa_packed.h"
@@ -166,6 +168,73 @@ TEST(DsaPacked, WindowInsideDocuments) {
   check_packing({37, 1, 0, 64, 3, 0, 90, 2}, 8, 16, {LayoutKind::kZigzag, LayoutKind::kBalanced}, 6);
 }
 
+// With a window the selection's plan moves only index-key rows that a query of their own document sees. The plan
+// against a brute-force scan of every (query, key) pair with the layout's documents; and the layer's bytes: the
+// same row packed (contiguous kind: the same slots and shards as one unpacked document of T tokens) sends exactly
+// the rows the plan drops fewer index-key rows than the unpacked row, and the result still equals each document alone.
+TEST(DsaPacked, WindowPlanSendsOnlyRowsOfTheQueriesDocuments) {
+  // Documents of 10 tokens (and a zero-length one, one of length 1): every shard boundary falls within the window of
+  // other documents' keys, which the unpacked row sends and the packed one does not.
+  std::vector<std::int64_t> lens(9, 10);
+  lens.insert(lens.end(), {0, 1});
+  lens.insert(lens.end(), 10, 10);
+  lens.push_back(6);
+  const std::vector<std::int64_t> cu = cu_seqlens_of(lens);
+  const std::int64_t T = cu.back(), W = 40, K = 8;
+  const int n = world().size(), r = world().rank();
+  const SpGrid grid(world(), {1, 1, n});
+  const CpGroups groups = CpGroups::from(grid);
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kBalanced}) {
+    const SequenceLayout packed = SequenceLayout::packed_for_groups(groups, cu, kind);
+    std::vector<std::vector<std::int64_t>> pos;
+    for (int x = 0; x < n; ++x) pos.push_back(packed.positions(x));
+    const WindowPlan plan(pos, r, W, window_doc_bounds(packed, pos));
+    for (int d = 1; d < n; ++d) {  // the rows of rank r - d this rank receives, pair by pair
+      const int src = (r - d + n) % n;
+      std::vector<std::int64_t> want;
+      for (std::size_t j = 0; j < pos[src].size(); ++j) {
+        const std::int64_t k = pos[src][j], kd = packed.doc_of_slot(k);
+        bool seen = false;
+        for (const std::int64_t q : pos[r])
+          seen = seen || (kd >= 0 && packed.doc_of_slot(q) == kd && q >= k && q - k < W);
+        if (seen) want.push_back(static_cast<std::int64_t>(j));
+      }
+      const auto got = plan.recv_rows(d);
+      EXPECT_EQ(std::vector<std::int64_t>(got.begin(), got.end()), want) << layout_name(kind) << " d " << d;
+    }
+  }
+  // The layer's bytes: packed against one unpacked document of the same T (contiguous: identical shards).
+  const Inputs in(T, DType::kFloat64, 21);
+  const Result want = per_document(in, cu, K, W);
+  DsaCpConfig cfg;
+  cfg.select = DsaSelectMode::kRing;
+  cfg.topk = K;
+  cfg.dim_v = Dv;
+  cfg.window = W;
+  std::int64_t bytes[2] = {0, 0}, rows[2] = {0, 0};
+  for (int packed_row = 0; packed_row < 2; ++packed_row) {
+    const std::vector<std::int64_t> one_doc = {0, T};
+    const SequenceLayout layout =
+        SequenceLayout::packed_for_groups(groups, packed_row ? cu : one_doc, LayoutKind::kContiguous);
+    std::vector<std::vector<std::int64_t>> pos;
+    for (int x = 0; x < n; ++x) pos.push_back(layout.positions(x));
+    rows[packed_row] = WindowPlan(pos, r, W, window_doc_bounds(layout, pos)).rows_sent();
+    DsaContextParallel dsa(groups, layout, cfg);
+    Tensor q = local_of(layout, r, in.q), c = local_of(layout, r, in.c), qi = local_of(layout, r, in.q_idx),
+           ki = local_of(layout, r, in.k_idx), w = local_of(layout, r, in.w);
+    DsaCpOutput o = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view());
+    bytes[packed_row] = dsa.counters().bytes_sent;
+    if (!packed_row) continue;
+    Tensor dout = local_of(layout, r, in.dout);
+    dsa.backward(std::move(o.ctx), dout.view());
+  }
+  EXPECT_EQ(bytes[0] - bytes[1], (rows[0] - rows[1]) * Di * 8) << "index-key bytes saved by the document bounds";
+  if (r + 1 < n) EXPECT_LT(rows[1], rows[0]) << "the packed row must send fewer index-key rows";
+  expect_match(run_cp(grid, SequenceLayout::packed_for_groups(groups, cu, LayoutKind::kContiguous), cfg, in,
+                      "window plan, contiguous"),
+               want, "window plan, contiguous");
+}
+
 TEST(DsaPacked, AllDocumentsOfLengthOne) {
   check_packing(std::vector<std::int64_t>(13, 1), 4, 12, {LayoutKind::kZigzag, LayoutKind::kBalanced});
 }
@@ -195,6 +264,21 @@ TEST(DsaPacked, OneDocumentEqualsTheUnpackedPath) {
 
 // A larger odd total on the ring (1001 tokens in documents of mixed lengths, k = 64).
 TEST(DsaPacked, LargerOddTotal) { check_packing({400, 7, 0, 333, 1, 260}, 64, 15, {LayoutKind::kBalanced}); }
+
+// The odd total, S = 8191, on the two packed kinds: documents of at most 300 tokens (with zero-length ones and
+// ones of length 1) keep the per-document reference and the selection cheap, while the row still spans every rank and
+// every rank's shard holds pieces of many documents.
+TEST(DsaPacked, OddTotal8191) {
+  std::vector<std::int64_t> lens;
+  const std::vector<std::int64_t> pattern = {300, 1, 0, 129, 77, 256, 3, 190};
+  std::int64_t total = 0;
+  for (std::size_t i = 0; total < 8191; ++i) {
+    const std::int64_t n = std::min(pattern[i % pattern.size()], 8191 - total);
+    lens.push_back(n);
+    total += n;
+  }
+  check_packing(lens, 16, 17, {LayoutKind::kZigzag, LayoutKind::kBalanced});
+}
 
 // Bad packings fail with one clear error on every rank before any message: B > 1, bad cu_seqlens, and ranks that
 // disagree on cu_seqlens (the agreement check names the digest).

@@ -199,6 +199,31 @@ double imbalance(const std::vector<double>& w) {
          std::accumulate(w.begin(), w.end(), 0.0);
 }
 
+// Balanced chunks are whole 64-token tiles of the row: inside every 64-row tile of a ring shard the token slots are
+// consecutive (one piece of the row), so a tile of local queries or keys never spans two chunks and the kernels' tile
+// classification on a rank is the one-device call's (docs/design.md section 15.2).
+TEST(LayoutBalanced, ChunksAreWholeTilesOfTheRow) {
+  for (int ring : {2, 3, 4, 8}) {
+    for (std::uint64_t seed : {1234u, 7u}) {
+      const auto cu = cu_seqlens_of(synthetic_doc_lens("longtail", 32768, seed));
+      const SequenceLayout b = SequenceLayout::packed(LayoutKind::kBalanced, cu, ring, 1);
+      SCOPED_TRACE(str_cat(describe(b), " seed ", seed));
+      EXPECT_EQ(b.chunk_len() % 64, 0);
+      for (int r = 0; r < ring; ++r) {
+        const auto pos = b.ring_shard_positions(r);
+        for (std::size_t i = 1; i < pos.size(); ++i) {
+          if (i % 64 != 0 && pos[i] < b.seq_len()) {  // (the trailing padding slots carry no token)
+            ASSERT_EQ(pos[i], pos[i - 1] + 1) << "ring rank " << r << " local row " << i;
+          }
+        }
+      }
+    }
+  }
+  // Short rows keep small chunks (c = ceil(T / 32P) below 32 is not rounded).
+  const std::vector<std::int64_t> short_lens = {100, 97};
+  EXPECT_EQ(SequenceLayout::packed(LayoutKind::kBalanced, cu_seqlens_of(short_lens), 2, 1).chunk_len(), 4);
+}
+
 // The partitioner on the documented long-tailed mix (32K tokens, lengths 64..16K): FLOP imbalance <= 1.05 for every
 // seed and ring size, tokens per ring rank equal within one chunk; the contiguous split of the same rows is far worse.
 TEST(LayoutBalanced, LongTailedMixIsBalanced) {

@@ -286,6 +286,44 @@ TEST(Tensor, ZerosFillZeroAndCopyOf) {
   }
 }
 
+// The host block cache (runtime/memory.h): a freed block of 1 MiB or more waits for the next allocation of its size
+// class and is handed back (the same memory), the ledger counting it free meanwhile; smaller blocks, blocks over the
+// limit and a limit of 0 go straight back to the C library.
+TEST(HostCache, ReusesFreedLargeBlocksWithinTheLimit) {
+  const std::size_t old_limit = host_cache_limit();
+  set_host_cache_limit(0);
+  EXPECT_EQ(host_cache_bytes(), 0u);
+  set_host_cache_limit(std::size_t{8} << 20);
+  const std::int64_t before = memory_ledger().snapshot().total_current;
+  const std::int64_t n = (std::int64_t{3} << 20) / 4;  // 3 MiB of fp32
+  const void* first = nullptr;
+  {
+    const Tensor t = Tensor::empty({n}, DType::kFloat32, MemCategory::kWorkspace);
+    first = t.data();
+  }
+  EXPECT_EQ(memory_ledger().snapshot().total_current, before) << "a cached block is free for the ledger";
+  EXPECT_EQ(host_cache_bytes(), std::size_t{3} << 20);
+  {
+    const Tensor t = Tensor::empty({n - 3}, DType::kFloat32, MemCategory::kCommBuffer);  // same 64 KiB class
+    EXPECT_EQ(t.data(), first) << "the cached block is handed back";
+    EXPECT_EQ(host_cache_bytes(), 0u);
+    const Tensor z = Tensor::zeros({n}, DType::kFloat32, MemCategory::kWorkspace);  // a fresh block, zero-filled
+    const float* zp = static_cast<const float*>(z.data());
+    EXPECT_TRUE(std::all_of(zp, zp + n, [](float x) { return x == 0.0f; }));
+  }
+  EXPECT_EQ(host_cache_bytes(), std::size_t{6} << 20);  // both kept: 6 MiB <= 8 MiB
+  {
+    const Tensor big = Tensor::empty({(std::int64_t{5} << 20) / 4}, DType::kFloat32, MemCategory::kWorkspace);
+    const Tensor small = Tensor::empty({1000}, DType::kFloat32, MemCategory::kWorkspace);
+  }
+  EXPECT_EQ(host_cache_bytes(), std::size_t{6} << 20) << "over the limit or under 1 MiB: freed";
+  set_host_cache_limit(std::size_t{4} << 20);
+  EXPECT_LE(host_cache_bytes(), std::size_t{4} << 20) << "a lower limit frees blocks";
+  set_host_cache_limit(0);
+  EXPECT_EQ(host_cache_bytes(), 0u);
+  set_host_cache_limit(old_limit);
+}
+
 TEST(TensorView, ReshapeSliceAndDescribe) {
   float buf[24];
   TensorView v(buf, DType::kFloat32, {2, 3, 4});
@@ -423,6 +461,27 @@ TEST_F(EnvDeathTest, LogLevelValues) {
         ::testing::ExitedWithCode(0), "")
         << "SEQPAR_LOG_LEVEL=" << (c.value ? c.value : "<unset>");
   }
+}
+
+TEST_F(EnvDeathTest, HostCacheLimitValues) {
+  const std::pair<const char*, std::size_t> cases[] = {
+      {nullptr, std::size_t{1024} << 20}, {"0", 0}, {"16", std::size_t{16} << 20}};
+  for (const auto& [value, want] : cases) {
+    EXPECT_EXIT(
+        {
+          set_or_unset("SEQPAR_HOST_CACHE_MB", value);
+          std::exit(host_cache_limit() == want ? 0 : 1);
+        },
+        ::testing::ExitedWithCode(0), "")
+        << "SEQPAR_HOST_CACHE_MB=" << (value ? value : "<unset>");
+  }
+  EXPECT_EXIT(
+      {
+        ::setenv("SEQPAR_HOST_CACHE_MB", "-1", 1);
+        const std::string e = test::error_of([] { host_cache_limit(); });
+        std::exit(e == "SEQPAR_HOST_CACHE_MB=-1 must be >= 0 (0: no host block cache)" ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST_F(EnvDeathTest, MalformedLogLevelIsAnErrorNamingTheValue) {
