@@ -110,8 +110,8 @@ StepScore step_score(const std::vector<std::int64_t>& R, int P) {
 }
 
 // Swaps of equal-length chunks between ring ranks that lower sum_s max_r work(r, s) (layout.h; StepScore), at most
-// kPasses passes over the chunk pairs. A[i P + o]: chunk i's queries against rank o's keys; B[j P + q]: rank q's queries
-// against chunk j's keys; R[a P + b]: rank a's queries against rank b's keys. Cost O(passes n^2 P^2).
+// kPasses passes over the chunk pairs. A[i P + o]: chunk i's queries against rank o's keys; B[j P + q]: rank q's
+// queries against chunk j's keys; R[a P + b]: rank a's queries against rank b's keys. Cost O(passes n^2 P^2).
 void refine_steps(const ChunkPairs& cp, int P, std::vector<int>& owner) {
   constexpr int kPasses = 4;
   const std::int64_t n = cp.n;
