@@ -32,7 +32,8 @@ std::string describe_packing(const SpBenchOptions& o) {
                  ", partition ", layout_name(layout.kind()), " over ", layout.ring_size(), " ring rank(s)",
                  layout.chunk_len() > 0 ? str_cat(", chunks of ", layout.chunk_len()) : std::string(), ": padded_len ",
                  layout.padded_len(), " (", layout.padded_len() - layout.seq_len(), " padding), causal FLOP imbalance ",
-                 fmt("%.4f", layout.flop_imbalance()), " (max / mean per ring rank)");
+                 fmt("%.4f", layout.flop_imbalance()), " (max / mean per ring rank), per-step imbalance ",
+                 fmt("%.4f", layout.step_imbalance()), " (sum over ring steps of max / mean tile pairs)");
 }
 
 namespace {
@@ -222,7 +223,9 @@ nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
                     {"chunk_len", layout.chunk_len()},
                     {"padded_len", layout.padded_len()},
                     {"flop_imbalance", layout.flop_imbalance()},
-                    {"ring_work", layout.ring_work()}};
+                    {"ring_work", layout.ring_work()},
+                    {"step_imbalance", layout.step_imbalance()},
+                    {"step_work", layout.step_work()}};
   }
   j["impl"] = ring_impl_name(o.impl);
   j["dtype"] = dtype_name(o.dtype);

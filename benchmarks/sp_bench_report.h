@@ -27,8 +27,8 @@ struct RunReport {
   std::vector<VariantTiming> variants;
 };
 
-// The header's "# packing: ..." line (document count, partition, padded_len, causal FLOP imbalance) for a packed or
-// padded row; "" otherwise. Local arithmetic (sp_bench_layout).
+// The header's "# packing: ..." line (document count, partition, padded_len, causal FLOP and per-step imbalance) for a
+// packed or padded row; "" otherwise. Local arithmetic (sp_bench_layout).
 std::string describe_packing(const SpBenchOptions& o);
 
 // Prints the tables to stdout (call on rank 0 only).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "runtime/tensor_ops.h"
 
@@ -16,9 +17,6 @@ using Positions = std::vector<std::int64_t>;
 constexpr std::int64_t kTileAlign = 64;
 
 std::int64_t round_up(std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; }
-
-// Causal work of the tokens [a, b) of one document: sum of (offset + 1).
-std::int64_t causal_work(std::int64_t a, std::int64_t b) { return (b * (b + 1) - a * (a + 1)) / 2; }
 
 void check_cu_seqlens(std::span<const std::int64_t> cu) {
   SEQPAR_CHECK(cu.size() >= 2, "cu_seqlens has ", cu.size(),
@@ -50,71 +48,216 @@ struct SequenceLayout::Data {
   std::int64_t padded_len = 0;
   std::int64_t chunk_len = 0;
   std::vector<Positions> shards;  // slots of each ring shard, increasing
-  std::vector<std::int64_t> work;
-  double imbalance = 1.0;
+  std::vector<std::int64_t> work, step_work;
+  double imbalance = 1.0, step_imbalance = 1.0;
   std::uint64_t digest = 0;
 };
 
 namespace {
 
-// The balanced partition (layout.h): the row cut into chunks [k c, (k+1) c) of c tokens (across document bounds),
-// largest causal work first (causal pairs; when chunks are whole kernel tiles, the kernels' tile pairs), each to the
-// ring rank with least work among those whose token count stays within c of the smallest. Returns the slots of each
-// ring rank.
-std::vector<Positions> balanced_shards(const Positions& cu, int ring, std::int64_t c) {
-  struct Chunk {
-    std::int64_t work, start, len;
+// The balanced kind's chunks and the work between them. The unit is the kernels' tile (64 tokens) when chunks are
+// whole tiles, else one token. A query unit u sees the key units [first(u), u], first(u) the unit of the start of the
+// document of u's first token: for tiles these are the (query tile, key tile) pairs the kernels compute (the rows of
+// every document in the tile see from their document's start to the tile itself), for tokens the causal pairs.
+// pair[i n + j]: the units pairs (query unit in chunk i, key unit in chunk j) visible; n chunks.
+struct ChunkPairs {
+  std::int64_t n = 0;
+  std::vector<std::int64_t> len, pair;
+};
+ChunkPairs chunk_pairs(std::span<const std::int64_t> cu, std::int64_t c) {
+  const std::int64_t T = cu.back(), g = c % kTileAlign == 0 ? kTileAlign : 1, per_chunk = c / g;
+  ChunkPairs cp;
+  cp.n = (T + c - 1) / c;
+  cp.pair.assign(static_cast<std::size_t>(cp.n * cp.n), 0);
+  for (std::int64_t i = 0; i < cp.n; ++i) cp.len.push_back(std::min(T, (i + 1) * c) - i * c);
+  std::size_t d = 0;  // the document of the unit's first token (zero-length documents skipped)
+  for (std::int64_t u = 0; u * g < T; ++u) {
+    while (cu[d + 1] <= u * g) ++d;
+    const std::int64_t first = cu[d] / g, i = u / per_chunk;
+    for (std::int64_t j = first / per_chunk; j <= i; ++j) {
+      const std::int64_t lo = std::max(first, j * per_chunk), hi = std::min(u, (j + 1) * per_chunk - 1);
+      cp.pair[static_cast<std::size_t>(i * cp.n + j)] += hi - lo + 1;
+    }
+  }
+  return cp;
+}
+
+// sum over ring steps s of max over ring ranks r of work(r, s): R[r P + (r - s) mod P] when R holds rank x key rank
+// (by_key_rank), else R[r P + s].
+std::int64_t sum_of_step_max(const std::vector<std::int64_t>& R, int P, bool by_key_rank = true) {
+  std::int64_t sum = 0;
+  for (int s = 0; s < P; ++s) {
+    std::int64_t most = 0;
+    for (int r = 0; r < P; ++r) {
+      most = std::max(most, R[static_cast<std::size_t>(r * P + (by_key_rank ? (r - s + P) % P : s))]);
+    }
+    sum += most;
+  }
+  return sum;
+}
+
+// The local search's objective: sum_s max_r work(r, s), then (ties) the sum of squares of every work(r, s), which
+// rewards evening out the entries below a step's maximum, so that the search leaves plateaus of the first.
+struct StepScore {
+  std::int64_t sum_max;
+  double sum_sq;
+  bool operator<(const StepScore& o) const { return sum_max != o.sum_max ? sum_max < o.sum_max : sum_sq < o.sum_sq; }
+};
+StepScore step_score(const std::vector<std::int64_t>& R, int P) {
+  double sq = 0;
+  for (const std::int64_t w : R) sq += static_cast<double>(w) * static_cast<double>(w);
+  return {sum_of_step_max(R, P), sq};
+}
+
+// Swaps of equal-length chunks between ring ranks that lower sum_s max_r work(r, s) (layout.h; StepScore), at most
+// kPasses passes over the chunk pairs. A[i P + o]: chunk i's queries against rank o's keys; B[j P + q]: rank q's
+// queries against chunk j's keys; R[a P + b]: rank a's queries against rank b's keys. Cost O(passes n^2 P^2).
+void refine_steps(const ChunkPairs& cp, int P, std::vector<int>& owner) {
+  constexpr int kPasses = 4;
+  const std::int64_t n = cp.n;
+  auto M = [&cp, n](std::int64_t i, std::int64_t j) { return cp.pair[static_cast<std::size_t>(i * n + j)]; };
+  std::vector<std::int64_t> A(static_cast<std::size_t>(n * P), 0), B(A.size(), 0), R(static_cast<std::size_t>(P * P));
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      A[i * P + owner[j]] += M(i, j);
+      B[j * P + owner[i]] += M(i, j);
+      R[owner[i] * P + owner[j]] += M(i, j);
+    }
+  }
+  // R after chunk x (its row a_row of A, column b_col of B) moves from rank a to rank b.
+  auto move = [P](std::vector<std::int64_t>& r, std::vector<std::int64_t> a_row, std::vector<std::int64_t> b_col,
+                  std::int64_t self, int a, int b) {
+    for (int o = 0; o < P; ++o) {
+      r[a * P + o] -= a_row[o];
+      r[b * P + o] += a_row[o];
+    }
+    b_col[a] -= self;  // the chunk's own queries now sit on b
+    b_col[b] += self;
+    for (int q = 0; q < P; ++q) {
+      r[q * P + a] -= b_col[q];
+      r[q * P + b] += b_col[q];
+    }
   };
-  std::vector<Chunk> chunks;
-  const std::int64_t T = cu.back();
-  std::size_t d = 0;  // the document of the chunk's first token (zero-length documents skipped)
-  for (std::int64_t a = 0; a < T; a += c) {
-    const std::int64_t b = std::min(T, a + c);
-    Chunk ch{0, a, b - a};
-    while (cu[d + 1] <= a) ++d;
-    if (c % kTileAlign != 0) {
-      for (std::size_t k = d; k + 1 < cu.size() && cu[k] < b; ++k) {  // each document's part of [a, b)
-        const std::int64_t lo = std::max(a, cu[k]), hi = std::min(b, cu[k + 1]);
-        if (lo < hi) ch.work += causal_work(lo - cu[k], hi - cu[k]);
-      }
-    } else {
-      // Whole tiles: the work the kernels do, (query tile, key tile) pairs that are not skipped. A query tile's
-      // rows of document k see the key tiles from the document's first to the tile itself.
-      for (std::int64_t t0 = a; t0 < b; t0 += kTileAlign) {
-        const std::int64_t t1 = std::min(b, t0 + kTileAlign);
-        std::int64_t last = -1;  // the highest key tile counted for this query tile
-        for (std::size_t k = d; k + 1 < cu.size() && cu[k] < t1; ++k) {
-          if (std::min(t1, cu[k + 1]) <= std::max(t0, cu[k])) continue;
-          const std::int64_t lo = std::max(cu[k] / kTileAlign, last + 1),
-                             hi = (std::min(t1, cu[k + 1]) - 1) / kTileAlign;
-          if (lo <= hi) ch.work += hi - lo + 1;
-          last = std::max(last, hi);
+  auto row = [P](const std::vector<std::int64_t>& v, std::int64_t i) {
+    return std::vector<std::int64_t>(v.begin() + i * P, v.begin() + (i + 1) * P);
+  };
+  StepScore best = step_score(R, P);
+  for (int pass = 0; pass < kPasses; ++pass) {
+    bool improved = false;
+    for (std::int64_t x = 0; x < n; ++x) {
+      for (std::int64_t y = x + 1; y < n; ++y) {
+        const int a = owner[x], b = owner[y];
+        if (a == b || cp.len[x] != cp.len[y]) continue;
+        std::vector<std::int64_t> trial = R;
+        move(trial, row(A, x), row(B, x), M(x, x), a, b);
+        std::vector<std::int64_t> ay = row(A, y), by = row(B, y);  // as seen after x moved
+        ay[a] -= M(y, x);
+        ay[b] += M(y, x);
+        by[a] -= M(x, y);
+        by[b] += M(x, y);
+        move(trial, ay, by, M(y, y), b, a);
+        const StepScore value = step_score(trial, P);
+        if (!(value < best)) continue;
+        best = value;
+        R = std::move(trial);
+        owner[x] = b;
+        owner[y] = a;
+        for (std::int64_t i = 0; i < n; ++i) {
+          A[i * P + a] += M(i, y) - M(i, x);
+          A[i * P + b] += M(i, x) - M(i, y);
+          B[i * P + a] += M(y, i) - M(x, i);
+          B[i * P + b] += M(x, i) - M(y, i);
         }
+        improved = true;
       }
     }
-    chunks.push_back(ch);
+    if (!improved) break;
   }
-  std::stable_sort(chunks.begin(), chunks.end(), [](const Chunk& x, const Chunk& y) { return x.work > y.work; });
-  std::vector<std::int64_t> tokens(ring, 0), work(ring, 0);
-  std::vector<std::vector<const Chunk*>> owned(ring);
-  for (const Chunk& ch : chunks) {
+}
+
+}  // namespace
+
+std::int64_t balanced_chunk_len(std::int64_t seq_len, int ring_size) {
+  SEQPAR_CHECK(seq_len >= 1 && ring_size >= 1, "balanced_chunk_len: seq_len ", seq_len, " and ring_size ", ring_size,
+               " must be >= 1");
+  const std::int64_t c = (seq_len + 32 * ring_size - 1) / (32 * ring_size);
+  return c >= kTileAlign / 2 ? round_up(c, kTileAlign) : c;
+}
+
+std::vector<int> balanced_chunk_owners(std::span<const std::int64_t> cu_seqlens, int ring_size, bool refine) {
+  check_cu_seqlens(cu_seqlens);
+  SEQPAR_CHECK(ring_size >= 1, "balanced_chunk_owners: ring_size ", ring_size, " must be >= 1");
+  const std::int64_t c = balanced_chunk_len(cu_seqlens.back(), ring_size);
+  const ChunkPairs cp = chunk_pairs(cu_seqlens, c);
+  std::vector<std::int64_t> chunk_work(static_cast<std::size_t>(cp.n), 0);
+  for (std::int64_t i = 0; i < cp.n; ++i) {
+    for (std::int64_t j = 0; j <= i; ++j) chunk_work[i] += cp.pair[static_cast<std::size_t>(i * cp.n + j)];
+  }
+  std::vector<std::int64_t> order(static_cast<std::size_t>(cp.n));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&chunk_work](std::int64_t x, std::int64_t y) { return chunk_work[x] > chunk_work[y]; });
+  std::vector<std::int64_t> tokens(ring_size, 0), work(ring_size, 0);
+  std::vector<int> owner(static_cast<std::size_t>(cp.n), 0);
+  for (const std::int64_t i : order) {
     const std::int64_t least = *std::min_element(tokens.begin(), tokens.end());
     int best = -1;
-    for (int r = 0; r < ring; ++r) {
-      if (tokens[r] + ch.len > least + c) continue;  // the rank with the fewest tokens always qualifies
+    for (int r = 0; r < ring_size; ++r) {
+      if (tokens[r] + cp.len[i] > least + c) continue;  // the rank with the fewest tokens always qualifies
       if (best < 0 || work[r] < work[best]) best = r;
     }
-    tokens[best] += ch.len;
-    work[best] += ch.work;
-    owned[best].push_back(&ch);
+    tokens[best] += cp.len[i];
+    work[best] += chunk_work[i];
+    owner[i] = best;
   }
-  std::vector<Positions> shards(ring);
-  for (int r = 0; r < ring; ++r) {
-    std::sort(owned[r].begin(), owned[r].end(), [](const Chunk* x, const Chunk* y) { return x->start < y->start; });
-    shards[r].reserve(static_cast<std::size_t>(tokens[r]));  // sized up front: a huge row fails at once
-    for (const Chunk* ch : owned[r]) {
-      for (std::int64_t i = 0; i < ch->len; ++i) shards[r].push_back(ch->start + i);
+  if (refine && ring_size > 1) refine_steps(cp, ring_size, owner);
+  return owner;
+}
+
+namespace {
+
+// Kernel tile pairs per (ring rank r, ring step s), row-major [r P + s]: ring shard r's local rows against ring shard
+// (r - s) mod P's, both cut into 64-row tiles, a pair counted when some query row sees some key row (same document,
+// key slot <= query slot). The rows a query sees in a sorted key shard are one index range; over a tile's rows both
+// ends increase, so the key tiles they touch are counted by one sweep. O(P padded_len).
+std::vector<std::int64_t> ring_step_tiles(const SequenceLayout& layout, const std::vector<Positions>& shards) {
+  const int P = static_cast<int>(shards.size());
+  std::vector<DocBounds> bounds;
+  for (const Positions& s : shards) bounds.push_back(layout.doc_bounds_of_slots(s));
+  std::vector<std::int64_t> tiles(static_cast<std::size_t>(P * P), 0);
+  for (int r = 0; r < P; ++r) {
+    const Positions& q = shards[r];
+    for (int s = 0; s < P; ++s) {
+      const Positions& k = shards[(r - s + P) % P];
+      std::int64_t& out = tiles[static_cast<std::size_t>(r * P + s)];
+      std::size_t lb = 0, ub = 0;
+      std::int64_t last = -1;  // the highest key tile counted for the current query tile
+      for (std::size_t i = 0; i < q.size(); ++i) {
+        if (i % kTileAlign == 0) last = -1;
+        const std::int64_t lo = bounds[r].lo[i], hi = std::min(bounds[r].hi[i], q[i] + 1);
+        if (lo >= hi) continue;  // padding row
+        while (lb < k.size() && k[lb] < lo) ++lb;
+        while (ub < k.size() && k[ub] < hi) ++ub;
+        if (lb >= ub) continue;
+        const std::int64_t t0 = std::max<std::int64_t>(lb / kTileAlign, last + 1), t1 = (ub - 1) / kTileAlign;
+        if (t0 <= t1) out += t1 - t0 + 1;
+        last = std::max(last, t1);
+      }
     }
+  }
+  return tiles;
+}
+
+// The balanced kind's ring shards: each rank's chunks in row order.
+std::vector<Positions> balanced_shards(const Positions& cu, int ring, std::int64_t c) {
+  const std::vector<int> owner = balanced_chunk_owners(cu, ring, true);
+  const std::int64_t T = cu.back(), n = static_cast<std::int64_t>(owner.size());
+  std::vector<std::int64_t> tokens(ring, 0);
+  for (std::int64_t i = 0; i < n; ++i) tokens[owner[i]] += std::min(T, (i + 1) * c) - i * c;
+  std::vector<Positions> shards(ring);
+  for (int r = 0; r < ring; ++r) shards[r].reserve(static_cast<std::size_t>(tokens[r]));  // a huge row fails at once
+  for (std::int64_t i = 0; i < n; ++i) {
+    for (std::int64_t t = i * c; t < std::min(T, (i + 1) * c); ++t) shards[owner[i]].push_back(t);
   }
   return shards;
 }
@@ -185,8 +328,7 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
       d.slot_cu = d.cu;
       // About 32 chunks per ring rank; from 32 tokens on, c is a multiple of the CPU kernels' tile (64), so that
       // every chunk but the row's last starts a rank's local tile and a tile never spans two chunks.
-      const std::int64_t c = (T + 32 * P - 1) / (32 * P);
-      d.chunk_len = c >= kTileAlign / 2 ? round_up(c, kTileAlign) : c;
+      d.chunk_len = balanced_chunk_len(T, ring_size);
       d.shards = balanced_shards(d.cu, ring_size, d.chunk_len);
       std::int64_t most = 0;
       for (const Positions& shard : d.shards) most = std::max<std::int64_t>(most, shard.size());
@@ -214,6 +356,11 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
     most = std::max(most, w);
   }
   d.imbalance = total > 0 ? static_cast<double>(most) * static_cast<double>(P) / static_cast<double>(total) : 1.0;
+  d.step_work = ring_step_tiles(*this, d.shards);
+  const std::int64_t tiles = std::accumulate(d.step_work.begin(), d.step_work.end(), std::int64_t{0});
+  d.step_imbalance = tiles > 0 ? static_cast<double>(sum_of_step_max(d.step_work, ring_size, false)) *
+                                     static_cast<double>(P) / static_cast<double>(tiles)
+                               : 1.0;
   std::uint64_t h = 1469598103934665603ULL;
   for (const std::int64_t v : d.cu) {
     for (int byte = 0; byte < 8; ++byte) {
@@ -231,6 +378,8 @@ std::int64_t SequenceLayout::num_docs() const { return static_cast<std::int64_t>
 std::span<const std::int64_t> SequenceLayout::cu_seqlens() const { return data_->cu; }
 std::span<const std::int64_t> SequenceLayout::slot_cu_seqlens() const { return data_->slot_cu; }
 double SequenceLayout::flop_imbalance() const { return data_->imbalance; }
+double SequenceLayout::step_imbalance() const { return data_->step_imbalance; }
+const std::vector<std::int64_t>& SequenceLayout::step_work() const { return data_->step_work; }
 const std::vector<std::int64_t>& SequenceLayout::ring_work() const { return data_->work; }
 std::int64_t SequenceLayout::chunk_len() const { return data_->chunk_len; }
 std::uint64_t SequenceLayout::cu_seqlens_digest() const { return data_->digest; }

@@ -30,10 +30,14 @@
 //               kernels' (query tile, key tile) pairs), each
 //               to the rank with least work among the ranks whose token count stays within c of the smallest; so the
 //               ring ranks' token counts differ by at most one chunk and their causal attention FLOPs are close
-//               (flop_imbalance()). Ring shard r = its chunks' slots, then its share of the trailing padding (the
-//               shards are padded to the largest, rounded up to a multiple of U).
+//               (flop_imbalance()). Then a local search evens out every ring step, not only the totals: swaps of
+//               equal-length chunks between ranks that lower sum_s max_r work(r, s) (see step_work()), at most 4
+//               passes over the chunk pairs (balanced_chunk_owners). Ring shard r = its chunks' slots, then its share
+//               of the trailing padding (the shards are padded to the largest, rounded up to a multiple of U).
 // flop_imbalance() = max / mean over ring ranks of the causal attention work of their tokens, sum over held tokens of
 // (offset in document + 1) (what a ring rank's queries compute under a causal mask; 1 when there is no work).
+// step_imbalance() = sum over ring steps s of max_r work(r, s) / sum over s of mean_r work(r, s), work(r, s) = the
+// kernel tile pairs ring rank r computes at ring step s (step_work()): a ring step ends when its slowest rank does.
 //
 // Memory: a layout holds every ring shard's slots (padded_len int64 in all), built once by the constructor and shared
 // by copies; a row too large to hold fails there with std::bad_alloc.
@@ -101,6 +105,13 @@ class SequenceLayout {
   double flop_imbalance() const;
   // The causal attention work (sum over held tokens of offset in document + 1) of each ring rank.
   const std::vector<std::int64_t>& ring_work() const;
+  // Ring rank r's queries against the keys of ring shard (r - s) mod P, the block it holds at ring step s
+  // (parallel/ring_pass.h), counted in the CPU kernels' (query tile, key tile) pairs: both shards cut into 64-row
+  // tiles of local rows, a pair counted when some query row sees some key row (same document, key slot <= query
+  // slot; causal). [P * P], row-major [r * P + s]. Every kind; built by the constructor in O(P padded_len).
+  const std::vector<std::int64_t>& step_work() const;
+  // sum_s max_r step_work / sum_s mean_r step_work (>= flop-like imbalance of the tile totals; 1 when no work).
+  double step_imbalance() const;
   // The balanced kind's chunk length c (0 for the other kinds).
   std::int64_t chunk_len() const;
 
@@ -143,6 +154,14 @@ class SequenceLayout {
 //   "short":    lengths log-uniform in [1, 256] (the last one cut likewise).
 // Errors: an unknown name (listing the names), total < 1.
 std::vector<std::int64_t> synthetic_doc_lens(std::string_view dist, std::int64_t total, std::uint64_t seed);
+// The balanced kind's chunk length for a row of seq_len tokens on ring_size ring ranks: c = ceil(seq_len / (32
+// ring_size)), rounded up to a multiple of 64 when c >= 32. Errors: seq_len or ring_size < 1.
+std::int64_t balanced_chunk_len(std::int64_t seq_len, int ring_size);
+// The balanced kind's assignment: the ring rank of each chunk [k c, (k+1) c) of the row (c = balanced_chunk_len,
+// the last chunk shorter), by the greedy largest-work-first pass and then, when `refine`, the per-step local search
+// (see balanced above). Deterministic. Cost O(T + n^2 P^2) for n = ceil(T / c) <= 32 P + 1 chunks. Errors: those of
+// cu_seqlens (see above), ring_size < 1.
+std::vector<int> balanced_chunk_owners(std::span<const std::int64_t> cu_seqlens, int ring_size, bool refine = true);
 // cu_seqlens [N+1] of document lengths (each >= 0): 0, then the running sums. Errors: a negative length.
 std::vector<std::int64_t> cu_seqlens_of(std::span<const std::int64_t> doc_lens);
 

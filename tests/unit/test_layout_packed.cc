@@ -263,5 +263,107 @@ TEST(LayoutBalanced, LongTailedMixIsBalanced) {
   EXPECT_THROW(synthetic_doc_lens("pareto", 100, 0), Error);
 }
 
+// Tile pairs per (ring rank r, ring step s), pair by pair: ring shard r's and ring shard (r - s) mod P's local rows
+// cut into 64-row tiles, a pair counted when one (query, key) row pair shares a document with key slot <= query
+// slot. `doc` maps a slot to its document or -1.
+template <typename DocOf>
+std::vector<std::int64_t> brute_step_work(const std::vector<std::vector<std::int64_t>>& shards, const DocOf& doc) {
+  const int P = static_cast<int>(shards.size());
+  std::vector<std::vector<std::int64_t>> docs;
+  for (const auto& shard : shards) {
+    docs.emplace_back();
+    for (const std::int64_t slot : shard) docs.back().push_back(doc(slot));
+  }
+  std::vector<std::int64_t> w(static_cast<std::size_t>(P * P), 0);
+  for (int r = 0; r < P; ++r) {
+    for (int s = 0; s < P; ++s) {
+      const auto& q = shards[r];
+      const auto& k = shards[(r - s + P) % P];
+      const auto& dq = docs[r];
+      const auto& dk = docs[(r - s + P) % P];
+      for (std::size_t q0 = 0; q0 < q.size(); q0 += 64) {
+        for (std::size_t k0 = 0; k0 < k.size(); k0 += 64) {
+          bool seen = false;
+          for (std::size_t i = q0; i < std::min(q.size(), q0 + 64) && !seen; ++i) {
+            for (std::size_t j = k0; j < std::min(k.size(), k0 + 64) && !seen; ++j) {
+              seen = k[j] <= q[i] && dq[i] >= 0 && dq[i] == dk[j];
+            }
+          }
+          w[r * P + s] += seen ? 1 : 0;
+        }
+      }
+    }
+  }
+  return w;
+}
+
+// sum_s max_r w / sum_s mean_r w of a [P * P] per-(rank, step) table.
+double step_figure(const std::vector<std::int64_t>& w, int P) {
+  double sum_max = 0, sum = 0;
+  for (int s = 0; s < P; ++s) {
+    std::int64_t most = 0;
+    for (int r = 0; r < P; ++r) {
+      most = std::max(most, w[r * P + s]);
+      sum += static_cast<double>(w[r * P + s]);
+    }
+    sum_max += static_cast<double>(most);
+  }
+  return sum_max * P / sum;
+}
+
+// step_work() against the pair-by-pair count for every kind (padding and Ulysses included), and the balanced kind's
+// per-step figure against the greedy assignment alone (balanced_chunk_owners(..., false)): the local search never
+// makes it worse, keeps the token counts, and the layout holds exactly the refined chunks.
+TEST(LayoutBalanced, StepWorkMatchesPairByPairAndBeatsTheGreedy) {
+  for (const std::uint64_t seed : {3u, 1234u}) {
+    const auto cu = cu_seqlens_of(synthetic_doc_lens("longtail", 6000 + static_cast<std::int64_t>(seed), seed));
+    for (int ring : {2, 3, 4}) {
+      for (const LayoutKind kind : kKinds) {
+        for (int uly : {1, 2}) {
+          const SequenceLayout l = SequenceLayout::packed(kind, cu, ring, uly);
+          SCOPED_TRACE(str_cat(describe(l), " seed ", seed));
+          std::vector<std::vector<std::int64_t>> shards;
+          for (int r = 0; r < ring; ++r) shards.push_back(l.ring_shard_positions(r));
+          const auto doc = [&l](std::int64_t slot) { return l.doc_of_slot(slot); };
+          const auto expect = brute_step_work(shards, doc);
+          ASSERT_EQ(l.step_work(), expect);
+          EXPECT_NEAR(l.step_imbalance(), step_figure(expect, ring), 1e-12);
+          EXPECT_GE(l.step_imbalance(), 1.0);
+        }
+      }
+      const SequenceLayout b = SequenceLayout::packed(LayoutKind::kBalanced, cu, ring, 1);
+      const std::int64_t c = b.chunk_len(), T = cu.back();
+      ASSERT_EQ(c, balanced_chunk_len(T, ring));
+      for (const bool refine : {false, true}) {
+        const std::vector<int> owner = balanced_chunk_owners(cu, ring, refine);
+        ASSERT_EQ(static_cast<std::int64_t>(owner.size()), (T + c - 1) / c);
+        std::vector<std::vector<std::int64_t>> shards(ring);
+        for (std::size_t i = 0; i < owner.size(); ++i) {
+          for (std::int64_t t = static_cast<std::int64_t>(i) * c; t < std::min<std::int64_t>(T, (i + 1) * c); ++t) {
+            shards[owner[i]].push_back(t);
+          }
+        }
+        std::size_t most = 0, least = T;
+        for (const auto& s : shards) most = std::max(most, s.size()), least = std::min(least, s.size());
+        EXPECT_LE(static_cast<std::int64_t>(most - least), c);
+        const auto doc = [&cu](std::int64_t t) -> std::int64_t {
+          if (t >= cu.back()) return -1;
+          return std::upper_bound(cu.begin(), cu.end(), t) - cu.begin() - 1;
+        };
+        const double figure = step_figure(brute_step_work(shards, doc), ring);
+        if (refine) {
+          for (int r = 0; r < ring; ++r) {
+            const auto pos = b.ring_shard_positions(r);
+            EXPECT_EQ(std::vector<std::int64_t>(pos.begin(), pos.begin() + shards[r].size()), shards[r]);
+          }
+          EXPECT_NEAR(b.step_imbalance(), figure, 1e-12);
+        } else {
+          EXPECT_LE(b.step_imbalance(), figure + 1e-12) << "the local search made the ring steps less even";
+        }
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace seqpar
