@@ -144,10 +144,10 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
     if (it >= o.warmup) rep.prefill_s.push_back(t_prefill);
     if (d.chunk == 0) continue;
     const ChunkPrefillMode used =
-        chunk_mode == ChunkPrefillMode::kAuto ? layer.choose_chunk_mode(*cache, d.chunk, hq) : chunk_mode;
+        chunk_mode == ChunkPrefillMode::kAuto ? layer.choose_chunk_mode(*cache, *chunk_layout, hq) : chunk_mode;
     rep.chunk_mode = chunk_prefill_mode_name(used);
     rep.chunk_pass_bytes =
-        used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(*cache, d.chunk, hq) : layer.pass_kv_bytes(*cache);
+        used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(*cache, *chunk_layout, hq) : layer.pass_kv_bytes(*cache);
     layer.reset_counters();
     const double t_chunk = time_once(world, [&] { layer.extend(*cache, *chunk_layout, qc, kc, vc, chunk_mode); });
     rep.chunk_bytes = layer.counters().bytes_sent;
@@ -336,10 +336,22 @@ void check_decode_options(const SpBenchOptions& o) {
                "not supported (decode runs one prompt per batch row)");
   SEQPAR_CHECK(o.causal || !o.given("causal"), "--mode decode: --causal=false: decode attention is causal (a new ",
                "token attends to the tokens before it)");
-  SEQPAR_CHECK(
-      (o.window == 0 || o.attn == "dsa") && o.softcap == 0 && !o.alibi && !o.sinks && o.dropout == 0 && !o.rope,
-      "--mode decode: --window (but for --attn dsa's indexer), --softcap, --alibi, --sinks, --dropout and --rope "
-      "are not supported yet (decode is plain causal attention)");
+  // The attention options decode does not support yet: each one set, with its value and the preset that set it.
+  std::string unsupported;
+  const auto refuse = [&](bool set, const char* flag, const std::string& value, const char* off) {
+    if (!set) return;
+    const bool preset = !o.model.empty() && !o.given(flag);
+    unsupported += str_cat(unsupported.empty() ? "" : ", ", "--", flag, value.empty() ? "" : " ", value,
+                           preset ? str_cat(" (set by --model ", o.model, *off != '\0' ? "; " : "", off, ")") : "");
+  };
+  refuse(o.window > 0 && o.attn != "dsa", "window", str_cat(o.window), "");  // DSA: its indexer's window
+  refuse(o.softcap != 0, "softcap", str_cat(o.softcap), "--softcap 0 turns it off");
+  refuse(o.alibi, "alibi", "", "");
+  refuse(o.sinks, "sinks", "", "");
+  refuse(o.dropout != 0, "dropout", str_cat(o.dropout), "");
+  refuse(o.rope, "rope", o.rope ? attn::rope_pairing_name(o.rope_cfg.pairing) : "", "--rope none turns it off");
+  SEQPAR_CHECK(unsupported.empty(), "--mode decode: ", unsupported,
+               ": not supported yet (decode is plain causal attention)");
   SEQPAR_CHECK(d.prefill == "forward" || d.prefill == "fill", "--prefill '", d.prefill,
                "' is not one of forward, fill");
   SEQPAR_CHECK(d.prefill == "forward" || o.attn != "gdn", "--prefill fill needs --attn mha or dsa");
@@ -369,10 +381,15 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
   const DecodeOptions& d = o.decode;
   std::printf("# sp_bench --mode decode (seqpar %s), %d rank(s), grid ulysses %d x ring %d, attn %s, dtype %s\n",
               git_commit(), world_size, o.grid.ulysses_size, o.grid.ring_size, o.attn.c_str(), dtype_name(o.dtype));
-  std::printf("# context %lld, decode steps %lld x %lld new token(s), cache shard %s",
-              static_cast<long long>(d.context), static_cast<long long>(d.decode_steps),
-              static_cast<long long>(d.new_tokens), d.cache_shard.c_str());
-  if (d.cache_shard == "interleave") std::printf(" %lld", static_cast<long long>(d.interleave));
+  std::printf("# context %lld, decode steps %lld x %lld new token(s), ", static_cast<long long>(d.context),
+              static_cast<long long>(d.decode_steps), static_cast<long long>(d.new_tokens));
+  if (o.attn == "gdn") {  // the state split by heads over the SP group (--cache-shard does not apply)
+    std::printf("state split by heads: Hv / P = %lld value head(s) per rank",
+                static_cast<long long>(o.heads / world_size));
+  } else {
+    std::printf("cache shard %s", d.cache_shard.c_str());
+    if (d.cache_shard == "interleave") std::printf(" %lld", static_cast<long long>(d.interleave));
+  }
   const std::string shapes =
       o.attn == "mha" ? str_cat("B=", o.batch, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim, " causal")
       : o.attn == "dsa"
@@ -434,8 +451,12 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["context"] = d.context;
   j["decode_steps"] = d.decode_steps;
   j["new_tokens"] = d.new_tokens;
-  j["cache_shard"] = d.cache_shard;
-  j["interleave"] = d.interleave;
+  if (o.attn == "gdn") {
+    j["value_heads_per_rank"] = o.heads / world_size;
+  } else {
+    j["cache_shard"] = d.cache_shard;
+    j["interleave"] = d.interleave;
+  }
   j["prefill_mode"] = d.prefill;
   j["prefill_s"] = {{"median", median(r.prefill_s)}, {"iterations", r.prefill_s}};
   if (!r.chunk_s.empty()) {
@@ -452,10 +473,8 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["cache_mib_per_rank"] = r.cache_bytes / kMiB;
   j["cache_mib_formula"] = r.cache_formula / kMiB;
   if (r.checked) {
-    j["check"] = {{"passed", r.passed},
-                  {"out_rel_err", r.out_err},
-                  {"lse_rel_err", r.lse_err},
-                  {"final_state_rel_err", r.state_err}};
+    j["check"] = {{"passed", r.passed}, {"out_rel_err", r.out_err}};
+    j["check"][o.attn == "gdn" ? "final_state_rel_err" : "lse_rel_err"] = o.attn == "gdn" ? r.state_err : r.lse_err;
     if (r.topk_mismatches >= 0) j["check"]["topk_indices_mismatches"] = r.topk_mismatches;
   }
   return j;
@@ -575,21 +594,40 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
 
 void decode_shapes_from_inputs(SpBenchOptions& o) {
   if (o.decode.mode != "decode" || o.inputs_dir.empty()) return;
+  // DSA's value width Dv is no decode input's dimension (the value is the first Dv columns of the latent c): a
+  // replay must name it, or it would silently become --head-dim. A dump's out_dec.npy [B, N n, H, Dv] carries it.
+  if (o.attn == "dsa" && o.dim_v == 0 && !o.given("dim-v")) {
+    const std::string out_path = (std::filesystem::path(o.inputs_dir) / "out_dec.npy").string();
+    std::string hint;
+    if (std::filesystem::exists(out_path)) {
+      const Shape out = npy::read_header(out_path).shape;
+      if (out.size() == 4) hint = str_cat(" (", out_path, " of the dump has Dv = ", out[3], ")");
+    }
+    SEQPAR_THROW("--mode decode --attn dsa --inputs ", o.inputs_dir,
+                 ": give --dim-v (no decode input file carries the value width Dv)", hint);
+  }
   const std::string first = decode_arrays(o).inputs.front().name;
-  const auto dim1 = [&](const std::string& name) {
+  const auto dim1 = [&](const std::string& name, const char* what) {
     const std::string path = (std::filesystem::path(o.inputs_dir) / (name + ".npy")).string();
     const Shape shape = npy::read_header(path).shape;
     SEQPAR_CHECK(shape.size() >= 2, path, ": shape ", shape_str(shape), " has no token dimension (dimension 1)");
+    SEQPAR_CHECK(shape[1] >= 1, path, ": shape ", shape_str(shape), " holds 0 ", what,
+                 " tokens (dimension 1): ", "must be >= 1");
     return std::pair{path, shape[1]};
   };
   DecodeOptions& d = o.decode;
-  const auto [prompt_path, t] = dim1(first);
+  const auto [prompt_path, t] = dim1(first, "prompt");
   SEQPAR_CHECK(!o.given("context") || d.context == t, "--context ", d.context,
                " does not match --inputs: ", prompt_path, " holds ", t,
                " tokens; leave --context out to take it from the file");
   d.context = t;
-  const auto [dec_path, steps] = dim1(first + "_dec");
-  if (!o.given("decode-steps") && d.new_tokens >= 1 && steps % d.new_tokens == 0) d.decode_steps = steps / d.new_tokens;
+  const auto [dec_path, steps] = dim1(first + "_dec", "decode");
+  if (d.new_tokens < 1) return;  // check_decode_options names it
+  if (!o.given("decode-steps")) {
+    SEQPAR_CHECK(steps % d.new_tokens == 0, "--inputs: ", dec_path, " holds ", steps,
+                 " decode tokens, not a multiple of --new-tokens ", d.new_tokens);
+    d.decode_steps = steps / d.new_tokens;
+  }
   SEQPAR_CHECK(d.decode_steps * d.new_tokens == steps, "--decode-steps ", d.decode_steps, " x --new-tokens ",
                d.new_tokens, " does not match --inputs: ", dec_path, " holds ", steps,
                " decode tokens; leave --decode-steps out to take it from the file");

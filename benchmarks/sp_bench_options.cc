@@ -438,7 +438,9 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
                world_size, ")");
   if (kind.validate) kind.validate(o);
   // After the kind's rules: DSA implies --causal (its window limits the indexer's candidates), GDN refuses a window.
-  SEQPAR_CHECK(o.window == 0 || o.causal, "--window ", o.window, ": a sliding window needs --causal");
+  // --mode decode is causal whatever --causal says: its own rules (run_decode_bench) name what it refuses.
+  SEQPAR_CHECK(o.window == 0 || o.causal || o.decode.mode == "decode", "--window ", o.window,
+               ": a sliding window needs --causal");
   return o;
 }
 

@@ -193,19 +193,19 @@ std::int64_t MhaDecodeContextParallel::pass_kv_bytes(const ShardedKvCache& cache
          static_cast<std::int64_t>(dtype_size(s.dtype));
 }
 
-std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new,
+std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache, const SequenceLayout& layout,
                                                     std::int64_t q_heads) const {
   const attn::KvCacheSpec& s = cache.spec();
-  const std::int64_t P = groups_.ring.size(), t_loc = t_new / P;
+  const std::int64_t P = groups_.ring.size(), t_loc = layout.ring_shard_len();  // padding rows travel too
   return (P - 1) * s.batch * t_loc * (q_heads / groups_.ulysses_size()) *
          (s.head_dim * static_cast<std::int64_t>(dtype_size(s.dtype)) +
           (s.head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(s.dtype))));
 }
 
-ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new,
+ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCache& cache, const SequenceLayout& layout,
                                                              std::int64_t q_heads) const {
-  return pass_q_bytes(cache, t_new, q_heads) < pass_kv_bytes(cache) ? ChunkPrefillMode::kPassQ
-                                                                    : ChunkPrefillMode::kPassKv;
+  return pass_q_bytes(cache, layout, q_heads) < pass_kv_bytes(cache) ? ChunkPrefillMode::kPassQ
+                                                                     : ChunkPrefillMode::kPassKv;
 }
 
 PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout,
@@ -230,7 +230,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
   const std::int64_t L = cache.length(), hq_all = q_in.dim(2);
   SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
                " would run past the cache capacity ", s.capacity);
-  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, t_new, hq_all);
+  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, layout, hq_all);
   const int P = groups_.ring.size(), me = groups_.ring.rank();
   const DType acc = accumulator_dtype(s.dtype);
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};

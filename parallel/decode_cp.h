@@ -43,8 +43,8 @@
 //     (Pr - 1) 2 B m_max (Hkv / Pu) D bytes(dtype), m_max ~ L / Pr.
 //   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q over the ring group, each rank attends
 //     every rank's queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries'
-//     owner. Bytes sent per rank: (Pr - 1) B T_loc (Hq / Pu) (D bytes(dtype) + (D + 2) bytes(a)), T_loc = T_new / Pr
-//     (the ring shard's rows; a padded layout sends its padding rows too).
+//     owner. Bytes sent per rank: (Pr - 1) B T_loc (Hq / Pu) (D bytes(dtype) + (D + 2) bytes(a)), T_loc = the chunk
+//     layout's ring_shard_len() (padded_len / Pr, ~ T_new / Pr: a padded layout sends its padding rows too).
 // Every query then merges its Pr cached partials and the chunk's own (out, lse) with the formulas above. Both routes
 // give the same result (to rounding); auto takes the one that sends fewer bytes (pass-Q iff its bytes are fewer:
 // a short chunk after a long cache, the case of multi-turn prompts), as the paper's heuristic on the cache-miss rate.
@@ -216,11 +216,14 @@ class MhaDecodeContextParallel {
   // unchanged, every rank): shapes, L + T_new past the capacity, ranks disagreeing on shapes, mode, length.
   PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                        const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
-  // The bytes each route sends per rank (the header comment's formulas) for a chunk of t_new tokens with q_heads
-  // query heads (all of the model's) after `cache`'s length, and the route kAuto takes (pass-Q iff fewer bytes).
+  // The bytes each route sends per rank over the ring group (the header comment's formulas; exactly what
+  // chunk_route_bytes_sent() then measures) for the chunk of `layout` (extend's; its padded ring shard, layout.
+  // ring_shard_len() rows, is what pass-Q sends) with q_heads query heads (all of the model's) after `cache`'s length,
+  // and the route kAuto takes (pass-Q iff fewer bytes). Local arithmetic; errors: none.
   std::int64_t pass_kv_bytes(const ShardedKvCache& cache) const;
-  std::int64_t pass_q_bytes(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
-  ChunkPrefillMode choose_chunk_mode(const ShardedKvCache& cache, std::int64_t t_new, std::int64_t q_heads) const;
+  std::int64_t pass_q_bytes(const ShardedKvCache& cache, const SequenceLayout& layout, std::int64_t q_heads) const;
+  ChunkPrefillMode choose_chunk_mode(const ShardedKvCache& cache, const SequenceLayout& layout,
+                                     std::int64_t q_heads) const;
   // The bytes this rank sent over the ring group for the route of the last extend (CommMeter: the all-gather of the
   // shards, or of q and the all-to-all of the partials), to compare with pass_kv_bytes / pass_q_bytes.
   std::int64_t chunk_route_bytes_sent() const { return chunk_route_bytes_sent_; }

@@ -6,6 +6,7 @@ programs under mpirun on small shapes and checks what they write against what it
   ... memory --np 2 -- --attn gdn --ring-size 2 ...   (the estimate against the ledger's measured peak)
   ... roundtrip --np 2 -- --attn dsa --ring-size 2 ... (--dump --dump-inputs, then --inputs of that dump)
   ... decode-grids --np 4 -- --mode decode ...        (a grid's decode --dump against one rank's on its inputs)
+  ... decode-replay --np 2 -- --mode decode --attn dsa ... (what decode --inputs asks for and names; its JSON)
   ... comm                                            (comm_bench table and JSON)
   ... sweep --scripts scripts                         (sweep.py + plot.py on a small sweep of every kind)
   ... kernel                                          (kernel_bench --kernel all: tables, JSON, FLOP counts)
@@ -149,6 +150,54 @@ def test_decode_grids(tmp, np, flags):
         check(err <= 1e-5 * ref + 1e-6, f"{name}: the {np}-rank run differs from the one-rank run by {err} (max {ref})")
 
 
+def without(flags, names):
+    """flags less each of `names` and the value after it."""
+    return [f for i, f in enumerate(flags) if f not in names and (i == 0 or flags[i - 1] not in names)]
+
+
+def empty_npy(path, dim):
+    """Rewrites the .npy file `path` (version 1.0) as an empty array: its shape with dimension `dim` 0, its dtype kept.
+    Returns the new shape."""
+    import ast
+    import struct
+    data = open(path, "rb").read()
+    (hlen,) = struct.unpack("<H", data[8:10])
+    header = ast.literal_eval(data[10:10 + hlen].decode("latin1"))
+    shape = list(header["shape"])
+    shape[dim] = 0
+    text = "{'descr': %r, 'fortran_order': False, 'shape': %r, }" % (header["descr"], tuple(shape))
+    text += " " * ((64 - (10 + len(text) + 1) % 64) % 64) + "\n"
+    open(path, "wb").write(data[:8] + struct.pack("<H", len(text)) + text.encode("latin1"))
+    return shape
+
+
+def test_decode_replay(tmp, np, flags):
+    """sp_bench --mode decode --attn dsa (flags with --dim-v, --new-tokens n, --decode-steps N) --dump, then --inputs
+    of the dump: without --dim-v (which no input file carries) it stops and names the dump's Dv; a --new-tokens that
+    does not divide the steps' tokens and a steps' file of 0 tokens are named as such; with --dim-v it runs, and its
+    JSON's check holds lse_rel_err but no final_state_rel_err."""
+    a = os.path.join(tmp, "a")
+    base = ["--quiet", "--warmup", 0, "--iters", 1]
+    run(np, "sp_bench", base + flags + ["--dump", a, "--dump-inputs"])
+    value = lambda flag: int(flags[flags.index(flag) + 1])
+    dv, n, steps = value("--dim-v"), value("--new-tokens"), value("--decode-steps")
+    replay = without(flags, ("--dim-v", "--new-tokens", "--decode-steps")) + ["--inputs", a]
+    out = run(np, "sp_bench", base + replay + ["--new-tokens", n], expect_rc=1)
+    check("give --dim-v" in out and f"out_dec.npy of the dump has Dv = {dv}" in out, f"no --dim-v error:\n{out}")
+    bad = n * steps + 1
+    out = run(np, "sp_bench", base + replay + ["--dim-v", dv, "--new-tokens", bad], expect_rc=1)
+    check(f"q_dec.npy holds {n * steps} decode tokens, not a multiple of --new-tokens {bad}" in out,
+          f"no multiple-of error:\n{out}")
+    path = os.path.join(tmp, "run.json")
+    run(np, "sp_bench", base + replay + ["--dim-v", dv, "--new-tokens", n, "--check", "--json", path])
+    j = json.load(open(path))
+    check("lse_rel_err" in j["check"] and "final_state_rel_err" not in j["check"], f"check keys {j['check']}")
+    check(j["dsa"]["dim_v"] == dv and j["decode_steps"] == steps, f"dim_v / decode_steps in {j}")
+    shape = empty_npy(os.path.join(a, "q_dec.npy"), 1)
+    out = run(np, "sp_bench", base + replay + ["--dim-v", dv, "--new-tokens", n], expect_rc=1)
+    check(f"q_dec.npy: shape [{', '.join(map(str, shape))}] holds 0 decode tokens" in out, f"no 0-token error:\n{out}")
+
+
 def test_comm(tmp):
     """comm_bench: dtype and reduction columns, in-place rows, combined patterns, too-small sizes, the summary."""
     path = os.path.join(tmp, "comm.json")
@@ -284,7 +333,7 @@ def main():
     ap.add_argument("--scripts", default=os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     ap.add_argument("--plot-python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
                     help="the Python with matplotlib (Debian's python3-matplotlib: /usr/bin/python3)")
-    ap.add_argument("what", choices=["json", "memory", "roundtrip", "decode-grids", "comm", "sweep", "kernel"])
+    ap.add_argument("what", choices=["json", "memory", "roundtrip", "decode-grids", "decode-replay", "comm", "sweep", "kernel"])
     ap.add_argument("--np", type=int, default=2)
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -299,6 +348,8 @@ def main():
             test_roundtrip(tmp, ARGS.np, flags)
         elif ARGS.what == "decode-grids":
             test_decode_grids(tmp, ARGS.np, flags)
+        elif ARGS.what == "decode-replay":
+            test_decode_replay(tmp, ARGS.np, flags)
         elif ARGS.what == "comm":
             test_comm(tmp)
         elif ARGS.what == "kernel":

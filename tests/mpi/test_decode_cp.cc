@@ -125,73 +125,84 @@ struct ExtendCase {
   LayoutKind layout;  // of the prompt's and the chunk's forward
   ChunkPrefillMode mode;
   DType dtype = DType::kFloat32;
-  bool usp = false;  // Ulysses 2 (heads) x ring P/2 (the cache) when the world size is even
+  bool usp = false;         // Ulysses 2 (heads) x ring P/2 (the cache) when the world size is even
+  std::int64_t chunk = 48;  // tokens; 17 pads the chunk's shards on any grid of more than one rank
 };
 std::string case_name(const ExtendCase& c) {
   return str_cat(cache_shard_name(c.shard), c.shard == CacheShardKind::kInterleave ? str_cat(c.interleave) : "", "_",
                  layout_name(c.layout), "_",
                  c.mode == ChunkPrefillMode::kAuto ? "auto" : (c.mode == ChunkPrefillMode::kPassQ ? "passq" : "passkv"),
-                 "_", dtype_name(c.dtype), c.usp ? "_usp" : "");
+                 "_", dtype_name(c.dtype), c.usp ? "_usp" : "", c.chunk == 48 ? "" : str_cat("_chunk", c.chunk));
 }
 
 class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
 
-// Prompt of 96, a chunk of 48 after it, then 2 decode steps: every output equals the rows of one causal attention
-// over the 146 tokens (the fp64 reference), so the chunk equals one prefill of the concatenation.
+// Prompt of 96, a chunk of 48 (or 17) after it, then 2 decode steps: every output equals the rows of one causal
+// attention over the 146 (115) tokens (the fp64 reference), so the chunk equals one prefill of the concatenation; the
+// bytes the route sent are its formula's, padding rows included.
 TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   const ExtendCase c = GetParam();
   const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const int me = groups.ring.rank(), sp = groups.sp_rank(), pu = groups.ulysses_size();
   const std::int64_t u = groups.ulysses.rank(), hq = kHq / pu;  // this rank's query heads in decode
-  constexpr std::int64_t kChunk = 48, kSteps2 = 2;
-  const std::int64_t total = kPrompt + kChunk + kSteps2;
+  const std::int64_t chunk_len = c.chunk, steps = 2;
+  const std::int64_t total = kPrompt + chunk_len + steps;
   const test::MhaDecodeProblem p(kB, total, kHq, kHkv, kD, c.dtype, 13);
   MhaDecodeConfig cfg;
   cfg.shard = c.shard;
   cfg.interleave = c.interleave;
   MhaDecodeContextParallel layer(groups, cfg);
   ShardedKvCache cache = layer.make_cache(kB, total, kHkv, kD, c.dtype);
-  // Rows [first, first + len) of `full`, this rank's part under a layout of len tokens.
+  // Rows [first, first + len) of `full`, this rank's part under a layout of len tokens (zeros in its padding rows).
   const auto local = [&](const TensorView& full, const SequenceLayout& layout, std::int64_t first) {
     Tensor rows = rows_of(full, first, first + layout.seq_len());
     Shape shape = full.shape();
     shape[1] = layout.local_len();
     Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-    shard_sequence(rows, layout.positions(sp), t);
+    shard_sequence(layout, sp, rows, t);
     return t;
   };
   const SequenceLayout prompt = SequenceLayout::for_groups(groups, kPrompt, c.layout);
-  const SequenceLayout chunk = SequenceLayout::for_groups(groups, kChunk, c.layout);
+  const SequenceLayout chunk = SequenceLayout::for_groups(groups, chunk_len, c.layout);
   layer.prefill(cache, prompt, local(p.q, prompt, 0), local(p.k, prompt, 0), local(p.v, prompt, 0));
   if (c.mode == ChunkPrefillMode::kAuto) {
     // The rule: pass-Q exactly when it sends fewer bytes than pass-KV.
-    const bool q_fewer = layer.pass_q_bytes(cache, kChunk, kHq) < layer.pass_kv_bytes(cache);
-    EXPECT_EQ(layer.choose_chunk_mode(cache, kChunk, kHq),
+    const bool q_fewer = layer.pass_q_bytes(cache, chunk, kHq) < layer.pass_kv_bytes(cache);
+    EXPECT_EQ(layer.choose_chunk_mode(cache, chunk, kHq),
               q_fewer ? ChunkPrefillMode::kPassQ : ChunkPrefillMode::kPassKv);
   }
   // The route's bytes by the formulas (Hq / Pu, Hkv / Pu under USP), before the chunk changes the cache.
-  const ChunkPrefillMode used =
-      c.mode == ChunkPrefillMode::kAuto ? layer.choose_chunk_mode(cache, kChunk, kHq) : c.mode;
+  const ChunkPrefillMode used = c.mode == ChunkPrefillMode::kAuto ? layer.choose_chunk_mode(cache, chunk, kHq) : c.mode;
   const std::int64_t route_bytes =
-      used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(cache, kChunk, kHq) : layer.pass_kv_bytes(cache);
+      used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(cache, chunk, kHq) : layer.pass_kv_bytes(cache);
   const PrefillOutput o = layer.extend(cache, chunk, local(p.q, chunk, kPrompt), local(p.k, chunk, kPrompt),
                                        local(p.v, chunk, kPrompt), c.mode);
-  // What the route sent (CommMeter) is the formula's, exactly when the chunk's ring shards hold no padding rows.
-  if (!chunk.has_padding()) {
-    EXPECT_EQ(layer.chunk_route_bytes_sent(), route_bytes) << chunk_prefill_mode_name(used);
-  }
-  EXPECT_EQ(cache.length(), kPrompt + kChunk);
-  EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, kPrompt + kChunk));
+  // What the route sent (CommMeter) is the formula's, padded ring shards (a chunk of 17) included.
+  if (chunk_len == 17 && groups.sp.size() > 1) EXPECT_TRUE(chunk.has_padding());
+  EXPECT_EQ(layer.chunk_route_bytes_sent(), route_bytes) << chunk_prefill_mode_name(used);
+  EXPECT_EQ(cache.length(), kPrompt + chunk_len);
+  EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, kPrompt + chunk_len));
   const Tensor want_out = local(p.ref_out, chunk, kPrompt);
-  Tensor lse_rows = rows_of(p.ref_lse, kPrompt, kPrompt + kChunk, 2);
+  Tensor lse_rows = rows_of(p.ref_lse, kPrompt, kPrompt + chunk_len, 2);
   Tensor want_lse = Tensor::empty({kB, kHq, chunk.local_len()}, DType::kFloat64, MemCategory::kWorkspace);
-  shard_sequence_bhs(lse_rows, chunk.positions(sp), want_lse);
-  EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
-                        "chunk out"));
-  EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
-                        "chunk lse"));
-  for (std::int64_t t = kPrompt + kChunk; t < total; ++t) {
+  shard_sequence(chunk, sp, lse_rows, want_lse, 2);
+  // This rank's chunk rows of `got` (along dim) in fp64, its padding rows zeroed as shard_sequence writes them.
+  const auto real_rows = [&](const TensorView& got, int dim) {
+    const Tensor g = Tensor::copy_of(got, DType::kFloat64, MemCategory::kWorkspace);
+    Shape full = g.shape();
+    full[dim] = chunk_len;
+    Tensor all = Tensor::zeros(full, DType::kFloat64, MemCategory::kWorkspace);
+    unshard_sequence(chunk, sp, g, all, dim);
+    Tensor back = Tensor::empty(g.shape(), DType::kFloat64, MemCategory::kWorkspace);
+    shard_sequence(chunk, sp, all, back, dim);
+    return to_double(back);
+  };
+  EXPECT_TRUE(all_close(real_rows(o.out, 1), to_double(want_out), test::decode_atol(c.dtype),
+                        test::decode_rtol(c.dtype), "chunk out"));
+  EXPECT_TRUE(all_close(real_rows(o.lse, 2), to_double(want_lse), test::decode_atol(c.dtype),
+                        test::decode_rtol(c.dtype), "chunk lse"));
+  for (std::int64_t t = kPrompt + chunk_len; t < total; ++t) {
     const DecodeOutput d = layer.decode(cache, rows_of(p.q, t, t + 1), rows_of(p.k, t, t + 1), rows_of(p.v, t, t + 1));
     const Tensor want = rows_of(rows_of(p.ref_out, t, t + 1), u * hq, (u + 1) * hq, 2);
     EXPECT_TRUE(all_close(to_double(d.out), to_double(want), test::decode_atol(c.dtype), test::decode_rtol(c.dtype),
@@ -217,7 +228,14 @@ INSTANTIATE_TEST_SUITE_P(
         ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ, DType::kFloat64,
                    true},
         ExtendCase{CacheShardKind::kInterleave, 16, LayoutKind::kBalanced, ChunkPrefillMode::kAuto, DType::kFloat32,
-                   true}),
+                   true},
+        // A padded chunk (17 tokens): both routes send their padding rows, as the formulas count them.
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kContiguous, ChunkPrefillMode::kPassKv, DType::kFloat64,
+                   false, 17},
+        ExtendCase{CacheShardKind::kInterleave, 1, LayoutKind::kContiguous, ChunkPrefillMode::kPassQ, DType::kFloat64,
+                   false, 17},
+        ExtendCase{CacheShardKind::kContiguous, 1, LayoutKind::kZigzag, ChunkPrefillMode::kPassQ, DType::kFloat32, true,
+                   17}),
     test::CaseName());
 
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
