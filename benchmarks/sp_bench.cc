@@ -41,10 +41,15 @@ namespace {
 int sp_bench_main(int argc, char** argv) {
   const WorldPlace place = mpi_world_place();
 
-  // ---- configuration: everything that can fail does so here, on every rank, before any communication ----
+  // ---- configuration: everything that can fail does so here, on every rank, after the options' agreement only ----
   const std::optional<SpBenchOptions> parsed = parse_sp_bench_options(argc, argv, place.size, place.rank);
   if (!parsed) return 0;
   const SpBenchOptions& o = *parsed;
+  // The first collective, the same on every rank whatever its flags: ranks started with other flags (mpirun's MPMD
+  // form) stop here, each naming the first that differs, before any collective of one mode or backend (the node's
+  // communicator, NCCL's device agreement) could pair with another rank's different one. Over MPI, whatever
+  // --backend says.
+  check_options_agree(*MpiCommunicator::world(), o);
   if (o.decode.mode == "decode") return run_decode_bench(o, place);  // benchmarks/sp_bench_decode.h
 #if defined(_OPENMP)
   omp_set_num_threads(o.threads);
@@ -79,7 +84,6 @@ int sp_bench_main(int argc, char** argv) {
   if (place.rank == 0 && !oversubscribed.empty())
     std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
   auto world = make_world_communicator(o.backend);
-  check_options_agree(*world, o);  // ranks started with other flags stop here, each naming the first that differs
   check_output_paths(*world, o);
   SpGrid grid(*world, o.grid);
 

@@ -558,20 +558,7 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
       o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o, decode_input_specs(o, arrays.inputs), rule);
   const DecodeInputs inputs(o, arrays.inputs, o.inputs_dir.empty() ? nullptr : &loaded);
   auto world = make_world_communicator(o.backend);
-  check_options_agree(*world, o);
   check_output_paths(*world, o);
-  const DecodeOptions& d = o.decode;
-  Fingerprint fp("sp_bench decode options");
-  fp.add_int("--context", d.context)
-      .add_int("--decode-steps", d.decode_steps)
-      .add_int("--new-tokens", d.new_tokens)
-      .add_text("--cache-shard", d.cache_shard)
-      .add_int("--interleave", d.interleave)
-      .add_text("--prefill", d.prefill)
-      .add_int("--chunk", d.chunk)
-      .add_text("--chunk-mode", d.chunk_mode)
-      .add_text("--dump", o.dump_dir);
-  AgreementCheck(AgreementMode::kAlways).run(*world, fp);
   SpGrid grid(*world, o.grid);
   const CpGroups groups = CpGroups::from(grid);
   DecodeResults results;

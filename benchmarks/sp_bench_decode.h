@@ -42,14 +42,15 @@ struct DecodeOptions {
 
 // The decode flags (help group "decode").
 void add_decode_options(cxxopts::Options& spec);
-// Reads them (their rules are checked by run_decode_bench, before any communication); with --mode decode, refuses
+// Reads them (their rules are checked by run_decode_bench, before any communication but the options' agreement); with --mode decode, refuses
 // the flags only --mode train reads ("--doc-lens needs --mode train").
 DecodeOptions parse_decode_options(const cxxopts::ParseResult& r);
 // --mode decode --inputs: --context from dimension 1 of the prompt's first input and --decode-steps from that of its
 // _dec file (N n) when not given; a given one must match. Called after --mode train's shapes_from_inputs.
 void decode_shapes_from_inputs(SpBenchOptions& o);
 
-// The whole decode run (every rank); returns the exit status (1 when --check failed).
+// The whole decode run (every rank), after check_options_agree (sp_bench.cc: --mode, the decode flags and --dump
+// are among the options every rank agrees on); returns the exit status (1 when --check failed).
 int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place);
 
 }  // namespace seqpar::bench

@@ -445,8 +445,15 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
 }
 
 void check_options_agree(Communicator& world, const SpBenchOptions& o) {
+  // --mode, --backend and --inputs first: the error names the first field that differs, and a rank with another mode,
+  // backend or input files differs in what follows them too (the shapes --inputs gives, the flags a mode reads).
+  const DecodeOptions& d = o.decode;
+  const bool decode = d.mode == "decode";
   Fingerprint fp("sp_bench options");
-  fp.add_text("--attn", o.attn)
+  fp.add_text("--mode", d.mode)
+      .add_text("--backend", o.backend)
+      .add_text("--inputs", o.inputs_dir.empty() ? "(none)" : o.inputs_dir)
+      .add_text("--attn", o.attn)
       .add_text("--model", o.model)
       .add_int("--dp-size", o.grid.dp_size)
       .add_int("--ulysses-size", o.grid.ulysses_size)
@@ -454,11 +461,10 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_text("--placement", placement_name(o.grid.placement))
       .add_text("--layout", layout_name(o.layout))
       .add_text("--impl", ring_impl_name(o.impl))
-      .add_text("--backend", o.backend)
       .add_text("--gdn-mode", o.gdn_mode)
       .add_text("--dsa-select", o.dsa_select)
       .add_int("--batch", o.batch)
-      .add_int("--seq", o.seq)
+      .add_text("--seq", decode ? "(not read by --mode decode)" : std::to_string(o.seq))
       .add_text("--doc-lens", doc_lens_text(o))
       .add_int("--heads", o.heads)
       .add_int("--kv-heads", o.kv_heads)
@@ -496,10 +502,20 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_flag("--dump-inputs", o.dump_inputs)
       .add_flag("--dry-run", o.dry_run)
       .add_flag("--gdn-compare-token", o.gdn_compare_token)
-      .add_text("--inputs", o.inputs_dir)
       .add_text("--test-corrupt", o.test_corrupt)
       .add_int("--test-fail-write-after", o.test_fail_write_after)
       .add_real("--test-logit-scale", o.test_logit_scale)
+      // --mode decode's flags (their defaults under --mode train, which refuses them); decode compares --dump too
+      // (every rank collects the outputs of its steps only when it is given).
+      .add_int("--context", d.context)
+      .add_int("--decode-steps", d.decode_steps)
+      .add_int("--new-tokens", d.new_tokens)
+      .add_text("--cache-shard", d.cache_shard)
+      .add_int("--interleave", d.interleave)
+      .add_text("--prefill", d.prefill)
+      .add_int("--chunk", d.chunk)
+      .add_text("--chunk-mode", d.chunk_mode)
+      .add_text("--dump", decode ? o.dump_dir : "")
       // The library's layers require one mode on every rank (they cannot see a mismatch without paying the check).
       .add_text("SEQPAR_AGREEMENT_CHECK", agreement_mode_name(agreement_mode()));
   AgreementCheck(AgreementMode::kAlways).run(world, fp);
