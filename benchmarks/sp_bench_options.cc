@@ -505,8 +505,8 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_text("--test-corrupt", o.test_corrupt)
       .add_int("--test-fail-write-after", o.test_fail_write_after)
       .add_real("--test-logit-scale", o.test_logit_scale)
-      // --mode decode's flags (their defaults under --mode train, which refuses them); decode compares --dump too
-      // (every rank collects the outputs of its steps only when it is given).
+      // --mode decode's flags (their defaults under --mode train, which refuses them). --dump is compared in both
+      // modes: the ranks gather the outputs (train) or collect the outputs of their steps (decode) only when given.
       .add_int("--context", d.context)
       .add_int("--decode-steps", d.decode_steps)
       .add_int("--new-tokens", d.new_tokens)
@@ -515,7 +515,7 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_text("--prefill", d.prefill)
       .add_int("--chunk", d.chunk)
       .add_text("--chunk-mode", d.chunk_mode)
-      .add_text("--dump", decode ? o.dump_dir : "")
+      .add_text("--dump", o.dump_dir.empty() ? "(none)" : o.dump_dir)
       // The library's layers require one mode on every rank (they cannot see a mismatch without paying the check).
       .add_text("SEQPAR_AGREEMENT_CHECK", agreement_mode_name(agreement_mode()));
   AgreementCheck(AgreementMode::kAlways).run(world, fp);
