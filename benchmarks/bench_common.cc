@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <ctime>
 #include <filesystem>
@@ -77,6 +78,17 @@ std::string oversubscription_warning(const NodeInfo& node, int threads_per_rank)
   return str_cat("ranks per node ", node.ranks_per_node, " x threads per rank ", threads_per_rank, " = ", used,
                  " exceeds the ", node.cores_per_node, " cores of node ", node.host,
                  " (oversubscribed: timings are not meaningful)");
+}
+
+std::string single_copy_note(const NodeInfo& node) {
+  const char* mech = std::getenv("OMPI_MCA_btl_vader_single_copy_mechanism");
+  if (node.ranks_per_node < 2 || mech == nullptr) return "";
+  const std::string m = mech;
+  if (m != "none" && m != "emulated") return "";
+  return str_cat("OMPI_MCA_btl_vader_single_copy_mechanism=", m,
+                 ": large messages between ranks of a node are copied twice and move only inside MPI calls, so "
+                 "ring transfers show as exposed communication (unset it where cross-memory attach works: "
+                 "scripts/mpi_single_copy.sh)");
 }
 
 std::string utc_now_iso8601() {

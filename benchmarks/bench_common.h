@@ -32,6 +32,11 @@ NodeInfo node_info();
 // The warning of an oversubscribed node: "ranks per node R x threads per rank T = N exceeds the C cores of node H
 // (timings are not meaningful)", or "" when R x T <= C.
 std::string oversubscription_warning(const NodeInfo& node, int threads_per_rank);
+// A note for timing headers when OpenMPI is told to move large messages between ranks of one node through
+// shared-memory fragments (OMPI_MCA_btl_vader_single_copy_mechanism=none or emulated: two copies, made only while
+// both ranks are inside MPI calls, so a ring's transfer no longer overlaps its compute); empty otherwise or with
+// one rank per node. scripts/mpi_single_copy.sh says which mechanism a machine allows.
+std::string single_copy_note(const NodeInfo& node);
 
 // The current time in UTC, ISO 8601 to the second: "2026-11-30T16:22:30Z".
 std::string utc_now_iso8601();

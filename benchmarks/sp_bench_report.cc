@@ -45,6 +45,8 @@ void print_header(const SpBenchOptions& o, const RunReport& r) {
               r.node.cores_per_node, git_commit(), r.date_utc.c_str());
   const std::string warning = oversubscription_warning(r.node, o.threads);
   if (!warning.empty()) std::printf("# warning: %s\n", warning.c_str());
+  const std::string transport = single_copy_note(r.node);
+  if (!transport.empty()) std::printf("# note: %s\n", transport.c_str());
   // The ring impl only where it means something (a kind that owns --impl; GDN's mode and DSA's selection are in the
   // shapes line).
   const std::vector<std::string>& own = find_workload_kind(o.attn).own_flags;

@@ -132,17 +132,24 @@ def runs_for(kind, algos, ranks):
     return out
 
 
-def child_env(threads):
+def child_env(threads, build_dir, probe):
     env = dict(os.environ)
-    # OpenMPI refuses root and more ranks than cores unless told; the vader single-copy mechanism needs ptrace
-    # permissions that containers often lack.
+    # OpenMPI refuses root and more ranks than cores unless told.
     env.update({
         "OMPI_ALLOW_RUN_AS_ROOT": "1",
         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
         "OMPI_MCA_rmaps_base_oversubscribe": "1",
-        "OMPI_MCA_btl_vader_single_copy_mechanism": "none",
         "OMP_NUM_THREADS": str(threads),
     })
+    # Large local messages by cross-memory attach where the machine allows it, else through shared memory (containers
+    # without the ptrace permission): the same probe as scripts/common.sh.
+    if probe:
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_single_copy.sh")
+        mech = subprocess.run([script, build_dir], env=env, capture_output=True, text=True).stdout.strip()
+        if mech == "none":
+            print("sweep.py: cross-memory attach is refused here; OpenMPI copies large messages through shared "
+                  "memory (OMPI_MCA_btl_vader_single_copy_mechanism=none)", file=sys.stderr)
+            env["OMPI_MCA_btl_vader_single_copy_mechanism"] = "none"
     return env
 
 
@@ -258,7 +265,7 @@ def main():
         with open(args.out, newline="") as f:
             old_rows = [r for r in csv.DictReader(f) if r["attn"] != args.attn or r["mode"] != args.mode]
     rows, failed = [], 0
-    env = child_env(args.threads)
+    env = child_env(args.threads, os.path.dirname(os.path.dirname(os.path.abspath(sp_bench))), not args.dry_run)
     start = time.time()
     with tempfile.TemporaryDirectory(prefix="seqpar_sweep_") as tmp:
         for n, (scaling, p, algo, pu, pr, flags, seq) in enumerate(runs, 1):
