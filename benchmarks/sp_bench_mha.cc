@@ -331,19 +331,22 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   WorkloadMemory m;
   m.inputs = e * (2 * q + 2 * kv_in);               // q, k, v, dout
   const double saved = e * (2 * q + 2 * kv) + lse;  // the ring's copies of q, k, v, out, and lse
-  // Forward: q_h k_h v_h (and replicated kv), out_h lse_h, the fp32 accumulator and block result; the ring's kv
-  // double buffer (p2p) or the gathered kv (allgather); the outputs out and lse.
+  // Forward: q_h k_h v_h (and replicated kv), out_h lse_h (Pu > 1), the fp32 accumulator and block result; the ring's
+  // kv double buffer (p2p) or the gathered kv (allgather); the outputs out and lse.
   m.forward.saved = saved;
   m.forward.outputs = e * q + lse;
   const double rope = o.rope ? e * (q + kv_in) : 0;  // the rotated copies of q and k (held through the backward)
-  m.forward.workspace = e * (2 * q + 2 * kv) + (replicate ? 2 * e * kv : 0) + 2 * f * q + 2 * lse + fwd_kernel + rope;
+  // Pu = 1 moves nothing: the ring reads q, k, v and writes out, lse, dq, dk, dv in place (no _h tensors).
+  const double heads_side = pu > 1 ? 1 : 0;
+  m.forward.workspace =
+      heads_side * (e * (2 * q + 2 * kv) + (replicate ? 2 * e * kv : 0) + lse) + 2 * f * q + lse + fwd_kernel + rope;
   const double gather = e * kv * (4 * pr + 2);
   m.forward.comm = (o.impl == RingImpl::kP2P ? 6 * e * kv : gather) + a2a;
-  // Backward: the forward's out and lse stay held; dout_h, dq_h dk_h dv_h, delta, the fp32 dq accumulator and dk dv
-  // (p2p: one ring shard; allgather: the whole sequence); the circulating kv and gradient buffers.
+  // Backward: the forward's out and lse stay held; dout_h, dq_h dk_h dv_h (Pu > 1), delta, the fp32 dq accumulator and
+  // dk dv (p2p: one ring shard; allgather: the whole sequence); the circulating kv and gradient buffers.
   m.backward.saved = saved;
   m.backward.outputs = e * q + lse + e * (q + 2 * kv_in);
-  m.backward.workspace = 2 * e * q + 2 * kv_grad * kv + (replicate ? 2 * f * kv : 0) + lse + f * q +
+  m.backward.workspace = heads_side * (2 * e * q + 2 * kv_grad * kv + (replicate ? 2 * f * kv : 0)) + lse + f * q +
                          (o.impl == RingImpl::kP2P ? 2 * f * kv : 2 * f * kv * pr) + bwd_kernel + rope;
   const double ring_p2p = e * 6 * kv + f * 2 * kv * (pr > 1 ? 4 : 2);
   const double ring_ag = std::max(gather, 2 * e * kv * pr + f * 2 * kv * (pr + 1));

@@ -73,23 +73,30 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   const UlyssesExchange a2a(groups_, counters_);
   const int pu = groups_.ulysses_size();
   const std::int64_t B = q.dim(0), sl = q.dim(1), hq = heads.hq;
-
-  Tensor q_h = a2a.to_heads(q);
-  Tensor k_h = a2a.kv_to_heads(k, heads);
-  Tensor v_h = a2a.kv_to_heads(v, heads);
-  Tensor out_h = alloc.empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
   const DType lse_dtype = accumulator_dtype(q.dtype());
-  Tensor lse_h = alloc.empty({B, hq / pu, pu * sl}, lse_dtype, MemCategory::kWorkspace);
-  // This rank holds query heads [u Hq / Pu, (u + 1) Hq / Pu) (ulysses.h): the global heads of the dropout key.
-  const std::int64_t head_offset = groups_.ulysses.rank() * (hq / pu);
-  CpContext ring_ctx =
-      ring_attn_.run_forward(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view(), head_offset);
-
   AttentionOutput o;
-  o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
-  o.lse = alloc.empty({B, hq, sl}, lse_dtype, MemCategory::kWorkspace);
-  a2a.to_sequence(out_h.view(), o.out.view());
-  a2a.lse_to_sequence(lse_h.view(), o.lse.view());
+  auto alloc_outputs = [&] {
+    o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
+    o.lse = alloc.empty({B, hq, sl}, lse_dtype, MemCategory::kWorkspace);
+  };
+  CpContext ring_ctx;
+  if (pu == 1) {
+    // A Ulysses group of one moves nothing: the ring reads the caller's tensors and writes the outputs in place.
+    alloc_outputs();
+    ring_ctx = ring_attn_.run_forward(q, k, v, o.out.view(), o.lse.view(), 0);
+  } else {
+    Tensor q_h = a2a.to_heads(q);
+    Tensor k_h = a2a.kv_to_heads(k, heads);
+    Tensor v_h = a2a.kv_to_heads(v, heads);
+    Tensor out_h = alloc.empty(q_h.shape(), q.dtype(), MemCategory::kWorkspace);
+    Tensor lse_h = alloc.empty({B, hq / pu, pu * sl}, lse_dtype, MemCategory::kWorkspace);
+    // This rank holds query heads [u Hq / Pu, (u + 1) Hq / Pu) (ulysses.h): the global heads of the dropout key.
+    const std::int64_t head_offset = groups_.ulysses.rank() * (hq / pu);
+    ring_ctx = ring_attn_.run_forward(q_h.view(), k_h.view(), v_h.view(), out_h.view(), lse_h.view(), head_offset);
+    alloc_outputs();
+    a2a.to_sequence(out_h.view(), o.out.view());
+    a2a.lse_to_sequence(lse_h.view(), o.lse.view());
+  }
   o.ctx = CpContext::make(
       id_, "USP", std::make_shared<Saved>(Saved{std::move(ring_ctx), heads, q.shape(), q.dtype(), alloc.device}));
   return o;
@@ -119,28 +126,38 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   const DType dtype = s->q_dtype;
   Tensor dout_cast;
   if (dout.dtype() != dtype) dout_cast = alloc.copy_of(dout, dtype, MemCategory::kWorkspace);
-  Tensor dout_h = a2a.to_heads(dout.dtype() != dtype ? dout_cast.view() : dout);
+  const TensorView dout_q = dout.dtype() != dtype ? dout_cast.view() : dout;
+  const TensorView& sinks = config_.score_mods.sinks;
+  const int pu = groups_.ulysses_size();
+  AttentionGrads g;
+  auto alloc_grads = [&] {
+    g.dq = alloc.empty(s->q_shape, dtype, MemCategory::kWorkspace);
+    g.dk = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
+    g.dv = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
+  };
+  if (pu == 1) {  // as in forward: nothing moves, the ring writes the gradients in place
+    if (!sinks.empty()) g.dsinks = alloc.empty(sinks.shape(), sinks.dtype(), MemCategory::kWorkspace);
+    alloc_grads();
+    ring_attn_.run_backward(std::move(s->ring), dout_q, g.dq.view(), g.dk.view(), g.dv.view(), g.dsinks);
+    return g;
+  }
+  Tensor dout_h = a2a.to_heads(dout_q);
 
   // Replica gradients travel in the accumulator dtype (fp32, fp64 for fp64) so that their sum is rounded once.
   const DType kv_grad_dtype = heads.replication == 1 ? dtype : accumulator_dtype(dtype);
-  const int pu = groups_.ulysses_size();
   Tensor dq_h = alloc.empty(dout_h.shape(), dtype, MemCategory::kWorkspace);
   Tensor dk_h = alloc.empty({B, pu * sl, heads.hkv_expanded / pu, D}, kv_grad_dtype, MemCategory::kWorkspace);
   Tensor dv_h = alloc.empty(dk_h.shape(), kv_grad_dtype, MemCategory::kWorkspace);
-  const TensorView& sinks = config_.score_mods.sinks;
   Tensor dsinks_h;  // the sums over the ring group for this rank's heads, then gathered over the Ulysses group
   if (!sinks.empty()) dsinks_h = alloc.empty({sinks.dim(0) / pu}, sinks.dtype(), MemCategory::kWorkspace);
   ring_attn_.run_backward(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view(), dsinks_h);
 
-  AttentionGrads g;
   if (!sinks.empty()) {
     const Tensor all = a2a.gather_heads_dim1(dsinks_h.view().reshape({1, sinks.dim(0) / pu}));
     g.dsinks = alloc.empty(sinks.shape(), sinks.dtype(), MemCategory::kWorkspace);
     alloc.copy_convert(all.view().reshape(sinks.shape()), g.dsinks.view());
   }
-  g.dq = alloc.empty(s->q_shape, dtype, MemCategory::kWorkspace);
-  g.dk = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
-  g.dv = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
+  alloc_grads();
   a2a.to_sequence(dq_h.view(), g.dq.view());
   a2a.kv_grad_to_sequence(dk_h.view(), heads, g.dk.view());
   a2a.kv_grad_to_sequence(dv_h.view(), heads, g.dv.view());

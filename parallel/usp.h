@@ -1,7 +1,8 @@
 // USP = Ulysses x Ring (Fang & Zhao 2024, "USP: A Unified Sequence Parallelism Approach") for MHA / GQA / MQA:
 // Ulysses all-to-all over the Ulysses group (parallel/ulysses.h), ring attention (p2p or allgather, any layout;
 // parallel/ring_attention.h) over the ring group on the gathered ring shard, inverse all-to-all. Pu = 1 is pure
-// ring, Pr = 1 pure Ulysses.
+// ring (nothing is exchanged or copied: the ring reads the caller's q, k, v and writes out, lse and the gradients
+// directly), Pr = 1 pure Ulysses.
 //
 // Communication volume per rank (README): each all-to-all of a tensor of N bytes sends and receives
 // (Pu - 1) / Pu * N (q, k, v, out and lse forward; dout, dq, dk, dv backward; k, v replicated to Pu heads and their
