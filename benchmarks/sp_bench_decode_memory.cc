@@ -64,7 +64,7 @@ MemoryEstimate estimate_decode_memory(const SpBenchOptions& o, int world_rank) {
   const bool fill = d.prefill == "fill";
   // The inputs: bytes per token of each token input (all heads, as DecodeInputs::rows makes them) and whole inputs.
   const DecodeArrays arrays = decode_arrays(o);
-  double token_bytes = 0, prompt_token_bytes = 0, whole = 0, widest = 0;
+  double token_bytes = 0, prompt_token_bytes = 0, whole = 0, widest = 0, widest_prompt = 0;
   for (const DecodeInput& in : arrays.inputs) {
     const double bytes = static_cast<double>(shape_numel(in.row)) * (in.state_dtype ? a : e);
     if (!in.per_token) {
@@ -75,7 +75,9 @@ MemoryEstimate estimate_decode_memory(const SpBenchOptions& o, int world_rank) {
     widest = std::max(widest, static_cast<double>(shape_numel(in.row)));
     // --prefill fill reads the keys only: MHA k, v; DSA c, k_idx.
     const bool key = in.name == "k" || in.name == "v" || in.name == "c" || in.name == "k_idx";
-    if (!fill || key) prompt_token_bytes += bytes;
+    if (fill && !key) continue;
+    prompt_token_bytes += bytes;
+    widest_prompt = std::max(widest_prompt, static_cast<double>(shape_numel(in.row)));
   }
   double inputs = B * t_loc * prompt_token_bytes + whole;
 
@@ -174,7 +176,7 @@ MemoryEstimate estimate_decode_memory(const SpBenchOptions& o, int world_rank) {
   // Host arrays: the layout of the prompt (8 bytes per slot, and this rank's positions), the rows made in fp64
   // before their conversion (transient), the --inputs files, --check's reference, --dump's gathered outputs.
   m.host.emplace_back("prompt layout", 8 * (t_loc * P + t_loc));
-  m.host.emplace_back("inputs made in fp64 (transient)", 8 * B * t_loc * widest);
+  m.host.emplace_back("inputs made in fp64 (transient)", 8 * B * t_loc * widest_prompt);
   if (!o.inputs_dir.empty()) {
     const double files = B * (T + N * n) * token_bytes + whole;  // the arrays, when a file is missing
     m.host.emplace_back("loaded inputs (--inputs, every rank)",
