@@ -16,6 +16,7 @@
 #include <ostream>
 #include <streambuf>
 
+#include "parallel/cp_common.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/version.h"
@@ -127,6 +128,10 @@ std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, i
   SEQPAR_CHECK(r.unmatched().empty(), "unexpected argument '", r.unmatched().front(),
                "' (every option is a --flag; see --help)");
   return r;
+}
+
+void check_ranks_agree(const Fingerprint& options) {
+  AgreementCheck(AgreementMode::kAlways).run(*MpiCommunicator::world(), options);
 }
 
 std::int64_t parse_size(const std::string& text, const char* flag) {

@@ -12,6 +12,10 @@
 
 #include "runtime/comm.h"
 
+namespace seqpar {
+class Fingerprint;  // parallel/cp_common.h
+}  // namespace seqpar
+
 namespace seqpar::bench {
 
 // This process's place in MPI_COMM_WORLD (MPI must be initialised; Error on an MPI failure).
@@ -50,6 +54,15 @@ const char* git_commit();
 // (same text on every rank) for a malformed command line or a stray positional argument.
 std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, int argc, char** argv, int world_rank,
                                                        const std::vector<std::string>& help_groups = {});
+
+// The options' agreement of a benchmark program (mpirun's MPMD form can start ranks with different command lines:
+// `mpirun -np 1 prog A : -np 1 prog B`): one AgreementCheck (mode always, whatever SEQPAR_AGREEMENT_CHECK says; one
+// 24-byte all-reduce, then an all-gather of the fields' text only when they differ) of `options` over MPI_COMM_WORLD,
+// whatever --backend says, so that it runs before any NCCL or CUDA call. Call it as the program's FIRST collective,
+// right after parsing: with every option agreed, all ranks then post the same collectives. Throws Error, the same on
+// every rank, naming the first field that differs and each rank's value ("<call>: the ranks of the world group
+// (world ranks 0-1) disagree on --ops: sendrecv on world rank 0; alltoall on world rank 1").
+void check_ranks_agree(const Fingerprint& options);
 
 // Parses "4096", "8K", "1M" (K = 1024, M = 1024^2; case-insensitive). Throws Error naming `flag` and the value.
 std::int64_t parse_size(const std::string& text, const char* flag);

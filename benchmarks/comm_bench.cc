@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "benchmarks/bench_common.h"
+#include "parallel/cp_common.h"
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
@@ -164,6 +165,29 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
   }
   SEQPAR_CHECK(!o.ops.empty() && !o.groups.empty(), "--ops and --groups must each name at least one entry");
   return o;
+}
+
+// The options every rank must share (check_ranks_agree), --backend first: a rank with another backend differs in
+// what follows too. --json is not compared (rank 0 alone writes it).
+Fingerprint options_fingerprint(const Options& o) {
+  std::string ops, groups;
+  for (Op op : o.ops) ops += str_cat(ops.empty() ? "" : ",", op_name(op));
+  for (const std::string& g : o.groups) groups += str_cat(groups.empty() ? "" : ",", g);
+  Fingerprint fp("comm_bench options");
+  fp.add_text("--backend", o.backend)
+      .add_int("--dp-size", o.grid.dp_size)
+      .add_int("--ulysses-size", o.grid.ulysses_size)
+      .add_int("--ring-size", o.grid.ring_size)
+      .add_text("--placement", placement_name(o.grid.placement))
+      .add_text("--ops", ops)
+      .add_text("--groups", groups)
+      .add_text("--dtype", dtype_name(o.dtype))
+      .add_int("--min-bytes", o.min_bytes)
+      .add_int("--max-bytes", o.max_bytes)
+      .add_int("--factor", o.factor)
+      .add_int("--warmup", o.warmup)
+      .add_int("--iters", o.iters);
+  return fp;
 }
 
 // Verification pattern: element j of rank s's send buffer is (s + 1) + (j % 13): small integers, exact in every
@@ -329,6 +353,10 @@ int comm_bench_main(int argc, char** argv) {
   const std::optional<Options> parsed = parse(argc, argv, world_size, world_rank);
   if (!parsed) return 0;
   const Options& o = *parsed;
+  // The first collective, the same on every rank whatever its flags: ranks started with other flags (mpirun's MPMD
+  // form) stop here, each naming the first that differs, before the node's communicator, NCCL or any measured call
+  // could pair with another rank's different one. Over MPI, whatever --backend says.
+  check_ranks_agree(options_fingerprint(o));
 
   const std::string date = utc_now_iso8601();
   const NodeInfo node = node_info();

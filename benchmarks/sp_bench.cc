@@ -49,7 +49,7 @@ int sp_bench_main(int argc, char** argv) {
   // form) stop here, each naming the first that differs, before any collective of one mode or backend (the node's
   // communicator, NCCL's device agreement) could pair with another rank's different one. Over MPI, whatever
   // --backend says.
-  check_options_agree(*MpiCommunicator::world(), o);
+  check_options_agree(o);
   if (o.decode.mode == "decode") return run_decode_bench(o, place);  // benchmarks/sp_bench_decode.h
 #if defined(_OPENMP)
   omp_set_num_threads(o.threads);
@@ -60,21 +60,19 @@ int sp_bench_main(int argc, char** argv) {
   report.memory = estimate_memory(o, 0);
   // The memory estimate, before anything is allocated: --dry-run prints it; a node that cannot hold it stops every
   // rank with the node's figures.
-  const MemoryVerdict verdict = compare_with_node_memory(o, estimate_memory(o, place.rank));
+  const MemoryEstimate mine = estimate_memory(o, place.rank);
+  const MemoryVerdict verdict = compare_with_node_memory(o, mine);
   // --check-against reference's size rule, before --dry-run's report: the dry run refuses what the run would.
   if (o.check && o.check_against == "reference") check_reference_fits(o);
   if (o.dry_run) {
     if (place.rank == 0) {
       const std::string packing = describe_packing(o);
       if (!packing.empty()) std::printf("%s\n", packing.c_str());
-      std::printf("%s# node: %s\n", describe_memory_estimate(report.memory).c_str(),
-                  !verdict.compared ? "not compared (nccl backend, or no MemAvailable)"
-                                    : str_cat(verdict.text, verdict.fits ? ": fits" : ": does NOT fit").c_str());
+      std::printf("%s", describe_memory_dry_run(report.memory, verdict).c_str());
     }
     return 0;
   }
-  SEQPAR_CHECK(verdict.fits, "memory estimate: ", verdict.text,
-               "; reduce --seq or --batch, or use more ranks or nodes (--dry-run prints the estimate by category)");
+  check_memory_fits(verdict, mine);
   const WorkloadKind& kind = find_workload_kind(o.attn);
   const NamedArrays inputs =
       o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o, kind.input_specs(o), kind.input_value_rule);

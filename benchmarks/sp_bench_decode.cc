@@ -22,6 +22,7 @@
 #include "benchmarks/sp_bench_decode_arrays.h"
 #include "benchmarks/sp_bench_decode_internal.h"
 #include "benchmarks/sp_bench_io.h"
+#include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_timing.h"
 #include "parallel/decode_cp.h"
@@ -37,6 +38,12 @@ constexpr double kMiB = 1024.0 * 1024.0;
 
 std::int64_t persistent_bytes() {
   return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kPersistentCache)];
+}
+
+double ledger_peak(Communicator& world) {
+  std::vector<double> peak{static_cast<double>(memory_ledger().snapshot().total_peak)};
+  all_reduce(world, peak, ReduceOp::kMax);
+  return peak[0];
 }
 
 // The q-th quantile (nearest rank) of v.
@@ -174,6 +181,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
     }
   }
   all_reduce(world, rep.step_s, ReduceOp::kMax);
+  rep.mem_peak_bytes = ledger_peak(world);
   rep.bytes_per_step = layer.counters().bytes_sent / N;
   rep.bytes_formula = layer.decode_bytes_per_step(B, n, hq, D, o.dtype);
   const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
@@ -271,6 +279,7 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
     if (o.check || results != nullptr) outs.push_back(std::move(r.out));
   }
   all_reduce(world, rep.step_s, ReduceOp::kMax);
+  rep.mem_peak_bytes = ledger_peak(world);
   const std::int64_t lv = layer.local_value_heads(), lk = layer.local_key_heads(), r = groups.sp_rank();
   Tensor out_all;
   if (!outs.empty()) out_all = concat_steps(outs, 1);
@@ -360,6 +369,14 @@ void check_decode_options(const SpBenchOptions& o) {
                " cannot be combined with --inputs or --dump (the chunk's tokens have no files)");
   parse_chunk_prefill_mode(d.chunk_mode);
   SEQPAR_CHECK(d.chunk > 0 || !o.given("chunk-mode"), "--chunk-mode needs --chunk C > 0");
+  SEQPAR_CHECK(!o.check || d.prefill == "forward", "--check needs --prefill forward");
+  SEQPAR_CHECK(o.check_against == "1-rank", "--mode decode: --check-against ", o.check_against,
+               " is not supported (decode checks against the single-rank training forward)");
+}
+
+// The layouts of the prompt and the chunk (each holds 8 bytes per slot: built after the memory check).
+void check_decode_layouts(const SpBenchOptions& o) {
+  const DecodeOptions& d = o.decode;
   if (d.chunk > 0) {
     try {
       SequenceLayout(o.layout, d.chunk, o.grid.ring_size, o.grid.ulysses_size);
@@ -367,9 +384,6 @@ void check_decode_options(const SpBenchOptions& o) {
       SEQPAR_THROW("--chunk ", d.chunk, " (--layout ", layout_name(o.layout), "): ", e.message());
     }
   }
-  SEQPAR_CHECK(!o.check || d.prefill == "forward", "--check needs --prefill forward");
-  SEQPAR_CHECK(o.check_against == "1-rank", "--mode decode: --check-against ", o.check_against,
-               " is not supported (decode checks against the single-rank training forward)");
   try {
     SequenceLayout(o.layout, d.context, o.grid.ring_size, o.grid.ulysses_size);
   } catch (const Error& e) {
@@ -377,7 +391,8 @@ void check_decode_options(const SpBenchOptions& o) {
   }
 }
 
-void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int world_size) {
+// The configuration lines of the table header (and of --dry-run).
+void print_decode_header(const SpBenchOptions& o, int world_size) {
   const DecodeOptions& d = o.decode;
   std::printf("# sp_bench --mode decode (seqpar %s), %d rank(s), grid ulysses %d x ring %d, attn %s, dtype %s\n",
               git_commit(), world_size, o.grid.ulysses_size, o.grid.ring_size, o.attn.c_str(), dtype_name(o.dtype));
@@ -399,6 +414,12 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
           : str_cat("B=", o.batch, " Hv=", o.heads, " Hk=", o.kv_heads, " K=", o.head_dim,
                     " V=", o.dim_v > 0 ? o.dim_v : o.head_dim, " mode=", o.gdn_mode, " conv=", o.conv_width);
   std::printf(", prefill %s, layout %s, %s\n", d.prefill.c_str(), layout_name(o.layout), shapes.c_str());
+}
+
+void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, const MemoryEstimate& memory, int world_size) {
+  print_decode_header(o, world_size);
+  std::printf("%s# measured ledger peak (largest rank): %s\n#\n", describe_memory_estimate(memory).c_str(),
+              bytes_str(r.mem_peak_bytes).c_str());
   std::printf("# %-14s %12s %12s\n", "phase", "median_ms", "p99_ms");
   std::printf("  %-14s %12.3f %12s\n", "prefill", median(r.prefill_s) * 1e3, "-");
   if (!r.chunk_s.empty()) {
@@ -424,7 +445,8 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, int wor
   std::fflush(stdout);
 }
 
-nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int world_size) {
+nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, const MemoryEstimate& memory,
+                           int world_size) {
   const DecodeOptions& d = o.decode;
   nlohmann::json j;
   j["mode"] = "decode";
@@ -472,6 +494,8 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, int w
   j["bytes_per_step_formula"] = r.bytes_formula;
   j["cache_mib_per_rank"] = r.cache_bytes / kMiB;
   j["cache_mib_formula"] = r.cache_formula / kMiB;
+  j["memory_estimate"] = memory_estimate_json(memory);
+  j["mem_peak_mib"] = {{"total", r.mem_peak_bytes / kMiB}};  // the ledger's, prefill to the last step, largest rank
   if (r.checked) {
     j["check"] = {{"passed", r.passed}, {"out_rel_err", r.out_err}};
     j["check"][o.attn == "gdn" ? "final_state_rel_err" : "lse_rel_err"] = o.attn == "gdn" ? r.state_err : r.lse_err;
@@ -528,8 +552,8 @@ DecodeOptions parse_decode_options(const cxxopts::ParseResult& r) {
     }
   } else {
     // The flags only the training step reads, refused as --mode train refuses the decode flags.
-    for (const char* flag : {"doc-lens", "doc-dist", "efficiency", "gdn-compare-token", "dry-run", "test-corrupt",
-                             "test-logit-scale", "test-mem-available-mib"}) {
+    for (const char* flag :
+         {"doc-lens", "doc-dist", "efficiency", "gdn-compare-token", "test-corrupt", "test-logit-scale"}) {
       SEQPAR_CHECK(r.count(flag) == 0, "--", flag, " needs --mode train (--mode decode does not read it)");
     }
   }
@@ -538,6 +562,21 @@ DecodeOptions parse_decode_options(const cxxopts::ParseResult& r) {
 
 int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
   check_decode_options(o);  // local: every rank fails alike, before any communication
+  // The memory estimate before anything is allocated (or a layout built): --dry-run prints it; a node that cannot
+  // hold it stops every rank with the node's figures and the flags that set the size.
+  const MemoryEstimate memory = estimate_decode_memory(o, 0);
+  const MemoryEstimate mine = estimate_decode_memory(o, place.rank);
+  const MemoryVerdict verdict = compare_with_node_memory(o, mine);
+  if (o.dry_run) {
+    if (verdict.fits) check_decode_layouts(o);  // the dry run refuses what the run would
+    if (place.rank == 0) {
+      print_decode_header(o, place.size);
+      std::printf("%s", describe_memory_dry_run(memory, verdict).c_str());
+    }
+    return 0;
+  }
+  check_memory_fits(verdict, mine);
+  check_decode_layouts(o);
 #if defined(_OPENMP)
   omp_set_num_threads(o.threads);
 #endif
@@ -563,13 +602,14 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
   const CpGroups groups = CpGroups::from(grid);
   DecodeResults results;
   DecodeResults* dump = o.dump_dir.empty() ? nullptr : &results;
+  memory_ledger().reset_peaks();  // DecodeReport::mem_peak_bytes: the workload's, from here to its last step
   const DecodeReport rep = o.attn == "mha" ? run_mha(*world, groups, o, inputs, dump)
                            : o.attn == "dsa"
                                ? run_dsa(*world, groups, o, inputs, dump)  // benchmarks/sp_bench_decode_dsa.cc
                                : run_gdn(*world, groups, o, inputs, dump);
-  if (place.rank == 0) print_decode_report(o, rep, place.size);
+  if (place.rank == 0) print_decode_report(o, rep, memory, place.size);
   const nlohmann::json json =
-      o.json_path.empty() || place.rank != 0 ? nlohmann::json() : decode_json(o, rep, place.size);
+      o.json_path.empty() || place.rank != 0 ? nlohmann::json() : decode_json(o, rep, memory, place.size);
   write_outputs(
       *world, o, [&] { return widen_for_dump(inputs.full()); }, results.outputs, o.json_path.empty() ? nullptr : &json);
   barrier(*world);

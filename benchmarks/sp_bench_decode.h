@@ -27,6 +27,7 @@
 namespace seqpar::bench {
 
 struct SpBenchOptions;
+struct MemoryEstimate;  // sp_bench_memory.h
 
 struct DecodeOptions {
   std::string mode = "train";              // --mode train | decode
@@ -42,12 +43,20 @@ struct DecodeOptions {
 
 // The decode flags (help group "decode").
 void add_decode_options(cxxopts::Options& spec);
-// Reads them (their rules are checked by run_decode_bench, before any communication but the options' agreement); with --mode decode, refuses
-// the flags only --mode train reads ("--doc-lens needs --mode train").
+// Reads them (their rules are checked by run_decode_bench, before any communication but the options' agreement); with
+// --mode decode, refuses the flags only --mode train reads ("--doc-lens needs --mode train").
 DecodeOptions parse_decode_options(const cxxopts::ParseResult& r);
 // --mode decode --inputs: --context from dimension 1 of the prompt's first input and --decode-steps from that of its
 // _dec file (N n) when not given; a given one must match. Called after --mode train's shapes_from_inputs.
 void decode_shapes_from_inputs(SpBenchOptions& o);
+
+// The decode run's estimate of world rank `world_rank`'s peak (benchmarks/sp_bench_decode_memory.cc), from the options
+// alone, in --mode train's categories (sp_bench_memory.h): the ledger's peak (the prompt's input rows of this rank,
+// the persistent cache's largest shard by the attention/ cache formulas, and the largest of the prefill, the chunk
+// prefill and a decode step with the steps' kept outputs), then the host arrays (the prompt's layout, --inputs,
+// --check's single-rank reference on every rank, --dump). Local arithmetic (no layout is built: a context too long
+// to hold is refused by the estimate, not by its allocation); call after the options' rules.
+MemoryEstimate estimate_decode_memory(const SpBenchOptions& o, int world_rank);
 
 // The whole decode run (every rank), after check_options_agree (sp_bench.cc: --mode, the decode flags and --dump
 // are among the options every rank agrees on); returns the exit status (1 when --check failed).

@@ -86,6 +86,7 @@ DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchO
     }
   }
   all_reduce(world, rep.step_s, ReduceOp::kMax);
+  rep.mem_peak_bytes = ledger_peak(world);
   rep.bytes_per_step = layer.counters().bytes_sent / N;
   rep.bytes_formula = layer.decode_bytes_per_step(B, n, H, o.dtype);
   Tensor out_all, lse_all, topk_all;

@@ -29,6 +29,7 @@ struct DecodeReport {
   bool checked = false, passed = true;
   double out_err = 0, lse_err = 0, state_err = 0;  // max |got - want| / max |want|
   std::int64_t topk_mismatches = -1;               // DSA: topk_indices entries that differ (-1: not checked)
+  double mem_peak_bytes = 0;  // the ledger's total peak from the prefill to the last step, largest over the ranks
 };
 
 // A run's results for --dump: its outputs gathered from every rank's heads (filled on every rank).
@@ -38,6 +39,8 @@ struct DecodeResults {
 
 // The ledger's persistent_cache bytes now.
 std::int64_t persistent_bytes();
+// The ledger's total peak (bytes), the largest over the ranks of `world` (collective).
+double ledger_peak(Communicator& world);
 // Tolerance of a decode result against the single-rank kernels, relative to the largest reference value.
 double tolerance(DType dtype);
 // max |got - want| / max |want| (equal infinities ignored).

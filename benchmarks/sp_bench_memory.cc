@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "benchmarks/sp_bench_workload.h"
@@ -23,29 +24,6 @@ double sum_of(const std::vector<std::pair<std::string, double>>& lines) {
   double s = 0;
   for (const auto& [name, bytes] : lines) s += bytes;
   return s;
-}
-
-std::string bytes_str(double b) {
-  char buf[32];
-  if (b >= kGiB) {
-    std::snprintf(buf, sizeof buf, "%.2f GiB", b / kGiB);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.1f MiB", b / kMiB);
-  }
-  return buf;
-}
-
-// The bytes of the --inputs files (what load_inputs() reads, on every rank): their sizes on disk, which exceed the
-// arrays by the small .npy headers; the storage dtype's bytes when a file is missing (load_inputs will say so).
-double loaded_input_bytes(const SpBenchOptions& o, const WorkloadMemory& w) {
-  double b = 0;
-  for (const TensorSpec& s : find_workload_kind(o.attn).input_specs(o)) {
-    std::error_code ec;
-    const auto size = std::filesystem::file_size(std::filesystem::path(o.inputs_dir) / (s.name + ".npy"), ec);
-    if (ec) return w.full_inputs;
-    b += static_cast<double>(size);
-  }
-  return b;
 }
 
 // "KEY: N kB" of /proc/meminfo in bytes; -1 when absent.
@@ -74,6 +52,29 @@ double cgroup_value(const char* path) {
 
 }  // namespace
 
+std::string bytes_str(double b) {
+  char buf[32];
+  if (b >= 1024 * kGiB) {
+    std::snprintf(buf, sizeof buf, "%.2f TiB", b / (1024 * kGiB));
+  } else if (b >= kGiB) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / kGiB);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", b / kMiB);
+  }
+  return buf;
+}
+
+double loaded_input_bytes(const SpBenchOptions& o, const std::vector<TensorSpec>& specs, double fallback) {
+  double b = 0;
+  for (const TensorSpec& s : specs) {
+    std::error_code ec;
+    const auto size = std::filesystem::file_size(std::filesystem::path(o.inputs_dir) / (s.name + ".npy"), ec);
+    if (ec) return fallback;
+    b += static_cast<double>(size);
+  }
+  return b;
+}
+
 double MemoryEstimate::ledger_bytes() const { return sum_of(ledger); }
 double MemoryEstimate::total_bytes() const { return sum_of(ledger) + sum_of(host) + kProcessBaselineBytes; }
 
@@ -92,7 +93,9 @@ MemoryEstimate estimate_memory(const SpBenchOptions& o, int world_rank) {
 
   const bool sp_root = sp_coords_of(o.grid, world_rank).sp_rank == 0;
   const double reference = w.full_inputs + w.full_outputs + w.reference_scratch;
-  if (!o.inputs_dir.empty()) e.host.emplace_back("loaded inputs (--inputs, every rank)", loaded_input_bytes(o, w));
+  if (!o.inputs_dir.empty())
+    e.host.emplace_back("loaded inputs (--inputs, every rank)",
+                        loaded_input_bytes(o, kind.input_specs(o), w.full_inputs));
   if (o.check || !o.dump_dir.empty()) e.host.emplace_back("gathered outputs (--check/--dump)", w.full_outputs);
   if (o.dump_inputs && world_rank == 0) e.host.emplace_back("dumped inputs (--dump-inputs, rank 0)", w.full_inputs);
   if (o.efficiency || o.gdn_compare_token) {
@@ -119,6 +122,35 @@ std::string describe_memory_estimate(const MemoryEstimate& e) {
   for (const auto& [name, bytes] : e.host) s += str_cat("#   host arrays: ", name, " ", bytes_str(bytes), "\n");
   s += str_cat("#   process allowance (MPI, libraries) ", bytes_str(kProcessBaselineBytes), "\n");
   return s;
+}
+
+std::string describe_memory_dry_run(const MemoryEstimate& e, const MemoryVerdict& v) {
+  return str_cat(describe_memory_estimate(e), "# node: ",
+                 !v.compared ? "not compared (nccl backend, or no MemAvailable)"
+                             : str_cat(v.text, v.fits ? ": fits" : ": does NOT fit"),
+                 "\n");
+}
+
+void check_memory_fits(const MemoryVerdict& v, const MemoryEstimate& mine) {
+  if (v.fits) return;
+  const std::pair<std::string, double>* largest = nullptr;
+  for (const auto* lines : {&mine.ledger, &mine.host}) {
+    for (const auto& line : *lines) {
+      if (largest == nullptr || line.second > largest->second) largest = &line;
+    }
+  }
+  const std::string part = largest == nullptr ? std::string()
+                                              : str_cat("the largest part per rank: ", largest->first, " ",
+                                                        bytes_str(largest->second), "; ");
+  SEQPAR_THROW("memory estimate: ", v.text, "; reduce ", mine.size_flags, ", or use more ranks or nodes (", part,
+               "--dry-run prints the estimate by category)");
+}
+
+nlohmann::json memory_estimate_json(const MemoryEstimate& e) {
+  nlohmann::json mem = {{"ledger_peak_bytes", e.ledger_bytes()}, {"total_bytes", e.total_bytes()}};
+  for (const auto& [name, bytes] : e.ledger) mem["ledger"][name] = bytes;
+  for (const auto& [name, bytes] : e.host) mem["host"][name] = bytes;
+  return mem;
 }
 
 MemoryVerdict compare_with_node_memory(const SpBenchOptions& o, const MemoryEstimate& e) {

@@ -2,9 +2,11 @@
 // (README "Memory estimate"). Each attention kind gives what its distributed step holds, category by category of the
 // memory ledger (WorkloadKind::estimate_memory, sp_bench_workload.h); this file adds the host arrays of the run's
 // options (--inputs, --check, --dump, --efficiency), compares the node's sum with the memory the node has, and prints
-// the estimate (--dry-run).
+// the estimate (--dry-run). sp_bench --mode decode makes its own estimate (estimate_decode_memory,
+// sp_bench_decode.h) and shares the rest: the comparison with the node, the printing, the refusal.
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -12,6 +14,8 @@
 #include "benchmarks/sp_bench_options.h"
 
 namespace seqpar::bench {
+
+struct TensorSpec;  // sp_bench_workload.h
 
 // Bytes one phase (forward or backward) of the distributed step holds at its peak on one rank, besides the inputs.
 struct PhaseMemory {
@@ -36,8 +40,11 @@ struct WorkloadMemory {
 struct MemoryEstimate {
   std::vector<std::pair<std::string, double>> ledger;  // inputs, saved activations, outputs, workspace, comm buffers
   std::vector<std::pair<std::string, double>> host;    // loaded inputs, gathered outputs, reference, ... (when used)
-  double ledger_bytes() const;                         // what the ledger's total peak can reach (bytes)
-  double total_bytes() const;                          // ledger + host + kProcessBaselineBytes
+  // The flags that set the size, for the refusal's "reduce ..." ("--seq or --batch"; decode: --context and the rest
+  // with their values).
+  std::string size_flags = "--seq or --batch";
+  double ledger_bytes() const;  // what the ledger's total peak can reach (bytes)
+  double total_bytes() const;   // ledger + host + kProcessBaselineBytes
 };
 
 // Memory a rank uses outside every estimate (MPI, libraries, the executable): a fixed allowance.
@@ -46,6 +53,11 @@ constexpr double kProcessBaselineBytes = 64.0 * 1024 * 1024;
 // The estimate of world rank `world_rank` (the single-rank reference of --check runs on each replica's SP root;
 // --efficiency's runs on every rank). Local arithmetic; Error when the kind has no estimate.
 MemoryEstimate estimate_memory(const SpBenchOptions& o, int world_rank);
+
+// The bytes of the --inputs files of `specs` in o.inputs_dir (what load_inputs() reads, on every rank): their sizes
+// on disk, which exceed the arrays by the small .npy headers; `fallback` when a file is missing (load_inputs will
+// say so).
+double loaded_input_bytes(const SpBenchOptions& o, const std::vector<TensorSpec>& specs, double fallback);
 
 // Bytes this node can still give: MemAvailable of /proc/meminfo, lowered to the cgroup's memory.max minus
 // memory.current where a cgroup (v2) limit is set; `test_override` > 0 replaces both (--test-mem-available-mib).
@@ -63,7 +75,18 @@ struct MemoryVerdict {
 };
 MemoryVerdict compare_with_node_memory(const SpBenchOptions& o, const MemoryEstimate& e);
 
+// Bytes as the estimate prints them: "12.5 MiB" below 1 GiB, "3.25 GiB" below 1 TiB, else "1.50 TiB".
+std::string bytes_str(double bytes);
+
 // "# memory estimate per rank ..." lines for the table header and --dry-run.
 std::string describe_memory_estimate(const MemoryEstimate& e);
+// What --dry-run prints: describe_memory_estimate(e), then "# node: ..." with the verdict (fits or does NOT fit).
+std::string describe_memory_dry_run(const MemoryEstimate& e, const MemoryVerdict& v);
+// The refusal, before anything is allocated: Error when `v` says the node cannot hold the estimate, naming the node's
+// figures, the largest part of `mine` (this rank's estimate) and its size_flags. Local; every rank gets the same
+// verdict from compare_with_node_memory, so that every rank stops alike.
+void check_memory_fits(const MemoryVerdict& v, const MemoryEstimate& mine);
+// The estimate for --json: {"ledger_peak_bytes", "total_bytes", "ledger": {name: bytes}, "host": {name: bytes}}.
+nlohmann::json memory_estimate_json(const MemoryEstimate& e);
 
 }  // namespace seqpar::bench

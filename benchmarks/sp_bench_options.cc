@@ -444,7 +444,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   return o;
 }
 
-void check_options_agree(Communicator& world, const SpBenchOptions& o) {
+void check_options_agree(const SpBenchOptions& o) {
   // --mode, --backend and --inputs first: the error names the first field that differs, and a rank with another mode,
   // backend or input files differs in what follows them too (the shapes --inputs gives, the flags a mode reads).
   const DecodeOptions& d = o.decode;
@@ -501,6 +501,7 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_flag("--efficiency", o.efficiency)
       .add_flag("--dump-inputs", o.dump_inputs)
       .add_flag("--dry-run", o.dry_run)
+      .add_real("--test-mem-available-mib", o.test_mem_available_mib)
       .add_flag("--gdn-compare-token", o.gdn_compare_token)
       .add_text("--test-corrupt", o.test_corrupt)
       .add_int("--test-fail-write-after", o.test_fail_write_after)
@@ -518,7 +519,7 @@ void check_options_agree(Communicator& world, const SpBenchOptions& o) {
       .add_text("--dump", o.dump_dir.empty() ? "(none)" : o.dump_dir)
       // The library's layers require one mode on every rank (they cannot see a mismatch without paying the check).
       .add_text("SEQPAR_AGREEMENT_CHECK", agreement_mode_name(agreement_mode()));
-  AgreementCheck(AgreementMode::kAlways).run(world, fp);
+  check_ranks_agree(fp);
 }
 
 std::string preset_note(const SpBenchOptions& o, const std::string& flag) {

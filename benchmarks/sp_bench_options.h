@@ -95,13 +95,12 @@ struct SpBenchOptions {
 // `world_size`.
 std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank);
 
-// Collective over `world` (one all-reduce of the options' fingerprint, parallel/cp_common.h AgreementCheck): every
-// rank must have parsed the same options (mpirun may start ranks with different command lines). Throws Error, the
-// same on every rank, naming the first flag that differs and its value on each rank (--mode, --backend and --inputs
-// first). --json is not compared, nor --dump under --mode train (rank 0 alone writes them). sp_bench calls it over
-// MPI_COMM_WORLD right after parsing, before any other collective: with every flag and the mode and backend agreed,
-// all ranks then run the same sequence of collectives.
-void check_options_agree(Communicator& world, const SpBenchOptions& o);
+// Collective over MPI_COMM_WORLD (check_ranks_agree of bench_common.h over the options' fingerprint): every rank must
+// have parsed the same options (mpirun may start ranks with different command lines). Throws Error, the same on
+// every rank, naming the first flag that differs and its value on each rank (--mode, --backend and --inputs first).
+// --json is not compared (rank 0 alone writes it). sp_bench calls it right after parsing, before any other
+// collective: with every flag and the mode and backend agreed, all ranks then run the same sequence of collectives.
+void check_options_agree(const SpBenchOptions& o);
 
 // " (from --model NAME)" when the value of `flag` (without "--") came from the --model preset, else "": for error
 // messages that name a value the user did not type.

@@ -238,10 +238,7 @@ nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   if (kind.add_json) kind.add_json(o, j);
   j["warmup"] = o.warmup;
   j["iters"] = o.iters;
-  nlohmann::json mem = {{"ledger_peak_bytes", r.memory.ledger_bytes()}, {"total_bytes", r.memory.total_bytes()}};
-  for (const auto& [name, bytes] : r.memory.ledger) mem["ledger"][name] = bytes;
-  for (const auto& [name, bytes] : r.memory.host) mem["host"][name] = bytes;
-  j["memory_estimate"] = mem;
+  j["memory_estimate"] = memory_estimate_json(r.memory);
   j["phases"] = nlohmann::json::array();
   for (const PhaseResult& p : r.phases) j["phases"].push_back(phase_json(o, r, p));
   if (!r.variants.empty()) {
