@@ -55,10 +55,12 @@ using IndexerShape = DsaIndexerShape;
 // Keys per panel of the top-k pass: k_idx is converted once per call into panels of kKeyPanel keys stored
 // transposed ([Di, kKeyPanel], zero padded), the B operand of one [Hi, Di] x [Di, kKeyPanel] product per query row.
 // Calls with at most kInPlaceQueries query rows per batch row (a decode step: one new token, or a few drafts) read
-// k_idx in place instead, kKeyPanel keys at a time: the panels would be read by so few rows that writing them costs
-// more than it saves (a copy of the whole of k_idx per call, the cache of a decode step).
+// k_idx in place instead, kKeyPanel keys at a time (the next run prefetched): the panels, a copy of the whole of
+// k_idx per call, would be read by too few rows to repay writing them. Each row then pays a transposition of its
+// scores per run instead; in sp_bench's DSA decode (Hi 64, Di 128, 64K keys, one thread) reading in place was the
+// faster up to 4 rows and 7% slower at 8 (README "DSA decode measured on the development machine").
 inline constexpr std::int64_t kKeyPanel = 64;
-inline constexpr std::int64_t kInPlaceQueries = 16;
+inline constexpr std::int64_t kInPlaceQueries = 4;
 
 // out[l] = sum_i w_i relu(s_il) for l < N (a multiple of kPad), s [Hi, N], heads in ascending order.
 template <typename Acc>
@@ -132,6 +134,11 @@ struct IndexerInputs {
   const Acc* key_rows(std::int64_t b, std::int64_t j0, std::int64_t m, std::span<Acc> buf) const {
     return acc_row(k_idx + (b * s.Sk + j0) * s.Di, m * s.Di, buf);
   }
+  // Asks for the m keys from index j0 of batch b (none when m <= 0) to be brought into the cache, a line at a time.
+  void prefetch_keys(std::int64_t b, std::int64_t j0, std::int64_t m) const {
+    const char* p = reinterpret_cast<const char*>(k_idx + (b * s.Sk + j0) * s.Di);
+    for (std::int64_t o = 0; o < m * s.Di * static_cast<std::int64_t>(sizeof(T)); o += 64) __builtin_prefetch(p + o);
+  }
   // The n block keys keys[0..n) of batch b as the columns of kT [Di, pad16(n)].
   void keys_transposed(std::int64_t b, const std::int64_t* keys, std::int64_t n, Acc* kT) const {
     gather_transposed<Acc>([&](std::int64_t j) { return k_idx + (b * s.Sk + keys[j]) * s.Di; }, n, s.Di, pad16(n), kT);
@@ -198,6 +205,7 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
         gather_transposed<Acc>([&](std::int64_t i) { return qr + i * Di; }, Hi, Di, Hp, qT.data());
         for (std::int64_t j0 = first; j0 < n_vis; j0 += kKeyPanel) {
           const std::int64_t m = std::min(kKeyPanel, n_vis - j0);
+          in.prefetch_keys(b, j0 + m, std::min(kKeyPanel, n_vis - j0 - m));  // the next run, while this one is scored
           index_scores_rows(qT.data(), wr, in.key_rows(b, j0, m, kbuf), m, Hi, Di, sT.data(), sbuf.data(), tile.data());
           offer(j0, j0 + m, tile.data());
         }

@@ -105,9 +105,9 @@ struct DsaCase {
   std::int64_t n;
   std::int64_t window = 0;
   // The indexer's heads and dim, the prompt length, the cache slots left free after the last step, and k. A decode
-  // step (n <= 16 query rows) reads the cache's keys in place while the training forward (over the whole sequence)
-  // converts them into panels first: the larger shapes cross several 64-key blocks, heads that are not a multiple of
-  // the SIMD width, and (bf16) keys converted per block.
+  // step of n <= 4 query rows reads the cache's keys in place (n = 5: panels, as training does) while the training
+  // forward (over the whole sequence) converts them into panels first: the larger shapes cross several 64-key blocks,
+  // heads that are not a multiple of the SIMD width, and (bf16) keys converted per block.
   std::int64_t hi = 2, di = 8, prompt = 37, spare = 0, topk = 9;
 };
 std::string case_name(const DsaCase& c) {
@@ -149,7 +149,9 @@ INSTANTIATE_TEST_SUITE_P(Cases, DsaDecode,
                                            DsaCase{DType::kFloat32, 1, 0, 20, 40, 300, 7, 40},
                                            DsaCase{DType::kFloat32, 2, 100, 32, 32, 300, 0, 40},
                                            DsaCase{DType::kBFloat16, 1, 0, 20, 40, 300, 3, 40},
-                                           DsaCase{DType::kFloat64, 3, 0, 20, 40, 300, 5, 40}),
+                                           DsaCase{DType::kFloat64, 3, 0, 20, 40, 300, 5, 40},
+                                           DsaCase{DType::kFloat32, 4, 0, 20, 40, 300, 0, 40},
+                                           DsaCase{DType::kFloat32, 5}),
                          [](const auto& info) { return case_name(info.param); });
 
 TEST(DsaCache, RefusedAppendsAndStepsChangeNothing) {
