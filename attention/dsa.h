@@ -132,8 +132,10 @@ struct DsaTopkState {
 void dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
 
 // Scores the keys of one block that are visible to each query (tile by tile: one accumulator-dtype copy of the key
-// block and O(tile) extra memory per thread, no [Sq, Sk] matrix) and merges them into `state`. Every key position must
-// be fed once over all calls. Errors: shapes, dtypes, q_pos / k_pos sizes, k_pos not strictly increasing.
+// block and O(tile) extra memory per thread, no [Sq, Sk] matrix; with Sq <= 4, a decode step, the keys are read in
+// place instead, and only a tile is converted for a storage dtype other than the accumulator's) and merges them into
+// `state`; the scores are bitwise the same either way. Every key position must be fed once over all calls. Errors:
+// shapes, dtypes, q_pos / k_pos sizes, k_pos not strictly increasing.
 void dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
 
 // Merges `other` (same shapes and score dtype, disjoint key positions) into `state`.

@@ -54,18 +54,18 @@ using IndexerShape = DsaIndexerShape;
 
 // Keys per panel of the top-k pass: k_idx is converted once per call into panels of kKeyPanel keys stored
 // transposed ([Di, kKeyPanel], zero padded), the B operand of one [Hi, Di] x [Di, kKeyPanel] product per query row.
+// Calls with at most kInPlaceQueries query rows per batch row (a decode step: one new token, or a few drafts) read
+// k_idx in place instead, kKeyPanel keys at a time (the next run prefetched): the panels, a copy of the whole of
+// k_idx per call, would be read by too few rows to repay writing them. Each row then pays a transposition of its
+// scores per run instead; in sp_bench's DSA decode (Hi 64, Di 128, 64K keys, one thread) reading in place was the
+// faster up to 4 rows and 7% slower at 8 (README "DSA decode measured on the development machine").
 inline constexpr std::int64_t kKeyPanel = 64;
+inline constexpr std::int64_t kInPlaceQueries = 4;
 
-// Index scores of one query row (Acc rows q [Hi, Di], w [Hi]) against N keys, N a multiple of kPad: kT [Di, ldk] holds
-// the keys as columns (zero padded), s [Hi, N] receives q_idx_i . k_j, out[l] = sum_i w_i relu(s_il) with heads in
-// ascending order. Every score of the indexer goes through these instructions (gemm reduces each element over d in
-// increasing order wherever it lies), so a pair's score is bitwise the same in the top-k pass and in the selected
-// scores, in whichever block, panel or column it is computed.
+// out[l] = sum_i w_i relu(s_il) for l < N (a multiple of kPad), s [Hi, N], heads in ascending order.
 template <typename Acc>
-__attribute__((noinline)) void index_scores(const Acc* q, const Acc* w, const Acc* kT, std::int64_t ldk, std::int64_t N,
-                                            std::int64_t Hi, std::int64_t Di, Acc* s, Acc* out) {
+inline void weigh_heads(const Acc* s, std::int64_t N, const Acc* w, std::int64_t Hi, Acc* out) {
   using S = cpu::Simd<Acc>;
-  gemm<Acc>(Hi, N, Di, q, Di, kT, ldk, s, N);
   for (std::int64_t l0 = 0; l0 < N; l0 += S::W) {
     typename S::V total = S::zero();
     for (std::int64_t i = 0; i < Hi; ++i) {
@@ -73,6 +73,31 @@ __attribute__((noinline)) void index_scores(const Acc* q, const Acc* w, const Ac
     }
     S::store(out + l0, total);
   }
+}
+
+// Index scores of one query row (Acc rows q [Hi, Di], w [Hi]) against N keys, N a multiple of kPad: kT [Di, ldk] holds
+// the keys as columns (zero padded), s [Hi, N] receives q_idx_i . k_j, out[l] = sum_i w_i relu(s_il) with heads in
+// ascending order. Every score of the indexer goes through these instructions or index_scores_rows' (gemm reduces
+// each element over d in increasing order wherever it lies), so a pair's score is bitwise the same in the top-k pass
+// and in the selected scores, in whichever block, panel or column it is computed.
+template <typename Acc>
+__attribute__((noinline)) void index_scores(const Acc* q, const Acc* w, const Acc* kT, std::int64_t ldk, std::int64_t N,
+                                            std::int64_t Hi, std::int64_t Di, Acc* s, Acc* out) {
+  gemm<Acc>(Hi, N, Di, q, Di, kT, ldk, s, N);
+  weigh_heads(s, N, w, Hi, out);
+}
+
+// index_scores with the m keys as rows, read in place (k [m, Di], row-major): sT [m, Hp] = k x qT, where qT [Di, Hp]
+// holds the query's heads as columns (Hp = pad16(Hi), zero padded), then s [Hi, pad16(m)] = its transpose and out as
+// index_scores. Each score is the same chain of Simd::fma over d, from zero, with the two factors of each product
+// swapped (a product is the same number either way), so it is bitwise index_scores' score of the pair.
+template <typename Acc>
+__attribute__((noinline)) void index_scores_rows(const Acc* qT, const Acc* w, const Acc* k, std::int64_t m,
+                                                 std::int64_t Hi, std::int64_t Di, Acc* sT, Acc* s, Acc* out) {
+  const std::int64_t Hp = pad16(Hi), mp = pad16(m);
+  gemm<Acc>(m, Hp, Di, k, Di, qT, Hp, sT, Hp);
+  gather_transposed<Acc>([&](std::int64_t l) { return sT + l * Hp; }, m, Hi, mp, s);
+  weigh_heads(s, mp, w, Hi, out);
 }
 
 // A row of a storage-typed buffer as Acc: the pointer itself when the types agree, else converted into `buf`
@@ -105,6 +130,15 @@ struct IndexerInputs {
     return acc_row(q_idx + r * s.Hi * s.Di, s.Hi * s.Di, buf);
   }
   const Acc* weights(std::int64_t r, std::span<Acc> buf) const { return acc_row(w + r * s.Hi, s.Hi, buf); }
+  // The m keys from index j0 of batch b as Acc rows [m, Di]: k_idx itself when T is Acc, else converted into buf.
+  const Acc* key_rows(std::int64_t b, std::int64_t j0, std::int64_t m, std::span<Acc> buf) const {
+    return acc_row(k_idx + (b * s.Sk + j0) * s.Di, m * s.Di, buf);
+  }
+  // Asks for the m keys from index j0 of batch b (none when m <= 0) to be brought into the cache, a line at a time.
+  void prefetch_keys(std::int64_t b, std::int64_t j0, std::int64_t m) const {
+    const char* p = reinterpret_cast<const char*>(k_idx + (b * s.Sk + j0) * s.Di);
+    for (std::int64_t o = 0; o < m * s.Di * static_cast<std::int64_t>(sizeof(T)); o += 64) __builtin_prefetch(p + o);
+  }
   // The n block keys keys[0..n) of batch b as the columns of kT [Di, pad16(n)].
   void keys_transposed(std::int64_t b, const std::int64_t* keys, std::int64_t n, Acc* kT) const {
     gather_transposed<Acc>([&](std::int64_t j) { return k_idx + (b * s.Sk + keys[j]) * s.Di; }, n, s.Di, pad16(n), kT);
@@ -114,16 +148,23 @@ struct IndexerInputs {
 template <typename T>
 void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTopkState& st) {
   using Acc = acc_t<T>;
-  const std::int64_t K = st.scores.dim(2), Hi = s.Hi, Di = s.Di, rows = s.B * s.Sq;
+  const std::int64_t K = st.scores.dim(2), Hi = s.Hi, Di = s.Di, Hp = pad16(Hi), rows = s.B * s.Sq;
   if (K == 0 || s.Sk == 0) return;
   Acc* scores = static_cast<Acc*>(st.scores.data());
   std::int64_t* positions = static_cast<std::int64_t*>(st.positions.data());
   const IndexerInputs<T> in(a, s);
-  const std::int64_t panels = (s.Sk + kKeyPanel - 1) / kKeyPanel, panel_size = Di * kKeyPanel;
+  const bool in_place = s.Sq <= kInPlaceQueries;
+  const std::int64_t panels = in_place ? 0 : (s.Sk + kKeyPanel - 1) / kKeyPanel, panel_size = Di * kKeyPanel;
   const Tensor kT_owner =
       zeroed_workspace({s.B * panels * panel_size}, dtype_v<Acc>, "dsa_indexer_topk_block key panels");
   Acc* const kT = static_cast<Acc*>(kT_owner.data());
-  const WorkerScratch<Acc> ws({Hi * Di, Hi, Hi * kKeyPanel, kKeyPanel}, "dsa_indexer_topk_block scratch");
+  // Per worker: the query row and its weights as Acc, the scores [Hi, kKeyPanel] and their weighted sums; in place
+  // also the query transposed [Di, Hp], the transposed scores [kKeyPanel, Hp] and, for a storage type other than
+  // Acc, the converted keys [kKeyPanel, Di].
+  const std::int64_t place = in_place ? 1 : 0, convert = std::is_same_v<T, Acc> ? 0 : place;
+  const WorkerScratch<Acc> ws(
+      {Hi * Di, Hi, Hi * kKeyPanel, kKeyPanel, place * Di * Hp, place * kKeyPanel * Hp, convert * kKeyPanel * Di},
+      "dsa_indexer_topk_block scratch");
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -132,7 +173,8 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
       gather_transposed<Acc>([&](std::int64_t j) { return in.k_idx + (b * s.Sk + j0 + j) * Di; },
                              std::min(kKeyPanel, s.Sk - j0), Di, kKeyPanel, kT + bp * panel_size);
     }
-    const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), sbuf = ws.buffer(2), tile = ws.buffer(3);
+    const std::span<Acc> qbuf = ws.buffer(0), wbuf = ws.buffer(1), sbuf = ws.buffer(2), tile = ws.buffer(3),
+                         qT = ws.buffer(4), sT = ws.buffer(5), kbuf = ws.buffer(6);
 #pragma omp for schedule(dynamic, 4)
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t b = r / s.Sq, t = r % s.Sq;
@@ -151,6 +193,24 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
       const Acc* wr = in.weights(r, wbuf);
       Acc* hs = scores + r * K;
       std::int64_t* hp = positions + r * K;
+      // The candidates [j0, j1), scores sc[0 .. j1 - j0), into the row's top-k.
+      const auto offer = [&](std::int64_t j0, std::int64_t j1, const Acc* sc) {
+        for (std::int64_t j = j0; j < j1; ++j) {
+          const Acc score = sc[j - j0];
+          if (score < hs[0]) continue;  // worse than the row's worst entry: rejected by one compare
+          heap_offer(hs, hp, K, score, s.k_pos[static_cast<std::size_t>(j)]);
+        }
+      };
+      if (in_place) {
+        gather_transposed<Acc>([&](std::int64_t i) { return qr + i * Di; }, Hi, Di, Hp, qT.data());
+        for (std::int64_t j0 = first; j0 < n_vis; j0 += kKeyPanel) {
+          const std::int64_t m = std::min(kKeyPanel, n_vis - j0);
+          in.prefetch_keys(b, j0 + m, std::min(kKeyPanel, n_vis - j0 - m));  // the next run, while this one is scored
+          index_scores_rows(qT.data(), wr, in.key_rows(b, j0, m, kbuf), m, Hi, Di, sT.data(), sbuf.data(), tile.data());
+          offer(j0, j0 + m, tile.data());
+        }
+        continue;
+      }
       for (std::int64_t p = first / kKeyPanel; p * kKeyPanel < n_vis; ++p) {
         const std::int64_t p0 = p * kKeyPanel;
         // the columns [c0, c1) of the panel that cover the candidates, in whole SIMD widths
@@ -158,12 +218,8 @@ void topk_block_impl(const DsaIndexerArgs& a, const IndexerShape& s, const DsaTo
         const std::int64_t c1 = std::min(pad16(n_vis - p0), kKeyPanel);
         index_scores(qr, wr, kT + (b * panels + p) * panel_size + c0, kKeyPanel, c1 - c0, Hi, Di, sbuf.data(),
                      tile.data());
-        const std::int64_t j1 = std::min(n_vis, p0 + kKeyPanel);
-        for (std::int64_t j = std::max(first, p0); j < j1; ++j) {
-          const Acc score = tile[static_cast<std::size_t>(j - p0 - c0)];
-          if (score < hs[0]) continue;  // worse than the row's worst entry: rejected by one compare
-          heap_offer(hs, hp, K, score, s.k_pos[static_cast<std::size_t>(j)]);
-        }
+        const std::int64_t j0 = std::max(first, p0);
+        offer(j0, std::min(n_vis, p0 + kKeyPanel), tile.data() + (j0 - p0 - c0));
       }
     }
   }

@@ -256,7 +256,16 @@ PYBIND11_MODULE(_seqpar, m) {
       .def(
           "ring_shard_positions",
           [](const SequenceLayout& l, int ring_rank) { return int64_tensor(l.ring_shard_positions(ring_rank)); },
-          py::arg("ring_rank"));
+          py::arg("ring_rank"))
+      .def_property_readonly("num_docs", &SequenceLayout::num_docs)
+      .def("__repr__", [](const SequenceLayout& l) {
+        // The kind, the sizes and what the kind made of them (the padded length); for a packed row the number of
+        // documents, not cu_seqlens itself (it may be long).
+        return str_cat("SequenceLayout(kind='", layout_name(l.kind()), "', seq_len=", l.seq_len(),
+                       ", padded_len=", l.padded_len(), ", ring_size=", l.ring_size(),
+                       ", ulysses_size=", l.ulysses_size(),
+                       l.is_packed() ? str_cat(", num_docs=", l.num_docs()) : std::string(), ")");
+      });
 
   m.def(
       "scatter_sequence",

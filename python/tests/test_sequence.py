@@ -62,6 +62,19 @@ def test_padded_and_packed_round_trip(grid_shape, kind, packed):
     assert torch.equal(full.grad[0, :, 0, 0], want)
 
 
+def test_layout_repr():
+    """repr names the kind, the real and padded lengths (padding from the kinds' rules in parallel/layout.h), the
+    group sizes and, for a packed row only, the number of documents."""
+    plain = seqpar.SequenceLayout("contiguous", 30, ring_size=2, ulysses_size=2)  # padded to a multiple of P U = 4
+    assert repr(plain) == "SequenceLayout(kind='contiguous', seq_len=30, padded_len=32, ring_size=2, ulysses_size=2)"
+    # zigzag pads each document to a multiple of 2P = 4 slots: 3 -> 4, 0 -> 0, 14 -> 16
+    packed = seqpar.SequenceLayout.packed("zigzag", [0, 3, 3, 17], ring_size=2)
+    assert packed.num_docs == 3
+    assert repr(packed) == (
+        "SequenceLayout(kind='zigzag', seq_len=17, padded_len=20, ring_size=2, ulysses_size=1, num_docs=3)"
+    )
+
+
 def test_grid_coordinates_and_groups():
     for u, r in usp_grids(WORLD):
         for placement in ("ulysses_inner", "ring_inner"):

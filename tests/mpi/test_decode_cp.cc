@@ -179,7 +179,9 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   const PrefillOutput o = layer.extend(cache, chunk, local(p.q, chunk, kPrompt), local(p.k, chunk, kPrompt),
                                        local(p.v, chunk, kPrompt), c.mode);
   // What the route sent (CommMeter) is the formula's, padded ring shards (a chunk of 17) included.
-  if (chunk_len == 17 && groups.sp.size() > 1) EXPECT_TRUE(chunk.has_padding());
+  if (chunk_len == 17 && groups.sp.size() > 1) {
+    EXPECT_TRUE(chunk.has_padding());
+  }
   EXPECT_EQ(layer.chunk_route_bytes_sent(), route_bytes) << chunk_prefill_mode_name(used);
   EXPECT_EQ(cache.length(), kPrompt + chunk_len);
   EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, kPrompt + chunk_len));

@@ -229,7 +229,9 @@ TEST(DsaPacked, WindowPlanSendsOnlyRowsOfTheQueriesDocuments) {
     dsa.backward(std::move(o.ctx), dout.view());
   }
   EXPECT_EQ(bytes[0] - bytes[1], (rows[0] - rows[1]) * Di * 8) << "index-key bytes saved by the document bounds";
-  if (r + 1 < n) EXPECT_LT(rows[1], rows[0]) << "the packed row must send fewer index-key rows";
+  if (r + 1 < n) {
+    EXPECT_LT(rows[1], rows[0]) << "the packed row must send fewer index-key rows";
+  }
   expect_match(run_cp(grid, SequenceLayout::packed_for_groups(groups, cu, LayoutKind::kContiguous), cfg, in,
                       "window plan, contiguous"),
                want, "window plan, contiguous");

@@ -158,7 +158,7 @@ struct CpRun {
 
 std::string run_name(const CpRun& c, const Row& r) {
   std::string lens;
-  for (std::int64_t l : r.lens) lens += (lens.empty() ? "" : ",") + std::to_string(l);
+  for (std::int64_t l : r.lens) lens += str_cat(lens.empty() ? "" : ",", l);
   return str_cat(gdn_cp_mode_name(c.mode), " ", layout_name(c.kind), " Pu ", c.grid.ulysses_size, " Pr ",
                  c.grid.ring_size, c.grid.placement == Placement::kRingInner ? " ring-inner" : "", " Hk ", r.hk,
                  " docs [", lens, "]", c.with_init ? "" : " noinit");

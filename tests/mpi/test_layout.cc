@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <optional>
 #include <set>
 
 #include "attention/rope.h"
@@ -14,8 +16,10 @@ namespace {
 
 using test::world;
 
-// Owner of global position t under each layout, written independently of SequenceLayout (ring rank only).
-int owner_ring_rank(LayoutKind kind, std::int64_t t, std::int64_t seq, int ring) {
+// Owner of global position t under the layouts with a closed form, written independently of SequenceLayout (ring rank
+// only). The balanced kind has none (its chunks go to ring ranks by a greedy search, checked against its own
+// contract in tests/unit/test_layout_packed.cc): std::nullopt.
+std::optional<int> owner_ring_rank(LayoutKind kind, std::int64_t t, std::int64_t seq, int ring) {
   switch (kind) {
     case LayoutKind::kContiguous: return static_cast<int>(t / (seq / ring));
     case LayoutKind::kZigzag: {
@@ -23,22 +27,37 @@ int owner_ring_rank(LayoutKind kind, std::int64_t t, std::int64_t seq, int ring)
       return static_cast<int>(chunk < ring ? chunk : 2 * ring - 1 - chunk);
     }
     case LayoutKind::kStripe: return static_cast<int>(t % ring);
+    case LayoutKind::kBalanced: return std::nullopt;
   }
-  return -1;
+  return std::nullopt;
 }
 
+// Every kind: the ring shards are increasing, partition the slots, and are the concatenation of their Ulysses pieces;
+// each position has the closed-form owner, or for the balanced kind each chunk [k c, (k+1) c) of tokens lies whole
+// in one ring shard.
 TEST(Layout, PositionsPartitionTheSequence) {
-  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe, LayoutKind::kBalanced}) {
     for (int ring : {1, 2, 3, 4, 8}) {
       for (int uly : {1, 2, 4}) {
         const std::int64_t seq = 2 * ring * uly * 6;
         const SequenceLayout layout(kind, seq, ring, uly);
+        // seq divides as contiguous, zigzag and stripe need; balanced may pad its shards to the longest
+        if (kind != LayoutKind::kBalanced) {
+          ASSERT_EQ(layout.padded_len(), seq) << layout_name(kind);
+        }
         std::set<std::int64_t> seen;
+        std::map<std::int64_t, int> chunk_owner;  // balanced: chunk -> ring rank
         for (int r = 0; r < ring; ++r) {
           const auto shard = layout.ring_shard_positions(r);
-          ASSERT_EQ(static_cast<std::int64_t>(shard.size()), seq / ring);
+          ASSERT_EQ(static_cast<std::int64_t>(shard.size()), layout.ring_shard_len());
           for (std::size_t i = 0; i < shard.size(); ++i) {
-            EXPECT_EQ(owner_ring_rank(kind, shard[i], seq, ring), r) << layout_name(kind) << " t=" << shard[i];
+            if (const std::optional<int> owner = owner_ring_rank(kind, shard[i], seq, ring)) {
+              EXPECT_EQ(*owner, r) << layout_name(kind) << " t=" << shard[i];
+            } else if (shard[i] < seq) {  // a token, not trailing padding
+              const auto at = chunk_owner.try_emplace(shard[i] / layout.chunk_len(), r).first;
+              EXPECT_EQ(at->second, r) << "balanced chunk " << at->first << " is split between ring ranks " << r
+                                       << " and " << at->second << " (ring " << ring << ", ulysses " << uly << ")";
+            }
             if (i > 0) {
               EXPECT_LT(shard[i - 1], shard[i]) << "ring shard positions must increase";
             }
@@ -52,15 +71,14 @@ TEST(Layout, PositionsPartitionTheSequence) {
           EXPECT_EQ(joined, shard);
           seen.insert(shard.begin(), shard.end());
         }
-        EXPECT_EQ(static_cast<std::int64_t>(seen.size()), seq);
+        EXPECT_EQ(static_cast<std::int64_t>(seen.size()), layout.padded_len());
         EXPECT_EQ(*seen.begin(), 0);
-        EXPECT_EQ(*seen.rbegin(), seq - 1);
+        EXPECT_EQ(*seen.rbegin(), layout.padded_len() - 1);
       }
     }
   }
 }
 
-// Any length is accepted now (the layout pads, docs/design.md section 15); bad sizes and names still fail.
 TEST(Layout, AnyLengthIsPaddedAndBadSizesFail) {
   EXPECT_EQ(SequenceLayout(LayoutKind::kZigzag, 8190, 4, 1).padded_len(), 8192);
   EXPECT_EQ(SequenceLayout(LayoutKind::kContiguous, 10, 4, 1).padded_len(), 12);
@@ -100,7 +118,9 @@ TEST(Layout, PaddedAndPackedScatterGatherRoundTrip) {
         EXPECT_EQ(test::to_double(back), test::to_double(full)) << layout_name(kind) << " ulysses " << uly;
         Tensor root_back = Tensor::zeros(full.shape(), DType::kFloat32, MemCategory::kWorkspace);
         gather_sequence_to_root(world(), layout, local.view(), root_back.view());
-        if (world().rank() == 0) EXPECT_EQ(test::to_double(root_back), test::to_double(full));
+        if (world().rank() == 0) {
+          EXPECT_EQ(test::to_double(root_back), test::to_double(full));
+        }
       }
     }
   }

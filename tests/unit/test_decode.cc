@@ -104,30 +104,38 @@ struct DsaCase {
   DType dtype;
   std::int64_t n;
   std::int64_t window = 0;
+  // The indexer's heads and dim, the prompt length, the cache slots left free after the last step, and k. A decode
+  // step of n <= 4 query rows reads the cache's keys in place (n = 5: panels, as training does) while the training
+  // forward (over the whole sequence) converts them into panels first: the larger shapes cross several 64-key blocks,
+  // heads that are not a multiple of the SIMD width, and (bf16) keys converted per block.
+  std::int64_t hi = 2, di = 8, prompt = 37, spare = 0, topk = 9;
 };
 std::string case_name(const DsaCase& c) {
-  return str_cat(dtype_name(c.dtype), "_n", c.n, c.window > 0 ? str_cat("_window", c.window) : "");
+  return str_cat(dtype_name(c.dtype), "_n", c.n, c.window > 0 ? str_cat("_window", c.window) : "",
+                 c.prompt != 37 ? str_cat("_hi", c.hi, "_di", c.di, "_prompt", c.prompt, "_spare", c.spare) : "");
 }
 
 class DsaDecode : public ::testing::TestWithParam<DsaCase> {};
 
 TEST_P(DsaDecode, StepsEqualRowsOfTheTrainingForward) {
   const DsaCase c = GetParam();
-  const std::int64_t B = 2, H = 4, dqk = 24, dv = 16, hi = 2, di = 8, k = 9;
-  const test::DecodeSchedule sched{37, 4, c.n};
-  const test::DsaDecodeProblem p(B, sched.total(), H, dqk, dv, hi, di, k, c.window, c.dtype, 41);
+  const std::int64_t B = 2, H = 4, dqk = 24, dv = 16;
+  const test::DecodeSchedule sched{c.prompt, 4, c.n};
+  const test::DsaDecodeProblem p(B, sched.total(), H, dqk, dv, c.hi, c.di, c.topk, c.window, c.dtype, 41);
   EXPECT_TRUE(p.ref_topk_matches) << "the kernels' fp64 selection differs from the fp64 reference's";
-  DsaCache cache(DsaCacheSpec{B, sched.total(), di, dqk, c.dtype});
+  DsaCache cache(DsaCacheSpec{B, sched.total() + c.spare, c.di, dqk, c.dtype});
   cache.append(rows_of(p.k_idx, 0, sched.prompt), rows_of(p.c, 0, sched.prompt));
   const DType acc = accumulator_dtype(c.dtype);
+  // out may be of any floating dtype: fp32 for a bf16 cache keeps bf16's rounding out of the comparison
+  const DType out_dtype = c.dtype == DType::kBFloat16 ? DType::kFloat32 : c.dtype;
   for (std::int64_t step = 0; step < sched.steps; ++step) {
     const std::int64_t t0 = sched.first(step), t1 = t0 + c.n;
     cache.append(rows_of(p.k_idx, t0, t1), rows_of(p.c, t0, t1));
     const std::vector<std::int64_t> q_pos = test::step_positions(t0, t1);
     const Tensor q = rows_of(p.q, t0, t1), q_idx = rows_of(p.q_idx, t0, t1), w = rows_of(p.w, t0, t1);
     DsaDecodeArgs a{q, q_idx, w, q_pos, c.window, dv};
-    Tensor topk = Tensor::empty({B, c.n, k}, DType::kInt64, kWs);
-    Tensor out = Tensor::empty({B, c.n, H, dv}, c.dtype, kWs), lse = Tensor::empty({B, H, c.n}, acc, kWs);
+    Tensor topk = Tensor::empty({B, c.n, c.topk}, DType::kInt64, kWs);
+    Tensor out = Tensor::empty({B, c.n, H, dv}, out_dtype, kWs), lse = Tensor::empty({B, H, c.n}, acc, kWs);
     dsa_decode(cache, a, topk, out, lse);
     EXPECT_EQ(to_double(topk), to_double(rows_of(p.topk_indices, t0, t1))) << "topk_indices of step " << step;
     test::expect_step_close(out, lse, p.ref_out, p.ref_lse, t0, t1, c.dtype, str_cat("step ", step));
@@ -137,7 +145,13 @@ TEST_P(DsaDecode, StepsEqualRowsOfTheTrainingForward) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, DsaDecode,
                          ::testing::Values(DsaCase{DType::kFloat32, 1}, DsaCase{DType::kFloat32, 3},
-                                           DsaCase{DType::kFloat64, 1}, DsaCase{DType::kFloat64, 2, 20}),
+                                           DsaCase{DType::kFloat64, 1}, DsaCase{DType::kFloat64, 2, 20},
+                                           DsaCase{DType::kFloat32, 1, 0, 20, 40, 300, 7, 40},
+                                           DsaCase{DType::kFloat32, 2, 100, 32, 32, 300, 0, 40},
+                                           DsaCase{DType::kBFloat16, 1, 0, 20, 40, 300, 3, 40},
+                                           DsaCase{DType::kFloat64, 3, 0, 20, 40, 300, 5, 40},
+                                           DsaCase{DType::kFloat32, 4, 0, 20, 40, 300, 0, 40},
+                                           DsaCase{DType::kFloat32, 5}),
                          [](const auto& info) { return case_name(info.param); });
 
 TEST(DsaCache, RefusedAppendsAndStepsChangeNothing) {

@@ -139,8 +139,8 @@ void expect_results(const Results& got, const Results& want, double atol, double
 
 std::string tag_of(const Case& c) {
   std::string s = "lens";
-  for (std::int64_t l : c.lens) s += " " + std::to_string(l);
-  return s + (c.with_init ? " init" : "") + (c.with_dfin ? " dfinal" : "") + " chunk " + std::to_string(c.chunk);
+  for (std::int64_t l : c.lens) s += str_cat(" ", l);
+  return str_cat(s, c.with_init ? " init" : "", c.with_dfin ? " dfinal" : "", " chunk ", c.chunk);
 }
 
 std::vector<Case> cases() {
