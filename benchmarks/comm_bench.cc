@@ -371,6 +371,8 @@ int comm_bench_main(int argc, char** argv) {
         world->backend_name(), world_size, grid.str().c_str(), dtype_name(o.dtype), o.warmup, o.iters);
     std::printf("# host %s (%d ranks on it, %d cores), commit %s, date %s\n", node.host.c_str(), node.ranks_per_node,
                 node.cores_per_node, git_commit(), date.c_str());
+    const std::string transport = single_copy_note(node);
+    if (!transport.empty()) std::printf("# note: %s\n", transport.c_str());
     std::printf(
         "# every group of a kind runs at once; busbw = algbw x (n-1)/n (allreduce: x 2(n-1)/n; sendrecv, "
         "ring_step: x 1), see README\n");
