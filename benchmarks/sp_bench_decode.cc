@@ -524,8 +524,8 @@ void add_decode_options(cxxopts::Options& spec) {
               "(persistent-cache prefill; 0: none)", cxxopts::value<std::string>()->default_value("0"))
     ("chunk-mode", "decode, MHA: the chunk's route: auto (fewer bytes) | pass-kv | pass-q",
      cxxopts::value<std::string>()->default_value("auto"))
-    ("prefill", "decode: forward (the prompt's attention under CP fills the cache) | fill (MHA: the prompt's K/V "
-                "only, no attention)", cxxopts::value<std::string>()->default_value("forward"));
+    ("prefill", "decode: forward (the prompt's attention under CP fills the cache) | fill (MHA, DSA: the prompt's "
+                "keys only, no attention)", cxxopts::value<std::string>()->default_value("forward"));
   // clang-format on
 }
 

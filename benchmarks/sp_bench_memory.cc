@@ -99,7 +99,9 @@ MemoryEstimate estimate_memory(const SpBenchOptions& o, int world_rank) {
   if (o.check || !o.dump_dir.empty()) e.host.emplace_back("gathered outputs (--check/--dump)", w.full_outputs);
   if (o.dump_inputs && world_rank == 0) e.host.emplace_back("dumped inputs (--dump-inputs, rank 0)", w.full_inputs);
   if (o.efficiency || o.gdn_compare_token) {
-    e.host.emplace_back("single-rank reference (--efficiency, every rank)", reference);
+    e.host.emplace_back(o.efficiency ? "single-rank reference (--efficiency, every rank)"
+                                     : "single-rank reference (--gdn-compare-token)",
+                        reference);
   } else if (o.check && sp_root) {
     e.host.emplace_back("single-rank reference (--check, SP root)", reference);
   }

@@ -35,8 +35,11 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMPI_MCA_rmaps_base_oversubscribe=1
 # Large messages between local ranks: one copy by cross-memory attach where the machine allows it, else (containers
 # without the ptrace permission) copy-in/copy-out through shared memory, slower and not overlapped with compute.
-if [ "$("$root/scripts/mpi_single_copy.sh" "$build_dir")" = none ]; then
-  echo "common.sh: cross-memory attach is refused here; OpenMPI copies large messages through shared memory" \
-    "(OMPI_MCA_btl_vader_single_copy_mechanism=none): ring timings will show more exposed communication" >&2
+# (When the probe cannot run, e.g. a build without the benchmarks, the fallback is the setting that works everywhere.)
+single_copy=$("$root/scripts/mpi_single_copy.sh" "$build_dir") || single_copy=none
+if [ "$single_copy" = none ] && [ -z "${OMPI_MCA_btl_vader_single_copy_mechanism:-}" ]; then
+  echo "common.sh: cross-memory attach is refused here (or could not be probed); OpenMPI copies large messages" \
+    "through shared memory (OMPI_MCA_btl_vader_single_copy_mechanism=none): ring timings show more exposed" \
+    "communication" >&2
   export OMPI_MCA_btl_vader_single_copy_mechanism=none
 fi

@@ -6,15 +6,29 @@
 # message is then copied twice through shared-memory fragments, and only while both ranks are inside MPI calls, so
 # the ring's transfers no longer overlap compute (README, "MPI on one node"). A value the caller has already set is
 # printed as it is, without probing. The probe: one 1 MiB sendrecv between 2 ranks (comm_bench, checked), at most
-# 60 s. Needs OpenMPI's root / oversubscribe variables in the environment when run as root.
+# 60 s, with OpenMPI's root and oversubscription permissions. Exit status 2, with a message and nothing on stdout,
+# when it cannot probe: no BUILD_DIR, no comm_bench in it, or no mpirun.
 set -uo pipefail
-build_dir=${1:?usage: mpi_single_copy.sh BUILD_DIR}
+if [ $# -ne 1 ]; then
+  echo "usage: mpi_single_copy.sh BUILD_DIR (the build directory holding benchmarks/comm_bench)" >&2
+  exit 2
+fi
+comm_bench="$1/benchmarks/comm_bench"
 if [ -n "${OMPI_MCA_btl_vader_single_copy_mechanism:-}" ]; then
   echo "$OMPI_MCA_btl_vader_single_copy_mechanism"
   exit 0
 fi
-if timeout 60 mpirun -np 2 "$build_dir/benchmarks/comm_bench" --ops sendrecv --groups ring --min-bytes 1M \
-  --max-bytes 1M --warmup 0 --iters 1 >/dev/null 2>&1; then
+if [ ! -x "$comm_bench" ]; then
+  echo "mpi_single_copy.sh: cannot probe: $comm_bench is not an executable (build the benchmarks first)" >&2
+  exit 2
+fi
+if ! command -v mpirun >/dev/null; then
+  echo "mpi_single_copy.sh: cannot probe: mpirun is not on PATH" >&2
+  exit 2
+fi
+if OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+  timeout 60 mpirun -np 2 "$comm_bench" --ops sendrecv --groups ring --min-bytes 1M --max-bytes 1M --warmup 0 \
+  --iters 1 >/dev/null 2>&1; then
   echo default
 else
   echo none

@@ -145,8 +145,9 @@ def child_env(threads, build_dir, probe):
     # without the ptrace permission): the same probe as scripts/common.sh.
     if probe:
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi_single_copy.sh")
-        mech = subprocess.run([script, build_dir], env=env, capture_output=True, text=True).stdout.strip()
-        if mech == "none":
+        probe = subprocess.run([script, build_dir], env=env, capture_output=True, text=True)
+        mech = probe.stdout.strip() if probe.returncode == 0 else "none"  # cannot probe: what works everywhere
+        if mech == "none" and "OMPI_MCA_btl_vader_single_copy_mechanism" not in os.environ:
             print("sweep.py: cross-memory attach is refused here; OpenMPI copies large messages through shared "
                   "memory (OMPI_MCA_btl_vader_single_copy_mechanism=none)", file=sys.stderr)
             env["OMPI_MCA_btl_vader_single_copy_mechanism"] = "none"
