@@ -30,6 +30,7 @@
 #include "runtime/error.h"
 #include "runtime/sp_grid.h"
 #include "runtime/tensor_ops.h"
+#include "runtime/version.h"
 
 namespace seqpar::bench {
 namespace decode_detail {
@@ -394,7 +395,8 @@ void check_decode_layouts(const SpBenchOptions& o) {
 // The configuration lines of the table header (and of --dry-run).
 void print_decode_header(const SpBenchOptions& o, int world_size) {
   const DecodeOptions& d = o.decode;
-  std::printf("# sp_bench --mode decode (seqpar %s), %d rank(s), grid ulysses %d x ring %d, attn %s, dtype %s\n",
+  std::printf("# seqpar sp_bench %s\n", version());
+  std::printf("# --mode decode (commit %s), %d rank(s), grid ulysses %d x ring %d, attn %s, dtype %s\n",
               git_commit(), world_size, o.grid.ulysses_size, o.grid.ring_size, o.attn.c_str(), dtype_name(o.dtype));
   std::printf("# context %lld, decode steps %lld x %lld new token(s), ", static_cast<long long>(d.context),
               static_cast<long long>(d.decode_steps), static_cast<long long>(d.new_tokens));
@@ -450,7 +452,8 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, const
   const DecodeOptions& d = o.decode;
   nlohmann::json j;
   j["mode"] = "decode";
-  j["commit"] = git_commit();
+  j["version"] = version();
+  j["git_commit"] = git_commit();
   j["date_utc"] = utc_now_iso8601();
   j["attn"] = o.attn;
   j["dtype"] = dtype_name(o.dtype);
