@@ -117,17 +117,22 @@ std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, i
   } catch (const cxxopts::exceptions::exception& e) {
     SEQPAR_THROW("bad command line: ", e.what(), " (see --help)");
   }
-  if (r.count("help")) {
-    if (world_rank == 0) std::fputs(spec.help(help_groups).c_str(), stdout);
-    return std::nullopt;
-  }
-  if (r.count("version")) {
-    if (world_rank == 0) std::printf("%s (seqpar) %s\n", spec.program().c_str(), version());
+  const char* exit_flag = r.count("help") ? "--help" : r.count("version") ? "--version" : nullptr;
+  if (exit_flag != nullptr) {
+    check_ranks_agree(options_fingerprint_start(spec.program(), exit_flag));  // every rank leaves, or every rank stops
+    if (world_rank == 0 && r.count("help")) std::fputs(spec.help(help_groups).c_str(), stdout);
+    if (world_rank == 0 && !r.count("help")) std::printf("%s (seqpar) %s\n", spec.program().c_str(), version());
     return std::nullopt;
   }
   SEQPAR_CHECK(r.unmatched().empty(), "unexpected argument '", r.unmatched().front(),
                "' (every option is a --flag; see --help)");
   return r;
+}
+
+Fingerprint options_fingerprint_start(std::string_view program, const char* exit_flag) {
+  Fingerprint fp(str_cat(program, " options"));
+  fp.add_text("--help / --version", exit_flag != nullptr ? exit_flag : "(neither)");
+  return fp;
 }
 
 void check_ranks_agree(const Fingerprint& options) {

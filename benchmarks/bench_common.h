@@ -49,6 +49,12 @@ std::string utc_now_iso8601();
 // "unknown" outside a git checkout.
 const char* git_commit();
 
+// The start of a program's options fingerprint for check_ranks_agree: "<program> options", then which of --help /
+// --version the rank was given (exit_flag; null: neither). parse_command_line agrees on it alone before a rank
+// leaves for --help or --version, so that a rank started with one of them (mpirun's MPMD form) stops the others at
+// their agreement instead of leaving them waiting.
+Fingerprint options_fingerprint_start(std::string_view program, const char* exit_flag = nullptr);
+
 // Parses argv with `spec`. Returns std::nullopt after printing the help of `help_groups` (all groups when empty)
 // on world rank 0 for --help, or "<program> (seqpar) <version>" for --version (when `spec` defines it). Throws Error
 // (same text on every rank) for a malformed command line or a stray positional argument.

@@ -173,7 +173,7 @@ Fingerprint options_fingerprint(const Options& o) {
   std::string ops, groups;
   for (Op op : o.ops) ops += str_cat(ops.empty() ? "" : ",", op_name(op));
   for (const std::string& g : o.groups) groups += str_cat(groups.empty() ? "" : ",", g);
-  Fingerprint fp("comm_bench options");
+  Fingerprint fp = options_fingerprint_start("comm_bench");
   fp.add_text("--backend", o.backend)
       .add_int("--dp-size", o.grid.dp_size)
       .add_int("--ulysses-size", o.grid.ulysses_size)

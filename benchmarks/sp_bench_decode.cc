@@ -335,6 +335,13 @@ void check_decode_options(const SpBenchOptions& o) {
     if (value < min) bad += str_cat(bad.empty() ? "" : "; ", "--", flag, " ", value, ": must be >= ", min);
   }
   SEQPAR_CHECK(bad.empty(), bad);
+  // The cache's capacity, --context + --chunk + --decode-steps x --new-tokens tokens, must be a count at all (an
+  // int64 product that wraps would pass every later check with a small or negative capacity).
+  constexpr std::int64_t kMaxTokens = std::int64_t{1} << 48;
+  const bool fits = d.decode_steps <= kMaxTokens / d.new_tokens && d.context <= kMaxTokens && d.chunk <= kMaxTokens &&
+                    d.context + d.chunk + d.decode_steps * d.new_tokens <= kMaxTokens;
+  SEQPAR_CHECK(fits, "--context ", d.context, " + --chunk ", d.chunk, " + --decode-steps ", d.decode_steps,
+               " x --new-tokens ", d.new_tokens, ": the cache would hold more than 2^48 tokens");
   parse_cache_shard(d.cache_shard);
   for (const char* flag : {"cache-shard", "interleave"}) {
     SEQPAR_CHECK(o.attn != "gdn" || !o.given(flag), "--", flag, " needs --attn mha or dsa (--attn ", o.attn,
@@ -396,8 +403,8 @@ void check_decode_layouts(const SpBenchOptions& o) {
 void print_decode_header(const SpBenchOptions& o, int world_size) {
   const DecodeOptions& d = o.decode;
   std::printf("# seqpar sp_bench %s\n", version());
-  std::printf("# --mode decode (commit %s), %d rank(s), grid ulysses %d x ring %d, attn %s, dtype %s\n",
-              git_commit(), world_size, o.grid.ulysses_size, o.grid.ring_size, o.attn.c_str(), dtype_name(o.dtype));
+  std::printf("# --mode decode (commit %s), %d rank(s), grid ulysses %d x ring %d, attn %s, dtype %s\n", git_commit(),
+              world_size, o.grid.ulysses_size, o.grid.ring_size, o.attn.c_str(), dtype_name(o.dtype));
   std::printf("# context %lld, decode steps %lld x %lld new token(s), ", static_cast<long long>(d.context),
               static_cast<long long>(d.decode_steps), static_cast<long long>(d.new_tokens));
   if (o.attn == "gdn") {  // the state split by heads over the SP group (--cache-shard does not apply)

@@ -306,7 +306,9 @@ Fp64ReferenceCost mha_reference_cost(const SpBenchOptions& o) {
 // with hx heads (Hkv, or Pu when Pu > Hkv replicates them) over the ring shard; accumulators fp32. S is the layout's
 // padded length (every padding row is allocated like a token); the host arrays of the whole problem hold o.seq rows.
 WorkloadMemory mha_memory(const SpBenchOptions& o) {
-  const double e = static_cast<double>(dtype_size(o.dtype)), f = 4, pu = o.grid.ulysses_size, pr = o.grid.ring_size;
+  // f: the accumulator dtype (out, lse, dq / dk / dv sums): fp64 for fp64, else fp32.
+  const double e = static_cast<double>(dtype_size(o.dtype)), f = o.dtype == DType::kFloat64 ? 8 : 4;
+  const double pu = o.grid.ulysses_size, pr = o.grid.ring_size;
   const double s_pad = static_cast<double>(sp_bench_padded_len(o)), unpad = static_cast<double>(o.seq) / s_pad;
   const double sl = s_pad / (pu * pr), bsd = static_cast<double>(o.batch) * sl * o.head_dim;
   const bool replicate = o.kv_heads % o.grid.ulysses_size != 0;

@@ -449,7 +449,7 @@ void check_options_agree(const SpBenchOptions& o) {
   // backend or input files differs in what follows them too (the shapes --inputs gives, the flags a mode reads).
   const DecodeOptions& d = o.decode;
   const bool decode = d.mode == "decode";
-  Fingerprint fp("sp_bench options");
+  Fingerprint fp = options_fingerprint_start("sp_bench");
   fp.add_text("--mode", d.mode)
       .add_text("--backend", o.backend)
       .add_text("--inputs", o.inputs_dir.empty() ? "(none)" : o.inputs_dir)

@@ -27,8 +27,8 @@ if ! command -v mpirun >/dev/null; then
   exit 2
 fi
 if OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
-  timeout 60 mpirun -np 2 "$comm_bench" --ops sendrecv --groups ring --min-bytes 1M --max-bytes 1M --warmup 0 \
-  --iters 1 >/dev/null 2>&1; then
+  timeout -k 5 60 mpirun -np 2 "$comm_bench" --ops sendrecv --groups ring --min-bytes 1M --max-bytes 1M --warmup 0 \
+  --iters 1 </dev/null >/dev/null 2>&1; then
   echo default
 else
   echo none
