@@ -18,6 +18,7 @@
 
 #include "attention/gdn_decode.h"
 #include "attention/mha.h"
+#include "benchmarks/bench_common.h"
 #include "benchmarks/npy.h"
 #include "benchmarks/sp_bench_decode_arrays.h"
 #include "benchmarks/sp_bench_decode_internal.h"
@@ -607,7 +608,7 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
       o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o, decode_input_specs(o, arrays.inputs), rule);
   const DecodeInputs inputs(o, arrays.inputs, o.inputs_dir.empty() ? nullptr : &loaded);
   auto world = make_world_communicator(o.backend);
-  check_output_paths(*world, o);
+  check_output_paths(*world, o.json_path, o.dump_dir);
   SpGrid grid(*world, o.grid);
   const CpGroups groups = CpGroups::from(grid);
   DecodeResults results;
