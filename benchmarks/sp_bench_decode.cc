@@ -343,6 +343,19 @@ void check_decode_options(const SpBenchOptions& o) {
                     d.context + d.chunk + d.decode_steps * d.new_tokens <= kMaxTokens;
   SEQPAR_CHECK(fits, "--context ", d.context, " + --chunk ", d.chunk, " + --decode-steps ", d.decode_steps,
                " x --new-tokens ", d.new_tokens, ": the cache would hold more than 2^48 tokens");
+  // Decode splits whole heads over the ranks (parallel/decode_cp.h); refused here by flag, so that --dry-run refuses
+  // it too, rather than by the library's field names once the run has started.
+  const int pu = o.grid.ulysses_size, sp = o.grid.ring_size * pu;
+  if (o.attn == "gdn") {
+    SEQPAR_CHECK(o.heads % sp == 0 && o.kv_heads % sp == 0, "--mode decode --attn gdn: --heads ", o.heads,
+                 " (value heads) and --kv-heads ", o.kv_heads,
+                 " (key heads) must both be divisible by the SP group size ", sp, " (--ring-size ", o.grid.ring_size,
+                 " x --ulysses-size ", pu, "): decode splits whole heads over the group");
+  }
+  if (o.attn == "mha") {
+    SEQPAR_CHECK(o.kv_heads % pu == 0, "--mode decode --attn mha: --kv-heads ", o.kv_heads,
+                 " must be divisible by --ulysses-size ", pu, " (decode splits whole KV heads over the Ulysses group)");
+  }
   parse_cache_shard(d.cache_shard);
   for (const char* flag : {"cache-shard", "interleave"}) {
     SEQPAR_CHECK(o.attn != "gdn" || !o.given(flag), "--", flag, " needs --attn mha or dsa (--attn ", o.attn,
