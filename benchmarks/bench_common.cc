@@ -50,6 +50,16 @@ class CountingBuf final : public std::streambuf {
   std::int64_t written_ = 0;
 };
 
+// Whether a file can be created in `dir` (a probe file, removed again).
+bool can_create_in(const std::filesystem::path& dir) {
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) return false;
+  const std::filesystem::path probe_path = dir / ".seqpar_bench_write_probe";
+  const bool ok = std::ofstream(probe_path).good();
+  std::filesystem::remove(probe_path, ec);
+  return ok;
+}
+
 }  // namespace
 
 WorldPlace mpi_world_place() {
@@ -185,6 +195,31 @@ void barrier(Communicator& comm, double timeout_s) {
   } else {
     w->wait();
   }
+}
+
+// Each through a probe file in the target directory, on rank 0 only.
+void check_output_paths(Communicator& world, const std::string& json_path, const std::string& dump_dir) {
+  std::int32_t bad[2] = {0, 0};  // json, dump
+  if (world.rank() == 0) {
+    // First, so that --json may name a file in the --dump directory.
+    if (!dump_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::create_directories(dump_dir, ec);
+      bad[1] = !ec && can_create_in(dump_dir) ? 0 : 1;
+    }
+    if (!json_path.empty()) {
+      const std::filesystem::path dir = std::filesystem::path(json_path).parent_path();
+      bad[0] =
+          can_create_in(dir.empty() ? std::filesystem::path(".") : dir) && !std::filesystem::is_directory(json_path)
+              ? 0
+              : 1;
+    }
+  }
+  world.all_reduce(TensorView(bad, DType::kInt32, {2}), ReduceOp::kMax)->wait();
+  SEQPAR_CHECK(!bad[0], "--json ", json_path,
+               ": cannot create a file in its directory (checked on rank 0, which writes it)");
+  SEQPAR_CHECK(!bad[1], "--dump ", dump_dir,
+               ": cannot create the directory or write into it (checked on rank 0, which writes it)");
 }
 
 void write_file_atomic(const std::string& path, const std::function<void(std::ostream&)>& write,

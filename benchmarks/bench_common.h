@@ -82,6 +82,12 @@ double median(std::vector<double> v);
 void all_reduce(Communicator& comm, std::vector<double>& values, ReduceOp op, double timeout_s = -1);
 void barrier(Communicator& comm, double timeout_s = -1);
 
+// --json FILE (and sp_bench's --dump DIR; empty: not given) are written by rank 0 at the end of the run; finds out
+// now whether that will work (rank 0 creates the --dump directory and probes a file in both places) and fails on
+// every rank with the same Error naming the flag and the path (one small all-reduce over `world`). Call it before the
+// first measured call. Collective.
+void check_output_paths(Communicator& world, const std::string& json_path, const std::string& dump_dir = {});
+
 // Writes `path` atomically: `write` fills a temporary file in the same directory (`path` + ".tmp.<pid>"), which is
 // flushed, closed and then renamed over `path`. Whatever fails (the callback throws, the stream goes bad, a full
 // disk, the rename), the temporary file is removed and Error names `path` and the cause; `path` is then either

@@ -361,6 +361,7 @@ int comm_bench_main(int argc, char** argv) {
   const std::string date = utc_now_iso8601();
   const NodeInfo node = node_info();
   auto world = make_world_communicator(o.backend);
+  check_output_paths(*world, o.json_path);
   SpGrid grid(*world, o.grid);
 
   if (world_rank == 0) {

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/bench_common.h"
 #include "benchmarks/sp_bench_check.h"
 #include "benchmarks/sp_bench_decode.h"
 #include "benchmarks/sp_bench_io.h"
@@ -82,7 +83,7 @@ int sp_bench_main(int argc, char** argv) {
   if (place.rank == 0 && !oversubscribed.empty())
     std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
   auto world = make_world_communicator(o.backend);
-  check_output_paths(*world, o);
+  check_output_paths(*world, o.json_path, o.dump_dir);
   SpGrid grid(*world, o.grid);
 
   std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);

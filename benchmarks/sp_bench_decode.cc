@@ -18,6 +18,7 @@
 
 #include "attention/gdn_decode.h"
 #include "attention/mha.h"
+#include "benchmarks/bench_common.h"
 #include "benchmarks/npy.h"
 #include "benchmarks/sp_bench_decode_arrays.h"
 #include "benchmarks/sp_bench_decode_internal.h"
@@ -342,6 +343,19 @@ void check_decode_options(const SpBenchOptions& o) {
                     d.context + d.chunk + d.decode_steps * d.new_tokens <= kMaxTokens;
   SEQPAR_CHECK(fits, "--context ", d.context, " + --chunk ", d.chunk, " + --decode-steps ", d.decode_steps,
                " x --new-tokens ", d.new_tokens, ": the cache would hold more than 2^48 tokens");
+  // Decode splits whole heads over the ranks (parallel/decode_cp.h); refused here by flag, so that --dry-run refuses
+  // it too, rather than by the library's field names once the run has started.
+  const int pu = o.grid.ulysses_size, sp = o.grid.ring_size * pu;
+  if (o.attn == "gdn") {
+    SEQPAR_CHECK(o.heads % sp == 0 && o.kv_heads % sp == 0, "--mode decode --attn gdn: --heads ", o.heads,
+                 " (value heads) and --kv-heads ", o.kv_heads,
+                 " (key heads) must both be divisible by the SP group size ", sp, " (--ring-size ", o.grid.ring_size,
+                 " x --ulysses-size ", pu, "): decode splits whole heads over the group");
+  }
+  if (o.attn == "mha") {
+    SEQPAR_CHECK(o.kv_heads % pu == 0, "--mode decode --attn mha: --kv-heads ", o.kv_heads,
+                 " must be divisible by --ulysses-size ", pu, " (decode splits whole KV heads over the Ulysses group)");
+  }
   parse_cache_shard(d.cache_shard);
   for (const char* flag : {"cache-shard", "interleave"}) {
     SEQPAR_CHECK(o.attn != "gdn" || !o.given(flag), "--", flag, " needs --attn mha or dsa (--attn ", o.attn,
@@ -607,7 +621,7 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
       o.inputs_dir.empty() ? NamedArrays{} : load_inputs(o, decode_input_specs(o, arrays.inputs), rule);
   const DecodeInputs inputs(o, arrays.inputs, o.inputs_dir.empty() ? nullptr : &loaded);
   auto world = make_world_communicator(o.backend);
-  check_output_paths(*world, o);
+  check_output_paths(*world, o.json_path, o.dump_dir);
   SpGrid grid(*world, o.grid);
   const CpGroups groups = CpGroups::from(grid);
   DecodeResults results;

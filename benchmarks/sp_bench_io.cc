@@ -15,45 +15,6 @@
 #include "runtime/tensor_ops.h"
 
 namespace seqpar::bench {
-namespace {
-
-// Whether a file can be created in `dir` (a probe file, removed again).
-bool can_create_in(const std::filesystem::path& dir) {
-  std::error_code ec;
-  if (!std::filesystem::is_directory(dir, ec)) return false;
-  const std::filesystem::path probe_path = dir / ".sp_bench_write_probe";
-  const bool ok = std::ofstream(probe_path).good();
-  std::filesystem::remove(probe_path, ec);
-  return ok;
-}
-
-}  // namespace
-
-// Each through a temporary file in the target directory: probed on rank 0 before the grid exists.
-void check_output_paths(Communicator& world, const SpBenchOptions& o) {
-  std::int32_t bad[2] = {0, 0};  // json, dump
-  if (world.rank() == 0) {
-    // First, so that --json may name a file in the --dump directory.
-    if (!o.dump_dir.empty()) {
-      std::error_code ec;
-      std::filesystem::create_directories(o.dump_dir, ec);
-      bad[1] = !ec && can_create_in(o.dump_dir) ? 0 : 1;
-    }
-    if (!o.json_path.empty()) {
-      const std::filesystem::path dir = std::filesystem::path(o.json_path).parent_path();
-      bad[0] =
-          can_create_in(dir.empty() ? std::filesystem::path(".") : dir) && !std::filesystem::is_directory(o.json_path)
-              ? 0
-              : 1;
-    }
-  }
-  world.all_reduce(TensorView(bad, DType::kInt32, {2}), ReduceOp::kMax)->wait();
-  SEQPAR_CHECK(!bad[0], "--json ", o.json_path,
-               ": cannot create a file in its directory (checked on rank 0, which writes it)");
-  SEQPAR_CHECK(!bad[1], "--dump ", o.dump_dir,
-               ": cannot create the directory or write into it (checked on rank 0, which writes it)");
-}
-
 void check_json_not_dumped(const SpBenchOptions& o, const std::vector<std::string>& dumped) {
   if (o.json_path.empty() || o.dump_dir.empty()) return;
   auto normal = [](const std::filesystem::path& p) { return std::filesystem::absolute(p).lexically_normal(); };

@@ -15,11 +15,6 @@
 
 namespace seqpar::bench {
 
-// --json and --dump are written by rank 0 at the end of the run; finds out now whether that will work (rank 0
-// creates the --dump directory and probes both places) and fails on every rank with the same message (one small
-// all-reduce over `world`). Collective.
-void check_output_paths(Communicator& world, const SpBenchOptions& o);
-
 // --json must not name a file --dump writes (<dump>/<name>.npy for each of `dumped`); Error naming both otherwise.
 // Local (the same on every rank).
 void check_json_not_dumped(const SpBenchOptions& o, const std::vector<std::string>& dumped);

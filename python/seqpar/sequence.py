@@ -16,7 +16,16 @@ def shard_sequence(full, layout, sp_rank, seq_dim=1):
 
     A torch index_select, so it is differentiable (its gradient scatters back into the full tensor, padding rows
     dropped) and needs no communication: every rank holds the full batch (the usual data loader), each keeps its piece.
+    Raises seqpar.Error when `full` does not hold exactly layout.seq_len tokens along seq_dim (the same on every rank).
     """
+    if not -full.dim() <= seq_dim < full.dim():
+        raise _seqpar.Error(
+            f"shard_sequence: seq_dim {seq_dim} is not a dimension of the full tensor of shape {tuple(full.shape)}")
+    if full.shape[seq_dim] != layout.seq_len:
+        raise _seqpar.Error(
+            f"shard_sequence: the full tensor of shape {tuple(full.shape)} has length {full.shape[seq_dim]} in "
+            f"dimension {seq_dim} (seq_dim), but the layout's seq_len is {layout.seq_len} (its total tokens): pass "
+            f"the whole sequence, or a layout for length {full.shape[seq_dim]}")
     tokens = layout.token_index(sp_rank)
     padding = tokens < 0
     if not bool(padding.any()):

@@ -30,6 +30,24 @@ def test_scatter_shard_gather_round_trip(grid_shape, kind, dtype):
     assert torch.equal(everyone, torch.arange(S))
 
 
+@pytest.mark.parametrize("length", [S + 16, S - 4], ids=["longer", "shorter"])
+@pytest.mark.parametrize("seq_dim", [1, 2])
+def test_shard_sequence_refuses_a_wrong_length(length, seq_dim):
+    """A full tensor longer or shorter than the layout's seq_len is refused on every rank, before any communication,
+    naming its length, the layout's seq_len and the dimension (it used to be cut from its first seq_len tokens, or
+    to fail inside torch on the rank whose piece reached past its end)."""
+    grid = seqpar.SpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, S)
+    shape = [2, 3, 5]
+    shape[seq_dim] = length
+    full = torch.randn(shape)
+    with pytest.raises(seqpar.Error, match=rf"has length {length} in dimension {seq_dim} .*layout's seq_len is {S}"):
+        seqpar.shard_sequence(full, layout, grid.sp_rank, seq_dim=seq_dim)
+    with pytest.raises(seqpar.Error, match="seq_dim 3 is not a dimension"):
+        seqpar.shard_sequence(torch.randn(2, S, 5), layout, grid.sp_rank, seq_dim=3)
+    assert seqpar.shard_sequence(torch.randn(2, S, 5), layout, grid.sp_rank).shape == (2, layout.local_len, 5)
+
+
 @pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
 @pytest.mark.parametrize("kind", ["zigzag", "contiguous", "stripe", "balanced"])
 @pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
