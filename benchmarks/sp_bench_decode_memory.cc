@@ -27,9 +27,11 @@ namespace {
 constexpr std::int64_t kExactPrefillTokens = std::int64_t{1} << 22;
 
 // The training forward of the kind over `tokens` (its phase without the inputs; scaled beyond kExactPrefillTokens).
+// Without GDN's short conv: the prefill's conv holds other buffers, which estimate_decode_memory counts itself.
 PhaseMemory training_forward(const SpBenchOptions& o, std::int64_t tokens) {
   SpBenchOptions p = o;
   p.seq = std::min(tokens, kExactPrefillTokens);
+  p.conv_width = 0;
   PhaseMemory f = find_workload_kind(o.attn).estimate_memory(p).forward;
   const double scale = static_cast<double>(tokens) / static_cast<double>(p.seq);
   for (double* x : {&f.outputs, &f.saved, &f.workspace, &f.comm}) *x *= scale;

@@ -402,9 +402,9 @@ std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
 }
 
 // What GdnWorkload's step holds on one rank (sp_bench_memory.h), following GdnContextParallel (parallel/gdn_cp.cc)
-// and the chunked kernel (attention/cpu/gdn_chunk.cc): X = one [B, S/P, H, K] tensor, per segment (zigzag: two per
-// rank) a state [B, H/Pu, K, V] in the state dtype, per thread one chunk scratch of [C, C], [C, K] and [K, V] buffers
-// (backward: also the start state of every chunk of a segment).
+// and the chunked kernel (attention/cpu/gdn_chunk.cc): xk = one of q, k ([B, S/P, Hk, K]), xv = one of v, dout, out
+// ([B, S/P, Hv, V]), per segment (zigzag: two per rank) a state [B, Hv/Pu, K, V] in the state dtype, per thread one
+// chunk scratch of [C, C], [C, K] and [K, V] buffers (backward: also the start state of every chunk of a segment).
 // attn::reference: the token-by-token recurrence in fp64, keeping every state S_t for the backward; the inputs and
 // their gradients in fp64.
 Fp64ReferenceCost gdn_reference_cost(const SpBenchOptions& o) {
@@ -413,13 +413,25 @@ Fp64ReferenceCost gdn_reference_cost(const SpBenchOptions& o) {
   return {8.0 * (2.0 * spec_elements(gdn_input_specs(o)) + 2.0 * states), 30.0 * states};
 }
 
-double max_segments_per_ring_rank(const SpBenchOptions& o) {
+// The segments of the ring shards (maximal runs of consecutive tokens; zigzag: two per document and rank): the most
+// any ring rank holds, and the longest's share of a ring shard's rows.
+struct RingSegments {
+  double most = 1, longest_share = 1;
+};
+RingSegments ring_segments(const SpBenchOptions& o) {
   const SequenceLayout layout = sp_bench_layout(o);
   std::vector<std::vector<std::int64_t>> tokens;
   for (int r = 0; r < layout.ring_size(); ++r) tokens.push_back(layout.tokens_of_slots(layout.ring_shard_positions(r)));
   std::vector<double> count(tokens.size(), 0);
-  for (const Segment& seg : segments_in_global_order(tokens)) count[static_cast<std::size_t>(seg.owner)] += 1;
-  return std::max(1.0, *std::max_element(count.begin(), count.end()));
+  std::int64_t longest = 0;
+  for (const Segment& seg : segments_in_global_order(tokens)) {
+    count[static_cast<std::size_t>(seg.owner)] += 1;
+    longest = std::max(longest, seg.length);
+  }
+  RingSegments r;
+  r.most = std::max(1.0, *std::max_element(count.begin(), count.end()));
+  r.longest_share = std::min(1.0, static_cast<double>(longest) / static_cast<double>(tokens[0].size()));
+  return r;
 }
 
 WorkloadMemory gdn_memory(const SpBenchOptions& o) {
@@ -428,37 +440,61 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double c = o.dtype == DType::kFloat64 ? 8 : 4, threads = o.threads, batch = static_cast<double>(o.batch);
   // S: the layout's padded length (padding rows are allocated like tokens; the host arrays hold o.seq rows)
   const double s_pad = static_cast<double>(sp_bench_padded_len(o)), unpad = static_cast<double>(o.seq) / s_pad;
-  const double sl = s_pad / (pu * pr), kd = static_cast<double>(o.head_dim);
-  const double x = e * batch * sl * o.heads * kd, gate = e * batch * sl * o.heads;
+  const GdnShapes d = gdn_shapes(o);
+  const double sl = s_pad / (pu * pr), kd = static_cast<double>(d.K), vd = static_cast<double>(d.V);
+  // xk: one of q, k (key heads; in the heads layout each rank holds at least one, replicated when Pu > Hk); xv: one
+  // of v, dout, out (value heads)
+  const double xk = e * batch * sl * static_cast<double>(std::max<std::int64_t>(d.Hk, o.grid.ulysses_size)) * kd;
+  const double xv = e * batch * sl * o.heads * vd, qkv = 2 * xk + xv, gate = e * batch * sl * o.heads;
   // initial_state, final_state, dinitial_state: one per batch row or per document
-  const double state = st * static_cast<double>(gdn_shapes(o).N) * o.heads * kd * kd;
-  // segments per ring rank (maximal runs of consecutive tokens; zigzag: two per document and rank): the most any
-  // ring rank holds
-  const double segments = max_segments_per_ring_rank(o);
-  const double seg_state = st * batch * (o.heads / pu) * kd * kd;
-  const double chunk = static_cast<double>(std::min(o.chunk_size, o.seq)), m = std::max(chunk, kd);
+  const double state = st * static_cast<double>(d.N) * o.heads * kd * vd;
+  const RingSegments ring_segs = ring_segments(o);
+  const double segments = ring_segs.most;
+  const double seg_state = st * batch * (o.heads / pu) * kd * std::max(kd, vd);  // a state, or a scan map's M
+  const double chunk = static_cast<double>(std::min(o.chunk_size, o.seq)), m = std::max({chunk, kd, vd});
   const double seg_len = s_pad / (pr * segments);
   const double fwd_worker = c * (17 * chunk * m + 3 * m * m + 16 * chunk);
-  const double bwd_worker = fwd_worker + c * (17 * chunk * m + 3 * m * m + std::ceil(seg_len / chunk) * kd * kd);
-  const double a2a = pu > 1 ? 2 * x : 0;
+  const double bwd_worker = fwd_worker + c * (17 * chunk * m + 3 * m * m + std::ceil(seg_len / chunk) * kd * vd);
+  const double a2a = pu > 1 ? 2 * std::max(xk, xv) : 0;
+  // The backward kernel's dq and dk per value head when value heads share key heads (Hv > Hk), in the compute dtype,
+  // summed into the key heads afterwards (attention/cpu/gdn_chunk.cc GroupedGrad).
+  const double grouped = d.Hv > d.Hk ? 2 * c * batch * sl * o.heads * kd : 0;
   const double ring = o.gdn_mode == "scan" ? 6 * segments * seg_state : 2 * segments * seg_state;
+  // --conv-width (ShortConvContextParallel on the sequence shards, once for each of q, k, v): through both phases,
+  // each context's copy of its input and halo states ([B, W - 1, C] per segment) and the convolved q, k, v;
+  // conv_weight an input, its gradient an output. The conv's own buffers come before the recurrence's forward and
+  // after its backward (whose workspace is freed by then), for one of q, k, v at a time (the widest, `wide` channels):
+  // forward a segment's rows and their result; backward, in the accumulation dtype, dx and a segment's x, dout and dx,
+  // in the storage dtype a taken row block, the result and its copy.
+  const double conv = o.conv_width > 0 ? 1 : 0, rows = batch * sl;
+  const double conv_in = conv * e * rows * static_cast<double>(d.conv_channels_total());
+  const double conv_weight = conv * e * static_cast<double>(d.conv_channels_total()) * o.conv_width;
+  const double halo = conv * e * batch * static_cast<double>(d.conv_channels_total()) * (o.conv_width - 1) * segments;
+  const double wide = static_cast<double>(std::max(d.Hk * d.K, d.Hv * d.V));
+  const double conv_fwd = conv * 2 * e * rows * wide, conv_bwd = conv * (4 * c + 3 * e) * rows * wide;
   WorkloadMemory m_;
-  m_.inputs = 4 * x + 2 * gate + state;  // q, k, v, dout, g, beta, initial_state
+  m_.inputs = qkv + xv + 2 * gate + state + conv_weight;  // q, k, v, dout, g, beta, initial_state (, conv_weight)
   // Forward: the context keeps q k v g beta in the heads layout and the segments' start states (and scan maps);
-  // out_h and each segment's out, the outputs out and final_state; the exchanged states.
-  const double saved = 3 * x + 2 * gate + 2 * segments * seg_state;
+  // out_h, a segment's input rows (segment_inputs: q k v g beta, at most the longest segment's) and out, the outputs
+  // out and final_state; the exchanged states.
+  const double saved = qkv + 2 * gate + 2 * segments * seg_state + conv_in + halo;
   m_.forward.saved = saved;
-  m_.forward.outputs = x + state;
-  m_.forward.workspace = 2 * x + 4 * segments * seg_state + threads * fwd_worker;
+  m_.forward.outputs = xv + state;
+  m_.forward.workspace =
+      std::max(2 * xv + (qkv + 2 * gate) * ring_segs.longest_share + 4 * segments * seg_state + threads * fwd_worker,
+               conv_fwd) +
+      conv_in;
   m_.forward.comm = a2a + ring;
   // Backward: out and final_state stay held; dout_h and its segment rows, the gradients in the heads layout and per
-  // segment, the outputs dq dk dv dg dbeta dinitial_state.
+  // segment, the outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
   m_.backward.saved = saved;
-  m_.backward.outputs = x + state + 3 * x + 2 * gate + state;
-  m_.backward.workspace = 2 * x + 2 * (3 * x + 2 * gate) + 4 * segments * seg_state + threads * bwd_worker;
+  m_.backward.outputs = xv + state + qkv + 2 * gate + state + conv_weight;
+  m_.backward.workspace =
+      std::max(2 * xv + 2 * (qkv + 2 * gate) + grouped + 4 * segments * seg_state + threads * bwd_worker, conv_bwd) +
+      conv_in;
   m_.backward.comm = a2a + ring;
-  m_.full_inputs = (4 * x + 2 * gate) * pu * pr * unpad + state;
-  m_.full_outputs = (4 * x + 2 * gate) * pu * pr * unpad + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states
+  m_.full_inputs = (qkv + xv + 2 * gate) * pu * pr * unpad + state;
+  m_.full_outputs = (qkv + xv + 2 * gate) * pu * pr * unpad + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states
   m_.reference_scratch = threads * bwd_worker;
   return m_;
 }

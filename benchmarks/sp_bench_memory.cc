@@ -90,6 +90,7 @@ MemoryEstimate estimate_memory(const SpBenchOptions& o, int world_rank) {
               {"outputs", p.outputs},
               {"workspace", p.workspace},
               {"comm buffers", p.comm}};
+  e.phases = {{"fwd", w.inputs + w.forward.total()}, {"bwd", w.inputs + w.backward.total()}};
 
   const bool sp_root = sp_coords_of(o.grid, world_rank).sp_rank == 0;
   const double reference = w.full_inputs + w.full_outputs + w.reference_scratch;
@@ -152,6 +153,7 @@ nlohmann::json memory_estimate_json(const MemoryEstimate& e) {
   nlohmann::json mem = {{"ledger_peak_bytes", e.ledger_bytes()}, {"total_bytes", e.total_bytes()}};
   for (const auto& [name, bytes] : e.ledger) mem["ledger"][name] = bytes;
   for (const auto& [name, bytes] : e.host) mem["host"][name] = bytes;
+  for (const auto& [name, bytes] : e.phases) mem["phase_peak_bytes"][name] = bytes;
   return mem;
 }
 

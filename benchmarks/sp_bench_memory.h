@@ -40,6 +40,9 @@ struct WorkloadMemory {
 struct MemoryEstimate {
   std::vector<std::pair<std::string, double>> ledger;  // inputs, saved activations, outputs, workspace, comm buffers
   std::vector<std::pair<std::string, double>> host;    // loaded inputs, gathered outputs, reference, ... (when used)
+  // --mode train: the ledger's peak of each phase ("fwd", "bwd", as the JSON names the phases): the inputs and that
+  // phase's terms; the largest is ledger_bytes(). Empty for --mode decode (one peak, prefill to the last step).
+  std::vector<std::pair<std::string, double>> phases;
   // The flags that set the size, for the refusal's "reduce ..." ("--seq or --batch"; decode: --context and the rest
   // with their values).
   std::string size_flags = "--seq or --batch";
@@ -86,7 +89,8 @@ std::string describe_memory_dry_run(const MemoryEstimate& e, const MemoryVerdict
 // figures, the largest part of `mine` (this rank's estimate) and its size_flags. Local; every rank gets the same
 // verdict from compare_with_node_memory, so that every rank stops alike.
 void check_memory_fits(const MemoryVerdict& v, const MemoryEstimate& mine);
-// The estimate for --json: {"ledger_peak_bytes", "total_bytes", "ledger": {name: bytes}, "host": {name: bytes}}.
+// The estimate for --json: {"ledger_peak_bytes", "total_bytes", "ledger": {name: bytes}, "host": {name: bytes}}, and
+// "phase_peak_bytes": {phase: bytes} when e.phases is not empty.
 nlohmann::json memory_estimate_json(const MemoryEstimate& e);
 
 }  // namespace seqpar::bench
