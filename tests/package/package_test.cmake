@@ -6,7 +6,6 @@
 #   pkg_config      the example compiled with the compiler alone and `pkg-config --cflags --libs seqpar`, run
 #   add_subdirectory examples/ as an outside project that includes the source tree (CUDA, tests, benchmarks off),
 #                   with SEQPAR_NATIVE=ON: -march=native on seqpar's sources only
-#   readme          the README's code block of the example equals examples/ring_attention_example.cc
 # Variables: SOURCE_DIR, BUILD_DIR, WORK_DIR, CXX (compiler), LAUNCHER (compiler launcher, may be empty),
 # GENERATOR, MPIEXEC, NP_FLAG, VERSION (the project's). The runs use 2 ranks; the environment comes from ctest.
 cmake_minimum_required(VERSION 3.24)
@@ -200,27 +199,6 @@ elseif(STEP STREQUAL "add_subdirectory")
   set(check_native TRUE)
   build_and_run_examples(${WORK_DIR}/add_subdirectory -DSEQPAR_SOURCE_DIR=${SOURCE_DIR} -DSEQPAR_NATIVE=ON
                          -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
-elseif(STEP STREQUAL "readme")
-  file(READ ${SOURCE_DIR}/README.md readme)
-  file(READ ${example} code)
-  # The block after the line that names the file: "<!-- examples/ring_attention_example.cc -->", then ```cpp.
-  string(FIND "${readme}" "<!-- examples/ring_attention_example.cc -->\n```cpp\n" start)
-  if(start LESS 0)
-    message(FATAL_ERROR "README.md: no code block after <!-- examples/ring_attention_example.cc -->")
-  endif()
-  string(SUBSTRING "${readme}" ${start} -1 rest)
-  string(FIND "${rest}" "```cpp\n" open)
-  math(EXPR open "${open} + 7")
-  string(SUBSTRING "${rest}" ${open} -1 rest)
-  string(FIND "${rest}" "\n```\n" close)
-  math(EXPR close "${close} + 1")
-  string(SUBSTRING "${rest}" 0 ${close} block)
-  if(NOT block STREQUAL code)
-    file(WRITE ${WORK_DIR}/readme_block.cc "${block}")
-    message(FATAL_ERROR "README.md's example differs from examples/ring_attention_example.cc (README's block "
-                        "written to ${WORK_DIR}/readme_block.cc: diff it, then copy the file into the README)")
-  endif()
-  message("README.md's example block equals examples/ring_attention_example.cc")
 else()
   message(FATAL_ERROR "package_test.cmake: unknown STEP '${STEP}'")
 endif()
