@@ -108,6 +108,11 @@ class DsaContextParallel : public CpLayerBase {
 
  private:
   struct Saved;
+  void validate_forward(const TensorView& q, const TensorView& c, const TensorView& q_idx, const TensorView& k_idx,
+                        const TensorView& w) const;
+  void select_topk(Saved& saved, const TensorView& q_idx, const TensorView& k_idx, const TensorView& w,
+                   const DeviceAlloc& alloc);
+  void attend_latent(Saved& saved, const DeviceAlloc& alloc);
 
   DsaCpConfig config_;
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
