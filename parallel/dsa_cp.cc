@@ -250,8 +250,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   }
   const int pu = layout_.ulysses_size();
   const std::int64_t B = s->q_h.dim(0), sr = s->q_h.dim(1), hl = s->q_h.dim(2), dqk = s->q_h.dim(3),
-                     dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk, hi = s->q_idx.dim(2),
-                     di = s->q_idx.dim(3);
+                     dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk;
   const DType dtype = s->q_h.dtype(), acc_dtype = accumulator_dtype(dtype);
   const DeviceAlloc alloc{common_device({s->q_h.view(), dout}, "DSA CP backward (saved tensors, dout)"),
                           groups_.stream};
@@ -261,7 +260,6 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const CommMeter meter(groups_, counters_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
-  Communicator& sp = groups_.sp;
 
   // ---- attention backward (ring), with the head-summed probabilities for the indexer loss ----
   Tensor dout_h = a2a.to_heads(dout);
@@ -307,9 +305,25 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   a2a.reduce_scatter_pieces(probs_ring.view(), probs.view());
 
   // ---- indexer loss and its backward (SP group) ----
+  indexer_backward(*s, probs.view(), loss_grad_scale, alloc, g);
+  SEQPAR_LOG(kDebug) << "DSA backward (sp_rank " << groups_.sp_rank() << "): indexer loss " << g.loss;
+  return g;
+}
+
+// The indexer loss of the local queries (KL of the indexer's distribution from `probs`, the head-summed attention
+// probabilities [B, S_local, k]) summed over the SP group into g.loss, and its backward into g.dq_idx, dw, dk_idx (the
+// index keys circulate over the SP group with their gradients).
+void DsaContextParallel::indexer_backward(const Saved& saved, const TensorView& probs, float loss_grad_scale,
+                                          const DeviceAlloc& alloc, DsaCpGrads& g) {
+  const Saved* const s = &saved;
+  const Stream stream = groups_.stream;
+  Communicator& sp = groups_.sp;
+  const std::int64_t B = s->q_idx.dim(0), sl = s->q_idx.dim(1), k = config_.topk, hi = s->q_idx.dim(2),
+                     di = s->q_idx.dim(3);
+  const DType dtype = s->q_h.dtype(), acc_dtype = accumulator_dtype(dtype);
   Tensor dscores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
   attn::DsaIndexerLossArgs la;
-  la.probs = probs.view();
+  la.probs = probs;
   la.scores = s->sel_scores.view();
   la.topk_indices = s->topk_local.view();
   la.grad_scale = loss_grad_scale;
@@ -338,8 +352,6 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   g.dq_idx = alloc.copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);
   g.dw = alloc.copy_of(dw.view(), dtype, MemCategory::kWorkspace);
   g.dk_idx = alloc.copy_of(dk_idx.view(), dtype, MemCategory::kWorkspace);
-  SEQPAR_LOG(kDebug) << "DSA backward (sp_rank " << groups_.sp_rank() << "): indexer loss " << g.loss;
-  return g;
 }
 
 }  // namespace seqpar
