@@ -348,6 +348,82 @@ std::int64_t verify(Op op, Communicator& c, const Buffers& b) {
   return wrong;
 }
 
+// What the rows measured add up to: the JSON rows, the wrong elements, the bus bandwidths and their count.
+struct Totals {
+  nlohmann::json results = nlohmann::json::array();
+  std::int64_t wrong = 0;
+  double busbw_sum = 0;
+  int measured = 0;
+};
+
+// Every op and size of `o` over the groups of one kind (`comm`: this rank's; all groups of the kind run at once),
+// printed by world rank 0 and added to `totals`.
+void measure_group(const Options& o, Communicator& world, Communicator& comm, const std::string& gname, int world_rank,
+                   Totals& totals) {
+  const char* dname = dtype_name(o.dtype);
+  const int n = comm.size();
+  if (world_rank == 0) {
+    std::printf("#\n# group %s: %d ranks\n", gname.c_str(), n);
+  }
+  if (n < 2) {
+    if (world_rank == 0) std::printf("# (size 1: nothing to measure)\n");
+    return;
+  }
+  if (world_rank == 0) {
+    std::printf("# %13s %12s %12s %6s %6s %5s %10s %11s %11s %8s %9s\n", "op", "size(B)", "count(elts)", "type",
+                "redop", "place", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "status");
+  }
+  for (Op op : o.ops) {
+    const char* redop = reduces(op) ? "sum" : "none";
+    const char* place = in_place(op) ? "in" : "out";
+    for (std::int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {
+      nlohmann::json row = {{"group", gname}, {"group_size", n}, {"op", op_name(op)},
+                            {"dtype", dname}, {"redop", redop},  {"in_place", in_place(op)}};
+      const Buffers b = buffers_for(op, bytes, n, o.dtype, comm.device());
+      if (b.recv.empty()) {  // the same on every rank: a function of the sizes only
+        if (world_rank == 0) {
+          std::printf("  %13s %12lld %12s %6s %6s %5s %10s %11s %11s %8s %9s\n", op_name(op),
+                      static_cast<long long>(bytes), "0", dname, redop, place, "-", "-", "-", "-", "too-small");
+          row.update({{"size_bytes", bytes}, {"count", 0}, {"status", "too-small"}});
+          totals.results.push_back(row);
+        }
+        continue;
+      }
+      // count: the elements behind `size` (ring_step: of the k/v block; its gradient has as many in fp32).
+      const std::int64_t size_bytes = size_of(op, b),
+                         count = op == Op::kRingStep ? b.send[0].numel()
+                                                     : size_bytes / static_cast<std::int64_t>(dtype_size(o.dtype));
+      for (int i = 0; i < o.warmup; ++i) run_once(op, comm, b);
+      world.barrier()->wait();
+      const double t0 = now_s();
+      for (int i = 0; i < o.iters; ++i) run_once(op, comm, b);
+      std::vector<double> stats = {(now_s() - t0) / o.iters, 0};
+      stats[1] = static_cast<double>(verify(op, comm, b));
+      all_reduce_max(world, stats);
+      const double t = stats[0];
+      const double algbw = static_cast<double>(size_bytes) / t / 1e9;
+      const double busbw = algbw * busbw_factor(op, n);
+      totals.wrong += static_cast<std::int64_t>(stats[1]);
+      totals.busbw_sum += busbw;
+      ++totals.measured;
+      if (world_rank == 0) {
+        std::printf("  %13s %12lld %12lld %6s %6s %5s %10.2f %11.3f %11.3f %8lld %9s\n", op_name(op),
+                    static_cast<long long>(size_bytes), static_cast<long long>(count), dname, redop, place, t * 1e6,
+                    algbw, busbw, static_cast<long long>(stats[1]), "ok");
+        std::fflush(stdout);
+        row.update({{"size_bytes", size_bytes},
+                    {"count", count},
+                    {"time_us", t * 1e6},
+                    {"algbw_gbps", algbw},
+                    {"busbw_gbps", busbw},
+                    {"wrong", stats[1]},
+                    {"status", "ok"}});
+        totals.results.push_back(row);
+      }
+    }
+  }
+}
+
 int comm_bench_main(int argc, char** argv) {
   const auto [world_size, world_rank] = mpi_world_place();
   const std::optional<Options> parsed = parse(argc, argv, world_size, world_rank);
@@ -378,76 +454,16 @@ int comm_bench_main(int argc, char** argv) {
         "# every group of a kind runs at once; busbw = algbw x (n-1)/n (allreduce: x 2(n-1)/n; sendrecv, "
         "ring_step: x 1), see README\n");
   }
-  nlohmann::json results = nlohmann::json::array();
-  std::int64_t total_wrong = 0;
-  double busbw_sum = 0;
-  int measured = 0;
+  Totals totals;
   const char* dname = dtype_name(o.dtype);
   for (const std::string& gname : o.groups) {
     Communicator& comm = gname == "ulysses" ? grid.ulysses() : gname == "ring" ? grid.ring() : grid.sp();
-    const int n = comm.size();
-    if (world_rank == 0) {
-      std::printf("#\n# group %s: %d ranks\n", gname.c_str(), n);
-    }
-    if (n < 2) {
-      if (world_rank == 0) std::printf("# (size 1: nothing to measure)\n");
-      continue;
-    }
-    if (world_rank == 0) {
-      std::printf("# %13s %12s %12s %6s %6s %5s %10s %11s %11s %8s %9s\n", "op", "size(B)", "count(elts)", "type",
-                  "redop", "place", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "#wrong", "status");
-    }
-    for (Op op : o.ops) {
-      const char* redop = reduces(op) ? "sum" : "none";
-      const char* place = in_place(op) ? "in" : "out";
-      for (std::int64_t bytes = o.min_bytes; bytes <= o.max_bytes; bytes *= o.factor) {
-        nlohmann::json row = {{"group", gname}, {"group_size", n}, {"op", op_name(op)},
-                              {"dtype", dname}, {"redop", redop},  {"in_place", in_place(op)}};
-        const Buffers b = buffers_for(op, bytes, n, o.dtype, comm.device());
-        if (b.recv.empty()) {  // the same on every rank: a function of the sizes only
-          if (world_rank == 0) {
-            std::printf("  %13s %12lld %12s %6s %6s %5s %10s %11s %11s %8s %9s\n", op_name(op),
-                        static_cast<long long>(bytes), "0", dname, redop, place, "-", "-", "-", "-", "too-small");
-            row.update({{"size_bytes", bytes}, {"count", 0}, {"status", "too-small"}});
-            results.push_back(row);
-          }
-          continue;
-        }
-        // count: the elements behind `size` (ring_step: of the k/v block; its gradient has as many in fp32).
-        const std::int64_t size_bytes = size_of(op, b),
-                           count = op == Op::kRingStep ? b.send[0].numel()
-                                                       : size_bytes / static_cast<std::int64_t>(dtype_size(o.dtype));
-        for (int i = 0; i < o.warmup; ++i) run_once(op, comm, b);
-        world->barrier()->wait();
-        const double t0 = now_s();
-        for (int i = 0; i < o.iters; ++i) run_once(op, comm, b);
-        std::vector<double> stats = {(now_s() - t0) / o.iters, 0};
-        stats[1] = static_cast<double>(verify(op, comm, b));
-        all_reduce_max(*world, stats);
-        const double t = stats[0];
-        const double algbw = static_cast<double>(size_bytes) / t / 1e9;
-        const double busbw = algbw * busbw_factor(op, n);
-        total_wrong += static_cast<std::int64_t>(stats[1]);
-        busbw_sum += busbw;
-        ++measured;
-        if (world_rank == 0) {
-          std::printf("  %13s %12lld %12lld %6s %6s %5s %10.2f %11.3f %11.3f %8lld %9s\n", op_name(op),
-                      static_cast<long long>(size_bytes), static_cast<long long>(count), dname, redop, place, t * 1e6,
-                      algbw, busbw, static_cast<long long>(stats[1]), "ok");
-          std::fflush(stdout);
-          row.update({{"size_bytes", size_bytes},
-                      {"count", count},
-                      {"time_us", t * 1e6},
-                      {"algbw_gbps", algbw},
-                      {"busbw_gbps", busbw},
-                      {"wrong", stats[1]},
-                      {"status", "ok"}});
-          results.push_back(row);
-        }
-      }
-    }
+    measure_group(o, *world, comm, gname, world_rank, totals);
   }
-  const double avg_busbw = measured > 0 ? busbw_sum / measured : 0.0;
+  const std::int64_t total_wrong = totals.wrong;
+  const int measured = totals.measured;
+  const nlohmann::json& results = totals.results;
+  const double avg_busbw = measured > 0 ? totals.busbw_sum / measured : 0.0;
   if (world_rank == 0) {
     std::printf("# wrong elements in total: %lld\n", static_cast<long long>(total_wrong));
     // Nothing measured (every size too small for its pattern): n/a (JSON null) rather than a bandwidth of 0.

@@ -39,6 +39,25 @@
 namespace seqpar::bench {
 namespace {
 
+// The workload of --attn on the grid, after the checks that need its outputs: --test-corrupt names one of them,
+// and no --dump file (outputs, and with --dump-inputs the inputs) is written twice or overwritten by --json.
+std::unique_ptr<Workload> make_checked_workload(const SpBenchOptions& o, SpGrid& grid) {
+  std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
+  const std::vector<std::string> outputs = wl->output_names();
+  SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
+               "--test-corrupt ", o.test_corrupt, ": no such output");
+  std::vector<std::string> dumped = outputs;
+  if (o.dump_inputs) {
+    for (const TensorSpec& s : wl->input_specs()) {
+      SEQPAR_CHECK(std::find(outputs.begin(), outputs.end(), s.name) == outputs.end(), "sp_bench: input and output ",
+                   s.name, " would share one --dump file");
+      dumped.push_back(s.name);
+    }
+  }
+  check_json_not_dumped(o, dumped);
+  return wl;
+}
+
 int sp_bench_main(int argc, char** argv) {
   const WorldPlace place = mpi_world_place();
 
@@ -86,19 +105,7 @@ int sp_bench_main(int argc, char** argv) {
   check_output_paths(*world, o.json_path, o.dump_dir);
   SpGrid grid(*world, o.grid);
 
-  std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
-  const std::vector<std::string> outputs = wl->output_names();
-  SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
-               "--test-corrupt ", o.test_corrupt, ": no such output");
-  std::vector<std::string> dumped = outputs;
-  if (o.dump_inputs) {
-    for (const TensorSpec& s : wl->input_specs()) {
-      SEQPAR_CHECK(std::find(outputs.begin(), outputs.end(), s.name) == outputs.end(), "sp_bench: input and output ",
-                   s.name, " would share one --dump file");
-      dumped.push_back(s.name);
-    }
-  }
-  check_json_not_dumped(o, dumped);
+  std::unique_ptr<Workload> wl = make_checked_workload(o, grid);
   progress.note("making inputs", true);
   wl->setup(input_ptr);
 

@@ -112,6 +112,36 @@ namespace {
 
 using namespace decode_detail;
 
+// --check of the MHA decode steps: `out_all` [B, N n, Hq / Pu, D] and `lse_all` of this rank's heads against the
+// training kernel over the whole sequence; sets rep's errors and verdict (the largest error over the ranks).
+void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
+                     const Tensor& out_all, const Tensor& lse_all, DecodeReport& rep) {
+  const DecodeOptions& d = o.decode;
+  const std::int64_t B = o.batch, hq = o.heads, hkv = o.kv_heads, D = o.head_dim;
+  const std::int64_t n = d.new_tokens, N = d.decode_steps, T0 = d.context + d.chunk, S = T0 + N * n;
+  const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
+  // The training kernel over the whole sequence, rows T0.. (its queries at T0..S-1 against every key, causal), for
+  // this rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
+  const std::vector<std::int64_t> all = token_range(0, S), tail = token_range(T0, S);
+  const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, u * local, (u + 1) * local); };
+  const Tensor kf = heads(in.rows("k", all), hkv_l), vf = heads(in.rows("v", all), hkv_l);
+  const Tensor qt = heads(in.rows("q", tail), hq_l);
+  attn::MhaForwardArgs a;
+  a.q = qt;
+  a.k = kf;
+  a.v = vf;
+  a.q_pos = tail;
+  a.mask.causal = true;
+  Tensor out = Tensor::empty({B, N * n, hq_l, D}, o.dtype, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({B, hq_l, N * n}, accumulator_dtype(o.dtype), MemCategory::kWorkspace);
+  attn::mha_forward(a, out, lse);
+  std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse)};
+  all_reduce(world, errs, ReduceOp::kMax);
+  rep.out_err = errs[0];
+  rep.lse_err = errs[1];
+  rep.passed = rep.out_err <= tolerance(o.dtype) && rep.lse_err <= tolerance(accumulator_dtype(o.dtype));
+}
+
 DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
                      DecodeResults* results) {
   const DecodeOptions& d = o.decode;
@@ -186,7 +216,6 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.mem_peak_bytes = ledger_peak(world);
   rep.bytes_per_step = layer.counters().bytes_sent / N;
   rep.bytes_formula = layer.decode_bytes_per_step(B, n, hq, D, o.dtype);
-  const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
   Tensor out_all, lse_all;
   if (keep) {
     out_all = concat_steps(outs, 1);
@@ -199,26 +228,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   }
   if (!o.check) return rep;
   rep.checked = true;
-  // The training kernel over the whole sequence, rows T0.. (its queries at T0..S-1 against every key, causal), for
-  // this rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
-  const std::vector<std::int64_t> all = token_range(0, S), tail = token_range(T0, S);
-  const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, u * local, (u + 1) * local); };
-  const Tensor kf = heads(in.rows("k", all), hkv_l), vf = heads(in.rows("v", all), hkv_l);
-  const Tensor qt = heads(in.rows("q", tail), hq_l);
-  attn::MhaForwardArgs a;
-  a.q = qt;
-  a.k = kf;
-  a.v = vf;
-  a.q_pos = tail;
-  a.mask.causal = true;
-  Tensor out = Tensor::empty({B, N * n, hq_l, D}, o.dtype, MemCategory::kWorkspace);
-  Tensor lse = Tensor::empty({B, hq_l, N * n}, accumulator_dtype(o.dtype), MemCategory::kWorkspace);
-  attn::mha_forward(a, out, lse);
-  std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse)};
-  all_reduce(world, errs, ReduceOp::kMax);
-  rep.out_err = errs[0];
-  rep.lse_err = errs[1];
-  rep.passed = rep.out_err <= tolerance(o.dtype) && rep.lse_err <= tolerance(accumulator_dtype(o.dtype));
+  check_mha_steps(world, groups, o, in, out_all, lse_all, rep);
   return rep;
 }
 

@@ -208,9 +208,91 @@ ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCach
                                                                      : ChunkPrefillMode::kPassKv;
 }
 
+// One extend call's chunk: this rank's queries of it (its ring shard; under USP its Hq / Pu heads) and the partial
+// results of its queries, P blocks (out, lse hi, lo) for the cached part and the chunk's own as block P.
+struct MhaDecodeContextParallel::ChunkPass {
+  ShardedKvCache& cache;
+  const SequenceLayout& layout;
+  TensorView q;                                  // [B, t_loc, hq, D]
+  std::int64_t L, B, D, t_loc, hq, rows, block;  // L: the cache's length before the chunk; block = rows * (D + 2)
+  int P;                                         // ring ranks
+  DType acc;
+  Tensor parts;      // [block * (P + 1)] acc
+  Tensor lse64;      // [B, hq, t_loc] fp64: one partial's lse
+  CpCounters route;  // the bytes of the route alone (chunk_route_bytes_sent)
+
+  // The chunk's positions on ring rank r (after the L cached tokens).
+  std::vector<std::int64_t> chunk_positions(int r) const {
+    std::vector<std::int64_t> pos = layout.ring_shard_positions(r);
+    for (std::int64_t& t : pos) t += L;
+    return pos;
+  }
+  // Writes one partial's lse (fp64 in lse64) into block `r` of `buf` after its out.
+  void put_lse(const Tensor& buf, std::int64_t r) const {
+    if (acc == DType::kFloat64) {
+      double* b = buf.data_as<double>() + r * block + rows * D;
+      split_lse(lse64.data_as<double>(), rows, b, b + rows);
+    } else {
+      float* b = buf.data_as<float>() + r * block + rows * D;
+      split_lse(lse64.data_as<double>(), rows, b, b + rows);
+    }
+  }
+};
+
 PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout,
                                                const TensorView& q_in, const TensorView& k, const TensorView& v,
                                                ChunkPrefillMode mode) {
+  check_extend(cache, layout, q_in, k, v, mode);
+  const attn::KvCacheSpec& s = cache.spec();
+  const int pu = groups_.ulysses_size();
+  const std::int64_t B = s.batch, D = s.head_dim, t_new = layout.seq_len(), L = cache.length(), hq_all = q_in.dim(2);
+  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, layout, hq_all);
+  const int P = groups_.ring.size();
+  const DType acc = accumulator_dtype(s.dtype);
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  // Under USP the Ulysses exchange first gives this rank its ring shard of the chunk for its query and KV heads
+  // (hq = Hq / Pu of them, t_loc = the ring shard's rows), as in UspAttention; a group of one keeps q, k, v as they
+  // are.
+  const UlyssesExchange a2a(groups_, counters_);
+  Tensor q_h, k_h, v_h;
+  if (pu > 1) {
+    q_h = a2a.to_heads(q_in);
+    k_h = a2a.to_heads(k);
+    v_h = a2a.to_heads(v);
+  }
+  const TensorView q = pu > 1 ? q_h.view() : q_in;
+  const std::int64_t t_loc = layout.ring_shard_len(), hq = hq_all / pu;
+  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
+  // 1. The chunk's own causal attention (the training forward over the chunk's ring shards; positions relative to L).
+  RingAttentionConfig rc;
+  rc.impl = config_.prefill_impl;
+  rc.scale = config_.scale;
+  RingAttention ring(groups_, layout, rc);
+  AttentionOutput own = pu > 1 ? ring.forward(q, k_h, v_h) : ring.forward(q, k, v);
+  counters_ += ring.counters();
+  // 2. The cached part: P partial (out, lse hi, lo) blocks for this rank's queries, then the chunk's as block P.
+  Tensor parts = alloc.empty({block * (P + 1)}, acc, MemCategory::kCommBuffer);
+  Tensor lse64 = alloc.empty({B, hq, t_loc}, DType::kFloat64, MemCategory::kWorkspace);
+  ChunkPass c{cache, layout, q, L, B, D, t_loc, hq, rows, block, P, acc, std::move(parts), std::move(lse64), {}};
+  if (mode == ChunkPrefillMode::kPassKv) {
+    extend_pass_kv(c);
+  } else {
+    extend_pass_q(c);
+  }
+  chunk_route_bytes_sent_ = c.route.bytes_sent;
+  counters_ += c.route;
+  // 3. Merge the P cached partials and the chunk's own.
+  PrefillOutput result = merge_chunk(c, own, q_in, a2a);
+  // 4. The chunk's K/V join the cache on their owners.
+  reshard_prompt(cache, layout, k, v, L);
+  cache.length_ = L + t_new;
+  return result;
+}
+
+// The checks of extend before any data moves (the agreement check included).
+void MhaDecodeContextParallel::check_extend(const ShardedKvCache& cache, const SequenceLayout& layout,
+                                            const TensorView& q_in, const TensorView& k, const TensorView& v,
+                                            ChunkPrefillMode mode) {
   const char* who = "MhaDecodeContextParallel::extend";
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
@@ -227,127 +309,112 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
   SEQPAR_CHECK(q_in.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
                ": q, k, v must have the cache's dtype ", dtype_name(s.dtype));
   agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q_in}, {"k", k}, {"v", v}});
-  const std::int64_t L = cache.length(), hq_all = q_in.dim(2);
+  const std::int64_t L = cache.length();
   SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
                " would run past the cache capacity ", s.capacity);
-  if (mode == ChunkPrefillMode::kAuto) mode = choose_chunk_mode(cache, layout, hq_all);
-  const int P = groups_.ring.size(), me = groups_.ring.rank();
-  const DType acc = accumulator_dtype(s.dtype);
+}
+
+// pass-kv: the ring all-gathers every rank's cached K/V, and each rank attends its queries to all of them.
+void MhaDecodeContextParallel::extend_pass_kv(ChunkPass& c) {
+  ShardedKvCache& cache = c.cache;
+  const attn::KvCacheSpec& s = cache.spec();
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
-  // Under USP the Ulysses exchange first gives this rank its ring shard of the chunk for its query and KV heads
-  // (hq = Hq / Pu of them, t_loc = the ring shard's rows), as in UspAttention; a group of one keeps q, k, v as they
-  // are.
-  const UlyssesExchange a2a(groups_, counters_);
-  Tensor q_h, k_h, v_h;
-  if (pu > 1) {
-    q_h = a2a.to_heads(q_in);
-    k_h = a2a.to_heads(k);
-    v_h = a2a.to_heads(v);
+  const TensorView q = c.q;
+  const std::int64_t B = c.B, D = c.D, L = c.L, t_loc = c.t_loc, hq = c.hq, block = c.block;
+  const int P = c.P;
+  const std::vector<std::int64_t> q_pos = c.chunk_positions(groups_.ring.rank());
+  std::vector<std::vector<std::int64_t>> held(P);
+  std::int64_t m_max = 0;
+  for (int r = 0; r < P; ++r) {
+    held[r] = cache.sharding().owned(r, 0, L);
+    m_max = std::max<std::int64_t>(m_max, static_cast<std::int64_t>(held[r].size()));
   }
-  const TensorView q = pu > 1 ? q_h.view() : q_in;
-  const std::int64_t t_loc = layout.ring_shard_len(), hq = hq_all / pu;
-  const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
-  const auto chunk_positions = [&](int r) {
-    std::vector<std::int64_t> pos = layout.ring_shard_positions(r);
-    for (std::int64_t& t : pos) t += L;
-    return pos;
-  };
-  const std::vector<std::int64_t> q_pos = chunk_positions(me);
-  // 1. The chunk's own causal attention (the training forward over the chunk's ring shards; positions relative to L).
-  RingAttentionConfig rc;
-  rc.impl = config_.prefill_impl;
-  rc.scale = config_.scale;
-  RingAttention ring(groups_, layout, rc);
-  AttentionOutput own = pu > 1 ? ring.forward(q, k_h, v_h) : ring.forward(q, k, v);
-  counters_ += ring.counters();
-  // 2. The cached part: P partial (out, lse hi, lo) blocks for this rank's queries, then the chunk's as block P.
-  Tensor parts = alloc.empty({block * (P + 1)}, acc, MemCategory::kCommBuffer);
-  Tensor lse64 = alloc.empty({B, hq, t_loc}, DType::kFloat64, MemCategory::kWorkspace);
-  // Writes one partial's lse (fp64 in lse64) into block `r` of `buf` after its out.
-  const auto put_lse = [&](const Tensor& buf, std::int64_t r) {
-    if (acc == DType::kFloat64) {
-      double* b = buf.data_as<double>() + r * block + rows * D;
-      split_lse(lse64.data_as<double>(), rows, b, b + rows);
-    } else {
-      float* b = buf.data_as<float>() + r * block + rows * D;
-      split_lse(lse64.data_as<double>(), rows, b, b + rows);
-    }
-  };
-  CpCounters route;  // the bytes of the route alone (chunk_route_bytes_sent)
-  if (mode == ChunkPrefillMode::kPassKv) {
-    std::vector<std::vector<std::int64_t>> held(P);
-    std::int64_t m_max = 0;
-    for (int r = 0; r < P; ++r) {
-      held[r] = cache.sharding().owned(r, 0, L);
-      m_max = std::max<std::int64_t>(m_max, static_cast<std::int64_t>(held[r].size()));
-    }
-    const std::int64_t shard = B * m_max * s.kv_heads * D;  // elements of one of K, V, padded
-    Tensor send = alloc.zeros({2 * shard}, s.dtype, MemCategory::kCommBuffer);
-    Tensor recv = alloc.empty({P * 2 * shard}, s.dtype, MemCategory::kCommBuffer);
-    const std::int64_t m_me = cache.local().length();
-    for (std::int64_t b = 0; b < B; ++b) {
-      const Shape rows_shape{1, m_me, s.kv_heads, D};
-      copy_convert(cache.local().k_rows(b), sub_view(send, b * m_max * s.kv_heads * D, rows_shape));
-      copy_convert(cache.local().v_rows(b), sub_view(send, shard + b * m_max * s.kv_heads * D, rows_shape));
-    }
-    {
-      CommMeter meter(groups_, route);
-      WorkHandle w = groups_.ring.all_gather(send, recv);
-      timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
-    }
-    ScopedTimer timer(counters_.compute_s);
-    for (int r = 0; r < P; ++r) {
-      const std::int64_t m_r = static_cast<std::int64_t>(held[r].size());
-      for (std::int64_t b = 0; b < B; ++b) {
-        attn::MhaForwardArgs a;
-        a.q = q.slice0(b, b + 1);
-        a.k = sub_view(recv, r * 2 * shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
-        a.v = sub_view(recv, r * 2 * shard + shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
-        a.q_pos = q_pos;
-        a.k_pos = held[r];
-        a.mask.causal = true;
-        a.scale = config_.scale;
-        attn::mha_forward(a, sub_view(parts, r * block + b * t_loc * hq * D, {1, t_loc, hq, D}),
-                          lse64.view().slice0(b, b + 1), groups_.stream);
-      }
-      put_lse(parts, r);
-    }
-  } else {
-    Tensor q_all = alloc.empty({P * B * t_loc * hq * D}, s.dtype, MemCategory::kCommBuffer);
-    Tensor send = alloc.empty({block * P}, acc, MemCategory::kCommBuffer);
-    {
-      CommMeter meter(groups_, route);
-      WorkHandle w = groups_.ring.all_gather(q, q_all);
-      timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
-    }
-    {
-      ScopedTimer timer(counters_.compute_s);
-      for (int r = 0; r < P; ++r) {
-        attn::mha_decode(cache.local(), sub_view(q_all, r * B * t_loc * hq * D, {B, t_loc, hq, D}), chunk_positions(r),
-                         sub_view(send, r * block, {B, t_loc, hq, D}), lse64, config_.scale, groups_.stream);
-        put_lse(send, r);
-      }
-    }
-    CommMeter meter(groups_, route);
-    WorkHandle w = groups_.ring.all_to_all(send, sub_view(parts, 0, {block * P}));
+  const std::int64_t shard = B * m_max * s.kv_heads * D;  // elements of one of K, V, padded
+  Tensor send = alloc.zeros({2 * shard}, s.dtype, MemCategory::kCommBuffer);
+  Tensor recv = alloc.empty({P * 2 * shard}, s.dtype, MemCategory::kCommBuffer);
+  const std::int64_t m_me = cache.local().length();
+  for (std::int64_t b = 0; b < B; ++b) {
+    const Shape rows_shape{1, m_me, s.kv_heads, D};
+    copy_convert(cache.local().k_rows(b), sub_view(send, b * m_max * s.kv_heads * D, rows_shape));
+    copy_convert(cache.local().v_rows(b), sub_view(send, shard + b * m_max * s.kv_heads * D, rows_shape));
+  }
+  {
+    CommMeter meter(groups_, c.route);
+    WorkHandle w = groups_.ring.all_gather(send, recv);
     timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
   }
-  chunk_route_bytes_sent_ = route.bytes_sent;
-  counters_ += route;
-  // 3. Merge the P cached partials and the chunk's own.
+  ScopedTimer timer(counters_.compute_s);
+  for (int r = 0; r < P; ++r) {
+    const std::int64_t m_r = static_cast<std::int64_t>(held[r].size());
+    for (std::int64_t b = 0; b < B; ++b) {
+      attn::MhaForwardArgs a;
+      a.q = q.slice0(b, b + 1);
+      a.k = sub_view(recv, r * 2 * shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
+      a.v = sub_view(recv, r * 2 * shard + shard + b * m_max * s.kv_heads * D, {1, m_r, s.kv_heads, D});
+      a.q_pos = q_pos;
+      a.k_pos = held[r];
+      a.mask.causal = true;
+      a.scale = config_.scale;
+      attn::mha_forward(a, sub_view(c.parts, r * block + b * t_loc * hq * D, {1, t_loc, hq, D}),
+                        c.lse64.view().slice0(b, b + 1), groups_.stream);
+    }
+    c.put_lse(c.parts, r);
+  }
+}
+
+// pass-q: the ring all-gathers the chunk's queries, each rank attends them to its cache shard, and an all-to-all
+// returns every rank its partial results.
+void MhaDecodeContextParallel::extend_pass_q(ChunkPass& c) {
+  ShardedKvCache& cache = c.cache;
+  const attn::KvCacheSpec& s = cache.spec();
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  const TensorView q = c.q;
+  const std::int64_t B = c.B, D = c.D, t_loc = c.t_loc, hq = c.hq, block = c.block;
+  const int P = c.P;
+  const DType acc = c.acc;
+  Tensor q_all = alloc.empty({P * B * t_loc * hq * D}, s.dtype, MemCategory::kCommBuffer);
+  Tensor send = alloc.empty({block * P}, acc, MemCategory::kCommBuffer);
+  {
+    CommMeter meter(groups_, c.route);
+    WorkHandle w = groups_.ring.all_gather(q, q_all);
+    timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+  }
+  {
+    ScopedTimer timer(counters_.compute_s);
+    for (int r = 0; r < P; ++r) {
+      attn::mha_decode(cache.local(), sub_view(q_all, r * B * t_loc * hq * D, {B, t_loc, hq, D}), c.chunk_positions(r),
+                       sub_view(send, r * block, {B, t_loc, hq, D}), c.lse64, config_.scale, groups_.stream);
+      c.put_lse(send, r);
+    }
+  }
+  CommMeter meter(groups_, c.route);
+  WorkHandle w = groups_.ring.all_to_all(send, sub_view(c.parts, 0, {block * P}));
+  timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
+}
+
+// The merge of the P cached partials and the chunk's own (`own`, this rank's queries); under USP back to the compute
+// layout ([B, S_local, Hq, D] and [B, Hq, S_local]).
+PrefillOutput MhaDecodeContextParallel::merge_chunk(ChunkPass& c, const AttentionOutput& own, const TensorView& q_in,
+                                                    const UlyssesExchange& a2a) {
+  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  const TensorView q = c.q;
+  const std::int64_t B = c.B, D = c.D, t_loc = c.t_loc, hq = c.hq, block = c.block;
+  const std::int64_t hq_all = q_in.dim(2), sl = q_in.dim(1);
+  const int P = c.P, pu = groups_.ulysses_size();
+  const DType acc = c.acc;
   PrefillOutput result;
   {
     ScopedTimer timer(counters_.compute_s);
-    copy_convert(own.out, sub_view(parts, P * block, {B, t_loc, hq, D}));
-    copy_convert(own.lse, lse64);
-    put_lse(parts, P);
+    copy_convert(own.out, sub_view(c.parts, P * block, {B, t_loc, hq, D}));
+    copy_convert(own.lse, c.lse64);
+    c.put_lse(c.parts, P);
     Tensor merged = alloc.empty({B, t_loc, hq, D}, acc, MemCategory::kWorkspace);
     result.lse = alloc.empty({B, hq, t_loc}, acc, MemCategory::kWorkspace);
     if (acc == DType::kFloat64) {
-      merge_shards(parts.data_as<double>(), P + 1, B, t_loc, hq, D, merged.data_as<double>(),
+      merge_shards(c.parts.data_as<double>(), P + 1, B, t_loc, hq, D, merged.data_as<double>(),
                    result.lse.data_as<double>());
     } else {
-      merge_shards(parts.data_as<float>(), P + 1, B, t_loc, hq, D, merged.data_as<float>(),
+      merge_shards(c.parts.data_as<float>(), P + 1, B, t_loc, hq, D, merged.data_as<float>(),
                    result.lse.data_as<float>());
     }
     result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
@@ -360,9 +427,6 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
     a2a.lse_to_sequence(result.lse, seq.lse);
     result = std::move(seq);
   }
-  // 4. The chunk's K/V join the cache on their owners.
-  reshard_prompt(cache, layout, k, v, L);
-  cache.length_ = L + t_new;
   return result;
 }
 

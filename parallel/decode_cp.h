@@ -257,6 +257,13 @@ class MhaDecodeContextParallel {
   // store them and appends them.
   void reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v,
                       std::int64_t offset = 0);
+  struct ChunkPass;
+  void check_extend(const ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
+                    const TensorView& v, ChunkPrefillMode mode);
+  void extend_pass_kv(ChunkPass& c);
+  void extend_pass_q(ChunkPass& c);
+  PrefillOutput merge_chunk(ChunkPass& c, const AttentionOutput& own, const TensorView& q_in,
+                            const UlyssesExchange& a2a);
 
   CpGroups groups_;
   MhaDecodeConfig config_;

@@ -92,6 +92,42 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
     agree(forward_agreement_, fp);
   }
   const DeviceAlloc alloc{common_device({q, c, q_idx, k_idx, w}, "DSA CP forward"), groups_.stream};
+  validate_forward(q, c, q_idx, k_idx, w);
+  const std::int64_t B = q.dim(0), sl = q.dim(1), H = q.dim(2);
+  const CommStreamScope stream_scope(groups_);
+  const CommMeter meter(groups_, counters_);
+  const UlyssesExchange a2a(groups_, counters_);
+  const std::int64_t k = config_.topk;
+  const DType acc_dtype = accumulator_dtype(q.dtype());  // of the top-k scores, the merge state and lse
+  auto s = std::make_shared<Saved>();
+
+  // ---- selection over the SP group ----
+  select_topk(*s, q_idx, k_idx, w, alloc);
+
+  // ---- attention: heads over Ulysses, latent blocks over the ring ----
+  const std::int64_t dv = config_.dim_v;
+  s->q_h = a2a.to_heads(q, MemCategory::kSavedActivation);
+  s->c_ring = a2a.gather_pieces(c, MemCategory::kSavedActivation);
+  s->topk_ring = a2a.gather_pieces(s->topk_local.view(), MemCategory::kSavedActivation);
+
+  attend_latent(*s, alloc);
+
+  DsaCpOutput o;
+  o.out = alloc.empty({B, sl, H, dv}, q.dtype(), MemCategory::kWorkspace);
+  o.lse = alloc.empty({B, H, sl}, acc_dtype, MemCategory::kWorkspace);
+  a2a.to_sequence(s->out_h.view(), o.out.view());
+  a2a.lse_to_sequence(s->lse_h.view(), o.lse.view());
+  o.topk_indices = alloc.copy_of(s->topk_local.view(), DType::kInt64, MemCategory::kWorkspace);
+  SEQPAR_LOG(kDebug) << "DSA forward (" << dsa_select_mode_name(config_.select) << " selection, sp_rank "
+                     << groups_.sp_rank() << "): q " << q.str() << ", topk " << k;
+  o.ctx = CpContext::make(id_, "DSA CP", std::move(s));
+  return o;
+}
+
+// Every check of forward's inputs, the indexer kernel's own on the local shapes included, before anything is
+// allocated or sent.
+void DsaContextParallel::validate_forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
+                                          const TensorView& k_idx, const TensorView& w) const {
   SEQPAR_CHECK(q.ndim() == 4 && c.ndim() == 3 && q_idx.ndim() == 4 && k_idx.ndim() == 3 && w.ndim() == 3, "DSA CP: q ",
                q.str(), ", c ", c.str(), ", q_idx ", q_idx.str(), ", k_idx ", k_idx.str(), ", w ", w.str(),
                " must be [B,S,H,Dqk], [B,S,Dqk], [B,S,Hi,Di], [B,S,Di], [B,S,Hi]");
@@ -113,16 +149,18 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   }
   // The kernels' own checks on the local shapes (devices included) before anything is allocated or sent.
   attn::check_dsa_indexer_args(indexer_args(q_idx, w, k_idx, positions_, positions_, doc_));
-  const CommStreamScope stream_scope(groups_);
-  const CommMeter meter(groups_, counters_);
-  const UlyssesExchange a2a(groups_, counters_);
+}
+
+// The selection over the SP group: every local query's top-k keys of the whole row (the index keys circulate over a
+// ring, or travel only where a window lets a query see them, or are all-gathered); fills s.q_idx, k_idx, w (saved
+// copies), topk_local and sel_scores.
+void DsaContextParallel::select_topk(Saved& saved, const TensorView& q_idx, const TensorView& k_idx,
+                                     const TensorView& w, const DeviceAlloc& alloc) {
+  Saved* const s = &saved;
   const Stream stream = groups_.stream;
   Communicator& sp = groups_.sp;
-  const std::int64_t k = config_.topk;
-  const DType acc_dtype = accumulator_dtype(q.dtype());  // of the top-k scores, the merge state and lse
-  auto s = std::make_shared<Saved>();
-
-  // ---- selection over the SP group ----
+  const std::int64_t B = q_idx.dim(0), sl = q_idx.dim(1), di = q_idx.dim(3), k = config_.topk;
+  const DType acc_dtype = accumulator_dtype(q_idx.dtype());  // of the top-k scores
   s->q_idx = alloc.copy_of(q_idx, q_idx.dtype(), MemCategory::kSavedActivation);
   s->k_idx = alloc.copy_of(k_idx, k_idx.dtype(), MemCategory::kSavedActivation);
   s->w = alloc.copy_of(w, w.dtype(), MemCategory::kSavedActivation);
@@ -157,13 +195,15 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   s->sel_scores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kSavedActivation);
   attn::dsa_topk_selected_scores(state, s->sel_scores.view(), stream);
   attn::dsa_topk_finalize(state, s->topk_local.view(), stream);
+}
 
-  // ---- attention: heads over Ulysses, latent blocks over the ring ----
-  const std::int64_t sr = layout_.ring_shard_len(), hl = H / pu, dv = config_.dim_v;
-  s->q_h = a2a.to_heads(q, MemCategory::kSavedActivation);
-  s->c_ring = a2a.gather_pieces(c, MemCategory::kSavedActivation);
-  s->topk_ring = a2a.gather_pieces(s->topk_local.view(), MemCategory::kSavedActivation);
-
+// The attention: this rank's heads of its ring shard's queries against the latent blocks circulating over the ring,
+// merged block by block; fills s.lse_h and s.out_h.
+void DsaContextParallel::attend_latent(Saved& saved, const DeviceAlloc& alloc) {
+  Saved* const s = &saved;
+  const Stream stream = groups_.stream;
+  const std::int64_t B = s->q_h.dim(0), sr = layout_.ring_shard_len(), hl = s->q_h.dim(2), dv = config_.dim_v;
+  const DType acc_dtype = accumulator_dtype(s->q_h.dtype());  // of the merge state and lse
   const std::vector<std::int64_t>& my_ring_pos = ring_positions_[groups_.ring.rank()];
   // The merge state (as in RingAttention): out in the accumulator dtype, the running lse and every block's lse in
   // fp64 (the DSA kernels write an fp64 lse for any inputs), so the merge weights carry no rounding of an fp32 lse;
@@ -194,19 +234,8 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
   counters_.attention_pairs +=
       static_cast<double>(count_nonnegative(s->topk_ring.view(), stream)) * static_cast<double>(hl);
-  s->out_h = alloc.empty({B, sr, hl, dv}, q.dtype(), MemCategory::kSavedActivation);
+  s->out_h = alloc.empty({B, sr, hl, dv}, s->q_h.dtype(), MemCategory::kSavedActivation);
   alloc.copy_convert(acc.view(), s->out_h.view());
-
-  DsaCpOutput o;
-  o.out = alloc.empty({B, sl, H, dv}, q.dtype(), MemCategory::kWorkspace);
-  o.lse = alloc.empty({B, H, sl}, acc_dtype, MemCategory::kWorkspace);
-  a2a.to_sequence(s->out_h.view(), o.out.view());
-  a2a.lse_to_sequence(s->lse_h.view(), o.lse.view());
-  o.topk_indices = alloc.copy_of(s->topk_local.view(), DType::kInt64, MemCategory::kWorkspace);
-  SEQPAR_LOG(kDebug) << "DSA forward (" << dsa_select_mode_name(config_.select) << " selection, sp_rank "
-                     << groups_.sp_rank() << "): q " << q.str() << ", topk " << k;
-  o.ctx = CpContext::make(id_, "DSA CP", std::move(s));
-  return o;
 }
 
 DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale) {
@@ -221,8 +250,7 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   }
   const int pu = layout_.ulysses_size();
   const std::int64_t B = s->q_h.dim(0), sr = s->q_h.dim(1), hl = s->q_h.dim(2), dqk = s->q_h.dim(3),
-                     dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk, hi = s->q_idx.dim(2),
-                     di = s->q_idx.dim(3);
+                     dv = s->out_h.dim(3), sl = layout_.local_len(), k = config_.topk;
   const DType dtype = s->q_h.dtype(), acc_dtype = accumulator_dtype(dtype);
   const DeviceAlloc alloc{common_device({s->q_h.view(), dout}, "DSA CP backward (saved tensors, dout)"),
                           groups_.stream};
@@ -232,7 +260,6 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   const CommMeter meter(groups_, counters_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
-  Communicator& sp = groups_.sp;
 
   // ---- attention backward (ring), with the head-summed probabilities for the indexer loss ----
   Tensor dout_h = a2a.to_heads(dout);
@@ -278,9 +305,25 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   a2a.reduce_scatter_pieces(probs_ring.view(), probs.view());
 
   // ---- indexer loss and its backward (SP group) ----
+  indexer_backward(*s, probs.view(), loss_grad_scale, alloc, g);
+  SEQPAR_LOG(kDebug) << "DSA backward (sp_rank " << groups_.sp_rank() << "): indexer loss " << g.loss;
+  return g;
+}
+
+// The indexer loss of the local queries (KL of the indexer's distribution from `probs`, the head-summed attention
+// probabilities [B, S_local, k]) summed over the SP group into g.loss, and its backward into g.dq_idx, dw, dk_idx (the
+// index keys circulate over the SP group with their gradients).
+void DsaContextParallel::indexer_backward(const Saved& saved, const TensorView& probs, float loss_grad_scale,
+                                          const DeviceAlloc& alloc, DsaCpGrads& g) {
+  const Saved* const s = &saved;
+  const Stream stream = groups_.stream;
+  Communicator& sp = groups_.sp;
+  const std::int64_t B = s->q_idx.dim(0), sl = s->q_idx.dim(1), k = config_.topk, hi = s->q_idx.dim(2),
+                     di = s->q_idx.dim(3);
+  const DType dtype = s->q_h.dtype(), acc_dtype = accumulator_dtype(dtype);
   Tensor dscores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
   attn::DsaIndexerLossArgs la;
-  la.probs = probs.view();
+  la.probs = probs;
   la.scores = s->sel_scores.view();
   la.topk_indices = s->topk_local.view();
   la.grad_scale = loss_grad_scale;
@@ -309,8 +352,6 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   g.dq_idx = alloc.copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);
   g.dw = alloc.copy_of(dw.view(), dtype, MemCategory::kWorkspace);
   g.dk_idx = alloc.copy_of(dk_idx.view(), dtype, MemCategory::kWorkspace);
-  SEQPAR_LOG(kDebug) << "DSA backward (sp_rank " << groups_.sp_rank() << "): indexer loss " << g.loss;
-  return g;
 }
 
 }  // namespace seqpar

@@ -108,6 +108,13 @@ class DsaContextParallel : public CpLayerBase {
 
  private:
   struct Saved;
+  void validate_forward(const TensorView& q, const TensorView& c, const TensorView& q_idx, const TensorView& k_idx,
+                        const TensorView& w) const;
+  void select_topk(Saved& saved, const TensorView& q_idx, const TensorView& k_idx, const TensorView& w,
+                   const DeviceAlloc& alloc);
+  void attend_latent(Saved& saved, const DeviceAlloc& alloc);
+  void indexer_backward(const Saved& saved, const TensorView& probs, float loss_grad_scale, const DeviceAlloc& alloc,
+                        DsaCpGrads& g);
 
   DsaCpConfig config_;
   std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions

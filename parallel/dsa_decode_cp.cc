@@ -123,17 +123,16 @@ void DsaDecodeContextParallel::fill(ShardedDsaCache& cache, const SequenceLayout
   store_prompt(cache, layout, k_idx, c);
 }
 
-DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const TensorView& q, const TensorView& c,
-                                                 const TensorView& q_idx, const TensorView& k_idx,
-                                                 const TensorView& w) {
+// Every check of decode before any data moves (the agreement check included).
+void DsaDecodeContextParallel::check_decode(const ShardedDsaCache& cache, const TensorView& q, const TensorView& c,
+                                            const TensorView& q_idx, const TensorView& k_idx, const TensorView& w) {
   const char* who = "DsaDecodeContextParallel::decode";
   check_cache(cache, who);
   const attn::DsaCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1 && q_idx.ndim() == 4, who,
                ": q_new and q_idx_new must be [B, n, H, Dqk] and [B, n, Hi, Di] with n >= 1, got ",
                shape_str(q.shape()), " and ", shape_str(q_idx.shape()));
-  const std::int64_t B = s.batch, n = q.dim(1), H = q.dim(2), hi = q_idx.dim(2), k = config_.topk;
-  const std::int64_t dv = config_.dim_v;
+  const std::int64_t B = s.batch, n = q.dim(1), H = q.dim(2), hi = q_idx.dim(2);
   check_shape(q, {B, n, H, s.latent_dim}, "DsaDecodeContextParallel::decode q_new (the cache's [B, n, H, Dqk])");
   check_shape(c, {B, n, s.latent_dim}, "DsaDecodeContextParallel::decode c_new (the cache's [B, n, Dqk])");
   check_shape(q_idx, {B, n, hi, s.index_dim},
@@ -148,6 +147,15 @@ DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const T
   const std::int64_t L = cache.length();
   SEQPAR_CHECK(L + n <= s.capacity, who, ": ", n, " new tokens after ", L, " would run past the cache capacity ",
                s.capacity);
+}
+
+DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const TensorView& q, const TensorView& c,
+                                                 const TensorView& q_idx, const TensorView& k_idx,
+                                                 const TensorView& w) {
+  check_decode(cache, q, c, q_idx, k_idx, w);
+  const attn::DsaCacheSpec& s = cache.spec();
+  const std::int64_t B = s.batch, n = q.dim(1), H = q.dim(2), k = config_.topk, dv = config_.dim_v;
+  const std::int64_t L = cache.length();
   const std::vector<std::int64_t> q_pos = iota_from(L, n);
   const attn::DsaDecodeArgs args{q, q_idx, w, q_pos, config_.window, dv, config_.scale};
   const DType acc = accumulator_dtype(s.dtype);

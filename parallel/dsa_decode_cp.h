@@ -126,6 +126,8 @@ class DsaDecodeContextParallel {
              std::initializer_list<std::pair<std::string_view, TensorView>> tensors);
   // Moves the prompt's k_idx, c from the compute layout to their owners and appends them (length = the prompt's).
   void store_prompt(ShardedDsaCache& cache, const SequenceLayout& layout, const TensorView& k_idx, const TensorView& c);
+  void check_decode(const ShardedDsaCache& cache, const TensorView& q, const TensorView& c, const TensorView& q_idx,
+                    const TensorView& k_idx, const TensorView& w);
 
   CpGroups groups_;
   DsaDecodeConfig config_;

@@ -350,6 +350,17 @@ void finish_doc_states(Communicator& ring, const Tensor& states, const std::vect
 
 }  // namespace
 
+// One forward call's buffers, shared by its steps (run_pieces, forward_chain, forward_scan).
+struct GdnContextParallel::ForwardPass {
+  Saved& s;
+  const DeviceAlloc& alloc;
+  Stream stream;
+  DType dtype;    // of q: the outputs'
+  Tensor& out_h;  // [B, S_ring, Hl, V]; padding rows belong to no segment and stay 0
+  Tensor&
+      finals;  // the end state of every document that ends in one of this rank's pieces (summed over the ring later)
+};
+
 GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                         const TensorView& g, const TensorView& beta, const TensorView& initial_state) {
   {
@@ -362,36 +373,10 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     agree(forward_agreement_, fp);
   }
   const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};
-  SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
-               "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
-               " must be [B, S_local, Hk, K], [B, S_local, Hk, K], [B, S_local, Hv, V], [B, S_local, Hv] x 2");
-  const std::int64_t B = q.dim(0), sl = q.dim(1), Hk = q.dim(2), H = v.dim(2), K = q.dim(3), V = v.dim(3);
-  SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be the layout's local_len ",
-               layout_.local_len(), " (seq_len ", layout_.seq_len(), " over ring_size ", layout_.ring_size(),
-               " x ulysses_size ", layout_.ulysses_size(), ")");
-  check_shape(v, {B, sl, H, V}, "GDN CP v");
-  check_shape(g, {B, sl, H}, "GDN CP g");
-  check_shape(beta, {B, sl, H}, "GDN CP beta");
-  const int pu = groups_.ulysses_size();
-  const UlyssesHeads heads = gdn_ulysses_heads(H, Hk, pu);
-  auto sp_ = std::make_shared<Saved>();
+  auto sp_ = validate_forward(q, k, v, g, beta, initial_state);
   Saved& s = *sp_;
-  s.batch = B;
-  s.heads = H / pu;
-  s.key_heads = Hk;
-  s.dk = K;
-  s.dv = V;
-  s.packed = layout_.is_packed();
-  s.num_docs = static_cast<std::int64_t>(cu_seqlens_.size()) - 1;
-  s.state_dtype = accumulator_dtype(q.dtype());
-  SEQPAR_CHECK(!s.packed || B == 1, "GDN CP: a packed layout (", s.num_docs,
-               " documents in one row) needs batch size 1, got B = ", B);
-  if (!initial_state.empty()) {
-    check_shape(initial_state, {s.packed ? s.num_docs : B, H, K, V}, "GDN CP initial_state");
-    check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
-  }
-  // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
-  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, s.packed ? TensorView() : initial_state));
+  const std::int64_t B = s.batch, sl = q.dim(1), H = v.dim(2), V = s.dv;
+  const UlyssesHeads heads = gdn_ulysses_heads(H, s.key_heads, groups_.ulysses_size());
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
@@ -408,106 +393,19 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   // This rank's heads of the initial states.
   if (!initial_state.empty()) s.init = a2a.my_heads_dim1(initial_state);
 
-  const int n = static_cast<int>(segments_.size());
-  const int me = ring.rank();
   // Padding rows belong to no segment: their outputs stay 0.
   Tensor out_h = alloc.zeros({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
   // The end state of every document that ends in one of this rank's pieces (summed over the ring afterwards).
   Tensor finals = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
   s.start.resize(mine_.size());
   s.map_m.resize(mine_.size());
-
-  auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
-  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
-  // Segment i continues the document of the segment before it (its first token starts no document): only then does a
-  // state pass between the two.
-  auto continues = [&](int i) { return !pieces_[i].front().starts_doc; };
-  // Runs the pieces of segment j that start a document (when `known`: from the document's initial state) and the
-  // piece that continues the previous segment's document (when `continuing`: from s.start[j]); writes their out
-  // rows and the end state of every document that ends here into `finals`. Returns the end state of the last piece
-  // run.
-  auto run_pieces = [&](std::size_t j, bool known, bool continuing) {
-    const Segment& seg = segments_[mine_[j]];
-    Tensor end;
-    for (const SegmentPiece& p : pieces_[mine_[j]]) {
-      if (p.starts_doc ? !known : !continuing) continue;
-      const SegmentInputs in = segment_inputs(s, seg.local_offset + p.offset, p.length, stream);
-      Tensor out_p = alloc.empty({B, p.length, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
-      end = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-      {
-        const ScopedTimer timer(counters_.compute_s);
-        const TensorView start = p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view();
-        attn::gdn_forward(forward_args(in, config_, start), out_p.view(), end.view(), stream);
-      }
-      put_rows(out_p.view(), out_h.view(), seg.local_offset + p.offset, stream);
-      if (p.ends_doc) alloc.copy_convert(end.view(), s.doc_state(finals, p.doc));
-    }
-    return end;
-  };
-
+  ForwardPass f{s, alloc, stream, q.dtype(), out_h, finals};
   {
     const CommMeter meter(groups_, counters_);
     if (config_.mode == GdnCpMode::kChain) {
-      std::vector<WorkHandle> sends;
-      std::vector<Tensor> ends(mine_.size());  // end states; alive until their sends complete
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const int i = mine_[j];
-        s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-        if (continues(i)) {  // i > 0: token 0 starts a document
-          if (segments_[i - 1].owner == me) {
-            alloc.copy_convert(ends[j - 1].view(), s.start[j].view());
-          } else {
-            wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, tag_of(kTagChainFwd, i)));
-          }
-        }
-        ends[j] = run_pieces(j, true, true);
-        if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me) {
-          sends.push_back(ring.isend(ends[j].view(), segments_[i + 1].owner, tag_of(kTagChainFwd, i + 1)));
-        }
-      }
-      finish_chain(sends);
+      forward_chain(f);
     } else {
-      // 1. Each segment's map, packed as [M | U]: a segment that carries its incoming state through (one piece, which
-      // continues a document) has the map of that piece from a zero start; any other starts from known states only
-      // (M = 0), so its pieces run now and U is the end state of its last piece.
-      std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const int i = mine_[j];
-        if (pieces_[i].size() == 1 && continues(i)) {
-          const Segment& seg = segments_[i];
-          const SegmentInputs in = segment_inputs(s, seg.local_offset, seg.length, stream);
-          {
-            const ScopedTimer timer(counters_.compute_s);
-            attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
-          }
-          s.map_m[j] = alloc.copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
-        } else {
-          const Tensor end = run_pieces(j, true, false);
-          alloc.copy_convert(end.view(), s.u_of(agg[j]));
-        }
-      }
-      // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment (U of its
-      // scanned map: the first segment starts a document, so no map depends on a state before the row); then a
-      // shift by one segment gives the incoming states.
-      const std::vector<Tensor> end =
-          scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, Tensor(), counters_, alloc);
-      PackedRound shift(alloc);
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const int i = mine_[j];
-        s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-        if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me)
-          shift.send(end[j].view(), segments_[i + 1].owner);
-        if (!continues(i)) continue;
-        if (segments_[i - 1].owner == me) {
-          alloc.copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
-        } else {
-          shift.recv(s.start[j].view(), segments_[i - 1].owner);
-        }
-      }
-      shift.run(ring, kTagShift, &counters_.exposed_comm_s);
-      if (n > 1) ++counters_.message_rounds;
-      // 4. The pieces that continue a document run from their incoming state.
-      for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(j, false, true);
+      forward_scan(f);
     }
   }
 
@@ -523,6 +421,178 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   result.ctx = CpContext::make(id_, "GDN CP", std::move(sp_));
   return result;
 }
+
+// Every check of forward's inputs, the GDN kernels' own on the local shapes included (before anything is sent);
+// returns the saved state with its sizes set.
+std::shared_ptr<GdnContextParallel::Saved> GdnContextParallel::validate_forward(
+    const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g, const TensorView& beta,
+    const TensorView& initial_state) const {
+  SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
+               "GDN CP: q ", q.str(), ", k ", k.str(), ", v ", v.str(), ", g ", g.str(), ", beta ", beta.str(),
+               " must be [B, S_local, Hk, K], [B, S_local, Hk, K], [B, S_local, Hv, V], [B, S_local, Hv] x 2");
+  const std::int64_t B = q.dim(0), sl = q.dim(1), Hk = q.dim(2), H = v.dim(2), K = q.dim(3), V = v.dim(3);
+  SEQPAR_CHECK(sl == layout_.local_len(), "GDN CP: local sequence length ", sl, " must be the layout's local_len ",
+               layout_.local_len(), " (seq_len ", layout_.seq_len(), " over ring_size ", layout_.ring_size(),
+               " x ulysses_size ", layout_.ulysses_size(), ")");
+  check_shape(v, {B, sl, H, V}, "GDN CP v");
+  check_shape(g, {B, sl, H}, "GDN CP g");
+  check_shape(beta, {B, sl, H}, "GDN CP beta");
+  const int pu = groups_.ulysses_size();
+  (void)gdn_ulysses_heads(H, Hk, pu);  // errors when the heads do not split over Ulysses
+  auto saved = std::make_shared<Saved>();
+  Saved& s = *saved;
+  s.batch = B;
+  s.heads = H / pu;
+  s.key_heads = Hk;
+  s.dk = K;
+  s.dv = V;
+  s.packed = layout_.is_packed();
+  s.num_docs = static_cast<std::int64_t>(cu_seqlens_.size()) - 1;
+  s.state_dtype = accumulator_dtype(q.dtype());
+  SEQPAR_CHECK(!s.packed || B == 1, "GDN CP: a packed layout (", s.num_docs,
+               " documents in one row) needs batch size 1, got B = ", B);
+  if (!initial_state.empty()) {
+    check_shape(initial_state, {s.packed ? s.num_docs : B, H, K, V}, "GDN CP initial_state");
+    check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
+  }
+  // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
+  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, s.packed ? TensorView() : initial_state));
+  return saved;
+}
+
+// Runs the pieces of segment j that start a document (when `known`: from the document's initial state) and the
+// piece that continues the previous segment's document (when `continuing`: from s.start[j]); writes their out
+// rows and the end state of every document that ends here into f.finals. Returns the end state of the last piece
+// run.
+Tensor GdnContextParallel::run_pieces(ForwardPass& f, std::size_t j, bool known, bool continuing) {
+  Saved& s = f.s;
+  const DeviceAlloc& alloc = f.alloc;
+  const Stream stream = f.stream;
+  const std::int64_t B = s.batch, V = s.dv;
+  const Segment& seg = segments_[mine_[j]];
+  Tensor end;
+  for (const SegmentPiece& p : pieces_[mine_[j]]) {
+    if (p.starts_doc ? !known : !continuing) continue;
+    const SegmentInputs in = segment_inputs(s, seg.local_offset + p.offset, p.length, stream);
+    Tensor out_p = alloc.empty({B, p.length, s.heads, V}, f.dtype, MemCategory::kWorkspace);
+    end = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+    {
+      const ScopedTimer timer(counters_.compute_s);
+      const TensorView start = p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view();
+      attn::gdn_forward(forward_args(in, config_, start), out_p.view(), end.view(), stream);
+    }
+    put_rows(out_p.view(), f.out_h.view(), seg.local_offset + p.offset, stream);
+    if (p.ends_doc) alloc.copy_convert(end.view(), s.doc_state(f.finals, p.doc));
+  }
+  return end;
+}
+
+// The chain: each segment waits for the end state of the segment before it, runs, and sends its own on.
+void GdnContextParallel::forward_chain(ForwardPass& f) {
+  Saved& s = f.s;
+  const DeviceAlloc& alloc = f.alloc;
+  Communicator& ring = groups_.ring;
+  const int n = static_cast<int>(segments_.size());
+  const int me = ring.rank();
+  auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
+  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
+  std::vector<WorkHandle> sends;
+  std::vector<Tensor> ends(mine_.size());  // end states; alive until their sends complete
+  for (std::size_t j = 0; j < mine_.size(); ++j) {
+    const int i = mine_[j];
+    s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
+    if (continues(i)) {  // i > 0: token 0 starts a document
+      if (segments_[i - 1].owner == me) {
+        alloc.copy_convert(ends[j - 1].view(), s.start[j].view());
+      } else {
+        wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, tag_of(kTagChainFwd, i)));
+      }
+    }
+    ends[j] = run_pieces(f, j, true, true);
+    if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me) {
+      sends.push_back(ring.isend(ends[j].view(), segments_[i + 1].owner, tag_of(kTagChainFwd, i + 1)));
+    }
+  }
+  finish_chain(sends);
+}
+
+// The scan: every segment's map of its incoming state, a Kogge-Stone scan of the maps over the ring, then each
+// segment runs from its incoming state.
+void GdnContextParallel::forward_scan(ForwardPass& f) {
+  Saved& s = f.s;
+  const DeviceAlloc& alloc = f.alloc;
+  Communicator& ring = groups_.ring;
+  const int n = static_cast<int>(segments_.size());
+  const int me = ring.rank();
+  const Stream stream = f.stream;
+  // 1. Each segment's map, packed as [M | U]: a segment that carries its incoming state through (one piece, which
+  // continues a document) has the map of that piece from a zero start; any other starts from known states only
+  // (M = 0), so its pieces run now and U is the end state of its last piece.
+  std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
+  for (std::size_t j = 0; j < mine_.size(); ++j) {
+    const int i = mine_[j];
+    if (pieces_[i].size() == 1 && continues(i)) {
+      const Segment& seg = segments_[i];
+      const SegmentInputs in = segment_inputs(s, seg.local_offset, seg.length, stream);
+      {
+        const ScopedTimer timer(counters_.compute_s);
+        attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
+      }
+      s.map_m[j] = alloc.copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
+    } else {
+      const Tensor end = run_pieces(f, j, true, false);
+      alloc.copy_convert(end.view(), s.u_of(agg[j]));
+    }
+  }
+  // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment (U of its
+  // scanned map: the first segment starts a document, so no map depends on a state before the row); then a
+  // shift by one segment gives the incoming states.
+  const std::vector<Tensor> end =
+      scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, Tensor(), counters_, alloc);
+  PackedRound shift(alloc);
+  for (std::size_t j = 0; j < mine_.size(); ++j) {
+    const int i = mine_[j];
+    s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
+    if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me)
+      shift.send(end[j].view(), segments_[i + 1].owner);
+    if (!continues(i)) continue;
+    if (segments_[i - 1].owner == me) {
+      alloc.copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
+    } else {
+      shift.recv(s.start[j].view(), segments_[i - 1].owner);
+    }
+  }
+  shift.run(ring, kTagShift, &counters_.exposed_comm_s);
+  if (n > 1) ++counters_.message_rounds;
+  // 4. The pieces that continue a document run from their incoming state.
+  for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(f, j, false, true);
+}
+
+// One backward call's inputs and gradient buffers, shared by its steps (run_piece, run_pieces_backward,
+// backward_chain, backward_scan). The gradients of padding rows stay 0.
+struct GdnContextParallel::BackwardPass {
+  const Saved& s;
+  const DeviceAlloc& alloc;
+  Stream stream;
+  DType dtype;           // of q: the gradients'
+  DType qk_grad_dtype;   // dq, dk before the sum over replicated key heads (the accumulation dtype when replicated)
+  Tensor& dout_h;        // [B, S_ring, Hl, V]
+  Tensor& dfinal_local;  // this rank's heads of dfinal_state (undefined: zeros)
+  Tensor& dq_h;
+  Tensor& dk_h;
+  Tensor& dv_h;
+  Tensor& dg_h;
+  Tensor& db_h;
+  Tensor& dinits;  // d(initial_state) of every document that starts in one of this rank's pieces
+};
+
+// The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
+// Tensors keeps their buffers, so the views in `args` stay valid).
+struct GdnContextParallel::PieceBackward {
+  SegmentInputs in;
+  Tensor dout;
+  attn::GdnBackwardArgs args;
+};
 
 GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "GDN CP");
@@ -556,8 +626,6 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor dfinal_local;
   if (!dfinal_state.empty()) dfinal_local = a2a.my_heads_dim1(dfinal_state);
 
-  const int n = static_cast<int>(segments_.size());
-  const int me = ring.rank();
   // dq, dk of this rank's key heads; replicated key heads (Hk < Pu) are summed over their replicas afterwards, in
   // the accumulation dtype (fp32, fp64 for fp64). Padding rows belong to no segment: their gradients stay 0.
   const DType qk_grad_dtype =
@@ -569,132 +637,13 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor db_h = alloc.zeros({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
   // d(initial_state) of every document that starts in one of this rank's pieces (summed over the ring afterwards).
   Tensor dinits = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
-
-  auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
-  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
-  auto continues = [&](int i) { return !pieces_[i].front().starts_doc; };
-  // Segment i passes a state gradient back from the segment after it (its last token ends no document).
-  auto continued = [&](int i) { return !pieces_[i].back().ends_doc; };
-  // The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
-  // Tensors keeps their buffers, so the views in `args` stay valid).
-  struct PieceBackward {
-    SegmentInputs in;
-    Tensor dout;
-    attn::GdnBackwardArgs args;
-  };
-  auto piece_backward = [&](std::size_t j, const SegmentPiece& p) {
-    const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
-    PieceBackward b{segment_inputs(s, offset, p.length, stream),
-                    take_rows(dout_h.view(), offset, p.length, MemCategory::kWorkspace, stream),
-                    {}};
-    b.args.fwd = forward_args(b.in, config_, p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view());
-    b.args.dout = b.dout.view();
-    return b;
-  };
-  // Full backward of piece p of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
-  auto run_piece = [&](std::size_t j, const SegmentPiece& p, const TensorView& ds_end) {
-    const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
-    PieceBackward b = piece_backward(j, p);
-    const SegmentInputs& in = b.in;
-    b.args.dfinal_state = ds_end;
-    Tensor dq = alloc.empty(in.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-    Tensor dk = alloc.empty(in.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-    Tensor dv = alloc.empty(in.v.shape(), dtype, MemCategory::kWorkspace);
-    Tensor dg = alloc.empty(in.g.shape(), dtype, MemCategory::kWorkspace);
-    Tensor db = alloc.empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
-    Tensor ds_start = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-    {
-      const ScopedTimer timer(counters_.compute_s);
-      attn::gdn_backward(b.args, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
-    }
-    put_rows(dq.view(), dq_h.view(), offset, stream);
-    put_rows(dk.view(), dk_h.view(), offset, stream);
-    put_rows(dv.view(), dv_h.view(), offset, stream);
-    put_rows(dg.view(), dg_h.view(), offset, stream);
-    put_rows(db.view(), db_h.view(), offset, stream);
-    return ds_start;
-  };
-  // Runs, last first, the pieces of segment j that end their document (when `known`: dS_end = that document's
-  // dfinal_state) and the piece whose document goes on in the next segment (when `waiting`: dS_end = ds_end_in);
-  // records dinitial_state of every document that starts here into `dinits`. Returns dS_start of the piece that
-  // continues the previous segment's document when it ran (the segment's dS_start), else an undefined tensor.
-  auto run_pieces = [&](std::size_t j, bool known, bool waiting, const TensorView& ds_end_in) {
-    Tensor seg_ds_start;
-    const std::vector<SegmentPiece>& pc = pieces_[mine_[j]];
-    for (auto it = pc.rbegin(); it != pc.rend(); ++it) {
-      const SegmentPiece& p = *it;
-      if (p.ends_doc ? !known : !waiting) continue;
-      Tensor ds = run_piece(j, p, p.ends_doc ? s.doc_state(dfinal_local, p.doc) : ds_end_in);
-      if (p.starts_doc) {
-        alloc.copy_convert(ds.view(), s.doc_state(dinits, p.doc));
-      } else {
-        seg_ds_start = std::move(ds);
-      }
-    }
-    return seg_ds_start;
-  };
-
+  BackwardPass bp{s, alloc, stream, dtype, qk_grad_dtype, dout_h, dfinal_local, dq_h, dk_h, dv_h, dg_h, db_h, dinits};
   {
     const CommMeter meter(groups_, counters_);
     if (config_.mode == GdnCpMode::kChain) {
-      std::vector<WorkHandle> sends;
-      std::vector<Tensor> ds_starts(mine_.size());  // alive until their sends complete
-      for (std::size_t jj = mine_.size(); jj-- > 0;) {
-        const int i = mine_[jj];
-        Tensor ds_end = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        if (continued(i)) {  // i + 1 < n: the last token of the row ends a document
-          if (segments_[i + 1].owner == me) {
-            alloc.copy_convert(ds_starts[jj + 1].view(), ds_end.view());
-          } else {
-            wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, i)));
-          }
-        }
-        ds_starts[jj] = run_pieces(jj, true, true, ds_end.view());
-        if (continues(i) && segments_[i - 1].owner != me) {
-          sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, tag_of(kTagChainBwd, i - 1)));
-        }
-      }
-      finish_chain(sends);
+      backward_chain(bp);
     } else {
-      // 1. Each segment's map (M^T, L) of dS_start in terms of dS_end. A segment that carries its state through and
-      // whose last token ends no document: M^T and the local part L from the cheap reverse sweep. Any other: M = 0
-      // (dS_end comes from its documents' dfinal_state), its pieces that end a document run now, and L is the dS_start
-      // of its continuing piece (0 when its first token starts a document).
-      std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const int i = mine_[j];
-        if (pieces_[i].size() == 1 && continues(i) && continued(i)) {
-          const PieceBackward b = piece_backward(j, pieces_[i].front());
-          const ScopedTimer timer(counters_.compute_s);
-          attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
-          attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
-        } else {
-          const Tensor l = run_pieces(j, true, false, {});
-          if (l.defined()) alloc.copy_convert(l.view(), s.u_of(agg[j]));
-        }
-      }
-      // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
-      // of every segment (U of its scanned map: the last segment ends a document); then a shift to the previous
-      // segment gives each dS_end.
-      const std::vector<Tensor> ds_start =
-          scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1, agg, Tensor(), counters_, alloc);
-      PackedRound shift(alloc);
-      std::vector<Tensor> ds_end(mine_.size());
-      for (std::size_t j = 0; j < mine_.size(); ++j) {
-        const int i = mine_[j];
-        ds_end[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-        if (continues(i) && segments_[i - 1].owner != me) shift.send(ds_start[j].view(), segments_[i - 1].owner);
-        if (!continued(i)) continue;
-        if (segments_[i + 1].owner == me) {
-          alloc.copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
-        } else {
-          shift.recv(ds_end[j].view(), segments_[i + 1].owner);
-        }
-      }
-      shift.run(ring, kTagShift, &counters_.exposed_comm_s);
-      if (n > 1) ++counters_.message_rounds;
-      // 4. The pieces whose document goes on in the next segment run with their dS_end.
-      for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(j, false, true, ds_end[j].view());
+      backward_scan(bp);
     }
   }
 
@@ -714,6 +663,150 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   finish_doc_states(ring, dinits, cu_seqlens_, dfinal_local, s.packed, alloc, &counters_.exposed_comm_s);
   grads.dinitial_state = a2a.gather_heads_dim1(dinits.view());
   return grads;
+}
+
+// The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
+// Tensors keeps their buffers, so the views in `args` stay valid).
+GdnContextParallel::PieceBackward GdnContextParallel::piece_backward(BackwardPass& bp, std::size_t j,
+                                                                     const SegmentPiece& p) {
+  const Saved& s = bp.s;
+  const Stream stream = bp.stream;
+  const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
+  PieceBackward b{segment_inputs(s, offset, p.length, stream),
+                  take_rows(bp.dout_h.view(), offset, p.length, MemCategory::kWorkspace, stream),
+                  {}};
+  b.args.fwd = forward_args(b.in, config_, p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view());
+  b.args.dout = b.dout.view();
+  return b;
+}
+
+// Full backward of piece p of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
+Tensor GdnContextParallel::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, const TensorView& ds_end) {
+  const Saved& s = bp.s;
+  const DeviceAlloc& alloc = bp.alloc;
+  const Stream stream = bp.stream;
+  const DType dtype = bp.dtype, qk_grad_dtype = bp.qk_grad_dtype;
+  const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
+  PieceBackward b = piece_backward(bp, j, p);
+  const SegmentInputs& in = b.in;
+  b.args.dfinal_state = ds_end;
+  Tensor dq = alloc.empty(in.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dk = alloc.empty(in.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dv = alloc.empty(in.v.shape(), dtype, MemCategory::kWorkspace);
+  Tensor dg = alloc.empty(in.g.shape(), dtype, MemCategory::kWorkspace);
+  Tensor db = alloc.empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
+  Tensor ds_start = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+  {
+    const ScopedTimer timer(counters_.compute_s);
+    attn::gdn_backward(b.args, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
+  }
+  put_rows(dq.view(), bp.dq_h.view(), offset, stream);
+  put_rows(dk.view(), bp.dk_h.view(), offset, stream);
+  put_rows(dv.view(), bp.dv_h.view(), offset, stream);
+  put_rows(dg.view(), bp.dg_h.view(), offset, stream);
+  put_rows(db.view(), bp.db_h.view(), offset, stream);
+  return ds_start;
+}
+
+// Runs, last first, the pieces of segment j that end their document (when `known`: dS_end = that document's
+// dfinal_state) and the piece whose document goes on in the next segment (when `waiting`: dS_end = ds_end_in);
+// records dinitial_state of every document that starts here into bp.dinits. Returns dS_start of the piece that
+// continues the previous segment's document when it ran (the segment's dS_start), else an undefined tensor.
+Tensor GdnContextParallel::run_pieces_backward(BackwardPass& bp, std::size_t j, bool known, bool waiting,
+                                               const TensorView& ds_end_in) {
+  const Saved& s = bp.s;
+  const DeviceAlloc& alloc = bp.alloc;
+  Tensor seg_ds_start;
+  const std::vector<SegmentPiece>& pc = pieces_[mine_[j]];
+  for (auto it = pc.rbegin(); it != pc.rend(); ++it) {
+    const SegmentPiece& p = *it;
+    if (p.ends_doc ? !known : !waiting) continue;
+    Tensor ds = run_piece(bp, j, p, p.ends_doc ? s.doc_state(bp.dfinal_local, p.doc) : ds_end_in);
+    if (p.starts_doc) {
+      alloc.copy_convert(ds.view(), s.doc_state(bp.dinits, p.doc));
+    } else {
+      seg_ds_start = std::move(ds);
+    }
+  }
+  return seg_ds_start;
+}
+
+// The chain, last segment first: each waits for dS_end from the segment after it, runs, and sends dS_start back.
+void GdnContextParallel::backward_chain(BackwardPass& bp) {
+  const Saved& s = bp.s;
+  const DeviceAlloc& alloc = bp.alloc;
+  Communicator& ring = groups_.ring;
+  const int me = ring.rank();
+  auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
+  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
+  std::vector<WorkHandle> sends;
+  std::vector<Tensor> ds_starts(mine_.size());  // alive until their sends complete
+  for (std::size_t jj = mine_.size(); jj-- > 0;) {
+    const int i = mine_[jj];
+    Tensor ds_end = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+    if (continued(i)) {  // i + 1 < n: the last token of the row ends a document
+      if (segments_[i + 1].owner == me) {
+        alloc.copy_convert(ds_starts[jj + 1].view(), ds_end.view());
+      } else {
+        wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, i)));
+      }
+    }
+    ds_starts[jj] = run_pieces_backward(bp, jj, true, true, ds_end.view());
+    if (continues(i) && segments_[i - 1].owner != me) {
+      sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, tag_of(kTagChainBwd, i - 1)));
+    }
+  }
+  finish_chain(sends);
+}
+
+// The reverse scan: every segment's map of dS_start in terms of dS_end, a reverse Kogge-Stone scan of the maps over
+// the ring, then each segment runs with its dS_end.
+void GdnContextParallel::backward_scan(BackwardPass& bp) {
+  const Saved& s = bp.s;
+  const DeviceAlloc& alloc = bp.alloc;
+  Communicator& ring = groups_.ring;
+  const int n = static_cast<int>(segments_.size());
+  const int me = ring.rank();
+  const Stream stream = bp.stream;
+  // 1. Each segment's map (M^T, L) of dS_start in terms of dS_end. A segment that carries its state through and
+  // whose last token ends no document: M^T and the local part L from the cheap reverse sweep. Any other: M = 0
+  // (dS_end comes from its documents' dfinal_state), its pieces that end a document run now, and L is the dS_start
+  // of its continuing piece (0 when its first token starts a document).
+  std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
+  for (std::size_t j = 0; j < mine_.size(); ++j) {
+    const int i = mine_[j];
+    if (pieces_[i].size() == 1 && continues(i) && continued(i)) {
+      const PieceBackward b = piece_backward(bp, j, pieces_[i].front());
+      const ScopedTimer timer(counters_.compute_s);
+      attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
+      attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
+    } else {
+      const Tensor l = run_pieces_backward(bp, j, true, false, {});
+      if (l.defined()) alloc.copy_convert(l.view(), s.u_of(agg[j]));
+    }
+  }
+  // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
+  // of every segment (U of its scanned map: the last segment ends a document); then a shift to the previous
+  // segment gives each dS_end.
+  const std::vector<Tensor> ds_start =
+      scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1, agg, Tensor(), counters_, alloc);
+  PackedRound shift(alloc);
+  std::vector<Tensor> ds_end(mine_.size());
+  for (std::size_t j = 0; j < mine_.size(); ++j) {
+    const int i = mine_[j];
+    ds_end[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+    if (continues(i) && segments_[i - 1].owner != me) shift.send(ds_start[j].view(), segments_[i - 1].owner);
+    if (!continued(i)) continue;
+    if (segments_[i + 1].owner == me) {
+      alloc.copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
+    } else {
+      shift.recv(ds_end[j].view(), segments_[i + 1].owner);
+    }
+  }
+  shift.run(ring, kTagShift, &counters_.exposed_comm_s);
+  if (n > 1) ++counters_.message_rounds;
+  // 4. The pieces whose document goes on in the next segment run with their dS_end.
+  for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces_backward(bp, j, false, true, ds_end[j].view());
 }
 
 // ---- short conv halo ------------------------------------------------------------------------------------------

@@ -119,6 +119,25 @@ class GdnContextParallel : public CpLayerBase {
 
  private:
   struct Saved;
+  struct ForwardPass;
+  std::shared_ptr<Saved> validate_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                                          const TensorView& g, const TensorView& beta,
+                                          const TensorView& initial_state) const;
+  Tensor run_pieces(ForwardPass& f, std::size_t j, bool known, bool continuing);
+  void forward_chain(ForwardPass& f);
+  void forward_scan(ForwardPass& f);
+  // Segment i continues the document of the segment before it (its first token starts no document): only then does a
+  // state pass between the two.
+  bool continues(int i) const { return !pieces_[i].front().starts_doc; }
+  struct BackwardPass;
+  struct PieceBackward;
+  PieceBackward piece_backward(BackwardPass& bp, std::size_t j, const SegmentPiece& p);
+  Tensor run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, const TensorView& ds_end);
+  Tensor run_pieces_backward(BackwardPass& bp, std::size_t j, bool known, bool waiting, const TensorView& ds_end_in);
+  void backward_chain(BackwardPass& bp);
+  void backward_scan(BackwardPass& bp);
+  // Segment i passes a state gradient back from the segment after it (its last token ends no document).
+  bool continued(int i) const { return !pieces_[i].back().ends_doc; }
   GdnCpConfig config_;
   std::vector<Segment> segments_;                  // ring-level segments (of the ring shards), global order
   std::vector<std::vector<SegmentPiece>> pieces_;  // per segment

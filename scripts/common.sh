@@ -26,7 +26,8 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [ ! -f "$build_dir/CMakeCache.txt" ]; then
   # shellcheck disable=SC2086
-  cmake -S "$root" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release ${SEQPAR_CMAKE_ARGS:-}
+  # The in-tree build is for this machine (-march=native; a later SEQPAR_CMAKE_ARGS=-DSEQPAR_NATIVE=OFF wins).
+  cmake -S "$root" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_NATIVE=ON ${SEQPAR_CMAKE_ARGS:-}
 fi
 cmake --build "$build_dir" -j "$jobs"
 
