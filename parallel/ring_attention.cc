@@ -55,7 +55,10 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   global_order_.resize(static_cast<std::size_t>(layout_.padded_len()));
   for (std::int64_t i = 0; i < layout_.padded_len(); ++i) global_order_[i] = i;
   // Packed or padded rows: every local query sees only its own document's slots (padding rows none).
-  if (layout_.is_packed() || layout_.has_padding()) doc_ = layout_.doc_bounds_of_slots(positions_[rank_]);
+  if (layout_.is_packed() || layout_.has_padding()) {
+    doc_ = layout_.doc_bounds_of_slots(positions_[rank_]);
+    tokens_ = layout_.tokens_of_slots(positions_[rank_]);  // dropout keys its mask on tokens, not slots
+  }
   // packed or padded: rows of other documents and padding rows are never sent
   if (config.window > 0 && config.impl == RingImpl::kP2P) {
     plan_.emplace(positions_, rank_, config.window, window_doc_bounds(layout_, positions_));
@@ -91,6 +94,7 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
   local.mods = config_.score_mods;
   local.dropout = config_.dropout;
   local.head_offset = head_offset;
+  local.q_tokens = tokens_;
   attn::check_mha_forward_args(local);
   return device;
 }
@@ -111,6 +115,7 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   a.mods.sinks = {};
   a.dropout = config_.dropout;
   a.head_offset = s.head_offset;
+  a.q_tokens = tokens_;
   return a;
 }
 
