@@ -48,6 +48,12 @@ cpu::MhaDropout check_dropout_args(const MhaForwardArgs& a, std::int64_t B, std:
     SEQPAR_CHECK(pos.empty() || (pos.front() >= 0 && pos.back() < kLimit), "dropout: ", what, " [", pos.front(), ", ",
                  pos.back(), "] must lie in [0, 2^32) (the generator's counter)");
   }
+  SEQPAR_CHECK(a.q_tokens.empty() || static_cast<std::int64_t>(a.q_tokens.size()) == a.q.dim(1), "dropout: q_tokens has ",
+               a.q_tokens.size(), " entries, expected 0 (tokens = q_pos) or Sq = ", a.q.dim(1));
+  for (std::int64_t t : a.q_tokens) {
+    SEQPAR_CHECK(t >= -1 && t < kLimit, "dropout: q_tokens entry ", t,
+                 " must lie in [0, 2^32) (the generator's counter) or be -1 (a padding row)");
+  }
   d.on = true;
   d.seed = a.dropout.seed;
   d.threshold = dropout_threshold(a.dropout.p);
@@ -55,6 +61,7 @@ cpu::MhaDropout check_dropout_args(const MhaForwardArgs& a, std::int64_t B, std:
   d.head_offset = a.head_offset;
   d.q_pos = a.q_pos;
   d.k_pos = a.k_pos;
+  d.q_tokens = a.q_tokens;
   return d;
 }
 

@@ -114,6 +114,12 @@ struct MhaForwardArgs {
   // positions q_pos / k_pos, so every caller that sees a pair regenerates the same keep decision.
   DropoutSpec dropout{};
   std::int64_t head_offset = 0;  // >= 0; read only when dropout.p > 0
+  // [Sq] the token index of each query in the unpadded row, or -1 for a padding row (SequenceLayout::tokens_of_slots
+  // of q_pos); empty: tokens = positions. Dropout keys its mask on tokens, so that a padded layout drops the pairs of
+  // the unpadded row: query i is token q_tokens[i] and a key it sees, in its own document, token
+  // k_pos[j] + q_tokens[i] - q_pos[i] (inside a document a slot difference is a token distance). Read only when
+  // dropout.p > 0; every other rule reads position differences, which slots and tokens share.
+  std::span<const std::int64_t> q_tokens;
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions

@@ -34,6 +34,26 @@ TensorView part(const TensorView& packed, std::int64_t i, const Shape& shape) {
 Shape rows_shape(const Shape& kv_shape, std::int64_t n) { return {2 * kv_shape[0], n, kv_shape[2], kv_shape[3]}; }
 Shape kv_rows_shape(const Shape& kv_shape, std::int64_t n) { return {kv_shape[0], n, kv_shape[2], kv_shape[3]}; }
 
+// Zeroes the rows i of t along dimension `dim` (size tokens.size()) whose token is -1 (padding rows), in runs.
+// Padding rows hold whatever the caller left there (NaN included); as zeros, a masked probability 0 times them stays 0.
+void zero_padding_rows(const TensorView& t, int dim, std::span<const std::int64_t> tokens, Stream stream) {
+  const std::int64_t n = static_cast<std::int64_t>(tokens.size());
+  if (n == 0 || t.numel() == 0) return;
+  std::int64_t outer = 1;
+  for (int d = 0; d < dim; ++d) outer *= t.dim(d);
+  const TensorView rows = t.reshape({outer, n, t.numel() / (outer * n)});
+  for (std::int64_t i = 0; i < n;) {
+    if (tokens[static_cast<std::size_t>(i)] >= 0) {
+      ++i;
+      continue;
+    }
+    std::int64_t e = i;
+    while (e < n && tokens[static_cast<std::size_t>(e)] < 0) ++e;
+    for (std::int64_t o = 0; o < outer; ++o) fill(rows.slice0(o, o + 1).reshape({n, rows.dim(2)}).slice0(i, e), 0.0, stream);
+    i = e;
+  }
+}
+
 }  // namespace
 
 struct RingAttention::Saved {
@@ -55,7 +75,10 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   global_order_.resize(static_cast<std::size_t>(layout_.padded_len()));
   for (std::int64_t i = 0; i < layout_.padded_len(); ++i) global_order_[i] = i;
   // Packed or padded rows: every local query sees only its own document's slots (padding rows none).
-  if (layout_.is_packed() || layout_.has_padding()) doc_ = layout_.doc_bounds_of_slots(positions_[rank_]);
+  if (layout_.is_packed() || layout_.has_padding()) {
+    doc_ = layout_.doc_bounds_of_slots(positions_[rank_]);
+    tokens_ = layout_.tokens_of_slots(positions_[rank_]);  // dropout keys its mask on tokens, not slots
+  }
   // packed or padded: rows of other documents and padding rows are never sent
   if (config.window > 0 && config.impl == RingImpl::kP2P) {
     plan_.emplace(positions_, rank_, config.window, window_doc_bounds(layout_, positions_));
@@ -91,6 +114,7 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
   local.mods = config_.score_mods;
   local.dropout = config_.dropout;
   local.head_offset = head_offset;
+  local.q_tokens = tokens_;
   attn::check_mha_forward_args(local);
   return device;
 }
@@ -111,6 +135,7 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   a.mods.sinks = {};
   a.dropout = config_.dropout;
   a.head_offset = s.head_offset;
+  a.q_tokens = tokens_;
   return a;
 }
 
@@ -201,6 +226,8 @@ CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, c
   s->q = alloc.copy_of(q, q.dtype(), MemCategory::kSavedActivation);
   s->k = alloc.copy_of(k, k.dtype(), MemCategory::kSavedActivation);
   s->v = alloc.copy_of(v, v.dtype(), MemCategory::kSavedActivation);
+  // Padding rows never reach a real token: the saved copies (what every block reads) hold zeros there.
+  for (const Tensor* t : {&s->q, &s->k, &s->v}) zero_padding_rows(t->view(), 1, tokens_, groups_.stream);
   {
     const CommMeter meter(groups_, counters_);
     if (config_.impl == RingImpl::kP2P) {
@@ -234,6 +261,8 @@ void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const 
   const CommMeter meter(groups_, counters_);
   Tensor delta = alloc_for(s).empty(s.lse.shape(), delta_dtype(s.q.dtype(), dout.dtype()), MemCategory::kWorkspace);
   attn::mha_backward_delta(s.out.view(), dout, delta.view(), groups_.stream);
+  // a padding row's dout may hold anything: its delta is 0 (the kernels skip the row; dsinks reads delta)
+  zero_padding_rows(delta.view(), 2, tokens_, groups_.stream);
   if (config_.impl == RingImpl::kP2P) {
     backward_p2p(s, dout, delta, dq, dk, dv);
   } else {

@@ -184,6 +184,7 @@ class RingAttention {
   std::vector<std::int64_t> global_order_;            // 0..S-1 (allgather: keys in global order)
   std::optional<WindowPlan> plan_;                    // p2p with a window: the rows each pair exchanges
   DocBounds doc_;  // packed or padded rows: each local query's document slots (empty: no document bound)
+  std::vector<std::int64_t> tokens_;  // packed or padded rows: each local query's token (-1: padding), for dropout
   CpCounters counters_;
   AgreementCheck forward_agreement_, backward_agreement_;
 };

@@ -139,12 +139,22 @@ void backward_typed(const MhaBackwardParams& bp) {
       for (std::int64_t i = 0; i < Sq && loaded_bh != bh; ++i) {
         if (tile_lo[i / BQ] >= tile_hi[i / BQ]) continue;  // a query tile with no visible key is never read
         const std::int64_t e = (b * Sq + i) * Hq + h;
+        const std::int64_t li = (b * Hq + h) * Sq + i;
+        T* dorow = dout.data() + i * Dp;
+        if (kr.begin[static_cast<std::size_t>(i)] >= kr.end[static_cast<std::size_t>(i)]) {
+          // No key of this call is visible to the row (a padding row, or a block outside its range): it adds
+          // nothing, so its q, dout and delta are not read. Zeros keep a NaN there (a padding row's garbage) out of
+          // the tile products, where P = 0 would multiply it (0 * NaN = NaN).
+          std::fill(q.data() + i * Dp, q.data() + (i + 1) * Dp, T(0));
+          std::fill(dorow, dorow + Dp, T(0));
+          delta[i] = T(0);
+          lse2[i] = std::numeric_limits<T>::infinity();
+          continue;
+        }
         convert(qin + static_cast<std::size_t>(e * D) * in_size, p.dtype, q.data() + i * Dp, cdt,
                 static_cast<std::size_t>(D));
-        T* dorow = dout.data() + i * Dp;
         convert(doin + static_cast<std::size_t>(e * D) * do_size, bp.dout_dtype, dorow, cdt,
                 static_cast<std::size_t>(D));
-        const std::int64_t li = (b * Hq + h) * Sq + i;
         if (bp.delta != nullptr) {
           delta[i] = static_cast<T>(load_wide(bp.delta, bp.delta_dtype, li));
         } else {

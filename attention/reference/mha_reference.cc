@@ -55,12 +55,16 @@ bool visible(const MhaForwardArgs& a, std::int64_t i, std::int64_t j) {
 }
 
 // Dropout multiplier z_ij of (b, h) (attention/dropout.h): 1 without dropout, else keep / (1 - p), one
-// dropout_keep call per pair on the global head and positions.
+// dropout_keep call per pair on the global head and tokens (a key's token: its position moved by the query's
+// token - position, MhaForwardArgs::q_tokens).
 double dropout_z(const MhaForwardArgs& a, std::int64_t b, std::int64_t h, std::int64_t i, std::int64_t j) {
   if (a.dropout.p == 0.0) return 1.0;
   const std::int64_t qp = a.q_pos.empty() ? i : a.q_pos[static_cast<std::size_t>(i)];
   const std::int64_t kp = a.k_pos.empty() ? j : a.k_pos[static_cast<std::size_t>(j)];
-  return dropout_keep(a.dropout.seed, b, a.head_offset + h, qp, kp, a.dropout.p) ? 1.0 / (1.0 - a.dropout.p) : 0.0;
+  const std::int64_t qt = a.q_tokens.empty() ? qp : a.q_tokens[static_cast<std::size_t>(i)];
+  if (qt < 0) return 0.0;  // a padding row sees no key
+  return dropout_keep(a.dropout.seed, b, a.head_offset + h, qt, kp + qt - qp, a.dropout.p) ? 1.0 / (1.0 - a.dropout.p)
+                                                                                          : 0.0;
 }
 
 // Probabilities p[i][j] (0 where masked) and lse[i] (with the sink) of one (b, h); dtanh[i][j] = d a_ij / d(scale

@@ -98,6 +98,55 @@ TEST_P(DropoutCp, EveryGridDropsThePairsOneRankDrops) {
 
 INSTANTIATE_TEST_SUITE_P(Cp, DropoutCp, ::testing::ValuesIn(cases_for_world()), test::CaseName());
 
+// Packed rows whose documents are not multiples of 2 ring_size: zigzag pads every document, so a rank's slots are not
+// the tokens (the ring's positions). The mask is keyed on tokens (MhaForwardArgs::q_tokens), so every grid, kind and
+// implementation drops exactly the pairs of one rank on the unpadded row: fp64 out, lse, dq, dk, dv within 1e-10 of
+// the fp64 reference (which regenerates every pair) and of the one-rank kernel, both with the documents' bounds on
+// token positions. A pair keyed on a padded slot would be an O(1e-2) error.
+TEST(DropoutCp, PackedRowsDropThePairsOneRankDrops) {
+  const std::vector<std::int64_t> cu = cu_seqlens_of(std::vector<std::int64_t>{1, 3, 7, 0, 5, 2, 11});
+  const DocBounds bounds = test::token_doc_bounds(cu);
+  for (attn::MaskSpec mask : {attn::MaskSpec{true, 0}, attn::MaskSpec{false, 0}, attn::MaskSpec{true, 4}}) {
+    test::MhaShape shape{.batch = 1,
+                         .seq = cu.back(),
+                         .hq = kHq,
+                         .hkv = 2,
+                         .dim = 16,
+                         .dtype = DType::kFloat64,
+                         .mask = {mask.causal, mask.window, bounds.lo, bounds.hi},
+                         .mods = {},
+                         .dropout = {0.25, 0x5eed'0000'0033ull}};
+    const test::MhaProblem p(shape);
+    const test::MhaResult one = test::single_rank_result(shape, p);
+    const test::MhaResult ref = test::reference_result(shape, p);
+    for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+      const SpGrid grid(world(), gc);
+      const CpGroups groups = CpGroups::from(grid);
+      for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kStripe, LayoutKind::kBalanced}) {
+        for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+          RingAttentionConfig cfg;
+          cfg.impl = impl;
+          cfg.causal = mask.causal;
+          cfg.window = mask.window;
+          cfg.dropout = shape.dropout;
+          const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, kind);
+          const test::MhaResult got = test::usp_result(grid, shape, p, cfg, layout);
+          const std::string what = str_cat(layout_name(kind), " ", ring_impl_name(impl), mask.causal ? " causal" : " full",
+                                           " w", mask.window, " on ", grid.str());
+          for (auto [name, g, o, r] : {std::tuple{"out", &got.out, &one.out, &ref.out},
+                                       {"lse", &got.lse, &one.lse, &ref.lse},
+                                       {"dq", &got.dq, &one.dq, &ref.dq},
+                                       {"dk", &got.dk, &one.dk, &ref.dk},
+                                       {"dv", &got.dv, &one.dv, &ref.dv}}) {
+            EXPECT_LE(test::rel_err(*g, *r), 1e-10) << what << ": " << name << " against the fp64 reference";
+            EXPECT_LE(test::rel_err(*g, *o), 1e-10) << what << ": " << name << " against one rank";
+          }
+        }
+      }
+    }
+  }
+}
+
 // The dropout is really on: another seed changes out by O(1) on every grid (and the lse not at all).
 TEST(DropoutCp, AnotherSeedGivesAnotherResult) {
   const int n = world().size();

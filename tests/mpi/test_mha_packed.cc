@@ -166,6 +166,107 @@ TEST(MhaPacked, RingSkipsBlocksOfOtherDocuments) {
   EXPECT_DOUBLE_EQ(counters.flops, 3.5 * own);
 }
 
+// This rank's local out, lse, dq, dk, dv of a USP forward and backward over `layout` on the problem's pieces, with
+// `poison` (or nothing when 0) written into every element of every padding row of the local q, k, v and dout.
+std::vector<std::vector<double>> local_run(const SpGrid& grid, const SequenceLayout& layout, const test::MhaProblem& p,
+                                           const RingAttentionConfig& cfg, double poison) {
+  const CpGroups groups = CpGroups::from(grid);
+  const std::vector<std::int64_t> tok = layout.token_index(groups.sp_rank());
+  UspAttention usp(groups, layout, cfg);
+  auto piece = [&](const Tensor& full) {
+    Shape shape = full.shape();
+    shape[1] = layout.local_len();
+    Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+    shard_sequence(layout, groups.sp_rank(), full.view(), t.view());
+    if (poison != 0.0) {
+      const TensorView rows = t.view().reshape({shape[1], t.numel() / shape[1]});
+      for (std::int64_t i = 0; i < shape[1]; ++i)
+        if (tok[static_cast<std::size_t>(i)] < 0) fill(rows.slice0(i, i + 1), poison);
+    }
+    return t;
+  };
+  Tensor q = piece(p.q), k = piece(p.k), v = piece(p.v), dout = piece(p.dout);
+  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
+  AttentionGrads g = usp.backward(std::move(o.ctx), dout.view());
+  std::vector<std::vector<double>> r;
+  for (const Tensor* t : {&o.out, &o.lse, &g.dq, &g.dk, &g.dv}) r.push_back(test::to_double(t->view()));
+  if (g.dsinks.defined()) r.push_back(test::to_double(g.dsinks.view()));
+  return r;
+}
+
+// NaN and Inf in every padding row of every input (q, k, v, dout) never reach a real token: on every grid, kind and
+// implementation, causal, full and a window of 8, fp32 and bf16 (and with sinks), every real row of out, lse, dq, dk,
+// dv equals the run with clean (zero) padding rows bit for bit, dsinks too, and padding rows of out, dq, dk, dv are 0
+// and of lse -inf. Documents not aligned to 2 ring_size (zigzag pads each), and one of 3 tokens on all ranks.
+TEST(MhaPacked, NanAndInfInPaddingRowsNeverReachRealTokens) {
+  Tensor sinks = test::random_tensor({kHq}, DType::kFloat32, 5, -1.0, 2.0);
+  for (const std::vector<std::int64_t>& lens : {std::vector<std::int64_t>{3}, {37, 51, 40, 57}, {1, 0, 5, 2, 9}}) {
+    const std::vector<std::int64_t> cu = cu_seqlens_of(lens);
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      test::MhaShape s = packed_shape(cu.back(), {true, 0});
+      s.dtype = dtype;
+      const test::MhaProblem p(s);
+      for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+        const SpGrid grid(world(), gc);
+        const CpGroups groups = CpGroups::from(grid);
+        for (LayoutKind kind : kAllKinds) {
+          const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, kind);
+          const std::vector<std::int64_t> tok = layout.token_index(groups.sp_rank());
+          for (const MaskCase& m : {MaskCase{{true, 0}, RingImpl::kP2P}, MaskCase{{false, 0}, RingImpl::kAllGather},
+                                    MaskCase{{true, 8}, RingImpl::kP2P}, MaskCase{{false, 0}, RingImpl::kP2P},
+                                    MaskCase{{true, 8}, RingImpl::kAllGather}}) {
+            for (bool with_sinks : {false, true}) {
+              if (with_sinks && dtype != DType::kFloat32) continue;
+              RingAttentionConfig cfg;
+              cfg.impl = m.impl;
+              cfg.causal = m.mask.causal;
+              cfg.window = m.mask.window;
+              if (with_sinks) cfg.score_mods.sinks = sinks;
+              const auto clean = local_run(grid, layout, p, cfg, 0.0);
+              for (double poison : {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+                                    -std::numeric_limits<double>::infinity()}) {
+                const auto got = local_run(grid, layout, p, cfg, poison);
+                const std::string what =
+                    str_cat("docs=", lens.size(), " T=", cu.back(), " ", dtype_name(dtype), " ", mask_name(m),
+                            with_sinks ? " sinks" : "", " u", gc.ulysses_size, " ", layout_name(kind), " poison ", poison,
+                            " rank ", groups.sp_rank());
+                const char* names[] = {"out", "lse", "dq", "dk", "dv", "dsinks"};
+                ASSERT_EQ(got.size(), clean.size());
+                for (std::size_t t = 0; t < got.size(); ++t) {
+                  const std::int64_t rows = layout.local_len();
+                  const std::int64_t inner = static_cast<std::int64_t>(got[t].size()) / rows;
+                  std::int64_t bad = 0, first = -1;
+                  for (std::int64_t e = 0; e < static_cast<std::int64_t>(got[t].size()); ++e) {
+                    const double g = got[t][e], c = clean[t][e];
+                    bool ok;
+                    if (t == 5) {  // dsinks [Hq]: every rank's whole vector
+                      ok = g == c;
+                    } else {
+                      const std::int64_t row = t == 1 ? e % rows : e / inner;
+                      if (tok[static_cast<std::size_t>(row)] >= 0) {
+                        ok = g == c || (std::isnan(g) && std::isnan(c));
+                      } else if (t == 1) {
+                        ok = g == c && !std::isnan(g);  // -inf, or the sink with sinks
+                      } else {
+                        ok = g == 0.0;
+                      }
+                    }
+                    if (!ok && bad++ == 0) first = e;
+                  }
+                  EXPECT_EQ(bad, 0) << what << ": " << names[t] << " differs from the clean run at " << bad
+                                    << " elements, first flat index " << first << ": got "
+                                    << (first >= 0 ? got[t][first] : 0.0) << ", clean "
+                                    << (first >= 0 ? clean[t][first] : 0.0);
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // Bad packings fail with one clear error on every rank before any message: B > 1, and ranks that disagree on
 // cu_seqlens (the agreement check names the digest).
 TEST(MhaPacked, BadPackingsFailOnEveryRank) {

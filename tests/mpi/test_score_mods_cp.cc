@@ -91,6 +91,55 @@ TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
 
 INSTANTIATE_TEST_SUITE_P(ScoreMods, ScoreModsVsSingleRank, ::testing::ValuesIn(cases_for_world()), test::CaseName());
 
+// Packed rows whose documents are not multiples of 2 ring_size (zigzag pads each one, so slots are not tokens): ALiBi
+// reads |q_pos - k_pos| inside a document, a sink joins each row once, soft-capping is per pair. Every grid, kind and
+// implementation, causal, full and a window, fp64, equals the one-rank kernel and the fp64 reference on the unpadded
+// row (documents' bounds on token positions) within 1e-10, dsinks included.
+TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
+  const std::vector<std::int64_t> cu = cu_seqlens_of(std::vector<std::int64_t>{1, 3, 7, 0, 5, 2, 11});
+  const DocBounds bounds = test::token_doc_bounds(cu);
+  const std::vector<float> slopes = attn::alibi_slopes(kHq);
+  Tensor slopes_t = Tensor::empty({kHq}, DType::kFloat32, MemCategory::kWorkspace);
+  std::copy(slopes.begin(), slopes.end(), slopes_t.view().data_as<float>());
+  Tensor sinks = test::random_tensor({kHq}, DType::kFloat64, 21, -1.0, 3.0);  // fp64: dsinks in fp64
+  for (attn::MaskSpec mask : {attn::MaskSpec{true, 0}, attn::MaskSpec{false, 0}, attn::MaskSpec{true, 4}}) {
+    test::MhaShape shape;
+    shape.batch = 1;
+    shape.seq = cu.back();
+    shape.hq = kHq;
+    shape.hkv = 4;
+    shape.dim = 16;
+    shape.dtype = DType::kFloat64;
+    shape.mask = {mask.causal, mask.window, bounds.lo, bounds.hi};
+    shape.mods.softcap = 3.0f;
+    shape.mods.alibi_slopes = slopes_t;
+    shape.mods.sinks = sinks;
+    const test::MhaProblem p(shape);
+    const test::MhaResult one = test::single_rank_result(shape, p);
+    const test::MhaResult ref = test::reference_result(shape, p);
+    for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+      if (shape.hkv % gc.ulysses_size != 0) continue;
+      const SpGrid grid(world(), gc);
+      const CpGroups groups = CpGroups::from(grid);
+      for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kBalanced}) {
+        for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+          RingAttentionConfig cfg;
+          cfg.impl = impl;
+          cfg.causal = mask.causal;
+          cfg.window = mask.window;
+          cfg.score_mods = shape.mods;
+          const test::MhaResult got =
+              test::usp_result(grid, shape, p, cfg, SequenceLayout::packed_for_groups(groups, cu, kind));
+          const std::string what = str_cat(layout_name(kind), " ", ring_impl_name(impl), mask.causal ? " causal" : " full",
+                                           " w", mask.window, " on ", grid.str());
+          test::expect_mha_close(got, one, 1e-10, what + " against one rank:");
+          test::expect_mha_close(got, ref, 1e-10, what + " against the fp64 reference:");
+        }
+      }
+    }
+  }
+}
+
 // Every rank gets the same one error, and nothing is sent.
 TEST(ScoreMods, BadParametersAreRefusedOnEveryRank) {
   const int n = world().size();

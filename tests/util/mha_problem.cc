@@ -105,6 +105,17 @@ MhaResult per_document_result(const MhaShape& s, const MhaProblem& p, const std:
   return want;
 }
 
+DocBounds token_doc_bounds(const std::vector<std::int64_t>& cu) {
+  DocBounds b;
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    for (std::int64_t t = cu[d]; t < cu[d + 1]; ++t) {
+      b.lo.push_back(cu[d]);
+      b.hi.push_back(cu[d + 1]);
+    }
+  }
+  return b;
+}
+
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions) {
   Shape s = full.shape();
   s[1] = static_cast<std::int64_t>(positions.size());

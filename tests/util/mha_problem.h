@@ -42,6 +42,10 @@ MhaResult reference_result(const MhaShape& s, const MhaProblem& p);
 // single_rank_result, written into the full result at its tokens (lse -inf, everything else 0 where no document is).
 MhaResult per_document_result(const MhaShape& s, const MhaProblem& p, const std::vector<std::int64_t>& cu);
 
+// The document bounds of the tokens 0..T-1 of a packed row on one device (no padding, slots = tokens): token t of
+// document d sees keys [cu[d], cu[d+1]). For MhaShape::mask of a packed single-rank or reference run.
+DocBounds token_doc_bounds(const std::vector<std::int64_t>& cu);
+
 // This rank's [B, S_local, ...] piece of a full [B, S, ...] tensor.
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions);
 // Gathers every rank's piece into the full tensor (seq_dim 1, or 2 for lse) and returns it as fp64.
