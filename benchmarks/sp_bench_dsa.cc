@@ -180,8 +180,13 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   // attn::reference on the one-rank kernel's topk_indices (the selection itself is checked exactly): dense [S, S]
   // indexer scores and per-head masked softmax, in fp64. topk_indices has no fp64 counterpart.
   NamedArrays fp64_reference_outputs() override {
-    NamedArrays in = widen_to_fp64(ref_in_);
-    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true, ref_rope_positions_);
+    // 16-bit storage: the kernel reads the rotated copies rounded to the storage dtype, and the logits and indexer
+    // scores of fp64-rotated inputs would differ from its by that rounding (a 16-bit error in the fp32 lse and loss,
+    // amplified in the indexer gradients): the reference attends to the kernel's operands, ref_rot_. The rotation
+    // itself is checked against the fp64 RoPE reference in fp32 and fp64.
+    const bool rounded = o_.dtype == DType::kBFloat16 || o_.dtype == DType::kFloat16;
+    NamedArrays in = widen_to_fp64(rounded ? ref_rot_ : ref_in_);
+    if (!rounded) rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true, ref_rope_positions_);
     const DType f64 = DType::kFloat64;
     NamedArrays r = zero_arrays(output_specs(f64, f64, false));
     attn::DsaAttentionArgs a;
