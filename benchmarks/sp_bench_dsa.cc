@@ -448,7 +448,6 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
                  " (the value is the first Dv columns of the latent)");
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
-    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
     if (o.rope) {
       SEQPAR_CHECK(o.rope_cfg.rotary_dim > 0 || !o.given("rope-dim"), "--rope-dim ", o.rope_cfg.rotary_dim,
                    ": DSA rotates the last R columns of q and the latent (and the first R of the indexer's q, k); ",

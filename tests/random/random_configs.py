@@ -166,7 +166,7 @@ def decode_config(rng):
     else:
         kv = pu * rng.choice([1, 2])
         heads = kv * rng.choice([1, 2])
-    layout = rng.choice(["contiguous", "zigzag", "stripe"] if attn == "mha" else ["contiguous", "zigzag"])
+    layout = rng.choice(["contiguous", "zigzag", "balanced"] + ([] if attn == "gdn" else ["stripe"]))
     c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn=attn, decode=True)
     f = ["--mode", "decode", "--attn", attn, "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout,
          "--heads", str(heads), "--context", str(rng.randint(sp, 48)), "--decode-steps", str(rng.randint(1, 4)),
