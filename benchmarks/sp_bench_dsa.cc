@@ -444,17 +444,19 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
     SEQPAR_CHECK(o.indexer_heads >= 1, "--indexer-heads ", o.indexer_heads, ": must be >= 1");
     SEQPAR_CHECK(o.indexer_dim >= 1, "--indexer-dim ", o.indexer_dim, ": must be >= 1");
-    SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, " must be <= --head-dim ", o.head_dim,
-                 " (the value is the first Dv columns of the latent)");
+    SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, preset_note(o, "dim-v"), " must be <= --head-dim ",
+                 o.head_dim, preset_note(o, "head-dim"), " (the value is the first Dv columns of the latent)");
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
     if (o.rope) {
       SEQPAR_CHECK(o.rope_cfg.rotary_dim > 0 || !o.given("rope-dim"), "--rope-dim ", o.rope_cfg.rotary_dim,
                    ": DSA rotates the last R columns of q and the latent (and the first R of the indexer's q, k); ",
                    "give R > 0 or leave --rope-dim out for 64");
+      const std::string rope_dim_note =
+          o.rope_cfg.rotary_dim == 0 ? std::string(" (DSA's default)") : preset_note(o, "rope-dim");
       if (o.rope_cfg.rotary_dim == 0) o.rope_cfg.rotary_dim = 64;  // DeepSeek's qk_rope_head_dim
-      check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim");
-      check_rope_fits(o.rope_cfg, o.indexer_dim, "--indexer-dim");
+      check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim", rope_dim_note, preset_note(o, "head-dim"));
+      check_rope_fits(o.rope_cfg, o.indexer_dim, "--indexer-dim", rope_dim_note, preset_note(o, "indexer-dim"));
     }
   };
   return k;

@@ -426,7 +426,9 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                  " must be a finite number > 0");
     SEQPAR_CHECK(o.test_logit_scale == 1 || o.inputs_dir.empty(),
                  "--test-logit-scale scales the random q; it cannot be combined with --inputs");
-    if (o.rope) check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim");
+    if (o.rope) {
+      check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim", preset_note(o, "rope-dim"), preset_note(o, "head-dim"));
+    }
   };
   k.describe_shapes = [](const SpBenchOptions& o) {
     std::string s = str_cat("B=", o.batch, " S=", o.seq, " Hq=", o.heads, " Hkv=", o.kv_heads, " D=", o.head_dim,
