@@ -18,6 +18,8 @@
 
 #include "attention/gdn_decode.h"
 #include "attention/mha.h"
+#include "attention/reference/gdn_reference.h"
+#include "attention/reference/mha_reference.h"
 #include "benchmarks/bench_common.h"
 #include "benchmarks/npy.h"
 #include "benchmarks/sp_bench_decode_arrays.h"
@@ -56,8 +58,15 @@ double quantile(std::vector<double> v, double q) {
 }
 
 // Tolerance of a decode result against the single-rank kernels, relative to the largest reference value: the same
-// arithmetic in another order (fp64: 1e-12; fp32: 1e-5), or the rounding of a 16-bit output (1e-2).
-double tolerance(DType dtype) { return dtype == DType::kFloat64 ? 1e-12 : (dtype == DType::kFloat32 ? 1e-5 : 1e-2); }
+// arithmetic in another order (fp64: 1e-12; fp32: 1e-5), or the rounding of a 16-bit output (1e-2). Against the
+// naive fp64 references the fp64 kernels differ by their other summation order, amplified by the softmax (1e-10, the
+// training check's fp64 rule); the other dtypes as above (fp32 accumulators, 16-bit outputs rounded once).
+double tolerance(DType dtype, bool vs_reference) {
+  if (dtype == DType::kFloat64) return vs_reference ? 1e-10 : 1e-12;
+  return dtype == DType::kFloat32 ? 1e-5 : 1e-2;
+}
+
+Tensor fp64_copy(const TensorView& t) { return Tensor::copy_of(t, DType::kFloat64, MemCategory::kWorkspace); }
 
 double rel_err(const TensorView& got, const TensorView& want) {
   Tensor g = Tensor::copy_of(got, DType::kFloat64, MemCategory::kWorkspace);
@@ -121,7 +130,8 @@ void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchO
   const std::int64_t n = d.new_tokens, N = d.decode_steps, T0 = d.context + d.chunk, S = T0 + N * n;
   const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
   // The training kernel over the whole sequence, rows T0.. (its queries at T0..S-1 against every key, causal), for
-  // this rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank.
+  // this rank's heads (under Ulysses: query heads [u Hq / Pu, ...) and their KV heads), on every rank; with
+  // --check-against reference the naive fp64 attention of attention/reference on the same rows instead.
   const std::vector<std::int64_t> all = token_range(0, S), tail = token_range(T0, S);
   const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, u * local, (u + 1) * local); };
   const Tensor kf = heads(in.rows("k", all), hkv_l), vf = heads(in.rows("v", all), hkv_l);
@@ -132,14 +142,25 @@ void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchO
   a.v = vf;
   a.q_pos = tail;
   a.mask.causal = true;
-  Tensor out = Tensor::empty({B, N * n, hq_l, D}, o.dtype, MemCategory::kWorkspace);
-  Tensor lse = Tensor::empty({B, hq_l, N * n}, accumulator_dtype(o.dtype), MemCategory::kWorkspace);
-  attn::mha_forward(a, out, lse);
+  const bool vs_reference = o.check_against == "reference";
+  const DType od = vs_reference ? DType::kFloat64 : o.dtype, ld = vs_reference ? od : accumulator_dtype(o.dtype);
+  Tensor out = Tensor::empty({B, N * n, hq_l, D}, od, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({B, hq_l, N * n}, ld, MemCategory::kWorkspace);
+  if (vs_reference) {
+    const Tensor q64 = fp64_copy(qt), k64 = fp64_copy(kf), v64 = fp64_copy(vf);
+    a.q = q64;
+    a.k = k64;
+    a.v = v64;
+    attn::reference::mha_forward(a, out, lse);
+  } else {
+    attn::mha_forward(a, out, lse);
+  }
   std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse)};
   all_reduce(world, errs, ReduceOp::kMax);
   rep.out_err = errs[0];
   rep.lse_err = errs[1];
-  rep.passed = rep.out_err <= tolerance(o.dtype) && rep.lse_err <= tolerance(accumulator_dtype(o.dtype));
+  rep.passed = rep.out_err <= tolerance(o.dtype, vs_reference) &&
+               rep.lse_err <= tolerance(accumulator_dtype(o.dtype), vs_reference);
 }
 
 DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
@@ -250,6 +271,23 @@ std::array<Tensor, 3> convolved_qkv(const std::array<Tensor, 5>& x, const Tensor
   return y;
 }
 
+// The same through the fp64 reference conv (attention/reference/gdn_reference.h), on fp64 x and weight.
+std::array<Tensor, 3> convolved_qkv_reference(const std::array<Tensor, 5>& x, const TensorView& weight) {
+  std::array<Tensor, 3> y;
+  std::int64_t row = 0;
+  for (int i = 0; i < 3; ++i) {
+    const Tensor& t = x[i];
+    const std::int64_t B = t.dim(0), S = t.dim(1), c = t.dim(2) * t.dim(3);
+    y[i] = Tensor::empty(t.shape(), DType::kFloat64, MemCategory::kWorkspace);
+    attn::ShortConvArgs a;
+    a.x = t.view().reshape({B, S, c});
+    a.weight = weight.slice0(row, row + c);
+    attn::reference::short_conv_forward(a, y[i].view().reshape({B, S, c}), {});
+    row += c;
+  }
+  return y;
+}
+
 DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
                      DecodeResults* results) {
   const DecodeOptions& d = o.decode;
@@ -305,29 +343,49 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.checked = true;
   // The single-rank training forward over the whole sequence (the conv over all heads, then the chunked kernel) for
   // this rank's heads (value heads from head_offset(), the key heads they read), on every rank: rows T.. of out and
-  // the final state.
+  // the final state. With --check-against reference the fp64 references of attention/reference instead (the direct
+  // conv, the token-by-token recurrence) on the inputs widened to fp64. In 16-bit storage the recurrence of the
+  // kernel reads the convolved q, k, v rounded to the storage dtype, a rounding that would move the fp32 state by
+  // 16-bit errors: the reference then takes the kernel's conv outputs (the conv is checked against the fp64 one in
+  // fp32 and fp64).
+  const bool vs_reference = o.check_against == "reference";
+  const bool rounded_conv = o.dtype == DType::kBFloat16 || o.dtype == DType::kFloat16;
   std::array<Tensor, 5> full = inputs(token_range(0, S));
-  if (conv_weight.defined()) {
+  if (conv_weight.defined() && (!vs_reference || rounded_conv)) {
     std::array<Tensor, 3> y = convolved_qkv(full, conv_weight);
+    for (int i = 0; i < 3; ++i) full[i] = std::move(y[i]);
+  }
+  Tensor initial_state64;
+  if (vs_reference) {
+    for (Tensor& t : full) t = fp64_copy(t);
+    initial_state64 = fp64_copy(initial_state);
+  }
+  const TensorView initial_state_ref = vs_reference ? initial_state64.view() : initial_state.view();
+  if (conv_weight.defined() && vs_reference && !rounded_conv) {
+    std::array<Tensor, 3> y = convolved_qkv_reference(full, fp64_copy(conv_weight));
     for (int i = 0; i < 3; ++i) full[i] = std::move(y[i]);
   }
   const auto heads = [&](const TensorView& t, std::int64_t local, int dim = 2) {
     return slice_dim(t, dim, r * local, (r + 1) * local);
   };
   const Tensor q = heads(full[0], lk), k = heads(full[1], lk), v = heads(full[2], lv);
-  const Tensor g = heads(full[3], lv), beta = heads(full[4], lv), s0 = heads(initial_state, lv, 1);
+  const Tensor g = heads(full[3], lv), beta = heads(full[4], lv), s0 = heads(initial_state_ref, lv, 1);
   attn::GdnForwardArgs a = attn::gdn_args(q, k, v, g, beta);
   a.chunk_size = o.chunk_size;
   a.initial_state = s0;
   const DType sd = accumulator_dtype(o.dtype);
-  Tensor out = Tensor::empty({B, S, lv, V}, o.dtype, MemCategory::kWorkspace);
-  Tensor final_state = Tensor::empty({B, lv, K, V}, sd, MemCategory::kWorkspace);
-  attn::gdn_forward(a, out, final_state);
+  Tensor out = Tensor::empty({B, S, lv, V}, vs_reference ? DType::kFloat64 : o.dtype, MemCategory::kWorkspace);
+  Tensor final_state = Tensor::empty({B, lv, K, V}, vs_reference ? DType::kFloat64 : sd, MemCategory::kWorkspace);
+  if (vs_reference) {
+    attn::reference::gdn_forward(a, out, final_state);
+  } else {
+    attn::gdn_forward(a, out, final_state);
+  }
   std::vector<double> errs{rel_err(out_all, slice_dim(out, 1, T, S)), rel_err(cache->state(), final_state)};
   all_reduce(world, errs, ReduceOp::kMax);
   rep.out_err = errs[0];
   rep.state_err = errs[1];
-  rep.passed = rep.out_err <= tolerance(o.dtype) && rep.state_err <= tolerance(sd);
+  rep.passed = rep.out_err <= tolerance(o.dtype, vs_reference) && rep.state_err <= tolerance(sd, vs_reference);
   return rep;
 }
 
@@ -402,8 +460,6 @@ void check_decode_options(const SpBenchOptions& o) {
   parse_chunk_prefill_mode(d.chunk_mode);
   SEQPAR_CHECK(d.chunk > 0 || !o.given("chunk-mode"), "--chunk-mode needs --chunk C > 0");
   SEQPAR_CHECK(!o.check || d.prefill == "forward", "--check needs --prefill forward");
-  SEQPAR_CHECK(o.check_against == "1-rank", "--mode decode: --check-against ", o.check_against,
-               " is not supported (decode checks against the single-rank training forward)");
 }
 
 // The layouts of the prompt and the chunk (each holds 8 bytes per slot: built after the memory check).
@@ -467,9 +523,11 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, const M
   std::printf("# cache per rank: %.3f MiB (formula %s: %.3f MiB)\n", r.cache_bytes / kMiB, r.formula_text.c_str(),
               r.cache_formula / kMiB);
   if (r.checked) {
-    std::printf("# check %s: out rel err %.3g, %s rel err %.3g (tolerance %.3g)\n", r.passed ? "passed" : "FAILED",
-                r.out_err, o.attn == "gdn" ? "final_state" : "lse", o.attn == "gdn" ? r.state_err : r.lse_err,
-                tolerance(o.dtype));
+    const bool vs_reference = o.check_against == "reference";
+    std::printf("# check %s against the %s: out rel err %.3g, %s rel err %.3g (tolerance %.3g)\n",
+                r.passed ? "passed" : "FAILED", vs_reference ? "fp64 reference" : "single-rank kernels", r.out_err,
+                o.attn == "gdn" ? "final_state" : "lse", o.attn == "gdn" ? r.state_err : r.lse_err,
+                tolerance(o.dtype, vs_reference));
     if (r.topk_mismatches >= 0) {
       std::printf("# topk_indices: %lld entries differ from the single-rank selection\n",
                   static_cast<long long>(r.topk_mismatches));
@@ -531,7 +589,7 @@ nlohmann::json decode_json(const SpBenchOptions& o, const DecodeReport& r, const
   j["memory_estimate"] = memory_estimate_json(memory);
   j["mem_peak_mib"] = {{"total", r.mem_peak_bytes / kMiB}};  // the ledger's, prefill to the last step, largest rank
   if (r.checked) {
-    j["check"] = {{"passed", r.passed}, {"out_rel_err", r.out_err}};
+    j["check"] = {{"passed", r.passed}, {"check_against", o.check_against}, {"out_rel_err", r.out_err}};
     j["check"][o.attn == "gdn" ? "final_state_rel_err" : "lse_rel_err"] = o.attn == "gdn" ? r.state_err : r.lse_err;
     if (r.topk_mismatches >= 0) j["check"]["topk_indices_mismatches"] = r.topk_mismatches;
   }

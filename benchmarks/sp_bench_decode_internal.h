@@ -41,8 +41,11 @@ struct DecodeResults {
 std::int64_t persistent_bytes();
 // The ledger's total peak (bytes), the largest over the ranks of `world` (collective).
 double ledger_peak(Communicator& world);
-// Tolerance of a decode result against the single-rank kernels, relative to the largest reference value.
-double tolerance(DType dtype);
+// Tolerance of a decode result against the single-rank kernels (vs_reference: against the fp64 references of
+// attention/reference), relative to the largest reference value.
+double tolerance(DType dtype, bool vs_reference);
+// An fp64 copy of `t` (workspace), the input of the fp64 references.
+Tensor fp64_copy(const TensorView& t);
 // max |got - want| / max |want| (equal infinities ignored).
 double rel_err(const TensorView& got, const TensorView& want);
 // The per-step results [.., n, ..] (along `dim`) of N steps side by side: [.., N n, ..].

@@ -180,8 +180,13 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   // attn::reference on the one-rank kernel's topk_indices (the selection itself is checked exactly): dense [S, S]
   // indexer scores and per-head masked softmax, in fp64. topk_indices has no fp64 counterpart.
   NamedArrays fp64_reference_outputs() override {
-    NamedArrays in = widen_to_fp64(ref_in_);
-    rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true, ref_rope_positions_);
+    // 16-bit storage: the kernel reads the rotated copies rounded to the storage dtype, and the logits and indexer
+    // scores of fp64-rotated inputs would differ from its by that rounding (a 16-bit error in the fp32 lse and loss,
+    // amplified in the indexer gradients): the reference attends to the kernel's operands, ref_rot_. The rotation
+    // itself is checked against the fp64 RoPE reference in fp32 and fp64.
+    const bool rounded = o_.dtype == DType::kBFloat16 || o_.dtype == DType::kFloat16;
+    NamedArrays in = widen_to_fp64(rounded ? ref_rot_ : ref_in_);
+    if (!rounded) rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true, ref_rope_positions_);
     const DType f64 = DType::kFloat64;
     NamedArrays r = zero_arrays(output_specs(f64, f64, false));
     attn::DsaAttentionArgs a;
@@ -439,18 +444,19 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     SEQPAR_CHECK(o.dim_v >= 1, "--dim-v ", o.dim_v, ": must be >= 1");
     SEQPAR_CHECK(o.indexer_heads >= 1, "--indexer-heads ", o.indexer_heads, ": must be >= 1");
     SEQPAR_CHECK(o.indexer_dim >= 1, "--indexer-dim ", o.indexer_dim, ": must be >= 1");
-    SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, " must be <= --head-dim ", o.head_dim,
-                 " (the value is the first Dv columns of the latent)");
+    SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, preset_note(o, "dim-v"), " must be <= --head-dim ",
+                 o.head_dim, preset_note(o, "head-dim"), " (the value is the first Dv columns of the latent)");
     SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
                  o.grid.ulysses_size);
-    SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: DSA under CP supports contiguous and zigzag");
     if (o.rope) {
       SEQPAR_CHECK(o.rope_cfg.rotary_dim > 0 || !o.given("rope-dim"), "--rope-dim ", o.rope_cfg.rotary_dim,
                    ": DSA rotates the last R columns of q and the latent (and the first R of the indexer's q, k); ",
                    "give R > 0 or leave --rope-dim out for 64");
+      const std::string rope_dim_note =
+          o.rope_cfg.rotary_dim == 0 ? std::string(" (DSA's default)") : preset_note(o, "rope-dim");
       if (o.rope_cfg.rotary_dim == 0) o.rope_cfg.rotary_dim = 64;  // DeepSeek's qk_rope_head_dim
-      check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim");
-      check_rope_fits(o.rope_cfg, o.indexer_dim, "--indexer-dim");
+      check_rope_fits(o.rope_cfg, o.head_dim, "--head-dim", rope_dim_note, preset_note(o, "head-dim"));
+      check_rope_fits(o.rope_cfg, o.indexer_dim, "--indexer-dim", rope_dim_note, preset_note(o, "indexer-dim"));
     }
   };
   return k;

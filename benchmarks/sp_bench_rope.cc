@@ -52,9 +52,10 @@ void add_rope_json(const SpBenchOptions& o, nlohmann::json& j) {
   j["rope"] = r;
 }
 
-void check_rope_fits(const attn::RopeConfig& cfg, std::int64_t head_dim, const char* what) {
-  SEQPAR_CHECK(cfg.column_offset + cfg.rotary_dim <= head_dim, "--rope-dim ", cfg.rotary_dim, " must be <= ", what, " ",
-               head_dim - cfg.column_offset);
+void check_rope_fits(const attn::RopeConfig& cfg, std::int64_t head_dim, const char* what,
+                     const std::string& rope_dim_note, const std::string& head_dim_note) {
+  SEQPAR_CHECK(cfg.column_offset + cfg.rotary_dim <= head_dim, "--rope-dim ", cfg.rotary_dim, rope_dim_note,
+               " must be <= ", what, " ", head_dim - cfg.column_offset, head_dim_note);
   SEQPAR_CHECK(cfg.rotary_dim > 0 || (head_dim - cfg.column_offset) % 2 == 0, "--rope: ", what, " ", head_dim,
                " must be even to rotate every column (or give an even --rope-dim)");
 }

@@ -27,8 +27,10 @@ std::string describe_rope(const SpBenchOptions& o, const attn::RopeConfig& cfg);
 void add_rope_json(const SpBenchOptions& o, nlohmann::json& j);
 
 // The rotated columns [o, o + r) of `cfg` within a head dim `head_dim` are inside it; Error naming --rope-dim and
-// `what` otherwise (before any communication).
-void check_rope_fits(const attn::RopeConfig& cfg, std::int64_t head_dim, const char* what);
+// `what` otherwise (before any communication), each value followed by its note (where it came from: a preset, a
+// default; empty when typed).
+void check_rope_fits(const attn::RopeConfig& cfg, std::int64_t head_dim, const char* what,
+                     const std::string& rope_dim_note = "", const std::string& head_dim_note = "");
 
 // One rotated input: which tensor and with which configuration.
 struct RopeTarget {
