@@ -48,10 +48,24 @@ class Config(dict):
         return list(self["flags"])
 
 
-def pick_grid(rng, max_ranks=4):
+def pick_grid(rng):
     np_ = rng.choice([1, 2, 2, 3, 4, 4])
     pu = rng.choice([d for d in (1, 2, 4) if np_ % d == 0 and d <= np_])
     return np_, pu, np_ // pu
+
+
+def pick_train_grid(rng):
+    """(np, dp, pu, pr, flags): sometimes two data-parallel replicas."""
+    np_, pu, pr = pick_grid(rng)
+    dp = 1
+    if np_ % 2 == 0 and rng.random() < 0.15:
+        dp = 2
+        if pr % 2 == 0:
+            pr //= 2
+        else:
+            pu //= 2
+    flags = ["--ulysses-size", str(pu), "--ring-size", str(pr)] + (["--dp-size", "2"] if dp > 1 else [])
+    return np_, dp, pu, pr, flags
 
 
 def doc_lens(rng, total_min, total_max):
@@ -63,14 +77,14 @@ def doc_lens(rng, total_min, total_max):
 
 
 def mha_config(rng):
-    np_, pu, pr = pick_grid(rng)
+    np_, dp, pu, pr, grid = pick_train_grid(rng)
     heads = pu * rng.choice([1, 2])
     kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0 and (d % pu == 0 or pu % d == 0)])
     hd = rng.choice([8, 16])
     dtype = rng.choice(["fp32", "fp32", "fp64", "bf16", "fp16"])
     layout = rng.choice(["contiguous", "zigzag", "stripe", "balanced"])
     c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn="mha")
-    f = ["--attn", "mha", "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout, "--heads", str(heads),
+    f = ["--attn", "mha"] + grid + ["--layout", layout, "--heads", str(heads),
          "--kv-heads", str(kv), "--head-dim", str(hd), "--dtype", dtype, "--impl", rng.choice(["p2p", "allgather"])]
     if pu > 1 and pr > 1:
         f += ["--placement", rng.choice(["ulysses_inner", "ring_inner"])]
@@ -104,13 +118,13 @@ def mha_config(rng):
 
 
 def dsa_config(rng, inputs_dir):
-    np_, pu, pr = pick_grid(rng)
+    np_, dp, pu, pr, grid = pick_train_grid(rng)
     heads = pu * rng.choice([1, 2])
     hd = rng.choice([16, 32])
     dtype = rng.choice(["fp32", "fp32", "fp64", "bf16", "fp16"])
     layout = rng.choice(["contiguous", "zigzag", "stripe", "balanced"])
     c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn="dsa")
-    f = ["--attn", "dsa", "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout, "--heads", str(heads),
+    f = ["--attn", "dsa"] + grid + ["--layout", layout, "--heads", str(heads),
          "--head-dim", str(hd), "--dim-v", str(rng.choice([8, hd])), "--indexer-heads", str(rng.choice([1, 2])),
          "--indexer-dim", "8", "--topk", str(rng.randint(1, 24)), "--dtype", dtype,
          "--dsa-select", rng.choice(["ring", "allgather"])]
@@ -131,6 +145,8 @@ def dsa_config(rng, inputs_dir):
         f += ["--doc-lens", ",".join(map(str, lens))]
     else:
         f += ["--seq", str(seq)]
+    if rng.random() < 0.25:
+        f += ["--window", str(rng.randint(1, 24))]
     if rng.random() < 0.3:
         f += ["--rope", rng.choice(["rotate-half", "interleaved"]), "--rope-dim", "8"]
     c["flags"] = f
@@ -138,12 +154,12 @@ def dsa_config(rng, inputs_dir):
 
 
 def gdn_config(rng):
-    np_, pu, pr = pick_grid(rng)
+    np_, dp, pu, pr, grid = pick_train_grid(rng)
     heads = pu * rng.choice([1, 2])
     kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0 and (d % pu == 0 or pu % d == 0)])
     layout = rng.choice(["contiguous", "zigzag", "balanced"])
     c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn="gdn")
-    f = ["--attn", "gdn", "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout, "--heads", str(heads),
+    f = ["--attn", "gdn"] + grid + ["--layout", layout, "--heads", str(heads),
          "--kv-heads", str(kv), "--head-dim", str(rng.choice([8, 16])), "--dim-v", str(rng.choice([8, 16])),
          "--chunk-size", str(rng.choice([1, 4, 8, 16, 64, 200])), "--gdn-mode", rng.choice(["chain", "scan"]),
          "--dtype", rng.choice(["fp32", "fp32", "fp64", "bf16", "fp16"])]
