@@ -551,8 +551,9 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                  " (GDN value heads) must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"),
                  " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
     const int pu = o.grid.ulysses_size;
-    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " (GDN value heads) must be divisible by --ulysses-size ", pu);
-    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
+    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " (GDN value heads) must be divisible by --ulysses-size ", pu);
+    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads, preset_note(o, "kv-heads"),
                  " (GDN key heads) must be divisible by --ulysses-size ", pu,
                  " or divide it (then each key head is replicated)");
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous, ",
