@@ -68,8 +68,8 @@ Checked validate_forward_args(const GdnForwardArgs& a) {
   SEQPAR_CHECK(a.chunk_size >= 1, "gdn: chunk_size must be >= 1, got ", a.chunk_size);
   // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
   // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
-  // for 200 GB). Same chunks, same arithmetic.
-  d.C = std::min(a.chunk_size, std::max<std::int64_t>(d.S, 1));
+  // for 200 GB). Same chunks, same arithmetic. A chunk above kGdnMaxChunkSize runs as chunks of that length.
+  d.C = std::min({a.chunk_size, kGdnMaxChunkSize, std::max<std::int64_t>(d.S, 1)});
   SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
   check_activation(a.q, a.q.shape(), "q");
   check_activation(a.k, {d.B, d.S, d.Hk, d.K}, "k");
@@ -303,7 +303,7 @@ Document document(const GdnForwardArgs& a, const cpu::GdnDims& d, std::int64_t d
   r.args.initial_state = doc_state(a.initial_state, doc);
   r.args.cu_seqlens = TensorView();
   r.d.S = end - begin;
-  r.d.C = std::min(a.chunk_size, r.d.S);
+  r.d.C = std::min({a.chunk_size, kGdnMaxChunkSize, r.d.S});
   return r;
 }
 

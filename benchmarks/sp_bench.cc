@@ -70,6 +70,10 @@ int sp_bench_main(int argc, char** argv) {
   // communicator, NCCL's device agreement) could pair with another rank's different one. Over MPI, whatever
   // --backend says.
   check_options_agree(o);
+  if (place.rank == 0 && find_workload_kind(o.attn).warnings) {
+    for (const std::string& w : find_workload_kind(o.attn).warnings(o))
+      std::fprintf(stderr, "sp_bench: warning: %s\n", w.c_str());
+  }
   if (o.decode.mode == "decode") return run_decode_bench(o, place);  // benchmarks/sp_bench_decode.h
 #if defined(_OPENMP)
   omp_set_num_threads(o.threads);

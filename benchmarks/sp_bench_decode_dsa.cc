@@ -142,8 +142,7 @@ DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.lse_err = errs[1];
   rep.topk_mismatches = static_cast<std::int64_t>(errs[2]);
   rep.passed = rep.out_err <= tolerance(o.dtype, vs_reference) &&
-               rep.lse_err <= tolerance(accumulator_dtype(o.dtype), vs_reference) &&
-               rep.topk_mismatches == 0;
+               rep.lse_err <= tolerance(accumulator_dtype(o.dtype), vs_reference) && rep.topk_mismatches == 0;
   return rep;
 }
 

@@ -446,8 +446,8 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
     SEQPAR_CHECK(o.indexer_dim >= 1, "--indexer-dim ", o.indexer_dim, ": must be >= 1");
     SEQPAR_CHECK(o.dim_v <= o.head_dim, "--dim-v ", o.dim_v, preset_note(o, "dim-v"), " must be <= --head-dim ",
                  o.head_dim, preset_note(o, "head-dim"), " (the value is the first Dv columns of the latent)");
-    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ",
-                 o.grid.ulysses_size);
+    SEQPAR_CHECK(o.heads % o.grid.ulysses_size == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " must be divisible by --ulysses-size ", o.grid.ulysses_size);
     if (o.rope) {
       SEQPAR_CHECK(o.rope_cfg.rotary_dim > 0 || !o.given("rope-dim"), "--rope-dim ", o.rope_cfg.rotary_dim,
                    ": DSA rotates the last R columns of q and the latent (and the first R of the indexer's q, k); ",

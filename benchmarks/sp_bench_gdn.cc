@@ -97,8 +97,10 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   // Model FLOPs of the chunked algorithm (benchmarks/flop_models.h, README "FLOPs"), the conv included.
   GdnFlopShape flop_shape() const {
-    return {o_.batch, o_.seq,        o_.heads,      o_.head_dim,
-            o_.dim_v, o_.chunk_size, o_.conv_width, gdn_shapes(o_).conv_channels_total()};
+    return {o_.batch,      o_.seq,
+            o_.heads,      o_.head_dim,
+            o_.dim_v,      std::min(o_.chunk_size, attn::kGdnMaxChunkSize),
+            o_.conv_width, gdn_shapes(o_).conv_channels_total()};
   }
   double forward_flops() const override { return gdn_forward_flops(flop_shape()); }
   double backward_flops() const override { return gdn_backward_flops(flop_shape()); }
@@ -451,7 +453,8 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const RingSegments ring_segs = ring_segments(o);
   const double segments = ring_segs.most;
   const double seg_state = st * batch * (o.heads / pu) * kd * std::max(kd, vd);  // a state, or a scan map's M
-  const double chunk = static_cast<double>(std::min(o.chunk_size, o.seq)), m = std::max({chunk, kd, vd});
+  const double chunk = static_cast<double>(std::min({o.chunk_size, attn::kGdnMaxChunkSize, o.seq}));
+  const double m = std::max({chunk, kd, vd});
   const double seg_len = s_pad / (pr * segments);
   const double fwd_worker = c * (17 * chunk * m + 3 * m * m + 16 * chunk);
   const double bwd_worker = fwd_worker + c * (17 * chunk * m + 3 * m * m + std::ceil(seg_len / chunk) * kd * vd);
@@ -508,6 +511,23 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                 "of width 4 on q, k, v, chunk 64, causal",
                 4, std::nullopt}};
   k.own_flags = {"gdn-compare-token", "gdn-mode", "chunk-size", "kv-heads", "dim-v", "conv-width"};
+  k.warnings = [](const SpBenchOptions& o) {
+    std::vector<std::string> w;
+    // The chunk the kernel runs (attention/gdn.h); a chunk of at most the default, or over a sequence no longer
+    // than it, costs what the default does.
+    const std::int64_t chunk = std::min({o.chunk_size, attn::kGdnMaxChunkSize, o.seq});
+    if (chunk > attn::kGdnDefaultChunkSize) {
+      w.push_back(str_cat(
+          "--chunk-size ", o.chunk_size, preset_note(o, "chunk-size"),
+          ": the chunked GDN kernel's work per token grows with the chunk (O(C (K + V + C)) for ",
+          "chunks of C tokens)",
+          o.chunk_size > attn::kGdnMaxChunkSize
+              ? str_cat("; chunks above ", attn::kGdnMaxChunkSize, " tokens run as chunks of ", attn::kGdnMaxChunkSize)
+              : std::string(),
+          "; --chunk-size ", attn::kGdnDefaultChunkSize, " (the default) is faster"));
+    }
+    return w;
+  };
   k.input_shape_flags = {{"batch", "q", 0, &SpBenchOptions::batch},
                          {"seq", "q", 1, &SpBenchOptions::seq},
                          {"kv-heads", "q", 2, &SpBenchOptions::kv_heads},
@@ -531,8 +551,9 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                  " (GDN value heads) must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"),
                  " (GDN key heads: value head h reads key head h / (heads / kv-heads))");
     const int pu = o.grid.ulysses_size;
-    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " (GDN value heads) must be divisible by --ulysses-size ", pu);
-    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
+    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " (GDN value heads) must be divisible by --ulysses-size ", pu);
+    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads, preset_note(o, "kv-heads"),
                  " (GDN key heads) must be divisible by --ulysses-size ", pu,
                  " or divide it (then each key head is replicated)");
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous, ",

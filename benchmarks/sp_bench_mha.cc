@@ -416,8 +416,9 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
     SEQPAR_CHECK(o.heads % o.kv_heads == 0, "--heads ", o.heads, preset_note(o, "heads"),
                  " must be a multiple of --kv-heads ", o.kv_heads, preset_note(o, "kv-heads"), " (GQA)");
     const int pu = o.grid.ulysses_size;
-    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, " must be divisible by --ulysses-size ", pu);
-    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads,
+    SEQPAR_CHECK(o.heads % pu == 0, "--heads ", o.heads, preset_note(o, "heads"),
+                 " must be divisible by --ulysses-size ", pu);
+    SEQPAR_CHECK(o.kv_heads % pu == 0 || pu % o.kv_heads == 0, "--kv-heads ", o.kv_heads, preset_note(o, "kv-heads"),
                  " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
     SEQPAR_CHECK(std::isfinite(o.softcap) && o.softcap >= 0, "--softcap ", o.softcap,
                  " must be finite and > 0 (0: no soft-capping)");

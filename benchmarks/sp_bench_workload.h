@@ -200,6 +200,9 @@ struct WorkloadKind {
   // The kind's rules on the parsed options, after the common ones (may set kind defaults, e.g. DSA's --causal;
   // optional). Throws Error naming the flag, the value and the rule.
   std::function<void(SpBenchOptions&)> validate;
+  // Notes on valid options that cannot run efficiently (sp_bench prints each on rank 0, once, as "sp_bench: warning:
+  // ..."); null: none.
+  std::function<std::vector<std::string>(const SpBenchOptions&)> warnings;
   // One-line shape summary for the table header.
   std::function<std::string(const SpBenchOptions&)> describe_shapes;
   // Adds the kind's own fields to the JSON of a run (optional).

@@ -10,7 +10,8 @@ reference). A run fails on a check that fails, a crash (a signal, or an exit wit
 --timeout) or a refusal (a valid configuration must run). Then a handful of invalid configurations, each of which
 must end with exit status 1 and one identical "rank N: error: ..." line on every rank.
 
-Every failure prints the sp_bench command line that reproduces it. Exit status 0 when every case passed.
+Every failure prints the sp_bench command line that reproduces it and a minimal one (flags dropped one at a time
+while the run still fails the same way). Exit status 0 when every case passed.
 
 usage: random_configs.py --mpiexec MPIEXEC --sp-bench SP_BENCH [--np-flag -n] [--seed N] [--count N] [--timeout S]
 """
@@ -19,6 +20,7 @@ import os
 import random
 import re
 import shlex
+import signal
 import struct
 import subprocess
 import sys
@@ -33,6 +35,9 @@ KNOWN_BUGS = [
     ("dropout on a zigzag packed row with unaligned documents",
      lambda c: c.get("dropout") and c.get("layout") == "zigzag" and c["ring"] > 1 and c.get("doc_lens")
      and any(n % (2 * c["ring"]) for n in c["doc_lens"][:-1])),
+    # Decode refuses a Ulysses degree above the KV heads, which training serves by replicating KV heads.
+    ("decode MHA with --kv-heads below --ulysses-size",
+     lambda c: c.get("decode") and c["attn"] == "mha" and c["kv_heads"] % c["ulysses"] != 0),
 ]
 
 
@@ -43,10 +48,24 @@ class Config(dict):
         return list(self["flags"])
 
 
-def pick_grid(rng, max_ranks=4):
+def pick_grid(rng):
     np_ = rng.choice([1, 2, 2, 3, 4, 4])
     pu = rng.choice([d for d in (1, 2, 4) if np_ % d == 0 and d <= np_])
     return np_, pu, np_ // pu
+
+
+def pick_train_grid(rng):
+    """(np, dp, pu, pr, flags): sometimes two data-parallel replicas."""
+    np_, pu, pr = pick_grid(rng)
+    dp = 1
+    if np_ % 2 == 0 and rng.random() < 0.15:
+        dp = 2
+        if pr % 2 == 0:
+            pr //= 2
+        else:
+            pu //= 2
+    flags = ["--ulysses-size", str(pu), "--ring-size", str(pr)] + (["--dp-size", "2"] if dp > 1 else [])
+    return np_, dp, pu, pr, flags
 
 
 def doc_lens(rng, total_min, total_max):
@@ -58,14 +77,14 @@ def doc_lens(rng, total_min, total_max):
 
 
 def mha_config(rng):
-    np_, pu, pr = pick_grid(rng)
+    np_, dp, pu, pr, grid = pick_train_grid(rng)
     heads = pu * rng.choice([1, 2])
     kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0 and (d % pu == 0 or pu % d == 0)])
     hd = rng.choice([8, 16])
     dtype = rng.choice(["fp32", "fp32", "fp64", "bf16", "fp16"])
     layout = rng.choice(["contiguous", "zigzag", "stripe", "balanced"])
     c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn="mha")
-    f = ["--attn", "mha", "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout, "--heads", str(heads),
+    f = ["--attn", "mha"] + grid + ["--layout", layout, "--heads", str(heads),
          "--kv-heads", str(kv), "--head-dim", str(hd), "--dtype", dtype, "--impl", rng.choice(["p2p", "allgather"])]
     if pu > 1 and pr > 1:
         f += ["--placement", rng.choice(["ulysses_inner", "ring_inner"])]
@@ -99,13 +118,13 @@ def mha_config(rng):
 
 
 def dsa_config(rng, inputs_dir):
-    np_, pu, pr = pick_grid(rng)
+    np_, dp, pu, pr, grid = pick_train_grid(rng)
     heads = pu * rng.choice([1, 2])
     hd = rng.choice([16, 32])
     dtype = rng.choice(["fp32", "fp32", "fp64", "bf16", "fp16"])
     layout = rng.choice(["contiguous", "zigzag", "stripe", "balanced"])
     c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn="dsa")
-    f = ["--attn", "dsa", "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout, "--heads", str(heads),
+    f = ["--attn", "dsa"] + grid + ["--layout", layout, "--heads", str(heads),
          "--head-dim", str(hd), "--dim-v", str(rng.choice([8, hd])), "--indexer-heads", str(rng.choice([1, 2])),
          "--indexer-dim", "8", "--topk", str(rng.randint(1, 24)), "--dtype", dtype,
          "--dsa-select", rng.choice(["ring", "allgather"])]
@@ -126,6 +145,8 @@ def dsa_config(rng, inputs_dir):
         f += ["--doc-lens", ",".join(map(str, lens))]
     else:
         f += ["--seq", str(seq)]
+    if rng.random() < 0.25:
+        f += ["--window", str(rng.randint(1, 24))]
     if rng.random() < 0.3:
         f += ["--rope", rng.choice(["rotate-half", "interleaved"]), "--rope-dim", "8"]
     c["flags"] = f
@@ -133,14 +154,14 @@ def dsa_config(rng, inputs_dir):
 
 
 def gdn_config(rng):
-    np_, pu, pr = pick_grid(rng)
+    np_, dp, pu, pr, grid = pick_train_grid(rng)
     heads = pu * rng.choice([1, 2])
     kv = rng.choice([d for d in range(1, heads + 1) if heads % d == 0 and (d % pu == 0 or pu % d == 0)])
     layout = rng.choice(["contiguous", "zigzag", "balanced"])
     c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn="gdn")
-    f = ["--attn", "gdn", "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout, "--heads", str(heads),
+    f = ["--attn", "gdn"] + grid + ["--layout", layout, "--heads", str(heads),
          "--kv-heads", str(kv), "--head-dim", str(rng.choice([8, 16])), "--dim-v", str(rng.choice([8, 16])),
-         "--chunk-size", str(rng.choice([1, 4, 8, 16, 64])), "--gdn-mode", rng.choice(["chain", "scan"]),
+         "--chunk-size", str(rng.choice([1, 4, 8, 16, 64, 200])), "--gdn-mode", rng.choice(["chain", "scan"]),
          "--dtype", rng.choice(["fp32", "fp32", "fp64", "bf16", "fp16"])]
     if pu > 1 and pr > 1:
         f += ["--placement", rng.choice(["ulysses_inner", "ring_inner"])]
@@ -163,11 +184,14 @@ def decode_config(rng):
     if attn == "gdn":
         heads = sp * rng.choice([1, 2])
         kv = rng.choice([d for d in range(sp, heads + 1, sp) if heads % d == 0])
+    elif attn == "mha":
+        kv = rng.choice([d for d in (1, 2, 4) if d % pu == 0 or pu % d == 0])
+        heads = max(kv, pu) * rng.choice([1, 2])
     else:
         kv = pu * rng.choice([1, 2])
         heads = kv * rng.choice([1, 2])
     layout = rng.choice(["contiguous", "zigzag", "balanced"] + ([] if attn == "gdn" else ["stripe"]))
-    c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn=attn, decode=True)
+    c = Config(np=np_, ulysses=pu, ring=pr, layout=layout, attn=attn, decode=True, kv_heads=kv)
     f = ["--mode", "decode", "--attn", attn, "--ulysses-size", str(pu), "--ring-size", str(pr), "--layout", layout,
          "--heads", str(heads), "--context", str(rng.randint(sp, 48)), "--decode-steps", str(rng.randint(1, 4)),
          "--new-tokens", str(rng.choice([1, 1, 2, 3])), "--dtype", rng.choice(["fp32", "fp64", "bf16"])]
@@ -252,14 +276,18 @@ def show(a, np_, flags):
 
 
 def run(a, np_, flags):
+    """(exit status or None on a hang, stdout, stderr, seconds). mpirun runs in its own process group, which a hang
+    kills whole (mpirun and every rank)."""
     t0 = time.time()
+    p = subprocess.Popen(command(a, np_, flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
     try:
-        p = subprocess.run(command(a, np_, flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                           timeout=a.timeout)
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return None, out, "", time.time() - t0
-    return p.returncode, p.stdout, p.stderr, time.time() - t0
+        out, err = p.communicate(timeout=a.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return None, out, err, time.time() - t0
+    return p.returncode, out, err, time.time() - t0
 
 
 def judge_valid(rc, out, err):
@@ -272,8 +300,8 @@ def judge_valid(rc, out, err):
     if rc == 0:
         return "no '# check passed' line"
     if "check failed" in err or "# check FAILED" in out:
-        table = [l for l in out.splitlines() if "FAIL" in l or l.startswith("# tensor") or "rule" in l]
-        return "wrong answer:\n      " + "\n      ".join(table[-20:] + err.strip().splitlines()[-3:])
+        table = [l for l in out.splitlines() if "FAIL" in l or re.match(r"#\s+tensor", l)]
+        return "wrong answer:\n      " + "\n      ".join(table[-20:])
     if errors:
         return "refused (a valid configuration must run): " + errors[0]
     return "crash (exit status %s):\n      %s" % (rc, "\n      ".join((err.strip().splitlines() or ["(no stderr)"])[-6:]))
@@ -297,6 +325,44 @@ def judge_invalid(np_, rc, out, err, want):
     return ""
 
 
+# Flags that define the configuration's kind and grid (with the check flags): never dropped when shrinking.
+KEEP = {"--attn", "--mode", "--ulysses-size", "--ring-size", "--check", "--check-against", "--inputs"}
+
+
+def groups_of(flags):
+    """The flags as [flag] or [flag, value] groups."""
+    out, i = [], 0
+    while i < len(flags):
+        if i + 1 < len(flags) and not flags[i + 1].startswith("--"):
+            out.append(flags[i:i + 2])
+            i += 2
+        else:
+            out.append(flags[i:i + 1])
+            i += 1
+    return out
+
+
+def shrink(a, np_, flags, why, budget=24):
+    """A shorter command line that fails the same way (the first word of judge_valid's verdict): drops one flag
+    group at a time while the failure stays, at most `budget` runs."""
+    kind = why.split()[0]
+    groups = groups_of(flags)
+    i = 0
+    while i < len(groups) and budget > 0:
+        if groups[i][0] in KEEP:
+            i += 1
+            continue
+        trial = [x for g in groups[:i] + groups[i + 1:] for x in g]
+        budget -= 1
+        rc, out, err, _ = run(a, np_, trial)
+        verdict = judge_valid(rc, out, err)
+        if verdict and verdict.split()[0] == kind:
+            groups = groups[:i] + groups[i + 1:]
+        else:
+            i += 1
+    return [x for g in groups for x in g]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--mpiexec", required=True)
@@ -307,6 +373,8 @@ def main():
     ap.add_argument("--count", type=int, default=32, help="valid configurations")
     ap.add_argument("--timeout", type=float, default=60, help="seconds per run")
     ap.add_argument("--only", type=int, default=None, help="run only configuration number N (as printed)")
+    ap.add_argument("--no-shrink", action="store_true", help="do not look for a shorter failing command line")
+    ap.add_argument("--include-known-bugs", action="store_true", help="run the configurations KNOWN_BUGS skips")
     a = ap.parse_args()
     a.mpiexec_preflags = shlex.split(a.mpiexec_preflags)
     env_seed = os.environ.get("SEQPAR_RANDOM_SEED", "")
@@ -318,15 +386,17 @@ def main():
     work = tempfile.mkdtemp(prefix="random_configs.")
     configs = generate(rng, a.count, work)
     passed = failed = skipped = 0
+    shrink_budget = 48  # shrinking runs in all (each failing configuration is shrunk once)
     t_start = time.time()
     for i, c in enumerate(configs):
         if a.only is not None and i != a.only:
             continue
-        bug = next((reason for reason, pred in KNOWN_BUGS if pred(c)), None)
+        bug = None if a.include_known_bugs else next((reason for reason, pred in KNOWN_BUGS if pred(c)), None)
         if bug:
             skipped += 1
             print("[%2d] skipped (known bug: %s): %s" % (i, bug, show(a, c["np"], c.argv())), flush=True)
             continue
+        shrunk = False
         for check in (["--check"], ["--check-against", "reference"]):
             flags = c.argv() + check
             rc, out, err, dt = run(a, c["np"], flags)
@@ -334,6 +404,11 @@ def main():
             if why:
                 failed += 1
                 print("[%2d] FAILED %s\n    reproduce: %s" % (i, why, show(a, c["np"], flags)), flush=True)
+                if not a.no_shrink and not shrunk and shrink_budget > 0:
+                    budget = min(24, shrink_budget)
+                    shrink_budget -= budget
+                    shrunk = True
+                    print("    minimal:   %s" % show(a, c["np"], shrink(a, c["np"], flags, why, budget)), flush=True)
             else:
                 passed += 1
                 print("[%2d] ok %5.1f s  %s" % (i, dt, show(a, c["np"], flags)), flush=True)
