@@ -12,6 +12,7 @@
 #include "attention/cpu/mha_cpu.h"
 #include "attention/cpu/scratch.h"
 #include "runtime/error.h"
+#include "runtime/tensor_ops.h"
 
 namespace seqpar::attn {
 namespace {
@@ -156,6 +157,8 @@ cpu::MhaParams validate_forward(const MhaForwardArgs& args, const TensorView& ou
   return p;
 }
 
+void check_wide(const TensorView& t, const Shape& shape, const char* what);
+
 cpu::MhaParams validate_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk,
                                  const TensorView& dv, bool accumulate) {
   const cpu::MhaParams p = check_forward_args(args.fwd);
@@ -168,6 +171,7 @@ cpu::MhaParams validate_backward(const MhaBackwardArgs& args, const TensorView& 
     check_host_tensor(args.out, "out (needed for delta, which was not given)");
     check_shape(args.out, args.fwd.q.shape(), "out");
   }
+  if (!args.dlse.empty()) check_wide(args.dlse, {p.batch, p.hq, p.sq}, "dlse");
   for (auto [t, like, name] :
        {std::tuple{&dq, &args.fwd.q, "dq"}, {&dk, &args.fwd.k, "dk"}, {&dv, &args.fwd.k, "dv"}}) {
     check_host_tensor(*t, name);
@@ -290,7 +294,20 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
     }
     return;
   }
-  const bool have_delta = !args.delta.empty();
+  // With dlse the kernels run with delta - dlse (fp64), computed here.
+  Tensor delta_dlse;
+  if (!args.dlse.empty()) {
+    delta_dlse = Tensor::empty(args.lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
+    if (args.delta.empty()) {
+      mha_backward_delta(args.out, args.dout, delta_dlse.view(), stream);
+    } else {
+      copy_convert(args.delta, delta_dlse.view(), stream);
+    }
+    double* d = delta_dlse.view().data_as<double>();
+    for (std::int64_t i = 0; i < delta_dlse.numel(); ++i) d[i] -= load(args.dlse, i);
+  }
+  const TensorView delta = args.dlse.empty() ? args.delta : delta_dlse.view();
+  const bool have_delta = !delta.empty();
   const cpu::KeyRanges ranges = cpu::key_ranges(args.fwd.q_pos, p.sq, args.fwd.k_pos, p.sk, args.fwd.mask);
   p.ranges = &ranges;
   cpu::MhaBackwardParams bp;
@@ -301,8 +318,8 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
   bp.out_dtype = have_delta ? DType::kFloat32 : args.out.dtype();
   bp.lse = args.lse.data();
   bp.lse_dtype = args.lse.dtype();
-  bp.delta = have_delta ? args.delta.data() : nullptr;
-  bp.delta_dtype = have_delta ? args.delta.dtype() : DType::kFloat64;
+  bp.delta = have_delta ? delta.data() : nullptr;
+  bp.delta_dtype = have_delta ? delta.dtype() : DType::kFloat64;
   bp.dq = dq.data();
   bp.dk = dk.data();
   bp.dv = dv.data();

@@ -119,7 +119,7 @@ struct MhaForwardArgs {
   // the unpadded row: query i is token q_tokens[i] and a key it sees, in its own document, token
   // k_pos[j] + q_tokens[i] - q_pos[i] (inside a document a slot difference is a token distance). Read only when
   // dropout.p > 0; every other rule reads position differences, which slots and tokens share.
-  std::span<const std::int64_t> q_tokens;
+  std::span<const std::int64_t> q_tokens{};
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
@@ -143,6 +143,10 @@ struct MhaBackwardArgs {
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64
   TensorView delta;    // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
+  // optional [B, Hq, Sq] fp32 / fp64: the gradient of the loss with respect to lse (flash-attention's dlse). Since
+  // d lse_i / d a_ij = p_ij, it joins ds as ds_ij = p_ij (dp_ij - delta_i + dlse_i): the kernels run with
+  // delta - dlse (with sinks, dsinks takes the same delta - dlse). Empty: lse carries no gradient.
+  TensorView dlse{};
 };
 
 // Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md section 8.1).

@@ -134,7 +134,11 @@ void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchO
   // --check-against reference the naive fp64 attention of attention/reference on the same rows instead.
   const std::vector<std::int64_t> all = token_range(0, S), tail = token_range(T0, S);
   const auto heads = [&](const Tensor& t, std::int64_t local) { return slice_dim(t, 2, u * local, (u + 1) * local); };
-  const Tensor kf = heads(in.rows("k", all), hkv_l), vf = heads(in.rows("v", all), hkv_l);
+  // KV heads of this rank's query heads: [u Hkv / Pu, ...), or head u / (Pu / Hkv) when Hkv < Pu (replicated)
+  const auto kv_heads = [&](const Tensor& t) {
+    return hkv % pu == 0 ? heads(t, hkv_l) : slice_dim(t, 2, u / (pu / hkv), u / (pu / hkv) + 1);
+  };
+  const Tensor kf = kv_heads(in.rows("k", all)), vf = kv_heads(in.rows("v", all));
   const Tensor qt = heads(in.rows("q", tail), hq_l);
   attn::MhaForwardArgs a;
   a.q = qt;
@@ -217,8 +221,10 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   std::vector<double> cache_bytes{static_cast<double>(persistent_bytes() - before)};
   all_reduce(world, cache_bytes, ReduceOp::kMax);
   rep.cache_bytes = cache_bytes[0];
-  rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv, D, o.dtype})) / groups.sp.size();
-  rep.formula_text = str_cat("M_KV / P = 2 B Hkv (T + chunk + N n) D bytes / (ring x ulysses)");
+  // with Hkv < ulysses_size each KV head is stored by ulysses_size / Hkv ranks: max(Hkv, ulysses_size) heads in all
+  const std::int64_t hkv_stored = std::max<std::int64_t>(hkv, groups.ulysses_size());
+  rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv_stored, D, o.dtype})) / groups.sp.size();
+  rep.formula_text = str_cat("M_KV / P = 2 B max(Hkv, ulysses) (T + chunk + N n) D bytes / (ring x ulysses)");
   layer.reset_counters();
   std::vector<Tensor> outs, lses;
   const bool keep = o.check || results != nullptr;
@@ -421,8 +427,9 @@ void check_decode_options(const SpBenchOptions& o) {
                  " x --ulysses-size ", pu, "): decode splits whole heads over the group");
   }
   if (o.attn == "mha") {
-    SEQPAR_CHECK(o.kv_heads % pu == 0, "--mode decode --attn mha: --kv-heads ", o.kv_heads,
-                 " must be divisible by --ulysses-size ", pu, " (decode splits whole KV heads over the Ulysses group)");
+    SEQPAR_CHECK(o.kv_heads >= 1 && (o.kv_heads % pu == 0 || pu % o.kv_heads == 0), "--mode decode --attn mha: --kv-heads ",
+                 o.kv_heads, " must be divisible by --ulysses-size ", pu,
+                 " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head replicated)");
   }
   parse_cache_shard(d.cache_shard);
   for (const char* flag : {"cache-shard", "interleave"}) {

@@ -103,11 +103,29 @@ MhaDecodeContextParallel::MhaDecodeContextParallel(const CpGroups& groups, const
 ShardedKvCache MhaDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
                                                     std::int64_t head_dim, DType dtype) const {
   const int pu = groups_.ulysses_size();
-  SEQPAR_CHECK(kv_heads >= 1 && kv_heads % pu == 0, "MhaDecodeContextParallel::make_cache: kv_heads Hkv = ", kv_heads,
-               " must be divisible by ulysses_size ", pu, " (decode splits whole KV heads over the Ulysses group)");
+  SEQPAR_CHECK(kv_heads >= 1 && (kv_heads % pu == 0 || pu % kv_heads == 0), "MhaDecodeContextParallel::make_cache: ",
+               "kv_heads Hkv = ", kv_heads, " must be divisible by ulysses_size ", pu,
+               " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head is then replicated to ",
+               "ulysses_size / Hkv ranks, as in training)");
   const CacheSharding sharding(config_.shard, capacity, groups_.ring.size(), config_.interleave);
-  return ShardedKvCache(sharding, groups_.ring.rank(),
-                        attn::KvCacheSpec{batch, capacity, kv_heads / pu, head_dim, dtype});
+  const std::int64_t replication = kv_heads % pu == 0 ? 1 : pu / kv_heads;
+  ShardedKvCache cache(sharding, groups_.ring.rank(),
+                       attn::KvCacheSpec{batch, capacity, kv_heads * replication / pu, head_dim, dtype});
+  cache.kv_replication_ = replication;
+  return cache;
+}
+
+std::int64_t MhaDecodeContextParallel::all_kv_heads(const ShardedKvCache& cache) const {
+  return cache.spec().kv_heads * groups_.ulysses_size() / cache.kv_replication_;
+}
+
+Tensor MhaDecodeContextParallel::replicated_kv(const ShardedKvCache& cache, const TensorView& kv) const {
+  if (cache.kv_replication_ == 1) return {};
+  const DeviceAlloc alloc{kv.device(), groups_.stream};
+  Tensor out = alloc.empty({kv.dim(0), kv.dim(1), kv.dim(2) * cache.kv_replication_, kv.dim(3)}, kv.dtype(),
+                           MemCategory::kWorkspace);
+  replicate_kv_heads(kv, cache.kv_replication_, out.view(), groups_.stream);
+  return out;
 }
 
 std::int64_t MhaDecodeContextParallel::decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads,
@@ -130,6 +148,7 @@ void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_vi
   fp.add_real("scale", config_.scale)
       .add_text("prefill_impl", ring_impl_name(config_.prefill_impl))
       .add_int("kv_heads", cache.spec().kv_heads)
+      .add_int("kv_replication", cache.kv_replication_)
       .add_int("head_dim", cache.spec().head_dim);
   decode_detail::agree_on_cache(agreement_, groups_, fp, cache, layout, tensors);
 }
@@ -139,7 +158,7 @@ void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const S
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
-  const Shape kv_shape{s.batch, layout.local_len(), s.kv_heads * groups_.ulysses_size(), s.head_dim};
+  const Shape kv_shape{s.batch, layout.local_len(), all_kv_heads(cache), s.head_dim};
   check_shape(k, kv_shape, str_cat(who, " k (the cache's [B, S_local, Hkv, D])").c_str());
   check_shape(v, kv_shape, str_cat(who, " v (the cache's [B, S_local, Hkv, D])").c_str());
   SEQPAR_CHECK(k.dtype() == s.dtype && v.dtype() == s.dtype, who, ": k and v must have the cache's dtype ",
@@ -176,9 +195,11 @@ void MhaDecodeContextParallel::fill(ShardedKvCache& cache, const SequenceLayout&
 void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
                                               const TensorView& v, std::int64_t offset) {
   // SP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the KV heads
-  // [ulysses_rank(d) Hkv / Pu, (ulysses_rank(d) + 1) Hkv / Pu).
-  const decode_detail::StoredRows kv = decode_detail::reshard_to_owners(groups_, counters_, cache.sharding(),
-                                                                        groups_.ulysses_size(), layout, offset, {k, v});
+  // [ulysses_rank(d) Hkv / Pu, (ulysses_rank(d) + 1) Hkv / Pu) (of the replicated heads when Hkv < Pu).
+  const Tensor k_rep = replicated_kv(cache, k), v_rep = replicated_kv(cache, v);
+  const decode_detail::StoredRows kv = decode_detail::reshard_to_owners(
+      groups_, counters_, cache.sharding(), groups_.ulysses_size(), layout, offset,
+      {k_rep.defined() ? k_rep.view() : k, v_rep.defined() ? v_rep.view() : v});
   cache.local_.append(kv.rows[0], kv.rows[1], kv.tokens);
 }
 
@@ -257,8 +278,9 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
   Tensor q_h, k_h, v_h;
   if (pu > 1) {
     q_h = a2a.to_heads(q_in);
-    k_h = a2a.to_heads(k);
-    v_h = a2a.to_heads(v);
+    const Tensor k_rep = replicated_kv(cache, k), v_rep = replicated_kv(cache, v);
+    k_h = a2a.to_heads(k_rep.defined() ? k_rep.view() : k);
+    v_h = a2a.to_heads(v_rep.defined() ? v_rep.view() : v);
   }
   const TensorView q = pu > 1 ? q_h.view() : q_in;
   const std::int64_t t_loc = layout.ring_shard_len(), hq = hq_all / pu;
@@ -299,7 +321,7 @@ void MhaDecodeContextParallel::check_extend(const ShardedKvCache& cache, const S
   const attn::KvCacheSpec& s = cache.spec();
   const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, D = s.head_dim, sl = layout.local_len(), t_new = layout.seq_len();
-  const std::int64_t hkv = s.kv_heads * pu;  // all KV heads (the cache holds Hkv / Pu of them)
+  const std::int64_t hkv = all_kv_heads(cache);  // the cache holds Hkv / Pu of them (one replica when Hkv < Pu)
   const Shape kv_shape{B, sl, hkv, D};
   check_shape(k, kv_shape, "MhaDecodeContextParallel::extend k (the cache's [B, S_local, Hkv, D])");
   check_shape(v, kv_shape, "MhaDecodeContextParallel::extend v (the cache's [B, S_local, Hkv, D])");
@@ -439,11 +461,13 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
                shape_str(q.shape()));
   const int pu = groups_.ulysses_size();
   const std::int64_t n = q.dim(1), hq_all = q.dim(2), B = s.batch, D = s.head_dim, hq = hq_all / pu;
-  const Shape kv_shape{B, n, s.kv_heads * pu, D};
+  const std::int64_t hkv = all_kv_heads(cache);
+  const Shape kv_shape{B, n, hkv, D};
   check_shape(k, kv_shape, "MhaDecodeContextParallel::decode k_new (the cache's [B, n, Hkv, D])");
   check_shape(v, kv_shape, "MhaDecodeContextParallel::decode v_new (the cache's [B, n, Hkv, D])");
-  SEQPAR_CHECK(q.dim(0) == B && q.dim(3) == D && hq_all % (s.kv_heads * pu) == 0, who, ": q_new ", shape_str(q.shape()),
-               " must be [", B, ", n, Hq, ", D, "] with Hq a multiple of Hkv = ", s.kv_heads * pu, " (the cache's)");
+  SEQPAR_CHECK(q.dim(0) == B && q.dim(3) == D && hq_all % hkv == 0 && hq_all % pu == 0, who, ": q_new ",
+               shape_str(q.shape()), " must be [", B, ", n, Hq, ", D, "] with Hq a multiple of Hkv = ", hkv,
+               " (the cache's) and of ulysses_size ", pu);
   SEQPAR_CHECK(q.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
                ": q_new, k_new, v_new must have the cache's dtype ", dtype_name(s.dtype));
   agree(cache, who, nullptr, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
@@ -464,7 +488,9 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
       const std::int64_t u = groups_.ulysses.rank();
       return slice_dim(t, 2, u * local, (u + 1) * local, groups_.stream);
     };
-    const Tensor q_l = heads(q, hq), k_l = heads(k, s.kv_heads), v_l = heads(v, s.kv_heads);
+    const Tensor k_rep = replicated_kv(cache, k), v_rep = replicated_kv(cache, v);  // Hkv < Pu: one replica each
+    const Tensor q_l = heads(q, hq), k_l = heads(k_rep.defined() ? k_rep.view() : k, s.kv_heads),
+                 v_l = heads(v_rep.defined() ? v_rep.view() : v, s.kv_heads);
     std::vector<std::int64_t> idx, pos;
     for (std::int64_t t : cache.sharding().owned(cache.rank(), L, L + n)) {
       idx.push_back(t - L);

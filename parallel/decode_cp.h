@@ -6,7 +6,8 @@
 // mod P, I >= 1: the scheme of vLLM's decode context parallelism, which keeps appends balanced). A token's K/V is
 // stored only on its owner. Under USP (ulysses_size Pu > 1) the Ulysses group splits the heads: SP rank (ring r,
 // Ulysses u) stores, for the tokens ring rank r owns, the KV heads [u Hkv / Pu, (u+1) Hkv / Pu) and attends the query
-// heads [u Hq / Pu, (u+1) Hq / Pu) (Hkv and Hq divisible by Pu, Error otherwise: KV heads are not replicated); the
+// heads [u Hq / Pu, (u+1) Hq / Pu) (Hq divisible by Pu; Hkv divisible by Pu, or Hkv < Pu dividing it: each KV head is
+// then replicated to Pu / Hkv ranks, which store and attend the KV head of their query heads, as training does); the
 // merge runs over the ring group only.
 //   prefill: the prompt's training forward under CP (UspAttention over `layout`: a ring when Pu = 1; any layout kind
 //     and ring impl) gives the prompt's out and lse in the compute layout; then one all_to_all_v over the SP group
@@ -168,6 +169,7 @@ class ShardedCache {
   Spec spec_;
   Local local_;
   std::int64_t length_ = 0, num_steps_ = 0;
+  std::int64_t kv_replication_ = 1;  // MHA: Ulysses ranks holding one KV head (ulysses_size / Hkv when Hkv < it)
 };
 
 // The K/V cache of MhaDecodeContextParallel (sharded over the ring group; rank() is the ring rank).
@@ -197,7 +199,8 @@ class MhaDecodeContextParallel {
   MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config);
 
   // An empty cache of `capacity` tokens sharded by the configuration over the ring group, holding this rank's
-  // kv_heads / ulysses_size heads (collective-free). Errors: kv_heads not divisible by ulysses_size.
+  // kv_heads / ulysses_size heads, or one replica when kv_heads < ulysses_size (collective-free). Errors: kv_heads
+  // neither divisible by ulysses_size nor dividing it.
   ShardedKvCache make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads, std::int64_t head_dim,
                             DType dtype) const;
 
@@ -247,6 +250,11 @@ class MhaDecodeContextParallel {
   void reset_counters() { counters_.reset(); }
 
  private:
+  // All KV heads of the model (the cache holds Hkv / Pu, or one replica when Hkv < Pu) and, when Hkv < Pu, k or v
+  // [B, S, Hkv, D] with each head replicated to Pu / Hkv heads (training's replication, parallel/ulysses.h); else
+  // an undefined tensor (use the input as it is).
+  std::int64_t all_kv_heads(const ShardedKvCache& cache) const;
+  Tensor replicated_kv(const ShardedKvCache& cache, const TensorView& kv) const;
   void check_cache(const ShardedKvCache& cache, const char* call) const;
   // Every check of prefill / fill before any data moves (the agreement check included).
   void check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who, const TensorView& q,

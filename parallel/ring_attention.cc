@@ -187,7 +187,7 @@ AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k,
   return o;
 }
 
-AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) {
+AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse) {
   agree_backward(ctx, dout);
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
   const DeviceAlloc alloc = alloc_for(*s);
@@ -197,7 +197,7 @@ AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout) 
   g.dv = alloc.empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);
   const TensorView& sinks = config_.score_mods.sinks;
   if (!sinks.empty()) g.dsinks = alloc.empty(sinks.shape(), sinks.dtype(), MemCategory::kWorkspace);
-  run_backward(std::move(ctx), dout, g.dq, g.dk, g.dv, g.dsinks);
+  run_backward(std::move(ctx), dout, g.dq, g.dk, g.dv, g.dsinks, dlse);
   return g;
 }
 
@@ -208,9 +208,9 @@ CpContext RingAttention::forward_into(const TensorView& q, const TensorView& k, 
 }
 
 void RingAttention::backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                  const TensorView& dv, const TensorView& dsinks) {
+                                  const TensorView& dv, const TensorView& dsinks, const TensorView& dlse) {
   agree_backward(ctx, dout);
-  run_backward(std::move(ctx), dout, dq, dk, dv, dsinks);
+  run_backward(std::move(ctx), dout, dq, dk, dv, dsinks, dlse);
 }
 
 CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -245,7 +245,7 @@ CpContext RingAttention::run_forward(const TensorView& q, const TensorView& k, c
 }
 
 void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                                 const TensorView& dv, const TensorView& dsinks) {
+                                 const TensorView& dv, const TensorView& dsinks, const TensorView& dlse) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "ring attention");
   const Saved& s = *saved;
   common_device({s.q.view(), dout, dq, dk, dv}, "ring attention backward (saved tensors, dout, dq, dk, dv)");
@@ -256,11 +256,31 @@ void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const 
   check_grad_input(dk, s.k.shape(), "ring attention dk");
   check_grad_input(dv, s.v.shape(), "ring attention dv");
   if (!config_.score_mods.sinks.empty()) attn::check_mha_sinks_backward(s.lse, s.lse, config_.score_mods.sinks, dsinks);
+  if (!dlse.empty()) {
+    common_device({s.q.view(), dlse}, "ring attention backward (saved tensors, dlse)");
+    check_shape(dlse, s.lse.shape(), "ring attention dlse");
+    SEQPAR_CHECK(dlse.dtype() == DType::kFloat32 || dlse.dtype() == DType::kFloat64, "ring attention: dlse has dtype ",
+                 dtype_name(dlse.dtype()), ", expected fp32 or fp64");
+  }
   ctx.consume<Saved>(id_, "ring attention");
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);
   Tensor delta = alloc_for(s).empty(s.lse.shape(), delta_dtype(s.q.dtype(), dout.dtype()), MemCategory::kWorkspace);
   attn::mha_backward_delta(s.out.view(), dout, delta.view(), groups_.stream);
+  if (!dlse.empty()) {
+    // d lse_i / d a_ij = p_ij: the lse gradient joins ds as ds_ij = p_ij (dp_ij - (delta_i - dlse_i)), and dsinks
+    // takes the same delta - dlse (attn::MhaBackwardArgs::dlse).
+    // (host memory: the MHA kernels run on the host)
+    const Tensor d = alloc_for(s).copy_of(dlse, delta.dtype(), MemCategory::kWorkspace);
+    auto subtract = [&](auto* to, const auto* from) {
+      for (std::int64_t i = 0; i < delta.numel(); ++i) to[i] -= from[i];
+    };
+    if (delta.dtype() == DType::kFloat64) {
+      subtract(delta.view().data_as<double>(), d.view().data_as<double>());
+    } else {
+      subtract(delta.view().data_as<float>(), d.view().data_as<float>());
+    }
+  }
   // a padding row's dout may hold anything: its delta is 0 (the kernels skip the row; dsinks reads delta)
   zero_padding_rows(delta.view(), 2, tokens_, groups_.stream);
   if (config_.impl == RingImpl::kP2P) {

@@ -124,7 +124,8 @@ class RingAttention {
   AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
   // dout [B, S_ring, Hq, D] with the context of a forward of this object (consumed and freed). Gradients in the
   // dtype of q.
-  AttentionGrads backward(CpContext&& ctx, const TensorView& dout);
+  // dlse: optional [B, Hq, S_ring] fp32 / fp64, the gradient of the loss with respect to lse (attn::MhaBackwardArgs).
+  AttentionGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
 
   // Lower-level entry points for composition: results written to caller-owned tensors (with the same agreement
   // check as forward() / backward()). head_offset: the global index of q's head 0 (USP passes ulysses_rank *
@@ -133,7 +134,7 @@ class RingAttention {
                          const TensorView& lse, std::int64_t head_offset = 0);
   // dsinks: [Hq of q] (fp32 / fp64) when the configuration has sinks, else empty; all-reduced over the ring group.
   void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                     const TensorView& dv, const TensorView& dsinks = {});
+                     const TensorView& dv, const TensorView& dsinks = {}, const TensorView& dlse = {});
 
   const SequenceLayout& layout() const { return layout_; }
   const std::vector<std::int64_t>& positions() const { return positions_[rank_]; }
@@ -152,7 +153,7 @@ class RingAttention {
   CpContext run_forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                         const TensorView& lse, std::int64_t head_offset);
   void run_backward(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
-                    const TensorView& dv, const TensorView& dsinks);
+                    const TensorView& dv, const TensorView& dsinks, const TensorView& dlse = {});
   // Every check of forward's inputs, the MHA kernels' own on the local shapes included; returns their device.
   Device validate(const TensorView& q, const TensorView& k, const TensorView& v, std::int64_t head_offset) const;
   // Buffers of a call on the device of the saved tensors, ordered on the groups' stream.

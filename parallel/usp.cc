@@ -102,7 +102,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   return o;
 }
 
-AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
+AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "USP");
   {
     Fingerprint fp("USP backward");
@@ -118,6 +118,14 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   check_shape(dout, s->q_shape, "USP dout");
   SEQPAR_CHECK(is_floating(dout.dtype()), "USP: dout has dtype ", dtype_name(dout.dtype()),
                ", expected a floating dtype");
+  const std::int64_t hq_all = s->q_shape[2];
+  if (!dlse.empty()) {
+    SEQPAR_CHECK(common_device({dout, dlse}, "USP backward (dout, dlse)") == s->device, "USP backward: dlse ",
+                 dlse.str(), " must be on the forward's device ", s->device.str());
+    check_shape(dlse, {s->q_shape[0], hq_all, s->q_shape[1]}, "USP dlse");
+    SEQPAR_CHECK(dlse.dtype() == DType::kFloat32 || dlse.dtype() == DType::kFloat64, "USP: dlse has dtype ",
+                 dtype_name(dlse.dtype()), ", expected fp32 or fp64");
+  }
   ctx.consume<Saved>(id_, "USP");
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
@@ -138,10 +146,22 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   if (pu == 1) {  // as in forward: nothing moves, the ring writes the gradients in place
     if (!sinks.empty()) g.dsinks = alloc.empty(sinks.shape(), sinks.dtype(), MemCategory::kWorkspace);
     alloc_grads();
-    ring_attn_.run_backward(std::move(s->ring), dout_q, g.dq.view(), g.dk.view(), g.dv.view(), g.dsinks);
+    ring_attn_.run_backward(std::move(s->ring), dout_q, g.dq.view(), g.dk.view(), g.dv.view(), g.dsinks, dlse);
     return g;
   }
   Tensor dout_h = a2a.to_heads(dout_q);
+  // dlse [B, Hq, S_local] -> [B, Hq / Pu, Pu S_local], as lse came back: moved as [B, S_local, Hq, 1] rows.
+  Tensor dlse_h;
+  if (!dlse.empty()) {
+    Tensor rows = alloc.empty({B, sl, hq_all, 1}, dlse.dtype(), MemCategory::kWorkspace);
+    for (std::int64_t b = 0; b < B; ++b)
+      swap_outer_dims(dlse.slice0(b, b + 1), hq_all, sl, rows.view().slice0(b, b + 1), groups_.stream);
+    const Tensor rows_h = a2a.to_heads(rows.view());
+    dlse_h = alloc.empty({B, hq_all / pu, pu * sl}, dlse.dtype(), MemCategory::kWorkspace);
+    for (std::int64_t b = 0; b < B; ++b)
+      swap_outer_dims(rows_h.view().slice0(b, b + 1), pu * sl, hq_all / pu, dlse_h.view().slice0(b, b + 1),
+                      groups_.stream);
+  }
 
   // Replica gradients travel in the accumulator dtype (fp32, fp64 for fp64) so that their sum is rounded once.
   const DType kv_grad_dtype = heads.replication == 1 ? dtype : accumulator_dtype(dtype);
@@ -150,7 +170,8 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout) {
   Tensor dv_h = alloc.empty(dk_h.shape(), kv_grad_dtype, MemCategory::kWorkspace);
   Tensor dsinks_h;  // the sums over the ring group for this rank's heads, then gathered over the Ulysses group
   if (!sinks.empty()) dsinks_h = alloc.empty({sinks.dim(0) / pu}, sinks.dtype(), MemCategory::kWorkspace);
-  ring_attn_.run_backward(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view(), dsinks_h);
+  ring_attn_.run_backward(std::move(s->ring), dout_h.view(), dq_h.view(), dk_h.view(), dv_h.view(), dsinks_h,
+                          dlse_h.defined() ? dlse_h.view() : TensorView{});
 
   if (!sinks.empty()) {
     const Tensor all = a2a.gather_heads_dim1(dsinks_h.view().reshape({1, sinks.dim(0) / pu}));

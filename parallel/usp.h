@@ -41,7 +41,9 @@ class UspAttention {
   AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
   // dout like q (any floating dtype) with the context of a forward of this object (consumed and freed); gradients
   // in the dtype of q.
-  AttentionGrads backward(CpContext&& ctx, const TensorView& dout);
+  // dlse: optional [B, Hq, S_local] fp32 / fp64, the gradient of the loss with respect to lse (a loss that uses lse,
+  // attn::MhaBackwardArgs::dlse); empty: none.
+  AttentionGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
 
   const SequenceLayout& layout() const { return layout_; }
   int sp_rank() const { return groups_.sp_rank(); }

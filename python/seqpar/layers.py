@@ -41,18 +41,22 @@ def _share(total, grid):
 
 class UspAttentionFunction(torch.autograd.Function):
     """(out, lse) = UspAttention(q, k, v): q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D]; lse [B, Hq, S_local]
-    (fp32, fp64 for fp64 inputs) carries no gradient."""
+    (fp32, fp64 for fp64 inputs). Both are differentiable: a loss that uses lse (e.g. a z-loss) sends its gradient
+    into the backward as flash-attention does (d lse_i / d a_ij = p_ij; attn::MhaBackwardArgs::dlse). Padding rows'
+    lse gradients are ignored."""
 
     @staticmethod
     def forward(ctx, layer, q, k, v):
         out, lse, saved = layer.forward(q.detach(), k.detach(), v.detach())
-        ctx.layer, ctx.saved = layer, saved
-        ctx.mark_non_differentiable(lse)
+        ctx.layer, ctx.saved, ctx.out_like = layer, saved, (out.shape, out.dtype)
+        ctx.set_materialize_grads(False)  # an unused lse sends no gradient (and nothing over the Ulysses group)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        dq, dk, dv = ctx.layer.backward(ctx.saved, _grad_in(dout))
+        if dout is None:  # a loss on lse only
+            dout = torch.zeros(ctx.out_like[0], dtype=ctx.out_like[1])
+        dq, dk, dv = ctx.layer.backward(ctx.saved, _grad_in(dout), None if dlse is None else _grad_in(dlse))
         return None, dq, dk, dv
 
 

@@ -304,9 +304,12 @@ PYBIND11_MODULE(_seqpar, m) {
              AttentionOutput r = a.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"));
              return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.lse)), std::move(r.ctx));
            })
-      .def("backward", [](UspAttention& a, CpContext& ctx, py::handle dout) {
-        return attention_grads(a.backward(std::move(ctx), view_of(dout, "dout")));
-      });
+      .def(
+          "backward",
+          [](UspAttention& a, CpContext& ctx, py::handle dout, py::handle dlse) {
+            return attention_grads(a.backward(std::move(ctx), view_of(dout, "dout"), view_of(dlse, "dlse")));
+          },
+          py::arg("ctx"), py::arg("dout"), py::arg("dlse") = py::none());
 
   // ---- GDN and its short conv ---------------------------------------------------------------------------------
   py::class_<GdnCpConfig> gdn_config(m, "GdnCpConfig");

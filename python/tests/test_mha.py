@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import seqpar
-from references import check_close, mha_reference, random_full, run_against_reference, usp_grids
+from references import check_close, mha_reference, random_full, run_against_reference, same_document, usp_grids
 
 B, S, HQ, HKV, D = 1, 48, 4, 2, 16
 WORLD = seqpar.world().size
@@ -87,7 +87,7 @@ def test_usp_dtypes(dtype):
 
 
 def test_lse_and_positions():
-    """lse of the local rows (no gradient) and the layout's positions for RoPE."""
+    """lse of the local rows and the layout's positions for RoPE."""
     grid = seqpar.SpGrid(1, 1, WORLD)
     layout = seqpar.SequenceLayout.for_grid(grid, S)
     attn = seqpar.UspAttention(grid, layout, causal=True)
@@ -97,7 +97,7 @@ def test_lse_and_positions():
     assert torch.equal(everyone.flatten(), torch.arange(S, dtype=torch.float64)), "the pieces do not tile 0..S-1"
     q, k, v = (torch.randn(B, layout.local_len, h, D, dtype=torch.float64) for h in (HQ, HKV, HKV))
     out, lse = attn(q, k, v, return_lse=True)
-    assert lse.shape == (B, HQ, layout.local_len) and not lse.requires_grad
+    assert lse.shape == (B, HQ, layout.local_len)
     qf, kf, vf = (seqpar.gather_sequence(grid, layout, t) for t in (q, k, v))
     scores = torch.einsum("bihd,bjhd->bhij", qf, kf.repeat_interleave(2, 2)) / D**0.5
     ref_lse = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1)
@@ -120,3 +120,82 @@ def test_errors_are_seqpar_errors_on_every_rank():
         seqpar.RingAttentionConfig(impl="ringy")
     with pytest.raises(seqpar.Error):
         seqpar.SpGrid(1, 1, WORLD + 1)
+
+
+def mha_reference_lse(q, k, v, causal, cu_seqlens=None):
+    """(out, lse [B, Hq, S]) of materialised softmax attention (mha_reference's mask), lse by torch.logsumexp."""
+    S, Hq, D = q.shape[1], q.shape[2], q.shape[3]
+    rep = Hq // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    scores = torch.einsum("bihd,bjhd->bhij", q, k) / D**0.5
+    visible = same_document(S, cu_seqlens)
+    if causal:
+        visible &= torch.ones(S, S, dtype=torch.bool).tril()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("bhij,bjhd->bihd", scores.softmax(-1), v), scores.logsumexp(-1)
+
+
+def lse_loss_run(grid, layout, attn, full, dout, dlse, weight):
+    """This rank's loss sum(out * dout) + weight * sum(lse * dlse) over its real rows (dout None: the lse term only)
+    and the gradients of q, k, v gathered over the SP group into whole tensors."""
+    real = layout.token_index(grid.sp_rank) >= 0
+    local = [seqpar.shard_sequence(t.detach(), layout, grid.sp_rank).requires_grad_() for t in full]
+    out, lse = attn(*local, return_lse=True)
+    loss = weight * (torch.where(real, lse, 0.0) * seqpar.shard_sequence(dlse, layout, grid.sp_rank, seq_dim=2)).sum()
+    if dout is not None:
+        loss = loss + (out * seqpar.shard_sequence(dout, layout, grid.sp_rank)).sum()
+    loss.backward()
+    return loss.detach(), [seqpar.gather_sequence(grid, layout, t.grad) for t in local]
+
+
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous", "packed-zigzag", "packed-balanced"])
+@pytest.mark.parametrize("impl,causal", [("p2p", True), ("allgather", True), ("p2p", False)], ids=str)
+@pytest.mark.parametrize("with_out", [True, False], ids=["out_and_lse", "lse_only"])
+def test_a_loss_on_lse_gets_its_gradient(grid_shape, kind, impl, causal, with_out):
+    """A loss that uses lse (sum(out * dout) + 1000 * sum(lse * dlse), or the lse term alone) gives q, k, v the
+    gradients torch autograd gives the fp64 materialised reference: the lse term is used, not dropped."""
+    grid = seqpar.SpGrid(1, *grid_shape)
+    packed = kind.startswith("packed-")
+    if packed:
+        layout = seqpar.SequenceLayout.packed_for_grid(grid, torch.tensor(CU_SEQLENS), kind[len("packed-"):])
+    else:
+        layout = seqpar.SequenceLayout.for_grid(grid, ODD_T if kind == "zigzag" else S, kind)
+    T = layout.seq_len
+    attn = seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig(impl=impl, causal=causal))
+    full = [random_full((1, T, h, D)) for h in (HQ, HKV, HKV)]
+    dout = torch.randn(1, T, HQ, D, dtype=torch.float64) if with_out else None
+    dlse = torch.randn(1, HQ, T, dtype=torch.float64)
+    out_r, lse_r = mha_reference_lse(*full, causal, CU_SEQLENS if packed else None)
+    loss_r = 1000 * (lse_r * dlse).sum() + ((out_r * dout).sum() if with_out else 0)
+    loss_r.backward()
+    _, grads = lse_loss_run(grid, layout, attn, full, dout, dlse, 1000)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, full):
+        want = ref.grad if ref.grad is not None else torch.zeros_like(ref)  # lse alone does not depend on v
+        check_close(name, got, want, RTOL[torch.float64])
+
+
+def test_lse_gradient_matches_finite_differences():
+    """The layer's own loss (summed over the SP group) moved along a random direction of q, k, v: the central
+    difference equals the gradient's directional derivative."""
+    grid = seqpar.SpGrid(1, *usp_grids(WORLD)[len(usp_grids(WORLD)) // 2])
+    layout = seqpar.SequenceLayout.packed_for_grid(grid, torch.tensor(CU_SEQLENS), "zigzag")
+    attn = seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig(causal=True))
+    T = layout.seq_len
+    full = [random_full((1, T, h, D)) for h in (HQ, HKV, HKV)]
+    dirs = [torch.randn(t.shape, dtype=torch.float64) for t in full]
+    dout = torch.randn(1, T, HQ, D, dtype=torch.float64)
+    dlse = torch.randn(1, HQ, T, dtype=torch.float64)
+
+    def total_loss(step):
+        moved = [(t + step * d).detach() for t, d in zip(full, dirs)]
+        loss, grads = lse_loss_run(grid, layout, attn, moved, dout, dlse, 10.0)
+        loss = loss.reshape(1).clone()
+        grid.sp.all_reduce(loss)
+        return loss.item(), grads
+
+    _, grads = total_loss(0.0)
+    eps = 1e-5
+    numeric = (total_loss(eps)[0] - total_loss(-eps)[0]) / (2 * eps)
+    analytic = sum((g * d).sum().item() for g, d in zip(grads, dirs))
+    assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)

@@ -117,6 +117,68 @@ INSTANTIATE_TEST_SUITE_P(
         MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kContiguous, 1, DType::kFloat64, RingImpl::kP2P, true}),
     test::CaseName());
 
+// Fewer KV heads than Ulysses ranks (Hkv < Pu, Pu % Hkv == 0): each KV head is replicated to Pu / Hkv ranks, as the
+// training forward does, and the prefill, a chunk after it (extend) and the decode steps equal the rows of one causal
+// attention over the whole sequence (fp64 reference), on every grid whose Ulysses size exceeds Hkv.
+TEST(MhaDecodeCpReplicatedKv, FewerKvHeadsThanUlyssesRanksEqualTheWholeSequence) {
+  const int n = world().size();
+  constexpr std::int64_t hq_all = 12;  // divisible by every Ulysses size of 1..4 ranks
+  std::vector<std::pair<SpGridConfig, std::int64_t>> cases;  // (grid, Hkv)
+  for (int pu = 2; pu <= n; ++pu) {
+    if (n % pu != 0 || hq_all % pu != 0) continue;
+    for (std::int64_t hkv = 1; hkv < pu; ++hkv)
+      if (pu % hkv == 0) cases.push_back({{1, pu, n / pu, Placement::kUlyssesInner}, hkv});
+  }
+  if (cases.empty()) GTEST_SKIP() << "no Ulysses size above 1 divides " << n << " ranks and " << hq_all << " heads";
+  for (const auto& [gc, hkv] : cases) {
+   for (ChunkPrefillMode mode : {ChunkPrefillMode::kPassKv, ChunkPrefillMode::kPassQ}) {
+    const SpGrid grid(world(), gc);
+    const CpGroups groups = CpGroups::from(grid);
+    const int pu = groups.ulysses_size();
+    const std::int64_t hq = hq_all / pu, chunk = 17, steps = 3;
+    const std::int64_t total = kPrompt + chunk + steps;
+    const test::MhaDecodeProblem p(kB, total, hq_all, hkv, kD, DType::kFloat64, 11);
+    MhaDecodeContextParallel layer(groups, MhaDecodeConfig{});
+    ShardedKvCache cache = layer.make_cache(kB, total, hkv, kD, DType::kFloat64);
+    EXPECT_EQ(cache.spec().kv_heads, 1);  // one replica per rank
+    const std::string what = str_cat(grid.str(), " Hkv=", hkv, mode == ChunkPrefillMode::kPassQ ? " pass-Q" : " pass-KV");
+    const auto local = [&](const SequenceLayout& layout, const TensorView& full, std::int64_t t0, std::int64_t t1) {
+      Tensor rows = rows_of(full, t0, t1);
+      Tensor t = Tensor::empty({kB, layout.local_len(), full.dim(2), kD}, full.dtype(), MemCategory::kWorkspace);
+      shard_sequence(layout, groups.sp_rank(), rows, t);
+      return t;
+    };
+    const auto expect_rows = [&](const SequenceLayout& layout, const TensorView& got, std::int64_t t0, std::int64_t t1,
+                                 const std::string& name) {
+      Tensor want = local(layout, p.ref_out, t0, t1);
+      std::vector<double> g = to_double(got);  // real rows only (padding rows as shard_sequence writes them: 0)
+      const std::vector<std::int64_t> tok = layout.token_index(groups.sp_rank());
+      const std::int64_t row = static_cast<std::int64_t>(g.size()) / (kB * layout.local_len());
+      for (std::size_t e = 0; e < g.size(); ++e)
+        if (tok[static_cast<std::size_t>(static_cast<std::int64_t>(e) / row % layout.local_len())] < 0) g[e] = 0.0;
+      EXPECT_TRUE(all_close(g, to_double(want), 1e-10, 1e-10, str_cat(what, " ", name)));
+    };
+    const SequenceLayout prompt = SequenceLayout::for_groups(groups, kPrompt, LayoutKind::kZigzag);
+    const PrefillOutput pre = layer.prefill(cache, prompt, local(prompt, p.q, 0, kPrompt),
+                                            local(prompt, p.k, 0, kPrompt), local(prompt, p.v, 0, kPrompt));
+    expect_rows(prompt, pre.out, 0, kPrompt, "prefill out");
+    const SequenceLayout next = SequenceLayout::for_groups(groups, chunk, LayoutKind::kZigzag);
+    const PrefillOutput ext =
+        layer.extend(cache, next, local(next, p.q, kPrompt, kPrompt + chunk), local(next, p.k, kPrompt, kPrompt + chunk),
+                     local(next, p.v, kPrompt, kPrompt + chunk), mode);
+    expect_rows(next, ext.out, kPrompt, kPrompt + chunk, "extend out");
+    const std::int64_t h0 = layer.q_head_offset(hq_all);
+    for (std::int64_t t = kPrompt + chunk; t < total; ++t) {
+      const DecodeOutput o = layer.decode(cache, rows_of(p.q, t, t + 1), rows_of(p.k, t, t + 1), rows_of(p.v, t, t + 1));
+      const Tensor want_out = rows_of(rows_of(p.ref_out, t, t + 1), h0, h0 + hq, 2);
+      const Tensor want_lse = rows_of(rows_of(p.ref_lse, t, t + 1, 2), h0, h0 + hq, 1);
+      EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), 1e-10, 1e-10, str_cat(what, " out of token ", t)));
+      EXPECT_TRUE(all_close(to_double(o.lse), to_double(want_lse), 1e-10, 1e-10, str_cat(what, " lse of token ", t)));
+    }
+   }
+  }
+}
+
 // ---- persistent-cache prefill: a chunk after a cache (pass-KV, pass-Q) ----------------------------------------------
 
 struct ExtendCase {

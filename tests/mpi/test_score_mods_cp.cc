@@ -140,6 +140,81 @@ TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
   }
 }
 
+// A loss that also reads lse (UspAttention::backward's dlse) with sinks and GQA, on a packed zigzag row: every grid
+// and implementation equals one kernel call on the whole row with the same dlse (attn::MhaBackwardArgs::dlse, itself
+// checked against central differences in tests/unit/test_mha.cc), dsinks from delta - dlse, fp64, within 1e-10.
+TEST(ScoreMods, LseGradientWithSinksMatchesOneRank) {
+  const std::vector<std::int64_t> cu = cu_seqlens_of(std::vector<std::int64_t>{1, 3, 7, 0, 5, 2, 11});
+  const DocBounds bounds = test::token_doc_bounds(cu);
+  const std::int64_t T = cu.back(), hkv = 4, D = 16;
+  Tensor sinks = test::random_tensor({kHq}, DType::kFloat64, 23, -1.0, 2.0);
+  const test::MhaProblem p([&] {
+    test::MhaShape shape;
+    shape.batch = 1;
+    shape.seq = T;
+    shape.hq = kHq;
+    shape.hkv = hkv;
+    shape.dim = D;
+    shape.dtype = DType::kFloat64;
+    return shape;
+  }());
+  const Tensor dlse = test::random_tensor({1, kHq, T}, DType::kFloat64, 24, -2.0, 2.0);
+  // one kernel call on the whole row
+  attn::MhaForwardArgs a;
+  a.q = p.q;
+  a.k = p.k;
+  a.v = p.v;
+  a.mask = {true, 0, bounds.lo, bounds.hi};
+  a.mods.sinks = sinks;
+  Tensor out = Tensor::empty(p.q.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({1, kHq, T}, DType::kFloat64, MemCategory::kWorkspace);
+  attn::mha_forward(a, out, lse);
+  attn::MhaBackwardArgs b{a, out, p.dout, lse, {}};
+  b.dlse = dlse;
+  Tensor dq = Tensor::empty(p.q.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dk = Tensor::empty(p.k.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor dv = Tensor::empty(p.k.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::mha_backward(b, dq, dk, dv, false);
+  Tensor delta = Tensor::empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  attn::mha_backward_delta(out, p.dout, delta);
+  for (std::int64_t i = 0; i < delta.numel(); ++i) delta.data_as<double>()[i] -= dlse.data_as<double>()[i];
+  Tensor dsinks = Tensor::empty({kHq}, DType::kFloat64, MemCategory::kWorkspace);
+  attn::mha_sinks_backward(delta, lse, sinks, dsinks);
+  const test::MhaResult want{test::to_double(out), test::to_double(lse), test::to_double(dq), test::to_double(dk),
+                             test::to_double(dv), test::to_double(dsinks)};
+  for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+    if (hkv % gc.ulysses_size != 0) continue;
+    const SpGrid grid(world(), gc);
+    const CpGroups groups = CpGroups::from(grid);
+    const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, LayoutKind::kZigzag);
+    for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
+      RingAttentionConfig cfg;
+      cfg.impl = impl;
+      cfg.causal = true;
+      cfg.score_mods.sinks = sinks;
+      UspAttention usp(groups, layout, cfg);
+      auto piece = [&](const Tensor& full, int seq_dim) {
+        Shape shape = full.shape();
+        shape[seq_dim] = layout.local_len();
+        Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+        shard_sequence(layout, groups.sp_rank(), full.view(), t.view(), seq_dim);
+        return t;
+      };
+      Tensor q = piece(p.q, 1), k = piece(p.k, 1), v = piece(p.v, 1), dout = piece(p.dout, 1), dl = piece(dlse, 2);
+      AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
+      AttentionGrads g = usp.backward(std::move(o.ctx), dout.view(), dl.view());
+      Communicator& sp = grid.sp();
+      const test::MhaResult got{test::gather_full(sp, layout, o.out.view(), p.q.shape()),
+                                test::gather_full(sp, layout, o.lse.view(), {1, kHq, T}, 2),
+                                test::gather_full(sp, layout, g.dq.view(), p.q.shape()),
+                                test::gather_full(sp, layout, g.dk.view(), p.k.shape()),
+                                test::gather_full(sp, layout, g.dv.view(), p.k.shape()),
+                                test::to_double(g.dsinks.view())};
+      test::expect_mha_close(got, want, 1e-10, str_cat(ring_impl_name(impl), " on ", grid.str(), ":"));
+    }
+  }
+}
+
 // Every rank gets the same one error, and nothing is sent.
 TEST(ScoreMods, BadParametersAreRefusedOnEveryRank) {
   const int n = world().size();

@@ -305,6 +305,43 @@ INSTANTIATE_TEST_SUITE_P(Mha, MhaGradCheck,
                            return str_cat(mask_name(info.param.first), "_", layout_name(info.param.second));
                          });
 
+// A loss that uses lse, L = sum(dout * out) + sum(dlse * lse): MhaBackwardArgs::dlse gives dL/dq, dk, dv equal to
+// central differences (as above), also with delta given, and a row with no visible key ignores its dlse.
+TEST_P(MhaGradCheck, LossOnLseMatchesCentralDifferences) {
+  const auto [mk, layout] = GetParam();
+  Problem p{1, 10, 10, 2, 1, 6, DType::kFloat64, mask_of(mk), layout};
+  if (mk == MaskKind::kWindowShort) p.mask.window = 3;
+  p.scale = 0.7f;
+  const Inputs in = make_inputs(p, 78);
+  const Tensor dlse = test::random_tensor({p.B, p.Hq, p.Sq}, DType::kFloat64, 79, -3.0, 3.0);
+  const std::vector<double> dout = test::to_double(in.dout), dl = test::to_double(dlse);
+  Tensor out = Tensor::empty(in.q.shape(), DType::kFloat64, kWs);
+  Tensor lse = Tensor::empty({p.B, p.Hq, p.Sq}, DType::kFloat64, kWs);
+  auto loss = [&]() {
+    mha_forward(args_of(p, in), out, lse);
+    const double* o = out.data_as<double>();
+    const double* l = lse.data_as<double>();
+    double sum = 0.0;
+    for (std::size_t i = 0; i < dout.size(); ++i) sum += dout[i] * o[i];
+    for (std::size_t i = 0; i < dl.size(); ++i) sum += std::isfinite(l[i]) ? dl[i] * l[i] : 0.0;
+    return sum;
+  };
+  loss();
+  Tensor delta = Tensor::empty(lse.shape(), DType::kFloat64, kWs);
+  mha_backward_delta(out, in.dout, delta);
+  for (bool with_delta : {false, true}) {
+    MhaBackwardArgs b{args_of(p, in), out, in.dout, lse, with_delta ? delta.view() : TensorView{}};
+    b.dlse = dlse;
+    Tensor dq = Tensor::empty(in.q.shape(), DType::kFloat64, kWs), dk = Tensor::empty(in.k.shape(), DType::kFloat64, kWs),
+           dv = Tensor::empty(in.k.shape(), DType::kFloat64, kWs);
+    mha_backward(b, dq, dk, dv, false);
+    for (auto [t, g, name] : {std::tuple{&in.q, &dq, "dq"}, {&in.k, &dk, "dk"}, {&in.v, &dv, "dv"}}) {
+      const std::vector<double> fd = test::central_differences(*t, 1e-5, loss);
+      EXPECT_TRUE(test::all_close(test::to_double(*g), fd, 1e-8, 1e-7, str_cat(name, with_delta ? " (delta given)" : "")));
+    }
+  }
+}
+
 // ---- key blocks + LSE merge equal one call ------------------------------------------------------
 
 // Copies keys [j0, j1) of a [B, S, H, D] tensor.
