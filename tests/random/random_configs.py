@@ -30,14 +30,7 @@ import time
 # Configurations that hit bugs being fixed on another branch: skipped (and counted) until the fix is merged.
 # Remove an entry once its fix is in; each is a (reason, predicate on the configuration) pair.
 KNOWN_BUGS = [
-    # Dropout keyed on padded slot positions under zigzag on a packed row whose documents (but the last) are not
-    # multiples of 2 x ring size.
-    ("dropout on a zigzag packed row with unaligned documents",
-     lambda c: c.get("dropout") and c.get("layout") == "zigzag" and c["ring"] > 1 and c.get("doc_lens")
-     and any(n % (2 * c["ring"]) for n in c["doc_lens"][:-1])),
-    # Decode refuses a Ulysses degree above the KV heads, which training serves by replicating KV heads.
-    ("decode MHA with --kv-heads below --ulysses-size",
-     lambda c: c.get("decode") and c["attn"] == "mha" and c["kv_heads"] % c["ulysses"] != 0),
+    # (description, predicate over a Config): configurations of a known, open bug, skipped until it is fixed.
 ]
 
 
