@@ -27,10 +27,9 @@ import sys
 import tempfile
 import time
 
-# Configurations that hit bugs being fixed on another branch: skipped (and counted) until the fix is merged.
-# Remove an entry once its fix is in; each is a (reason, predicate on the configuration) pair.
+# Configurations that hit a known, open bug: skipped (and counted) until its fix lands; each entry is a
+# (reason, predicate on the configuration) pair. Empty: no known bug.
 KNOWN_BUGS = [
-    # (description, predicate over a Config): configurations of a known, open bug, skipped until it is fixed.
 ]
 
 
