@@ -37,6 +37,9 @@ namespace seqpar::attn {
 struct DropoutSpec {
   double p = 0.0;          // drop probability in [0, 1); 0: no dropout (bitwise the kernels without dropout)
   std::uint64_t seed = 0;  // the generator's key
+
+  // Error unless p is a finite number in [0, 1); `what` names the caller in the message.
+  void validate(const char* what) const;
 };
 
 // Philox-4x32-10 (Salmon et al. 2011, section 4.2): ten rounds of two 32 x 32 -> 64-bit multiplies with the key
@@ -73,8 +76,5 @@ inline bool dropout_keep(std::uint64_t seed, std::int64_t b, std::int64_t h, std
                          double p) {
   return dropout_words(seed, b, h, q_pos, k_pos)[static_cast<std::size_t>(k_pos & 3)] >= dropout_threshold(p);
 }
-
-// Error unless p is a finite number in [0, 1); `what` names the caller in the message.
-void check_dropout(const DropoutSpec& dropout, const char* what);
 
 }  // namespace seqpar::attn

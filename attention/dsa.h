@@ -105,6 +105,8 @@ inline constexpr std::int64_t kDsaTopK = 2048;           // k
 
 // ---- indexer and top-k selection ----------------------------------------------------------------------------------
 
+struct DsaTopkState;
+
 struct DsaIndexerArgs {
   TensorView q_idx;                     // [B, Sq, Hi, Di]
   TensorView w;                         // [B, Sq, Hi] per-head weights
@@ -116,6 +118,12 @@ struct DsaIndexerArgs {
   // both empty: no document bound. Only the selection reads them (see the header comment). Views kept alive by the
   // caller for the call.
   std::span<const std::int64_t> doc_lo{}, doc_hi{};
+
+  // The rules on these fields alone: shapes, dtypes, devices, position counts, k_pos strictly increasing. A
+  // context-parallel caller runs it on its local shapes before anything is sent.
+  void validate() const;
+  // Every check dsa_indexer_topk_block makes on (this, state, stream), no work.
+  void validate(const DsaTopkState& state, Stream stream = Stream::cpu()) const;
 };
 // q_idx, w, k_idx: any floating dtype, all the same. doc_lo / doc_hi: both empty or both of size Sq.
 
@@ -164,6 +172,12 @@ struct DsaAttentionArgs {
   std::span<const std::int64_t> c_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
   std::int64_t dim_v = kDsaHeadDimV;    // Dv, 1 <= Dv <= Dqk
   float scale = 0.0f;                   // <= 0: 1 / sqrt(Dqk)
+
+  // The rules on these fields alone (shapes, dtypes, devices, position counts, c_pos strictly increasing, dim_v,
+  // scale and every topk_indices row).
+  void validate() const;
+  // Every check dsa_attention_forward makes on (this, out, lse, stream), no work.
+  void validate(const TensorView& out, const TensorView& lse, Stream stream = Stream::cpu()) const;
 };
 // q, c: any floating dtype, the same. Selected positions that are not in c_pos are simply not in this block.
 // Errors: shapes, dtypes, sizes, c_pos not strictly increasing, a topk row not ascending / not -1 padded, or a
@@ -188,6 +202,9 @@ struct DsaAttentionBackwardArgs {
   TensorView probs;      // optional [B, Sq, k] accumulator dtype: when given, also does dsa_attention_probs for this
                          // block (the backward computes p anyway), so that a ring gets step (a) of the indexer loss
                          // for free
+
+  // Every check dsa_attention_backward makes on (this, dq, dc, accumulate, stream), no work.
+  void validate(const TensorView& dq, const TensorView& dc, bool accumulate, Stream stream = Stream::cpu()) const;
 };
 
 // Backward of one latent block with the final lse (docs/design.md section 8.1 applied to the selected pairs):
@@ -224,6 +241,9 @@ struct DsaIndexerLossArgs {
   TensorView scores;        // [B, Sq, k] probs' dtype: indexer scores I of the selected slots
   TensorView topk_indices;  // [B, Sq, k] int64; slots with -1 are ignored
   float grad_scale = 1.0f;  // dscores = grad_scale * dL/dI (the upstream gradient of L)
+
+  // Every check dsa_indexer_loss makes on (this, dscores, stream), no work.
+  void validate(const TensorView& dscores, Stream stream = Stream::cpu()) const;
 };
 
 // Step (b): per row, p* = probs / sum_s probs over the valid slots, LI = logsumexp(scores) over them,
@@ -240,33 +260,5 @@ double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscore
 void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
                           const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
                           Stream stream = Stream::cpu());
-
-// ---- argument checks on their own (see the header comment) -------------------------------------------------------
-
-// The argument structs alone: shapes, dtypes, devices, position counts, k_pos / c_pos strictly increasing, dim_v,
-// scale and (for DsaAttentionArgs) every topk_indices row.
-void check_dsa_indexer_args(const DsaIndexerArgs& args);
-void check_dsa_attention_args(const DsaAttentionArgs& args);
-
-void check_dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
-void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
-void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream = Stream::cpu());
-void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
-void check_dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream = Stream::cpu());
-void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream = Stream::cpu());
-void check_dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
-                                 Stream stream = Stream::cpu());
-void check_dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
-                                  bool accumulate, Stream stream = Stream::cpu());
-void check_dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
-                               Stream stream = Stream::cpu());
-void check_dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
-                               Stream stream = Stream::cpu());
-void check_dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
-                                       const TensorView& scores, Stream stream = Stream::cpu());
-void check_dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream = Stream::cpu());
-void check_dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
-                                const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx,
-                                bool accumulate, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

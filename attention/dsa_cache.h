@@ -74,13 +74,14 @@ class DsaCache {
   // `positions` ([n], strictly increasing and above the last stored position; empty: the n positions after the last
   // stored one). Errors (nothing written): shapes, dtypes, positions, or length() + n over the capacity.
   void append(const TensorView& k_idx_new, const TensorView& c_new, std::span<const std::int64_t> positions = {});
-  // The checks of append alone (no work).
-  void check_append(const TensorView& k_idx_new, const TensorView& c_new,
-                    std::span<const std::int64_t> positions = {}) const;
   // Forgets every stored token (length 0); the memory stays allocated.
   void clear() { positions_.clear(); }
 
  private:
+  // The checks of append alone (no work).
+  void check_append(const TensorView& k_idx_new, const TensorView& c_new,
+                    std::span<const std::int64_t> positions) const;
+
   DsaCacheSpec spec_;
   Tensor k_idx_, c_;
   TokenPositions positions_;
@@ -95,6 +96,11 @@ struct DsaDecodeArgs {
   std::int64_t window = 0;              // > 0: only keys with q_pos - pos < window are candidates (as in training)
   std::int64_t dim_v = kDsaHeadDimV;    // Dv, 1 <= Dv <= Dqk
   float scale = 0.0f;                   // <= 0: 1 / sqrt(Dqk)
+
+  // Every check dsa_decode makes on (cache, this, topk_indices, out, lse, stream), no work (topk_indices is not
+  // read). A sharded caller runs it on its shard before anything is sent.
+  void validate(const DsaCache& cache, const TensorView& topk_indices, const TensorView& out, const TensorView& lse,
+                Stream stream = Stream::cpu()) const;
 };
 
 // The decode step: topk_indices [B, n, k] int64 (k = its dim 2; global positions, ascending, -1 padded),
@@ -103,9 +109,6 @@ struct DsaDecodeArgs {
 // q_pos size, a window < 0, the kernels' own checks.
 void dsa_decode(const DsaCache& cache, const DsaDecodeArgs& args, const TensorView& topk_indices, const TensorView& out,
                 const TensorView& lse, Stream stream = Stream::cpu());
-// The checks of dsa_decode alone (no work; topk_indices is not read).
-void check_dsa_decode(const DsaCache& cache, const DsaDecodeArgs& args, const TensorView& topk_indices,
-                      const TensorView& out, const TensorView& lse, Stream stream = Stream::cpu());
 
 // The first half, for a sharded cache: scores every stored key visible to each query (args.q is not read) and merges
 // them into `state` (scores [B, n, k] of the accumulator dtype, positions [B, n, k] int64; dsa_topk_init first).

@@ -81,6 +81,8 @@
 
 namespace seqpar::attn {
 
+class GdnCache;
+
 inline constexpr double kGdnL2NormEps = 1e-6;
 inline constexpr std::int64_t kGdnDefaultChunkSize = 64;
 
@@ -97,6 +99,14 @@ struct GdnForwardArgs {
   // optional int64 [N+1]: a packed row of N documents (B = 1, T = S tokens; see the header comment). Then
   // initial_state, final_state and their gradients are [N, Hv, K, V].
   TensorView cu_seqlens = {};
+
+  // The rules on these fields alone: shapes, dtypes, devices, chunk_size, scale, the initial state, cu_seqlens. A
+  // context-parallel caller runs it on its local shapes before anything is sent.
+  void validate() const;
+  // Every check gdn_forward makes on (this, out, final_state, stream), no work.
+  void validate(const TensorView& out, const TensorView& final_state, Stream stream = Stream::cpu()) const;
+  // Every check gdn_decode (attention/gdn_decode.h) makes on (cache, this, out, stream), no work.
+  void validate(const GdnCache& cache, const TensorView& out, Stream stream = Stream::cpu()) const;
 };
 
 // The GdnForwardArgs of the five activations (initial_state empty, chunk_size the default).
@@ -113,6 +123,10 @@ struct GdnBackwardArgs {
   GdnForwardArgs fwd;       // the forward's inputs (the same initial_state)
   TensorView dout;          // [B, S, Hv, V] any floating dtype; may be empty (= zeros)
   TensorView dfinal_state;  // optional [B, Hv, K, V] ([N, Hv, K, V] with cu_seqlens) state dtype; empty = zeros
+
+  // Every check gdn_backward makes on (this, dq, dk, dv, dg, dbeta, dinitial_state, stream), no work.
+  void validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, const TensorView& dg,
+                const TensorView& dbeta, const TensorView& dinitial_state, Stream stream = Stream::cpu()) const;
 };
 
 // Gradients of sum(dout * out) + sum(dfinal_state * final_state) with respect to the raw (un-normalised) q and k,
@@ -174,6 +188,14 @@ struct ShortConvArgs {
   TensorView initial_conv_state;  // optional [B, W-1, C] ([N, W-1, C] with cu_seqlens)
   bool use_silu = true;
   TensorView cu_seqlens = {};  // optional int64 [N+1]: a packed row of N documents (B = 1)
+
+  // The rules on these fields alone (shapes, dtypes, devices, W, the initial conv state, cu_seqlens).
+  void validate() const;
+  // Every check short_conv_forward makes on (this, out, final_conv_state, stream), no work.
+  void validate(const TensorView& out, const TensorView& final_conv_state, Stream stream = Stream::cpu()) const;
+  // Every check short_conv_backward makes on (this, dout, dx, dweight, dinitial_conv_state, stream), no work.
+  void validate(const TensorView& dout, const TensorView& dx, const TensorView& dweight,
+                const TensorView& dinitial_conv_state, Stream stream = Stream::cpu()) const;
 };
 
 // out [B, S, C]; final_conv_state ([B, W-1, C], [N, W-1, C] with cu_seqlens) may be empty to skip it.
@@ -186,32 +208,5 @@ void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const 
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state,
                          Stream stream = Stream::cpu());
-
-// ---- argument checks on their own (see the header comment) -------------------------------------------------------
-
-// The argument structs alone: shapes, dtypes, devices, chunk_size, scale, the initial states.
-void check_gdn_forward_args(const GdnForwardArgs& args);
-void check_short_conv_args(const ShortConvArgs& args);
-
-void check_gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
-                       Stream stream = Stream::cpu());
-void check_gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                        const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state,
-                        Stream stream = Stream::cpu());
-void check_gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u,
-                          Stream stream = Stream::cpu());
-void check_gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1,
-                                  const TensorView& u1, const TensorView& m, const TensorView& u,
-                                  Stream stream = Stream::cpu());
-void check_gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start,
-                                const TensorView& s_end, Stream stream = Stream::cpu());
-void check_gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
-                                        const TensorView& ds_start, Stream stream = Stream::cpu());
-void check_gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream = Stream::cpu());
-void check_short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
-                              Stream stream = Stream::cpu());
-void check_short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
-                               const TensorView& dweight, const TensorView& dinitial_conv_state,
-                               Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

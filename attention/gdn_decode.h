@@ -74,9 +74,6 @@ class GdnCache {
 // state, the step runs token by token). out [B, n, Hv, V] any floating dtype. The cache's state becomes S after the
 // n tokens and length() grows by n. Errors (cache untouched): gdn_forward's, and shapes against the cache.
 void gdn_decode(GdnCache& cache, const GdnForwardArgs& args, const TensorView& out, Stream stream = Stream::cpu());
-// The checks of gdn_decode alone (no work).
-void check_gdn_decode(const GdnCache& cache, const GdnForwardArgs& args, const TensorView& out,
-                      Stream stream = Stream::cpu());
 
 // n inputs x [B, n, C] (the cache's conv dtype and C) through the short conv with the cached tail: out [B, n, C]
 // (args.initial_conv_state must be empty: the cache supplies it); the tail becomes the last W-1 inputs.

@@ -65,13 +65,13 @@ class MhaKvCache {
   // one, from 0 for an empty cache). Errors (nothing written): shapes, dtypes, positions, or length() + n over the
   // capacity ("... past the capacity ...").
   void append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions = {});
-  // The checks of append alone (no work).
-  void check_append(const TensorView& k_new, const TensorView& v_new,
-                    std::span<const std::int64_t> positions = {}) const;
   // Forgets every stored token (length 0); the memory stays allocated.
   void clear() { positions_.clear(); }
 
  private:
+  // The checks of append alone (no work).
+  void check_append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions) const;
+
   KvCacheSpec spec_;
   Tensor k_, v_;
   TokenPositions positions_;
@@ -86,8 +86,5 @@ class MhaKvCache {
 // threads and errors). Errors: shapes against the cache (B, D, Hq % Hkv), dtype, q_pos size or order.
 void mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
                 const TensorView& out, const TensorView& lse, float scale = 0.0f, Stream stream = Stream::cpu());
-// The checks of mha_decode alone (no work).
-void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
-                      const TensorView& out, const TensorView& lse, float scale = 0.0f, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

@@ -104,9 +104,9 @@ struct MhaForwardArgs {
   TensorView q;                         // [B, Sq, Hq, D]
   TensorView k;                         // [B, Sk, Hkv, D]
   TensorView v;                         // [B, Sk, Hkv, D]
-  std::span<const std::int64_t> q_pos;  // [Sq] global positions (empty: 0..Sq-1)
-  std::span<const std::int64_t> k_pos;  // [Sk] global positions (empty: 0..Sk-1)
-  MaskSpec mask;
+  std::span<const std::int64_t> q_pos = {};  // [Sq] global positions (empty: 0..Sq-1)
+  std::span<const std::int64_t> k_pos = {};  // [Sk] global positions (empty: 0..Sk-1)
+  MaskSpec mask{};
   float scale = 0.0f;  // <= 0: 1 / sqrt(D)
   ScoreMods mods{};    // soft-capping, ALiBi, sinks (off by default)
   // Dropout on the probabilities (attention/dropout.h); p = 0 (the default) is off. The mask is keyed by the
@@ -114,6 +114,13 @@ struct MhaForwardArgs {
   // positions q_pos / k_pos, so every caller that sees a pair regenerates the same keep decision.
   DropoutSpec dropout{};
   std::int64_t head_offset = 0;  // >= 0; read only when dropout.p > 0
+
+  // The rules of mha_forward on these fields alone (no outputs): shapes, dtypes, devices, Hq % Hkv, positions,
+  // mask, scale, mods and dropout; raises mha_forward's Error. A context-parallel caller runs it on its local
+  // shapes before anything is sent.
+  void validate() const;
+  // Every check mha_forward makes on (this, out, lse, stream), no work.
+  void validate(const TensorView& out, const TensorView& lse, Stream stream = Stream::cpu()) const;
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
@@ -136,7 +143,11 @@ struct MhaBackwardArgs {
   TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64
-  TensorView delta;    // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
+  TensorView delta{};  // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
+
+  // Every check mha_backward makes on (this, dq, dk, dv, accumulate, stream), no work.
+  void validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, bool accumulate,
+                Stream stream = Stream::cpu()) const;
 };
 
 // Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md section 8.1).
@@ -178,12 +189,19 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
 void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks,
                      Stream stream = Stream::cpu());
 
+struct MhaSinksBackwardArgs {
+  TensorView delta;  // [B, H, S] rowsum(dO * O) of the final out (mha_backward_delta), fp32 / fp64
+  TensorView lse;    // [B, H, S] the final lse_total, fp32 / fp64
+  TensorView sinks;  // [H] fp32 / fp64 finite
+
+  // Every check mha_sinks_backward makes on (this, dsinks, stream), no work.
+  void validate(const TensorView& dsinks, Stream stream = Stream::cpu()) const;
+};
+
 // Gradient of the sinks over the rows given: dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) delta[b, h, i],
-// summed in fp64 in (b, i) order. delta [B, H, S] = rowsum(dO * O) of the final out (mha_backward_delta); lse
-// [B, H, S] the final lse_total; fp32 / fp64 each. dsinks [H] fp32 / fp64, overwritten. Rows with lse = -inf add 0.
+// summed in fp64 in (b, i) order. dsinks [H] fp32 / fp64, overwritten. Rows with lse = -inf add 0.
 // Under context parallelism each rank sums its rows and the caller all-reduces. Errors: shapes, dtypes, non-CPU.
-void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
-                        const TensorView& dsinks, Stream stream = Stream::cpu());
+void mha_sinks_backward(const MhaSinksBackwardArgs& args, const TensorView& dsinks, Stream stream = Stream::cpu());
 
 // Number of (query, key) pairs visible under `mask` between the position sets: the work a forward call does,
 // used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs). Unlike the kernels, the positions are
@@ -191,22 +209,5 @@ void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const Te
 // Errors: decreasing positions, an invalid mask.
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
                            const MaskSpec& mask);
-
-// ---- argument checks on their own (see the header comment) -------------------------------------------------------
-
-// MhaForwardArgs alone: shapes, dtypes, devices, Hq % Hkv, positions (sizes, non-decreasing), mask and scale.
-void check_mha_forward_args(const MhaForwardArgs& args);
-void check_mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
-                       Stream stream = Stream::cpu());
-void check_mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                        bool accumulate, Stream stream = Stream::cpu());
-void check_mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
-                              Stream stream = Stream::cpu());
-void check_lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
-                     Stream stream = Stream::cpu());
-void check_mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks,
-                           Stream stream = Stream::cpu());
-void check_mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
-                              const TensorView& dsinks, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

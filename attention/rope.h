@@ -43,7 +43,7 @@
 // rotary_dim > D, a scaling's parameters out of range (llama3: factor >= 1, 0 < low_freq_factor < high_freq_factor,
 // original_max_position_embeddings >= 1; yarn: factor >= 1, original_max_position_embeddings >= 1, beta_fast >
 // beta_slow > 0, attention_factor, mscale, mscale_all_dim >= 0 and finite). RoPE has no CUDA implementation yet: a
-// device tensor is an error. check_rope raises the same errors alone.
+// device tensor is an error. RopeConfig::validate raises the same errors alone.
 #pragma once
 
 #include <cstdint>
@@ -87,6 +87,11 @@ struct RopeConfig {
   RopeScaling scaling = RopeScaling::kNone;
   RopeLlama3Params llama3;
   RopeYarnParams yarn;
+
+  // The parameter checks alone (theta, rotary_dim even and >= 0, column_offset >= 0, the scaling's parameters).
+  void validate() const;
+  // Every check rope_forward / rope_backward makes on (x, positions, this), no work.
+  void validate(const TensorView& x, std::span<const std::int64_t> positions) const;
 };
 
 // "rotate-half" / "interleaved"; "none" / "llama3" / "yarn". The parsers throw Error listing the accepted names.
@@ -95,26 +100,19 @@ RopePairing parse_rope_pairing(const std::string& name);
 std::string rope_scaling_name(RopeScaling s);
 RopeScaling parse_rope_scaling(const std::string& name);
 
-// The parameter checks of `cfg` alone (theta, rotary_dim even and >= 0, column_offset >= 0, the scaling's
-// parameters); the shape rules need a tensor (check_rope).
-void check_rope_config(const RopeConfig& cfg);
-
 // The r/2 inverse frequencies f_i (radians per position) of `cfg` for r = `rotary_dim` (> 0, even), scaling
-// included. Errors: those of check_rope_config, rotary_dim odd or < 2.
+// included. Errors: those of RopeConfig::validate, rotary_dim odd or < 2.
 std::vector<double> rope_inv_freq(const RopeConfig& cfg, std::int64_t rotary_dim);
-// The attention factor m that multiplies cos and sin (1 unless yarn). Errors: those of check_rope_config.
+// The attention factor m that multiplies cos and sin (1 unless yarn). Errors: those of RopeConfig::validate.
 double rope_attention_factor(const RopeConfig& cfg);
 // DeepSeek's factor on the softmax scale: mscale(factor, mscale_all_dim)^2 for yarn with mscale_all_dim > 0, else 1.
 double rope_softmax_scale_factor(const RopeConfig& cfg);
 
-// The checks of rope_forward / rope_backward, without the work.
-void check_rope(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg);
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg);
 // dx = m R(pos)^T dy, in place on `dy`.
 void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions, const RopeConfig& cfg);
 
 // The plain rotate-half RoPE over the whole head dim with base `theta` (RopeConfig{.theta = theta}).
-void check_rope(const TensorView& x, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 

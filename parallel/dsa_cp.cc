@@ -9,6 +9,7 @@
 #include "parallel/ring_pass.h"
 #include "parallel/ulysses.h"
 #include "runtime/logging.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -112,7 +113,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
                  t->str());
   }
   // The kernels' own checks on the local shapes (devices included) before anything is allocated or sent.
-  attn::check_dsa_indexer_args(indexer_args(q_idx, w, k_idx, positions_, positions_, doc_));
+  indexer_args(q_idx, w, k_idx, positions_, positions_, doc_).validate();
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);
   const UlyssesExchange a2a(groups_, counters_);

@@ -6,6 +6,7 @@
 
 #include "parallel/ulysses.h"
 #include "runtime/logging.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -391,7 +392,7 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
   }
   // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
-  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, s.packed ? TensorView() : initial_state));
+  forward_args(q, k, v, g, beta, config_, s.packed ? TensorView() : initial_state).validate();
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
@@ -858,7 +859,7 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
     local.x = x;
     local.weight = weight;
     local.use_silu = config_.use_silu;
-    attn::check_short_conv_args(local);
+    local.validate();
   }
   const std::int64_t B = x.dim(0), C = x.dim(2), W = weight.dim(1);
   SEQPAR_CHECK(!layout_.is_packed() || B == 1, "short conv CP: a packed layout (", cu_seqlens_.size() - 1,

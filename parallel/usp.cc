@@ -1,5 +1,6 @@
 #include "parallel/usp.h"
 
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -68,7 +69,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   local.scale = config_.scale;
   local.mods = config_.score_mods;
   local.dropout = config_.dropout;
-  attn::check_mha_forward_args(local);
+  local.validate();
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const int pu = groups_.ulysses_size();
