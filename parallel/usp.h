@@ -24,10 +24,12 @@
 // again).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "parallel/ring_attention.h"
 #include "parallel/ulysses.h"
+#include "runtime/sp_grid.h"
 
 namespace seqpar {
 
@@ -35,6 +37,12 @@ class UspAttention {
  public:
   // `layout` (SequenceLayout::for_groups(groups, seq_len, kind)) gives every rank's positions.
   UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
+  // The same on the grid's Ulysses, ring and SP communicators (CpGroups::from(grid)); the grid must outlive the
+  // layer. `layout` as above.
+  UspAttention(const SpGrid& grid, const SequenceLayout& layout, const RingAttentionConfig& config = {});
+  // The same with SequenceLayout::for_groups(grid's groups, seq_len, kind) (zigzag by default).
+  UspAttention(const SpGrid& grid, std::int64_t seq_len, const RingAttentionConfig& config = {},
+               LayoutKind kind = LayoutKind::kZigzag);
 
   // q [B, S / (Pu Pr), Hq, D], k, v [B, S / (Pu Pr), Hkv, D] at positions(); out like q (workspace),
   // lse [B, Hq, S_local] (fp32, fp64 for fp64 inputs); the context owns what the backward needs (saved_activation).
