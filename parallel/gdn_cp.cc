@@ -914,6 +914,14 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
   return o;
 }
 
+ShortConvCpGrads ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout) {
+  const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
+  ShortConvCpGrads g;
+  g.dweight = Tensor::empty(s->weight.shape(), s->weight.dtype(), MemCategory::kWorkspace, s->weight.view().device());
+  g.dx = backward(std::move(ctx), dout, g.dweight);
+  return g;
+}
+
 Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
   {

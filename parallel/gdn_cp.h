@@ -138,6 +138,11 @@ struct ShortConvCpOutput {
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 
+struct ShortConvCpGrads {
+  Tensor dx;       // [B, S_local, C], x's dtype
+  Tensor dweight;  // [C, W], weight's dtype, summed over the group (the same on every rank)
+};
+
 // The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence, over groups.sp (rank r
 // holds layout.positions(r)). Padding rows get out 0 and dx 0; with a packed layout (B = 1) no output reads an input
 // of another document. Errors: as GdnContextParallel's (B > 1 with a packed layout included).
@@ -147,8 +152,9 @@ class ShortConvContextParallel {
 
   // x [B, S_local, C], weight [C, W] (same on every rank).
   ShortConvCpOutput forward(const TensorView& x, const TensorView& weight);
-  // The context of a forward of this object (consumed and freed). Returns dx (local, x's dtype); dweight [C, W]
-  // (summed over the group, weight's dtype) into `dweight`.
+  // The context of a forward of this object (consumed and freed) and dout like the output. Returns dx and dweight.
+  ShortConvCpGrads backward(CpContext&& ctx, const TensorView& dout);
+  // The same, writing dweight [C, W] (summed over the group, weight's dtype) into the caller's `dweight`; returns dx.
   Tensor backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight);
 
   std::int64_t halo_bytes_sent() const { return halo_bytes_sent_; }
