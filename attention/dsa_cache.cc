@@ -122,7 +122,8 @@ void DsaDecodeArgs::validate(const DsaCache& cache, const TensorView& topk_indic
 void dsa_decode_select(const DsaCache& cache, const DsaDecodeArgs& args, const DsaTopkState& state, Stream stream) {
   check_queries(cache, args, "dsa_decode_select");
   for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
-    row_indexer_args(cache, args, b).validate({state.scores.slice0(b, b + 1), state.positions.slice0(b, b + 1)}, stream);
+    row_indexer_args(cache, args, b)
+        .validate({state.scores.slice0(b, b + 1), state.positions.slice0(b, b + 1)}, stream);
   }
   for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
     dsa_indexer_topk_block(row_indexer_args(cache, args, b),

@@ -68,8 +68,8 @@ Checked validate_forward_args(const GdnForwardArgs& a) {
                "): value head h reads key head h / (Hv / Hk)");
   SEQPAR_CHECK(a.chunk_size >= 1, "gdn: chunk_size must be >= 1, got ", a.chunk_size);
   // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
-  // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
-  // for 200 GB). Same chunks, same arithmetic.
+  // [C, K] buffers) for the S rows it can hold, not for chunk_size (a chunk_size of 100000 on 256 tokens would
+  // otherwise ask for 200 GB). Same chunks, same arithmetic.
   d.C = std::min(a.chunk_size, std::max<std::int64_t>(d.S, 1));
   SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
   check_activation(a.q, a.q.shape(), "q");
@@ -251,7 +251,8 @@ void ShortConvArgs::validate(const TensorView& dout, const TensorView& dx, const
   check_like_x(dout, {d.B, d.S, d.C}, *this, "dout");
   if (!dx.empty()) check_like_x(dx, {d.B, d.S, d.C}, *this, "dx");
   if (!dweight.empty()) check_like_x(dweight, {d.C, d.W}, *this, "dweight");
-  if (!dinitial_conv_state.empty()) check_like_x(dinitial_conv_state, conv_state_shape(d), *this, "dinitial_conv_state");
+  if (!dinitial_conv_state.empty())
+    check_like_x(dinitial_conv_state, conv_state_shape(d), *this, "dinitial_conv_state");
 }
 
 // ---- the kernels ---------------------------------------------------------------------------------------------------

@@ -1,67 +1,18 @@
-// MHA / GQA / MQA flash attention on one device: forward with lse, backward, and the LSE merge.
+// MHA / GQA / MQA flash attention on one device: forward with lse, backward, the LSE merge and attention sinks.
+// Math: docs/design.md, "MHA on one device" (FlashAttention-2, Dao 2023); masks on global positions and packed
+// documents: "MHA on packed rows"; soft-capping, ALiBi, sinks: "Score modifiers"; dropout: "Attention dropout";
+// lse precision and merges: "Precision of lse and merges".
 //
-// Math (docs/design.md section 8.1; FlashAttention-2, Dao 2023): for batch b, query head h, kv head h / (Hq / Hkv),
-//   a_ij = scale * q_i . k_j            for visible keys j
-//   lse_i = log sum_j exp(a_ij)         (natural log)
-//   o_i   = sum_j exp(a_ij - lse_i) v_j
-// Backward with the final lse and delta_i = dO_i . O_i:
-//   p_ij = exp(a_ij - lse_i), dV_j += p_ij dO_i, ds_ij = p_ij (dO_i . v_j - delta_i),
-//   dQ_i += scale ds_ij k_j, dK_j += scale ds_ij q_i.
-// Because blocks of keys can be processed in any order with the final lse, a ring calls mha_backward once per key
-// block, accumulating into dq / dk / dv of the accumulator dtype.
-//
-// Masks are on global positions (q_pos, k_pos: any non-decreasing int64 sequences, as produced by every layout's
-// slots, parallel/layout.h; empty = 0, 1, 2, ...):
-//   causal: key j visible to query i iff k_pos[j] <= q_pos[i]; window W > 0 adds q_pos[i] - k_pos[j] < W.
-//   documents (packed rows, docs/design.md section 15.3; mask.doc_lo / doc_hi, [Sq] each, or both empty): key j is
-//   visible to query i only if doc_lo[i] <= k_pos[j] < doc_hi[i], the slots of the query's own document (with or
-//   without causal). The window then counts inside the document, from its own start. A query with doc_lo >= doc_hi
-//   (a padding row) sees no key: out 0, lse -inf, no gradient.
-// Because both sets are sorted, the keys visible to a query are one contiguous index range; the CPU kernels run
-// tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
-// A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
-// Dropout (args.dropout.p > 0; attention/dropout.h, FlashAttention with dropout): o_i = sum_j z_ij p_ij v_j with
-// z_ij = keep_ij / (1 - p) from a counter-based generator on (seed, b, global head, q_pos, k_pos); lse stays the
-// undropped one; backward dV_j += z_ij p_ij dO_i, ds_ij = p_ij (z_ij dO_i . v_j - delta_i) with delta of the dropped
-// out. Nothing is stored between forward and backward: both regenerate the mask.
-//
-// Score modifiers (ScoreMods, all off by default), applied to every visible score before the softmax:
-//   soft-capping (Gemma Team 2024, "Gemma 2", logit soft-capping): a_ij = cap * tanh(scale q_i . k_j / cap);
-//     backward: ds_pre = ds * (1 - tanh^2) before the usual scale;
-//   ALiBi (Press et al. 2022, "Train Short, Test Long"): a_ij += -slope_h * |q_pos[i] - k_pos[j]| on the global
-//     positions (causal: q_pos - k_pos); slopes per query head, e.g. alibi_slopes(Hq) (the paper's geometric rule);
-//   attention sinks (gpt-oss, OpenAI 2025; Xiao et al. 2023, "StreamingLLM"): a learned logit sink_h joins every
-//     row's softmax denominator without a value: lse_total = logaddexp(lse, sink_h), out = exp(lse - lse_total) out.
-//     The backward takes lse_total and the final out (delta = dO . O): dq, dk, dv need nothing else (the sink is a
-//     key with a zero value), and dsinks_h = -sum_rows exp(sink_h - lse_total) delta (mha_sinks_backward).
-//   A sink is applied once per row: a ring that merges key blocks leaves sinks out of the blocks and calls
-//   mha_apply_sinks once on the merged result.
-//
-// Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq].
-// All contiguous, row-major, host memory (the CUDA path lands with its own issue).
-// Storage dtypes fp32, bf16, fp16, fp64; q, k, v share one dtype. The accumulator dtype (accumulator_dtype()) is
-// fp64 for fp64 storage and fp32 otherwise: every score, running max / sum, output accumulator, lse, delta and
-// recomputed probability is computed in it, and lse, delta and accumulate = true gradients are stored in it. An
-// lse or delta may also be fp64 for 16-/32-bit storage (a merge keeps its running lse in fp64, see lse_merge);
-// they are never narrower than the accumulator dtype.
-// Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
-// Determinism: the same inputs give bitwise the same results, for any thread count (fixed reduction orders, no
-// atomics; the CPU kernels' OpenMP work items each own their outputs).
-// Extra memory: O(Sq + Sk) per (batch, head) worker plus fixed-size tiles; no [Sq, Sk] matrix. The forward converts
-// K and V once per call (B Sk Hkv D elements each, compute dtype); the backward keeps a dK / dV partial per query
-// head (2 B Hq Sk D elements, compute dtype) that is summed over each KV group in head order.
-// Parallelism (CPU, OpenMP): forward over (batch, query head, query tile of 64); backward over (batch, query head).
-// Accuracy: fp64 storage gives fp64 results (lse, delta and the recomputed P in fp64): out, lse, dq, dk, dv agree
-// with the fp64 reference (attention/reference) to about 1e-13 relative at logits up to 1e4. For 32-/16-bit
-// storage a stored fp32 lse is rounded to |lse| 2^-24 absolute, which the backward's recomputed P inherits as a
-// relative error; pass an fp64 lse to avoid it.
-// Errors: Error naming the tensor and the rule for any shape, dtype or position mismatch, raised before any work.
-// Tensors must be host tensors and the stream a CPU stream: a CUDA one fails with "MHA kernels have no CUDA
-// implementation yet". Per-thread scratch comes from the memory ledger (workspace) before any parallel region; a
-// failed allocation raises Error "out of memory: ..." naming the bytes asked for and the ledger's totals.
-// Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
-// Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
-// before anything is sent and every rank fails together.
+// Shapes: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq]; Hq % Hkv == 0.
+// Contiguous, row-major host tensors. Storage dtypes fp32, bf16, fp16, fp64 (q, k, v share one); the accumulator
+// dtype (accumulator_dtype()) is fp64 for fp64 storage, else fp32; lse and delta have it or fp64.
+// Positions (q_pos, k_pos): non-decreasing global int64 positions; empty means 0, 1, 2, ...
+// A row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient.
+// Synchronisation: host-synchronous (the stream is an ordering token on the CPU); bitwise reproducible for any
+// thread count. Scratch comes from the memory ledger (workspace); a failed allocation raises "out of memory: ...".
+// Errors: Error naming the tensor and the rule, before any work; a CUDA tensor or stream fails with "MHA kernels
+// have no CUDA implementation yet". Each argument struct's validate() raises exactly the kernel's errors, with no
+// work, so that a context-parallel caller can check its local shapes before anything is sent.
 #pragma once
 
 #include <cstdint>
@@ -82,13 +33,14 @@ struct MaskSpec {
   std::span<const std::int64_t> doc_lo, doc_hi;
 
   MaskSpec() = default;
-  // {causal, window} as before the document bounds existed (no missing-initializer warnings), or all four.
+  // {causal, window}, or all four (no missing-initializer warnings).
   MaskSpec(bool causal_, std::int64_t window_ = 0, std::span<const std::int64_t> doc_lo_ = {},
            std::span<const std::int64_t> doc_hi_ = {})
       : causal(causal_), window(window_), doc_lo(doc_lo_), doc_hi(doc_hi_) {}
 };
 
-// Score modifiers of one call (see the header comment). Heads are those of the call's q (under Ulysses, a slice).
+// Score modifiers of one call (docs/design.md, "Score modifiers"). Heads are those of the call's q (under Ulysses,
+// a slice).
 struct ScoreMods {
   float softcap = 0.0f;     // > 0: a <- softcap * tanh(a / softcap); 0: off (< 0 or non-finite: error)
   TensorView alibi_slopes;  // empty, or [Hq] fp32 / fp64 finite host: bias -slope_h |q_pos - k_pos|
@@ -150,7 +102,7 @@ struct MhaBackwardArgs {
                 Stream stream = Stream::cpu()) const;
 };
 
-// Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md section 8.1).
+// Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md, "MHA on one device").
 // args.out is read only when args.delta is empty (delta is then computed from out and dout as by
 // mha_backward_delta). dq [B, Sq, Hq, D], dk / dv [B, Sk, Hkv, D]:
 // accumulate = false: dq, dk, dv (any floating dtype) are overwritten.

@@ -1,5 +1,5 @@
-// Public boundary of RoPE: the frequency tables (base, llama3, YaRN), argument validation (RopeConfig::validate) and dispatch
-// to the CPU kernel in cpu/.
+// Public boundary of RoPE: the frequency tables (base, llama3, YaRN), argument validation (RopeConfig::validate)
+// and dispatch to the CPU kernel in cpu/.
 #include "attention/rope.h"
 
 #include <algorithm>

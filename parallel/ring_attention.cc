@@ -229,7 +229,8 @@ void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const 
   check_grad_input(dq, s.q.shape(), "ring attention dq");
   check_grad_input(dk, s.k.shape(), "ring attention dk");
   check_grad_input(dv, s.v.shape(), "ring attention dv");
-  if (!config_.score_mods.sinks.empty()) attn::MhaSinksBackwardArgs{s.lse, s.lse, config_.score_mods.sinks}.validate(dsinks);
+  if (!config_.score_mods.sinks.empty())
+    attn::MhaSinksBackwardArgs{s.lse, s.lse, config_.score_mods.sinks}.validate(dsinks);
   ctx.consume<Saved>(id_, "ring attention");
   const CommStreamScope stream_scope(groups_);
   const CommMeter meter(groups_, counters_);

@@ -2,7 +2,7 @@
 //
 // A TensorView is a pointer, a dtype, a shape and a device: always contiguous, row-major. It never owns memory
 // (TransformerEngine's SimpleTensor habit). A Tensor owns its buffer, which it took from `ledger_allocate` with a
-// memory category, and hands out views. Activations are [B, S, H, D]; lse is [B, H, S] (docs/design.md section 3).
+// memory category, and hands out views. Activations are [B, S, H, D]; lse is [B, H, S] (docs/design.md, "Conventions").
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
-// Naive fp64 attention (docs/design.md section 8.1), written straight from the definitions with the mask tested on the
-// global positions of every (query, key) pair, so that it shares no code path with the tiled kernels.
+// Naive fp64 attention (docs/design.md, "MHA on one device"), written straight from the definitions with the mask
+// tested on the global positions of every (query, key) pair, so that it shares no code path with the tiled kernels.
 #include "attention/reference/mha_reference.h"
 
 #include <algorithm>
