@@ -3,6 +3,7 @@
 #include <numeric>
 
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar::attn::detail {
 

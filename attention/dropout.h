@@ -1,31 +1,10 @@
-// Dropout on the attention probabilities with a counter-based generator, so that the mask is a pure function of
-// (seed, batch, global query head, global query position, global key position): identical on any grid, layout,
-// ring step and thread count, and between the forward and the backward (nothing is stored).
+// Dropout on the attention probabilities with a counter-based generator (Philox-4x32-10, Salmon et al. 2011), so
+// that the mask is a pure function of (seed, batch, global query head, global query position, global key position):
+// identical on any grid, layout, ring step and thread count, and between the forward and the backward.
+// Math: docs/design.md, "Attention dropout" (the counter and key of each pair, the keep test x >= ceil(p 2^32), and
+// the forward and backward with dropout, FlashAttention-2).
 //
-// Generator: Philox-4x32-10 (Salmon, Moraes, Dror, Shaw 2011, "Parallel random numbers: as easy as 1, 2, 3", SC'11;
-// the generator of cuRAND and FlashAttention). One call maps a 128-bit counter and a 64-bit key to four 32-bit
-// words. For the pair (b, h, i = q_pos, j = k_pos):
-//   key     = (seed mod 2^32, seed / 2^32)
-//   counter = (j / 4, i, h, b)            (each taken as an unsigned 32-bit integer)
-//   x       = word (j mod 4) of philox4x32_10(counter, key)
-// so four consecutive key positions share one call. The pair is kept iff u = x / 2^32 >= p, i.e. iff
-// x >= ceil(p 2^32) (exact integer test, the same in every dtype); a kept probability is scaled by 1 / (1 - p).
-// Keep probability: (2^32 - ceil(p 2^32)) / 2^32, within 2^-32 of 1 - p.
 // Range: 0 <= q_pos < 2^32, 0 <= k_pos < 2^34, 0 <= b, h < 2^32 (checked by the MHA kernels when p > 0).
-// Batch b is the index in the call's batch: a data-parallel replica that wants its own masks folds its index into
-// the seed.
-//
-// Attention with dropout (FlashAttention, Dao et al. 2022, Algorithm 2 with dropout; FlashAttention-2 backward):
-// with z_ij = keep_ij / (1 - p) and the undropped p_ij = exp(a_ij - lse_i),
-//   o_i = sum_j z_ij p_ij v_j,      lse_i = log sum_j exp(a_ij) (of the undropped softmax)
-// Backward, with dO_i given:
-//   dV_j  += z_ij p_ij dO_i
-//   dP_ij  = z_ij (dO_i . v_j)                                   (gradient with respect to p_ij)
-//   ds_ij  = p_ij (dP_ij - sum_l p_il dP_il)                      (softmax Jacobian)
-//   sum_l p_il dP_il = sum_l z_il p_il (dO_i . v_l) = dO_i . o_i = delta_i
-// so delta = rowsum(dO * O) of the dropped output O stays valid, and ds_ij = p_ij (z_ij dO_i . v_j - delta_i).
-// Because o is linear in p for a fixed mask and lse is the undropped one, block results over disjoint key sets still
-// merge with attn::lse_merge: the ring and all-gather paths need nothing beyond the global positions and heads.
 #pragma once
 
 #include <array>
@@ -37,6 +16,9 @@ namespace seqpar::attn {
 struct DropoutSpec {
   double p = 0.0;          // drop probability in [0, 1); 0: no dropout (bitwise the kernels without dropout)
   std::uint64_t seed = 0;  // the generator's key
+
+  // Error unless p is a finite number in [0, 1); `what` names the caller in the message.
+  void validate(const char* what) const;
 };
 
 // Philox-4x32-10 (Salmon et al. 2011, section 4.2): ten rounds of two 32 x 32 -> 64-bit multiplies with the key
@@ -57,7 +39,7 @@ inline std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> c
 }
 
 // The four words of the Philox call that holds key positions 4 (k_pos / 4) .. 4 (k_pos / 4) + 3 of row
-// (b, h, q_pos); word k_pos mod 4 is the pair's (see the header comment).
+// (b, h, q_pos); word k_pos mod 4 is the pair's (docs/design.md, "Attention dropout").
 inline std::array<std::uint32_t, 4> dropout_words(std::uint64_t seed, std::int64_t b, std::int64_t h,
                                                   std::int64_t q_pos, std::int64_t k_pos) {
   return philox4x32_10({static_cast<std::uint32_t>(k_pos >> 2), static_cast<std::uint32_t>(q_pos),
@@ -73,8 +55,5 @@ inline bool dropout_keep(std::uint64_t seed, std::int64_t b, std::int64_t h, std
                          double p) {
   return dropout_words(seed, b, h, q_pos, k_pos)[static_cast<std::size_t>(k_pos & 3)] >= dropout_threshold(p);
 }
-
-// Error unless p is a finite number in [0, 1); `what` names the caller in the message.
-void check_dropout(const DropoutSpec& dropout, const char* what);
 
 }  // namespace seqpar::attn

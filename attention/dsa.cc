@@ -1,4 +1,4 @@
-// Public boundary of the DSA kernels: argument validation (callable on its own through the check_dsa_* functions)
+// Public boundary of the DSA kernels: argument validation (callable on its own through the validate members)
 // and dispatch to the CPU kernels in cpu/. Math: attention/dsa.h.
 #include "attention/dsa.h"
 
@@ -9,6 +9,7 @@
 #include "attention/cpu/dsa_cpu.h"
 #include "attention/cpu/scratch.h"
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar::attn {
 namespace {
@@ -255,22 +256,11 @@ IndexerBlock validate_indexer_backward(const DsaIndexerArgs& args, const TensorV
   return r;
 }
 
-}  // namespace
-
-// ---- checks on their own ------------------------------------------------------------------------------------------
-
-void check_dsa_indexer_args(const DsaIndexerArgs& args) { validate_indexer(args); }
-
-void check_dsa_attention_args(const DsaAttentionArgs& args) { validate_attention(args); }
+// The checks of the kernels without an argument struct.
 
 void check_dsa_topk_init(const DsaTopkState& state, Stream stream) {
   detail::check_stream(stream, "dsa_topk_init", kFamily);
   check_state(state, -1, -1, "top-k state");
-}
-
-void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream) {
-  detail::check_stream(stream, "dsa_indexer_topk_block", kFamily);
-  validate_topk_block(args, state);
 }
 
 void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream) {
@@ -301,45 +291,38 @@ void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_i
   check_shape(topk_indices, {s.B, s.Sq, topk_indices.dim(2)}, "topk_indices");
 }
 
-void check_dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
-                                 Stream stream) {
-  detail::check_stream(stream, "dsa_attention_forward", kFamily);
-  validate_forward(args, out, lse);
-}
-
-void check_dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
-                                  bool accumulate, Stream stream) {
-  detail::check_stream(stream, "dsa_attention_backward", kFamily);
-  validate_backward(args, dq, dc, accumulate);
-}
-
 void check_dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
   detail::check_stream(stream, "dsa_attention_delta", kFamily);
   validate_delta(out, dout, delta);
 }
 
-void check_dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
-                               Stream stream) {
-  detail::check_stream(stream, "dsa_attention_probs", kFamily);
-  validate_probs(args, lse, probs);
+}  // namespace
+
+// ---- validation of the argument structs --------------------------------------------------------------------------
+
+void DsaIndexerArgs::validate() const { validate_indexer(*this); }
+
+void DsaAttentionArgs::validate() const { validate_attention(*this); }
+
+void DsaIndexerArgs::validate(const DsaTopkState& state, Stream stream) const {
+  detail::check_stream(stream, "dsa_indexer_topk_block", kFamily);
+  validate_topk_block(*this, state);
 }
 
-void check_dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
-                                       const TensorView& scores, Stream stream) {
-  detail::check_stream(stream, "dsa_indexer_scores_selected", kFamily);
-  validate_scores_selected(args, topk_indices, scores);
+void DsaAttentionArgs::validate(const TensorView& out, const TensorView& lse, Stream stream) const {
+  detail::check_stream(stream, "dsa_attention_forward", kFamily);
+  validate_forward(*this, out, lse);
 }
 
-void check_dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream) {
+void DsaAttentionBackwardArgs::validate(const TensorView& dq, const TensorView& dc, bool accumulate,
+                                        Stream stream) const {
+  detail::check_stream(stream, "dsa_attention_backward", kFamily);
+  validate_backward(*this, dq, dc, accumulate);
+}
+
+void DsaIndexerLossArgs::validate(const TensorView& dscores, Stream stream) const {
   detail::check_stream(stream, "dsa_indexer_loss", kFamily);
-  validate_loss(args, dscores);
-}
-
-void check_dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
-                                const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx,
-                                bool accumulate, Stream stream) {
-  detail::check_stream(stream, "dsa_indexer_backward", kFamily);
-  validate_indexer_backward(args, topk_indices, dscores, dq_idx, dw, dk_idx, accumulate);
+  validate_loss(*this, dscores);
 }
 
 // ---- the kernels ---------------------------------------------------------------------------------------------------
@@ -419,7 +402,7 @@ void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& t
 }
 
 double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream) {
-  check_dsa_indexer_loss(args, dscores, stream);
+  args.validate(dscores, stream);
   return cpu::dsa_indexer_loss_cpu(args, dscores);
 }
 

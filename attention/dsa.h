@@ -1,89 +1,21 @@
 // DSA (DeepSeek sparse attention) on one device: lightning indexer + top-k selection, sparse latent attention
 // (absorbed MLA, one latent shared by all heads), and the indexer's KL training loss.
+// Math: docs/design.md, "DSA indexer and selection", "Sparse latent attention", "DSA indexer loss"; block-wise use
+// by a ring: "DSA under context parallelism"; packed rows: "DSA on packed rows"; precision: "DSA precision"; CPU
+// kernels and their memory: "DSA CPU kernels" (DeepSeek-AI, "DeepSeek-V3.2-Exp", 2025).
 //
-// Math (docs/design.md section 9; DeepSeek-AI, "DeepSeek-V3.2-Exp: Boosting Long-Context Efficiency with DeepSeek
-// Sparse Attention", 2025, eqs. for the lightning indexer, the top-k selection and the KL indexer loss):
-//   indexer    I_tj = sum_i w_ti * relu(q_idx_ti . k_idx_j)          for keys j visible to query t
-//   selection  J_t  = the k keys with the largest I_tj
-//   attention  a_htj = scale * q_ht . c_j  (j in J_t),  lse_ht = log sum_j exp(a_htj),
-//              o_ht = sum_j exp(a_htj - lse_ht) c_j[:Dv]               (value = first Dv columns of the latent)
-//   loss       p*_tj = sum_h exp(a_htj - lse_ht), L1-normalised over J_t (detached)
-//              L = sum_{b,t} KL(p*_t || softmax_{J_t}(I_t))            (a sum, not a mean; the caller scales it)
-//              dI_tj = softmax_{J_t}(I_t)_j - p*_tj, then through the relu into q_idx, k_idx and w.
-// The main output gets no gradient from L and the indexer none from the main output.
-//
-// Positions are global positions (std::span<const int64_t>; empty = 0, 1, 2, ...): token indices of an unpacked row,
-// or the SLOT positions of a layout (parallel/layout.h) for packed and padded rows, so that topk_indices hold slot
-// positions, like every other position of the library (map them to tokens with SequenceLayout::tokens_of_slots; inside
-// a document a slot difference is a token distance). Key j is visible to query t iff pos_k(j) <= pos_q(t) and, with
-// DsaIndexerArgs::doc_lo / doc_hi (packed rows, docs/design.md section 15.5), doc_lo[t] <= pos_k(j) < doc_hi[t]: the
-// indexer scores, the top-k and hence the attention and the indexer loss see only the query's own document (top-k
-// padded with -1 when the document prefix is shorter than k); a query with doc_lo >= doc_hi (a padding row) selects
-// nothing: out 0, lse -inf, loss 0, no gradient. With DsaIndexerArgs::window W > 0, only keys with
-// pos_q(t) - pos_k(j) < W are candidates of the selection (a sliding window for the indexer, counting inside the
-// document; attention and loss follow the selection). The kernels narrow each query's candidate key range by binary
-// search (keys are sorted), so the bounds cost no per-key test. Every function below
-// takes ONE BLOCK of keys (index keys or latents) with their global positions, so that a context-parallel caller can
-// feed blocks that arrive from other ranks, in any order:
-//
-//   Selection (per query block, keys in any number of blocks, any order):
-//     dsa_topk_init(state)                                    scores = -inf, positions = -1
-//     for each key block:  dsa_indexer_topk_block(args, state) merge the block's candidates into the running top-k
-//     dsa_topk_finalize(state, topk_indices)                  ascending global positions, -1 padded
-//   The selection order is the strict total order "larger score first, then smaller position", and a key's score
-//   does not depend on the block it came in, so the result is bitwise independent of the split and the order.
-//   (dsa_topk_merge merges two states, e.g. for a tree reduction.)
-//
-//   Attention forward (per latent block; the caller merges blocks with attn::lse_merge):
-//     dsa_attention_forward(args_block, out_b, lse_b)         attends to the selected positions inside the block only
-//   Attention backward (per latent block, with the FINAL out and lse):
-//     dsa_attention_backward(args_block, dq, dc_block, accumulate = true)
-//       dq (accumulator dtype) accumulates at the query's home; dc_block (accumulator dtype) is the block's latent
-//       gradient, summed over heads and over every query of this call that selected the position; it travels home
-//       with its block.
-//
-//   Indexer loss (three steps; every [B, Sq, k] array is indexed like topk_indices, O(Sq * k) memory):
-//     (a) per block:  dsa_attention_probs(attn_args_block, lse, probs)       probs[b,t,s] = sum_h p_hts
-//                     (or fused into the backward ring pass: DsaAttentionBackwardArgs::probs)
-//                     dsa_indexer_scores_selected(idx_args_block, topk, scores)  scores[b,t,s] = I_ts
-//         each writes only the slots s whose position lies in the block, so after every block has been seen each
-//         array is complete (the blocks of a layout are disjoint). Under Ulysses, where heads are split, probs is
-//         summed over the Ulysses group (all-reduce) before (b).
-//     (b) combine, per query row, no communication:
-//                     loss = dsa_indexer_loss({probs, scores, topk}, dscores)  p* = probs / sum_s probs;
-//                     returns sum over the rows of this call (double); the caller sums over ranks.
-//     (c) per block:  dsa_indexer_backward(idx_args_block, topk, dscores, dq_idx, dw, dk_idx_block, accumulate)
-//                     dq_idx, dw accumulate at the query's home; dk_idx_block (accumulator dtype) travels home with
-//                     its block.
-//
-// Layouts (row-major, contiguous, host memory): q [B, Sq, H, Dqk], c [B, Sk, Dqk], out [B, Sq, H, Dv],
-// lse [B, H, Sq]; q_idx [B, Sq, Hi, Di], w [B, Sq, Hi], k_idx [B, Sk, Di]; topk_indices [B, Sq, k] int64.
-// Precision: storage dtypes fp32, bf16, fp16, fp64. The ACCUMULATOR DTYPE (accumulator_dtype) is fp64 for fp64 inputs
-// and fp32 for the others: all arithmetic runs in it, and every array that crosses calls (top-k scores, block out,
-// lse, delta, dq, dc, dq_idx, dk_idx, dw when accumulated, probs, scores, dscores) has it. So fp64 inputs are fp64
-// end to end: the indexer scores, the selection and its tie rule (on the fp64 scores: the selected set is the
-// fp64 reference's), the attention and its lse, every gradient and the indexer loss. The indexer loss itself
-// (step b) always reduces in fp64. Scales are given as float (DsaAttentionArgs::scale; 0 gives 1/sqrt(Dqk) exactly
-// in the accumulator dtype).
-// A query row with nothing selected (or nothing selected inside a block) gets lse = -inf, out = 0 and contributes
-// nothing to any gradient or to the loss.
-// Synchronisation: host-synchronous (the stream is an ordering token on the CPU).
-// Determinism: bitwise the same results run to run, independent of the thread count (fixed reduction orders; key
-// gradients are summed over queries in increasing query order).
-// Extra memory (besides the caller's [B, Sq, k] arrays; never an [Sq, Sk] matrix): the top-k pass one accumulator-dtype
-// copy of the key block ([B, Sk, Di], transposed in panels of 64 keys) and O(Hi * (Di + 64)) per thread; the
-// attention forward O(H * Dqk + 128 * Dqk) per thread; the backward passes accumulate the block's key gradient
-// (dc [B, Sk, Dqk] or dk_idx [B, Sk, Di]) in the output when it has the accumulator dtype, else in one
-// accumulator-dtype copy, keep per-pair values of a chunk of query rows (at most the size of that gradient, or one
-// row per thread when larger; at most 32 MiB) and use O(k * (H + Di) + 128 * Dqk) per thread (docs/design.md
-// section 9.6). The key-gradient pass reads every query row of a chunk once per thread. All of it comes from the
-// memory ledger (workspace) before any parallel region; a failed allocation raises Error "out of memory: ..." naming
-// the bytes asked for and the ledger's totals.
-// Errors: seqpar::Error naming the tensor and the rule, raised before any work. Tensors must be host tensors and the
-// stream a CPU stream: a CUDA one fails with "DSA kernels have no CUDA implementation yet".
-// Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
-// Error f would raise for them, and does no work (it reads topk_indices, whose rows are checked). A context-parallel
-// caller runs them on its local shapes before anything is sent, so that every rank fails together.
+// Every function takes ONE BLOCK of keys (index keys or latents) with their global positions, so that a
+// context-parallel caller can feed blocks in any order. Selection: dsa_topk_init, dsa_indexer_topk_block per key
+// block, dsa_topk_finalize. Attention: dsa_attention_forward per latent block (merged with attn::lse_merge), then
+// dsa_attention_backward per block with the final out and lse. Indexer loss: probs and scores per block,
+// dsa_indexer_loss per row, dsa_indexer_backward per block.
+// Shapes: q [B, Sq, H, Dqk], c [B, Sk, Dqk], out [B, Sq, H, Dv], lse [B, H, Sq]; q_idx [B, Sq, Hi, Di],
+// w [B, Sq, Hi], k_idx [B, Sk, Di]; topk_indices [B, Sq, k] int64 (ascending positions, -1 padded).
+// Dtypes: fp32, bf16, fp16, fp64 storage; every array that crosses calls has the accumulator dtype (fp64 for fp64
+// inputs, else fp32). A row with nothing selected gets lse = -inf, out = 0, no gradient and no loss.
+// Synchronisation: host-synchronous; bitwise reproducible for any thread count. Scratch from the memory ledger.
+// Errors: Error naming the tensor and the rule, before any work; CUDA tensors or streams fail with "DSA kernels
+// have no CUDA implementation yet". The argument structs' validate() raise exactly the kernels' errors, no work.
 #pragma once
 
 #include <cstdint>
@@ -105,6 +37,8 @@ inline constexpr std::int64_t kDsaTopK = 2048;           // k
 
 // ---- indexer and top-k selection ----------------------------------------------------------------------------------
 
+struct DsaTopkState;
+
 struct DsaIndexerArgs {
   TensorView q_idx;                     // [B, Sq, Hi, Di]
   TensorView w;                         // [B, Sq, Hi] per-head weights
@@ -113,9 +47,15 @@ struct DsaIndexerArgs {
   std::span<const std::int64_t> k_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
   std::int64_t window = 0;  // > 0: keys with q_pos - k_pos >= window are not candidates of the selection; 0: none
   // Per query: the key positions [doc_lo[t], doc_hi[t]) of its document (packed rows, SequenceLayout::doc_bounds);
-  // both empty: no document bound. Only the selection reads them (see the header comment). Views kept alive by the
-  // caller for the call.
+  // both empty: no document bound. Only the selection reads them (docs/design.md, "DSA on packed rows"). Views
+  // kept alive by the caller for the call.
   std::span<const std::int64_t> doc_lo{}, doc_hi{};
+
+  // The rules on these fields alone: shapes, dtypes, devices, position counts, k_pos strictly increasing. A
+  // context-parallel caller runs it on its local shapes before anything is sent.
+  void validate() const;
+  // Every check dsa_indexer_topk_block makes on (this, state, stream), no work.
+  void validate(const DsaTopkState& state, Stream stream = Stream::cpu()) const;
 };
 // q_idx, w, k_idx: any floating dtype, all the same. doc_lo / doc_hi: both empty or both of size Sq.
 
@@ -164,6 +104,12 @@ struct DsaAttentionArgs {
   std::span<const std::int64_t> c_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
   std::int64_t dim_v = kDsaHeadDimV;    // Dv, 1 <= Dv <= Dqk
   float scale = 0.0f;                   // <= 0: 1 / sqrt(Dqk)
+
+  // The rules on these fields alone (shapes, dtypes, devices, position counts, c_pos strictly increasing, dim_v,
+  // scale and every topk_indices row).
+  void validate() const;
+  // Every check dsa_attention_forward makes on (this, out, lse, stream), no work.
+  void validate(const TensorView& out, const TensorView& lse, Stream stream = Stream::cpu()) const;
 };
 // q, c: any floating dtype, the same. Selected positions that are not in c_pos are simply not in this block.
 // Errors: shapes, dtypes, sizes, c_pos not strictly increasing, a topk row not ascending / not -1 padded, or a
@@ -188,9 +134,12 @@ struct DsaAttentionBackwardArgs {
   TensorView probs;      // optional [B, Sq, k] accumulator dtype: when given, also does dsa_attention_probs for this
                          // block (the backward computes p anyway), so that a ring gets step (a) of the indexer loss
                          // for free
+
+  // Every check dsa_attention_backward makes on (this, dq, dc, accumulate, stream), no work.
+  void validate(const TensorView& dq, const TensorView& dc, bool accumulate, Stream stream = Stream::cpu()) const;
 };
 
-// Backward of one latent block with the final lse (docs/design.md section 8.1 applied to the selected pairs):
+// Backward of one latent block with the final lse (docs/design.md, "MHA on one device" applied to the selected pairs):
 //   p = exp(a - lse), dp = dout_h . c_j[:Dv], ds = p (dp - delta_h),
 //   dq_h += scale ds c_j,  dc_j += scale ds q_h  (all Dqk columns)  +  p dout_h  (first Dv columns).
 // dq [B, Sq, H, Dqk], dc [B, Sk, Dqk]. accumulate = false: overwritten (any floating dtype); accumulate = true:
@@ -224,6 +173,9 @@ struct DsaIndexerLossArgs {
   TensorView scores;        // [B, Sq, k] probs' dtype: indexer scores I of the selected slots
   TensorView topk_indices;  // [B, Sq, k] int64; slots with -1 are ignored
   float grad_scale = 1.0f;  // dscores = grad_scale * dL/dI (the upstream gradient of L)
+
+  // Every check dsa_indexer_loss makes on (this, dscores, stream), no work.
+  void validate(const TensorView& dscores, Stream stream = Stream::cpu()) const;
 };
 
 // Step (b): per row, p* = probs / sum_s probs over the valid slots, LI = logsumexp(scores) over them,
@@ -240,33 +192,5 @@ double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscore
 void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
                           const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx, bool accumulate,
                           Stream stream = Stream::cpu());
-
-// ---- argument checks on their own (see the header comment) -------------------------------------------------------
-
-// The argument structs alone: shapes, dtypes, devices, position counts, k_pos / c_pos strictly increasing, dim_v,
-// scale and (for DsaAttentionArgs) every topk_indices row.
-void check_dsa_indexer_args(const DsaIndexerArgs& args);
-void check_dsa_attention_args(const DsaAttentionArgs& args);
-
-void check_dsa_topk_init(const DsaTopkState& state, Stream stream = Stream::cpu());
-void check_dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream = Stream::cpu());
-void check_dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream = Stream::cpu());
-void check_dsa_topk_finalize(const DsaTopkState& state, const TensorView& topk_indices, Stream stream = Stream::cpu());
-void check_dsa_topk_selected_scores(const DsaTopkState& state, const TensorView& scores, Stream stream = Stream::cpu());
-void check_dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices, Stream stream = Stream::cpu());
-void check_dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse,
-                                 Stream stream = Stream::cpu());
-void check_dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorView& dq, const TensorView& dc,
-                                  bool accumulate, Stream stream = Stream::cpu());
-void check_dsa_attention_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
-                               Stream stream = Stream::cpu());
-void check_dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs,
-                               Stream stream = Stream::cpu());
-void check_dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices,
-                                       const TensorView& scores, Stream stream = Stream::cpu());
-void check_dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream = Stream::cpu());
-void check_dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& dscores,
-                                const TensorView& dq_idx, const TensorView& dw, const TensorView& dk_idx,
-                                bool accumulate, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

@@ -4,6 +4,7 @@
 
 #include "attention/boundary.h"
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar::attn {
@@ -96,8 +97,9 @@ void DsaCache::append(const TensorView& k_idx_new, const TensorView& c_new, std:
   positions_.push(pos);
 }
 
-void check_dsa_decode(const DsaCache& cache, const DsaDecodeArgs& args, const TensorView& topk_indices,
-                      const TensorView& out, const TensorView& lse, Stream stream) {
+void DsaDecodeArgs::validate(const DsaCache& cache, const TensorView& topk_indices, const TensorView& out,
+                             const TensorView& lse, Stream stream) const {
+  const DsaDecodeArgs& args = *this;
   check_queries(cache, args, "dsa_decode");
   const std::int64_t B = cache.spec().batch, n = args.q.dim(1);
   SEQPAR_CHECK(
@@ -111,18 +113,17 @@ void check_dsa_decode(const DsaCache& cache, const DsaDecodeArgs& args, const Te
                args.dim_v, " columns");
   // The kernels' own checks on batch row 0 (the rows share their shapes), with an empty selection in place of the
   // topk_indices still to be written.
-  check_dsa_indexer_args(row_indexer_args(cache, args, 0));
+  row_indexer_args(cache, args, 0).validate();
   std::vector<std::int64_t> none(static_cast<std::size_t>(n * topk_indices.dim(2)), -1);
   const TensorView none_view(none.data(), DType::kInt64, {1, n, topk_indices.dim(2)});
-  check_dsa_attention_forward(row_attention_args(cache, args, none_view, 0), out.slice0(0, 1), lse.slice0(0, 1),
-                              stream);
+  row_attention_args(cache, args, none_view, 0).validate(out.slice0(0, 1), lse.slice0(0, 1), stream);
 }
 
 void dsa_decode_select(const DsaCache& cache, const DsaDecodeArgs& args, const DsaTopkState& state, Stream stream) {
   check_queries(cache, args, "dsa_decode_select");
   for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
-    check_dsa_indexer_topk_block(row_indexer_args(cache, args, b),
-                                 {state.scores.slice0(b, b + 1), state.positions.slice0(b, b + 1)}, stream);
+    row_indexer_args(cache, args, b)
+        .validate({state.scores.slice0(b, b + 1), state.positions.slice0(b, b + 1)}, stream);
   }
   for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
     dsa_indexer_topk_block(row_indexer_args(cache, args, b),
@@ -139,8 +140,7 @@ void dsa_decode_attend(const DsaCache& cache, const DsaDecodeArgs& args, const T
                " and lse ", shape_str(lse.shape()),
                " must be [B, n, k], [B, n, H, Dv] and [B, H, n] with B = ", cache.spec().batch);
   for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
-    check_dsa_attention_forward(row_attention_args(cache, args, topk_indices, b), out.slice0(b, b + 1),
-                                lse.slice0(b, b + 1), stream);
+    row_attention_args(cache, args, topk_indices, b).validate(out.slice0(b, b + 1), lse.slice0(b, b + 1), stream);
   }
   for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
     dsa_attention_forward(row_attention_args(cache, args, topk_indices, b), out.slice0(b, b + 1), lse.slice0(b, b + 1),
@@ -150,7 +150,7 @@ void dsa_decode_attend(const DsaCache& cache, const DsaDecodeArgs& args, const T
 
 void dsa_decode(const DsaCache& cache, const DsaDecodeArgs& args, const TensorView& topk_indices, const TensorView& out,
                 const TensorView& lse, Stream stream) {
-  check_dsa_decode(cache, args, topk_indices, out, lse, stream);
+  args.validate(cache, topk_indices, out, lse, stream);
   const Shape shape = topk_indices.shape();
   Tensor scores = Tensor::empty(shape, accumulator_dtype(cache.spec().dtype), MemCategory::kWorkspace);
   Tensor positions = Tensor::empty(shape, DType::kInt64, MemCategory::kWorkspace);

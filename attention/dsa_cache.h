@@ -1,35 +1,15 @@
 // The DSA (DeepSeek sparse attention) cache of inference on one device, and the decode step that selects and
 // attends over it. No communication (the sequence-sharded cache of a context-parallel group is
 // parallel/dsa_decode_cp.h).
+// Math: docs/design.md, "DSA decode" (the training kernels of attention/dsa.h on the cache's rows) and "What lives
+// across decode steps" (the cache's memory: dsa_cache_bytes).
 //
-// What lives across decode steps (docs/design.md section 16): a DSA layer reads, for every past token j, its indexer
-// key k_idx_j [Di] (one head, shared by the Hi indexer heads) and its latent c_j [Dqk] (absorbed MLA: one latent
-// shared by all H query heads, the value being its first Dv columns). No query is kept. Memory of L layers of
-// capacity T:
-//   M = L B T (Di + Dqk) bytes_per_element
-// allocated once, at construction (appends never allocate), from the memory ledger in category persistent_cache;
-// dsa_cache_bytes(spec) is that formula for L = 1 and the ledger grows by exactly that much per cache object.
-//
-// Positions: every stored row carries the global position of its token (strictly increasing, attention/token_cache.h,
-// like MhaKvCache): 0, 1, 2, ... for a whole sequence, any increasing subset for a shard of a context-parallel cache.
-// Layout: k_idx [B, capacity, Di] and c [B, capacity, Dqk] row-major, batch row b's stored tokens the first length()
-// slots of its block.
-//
-// Decode (attention/dsa.h, the training kernels on the cache's rows; no second kernel): n >= 1 new queries at
-// positions q_pos, whose own k_idx and c were appended first (so that drafts see each other causally):
-//   I_tj = sum_i w_ti relu(q_idx_ti . k_idx_j)   for stored j with pos_j <= q_pos[t] (and q_pos[t] - pos_j < window
-//                                                when window > 0),
-//   J_t  = the k stored keys with the largest I_tj (larger score first, then smaller position: the training tie
-//          rule), topk_indices = J_t ascending, -1 padded,
-//   out_ht = sum_{j in J_t} softmax_j(scale q_ht . c_j) c_j[:Dv],  lse_ht = log sum_{j in J_t} exp(scale q_ht . c_j).
-// The decode is dsa_topk_init + dsa_indexer_topk_block + dsa_topk_finalize + dsa_attention_forward, one call each per
-// batch row (a partly filled [B, capacity, ...] buffer is contiguous per row only), so it returns exactly the rows of
-// the training forward over the whole sequence: topk_indices bitwise, out and lse to the kernels' rounding.
-// The two halves are public for a sharded cache (parallel/dsa_decode_cp.h): dsa_decode_select scores this cache's
-// rows into a running top-k state, and dsa_decode_attend attends to the selected positions this cache holds.
-// Synchronisation: host-synchronous (the stream is an ordering token on the CPU).
-// Errors: Error naming the tensor and the rule, raised before anything is written (a refused append or decode leaves
-// the cache as it was; a decode never writes the cache).
+// Layout: k_idx [B, capacity, Di] and c [B, capacity, Dqk], row-major; batch row b's stored tokens are the first
+// length() slots of its block. Every stored row carries its token's global position (strictly increasing).
+// Memory: allocated once at construction, ledger category persistent_cache; appends never allocate.
+// Synchronisation: host-synchronous.
+// Errors: Error naming the tensor and the rule, raised before anything is written (a refused append or decode
+// leaves the cache as it was; a decode never writes the cache).
 #pragma once
 
 #include <cstdint>
@@ -74,13 +54,14 @@ class DsaCache {
   // `positions` ([n], strictly increasing and above the last stored position; empty: the n positions after the last
   // stored one). Errors (nothing written): shapes, dtypes, positions, or length() + n over the capacity.
   void append(const TensorView& k_idx_new, const TensorView& c_new, std::span<const std::int64_t> positions = {});
-  // The checks of append alone (no work).
-  void check_append(const TensorView& k_idx_new, const TensorView& c_new,
-                    std::span<const std::int64_t> positions = {}) const;
   // Forgets every stored token (length 0); the memory stays allocated.
   void clear() { positions_.clear(); }
 
  private:
+  // The checks of append alone (no work).
+  void check_append(const TensorView& k_idx_new, const TensorView& c_new,
+                    std::span<const std::int64_t> positions) const;
+
   DsaCacheSpec spec_;
   Tensor k_idx_, c_;
   TokenPositions positions_;
@@ -95,6 +76,11 @@ struct DsaDecodeArgs {
   std::int64_t window = 0;              // > 0: only keys with q_pos - pos < window are candidates (as in training)
   std::int64_t dim_v = kDsaHeadDimV;    // Dv, 1 <= Dv <= Dqk
   float scale = 0.0f;                   // <= 0: 1 / sqrt(Dqk)
+
+  // Every check dsa_decode makes on (cache, this, topk_indices, out, lse, stream), no work (topk_indices is not
+  // read). A sharded caller runs it on its shard before anything is sent.
+  void validate(const DsaCache& cache, const TensorView& topk_indices, const TensorView& out, const TensorView& lse,
+                Stream stream = Stream::cpu()) const;
 };
 
 // The decode step: topk_indices [B, n, k] int64 (k = its dim 2; global positions, ascending, -1 padded),
@@ -103,9 +89,6 @@ struct DsaDecodeArgs {
 // q_pos size, a window < 0, the kernels' own checks.
 void dsa_decode(const DsaCache& cache, const DsaDecodeArgs& args, const TensorView& topk_indices, const TensorView& out,
                 const TensorView& lse, Stream stream = Stream::cpu());
-// The checks of dsa_decode alone (no work; topk_indices is not read).
-void check_dsa_decode(const DsaCache& cache, const DsaDecodeArgs& args, const TensorView& topk_indices,
-                      const TensorView& out, const TensorView& lse, Stream stream = Stream::cpu());
 
 // The first half, for a sharded cache: scores every stored key visible to each query (args.q is not read) and merges
 // them into `state` (scores [B, n, k] of the accumulator dtype, positions [B, n, k] int64; dsa_topk_init first).

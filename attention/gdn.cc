@@ -1,5 +1,5 @@
-// Public boundary of the GDN kernels: argument validation (callable on its own through the check_gdn_* and
-// check_short_conv_* functions) and dispatch to the CPU kernels in cpu/. Math: attention/gdn.h.
+// Public boundary of the GDN kernels: argument validation (callable on its own through the validate members of the
+// argument structs) and dispatch to the CPU kernels in cpu/. Math: attention/gdn.h.
 #include "attention/gdn.h"
 
 #include <algorithm>
@@ -10,6 +10,7 @@
 #include "attention/boundary.h"
 #include "attention/cpu/gdn_cpu.h"
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar::attn {
 namespace {
@@ -67,8 +68,9 @@ Checked validate_forward_args(const GdnForwardArgs& a) {
                "): value head h reads key head h / (Hv / Hk)");
   SEQPAR_CHECK(a.chunk_size >= 1, "gdn: chunk_size must be >= 1, got ", a.chunk_size);
   // A chunk longer than the sequence is one partial chunk of S tokens: size the per-worker scratch ([C, C] and
-  // [C, K] buffers) for the S rows it can hold, not for chunk_size (chunk_size 100000 on 256 tokens used to ask
-  // for 200 GB). Same chunks, same arithmetic. A chunk above kGdnMaxChunkSize runs as chunks of that length.
+  // [C, K] buffers) for the S rows it can hold, not for chunk_size (a chunk_size of 100000 on 256 tokens would
+  // otherwise ask for 200 GB). Same chunks, same arithmetic. A chunk above kGdnMaxChunkSize runs as chunks of that
+  // length.
   d.C = std::min({a.chunk_size, kGdnMaxChunkSize, std::max<std::int64_t>(d.S, 1)});
   SEQPAR_CHECK(d.K >= 1 && d.V >= 1, "gdn: head dims K and V must be >= 1, got K = ", d.K, ", V = ", d.V);
   check_activation(a.q, a.q.shape(), "q");
@@ -184,29 +186,7 @@ cpu::ShortConvDims validate_conv_args(const ShortConvArgs& a) {
   return d;
 }
 
-}  // namespace
-
-// ---- checks on their own ------------------------------------------------------------------------------------------
-
-void check_gdn_forward_args(const GdnForwardArgs& args) { validate_forward_args(args); }
-
-void check_gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
-                       Stream stream) {
-  detail::check_stream(stream, "gdn_forward", kFamily);
-  validate_forward(args, out, final_state);
-}
-
-void check_gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                        const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state,
-                        Stream stream) {
-  detail::check_stream(stream, "gdn_backward", kFamily);
-  validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
-}
-
-void check_gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
-  detail::check_stream(stream, "gdn_transition", kFamily);
-  validate_transition(args, m, u);
-}
+// The checks of the kernels without an argument struct of their own.
 
 void check_gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1,
                                   const TensorView& u1, const TensorView& m, const TensorView& u, Stream stream) {
@@ -239,24 +219,41 @@ void check_gdn_transition_transpose(const TensorView& m, const TensorView& mt, S
   check_distinct(mt, m, "gdn_transition_transpose", "mt", "m");
 }
 
-void check_short_conv_args(const ShortConvArgs& args) { validate_conv_args(args); }
+}  // namespace
 
-void check_short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
-                              Stream stream) {
-  detail::check_stream(stream, "short_conv_forward", kFamily);
-  const cpu::ShortConvDims d = validate_conv_args(args);
-  check_like_x(out, {d.B, d.S, d.C}, args, "out");
-  if (!final_conv_state.empty()) check_like_x(final_conv_state, conv_state_shape(d), args, "final_conv_state");
+// ---- validation of the argument structs --------------------------------------------------------------------------
+
+void GdnForwardArgs::validate() const { validate_forward_args(*this); }
+
+void GdnForwardArgs::validate(const TensorView& out, const TensorView& final_state, Stream stream) const {
+  detail::check_stream(stream, "gdn_forward", kFamily);
+  validate_forward(*this, out, final_state);
 }
 
-void check_short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
-                               const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
+void GdnBackwardArgs::validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, const TensorView& dg,
+                               const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) const {
+  detail::check_stream(stream, "gdn_backward", kFamily);
+  validate_backward(*this, dq, dk, dv, dg, dbeta, dinitial_state);
+}
+
+void ShortConvArgs::validate() const { validate_conv_args(*this); }
+
+void ShortConvArgs::validate(const TensorView& out, const TensorView& final_conv_state, Stream stream) const {
+  detail::check_stream(stream, "short_conv_forward", kFamily);
+  const cpu::ShortConvDims d = validate_conv_args(*this);
+  check_like_x(out, {d.B, d.S, d.C}, *this, "out");
+  if (!final_conv_state.empty()) check_like_x(final_conv_state, conv_state_shape(d), *this, "final_conv_state");
+}
+
+void ShortConvArgs::validate(const TensorView& dout, const TensorView& dx, const TensorView& dweight,
+                             const TensorView& dinitial_conv_state, Stream stream) const {
   detail::check_stream(stream, "short_conv_backward", kFamily);
-  const cpu::ShortConvDims d = validate_conv_args(args);
-  check_like_x(dout, {d.B, d.S, d.C}, args, "dout");
-  if (!dx.empty()) check_like_x(dx, {d.B, d.S, d.C}, args, "dx");
-  if (!dweight.empty()) check_like_x(dweight, {d.C, d.W}, args, "dweight");
-  if (!dinitial_conv_state.empty()) check_like_x(dinitial_conv_state, conv_state_shape(d), args, "dinitial_conv_state");
+  const cpu::ShortConvDims d = validate_conv_args(*this);
+  check_like_x(dout, {d.B, d.S, d.C}, *this, "dout");
+  if (!dx.empty()) check_like_x(dx, {d.B, d.S, d.C}, *this, "dx");
+  if (!dweight.empty()) check_like_x(dweight, {d.C, d.W}, *this, "dweight");
+  if (!dinitial_conv_state.empty())
+    check_like_x(dinitial_conv_state, conv_state_shape(d), *this, "dinitial_conv_state");
 }
 
 // ---- the kernels ---------------------------------------------------------------------------------------------------
@@ -379,13 +376,13 @@ void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream 
 
 void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
                         Stream stream) {
-  check_short_conv_forward(args, out, final_conv_state, stream);
+  args.validate(out, final_conv_state, stream);
   cpu::short_conv_forward_cpu(args, validate_conv_args(args), out, final_conv_state);
 }
 
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
-  check_short_conv_backward(args, dout, dx, dweight, dinitial_conv_state, stream);
+  args.validate(dout, dx, dweight, dinitial_conv_state, stream);
   cpu::short_conv_backward_cpu(args, validate_conv_args(args), dout, dx, dweight, dinitial_conv_state);
 }
 

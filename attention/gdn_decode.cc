@@ -4,6 +4,7 @@
 #include "attention/gdn_decode.h"
 
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar::attn {
@@ -56,7 +57,8 @@ GdnForwardArgs step_args(const GdnCache& cache, const GdnForwardArgs& args) {
 
 }  // namespace
 
-void check_gdn_decode(const GdnCache& cache, const GdnForwardArgs& args, const TensorView& out, Stream stream) {
+void GdnForwardArgs::validate(const GdnCache& cache, const TensorView& out, Stream stream) const {
+  const GdnForwardArgs& args = *this;
   const GdnCacheSpec& s = cache.spec();
   SEQPAR_CHECK(args.initial_state.empty(), "gdn_decode: args.initial_state must be empty (the cache holds the state)");
   SEQPAR_CHECK(args.chunk_size == kGdnDefaultChunkSize, "gdn_decode: args.chunk_size must be left at its default (",
@@ -72,11 +74,11 @@ void check_gdn_decode(const GdnCache& cache, const GdnForwardArgs& args, const T
   SEQPAR_CHECK(accumulator_dtype(args.q.dtype()) == s.state_dtype, "gdn_decode: q of dtype ",
                dtype_name(args.q.dtype()), " needs a ", dtype_name(accumulator_dtype(args.q.dtype())),
                " state, the cache holds ", dtype_name(s.state_dtype));
-  check_gdn_forward(step_args(cache, args), out, cache.state(), stream);
+  step_args(cache, args).validate(out, cache.state(), stream);
 }
 
 void gdn_decode(GdnCache& cache, const GdnForwardArgs& args, const TensorView& out, Stream stream) {
-  check_gdn_decode(cache, args, out, stream);
+  args.validate(cache, out, stream);
   Tensor next = Tensor::empty(cache.state_.shape(), cache.spec_.state_dtype, MemCategory::kWorkspace);
   gdn_forward(step_args(cache, args), out, next, stream);
   copy_convert(next, cache.state_, stream);
@@ -97,7 +99,7 @@ void short_conv_decode(GdnCache& cache, const ShortConvArgs& args, const TensorV
   ShortConvArgs a = args;
   a.initial_conv_state = cache.conv_state();
   Tensor tail = Tensor::empty(cache.conv_state().shape(), s.conv_dtype, MemCategory::kWorkspace);
-  check_short_conv_forward(a, out, tail, stream);
+  a.validate(out, tail, stream);
   short_conv_forward(a, out, tail, stream);
   cache.set_conv_state(tail);
 }

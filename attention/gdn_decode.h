@@ -1,22 +1,12 @@
 // The GDN inference cache on one device and its decode steps: the recurrent state and the short-conv tail. No
 // communication (head-sharded decode over a context-parallel group: parallel/decode_cp.h).
+// Math: docs/design.md, "GDN decode" (gdn_forward from the cached state with chunk_size 1, one step of the
+// recurrence per token; the conv step with the tail as initial_conv_state) and "What lives across decode steps"
+// (gdn_cache_bytes, constant in the context length).
 //
-// What lives across decode steps (docs/design.md section 16): a gated delta rule layer keeps no per-token keys or
-// values, only its state S [B, Hv, K, V] (the same for any number of tokens seen) and, for its short causal conv of
-// width W, the last W-1 inputs [B, W-1, C]. Memory of one layer:
-//   M_GDN = B Hv K V bytes(state dtype) + B (W-1) C bytes(conv dtype)       (constant in the context length T)
-// allocated once at construction, ledger category persistent_cache (gdn_cache_bytes(spec) is that formula).
-//
-// Decode step of n >= 1 tokens (attention/gdn.h, the same math; Yang et al., "Gated Delta Networks", ICLR 2025):
-// for each token in order, per batch b and value head h (q_t, k_t of key head h / (Hv / Hk), after the optional L2
-// normalisation and the scale),
-//   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t.
-// It runs attention/gdn.h's gdn_forward from the cached state with chunk_size 1: a chunk of one token is exactly
-// one step of the recurrence (A = 0, T = I), token by token, so decode and the chunked prefill are one kernel.
-// The short conv step is short_conv_forward with the tail as initial_conv_state: y_t = sum_w weight[c, w]
-// xin[t + w, c] over the tail followed by the new inputs, the new tail the last W-1 rows of that sequence.
-// Dtypes: inputs any floating dtype; the state has the state dtype (fp32, fp64 for fp64 inputs: accumulator_dtype
-// of q), the conv tail the dtype of x. Synchronisation: host-synchronous.
+// State [B, Hv, K, V] of the state dtype (fp32, fp64 for fp64 inputs); conv tail [B, W-1, C] of x's dtype.
+// Memory: allocated once at construction, ledger category persistent_cache.
+// Synchronisation: host-synchronous.
 // Errors: Error naming the tensor and the rule, raised before the cache is written (a refused step leaves the
 // state, the tail and length() as they were).
 #pragma once
@@ -74,9 +64,6 @@ class GdnCache {
 // state, the step runs token by token). out [B, n, Hv, V] any floating dtype. The cache's state becomes S after the
 // n tokens and length() grows by n. Errors (cache untouched): gdn_forward's, and shapes against the cache.
 void gdn_decode(GdnCache& cache, const GdnForwardArgs& args, const TensorView& out, Stream stream = Stream::cpu());
-// The checks of gdn_decode alone (no work).
-void check_gdn_decode(const GdnCache& cache, const GdnForwardArgs& args, const TensorView& out,
-                      Stream stream = Stream::cpu());
 
 // n inputs x [B, n, C] (the cache's conv dtype and C) through the short conv with the cached tail: out [B, n, C]
 // (args.initial_conv_state must be empty: the cache supplies it); the tail becomes the last W-1 inputs.

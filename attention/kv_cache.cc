@@ -5,6 +5,7 @@
 #include "attention/boundary.h"
 #include "attention/mha.h"
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar::attn {
@@ -73,8 +74,6 @@ MhaForwardArgs row_args(const MhaKvCache& cache, const TensorView& q, std::span<
   return a;
 }
 
-}  // namespace
-
 void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
                       const TensorView& out, const TensorView& lse, float scale, Stream stream) {
   const KvCacheSpec& s = cache.spec();
@@ -89,8 +88,10 @@ void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<co
                shape_str(out.shape()));
   SEQPAR_CHECK(lse.ndim() == 3 && lse.dim(0) == s.batch, "mha_decode: lse must be [B, Hq, n], got ",
                shape_str(lse.shape()));
-  check_mha_forward(row_args(cache, q, q_pos, scale, 0), out.slice0(0, 1), lse.slice0(0, 1), stream);
+  row_args(cache, q, q_pos, scale, 0).validate(out.slice0(0, 1), lse.slice0(0, 1), stream);
 }
+
+}  // namespace
 
 void mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
                 const TensorView& out, const TensorView& lse, float scale, Stream stream) {

@@ -1,26 +1,15 @@
 // The MHA / GQA key-value cache of inference on one device, and the decode kernel that attends new query tokens to
 // it. No communication (the sequence-sharded cache of a context-parallel group is parallel/decode_cp.h).
+// Math: docs/design.md, "MHA decode kernel" (mha_forward of attention/mha.h on the cache's rows, causal on global
+// positions) and "What lives across decode steps" (the cache's memory: mha_kv_cache_bytes).
 //
-// What lives across decode steps (docs/design.md section 16): a causal decoder never changes the keys and values of
-// a past token, and a past query is never asked again, so each attention layer keeps K and V of every token seen
-// and no Q. Prefill writes the prompt's rows; each decode step appends the rows of its n new tokens (n > 1 for
-// speculative drafts) and attends their queries, causally, to everything stored:
-//   a_ij = scale * q_i . k_j  for stored keys j with k_pos[j] <= q_pos[i],
-//   lse_i = log sum_j exp(a_ij),  o_i = sum_j exp(a_ij - lse_i) v_j          (attention/mha.h, the same kernel).
-// Memory: one layer holds K and V of [B, capacity, Hkv, D]; L layers of capacity T hold
-//   M_KV = 2 L B Hkv T D bytes_per_element
-// (2: K and V). The capacity is allocated once, at construction (a static cache: appends never allocate), from the
-// memory ledger in category persistent_cache; mha_kv_cache_bytes(spec) is that formula for L = 1 and the ledger's
-// persistent_cache grows by exactly that much per cache object.
-//
-// Positions: every stored row carries the global position of its token (strictly increasing along the cache). A
-// cache of a whole sequence stores 0, 1, 2, ...; a shard of a context-parallel cache stores the positions its rank
-// owns (any increasing subset), so that the causal mask stays one on global positions.
-// Layout: K and V are [B, capacity, Hkv, D] row-major, batch row b's stored tokens the first length() slots of its
-// block; positions are host metadata (length() int64, not in the ledger).
-// Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU), like attention/mha.h.
-// Errors: Error naming the tensor and the rule, raised before anything is written (a refused append or decode leaves
-// the cache as it was).
+// Layout: K and V are [B, capacity, Hkv, D] row-major; batch row b's stored tokens are the first length() slots of
+// its block. Every stored row carries its token's global position (strictly increasing; a shard of a
+// context-parallel cache stores any increasing subset).
+// Memory: allocated once at construction, ledger category persistent_cache; appends never allocate.
+// Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
+// Errors: Error naming the tensor and the rule, raised before anything is written (a refused append or decode
+// leaves the cache as it was).
 #pragma once
 
 #include <cstdint>
@@ -65,13 +54,13 @@ class MhaKvCache {
   // one, from 0 for an empty cache). Errors (nothing written): shapes, dtypes, positions, or length() + n over the
   // capacity ("... past the capacity ...").
   void append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions = {});
-  // The checks of append alone (no work).
-  void check_append(const TensorView& k_new, const TensorView& v_new,
-                    std::span<const std::int64_t> positions = {}) const;
   // Forgets every stored token (length 0); the memory stays allocated.
   void clear() { positions_.clear(); }
 
  private:
+  // The checks of append alone (no work).
+  void check_append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions) const;
+
   KvCacheSpec spec_;
   Tensor k_, v_;
   TokenPositions positions_;
@@ -86,8 +75,5 @@ class MhaKvCache {
 // threads and errors). Errors: shapes against the cache (B, D, Hq % Hkv), dtype, q_pos size or order.
 void mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
                 const TensorView& out, const TensorView& lse, float scale = 0.0f, Stream stream = Stream::cpu());
-// The checks of mha_decode alone (no work).
-void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
-                      const TensorView& out, const TensorView& lse, float scale = 0.0f, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

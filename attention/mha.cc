@@ -1,5 +1,5 @@
-// Public boundary of the MHA / GQA kernels: argument validation (callable on its own through the check_mha_* and
-// check_lse_merge functions), dispatch to the CPU kernels in cpu/, the LSE merge and the backward delta. Math:
+// Public boundary of the MHA / GQA kernels: argument validation (callable on its own through the validate members
+// of the argument structs), dispatch to the CPU kernels in cpu/, the LSE merge and the backward delta. Math:
 // attention/mha.h.
 #include "attention/mha.h"
 
@@ -13,6 +13,7 @@
 #include "attention/cpu/scratch.h"
 #include "runtime/error.h"
 #include "runtime/tensor_ops.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar::attn {
 namespace {
@@ -39,7 +40,7 @@ void check_host_tensor(const TensorView& t, const char* what) { detail::check_fl
 
 // Dropout's rules (p; with p > 0 the ranges of the generator's counter) and its kernel parameters.
 cpu::MhaDropout check_dropout_args(const MhaForwardArgs& a, std::int64_t B, std::int64_t Hq) {
-  check_dropout(a.dropout, kFamily);
+  a.dropout.validate(kFamily);
   cpu::MhaDropout d;
   if (a.dropout.p == 0.0) return d;
   constexpr std::int64_t kLimit = std::int64_t{1} << 32;
@@ -213,29 +214,7 @@ void zero_fill(const TensorView& t) {
   if (t.numel() > 0) std::memset(t.data(), 0, t.nbytes());
 }
 
-}  // namespace
-
-void check_dropout(const DropoutSpec& dropout, const char* what) {
-  SEQPAR_CHECK(std::isfinite(dropout.p) && dropout.p >= 0.0 && dropout.p < 1.0, what, ": dropout p ", dropout.p,
-               " must be a finite number in [0, 1) (0: no dropout)");
-}
-
-// ---- checks on their own ------------------------------------------------------------------------------------------
-
-void check_mha_forward_args(const MhaForwardArgs& args) { check_forward_args(args); }
-
-void check_mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
-  detail::check_stream(stream, "mha_forward", kFamily);
-  validate_forward(args, out, lse);
-}
-
-void check_mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                        bool accumulate, Stream stream) {
-  detail::check_stream(stream, "mha_backward", kFamily);
-  validate_backward(args, dq, dk, dv, accumulate);
-}
-
-void check_mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
+void check_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
   detail::check_stream(stream, "mha_backward_delta", kFamily);
   validate_delta(out, dout, delta);
 }
@@ -246,7 +225,7 @@ void check_lse_merge(const TensorView& out, const TensorView& lse, const TensorV
   validate_merge(out, lse, out_b, lse_b);
 }
 
-void check_mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks, Stream stream) {
+void check_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks, Stream stream) {
   detail::check_stream(stream, "mha_apply_sinks", kFamily);
   SEQPAR_CHECK(out.ndim() == 4, "mha_apply_sinks: out must be [B, S, H, D], got ", out.str());
   check_wide(out, out.shape(), "mha_apply_sinks out");
@@ -255,8 +234,29 @@ void check_mha_apply_sinks(const TensorView& out, const TensorView& lse, const T
   check_head_vector(sinks, out.dim(2), "sinks");
 }
 
-void check_mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
-                              const TensorView& dsinks, Stream stream) {
+}  // namespace
+
+void DropoutSpec::validate(const char* what) const {
+  SEQPAR_CHECK(std::isfinite(p) && p >= 0.0 && p < 1.0, what, ": dropout p ", p,
+               " must be a finite number in [0, 1) (0: no dropout)");
+}
+
+// ---- validation of the argument structs --------------------------------------------------------------------------
+
+void MhaForwardArgs::validate() const { check_forward_args(*this); }
+
+void MhaForwardArgs::validate(const TensorView& out, const TensorView& lse, Stream stream) const {
+  detail::check_stream(stream, "mha_forward", kFamily);
+  validate_forward(*this, out, lse);
+}
+
+void MhaBackwardArgs::validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, bool accumulate,
+                               Stream stream) const {
+  detail::check_stream(stream, "mha_backward", kFamily);
+  validate_backward(*this, dq, dk, dv, accumulate);
+}
+
+void MhaSinksBackwardArgs::validate(const TensorView& dsinks, Stream stream) const {
   detail::check_stream(stream, "mha_sinks_backward", kFamily);
   SEQPAR_CHECK(lse.ndim() == 3, "mha_sinks_backward: lse must be [B, H, S], got ", lse.str());
   check_wide(lse, lse.shape(), "mha_sinks_backward lse");
@@ -331,7 +331,7 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
 }
 
 void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
-  check_mha_backward_delta(out, dout, delta, stream);
+  check_backward_delta(out, dout, delta, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
   const bool wide = delta.dtype() == DType::kFloat64;
   const char* o = static_cast<const char*>(out.data());
@@ -400,7 +400,7 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
 }
 
 void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks, Stream stream) {
-  check_mha_apply_sinks(out, lse, sinks, stream);
+  check_apply_sinks(out, lse, sinks, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
   for (std::int64_t t = 0; t < B * S * H; ++t) {
     const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
@@ -412,9 +412,11 @@ void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorV
   }
 }
 
-void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
-                        const TensorView& dsinks, Stream stream) {
-  check_mha_sinks_backward(delta, lse, sinks, dsinks, stream);
+void mha_sinks_backward(const MhaSinksBackwardArgs& args, const TensorView& dsinks, Stream stream) {
+  args.validate(dsinks, stream);
+  const TensorView& delta = args.delta;
+  const TensorView& lse = args.lse;
+  const TensorView& sinks = args.sinks;
   const std::int64_t B = lse.dim(0), H = lse.dim(1), S = lse.dim(2);
   for (std::int64_t h = 0; h < H; ++h) {
     const double sink = load(sinks, h);

@@ -1,67 +1,18 @@
-// MHA / GQA / MQA flash attention on one device: forward with lse, backward, and the LSE merge.
+// MHA / GQA / MQA flash attention on one device: forward with lse, backward, the LSE merge and attention sinks.
+// Math: docs/design.md, "MHA on one device" (FlashAttention-2, Dao 2023); masks on global positions and packed
+// documents: "MHA on packed rows"; soft-capping, ALiBi, sinks: "Score modifiers"; dropout: "Attention dropout";
+// lse precision and merges: "Precision of lse and merges".
 //
-// Math (docs/design.md section 8.1; FlashAttention-2, Dao 2023): for batch b, query head h, kv head h / (Hq / Hkv),
-//   a_ij = scale * q_i . k_j            for visible keys j
-//   lse_i = log sum_j exp(a_ij)         (natural log)
-//   o_i   = sum_j exp(a_ij - lse_i) v_j
-// Backward with the final lse and delta_i = dO_i . O_i:
-//   p_ij = exp(a_ij - lse_i), dV_j += p_ij dO_i, ds_ij = p_ij (dO_i . v_j - delta_i),
-//   dQ_i += scale ds_ij k_j, dK_j += scale ds_ij q_i.
-// Because blocks of keys can be processed in any order with the final lse, a ring calls mha_backward once per key
-// block, accumulating into dq / dk / dv of the accumulator dtype.
-//
-// Masks are on global positions (q_pos, k_pos: any non-decreasing int64 sequences, as produced by every layout's
-// slots, parallel/layout.h; empty = 0, 1, 2, ...):
-//   causal: key j visible to query i iff k_pos[j] <= q_pos[i]; window W > 0 adds q_pos[i] - k_pos[j] < W.
-//   documents (packed rows, docs/design.md section 15.3; mask.doc_lo / doc_hi, [Sq] each, or both empty): key j is
-//   visible to query i only if doc_lo[i] <= k_pos[j] < doc_hi[i], the slots of the query's own document (with or
-//   without causal). The window then counts inside the document, from its own start. A query with doc_lo >= doc_hi
-//   (a padding row) sees no key: out 0, lse -inf, no gradient.
-// Because both sets are sorted, the keys visible to a query are one contiguous index range; the CPU kernels run
-// tiles whose keys are all visible with no per-element mask test and skip tiles with no visible key.
-// A query row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient (no NaN).
-// Dropout (args.dropout.p > 0; attention/dropout.h, FlashAttention with dropout): o_i = sum_j z_ij p_ij v_j with
-// z_ij = keep_ij / (1 - p) from a counter-based generator on (seed, b, global head, q_pos, k_pos); lse stays the
-// undropped one; backward dV_j += z_ij p_ij dO_i, ds_ij = p_ij (z_ij dO_i . v_j - delta_i) with delta of the dropped
-// out. Nothing is stored between forward and backward: both regenerate the mask.
-//
-// Score modifiers (ScoreMods, all off by default), applied to every visible score before the softmax:
-//   soft-capping (Gemma Team 2024, "Gemma 2", logit soft-capping): a_ij = cap * tanh(scale q_i . k_j / cap);
-//     backward: ds_pre = ds * (1 - tanh^2) before the usual scale;
-//   ALiBi (Press et al. 2022, "Train Short, Test Long"): a_ij += -slope_h * |q_pos[i] - k_pos[j]| on the global
-//     positions (causal: q_pos - k_pos); slopes per query head, e.g. alibi_slopes(Hq) (the paper's geometric rule);
-//   attention sinks (gpt-oss, OpenAI 2025; Xiao et al. 2023, "StreamingLLM"): a learned logit sink_h joins every
-//     row's softmax denominator without a value: lse_total = logaddexp(lse, sink_h), out = exp(lse - lse_total) out.
-//     The backward takes lse_total and the final out (delta = dO . O): dq, dk, dv need nothing else (the sink is a
-//     key with a zero value), and dsinks_h = -sum_rows exp(sink_h - lse_total) delta (mha_sinks_backward).
-//   A sink is applied once per row: a ring that merges key blocks leaves sinks out of the blocks and calls
-//   mha_apply_sinks once on the merged result.
-//
-// Layouts: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq].
-// All contiguous, row-major, host memory (the CUDA path lands with its own issue).
-// Storage dtypes fp32, bf16, fp16, fp64; q, k, v share one dtype. The accumulator dtype (accumulator_dtype()) is
-// fp64 for fp64 storage and fp32 otherwise: every score, running max / sum, output accumulator, lse, delta and
-// recomputed probability is computed in it, and lse, delta and accumulate = true gradients are stored in it. An
-// lse or delta may also be fp64 for 16-/32-bit storage (a merge keeps its running lse in fp64, see lse_merge);
-// they are never narrower than the accumulator dtype.
-// Synchronisation: host-synchronous (the stream argument is an ordering token on the CPU).
-// Determinism: the same inputs give bitwise the same results, for any thread count (fixed reduction orders, no
-// atomics; the CPU kernels' OpenMP work items each own their outputs).
-// Extra memory: O(Sq + Sk) per (batch, head) worker plus fixed-size tiles; no [Sq, Sk] matrix. The forward converts
-// K and V once per call (B Sk Hkv D elements each, compute dtype); the backward keeps a dK / dV partial per query
-// head (2 B Hq Sk D elements, compute dtype) that is summed over each KV group in head order.
-// Parallelism (CPU, OpenMP): forward over (batch, query head, query tile of 64); backward over (batch, query head).
-// Accuracy: fp64 storage gives fp64 results (lse, delta and the recomputed P in fp64): out, lse, dq, dk, dv agree
-// with the fp64 reference (attention/reference) to about 1e-13 relative at logits up to 1e4. For 32-/16-bit
-// storage a stored fp32 lse is rounded to |lse| 2^-24 absolute, which the backward's recomputed P inherits as a
-// relative error; pass an fp64 lse to avoid it.
-// Errors: Error naming the tensor and the rule for any shape, dtype or position mismatch, raised before any work.
-// Tensors must be host tensors and the stream a CPU stream: a CUDA one fails with "MHA kernels have no CUDA
-// implementation yet". Per-thread scratch comes from the memory ledger (workspace) before any parallel region; a
-// failed allocation raises Error "out of memory: ..." naming the bytes asked for and the ledger's totals.
-// Argument checks on their own: every kernel f below has a check_f with the same parameters that raises exactly the
-// Error f would raise for them, and does no work, so that a context-parallel caller can validate its local shapes
-// before anything is sent and every rank fails together.
+// Shapes: q, out, dout, dq [B, Sq, Hq, D]; k, v, dk, dv [B, Sk, Hkv, D]; lse, delta [B, Hq, Sq]; Hq % Hkv == 0.
+// Contiguous, row-major host tensors. Storage dtypes fp32, bf16, fp16, fp64 (q, k, v share one); the accumulator
+// dtype (accumulator_dtype()) is fp64 for fp64 storage, else fp32; lse and delta have it or fp64.
+// Positions (q_pos, k_pos): non-decreasing global int64 positions; empty means 0, 1, 2, ...
+// A row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient.
+// Synchronisation: host-synchronous (the stream is an ordering token on the CPU); bitwise reproducible for any
+// thread count. Scratch comes from the memory ledger (workspace); a failed allocation raises "out of memory: ...".
+// Errors: Error naming the tensor and the rule, before any work; a CUDA tensor or stream fails with "MHA kernels
+// have no CUDA implementation yet". Each argument struct's validate() raises exactly the kernel's errors, with no
+// work, so that a context-parallel caller can check its local shapes before anything is sent.
 #pragma once
 
 #include <cstdint>
@@ -82,13 +33,14 @@ struct MaskSpec {
   std::span<const std::int64_t> doc_lo, doc_hi;
 
   MaskSpec() = default;
-  // {causal, window} as before the document bounds existed (no missing-initializer warnings), or all four.
+  // {causal, window}, or all four (no missing-initializer warnings).
   MaskSpec(bool causal_, std::int64_t window_ = 0, std::span<const std::int64_t> doc_lo_ = {},
            std::span<const std::int64_t> doc_hi_ = {})
       : causal(causal_), window(window_), doc_lo(doc_lo_), doc_hi(doc_hi_) {}
 };
 
-// Score modifiers of one call (see the header comment). Heads are those of the call's q (under Ulysses, a slice).
+// Score modifiers of one call (docs/design.md, "Score modifiers"). Heads are those of the call's q (under Ulysses,
+// a slice).
 struct ScoreMods {
   float softcap = 0.0f;     // > 0: a <- softcap * tanh(a / softcap); 0: off (< 0 or non-finite: error)
   TensorView alibi_slopes;  // empty, or [Hq] fp32 / fp64 finite host: bias -slope_h |q_pos - k_pos|
@@ -104,9 +56,9 @@ struct MhaForwardArgs {
   TensorView q;                         // [B, Sq, Hq, D]
   TensorView k;                         // [B, Sk, Hkv, D]
   TensorView v;                         // [B, Sk, Hkv, D]
-  std::span<const std::int64_t> q_pos;  // [Sq] global positions (empty: 0..Sq-1)
-  std::span<const std::int64_t> k_pos;  // [Sk] global positions (empty: 0..Sk-1)
-  MaskSpec mask;
+  std::span<const std::int64_t> q_pos = {};  // [Sq] global positions (empty: 0..Sq-1)
+  std::span<const std::int64_t> k_pos = {};  // [Sk] global positions (empty: 0..Sk-1)
+  MaskSpec mask{};
   float scale = 0.0f;  // <= 0: 1 / sqrt(D)
   ScoreMods mods{};    // soft-capping, ALiBi, sinks (off by default)
   // Dropout on the probabilities (attention/dropout.h); p = 0 (the default) is off. The mask is keyed by the
@@ -120,6 +72,13 @@ struct MhaForwardArgs {
   // k_pos[j] + q_tokens[i] - q_pos[i] (inside a document a slot difference is a token distance). Read only when
   // dropout.p > 0; every other rule reads position differences, which slots and tokens share.
   std::span<const std::int64_t> q_tokens{};
+
+  // The rules of mha_forward on these fields alone (no outputs): shapes, dtypes, devices, Hq % Hkv, positions,
+  // mask, scale, mods and dropout; raises mha_forward's Error. A context-parallel caller runs it on its local
+  // shapes before anything is sent.
+  void validate() const;
+  // Every check mha_forward makes on (this, out, lse, stream), no work.
+  void validate(const TensorView& out, const TensorView& lse, Stream stream = Stream::cpu()) const;
 };
 
 // Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
@@ -142,14 +101,18 @@ struct MhaBackwardArgs {
   TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64
-  TensorView delta;    // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
+  TensorView delta{};  // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
   // optional [B, Hq, Sq] fp32 / fp64: the gradient of the loss with respect to lse (flash-attention's dlse). Since
   // d lse_i / d a_ij = p_ij, it joins ds as ds_ij = p_ij (dp_ij - delta_i + dlse_i): the kernels run with
   // delta - dlse (with sinks, dsinks takes the same delta - dlse). Empty: lse carries no gradient.
   TensorView dlse{};
+
+  // Every check mha_backward makes on (this, dq, dk, dv, accumulate, stream), no work.
+  void validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, bool accumulate,
+                Stream stream = Stream::cpu()) const;
 };
 
-// Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md section 8.1).
+// Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md, "MHA on one device").
 // args.out is read only when args.delta is empty (delta is then computed from out and dout as by
 // mha_backward_delta). dq [B, Sq, Hq, D], dk / dv [B, Sk, Hkv, D]:
 // accumulate = false: dq, dk, dv (any floating dtype) are overwritten.
@@ -188,12 +151,19 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
 void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks,
                      Stream stream = Stream::cpu());
 
+struct MhaSinksBackwardArgs {
+  TensorView delta;  // [B, H, S] rowsum(dO * O) of the final out (mha_backward_delta), fp32 / fp64
+  TensorView lse;    // [B, H, S] the final lse_total, fp32 / fp64
+  TensorView sinks;  // [H] fp32 / fp64 finite
+
+  // Every check mha_sinks_backward makes on (this, dsinks, stream), no work.
+  void validate(const TensorView& dsinks, Stream stream = Stream::cpu()) const;
+};
+
 // Gradient of the sinks over the rows given: dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) delta[b, h, i],
-// summed in fp64 in (b, i) order. delta [B, H, S] = rowsum(dO * O) of the final out (mha_backward_delta); lse
-// [B, H, S] the final lse_total; fp32 / fp64 each. dsinks [H] fp32 / fp64, overwritten. Rows with lse = -inf add 0.
+// summed in fp64 in (b, i) order. dsinks [H] fp32 / fp64, overwritten. Rows with lse = -inf add 0.
 // Under context parallelism each rank sums its rows and the caller all-reduces. Errors: shapes, dtypes, non-CPU.
-void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
-                        const TensorView& dsinks, Stream stream = Stream::cpu());
+void mha_sinks_backward(const MhaSinksBackwardArgs& args, const TensorView& dsinks, Stream stream = Stream::cpu());
 
 // Number of (query, key) pairs visible under `mask` between the position sets: the work a forward call does,
 // used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs). Unlike the kernels, the positions are
@@ -201,22 +171,5 @@ void mha_sinks_backward(const TensorView& delta, const TensorView& lse, const Te
 // Errors: decreasing positions, an invalid mask.
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
                            const MaskSpec& mask);
-
-// ---- argument checks on their own (see the header comment) -------------------------------------------------------
-
-// MhaForwardArgs alone: shapes, dtypes, devices, Hq % Hkv, positions (sizes, non-decreasing), mask and scale.
-void check_mha_forward_args(const MhaForwardArgs& args);
-void check_mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
-                       Stream stream = Stream::cpu());
-void check_mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                        bool accumulate, Stream stream = Stream::cpu());
-void check_mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
-                              Stream stream = Stream::cpu());
-void check_lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
-                     Stream stream = Stream::cpu());
-void check_mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks,
-                           Stream stream = Stream::cpu());
-void check_mha_sinks_backward(const TensorView& delta, const TensorView& lse, const TensorView& sinks,
-                              const TensorView& dsinks, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

@@ -1,5 +1,5 @@
-// Public boundary of RoPE: the frequency tables (base, llama3, YaRN), argument validation (check_rope) and dispatch
-// to the CPU kernel in cpu/.
+// Public boundary of RoPE: the frequency tables (base, llama3, YaRN), argument validation (RopeConfig::validate)
+// and dispatch to the CPU kernel in cpu/.
 #include "attention/rope.h"
 
 #include <algorithm>
@@ -44,14 +44,14 @@ void yarn_scale(std::vector<double>& f, double theta, std::int64_t r, const Rope
   }
 }
 
-// Shape rules on top of check_rope_config; returns the resolved rotary dim.
-std::int64_t validate(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg,
-                      const char* op) {
+// Shape rules on top of RopeConfig::validate(); returns the resolved rotary dim.
+std::int64_t check_shapes(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg,
+                          const char* op) {
   detail::check_floating(x, str_cat(op, ": x").c_str(), "RoPE");
   SEQPAR_CHECK(x.ndim() == 4 || x.ndim() == 3, op, ": x ", x.str(), " must be [B, S, H, D] or [B, S, D]");
   SEQPAR_CHECK(static_cast<std::int64_t>(positions.size()) == x.dim(1), op, ": ", positions.size(),
                " positions for a sequence of ", x.dim(1));
-  check_rope_config(cfg);
+  cfg.validate();
   const std::int64_t d = x.dim(x.ndim() - 1);
   if (cfg.rotary_dim == 0) {
     SEQPAR_CHECK(cfg.column_offset <= d, op, ": column_offset ", cfg.column_offset, " is beyond the head dim ", d);
@@ -66,7 +66,7 @@ std::int64_t validate(const TensorView& x, std::span<const std::int64_t> positio
 
 void rotate(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg, const char* op,
             double sign) {
-  const std::int64_t r = validate(x, positions, cfg, op);
+  const std::int64_t r = check_shapes(x, positions, cfg, op);
   if (r == 0) return;
   const std::vector<double> inv_freq = rope_inv_freq(cfg, r);
   const std::int64_t heads = x.ndim() == 4 ? x.dim(2) : 1;
@@ -107,7 +107,8 @@ RopeScaling parse_rope_scaling(const std::string& name) {
   SEQPAR_THROW("RoPE scaling '", name, "' is not one of none, llama3, yarn");
 }
 
-void check_rope_config(const RopeConfig& cfg) {
+void RopeConfig::validate() const {
+  const RopeConfig& cfg = *this;
   SEQPAR_CHECK(finite_positive(cfg.theta), "rope: theta ", cfg.theta, " must be positive and finite");
   SEQPAR_CHECK(cfg.rotary_dim >= 0 && cfg.rotary_dim % 2 == 0, "rope: rotary_dim ", cfg.rotary_dim,
                " must be even and >= 0 (0: the whole head dim)");
@@ -137,7 +138,7 @@ void check_rope_config(const RopeConfig& cfg) {
 }
 
 std::vector<double> rope_inv_freq(const RopeConfig& cfg, std::int64_t rotary_dim) {
-  check_rope_config(cfg);
+  cfg.validate();
   SEQPAR_CHECK(rotary_dim >= 2 && rotary_dim % 2 == 0, "rope: rotary_dim ", rotary_dim, " must be even and >= 2");
   std::vector<double> f(static_cast<std::size_t>(rotary_dim / 2));
   for (std::size_t i = 0; i < f.size(); ++i) {
@@ -152,7 +153,7 @@ std::vector<double> rope_inv_freq(const RopeConfig& cfg, std::int64_t rotary_dim
 }
 
 double rope_attention_factor(const RopeConfig& cfg) {
-  check_rope_config(cfg);
+  cfg.validate();
   if (cfg.scaling != RopeScaling::kYarn) return 1.0;
   const RopeYarnParams& p = cfg.yarn;
   if (p.attention_factor > 0) return p.attention_factor;
@@ -163,14 +164,14 @@ double rope_attention_factor(const RopeConfig& cfg) {
 }
 
 double rope_softmax_scale_factor(const RopeConfig& cfg) {
-  check_rope_config(cfg);
+  cfg.validate();
   if (cfg.scaling != RopeScaling::kYarn || cfg.yarn.mscale_all_dim <= 0) return 1.0;
   const double m = yarn_mscale(cfg.yarn.factor, cfg.yarn.mscale_all_dim);
   return m * m;
 }
 
-void check_rope(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg) {
-  validate(x, positions, cfg, "rope");
+void RopeConfig::validate(const TensorView& x, std::span<const std::int64_t> positions) const {
+  check_shapes(x, positions, *this, "rope");
 }
 
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg) {
@@ -181,9 +182,6 @@ void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions
   rotate(dy, positions, cfg, "rope_backward", -1.0);
 }
 
-void check_rope(const TensorView& x, std::span<const std::int64_t> positions, double theta) {
-  check_rope(x, positions, plain(theta));
-}
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, double theta) {
   rope_forward(x, positions, plain(theta));
 }

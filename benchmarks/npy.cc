@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar::npy {
 namespace {

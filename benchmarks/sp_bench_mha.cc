@@ -176,7 +176,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     if (o_.sinks) {
       npy::HostArray delta(ref_lse_.dtype, lse_shape());
       attn::mha_backward_delta(ref_out_.view(), ref_dout_.view(), delta.view());
-      attn::mha_sinks_backward(delta.view(), ref_lse_.view(), sinks_.view(), ref_dsinks_.view());
+      attn::mha_sinks_backward({delta.view(), ref_lse_.view(), sinks_.view()}, ref_dsinks_.view());
     }
   }
   NamedArrays reference_outputs() override {
@@ -422,7 +422,7 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
                  " must divide or be a multiple of --ulysses-size ", pu, " (--heads ", o.heads, ")");
     SEQPAR_CHECK(std::isfinite(o.softcap) && o.softcap >= 0, "--softcap ", o.softcap,
                  " must be finite and > 0 (0: no soft-capping)");
-    attn::check_dropout({o.dropout, o.dropout_seed}, "--dropout");
+    attn::DropoutSpec{o.dropout, o.dropout_seed}.validate("--dropout");
     SEQPAR_CHECK(std::isfinite(o.test_logit_scale) && o.test_logit_scale > 0, "--test-logit-scale ", o.test_logit_scale,
                  " must be a finite number > 0");
     SEQPAR_CHECK(o.test_logit_scale == 1 || o.inputs_dir.empty(),

@@ -169,7 +169,7 @@ void parse_rope(const cxxopts::ParseResult& r, const std::optional<attn::RopeCon
   }
   if (o.rope) {
     try {
-      attn::check_rope_config(c);
+      c.validate();
     } catch (const Error& e) {
       SEQPAR_THROW("RoPE flags (--rope*): ", e.message());
     }

@@ -18,19 +18,22 @@ install(TARGETS ${_seqpar_targets} EXPORT seqparTargets
 install(EXPORT seqparTargets NAMESPACE seqpar:: DESTINATION ${SEQPAR_INSTALL_CMAKEDIR})
 
 # Public headers only: not the CPU kernels (attention/cpu), the fp64 references of the tests, the helpers internal
-# to their folder (attention/boundary.h, runtime/cuda_check.h, runtime/cuda_staging.h, parallel/decode_shared.h).
+# to their folder (attention/boundary.h, runtime/cuda_check.h, runtime/cuda_staging.h, runtime/tensor_checks.h,
+# parallel/decode_shared.h).
 foreach(_dir runtime attention parallel)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${_dir} DESTINATION ${SEQPAR_INSTALL_INCLUDEDIR}
           FILES_MATCHING PATTERN "*.h"
           PATTERN cpu EXCLUDE PATTERN reference EXCLUDE
           PATTERN boundary.h EXCLUDE PATTERN cuda_check.h EXCLUDE PATTERN cuda_staging.h EXCLUDE
-          PATTERN decode_shared.h EXCLUDE)
+          PATTERN decode_shared.h EXCLUDE PATTERN tensor_checks.h EXCLUDE)
 endforeach()
 if(SEQPAR_NATIVE)
   install(CODE "message(STATUS \"seqpar: these libraries were compiled with -march=native (SEQPAR_NATIVE=ON): they \"
                 \"run only on CPUs with this machine's instruction set\")")
 endif()
 install(FILES ${PROJECT_BINARY_DIR}/generated/runtime/version.h DESTINATION ${SEQPAR_INSTALL_INCLUDEDIR}/runtime)
+# The umbrella header, found as <seqpar/seqpar.h> on the installed include path.
+install(FILES ${PROJECT_SOURCE_DIR}/include/seqpar/seqpar.h DESTINATION ${SEQPAR_INSTALL_INCLUDEDIR}/seqpar)
 
 if(SEQPAR_BUILD_BENCHMARKS)
   # The installed benchmarks find shared libraries outside the system paths (CUDA) where they were linked from.

@@ -9,6 +9,7 @@
 #include "parallel/layout.h"
 #include "runtime/env.h"
 #include "runtime/sp_grid.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar {
 

@@ -8,6 +8,7 @@
 
 #include "parallel/decode_shared.h"
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -786,7 +787,7 @@ DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const Tenso
   const attn::GdnForwardArgs args = attn::gdn_args(ql, kl, vl, gl, bl, config_.use_qk_l2norm, config_.scale);
   if (!conv_weight.empty()) {
     // The recurrence's checks first (the convolved heads have these shapes), so that a refused step leaves the tail.
-    attn::check_gdn_decode(cache, args, result.out, groups_.stream);
+    args.validate(cache, result.out, groups_.stream);
     const Tensor x = concat_channels({ql, kl, vl}, groups_.stream);
     Tensor w = Tensor::empty({s.conv_channels, s.conv_width}, conv_weight.dtype(), MemCategory::kWorkspace);
     gather_rows(conv_weight, 0, local_conv_channels(groups_.sp_rank(), s.key_dim, s.value_dim), w, groups_.stream);

@@ -1,84 +1,18 @@
 // Inference under context parallelism: the prompt's prefill under CP fills caches that stay sharded over the group,
-// and each decode step attends the new tokens to them (docs/design.md section 16).
+// and each decode step attends the new tokens to them.
+// Math and schedules: docs/design.md, "MHA decode over a sharded cache" (token sharding, the exact fp64 merge of the
+// shards, bytes per step), "Persistent-cache prefill" (extend: pass-KV and pass-Q, bytes, the auto choice), "GDN
+// decode" (head sharding of the state and of the short-conv tail), "Decode agreement and capacity".
 //
-// MHA / GQA: the K/V cache of a CP group of P ranks (groups.ring) is sharded by token (CacheSharding): `contiguous`
-// (blocks of ceil(capacity / P) tokens, rank r holding [r blk, (r+1) blk)) or `interleave I` (token t on rank (t / I)
-// mod P, I >= 1: the scheme of vLLM's decode context parallelism, which keeps appends balanced). A token's K/V is
-// stored only on its owner. Under USP (ulysses_size Pu > 1) the Ulysses group splits the heads: SP rank (ring r,
-// Ulysses u) stores, for the tokens ring rank r owns, the KV heads [u Hkv / Pu, (u+1) Hkv / Pu) and attends the query
-// heads [u Hq / Pu, (u+1) Hq / Pu) (Hq divisible by Pu; Hkv divisible by Pu, or Hkv < Pu dividing it: each KV head is
-// then replicated to Pu / Hkv ranks, which store and attend the KV head of their query heads, as training does); the
-// merge runs over the ring group only.
-//   prefill: the prompt's training forward under CP (UspAttention over `layout`: a ring when Pu = 1; any layout kind
-//     and ring impl) gives the prompt's out and lse in the compute layout; then one all_to_all_v over the SP group
-//     moves every prompt token's K and V (of each head) from the rank that computed it to the rank that stores it
-//     (re-sharding from the compute layout to the cache layout). Bytes sent by a rank: 2 B (Hkv / Pu) D bytes(dtype)
-//     per (token, destination) pair it sends to another rank.
-//   decode step of n new tokens at positions L..L+n-1 (L = the cache's length; q, k, v of the new tokens identical
-//     on every rank): the owner of each new token appends its K/V; every rank attends the n queries to its shard
-//     (attn::mha_decode: out_r, lse_r, with lse_r = -inf where it holds nothing visible), and one all-gather of
-//     (out_r, lse_r) over the group lets every rank merge exactly, in fp64, in rank order:
-//       m = max_r lse_r,  l = sum_r exp(lse_r - m),  out = sum_r exp(lse_r - m) out_r / l,  lse = m + log l
-//     (with out_r = u_r / l_r the local normalised output, exp(lse_r) = exp(m_r) l_r: the global softmax of the
-//     shards' m_r, l_r, u_r). Every rank of a ring group ends with the same out and lse of its query heads.
-//     Bytes per step (CpCounters::bytes_sent, and bytes_received the same), accumulator dtype a (4; 8 for fp64):
-//       merge_bytes = (Pr - 1) B n (Hq / Pu) (D + 2) bytes(a)       (Pr = ring_size, Pu = ulysses_size)
-//     (each rank's out_r and its lse as two numbers of dtype a, hi + lo, so that fp32 carries the fp64 lse of the
-//     merge to 2^-48: the weights exp(lse_r - m) keep fp64 accuracy). Before it, the ranks' agreement check (one
-//     24-byte all-reduce, AgreementCheck) runs on every step, since the step's fingerprint holds the cache length;
-//     it is not counted in CpCounters.
-//   Chosen over an all-reduce of the max then of (exp(lse_r - m) out_r, exp(lse_r - m)): one collective instead of
-//   two dependent ones, the same bytes order (P - 1 blocks in, a ring all-reduce 2 (P - 1) / P twice), and an
-//   order-fixed fp64 merge that is bitwise identical on every rank.
-//
-// Persistent-cache prefill (extend): a further prompt chunk of T_new tokens at positions L..L+T_new-1 (L = the
-// cache's length; q, k, v in a layout of T_new tokens over the groups, its positions shifted by L) attends to the
-// cache and, causally, to itself; then its K/V join the cache on their owners. Under USP the Ulysses exchange first
-// gives each rank the ring shard of the chunk for its heads (Hq / Pu query heads, the Hkv / Pu KV heads its cache
-// holds), as UspAttention does; everything below then runs over the ring group (P = Pr ranks) with those heads, and
-// the inverse exchange returns out and lse to the compute layout (Ulysses bytes: UspAttention's for q, k, v, out and
-// lse). The chunk's own part is the training forward (RingAttention on the ring shards); the cached part takes one of
-// two routes (after Meta's "Context Parallelism for Scalable Million-Token Inference", MLSys 2025):
-//   pass-KV: every rank's cache shard goes to every rank of its ring group (one all-gather of the shards, padded to
-//     the longest, m_max rows); each rank attends its queries to every shard. Bytes sent per rank:
-//     (Pr - 1) 2 B m_max (Hkv / Pu) D bytes(dtype), m_max ~ L / Pr.
-//   pass-Q: the queries go to the cache instead: one all-gather of the chunk's q over the ring group, each rank attends
-//     every rank's queries to its own shard, and one all-to-all returns each partial (out, lse hi, lo) to the queries'
-//     owner. Bytes sent per rank: (Pr - 1) B T_loc (Hq / Pu) (D bytes(dtype) + (D + 2) bytes(a)), T_loc = the chunk
-//     layout's ring_shard_len() (padded_len / Pr, ~ T_new / Pr: a padded layout sends its padding rows too).
-// Every query then merges its Pr cached partials and the chunk's own (out, lse) with the formulas above. Both routes
-// give the same result (to rounding); auto takes the one that sends fewer bytes (pass-Q iff its bytes are fewer:
-// a short chunk after a long cache, the case of multi-turn prompts), as the paper's heuristic on the cache-miss rate.
-//
-// GDN: the state [B, Hv, K, V] does not grow with the context, so there is nothing to shard by token: the value heads
-// are split over the whole SP group (P = groups.sp.size(), rank r holding heads [r Hv / P, (r+1) Hv / P) and key heads
-// [r Hk / P, (r+1) Hk / P)); Hv and Hk must both be divisible by P (Error otherwise, naming both: a key head is never
-// replicated). Prefill runs GdnContextParallel (chain or scan, any layout and grid it accepts), whose final_state is
-// full on every rank: each rank keeps the slice of its heads (the states move to their head owners without a
-// message). A decode step slices the new tokens' heads and runs attn::gdn_decode on them: no data message (only the
-// agreement check), out of its heads [B, n, Hv / P, V].
-// The short conv (optional: conv_weight [C, W] given to prefill and decode, the cache made with conv_width W): the
-// layer's q, k, v are then the conv's inputs x = [q | k | v] over C = 2 Hk K + Hv V channels (rows of conv_weight
-// in that order: q's Hk K channels, k's, then v's Hv V; Qwen3-Next's conv1d over the concatenated projections), and
-// the recurrence reads silu(conv(x)) (ShortConvCpConfig::use_silu) split back into q, k, v. The conv is depthwise, so
-// a rank needs only the channels of its heads: C_r = 2 (Hk / P) K + (Hv / P) V, the q and k channels of its key heads
-// and the v channels of its value heads (in that order in its cache's tail).
-//   prefill: ShortConvContextParallel over `layout` (its halo exchange), then the recurrence under CP as above. The
-//     tail, the last W-1 conv inputs of the whole prompt (tokens [T - W + 1, T); zeros before token 0 when T < W - 1),
-//     may lie on several ranks (or a rank may hold none of it): one all_to_all_v over the SP group sends each rank
-//     the rows of the tail this rank holds, restricted to the receiver's channels. Bytes sent by a rank holding m of
-//     the tail tokens: m B (C - C_r) bytes(x) (its own block stays local); over the group min(W-1, T) B C (P-1) / P.
-//   decode step: attn::short_conv_decode on the rank's C_r channels of the new tokens (the cached tail before
-//     them), then attn::gdn_decode on the convolved heads: still no data message.
-//
-// Ranks' agreement: every prefill and decode checks, before any data moves, that the ranks of the group pass the
-// same shapes and dtypes, the same configuration and sharding, and caches of the same length and step count
-// (AgreementCheck over the SP group: one 24-byte all-reduce; Error on every rank naming the field, for example
-// "... disagree on cache_length: 96 on sp rank(s) 1-3; 0 on sp rank(s) 0"; SEQPAR_AGREEMENT_CHECK=off skips it and
-// with it this protection). Then the capacity check (the same on every rank). A refused call leaves every cache as it
-// was.
-// Synchronisation: every public call is collective over its group and host-synchronous; kernels on groups.stream
-// (host). Memory: caches in persistent_cache; buffers of a step in workspace / comm_buffer, freed at return.
+// MHA / GQA: the K/V cache is sharded by token over groups.ring (CacheSharding: contiguous or interleave I); under
+// USP the Ulysses group splits the heads (Hq divisible by ulysses_size; Hkv divisible by it, or dividing it: each KV
+// head is then replicated to ulysses_size / Hkv ranks, as in training). GDN: the value heads are split over
+// the whole SP group (Hv and Hk divisible by its size); decode sends no data message.
+// Ranks' agreement: every prefill and decode checks, before any data moves, that the ranks pass the same shapes,
+// dtypes, configuration, sharding, cache length and step count (one 24-byte all-reduce over the SP group), then
+// the capacity. A refused call leaves every cache as it was.
+// Synchronisation: every public call is collective over its group and host-synchronous; kernels on groups.stream.
+// Memory: caches in persistent_cache; buffers of a step in workspace / comm_buffer, freed at return.
 #pragma once
 
 #include <cstdint>
@@ -100,7 +34,7 @@ enum class CacheShardKind : std::uint8_t { kContiguous, kInterleave };
 const char* cache_shard_name(CacheShardKind kind);  // "contiguous", "interleave"
 CacheShardKind parse_cache_shard(std::string_view name);
 
-// The route of a persistent-cache prefill (see the header comment).
+// The route of a persistent-cache prefill (docs/design.md, "Persistent-cache prefill").
 enum class ChunkPrefillMode : std::uint8_t { kAuto, kPassKv, kPassQ };
 const char* chunk_prefill_mode_name(ChunkPrefillMode mode);  // "auto", "pass-kv", "pass-q"
 ChunkPrefillMode parse_chunk_prefill_mode(std::string_view name);
@@ -109,7 +43,8 @@ ChunkPrefillMode parse_chunk_prefill_mode(std::string_view name);
 // runtime/tensor_ops.h on `stream`): how a rank takes its heads (dim 2) or a step its tokens (dim 1).
 Tensor slice_dim(const TensorView& t, int dim, std::int64_t begin, std::int64_t end, Stream stream = Stream::cpu());
 
-// Which rank of a group of num_ranks holds token t of a cache of `capacity` tokens (see the header comment).
+// Which rank of a group of num_ranks holds token t of a cache of `capacity` tokens (docs/design.md, "MHA decode over
+// a sharded cache").
 class CacheSharding {
  public:
   // Errors: capacity < 0, num_ranks < 1, interleave < 1.
@@ -219,7 +154,7 @@ class MhaDecodeContextParallel {
   // unchanged, every rank): shapes, L + T_new past the capacity, ranks disagreeing on shapes, mode, length.
   PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                        const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
-  // The bytes each route sends per rank over the ring group (the header comment's formulas; exactly what
+  // The bytes each route sends per rank over the ring group (docs/design.md, "Persistent-cache prefill"; exactly what
   // chunk_route_bytes_sent() then measures) for the chunk of `layout` (extend's; its padded ring shard, layout.
   // ring_shard_len() rows, is what pass-Q sends) with q_heads query heads (all of the model's) after `cache`'s length,
   // and the route kAuto takes (pass-Q iff fewer bytes). Local arithmetic; errors: none.
@@ -239,7 +174,8 @@ class MhaDecodeContextParallel {
   // shapes, configuration, cache length or step; length + n past the capacity.
   DecodeOutput decode(ShardedKvCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new);
 
-  // merge_bytes of the header comment for one step of n queries of B x Hq heads (all of the model's) of dimension D.
+  // merge_bytes (docs/design.md, "MHA decode over a sharded cache") for one step of n queries of B x Hq heads (all
+  // of the model's) of dimension D.
   std::int64_t decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads, std::int64_t head_dim,
                                      DType dtype) const;
   // The first query head of decode's out on this rank: ulysses_rank * Hq / Pu.
@@ -280,7 +216,7 @@ class MhaDecodeContextParallel {
   AgreementCheck agreement_;
 };
 
-// GDN for inference with the value heads split over groups.sp (see the header comment).
+// GDN for inference with the value heads split over groups.sp (docs/design.md, "MHA decode over a sharded cache").
 class GdnDecodeContextParallel {
  public:
   // value_heads Hv and key_heads Hk of the model; conv: the short conv's configuration (used only when prefill and
@@ -292,7 +228,7 @@ class GdnDecodeContextParallel {
   std::int64_t local_key_heads() const { return hk_ / groups_.sp.size(); }
   std::int64_t head_offset() const { return groups_.sp_rank() * local_value_heads(); }  // first value head held
   // Bytes this rank sent in the last prefill's exchange of the conv tail (CommMeter over the SP group; 0 without
-  // a conv): m B (C - C_r) bytes(x) of the header comment.
+  // a conv): m B (C - C_r) bytes(x) (docs/design.md, "GDN decode").
   std::int64_t conv_tail_bytes_sent() const { return conv_tail_bytes_sent_; }
 
   // The cache of this rank's heads (state dtype: accumulator_dtype(dtype)), collective-free. conv_width W > 0: with
@@ -307,9 +243,9 @@ class GdnDecodeContextParallel {
 
   // The prompt under CP (GdnContextParallel over `layout`: q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta
   // [B, S_local, Hv], initial_state empty or the full [B, Hv, K, V]); the cache (length 0) takes the final state of
-  // its heads. conv_weight [C, W] (dtype of q, k, v; the same on every rank): q, k, v are the conv's inputs (see the
-  // header comment) and the cache (made with conv_width W) also takes the tail of its channels; empty: no conv (the
-  // cache must have none). Returns the prompt's out in the compute layout.
+  // its heads. conv_weight [C, W] (dtype of q, k, v; the same on every rank): q, k, v are the conv's inputs
+  // (docs/design.md, "GDN decode") and the cache (made with conv_width W) also takes the tail of its channels;
+  // empty: no conv (the cache must have none). Returns the prompt's out in the compute layout.
   // Errors (cache unchanged, every rank): shapes and dtypes against the cache, conv_weight given to a cache without
   // a tail or missing for one with a tail, a cache that is not empty, ranks disagreeing on any input's shape.
   PrefillOutput prefill(attn::GdnCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,

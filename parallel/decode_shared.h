@@ -1,7 +1,7 @@
 // Internal to parallel/: what the decode layers of a token-sharded cache share (MhaDecodeContextParallel,
 // parallel/decode_cp.h; DsaDecodeContextParallel, parallel/dsa_decode_cp.h): the exact merge of the ranks' partial
-// (out, lse) and the lse's hi + lo transport (docs/design.md section 16.3), and the re-sharding of a prompt's rows
-// from the compute layout to the ranks that store them. Not a public header.
+// (out, lse) and the lse's hi + lo transport (docs/design.md, "MHA decode over a sharded cache"), and the
+// re-sharding of a prompt's rows from the compute layout to the ranks that store them. Not a public header.
 #pragma once
 
 #include <algorithm>

@@ -9,6 +9,7 @@
 #include "parallel/ring_pass.h"
 #include "parallel/ulysses.h"
 #include "runtime/logging.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -148,7 +149,7 @@ void DsaContextParallel::validate_forward(const TensorView& q, const TensorView&
                  t->str());
   }
   // The kernels' own checks on the local shapes (devices included) before anything is allocated or sent.
-  attn::check_dsa_indexer_args(indexer_args(q_idx, w, k_idx, positions_, positions_, doc_));
+  indexer_args(q_idx, w, k_idx, positions_, positions_, doc_).validate();
 }
 
 // The selection over the SP group: every local query's top-k keys of the whole row (the index keys circulate over a

@@ -1,50 +1,16 @@
-// DSA (DeepSeek sparse attention) under context parallelism (docs/design.md section 9.4).
+// DSA (DeepSeek sparse attention) under context parallelism: selection over the SP group (ring or all-gather of the
+// index keys), attention over Ulysses x ring with the latent ring, and the indexer loss out of backward().
+// Math and schedules: docs/design.md, "DSA under context parallelism"; loss: "DSA indexer loss"; packed rows: "DSA
+// on packed rows"; precision: "DSA precision".
 //
-// Selection runs in the sequence-sharded layout over the whole SP group (indexer heads are never split, so no
-// cross-head reduction is needed): the index keys travel around the SP group (ring_circulate) and each rank merges
-// each block's candidates into its running top-k per local query; or, in all-gather mode, the index keys are
-// gathered once. Both give bitwise identical topk_indices because the selection order is a strict total order on
-// (score, position) that does not depend on how the keys are split (attention/dsa.h).
-//
-// Attention: the query heads are split over the Ulysses group by all-to-all; the latent (shared by all heads) and the
-// selected indices of the ring shard are all-gathered over the Ulysses group; the latent blocks then travel around
-// the ring group and each rank attends only to its selected positions inside each block, merging with the online
-// softmax (attn::lse_merge). The backward sends the dc accumulators home with their blocks
-// (ring_circulate_with_grad); dc and the head-summed attention probabilities of the ring shard are reduce-scattered
-// over the Ulysses group back to the sequence-sharded layout.
-//
-// Window (DsaCpConfig::window W > 0): the indexer's candidates of query t are the keys with t - W < pos <= t
-// (attn::DsaIndexerArgs::window); ring selection then moves only the index-key rows some local query can see
-// (WindowPlan, window_exchange in parallel/ring_pass.h), and every ring pass skips the computation of blocks with no
-// candidate of a local query. The latent ring and the backward's index-key ring still circulate whole blocks.
-//
-// Indexer loss (KL(p* || softmax(I)) summed over all queries; docs/design.md section 9.3): p* comes from the main
-// attention probabilities, which the attention backward produces for free, so the loss value and all gradients
-// come out of backward(). The index-key gradients travel home with the index-key blocks like dK / dV.
-//
-// Packed and padded rows (docs/design.md section 15.5; any SequenceLayout, parallel/layout.h): the indexer scores,
-// the top-k and the indexer loss of a query see only its own document (attn::DsaIndexerArgs::doc_lo / doc_hi from
-// the layout's doc_bounds), so the sparse attention attends only inside it; topk_indices hold SLOT positions
-// (layout().tokens_of_slots maps them to token indices; a document's k-th slot is its k-th token) and are -1 padded
-// when the document prefix is shorter than topk. Padding rows select nothing: out 0, lse -inf, no loss, gradients 0.
-// Every ring step skips the scoring or attention of a block that holds no candidate of a local query (a block of
-// other documents still travels on). cu_seqlens that differ between ranks fail in the agreement check (the layout's
-// digest is part of the fingerprint) before any message of the call.
-//
-// Precision: every scratch array (top-k scores, the attention merge state and lse, delta, probs, the loss arrays and
-// every gradient accumulator, including those that travel) has the kernels' accumulator dtype
-// (accumulator_dtype): fp64 for fp64 inputs, fp32 otherwise.
-//
-// Counters (CpCounters): attention_pairs, bytes over the ring and SP groups (bytes_*) and the Ulysses group (a2a_*),
-// exposed ring / SP wait time, Ulysses exchange time (a2a_s) and kernel time.
+// topk_indices hold SLOT positions (layout().tokens_of_slots maps them to tokens), -1 padded. Every scratch array
+// and travelling accumulator has the kernels' accumulator dtype (fp64 for fp64 inputs, else fp32).
+// Counters (CpCounters): attention_pairs, ring / SP bytes, Ulysses bytes (a2a_*), exposed wait and kernel time.
 // Synchronisation: forward() and backward() are collective over the groups' Ulysses, ring and SP communicators and
-// host-synchronous; kernels run on groups.stream. The object keeps no state between calls: the forward's context
-// owns the saved tensors (saved_activation) until the backward consumes it.
+// host-synchronous; kernels run on groups.stream. The forward's context owns the saved tensors (saved_activation).
 // Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
-// divisible by ulysses_size, shapes / dtypes, topk < 1, dim_v outside [1, Dqk]; a context that is empty, already
-// used or made by another object; ranks of the SP group that disagree on the inputs' shapes and dtypes, select,
-// topk, dim_v, scale or the layout (backward: the saved shapes, dout, loss_grad_scale) (AgreementCheck,
-// parallel/cp_common.h: one all-reduce over the SP group on the first call of each configuration).
+// divisible by ulysses_size, shapes / dtypes, topk < 1, dim_v outside [1, Dqk]; a context that is empty, used or
+// another object's; ranks that disagree on inputs, configuration or layout (AgreementCheck, parallel/cp_common.h).
 #pragma once
 
 #include <cstdint>

@@ -7,6 +7,7 @@
 
 #include "parallel/decode_shared.h"
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -169,7 +170,7 @@ DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const T
   Tensor lse_r = alloc.empty({B, H, n}, DType::kFloat64, MemCategory::kWorkspace);
   const TensorView out_r = sub_view(send, 0, {B, n, H, dv});
   // The kernels' checks on this rank's shard, before the cache is written.
-  attn::check_dsa_decode(cache.local_, args, result.topk_indices, out_r, lse_r, groups_.stream);
+  args.validate(cache.local_, result.topk_indices, out_r, lse_r, groups_.stream);
 
   // The owners append the new tokens; every rank proposes its local top-k (positions, then scores, as raw words).
   const Shape state_shape{B, n, k};

@@ -1,47 +1,15 @@
-// DSA (DeepSeek sparse attention) inference under context parallelism: a token-sharded indexer-key and latent cache,
-// and a decode step whose top-k is global (docs/design.md section 16.7).
+// DSA (DeepSeek sparse attention) inference under context parallelism: a token-sharded indexer-key and latent
+// cache, and a decode step whose top-k is global.
+// Math and schedules: docs/design.md, "DSA decode" (sharding over the whole SP group and why, the global top-k by
+// one all-gather of candidates, the exact merge of the shards' attention, bytes per step), "Decode agreement and
+// capacity".
 //
-// The cache (attn::DsaCache per rank: k_idx [Di] and the latent c [Dqk] of each token it stores) is sharded by token
-// over the whole SP group of P = ulysses_size x ring_size ranks (CacheSharding, parallel/decode_cp.h: `contiguous`
-// or `interleave I`, token t on SP rank (t / I) mod P); a token's rows are stored on its owner only. Memory per rank
-// and layer: B (Di + Dqk) bytes(dtype) per slot, local_capacity(sp_rank) ~ capacity / P slots, i.e. M / P with
-// M = L B T (Di + Dqk) bytes.
-//   Why the SP group and not the ring only (as MHA under USP, whose Ulysses ranks split the KV heads): DSA has one
-//   latent and one indexer key per token, shared by all heads, so a Ulysses split of the query heads would leave
-//   every Ulysses rank of a ring rank holding the same token shard (the cache replicated Pu times) and scoring the
-//   same keys with the same indexer (the indexer has no heads to split: its Hi heads are summed per key). Sharding
-//   the tokens over all P ranks divides the memory and the indexer's O(T) scan by P instead of Pr, at the price of
-//   a merge over P ranks of all H heads (the bytes below) instead of Pr ranks of H / Pu heads; the attention work per
-//   rank is the same (H heads x ~k / P selected positions, against H / Pu x ~k / Pr). Every rank returns all heads.
-//
-//   prefill: the prompt's training forward under CP (DsaContextParallel over `layout`, any layout kind, ring or
-//     all-gather selection, any grid) gives the prompt's out, lse and topk_indices in the compute layout; then one
-//     all_to_all_v over the SP group moves every prompt token's k_idx and c from the rank that computed it to its
-//     owner. Bytes sent by a rank: B (Di + Dqk) bytes(dtype) per token it sends to another rank.
-//   decode step of n new tokens at positions L..L+n-1 (L = the cache's length; q, c, q_idx, k_idx, w of the new
-//     tokens identical on every rank): the owner of each new token appends its k_idx and c; then
-//     1. selection: each rank scores the keys of its shard visible to each query (attn::dsa_decode_select: the
-//        training indexer, window included) and keeps its local top-k candidates (score of the accumulator dtype a,
-//        global position); ONE all-gather over the SP group of every rank's k candidates; every rank merges the P
-//        candidate lists in rank order with the training tie rule (attn::dsa_topk_merge: larger score first, then
-//        smaller position) into the global topk_indices, identical on every rank and bitwise those of the
-//        single-device selection (a key's score does not depend on the shard that holds it, and the order is a
-//        strict total order, so the merge of the shards' top-k is the top-k of the union).
-//     2. attention: each rank attends every query to the selected positions IT stores (attn::dsa_decode_attend: the
-//        training attention on its own rows; a global position is never read through another rank's shard), giving
-//        out_r and lse_r (-inf where it holds no selected position), and one all-gather of (out_r, lse hi, lo)
-//        merges them exactly in fp64 and rank order, as MHA decode does (parallel/decode_cp.h).
-//     Bytes per step and rank (CpCounters::bytes_sent, and bytes_received the same):
-//       select_bytes = (P - 1) B n k (8 + bytes(a))          (the candidates: int64 position + score)
-//       merge_bytes  = (P - 1) B n H (Dv + 2) bytes(a)       (out_r and lse as hi + lo)
-//     plus the ranks' agreement check before them (one 24-byte all-reduce, not counted).
-//
-// Ranks' agreement: every prefill, fill and decode checks, before any data moves, that the ranks pass the same
-// shapes, dtypes, configuration, sharding, cache length and step count (AgreementCheck over the SP group), then the
-// capacity. A refused call leaves every cache as it was (the prefill's own forward checks its inputs on every rank
-// before its first message too).
-// Synchronisation: every public call is collective over groups.sp and host-synchronous. Memory: caches in
-// persistent_cache; the buffers of a step in workspace / comm_buffer, freed at return.
+// The cache (attn::DsaCache per rank) is sharded by token over the SP group (CacheSharding, parallel/decode_cp.h);
+// every rank returns all heads, and topk_indices identical on every rank and bitwise those of one device.
+// Ranks' agreement: every prefill, fill and decode checks shapes, dtypes, configuration, sharding, cache length and
+// step count before any data moves, then the capacity; a refused call leaves every cache as it was.
+// Synchronisation: every public call is collective over groups.sp and host-synchronous.
+// Memory: caches in persistent_cache; the buffers of a step in workspace / comm_buffer, freed at return.
 #pragma once
 
 #include <cstdint>
@@ -107,7 +75,7 @@ class DsaDecodeContextParallel {
   DsaDecodeOutput decode(ShardedDsaCache& cache, const TensorView& q_new, const TensorView& c_new,
                          const TensorView& q_idx_new, const TensorView& k_idx_new, const TensorView& w_new);
 
-  // The header comment's bytes of one step of n queries (B batch rows, H query heads, the inputs' dtype).
+  // The bytes (docs/design.md, "DSA decode") of one step of n queries (B batch rows, H query heads, the inputs' dtype).
   std::int64_t select_bytes_per_step(std::int64_t batch, std::int64_t n, DType dtype) const;
   std::int64_t merge_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t heads, DType dtype) const;
   std::int64_t decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t heads, DType dtype) const {

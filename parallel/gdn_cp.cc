@@ -6,6 +6,7 @@
 
 #include "parallel/ulysses.h"
 #include "runtime/logging.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -456,7 +457,7 @@ std::shared_ptr<GdnContextParallel::Saved> GdnContextParallel::validate_forward(
     check_dtype(initial_state, s.state_dtype, "GDN CP initial_state");
   }
   // The GDN kernels' own checks on the local shapes (devices included) before anything is sent.
-  attn::check_gdn_forward_args(forward_args(q, k, v, g, beta, config_, s.packed ? TensorView() : initial_state));
+  forward_args(q, k, v, g, beta, config_, s.packed ? TensorView() : initial_state).validate();
   return saved;
 }
 
@@ -951,7 +952,7 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
     local.x = x;
     local.weight = weight;
     local.use_silu = config_.use_silu;
-    attn::check_short_conv_args(local);
+    local.validate();
   }
   const std::int64_t B = x.dim(0), C = x.dim(2), W = weight.dim(1);
   SEQPAR_CHECK(!layout_.is_packed() || B == 1, "short conv CP: a packed layout (", cu_seqlens_.size() - 1,
@@ -1004,6 +1005,14 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
   }
   o.ctx = CpContext::make(id_, "short conv CP", std::move(s));
   return o;
+}
+
+ShortConvCpGrads ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout) {
+  const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
+  ShortConvCpGrads g;
+  g.dweight = Tensor::empty(s->weight.shape(), s->weight.dtype(), MemCategory::kWorkspace, s->weight.view().device());
+  g.dx = backward(std::move(ctx), dout, g.dweight);
+  return g;
 }
 
 Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {

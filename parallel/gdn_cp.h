@@ -1,53 +1,17 @@
-// GDN (gated delta rule) and its short causal conv under context parallelism (docs/design.md section 10).
+// GDN (gated delta rule) and its short causal conv under context parallelism: the state passes between the
+// segments of a layout by chain or scan, value heads split over the Ulysses group, the conv's halo point to point.
+// Math and schedules: docs/design.md, "GDN chain and scan" (message rounds of each mode), "GDN segments", "Short conv
+// halo", "Grouped value heads" (key heads replicated when Hk < ulysses_size), "GDN on packed rows".
 //
-// The sequence is sharded by a SequenceLayout (contiguous, zigzag or balanced; stripe would make every token its own
-// segment and is refused). A rank's positions form one or more segments (maximal runs of consecutive positions);
-// zigzag gives two per rank, and the segments in global order visit every rank twice. Each step of the recurrence
-// is affine in the state, so a segment is one map S_end = M S_start + U:
-//   chain: each segment waits for its start state from the segment before it in global order, runs, and sends its
-//          end state on; backward passes d(state) the other way. N - 1 sequential message rounds for N segments.
-//   scan:  every segment computes (M, U) from a zero start at once; a Kogge-Stone inclusive scan of the maps in
-//          global segment order (ceil(log2 N) rounds of point-to-point messages) plus one shift round gives each
-//          segment its start state; then every segment runs with it. Backward: the local part L of dS_start from
-//          a cheap reverse sweep, the reverse scan of the maps (M^T, L), one shift round, then the full backward.
-// States, transitions and their gradients stay fp32 (fp64 for fp64 inputs) on the wire; with fp64 inputs every
-// kernel, composition and sum here runs in fp64.
-//
-// Heads: q and k have Hk key heads, v, g, beta, the states and out Hv value heads (Hv a multiple of Hk; value head h
-// reads key head h / (Hv / Hk), attention/gdn.h).
-// Under USP, value heads are independent: an all-to-all over the Ulysses group turns [B, S/(Pu Pr), Hv, *] into
-// [B, S/Pr, Hv/Pu, *] (the ring shard), the chain or scan runs over the ring group, and the inverse all-to-all
-// restores the layout. q and k follow their value heads: split the same way when Pu divides Hk, else (Hk < Pu,
-// Pu % Hk == 0) each key head is replicated to the Pu / Hk ranks whose value heads read it and the replicas' dq, dk
-// are summed in fp32 (fp64 for fp64) on the way back (UlyssesExchange, parallel/ulysses.h). final_state and
-// d(initial_state) are returned in full ([B, Hv, K, V]) on every rank.
-//
-// Packed rows and padding (docs/design.md section 15.4): with a packed layout (SequenceLayout::packed, B = 1) every
-// document runs from its own initial state and nothing crosses a document start; initial_state, final_state and
-// their gradients are [N, Hv, K, V] (zero-length documents pass their state and its gradient through). Segments are
-// runs of consecutive tokens (token_index), cut into pieces at document starts (segment_pieces): a piece that starts
-// a document runs from its initial state (in the scan, M = 0), so states pass between segments only inside a
-// document (the chain's rounds count those links). Padding rows (any length on any grid) are skipped: their outputs
-// and gradients are 0 and their inputs are never read. The conv halo stops at a document start. Scan and shift rounds
-// send one packed message per peer.
-//
-// Short conv halo: a segment's first W-1 outputs need the W-1 inputs before it in global order; they are received
-// point to point from whichever ranks hold them (several when the segments before are shorter than W-1), and the
-// halo's gradient goes back the same way and is added to the owners' dx. dweight is summed over the group.
-//
-// Counters (CpCounters): message_rounds, ring bytes of the state passing (bytes_*), Ulysses bytes (a2a_*), exposed
-// ring wait time, Ulysses exchange time (a2a_s) and kernel time.
+// Layouts: contiguous, zigzag or balanced (stripe is refused); packed layouts take B = 1 and [N, Hv, K, V] states.
+// States, transitions and their gradients travel in fp32 (fp64 for fp64 inputs). final_state and dinitial_state
+// are returned in full on every rank.
+// Counters (CpCounters): message_rounds, state-passing bytes, Ulysses bytes (a2a_*), exposed wait and kernel time.
 // Synchronisation: every public call is collective over the groups' communicators (GDN: Ulysses and ring; short
-// conv: SP) and host-synchronous; kernels run on groups.stream. The objects keep no state between calls: a forward's
-// context owns the saved tensors (saved_activation) until the backward consumes it.
-// Errors (before any communication, identical on every rank): the layout not built for the groups, stripe layout,
-// B > 1 with a packed layout, initial_state / dfinal_state not [N, Hv, K, V] for N documents,
-// Hv not a multiple of Hk, Hv not divisible by ulysses_size, Hk neither divisible by ulysses_size nor dividing it,
-// shape / dtype mismatches; a context that is empty, already used or made by
-// another object; ranks of the SP group that disagree on the inputs' shapes and dtypes (initial_state given or not
-// included), mode, chunk_size, use_qk_l2norm, scale or the layout (short conv: x, weight, use_silu; backward: the
-// saved shapes, dout, dfinal_state / dweight) (AgreementCheck, parallel/cp_common.h: one all-reduce over the SP
-// group on the first call of each configuration, before any data moves).
+// conv: SP) and host-synchronous; kernels run on groups.stream. A forward's context owns the saved tensors.
+// Errors (before any communication, identical on every rank): layout not built for the groups, stripe layout, B > 1
+// with a packed layout, state shapes, head counts (Hv % Hk, Hv % ulysses_size, Hk vs ulysses_size), shape / dtype
+// mismatches; a context that is empty, used or another object's; ranks that disagree (AgreementCheck).
 #pragma once
 
 #include <cstdint>
@@ -157,6 +121,11 @@ struct ShortConvCpOutput {
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 
+struct ShortConvCpGrads {
+  Tensor dx;       // [B, S_local, C], x's dtype
+  Tensor dweight;  // [C, W], weight's dtype, summed over the group (the same on every rank)
+};
+
 // The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence, over groups.sp (rank r
 // holds layout.positions(r)). Padding rows get out 0 and dx 0; with a packed layout (B = 1) no output reads an input
 // of another document. Errors: as GdnContextParallel's (B > 1 with a packed layout included).
@@ -166,8 +135,9 @@ class ShortConvContextParallel {
 
   // x [B, S_local, C], weight [C, W] (same on every rank).
   ShortConvCpOutput forward(const TensorView& x, const TensorView& weight);
-  // The context of a forward of this object (consumed and freed). Returns dx (local, x's dtype); dweight [C, W]
-  // (summed over the group, weight's dtype) into `dweight`.
+  // The context of a forward of this object (consumed and freed) and dout like the output. Returns dx and dweight.
+  ShortConvCpGrads backward(CpContext&& ctx, const TensorView& dout);
+  // The same, writing dweight [C, W] (summed over the group, weight's dtype) into the caller's `dweight`; returns dx.
   Tensor backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight);
 
   std::int64_t halo_bytes_sent() const { return halo_bytes_sent_; }

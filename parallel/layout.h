@@ -1,49 +1,14 @@
 // Sequence layouts: which tokens each rank of a (ring x Ulysses) group holds, for one row of S tokens or one packed
-// row of documents (docs/design.md sections 6 and 15).
+// row of documents.
+// Math: docs/design.md, "Sequence layouts" (slot space, the contiguous, stripe and zigzag kinds, the SP-rank order),
+// "Packed rows and padding", "The balanced partitioner" (chunks, the greedy assignment, the step-balancing local
+// search, flop_imbalance and step_imbalance).
 //
-// Slot space. A layout places the T = seq_len() real tokens of a row into a padded sequence of padded_len() slots;
-// every SP rank holds local_len() = padded_len() / num_ranks() of them. Positions (positions(), ring_shard_positions())
-// are increasing SLOT positions in [0, padded_len()); a padding slot carries no token (token_index() = -1). Document
-// d (tokens [cu_seqlens[d], cu_seqlens[d+1])) occupies the slots [slot_cu[d], slot_cu[d+1]) (slot_cu_seqlens()),
-// its real tokens the first len_d of them, in order: inside a document a slot difference is a token distance, so
-// causal masks, sliding windows and ALiBi read slot positions as they read token positions, and the document's
-// slot bounds restrict the keys (doc_bounds). Slots after slot_cu[N] belong to no document (trailing padding).
-// When the row needs no padding (an unpacked S that divides as the kind needs), slots are tokens and padded_len()
-// = S: every layout of S tokens that was valid before padding existed is unchanged.
-//
-// Kinds. The row is first cut into ring_size ring shards, then each ring shard (its slots in increasing order) is
-// cut into ulysses_size contiguous pieces; the SP rank of (ring_rank, ulysses_rank) is ring_rank * ulysses_size +
-// ulysses_rank (runtime/sp_grid.h), so pieces in SP-rank order are the ring shards in ring order, each split in
-// Ulysses order. With P = ring_size, U = ulysses_size:
-//   contiguous: slots = tokens, padded at the end to a multiple of P U; ring shard r = [r L, (r+1) L), L = padded/P.
-//   stripe:     slots = tokens, padded at the end to a multiple of P U; ring shard r = {t : t mod P == r}.
-//   zigzag:     per document (TransformerEngine's THD scheme; Brandon et al. 2023 "Striped Attention" /
-//               ring-flash-attention for one document): document d is padded at its end to a multiple of 2P slots and
-//               cut into 2P chunks; ring shard r takes chunks r and 2P-1-r of every document, in document order
-//               (causal work per document is equal on every rank). A ring of one (P = 1) pads no document (its two
-//               chunks are adjacent: any length). Then P e trailing slots, e = (-sum_d padded_d / P) mod U, give every
-//               ring shard e padding slots at its end so that it divides into U pieces.
-//   balanced:   slots = tokens, padded at the end. The row is cut into chunks [k c, (k+1) c) of c tokens, c =
-//               ceil(T / (32 P)) rounded up to a multiple of 64 (the CPU kernels' tile) when it is 32 or more (the
-//               last chunk shorter; a chunk may hold the end of one document and the start of the next), and whole
-//               chunks are assigned to ring ranks, largest causal work first (whole-tile chunks: counted in the
-//               kernels' (query tile, key tile) pairs), each
-//               to the rank with least work among the ranks whose token count stays within c of the smallest; so the
-//               ring ranks' token counts differ by at most one chunk and their causal attention FLOPs are close
-//               (flop_imbalance()). Then a local search evens out every ring step, not only the totals: swaps of
-//               equal-length chunks between ranks that lower sum_s max_r work(r, s) (see step_work()), at most 4
-//               passes over the chunk pairs (balanced_chunk_owners). Ring shard r = its chunks' slots, then its share
-//               of the trailing padding (the shards are padded to the largest, rounded up to a multiple of U).
-// flop_imbalance() = max / mean over ring ranks of the causal attention work of their tokens, sum over held tokens of
-// (offset in document + 1) (what a ring rank's queries compute under a causal mask; 1 when there is no work).
-// step_imbalance() = sum over ring steps s of max_r work(r, s) / sum over s of mean_r work(r, s), work(r, s) = the
-// kernel tile pairs ring rank r computes at ring step s (step_work()): a ring step ends when its slowest rank does.
-//
-// Memory: a layout holds every ring shard's slots (padded_len int64 in all), built once by the constructor and shared
-// by copies; a row too large to hold fails there with std::bad_alloc.
-// Errors (raised identically on every rank, before any communication): sizes < 1; seq_len < 1; cu_seqlens that do not
-// start at 0, have fewer than 2 entries, hold a negative value, decrease, or end at a total T < 1 (each naming the
-// index, the value and the rule).
+// Positions are increasing SLOT positions in [0, padded_len()); a padding slot carries no token (token_index() =
+// -1). Inside a document a slot difference is a token distance. Without padding, slots are tokens.
+// Memory: a layout holds every ring shard's slots (padded_len int64), built once and shared by copies.
+// Errors (identical on every rank, before any communication): sizes < 1, seq_len < 1, cu_seqlens that do not start at
+// 0, have fewer than 2 entries, hold a negative value, decrease, or end at T < 1 (naming the index, value and rule).
 #pragma once
 
 #include <cstdint>
@@ -70,7 +35,8 @@ struct DocBounds {
 
 class SequenceLayout {
  public:
-  // One unpacked row of `seq_len` >= 1 tokens (a single document), padded as the kind needs (see above).
+  // One unpacked row of `seq_len` >= 1 tokens (a single document), padded as the kind needs (docs/design.md,
+  // "Sequence layouts").
   SequenceLayout(LayoutKind kind, std::int64_t seq_len, int ring_size, int ulysses_size = 1);
   // One packed row: cu_seqlens int64 [N+1] (cu_seqlens[0] = 0, non-decreasing, last = T >= 1; zero-length
   // documents allowed), documents placed and padded as the kind needs.
@@ -101,7 +67,7 @@ class SequenceLayout {
   // Slot space, [N+1]: document d's padded slots are [slot_cu_seqlens()[d], slot_cu_seqlens()[d+1]), its real tokens
   // the first cu_seqlens()[d+1] - cu_seqlens()[d] of them.
   std::span<const std::int64_t> slot_cu_seqlens() const;
-  // max / mean per-ring-rank causal attention work (see above); >= 1.
+  // max / mean per-ring-rank causal attention work (docs/design.md, "The balanced partitioner"); >= 1.
   double flop_imbalance() const;
   // The causal attention work (sum over held tokens of offset in document + 1) of each ring rank.
   const std::vector<std::int64_t>& ring_work() const;
@@ -160,7 +126,7 @@ std::int64_t balanced_chunk_len(std::int64_t seq_len, int ring_size);
 // The balanced kind's assignment: the ring rank of each chunk [k c, (k+1) c) of the row (c = balanced_chunk_len,
 // the last chunk shorter), by the greedy largest-work-first pass and then, when `refine`, the per-step local search
 // (see balanced above). Deterministic. Cost O(T + n^2 P^2) for n = ceil(T / c) <= 32 P + 1 chunks. Errors: those of
-// cu_seqlens (see above), ring_size < 1.
+// cu_seqlens (the file comment), ring_size < 1.
 std::vector<int> balanced_chunk_owners(std::span<const std::int64_t> cu_seqlens, int ring_size, bool refine = true);
 // cu_seqlens [N+1] of document lengths (each >= 0): 0, then the running sums. Errors: a negative length.
 std::vector<std::int64_t> cu_seqlens_of(std::span<const std::int64_t> doc_lens);

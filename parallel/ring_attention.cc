@@ -5,6 +5,7 @@
 
 #include "parallel/ring_pass.h"
 #include "runtime/logging.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 
@@ -69,7 +70,7 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   SEQPAR_CHECK(std::isfinite(config.scale), "ring attention: scale ", config.scale,
                " must be finite (0 or less: 1/sqrt(D))");
   SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window, ") needs causal=true");
-  attn::check_dropout(config.dropout, "ring attention");
+  config.dropout.validate("ring attention");
   positions_.reserve(size_);
   for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));
   global_order_.resize(static_cast<std::size_t>(layout_.padded_len()));
@@ -115,7 +116,7 @@ Device RingAttention::validate(const TensorView& q, const TensorView& k, const T
   local.dropout = config_.dropout;
   local.head_offset = head_offset;
   local.q_tokens = tokens_;
-  attn::check_mha_forward_args(local);
+  local.validate();
   return device;
 }
 
@@ -172,7 +173,7 @@ void RingAttention::agree_backward(const CpContext& ctx, const TensorView& dout)
 void RingAttention::sinks_grad(const Saved& s, const TensorView& delta, const TensorView& dsinks) {
   const TensorView& sinks = config_.score_mods.sinks;
   if (sinks.empty()) return;
-  attn::mha_sinks_backward(delta, s.lse.view(), sinks, dsinks, groups_.stream);
+  attn::mha_sinks_backward({delta, s.lse.view(), sinks}, dsinks, groups_.stream);
   WorkHandle w = groups_.ring.all_reduce(dsinks, ReduceOp::kSum);
   timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
 }
@@ -255,7 +256,8 @@ void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const 
   check_grad_input(dq, s.q.shape(), "ring attention dq");
   check_grad_input(dk, s.k.shape(), "ring attention dk");
   check_grad_input(dv, s.v.shape(), "ring attention dv");
-  if (!config_.score_mods.sinks.empty()) attn::check_mha_sinks_backward(s.lse, s.lse, config_.score_mods.sinks, dsinks);
+  if (!config_.score_mods.sinks.empty())
+    attn::MhaSinksBackwardArgs{s.lse, s.lse, config_.score_mods.sinks}.validate(dsinks);
   if (!dlse.empty()) {
     common_device({s.q.view(), dlse}, "ring attention backward (saved tensors, dlse)");
     check_shape(dlse, s.lse.shape(), "ring attention dlse");

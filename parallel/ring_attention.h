@@ -1,68 +1,20 @@
-// Context-parallel (ring) attention for MHA / GQA over the ring group of the SP grid.
+// Context-parallel (ring) attention for MHA / GQA over the ring group of the SP grid: each rank holds q, k, v at the
+// positions its layout gives and gets exactly the rows of out, lse, dq, dk, dv that one rank computing the whole
+// sequence would get.
+// Math and schedules: docs/design.md, "Ring attention" (p2p, Liu et al. 2023: double-buffered K/V, fp64 running
+// lse, travelling dK/dV accumulators), "Ring attention by all-gather", "Sliding-window ring" (WindowPlan), "MHA
+// communication volume" (bytes and message rounds per implementation and layout), "MHA on packed rows".
 //
-// Each rank holds q, k, v for the positions its layout gives (SequenceLayout::ring_shard_positions(ring_rank)) and
-// gets exactly the rows of out, lse, dq, dk, dv that one rank computing the whole sequence would get.
-// Packed and padded rows (docs/design.md section 15.3): positions are slots; each local query sees only the keys of
-// its own document (attn::MaskSpec doc_lo / doc_hi from SequenceLayout::doc_bounds_of_slots), so the result of
-// document d is that of d run alone; padding rows give out 0, lse -inf and gradients 0. A (K, V) block that shares
-// no document with the local queries has no visible pair and is never computed (it still travels on). Packed
-// layouts take B = 1.
-//
-// impl = p2p (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; online-softmax merge of
-// FlashAttention-2): Q stays; the (K, V) block of rank src visits every rank, one hop per step over P steps; the
-// next block's send/receive is posted before the current block is computed (double buffering). Block results are
-// merged with attn::lse_merge into a running out of the accumulator dtype (accumulator_dtype: fp32, fp64 for
-// fp64 storage) and a running lse in fp64, each block's lse also in fp64: the merge adds no error beyond one
-// online-softmax pass over the same keys (an fp32 lse between steps would: its rounding, |lse| 2^-24, becomes a
-// relative error of the merge weights, 1e-4 at logits of 1800). lse is rounded to its returned dtype once, at the
-// end. Blocks with no visible key are never computed.
-// Backward: (K, V) travel again; each block's (dK, dV) accumulator (accumulator dtype) follows it one step behind (a
-// rank computes its contribution into a fresh buffer while the partial sum from upstream is in flight, then adds
-// it), so that after P hops the sum of every rank's contribution arrives back at the block's owner. dQ accumulates
-// locally in the accumulator dtype, using the saved final lse.
-//
-// impl = allgather (Megatron-style CP): all-gather K, V once and run one kernel call over the whole sequence in
-// global order; the backward all-gathers K, V again and reduce-scatters dK, dV in the accumulator dtype.
-//
-// Sliding window (window W > 0, p2p): only the key rows some local query can see travel, directly from owner to user
-// (WindowPlan, window_exchange in parallel/ring_pass.h, which states the schedule and its deadlock argument); the
-// backward returns the (dK, dV) rows of each received block straight to its owner. Blocks no local query sees are
-// neither sent, received nor computed; the all-gather implementation keeps its full traffic (a user choosing it asks
-// for the whole K / V).
-//
-// Communication volume per rank (README): with kv = 2 * B * S_local * Hkv * D * sizeof(dtype) and
-// dkv = 2 * B * S_local * Hkv * D * sizeof(accumulator dtype) (4; 8 for fp64):
-//   p2p:       forward sends (P-1) kv; backward sends (P-1) kv + P dkv   (received: the same)
-//   allgather: forward sends (P-1) kv; backward sends (P-1) kv + (P-1) dkv
-//   p2p with window W: forward sends out_rows * kv_row; backward out_rows * kv_row + in_rows * dkv_row (received:
-//     in_rows * kv_row, then in_rows * kv_row + out_rows * dkv_row), kv_row = kv / S_local, dkv_row = dkv / S_local,
-//     out_rows = sum over dst != r of rows(dst, r), in_rows = sum over src != r of rows(r, src), where, with the layout
-//     cut into chunks of c tokens (contiguous: c = S_local, chunk i on rank i; zigzag: c = S_local / 2, chunk i on
-//     rank min(i, 2P-1-i); stripe: c = 1, token t on rank t mod P):
-//       rows(dst, src) = sum over chunks b of src of clamp(W - 1 - (a - b - 1) c, 0, c),
-//     a the first chunk after b owned by dst (no term when none). E.g. contiguous: rows(r+e, r) = clamp(W - 1 -
-//     (e-1) S_local, 0, S_local); stripe (S_local >= 2): rows(dst, src) = [((dst - src) mod P) < W] (S_local, minus 1
-//     when dst < src); zigzag with W <= S_local / 2: W - 1 rows to each ring neighbour that holds a later chunk.
-// Message rounds (CpCounters::message_rounds, per call): P - 1 forward and P backward (P > 1) around the full ring;
-// with a window the ring distances d with any rows(r + d, r) > 0 over the group, forward and backward alike.
-// Counters (CpCounters): attention FLOPs executed (4 B Hq D per visible (q, k) pair forward; 2.5x that backward),
-// ring bytes sent and received, exposed communication time (blocked in Work::wait, not hidden behind computation)
-// and kernel time.
-//
-// Groups and layout: the layout must be built for the groups (SequenceLayout::for_groups). RingAttention runs over
-// groups.ring on ring shards (seq_len / ring_size tokens, at layout.ring_shard_positions(ring_rank)): use it alone
-// with ulysses_size = 1, or through UspAttention (parallel/usp.h), which runs the Ulysses exchange around it.
-// Synchronisation: forward() and backward() are collective over the ring communicator and host-synchronous; kernels
-// run on groups.stream.
-// Memory: what backward needs (q, k, v, out in storage dtype; lse in the accumulator dtype) is owned by the
-// returned context, in the saved_activation category; double buffers and travelling accumulators in comm_buffer;
-// block results and the returned outputs in workspace. The object keeps no state between calls (cp_common.h).
+// Use it alone with ulysses_size = 1, or through UspAttention (parallel/usp.h). Packed layouts take B = 1.
+// Counters (CpCounters): attention FLOPs, ring bytes, exposed communication time, kernel time.
+// Synchronisation: forward() and backward() are collective over the ring communicator and host-synchronous;
+// kernels run on groups.stream.
+// Memory: the returned context owns what backward needs (saved_activation); double buffers and travelling
+// accumulators in comm_buffer; outputs in workspace.
 // Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
-// mismatch, B != 1 with a packed layout, Hq % Hkv != 0, window without causal, non-finite scale, dropout p outside [0,
-// 1) (constructor); a context that is empty, already used or made by another object; ranks of the ring group that
-// disagree on the shapes or dtypes of q, k, v (backward: of the saved q, k, v and of dout) or on impl, causal, window,
-// scale, the score modifiers, dropout or the layout, cu_seqlens included (AgreementCheck, parallel/cp_common.h: one
-// all-reduce over the ring group on the first call of each configuration, before any data moves).
+// mismatch, B != 1 with a packed layout, Hq % Hkv != 0, window without causal, non-finite scale, dropout p outside
+// [0, 1); a context that is empty, used or another object's; ranks that disagree on shapes, dtypes, configuration
+// or layout (AgreementCheck, parallel/cp_common.h).
 #pragma once
 
 #include <cstdint>

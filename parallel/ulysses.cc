@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "runtime/logging.h"
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/timer.h"
 

@@ -1,5 +1,6 @@
 #include "parallel/usp.h"
 
+#include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar {
@@ -39,6 +40,13 @@ UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout,
       positions_((check_layout_matches(groups, layout, "USP"), layout.positions(groups.sp_rank()))),
       ring_attn_(groups, layout, ring_config(groups, config)) {}
 
+UspAttention::UspAttention(const SpGrid& grid, const SequenceLayout& layout, const RingAttentionConfig& config)
+    : UspAttention(CpGroups::from(grid), layout, config) {}
+
+UspAttention::UspAttention(const SpGrid& grid, std::int64_t seq_len, const RingAttentionConfig& config,
+                           LayoutKind kind)
+    : UspAttention(grid, SequenceLayout::for_groups(CpGroups::from(grid), seq_len, kind), config) {}
+
 AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
   forward_agreement_.run(groups_.sp, mha_forward_fingerprint("USP forward", config_, layout_, q, k, v), groups_.stream);
   const DeviceAlloc alloc{common_device({q, k, v}, "USP forward"), groups_.stream};
@@ -68,7 +76,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   local.scale = config_.scale;
   local.mods = config_.score_mods;
   local.dropout = config_.dropout;
-  attn::check_mha_forward_args(local);
+  local.validate();
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const int pu = groups_.ulysses_size();

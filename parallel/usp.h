@@ -1,33 +1,24 @@
 // USP = Ulysses x Ring (Fang & Zhao 2024, "USP: A Unified Sequence Parallelism Approach") for MHA / GQA / MQA:
-// Ulysses all-to-all over the Ulysses group (parallel/ulysses.h), ring attention (p2p or allgather, any layout;
-// parallel/ring_attention.h) over the ring group on the gathered ring shard, inverse all-to-all. Pu = 1 is pure
-// ring (nothing is exchanged or copied: the ring reads the caller's q, k, v and writes out, lse and the gradients
-// directly), Pr = 1 pure Ulysses.
+// Ulysses all-to-all over the Ulysses group, ring attention over the ring group on the gathered ring shard, inverse
+// all-to-all. Pu = 1 is pure ring (nothing exchanged or copied), Pr = 1 pure Ulysses.
+// Math and schedules: docs/design.md, "USP", "Ulysses", "Ring attention"; bytes: "MHA communication volume";
+// dropout under Ulysses: "Attention dropout"; packed and padded layouts: "MHA on packed rows".
 //
-// Communication volume per rank (README): each all-to-all of a tensor of N bytes sends and receives
-// (Pu - 1) / Pu * N (q, k, v, out and lse forward; dout, dq, dk, dv backward; k, v replicated to Pu heads and their
-// gradients in the accumulator dtype when Hkv < Pu); the ring part is RingAttention's formula with S_local = S / Pr
-// and H / Pu heads.
 // Counters (CpCounters): the ring's FLOPs, bytes and exposed time, plus the all-to-all bytes (a2a_bytes_*) and
 // seconds (a2a_s).
 // Synchronisation: forward() and backward() are collective over the Ulysses and ring groups and host-synchronous.
-// Dropout (config.dropout): the ring runs on heads [u Hq / Pu, (u + 1) Hq / Pu) of Ulysses rank u and keys its
-// mask by those global heads (RingAttention::forward_into's head_offset), so every grid drops the same pairs.
-// Packed and padded layouts (docs/design.md section 15): the local tensors are the layout's padded pieces (positions
-// are slots); every query attends inside its own document only, as in ring_attention.h, padding rows give out 0, lse
-// -inf and gradients 0. A packed layout takes B = 1.
 // Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
 // splittable over Pu (UlyssesHeads), shape / dtype mismatches, a context that is empty, used or not this object's;
-// ranks of the SP group that disagree on the shapes or dtypes of q, k, v (backward: of the saved q and of dout) or
-// on impl, causal, window, scale or the layout (AgreementCheck, parallel/cp_common.h: one all-reduce over the SP
-// group on the first call of each configuration, before any data moves; the inner ring attention is not checked
-// again).
+// ranks of the SP group that disagree on shapes, dtypes, configuration or layout (AgreementCheck,
+// parallel/cp_common.h).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "parallel/ring_attention.h"
 #include "parallel/ulysses.h"
+#include "runtime/sp_grid.h"
 
 namespace seqpar {
 
@@ -35,6 +26,12 @@ class UspAttention {
  public:
   // `layout` (SequenceLayout::for_groups(groups, seq_len, kind)) gives every rank's positions.
   UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
+  // The same on the grid's Ulysses, ring and SP communicators (CpGroups::from(grid)); the grid must outlive the
+  // layer. `layout` as above.
+  UspAttention(const SpGrid& grid, const SequenceLayout& layout, const RingAttentionConfig& config = {});
+  // The same with SequenceLayout::for_groups(grid's groups, seq_len, kind) (zigzag by default).
+  UspAttention(const SpGrid& grid, std::int64_t seq_len, const RingAttentionConfig& config = {},
+               LayoutKind kind = LayoutKind::kZigzag);
 
   // q [B, S / (Pu Pr), Hq, D], k, v [B, S / (Pu Pr), Hkv, D] at positions(); out like q (workspace),
   // lse [B, Hq, S_local] (fp32, fp64 for fp64 inputs); the context owns what the backward needs (saved_activation).

@@ -1,6 +1,6 @@
 // Pinned-host staging of CUDA device buffers for host-memory transports (the MPI backend), so that several ranks
 // may share one GPU in tests and small runs (NCCL refuses two ranks on one device). CUDA builds only: the CPU build
-// never includes the implementation, and its MPI backend refuses device buffers as before.
+// never includes the implementation, and its MPI backend refuses device buffers.
 //
 // Protocol, per communication operation: check_device_buffer() at the public boundary (before anything is
 // posted); stage() for every device buffer, which returns the pinned host view that the transport uses (filled

@@ -22,7 +22,7 @@ DType parse_dtype(std::string_view name);
 
 // The accumulator dtype of a storage dtype: fp64 for fp64, fp32 for fp32, bf16 and fp16. Every attention kernel
 // (MHA, DSA, GDN) computes scores, softmax statistics, states and accumulated gradients in it, and returns lse and
-// states in it (docs/design.md section 8.1).
+// states in it (docs/design.md, "Conventions").
 DType accumulator_dtype(DType storage);
 bool is_floating(DType dtype);
 

@@ -1,4 +1,4 @@
-// Memory categories and the per-process memory ledger (docs/design.md section 11).
+// Memory categories and the per-process memory ledger (docs/design.md, "Memory ledger").
 //
 // Every owning allocation is tagged with a category; the ledger keeps the current and peak bytes of each
 // category and the peak of the total, so that benchmarks can print

@@ -300,8 +300,7 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   set_process_rank(rank);
   if (g_bf16_type == MPI_DATATYPE_NULL) init_types();
   if (g_error_comm == MPI_COMM_NULL) SEQPAR_CHECK_MPI(MPI_Comm_dup(MPI_COMM_WORLD, &g_error_comm));
-  // Read the environment knobs now, so that a malformed value stops every rank here, before any message is sent
-  // (they used to be read at the first wait or the first log line, with operations already posted).
+  // Read the environment knobs now, so that a malformed value stops every rank here, before any message is sent.
   env::log_level();
   env::comm_timeout_s();
   int world_size = 1;

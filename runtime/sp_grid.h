@@ -1,4 +1,4 @@
-// The sequence-parallel process grid (docs/design.md section 4): world = DP x Pu x Pr.
+// The sequence-parallel process grid (docs/design.md, "Process groups"): world = DP x Pu x Pr.
 //
 // Rank numbering: dp_rank = world_rank / (Pu * Pr) (data-parallel replicas are outermost); inside a replica,
 // `ulysses_inner` (default) makes each Ulysses group consecutive ranks (ulysses_rank = local % Pu,

@@ -2,7 +2,7 @@
 //
 // A TensorView is a pointer, a dtype, a shape and a device: always contiguous, row-major. It never owns memory
 // (TransformerEngine's SimpleTensor habit). A Tensor owns its buffer, which it took from `ledger_allocate` with a
-// memory category, and hands out views. Activations are [B, S, H, D]; lse is [B, H, S] (docs/design.md section 3).
+// memory category, and hands out views. Activations are [B, S, H, D]; lse is [B, H, S] (docs/design.md, "Conventions").
 #pragma once
 
 #include <cstdint>
@@ -59,11 +59,13 @@ class TensorView {
 class Tensor {
  public:
   Tensor() = default;
-  // Uninitialised storage of `shape` and `dtype`, tagged `category`.
-  static Tensor empty(const Shape& shape, DType dtype, MemCategory category, Device device = Device::cpu());
+  // Uninitialised storage of `shape` and `dtype`, tagged `category` in the memory ledger (runtime/memory.h);
+  // scratch buffers need not name one.
+  static Tensor empty(const Shape& shape, DType dtype, MemCategory category = MemCategory::kWorkspace,
+                      Device device = Device::cpu());
   // Zero-filled storage; the fill is ordered on `stream` (a device buffer's stream, or Stream::cpu()).
-  static Tensor zeros(const Shape& shape, DType dtype, MemCategory category, Device device = Device::cpu(),
-                      Stream stream = Stream::cpu());
+  static Tensor zeros(const Shape& shape, DType dtype, MemCategory category = MemCategory::kWorkspace,
+                      Device device = Device::cpu(), Stream stream = Stream::cpu());
   // A copy of `src` on src's device, converted to `dtype` (copy_convert of runtime/tensor_ops.h, on `stream`).
   static Tensor copy_of(const TensorView& src, DType dtype, MemCategory category, Stream stream = Stream::cpu());
 
@@ -101,10 +103,6 @@ class Tensor {
   MemCategory category_ = MemCategory::kWorkspace;
 };
 
-// Checks used at public boundaries: throw Error naming `what` and the mismatch.
-void check_shape(const TensorView& t, const Shape& expected, const char* what);
-void check_dtype(const TensorView& t, DType expected, const char* what);
-void check_cpu(const TensorView& t, const char* what);
 // The one device of `inputs` (views without data are skipped; Device::cpu() when all are); Error naming `what`
 // and the two devices when they differ. A CP layer calls it on every input before anything is allocated or sent.
 Device common_device(std::initializer_list<TensorView> inputs, const char* what);

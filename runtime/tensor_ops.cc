@@ -1,4 +1,5 @@
 #include "runtime/tensor_ops.h"
+#include "runtime/tensor_checks.h"
 
 #include <cstring>
 

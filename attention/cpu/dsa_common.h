@@ -1,6 +1,6 @@
 // Private helpers shared by the DSA CPU kernels (attention/cpu/dsa_*.cc): the per-block view of a top-k row, the
 // GEMM tiles and the gathers that feed them, the chunks and key ownership of the key-gradient passes, fixed-order dot
-// products and typed loads / stores (docs/design.md section 9.6). Not a public header.
+// products and typed loads / stores (docs/design.md, "DSA CPU kernels"). Not a public header.
 // The argument checks live in attention/dsa.cc.
 #pragma once
 

@@ -1,6 +1,6 @@
-// CPU chunked gated delta rule: forward, backward and segment transitions. Math and conventions: attention/gdn.h
-// and docs/design.md section 10.2. The per-chunk backward below is the hand-derived reverse mode of the chunk equations
-// (one step per forward equation, in reverse order); it is checked against the fp64 recurrence in
+// CPU chunked gated delta rule: forward, backward and segment transitions. Math and conventions: attention/gdn.h and
+// docs/design.md, "The chunked GDN kernel". The per-chunk backward below is the hand-derived reverse mode of the chunk
+// equations (one step per forward equation, in reverse order); it is checked against the fp64 recurrence in
 // tests/unit/test_gdn.cc.
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,6 @@
-// Algebra of GDN segment maps S_end = M S_start + U (docs/design.md section 10.1): composition, application, the
-// adjoint used by a reverse scan, and the transpose. Per (batch, head) matrix products in the state dtype (fp32 or
-// fp64) on the chunk kernels' products (gdn_gemm.h), OpenMP over (batch, head), fixed summation order.
+// Algebra of GDN segment maps S_end = M S_start + U (docs/design.md, "The gated delta recurrence"): composition,
+// application, the adjoint used by a reverse scan, and the transpose. Per (batch, head) matrix products in the state
+// dtype (fp32 or fp64) on the chunk kernels' products (gdn_gemm.h), OpenMP over (batch, head), fixed summation order.
 #include <algorithm>
 #include <cstdint>
 

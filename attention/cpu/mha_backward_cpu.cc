@@ -1,4 +1,5 @@
-// CPU flash-attention backward (FlashAttention-2, Dao 2023, Algorithm 2; docs/design.md section 8.1), deterministic.
+// CPU flash-attention backward (FlashAttention-2, Dao 2023, Algorithm 2; docs/design.md, "MHA on one device"),
+// deterministic.
 //
 // Work item: (batch, query head, chunk of key tiles), scheduled by OpenMP. It converts Q, dO of its head and K
 // (row-major and transposed per key tile), V (transposed per key tile) of its key chunk to the compute type (rows

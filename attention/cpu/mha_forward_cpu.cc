@@ -1,4 +1,4 @@
-// CPU flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1; docs/design.md section 8.1).
+// CPU flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1; docs/design.md, "MHA on one device").
 //
 // Work item: (batch, query head, tile of kBlockQ queries), or for decode shapes (group * Sq <= kBlockQ, no score
 // transform, no dropout) (batch, KV head) with the group's query heads as the tile's rows, scheduled by OpenMP. For

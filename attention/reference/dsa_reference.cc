@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar::attn::reference {
 namespace {

@@ -1,7 +1,7 @@
-// Naive fp64 DSA for tests: materialised [Sq, Sk] indexer scores, full sort for the top-k, dense masked softmax for
-// the sparse latent attention, and the indexer KL loss with its gradients. Same args structs, positions and
-// semantics as attention/dsa.h (docs/design.md section 9); every tensor is fp64 (lse [B, H, Sq] fp64), indices int64.
-// The key block is the whole key set (one call); no tiling, no running state.
+// Naive fp64 DSA for tests: materialised [Sq, Sk] indexer scores, full sort for the top-k, dense masked softmax for the
+// sparse latent attention, and the indexer KL loss with its gradients. Same args structs, positions and semantics as
+// attention/dsa.h (docs/design.md, "DeepSeek sparse attention"); every tensor is fp64 (lse [B, H, Sq] fp64), indices
+// int64. The key block is the whole key set (one call); no tiling, no running state.
 #pragma once
 
 #include "attention/dsa.h"

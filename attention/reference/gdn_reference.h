@@ -2,7 +2,7 @@
 // For tests only. Same shapes and semantics as attention/gdn.h; every tensor fp64 (states included), outputs
 // overwritten, optional inputs / outputs may be empty.
 //
-// Recurrence (docs/design.md section 10.1), per batch b and value head h, with q_t and k_t of key head
+// Recurrence (docs/design.md, "The gated delta recurrence"), per batch b and value head h, with q_t and k_t of key head
 // h / (Hv / Hk) (dq and dk summed over the value heads that share a key head):
 //   S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,  o_t = S_t^T q_t,
 // after the optional L2 normalisation of q and k (eps kGdnL2NormEps) and the scale on q. With cu_seqlens (B = 1) each

@@ -1,5 +1,5 @@
-// Naive fp64 attention (docs/design.md section 8.1), written straight from the definitions with the mask tested on the
-// global positions of every (query, key) pair, so that it shares no code path with the tiled kernels.
+// Naive fp64 attention (docs/design.md, "MHA on one device"), written straight from the definitions with the mask
+// tested on the global positions of every (query, key) pair, so that it shares no code path with the tiled kernels.
 #include "attention/reference/mha_reference.h"
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 
 #include "attention/dropout.h"
 #include "runtime/error.h"
+#include "runtime/tensor_checks.h"
 
 namespace seqpar::attn::reference {
 namespace {
@@ -35,7 +36,7 @@ Dims check(const MhaForwardArgs& a) {
   check_shape(a.v, {d.B, d.Sk, d.Hkv, d.D}, "reference v");
   SEQPAR_CHECK(a.q_pos.empty() || static_cast<std::int64_t>(a.q_pos.size()) == d.Sq, "reference: q_pos size");
   SEQPAR_CHECK(a.k_pos.empty() || static_cast<std::int64_t>(a.k_pos.size()) == d.Sk, "reference: k_pos size");
-  check_dropout(a.dropout, "reference");
+  a.dropout.validate("reference");
   d.group = d.Hq / d.Hkv;
   d.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(d.D));
   return d;

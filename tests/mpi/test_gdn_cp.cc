@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 
 #include "attention/reference/gdn_reference.h"
 #include "parallel/gdn_cp.h"
@@ -307,6 +308,14 @@ TEST(ShortConvCp, EveryStorageDtype) {
     EXPECT_TRUE(all_close(gather(grid.sp(), lay, o.out, x.shape()), to_double(ref.y), t.atol, t.rtol, name + " out"));
     EXPECT_TRUE(all_close(gather(grid.sp(), lay, dx, x.shape()), to_double(ref.dx), t.atol, t.rtol, name + " dx"));
     EXPECT_TRUE(all_close(to_double(dw), to_double(ref.dw), t.atol * seq, t.rtol, name + " dweight"));
+    // The backward that returns both gradients (ShortConvCpGrads) gives them bitwise.
+    ShortConvCpOutput o2 = conv.forward(shard(x, pos, keep), w.view());
+    const ShortConvCpGrads g = conv.backward(std::move(o2.ctx), shard(dy, pos, keep));
+    ASSERT_EQ(g.dx.shape(), dx.shape()) << name;
+    ASSERT_EQ(g.dweight.shape(), dw.shape()) << name;
+    EXPECT_EQ(g.dweight.dtype(), t.dtype) << name;
+    EXPECT_EQ(std::memcmp(g.dx.data(), dx.data(), dx.nbytes()), 0) << name << " dx (ShortConvCpGrads)";
+    EXPECT_EQ(std::memcmp(g.dweight.data(), dw.data(), dw.nbytes()), 0) << name << " dweight (ShortConvCpGrads)";
   }
 }
 

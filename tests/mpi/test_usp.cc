@@ -176,6 +176,43 @@ TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
   EXPECT_THROW(usp.forward(q4.view(), q4.view(), q4.view()), Error);
 }
 
+// A layer built from the grid (its groups and, given a length, the zigzag layout of SequenceLayout::for_groups)
+// computes bitwise what the layer built from CpGroups::from(grid) and that layout computes.
+TEST(Usp, BuiltFromTheGridEqualsBuiltFromItsGroups) {
+  const int n = world().size();
+  const int pu = n % 2 == 0 ? 2 : 1;
+  SpGrid grid(world(), {1, pu, n / pu, Placement::kUlyssesInner});
+  const CpGroups groups = CpGroups::from(grid);
+  const std::int64_t seq_len = 24 * n;
+  RingAttentionConfig cfg;
+  cfg.causal = true;
+  UspAttention from_groups(groups, SequenceLayout::for_groups(groups, seq_len), cfg);
+  UspAttention from_grid(grid, seq_len, cfg);
+  UspAttention from_grid_layout(grid, SequenceLayout::for_groups(groups, seq_len, LayoutKind::kZigzag), cfg);
+  EXPECT_EQ(from_grid.positions(), from_groups.positions());
+  const std::int64_t sl = from_grid.layout().local_len();
+  const int r = grid.sp().rank();
+  Tensor q = test::random_tensor({1, sl, 4, 8}, DType::kFloat32, 10 + r);
+  Tensor k = test::random_tensor({1, sl, 2, 8}, DType::kFloat32, 20 + r);
+  Tensor v = test::random_tensor({1, sl, 2, 8}, DType::kFloat32, 30 + r);
+  Tensor dout = test::random_tensor({1, sl, 4, 8}, DType::kFloat32, 40 + r);
+  auto run = [&](UspAttention& layer) {
+    AttentionOutput o = layer.forward(q, k, v);
+    AttentionGrads g = layer.backward(std::move(o.ctx), dout);
+    std::vector<Tensor> all;
+    for (Tensor* t : {&o.out, &o.lse, &g.dq, &g.dk, &g.dv}) all.push_back(std::move(*t));
+    return all;
+  };
+  const std::vector<Tensor> want = run(from_groups);
+  for (UspAttention* layer : {&from_grid, &from_grid_layout}) {
+    const std::vector<Tensor> got = run(*layer);
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      ASSERT_EQ(got[i].nbytes(), want[i].nbytes());
+      EXPECT_EQ(std::memcmp(got[i].data(), want[i].data(), want[i].nbytes()), 0) << "tensor " << i;
+    }
+  }
+}
+
 // Inputs that only the ring (after the all-to-all) used to reject are refused before any message: an integer
 // dtype, q / k differing in batch or head dim, a dout whose head dim differs from q's (its shape was checked
 // against itself). A dout of another floating dtype gives gradients in q's dtype, as documented.

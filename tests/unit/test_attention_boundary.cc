@@ -1,7 +1,7 @@
 // The public boundaries of the attention kernels (attention/mha.h, dsa.h, gdn.h, rope.h): every bad argument is
-// rejected with a message naming the value and the rule, by the check_* function alone and by the kernel itself
-// (the same message), before any work; CUDA tensors and streams are rejected until attention/cuda/ exists; and an
-// allocation that cannot be served ends in seqpar's out-of-memory error, never in std::terminate.
+// rejected with a message naming the value and the rule, by the argument struct's validate() alone and by the kernel
+// itself (the same message), before any work; CUDA tensors and streams are rejected until attention/cuda/ exists; and
+// an allocation that cannot be served ends in seqpar's out-of-memory error, never in std::terminate.
 //
 // The expected messages are the documented rules; the inputs are otherwise valid, so each case isolates one rule.
 #include <gtest/gtest.h>
@@ -55,35 +55,35 @@ struct Mha {
 
 TEST(MhaBoundary, ChecksAloneAndInTheKernelAgree) {
   Mha m;
-  EXPECT_EQ(error_of([&] { check_mha_forward(m.args(), m.out, m.lse); }), kNoError);
-  EXPECT_EQ(error_of([&] { check_mha_backward(m.bwd(), m.dq, m.dk, m.dv, true); }), kNoError);
-  expect_rejected([&] { check_mha_forward(m.args(), m.out, m.lse, cuda_stream()); },
+  EXPECT_EQ(error_of([&] { m.args().validate(m.out, m.lse); }), kNoError);
+  EXPECT_EQ(error_of([&] { m.bwd().validate(m.dq, m.dk, m.dv, true); }), kNoError);
+  expect_rejected([&] { m.args().validate(m.out, m.lse, cuda_stream()); },
                   [&] { mha_forward(m.args(), m.out, m.lse, cuda_stream()); },
                   "mha_forward: stream on cuda:0, but MHA kernels have no CUDA implementation yet");
   MhaForwardArgs a = m.args();
   a.k = on_cuda(m.k);
-  expect_rejected([&] { check_mha_forward(a, m.out, m.lse); }, [&] { mha_forward(a, m.out, m.lse); },
+  expect_rejected([&] { a.validate(m.out, m.lse); }, [&] { mha_forward(a, m.out, m.lse); },
                   "k fp32[1, 8, 1, 4]@cuda:0 is on cuda:0, but MHA kernels have no CUDA implementation yet");
-  check_mha_forward_args(m.args());
-  EXPECT_EQ(error_of([&] { check_mha_forward_args(a); }), error_of([&] { check_mha_forward(a, m.out, m.lse); }));
+  m.args().validate();
+  EXPECT_EQ(error_of([&] { a.validate(); }), error_of([&] { a.validate(m.out, m.lse); }));
   Tensor lse_short = zeros({1, 2, 7});
-  expect_rejected([&] { check_mha_forward(m.args(), m.out, lse_short); },
+  expect_rejected([&] { m.args().validate(m.out, lse_short); },
                   [&] { mha_forward(m.args(), m.out, lse_short); }, "lse has shape [1, 2, 7], expected [1, 2, 8]");
   Tensor dk_bf16 = zeros({1, 8, 1, 4}, DType::kBFloat16);
-  expect_rejected([&] { check_mha_backward(m.bwd(), m.dq, dk_bf16, m.dv, true); },
+  expect_rejected([&] { m.bwd().validate(m.dq, dk_bf16, m.dv, true); },
                   [&] { mha_backward(m.bwd(), m.dq, dk_bf16, m.dv, true); },
                   "dk (accumulate = true) has dtype bf16, expected fp32");
   const std::vector<std::int64_t> short_pos{0, 1, 2};
   a = m.args();
   a.k_pos = short_pos;
-  expect_rejected([&] { check_mha_forward(a, m.out, m.lse); }, [&] { mha_forward(a, m.out, m.lse); },
+  expect_rejected([&] { a.validate(m.out, m.lse); }, [&] { mha_forward(a, m.out, m.lse); },
                   "k_pos has 3 entries, expected 0 (meaning 0..7) or Sk = 8");
   Tensor delta_bad = zeros({1, 8, 2});
-  expect_rejected([&] { check_mha_backward_delta(m.out, m.dout, delta_bad); },
+  expect_rejected([&] { mha_backward_delta(m.out, m.dout, delta_bad); },
                   [&] { mha_backward_delta(m.out, m.dout, delta_bad); },
                   "delta has shape [1, 8, 2], expected [1, 2, 8]");
   Tensor out_b = zeros({1, 8, 2, 4}, DType::kBFloat16);
-  expect_rejected([&] { check_lse_merge(m.out, m.lse, out_b, m.lse); }, [&] { lse_merge(m.out, m.lse, out_b, m.lse); },
+  expect_rejected([&] { lse_merge(m.out, m.lse, out_b, m.lse); }, [&] { lse_merge(m.out, m.lse, out_b, m.lse); },
                   "lse_merge out_b has dtype bf16, expected fp32 or fp64");
   // fp64 inputs: lse and delta fp64 (an fp32 one would round them), accumulators fp64.
   Mha w;
@@ -91,17 +91,17 @@ TEST(MhaBoundary, ChecksAloneAndInTheKernelAgree) {
   w.dq = zeros({1, 8, 2, 4}, DType::kFloat64);
   w.dk = zeros({1, 8, 1, 4}, DType::kFloat64);
   w.dv = zeros({1, 8, 1, 4}, DType::kFloat64);
-  expect_rejected([&] { check_mha_forward(w.args(), w.out, w.lse); }, [&] { mha_forward(w.args(), w.out, w.lse); },
+  expect_rejected([&] { w.args().validate(w.out, w.lse); }, [&] { mha_forward(w.args(), w.out, w.lse); },
                   "lse has dtype fp32, expected fp64 for fp64 inputs");
   w.lse = zeros({1, 2, 8}, DType::kFloat64);
-  expect_rejected([&] { check_mha_backward(w.bwd(), w.dq, m.dk, w.dv, true); },
+  expect_rejected([&] { w.bwd().validate(w.dq, m.dk, w.dv, true); },
                   [&] { mha_backward(w.bwd(), w.dq, m.dk, w.dv, true); },
                   "dk (accumulate = true) has dtype fp32, expected fp64");
-  EXPECT_EQ(error_of([&] { check_mha_forward(w.args(), w.out, w.lse); }), kNoError);
-  EXPECT_EQ(error_of([&] { check_mha_backward(w.bwd(), w.dq, w.dk, w.dv, true); }), kNoError);
+  EXPECT_EQ(error_of([&] { w.args().validate(w.out, w.lse); }), kNoError);
+  EXPECT_EQ(error_of([&] { w.bwd().validate(w.dq, w.dk, w.dv, true); }), kNoError);
   // 16-/32-bit inputs may ask for an fp64 lse (the merges of parallel/ do).
   Tensor lse64 = zeros({1, 2, 8}, DType::kFloat64);
-  EXPECT_EQ(error_of([&] { check_mha_forward(m.args(), m.out, lse64); }), kNoError);
+  EXPECT_EQ(error_of([&] { m.args().validate(m.out, lse64); }), kNoError);
 }
 
 // ---- DSA ------------------------------------------------------------------------------------------------------------
@@ -132,12 +132,12 @@ struct Dsa {
 
 TEST(DsaBoundary, AttentionArgumentsAreRejectedWithTheirRule) {
   Dsa d;
-  EXPECT_EQ(error_of([&] { check_dsa_attention_forward(d.attn(), d.out, d.lse); }), kNoError);
-  EXPECT_EQ(error_of([&] { check_dsa_attention_backward(d.bwd(), d.dq, d.dc, true); }), kNoError);
+  EXPECT_EQ(error_of([&] { d.attn().validate(d.out, d.lse); }), kNoError);
+  EXPECT_EQ(error_of([&] { d.bwd().validate(d.dq, d.dc, true); }), kNoError);
   auto forward_rejects = [&](const DsaAttentionArgs& a, const std::string& needle) {
-    expect_rejected([&] { check_dsa_attention_forward(a, d.out, d.lse); },
+    expect_rejected([&] { a.validate(d.out, d.lse); },
                     [&] { dsa_attention_forward(a, d.out, d.lse); }, needle);
-    EXPECT_EQ(error_of([&] { check_dsa_attention_args(a); }),
+    EXPECT_EQ(error_of([&] { a.validate(); }),
               error_of([&] { dsa_attention_forward(a, d.out, d.lse); }));
   };
   DsaAttentionArgs a = d.attn();
@@ -165,27 +165,27 @@ TEST(DsaBoundary, AttentionArgumentsAreRejectedWithTheirRule) {
   forward_rejects(d.attn(), "topk_indices row (b=0, t=0) must be padded with -1 after its valid entries");
   t[0] = 0;
   t[1] = -1;
-  expect_rejected([&] { check_dsa_attention_forward(d.attn(), d.out, d.lse, cuda_stream()); },
+  expect_rejected([&] { d.attn().validate(d.out, d.lse, cuda_stream()); },
                   [&] { dsa_attention_forward(d.attn(), d.out, d.lse, cuda_stream()); },
                   "dsa_attention_forward: stream on cuda:0, but DSA kernels have no CUDA implementation yet");
   Tensor out_wide = zeros({1, 4, 2, 8});
-  expect_rejected([&] { check_dsa_attention_forward(d.attn(), out_wide, d.lse); },
+  expect_rejected([&] { d.attn().validate(out_wide, d.lse); },
                   [&] { dsa_attention_forward(d.attn(), out_wide, d.lse); },
                   "out has shape [1, 4, 2, 8], expected [1, 4, 2, 4]");
   Tensor lse16 = zeros({1, 2, 4}, DType::kFloat16);
-  expect_rejected([&] { check_dsa_attention_probs(d.attn(), lse16, d.slots); },
+  expect_rejected([&] { dsa_attention_probs(d.attn(), lse16, d.slots); },
                   [&] { dsa_attention_probs(d.attn(), lse16, d.slots); },
                   "lse has dtype fp16, expected fp32 or fp64 for fp32 inputs");
   Tensor dc16 = zeros({1, 4, 8}, DType::kBFloat16);
-  expect_rejected([&] { check_dsa_attention_backward(d.bwd(), d.dq, dc16, true); },
+  expect_rejected([&] { d.bwd().validate(d.dq, dc16, true); },
                   [&] { dsa_attention_backward(d.bwd(), d.dq, dc16, true); },
                   "dc (accumulate = true) has dtype bf16, expected fp32");
   DsaAttentionBackwardArgs b = d.bwd();
   b.out = TensorView();
-  expect_rejected([&] { check_dsa_attention_backward(b, d.dq, d.dc, true); },
+  expect_rejected([&] { b.validate(d.dq, d.dc, true); },
                   [&] { dsa_attention_backward(b, d.dq, d.dc, true); }, "out (needed for delta, which was not given)");
   Tensor delta_bad = zeros({1, 4, 2});
-  expect_rejected([&] { check_dsa_attention_delta(d.out, d.dout, delta_bad); },
+  expect_rejected([&] { dsa_attention_delta(d.out, d.dout, delta_bad); },
                   [&] { dsa_attention_delta(d.out, d.dout, delta_bad); },
                   "delta has shape [1, 4, 2], expected [1, 2, 4]");
 }
@@ -194,54 +194,54 @@ TEST(DsaBoundary, IndexerArgumentsAreRejectedWithTheirRule) {
   Dsa d;
   Tensor scores = zeros({1, 4, 2}), positions = zeros({1, 4, 2}, DType::kInt64);
   const DsaTopkState state{scores, positions};
-  EXPECT_EQ(error_of([&] { check_dsa_indexer_topk_block(d.indexer(), state); }), kNoError);
+  EXPECT_EQ(error_of([&] { d.indexer().validate(state); }), kNoError);
   DsaIndexerArgs a = d.indexer();
   Tensor k_wide = f32({1, 4, 5});
   a.k_idx = k_wide;
-  expect_rejected([&] { check_dsa_indexer_topk_block(a, state); }, [&] { dsa_indexer_topk_block(a, state); },
+  expect_rejected([&] { a.validate(state); }, [&] { dsa_indexer_topk_block(a, state); },
                   "k_idx must be [B, Sk, Di] = [1, Sk, 4], got [1, 4, 5]");
-  EXPECT_EQ(error_of([&] { check_dsa_indexer_args(a); }), error_of([&] { dsa_indexer_topk_block(a, state); }));
+  EXPECT_EQ(error_of([&] { a.validate(); }), error_of([&] { dsa_indexer_topk_block(a, state); }));
   a = d.indexer();
   Tensor w_bad = f32({1, 4, 3});
   a.w = w_bad;
-  expect_rejected([&] { check_dsa_indexer_topk(a, d.topk); }, [&] { dsa_indexer_topk(a, d.topk); },
+  expect_rejected([&] { dsa_indexer_topk(a, d.topk); }, [&] { dsa_indexer_topk(a, d.topk); },
                   "w has shape [1, 4, 3], expected [1, 4, 2]");
   a = d.indexer();
   const std::vector<std::int64_t> q_pos{0, 1, 2};
   a.q_pos = q_pos;
-  expect_rejected([&] { check_dsa_indexer_topk_block(a, state); }, [&] { dsa_indexer_topk_block(a, state); },
+  expect_rejected([&] { a.validate(state); }, [&] { dsa_indexer_topk_block(a, state); },
                   "q_pos has 3 entries, expected 0 (meaning 0..3) or Sq = 4");
   Tensor state16 = zeros({1, 4, 2}, DType::kFloat16);
   const DsaTopkState bad_state{state16, positions};
-  expect_rejected([&] { check_dsa_topk_init(bad_state); }, [&] { dsa_topk_init(bad_state); },
+  expect_rejected([&] { dsa_topk_init(bad_state); }, [&] { dsa_topk_init(bad_state); },
                   "top-k state scores has dtype fp16, expected fp32 or fp64 (the DSA accumulator dtypes)");
   // fp64 scores are the accumulator dtype of fp64 inputs only.
   Tensor scores64 = zeros({1, 4, 2}, DType::kFloat64);
   const DsaTopkState wide_state{scores64, positions};
-  expect_rejected([&] { check_dsa_indexer_topk_block(d.indexer(), wide_state); },
+  expect_rejected([&] { d.indexer().validate(wide_state); },
                   [&] { dsa_indexer_topk_block(d.indexer(), wide_state); },
                   "top-k state scores (fp32 indexer inputs) has dtype fp64, expected fp32");
   Tensor scores3 = zeros({1, 4, 3}), positions3 = zeros({1, 4, 3}, DType::kInt64);
   const DsaTopkState other{scores3, positions3};
-  expect_rejected([&] { check_dsa_topk_merge(state, other); }, [&] { dsa_topk_merge(state, other); },
+  expect_rejected([&] { dsa_topk_merge(state, other); }, [&] { dsa_topk_merge(state, other); },
                   "top-k states to merge must have one shape, got [1, 4, 2] and [1, 4, 3]");
   Tensor topk3 = zeros({1, 4, 3}, DType::kInt64);
-  expect_rejected([&] { check_dsa_topk_finalize(state, topk3); }, [&] { dsa_topk_finalize(state, topk3); },
+  expect_rejected([&] { dsa_topk_finalize(state, topk3); }, [&] { dsa_topk_finalize(state, topk3); },
                   "topk_indices has shape [1, 4, 3], expected [1, 4, 2]");
   Tensor scores16 = zeros({1, 4, 2}, DType::kFloat16);
-  expect_rejected([&] { check_dsa_indexer_scores_selected(d.indexer(), d.topk, scores16); },
+  expect_rejected([&] { dsa_indexer_scores_selected(d.indexer(), d.topk, scores16); },
                   [&] { dsa_indexer_scores_selected(d.indexer(), d.topk, scores16); },
                   "scores has dtype fp16, expected fp32");
   const DsaIndexerLossArgs loss{scores16, d.slots, d.topk};
-  expect_rejected([&] { check_dsa_indexer_loss(loss, TensorView()); }, [&] { dsa_indexer_loss(loss, TensorView()); },
+  expect_rejected([&] { loss.validate(TensorView()); }, [&] { dsa_indexer_loss(loss, TensorView()); },
                   "probs has dtype fp16, expected fp32 or fp64 (the DSA accumulator dtypes)");
   Tensor dk_bad = zeros({1, 3, 4});
-  expect_rejected([&] { check_dsa_indexer_backward(d.indexer(), d.topk, d.slots, d.dq_idx, d.dw, dk_bad, false); },
+  expect_rejected([&] { dsa_indexer_backward(d.indexer(), d.topk, d.slots, d.dq_idx, d.dw, dk_bad, false); },
                   [&] { dsa_indexer_backward(d.indexer(), d.topk, d.slots, d.dq_idx, d.dw, dk_bad, false); },
                   "dk_idx has shape [1, 3, 4], expected [1, 4, 4]");
   expect_rejected(
       [&] {
-        check_dsa_indexer_loss({d.slots, d.slots, d.topk}, TensorView(), cuda_stream());
+        DsaIndexerLossArgs{d.slots, d.slots, d.topk}.validate(TensorView(), cuda_stream());
       },
       [&] {
         dsa_indexer_loss({d.slots, d.slots, d.topk}, TensorView(), cuda_stream());
@@ -262,10 +262,10 @@ struct Gdn {
 
 TEST(GdnBoundary, ArgumentsAreRejectedWithTheirRule) {
   Gdn d;
-  EXPECT_EQ(error_of([&] { check_gdn_forward(d.args(), d.out, d.state); }), kNoError);
+  EXPECT_EQ(error_of([&] { d.args().validate(d.out, d.state); }), kNoError);
   auto forward_rejects = [&](const GdnForwardArgs& a, const std::string& needle) {
-    expect_rejected([&] { check_gdn_forward(a, d.out, d.state); }, [&] { gdn_forward(a, d.out, d.state); }, needle);
-    EXPECT_EQ(error_of([&] { check_gdn_forward_args(a); }), error_of([&] { gdn_forward(a, d.out, d.state); }));
+    expect_rejected([&] { a.validate(d.out, d.state); }, [&] { gdn_forward(a, d.out, d.state); }, needle);
+    EXPECT_EQ(error_of([&] { a.validate(); }), error_of([&] { gdn_forward(a, d.out, d.state); }));
   };
   GdnForwardArgs a = d.args();
   a.chunk_size = 0;
@@ -284,38 +284,38 @@ TEST(GdnBoundary, ArgumentsAreRejectedWithTheirRule) {
   a = d.args();
   a.v = on_cuda(d.v);
   forward_rejects(a, "is on cuda:0, but GDN kernels have no CUDA implementation yet");
-  expect_rejected([&] { check_gdn_forward(d.args(), d.out, d.state, cuda_stream()); },
+  expect_rejected([&] { d.args().validate(d.out, d.state, cuda_stream()); },
                   [&] { gdn_forward(d.args(), d.out, d.state, cuda_stream()); },
                   "gdn_forward: stream on cuda:0, but GDN kernels have no CUDA implementation yet");
   Tensor out4 = zeros({1, 6, 2, 4});
-  expect_rejected([&] { check_gdn_forward(d.args(), out4, TensorView()); },
+  expect_rejected([&] { d.args().validate(out4, TensorView()); },
                   [&] { gdn_forward(d.args(), out4, TensorView()); },
                   "out has shape [1, 6, 2, 4], expected [1, 6, 2, 3]");
   const GdnBackwardArgs b{d.args(), d.out, {}};
   Tensor dg_bad = zeros({1, 6, 3});
-  expect_rejected([&] { check_gdn_backward(b, d.dq, {}, {}, dg_bad, {}, {}); },
+  expect_rejected([&] { b.validate(d.dq, {}, {}, dg_bad, {}, {}); },
                   [&] { gdn_backward(b, d.dq, {}, {}, dg_bad, {}, {}); }, "dg has shape [1, 6, 3], expected [1, 6, 2]");
   a = d.args();
   a.initial_state = d.state;
-  expect_rejected([&] { check_gdn_transition(a, d.m, d.state); }, [&] { gdn_transition(a, d.m, d.state); },
+  expect_rejected([&] { gdn_transition(a, d.m, d.state); }, [&] { gdn_transition(a, d.m, d.state); },
                   "gdn_transition: initial_state must be empty");
 }
 
 TEST(GdnBoundary, SegmentMapArgumentsAreRejectedWithTheirRule) {
   Gdn d;
   Tensor u = zeros({1, 2, 4, 3}), u2 = zeros({1, 2, 4, 3}), out_m = zeros({1, 2, 4, 4}), out_u = zeros({1, 2, 4, 3});
-  EXPECT_EQ(error_of([&] { check_gdn_transition_compose(d.m2, u2, d.m, u, out_m, out_u); }), kNoError);
-  expect_rejected([&] { check_gdn_transition_compose(d.m2, u2, d.m, u, d.m, out_u); },
+  EXPECT_EQ(error_of([&] { gdn_transition_compose(d.m2, u2, d.m, u, out_m, out_u); }), kNoError);
+  expect_rejected([&] { gdn_transition_compose(d.m2, u2, d.m, u, d.m, out_u); },
                   [&] { gdn_transition_compose(d.m2, u2, d.m, u, d.m, out_u); },
                   "gdn_transition_compose: m may not alias m1 or m2");
-  expect_rejected([&] { check_gdn_transition_apply(d.m, u, d.state, d.state); },
+  expect_rejected([&] { gdn_transition_apply(d.m, u, d.state, d.state); },
                   [&] { gdn_transition_apply(d.m, u, d.state, d.state); },
                   "gdn_transition_apply: s_end may not alias s_start");
   Tensor mt_bad = zeros({1, 2, 4, 3});
-  expect_rejected([&] { check_gdn_transition_transpose(d.m, mt_bad); }, [&] { gdn_transition_transpose(d.m, mt_bad); },
+  expect_rejected([&] { gdn_transition_transpose(d.m, mt_bad); }, [&] { gdn_transition_transpose(d.m, mt_bad); },
                   "mt has shape [1, 2, 4, 3], expected [1, 2, 4, 4]");
   Tensor m16 = zeros({1, 2, 4, 4}, DType::kBFloat16);
-  expect_rejected([&] { check_gdn_transition_apply_adjoint(m16, u, {}, out_u); },
+  expect_rejected([&] { gdn_transition_apply_adjoint(m16, u, {}, out_u); },
                   [&] { gdn_transition_apply_adjoint(m16, u, {}, out_u); },
                   "gdn: m must be fp32 or fp64 (the state dtype), got bf16");
 }
@@ -323,24 +323,24 @@ TEST(GdnBoundary, SegmentMapArgumentsAreRejectedWithTheirRule) {
 TEST(ShortConvBoundary, ArgumentsAreRejectedWithTheirRule) {
   Tensor x = f32({1, 6, 5}), weight = f32({5, 3}), out = zeros({1, 6, 5}), dx = zeros({1, 6, 5});
   const ShortConvArgs ok{x, weight, {}, true};
-  EXPECT_EQ(error_of([&] { check_short_conv_forward(ok, out, {}); }), kNoError);
+  EXPECT_EQ(error_of([&] { ok.validate(out, {}); }), kNoError);
   Tensor w64 = zeros({5, 3}, DType::kFloat64);
   ShortConvArgs a{x, w64, {}, true};
-  expect_rejected([&] { check_short_conv_forward(a, out, {}); }, [&] { short_conv_forward(a, out, {}); },
+  expect_rejected([&] { a.validate(out, {}); }, [&] { short_conv_forward(a, out, {}); },
                   "weight has dtype fp64, expected fp32");
-  EXPECT_EQ(error_of([&] { check_short_conv_args(a); }), error_of([&] { short_conv_forward(a, out, {}); }));
+  EXPECT_EQ(error_of([&] { a.validate(); }), error_of([&] { short_conv_forward(a, out, {}); }));
   Tensor w0 = zeros({5, 0});
   a = {x, w0, {}, true};
-  expect_rejected([&] { check_short_conv_forward(a, out, {}); }, [&] { short_conv_forward(a, out, {}); },
+  expect_rejected([&] { a.validate(out, {}); }, [&] { short_conv_forward(a, out, {}); },
                   "short_conv: kernel width W must be >= 1, got 0");
   Tensor halo = zeros({1, 3, 5});
   a = {x, weight, halo, true};
-  expect_rejected([&] { check_short_conv_forward(a, out, {}); }, [&] { short_conv_forward(a, out, {}); },
+  expect_rejected([&] { a.validate(out, {}); }, [&] { short_conv_forward(a, out, {}); },
                   "initial_conv_state has shape [1, 3, 5], expected [1, 2, 5]");
   Tensor dx_bad = zeros({1, 5, 5});
-  expect_rejected([&] { check_short_conv_backward(ok, out, dx_bad, {}, {}); },
+  expect_rejected([&] { ok.validate(out, dx_bad, {}, {}); },
                   [&] { short_conv_backward(ok, out, dx_bad, {}, {}); }, "dx has shape [1, 5, 5], expected [1, 6, 5]");
-  expect_rejected([&] { check_short_conv_backward(ok, out, dx, {}, {}, cuda_stream()); },
+  expect_rejected([&] { ok.validate(out, dx, {}, {}, cuda_stream()); },
                   [&] { short_conv_backward(ok, out, dx, {}, {}, cuda_stream()); },
                   "short_conv_backward: stream on cuda:0, but GDN kernels have no CUDA implementation yet");
 }
@@ -350,9 +350,11 @@ TEST(ShortConvBoundary, ArgumentsAreRejectedWithTheirRule) {
 TEST(RopeBoundary, ArgumentsAreRejectedWithTheirRule) {
   Tensor x = f32({1, 4, 2, 6}), odd = f32({1, 4, 2, 7}), ints = zeros({1, 4, 2, 6}, DType::kInt32);
   const std::vector<std::int64_t> pos{0, 1, 2, 3}, short_pos{0, 1, 2};
-  EXPECT_EQ(error_of([&] { check_rope(x, pos); }), kNoError);
+  EXPECT_EQ(error_of([&] { RopeConfig{}.validate(x, pos); }), kNoError);
   auto rejects = [&](const TensorView& t, std::span<const std::int64_t> p, double theta, const std::string& needle) {
-    EXPECT_NE(error_of([&] { check_rope(t, p, theta); }).find(needle), std::string::npos) << needle;
+    RopeConfig cfg;
+    cfg.theta = theta;
+    EXPECT_NE(error_of([&] { cfg.validate(t, p); }).find(needle), std::string::npos) << needle;
     EXPECT_NE(error_of([&] { rope_forward(t, p, theta); }).find(needle), std::string::npos) << needle;
     EXPECT_NE(error_of([&] { rope_backward(t, p, theta); }).find(needle), std::string::npos) << needle;
   };

@@ -312,21 +312,21 @@ TEST(DropoutArgs, RejectsBadProbabilityAndCounterRanges) {
     const MhaForwardArgs a = args_of(p, in.q, in.k, in.v);
     const std::string msg = str_cat("dropout p ", bad, " must be a finite number in [0, 1)");
     expect_error([&] { mha_forward(a, out, lse); }, msg);
-    expect_error([&] { check_mha_forward_args(a); }, msg);
+    expect_error([&] { a.validate(); }, msg);
     expect_error([&] { mha_backward(MhaBackwardArgs{a, out, in.dout, lse, {}}, out, in.k, in.v, false); }, msg);
   }
   p.dropout.p = 0.2;
   p.head_offset = -1;
-  expect_error([&] { check_mha_forward_args(args_of(p, in.q, in.k, in.v)); }, "dropout: head_offset -1");
+  expect_error([&] { args_of(p, in.q, in.k, in.v).validate(); }, "dropout: head_offset -1");
   p.head_offset = 0;
   p.q_pos = {-1, 0, 1, 2, 3, 4, 5, 6};
-  expect_error([&] { check_mha_forward_args(args_of(p, in.q, in.k, in.v)); }, "dropout: q_pos [-1, 6]");
+  expect_error([&] { args_of(p, in.q, in.k, in.v).validate(); }, "dropout: q_pos [-1, 6]");
   p.q_pos.clear();
   p.k_pos = {0, 1, 2, 3, 4, 5, 6, std::int64_t{1} << 32};
-  expect_error([&] { check_mha_forward_args(args_of(p, in.q, in.k, in.v)); }, "must lie in [0, 2^32)");
+  expect_error([&] { args_of(p, in.q, in.k, in.v).validate(); }, "must lie in [0, 2^32)");
   // Without dropout the same positions are fine (positions are free when no mask is drawn).
   p.dropout.p = 0.0;
-  check_mha_forward_args(args_of(p, in.q, in.k, in.v));
+  args_of(p, in.q, in.k, in.v).validate();
 }
 
 }  // namespace

@@ -21,6 +21,7 @@
 #include "runtime/logging.h"
 #include "runtime/memory.h"
 #include "runtime/tensor.h"
+#include "runtime/tensor_checks.h"
 #include "tests/util/device_collectives.h"
 
 namespace seqpar {
@@ -158,6 +159,19 @@ TEST(Tensor, AllocationIsChargedToItsCategoryAndReleased) {
     EXPECT_EQ(d.total(), 106);
   }
   for (MemCategory c : kAllCategories) EXPECT_EQ(d.current(c), 0) << mem_category_name(c);
+  EXPECT_EQ(d.total(), 0);
+}
+
+TEST(Tensor, WithoutACategoryIsWorkspace) {
+  const LedgerDelta d;
+  {
+    Tensor t = Tensor::empty({3, 4}, DType::kFloat64);
+    Tensor z = Tensor::zeros({2}, DType::kFloat32);
+    EXPECT_EQ(t.category(), MemCategory::kWorkspace);
+    EXPECT_EQ(z.category(), MemCategory::kWorkspace);
+    EXPECT_EQ(d.current(MemCategory::kWorkspace), 104);
+    EXPECT_EQ(d.total(), 104);
+  }
   EXPECT_EQ(d.total(), 0);
 }
 

@@ -77,7 +77,7 @@ Results kernel_results(const Case& c, const ModsProblem& s) {
     const DType wide = c.dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
     Tensor delta = Tensor::empty({c.B, c.Hq, c.Sq}, wide, kWs), dsinks = Tensor::empty({c.Hq}, wide, kWs);
     mha_backward_delta(out, s.dout, delta);
-    mha_sinks_backward(delta, lse, s.sinks, dsinks);
+    mha_sinks_backward({delta, lse, s.sinks}, dsinks);
     r.dsinks = test::to_double(dsinks);
   }
   return r;
@@ -254,21 +254,21 @@ TEST(MhaScoreMods, RejectsBadParameters) {
   const ModsProblem s(c);
   MhaForwardArgs a = s.args;
   a.mods.softcap = -1.0f;
-  expect_error([&] { check_mha_forward_args(a); }, "softcap -1 must be finite and > 0");
+  expect_error([&] { a.validate(); }, "softcap -1 must be finite and > 0");
   a.mods.softcap = std::numeric_limits<float>::infinity();
-  expect_error([&] { check_mha_forward_args(a); }, "softcap inf");
+  expect_error([&] { a.validate(); }, "softcap inf");
   a = s.args;
   Tensor wrong = Tensor::zeros({c.Hq + 1}, DType::kFloat32, kWs);
   a.mods.alibi_slopes = wrong;
-  expect_error([&] { check_mha_forward_args(a); }, "alibi_slopes must be [Hq] = [4]");
+  expect_error([&] { a.validate(); }, "alibi_slopes must be [Hq] = [4]");
   Tensor half = Tensor::zeros({c.Hq}, DType::kBFloat16, kWs);
   a = s.args;
   a.mods.sinks = half;
-  expect_error([&] { check_mha_forward_args(a); }, "sinks has dtype bf16, expected fp32 or fp64");
+  expect_error([&] { a.validate(); }, "sinks has dtype bf16, expected fp32 or fp64");
   Tensor bad = Tensor::zeros({c.Hq}, DType::kFloat32, kWs);
   bad.view().data_as<float>()[2] = std::nanf("");
   a.mods.sinks = bad;
-  expect_error([&] { check_mha_forward_args(a); }, "sinks[2] = nan must be finite");
+  expect_error([&] { a.validate(); }, "sinks[2] = nan must be finite");
 }
 
 }  // namespace

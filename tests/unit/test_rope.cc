@@ -234,14 +234,14 @@ TEST(RopeErrors, BadParametersAreRejectedWithTheirRule) {
   Tensor x = Tensor::zeros({1, 4, 2, 16}, DType::kFloat32, MemCategory::kWorkspace);
   const std::vector<std::int64_t> pos{0, 1, 2, 3};
   auto rejects = [&](const RopeConfig& c, const std::string& needle) {
-    for (const std::string& e : {error_of([&] { attn::check_rope(x.view(), pos, c); }),
+    for (const std::string& e : {error_of([&] { c.validate(x.view(), pos); }),
                                  error_of([&] { attn::rope_forward(x.view(), pos, c); }),
                                  error_of([&] { attn::rope_backward(x.view(), pos, c); })}) {
       EXPECT_NE(e.find(needle), std::string::npos) << "expected '" << needle << "' in '" << e << "'";
     }
   };
   RopeConfig c;
-  EXPECT_EQ(error_of([&] { attn::check_rope(x.view(), pos, c); }), "");
+  EXPECT_EQ(error_of([&] { c.validate(x.view(), pos); }), "");
   c.rotary_dim = 7;
   rejects(c, "rotary_dim 7 must be even");
   c.rotary_dim = 18;

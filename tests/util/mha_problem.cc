@@ -41,7 +41,7 @@ MhaResult single_rank_result(const MhaShape& s, const MhaProblem& p) {
     Tensor delta = Tensor::empty(lse.shape(), lse.dtype(), MemCategory::kWorkspace);
     Tensor dsinks = Tensor::empty(s.mods.sinks.shape(), s.mods.sinks.dtype(), MemCategory::kWorkspace);
     attn::mha_backward_delta(out.view(), p.dout.view(), delta.view());
-    attn::mha_sinks_backward(delta.view(), lse.view(), s.mods.sinks, dsinks.view());
+    attn::mha_sinks_backward({delta.view(), lse.view(), s.mods.sinks}, dsinks.view());
     r.dsinks = to_double(dsinks);
   }
   return r;
