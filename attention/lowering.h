@@ -87,4 +87,33 @@ std::vector<LoweredCall> lowered_calls(const std::vector<LoweredRect>& rects);
 // "causal bottom-right left=8" and the like, for logs and test names.
 std::string sdpa_mask_str(const SdpaMask& m);
 
+// ---- lowered execution on the CPU (a test mode) -----------------------------------------------------------------
+// The calls a device backend will make, run by the CPU kernel: every rectangle of lower_attention_block is copied out
+// as its own sub-block (query rows, key rows), run by mha_forward / mha_backward with the rectangle's mask written in
+// the kernel's terms (local positions: query i at i + e, or at i + sk for a left bound without causal, key j at j;
+// causal and window = left bound, shifted likewise), and the results are put back: forward blocks merged with
+// lse_merge (out in the accumulator dtype, lse in fp64, sinks applied once after the last block), backward
+// gradients added into dq / dk / dv of the accumulator dtype (index_add_rows). Same inputs, outputs and errors as
+// mha_forward / mha_backward; the results agree with them to rounding (fp64: ~1e-15 relative).
+// Extra memory: one sub-block's copies (q, k, v, out, dout rows and their results) at a time, plus the merge state
+// (out in the accumulator dtype and lse in fp64, [B, Sq, Hq, D] and [B, Hq, Sq]).
+void mha_forward_lowered(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
+                         Stream stream = Stream::cpu());
+void mha_backward_lowered(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                          bool accumulate, Stream stream = Stream::cpu());
+
+// SEQPAR_LOWERED_ATTENTION = 1 (read once; default 0): mha_forward and mha_backward run every call through the
+// lowered path above, except calls with dropout or ALiBi (their masks and biases are keyed by global positions,
+// which the lowered sub-blocks replace by local ones). Every ring / all-gather / Ulysses / USP step then executes
+// the rectangles a device backend receives. Errors: a value other than 0 or 1.
+bool lowered_attention_enabled();
+// Rectangles run by the lowered path in this process so far (tests check that the mode was taken).
+std::int64_t lowered_rects_executed();
+
+namespace detail {
+// Whether mha_forward / mha_backward hand this call to the lowered path (mode on, not inside a lowered call, no
+// dropout, no ALiBi).
+bool route_to_lowered(const MhaForwardArgs& args);
+}  // namespace detail
+
 }  // namespace seqpar::attn

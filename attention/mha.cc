@@ -11,6 +11,7 @@
 #include "attention/boundary.h"
 #include "attention/cpu/mha_cpu.h"
 #include "attention/cpu/scratch.h"
+#include "attention/lowering.h"
 #include "runtime/error.h"
 
 namespace seqpar::attn {
@@ -260,6 +261,7 @@ void check_mha_sinks_backward(const TensorView& delta, const TensorView& lse, co
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
   detail::check_stream(stream, "mha_forward", kFamily);
   cpu::MhaParams p = validate_forward(args, out, lse);
+  if (detail::route_to_lowered(args)) return mha_forward_lowered(args, out, lse, stream);  // test mode
   if (p.batch * p.sq * p.hq == 0) return;
   if (p.sk == 0) {
     zero_fill(out);
@@ -275,6 +277,7 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
                   bool accumulate, Stream stream) {
   detail::check_stream(stream, "mha_backward", kFamily);
   cpu::MhaParams p = validate_backward(args, dq, dk, dv, accumulate);
+  if (detail::route_to_lowered(args.fwd)) return mha_backward_lowered(args, dq, dk, dv, accumulate, stream);
   if (p.batch * p.sq * p.hq == 0 || p.sk == 0) {
     if (!accumulate) {
       zero_fill(dq);
