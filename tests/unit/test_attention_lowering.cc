@@ -35,12 +35,13 @@ bool reference_visible(std::int64_t q, std::int64_t k, const MaskSpec& m, std::s
 
 struct Stats {
   std::int64_t blocks = 0, pairs = 0, rects = 0, max_calls_unpacked = 0, max_calls_unpacked_window = 0,
-               max_calls_packed = 0, shifted = 0, bottom_right = 0, suffix_band = 0;
+               max_calls_packed = 0, shifted = 0, bottom_right = 0, suffix_band = 0, max_rects_ring_step = 0;
 };
 
 // Checks one block; returns an empty string or the first failure.
+// ring_step: an unpacked ring step of the contiguous, zigzag or stripe layout (at most 3 rectangles without a window).
 std::string check_block(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos, const MaskSpec& m,
-                        bool unpacked, Stats& st) {
+                        bool unpacked, bool ring_step, Stats& st) {
   const std::vector<LoweredRect> rects = attn::lower_attention_block(q_pos, k_pos, m);
   const auto nq = static_cast<std::int64_t>(q_pos.size()), nk = static_cast<std::int64_t>(k_pos.size());
   std::vector<int> cover(static_cast<std::size_t>(nq * nk), 0);
@@ -99,6 +100,13 @@ std::string check_block(std::span<const std::int64_t> q_pos, std::span<const std
   } else {
     st.max_calls_packed = std::max(st.max_calls_packed, calls);
   }
+  if (ring_step && m.window == 0) {
+    st.max_rects_ring_step = std::max(st.max_rects_ring_step, static_cast<std::int64_t>(rects.size()));
+    if (rects.size() > 3) {
+      err << rects.size() << " rectangles for a ring step without a window (at most 3 expected)";
+      return err.str();
+    }
+  }
   ++st.blocks;
   st.rects += static_cast<std::int64_t>(rects.size());
   return {};
@@ -142,14 +150,16 @@ TEST(AttentionLowering, EveryStepOfEveryLayoutMatchesThePositionMask) {
             for (std::int64_t window : {0, 1, 3, 8, 1 << 20}) {
               if (window > 0 && !causal) continue;
               auto run = [&](const char* what, int r, int src, std::span<const std::int64_t> q,
-                             std::span<const std::int64_t> k, const DocBounds& b) {
+                             std::span<const std::int64_t> k, const DocBounds& b, bool ring_step = false) {
                 MaskSpec m(causal, window);
                 if (docs) {
                   m.doc_lo = b.lo;
                   m.doc_hi = b.hi;
                 }
                 ++cases;
-                const std::string e = check_block(q, k, m, !layout.is_packed(), st);
+                const std::string e =
+                    check_block(q, k, m, !layout.is_packed(),
+                                ring_step && !layout.is_packed() && kind != LayoutKind::kBalanced, st);
                 ASSERT_TRUE(e.empty()) << layout_name(kind) << " ring " << ring << " ulysses " << uly << " " << mix.name
                                        << " causal " << causal << " window " << window << " " << what << " rank " << r
                                        << " src " << src << ": " << e;
@@ -159,7 +169,7 @@ TEST(AttentionLowering, EveryStepOfEveryLayoutMatchesThePositionMask) {
                 const DocBounds b = layout.doc_bounds_of_slots(q);
                 for (int src = 0; src < ring; ++src) {
                   const std::vector<std::int64_t> k = layout.ring_shard_positions(src);
-                  run("ring step", r, src, q, k, b);
+                  run("ring step", r, src, q, k, b, true);
                   if (window > 0) {  // the windowed exchange sends only the key rows some local query sees
                     std::vector<std::int64_t> seen;
                     for (std::int64_t kp : k) {
@@ -192,9 +202,12 @@ TEST(AttentionLowering, EveryStepOfEveryLayoutMatchesThePositionMask) {
   std::cout << "lowering: " << cases << " blocks checked (" << st.pairs << " visible pairs, " << st.rects
             << " rectangles; " << st.bottom_right << " bottom-right with sq < sk, " << st.shifted << " shifted causal, "
             << st.suffix_band << " left-bound-only); max calls per block: unpacked " << st.max_calls_unpacked
-            << " (window: " << st.max_calls_unpacked_window << "), packed " << st.max_calls_packed << "\n";
+            << " (window: " << st.max_calls_unpacked_window << "), packed " << st.max_calls_packed
+            << "; max rectangles per unpacked contiguous / zigzag / stripe ring step without a window "
+            << st.max_rects_ring_step << "\n";
   EXPECT_GT(st.shifted, 0);       // the stripe case occurred
   EXPECT_GT(st.bottom_right, 0);  // the all-gather case occurred
+  EXPECT_GT(st.max_rects_ring_step, 0);
 }
 
 // TransformerEngine's three zigzag cases on a ring of 4, S = 64 (chunks of 8 slots).
