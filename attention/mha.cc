@@ -11,6 +11,8 @@
 #include "attention/boundary.h"
 #include "attention/cpu/mha_cpu.h"
 #include "attention/cpu/scratch.h"
+#include "attention/kernels/row_ops.h"
+#include "attention/lowering.h"
 #include "runtime/error.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/tensor_checks.h"
@@ -271,6 +273,7 @@ void MhaSinksBackwardArgs::validate(const TensorView& dsinks, Stream stream) con
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
   detail::check_stream(stream, "mha_forward", kFamily);
   cpu::MhaParams p = validate_forward(args, out, lse);
+  if (detail::route_to_lowered(args)) return mha_forward_lowered(args, out, lse, stream);  // test mode
   if (p.batch * p.sq * p.hq == 0) return;
   if (p.sk == 0) {
     zero_fill(out);
@@ -286,6 +289,7 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
                   bool accumulate, Stream stream) {
   detail::check_stream(stream, "mha_backward", kFamily);
   cpu::MhaParams p = validate_backward(args, dq, dk, dv, accumulate);
+  if (detail::route_to_lowered(args.fwd)) return mha_backward_lowered(args, dq, dk, dv, accumulate, stream);
   if (p.batch * p.sq * p.hq == 0 || p.sk == 0) {
     if (!accumulate) {
       zero_fill(dq);
@@ -371,31 +375,15 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
                Stream stream) {
   check_lse_merge(out, lse, out_b, lse_b, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
-  constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 #pragma omp parallel for schedule(static) if (static_cast <double>(out.numel()) >= cpu::kMinParallelWork)
   for (std::int64_t t = 0; t < B * S * H; ++t) {
     const std::int64_t b = t / (S * H), i = (t / H) % S, h = t % H;
     const std::int64_t li = (b * H + h) * S + i;
-    const double l1 = load(lse, li), l2 = load(lse_b, li);
-    // With mx = max, mn = min and e = exp(mn - mx) in [0, 1]: lse = mx + log1p(e); the weights are 1 / (1 + e)
-    // for the larger side and e / (1 + e) for the smaller one, free of cancellation and of inf - inf.
-    double w1 = 0.0, w2 = 0.0, l_new = kNegInf;
-    if (l1 != kNegInf || l2 != kNegInf) {
-      const bool first_max = l1 >= l2;
-      const double mx = first_max ? l1 : l2, mn = first_max ? l2 : l1;
-      const double e = std::exp(mn - mx);  // exp(-inf) = 0
-      l_new = mx + std::log1p(e);
-      const double w_max = 1.0 / (1.0 + e), w_min = e / (1.0 + e);
-      w1 = first_max ? w_max : w_min;
-      w2 = first_max ? w_min : w_max;
-    }
-    for (std::int64_t d = 0; d < D; ++d) {
-      // a side with weight 0 contributes nothing, even if its out holds garbage
-      const double a = w1 == 0.0 ? 0.0 : w1 * load(out, t * D + d);
-      const double c = w2 == 0.0 ? 0.0 : w2 * load(out_b, t * D + d);
-      store(out, t * D + d, a + c);
-    }
-    store(lse, li, l_new);
+    // the body shared with the device kernels (attention/kernels/row_ops.h): no inf - inf, no cancellation
+    const rowops::MergeWeights<double> w = rowops::lse_merge_weights(load(lse, li), load(lse_b, li));
+    for (std::int64_t d = 0; d < D; ++d)
+      store(out, t * D + d, rowops::lse_merge_value(w, load(out, t * D + d), load(out_b, t * D + d)));
+    store(lse, li, w.lse);
   }
 }
 

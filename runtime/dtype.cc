@@ -44,43 +44,6 @@ void throw_unsupported_dtype(DType dtype) {
   SEQPAR_THROW("dtype ", dtype_name(dtype), " is not supported here (floating dtypes only)");
 }
 
-float fp16_bits_to_float(std::uint16_t h) {
-  const std::uint32_t sign = static_cast<std::uint32_t>(h & 0x8000u) << 16;
-  const std::uint32_t exp = (h >> 10) & 0x1fu;
-  const std::uint32_t mant = h & 0x3ffu;
-  if (exp == 0x1f) return bits_float(sign | 0x7f800000u | (mant << 13));  // inf / NaN (payload kept)
-  if (exp == 0) {
-    // zero or subnormal: mant * 2^-24, exact in float
-    const float magnitude = std::ldexp(static_cast<float>(mant), -24);
-    return sign ? -magnitude : magnitude;
-  }
-  return bits_float(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-std::uint16_t float_to_fp16_bits(float f) {
-  const std::uint32_t u = float_bits(f);
-  const std::uint16_t sign = static_cast<std::uint16_t>((u >> 16) & 0x8000u);
-  const std::uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<std::uint16_t>(sign | 0x7e00u | ((abs >> 13) & 0x3ffu));  // NaN
-  if (abs >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (abs < 0x38800000u) {
-    // result is subnormal or zero: value = abs * 2^24 half-ulps, rounded to nearest even
-    if (abs < 0x33000000u) return sign;  // below half the smallest subnormal (2^-25): rounds to zero
-    const std::uint32_t exp = abs >> 23;
-    const std::uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-    const std::uint32_t shift = 126u - exp;  // so that result = mant >> shift (shift in 14..24)
-    std::uint32_t result = mant >> shift;
-    const std::uint32_t rem = mant & ((1u << shift) - 1u);
-    const std::uint32_t half = 1u << (shift - 1u);
-    if (rem > half || (rem == half && (result & 1u))) ++result;
-    return static_cast<std::uint16_t>(sign | result);
-  }
-  // normal: rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest even
-  const std::uint32_t rebased = abs - (112u << 23);
-  const std::uint32_t rounding = 0xfffu + ((rebased >> 13) & 1u);
-  return static_cast<std::uint16_t>(sign | ((rebased + rounding) >> 13));
-}
-
 namespace {
 // fp64 -> fp32 rounding to odd: truncate toward zero, then set the last bit when the conversion was inexact.
 float double_to_float_round_to_odd(double x) {

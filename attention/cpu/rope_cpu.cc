@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "attention/cpu/scratch.h"
+#include "attention/kernels/row_ops.h"
 
 namespace seqpar::attn::cpu {
 namespace {
@@ -35,8 +36,10 @@ void rotate(T* x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std:
             T& second = row[i * first_stride + second_gap];
             const Acc a = static_cast<Acc>(to_float(first));
             const Acc c = static_cast<Acc>(to_float(second));
-            first = static_cast<T>(a * cos_v[i] - c * sin_v[i]);
-            second = static_cast<T>(c * cos_v[i] + a * sin_v[i]);
+            Acc y0, y1;
+            rowops::rope_rotate_pair(a, c, cos_v[i], sin_v[i], y0, y1);  // shared with the device kernels
+            first = static_cast<T>(y0);
+            second = static_cast<T>(y1);
           }
         }
       }

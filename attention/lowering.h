@@ -1,0 +1,119 @@
+// Lowering of one attention block (local queries against one block of keys, as a ring / all-gather / Ulysses / USP
+// step hands it to the kernel) into a few rectangles, each with a mask of the kind cuDNN's SDPA graphs take, so that
+// a library kernel without per-position masks computes exactly seqpar's position mask (docs/design.md, visibility
+// rule; attn::MaskSpec). Device-neutral: host code only, no library needed.
+//
+// Input: the query and key slot positions of the block (non-decreasing, as attn::MhaForwardArgs q_pos / k_pos) and
+// the MaskSpec (causal, window W, per-query document bounds doc_lo / doc_hi). Key j is visible to query i iff
+//   doc_lo[i] <= k_pos[j] < doc_hi[i] (when given)  and  (causal: k_pos[j] <= q_pos[i])  and  (W: q_pos[i] - k_pos[j] <
+//   W).
+//
+// Output: rectangles (query rows [q_begin, q_end) x key rows [k_begin, k_end), indices into q_pos / k_pos) with a
+// mask over the rectangle's own indices i in [0, sq), j in [0, sk), sq = q_end - q_begin, sk = k_end - k_begin:
+//   e = 0 (top-left) or sk - sq (bottom-right)          (the diagonal's offset)
+//   causal:        j <= i + e                           (cuDNN: diagonal band right bound 0)
+//   left_bound L:  j > i + e - L                        (cuDNN: diagonal band left bound L, a sliding window)
+// (sdpa_mask_visible is that rule: the CPU model of cuDNN's mask; cudnn-frontend's diagonal-band mask node reads it
+// this way.) The rectangles are disjoint and their visible pairs are exactly the block's; every row of a rectangle
+// sees at least one key (no empty rows on the device); bottom-right alignment and left bounds come with sq <= sk
+// (cuDNN refuses them otherwise without a padding mask); no right bound other than 0 and no negative bound (a
+// strictly-lower block, e.g. a stripe step from a later rank, drops its first query row instead: a one-row shift).
+//
+// How. Per document (queries with one (doc_lo, doc_hi); padding queries are dropped), the keys inside the bounds are
+// one index range, and query row i sees the key rows [lo(i), hi(i)), both non-decreasing in i (positions are sorted):
+// a staircase. Consecutive rows whose bounds step by the same pair of {0, 1} become one rectangle: (0, 0) no mask;
+// (0, 1) causal, aligned top-left when the first row sees one key and bottom-right otherwise; (1, 1) the same with a
+// left bound (a window); (1, 0) left bound 1 only (a window crossing the block's last key); a row of its own is
+// unmasked. This gives TransformerEngine's zigzag cases (step 0: one causal rectangle over both halves; a block from
+// an earlier rank: all local rows against the first half of its keys, no mask; from a later rank: the second half of
+// the local rows against all its keys, no mask), one bottom-right causal rectangle with the window per contiguous
+// query chunk after an all-gather, and for a stripe block from a later rank (strictly lower in rows) a causal
+// rectangle that starts at the second query row (the one-row shift). Cost O(Sq log Sk).
+//
+// Calls: rectangles with one mask (alignment, causal, left bound) and disjoint query rows form one ragged call (THD:
+// per-segment offsets and lengths, padding mask on); lowered_calls groups them. The unpacked steps of the ring,
+// all-gather and Ulysses without a window give at most 3 calls (the test counts them).
+// Errors: the kernels' (decreasing positions, doc_lo / doc_hi sizes, window without causal).
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "attention/mha.h"
+
+namespace seqpar::attn {
+
+enum class DiagonalAlignment : std::uint8_t { kTopLeft, kBottomRight };
+
+// The mask of one rectangle (the SDPA graph's mask parameters).
+struct SdpaMask {
+  bool causal = false;  // right bound 0 on the diagonal
+  DiagonalAlignment align = DiagonalAlignment::kTopLeft;
+  std::int64_t left_bound = 0;  // > 0: sliding window on the diagonal; 0: none
+  bool operator==(const SdpaMask&) const = default;
+};
+
+struct LoweredRect {
+  std::int64_t q_begin = 0, q_end = 0;  // query rows (indices into q_pos)
+  std::int64_t k_begin = 0, k_end = 0;  // key rows (indices into k_pos)
+  SdpaMask mask;
+  std::int64_t sq() const { return q_end - q_begin; }
+  std::int64_t sk() const { return k_end - k_begin; }
+};
+
+// One library call: rectangles with one mask and disjoint query rows (one segment: dense; several: ragged).
+struct LoweredCall {
+  SdpaMask mask;
+  std::vector<LoweredRect> segments;
+};
+
+// The visibility rule of a rectangle's mask (the CPU model of cuDNN's): local (i, j), 0 <= i < sq, 0 <= j < sk.
+inline bool sdpa_mask_visible(const SdpaMask& m, std::int64_t sq, std::int64_t sk, std::int64_t i, std::int64_t j) {
+  const std::int64_t e = m.align == DiagonalAlignment::kBottomRight ? sk - sq : 0;
+  if (m.causal && j > i + e) return false;
+  if (m.left_bound > 0 && j <= i + e - m.left_bound) return false;
+  return true;
+}
+
+// The rectangles of one block (see above), in document order, then query run, then key run. Errors: those of the
+// kernels' mask checks (positions non-decreasing, doc bounds of q_pos.size() entries or none, window needs causal).
+std::vector<LoweredRect> lower_attention_block(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
+                                               const MaskSpec& mask);
+// The rectangles grouped into calls: same mask, disjoint query rows; in order of first appearance.
+std::vector<LoweredCall> lowered_calls(const std::vector<LoweredRect>& rects);
+
+// "causal bottom-right left=8" and the like, for logs and test names.
+std::string sdpa_mask_str(const SdpaMask& m);
+
+// ---- lowered execution on the CPU (a test mode) -----------------------------------------------------------------
+// The calls a device backend will make, run by the CPU kernel: every rectangle of lower_attention_block is copied out
+// as its own sub-block (query rows, key rows), run by mha_forward / mha_backward with the rectangle's mask written in
+// the kernel's terms (local positions: query i at i + e, or at i + sk for a left bound without causal, key j at j;
+// causal and window = left bound, shifted likewise), and the results are put back: forward blocks merged with
+// lse_merge (out in the accumulator dtype, lse in fp64, sinks applied once after the last block), backward
+// gradients added into dq / dk / dv of the accumulator dtype (index_add_rows). Same inputs, outputs and errors as
+// mha_forward / mha_backward; the results agree with them to rounding (fp64: ~1e-15 relative).
+// Extra memory: one sub-block's copies (q, k, v, out, dout rows and their results) at a time, plus the merge state
+// (out in the accumulator dtype and lse in fp64, [B, Sq, Hq, D] and [B, Hq, Sq]).
+void mha_forward_lowered(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
+                         Stream stream = Stream::cpu());
+void mha_backward_lowered(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                          bool accumulate, Stream stream = Stream::cpu());
+
+// SEQPAR_LOWERED_ATTENTION = 1 (read once; default 0): mha_forward and mha_backward run every call through the
+// lowered path above, except calls with dropout or ALiBi (their masks and biases are keyed by global positions,
+// which the lowered sub-blocks replace by local ones). Every ring / all-gather / Ulysses / USP step then executes
+// the rectangles a device backend receives. Errors: a value other than 0 or 1.
+bool lowered_attention_enabled();
+// Rectangles run by the lowered path in this process so far (tests check that the mode was taken).
+std::int64_t lowered_rects_executed();
+
+namespace detail {
+// Whether mha_forward / mha_backward hand this call to the lowered path (mode on, not inside a lowered call, no
+// dropout, no ALiBi).
+bool route_to_lowered(const MhaForwardArgs& args);
+}  // namespace detail
+
+}  // namespace seqpar::attn

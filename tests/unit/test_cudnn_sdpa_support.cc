@@ -1,0 +1,120 @@
+// cuDNN's support, without a device, of every SDPA graph (forward and backward) that the lowering emits for ring
+// steps and all-gather calls of the contiguous, zigzag and stripe layouts (and packed documents) at the shapes of the
+// tests: the frontend's validate() for sm_90 must accept each bf16 / fp16 key. This checks the frontend's support
+// rules for the linked cuDNN, not that an engine runs (that needs the GPU check).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "attention/lowering.h"
+#if defined(SEQPAR_WITH_CUDNN_FRONTEND)
+#include "attention/cuda/cudnn_sdpa_graphs.h"
+#endif
+
+namespace seqpar {
+namespace {
+
+using attn::MaskSpec;
+
+// Ring shard positions of rank r of P over S slots (S divisible by 2P): contiguous, zigzag (chunks r, 2P-1-r) or
+// stripe (t mod P == r).
+std::vector<std::int64_t> shard(const std::string& kind, std::int64_t S, int P, int r) {
+  std::vector<std::int64_t> pos;
+  const std::int64_t L = S / P, c = S / (2 * P);
+  for (std::int64_t t = 0; t < S; ++t) {
+    bool mine = false;
+    if (kind == "contiguous") mine = t / L == r;
+    if (kind == "zigzag") mine = t / c == r || t / c == 2 * P - 1 - r;
+    if (kind == "stripe") mine = t % P == r;
+    if (mine) pos.push_back(t);
+  }
+  return pos;
+}
+
+struct Case {
+  std::vector<std::int64_t> q, k, lo, hi;  // lo / hi: document bounds per query (empty: one document)
+};
+
+std::vector<Case> cases() {
+  std::vector<Case> v;
+  const std::vector<std::int64_t> cu = {0, 100, 103, 103, 160, 161, 384};  // packed: 6 documents, one empty
+  for (const std::string kind : {"contiguous", "zigzag", "stripe"}) {
+    for (int P : {1, 2, 4}) {
+      for (bool packed : {false, true}) {
+        const std::int64_t S = 384;
+        std::vector<std::int64_t> all(S);
+        for (std::int64_t t = 0; t < S; ++t) all[t] = t;
+        for (int r = 0; r < P; ++r) {
+          Case base;
+          base.q = shard(kind, S, P, r);
+          if (packed) {
+            for (std::int64_t t : base.q) {
+              std::size_t d = 0;
+              while (cu[d + 1] <= t) ++d;
+              base.lo.push_back(cu[d]);
+              base.hi.push_back(cu[d + 1]);
+            }
+          }
+          for (int src = 0; src < P; ++src) {
+            Case c = base;
+            c.k = shard(kind, S, P, src);
+            v.push_back(c);
+          }
+          Case ag = base;
+          ag.k = all;
+          v.push_back(ag);
+        }
+      }
+    }
+  }
+  return v;
+}
+
+TEST(CudnnSdpaSupport, EveryLoweredGraphValidatesForSm90) {
+#if !defined(SEQPAR_WITH_CUDNN_FRONTEND)
+  GTEST_SKIP() << "built without the cuDNN frontend (needs SEQPAR_WITH_CUDA=ON, cuDNN, and the frontend's headers from "
+                  "scripts/install_gpu_deps.sh)";
+#else
+  std::cout << "cuDNN " << attn::cudnn::cudnn_version() << "\n";
+  std::vector<attn::cudnn::SdpaGraphKey> keys;
+  for (const Case& c : cases()) {
+    for (int m = 0; m < 3; ++m) {
+      const MaskSpec mask(m > 0, m == 2 ? 64 : 0, c.lo, c.hi);
+      const auto calls = attn::lowered_calls(attn::lower_attention_block(c.q, c.k, mask));
+      for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+        const std::int64_t batch = c.lo.empty() ? 2 : 1;
+        for (const auto& k : attn::cudnn::sdpa_graph_keys(calls, batch, 8, 2, 128, dt)) {
+          bool seen = false;
+          for (const auto& e : keys) seen = seen || e == k;
+          if (!seen) keys.push_back(k);
+        }
+      }
+    }
+  }
+  // Keys the dispatch sends to the fallback (sdpa_fallback_reason) are counted, not required; every other key must
+  // validate.
+  int accepted = 0, fallback = 0, fallback_refused = 0;
+  for (const auto& k : keys) {
+    const std::string status = attn::cudnn::validate_sdpa_graph(k, 90);
+    const std::string reason = attn::cudnn::sdpa_fallback_reason(k);
+    if (!reason.empty()) {
+      ++fallback;
+      fallback_refused += status.empty() ? 0 : 1;
+    } else if (status.empty()) {
+      ++accepted;
+    } else {
+      ADD_FAILURE() << attn::cudnn::sdpa_key_str(k) << ": " << status;
+    }
+  }
+  std::cout << "cuDNN SDPA support (validate, sm_90): " << keys.size() << " graph keys, " << accepted << " accepted, "
+            << fallback << " sent to the fallback (" << fallback_refused << " of them refused by "
+            << "validate); " << attn::cudnn::sdpa_graph_cache_size() << " graphs cached\n";
+  EXPECT_GT(keys.size(), 0u);
+#endif
+}
+
+}  // namespace
+}  // namespace seqpar

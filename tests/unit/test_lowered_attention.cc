@@ -1,0 +1,186 @@
+// Lowered execution of MHA (attention/lowering.h): every rectangle of a block run as its own kernel call with its
+// cuDNN-style mask in the kernel's terms, merged with the lse merge, must equal one kernel call over the block
+// (fp64: 1e-12; fp32 / bf16: their rounding), forward and backward, for the blocks of every layout's ring steps,
+// all-gather calls and packed rows, with and without causal, window, soft-capping and sinks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention/lowering.h"
+#include "parallel/layout.h"
+#include "runtime/tensor_ops.h"
+#include "util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using attn::MaskSpec;
+
+// -inf (an lse of a row with no key) becomes a finite sentinel on both sides, so that all_close compares the rows.
+std::vector<double> finite(std::vector<double> v) {
+  for (double& x : v)
+    if (x == -std::numeric_limits<double>::infinity()) x = -1e300;
+  return v;
+}
+
+struct Block {
+  std::string name;
+  std::vector<std::int64_t> q_pos, k_pos;
+  DocBounds bounds;  // empty: no document bounds
+};
+
+std::vector<Block> blocks() {
+  std::vector<Block> v;
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe, LayoutKind::kBalanced}) {
+    for (int ring : {1, 2, 3, 4}) {
+      for (bool packed : {false, true}) {
+        const std::vector<std::int64_t> docs = {13, 1, 0, 7, 20};
+        const SequenceLayout layout =
+            packed ? SequenceLayout::packed(kind, cu_seqlens_of(docs), ring) : SequenceLayout(kind, 37, ring);
+        const bool bounded = layout.is_packed() || layout.has_padding();
+        std::vector<std::int64_t> all(static_cast<std::size_t>(layout.padded_len()));
+        for (std::int64_t t = 0; t < layout.padded_len(); ++t) all[t] = t;
+        const std::string base =
+            std::string(layout_name(kind)) + (packed ? " packed" : " S37") + " ring " + std::to_string(ring);
+        for (int r = 0; r < ring; ++r) {
+          const std::vector<std::int64_t> q = layout.ring_shard_positions(r);
+          const DocBounds b = bounded ? layout.doc_bounds_of_slots(q) : DocBounds{};
+          for (int src = 0; src < ring; ++src)
+            v.push_back({base + " rank " + std::to_string(r) + " src " + std::to_string(src), q,
+                         layout.ring_shard_positions(src), b});
+          v.push_back({base + " rank " + std::to_string(r) + " all-gather", q, all, b});
+        }
+      }
+    }
+  }
+  return v;
+}
+
+struct Problem {
+  Tensor q, k, v, dout;
+  Tensor sinks;
+};
+
+Problem make_problem(const Block& blk, DType dtype, std::uint64_t seed) {
+  const std::int64_t B = blk.bounds.lo.empty() ? 2 : 1, H = 4, Hkv = 2, D = 8;
+  const auto sq = static_cast<std::int64_t>(blk.q_pos.size()), sk = static_cast<std::int64_t>(blk.k_pos.size());
+  Problem p;
+  p.q = test::random_tensor({B, sq, H, D}, dtype, seed);
+  p.k = test::random_tensor({B, sk, Hkv, D}, dtype, seed + 1);
+  p.v = test::random_tensor({B, sk, Hkv, D}, dtype, seed + 2);
+  p.dout = test::random_tensor({B, sq, H, D}, dtype, seed + 3);
+  p.sinks = test::random_tensor({H}, DType::kFloat64, seed + 4);
+  return p;
+}
+
+struct Variant {
+  const char* name;
+  bool causal;
+  std::int64_t window;
+  float softcap;
+  bool sinks;
+};
+
+void check_agreement(DType dtype, double tol) {
+  const Variant variants[] = {{"full", false, 0, 0.0f, false},
+                              {"causal", true, 0, 0.0f, false},
+                              {"causal window 5", true, 5, 0.0f, false},
+                              {"causal window 1 softcap sinks", true, 1, 3.0f, true},
+                              {"full softcap sinks", false, 0, 2.0f, true}};
+  std::int64_t n = 0;
+  const std::int64_t rects_before = attn::lowered_rects_executed();
+  std::uint64_t seed = 1;
+  for (const Block& blk : blocks()) {
+    for (const Variant& var : variants) {
+      const Problem p = make_problem(blk, dtype, seed += 10);
+      attn::MhaForwardArgs a;
+      a.q = p.q.view();
+      a.k = p.k.view();
+      a.v = p.v.view();
+      a.q_pos = blk.q_pos;
+      a.k_pos = blk.k_pos;
+      a.mask = MaskSpec(var.causal, var.window, blk.bounds.lo, blk.bounds.hi);
+      a.mods.softcap = var.softcap;
+      if (var.sinks) a.mods.sinks = p.sinks.view();
+      const DType acc = accumulator_dtype(dtype);
+      const Shape lse_shape = {p.q.dim(0), p.q.dim(2), p.q.dim(1)};
+      Tensor out0 = Tensor::empty(p.q.shape(), dtype, MemCategory::kWorkspace);
+      Tensor lse0 = Tensor::empty(lse_shape, acc, MemCategory::kWorkspace);
+      Tensor out1 = Tensor::empty(p.q.shape(), dtype, MemCategory::kWorkspace);
+      Tensor lse1 = Tensor::empty(lse_shape, acc, MemCategory::kWorkspace);
+      attn::mha_forward(a, out0.view(), lse0.view());
+      attn::mha_forward_lowered(a, out1.view(), lse1.view());
+      const std::string what = blk.name + " " + var.name;
+      ASSERT_TRUE(test::all_close(test::to_double(out1.view()), test::to_double(out0.view()), tol, tol, what + " out"));
+      ASSERT_TRUE(test::all_close(finite(test::to_double(lse1.view())), finite(test::to_double(lse0.view())), tol, tol,
+                                  what + " lse"));
+      attn::MhaBackwardArgs b;
+      b.fwd = a;
+      b.out = out0.view();
+      b.dout = p.dout.view();
+      b.lse = lse0.view();
+      Tensor g0[3], g1[3];
+      for (int t = 0; t < 3; ++t) {
+        const Shape& s = t == 0 ? p.q.shape() : p.k.shape();
+        g0[t] = Tensor::empty(s, dtype, MemCategory::kWorkspace);
+        g1[t] = Tensor::empty(s, dtype, MemCategory::kWorkspace);
+      }
+      attn::mha_backward(b, g0[0].view(), g0[1].view(), g0[2].view(), false);
+      attn::mha_backward_lowered(b, g1[0].view(), g1[1].view(), g1[2].view(), false);
+      const char* names[] = {" dq", " dk", " dv"};
+      for (int t = 0; t < 3; ++t)
+        ASSERT_TRUE(
+            test::all_close(test::to_double(g1[t].view()), test::to_double(g0[t].view()), tol, tol, what + names[t]));
+      ++n;
+    }
+  }
+  std::cout << "lowered execution (" << dtype_name(dtype) << "): " << n << " blocks agree, "
+            << attn::lowered_rects_executed() - rects_before << " rectangles run\n";
+  EXPECT_GT(attn::lowered_rects_executed(), rects_before);
+}
+
+TEST(LoweredAttention, AgreesWithOneKernelCallFp64) {
+  if (attn::lowered_attention_enabled()) GTEST_SKIP() << "SEQPAR_LOWERED_ATTENTION=1 lowers the reference call too";
+  check_agreement(DType::kFloat64, 1e-12);
+}
+
+TEST(LoweredAttention, AgreesWithOneKernelCallFp32) {
+  if (attn::lowered_attention_enabled()) GTEST_SKIP() << "SEQPAR_LOWERED_ATTENTION=1 lowers the reference call too";
+  // Per-rectangle online softmax and fp32 gradient sums in another order: a few fp32 ulps of the O(1) values.
+  check_agreement(DType::kFloat32, 2e-5);
+}
+
+// The environment switch routes mha_forward / mha_backward through the lowering (or not), as the ctest
+// registrations with the suffix .lowered rely on.
+TEST(LoweredAttention, EnvironmentSwitchRoutesTheKernelCalls) {
+  const Block blk = blocks()[4];  // contiguous, ring 2, rank 0 against its own keys
+  const Problem p = make_problem(blk, DType::kFloat64, 7);
+  attn::MhaForwardArgs a;
+  a.q = p.q.view();
+  a.k = p.k.view();
+  a.v = p.v.view();
+  a.q_pos = blk.q_pos;
+  a.k_pos = blk.k_pos;
+  a.mask = MaskSpec(true, 0, blk.bounds.lo, blk.bounds.hi);
+  Tensor out = Tensor::empty(p.q.shape(), DType::kFloat64, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({p.q.dim(0), p.q.dim(2), p.q.dim(1)}, DType::kFloat64, MemCategory::kWorkspace);
+  const std::int64_t before = attn::lowered_rects_executed();
+  attn::mha_forward(a, out.view(), lse.view());
+  const std::int64_t ran = attn::lowered_rects_executed() - before;
+  if (attn::lowered_attention_enabled()) {
+    EXPECT_GT(ran, 0);
+    // dropout keeps the unlowered kernel (its mask is keyed by global positions)
+    a.dropout.p = 0.25f;
+    const std::int64_t before_dropout = attn::lowered_rects_executed();
+    attn::mha_forward(a, out.view(), lse.view());
+    EXPECT_EQ(attn::lowered_rects_executed(), before_dropout);
+  } else {
+    EXPECT_EQ(ran, 0);
+  }
+}
+
+}  // namespace
+}  // namespace seqpar
