@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""sp_bench --inputs and the shape flags (issue 13): the shapes come from the files when their flags are not given,
+"""sp_bench --inputs and the shape flags: the shapes come from the files when their flags are not given,
 and a shape flag that is given must match its file, else every rank stops naming the flag, the file and its shape.
 
 Writes small fp32 .npy inputs (plain Python, no numpy) for MHA, DSA and GDN, runs sp_bench under mpirun and checks

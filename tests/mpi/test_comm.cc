@@ -587,7 +587,7 @@ TEST(Comm, UnmatchedReceiveTimesOutAndCommunicatorStaysUsable) {
   EXPECT_EQ(sum, p);
 }
 
-// Timeouts name the group, the operation, the bytes and the peer by world rank and group rank (issue 20); a
+// Timeouts name the group, the operation, the bytes and the peer by world rank and group rank; a
 // collective's timeout names the group's members.
 TEST(Comm, TimeoutsNameTheGroupThePeerAndTheMembers) {
   Communicator& w = world();
@@ -624,7 +624,7 @@ TEST(Comm, TimeoutsNameTheGroupThePeerAndTheMembers) {
   w.barrier()->wait();
 }
 
-// Issue 20, defect 1: a send whose Work is destroyed before it completed (as when an exception unwinds a ring step),
+// a send whose Work is destroyed before it completed (as when an exception unwinds a ring step),
 // and whose buffer its owner frees right after. MPI still reads that buffer once the receive is posted; the runtime
 // keeps the memory instead of freeing it, so the peer receives intact data and the sender does not crash (it used
 // to die with SIGSEGV: free() unmapped the buffer under MPI).

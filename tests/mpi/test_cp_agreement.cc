@@ -1,4 +1,4 @@
-// Ranks that disagree on what they pass to a CP layer (issue 13 item 2): every entry point checks, before any data
+// Ranks that disagree on what they pass to a CP layer: every entry point checks, before any data
 // moves, that all ranks of its group pass the same shapes, dtypes and configuration, and every rank stops with the
 // same message naming the first field that differs and its value on each rank. The disagreeing runs used to end
 // with wrong numbers (k, v of another shape but the same byte count) or a crash inside MPI (another seq_len).

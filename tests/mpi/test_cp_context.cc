@@ -275,7 +275,7 @@ TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
 }
 
 // A group of one rank communicates nothing, so nothing can be exposed: every layer's forward and backward on groups
-// of one (each rank alone) report zero exposed communication time and zero bytes (issue 13: the exposed comm column
+// of one (each rank alone) report zero exposed communication time and zero bytes (the exposed comm column
 // of sp_bench read 19% for a one-rank GDN forward, the wait of a broadcast to itself).
 TEST(CpContext, GroupsOfOneExposeNoCommunication) {
   const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);

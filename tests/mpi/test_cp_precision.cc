@@ -1,4 +1,4 @@
-// Precision of every MHA CP path at large logits (issue 13): ring p2p, ring all-gather, Ulysses and USP (both
+// Precision of every MHA CP path at large logits: ring p2p, ring all-gather, Ulysses and USP (both
 // placements), contiguous / zigzag / stripe layouts, causal and not, GQA with Hkv < Pu (replicated KV heads), B = 2,
 // logits of 1e2, 1e3 and 1e4 (test::set_logit_offset: lse ~ logits with a spread softmax).
 //   fp64: every output and gradient within 1e-10 relative of the fp64 reference (attention/reference) and of one

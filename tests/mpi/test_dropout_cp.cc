@@ -1,4 +1,4 @@
-// Dropout under every MHA CP path (issue 17): ring p2p and all-gather, Ulysses and USP (both placements),
+// Dropout under every MHA CP path: ring p2p and all-gather, Ulysses and USP (both placements),
 // contiguous / zigzag / stripe layouts, causal and not, GQA with Hkv >= Pu and Hkv < Pu (replicated KV heads), B = 2.
 // The mask is keyed by (seed, batch, global head, global query position, global key position), so every grid must
 // drop exactly the pairs one rank drops:

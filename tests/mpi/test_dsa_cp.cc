@@ -343,7 +343,7 @@ TEST(DsaCp, PeakMemoryIsLinearInSequence) {
       << "forward peak " << peaks[0] << " -> " << peaks[1] << " bytes when S doubles";
 }
 
-// ---- large logits (issue 13: fp64 means fp64) ---------------------------------------------------------------------
+// ---- large logits (fp64 means fp64) ---------------------------------------------------------------------
 
 constexpr double kLargeLogits[] = {1e2, 1e3, 1e4};
 

@@ -1,4 +1,4 @@
-// The MPI backend with CUDA device buffers (issue 9), registered at 2 ranks: device buffers are staged through
+// The MPI backend with CUDA device buffers, registered at 2 ranks: device buffers are staged through
 // pinned host memory, so that several ranks may share one GPU. Every collective on every dtype against closed forms
 // (the exact "unit" scheme of test_comm.cc), point to point in both directions, host and device buffers mixed in one
 // batch, ordering against a compute stream, and a timed-out device receive that leaves its buffer untouched.

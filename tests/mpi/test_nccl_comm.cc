@@ -1,4 +1,4 @@
-// NCCL communicator tests (issue 9), registered at 2 ranks: point to point, grouped ring exchanges, every
+// NCCL communicator tests, registered at 2 ranks: point to point, grouped ring exchanges, every
 // collective on every dtype against closed forms (the "unit" scheme of test_comm.cc: exact comparisons), byte
 // counters, split, ordering against a compute stream, argument checks, and a stuck receive that turns into an
 // error (ncclCommAbort) instead of a hang.

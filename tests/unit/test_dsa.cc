@@ -685,7 +685,7 @@ TEST(DsaIndexerLoss, BlockSplitAnyOrderMatchesOneCall) {
   EXPECT_EQ(to_double(dk), to_double(one.dk_idx)) << "block dk_idx is not bitwise the one-call dk_idx";
 }
 
-// ---- fp64 end to end at large logits (issue 13) ------------------------------------------------------------------
+// ---- fp64 end to end at large logits ------------------------------------------------------------------
 
 // fp64 inputs whose attention logits and indexer scores reach `logit` (test::scale_to_large_logits), with index-key
 // twins whose scores differ by 1e-9 relative (test::make_index_key_twins) and an odd k, so that fp32-rounded scores

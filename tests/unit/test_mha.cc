@@ -543,7 +543,7 @@ TEST(MhaEdge, LogitsOfSize1e3DoNotOverflow) {
   }
 }
 
-// ---- precision at large logits (issue 13): fp64 means fp64, and key blocks merge without extra error ---------
+// ---- precision at large logits: fp64 means fp64, and key blocks merge without extra error ---------
 
 double rel_err(const TensorView& got, const TensorView& want) {
   return test::rel_err(test::to_double(got), test::to_double(want));

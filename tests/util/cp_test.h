@@ -61,7 +61,7 @@ struct SmallCpCase {
   std::int64_t sl = layout.local_len();
 };
 
-// The bad-packing checks of a CP layer on packed rows (issue 14): `forward_error(layout, batch)` runs one forward of
+// The bad-packing checks of a CP layer on packed rows: `forward_error(layout, batch)` runs one forward of
 // the layer over `layout` with batch B and returns its Error message (empty: none). B > 1 with a packed layout, and
 // (on more than one rank) rank 0 handed another packing of the same total, each fail with one named error on every
 // rank before any message.

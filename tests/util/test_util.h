@@ -21,7 +21,7 @@ std::vector<double> random_values(std::int64_t count, std::uint64_t seed, double
 // A tensor of `dtype` filled from random_values, rounded to `dtype`.
 Tensor random_tensor(const Shape& shape, DType dtype, std::uint64_t seed, double lo = -1.0, double hi = 1.0);
 
-// Large logits with a well-conditioned softmax (issue 13): sets coordinate 0 of every row of q [.., D] to
+// Large logits with a well-conditioned softmax: sets coordinate 0 of every row of q [.., D] to
 // logits sqrt(D) and of k [.., D] to 1, so that with the default scale 1/sqrt(D) every logit is `logits` plus the
 // O(1) part of the other coordinates: lse is about `logits` while the probabilities stay spread. (q and k scaled as a
 // whole make every row one-hot at logits >= 1e3, with gradients of ~1e-49 that no algorithm with a rounded lse or
