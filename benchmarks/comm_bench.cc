@@ -6,7 +6,7 @@
 // tables on rank 0: size, count, data type, reduction, in/out of place, time (us), algbw and busbw (GB/s), the number
 // of wrong elements of a verification pass and a status; sizes too small for a pattern are rows with status
 // "too-small"; the last line is the average bus bandwidth of every measured row, as nccl-tests prints it.
-// Definitions (README "comm_bench"): size as in nccl-tests (all-gather: the gathered output; reduce-scatter: the
+// Definitions (docs/benchmarks.md, "comm_bench"): size as in nccl-tests (all-gather: the gathered output; reduce-scatter: the
 // input; all-to-all: the send buffer; all-reduce: the buffer; send/recv: one message; ring_step: both messages a
 // rank sends; ulysses_qkv: the three send buffers); algbw = size / time; busbw = algbw x factor with factor (n-1)/n
 // for all-gather, reduce-scatter, all-to-all and ulysses_qkv, 2 (n-1)/n for all-reduce and 1 for send/recv and
@@ -452,7 +452,7 @@ int comm_bench_main(int argc, char** argv) {
     if (!transport.empty()) std::printf("# note: %s\n", transport.c_str());
     std::printf(
         "# every group of a kind runs at once; busbw = algbw x (n-1)/n (allreduce: x 2(n-1)/n; sendrecv, "
-        "ring_step: x 1), see README\n");
+        "ring_step: x 1), see docs/benchmarks.md\n");
   }
   Totals totals;
   const char* dname = dtype_name(o.dtype);

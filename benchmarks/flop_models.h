@@ -1,4 +1,4 @@
-// Model FLOPs of the DSA and GDN kernels (README "FLOPs"), one definition for sp_bench (sp_bench_dsa.cc,
+// Model FLOPs of the DSA and GDN kernels (docs/benchmarks.md, "Definitions of the benchmark figures"), one definition for sp_bench (sp_bench_dsa.cc,
 // sp_bench_gdn.cc) and kernel_bench (kernel_bench_dsa.cc, kernel_bench_gdn.cc). Model FLOPs count the useful
 // multiply-adds (2 per pair) of the algorithm, not what a kernel happens to execute, so the figures of different
 // implementations compare.

@@ -5,7 +5,7 @@
 //        (attention/dsa.h), DeepSeek-V3.2 shapes with --heads 16, top-k 512             kernel_bench_dsa.cc
 //   gdn  chunked gated delta rule forward / backward (attention/gdn.h), Qwen3-Next shapes with 8 value heads
 //                                                                                         kernel_bench_gdn.cc
-// FLOPs are the model FLOPs of README "FLOPs" (benchmarks/flop_models.h for DSA and GDN, as sp_bench counts them).
+// FLOPs are the model FLOPs of docs/benchmarks.md, "Definitions of the benchmark figures" (benchmarks/flop_models.h for DSA and GDN, as sp_bench counts them).
 // The square SGEMM (--square, default 2048^3) is measured once at the start; every row reports the kernel's ratios
 // to it (fwd/sq, bwd/sq).
 //

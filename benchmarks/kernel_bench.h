@@ -1,6 +1,6 @@
 // kernel_bench's parts (kernel_bench.cc: options, the square SGEMM reference, the JSON; one file per kernel kind:
 // kernel_bench_mha.cc, kernel_bench_dsa.cc, kernel_bench_gdn.cc). Each kind adds its options and runs its table;
-// every row has the kind's forward and backward time, model GFLOP/s (README "FLOPs") and the ratios to the square
+// every row has the kind's forward and backward time, model GFLOP/s (docs/benchmarks.md, "Definitions of the benchmark figures") and the ratios to the square
 // SGEMM measured at the start of the same run with the same thread count.
 #pragma once
 

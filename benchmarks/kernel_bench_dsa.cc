@@ -5,7 +5,7 @@
 //   backward: dsa_attention_backward (with the head-summed probabilities of the indexer loss),
 //   dsa_topk_selected_scores,
 //             dsa_indexer_loss, dsa_indexer_backward
-// FLOPs: benchmarks/flop_models.h (README "FLOPs"), as sp_bench counts them.
+// FLOPs: benchmarks/flop_models.h (docs/benchmarks.md, "Definitions of the benchmark figures"), as sp_bench counts them.
 #include <cstdio>
 
 #include "attention/dsa.h"

@@ -2,7 +2,7 @@
 // head shapes (K = V = 128, chunk 64; value heads --heads, default 8, on --kv-heads key heads, default half as many
 // as Qwen3-Next's 32 on 16), batch 1, q and k L2-normalised, zero initial state. The forward writes out and
 // final_state; the backward every gradient (dq, dk, dv, dg, dbeta, dinitial_state) for a random dout.
-// FLOPs: benchmarks/flop_models.h (README "FLOPs"), as sp_bench counts them without the short conv.
+// FLOPs: benchmarks/flop_models.h (docs/benchmarks.md, "Definitions of the benchmark figures"), as sp_bench counts them without the short conv.
 #include <cstdio>
 
 #include "attention/gdn.h"

@@ -1,6 +1,6 @@
 // kernel_bench --kernel mha: the CPU MHA / GQA forward and backward (attention/mha.h).
 //
-// FLOP convention (README): forward 4 B Hq Sq Sk D, halved for causal with Sq = Sk; backward 2.5 x forward.
+// FLOP convention (docs/benchmarks.md, "Definitions of the benchmark figures"): forward 4 B Hq Sq Sk D, halved for causal with Sq = Sk; backward 2.5 x forward.
 // Besides the square SGEMM, the table has a per-head SGEMM reference: the two GEMMs that an unfused attention head
 // would run, C1[S, S] = Q[S, D] K[S, D]^T and C2[S, D] = P[S, S] V[S, D], with S capped at --gemm-cap (memory of the
 // [S, S] matrix); GFLOP/s = 2 (M N K) summed over both, over their summed time (sgemm_GF/s), and the kernel's ratios

@@ -1,7 +1,7 @@
 // sp_bench: the main job. Times the distributed forward and backward of one attention layer under sequence
 // parallelism (ring, Ulysses, USP), checks the results against the single-rank reference of the same problem, and
 // prints nccl-tests style tables on rank 0 (a `#` header, fixed-width columns with units, optional JSON). Definitions
-// of the printed figures: README. The parts: the options and the workload registry (sp_bench_options.h,
+// of the printed figures: docs/benchmarks.md. The parts: the options and the workload registry (sp_bench_options.h,
 // sp_bench_workload.h), timing and the cross-rank reduction (sp_bench_timing.h), the check (sp_bench_check.h), the
 // table and the JSON (sp_bench_report.h); this file runs them in order and writes the output files.
 //

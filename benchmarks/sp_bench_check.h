@@ -1,6 +1,6 @@
 // sp_bench --check: the gathered distributed outputs against the single-rank reference of the same problem.
 //
-// The rule, per tensor (README "sp_bench", --check):
+// The rule, per tensor (docs/benchmarks.md, "sp_bench", --check):
 //   1. "1-rank": the distributed result D passes when max|D - K| <= atol + rtol * max|K|, K the one-rank kernel
 //      (the workload's tolerance). A well-conditioned problem is judged by this rule alone.
 //   2. "fp64": where D fails rule 1 and the workload's fp64 reference R fits (Fp64ReferenceCost within

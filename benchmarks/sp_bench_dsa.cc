@@ -11,7 +11,7 @@
 // indexer's layout in DeepSeek's fixed inference code), all at the global positions and before the layer; the
 // gradients get the transposed rotations after it; YaRN's mscale_all_dim multiplies the attention's softmax scale by
 // mscale^2 (attn::rope_softmax_scale_factor).
-// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy) and lengths that need padding (docs/design.md section 15.5):
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy) and lengths that need padding (docs/design.md, "DSA on packed rows"):
 // the layer runs on sp_bench_layout (padding rows zero, RoPE at the positions inside each document), its topk_indices
 // (slot positions) are mapped to token indices before they are gathered, and the references are one call over the
 // whole row with the documents' bounds (attn::DsaIndexerArgs doc_lo / doc_hi): the single-rank packed result.
@@ -57,7 +57,7 @@ float dsa_softmax_scale(const SpBenchOptions& o) {
   return factor == 1.0 ? 0.0f : static_cast<float>(factor / std::sqrt(static_cast<double>(o.head_dim)));
 }
 
-// Model FLOPs (benchmarks/flop_models.h, README "FLOPs") of the options' shapes.
+// Model FLOPs (benchmarks/flop_models.h, docs/benchmarks.md, "Definitions of the benchmark figures") of the options' shapes.
 DsaFlopShape dsa_flop_shape(const SpBenchOptions& o) {
   return {o.batch,         o.seq,         o.heads, o.head_dim, o.dim_v,
           o.indexer_heads, o.indexer_dim, o.topk,  o.window,   o.packed() ? o.doc_lens : std::vector<std::int64_t>{}};

@@ -9,7 +9,7 @@
 // C = 2 Hk K + Hv V, rows in the order q, k, v) through ShortConvContextParallel, and q, k, v are the conv's inputs:
 // dq, dk, dv are their gradients and dconv_weight [C, W] is a further output. The references run the same conv with
 // attn::short_conv_* (attn::reference::short_conv_* in fp64) before the recurrence.
-// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md section 15.4): the layer runs on the packed
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md, "GDN on packed rows"): the layer runs on the packed
 // layout, every document from its own initial state; initial_state, final_state and dinitial_state are [N, Hv, K, V]
 // (one per document, also in --inputs and --dump), and the references are one call over the whole row with
 // cu_seqlens (the conv's too): the single-rank packed result.
@@ -95,7 +95,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     return names;
   }
 
-  // Model FLOPs of the chunked algorithm (benchmarks/flop_models.h, README "FLOPs"), the conv included.
+  // Model FLOPs of the chunked algorithm (benchmarks/flop_models.h, docs/benchmarks.md, "Definitions of the benchmark figures"), the conv included.
   GdnFlopShape flop_shape() const {
     return {o_.batch,      o_.seq,
             o_.heads,      o_.head_dim,

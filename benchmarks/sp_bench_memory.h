@@ -1,5 +1,5 @@
 // sp_bench's memory estimate: the peak bytes of one rank, from the shapes alone, before anything is allocated
-// (README "Memory estimate"). Each attention kind gives what its distributed step holds, category by category of the
+// (docs/benchmarks.md, "Memory estimate"). Each attention kind gives what its distributed step holds, category by category of the
 // memory ledger (WorkloadKind::estimate_memory, sp_bench_workload.h); this file adds the host arrays of the run's
 // options (--inputs, --check, --dump, --efficiency), compares the node's sum with the memory the node has, and prints
 // the estimate (--dry-run). sp_bench --mode decode makes its own estimate (estimate_decode_memory,

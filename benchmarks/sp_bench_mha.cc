@@ -5,7 +5,7 @@
 // are rotated at their global positions before the layer and dq, dk get the transposed rotation after it
 // (sp_bench_rope.h); the references do the same on positions 0..S-1 (the fp64 one with the fp64 RoPE reference).
 // --dropout-seed S (MHA only) drop the same pairs in the layer, the one-rank kernel and the fp64 reference.
-// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md section 15): the layer runs on the packed
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md, "Packed rows and padding"): the layer runs on the packed
 // layout (padding rows zero), RoPE uses the positions inside each document, and the references are one call over
 // the whole row with the documents' bounds (attn::MaskSpec doc_lo / doc_hi): the single-rank packed result.
 #include <algorithm>
@@ -113,7 +113,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     if (name == "dsinks") return fp32_accumulator_tolerance(o_.dtype, name);
     // lse is fp32 for the other storage dtypes and differs only by the merge order of the blocks.
     if (name == "lse") return {1e-5, 1e-5};
-    // The accumulators are fp32 (docs/design.md section 3).
+    // The accumulators are fp32 (docs/design.md, "Conventions").
     return fp32_accumulator_tolerance(o_.dtype, name);
   }
 

@@ -32,7 +32,7 @@ struct SpBenchOptions {
 
   std::int64_t batch = 1;
   std::int64_t seq = 4096;
-  // A packed row (docs/design.md section 15): the document lengths from --doc-lens, --doc-dist (with --seed) or
+  // A packed row (docs/design.md, "Packed rows and padding"): the document lengths from --doc-lens, --doc-dist (with --seed) or
   // --inputs DIR/cu_seqlens.npy; empty: one unpacked row. When set, seq is their sum and batch is 1.
   std::vector<std::int64_t> doc_lens;
   std::string doc_dist;  // --doc-dist NAME (parallel/layout.h synthetic_doc_lens), empty when not given

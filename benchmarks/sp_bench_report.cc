@@ -200,7 +200,7 @@ void print_report(const SpBenchOptions& o, const RunReport& r) {
 nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   nlohmann::json j;
   j["version"] = version();
-  // Where and when (README "sp_bench JSON").
+  // Where and when (docs/benchmarks.md, "sp_bench JSON").
   j["git_commit"] = git_commit();
   j["host"] = r.node.host;
   j["date_utc"] = r.date_utc;

@@ -1,5 +1,5 @@
 // sp_bench output on world rank 0: the results table (a `#` header with the configuration, fixed-width columns with
-// units, printed by rank 0 only) and the same results as JSON. The figures are defined in the README.
+// units, printed by rank 0 only) and the same results as JSON. The figures are defined in docs/benchmarks.md.
 #pragma once
 
 #include <nlohmann/json.hpp>

@@ -1,5 +1,5 @@
 // sp_bench timing: the iteration loop (warm-up, per-iteration phase times, counters and memory peaks of this rank)
-// and the cross-rank reduction of those measurements into the figures of the results table (README "sp_bench" and
+// and the cross-rank reduction of those measurements into the figures of the results table (docs/benchmarks.md, "sp_bench" and
 // "Definitions of the benchmark figures").
 #pragma once
 

@@ -77,7 +77,7 @@ class Workload {
   // Full input tensors (names and shapes, for --inputs) and the full outputs/gradients (for --dump / --check).
   virtual std::vector<TensorSpec> input_specs() const = 0;
   virtual std::vector<std::string> output_names() const = 0;
-  // Model FLOPs of the whole problem of one data-parallel replica (README "FLOPs").
+  // Model FLOPs of the whole problem of one data-parallel replica (docs/benchmarks.md, "Definitions of the benchmark figures").
   virtual double forward_flops() const = 0;
   virtual double backward_flops() const = 0;
   virtual Tolerance tolerance(const std::string& output_name) const = 0;

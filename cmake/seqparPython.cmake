@@ -1,4 +1,4 @@
-# The Python module (python/, README "Python / PyTorch"): SEQPAR_BUILD_PYTHON defaults to ON when a Python 3
+# The Python module (python/, docs/python.md): SEQPAR_BUILD_PYTHON defaults to ON when a Python 3
 # interpreter with its development headers and pybind11 (pip or Debian package) are found, OFF otherwise (with a
 # message saying what is missing). Inside another project it is OFF unless asked for. python/CMakeLists.txt compiles
 # the seqpar libraries position-independent (-fPIC) for the extension module, a shared object that links them.

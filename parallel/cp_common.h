@@ -68,7 +68,7 @@ struct CpGroups {
 // names the caller in the message. Collective-free; identical on every rank.
 void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
 
-// ---- agreement of the ranks (docs/design.md section "Agreement of the ranks") ----------------------------------
+// ---- agreement of the ranks (docs/design.md, "Agreement of the ranks") ----------------------------------
 //
 // Every public forward() and backward() of the CP layers checks, before any data moves, that all ranks of its group
 // pass the same shapes, dtypes and configuration: each rank writes its call as named fields (a Fingerprint), and one

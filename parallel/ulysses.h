@@ -11,7 +11,7 @@
 // the backward the gradients of the replicas are summed (in fp32, or fp64 for fp64 gradients) back into the one
 // true dK / dV. GDN uses the same plan with its value heads as Hq and its key heads (q and k) as Hkv. Any other Hkv is
 // an error naming Hq, Hkv and Pu. The head partition depends only on (Hq, Hkv, Pu).
-// Communication volume per rank (README): each all-to-all of a tensor of N bytes sends and receives
+// Communication volume per rank (docs/design.md, "MHA communication volume"): each all-to-all of a tensor of N bytes sends and receives
 // (Pu - 1) / Pu * N.
 // Synchronisation: every call is collective over the Ulysses communicator and host-synchronous.
 #pragma once

@@ -1,4 +1,4 @@
-// Environment knobs. Each is read once (first use) from a variable with the SEQPAR_ prefix; the README lists
+// Environment knobs. Each is read once (first use) from a variable with the SEQPAR_ prefix; docs/operations.md lists
 // them all. A malformed value is an error naming the variable and the value.
 #pragma once
 

@@ -1,4 +1,4 @@
-// Fault injection for testing the failure paths (off unless SEQPAR_FAULT is set; the README lists the knob).
+// Fault injection for testing the failure paths (off unless SEQPAR_FAULT is set; docs/operations.md lists the knob).
 //
 //   SEQPAR_FAULT=<kind>,rank=<world rank>,at=<n>[,seconds=<t>]
 //     comm_error  the rank's n-th communication call (any Communicator operation, counted from 1 on this process)

@@ -7,7 +7,7 @@ jobs=${SEQPAR_JOBS:-$(nproc)}
 
 "$root/scripts/install_deps.sh"
 
-# The Python module and its tests (README "Python / PyTorch"): pip installs, by name, the packages that do not import
+# The Python module and its tests (docs/python.md): pip installs, by name, the packages that do not import
 # yet (torch from PyPI runs on the CPU). Without them the module or its tests are left out (CMake says which), and
 # everything else still builds and runs.
 python_missing=()

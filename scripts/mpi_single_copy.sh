@@ -4,7 +4,7 @@
 # Linux: the receiver reads the sender's buffer in one copy), or "none" when they do not (containers that refuse the
 # ptrace permission CMA needs), then the caller sets OMPI_MCA_btl_vader_single_copy_mechanism=none: every large
 # message is then copied twice through shared-memory fragments, and only while both ranks are inside MPI calls, so
-# the ring's transfers no longer overlap compute (README, "MPI on one node"). A value the caller has already set is
+# the ring's transfers no longer overlap compute (docs/operations.md, "MPI on one node"). A value the caller has already set is
 # printed as it is, without probing. The probe: one 1 MiB sendrecv between 2 ranks (comm_bench, checked), at most
 # 60 s, with OpenMPI's root and oversubscription permissions. Exit status 2, with a message and nothing on stdout,
 # when it cannot probe: no BUILD_DIR, no comm_bench in it, or no mpirun.

@@ -58,7 +58,7 @@ using IndexerShape = DsaIndexerShape;
 // k_idx in place instead, kKeyPanel keys at a time (the next run prefetched): the panels, a copy of the whole of
 // k_idx per call, would be read by too few rows to repay writing them. Each row then pays a transposition of its
 // scores per run instead; in sp_bench's DSA decode (Hi 64, Di 128, 64K keys, one thread) reading in place was the
-// faster up to 4 rows and 7% slower at 8 (README "DSA decode measured on the development machine").
+// faster up to 4 rows and 7% slower at 8 (docs/results.md, "DSA decode").
 inline constexpr std::int64_t kKeyPanel = 64;
 inline constexpr std::int64_t kInPlaceQueries = 4;
 

@@ -2,7 +2,7 @@
 
 The layers run seqpar's C++ CP layers (ring attention, Ulysses, USP for MHA / GQA; DeepSeek sparse attention;
 gated delta rule with its short conv) on CPU tensors under mpirun, without copying the tensors (DLPack).
-README "Python / PyTorch" shows the installs and a training example; docs/design.md section 17 the design.
+docs/python.md shows the installs and a training example; docs/design.md, "Python module" the design.
 
     import seqpar
     grid = seqpar.SpGrid(dp_size=1, ulysses_size=2, ring_size=2)        # over the MPI world (or comm=<mpi4py comm>)

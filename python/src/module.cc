@@ -1,5 +1,5 @@
-// seqpar._seqpar: the pybind11 bindings under the Python package seqpar (python/seqpar; README "Python / PyTorch",
-// docs/design.md section 17). One binding per C++ class, with the C++ names: SpGrid, SequenceLayout, the layers'
+// seqpar._seqpar: the pybind11 bindings under the Python package seqpar (python/seqpar; docs/python.md,
+// docs/design.md, "Python module"). One binding per C++ class, with the C++ names: SpGrid, SequenceLayout, the layers'
 // configuration structs and the CP layers' forward / backward. Tensors cross as DLPack views (dlpack_bridge.h): the
 // inputs are the caller's torch tensors, the outputs seqpar Tensors handed to torch, neither copied. A layer's
 // forward returns its CpContext as an opaque Context object for the backward (which consumes it).

@@ -100,7 +100,7 @@ def test_memory(tmp, np, flags):
     for name, e, m in pairs:
         ratio = e / m
         print(f"{name}: memory estimate {e / 2**20:.2f} MiB, measured {m / 2**20:.2f} MiB: ratio {ratio:.3f}")
-        # The rule (README "Memory estimate"): never below the measured peak, at most 1.5 x it. A phase below the
+        # The rule (docs/benchmarks.md, "Memory estimate"): never below the measured peak, at most 1.5 x it. A phase below the
         # peak (the forward, which decode's prefill estimate reuses) must not be below its own measured peak either.
         top = 1.5 if name == "peak" or e >= est else float("inf")
         check(1.0 <= ratio <= top, f"{name}: estimate / measured = {ratio:.3f} is outside [1, {top}] for {flags}")
@@ -284,7 +284,7 @@ def test_sweep(tmp):
 
 
 def kernel_flops(r):
-    """The model FLOPs of a kernel_bench row (README "FLOPs"), computed here from the row's shape, pair by pair."""
+    """The model FLOPs of a kernel_bench row (docs/benchmarks.md, "Definitions of the benchmark figures"), computed here from the row's shape, pair by pair."""
     if r["kernel"] == "mha":
         fwd = 4 * r["B"] * r["Hq"] * r["S"] * r["S"] * r["D"] * (0.5 if r["causal"] else 1.0)
         return fwd, 2.5 * fwd

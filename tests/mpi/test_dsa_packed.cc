@@ -1,4 +1,4 @@
-// DSA under context parallelism on packed rows (cu_seqlens) and padded lengths (docs/design.md section 15.5): ring
+// DSA under context parallelism on packed rows (cu_seqlens) and padded lengths (docs/design.md, "DSA on packed rows"): ring
 // and all-gather selection, the latent ring, USP grids, every layout kind. The independent check: document d of the
 // packed result equals document d run alone through the unpacked single-device kernels (topk_indices mapped to the
 // document's tokens, out, lse, the indexer loss summed over documents, every gradient); padding rows of every local

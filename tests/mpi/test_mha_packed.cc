@@ -1,5 +1,5 @@
 // MHA / GQA on packed rows (cu_seqlens) and padded lengths under ring (p2p, all-gather), Ulysses and USP (both
-// placements), every layout kind (docs/design.md section 15). The independent check: the packed result of document
+// placements), every layout kind (docs/design.md, "Packed rows and padding"). The independent check: the packed result of document
 // d equals document d run alone through the unpacked single-rank path, for every output and gradient; padding rows
 // of every local tensor are exactly 0 (lse -inf) and nothing is NaN; bad packings fail on every rank before any
 // message.

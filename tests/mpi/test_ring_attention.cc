@@ -208,7 +208,7 @@ TEST(RingAttention, LayoutErrorsOnEveryRank) {
   const CpGroups groups = CpGroups::from(grid);
   RingAttentionConfig cfg;
   std::string message;
-  // Any length is padded by the layout (docs/design.md section 15; tests/mpi/test_mha_packed.cc checks the results).
+  // Any length is padded by the layout (docs/design.md, "Packed rows and padding"; tests/mpi/test_mha_packed.cc checks the results).
   RingAttention odd(groups, SequenceLayout::for_groups(groups, 2 * P * 5 + 1, LayoutKind::kZigzag), cfg);
   // A layout built for other group sizes is refused with a message naming both.
   message.clear();

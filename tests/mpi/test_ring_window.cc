@@ -162,12 +162,12 @@ TEST(RingWindow, BytesAndRoundsMatchFormula) {
   }
 }
 
-// The plan itself: rows as the closed form, and the small window of the README row cuts the zigzag ring to W - 1
+// The plan itself: rows as the closed form, and the small window of the docs/results.md row cuts the zigzag ring to W - 1
 // rows each way at 2 ranks.
 TEST(RingWindow, PlanMatchesFormula) {
   const int P = world().size(), r = world().rank();
   for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
-    const std::int64_t seq = 2048 * P;  // 4K tokens at 2 ranks (the README row)
+    const std::int64_t seq = 2048 * P;  // 4K tokens at 2 ranks (the docs/results.md row)
     const SequenceLayout layout(kind, seq, P);
     std::vector<std::vector<std::int64_t>> pos;
     for (int x = 0; x < P; ++x) pos.push_back(layout.ring_shard_positions(x));

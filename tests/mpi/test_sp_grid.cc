@@ -25,7 +25,7 @@ struct Coords {
   int dp, u, r;  // data-parallel replica, Ulysses rank, ring rank
 };
 
-// Independent enumeration of the grid (docs/design.md section 4): world ranks are handed out in increasing order by
+// Independent enumeration of the grid (docs/design.md, "Process groups"): world ranks are handed out in increasing order by
 // nested loops, replicas outermost; ulysses_inner runs the Ulysses index innermost (each Ulysses group is
 // consecutive ranks), ring_inner runs the ring index innermost.
 std::vector<Coords> enumerate_grid(const SpGridConfig& c) {

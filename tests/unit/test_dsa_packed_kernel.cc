@@ -1,5 +1,5 @@
 // DSA kernels and the fp64 reference with document bounds (attention/dsa.h DsaIndexerArgs::doc_lo / doc_hi,
-// docs/design.md section 15.5): in a packed (and padded) row every document gets exactly what it gets alone through
+// docs/design.md, "DSA on packed rows"): in a packed (and padded) row every document gets exactly what it gets alone through
 // the unpacked path (topk_indices shifted by the document's first slot, out, lse, indexer loss per document, every
 // gradient), padding rows select nothing and produce zeros and no NaN, and the fp64 reference (a per-pair document
 // test) agrees with the kernels.

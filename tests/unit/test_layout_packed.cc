@@ -1,4 +1,4 @@
-// Sequence layouts with padding and packed documents (parallel/layout.h, docs/design.md section 15): slots, the
+// Sequence layouts with padding and packed documents (parallel/layout.h, docs/design.md, "Packed rows and padding"): slots, the
 // token / document / RoPE accessors, cu_seqlens validation and the balanced partitioner. Every property is checked
 // against an independent rule written here (the token order of a document, the chunk arithmetic, a direct work sum).
 #include <gtest/gtest.h>
@@ -201,7 +201,7 @@ double imbalance(const std::vector<double>& w) {
 
 // Balanced chunks are whole 64-token tiles of the row: inside every 64-row tile of a ring shard the token slots are
 // consecutive (one piece of the row), so a tile of local queries or keys never spans two chunks and the kernels' tile
-// classification on a rank is the one-device call's (docs/design.md section 15.2).
+// classification on a rank is the one-device call's (docs/design.md, "The balanced partitioner").
 TEST(LayoutBalanced, ChunksAreWholeTilesOfTheRow) {
   for (int ring : {2, 3, 4, 8}) {
     for (std::uint64_t seed : {1234u, 7u}) {

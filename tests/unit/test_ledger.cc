@@ -74,7 +74,7 @@ TEST(Ledger, ScriptedSequenceGivesHandComputedCurrentAndPeaks) {
   expect(0, 10, 0, 50, 0, 30, 0, 90);
 }
 
-// The peak of the total is the peak of the sum, not the sum of the per-category peaks (docs/design.md section 11).
+// The peak of the total is the peak of the sum, not the sum of the per-category peaks (docs/design.md, "Memory ledger").
 TEST(Ledger, TotalPeakIsPeakOfSumNotSumOfPeaks) {
   MemoryLedger ledger;
   ledger.on_alloc(MemCategory::kWorkspace, 100);

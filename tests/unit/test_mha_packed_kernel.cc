@@ -1,5 +1,5 @@
 // MHA kernels and the fp64 reference with document bounds (attention/mha.h MaskSpec doc_lo / doc_hi, docs/design.md
-// section 15.3): a packed row equals each document run alone, padding queries and keys contribute nothing and
+// "MHA on packed rows"): a packed row equals each document run alone, padding queries and keys contribute nothing and
 // produce no NaN, and visible_pairs counts only pairs inside documents.
 #include <gtest/gtest.h>
 
