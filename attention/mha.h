@@ -150,10 +150,10 @@ void mha_backward_delta(const TensorView& out, const TensorView& dout, const Ten
                         Stream stream = Stream::cpu());
 
 // Merges a block result into a running one, in place, over disjoint key sets (the formula: docs/design.md, "MHA on
-// one device"; its precision: docs/design.md, "Precision of lse and merges"). Computed in fp64 (no inf - inf, no cancellation) and rounded once
-// into out and lse. An lse rounded to fp32 becomes a relative error of the merged out; a merge that adds no error
-// beyond one online-softmax pass keeps the running lse and the blocks' lse in fp64 (mha_forward writes an fp64 lse
-// on request) and out in the accumulator dtype; the ring (parallel/) does.
+// one device"; its precision: docs/design.md, "Precision of lse and merges"). Computed in fp64 (no inf - inf, no
+// cancellation) and rounded once into out and lse. An lse rounded to fp32 becomes a relative error of the merged
+// out; a merge that adds no error beyond one online-softmax pass keeps the running lse and the blocks' lse in fp64
+// (mha_forward writes an fp64 lse on request) and out in the accumulator dtype; the ring (parallel/) does.
 // Args: out [B, S, H, D], out_b the same shape: fp32 or fp64 each; lse, lse_b [B, H, S]: fp32 or fp64 each.
 // Returns: out and lse, merged. Exact when either side is -inf (that side contributes nothing, even if its out
 //   holds garbage). Both sides -inf: lse = -inf, out = 0.
