@@ -34,6 +34,7 @@ inline constexpr std::int64_t kGdnDefaultChunkSize = 64;
 // chunk 64, and one chunk over 4096 tokens about 270x.
 inline constexpr std::int64_t kGdnMaxChunkSize = 128;
 
+// The inputs of gdn_forward (shapes and dtypes: the file comment).
 struct GdnForwardArgs {
   TensorView q;              // [B, S, Hk, K]
   TensorView k;              // [B, S, Hk, K]
@@ -48,72 +49,109 @@ struct GdnForwardArgs {
   // initial_state, final_state and their gradients are [N, Hv, K, V].
   TensorView cu_seqlens = {};
 
-  // The rules on these fields alone: shapes, dtypes, devices, chunk_size, scale, the initial state, cu_seqlens. A
-  // context-parallel caller runs it on its local shapes before anything is sent.
+  // The rules on these fields alone, no work. A context-parallel caller runs it on its local shapes before
+  // anything is sent.
+  // Errors: shapes, dtypes, devices, chunk_size, scale, the initial state, cu_seqlens (gdn_forward's errors).
+  // Sync: host-only.
   void validate() const;
+
   // Every check gdn_forward makes on (this, out, final_state, stream), no work.
+  // Errors: gdn_forward's.
+  // Sync: host-only.
   void validate(const TensorView& out, const TensorView& final_state, Stream stream = Stream::cpu()) const;
+
   // Every check gdn_decode (attention/gdn_decode.h) makes on (cache, this, out, stream), no work.
+  // Errors: gdn_decode's.
+  // Sync: host-only.
   void validate(const GdnCache& cache, const TensorView& out, Stream stream = Stream::cpu()) const;
 };
 
 // The GdnForwardArgs of the five activations (initial_state empty, chunk_size the default).
+// Returns: the args; nothing is checked here.
+// Sync: host-only.
 GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                         const TensorView& beta, bool use_qk_l2norm = true, float scale = 0.0f);
 
-// out [B, S, Hv, V] (any floating dtype); final_state [B, Hv, K, V] (state dtype; [N, Hv, K, V] with cu_seqlens), may
-// be empty to skip it. S = 0 is allowed (final_state = initial_state). Errors also when Hv is not a positive multiple
-// of Hk, and for a cu_seqlens that breaks a rule above (the message names the entry and the rule).
+// Chunked forward (docs/design.md, "The chunked GDN kernel").
+// Args: out [B, S, Hv, V] any floating dtype; final_state [B, Hv, K, V] (state dtype; [N, Hv, K, V] with
+//   cu_seqlens), may be empty to skip it. S = 0 is allowed (final_state = initial_state).
+// Returns: out and final_state, overwritten.
+// Errors (before any work): those of the file comment and GdnForwardArgs::validate; also when Hv is not a
+//   positive multiple of Hk, and for a cu_seqlens that breaks a rule above (the message names the entry and the
+//   rule); CUDA tensors or streams ("GDN kernels have no CUDA implementation yet").
+// Sync: host-synchronous; bitwise reproducible for any thread count.
 void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
                  Stream stream = Stream::cpu());
 
+// The inputs of gdn_backward.
 struct GdnBackwardArgs {
   GdnForwardArgs fwd;       // the forward's inputs (the same initial_state)
   TensorView dout;          // [B, S, Hv, V] any floating dtype; may be empty (= zeros)
   TensorView dfinal_state;  // optional [B, Hv, K, V] ([N, Hv, K, V] with cu_seqlens) state dtype; empty = zeros
 
   // Every check gdn_backward makes on (this, dq, dk, dv, dg, dbeta, dinitial_state, stream), no work.
+  // Errors: gdn_backward's.
+  // Sync: host-only.
   void validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, const TensorView& dg,
                 const TensorView& dbeta, const TensorView& dinitial_state, Stream stream = Stream::cpu()) const;
 };
 
 // Gradients of sum(dout * out) + sum(dfinal_state * final_state) with respect to the raw (un-normalised) q and k,
-// v, g, beta and initial_state; the L2 normalisation and the scale are differentiated through. dq, dk [B, S, Hk, K]
-// (summed over the value heads of each key head), dv [B, S, Hv, V], dg, dbeta [B, S, Hv], dinitial_state
-// [B, Hv, K, V]. Every output is overwritten. dq, dk, dv, dg, dbeta: any floating dtype; dinitial_state: state dtype.
-// Any output may be an empty view to skip it; when dq, dk, dv, dg and dbeta are all empty only the reverse dS sweep
-// runs (no forward sweep for the chunk start states, no gradient of v, k, q, g, beta: about the cost of one forward, a
-// quarter of the full backward), which is what a scan-mode caller needs for the local part of dS_start. dinitial_state
-// does not depend on v or initial_state. With fwd.cu_seqlens every document is differentiated on its own rows
-// (dinitial_state and dfinal_state [N, Hv, K, V]).
+// v, g, beta and initial_state; the L2 normalisation and the scale are differentiated through.
+// Args: dq, dk [B, S, Hk, K] (summed over the value heads of each key head), dv [B, S, Hv, V], dg, dbeta
+//   [B, S, Hv]: any floating dtype; dinitial_state [B, Hv, K, V], state dtype. Any output may be an empty view to
+//   skip it; when dq, dk, dv, dg and dbeta are all empty only the reverse dS sweep runs (no forward sweep for the
+//   chunk start states, no gradient of v, k, q, g, beta: about the cost of one forward, a quarter of the full
+//   backward), which is what a scan-mode caller needs for the local part of dS_start. With fwd.cu_seqlens every
+//   document is differentiated on its own rows (dinitial_state and dfinal_state [N, Hv, K, V]).
+// Returns: every output given, overwritten. dinitial_state does not depend on v or initial_state.
+// Errors: as gdn_forward, and the gradients' shapes and dtypes.
+// Sync: host-synchronous; bitwise reproducible for any thread count.
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state,
                   Stream stream = Stream::cpu());
 
 // ---- segment transitions (affine state maps) --------------------------------------------------------------
 
-// The map of the whole segment in `args` from a zero start: final_state = m * S_start + u for every S_start.
-// m [B, Hv, K, K], u [B, Hv, K, V], state dtype; args.initial_state must be empty. Same chunking as gdn_forward, so
-// m * S_start + u agrees with gdn_forward's final_state to rounding. Cost: a forward whose state has K + V columns.
-// args.cu_seqlens must be empty (a segment map of a packed row is taken per piece between document starts).
+// The affine map of the whole segment in `args` (docs/design.md, "The gated delta recurrence"): final_state =
+// m * S_start + u for every S_start. Cost: a forward whose state has K + V columns.
+// Args: m [B, Hv, K, K], u [B, Hv, K, V], state dtype; args.initial_state and args.cu_seqlens empty (a segment map
+//   of a packed row is taken per piece between document starts).
+// Returns: m and u; same chunking as gdn_forward, so m * S_start + u agrees with its final_state to rounding.
+// Errors: gdn_forward's on args; a non-empty initial_state or cu_seqlens; m, u shapes and dtypes.
+// Sync: host-synchronous.
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u,
                     Stream stream = Stream::cpu());
 
-// (m, u) = (m2, u2) o (m1, u1) = (m2 m1, m2 u1 + u2): first segment 1, then segment 2. All [B, H, K, K] /
-// [B, H, K, V] in one state dtype (fp32 or fp64). The outputs may alias neither input.
+// Composes two segment maps: first segment 1, then segment 2.
+// Args: all [B, H, K, K] / [B, H, K, V] in one state dtype (fp32 or fp64); the outputs may alias neither input.
+// Returns: (m, u) = (m2, u2) o (m1, u1) = (m2 m1, m2 u1 + u2).
+// Errors: shapes, dtypes, aliasing.
+// Sync: host-synchronous.
 void gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1, const TensorView& u1,
                             const TensorView& m, const TensorView& u, Stream stream = Stream::cpu());
 
-// s_end = m s_start + u (u may be empty: s_end = m s_start). s_end may not alias s_start.
+// Applies a segment map to a start state.
+// Args: u may be empty; s_end may not alias s_start.
+// Returns: s_end = m s_start + u (m s_start when u is empty).
+// Errors: shapes, dtypes, aliasing.
+// Sync: host-synchronous.
 void gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start, const TensorView& s_end,
                           Stream stream = Stream::cpu());
 
-// ds_start = m^T ds_end (+ local, when local is not empty): the adjoint a reverse scan needs.
-// ds_start may alias local but not ds_end.
+// The adjoint a reverse scan needs.
+// Args: local may be empty; ds_start may alias local but not ds_end.
+// Returns: ds_start = m^T ds_end (+ local, when local is not empty).
+// Errors: shapes, dtypes, aliasing.
+// Sync: host-synchronous.
 void gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
                                   const TensorView& ds_start, Stream stream = Stream::cpu());
 
-// mt[b, h] = m[b, h]^T ([B, H, K, K]); mt may not alias m.
+// Transposes each map.
+// Args: m, mt [B, H, K, K]; mt may not alias m.
+// Returns: mt[b, h] = m[b, h]^T.
+// Errors: shapes, dtypes, aliasing.
+// Sync: host-synchronous.
 void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream = Stream::cpu());
 
 // ---- short causal depthwise convolution ---------------------------------------------------------------------
@@ -130,6 +168,7 @@ void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream 
 // All tensors share x's dtype (any floating dtype); arithmetic in fp32 (fp64 for fp64). Threads: OpenMP over
 // (batch, channel block); reductions over (b, t) run in a fixed order.
 
+// The inputs of short_conv_forward / short_conv_backward.
 struct ShortConvArgs {
   TensorView x;                   // [B, S, C]
   TensorView weight;              // [C, W], W >= 1
@@ -137,22 +176,38 @@ struct ShortConvArgs {
   bool use_silu = true;
   TensorView cu_seqlens = {};  // optional int64 [N+1]: a packed row of N documents (B = 1)
 
-  // The rules on these fields alone (shapes, dtypes, devices, W, the initial conv state, cu_seqlens).
+  // The rules on these fields alone, no work.
+  // Errors: shapes, dtypes, devices, W, the initial conv state, cu_seqlens.
+  // Sync: host-only.
   void validate() const;
+
   // Every check short_conv_forward makes on (this, out, final_conv_state, stream), no work.
+  // Errors: short_conv_forward's.
+  // Sync: host-only.
   void validate(const TensorView& out, const TensorView& final_conv_state, Stream stream = Stream::cpu()) const;
+
   // Every check short_conv_backward makes on (this, dout, dx, dweight, dinitial_conv_state, stream), no work.
+  // Errors: short_conv_backward's.
+  // Sync: host-only.
   void validate(const TensorView& dout, const TensorView& dx, const TensorView& dweight,
                 const TensorView& dinitial_conv_state, Stream stream = Stream::cpu()) const;
 };
 
-// out [B, S, C]; final_conv_state ([B, W-1, C], [N, W-1, C] with cu_seqlens) may be empty to skip it.
+// The convolution (definition above).
+// Args: out [B, S, C]; final_conv_state ([B, W-1, C], [N, W-1, C] with cu_seqlens) may be empty to skip it.
+// Returns: out and final_conv_state.
+// Errors: ShortConvArgs::validate's, and the outputs' shapes and dtypes.
+// Sync: host-synchronous; reductions in a fixed order.
 void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
                         Stream stream = Stream::cpu());
 
-// Gradients of sum(dout * out): dx [B, S, C], dweight [C, W], dinitial_conv_state [B, W-1, C] or [N, W-1, C] with
-// cu_seqlens (each may be empty
-// to skip it; all overwritten). The halo gradient dinitial_conv_state goes back to the owner of those inputs.
+// Gradients of sum(dout * out).
+// Args: dx [B, S, C], dweight [C, W], dinitial_conv_state [B, W-1, C] or [N, W-1, C] with cu_seqlens; each may be
+//   empty to skip it.
+// Returns: the gradients given, all overwritten. The halo gradient dinitial_conv_state goes back to the owner of
+//   those inputs (docs/design.md, "Short conv halo").
+// Errors: ShortConvArgs::validate's, and dout's and the gradients' shapes and dtypes.
+// Sync: host-synchronous; reductions over (b, t) in a fixed order.
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state,
                          Stream stream = Stream::cpu());

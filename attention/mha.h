@@ -25,6 +25,7 @@
 
 namespace seqpar::attn {
 
+// The mask of one call, on global positions (docs/design.md, "MHA on packed rows").
 struct MaskSpec {
   bool causal = false;
   std::int64_t window = 0;  // > 0: sliding window (requires causal); 0: none
@@ -47,11 +48,14 @@ struct ScoreMods {
   TensorView sinks;         // empty, or [Hq] fp32 / fp64 finite host: learned sink logit per query head
 };
 
-// ALiBi slopes of Press et al. 2022 (reference code, get_slopes): for H a power of two, slope_h = 2^(-8 (h+1) / H);
-// otherwise the slopes of the largest power of two n < H followed by every other slope of 2n, H in all.
+// ALiBi slopes of Press et al. 2022 (reference code, get_slopes; docs/design.md, "Score modifiers").
+// Returns: [num_heads] slopes: for H a power of two, slope_h = 2^(-8 (h+1) / H); otherwise the slopes of the
+//   largest power of two n < H followed by every other slope of 2n, H in all.
 // Errors: num_heads < 1.
+// Sync: host-only.
 std::vector<float> alibi_slopes(std::int64_t num_heads);
 
+// The inputs of mha_forward.
 struct MhaForwardArgs {
   TensorView q;                         // [B, Sq, Hq, D]
   TensorView k;                         // [B, Sk, Hkv, D]
@@ -73,28 +77,36 @@ struct MhaForwardArgs {
   // dropout.p > 0; every other rule reads position differences, which slots and tokens share.
   std::span<const std::int64_t> q_tokens{};
 
-  // The rules of mha_forward on these fields alone (no outputs): shapes, dtypes, devices, Hq % Hkv, positions,
-  // mask, scale, mods and dropout; raises mha_forward's Error. A context-parallel caller runs it on its local
-  // shapes before anything is sent.
+  // The rules of mha_forward on these fields alone (no outputs), no work. A context-parallel caller runs it on
+  // its local shapes before anything is sent.
+  // Errors: mha_forward's, on shapes, dtypes, devices, Hq % Hkv, positions, mask, scale, mods and dropout.
+  // Sync: host-only.
   void validate() const;
+
   // Every check mha_forward makes on (this, out, lse, stream), no work.
+  // Errors: mha_forward's.
+  // Sync: host-only.
   void validate(const TensorView& out, const TensorView& lse, Stream stream = Stream::cpu()) const;
 };
 
-// Forward. args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0), positions
-// of sizes Sq / Sk (or empty), mask (window >= 0; window > 0 requires causal), scale (<= 0: 1/sqrt(D), computed in
-// double). out: [B, Sq, Hq, D], any floating dtype (the ring passes the accumulator dtype); lse: [B, Hq, Sq] of the
-// accumulator dtype or fp64, natural log, -inf for rows with no visible key. Sk = 0 gives out = 0, lse = -inf.
-// Both outputs are overwritten.
-// Errors: Error for a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing
-// positions, window < 0 or a window without causal, doc_lo / doc_hi not both empty or both of size Sq, a non-CPU
-// tensor or stream; mods: softcap < 0 or non-finite,
-// slopes / sinks not [Hq] fp32 / fp64 or not finite; dropout p not a finite number in [0, 1), and with p > 0 a
-// negative head_offset, positions outside [0, 2^32) or B, head_offset + Hq over 2^32. With mods.sinks, lse is
-// lse_total and out is scaled by exp(lse - lse_total) (a row with no visible key: lse = sink_h, out = 0).
+// Forward with lse (docs/design.md, "MHA on one device"; sinks: "Score modifiers").
+// Args: q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D] (one floating dtype, Hq % Hkv == 0, D > 0); positions of sizes
+//   Sq / Sk (or empty); mask: window >= 0, window > 0 requires causal; scale <= 0: 1/sqrt(D), computed in double;
+//   out [B, Sq, Hq, D] any floating dtype (the ring passes the accumulator dtype); lse [B, Hq, Sq] of the
+//   accumulator dtype or fp64.
+// Returns: out and lse, both overwritten; lse natural log, -inf for rows with no visible key; Sk = 0 gives out = 0,
+//   lse = -inf. With mods.sinks, lse is lse_total and out is scaled by exp(lse - lse_total) (a row with no visible
+//   key: lse = sink_h, out = 0).
+// Errors: a non-4-d q / k, shape / dtype mismatches, Hq % Hkv != 0, wrong position counts, decreasing positions,
+//   window < 0 or a window without causal, doc_lo / doc_hi not both empty or both of size Sq, a non-CPU tensor or
+//   stream; mods: softcap < 0 or non-finite, slopes / sinks not [Hq] fp32 / fp64 or not finite; dropout p not a
+//   finite number in [0, 1), and with p > 0 a negative head_offset, positions outside [0, 2^32) or B,
+//   head_offset + Hq over 2^32; "out of memory: ..." for scratch.
+// Sync: host-synchronous (stream: an ordering token on the CPU); bitwise reproducible for any thread count.
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse,
                  Stream stream = Stream::cpu());
 
+// The inputs of mha_backward.
 struct MhaBackwardArgs {
   MhaForwardArgs fwd;  // q, k, v, positions, mask, scale, mods, dropout, head_offset as in the forward (sinks are
                        // not read: see lse)
@@ -102,73 +114,89 @@ struct MhaBackwardArgs {
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64
   TensorView delta{};  // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty
-  // optional [B, Hq, Sq] fp32 / fp64: the gradient of the loss with respect to lse (flash-attention's dlse). Since
-  // d lse_i / d a_ij = p_ij, it joins ds as ds_ij = p_ij (dp_ij - delta_i + dlse_i): the kernels run with
-  // delta - dlse (with sinks, dsinks takes the same delta - dlse). Empty: lse carries no gradient.
+  // optional [B, Hq, Sq] fp32 / fp64: the gradient of the loss with respect to lse (flash-attention's dlse); the
+  // kernels run with delta - dlse (with sinks, dsinks takes the same delta - dlse); docs/design.md, "MHA on one
+  // device". Empty: lse carries no gradient.
   TensorView dlse{};
 
   // Every check mha_backward makes on (this, dq, dk, dv, accumulate, stream), no work.
+  // Errors: mha_backward's.
+  // Sync: host-only.
   void validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, bool accumulate,
                 Stream stream = Stream::cpu()) const;
 };
 
 // Backward of one call (or one key block of a ring) with the final out / lse (docs/design.md, "MHA on one device").
-// args.out is read only when args.delta is empty (delta is then computed from out and dout as by
-// mha_backward_delta). dq [B, Sq, Hq, D], dk / dv [B, Sk, Hkv, D]:
-// accumulate = false: dq, dk, dv (any floating dtype) are overwritten.
-// accumulate = true: dq, dk, dv must have the accumulator dtype and the block's contributions are added to them
-// (the sum of a call per key block equals one call over all keys, up to rounding of that dtype).
-// Rows with lse = -inf contribute nothing. Errors: as for mha_forward, plus shape / dtype mismatches of dout,
-// lse, delta, out and the gradients, and gradients of another dtype than the accumulator dtype with
-// accumulate = true.
+// Args: args.out is read only when args.delta is empty (delta is then computed from out and dout as by
+//   mha_backward_delta); dq [B, Sq, Hq, D], dk / dv [B, Sk, Hkv, D]; accumulate = false: dq, dk, dv (any floating
+//   dtype) are overwritten; accumulate = true: dq, dk, dv must have the accumulator dtype and the block's
+//   contributions are added to them (the sum of a call per key block equals one call over all keys, up to
+//   rounding of that dtype).
+// Returns: dq, dk, dv. Rows with lse = -inf contribute nothing.
+// Errors: as for mha_forward, plus shape / dtype mismatches of dout, lse, delta, out and the gradients, and
+//   gradients of another dtype than the accumulator dtype with accumulate = true.
+// Sync: host-synchronous (stream: an ordering token on the CPU).
 void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   bool accumulate, Stream stream = Stream::cpu());
 
-// delta[b, h, i] = sum_d dout[b, i, h, d] * out[b, i, h, d], summed in fp64 when out, dout or delta is fp64 and in
-// fp32 otherwise. out, dout [B, S, H, D] any floating dtypes (same shape); delta [B, H, S] fp32 or fp64 (fp64 when
-// out or dout is fp64), overwritten. FlashAttention-2 (Dao 2023), the row term D_i of Algorithm 2.
+// delta = rowsum(dout * out) per (b, h, i): FlashAttention-2 (Dao 2023), the row term D_i of Algorithm 2
+// (docs/design.md, "MHA on one device").
+// Args: out, dout [B, S, H, D] any floating dtypes (same shape); delta [B, H, S] fp32 or fp64 (fp64 when out or
+//   dout is fp64).
+// Returns: delta, overwritten; summed in fp64 when out, dout or delta is fp64 and in fp32 otherwise.
 // Errors: shape / dtype mismatches, non-CPU tensors.
+// Sync: host-synchronous.
 void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta,
                         Stream stream = Stream::cpu());
 
-// Merges a block result into a running one, in place, over disjoint key sets:
-//   lse = logaddexp(lse, lse_b); out = exp(lse_old - lse) out + exp(lse_b - lse) out_b.
-// out [B, S, H, D], out_b the same shape: fp32 or fp64 each; lse, lse_b [B, H, S]: fp32 or fp64 each. Everything is
-// computed in fp64 (lse = max + log1p(e), weights 1 / (1 + e) and e / (1 + e), e = exp(min - max), so there is no
-// inf - inf and no cancellation) and rounded once into out and lse. Exact when either side is -inf (that side
-// contributes nothing, even if its out holds garbage). Both sides -inf: lse = -inf, out = 0.
-// Precision: the weights are exp of lse differences, so an lse rounded to fp32 (|lse| 2^-24 absolute, 1e-4 at
-// |lse| = 1800) becomes a relative error of the merged out that one softmax pass over the same keys does not have.
-// A merge that adds no error beyond one online-softmax pass keeps the running lse and the blocks' lse in fp64
+// Merges a block result into a running one, in place, over disjoint key sets (the formula: docs/design.md, "MHA on
+// one device"; its precision: docs/design.md, "Precision of lse and merges"). Computed in fp64 (no inf - inf, no
+// cancellation) and rounded once into out and lse. An lse rounded to fp32 becomes a relative error of the merged
+// out; a merge that adds no error beyond one online-softmax pass keeps the running lse and the blocks' lse in fp64
 // (mha_forward writes an fp64 lse on request) and out in the accumulator dtype; the ring (parallel/) does.
+// Args: out [B, S, H, D], out_b the same shape: fp32 or fp64 each; lse, lse_b [B, H, S]: fp32 or fp64 each.
+// Returns: out and lse, merged. Exact when either side is -inf (that side contributes nothing, even if its out
+//   holds garbage). Both sides -inf: lse = -inf, out = 0.
 // Errors: dtypes other than fp32 / fp64, shape mismatches, non-CPU tensors.
+// Sync: host-synchronous.
 void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                Stream stream = Stream::cpu());
 
-// Sinks on a finished (merged) result, in place: lse_total = logaddexp(lse, sinks[h]), out *= exp(lse - lse_total),
-// lse = lse_total, in fp64. out [B, S, H, D] fp32 / fp64; lse [B, H, S] fp32 / fp64; sinks [H] fp32 / fp64 finite.
-// Call it once per row (after every key block is merged). Errors: shapes, dtypes, non-finite sinks, non-CPU.
+// Sinks on a finished (merged) result, in place, in fp64 (docs/design.md, "Score modifiers"). Call it once per
+// row (after every key block is merged).
+// Args: out [B, S, H, D] fp32 / fp64; lse [B, H, S] fp32 / fp64; sinks [H] fp32 / fp64 finite.
+// Returns: out rescaled; lse = lse_total.
+// Errors: shapes, dtypes, non-finite sinks, non-CPU.
+// Sync: host-synchronous.
 void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks,
                      Stream stream = Stream::cpu());
 
+// The inputs of mha_sinks_backward.
 struct MhaSinksBackwardArgs {
   TensorView delta;  // [B, H, S] rowsum(dO * O) of the final out (mha_backward_delta), fp32 / fp64
   TensorView lse;    // [B, H, S] the final lse_total, fp32 / fp64
   TensorView sinks;  // [H] fp32 / fp64 finite
 
   // Every check mha_sinks_backward makes on (this, dsinks, stream), no work.
+  // Errors: mha_sinks_backward's.
+  // Sync: host-only.
   void validate(const TensorView& dsinks, Stream stream = Stream::cpu()) const;
 };
 
-// Gradient of the sinks over the rows given: dsinks[h] = -sum_{b, i} exp(sinks[h] - lse[b, h, i]) delta[b, h, i],
-// summed in fp64 in (b, i) order. dsinks [H] fp32 / fp64, overwritten. Rows with lse = -inf add 0.
-// Under context parallelism each rank sums its rows and the caller all-reduces. Errors: shapes, dtypes, non-CPU.
+// Gradient of the sinks over the rows given (docs/design.md, "Score modifiers"), summed in fp64 in (b, i) order.
+// Args: dsinks [H] fp32 / fp64.
+// Returns: dsinks, overwritten. Rows with lse = -inf add 0.
+// Errors: shapes, dtypes, non-CPU.
+// Sync: host-synchronous; under context parallelism each rank sums its rows and the caller all-reduces.
 void mha_sinks_backward(const MhaSinksBackwardArgs& args, const TensorView& dsinks, Stream stream = Stream::cpu());
 
 // Number of (query, key) pairs visible under `mask` between the position sets: the work a forward call does,
-// used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs). Unlike the kernels, the positions are
-// taken as given: an empty span means no queries (keys); mask.doc_lo / doc_hi, when given, have q_pos.size() entries.
+// used for FLOP counters (forward FLOPs = 4 * B * Hq * D * visible_pairs).
+// Args: unlike the kernels, the positions are taken as given: an empty span means no queries (keys);
+//   mask.doc_lo / doc_hi, when given, have q_pos.size() entries.
+// Returns: the pair count.
 // Errors: decreasing positions, an invalid mask.
+// Sync: host-only.
 std::int64_t visible_pairs(std::span<const std::int64_t> q_pos, std::span<const std::int64_t> k_pos,
                            const MaskSpec& mask);
 

@@ -2,12 +2,6 @@
 // interleaved) and frequency scalings (llama3, YaRN) of the models sp_bench presets.
 // Math: docs/design.md, "RoPE" (the rotation, the partial-rotary column window, the llama3 and YaRN frequencies and
 // the attention factor, each as in HF transformers' modeling_rope_utils).
-//
-// x, dy: [B, S, H, D] or [B, S, D] (one head), any floating dtype, rotated in place; positions [S] int64 >= 0 (a
-// layout's global positions, so a shard is rotated as the same rows of the full sequence). Angles in fp64, applied
-// in fp32 (fp64 for fp64 tensors). Host-synchronous.
-// Errors: Error naming the value and the rule (shape, positions size, theta, rotary_dim, column_offset, the scaling's
-// parameters); device tensors are refused. RopeConfig::validate raises the same errors alone.
 #pragma once
 
 #include <cstdint>
@@ -21,7 +15,9 @@ namespace seqpar::attn {
 
 inline constexpr double kDefaultRopeTheta = 10000.0;
 
+// Which columns a rotation pairs (docs/design.md, "RoPE").
 enum class RopePairing { kRotateHalf, kInterleaved };
+// The frequency scaling (docs/design.md, "RoPE").
 enum class RopeScaling { kNone, kLlama3, kYarn };
 
 // Llama 3.1's values (Meta-Llama-3.1-8B config.json rope_scaling).
@@ -43,6 +39,7 @@ struct RopeYarnParams {
   double mscale_all_dim = 0.0;    // 0: unset
 };
 
+// One RoPE: pairing, rotated column window, base, scaling.
 struct RopeConfig {
   RopePairing pairing = RopePairing::kRotateHalf;
   std::int64_t rotary_dim = 0;     // r; 0: every column from column_offset to D
@@ -52,31 +49,56 @@ struct RopeConfig {
   RopeLlama3Params llama3;
   RopeYarnParams yarn;
 
-  // The parameter checks alone (theta, rotary_dim even and >= 0, column_offset >= 0, the scaling's parameters).
+  // The parameter checks alone, no work.
+  // Errors: Error naming the value and the rule: theta, rotary_dim even and >= 0, column_offset >= 0, the
+  //   scaling's parameters.
+  // Sync: host-only.
   void validate() const;
+
   // Every check rope_forward / rope_backward makes on (x, positions, this), no work.
+  // Errors: those of validate(), and x's shape, positions size, device tensors.
+  // Sync: host-only.
   void validate(const TensorView& x, std::span<const std::int64_t> positions) const;
 };
 
-// "rotate-half" / "interleaved"; "none" / "llama3" / "yarn". The parsers throw Error listing the accepted names.
+// Names of pairings ("rotate-half" / "interleaved") and scalings ("none" / "llama3" / "yarn"), and their parsers.
+// Errors: the parsers, for another name (the message lists the accepted names).
+// Sync: host-only.
 std::string rope_pairing_name(RopePairing p);
 RopePairing parse_rope_pairing(const std::string& name);
 std::string rope_scaling_name(RopeScaling s);
 RopeScaling parse_rope_scaling(const std::string& name);
 
-// The r/2 inverse frequencies f_i (radians per position) of `cfg` for r = `rotary_dim` (> 0, even), scaling
-// included. Errors: those of RopeConfig::validate, rotary_dim odd or < 2.
+// The inverse frequencies of `cfg`, scaling included.
+// Args: rotary_dim: r (> 0, even).
+// Returns: the r/2 inverse frequencies f_i, radians per position.
+// Errors: those of RopeConfig::validate; rotary_dim odd or < 2.
+// Sync: host-only.
 std::vector<double> rope_inv_freq(const RopeConfig& cfg, std::int64_t rotary_dim);
-// The attention factor m that multiplies cos and sin (1 unless yarn). Errors: those of RopeConfig::validate.
+
+// The attention factor m that multiplies cos and sin.
+// Returns: m; 1 unless yarn.
+// Errors: those of RopeConfig::validate.
+// Sync: host-only.
 double rope_attention_factor(const RopeConfig& cfg);
-// DeepSeek's factor on the softmax scale: mscale(factor, mscale_all_dim)^2 for yarn with mscale_all_dim > 0, else 1.
+
+// DeepSeek's factor on the softmax scale.
+// Returns: mscale(factor, mscale_all_dim)^2 for yarn with mscale_all_dim > 0, else 1.
+// Sync: host-only.
 double rope_softmax_scale_factor(const RopeConfig& cfg);
 
+// Rotates x in place (forward); backward: dx = m R(pos)^T dy, in place on `dy`. Math: docs/design.md, "RoPE".
+// Args: x, dy [B, S, H, D] or [B, S, D] (one head), any floating dtype; positions [S] int64 >= 0 (a layout's
+//   global positions, so a shard is rotated as the same rows of the full sequence). Angles in fp64, applied in
+//   fp32 (fp64 for fp64 tensors).
+// Errors: Error naming the value and the rule (shape, positions size, theta, rotary_dim, column_offset, the
+//   scaling's parameters); device tensors are refused. RopeConfig::validate raises the same errors alone.
+// Sync: host-synchronous.
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg);
-// dx = m R(pos)^T dy, in place on `dy`.
 void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions, const RopeConfig& cfg);
 
 // The plain rotate-half RoPE over the whole head dim with base `theta` (RopeConfig{.theta = theta}).
+// Args, Errors, Sync: as the RopeConfig overloads.
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions, double theta = kDefaultRopeTheta);
 

@@ -29,17 +29,25 @@ namespace seqpar {
 class SpGrid;
 class SequenceLayout;
 
-// The options of the CP layers, with their names (parse_*: Error "<what> 'x' is not one of a, b" otherwise).
+// The options of the CP layers.
 enum class RingImpl : std::uint8_t { kP2P, kAllGather };        // ring attention: blocks around, or all-gather
 enum class DsaSelectMode : std::uint8_t { kRing, kAllGather };  // DSA selection over the SP group
 enum class GdnCpMode : std::uint8_t { kChain, kScan };          // GDN state passing
-const char* ring_impl_name(RingImpl impl);                      // "p2p", "allgather"
+
+// The options' names ("p2p", "allgather"; "ring", "allgather"; "chain", "scan") and their parsers.
+// Errors: the parsers: "<what> 'x' is not one of a, b" for another name.
+// Sync: host-only.
+const char* ring_impl_name(RingImpl impl);
 RingImpl parse_ring_impl(std::string_view name);
-const char* dsa_select_mode_name(DsaSelectMode mode);  // "ring", "allgather"
+const char* dsa_select_mode_name(DsaSelectMode mode);
 DsaSelectMode parse_dsa_select_mode(std::string_view name);
-const char* gdn_cp_mode_name(GdnCpMode mode);  // "chain", "scan"
+const char* gdn_cp_mode_name(GdnCpMode mode);
 GdnCpMode parse_gdn_cp_mode(std::string_view name);
-// The index of `name` in `names`; Error "<what> '<name>' is not one of <names, comma-separated>" otherwise.
+
+// The index of `name` in `names`.
+// Returns: the index.
+// Errors: "<what> '<name>' is not one of <names, comma-separated>".
+// Sync: host-only.
 int parse_option_index(std::string_view name, std::span<const char* const> names, const char* what);
 
 // The communicators of one CP layer and the compute stream of its kernels.
@@ -47,25 +55,30 @@ int parse_option_index(std::string_view name, std::span<const char* const> names
 //   ring:    the ring group (size Pr, rank = ring_rank); blocks and states travel around it.
 //   sp:      the whole SP group (size Pu * Pr, rank = sp_rank = ring_rank * Pu + ulysses_rank); DSA's selection
 //            and the short conv halo use it.
-// The references must outlive every layer built from the groups. Errors: sp.size() != ulysses.size() * ring.size(),
-// sp.rank() != sp_rank() (on the ranks where it differs).
+// The references must outlive every layer built from the groups.
 struct CpGroups {
   Communicator& ulysses;
   Communicator& ring;
   Communicator& sp;
   Stream stream;  // every kernel call gets it; a device stream is also set on the communicators during each call
 
+  // The groups from three communicators, or from the grid's Ulysses, ring and SP communicators (from()).
+  // Errors: sp.size() != ulysses.size() * ring.size(), sp.rank() != sp_rank() (on the ranks where it differs).
+  // Sync: host-only, no communication.
   CpGroups(Communicator& ulysses, Communicator& ring, Communicator& sp, Stream stream = Stream::cpu());
-  // The grid's Ulysses, ring and SP communicators.
   static CpGroups from(const SpGrid& grid, Stream stream = Stream::cpu());
 
+  // Sizes and this rank's SP rank (ring_rank * Pu + ulysses_rank).
+  // Sync: host-only.
   int ulysses_size() const { return ulysses.size(); }
   int ring_size() const { return ring.size(); }
   int sp_rank() const { return ring.rank() * ulysses.size() + ulysses.rank(); }
 };
 
-// Checks that `layout` was built for these groups (ring_size and ulysses_size equal the groups' sizes); `layer`
-// names the caller in the message. Collective-free; identical on every rank.
+// Checks that `layout` was built for these groups.
+// Args: layer: names the caller in the message.
+// Errors: ring_size or ulysses_size different from the groups' sizes (identical on every rank).
+// Sync: host-only, collective-free.
 void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
 
 // ---- agreement of the ranks (docs/design.md, "Agreement of the ranks") ----------------------------------
@@ -85,25 +98,36 @@ void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, 
 //   always:  on every call (one 24-byte all-reduce per call).
 //   off:     never.
 enum class AgreementMode : std::uint8_t { kOff, kChanges, kAlways };
-const char* agreement_mode_name(AgreementMode mode);  // "off", "changes", "always"
+
+// Names ("off", "changes", "always") and their parser.
+// Errors: the parser, for another name.
+// Sync: host-only.
+const char* agreement_mode_name(AgreementMode mode);
 AgreementMode parse_agreement_mode(std::string_view name);
-// SEQPAR_AGREEMENT_CHECK (default changes), read once; Error naming the value and the accepted ones otherwise.
+
+// The mode of SEQPAR_AGREEMENT_CHECK (default changes), read once.
+// Errors: a value that is not a mode (naming the value and the accepted ones).
+// Sync: host-only.
 AgreementMode agreement_mode();
 
-// The fields of one call, in order, as text ("name=value" lines). The first field names the call.
+// The fields of one call, in order, as text ("name=value" lines). The first field names the call. Every member is
+// host-only and returns *this for chaining.
 class Fingerprint {
  public:
   explicit Fingerprint(std::string_view call);
+  // Fields: an integer; a real (shortest exact rendering); a flag ("yes" / "no"); text.
   Fingerprint& add_int(std::string_view name, std::int64_t value);
-  Fingerprint& add_real(std::string_view name, double value);  // shortest exact rendering
-  Fingerprint& add_flag(std::string_view name, bool value);    // "yes" / "no"
+  Fingerprint& add_real(std::string_view name, double value);
+  Fingerprint& add_flag(std::string_view name, bool value);
   Fingerprint& add_text(std::string_view name, std::string_view value);
-  // dtype and shape ("fp32[1, 32, 4, 16]"), "cuda " before it for a device tensor, "none" for an empty view.
+  // A tensor: dtype and shape ("fp32[1, 32, 4, 16]"), "cuda " before it for a device tensor, "none" for an empty
+  // view; add_tensors: add_tensor for each (name, tensor), in order.
   Fingerprint& add_tensor(std::string_view name, const TensorView& t);
-  // add_tensor for each (name, tensor), in order.
   Fingerprint& add_tensors(std::initializer_list<std::pair<std::string_view, TensorView>> named);
+
+  // The text, and its FNV-1a 64 digest.
   const std::string& text() const { return text_; }
-  std::uint64_t digest() const;  // FNV-1a 64 of text()
+  std::uint64_t digest() const;
 
  private:
   std::string text_;
@@ -114,15 +138,20 @@ class AgreementCheck {
  public:
   explicit AgreementCheck(AgreementMode mode = agreement_mode()) : mode_(mode) {}
 
-  // Collective over `comm` when it runs (see AgreementMode; every rank of `comm` must call it, in the same order
-  // as its other operations on `comm`). Throws Error, the same on every rank of `comm`: "<call>: the ranks of
-  // <group> (<members>) disagree on <field>: <value> on <group> rank(s) ...; <value> on ...". Buffers on
-  // comm.device() (copied on `stream`); waits with the default communication timeout.
+  // Checks that every rank of `comm` passes the same fingerprint (see AgreementMode for when it runs).
+  // Errors: the same on every rank of `comm`: "<call>: the ranks of <group> (<members>) disagree on <field>:
+  //   <value> on <group> rank(s) ...; <value> on ..."; a communication timeout.
+  // Sync: collective over `comm` when it runs (every rank of `comm` must call it, in the same order as its other
+  //   operations on `comm`); buffers on comm.device() (copied on `stream`); waits with the default
+  //   communication timeout.
   void run(Communicator& comm, const Fingerprint& fp, Stream stream = Stream::cpu());
 
+  // The mode; num_checks(): calls that ran the collective; num_skipped(): calls served by the cache (mode off, a
+  // group of one).
+  // Sync: host-only.
   AgreementMode mode() const { return mode_; }
-  std::int64_t num_checks() const { return num_checks_; }    // calls that ran the collective
-  std::int64_t num_skipped() const { return num_skipped_; }  // calls served by the cache (mode off, a group of one)
+  std::int64_t num_checks() const { return num_checks_; }
+  std::int64_t num_skipped() const { return num_skipped_; }
 
  private:
   AgreementMode mode_;
@@ -131,9 +160,10 @@ class AgreementCheck {
   std::int64_t num_checks_ = 0, num_skipped_ = 0;
 };
 
-// Checks a gradient input or output buffer of a backward (dout, dq): `shape` and a floating dtype (Error naming
-// `what` otherwise; the device is checked by common_device). Layers call it before consuming their context, so that
-// a refused call leaves the context live.
+// Checks a gradient input or output buffer of a backward (dout, dq). Layers call it before consuming their context,
+// so that a refused call leaves the context live.
+// Errors: naming `what`, unless t has `shape` and a floating dtype (the device is checked by common_device).
+// Sync: host-only.
 void check_grad_input(const TensorView& t, const Shape& shape, const char* what);
 
 // What one CP layer did on this rank; every field is summed over the calls since the last reset().
@@ -149,6 +179,7 @@ struct CpCounters {
   double compute_s = 0;                 // seconds in kernels and merges
   double a2a_s = 0;                     // seconds in Ulysses exchanges (never overlapped)
 
+  // Sums of the fields above; reset() zeroes every field; += adds another layer's counters.
   double total_exposed_s() const { return exposed_comm_s + a2a_s; }
   std::int64_t total_bytes_sent() const { return bytes_sent + a2a_bytes_sent; }
   void reset() { *this = {}; }
@@ -169,20 +200,26 @@ class ScopedTimer {
 };
 
 // Waits for `work` (a null handle is a no-op) and resets it, adding the seconds blocked to *exposed_s (may be null).
+// The `comm` form: the same for an operation on `comm`, except that a group of one adds nothing: it moves no data
+// (its collectives are local copies), so none of its time is exposed communication.
+// Errors: those of Work::wait.
+// Sync: host-blocking until the operation completes.
 void timed_wait(WorkHandle& work, double* exposed_s);
-// The same for an operation on `comm`, except that a group of one adds nothing: it moves no data (its collectives
-// are local copies), so none of its time is exposed communication.
 void timed_wait(const Communicator& comm, WorkHandle& work, double* exposed_s);
 
 // Adds to a CpCounters the bytes a set of communicators moved during its lifetime: `ring_or_sp` (deduplicated, so
 // that one communicator passed twice is counted once) into bytes_sent / bytes_received, `ulysses` into a2a_*.
 class CommMeter {
  public:
+  // Starts counting; the destructor adds the bytes moved since.
+  // Sync: host-only.
   CommMeter(const CpGroups& groups, CpCounters& counters);
   ~CommMeter();
   CommMeter(const CommMeter&) = delete;
   CommMeter& operator=(const CommMeter&) = delete;
-  std::int64_t bytes_sent_so_far() const;  // all groups, since construction
+  // Bytes sent over all groups since construction.
+  // Sync: host-only.
+  std::int64_t bytes_sent_so_far() const;
 
  private:
   const CpGroups& groups_;
@@ -200,6 +237,8 @@ class LayerId {
   // A moved-to layer is the same layer: it keeps the id (its contexts stay valid); the moved-from one gets a new id.
   LayerId(LayerId&& other) noexcept;
   LayerId& operator=(LayerId&& other) noexcept;
+  // The id.
+  // Sync: host-only.
   std::uint64_t value() const { return id_; }
 
  private:
@@ -216,9 +255,13 @@ class CpContext {
   CpContext(const CpContext&) = delete;
   CpContext& operator=(const CpContext&) = delete;
 
+  // True while the context is live (returned by a forward, not yet consumed).
+  // Sync: host-only.
   bool live() const { return state_ == State::kLive; }
 
   // For layers: wraps `saved` (made by layer `id`, a `layer` name for messages).
+  // Returns: a live context.
+  // Sync: host-only.
   template <typename Saved>
   static CpContext make(const LayerId& id, const char* layer, std::shared_ptr<Saved> saved) {
     CpContext c;
@@ -230,13 +273,19 @@ class CpContext {
   }
   // For layers: checks like consume() but leaves the context live (a backward validates its other arguments with
   // the saved shapes first, so that a refused call can be retried with the same context).
+  // Returns: the saved state, shared.
+  // Errors: as consume().
+  // Sync: host-only.
   template <typename Saved>
   std::shared_ptr<Saved> peek(const LayerId& id, const char* layer) const {
     check_consumable(id, layer);
     return std::static_pointer_cast<Saved>(saved_);
   }
-  // For layers: checks that the context is live and was made by `id` (Error otherwise, naming `layer`), marks it
-  // consumed and hands over its saved state (freed when the caller drops it).
+  // For layers: checks that the context is live and was made by `id`, marks it consumed and hands over its saved
+  // state.
+  // Returns: the saved state (freed when the caller drops it).
+  // Errors: naming `layer`, for a context that is empty, consumed or made by another layer object.
+  // Sync: host-only.
   template <typename Saved>
   std::shared_ptr<Saved> consume(const LayerId& id, const char* layer) {
     check_consumable(id, layer);
@@ -261,13 +310,15 @@ struct DeviceAlloc {
   Device device;
   Stream stream;
 
+  // Tensor::empty / zeros / copy_of and copy_convert on `device`, ordered on `stream`. copy_of: a copy of `src`
+  // (on its own device, which is `device` inside a schedule) converted to `dtype`.
+  // Errors: those of the Tensor and tensor_ops functions called.
   Tensor empty(const Shape& shape, DType dtype, MemCategory category) const {
     return Tensor::empty(shape, dtype, category, device);
   }
   Tensor zeros(const Shape& shape, DType dtype, MemCategory category) const {
     return Tensor::zeros(shape, dtype, category, device, stream);
   }
-  // A copy of `src` (on its own device, which is `device` inside a schedule) converted to `dtype`.
   Tensor copy_of(const TensorView& src, DType dtype, MemCategory category) const {
     return Tensor::copy_of(src, dtype, category, stream);
   }
@@ -278,6 +329,9 @@ struct DeviceAlloc {
 // alone, so that a device communicator keeps its own); restores the previous streams at exit.
 class CommStreamScope {
  public:
+  // Sets the streams; the destructor restores them.
+  // Errors: those of Communicator::set_stream.
+  // Sync: as Communicator::set_stream.
   explicit CommStreamScope(const CpGroups& groups);
   ~CommStreamScope();
   CommStreamScope(const CommStreamScope&) = delete;

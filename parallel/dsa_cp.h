@@ -6,11 +6,6 @@
 // topk_indices hold SLOT positions (layout().tokens_of_slots maps them to tokens), -1 padded. Every scratch array
 // and travelling accumulator has the kernels' accumulator dtype (fp64 for fp64 inputs, else fp32).
 // Counters (CpCounters): attention_pairs, ring / SP bytes, Ulysses bytes (a2a_*), exposed wait and kernel time.
-// Synchronisation: forward() and backward() are collective over the groups' Ulysses, ring and SP communicators and
-// host-synchronous; kernels run on groups.stream. The forward's context owns the saved tensors (saved_activation).
-// Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
-// divisible by ulysses_size, shapes / dtypes, topk < 1, dim_v outside [1, Dqk]; a context that is empty, used or
-// another object's; ranks that disagree on inputs, configuration or layout (AgreementCheck, parallel/cp_common.h).
 #pragma once
 
 #include <cstdint>
@@ -25,6 +20,7 @@
 
 namespace seqpar {
 
+// The configuration of DsaContextParallel (the same on every rank).
 struct DsaCpConfig {
   DsaSelectMode select = DsaSelectMode::kRing;
   std::int64_t topk = attn::kDsaTopK;
@@ -35,6 +31,7 @@ struct DsaCpConfig {
   std::int64_t window = 0;
 };
 
+// What DsaContextParallel::forward returns.
 struct DsaCpOutput {
   Tensor out;           // [B, S_local, H, Dv], dtype of q
   Tensor lse;           // [B, H, S_local] accumulator_dtype of q (fp64 for fp64 inputs, else fp32)
@@ -42,6 +39,7 @@ struct DsaCpOutput {
   CpContext ctx;        // what the backward needs; hand it to backward() of the object that made it
 };
 
+// What DsaContextParallel::backward returns.
 struct DsaCpGrads {
   Tensor dq;        // [B, S_local, H, Dqk]
   Tensor dc;        // [B, S_local, Dqk]
@@ -51,23 +49,40 @@ struct DsaCpGrads {
   double loss = 0;  // indexer KL loss summed over the whole sequence (the same on every rank)
 };
 
-// Rewrites topk_indices ([..., k] int64 host tensor, e.g. DsaCpOutput::topk_indices) in place from slot positions of
-// `layout` to token indices of the user's row (SequenceLayout::token_of_slot; selected slots always hold tokens);
-// -1 stays -1. No communication. Errors: a non-int64 or non-host tensor.
+// Rewrites topk_indices in place from slot positions of `layout` to token indices of the user's row
+// (SequenceLayout::token_of_slot; selected slots always hold tokens); -1 stays -1.
+// Args: topk_indices [..., k] int64 host tensor, e.g. DsaCpOutput::topk_indices.
+// Errors: a non-int64 or non-host tensor.
+// Sync: host-synchronous, no communication.
 void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& topk_indices);
 
+// One DSA layer under context parallelism on this rank's groups (docs/design.md, "DSA under context parallelism").
 class DsaContextParallel : public CpLayerBase {
  public:
+  // A layer over `groups` with `layout`'s positions.
+  // Errors: the layout not built for the groups; topk < 1, dim_v < 1.
+  // Sync: host-only, no communication.
   DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config);
 
-  // q [B, S_local, H, Dqk], c [B, S_local, Dqk], q_idx [B, S_local, Hi, Di], k_idx [B, S_local, Di],
-  // w [B, S_local, Hi], all one dtype, at positions(); S_local = layout().local_len() (padded_len / (ulysses_size *
-  // ring_size)); B = 1 for a packed layout. Padding rows (token_index -1) should be zero (shard_sequence makes them
-  // so); they select nothing whatever they hold.
+  // Selection, latent attention; the context owns the saved tensors (saved_activation).
+  // Args: q [B, S_local, H, Dqk], c [B, S_local, Dqk], q_idx [B, S_local, Hi, Di], k_idx [B, S_local, Di],
+  //   w [B, S_local, Hi], all one dtype, at positions(); S_local = layout().local_len() (padded_len /
+  //   (ulysses_size * ring_size)); B = 1 for a packed layout. Padding rows (token_index -1) should be zero
+  //   (shard_sequence makes them so); they select nothing whatever they hold.
+  // Returns: DsaCpOutput; topk_indices hold SLOT positions, -1 padded.
+  // Errors (before any communication, identical on every rank): heads not divisible by ulysses_size, shapes /
+  //   dtypes, topk < 1, dim_v outside [1, Dqk]; ranks that disagree on inputs, configuration or layout
+  //   (AgreementCheck, parallel/cp_common.h).
+  // Sync: collective over the groups' Ulysses, ring and SP communicators; host-synchronous; kernels run on
+  //   groups.stream.
   DsaCpOutput forward(const TensorView& q, const TensorView& c, const TensorView& q_idx, const TensorView& k_idx,
                       const TensorView& w);
-  // The context of a forward of this object (consumed and freed); dout [B, S_local, H, Dv]; loss_grad_scale
-  // multiplies the indexer loss gradient (the caller's loss weight).
+  // Backward with the context of a forward of this object (consumed and freed), and the indexer loss.
+  // Args: dout [B, S_local, H, Dv]; loss_grad_scale multiplies the indexer loss gradient (the caller's loss weight).
+  // Returns: DsaCpGrads, with the indexer loss summed over the whole sequence.
+  // Errors (before any communication, identical on every rank): shapes / dtypes; a context that is empty, used or
+  //   another object's; ranks that disagree.
+  // Sync: collective over the groups' Ulysses, ring and SP communicators; host-synchronous.
   DsaCpGrads backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale = 1.0f);
 
   // layout(), positions(), counters(), reset_counters(): CpLayerBase.

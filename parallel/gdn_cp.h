@@ -7,11 +7,7 @@
 // States, transitions and their gradients travel in fp32 (fp64 for fp64 inputs). final_state and dinitial_state
 // are returned in full on every rank.
 // Counters (CpCounters): message_rounds, state-passing bytes, Ulysses bytes (a2a_*), exposed wait and kernel time.
-// Synchronisation: every public call is collective over the groups' communicators (GDN: Ulysses and ring; short
-// conv: SP) and host-synchronous; kernels run on groups.stream. A forward's context owns the saved tensors.
-// Errors (before any communication, identical on every rank): layout not built for the groups, stripe layout, B > 1
-// with a packed layout, state shapes, head counts (Hv % Hk, Hv % ulysses_size, Hk vs ulysses_size), shape / dtype
-// mismatches; a context that is empty, used or another object's; ranks that disagree (AgreementCheck).
+// Errors of the forward and backward calls are raised before any communication, identical on every rank.
 #pragma once
 
 #include <cstdint>
@@ -26,6 +22,7 @@
 
 namespace seqpar {
 
+// The configuration of GdnContextParallel (the same on every rank).
 struct GdnCpConfig {
   GdnCpMode mode = GdnCpMode::kScan;
   bool use_qk_l2norm = true;
@@ -40,8 +37,11 @@ struct Segment {
   int owner = 0;                  // rank in the group
   std::int64_t local_offset = 0;  // row of the owner's local tensor where the segment starts
 };
-// The segments of all ranks (tokens_per_rank[r] = the token of each row of rank r's shard, increasing over its
-// tokens; -1 marks a padding row, which belongs to no segment and ends a run), in global order.
+// The segments of all ranks in global order (docs/design.md, "GDN segments").
+// Args: tokens_per_rank[r]: the token of each row of rank r's shard, increasing over its tokens; -1 marks a
+//   padding row, which belongs to no segment and ends a run.
+// Returns: the segments, sorted by start.
+// Sync: host-only, no communication.
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& tokens_per_rank);
 
 // The part of a segment inside one document: rows [offset, offset + length) of the segment, tokens of document
@@ -51,32 +51,51 @@ struct SegmentPiece {
   std::int64_t offset = 0, length = 0, doc = 0;
   bool starts_doc = false, ends_doc = false;
 };
-// The pieces of `seg` in order, for documents with bounds cu_seqlens ([N+1], validated; {0, S} for one document).
+// The pieces of `seg` in order (docs/design.md, "GDN on packed rows").
+// Args: cu_seqlens [N+1], already validated ({0, S} for one document).
+// Returns: the pieces, in row order.
+// Sync: host-only, no communication.
 std::vector<SegmentPiece> segment_pieces(const Segment& seg, const std::vector<std::int64_t>& cu_seqlens);
 
+// What GdnContextParallel::forward returns.
 struct GdnCpOutput {
   Tensor out;          // [B, S_local, Hv, V], dtype of q
   Tensor final_state;  // [B, Hv, K, V] ([N, Hv, K, V] packed) state dtype, identical on every rank
   CpContext ctx;       // what the backward needs; hand it to backward() of the object that made it
 };
 
+// What GdnContextParallel::backward returns.
 struct GdnCpGrads {
   Tensor dq, dk;          // local [B, S_local, Hk, K], dtype of q (summed over the value heads of each key head)
   Tensor dv, dg, dbeta;   // local [B, S_local, Hv, V] / [B, S_local, Hv], dtype of q
   Tensor dinitial_state;  // [B, Hv, K, V] ([N, Hv, K, V] packed) state dtype, same on every rank
 };
 
+// GDN under context parallelism on this rank's groups (docs/design.md, "GDN chain and scan").
 class GdnContextParallel : public CpLayerBase {
  public:
+  // A layer over `groups` with `layout`'s positions (contiguous, zigzag or balanced).
+  // Errors: layout not built for the groups, stripe layout, chunk_size < 1, non-finite scale.
+  // Sync: host-only, no communication.
   GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config);
 
-  // q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta [B, S_local, Hv] at positions() (S_local =
-  // layout().local_len(); padding rows are ignored); initial_state: empty or the full [B, Hv, K, V] ([N, Hv, K, V]
-  // for a packed layout of N documents, B = 1) in the state dtype, the same on every rank.
+  // Forward; the state passes between segments by config.mode; the context owns the saved tensors.
+  // Args: q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta [B, S_local, Hv] at positions() (S_local =
+  //   layout().local_len(); padding rows are ignored); initial_state: empty or the full [B, Hv, K, V]
+  //   ([N, Hv, K, V] for a packed layout of N documents, B = 1) in the state dtype, the same on every rank.
+  // Returns: GdnCpOutput; final_state in full on every rank. States travel in fp32 (fp64 for fp64 inputs).
+  // Errors: B > 1 with a packed layout, state shapes, head counts (Hv % Hk, Hv % ulysses_size, Hk vs
+  //   ulysses_size), shape / dtype mismatches; ranks that disagree (AgreementCheck).
+  // Sync: collective over the Ulysses and ring groups; host-synchronous; kernels run on groups.stream.
   GdnCpOutput forward(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
                       const TensorView& beta, const TensorView& initial_state = {});
-  // The context of a forward of this object (consumed and freed); dout [B, S_local, Hv, V]; dfinal_state: empty or
-  // the full [B, Hv, K, V] ([N, Hv, K, V] packed), the same on every rank.
+
+  // Backward with the context of a forward of this object (consumed and freed).
+  // Args: dout [B, S_local, Hv, V]; dfinal_state: empty or the full [B, Hv, K, V] ([N, Hv, K, V] packed), the same
+  //   on every rank.
+  // Returns: GdnCpGrads; dinitial_state in full on every rank.
+  // Errors: shape / dtype mismatches; a context that is empty, used or another object's; ranks that disagree.
+  // Sync: collective over the Ulysses and ring groups; host-synchronous; kernels run on groups.stream.
   GdnCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state = {});
 
   // layout(), positions(), counters(), reset_counters(): CpLayerBase.
@@ -112,36 +131,55 @@ class GdnContextParallel : public CpLayerBase {
   std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
 };
 
+// The configuration of ShortConvContextParallel.
 struct ShortConvCpConfig {
   bool use_silu = true;  // out = silu(conv(x)) (false: conv(x))
 };
 
+// What ShortConvContextParallel::forward returns.
 struct ShortConvCpOutput {
   Tensor out;     // [B, S_local, C], x's dtype
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 
+// What ShortConvContextParallel::backward returns.
 struct ShortConvCpGrads {
   Tensor dx;       // [B, S_local, C], x's dtype
   Tensor dweight;  // [C, W], weight's dtype, summed over the group (the same on every rank)
 };
 
 // The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence, over groups.sp (rank r
-// holds layout.positions(r)). Padding rows get out 0 and dx 0; with a packed layout (B = 1) no output reads an input
-// of another document. Errors: as GdnContextParallel's (B > 1 with a packed layout included).
+// holds layout.positions(r)); docs/design.md, "Short conv halo". Padding rows get out 0 and dx 0; with a packed
+// layout (B = 1) no output reads an input of another document.
 class ShortConvContextParallel {
  public:
+  // A layer over groups.sp with `layout`'s positions.
+  // Errors: layout not built for the groups.
+  // Sync: host-only, no communication.
   ShortConvContextParallel(const CpGroups& groups, const SequenceLayout& layout, const ShortConvCpConfig& config = {});
 
-  // x [B, S_local, C], weight [C, W] (same on every rank).
+  // Forward; receives the halo point to point.
+  // Args: x [B, S_local, C], weight [C, W] (same on every rank).
+  // Returns: ShortConvCpOutput.
+  // Errors: as GdnContextParallel's (B > 1 with a packed layout included).
+  // Sync: collective over the SP group; host-synchronous; kernels run on groups.stream.
   ShortConvCpOutput forward(const TensorView& x, const TensorView& weight);
-  // The context of a forward of this object (consumed and freed) and dout like the output. Returns dx and dweight.
+
+  // Backward with the context of a forward of this object (consumed and freed); the first form returns dx and
+  // dweight, the second writes dweight into the caller's `dweight` and returns dx.
+  // Args: dout like the output; dweight [C, W], weight's dtype.
+  // Returns: dx; dweight summed over the group (the same on every rank).
+  // Errors: as GdnContextParallel's; a context that is empty, used or another object's.
+  // Sync: collective over the SP group (halo gradient point to point, dweight all-reduced); host-synchronous.
   ShortConvCpGrads backward(CpContext&& ctx, const TensorView& dout);
-  // The same, writing dweight [C, W] (summed over the group, weight's dtype) into the caller's `dweight`; returns dx.
   Tensor backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight);
 
+  // Bytes of halo this rank has sent in forward calls since construction.
+  // Sync: host-only.
   std::int64_t halo_bytes_sent() const { return halo_bytes_sent_; }
+
   // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 

@@ -7,14 +7,8 @@
 //
 // Use it alone with ulysses_size = 1, or through UspAttention (parallel/usp.h). Packed layouts take B = 1.
 // Counters (CpCounters): attention FLOPs, ring bytes, exposed communication time, kernel time.
-// Synchronisation: forward() and backward() are collective over the ring communicator and host-synchronous;
-// kernels run on groups.stream.
 // Memory: the returned context owns what backward needs (saved_activation); double buffers and travelling
 // accumulators in comm_buffer; outputs in workspace.
-// Errors (before any communication, identical on every rank): layout not built for the groups, shape / dtype
-// mismatch, B != 1 with a packed layout, Hq % Hkv != 0, window without causal, non-finite scale, dropout p outside
-// [0, 1); a context that is empty, used or another object's; ranks that disagree on shapes, dtypes, configuration
-// or layout (AgreementCheck, parallel/cp_common.h).
 #pragma once
 
 #include <cstdint>
@@ -31,6 +25,7 @@
 
 namespace seqpar {
 
+// The configuration of RingAttention and UspAttention (the same on every rank).
 struct RingAttentionConfig {
   RingImpl impl = RingImpl::kP2P;
   bool causal = true;
@@ -47,12 +42,14 @@ struct RingAttentionConfig {
   attn::DropoutSpec dropout{};
 };
 
+// What forward() returns.
 struct AttentionOutput {
   Tensor out;     // [B, S_local, Hq, D], dtype of q
   Tensor lse;     // [B, Hq, S_local], accumulator_dtype(dtype of q): fp32, fp64 for fp64
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 
+// What backward() returns.
 struct AttentionGrads {
   Tensor dq;      // [B, S_local, Hq, D], dtype of q
   Tensor dk;      // [B, S_local, Hkv, D]
@@ -62,37 +59,63 @@ struct AttentionGrads {
 };
 
 // The fields of an MHA forward (RingAttention, UspAttention) for the ranks' agreement check (AgreementCheck,
-// parallel/cp_common.h): `call`, the configuration (impl, causal, window, scale), the layout, q, k and v.
+// parallel/cp_common.h).
+// Returns: the fingerprint of `call`, the configuration (impl, causal, window, scale), the layout, q, k and v.
+// Sync: host-only, no communication.
 Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionConfig& config,
                                     const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                                     const TensorView& v);
 
+// Ring attention on this rank's ring group (docs/design.md, "Ring attention").
 class RingAttention {
  public:
-  // Validates the configuration and the layout against the groups here (collective-free).
+  // Validates the configuration and the layout against the groups here.
+  // Errors: layout not built for the groups, window < 0, window without causal, non-finite scale, dropout p
+  //   outside [0, 1).
+  // Sync: host-only, collective-free.
   RingAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
 
-  // q [B, S_ring, Hq, D], k, v [B, S_ring, Hkv, D], S_ring = seq_len / ring_size, at positions().
+  // Forward over the whole sequence, this rank's rows.
+  // Args: q [B, S_ring, Hq, D], k, v [B, S_ring, Hkv, D], S_ring = seq_len / ring_size, at positions().
+  // Returns: AttentionOutput; the context owns what backward needs.
+  // Errors (before any communication, identical on every rank): shape / dtype mismatch, B != 1 with a packed
+  //   layout, Hq % Hkv != 0; ranks that disagree on shapes, dtypes, configuration or layout (AgreementCheck,
+  //   parallel/cp_common.h).
+  // Sync: collective over the ring communicator; host-synchronous; kernels run on groups.stream.
   AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
-  // dout [B, S_ring, Hq, D] with the context of a forward of this object (consumed and freed). Gradients in the
-  // dtype of q.
-  // dlse: optional [B, Hq, S_ring] fp32 / fp64, the gradient of the loss with respect to lse (attn::MhaBackwardArgs).
+
+  // Backward with the context of a forward of this object (consumed and freed).
+  // Args: dout [B, S_ring, Hq, D]; dlse: optional [B, Hq, S_ring] fp32 / fp64, the gradient of the loss with
+  //   respect to lse (attn::MhaBackwardArgs).
+  // Returns: AttentionGrads, in the dtype of q.
+  // Errors (before any communication, identical on every rank): as forward; a context that is empty, used or
+  //   another object's.
+  // Sync: collective over the ring communicator; host-synchronous; kernels run on groups.stream.
   AttentionGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
 
   // Lower-level entry points for composition: results written to caller-owned tensors (with the same agreement
-  // check as forward() / backward()). head_offset: the global index of q's head 0 (USP passes ulysses_rank *
-  // Hq_local), the head of the dropout key; kept in the context for the backward.
+  // check as forward() / backward()).
+  // Args: head_offset: the global index of q's head 0 (USP passes ulysses_rank * Hq_local), the head of the
+  //   dropout key; kept in the context for the backward. dsinks: [Hq of q] (fp32 / fp64) when the configuration
+  //   has sinks, else empty.
+  // Returns: forward_into: the context; out, lse, dq, dk, dv, dsinks written. dsinks is all-reduced over the ring
+  //   group.
+  // Errors: as forward() / backward(), and the output tensors' shapes and dtypes.
+  // Sync: collective over the ring communicator; host-synchronous.
   CpContext forward_into(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                          const TensorView& lse, std::int64_t head_offset = 0);
-  // dsinks: [Hq of q] (fp32 / fp64) when the configuration has sinks, else empty; all-reduced over the ring group.
   void backward_into(CpContext&& ctx, const TensorView& dout, const TensorView& dq, const TensorView& dk,
                      const TensorView& dv, const TensorView& dsinks = {}, const TensorView& dlse = {});
 
+  // Accessors: the layout, this rank's ring shard positions, the counters (CpCounters) and reset_counters().
+  // Sync: host-only.
   const SequenceLayout& layout() const { return layout_; }
   const std::vector<std::int64_t>& positions() const { return positions_[rank_]; }
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
+
   // The agreement checks of forward (forward_into) and backward (backward_into): how often each ran or was cached.
+  // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 

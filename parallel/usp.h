@@ -6,11 +6,6 @@
 //
 // Counters (CpCounters): the ring's FLOPs, bytes and exposed time, plus the all-to-all bytes (a2a_bytes_*) and
 // seconds (a2a_s).
-// Synchronisation: forward() and backward() are collective over the Ulysses and ring groups and host-synchronous.
-// Errors (before any communication, identical on every rank): the layout not built for the groups, heads not
-// splittable over Pu (UlyssesHeads), shape / dtype mismatches, a context that is empty, used or not this object's;
-// ranks of the SP group that disagree on shapes, dtypes, configuration or layout (AgreementCheck,
-// parallel/cp_common.h).
 #pragma once
 
 #include <cstdint>
@@ -22,32 +17,50 @@
 
 namespace seqpar {
 
+// One USP attention layer on this rank's groups (docs/design.md, "USP").
 class UspAttention {
  public:
-  // `layout` (SequenceLayout::for_groups(groups, seq_len, kind)) gives every rank's positions.
+  // A layer over `groups`; the second form on the grid's Ulysses, ring and SP communicators (CpGroups::from(grid)),
+  // the grid outliving the layer; the third with SequenceLayout::for_groups(grid's groups, seq_len, kind) (zigzag
+  // by default).
+  // Args: layout: SequenceLayout::for_groups(groups, seq_len, kind), gives every rank's positions.
+  // Errors: the layout not built for the groups; those of RingAttention's constructor.
+  // Sync: host-only, no communication.
   UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
-  // The same on the grid's Ulysses, ring and SP communicators (CpGroups::from(grid)); the grid must outlive the
-  // layer. `layout` as above.
   UspAttention(const SpGrid& grid, const SequenceLayout& layout, const RingAttentionConfig& config = {});
-  // The same with SequenceLayout::for_groups(grid's groups, seq_len, kind) (zigzag by default).
   UspAttention(const SpGrid& grid, std::int64_t seq_len, const RingAttentionConfig& config = {},
                LayoutKind kind = LayoutKind::kZigzag);
 
-  // q [B, S / (Pu Pr), Hq, D], k, v [B, S / (Pu Pr), Hkv, D] at positions(); out like q (workspace),
-  // lse [B, Hq, S_local] (fp32, fp64 for fp64 inputs); the context owns what the backward needs (saved_activation).
+  // Forward: Ulysses all-to-all, ring attention on the gathered ring shard, inverse all-to-all.
+  // Args: q [B, S / (Pu Pr), Hq, D], k, v [B, S / (Pu Pr), Hkv, D] at positions().
+  // Returns: out like q (workspace), lse [B, Hq, S_local] (fp32, fp64 for fp64 inputs); the context owns what the
+  //   backward needs (saved_activation).
+  // Errors (before any communication, identical on every rank): heads not splittable over Pu (UlyssesHeads),
+  //   shape / dtype mismatches; ranks of the SP group that disagree on shapes, dtypes, configuration or layout
+  //   (AgreementCheck, parallel/cp_common.h).
+  // Sync: collective over the Ulysses and ring groups (agreement: the SP group); host-synchronous.
   AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
-  // dout like q (any floating dtype) with the context of a forward of this object (consumed and freed); gradients
-  // in the dtype of q.
-  // dlse: optional [B, Hq, S_local] fp32 / fp64, the gradient of the loss with respect to lse (a loss that uses lse,
-  // attn::MhaBackwardArgs::dlse); empty: none.
+
+  // Backward with the context of a forward of this object (consumed and freed).
+  // Args: dout like q, any floating dtype; dlse: optional [B, Hq, S_local] fp32 / fp64, the gradient of the loss
+  //   with respect to lse (a loss that uses lse, attn::MhaBackwardArgs::dlse); empty: none.
+  // Returns: gradients in the dtype of q.
+  // Errors (before any communication, identical on every rank): as forward; a context that is empty, used or not
+  //   this object's.
+  // Sync: collective over the Ulysses and ring groups (agreement: the SP group); host-synchronous.
   AttentionGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
 
+  // Accessors: the layout, this rank in the SP group, its positions; counters (CpCounters, the ring's plus the
+  // all-to-all part) and reset_counters().
+  // Sync: host-only.
   const SequenceLayout& layout() const { return layout_; }
   int sp_rank() const { return groups_.sp_rank(); }
   const std::vector<std::int64_t>& positions() const { return positions_; }
   CpCounters counters() const;
   void reset_counters();
+
   // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 

@@ -30,25 +30,38 @@
 
 namespace seqpar {
 
+// The handle of one posted operation. Destroying an unfinished Work cancels its receives (with a warning) and
+// keeps the buffers MPI may still read (the rule above).
 class Work {
  public:
   virtual ~Work() = default;
-  // Blocks until the operation completes. Throws Error "<group>: <op> ... did not complete within T s" after
-  // `timeout_s` seconds (default SEQPAR_COMM_TIMEOUT_S); later wait() / test() calls throw the same error again. A
-  // timed-out receive is cancelled and the communicator stays usable for point-to-point traffic; after a timed-out
-  // collective it is not (the collective cannot be cancelled). Destroying an unfinished Work cancels its receives
-  // (with a warning) and keeps the buffers MPI may still read (the rule above).
+  // Blocks until the operation completes.
+  // Args: timeout_s: seconds, default SEQPAR_COMM_TIMEOUT_S.
+  // Errors: "<group>: <op> ... did not complete within T s" after timeout_s; later wait() / test() calls throw the
+  //   same error again. A timed-out receive is cancelled and the communicator stays usable for point-to-point
+  //   traffic; after a timed-out collective it is not (the collective cannot be cancelled).
+  // Sync: host-blocking on this rank.
   virtual void wait(double timeout_s) = 0;
   void wait() { wait(env::comm_timeout_s()); }
+
   // Non-blocking completion check (also drives progress).
+  // Returns: true once the operation has completed.
+  // Errors: the error of a failed or timed-out operation.
+  // Sync: host, non-blocking.
   virtual bool test() = 0;
 };
 using WorkHandle = std::unique_ptr<Work>;
 
 // Waits for every non-null handle in order.
+// Errors: the first wait() that throws.
+// Sync: host-blocking, as Work::wait().
 void wait_all(std::vector<WorkHandle>& works);
 
+// The reductions of all_reduce and reduce_scatter.
 enum class ReduceOp : std::uint8_t { kSum, kMax };
+
+// The name of a reduction, for messages.
+// Sync: host-only.
 const char* reduce_op_name(ReduceOp op);
 
 // One point-to-point operation of a batched group.
@@ -89,59 +102,101 @@ class Communicator {
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
 
+  // Accessors: this rank in the group, the group size, the backend's name.
+  // Sync: host-only.
   int rank() const { return rank_; }
   int size() const { return size_; }
   virtual const char* backend_name() const = 0;
-  // Where this backend wants its buffers: the CPU (MPI; CUDA builds also stage device buffers) or its CUDA device
-  // (NCCL).
+
+  // Where this backend wants its buffers.
+  // Returns: the CPU (MPI; CUDA builds also stage device buffers) or its CUDA device (NCCL).
+  // Sync: host-only.
   Device device() const { return device_; }
 
   // The group's name in error and log messages: "world" for a world communicator, "split" for one made by split()
   // until renamed (SpGrid names its groups "ulysses", "ring", "sp" and "dp").
+  // Sync: host-only.
   const std::string& name() const { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }
+
   // The world rank (rank in MPI_COMM_WORLD) of group rank `group_rank`; world_ranks()[r] for every r.
+  // Errors: group_rank outside [0, size()).
+  // Sync: host-only.
   int world_rank_of(int group_rank) const;
   const std::vector<int>& world_ranks() const { return world_ranks_; }
-  // "world rank 3 (ring rank 1)" ("world rank 3" for the world communicator itself).
+
+  // A peer for messages.
+  // Returns: "world rank 3 (ring rank 1)" ("world rank 3" for the world communicator itself).
+  // Sync: host-only.
   std::string peer_str(int group_rank) const;
-  // The group's members: "world rank 2", "world ranks 0-3", or "world ranks 0, 2, 4, 6".
+
+  // The group's members for messages.
+  // Returns: "world rank 2", "world ranks 0-3", or "world ranks 0, 2, 4, 6".
+  // Sync: host-only.
   std::string members_str() const;
 
   // ---- point to point ------------------------------------------------------------------------------
+  // Sends `buffer` to / receives it from group rank `peer`; messages of a pair with one tag match in posting order.
+  // Returns: the Work; `buffer` stays alive and untouched until it completes.
+  // Errors: a bad peer or tag, too many elements, a buffer the backend cannot move (check_buffer); the backend
+  //   does not support the operation.
+  // Sync: asynchronous point-to-point with `peer`; ordered after this communicator's stream (set_stream).
   WorkHandle isend(const TensorView& buffer, int peer, int tag = 0);
   WorkHandle irecv(const TensorView& buffer, int peer, int tag = 0);
-  // Posts all operations together (no ordering among them can deadlock) and returns one handle for the group.
+
+  // Posts all operations together (no ordering among them can deadlock).
+  // Returns: one handle for the group.
+  // Errors: as isend / irecv for each operation; overlapping buffers of two operations.
+  // Sync: asynchronous point-to-point with the peers named; ordered after set_stream's stream.
   WorkHandle batch_isend_irecv(const std::vector<P2POp>& ops);
 
   // ---- collectives -----------------------------------------------------------------------------------
-  // send and recv have equal numel, divisible by size(); block r (numel/size elements) of send goes to rank r and
-  // block r of recv comes from rank r.
+  // Each collective below:
+  // Returns: the Work; the buffers stay alive and untouched until it completes.
+  // Errors: element counts or dtypes that do not fit, overlapping send and recv, a buffer the backend cannot move
+  //   (check_buffer), a bad root; the backend does not support the operation.
+  // Sync: asynchronous collective over this communicator (same order on every rank); ordered after set_stream's
+  //   stream.
+
+  // Block r (numel/size elements) of send goes to rank r and block r of recv comes from rank r.
+  // Args: send, recv: equal numel, divisible by size().
   WorkHandle all_to_all(const TensorView& send, const TensorView& recv);
-  // Variable splits: send_counts[r] elements (consecutive, in rank order) go to rank r; recv_counts[r] come from r.
-  // The block a rank sends itself has as many elements as it receives from itself.
+
+  // All-to-all with variable splits.
+  // Args: send_counts[r] elements (consecutive, in rank order) go to rank r; recv_counts[r] come from r. The block
+  //   a rank sends itself has as many elements as it receives from itself.
   WorkHandle all_to_all_v(const TensorView& send, const std::vector<std::int64_t>& send_counts, const TensorView& recv,
                           const std::vector<std::int64_t>& recv_counts);
-  // recv.numel == size() * send.numel; rank r's block lands at offset r * send.numel.
+
+  // Rank r's block lands at offset r * send.numel of recv.
+  // Args: recv.numel == size() * send.numel.
   WorkHandle all_gather(const TensorView& send, const TensorView& recv);
-  // send.numel == size() * recv.numel; rank r receives the reduction of every rank's block r.
+
+  // Rank r receives the reduction of every rank's block r.
+  // Args: send.numel == size() * recv.numel.
   WorkHandle reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op);
-  // In place on every rank.
+
+  // Reduction in place on every rank; broadcast of `buffer` from group rank `root`; barrier.
   WorkHandle all_reduce(const TensorView& buffer, ReduceOp op);
   WorkHandle broadcast(const TensorView& buffer, int root);
   WorkHandle barrier();
 
-  // Collective over this communicator: ranks with equal `color` form a new communicator (named "split", on the
-  // same stream), ordered by (key, rank). A negative color gives nullptr on that rank.
+  // Ranks with equal `color` form a new communicator (named "split", on the same stream), ordered by (key, rank).
+  // Returns: the new communicator; nullptr on a rank with a negative color.
+  // Errors: the backend does not support split.
+  // Sync: collective over this communicator, host-blocking.
   std::unique_ptr<Communicator> split(int color, int key);
 
+  // The bytes and operations counted so far (CommCounters); reset_counters() zeroes them.
+  // Sync: host-only.
   const CommCounters& counters() const { return counters_; }
   void reset_counters() { counters_ = {}; }
 
   // The caller's compute stream (default: Stream::cpu(), i.e. the legacy default stream for device buffers).
-  // Operations posted afterwards start only once the work queued on it so far has finished (an event, not a host
-  // wait, in the NCCL backend; a stream synchronisation before staging in the MPI backend). Host buffers ignore it.
-  // A backend may refuse a stream on another device than its own (NCCL does).
+  // Operations posted afterwards start only once the work queued on it so far has finished. Host buffers ignore it.
+  // Errors: a backend may refuse a stream on another device than its own (NCCL does).
+  // Sync: stream: an event, not a host wait, in the NCCL backend; a stream synchronisation before staging in the
+  //   MPI backend.
   void set_stream(const Stream& stream);
   const Stream& stream() const { return stream_; }
 
@@ -206,10 +261,12 @@ class Communicator {
   Stream stream_;
 };
 
-// The wait loop of every backend's Work::wait: polls `done` until it returns true (returns true) or `timeout_s` seconds
-// have passed (returns false, with the seconds waited in `waited_s`). Spins briefly, then backs off, so that
-// oversubscribed ranks leave their cores to their peers. Throws Error "<what>: wait timeout T s must be finite and
-// >= 0" for a bad timeout, before polling.
+// The wait loop of every backend's Work::wait: polls `done` until it returns true or `timeout_s` seconds have
+// passed. Spins briefly, then backs off, so that oversubscribed ranks leave their cores to their peers.
+// Args: waited_s: out, the seconds waited.
+// Returns: true when `done` returned true; false on timeout.
+// Errors: "<what>: wait timeout T s must be finite and >= 0" for a bad timeout, before polling.
+// Sync: host-blocking.
 bool poll_until(const std::function<bool()>& done, double timeout_s, const std::string& what, double& waited_s);
 
 }  // namespace seqpar

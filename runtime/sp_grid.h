@@ -5,10 +5,6 @@
 // ring_rank = local / Pu), so all-to-all stays inside a node; `ring_inner` is the transpose.
 // The SP communicator (Pu x Pr ranks of one replica) orders ranks by sequence piece:
 // sp_rank = ring_rank * Pu + ulysses_rank (ring shard r is cut into Pu pieces across its Ulysses group).
-//
-// Construction is collective over `world`: one small all-reduce checks that every rank passed the same
-// configuration; then the product is checked against the world size. Both errors are raised on every rank with
-// the same message, before any other communication.
 #pragma once
 
 #include <memory>
@@ -19,10 +15,23 @@
 
 namespace seqpar {
 
+// Which group gets consecutive ranks inside a replica: Ulysses (kUlyssesInner) or ring (kRingInner).
 enum class Placement : std::uint8_t { kUlyssesInner, kRingInner };
-const char* placement_name(Placement placement);  // "ulysses_inner", "ring_inner"
+
+// The name of a placement.
+// Returns: "ulysses_inner" or "ring_inner".
+// Errors: none.
+// Sync: host-only, no communication.
+const char* placement_name(Placement placement);
+
+// The placement named `name`.
+// Args: name: "ulysses_inner" or "ring_inner".
+// Returns: the Placement.
+// Errors: any other name.
+// Sync: host-only, no communication.
 Placement parse_placement(std::string_view name);
 
+// The grid's shape: dp_size x ulysses_size (Pu) x ring_size (Pr) ranks, and which group is inner.
 struct SpGridConfig {
   int dp_size = 1;
   int ulysses_size = 1;
@@ -30,6 +39,7 @@ struct SpGridConfig {
   Placement placement = Placement::kUlyssesInner;
 };
 
+// One rank's coordinates in the grid (rank numbering: the file comment).
 struct SpCoords {
   int dp_rank = 0;
   int ulysses_rank = 0;
@@ -37,25 +47,47 @@ struct SpCoords {
   int sp_rank = 0;  // ring_rank * ulysses_size + ulysses_rank
 };
 
-// Pure arithmetic of the grid, usable without communication (tests, launch planning).
+// The coordinates of `world_rank` in the grid; pure arithmetic, usable without communication (tests, launch
+// planning).
+// Returns: dp, ulysses, ring and sp ranks.
+// Errors: a size below 1, or world_rank outside [0, dp_size * ulysses_size * ring_size).
+// Sync: host-only, no communication.
 SpCoords sp_coords_of(const SpGridConfig& config, int world_rank);
+
+// The world rank at `coords`; the inverse of sp_coords_of, pure arithmetic.
+// Returns: the world rank.
+// Errors: a size below 1, or a coordinate outside its group.
+// Sync: host-only, no communication.
 int world_rank_of(const SpGridConfig& config, const SpCoords& coords);
 
+// The sequence-parallel process grid: this rank's coordinates and its four sub-communicators.
 class SpGrid {
  public:
+  // Splits `world` into the Ulysses, ring, SP and DP groups of `config`.
+  // Errors: ranks that passed different configurations (checked by one small all-reduce first); a size below 1;
+  //   dp_size * ulysses_size * ring_size != world.size(). Raised on every rank with the same message, before any
+  //   other communication.
+  // Sync: collective over `world`.
   SpGrid(Communicator& world, const SpGridConfig& config);
 
+  // Accessors: the configuration, this rank's coordinates, its world rank.
+  // Sync: host-only, no communication.
   const SpGridConfig& config() const { return config_; }
   const SpCoords& coords() const { return coords_; }
   int world_rank() const { return world_rank_; }
 
-  // Each named after its group in error messages: "ulysses", "ring", "sp", "dp".
+  // The group communicators, each named after its group in error messages: "ulysses", "ring", "sp", "dp".
+  // Returns: a communicator owned by the grid, valid while the grid lives.
+  // Sync: host-only accessors; collectives on the returned communicator are over that group.
   Communicator& ulysses() const { return *ulysses_; }  // size ulysses_size, rank = ulysses_rank
   Communicator& ring() const { return *ring_; }        // size ring_size, rank = ring_rank
   Communicator& sp() const { return *sp_; }            // size ulysses_size * ring_size, rank = sp_rank
   Communicator& dp() const { return *dp_; }            // size dp_size, rank = dp_rank
 
-  std::string str() const;  // "dp=1 x ulysses=2 x ring=4 (ulysses_inner)"
+  // A one-line description of the grid.
+  // Returns: e.g. "dp=1 x ulysses=2 x ring=4 (ulysses_inner)".
+  // Sync: host-only, no communication.
+  std::string str() const;
 
  private:
   SpGridConfig config_;

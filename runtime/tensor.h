@@ -18,15 +18,29 @@
 namespace seqpar {
 
 using Shape = std::vector<std::int64_t>;
+// The element count of `shape` (1 for a 0-d shape).
+// Errors: a negative dimension; a shape too large to address in bytes.
+// Sync: host-only.
 std::int64_t shape_numel(const Shape& shape);
-std::string shape_str(const Shape& shape);  // "[2, 1024, 8, 64]"
 
+// A shape as text.
+// Returns: e.g. "[2, 1024, 8, 64]".
+// Sync: host-only.
+std::string shape_str(const Shape& shape);
+
+// A non-owning view: pointer, dtype, shape, device; always contiguous, row-major.
 class TensorView {
  public:
+  // An empty view (no data); or a view of `data`, which the caller keeps alive.
+  // Sync: host-only, no copy.
   TensorView() = default;
   TensorView(void* data, DType dtype, Shape shape, Device device = Device::cpu())
       : data_(data), dtype_(dtype), shape_(std::move(shape)), device_(device) {}
 
+  // Accessors: pointer, dtype, shape, rank, one dimension (negative i counts from the end), element count,
+  // byte count, device. data_as<T>() is the pointer typed as T.
+  // Errors: data_as<T> on a view of another dtype (internal check); dim(i) out of range (std::out_of_range).
+  // Sync: host-only.
   void* data() const { return data_; }
   template <typename T>
   T* data_as() const {
@@ -41,13 +55,23 @@ class TensorView {
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
   Device device() const { return device_; }
   // True when the view has no elements to read: a default-constructed view, or a zero-size shape.
+  // Sync: host-only.
   bool empty() const { return data_ == nullptr || numel() == 0; }
 
   // The same memory seen with another shape of the same element count.
+  // Errors: an element count different from this view's.
+  // Sync: host-only, no copy.
   TensorView reshape(Shape shape) const;
+
   // Rows [begin, end) of the outermost dimension.
+  // Errors: a 0-d view, or not 0 <= begin <= end <= dim(0).
+  // Sync: host-only, no copy.
   TensorView slice0(std::int64_t begin, std::int64_t end) const;
-  std::string str() const;  // "fp32[2, 16, 4, 64]@cpu"
+
+  // The view as text.
+  // Returns: e.g. "fp32[2, 16, 4, 64]@cpu".
+  // Sync: host-only.
+  std::string str() const;
 
  private:
   void* data_ = nullptr;
@@ -56,25 +80,39 @@ class TensorView {
   Device device_;
 };
 
+// An owning tensor: its buffer comes from ledger_allocate with a memory category; it hands out views.
 class Tensor {
  public:
+  // An undefined tensor (no storage).
   Tensor() = default;
-  // Uninitialised storage of `shape` and `dtype`, tagged `category` in the memory ledger (runtime/memory.h);
-  // scratch buffers need not name one.
+
+  // Uninitialised storage of `shape` and `dtype`.
+  // Args: category: the memory-ledger tag (runtime/memory.h); scratch buffers need not name one.
+  // Errors: a negative or too large shape; out of memory.
+  // Sync: host-synchronous allocation.
   static Tensor empty(const Shape& shape, DType dtype, MemCategory category = MemCategory::kWorkspace,
                       Device device = Device::cpu());
-  // Zero-filled storage; the fill is ordered on `stream` (a device buffer's stream, or Stream::cpu()).
+  // Zero-filled storage.
+  // Args: stream: orders the fill (a device buffer's stream, or Stream::cpu()).
+  // Errors: as empty().
+  // Sync: the fill is ordered on `stream` (see fill_zero).
   static Tensor zeros(const Shape& shape, DType dtype, MemCategory category = MemCategory::kWorkspace,
                       Device device = Device::cpu(), Stream stream = Stream::cpu());
-  // A copy of `src` on src's device, converted to `dtype` (copy_convert of runtime/tensor_ops.h, on `stream`).
+  // A copy of `src` on src's device, converted to `dtype`.
+  // Errors: as empty(), and as copy_convert of runtime/tensor_ops.h.
+  // Sync: the copy is copy_convert on `stream`.
   static Tensor copy_of(const TensorView& src, DType dtype, MemCategory category, Stream stream = Stream::cpu());
 
+  // Move-only; a moved-from tensor is undefined. The destructor returns the buffer to the ledger.
   Tensor(Tensor&& other) noexcept { *this = std::move(other); }
   Tensor& operator=(Tensor&& other) noexcept;
   Tensor(const Tensor&) = delete;
   Tensor& operator=(const Tensor&) = delete;
   ~Tensor() { release(); }
 
+  // Accessors: the view of the whole buffer (also by implicit conversion), and its fields as in TensorView;
+  // category() is the memory-ledger tag.
+  // Sync: host-only.
   const TensorView& view() const { return view_; }
   operator const TensorView&() const { return view_; }
   void* data() const { return view_.data(); }
@@ -90,9 +128,12 @@ class Tensor {
   MemCategory category() const { return category_; }
   // True when this tensor owns storage (also for zero-size and 0-d shapes); false when default-constructed or
   // moved from.
+  // Sync: host-only.
   bool defined() const { return owner_ != nullptr; }
 
-  // Every byte set to zero, ordered on `stream` (device buffers: cudaMemsetAsync, then the stream is synchronised).
+  // Every byte set to zero.
+  // Errors: a device buffer when seqpar was built without CUDA; a failed CUDA call.
+  // Sync: ordered on `stream`; device buffers: cudaMemsetAsync, then the stream is synchronised.
   void fill_zero(Stream stream = Stream::cpu());
 
  private:
@@ -103,8 +144,11 @@ class Tensor {
   MemCategory category_ = MemCategory::kWorkspace;
 };
 
-// The one device of `inputs` (views without data are skipped; Device::cpu() when all are); Error naming `what`
-// and the two devices when they differ. A CP layer calls it on every input before anything is allocated or sent.
+// The one device of `inputs`. A CP layer calls it on every input before anything is allocated or sent.
+// Args: inputs: views without data are skipped; what: names the caller in the error.
+// Returns: the common device; Device::cpu() when every view is without data.
+// Errors: two inputs on different devices (the message names `what` and the two devices).
+// Sync: host-only, no communication.
 Device common_device(std::initializer_list<TensorView> inputs, const char* what);
 
 }  // namespace seqpar
