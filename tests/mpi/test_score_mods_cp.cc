@@ -179,7 +179,7 @@ TEST(ScoreMods, LseGradientWithSinksMatchesOneRank) {
   attn::mha_backward_delta(out, p.dout, delta);
   for (std::int64_t i = 0; i < delta.numel(); ++i) delta.data_as<double>()[i] -= dlse.data_as<double>()[i];
   Tensor dsinks = Tensor::empty({kHq}, DType::kFloat64, MemCategory::kWorkspace);
-  attn::mha_sinks_backward(delta, lse, sinks, dsinks);
+  attn::mha_sinks_backward({delta, lse, sinks}, dsinks);
   const test::MhaResult want{test::to_double(out), test::to_double(lse), test::to_double(dq), test::to_double(dk),
                              test::to_double(dv), test::to_double(dsinks)};
   for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
