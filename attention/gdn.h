@@ -76,8 +76,8 @@
 
 #include <cstdint>
 
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

@@ -1,22 +1,22 @@
 // seqpar as a library: one causal attention layer with USP (Ulysses x ring) over every MPI rank, forward and
 // backward, from the full sequence on one rank to the gradients back on it, checked against one rank's attention
 // over the whole sequence. Run: mpirun -np N ring_attention_example (any N; exit status 0 when the check passes).
+#include <seqpar/attention/mha.h>     // attn::mha_forward / mha_backward: the single-rank kernels (the check)
+#include <seqpar/attention/rope.h>    // attn::rope_forward / rope_backward on global positions
+#include <seqpar/parallel/layout.h>   // SequenceLayout, scatter_sequence, gather_sequence, gather_sequence_to_root
+#include <seqpar/parallel/usp.h>      // UspAttention (ring when ulysses_size = 1, Ulysses when ring_size = 1)
+#include <seqpar/runtime/error.h>     // SEQPAR_CHECK
+#include <seqpar/runtime/memory.h>    // memory_ledger: bytes per category
+#include <seqpar/runtime/mpi_comm.h>  // run_mpi_main, MpiCommunicator
+#include <seqpar/runtime/sp_grid.h>   // SpGrid
+#include <seqpar/runtime/version.h>   // seqpar::version()
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <numeric>
 #include <vector>
-
-#include "attention/mha.h"     // attn::mha_forward / mha_backward: the single-rank kernels (the check)
-#include "attention/rope.h"    // attn::rope_forward / rope_backward on global positions
-#include "parallel/layout.h"   // SequenceLayout, scatter_sequence, gather_sequence, gather_sequence_to_root
-#include "parallel/usp.h"      // UspAttention (ring when ulysses_size = 1, Ulysses when ring_size = 1)
-#include "runtime/error.h"     // SEQPAR_CHECK
-#include "runtime/memory.h"    // memory_ledger: bytes per category
-#include "runtime/mpi_comm.h"  // run_mpi_main, MpiCommunicator
-#include "runtime/sp_grid.h"   // SpGrid
-#include "runtime/version.h"   // seqpar::version()
 
 using namespace seqpar;
 

@@ -26,8 +26,8 @@
 
 #include <vector>
 
-#include "parallel/ring_attention.h"
-#include "parallel/ulysses.h"
+#include "ring_attention.h"
+#include "ulysses.h"
 
 namespace seqpar {
 

@@ -15,7 +15,7 @@
 #include <string>
 #include <string_view>
 
-#include "runtime/comm.h"
+#include "comm.h"
 
 namespace seqpar {
 

@@ -6,8 +6,8 @@
 #include <cstdint>
 #include <span>
 
-#include "attention/cpu/mha_simd.h"
-#include "attention/dropout.h"
+#include "mha_simd.h"
+#include "../dropout.h"
 
 namespace seqpar::attn::cpu {
 
