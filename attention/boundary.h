@@ -10,8 +10,8 @@
 #include <span>
 #include <vector>
 
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn::detail {
 

@@ -21,8 +21,8 @@
 #include <cstdint>
 #include <span>
 
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

@@ -14,10 +14,10 @@
 #include <span>
 #include <vector>
 
-#include "attention/dsa.h"
-#include "attention/token_cache.h"
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "dsa.h"
+#include "token_cache.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

@@ -19,8 +19,8 @@
 
 #include <cstdint>
 
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

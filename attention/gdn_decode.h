@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-#include "attention/gdn.h"
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "gdn.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

@@ -12,9 +12,9 @@
 #include <span>
 #include <vector>
 
-#include "attention/token_cache.h"
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "token_cache.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

@@ -41,7 +41,7 @@
 #include <string>
 #include <vector>
 
-#include "attention/mha.h"
+#include "mha.h"
 
 namespace seqpar::attn {
 

@@ -19,9 +19,9 @@
 #include <span>
 #include <vector>
 
-#include "attention/dropout.h"
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "dropout.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

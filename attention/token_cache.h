@@ -7,7 +7,7 @@
 #include <span>
 #include <vector>
 
-#include "runtime/tensor.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar::attn {
 

@@ -464,4 +464,23 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
 
 }  // namespace
 
+// DSA's own flags of `group` (sp_bench --help order; --dim-v is GDN's too; the registry: add_sp_bench_flags in
+// sp_bench_options.cc).
+void add_dsa_flags(cxxopts::Options& spec, FlagGroup group) {
+  // clang-format off
+  if (group == FlagGroup::kProblem) {
+    spec.add_options("problem")
+      ("topk", "DSA: selected keys per query", cxxopts::value<std::int64_t>()->default_value("2048"))
+      ("dim-v", "value width (0: --head-dim); DSA: Dv, the first Dv columns of the latent; GDN: V",
+       cxxopts::value<std::int64_t>()->default_value("0"))
+      ("indexer-heads", "DSA: indexer heads Hi", cxxopts::value<std::int64_t>()->default_value("64"))
+      ("indexer-dim", "DSA: indexer head dim Di", cxxopts::value<std::int64_t>()->default_value("128"));
+  } else if (group == FlagGroup::kParallel) {
+    spec.add_options("parallel")
+      ("dsa-select", "DSA top-k selection over the SP group: ring (index keys circulate) | allgather (gathered "
+                     "once)", cxxopts::value<std::string>()->default_value("ring"));
+  }
+  // clang-format on
+}
+
 }  // namespace seqpar::bench

@@ -577,4 +577,24 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
 
 }  // namespace
 
+// GDN's own flags of `group` (sp_bench --help order; the registry: add_sp_bench_flags in sp_bench_options.cc).
+void add_gdn_flags(cxxopts::Options& spec, FlagGroup group) {
+  // clang-format off
+  if (group == FlagGroup::kProblem) {
+    spec.add_options("problem")
+      ("chunk-size", "GDN: chunk length", cxxopts::value<std::int64_t>()->default_value("64"))
+      ("conv-width", "GDN: width W of the short causal depthwise conv (with SiLU) on q, k and v before the "
+                     "recurrence (0: none)", cxxopts::value<std::int64_t>()->default_value("0"));
+  } else if (group == FlagGroup::kParallel) {
+    spec.add_options("parallel")
+      ("gdn-mode", "GDN state passing: chain | scan (default scan, as in GdnCpConfig)",
+       cxxopts::value<std::string>()->default_value("scan"));
+  } else if (group == FlagGroup::kRun) {
+    spec.add_options("run")
+      ("gdn-compare-token", "GDN: also time the single-rank chunked kernel on the whole problem against the "
+                            "token-by-token recurrence (the same kernel with chunk size 1), on rank 0");
+  }
+  // clang-format on
+}
+
 }  // namespace seqpar::bench

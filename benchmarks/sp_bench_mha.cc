@@ -448,4 +448,24 @@ SEQPAR_WORKLOAD_KIND(MhaWorkload) {
 
 }  // namespace
 
+// MHA's own flags of `group` (sp_bench --help order; the registry: add_sp_bench_flags in sp_bench_options.cc).
+void add_mha_flags(cxxopts::Options& spec, FlagGroup group) {
+  // clang-format off
+  if (group == FlagGroup::kProblem) {
+    spec.add_options("problem")
+      ("softcap", "MHA: logit soft-capping, scores -> X tanh(scores / X) (Gemma 2; 0: none)",
+       cxxopts::value<double>()->default_value("0"))
+      ("alibi", "MHA: ALiBi position biases on global positions (slopes of Press et al. 2022)")
+      ("sinks", "MHA: learned attention sinks, one random logit per query head (gpt-oss); output dsinks")
+      ("dropout", "MHA: dropout probability p of the attention probabilities, in [0, 1) (0: none)",
+       cxxopts::value<std::string>()->default_value("0"))
+      ("dropout-seed", "MHA: seed of the dropout mask (Philox key; the mask is the same on every grid and layout)",
+       cxxopts::value<std::uint64_t>()->default_value("0"));
+  } else if (group == FlagGroup::kParallel) {
+    spec.add_options("parallel")
+      ("impl", "ring implementation: p2p | allgather", cxxopts::value<std::string>()->default_value("p2p"));
+  }
+  // clang-format on
+}
+
 }  // namespace seqpar::bench

@@ -134,6 +134,22 @@ void parse_packing(const cxxopts::ParseResult& r, SpBenchOptions& o) {
   SEQPAR_CHECK(o.batch == 1, "--batch ", o.batch, ": a packed row (", source, ") takes --batch 1");
 }
 
+// The RoPE flags (MHA and DSA; parsed by parse_rope).
+void add_rope_flags(cxxopts::Options& spec) {
+  // clang-format off
+  spec.add_options("problem")
+    ("rope", "RoPE around the layer on the layout's global positions: none | rotate-half | interleaved (MHA: q and k; "
+             "DSA: the last --rope-dim columns of q and the latent with this pairing, the first of the indexer's q "
+             "and k rotate-half, as DeepSeek-V3.2; default none, presets set it)", cxxopts::value<std::string>())
+    ("rope-dim", "rotated columns r (partial rotary; MHA default: all of --head-dim, DSA: 64)",
+     cxxopts::value<std::int64_t>())
+    ("rope-theta", "RoPE base theta (default 10000)", cxxopts::value<double>())
+    ("rope-scaling", "RoPE frequency scaling: none | llama3 | yarn", cxxopts::value<std::string>())
+    ("rope-factor", "llama3 / yarn scaling factor", cxxopts::value<double>())
+    ("rope-original-max-pos", "llama3 / yarn original_max_position_embeddings", cxxopts::value<std::int64_t>());
+  // clang-format on
+}
+
 // RoPE (sp_bench_rope.h): the preset's configuration, then the --rope* flags given. --rope-factor and
 // --rope-original-max-pos set the llama3 and the yarn parameter alike; the others of each scaling stay at the
 // model's values (llama3: Llama 3.1's low 1, high 4; yarn: DeepSeek-V3's beta_fast 32, beta_slow 1).
@@ -178,10 +194,10 @@ void parse_rope(const cxxopts::ParseResult& r, const std::optional<attn::RopeCon
 
 }  // namespace
 
-std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank) {
-  cxxopts::Options spec("sp_bench",
-                        "sequence-parallel attention benchmark: mpirun -np N sp_bench [options]\n"
-                        "  N must equal dp-size * ulysses-size * ring-size.");
+// Every flag of sp_bench, registered in --help's order: the common ones (here), each kind's own (add_mha_flags,
+// add_dsa_flags, add_gdn_flags in its sp_bench_<kind>.cc), RoPE's (add_rope_flags) and --mode decode's
+// (sp_bench_decode.cc).
+void add_sp_bench_flags(cxxopts::Options& spec) {
   std::string attn_help = "attention kind:", model_help = "preset of real shapes (explicit flags override it):";
   for (const WorkloadKind& k : workload_kinds()) {
     attn_help += str_cat("\n  ", k.name, ": ", k.description);
@@ -199,32 +215,14 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("head-dim", "head dimension", cxxopts::value<std::int64_t>()->default_value("64"))
     ("causal", "causal mask (presets turn it on; --causal=false turns it off)",
      cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
-    ("window", "sliding window in tokens (0: none; needs --causal)", cxxopts::value<std::int64_t>()->default_value("0"))
-    ("softcap", "MHA: logit soft-capping, scores -> X tanh(scores / X) (Gemma 2; 0: none)",
-     cxxopts::value<double>()->default_value("0"))
-    ("alibi", "MHA: ALiBi position biases on global positions (slopes of Press et al. 2022)")
-    ("sinks", "MHA: learned attention sinks, one random logit per query head (gpt-oss); output dsinks")
-    ("dropout", "MHA: dropout probability p of the attention probabilities, in [0, 1) (0: none)",
-     cxxopts::value<std::string>()->default_value("0"))
-    ("dropout-seed", "MHA: seed of the dropout mask (Philox key; the mask is the same on every grid and layout)",
-     cxxopts::value<std::uint64_t>()->default_value("0"))
-    ("topk", "DSA: selected keys per query", cxxopts::value<std::int64_t>()->default_value("2048"))
-    ("dim-v", "value width (0: --head-dim); DSA: Dv, the first Dv columns of the latent; GDN: V",
-     cxxopts::value<std::int64_t>()->default_value("0"))
-    ("indexer-heads", "DSA: indexer heads Hi", cxxopts::value<std::int64_t>()->default_value("64"))
-    ("indexer-dim", "DSA: indexer head dim Di", cxxopts::value<std::int64_t>()->default_value("128"))
-    ("chunk-size", "GDN: chunk length", cxxopts::value<std::int64_t>()->default_value("64"))
-    ("conv-width", "GDN: width W of the short causal depthwise conv (with SiLU) on q, k and v before the "
-                   "recurrence (0: none)", cxxopts::value<std::int64_t>()->default_value("0"))
-    ("rope", "RoPE around the layer on the layout's global positions: none | rotate-half | interleaved (MHA: q and k; "
-             "DSA: the last --rope-dim columns of q and the latent with this pairing, the first of the indexer's q "
-             "and k rotate-half, as DeepSeek-V3.2; default none, presets set it)", cxxopts::value<std::string>())
-    ("rope-dim", "rotated columns r (partial rotary; MHA default: all of --head-dim, DSA: 64)",
-     cxxopts::value<std::int64_t>())
-    ("rope-theta", "RoPE base theta (default 10000)", cxxopts::value<double>())
-    ("rope-scaling", "RoPE frequency scaling: none | llama3 | yarn", cxxopts::value<std::string>())
-    ("rope-factor", "llama3 / yarn scaling factor", cxxopts::value<double>())
-    ("rope-original-max-pos", "llama3 / yarn original_max_position_embeddings", cxxopts::value<std::int64_t>())
+    ("window", "sliding window in tokens (0: none; needs --causal)", cxxopts::value<std::int64_t>()->default_value("0"));
+  // clang-format on
+  add_mha_flags(spec, FlagGroup::kProblem);
+  add_dsa_flags(spec, FlagGroup::kProblem);
+  add_gdn_flags(spec, FlagGroup::kProblem);
+  add_rope_flags(spec);
+  // clang-format off
+  spec.add_options("problem")
     ("doc-lens", "a packed row of documents with these comma-separated lengths (their sum is --seq, --batch 1; "
                  "zero-length documents allowed)", cxxopts::value<std::string>())
     ("doc-dist", "a packed row of --seq tokens in synthetic documents drawn with --seed: longtail (lengths "
@@ -239,12 +237,12 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("dp-size", "data-parallel replicas", cxxopts::value<int>()->default_value("1"))
     ("placement", "ulysses_inner | ring_inner", cxxopts::value<std::string>()->default_value("ulysses_inner"))
     ("layout", "contiguous | zigzag | stripe | balanced (packed rows: whole chunks of documents, equal causal "
-               "work per ring rank)", cxxopts::value<std::string>()->default_value("zigzag"))
-    ("impl", "ring implementation: p2p | allgather", cxxopts::value<std::string>()->default_value("p2p"))
-    ("gdn-mode", "GDN state passing: chain | scan (default scan, as in GdnCpConfig)",
-     cxxopts::value<std::string>()->default_value("scan"))
-    ("dsa-select", "DSA top-k selection over the SP group: ring (index keys circulate) | allgather (gathered "
-                   "once)", cxxopts::value<std::string>()->default_value("ring"));
+               "work per ring rank)", cxxopts::value<std::string>()->default_value("zigzag"));
+  // clang-format on
+  add_mha_flags(spec, FlagGroup::kParallel);
+  add_gdn_flags(spec, FlagGroup::kParallel);
+  add_dsa_flags(spec, FlagGroup::kParallel);
+  // clang-format off
   spec.add_options("run")
     ("warmup", "untimed iterations", cxxopts::value<int>()->default_value("2"))
     ("iters", "timed iterations (the median is reported)", cxxopts::value<int>()->default_value("5"))
@@ -252,9 +250,11 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("check", "compare every output and gradient with the single-rank reference; non-zero exit when over tolerance")
     ("check-against", "what --check compares with (implies --check): 1-rank (the single-rank kernel, then the fp64 "
                       "reference where that fails) | reference (the fp64 reference, for sizes that fit)",
-     cxxopts::value<std::string>()->default_value("1-rank"))
-    ("gdn-compare-token", "GDN: also time the single-rank chunked kernel on the whole problem against the "
-                          "token-by-token recurrence (the same kernel with chunk size 1), on rank 0")
+     cxxopts::value<std::string>()->default_value("1-rank"));
+  // clang-format on
+  add_gdn_flags(spec, FlagGroup::kRun);
+  // clang-format off
+  spec.add_options("run")
     ("efficiency", "also time the whole problem on one rank, alone and with every rank busy: efficiency = "
                    "T1 / (ranks x T)")
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
@@ -274,15 +274,13 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     ("test-mem-available-mib", "", cxxopts::value<double>());
   // clang-format on
   add_decode_options(spec);  // --mode decode and its flags (benchmarks/sp_bench_decode.h)
-  const std::optional<cxxopts::ParseResult> parsed =
-      parse_command_line(spec, argc, argv, world_rank, {"problem", "parallel", "run", "decode"});
-  if (!parsed) return std::nullopt;
-  const cxxopts::ParseResult& r = *parsed;
+}
 
-  SpBenchOptions o;
-  o.decode = parse_decode_options(r);
-  for (const cxxopts::KeyValue& kv : r.arguments()) o.given_flags.push_back(kv.key());
-  o.attn = find_workload_kind(get_checked<std::string>(r, "attn")).name;
+namespace {
+
+// --model: the preset's shapes (and RoPE, returned) set on `o` before the flags; a preset of another kind than --attn
+// is refused.
+std::optional<attn::RopeConfig> apply_model_preset(const cxxopts::ParseResult& r, SpBenchOptions& o) {
   std::optional<attn::RopeConfig> preset_rope;
   if (r.count("model")) {
     o.model = get_checked<std::string>(r, "model");
@@ -314,6 +312,12 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
     o.sinks = preset->sinks;
     o.causal = true;
   }
+  return preset_rope;
+}
+
+// The problem's flags: shapes (a preset's unless given), the kinds' own, RoPE, dropout, dtype and seed.
+void parse_problem_flags(const cxxopts::ParseResult& r, const std::optional<attn::RopeConfig>& preset_rope,
+                         SpBenchOptions& o) {
   // Without a preset every flag (or its default) applies; with one, only the flags given explicitly.
   auto given = [&](const char* flag) { return o.model.empty() || r.count(flag) > 0; };
   if (given("heads")) o.heads = get_checked<std::int64_t>(r, "heads");
@@ -346,6 +350,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   o.dtype = parse_flag("dtype", dtype, [](const std::string& v) { return parse_dtype(v); });
   SEQPAR_CHECK(is_floating(o.dtype), "--dtype ", dtype, ": must be fp32, bf16, fp16 or fp64");
   o.seed = get_checked<std::uint64_t>(r, "seed");
+}
+
+// The grid, the run's flags (threads: --threads, else OMP_NUM_THREADS, else 1), --check and the output paths.
+void parse_parallel_and_run_flags(const cxxopts::ParseResult& r, SpBenchOptions& o) {
   o.grid.ulysses_size = get_checked<int>(r, "ulysses-size");
   o.grid.ring_size = get_checked<int>(r, "ring-size");
   o.grid.dp_size = get_checked<int>(r, "dp-size");
@@ -400,15 +408,10 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   for (const char* flag : {"json", "inputs", "dump"}) {
     SEQPAR_CHECK(!r.count(flag) || !get_checked<std::string>(r, flag).empty(), "--", flag, " needs a non-empty path");
   }
+}
 
-  const WorkloadKind& kind = find_workload_kind(o.attn);
-  if (!o.inputs_dir.empty()) shapes_from_inputs(kind, o);
-  decode_shapes_from_inputs(o);               // --mode decode --inputs: --context and --decode-steps
-  if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
-  check_min(o.seq, 1, "seq");
-  parse_packing(r, o);
-
-  // ---- rules ----
+// The rules on the parsed options: every count in range, the grid against the world, then the kind's own.
+void check_rules(const WorkloadKind& kind, int world_size, SpBenchOptions& o) {
   SEQPAR_CHECK(!o.dump_inputs || !o.dump_dir.empty(), "--dump-inputs needs --dump DIR (the directory it writes to)");
   check_min(o.batch, 1, "batch");
   check_min(o.seq, 1, "seq");
@@ -441,6 +444,36 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   // --mode decode is causal whatever --causal says: its own rules (run_decode_bench) name what it refuses.
   SEQPAR_CHECK(o.window == 0 || o.causal || o.decode.mode == "decode", "--window ", o.window,
                ": a sliding window needs --causal");
+}
+
+}  // namespace
+
+std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank) {
+  cxxopts::Options spec("sp_bench",
+                        "sequence-parallel attention benchmark: mpirun -np N sp_bench [options]\n"
+                        "  N must equal dp-size * ulysses-size * ring-size.");
+  add_sp_bench_flags(spec);
+  const std::optional<cxxopts::ParseResult> parsed =
+      parse_command_line(spec, argc, argv, world_rank, {"problem", "parallel", "run", "decode"});
+  if (!parsed) return std::nullopt;
+  const cxxopts::ParseResult& r = *parsed;
+
+  SpBenchOptions o;
+  o.decode = parse_decode_options(r);
+  for (const cxxopts::KeyValue& kv : r.arguments()) o.given_flags.push_back(kv.key());
+  o.attn = find_workload_kind(get_checked<std::string>(r, "attn")).name;
+  const std::optional<attn::RopeConfig> preset_rope = apply_model_preset(r, o);
+  parse_problem_flags(r, preset_rope, o);
+  parse_parallel_and_run_flags(r, o);
+
+  const WorkloadKind& kind = find_workload_kind(o.attn);
+  if (!o.inputs_dir.empty()) shapes_from_inputs(kind, o);
+  decode_shapes_from_inputs(o);               // --mode decode --inputs: --context and --decode-steps
+  if (o.kv_heads == 0) o.kv_heads = o.heads;  // --kv-heads 0 (the default): as many as --heads
+  check_min(o.seq, 1, "seq");
+  parse_packing(r, o);
+
+  check_rules(kind, world_size, o);
   return o;
 }
 

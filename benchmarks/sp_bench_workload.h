@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cxxopts.hpp>
 #include <functional>
 #include <memory>
 #include <nlohmann/json_fwd.hpp>
@@ -178,6 +179,16 @@ struct ModelPreset {
   double softcap = 0;  // MHA logit soft-capping (0: none)
   bool sinks = false;  // MHA attention sinks
 };
+
+// The sp_bench --help groups a kind's own flags join.
+enum class FlagGroup { kProblem, kParallel, kRun };
+// Each kind's own flags of `group`, in its sp_bench_<kind>.cc. One registry calls them in --help's order:
+// add_sp_bench_flags (sp_bench_options.cc).
+void add_mha_flags(cxxopts::Options& spec, FlagGroup group);
+void add_dsa_flags(cxxopts::Options& spec, FlagGroup group);
+void add_gdn_flags(cxxopts::Options& spec, FlagGroup group);
+// Every flag of sp_bench (sp_bench_options.cc).
+void add_sp_bench_flags(cxxopts::Options& spec);
 
 // One attention kind of sp_bench. Every function is local arithmetic (no communication) except `make`.
 struct WorkloadKind {

@@ -1,8 +1,9 @@
 # Install rules (SEQPAR_INSTALL; included by the top CMakeLists.txt after the targets exist). `cmake --install build
 # [--prefix P]` installs:
 #   lib/libseqpar_*.a                           the libraries (static)
+#   include/seqpar/seqpar.h                     the umbrella header (#include <seqpar/seqpar.h>)
 #   include/seqpar/{runtime,attention,parallel}  the public headers, with runtime/version.h; consumers include them
-#                                               as in the source tree (#include "parallel/usp.h")
+#                                               as <seqpar/parallel/usp.h>, with <prefix>/include on their path
 #   bin/{sp_bench,comm_bench,kernel_bench,agreement_bench} the benchmarks (when SEQPAR_BUILD_BENCHMARKS)
 #   lib/cmake/seqpar/                           seqparConfig.cmake, seqparConfigVersion.cmake, the targets
 #                                               seqpar::runtime, ::attention_base, ::mha, ::dsa, ::gdn, ::rope,
@@ -33,7 +34,7 @@ if(SEQPAR_NATIVE)
 endif()
 install(FILES ${PROJECT_BINARY_DIR}/generated/runtime/version.h DESTINATION ${SEQPAR_INSTALL_INCLUDEDIR}/runtime)
 # The umbrella header, found as <seqpar/seqpar.h> on the installed include path.
-install(FILES ${PROJECT_SOURCE_DIR}/include/seqpar/seqpar.h DESTINATION ${SEQPAR_INSTALL_INCLUDEDIR}/seqpar)
+install(FILES ${PROJECT_SOURCE_DIR}/include/seqpar/seqpar.h DESTINATION ${SEQPAR_INSTALL_INCLUDEDIR})
 
 if(SEQPAR_BUILD_BENCHMARKS)
   # The installed benchmarks find shared libraries outside the system paths (CUDA) where they were linked from.
@@ -62,7 +63,7 @@ foreach(_t ${_seqpar_targets})
     list(PREPEND _pc_libs "-l${_t}")
   endif()
 endforeach()
-set(_pc_cflags "-I\${includedir}/seqpar")
+set(_pc_cflags "-I\${includedir}")
 set(_pc_dep_libs "")
 foreach(_dir ${MPI_CXX_INCLUDE_DIRS})
   list(APPEND _pc_cflags "-I${_dir}")

@@ -18,11 +18,11 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/comm.h"
-#include "runtime/device.h"
-#include "runtime/tensor.h"
-#include "runtime/tensor_ops.h"
-#include "runtime/timer.h"
+#include "../runtime/comm.h"
+#include "../runtime/device.h"
+#include "../runtime/tensor.h"
+#include "../runtime/tensor_ops.h"
+#include "../runtime/timer.h"
 
 namespace seqpar {
 

@@ -17,13 +17,13 @@
 #include <string_view>
 #include <vector>
 
-#include "attention/gdn_decode.h"
-#include "attention/kv_cache.h"
-#include "parallel/cp_common.h"
-#include "parallel/gdn_cp.h"
-#include "parallel/layout.h"
-#include "parallel/ring_attention.h"
-#include "parallel/usp.h"
+#include "../attention/gdn_decode.h"
+#include "../attention/kv_cache.h"
+#include "cp_common.h"
+#include "gdn_cp.h"
+#include "layout.h"
+#include "ring_attention.h"
+#include "usp.h"
 
 namespace seqpar {
 

@@ -13,9 +13,9 @@
 #include <utility>
 #include <vector>
 
-#include "parallel/cp_common.h"
-#include "parallel/decode_cp.h"
-#include "parallel/layout.h"
+#include "cp_common.h"
+#include "decode_cp.h"
+#include "layout.h"
 
 namespace seqpar::decode_detail {
 

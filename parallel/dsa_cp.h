@@ -13,10 +13,10 @@
 #include <string_view>
 #include <vector>
 
-#include "attention/dsa.h"
-#include "parallel/cp_common.h"
-#include "parallel/layout.h"
-#include "parallel/ring_pass.h"
+#include "../attention/dsa.h"
+#include "cp_common.h"
+#include "layout.h"
+#include "ring_pass.h"
 
 namespace seqpar {
 

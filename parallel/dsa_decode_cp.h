@@ -12,11 +12,11 @@
 #include <cstdint>
 #include <string_view>
 
-#include "attention/dsa_cache.h"
-#include "parallel/cp_common.h"
-#include "parallel/decode_cp.h"
-#include "parallel/dsa_cp.h"
-#include "parallel/layout.h"
+#include "../attention/dsa_cache.h"
+#include "cp_common.h"
+#include "decode_cp.h"
+#include "dsa_cp.h"
+#include "layout.h"
 
 namespace seqpar {
 

@@ -16,9 +16,9 @@
 #include <string_view>
 #include <vector>
 
-#include "attention/gdn.h"
-#include "parallel/cp_common.h"
-#include "parallel/layout.h"
+#include "../attention/gdn.h"
+#include "cp_common.h"
+#include "layout.h"
 
 namespace seqpar {
 

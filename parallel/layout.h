@@ -17,9 +17,9 @@
 #include <string_view>
 #include <vector>
 
-#include "parallel/cp_common.h"
-#include "runtime/comm.h"
-#include "runtime/tensor.h"
+#include "cp_common.h"
+#include "../runtime/comm.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar {
 

@@ -17,11 +17,11 @@
 #include <string_view>
 #include <vector>
 
-#include "attention/mha.h"
-#include "parallel/cp_common.h"
-#include "parallel/layout.h"
-#include "parallel/ring_pass.h"
-#include "runtime/comm.h"
+#include "../attention/mha.h"
+#include "cp_common.h"
+#include "layout.h"
+#include "ring_pass.h"
+#include "../runtime/comm.h"
 
 namespace seqpar {
 

@@ -16,8 +16,8 @@
 #include <span>
 #include <vector>
 
-#include "parallel/layout.h"
-#include "runtime/comm.h"
+#include "layout.h"
+#include "../runtime/comm.h"
 
 namespace seqpar {
 

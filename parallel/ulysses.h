@@ -18,9 +18,9 @@
 
 #include <cstdint>
 
-#include "parallel/cp_common.h"
-#include "runtime/comm.h"
-#include "runtime/tensor.h"
+#include "cp_common.h"
+#include "../runtime/comm.h"
+#include "../runtime/tensor.h"
 
 namespace seqpar {
 

@@ -11,9 +11,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "parallel/ring_attention.h"
-#include "parallel/ulysses.h"
-#include "runtime/sp_grid.h"
+#include "ring_attention.h"
+#include "ulysses.h"
+#include "../runtime/sp_grid.h"
 
 namespace seqpar {
 

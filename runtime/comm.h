@@ -25,8 +25,8 @@
 #include <string>
 #include <vector>
 
-#include "runtime/env.h"
-#include "runtime/tensor.h"
+#include "env.h"
+#include "tensor.h"
 
 namespace seqpar {
 

@@ -5,7 +5,7 @@
 #include <memory>
 #include <string_view>
 
-#include "runtime/comm.h"
+#include "comm.h"
 
 namespace seqpar {
 

@@ -3,7 +3,7 @@
 // library's own error string (the habit of NCCL's checks.h).
 #pragma once
 
-#include "runtime/error.h"
+#include "error.h"
 
 #if defined(SEQPAR_WITH_CUDA)
 #include <cuda_runtime_api.h>

@@ -15,8 +15,8 @@
 #include <cstddef>
 #include <vector>
 
-#include "runtime/cuda_check.h"
-#include "runtime/tensor.h"
+#include "cuda_check.h"
+#include "tensor.h"
 
 namespace seqpar {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-#include "runtime/host_device.h"
+#include "host_device.h"
 
 namespace seqpar {
 

@@ -4,7 +4,7 @@
 
 #include <sstream>
 
-#include "runtime/env.h"
+#include "env.h"
 
 namespace seqpar {
 

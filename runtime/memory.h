@@ -11,7 +11,7 @@
 #include <cstdint>
 #include <string>
 
-#include "runtime/device.h"
+#include "device.h"
 
 namespace seqpar {
 

@@ -11,7 +11,7 @@
 #include <functional>
 #include <memory>
 
-#include "runtime/comm.h"
+#include "comm.h"
 
 namespace seqpar {
 

@@ -24,7 +24,7 @@
 
 #include <memory>
 
-#include "runtime/comm.h"
+#include "comm.h"
 
 namespace seqpar {
 

@@ -11,7 +11,7 @@
 #include <string>
 #include <string_view>
 
-#include "runtime/comm.h"
+#include "comm.h"
 
 namespace seqpar {
 

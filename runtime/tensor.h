@@ -10,10 +10,10 @@
 #include <string>
 #include <vector>
 
-#include "runtime/device.h"
-#include "runtime/dtype.h"
-#include "runtime/error.h"
-#include "runtime/memory.h"
+#include "device.h"
+#include "dtype.h"
+#include "error.h"
+#include "memory.h"
 
 namespace seqpar {
 

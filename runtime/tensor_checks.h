@@ -2,7 +2,7 @@
 // header <seqpar/seqpar.h> does not include it).
 #pragma once
 
-#include "runtime/tensor.h"
+#include "tensor.h"
 
 namespace seqpar {
 

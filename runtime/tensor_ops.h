@@ -9,8 +9,8 @@
 #include <cstdint>
 #include <span>
 
-#include "runtime/device.h"
-#include "runtime/tensor.h"
+#include "device.h"
+#include "tensor.h"
 
 namespace seqpar {
 

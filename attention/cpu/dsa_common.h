@@ -17,11 +17,11 @@
 #include <omp.h>
 #endif
 
-#include "attention/cpu/mha_simd.h"
-#include "attention/cpu/scratch.h"
-#include "runtime/dtype.h"
-#include "runtime/error.h"
-#include "runtime/tensor.h"
+#include "mha_simd.h"
+#include "scratch.h"
+#include "../../runtime/dtype.h"
+#include "../../runtime/error.h"
+#include "../../runtime/tensor.h"
 
 namespace seqpar::attn::dsa_detail {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "attention/dsa.h"
+#include "../dsa.h"
 
 namespace seqpar::attn::cpu {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "attention/gdn.h"
+#include "../gdn.h"
 
 namespace seqpar::attn::cpu {
 

@@ -9,7 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "attention/cpu/mha_simd.h"
+#include "mha_simd.h"
 
 namespace seqpar::attn::cpu::gdn {
 

@@ -15,8 +15,8 @@
 #include <span>
 #include <vector>
 
-#include "attention/cpu/mha_dropout.h"
-#include "attention/mha.h"
+#include "mha_dropout.h"
+#include "../mha.h"
 
 namespace seqpar::attn::cpu {
 

@@ -7,8 +7,8 @@
 #include <span>
 #include <utility>
 
-#include "attention/cpu/mha_simd.h"
-#include "attention/dropout.h"
+#include "mha_simd.h"
+#include "../dropout.h"
 
 namespace seqpar::attn::cpu {
 

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <span>
 
-#include "runtime/tensor.h"
+#include "../../runtime/tensor.h"
 
 namespace seqpar::attn::cpu {
 

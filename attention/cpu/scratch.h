@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/dtype.h"
-#include "runtime/error.h"
-#include "runtime/tensor.h"
+#include "../../runtime/dtype.h"
+#include "../../runtime/error.h"
+#include "../../runtime/tensor.h"
 
 namespace seqpar::attn::cpu {
 

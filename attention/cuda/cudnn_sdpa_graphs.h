@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "attention/lowering.h"
-#include "runtime/dtype.h"
+#include "../lowering.h"
+#include "../../runtime/dtype.h"
 
 namespace seqpar::attn::cudnn {
 

@@ -22,8 +22,8 @@
 
 #include <cstdint>
 
-#include "runtime/dtype.h"
-#include "runtime/host_device.h"
+#include "../../runtime/dtype.h"
+#include "../../runtime/host_device.h"
 
 namespace seqpar::attn::rowops {
 

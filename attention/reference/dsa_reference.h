@@ -4,7 +4,7 @@
 // int64. The key block is the whole key set (one call); no tiling, no running state.
 #pragma once
 
-#include "attention/dsa.h"
+#include "../dsa.h"
 
 namespace seqpar::attn::reference {
 

@@ -12,7 +12,7 @@
 // in gdn_reference.cc; the tests check it against central finite differences.
 #pragma once
 
-#include "attention/gdn.h"
+#include "../gdn.h"
 
 namespace seqpar::attn::reference {
 

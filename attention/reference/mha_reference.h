@@ -8,7 +8,7 @@
 // non-fp64 tensors or mismatched shapes.
 #pragma once
 
-#include "attention/mha.h"
+#include "../mha.h"
 
 namespace seqpar::attn::reference {
 

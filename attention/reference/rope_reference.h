@@ -9,7 +9,7 @@
 #include <span>
 #include <vector>
 
-#include "attention/rope.h"
+#include "../rope.h"
 
 namespace seqpar::attn::reference {
 

@@ -126,13 +126,8 @@ py::class_<Layer> bind_layer(py::module_& m, const char* name, const char* doc) 
   return cls;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_seqpar, m) {
-  m.doc() = "seqpar's compiled bindings (use the package seqpar)";
-  m.attr("__version__") = version();
-  py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
-
+// The MPI session (finalize, abort), communicators: world and mpi4py ones.
+void bind_runtime(py::module_& m) {
   m.def(
       "finalize",
       [] {
@@ -170,7 +165,10 @@ PYBIND11_MODULE(_seqpar, m) {
       .def("barrier", [](Communicator& c) { c.barrier()->wait(); });
   m.def("world", &world, "The process's MPI world (MPI_COMM_WORLD duplicated); initialises MPI if needed.");
   m.def("from_mpi4py", &from_mpi4py, py::arg("comm"), "A seqpar communicator over a duplicate of an mpi4py one.");
+}
 
+// The SP process grid (runtime/sp_grid.h).
+void bind_grid(py::module_& m) {
   py::class_<Grid>(m, "SpGrid", "The SP process grid (runtime/sp_grid.h): world = dp x ulysses x ring")
       .def(py::init(
                [](int dp_size, int ulysses_size, int ring_size, const std::string& placement, const py::object& comm) {
@@ -202,7 +200,10 @@ PYBIND11_MODULE(_seqpar, m) {
       .def_property_readonly(
           "dp", [](const Grid& g) -> Communicator& { return g.grid.dp(); }, py::return_value_policy::reference_internal)
       .def("__str__", [](const Grid& g) { return g.grid.str(); });
+}
 
+// Sequence layouts (parallel/layout.h), the scatter / gather helpers and the context a layer's forward returns.
+void bind_layout(py::module_& m) {
   py::class_<SequenceLayout>(
       m, "SequenceLayout",
       "Which tokens each SP rank holds, padded into slots; packed rows of documents (parallel/layout.h)")
@@ -282,8 +283,10 @@ PYBIND11_MODULE(_seqpar, m) {
 
   py::class_<CpContext>(m, "Context", "What a forward saved for its backward (consumed by the backward)")
       .def_property_readonly("live", &CpContext::live);
+}
 
-  // ---- MHA / GQA: UspAttention (ring when ulysses_size = 1, Ulysses when ring_size = 1) -------------------------
+// MHA / GQA: UspAttention (ring when ulysses_size = 1, Ulysses when ring_size = 1) and its config.
+void bind_mha(py::module_& m) {
   py::class_<RingAttentionConfig> mha_config(m, "RingAttentionConfig");
   mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale) {
                    RingAttentionConfig c;
@@ -310,8 +313,10 @@ PYBIND11_MODULE(_seqpar, m) {
             return attention_grads(a.backward(std::move(ctx), view_of(dout, "dout"), view_of(dlse, "dlse")));
           },
           py::arg("ctx"), py::arg("dout"), py::arg("dlse") = py::none());
+}
 
-  // ---- GDN and its short conv ---------------------------------------------------------------------------------
+// GDN and its short conv under CP.
+void bind_gdn(py::module_& m) {
   py::class_<GdnCpConfig> gdn_config(m, "GdnCpConfig");
   gdn_config.def(py::init([](const std::string& mode, bool use_qk_l2norm, float scale, std::int64_t chunk_size) {
                    return GdnCpConfig{parse_gdn_cp_mode(mode), use_qk_l2norm, scale, chunk_size};
@@ -353,8 +358,10 @@ PYBIND11_MODULE(_seqpar, m) {
       .def("backward", [](ShortConvContextParallel& l, CpContext& ctx, py::handle dout, py::handle dweight) {
         return to_torch(l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dweight, "dweight")));
       });
+}
 
-  // ---- DSA ----------------------------------------------------------------------------------------------------
+// DeepSeek sparse attention under CP.
+void bind_dsa(py::module_& m) {
   py::class_<DsaCpConfig> dsa_config(m, "DsaCpConfig");
   dsa_config.def(
       py::init([](const std::string& select, std::int64_t topk, std::int64_t dim_v, float scale, std::int64_t window) {
@@ -380,4 +387,19 @@ PYBIND11_MODULE(_seqpar, m) {
         return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dc)), to_torch(std::move(r.dq_idx)),
                               to_torch(std::move(r.dk_idx)), to_torch(std::move(r.dw)), r.loss);
       });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_seqpar, m) {
+  m.doc() = "seqpar's compiled bindings (use the package seqpar)";
+  m.attr("__version__") = version();
+  py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
+
+  bind_runtime(m);
+  bind_grid(m);
+  bind_layout(m);
+  bind_mha(m);
+  bind_gdn(m);
+  bind_dsa(m);
 }

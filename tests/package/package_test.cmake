@@ -1,7 +1,10 @@
 # The package tests (ctest label `package`), one STEP per ctest: cmake -DSTEP=<step> -D... -P package_test.cmake
 #   install         cmake --install of the build tree into WORK_DIR/prefix; checks the installed files, the version
 #                   file's answers, the installed benchmarks' --version, first line and JSON "version"
-#   headers         every installed header compiles on its own (no internal header missing), with the package's flags
+#   headers         every installed header compiles on its own as <seqpar/...> (no internal header missing), with the
+#                   package's flags
+#   consumer_folders an outside project with its own parallel/ and runtime/ folders (headers named like seqpar's,
+#                   first on its include path) includes <seqpar/seqpar.h> and its own headers, builds and runs
 #   find_package    examples/ as an outside project with find_package(seqpar 0.2 REQUIRED): configure, build, run
 #   pkg_config      the example compiled with the compiler alone and `pkg-config --cflags --libs seqpar`, run
 #   add_subdirectory examples/ as an outside project that includes the source tree (CUDA, tests, benchmarks off),
@@ -153,7 +156,7 @@ elseif(STEP STREQUAL "headers")
     string(MAKE_C_IDENTIFIER "${h}" id)
     set(tu ${dir}/src/${id}.cc)
     list(REMOVE_ITEM stale ${tu})
-    set(text "#include \"${h}\"\n#include \"${h}\"\n")
+    set(text "#include <seqpar/${h}>\n#include <seqpar/${h}>\n")
     set(old "")
     if(EXISTS ${tu})
       file(READ ${tu} old)
@@ -181,6 +184,50 @@ target_link_libraries(headers PRIVATE seqpar::parallel)
       ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
   run("compile every header alone" ${CMAKE_COMMAND} --build ${dir}/build -j 2)
   message("${n} installed headers compile on their own (and twice in one file)")
+elseif(STEP STREQUAL "consumer_folders")
+  # The consumer's parallel/usp.h and runtime/*.h stop the build if anything but the consumer's own code (after it
+  # defines CONSUMER_OWN_HEADERS) includes them: seqpar's headers must resolve to seqpar's files.
+  set(dir ${WORK_DIR}/consumer_folders)
+  set(guard "#pragma once\n#ifndef CONSUMER_OWN_HEADERS\n#error \"a seqpar header included the consumer's own file\"\n#endif\n")
+  foreach(h parallel/usp.h parallel/layout.h runtime/tensor.h runtime/error.h runtime/dtype.h attention/mha.h)
+    string(MAKE_C_IDENTIFIER "${h}" id)
+    file(WRITE ${dir}/src/${h} "${guard}inline int consumer_${id}() { return 1; }\n")
+  endforeach()
+  file(WRITE ${dir}/src/main.cc [=[
+#include <seqpar/seqpar.h>
+
+#include <cstdio>
+
+#define CONSUMER_OWN_HEADERS
+#include "parallel/usp.h"
+#include "runtime/tensor.h"
+
+int main() {
+  const seqpar::DType dtype = seqpar::DType::kFloat32;
+  std::printf("consumer: seqpar dtype %s, own header %d\n", seqpar::dtype_name(dtype), consumer_parallel_usp_h());
+  return 0;
+}
+]=])
+  file(WRITE ${dir}/src/CMakeLists.txt [=[
+cmake_minimum_required(VERSION 3.24)
+project(consumer_folders LANGUAGES CXX)
+find_package(seqpar 0.2 REQUIRED)
+add_executable(consumer main.cc)
+target_include_directories(consumer PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
+target_link_libraries(consumer PRIVATE seqpar::parallel)
+]=])
+  set(launcher "")
+  if(LAUNCHER)
+    set(launcher "-DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER}")
+  endif()
+  run("configure" ${CMAKE_COMMAND} -S ${dir}/src -B ${dir}/build -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX}
+      ${launcher} -DCMAKE_PREFIX_PATH=${prefix})
+  run("build the consumer" ${CMAKE_COMMAND} --build ${dir}/build -j 2)
+  run("the consumer" ${dir}/build/consumer)
+  if(NOT run_output MATCHES "consumer: seqpar dtype fp32, own header 1")
+    message(FATAL_ERROR "the consumer printed: ${run_output}")
+  endif()
+  message("${run_output}")
 elseif(STEP STREQUAL "find_package")
   build_and_run_examples(${WORK_DIR}/find_package -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release)
 elseif(STEP STREQUAL "pkg_config")
