@@ -102,7 +102,7 @@ bool detail::route_to_lowered(const MhaForwardArgs& args) {
 }
 
 void mha_forward_lowered(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
-  check_mha_forward(args, out, lse, stream);
+  args.validate(out, lse, stream);
   const LoweredScope scope;
   const std::vector<LoweredRect> rects = lower_call(args);
   const DType acc = accumulator_dtype(args.q.dtype());
@@ -129,7 +129,7 @@ void mha_forward_lowered(const MhaForwardArgs& args, const TensorView& out, cons
 
 void mha_backward_lowered(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                           bool accumulate, Stream stream) {
-  check_mha_backward(args, dq, dk, dv, accumulate, stream);
+  args.validate(dq, dk, dv, accumulate, stream);
   const LoweredScope scope;
   const std::vector<LoweredRect> rects = lower_call(args.fwd);
   const DType acc = accumulator_dtype(args.fwd.q.dtype());
