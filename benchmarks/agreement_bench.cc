@@ -7,7 +7,7 @@
 //              three int64
 //   always     SEQPAR_AGREEMENT_CHECK=always on a repeated call: the same as first
 //   mismatch   rank 0 passes another k: all-reduce + all-gather of the fields + the message (the failure path)
-//   usp fwd    one UspAttention forward (ring over every rank, zigzag, causal, fp32) of B=1, --seq tokens, --heads
+//   usp fwd    one MhaCp forward (ring over every rank, zigzag, causal, fp32) of B=1, --seq tokens, --heads
 //              heads of --head-dim, with the layer's own check as configured by SEQPAR_AGREEMENT_CHECK
 //
 //   mpirun -np 2 agreement_bench --seq 4K
@@ -18,7 +18,7 @@
 #include "benchmarks/bench_common.h"
 #include "parallel/usp.h"
 #include "runtime/mpi_comm.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/version.h"
 
 namespace seqpar::bench {
@@ -27,7 +27,7 @@ namespace {
 // The fingerprint of a USP forward (parallel/usp.cc) with k of shape `k_shape`.
 Fingerprint usp_fingerprint(const SequenceLayout& layout, const Shape& q_shape, const Shape& k_shape) {
   const TensorView q(nullptr, DType::kFloat32, q_shape), k(nullptr, DType::kFloat32, k_shape);
-  return mha_forward_fingerprint("USP forward", RingAttentionConfig{}, layout, q, k, k);
+  return mha_forward_fingerprint("USP forward", MhaCpConfig{}, layout, q, k, k);
 }
 
 // Median over `reps` of the slowest rank's mean seconds per call of `calls` calls of `fn`.
@@ -67,7 +67,7 @@ int agreement_bench_main(int argc, char** argv) {
   SEQPAR_CHECK(calls >= 1 && reps >= 1, "--calls ", calls, " and --reps ", reps, " must be >= 1");
 
   auto world = MpiCommunicator::world();
-  SpGrid grid(*world, {1, 1, place.size});
+  CpGrid grid(*world, {1, 1, place.size});
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
   const Shape q_shape = {1, layout.local_len(), heads, head_dim};
@@ -76,23 +76,23 @@ int agreement_bench_main(int argc, char** argv) {
 
   std::vector<std::pair<std::string, double>> rows;
   AgreementCheck cached(AgreementMode::kChanges), always(AgreementMode::kAlways);
-  cached.run(groups.sp, agreed);  // the first call agrees; every timed call hits the cache
+  cached.run(groups.cp, agreed);  // the first call agrees; every timed call hits the cache
   rows.emplace_back("cached", time_per_call(*world, reps, calls,
-                                            [&] { cached.run(groups.sp, usp_fingerprint(layout, q_shape, q_shape)); }));
+                                            [&] { cached.run(groups.cp, usp_fingerprint(layout, q_shape, q_shape)); }));
   rows.emplace_back("first", time_per_call(*world, reps, calls, [&] {
-                      AgreementCheck(AgreementMode::kChanges).run(groups.sp, usp_fingerprint(layout, q_shape, q_shape));
+                      AgreementCheck(AgreementMode::kChanges).run(groups.cp, usp_fingerprint(layout, q_shape, q_shape));
                     }));
   rows.emplace_back("always", time_per_call(*world, reps, calls,
-                                            [&] { always.run(groups.sp, usp_fingerprint(layout, q_shape, q_shape)); }));
+                                            [&] { always.run(groups.cp, usp_fingerprint(layout, q_shape, q_shape)); }));
   if (place.size > 1) {
     rows.emplace_back("mismatch", time_per_call(*world, reps, calls, [&] {
                         try {
-                          AgreementCheck(AgreementMode::kChanges).run(groups.sp, place.rank == 0 ? odd : agreed);
+                          AgreementCheck(AgreementMode::kChanges).run(groups.cp, place.rank == 0 ? odd : agreed);
                         } catch (const Error&) {
                         }
                       }));
   }
-  UspAttention usp(groups, layout, RingAttentionConfig{});
+  MhaCp usp(groups, layout, MhaCpConfig{});
   Tensor q = Tensor::zeros(q_shape, DType::kFloat32, MemCategory::kSavedActivation);
   usp.forward(q.view(), q.view(), q.view());  // warm-up
   rows.emplace_back("usp fwd", time_per_call(*world, reps, 1, [&] { usp.forward(q.view(), q.view(), q.view()); }));

@@ -1,8 +1,8 @@
-// comm_bench: message-size sweeps of the communication patterns of sequence parallelism on the groups of an SpGrid:
+// comm_bench: message-size sweeps of the communication patterns of sequence parallelism on the groups of an CpGrid:
 // the primitives (ring send/recv: each rank sends to the next and receives from the previous rank of its group;
 // all-to-all, all-gather, reduce-scatter, all-reduce) and the combined patterns the CP layers post (ring_step: a ring
 // backward step, the packed k/v block and its fp32 gradient accumulator exchanged as one group; ulysses_qkv: the
-// Ulysses all-to-alls of q, k and v posted together), on the Ulysses, ring and SP groups. Prints nccl-tests style
+// Ulysses all-to-alls of q, k and v posted together), on the Ulysses, ring and CP groups. Prints nccl-tests style
 // tables on rank 0: size, count, data type, reduction, in/out of place, time (us), algbw and busbw (GB/s), the number
 // of wrong elements of a verification pass and a status; sizes too small for a pattern are rows with status
 // "too-small"; the last line is the average bus bandwidth of every measured row, as nccl-tests prints it.
@@ -34,7 +34,7 @@
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/tensor.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/version.h"
@@ -72,7 +72,7 @@ constexpr DType kGradDType = DType::kFloat32;
 
 struct Options {
   std::string backend = "mpi";
-  SpGridConfig grid;
+  CpGridConfig grid;
   std::int64_t min_bytes = 1024, max_bytes = 16 << 20;
   int factor = 2;
   int warmup = 5, iters = 20;
@@ -93,7 +93,7 @@ std::vector<std::string> split_list(const std::string& s) {
 }
 
 std::optional<Options> parse(int argc, char** argv, int world_size, int world_rank) {
-  cxxopts::Options spec("comm_bench", "communication sweeps on the groups of an SpGrid: mpirun -np N comm_bench");
+  cxxopts::Options spec("comm_bench", "communication sweeps on the groups of an CpGrid: mpirun -np N comm_bench");
   // clang-format off
   spec.add_options()
     ("backend", "communicator backend: mpi | nccl (nccl: buffers on each rank's CUDA device)", cxxopts::value<std::string>()->default_value("mpi"))
@@ -108,7 +108,7 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
     ("iters", "timed iterations per size (mean reported)", cxxopts::value<int>()->default_value("20"))
     ("dtype", "fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("ops", "comma list: sendrecv,alltoall,allgather,reducescatter,allreduce,ring_step,ulysses_qkv", cxxopts::value<std::string>()->default_value("sendrecv,alltoall,allgather,reducescatter,allreduce,ring_step,ulysses_qkv"))
-    ("groups", "comma list: ulysses,ring,sp", cxxopts::value<std::string>()->default_value("ulysses,ring,sp"))
+    ("groups", "comma list: ulysses,ring,cp", cxxopts::value<std::string>()->default_value("ulysses,ring,cp"))
     ("json", "write the results as JSON to FILE (rank 0)", cxxopts::value<std::string>())
     ("help", "print this help")
     ("version", "print the version and exit");
@@ -159,8 +159,8 @@ std::optional<Options> parse(int argc, char** argv, int world_size, int world_ra
                  "' (expected sendrecv, alltoall, allgather, reducescatter, allreduce, ring_step, ulysses_qkv)");
   }
   for (const std::string& name : split_list(r["groups"].as<std::string>())) {
-    SEQPAR_CHECK(name == "ulysses" || name == "ring" || name == "sp", "--groups: unknown group '", name,
-                 "' (expected ulysses, ring, sp)");
+    SEQPAR_CHECK(name == "ulysses" || name == "ring" || name == "cp", "--groups: unknown group '", name,
+                 "' (expected ulysses, ring, cp)");
     o.groups.push_back(name);
   }
   SEQPAR_CHECK(!o.ops.empty() && !o.groups.empty(), "--ops and --groups must each name at least one entry");
@@ -438,7 +438,7 @@ int comm_bench_main(int argc, char** argv) {
   const NodeInfo node = node_info();
   auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o.json_path);
-  SpGrid grid(*world, o.grid);
+  CpGrid grid(*world, o.grid);
 
   if (world_rank == 0) {
     std::printf("# seqpar comm_bench %s\n", version());
@@ -457,7 +457,7 @@ int comm_bench_main(int argc, char** argv) {
   Totals totals;
   const char* dname = dtype_name(o.dtype);
   for (const std::string& gname : o.groups) {
-    Communicator& comm = gname == "ulysses" ? grid.ulysses() : gname == "ring" ? grid.ring() : grid.sp();
+    Communicator& comm = gname == "ulysses" ? grid.ulysses() : gname == "ring" ? grid.ring() : grid.cp();
     measure_group(o, *world, comm, gname, world_rank, totals);
   }
   const std::int64_t total_wrong = totals.wrong;

@@ -33,7 +33,7 @@
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/tensor_ops.h"
 
 namespace seqpar::bench {
@@ -41,7 +41,7 @@ namespace {
 
 // The workload of --attn on the grid, after the checks that need its outputs: --test-corrupt names one of them,
 // and no --dump file (outputs, and with --dump-inputs the inputs) is written twice or overwritten by --json.
-std::unique_ptr<Workload> make_checked_workload(const SpBenchOptions& o, SpGrid& grid) {
+std::unique_ptr<Workload> make_checked_workload(const SpBenchOptions& o, CpGrid& grid) {
   std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
   const std::vector<std::string> outputs = wl->output_names();
   SEQPAR_CHECK(o.test_corrupt.empty() || std::find(outputs.begin(), outputs.end(), o.test_corrupt) != outputs.end(),
@@ -107,7 +107,7 @@ int sp_bench_main(int argc, char** argv) {
     std::fprintf(stderr, "sp_bench: warning: %s\n", oversubscribed.c_str());
   auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o.json_path, o.dump_dir);
-  SpGrid grid(*world, o.grid);
+  CpGrid grid(*world, o.grid);
 
   std::unique_ptr<Workload> wl = make_checked_workload(o, grid);
   progress.note("making inputs", true);

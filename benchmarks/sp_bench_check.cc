@@ -61,7 +61,7 @@ Fp64ReferenceCost fp64_reference_cost(const SpBenchOptions& o) {
 
 }  // namespace
 
-CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const SpBenchOptions& o,
+CheckReport check_outputs(Communicator& world, const CpGrid& grid, Workload& wl, const SpBenchOptions& o,
                           const NamedArrays& got, const NamedArrays* inputs, bool reference_ready, Progress& progress) {
   const std::string& against = o.check_against;
   const bool vs_reference = against == "reference";
@@ -71,7 +71,7 @@ CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl,
   for (std::size_t t = 0; t < n; ++t) err[kSlots * t + 2] = err[kSlots * t + 3] = -1;
   CheckReport report;
   report.against = against;
-  if (grid.coords().sp_rank == 0) {
+  if (grid.coords().cp_rank == 0) {
     if (!reference_ready) {
       progress.note("check: single-rank reference", true);
       wl.reference_setup(inputs);

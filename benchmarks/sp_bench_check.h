@@ -22,7 +22,7 @@
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_bench_timing.h"
 #include "benchmarks/sp_bench_workload.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 
 namespace seqpar::bench {
 
@@ -46,11 +46,11 @@ struct CheckReport {
   std::string fp64_note;  // why the fp64 reference was not computed where rule 1 failed; empty otherwise
 };
 
-// The rules above for `got` (the gathered outputs, on every SP rank): each data-parallel replica's SP root runs the
+// The rules above for `got` (the gathered outputs, on every CP rank): each data-parallel replica's SP root runs the
 // reference (reference_setup() unless `reference_ready`) and, where rule 1 fails, the fp64 reference; the errors
 // are reduced (max) over `world`. Collective over `world`; every rank gets the same report.
 // o.check_against: "1-rank" (rules 1 and 2) or "reference" (rule 3).
-CheckReport check_outputs(Communicator& world, const SpGrid& grid, Workload& wl, const SpBenchOptions& o,
+CheckReport check_outputs(Communicator& world, const CpGrid& grid, Workload& wl, const SpBenchOptions& o,
                           const NamedArrays& got, const NamedArrays* inputs, bool reference_ready, Progress& progress);
 
 // --check-against reference: Error naming the size rule when the workload's fp64 reference does not fit

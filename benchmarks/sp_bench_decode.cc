@@ -31,7 +31,7 @@
 #include "parallel/decode_cp.h"
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/version.h"
 
@@ -94,7 +94,7 @@ Tensor concat_steps(const std::vector<Tensor>& steps, int dim) {
   return all;
 }
 
-// The full [.., H, ..] array `full_shape` from every SP rank's block of heads `local` (dimension `dim`, the same size
+// The full [.., H, ..] array `full_shape` from every CP rank's block of heads `local` (dimension `dim`, the same size
 // on every rank, starting at head `first_head` of the rank): two all-gathers over `sp` (the first heads, then the
 // blocks); ranks holding the same heads (the ring group of an MHA run) write the same values.
 npy::HostArray gather_heads(Communicator& sp, const Tensor& local, int dim, const Shape& full_shape,
@@ -177,9 +177,9 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   cfg.shard = parse_cache_shard(d.cache_shard);
   cfg.interleave = d.interleave;
   cfg.prefill_impl = o.impl;
-  MhaDecodeContextParallel layer(groups, cfg);
+  MhaDecodeCp layer(groups, cfg);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, T, o.layout);
-  const std::vector<std::int64_t> pos = layout.token_index(groups.sp_rank());
+  const std::vector<std::int64_t> pos = layout.token_index(groups.cp_rank());
   const bool fill = d.prefill == "fill";  // the prompt's K/V only: no queries needed
   const Tensor q = in.rows("q", fill ? std::vector<std::int64_t>{} : pos);
   const Tensor k = in.rows("k", pos), v = in.rows("v", pos);
@@ -188,7 +188,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   std::vector<std::int64_t> chunk_pos;
   if (d.chunk > 0) {
     chunk_layout.emplace(SequenceLayout::for_groups(groups, d.chunk, o.layout));
-    for (std::int64_t t : chunk_layout->token_index(groups.sp_rank())) chunk_pos.push_back(t < 0 ? -1 : T + t);
+    for (std::int64_t t : chunk_layout->token_index(groups.cp_rank())) chunk_pos.push_back(t < 0 ? -1 : T + t);
   }
   const Tensor qc = in.rows("q", chunk_pos), kc = in.rows("k", chunk_pos), vc = in.rows("v", chunk_pos);
   const ChunkPrefillMode chunk_mode = parse_chunk_prefill_mode(d.chunk_mode);
@@ -223,7 +223,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.cache_bytes = cache_bytes[0];
   // with Hkv < ulysses_size each KV head is stored by ulysses_size / Hkv ranks: max(Hkv, ulysses_size) heads in all
   const std::int64_t hkv_stored = std::max<std::int64_t>(hkv, groups.ulysses_size());
-  rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv_stored, D, o.dtype})) / groups.sp.size();
+  rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv_stored, D, o.dtype})) / groups.cp.size();
   rep.formula_text = str_cat("M_KV / P = 2 B max(Hkv, ulysses) (T + chunk + N n) D bytes / (ring x ulysses)");
   layer.reset_counters();
   std::vector<Tensor> outs, lses;
@@ -250,8 +250,8 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   }
   if (results != nullptr) {
     const std::int64_t first = layer.q_head_offset(hq);  // query heads [u Hq / Pu, ...) of Ulysses rank u
-    results->outputs.emplace_back("out_dec", gather_heads(groups.sp, out_all, 2, {B, N * n, hq, D}, first));
-    results->outputs.emplace_back("lse_dec", gather_heads(groups.sp, lse_all, 1, {B, hq, N * n}, first));
+    results->outputs.emplace_back("out_dec", gather_heads(groups.cp, out_all, 2, {B, N * n, hq, D}, first));
+    results->outputs.emplace_back("lse_dec", gather_heads(groups.cp, lse_all, 1, {B, hq, N * n}, first));
   }
   if (!o.check) return rep;
   rep.checked = true;
@@ -303,9 +303,9 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   GdnCpConfig cfg;
   cfg.mode = parse_gdn_cp_mode(o.gdn_mode);
   cfg.chunk_size = o.chunk_size;
-  GdnDecodeContextParallel layer(groups, cfg, hv, hk);
+  GdnDecodeCp layer(groups, cfg, hv, hk);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, T, o.layout);
-  const std::vector<std::int64_t> pos = layout.token_index(groups.sp_rank());
+  const std::vector<std::int64_t> pos = layout.token_index(groups.cp_rank());
   const auto inputs = [&](std::span<const std::int64_t> rows) {
     return std::array<Tensor, 5>{in.rows("q", rows), in.rows("k", rows), in.rows("v", rows), in.rows("g", rows),
                                  in.rows("beta", rows)};
@@ -336,14 +336,14 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   }
   all_reduce(world, rep.step_s, ReduceOp::kMax);
   rep.mem_peak_bytes = ledger_peak(world);
-  const std::int64_t lv = layer.local_value_heads(), lk = layer.local_key_heads(), r = groups.sp_rank();
+  const std::int64_t lv = layer.local_value_heads(), lk = layer.local_key_heads(), r = groups.cp_rank();
   Tensor out_all;
   if (!outs.empty()) out_all = concat_steps(outs, 1);
   if (results != nullptr) {
     const std::int64_t first = layer.head_offset();
-    results->outputs.emplace_back("out_dec", gather_heads(groups.sp, out_all, 2, {B, N * n, hv, V}, first));
+    results->outputs.emplace_back("out_dec", gather_heads(groups.cp, out_all, 2, {B, N * n, hv, V}, first));
     const Tensor state = Tensor::copy_of(cache->state(), cache->state().dtype(), MemCategory::kWorkspace);
-    results->outputs.emplace_back("final_state", gather_heads(groups.sp, state, 1, {B, hv, K, V}, first));
+    results->outputs.emplace_back("final_state", gather_heads(groups.cp, state, 1, {B, hv, K, V}, first));
   }
   if (!o.check) return rep;
   rep.checked = true;
@@ -423,7 +423,7 @@ void check_decode_options(const SpBenchOptions& o) {
   if (o.attn == "gdn") {
     SEQPAR_CHECK(o.heads % sp == 0 && o.kv_heads % sp == 0, "--mode decode --attn gdn: --heads ", o.heads,
                  " (value heads) and --kv-heads ", o.kv_heads,
-                 " (key heads) must both be divisible by the SP group size ", sp, " (--ring-size ", o.grid.ring_size,
+                 " (key heads) must both be divisible by the CP group size ", sp, " (--ring-size ", o.grid.ring_size,
                  " x --ulysses-size ", pu, "): decode splits whole heads over the group");
   }
   if (o.attn == "mha") {
@@ -494,7 +494,7 @@ void print_decode_header(const SpBenchOptions& o, int world_size) {
               world_size, o.grid.ulysses_size, o.grid.ring_size, o.attn.c_str(), dtype_name(o.dtype));
   std::printf("# context %lld, decode steps %lld x %lld new token(s), ", static_cast<long long>(d.context),
               static_cast<long long>(d.decode_steps), static_cast<long long>(d.new_tokens));
-  if (o.attn == "gdn") {  // the state split by heads over the SP group (--cache-shard does not apply)
+  if (o.attn == "gdn") {  // the state split by heads over the CP group (--cache-shard does not apply)
     std::printf("state split by heads: Hv / P = %lld value head(s) per rank",
                 static_cast<long long>(o.heads / world_size));
   } else {
@@ -615,7 +615,7 @@ void add_decode_options(cxxopts::Options& spec) {
     ("decode-steps", "decode: steps N after the prompt", cxxopts::value<std::int64_t>()->default_value("16"))
     ("new-tokens", "decode: new tokens (queries) n per step, e.g. speculative drafts",
      cxxopts::value<std::int64_t>()->default_value("1"))
-    ("cache-shard", "decode, MHA and DSA: cache sharding over the ring (DSA: the SP group): contiguous | interleave",
+    ("cache-shard", "decode, MHA and DSA: cache sharding over the ring (DSA: the CP group): contiguous | interleave",
      cxxopts::value<std::string>()->default_value("interleave"))
     ("interleave", "decode, MHA and DSA: I of --cache-shard interleave (token t on rank (t / I) mod P)",
      cxxopts::value<std::int64_t>()->default_value("1"))
@@ -697,7 +697,7 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
   const DecodeInputs inputs(o, arrays.inputs, o.inputs_dir.empty() ? nullptr : &loaded);
   auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o.json_path, o.dump_dir);
-  SpGrid grid(*world, o.grid);
+  CpGrid grid(*world, o.grid);
   const CpGroups groups = CpGroups::from(grid);
   DecodeResults results;
   DecodeResults* dump = o.dump_dir.empty() ? nullptr : &results;

@@ -51,10 +51,10 @@ DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchO
   cfg.dim_v = dv;
   cfg.window = o.window;
   cfg.prefill_select = parse_dsa_select_mode(o.dsa_select);
-  DsaDecodeContextParallel layer(groups, cfg);
+  DsaDecodeCp layer(groups, cfg);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, T, o.layout);
   const bool fill = d.prefill == "fill";  // the prompt's k_idx and c only: no queries needed
-  const DsaRows prompt = dsa_rows(in, layout.token_index(groups.sp_rank()), !fill);
+  const DsaRows prompt = dsa_rows(in, layout.token_index(groups.cp_rank()), !fill);
   DecodeReport rep;
   const std::int64_t before = persistent_bytes();
   std::optional<ShardedDsaCache> cache;
@@ -70,7 +70,7 @@ DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchO
   std::vector<double> cache_bytes{static_cast<double>(persistent_bytes() - before)};
   all_reduce(world, cache_bytes, ReduceOp::kMax);
   rep.cache_bytes = cache_bytes[0];
-  rep.cache_formula = static_cast<double>(attn::dsa_cache_bytes({B, S, di, dqk, o.dtype})) / groups.sp.size();
+  rep.cache_formula = static_cast<double>(attn::dsa_cache_bytes({B, S, di, dqk, o.dtype})) / groups.cp.size();
   rep.formula_text = "M / P = B (T + N n) (Di + Dqk) bytes / (ring x ulysses)";
   layer.reset_counters();
   std::vector<Tensor> outs, lses, topks;

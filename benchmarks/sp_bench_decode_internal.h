@@ -21,7 +21,7 @@ struct DecodeReport {
   std::vector<double> step_s;     // slowest rank per step
   std::vector<double> chunk_s;    // --chunk: the persistent-cache prefill, slowest rank per iteration
   std::string chunk_mode;         // the route it took
-  // Sent per rank: all of extend (ring and SP groups), the route's measured, the route's formula.
+  // Sent per rank: all of extend (ring and CP groups), the route's measured, the route's formula.
   std::int64_t chunk_bytes = 0, chunk_route_bytes = 0, chunk_pass_bytes = 0;
   std::int64_t bytes_per_step = 0, bytes_formula = 0;
   double cache_bytes = 0, cache_formula = 0;  // per rank: largest over the ranks; the formula's

@@ -116,7 +116,7 @@ KindDecodeMemory mha_decode_memory(const DecodeSizes& z) {
   return r;
 }
 
-// DSA: the latent and index-key cache sharded over the SP group.
+// DSA: the latent and index-key cache sharded over the CP group.
 KindDecodeMemory dsa_decode_memory(const DecodeSizes& z) {
   const SpBenchOptions& o = z.o;
   const double e = z.e, a = z.a, B = z.B, n = z.n, N = z.N;

@@ -1,6 +1,6 @@
-// sp_bench's DSA (DeepSeek sparse attention) workload: indexer top-k selection over the SP group (ring or
+// sp_bench's DSA (DeepSeek sparse attention) workload: indexer top-k selection over the CP group (ring or
 // all-gather), sparse latent attention over the ring, heads over the Ulysses group, and the indexer KL loss, through
-// DsaContextParallel (parallel/dsa_cp.h). Inputs q [B, S, H, Dqk], c [B, S, Dqk], q_idx [B, S, Hi, Di],
+// DsaCp (parallel/dsa_cp.h). Inputs q [B, S, H, Dqk], c [B, S, Dqk], q_idx [B, S, Hi, Di],
 // k_idx [B, S, Di], w [B, S, Hi], dout [B, S, H, Dv] (Dqk = --head-dim, Dv = --dim-v, Hi = --indexer-heads,
 // Di = --indexer-dim); outputs out [B, S, H, Dv], lse [B, H, S] fp32, topk_indices [B, S, k] int64, loss [1] fp64,
 // dq, dc, dq_idx, dk_idx, dw. The reference is the single-device kernels (attention/dsa.h) on the whole sequence,
@@ -67,11 +67,11 @@ double indexer_flops_per_pair(const SpBenchOptions& o) { return dsa_indexer_flop
 
 class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
  public:
-  DsaWorkload(const SpBenchOptions& o, const SpGrid& grid)
+  DsaWorkload(const SpBenchOptions& o, const CpGrid& grid)
       : o_(o), grid_(grid), groups_(CpGroups::from(grid)), rope_(dsa_rope_targets(o)) {
     const SequenceLayout layout = sp_bench_layout(o);
-    tokens_ = layout.token_index(grid.coords().sp_rank);
-    rope_positions_ = layout.rope_positions(grid.coords().sp_rank);
+    tokens_ = layout.token_index(grid.coords().cp_rank);
+    rope_positions_ = layout.rope_positions(grid.coords().cp_rank);
     if (o.packed()) {
       const SequenceLayout one = SequenceLayout::packed(LayoutKind::kContiguous, layout.cu_seqlens(), 1);
       ref_docs_ = one.doc_bounds(0);
@@ -83,7 +83,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     cfg.dim_v = o.dim_v;
     cfg.scale = dsa_softmax_scale(o);
     cfg.window = o.window;
-    dsa_ = std::make_unique<DsaContextParallel>(groups_, layout, cfg);
+    dsa_ = std::make_unique<DsaCp>(groups_, layout, cfg);
   }
 
   std::vector<TensorSpec> input_specs() const override { return dsa_input_specs(o_); }
@@ -280,7 +280,7 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
 
   npy::HostArray gather(const Tensor& local, const Shape& full_shape, int seq_dim) const {
     npy::HostArray full(local.dtype(), full_shape);
-    gather_sequence(grid_.sp(), dsa_->layout(), local.view(), full.view(), seq_dim);
+    gather_sequence(grid_.cp(), dsa_->layout(), local.view(), full.view(), seq_dim);
     return full;
   }
 
@@ -311,9 +311,9 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   }
 
   SpBenchOptions o_;
-  const SpGrid& grid_;
+  const CpGrid& grid_;
   CpGroups groups_;
-  std::unique_ptr<DsaContextParallel> dsa_;
+  std::unique_ptr<DsaCp> dsa_;
   enum Input { kQ, kC, kQIdx, kKIdx, kW, kDout };
   std::vector<Tensor> in_;                        // this rank's q, c, q_idx, k_idx, w, dout
   std::vector<RopeTarget> rope_;                  // the rotated inputs (dsa_rope_targets)
@@ -337,10 +337,10 @@ std::vector<TensorSpec> dsa_input_specs(const SpBenchOptions& o) {
           {"dout", {B, S, o.heads, o.dim_v}}};
 }
 
-// What DsaWorkload's step holds on one rank (sp_bench_memory.h), following DsaContextParallel (parallel/dsa_cp.cc):
+// What DsaWorkload's step holds on one rank (sp_bench_memory.h), following DsaCp (parallel/dsa_cp.cc):
 // per rank S/P rows of q [., H, Dqk], the latent c [., Dqk], the indexer inputs q_idx [., Hi, Di], k_idx [., Di],
 // w [., Hi] and dout [., H, Dv]; per row k selected slots (int64 indices, fp32 scores and probabilities); fp32
-// accumulators; the latent and its gradient circulate over the ring, the index keys over the SP group.
+// accumulators; the latent and its gradient circulate over the ring, the index keys over the CP group.
 // The dense fp64 reference (attention/reference/): the inputs, the outputs (out and the gradients as large as the
 // inputs, lse, topk_indices, loss) and three [S, S] planes per batch, all fp64.
 Fp64ReferenceCost dsa_reference_cost(const SpBenchOptions& o) {
@@ -393,7 +393,7 @@ SEQPAR_WORKLOAD_KIND(DsaWorkload) {
   WorkloadKind k;
   k.name = "dsa";
   k.description =
-      "DeepSeek sparse attention (indexer top-k over the SP group, sparse latent attention over the ring, heads "
+      "DeepSeek sparse attention (indexer top-k over the CP group, sparse latent attention over the ring, heads "
       "over Ulysses, indexer loss; always causal)";
   // DeepSeek-V3.2-Exp (config.json): qk_rope_head_dim 64, rope_theta 10000, rope_scaling yarn (factor 40, original
   // 4096, beta_fast 32, beta_slow 1, mscale 1, mscale_all_dim 1: m = 1 on cos / sin, mscale^2 on the softmax scale).
@@ -477,7 +477,7 @@ void add_dsa_flags(cxxopts::Options& spec, FlagGroup group) {
       ("indexer-dim", "DSA: indexer head dim Di", cxxopts::value<std::int64_t>()->default_value("128"));
   } else if (group == FlagGroup::kParallel) {
     spec.add_options("parallel")
-      ("dsa-select", "DSA top-k selection over the SP group: ring (index keys circulate) | allgather (gathered "
+      ("dsa-select", "DSA top-k selection over the CP group: ring (index keys circulate) | allgather (gathered "
                      "once)", cxxopts::value<std::string>()->default_value("ring"));
   }
   // clang-format on

@@ -1,12 +1,12 @@
 // sp_bench's GDN (gated delta rule) workload: chain or scan over the ring group, Ulysses all-to-all over heads,
-// through GdnContextParallel (parallel/gdn_cp.h). Inputs q k [B, S, Hk, K], v [B, S, Hv, V], g beta [B, S, Hv],
+// through GdnCp (parallel/gdn_cp.h). Inputs q k [B, S, Hk, K], v [B, S, Hv, V], g beta [B, S, Hv],
 // initial_state [B, Hv, K, V], dout [B, S, Hv, V] (Hv = --heads value heads, Hk = --kv-heads key heads, K =
 // --head-dim, V = --dim-v); outputs out, final_state, dq, dk, dv, dg, dbeta, dinitial_state. The reference is one
 // attn::gdn_forward + attn::gdn_backward call on the full tensors; the fp64 reference of --check (sp_bench_check.h) is
 // the token-by-token attn::reference::gdn_forward / gdn_backward.
 // With --conv-width W > 0 (the qwen3-next preset: 4) the layer first runs the short causal depthwise conv with SiLU
 // over the channels of q, k and v (Qwen3-Next's conv1d over their concatenation; input conv_weight [C, W] with
-// C = 2 Hk K + Hv V, rows in the order q, k, v) through ShortConvContextParallel, and q, k, v are the conv's inputs:
+// C = 2 Hk K + Hv V, rows in the order q, k, v) through ShortConvCp, and q, k, v are the conv's inputs:
 // dq, dk, dv are their gradients and dconv_weight [C, W] is a further output. The references run the same conv with
 // attn::short_conv_* (attn::reference::short_conv_* in fp64) before the recurrence.
 // Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md, "GDN on packed rows"): the layer runs on the packed
@@ -68,14 +68,14 @@ const char* const kQkv[] = {"q", "k", "v"};
 
 class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
  public:
-  GdnWorkload(const SpBenchOptions& o, const SpGrid& grid)
+  GdnWorkload(const SpBenchOptions& o, const CpGrid& grid)
       : o_(o), grid_(grid), groups_(CpGroups::from(grid)), state_dtype_(accumulator_dtype(o.dtype)) {
     GdnCpConfig cfg;
     cfg.mode = parse_gdn_cp_mode(o.gdn_mode);
     cfg.chunk_size = o.chunk_size;
     const SequenceLayout layout = sp_bench_layout(o);
-    gdn_ = std::make_unique<GdnContextParallel>(groups_, layout, cfg);
-    if (o.conv_width > 0) conv_ = std::make_unique<ShortConvContextParallel>(groups_, layout);
+    gdn_ = std::make_unique<GdnCp>(groups_, layout, cfg);
+    if (o.conv_width > 0) conv_ = std::make_unique<ShortConvCp>(groups_, layout);
     if (o.packed()) {
       const std::vector<std::int64_t> cu = cu_seqlens_of(o.doc_lens);
       cu_seqlens_ = Tensor::empty({static_cast<std::int64_t>(cu.size())}, DType::kInt64, MemCategory::kWorkspace);
@@ -116,7 +116,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   void setup(const NamedArrays* full) override {
     const std::int64_t local = gdn_->layout().local_len();
     // This rank's token of every local row (-1: a padding row, filled with zeros).
-    const std::vector<std::int64_t> pos = gdn_->layout().token_index(groups_.sp_rank());
+    const std::vector<std::int64_t> pos = gdn_->layout().token_index(groups_.cp_rank());
     const DType t = o_.dtype;
     in_ = local_tensors(t, {qk_shape(local), qk_shape(local), v_shape(local), gate_shape(local), gate_shape(local)});
     in_.push_back(Tensor::empty(state_shape(), state_dtype_, MemCategory::kModelState));  // initial_state
@@ -345,7 +345,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   npy::HostArray gather(const Tensor& local, const Shape& full_shape) const {
     npy::HostArray full(local.dtype(), full_shape);
-    gather_sequence(grid_.sp(), gdn_->layout(), local.view(), full.view(), 1);
+    gather_sequence(grid_.cp(), gdn_->layout(), local.view(), full.view(), 1);
     return full;
   }
   static npy::HostArray copy(const Tensor& t) {
@@ -380,11 +380,11 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   PhaseCounters backward_counters() override { return phase_counters_with_rounds(gdn_->counters()); }
 
   SpBenchOptions o_;
-  const SpGrid& grid_;
+  const CpGrid& grid_;
   CpGroups groups_;
   DType state_dtype_;
-  std::unique_ptr<GdnContextParallel> gdn_;
-  std::unique_ptr<ShortConvContextParallel> conv_;  // --conv-width > 0
+  std::unique_ptr<GdnCp> gdn_;
+  std::unique_ptr<ShortConvCp> conv_;  // --conv-width > 0
   ShortConvCpOutput conv_out_[3];                   // the convolved q, k, v of the last forward, with their contexts
   Tensor dconv_weight_;
   enum Input { kQ, kK, kV, kG, kBeta, kState, kDout, kConvWeight };
@@ -403,7 +403,7 @@ std::vector<TensorSpec> gdn_input_specs(const SpBenchOptions& o) {
   return r;
 }
 
-// What GdnWorkload's step holds on one rank (sp_bench_memory.h), following GdnContextParallel (parallel/gdn_cp.cc)
+// What GdnWorkload's step holds on one rank (sp_bench_memory.h), following GdnCp (parallel/gdn_cp.cc)
 // and the chunked kernel (attention/cpu/gdn_chunk.cc): xk = one of q, k ([B, S/P, Hk, K]), xv = one of v, dout, out
 // ([B, S/P, Hv, V]), per segment (zigzag: two per rank) a state [B, Hv/Pu, K, V] in the state dtype, per thread one
 // chunk scratch of [C, C], [C, K] and [K, V] buffers (backward: also the start state of every chunk of a segment).
@@ -463,7 +463,7 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   // summed into the key heads afterwards (attention/cpu/gdn_chunk.cc GroupedGrad).
   const double grouped = d.Hv > d.Hk ? 2 * c * batch * sl * o.heads * kd : 0;
   const double ring = o.gdn_mode == "scan" ? 6 * segments * seg_state : 2 * segments * seg_state;
-  // --conv-width (ShortConvContextParallel on the sequence shards, once for each of q, k, v): through both phases,
+  // --conv-width (ShortConvCp on the sequence shards, once for each of q, k, v): through both phases,
   // each context's copy of its input and halo states ([B, W - 1, C] per segment) and the convolved q, k, v;
   // conv_weight an input, its gradient an output. The conv's own buffers come before the recurrence's forward and
   // after its backward (whose workspace is freed by then), for one of q, k, v at a time (the widest, `wide` channels):

@@ -12,7 +12,7 @@
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 
 namespace seqpar::bench {
 namespace {
@@ -92,7 +92,7 @@ MemoryEstimate estimate_memory(const SpBenchOptions& o, int world_rank) {
               {"comm buffers", p.comm}};
   e.phases = {{"fwd", w.inputs + w.forward.total()}, {"bwd", w.inputs + w.backward.total()}};
 
-  const bool sp_root = sp_coords_of(o.grid, world_rank).sp_rank == 0;
+  const bool sp_root = cp_coords_of(o.grid, world_rank).cp_rank == 0;
   const double reference = w.full_inputs + w.full_outputs + w.reference_scratch;
   if (!o.inputs_dir.empty())
     e.host.emplace_back("loaded inputs (--inputs, every rank)",

@@ -1,4 +1,4 @@
-// sp_bench's MHA / GQA workload: ring, Ulysses and USP through UspAttention (ulysses-size 1 = pure ring,
+// sp_bench's MHA / GQA workload: ring, Ulysses and USP through MhaCp (ulysses-size 1 = pure ring,
 // ring-size 1 = pure Ulysses). Inputs q k v dout [B, S, H, D]; outputs out [B, S, Hq, D], lse [B, Hq, S] (fp32;
 // fp64 for fp64), dq, dk, dv. The reference is one attn::mha_forward + attn::mha_backward call on the full tensors; the
 // fp64 reference of --check (sp_bench_check.h) is attn::reference::mha_forward / mha_backward. With --rope, q and k
@@ -63,15 +63,15 @@ npy::HostArray host_copy(const TensorView& t) {
 
 std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o);
 
-class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads> {
+class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
  public:
-  MhaWorkload(const SpBenchOptions& o, const SpGrid& grid)
+  MhaWorkload(const SpBenchOptions& o, const CpGrid& grid)
       : o_(o),
         grid_(grid),
         groups_(CpGroups::from(grid)),
         layout_(sp_bench_layout(o)),
-        tokens_(layout_.token_index(grid.coords().sp_rank)),
-        rope_positions_(layout_.rope_positions(grid.coords().sp_rank)) {
+        tokens_(layout_.token_index(grid.coords().cp_rank)),
+        rope_positions_(layout_.rope_positions(grid.coords().cp_rank)) {
     if (o.packed()) {
       const SequenceLayout one = SequenceLayout::packed(LayoutKind::kContiguous, layout_.cu_seqlens(), 1);
       ref_docs_ = one.doc_bounds(0);
@@ -82,7 +82,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
     cfg_.window = o.window;
     cfg_.score_mods = score_mods(o, slopes_, sinks_);
     cfg_.dropout = {o.dropout, o.dropout_seed};
-    usp_ = std::make_unique<UspAttention>(groups_, layout_, cfg_);
+    usp_ = std::make_unique<MhaCp>(groups_, layout_, cfg_);
     if (o.rope) rope_ = {{"q", o.rope_cfg}, {"k", o.rope_cfg}};
   }
 
@@ -245,7 +245,7 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
 
   npy::HostArray gather(const Tensor& local, const Shape& full_shape, int seq_dim) const {
     npy::HostArray full(local.dtype(), full_shape);
-    gather_sequence(grid_.sp(), layout_, local.view(), full.view(), seq_dim);
+    gather_sequence(grid_.cp(), layout_, local.view(), full.view(), seq_dim);
     return full;
   }
 
@@ -262,13 +262,13 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
 
   void reset_layer_counters() override { usp_->reset_counters(); }
   // With RoPE the layer sees rotated copies of q and k (held until the next forward).
-  AttentionOutput run_forward() override {
+  MhaCpOutput run_forward() override {
     if (rope_.empty()) return usp_->forward(in_[kQ], in_[kK], in_[kV]);
     rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kK].view()}, rope_positions_);
     return usp_->forward(rotated_[0], rotated_[1], in_[kV]);
   }
-  AttentionGrads run_backward(CpContext&& ctx) override {
-    AttentionGrads g = usp_->backward(std::move(ctx), in_[kDout]);
+  MhaCpGrads run_backward(CpContext&& ctx) override {
+    MhaCpGrads g = usp_->backward(std::move(ctx), in_[kDout]);
     rope_backward_all(rope_, {g.dq.view(), g.dk.view()}, rope_positions_);
     return g;
   }
@@ -276,16 +276,16 @@ class MhaWorkload final : public CpLayerWorkload<AttentionOutput, AttentionGrads
   PhaseCounters backward_counters() override { return phase_counters_with_rounds(usp_->counters()); }
 
   SpBenchOptions o_;
-  const SpGrid& grid_;
+  const CpGrid& grid_;
   CpGroups groups_;
   SequenceLayout layout_;
   std::vector<std::int64_t> tokens_;              // this rank's token per local row (-1: padding)
   std::vector<std::int64_t> rope_positions_;      // this rank's RoPE positions (inside each document)
   DocBounds ref_docs_;                            // packed: each token's document bounds for the references
   std::vector<std::int64_t> ref_rope_positions_;  // packed: the references' RoPE positions (empty: 0..S-1)
-  RingAttentionConfig cfg_;
+  MhaCpConfig cfg_;
   Tensor slopes_, sinks_;  // what cfg_.score_mods views (--alibi, --sinks)
-  std::unique_ptr<UspAttention> usp_;
+  std::unique_ptr<MhaCp> usp_;
   enum Input { kQ, kK, kV, kDout };
   std::vector<Tensor> in_;        // this rank's q, k, v, dout
   std::vector<RopeTarget> rope_;  // q and k with --rope; empty without
@@ -308,7 +308,7 @@ Fp64ReferenceCost mha_reference_cost(const SpBenchOptions& o) {
           2 * 8.0 * static_cast<double>(o.batch * o.heads * o.head_dim) * s * s};
 }
 
-// What MhaWorkload's step holds on one rank (sp_bench_memory.h), following UspAttention and RingAttention
+// What MhaWorkload's step holds on one rank (sp_bench_memory.h), following MhaCp and RingAttention
 // (parallel/usp.cc, ring_attention.cc, ring_pass.cc): per rank q [B, S/P, Hq, D] and, after the Ulysses exchange, kv
 // with hx heads (Hkv, or Pu when Pu > Hkv replicates them) over the ring shard; accumulators fp32. S is the layout's
 // padded length (every padding row is allocated like a token); the host arrays of the whole problem hold o.seq rows.

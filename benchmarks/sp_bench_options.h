@@ -16,18 +16,18 @@
 #include "parallel/layout.h"
 #include "parallel/ring_attention.h"
 #include "runtime/dtype.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 
 namespace seqpar::bench {
 
 struct SpBenchOptions {
   std::string attn = "mha";  // a registered WorkloadKind name (sp_bench_workload.h)
-  SpGridConfig grid;
+  CpGridConfig grid;
   LayoutKind layout = LayoutKind::kZigzag;
   RingImpl impl = RingImpl::kP2P;
   std::string backend = "mpi";  // communicator backend: mpi | nccl
   std::string gdn_mode = "scan";
-  std::string dsa_select = "ring";  // DSA top-k selection over the SP group: ring | allgather
+  std::string dsa_select = "ring";  // DSA top-k selection over the CP group: ring | allgather
   std::string model;                // preset name, empty when none
 
   std::int64_t batch = 1;

@@ -18,7 +18,7 @@ namespace seqpar::bench {
 struct RunReport {
   const char* backend = "";
   int world_size = 1;
-  std::string grid;       // SpGrid::str()
+  std::string grid;       // CpGrid::str()
   NodeInfo node;          // rank 0's node
   std::string date_utc;   // start of the run, utc_now_iso8601()
   MemoryEstimate memory;  // world rank 0's estimate (the largest)

@@ -170,12 +170,12 @@ std::vector<PhaseResult> reduce_phases(Communicator& world, LocalTimings t, cons
     all_reduce(world, t.alone, ReduceOp::kMax);
     all_reduce(world, t.busy, ReduceOp::kMax);
     const std::vector<double> alone = phase_medians(t.alone, n), busy = phase_medians(t.busy, n);
-    const double sp_size = o.grid.ulysses_size * o.grid.ring_size;
+    const double cp_size = o.grid.ulysses_size * o.grid.ring_size;
     for (int p = 0; p < 3; ++p) {
       phases[p].single_rank_ms = 1e3 * alone[p];
-      phases[p].efficiency = alone[p] / (sp_size * phases[p].time_ms * 1e-3);
+      phases[p].efficiency = alone[p] / (cp_size * phases[p].time_ms * 1e-3);
       phases[p].single_rank_busy_ms = 1e3 * busy[p];
-      phases[p].efficiency_busy = busy[p] / (sp_size * phases[p].time_ms * 1e-3);
+      phases[p].efficiency_busy = busy[p] / (cp_size * phases[p].time_ms * 1e-3);
     }
   }
   return phases;

@@ -19,7 +19,7 @@
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_options.h"
 #include "parallel/cp_common.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/tensor.h"
 
 namespace seqpar::bench {
@@ -89,10 +89,10 @@ class Workload {
   // Frees the results of the previous forward / backward (called before a forward, so that memory peaks do not
   // count the previous iteration's results).
   virtual void release_outputs() = 0;
-  // Distributed forward / backward; collective over the SP group of the grid.
+  // Distributed forward / backward; collective over the CP group of the grid.
   virtual PhaseCounters forward() = 0;
   virtual PhaseCounters backward() = 0;
-  // Collective over the SP group: the full outputs and gradients of the last forward / backward on every SP rank.
+  // Collective over the CP group: the full outputs and gradients of the last forward / backward on every CP rank.
   virtual NamedArrays gather_outputs() = 0;
 
   // The full inputs generated from the seed, exactly as setup() draws this rank's shard of them, in input_specs()
@@ -231,7 +231,7 @@ struct WorkloadKind {
   std::function<Fp64ReferenceCost(const SpBenchOptions&)> fp64_reference_cost;
   // The workload on this rank's place in `grid` (constructors may communicate over the grid); set by
   // SEQPAR_WORKLOAD_KIND.
-  std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const SpGrid&)> make;
+  std::function<std::unique_ptr<Workload>(const SpBenchOptions&, const CpGrid&)> make;
 };
 
 // Adds `kind` to the registry (at static initialisation; use SEQPAR_WORKLOAD_KIND). Throws Error for a name
@@ -257,7 +257,7 @@ std::string workload_kind_names(const std::string& separator);
   [[maybe_unused]] static const bool seqpar_workload_registered_##W = [] {                    \
     ::seqpar::bench::WorkloadKind k = seqpar_workload_kind_##W();                             \
     k.make = [](const ::seqpar::bench::SpBenchOptions& o,                                     \
-                const ::seqpar::SpGrid& grid) -> std::unique_ptr<::seqpar::bench::Workload> { \
+                const ::seqpar::CpGrid& grid) -> std::unique_ptr<::seqpar::bench::Workload> { \
       return std::make_unique<W>(o, grid);                                                    \
     };                                                                                        \
     return ::seqpar::bench::register_workload_kind(std::move(k));                             \

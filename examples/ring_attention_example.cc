@@ -1,7 +1,7 @@
 // seqpar as a library: one causal attention layer with USP (Ulysses x ring) over every MPI rank, forward and
 // backward, from the full sequence on one rank to the gradients back on it, checked against one rank's attention
 // over the whole sequence. Run: mpirun -np N ring_attention_example (any N; exit status 0 when the check passes).
-// The seqpar types it names: MpiCommunicator, SpGrid, UspAttention, Tensor, DType.
+// The seqpar types it names: MpiCommunicator, CpGrid, MhaCp, Tensor, DType.
 #include <seqpar/seqpar.h>
 
 #include <cmath>
@@ -38,13 +38,13 @@ int main(int argc, char** argv) {
   return run_mpi_main(argc, argv, [](int, char**) {
     auto world = MpiCommunicator::world();
     const int ulysses_size = world->size() % 2 == 0 ? 2 : 1;  // any factorisation of the world size works
-    const SpGrid grid(*world, {/*dp_size=*/1, ulysses_size, /*ring_size=*/world->size() / ulysses_size});
+    const CpGrid grid(*world, {/*dp_size=*/1, ulysses_size, /*ring_size=*/world->size() / ulysses_size});
     // The layer owns its layout (zigzag by default): which tokens this rank holds. Other layers of the model take
     // the same layout (attn.layout()), so all of them agree. Default config: p2p ring, causal.
-    UspAttention attn(grid, kSeqLen);
+    MhaCp attn(grid, kSeqLen);
     const auto& layout = attn.layout();
-    const int root = 0;  // SP rank that holds the full sequence
-    const bool is_root = grid.sp().rank() == root;
+    const int root = 0;  // CP rank that holds the full sequence
+    const bool is_root = grid.cp().rank() == root;
     if (is_root) std::printf("seqpar %s, grid %s\n", version(), grid.str().c_str());
 
     // 1. The full sequence exists on the root only (here made up; in training it comes from the data loader).
@@ -63,10 +63,10 @@ int main(int argc, char** argv) {
       return Tensor::empty({kBatch, layout.local_len(), heads, kHeadDim}, DType::kFloat32);
     };
     Tensor q = local(kHq), k = local(kHkv), v = local(kHkv), dout = local(kHq);
-    scatter_sequence(grid.sp(), layout, q_full, q, root);  // collective over the SP group
-    scatter_sequence(grid.sp(), layout, k_full, k, root);
-    scatter_sequence(grid.sp(), layout, v_full, v, root);
-    scatter_sequence(grid.sp(), layout, dout_full, dout, root);
+    scatter_sequence(grid.cp(), layout, q_full, q, root);  // collective over the CP group
+    scatter_sequence(grid.cp(), layout, k_full, k, root);
+    scatter_sequence(grid.cp(), layout, v_full, v, root);
+    scatter_sequence(grid.cp(), layout, dout_full, dout, root);
 
     // 3. RoPE with the global positions of this rank's tokens: the same rotation as rows of the full sequence.
     attn::rope_forward(q, attn.positions());
@@ -84,16 +84,16 @@ int main(int argc, char** argv) {
     // 6. Gather: out to every rank (as the next layer of a non-parallel model would need it), the gradients to the
     // root only (each rank sends its shard, only the root allocates the full tensors).
     Tensor out_all = Tensor::empty({kBatch, kSeqLen, kHq, kHeadDim}, DType::kFloat32);
-    gather_sequence(grid.sp(), layout, out, out_all);
+    gather_sequence(grid.cp(), layout, out, out_all);
     Tensor dq_full, dk_full, dv_full;
     if (is_root) {
       dq_full = Tensor::empty(q_full.shape(), DType::kFloat32);
       dk_full = Tensor::empty(k_full.shape(), DType::kFloat32);
       dv_full = Tensor::empty(v_full.shape(), DType::kFloat32);
     }
-    gather_sequence_to_root(grid.sp(), layout, grads.dq, dq_full, root);
-    gather_sequence_to_root(grid.sp(), layout, grads.dk, dk_full, root);
-    gather_sequence_to_root(grid.sp(), layout, grads.dv, dv_full, root);
+    gather_sequence_to_root(grid.cp(), layout, grads.dq, dq_full, root);
+    gather_sequence_to_root(grid.cp(), layout, grads.dk, dk_full, root);
+    gather_sequence_to_root(grid.cp(), layout, grads.dv, dv_full, root);
     if (!is_root) return 0;
 
     // 7. The check, on the root: one rank's kernels over the whole sequence (positions 0..S-1), the same RoPE.

@@ -3,10 +3,10 @@
 
 The model follows Qwen3-Next's 3:1 pattern: an embedding, 4 blocks (3 gated-delta-rule blocks, then 1 attention
 block), each a pre-RMSNorm token mixer and a pre-RMSNorm MLP with residuals, a final RMSNorm and the LM head. The
-GDN blocks run a short causal conv over their q, k, v projections and seqpar.GdnContextParallel; the attention
-block uses RoPE at the tokens' global positions and seqpar.UspAttention (GQA, causal). Every rank holds the whole
+GDN blocks run a short causal conv over their q, k, v projections and seqpar.GdnCp; the attention
+block uses RoPE at the tokens' global positions and seqpar.MhaCp (GQA, causal). Every rank holds the whole
 batch of synthetic tokens, keeps its piece of the sequence (seqpar.shard_sequence), computes the loss of its tokens
-and sums the parameter gradients over the SP group before each AdamW step.
+and sums the parameter gradients over the CP group before each AdamW step.
 
     mpirun -np 4 python3 examples/train_tiny.py                 # USP 2 x 2 (--ulysses-size, --ring-size)
     mpirun -np 4 python3 examples/train_tiny.py --check         # also trains the single-process model on rank 0
@@ -56,8 +56,8 @@ class AttentionMixer(torch.nn.Module):
         self.q = torch.nn.Linear(D_MODEL, MHA_HEADS * HEAD_DIM, bias=False)
         self.kv = torch.nn.Linear(D_MODEL, 2 * MHA_KV_HEADS * HEAD_DIM, bias=False)
         self.o = torch.nn.Linear(MHA_HEADS * HEAD_DIM, D_MODEL, bias=False)
-        self.attn = seqpar.UspAttention(grid, layout, causal=True)
-        self.positions = layout.positions(grid.sp_rank)
+        self.attn = seqpar.MhaCp(grid, layout, causal=True)
+        self.positions = layout.positions(grid.cp_rank)
 
     def forward(self, x):
         B, S = x.shape[:2]
@@ -72,10 +72,10 @@ class GdnMixer(torch.nn.Module):
         super().__init__()
         self.qk_dim, self.v_dim = GDN_KEY_HEADS * GDN_DIM, GDN_VALUE_HEADS * GDN_DIM
         self.qkv = torch.nn.Linear(D_MODEL, 2 * self.qk_dim + self.v_dim, bias=False)
-        self.conv = seqpar.ShortConvContextParallel(grid, layout, 2 * self.qk_dim + self.v_dim, CONV_WIDTH)
+        self.conv = seqpar.ShortConvCp(grid, layout, 2 * self.qk_dim + self.v_dim, CONV_WIDTH)
         self.gates = torch.nn.Linear(D_MODEL, 2 * GDN_VALUE_HEADS)  # log decay and beta per value head
         self.o = torch.nn.Linear(self.v_dim, D_MODEL, bias=False)
-        self.gdn = seqpar.GdnContextParallel(grid, layout, mode="scan")
+        self.gdn = seqpar.GdnCp(grid, layout, mode="scan")
 
     def forward(self, x):
         B, S = x.shape[:2]
@@ -136,8 +136,8 @@ def train(grid, args):
     model = TinyHybridLM(grid, layout)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     inputs, targets = synthetic_batch(args.batch, args.seq_len)
-    local_inputs = seqpar.shard_sequence(inputs, layout, grid.sp_rank)
-    local_targets = seqpar.shard_sequence(targets, layout, grid.sp_rank)
+    local_inputs = seqpar.shard_sequence(inputs, layout, grid.cp_rank)
+    local_targets = seqpar.shard_sequence(targets, layout, grid.cp_rank)
     num_tokens = targets.numel()
     losses = []
     for _ in range(args.steps):
@@ -146,11 +146,11 @@ def train(grid, args):
         # This rank's share of the mean over every token of the sequence: the sum over the ranks is the loss.
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), local_targets.reshape(-1), reduction="sum") / num_tokens
         loss.backward()
-        for p in model.parameters():  # the gradient of the whole sequence: a sum over the SP group
-            grid.sp.all_reduce(p.grad)
+        for p in model.parameters():  # the gradient of the whole sequence: a sum over the CP group
+            grid.cp.all_reduce(p.grad)
         opt.step()
         total = loss.detach().reshape(1).clone()
-        grid.sp.all_reduce(total)
+        grid.cp.all_reduce(total)
         losses.append(total.item())
     return losses, model
 
@@ -180,7 +180,7 @@ def main():
     world = seqpar.world()
     ulysses = args.ulysses_size if world.size % args.ulysses_size == 0 else 1
     ring = args.ring_size or world.size // ulysses
-    grid = seqpar.SpGrid(dp_size=1, ulysses_size=ulysses, ring_size=ring)
+    grid = seqpar.CpGrid(dp_size=1, ulysses_size=ulysses, ring_size=ring)
     losses, model = train(grid, args)
     if world.rank == 0:
         print(f"# train_tiny: seqpar {seqpar.__version__}, grid {grid}, {args.layout} layout, seq_len {args.seq_len},"
@@ -199,7 +199,7 @@ def main():
     if world.rank == 0:
         from mpi4py import MPI
 
-        single = seqpar.SpGrid(1, 1, 1, comm=MPI.COMM_SELF)
+        single = seqpar.CpGrid(1, 1, 1, comm=MPI.COMM_SELF)
         losses_1, model_1 = train(single, args)
         ref_losses.copy_(torch.tensor(losses_1, dtype=torch.float64))
         ref_params = [p.detach().clone() for p in model_1.parameters()]
@@ -208,7 +208,7 @@ def main():
         world.broadcast(p)
 
     if world.rank == 0:
-        print(f"{'step':>4} {'loss (' + str(grid.sp.size) + ' ranks)':>16} {'loss (1 process)':>16} {'rel. diff':>10}")
+        print(f"{'step':>4} {'loss (' + str(grid.cp.size) + ' ranks)':>16} {'loss (1 process)':>16} {'rel. diff':>10}")
     worst_loss = 0.0
     for step, (loss, ref) in enumerate(zip(losses, ref_losses.tolist())):
         diff = abs(loss - ref) / abs(ref)
@@ -222,7 +222,7 @@ def main():
         print(f"# max relative difference: losses {worst_loss:.2e}, parameters {param_errors[worst_name]:.2e} "
               f"({worst_name}); tolerance {args.rtol:g}")
     if worst_loss > args.rtol or param_errors[worst_name] > args.rtol:
-        print(f"rank {world.rank}: error: the {grid.sp.size}-rank training differs from the single-process one "
+        print(f"rank {world.rank}: error: the {grid.cp.size}-rank training differs from the single-process one "
               f"(losses {worst_loss:.3g}, parameter {worst_name} {param_errors[worst_name]:.3g}; tolerance "
               f"{args.rtol:g})", file=sys.stderr)
         return 1

@@ -8,7 +8,7 @@
 
 #include "parallel/layout.h"
 #include "runtime/env.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/tensor_checks.h"
 
 namespace seqpar {
@@ -42,18 +42,18 @@ GdnCpMode parse_gdn_cp_mode(std::string_view name) {
   return static_cast<GdnCpMode>(parse_option_index(name, kGdnModeNames, "GDN mode"));
 }
 
-CpGroups::CpGroups(Communicator& ulysses_, Communicator& ring_, Communicator& sp_, Stream stream_)
-    : ulysses(ulysses_), ring(ring_), sp(sp_), stream(stream_) {
-  SEQPAR_CHECK(sp.size() == ulysses.size() * ring.size(), "CpGroups: SP group size ", sp.size(),
+CpGroups::CpGroups(Communicator& ulysses_, Communicator& ring_, Communicator& cp_, Stream stream_)
+    : ulysses(ulysses_), ring(ring_), cp(cp_), stream(stream_) {
+  SEQPAR_CHECK(cp.size() == ulysses.size() * ring.size(), "CpGroups: CP group size ", cp.size(),
                " must equal ulysses_size ", ulysses.size(), " x ring_size ", ring.size());
-  // The layers place tokens by sp_rank() and address SP peers by sp.rank(): they must be the same rank.
-  SEQPAR_CHECK(sp.rank() == sp_rank(), "CpGroups: this rank is ", sp.name(), " rank ", sp.rank(), ", but ring rank ",
-               ring.rank(), " x ulysses_size ", ulysses.size(), " + ulysses rank ", ulysses.rank(), " = ", sp_rank(),
-               "; the SP group must order its ranks ring-major (SpGrid does)");
+  // The layers place tokens by cp_rank() and address SP peers by cp.rank(): they must be the same rank.
+  SEQPAR_CHECK(cp.rank() == cp_rank(), "CpGroups: this rank is ", cp.name(), " rank ", cp.rank(), ", but ring rank ",
+               ring.rank(), " x ulysses_size ", ulysses.size(), " + ulysses rank ", ulysses.rank(), " = ", cp_rank(),
+               "; the CP group must order its ranks ring-major (CpGrid does)");
 }
 
-CpGroups CpGroups::from(const SpGrid& grid, Stream stream) {
-  return CpGroups(grid.ulysses(), grid.ring(), grid.sp(), stream);
+CpGroups CpGroups::from(const CpGrid& grid, Stream stream) {
+  return CpGroups(grid.ulysses(), grid.ring(), grid.cp(), stream);
 }
 
 void check_layout_matches(const CpGroups& groups, const SequenceLayout& layout, const char* layer) {
@@ -285,13 +285,13 @@ CommMeter::CommMeter(const CpGroups& groups, CpCounters& counters)
     : groups_(groups),
       counters_(counters),
       ring_(groups.ring.counters()),
-      sp_(groups.sp.counters()),
+      cp_(groups.cp.counters()),
       ulysses_(groups.ulysses.counters()) {}
 
 std::int64_t CommMeter::bytes_sent_so_far() const {
   std::int64_t b = groups_.ring.counters().bytes_sent - ring_.bytes_sent;
-  if (&groups_.sp != &groups_.ring) b += groups_.sp.counters().bytes_sent - sp_.bytes_sent;
-  if (&groups_.ulysses != &groups_.ring && &groups_.ulysses != &groups_.sp)
+  if (&groups_.cp != &groups_.ring) b += groups_.cp.counters().bytes_sent - cp_.bytes_sent;
+  if (&groups_.ulysses != &groups_.ring && &groups_.ulysses != &groups_.cp)
     b += groups_.ulysses.counters().bytes_sent - ulysses_.bytes_sent;
   return b;
 }
@@ -299,11 +299,11 @@ std::int64_t CommMeter::bytes_sent_so_far() const {
 CommMeter::~CommMeter() {
   counters_.bytes_sent += groups_.ring.counters().bytes_sent - ring_.bytes_sent;
   counters_.bytes_received += groups_.ring.counters().bytes_received - ring_.bytes_received;
-  if (&groups_.sp != &groups_.ring) {
-    counters_.bytes_sent += groups_.sp.counters().bytes_sent - sp_.bytes_sent;
-    counters_.bytes_received += groups_.sp.counters().bytes_received - sp_.bytes_received;
+  if (&groups_.cp != &groups_.ring) {
+    counters_.bytes_sent += groups_.cp.counters().bytes_sent - cp_.bytes_sent;
+    counters_.bytes_received += groups_.cp.counters().bytes_received - cp_.bytes_received;
   }
-  if (&groups_.ulysses != &groups_.ring && &groups_.ulysses != &groups_.sp) {
+  if (&groups_.ulysses != &groups_.ring && &groups_.ulysses != &groups_.cp) {
     counters_.a2a_bytes_sent += groups_.ulysses.counters().bytes_sent - ulysses_.bytes_sent;
     counters_.a2a_bytes_received += groups_.ulysses.counters().bytes_received - ulysses_.bytes_received;
   }
@@ -355,7 +355,7 @@ void CpContext::check_consumable(const LayerId& id, const char* layer) const {
 
 CommStreamScope::CommStreamScope(const CpGroups& groups) : groups_(groups) {
   if (groups.stream.device.is_cpu()) return;
-  Communicator* comms[3] = {&groups.ulysses, &groups.ring, &groups.sp};
+  Communicator* comms[3] = {&groups.ulysses, &groups.ring, &groups.cp};
   for (int i = 0; i < 3; ++i) {
     previous_[i] = comms[i]->stream();
     comms[i]->set_stream(groups.stream);
@@ -365,7 +365,7 @@ CommStreamScope::CommStreamScope(const CpGroups& groups) : groups_(groups) {
 
 CommStreamScope::~CommStreamScope() {
   if (!active_) return;
-  Communicator* comms[3] = {&groups_.ulysses, &groups_.ring, &groups_.sp};
+  Communicator* comms[3] = {&groups_.ulysses, &groups_.ring, &groups_.cp};
   for (int i = 0; i < 3; ++i) comms[i]->set_stream(previous_[i]);
 }
 

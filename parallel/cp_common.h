@@ -1,8 +1,8 @@
 // What every context-parallel (CP) layer of parallel/ shares: the communicator groups it runs on, its counters,
 // the timing helpers that fill them, and the context a forward hands to its backward.
 //
-// One argument shape for every CP layer (RingAttention, UspAttention, DsaContextParallel, GdnContextParallel,
-// ShortConvContextParallel):  Layer(const CpGroups& groups, const SequenceLayout& layout, const Config& config).
+// One argument shape for every CP layer (RingAttention, MhaCp, DsaCp, GdnCp,
+// ShortConvCp):  Layer(const CpGroups& groups, const SequenceLayout& layout, const Config& config).
 // A layer is stateless between calls: forward() returns its outputs and a CpContext that owns what the backward
 // needs (ledger category saved_activation); backward() takes that context back (by rvalue), checks that this very
 // object made it and that it was not used before, and frees it. One configured object therefore serves any
@@ -26,12 +26,12 @@
 
 namespace seqpar {
 
-class SpGrid;
+class CpGrid;
 class SequenceLayout;
 
 // The options of the CP layers.
 enum class RingImpl : std::uint8_t { kP2P, kAllGather };        // ring attention: blocks around, or all-gather
-enum class DsaSelectMode : std::uint8_t { kRing, kAllGather };  // DSA selection over the SP group
+enum class DsaSelectMode : std::uint8_t { kRing, kAllGather };  // DSA selection over the CP group
 enum class GdnCpMode : std::uint8_t { kChain, kScan };          // GDN state passing
 
 // The options' names ("p2p", "allgather"; "ring", "allgather"; "chain", "scan") and their parsers.
@@ -53,26 +53,26 @@ int parse_option_index(std::string_view name, std::span<const char* const> names
 // The communicators of one CP layer and the compute stream of its kernels.
 //   ulysses: the Ulysses group (size Pu, rank = ulysses_rank); heads <-> sequence all-to-all.
 //   ring:    the ring group (size Pr, rank = ring_rank); blocks and states travel around it.
-//   sp:      the whole SP group (size Pu * Pr, rank = sp_rank = ring_rank * Pu + ulysses_rank); DSA's selection
+//   sp:      the whole CP group (size Pu * Pr, rank = cp_rank = ring_rank * Pu + ulysses_rank); DSA's selection
 //            and the short conv halo use it.
 // The references must outlive every layer built from the groups.
 struct CpGroups {
   Communicator& ulysses;
   Communicator& ring;
-  Communicator& sp;
+  Communicator& cp;
   Stream stream;  // every kernel call gets it; a device stream is also set on the communicators during each call
 
-  // The groups from three communicators, or from the grid's Ulysses, ring and SP communicators (from()).
-  // Errors: sp.size() != ulysses.size() * ring.size(), sp.rank() != sp_rank() (on the ranks where it differs).
+  // The groups from three communicators, or from the grid's Ulysses, ring and CP communicators (from()).
+  // Errors: cp.size() != ulysses.size() * ring.size(), cp.rank() != cp_rank() (on the ranks where it differs).
   // Sync: host-only, no communication.
-  CpGroups(Communicator& ulysses, Communicator& ring, Communicator& sp, Stream stream = Stream::cpu());
-  static CpGroups from(const SpGrid& grid, Stream stream = Stream::cpu());
+  CpGroups(Communicator& ulysses, Communicator& ring, Communicator& cp, Stream stream = Stream::cpu());
+  static CpGroups from(const CpGrid& grid, Stream stream = Stream::cpu());
 
-  // Sizes and this rank's SP rank (ring_rank * Pu + ulysses_rank).
+  // Sizes and this rank's CP rank (ring_rank * Pu + ulysses_rank).
   // Sync: host-only.
   int ulysses_size() const { return ulysses.size(); }
   int ring_size() const { return ring.size(); }
-  int sp_rank() const { return ring.rank() * ulysses.size() + ulysses.rank(); }
+  int cp_rank() const { return ring.rank() * ulysses.size() + ulysses.rank(); }
 };
 
 // Checks that `layout` was built for these groups.
@@ -170,7 +170,7 @@ void check_grad_input(const TensorView& t, const Shape& shape, const char* what)
 struct CpCounters {
   double flops = 0;                     // attention FLOPs executed (MHA: 4 B Hq D per visible pair forward, 2.5x bwd)
   double attention_pairs = 0;           // DSA: (query, selected key) pairs x local heads attended
-  std::int64_t bytes_sent = 0;          // ring and SP groups (blocks, states, index keys, halos)
+  std::int64_t bytes_sent = 0;          // ring and CP groups (blocks, states, index keys, halos)
   std::int64_t bytes_received = 0;      //   "
   std::int64_t a2a_bytes_sent = 0;      // Ulysses group (all-to-all and all-gather of the heads exchange)
   std::int64_t a2a_bytes_received = 0;  //   "
@@ -224,7 +224,7 @@ class CommMeter {
  private:
   const CpGroups& groups_;
   CpCounters& counters_;
-  CommCounters ring_, sp_, ulysses_;
+  CommCounters ring_, cp_, ulysses_;
 };
 
 // A unique id per layer object (a copy gets a new one; a move hands its id over), so that a context finds its way

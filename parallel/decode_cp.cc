@@ -95,16 +95,16 @@ void check_cache_shard(const CacheSharding& sharding, int rank, std::int64_t cap
 
 // ---- MHA ---------------------------------------------------------------------------------------------------------
 
-MhaDecodeContextParallel::MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config)
+MhaDecodeCp::MhaDecodeCp(const CpGroups& groups, const MhaDecodeConfig& config)
     : groups_(groups), config_(config) {
-  SEQPAR_CHECK(config.interleave >= 1, "MhaDecodeContextParallel: interleave ", config.interleave, " must be >= 1");
-  SEQPAR_CHECK(std::isfinite(config.scale), "MhaDecodeContextParallel: scale ", config.scale, " must be finite");
+  SEQPAR_CHECK(config.interleave >= 1, "MhaDecodeCp: interleave ", config.interleave, " must be >= 1");
+  SEQPAR_CHECK(std::isfinite(config.scale), "MhaDecodeCp: scale ", config.scale, " must be finite");
 }
 
-ShardedKvCache MhaDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
+ShardedKvCache MhaDecodeCp::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
                                                     std::int64_t head_dim, DType dtype) const {
   const int pu = groups_.ulysses_size();
-  SEQPAR_CHECK(kv_heads >= 1 && (kv_heads % pu == 0 || pu % kv_heads == 0), "MhaDecodeContextParallel::make_cache: ",
+  SEQPAR_CHECK(kv_heads >= 1 && (kv_heads % pu == 0 || pu % kv_heads == 0), "MhaDecodeCp::make_cache: ",
                "kv_heads Hkv = ", kv_heads, " must be divisible by ulysses_size ", pu,
                " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head is then replicated to ",
                "ulysses_size / Hkv ranks, as in training)");
@@ -116,11 +116,11 @@ ShardedKvCache MhaDecodeContextParallel::make_cache(std::int64_t batch, std::int
   return cache;
 }
 
-std::int64_t MhaDecodeContextParallel::all_kv_heads(const ShardedKvCache& cache) const {
+std::int64_t MhaDecodeCp::all_kv_heads(const ShardedKvCache& cache) const {
   return cache.spec().kv_heads * groups_.ulysses_size() / cache.kv_replication_;
 }
 
-Tensor MhaDecodeContextParallel::replicated_kv(const ShardedKvCache& cache, const TensorView& kv) const {
+Tensor MhaDecodeCp::replicated_kv(const ShardedKvCache& cache, const TensorView& kv) const {
   if (cache.kv_replication_ == 1) return {};
   const DeviceAlloc alloc{kv.device(), groups_.stream};
   Tensor out = alloc.empty({kv.dim(0), kv.dim(1), kv.dim(2) * cache.kv_replication_, kv.dim(3)}, kv.dtype(),
@@ -129,13 +129,13 @@ Tensor MhaDecodeContextParallel::replicated_kv(const ShardedKvCache& cache, cons
   return out;
 }
 
-std::int64_t MhaDecodeContextParallel::decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads,
+std::int64_t MhaDecodeCp::decode_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t q_heads,
                                                              std::int64_t head_dim, DType dtype) const {
   return static_cast<std::int64_t>(groups_.ring.size() - 1) * batch * n * (q_heads / groups_.ulysses_size()) *
          (head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(dtype)));
 }
 
-void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const char* call) const {
+void MhaDecodeCp::check_cache(const ShardedKvCache& cache, const char* call) const {
   const CacheSharding& s = cache.sharding();
   const CacheSharding mine(config_.shard, s.capacity(), groups_.ring.size(), config_.interleave);
   SEQPAR_CHECK(s == mine && cache.rank() == groups_.ring.rank(), call, ": the cache is sharded ", s.str(), " for rank ",
@@ -143,7 +143,7 @@ void MhaDecodeContextParallel::check_cache(const ShardedKvCache& cache, const ch
                " (make the cache with this layer's make_cache)");
 }
 
-void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
+void MhaDecodeCp::agree(const ShardedKvCache& cache, std::string_view call, const SequenceLayout* layout,
                                      std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
   Fingerprint fp(call);
   fp.add_real("scale", config_.scale)
@@ -154,7 +154,7 @@ void MhaDecodeContextParallel::agree(const ShardedKvCache& cache, std::string_vi
   decode_detail::agree_on_cache(agreement_, groups_, fp, cache, layout, tensors);
 }
 
-void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,
+void MhaDecodeCp::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,
                                             const TensorView& q, const TensorView& k, const TensorView& v) {
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
@@ -171,31 +171,31 @@ void MhaDecodeContextParallel::check_prompt(const ShardedKvCache& cache, const S
                " tokens does not fit the cache capacity ", s.capacity);
 }
 
-PrefillOutput MhaDecodeContextParallel::prefill(ShardedKvCache& cache, const SequenceLayout& layout,
+PrefillOutput MhaDecodeCp::prefill(ShardedKvCache& cache, const SequenceLayout& layout,
                                                 const TensorView& q, const TensorView& k, const TensorView& v) {
-  check_prompt(cache, layout, "MhaDecodeContextParallel::prefill", q, k, v);
-  RingAttentionConfig rc;
+  check_prompt(cache, layout, "MhaDecodeCp::prefill", q, k, v);
+  MhaCpConfig rc;
   rc.impl = config_.prefill_impl;
   rc.causal = true;
   rc.scale = config_.scale;
-  UspAttention usp(groups_, layout, rc);  // a ring when ulysses_size = 1
-  AttentionOutput o = usp.forward(q, k, v);
+  MhaCp usp(groups_, layout, rc);  // a ring when ulysses_size = 1
+  MhaCpOutput o = usp.forward(q, k, v);
   counters_ += usp.counters();
   reshard_prompt(cache, layout, k, v);
   cache.length_ = layout.seq_len();
   return {std::move(o.out), std::move(o.lse)};
 }
 
-void MhaDecodeContextParallel::fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
+void MhaDecodeCp::fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
                                     const TensorView& v) {
-  check_prompt(cache, layout, "MhaDecodeContextParallel::fill", {}, k, v);
+  check_prompt(cache, layout, "MhaDecodeCp::fill", {}, k, v);
   reshard_prompt(cache, layout, k, v);
   cache.length_ = layout.seq_len();
 }
 
-void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
+void MhaDecodeCp::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k,
                                               const TensorView& v, std::int64_t offset) {
-  // SP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the KV heads
+  // CP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the KV heads
   // [ulysses_rank(d) Hkv / Pu, (ulysses_rank(d) + 1) Hkv / Pu) (of the replicated heads when Hkv < Pu).
   const Tensor k_rep = replicated_kv(cache, k), v_rep = replicated_kv(cache, v);
   const decode_detail::StoredRows kv = decode_detail::reshard_to_owners(
@@ -204,7 +204,7 @@ void MhaDecodeContextParallel::reshard_prompt(ShardedKvCache& cache, const Seque
   cache.local_.append(kv.rows[0], kv.rows[1], kv.tokens);
 }
 
-std::int64_t MhaDecodeContextParallel::pass_kv_bytes(const ShardedKvCache& cache) const {
+std::int64_t MhaDecodeCp::pass_kv_bytes(const ShardedKvCache& cache) const {
   const attn::KvCacheSpec& s = cache.spec();
   std::int64_t m_max = 0;
   for (int r = 0; r < groups_.ring.size(); ++r) {
@@ -215,7 +215,7 @@ std::int64_t MhaDecodeContextParallel::pass_kv_bytes(const ShardedKvCache& cache
          static_cast<std::int64_t>(dtype_size(s.dtype));
 }
 
-std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache, const SequenceLayout& layout,
+std::int64_t MhaDecodeCp::pass_q_bytes(const ShardedKvCache& cache, const SequenceLayout& layout,
                                                     std::int64_t q_heads) const {
   const attn::KvCacheSpec& s = cache.spec();
   const std::int64_t P = groups_.ring.size(), t_loc = layout.ring_shard_len();  // padding rows travel too
@@ -224,7 +224,7 @@ std::int64_t MhaDecodeContextParallel::pass_q_bytes(const ShardedKvCache& cache,
           (s.head_dim + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(s.dtype))));
 }
 
-ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCache& cache, const SequenceLayout& layout,
+ChunkPrefillMode MhaDecodeCp::choose_chunk_mode(const ShardedKvCache& cache, const SequenceLayout& layout,
                                                              std::int64_t q_heads) const {
   return pass_q_bytes(cache, layout, q_heads) < pass_kv_bytes(cache) ? ChunkPrefillMode::kPassQ
                                                                      : ChunkPrefillMode::kPassKv;
@@ -232,7 +232,7 @@ ChunkPrefillMode MhaDecodeContextParallel::choose_chunk_mode(const ShardedKvCach
 
 // One extend call's chunk: this rank's queries of it (its ring shard; under USP its Hq / Pu heads) and the partial
 // results of its queries, P blocks (out, lse hi, lo) for the cached part and the chunk's own as block P.
-struct MhaDecodeContextParallel::ChunkPass {
+struct MhaDecodeCp::ChunkPass {
   ShardedKvCache& cache;
   const SequenceLayout& layout;
   TensorView q;                                  // [B, t_loc, hq, D]
@@ -261,7 +261,7 @@ struct MhaDecodeContextParallel::ChunkPass {
   }
 };
 
-PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const SequenceLayout& layout,
+PrefillOutput MhaDecodeCp::extend(ShardedKvCache& cache, const SequenceLayout& layout,
                                                const TensorView& q_in, const TensorView& k, const TensorView& v,
                                                ChunkPrefillMode mode) {
   check_extend(cache, layout, q_in, k, v, mode);
@@ -273,7 +273,7 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
   const DType acc = accumulator_dtype(s.dtype);
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
   // Under USP the Ulysses exchange first gives this rank its ring shard of the chunk for its query and KV heads
-  // (hq = Hq / Pu of them, t_loc = the ring shard's rows), as in UspAttention; a group of one keeps q, k, v as they
+  // (hq = Hq / Pu of them, t_loc = the ring shard's rows), as in MhaCp; a group of one keeps q, k, v as they
   // are.
   const UlyssesExchange a2a(groups_, counters_);
   Tensor q_h, k_h, v_h;
@@ -287,11 +287,11 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
   const std::int64_t t_loc = layout.ring_shard_len(), hq = hq_all / pu;
   const std::int64_t rows = B * t_loc * hq, block = rows * (D + 2);
   // 1. The chunk's own causal attention (the training forward over the chunk's ring shards; positions relative to L).
-  RingAttentionConfig rc;
+  MhaCpConfig rc;
   rc.impl = config_.prefill_impl;
   rc.scale = config_.scale;
   RingAttention ring(groups_, layout, rc);
-  AttentionOutput own = pu > 1 ? ring.forward(q, k_h, v_h) : ring.forward(q, k, v);
+  MhaCpOutput own = pu > 1 ? ring.forward(q, k_h, v_h) : ring.forward(q, k, v);
   counters_ += ring.counters();
   // 2. The cached part: P partial (out, lse hi, lo) blocks for this rank's queries, then the chunk's as block P.
   Tensor parts = alloc.empty({block * (P + 1)}, acc, MemCategory::kCommBuffer);
@@ -313,10 +313,10 @@ PrefillOutput MhaDecodeContextParallel::extend(ShardedKvCache& cache, const Sequ
 }
 
 // The checks of extend before any data moves (the agreement check included).
-void MhaDecodeContextParallel::check_extend(const ShardedKvCache& cache, const SequenceLayout& layout,
+void MhaDecodeCp::check_extend(const ShardedKvCache& cache, const SequenceLayout& layout,
                                             const TensorView& q_in, const TensorView& k, const TensorView& v,
                                             ChunkPrefillMode mode) {
-  const char* who = "MhaDecodeContextParallel::extend";
+  const char* who = "MhaDecodeCp::extend";
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
@@ -324,8 +324,8 @@ void MhaDecodeContextParallel::check_extend(const ShardedKvCache& cache, const S
   const std::int64_t B = s.batch, D = s.head_dim, sl = layout.local_len(), t_new = layout.seq_len();
   const std::int64_t hkv = all_kv_heads(cache);  // the cache holds Hkv / Pu of them (one replica when Hkv < Pu)
   const Shape kv_shape{B, sl, hkv, D};
-  check_shape(k, kv_shape, "MhaDecodeContextParallel::extend k (the cache's [B, S_local, Hkv, D])");
-  check_shape(v, kv_shape, "MhaDecodeContextParallel::extend v (the cache's [B, S_local, Hkv, D])");
+  check_shape(k, kv_shape, "MhaDecodeCp::extend k (the cache's [B, S_local, Hkv, D])");
+  check_shape(v, kv_shape, "MhaDecodeCp::extend v (the cache's [B, S_local, Hkv, D])");
   SEQPAR_CHECK(q_in.ndim() == 4 && q_in.dim(0) == B && q_in.dim(1) == sl && q_in.dim(3) == D && q_in.dim(2) % hkv == 0,
                who, ": q ", shape_str(q_in.shape()), " must be [", B, ", ", sl, ", Hq, ", D,
                "] with Hq a multiple of Hkv = ", hkv);
@@ -338,7 +338,7 @@ void MhaDecodeContextParallel::check_extend(const ShardedKvCache& cache, const S
 }
 
 // pass-kv: the ring all-gathers every rank's cached K/V, and each rank attends its queries to all of them.
-void MhaDecodeContextParallel::extend_pass_kv(ChunkPass& c) {
+void MhaDecodeCp::extend_pass_kv(ChunkPass& c) {
   ShardedKvCache& cache = c.cache;
   const attn::KvCacheSpec& s = cache.spec();
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
@@ -387,7 +387,7 @@ void MhaDecodeContextParallel::extend_pass_kv(ChunkPass& c) {
 
 // pass-q: the ring all-gathers the chunk's queries, each rank attends them to its cache shard, and an all-to-all
 // returns every rank its partial results.
-void MhaDecodeContextParallel::extend_pass_q(ChunkPass& c) {
+void MhaDecodeCp::extend_pass_q(ChunkPass& c) {
   ShardedKvCache& cache = c.cache;
   const attn::KvCacheSpec& s = cache.spec();
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
@@ -417,7 +417,7 @@ void MhaDecodeContextParallel::extend_pass_q(ChunkPass& c) {
 
 // The merge of the P cached partials and the chunk's own (`own`, this rank's queries); under USP back to the compute
 // layout ([B, S_local, Hq, D] and [B, Hq, S_local]).
-PrefillOutput MhaDecodeContextParallel::merge_chunk(ChunkPass& c, const AttentionOutput& own, const TensorView& q_in,
+PrefillOutput MhaDecodeCp::merge_chunk(ChunkPass& c, const MhaCpOutput& own, const TensorView& q_in,
                                                     const UlyssesExchange& a2a) {
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
   const TensorView q = c.q;
@@ -453,9 +453,9 @@ PrefillOutput MhaDecodeContextParallel::merge_chunk(ChunkPass& c, const Attentio
   return result;
 }
 
-DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,
+DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,
                                               const TensorView& v) {
-  const char* who = "MhaDecodeContextParallel::decode";
+  const char* who = "MhaDecodeCp::decode";
   check_cache(cache, who);
   const attn::KvCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hq, D] with n >= 1, got ",
@@ -464,8 +464,8 @@ DecodeOutput MhaDecodeContextParallel::decode(ShardedKvCache& cache, const Tenso
   const std::int64_t n = q.dim(1), hq_all = q.dim(2), B = s.batch, D = s.head_dim, hq = hq_all / pu;
   const std::int64_t hkv = all_kv_heads(cache);
   const Shape kv_shape{B, n, hkv, D};
-  check_shape(k, kv_shape, "MhaDecodeContextParallel::decode k_new (the cache's [B, n, Hkv, D])");
-  check_shape(v, kv_shape, "MhaDecodeContextParallel::decode v_new (the cache's [B, n, Hkv, D])");
+  check_shape(k, kv_shape, "MhaDecodeCp::decode k_new (the cache's [B, n, Hkv, D])");
+  check_shape(v, kv_shape, "MhaDecodeCp::decode v_new (the cache's [B, n, Hkv, D])");
   SEQPAR_CHECK(q.dim(0) == B && q.dim(3) == D && hq_all % hkv == 0 && hq_all % pu == 0, who, ": q_new ",
                shape_str(q.shape()), " must be [", B, ", n, Hq, ", D, "] with Hq a multiple of Hkv = ", hkv,
                " (the cache's) and of ulysses_size ", pu);
@@ -566,35 +566,35 @@ Tensor channels_as_heads(const TensorView& x, std::int64_t off, std::int64_t h, 
 
 }  // namespace
 
-GdnDecodeContextParallel::GdnDecodeContextParallel(const CpGroups& groups, const GdnCpConfig& config,
+GdnDecodeCp::GdnDecodeCp(const CpGroups& groups, const GdnCpConfig& config,
                                                    std::int64_t value_heads, std::int64_t key_heads,
                                                    const ShortConvCpConfig& conv)
     : groups_(groups), config_(config), hv_(value_heads), hk_(key_heads), conv_(conv) {
-  const int P = groups.sp.size();
+  const int P = groups.cp.size();
   SEQPAR_CHECK(key_heads >= 1 && value_heads >= 1 && value_heads % key_heads == 0,
-               "GdnDecodeContextParallel: value_heads Hv = ", value_heads,
+               "GdnDecodeCp: value_heads Hv = ", value_heads,
                " must be a positive multiple of key_heads Hk = ", key_heads);
-  SEQPAR_CHECK(value_heads % P == 0 && key_heads % P == 0, "GdnDecodeContextParallel: value_heads Hv = ", value_heads,
-               " and key_heads Hk = ", key_heads, " must both be divisible by the SP group size ", P,
+  SEQPAR_CHECK(value_heads % P == 0 && key_heads % P == 0, "GdnDecodeCp: value_heads Hv = ", value_heads,
+               " and key_heads Hk = ", key_heads, " must both be divisible by the CP group size ", P,
                " (decode splits whole heads over the group; a key head is not replicated)");
 }
 
-std::int64_t GdnDecodeContextParallel::conv_channels(std::int64_t key_dim, std::int64_t value_dim) const {
+std::int64_t GdnDecodeCp::conv_channels(std::int64_t key_dim, std::int64_t value_dim) const {
   return 2 * hk_ * key_dim + hv_ * value_dim;
 }
 
-std::vector<std::int64_t> GdnDecodeContextParallel::local_conv_channels(int sp_rank, std::int64_t key_dim,
+std::vector<std::int64_t> GdnDecodeCp::local_conv_channels(int cp_rank, std::int64_t key_dim,
                                                                         std::int64_t value_dim) const {
   const std::int64_t lk = local_key_heads() * key_dim, lv = local_value_heads() * value_dim;
-  std::vector<std::int64_t> c = iota_from(sp_rank * lk, lk);  // q
-  for (std::int64_t i : iota_from(hk_ * key_dim + sp_rank * lk, lk)) c.push_back(i);
-  for (std::int64_t i : iota_from(2 * hk_ * key_dim + sp_rank * lv, lv)) c.push_back(i);
+  std::vector<std::int64_t> c = iota_from(cp_rank * lk, lk);  // q
+  for (std::int64_t i : iota_from(hk_ * key_dim + cp_rank * lk, lk)) c.push_back(i);
+  for (std::int64_t i : iota_from(2 * hk_ * key_dim + cp_rank * lv, lv)) c.push_back(i);
   return c;
 }
 
-attn::GdnCache GdnDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim,
+attn::GdnCache GdnDecodeCp::make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim,
                                                     DType dtype, std::int64_t conv_width) const {
-  SEQPAR_CHECK(conv_width >= 0, "GdnDecodeContextParallel::make_cache: conv_width ", conv_width,
+  SEQPAR_CHECK(conv_width >= 0, "GdnDecodeCp::make_cache: conv_width ", conv_width,
                " must be >= 0 (0: no short conv)");
   attn::GdnCacheSpec spec;
   spec.batch = batch;
@@ -610,7 +610,7 @@ attn::GdnCache GdnDecodeContextParallel::make_cache(std::int64_t batch, std::int
   return attn::GdnCache(spec);
 }
 
-void GdnDecodeContextParallel::agree(const attn::GdnCache& cache, std::string_view call,
+void GdnDecodeCp::agree(const attn::GdnCache& cache, std::string_view call,
                                      std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
   Fingerprint fp(call);
   fp.add_text("mode", gdn_cp_mode_name(config_.mode))
@@ -624,16 +624,16 @@ void GdnDecodeContextParallel::agree(const attn::GdnCache& cache, std::string_vi
       .add_tensor("cache conv tail", cache.conv_state());
   add_cache_fields(fp, cache.length(), 0);
   fp.add_tensors(tensors);
-  agreement_.run(groups_.sp, fp, groups_.stream);
+  agreement_.run(groups_.cp, fp, groups_.stream);
 }
 
-Tensor GdnDecodeContextParallel::local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const {
-  SEQPAR_CHECK(t.ndim() >= 3 && t.dim(2) == total, "GdnDecodeContextParallel: ", t.str(), " must have ", total,
+Tensor GdnDecodeCp::local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const {
+  SEQPAR_CHECK(t.ndim() >= 3 && t.dim(2) == total, "GdnDecodeCp: ", t.str(), " must have ", total,
                " heads in dimension 2");
-  return slice_dim(t, 2, groups_.sp_rank() * local, (groups_.sp_rank() + 1) * local, groups_.stream);
+  return slice_dim(t, 2, groups_.cp_rank() * local, (groups_.cp_rank() + 1) * local, groups_.stream);
 }
 
-void GdnDecodeContextParallel::check_conv(const attn::GdnCache& cache, const char* who, const TensorView& q,
+void GdnDecodeCp::check_conv(const attn::GdnCache& cache, const char* who, const TensorView& q,
                                           const TensorView& k, const TensorView& v,
                                           const TensorView& conv_weight) const {
   const attn::GdnCacheSpec& s = cache.spec();
@@ -651,11 +651,11 @@ void GdnDecodeContextParallel::check_conv(const attn::GdnCache& cache, const cha
                dtype_name(v.dtype()), " and ", dtype_name(conv_weight.dtype()));
 }
 
-Tensor GdnDecodeContextParallel::gather_conv_tail(const SequenceLayout& layout, const TensorView& x,
+Tensor GdnDecodeCp::gather_conv_tail(const SequenceLayout& layout, const TensorView& x,
                                                   std::int64_t key_dim, std::int64_t value_dim, std::int64_t width) {
-  const int P = groups_.sp.size(), me = groups_.sp_rank();
+  const int P = groups_.cp.size(), me = groups_.cp_rank();
   const std::int64_t B = x.dim(0), keep = width - 1, first = layout.seq_len() - keep;
-  // The rows of SP rank r's shard that hold tail tokens, and the tail rows they fill (tokens [first, T), >= 0).
+  // The rows of CP rank r's shard that hold tail tokens, and the tail rows they fill (tokens [first, T), >= 0).
   const auto tail_rows = [&](int r, std::vector<std::int64_t>* rows, std::vector<std::int64_t>* slots) {
     const std::vector<std::int64_t> tokens = layout.token_index(r);
     for (std::size_t i = 0; i < tokens.size(); ++i) {
@@ -698,8 +698,8 @@ Tensor GdnDecodeContextParallel::gather_conv_tail(const SequenceLayout& layout, 
     CpCounters counters;
     {
       CommMeter meter(groups_, counters);
-      WorkHandle w = groups_.sp.all_to_all_v(send, send_counts, recv, recv_counts);
-      timed_wait(groups_.sp, w, nullptr);
+      WorkHandle w = groups_.cp.all_to_all_v(send, send_counts, recv, recv_counts);
+      timed_wait(groups_.cp, w, nullptr);
     }
     conv_tail_bytes_sent_ = counters.bytes_sent;
   }
@@ -713,11 +713,11 @@ Tensor GdnDecodeContextParallel::gather_conv_tail(const SequenceLayout& layout, 
   return tail;
 }
 
-PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const SequenceLayout& layout,
+PrefillOutput GdnDecodeCp::prefill(attn::GdnCache& cache, const SequenceLayout& layout,
                                                 const TensorView& q, const TensorView& k, const TensorView& v,
                                                 const TensorView& g, const TensorView& beta,
                                                 const TensorView& initial_state, const TensorView& conv_weight) {
-  const char* who = "GdnDecodeContextParallel::prefill";
+  const char* who = "GdnDecodeCp::prefill";
   const attn::GdnCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && v.ndim() == 4 && q.dim(2) == hk_ && v.dim(2) == hv_ && q.dim(0) == s.batch &&
                    q.dim(3) == s.key_dim && v.dim(3) == s.value_dim && s.value_heads == local_value_heads(),
@@ -736,7 +736,7 @@ PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const Seq
          {"conv_weight", conv_weight}});
   SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
                " tokens; a prompt continuation is not supported yet");
-  GdnContextParallel gdn(groups_, layout, config_);
+  GdnCp gdn(groups_, layout, config_);
   GdnCpOutput o;
   Tensor tail;
   conv_tail_bytes_sent_ = 0;
@@ -745,7 +745,7 @@ PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const Seq
   } else {
     // The conv over x = [q | k | v] (one halo exchange for all channels), then the recurrence on its output.
     const Tensor x = concat_channels({q, k, v}, groups_.stream);
-    ShortConvContextParallel conv(groups_, layout, conv_);
+    ShortConvCp conv(groups_, layout, conv_);
     const Tensor y = conv.forward(x, conv_weight).out;
     const std::int64_t qk = hk_ * s.key_dim;
     const Tensor qc = channels_as_heads(y, 0, hk_, s.key_dim, groups_.stream);
@@ -761,19 +761,19 @@ PrefillOutput GdnDecodeContextParallel::prefill(attn::GdnCache& cache, const Seq
   return {std::move(o.out), Tensor()};
 }
 
-DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const TensorView& q, const TensorView& k,
+DecodeOutput GdnDecodeCp::decode(attn::GdnCache& cache, const TensorView& q, const TensorView& k,
                                               const TensorView& v, const TensorView& g, const TensorView& beta,
                                               const TensorView& conv_weight) {
-  const char* who = "GdnDecodeContextParallel::decode";
+  const char* who = "GdnDecodeCp::decode";
   const attn::GdnCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hk, K] with n >= 1, got ",
                shape_str(q.shape()));
   const std::int64_t n = q.dim(1);
-  check_shape(q, {s.batch, n, hk_, s.key_dim}, "GdnDecodeContextParallel::decode q_new");
-  check_shape(k, {s.batch, n, hk_, s.key_dim}, "GdnDecodeContextParallel::decode k_new");
-  check_shape(v, {s.batch, n, hv_, s.value_dim}, "GdnDecodeContextParallel::decode v_new");
-  check_shape(g, {s.batch, n, hv_}, "GdnDecodeContextParallel::decode g_new");
-  check_shape(beta, {s.batch, n, hv_}, "GdnDecodeContextParallel::decode beta_new");
+  check_shape(q, {s.batch, n, hk_, s.key_dim}, "GdnDecodeCp::decode q_new");
+  check_shape(k, {s.batch, n, hk_, s.key_dim}, "GdnDecodeCp::decode k_new");
+  check_shape(v, {s.batch, n, hv_, s.value_dim}, "GdnDecodeCp::decode v_new");
+  check_shape(g, {s.batch, n, hv_}, "GdnDecodeCp::decode g_new");
+  check_shape(beta, {s.batch, n, hv_}, "GdnDecodeCp::decode beta_new");
   SEQPAR_CHECK(s.value_heads == local_value_heads(), who, ": the cache holds ", s.value_heads,
                " value heads, this layer's ranks ", local_value_heads(), " (make it with this layer's make_cache)");
   check_conv(cache, who, q, k, v, conv_weight);
@@ -790,7 +790,7 @@ DecodeOutput GdnDecodeContextParallel::decode(attn::GdnCache& cache, const Tenso
     args.validate(cache, result.out, groups_.stream);
     const Tensor x = concat_channels({ql, kl, vl}, groups_.stream);
     Tensor w = Tensor::empty({s.conv_channels, s.conv_width}, conv_weight.dtype(), MemCategory::kWorkspace);
-    gather_rows(conv_weight, 0, local_conv_channels(groups_.sp_rank(), s.key_dim, s.value_dim), w, groups_.stream);
+    gather_rows(conv_weight, 0, local_conv_channels(groups_.cp_rank(), s.key_dim, s.value_dim), w, groups_.stream);
     Tensor y = Tensor::empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
     attn::ShortConvArgs a;
     a.x = x;

@@ -7,7 +7,7 @@
 // MHA / GQA: the K/V cache is sharded by token over groups.ring (CacheSharding: contiguous or interleave I); under
 // USP the Ulysses group splits the heads (Hq divisible by ulysses_size; Hkv divisible by it, or dividing it: each KV
 // head is then replicated to ulysses_size / Hkv ranks, as in training). GDN: the value heads are split over
-// the whole SP group (Hv and Hk divisible by its size); decode sends no data message.
+// the whole CP group (Hv and Hk divisible by its size); decode sends no data message.
 // Memory: caches in persistent_cache; buffers of a step in workspace / comm_buffer, freed at return.
 // Kernels run on groups.stream.
 #pragma once
@@ -116,8 +116,8 @@ class ShardedCache {
   const Local& local() const { return local_; }
 
  private:
-  friend class MhaDecodeContextParallel;
-  friend class DsaDecodeContextParallel;
+  friend class MhaDecodeCp;
+  friend class DsaDecodeCp;
   static Spec local_spec(const CacheSharding& sharding, int rank, Spec spec) {
     check_cache_shard(sharding, rank, spec.capacity);
     spec.capacity = sharding.local_capacity(rank);
@@ -131,10 +131,10 @@ class ShardedCache {
   std::int64_t kv_replication_ = 1;  // MHA: Ulysses ranks holding one KV head (ulysses_size / Hkv when Hkv < it)
 };
 
-// The K/V cache of MhaDecodeContextParallel (sharded over the ring group; rank() is the ring rank).
+// The K/V cache of MhaDecodeCp (sharded over the ring group; rank() is the ring rank).
 using ShardedKvCache = ShardedCache<attn::MhaKvCache, attn::KvCacheSpec>;
 
-// The configuration of MhaDecodeContextParallel (the same on every rank).
+// The configuration of MhaDecodeCp (the same on every rank).
 struct MhaDecodeConfig {
   CacheShardKind shard = CacheShardKind::kInterleave;
   std::int64_t interleave = 1;  // I of the interleaved sharding (>= 1)
@@ -156,13 +156,13 @@ struct PrefillOutput {
 
 // MHA / GQA causal attention for inference: the cache sharded by token over groups.ring, heads over groups.ulysses.
 // Every prefill, fill, extend and decode checks, before any data moves, that the ranks pass the same shapes,
-// dtypes, configuration, sharding, cache length and step count (one 24-byte all-reduce over the SP group), then
+// dtypes, configuration, sharding, cache length and step count (one 24-byte all-reduce over the CP group), then
 // the capacity; a refused call leaves every cache as it was.
-class MhaDecodeContextParallel {
+class MhaDecodeCp {
  public:
   // Errors: interleave < 1, a non-finite scale.
   // Sync: host-only, no communication.
-  MhaDecodeContextParallel(const CpGroups& groups, const MhaDecodeConfig& config);
+  MhaDecodeCp(const CpGroups& groups, const MhaDecodeConfig& config);
 
   // An empty cache of `capacity` tokens sharded by the configuration over the ring group, holding this rank's
   // kv_heads / ulysses_size heads, or one replica when kv_heads < ulysses_size.
@@ -172,12 +172,12 @@ class MhaDecodeContextParallel {
                             DType dtype) const;
 
   // The prompt; the cache then holds the T tokens on their owners.
-  // Args: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] (all heads) at layout.positions(sp_rank) (layout built
+  // Args: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] (all heads) at layout.positions(cp_rank) (layout built
   //   for the groups, seq_len T = the prompt length). The cache must be empty and hold at least T tokens.
-  // Returns: the prompt's out and lse (UspAttention::forward).
+  // Returns: the prompt's out and lse (MhaCp::forward).
   // Errors (cache unchanged, every rank): a cache made with another sharding, shape or dtype; a non-empty cache;
-  //   ranks disagreeing; T past the capacity; UspAttention::forward's.
-  // Sync: collective over the SP group; host-synchronous; kernels on groups.stream.
+  //   ranks disagreeing; T past the capacity; MhaCp::forward's.
+  // Sync: collective over the CP group; host-synchronous; kernels on groups.stream.
   PrefillOutput prefill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                         const TensorView& v);
 
@@ -187,13 +187,13 @@ class MhaDecodeContextParallel {
   void fill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& k, const TensorView& v);
   // Persistent-cache prefill of a chunk of T_new = layout.seq_len() tokens after the cache's L; the cache then
   // holds L + T_new tokens.
-  // Args: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] (all heads) at L + layout.positions(sp_rank) (layout
+  // Args: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] (all heads) at L + layout.positions(cp_rank) (layout
   //   built for the groups); mode kAuto: choose_chunk_mode.
   // Returns: the chunk's out [B, S_local, Hq, D] and lse [B, Hq, S_local] in the compute layout (those of one
   //   prefill of the L + T_new tokens, rows L..).
   // Errors (cache unchanged, every rank): shapes, L + T_new past the capacity, ranks disagreeing on shapes, mode,
   //   length.
-  // Sync: collective over the SP group (the route over the ring group); host-synchronous.
+  // Sync: collective over the CP group (the route over the ring group); host-synchronous.
   PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                        const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
   // The bytes each route sends per rank over the ring group (docs/design.md, "Persistent-cache prefill"; exactly
@@ -219,7 +219,7 @@ class MhaDecodeContextParallel {
   // Errors (cache unchanged, on every rank): a cache made with another sharding, shape or dtype than this object
   //   and the inputs; ranks disagreeing on shapes, configuration, cache length or step; length + n past the
   //   capacity.
-  // Sync: collective over the SP group (agreement) and the ring group (merge); host-synchronous.
+  // Sync: collective over the CP group (agreement) and the ring group (merge); host-synchronous.
   DecodeOutput decode(ShardedKvCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new);
 
   // merge_bytes (docs/design.md, "MHA decode over a sharded cache") for one step.
@@ -258,7 +258,7 @@ class MhaDecodeContextParallel {
                     const TensorView& v, ChunkPrefillMode mode);
   void extend_pass_kv(ChunkPass& c);
   void extend_pass_q(ChunkPass& c);
-  PrefillOutput merge_chunk(ChunkPass& c, const AttentionOutput& own, const TensorView& q_in,
+  PrefillOutput merge_chunk(ChunkPass& c, const MhaCpOutput& own, const TensorView& q_in,
                             const UlyssesExchange& a2a);
 
   CpGroups groups_;
@@ -268,24 +268,24 @@ class MhaDecodeContextParallel {
   AgreementCheck agreement_;
 };
 
-// GDN for inference with the value heads split over groups.sp (docs/design.md, "MHA decode over a sharded cache").
+// GDN for inference with the value heads split over groups.cp (docs/design.md, "MHA decode over a sharded cache").
 // Decode sends no data message; prefill and decode check the ranks' agreement before any data moves.
-class GdnDecodeContextParallel {
+class GdnDecodeCp {
  public:
   // A decoder of a model with value_heads Hv and key_heads Hk.
   // Args: conv: the short conv's configuration (used only when prefill and decode get a conv_weight).
-  // Errors: Hv or Hk not divisible by the SP group size, Hv not a multiple of Hk.
+  // Errors: Hv or Hk not divisible by the CP group size, Hv not a multiple of Hk.
   // Sync: host-only, no communication.
-  GdnDecodeContextParallel(const CpGroups& groups, const GdnCpConfig& config, std::int64_t value_heads,
+  GdnDecodeCp(const CpGroups& groups, const GdnCpConfig& config, std::int64_t value_heads,
                            std::int64_t key_heads, const ShortConvCpConfig& conv = {});
 
   // This rank's value and key head counts, and its first value head held.
   // Sync: host-only.
-  std::int64_t local_value_heads() const { return hv_ / groups_.sp.size(); }
-  std::int64_t local_key_heads() const { return hk_ / groups_.sp.size(); }
-  std::int64_t head_offset() const { return groups_.sp_rank() * local_value_heads(); }
+  std::int64_t local_value_heads() const { return hv_ / groups_.cp.size(); }
+  std::int64_t local_key_heads() const { return hk_ / groups_.cp.size(); }
+  std::int64_t head_offset() const { return groups_.cp_rank() * local_value_heads(); }
 
-  // Bytes this rank sent in the last prefill's exchange of the conv tail (CommMeter over the SP group; 0 without
+  // Bytes this rank sent in the last prefill's exchange of the conv tail (CommMeter over the CP group; 0 without
   // a conv): m B (C - C_r) bytes(x) (docs/design.md, "GDN decode").
   // Sync: host-only.
   std::int64_t conv_tail_bytes_sent() const { return conv_tail_bytes_sent_; }
@@ -298,14 +298,14 @@ class GdnDecodeContextParallel {
   attn::GdnCache make_cache(std::int64_t batch, std::int64_t key_dim, std::int64_t value_dim, DType dtype,
                             std::int64_t conv_width = 0) const;
 
-  // The conv channels C = 2 Hk K + Hv V of the model, and those of SP rank `sp_rank`.
+  // The conv channels C = 2 Hk K + Hv V of the model, and those of CP rank `cp_rank`.
   // Returns: C; increasing indices into C: its key heads' q channels, their k channels, its value heads' v channels
   //   (C_r of them).
   // Sync: host-only.
   std::int64_t conv_channels(std::int64_t key_dim, std::int64_t value_dim) const;
-  std::vector<std::int64_t> local_conv_channels(int sp_rank, std::int64_t key_dim, std::int64_t value_dim) const;
+  std::vector<std::int64_t> local_conv_channels(int cp_rank, std::int64_t key_dim, std::int64_t value_dim) const;
 
-  // The prompt under CP (GdnContextParallel over `layout`); the cache (length 0) takes the final state of its
+  // The prompt under CP (GdnCp over `layout`); the cache (length 0) takes the final state of its
   // heads, and with conv_weight also the tail of its channels.
   // Args: q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta [B, S_local, Hv], initial_state empty or the
   //   full [B, Hv, K, V]; conv_weight [C, W] (dtype of q, k, v; the same on every rank): q, k, v are the conv's
@@ -314,7 +314,7 @@ class GdnDecodeContextParallel {
   // Returns: the prompt's out in the compute layout.
   // Errors (cache unchanged, every rank): shapes and dtypes against the cache, conv_weight given to a cache without
   //   a tail or missing for one with a tail, a cache that is not empty, ranks disagreeing on any input's shape.
-  // Sync: collective over the groups (GdnContextParallel's; the tail by one all_to_all_v over the SP group);
+  // Sync: collective over the groups (GdnCp's; the tail by one all_to_all_v over the CP group);
   //   host-synchronous.
   PrefillOutput prefill(attn::GdnCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& g, const TensorView& beta,
@@ -325,7 +325,7 @@ class GdnDecodeContextParallel {
   // Returns: out of this rank's heads [B, n, Hv / P, V]; lse empty.
   // Errors (cache unchanged): shapes against the cache, conv_weight given or missing against the cache's tail,
   //   ranks disagreeing on shapes, configuration or the cache length.
-  // Sync: collective over the SP group (the agreement check only, no data message); host-synchronous.
+  // Sync: collective over the CP group (the agreement check only, no data message); host-synchronous.
   DecodeOutput decode(attn::GdnCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new,
                       const TensorView& g_new, const TensorView& beta_new, const TensorView& conv_weight = {});
 
@@ -338,7 +338,7 @@ class GdnDecodeContextParallel {
   void check_conv(const attn::GdnCache& cache, const char* who, const TensorView& q, const TensorView& k,
                   const TensorView& v, const TensorView& conv_weight) const;
   // Moves the prompt's last W-1 conv inputs (x [B, S_local, C] at layout's tokens) to every rank, each its channels
-  // (one all_to_all_v over the SP group): [B, W-1, C_r].
+  // (one all_to_all_v over the CP group): [B, W-1, C_r].
   Tensor gather_conv_tail(const SequenceLayout& layout, const TensorView& x, std::int64_t key_dim,
                           std::int64_t value_dim, std::int64_t width);
 

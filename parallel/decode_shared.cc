@@ -46,7 +46,7 @@ StoredRows reshard_to_owners(const CpGroups& groups, CpCounters& counters, const
                              std::initializer_list<TensorView> tensors) {
   const std::vector<TensorView> ts(tensors);
   SEQPAR_CHECK(!ts.empty() && copies >= 1, "reshard_to_owners: no tensors or copies ", copies, " < 1");
-  const int P = groups.sp.size(), me = groups.sp_rank();
+  const int P = groups.cp.size(), me = groups.cp_rank();
   const std::int64_t B = ts[0].dim(0), T = layout.seq_len();
   const DType dtype = ts[0].dtype();
   // The shape of one destination's share of m rows of tensor i, and its elements per row.
@@ -70,8 +70,8 @@ StoredRows reshard_to_owners(const CpGroups& groups, CpCounters& counters, const
   }
   // Global tokens of a rank's rows: the layout's tokens (not its slots: a padded layout holds padding rows, token -1,
   // which are stored nowhere) plus `offset` (a chunk after `offset` cached tokens).
-  const auto tokens_of = [&](int sp_rank) {
-    std::vector<std::int64_t> pos = layout.token_index(sp_rank);
+  const auto tokens_of = [&](int cp_rank) {
+    std::vector<std::int64_t> pos = layout.token_index(cp_rank);
     for (std::int64_t& t : pos) t = t < 0 ? -1 : t + offset;
     return pos;
   };
@@ -123,8 +123,8 @@ StoredRows reshard_to_owners(const CpGroups& groups, CpCounters& counters, const
   }
   {
     CommMeter meter(groups, counters);
-    WorkHandle w = groups.sp.all_to_all_v(send, send_counts, recv, recv_counts);
-    timed_wait(groups.sp, w, &counters.exposed_comm_s);
+    WorkHandle w = groups.cp.all_to_all_v(send, send_counts, recv, recv_counts);
+    timed_wait(groups.cp, w, &counters.exposed_comm_s);
   }
   const std::int64_t m_all = static_cast<std::int64_t>(stored.tokens.size());
   for (std::size_t i = 0; i < ts.size(); ++i) {

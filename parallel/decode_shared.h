@@ -1,5 +1,5 @@
-// Internal to parallel/: what the decode layers of a token-sharded cache share (MhaDecodeContextParallel,
-// parallel/decode_cp.h; DsaDecodeContextParallel, parallel/dsa_decode_cp.h): the exact merge of the ranks' partial
+// Internal to parallel/: what the decode layers of a token-sharded cache share (MhaDecodeCp,
+// parallel/decode_cp.h; DsaDecodeCp, parallel/dsa_decode_cp.h): the exact merge of the ranks' partial
 // (out, lse) and the lse's hi + lo transport (docs/design.md, "MHA decode over a sharded cache"), and the
 // re-sharding of a prompt's rows from the compute layout to the ranks that store them. Not a public header.
 #pragma once
@@ -26,7 +26,7 @@ std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t n);
 void add_cache_fields(Fingerprint& fp, std::int64_t length, std::int64_t steps);
 
 // Adds the fields of a sharded cache (ShardedCache: its sharding, capacity, batch, dtype, length and step count), the
-// layout's (when given) and the tensors to `fp` (which holds the layer's own fields), then runs `check` over groups.sp.
+// layout's (when given) and the tensors to `fp` (which holds the layer's own fields), then runs `check` over groups.cp.
 template <typename Cache>
 void agree_on_cache(AgreementCheck& check, const CpGroups& groups, Fingerprint& fp, const Cache& cache,
                     const SequenceLayout* layout,
@@ -40,7 +40,7 @@ void agree_on_cache(AgreementCheck& check, const CpGroups& groups, Fingerprint& 
   add_cache_fields(fp, cache.length(), cache.num_steps());
   if (layout != nullptr) add_layout_fields(fp, *layout);
   fp.add_tensors(tensors);
-  check.run(groups.sp, fp, groups.stream);
+  check.run(groups.cp, fp, groups.stream);
 }
 
 // A view at element `offset` of a flat buffer, with `shape`.
@@ -105,13 +105,13 @@ struct StoredRows {
   std::vector<std::int64_t> tokens;
 };
 
-// Moves the rows of `tensors` ([B, S_local, ...], one dtype; local row i holds token layout.token_index(sp_rank)[i]
-// + offset, padding rows (token -1) go nowhere) from the compute layout to the SP ranks that store them, with one
-// all_to_all_v over groups.sp: SP rank d stores the tokens that cache rank d / copies owns (sharding.owner) and, when
+// Moves the rows of `tensors` ([B, S_local, ...], one dtype; local row i holds token layout.token_index(cp_rank)[i]
+// + offset, padding rows (token -1) go nowhere) from the compute layout to the CP ranks that store them, with one
+// all_to_all_v over groups.cp: CP rank d stores the tokens that cache rank d / copies owns (sharding.owner) and, when
 // copies > 1, the entries [(d % copies) e, (d % copies + 1) e) of dimension 2 (e = dim(2) / copies: under USP the
 // heads of Ulysses rank d % copies). Bytes sent by a rank: the elements of one destination's share of a row times
 // bytes(dtype) per (token, destination) pair it sends to another rank. Returns this rank's rows, tokens
-// sharding.owned(sp_rank / copies, offset, offset + layout.seq_len()). Collective over groups.sp; counted in
+// sharding.owned(cp_rank / copies, offset, offset + layout.seq_len()). Collective over groups.cp; counted in
 // counters (bytes_*, exposed_comm_s, compute_s).
 StoredRows reshard_to_owners(const CpGroups& groups, CpCounters& counters, const CacheSharding& sharding, int copies,
                              const SequenceLayout& layout, std::int64_t offset,

@@ -57,18 +57,18 @@ void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& to
     if (t[i] >= 0) t[i] = layout.token_of_slot(t[i]);
 }
 
-struct DsaContextParallel::Saved {
+struct DsaCp::Saved {
   Tensor q_h, c_ring, topk_ring, out_h, lse_h;     // head-sharded attention side
   Tensor q_idx, k_idx, w, topk_local, sel_scores;  // sequence-sharded indexer side
 };
 
-DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config)
+DsaCp::DsaCp(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config)
     : CpLayerBase(groups, layout, "DSA CP"), config_(config) {
   SEQPAR_CHECK(config.topk >= 1, "DSA topk ", config.topk, " must be >= 1");
   SEQPAR_CHECK(config.dim_v >= 1, "DSA dim_v ", config.dim_v, " must be >= 1");
   SEQPAR_CHECK(std::isfinite(config.scale), "DSA scale ", config.scale, " must be finite (0 or less: 1/sqrt(Dqk))");
   SEQPAR_CHECK(config.window >= 0, "DSA window ", config.window, " must be >= 0 (0: no window)");
-  for (int r = 0; r < layout_.num_ranks(); ++r) sp_positions_.push_back(layout_.positions(r));
+  for (int r = 0; r < layout_.num_ranks(); ++r) cp_positions_.push_back(layout_.positions(r));
   for (int r = 0; r < layout_.ring_size(); ++r) ring_positions_.push_back(layout_.ring_shard_positions(r));
   if (layout_.is_packed() || layout_.has_padding()) {  // unpacked, unpadded rows: no document bound (one document)
     doc_ = layout_.doc_bounds_of_slots(positions_);
@@ -76,11 +76,11 @@ DsaContextParallel::DsaContextParallel(const CpGroups& groups, const SequenceLay
   }
   if (config.window > 0 && config.select == DsaSelectMode::kRing) {
     // packed or padded: rows of other documents and padding rows are never sent
-    select_plan_.emplace(sp_positions_, groups_.sp.rank(), config.window, window_doc_bounds(layout_, sp_positions_));
+    select_plan_.emplace(cp_positions_, groups_.cp.rank(), config.window, window_doc_bounds(layout_, cp_positions_));
   }
 }
 
-DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
+DsaCpOutput DsaCp::forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
                                         const TensorView& k_idx, const TensorView& w) {
   {
     Fingerprint fp = fingerprint("DSA CP forward");
@@ -102,7 +102,7 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   const DType acc_dtype = accumulator_dtype(q.dtype());  // of the top-k scores, the merge state and lse
   auto s = std::make_shared<Saved>();
 
-  // ---- selection over the SP group ----
+  // ---- selection over the CP group ----
   select_topk(*s, q_idx, k_idx, w, alloc);
 
   // ---- attention: heads over Ulysses, latent blocks over the ring ----
@@ -119,15 +119,15 @@ DsaCpOutput DsaContextParallel::forward(const TensorView& q, const TensorView& c
   a2a.to_sequence(s->out_h.view(), o.out.view());
   a2a.lse_to_sequence(s->lse_h.view(), o.lse.view());
   o.topk_indices = alloc.copy_of(s->topk_local.view(), DType::kInt64, MemCategory::kWorkspace);
-  SEQPAR_LOG(kDebug) << "DSA forward (" << dsa_select_mode_name(config_.select) << " selection, sp_rank "
-                     << groups_.sp_rank() << "): q " << q.str() << ", topk " << k;
+  SEQPAR_LOG(kDebug) << "DSA forward (" << dsa_select_mode_name(config_.select) << " selection, cp_rank "
+                     << groups_.cp_rank() << "): q " << q.str() << ", topk " << k;
   o.ctx = CpContext::make(id_, "DSA CP", std::move(s));
   return o;
 }
 
 // Every check of forward's inputs, the indexer kernel's own on the local shapes included, before anything is
 // allocated or sent.
-void DsaContextParallel::validate_forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
+void DsaCp::validate_forward(const TensorView& q, const TensorView& c, const TensorView& q_idx,
                                           const TensorView& k_idx, const TensorView& w) const {
   SEQPAR_CHECK(q.ndim() == 4 && c.ndim() == 3 && q_idx.ndim() == 4 && k_idx.ndim() == 3 && w.ndim() == 3, "DSA CP: q ",
                q.str(), ", c ", c.str(), ", q_idx ", q_idx.str(), ", k_idx ", k_idx.str(), ", w ", w.str(),
@@ -152,14 +152,14 @@ void DsaContextParallel::validate_forward(const TensorView& q, const TensorView&
   indexer_args(q_idx, w, k_idx, positions_, positions_, doc_).validate();
 }
 
-// The selection over the SP group: every local query's top-k keys of the whole row (the index keys circulate over a
+// The selection over the CP group: every local query's top-k keys of the whole row (the index keys circulate over a
 // ring, or travel only where a window lets a query see them, or are all-gathered); fills s.q_idx, k_idx, w (saved
 // copies), topk_local and sel_scores.
-void DsaContextParallel::select_topk(Saved& saved, const TensorView& q_idx, const TensorView& k_idx,
+void DsaCp::select_topk(Saved& saved, const TensorView& q_idx, const TensorView& k_idx,
                                      const TensorView& w, const DeviceAlloc& alloc) {
   Saved* const s = &saved;
   const Stream stream = groups_.stream;
-  Communicator& sp = groups_.sp;
+  Communicator& sp = groups_.cp;
   const std::int64_t B = q_idx.dim(0), sl = q_idx.dim(1), di = q_idx.dim(3), k = config_.topk;
   const DType acc_dtype = accumulator_dtype(q_idx.dtype());  // of the top-k scores
   s->q_idx = alloc.copy_of(q_idx, q_idx.dtype(), MemCategory::kSavedActivation);
@@ -175,12 +175,12 @@ void DsaContextParallel::select_topk(Saved& saved, const TensorView& q_idx, cons
     attn::dsa_indexer_topk_block(indexer_args(s->q_idx, s->w, block, positions_, k_pos, doc_, config_.window), state,
                                  stream);
   };
-  auto merge_block = [&](int src, const TensorView& block) { merge_keys(block, sp_positions_[src]); };
+  auto merge_block = [&](int src, const TensorView& block) { merge_keys(block, cp_positions_[src]); };
   if (select_plan_) {  // a window: only the index-key rows some local query can see travel
     window_exchange(
         sp, *select_plan_, s->k_idx.view(), kTagIndexKeys,
         [&](int src, const TensorView& block, std::span<const std::int64_t> rows) {
-          merge_keys(block, positions_of_rows(sp_positions_[src], rows));
+          merge_keys(block, positions_of_rows(cp_positions_[src], rows));
         },
         &counters_.exposed_comm_s, stream);
   } else if (config_.select == DsaSelectMode::kRing) {
@@ -200,7 +200,7 @@ void DsaContextParallel::select_topk(Saved& saved, const TensorView& q_idx, cons
 
 // The attention: this rank's heads of its ring shard's queries against the latent blocks circulating over the ring,
 // merged block by block; fills s.lse_h and s.out_h.
-void DsaContextParallel::attend_latent(Saved& saved, const DeviceAlloc& alloc) {
+void DsaCp::attend_latent(Saved& saved, const DeviceAlloc& alloc) {
   Saved* const s = &saved;
   const Stream stream = groups_.stream;
   const std::int64_t B = s->q_h.dim(0), sr = layout_.ring_shard_len(), hl = s->q_h.dim(2), dv = config_.dim_v;
@@ -239,7 +239,7 @@ void DsaContextParallel::attend_latent(Saved& saved, const DeviceAlloc& alloc) {
   alloc.copy_convert(acc.view(), s->out_h.view());
 }
 
-DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale) {
+DsaCpGrads DsaCp::backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "DSA CP");
   {
     Fingerprint fp = fingerprint("DSA CP backward");
@@ -305,20 +305,20 @@ DsaCpGrads DsaContextParallel::backward(CpContext&& ctx, const TensorView& dout,
   Tensor probs = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
   a2a.reduce_scatter_pieces(probs_ring.view(), probs.view());
 
-  // ---- indexer loss and its backward (SP group) ----
+  // ---- indexer loss and its backward (CP group) ----
   indexer_backward(*s, probs.view(), loss_grad_scale, alloc, g);
-  SEQPAR_LOG(kDebug) << "DSA backward (sp_rank " << groups_.sp_rank() << "): indexer loss " << g.loss;
+  SEQPAR_LOG(kDebug) << "DSA backward (cp_rank " << groups_.cp_rank() << "): indexer loss " << g.loss;
   return g;
 }
 
 // The indexer loss of the local queries (KL of the indexer's distribution from `probs`, the head-summed attention
-// probabilities [B, S_local, k]) summed over the SP group into g.loss, and its backward into g.dq_idx, dw, dk_idx (the
-// index keys circulate over the SP group with their gradients).
-void DsaContextParallel::indexer_backward(const Saved& saved, const TensorView& probs, float loss_grad_scale,
+// probabilities [B, S_local, k]) summed over the CP group into g.loss, and its backward into g.dq_idx, dw, dk_idx (the
+// index keys circulate over the CP group with their gradients).
+void DsaCp::indexer_backward(const Saved& saved, const TensorView& probs, float loss_grad_scale,
                                           const DeviceAlloc& alloc, DsaCpGrads& g) {
   const Saved* const s = &saved;
   const Stream stream = groups_.stream;
-  Communicator& sp = groups_.sp;
+  Communicator& sp = groups_.cp;
   const std::int64_t B = s->q_idx.dim(0), sl = s->q_idx.dim(1), k = config_.topk, hi = s->q_idx.dim(2),
                      di = s->q_idx.dim(3);
   const DType dtype = s->q_h.dtype(), acc_dtype = accumulator_dtype(dtype);
@@ -329,7 +329,7 @@ void DsaContextParallel::indexer_backward(const Saved& saved, const TensorView& 
   la.topk_indices = s->topk_local.view();
   la.grad_scale = loss_grad_scale;
   double loss = attn::dsa_indexer_loss(la, dscores.view(), stream);
-  // The loss is summed over the SP group in a buffer on the tensors' device; its one value comes back explicitly.
+  // The loss is summed over the CP group in a buffer on the tensors' device; its one value comes back explicitly.
   const TensorView loss_host(&loss, DType::kFloat64, {1});
   Tensor loss_sum = alloc.empty({1}, DType::kFloat64, MemCategory::kCommBuffer);
   alloc.copy_convert(loss_host, loss_sum.view());
@@ -344,9 +344,9 @@ void DsaContextParallel::indexer_backward(const Saved& saved, const TensorView& 
   ring_circulate_with_grad(
       sp, s->k_idx.view(), {B, sl, di}, dk_idx.view(), kTagIndexKeys,
       [&](int src, const TensorView& block, const TensorView& grad) {
-        if (!any_candidate(positions_, doc_, sp_positions_[src], config_.window)) return;
+        if (!any_candidate(positions_, doc_, cp_positions_[src], config_.window)) return;
         const ScopedTimer timer(counters_.compute_s);
-        attn::dsa_indexer_backward(indexer_args(s->q_idx, s->w, block, positions_, sp_positions_[src], doc_),
+        attn::dsa_indexer_backward(indexer_args(s->q_idx, s->w, block, positions_, cp_positions_[src], doc_),
                                    s->topk_local.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true, stream);
       },
       &counters_.exposed_comm_s, stream);

@@ -1,4 +1,4 @@
-// DSA (DeepSeek sparse attention) under context parallelism: selection over the SP group (ring or all-gather of the
+// DSA (DeepSeek sparse attention) under context parallelism: selection over the CP group (ring or all-gather of the
 // index keys), attention over Ulysses x ring with the latent ring, and the indexer loss out of backward().
 // Math and schedules: docs/design.md, "DSA under context parallelism"; loss: "DSA indexer loss"; packed rows: "DSA
 // on packed rows"; precision: "DSA precision".
@@ -20,7 +20,7 @@
 
 namespace seqpar {
 
-// The configuration of DsaContextParallel (the same on every rank).
+// The configuration of DsaCp (the same on every rank).
 struct DsaCpConfig {
   DsaSelectMode select = DsaSelectMode::kRing;
   std::int64_t topk = attn::kDsaTopK;
@@ -31,7 +31,7 @@ struct DsaCpConfig {
   std::int64_t window = 0;
 };
 
-// What DsaContextParallel::forward returns.
+// What DsaCp::forward returns.
 struct DsaCpOutput {
   Tensor out;           // [B, S_local, H, Dv], dtype of q
   Tensor lse;           // [B, H, S_local] accumulator_dtype of q (fp64 for fp64 inputs, else fp32)
@@ -39,7 +39,7 @@ struct DsaCpOutput {
   CpContext ctx;        // what the backward needs; hand it to backward() of the object that made it
 };
 
-// What DsaContextParallel::backward returns.
+// What DsaCp::backward returns.
 struct DsaCpGrads {
   Tensor dq;        // [B, S_local, H, Dqk]
   Tensor dc;        // [B, S_local, Dqk]
@@ -57,12 +57,12 @@ struct DsaCpGrads {
 void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& topk_indices);
 
 // One DSA layer under context parallelism on this rank's groups (docs/design.md, "DSA under context parallelism").
-class DsaContextParallel : public CpLayerBase {
+class DsaCp : public CpLayerBase {
  public:
   // A layer over `groups` with `layout`'s positions.
   // Errors: the layout not built for the groups; topk < 1, dim_v < 1.
   // Sync: host-only, no communication.
-  DsaContextParallel(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config);
+  DsaCp(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config);
 
   // Selection, latent attention; the context owns the saved tensors (saved_activation).
   // Args: q [B, S_local, H, Dqk], c [B, S_local, Dqk], q_idx [B, S_local, Hi, Di], k_idx [B, S_local, Di],
@@ -73,7 +73,7 @@ class DsaContextParallel : public CpLayerBase {
   // Errors (before any communication, identical on every rank): heads not divisible by ulysses_size, shapes /
   //   dtypes, topk < 1, dim_v outside [1, Dqk]; ranks that disagree on inputs, configuration or layout
   //   (AgreementCheck, parallel/cp_common.h).
-  // Sync: collective over the groups' Ulysses, ring and SP communicators; host-synchronous; kernels run on
+  // Sync: collective over the groups' Ulysses, ring and CP communicators; host-synchronous; kernels run on
   //   groups.stream.
   DsaCpOutput forward(const TensorView& q, const TensorView& c, const TensorView& q_idx, const TensorView& k_idx,
                       const TensorView& w);
@@ -82,7 +82,7 @@ class DsaContextParallel : public CpLayerBase {
   // Returns: DsaCpGrads, with the indexer loss summed over the whole sequence.
   // Errors (before any communication, identical on every rank): shapes / dtypes; a context that is empty, used or
   //   another object's; ranks that disagree.
-  // Sync: collective over the groups' Ulysses, ring and SP communicators; host-synchronous.
+  // Sync: collective over the groups' Ulysses, ring and CP communicators; host-synchronous.
   DsaCpGrads backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale = 1.0f);
 
   // layout(), positions(), counters(), reset_counters(): CpLayerBase.
@@ -98,9 +98,9 @@ class DsaContextParallel : public CpLayerBase {
                         DsaCpGrads& g);
 
   DsaCpConfig config_;
-  std::vector<std::vector<std::int64_t>> sp_positions_;    // every SP rank's positions
+  std::vector<std::vector<std::int64_t>> cp_positions_;    // every CP rank's positions
   std::vector<std::vector<std::int64_t>> ring_positions_;  // every ring rank's ring shard
-  std::optional<WindowPlan> select_plan_;                  // ring selection with a window (over the SP group)
+  std::optional<WindowPlan> select_plan_;                  // ring selection with a window (over the CP group)
   DocBounds doc_, ring_doc_;  // packed or padded rows: document bounds of positions() and of the ring shard; else empty
 };
 

@@ -20,9 +20,9 @@ std::int64_t acc_bytes(DType dtype) { return static_cast<std::int64_t>(dtype_siz
 
 }  // namespace
 
-DsaDecodeContextParallel::DsaDecodeContextParallel(const CpGroups& groups, const DsaDecodeConfig& config)
+DsaDecodeCp::DsaDecodeCp(const CpGroups& groups, const DsaDecodeConfig& config)
     : groups_(groups), config_(config) {
-  const char* who = "DsaDecodeContextParallel";
+  const char* who = "DsaDecodeCp";
   SEQPAR_CHECK(config.interleave >= 1, who, ": interleave ", config.interleave, " must be >= 1");
   SEQPAR_CHECK(config.topk >= 1, who, ": topk ", config.topk, " must be >= 1");
   SEQPAR_CHECK(config.dim_v >= 1, who, ": dim_v ", config.dim_v, " must be >= 1");
@@ -30,33 +30,33 @@ DsaDecodeContextParallel::DsaDecodeContextParallel(const CpGroups& groups, const
   SEQPAR_CHECK(std::isfinite(config.scale), who, ": scale ", config.scale, " must be finite");
 }
 
-ShardedDsaCache DsaDecodeContextParallel::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t index_dim,
+ShardedDsaCache DsaDecodeCp::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t index_dim,
                                                      std::int64_t latent_dim, DType dtype) const {
-  const CacheSharding sharding(config_.shard, capacity, groups_.sp.size(), config_.interleave);
-  return ShardedDsaCache(sharding, groups_.sp_rank(),
+  const CacheSharding sharding(config_.shard, capacity, groups_.cp.size(), config_.interleave);
+  return ShardedDsaCache(sharding, groups_.cp_rank(),
                          attn::DsaCacheSpec{batch, capacity, index_dim, latent_dim, dtype});
 }
 
-std::int64_t DsaDecodeContextParallel::select_bytes_per_step(std::int64_t batch, std::int64_t n, DType dtype) const {
-  return static_cast<std::int64_t>(groups_.sp.size() - 1) * batch * n * config_.topk * (8 + acc_bytes(dtype));
+std::int64_t DsaDecodeCp::select_bytes_per_step(std::int64_t batch, std::int64_t n, DType dtype) const {
+  return static_cast<std::int64_t>(groups_.cp.size() - 1) * batch * n * config_.topk * (8 + acc_bytes(dtype));
 }
 
-std::int64_t DsaDecodeContextParallel::merge_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t heads,
+std::int64_t DsaDecodeCp::merge_bytes_per_step(std::int64_t batch, std::int64_t n, std::int64_t heads,
                                                             DType dtype) const {
-  return static_cast<std::int64_t>(groups_.sp.size() - 1) * batch * n * heads * (config_.dim_v + 2) * acc_bytes(dtype);
+  return static_cast<std::int64_t>(groups_.cp.size() - 1) * batch * n * heads * (config_.dim_v + 2) * acc_bytes(dtype);
 }
 
-void DsaDecodeContextParallel::check_cache(const ShardedDsaCache& cache, const char* call) const {
+void DsaDecodeCp::check_cache(const ShardedDsaCache& cache, const char* call) const {
   const CacheSharding& s = cache.sharding();
-  const CacheSharding mine(config_.shard, s.capacity(), groups_.sp.size(), config_.interleave);
-  SEQPAR_CHECK(s == mine && cache.rank() == groups_.sp_rank(), call, ": the cache is sharded ", s.str(), " for rank ",
-               cache.rank(), ", but this layer shards ", mine.str(), " and this is sp rank ", groups_.sp_rank(),
+  const CacheSharding mine(config_.shard, s.capacity(), groups_.cp.size(), config_.interleave);
+  SEQPAR_CHECK(s == mine && cache.rank() == groups_.cp_rank(), call, ": the cache is sharded ", s.str(), " for rank ",
+               cache.rank(), ", but this layer shards ", mine.str(), " and this is cp rank ", groups_.cp_rank(),
                " (make the cache with this layer's make_cache)");
   SEQPAR_CHECK(config_.dim_v <= cache.spec().latent_dim, call, ": dim_v ", config_.dim_v,
                " must be <= the cache's latent_dim Dqk ", cache.spec().latent_dim);
 }
 
-void DsaDecodeContextParallel::agree(const ShardedDsaCache& cache, std::string_view call, const SequenceLayout* layout,
+void DsaDecodeCp::agree(const ShardedDsaCache& cache, std::string_view call, const SequenceLayout* layout,
                                      std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
   Fingerprint fp(call);
   fp.add_int("topk", config_.topk)
@@ -69,7 +69,7 @@ void DsaDecodeContextParallel::agree(const ShardedDsaCache& cache, std::string_v
   decode_detail::agree_on_cache(agreement_, groups_, fp, cache, layout, tensors);
 }
 
-void DsaDecodeContextParallel::check_prompt(const ShardedDsaCache& cache, const SequenceLayout& layout, const char* who,
+void DsaDecodeCp::check_prompt(const ShardedDsaCache& cache, const SequenceLayout& layout, const char* who,
                                             const TensorView& q, const TensorView& q_idx, const TensorView& w,
                                             const TensorView& k_idx, const TensorView& c) {
   check_cache(cache, who);
@@ -88,7 +88,7 @@ void DsaDecodeContextParallel::check_prompt(const ShardedDsaCache& cache, const 
                " tokens does not fit the cache capacity ", s.capacity);
 }
 
-void DsaDecodeContextParallel::store_prompt(ShardedDsaCache& cache, const SequenceLayout& layout,
+void DsaDecodeCp::store_prompt(ShardedDsaCache& cache, const SequenceLayout& layout,
                                             const TensorView& k_idx, const TensorView& c) {
   const decode_detail::StoredRows rows =
       decode_detail::reshard_to_owners(groups_, counters_, cache.sharding(), 1, layout, 0, {k_idx, c});
@@ -96,17 +96,17 @@ void DsaDecodeContextParallel::store_prompt(ShardedDsaCache& cache, const Sequen
   cache.length_ = layout.seq_len();
 }
 
-DsaPrefillOutput DsaDecodeContextParallel::prefill(ShardedDsaCache& cache, const SequenceLayout& layout,
+DsaPrefillOutput DsaDecodeCp::prefill(ShardedDsaCache& cache, const SequenceLayout& layout,
                                                    const TensorView& q, const TensorView& c, const TensorView& q_idx,
                                                    const TensorView& k_idx, const TensorView& w) {
-  check_prompt(cache, layout, "DsaDecodeContextParallel::prefill", q, q_idx, w, k_idx, c);
+  check_prompt(cache, layout, "DsaDecodeCp::prefill", q, q_idx, w, k_idx, c);
   DsaCpConfig dc;
   dc.select = config_.prefill_select;
   dc.topk = config_.topk;
   dc.dim_v = config_.dim_v;
   dc.scale = config_.scale;
   dc.window = config_.window;
-  DsaContextParallel dsa(groups_, layout, dc);
+  DsaCp dsa(groups_, layout, dc);
   DsaCpOutput o = dsa.forward(q, c, q_idx, k_idx, w);
   counters_ += dsa.counters();
   dsa_topk_slots_to_tokens(layout, o.topk_indices);
@@ -118,28 +118,28 @@ DsaPrefillOutput DsaDecodeContextParallel::prefill(ShardedDsaCache& cache, const
   return result;
 }
 
-void DsaDecodeContextParallel::fill(ShardedDsaCache& cache, const SequenceLayout& layout, const TensorView& k_idx,
+void DsaDecodeCp::fill(ShardedDsaCache& cache, const SequenceLayout& layout, const TensorView& k_idx,
                                     const TensorView& c) {
-  check_prompt(cache, layout, "DsaDecodeContextParallel::fill", {}, {}, {}, k_idx, c);
+  check_prompt(cache, layout, "DsaDecodeCp::fill", {}, {}, {}, k_idx, c);
   store_prompt(cache, layout, k_idx, c);
 }
 
 // Every check of decode before any data moves (the agreement check included).
-void DsaDecodeContextParallel::check_decode(const ShardedDsaCache& cache, const TensorView& q, const TensorView& c,
+void DsaDecodeCp::check_decode(const ShardedDsaCache& cache, const TensorView& q, const TensorView& c,
                                             const TensorView& q_idx, const TensorView& k_idx, const TensorView& w) {
-  const char* who = "DsaDecodeContextParallel::decode";
+  const char* who = "DsaDecodeCp::decode";
   check_cache(cache, who);
   const attn::DsaCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1 && q_idx.ndim() == 4, who,
                ": q_new and q_idx_new must be [B, n, H, Dqk] and [B, n, Hi, Di] with n >= 1, got ",
                shape_str(q.shape()), " and ", shape_str(q_idx.shape()));
   const std::int64_t B = s.batch, n = q.dim(1), H = q.dim(2), hi = q_idx.dim(2);
-  check_shape(q, {B, n, H, s.latent_dim}, "DsaDecodeContextParallel::decode q_new (the cache's [B, n, H, Dqk])");
-  check_shape(c, {B, n, s.latent_dim}, "DsaDecodeContextParallel::decode c_new (the cache's [B, n, Dqk])");
+  check_shape(q, {B, n, H, s.latent_dim}, "DsaDecodeCp::decode q_new (the cache's [B, n, H, Dqk])");
+  check_shape(c, {B, n, s.latent_dim}, "DsaDecodeCp::decode c_new (the cache's [B, n, Dqk])");
   check_shape(q_idx, {B, n, hi, s.index_dim},
-              "DsaDecodeContextParallel::decode q_idx_new (the cache's [B, n, Hi, Di])");
-  check_shape(k_idx, {B, n, s.index_dim}, "DsaDecodeContextParallel::decode k_idx_new (the cache's [B, n, Di])");
-  check_shape(w, {B, n, hi}, "DsaDecodeContextParallel::decode w_new ([B, n, Hi])");
+              "DsaDecodeCp::decode q_idx_new (the cache's [B, n, Hi, Di])");
+  check_shape(k_idx, {B, n, s.index_dim}, "DsaDecodeCp::decode k_idx_new (the cache's [B, n, Di])");
+  check_shape(w, {B, n, hi}, "DsaDecodeCp::decode w_new ([B, n, Hi])");
   for (const TensorView* t : {&q, &c, &q_idx, &k_idx, &w}) {
     SEQPAR_CHECK(t->dtype() == s.dtype, who, ": every new token's input must have the cache's dtype ",
                  dtype_name(s.dtype), "; got ", t->str());
@@ -150,7 +150,7 @@ void DsaDecodeContextParallel::check_decode(const ShardedDsaCache& cache, const 
                s.capacity);
 }
 
-DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const TensorView& q, const TensorView& c,
+DsaDecodeOutput DsaDecodeCp::decode(ShardedDsaCache& cache, const TensorView& q, const TensorView& c,
                                                  const TensorView& q_idx, const TensorView& k_idx,
                                                  const TensorView& w) {
   check_decode(cache, q, c, q_idx, k_idx, w);
@@ -160,7 +160,7 @@ DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const T
   const std::vector<std::int64_t> q_pos = iota_from(L, n);
   const attn::DsaDecodeArgs args{q, q_idx, w, q_pos, config_.window, dv, config_.scale};
   const DType acc = accumulator_dtype(s.dtype);
-  const int P = groups_.sp.size();
+  const int P = groups_.cp.size();
   const std::int64_t rows = B * n * H, block = rows * (dv + 2), cand = B * n * k, a = acc_bytes(s.dtype);
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
   DsaDecodeOutput result;
@@ -203,8 +203,8 @@ DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const T
   }
   {
     CommMeter meter(groups_, counters_);
-    WorkHandle h = groups_.sp.all_gather(cand_send, cand_recv);
-    timed_wait(groups_.sp, h, &counters_.exposed_comm_s);
+    WorkHandle h = groups_.cp.all_gather(cand_send, cand_recv);
+    timed_wait(groups_.cp, h, &counters_.exposed_comm_s);
   }
   {
     // The global top-k: every rank's candidates merged in rank order (the training tie rule), then each rank attends
@@ -226,8 +226,8 @@ DsaDecodeOutput DsaDecodeContextParallel::decode(ShardedDsaCache& cache, const T
   }
   {
     CommMeter meter(groups_, counters_);
-    WorkHandle h = groups_.sp.all_gather(send, recv);
-    timed_wait(groups_.sp, h, &counters_.exposed_comm_s);
+    WorkHandle h = groups_.cp.all_gather(send, recv);
+    timed_wait(groups_.cp, h, &counters_.exposed_comm_s);
   }
   cache.length_ += n;
   ++cache.num_steps_;

@@ -1,10 +1,10 @@
 // DSA (DeepSeek sparse attention) inference under context parallelism: a token-sharded indexer-key and latent
 // cache, and a decode step whose top-k is global.
-// Math and schedules: docs/design.md, "DSA decode" (sharding over the whole SP group and why, the global top-k by
+// Math and schedules: docs/design.md, "DSA decode" (sharding over the whole CP group and why, the global top-k by
 // one all-gather of candidates, the exact merge of the shards' attention, bytes per step), "Decode agreement and
 // capacity".
 //
-// The cache (attn::DsaCache per rank) is sharded by token over the SP group (CacheSharding, parallel/decode_cp.h);
+// The cache (attn::DsaCache per rank) is sharded by token over the CP group (CacheSharding, parallel/decode_cp.h);
 // every rank returns all heads, and topk_indices identical on every rank and bitwise those of one device.
 // Memory: caches in persistent_cache; the buffers of a step in workspace / comm_buffer, freed at return.
 #pragma once
@@ -20,12 +20,12 @@
 
 namespace seqpar {
 
-// One layer's DSA cache on one SP rank: the local attn::DsaCache of local_capacity(sp_rank) slots holding the rank's
-// tokens at their global positions, the sharding over the SP group, the length and step count of the whole cache
-// (ShardedCache, parallel/decode_cp.h; rank() is the SP rank).
+// One layer's DSA cache on one CP rank: the local attn::DsaCache of local_capacity(cp_rank) slots holding the rank's
+// tokens at their global positions, the sharding over the CP group, the length and step count of the whole cache
+// (ShardedCache, parallel/decode_cp.h; rank() is the CP rank).
 using ShardedDsaCache = ShardedCache<attn::DsaCache, attn::DsaCacheSpec>;
 
-// The configuration of DsaDecodeContextParallel (the same on every rank).
+// The configuration of DsaDecodeCp (the same on every rank).
 struct DsaDecodeConfig {
   CacheShardKind shard = CacheShardKind::kInterleave;
   std::int64_t interleave = 1;  // I of the interleaved sharding (>= 1)
@@ -33,7 +33,7 @@ struct DsaDecodeConfig {
   std::int64_t dim_v = attn::kDsaHeadDimV;
   float scale = 0.0f;       // <= 0: 1 / sqrt(Dqk)
   std::int64_t window = 0;  // > 0: the indexer's candidates of query t are the keys with t - pos < window
-  DsaSelectMode prefill_select = DsaSelectMode::kRing;  // the prompt's selection (DsaContextParallel)
+  DsaSelectMode prefill_select = DsaSelectMode::kRing;  // the prompt's selection (DsaCp)
 };
 
 // What decode() returns.
@@ -44,19 +44,19 @@ struct DsaDecodeOutput : DecodeOutput {
 
 // What prefill() returns.
 struct DsaPrefillOutput : PrefillOutput {
-  // out [B, S_local, H, Dv], lse [B, H, S_local]: the prompt's in the compute layout (DsaContextParallel::forward).
+  // out [B, S_local, H, Dv], lse [B, H, S_local]: the prompt's in the compute layout (DsaCp::forward).
   Tensor topk_indices;  // [B, S_local, k] int64 token positions (layout slots mapped to tokens), -1 padded
 };
 
-// DSA prefill and decode over a token-sharded cache on groups.sp (docs/design.md, "DSA decode").
-class DsaDecodeContextParallel {
+// DSA prefill and decode over a token-sharded cache on groups.cp (docs/design.md, "DSA decode").
+class DsaDecodeCp {
  public:
   // A decoder over `groups` with `config`.
   // Errors: interleave < 1, topk < 1, dim_v < 1, window < 0, a non-finite scale.
   // Sync: host-only, no communication.
-  DsaDecodeContextParallel(const CpGroups& groups, const DsaDecodeConfig& config);
+  DsaDecodeCp(const CpGroups& groups, const DsaDecodeConfig& config);
 
-  // An empty cache of `capacity` tokens sharded by the configuration over the SP group.
+  // An empty cache of `capacity` tokens sharded by the configuration over the CP group.
   // Returns: this rank's ShardedDsaCache (local slots in persistent_cache).
   // Errors: those of attn::DsaCache's constructor.
   // Sync: host-only, collective-free.
@@ -65,13 +65,13 @@ class DsaDecodeContextParallel {
 
   // The prompt; the cache then holds the T tokens on their owners.
   // Args: q [B, S_local, H, Dqk], c [B, S_local, Dqk], q_idx [B, S_local, Hi, Di], k_idx [B, S_local, Di],
-  //   w [B, S_local, Hi] at layout.positions(sp_rank) (layout built for the groups, seq_len T = the prompt
+  //   w [B, S_local, Hi] at layout.positions(cp_rank) (layout built for the groups, seq_len T = the prompt
   //   length), one dtype, the cache's. The cache must be empty and hold at least T tokens.
   // Returns: the prompt's out, lse and topk_indices.
   // Errors (before any data moves; a refused call leaves every cache as it was): a cache made with another
   //   sharding, shape or dtype; ranks disagreeing on shapes, dtypes, configuration, sharding, cache length or step
   //   count; then the capacity.
-  // Sync: collective over groups.sp; host-synchronous.
+  // Sync: collective over groups.cp; host-synchronous.
   DsaPrefillOutput prefill(ShardedDsaCache& cache, const SequenceLayout& layout, const TensorView& q,
                            const TensorView& c, const TensorView& q_idx, const TensorView& k_idx, const TensorView& w);
 
@@ -88,7 +88,7 @@ class DsaDecodeContextParallel {
   // Errors (cache unchanged, on every rank; checked before any data moves): a cache made with another sharding,
   //   shape or dtype; ranks disagreeing on shapes, configuration, cache length or step; length + n past the
   //   capacity.
-  // Sync: collective over groups.sp; host-synchronous.
+  // Sync: collective over groups.cp; host-synchronous.
   DsaDecodeOutput decode(ShardedDsaCache& cache, const TensorView& q_new, const TensorView& c_new,
                          const TensorView& q_idx_new, const TensorView& k_idx_new, const TensorView& w_new);
 

@@ -208,8 +208,8 @@ namespace {
 
 // ---- what the layers read from the layout: the token of every row (-1: padding) and the document bounds ----
 
-std::vector<std::int64_t> shard_tokens(const SequenceLayout& layout, int sp_rank) {
-  return layout.token_index(sp_rank);
+std::vector<std::int64_t> shard_tokens(const SequenceLayout& layout, int cp_rank) {
+  return layout.token_index(cp_rank);
 }
 
 // The rows of ring shard `ring_rank` (what a rank holds after the Ulysses all-to-all).
@@ -226,7 +226,7 @@ std::vector<std::int64_t> document_bounds(const SequenceLayout& layout) {
 
 // ---- GDN under CP --------------------------------------------------------------------------------------------
 
-struct GdnContextParallel::Saved {
+struct GdnCp::Saved {
   // Ring-level (head-sharded) saved inputs and per-segment state.
   Tensor q, k, v, g, beta;
   Tensor init;                                        // this rank's heads of initial_state (undefined: zeros)
@@ -270,7 +270,7 @@ std::vector<Tensor> zero_maps(const SavedT& s, std::size_t count, const DeviceAl
 
 }  // namespace
 
-GdnContextParallel::GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
+GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
     : CpLayerBase(groups, layout, "GDN CP"), config_(config) {
   SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
                "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
@@ -352,7 +352,7 @@ void finish_doc_states(Communicator& ring, const Tensor& states, const std::vect
 }  // namespace
 
 // One forward call's buffers, shared by its steps (run_pieces, forward_chain, forward_scan).
-struct GdnContextParallel::ForwardPass {
+struct GdnCp::ForwardPass {
   Saved& s;
   const DeviceAlloc& alloc;
   Stream stream;
@@ -362,7 +362,7 @@ struct GdnContextParallel::ForwardPass {
       finals;  // the end state of every document that ends in one of this rank's pieces (summed over the ring later)
 };
 
-GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k, const TensorView& v,
+GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                         const TensorView& g, const TensorView& beta, const TensorView& initial_state) {
   {
     Fingerprint fp = fingerprint("GDN CP forward");
@@ -374,8 +374,8 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
     agree(forward_agreement_, fp);
   }
   const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};
-  auto sp_ = validate_forward(q, k, v, g, beta, initial_state);
-  Saved& s = *sp_;
+  auto cp_ = validate_forward(q, k, v, g, beta, initial_state);
+  Saved& s = *cp_;
   const std::int64_t B = s.batch, sl = q.dim(1), H = v.dim(2), V = s.dv;
   const UlyssesHeads heads = gdn_ulysses_heads(H, s.key_heads, groups_.ulysses_size());
   const CommStreamScope stream_scope(groups_);
@@ -419,13 +419,13 @@ GdnCpOutput GdnContextParallel::forward(const TensorView& q, const TensorView& k
   SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank() << "/"
                      << ring.size() << ", " << segments_.size() << " segments): message rounds so far "
                      << counters_.message_rounds;
-  result.ctx = CpContext::make(id_, "GDN CP", std::move(sp_));
+  result.ctx = CpContext::make(id_, "GDN CP", std::move(cp_));
   return result;
 }
 
 // Every check of forward's inputs, the GDN kernels' own on the local shapes included (before anything is sent);
 // returns the saved state with its sizes set.
-std::shared_ptr<GdnContextParallel::Saved> GdnContextParallel::validate_forward(
+std::shared_ptr<GdnCp::Saved> GdnCp::validate_forward(
     const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g, const TensorView& beta,
     const TensorView& initial_state) const {
   SEQPAR_CHECK(q.ndim() == 4 && k.shape() == q.shape() && v.ndim() == 4 && g.ndim() == 3 && beta.ndim() == 3,
@@ -465,7 +465,7 @@ std::shared_ptr<GdnContextParallel::Saved> GdnContextParallel::validate_forward(
 // piece that continues the previous segment's document (when `continuing`: from s.start[j]); writes their out
 // rows and the end state of every document that ends here into f.finals. Returns the end state of the last piece
 // run.
-Tensor GdnContextParallel::run_pieces(ForwardPass& f, std::size_t j, bool known, bool continuing) {
+Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, bool known, bool continuing) {
   Saved& s = f.s;
   const DeviceAlloc& alloc = f.alloc;
   const Stream stream = f.stream;
@@ -489,7 +489,7 @@ Tensor GdnContextParallel::run_pieces(ForwardPass& f, std::size_t j, bool known,
 }
 
 // The chain: each segment waits for the end state of the segment before it, runs, and sends its own on.
-void GdnContextParallel::forward_chain(ForwardPass& f) {
+void GdnCp::forward_chain(ForwardPass& f) {
   Saved& s = f.s;
   const DeviceAlloc& alloc = f.alloc;
   Communicator& ring = groups_.ring;
@@ -519,7 +519,7 @@ void GdnContextParallel::forward_chain(ForwardPass& f) {
 
 // The scan: every segment's map of its incoming state, a Kogge-Stone scan of the maps over the ring, then each
 // segment runs from its incoming state.
-void GdnContextParallel::forward_scan(ForwardPass& f) {
+void GdnCp::forward_scan(ForwardPass& f) {
   Saved& s = f.s;
   const DeviceAlloc& alloc = f.alloc;
   Communicator& ring = groups_.ring;
@@ -571,7 +571,7 @@ void GdnContextParallel::forward_scan(ForwardPass& f) {
 
 // One backward call's inputs and gradient buffers, shared by its steps (run_piece, run_pieces_backward,
 // backward_chain, backward_scan). The gradients of padding rows stay 0.
-struct GdnContextParallel::BackwardPass {
+struct GdnCp::BackwardPass {
   const Saved& s;
   const DeviceAlloc& alloc;
   Stream stream;
@@ -589,13 +589,13 @@ struct GdnContextParallel::BackwardPass {
 
 // The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
 // Tensors keeps their buffers, so the views in `args` stay valid).
-struct GdnContextParallel::PieceBackward {
+struct GdnCp::PieceBackward {
   SegmentInputs in;
   Tensor dout;
   attn::GdnBackwardArgs args;
 };
 
-GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state) {
+GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "GDN CP");
   const Saved& s = *saved;
   {
@@ -668,7 +668,7 @@ GdnCpGrads GdnContextParallel::backward(CpContext&& ctx, const TensorView& dout,
 
 // The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
 // Tensors keeps their buffers, so the views in `args` stay valid).
-GdnContextParallel::PieceBackward GdnContextParallel::piece_backward(BackwardPass& bp, std::size_t j,
+GdnCp::PieceBackward GdnCp::piece_backward(BackwardPass& bp, std::size_t j,
                                                                      const SegmentPiece& p) {
   const Saved& s = bp.s;
   const Stream stream = bp.stream;
@@ -682,7 +682,7 @@ GdnContextParallel::PieceBackward GdnContextParallel::piece_backward(BackwardPas
 }
 
 // Full backward of piece p of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
-Tensor GdnContextParallel::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, const TensorView& ds_end) {
+Tensor GdnCp::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, const TensorView& ds_end) {
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
   const Stream stream = bp.stream;
@@ -713,7 +713,7 @@ Tensor GdnContextParallel::run_piece(BackwardPass& bp, std::size_t j, const Segm
 // dfinal_state) and the piece whose document goes on in the next segment (when `waiting`: dS_end = ds_end_in);
 // records dinitial_state of every document that starts here into bp.dinits. Returns dS_start of the piece that
 // continues the previous segment's document when it ran (the segment's dS_start), else an undefined tensor.
-Tensor GdnContextParallel::run_pieces_backward(BackwardPass& bp, std::size_t j, bool known, bool waiting,
+Tensor GdnCp::run_pieces_backward(BackwardPass& bp, std::size_t j, bool known, bool waiting,
                                                const TensorView& ds_end_in) {
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
@@ -733,7 +733,7 @@ Tensor GdnContextParallel::run_pieces_backward(BackwardPass& bp, std::size_t j, 
 }
 
 // The chain, last segment first: each waits for dS_end from the segment after it, runs, and sends dS_start back.
-void GdnContextParallel::backward_chain(BackwardPass& bp) {
+void GdnCp::backward_chain(BackwardPass& bp) {
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
   Communicator& ring = groups_.ring;
@@ -762,7 +762,7 @@ void GdnContextParallel::backward_chain(BackwardPass& bp) {
 
 // The reverse scan: every segment's map of dS_start in terms of dS_end, a reverse Kogge-Stone scan of the maps over
 // the ring, then each segment runs with its dS_end.
-void GdnContextParallel::backward_scan(BackwardPass& bp) {
+void GdnCp::backward_scan(BackwardPass& bp) {
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
   Communicator& ring = groups_.ring;
@@ -812,7 +812,7 @@ void GdnContextParallel::backward_scan(BackwardPass& bp) {
 
 // ---- short conv halo ------------------------------------------------------------------------------------------
 
-struct ShortConvContextParallel::HaloPlan {
+struct ShortConvCp::HaloPlan {
   // For each of this rank's segments: the global positions of its halo (W-1 before its start, oldest first;
   // negative ones are zeros) and, for each, the (owner, owner's local row) that holds it.
   struct Need {
@@ -833,17 +833,17 @@ struct ShortConvContextParallel::HaloPlan {
   std::vector<std::int64_t> take_count;         // per peer: rows it sends me
 };
 
-struct ShortConvContextParallel::Saved {
+struct ShortConvCp::Saved {
   Tensor x, weight;
   std::vector<Tensor> halo;  // each segment's conv state [B, W-1, C]
   std::int64_t width = 0;
 };
 
-ShortConvContextParallel::ShortConvContextParallel(const CpGroups& groups, const SequenceLayout& layout,
+ShortConvCp::ShortConvCp(const CpGroups& groups, const SequenceLayout& layout,
                                                    const ShortConvCpConfig& config)
     : groups_(groups), layout_(layout), config_(config) {
   check_layout_matches(groups, layout, "short conv CP");
-  for (int r = 0; r < groups.sp.size(); ++r) tokens_.push_back(shard_tokens(layout, r));
+  for (int r = 0; r < groups.cp.size(); ++r) tokens_.push_back(shard_tokens(layout, r));
   segments_ = segments_in_global_order(tokens_);
   cu_seqlens_ = document_bounds(layout);
 }
@@ -882,10 +882,10 @@ SegmentConv segment_conv(const TensorView& xs, const TensorView& weight, const T
 
 }  // namespace
 
-const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std::int64_t W) {
+const ShortConvCp::HaloPlan& ShortConvCp::plan_for(std::int64_t W) {
   if (plan_ && plan_->width == W) return *plan_;
   // Who needs which rows from whom (every rank derives the same plan from the layout).
-  const int me = groups_.sp.rank(), n = groups_.sp.size();
+  const int me = groups_.cp.rank(), n = groups_.cp.size();
   auto plan = std::make_shared<HaloPlan>();
   plan->width = W;
   std::vector<std::pair<int, std::int64_t>> where(static_cast<std::size_t>(cu_seqlens_.back()));
@@ -933,13 +933,13 @@ const ShortConvContextParallel::HaloPlan& ShortConvContextParallel::plan_for(std
   return *plan_;
 }
 
-ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const TensorView& weight) {
+ShortConvCpOutput ShortConvCp::forward(const TensorView& x, const TensorView& weight) {
   {
     Fingerprint fp("short conv CP forward");
     fp.add_flag("use_silu", config_.use_silu);
     add_layout_fields(fp, layout_);
     fp.add_tensor("x", x).add_tensor("weight", weight);
-    forward_agreement_.run(groups_.sp, fp, groups_.stream);
+    forward_agreement_.run(groups_.cp, fp, groups_.stream);
   }
   const DeviceAlloc alloc{common_device({x, weight}, "short conv CP forward"), groups_.stream};
   SEQPAR_CHECK(x.ndim() == 3 && x.dim(1) == layout_.local_len(), "short conv CP: x ", x.str(),
@@ -957,7 +957,7 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
   const std::int64_t B = x.dim(0), C = x.dim(2), W = weight.dim(1);
   SEQPAR_CHECK(!layout_.is_packed() || B == 1, "short conv CP: a packed layout (", cu_seqlens_.size() - 1,
                " documents in one row) needs batch size 1, got B = ", B);
-  const int me = groups_.sp.rank(), n = groups_.sp.size();
+  const int me = groups_.cp.rank(), n = groups_.cp.size();
   const HaloPlan& plan = plan_for(W);
   const CommStreamScope stream_scope(groups_);
   const Stream stream = groups_.stream;
@@ -977,7 +977,7 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHalo));
     }
   }
-  if (!ops.empty()) groups_.sp.batch_isend_irecv(ops)->wait();
+  if (!ops.empty()) groups_.cp.batch_isend_irecv(ops)->wait();
 
   auto s = std::make_shared<Saved>();
   s->x = alloc.copy_of(x, x.dtype(), MemCategory::kSavedActivation);
@@ -1007,7 +1007,7 @@ ShortConvCpOutput ShortConvContextParallel::forward(const TensorView& x, const T
   return o;
 }
 
-ShortConvCpGrads ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout) {
+ShortConvCpGrads ShortConvCp::backward(CpContext&& ctx, const TensorView& dout) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
   ShortConvCpGrads g;
   g.dweight = Tensor::empty(s->weight.shape(), s->weight.dtype(), MemCategory::kWorkspace, s->weight.view().device());
@@ -1015,7 +1015,7 @@ ShortConvCpGrads ShortConvContextParallel::backward(CpContext&& ctx, const Tenso
   return g;
 }
 
-Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
+Tensor ShortConvCp::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "short conv CP");
   {
     Fingerprint fp("short conv CP backward");
@@ -1023,7 +1023,7 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
         .add_tensor("saved weight", s->weight.view())
         .add_tensor("dout", dout)
         .add_tensor("dweight", dweight);
-    backward_agreement_.run(groups_.sp, fp, groups_.stream);
+    backward_agreement_.run(groups_.cp, fp, groups_.stream);
   }
   const TensorView x = s->x.view();
   const DeviceAlloc alloc{common_device({x, dout, dweight}, "short conv CP backward (saved x, dout, dweight)"),
@@ -1033,7 +1033,7 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
   check_grad_input(dweight, s->weight.shape(), "short conv CP dweight");
   ctx.consume<Saved>(id_, "short conv CP");
   const std::int64_t B = x.dim(0), C = x.dim(2), W = s->width;
-  const int me = groups_.sp.rank(), n = groups_.sp.size();
+  const int me = groups_.cp.rank(), n = groups_.cp.size();
   const HaloPlan& plan = plan_for(W);
   const CommStreamScope stream_scope(groups_);
   const Stream stream = groups_.stream;
@@ -1088,12 +1088,12 @@ Tensor ShortConvContextParallel::backward(CpContext&& ctx, const TensorView& dou
       ops.push_back(P2POp::recv(recv[r].view(), r, kTagHaloGrad));
     }
   }
-  if (!ops.empty()) groups_.sp.batch_isend_irecv(ops)->wait();
+  if (!ops.empty()) groups_.cp.batch_isend_irecv(ops)->wait();
   // Add the received halo gradients into our rows, peers in rank order (deterministic).
   for (int r = 0; r < n; ++r) {
     if (!plan.give[r].empty()) index_add_rows(recv[r].view(), 1, plan.give[r], dx32.view(), stream);
   }
-  groups_.sp.all_reduce(dw32.view(), ReduceOp::kSum)->wait();
+  groups_.cp.all_reduce(dw32.view(), ReduceOp::kSum)->wait();
   alloc.copy_convert(dw32.view(), dweight);
   Tensor dx = alloc.empty(x.shape(), x.dtype(), MemCategory::kWorkspace);
   alloc.copy_convert(dx32.view(), dx.view());

@@ -22,7 +22,7 @@
 
 namespace seqpar {
 
-// The configuration of GdnContextParallel (the same on every rank).
+// The configuration of GdnCp (the same on every rank).
 struct GdnCpConfig {
   GdnCpMode mode = GdnCpMode::kScan;
   bool use_qk_l2norm = true;
@@ -57,14 +57,14 @@ struct SegmentPiece {
 // Sync: host-only, no communication.
 std::vector<SegmentPiece> segment_pieces(const Segment& seg, const std::vector<std::int64_t>& cu_seqlens);
 
-// What GdnContextParallel::forward returns.
+// What GdnCp::forward returns.
 struct GdnCpOutput {
   Tensor out;          // [B, S_local, Hv, V], dtype of q
   Tensor final_state;  // [B, Hv, K, V] ([N, Hv, K, V] packed) state dtype, identical on every rank
   CpContext ctx;       // what the backward needs; hand it to backward() of the object that made it
 };
 
-// What GdnContextParallel::backward returns.
+// What GdnCp::backward returns.
 struct GdnCpGrads {
   Tensor dq, dk;          // local [B, S_local, Hk, K], dtype of q (summed over the value heads of each key head)
   Tensor dv, dg, dbeta;   // local [B, S_local, Hv, V] / [B, S_local, Hv], dtype of q
@@ -72,12 +72,12 @@ struct GdnCpGrads {
 };
 
 // GDN under context parallelism on this rank's groups (docs/design.md, "GDN chain and scan").
-class GdnContextParallel : public CpLayerBase {
+class GdnCp : public CpLayerBase {
  public:
   // A layer over `groups` with `layout`'s positions (contiguous, zigzag or balanced).
   // Errors: layout not built for the groups, stripe layout, chunk_size < 1, non-finite scale.
   // Sync: host-only, no communication.
-  GdnContextParallel(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config);
+  GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config);
 
   // Forward; the state passes between segments by config.mode; the context owns the saved tensors.
   // Args: q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta [B, S_local, Hv] at positions() (S_local =
@@ -131,46 +131,46 @@ class GdnContextParallel : public CpLayerBase {
   std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
 };
 
-// The configuration of ShortConvContextParallel.
+// The configuration of ShortConvCp.
 struct ShortConvCpConfig {
   bool use_silu = true;  // out = silu(conv(x)) (false: conv(x))
 };
 
-// What ShortConvContextParallel::forward returns.
+// What ShortConvCp::forward returns.
 struct ShortConvCpOutput {
   Tensor out;     // [B, S_local, C], x's dtype
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 
-// What ShortConvContextParallel::backward returns.
+// What ShortConvCp::backward returns.
 struct ShortConvCpGrads {
   Tensor dx;       // [B, S_local, C], x's dtype
   Tensor dweight;  // [C, W], weight's dtype, summed over the group (the same on every rank)
 };
 
-// The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence, over groups.sp (rank r
+// The short causal depthwise conv (attention/gdn.h short_conv_*) on a sharded sequence, over groups.cp (rank r
 // holds layout.positions(r)); docs/design.md, "Short conv halo". Padding rows get out 0 and dx 0; with a packed
 // layout (B = 1) no output reads an input of another document.
-class ShortConvContextParallel {
+class ShortConvCp {
  public:
-  // A layer over groups.sp with `layout`'s positions.
+  // A layer over groups.cp with `layout`'s positions.
   // Errors: layout not built for the groups.
   // Sync: host-only, no communication.
-  ShortConvContextParallel(const CpGroups& groups, const SequenceLayout& layout, const ShortConvCpConfig& config = {});
+  ShortConvCp(const CpGroups& groups, const SequenceLayout& layout, const ShortConvCpConfig& config = {});
 
   // Forward; receives the halo point to point.
   // Args: x [B, S_local, C], weight [C, W] (same on every rank).
   // Returns: ShortConvCpOutput.
-  // Errors: as GdnContextParallel's (B > 1 with a packed layout included).
-  // Sync: collective over the SP group; host-synchronous; kernels run on groups.stream.
+  // Errors: as GdnCp's (B > 1 with a packed layout included).
+  // Sync: collective over the CP group; host-synchronous; kernels run on groups.stream.
   ShortConvCpOutput forward(const TensorView& x, const TensorView& weight);
 
   // Backward with the context of a forward of this object (consumed and freed); the first form returns dx and
   // dweight, the second writes dweight into the caller's `dweight` and returns dx.
   // Args: dout like the output; dweight [C, W], weight's dtype.
   // Returns: dx; dweight summed over the group (the same on every rank).
-  // Errors: as GdnContextParallel's; a context that is empty, used or another object's.
-  // Sync: collective over the SP group (halo gradient point to point, dweight all-reduced); host-synchronous.
+  // Errors: as GdnCp's; a context that is empty, used or another object's.
+  // Sync: collective over the CP group (halo gradient point to point, dweight all-reduced); host-synchronous.
   ShortConvCpGrads backward(CpContext&& ctx, const TensorView& dout);
   Tensor backward(CpContext&& ctx, const TensorView& dout, const TensorView& dweight);
 
@@ -178,7 +178,7 @@ class ShortConvContextParallel {
   // Sync: host-only.
   std::int64_t halo_bytes_sent() const { return halo_bytes_sent_; }
 
-  // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  // The agreement checks of forward and backward (over the CP group): how often each ran or was cached.
   // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
@@ -192,7 +192,7 @@ class ShortConvContextParallel {
   SequenceLayout layout_;
   ShortConvCpConfig config_;
   LayerId id_;
-  std::vector<std::vector<std::int64_t>> tokens_;  // per SP rank: the token of each row (-1: padding)
+  std::vector<std::vector<std::int64_t>> tokens_;  // per CP rank: the token of each row (-1: padding)
   std::vector<std::int64_t> cu_seqlens_;           // document bounds ({0, seq_len} for an unpacked layout)
   std::vector<Segment> segments_;
   std::shared_ptr<HaloPlan> plan_;  // a function of (layout, W) only: cached, not state between calls

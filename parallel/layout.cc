@@ -425,16 +425,16 @@ std::vector<std::int64_t> SequenceLayout::rope_positions_of_slots(std::span<cons
   return out;
 }
 
-std::vector<std::int64_t> SequenceLayout::token_index(int sp_rank) const { return tokens_of_slots(positions(sp_rank)); }
-std::vector<std::int64_t> SequenceLayout::doc_index(int sp_rank) const {
-  const Positions pos = positions(sp_rank);
+std::vector<std::int64_t> SequenceLayout::token_index(int cp_rank) const { return tokens_of_slots(positions(cp_rank)); }
+std::vector<std::int64_t> SequenceLayout::doc_index(int cp_rank) const {
+  const Positions pos = positions(cp_rank);
   Positions out(pos.size());
   for (std::size_t i = 0; i < pos.size(); ++i) out[i] = doc_of_slot(pos[i]);
   return out;
 }
-DocBounds SequenceLayout::doc_bounds(int sp_rank) const { return doc_bounds_of_slots(positions(sp_rank)); }
-std::vector<std::int64_t> SequenceLayout::rope_positions(int sp_rank) const {
-  return rope_positions_of_slots(positions(sp_rank));
+DocBounds SequenceLayout::doc_bounds(int cp_rank) const { return doc_bounds_of_slots(positions(cp_rank)); }
+std::vector<std::int64_t> SequenceLayout::rope_positions(int cp_rank) const {
+  return rope_positions_of_slots(positions(cp_rank));
 }
 
 namespace {
@@ -497,10 +497,10 @@ std::vector<std::int64_t> SequenceLayout::ring_shard_positions(int ring_rank) co
   return data_->shards[static_cast<std::size_t>(ring_rank)];
 }
 
-std::vector<std::int64_t> SequenceLayout::positions(int sp_rank) const {
-  SEQPAR_CHECK(0 <= sp_rank && sp_rank < num_ranks(), "sp_rank ", sp_rank, " outside [0, ", num_ranks(), ")");
-  const int ring_rank = sp_rank / ulysses_size_;
-  const int ulysses_rank = sp_rank % ulysses_size_;
+std::vector<std::int64_t> SequenceLayout::positions(int cp_rank) const {
+  SEQPAR_CHECK(0 <= cp_rank && cp_rank < num_ranks(), "cp_rank ", cp_rank, " outside [0, ", num_ranks(), ")");
+  const int ring_rank = cp_rank / ulysses_size_;
+  const int ulysses_rank = cp_rank % ulysses_size_;
   const Positions& shard = data_->shards[static_cast<std::size_t>(ring_rank)];
   const std::int64_t len = local_len();
   return Positions(shard.begin() + ulysses_rank * len, shard.begin() + (ulysses_rank + 1) * len);
@@ -611,16 +611,16 @@ void check_shard_args(const SequenceLayout& layout, const TensorView& full, cons
 }
 }  // namespace
 
-void shard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& full, const TensorView& local,
+void shard_sequence(const SequenceLayout& layout, int cp_rank, const TensorView& full, const TensorView& local,
                     int seq_dim, Stream stream) {
   check_shard_args(layout, full, local, seq_dim, "shard_sequence");
-  gather_token_rows(full, seq_dim, layout.token_index(sp_rank), local, stream);
+  gather_token_rows(full, seq_dim, layout.token_index(cp_rank), local, stream);
 }
 
-void unshard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& local, const TensorView& full,
+void unshard_sequence(const SequenceLayout& layout, int cp_rank, const TensorView& local, const TensorView& full,
                       int seq_dim, Stream stream) {
   check_shard_args(layout, full, local, seq_dim, "unshard_sequence");
-  scatter_token_rows(local, seq_dim, layout.token_index(sp_rank), full, stream);
+  scatter_token_rows(local, seq_dim, layout.token_index(cp_rank), full, stream);
 }
 
 namespace {
@@ -633,7 +633,7 @@ void check_gather(const Communicator& comm, const SequenceLayout& layout, const 
   check_sequence_tensor(layout, local, layout.local_len(), seq_dim, what, "local");
 }
 
-// The pieces of every SP rank, [n, local shape] in rank order, written to their tokens in `full`.
+// The pieces of every CP rank, [n, local shape] in rank order, written to their tokens in `full`.
 void unshard_pieces(const SequenceLayout& layout, const TensorView& all, const Shape& local_shape,
                     const TensorView& full, int seq_dim, Stream stream) {
   for (int r = 0; r < layout.num_ranks(); ++r) {
@@ -710,7 +710,7 @@ const SequenceLayout& checked_layout(const CpGroups& groups, const SequenceLayou
 }  // namespace
 
 CpLayerBase::CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer)
-    : groups_(groups), layout_(checked_layout(groups, layout, layer)), positions_(layout.positions(groups.sp_rank())) {}
+    : groups_(groups), layout_(checked_layout(groups, layout, layer)), positions_(layout.positions(groups.cp_rank())) {}
 
 Fingerprint CpLayerBase::fingerprint(std::string_view call) const {
   Fingerprint fp(call);

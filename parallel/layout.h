@@ -62,7 +62,7 @@ class SequenceLayout {
                                           LayoutKind kind = LayoutKind::kZigzag);
 
   // Sizes: seq_len() = T, real tokens of the row; padded_len() = slots of the row (>= seq_len()); local_len() =
-  // slots per SP rank; ring_shard_len() = slots per ring shard; is_packed(): built by packed().
+  // slots per CP rank; ring_shard_len() = slots per ring shard; is_packed(): built by packed().
   LayoutKind kind() const { return kind_; }
   std::int64_t seq_len() const;
   int ring_size() const { return ring_size_; }
@@ -97,22 +97,22 @@ class SequenceLayout {
   std::int64_t chunk_len() const;
 
   // Increasing slot positions of ring shard `ring_rank` (what a rank holds after the Ulysses all-to-all), and of
-  // SP rank `sp_rank` = ring_rank * ulysses_size + ulysses_rank.
+  // CP rank `cp_rank` = ring_rank * ulysses_size + ulysses_rank.
   std::vector<std::int64_t> ring_shard_positions(int ring_rank) const;
-  std::vector<std::int64_t> positions(int sp_rank) const;
+  std::vector<std::int64_t> positions(int cp_rank) const;
 
   // Per slot: the token in [0, T) or -1 (padding); the document in [0, N) or -1 (padding).
   // Errors: slot outside [0, padded_len()).
   std::int64_t token_of_slot(std::int64_t slot) const;
   std::int64_t doc_of_slot(std::int64_t slot) const;
 
-  // Per row of SP rank `sp_rank` (rows at positions(sp_rank)), or of any increasing slots (the *_of_slots forms,
+  // Per row of CP rank `cp_rank` (rows at positions(cp_rank)), or of any increasing slots (the *_of_slots forms,
   // e.g. ring_shard_positions(r)): token index or -1, document or -1, the document's key-slot bounds, and the RoPE
   // position (offset inside its document; 0 for padding).
-  std::vector<std::int64_t> token_index(int sp_rank) const;
-  std::vector<std::int64_t> doc_index(int sp_rank) const;
-  DocBounds doc_bounds(int sp_rank) const;
-  std::vector<std::int64_t> rope_positions(int sp_rank) const;
+  std::vector<std::int64_t> token_index(int cp_rank) const;
+  std::vector<std::int64_t> doc_index(int cp_rank) const;
+  DocBounds doc_bounds(int cp_rank) const;
+  std::vector<std::int64_t> rope_positions(int cp_rank) const;
   std::vector<std::int64_t> tokens_of_slots(std::span<const std::int64_t> slots) const;
   DocBounds doc_bounds_of_slots(std::span<const std::int64_t> slots) const;
   std::vector<std::int64_t> rope_positions_of_slots(std::span<const std::int64_t> slots) const;
@@ -183,15 +183,15 @@ void shard_sequence_bhs(const TensorView& full, const std::vector<std::int64_t>&
 void unshard_sequence_bhs(const TensorView& local, const std::vector<std::int64_t>& positions, const TensorView& full,
                           Stream stream = Stream::cpu());
 
-// Between the user's token-space tensor and one SP rank's padded local tensor (shard; unshard below).
+// Between the user's token-space tensor and one CP rank's padded local tensor (shard; unshard below).
 // Args: seq_dim: 1 for [B, S, ...], 2 for [B, H, S] lse; full has seq_len() rows, local local_len() rows; B = 1
 //   for a packed layout; any dtype.
-// Returns: shard: local row i = full row token_index(sp_rank)[i], or zeros for a padding row; unshard: full row
-//   token_index(sp_rank)[i] = local row i for every real row; padding rows are dropped.
+// Returns: shard: local row i = full row token_index(cp_rank)[i], or zeros for a padding row; unshard: full row
+//   token_index(cp_rank)[i] = local row i for every real row; padding rows are dropped.
 // Errors: seq_dim not 1 or 2, row counts, B != 1 with a packed layout (check_sequence_tensor), then those of
 //   gather_rows / scatter_rows.
 // Sync: on `stream`; no communication.
-void shard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& full, const TensorView& local,
+void shard_sequence(const SequenceLayout& layout, int cp_rank, const TensorView& full, const TensorView& local,
                     int seq_dim = 1, Stream stream = Stream::cpu());
 // The copies behind them, by token index along seq_dim.
 // Returns: gather: local row i = full row tokens[i], zeros where tokens[i] < 0; scatter: full row tokens[i] =
@@ -203,7 +203,7 @@ void gather_token_rows(const TensorView& full, int seq_dim, std::span<const std:
 void scatter_token_rows(const TensorView& local, int seq_dim, std::span<const std::int64_t> tokens,
                         const TensorView& full, Stream stream = Stream::cpu());
 // The inverse of the layout form of shard_sequence above (Args, Returns, Errors, Sync there).
-void unshard_sequence(const SequenceLayout& layout, int sp_rank, const TensorView& local, const TensorView& full,
+void unshard_sequence(const SequenceLayout& layout, int cp_rank, const TensorView& local, const TensorView& full,
                       int seq_dim = 1, Stream stream = Stream::cpu());
 
 // The check a CP layer runs on its local tensors, with len = local_len(), before any message.
@@ -213,7 +213,7 @@ void check_sequence_tensor(const SequenceLayout& layout, const TensorView& t, st
                            const char* what, const char* name);
 
 // Root's full tensor is cut by the layout and every rank receives its piece, padding rows zero.
-// Args: comm: size layout.num_ranks(), rank = SP rank; full [B, T, ...] (the user's tokens; B = 1 when packed),
+// Args: comm: size layout.num_ranks(), rank = CP rank; full [B, T, ...] (the user's tokens; B = 1 when packed),
 //   read on root only; local [B, local_len, ...].
 // Errors (every rank, before any message): communicator size, local's shape (check_sequence_tensor).
 // Sync: collective over `comm`; buffers on the tensors' device, packing on `stream`.
@@ -240,7 +240,7 @@ void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, c
 // unique id its contexts carry. Built by the layer's constructor after check_layout_matches.
 class CpLayerBase {
  public:
-  // Accessors: the layout; this rank's slot positions (layout().positions(sp_rank)), increasing; the counters
+  // Accessors: the layout; this rank's slot positions (layout().positions(cp_rank)), increasing; the counters
   // (CpCounters) and reset_counters().
   // Sync: host-only.
   const SequenceLayout& layout() const { return layout_; }
@@ -248,7 +248,7 @@ class CpLayerBase {
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
 
-  // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  // The agreement checks of forward and backward (over the CP group): how often each ran or was cached.
   // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
@@ -259,8 +259,8 @@ class CpLayerBase {
   CpLayerBase(const CpGroups& groups, const SequenceLayout& layout, const char* layer);
   // A fingerprint of `call` with the layout's fields (add_layout_fields), for the layer to add its own to.
   Fingerprint fingerprint(std::string_view call) const;
-  // Runs `check` over the SP group with `fp` (AgreementCheck::run).
-  void agree(AgreementCheck& check, const Fingerprint& fp) { check.run(groups_.sp, fp, groups_.stream); }
+  // Runs `check` over the CP group with `fp` (AgreementCheck::run).
+  void agree(AgreementCheck& check, const Fingerprint& fp) { check.run(groups_.cp, fp, groups_.stream); }
 
   CpGroups groups_;
   SequenceLayout layout_;

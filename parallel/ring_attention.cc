@@ -62,7 +62,7 @@ struct RingAttention::Saved {
   std::int64_t head_offset = 0;  // global index of q's head 0 (the dropout key)
 };
 
-RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config)
+RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layout, const MhaCpConfig& config)
     : groups_(groups), layout_(layout), config_(config), rank_(groups.ring.rank()), size_(groups.ring.size()) {
   check_layout_matches(groups, layout, "ring attention");
   SEQPAR_CHECK(config.window >= 0, "window ", config.window, " must be >= 0 (0: no window)");
@@ -140,7 +140,7 @@ attn::MhaForwardArgs RingAttention::block_args(const Saved& s, const TensorView&
   return a;
 }
 
-Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionConfig& config,
+Fingerprint mha_forward_fingerprint(std::string_view call, const MhaCpConfig& config,
                                     const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                                     const TensorView& v) {
   Fingerprint fp(call);
@@ -178,21 +178,21 @@ void RingAttention::sinks_grad(const Saved& s, const TensorView& delta, const Te
   timed_wait(groups_.ring, w, &counters_.exposed_comm_s);
 }
 
-AttentionOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+MhaCpOutput RingAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
   agree_forward(q, k, v);
   const DeviceAlloc alloc{validate(q, k, v, 0), groups_.stream};
-  AttentionOutput o;
+  MhaCpOutput o;
   o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
   o.lse = alloc.empty({q.dim(0), q.dim(2), q.dim(1)}, accumulator_dtype(q.dtype()), MemCategory::kWorkspace);
   o.ctx = run_forward(q, k, v, o.out, o.lse, 0);
   return o;
 }
 
-AttentionGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse) {
+MhaCpGrads RingAttention::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse) {
   agree_backward(ctx, dout);
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "ring attention");
   const DeviceAlloc alloc = alloc_for(*s);
-  AttentionGrads g;
+  MhaCpGrads g;
   g.dq = alloc.empty(s->q.shape(), s->q.dtype(), MemCategory::kWorkspace);
   g.dk = alloc.empty(s->k.shape(), s->k.dtype(), MemCategory::kWorkspace);
   g.dv = alloc.empty(s->v.shape(), s->v.dtype(), MemCategory::kWorkspace);

@@ -5,7 +5,7 @@
 // lse, travelling dK/dV accumulators), "Ring attention by all-gather", "Sliding-window ring" (WindowPlan), "MHA
 // communication volume" (bytes and message rounds per implementation and layout), "MHA on packed rows".
 //
-// Use it alone with ulysses_size = 1, or through UspAttention (parallel/usp.h). Packed layouts take B = 1.
+// Use it alone with ulysses_size = 1, or through MhaCp (parallel/usp.h). Packed layouts take B = 1.
 // Counters (CpCounters): attention FLOPs, ring bytes, exposed communication time, kernel time.
 // Memory: the returned context owns what backward needs (saved_activation); double buffers and travelling
 // accumulators in comm_buffer; outputs in workspace.
@@ -25,8 +25,8 @@
 
 namespace seqpar {
 
-// The configuration of RingAttention and UspAttention (the same on every rank).
-struct RingAttentionConfig {
+// The configuration of RingAttention and MhaCp (the same on every rank).
+struct MhaCpConfig {
   RingImpl impl = RingImpl::kP2P;
   bool causal = true;
   std::int64_t window = 0;  // > 0: sliding window (needs causal)
@@ -34,7 +34,7 @@ struct RingAttentionConfig {
   // Soft-capping, ALiBi slopes and sinks ([Hq] of all query heads; views the caller keeps alive, e.g. the learned
   // sinks parameter). Under Ulysses / USP each rank uses the entries of its heads. A sink is counted once per row:
   // p2p applies it after the last block is merged (attn::mha_apply_sinks), all-gather in its one kernel call; the
-  // backward uses the final lse with the sink, and dsinks (AttentionGrads) is summed over the local rows and
+  // backward uses the final lse with the sink, and dsinks (MhaCpGrads) is summed over the local rows and
   // all-reduced over the ring group (and gathered over the Ulysses group by USP).
   attn::ScoreMods score_mods{};
   // Dropout on the attention probabilities (attention/dropout.h): p in [0, 1), 0 = off. The mask is keyed by the
@@ -43,14 +43,14 @@ struct RingAttentionConfig {
 };
 
 // What forward() returns.
-struct AttentionOutput {
+struct MhaCpOutput {
   Tensor out;     // [B, S_local, Hq, D], dtype of q
   Tensor lse;     // [B, Hq, S_local], accumulator_dtype(dtype of q): fp32, fp64 for fp64
   CpContext ctx;  // what the backward needs; hand it to backward() of the object that made it
 };
 
 // What backward() returns.
-struct AttentionGrads {
+struct MhaCpGrads {
   Tensor dq;      // [B, S_local, Hq, D], dtype of q
   Tensor dk;      // [B, S_local, Hkv, D]
   Tensor dv;      // [B, S_local, Hkv, D]
@@ -58,11 +58,11 @@ struct AttentionGrads {
                   // sinks; empty when config.score_mods has no sinks
 };
 
-// The fields of an MHA forward (RingAttention, UspAttention) for the ranks' agreement check (AgreementCheck,
+// The fields of an MHA forward (RingAttention, MhaCp) for the ranks' agreement check (AgreementCheck,
 // parallel/cp_common.h).
 // Returns: the fingerprint of `call`, the configuration (impl, causal, window, scale), the layout, q, k and v.
 // Sync: host-only, no communication.
-Fingerprint mha_forward_fingerprint(std::string_view call, const RingAttentionConfig& config,
+Fingerprint mha_forward_fingerprint(std::string_view call, const MhaCpConfig& config,
                                     const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                                     const TensorView& v);
 
@@ -73,25 +73,25 @@ class RingAttention {
   // Errors: layout not built for the groups, window < 0, window without causal, non-finite scale, dropout p
   //   outside [0, 1).
   // Sync: host-only, collective-free.
-  RingAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
+  RingAttention(const CpGroups& groups, const SequenceLayout& layout, const MhaCpConfig& config);
 
   // Forward over the whole sequence, this rank's rows.
   // Args: q [B, S_ring, Hq, D], k, v [B, S_ring, Hkv, D], S_ring = seq_len / ring_size, at positions().
-  // Returns: AttentionOutput; the context owns what backward needs.
+  // Returns: MhaCpOutput; the context owns what backward needs.
   // Errors (before any communication, identical on every rank): shape / dtype mismatch, B != 1 with a packed
   //   layout, Hq % Hkv != 0; ranks that disagree on shapes, dtypes, configuration or layout (AgreementCheck,
   //   parallel/cp_common.h).
   // Sync: collective over the ring communicator; host-synchronous; kernels run on groups.stream.
-  AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
+  MhaCpOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
 
   // Backward with the context of a forward of this object (consumed and freed).
   // Args: dout [B, S_ring, Hq, D]; dlse: optional [B, Hq, S_ring] fp32 / fp64, the gradient of the loss with
   //   respect to lse (attn::MhaBackwardArgs).
-  // Returns: AttentionGrads, in the dtype of q.
+  // Returns: MhaCpGrads, in the dtype of q.
   // Errors (before any communication, identical on every rank): as forward; a context that is empty, used or
   //   another object's.
   // Sync: collective over the ring communicator; host-synchronous; kernels run on groups.stream.
-  AttentionGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
+  MhaCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
 
   // Lower-level entry points for composition: results written to caller-owned tensors (with the same agreement
   // check as forward() / backward()).
@@ -120,7 +120,7 @@ class RingAttention {
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
 
  private:
-  friend class UspAttention;  // runs the unchecked bodies after its own check over the SP group
+  friend class MhaCp;  // runs the unchecked bodies after its own check over the CP group
   struct Saved;
   // The agreement checks over the ring group (fingerprints of the call).
   void agree_forward(const TensorView& q, const TensorView& k, const TensorView& v);
@@ -153,7 +153,7 @@ class RingAttention {
 
   CpGroups groups_;
   SequenceLayout layout_;
-  RingAttentionConfig config_;
+  MhaCpConfig config_;
   LayerId id_;
   int rank_, size_;
   std::vector<std::vector<std::int64_t>> positions_;  // ring shard positions of every ring rank

@@ -12,8 +12,8 @@ void check_4d(const TensorView& t, const char* what) {
 
 // The inner ring's configuration: the score modifiers' per-head vectors cut to this rank's Ulysses heads
 // [u H / Pu, (u + 1) H / Pu). Vectors of another shape are passed on whole, for forward() to reject.
-RingAttentionConfig ring_config(const CpGroups& groups, const RingAttentionConfig& config) {
-  RingAttentionConfig c = config;
+MhaCpConfig ring_config(const CpGroups& groups, const MhaCpConfig& config) {
+  MhaCpConfig c = config;
   const std::int64_t pu = groups.ulysses_size(), u = groups.ulysses.rank();
   for (TensorView* t : {&c.score_mods.alibi_slopes, &c.score_mods.sinks}) {
     if (t->empty() || t->ndim() != 1 || t->dim(0) % pu != 0) continue;
@@ -25,7 +25,7 @@ RingAttentionConfig ring_config(const CpGroups& groups, const RingAttentionConfi
 
 }  // namespace
 
-struct UspAttention::Saved {
+struct MhaCp::Saved {
   CpContext ring;  // the inner ring attention's context
   UlyssesHeads heads;
   Shape q_shape;  // what dout must match
@@ -33,22 +33,22 @@ struct UspAttention::Saved {
   Device device;  // of the forward's inputs
 };
 
-UspAttention::UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config)
+MhaCp::MhaCp(const CpGroups& groups, const SequenceLayout& layout, const MhaCpConfig& config)
     : groups_(groups),
       layout_(layout),
       config_(config),
-      positions_((check_layout_matches(groups, layout, "USP"), layout.positions(groups.sp_rank()))),
+      positions_((check_layout_matches(groups, layout, "USP"), layout.positions(groups.cp_rank()))),
       ring_attn_(groups, layout, ring_config(groups, config)) {}
 
-UspAttention::UspAttention(const SpGrid& grid, const SequenceLayout& layout, const RingAttentionConfig& config)
-    : UspAttention(CpGroups::from(grid), layout, config) {}
+MhaCp::MhaCp(const CpGrid& grid, const SequenceLayout& layout, const MhaCpConfig& config)
+    : MhaCp(CpGroups::from(grid), layout, config) {}
 
-UspAttention::UspAttention(const SpGrid& grid, std::int64_t seq_len, const RingAttentionConfig& config,
+MhaCp::MhaCp(const CpGrid& grid, std::int64_t seq_len, const MhaCpConfig& config,
                            LayoutKind kind)
-    : UspAttention(grid, SequenceLayout::for_groups(CpGroups::from(grid), seq_len, kind), config) {}
+    : MhaCp(grid, SequenceLayout::for_groups(CpGroups::from(grid), seq_len, kind), config) {}
 
-AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
-  forward_agreement_.run(groups_.sp, mha_forward_fingerprint("USP forward", config_, layout_, q, k, v), groups_.stream);
+MhaCpOutput MhaCp::forward(const TensorView& q, const TensorView& k, const TensorView& v) {
+  forward_agreement_.run(groups_.cp, mha_forward_fingerprint("USP forward", config_, layout_, q, k, v), groups_.stream);
   const DeviceAlloc alloc{common_device({q, k, v}, "USP forward"), groups_.stream};
   check_4d(q, "USP q");
   check_4d(k, "USP k");
@@ -82,7 +82,7 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   const int pu = groups_.ulysses_size();
   const std::int64_t B = q.dim(0), sl = q.dim(1), hq = heads.hq;
   const DType lse_dtype = accumulator_dtype(q.dtype());
-  AttentionOutput o;
+  MhaCpOutput o;
   auto alloc_outputs = [&] {
     o.out = alloc.empty(q.shape(), q.dtype(), MemCategory::kWorkspace);
     o.lse = alloc.empty({B, hq, sl}, lse_dtype, MemCategory::kWorkspace);
@@ -110,12 +110,12 @@ AttentionOutput UspAttention::forward(const TensorView& q, const TensorView& k, 
   return o;
 }
 
-AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse) {
+MhaCpGrads MhaCp::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "USP");
   {
     Fingerprint fp("USP backward");
     fp.add_text("saved q", str_cat(dtype_name(s->q_dtype), shape_str(s->q_shape))).add_tensor("dout", dout);
-    backward_agreement_.run(groups_.sp, fp, groups_.stream);
+    backward_agreement_.run(groups_.cp, fp, groups_.stream);
   }
   check_4d(dout, "USP dout");
   const DeviceAlloc alloc{common_device({dout}, "USP backward"), groups_.stream};
@@ -145,7 +145,7 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout, c
   const TensorView dout_q = dout.dtype() != dtype ? dout_cast.view() : dout;
   const TensorView& sinks = config_.score_mods.sinks;
   const int pu = groups_.ulysses_size();
-  AttentionGrads g;
+  MhaCpGrads g;
   auto alloc_grads = [&] {
     g.dq = alloc.empty(s->q_shape, dtype, MemCategory::kWorkspace);
     g.dk = alloc.empty({B, sl, hkv, D}, dtype, MemCategory::kWorkspace);
@@ -193,13 +193,13 @@ AttentionGrads UspAttention::backward(CpContext&& ctx, const TensorView& dout, c
   return g;
 }
 
-CpCounters UspAttention::counters() const {
+CpCounters MhaCp::counters() const {
   CpCounters c = counters_;
   c += ring_attn_.counters();
   return c;
 }
 
-void UspAttention::reset_counters() {
+void MhaCp::reset_counters() {
   counters_.reset();
   ring_attn_.reset_counters();
 }

@@ -13,22 +13,22 @@
 
 #include "ring_attention.h"
 #include "ulysses.h"
-#include "../runtime/sp_grid.h"
+#include "../runtime/cp_grid.h"
 
 namespace seqpar {
 
 // One USP attention layer on this rank's groups (docs/design.md, "USP").
-class UspAttention {
+class MhaCp {
  public:
-  // A layer over `groups`; the second form on the grid's Ulysses, ring and SP communicators (CpGroups::from(grid)),
+  // A layer over `groups`; the second form on the grid's Ulysses, ring and CP communicators (CpGroups::from(grid)),
   // the grid outliving the layer; the third with SequenceLayout::for_groups(grid's groups, seq_len, kind) (zigzag
   // by default).
   // Args: layout: SequenceLayout::for_groups(groups, seq_len, kind), gives every rank's positions.
   // Errors: the layout not built for the groups; those of RingAttention's constructor.
   // Sync: host-only, no communication.
-  UspAttention(const CpGroups& groups, const SequenceLayout& layout, const RingAttentionConfig& config);
-  UspAttention(const SpGrid& grid, const SequenceLayout& layout, const RingAttentionConfig& config = {});
-  UspAttention(const SpGrid& grid, std::int64_t seq_len, const RingAttentionConfig& config = {},
+  MhaCp(const CpGroups& groups, const SequenceLayout& layout, const MhaCpConfig& config);
+  MhaCp(const CpGrid& grid, const SequenceLayout& layout, const MhaCpConfig& config = {});
+  MhaCp(const CpGrid& grid, std::int64_t seq_len, const MhaCpConfig& config = {},
                LayoutKind kind = LayoutKind::kZigzag);
 
   // Forward: Ulysses all-to-all, ring attention on the gathered ring shard, inverse all-to-all.
@@ -36,10 +36,10 @@ class UspAttention {
   // Returns: out like q (workspace), lse [B, Hq, S_local] (fp32, fp64 for fp64 inputs); the context owns what the
   //   backward needs (saved_activation).
   // Errors (before any communication, identical on every rank): heads not splittable over Pu (UlyssesHeads),
-  //   shape / dtype mismatches; ranks of the SP group that disagree on shapes, dtypes, configuration or layout
+  //   shape / dtype mismatches; ranks of the CP group that disagree on shapes, dtypes, configuration or layout
   //   (AgreementCheck, parallel/cp_common.h).
-  // Sync: collective over the Ulysses and ring groups (agreement: the SP group); host-synchronous.
-  AttentionOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
+  // Sync: collective over the Ulysses and ring groups (agreement: the CP group); host-synchronous.
+  MhaCpOutput forward(const TensorView& q, const TensorView& k, const TensorView& v);
 
   // Backward with the context of a forward of this object (consumed and freed).
   // Args: dout like q, any floating dtype; dlse: optional [B, Hq, S_local] fp32 / fp64, the gradient of the loss
@@ -47,19 +47,19 @@ class UspAttention {
   // Returns: gradients in the dtype of q.
   // Errors (before any communication, identical on every rank): as forward; a context that is empty, used or not
   //   this object's.
-  // Sync: collective over the Ulysses and ring groups (agreement: the SP group); host-synchronous.
-  AttentionGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
+  // Sync: collective over the Ulysses and ring groups (agreement: the CP group); host-synchronous.
+  MhaCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dlse = {});
 
-  // Accessors: the layout, this rank in the SP group, its positions; counters (CpCounters, the ring's plus the
+  // Accessors: the layout, this rank in the CP group, its positions; counters (CpCounters, the ring's plus the
   // all-to-all part) and reset_counters().
   // Sync: host-only.
   const SequenceLayout& layout() const { return layout_; }
-  int sp_rank() const { return groups_.sp_rank(); }
+  int cp_rank() const { return groups_.cp_rank(); }
   const std::vector<std::int64_t>& positions() const { return positions_; }
   CpCounters counters() const;
   void reset_counters();
 
-  // The agreement checks of forward and backward (over the SP group): how often each ran or was cached.
+  // The agreement checks of forward and backward (over the CP group): how often each ran or was cached.
   // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }
   const AgreementCheck& backward_agreement() const { return backward_agreement_; }
@@ -69,7 +69,7 @@ class UspAttention {
 
   CpGroups groups_;
   SequenceLayout layout_;
-  RingAttentionConfig config_;
+  MhaCpConfig config_;
   LayerId id_;
   std::vector<std::int64_t> positions_;
   RingAttention ring_attn_;

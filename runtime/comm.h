@@ -114,7 +114,7 @@ class Communicator {
   Device device() const { return device_; }
 
   // The group's name in error and log messages: "world" for a world communicator, "split" for one made by split()
-  // until renamed (SpGrid names its groups "ulysses", "ring", "sp" and "dp").
+  // until renamed (CpGrid names its groups "ulysses", "ring", "cp" and "dp").
   // Sync: host-only.
   const std::string& name() const { return name_; }
   void set_name(std::string name) { name_ = std::move(name); }

@@ -13,7 +13,7 @@
 #include <seqpar/runtime/memory.h>
 #include <seqpar/runtime/mpi_comm.h>
 #include <seqpar/runtime/nccl_comm.h>
-#include <seqpar/runtime/sp_grid.h>
+#include <seqpar/runtime/cp_grid.h>
 #include <seqpar/runtime/tensor.h>
 #include <seqpar/runtime/version.h>
 

@@ -36,16 +36,16 @@ def time_python(grid, args):
     layout = seqpar.SequenceLayout.for_grid(grid, seq_len, args.layout)
     s_local = layout.local_len
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[args.dtype]
-    torch.manual_seed(grid.sp_rank)
+    torch.manual_seed(grid.cp_rank)
     if args.attn == "mha":
-        layer = seqpar.UspAttention(grid, layout, impl=args.impl, causal=True)
+        layer = seqpar.MhaCp(grid, layout, impl=args.impl, causal=True)
         kv = args.kv_heads or args.heads
         shapes = [(1, s_local, args.heads, args.head_dim), (1, s_local, kv, args.head_dim),
                   (1, s_local, kv, args.head_dim)]
         inputs = [torch.randn(s, dtype=dtype).requires_grad_() for s in shapes]
         call = lambda: layer(*inputs)  # noqa: E731
     else:
-        layer = seqpar.GdnContextParallel(grid, layout, mode=args.gdn_mode)
+        layer = seqpar.GdnCp(grid, layout, mode=args.gdn_mode)
         hk = args.kv_heads or args.heads
         q, k = (torch.randn(1, s_local, hk, args.head_dim, dtype=dtype) for _ in range(2))
         q, k = (torch.nn.functional.normalize(t, dim=-1).requires_grad_() for t in (q, k))
@@ -118,7 +118,7 @@ def main():
     if args.worker:
         torch.set_num_threads(1)
         world = seqpar.world()
-        grid = seqpar.SpGrid(1, args.ulysses_size, world.size // args.ulysses_size)
+        grid = seqpar.CpGrid(1, args.ulysses_size, world.size // args.ulysses_size)
         result = time_python(grid, args)
         if world.rank == 0:
             with open(args.worker, "w") as f:

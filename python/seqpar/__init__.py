@@ -5,10 +5,10 @@ gated delta rule with its short conv) on CPU tensors under mpirun, without copyi
 docs/python.md shows the installs and a training example; docs/design.md, "Python module" the design.
 
     import seqpar
-    grid = seqpar.SpGrid(dp_size=1, ulysses_size=2, ring_size=2)        # over the MPI world (or comm=<mpi4py comm>)
+    grid = seqpar.CpGrid(dp_size=1, ulysses_size=2, ring_size=2)        # over the MPI world (or comm=<mpi4py comm>)
     layout = seqpar.SequenceLayout.for_grid(grid, seq_len=4096)          # zigzag by default
-    x_local = seqpar.shard_sequence(x_full, layout, grid.sp_rank)        # [B, S / 4, ...], differentiable
-    attn = seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig(causal=True))
+    x_local = seqpar.shard_sequence(x_full, layout, grid.cp_rank)        # [B, S / 4, ...], differentiable
+    attn = seqpar.MhaCp(grid, layout, seqpar.MhaCpConfig(causal=True))
     out = attn(q, k, v)                                                  # local [B, S / 4, Hq, D]
 
 Uncaught exceptions under mpirun: an exception that reaches the top level on one rank would leave the other ranks
@@ -33,28 +33,28 @@ from ._seqpar import (  # noqa: F401
     DsaCpConfig,
     Error,
     GdnCpConfig,
-    RingAttentionConfig,
+    MhaCpConfig,
     SequenceLayout,
     ShortConvCpConfig,
-    SpGrid,
+    CpGrid,
     __version__,
     abort,
     from_mpi4py,
     world,
 )
 from .layers import (  # noqa: F401
-    DsaContextParallel,
+    DsaCp,
     DsaFunction,
-    GdnContextParallel,
+    GdnCp,
     GdnFunction,
-    ShortConvContextParallel,
+    ShortConvCp,
     ShortConvFunction,
-    UspAttention,
-    UspAttentionFunction,
+    MhaCp,
+    MhaCpFunction,
 )
 from .sequence import gather_sequence, scatter_sequence, shard_sequence  # noqa: F401
 
-# MPI: initialised by the first communicator (seqpar.world(), SpGrid) unless the program (or mpi4py) did it first;
+# MPI: initialised by the first communicator (seqpar.world(), CpGrid) unless the program (or mpi4py) did it first;
 # finalised at exit only when seqpar initialised it.
 _atexit.register(_seqpar.finalize)
 

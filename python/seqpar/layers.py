@@ -1,8 +1,8 @@
 """seqpar's CP layers as torch.autograd.Function and torch.nn.Module.
 
 Every function takes this rank's piece of the sequence ([B, local_len, ...]; its rows are the tokens
-layout.token_index(grid.sp_rank), padding rows -1) and returns this rank's piece of the outputs; forward and
-backward are collective over the grid's SP group, so every rank of the group must call them in the same order
+layout.token_index(grid.cp_rank), padding rows -1) and returns this rank's piece of the outputs; forward and
+backward are collective over the grid's CP group, so every rank of the group must call them in the same order
 (autograd on CPU runs the backward on the calling thread, in the same order on every rank for the same model).
 
 Tensors: CPU, contiguous row-major, one floating dtype per call (fp32, bf16, fp16, fp64); they reach C++ as
@@ -10,8 +10,8 @@ DLPack views, the outputs come back the same way (no copy). A non-contiguous inp
 naming it (call .contiguous()); incoming gradients are made contiguous here (autograd may hand over views).
 
 Gradients of replicated tensors. The global loss is the sum of the ranks' local losses. A sharded input gets the
-gradient of its rows. A tensor that is the same on every rank of the SP group (the short conv weight, GDN's
-initial_state) gets this rank's share, 1 / sp_size of the whole gradient, so that summing the parameter gradients
+gradient of its rows. A tensor that is the same on every rank of the CP group (the short conv weight, GDN's
+initial_state) gets this rank's share, 1 / cp_size of the whole gradient, so that summing the parameter gradients
 over the group (all_reduce, as data parallelism does) gives the exact total for every parameter alike. Outputs
 that are the same on every rank (GDN's final_state, DSA's indexer loss) get their incoming gradients summed over
 the group before the C++ backward.
@@ -32,15 +32,15 @@ def _grad_in(t):
 
 
 def _share(total, grid):
-    """This rank's share of a gradient that C++ returned in full on every rank of the SP group."""
-    return total / grid.sp.size
+    """This rank's share of a gradient that C++ returned in full on every rank of the CP group."""
+    return total / grid.cp.size
 
 
 # ---- MHA / GQA --------------------------------------------------------------------------------------------------
 
 
-class UspAttentionFunction(torch.autograd.Function):
-    """(out, lse) = UspAttention(q, k, v): q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D]; lse [B, Hq, S_local]
+class MhaCpFunction(torch.autograd.Function):
+    """(out, lse) = MhaCp(q, k, v): q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D]; lse [B, Hq, S_local]
     (fp32, fp64 for fp64 inputs). Both are differentiable: a loss that uses lse (e.g. a z-loss) sends its gradient
     into the backward as flash-attention does (d lse_i / d a_ij = p_ij; attn::MhaBackwardArgs::dlse). Padding rows'
     lse gradients are ignored."""
@@ -60,20 +60,20 @@ class UspAttentionFunction(torch.autograd.Function):
         return None, dq, dk, dv
 
 
-class UspAttention(torch.nn.Module):
+class MhaCp(torch.nn.Module):
     """MHA / GQA core attention under USP (Ulysses x ring; parallel/usp.h): ring attention when ulysses_size is 1
     (impl 'p2p' or 'allgather'), Ulysses when ring_size is 1; causal, sliding window, any layout.
 
-    forward(q, k, v) -> out, or (out, lse) with return_lse. Shapes as UspAttentionFunction."""
+    forward(q, k, v) -> out, or (out, lse) with return_lse. Shapes as MhaCpFunction."""
 
     def __init__(self, grid, layout, config=None, **config_fields):
         super().__init__()
         self.grid, self.layout = grid, layout
-        self.config = config if config is not None else _seqpar.RingAttentionConfig(**config_fields)
-        self.layer = _seqpar.UspAttention(grid, layout, self.config)
+        self.config = config if config is not None else _seqpar.MhaCpConfig(**config_fields)
+        self.layer = _seqpar.MhaCp(grid, layout, self.config)
 
     def forward(self, q, k, v, return_lse=False):
-        out, lse = UspAttentionFunction.apply(self.layer, q, k, v)
+        out, lse = MhaCpFunction.apply(self.layer, q, k, v)
         return (out, lse) if return_lse else out
 
 
@@ -99,13 +99,13 @@ class GdnFunction(torch.autograd.Function):
     def backward(ctx, dout, dfinal_state):
         # final_state is replicated: the whole loss's gradient is the sum of the ranks' (module docstring).
         dfinal_state = _grad_in(dfinal_state).clone()
-        ctx.grid.sp.all_reduce(dfinal_state)
+        ctx.grid.cp.all_reduce(dfinal_state)
         dq, dk, dv, dg, dbeta, dinitial = ctx.layer.backward(ctx.saved, _grad_in(dout), dfinal_state)
         dinitial = _share(dinitial, ctx.grid) if ctx.has_initial_state else None
         return None, None, dq, dk, dv, dg, dbeta, dinitial
 
 
-class GdnContextParallel(torch.nn.Module):
+class GdnCp(torch.nn.Module):
     """Gated delta rule under context parallelism: state passing 'chain' or 'scan' over the ring group, heads
     over the Ulysses group (parallel/gdn_cp.h). forward(q, k, v, g, beta, initial_state=None) -> (out, final_state);
     shapes as GdnFunction."""
@@ -114,14 +114,14 @@ class GdnContextParallel(torch.nn.Module):
         super().__init__()
         self.grid, self.layout = grid, layout
         self.config = config if config is not None else _seqpar.GdnCpConfig(**config_fields)
-        self.layer = _seqpar.GdnContextParallel(grid, layout, self.config)
+        self.layer = _seqpar.GdnCp(grid, layout, self.config)
 
     def forward(self, q, k, v, g, beta, initial_state=None):
         return GdnFunction.apply(self.layer, self.grid, q, k, v, g, beta, initial_state)
 
 
 class ShortConvFunction(torch.autograd.Function):
-    """out = silu(causal depthwise conv(x)) over the sharded sequence (halo exchange over the SP group).
+    """out = silu(causal depthwise conv(x)) over the sharded sequence (halo exchange over the CP group).
     x [B, S_local, C], weight [C, W] (the same on every rank; weight[:, W-1] multiplies the current token)."""
 
     @staticmethod
@@ -134,18 +134,18 @@ class ShortConvFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         dweight = torch.empty(ctx.weight_meta[0], dtype=ctx.weight_meta[1])
-        dx = ctx.layer.backward(ctx.saved, _grad_in(dout), dweight)  # dweight: summed over the SP group
+        dx = ctx.layer.backward(ctx.saved, _grad_in(dout), dweight)  # dweight: summed over the CP group
         return None, None, dx, _share(dweight, ctx.grid)
 
 
-class ShortConvContextParallel(torch.nn.Module):
+class ShortConvCp(torch.nn.Module):
     """The short causal depthwise conv before GDN's q, k, v (Qwen3-Next), with its weight [channels, width].
     forward(x [B, S_local, channels]) -> [B, S_local, channels]."""
 
     def __init__(self, grid, layout, channels, width=4, use_silu=True, dtype=torch.float32):
         super().__init__()
         self.grid, self.layout = grid, layout
-        self.layer = _seqpar.ShortConvContextParallel(grid, layout, _seqpar.ShortConvCpConfig(use_silu=use_silu))
+        self.layer = _seqpar.ShortConvCp(grid, layout, _seqpar.ShortConvCpConfig(use_silu=use_silu))
         bound = 1.0 / width**0.5  # torch.nn.Conv1d's default init for a depthwise conv (fan_in = width)
         self.weight = torch.nn.Parameter(torch.empty(channels, width, dtype=dtype).uniform_(-bound, bound))
 
@@ -161,12 +161,12 @@ class DsaFunction(torch.autograd.Function):
 
     q [B, S_local, H, Dqk], c [B, S_local, Dqk] (the latent), q_idx [B, S_local, Hi, Di], k_idx [B, S_local, Di],
     w [B, S_local, Hi]; out [B, S_local, H, Dv]. indexer_loss: the KL loss of the indexer summed over the whole
-    sequence, a 0-d fp64 tensor, the same on every rank; its gradient (summed over the SP group) flows into q_idx,
+    sequence, a 0-d fp64 tensor, the same on every rank; its gradient (summed over the CP group) flows into q_idx,
     k_idx and w only, and out's only into q and c.
 
     The C++ layer computes the loss in its backward. To return it from the forward, the forward runs the layer's
     forward and backward once (with a zero dout) for the loss value, and a second forward for the context of the
-    real backward: about twice the cost of the layer. DsaContextParallel(indexer_loss_weight=w) avoids it. The
+    real backward: about twice the cost of the layer. DsaCp(indexer_loss_weight=w) avoids it. The
     loss's incoming gradient reaches C++ as a float (loss_grad_scale): exact for the usual 1, 0.5, 0.01 ... up to fp32
     rounding.
     """
@@ -183,7 +183,7 @@ class DsaFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dloss):
         dloss = _grad_in(dloss).reshape(1).clone()
-        ctx.grid.sp.all_reduce(dloss)
+        ctx.grid.cp.all_reduce(dloss)
         dq, dc, dq_idx, dk_idx, dw, _ = ctx.layer.backward(ctx.saved, _grad_in(dout), float(dloss))
         return None, None, dq, dc, dq_idx, dk_idx, dw
 
@@ -204,7 +204,7 @@ class DsaWeightedFunction(torch.autograd.Function):
         return None, None, dq, dc, dq_idx, dk_idx, dw
 
 
-class DsaContextParallel(torch.nn.Module):
+class DsaCp(torch.nn.Module):
     """DeepSeek sparse attention under context parallelism (parallel/dsa_cp.h); shapes as DsaFunction.
 
     forward(q, c, q_idx, k_idx, w) -> (out, indexer_loss) by default; with indexer_loss_weight=x -> out, the indexer
@@ -215,7 +215,7 @@ class DsaContextParallel(torch.nn.Module):
         self.grid, self.layout = grid, layout
         self.config = config if config is not None else _seqpar.DsaCpConfig(**config_fields)
         self.indexer_loss_weight = indexer_loss_weight
-        self.layer = _seqpar.DsaContextParallel(grid, layout, self.config)
+        self.layer = _seqpar.DsaCp(grid, layout, self.config)
 
     def forward(self, q, c, q_idx, k_idx, w):
         if self.indexer_loss_weight is None:

@@ -1,7 +1,7 @@
 """Cutting a full batch into this rank's piece of a SequenceLayout and putting it back together.
 
 The full tensor holds the row's seq_len real tokens ([B, T, ...], B = 1 for a packed row); a rank's piece holds
-layout.local_len slots, some of which may be padding (layout.token_index(sp_rank) = -1): zeros on the way in,
+layout.local_len slots, some of which may be padding (layout.token_index(cp_rank) = -1): zeros on the way in,
 dropped on the way out.
 """
 
@@ -10,8 +10,8 @@ import torch
 from . import _seqpar
 
 
-def shard_sequence(full, layout, sp_rank, seq_dim=1):
-    """This SP rank's piece of `full` ([B, T, ...] with seq_dim 1): row i is token layout.token_index(sp_rank)[i],
+def shard_sequence(full, layout, cp_rank, seq_dim=1):
+    """This CP rank's piece of `full` ([B, T, ...] with seq_dim 1): row i is token layout.token_index(cp_rank)[i],
     or zeros for a padding row.
 
     A torch index_select, so it is differentiable (its gradient scatters back into the full tensor, padding rows
@@ -26,7 +26,7 @@ def shard_sequence(full, layout, sp_rank, seq_dim=1):
             f"shard_sequence: the full tensor of shape {tuple(full.shape)} has length {full.shape[seq_dim]} in "
             f"dimension {seq_dim} (seq_dim), but the layout's seq_len is {layout.seq_len} (its total tokens): pass "
             f"the whole sequence, or a layout for length {full.shape[seq_dim]}")
-    tokens = layout.token_index(sp_rank)
+    tokens = layout.token_index(cp_rank)
     padding = tokens < 0
     if not bool(padding.any()):
         return full.index_select(seq_dim, tokens)
@@ -37,7 +37,7 @@ def shard_sequence(full, layout, sp_rank, seq_dim=1):
 
 
 def scatter_sequence(grid, layout, full, root=0):
-    """Collective over grid.sp: root's full [B, T, ...] tensor is cut by the layout, every rank gets its
+    """Collective over grid.cp: root's full [B, T, ...] tensor is cut by the layout, every rank gets its
     [B, local_len, ...] piece (padding rows zero).
 
     Every rank passes a tensor of the full shape and dtype (read on `root` only). No autograd.
@@ -50,7 +50,7 @@ def scatter_sequence(grid, layout, full, root=0):
 
 
 def gather_sequence(grid, layout, local, seq_dim=1):
-    """Collective over grid.sp: every rank's piece gathered into the full tensor of seq_len rows on every rank
+    """Collective over grid.cp: every rank's piece gathered into the full tensor of seq_len rows on every rank
     (padding rows dropped; seq_dim 1 for [B, T, ...], 2 for [B, H, T] such as lse). No autograd (for evaluation,
     checks and outputs)."""
     shape = list(local.shape)

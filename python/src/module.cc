@@ -1,5 +1,5 @@
 // seqpar._seqpar: the pybind11 bindings under the Python package seqpar (python/seqpar; docs/python.md,
-// docs/design.md, "Python module"). One binding per C++ class, with the C++ names: SpGrid, SequenceLayout, the layers'
+// docs/design.md, "Python module"). One binding per C++ class, with the C++ names: CpGrid, SequenceLayout, the layers'
 // configuration structs and the CP layers' forward / backward. Tensors cross as DLPack views (dlpack_bridge.h): the
 // inputs are the caller's torch tensors, the outputs seqpar Tensors handed to torch, neither copied. A layer's
 // forward returns its CpContext as an opaque Context object for the backward (which consumes it).
@@ -21,7 +21,7 @@
 #include "parallel/usp.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/version.h"
 
 namespace py = pybind11;
@@ -65,8 +65,8 @@ std::shared_ptr<Communicator> from_mpi4py(const py::object& comm) {
 // The grid with the communicator it was built over (the process's world, or a duplicate of an mpi4py one).
 struct Grid {
   std::shared_ptr<Communicator> world;
-  SpGrid grid;
-  Grid(std::shared_ptr<Communicator> w, const SpGridConfig& config) : world(std::move(w)), grid(*world, config) {}
+  CpGrid grid;
+  Grid(std::shared_ptr<Communicator> w, const CpGridConfig& config) : world(std::move(w)), grid(*world, config) {}
 };
 
 std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
@@ -102,7 +102,7 @@ void def_fields(py::class_<Class>& cls, std::pair<const char*, Members Class::*>
   (cls.def_readwrite(fields.first, fields.second), ...);
 }
 
-py::tuple attention_grads(AttentionGrads&& g) {
+py::tuple attention_grads(MhaCpGrads&& g) {
   return py::make_tuple(to_torch(std::move(g.dq)), to_torch(std::move(g.dk)), to_torch(std::move(g.dv)));
 }
 
@@ -167,13 +167,13 @@ void bind_runtime(py::module_& m) {
   m.def("from_mpi4py", &from_mpi4py, py::arg("comm"), "A seqpar communicator over a duplicate of an mpi4py one.");
 }
 
-// The SP process grid (runtime/sp_grid.h).
+// The SP process grid (runtime/cp_grid.h).
 void bind_grid(py::module_& m) {
-  py::class_<Grid>(m, "SpGrid", "The SP process grid (runtime/sp_grid.h): world = dp x ulysses x ring")
+  py::class_<Grid>(m, "CpGrid", "The SP process grid (runtime/cp_grid.h): world = dp x ulysses x ring")
       .def(py::init(
                [](int dp_size, int ulysses_size, int ring_size, const std::string& placement, const py::object& comm) {
                  return std::make_unique<Grid>(
-                     resolve_comm(comm), SpGridConfig{dp_size, ulysses_size, ring_size, parse_placement(placement)});
+                     resolve_comm(comm), CpGridConfig{dp_size, ulysses_size, ring_size, parse_placement(placement)});
                }),
            py::arg("dp_size") = 1, py::arg("ulysses_size") = 1, py::arg("ring_size") = 1,
            py::arg("placement") = "ulysses_inner", py::arg("comm") = py::none())
@@ -185,7 +185,7 @@ void bind_grid(py::module_& m) {
       .def_property_readonly("dp_rank", [](const Grid& g) { return g.grid.coords().dp_rank; })
       .def_property_readonly("ulysses_rank", [](const Grid& g) { return g.grid.coords().ulysses_rank; })
       .def_property_readonly("ring_rank", [](const Grid& g) { return g.grid.coords().ring_rank; })
-      .def_property_readonly("sp_rank", [](const Grid& g) { return g.grid.coords().sp_rank; })
+      .def_property_readonly("cp_rank", [](const Grid& g) { return g.grid.coords().cp_rank; })
       .def_property_readonly("world_rank", [](const Grid& g) { return g.grid.world_rank(); })
       .def_property_readonly("world", [](const Grid& g) { return g.world; })
       // The groups are owned by the grid: borrowed references that keep it alive.
@@ -196,7 +196,7 @@ void bind_grid(py::module_& m) {
           "ring", [](const Grid& g) -> Communicator& { return g.grid.ring(); },
           py::return_value_policy::reference_internal)
       .def_property_readonly(
-          "sp", [](const Grid& g) -> Communicator& { return g.grid.sp(); }, py::return_value_policy::reference_internal)
+          "cp", [](const Grid& g) -> Communicator& { return g.grid.cp(); }, py::return_value_policy::reference_internal)
       .def_property_readonly(
           "dp", [](const Grid& g) -> Communicator& { return g.grid.dp(); }, py::return_value_policy::reference_internal)
       .def("__str__", [](const Grid& g) { return g.grid.str(); });
@@ -206,7 +206,7 @@ void bind_grid(py::module_& m) {
 void bind_layout(py::module_& m) {
   py::class_<SequenceLayout>(
       m, "SequenceLayout",
-      "Which tokens each SP rank holds, padded into slots; packed rows of documents (parallel/layout.h)")
+      "Which tokens each CP rank holds, padded into slots; packed rows of documents (parallel/layout.h)")
       .def(py::init([](const std::string& kind, std::int64_t seq_len, int ring_size, int ulysses_size) {
              return SequenceLayout(parse_layout(kind), seq_len, ring_size, ulysses_size);
            }),
@@ -240,20 +240,20 @@ void bind_layout(py::module_& m) {
                                return int64_tensor(std::vector<std::int64_t>(cu.begin(), cu.end()));
                              })
       .def(
-          "token_index", [](const SequenceLayout& l, int sp_rank) { return int64_tensor(l.token_index(sp_rank)); },
-          py::arg("sp_rank"), "Per local row of this SP rank: its token in [0, seq_len), or -1 for padding.")
+          "token_index", [](const SequenceLayout& l, int cp_rank) { return int64_tensor(l.token_index(cp_rank)); },
+          py::arg("cp_rank"), "Per local row of this CP rank: its token in [0, seq_len), or -1 for padding.")
       .def(
           "rope_positions",
-          [](const SequenceLayout& l, int sp_rank) { return int64_tensor(l.rope_positions(sp_rank)); },
-          py::arg("sp_rank"), "Per local row: the offset inside its document (0 for padding), for RoPE.")
+          [](const SequenceLayout& l, int cp_rank) { return int64_tensor(l.rope_positions(cp_rank)); },
+          py::arg("cp_rank"), "Per local row: the offset inside its document (0 for padding), for RoPE.")
       .def_property_readonly("seq_len", &SequenceLayout::seq_len)
       .def_property_readonly("ring_size", &SequenceLayout::ring_size)
       .def_property_readonly("ulysses_size", &SequenceLayout::ulysses_size)
       .def_property_readonly("num_ranks", &SequenceLayout::num_ranks)
       .def_property_readonly("local_len", &SequenceLayout::local_len)
       .def(
-          "positions", [](const SequenceLayout& l, int sp_rank) { return int64_tensor(l.positions(sp_rank)); },
-          py::arg("sp_rank"), "This SP rank's increasing slot positions in [0, padded_len) (torch int64).")
+          "positions", [](const SequenceLayout& l, int cp_rank) { return int64_tensor(l.positions(cp_rank)); },
+          py::arg("cp_rank"), "This CP rank's increasing slot positions in [0, padded_len) (torch int64).")
       .def(
           "ring_shard_positions",
           [](const SequenceLayout& l, int ring_rank) { return int64_tensor(l.ring_shard_positions(ring_rank)); },
@@ -271,13 +271,13 @@ void bind_layout(py::module_& m) {
   m.def(
       "scatter_sequence",
       [](const Grid& g, const SequenceLayout& layout, py::handle full, py::handle local, int root) {
-        scatter_sequence(g.grid.sp(), layout, view_of(full, "full"), view_of(local, "local"), root);
+        scatter_sequence(g.grid.cp(), layout, view_of(full, "full"), view_of(local, "local"), root);
       },
       py::arg("grid"), py::arg("layout"), py::arg("full"), py::arg("local"), py::arg("root") = 0);
   m.def(
       "gather_sequence",
       [](const Grid& g, const SequenceLayout& layout, py::handle local, py::handle full, int seq_dim) {
-        gather_sequence(g.grid.sp(), layout, view_of(local, "local"), view_of(full, "full"), seq_dim);
+        gather_sequence(g.grid.cp(), layout, view_of(local, "local"), view_of(full, "full"), seq_dim);
       },
       py::arg("grid"), py::arg("layout"), py::arg("local"), py::arg("full"), py::arg("seq_dim") = 1);
 
@@ -285,11 +285,11 @@ void bind_layout(py::module_& m) {
       .def_property_readonly("live", &CpContext::live);
 }
 
-// MHA / GQA: UspAttention (ring when ulysses_size = 1, Ulysses when ring_size = 1) and its config.
+// MHA / GQA: MhaCp (ring when ulysses_size = 1, Ulysses when ring_size = 1) and its config.
 void bind_mha(py::module_& m) {
-  py::class_<RingAttentionConfig> mha_config(m, "RingAttentionConfig");
+  py::class_<MhaCpConfig> mha_config(m, "MhaCpConfig");
   mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale) {
-                   RingAttentionConfig c;
+                   MhaCpConfig c;
                    c.impl = parse_ring_impl(impl);
                    c.causal = causal;
                    c.window = window;
@@ -297,19 +297,19 @@ void bind_mha(py::module_& m) {
                    return c;
                  }),
                  py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0f);
-  enum_property(mha_config, "impl", &RingAttentionConfig::impl, ring_impl_name, parse_ring_impl);
-  def_fields(mha_config, std::pair{"causal", &RingAttentionConfig::causal},
-             std::pair{"window", &RingAttentionConfig::window}, std::pair{"scale", &RingAttentionConfig::scale});
+  enum_property(mha_config, "impl", &MhaCpConfig::impl, ring_impl_name, parse_ring_impl);
+  def_fields(mha_config, std::pair{"causal", &MhaCpConfig::causal},
+             std::pair{"window", &MhaCpConfig::window}, std::pair{"scale", &MhaCpConfig::scale});
 
-  bind_layer<UspAttention, RingAttentionConfig>(m, "UspAttention", "MHA / GQA under USP (parallel/usp.h)")
+  bind_layer<MhaCp, MhaCpConfig>(m, "MhaCp", "MHA / GQA under USP (parallel/usp.h)")
       .def("forward",
-           [](UspAttention& a, py::handle q, py::handle k, py::handle v) {
-             AttentionOutput r = a.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"));
+           [](MhaCp& a, py::handle q, py::handle k, py::handle v) {
+             MhaCpOutput r = a.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"));
              return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.lse)), std::move(r.ctx));
            })
       .def(
           "backward",
-          [](UspAttention& a, CpContext& ctx, py::handle dout, py::handle dlse) {
+          [](MhaCp& a, CpContext& ctx, py::handle dout, py::handle dlse) {
             return attention_grads(a.backward(std::move(ctx), view_of(dout, "dout"), view_of(dlse, "dlse")));
           },
           py::arg("ctx"), py::arg("dout"), py::arg("dlse") = py::none());
@@ -327,15 +327,15 @@ void bind_gdn(py::module_& m) {
   def_fields(gdn_config, std::pair{"use_qk_l2norm", &GdnCpConfig::use_qk_l2norm},
              std::pair{"scale", &GdnCpConfig::scale}, std::pair{"chunk_size", &GdnCpConfig::chunk_size});
 
-  bind_layer<GdnContextParallel, GdnCpConfig>(m, "GdnContextParallel", "Gated delta rule under CP (parallel/gdn_cp.h)")
+  bind_layer<GdnCp, GdnCpConfig>(m, "GdnCp", "Gated delta rule under CP (parallel/gdn_cp.h)")
       .def("forward",
-           [](GdnContextParallel& l, py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta,
+           [](GdnCp& l, py::handle q, py::handle k, py::handle v, py::handle g, py::handle beta,
               py::handle initial_state) {
              GdnCpOutput r = l.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"), view_of(g, "g"),
                                        view_of(beta, "beta"), view_of(initial_state, "initial_state"));
              return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.final_state)), std::move(r.ctx));
            })
-      .def("backward", [](GdnContextParallel& l, CpContext& ctx, py::handle dout, py::handle dfinal_state) {
+      .def("backward", [](GdnCp& l, CpContext& ctx, py::handle dout, py::handle dfinal_state) {
         GdnCpGrads r = l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dfinal_state, "dfinal_state"));
         return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dk)), to_torch(std::move(r.dv)),
                               to_torch(std::move(r.dg)), to_torch(std::move(r.dbeta)),
@@ -346,16 +346,16 @@ void bind_gdn(py::module_& m) {
       .def(py::init([](bool use_silu) { return ShortConvCpConfig{use_silu}; }), py::arg("use_silu") = true)
       .def_readwrite("use_silu", &ShortConvCpConfig::use_silu);
 
-  py::class_<ShortConvContextParallel> short_conv(m, "ShortConvContextParallel",
+  py::class_<ShortConvCp> short_conv(m, "ShortConvCp",
                                                   "The short causal depthwise conv under CP (parallel/gdn_cp.h)");
-  def_layer_init<ShortConvContextParallel, ShortConvCpConfig>(short_conv);
+  def_layer_init<ShortConvCp, ShortConvCpConfig>(short_conv);
   short_conv
       .def("forward",
-           [](ShortConvContextParallel& l, py::handle x, py::handle weight) {
+           [](ShortConvCp& l, py::handle x, py::handle weight) {
              ShortConvCpOutput r = l.forward(view_of(x, "x"), view_of(weight, "weight"));
              return py::make_tuple(to_torch(std::move(r.out)), std::move(r.ctx));
            })
-      .def("backward", [](ShortConvContextParallel& l, CpContext& ctx, py::handle dout, py::handle dweight) {
+      .def("backward", [](ShortConvCp& l, CpContext& ctx, py::handle dout, py::handle dweight) {
         return to_torch(l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dweight, "dweight")));
       });
 }
@@ -373,16 +373,16 @@ void bind_dsa(py::module_& m) {
   def_fields(dsa_config, std::pair{"topk", &DsaCpConfig::topk}, std::pair{"dim_v", &DsaCpConfig::dim_v},
              std::pair{"scale", &DsaCpConfig::scale}, std::pair{"window", &DsaCpConfig::window});
 
-  bind_layer<DsaContextParallel, DsaCpConfig>(m, "DsaContextParallel",
+  bind_layer<DsaCp, DsaCpConfig>(m, "DsaCp",
                                               "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
       .def("forward",
-           [](DsaContextParallel& l, py::handle q, py::handle c, py::handle q_idx, py::handle k_idx, py::handle w) {
+           [](DsaCp& l, py::handle q, py::handle c, py::handle q_idx, py::handle k_idx, py::handle w) {
              DsaCpOutput r = l.forward(view_of(q, "q"), view_of(c, "c"), view_of(q_idx, "q_idx"),
                                        view_of(k_idx, "k_idx"), view_of(w, "w"));
              return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.lse)),
                                    to_torch(std::move(r.topk_indices)), std::move(r.ctx));
            })
-      .def("backward", [](DsaContextParallel& l, CpContext& ctx, py::handle dout, float loss_grad_scale) {
+      .def("backward", [](DsaCp& l, CpContext& ctx, py::handle dout, float loss_grad_scale) {
         DsaCpGrads r = l.backward(std::move(ctx), view_of(dout, "dout"), loss_grad_scale);
         return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dc)), to_torch(std::move(r.dq_idx)),
                               to_torch(std::move(r.dk_idx)), to_torch(std::move(r.dw)), r.loss);

@@ -7,9 +7,9 @@ import sys
 import seqpar
 
 world = seqpar.world()
-grid = seqpar.SpGrid(1, 1, world.size)
+grid = seqpar.CpGrid(1, 1, world.size)
 if world.rank == world.size - 1:
     raise RuntimeError(f"deliberate failure on rank {world.rank} alone")
-grid.sp.barrier()  # never completes: the last rank is gone
+grid.cp.barrier()  # never completes: the last rank is gone
 print("error: the barrier completed", file=sys.stderr)
 sys.exit(0)  # a zero exit fails the test

@@ -134,10 +134,10 @@ def run_against_reference(grid, layout, full_sharded, full_replicated, layer, re
     the same on every rank (or None). layer(*local_sharded, *replicated) -> (sharded outputs, replicated outputs);
     reference(*full_sharded, *replicated) -> the same outputs for the whole sequence, in fp64.
     The loss is sum(out * dout) over every output with random dout; each rank adds its rows, and replicated outputs
-    once over the group (1 / sp_size each). Checks every output's rows and every input's gradient (the gradients
-    summed over the SP group, the way a training step sums parameter gradients).
+    once over the group (1 / cp_size each). Checks every output's rows and every input's gradient (the gradients
+    summed over the CP group, the way a training step sums parameter gradients).
     """
-    tokens = layout.token_index(grid.sp_rank)  # per local row; -1 for a padding row
+    tokens = layout.token_index(grid.cp_rank)  # per local row; -1 for a padding row
     real_rows = (tokens >= 0).nonzero().flatten()
     real_tokens = tokens.index_select(0, real_rows)
     ref_inputs = [t.detach().to(torch.float64).requires_grad_() for t in full_sharded]
@@ -145,16 +145,16 @@ def run_against_reference(grid, layout, full_sharded, full_replicated, layer, re
     ref_sharded_out, ref_repl_out = reference(*ref_inputs, *ref_repl)
     gen = torch.Generator().manual_seed(seed)
     douts = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in ref_sharded_out]
-    # fp32-representable: DSA's loss gradient reaches C++ as a float (DsaContextParallel::backward's loss_grad_scale)
+    # fp32-representable: DSA's loss gradient reaches C++ as a float (DsaCp::backward's loss_grad_scale)
     drepl = [torch.randn(o.shape, generator=gen).to(torch.float64) for o in ref_repl_out]
     ref_loss = sum((o * d).sum() for o, d in zip(ref_sharded_out, douts))
     ref_loss = ref_loss + sum((o * d).sum() for o, d in zip(ref_repl_out, drepl))
     ref_loss.backward()
 
-    local = [seqpar.shard_sequence(t, layout, grid.sp_rank) for t in full_sharded]
+    local = [seqpar.shard_sequence(t, layout, grid.cp_rank) for t in full_sharded]
     sharded_out, repl_out = layer(*local, *full_replicated)
-    n = grid.sp.size
-    loss = sum((o.to(torch.float64) * seqpar.shard_sequence(d, layout, grid.sp_rank)).sum()
+    n = grid.cp.size
+    loss = sum((o.to(torch.float64) * seqpar.shard_sequence(d, layout, grid.cp_rank)).sum()
                for o, d in zip(sharded_out, douts))  # zero dout on padding rows
     loss = loss + sum((o.to(torch.float64) * d).sum() / n for o, d in zip(repl_out, drepl))
     loss.backward()
@@ -167,5 +167,5 @@ def run_against_reference(grid, layout, full_sharded, full_replicated, layer, re
         if t is None:
             continue
         grad = t.grad.clone()
-        grid.sp.all_reduce(grad)
+        grid.cp.all_reduce(grad)
         check_close(f"grad of input {i}", grad, r.grad, rtol)

@@ -1,4 +1,4 @@
-"""seqpar.DsaContextParallel against a dense DSA written in torch (indexer scores of every visible key, top-k,
+"""seqpar.DsaCp against a dense DSA written in torch (indexer scores of every visible key, top-k,
 softmax over the selected latents, KL indexer loss), forward and backward: out's gradient into q and c, the indexer
 loss's into q_idx, k_idx and w, at every (ulysses_size, ring_size) of the world."""
 
@@ -21,9 +21,9 @@ def dsa_inputs():
 @pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("select,window", [("ring", 0), ("allgather", 0), ("ring", 12)], ids=str)
 def test_dsa_fp64_matches_dense_reference(grid_shape, kind, select, window):
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
-    dsa = seqpar.DsaContextParallel(grid, layout, select=select, topk=TOPK, dim_v=DV, window=window)
+    dsa = seqpar.DsaCp(grid, layout, select=select, topk=TOPK, dim_v=DV, window=window)
 
     def layer(*inputs):
         out, loss = dsa(*inputs)
@@ -38,10 +38,10 @@ def test_dsa_fp64_matches_dense_reference(grid_shape, kind, select, window):
 
 def test_dsa_fixed_loss_weight():
     """indexer_loss_weight: one pass, the indexer inputs get weight * d(loss), as the loss added with that weight."""
-    grid = seqpar.SpGrid(1, 1, WORLD)
+    grid = seqpar.CpGrid(1, 1, WORLD)
     layout = seqpar.SequenceLayout.for_grid(grid, S)
     weight = 0.25  # a float in C++ (loss_grad_scale): exact
-    dsa = seqpar.DsaContextParallel(grid, layout, topk=TOPK, dim_v=DV, indexer_loss_weight=weight)
+    dsa = seqpar.DsaCp(grid, layout, topk=TOPK, dim_v=DV, indexer_loss_weight=weight)
 
     torch.manual_seed(3)
     inputs = dsa_inputs()
@@ -49,10 +49,10 @@ def test_dsa_fixed_loss_weight():
     out_ref, loss_ref = dsa_reference(*ref, topk=TOPK, dim_v=DV)
     dout = torch.randn(out_ref.shape, dtype=torch.float64)
     ((out_ref * dout).sum() + weight * loss_ref).backward()
-    pos = layout.positions(grid.sp_rank)
-    local = [seqpar.shard_sequence(t, layout, grid.sp_rank) for t in inputs]
+    pos = layout.positions(grid.cp_rank)
+    local = [seqpar.shard_sequence(t, layout, grid.cp_rank) for t in inputs]
     (dsa(*local) * dout.index_select(1, pos)).sum().backward()
     for i, (t, r) in enumerate(zip(inputs, ref)):
         grad = t.grad.clone()
-        grid.sp.all_reduce(grad)
+        grid.cp.all_reduce(grad)
         assert torch.allclose(grad, r.grad, rtol=0, atol=1e-10 * max(1.0, r.grad.abs().max().item())), f"input {i}"

@@ -1,5 +1,5 @@
-"""seqpar.GdnContextParallel (chain / scan, Ulysses x ring, initial_state and final_state) and
-seqpar.ShortConvContextParallel against the token-by-token recurrence and torch's conv1d on the whole sequence,
+"""seqpar.GdnCp (chain / scan, Ulysses x ring, initial_state and final_state) and
+seqpar.ShortConvCp against the token-by-token recurrence and torch's conv1d on the whole sequence,
 forward and backward, at every (ulysses_size, ring_size) of the world."""
 
 import pytest
@@ -28,7 +28,7 @@ def gdn_inputs(dtype, with_initial_state, T=S, num_states=B):
 
 
 def run_gdn(grid, layout, config, dtype, with_initial_state):
-    gdn = seqpar.GdnContextParallel(grid, layout, config)
+    gdn = seqpar.GdnCp(grid, layout, config)
     sharded, replicated = gdn_inputs(dtype, with_initial_state, layout.seq_len)
 
     def layer(q, k, v, g, beta, initial_state):
@@ -47,7 +47,7 @@ def run_gdn(grid, layout, config, dtype, with_initial_state):
 @pytest.mark.parametrize("mode", ["chain", "scan"])
 @pytest.mark.parametrize("with_initial_state", [False, True], ids=["zero_state", "initial_state"])
 def test_gdn_fp64_matches_recurrence(grid_shape, kind, mode, with_initial_state):
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
     config = seqpar.GdnCpConfig(mode=mode, chunk_size=4)
     run_gdn(grid, layout, config, torch.float64, with_initial_state)
@@ -58,7 +58,7 @@ def test_gdn_fp64_matches_recurrence(grid_shape, kind, mode, with_initial_state)
 @pytest.mark.parametrize("mode", ["chain", "scan"])
 def test_gdn_padded_odd_length(grid_shape, kind, mode):
     """T = 53 tokens (padded as the layout needs) against the recurrence on the 53 tokens."""
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.for_grid(grid, 53, kind)
     run_gdn(grid, layout, seqpar.GdnCpConfig(mode=mode, chunk_size=4), torch.float64, True)
 
@@ -72,10 +72,10 @@ CU_SEQLENS = [0, 7, 7, 26, 41]  # a zero-length document; lengths no layout divi
 def test_gdn_packed_per_document_states(grid_shape, kind, mode):
     """A packed row: each document runs from its own initial_state[d] and ends in final_state[d]
     ([N, Hv, K, V]), against the recurrence on each document alone."""
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.packed_for_grid(grid, CU_SEQLENS, kind)
     config = seqpar.GdnCpConfig(mode=mode, chunk_size=4)
-    gdn = seqpar.GdnContextParallel(grid, layout, config)
+    gdn = seqpar.GdnCp(grid, layout, config)
     sharded, replicated = gdn_inputs(torch.float64, True, CU_SEQLENS[-1], len(CU_SEQLENS) - 1)
 
     def layer(q, k, v, g, beta, initial_state):
@@ -91,7 +91,7 @@ def test_gdn_packed_per_document_states(grid_shape, kind, mode):
 
 
 def test_gdn_fp32_without_l2norm():
-    grid = seqpar.SpGrid(1, 1, WORLD)
+    grid = seqpar.CpGrid(1, 1, WORLD)
     layout = seqpar.SequenceLayout.for_grid(grid, S)
     run_gdn(grid, layout, seqpar.GdnCpConfig(use_qk_l2norm=False, scale=0.25), torch.float32, True)
 
@@ -100,17 +100,17 @@ def test_gdn_fp32_without_l2norm():
 @pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("width", [4, 20])  # 20 > S_local at 4 ranks: the halo spans several ranks
 def test_short_conv_fp64_matches_conv1d(grid_shape, kind, width):
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
-    conv = seqpar.ShortConvContextParallel(grid, layout, channels=6, width=width, dtype=torch.float64)
+    conv = seqpar.ShortConvCp(grid, layout, channels=6, width=width, dtype=torch.float64)
     x = random_full((B, S, 6))
     run_against_reference(grid, layout, [x], [conv.weight], lambda x, w: ([seqpar.ShortConvFunction.apply(
         conv.layer, grid, x, w)], []), lambda x, w: ([short_conv_reference(x, w)], []), 1e-12)
 
 
 def test_gdn_refuses_stripe():
-    grid = seqpar.SpGrid(1, 1, WORLD)
+    grid = seqpar.CpGrid(1, 1, WORLD)
     if WORLD == 1:
         pytest.skip("a ring of one holds one segment in any layout")
     with pytest.raises(seqpar.Error, match="stripe"):
-        seqpar.GdnContextParallel(grid, seqpar.SequenceLayout.for_grid(grid, S, "stripe"))
+        seqpar.GdnCp(grid, seqpar.SequenceLayout.for_grid(grid, S, "stripe"))

@@ -1,4 +1,4 @@
-"""seqpar.UspAttention (ring p2p / all-gather, Ulysses, USP; layouts; window; GQA) against materialised softmax
+"""seqpar.MhaCp (ring p2p / all-gather, Ulysses, USP; layouts; window; GQA) against materialised softmax
 attention on the whole sequence, forward and backward, at every (ulysses_size, ring_size) of the world."""
 
 import pytest
@@ -18,7 +18,7 @@ RTOL = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.f
 
 
 def run_mha(grid, layout, config, dtype):
-    attn = seqpar.UspAttention(grid, layout, config)
+    attn = seqpar.MhaCp(grid, layout, config)
     q = random_full((B, S, HQ, D), dtype)
     k = random_full((B, S, HKV, D), dtype)
     v = random_full((B, S, HKV, D), dtype)
@@ -31,9 +31,9 @@ def run_mha(grid, layout, config, dtype):
 @pytest.mark.parametrize("kind", ["zigzag", "contiguous", "stripe"])
 @pytest.mark.parametrize("impl,causal,window", CONFIGS, ids=lambda x: str(x))
 def test_usp_fp64_matches_reference(grid_shape, kind, impl, causal, window):
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.for_grid(grid, S, kind)
-    run_mha(grid, layout, seqpar.RingAttentionConfig(impl=impl, causal=causal, window=window), torch.float64)
+    run_mha(grid, layout, seqpar.MhaCpConfig(impl=impl, causal=causal, window=window), torch.float64)
 
 
 # A packed row with a zero-length document and lengths no layout divides; an unpacked odd length.
@@ -47,19 +47,19 @@ ODD_T = 197
 def test_usp_packed_row_matches_per_document_reference(grid_shape, kind, impl, causal, window):
     """Attention inside each document of a packed row (padded per the layout) against the fp64 materialised
     attention with a per-document mask, forward and backward."""
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.packed_for_grid(grid, torch.tensor(CU_SEQLENS), kind)
     assert layout.is_packed and layout.seq_len == CU_SEQLENS[-1] and layout.padded_len % layout.num_ranks == 0
     assert layout.cu_seqlens.tolist() == CU_SEQLENS
-    config = seqpar.RingAttentionConfig(impl=impl, causal=causal, window=window)
-    attn = seqpar.UspAttention(grid, layout, config)
+    config = seqpar.MhaCpConfig(impl=impl, causal=causal, window=window)
+    attn = seqpar.MhaCp(grid, layout, config)
     T = CU_SEQLENS[-1]
     q, k, v = random_full((1, T, HQ, D)), random_full((1, T, HKV, D)), random_full((1, T, HKV, D))
     run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn(q, k, v)], []),
                           lambda q, k, v: ([mha_reference(q, k, v, causal, window, cu_seqlens=CU_SEQLENS)], []),
                           RTOL[torch.float64])
-    rope = layout.rope_positions(grid.sp_rank)
-    tokens = layout.token_index(grid.sp_rank)
+    rope = layout.rope_positions(grid.cp_rank)
+    tokens = layout.token_index(grid.cp_rank)
     starts = torch.tensor(CU_SEQLENS)
     doc = torch.bucketize(tokens.clamp(min=0), starts[1:], right=True)
     want = torch.where(tokens >= 0, tokens - starts.index_select(0, doc), 0)
@@ -71,10 +71,10 @@ def test_usp_packed_row_matches_per_document_reference(grid_shape, kind, impl, c
 @pytest.mark.parametrize("impl", ["p2p", "allgather"])
 def test_usp_padded_odd_length(grid_shape, kind, impl):
     """T = 197 tokens, padded to what the layout needs, against the fp64 reference on the 197 tokens."""
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     layout = seqpar.SequenceLayout.for_grid(grid, ODD_T, kind)
     assert layout.seq_len == ODD_T and layout.padded_len >= ODD_T and not layout.is_packed
-    attn = seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig(impl=impl, causal=True))
+    attn = seqpar.MhaCp(grid, layout, seqpar.MhaCpConfig(impl=impl, causal=True))
     q, k, v = random_full((B, ODD_T, HQ, D)), random_full((B, ODD_T, HKV, D)), random_full((B, ODD_T, HKV, D))
     run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn(q, k, v)], []),
                           lambda q, k, v: ([mha_reference(q, k, v, True)], []), RTOL[torch.float64])
@@ -82,16 +82,16 @@ def test_usp_padded_odd_length(grid_shape, kind, impl):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_usp_dtypes(dtype):
-    grid = seqpar.SpGrid(1, *usp_grids(WORLD)[len(usp_grids(WORLD)) // 2])
-    run_mha(grid, seqpar.SequenceLayout.for_grid(grid, S), seqpar.RingAttentionConfig(), dtype)
+    grid = seqpar.CpGrid(1, *usp_grids(WORLD)[len(usp_grids(WORLD)) // 2])
+    run_mha(grid, seqpar.SequenceLayout.for_grid(grid, S), seqpar.MhaCpConfig(), dtype)
 
 
 def test_lse_and_positions():
     """lse of the local rows and the layout's positions for RoPE."""
-    grid = seqpar.SpGrid(1, 1, WORLD)
+    grid = seqpar.CpGrid(1, 1, WORLD)
     layout = seqpar.SequenceLayout.for_grid(grid, S)
-    attn = seqpar.UspAttention(grid, layout, causal=True)
-    pos = layout.positions(grid.sp_rank)
+    attn = seqpar.MhaCp(grid, layout, causal=True)
+    pos = layout.positions(grid.cp_rank)
     assert torch.equal(attn.layer.positions, pos) and pos.dtype == torch.int64 and len(pos) == layout.local_len
     everyone = seqpar.gather_sequence(grid, layout, pos.to(torch.float64)[None, :, None], seq_dim=1)
     assert torch.equal(everyone.flatten(), torch.arange(S, dtype=torch.float64)), "the pieces do not tile 0..S-1"
@@ -105,9 +105,9 @@ def test_lse_and_positions():
 
 
 def test_errors_are_seqpar_errors_on_every_rank():
-    grid = seqpar.SpGrid(1, 1, WORLD)
+    grid = seqpar.CpGrid(1, 1, WORLD)
     layout = seqpar.SequenceLayout.for_grid(grid, S)
-    attn = seqpar.UspAttention(grid, layout)
+    attn = seqpar.MhaCp(grid, layout)
     q = torch.randn(B, layout.local_len, HQ, D, dtype=torch.float64)
     k = torch.randn(B, layout.local_len, HKV, D, dtype=torch.float64)
     with pytest.raises(seqpar.Error, match="not contiguous"):
@@ -117,9 +117,9 @@ def test_errors_are_seqpar_errors_on_every_rank():
     with pytest.raises(seqpar.Error, match="cu_seqlens"):
         seqpar.SequenceLayout.packed("zigzag", [0, 9, 4], 2)  # decreasing; arithmetic only: no communication
     with pytest.raises(seqpar.Error, match="not one of"):
-        seqpar.RingAttentionConfig(impl="ringy")
+        seqpar.MhaCpConfig(impl="ringy")
     with pytest.raises(seqpar.Error):
-        seqpar.SpGrid(1, 1, WORLD + 1)
+        seqpar.CpGrid(1, 1, WORLD + 1)
 
 
 def mha_reference_lse(q, k, v, causal, cu_seqlens=None):
@@ -137,13 +137,13 @@ def mha_reference_lse(q, k, v, causal, cu_seqlens=None):
 
 def lse_loss_run(grid, layout, attn, full, dout, dlse, weight):
     """This rank's loss sum(out * dout) + weight * sum(lse * dlse) over its real rows (dout None: the lse term only)
-    and the gradients of q, k, v gathered over the SP group into whole tensors."""
-    real = layout.token_index(grid.sp_rank) >= 0
-    local = [seqpar.shard_sequence(t.detach(), layout, grid.sp_rank).requires_grad_() for t in full]
+    and the gradients of q, k, v gathered over the CP group into whole tensors."""
+    real = layout.token_index(grid.cp_rank) >= 0
+    local = [seqpar.shard_sequence(t.detach(), layout, grid.cp_rank).requires_grad_() for t in full]
     out, lse = attn(*local, return_lse=True)
-    loss = weight * (torch.where(real, lse, 0.0) * seqpar.shard_sequence(dlse, layout, grid.sp_rank, seq_dim=2)).sum()
+    loss = weight * (torch.where(real, lse, 0.0) * seqpar.shard_sequence(dlse, layout, grid.cp_rank, seq_dim=2)).sum()
     if dout is not None:
-        loss = loss + (out * seqpar.shard_sequence(dout, layout, grid.sp_rank)).sum()
+        loss = loss + (out * seqpar.shard_sequence(dout, layout, grid.cp_rank)).sum()
     loss.backward()
     return loss.detach(), [seqpar.gather_sequence(grid, layout, t.grad) for t in local]
 
@@ -155,14 +155,14 @@ def lse_loss_run(grid, layout, attn, full, dout, dlse, weight):
 def test_a_loss_on_lse_gets_its_gradient(grid_shape, kind, impl, causal, with_out):
     """A loss that uses lse (sum(out * dout) + 1000 * sum(lse * dlse), or the lse term alone) gives q, k, v the
     gradients torch autograd gives the fp64 materialised reference: the lse term is used, not dropped."""
-    grid = seqpar.SpGrid(1, *grid_shape)
+    grid = seqpar.CpGrid(1, *grid_shape)
     packed = kind.startswith("packed-")
     if packed:
         layout = seqpar.SequenceLayout.packed_for_grid(grid, torch.tensor(CU_SEQLENS), kind[len("packed-"):])
     else:
         layout = seqpar.SequenceLayout.for_grid(grid, ODD_T if kind == "zigzag" else S, kind)
     T = layout.seq_len
-    attn = seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig(impl=impl, causal=causal))
+    attn = seqpar.MhaCp(grid, layout, seqpar.MhaCpConfig(impl=impl, causal=causal))
     full = [random_full((1, T, h, D)) for h in (HQ, HKV, HKV)]
     dout = torch.randn(1, T, HQ, D, dtype=torch.float64) if with_out else None
     dlse = torch.randn(1, HQ, T, dtype=torch.float64)
@@ -176,11 +176,11 @@ def test_a_loss_on_lse_gets_its_gradient(grid_shape, kind, impl, causal, with_ou
 
 
 def test_lse_gradient_matches_finite_differences():
-    """The layer's own loss (summed over the SP group) moved along a random direction of q, k, v: the central
+    """The layer's own loss (summed over the CP group) moved along a random direction of q, k, v: the central
     difference equals the gradient's directional derivative."""
-    grid = seqpar.SpGrid(1, *usp_grids(WORLD)[len(usp_grids(WORLD)) // 2])
+    grid = seqpar.CpGrid(1, *usp_grids(WORLD)[len(usp_grids(WORLD)) // 2])
     layout = seqpar.SequenceLayout.packed_for_grid(grid, torch.tensor(CU_SEQLENS), "zigzag")
-    attn = seqpar.UspAttention(grid, layout, seqpar.RingAttentionConfig(causal=True))
+    attn = seqpar.MhaCp(grid, layout, seqpar.MhaCpConfig(causal=True))
     T = layout.seq_len
     full = [random_full((1, T, h, D)) for h in (HQ, HKV, HKV)]
     dirs = [torch.randn(t.shape, dtype=torch.float64) for t in full]
@@ -191,7 +191,7 @@ def test_lse_gradient_matches_finite_differences():
         moved = [(t + step * d).detach() for t, d in zip(full, dirs)]
         loss, grads = lse_loss_run(grid, layout, attn, moved, dout, dlse, 10.0)
         loss = loss.reshape(1).clone()
-        grid.sp.all_reduce(loss)
+        grid.cp.all_reduce(loss)
         return loss.item(), grads
 
     _, grads = total_loss(0.0)

@@ -20,7 +20,7 @@ def main(readme):
     exec(compile(m.group(1), f"{readme} (the PyTorch example)", "exec"), scope)
     full, ref, q = scope["full"], scope["ref"], scope["q"]
     err = (full - ref.transpose(1, 2)).abs().max().item()
-    rank = scope["grid"].sp_rank
+    rank = scope["grid"].cp_rank
     if not err < 1e-4:
         print(f"error: rank {rank}: the README example's output is {err:.3g} from torch's attention (tolerance 1e-4)")
         return 1

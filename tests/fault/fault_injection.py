@@ -124,7 +124,7 @@ def main():
             return 1
     print(f"# clean run: {clean_s:.1f} s, rank {count_rank}: {calls} communication calls, {allocs} allocations")
 
-    # The layer's own traffic: runs of calls on the SP groups (ulysses, ring, sp), between sp_bench's world-wide
+    # The layer's own traffic: runs of calls on the CP groups (ulysses, ring, cp), between sp_bench's world-wide
     # reductions. The first run is the first iteration's forward, the second its backward.
     runs, current = [], []
     for i, op in enumerate(ops, start=1):

@@ -7,7 +7,7 @@
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mpi_test.h"
@@ -65,7 +65,7 @@ TEST(CpAdversary, RefusedBackwardKeepsTheContext) {
   const SequenceLayout& layout = small.layout;
   const std::int64_t B = small.B, H = small.H, D = small.D, sl = small.sl;
 
-  UspAttention usp(groups, layout, RingAttentionConfig{});
+  MhaCp usp(groups, layout, MhaCpConfig{});
   Tensor q = rnd({B, sl, H, D}, 1), kv = rnd({B, sl, 2, D}, 2);
   expect_refusals_keep_the_context({"USP",
                                     {B, sl, H, D},
@@ -73,7 +73,7 @@ TEST(CpAdversary, RefusedBackwardKeepsTheContext) {
                                     [&](CpContext&& c, const TensorView& d) { usp.backward(std::move(c), d); }});
 
   if (groups.ulysses_size() == 1) {
-    RingAttention ring(groups, layout, RingAttentionConfig{});
+    RingAttention ring(groups, layout, MhaCpConfig{});
     expect_refusals_keep_the_context({"ring",
                                       {B, sl, H, D},
                                       [&] { return ring.forward(q.view(), kv.view(), kv.view()).ctx; },
@@ -82,7 +82,7 @@ TEST(CpAdversary, RefusedBackwardKeepsTheContext) {
 
   GdnCpConfig gcfg;
   gcfg.chunk_size = 8;
-  GdnContextParallel gdn(groups, layout, gcfg);
+  GdnCp gdn(groups, layout, gcfg);
   Tensor g = rnd({B, sl, H}, 3, DType::kFloat32, -0.1, -0.01), beta = rnd({B, sl, H}, 4, DType::kFloat32, 0.1, 0.5);
   expect_refusals_keep_the_context(
       {"GDN",
@@ -93,14 +93,14 @@ TEST(CpAdversary, RefusedBackwardKeepsTheContext) {
   DsaCpConfig dcfg;
   dcfg.topk = 6;
   dcfg.dim_v = 8;
-  DsaContextParallel dsa(groups, layout, dcfg);
+  DsaCp dsa(groups, layout, dcfg);
   Tensor c = rnd({B, sl, D}, 5), qi = rnd({B, sl, 2, 8}, 6), ki = rnd({B, sl, 8}, 7), w = rnd({B, sl, 2}, 8);
   expect_refusals_keep_the_context({"DSA",
                                     {B, sl, H, 8},
                                     [&] { return dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view()).ctx; },
                                     [&](CpContext&& ctx, const TensorView& d) { dsa.backward(std::move(ctx), d); }});
 
-  ShortConvContextParallel conv(groups, layout);
+  ShortConvCp conv(groups, layout);
   Tensor wc = rnd({D, 4}, 10), dw = rnd({D, 4}, 11);
   expect_refusals_keep_the_context(
       {"short conv",
@@ -128,12 +128,12 @@ TEST(CpAdversary, BackwardIntoRefusesIntegerGradientBuffers) {
   const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
   const CpGroups groups(*self, world(), world());
   const SequenceLayout layout = SequenceLayout::for_groups(groups, 16 * n);
-  RingAttention attn(groups, layout, RingAttentionConfig{});
+  RingAttention attn(groups, layout, MhaCpConfig{});
   const std::int64_t sl = layout.local_len();
   const Tensor q = rnd({1, sl, 2, 8}, 1), kv = rnd({1, sl, 2, 8}, 2);
   Tensor dq = rnd({1, sl, 2, 8}, 3), dk = rnd({1, sl, 2, 8}, 4), dv = rnd({1, sl, 2, 8}, 5);
   const Tensor bad = Tensor::zeros({1, sl, 2, 8}, DType::kInt32, MemCategory::kWorkspace);
-  AttentionOutput o = attn.forward(q.view(), kv.view(), kv.view());
+  MhaCpOutput o = attn.forward(q.view(), kv.view(), kv.view());
   for (int which = 0; which < 3; ++which) {
     const std::string m = error_of([&] {
       attn.backward_into(std::move(o.ctx), q.view(), which == 0 ? bad.view() : dq.view(),
@@ -224,13 +224,13 @@ TEST(CpAdversary, ExceptionInTheMiddleOfBackwardReleasesEverything) {
       const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
       const CpGroups groups(*self, ring, ring);
       const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
-      RingAttention attn(groups, layout, RingAttentionConfig{impl});
+      RingAttention attn(groups, layout, MhaCpConfig{impl});
       const std::int64_t sl = layout.local_len();
       const Tensor q = rnd({B, sl, H, D}, 1), kv = rnd({B, sl, H, D}, 2);
       const std::int64_t saved0 = ledger_bytes(MemCategory::kSavedActivation),
                          work0 = ledger_bytes(MemCategory::kWorkspace), comm0 = ledger_bytes(MemCategory::kCommBuffer);
       {
-        AttentionOutput o = attn.forward(q.view(), kv.view(), kv.view());
+        MhaCpOutput o = attn.forward(q.view(), kv.view(), kv.view());
         ring.arm(fail_at);
         const std::string m = error_of([&] { attn.backward(std::move(o.ctx), q.view()); });
         if (fail_at == 0) {
@@ -256,7 +256,7 @@ TEST(CpAdversary, ExceptionInTheMiddleOfBackwardReleasesEverything) {
   EXPECT_TRUE(test::all_ranks(world(), true));
 }
 
-// The layers place tokens by CpGroups::sp_rank() and address SP peers by sp.rank(): an SP group in another rank
+// The layers place tokens by CpGroups::cp_rank() and address SP peers by sp.rank(): an CP group in another rank
 // order (here reversed) is refused where the two differ, instead of mixing tokens silently.
 TEST(CpAdversary, SpGroupInAnotherOrderIsRefused) {
   const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);

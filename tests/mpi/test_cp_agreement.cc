@@ -12,7 +12,7 @@
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mpi_test.h"
@@ -66,7 +66,7 @@ std::string ranks_of(const std::string& group, int first, int last) {
 bool odd_one() { return world().rank() == 0; }  // the rank that passes something else
 
 struct RingOverWorld {
-  SpGrid grid{world(), test::ring_over_world()};
+  CpGrid grid{world(), test::ring_over_world()};
   CpGroups groups = CpGroups::from(grid);
 };
 
@@ -81,19 +81,19 @@ TEST(CpAgreement, KvShapesDiffer) {
   RingOverWorld w;
   const SequenceLayout layout = SequenceLayout::for_groups(w.groups, 32 * n);
   for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-    RingAttention attn(w.groups, layout, RingAttentionConfig{impl});
+    RingAttention attn(w.groups, layout, MhaCpConfig{impl});
     std::vector<std::string> parts = values;
     parts.push_back("ring attention forward: the ranks of the ring group (world ranks 0-");
     expect_same_error_everywhere([&] { attn.forward(q.view(), kv.view(), kv.view()); }, parts);
   }
   const test::SmallCpCase small;  // Ulysses 2 when the world size is even
   const std::int64_t sl = small.sl;
-  UspAttention usp(small.groups, small.layout, RingAttentionConfig{});
+  MhaCp usp(small.groups, small.layout, MhaCpConfig{});
   const Tensor qs = rnd({1, sl, 4, 16}, 3), kvs = rnd(odd_one() ? Shape{1, sl, 2, 32} : Shape{1, sl, 4, 16}, 4);
   expect_same_error_everywhere(
       [&] { usp.forward(qs.view(), kvs.view(), kvs.view()); },
-      {"USP forward: the ranks of the sp group",
-       str_cat("disagree on k: fp32[1, ", sl, ", 2, 32] on sp rank 0; fp32[1, ", sl, ", 4, 16] on sp rank")});
+      {"USP forward: the ranks of the cp group",
+       str_cat("disagree on k: fp32[1, ", sl, ", 2, 32] on cp rank 0; fp32[1, ", sl, ", 4, 16] on cp rank")});
 }
 
 // The second case: rank 0 builds its layout for seq_len 256, the others for 512 (96 and 192 at 3 ranks,
@@ -101,20 +101,20 @@ TEST(CpAgreement, KvShapesDiffer) {
 TEST(CpAgreement, SeqLenDiffers) {
   const int n = world().size();
   const std::int64_t seq_a = n == 3 ? 96 : 256, seq_b = 2 * seq_a, seq = odd_one() ? seq_a : seq_b;
-  const std::string field = str_cat("disagree on seq_len: ", seq_a, " on ", ranks_of("sp", 0, 0), "; ", seq_b, " on ",
-                                    ranks_of("sp", 1, n - 1));
-  SpGrid grid(world(), test::small_grid_config());
+  const std::string field = str_cat("disagree on seq_len: ", seq_a, " on ", ranks_of("cp", 0, 0), "; ", seq_b, " on ",
+                                    ranks_of("cp", 1, n - 1));
+  CpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
   const std::int64_t sl = layout.local_len(), B = 1, H = 4, D = 16;
   const Tensor q = rnd({B, sl, H, D}, 1), kv = rnd({B, sl, 2, D}, 2);
 
-  UspAttention usp(groups, layout, RingAttentionConfig{});
+  MhaCp usp(groups, layout, MhaCpConfig{});
   expect_same_error_everywhere([&] { usp.forward(q.view(), kv.view(), kv.view()); }, {"USP forward", field});
 
   GdnCpConfig gcfg;
   gcfg.chunk_size = 8;
-  GdnContextParallel gdn(groups, layout, gcfg);
+  GdnCp gdn(groups, layout, gcfg);
   const Tensor g = rnd({B, sl, H}, 3, DType::kFloat32, -0.1, -0.01),
                beta = rnd({B, sl, H}, 4, DType::kFloat32, 0.1, 0.5);
   expect_same_error_everywhere([&] { gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view()); },
@@ -123,17 +123,17 @@ TEST(CpAgreement, SeqLenDiffers) {
   DsaCpConfig dcfg;
   dcfg.topk = 6;
   dcfg.dim_v = 8;
-  DsaContextParallel dsa(groups, layout, dcfg);
+  DsaCp dsa(groups, layout, dcfg);
   const Tensor c = rnd({B, sl, D}, 5), qi = rnd({B, sl, 2, 8}, 6), ki = rnd({B, sl, 8}, 7), w = rnd({B, sl, 2}, 8);
   expect_same_error_everywhere([&] { dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view()); },
                                {"DSA CP forward", field});
 
-  ShortConvContextParallel conv(groups, layout);
+  ShortConvCp conv(groups, layout);
   const Tensor wc = rnd({D, 4}, 10);
   expect_same_error_everywhere([&] { conv.forward(c.view(), wc.view()); }, {"short conv CP forward", field});
 
   RingOverWorld r;
-  RingAttention ring(r.groups, SequenceLayout::for_groups(r.groups, seq), RingAttentionConfig{});
+  RingAttention ring(r.groups, SequenceLayout::for_groups(r.groups, seq), MhaCpConfig{});
   const Tensor qr = rnd({B, seq / n, H, D}, 11);
   expect_same_error_everywhere(
       [&] { ring.forward(qr.view(), qr.view(), qr.view()); },
@@ -148,12 +148,12 @@ TEST(CpAgreement, AttentionConfigurationDiffers) {
   const Tensor q32 = rnd({1, 16, 2, 8}, 1), q64 = rnd({1, 16, 2, 8}, 1, DType::kFloat64);
   const std::string rest = ranks_of("ring", 1, n - 1);
   {
-    RingAttention attn(w.groups, layout, RingAttentionConfig{});
+    RingAttention attn(w.groups, layout, MhaCpConfig{});
     const TensorView q = odd_one() ? q64.view() : q32.view();
     expect_same_error_everywhere([&] { attn.forward(q, q, q); },
                                  {"disagree on q: fp64[1, 16, 2, 8] on ring rank 0; fp32[1, 16, 2, 8] on " + rest});
   }
-  RingAttentionConfig cfg;
+  MhaCpConfig cfg;
   cfg.causal = !odd_one();
   expect_same_error_everywhere(
       [&] { RingAttention(w.groups, layout, cfg).forward(q32.view(), q32.view(), q32.view()); },
@@ -181,25 +181,25 @@ TEST(CpAgreement, LayerConfigurationDiffers) {
   const test::SmallCpCase small;
   const CpGroups& groups = small.groups;
   const std::int64_t B = small.B, H = small.H, D = small.D, sl = small.sl;
-  const std::string rest = ranks_of("sp", 1, n - 1);
+  const std::string rest = ranks_of("cp", 1, n - 1);
   const Tensor q = rnd({B, sl, H, D}, 1), g = rnd({B, sl, H}, 3, DType::kFloat32, -0.1, -0.01),
                beta = rnd({B, sl, H}, 4, DType::kFloat32, 0.1, 0.5);
   auto gdn_forward = [&](const GdnCpConfig& cfg) {
-    GdnContextParallel(groups, small.layout, cfg).forward(q.view(), q.view(), q.view(), g.view(), beta.view());
+    GdnCp(groups, small.layout, cfg).forward(q.view(), q.view(), q.view(), g.view(), beta.view());
   };
   GdnCpConfig gcfg;
   gcfg.chunk_size = odd_one() ? 8 : 16;
   expect_same_error_everywhere([&] { gdn_forward(gcfg); },
-                               {"GDN CP forward", "disagree on chunk_size: 8 on sp rank 0; 16 on " + rest});
+                               {"GDN CP forward", "disagree on chunk_size: 8 on cp rank 0; 16 on " + rest});
   gcfg = {};
   gcfg.mode = odd_one() ? GdnCpMode::kChain : GdnCpMode::kScan;
-  expect_same_error_everywhere([&] { gdn_forward(gcfg); }, {"disagree on mode: chain on sp rank 0; scan on " + rest});
+  expect_same_error_everywhere([&] { gdn_forward(gcfg); }, {"disagree on mode: chain on cp rank 0; scan on " + rest});
   // initial_state given on one rank only.
   const Tensor init = rnd({B, H, D, D}, 9);
-  GdnContextParallel gdn(groups, small.layout, GdnCpConfig{});
+  GdnCp gdn(groups, small.layout, GdnCpConfig{});
   expect_same_error_everywhere(
       [&] { gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view(), odd_one() ? init.view() : TensorView()); },
-      {"disagree on initial_state: fp32[1, 4, 16, 16] on sp rank 0; none on " + rest});
+      {"disagree on initial_state: fp32[1, 4, 16, 16] on cp rank 0; none on " + rest});
 
   DsaCpConfig dcfg;
   dcfg.topk = odd_one() ? 6 : 8;
@@ -207,15 +207,15 @@ TEST(CpAgreement, LayerConfigurationDiffers) {
   const Tensor c = rnd({B, sl, D}, 5), qi = rnd({B, sl, 2, 8}, 6), ki = rnd({B, sl, 8}, 7), w = rnd({B, sl, 2}, 8);
   expect_same_error_everywhere(
       [&] {
-        DsaContextParallel(groups, small.layout, dcfg).forward(q.view(), c.view(), qi.view(), ki.view(), w.view());
+        DsaCp(groups, small.layout, dcfg).forward(q.view(), c.view(), qi.view(), ki.view(), w.view());
       },
-      {"DSA CP forward", "disagree on topk: 6 on sp rank 0; 8 on " + rest});
+      {"DSA CP forward", "disagree on topk: 6 on cp rank 0; 8 on " + rest});
 
   const Tensor wc = rnd({D, odd_one() ? 3 : 4}, 10);
-  ShortConvContextParallel conv(groups, small.layout);
+  ShortConvCp conv(groups, small.layout);
   expect_same_error_everywhere(
       [&] { conv.forward(c.view(), wc.view()); },
-      {"short conv CP forward", "disagree on weight: fp32[16, 3] on sp rank 0; fp32[16, 4] on " + rest});
+      {"short conv CP forward", "disagree on weight: fp32[16, 3] on cp rank 0; fp32[16, 4] on " + rest});
 }
 
 // Backwards: the forward agreed, then dout (or GDN's dfinal_state) differs.
@@ -223,43 +223,43 @@ TEST(CpAgreement, BackwardInputsDiffer) {
   const int n = world().size();
   const test::SmallCpCase small;
   const std::int64_t B = small.B, H = small.H, D = small.D, sl = small.sl;
-  const std::string rest = ranks_of("sp", 1, n - 1);
+  const std::string rest = ranks_of("cp", 1, n - 1);
   const Tensor q = rnd({B, sl, H, D}, 1), dout32 = rnd({B, sl, H, D}, 2),
                dout64 = rnd({B, sl, H, D}, 2, DType::kFloat64);
   const TensorView dout = odd_one() ? dout64.view() : dout32.view();
-  UspAttention usp(small.groups, small.layout, RingAttentionConfig{});
-  AttentionOutput o = usp.forward(q.view(), q.view(), q.view());
+  MhaCp usp(small.groups, small.layout, MhaCpConfig{});
+  MhaCpOutput o = usp.forward(q.view(), q.view(), q.view());
   expect_same_error_everywhere(
       [&] { usp.backward(std::move(o.ctx), dout); },
-      {"USP backward", str_cat("disagree on dout: fp64[1, ", sl, ", 4, 16] on sp rank 0; fp32")});
+      {"USP backward", str_cat("disagree on dout: fp64[1, ", sl, ", 4, 16] on cp rank 0; fp32")});
   EXPECT_TRUE(o.ctx.live());  // refused before the context was used: a corrected call goes through
   usp.backward(std::move(o.ctx), dout32.view());
 
   RingOverWorld w;
-  RingAttention ring(w.groups, SequenceLayout::for_groups(w.groups, 16 * n), RingAttentionConfig{});
+  RingAttention ring(w.groups, SequenceLayout::for_groups(w.groups, 16 * n), MhaCpConfig{});
   const Tensor qr = rnd({1, 16, 2, 8}, 3), dr = rnd({1, 16, 2, 8}, 4, odd_one() ? DType::kFloat64 : DType::kFloat32);
-  AttentionOutput r = ring.forward(qr.view(), qr.view(), qr.view());
+  MhaCpOutput r = ring.forward(qr.view(), qr.view(), qr.view());
   expect_same_error_everywhere([&] { ring.backward(std::move(r.ctx), dr.view()); },
                                {"ring attention backward", "disagree on dout: fp64[1, 16, 2, 8] on ring rank 0"});
 
   const Tensor g = rnd({B, sl, H}, 3, DType::kFloat32, -0.1, -0.01),
                beta = rnd({B, sl, H}, 4, DType::kFloat32, 0.1, 0.5);
-  GdnContextParallel gdn(small.groups, small.layout, GdnCpConfig{});
+  GdnCp gdn(small.groups, small.layout, GdnCpConfig{});
   GdnCpOutput go = gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view());
   const Tensor dfinal = rnd({B, H, D, D}, 5);
   expect_same_error_everywhere(
       [&] { gdn.backward(std::move(go.ctx), dout32.view(), odd_one() ? dfinal.view() : TensorView()); },
-      {"GDN CP backward", "disagree on dfinal_state: fp32[1, 4, 16, 16] on sp rank 0; none on " + rest});
+      {"GDN CP backward", "disagree on dfinal_state: fp32[1, 4, 16, 16] on cp rank 0; none on " + rest});
 
   DsaCpConfig dcfg;
   dcfg.topk = 6;
   dcfg.dim_v = 8;
-  DsaContextParallel dsa(small.groups, small.layout, dcfg);
+  DsaCp dsa(small.groups, small.layout, dcfg);
   const Tensor c = rnd({B, sl, D}, 5), qi = rnd({B, sl, 2, 8}, 6), ki = rnd({B, sl, 8}, 7), wi = rnd({B, sl, 2}, 8),
                ddsa = rnd({B, sl, H, 8}, 9);
   DsaCpOutput dsa_out = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), wi.view());
   expect_same_error_everywhere([&] { dsa.backward(std::move(dsa_out.ctx), ddsa.view(), odd_one() ? 2.0f : 1.0f); },
-                               {"DSA CP backward", "disagree on loss_grad_scale: 2 on sp rank 0; 1 on " + rest});
+                               {"DSA CP backward", "disagree on loss_grad_scale: 2 on cp rank 0; 1 on " + rest});
 }
 
 // The call itself differs: one rank calls with more fields (a helper-level check of the message).
@@ -280,22 +280,22 @@ TEST(CpAgreement, DifferentFieldListsAreNamed) {
 TEST(CpAgreement, AgreeingRanksRunAndTheCheckIsCached) {
   const test::SmallCpCase small;
   const std::int64_t B = small.B, H = small.H, D = small.D, sl = small.sl;
-  UspAttention usp(small.groups, small.layout, RingAttentionConfig{});
+  MhaCp usp(small.groups, small.layout, MhaCpConfig{});
   const bool always = usp.forward_agreement().mode() == AgreementMode::kAlways;
   ASSERT_NE(usp.forward_agreement().mode(), AgreementMode::kOff) << "this test needs the check on";
-  Communicator& sp = small.groups.sp;  // used by USP only for the check (Ulysses and ring have their own groups)
+  Communicator& sp = small.groups.cp;  // used by USP only for the check (Ulysses and ring have their own groups)
   const Tensor q1 = rnd({B, sl, H, D}, 1), q2 = rnd({2 * B, sl, H, D}, 2);
   std::int64_t expected_checks = 0, ops = sp.counters().num_ops;
   auto call = [&](const Tensor& q, bool new_configuration) {
-    AttentionOutput o = usp.forward(q.view(), q.view(), q.view());
+    MhaCpOutput o = usp.forward(q.view(), q.view(), q.view());
     if (new_configuration || always) ++expected_checks;
     EXPECT_EQ(usp.forward_agreement().num_checks(), expected_checks);
     EXPECT_EQ(sp.counters().num_ops - ops, new_configuration || always ? 1 : 0);
     ops = sp.counters().num_ops;
     return o;
   };
-  AttentionOutput first = call(q1, true);
-  AttentionOutput again = call(q1, false);
+  MhaCpOutput first = call(q1, true);
+  MhaCpOutput again = call(q1, false);
   EXPECT_EQ(test::to_double(first.out.view()), test::to_double(again.out.view()));
   call(q2, true);   // a new shape: checked
   call(q2, false);  // repeated: cached

@@ -12,7 +12,7 @@
 #include "parallel/gdn_cp.h"
 #include "parallel/ring_attention.h"
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mha_problem.h"
@@ -42,44 +42,44 @@ test::MhaShape mha_shape(std::uint64_t seed) {
 // Two layers through one USP object, interleaved: forward(l1), forward(l2), backward(l2), backward(l1); each
 // layer's outputs and gradients match its own single-rank result.
 TEST(CpContext, OneObjectServesTwoInterleavedLayers) {
-  const SpGrid grid(world(), test::small_grid_config());
+  const CpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const test::MhaShape s1 = mha_shape(0), s2 = mha_shape(100);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, s1.seq);
-  UspAttention usp(groups, layout, RingAttentionConfig{});
+  MhaCp usp(groups, layout, MhaCpConfig{});
   const test::MhaProblem p1(s1), p2(s2);
   const auto& pos = usp.positions();
   Tensor q1 = test::local_piece(p1.q.view(), pos), k1 = test::local_piece(p1.k.view(), pos),
          v1 = test::local_piece(p1.v.view(), pos), d1 = test::local_piece(p1.dout.view(), pos);
   Tensor q2 = test::local_piece(p2.q.view(), pos), k2 = test::local_piece(p2.k.view(), pos),
          v2 = test::local_piece(p2.v.view(), pos), d2 = test::local_piece(p2.dout.view(), pos);
-  AttentionOutput o1 = usp.forward(q1.view(), k1.view(), v1.view());
-  AttentionOutput o2 = usp.forward(q2.view(), k2.view(), v2.view());
-  AttentionGrads g2 = usp.backward(std::move(o2.ctx), d2.view());
-  AttentionGrads g1 = usp.backward(std::move(o1.ctx), d1.view());
-  const std::pair<const AttentionOutput*, const AttentionGrads*> results[] = {{&o1, &g1}, {&o2, &g2}};
+  MhaCpOutput o1 = usp.forward(q1.view(), k1.view(), v1.view());
+  MhaCpOutput o2 = usp.forward(q2.view(), k2.view(), v2.view());
+  MhaCpGrads g2 = usp.backward(std::move(o2.ctx), d2.view());
+  MhaCpGrads g1 = usp.backward(std::move(o1.ctx), d1.view());
+  const std::pair<const MhaCpOutput*, const MhaCpGrads*> results[] = {{&o1, &g1}, {&o2, &g2}};
   const test::MhaShape* shapes[] = {&s1, &s2};
   const test::MhaProblem* problems[] = {&p1, &p2};
   for (int l = 0; l < 2; ++l) {
     const test::MhaShape& s = *shapes[l];
     const test::MhaProblem& p = *problems[l];
     test::MhaResult got;
-    got.out = test::gather_full(grid.sp(), layout, results[l].first->out.view(), p.q.shape());
-    got.lse = test::gather_full(grid.sp(), layout, results[l].first->lse.view(), {s.batch, s.hq, s.seq}, 2);
-    got.dq = test::gather_full(grid.sp(), layout, results[l].second->dq.view(), p.q.shape());
-    got.dk = test::gather_full(grid.sp(), layout, results[l].second->dk.view(), p.k.shape());
-    got.dv = test::gather_full(grid.sp(), layout, results[l].second->dv.view(), p.v.shape());
+    got.out = test::gather_full(grid.cp(), layout, results[l].first->out.view(), p.q.shape());
+    got.lse = test::gather_full(grid.cp(), layout, results[l].first->lse.view(), {s.batch, s.hq, s.seq}, 2);
+    got.dq = test::gather_full(grid.cp(), layout, results[l].second->dq.view(), p.q.shape());
+    got.dk = test::gather_full(grid.cp(), layout, results[l].second->dk.view(), p.k.shape());
+    got.dv = test::gather_full(grid.cp(), layout, results[l].second->dv.view(), p.v.shape());
     test::expect_mha_match(got, test::single_rank_result(s, p), s.dtype,
                            str_cat("layer ", l + 1, " of two interleaved on ", grid.str()));
   }
 }
 
 TEST(CpContext, ContextMisuseIsAClearError) {
-  const SpGrid grid(world(), test::small_grid_config());
+  const CpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const test::MhaShape s = mha_shape(0);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, s.seq);
-  UspAttention usp(groups, layout, RingAttentionConfig{}), other(groups, layout, RingAttentionConfig{});
+  MhaCp usp(groups, layout, MhaCpConfig{}), other(groups, layout, MhaCpConfig{});
   const test::MhaProblem p(s);
   const auto& pos = usp.positions();
   Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
@@ -88,7 +88,7 @@ TEST(CpContext, ContextMisuseIsAClearError) {
   EXPECT_EQ(error_of([&] { usp.backward(CpContext{}, d.view()); }),
             "USP: backward() got an empty context (default-constructed or moved from); pass the context its "
             "forward() returned");
-  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
+  MhaCpOutput o = usp.forward(q.view(), k.view(), v.view());
   // Another object, even one of the same configuration, refuses it and leaves it live.
   const std::string foreign = error_of([&] { other.backward(std::move(o.ctx), d.view()); });
   EXPECT_NE(foreign.find("USP: backward() got a context made by another layer object"), std::string::npos) << foreign;
@@ -102,15 +102,15 @@ TEST(CpContext, ContextMisuseIsAClearError) {
             "USP: backward() got a context that a backward() already used; each forward's context serves one "
             "backward");
   // A copy of a layer is another object.
-  UspAttention copy = usp;
-  AttentionOutput o2 = usp.forward(q.view(), k.view(), v.view());
+  MhaCp copy = usp;
+  MhaCpOutput o2 = usp.forward(q.view(), k.view(), v.view());
   EXPECT_NE(error_of([&] { copy.backward(std::move(o2.ctx), d.view()); }).find("another layer object"),
             std::string::npos);
   usp.backward(std::move(o2.ctx), d.view());
   // A moved layer is the same layer: its contexts made before the move still serve (e.g. a std::vector of layers that
   // reallocates between forward and backward).
-  AttentionOutput o3 = usp.forward(q.view(), k.view(), v.view());
-  UspAttention moved_layer = std::move(usp);
+  MhaCpOutput o3 = usp.forward(q.view(), k.view(), v.view());
+  MhaCp moved_layer = std::move(usp);
   moved_layer.backward(std::move(o3.ctx), d.view());
   EXPECT_FALSE(o3.ctx.live());
   EXPECT_TRUE(test::all_ranks(world(), true));
@@ -153,14 +153,14 @@ TEST(CpContext, SavedActivationsAreOwnedByTheContexts) {
     return test::random_tensor(s, DType::kFloat32, seed, lo, hi);
   };
 
-  UspAttention usp(groups, layout, RingAttentionConfig{});
+  MhaCp usp(groups, layout, MhaCpConfig{});
   Tensor q = rnd({B, sl, H, D}, 1), kv = rnd({B, sl, 2, D}, 2);
   expect_saved_ledger({"USP", [&] { return usp.forward(q.view(), kv.view(), kv.view()).ctx; },
                        [&](CpContext&& c) { usp.backward(std::move(c), q.view()); }});
 
   GdnCpConfig gcfg;
   gcfg.chunk_size = 8;
-  GdnContextParallel gdn(groups, layout, gcfg);
+  GdnCp gdn(groups, layout, gcfg);
   Tensor g = rnd({B, sl, H}, 3, -0.1, -0.01), beta = rnd({B, sl, H}, 4, 0.1, 0.5);
   expect_saved_ledger({"GDN", [&] { return gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view()).ctx; },
                        [&](CpContext&& c) { gdn.backward(std::move(c), q.view()); }});
@@ -168,29 +168,29 @@ TEST(CpContext, SavedActivationsAreOwnedByTheContexts) {
   DsaCpConfig dcfg;
   dcfg.topk = 6;
   dcfg.dim_v = 8;
-  DsaContextParallel dsa(groups, layout, dcfg);
+  DsaCp dsa(groups, layout, dcfg);
   Tensor c = rnd({B, sl, D}, 5), qi = rnd({B, sl, 2, 8}, 6), ki = rnd({B, sl, 8}, 7), w = rnd({B, sl, 2}, 8);
   Tensor dout = rnd({B, sl, H, 8}, 9);
   expect_saved_ledger({"DSA", [&] { return dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view()).ctx; },
                        [&](CpContext&& ctx) { dsa.backward(std::move(ctx), dout.view()); }});
 
-  ShortConvContextParallel conv(groups, layout);
+  ShortConvCp conv(groups, layout);
   Tensor wc = rnd({D, 4}, 10), dw = rnd({D, 4}, 11);
   expect_saved_ledger({"short conv", [&] { return conv.forward(c.view(), wc.view()).ctx; },
                        [&](CpContext&& ctx) { conv.backward(std::move(ctx), c.view(), dw.view()); }});
 }
 
 TEST(CpContext, LayoutMustMatchTheGroups) {
-  const SpGrid grid(world(), test::small_grid_config());
+  const CpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const int n = world().size();
   const SequenceLayout wrong(LayoutKind::kZigzag, 16 * n, n, 1);  // every rank in the ring, no Ulysses
   if (groups.ulysses_size() == 1) GTEST_SKIP() << "a ring over the world is what the wrong layout describes";
   for (const auto& make :
-       std::vector<std::function<void()>>{[&] { UspAttention(groups, wrong, RingAttentionConfig{}); },
-                                          [&] { GdnContextParallel(groups, wrong, GdnCpConfig{}); },
-                                          [&] { DsaContextParallel(groups, wrong, DsaCpConfig{}); },
-                                          [&] { ShortConvContextParallel(groups, wrong); }}) {
+       std::vector<std::function<void()>>{[&] { MhaCp(groups, wrong, MhaCpConfig{}); },
+                                          [&] { GdnCp(groups, wrong, GdnCpConfig{}); },
+                                          [&] { DsaCp(groups, wrong, DsaCpConfig{}); },
+                                          [&] { ShortConvCp(groups, wrong); }}) {
     const std::string m = error_of(make);
     EXPECT_NE(m.find(str_cat("the layout was built for ring_size ", n,
                              " x ulysses_size 1, but the groups have ring_size ", n / 2, " x ulysses_size 2")),
@@ -203,7 +203,7 @@ TEST(CpContext, LayoutMustMatchTheGroups) {
 // which refuses them with its "no CUDA implementation yet" error before any buffer is allocated or any data is
 // sent (no message but the ranks' agreement check), on every rank alike. Inputs on two devices are a clear error too.
 TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
-  const SpGrid grid(world(), test::small_grid_config());
+  const CpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const std::int64_t seq = 48, B = 1, H = 4, D = 16;
   const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
@@ -212,20 +212,20 @@ TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
   auto cuda = [&](const Shape& s) { return TensorView(fake, DType::kFloat32, s, Device::cuda(0)); };
   auto counters = [&] {
     return std::vector<std::int64_t>{groups.ulysses.counters().num_ops, groups.ring.counters().num_ops,
-                                     groups.sp.counters().num_ops, groups.sp.counters().bytes_sent};
+                                     groups.cp.counters().num_ops, groups.cp.counters().bytes_sent};
   };
   const std::vector<std::int64_t> before = counters();
 
-  RingAttention ring(groups, layout, RingAttentionConfig{});
-  UspAttention usp(groups, layout, RingAttentionConfig{});
+  RingAttention ring(groups, layout, MhaCpConfig{});
+  MhaCp usp(groups, layout, MhaCpConfig{});
   GdnCpConfig gcfg;
   gcfg.chunk_size = 8;
-  GdnContextParallel gdn(groups, layout, gcfg);
+  GdnCp gdn(groups, layout, gcfg);
   DsaCpConfig dcfg;
   dcfg.topk = 6;
   dcfg.dim_v = 8;
-  DsaContextParallel dsa(groups, layout, dcfg);
-  ShortConvContextParallel conv(groups, layout);
+  DsaCp dsa(groups, layout, dcfg);
+  ShortConvCp conv(groups, layout);
   const std::vector<std::pair<const char*, std::function<void()>>> calls = {
       {"ring attention",
        [&] {
@@ -249,7 +249,7 @@ TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
        }},
   };
   // The only message before the refusal is each layer's agreement check (one all-reduce of its call's fingerprint,
-  // parallel/cp_common.h): over the ring group for RingAttention, the SP group for the others; nothing else.
+  // parallel/cp_common.h): over the ring group for RingAttention, the CP group for the others; nothing else.
   auto expected = [&] {
     const std::int64_t ring_checks = ring.forward_agreement().num_checks(),
                        sp_checks = usp.forward_agreement().num_checks() + gdn.forward_agreement().num_checks() +
@@ -297,7 +297,7 @@ TEST(CpContext, GroupsOfOneExposeNoCommunication) {
     EXPECT_EQ(layer.counters().total_bytes_sent(), 0) << what;
   };
   for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-    UspAttention usp(groups, layout, RingAttentionConfig{impl});
+    MhaCp usp(groups, layout, MhaCpConfig{impl});
     expect_nothing_exposed(
         usp, [&] { return usp.forward(q.view(), q.view(), q.view()); },
         [&](CpContext&& ctx) { usp.backward(std::move(ctx), dout.view()); }, str_cat("MHA ", ring_impl_name(impl)));
@@ -306,7 +306,7 @@ TEST(CpContext, GroupsOfOneExposeNoCommunication) {
     GdnCpConfig cfg;
     cfg.mode = mode;
     cfg.chunk_size = 8;
-    GdnContextParallel gdn(groups, layout, cfg);
+    GdnCp gdn(groups, layout, cfg);
     expect_nothing_exposed(
         gdn, [&] { return gdn.forward(q.view(), q.view(), q.view(), g.view(), beta.view()); },
         [&](CpContext&& ctx) { gdn.backward(std::move(ctx), dout.view()); }, str_cat("GDN ", gdn_cp_mode_name(mode)));
@@ -316,7 +316,7 @@ TEST(CpContext, GroupsOfOneExposeNoCommunication) {
     cfg.select = select;
     cfg.topk = 6;
     cfg.dim_v = 4;
-    DsaContextParallel dsa(groups, layout, cfg);
+    DsaCp dsa(groups, layout, cfg);
     expect_nothing_exposed(
         dsa, [&] { return dsa.forward(q.view(), c.view(), qi.view(), ki.view(), wi.view()); },
         [&](CpContext&& ctx) { dsa.backward(std::move(ctx), ddsa.view()); },

@@ -13,7 +13,7 @@
 #include <cstdlib>
 
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -43,7 +43,7 @@ constexpr std::int64_t kHq = 8, kHkv = 2;
 std::vector<PrecisionCase> cases_for_world() {
   const int n = world().size();
   std::vector<PrecisionCase> cases;
-  for (const SpGridConfig& g : test::usp_grids(kHq)) {
+  for (const CpGridConfig& g : test::usp_grids(kHq)) {
     const Placement pl = g.placement;
     for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
       // runtime (each case runs 9 problems): the ring-inner placement on zigzag only, stripe up to 3 ranks
@@ -65,8 +65,8 @@ class CpPrecision : public ::testing::TestWithParam<PrecisionCase> {};
 TEST_P(CpPrecision, MergesAddNoErrorAtLargeLogits) {
   const PrecisionCase c = GetParam();
   const int n = world().size();
-  const SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, c.placement});
-  RingAttentionConfig cfg;
+  const CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, c.placement});
+  MhaCpConfig cfg;
   cfg.impl = c.impl;
   cfg.causal = c.causal;
   for (double logits : {1e2, 1e3, 1e4}) {

@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 #include "parallel/decode_cp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/decode_problem.h"
 #include "tests/util/mpi_test.h"
@@ -39,11 +39,11 @@ std::string case_name(const MhaCase& c) {
 
 constexpr std::int64_t kB = 2, kHq = 4, kHkv = 2, kD = 16, kPrompt = 96, kSteps = 4;
 
-class MhaDecodeCp : public ::testing::TestWithParam<MhaCase> {};
+class MhaDecodeCpTest : public ::testing::TestWithParam<MhaCase> {};
 
-TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
+TEST_P(MhaDecodeCpTest, StepsEqualRowsOfTheWholeSequence) {
   const MhaCase c = GetParam();
-  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const int P = groups.ring.size(), me = groups.ring.rank(), pu = groups.ulysses_size();
   const std::int64_t hq = kHq / pu, hkv = kHkv / pu;  // this rank's heads
@@ -53,7 +53,7 @@ TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
   cfg.shard = c.shard;
   cfg.interleave = c.interleave;
   cfg.prefill_impl = c.impl;
-  MhaDecodeContextParallel layer(groups, cfg);
+  MhaDecodeCp layer(groups, cfg);
 
   const std::int64_t before = persistent_bytes();
   ShardedKvCache cache = layer.make_cache(kB, sched.total(), kHkv, kD, c.dtype);
@@ -64,7 +64,7 @@ TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
   EXPECT_LE(std::abs(slots * P - sched.total()), spread * P) << "slots " << slots;
 
   const SequenceLayout layout = SequenceLayout::for_groups(groups, sched.prompt, c.layout);
-  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
+  const std::vector<std::int64_t> pos = layout.positions(groups.cp_rank());
   const auto local = [&](const TensorView& full) {
     Tensor prompt = rows_of(full, 0, sched.prompt);
     Tensor t = Tensor::empty({kB, layout.local_len(), full.dim(2), kD}, c.dtype, MemCategory::kWorkspace);
@@ -105,7 +105,7 @@ TEST_P(MhaDecodeCp, StepsEqualRowsOfTheWholeSequence) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Cases, MhaDecodeCp,
+    Cases, MhaDecodeCpTest,
     ::testing::Values(
         MhaCase{CacheShardKind::kContiguous, 1, LayoutKind::kZigzag, 1},
         MhaCase{CacheShardKind::kInterleave, 1, LayoutKind::kContiguous, 1},
@@ -123,7 +123,7 @@ INSTANTIATE_TEST_SUITE_P(
 TEST(MhaDecodeCpReplicatedKv, FewerKvHeadsThanUlyssesRanksEqualTheWholeSequence) {
   const int n = world().size();
   constexpr std::int64_t hq_all = 12;  // divisible by every Ulysses size of 1..4 ranks
-  std::vector<std::pair<SpGridConfig, std::int64_t>> cases;  // (grid, Hkv)
+  std::vector<std::pair<CpGridConfig, std::int64_t>> cases;  // (grid, Hkv)
   for (int pu = 2; pu <= n; ++pu) {
     if (n % pu != 0 || hq_all % pu != 0) continue;
     for (std::int64_t hkv = 1; hkv < pu; ++hkv)
@@ -132,27 +132,27 @@ TEST(MhaDecodeCpReplicatedKv, FewerKvHeadsThanUlyssesRanksEqualTheWholeSequence)
   if (cases.empty()) GTEST_SKIP() << "no Ulysses size above 1 divides " << n << " ranks and " << hq_all << " heads";
   for (const auto& [gc, hkv] : cases) {
    for (ChunkPrefillMode mode : {ChunkPrefillMode::kPassKv, ChunkPrefillMode::kPassQ}) {
-    const SpGrid grid(world(), gc);
+    const CpGrid grid(world(), gc);
     const CpGroups groups = CpGroups::from(grid);
     const int pu = groups.ulysses_size();
     const std::int64_t hq = hq_all / pu, chunk = 17, steps = 3;
     const std::int64_t total = kPrompt + chunk + steps;
     const test::MhaDecodeProblem p(kB, total, hq_all, hkv, kD, DType::kFloat64, 11);
-    MhaDecodeContextParallel layer(groups, MhaDecodeConfig{});
+    MhaDecodeCp layer(groups, MhaDecodeConfig{});
     ShardedKvCache cache = layer.make_cache(kB, total, hkv, kD, DType::kFloat64);
     EXPECT_EQ(cache.spec().kv_heads, 1);  // one replica per rank
     const std::string what = str_cat(grid.str(), " Hkv=", hkv, mode == ChunkPrefillMode::kPassQ ? " pass-Q" : " pass-KV");
     const auto local = [&](const SequenceLayout& layout, const TensorView& full, std::int64_t t0, std::int64_t t1) {
       Tensor rows = rows_of(full, t0, t1);
       Tensor t = Tensor::empty({kB, layout.local_len(), full.dim(2), kD}, full.dtype(), MemCategory::kWorkspace);
-      shard_sequence(layout, groups.sp_rank(), rows, t);
+      shard_sequence(layout, groups.cp_rank(), rows, t);
       return t;
     };
     const auto expect_rows = [&](const SequenceLayout& layout, const TensorView& got, std::int64_t t0, std::int64_t t1,
                                  const std::string& name) {
       Tensor want = local(layout, p.ref_out, t0, t1);
       std::vector<double> g = to_double(got);  // real rows only (padding rows as shard_sequence writes them: 0)
-      const std::vector<std::int64_t> tok = layout.token_index(groups.sp_rank());
+      const std::vector<std::int64_t> tok = layout.token_index(groups.cp_rank());
       const std::int64_t row = static_cast<std::int64_t>(g.size()) / (kB * layout.local_len());
       for (std::size_t e = 0; e < g.size(); ++e)
         if (tok[static_cast<std::size_t>(static_cast<std::int64_t>(e) / row % layout.local_len())] < 0) g[e] = 0.0;
@@ -204,9 +204,9 @@ class MhaExtendCp : public ::testing::TestWithParam<ExtendCase> {};
 // bytes the route sent are its formula's, padding rows included.
 TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   const ExtendCase c = GetParam();
-  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  const int me = groups.ring.rank(), sp = groups.sp_rank(), pu = groups.ulysses_size();
+  const int me = groups.ring.rank(), sp = groups.cp_rank(), pu = groups.ulysses_size();
   const std::int64_t u = groups.ulysses.rank(), hq = kHq / pu;  // this rank's query heads in decode
   const std::int64_t chunk_len = c.chunk, steps = 2;
   const std::int64_t total = kPrompt + chunk_len + steps;
@@ -214,7 +214,7 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   MhaDecodeConfig cfg;
   cfg.shard = c.shard;
   cfg.interleave = c.interleave;
-  MhaDecodeContextParallel layer(groups, cfg);
+  MhaDecodeCp layer(groups, cfg);
   ShardedKvCache cache = layer.make_cache(kB, total, kHkv, kD, c.dtype);
   // Rows [first, first + len) of `full`, this rank's part under a layout of len tokens (zeros in its padding rows).
   const auto local = [&](const TensorView& full, const SequenceLayout& layout, std::int64_t first) {
@@ -241,7 +241,7 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
   const PrefillOutput o = layer.extend(cache, chunk, local(p.q, chunk, kPrompt), local(p.k, chunk, kPrompt),
                                        local(p.v, chunk, kPrompt), c.mode);
   // What the route sent (CommMeter) is the formula's, padded ring shards (a chunk of 17) included.
-  if (chunk_len == 17 && groups.sp.size() > 1) {
+  if (chunk_len == 17 && groups.cp.size() > 1) {
     EXPECT_TRUE(chunk.has_padding());
   }
   EXPECT_EQ(layer.chunk_route_bytes_sent(), route_bytes) << chunk_prefill_mode_name(used);
@@ -304,10 +304,10 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
 TEST(MhaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const int P = groups.ring.size();
-  MhaDecodeContextParallel layer(groups, MhaDecodeConfig{});
+  MhaDecodeCp layer(groups, MhaDecodeConfig{});
   for (const std::int64_t T : {1024, 4096}) {
     const std::int64_t before = persistent_bytes();
     ShardedKvCache cache = layer.make_cache(1, T, 8, 128, DType::kBFloat16);
@@ -319,7 +319,7 @@ TEST(MhaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
 
 struct Bad {
   test::MhaDecodeProblem p{kB, kPrompt + 4, kHq, kHkv, kD, DType::kFloat32, 9};
-  SpGrid grid{world(), test::ring_over_world()};
+  CpGrid grid{world(), test::ring_over_world()};
   CpGroups groups = CpGroups::from(grid);
   SequenceLayout layout{LayoutKind::kZigzag, kPrompt, groups.ring.size()};
   Tensor local(const TensorView& full) const {
@@ -328,10 +328,10 @@ struct Bad {
     shard_sequence(prompt, layout.positions(groups.ring.rank()), t);
     return t;
   }
-  void prefill(MhaDecodeContextParallel& layer, ShardedKvCache& cache) const {
+  void prefill(MhaDecodeCp& layer, ShardedKvCache& cache) const {
     layer.prefill(cache, layout, local(p.q), local(p.k), local(p.v));
   }
-  DecodeOutput step(MhaDecodeContextParallel& layer, ShardedKvCache& cache, std::int64_t n) const {
+  DecodeOutput step(MhaDecodeCp& layer, ShardedKvCache& cache, std::int64_t n) const {
     return layer.decode(cache, rows_of(p.q, kPrompt, kPrompt + n), rows_of(p.k, kPrompt, kPrompt + n),
                         rows_of(p.v, kPrompt, kPrompt + n));
   }
@@ -339,7 +339,7 @@ struct Bad {
 
 TEST(MhaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
   Bad b;
-  MhaDecodeContextParallel layer(b.groups, MhaDecodeConfig{});
+  MhaDecodeCp layer(b.groups, MhaDecodeConfig{});
   ShardedKvCache cache = layer.make_cache(kB, kPrompt + 1, kHkv, kD, DType::kFloat32);
   b.prefill(layer, cache);
   const std::vector<std::int64_t> held = cache.local().positions();
@@ -356,7 +356,7 @@ TEST(MhaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
   Bad b;
   MhaDecodeConfig contiguous;
   contiguous.shard = CacheShardKind::kContiguous;
-  MhaDecodeContextParallel layer(b.groups, MhaDecodeConfig{}), other(b.groups, contiguous);
+  MhaDecodeCp layer(b.groups, MhaDecodeConfig{}), other(b.groups, contiguous);
   ShardedKvCache cache = other.make_cache(kB, kPrompt + 4, kHkv, kD, DType::kFloat32);
   EXPECT_TRUE(fails_everywhere([&] { b.prefill(layer, cache); }, "the cache is sharded contiguous over"));
   EXPECT_EQ(cache.length(), 0);
@@ -369,7 +369,7 @@ TEST(MhaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
 TEST(MhaDecodeCpErrors, RanksThatDisagreeOnTheLengthFailEverywhereAndChangeNothing) {
   if (world().size() == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
   Bad b;
-  MhaDecodeContextParallel layer(b.groups, MhaDecodeConfig{});
+  MhaDecodeCp layer(b.groups, MhaDecodeConfig{});
   ShardedKvCache fresh = layer.make_cache(kB, kPrompt + 4, kHkv, kD, DType::kFloat32);
   ShardedKvCache filled = layer.make_cache(kB, kPrompt + 4, kHkv, kD, DType::kFloat32);
   b.prefill(layer, filled);
@@ -399,11 +399,11 @@ std::string case_name(const GdnCase& c) {
                  dtype_name(c.dtype));
 }
 
-class GdnDecodeCp : public ::testing::TestWithParam<GdnCase> {};
+class GdnDecodeCpTest : public ::testing::TestWithParam<GdnCase> {};
 
 // The decode steps of `sched` after the prompt (with p's conv when it has one): each step's out of this rank's heads
 // and then the final state equal the fp64 reference over the whole sequence.
-void expect_steps_and_final_state(GdnDecodeContextParallel& layer, attn::GdnCache& cache,
+void expect_steps_and_final_state(GdnDecodeCp& layer, attn::GdnCache& cache,
                                   const test::GdnDecodeProblem& p, const test::DecodeSchedule& sched, DType dtype) {
   const std::int64_t lv = layer.local_value_heads(), h0 = layer.head_offset();
   const auto my_heads = [&](const TensorView& t) { return rows_of(t, h0, h0 + lv, 2); };
@@ -420,15 +420,15 @@ void expect_steps_and_final_state(GdnDecodeContextParallel& layer, attn::GdnCach
                         test::decode_rtol(dtype), "final_state of this rank's heads"));
 }
 
-TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
+TEST_P(GdnDecodeCpTest, StepsEqualTheRecurrenceOverTheWholeSequence) {
   const GdnCase c = GetParam();
-  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const test::DecodeSchedule sched{kPrompt, 3, c.n};
   const test::GdnDecodeProblem p(kB, sched.total(), key_heads(), value_heads(), kGK, kGV, c.dtype, 17);
   GdnCpConfig cfg;
   cfg.mode = c.mode;
-  GdnDecodeContextParallel layer(groups, cfg, value_heads(), key_heads());
+  GdnDecodeCp layer(groups, cfg, value_heads(), key_heads());
   const std::int64_t lv = layer.local_value_heads();
   EXPECT_EQ(lv * world().size(), value_heads());
 
@@ -439,7 +439,7 @@ TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   EXPECT_EQ(persistent_bytes() - before, state_bytes);
 
   const SequenceLayout layout = SequenceLayout::for_groups(groups, sched.prompt, c.layout);
-  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
+  const std::vector<std::int64_t> pos = layout.positions(groups.cp_rank());
   const auto local = [&](const TensorView& full) {
     Tensor prompt = rows_of(full, 0, sched.prompt);
     Shape shape = full.shape();
@@ -454,7 +454,7 @@ TEST_P(GdnDecodeCp, StepsEqualTheRecurrenceOverTheWholeSequence) {
   EXPECT_EQ(persistent_bytes() - before, state_bytes);  // constant in T
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, GdnDecodeCp,
+INSTANTIATE_TEST_SUITE_P(Cases, GdnDecodeCpTest,
                          ::testing::Values(GdnCase{GdnCpMode::kScan, LayoutKind::kZigzag, 1},
                                            GdnCase{GdnCpMode::kChain, LayoutKind::kContiguous, 2},
                                            GdnCase{GdnCpMode::kScan, LayoutKind::kContiguous, 1, true},
@@ -482,17 +482,17 @@ class GdnConvDecodeCp : public ::testing::TestWithParam<GdnConvCase> {};
 
 TEST_P(GdnConvDecodeCp, StepsWithTheConvEqualTheTrainingForward) {
   const GdnConvCase c = GetParam();
-  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const test::DecodeSchedule sched{c.prompt, 3, 2};
   const test::GdnDecodeProblem p(kB, sched.total(), key_heads(), value_heads(), kGK, kGV, c.dtype, 23, c.width);
   GdnCpConfig cfg;
   cfg.mode = c.mode;
-  GdnDecodeContextParallel layer(groups, cfg, value_heads(), key_heads());
+  GdnDecodeCp layer(groups, cfg, value_heads(), key_heads());
   const std::int64_t lv = layer.local_value_heads();
   const std::int64_t before = persistent_bytes();
   attn::GdnCache cache = layer.make_cache(kB, kGK, kGV, c.dtype, c.width);
-  const std::vector<std::int64_t> mine = layer.local_conv_channels(groups.sp_rank(), kGK, kGV);
+  const std::vector<std::int64_t> mine = layer.local_conv_channels(groups.cp_rank(), kGK, kGV);
   const std::int64_t C = layer.conv_channels(kGK, kGV), c_r = static_cast<std::int64_t>(mine.size());
   const std::int64_t esize = static_cast<std::int64_t>(dtype_size(c.dtype));
   EXPECT_EQ(C, c_r * world().size());
@@ -507,7 +507,7 @@ TEST_P(GdnConvDecodeCp, StepsWithTheConvEqualTheTrainingForward) {
     shape[1] = layout.local_len();
     Tensor t = Tensor::zeros(shape, full.dtype(), MemCategory::kWorkspace);  // padding rows stay zero
     std::vector<std::int64_t> rows, toks;
-    const std::vector<std::int64_t> tokens = layout.token_index(groups.sp_rank());
+    const std::vector<std::int64_t> tokens = layout.token_index(groups.cp_rank());
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       if (tokens[i] < 0) continue;
       rows.push_back(static_cast<std::int64_t>(i));
@@ -541,9 +541,9 @@ TEST_P(GdnConvDecodeCp, StepsWithTheConvEqualTheTrainingForward) {
     }
     Tensor want = Tensor::empty({kB, keep, c_r}, c.dtype, MemCategory::kWorkspace);
     gather_rows(x, 2, mine, want);
-    EXPECT_EQ(to_double(cache.conv_state()), to_double(want)) << "conv tail of sp rank " << groups.sp_rank();
+    EXPECT_EQ(to_double(cache.conv_state()), to_double(want)) << "conv tail of cp rank " << groups.cp_rank();
     std::int64_t m = 0;
-    for (std::int64_t tok : layout.token_index(groups.sp_rank())) m += tok >= lo ? 1 : 0;
+    for (std::int64_t tok : layout.token_index(groups.cp_rank())) m += tok >= lo ? 1 : 0;
     EXPECT_EQ(layer.conv_tail_bytes_sent(), m * kB * (C - c_r) * esize);
   }
   expect_steps_and_final_state(layer, cache, p, sched, c.dtype);
@@ -561,9 +561,9 @@ INSTANTIATE_TEST_SUITE_P(
     test::CaseName());
 
 TEST(GdnDecodeCpErrors, ConvWeightAgainstTheCacheFailsAndChangesNothing) {
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  GdnDecodeContextParallel layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  GdnDecodeCp layer(groups, GdnCpConfig{}, value_heads(), key_heads());
   const test::GdnDecodeProblem p(kB, 1, key_heads(), value_heads(), kGK, kGV, DType::kFloat32, 3, 4);
   attn::GdnCache plain = layer.make_cache(kB, kGK, kGV, DType::kFloat32);
   EXPECT_TRUE(fails_everywhere([&] { layer.decode(plain, p.q, p.k, p.v, p.g, p.beta, p.conv_weight); },
@@ -579,19 +579,19 @@ TEST(GdnDecodeCpErrors, ConvWeightAgainstTheCacheFailsAndChangesNothing) {
 }
 
 TEST(GdnDecodeCpErrors, HeadsThatDoNotDivideFailEverywhere) {
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const int P = world().size();
   const std::int64_t hk = P + 1, hv = 2 * (P + 1);  // P + 1 never divides by P > 1; P = 1 takes any
   if (P == 1) GTEST_SKIP() << "every head count divides over one rank";
-  EXPECT_TRUE(fails_everywhere([&] { GdnDecodeContextParallel(groups, GdnCpConfig{}, hv, hk); },
-                               str_cat("must both be divisible by the SP group size ", P)));
+  EXPECT_TRUE(fails_everywhere([&] { GdnDecodeCp(groups, GdnCpConfig{}, hv, hk); },
+                               str_cat("must both be divisible by the CP group size ", P)));
 }
 
 TEST(GdnDecodeCpErrors, CacheOfAnotherShapeFailsAndChangesNothing) {
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  GdnDecodeContextParallel layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  GdnDecodeCp layer(groups, GdnCpConfig{}, value_heads(), key_heads());
   attn::GdnCache cache = layer.make_cache(kB, kGK, 2 * kGV, DType::kFloat32);  // V twice the problem's
   const test::GdnDecodeProblem p(kB, 1, key_heads(), value_heads(), kGK, kGV, DType::kFloat32, 3);
   EXPECT_TRUE(fails_everywhere([&] { layer.decode(cache, p.q, p.k, p.v, p.g, p.beta); }, "decode v_new"));
@@ -600,9 +600,9 @@ TEST(GdnDecodeCpErrors, CacheOfAnotherShapeFailsAndChangesNothing) {
 
 TEST(GdnDecodeCpErrors, RanksThatDisagreeOnTheLengthFailEverywhereAndChangeNothing) {
   if (world().size() == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  GdnDecodeContextParallel layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  GdnDecodeCp layer(groups, GdnCpConfig{}, value_heads(), key_heads());
   attn::GdnCache cache = layer.make_cache(kB, kGK, kGV, DType::kFloat32);
   const test::GdnDecodeProblem p(kB, 1, key_heads(), value_heads(), kGK, kGV, DType::kFloat32, 5);
   const Tensor state = test::random_tensor(cache.state().shape(), DType::kFloat32, 6);

@@ -13,7 +13,7 @@
 #include <limits>
 
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -25,7 +25,7 @@ namespace {
 using test::world;
 
 struct DropoutCase {
-  SpGridConfig grid;  // dp_size 1; ring_size from the world size
+  CpGridConfig grid;  // dp_size 1; ring_size from the world size
   LayoutKind layout;
   RingImpl impl;
   bool causal;
@@ -42,7 +42,7 @@ constexpr std::int64_t kHq = 8;
 
 std::vector<DropoutCase> cases_for_world() {
   std::vector<DropoutCase> cases;
-  for (const SpGridConfig& g : test::usp_grids(kHq)) {
+  for (const CpGridConfig& g : test::usp_grids(kHq)) {
     // Every layout, both ring implementations, causal and not, GQA with Hkv = 2 and MQA (Hkv < Pu from Pu = 2).
     cases.push_back({g, LayoutKind::kZigzag, RingImpl::kP2P, true, 2});
     cases.push_back({g, LayoutKind::kZigzag, RingImpl::kAllGather, false, 2});
@@ -69,10 +69,10 @@ class DropoutCp : public ::testing::TestWithParam<DropoutCase> {};
 
 TEST_P(DropoutCp, EveryGridDropsThePairsOneRankDrops) {
   const DropoutCase c = GetParam();
-  const SpGrid grid(world(), c.grid);
+  const CpGrid grid(world(), c.grid);
   for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
     const test::MhaShape shape = shape_of(c, dtype);
-    RingAttentionConfig cfg;
+    MhaCpConfig cfg;
     cfg.impl = c.impl;
     cfg.causal = c.causal;
     cfg.dropout = shape.dropout;
@@ -119,12 +119,12 @@ TEST(DropoutCp, PackedRowsDropThePairsOneRankDrops) {
     const test::MhaProblem p(shape);
     const test::MhaResult one = test::single_rank_result(shape, p);
     const test::MhaResult ref = test::reference_result(shape, p);
-    for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
-      const SpGrid grid(world(), gc);
+    for (const CpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+      const CpGrid grid(world(), gc);
       const CpGroups groups = CpGroups::from(grid);
       for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kStripe, LayoutKind::kBalanced}) {
         for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-          RingAttentionConfig cfg;
+          MhaCpConfig cfg;
           cfg.impl = impl;
           cfg.causal = mask.causal;
           cfg.window = mask.window;
@@ -150,11 +150,11 @@ TEST(DropoutCp, PackedRowsDropThePairsOneRankDrops) {
 // The dropout is really on: another seed changes out by O(1) on every grid (and the lse not at all).
 TEST(DropoutCp, AnotherSeedGivesAnotherResult) {
   const int n = world().size();
-  const SpGrid grid(world(), {1, n % 2 == 0 ? 2 : 1, n % 2 == 0 ? n / 2 : n});
+  const CpGrid grid(world(), {1, n % 2 == 0 ? 2 : 1, n % 2 == 0 ? n / 2 : n});
   const DropoutCase c{grid.config(), LayoutKind::kZigzag, RingImpl::kP2P, true, 2};
   test::MhaShape shape = shape_of(c, DType::kFloat32);
   const test::MhaProblem p(shape);
-  RingAttentionConfig cfg;
+  MhaCpConfig cfg;
   cfg.dropout = shape.dropout;
   const test::MhaResult a = test::usp_result(grid, shape, p, cfg, c.layout);
   cfg.dropout.seed += 1;
@@ -166,14 +166,14 @@ TEST(DropoutCp, AnotherSeedGivesAnotherResult) {
 // A bad p fails on every rank in the constructor, before any message.
 TEST(DropoutCp, BadProbabilityFailsInTheConstructorOnEveryRank) {
   const int n = world().size();
-  const SpGrid grid(world(), {1, 1, n});
+  const CpGrid grid(world(), {1, 1, n});
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, 16 * n);
   for (double bad : {-0.5, 1.0, std::numeric_limits<double>::quiet_NaN()}) {
-    RingAttentionConfig cfg;
+    MhaCpConfig cfg;
     cfg.dropout.p = bad;
     try {
-      UspAttention usp(groups, layout, cfg);
+      MhaCp usp(groups, layout, cfg);
       ADD_FAILURE() << "dropout p " << bad << " was accepted";
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("ring attention: dropout p"), std::string::npos) << e.what();

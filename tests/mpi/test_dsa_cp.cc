@@ -14,7 +14,7 @@
 #include "attention/reference/dsa_reference.h"
 #include "attention/reference/mha_reference.h"
 #include "parallel/dsa_cp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/dsa_problem.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -86,20 +86,20 @@ struct DistResult {
   double loss = 0;
 };
 
-DistResult run_distributed(const SpGrid& grid, const DsaCase& c, const DsaProblem& p) {
+DistResult run_distributed(const CpGrid& grid, const DsaCase& c, const DsaProblem& p) {
   DsaCpConfig cfg;
   cfg.select = c.select;
   cfg.topk = c.topk;
   cfg.dim_v = kDv;
   cfg.window = c.window;
   const CpGroups groups = CpGroups::from(grid);
-  DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
+  DsaCp dsa(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
   const auto& pos = dsa.positions();
   Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
          w = piece(p.w, pos), dout = piece(p.dout, pos);
   DsaCpOutput o = dsa.forward(q.view(), cc.view(), qi.view(), ki.view(), w.view());
   DsaCpGrads g = dsa.backward(std::move(o.ctx), dout.view());
-  Communicator& sp = grid.sp();
+  Communicator& sp = grid.cp();
   const SequenceLayout& L = dsa.layout();
   DistResult r;
   r.out = gather(sp, L, o.out, {kB, c.seq, kH, kDv});
@@ -168,7 +168,7 @@ class DsaCpVsSingleRank : public ::testing::TestWithParam<DsaCase> {};
 TEST_P(DsaCpVsSingleRank, MatchesSingleRankProblem) {
   const DsaCase c = GetParam();
   const int n = world().size();
-  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
   const DsaProblem p(c.seq);
   const DistResult got = run_distributed(grid, c, p);
   const std::string name = str_cat(case_name(c), " on ", grid.str());
@@ -216,13 +216,13 @@ INSTANTIATE_TEST_SUITE_P(DsaCp, DsaCpVsSingleRank, ::testing::ValuesIn(dsa_cases
 // A non-finite scale is an error at construction (it used to be replaced silently by 1/sqrt(Dqk)).
 TEST(DsaCp, NonFiniteScaleIsRefusedBeforeCommunication) {
   const int n = world().size();
-  SpGrid grid(world(), test::ring_over_world());
+  CpGrid grid(world(), test::ring_over_world());
   DsaCpConfig cfg;
   cfg.scale = std::numeric_limits<float>::infinity();
   const CpGroups groups = CpGroups::from(grid);
   std::string message;
   try {
-    DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, 4 * n, LayoutKind::kContiguous), cfg);
+    DsaCp dsa(groups, SequenceLayout::for_groups(groups, 4 * n, LayoutKind::kContiguous), cfg);
   } catch (const Error& e) {
     message = e.message();
   }
@@ -231,7 +231,7 @@ TEST(DsaCp, NonFiniteScaleIsRefusedBeforeCommunication) {
 
 // k >= the number of visible keys: DSA is dense causal attention (MQA with the latent as key and value).
 TEST(DsaCp, FullTopkIsDenseCausalAttention) {
-  SpGrid grid(world(), test::ring_over_world());
+  CpGrid grid(world(), test::ring_over_world());
   const DsaCase c{1, LayoutKind::kZigzag, DsaSelectMode::kRing, 96, 96};
   const DsaProblem p(c.seq);
   const DistResult got = run_distributed(grid, c, p);
@@ -267,7 +267,7 @@ TEST(DsaCp, TiesAreDeterministicAcrossGridsAndRuns) {
   for (std::int64_t i = 0; i < p.k_idx.numel(); ++i) p.k_idx.data_as<float>()[i] = 0.25f;  // all keys equal
   for (int pu : {1, 2}) {
     if (n % pu != 0) continue;
-    SpGrid grid(world(), {1, pu, n / pu, Placement::kUlyssesInner});
+    CpGrid grid(world(), {1, pu, n / pu, Placement::kUlyssesInner});
     for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
       const DsaCase c{pu, LayoutKind::kZigzag, select};
       const DistResult a = run_distributed(grid, c, p);
@@ -289,7 +289,7 @@ TEST(DsaCp, TiesAreDeterministicAcrossGridsAndRuns) {
 
 // Changing tokens after position t leaves every output and index at positions <= t unchanged.
 TEST(DsaCp, Causality) {
-  SpGrid grid(world(), test::ring_over_world());
+  CpGrid grid(world(), test::ring_over_world());
   const DsaCase c{1, LayoutKind::kZigzag, DsaSelectMode::kRing};
   const DsaProblem p(c.seq);
   DsaProblem changed(c.seq);
@@ -321,7 +321,7 @@ TEST(DsaCp, Causality) {
 // The indexer keeps O(S_local * k) state: doubling S at fixed k roughly doubles the forward's peak, not x4.
 TEST(DsaCp, PeakMemoryIsLinearInSequence) {
   const int n = world().size();
-  SpGrid grid(world(), test::ring_over_world());
+  CpGrid grid(world(), test::ring_over_world());
   std::int64_t peaks[2];
   for (int i = 0; i < 2; ++i) {
     const std::int64_t seq = 2 * n * 48 * (i + 1);
@@ -330,7 +330,7 @@ TEST(DsaCp, PeakMemoryIsLinearInSequence) {
     cfg.topk = 8;
     cfg.dim_v = kDv;
     const CpGroups groups = CpGroups::from(grid);
-    DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, seq), cfg);
+    DsaCp dsa(groups, SequenceLayout::for_groups(groups, seq), cfg);
     const auto& pos = dsa.positions();
     Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
            w = piece(p.w, pos);
@@ -360,8 +360,8 @@ std::vector<DsaCase> large_logit_cases() {
   return cases;
 }
 
-SpGrid grid_of(const DsaCase& c) {
-  return SpGrid(world(), {1, c.ulysses_size, world().size() / c.ulysses_size, Placement::kUlyssesInner});
+CpGrid grid_of(const DsaCase& c) {
+  return CpGrid(world(), {1, c.ulysses_size, world().size() / c.ulysses_size, Placement::kUlyssesInner});
 }
 
 // The fp64 reference's own selection (attn::reference::dsa_indexer_topk on the problem's values).
@@ -431,7 +431,7 @@ TEST(DsaCpLargeLogits, Fp64MatchesReference) {
 // they add no rounding of an fp32 lse (eps |lse|, ~6e-4 at logits 1e4, per merge).
 TEST(DsaCpLargeLogits, Fp32AndBf16WithinTwiceTheOneRankError) {
   const std::unique_ptr<Communicator> self = world().split(world().rank(), 0);
-  const SpGrid one_rank(*self, {1, 1, 1, Placement::kUlyssesInner});
+  const CpGrid one_rank(*self, {1, 1, 1, Placement::kUlyssesInner});
   for (const auto& [dtype, unit_roundoff] : {std::pair{DType::kFloat32, 0x1p-24}, std::pair{DType::kBFloat16, 0x1p-8}})
     for (double logit : kLargeLogits) {
       const DsaProblem p(48, dtype, logit);
@@ -489,9 +489,9 @@ TEST(DsaCp, WindowLimitsCandidates) {
     cfg.topk = c.topk;
     cfg.dim_v = kDv;
     cfg.window = w;
-    SpGrid grid(world(), test::ring_over_world());
+    CpGrid grid(world(), test::ring_over_world());
     const CpGroups groups = CpGroups::from(grid);
-    DsaContextParallel dsa(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
+    DsaCp dsa(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
     const auto& pos = dsa.positions();
     Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
            w_ = piece(p.w, pos);

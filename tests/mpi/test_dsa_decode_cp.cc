@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 
 #include "parallel/dsa_decode_cp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/decode_problem.h"
 #include "tests/util/mpi_test.h"
@@ -48,27 +48,27 @@ DsaDecodeConfig config_of(const DsaCase& c) {
   return cfg;
 }
 
-// Rows [0, layout.seq_len()) of `full` ([B, S, ...]), this SP rank's part under `layout`.
-Tensor local_rows(const TensorView& full, const SequenceLayout& layout, int sp_rank) {
+// Rows [0, layout.seq_len()) of `full` ([B, S, ...]), this CP rank's part under `layout`.
+Tensor local_rows(const TensorView& full, const SequenceLayout& layout, int cp_rank) {
   Tensor prompt = rows_of(full, 0, layout.seq_len());
   Shape shape = full.shape();
   shape[1] = layout.local_len();
   Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-  shard_sequence(prompt, layout.positions(sp_rank), t);
+  shard_sequence(prompt, layout.positions(cp_rank), t);
   return t;
 }
 
-class DsaDecodeCp : public ::testing::TestWithParam<DsaCase> {};
+class DsaDecodeCpTest : public ::testing::TestWithParam<DsaCase> {};
 
-TEST_P(DsaDecodeCp, StepsEqualRowsOfTheTrainingForward) {
+TEST_P(DsaDecodeCpTest, StepsEqualRowsOfTheTrainingForward) {
   const DsaCase c = GetParam();
-  const SpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
+  const CpGrid grid(world(), c.usp ? test::small_grid_config() : test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
-  const int P = groups.sp.size(), me = groups.sp_rank();
+  const int P = groups.cp.size(), me = groups.cp_rank();
   const test::DecodeSchedule sched{kPrompt, kSteps, c.n};
   const test::DsaDecodeProblem p(kB, sched.total(), kH, kDqk, kDv, kHi, kDi, kTopk, c.window, c.dtype, 23);
   EXPECT_TRUE(p.ref_topk_matches) << "the kernels' fp64 selection differs from the fp64 reference's";
-  DsaDecodeContextParallel layer(groups, config_of(c));
+  DsaDecodeCp layer(groups, config_of(c));
 
   const std::int64_t before = persistent_bytes();
   ShardedDsaCache cache = layer.make_cache(kB, sched.total(), kDi, kDqk, c.dtype);
@@ -116,7 +116,7 @@ TEST_P(DsaDecodeCp, StepsEqualRowsOfTheTrainingForward) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    Cases, DsaDecodeCp,
+    Cases, DsaDecodeCpTest,
     ::testing::Values(DsaCase{CacheShardKind::kContiguous, 1, LayoutKind::kZigzag, 1},
                       DsaCase{CacheShardKind::kInterleave, 1, LayoutKind::kContiguous, 1},
                       DsaCase{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, 3},
@@ -129,14 +129,14 @@ INSTANTIATE_TEST_SUITE_P(
 
 // fill (no prompt attention) stores the same rows as prefill: the steps after it are the same.
 TEST(DsaDecodeCpFill, StepsAfterAFillEqualTheTrainingForward) {
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const DsaCase c{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, 1};
   const test::DsaDecodeProblem p(kB, kPrompt + 2, kH, kDqk, kDv, kHi, kDi, kTopk, 0, c.dtype, 29);
-  DsaDecodeContextParallel layer(groups, config_of(c));
+  DsaDecodeCp layer(groups, config_of(c));
   ShardedDsaCache cache = layer.make_cache(kB, kPrompt + 2, kDi, kDqk, c.dtype);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, kPrompt, c.layout);
-  layer.fill(cache, layout, local_rows(p.k_idx, layout, groups.sp_rank()), local_rows(p.c, layout, groups.sp_rank()));
+  layer.fill(cache, layout, local_rows(p.k_idx, layout, groups.cp_rank()), local_rows(p.c, layout, groups.cp_rank()));
   EXPECT_EQ(cache.length(), kPrompt);
   for (std::int64_t t = kPrompt; t < kPrompt + 2; ++t) {
     const auto rows = [&](const TensorView& x) { return rows_of(x, t, t + 1); };
@@ -149,10 +149,10 @@ TEST(DsaDecodeCpFill, StepsAfterAFillEqualTheTrainingForward) {
 
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
 TEST(DsaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
-  const SpGrid grid(world(), test::small_grid_config());
+  const CpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
-  const int P = groups.sp.size();
-  DsaDecodeContextParallel layer(groups, DsaDecodeConfig{});
+  const int P = groups.cp.size();
+  DsaDecodeCp layer(groups, DsaDecodeConfig{});
   for (const std::int64_t T : {1024, 4096}) {
     const std::int64_t before = persistent_bytes();
     ShardedDsaCache cache = layer.make_cache(1, T, 128, 576, DType::kBFloat16);
@@ -165,14 +165,14 @@ TEST(DsaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
 
 struct Bad {
   test::DsaDecodeProblem p{kB, kPrompt + 4, kH, kDqk, kDv, kHi, kDi, kTopk, 0, DType::kFloat32, 9};
-  SpGrid grid{world(), test::ring_over_world()};
+  CpGrid grid{world(), test::ring_over_world()};
   CpGroups groups = CpGroups::from(grid);
   SequenceLayout layout{LayoutKind::kZigzag, kPrompt, groups.ring.size()};
-  Tensor local(const TensorView& full) const { return local_rows(full, layout, groups.sp_rank()); }
-  void prefill(DsaDecodeContextParallel& layer, ShardedDsaCache& cache) const {
+  Tensor local(const TensorView& full) const { return local_rows(full, layout, groups.cp_rank()); }
+  void prefill(DsaDecodeCp& layer, ShardedDsaCache& cache) const {
     layer.prefill(cache, layout, local(p.q), local(p.c), local(p.q_idx), local(p.k_idx), local(p.w));
   }
-  DsaDecodeOutput step(DsaDecodeContextParallel& layer, ShardedDsaCache& cache, std::int64_t n) const {
+  DsaDecodeOutput step(DsaDecodeCp& layer, ShardedDsaCache& cache, std::int64_t n) const {
     const auto rows = [&](const TensorView& x) { return rows_of(x, kPrompt, kPrompt + n); };
     return layer.decode(cache, rows(p.q), rows(p.c), rows(p.q_idx), rows(p.k_idx), rows(p.w));
   }
@@ -181,7 +181,7 @@ struct Bad {
 
 TEST(DsaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
   Bad b;
-  DsaDecodeContextParallel layer(b.groups, b.config());
+  DsaDecodeCp layer(b.groups, b.config());
   ShardedDsaCache cache = layer.make_cache(kB, kPrompt + 1, kDi, kDqk, DType::kFloat32);
   b.prefill(layer, cache);
   const std::vector<std::int64_t> held = cache.local().positions();
@@ -200,7 +200,7 @@ TEST(DsaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
   Bad b;
   DsaDecodeConfig contiguous = b.config();
   contiguous.shard = CacheShardKind::kContiguous;
-  DsaDecodeContextParallel layer(b.groups, b.config()), other(b.groups, contiguous);
+  DsaDecodeCp layer(b.groups, b.config()), other(b.groups, contiguous);
   ShardedDsaCache cache = other.make_cache(kB, kPrompt + 4, kDi, kDqk, DType::kFloat32);
   EXPECT_TRUE(fails_everywhere([&] { b.prefill(layer, cache); }, "the cache is sharded contiguous over"));
   EXPECT_EQ(cache.length(), 0);
@@ -223,7 +223,7 @@ TEST(DsaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
 TEST(DsaDecodeCpErrors, RanksThatDisagreeOnTheLengthFailEverywhereAndChangeNothing) {
   if (world().size() == 1) GTEST_SKIP() << "one rank cannot disagree with itself";
   Bad b;
-  DsaDecodeContextParallel layer(b.groups, b.config());
+  DsaDecodeCp layer(b.groups, b.config());
   ShardedDsaCache fresh = layer.make_cache(kB, kPrompt + 4, kDi, kDqk, DType::kFloat32);
   ShardedDsaCache filled = layer.make_cache(kB, kPrompt + 4, kDi, kDqk, DType::kFloat32);
   b.prefill(layer, filled);

@@ -12,7 +12,7 @@
 
 #include "parallel/dsa_cp.h"
 #include "parallel/ring_pass.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/dsa_packed.h"
 #include "tests/util/mpi_test.h"
@@ -31,11 +31,11 @@ using test::dsa_packed::Inputs;
 using test::dsa_packed::Result;
 
 // This rank's piece of a full [1, T, ...] tensor (padding rows 0).
-Tensor local_of(const SequenceLayout& layout, int sp_rank, const Tensor& full) {
+Tensor local_of(const SequenceLayout& layout, int cp_rank, const Tensor& full) {
   Shape s = full.shape();
   s[1] = layout.local_len();
   Tensor t = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
-  shard_sequence(layout, sp_rank, full.view(), t.view());
+  shard_sequence(layout, cp_rank, full.view(), t.view());
   return t;
 }
 std::vector<double> gathered(Communicator& sp, const SequenceLayout& layout, const Tensor& local, Shape full,
@@ -47,9 +47,9 @@ std::vector<double> gathered(Communicator& sp, const SequenceLayout& layout, con
 }
 
 // Padding rows of this rank's local tensors are 0 (lse -inf, topk -1); no value is NaN.
-void expect_clean_padding(const SequenceLayout& layout, int sp_rank, const DsaCpOutput& o, const DsaCpGrads& g,
+void expect_clean_padding(const SequenceLayout& layout, int cp_rank, const DsaCpOutput& o, const DsaCpGrads& g,
                           const std::string& what) {
-  const std::vector<std::int64_t> tok = layout.token_index(sp_rank);
+  const std::vector<std::int64_t> tok = layout.token_index(cp_rank);
   const std::int64_t rows = layout.local_len();
   bool ok = true;
   const auto check = [&](const Tensor& t, bool is_lse, double pad_value) {
@@ -69,17 +69,17 @@ void expect_clean_padding(const SequenceLayout& layout, int sp_rank, const DsaCp
 }
 
 // The whole packed row on one grid and layout: every output gathered to token space, topk mapped to tokens.
-Result run_cp(const SpGrid& grid, const SequenceLayout& layout, const DsaCpConfig& cfg, const Inputs& in,
+Result run_cp(const CpGrid& grid, const SequenceLayout& layout, const DsaCpConfig& cfg, const Inputs& in,
               const std::string& what) {
   const CpGroups groups = CpGroups::from(grid);
-  DsaContextParallel dsa(groups, layout, cfg);
-  const int r = groups.sp_rank();
+  DsaCp dsa(groups, layout, cfg);
+  const int r = groups.cp_rank();
   Tensor q = local_of(layout, r, in.q), c = local_of(layout, r, in.c), qi = local_of(layout, r, in.q_idx),
          ki = local_of(layout, r, in.k_idx), w = local_of(layout, r, in.w), dout = local_of(layout, r, in.dout);
   DsaCpOutput o = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view());
   DsaCpGrads g = dsa.backward(std::move(o.ctx), dout.view());
   expect_clean_padding(layout, r, o, g, what);
-  Communicator& sp = grid.sp();
+  Communicator& sp = grid.cp();
   Result res;
   dsa_topk_slots_to_tokens(layout, o.topk_indices.view());  // before the gather
   for (double x : gathered(sp, layout, o.topk_indices, o.topk_indices.shape()))
@@ -141,8 +141,8 @@ void check_packing(const std::vector<std::int64_t>& lens, std::int64_t K, std::u
   const std::vector<std::int64_t> cu = cu_seqlens_of(lens);
   const Inputs in(cu.back(), DType::kFloat64, seed);
   const Result want = per_document(in, cu, K, window);
-  for (const SpGridConfig& gc : test::usp_grids(H)) {
-    const SpGrid grid(world(), gc);
+  for (const CpGridConfig& gc : test::usp_grids(H)) {
+    const CpGrid grid(world(), gc);
     const CpGroups groups = CpGroups::from(grid);
     for (LayoutKind kind : kinds) {
       for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
@@ -182,7 +182,7 @@ TEST(DsaPacked, WindowPlanSendsOnlyRowsOfTheQueriesDocuments) {
   const std::vector<std::int64_t> cu = cu_seqlens_of(lens);
   const std::int64_t T = cu.back(), W = 40, K = 8;
   const int n = world().size(), r = world().rank();
-  const SpGrid grid(world(), {1, 1, n});
+  const CpGrid grid(world(), {1, 1, n});
   const CpGroups groups = CpGroups::from(grid);
   for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kBalanced}) {
     const SequenceLayout packed = SequenceLayout::packed_for_groups(groups, cu, kind);
@@ -219,7 +219,7 @@ TEST(DsaPacked, WindowPlanSendsOnlyRowsOfTheQueriesDocuments) {
     std::vector<std::vector<std::int64_t>> pos;
     for (int x = 0; x < n; ++x) pos.push_back(layout.positions(x));
     rows[packed_row] = WindowPlan(pos, r, W, window_doc_bounds(layout, pos)).rows_sent();
-    DsaContextParallel dsa(groups, layout, cfg);
+    DsaCp dsa(groups, layout, cfg);
     Tensor q = local_of(layout, r, in.q), c = local_of(layout, r, in.c), qi = local_of(layout, r, in.q_idx),
            ki = local_of(layout, r, in.k_idx), w = local_of(layout, r, in.w);
     DsaCpOutput o = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view());
@@ -250,8 +250,8 @@ TEST(DsaPacked, OneDocumentEqualsTheUnpackedPath) {
   const std::vector<std::int64_t> cu = {0, T};
   const Inputs in(T, DType::kFloat64, 14);
   const Result want = per_document(in, cu, K);
-  for (const SpGridConfig& gc : test::usp_grids(H, false)) {
-    const SpGrid grid(world(), gc);
+  for (const CpGridConfig& gc : test::usp_grids(H, false)) {
+    const CpGrid grid(world(), gc);
     const CpGroups groups = CpGroups::from(grid);
     DsaCpConfig cfg;
     cfg.topk = K;
@@ -286,13 +286,13 @@ TEST(DsaPacked, OddTotal8191) {
 // disagree on cu_seqlens (the agreement check names the digest).
 TEST(DsaPacked, BadPackingsFailOnEveryRank) {
   const int n = world().size();
-  const SpGrid grid(world(), {1, 1, n});
+  const CpGrid grid(world(), {1, 1, n});
   const CpGroups groups = CpGroups::from(grid);
   auto forward_error = [&](const SequenceLayout& layout, std::int64_t batch) {
     DsaCpConfig cfg;
     cfg.topk = 4;
     cfg.dim_v = Dv;
-    DsaContextParallel dsa(groups, layout, cfg);
+    DsaCp dsa(groups, layout, cfg);
     const std::int64_t sl = layout.local_len();
     Tensor q = Tensor::zeros({batch, sl, H, Dqk}, DType::kFloat32, MemCategory::kWorkspace);
     Tensor c = Tensor::zeros({batch, sl, Dqk}, DType::kFloat32, MemCategory::kWorkspace);

@@ -7,7 +7,7 @@
 
 #include "attention/reference/gdn_reference.h"
 #include "parallel/gdn_cp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
 
@@ -93,7 +93,7 @@ class GdnCpVsRecurrence : public ::testing::TestWithParam<GdnCase> {};
 TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   const GdnCase c = GetParam();
   const int n = world().size();
-  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
   const GdnProblem p(c);
 
   // fp64 reference of the whole sequence.
@@ -127,7 +127,7 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   cfg.use_qk_l2norm = c.l2norm;
   cfg.chunk_size = 16;  // several chunks per segment at small ranks, partial chunks at large ones
   const CpGroups groups = CpGroups::from(grid);
-  GdnContextParallel gdn(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
+  GdnCp gdn(groups, SequenceLayout::for_groups(groups, c.seq, c.layout), cfg);
   std::vector<Tensor> keep;
   const auto& pos = gdn.positions();
   GdnCpOutput o =
@@ -139,7 +139,7 @@ TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   GdnCpGrads gr = gdn.backward(std::move(o.ctx), dout_local.view(), p.dfinal.view());
 
   const std::string name = str_cat(case_name(c), " on ", grid.str());
-  Communicator& sp = grid.sp();
+  Communicator& sp = grid.cp();
   EXPECT_TRUE(close_to(gather(sp, gdn.layout(), o.out, {kB, c.seq, kH, kV}), ro, c, name + " out"));
   EXPECT_TRUE(close_to(to_double(o.final_state), rf, c, name + " final_state"));
   EXPECT_TRUE(close_to(gather(sp, gdn.layout(), gr.dq, q64.shape()), rdq, c, name + " dq"));
@@ -204,15 +204,15 @@ INSTANTIATE_TEST_SUITE_P(GdnCp, GdnCpVsRecurrence, ::testing::ValuesIn(gdn_cases
 
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
-  SpGrid grid(world(), test::ring_over_world());
+  CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   GdnCpConfig cfg;
-  EXPECT_THROW(GdnContextParallel(groups, SequenceLayout::for_groups(groups, 4 * n, LayoutKind::kStripe), cfg), Error);
+  EXPECT_THROW(GdnCp(groups, SequenceLayout::for_groups(groups, 4 * n, LayoutKind::kStripe), cfg), Error);
   // Any length is accepted (the layout pads; tests/mpi/test_gdn_cp_packed.cc checks S = 197 and 8191).
   GdnCpConfig nan_scale = cfg;
   nan_scale.scale = std::nanf("");  // was silently replaced by 1/sqrt(K)
-  EXPECT_THROW(GdnContextParallel(groups, SequenceLayout::for_groups(groups, 2 * n), nan_scale), Error);
-  GdnContextParallel gdn(groups, SequenceLayout::for_groups(groups, 2 * n), cfg);
+  EXPECT_THROW(GdnCp(groups, SequenceLayout::for_groups(groups, 2 * n), nan_scale), Error);
+  GdnCp gdn(groups, SequenceLayout::for_groups(groups, 2 * n), cfg);
   Tensor dout = Tensor::zeros({1, 2, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(gdn.backward(CpContext{}, dout.view()), Error);                       // no forward's context
   Tensor q = Tensor::zeros({1, 3, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);  // wrong local length
@@ -255,7 +255,7 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
     for (std::int64_t width : {1, 4}) {
       for (std::int64_t seq : {std::int64_t{2} * n, std::int64_t{2} * n * 7}) {
         const std::int64_t C = 6;
-        const SpGrid grid(world(), {1, 1, n});
+        const CpGrid grid(world(), {1, 1, n});
         const CpGroups groups = CpGroups::from(grid);
         const SequenceLayout lay = SequenceLayout::for_groups(groups, seq, layout);
         Tensor x = test::random_tensor({kB, seq, C}, DType::kFloat32, 201);
@@ -263,7 +263,7 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
         Tensor dy = test::random_tensor({kB, seq, C}, DType::kFloat32, 203);
         const ShortConvReference ref(x, w, dy);
 
-        ShortConvContextParallel conv(groups, lay);
+        ShortConvCp conv(groups, lay);
         const auto pos = lay.positions(world().rank());
         std::vector<Tensor> keep;
         ShortConvCpOutput o = conv.forward(shard(x, pos, keep), w.view());
@@ -271,8 +271,8 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
         Tensor dw = Tensor::empty(w.shape(), DType::kFloat32, MemCategory::kWorkspace);
         Tensor dx = conv.backward(std::move(o.ctx), shard(dy, pos, keep), dw.view());
         const std::string name = str_cat(layout_name(layout), " W", width, " S", seq, " at ", n, " ranks");
-        EXPECT_TRUE(all_close(gather(grid.sp(), lay, y, x.shape()), to_double(ref.y), 1e-5, 1e-5, name + " out"));
-        EXPECT_TRUE(all_close(gather(grid.sp(), lay, dx, x.shape()), to_double(ref.dx), 1e-5, 1e-5, name + " dx"));
+        EXPECT_TRUE(all_close(gather(grid.cp(), lay, y, x.shape()), to_double(ref.y), 1e-5, 1e-5, name + " out"));
+        EXPECT_TRUE(all_close(gather(grid.cp(), lay, dx, x.shape()), to_double(ref.dx), 1e-5, 1e-5, name + " dx"));
         EXPECT_TRUE(all_close(to_double(dw), to_double(ref.dw), 1e-4, 1e-5, name + " dweight"));
       }
     }
@@ -285,7 +285,7 @@ TEST(ShortConvCp, MatchesDirectConvIncludingShortSegments) {
 TEST(ShortConvCp, EveryStorageDtype) {
   const int n = world().size();
   const std::int64_t seq = 8 * n, C = 6, W = 4;
-  const SpGrid grid(world(), {1, 1, n});
+  const CpGrid grid(world(), {1, 1, n});
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout lay = SequenceLayout::for_groups(groups, seq);
   struct Tol {
@@ -297,7 +297,7 @@ TEST(ShortConvCp, EveryStorageDtype) {
     const Tensor x = test::random_tensor({kB, seq, C}, t.dtype, 201), w = test::random_tensor({C, W}, t.dtype, 202),
                  dy = test::random_tensor({kB, seq, C}, t.dtype, 203);
     const ShortConvReference ref(x, w, dy);
-    ShortConvContextParallel conv(groups, lay);
+    ShortConvCp conv(groups, lay);
     const auto pos = lay.positions(world().rank());
     std::vector<Tensor> keep;
     ShortConvCpOutput o = conv.forward(shard(x, pos, keep), w.view());
@@ -305,8 +305,8 @@ TEST(ShortConvCp, EveryStorageDtype) {
     const Tensor dx = conv.backward(std::move(o.ctx), shard(dy, pos, keep), dw.view());
     const std::string name = str_cat("short conv ", dtype_name(t.dtype), " at ", n, " ranks");
     EXPECT_EQ(dx.dtype(), t.dtype) << name;
-    EXPECT_TRUE(all_close(gather(grid.sp(), lay, o.out, x.shape()), to_double(ref.y), t.atol, t.rtol, name + " out"));
-    EXPECT_TRUE(all_close(gather(grid.sp(), lay, dx, x.shape()), to_double(ref.dx), t.atol, t.rtol, name + " dx"));
+    EXPECT_TRUE(all_close(gather(grid.cp(), lay, o.out, x.shape()), to_double(ref.y), t.atol, t.rtol, name + " out"));
+    EXPECT_TRUE(all_close(gather(grid.cp(), lay, dx, x.shape()), to_double(ref.dx), t.atol, t.rtol, name + " dx"));
     EXPECT_TRUE(all_close(to_double(dw), to_double(ref.dw), t.atol * seq, t.rtol, name + " dweight"));
     // The backward that returns both gradients (ShortConvCpGrads) gives them bitwise.
     ShortConvCpOutput o2 = conv.forward(shard(x, pos, keep), w.view());

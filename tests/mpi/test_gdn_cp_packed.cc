@@ -14,7 +14,7 @@
 
 #include "attention/reference/gdn_reference.h"
 #include "parallel/gdn_cp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -107,7 +107,7 @@ Tensor shard(const Tensor& full, const std::vector<std::int64_t>& tokens) {
   return local;
 }
 
-// The full [1, T, ...] values from every rank's local rows (fp64 sum over the SP group: each token has one owner).
+// The full [1, T, ...] values from every rank's local rows (fp64 sum over the CP group: each token has one owner).
 // Padding rows must be exactly 0: a failure names the tensor.
 std::vector<double> gather(Communicator& sp, const Tensor& local, const std::vector<std::int64_t>& tokens,
                            std::int64_t T, const std::string& what) {
@@ -120,7 +120,7 @@ std::vector<double> gather(Communicator& sp, const Tensor& local, const std::vec
       if (tokens[i] >= 0) {
         f[tokens[i] * row + e] = x[i * row + e];
       } else {
-        EXPECT_EQ(x[i * row + e], 0.0) << what << ": padding row " << i << " element " << e << " on SP rank "
+        EXPECT_EQ(x[i * row + e], 0.0) << what << ": padding row " << i << " element " << e << " on CP rank "
                                        << sp.rank();
       }
     }
@@ -151,7 +151,7 @@ void copy_document(const Row& src, std::int64_t src_row, std::int64_t src_state,
 
 struct CpRun {
   GdnCpMode mode = GdnCpMode::kScan;
-  SpGridConfig grid;
+  CpGridConfig grid;
   LayoutKind kind = LayoutKind::kZigzag;
   bool with_init = true;
 };
@@ -170,20 +170,20 @@ Result run_cp(const CpGroups& groups, const SequenceLayout& layout, const CpRun&
   GdnCpConfig cfg;
   cfg.mode = c.mode;
   cfg.chunk_size = 16;
-  GdnContextParallel gdn(groups, layout, cfg);
-  const std::vector<std::int64_t> tokens = layout.token_index(groups.sp.rank());
+  GdnCp gdn(groups, layout, cfg);
+  const std::vector<std::int64_t> tokens = layout.token_index(groups.cp.rank());
   const std::int64_t T = total(r.lens);
   GdnCpOutput o = gdn.forward(shard(r.q, tokens), shard(r.k, tokens), shard(r.v, tokens), shard(r.g, tokens),
                               shard(r.beta, tokens), c.with_init ? init : TensorView());
   GdnCpGrads gr = gdn.backward(std::move(o.ctx), shard(r.dout, tokens), dfinal);
-  Communicator& sp = groups.sp;
+  Communicator& sp = groups.cp;
   return {gather(sp, o.out, tokens, T, "out"),      to_double(o.final_state),
           gather(sp, gr.dq, tokens, T, "dq"),       gather(sp, gr.dk, tokens, T, "dk"),
           gather(sp, gr.dv, tokens, T, "dv"),       gather(sp, gr.dg, tokens, T, "dg"),
           gather(sp, gr.dbeta, tokens, T, "dbeta"), to_double(gr.dinitial_state)};
 }
 
-SequenceLayout packed_layout(const SpGrid& grid, LayoutKind kind, const std::vector<std::int64_t>& lens) {
+SequenceLayout packed_layout(const CpGrid& grid, LayoutKind kind, const std::vector<std::int64_t>& lens) {
   return SequenceLayout::packed(kind, cu_of(lens), grid.ring().size(), grid.ulysses().size());
 }
 
@@ -218,8 +218,8 @@ TEST(GdnCpPacked, SegmentsAndPieces) {
 
 TEST(GdnCpPacked, MatchesPackedReferenceOnEveryGrid) {
   std::uint64_t seed = 1;
-  for (const SpGridConfig& gc : test::usp_grids(kH)) {
-    const SpGrid grid(world(), gc);
+  for (const CpGridConfig& gc : test::usp_grids(kH)) {
+    const CpGrid grid(world(), gc);
     const CpGroups groups = CpGroups::from(grid);
     const bool ring_only = gc.ulysses_size == 1;
     for (const auto& lens : mixes()) {
@@ -244,7 +244,7 @@ TEST(GdnCpPacked, MatchesPackedReferenceOnEveryGrid) {
 // Any total length on any grid: the unpacked layouts of 197 and 8191 tokens (padded internally), and a packed row of
 // 8191 tokens.
 TEST(GdnCpPacked, OddTotalsUnpackedAndPacked) {
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   for (const std::int64_t T : {std::int64_t{197}, std::int64_t{8191}}) {
     const Row r({T}, 2, 40 + T);
@@ -265,7 +265,7 @@ TEST(GdnCpPacked, OddTotalsUnpackedAndPacked) {
 // make 6300 segments, with a state link inside every 2-token document (its two tokens on ring ranks 0 and 1).
 TEST(GdnCpPacked, MoreSegmentsThanTags) {
   if (world().size() == 1) GTEST_SKIP() << "one rank holds the row as one segment";
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   std::vector<std::int64_t> lens;
   for (int i = 0; i < 2100; ++i) lens.insert(lens.end(), {2, 1});
@@ -281,8 +281,8 @@ TEST(GdnCpPacked, MoreSegmentsThanTags) {
 // Each document alone through the unpacked CP path (its own layout, its initial state as a batch of one) equals its
 // part of the packed result; one document over the whole row equals the unpacked path of the same row.
 TEST(GdnCpPacked, EveryDocumentEqualsItselfAloneUnpacked) {
-  const SpGridConfig gc = test::small_grid_config();
-  const SpGrid grid(world(), gc);
+  const CpGridConfig gc = test::small_grid_config();
+  const CpGrid grid(world(), gc);
   const CpGroups groups = CpGroups::from(grid);
   const Row r({37, 1, 0, 50, 3, 17}, 2, 91);
   const CpRun c{GdnCpMode::kScan, gc, LayoutKind::kZigzag, true};
@@ -322,8 +322,8 @@ TEST(GdnCpPacked, EveryDocumentEqualsItselfAloneUnpacked) {
 // Perturbing every input of document 1 (its tokens, initial state, dout and dfinal_state) changes nothing of
 // documents 0 and 2, bitwise, in chain and scan: no state leaks forward, no gradient backward.
 TEST(GdnCpPacked, NoLeaksBetweenDocuments) {
-  const SpGridConfig gc = test::small_grid_config();
-  const SpGrid grid(world(), gc);
+  const CpGridConfig gc = test::small_grid_config();
+  const CpGrid grid(world(), gc);
   const CpGroups groups = CpGroups::from(grid);
   const std::vector<std::int64_t> lens{29, 31, 27};
   for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
@@ -361,10 +361,10 @@ TEST(GdnCpPacked, NoLeaksBetweenDocuments) {
 
 // Bad input on a packed layout fails on every rank with the rule, before anything is sent.
 TEST(GdnCpPacked, BadInputFailsOnEveryRank) {
-  const SpGrid grid(world(), test::ring_over_world());
+  const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout lay = packed_layout(grid, LayoutKind::kZigzag, {5, 7});
-  GdnContextParallel gdn(groups, lay, GdnCpConfig{});
+  GdnCp gdn(groups, lay, GdnCpConfig{});
   const std::int64_t sl = lay.local_len();
   // Zero q (= k), v and g (= beta) of `batch` rows and `rows` tokens, and a forward of `layer` on them.
   struct Inputs {
@@ -373,7 +373,7 @@ TEST(GdnCpPacked, BadInputFailsOnEveryRank) {
         : q(Tensor::zeros({batch, rows, 2, kK}, DType::kFloat32, kWs)),
           v(Tensor::zeros({batch, rows, kH, kV}, DType::kFloat32, kWs)),
           g(Tensor::zeros({batch, rows, kH}, DType::kFloat32, kWs)) {}
-    void forward(GdnContextParallel& layer, const TensorView& init = {}) const { layer.forward(q, q, v, g, g, init); }
+    void forward(GdnCp& layer, const TensorView& init = {}) const { layer.forward(q, q, v, g, g, init); }
   };
   test::expect_error([&] { Inputs(2, sl).forward(gdn); }, "needs batch size 1, got B = 2");
   Tensor init1 = Tensor::zeros({1, kH, kK, kV}, DType::kFloat32, kWs);  // 2 documents need [2, H, K, V]
@@ -383,10 +383,10 @@ TEST(GdnCpPacked, BadInputFailsOnEveryRank) {
     const SequenceLayout other =
         packed_layout(grid, LayoutKind::kZigzag,
                       world().rank() == 0 ? std::vector<std::int64_t>{5, 7} : std::vector<std::int64_t>{6, 6});
-    GdnContextParallel g(groups, other, GdnCpConfig{});
+    GdnCp g(groups, other, GdnCpConfig{});
     test::expect_error([&] { Inputs(1, other.local_len()).forward(g); }, "disagree on");
   }
-  ShortConvContextParallel conv(groups, lay);
+  ShortConvCp conv(groups, lay);
   Tensor x2 = Tensor::zeros({2, sl, kC}, DType::kFloat32, kWs), w = Tensor::zeros({kC, kW}, DType::kFloat32, kWs);
   test::expect_error([&] { conv.forward(x2, w); }, "needs batch size 1, got B = 2");
 }
@@ -394,8 +394,8 @@ TEST(GdnCpPacked, BadInputFailsOnEveryRank) {
 // The short conv on packed rows: no output reads another document's input (the halo stops at the document start);
 // out, dx and dweight against the fp64 direct conv of the packed row.
 TEST(ShortConvCpPacked, MatchesPackedReference) {
-  for (const SpGridConfig& gc : test::usp_grids(kH)) {
-    const SpGrid grid(world(), gc);
+  for (const CpGridConfig& gc : test::usp_grids(kH)) {
+    const CpGrid grid(world(), gc);
     const CpGroups groups = CpGroups::from(grid);
     for (const auto& lens : mixes()) {
       for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
@@ -416,14 +416,14 @@ TEST(ShortConvCpPacked, MatchesPackedReference) {
         attn::reference::short_conv_backward(ra, dy64, dx_ref, dw_ref, {});
 
         const SequenceLayout lay = packed_layout(grid, kind, lens);
-        ShortConvContextParallel conv(groups, lay);
-        const std::vector<std::int64_t> tokens = lay.token_index(groups.sp.rank());
+        ShortConvCp conv(groups, lay);
+        const std::vector<std::int64_t> tokens = lay.token_index(groups.cp.rank());
         ShortConvCpOutput o = conv.forward(shard(x, tokens), w);
         Tensor dw = Tensor::empty(w.shape(), DType::kFloat32, kWs);
         const Tensor dx = conv.backward(std::move(o.ctx), shard(dy, tokens), dw);
         std::string name = str_cat("short conv ", layout_name(kind), " Pu ", gc.ulysses_size, " T ", T);
-        EXPECT_TRUE(all_close(gather(groups.sp, o.out, tokens, T, "out"), to_double(y_ref), 1e-5, 1e-5, name + " out"));
-        EXPECT_TRUE(all_close(gather(groups.sp, dx, tokens, T, "dx"), to_double(dx_ref), 1e-5, 1e-5, name + " dx"));
+        EXPECT_TRUE(all_close(gather(groups.cp, o.out, tokens, T, "out"), to_double(y_ref), 1e-5, 1e-5, name + " out"));
+        EXPECT_TRUE(all_close(gather(groups.cp, dx, tokens, T, "dx"), to_double(dx_ref), 1e-5, 1e-5, name + " dx"));
         EXPECT_TRUE(all_close(to_double(dw), to_double(dw_ref), 1e-4, 1e-5, name + " dweight"));
       }
     }

@@ -2,7 +2,7 @@
 // object that every layer takes, forward and backward, under USP and a ring over the world, against the same
 // stack run on one rank (a 1 x 1 grid on a self communicator), on every rank.
 //
-// The chain: x_0 is the input; GDN layer i (one GdnContextParallel object for the three) takes q = k = v = x_i with
+// The chain: x_0 is the input; GDN layer i (one GdnCp object for the three) takes q = k = v = x_i with
 // fixed g_i, beta_i and gives x_{i+1} = x_i + out_i; MHA takes q = k = v = x_3 and gives x_4 = x_3 + out; DSA takes
 // q = x_4, the latent c = head 0 of x_4, and fixed indexer inputs; its out is the stack's output. The backward
 // chains dout through the same maps to dx_0.
@@ -11,7 +11,7 @@
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/tensor_ops.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -61,16 +61,16 @@ Tensor sum(const TensorView& x, const TensorView& y) {
 const std::vector<std::int64_t> kHead0 = {0};
 
 StackResult run_stack(const CpGroups& groups, const SequenceLayout& layout, const StackInputs& in) {
-  const std::vector<std::int64_t> pos = layout.positions(groups.sp_rank());
+  const std::vector<std::int64_t> pos = layout.positions(groups.cp_rank());
   const std::int64_t sl = layout.local_len();
   GdnCpConfig gcfg;
   gcfg.chunk_size = 8;
-  GdnContextParallel gdn(groups, layout, gcfg);  // one object, three layers
-  UspAttention mha(groups, layout, RingAttentionConfig{});
+  GdnCp gdn(groups, layout, gcfg);  // one object, three layers
+  MhaCp mha(groups, layout, MhaCpConfig{});
   DsaCpConfig dcfg;
   dcfg.topk = kTopk;
   dcfg.dim_v = kDv;
-  DsaContextParallel dsa(groups, layout, dcfg);
+  DsaCp dsa(groups, layout, dcfg);
 
   // ---- forward ----
   Tensor x = piece(in.x, pos);
@@ -83,7 +83,7 @@ StackResult run_stack(const CpGroups& groups, const SequenceLayout& layout, cons
     gdn_ctx.push_back(std::move(o.ctx));
     x = sum(x.view(), o.out.view());
   }
-  AttentionOutput mo = mha.forward(x.view(), x.view(), x.view());
+  MhaCpOutput mo = mha.forward(x.view(), x.view(), x.view());
   x = sum(x.view(), mo.out.view());
   Tensor c = Tensor::empty({kB, sl, 1, kD}, DType::kFloat32, MemCategory::kWorkspace);
   gather_rows(x.view(), 2, kHead0, c.view());
@@ -95,7 +95,7 @@ StackResult run_stack(const CpGroups& groups, const SequenceLayout& layout, cons
   DsaCpGrads dg = dsa.backward(std::move(dso.ctx), dout.view());
   Tensor dx = copy(dg.dq.view());
   index_add_rows(dg.dc.view().reshape({kB, sl, 1, kD}), 2, kHead0, dx.view());
-  AttentionGrads mg = mha.backward(std::move(mo.ctx), dx.view());
+  MhaCpGrads mg = mha.backward(std::move(mo.ctx), dx.view());
   dx = sum(sum(sum(dx.view(), mg.dq.view()).view(), mg.dk.view()).view(), mg.dv.view());
   for (int i = kGdnLayers - 1; i >= 0; --i) {
     GdnCpGrads gg = gdn.backward(std::move(gdn_ctx[i]), dx.view());
@@ -104,7 +104,7 @@ StackResult run_stack(const CpGroups& groups, const SequenceLayout& layout, cons
 
   auto gather = [&](const Tensor& local, const Shape& full_shape, int seq_dim = 1) {
     Tensor full = Tensor::empty(full_shape, local.dtype(), MemCategory::kWorkspace);
-    gather_sequence(groups.sp, layout, local.view(), full.view(), seq_dim);
+    gather_sequence(groups.cp, layout, local.view(), full.view(), seq_dim);
     return to_double(full);
   };
   StackResult r;
@@ -121,15 +121,15 @@ TEST(HybridStack, OneLayoutForEveryLayerMatchesOneRank) {
   const StackInputs in;
   // The same stack on one rank.
   auto self = world().split(world().rank(), 0);
-  const SpGrid one(*self, {1, 1, 1});
+  const CpGrid one(*self, {1, 1, 1});
   const CpGroups one_groups = CpGroups::from(one);
   const StackResult want = run_stack(one_groups, SequenceLayout::for_groups(one_groups, kS), in);
 
-  std::vector<SpGridConfig> grids = {{1, 1, n}};            // ring over the world
+  std::vector<CpGridConfig> grids = {{1, 1, n}};            // ring over the world
   if (n % 2 == 0 && n > 2) grids.push_back({1, 2, n / 2});  // USP 2 x (n / 2)
   if (n == 2) grids.push_back({1, 2, 1});                   // Ulysses 2
-  for (const SpGridConfig& cfg : grids) {
-    const SpGrid grid(world(), cfg);
+  for (const CpGridConfig& cfg : grids) {
+    const CpGrid grid(world(), cfg);
     const CpGroups groups = CpGroups::from(grid);
     const SequenceLayout layout = SequenceLayout::for_groups(groups, kS);  // zigzag, for every layer
     const StackResult got = run_stack(groups, layout, in);

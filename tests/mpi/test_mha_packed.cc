@@ -10,7 +10,7 @@
 #include <numeric>
 
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -36,9 +36,9 @@ test::MhaShape packed_shape(std::int64_t tokens, attn::MaskSpec mask) {
 }
 
 // Padding rows of this rank's local tensors are exactly 0 (lse -inf); no element is NaN.
-void expect_clean_padding(const SequenceLayout& layout, int sp_rank, const std::vector<Tensor>& local,
+void expect_clean_padding(const SequenceLayout& layout, int cp_rank, const std::vector<Tensor>& local,
                           const std::string& what) {
-  const std::vector<std::int64_t> tok = layout.token_index(sp_rank);
+  const std::vector<std::int64_t> tok = layout.token_index(cp_rank);
   const std::int64_t rows = layout.local_len();
   bool ok = true;
   for (std::size_t t = 0; t < local.size(); ++t) {
@@ -73,12 +73,12 @@ void check_packing(const std::vector<std::int64_t>& lens, const std::vector<Mask
     const test::MhaShape s = packed_shape(cu.back(), m.mask);
     const test::MhaProblem p(s);
     const test::MhaResult want = test::per_document_result(s, p, cu);
-    for (const SpGridConfig& gc : test::usp_grids(kHq)) {
-      const SpGrid grid(world(), gc);
+    for (const CpGridConfig& gc : test::usp_grids(kHq)) {
+      const CpGrid grid(world(), gc);
       const CpGroups groups = CpGroups::from(grid);
       for (LayoutKind kind : kinds) {
         const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, kind);
-        RingAttentionConfig cfg;
+        MhaCpConfig cfg;
         cfg.impl = m.impl;
         cfg.causal = m.mask.causal;
         cfg.window = m.mask.window;
@@ -86,7 +86,7 @@ void check_packing(const std::vector<std::int64_t>& lens, const std::vector<Mask
         const test::MhaResult got = test::usp_result(grid, s, p, cfg, layout, nullptr, &local);
         const std::string what = str_cat("T=", cu.back(), " docs=", lens.size(), " ", mask_name(m), " u",
                                          gc.ulysses_size, "_", placement_name(gc.placement), " ", layout_name(kind));
-        expect_clean_padding(layout, groups.sp_rank(), local, what);
+        expect_clean_padding(layout, groups.cp_rank(), local, what);
         test::expect_mha_close(got, want, 1e-10, what);
       }
     }
@@ -126,10 +126,10 @@ TEST(MhaPacked, OneDocumentEqualsTheUnpackedPath) {
       const test::MhaShape s = packed_shape(T, {causal, 0});
       const test::MhaProblem p(s);
       const test::MhaResult single = test::single_rank_result(s, p);
-      for (const SpGridConfig& gc : test::usp_grids(kHq)) {
-        const SpGrid grid(world(), gc);
+      for (const CpGridConfig& gc : test::usp_grids(kHq)) {
+        const CpGrid grid(world(), gc);
         const CpGroups groups = CpGroups::from(grid);
-        RingAttentionConfig cfg;
+        MhaCpConfig cfg;
         cfg.causal = causal;
         const std::vector<std::int64_t> cu = {0, T};
         const std::string what = str_cat("T=", T, causal ? " causal" : " full", " u", gc.ulysses_size);
@@ -155,9 +155,9 @@ TEST(MhaPacked, RingSkipsBlocksOfOtherDocuments) {
   const std::vector<std::int64_t> cu = cu_seqlens_of(std::vector<std::int64_t>(n, len));
   const test::MhaShape s = packed_shape(cu.back(), {true, 0});
   const test::MhaProblem p(s);
-  const SpGrid grid(world(), {1, 1, n});
+  const CpGrid grid(world(), {1, 1, n});
   const CpGroups groups = CpGroups::from(grid);
-  RingAttentionConfig cfg;
+  MhaCpConfig cfg;
   CpCounters counters;
   test::usp_result(grid, s, p, cfg, SequenceLayout::packed_for_groups(groups, cu, LayoutKind::kContiguous), &counters);
   // FLOPs of the own block only: 4 B Hq D per visible pair forward and 2.5 times that backward, len (len + 1) / 2
@@ -168,16 +168,16 @@ TEST(MhaPacked, RingSkipsBlocksOfOtherDocuments) {
 
 // This rank's local out, lse, dq, dk, dv of a USP forward and backward over `layout` on the problem's pieces, with
 // `poison` (or nothing when 0) written into every element of every padding row of the local q, k, v and dout.
-std::vector<std::vector<double>> local_run(const SpGrid& grid, const SequenceLayout& layout, const test::MhaProblem& p,
-                                           const RingAttentionConfig& cfg, double poison) {
+std::vector<std::vector<double>> local_run(const CpGrid& grid, const SequenceLayout& layout, const test::MhaProblem& p,
+                                           const MhaCpConfig& cfg, double poison) {
   const CpGroups groups = CpGroups::from(grid);
-  const std::vector<std::int64_t> tok = layout.token_index(groups.sp_rank());
-  UspAttention usp(groups, layout, cfg);
+  const std::vector<std::int64_t> tok = layout.token_index(groups.cp_rank());
+  MhaCp usp(groups, layout, cfg);
   auto piece = [&](const Tensor& full) {
     Shape shape = full.shape();
     shape[1] = layout.local_len();
     Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-    shard_sequence(layout, groups.sp_rank(), full.view(), t.view());
+    shard_sequence(layout, groups.cp_rank(), full.view(), t.view());
     if (poison != 0.0) {
       const TensorView rows = t.view().reshape({shape[1], t.numel() / shape[1]});
       for (std::int64_t i = 0; i < shape[1]; ++i)
@@ -186,8 +186,8 @@ std::vector<std::vector<double>> local_run(const SpGrid& grid, const SequenceLay
     return t;
   };
   Tensor q = piece(p.q), k = piece(p.k), v = piece(p.v), dout = piece(p.dout);
-  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
-  AttentionGrads g = usp.backward(std::move(o.ctx), dout.view());
+  MhaCpOutput o = usp.forward(q.view(), k.view(), v.view());
+  MhaCpGrads g = usp.backward(std::move(o.ctx), dout.view());
   std::vector<std::vector<double>> r;
   for (const Tensor* t : {&o.out, &o.lse, &g.dq, &g.dk, &g.dv}) r.push_back(test::to_double(t->view()));
   if (g.dsinks.defined()) r.push_back(test::to_double(g.dsinks.view()));
@@ -206,18 +206,18 @@ TEST(MhaPacked, NanAndInfInPaddingRowsNeverReachRealTokens) {
       test::MhaShape s = packed_shape(cu.back(), {true, 0});
       s.dtype = dtype;
       const test::MhaProblem p(s);
-      for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
-        const SpGrid grid(world(), gc);
+      for (const CpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+        const CpGrid grid(world(), gc);
         const CpGroups groups = CpGroups::from(grid);
         for (LayoutKind kind : kAllKinds) {
           const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, kind);
-          const std::vector<std::int64_t> tok = layout.token_index(groups.sp_rank());
+          const std::vector<std::int64_t> tok = layout.token_index(groups.cp_rank());
           for (const MaskCase& m : {MaskCase{{true, 0}, RingImpl::kP2P}, MaskCase{{false, 0}, RingImpl::kAllGather},
                                     MaskCase{{true, 8}, RingImpl::kP2P}, MaskCase{{false, 0}, RingImpl::kP2P},
                                     MaskCase{{true, 8}, RingImpl::kAllGather}}) {
             for (bool with_sinks : {false, true}) {
               if (with_sinks && dtype != DType::kFloat32) continue;
-              RingAttentionConfig cfg;
+              MhaCpConfig cfg;
               cfg.impl = m.impl;
               cfg.causal = m.mask.causal;
               cfg.window = m.mask.window;
@@ -229,7 +229,7 @@ TEST(MhaPacked, NanAndInfInPaddingRowsNeverReachRealTokens) {
                 const std::string what =
                     str_cat("docs=", lens.size(), " T=", cu.back(), " ", dtype_name(dtype), " ", mask_name(m),
                             with_sinks ? " sinks" : "", " u", gc.ulysses_size, " ", layout_name(kind), " poison ", poison,
-                            " rank ", groups.sp_rank());
+                            " rank ", groups.cp_rank());
                 const char* names[] = {"out", "lse", "dq", "dk", "dv", "dsinks"};
                 ASSERT_EQ(got.size(), clean.size());
                 for (std::size_t t = 0; t < got.size(); ++t) {
@@ -271,11 +271,11 @@ TEST(MhaPacked, NanAndInfInPaddingRowsNeverReachRealTokens) {
 // cu_seqlens (the agreement check names the digest).
 TEST(MhaPacked, BadPackingsFailOnEveryRank) {
   const int n = world().size();
-  const SpGrid grid(world(), {1, 1, n});
+  const CpGrid grid(world(), {1, 1, n});
   const CpGroups groups = CpGroups::from(grid);
   // The error of a forward of USP over `layout` with batch B (empty: none).
   auto forward_error = [&](const SequenceLayout& layout, std::int64_t batch) {
-    UspAttention usp(groups, layout, RingAttentionConfig{});
+    MhaCp usp(groups, layout, MhaCpConfig{});
     const std::int64_t sl = layout.local_len();
     Tensor q = Tensor::zeros({batch, sl, kHq, kDim}, DType::kFloat32, MemCategory::kWorkspace);
     Tensor k = Tensor::zeros({batch, sl, kHkv, kDim}, DType::kFloat32, MemCategory::kWorkspace);

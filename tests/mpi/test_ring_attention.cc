@@ -8,7 +8,7 @@
 
 #include "attention/mha.h"
 #include "parallel/ring_attention.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "runtime/tensor_ops.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
@@ -43,8 +43,8 @@ attn::MaskSpec mask_spec(Mask m, std::int64_t seq) {
   return {true, seq / 3 + 1};  // spans several ranks' shards at every ring size
 }
 
-RingAttentionConfig ring_config(const Case& c) {
-  RingAttentionConfig cfg;
+MhaCpConfig ring_config(const Case& c) {
+  MhaCpConfig cfg;
   cfg.impl = c.impl;
   const attn::MaskSpec m = mask_spec(c.mask, c.seq);
   cfg.causal = m.causal;
@@ -67,7 +67,7 @@ test::MhaShape shape_of(const Case& c) {
 // Runs ring attention over `comm` on the layout's shards and gathers the full results.
 test::MhaResult distributed(Communicator& comm, const Case& c, const test::MhaProblem& p,
                             CpCounters* counters = nullptr) {
-  const SpGrid grid(comm, {1, 1, comm.size()});
+  const CpGrid grid(comm, {1, 1, comm.size()});
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, c.seq, c.layout);
   RingAttention ring(groups, layout, ring_config(c));
@@ -75,8 +75,8 @@ test::MhaResult distributed(Communicator& comm, const Case& c, const test::MhaPr
   EXPECT_EQ(pos, ring.positions());
   Tensor q = test::local_piece(p.q.view(), pos), k = test::local_piece(p.k.view(), pos),
          v = test::local_piece(p.v.view(), pos), dout = test::local_piece(p.dout.view(), pos);
-  AttentionOutput o = ring.forward(q.view(), k.view(), v.view());
-  AttentionGrads g = ring.backward(std::move(o.ctx), dout.view());
+  MhaCpOutput o = ring.forward(q.view(), k.view(), v.view());
+  MhaCpGrads g = ring.backward(std::move(o.ctx), dout.view());
   if (counters) *counters = ring.counters();
   test::MhaResult r;
   r.out = test::gather_full(comm, layout, o.out.view(), p.q.shape());
@@ -204,9 +204,9 @@ TEST(RingAttention, BytesMatchFormula) {
 
 TEST(RingAttention, LayoutErrorsOnEveryRank) {
   const int P = world().size();
-  const SpGrid grid(world(), {1, 1, P});
+  const CpGrid grid(world(), {1, 1, P});
   const CpGroups groups = CpGroups::from(grid);
-  RingAttentionConfig cfg;
+  MhaCpConfig cfg;
   std::string message;
   // Any length is padded by the layout (docs/design.md, "Packed rows and padding"; tests/mpi/test_mha_packed.cc checks the results).
   RingAttention odd(groups, SequenceLayout::for_groups(groups, 2 * P * 5 + 1, LayoutKind::kZigzag), cfg);
@@ -226,7 +226,7 @@ TEST(RingAttention, LayoutErrorsOnEveryRank) {
   EXPECT_THROW(RingAttention(groups, layout, cfg), Error);
   // A non-finite scale is refused by the constructor, before the first (K, V) block is sent (the kernel's own
   // check used to fire inside the first ring step, after the send was posted).
-  RingAttentionConfig bad_scale;
+  MhaCpConfig bad_scale;
   bad_scale.scale = std::numeric_limits<float>::quiet_NaN();
   const std::int64_t ops_before = world().counters().num_ops + grid.ring().counters().num_ops;
   message.clear();
@@ -242,10 +242,10 @@ TEST(RingAttention, LayoutErrorsOnEveryRank) {
 
 TEST(RingAttention, ShapeErrorsBeforeCommunication) {
   const int P = world().size();
-  const SpGrid grid(world(), {1, 1, P});
+  const CpGrid grid(world(), {1, 1, P});
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, 2 * P * 8);
-  RingAttention ring(groups, layout, RingAttentionConfig{});
+  RingAttention ring(groups, layout, MhaCpConfig{});
   Tensor q = Tensor::zeros({1, 16, 4, 32}, DType::kFloat32, MemCategory::kWorkspace);
   Tensor k = Tensor::zeros({1, 16, 3, 32}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(ring.forward(q.view(), k.view(), k.view()), Error);  // Hq 4 not a multiple of Hkv 3
@@ -254,7 +254,7 @@ TEST(RingAttention, ShapeErrorsBeforeCommunication) {
   EXPECT_THROW(ring.backward(CpContext{}, q.view()), Error);  // no forward's context
   // An integer dtype is refused by validate(), before the first block is sent (the kernel used to find it).
   for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-    RingAttentionConfig cfg;
+    MhaCpConfig cfg;
     cfg.impl = impl;
     RingAttention ring_i(groups, layout, cfg);
     Tensor qi = Tensor::zeros({1, 16, 2, 32}, DType::kInt32, MemCategory::kWorkspace);

@@ -11,7 +11,7 @@
 #include "attention/mha.h"
 #include "parallel/ring_attention.h"
 #include "parallel/ring_pass.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -77,8 +77,8 @@ test::MhaShape shape_of(const WindowCase& c) {
   return s;
 }
 
-RingAttentionConfig window_config(std::int64_t window) {
-  RingAttentionConfig cfg;
+MhaCpConfig window_config(std::int64_t window) {
+  MhaCpConfig cfg;
   cfg.causal = true;
   cfg.window = window;
   return cfg;
@@ -104,7 +104,7 @@ void expect_fp64_match(const test::MhaResult& got, const test::MhaResult& want, 
 
 TEST(RingWindow, ExactForEveryLayoutAndWindow) {
   const int P = world().size();
-  const SpGrid grid(world(), {1, 1, P});
+  const CpGrid grid(world(), {1, 1, P});
   for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
     for (std::int64_t w : windows_for(96, P)) {
       for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
@@ -126,7 +126,7 @@ TEST(RingWindow, ExactForEveryLayoutAndWindow) {
 
 TEST(RingWindow, BytesAndRoundsMatchFormula) {
   const int P = world().size(), r = world().rank();
-  const SpGrid grid(world(), {1, 1, P});
+  const CpGrid grid(world(), {1, 1, P});
   for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
     for (std::int64_t w : windows_for(96, P)) {
       for (DType dtype : {DType::kBFloat16, DType::kFloat64}) {  // kv 2 or 8 bytes, accumulators 4 or 8
@@ -191,7 +191,7 @@ TEST(RingWindow, PlanMatchesFormula) {
 TEST(RingWindow, UspRingIsCut) {
   const int P = world().size();
   if (P % 2 != 0) GTEST_SKIP() << "USP needs an even world size here (ulysses_size 2)";
-  const SpGrid grid(world(), {1, 2, P / 2});
+  const CpGrid grid(world(), {1, 2, P / 2});
   const WindowCase c{LayoutKind::kZigzag, 5};
   const test::MhaProblem p(shape_of(c));
   const test::MhaResult want = test::single_rank_result(shape_of(c), p);

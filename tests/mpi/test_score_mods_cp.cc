@@ -8,7 +8,7 @@
 #include <functional>
 
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/mha_problem.h"
@@ -40,7 +40,7 @@ void PrintTo(const ModsCase& c, std::ostream* os) { *os << case_name(c); }
 
 std::vector<ModsCase> cases_for_world() {
   std::vector<ModsCase> cases;
-  for (const SpGridConfig& g : test::usp_grids(kHq, /*both_placements=*/false)) {
+  for (const CpGridConfig& g : test::usp_grids(kHq, /*both_placements=*/false)) {
     const int pu = g.ulysses_size;
     for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
       cases.push_back({pu, impl, LayoutKind::kZigzag, {true, 0}, 4.0f, true, true});
@@ -59,7 +59,7 @@ class ScoreModsVsSingleRank : public ::testing::TestWithParam<ModsCase> {};
 TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
   const ModsCase c = GetParam();
   const int n = world().size();
-  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
   test::MhaShape shape;
   shape.batch = 2;
   shape.seq = 48;
@@ -79,7 +79,7 @@ TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
   if (n == 1) {  // the single-rank kernels themselves against the fp64 reference (once, on one rank)
     test::expect_mha_match(want, test::reference_result(shape, p), DType::kFloat32, "single rank vs reference");
   }
-  RingAttentionConfig cfg;
+  MhaCpConfig cfg;
   cfg.impl = c.impl;
   cfg.causal = c.mask.causal;
   cfg.window = c.mask.window;
@@ -117,13 +117,13 @@ TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
     const test::MhaProblem p(shape);
     const test::MhaResult one = test::single_rank_result(shape, p);
     const test::MhaResult ref = test::reference_result(shape, p);
-    for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+    for (const CpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
       if (shape.hkv % gc.ulysses_size != 0) continue;
-      const SpGrid grid(world(), gc);
+      const CpGrid grid(world(), gc);
       const CpGroups groups = CpGroups::from(grid);
       for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kBalanced}) {
         for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-          RingAttentionConfig cfg;
+          MhaCpConfig cfg;
           cfg.impl = impl;
           cfg.causal = mask.causal;
           cfg.window = mask.window;
@@ -140,7 +140,7 @@ TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
   }
 }
 
-// A loss that also reads lse (UspAttention::backward's dlse) with sinks and GQA, on a packed zigzag row: every grid
+// A loss that also reads lse (MhaCp::backward's dlse) with sinks and GQA, on a packed zigzag row: every grid
 // and implementation equals one kernel call on the whole row with the same dlse (attn::MhaBackwardArgs::dlse, itself
 // checked against central differences in tests/unit/test_mha.cc), dsinks from delta - dlse, fp64, within 1e-10.
 TEST(ScoreMods, LseGradientWithSinksMatchesOneRank) {
@@ -182,28 +182,28 @@ TEST(ScoreMods, LseGradientWithSinksMatchesOneRank) {
   attn::mha_sinks_backward({delta, lse, sinks}, dsinks);
   const test::MhaResult want{test::to_double(out), test::to_double(lse), test::to_double(dq), test::to_double(dk),
                              test::to_double(dv), test::to_double(dsinks)};
-  for (const SpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
+  for (const CpGridConfig& gc : test::usp_grids(kHq, /*both_placements=*/false)) {
     if (hkv % gc.ulysses_size != 0) continue;
-    const SpGrid grid(world(), gc);
+    const CpGrid grid(world(), gc);
     const CpGroups groups = CpGroups::from(grid);
     const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, LayoutKind::kZigzag);
     for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-      RingAttentionConfig cfg;
+      MhaCpConfig cfg;
       cfg.impl = impl;
       cfg.causal = true;
       cfg.score_mods.sinks = sinks;
-      UspAttention usp(groups, layout, cfg);
+      MhaCp usp(groups, layout, cfg);
       auto piece = [&](const Tensor& full, int seq_dim) {
         Shape shape = full.shape();
         shape[seq_dim] = layout.local_len();
         Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-        shard_sequence(layout, groups.sp_rank(), full.view(), t.view(), seq_dim);
+        shard_sequence(layout, groups.cp_rank(), full.view(), t.view(), seq_dim);
         return t;
       };
       Tensor q = piece(p.q, 1), k = piece(p.k, 1), v = piece(p.v, 1), dout = piece(p.dout, 1), dl = piece(dlse, 2);
-      AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
-      AttentionGrads g = usp.backward(std::move(o.ctx), dout.view(), dl.view());
-      Communicator& sp = grid.sp();
+      MhaCpOutput o = usp.forward(q.view(), k.view(), v.view());
+      MhaCpGrads g = usp.backward(std::move(o.ctx), dout.view(), dl.view());
+      Communicator& sp = grid.cp();
       const test::MhaResult got{test::gather_full(sp, layout, o.out.view(), p.q.shape()),
                                 test::gather_full(sp, layout, o.lse.view(), {1, kHq, T}, 2),
                                 test::gather_full(sp, layout, g.dq.view(), p.q.shape()),
@@ -218,23 +218,23 @@ TEST(ScoreMods, LseGradientWithSinksMatchesOneRank) {
 // Every rank gets the same one error, and nothing is sent.
 TEST(ScoreMods, BadParametersAreRefusedOnEveryRank) {
   const int n = world().size();
-  SpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
+  CpGrid grid(world(), {1, 1, n, Placement::kUlyssesInner});
   const CpGroups groups = CpGroups::from(grid);
   const SequenceLayout layout = SequenceLayout::for_groups(groups, 8 * n);
   Tensor q = test::random_tensor({1, 8, 4, 8}, DType::kFloat32, 1);
   Tensor wrong = Tensor::zeros({5}, DType::kFloat32, MemCategory::kWorkspace);
   Tensor half = Tensor::zeros({4}, DType::kBFloat16, MemCategory::kWorkspace);
   const std::int64_t ops_before = grid.ring().counters().num_ops;
-  auto error_of = [&](const std::function<void(RingAttentionConfig&)>& set) {
-    RingAttentionConfig cfg;
+  auto error_of = [&](const std::function<void(MhaCpConfig&)>& set) {
+    MhaCpConfig cfg;
     set(cfg);
-    return test::error_of([&] { UspAttention(groups, layout, cfg).forward(q.view(), q.view(), q.view()); });
+    return test::error_of([&] { MhaCp(groups, layout, cfg).forward(q.view(), q.view(), q.view()); });
   };
-  std::string m = error_of([](RingAttentionConfig& c) { c.score_mods.softcap = -2.0f; });
+  std::string m = error_of([](MhaCpConfig& c) { c.score_mods.softcap = -2.0f; });
   EXPECT_NE(m.find("softcap -2 must be finite and > 0"), std::string::npos) << m;
-  m = error_of([&](RingAttentionConfig& c) { c.score_mods.alibi_slopes = wrong; });
+  m = error_of([&](MhaCpConfig& c) { c.score_mods.alibi_slopes = wrong; });
   EXPECT_NE(m.find("alibi_slopes must be [Hq] = [4]"), std::string::npos) << m;
-  m = error_of([&](RingAttentionConfig& c) { c.score_mods.sinks = half; });
+  m = error_of([&](MhaCpConfig& c) { c.score_mods.sinks = half; });
   EXPECT_NE(m.find("sinks has dtype bf16"), std::string::npos) << m;
   EXPECT_EQ(grid.ring().counters().num_ops, ops_before) << "a refused forward communicated";
 }

@@ -7,7 +7,7 @@
 
 #include "parallel/ulysses.h"
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/mha_problem.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
@@ -62,7 +62,7 @@ class UspVsSingleRank : public ::testing::TestWithParam<UspCase> {};
 TEST_P(UspVsSingleRank, MatchesSingleRank) {
   const UspCase c = GetParam();
   const int n = world().size();
-  SpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, c.placement});
+  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, c.placement});
   test::MhaShape shape;
   shape.batch = 2;
   shape.seq = 96;
@@ -74,7 +74,7 @@ TEST_P(UspVsSingleRank, MatchesSingleRank) {
   const test::MhaProblem p(shape);
   const test::MhaResult want = test::single_rank_result(shape, p);
 
-  RingAttentionConfig cfg;
+  MhaCpConfig cfg;
   cfg.impl = c.impl;
   cfg.causal = c.causal;
   CpCounters counters;
@@ -167,9 +167,9 @@ TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
   world().all_reduce(TensorView(v, DType::kInt64, {2}), ReduceOp::kMax)->wait();
   EXPECT_EQ(v[0], -v[1]);
   // USP: a local length that does not match the layout is refused before any all-to-all.
-  SpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
+  CpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
   const CpGroups groups = CpGroups::from(grid);
-  UspAttention usp(groups, SequenceLayout::for_groups(groups, 4 * n), RingAttentionConfig{});
+  MhaCp usp(groups, SequenceLayout::for_groups(groups, 4 * n), MhaCpConfig{});
   Tensor q = Tensor::zeros({1, 3, n, 8}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(usp.forward(q.view(), q.view(), q.view()), Error);
   Tensor q4 = Tensor::zeros({1, 4, n + 1, 8}, DType::kFloat32, MemCategory::kWorkspace);
@@ -181,30 +181,30 @@ TEST(Ulysses, HeadErrorsOnEveryRankWithOneMessage) {
 TEST(Usp, BuiltFromTheGridEqualsBuiltFromItsGroups) {
   const int n = world().size();
   const int pu = n % 2 == 0 ? 2 : 1;
-  SpGrid grid(world(), {1, pu, n / pu, Placement::kUlyssesInner});
+  CpGrid grid(world(), {1, pu, n / pu, Placement::kUlyssesInner});
   const CpGroups groups = CpGroups::from(grid);
   const std::int64_t seq_len = 24 * n;
-  RingAttentionConfig cfg;
+  MhaCpConfig cfg;
   cfg.causal = true;
-  UspAttention from_groups(groups, SequenceLayout::for_groups(groups, seq_len), cfg);
-  UspAttention from_grid(grid, seq_len, cfg);
-  UspAttention from_grid_layout(grid, SequenceLayout::for_groups(groups, seq_len, LayoutKind::kZigzag), cfg);
+  MhaCp from_groups(groups, SequenceLayout::for_groups(groups, seq_len), cfg);
+  MhaCp from_grid(grid, seq_len, cfg);
+  MhaCp from_grid_layout(grid, SequenceLayout::for_groups(groups, seq_len, LayoutKind::kZigzag), cfg);
   EXPECT_EQ(from_grid.positions(), from_groups.positions());
   const std::int64_t sl = from_grid.layout().local_len();
-  const int r = grid.sp().rank();
+  const int r = grid.cp().rank();
   Tensor q = test::random_tensor({1, sl, 4, 8}, DType::kFloat32, 10 + r);
   Tensor k = test::random_tensor({1, sl, 2, 8}, DType::kFloat32, 20 + r);
   Tensor v = test::random_tensor({1, sl, 2, 8}, DType::kFloat32, 30 + r);
   Tensor dout = test::random_tensor({1, sl, 4, 8}, DType::kFloat32, 40 + r);
-  auto run = [&](UspAttention& layer) {
-    AttentionOutput o = layer.forward(q, k, v);
-    AttentionGrads g = layer.backward(std::move(o.ctx), dout);
+  auto run = [&](MhaCp& layer) {
+    MhaCpOutput o = layer.forward(q, k, v);
+    MhaCpGrads g = layer.backward(std::move(o.ctx), dout);
     std::vector<Tensor> all;
     for (Tensor* t : {&o.out, &o.lse, &g.dq, &g.dk, &g.dv}) all.push_back(std::move(*t));
     return all;
   };
   const std::vector<Tensor> want = run(from_groups);
-  for (UspAttention* layer : {&from_grid, &from_grid_layout}) {
+  for (MhaCp* layer : {&from_grid, &from_grid_layout}) {
     const std::vector<Tensor> got = run(*layer);
     for (std::size_t i = 0; i < want.size(); ++i) {
       ASSERT_EQ(got[i].nbytes(), want[i].nbytes());
@@ -218,9 +218,9 @@ TEST(Usp, BuiltFromTheGridEqualsBuiltFromItsGroups) {
 // against itself). A dout of another floating dtype gives gradients in q's dtype, as documented.
 TEST(Usp, BadInputsAreRefusedBeforeTheAllToAll) {
   const int n = world().size();
-  SpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
+  CpGrid grid(world(), {1, n, 1, Placement::kUlyssesInner});
   const CpGroups groups = CpGroups::from(grid);
-  UspAttention usp(groups, SequenceLayout::for_groups(groups, 4 * n), RingAttentionConfig{});
+  MhaCp usp(groups, SequenceLayout::for_groups(groups, 4 * n), MhaCpConfig{});
   const std::int64_t ops_before = grid.ulysses().counters().num_ops + grid.ring().counters().num_ops;
   auto sent = [&] { return grid.ulysses().counters().num_ops + grid.ring().counters().num_ops - ops_before; };
   auto error_of = [](const std::function<void()>& fn) {
@@ -243,7 +243,7 @@ TEST(Usp, BadInputsAreRefusedBeforeTheAllToAll) {
   EXPECT_NE(m.find("must share batch (dim 0) and head dim (dim 3)"), std::string::npos) << m;
   EXPECT_EQ(sent(), 0) << "a refused forward communicated";
 
-  AttentionOutput o = usp.forward(q.view(), q.view(), q.view());
+  MhaCpOutput o = usp.forward(q.view(), q.view(), q.view());
   const std::int64_t after_forward = sent();
   Tensor dout_d4 = test::random_tensor({1, 4, n, 4}, DType::kFloat32, 4);
   m = error_of([&] { usp.backward(std::move(o.ctx), dout_d4.view()); });
@@ -251,7 +251,7 @@ TEST(Usp, BadInputsAreRefusedBeforeTheAllToAll) {
   EXPECT_EQ(sent(), after_forward) << "a refused backward communicated";
   EXPECT_TRUE(o.ctx.live()) << "a refused backward consumed the context";
   Tensor dout64 = test::random_tensor({1, 4, n, 8}, DType::kFloat64, 5);
-  AttentionGrads g = usp.backward(std::move(o.ctx), dout64.view());
+  MhaCpGrads g = usp.backward(std::move(o.ctx), dout64.view());
   EXPECT_EQ(g.dq.dtype(), DType::kFloat32);
   EXPECT_EQ(g.dk.dtype(), DType::kFloat32);
 }

@@ -11,7 +11,7 @@
 #include "parallel/cp_common.h"
 #include "parallel/layout.h"
 #include "runtime/memory.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
 
@@ -34,16 +34,16 @@ inline std::int64_t saved_bytes() {
   return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kSavedActivation)];
 }
 
-inline SpGridConfig small_grid_config() {
+inline CpGridConfig small_grid_config() {
   const int n = world().size();
-  return n % 2 == 0 ? SpGridConfig{1, 2, n / 2} : SpGridConfig{1, 1, n};
+  return n % 2 == 0 ? CpGridConfig{1, 2, n / 2} : CpGridConfig{1, 1, n};
 }
 
 // Every USP grid of the world for `heads` query heads: each Ulysses size dividing both the world size and heads,
 // with the ulysses-inner placement, and the ring-inner one where it makes other groups (1 < ulysses_size < world).
-inline std::vector<SpGridConfig> usp_grids(std::int64_t heads, bool both_placements = true) {
+inline std::vector<CpGridConfig> usp_grids(std::int64_t heads, bool both_placements = true) {
   const int n = world().size();
-  std::vector<SpGridConfig> grids;
+  std::vector<CpGridConfig> grids;
   for (int pu = 1; pu <= n; ++pu) {
     if (n % pu != 0 || heads % pu != 0) continue;
     grids.push_back({1, pu, n / pu, Placement::kUlyssesInner});
@@ -55,7 +55,7 @@ inline std::vector<SpGridConfig> usp_grids(std::int64_t heads, bool both_placeme
 // 48 tokens, one sequence, 4 heads of 16 on small_grid_config(), zigzag.
 struct SmallCpCase {
   static constexpr std::int64_t seq = 48, B = 1, H = 4, D = 16;
-  SpGrid grid{world(), small_grid_config()};
+  CpGrid grid{world(), small_grid_config()};
   CpGroups groups = CpGroups::from(grid);
   SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
   std::int64_t sl = layout.local_len();

@@ -131,28 +131,28 @@ std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout
   return to_double(full);
 }
 
-MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+MhaResult usp_result(const CpGrid& grid, const MhaShape& s, const MhaProblem& p, const MhaCpConfig& cfg,
                      LayoutKind layout, CpCounters* counters) {
   const CpGroups groups = CpGroups::from(grid);
   return usp_result(grid, s, p, cfg, SequenceLayout::for_groups(groups, s.seq, layout), counters);
 }
 
-MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+MhaResult usp_result(const CpGrid& grid, const MhaShape& s, const MhaProblem& p, const MhaCpConfig& cfg,
                      const SequenceLayout& layout, CpCounters* counters, std::vector<Tensor>* local) {
   const CpGroups groups = CpGroups::from(grid);
-  UspAttention usp(groups, layout, cfg);
+  MhaCp usp(groups, layout, cfg);
   auto piece = [&](const Tensor& full) {
     Shape shape = full.shape();
     shape[1] = layout.local_len();
     Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-    shard_sequence(layout, groups.sp_rank(), full.view(), t.view());
+    shard_sequence(layout, groups.cp_rank(), full.view(), t.view());
     return t;
   };
   Tensor q = piece(p.q), k = piece(p.k), v = piece(p.v), dout = piece(p.dout);
-  AttentionOutput o = usp.forward(q.view(), k.view(), v.view());
-  AttentionGrads g = usp.backward(std::move(o.ctx), dout.view());
+  MhaCpOutput o = usp.forward(q.view(), k.view(), v.view());
+  MhaCpGrads g = usp.backward(std::move(o.ctx), dout.view());
   if (counters != nullptr) *counters = usp.counters();
-  Communicator& sp = grid.sp();
+  Communicator& sp = grid.cp();
   MhaResult r;
   r.out = gather_full(sp, usp.layout(), o.out.view(), p.q.shape());
   r.lse = gather_full(sp, usp.layout(), o.lse.view(), {s.batch, s.hq, s.seq}, 2);

@@ -8,7 +8,7 @@
 #include "attention/mha.h"
 #include "parallel/layout.h"
 #include "parallel/usp.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 
 namespace seqpar::test {
 
@@ -52,14 +52,14 @@ Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& posi
 std::vector<double> gather_full(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
                                 const Shape& full_shape, int seq_dim = 1);
 
-// UspAttention (pure ring when ulysses_size = 1, pure Ulysses when ring_size = 1) on `grid` over the layout's
+// MhaCp (pure ring when ulysses_size = 1, pure Ulysses when ring_size = 1) on `grid` over the layout's
 // shards of `p`, forward and backward; the gathered full results on every rank (dsinks: this rank's, which is the
 // full sum), and the layer's counters.
-MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+MhaResult usp_result(const CpGrid& grid, const MhaShape& s, const MhaProblem& p, const MhaCpConfig& cfg,
                      LayoutKind layout, CpCounters* counters = nullptr);
-// The same on a given layout (packed or padded: pieces cut by shard_sequence(layout, sp_rank, ...), s.seq = the
+// The same on a given layout (packed or padded: pieces cut by shard_sequence(layout, cp_rank, ...), s.seq = the
 // layout's seq_len). `local`, when given, receives this rank's local out, lse, dq, dk, dv (padding rows included).
-MhaResult usp_result(const SpGrid& grid, const MhaShape& s, const MhaProblem& p, const RingAttentionConfig& cfg,
+MhaResult usp_result(const CpGrid& grid, const MhaShape& s, const MhaProblem& p, const MhaCpConfig& cfg,
                      const SequenceLayout& layout, CpCounters* counters = nullptr,
                      std::vector<Tensor>* local = nullptr);
 

@@ -4,12 +4,12 @@
 #include <string>
 
 #include "runtime/comm.h"
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 
 namespace seqpar::test {
 Communicator& world();
 // The grid of one ring over the whole world (no Ulysses, no data parallelism).
-inline SpGridConfig ring_over_world() { return {1, 1, world().size(), Placement::kUlyssesInner}; }
+inline CpGridConfig ring_over_world() { return {1, 1, world().size(), Placement::kUlyssesInner}; }
 // The name generator of a parameterised test whose parameter has a case_name() (found by argument lookup).
 struct CaseName {
   template <typename Info>

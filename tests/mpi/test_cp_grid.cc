@@ -1,6 +1,6 @@
-// SpGrid tests, run by ctest at 1, 2, 3, 4 and 8 ranks: for every factorization world = DP x Pu x Pr and both
+// CpGrid tests, run by ctest at 1, 2, 3, 4 and 8 ranks: for every factorization world = DP x Pu x Pr and both
 // placements, the Ulysses, ring, SP and DP communicators have the right sizes and ranks and contain exactly the
-// expected world ranks (all-gathered inside each group), checked against sp_coords_of / world_rank_of and against
+// expected world ranks (all-gathered inside each group), checked against cp_coords_of / world_rank_of and against
 // an independent enumeration written here; bad grids (wrong product, ranks disagreeing, sizes < 1) make every rank
 // throw the same message, and the world stays usable afterwards.
 #include <gtest/gtest.h>
@@ -12,7 +12,7 @@
 #include <tuple>
 #include <vector>
 
-#include "runtime/sp_grid.h"
+#include "runtime/cp_grid.h"
 #include "tests/util/mpi_test.h"
 #include "tests/util/test_util.h"
 
@@ -28,7 +28,7 @@ struct Coords {
 // Independent enumeration of the grid (docs/design.md, "Process groups"): world ranks are handed out in increasing order by
 // nested loops, replicas outermost; ulysses_inner runs the Ulysses index innermost (each Ulysses group is
 // consecutive ranks), ring_inner runs the ring index innermost.
-std::vector<Coords> enumerate_grid(const SpGridConfig& c) {
+std::vector<Coords> enumerate_grid(const CpGridConfig& c) {
   std::vector<Coords> by_rank;
   for (int dp = 0; dp < c.dp_size; ++dp) {
     if (c.placement == Placement::kUlyssesInner) {
@@ -62,8 +62,8 @@ std::vector<std::int64_t> members(Communicator& comm) {
   return std::vector<std::int64_t>(all.begin(), all.end());
 }
 
-std::vector<SpGridConfig> all_grids(int world_size) {
-  std::vector<SpGridConfig> out;
+std::vector<CpGridConfig> all_grids(int world_size) {
+  std::vector<CpGridConfig> out;
   for (Placement placement : {Placement::kUlyssesInner, Placement::kRingInner})
     for (int dp = 1; dp <= world_size; ++dp)
       for (int pu = 1; dp * pu <= world_size; ++pu)
@@ -71,35 +71,35 @@ std::vector<SpGridConfig> all_grids(int world_size) {
   return out;
 }
 
-std::string grid_name(const SpGridConfig& c) {
+std::string grid_name(const CpGridConfig& c) {
   return str_cat("dp=", c.dp_size, " x ulysses=", c.ulysses_size, " x ring=", c.ring_size, " (",
                  placement_name(c.placement), ")");
 }
 
-// Pure arithmetic, every world size up to 24: sp_coords_of / world_rank_of agree with the enumeration.
-TEST(SpGrid, CoordinateArithmeticMatchesEnumeration) {
+// Pure arithmetic, every world size up to 24: cp_coords_of / world_rank_of agree with the enumeration.
+TEST(CpGrid, CoordinateArithmeticMatchesEnumeration) {
   int grids = 0;
   for (int n = 1; n <= 24; ++n) {
-    for (const SpGridConfig& c : all_grids(n)) {
+    for (const CpGridConfig& c : all_grids(n)) {
       ++grids;
       const std::vector<Coords> grid = enumerate_grid(c);
       ASSERT_EQ(static_cast<int>(grid.size()), n);
       for (int w = 0; w < n; ++w) {
-        const SpCoords x = sp_coords_of(c, w);
+        const CpCoords x = cp_coords_of(c, w);
         const Coords& e = grid[w];
         ASSERT_TRUE(x.dp_rank == e.dp && x.ulysses_rank == e.u && x.ring_rank == e.r &&
-                    x.sp_rank == e.r * c.ulysses_size + e.u)
+                    x.cp_rank == e.r * c.ulysses_size + e.u)
             << grid_name(c) << " world rank " << w << ": got (" << x.dp_rank << ", " << x.ulysses_rank << ", "
-            << x.ring_rank << ", sp " << x.sp_rank << "), want (" << e.dp << ", " << e.u << ", " << e.r << ")";
+            << x.ring_rank << ", sp " << x.cp_rank << "), want (" << e.dp << ", " << e.u << ", " << e.r << ")";
         ASSERT_EQ(world_rank_of(c, x), w) << grid_name(c);
       }
     }
   }
   EXPECT_EQ(grids, 2 * 203) << "number of ordered factorizations of 1..24, times 2 placements";
-  const SpGridConfig c{2, 2, 2, Placement::kUlyssesInner};
-  EXPECT_THROW(sp_coords_of(c, 8), Error);
-  EXPECT_THROW(sp_coords_of(c, -1), Error);
-  EXPECT_THROW(sp_coords_of({1, 0, 2, Placement::kRingInner}, 0), Error);
+  const CpGridConfig c{2, 2, 2, Placement::kUlyssesInner};
+  EXPECT_THROW(cp_coords_of(c, 8), Error);
+  EXPECT_THROW(cp_coords_of(c, -1), Error);
+  EXPECT_THROW(cp_coords_of({1, 0, 2, Placement::kRingInner}, 0), Error);
   EXPECT_THROW(world_rank_of(c, {0, 2, 0, 0}), Error);
   EXPECT_THROW(world_rank_of(c, {2, 0, 0, 0}), Error);
   EXPECT_EQ(parse_placement("ring_inner"), Placement::kRingInner);
@@ -107,12 +107,12 @@ TEST(SpGrid, CoordinateArithmeticMatchesEnumeration) {
   EXPECT_THROW(parse_placement("ring-inner"), Error);
 }
 
-TEST(SpGrid, MembershipForEveryFactorizationAndPlacement) {
+TEST(CpGrid, MembershipForEveryFactorizationAndPlacement) {
   Communicator& w = world();
   const int p = w.size(), me = w.rank();
-  for (const SpGridConfig& c : all_grids(p)) {
+  for (const CpGridConfig& c : all_grids(p)) {
     SCOPED_TRACE(grid_name(c));
-    SpGrid grid(w, c);
+    CpGrid grid(w, c);
     const std::vector<Coords> table = enumerate_grid(c);
     const Coords e = table[me];
     const int pu = c.ulysses_size, pr = c.ring_size;
@@ -122,22 +122,22 @@ TEST(SpGrid, MembershipForEveryFactorizationAndPlacement) {
     EXPECT_EQ(grid.coords().dp_rank, e.dp);
     EXPECT_EQ(grid.coords().ulysses_rank, e.u);
     EXPECT_EQ(grid.coords().ring_rank, e.r);
-    EXPECT_EQ(grid.coords().sp_rank, e.r * pu + e.u);
-    const SpCoords x = sp_coords_of(c, me);
+    EXPECT_EQ(grid.coords().cp_rank, e.r * pu + e.u);
+    const CpCoords x = cp_coords_of(c, me);
     EXPECT_TRUE(x.dp_rank == grid.coords().dp_rank && x.ulysses_rank == grid.coords().ulysses_rank &&
-                x.ring_rank == grid.coords().ring_rank && x.sp_rank == grid.coords().sp_rank);
+                x.ring_rank == grid.coords().ring_rank && x.cp_rank == grid.coords().cp_rank);
 
     EXPECT_EQ(grid.ulysses().size(), pu);
     EXPECT_EQ(grid.ulysses().rank(), e.u);
     EXPECT_EQ(grid.ring().size(), pr);
     EXPECT_EQ(grid.ring().rank(), e.r);
-    EXPECT_EQ(grid.sp().size(), pu * pr);
-    EXPECT_EQ(grid.sp().rank(), e.r * pu + e.u);
+    EXPECT_EQ(grid.cp().size(), pu * pr);
+    EXPECT_EQ(grid.cp().rank(), e.r * pu + e.u);
     // Names for error messages, and the world rank of every group rank (the grid's arithmetic, independently of
     // the communicators' own bookkeeping).
     EXPECT_EQ(grid.ulysses().name(), "ulysses");
     EXPECT_EQ(grid.ring().name(), "ring");
-    EXPECT_EQ(grid.sp().name(), "sp");
+    EXPECT_EQ(grid.cp().name(), "cp");
     EXPECT_EQ(grid.dp().name(), "dp");
     for (int u = 0; u < pu; ++u) {
       EXPECT_EQ(grid.ulysses().world_rank_of(u), world_rank_of(c, {e.dp, u, e.r, e.r * pu + u}));
@@ -158,11 +158,11 @@ TEST(SpGrid, MembershipForEveryFactorizationAndPlacement) {
         table, [&](const Coords& o) { return o.u == e.u && o.r == e.r; }, [](const Coords& o) { return o.dp; });
     const auto ulysses_got = members(grid.ulysses());
     const auto ring_got = members(grid.ring());
-    const auto sp_got = members(grid.sp());
+    const auto sp_got = members(grid.cp());
     const auto dp_got = members(grid.dp());
     EXPECT_EQ(ulysses_got, ulysses_want) << "rank " << me << ": Ulysses group";
     EXPECT_EQ(ring_got, ring_want) << "rank " << me << ": ring group";
-    EXPECT_EQ(sp_got, sp_want) << "rank " << me << ": SP group";
+    EXPECT_EQ(sp_got, sp_want) << "rank " << me << ": CP group";
     EXPECT_EQ(dp_got, dp_want) << "rank " << me << ": DP group";
 
     // The members also follow from world_rank_of over the coordinates that vary inside each group.
@@ -188,9 +188,9 @@ std::uint64_t fnv1a(const std::string& s) {
 }
 
 // Builds a grid that must fail; returns this rank's error message ("" when it did not throw).
-std::string grid_error(const SpGridConfig& c) {
+std::string grid_error(const CpGridConfig& c) {
   try {
-    SpGrid grid(world(), c);
+    CpGrid grid(world(), c);
   } catch (const Error& e) {
     return e.message();
   }
@@ -211,33 +211,33 @@ void expect_same_error_everywhere(const std::string& message, const std::string&
   EXPECT_EQ(message, want) << "rank " << w.rank();
 }
 
-TEST(SpGrid, ProductOtherThanWorldSizeFailsOnEveryRankWithTheSameMessage) {
+TEST(CpGrid, ProductOtherThanWorldSizeFailsOnEveryRankWithTheSameMessage) {
   const int p = world().size();
   expect_same_error_everywhere(grid_error({1, p + 1, 1, Placement::kUlyssesInner}),
-                               str_cat("SpGrid: dp_size 1 x ulysses_size ", p + 1, " x ring_size 1 = ", p + 1,
+                               str_cat("CpGrid: dp_size 1 x ulysses_size ", p + 1, " x ring_size 1 = ", p + 1,
                                        " must equal the world size ", p));
   expect_same_error_everywhere(
       grid_error({2, 1, p, Placement::kRingInner}),
-      str_cat("SpGrid: dp_size 2 x ulysses_size 1 x ring_size ", p, " = ", 2 * p, " must equal the world size ", p));
+      str_cat("CpGrid: dp_size 2 x ulysses_size 1 x ring_size ", p, " = ", 2 * p, " must equal the world size ", p));
   expect_same_error_everywhere(grid_error({1, 0, p, Placement::kUlyssesInner}),
-                               str_cat("SpGrid: dp_size=1, ulysses_size=0, ring_size=", p, " must all be >= 1"));
+                               str_cat("CpGrid: dp_size=1, ulysses_size=0, ring_size=", p, " must all be >= 1"));
   expect_same_error_everywhere(grid_error({-p, -1, 1, Placement::kUlyssesInner}),
-                               str_cat("SpGrid: dp_size=", -p, ", ulysses_size=-1, ring_size=1 must all be >= 1"));
+                               str_cat("CpGrid: dp_size=", -p, ", ulysses_size=-1, ring_size=1 must all be >= 1"));
   // The failed constructions sent nothing else: a good grid works right after.
-  SpGrid good(world(), {1, 1, p, Placement::kUlyssesInner});
+  CpGrid good(world(), {1, 1, p, Placement::kUlyssesInner});
   EXPECT_EQ(members(good.ring()).size(), static_cast<std::size_t>(p));
 }
 
-TEST(SpGrid, RanksDisagreeingFailOnEveryRankWithTheSameMessage) {
+TEST(CpGrid, RanksDisagreeingFailOnEveryRankWithTheSameMessage) {
   Communicator& w = world();
   const int p = w.size(), me = w.rank();
   if (p < 2) GTEST_SKIP() << "needs at least 2 ranks to disagree";
   // Rank 0 passes a different ulysses_size (both configurations would be valid on their own).
   {
-    SpGridConfig c{1, 1, p, Placement::kUlyssesInner};
+    CpGridConfig c{1, 1, p, Placement::kUlyssesInner};
     if (me == 0) c = {1, p, 1, Placement::kUlyssesInner};
     expect_same_error_everywhere(
-        grid_error(c), str_cat("SpGrid: ranks disagree on the grid configuration (dp_size in [1, 1], ulysses_size in "
+        grid_error(c), str_cat("CpGrid: ranks disagree on the grid configuration (dp_size in [1, 1], ulysses_size in "
                                "[1, ",
                                p, "], ring_size in [1, ", p,
                                "], placement differs: no); every rank must "
@@ -245,9 +245,9 @@ TEST(SpGrid, RanksDisagreeingFailOnEveryRankWithTheSameMessage) {
   }
   // The last rank passes another placement.
   {
-    SpGridConfig c{1, 1, p, me == p - 1 ? Placement::kRingInner : Placement::kUlyssesInner};
+    CpGridConfig c{1, 1, p, me == p - 1 ? Placement::kRingInner : Placement::kUlyssesInner};
     expect_same_error_everywhere(
-        grid_error(c), str_cat("SpGrid: ranks disagree on the grid configuration (dp_size in [1, 1], ulysses_size in "
+        grid_error(c), str_cat("CpGrid: ranks disagree on the grid configuration (dp_size in [1, 1], ulysses_size in "
                                "[1, 1], ring_size in [",
                                p, ", ", p,
                                "], placement differs: yes); every rank must "
@@ -255,16 +255,16 @@ TEST(SpGrid, RanksDisagreeingFailOnEveryRankWithTheSameMessage) {
   }
   // One rank's configuration has a wrong product as well: the disagreement is reported, the same on every rank.
   {
-    SpGridConfig c{1, p, 1, Placement::kUlyssesInner};
+    CpGridConfig c{1, p, 1, Placement::kUlyssesInner};
     if (me == 1) c.dp_size = 3;
     expect_same_error_everywhere(
-        grid_error(c), str_cat("SpGrid: ranks disagree on the grid configuration (dp_size in [1, 3], ulysses_size in "
+        grid_error(c), str_cat("CpGrid: ranks disagree on the grid configuration (dp_size in [1, 3], ulysses_size in "
                                "[",
                                p, ", ", p,
                                "], ring_size in [1, 1], placement differs: no); every rank must "
                                "pass the same grid"));
   }
-  SpGrid good(w, {1, p, 1, Placement::kRingInner});
+  CpGrid good(w, {1, p, 1, Placement::kRingInner});
   EXPECT_EQ(members(good.ulysses()).size(), static_cast<std::size_t>(p));
 }
 

@@ -3,8 +3,8 @@
 // Rank numbering: dp_rank = world_rank / (Pu * Pr) (data-parallel replicas are outermost); inside a replica,
 // `ulysses_inner` (default) makes each Ulysses group consecutive ranks (ulysses_rank = local % Pu,
 // ring_rank = local / Pu), so all-to-all stays inside a node; `ring_inner` is the transpose.
-// The SP communicator (Pu x Pr ranks of one replica) orders ranks by sequence piece:
-// sp_rank = ring_rank * Pu + ulysses_rank (ring shard r is cut into Pu pieces across its Ulysses group).
+// The CP communicator (Pu x Pr ranks of one replica) orders ranks by sequence piece:
+// cp_rank = ring_rank * Pu + ulysses_rank (ring shard r is cut into Pu pieces across its Ulysses group).
 #pragma once
 
 #include <memory>
@@ -32,7 +32,7 @@ const char* placement_name(Placement placement);
 Placement parse_placement(std::string_view name);
 
 // The grid's shape: dp_size x ulysses_size (Pu) x ring_size (Pr) ranks, and which group is inner.
-struct SpGridConfig {
+struct CpGridConfig {
   int dp_size = 1;
   int ulysses_size = 1;
   int ring_size = 1;
@@ -40,48 +40,48 @@ struct SpGridConfig {
 };
 
 // One rank's coordinates in the grid (rank numbering: the file comment).
-struct SpCoords {
+struct CpCoords {
   int dp_rank = 0;
   int ulysses_rank = 0;
   int ring_rank = 0;
-  int sp_rank = 0;  // ring_rank * ulysses_size + ulysses_rank
+  int cp_rank = 0;  // ring_rank * ulysses_size + ulysses_rank
 };
 
 // The coordinates of `world_rank` in the grid; pure arithmetic, usable without communication (tests, launch
 // planning).
-// Returns: dp, ulysses, ring and sp ranks.
+// Returns: dp, ulysses, ring and cp ranks.
 // Errors: a size below 1, or world_rank outside [0, dp_size * ulysses_size * ring_size).
 // Sync: host-only, no communication.
-SpCoords sp_coords_of(const SpGridConfig& config, int world_rank);
+CpCoords cp_coords_of(const CpGridConfig& config, int world_rank);
 
-// The world rank at `coords`; the inverse of sp_coords_of, pure arithmetic.
+// The world rank at `coords`; the inverse of cp_coords_of, pure arithmetic.
 // Returns: the world rank.
 // Errors: a size below 1, or a coordinate outside its group.
 // Sync: host-only, no communication.
-int world_rank_of(const SpGridConfig& config, const SpCoords& coords);
+int world_rank_of(const CpGridConfig& config, const CpCoords& coords);
 
 // The sequence-parallel process grid: this rank's coordinates and its four sub-communicators.
-class SpGrid {
+class CpGrid {
  public:
   // Splits `world` into the Ulysses, ring, SP and DP groups of `config`.
   // Errors: ranks that passed different configurations (checked by one small all-reduce first); a size below 1;
   //   dp_size * ulysses_size * ring_size != world.size(). Raised on every rank with the same message, before any
   //   other communication.
   // Sync: collective over `world`.
-  SpGrid(Communicator& world, const SpGridConfig& config);
+  CpGrid(Communicator& world, const CpGridConfig& config);
 
   // Accessors: the configuration, this rank's coordinates, its world rank.
   // Sync: host-only, no communication.
-  const SpGridConfig& config() const { return config_; }
-  const SpCoords& coords() const { return coords_; }
+  const CpGridConfig& config() const { return config_; }
+  const CpCoords& coords() const { return coords_; }
   int world_rank() const { return world_rank_; }
 
-  // The group communicators, each named after its group in error messages: "ulysses", "ring", "sp", "dp".
+  // The group communicators, each named after its group in error messages: "ulysses", "ring", "cp", "dp".
   // Returns: a communicator owned by the grid, valid while the grid lives.
   // Sync: host-only accessors; collectives on the returned communicator are over that group.
   Communicator& ulysses() const { return *ulysses_; }  // size ulysses_size, rank = ulysses_rank
   Communicator& ring() const { return *ring_; }        // size ring_size, rank = ring_rank
-  Communicator& sp() const { return *sp_; }            // size ulysses_size * ring_size, rank = sp_rank
+  Communicator& cp() const { return *cp_; }            // size ulysses_size * ring_size, rank = cp_rank
   Communicator& dp() const { return *dp_; }            // size dp_size, rank = dp_rank
 
   // A one-line description of the grid.
@@ -90,10 +90,10 @@ class SpGrid {
   std::string str() const;
 
  private:
-  SpGridConfig config_;
-  SpCoords coords_;
+  CpGridConfig config_;
+  CpCoords coords_;
   int world_rank_ = 0;
-  std::unique_ptr<Communicator> ulysses_, ring_, sp_, dp_;
+  std::unique_ptr<Communicator> ulysses_, ring_, cp_, dp_;
 };
 
 }  // namespace seqpar
