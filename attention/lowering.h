@@ -1,38 +1,11 @@
-// Lowering of one attention block (local queries against one block of keys, as a ring / all-gather / Ulysses / USP
-// step hands it to the kernel) into a few rectangles, each with a mask of the kind cuDNN's SDPA graphs take, so that
-// a library kernel without per-position masks computes exactly seqpar's position mask (docs/design.md, visibility
-// rule; attn::MaskSpec). Device-neutral: host code only, no library needed.
-//
-// Input: the query and key slot positions of the block (non-decreasing, as attn::MhaForwardArgs q_pos / k_pos) and
-// the MaskSpec (causal, window W, per-query document bounds doc_lo / doc_hi). Key j is visible to query i iff
-//   doc_lo[i] <= k_pos[j] < doc_hi[i] (when given)  and  (causal: k_pos[j] <= q_pos[i])  and  (W: q_pos[i] - k_pos[j] <
-//   W).
-//
-// Output: rectangles (query rows [q_begin, q_end) x key rows [k_begin, k_end), indices into q_pos / k_pos) with a
-// mask over the rectangle's own indices i in [0, sq), j in [0, sk), sq = q_end - q_begin, sk = k_end - k_begin:
-//   e = 0 (top-left) or sk - sq (bottom-right)          (the diagonal's offset)
-//   causal:        j <= i + e                           (cuDNN: diagonal band right bound 0)
-//   left_bound L:  j > i + e - L                        (cuDNN: diagonal band left bound L, a sliding window)
-// (sdpa_mask_visible is that rule: the CPU model of cuDNN's mask; cudnn-frontend's diagonal-band mask node reads it
-// this way.) The rectangles are disjoint and their visible pairs are exactly the block's; every row of a rectangle
-// sees at least one key (no empty rows on the device); bottom-right alignment and left bounds come with sq <= sk
-// (cuDNN refuses them otherwise without a padding mask); no right bound other than 0 and no negative bound (a
-// strictly-lower block, e.g. a stripe step from a later rank, drops its first query row instead: a one-row shift).
-//
-// How. Per document (queries with one (doc_lo, doc_hi); padding queries are dropped), the keys inside the bounds are
-// one index range, and query row i sees the key rows [lo(i), hi(i)), both non-decreasing in i (positions are sorted):
-// a staircase. Consecutive rows whose bounds step by the same pair of {0, 1} become one rectangle: (0, 0) no mask;
-// (0, 1) causal, aligned top-left when the first row sees one key and bottom-right otherwise; (1, 1) the same with a
-// left bound (a window); (1, 0) left bound 1 only (a window crossing the block's last key); a row of its own is
-// unmasked. This gives TransformerEngine's zigzag cases (step 0: one causal rectangle over both halves; a block from
-// an earlier rank: all local rows against the first half of its keys, no mask; from a later rank: the second half of
-// the local rows against all its keys, no mask), one bottom-right causal rectangle with the window per contiguous
-// query chunk after an all-gather, and for a stripe block from a later rank (strictly lower in rows) a causal
-// rectangle that starts at the second query row (the one-row shift). Cost O(Sq log Sk).
-//
-// Calls: rectangles with one mask (alignment, causal, left bound) and disjoint query rows form one ragged call (THD:
-// per-segment offsets and lengths, padding mask on); lowered_calls groups them. The unpacked steps of the ring,
-// all-gather and Ulysses without a window give at most 3 calls (the test counts them).
+// Lowering of one attention block (local queries against one block of keys) into a few rectangles, each with a mask
+// of the kind cuDNN's SDPA graphs take (top-left or bottom-right causal diagonal, optional left bound), whose union is
+// exactly seqpar's position mask. Device-neutral host code. Math and guarantees: docs/design.md, "Lowering to masked
+// rectangles".
+// Input: the query and key slot positions of the block (non-decreasing, as attn::MhaForwardArgs q_pos / k_pos) and the
+// MaskSpec (causal, window, per-query document bounds doc_lo / doc_hi).
+// Output: disjoint rectangles (index ranges into q_pos / k_pos) with their masks; every row sees at least one key;
+// lowered_calls groups rectangles with one mask into ragged calls.
 // Errors: the kernels' (decreasing positions, doc_lo / doc_hi sizes, window without causal).
 #pragma once
 
