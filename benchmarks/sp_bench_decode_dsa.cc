@@ -37,6 +37,55 @@ npy::HostArray host_array(const Tensor& t) {
   return a;
 }
 
+// --check of the DSA decode steps: `out_all`, `lse_all` and `topk_all` (every head, every step) against the
+// single-rank training kernels over the whole sequence; sets rep's errors and verdict (the largest over the ranks).
+void check_dsa_steps(Communicator& world, const SpBenchOptions& o, const DecodeInputs& in, const Tensor& out_all,
+                     const Tensor& lse_all, const Tensor& topk_all, DecodeReport& rep) {
+  const DecodeOptions& d = o.decode;
+  const std::int64_t B = o.batch, H = o.heads, dv = o.dim_v, T = d.context;
+  const std::int64_t n = d.new_tokens, N = d.decode_steps, S = T + N * n;
+  // The single-rank training kernels over the whole sequence, rows T.. (their queries against every key), on every
+  // rank: the selection over one key block, then the sparse attention. With --check-against reference the sparse
+  // attention is the naive fp64 one of attention/reference on that selection (topk_indices stay exact against the
+  // kernel's, as in the training check).
+  const std::vector<std::int64_t> all = token_range(0, S), tail = token_range(T, S);
+  const DsaRows keys = dsa_rows(in, all, false), queries = dsa_rows(in, tail);
+  attn::DsaIndexerArgs idx{queries.q_idx, queries.w, keys.k_idx, tail, all};
+  idx.window = o.window;
+  Tensor topk = Tensor::empty({B, N * n, o.topk}, DType::kInt64, MemCategory::kWorkspace);
+  attn::dsa_indexer_topk(idx, topk);
+  attn::DsaAttentionArgs a;
+  a.q = queries.q;
+  a.c = keys.c;
+  a.topk_indices = topk;
+  a.q_pos = tail;
+  a.c_pos = all;
+  a.dim_v = dv;
+  const bool vs_reference = o.check_against == "reference";
+  Tensor out = Tensor::empty({B, N * n, H, dv}, vs_reference ? DType::kFloat64 : o.dtype, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({B, H, N * n}, vs_reference ? DType::kFloat64 : accumulator_dtype(o.dtype),
+                             MemCategory::kWorkspace);
+  if (vs_reference) {
+    const Tensor q64 = fp64_copy(queries.q), c64 = fp64_copy(keys.c);
+    a.q = q64;
+    a.c = c64;
+    attn::reference::dsa_attention_forward(a, out, lse);
+  } else {
+    attn::dsa_attention_forward(a, out, lse);
+  }
+  const auto* got = static_cast<const std::int64_t*>(topk_all.data());
+  const auto* want = static_cast<const std::int64_t*>(topk.data());
+  const std::int64_t mismatches = std::inner_product(got, got + topk.numel(), want, std::int64_t{0}, std::plus<>(),
+                                                     [](std::int64_t g, std::int64_t w) { return g != w ? 1 : 0; });
+  std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse), static_cast<double>(mismatches)};
+  all_reduce(world, errs, ReduceOp::kMax);
+  rep.out_err = errs[0];
+  rep.lse_err = errs[1];
+  rep.topk_mismatches = static_cast<std::int64_t>(errs[2]);
+  rep.passed = rep.out_err <= tolerance(o.dtype, vs_reference) &&
+               rep.lse_err <= tolerance(accumulator_dtype(o.dtype), vs_reference) && rep.topk_mismatches == 0;
+}
+
 }  // namespace
 
 DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
@@ -103,46 +152,7 @@ DecodeReport run_dsa(Communicator& world, const CpGroups& groups, const SpBenchO
   }
   if (!o.check) return rep;
   rep.checked = true;
-  // The single-rank training kernels over the whole sequence, rows T.. (their queries against every key), on every
-  // rank: the selection over one key block, then the sparse attention. With --check-against reference the sparse
-  // attention is the naive fp64 one of attention/reference on that selection (topk_indices stay exact against the
-  // kernel's, as in the training check).
-  const std::vector<std::int64_t> all = token_range(0, S), tail = token_range(T, S);
-  const DsaRows keys = dsa_rows(in, all, false), queries = dsa_rows(in, tail);
-  attn::DsaIndexerArgs idx{queries.q_idx, queries.w, keys.k_idx, tail, all};
-  idx.window = o.window;
-  Tensor topk = Tensor::empty({B, N * n, o.topk}, DType::kInt64, MemCategory::kWorkspace);
-  attn::dsa_indexer_topk(idx, topk);
-  attn::DsaAttentionArgs a;
-  a.q = queries.q;
-  a.c = keys.c;
-  a.topk_indices = topk;
-  a.q_pos = tail;
-  a.c_pos = all;
-  a.dim_v = dv;
-  const bool vs_reference = o.check_against == "reference";
-  Tensor out = Tensor::empty({B, N * n, H, dv}, vs_reference ? DType::kFloat64 : o.dtype, MemCategory::kWorkspace);
-  Tensor lse = Tensor::empty({B, H, N * n}, vs_reference ? DType::kFloat64 : accumulator_dtype(o.dtype),
-                             MemCategory::kWorkspace);
-  if (vs_reference) {
-    const Tensor q64 = fp64_copy(queries.q), c64 = fp64_copy(keys.c);
-    a.q = q64;
-    a.c = c64;
-    attn::reference::dsa_attention_forward(a, out, lse);
-  } else {
-    attn::dsa_attention_forward(a, out, lse);
-  }
-  const auto* got = static_cast<const std::int64_t*>(topk_all.data());
-  const auto* want = static_cast<const std::int64_t*>(topk.data());
-  const std::int64_t mismatches = std::inner_product(got, got + topk.numel(), want, std::int64_t{0}, std::plus<>(),
-                                                     [](std::int64_t g, std::int64_t w) { return g != w ? 1 : 0; });
-  std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse), static_cast<double>(mismatches)};
-  all_reduce(world, errs, ReduceOp::kMax);
-  rep.out_err = errs[0];
-  rep.lse_err = errs[1];
-  rep.topk_mismatches = static_cast<std::int64_t>(errs[2]);
-  rep.passed = rep.out_err <= tolerance(o.dtype, vs_reference) &&
-               rep.lse_err <= tolerance(accumulator_dtype(o.dtype), vs_reference) && rep.topk_mismatches == 0;
+  check_dsa_steps(world, o, in, out_all, lse_all, topk_all, rep);
   return rep;
 }
 
