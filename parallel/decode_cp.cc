@@ -17,6 +17,26 @@ namespace {
 constexpr std::array<const char*, 2> kCacheShardNames = {"contiguous", "interleave"};
 constexpr std::array<const char*, 3> kChunkModeNames = {"auto", "pass-kv", "pass-q"};
 
+// The rows of this rank's padding slots (a padded chunk layout) get out 0 and lse -inf, as in training: the merge
+// attended them to the cache like real rows.
+void clear_padding_rows(const SequenceLayout& layout, int cp_rank, PrefillOutput& r) {
+  const std::vector<std::int64_t> tokens = layout.token_index(cp_rank);
+  const std::int64_t B = r.out.dim(0), sl = r.out.dim(1), H = r.out.dim(2), D = r.out.dim(3);
+  const std::size_t out_row = static_cast<std::size_t>(H * D) * dtype_size(r.out.dtype());
+  const std::size_t lse_el = dtype_size(r.lse.dtype());
+  for (std::int64_t i = 0; i < sl; ++i) {
+    if (tokens[i] >= 0) continue;
+    for (std::int64_t b = 0; b < B; ++b) {
+      auto* o = static_cast<char*>(r.out.data()) + static_cast<std::size_t>(b * sl + i) * out_row;
+      fill(TensorView(o, r.out.dtype(), {H * D}), 0.0);
+      for (std::int64_t h = 0; h < H; ++h) {
+        auto* l = static_cast<char*>(r.lse.data()) + static_cast<std::size_t>((b * H + h) * sl + i) * lse_el;
+        fill(TensorView(l, r.lse.dtype(), {1}), -std::numeric_limits<double>::infinity());
+      }
+    }
+  }
+}
+
 // Shared with the DSA decode layer (parallel/decode_shared.h).
 using decode_detail::add_cache_fields;
 using decode_detail::iota_from;
@@ -306,6 +326,7 @@ PrefillOutput MhaDecodeCp::extend(ShardedKvCache& cache, const SequenceLayout& l
   counters_ += c.route;
   // 3. Merge the P cached partials and the chunk's own.
   PrefillOutput result = merge_chunk(c, own, q_in, a2a);
+  clear_padding_rows(layout, groups_.cp_rank(), result);
   // 4. The chunk's K/V join the cache on their owners.
   reshard_prompt(cache, layout, k, v, L);
   cache.length_ = L + t_new;

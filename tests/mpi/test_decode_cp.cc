@@ -7,6 +7,8 @@
 // Tolerances: test::decode_atol / decode_rtol.
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "parallel/decode_cp.h"
 #include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
@@ -262,10 +264,19 @@ TEST_P(MhaExtendCp, ChunkAfterTheCacheEqualsOnePrefillOfTheConcatenation) {
     shard_sequence(chunk, sp, all, back, dim);
     return to_double(back);
   };
-  EXPECT_TRUE(all_close(real_rows(o.out, 1), to_double(want_out), test::decode_atol(c.dtype),
+  // Padding rows: out 0 (as shard_sequence writes them into want_out) and lse -inf.
+  EXPECT_TRUE(all_close(to_double(o.out), to_double(want_out), test::decode_atol(c.dtype),
                         test::decode_rtol(c.dtype), "chunk out"));
   EXPECT_TRUE(all_close(real_rows(o.lse, 2), to_double(want_lse), test::decode_atol(c.dtype),
                         test::decode_rtol(c.dtype), "chunk lse"));
+  const std::vector<std::int64_t> tokens = chunk.token_index(groups.cp_rank());
+  const std::vector<double> lse_got = to_double(o.lse);
+  for (std::int64_t i = 0; i < chunk.local_len(); ++i) {
+    if (tokens[i] >= 0) continue;
+    for (std::int64_t bh = 0; bh < o.lse.dim(0) * o.lse.dim(1); ++bh) {
+      EXPECT_EQ(lse_got[bh * chunk.local_len() + i], -std::numeric_limits<double>::infinity()) << "padding row " << i;
+    }
+  }
   for (std::int64_t t = kPrompt + chunk_len; t < total; ++t) {
     const DecodeOutput d = layer.decode(cache, rows_of(p.q, t, t + 1), rows_of(p.k, t, t + 1), rows_of(p.v, t, t + 1));
     const Tensor want = rows_of(rows_of(p.ref_out, t, t + 1), u * hq, (u + 1) * hq, 2);
