@@ -103,14 +103,7 @@ TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
   std::copy(slopes.begin(), slopes.end(), slopes_t.view().data_as<float>());
   Tensor sinks = test::random_tensor({kHq}, DType::kFloat64, 21, -1.0, 3.0);  // fp64: dsinks in fp64
   for (attn::MaskSpec mask : {attn::MaskSpec{true, 0}, attn::MaskSpec{false, 0}, attn::MaskSpec{true, 4}}) {
-    test::MhaShape shape;
-    shape.batch = 1;
-    shape.seq = cu.back();
-    shape.hq = kHq;
-    shape.hkv = 4;
-    shape.dim = 16;
-    shape.dtype = DType::kFloat64;
-    shape.mask = {mask.causal, mask.window, bounds.lo, bounds.hi};
+    test::MhaShape shape = test::one_row_fp64(cu.back(), kHq, 4, 16, {mask.causal, mask.window, bounds.lo, bounds.hi});
     shape.mods.softcap = 3.0f;
     shape.mods.alibi_slopes = slopes_t;
     shape.mods.sinks = sinks;
@@ -148,16 +141,7 @@ TEST(ScoreMods, LseGradientWithSinksMatchesOneRank) {
   const DocBounds bounds = test::token_doc_bounds(cu);
   const std::int64_t T = cu.back(), hkv = 4, D = 16;
   Tensor sinks = test::random_tensor({kHq}, DType::kFloat64, 23, -1.0, 2.0);
-  const test::MhaProblem p([&] {
-    test::MhaShape shape;
-    shape.batch = 1;
-    shape.seq = T;
-    shape.hq = kHq;
-    shape.hkv = hkv;
-    shape.dim = D;
-    shape.dtype = DType::kFloat64;
-    return shape;
-  }());
+  const test::MhaProblem p(test::one_row_fp64(T, kHq, hkv, D));
   const Tensor dlse = test::random_tensor({1, kHq, T}, DType::kFloat64, 24, -2.0, 2.0);
   // one kernel call on the whole row
   attn::MhaForwardArgs a;
