@@ -59,7 +59,7 @@ class ScoreModsVsSingleRank : public ::testing::TestWithParam<ModsCase> {};
 TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
   const ModsCase c = GetParam();
   const int n = world().size();
-  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  CpGrid grid(world(), test::ulysses_over_world(c.ulysses_size));
   test::MhaShape shape;
   shape.batch = 2;
   shape.seq = 48;
