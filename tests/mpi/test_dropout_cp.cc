@@ -85,13 +85,9 @@ TEST_P(DropoutCp, EveryGridDropsThePairsOneRankDrops) {
   const CpGrid grid(world(), c.grid);
   for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
     const test::MhaShape shape = shape_of(c, dtype);
-    MhaCpConfig cfg;
-    cfg.impl = c.impl;
-    cfg.causal = c.causal;
-    cfg.dropout = shape.dropout;
     const test::MhaProblem p(shape);
     const test::MhaResult one = test::single_rank_result(shape, p);
-    const test::MhaResult got = test::usp_result(grid, shape, p, cfg, c.layout);
+    const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, c.impl), c.layout);
     const std::string what = str_cat(case_name(c), " on ", grid.str(), ", ", dtype_name(dtype));
     if (dtype == DType::kFloat64) {
       const test::MhaResult ref = test::reference_result(shape, p);
@@ -130,13 +126,8 @@ TEST(DropoutCp, PackedRowsDropThePairsOneRankDrops) {
       const CpGroups groups = CpGroups::from(grid);
       for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kStripe, LayoutKind::kBalanced}) {
         for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-          MhaCpConfig cfg;
-          cfg.impl = impl;
-          cfg.causal = mask.causal;
-          cfg.window = mask.window;
-          cfg.dropout = shape.dropout;
           const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, kind);
-          const test::MhaResult got = test::usp_result(grid, shape, p, cfg, layout);
+          const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, impl), layout);
           const std::string what = str_cat(layout_name(kind), " ", ring_impl_name(impl), mask.causal ? " causal" : " full",
                                            " w", mask.window, " on ", grid.str());
           expect_fp64_match(got, one, ref, what);

@@ -79,12 +79,7 @@ TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
   if (n == 1) {  // the single-rank kernels themselves against the fp64 reference (once, on one rank)
     test::expect_mha_match(want, test::reference_result(shape, p), DType::kFloat32, "single rank vs reference");
   }
-  MhaCpConfig cfg;
-  cfg.impl = c.impl;
-  cfg.causal = c.mask.causal;
-  cfg.window = c.mask.window;
-  cfg.score_mods = shape.mods;
-  const test::MhaResult got = test::usp_result(grid, shape, p, cfg, c.layout);
+  const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, c.impl), c.layout);
   EXPECT_EQ(got.dsinks.size(), c.sinks ? static_cast<std::size_t>(kHq) : 0u);
   test::expect_mha_match(got, want, DType::kFloat32, str_cat(case_name(c), " on ", grid.str()));
 }
@@ -116,13 +111,8 @@ TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
       const CpGroups groups = CpGroups::from(grid);
       for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kBalanced}) {
         for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-          MhaCpConfig cfg;
-          cfg.impl = impl;
-          cfg.causal = mask.causal;
-          cfg.window = mask.window;
-          cfg.score_mods = shape.mods;
-          const test::MhaResult got =
-              test::usp_result(grid, shape, p, cfg, SequenceLayout::packed_for_groups(groups, cu, kind));
+          const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, impl),
+                                                       SequenceLayout::packed_for_groups(groups, cu, kind));
           const std::string what = str_cat(layout_name(kind), " ", ring_impl_name(impl), mask.causal ? " causal" : " full",
                                            " w", mask.window, " on ", grid.str());
           test::expect_mha_close(got, one, 1e-10, what + " against one rank:");

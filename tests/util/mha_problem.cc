@@ -129,6 +129,16 @@ MhaShape one_row_fp64(std::int64_t tokens, std::int64_t hq, std::int64_t hkv, st
   return s;
 }
 
+MhaCpConfig cp_config(const MhaShape& s, RingImpl impl) {
+  MhaCpConfig cfg;
+  cfg.impl = impl;
+  cfg.causal = s.mask.causal;
+  cfg.window = s.mask.window;
+  cfg.score_mods = s.mods;
+  cfg.dropout = s.dropout;
+  return cfg;
+}
+
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions) {
   Shape s = full.shape();
   s[1] = static_cast<std::int64_t>(positions.size());

@@ -26,6 +26,9 @@ struct MhaShape {
 MhaShape one_row_fp64(std::int64_t tokens, std::int64_t hq, std::int64_t hkv, std::int64_t dim,
                       attn::MaskSpec mask = {});
 
+// The MhaCp configuration of a run of `s`: `impl`, the causal flag and window of s.mask, s.mods and s.dropout.
+MhaCpConfig cp_config(const MhaShape& s, RingImpl impl);
+
 struct MhaProblem {
   Tensor q, k, v, dout;    // full [B, S, H, D]
   MhaProblem() = default;  // tensors set by the caller (e.g. one document of a packed problem)
