@@ -259,39 +259,36 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   return rep;
 }
 
-// The conv inputs q, k, v (x[0..2], each [B, S, H, X]) through the single-rank short conv with SiLU, each with its
-// rows of weight [2 Hk K + Hv V, W]: the convolved q, k, v of the training forward (benchmarks/sp_bench_gdn.cc).
-std::array<Tensor, 3> convolved_qkv(const std::array<Tensor, 5>& x, const TensorView& weight) {
+// The conv inputs q, k, v (x[0..2], each [B, S, H, X]) through `conv` (a short conv forward with SiLU), each with its
+// rows of weight [2 Hk K + Hv V, W]; the outputs in fp64 when `fp64`, else in the inputs' dtype.
+template <typename Conv>
+std::array<Tensor, 3> convolved_qkv_with(const std::array<Tensor, 5>& x, const TensorView& weight, bool fp64,
+                                         Conv conv) {
   std::array<Tensor, 3> y;
   std::int64_t row = 0;
   for (int i = 0; i < 3; ++i) {
     const Tensor& t = x[i];
     const std::int64_t B = t.dim(0), S = t.dim(1), c = t.dim(2) * t.dim(3);
-    y[i] = Tensor::empty(t.shape(), t.dtype(), MemCategory::kWorkspace);
+    y[i] = Tensor::empty(t.shape(), fp64 ? DType::kFloat64 : t.dtype(), MemCategory::kWorkspace);
     attn::ShortConvArgs a;
     a.x = t.view().reshape({B, S, c});
     a.weight = weight.slice0(row, row + c);
-    attn::short_conv_forward(a, y[i].view().reshape({B, S, c}), {});
+    conv(a, y[i].view().reshape({B, S, c}));
     row += c;
   }
   return y;
 }
 
+// Through the single-rank short conv: the convolved q, k, v of the training forward (benchmarks/sp_bench_gdn.cc).
+std::array<Tensor, 3> convolved_qkv(const std::array<Tensor, 5>& x, const TensorView& weight) {
+  return convolved_qkv_with(x, weight, false,
+                            [](const attn::ShortConvArgs& a, auto y) { attn::short_conv_forward(a, y, {}); });
+}
+
 // The same through the fp64 reference conv (attention/reference/gdn_reference.h), on fp64 x and weight.
 std::array<Tensor, 3> convolved_qkv_reference(const std::array<Tensor, 5>& x, const TensorView& weight) {
-  std::array<Tensor, 3> y;
-  std::int64_t row = 0;
-  for (int i = 0; i < 3; ++i) {
-    const Tensor& t = x[i];
-    const std::int64_t B = t.dim(0), S = t.dim(1), c = t.dim(2) * t.dim(3);
-    y[i] = Tensor::empty(t.shape(), DType::kFloat64, MemCategory::kWorkspace);
-    attn::ShortConvArgs a;
-    a.x = t.view().reshape({B, S, c});
-    a.weight = weight.slice0(row, row + c);
-    attn::reference::short_conv_forward(a, y[i].view().reshape({B, S, c}), {});
-    row += c;
-  }
-  return y;
+  return convolved_qkv_with(
+      x, weight, true, [](const attn::ShortConvArgs& a, auto y) { attn::reference::short_conv_forward(a, y, {}); });
 }
 
 DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,

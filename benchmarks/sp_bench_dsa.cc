@@ -149,8 +149,8 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
 
   // One call each on the whole sequence: selection, then the attention forward.
   void reference_forward() override {
-    attn::dsa_indexer_topk(ref_indexer_args(), ref("topk_indices"));
-    attn::dsa_attention_forward(ref_attention_args(), ref("out"), ref("lse"));
+    attn::dsa_indexer_topk(ref_indexer_args(ref_rot_), ref("topk_indices"));
+    attn::dsa_attention_forward(ref_attention_args(ref_rot_), ref("out"), ref("lse"));
   }
 
   // Attention backward (which also gives the head-summed probabilities of the selected slots), indexer scores of
@@ -158,21 +158,21 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   void reference_backward() override {
     std::memset(ref_probs_.bytes.data(), 0, ref_probs_.bytes.size());
     attn::DsaAttentionBackwardArgs b;
-    b.fwd = ref_attention_args();
+    b.fwd = ref_attention_args(ref_rot_);
     b.out = ref("out");
     b.dout = find_array(ref_in_, "dout").view();
     b.lse = ref("lse");
     b.probs = ref_probs_.view();
     attn::dsa_attention_backward(b, ref("dq"), ref("dc"), /*accumulate=*/false);
-    attn::dsa_indexer_scores_selected(ref_indexer_args(), ref("topk_indices"), ref_scores_.view());
+    attn::dsa_indexer_scores_selected(ref_indexer_args(ref_rot_), ref("topk_indices"), ref_scores_.view());
     attn::DsaIndexerLossArgs l;
     l.probs = ref_probs_.view();
     l.scores = ref_scores_.view();
     l.topk_indices = ref("topk_indices");
     const double loss = attn::dsa_indexer_loss(l, ref_dscores_.view());
     ref("loss").data_as<double>()[0] = loss;
-    attn::dsa_indexer_backward(ref_indexer_args(), ref("topk_indices"), ref_dscores_.view(), ref("dq_idx"), ref("dw"),
-                               ref("dk_idx"), /*accumulate=*/false);
+    attn::dsa_indexer_backward(ref_indexer_args(ref_rot_), ref("topk_indices"), ref_dscores_.view(), ref("dq_idx"),
+                               ref("dw"), ref("dk_idx"), /*accumulate=*/false);
     rope_named(rope_, ref_out_, /*backward=*/true, false, ref_rope_positions_);
   }
   NamedArrays reference_outputs() override { return ref_out_; }
@@ -189,19 +189,8 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     if (!rounded) rope_named(rope_, in, /*backward=*/false, /*fp64_reference=*/true, ref_rope_positions_);
     const DType f64 = DType::kFloat64;
     NamedArrays r = zero_arrays(output_specs(f64, f64, false));
-    attn::DsaAttentionArgs a;
-    a.q = find_array(in, "q").view();
-    a.c = find_array(in, "c").view();
-    a.topk_indices = ref("topk_indices");
-    a.dim_v = o_.dim_v;
-    a.scale = dsa_softmax_scale(o_);
-    attn::DsaIndexerArgs idx;
-    idx.q_idx = find_array(in, "q_idx").view();
-    idx.w = find_array(in, "w").view();
-    idx.k_idx = find_array(in, "k_idx").view();
-    idx.window = o_.window;
-    idx.doc_lo = ref_docs_.lo;
-    idx.doc_hi = ref_docs_.hi;
+    const attn::DsaAttentionArgs a = ref_attention_args(in);
+    const attn::DsaIndexerArgs idx = ref_indexer_args(in);
     const auto out = [&](const char* name) { return find_array(r, name).view(); };
     attn::reference::dsa_attention_forward(a, out("out"), out("lse"));
     attn::reference::dsa_attention_backward(a, find_array(in, "dout").view(), out("dq"), out("dc"));
@@ -257,21 +246,22 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
     return r;
   }
 
-  // The reference's inputs after RoPE (ref_rot_; ref_in_ without it).
-  attn::DsaIndexerArgs ref_indexer_args() const {
+  // The reference's arguments on the whole problem's inputs `in` (ref_rot_: the inputs after RoPE, ref_in_ without
+  // it; or their fp64 copies) and the reference run's topk_indices.
+  attn::DsaIndexerArgs ref_indexer_args(const NamedArrays& in) const {
     attn::DsaIndexerArgs a;
-    a.q_idx = find_array(ref_rot_, "q_idx").view();
-    a.w = find_array(ref_rot_, "w").view();
-    a.k_idx = find_array(ref_rot_, "k_idx").view();
+    a.q_idx = find_array(in, "q_idx").view();
+    a.w = find_array(in, "w").view();
+    a.k_idx = find_array(in, "k_idx").view();
     a.window = o_.window;
     a.doc_lo = ref_docs_.lo;  // packed: each token's document (slots = tokens on one rank)
     a.doc_hi = ref_docs_.hi;
     return a;
   }
-  attn::DsaAttentionArgs ref_attention_args() const {
+  attn::DsaAttentionArgs ref_attention_args(const NamedArrays& in) const {
     attn::DsaAttentionArgs a;
-    a.q = find_array(ref_rot_, "q").view();
-    a.c = find_array(ref_rot_, "c").view();
+    a.q = find_array(in, "q").view();
+    a.c = find_array(in, "c").view();
     a.topk_indices = ref("topk_indices");
     a.dim_v = o_.dim_v;
     a.scale = dsa_softmax_scale(o_);

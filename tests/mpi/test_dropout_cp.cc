@@ -65,6 +65,19 @@ test::MhaShape shape_of(const DropoutCase& c, DType dtype) {
           .dropout = {0.25, 0x5eed'0000'0017ull}};
 }
 
+// fp64 out, lse, dq, dk, dv of `got` within 1e-10 relative of the fp64 reference `ref` and of the one-rank `one`.
+void expect_fp64_match(const test::MhaResult& got, const test::MhaResult& one, const test::MhaResult& ref,
+                       const std::string& what) {
+  for (auto [name, g, o, r] : {std::tuple{"out", &got.out, &one.out, &ref.out},
+                               {"lse", &got.lse, &one.lse, &ref.lse},
+                               {"dq", &got.dq, &one.dq, &ref.dq},
+                               {"dk", &got.dk, &one.dk, &ref.dk},
+                               {"dv", &got.dv, &one.dv, &ref.dv}}) {
+    EXPECT_LE(test::rel_err(*g, *r), 1e-10) << what << ": " << name << " against the fp64 reference";
+    EXPECT_LE(test::rel_err(*g, *o), 1e-10) << what << ": " << name << " against one rank";
+  }
+}
+
 class DropoutCp : public ::testing::TestWithParam<DropoutCase> {};
 
 TEST_P(DropoutCp, EveryGridDropsThePairsOneRankDrops) {
@@ -72,24 +85,13 @@ TEST_P(DropoutCp, EveryGridDropsThePairsOneRankDrops) {
   const CpGrid grid(world(), c.grid);
   for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
     const test::MhaShape shape = shape_of(c, dtype);
-    MhaCpConfig cfg;
-    cfg.impl = c.impl;
-    cfg.causal = c.causal;
-    cfg.dropout = shape.dropout;
     const test::MhaProblem p(shape);
     const test::MhaResult one = test::single_rank_result(shape, p);
-    const test::MhaResult got = test::usp_result(grid, shape, p, cfg, c.layout);
+    const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, c.impl), c.layout);
     const std::string what = str_cat(case_name(c), " on ", grid.str(), ", ", dtype_name(dtype));
     if (dtype == DType::kFloat64) {
       const test::MhaResult ref = test::reference_result(shape, p);
-      for (auto [name, g, o, r] : {std::tuple{"out", &got.out, &one.out, &ref.out},
-                                   {"lse", &got.lse, &one.lse, &ref.lse},
-                                   {"dq", &got.dq, &one.dq, &ref.dq},
-                                   {"dk", &got.dk, &one.dk, &ref.dk},
-                                   {"dv", &got.dv, &one.dv, &ref.dv}}) {
-        EXPECT_LE(test::rel_err(*g, *r), 1e-10) << what << ": " << name << " against the fp64 reference";
-        EXPECT_LE(test::rel_err(*g, *o), 1e-10) << what << ": " << name << " against one rank";
-      }
+      expect_fp64_match(got, one, ref, what);
     } else {
       test::expect_mha_match(got, one, dtype, what);
     }
@@ -124,23 +126,11 @@ TEST(DropoutCp, PackedRowsDropThePairsOneRankDrops) {
       const CpGroups groups = CpGroups::from(grid);
       for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kStripe, LayoutKind::kBalanced}) {
         for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-          MhaCpConfig cfg;
-          cfg.impl = impl;
-          cfg.causal = mask.causal;
-          cfg.window = mask.window;
-          cfg.dropout = shape.dropout;
           const SequenceLayout layout = SequenceLayout::packed_for_groups(groups, cu, kind);
-          const test::MhaResult got = test::usp_result(grid, shape, p, cfg, layout);
+          const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, impl), layout);
           const std::string what = str_cat(layout_name(kind), " ", ring_impl_name(impl), mask.causal ? " causal" : " full",
                                            " w", mask.window, " on ", grid.str());
-          for (auto [name, g, o, r] : {std::tuple{"out", &got.out, &one.out, &ref.out},
-                                       {"lse", &got.lse, &one.lse, &ref.lse},
-                                       {"dq", &got.dq, &one.dq, &ref.dq},
-                                       {"dk", &got.dk, &one.dk, &ref.dk},
-                                       {"dv", &got.dv, &one.dv, &ref.dv}}) {
-            EXPECT_LE(test::rel_err(*g, *r), 1e-10) << what << ": " << name << " against the fp64 reference";
-            EXPECT_LE(test::rel_err(*g, *o), 1e-10) << what << ": " << name << " against one rank";
-          }
+          expect_fp64_match(got, one, ref, what);
         }
       }
     }

@@ -167,8 +167,7 @@ class DsaCpVsSingleRank : public ::testing::TestWithParam<DsaCase> {};
 
 TEST_P(DsaCpVsSingleRank, MatchesSingleRankProblem) {
   const DsaCase c = GetParam();
-  const int n = world().size();
-  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  CpGrid grid(world(), test::ulysses_over_world(c.ulysses_size));
   const DsaProblem p(c.seq);
   const DistResult got = run_distributed(grid, c, p);
   const std::string name = str_cat(case_name(c), " on ", grid.str());
@@ -361,7 +360,7 @@ std::vector<DsaCase> large_logit_cases() {
 }
 
 CpGrid grid_of(const DsaCase& c) {
-  return CpGrid(world(), {1, c.ulysses_size, world().size() / c.ulysses_size, Placement::kUlyssesInner});
+  return CpGrid(world(), test::ulysses_over_world(c.ulysses_size));
 }
 
 // The fp64 reference's own selection (attn::reference::dsa_indexer_topk on the problem's values).

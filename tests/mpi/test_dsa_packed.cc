@@ -30,14 +30,7 @@ using test::dsa_packed::Hi;
 using test::dsa_packed::Inputs;
 using test::dsa_packed::Result;
 
-// This rank's piece of a full [1, T, ...] tensor (padding rows 0).
-Tensor local_of(const SequenceLayout& layout, int cp_rank, const Tensor& full) {
-  Shape s = full.shape();
-  s[1] = layout.local_len();
-  Tensor t = Tensor::empty(s, full.dtype(), MemCategory::kWorkspace);
-  shard_sequence(layout, cp_rank, full.view(), t.view());
-  return t;
-}
+using test::layout_piece;
 std::vector<double> gathered(Communicator& sp, const SequenceLayout& layout, const Tensor& local, Shape full,
                              int seq_dim = 1) {
   full[static_cast<std::size_t>(seq_dim)] = layout.seq_len();
@@ -74,8 +67,9 @@ Result run_cp(const CpGrid& grid, const SequenceLayout& layout, const DsaCpConfi
   const CpGroups groups = CpGroups::from(grid);
   DsaCp dsa(groups, layout, cfg);
   const int r = groups.cp_rank();
-  Tensor q = local_of(layout, r, in.q), c = local_of(layout, r, in.c), qi = local_of(layout, r, in.q_idx),
-         ki = local_of(layout, r, in.k_idx), w = local_of(layout, r, in.w), dout = local_of(layout, r, in.dout);
+  Tensor q = layout_piece(layout, r, in.q), c = layout_piece(layout, r, in.c), qi = layout_piece(layout, r, in.q_idx),
+         ki = layout_piece(layout, r, in.k_idx), w = layout_piece(layout, r, in.w),
+         dout = layout_piece(layout, r, in.dout);
   DsaCpOutput o = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view());
   DsaCpGrads g = dsa.backward(std::move(o.ctx), dout.view());
   expect_clean_padding(layout, r, o, g, what);
@@ -220,12 +214,12 @@ TEST(DsaPacked, WindowPlanSendsOnlyRowsOfTheQueriesDocuments) {
     for (int x = 0; x < n; ++x) pos.push_back(layout.positions(x));
     rows[packed_row] = WindowPlan(pos, r, W, window_doc_bounds(layout, pos)).rows_sent();
     DsaCp dsa(groups, layout, cfg);
-    Tensor q = local_of(layout, r, in.q), c = local_of(layout, r, in.c), qi = local_of(layout, r, in.q_idx),
-           ki = local_of(layout, r, in.k_idx), w = local_of(layout, r, in.w);
+    Tensor q = layout_piece(layout, r, in.q), c = layout_piece(layout, r, in.c), qi = layout_piece(layout, r, in.q_idx),
+           ki = layout_piece(layout, r, in.k_idx), w = layout_piece(layout, r, in.w);
     DsaCpOutput o = dsa.forward(q.view(), c.view(), qi.view(), ki.view(), w.view());
     bytes[packed_row] = dsa.counters().bytes_sent;
     if (!packed_row) continue;
-    Tensor dout = local_of(layout, r, in.dout);
+    Tensor dout = layout_piece(layout, r, in.dout);
     dsa.backward(std::move(o.ctx), dout.view());
   }
   EXPECT_EQ(bytes[0] - bytes[1], (rows[0] - rows[1]) * Di * 8) << "index-key bytes saved by the document bounds";

@@ -92,8 +92,7 @@ class GdnCpVsRecurrence : public ::testing::TestWithParam<GdnCase> {};
 
 TEST_P(GdnCpVsRecurrence, MatchesFp64Recurrence) {
   const GdnCase c = GetParam();
-  const int n = world().size();
-  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  CpGrid grid(world(), test::ulysses_over_world(c.ulysses_size));
   const GdnProblem p(c);
 
   // fp64 reference of the whole sequence.

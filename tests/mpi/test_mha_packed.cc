@@ -24,15 +24,7 @@ using test::world;
 constexpr std::int64_t kHq = 4, kHkv = 2, kDim = 16;
 
 test::MhaShape packed_shape(std::int64_t tokens, attn::MaskSpec mask) {
-  test::MhaShape s;
-  s.batch = 1;
-  s.seq = tokens;
-  s.hq = kHq;
-  s.hkv = kHkv;
-  s.dim = kDim;
-  s.dtype = DType::kFloat64;
-  s.mask = mask;
-  return s;
+  return test::one_row_fp64(tokens, kHq, kHkv, kDim, mask);
 }
 
 // Padding rows of this rank's local tensors are exactly 0 (lse -inf); no element is NaN.
@@ -174,13 +166,11 @@ std::vector<std::vector<double>> local_run(const CpGrid& grid, const SequenceLay
   const std::vector<std::int64_t> tok = layout.token_index(groups.cp_rank());
   MhaCp usp(groups, layout, cfg);
   auto piece = [&](const Tensor& full) {
-    Shape shape = full.shape();
-    shape[1] = layout.local_len();
-    Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-    shard_sequence(layout, groups.cp_rank(), full.view(), t.view());
+    Tensor t = test::layout_piece(layout, groups.cp_rank(), full);
     if (poison != 0.0) {
-      const TensorView rows = t.view().reshape({shape[1], t.numel() / shape[1]});
-      for (std::int64_t i = 0; i < shape[1]; ++i)
+      const std::int64_t n = layout.local_len();
+      const TensorView rows = t.view().reshape({n, t.numel() / n});
+      for (std::int64_t i = 0; i < n; ++i)
         if (tok[static_cast<std::size_t>(i)] < 0) fill(rows.slice0(i, i + 1), poison);
     }
     return t;

@@ -59,7 +59,7 @@ class ScoreModsVsSingleRank : public ::testing::TestWithParam<ModsCase> {};
 TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
   const ModsCase c = GetParam();
   const int n = world().size();
-  CpGrid grid(world(), {1, c.ulysses_size, n / c.ulysses_size, Placement::kUlyssesInner});
+  CpGrid grid(world(), test::ulysses_over_world(c.ulysses_size));
   test::MhaShape shape;
   shape.batch = 2;
   shape.seq = 48;
@@ -79,12 +79,7 @@ TEST_P(ScoreModsVsSingleRank, MatchesSingleRank) {
   if (n == 1) {  // the single-rank kernels themselves against the fp64 reference (once, on one rank)
     test::expect_mha_match(want, test::reference_result(shape, p), DType::kFloat32, "single rank vs reference");
   }
-  MhaCpConfig cfg;
-  cfg.impl = c.impl;
-  cfg.causal = c.mask.causal;
-  cfg.window = c.mask.window;
-  cfg.score_mods = shape.mods;
-  const test::MhaResult got = test::usp_result(grid, shape, p, cfg, c.layout);
+  const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, c.impl), c.layout);
   EXPECT_EQ(got.dsinks.size(), c.sinks ? static_cast<std::size_t>(kHq) : 0u);
   test::expect_mha_match(got, want, DType::kFloat32, str_cat(case_name(c), " on ", grid.str()));
 }
@@ -103,14 +98,7 @@ TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
   std::copy(slopes.begin(), slopes.end(), slopes_t.view().data_as<float>());
   Tensor sinks = test::random_tensor({kHq}, DType::kFloat64, 21, -1.0, 3.0);  // fp64: dsinks in fp64
   for (attn::MaskSpec mask : {attn::MaskSpec{true, 0}, attn::MaskSpec{false, 0}, attn::MaskSpec{true, 4}}) {
-    test::MhaShape shape;
-    shape.batch = 1;
-    shape.seq = cu.back();
-    shape.hq = kHq;
-    shape.hkv = 4;
-    shape.dim = 16;
-    shape.dtype = DType::kFloat64;
-    shape.mask = {mask.causal, mask.window, bounds.lo, bounds.hi};
+    test::MhaShape shape = test::one_row_fp64(cu.back(), kHq, 4, 16, {mask.causal, mask.window, bounds.lo, bounds.hi});
     shape.mods.softcap = 3.0f;
     shape.mods.alibi_slopes = slopes_t;
     shape.mods.sinks = sinks;
@@ -123,13 +111,8 @@ TEST(ScoreMods, PackedRowsMatchOneRankAndTheReference) {
       const CpGroups groups = CpGroups::from(grid);
       for (LayoutKind kind : {LayoutKind::kZigzag, LayoutKind::kContiguous, LayoutKind::kBalanced}) {
         for (RingImpl impl : {RingImpl::kP2P, RingImpl::kAllGather}) {
-          MhaCpConfig cfg;
-          cfg.impl = impl;
-          cfg.causal = mask.causal;
-          cfg.window = mask.window;
-          cfg.score_mods = shape.mods;
-          const test::MhaResult got =
-              test::usp_result(grid, shape, p, cfg, SequenceLayout::packed_for_groups(groups, cu, kind));
+          const test::MhaResult got = test::usp_result(grid, shape, p, test::cp_config(shape, impl),
+                                                       SequenceLayout::packed_for_groups(groups, cu, kind));
           const std::string what = str_cat(layout_name(kind), " ", ring_impl_name(impl), mask.causal ? " causal" : " full",
                                            " w", mask.window, " on ", grid.str());
           test::expect_mha_close(got, one, 1e-10, what + " against one rank:");
@@ -148,16 +131,7 @@ TEST(ScoreMods, LseGradientWithSinksMatchesOneRank) {
   const DocBounds bounds = test::token_doc_bounds(cu);
   const std::int64_t T = cu.back(), hkv = 4, D = 16;
   Tensor sinks = test::random_tensor({kHq}, DType::kFloat64, 23, -1.0, 2.0);
-  const test::MhaProblem p([&] {
-    test::MhaShape shape;
-    shape.batch = 1;
-    shape.seq = T;
-    shape.hq = kHq;
-    shape.hkv = hkv;
-    shape.dim = D;
-    shape.dtype = DType::kFloat64;
-    return shape;
-  }());
+  const test::MhaProblem p(test::one_row_fp64(T, kHq, hkv, D));
   const Tensor dlse = test::random_tensor({1, kHq, T}, DType::kFloat64, 24, -2.0, 2.0);
   // one kernel call on the whole row
   attn::MhaForwardArgs a;

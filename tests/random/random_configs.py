@@ -68,6 +68,16 @@ def doc_lens(rng, total_min, total_max):
     return lens
 
 
+def row_flags(rng, c, longest):
+    """The rows' flags: packed documents of 1 to `longest` tokens in all (--doc-lens, kept in c["doc_lens"]) four times
+    in ten, else --seq (1 to `longest`) and --batch."""
+    if rng.random() < 0.4:
+        lens = doc_lens(rng, 1, longest)
+        c["doc_lens"] = lens
+        return ["--doc-lens", ",".join(map(str, lens))]
+    return ["--seq", str(rng.randint(1, longest)), "--batch", str(rng.choice([1, 2]))]
+
+
 def mha_config(rng):
     np_, dp, pu, pr, grid = pick_train_grid(rng)
     heads = pu * rng.choice([1, 2])
@@ -83,12 +93,7 @@ def mha_config(rng):
     causal = rng.random() < 0.7
     if causal:
         f.append("--causal")
-    if rng.random() < 0.4:
-        lens = doc_lens(rng, 1, 80)
-        c["doc_lens"] = lens
-        f += ["--doc-lens", ",".join(map(str, lens))]
-    else:
-        f += ["--seq", str(rng.randint(1, 80)), "--batch", str(rng.choice([1, 2]))]
+    f += row_flags(rng, c, 80)
     if causal and rng.random() < 0.3:
         f += ["--window", str(rng.randint(1, 24))]
     if rng.random() < 0.25:
@@ -159,12 +164,7 @@ def gdn_config(rng):
         f += ["--placement", rng.choice(["ulysses_inner", "ring_inner"])]
     if rng.random() < 0.5:
         f += ["--conv-width", str(rng.choice([2, 4]))]
-    if rng.random() < 0.4:
-        lens = doc_lens(rng, 1, 64)
-        c["doc_lens"] = lens
-        f += ["--doc-lens", ",".join(map(str, lens))]
-    else:
-        f += ["--seq", str(rng.randint(1, 64)), "--batch", str(rng.choice([1, 2]))]
+    f += row_flags(rng, c, 64)
     c["flags"] = f
     return c
 

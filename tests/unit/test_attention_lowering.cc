@@ -223,20 +223,19 @@ TEST(AttentionLowering, ZigzagStepsAreTransformerEnginesThreeCases) {
   EXPECT_EQ(own[0].mask.align, DiagonalAlignment::kTopLeft);
   EXPECT_EQ(own[0].sq(), 16);
   EXPECT_EQ(own[0].sk(), 16);
-  // src < rank: every local query against the first half of the received keys, no mask
-  const std::vector<std::int64_t> k1 = layout.ring_shard_positions(1);
-  auto early = attn::lower_attention_block(q, k1, m);
-  ASSERT_EQ(early.size(), 1u);
-  EXPECT_EQ(early[0].mask, attn::SdpaMask{});
-  EXPECT_EQ(std::tie(early[0].q_begin, early[0].q_end, early[0].k_begin, early[0].k_end),
-            std::make_tuple(std::int64_t{0}, std::int64_t{16}, std::int64_t{0}, std::int64_t{8}));
-  // src > rank: the second half of the local queries against all received keys, no mask
-  const std::vector<std::int64_t> k3 = layout.ring_shard_positions(3);
-  auto late = attn::lower_attention_block(q, k3, m);
-  ASSERT_EQ(late.size(), 1u);
-  EXPECT_EQ(late[0].mask, attn::SdpaMask{});
-  EXPECT_EQ(std::tie(late[0].q_begin, late[0].q_end, late[0].k_begin, late[0].k_end),
-            std::make_tuple(std::int64_t{8}, std::int64_t{16}, std::int64_t{0}, std::int64_t{16}));
+  // src != rank: one rectangle without a mask, local queries [qb, qe) against received keys [kb, ke)
+  const auto expect_one_unmasked = [&](int src, std::int64_t qb, std::int64_t qe, std::int64_t kb, std::int64_t ke) {
+    const auto rects = attn::lower_attention_block(q, layout.ring_shard_positions(src), m);
+    ASSERT_EQ(rects.size(), 1u) << "src " << src;
+    EXPECT_EQ(rects[0].mask, attn::SdpaMask{}) << "src " << src;
+    EXPECT_EQ(std::tie(rects[0].q_begin, rects[0].q_end, rects[0].k_begin, rects[0].k_end),
+              std::make_tuple(qb, qe, kb, ke))
+        << "src " << src;
+  };
+  // src < rank: every local query against the first half of the received keys
+  expect_one_unmasked(1, 0, 16, 0, 8);
+  // src > rank: the second half of the local queries against all received keys
+  expect_one_unmasked(3, 8, 16, 0, 16);
 }
 
 // After an all-gather, a contiguous query chunk with a window is one bottom-right causal rectangle on the trimmed keys.

@@ -426,18 +426,28 @@ TEST(Env, RawReadersParseFallBackAndReadOnce) {
   ::setenv("SEQPAR_TEST_STRING", "ring_inner", 1);
   EXPECT_EQ(env::get_string("SEQPAR_TEST_STRING", ""), "ring_inner");
 
-  ::setenv("SEQPAR_TEST_BAD_INT", "12abc", 1);
-  EXPECT_EQ(test::error_of([] { env::get_int("SEQPAR_TEST_BAD_INT", 0); }),
-            "SEQPAR_TEST_BAD_INT=12abc is not an integer");
-  ::setenv("SEQPAR_TEST_HUGE_INT", "99999999999999999999", 1);
-  EXPECT_EQ(test::error_of([] { env::get_int("SEQPAR_TEST_HUGE_INT", 0); }),
-            "SEQPAR_TEST_HUGE_INT=99999999999999999999 is out of the range of a 64-bit integer");
-  ::setenv("SEQPAR_TEST_BAD_DOUBLE", "1.5s", 1);
-  EXPECT_EQ(test::error_of([] { env::get_double("SEQPAR_TEST_BAD_DOUBLE", 0); }),
-            "SEQPAR_TEST_BAD_DOUBLE=1.5s is not a finite number");
-  ::setenv("SEQPAR_TEST_INF_DOUBLE", "inf", 1);
-  EXPECT_EQ(test::error_of([] { env::get_double("SEQPAR_TEST_INF_DOUBLE", 0); }),
-            "SEQPAR_TEST_INF_DOUBLE=inf is not a finite number");
+  struct Bad {
+    const char* name;
+    const char* value;
+    bool integer;  // read by get_int, else by get_double
+    const char* message;
+  };
+  const Bad bad[] = {{"SEQPAR_TEST_BAD_INT", "12abc", true, "SEQPAR_TEST_BAD_INT=12abc is not an integer"},
+                     {"SEQPAR_TEST_HUGE_INT", "99999999999999999999", true,
+                      "SEQPAR_TEST_HUGE_INT=99999999999999999999 is out of the range of a 64-bit integer"},
+                     {"SEQPAR_TEST_BAD_DOUBLE", "1.5s", false, "SEQPAR_TEST_BAD_DOUBLE=1.5s is not a finite number"},
+                     {"SEQPAR_TEST_INF_DOUBLE", "inf", false, "SEQPAR_TEST_INF_DOUBLE=inf is not a finite number"}};
+  for (const Bad& b : bad) {
+    ::setenv(b.name, b.value, 1);
+    EXPECT_EQ(test::error_of([&] {
+                if (b.integer) {
+                  env::get_int(b.name, 0);
+                } else {
+                  env::get_double(b.name, 0);
+                }
+              }),
+              b.message);
+  }
 }
 
 // Knob values, each checked in a fresh process (see the top of the file).
@@ -452,6 +462,20 @@ void set_or_unset(const char* name, const char* value) {
   } else {
     ::unsetenv(name);
   }
+}
+
+// In a death test's child: sets `name` to `value` and runs `read`; exits 3 after printing the message of the Error it
+// throws to stderr, or 0 when it throws none.
+template <typename Read>
+[[noreturn]] void exit_on_error(const char* name, const char* value, Read read) {
+  ::setenv(name, value, 1);
+  try {
+    read();
+  } catch (const Error& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    std::exit(3);
+  }
+  std::exit(0);
 }
 
 TEST_F(EnvDeathTest, LogLevelValues) {
@@ -499,18 +523,8 @@ TEST_F(EnvDeathTest, HostCacheLimitValues) {
 }
 
 TEST_F(EnvDeathTest, MalformedLogLevelIsAnErrorNamingTheValue) {
-  EXPECT_EXIT(
-      {
-        ::setenv("SEQPAR_LOG_LEVEL", "loud", 1);
-        try {
-          env::log_level();
-        } catch (const Error& e) {
-          std::fprintf(stderr, "%s\n", e.what());
-          std::exit(3);
-        }
-        std::exit(0);
-      },
-      ::testing::ExitedWithCode(3), "SEQPAR_LOG_LEVEL=loud must be one of error, warn, info, debug");
+  EXPECT_EXIT(exit_on_error("SEQPAR_LOG_LEVEL", "loud", [] { env::log_level(); }), ::testing::ExitedWithCode(3),
+              "SEQPAR_LOG_LEVEL=loud must be one of error, warn, info, debug");
 }
 
 TEST_F(EnvDeathTest, LogLinesCarryRankAndLevelAndRespectTheLevel) {
@@ -556,18 +570,8 @@ TEST_F(EnvDeathTest, CommTimeoutValues) {
                      {"0", "SEQPAR_COMM_TIMEOUT_S=0 must be positive"},
                      {"-3", "SEQPAR_COMM_TIMEOUT_S=-3 must be positive"}};
   for (const Bad& b : bad) {
-    EXPECT_EXIT(
-        {
-          ::setenv("SEQPAR_COMM_TIMEOUT_S", b.value, 1);
-          try {
-            env::comm_timeout_s();
-          } catch (const Error& e) {
-            std::fprintf(stderr, "%s\n", e.what());
-            std::exit(3);
-          }
-          std::exit(0);
-        },
-        ::testing::ExitedWithCode(3), b.message)
+    EXPECT_EXIT(exit_on_error("SEQPAR_COMM_TIMEOUT_S", b.value, [] { env::comm_timeout_s(); }),
+                ::testing::ExitedWithCode(3), b.message)
         << b.value;
   }
 }

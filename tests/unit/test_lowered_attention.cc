@@ -84,6 +84,18 @@ struct Variant {
   bool sinks;
 };
 
+// The forward arguments of `p` on the block's positions and document bounds, with the causal flag and window.
+attn::MhaForwardArgs block_args(const Block& blk, const Problem& p, bool causal, std::int64_t window) {
+  attn::MhaForwardArgs a;
+  a.q = p.q.view();
+  a.k = p.k.view();
+  a.v = p.v.view();
+  a.q_pos = blk.q_pos;
+  a.k_pos = blk.k_pos;
+  a.mask = MaskSpec(causal, window, blk.bounds.lo, blk.bounds.hi);
+  return a;
+}
+
 void check_agreement(DType dtype, double tol) {
   const Variant variants[] = {{"full", false, 0, 0.0f, false},
                               {"causal", true, 0, 0.0f, false},
@@ -96,13 +108,7 @@ void check_agreement(DType dtype, double tol) {
   for (const Block& blk : blocks()) {
     for (const Variant& var : variants) {
       const Problem p = make_problem(blk, dtype, seed += 10);
-      attn::MhaForwardArgs a;
-      a.q = p.q.view();
-      a.k = p.k.view();
-      a.v = p.v.view();
-      a.q_pos = blk.q_pos;
-      a.k_pos = blk.k_pos;
-      a.mask = MaskSpec(var.causal, var.window, blk.bounds.lo, blk.bounds.hi);
+      attn::MhaForwardArgs a = block_args(blk, p, var.causal, var.window);
       a.mods.softcap = var.softcap;
       if (var.sinks) a.mods.sinks = p.sinks.view();
       const DType acc = accumulator_dtype(dtype);
@@ -158,13 +164,7 @@ TEST(LoweredAttention, AgreesWithOneKernelCallFp32) {
 TEST(LoweredAttention, EnvironmentSwitchRoutesTheKernelCalls) {
   const Block blk = blocks()[4];  // contiguous, ring 2, rank 0 against its own keys
   const Problem p = make_problem(blk, DType::kFloat64, 7);
-  attn::MhaForwardArgs a;
-  a.q = p.q.view();
-  a.k = p.k.view();
-  a.v = p.v.view();
-  a.q_pos = blk.q_pos;
-  a.k_pos = blk.k_pos;
-  a.mask = MaskSpec(true, 0, blk.bounds.lo, blk.bounds.hi);
+  attn::MhaForwardArgs a = block_args(blk, p, true, 0);
   Tensor out = Tensor::empty(p.q.shape(), DType::kFloat64, MemCategory::kWorkspace);
   Tensor lse = Tensor::empty({p.q.dim(0), p.q.dim(2), p.q.dim(1)}, DType::kFloat64, MemCategory::kWorkspace);
   const std::int64_t before = attn::lowered_rects_executed();

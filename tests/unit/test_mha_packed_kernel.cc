@@ -15,23 +15,8 @@
 namespace seqpar {
 namespace {
 
-// The per-query document bounds of a packed row whose slots are its tokens: [cu[d], cu[d+1]).
-struct Bounds {
-  std::vector<std::int64_t> lo, hi;
-};
-Bounds token_bounds(const std::vector<std::int64_t>& cu) {
-  Bounds b;
-  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
-    for (std::int64_t t = cu[d]; t < cu[d + 1]; ++t) {
-      b.lo.push_back(cu[d]);
-      b.hi.push_back(cu[d + 1]);
-    }
-  }
-  return b;
-}
-
 // The whole packed row in one kernel call (or one reference call) with document bounds.
-test::MhaResult packed_call(const test::MhaShape& s, const test::MhaProblem& p, const Bounds& b, bool reference) {
+test::MhaResult packed_call(const test::MhaShape& s, const test::MhaProblem& p, const DocBounds& b, bool reference) {
   test::MhaShape masked = s;
   masked.mask.doc_lo = b.lo;
   masked.mask.doc_hi = b.hi;
@@ -42,7 +27,7 @@ TEST(MhaPackedKernel, EachDocumentAsIfAlone) {
   const std::vector<std::vector<std::int64_t>> rows = {{37, 1, 0, 64, 3, 0, 90, 2}, {1, 1, 1, 1, 1}, {200}, {65, 64}};
   for (const auto& lens : rows) {
     const std::vector<std::int64_t> cu = cu_seqlens_of(lens);
-    const Bounds b = token_bounds(cu);
+    const DocBounds b = test::token_doc_bounds(cu);
     for (DType dtype : {DType::kFloat64, DType::kFloat32}) {
       for (attn::MaskSpec mask : {attn::MaskSpec{true, 0}, attn::MaskSpec{false, 0}, attn::MaskSpec{true, 7}}) {
         test::MhaShape s;
@@ -81,7 +66,7 @@ TEST(MhaPackedKernel, PaddingRowsAreZeroAndNeverNaN) {
   s.dtype = DType::kFloat32;
   test::MhaProblem p(s);
   // Slots 0..39 hold document 0 (tokens 0..29, slots 30..39 padding), 40..69 document 1 (40..59, 60..69 padding).
-  Bounds b;
+  DocBounds b;
   std::vector<bool> pad(S);
   for (std::int64_t i = 0; i < S; ++i) {
     const std::int64_t start = i < 40 ? 0 : 40, end = start + (i < 40 ? 30 : 20);
@@ -127,7 +112,7 @@ TEST(MhaPackedKernel, PaddingRowsAreZeroAndNeverNaN) {
 
 TEST(MhaPackedKernel, VisiblePairsCountOnlyInsideDocuments) {
   const std::vector<std::int64_t> cu = {0, 5, 5, 12};
-  const Bounds b = token_bounds(cu);
+  const DocBounds b = test::token_doc_bounds(cu);
   std::vector<std::int64_t> pos(12);
   std::iota(pos.begin(), pos.end(), 0);
   EXPECT_EQ(attn::visible_pairs(pos, pos, {true, 0, b.lo, b.hi}), 5 * 6 / 2 + 7 * 8 / 2);

@@ -195,31 +195,23 @@ TEST(RowOps, RopePairAgainstTheReference) {
   EXPECT_EQ(b, std::sin(0.5f));
 }
 
-// fp16 value of a bit pattern from its fields (independent of the library's decoder).
-double fp16_value(std::uint16_t h) {
-  const int sign = h >> 15, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+// The value of a 16-bit float pattern with `man` mantissa bits and 15 - man exponent bits, from its fields
+// (independent of the library's decoder).
+double half_value(std::uint16_t h, int man) {
+  const int all_ones = (1 << (15 - man)) - 1, bias = all_ones / 2;
+  const int sign = h >> 15, e = (h >> man) & all_ones, m = h & ((1 << man) - 1);
   double v;
-  if (e == 0x1f) {
+  if (e == all_ones) {
     v = m ? std::numeric_limits<double>::quiet_NaN() : kInf;
   } else if (e == 0) {
-    v = std::ldexp(static_cast<double>(m), -24);
+    v = std::ldexp(static_cast<double>(m), 1 - bias - man);
   } else {
-    v = std::ldexp(1.0 + m / 1024.0, e - 15);
+    v = std::ldexp(1.0 + std::ldexp(static_cast<double>(m), -man), e - bias);
   }
   return sign ? -v : v;
 }
-double bf16_value(std::uint16_t h) {
-  const int sign = h >> 15, e = (h >> 7) & 0xff, m = h & 0x7f;
-  double v;
-  if (e == 0xff) {
-    v = m ? std::numeric_limits<double>::quiet_NaN() : kInf;
-  } else if (e == 0) {
-    v = std::ldexp(static_cast<double>(m), -133);
-  } else {
-    v = std::ldexp(1.0 + m / 128.0, e - 127);
-  }
-  return sign ? -v : v;
-}
+double fp16_value(std::uint16_t h) { return half_value(h, 10); }
+double bf16_value(std::uint16_t h) { return half_value(h, 7); }
 
 // Round to nearest, ties to the even pattern, over the sorted non-negative finite values; beyond the largest by half
 // an ulp or more: inf (pattern `inf_bits`).

@@ -30,6 +30,16 @@ bool fails_everywhere(Fn&& fn, const std::string& needle) {
   return all_ranks(world(), ok);
 }
 
+// This CP rank's [B, layout.local_len(), ...] piece of a full [B, S, ...] tensor, cut by shard_sequence (its
+// padding rows 0).
+inline Tensor layout_piece(const SequenceLayout& layout, int cp_rank, const Tensor& full) {
+  Shape shape = full.shape();
+  shape[1] = layout.local_len();
+  Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
+  shard_sequence(layout, cp_rank, full.view(), t.view());
+  return t;
+}
+
 inline std::int64_t saved_bytes() {
   return memory_ledger().snapshot().current[static_cast<int>(MemCategory::kSavedActivation)];
 }

@@ -4,6 +4,7 @@
 #include <numeric>
 
 #include "attention/reference/mha_reference.h"
+#include "tests/util/cp_test.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar::test {
@@ -116,6 +117,28 @@ DocBounds token_doc_bounds(const std::vector<std::int64_t>& cu) {
   return b;
 }
 
+MhaShape one_row_fp64(std::int64_t tokens, std::int64_t hq, std::int64_t hkv, std::int64_t dim, attn::MaskSpec mask) {
+  MhaShape s;
+  s.batch = 1;
+  s.seq = tokens;
+  s.hq = hq;
+  s.hkv = hkv;
+  s.dim = dim;
+  s.dtype = DType::kFloat64;
+  s.mask = mask;
+  return s;
+}
+
+MhaCpConfig cp_config(const MhaShape& s, RingImpl impl) {
+  MhaCpConfig cfg;
+  cfg.impl = impl;
+  cfg.causal = s.mask.causal;
+  cfg.window = s.mask.window;
+  cfg.score_mods = s.mods;
+  cfg.dropout = s.dropout;
+  return cfg;
+}
+
 Tensor local_piece(const TensorView& full, const std::vector<std::int64_t>& positions) {
   Shape s = full.shape();
   s[1] = static_cast<std::int64_t>(positions.size());
@@ -141,13 +164,7 @@ MhaResult usp_result(const CpGrid& grid, const MhaShape& s, const MhaProblem& p,
                      const SequenceLayout& layout, CpCounters* counters, std::vector<Tensor>* local) {
   const CpGroups groups = CpGroups::from(grid);
   MhaCp usp(groups, layout, cfg);
-  auto piece = [&](const Tensor& full) {
-    Shape shape = full.shape();
-    shape[1] = layout.local_len();
-    Tensor t = Tensor::empty(shape, full.dtype(), MemCategory::kWorkspace);
-    shard_sequence(layout, groups.cp_rank(), full.view(), t.view());
-    return t;
-  };
+  auto piece = [&](const Tensor& full) { return layout_piece(layout, groups.cp_rank(), full); };
   Tensor q = piece(p.q), k = piece(p.k), v = piece(p.v), dout = piece(p.dout);
   MhaCpOutput o = usp.forward(q.view(), k.view(), v.view());
   MhaCpGrads g = usp.backward(std::move(o.ctx), dout.view());

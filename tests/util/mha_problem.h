@@ -22,6 +22,13 @@ struct MhaShape {
   attn::DropoutSpec dropout{};  // applied by single_rank_result and reference_result (usp_result: the config's)
 };
 
+// An fp64 problem on one row of `tokens` tokens (B = 1): hq query and hkv key/value heads of dimension `dim`, `mask`.
+MhaShape one_row_fp64(std::int64_t tokens, std::int64_t hq, std::int64_t hkv, std::int64_t dim,
+                      attn::MaskSpec mask = {});
+
+// The MhaCp configuration of a run of `s`: `impl`, the causal flag and window of s.mask, s.mods and s.dropout.
+MhaCpConfig cp_config(const MhaShape& s, RingImpl impl);
+
 struct MhaProblem {
   Tensor q, k, v, dout;    // full [B, S, H, D]
   MhaProblem() = default;  // tensors set by the caller (e.g. one document of a packed problem)
