@@ -86,14 +86,7 @@ MhaForwardArgs sub_args(const MhaForwardArgs& args, const SubBlock& b, const Ten
 
 }  // namespace
 
-bool lowered_attention_enabled() {
-  static const bool on = [] {
-    const std::int64_t v = env::get_int("SEQPAR_LOWERED_ATTENTION", 0);
-    SEQPAR_CHECK(v == 0 || v == 1, "SEQPAR_LOWERED_ATTENTION=", v, " must be 0 or 1");
-    return v == 1;
-  }();
-  return on;
-}
+bool lowered_attention_enabled() { return env::lowered_attention(); }
 
 std::int64_t lowered_rects_executed() { return g_rects.load(); }
 

@@ -53,6 +53,15 @@ std::string get_string(const char* name, const std::string& fallback) {
   return value ? *value : fallback;
 }
 
+bool lowered_attention() {
+  static const bool on = [] {
+    const std::string v = get_string("SEQPAR_LOWERED_ATTENTION", "0");
+    SEQPAR_CHECK(v.empty() || v == "0" || v == "1", "SEQPAR_LOWERED_ATTENTION=", v, " must be 0 or 1");
+    return v == "1";
+  }();
+  return on;
+}
+
 LogLevel log_level() {
   static const LogLevel level = [] {
     const std::string raw = get_string("SEQPAR_LOG_LEVEL", "warn");

@@ -14,6 +14,9 @@ LogLevel log_level();
 // Default timeout for communication waits, in seconds: SEQPAR_COMM_TIMEOUT_S (default 300).
 double comm_timeout_s();
 
+// The lowered-attention test mode: SEQPAR_LOWERED_ATTENTION = 0 | 1 exactly (default 0, also when set but empty).
+bool lowered_attention();
+
 // Raw readers; `name` includes the SEQPAR_ prefix. Values are cached after the first read of each name.
 std::int64_t get_int(const char* name, std::int64_t fallback);
 double get_double(const char* name, double fallback);

@@ -303,6 +303,7 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   // Read the environment knobs now, so that a malformed value stops every rank here, before any message is sent.
   env::log_level();
   env::comm_timeout_s();
+  env::lowered_attention();
   int world_size = 1;
   SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
   fault::check_rank_in_world(fault::plan(), world_size);

@@ -15,6 +15,10 @@ initial_state) gets this rank's share, 1 / cp_size of the whole gradient, so tha
 over the group (all_reduce, as data parallelism does) gives the exact total for every parameter alike. Outputs
 that are the same on every rank (GDN's final_state, DSA's indexer loss) get their incoming gradients summed over
 the group before the C++ backward.
+
+lse: -inf on padding rows (no key), as in the C++ layers; a loss on lse should skip them (a finite mask, as the
+gradients already do). Double backward is not supported: a backward with create_graph=True raises seqpar.Error
+instead of treating seqpar's part as a constant.
 """
 
 import torch
@@ -29,6 +33,14 @@ def _detached(t):
 def _grad_in(t):
     """An incoming gradient as C++ takes it: contiguous, detached."""
     return t.detach().contiguous()
+
+
+def _first_order_only():
+    """Refuses a backward that builds a graph (create_graph=True): the C++ backward is not differentiable, and
+    letting autograd treat it as a constant would give a wrong higher-order gradient without a word."""
+    if torch.is_grad_enabled():
+        raise _seqpar.Error("seqpar's layers do not support double backward (a backward with create_graph=True): "
+                            "their backward is not differentiable")
 
 
 def _share(total, grid):
@@ -54,6 +66,7 @@ class MhaCpFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
+        _first_order_only()
         if dout is None:  # a loss on lse only
             dout = torch.zeros(ctx.out_like[0], dtype=ctx.out_like[1])
         dq, dk, dv = ctx.layer.backward(ctx.saved, _grad_in(dout), None if dlse is None else _grad_in(dlse))
@@ -97,6 +110,7 @@ class GdnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dfinal_state):
+        _first_order_only()
         # final_state is replicated: the whole loss's gradient is the sum of the ranks' (module docstring).
         dfinal_state = _grad_in(dfinal_state).clone()
         ctx.grid.cp.all_reduce(dfinal_state)
@@ -133,6 +147,7 @@ class ShortConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        _first_order_only()
         dweight = torch.empty(ctx.weight_meta[0], dtype=ctx.weight_meta[1])
         dx = ctx.layer.backward(ctx.saved, _grad_in(dout), dweight)  # dweight: summed over the CP group
         return None, None, dx, _share(dweight, ctx.grid)
@@ -182,6 +197,7 @@ class DsaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dloss):
+        _first_order_only()
         dloss = _grad_in(dloss).reshape(1).clone()
         ctx.grid.cp.all_reduce(dloss)
         dq, dc, dq_idx, dk_idx, dw, _ = ctx.layer.backward(ctx.saved, _grad_in(dout), float(dloss))
@@ -200,6 +216,7 @@ class DsaWeightedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        _first_order_only()
         dq, dc, dq_idx, dk_idx, dw, _ = ctx.layer.backward(ctx.saved, _grad_in(dout), ctx.weight)
         return None, None, dq, dc, dq_idx, dk_idx, dw
 

@@ -199,3 +199,15 @@ def test_lse_gradient_matches_finite_differences():
     numeric = (total_loss(eps)[0] - total_loss(-eps)[0]) / (2 * eps)
     analytic = sum((g * d).sum().item() for g, d in zip(grads, dirs))
     assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)
+
+
+def test_double_backward_is_refused():
+    """A backward that builds a graph (create_graph=True, for a gradient of a gradient) raises seqpar.Error instead
+    of treating the layer's part as a constant, which would give a wrong second derivative without a word."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, S)
+    attn = seqpar.MhaCp(grid, layout, causal=True)
+    q, k, v = (torch.randn(B, layout.local_len, h, D, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
+    loss = attn(q, k, v).pow(2).sum()
+    with pytest.raises(seqpar.Error, match="do not support double backward"):
+        torch.autograd.grad(loss, q, create_graph=True)
