@@ -341,7 +341,6 @@ void MhaDecodeCp::check_extend(const ShardedKvCache& cache, const SequenceLayout
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
-  const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, D = s.head_dim, sl = layout.local_len(), t_new = layout.seq_len();
   const std::int64_t hkv = all_kv_heads(cache);  // the cache holds Hkv / Pu of them (one replica when Hkv < Pu)
   const Shape kv_shape{B, sl, hkv, D};

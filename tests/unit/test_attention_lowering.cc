@@ -121,12 +121,12 @@ struct Mix {
 
 std::vector<Mix> mixes() {
   std::vector<Mix> v;
-  for (std::int64_t s : {1, 5, 16, 37, 64, 100}) v.push_back({"S" + std::to_string(s), false, s, {}});
+  for (std::int64_t s : {1, 5, 16, 37, 64, 100}) v.push_back({str_cat("S", s), false, s, {}});
   const std::vector<std::vector<std::int64_t>> docs = {
       {1}, {3, 0, 1, 7}, {0, 5, 0}, {13, 1, 1, 2, 30}, {64, 63, 1}, {1, 1, 1, 1, 1, 1, 1}, {40, 0, 0, 17, 9}};
   for (const auto& d : docs) {
     std::string name = "docs";
-    for (std::int64_t l : d) name += "_" + std::to_string(l);
+    for (std::int64_t l : d) name += str_cat("_", l);
     v.push_back({name, true, 0, d});
   }
   return v;
