@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cstdint>
+#include <utility>
 
 #include "runtime/logging.h"
 
@@ -86,6 +87,25 @@ CpGrid::CpGrid(Communicator& world, const CpGridConfig& config) : config_(config
   dp_->set_name("dp");
   SEQPAR_LOG(kInfo) << "grid " << str() << ": dp_rank " << coords_.dp_rank << ", ulysses_rank " << coords_.ulysses_rank
                     << ", ring_rank " << coords_.ring_rank << ", cp_rank " << coords_.cp_rank;
+}
+
+CpGrid::CpGrid(std::unique_ptr<Communicator> ulysses, std::unique_ptr<Communicator> ring,
+               std::unique_ptr<Communicator> cp, std::unique_ptr<Communicator> dp, int world_rank, Placement placement)
+    : world_rank_(world_rank), ulysses_(std::move(ulysses)), ring_(std::move(ring)), cp_(std::move(cp)),
+      dp_(std::move(dp)) {
+  SEQPAR_ASSERT(ulysses_ && ring_ && cp_ && dp_, "CpGrid: a null group");
+  const int pu = ulysses_->size(), pr = ring_->size();
+  SEQPAR_CHECK(cp_->size() == pu * pr, "CpGrid: the cp group has ", cp_->size(), " ranks (", cp_->members_str(),
+               "), not ulysses_size ", pu, " x ring_size ", pr);
+  config_ = CpGridConfig{dp_->size(), pu, pr, placement};
+  coords_ = CpCoords{dp_->rank(), ulysses_->rank(), ring_->rank(), ring_->rank() * pu + ulysses_->rank()};
+  SEQPAR_CHECK(cp_->rank() == coords_.cp_rank, "CpGrid: world rank ", world_rank, " is cp rank ", cp_->rank(),
+               " but ring rank ", coords_.ring_rank, " x ulysses_size ", pu, " + ulysses rank ", coords_.ulysses_rank,
+               " = ", coords_.cp_rank);
+  ulysses_->set_name("ulysses");
+  ring_->set_name("ring");
+  cp_->set_name("cp");
+  dp_->set_name("dp");
 }
 
 std::string CpGrid::str() const {

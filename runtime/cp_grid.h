@@ -70,6 +70,14 @@ class CpGrid {
   // Sync: collective over `world`.
   CpGrid(Communicator& world, const CpGridConfig& config);
 
+  // Adopts groups built elsewhere (the Python module's torch.distributed groups), renamed "ulysses", "ring", "cp"
+  // and "dp"; the sizes come from the groups, this rank's coordinates from its ranks in them.
+  // Errors: cp.size() != ulysses.size() * ring.size(), or cp.rank() != ring.rank() * ulysses.size() +
+  //   ulysses.rank() on this rank. The caller checks across ranks that the groups form one grid.
+  // Sync: host-only, no communication.
+  CpGrid(std::unique_ptr<Communicator> ulysses, std::unique_ptr<Communicator> ring, std::unique_ptr<Communicator> cp,
+         std::unique_ptr<Communicator> dp, int world_rank, Placement placement);
+
   // Accessors: the configuration, this rank's coordinates, its world rank.
   // Sync: host-only, no communication.
   const CpGridConfig& config() const { return config_; }

@@ -53,6 +53,8 @@ from .layers import (  # noqa: F401
     MhaCpFunction,
 )
 from .sequence import gather_sequence, scatter_sequence, shard_sequence  # noqa: F401
+from .distributed import all_reduce_cp_gradients, torch_grid  # noqa: F401
+from .loss import shard_labels, sharded_cross_entropy, shift_labels  # noqa: F401
 
 # MPI: initialised by the first communicator (seqpar.world(), CpGrid) unless the program (or mpi4py) did it first;
 # finalised at exit only when seqpar initialised it.

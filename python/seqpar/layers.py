@@ -24,6 +24,7 @@ instead of treating seqpar's part as a constant.
 import torch
 
 from . import _seqpar
+from . import distributed as _distributed
 
 
 def _detached(t):
@@ -79,11 +80,12 @@ class MhaCp(torch.nn.Module):
 
     forward(q, k, v) -> out, or (out, lse) with return_lse. Shapes as MhaCpFunction."""
 
-    def __init__(self, grid, layout, config=None, **config_fields):
+    def __init__(self, grid=None, layout=None, config=None, **config_fields):
         super().__init__()
-        self.grid, self.layout = grid, layout
+        grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
+        self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
         self.config = config if config is not None else _seqpar.MhaCpConfig(**config_fields)
-        self.layer = _seqpar.MhaCp(grid, layout, self.config)
+        self.layer = _seqpar.MhaCp(grid, self.layout, self.config)
 
     def forward(self, q, k, v, return_lse=False):
         out, lse = MhaCpFunction.apply(self.layer, q, k, v)
@@ -124,11 +126,12 @@ class GdnCp(torch.nn.Module):
     over the Ulysses group (parallel/gdn_cp.h). forward(q, k, v, g, beta, initial_state=None) -> (out, final_state);
     shapes as GdnFunction."""
 
-    def __init__(self, grid, layout, config=None, **config_fields):
+    def __init__(self, grid=None, layout=None, config=None, **config_fields):
         super().__init__()
-        self.grid, self.layout = grid, layout
+        grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
+        self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
         self.config = config if config is not None else _seqpar.GdnCpConfig(**config_fields)
-        self.layer = _seqpar.GdnCp(grid, layout, self.config)
+        self.layer = _seqpar.GdnCp(grid, self.layout, self.config)
 
     def forward(self, q, k, v, g, beta, initial_state=None):
         return GdnFunction.apply(self.layer, self.grid, q, k, v, g, beta, initial_state)
@@ -157,10 +160,13 @@ class ShortConvCp(torch.nn.Module):
     """The short causal depthwise conv before GDN's q, k, v (Qwen3-Next), with its weight [channels, width].
     forward(x [B, S_local, channels]) -> [B, S_local, channels]."""
 
-    def __init__(self, grid, layout, channels, width=4, use_silu=True, dtype=torch.float32):
+    def __init__(self, grid=None, layout=None, channels=None, width=4, use_silu=True, dtype=torch.float32, **groups):
         super().__init__()
-        self.grid, self.layout = grid, layout
-        self.layer = _seqpar.ShortConvCp(grid, layout, _seqpar.ShortConvCpConfig(use_silu=use_silu))
+        grid = _distributed.resolve_grid(grid, groups)  # or torch.distributed groups (seqpar.torch_grid)
+        if groups or channels is None:
+            raise _seqpar.Error(f"ShortConvCp: needs channels=; unknown arguments {sorted(groups)}")
+        self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
+        self.layer = _seqpar.ShortConvCp(grid, self.layout, _seqpar.ShortConvCpConfig(use_silu=use_silu))
         bound = 1.0 / width**0.5  # torch.nn.Conv1d's default init for a depthwise conv (fan_in = width)
         self.weight = torch.nn.Parameter(torch.empty(channels, width, dtype=dtype).uniform_(-bound, bound))
 
@@ -227,12 +233,13 @@ class DsaCp(torch.nn.Module):
     forward(q, c, q_idx, k_idx, w) -> (out, indexer_loss) by default; with indexer_loss_weight=x -> out, the indexer
     trained with x * its loss (one pass, no loss value)."""
 
-    def __init__(self, grid, layout, config=None, indexer_loss_weight=None, **config_fields):
+    def __init__(self, grid=None, layout=None, config=None, indexer_loss_weight=None, **config_fields):
         super().__init__()
-        self.grid, self.layout = grid, layout
+        grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
+        self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
         self.config = config if config is not None else _seqpar.DsaCpConfig(**config_fields)
         self.indexer_loss_weight = indexer_loss_weight
-        self.layer = _seqpar.DsaCp(grid, layout, self.config)
+        self.layer = _seqpar.DsaCp(grid, self.layout, self.config)
 
     def forward(self, q, c, q_idx, k_idx, w):
         if self.indexer_loss_weight is None:

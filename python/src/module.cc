@@ -23,6 +23,7 @@
 #include "runtime/mpi_comm.h"
 #include "runtime/cp_grid.h"
 #include "runtime/version.h"
+#include "torch_comm.h"
 
 namespace py = pybind11;
 using namespace seqpar;
@@ -62,11 +63,13 @@ std::shared_ptr<Communicator> from_mpi4py(const py::object& comm) {
   return result;
 }
 
-// The grid with the communicator it was built over (the process's world, or a duplicate of an mpi4py one).
+// The grid with the communicator it was built over (the process's world, or a duplicate of an mpi4py one), or a
+// grid over torch.distributed groups (python/src/torch_comm.h) with torch's world.
 struct Grid {
   std::shared_ptr<Communicator> world;
   CpGrid grid;
   Grid(std::shared_ptr<Communicator> w, const CpGridConfig& config) : world(std::move(w)), grid(*world, config) {}
+  Grid(std::shared_ptr<Communicator> w, CpGrid&& g) : world(std::move(w)), grid(std::move(g)) {}
 };
 
 std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
@@ -177,6 +180,19 @@ void bind_grid(py::module_& m) {
                }),
            py::arg("dp_size") = 1, py::arg("ulysses_size") = 1, py::arg("ring_size") = 1,
            py::arg("placement") = "ulysses_inner", py::arg("comm") = py::none())
+      .def_static(
+          "_from_torch",
+          [](py::handle world, py::handle ulysses, py::handle ring, py::handle cp, py::handle dp,
+             const std::string& placement) {
+            std::shared_ptr<Communicator> w = python::torch_communicator_from_spec(world, "world");
+            CpGrid grid(python::torch_communicator_from_spec(ulysses, "ulysses"),
+                        python::torch_communicator_from_spec(ring, "ring"),
+                        python::torch_communicator_from_spec(cp, "cp"), python::torch_communicator_from_spec(dp, "dp"),
+                        w->rank(), parse_placement(placement));
+            return std::make_unique<Grid>(std::move(w), std::move(grid));
+          },
+          "A grid over torch.distributed groups, each (process_group or None, world_ranks, rank); use "
+          "seqpar.torch_grid, which checks the groups across ranks first.")
       .def_property_readonly("dp_size", [](const Grid& g) { return g.grid.config().dp_size; })
       .def_property_readonly("ulysses_size", [](const Grid& g) { return g.grid.config().ulysses_size; })
       .def_property_readonly("ring_size", [](const Grid& g) { return g.grid.config().ring_size; })
