@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <utility>
 
 #include "runtime/comm_keepalive.h"
@@ -77,6 +78,20 @@ struct SharedState {
 };
 
 bool interpreter_alive() { return Py_IsInitialized() != 0; }
+
+// One state per ProcessGroup: the communicators over the same group (the ring and cp groups of a ring-only grid)
+// share its failure. Keyed by the group object, which the communicators keep alive.
+std::shared_ptr<SharedState> state_of(const py::object& process_group) {
+  static std::map<PyObject*, std::weak_ptr<SharedState>> states;
+  if (process_group.is_none()) return std::make_shared<SharedState>();
+  std::weak_ptr<SharedState>& slot = states[process_group.ptr()];
+  std::shared_ptr<SharedState> state = slot.lock();
+  if (!state) {
+    state = std::make_shared<SharedState>();
+    slot = state;
+  }
+  return state;
+}
 
 // One posted operation: torch Work objects (none for a local operation), the torch tensors they use, and the
 // seqpar buffers under them (kept alive if the operation is abandoned).
@@ -223,8 +238,10 @@ class TorchCommunicator final : public Communicator {
                  " ranks needs a torch.distributed ProcessGroup (None only for a group of one rank)");
     set_group(rank, size, std::move(world_ranks));
     set_name(std::move(name));
+    py::gil_scoped_acquire gil;
+    state_ = state_of(pg_);
+    if (process_rank() < 0) set_process_rank(world_ranks_of_this_rank());  // torch's rank in messages and logs
     if (!pg_.is_none()) {
-      py::gil_scoped_acquire gil;
       backend_ = str_cat("torch (", std::string(py::str(api().dist.attr("get_backend")(pg_))), ")");
     }
   }
@@ -325,6 +342,8 @@ class TorchCommunicator final : public Communicator {
   }
 
   WorkHandle do_barrier(std::string what) override {
+    SEQPAR_CHECK(state_->failure.empty(), what, ": the group is not usable after an earlier failure: ",
+                 state_->failure);
     if (local()) return local_copy({}, {}, 0, std::move(what));
     py::gil_scoped_acquire gil;
     py::object w = api().dist.attr("barrier")(py::arg("group") = pg_, py::arg("async_op") = true);
@@ -333,6 +352,7 @@ class TorchCommunicator final : public Communicator {
 
  private:
   bool local() const { return pg_.is_none(); }
+  int world_ranks_of_this_rank() const { return world_rank_of(rank()); }
 
   static py::object torch_op(ReduceOp op) { return op == ReduceOp::kSum ? api().sum : api().max; }
 
@@ -407,7 +427,7 @@ class TorchCommunicator final : public Communicator {
 
   py::object pg_;
   std::string backend_ = "torch";
-  std::shared_ptr<SharedState> state_ = std::make_shared<SharedState>();
+  std::shared_ptr<SharedState> state_;
 };
 
 }  // namespace

@@ -1,8 +1,10 @@
 """seqpar's layers under torchrun over torch.distributed (gloo), without MPI: every way of passing the groups
 (process_group=, ulysses_group= + ring_group= with and without cp_group=, a DeviceMesh with either dimension
-inner) at every (ulysses_size, ring_size) of the world; MHA / GQA, GDN, the short conv and DSA, forward and
-backward against the whole-sequence references of python/tests/references.py (fp64), the agreement check, the
-errors for groups that do not form a grid, and at the end: mpi4py never imported, MPI never initialised.
+inner) at every (ulysses_size, ring_size) of the world; MHA / GQA (p2p and all-gather rings), GDN, the short conv
+and DSA (ring and all-gather selection), forward and backward against the whole-sequence references of
+python/tests/references.py (fp64), scatter / gather of a packed row; so every kind of message seqpar sends
+(point-to-point, all-to-all, all_to_all_v, all-gather, reduce-scatter, all-reduce, broadcast). Then the agreement
+check, the errors for groups that do not form a grid, and at the end: mpi4py never imported, MPI never initialised.
 
     torchrun --nproc-per-node 4 python/torch_tests/torchrun_layers.py   (PYTHONPATH: the build's python/)
 """
@@ -63,6 +65,12 @@ def run_layers(label, **groups):
     run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn(q, k, v)], []),
                           lambda q, k, v: ([mha_reference(q, k, v, causal=True)], []), RTOL)
 
+    # the all-gather ring (all_gather forward, reduce_scatter backward)
+    attn_ag = seqpar.MhaCp(grid, layout, impl="allgather", causal=True)
+    q, k, v = random_full((1, S, 4, 8)), random_full((1, S, 2, 8)), random_full((1, S, 2, 8))
+    run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn_ag(q, k, v)], []),
+                          lambda q, k, v: ([mha_reference(q, k, v, causal=True)], []), RTOL)
+
     gdn = seqpar.GdnCp(grid, layout, mode="scan", chunk_size=4)
     g = F.logsigmoid(torch.randn(1, S, 4, dtype=torch.float64) + 2).requires_grad_()
     beta = torch.sigmoid(torch.randn(1, S, 4, dtype=torch.float64)).requires_grad_()
@@ -80,13 +88,22 @@ def run_layers(label, **groups):
     run_against_reference(grid, layout, [random_full((1, S, 6))], [weight], conv_layer,
                           lambda x, w: ([short_conv_reference(x, w)], []), RTOL)
 
-    dsa = seqpar.DsaCp(grid, layout, topk=8, dim_v=8)
-    inputs = [random_full((1, S, 4, 16)), random_full((1, S, 16)), random_full((1, S, 2, 8)),
-              random_full((1, S, 8)), random_full((1, S, 2))]
-    run_against_reference(grid, layout, inputs, [], lambda *a: tuple([x] for x in dsa(*a)),
-                          lambda *a: tuple([x] for x in dsa_reference(*a, topk=8, dim_v=8)), RTOL)
+    for select in ("ring", "allgather"):
+        dsa = seqpar.DsaCp(grid, layout, select=select, topk=8, dim_v=8)
+        inputs = [random_full((1, S, 4, 16)), random_full((1, S, 16)), random_full((1, S, 2, 8)),
+                  random_full((1, S, 8)), random_full((1, S, 2))]
+        run_against_reference(grid, layout, inputs, [], lambda *a: tuple([x] for x in dsa(*a)),
+                              lambda *a: tuple([x] for x in dsa_reference(*a, topk=8, dim_v=8)), RTOL)
+
+    # scatter / gather of a whole sequence (all_to_all_v over cp), a packed row with padding
+    packed = seqpar.SequenceLayout.packed_for_grid(grid, [0, 5, 20, 37])
+    full = torch.randn(1, 37, 3, dtype=torch.float64)
+    local = seqpar.scatter_sequence(grid, packed, full, root=grid.cp.size - 1)
+    check_close("scatter_sequence", local, seqpar.shard_sequence(full, packed, grid.cp_rank), 0)
+    check_close("gather_sequence", seqpar.gather_sequence(grid, packed, local), full, 0)
     if dist.get_rank() == 0:
-        print(f"ok {label}: {grid} (mha, gdn, short conv, dsa against the references)", flush=True)
+        print(f"ok {label}: {grid} (mha p2p and allgather, gdn, short conv, dsa ring and allgather against the "
+              f"references; scatter / gather)", flush=True)
     return grid
 
 
@@ -105,7 +122,12 @@ def main():
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.set_num_threads(1)
 
-    run_layers("process_group=WORLD", process_group=dist.group.WORLD)
+    grid = run_layers("process_group=WORLD", process_group=dist.group.WORLD)
+    t = torch.full((5,), float(rank), dtype=torch.bfloat16)
+    grid.cp.broadcast(t, root=world - 1)
+    grid.cp.barrier()
+    assert t.tolist() == [world - 1.0] * 5, t
+    assert grid.cp.name == "cp" and grid.ring.name == "ring" and grid.world.size == world
     for u in [d for d in range(2, world + 1) if world % d == 0]:
         r = world // u
         # ulysses innermost (consecutive ranks), then ring innermost: seqpar makes the cp group in its own order.
