@@ -13,11 +13,14 @@ and sums the parameter gradients over the CP group before each AdamW step.
                                                                 # and compares the per-step losses and the final
                                                                 # parameters (relative difference, norm of each
                                                                 # tensor, 1e-5)
-Needs PYTHONPATH=<build>/python (or pip install .) and mpi4py for --check (the single-process model runs on
-MPI_COMM_SELF).
+    torchrun --nproc-per-node 4 examples/train_tiny.py --check  # the same over torch.distributed (gloo), no MPI
+
+Needs PYTHONPATH=<build>/python (or pip install .); under mpirun, mpi4py for --check (the single-process model runs
+on MPI_COMM_SELF; under torchrun on a group of rank 0 alone).
 """
 
 import argparse
+import os
 import sys
 
 import torch
@@ -177,10 +180,24 @@ def main():
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    world = seqpar.world()
-    ulysses = args.ulysses_size if world.size % args.ulysses_size == 0 else 1
-    ring = args.ring_size or world.size // ulysses
-    grid = seqpar.CpGrid(dp_size=1, ulysses_size=ulysses, ring_size=ring)
+    torchrun = "TORCHELASTIC_RUN_ID" in os.environ  # launched by torchrun: torch.distributed groups, no MPI
+    if torchrun:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo")
+        size = dist.get_world_size()
+    else:
+        size = seqpar.world().size
+    ulysses = args.ulysses_size if size % args.ulysses_size == 0 else 1
+    ring = args.ring_size or size // ulysses
+    if torchrun:
+        mesh = init_device_mesh("cpu", (ring, ulysses), mesh_dim_names=("ring", "ulysses"))
+        grid = seqpar.torch_grid(device_mesh=mesh, ulysses_dim="ulysses", ring_dim="ring")
+        solo = dist.new_group([0])  # every rank makes it; rank 0 trains the single-process model on it (--check)
+    else:
+        grid = seqpar.CpGrid(dp_size=1, ulysses_size=ulysses, ring_size=ring)
+    world = grid.world
     losses, model = train(grid, args)
     if world.rank == 0:
         print(f"# train_tiny: seqpar {seqpar.__version__}, grid {grid}, {args.layout} layout, seq_len {args.seq_len},"
@@ -197,9 +214,12 @@ def main():
     ref_losses = torch.zeros(args.steps, dtype=torch.float64)
     ref_params = [torch.zeros_like(p) for p in model.parameters()]
     if world.rank == 0:
-        from mpi4py import MPI
+        if torchrun:
+            single = seqpar.torch_grid(process_group=solo)
+        else:
+            from mpi4py import MPI
 
-        single = seqpar.CpGrid(1, 1, 1, comm=MPI.COMM_SELF)
+            single = seqpar.CpGrid(1, 1, 1, comm=MPI.COMM_SELF)
         losses_1, model_1 = train(single, args)
         ref_losses.copy_(torch.tensor(losses_1, dtype=torch.float64))
         ref_params = [p.detach().clone() for p in model_1.parameters()]

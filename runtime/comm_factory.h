@@ -1,5 +1,7 @@
 // One place that makes the world communicator for a backend name (for benchmarks and applications; tests may
-// construct a backend directly). Adding a backend: its own files, plus one branch here.
+// construct a backend directly). Adding a backend: its own files, plus one branch here. The third backend, over
+// torch.distributed process groups, lives in the Python module (python/src/torch_comm.h, made by
+// seqpar.torch_grid) so that this library never links torch.
 #pragma once
 
 #include <memory>
