@@ -91,7 +91,10 @@ CpGrid::CpGrid(Communicator& world, const CpGridConfig& config) : config_(config
 
 CpGrid::CpGrid(std::unique_ptr<Communicator> ulysses, std::unique_ptr<Communicator> ring,
                std::unique_ptr<Communicator> cp, std::unique_ptr<Communicator> dp, int world_rank, Placement placement)
-    : world_rank_(world_rank), ulysses_(std::move(ulysses)), ring_(std::move(ring)), cp_(std::move(cp)),
+    : world_rank_(world_rank),
+      ulysses_(std::move(ulysses)),
+      ring_(std::move(ring)),
+      cp_(std::move(cp)),
       dp_(std::move(dp)) {
   SEQPAR_ASSERT(ulysses_ && ring_ && cp_ && dp_, "CpGrid: a null group");
   const int pu = ulysses_->size(), pr = ring_->size();

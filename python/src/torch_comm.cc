@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <deque>
 #include <map>
 #include <utility>
 
@@ -51,8 +50,8 @@ py::object torch_dtype(DType dtype) {
 // A flat torch tensor over the view's memory (no copy; the caller keeps the memory alive while torch uses it).
 py::object as_torch(const TensorView& t) {
   if (t.numel() == 0) return api().empty(0, py::arg("dtype") = torch_dtype(t.dtype()));
-  PyObject* memory = PyMemoryView_FromMemory(static_cast<char*>(t.data()), static_cast<Py_ssize_t>(t.nbytes()),
-                                             PyBUF_WRITE);
+  PyObject* memory =
+      PyMemoryView_FromMemory(static_cast<char*>(t.data()), static_cast<Py_ssize_t>(t.nbytes()), PyBUF_WRITE);
   if (memory == nullptr) throw py::error_already_set();
   return api().frombuffer(py::reinterpret_steal<py::object>(memory), py::arg("dtype") = torch_dtype(t.dtype()));
 }
@@ -63,18 +62,10 @@ std::string python_error_text(const py::error_already_set& e) {
   return str_cat(e.type() ? std::string(py::str(e.type().attr("__name__"))) : std::string("error"), ": ", text);
 }
 
-// A send to itself waiting for its receive, or a receive waiting for its send (groups of one rank).
-struct SelfMessage {
-  TensorView buffer;
-  int tag;
-  std::shared_ptr<bool> done;
-};
-
 // The state a communicator shares with its Work handles: the first failure, after which the group is unusable
 // (gloo closes the connections of a timed-out operation and cannot cancel a pending one).
 struct SharedState {
   std::string failure;
-  std::deque<SelfMessage> self_sends, self_recvs;
 };
 
 bool interpreter_alive() { return Py_IsInitialized() != 0; }
@@ -98,14 +89,12 @@ std::shared_ptr<SharedState> state_of(const py::object& process_group) {
 class TorchWork final : public Work {
  public:
   TorchWork(std::shared_ptr<SharedState> state, std::string description, std::vector<py::object> works,
-            std::vector<py::object> tensors, std::vector<TensorView> buffers,
-            std::vector<std::shared_ptr<bool>> local = {})
+            std::vector<py::object> tensors, std::vector<TensorView> buffers)
       : state_(std::move(state)),
         description_(std::move(description)),
         works_(std::move(works)),
         tensors_(std::move(tensors)),
-        buffers_(std::move(buffers)),
-        local_(std::move(local)) {}
+        buffers_(std::move(buffers)) {}
 
   ~TorchWork() override {
     if (!interpreter_alive()) {  // the process is ending: leak the Python objects, never touch the interpreter
@@ -137,9 +126,6 @@ class TorchWork final : public Work {
   bool test() override {
     if (!failure_.empty()) SEQPAR_THROW(failure_);
     if (done_) return true;
-    for (const auto& flag : local_) {
-      if (!*flag) return false;
-    }
     py::gil_scoped_acquire gil;
     for (const py::object& w : works_) {
       if (!w.attr("is_completed")().cast<bool>()) return false;
@@ -160,13 +146,6 @@ class TorchWork final : public Work {
                  " s must be finite and >= 0");
     if (!failure_.empty()) SEQPAR_THROW(failure_);
     if (done_) return;
-    for (const auto& flag : local_) {
-      // A receive from itself whose send was never posted: nothing else can post it while this thread waits.
-      if (!*flag) {
-        fail(str_cat(description_, " did not complete: its matching operation on this same rank was not posted ",
-                     "before the wait"));
-      }
-    }
     py::gil_scoped_acquire gil;
     using clock = std::chrono::steady_clock;
     const auto start = clock::now();
@@ -218,7 +197,6 @@ class TorchWork final : public Work {
   std::vector<py::object> works_;
   std::vector<py::object> tensors_;
   std::vector<TensorView> buffers_;
-  std::vector<std::shared_ptr<bool>> local_;
   bool done_ = false;
   std::string failure_;
 };
@@ -260,8 +238,7 @@ class TorchCommunicator final : public Communicator {
  protected:
   void check_buffer(const TensorView& t, const std::string& op) const override {
     SEQPAR_CHECK(t.device().is_cpu(), op, ": the torch.distributed backend takes host buffers; got ", t.str());
-    SEQPAR_CHECK(state_->failure.empty(), op, ": the group is not usable after an earlier failure: ",
-                 state_->failure);
+    SEQPAR_CHECK(state_->failure.empty(), op, ": the group is not usable after an earlier failure: ", state_->failure);
   }
 
   WorkHandle do_isend(const TensorView& buffer, int peer, int tag, std::string what) override {
@@ -278,8 +255,8 @@ class TorchCommunicator final : public Communicator {
     if (local()) return local_copy(send, recv, recv.nbytes(), std::move(what));
     py::gil_scoped_acquire gil;
     py::object s = as_torch(send), r = as_torch(recv);
-    return collective(std::move(what), api().dist.attr("all_to_all_single")(r, s, py::arg("group") = pg_,
-                                                                             py::arg("async_op") = true),
+    return collective(std::move(what),
+                      api().dist.attr("all_to_all_single")(r, s, py::arg("group") = pg_, py::arg("async_op") = true),
                       {s, r}, {send, recv});
   }
 
@@ -308,18 +285,18 @@ class TorchCommunicator final : public Communicator {
     if (local()) return local_copy(send, recv, send.nbytes(), std::move(what));
     py::gil_scoped_acquire gil;
     py::object s = as_torch(send), r = as_torch(recv);
-    return collective(std::move(what), api().dist.attr("all_gather_into_tensor")(r, s, py::arg("group") = pg_,
-                                                                                  py::arg("async_op") = true),
-                      {s, r}, {send, recv});
+    return collective(
+        std::move(what),
+        api().dist.attr("all_gather_into_tensor")(r, s, py::arg("group") = pg_, py::arg("async_op") = true), {s, r},
+        {send, recv});
   }
 
-  WorkHandle do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op,
-                               std::string what) override {
+  WorkHandle do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op, std::string what) override {
     if (local()) return local_copy(send, recv, recv.nbytes(), std::move(what));
     py::gil_scoped_acquire gil;
     py::object s = as_torch(send), r = as_torch(recv);
-    py::object w = api().dist.attr("reduce_scatter_tensor")(r, s, py::arg("op") = torch_op(op),
-                                                            py::arg("group") = pg_, py::arg("async_op") = true);
+    py::object w = api().dist.attr("reduce_scatter_tensor")(r, s, py::arg("op") = torch_op(op), py::arg("group") = pg_,
+                                                            py::arg("async_op") = true);
     return collective(std::move(what), std::move(w), {s, r}, {send, recv});
   }
 
@@ -342,8 +319,8 @@ class TorchCommunicator final : public Communicator {
   }
 
   WorkHandle do_barrier(std::string what) override {
-    SEQPAR_CHECK(state_->failure.empty(), what, ": the group is not usable after an earlier failure: ",
-                 state_->failure);
+    SEQPAR_CHECK(state_->failure.empty(), what,
+                 ": the group is not usable after an earlier failure: ", state_->failure);
     if (local()) return local_copy({}, {}, 0, std::move(what));
     py::gil_scoped_acquire gil;
     py::object w = api().dist.attr("barrier")(py::arg("group") = pg_, py::arg("async_op") = true);
@@ -366,13 +343,16 @@ class TorchCommunicator final : public Communicator {
   // A group of this rank alone: the operation is a copy of `bytes` bytes, complete at once.
   WorkHandle local_copy(const TensorView& from, const TensorView& to, std::size_t bytes, std::string what) {
     if (from.data() != to.data()) copy_bytes(from, to, bytes);
-    return std::make_unique<TorchWork>(state_, std::move(what), std::vector<py::object>{},
-                                       std::vector<py::object>{}, std::vector<TensorView>{});
+    return std::make_unique<TorchWork>(state_, std::move(what), std::vector<py::object>{}, std::vector<py::object>{},
+                                       std::vector<TensorView>{});
   }
 
   // Point-to-point operations: receives posted first (so that no order of the group can deadlock), then sends.
   WorkHandle post_p2p(const std::vector<P2POp>& ops, std::string what) {
-    if (local()) return post_self(ops, std::move(what));
+    // seqpar's layers send no point-to-point message within a group of one rank (its exchanges are local copies).
+    SEQPAR_CHECK(!local(), what,
+                 ": point-to-point messages to itself are not supported in a group of one rank "
+                 "without a ProcessGroup");
     py::gil_scoped_acquire gil;
     std::vector<py::object> works, tensors;
     std::vector<TensorView> buffers;
@@ -382,10 +362,9 @@ class TorchCommunicator final : public Communicator {
         if (recv != (pass == 0)) continue;
         py::object t = as_torch(op.buffer);
         const int peer = world_rank_of(op.peer);
-        py::object w = recv ? api().dist.attr("irecv")(t, py::arg("src") = peer, py::arg("group") = pg_,
-                                                       py::arg("tag") = op.tag)
-                            : api().dist.attr("isend")(t, py::arg("dst") = peer, py::arg("group") = pg_,
-                                                       py::arg("tag") = op.tag);
+        py::object w =
+            recv ? api().dist.attr("irecv")(t, py::arg("src") = peer, py::arg("group") = pg_, py::arg("tag") = op.tag)
+                 : api().dist.attr("isend")(t, py::arg("dst") = peer, py::arg("group") = pg_, py::arg("tag") = op.tag);
         SEQPAR_CHECK(!w.is_none(), what, ": torch.distributed returned no Work for a point-to-point operation");
         works.push_back(std::move(w));
         tensors.push_back(std::move(t));
@@ -394,35 +373,6 @@ class TorchCommunicator final : public Communicator {
     }
     return std::make_unique<TorchWork>(state_, std::move(what), std::move(works), std::move(tensors),
                                        std::move(buffers));
-  }
-
-  // Messages of a group of one rank to itself: a send and a receive with the same tag match in posting order.
-  WorkHandle post_self(const std::vector<P2POp>& ops, std::string what) {
-    std::vector<std::shared_ptr<bool>> flags;
-    for (int pass = 0; pass < 2; ++pass) {
-      for (const P2POp& op : ops) {
-        const bool recv = op.kind == P2POp::Kind::kRecv;
-        if (recv != (pass == 0)) continue;
-        auto done = std::make_shared<bool>(false);
-        flags.push_back(done);
-        auto& waiting = recv ? state_->self_sends : state_->self_recvs;
-        auto match = std::find_if(waiting.begin(), waiting.end(), [&](const SelfMessage& m) { return m.tag == op.tag; });
-        if (match == waiting.end()) {
-          (recv ? state_->self_recvs : state_->self_sends).push_back({op.buffer, op.tag, done});
-          continue;
-        }
-        const TensorView& from = recv ? match->buffer : op.buffer;
-        const TensorView& to = recv ? op.buffer : match->buffer;
-        SEQPAR_CHECK(from.nbytes() <= to.nbytes() && from.dtype() == to.dtype(), what, ": a message of ",
-                     from.str(), " to itself does not fit the receive buffer ", to.str());
-        copy_bytes(from, to, from.nbytes());
-        *match->done = true;
-        *done = true;
-        waiting.erase(match);
-      }
-    }
-    return std::make_unique<TorchWork>(state_, std::move(what), std::vector<py::object>{},
-                                       std::vector<py::object>{}, std::vector<TensorView>{}, std::move(flags));
   }
 
   py::object pg_;
@@ -434,8 +384,7 @@ class TorchCommunicator final : public Communicator {
 
 std::unique_ptr<Communicator> make_torch_communicator(py::object process_group, std::vector<int> world_ranks, int rank,
                                                       std::string name) {
-  return std::make_unique<TorchCommunicator>(std::move(process_group), std::move(world_ranks), rank,
-                                             std::move(name));
+  return std::make_unique<TorchCommunicator>(std::move(process_group), std::move(world_ranks), rank, std::move(name));
 }
 
 std::unique_ptr<Communicator> torch_communicator_from_spec(py::handle spec, const char* name) {

@@ -14,8 +14,8 @@
 // peer (the peer's own operations then fail at once instead of waiting), so after a timeout the group is not usable.
 // Buffers of an abandoned operation are kept alive (runtime/comm_keepalive.h), as in the MPI backend.
 //
-// A group of one rank needs no ProcessGroup: its operations are local copies (a send to itself matches its
-// receive with the same tag, in posting order).
+// A group of one rank needs no ProcessGroup: its collectives are local copies (point-to-point messages to itself
+// are refused; seqpar's layers send none within a group of one rank).
 #pragma once
 
 #include <pybind11/pybind11.h>

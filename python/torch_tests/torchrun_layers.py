@@ -143,6 +143,17 @@ def main():
         run_layers(f"ulysses_group + ring_group + cp_group ({u} x {r})", ulysses_group=ug, ring_group=rg,
                    cp_group=dist.group.WORLD)
 
+    # Ulysses alone (the ring a group of this rank alone, without a ProcessGroup).
+    if world > 1:
+        run_layers("ulysses_group=WORLD", ulysses_group=dist.group.WORLD)
+    # dp x ring x ulysses: seqpar makes one cp group per dp replica.
+    if world == 4:
+        for shape in ((2, 2, 1), (2, 1, 2)):
+            mesh3 = init_device_mesh("cpu", shape, mesh_dim_names=("dp", "ring", "ulysses"))
+            grid = run_layers(f"mesh dp x ring x ulysses {shape}", device_mesh=mesh3, ulysses_dim="ulysses",
+                              ring_dim="ring", dp_dim="dp")
+            assert (grid.dp_size, grid.dp_rank, grid.cp.size) == (2, rank // 2, 2), str(grid)
+
     # A DeviceMesh with dp: the grid's dp group, and cp from the mesh's cp dimension.
     if world % 2 == 0:
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "cp"))

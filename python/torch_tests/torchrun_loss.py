@@ -46,7 +46,8 @@ def check(grid, layout, batch, cu_seqlens, label):
     grad = logits.grad.clone()
     grid.cp.all_reduce(grad)
     scale = max(1.0, ref.abs().item())
-    assert abs(total.item() - ref.item()) <= 1e-12 * scale, f"rank {dist.get_rank()} {label}: loss {total.item()} vs {ref.item()}"
+    assert abs(total.item() - ref.item()) <= 1e-12 * scale, (f"rank {dist.get_rank()} {label}: loss {total.item()} "
+                                                             f"vs {ref.item()}")
     err = (grad - ref_grad).abs().max().item()
     assert err <= 1e-12 * max(1.0, ref_grad.abs().max().item()), f"rank {dist.get_rank()} {label}: grad error {err}"
     if dist.get_rank() == 0:

@@ -1,10 +1,10 @@
 """A rank that never joins: under torchrun (gloo), with SEQPAR_COMM_TIMEOUT_S=3, rank 0's forward fails after about
 3 s with a seqpar.Error that names the group, the operation and the time waited (not a hang), and the group then
-refuses further operations, naming the first failure. Rank 1 stays out of that group and meets rank 0 afterwards
-on another one, which still works. With SEQPAR_AGREEMENT_CHECK=off the first message of the forward is the ring's
-point-to-point step (a receive that gloo cannot cancel) instead of the agreement check's all-reduce over cp.
+refuses further operations, naming the first failure. Rank 1 never calls the forward; it meets rank 0 afterwards
+on the default group, which still works. With SEQPAR_AGREEMENT_CHECK=off the first message of the forward is the
+ring's point-to-point step (a receive that gloo cannot cancel) instead of the agreement check's all-reduce over cp.
 
-    SEQPAR_COMM_TIMEOUT_S=3 [SEQPAR_AGREEMENT_CHECK=off] torchrun --nproc-per-node 2 python/torch_tests/torchrun_timeout.py
+    SEQPAR_COMM_TIMEOUT_S=3 [SEQPAR_AGREEMENT_CHECK=off] torchrun --nproc-per-node 2 torchrun_timeout.py
 """
 
 import datetime
