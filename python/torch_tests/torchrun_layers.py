@@ -65,6 +65,13 @@ def run_layers(label, **groups):
     run_against_reference(grid, layout, [q, k, v], [], lambda q, k, v: ([attn(q, k, v)], []),
                           lambda q, k, v: ([mha_reference(q, k, v, causal=True)], []), RTOL)
 
+    # bf16 and fp32 messages (gloo's own bf16 reduction in Ulysses' reduce-scatter); tolerances of
+    # python/tests/test_mha.py
+    for dtype, rtol in ((torch.bfloat16, 4e-2), (torch.float32, 1e-4)):
+        qd, kd, vd = (random_full((1, S, h, 8), dtype) for h in (4, 2, 2))
+        run_against_reference(grid, layout, [qd, kd, vd], [], lambda q, k, v: ([attn(q, k, v)], []),
+                              lambda q, k, v: ([mha_reference(q, k, v, causal=True)], []), rtol)
+
     # the all-gather ring (all_gather forward, reduce_scatter backward)
     attn_ag = seqpar.MhaCp(grid, layout, impl="allgather", causal=True)
     q, k, v = random_full((1, S, 4, 8)), random_full((1, S, 2, 8)), random_full((1, S, 2, 8))
@@ -102,8 +109,8 @@ def run_layers(label, **groups):
     check_close("scatter_sequence", local, seqpar.shard_sequence(full, packed, grid.cp_rank), 0)
     check_close("gather_sequence", seqpar.gather_sequence(grid, packed, local), full, 0)
     if dist.get_rank() == 0:
-        print(f"ok {label}: {grid} (mha p2p and allgather, gdn, short conv, dsa ring and allgather against the "
-              f"references; scatter / gather)", flush=True)
+        print(f"ok {label}: {grid} (mha p2p fp64 / fp32 / bf16 and allgather, gdn, short conv, dsa ring and "
+              f"allgather against the references; scatter / gather)", flush=True)
     return grid
 
 
