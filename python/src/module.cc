@@ -148,8 +148,9 @@ void bind_runtime(py::module_& m) {
   });
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator",
-                                                          "A seqpar communicator (MPI backend): world, a grid's group "
-                                                          "or a duplicate of an mpi4py communicator")
+                                                          "A seqpar communicator: world, a grid's group (MPI, or "
+                                                          "torch.distributed for seqpar.torch_grid), or a duplicate "
+                                                          "of an mpi4py communicator")
       .def_property_readonly("rank", &Communicator::rank)
       .def_property_readonly("size", &Communicator::size)
       .def_property_readonly("name", &Communicator::name)
