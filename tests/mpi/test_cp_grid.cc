@@ -268,5 +268,44 @@ TEST(CpGrid, RanksDisagreeingFailOnEveryRankWithTheSameMessage) {
   EXPECT_EQ(members(good.ulysses()).size(), static_cast<std::size_t>(p));
 }
 
+// ---- adopted groups ---------------------------------------------------------------------------------------
+
+// The adopting constructor (how the Python module's torch.distributed groups become a grid): the same four groups,
+// split here by hand, give the same configuration and coordinates as the grid that splits them itself, and the
+// adopted groups carry the grid's names.
+TEST(CpGrid, AdoptedGroupsGiveTheSameGrid) {
+  Communicator& w = world();
+  const int p = w.size();
+  for (int pu = 1; pu <= p; ++pu) {
+    if (p % pu != 0) continue;
+    const int pr = p / pu;
+    const CpGridConfig config{1, pu, pr, Placement::kUlyssesInner};
+    const CpGrid split(w, config);
+    const CpCoords x = split.coords();
+    CpGrid adopted(w.split(x.ring_rank, x.ulysses_rank), w.split(x.ulysses_rank, x.ring_rank), w.split(0, x.cp_rank),
+                   w.split(x.cp_rank, 0), w.rank(), Placement::kUlyssesInner);
+    EXPECT_EQ(adopted.str(), split.str());
+    EXPECT_EQ(adopted.coords().ulysses_rank, x.ulysses_rank);
+    EXPECT_EQ(adopted.coords().ring_rank, x.ring_rank);
+    EXPECT_EQ(adopted.coords().cp_rank, x.cp_rank);
+    EXPECT_EQ(adopted.coords().dp_rank, 0);
+    EXPECT_EQ(adopted.ring().world_ranks(), split.ring().world_ranks());
+    EXPECT_EQ(adopted.ulysses().name(), "ulysses");
+    EXPECT_EQ(adopted.cp().name(), "cp");
+  }
+}
+
+// A cp group that is not ulysses_size x ring_size ranks is refused, naming both.
+TEST(CpGrid, AdoptedCpGroupOfTheWrongSizeFails) {
+  Communicator& w = world();
+  if (w.size() < 2) GTEST_SKIP() << "needs 2 ranks (a cp group of 1 against a ring of 2)";
+  test::expect_error(
+      [&] {
+        CpGrid grid(w.split(w.rank(), 0), w.split(0, w.rank()), w.split(w.rank(), 0), w.split(w.rank(), 0), w.rank(),
+                    Placement::kUlyssesInner);
+      },
+      str_cat("the cp group has 1 ranks (world rank ", w.rank(), "), not ulysses_size 1 x ring_size ", w.size()));
+}
+
 }  // namespace
 }  // namespace seqpar
