@@ -135,6 +135,12 @@ def main():
     grid.cp.barrier()
     assert t.tolist() == [world - 1.0] * 5, t
     assert grid.cp.name == "cp" and grid.ring.name == "ring" and grid.world.size == world
+    # A ProcessGroup or a one-dimensional DeviceMesh in the grid's place, an int seq_len in the layout's.
+    by_group = seqpar.MhaCp(dist.group.WORLD, S, causal=True)
+    assert by_group.grid is grid and by_group.layout.seq_len == S and by_group.layout.kind == "zigzag"
+    line = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    by_mesh = seqpar.GdnCp(line, S)
+    assert by_mesh.grid.ring_size == world and by_mesh.grid.cp_rank == rank
     for u in [d for d in range(2, world + 1) if world % d == 0]:
         r = world // u
         # ulysses innermost (consecutive ranks), then ring innermost: seqpar makes the cp group in its own order.
