@@ -52,6 +52,7 @@ from .layers import (  # noqa: F401
     MhaCp,
     MhaCpFunction,
 )
+from .decode import DsaDecodeCp, GdnDecodeCp, MhaDecodeCp  # noqa: F401
 from .sequence import gather_sequence, scatter_sequence, shard_sequence  # noqa: F401
 
 # MPI: initialised by the first communicator (seqpar.world(), CpGrid) unless the program (or mpi4py) did it first;

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "decode_bindings.h"
 #include "dlpack_bridge.h"
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
@@ -402,4 +403,5 @@ PYBIND11_MODULE(_seqpar, m) {
   bind_mha(m);
   bind_gdn(m);
   bind_dsa(m);
+  python::bind_decode(m, [](py::handle grid) { return CpGroups::from(grid.cast<const Grid&>().grid); });
 }
