@@ -39,6 +39,7 @@ from ._seqpar import (  # noqa: F401
     CpGrid,
     __version__,
     abort,
+    alibi_slopes,
     from_mpi4py,
     world,
 )
@@ -53,6 +54,7 @@ from .layers import (  # noqa: F401
     MhaCpFunction,
 )
 from .decode import DsaDecodeCp, GdnDecodeCp, MhaDecodeCp  # noqa: F401
+from .rope import apply_rope, rope_cos_sin  # noqa: F401
 from .sequence import gather_sequence, scatter_sequence, shard_sequence  # noqa: F401
 
 # MPI: initialised by the first communicator (seqpar.world(), CpGrid) unless the program (or mpi4py) did it first;
