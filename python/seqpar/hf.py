@@ -26,8 +26,10 @@ What each piece does:
   every document and on padding rows) and the mean uses the global token count (num_items_in_batch); pass both to
   the model (labels=..., shift_labels=..., num_items_in_batch=...) or compute the loss yourself; the ranks' losses
   then sum to the loss of the whole batch.
-- Generation: not supported under CP through transformers' generate (its caches are unsharded torch tensors);
-  seqpar.MhaDecodeCp / GdnDecodeCp are the sharded-cache decoders (python/seqpar/decode.py).
+- Generation: seqpar.hf.generate(model, grid, input_ids, max_new_tokens) decodes greedily with the K/V caches
+  sharded over the ring group (seqpar.MhaDecodeCp: the prompt's prefill under CP fills them, each step attends
+  the new token to them); transformers' own generate() cannot (its caches are whole-sequence torch tensors).
+  Attention layers only (Llama, Qwen3, Mistral style): Qwen3-Next's GDN layers are refused.
 """
 
 import contextlib
@@ -49,6 +51,7 @@ class _Active:
     layout: object
     impl: str
     gdn_mode: str
+    decoding: object = None  # a _Decoding inside generate()
 
 
 def _active():
@@ -104,6 +107,8 @@ def seqpar_attention_forward(module, query, key, value, attention_mask, dropout=
             layer._num_dropout_calls = previous._num_dropout_calls
         return layer
 
+    if active.decoding is not None:
+        return active.decoding.attention(module, query, key, value, scaling, window, softcap, s_aux), None
     attn = _per_module(module, "_seqpar_attention", key_, make)
     attn.train(module.training)
     q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))
@@ -245,3 +250,74 @@ def replace_gated_delta_net(model):
             module.__class__ = cls
             count += 1
     return count
+
+
+# ---- generation with sharded caches ---------------------------------------------------------------------------
+
+
+class _Decoding:
+    """The sharded caches of one generate() call, one per attention module, and the phase (prefill or decode)."""
+
+    def __init__(self, grid, capacity, shard, interleave):
+        self.grid, self.capacity = grid, capacity
+        self.decoder_options = dict(shard=shard, interleave=interleave)
+        self.caches = {}  # module -> (decoder, cache)
+        self.layout = None  # the prompt's, during the prefill; None during decode steps
+
+    def attention(self, module, query, key, value, scaling, window, softcap, s_aux):
+        if window or softcap or s_aux is not None:
+            raise _seqpar.Error("seqpar.hf.generate: sliding windows, softcap and sinks have no sharded-cache decoder")
+        from .decode import MhaDecodeCp
+
+        q, k, v = (t.transpose(1, 2).contiguous() for t in (query, key, value))  # [B, S, H, D]
+        if module not in self.caches:
+            if self.layout is None:
+                raise _seqpar.Error("seqpar.hf.generate: a decode step reached a layer the prefill did not fill")
+            dec = MhaDecodeCp(self.grid, scale=float(scaling or 0.0), **self.decoder_options)
+            self.caches[module] = (dec, dec.make_cache(k.shape[0], self.capacity, k.shape[2], k.shape[3], k.dtype))
+        dec, cache = self.caches[module]
+        if self.layout is not None:
+            out, _ = dec.prefill(cache, self.layout, q, k, v)
+        else:
+            out, _ = dec.decode(cache, q, k, v)
+        return out
+
+
+@torch.no_grad()
+def generate(model, grid, input_ids, max_new_tokens, kind="zigzag", shard="interleave", interleave=1):
+    """Greedy decoding of a transformers causal LM (attn_implementation="seqpar") with sharded K/V caches.
+
+    input_ids [B, T], the same on every rank. The prompt runs under CP (each rank its rows of a `kind` layout) and
+    fills each attention layer's cache, sharded by token over the ring group (seqpar.MhaDecodeCp: `shard`
+    "interleave" or "contiguous"); each step then runs the model on the new token on every rank, its attention
+    against the sharded caches. Returns (tokens [B, T + max_new_tokens], logits [B, max_new_tokens, vocab]: the
+    logits each new token was chosen from), identical on every rank. Collective over the grid's CP group."""
+    for module in model.modules():
+        if type(module).__name__.endswith("GatedDeltaNet"):
+            raise _seqpar.Error("seqpar.hf.generate: the model has GDN layers (Qwen3-Next); only attention layers "
+                                "have a sharded-cache decoder here")
+    T = input_ids.shape[1]
+    decoding = _Decoding(grid, T + max_new_tokens, shard, interleave)
+    batch = shard_batch(grid, input_ids, kind=kind)
+    decoding.layout = batch.layout
+    tokens, chosen = input_ids, []
+    with context_parallel(grid, batch.layout):
+        _state.active.decoding = decoding
+        logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+        last = _gather_rows(grid, batch.layout, logits)[:, T - 1]
+        decoding.layout = None
+        for step in range(max_new_tokens):
+            chosen.append(last)
+            new = last.argmax(-1, keepdim=True)
+            tokens = torch.cat([tokens, new], 1)
+            if step + 1 == max_new_tokens:
+                break
+            pos = torch.full_like(new, T + step)
+            last = model(input_ids=new, position_ids=pos, use_cache=False).logits[:, -1]
+    return tokens, torch.stack(chosen, 1)
+
+
+def _gather_rows(grid, layout, local):
+    from .sequence import gather_sequence
+
+    return gather_sequence(grid, layout, local.contiguous())

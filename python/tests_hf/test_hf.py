@@ -159,3 +159,28 @@ def test_without_context_is_refused_and_gdn_falls_back():
     assert seqpar.hf.replace_gated_delta_net(Holder(replaced)) == 1
     x = torch.randn(1, 8, 32)
     check_close("fallback", replaced(x), layer(x), 0.0)
+
+
+@pytest.mark.parametrize("grid_shape", GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_generate_with_sharded_caches(kind, grid_shape):
+    """Greedy decoding with the K/V caches sharded over the ring group: the logits of every step equal the one-process
+    model's over the generated sequence, and the tokens equal transformers' own generate()."""
+    grid = seqpar.CpGrid(1, *grid_shape)
+    ref, cp = models(kind)
+    torch.manual_seed(4)
+    T, N = 21, 6
+    ids = torch.randint(0, VOCAB, (2, T))
+    tokens, logits = seqpar.hf.generate(cp, grid, ids, max_new_tokens=N)
+    full = ref(input_ids=tokens, use_cache=False).logits
+    check_close("logits of each step", logits, full[:, T - 1:T - 1 + N], RTOL)
+    want = ref.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
+                        pad_token_id=0)
+    assert torch.equal(tokens, want), f"tokens {tokens.tolist()} != transformers' {want.tolist()}"
+
+
+def test_generate_refuses_gdn_models():
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    _, cp = models("qwen3_next")
+    with pytest.raises(seqpar.Error, match="GDN"):
+        seqpar.hf.generate(cp, grid, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2)
