@@ -29,7 +29,7 @@ What each piece does:
 - Generation: seqpar.hf.generate(model, grid, input_ids, max_new_tokens) decodes greedily with the K/V caches
   sharded over the ring group (seqpar.MhaDecodeCp: the prompt's prefill under CP fills them, each step attends
   the new token to them); transformers' own generate() cannot (its caches are whole-sequence torch tensors).
-  Attention layers only (Llama, Qwen3, Mistral style): Qwen3-Next's GDN layers are refused.
+  Qwen3-Next's replaced GDN layers keep their state and conv tail split by value heads (seqpar.GdnDecodeCp).
 """
 
 import contextlib
@@ -221,15 +221,19 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
     query, key_, value, z, b, a = self.fix_query_key_value_ordering(qkvz, ba)
     mixed = torch.cat([t.reshape(t.shape[0], t.shape[1], -1) for t in (query, key_, value)], -1).contiguous()
     weight = self.conv1d.weight.squeeze(1).to(mixed.dtype).contiguous()  # [C, W]
-    mixed = ShortConvFunction.apply(conv, grid, mixed, weight)
+    beta = b.sigmoid()
+    g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)
+    if active.decoding is None:
+        mixed = ShortConvFunction.apply(conv, grid, mixed, weight)
     query, key_, value = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], -1)
     query = query.reshape(query.shape[0], query.shape[1], -1, self.head_k_dim).contiguous()
     key_ = key_.reshape(key_.shape[0], key_.shape[1], -1, self.head_k_dim).contiguous()
     value = value.reshape(value.shape[0], value.shape[1], -1, self.head_v_dim).contiguous()
-    beta = b.sigmoid()
-    g = -self.A_log.float().exp() * torch.nn.functional.softplus(a.float() + self.dt_bias)
     key_, value, g, beta = (t.contiguous() for t in _in_dtype(query.dtype, key_, value, g, beta))
-    out, _ = GdnFunction.apply(gdn, grid, query, key_, value, g, beta, None)
+    if active.decoding is not None:  # generate(): q, k, v are the conv's inputs, the conv runs in GdnDecodeCp
+        out = active.decoding.gdn(self, query, key_, value, g, beta, weight)
+    else:
+        out, _ = GdnFunction.apply(gdn, grid, query, key_, value, g, beta, None)
 
     z_shape = z.shape
     out = self.norm(out.reshape(-1, out.shape[-1]), z.reshape(-1, z.shape[-1]))
@@ -264,6 +268,22 @@ class _Decoding:
         self.caches = {}  # module -> (decoder, cache)
         self.layout = None  # the prompt's, during the prefill; None during decode steps
 
+    def gdn(self, module, q, k, v, g, beta, conv_weight):
+        """A Qwen3-Next GDN layer: the prompt through GdnDecodeCp.prefill (the state and the conv tail of this
+        rank's heads kept), then each step through decode; q, k, v are the conv's inputs. Returns all heads."""
+        from .decode import GdnDecodeCp
+
+        if module not in self.caches:
+            if self.layout is None:
+                raise _seqpar.Error("seqpar.hf.generate: a decode step reached a layer the prefill did not fill")
+            dec = GdnDecodeCp(self.grid, value_heads=v.shape[2], key_heads=k.shape[2])
+            self.caches[module] = (dec, dec.make_cache(q.shape[0], q.shape[3], v.shape[3], q.dtype,
+                                                       conv_width=conv_weight.shape[1]))
+        dec, cache = self.caches[module]
+        if self.layout is not None:
+            return dec.prefill(cache, self.layout, q, k, v, g, beta, conv_weight=conv_weight)
+        return dec.decode(cache, q, k, v, g, beta, conv_weight=conv_weight)
+
     def attention(self, module, query, key, value, scaling, window, softcap, s_aux):
         if window or softcap or s_aux is not None:
             raise _seqpar.Error("seqpar.hf.generate: sliding windows, softcap and sinks have no sharded-cache decoder")
@@ -290,12 +310,13 @@ def generate(model, grid, input_ids, max_new_tokens, kind="zigzag", shard="inter
     input_ids [B, T], the same on every rank. The prompt runs under CP (each rank its rows of a `kind` layout) and
     fills each attention layer's cache, sharded by token over the ring group (seqpar.MhaDecodeCp: `shard`
     "interleave" or "contiguous"); each step then runs the model on the new token on every rank, its attention
-    against the sharded caches. Returns (tokens [B, T + max_new_tokens], logits [B, max_new_tokens, vocab]: the
+    against the sharded caches. Qwen3-Next's GDN layers (after replace_gated_delta_net) keep the state and the short
+    conv's tail of their value heads split over the CP group (seqpar.GdnDecodeCp). Returns (tokens [B, T + max_new_tokens], logits [B, max_new_tokens, vocab]: the
     logits each new token was chosen from), identical on every rank. Collective over the grid's CP group."""
     for module in model.modules():
-        if type(module).__name__.endswith("GatedDeltaNet"):
-            raise _seqpar.Error("seqpar.hf.generate: the model has GDN layers (Qwen3-Next); only attention layers "
-                                "have a sharded-cache decoder here")
+        if type(module).__name__ == "Qwen3NextGatedDeltaNet":
+            raise _seqpar.Error("seqpar.hf.generate: the model's GDN layers (Qwen3-Next) run under CP only after "
+                                "seqpar.hf.replace_gated_delta_net(model)")
     T = input_ids.shape[1]
     decoding = _Decoding(grid, T + max_new_tokens, shard, interleave)
     batch = shard_batch(grid, input_ids, kind=kind)

@@ -179,8 +179,23 @@ def test_generate_with_sharded_caches(kind, grid_shape):
     assert torch.equal(tokens, want), f"tokens {tokens.tolist()} != transformers' {want.tolist()}"
 
 
-def test_generate_refuses_gdn_models():
+@pytest.mark.parametrize("grid_shape", GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
+def test_qwen3_next_generate(grid_shape):
+    """The hybrid stack: GDN layers decode from their head-split state and conv tail, the attention layer from its
+    sharded K/V cache; every step's logits equal the one-process model's over the generated sequence."""
+    grid = seqpar.CpGrid(1, *grid_shape)
+    ref, cp = models("qwen3_next")
+    torch.manual_seed(5)
+    T, N = 19, 5
+    ids = torch.randint(0, VOCAB, (1, T))
+    tokens, logits = seqpar.hf.generate(cp, grid, ids, max_new_tokens=N)
+    full = ref(input_ids=tokens, use_cache=False).logits
+    check_close("logits of each step", logits, full[:, T - 1:T - 1 + N], RTOL)
+    assert torch.equal(tokens[:, T:], full[:, T - 1:T - 1 + N].argmax(-1))
+
+
+def test_generate_refuses_unreplaced_gdn():
     grid = seqpar.CpGrid(1, 1, WORLD)
-    _, cp = models("qwen3_next")
-    with pytest.raises(seqpar.Error, match="GDN"):
-        seqpar.hf.generate(cp, grid, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2)
+    ref, _ = models("qwen3_next")
+    with pytest.raises(seqpar.Error, match="replace_gated_delta_net"):
+        seqpar.hf.generate(ref, grid, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2)
