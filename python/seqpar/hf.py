@@ -311,8 +311,9 @@ def generate(model, grid, input_ids, max_new_tokens, kind="zigzag", shard="inter
     fills each attention layer's cache, sharded by token over the ring group (seqpar.MhaDecodeCp: `shard`
     "interleave" or "contiguous"); each step then runs the model on the new token on every rank, its attention
     against the sharded caches. Qwen3-Next's GDN layers (after replace_gated_delta_net) keep the state and the short
-    conv's tail of their value heads split over the CP group (seqpar.GdnDecodeCp). Returns (tokens [B, T + max_new_tokens], logits [B, max_new_tokens, vocab]: the
-    logits each new token was chosen from), identical on every rank. Collective over the grid's CP group."""
+    conv's tail of their value heads split over the CP group (seqpar.GdnDecodeCp). Returns (tokens [B, T +
+    max_new_tokens], logits [B, max_new_tokens, vocab]: the logits each new token was chosen from), identical on every
+    rank. Collective over the grid's CP group."""
     for module in model.modules():
         if type(module).__name__ == "Qwen3NextGatedDeltaNet":
             raise _seqpar.Error("seqpar.hf.generate: the model's GDN layers (Qwen3-Next) run under CP only after "
