@@ -85,11 +85,12 @@ def test_mha_decode_own_heads_and_refusals():
 DSA_H, DSA_DQK, DSA_DV, DSA_HI, DSA_DI, DSA_TOPK = 4, 16, 8, 2, 8, 8
 
 
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
 @pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("shard,interleave", [("interleave", 1), ("interleave", 4), ("contiguous", 1)], ids=str)
-def test_dsa_prefill_decode(kind, shard, interleave):
+def test_dsa_prefill_decode(grid_shape, kind, shard, interleave):
     B, total = 1, T + sum(STEPS)
-    grid = seqpar.CpGrid(1, 1, WORLD)
+    grid = seqpar.CpGrid(1, *grid_shape)
     inputs = [torch.randn(B, total, *s, dtype=torch.float64)
               for s in ((DSA_H, DSA_DQK), (DSA_DQK,), (DSA_HI, DSA_DI), (DSA_DI,), (DSA_HI,))]
     ref, _ = dsa_reference(*inputs, topk=DSA_TOPK, dim_v=DSA_DV)
