@@ -22,6 +22,15 @@ if [ ${#python_missing[@]} -gt 0 ]; then
     echo "common.sh: warning: pip install ${python_missing[*]} failed; the Python module or its tests will be off" >&2
 fi
 
+# transformers, for the Hugging Face tests only (python/tests_hf, ctest python.hf.*): by name, separately, so that a
+# failure leaves every other test as it was; those tests then skip and say why.
+if ! python3 -c "import transformers" 2>/dev/null && python3 -c "import torch" 2>/dev/null; then
+  echo "common.sh: pip installing transformers (for python/tests_hf)"
+  python3 -m pip install -q transformers ||
+    python3 -m pip install -q --break-system-packages transformers ||
+    echo "common.sh: warning: pip install transformers failed; the Hugging Face tests will be skipped" >&2
+fi
+
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 if [ ! -f "$build_dir/CMakeCache.txt" ]; then

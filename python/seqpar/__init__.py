@@ -39,6 +39,7 @@ from ._seqpar import (  # noqa: F401
     CpGrid,
     __version__,
     abort,
+    alibi_slopes,
     from_mpi4py,
     world,
 )
@@ -52,6 +53,8 @@ from .layers import (  # noqa: F401
     MhaCp,
     MhaCpFunction,
 )
+from .decode import DsaDecodeCp, GdnDecodeCp, MhaDecodeCp  # noqa: F401
+from .rope import apply_rope, rope_cos_sin  # noqa: F401
 from .sequence import gather_sequence, scatter_sequence, shard_sequence  # noqa: F401
 from .distributed import all_reduce_cp_gradients, torch_grid  # noqa: F401
 from .loss import shard_labels, sharded_cross_entropy, shift_labels  # noqa: F401

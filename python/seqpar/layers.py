@@ -16,6 +16,11 @@ over the group (all_reduce, as data parallelism does) gives the exact total for 
 that are the same on every rank (GDN's final_state, DSA's indexer loss) get their incoming gradients summed over
 the group before the C++ backward.
 
+Mixed precision (torch.autocast, fp32 master weights with bf16 activations): the modules compute in the dtype of
+their first activation (q; x for the short conv) and cast the other inputs and their parameters to it (a
+differentiable .to(), so each gradient comes back in its tensor's own dtype, e.g. the fp32 conv weight's); GDN's
+initial_state is cast to the state dtype (fp32; fp64 for fp64). The autograd functions themselves take one dtype.
+
 lse: -inf on padding rows (no key), as in the C++ layers; a loss on lse should skip them (a finite mask, as the
 gradients already do). Double backward is not supported: a backward with create_graph=True raises seqpar.Error
 instead of treating seqpar's part as a constant.
@@ -44,6 +49,25 @@ def _first_order_only():
                             "their backward is not differentiable")
 
 
+def _in_dtype(dtype, *tensors):
+    """Mixed precision (module docstring): the other inputs and the parameters in the activation dtype, by a
+    differentiable cast (autograd returns their gradients in their own dtypes); a no-op when the dtypes agree."""
+    return tuple(t.to(dtype) for t in tensors)
+
+
+def _layout_hint(layout, grid, error, *tensors):
+    """seqpar.Error `error` of a layer call, with the layout named when a sharded input does not have the layout's
+    local_len rows (the usual cause: a torch.chunk or a hand-made split instead of seqpar.shard_sequence). The C++
+    check raised it on every rank before any message; this only adds words."""
+    rows = [t.shape[1] for t in tensors if t is not None and t.dim() > 1]
+    if all(r == layout.local_len for r in rows):
+        return error
+    return _seqpar.Error(
+        f"{error} [the {layout.kind} layout gives CP rank {grid.cp_rank} local_len={layout.local_len} rows "
+        f"(seq_len {layout.seq_len}, padded_len {layout.padded_len} over {layout.num_ranks} ranks); got rows "
+        f"{rows}: cut the sequence with seqpar.shard_sequence(x, layout, grid.cp_rank), not torch.chunk]")
+
+
 def _share(total, grid):
     """This rank's share of a gradient that C++ returned in full on every rank of the CP group."""
     return total / grid.cp.size
@@ -59,9 +83,9 @@ class MhaCpFunction(torch.autograd.Function):
     lse gradients are ignored."""
 
     @staticmethod
-    def forward(ctx, layer, q, k, v):
+    def forward(ctx, layer, q, k, v, sinks=None, grid=None):
         out, lse, saved = layer.forward(q.detach(), k.detach(), v.detach())
-        ctx.layer, ctx.saved, ctx.out_like = layer, saved, (out.shape, out.dtype)
+        ctx.layer, ctx.saved, ctx.out_like, ctx.grid = layer, saved, (out.shape, out.dtype), grid
         ctx.set_materialize_grads(False)  # an unused lse sends no gradient (and nothing over the Ulysses group)
         return out, lse
 
@@ -70,25 +94,63 @@ class MhaCpFunction(torch.autograd.Function):
         _first_order_only()
         if dout is None:  # a loss on lse only
             dout = torch.zeros(ctx.out_like[0], dtype=ctx.out_like[1])
-        dq, dk, dv = ctx.layer.backward(ctx.saved, _grad_in(dout), None if dlse is None else _grad_in(dlse))
-        return None, dq, dk, dv
+        dq, dk, dv, dsinks = ctx.layer.backward(ctx.saved, _grad_in(dout), None if dlse is None else _grad_in(dlse))
+        # sinks are replicated: dsinks (the whole sequence's) is the same on every rank; this rank takes its share
+        dsinks = None if dsinks is None or ctx.grid is None else _share(dsinks, ctx.grid)
+        return None, dq, dk, dv, dsinks, None
 
 
 class MhaCp(torch.nn.Module):
     """MHA / GQA core attention under USP (Ulysses x ring; parallel/usp.h): ring attention when ulysses_size is 1
     (impl 'p2p' or 'allgather'), Ulysses when ring_size is 1; causal, sliding window, any layout.
 
-    forward(q, k, v) -> out, or (out, lse) with return_lse. Shapes as MhaCpFunction."""
+    forward(q, k, v) -> out, or (out, lse) with return_lse. Shapes as MhaCpFunction.
 
-    def __init__(self, grid=None, layout=None, config=None, **config_fields):
+    Score modifiers and dropout (docs/python.md, "Attention variants"): softcap=c (scores c tanh(s / c)),
+    alibi_slopes=[Hq] tensor (bias -slope_h |i - j|; seqpar.alibi_slopes(Hq) gives Press et al.'s), sinks=[Hq]
+    tensor of sink logits (a Parameter to learn them: it gets its gradient), dropout_p=p on the attention
+    probabilities in training mode (module.train(); off in eval()). The dropout mask is keyed by (seed, batch,
+    global head, global query and key positions), so every grid and layout drops the same pairs as one rank; the
+    seed of the n-th training forward is dropout_seed + n, the same on every rank (forwards are collective)."""
+
+    def __init__(self, grid=None, layout=None, config=None, alibi_slopes=None, sinks=None, **config_fields):
         super().__init__()
         grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
         self.config = config if config is not None else _seqpar.MhaCpConfig(**config_fields)
-        self.layer = _seqpar.MhaCp(grid, self.layout, self.config)
+        self.alibi_slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).detach().contiguous()
+        self.sinks = sinks  # a Parameter assigned to a Module attribute is registered
+        self._num_dropout_calls = 0
+        self._key = None
+        self.layer = self._layer(self.config.dropout_p, self.config.dropout_seed)
+
+    def _layer(self, dropout_p, dropout_seed):
+        """The C++ layer for this call: made again when the dropout seed or the sinks' storage changed (its
+        configuration holds views of the sinks and slopes)."""
+        sinks = None if self.sinks is None else self.sinks.detach()
+        if sinks is not None and not sinks.is_contiguous():
+            raise _seqpar.Error("MhaCp: sinks must be a contiguous [Hq] tensor")
+        key = (dropout_p, dropout_seed, None if sinks is None else (sinks.data_ptr(), sinks.dtype))
+        if key != self._key:
+            c = self.config
+            config = _seqpar.MhaCpConfig(c.impl, c.causal, c.window, c.scale, c.softcap, dropout_p, dropout_seed)
+            config.set_score_tensors(self.alibi_slopes, sinks)
+            self._config_tensors = (self.alibi_slopes, sinks)  # alive as long as the layer
+            self.layer, self._key = _seqpar.MhaCp(self.grid, self.layout, config), key
+        return self.layer
 
     def forward(self, q, k, v, return_lse=False):
-        out, lse = MhaCpFunction.apply(self.layer, q, k, v)
+        p = self.config.dropout_p if self.training else 0.0
+        seed = self.config.dropout_seed
+        if p > 0:
+            seed += self._num_dropout_calls
+            self._num_dropout_calls += 1
+        layer = self._layer(p, seed)
+        k, v = _in_dtype(q.dtype, k, v)
+        try:
+            out, lse = MhaCpFunction.apply(layer, q, k, v, self.sinks, self.grid)
+        except _seqpar.Error as e:
+            raise _layout_hint(self.layout, self.grid, e, q, k, v) from None
         return (out, lse) if return_lse else out
 
 
@@ -134,7 +196,13 @@ class GdnCp(torch.nn.Module):
         self.layer = _seqpar.GdnCp(grid, self.layout, self.config)
 
     def forward(self, q, k, v, g, beta, initial_state=None):
-        return GdnFunction.apply(self.layer, self.grid, q, k, v, g, beta, initial_state)
+        k, v, g, beta = _in_dtype(q.dtype, k, v, g, beta)
+        if initial_state is not None:
+            initial_state = initial_state.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+        try:
+            return GdnFunction.apply(self.layer, self.grid, q, k, v, g, beta, initial_state)
+        except _seqpar.Error as e:
+            raise _layout_hint(self.layout, self.grid, e, q, k, v, g, beta) from None
 
 
 class ShortConvFunction(torch.autograd.Function):
@@ -171,7 +239,10 @@ class ShortConvCp(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.empty(channels, width, dtype=dtype).uniform_(-bound, bound))
 
     def forward(self, x):
-        return ShortConvFunction.apply(self.layer, self.grid, x, self.weight)
+        try:
+            return ShortConvFunction.apply(self.layer, self.grid, x, self.weight.to(x.dtype))
+        except _seqpar.Error as e:
+            raise _layout_hint(self.layout, self.grid, e, x) from None
 
 
 # ---- DSA --------------------------------------------------------------------------------------------------------
@@ -242,6 +313,10 @@ class DsaCp(torch.nn.Module):
         self.layer = _seqpar.DsaCp(grid, self.layout, self.config)
 
     def forward(self, q, c, q_idx, k_idx, w):
-        if self.indexer_loss_weight is None:
-            return DsaFunction.apply(self.layer, self.grid, q, c, q_idx, k_idx, w)
-        return DsaWeightedFunction.apply(self.layer, float(self.indexer_loss_weight), q, c, q_idx, k_idx, w)
+        c, q_idx, k_idx, w = _in_dtype(q.dtype, c, q_idx, k_idx, w)
+        try:
+            if self.indexer_loss_weight is None:
+                return DsaFunction.apply(self.layer, self.grid, q, c, q_idx, k_idx, w)
+            return DsaWeightedFunction.apply(self.layer, float(self.indexer_loss_weight), q, c, q_idx, k_idx, w)
+        except _seqpar.Error as e:
+            raise _layout_hint(self.layout, self.grid, e, q, c, q_idx, k_idx, w) from None

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "decode_bindings.h"
 #include "dlpack_bridge.h"
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
@@ -68,8 +69,22 @@ std::shared_ptr<Communicator> from_mpi4py(const py::object& comm) {
 struct Grid {
   std::shared_ptr<Communicator> world;
   CpGrid grid;
-  Grid(std::shared_ptr<Communicator> w, const CpGridConfig& config) : world(std::move(w)), grid(*world, config) {}
+  Grid(std::shared_ptr<Communicator> w, const CpGridConfig& config)
+      : world(launched_alone(std::move(w), config)), grid(*world, config) {}
   Grid(std::shared_ptr<Communicator> w, CpGrid&& g) : world(std::move(w)), grid(std::move(g)) {}
+
+  // A world of one process asked for a grid of more: the error says how to start the processes (a plain `python`
+  // run, or torchrun, whose processes MPI does not connect, gives each process an MPI world of its own).
+  static std::shared_ptr<Communicator> launched_alone(std::shared_ptr<Communicator> w, const CpGridConfig& c) {
+    const std::int64_t n = std::int64_t{c.dp_size} * c.ulysses_size * c.ring_size;
+    SEQPAR_CHECK(w->size() != 1 || n <= 1 || c.dp_size < 1 || c.ulysses_size < 1 || c.ring_size < 1,
+                 "CpGrid: dp_size ", c.dp_size, " x ulysses_size ", c.ulysses_size, " x ring_size ", c.ring_size,
+                 " needs ", n, " processes, but this one is alone (MPI world size 1): start ", n,
+                 " with an MPI launcher, e.g. `mpirun -np ", n, " python3 script.py` (docs/python.md). A plain "
+                 "`python` run is one process; under torchrun, pass the torch.distributed group instead "
+                 "(process_group= or device_mesh=; MPI does not connect torchrun's processes)");
+    return w;
+  }
 };
 
 std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
@@ -106,7 +121,8 @@ void def_fields(py::class_<Class>& cls, std::pair<const char*, Members Class::*>
 }
 
 py::tuple attention_grads(MhaCpGrads&& g) {
-  return py::make_tuple(to_torch(std::move(g.dq)), to_torch(std::move(g.dk)), to_torch(std::move(g.dv)));
+  return py::make_tuple(to_torch(std::move(g.dq)), to_torch(std::move(g.dk)), to_torch(std::move(g.dv)),
+                        g.dsinks.defined() ? to_torch(std::move(g.dsinks)) : py::none());
 }
 
 // The constructor of every CP layer binding, Layer(grid, layout, config); the layer keeps the grid (which owns the
@@ -305,18 +321,44 @@ void bind_layout(py::module_& m) {
 // MHA / GQA: MhaCp (ring when ulysses_size = 1, Ulysses when ring_size = 1) and its config.
 void bind_mha(py::module_& m) {
   py::class_<MhaCpConfig> mha_config(m, "MhaCpConfig");
-  mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale) {
+  mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale, float softcap,
+                              double dropout_p, std::uint64_t dropout_seed) {
                    MhaCpConfig c;
                    c.impl = parse_ring_impl(impl);
                    c.causal = causal;
                    c.window = window;
                    c.scale = scale;
+                   c.score_mods.softcap = softcap;
+                   c.dropout = {dropout_p, dropout_seed};
                    return c;
                  }),
-                 py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0f);
+                 py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0f,
+                 py::arg("softcap") = 0.0f, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = 0);
   enum_property(mha_config, "impl", &MhaCpConfig::impl, ring_impl_name, parse_ring_impl);
   def_fields(mha_config, std::pair{"causal", &MhaCpConfig::causal},
              std::pair{"window", &MhaCpConfig::window}, std::pair{"scale", &MhaCpConfig::scale});
+  mha_config
+      .def_property(
+          "softcap", [](const MhaCpConfig& c) { return c.score_mods.softcap; },
+          [](MhaCpConfig& c, float v) { c.score_mods.softcap = v; })
+      .def_property(
+          "dropout_p", [](const MhaCpConfig& c) { return c.dropout.p; },
+          [](MhaCpConfig& c, double v) { c.dropout.p = v; })
+      .def_property(
+          "dropout_seed", [](const MhaCpConfig& c) { return c.dropout.seed; },
+          [](MhaCpConfig& c, std::uint64_t v) { c.dropout.seed = v; })
+      // ALiBi slopes and sinks are views: the caller keeps the tensors alive while a layer made from this
+      // configuration is used (seqpar.MhaCp holds them).
+      .def(
+          "set_score_tensors",
+          [](MhaCpConfig& c, py::handle alibi_slopes, py::handle sinks) {
+            c.score_mods.alibi_slopes = view_of(alibi_slopes, "alibi_slopes");
+            c.score_mods.sinks = view_of(sinks, "sinks");
+          },
+          py::arg("alibi_slopes") = py::none(), py::arg("sinks") = py::none(),
+          "[Hq] fp32 / fp64 tensors (None: off), viewed without a copy.");
+  m.def("alibi_slopes", &attn::alibi_slopes, py::arg("num_heads"),
+        "The ALiBi slopes of Press et al. 2022 for num_heads heads (a list of floats).");
 
   bind_layer<MhaCp, MhaCpConfig>(m, "MhaCp", "MHA / GQA under USP (parallel/usp.h)")
       .def("forward",
@@ -419,4 +461,5 @@ PYBIND11_MODULE(_seqpar, m) {
   bind_mha(m);
   bind_gdn(m);
   bind_dsa(m);
+  python::bind_decode(m, [](py::handle grid) { return CpGroups::from(grid.cast<const Grid&>().grid); });
 }

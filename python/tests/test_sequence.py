@@ -131,8 +131,8 @@ def test_raw_bindings_outputs_and_context():
     out, lse, ctx = raw.forward(q, q, q)
     assert out.is_contiguous() and out.dtype == torch.float32 and lse.dtype == torch.float32 and ctx.live
     out.add_(1.0)  # writable
-    dq, dk, dv = raw.backward(ctx, torch.ones_like(out))
-    assert not ctx.live and dq.shape == q.shape
+    dq, dk, dv, dsinks = raw.backward(ctx, torch.ones_like(out))  # dsinks: None without sinks
+    assert not ctx.live and dq.shape == q.shape and dsinks is None
     with pytest.raises(seqpar.Error, match="(?i)context"):
         raw.backward(ctx, torch.ones_like(out))  # a context is used once
     with pytest.raises(seqpar.Error, match="float64, float32, bfloat16, float16"):

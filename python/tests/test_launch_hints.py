@@ -1,0 +1,40 @@
+"""What a new user meets first: a grid larger than a single-process launch says how to launch; a sharded input of
+the wrong length names the layout and the shard helper."""
+
+import pytest
+import torch
+
+import seqpar
+
+WORLD = seqpar.world().size
+
+
+@pytest.mark.skipif(WORLD != 1, reason="needs a world of one process (the np1 run checks it)")
+def test_world_of_one_asked_for_more_says_how_to_launch():
+    with pytest.raises(seqpar.Error, match=r"alone \(MPI world size 1\).*mpirun -np 4 python3"):
+        seqpar.CpGrid(1, 2, 2)
+
+
+@pytest.mark.parametrize("layer", ["mha", "gdn", "conv"])
+def test_wrong_rows_name_the_layout(layer):
+    """Rows that do not match the layout's local_len (a torch.chunk of a padded sequence, here one row more): the
+    error names the layout kind, local_len and shard_sequence, on every rank."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, 30, "zigzag")
+    n = layout.local_len + 1
+    with pytest.raises(seqpar.Error, match=rf"the zigzag layout gives CP rank {grid.cp_rank} "
+                                           rf"local_len={layout.local_len}.*seqpar.shard_sequence"):
+        if layer == "mha":
+            seqpar.MhaCp(grid, layout)(*(torch.randn(1, n, 2, 8) for _ in range(3)))
+        elif layer == "gdn":
+            q = torch.randn(1, n, 2, 8)
+            seqpar.GdnCp(grid, layout)(q, q, q, -torch.rand(1, n, 2), torch.rand(1, n, 2))
+        else:
+            seqpar.ShortConvCp(grid, layout, 8)(torch.randn(1, n, 8))
+
+
+def test_apply_rope_names_the_layout():
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, 30, "zigzag")
+    with pytest.raises(ValueError, match="zigzag layout.*shard_sequence"):
+        seqpar.apply_rope(torch.randn(1, layout.local_len + 1, 2, 8), layout, grid.cp_rank)
