@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Runs the PyTorch example of README.md (its first ```python block) as a newcomer would, under mpirun, and checks
+"""Runs the PyTorch example of README.md (its first ```python block) as a newcomer would, under torchrun, and checks
 what it computed against PyTorch's attention on the whole sequence: the gathered output within 1e-4 of the
 reference it prints, and gradients on the full inputs. The example keeps its names (full, ref, q, k, v); a README
 whose example no longer runs with the current package, or computes something else, fails here.
 
-Usage: mpirun -np 2 python3 run_readme_example.py README.md (PYTHONPATH with the build's python/ directory)."""
+Usage: torchrun --nproc-per-node 2 run_readme_example.py README.md (PYTHONPATH with the build's python/ directory)."""
 
 import re
 import sys
@@ -26,6 +26,9 @@ def main(readme):
         return 1
     if q.grad is None or not bool(q.grad.abs().sum() > 0):
         print(f"error: rank {rank}: the README example's backward left no gradient on q")
+        return 1
+    if "mpi4py" in sys.modules:
+        print(f"error: rank {rank}: the README example imported mpi4py under torchrun")
         return 1
     print(f"rank {rank}: the README example ran; output within {err:.2g} of torch's attention, gradients present")
     return 0
