@@ -1,8 +1,7 @@
 // sp_plan: ranks every context-parallel configuration of one layer by predicted step time (benchmarks/sp_plan.h;
 // usage: docs/benchmarks.md, "sp_plan").
 //
-//   sp_plan --profile profiles/h100.json --world 16 --nodes 2 --devices-per-node 8 --mem-per-device 80G \
-//           -- --model llama3-8b --seq 128K
+//   sp_plan --profile profile.json --world 16 --nodes 2 --mem-per-device 80G -- --model llama3-8b --seq 128K
 //   sp_plan --calibrate profile.json      # this machine's profile, from kernel_bench and comm_bench
 //
 // The flags after "--" are sp_bench's problem flags (--model / --attn, shapes, --seq or --doc-lens, --dtype, ...).
@@ -80,7 +79,6 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
   const std::filesystem::path dir = own_dir(), tmp = tmp_dir;
   std::filesystem::create_directories(tmp);
   DeviceProfile p;
-  p.cores_per_node = static_cast<int>(std::thread::hardware_concurrency());
   char host[256] = {0};
   gethostname(host, sizeof host - 1);
   p.name = str_cat("calibrated on ", host);
@@ -104,11 +102,13 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     const nlohmann::json j = read_json(out);
     KernelCurve fwd, bwd;
     fwd.source = bwd.source = str_cat("kernel_bench --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra,
-                                      " (best of the timed rounds)");
+                                      " (mean of the timed rounds)");
     for (const auto& row : j["results"]) {
-      const double ff = row["fwd_flops"].get<double>(), fms = row["fwd_ms"].get<double>();
+      // The mean of the timed rounds, not the best: sp_bench reports medians, and on a loaded machine the best
+      // round is the exception.
+      const double ff = row["fwd_flops"].get<double>(), fms = row["fwd_mean_ms"].get<double>();
       if (ff > 0 && fms > 0) fwd.points.emplace_back(ff, ff / (fms * 1e-3));
-      const double bf = row["bwd_flops"].get<double>(), bms = row["bwd_ms"].get<double>();
+      const double bf = row["bwd_flops"].get<double>(), bms = row["bwd_mean_ms"].get<double>();
       if (bf > 0 && bms > 0) bwd.points.emplace_back(bf, bf / (bms * 1e-3));
     }
     std::sort(fwd.points.begin(), fwd.points.end());
@@ -116,6 +116,26 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
     p.kernels[str_cat(r.kernel, "_bwd")] = bwd;
   }
+  // The cores the ranks get: one MHA kernel alone, then as many copies at once as the machine has cores; on a
+  // machine shared with other work they get fewer cores than it has.
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const auto mean_fwd_ms = [&](int copies) {
+    std::string cmd = "(";
+    for (int i = 0; i < copies; ++i) {
+      cmd += str_cat((dir / "kernel_bench").string(), " --kernel mha --seq 1024 --dim 64 --hq 8 --hkv 8 --mask causal",
+                     " --no-backward --threads ", threads, " --warmup 1 --min-time ", 2 * min_time, " --json ",
+                     (tmp / str_cat("cores_", copies, "_", i, ".json")).string(), " > /dev/null & ");
+    }
+    run_or_throw(cmd + "wait)");
+    double sum = 0;
+    for (int i = 0; i < copies; ++i)
+      sum += read_json(tmp / str_cat("cores_", copies, "_", i, ".json"))["results"][0]["fwd_mean_ms"].get<double>();
+    return sum / copies;
+  };
+  const double alone = mean_fwd_ms(1), together = mean_fwd_ms(hw);
+  p.cores_per_node = std::clamp(hw * alone / together, 1.0, static_cast<double>(hw));
+  p.note += str_cat("; cores_per_node ", p.cores_per_node, " of ", hw, ": kernel_bench mha S 1024 fwd ", alone,
+                    " ms alone, ", together, " ms with ", hw, " copies at once");
   const std::filesystem::path comm = tmp / "comm.json";
   run_or_throw(str_cat("mpirun -np 2 --oversubscribe ", (dir / "comm_bench").string(),
                        " --ops sendrecv --groups ring --min-bytes 1K --max-bytes 16M --factor 16 --warmup 3 "
@@ -136,7 +156,31 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
                            " bytes: latency = t(small) - small / bandwidth, bandwidth = slope");
   p.inter = p.intra;
   p.inter.source = "not measured (one node): the intra-node figures";
-  p.gdn_map_factor = 1.0;
+  // GDN scan's extra work, from sp_bench at 2 ranks (zigzag: 4 segments, 2 a rank) in chain and scan mode on a
+  // problem of its own (seq 2K): the chain runs the segments one after the other, so its forward is the whole
+  // forward F and its backward the whole backward B; the scan's forward is map + F / 2 on each rank, its backward
+  // sweep + B / 2. Hence map = (2 scan_fwd - chain_fwd) / chain_fwd, sweep = (2 scan_bwd - chain_bwd) / chain_fwd.
+  double phase_ms[2][2] = {{0, 0}, {0, 0}};  // [chain, scan][fwd, bwd]
+  for (int m = 0; m < 2; ++m) {
+    const std::filesystem::path out = tmp / str_cat("gdn_", m == 0 ? "chain" : "scan", ".json");
+    run_or_throw(str_cat("mpirun -np 2 --oversubscribe ", (dir / "sp_bench").string(),
+                         " --attn gdn --heads 8 --kv-heads 4 --head-dim 64 --dim-v 64 --seq 2K --ring-size 2 "
+                         "--layout zigzag --gdn-mode ",
+                         m == 0 ? "chain" : "scan", " --threads ", threads,
+                         " --warmup 1 --iters 3 --quiet --json ", out.string(), " > /dev/null"));
+    const nlohmann::json run = read_json(out);
+    for (const auto& ph : run["phases"]) {
+      if (ph["phase"] == "fwd") phase_ms[m][0] = ph["time_ms"].get<double>();
+      if (ph["phase"] == "bwd") phase_ms[m][1] = ph["time_ms"].get<double>();
+    }
+  }
+  SEQPAR_CHECK(phase_ms[0][0] > 0 && phase_ms[0][1] > 0 && phase_ms[1][0] > 0 && phase_ms[1][1] > 0,
+               "sp_plan --calibrate: sp_bench's GDN runs gave no phase times");
+  p.gdn_map_factor = std::max(0.0, (2 * phase_ms[1][0] - phase_ms[0][0]) / phase_ms[0][0]);
+  p.gdn_sweep_factor = std::max(0.0, (2 * phase_ms[1][1] - phase_ms[0][1]) / phase_ms[0][0]);
+  p.note += str_cat("; gdn_map_factor and gdn_sweep_factor from sp_bench --attn gdn --seq 2K at 2 ranks, chain ",
+                    phase_ms[0][0], " / ", phase_ms[0][1], " ms, scan ", phase_ms[1][0], " / ", phase_ms[1][1],
+                    " ms (fwd / bwd medians)");
   return p;
 }
 

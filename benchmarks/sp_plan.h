@@ -45,9 +45,13 @@ struct DeviceProfile {
   std::map<std::string, KernelCurve> kernels;
   LinkClass intra, inter;
   int ranks_per_nic = 1;   // ranks of a node sharing one inter-node NIC (its bandwidth divides among them)
-  int cores_per_node = 0;  // CPU profiles: ranks x threads beyond this slow compute down proportionally; 0: no limit
-  // GDN scan: the cost of a segment's map (gdn_transition) relative to its forward kernel.
-  double gdn_map_factor = 1.0;
+  // CPU profiles: the cores a node's ranks can use at once (measured: --calibrate runs two kernel_bench copies at
+  // once against one alone; on a shared machine fewer than it has); ranks x threads beyond it slow compute down
+  // proportionally. 0: no limit.
+  double cores_per_node = 0;
+  // GDN scan: the cost of a segment's map (gdn_transition) and of the backward's cheap dS sweep, each relative to
+  // the segment's forward kernel.
+  double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
   const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent
 };
 

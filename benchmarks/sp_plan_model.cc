@@ -94,8 +94,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   p.inter = link_from_json(j["links"]["inter"], what + ": links.inter");
   p.ranks_per_nic = j["links"].value("ranks_per_nic", 1);
   SEQPAR_CHECK(p.ranks_per_nic >= 1, what, ": links.ranks_per_nic ", p.ranks_per_nic, " must be >= 1");
-  p.cores_per_node = j.value("cores_per_node", 0);
+  p.cores_per_node = j.value("cores_per_node", 0.0);
   p.gdn_map_factor = j.value("gdn_map_factor", 1.0);
+  p.gdn_sweep_factor = j.value("gdn_sweep_factor", 1.0);
   return p;
 }
 
@@ -113,7 +114,7 @@ DeviceProfile load_profile(const std::string& path) {
 
 nlohmann::json profile_json(const DeviceProfile& p) {
   nlohmann::json j = {{"name", p.name}, {"note", p.note}, {"cores_per_node", p.cores_per_node},
-                      {"gdn_map_factor", p.gdn_map_factor}};
+                      {"gdn_map_factor", p.gdn_map_factor}, {"gdn_sweep_factor", p.gdn_sweep_factor}};
   for (const auto& [key, c] : p.kernels) {
     nlohmann::json pts = nlohmann::json::array();
     for (const auto& [x, y] : c.points) pts.push_back({x, y});
@@ -383,7 +384,8 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
                                         static_cast<double>(dtype_size(o.dtype)) * (pu - 1) / pu
                                   : 0.0;
   const double a2a_s = pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + a2a_bytes / links.ulysses.bandwidth_bps : 0.0;
-  const bool chain = o.gdn_mode == "chain";
+  // One ring rank holds every segment: nothing is passed, the scan computes no maps (it runs as the chain does).
+  const bool chain = o.gdn_mode == "chain" || P == 1;
   Prediction pr;
   pr.oversubscribed = slow > 1.0;
   const int nseg = static_cast<int>(segs.size());
@@ -428,7 +430,9 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
       std::vector<double> maps(P, 0.0), runs(P, 0.0);
       std::vector<int> owned(P, 0);
       for (int i = 0; i < nseg; ++i) {
-        maps[segs[i].owner] += (bwd ? 1.0 : prof.gdn_map_factor) * seg_fwd_s[i];
+        // The first segment starts from the known initial state (no map), the last ends with the known dS_end (no
+        // sweep); packed rows: segments at a document's start or end need none either (counted here as if they did).
+        if (bwd ? i + 1 < nseg : i > 0) maps[segs[i].owner] += (bwd ? prof.gdn_sweep_factor : prof.gdn_map_factor) * seg_fwd_s[i];
         runs[segs[i].owner] += seg_s[i];
         ++owned[segs[i].owner];
       }
