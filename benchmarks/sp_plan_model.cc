@@ -379,15 +379,25 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
   };
   // Ulysses: q, k (Hk K), v (Hv V), g, beta (Hv) in and out (Hv V) back; the backward the gradients.
   const double s_local = static_cast<double>(layout.local_len());
-  const double a2a_bytes = pu > 1 ? static_cast<double>(o.batch) * s_local *
-                                        (2.0 * o.kv_heads * K + 2.0 * o.heads * V + 2.0 * o.heads) *
-                                        static_cast<double>(dtype_size(o.dtype)) * (pu - 1) / pu
-                                  : 0.0;
+  // Key heads fewer than Pu travel replicated to Pu heads (ulysses_kv_heads), their gradients back in the
+  // accumulator dtype (as MHA's KV heads).
+  const double e = static_cast<double>(dtype_size(o.dtype));
+  const double hk_e = static_cast<double>(ulysses_kv_heads(o.kv_heads, pu));
+  const double qk_grad_e = o.kv_heads % pu == 0 ? e : static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
+  const auto a2a_bytes_of = [&](double qk_e) {
+    return pu > 1 ? static_cast<double>(o.batch) * s_local *
+                        (2.0 * hk_e * K * qk_e + (2.0 * o.heads * V + 2.0 * o.heads) * e) * (pu - 1) / pu
+                  : 0.0;
+  };
+  const double a2a_bytes = a2a_bytes_of(e);
   const double a2a_s = pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + a2a_bytes / links.ulysses.bandwidth_bps : 0.0;
+  // final_state (forward) and dinitial_state (backward), every head's, all-gathered over the Ulysses group.
+  const double state_gather_bytes = pu > 1 ? state_bytes * (pu - 1) : 0.0;
   // One ring rank holds every segment: nothing is passed, the scan computes no maps (it runs as the chain does).
   const bool chain = o.gdn_mode == "chain" || P == 1;
   Prediction pr;
   pr.oversubscribed = slow > 1.0;
+  pr.bytes_exact = !o.packed();  // packed rows: segments restart at documents, not modelled
   const int nseg = static_cast<int>(segs.size());
   const int rounds = nseg > 1 ? static_cast<int>(std::ceil(std::log2(static_cast<double>(nseg)))) + 1 : 0;
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
@@ -428,20 +438,32 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
       // Maps of every segment at once (the backward: the cheap dS sweep, about one forward), the scan's rounds
       // and the shift, then every segment's kernel at once.
       std::vector<double> maps(P, 0.0), runs(P, 0.0);
-      std::vector<int> owned(P, 0);
       for (int i = 0; i < nseg; ++i) {
         // The first segment starts from the known initial state (no map), the last ends with the known dS_end (no
         // sweep); packed rows: segments at a document's start or end need none either (counted here as if they did).
         if (bwd ? i + 1 < nseg : i > 0) maps[segs[i].owner] += (bwd ? prof.gdn_sweep_factor : prof.gdn_map_factor) * seg_fwd_s[i];
         runs[segs[i].owner] += seg_s[i];
-        ++owned[segs[i].owner];
+      }
+      // Bytes: the Kogge-Stone rounds (distance d = 1, 2, 4, ... < N: segment i's scanned map [M | U] to segment
+      // i + d) and the shift (each segment's end state to the next), counted where the owners differ; the backward
+      // runs the same in reverse order.
+      for (int d = 1; d < nseg; d *= 2) {
+        for (int i = 0; i + d < nseg; ++i) {
+          const Segment& from = segs[bwd ? nseg - 1 - i : i];
+          const Segment& to = segs[bwd ? nseg - 1 - i - d : i + d];
+          if (from.owner != to.owner) sent[from.owner] += map_bytes;
+        }
+      }
+      for (int i = 0; i + 1 < nseg; ++i) {
+        const Segment& from = segs[bwd ? nseg - 1 - i : i];
+        const Segment& to = segs[bwd ? nseg - 2 - i : i + 1];
+        if (from.owner != to.owner) sent[from.owner] += state_bytes;
       }
       const double scanned = a2a_s / 2 + *std::max_element(maps.begin(), maps.end()) +
                              rounds * links.ring.seconds(map_bytes);
       for (int r = 0; r < P; ++r) {
         ph.compute[r] = maps[r] + runs[r];
         ph.finish[r] = scanned + runs[r];
-        sent[r] = owned[r] * rounds * map_bytes;
       }
     }
     for (int r = 0; r < P; ++r) {
@@ -451,9 +473,10 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
     double phase_s = 0;
     add_phase(pr, ph, &phase_s);
     (bwd ? pr.backward_s : pr.forward_s) = phase_s;
-    (bwd ? pr.bytes_sent_backward : pr.bytes_sent_forward) = ring_bytes_max + a2a_bytes;
+    const double a2a_phase = bwd ? a2a_bytes_of(qk_grad_e) : a2a_bytes;
+    (bwd ? pr.bytes_sent_backward : pr.bytes_sent_forward) = ring_bytes_max + a2a_phase + state_gather_bytes;
     pr.bytes_per_link[links.ring_class] += ring_bytes_max;
-    pr.bytes_per_link[links.ulysses_class] += a2a_bytes;
+    pr.bytes_per_link[links.ulysses_class] += a2a_phase + state_gather_bytes;
   }
   return pr;
 }

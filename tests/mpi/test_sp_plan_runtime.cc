@@ -80,6 +80,33 @@ TEST(SpPlanBytes, MhaEqualCounters) {
   EXPECT_GE(checked, world().size() == 1 ? 4 : 12);
 }
 
+// GDN on unpacked rows: the chain's state messages, the scan's Kogge-Stone rounds and shift, the Ulysses exchange
+// (key heads replicated when fewer than Pu, bf16) and the state gathers, against the counters.
+TEST(SpPlanBytes, GdnEqualCounters) {
+  const std::vector<std::vector<std::string>> problems = {
+      {"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--seq", "256"},
+      {"--attn", "gdn", "--heads", "4", "--kv-heads", "1", "--head-dim", "16", "--seq", "128", "--dtype", "bf16"}};
+  int checked = 0;
+  for (const auto& flags : problems) {
+    const PlanInput in = input(flags);
+    for (const PlanRow& row : plan(in, flat_profile())) {
+      if (!row.excluded.empty()) continue;
+      const std::string what = row.config.name() + " of " + row.command;
+      const SpBenchOptions o = config_options(in, row.config);
+      CpGrid grid(world(), o.grid);
+      std::unique_ptr<Workload> wl = find_workload_kind(o.attn).make(o, grid);
+      wl->setup(nullptr);
+      const PhaseCounters f = wl->forward();
+      const PhaseCounters b = wl->backward();
+      EXPECT_TRUE(row.prediction.bytes_exact) << what;
+      EXPECT_EQ(max_over_ranks(static_cast<double>(f.bytes_sent)), row.prediction.bytes_sent_forward) << what;
+      EXPECT_EQ(max_over_ranks(static_cast<double>(b.bytes_sent)), row.prediction.bytes_sent_backward) << what;
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, world().size() == 1 ? 2 : 12);
+}
+
 // The planner's fit verdict is sp_bench's: with the node's memory set to devices_per_node x memory_per_device
 // (--test-mem-available-mib, as the ctest of sp_bench --dry-run passes it), compare_with_node_memory agrees, and the
 // run itself refuses what the planner excludes.
