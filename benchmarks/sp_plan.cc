@@ -7,6 +7,8 @@
 // The flags after "--" are sp_bench's problem flags (--model / --attn, shapes, --seq or --doc-lens, --dtype, ...).
 // sp_plan itself needs no MPI; --calibrate starts kernel_bench and `mpirun -np 2 comm_bench` from sp_plan's
 // directory.
+#include "benchmarks/sp_plan.h"
+
 #include <unistd.h>
 
 #include <algorithm>
@@ -21,7 +23,6 @@
 #include <vector>
 
 #include "benchmarks/bench_common.h"
-#include "benchmarks/sp_plan.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench::plan {
@@ -58,11 +59,16 @@ double parse_memory(const std::string& text) {
   }
   const std::string suffix = text.substr(used);
   double mult = 1;
-  if (suffix == "K" || suffix == "k") mult = 1024.0;
-  else if (suffix == "M" || suffix == "m") mult = 1024.0 * 1024;
-  else if (suffix == "G" || suffix == "g") mult = 1024.0 * 1024 * 1024;
-  else if (suffix == "T" || suffix == "t") mult = 1024.0 * 1024 * 1024 * 1024;
-  else SEQPAR_CHECK(suffix.empty(), "sp_plan: --mem-per-device ", text, ": not a size (a number with K, M, G or T)");
+  if (suffix == "K" || suffix == "k")
+    mult = 1024.0;
+  else if (suffix == "M" || suffix == "m")
+    mult = 1024.0 * 1024;
+  else if (suffix == "G" || suffix == "g")
+    mult = 1024.0 * 1024 * 1024;
+  else if (suffix == "T" || suffix == "t")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else
+    SEQPAR_CHECK(suffix.empty(), "sp_plan: --mem-per-device ", text, ": not a size (a number with K, M, G or T)");
   SEQPAR_CHECK(used > 0 && v >= 0, "sp_plan: --mem-per-device ", text, ": not a size (a number with K, M, G or T)");
   return v * mult;
 }
@@ -101,8 +107,8 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
                          " > /dev/null"));
     const nlohmann::json j = read_json(out);
     KernelCurve fwd, bwd;
-    fwd.source = bwd.source = str_cat("kernel_bench --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra,
-                                      " (mean of the timed rounds)");
+    fwd.source = bwd.source =
+        str_cat("kernel_bench --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra, " (mean of the timed rounds)");
     for (const auto& row : j["results"]) {
       // The mean of the timed rounds, not the best: sp_bench reports medians, and on a loaded machine the best
       // round is the exception.
@@ -166,8 +172,8 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     run_or_throw(str_cat("mpirun -np 2 --oversubscribe ", (dir / "sp_bench").string(),
                          " --attn gdn --heads 8 --kv-heads 4 --head-dim 64 --dim-v 64 --seq 2K --ring-size 2 "
                          "--layout zigzag --gdn-mode ",
-                         m == 0 ? "chain" : "scan", " --threads ", threads,
-                         " --warmup 1 --iters 3 --quiet --json ", out.string(), " > /dev/null"));
+                         m == 0 ? "chain" : "scan", " --threads ", threads, " --warmup 1 --iters 3 --quiet --json ",
+                         out.string(), " > /dev/null"));
     const nlohmann::json run = read_json(out);
     for (const auto& ph : run["phases"]) {
       if (ph["phase"] == "fwd") phase_ms[m][0] = ph["time_ms"].get<double>();
@@ -229,7 +235,8 @@ int sp_plan_main(int argc, char** argv) {
     return 0;
   }
   SEQPAR_CHECK(r.count("profile"), "sp_plan: --profile FILE is required (or --calibrate FILE to make one)");
-  SEQPAR_CHECK(split < argc, "sp_plan: the problem's sp_bench flags follow \"--\" (e.g. -- --model llama3-8b --seq 32K)");
+  SEQPAR_CHECK(split < argc,
+               "sp_plan: the problem's sp_bench flags follow \"--\" (e.g. -- --model llama3-8b --seq 32K)");
   PlanInput in;
   for (int i = split + 1; i < argc; ++i) in.problem_flags.emplace_back(argv[i]);
   in.world_size = r["world"].as<int>();

@@ -44,7 +44,7 @@ struct DeviceProfile {
   // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd".
   std::map<std::string, KernelCurve> kernels;
   LinkClass intra, inter;
-  int ranks_per_nic = 1;   // ranks of a node sharing one inter-node NIC (its bandwidth divides among them)
+  int ranks_per_nic = 1;  // ranks of a node sharing one inter-node NIC (its bandwidth divides among them)
   // CPU profiles: the cores a node's ranks can use at once (measured: --calibrate runs two kernel_bench copies at
   // once against one alone; on a shared machine fewer than it has); ranks x threads beyond it slow compute down
   // proportionally. 0: no limit.
@@ -75,21 +75,21 @@ struct PlanInput {
 struct PlanConfig {
   int ulysses_size = 1, ring_size = 1;
   std::string layout = "zigzag";
-  std::string impl = "p2p";      // MHA ring: p2p | allgather
-  std::string gdn_mode;          // GDN: chain | scan
-  std::string dsa_select;        // DSA: ring | allgather
-  std::string name() const;      // "u2xr1 zigzag p2p"
+  std::string impl = "p2p";                // MHA ring: p2p | allgather
+  std::string gdn_mode;                    // GDN: chain | scan
+  std::string dsa_select;                  // DSA: ring | allgather
+  std::string name() const;                // "u2xr1 zigzag p2p"
   std::vector<std::string> flags() const;  // the sp_bench flags of the configuration
 };
 
 // The predicted times (seconds, one layer's step: forward, and backward in train mode) on the slowest rank.
 struct Prediction {
-  double step_s = 0;         // the slowest rank's finish
-  double compute_s = 0;      // that rank's busy time in kernels
-  double exposed_comm_s = 0; // time no computation hides (waits on messages, all-to-alls, all-gathers)
-  double imbalance_s = 0;    // slowest rank's compute minus the mean rank's compute
+  double step_s = 0;          // the slowest rank's finish
+  double compute_s = 0;       // that rank's busy time in kernels
+  double exposed_comm_s = 0;  // time no computation hides (waits on messages, all-to-alls, all-gathers)
+  double imbalance_s = 0;     // slowest rank's compute minus the mean rank's compute
   double forward_s = 0, backward_s = 0;
-  std::map<std::string, double> bytes_per_link;  // bytes sent per rank, by link class ("intra", "inter")
+  std::map<std::string, double> bytes_per_link;            // bytes sent per rank, by link class ("intra", "inter")
   double bytes_sent_forward = 0, bytes_sent_backward = 0;  // per rank, the largest over ranks
   bool bytes_exact = false;  // true where a tested closed form gives them (MHA); false: the model's estimate
   bool oversubscribed = false;
@@ -100,8 +100,8 @@ struct PlanRow {
   std::string excluded;  // empty: valid; else the reason (sp_bench's own error, or the memory verdict)
   Prediction prediction;
   std::vector<std::pair<std::string, double>> memory;  // per rank by category (bytes), sp_bench's estimate
-  double memory_total = 0;                               // per rank, with the process allowance
-  std::string command;                                   // the mpirun + sp_bench command that runs it
+  double memory_total = 0;                             // per rank, with the process allowance
+  std::string command;                                 // the mpirun + sp_bench command that runs it
 };
 
 // Every configuration of `in` (grids ulysses_size x ring_size over the world, layouts, algorithms), valid ones

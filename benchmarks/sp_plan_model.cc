@@ -40,8 +40,8 @@ double KernelCurve::rate(double flops) const {
 
 const KernelCurve& DeviceProfile::kernel(const std::string& key) const {
   const auto it = kernels.find(key);
-  SEQPAR_CHECK(it != kernels.end() && !it->second.points.empty(), "sp_plan: profile ", name, " has no curve \"",
-               key, "\" (kernels: mha_fwd, mha_bwd, gdn_fwd, gdn_bwd, dsa_fwd, dsa_bwd)");
+  SEQPAR_CHECK(it != kernels.end() && !it->second.points.empty(), "sp_plan: profile ", name, " has no curve \"", key,
+               "\" (kernels: mha_fwd, mha_bwd, gdn_fwd, gdn_bwd, dsa_fwd, dsa_bwd)");
   return it->second;
 }
 
@@ -79,8 +79,8 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     SEQPAR_CHECK(curve.contains("points") && curve["points"].is_array(), what, ": kernels.", key,
                  ".points must be an array of [flops_per_call, flops_per_s]");
     for (const auto& pt : curve["points"]) {
-      SEQPAR_CHECK(pt.is_array() && pt.size() == 2 && pt[0].is_number() && pt[1].is_number(), what, ": kernels.",
-                   key, ".points: each point is [flops_per_call, flops_per_s]");
+      SEQPAR_CHECK(pt.is_array() && pt.size() == 2 && pt[0].is_number() && pt[1].is_number(), what, ": kernels.", key,
+                   ".points: each point is [flops_per_call, flops_per_s]");
       const double x = pt[0].get<double>(), y = pt[1].get<double>();
       SEQPAR_CHECK(x > 0 && y > 0, what, ": kernels.", key, ".points: [", x, ", ", y, "] must be positive");
       c.points.emplace_back(x, y);
@@ -113,8 +113,11 @@ DeviceProfile load_profile(const std::string& path) {
 }
 
 nlohmann::json profile_json(const DeviceProfile& p) {
-  nlohmann::json j = {{"name", p.name}, {"note", p.note}, {"cores_per_node", p.cores_per_node},
-                      {"gdn_map_factor", p.gdn_map_factor}, {"gdn_sweep_factor", p.gdn_sweep_factor}};
+  nlohmann::json j = {{"name", p.name},
+                      {"note", p.note},
+                      {"cores_per_node", p.cores_per_node},
+                      {"gdn_map_factor", p.gdn_map_factor},
+                      {"gdn_sweep_factor", p.gdn_sweep_factor}};
   for (const auto& [key, c] : p.kernels) {
     nlohmann::json pts = nlohmann::json::array();
     for (const auto& [x, y] : c.points) pts.push_back({x, y});
@@ -135,8 +138,8 @@ std::string PlanConfig::name() const {
 }
 
 std::vector<std::string> PlanConfig::flags() const {
-  std::vector<std::string> f = {"--ulysses-size", std::to_string(ulysses_size), "--ring-size",
-                                std::to_string(ring_size), "--layout", layout};
+  std::vector<std::string> f = {
+      "--ulysses-size", std::to_string(ulysses_size), "--ring-size", std::to_string(ring_size), "--layout", layout};
   if (!impl.empty()) f.insert(f.end(), {"--impl", impl});
   if (!gdn_mode.empty()) f.insert(f.end(), {"--gdn-mode", gdn_mode});
   if (!dsa_select.empty()) f.insert(f.end(), {"--dsa-select", dsa_select});
@@ -307,7 +310,9 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   Prediction pr;
   pr.bytes_exact = true;
   pr.oversubscribed = slow > 1.0;
-  const auto a2a_s = [&](double bytes) { return pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + bytes / links.ulysses.bandwidth_bps : 0.0; };
+  const auto a2a_s = [&](double bytes) {
+    return pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + bytes / links.ulysses.bandwidth_bps : 0.0;
+  };
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
     const KernelCurve& curve = prof.kernel(bwd ? "mha_bwd" : "mha_fwd");
@@ -347,8 +352,7 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
     double phase_s = 0;
     add_phase(pr, ph, &phase_s);
     (bwd ? pr.backward_s : pr.forward_s) = phase_s;
-    (bwd ? pr.bytes_sent_backward : pr.bytes_sent_forward) =
-        static_cast<double>(bwd ? vol.backward() : vol.forward());
+    (bwd ? pr.bytes_sent_backward : pr.bytes_sent_forward) = static_cast<double>(bwd ? vol.backward() : vol.forward());
     pr.bytes_per_link[links.ring_class] += static_cast<double>(bwd ? vol.ring_backward : vol.ring_forward);
     pr.bytes_per_link[links.ulysses_class] += static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward);
   }
@@ -441,7 +445,8 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
       for (int i = 0; i < nseg; ++i) {
         // The first segment starts from the known initial state (no map), the last ends with the known dS_end (no
         // sweep); packed rows: segments at a document's start or end need none either (counted here as if they did).
-        if (bwd ? i + 1 < nseg : i > 0) maps[segs[i].owner] += (bwd ? prof.gdn_sweep_factor : prof.gdn_map_factor) * seg_fwd_s[i];
+        if (bwd ? i + 1 < nseg : i > 0)
+          maps[segs[i].owner] += (bwd ? prof.gdn_sweep_factor : prof.gdn_map_factor) * seg_fwd_s[i];
         runs[segs[i].owner] += seg_s[i];
       }
       // Bytes: the Kogge-Stone rounds (distance d = 1, 2, 4, ... < N: segment i's scanned map [M | U] to segment
@@ -459,8 +464,8 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
         const Segment& to = segs[bwd ? nseg - 2 - i : i + 1];
         if (from.owner != to.owner) sent[from.owner] += state_bytes;
       }
-      const double scanned = a2a_s / 2 + *std::max_element(maps.begin(), maps.end()) +
-                             rounds * links.ring.seconds(map_bytes);
+      const double scanned =
+          a2a_s / 2 + *std::max_element(maps.begin(), maps.end()) + rounds * links.ring.seconds(map_bytes);
       for (int r = 0; r < P; ++r) {
         ph.compute[r] = maps[r] + runs[r];
         ph.finish[r] = scanned + runs[r];
@@ -493,17 +498,18 @@ Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const Devic
   const std::vector<std::int64_t> cu(layout.cu_seqlens().begin(), layout.cu_seqlens().end());
   const SequenceLayout cp_layout =
       o.packed() ? SequenceLayout::packed(o.layout, cu, cp, 1) : SequenceLayout(o.layout, o.seq, cp, 1);
-  const DsaFlopShape fs = {o.batch, o.seq, o.heads, o.head_dim, o.dim_v > 0 ? o.dim_v : o.head_dim,
-                           o.indexer_heads, o.indexer_dim, o.topk, o.window, o.packed() ? o.doc_lens : std::vector<std::int64_t>{}};
-  const double e = static_cast<double>(dtype_size(o.dtype)), acc = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
+  const DsaFlopShape fs = {
+      o.batch,         o.seq,         o.heads, o.head_dim, o.dim_v > 0 ? o.dim_v : o.head_dim,
+      o.indexer_heads, o.indexer_dim, o.topk,  o.window,   o.packed() ? o.doc_lens : std::vector<std::int64_t>{}};
+  const double e = static_cast<double>(dtype_size(o.dtype)),
+               acc = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
   const double s_local = static_cast<double>(layout.local_len()), s_ring = static_cast<double>(layout.ring_shard_len());
   const double kidx_block = static_cast<double>(o.batch) * s_local * o.indexer_dim * e;
   const double latent_block = static_cast<double>(o.batch) * s_ring * o.head_dim * e;
   // Ulysses: q to heads (all-to-all) and the ring shard's latent and indices gathered; back: out.
-  const double a2a_bytes =
-      pu > 1 ? static_cast<double>(o.batch) * s_local * (pu - 1) *
-                   ((2.0 * o.heads * o.head_dim) / pu * e + o.head_dim * e + o.topk * 8.0)
-             : 0.0;
+  const double a2a_bytes = pu > 1 ? static_cast<double>(o.batch) * s_local * (pu - 1) *
+                                        ((2.0 * o.heads * o.head_dim) / pu * e + o.head_dim * e + o.topk * 8.0)
+                                  : 0.0;
   const double a2a_s = pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + a2a_bytes / links.ulysses.bandwidth_bps : 0.0;
   const auto cp_share = step_shares(cp_layout, true);
   const auto ring_share = step_shares(layout, true);
@@ -547,7 +553,8 @@ Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const Devic
     const double idx_done = *std::max_element(fi.begin(), fi.end());
     for (int r = 0; r < P; ++r) {
       double ci_r = 0;
-      for (int u = 0; u < pu; ++u) ci_r = std::max(ci_r, std::accumulate(ci[r * pu + u].begin(), ci[r * pu + u].end(), 0.0));
+      for (int u = 0; u < pu; ++u)
+        ci_r = std::max(ci_r, std::accumulate(ci[r * pu + u].begin(), ci[r * pu + u].end(), 0.0));
       ph.compute[r] = ci_r + std::accumulate(ca[r].begin(), ca[r].end(), 0.0);
       ph.finish[r] = a2a_s + idx_done + fa[r];
     }
@@ -677,12 +684,9 @@ nlohmann::json plan_json(const PlanInput& in, const DeviceProfile& profile, cons
   j["ranked"] = nlohmann::json::array();
   j["excluded"] = nlohmann::json::array();
   for (const PlanRow& r : rows) {
-    nlohmann::json c = {{"name", r.config.name()},
-                        {"ulysses_size", r.config.ulysses_size},
-                        {"ring_size", r.config.ring_size},
-                        {"layout", r.config.layout},
-                        {"sp_bench_flags", r.config.flags()},
-                        {"command", r.command}};
+    nlohmann::json c = {
+        {"name", r.config.name()},   {"ulysses_size", r.config.ulysses_size}, {"ring_size", r.config.ring_size},
+        {"layout", r.config.layout}, {"sp_bench_flags", r.config.flags()},    {"command", r.command}};
     if (!r.config.impl.empty()) c["impl"] = r.config.impl;
     if (!r.config.gdn_mode.empty()) c["gdn_mode"] = r.config.gdn_mode;
     if (!r.config.dsa_select.empty()) c["dsa_select"] = r.config.dsa_select;

@@ -111,8 +111,8 @@ TEST(SpPlanBytes, GdnEqualCounters) {
 // (--test-mem-available-mib, as the ctest of sp_bench --dry-run passes it), compare_with_node_memory agrees, and the
 // run itself refuses what the planner excludes.
 TEST(SpPlanMemory, VerdictIsSpBenchs) {
-  const std::vector<std::string> flags = {"--attn", "mha", "--heads", "8", "--head-dim", "64", "--seq", "32K",
-                                          "--causal"};
+  const std::vector<std::string> flags = {"--attn", "mha",   "--heads", "8",       "--head-dim",
+                                          "64",     "--seq", "32K",     "--causal"};
   PlanInput in = input(flags);
   const std::vector<PlanRow> unlimited = plan(in, flat_profile());
   ASSERT_TRUE(unlimited.front().excluded.empty()) << unlimited.front().excluded;

@@ -44,8 +44,8 @@ TEST(SpPlanRing, ComputeBoundIsPStepsOfCompute) {
   for (int P : {1, 2, 4, 8}) {
     const double c = 1e-3, t = 1e-6;
     std::vector<double> exposed;
-    const std::vector<double> finish = simulate_ring(std::vector<std::vector<double>>(P, std::vector<double>(P, c)), t,
-                                                     &exposed);
+    const std::vector<double> finish =
+        simulate_ring(std::vector<std::vector<double>>(P, std::vector<double>(P, c)), t, &exposed);
     for (int r = 0; r < P; ++r) {
       EXPECT_NEAR(finish[r], P * c, 1e-15) << "rank " << r << " of " << P;
       EXPECT_EQ(exposed[r], 0.0) << "rank " << r << " of " << P;
@@ -58,8 +58,8 @@ TEST(SpPlanRing, TransferBoundExposesTheClosedForm) {
   for (int P : {2, 3, 8}) {
     const double c = 1e-6, t = 1e-3;
     std::vector<double> exposed;
-    const std::vector<double> finish = simulate_ring(std::vector<std::vector<double>>(P, std::vector<double>(P, c)), t,
-                                                     &exposed);
+    const std::vector<double> finish =
+        simulate_ring(std::vector<std::vector<double>>(P, std::vector<double>(P, c)), t, &exposed);
     for (int r = 0; r < P; ++r) {
       EXPECT_NEAR(finish[r], c + (P - 1) * t, 1e-12) << "rank " << r << " of " << P;
       EXPECT_NEAR(exposed[r], (P - 1) * (t - c), 1e-12) << "rank " << r << " of " << P;  // waits: t - c per step
@@ -80,10 +80,9 @@ TEST(SpPlanRing, SlowestRankDecides) {
 TEST(SpPlan, ZigzagBeatsContiguousUnderCausalMask) {
   // Compute-bound (fast links): contiguous's last ring rank does about 2P - 1 times the first's work.
   const DeviceProfile prof = flat_profile(1e9, 1e-9, 1e15);
-  const auto rows = plan(input({"--attn", "mha", "--heads", "4", "--kv-heads", "4", "--head-dim", "32", "--seq", "2K",
-                                "--causal"},
-                               4),
-                         prof);
+  const auto rows = plan(
+      input({"--attn", "mha", "--heads", "4", "--kv-heads", "4", "--head-dim", "32", "--seq", "2K", "--causal"}, 4),
+      prof);
   const PlanRow& zz = row_named(rows, "u1xr4 zigzag p2p");
   const PlanRow& ct = row_named(rows, "u1xr4 contiguous p2p");
   ASSERT_TRUE(zz.excluded.empty()) << zz.excluded;
@@ -100,14 +99,13 @@ TEST(SpPlan, ZigzagBeatsContiguousUnderCausalMask) {
 TEST(SpPlan, ExclusionsNameTheRule) {
   const DeviceProfile prof = flat_profile(1e9, 1e-6, 1e9);
   // 6 heads over 4 ranks: Ulysses 4 cannot split them (sp_bench's own message); GDN refuses the stripe layout.
-  const auto mha = plan(input({"--attn", "mha", "--heads", "6", "--kv-heads", "6", "--seq", "1K", "--causal"}, 4),
-                        prof);
+  const auto mha =
+      plan(input({"--attn", "mha", "--heads", "6", "--kv-heads", "6", "--seq", "1K", "--causal"}, 4), prof);
   const PlanRow& u4 = row_named(mha, "u4xr1 zigzag p2p");
   EXPECT_NE(u4.excluded.find("--heads 6 must be divisible by --ulysses-size 4"), std::string::npos) << u4.excluded;
   EXPECT_TRUE(row_named(mha, "u2xr2 zigzag p2p").excluded.empty()) << row_named(mha, "u2xr2 zigzag p2p").excluded;
-  const auto gdn = plan(input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "1K"},
-                              2),
-                        prof);
+  const auto gdn =
+      plan(input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "1K"}, 2), prof);
   const PlanRow& stripe = row_named(gdn, "u1xr2 stripe scan");
   EXPECT_NE(stripe.excluded.find("stripe"), std::string::npos) << stripe.excluded;
   // The reason is sp_bench's, verbatim: parse the same flags as sp_bench would.
@@ -122,8 +120,8 @@ TEST(SpPlan, ExclusionsNameTheRule) {
 
 TEST(SpPlan, MemoryExclusionUsesSpBenchEstimate) {
   const DeviceProfile prof = flat_profile(1e9, 1e-6, 1e9);
-  const std::vector<std::string> flags = {"--attn", "mha", "--heads", "8", "--head-dim", "64", "--seq", "64K",
-                                          "--causal"};
+  const std::vector<std::string> flags = {"--attn", "mha",   "--heads", "8",       "--head-dim",
+                                          "64",     "--seq", "64K",     "--causal"};
   // The per-rank estimate of sp_bench for u1 x r2 zigzag p2p, then a memory just above and just below it.
   PlanInput in = input(flags, 2);
   PlanConfig c;
