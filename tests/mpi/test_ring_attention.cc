@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "attention/mha.h"
+#include "parallel/comm_volume.h"
 #include "parallel/ring_attention.h"
 #include "runtime/cp_grid.h"
 #include "runtime/tensor_ops.h"
@@ -190,12 +191,18 @@ TEST(RingAttention, BytesMatchFormula) {
       const test::MhaProblem p(shape_of(c));
       CpCounters counters;
       distributed(world(), c, p, &counters);
-      const std::int64_t P = world().size();
-      const std::int64_t elems = 2 * c.batch * (c.seq / P) * c.hkv * c.dim;
-      const std::int64_t kv = elems * static_cast<std::int64_t>(dtype_size(dtype));
-      const std::int64_t dkv = elems * 4;
-      const std::int64_t want =
-          impl == RingImpl::kP2P ? 2 * (P - 1) * kv + (P > 1 ? P : 0) * dkv : 2 * (P - 1) * kv + (P - 1) * dkv;
+      MhaVolumeShape vs;
+      vs.batch = c.batch;
+      vs.padded_len = c.seq;
+      vs.heads = c.hq;
+      vs.kv_heads = c.hkv;
+      vs.head_dim = c.dim;
+      vs.storage_bytes = static_cast<std::int64_t>(dtype_size(dtype));
+      vs.accum_bytes = 4;
+      vs.ring_size = world().size();
+      vs.impl = impl;
+      const MhaVolume v = mha_volume(vs);  // the closed form sp_plan predicts with
+      const std::int64_t want = v.ring_forward + v.ring_backward;
       EXPECT_EQ(counters.bytes_sent, want) << ring_impl_name(impl) << " " << dtype_name(dtype);
       EXPECT_EQ(counters.bytes_received, want) << ring_impl_name(impl) << " " << dtype_name(dtype);
     }

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <functional>
 
+#include "parallel/comm_volume.h"
 #include "parallel/ulysses.h"
 #include "parallel/usp.h"
 #include "runtime/cp_grid.h"
@@ -81,15 +82,21 @@ TEST_P(UspVsSingleRank, MatchesSingleRank) {
   const test::MhaResult got = test::usp_result(grid, shape, p, cfg, c.layout, &counters);
   test::expect_mha_match(got, want, c.dtype, str_cat(case_name(c), " on ", grid.str()));
 
-  // All-to-all volume: each all-to-all of N bytes moves (Pu-1)/Pu of N each way.
-  const std::int64_t pu = c.ulysses_size, sl = shape.seq / n, esz = dtype_size(c.dtype);
-  const std::int64_t hkv_e = c.hkv % pu == 0 ? c.hkv : pu;
-  const std::int64_t kv_grad_esz = c.hkv % pu == 0 ? esz : 4;
-  const std::int64_t q_bytes = shape.batch * sl * kHq * shape.dim * esz;
-  const std::int64_t kv_bytes = shape.batch * sl * hkv_e * shape.dim * esz;
-  const std::int64_t dkv_bytes = shape.batch * sl * hkv_e * shape.dim * kv_grad_esz;
-  const std::int64_t lse_bytes = shape.batch * kHq * sl * 4;
-  const std::int64_t total = (q_bytes * 4 + 2 * kv_bytes + 2 * dkv_bytes + lse_bytes) * (pu - 1) / pu;
+  // All-to-all volume: each all-to-all of N bytes moves (Pu-1)/Pu of N each way (the closed form sp_plan uses).
+  MhaVolumeShape vs;
+  vs.batch = shape.batch;
+  vs.padded_len = shape.seq;
+  vs.heads = kHq;
+  vs.kv_heads = c.hkv;
+  vs.head_dim = shape.dim;
+  vs.storage_bytes = static_cast<std::int64_t>(dtype_size(c.dtype));
+  vs.accum_bytes = c.dtype == DType::kFloat64 ? 8 : 4;
+  vs.ring_size = n / c.ulysses_size;
+  vs.ulysses_size = c.ulysses_size;
+  vs.impl = c.impl;
+  const MhaVolume v = mha_volume(vs);
+  const std::int64_t total = v.a2a_forward + v.a2a_backward;
+  EXPECT_EQ(counters.total_bytes_sent(), v.forward() + v.backward()) << "ring and all-to-all bytes together";
   EXPECT_EQ(counters.a2a_bytes_sent, total);
   EXPECT_EQ(counters.a2a_bytes_received, total);
 }

@@ -1,0 +1,271 @@
+// sp_plan: ranks every context-parallel configuration of one layer by predicted step time (benchmarks/sp_plan.h;
+// usage: docs/benchmarks.md, "sp_plan").
+//
+//   sp_plan --profile profile.json --world 16 --nodes 2 --mem-per-device 80G -- --model llama3-8b --seq 128K
+//   sp_plan --calibrate profile.json      # this machine's profile, from kernel_bench and comm_bench
+//
+// The flags after "--" are sp_bench's problem flags (--model / --attn, shapes, --seq or --doc-lens, --dtype, ...).
+// sp_plan itself needs no MPI; --calibrate starts kernel_bench and `mpirun -np 2 comm_bench` from sp_plan's
+// directory.
+#include "benchmarks/sp_plan.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cxxopts.hpp>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "benchmarks/bench_common.h"
+#include "runtime/error.h"
+
+namespace seqpar::bench::plan {
+namespace {
+
+std::filesystem::path own_dir() {
+  std::error_code ec;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
+  return ec ? std::filesystem::current_path() : exe.parent_path();
+}
+
+void run_or_throw(const std::string& cmd) {
+  std::fprintf(stderr, "sp_plan: running %s\n", cmd.c_str());
+  const int rc = std::system(cmd.c_str());
+  SEQPAR_CHECK(rc == 0, "sp_plan --calibrate: `", cmd, "` failed with status ", rc);
+}
+
+nlohmann::json read_json(const std::filesystem::path& p) {
+  std::ifstream in(p);
+  SEQPAR_CHECK(in.good(), "sp_plan --calibrate: cannot read ", p.string());
+  nlohmann::json j;
+  in >> j;
+  return j;
+}
+
+// "80G", "512M", "4096" (bytes): K, M, G, T suffixes are powers of 1024.
+double parse_memory(const std::string& text) {
+  std::size_t used = 0;
+  double v = -1;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string suffix = text.substr(used);
+  double mult = 1;
+  if (suffix == "K" || suffix == "k")
+    mult = 1024.0;
+  else if (suffix == "M" || suffix == "m")
+    mult = 1024.0 * 1024;
+  else if (suffix == "G" || suffix == "g")
+    mult = 1024.0 * 1024 * 1024;
+  else if (suffix == "T" || suffix == "t")
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  else
+    SEQPAR_CHECK(suffix.empty(), "sp_plan: --mem-per-device ", text, ": not a size (a number with K, M, G or T)");
+  SEQPAR_CHECK(used > 0 && v >= 0, "sp_plan: --mem-per-device ", text, ": not a size (a number with K, M, G or T)");
+  return v * mult;
+}
+
+std::string load_average() {
+  std::ifstream in("/proc/loadavg");
+  std::string a, b, c;
+  in >> a >> b >> c;
+  return str_cat(a, " ", b, " ", c);
+}
+
+// This machine's profile: kernel_bench (short runs) for the kernel curves, comm_bench at 2 ranks for the link.
+DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir) {
+  const std::filesystem::path dir = own_dir(), tmp = tmp_dir;
+  std::filesystem::create_directories(tmp);
+  DeviceProfile p;
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  p.name = str_cat("calibrated on ", host);
+  p.note = str_cat("sp_plan --calibrate, ", utc_now_iso8601(), ", commit ", git_commit(), ", load average ",
+                   load_average(), ", threads ", threads, "; fp32 CPU kernels");
+  struct Run {
+    const char* kernel;
+    const char* seqs;
+    const char* extra;
+  };
+  // Shapes of the head sizes the comparison in docs/results.md plans (the curves are per FLOPs of a call; the
+  // sequence lengths span the calls of 1 to 4 ranks).
+  for (const Run& r : {Run{"mha", "256,512,1024,2048", "--dim 64 --hq 8 --hkv 8 --mask causal"},
+                       Run{"gdn", "512,1024,2048,4096", "--heads 8 --kv-heads 4 --head-dim 64 --dim-v 64"},
+                       Run{"dsa", "512,1024,2048",
+                           "--heads 16 --head-dim 128 --dim-v 128 --indexer-heads 8 --indexer-dim 64 --topk 256"}}) {
+    const std::filesystem::path out = tmp / str_cat("kernel_", r.kernel, ".json");
+    run_or_throw(str_cat((dir / "kernel_bench").string(), " --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra,
+                         " --threads ", threads, " --warmup 1 --min-time ", min_time, " --json ", out.string(),
+                         " > /dev/null"));
+    const nlohmann::json j = read_json(out);
+    KernelCurve fwd, bwd;
+    fwd.source = bwd.source =
+        str_cat("kernel_bench --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra, " (mean of the timed rounds)");
+    for (const auto& row : j["results"]) {
+      // The mean of the timed rounds, not the best: sp_bench reports medians, and on a loaded machine the best
+      // round is the exception.
+      const double ff = row["fwd_flops"].get<double>(), fms = row["fwd_mean_ms"].get<double>();
+      if (ff > 0 && fms > 0) fwd.points.emplace_back(ff, ff / (fms * 1e-3));
+      const double bf = row["bwd_flops"].get<double>(), bms = row["bwd_mean_ms"].get<double>();
+      if (bf > 0 && bms > 0) bwd.points.emplace_back(bf, bf / (bms * 1e-3));
+    }
+    std::sort(fwd.points.begin(), fwd.points.end());
+    std::sort(bwd.points.begin(), bwd.points.end());
+    p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
+    p.kernels[str_cat(r.kernel, "_bwd")] = bwd;
+  }
+  // The cores the ranks get: one MHA kernel alone, then as many copies at once as the machine has cores; on a
+  // machine shared with other work they get fewer cores than it has.
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const auto mean_fwd_ms = [&](int copies) {
+    std::string cmd = "(";
+    for (int i = 0; i < copies; ++i) {
+      cmd += str_cat((dir / "kernel_bench").string(), " --kernel mha --seq 1024 --dim 64 --hq 8 --hkv 8 --mask causal",
+                     " --no-backward --threads ", threads, " --warmup 1 --min-time ", 2 * min_time, " --json ",
+                     (tmp / str_cat("cores_", copies, "_", i, ".json")).string(), " > /dev/null & ");
+    }
+    run_or_throw(cmd + "wait)");
+    double sum = 0;
+    for (int i = 0; i < copies; ++i)
+      sum += read_json(tmp / str_cat("cores_", copies, "_", i, ".json"))["results"][0]["fwd_mean_ms"].get<double>();
+    return sum / copies;
+  };
+  const double alone = mean_fwd_ms(1), together = mean_fwd_ms(hw);
+  p.cores_per_node = std::clamp(hw * alone / together, 1.0, static_cast<double>(hw));
+  p.note += str_cat("; cores_per_node ", p.cores_per_node, " of ", hw, ": kernel_bench mha S 1024 fwd ", alone,
+                    " ms alone, ", together, " ms with ", hw, " copies at once");
+  const std::filesystem::path comm = tmp / "comm.json";
+  run_or_throw(str_cat("mpirun -np 2 --oversubscribe ", (dir / "comm_bench").string(),
+                       " --ops sendrecv --groups ring --min-bytes 1K --max-bytes 16M --factor 16 --warmup 3 "
+                       "--iters 10 --json ",
+                       comm.string(), " > /dev/null"));
+  const nlohmann::json cj = read_json(comm);
+  double b0 = -1, t0 = 0, b1 = 0, t1 = 0;
+  for (const auto& row : cj["results"]) {
+    if (row.value("status", "") != "ok") continue;
+    const double b = row["size_bytes"].get<double>(), t = row["time_us"].get<double>() * 1e-6;
+    if (b0 < 0 || b < b0) b0 = b, t0 = t;
+    if (b > b1) b1 = b, t1 = t;
+  }
+  SEQPAR_CHECK(b0 > 0 && b1 > b0 && t1 > t0, "sp_plan --calibrate: comm_bench gave no usable sendrecv sizes");
+  p.intra.bandwidth_bps = (b1 - b0) / (t1 - t0);
+  p.intra.latency_s = std::max(0.0, t0 - b0 / p.intra.bandwidth_bps);
+  p.intra.source = str_cat("comm_bench sendrecv at 2 ranks (ring group), ", b0, " and ", b1,
+                           " bytes: latency = t(small) - small / bandwidth, bandwidth = slope");
+  p.inter = p.intra;
+  p.inter.source = "not measured (one node): the intra-node figures";
+  // GDN scan's extra work, from sp_bench at 2 ranks (zigzag: 4 segments, 2 a rank) in chain and scan mode on a
+  // problem of its own (seq 2K): the chain runs the segments one after the other, so its forward is the whole
+  // forward F and its backward the whole backward B; the scan's forward is map + F / 2 on each rank, its backward
+  // sweep + B / 2. Hence map = (2 scan_fwd - chain_fwd) / chain_fwd, sweep = (2 scan_bwd - chain_bwd) / chain_fwd.
+  double phase_ms[2][2] = {{0, 0}, {0, 0}};  // [chain, scan][fwd, bwd]
+  for (int m = 0; m < 2; ++m) {
+    const std::filesystem::path out = tmp / str_cat("gdn_", m == 0 ? "chain" : "scan", ".json");
+    run_or_throw(str_cat("mpirun -np 2 --oversubscribe ", (dir / "sp_bench").string(),
+                         " --attn gdn --heads 8 --kv-heads 4 --head-dim 64 --dim-v 64 --seq 2K --ring-size 2 "
+                         "--layout zigzag --gdn-mode ",
+                         m == 0 ? "chain" : "scan", " --threads ", threads, " --warmup 1 --iters 3 --quiet --json ",
+                         out.string(), " > /dev/null"));
+    const nlohmann::json run = read_json(out);
+    for (const auto& ph : run["phases"]) {
+      if (ph["phase"] == "fwd") phase_ms[m][0] = ph["time_ms"].get<double>();
+      if (ph["phase"] == "bwd") phase_ms[m][1] = ph["time_ms"].get<double>();
+    }
+  }
+  SEQPAR_CHECK(phase_ms[0][0] > 0 && phase_ms[0][1] > 0 && phase_ms[1][0] > 0 && phase_ms[1][1] > 0,
+               "sp_plan --calibrate: sp_bench's GDN runs gave no phase times");
+  p.gdn_map_factor = std::max(0.0, (2 * phase_ms[1][0] - phase_ms[0][0]) / phase_ms[0][0]);
+  p.gdn_sweep_factor = std::max(0.0, (2 * phase_ms[1][1] - phase_ms[0][1]) / phase_ms[0][0]);
+  p.note += str_cat("; gdn_map_factor and gdn_sweep_factor from sp_bench --attn gdn --seq 2K at 2 ranks, chain ",
+                    phase_ms[0][0], " / ", phase_ms[0][1], " ms, scan ", phase_ms[1][0], " / ", phase_ms[1][1],
+                    " ms (fwd / bwd medians)");
+  return p;
+}
+
+int sp_plan_main(int argc, char** argv) {
+  // Split at "--": sp_plan's flags before, sp_bench's problem flags after.
+  int split = argc;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--") {
+      split = i;
+      break;
+    }
+  }
+  cxxopts::Options spec("sp_plan",
+                        "ranks the context-parallel configurations of one layer by predicted step time; sp_bench's "
+                        "problem flags follow \"--\"");
+  // clang-format off
+  spec.add_options()
+    ("profile", "device profile JSON (sp_plan --calibrate writes one; profiles/ has GPU ones)", cxxopts::value<std::string>())
+    ("world", "ranks (world size)", cxxopts::value<int>()->default_value("1"))
+    ("nodes", "nodes", cxxopts::value<int>()->default_value("1"))
+    ("devices-per-node", "ranks per node (default: --world / --nodes)", cxxopts::value<int>())
+    ("mem-per-device", "memory a rank may use (K/M/G suffixes; 0: unlimited)", cxxopts::value<std::string>()->default_value("0"))
+    ("mode", "train (forward + backward) | prefill (forward)", cxxopts::value<std::string>()->default_value("train"))
+    ("threads", "--threads of the sp_bench runs", cxxopts::value<int>()->default_value("1"))
+    ("no-oversubscribe", "exclude configurations with more ranks x threads than the profile's cores")
+    ("json", "also write the plan as JSON to FILE", cxxopts::value<std::string>())
+    ("calibrate", "measure this machine's profile and write it to FILE", cxxopts::value<std::string>())
+    ("calibrate-min-time", "seconds per kernel_bench configuration", cxxopts::value<double>()->default_value("0.3"))
+    ("help", "print this help");
+  // clang-format on
+  cxxopts::ParseResult r;
+  try {
+    r = spec.parse(split, argv);
+  } catch (const std::exception& e) {
+    SEQPAR_THROW("sp_plan: bad command line: ", e.what(), " (see --help)");
+  }
+  if (r.count("help")) {
+    std::printf("%s\n", spec.help().c_str());
+    return 0;
+  }
+  if (r.count("calibrate")) {
+    const std::string out = r["calibrate"].as<std::string>();
+    const DeviceProfile p = calibrate(r["threads"].as<int>(), r["calibrate-min-time"].as<double>(), out + ".d");
+    write_file_atomic(out, [&](std::ostream& os) { os << profile_json(p).dump(2) << "\n"; });
+    std::printf("# sp_plan: wrote the profile %s (%s)\n", out.c_str(), p.note.c_str());
+    return 0;
+  }
+  SEQPAR_CHECK(r.count("profile"), "sp_plan: --profile FILE is required (or --calibrate FILE to make one)");
+  SEQPAR_CHECK(split < argc,
+               "sp_plan: the problem's sp_bench flags follow \"--\" (e.g. -- --model llama3-8b --seq 32K)");
+  PlanInput in;
+  for (int i = split + 1; i < argc; ++i) in.problem_flags.emplace_back(argv[i]);
+  in.world_size = r["world"].as<int>();
+  in.nodes = r["nodes"].as<int>();
+  SEQPAR_CHECK(in.nodes >= 1 && in.world_size % in.nodes == 0, "sp_plan: --world ", in.world_size,
+               " must be a multiple of --nodes ", in.nodes);
+  in.devices_per_node = r.count("devices-per-node") ? r["devices-per-node"].as<int>() : in.world_size / in.nodes;
+  in.memory_per_device = parse_memory(r["mem-per-device"].as<std::string>());
+  in.mode = r["mode"].as<std::string>();
+  in.threads = r["threads"].as<int>();
+  in.oversubscribed_ok = !r.count("no-oversubscribe");
+  const DeviceProfile profile = load_profile(r["profile"].as<std::string>());
+  const std::vector<PlanRow> rows = plan(in, profile);
+  std::printf("%s", plan_table(in, profile, rows).c_str());
+  if (r.count("json")) {
+    const nlohmann::json j = plan_json(in, profile, rows);
+    write_file_atomic(r["json"].as<std::string>(), [&](std::ostream& os) { os << j.dump(2) << "\n"; });
+  }
+  return 0;
+}
+
+}  // namespace
+}  // namespace seqpar::bench::plan
+
+int main(int argc, char** argv) {
+  try {
+    return seqpar::bench::plan::sp_plan_main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "%s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,132 @@
+// sp_plan: predicts the step time of every context-parallel configuration of one layer on a cluster and ranks them
+// (docs/benchmarks.md, "sp_plan"). It shares sp_bench's option parser (so a configuration is valid for the planner
+// exactly when sp_bench accepts its flags, with sp_bench's error as the reason), sp_bench's memory estimate (so
+// "fits" means sp_bench --dry-run says it fits), the layouts' per-step work (SequenceLayout::step_work) and the
+// closed-form byte counts of parallel/comm_volume.h (tested against the communicators' counters).
+//
+// The time model is an event simulation of one layer's schedule on every rank of the CP group: ring steps whose
+// compute overlaps the double-buffered transfer of the next block, all-gathers, the Ulysses all-to-alls, GDN's chain
+// (sequential over segments) or scan (log-depth rounds), DSA's selection ring and latent ring. The slowest rank
+// decides, so layout imbalance shows. Compute comes from a device profile's throughput curves (achieved FLOP/s as a
+// function of the FLOPs of one call, per kernel kind and phase); messages from its link classes (latency + bytes /
+// bandwidth, intra-node and inter-node, with the ranks sharing one NIC).
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "benchmarks/sp_bench_options.h"
+
+namespace seqpar::bench::plan {
+
+// Achieved FLOP/s of one kernel kind and phase as a function of the FLOPs of one call: points (flops, flop/s),
+// interpolated linearly in log(flops), constant beyond the ends.
+struct KernelCurve {
+  std::vector<std::pair<double, double>> points;  // sorted by flops
+  std::string source;                             // where the numbers come from
+  double rate(double flops) const;                // flop/s; Error when the curve is empty
+};
+
+// One link class: a message of n bytes takes latency_s + n / bandwidth_bps (per direction, per rank).
+struct LinkClass {
+  double latency_s = 0;
+  double bandwidth_bps = 0;  // bytes per second
+  std::string source;
+  double seconds(double bytes) const { return bytes <= 0 ? 0.0 : latency_s + bytes / bandwidth_bps; }
+};
+
+struct DeviceProfile {
+  std::string name, note;
+  // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd".
+  std::map<std::string, KernelCurve> kernels;
+  LinkClass intra, inter;
+  int ranks_per_nic = 1;  // ranks of a node sharing one inter-node NIC (its bandwidth divides among them)
+  // CPU profiles: the cores a node's ranks can use at once (measured: --calibrate runs two kernel_bench copies at
+  // once against one alone; on a shared machine fewer than it has); ranks x threads beyond it slow compute down
+  // proportionally. 0: no limit.
+  double cores_per_node = 0;
+  // GDN scan: the cost of a segment's map (gdn_transition) and of the backward's cheap dS sweep, each relative to
+  // the segment's forward kernel.
+  double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
+  const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent
+};
+
+// Reads / writes a profile (the JSON format: docs/benchmarks.md, "sp_plan"). Errors name the file and the field.
+DeviceProfile load_profile(const std::string& path);
+DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what);
+nlohmann::json profile_json(const DeviceProfile& p);
+
+// What to plan.
+struct PlanInput {
+  std::vector<std::string> problem_flags;  // sp_bench flags of the problem: --model / --attn, shapes, --seq, ...
+  std::string mode = "train";              // train (forward + backward) | prefill (forward only)
+  int world_size = 1, nodes = 1;
+  int devices_per_node = 1;       // ranks per node (world_size = nodes x devices_per_node)
+  double memory_per_device = 0;   // bytes a rank may use; the node holds devices_per_node times this
+  int threads = 1;                // --threads of the sp_bench runs (CPU)
+  bool oversubscribed_ok = true;  // CPU: allow more ranks x threads than cores (marked in the output)
+};
+
+// One configuration: the grid and the algorithm choices sp_bench takes as flags.
+struct PlanConfig {
+  int ulysses_size = 1, ring_size = 1;
+  std::string layout = "zigzag";
+  std::string impl = "p2p";                // MHA ring: p2p | allgather
+  std::string gdn_mode;                    // GDN: chain | scan
+  std::string dsa_select;                  // DSA: ring | allgather
+  std::string name() const;                // "u2xr1 zigzag p2p"
+  std::vector<std::string> flags() const;  // the sp_bench flags of the configuration
+};
+
+// The predicted times (seconds, one layer's step: forward, and backward in train mode) on the slowest rank.
+struct Prediction {
+  double step_s = 0;          // the slowest rank's finish
+  double compute_s = 0;       // that rank's busy time in kernels
+  double exposed_comm_s = 0;  // time no computation hides (waits on messages, all-to-alls, all-gathers)
+  double imbalance_s = 0;     // slowest rank's compute minus the mean rank's compute
+  double forward_s = 0, backward_s = 0;
+  std::map<std::string, double> bytes_per_link;            // bytes sent per rank, by link class ("intra", "inter")
+  double bytes_sent_forward = 0, bytes_sent_backward = 0;  // per rank, the largest over ranks
+  bool bytes_exact = false;  // true where a tested closed form gives them (MHA); false: the model's estimate
+  bool oversubscribed = false;
+};
+
+struct PlanRow {
+  PlanConfig config;
+  std::string excluded;  // empty: valid; else the reason (sp_bench's own error, or the memory verdict)
+  Prediction prediction;
+  std::vector<std::pair<std::string, double>> memory;  // per rank by category (bytes), sp_bench's estimate
+  double memory_total = 0;                             // per rank, with the process allowance
+  std::string command;                                 // the mpirun + sp_bench command that runs it
+};
+
+// Every configuration of `in` (grids ulysses_size x ring_size over the world, layouts, algorithms), valid ones
+// ranked by predicted step time first, then the excluded ones with their reasons. Local arithmetic.
+std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile);
+
+// The parsed sp_bench options of one configuration (what sp_bench would run), or Error with sp_bench's reason.
+SpBenchOptions config_options(const PlanInput& in, const PlanConfig& c);
+
+// The prediction of one parsed configuration (no validity or memory check).
+Prediction predict(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& profile);
+
+// The fit rule of sp_bench (compare_with_node_memory): the estimates of the ranks of one node summed against the
+// node's memory, devices_per_node x memory_per_device. Returns "" when it fits, else the reason.
+std::string memory_verdict(const SpBenchOptions& o, const PlanInput& in, double* per_rank_total);
+
+nlohmann::json plan_json(const PlanInput& in, const DeviceProfile& profile, const std::vector<PlanRow>& rows);
+std::string plan_table(const PlanInput& in, const DeviceProfile& profile, const std::vector<PlanRow>& rows);
+
+// Closed forms of the ring's event simulation, for tests: P ranks, per-step compute c and transfer t per step, each
+// rank's compute the same. forward: P steps of compute, P - 1 transfers overlapping the first P - 1 steps.
+double ring_forward_closed_form(int P, double compute_step_s, double transfer_s);
+// The simulation itself on given per-rank, per-step compute times ([r][s]) and one transfer time per step: the
+// finish time of each rank, and (out) the exposed wait of each rank.
+std::vector<double> simulate_ring(const std::vector<std::vector<double>>& compute, double transfer_s,
+                                  std::vector<double>* exposed);
+
+}  // namespace seqpar::bench::plan

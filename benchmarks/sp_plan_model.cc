@@ -1,0 +1,747 @@
+// sp_plan's model: the device profile, the event simulation of one layer per configuration, the enumeration and
+// the output (benchmarks/sp_plan.h).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "benchmarks/flop_models.h"
+#include "benchmarks/sp_bench_memory.h"
+#include "benchmarks/sp_bench_workload.h"
+#include "benchmarks/sp_plan.h"
+#include "parallel/comm_volume.h"
+#include "parallel/gdn_cp.h"
+#include "parallel/layout.h"
+#include "runtime/dtype.h"
+#include "runtime/error.h"
+
+namespace seqpar::bench::plan {
+
+// ---- the profile ------------------------------------------------------------------------------------------------
+
+double KernelCurve::rate(double flops) const {
+  SEQPAR_CHECK(!points.empty(), "sp_plan: an empty kernel curve");
+  if (flops <= points.front().first) return points.front().second;
+  if (flops >= points.back().first) return points.back().second;
+  for (std::size_t i = 1; i < points.size(); ++i) {
+    if (flops <= points[i].first) {
+      const auto& [x0, y0] = points[i - 1];
+      const auto& [x1, y1] = points[i];
+      const double w = (std::log(flops) - std::log(x0)) / (std::log(x1) - std::log(x0));
+      return y0 + w * (y1 - y0);
+    }
+  }
+  return points.back().second;
+}
+
+const KernelCurve& DeviceProfile::kernel(const std::string& key) const {
+  const auto it = kernels.find(key);
+  SEQPAR_CHECK(it != kernels.end() && !it->second.points.empty(), "sp_plan: profile ", name, " has no curve \"", key,
+               "\" (kernels: mha_fwd, mha_bwd, gdn_fwd, gdn_bwd, dsa_fwd, dsa_bwd)");
+  return it->second;
+}
+
+namespace {
+
+double number_at(const nlohmann::json& j, const char* key, const std::string& what) {
+  SEQPAR_CHECK(j.contains(key) && j[key].is_number(), what, ": field \"", key, "\" must be a number");
+  return j[key].get<double>();
+}
+
+LinkClass link_from_json(const nlohmann::json& j, const std::string& what) {
+  LinkClass l;
+  l.latency_s = number_at(j, "latency_s", what);
+  l.bandwidth_bps = number_at(j, "bandwidth_bytes_per_s", what);
+  SEQPAR_CHECK(l.latency_s >= 0 && l.bandwidth_bps > 0, what, ": latency_s ", l.latency_s,
+               " must be >= 0 and bandwidth_bytes_per_s ", l.bandwidth_bps, " > 0");
+  l.source = j.value("source", "");
+  return l;
+}
+
+nlohmann::json link_json(const LinkClass& l) {
+  return {{"latency_s", l.latency_s}, {"bandwidth_bytes_per_s", l.bandwidth_bps}, {"source", l.source}};
+}
+
+}  // namespace
+
+DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what) {
+  DeviceProfile p;
+  p.name = j.value("name", "unnamed");
+  p.note = j.value("note", "");
+  SEQPAR_CHECK(j.contains("kernels") && j["kernels"].is_object(), what, ": field \"kernels\" must be an object");
+  for (const auto& [key, curve] : j["kernels"].items()) {
+    KernelCurve c;
+    c.source = curve.value("source", "");
+    SEQPAR_CHECK(curve.contains("points") && curve["points"].is_array(), what, ": kernels.", key,
+                 ".points must be an array of [flops_per_call, flops_per_s]");
+    for (const auto& pt : curve["points"]) {
+      SEQPAR_CHECK(pt.is_array() && pt.size() == 2 && pt[0].is_number() && pt[1].is_number(), what, ": kernels.", key,
+                   ".points: each point is [flops_per_call, flops_per_s]");
+      const double x = pt[0].get<double>(), y = pt[1].get<double>();
+      SEQPAR_CHECK(x > 0 && y > 0, what, ": kernels.", key, ".points: [", x, ", ", y, "] must be positive");
+      c.points.emplace_back(x, y);
+    }
+    std::sort(c.points.begin(), c.points.end());
+    p.kernels[key] = std::move(c);
+  }
+  SEQPAR_CHECK(j.contains("links") && j["links"].contains("intra") && j["links"].contains("inter"), what,
+               ": field \"links\" must hold \"intra\" and \"inter\"");
+  p.intra = link_from_json(j["links"]["intra"], what + ": links.intra");
+  p.inter = link_from_json(j["links"]["inter"], what + ": links.inter");
+  p.ranks_per_nic = j["links"].value("ranks_per_nic", 1);
+  SEQPAR_CHECK(p.ranks_per_nic >= 1, what, ": links.ranks_per_nic ", p.ranks_per_nic, " must be >= 1");
+  p.cores_per_node = j.value("cores_per_node", 0.0);
+  p.gdn_map_factor = j.value("gdn_map_factor", 1.0);
+  p.gdn_sweep_factor = j.value("gdn_sweep_factor", 1.0);
+  return p;
+}
+
+DeviceProfile load_profile(const std::string& path) {
+  std::ifstream in(path);
+  SEQPAR_CHECK(in.good(), "sp_plan: cannot read the profile ", path);
+  nlohmann::json j;
+  try {
+    in >> j;
+  } catch (const std::exception& e) {
+    SEQPAR_THROW("sp_plan: profile ", path, " is not JSON: ", e.what());
+  }
+  return profile_from_json(j, "profile " + path);
+}
+
+nlohmann::json profile_json(const DeviceProfile& p) {
+  nlohmann::json j = {{"name", p.name},
+                      {"note", p.note},
+                      {"cores_per_node", p.cores_per_node},
+                      {"gdn_map_factor", p.gdn_map_factor},
+                      {"gdn_sweep_factor", p.gdn_sweep_factor}};
+  for (const auto& [key, c] : p.kernels) {
+    nlohmann::json pts = nlohmann::json::array();
+    for (const auto& [x, y] : c.points) pts.push_back({x, y});
+    j["kernels"][key] = {{"points", pts}, {"source", c.source}};
+  }
+  j["links"] = {{"intra", link_json(p.intra)}, {"inter", link_json(p.inter)}, {"ranks_per_nic", p.ranks_per_nic}};
+  return j;
+}
+
+// ---- configurations ---------------------------------------------------------------------------------------------
+
+std::string PlanConfig::name() const {
+  std::string s = str_cat("u", ulysses_size, "xr", ring_size, " ", layout);
+  if (!impl.empty()) s += " " + impl;
+  if (!gdn_mode.empty()) s += " " + gdn_mode;
+  if (!dsa_select.empty()) s += " select-" + dsa_select;
+  return s;
+}
+
+std::vector<std::string> PlanConfig::flags() const {
+  std::vector<std::string> f = {
+      "--ulysses-size", std::to_string(ulysses_size), "--ring-size", std::to_string(ring_size), "--layout", layout};
+  if (!impl.empty()) f.insert(f.end(), {"--impl", impl});
+  if (!gdn_mode.empty()) f.insert(f.end(), {"--gdn-mode", gdn_mode});
+  if (!dsa_select.empty()) f.insert(f.end(), {"--dsa-select", dsa_select});
+  return f;
+}
+
+SpBenchOptions config_options(const PlanInput& in, const PlanConfig& c) {
+  std::vector<std::string> args = {"sp_bench"};
+  args.insert(args.end(), in.problem_flags.begin(), in.problem_flags.end());
+  const std::vector<std::string> cf = c.flags();
+  args.insert(args.end(), cf.begin(), cf.end());
+  args.insert(args.end(), {"--threads", std::to_string(in.threads)});
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  std::optional<SpBenchOptions> o = parse_sp_bench_options(static_cast<int>(argv.size()), argv.data(), in.world_size,
+                                                           /*world_rank=*/1);  // rank 1: no --help printing
+  SEQPAR_CHECK(o.has_value(), "sp_plan: --help is not a problem flag");
+  return *o;
+}
+
+std::string memory_verdict(const SpBenchOptions& o, const PlanInput& in, double* per_rank_total) {
+  // sp_bench's rule (compare_with_node_memory): the estimates of the ranks of each node summed against what the
+  // node has; every node holds devices_per_node ranks, so node 0 (world ranks 0 .. devices_per_node - 1) decides
+  // unless a later node's ranks need more (they do not without --check: the estimates are the same).
+  double worst = 0, largest_rank = 0;
+  for (int node = 0; node < in.nodes; ++node) {
+    double need = 0;
+    for (int r = node * in.devices_per_node; r < (node + 1) * in.devices_per_node && r < in.world_size; ++r) {
+      const double t = estimate_memory(o, r).total_bytes();
+      need += t;
+      largest_rank = std::max(largest_rank, t);
+    }
+    worst = std::max(worst, need);
+    if (node == 0 && in.nodes > 1) break;  // every node's ranks estimate alike (no --check in the planned runs)
+  }
+  if (per_rank_total != nullptr) *per_rank_total = largest_rank;
+  const double have = in.memory_per_device * in.devices_per_node;
+  if (in.memory_per_device <= 0 || worst <= have) return "";
+  return str_cat("does not fit in memory: the ", in.devices_per_node, " rank(s) of a node need ", bytes_str(worst),
+                 " of the ", bytes_str(have), " available (", in.devices_per_node, " x --mem-per-device ",
+                 bytes_str(in.memory_per_device), ")");
+}
+
+// ---- the event simulation ---------------------------------------------------------------------------------------
+
+std::vector<double> simulate_ring(const std::vector<std::vector<double>>& compute, double transfer_s,
+                                  std::vector<double>* exposed) {
+  const int P = static_cast<int>(compute.size());
+  std::vector<double> start(P, 0.0), next(P, 0.0), waited(P, 0.0);
+  for (int s = 0; s + 1 < P; ++s) {
+    for (int r = 0; r < P; ++r) {
+      // The block for step s + 1 is posted by rank r - 1 when it starts step s (double buffering) and received by
+      // rank r, whose receive is posted at its own start of step s.
+      const int src = (r + P - 1) % P;
+      const double arrival = std::max(start[src], start[r]) + transfer_s;
+      const double done = start[r] + compute[r][s];
+      next[r] = std::max(done, arrival);
+      waited[r] += std::max(0.0, arrival - done);
+    }
+    start = next;
+  }
+  std::vector<double> finish(P);
+  for (int r = 0; r < P; ++r) finish[r] = start[r] + compute[r][P - 1];
+  if (exposed != nullptr) *exposed = waited;
+  return finish;
+}
+
+double ring_forward_closed_form(int P, double compute_step_s, double transfer_s) {
+  return compute_step_s + (P - 1) * std::max(compute_step_s, transfer_s);
+}
+
+namespace {
+
+struct Links {
+  LinkClass ring, ulysses;
+  std::string ring_class, ulysses_class;
+};
+
+// The link classes of the ring and Ulysses groups (ulysses_inner placement, dp 1: CP rank = world rank, node =
+// rank / devices_per_node). A ring that leaves the node runs at its slowest hop, the inter-node one, whose NIC's
+// bandwidth divides among the ranks sharing it.
+Links links_of(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& p) {
+  LinkClass inter = p.inter;
+  inter.bandwidth_bps /= std::min(p.ranks_per_nic, in.devices_per_node);
+  Links l;
+  const int pu = o.grid.ulysses_size, cp = pu * o.grid.ring_size;
+  const bool ulysses_inside = pu <= in.devices_per_node && in.devices_per_node % pu == 0;
+  l.ulysses = ulysses_inside ? p.intra : inter;
+  l.ulysses_class = ulysses_inside ? "intra" : "inter";
+  const bool ring_inside = cp <= in.devices_per_node;
+  l.ring = ring_inside ? p.intra : inter;
+  l.ring_class = ring_inside ? "intra" : "inter";
+  return l;
+}
+
+// Compute slows down when a CPU node runs more threads than it has cores.
+double oversubscription(const PlanInput& in, const DeviceProfile& p) {
+  if (p.cores_per_node <= 0) return 1.0;
+  return std::max(1.0, static_cast<double>(in.devices_per_node) * in.threads / p.cores_per_node);
+}
+
+// The share of (ring rank r, step s) in the causal work of the layout (tile pairs, SequenceLayout::step_work);
+// uniform without a causal mask.
+std::vector<std::vector<double>> step_shares(const SequenceLayout& layout, bool causal) {
+  const int P = layout.ring_size();
+  std::vector<std::vector<double>> share(P, std::vector<double>(P, 1.0 / (static_cast<double>(P) * P)));
+  if (!causal) return share;
+  const std::vector<std::int64_t>& w = layout.step_work();
+  const double total = static_cast<double>(std::accumulate(w.begin(), w.end(), std::int64_t{0}));
+  if (total <= 0) return share;
+  for (int r = 0; r < P; ++r)
+    for (int s = 0; s < P; ++s) share[r][s] = static_cast<double>(w[r * P + s]) / total;
+  return share;
+}
+
+// Visible (query, key) pairs of the whole row (batch included): per document L (L + 1) / 2 causal, L^2 otherwise.
+double visible_pairs(const SpBenchOptions& o, const SequenceLayout& layout) {
+  double pairs = 0;
+  const auto cu = layout.cu_seqlens();
+  for (std::size_t d = 0; d + 1 < cu.size(); ++d) {
+    const double n = static_cast<double>(cu[d + 1] - cu[d]);
+    pairs += o.causal ? n * (n + 1) / 2 : n * n;
+  }
+  return pairs * static_cast<double>(o.batch);
+}
+
+struct Phase {
+  std::vector<double> finish, compute;  // per rank (ring ranks; every Ulysses rank of a ring rank alike)
+  double bytes_ring = 0, bytes_a2a = 0;
+};
+
+// Summarises a phase: the slowest rank's finish, its compute, the mean compute.
+void add_phase(Prediction& pr, const Phase& ph, double* phase_s) {
+  const auto slow = std::max_element(ph.finish.begin(), ph.finish.end()) - ph.finish.begin();
+  const double mean = std::accumulate(ph.compute.begin(), ph.compute.end(), 0.0) / ph.compute.size();
+  *phase_s = ph.finish[slow];
+  pr.step_s += ph.finish[slow];
+  pr.compute_s += ph.compute[slow];
+  pr.exposed_comm_s += ph.finish[slow] - ph.compute[slow];
+  pr.imbalance_s += std::max(0.0, ph.compute[slow] - mean);
+}
+
+// ---- MHA: Ulysses all-to-alls around a ring (p2p or all-gather) ----
+
+Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& prof) {
+  SEQPAR_CHECK(o.window == 0, "sp_plan: --window ", o.window, ": the windowed ring is not modelled");
+  const SequenceLayout layout = sp_bench_layout(o);
+  const int P = o.grid.ring_size, pu = o.grid.ulysses_size;
+  const Links links = links_of(o, in, prof);
+  const double slow = oversubscription(in, prof);
+  MhaVolumeShape vs;
+  vs.batch = o.batch;
+  vs.padded_len = layout.padded_len();
+  vs.heads = o.heads;
+  vs.kv_heads = o.kv_heads;
+  vs.head_dim = o.head_dim;
+  vs.storage_bytes = static_cast<std::int64_t>(dtype_size(o.dtype));
+  vs.accum_bytes = static_cast<std::int64_t>(dtype_size(accumulator_dtype(o.dtype)));
+  vs.ring_size = P;
+  vs.ulysses_size = pu;
+  vs.impl = o.impl;
+  const MhaVolume vol = mha_volume(vs);
+  const double kv_block = P > 1 ? static_cast<double>(vol.ring_forward) / (P - 1) : 0.0;
+  const double dkv_block = kv_block * vs.accum_bytes / vs.storage_bytes;
+
+  const double fwd_flops = 4.0 * o.heads * o.head_dim * visible_pairs(o, layout);  // the whole row, every head
+  const auto share = step_shares(layout, o.causal);
+  Prediction pr;
+  pr.bytes_exact = true;
+  pr.oversubscribed = slow > 1.0;
+  const auto a2a_s = [&](double bytes) {
+    return pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + bytes / links.ulysses.bandwidth_bps : 0.0;
+  };
+  for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
+    const bool bwd = phase == 1;
+    const KernelCurve& curve = prof.kernel(bwd ? "mha_bwd" : "mha_fwd");
+    const double flops = bwd ? 2.5 * fwd_flops : fwd_flops;
+    std::vector<std::vector<double>> c(P, std::vector<double>(P));
+    Phase ph;
+    ph.compute.assign(P, 0.0);
+    for (int r = 0; r < P; ++r) {
+      for (int s = 0; s < P; ++s) {
+        const double f = flops * share[r][s] / pu;  // one rank: its ring shard's pairs with H / Pu heads
+        c[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+      }
+    }
+    const double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));
+    if (o.impl == RingImpl::kP2P || P == 1) {
+      std::vector<double> exposed;
+      const double transfer = links.ring.seconds(bwd ? kv_block + dkv_block : kv_block);
+      ph.finish = simulate_ring(c, transfer, &exposed);
+      for (int r = 0; r < P; ++r) {
+        ph.compute[r] = std::accumulate(c[r].begin(), c[r].end(), 0.0);
+        // Backward: the gradient accumulator's last hop home follows the last step.
+        ph.finish[r] += a2a + (bwd && P > 1 ? links.ring.seconds(dkv_block) : 0.0);
+      }
+    } else {
+      // All-gather of K and V (ring algorithm, P - 1 steps), one kernel call over the whole sequence; the backward
+      // gathers again and reduce-scatters dK, dV.
+      const double gather = (P - 1) * links.ring.seconds(kv_block);
+      const double scatter = bwd ? (P - 1) * links.ring.seconds(dkv_block) : 0.0;
+      ph.finish.assign(P, 0.0);
+      for (int r = 0; r < P; ++r) {
+        double f = 0;
+        for (int s = 0; s < P; ++s) f += flops * share[r][s] / pu;
+        ph.compute[r] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        ph.finish[r] = a2a + gather + ph.compute[r] + scatter;
+      }
+    }
+    double phase_s = 0;
+    add_phase(pr, ph, &phase_s);
+    (bwd ? pr.backward_s : pr.forward_s) = phase_s;
+    (bwd ? pr.bytes_sent_backward : pr.bytes_sent_forward) = static_cast<double>(bwd ? vol.backward() : vol.forward());
+    pr.bytes_per_link[links.ring_class] += static_cast<double>(bwd ? vol.ring_backward : vol.ring_forward);
+    pr.bytes_per_link[links.ulysses_class] += static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward);
+  }
+  return pr;
+}
+
+// ---- GDN: chain or scan over the segments of the ring, heads over Ulysses ----
+
+Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& prof) {
+  const SequenceLayout layout = sp_bench_layout(o);
+  const int P = o.grid.ring_size, pu = o.grid.ulysses_size;
+  const Links links = links_of(o, in, prof);
+  const double slow = oversubscription(in, prof);
+  const std::int64_t hv = o.heads / pu, hk = std::max<std::int64_t>(1, o.kv_heads / pu), K = o.head_dim,
+                     V = o.dim_v > 0 ? o.dim_v : o.head_dim;
+  std::vector<std::vector<std::int64_t>> tokens(P);
+  for (int r = 0; r < P; ++r) {
+    const std::vector<std::int64_t> slots = layout.ring_shard_positions(r);
+    tokens[r] = layout.tokens_of_slots(slots);
+  }
+  const std::vector<Segment> segs = segments_in_global_order(tokens);
+  const double state_esize = o.dtype == DType::kFloat64 ? 8.0 : 4.0;
+  const double state_bytes = static_cast<double>(o.batch * hv * K * V) * state_esize;
+  const double map_bytes = static_cast<double>(o.batch * hv * K * (K + V)) * state_esize;
+  const auto seg_flops = [&](std::int64_t len) {
+    GdnFlopShape f{o.batch, len, hv, K, V, o.chunk_size, o.conv_width, (2 * hk * K + hv * V)};
+    return gdn_forward_flops(f);
+  };
+  // Ulysses: q, k (Hk K), v (Hv V), g, beta (Hv) in and out (Hv V) back; the backward the gradients.
+  const double s_local = static_cast<double>(layout.local_len());
+  // Key heads fewer than Pu travel replicated to Pu heads (ulysses_kv_heads), their gradients back in the
+  // accumulator dtype (as MHA's KV heads).
+  const double e = static_cast<double>(dtype_size(o.dtype));
+  const double hk_e = static_cast<double>(ulysses_kv_heads(o.kv_heads, pu));
+  const double qk_grad_e = o.kv_heads % pu == 0 ? e : static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
+  const auto a2a_bytes_of = [&](double qk_e) {
+    return pu > 1 ? static_cast<double>(o.batch) * s_local *
+                        (2.0 * hk_e * K * qk_e + (2.0 * o.heads * V + 2.0 * o.heads) * e) * (pu - 1) / pu
+                  : 0.0;
+  };
+  const double a2a_bytes = a2a_bytes_of(e);
+  const double a2a_s = pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + a2a_bytes / links.ulysses.bandwidth_bps : 0.0;
+  // final_state (forward) and dinitial_state (backward), every head's, all-gathered over the Ulysses group.
+  const double state_gather_bytes = pu > 1 ? state_bytes * (pu - 1) : 0.0;
+  // One ring rank holds every segment: nothing is passed, the scan computes no maps (it runs as the chain does).
+  const bool chain = o.gdn_mode == "chain" || P == 1;
+  Prediction pr;
+  pr.oversubscribed = slow > 1.0;
+  pr.bytes_exact = !o.packed();  // packed rows: segments restart at documents, not modelled
+  const int nseg = static_cast<int>(segs.size());
+  const int rounds = nseg > 1 ? static_cast<int>(std::ceil(std::log2(static_cast<double>(nseg)))) + 1 : 0;
+  for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
+    const bool bwd = phase == 1;
+    const KernelCurve& fcurve = prof.kernel("gdn_fwd");
+    const KernelCurve& curve = prof.kernel(bwd ? "gdn_bwd" : "gdn_fwd");
+    std::vector<double> seg_s(nseg), seg_fwd_s(nseg);
+    for (int i = 0; i < nseg; ++i) {
+      const double f = seg_flops(segs[i].length);
+      seg_fwd_s[i] = f > 0 ? slow * f / fcurve.rate(f) : 0.0;
+      seg_s[i] = bwd ? (f > 0 ? slow * 2.5 * f / curve.rate(2.5 * f) : 0.0) : seg_fwd_s[i];
+    }
+    Phase ph;
+    ph.finish.assign(P, a2a_s / 2);  // the all-to-all in (half its time) before, out after
+    ph.compute.assign(P, 0.0);
+    double ring_bytes_max = 0;
+    std::vector<double> sent(P, 0.0);
+    if (chain) {
+      // Sequential over the segments in global order (the backward in reverse): a segment starts when its owner
+      // is free and its start state (a message when the previous segment is another rank's) has arrived.
+      double prev_end = a2a_s / 2;
+      int prev_owner = -1;
+      for (int k = 0; k < nseg; ++k) {
+        const int i = bwd ? nseg - 1 - k : k;
+        const int owner = segs[i].owner;
+        double ready = prev_end;
+        if (prev_owner >= 0 && prev_owner != owner) {
+          ready += links.ring.seconds(state_bytes);
+          sent[prev_owner] += state_bytes;
+        }
+        const double start = std::max(ready, ph.finish[owner]);
+        ph.finish[owner] = start + seg_s[i];
+        ph.compute[owner] += seg_s[i];
+        prev_end = ph.finish[owner];
+        prev_owner = owner;
+      }
+    } else {
+      // Maps of every segment at once (the backward: the cheap dS sweep, about one forward), the scan's rounds
+      // and the shift, then every segment's kernel at once.
+      std::vector<double> maps(P, 0.0), runs(P, 0.0);
+      for (int i = 0; i < nseg; ++i) {
+        // The first segment starts from the known initial state (no map), the last ends with the known dS_end (no
+        // sweep); packed rows: segments at a document's start or end need none either (counted here as if they did).
+        if (bwd ? i + 1 < nseg : i > 0)
+          maps[segs[i].owner] += (bwd ? prof.gdn_sweep_factor : prof.gdn_map_factor) * seg_fwd_s[i];
+        runs[segs[i].owner] += seg_s[i];
+      }
+      // Bytes: the Kogge-Stone rounds (distance d = 1, 2, 4, ... < N: segment i's scanned map [M | U] to segment
+      // i + d) and the shift (each segment's end state to the next), counted where the owners differ; the backward
+      // runs the same in reverse order.
+      for (int d = 1; d < nseg; d *= 2) {
+        for (int i = 0; i + d < nseg; ++i) {
+          const Segment& from = segs[bwd ? nseg - 1 - i : i];
+          const Segment& to = segs[bwd ? nseg - 1 - i - d : i + d];
+          if (from.owner != to.owner) sent[from.owner] += map_bytes;
+        }
+      }
+      for (int i = 0; i + 1 < nseg; ++i) {
+        const Segment& from = segs[bwd ? nseg - 1 - i : i];
+        const Segment& to = segs[bwd ? nseg - 2 - i : i + 1];
+        if (from.owner != to.owner) sent[from.owner] += state_bytes;
+      }
+      const double scanned =
+          a2a_s / 2 + *std::max_element(maps.begin(), maps.end()) + rounds * links.ring.seconds(map_bytes);
+      for (int r = 0; r < P; ++r) {
+        ph.compute[r] = maps[r] + runs[r];
+        ph.finish[r] = scanned + runs[r];
+      }
+    }
+    for (int r = 0; r < P; ++r) {
+      ph.finish[r] += a2a_s / 2;
+      ring_bytes_max = std::max(ring_bytes_max, sent[r]);
+    }
+    double phase_s = 0;
+    add_phase(pr, ph, &phase_s);
+    (bwd ? pr.backward_s : pr.forward_s) = phase_s;
+    const double a2a_phase = bwd ? a2a_bytes_of(qk_grad_e) : a2a_bytes;
+    (bwd ? pr.bytes_sent_backward : pr.bytes_sent_forward) = ring_bytes_max + a2a_phase + state_gather_bytes;
+    pr.bytes_per_link[links.ring_class] += ring_bytes_max;
+    pr.bytes_per_link[links.ulysses_class] += a2a_phase + state_gather_bytes;
+  }
+  return pr;
+}
+
+// ---- DSA: index keys around the CP group (or gathered), latent blocks around the ring ----
+
+Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& prof) {
+  const SequenceLayout layout = sp_bench_layout(o);
+  const int P = o.grid.ring_size, pu = o.grid.ulysses_size, cp = P * pu;
+  const Links links = links_of(o, in, prof);
+  LinkClass cp_link = links.ring;  // the selection ring runs over the whole CP group
+  if (links.ulysses_class == "inter") cp_link = links.ulysses;
+  const double slow = oversubscription(in, prof);
+  const std::vector<std::int64_t> cu(layout.cu_seqlens().begin(), layout.cu_seqlens().end());
+  const SequenceLayout cp_layout =
+      o.packed() ? SequenceLayout::packed(o.layout, cu, cp, 1) : SequenceLayout(o.layout, o.seq, cp, 1);
+  const DsaFlopShape fs = {
+      o.batch,         o.seq,         o.heads, o.head_dim, o.dim_v > 0 ? o.dim_v : o.head_dim,
+      o.indexer_heads, o.indexer_dim, o.topk,  o.window,   o.packed() ? o.doc_lens : std::vector<std::int64_t>{}};
+  const double e = static_cast<double>(dtype_size(o.dtype)),
+               acc = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
+  const double s_local = static_cast<double>(layout.local_len()), s_ring = static_cast<double>(layout.ring_shard_len());
+  const double kidx_block = static_cast<double>(o.batch) * s_local * o.indexer_dim * e;
+  const double latent_block = static_cast<double>(o.batch) * s_ring * o.head_dim * e;
+  // Ulysses: q to heads (all-to-all) and the ring shard's latent and indices gathered; back: out.
+  const double a2a_bytes = pu > 1 ? static_cast<double>(o.batch) * s_local * (pu - 1) *
+                                        ((2.0 * o.heads * o.head_dim) / pu * e + o.head_dim * e + o.topk * 8.0)
+                                  : 0.0;
+  const double a2a_s = pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + a2a_bytes / links.ulysses.bandwidth_bps : 0.0;
+  const auto cp_share = step_shares(cp_layout, true);
+  const auto ring_share = step_shares(layout, true);
+  Prediction pr;
+  pr.oversubscribed = slow > 1.0;
+  for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
+    const bool bwd = phase == 1;
+    const KernelCurve& curve = prof.kernel(bwd ? "dsa_bwd" : "dsa_fwd");
+    const double idx_flops = bwd ? dsa_selected_pairs(fs) * 3.0 * dsa_indexer_flops_per_pair(fs)
+                                 : dsa_visible_pairs(fs) * dsa_indexer_flops_per_pair(fs);
+    const double att_flops = dsa_selected_pairs(fs) * (bwd ? 2.5 : 1.0) * dsa_attention_flops_per_pair(fs);
+    // Selection / index-key ring over the CP group, then the latent ring over the ring group.
+    std::vector<std::vector<double>> ci(cp, std::vector<double>(cp)), ca(P, std::vector<double>(P));
+    for (int r = 0; r < cp; ++r)
+      for (int s = 0; s < cp; ++s) {
+        const double f = idx_flops * cp_share[r][s];
+        ci[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+      }
+    for (int r = 0; r < P; ++r)
+      for (int s = 0; s < P; ++s) {
+        const double f = att_flops * ring_share[r][s] / pu;
+        ca[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+      }
+    std::vector<double> fi, fa, ex;
+    double idx_bytes = 0;
+    if (o.dsa_select == "allgather" && !bwd) {
+      fi.assign(cp, (cp - 1) * cp_link.seconds(kidx_block));
+      for (int r = 0; r < cp; ++r) fi[r] += std::accumulate(ci[r].begin(), ci[r].end(), 0.0);
+      idx_bytes = (cp - 1) * kidx_block;
+    } else {
+      const double blk = bwd ? kidx_block * (1 + acc / e) : kidx_block;
+      fi = simulate_ring(ci, cp_link.seconds(blk), &ex);
+      idx_bytes = (cp - 1) * blk + (bwd ? kidx_block * acc / e : 0.0);
+    }
+    const double lat_blk = bwd ? latent_block * (1 + acc / e) : latent_block;
+    fa = simulate_ring(ca, links.ring.seconds(lat_blk), &ex);
+    const double lat_bytes = (P - 1) * lat_blk + (bwd && P > 1 ? latent_block * acc / e : 0.0);
+    Phase ph;
+    ph.finish.assign(P, 0.0);
+    ph.compute.assign(P, 0.0);
+    const double idx_done = *std::max_element(fi.begin(), fi.end());
+    for (int r = 0; r < P; ++r) {
+      double ci_r = 0;
+      for (int u = 0; u < pu; ++u)
+        ci_r = std::max(ci_r, std::accumulate(ci[r * pu + u].begin(), ci[r * pu + u].end(), 0.0));
+      ph.compute[r] = ci_r + std::accumulate(ca[r].begin(), ca[r].end(), 0.0);
+      ph.finish[r] = a2a_s + idx_done + fa[r];
+    }
+    double phase_s = 0;
+    add_phase(pr, ph, &phase_s);
+    (bwd ? pr.backward_s : pr.forward_s) = phase_s;
+    (bwd ? pr.bytes_sent_backward : pr.bytes_sent_forward) = idx_bytes + lat_bytes + a2a_bytes;
+    pr.bytes_per_link[links.ring_class] += lat_bytes + idx_bytes;
+    pr.bytes_per_link[links.ulysses_class] += a2a_bytes;
+  }
+  return pr;
+}
+
+}  // namespace
+
+Prediction predict(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& profile) {
+  if (o.attn == "mha") return predict_mha(o, in, profile);
+  if (o.attn == "gdn") return predict_gdn(o, in, profile);
+  if (o.attn == "dsa") return predict_dsa(o, in, profile);
+  SEQPAR_THROW("sp_plan: --attn ", o.attn, " is not modelled (mha, gdn, dsa)");
+}
+
+// ---- enumeration ------------------------------------------------------------------------------------------------
+
+namespace {
+
+std::string attn_of(const PlanInput& in) {
+  // The kind as sp_bench resolves it: parse once at one rank with no grid flags.
+  std::vector<std::string> args = {"sp_bench"};
+  args.insert(args.end(), in.problem_flags.begin(), in.problem_flags.end());
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  const std::optional<SpBenchOptions> o = parse_sp_bench_options(static_cast<int>(argv.size()), argv.data(), 1, 1);
+  SEQPAR_CHECK(o.has_value(), "sp_plan: --help is not a problem flag");
+  return o->attn;
+}
+
+std::string command_of(const PlanInput& in, const PlanConfig& c) {
+  std::string s = str_cat("mpirun -np ", in.world_size, " sp_bench");
+  for (const std::string& f : in.problem_flags) s += " " + f;
+  for (const std::string& f : c.flags()) s += " " + f;
+  if (in.threads != 1) s += str_cat(" --threads ", in.threads);
+  return s;
+}
+
+}  // namespace
+
+std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
+  SEQPAR_CHECK(in.world_size >= 1 && in.nodes >= 1 && in.devices_per_node >= 1 &&
+                   in.world_size == in.nodes * in.devices_per_node,
+               "sp_plan: --world ", in.world_size, " must equal --nodes ", in.nodes, " x --devices-per-node ",
+               in.devices_per_node);
+  SEQPAR_CHECK(in.mode == "train" || in.mode == "prefill", "sp_plan: --mode ", in.mode, ": train | prefill");
+  const std::string attn = attn_of(in);
+  std::vector<PlanConfig> configs;
+  for (int pu = 1; pu <= in.world_size; ++pu) {
+    if (in.world_size % pu != 0) continue;
+    const int pr = in.world_size / pu;
+    for (const char* layout : {"contiguous", "zigzag", "stripe", "balanced"}) {
+      PlanConfig c;
+      c.ulysses_size = pu;
+      c.ring_size = pr;
+      c.layout = layout;
+      if (attn == "mha") {
+        for (const char* impl : {"p2p", "allgather"}) {
+          if (pr == 1 && std::string(impl) == "allgather") continue;  // no ring: the same run
+          c.impl = impl;
+          configs.push_back(c);
+        }
+      } else if (attn == "gdn") {
+        c.impl.clear();
+        for (const char* m : {"chain", "scan"}) {
+          c.gdn_mode = m;
+          configs.push_back(c);
+        }
+      } else {
+        c.impl.clear();
+        for (const char* m : {"ring", "allgather"}) {
+          c.dsa_select = m;
+          configs.push_back(c);
+        }
+      }
+    }
+  }
+  std::vector<PlanRow> rows;
+  for (const PlanConfig& c : configs) {
+    PlanRow row;
+    row.config = c;
+    row.command = command_of(in, c);
+    try {
+      const SpBenchOptions o = config_options(in, c);
+      const MemoryEstimate e = estimate_memory(o, 0);
+      row.memory = e.ledger;
+      row.memory_total = e.total_bytes();
+      row.excluded = memory_verdict(o, in, &row.memory_total);
+      if (row.excluded.empty()) {
+        row.prediction = predict(o, in, profile);
+        if (row.prediction.oversubscribed && !in.oversubscribed_ok) {
+          row.excluded = str_cat("oversubscribed: ", in.devices_per_node, " ranks x ", in.threads,
+                                 " threads exceed the profile's ", profile.cores_per_node, " cores per node");
+        }
+      }
+    } catch (const Error& err) {
+      row.excluded = err.what();
+    }
+    rows.push_back(std::move(row));
+  }
+  std::stable_sort(rows.begin(), rows.end(), [](const PlanRow& a, const PlanRow& b) {
+    if (a.excluded.empty() != b.excluded.empty()) return a.excluded.empty();
+    return a.excluded.empty() && a.prediction.step_s < b.prediction.step_s;
+  });
+  return rows;
+}
+
+// ---- output -----------------------------------------------------------------------------------------------------
+
+nlohmann::json plan_json(const PlanInput& in, const DeviceProfile& profile, const std::vector<PlanRow>& rows) {
+  nlohmann::json j;
+  j["input"] = {{"problem_flags", in.problem_flags},
+                {"mode", in.mode},
+                {"world_size", in.world_size},
+                {"nodes", in.nodes},
+                {"devices_per_node", in.devices_per_node},
+                {"memory_per_device_bytes", in.memory_per_device},
+                {"threads", in.threads}};
+  j["profile"] = profile.name;
+  j["ranked"] = nlohmann::json::array();
+  j["excluded"] = nlohmann::json::array();
+  for (const PlanRow& r : rows) {
+    nlohmann::json c = {
+        {"name", r.config.name()},   {"ulysses_size", r.config.ulysses_size}, {"ring_size", r.config.ring_size},
+        {"layout", r.config.layout}, {"sp_bench_flags", r.config.flags()},    {"command", r.command}};
+    if (!r.config.impl.empty()) c["impl"] = r.config.impl;
+    if (!r.config.gdn_mode.empty()) c["gdn_mode"] = r.config.gdn_mode;
+    if (!r.config.dsa_select.empty()) c["dsa_select"] = r.config.dsa_select;
+    if (!r.excluded.empty()) {
+      c["reason"] = r.excluded;
+      j["excluded"].push_back(c);
+      continue;
+    }
+    const Prediction& p = r.prediction;
+    c["predicted"] = {{"step_s", p.step_s},
+                      {"forward_s", p.forward_s},
+                      {"backward_s", p.backward_s},
+                      {"compute_s", p.compute_s},
+                      {"exposed_comm_s", p.exposed_comm_s},
+                      {"imbalance_s", p.imbalance_s},
+                      {"bytes_sent_per_rank", {{"forward", p.bytes_sent_forward}, {"backward", p.bytes_sent_backward}}},
+                      {"bytes_per_link_class", p.bytes_per_link},
+                      {"bytes_exact", p.bytes_exact},
+                      {"oversubscribed", p.oversubscribed}};
+    for (const auto& [name, bytes] : r.memory) c["memory_per_rank_bytes"][name] = bytes;
+    c["memory_per_rank_total_bytes"] = r.memory_total;
+    j["ranked"].push_back(c);
+  }
+  return j;
+}
+
+std::string plan_table(const PlanInput& in, const DeviceProfile& profile, const std::vector<PlanRow>& rows) {
+  std::string s = str_cat("# sp_plan: ", in.mode, ", world ", in.world_size, " = ", in.nodes, " node(s) x ",
+                          in.devices_per_node, ", memory per device ",
+                          in.memory_per_device > 0 ? bytes_str(in.memory_per_device) : std::string("unlimited"),
+                          ", profile ", profile.name, "\n# problem:");
+  for (const std::string& f : in.problem_flags) s += " " + f;
+  s += "\n#  rank  configuration                    step(ms)  compute(ms)  exposed(ms)  imbal(ms)   MiB sent/rank  "
+       "mem/rank\n";
+  int rank = 0;
+  for (const PlanRow& r : rows) {
+    if (!r.excluded.empty()) continue;
+    const Prediction& p = r.prediction;
+    char line[256];
+    std::snprintf(line, sizeof line, "%7d  %-30s %10.3f %12.3f %12.3f %10.3f %15.2f  %s%s\n", ++rank,
+                  r.config.name().c_str(), p.step_s * 1e3, p.compute_s * 1e3, p.exposed_comm_s * 1e3,
+                  p.imbalance_s * 1e3, (p.bytes_sent_forward + p.bytes_sent_backward) / (1024.0 * 1024.0),
+                  bytes_str(r.memory_total).c_str(), p.oversubscribed ? "  (oversubscribed)" : "");
+    s += line;
+  }
+  for (const PlanRow& r : rows) {
+    if (r.excluded.empty()) continue;
+    s += str_cat("#  excluded ", r.config.name(), ": ", r.excluded, "\n");
+  }
+  for (const PlanRow& r : rows) {
+    if (!r.excluded.empty()) continue;
+    s += str_cat("# first choice: ", r.command, "\n");
+    break;
+  }
+  return s;
+}
+
+}  // namespace seqpar::bench::plan

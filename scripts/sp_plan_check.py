@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""sp_plan's predictions against measured sp_bench times on this machine (docs/results.md, "sp_plan on this machine").
+
+For each case: sp_plan --json ranks the configurations of the problem at its world size with the profile; the case's
+configuration is looked up by name; sp_bench runs it under mpirun (--json) and its median fwd+bwd time is compared.
+Cases of one problem at one world size form a group: the planner's first choice among the group's measured
+configurations is compared with the measured fastest. Prints a markdown table and writes --json.
+
+  scripts/sp_plan_check.py --build build --profile build/profile.json --json build/sp_plan_check.json
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+MHA = ["--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K", "--causal"]
+MHA_PACKED = ["--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--doc-lens",
+              "1024,512,256,128,64,64", "--causal"]
+DSA = ["--attn", "dsa", "--heads", "16", "--head-dim", "128", "--dim-v", "128", "--indexer-heads", "8",
+       "--indexer-dim", "64", "--topk", "256", "--seq", "2K"]
+GDN = ["--attn", "gdn", "--heads", "8", "--kv-heads", "4", "--head-dim", "64", "--dim-v", "64", "--seq", "4K"]
+
+# (group, world, problem, configuration name as sp_plan prints it)
+CASES = [
+    ("mha np1", 1, MHA, "u1xr1 zigzag p2p"),
+    ("mha np2", 2, MHA, "u1xr2 zigzag p2p"),
+    ("mha np2", 2, MHA, "u1xr2 contiguous p2p"),
+    ("mha np2", 2, MHA, "u1xr2 zigzag allgather"),
+    ("mha np2", 2, MHA, "u1xr2 contiguous allgather"),
+    ("mha np2", 2, MHA, "u2xr1 zigzag p2p"),
+    ("mha np4 (oversubscribed)", 4, MHA, "u2xr2 zigzag p2p"),
+    ("mha np4 (oversubscribed)", 4, MHA, "u1xr4 zigzag p2p"),
+    ("mha packed np2", 2, MHA_PACKED, "u1xr2 zigzag p2p"),
+    ("mha packed np2", 2, MHA_PACKED, "u1xr2 balanced p2p"),
+    ("dsa np1", 1, DSA, "u1xr1 zigzag select-ring"),
+    ("dsa np2", 2, DSA, "u1xr2 zigzag select-ring"),
+    ("dsa np2", 2, DSA, "u1xr2 zigzag select-allgather"),
+    ("gdn np1", 1, GDN, "u1xr1 zigzag scan"),
+    ("gdn np2", 2, GDN, "u1xr2 zigzag chain"),
+    ("gdn np2", 2, GDN, "u1xr2 zigzag scan"),
+]
+
+
+def run(cmd, **kw):
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, **kw).stdout
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--profile", required=True)
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--mpirun", default="mpirun")
+    a = ap.parse_args()
+    sp_plan = os.path.join(a.build, "benchmarks", "sp_plan")
+    sp_bench = os.path.join(a.build, "benchmarks", "sp_bench")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    plans = {}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for group, world, problem, name in CASES:
+            key = (world, tuple(problem))
+            if key not in plans:
+                out = os.path.join(tmp, f"plan{len(plans)}.json")
+                run([sp_plan, "--profile", a.profile, "--world", str(world), "--json", out, "--"] + problem, env=env)
+                with open(out) as f:
+                    plans[key] = json.load(f)
+            plan = plans[key]
+            ranked = [r for r in plan["ranked"] if r["name"] == name]
+            if not ranked:
+                excl = [r["reason"] for r in plan["excluded"] if r["name"] == name]
+                raise SystemExit(f"{name}: not ranked ({excl})")
+            r = ranked[0]
+            out = os.path.join(tmp, "bench.json")
+            run([a.mpirun, "-np", str(world), "--oversubscribe", sp_bench] + problem + r["sp_bench_flags"] +
+                ["--warmup", "1", "--iters", str(a.iters), "--quiet", "--json", out], env=env)
+            with open(out) as f:
+                bench = json.load(f)
+            measured = next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")["time_ms"] / 1e3
+            predicted = r["predicted"]["step_s"]
+            rows.append({"group": group, "world": world, "config": name, "predicted_s": predicted,
+                         "measured_s": measured, "error": predicted / measured - 1,
+                         "plan_rank": [x["name"] for x in plan["ranked"]].index(name) + 1,
+                         "oversubscribed": r["predicted"]["oversubscribed"],
+                         "exposed_comm_s": r["predicted"]["exposed_comm_s"],
+                         "measured_exposed_pct": next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")[
+                             "exposed_comm_pct"]})
+    groups = {}
+    for row in rows:
+        groups.setdefault(row["group"], []).append(row)
+    choice = {}
+    for g, rs in groups.items():
+        if len(rs) < 2:
+            continue
+        first = min(rs, key=lambda x: x["predicted_s"])
+        fastest = min(rs, key=lambda x: x["measured_s"])
+        choice[g] = {"first_choice": first["config"], "measured_fastest": fastest["config"],
+                     "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"] - 1}
+    med = statistics.median(abs(r["error"]) for r in rows)
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
+    result = {"rows": rows, "choice": choice, "median_abs_error": med, "load_after": load}
+    with open(a.json, "w") as f:
+        json.dump(result, f, indent=2)
+    print("| group | configuration | predicted (ms) | measured (ms) | error | plan rank |")
+    print("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['group']} | {r['config']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
+              f"{r['error'] * 100:+.0f}% | {r['plan_rank']} |")
+    print(f"\nmedian |error|: {med * 100:.0f}%; load average after: {load}\n")
+    print("| group | first choice (predicted) | measured fastest | first choice vs fastest |")
+    print("|---|---|---|---:|")
+    for g, c in choice.items():
+        print(f"| {g} | {c['first_choice']} | {c['measured_fastest']} | {c['first_choice_vs_fastest'] * 100:+.0f}% |")
+
+
+if __name__ == "__main__":
+    main()

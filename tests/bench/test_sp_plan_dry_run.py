@@ -1,0 +1,76 @@
+#!/usr/bin/env python3
+"""sp_plan's memory verdict against the sp_bench binary: with the node's memory set to what sp_plan was told
+(--test-mem-available-mib = devices_per_node x --mem-per-device), the configurations sp_plan ranks are accepted by
+`sp_bench --dry-run` ("fits"), the ones it excludes for memory are refused ("does NOT fit") and a real run of one
+stops with sp_bench's memory error; the ones it excludes by a rule fail sp_bench's parser with the same message.
+
+  test_sp_plan_dry_run.py SP_PLAN SP_BENCH MPIEXEC NP_FLAG
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+PROBLEM = ["--attn", "mha", "--heads", "3", "--kv-heads", "1", "--head-dim", "64", "--seq", "16K", "--causal"]
+WORLD = 2
+MEM_MIB = 200  # per device: p2p rings fit (192.4 MiB a rank), all-gather (206.4 MiB: the whole K / V) does not
+
+
+def main():
+    sp_plan, sp_bench, mpiexec, np_flag = sys.argv[1:5]
+    profile = {"name": "flat", "kernels": {k: {"points": [[1, 1e10]]} for k in ("mha_fwd", "mha_bwd")},
+               "links": {"intra": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 5e9},
+                         "inter": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 5e9}}}
+    failures = []
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = os.path.join(tmp, "profile.json")
+        with open(prof, "w") as f:
+            json.dump(profile, f)
+        plan_json = os.path.join(tmp, "plan.json")
+        subprocess.run([sp_plan, "--profile", prof, "--world", str(WORLD), "--mem-per-device", f"{MEM_MIB}M",
+                        "--json", plan_json, "--"] + PROBLEM, check=True, stdout=subprocess.DEVNULL)
+        with open(plan_json) as f:
+            plan = json.load(f)
+        memory_excluded = [r for r in plan["excluded"] if r["reason"].startswith("does not fit in memory")]
+        rule_excluded = [r for r in plan["excluded"] if not r["reason"].startswith("does not fit in memory")]
+        if not plan["ranked"] or not memory_excluded:
+            failures.append(f"expected both fitting and non-fitting configurations: {len(plan['ranked'])} ranked, "
+                            f"{len(memory_excluded)} excluded for memory")
+        node_mib = str(WORLD * MEM_MIB)
+
+        def bench(row, extra):
+            cmd = [mpiexec, np_flag, str(WORLD), sp_bench] + PROBLEM + row["sp_bench_flags"] + [
+                "--test-mem-available-mib", node_mib] + extra
+            return subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+        for row in plan["ranked"] + memory_excluded:
+            fits = row in plan["ranked"]
+            out = bench(row, ["--dry-run"])
+            verdict = ": fits" in out.stdout and "does NOT fit" not in out.stdout
+            if out.returncode != 0 or verdict != fits:
+                failures.append(f"{row['name']}: sp_plan says {'fits' if fits else 'does not fit'}, sp_bench "
+                                f"--dry-run (rc {out.returncode}):\n{out.stdout}")
+            else:
+                print(f"ok: {row['name']}: {'fits' if fits else 'does NOT fit'} in both")
+        if memory_excluded:
+            out = bench(memory_excluded[0], ["--warmup", "0", "--iters", "1"])
+            if out.returncode == 0 or "memory estimate:" not in out.stdout:
+                failures.append(f"{memory_excluded[0]['name']}: a real run was not refused:\n{out.stdout}")
+            else:
+                print(f"ok: {memory_excluded[0]['name']}: the run is refused (memory estimate)")
+        for row in rule_excluded:
+            out = bench(row, ["--dry-run"])
+            if out.returncode == 0 or row["reason"] not in out.stdout:
+                failures.append(f"{row['name']}: sp_plan's reason '{row['reason']}' not in sp_bench's "
+                                f"(rc {out.returncode}):\n{out.stdout}")
+            else:
+                print(f"ok: {row['name']}: refused by both: {row['reason']}")
+    for f in failures:
+        print("FAIL:", f)
+    print(f"{len(failures)} failure(s)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

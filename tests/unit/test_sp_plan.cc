@@ -1,0 +1,177 @@
+// sp_plan's model on one process: the ring's event simulation against its closed forms, the slowest rank deciding
+// (layout imbalance), the exclusions with sp_bench's own reasons, the memory verdict, the profile's JSON round trip.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "benchmarks/sp_bench_memory.h"
+#include "benchmarks/sp_plan.h"
+#include "runtime/error.h"
+
+namespace seqpar::bench::plan {
+namespace {
+
+// A profile with flat curves: every kernel at `flops_per_s`, both links at `latency_s` and `bandwidth`.
+DeviceProfile flat_profile(double flops_per_s, double latency_s, double bandwidth) {
+  DeviceProfile p;
+  p.name = "flat";
+  for (const char* k : {"mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"})
+    p.kernels[k].points = {{1.0, flops_per_s}};
+  p.intra = {latency_s, bandwidth, "test"};
+  p.inter = {latency_s * 10, bandwidth / 10, "test"};
+  return p;
+}
+
+PlanInput input(std::vector<std::string> flags, int world, double mem = 0) {
+  PlanInput in;
+  in.problem_flags = std::move(flags);
+  in.world_size = world;
+  in.devices_per_node = world;
+  in.memory_per_device = mem;
+  return in;
+}
+
+const PlanRow& row_named(const std::vector<PlanRow>& rows, const std::string& name) {
+  for (const PlanRow& r : rows)
+    if (r.config.name() == name) return r;
+  ADD_FAILURE() << "no configuration " << name;
+  return rows.front();
+}
+
+TEST(SpPlanRing, ComputeBoundIsPStepsOfCompute) {
+  for (int P : {1, 2, 4, 8}) {
+    const double c = 1e-3, t = 1e-6;
+    std::vector<double> exposed;
+    const std::vector<double> finish =
+        simulate_ring(std::vector<std::vector<double>>(P, std::vector<double>(P, c)), t, &exposed);
+    for (int r = 0; r < P; ++r) {
+      EXPECT_NEAR(finish[r], P * c, 1e-15) << "rank " << r << " of " << P;
+      EXPECT_EQ(exposed[r], 0.0) << "rank " << r << " of " << P;
+    }
+    EXPECT_NEAR(ring_forward_closed_form(P, c, t), P * c, 1e-15);
+  }
+}
+
+TEST(SpPlanRing, TransferBoundExposesTheClosedForm) {
+  for (int P : {2, 3, 8}) {
+    const double c = 1e-6, t = 1e-3;
+    std::vector<double> exposed;
+    const std::vector<double> finish =
+        simulate_ring(std::vector<std::vector<double>>(P, std::vector<double>(P, c)), t, &exposed);
+    for (int r = 0; r < P; ++r) {
+      EXPECT_NEAR(finish[r], c + (P - 1) * t, 1e-12) << "rank " << r << " of " << P;
+      EXPECT_NEAR(exposed[r], (P - 1) * (t - c), 1e-12) << "rank " << r << " of " << P;  // waits: t - c per step
+    }
+  }
+}
+
+TEST(SpPlanRing, SlowestRankDecides) {
+  // Rank 1 computes twice as long at every step: everyone waits for its blocks, the ring runs at its pace.
+  const int P = 4;
+  const double c = 1e-3;
+  std::vector<std::vector<double>> compute(P, std::vector<double>(P, c));
+  for (double& x : compute[1]) x = 2 * c;
+  const std::vector<double> finish = simulate_ring(compute, 1e-9, nullptr);
+  EXPECT_NEAR(*std::max_element(finish.begin(), finish.end()), P * 2 * c, 1e-9);
+}
+
+TEST(SpPlan, ZigzagBeatsContiguousUnderCausalMask) {
+  // Compute-bound (fast links): contiguous's last ring rank does about 2P - 1 times the first's work.
+  const DeviceProfile prof = flat_profile(1e9, 1e-9, 1e15);
+  const auto rows = plan(
+      input({"--attn", "mha", "--heads", "4", "--kv-heads", "4", "--head-dim", "32", "--seq", "2K", "--causal"}, 4),
+      prof);
+  const PlanRow& zz = row_named(rows, "u1xr4 zigzag p2p");
+  const PlanRow& ct = row_named(rows, "u1xr4 contiguous p2p");
+  ASSERT_TRUE(zz.excluded.empty()) << zz.excluded;
+  ASSERT_TRUE(ct.excluded.empty()) << ct.excluded;
+  EXPECT_LT(zz.prediction.step_s, ct.prediction.step_s);
+  EXPECT_GT(ct.prediction.imbalance_s, 0.5 * ct.prediction.compute_s * 0.5);
+  // Zigzag balances the causal work to one tile row per rank: little imbalance.
+  EXPECT_LT(zz.prediction.imbalance_s, 0.1 * zz.prediction.compute_s);
+  // The same total work: compute of the slowest rank times P bounds the whole problem's time from above.
+  const double total = 4.0 * 4 * 32 * (2048.0 * 2049 / 2) * 3.5 / 1e9;  // forward + backward, one rank's rate
+  EXPECT_GE(ct.prediction.compute_s * 4, total * 0.999);
+}
+
+TEST(SpPlan, ExclusionsNameTheRule) {
+  const DeviceProfile prof = flat_profile(1e9, 1e-6, 1e9);
+  // 6 heads over 4 ranks: Ulysses 4 cannot split them (sp_bench's own message); GDN refuses the stripe layout.
+  const auto mha =
+      plan(input({"--attn", "mha", "--heads", "6", "--kv-heads", "6", "--seq", "1K", "--causal"}, 4), prof);
+  const PlanRow& u4 = row_named(mha, "u4xr1 zigzag p2p");
+  EXPECT_NE(u4.excluded.find("--heads 6 must be divisible by --ulysses-size 4"), std::string::npos) << u4.excluded;
+  EXPECT_TRUE(row_named(mha, "u2xr2 zigzag p2p").excluded.empty()) << row_named(mha, "u2xr2 zigzag p2p").excluded;
+  const auto gdn =
+      plan(input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "1K"}, 2), prof);
+  const PlanRow& stripe = row_named(gdn, "u1xr2 stripe scan");
+  EXPECT_NE(stripe.excluded.find("stripe"), std::string::npos) << stripe.excluded;
+  // The reason is sp_bench's, verbatim: parse the same flags as sp_bench would.
+  PlanInput in = input({"--attn", "mha", "--heads", "6", "--kv-heads", "6", "--seq", "1K", "--causal"}, 4);
+  try {
+    config_options(in, u4.config);
+    ADD_FAILURE() << "u4 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(u4.excluded, std::string(e.what()));
+  }
+}
+
+TEST(SpPlan, MemoryExclusionUsesSpBenchEstimate) {
+  const DeviceProfile prof = flat_profile(1e9, 1e-6, 1e9);
+  const std::vector<std::string> flags = {"--attn", "mha",   "--heads", "8",       "--head-dim",
+                                          "64",     "--seq", "64K",     "--causal"};
+  // The per-rank estimate of sp_bench for u1 x r2 zigzag p2p, then a memory just above and just below it.
+  PlanInput in = input(flags, 2);
+  PlanConfig c;
+  c.ring_size = 2;
+  const SpBenchOptions o = config_options(in, c);
+  const double per_rank = std::max(estimate_memory(o, 0).total_bytes(), estimate_memory(o, 1).total_bytes());
+  in.memory_per_device = per_rank * 1.01;
+  EXPECT_EQ(memory_verdict(o, in, nullptr), "");
+  in.memory_per_device = per_rank * 0.99;
+  const std::string v = memory_verdict(o, in, nullptr);
+  EXPECT_EQ(v.rfind("does not fit in memory", 0), 0u) << v;
+  const auto rows = plan(in, prof);
+  EXPECT_EQ(row_named(rows, "u1xr2 zigzag p2p").excluded.rfind("does not fit in memory", 0), 0u);
+  // All-gather holds the whole K / V: it needs more than p2p, so it does not fit either.
+  EXPECT_FALSE(row_named(rows, "u1xr2 zigzag allgather").excluded.empty());
+  // Valid ones come first, ranked by predicted time.
+  bool seen_excluded = false;
+  double last = 0;
+  for (const PlanRow& r : rows) {
+    if (!r.excluded.empty()) {
+      seen_excluded = true;
+      continue;
+    }
+    EXPECT_FALSE(seen_excluded) << r.config.name() << " after an excluded one";
+    EXPECT_GE(r.prediction.step_s, last);
+    last = r.prediction.step_s;
+  }
+}
+
+TEST(SpPlan, ProfileJsonRoundTrip) {
+  DeviceProfile p = flat_profile(2e9, 3e-6, 4e9);
+  p.kernels["mha_fwd"].points = {{1e6, 1e9}, {1e8, 3e9}};
+  p.ranks_per_nic = 2;
+  const DeviceProfile q = profile_from_json(profile_json(p), "round trip");
+  EXPECT_EQ(q.kernels.at("mha_fwd").points, p.kernels.at("mha_fwd").points);
+  EXPECT_EQ(q.intra.latency_s, 3e-6);
+  EXPECT_EQ(q.inter.bandwidth_bps, 4e8);
+  EXPECT_EQ(q.ranks_per_nic, 2);
+  // Log-linear interpolation: halfway in log(flops) between the points is halfway in rate.
+  EXPECT_NEAR(q.kernels.at("mha_fwd").rate(1e7), 2e9, 1e-3);
+  EXPECT_EQ(q.kernels.at("mha_fwd").rate(1.0), 1e9);
+  nlohmann::json bad = profile_json(p);
+  bad["links"]["intra"]["bandwidth_bytes_per_s"] = 0;
+  try {
+    profile_from_json(bad, "bad profile");
+    ADD_FAILURE() << "a zero bandwidth was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad profile: links.intra"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace seqpar::bench::plan
