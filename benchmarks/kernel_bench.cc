@@ -53,6 +53,7 @@ using Clock = std::chrono::steady_clock;
 
 namespace {
 bool cpu_clock = false;  // --clock cpu
+int min_rounds = 1;      // --min-rounds
 // Seconds on the chosen clock (wall: steady_clock; cpu: CPU time of the process), from an arbitrary origin.
 double clock_seconds() {
   if (cpu_clock) {
@@ -86,7 +87,8 @@ std::vector<Timing> time_rounds(const std::vector<std::function<void()>>& fns, i
   for (int w = 0; w < warmup; ++w) {
     for (const auto& fn : fns) fn();
   }
-  std::vector<Timing> t(fns.size(), Timing{1e300, 0.0});
+  std::vector<Timing> t(fns.size(), Timing{1e300, 0.0, 0.0});
+  std::vector<std::vector<double>> samples(fns.size());
   rounds = 0;
   const auto t0 = Clock::now();
   do {
@@ -96,11 +98,22 @@ std::vector<Timing> time_rounds(const std::vector<std::function<void()>>& fns, i
       const double sec = clock_seconds() - c0;
       t[i].best = std::min(t[i].best, sec);
       t[i].mean += sec;
+      samples[i].push_back(sec);
     }
     ++rounds;
-  } while (std::chrono::duration<double>(Clock::now() - t0).count() < min_time);
-  for (Timing& x : t) x.mean /= rounds;
+  } while (std::chrono::duration<double>(Clock::now() - t0).count() < min_time || rounds < min_rounds);
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    t[i].mean /= rounds;
+    t[i].median = median_of(samples[i]);
+  }
   return t;
+}
+
+double median_of(std::vector<double> x) {
+  if (x.empty()) return 0.0;
+  std::sort(x.begin(), x.end());
+  const std::size_t n = x.size();
+  return n % 2 == 1 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
 void fill(const Tensor& t, std::uint32_t seed, float lo, float hi) {
@@ -133,10 +146,12 @@ nlohmann::json rate_json(const Context& ctx, const char* kind, nlohmann::json sh
   j["rounds"] = r.rounds;
   j["fwd_ms"] = r.fwd.best * 1e3;
   j["fwd_mean_ms"] = r.fwd.mean * 1e3;
+  j["fwd_median_ms"] = r.fwd.median * 1e3;
   j["fwd_flops"] = r.fwd_flops;
   j["fwd_gflops"] = r.fwd_gflops();
   j["bwd_ms"] = r.bwd.best * 1e3;
   j["bwd_mean_ms"] = r.bwd.mean * 1e3;
+  j["bwd_median_ms"] = r.bwd.median * 1e3;
   j["bwd_flops"] = r.bwd_flops;
   j["bwd_gflops"] = r.bwd_gflops();
   j["square_sgemm_gflops"] = ctx.square_gflops;
@@ -178,7 +193,9 @@ int run(int argc, char** argv) {
       "quick", "small shapes per kind (mha S 1024, dsa S 1024, gdn S 2048), min-time 0.2 s")(
       "json", "also write the results as JSON to this file", cxxopts::value<std::string>())(
       "clock", "wall, or cpu: CPU time of the process (for a shared machine; meaningful with --threads 1)",
-      cxxopts::value<std::string>()->default_value("wall"))("h,help", "this help")(
+      cxxopts::value<std::string>()->default_value("wall"))(
+      "min-rounds", "at least this many timed rounds per configuration, whatever --min-time",
+      cxxopts::value<int>()->default_value("1"))("h,help", "this help")(
       "version", "print the version and exit");
   // Shapes shared by dsa and gdn (sp_bench's names); 0 takes the kind's default.
   opts.add_options("dsa / gdn")("heads", "DSA query heads H (default 16) / GDN value heads Hv (default 8)",
@@ -215,6 +232,8 @@ int run(int argc, char** argv) {
   const std::string clock = args["clock"].as<std::string>();
   SEQPAR_CHECK(clock == "wall" || clock == "cpu", "--clock ", clock, " must be wall or cpu");
   cpu_clock = clock == "cpu";
+  min_rounds = args["min-rounds"].as<int>();
+  SEQPAR_CHECK(min_rounds >= 1, "--min-rounds ", min_rounds, " must be >= 1");
   int threads = args["threads"].as<int>();
 #if defined(_OPENMP)
   if (threads > 0) omp_set_num_threads(threads);

@@ -150,13 +150,14 @@ class TorchRef {
   std::string note_ = "not started";
 };
 
-// Fastest and mean of the seconds a co-process reported.
+// Fastest, mean and median of the seconds a co-process reported.
 Timing timing_of(const std::vector<double>& secs) {
-  Timing t{0.0, 0.0};
+  Timing t{0.0, 0.0, 0.0};
   if (secs.empty()) return t;
   t.best = *std::min_element(secs.begin(), secs.end());
   for (double x : secs) t.mean += x;
   t.mean /= static_cast<double>(secs.size());
+  t.median = median_of(secs);
   return t;
 }
 
@@ -247,6 +248,7 @@ nlohmann::json run_mha(const Context& ctx) {
         r.fwd = t[0];
         r.bwd = t[1];
         const double gemm = gemms.flops() / (t[2].best + t[3].best) / 1e9;
+        const double gemm_median = gemms.flops() / (t[2].median + t[3].median) / 1e9;
         std::printf("%7lld %5lld %7s", static_cast<long long>(S), static_cast<long long>(D),
                     causal ? "causal" : "none");
         print_rate_values(ctx, r);
@@ -262,14 +264,21 @@ nlohmann::json run_mha(const Context& ctx) {
         row["sgemm_gflops"] = gemm;
         row["fwd_ratio"] = r.fwd_gflops() / gemm;
         row["bwd_ratio"] = r.bwd_gflops() / gemm;
+        row["sgemm_median_gflops"] = gemm_median;
+        row["fwd_ratio_median"] = r.fwd_flops / r.fwd.median / 1e9 / gemm_median;
+        if (ctx.backward) row["bwd_ratio_median"] = r.bwd_flops / r.bwd.median / 1e9 / gemm_median;
         if (torch_ok) {
           row["torch_fwd_ms"] = tf.best * 1e3;
           row["torch_fwd_mean_ms"] = tf.mean * 1e3;
+          row["torch_fwd_median_ms"] = tf.median * 1e3;
           row["fwd_vs_torch"] = tf.best / r.fwd.best;
+          row["fwd_vs_torch_median"] = tf.median / r.fwd.median;
           if (ctx.backward) {
             row["torch_bwd_ms"] = tb.best * 1e3;
             row["torch_bwd_mean_ms"] = tb.mean * 1e3;
+            row["torch_bwd_median_ms"] = tb.median * 1e3;
             row["bwd_vs_torch"] = tb.best / r.bwd.best;
+            row["bwd_vs_torch_median"] = tb.median / r.bwd.median;
           }
         }
         results.push_back(std::move(row));
