@@ -12,9 +12,10 @@
 // The number of key chunks per head depends on the shape only (enough items for 8 workers when B Hq < 8; one chunk
 // otherwise). With one chunk, dQ of the head is complete when the item ends; with several, each item writes a dQ
 // partial and the partials are summed in chunk order. dK_j and dV_j of a key tile are sums over every visible query
-// tile: the products of 4 consecutive query tiles go to a fresh partial (a leaf) and the leaves are added pairwise (a
-// binary counter in query order: sums of 1, 2, 4, ... leaves, two of equal size added as soon as both exist), so the
-// fp32 rounding error of dK / dV grows with log(Sq) rather than with Sq, as a running sum over the query tiles would. The finished sums go to a per-head fp32 (fp64)
+// tile: each query tile's product goes to a fresh partial and the partials are added pairwise (a binary counter over
+// the query tiles in increasing order: partials of 1, 2, 4, ... tiles, two of equal size added as soon as both
+// exist), so the fp32 rounding error of dK / dV grows with log(Sq) rather than with Sq, as a running sum over the
+// query tiles would. The finished sums go to a per-head fp32 (fp64)
 // scratch that is summed over the query heads of each KV group in increasing head order. No atomics, fixed
 // reduction orders: bitwise deterministic for any thread count. Extra memory O((Sq + Sk) D) per worker plus the
 // dK / dV scratch (B Hq Sk D elements each) and, with several chunks, B Hq chunks Sq D elements of dQ partials.
@@ -32,34 +33,34 @@
 namespace seqpar::attn::cpu {
 namespace {
 
-// Pairwise sum of a sequence of n-element partials (one per query tile) in a binary counter. The partials of
-// kTilesPerLeaf consecutive tiles form one leaf: the first tile's product is written to fresh() (accumulating() is
-// false), the next ones added to it (accumulating() true), and add() closes the leaf after its last tile. Level l
-// holds the sum of 2^l consecutive leaves when occupied; a closed leaf is carried up, adding equal-sized sums. finish()
-// closes an open leaf and adds the occupied levels, smallest (newest) first, into dst (overwritten; zeros when nothing
-// was added). The order depends on the number of tiles only.
+// Pairwise sum of a sequence of n-element partials (one per query tile) in a binary counter: level l holds the sum
+// of 2^l consecutive partials when occupied; a new partial is written to fresh() and push() carries it up, adding
+// equal-sized sums (the older one first). finish() adds the occupied levels, smallest (newest) first, into dst
+// (overwritten; zeros when nothing was pushed). The order depends on the number of partials only.
 template <typename T>
 class PairwiseTiles {
  public:
-  // 4 tiles of 64 query rows per leaf: the running sum inside a leaf has a fixed length (256 rows), and the leaves
-  // cost a quarter of the additions that one leaf per tile would.
-  static constexpr int kTilesPerLeaf = 4;
-  // buf holds (levels + 1) * n elements; levels >= 1 + log2(the number of leaves).
+  // buf holds (levels + 1) * n elements; levels >= 1 + log2(the number of partials).
   PairwiseTiles(std::span<T> buf, int levels, std::int64_t n) : n_(n), levels_(levels) {
     for (int l = 0; l <= levels; ++l) slot_.push_back(buf.data() + l * n);
     used_.assign(static_cast<std::size_t>(levels), false);
   }
-  void clear() {
-    std::fill(used_.begin(), used_.end(), false);
-    open_ = 0;
-  }
+  void clear() { std::fill(used_.begin(), used_.end(), false); }
   T* fresh() { return slot_[static_cast<std::size_t>(levels_)]; }
-  bool accumulating() const { return open_ > 0; }
-  void add() {
-    if (++open_ == kTilesPerLeaf) push();
+  void push() {
+    std::size_t l = 0;
+    T*& carry = slot_[static_cast<std::size_t>(levels_)];
+    while (used_[l]) {
+      T* older = slot_[l];
+      for (std::int64_t e = 0; e < n_; ++e) older[e] += carry[e];
+      std::swap(slot_[l], carry);  // carry = the sum; the level's memory is free again
+      used_[l] = false;
+      ++l;
+    }
+    std::swap(slot_[l], carry);
+    used_[l] = true;
   }
-  void finish(T* dst) {
-    if (open_ > 0) push();
+  void finish(T* dst) const {
     bool first = true;
     for (std::size_t l = 0; l < used_.size(); ++l) {
       if (!used_[l]) continue;
@@ -75,24 +76,8 @@ class PairwiseTiles {
   }
 
  private:
-  void push() {
-    open_ = 0;
-    std::size_t l = 0;
-    T*& carry = slot_[static_cast<std::size_t>(levels_)];
-    while (used_[l]) {
-      T* older = slot_[l];
-      for (std::int64_t e = 0; e < n_; ++e) older[e] += carry[e];
-      std::swap(slot_[l], carry);  // carry = the sum; the level's memory is free again
-      used_[l] = false;
-      ++l;
-    }
-    std::swap(slot_[l], carry);
-    used_[l] = true;
-  }
-
   std::int64_t n_;
   int levels_;
-  int open_ = 0;  // tiles in the open leaf
   std::vector<T*> slot_;
   std::vector<bool> used_;
 };
@@ -145,8 +130,7 @@ void backward_typed(const MhaBackwardParams& bp) {
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
   // The pairwise sums of dK / dV over query tiles: a partial of 2^l tiles per level l, plus the newest tile's.
   int levels = 1;
-  const std::int64_t leaves = (nqt + PairwiseTiles<T>::kTilesPerLeaf - 1) / PairwiseTiles<T>::kTilesPerLeaf;
-  while ((std::int64_t{1} << (levels - 1)) < leaves) ++levels;
+  while ((std::int64_t{1} << (levels - 1)) < nqt) ++levels;
   const std::int64_t pair_size = (levels + 1) * BK * Dp;
   const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
                              BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0, pair_size,
@@ -289,20 +273,13 @@ void backward_typed(const MhaBackwardParams& bp) {
             }
           }
           if (p.dropout.on) multiply_tile<T, BK>(mr, z.data(), s.data());  // dropout: dV_j += (z P)^T dO_i
-          // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place), into the open leaf
-          if (dv_sum.accumulating()) {
-            gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
-                                     dv_sum.fresh(), static_cast<int>(Dp));
-            gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, static_cast<int>(Dp),
-                                     dk_sum.fresh(), static_cast<int>(Dp));
-          } else {
-            gemm_tile<T, false, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
-                                      dv_sum.fresh(), static_cast<int>(Dp));
-            gemm_tile<T, false, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, static_cast<int>(Dp),
-                                      dk_sum.fresh(), static_cast<int>(Dp));
-          }
-          dv_sum.add();
-          dk_sum.add();
+          // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place), each into a fresh partial
+          gemm_tile<T, false, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
+                                    dv_sum.fresh(), static_cast<int>(Dp));
+          dv_sum.push();
+          gemm_tile<T, false, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, static_cast<int>(Dp),
+                                    dk_sum.fresh(), static_cast<int>(Dp));
+          dk_sum.push();
           gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, dp.data(), BK, kmat.data() + j0 * Dp, static_cast<int>(Dp),
                              dq_h + i0 * Dp, static_cast<int>(Dp));
         }
