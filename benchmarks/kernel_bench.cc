@@ -5,9 +5,9 @@
 //        (attention/dsa.h), DeepSeek-V3.2 shapes with --heads 16, top-k 512             kernel_bench_dsa.cc
 //   gdn  chunked gated delta rule forward / backward (attention/gdn.h), Qwen3-Next shapes with 8 value heads
 //                                                                                         kernel_bench_gdn.cc
-// FLOPs are the model FLOPs of docs/benchmarks.md, "Definitions of the benchmark figures" (benchmarks/flop_models.h for DSA and GDN, as sp_bench counts them).
-// The square SGEMM (--square, default 2048^3) is measured once at the start; every row reports the kernel's ratios
-// to it (fwd/sq, bwd/sq).
+// FLOPs are the model FLOPs of docs/benchmarks.md, "Definitions of the benchmark figures" (benchmarks/flop_models.h for
+// DSA and GDN, as sp_bench counts them). The square SGEMM (--square, default 2048^3) is measured once at the start;
+// every row reports the kernel's ratios to it (fwd/sq, bwd/sq).
 //
 // OpenBLAS picks its kernels from the CPU id; on CPUs newer than the library (e.g. OpenBLAS 0.3.21 on Emerald
 // Rapids) it falls back to generic SSE kernels. The header prints the core OpenBLAS chose; run with
@@ -29,8 +29,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <fstream>
 #include <ctime>
+#include <fstream>
 #include <iostream>
 
 #if defined(_OPENMP)
@@ -195,8 +195,7 @@ int run(int argc, char** argv) {
       "clock", "wall, or cpu: CPU time of the process (for a shared machine; meaningful with --threads 1)",
       cxxopts::value<std::string>()->default_value("wall"))(
       "min-rounds", "at least this many timed rounds per configuration, whatever --min-time",
-      cxxopts::value<int>()->default_value("1"))("h,help", "this help")(
-      "version", "print the version and exit");
+      cxxopts::value<int>()->default_value("1"))("h,help", "this help")("version", "print the version and exit");
   // Shapes shared by dsa and gdn (sp_bench's names); 0 takes the kind's default.
   opts.add_options("dsa / gdn")("heads", "DSA query heads H (default 16) / GDN value heads Hv (default 8)",
                                 cxxopts::value<std::int64_t>()->default_value("0"))(

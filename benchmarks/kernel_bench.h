@@ -41,9 +41,8 @@ struct Timing {
 double median_of(std::vector<double> x);  // 0 for none
 
 // Interleaved rounds of fns (one call each per round, in order; wall time, or CPU time with --clock cpu) so that all
-// of them see the same machine load:
-// `warmup` untimed rounds, then rounds until min_time seconds have passed (at least one; at least --min-rounds). One Timing per function;
-// `rounds` gets the number of timed rounds.
+// of them see the same machine load: `warmup` untimed rounds, then rounds until min_time seconds have passed (at
+// least one, and at least --min-rounds). One Timing per function; `rounds` gets the number of timed rounds.
 std::vector<Timing> time_rounds(const std::vector<std::function<void()>>& fns, int warmup, double min_time,
                                 int& rounds);
 

@@ -1,16 +1,18 @@
 // kernel_bench --kernel mha: the CPU MHA / GQA forward and backward (attention/mha.h).
 //
-// FLOP convention (docs/benchmarks.md, "Definitions of the benchmark figures"): forward 4 B Hq Sq Sk D, halved for causal with Sq = Sk; backward 2.5 x forward.
-// Besides the square SGEMM, the table has a per-head SGEMM reference: the two GEMMs that an unfused attention head
-// would run, C1[S, S] = Q[S, D] K[S, D]^T and C2[S, D] = P[S, S] V[S, D], with S capped at --gemm-cap (memory of the
-// [S, S] matrix); GFLOP/s = 2 (M N K) summed over both, over their summed time (sgemm_GF/s), and the kernel's ratios
-// to it (fwd/gemm, bwd/gemm). Those shapes have one small dimension (D), so the square SGEMM is the peak-like one.
+// FLOP convention (docs/benchmarks.md, "Definitions of the benchmark figures"): forward 4 B Hq Sq Sk D, halved for
+// causal with Sq = Sk; backward 2.5 x forward. Besides the square SGEMM, the table has a per-head SGEMM reference: the
+// two GEMMs that an unfused attention head would run, C1[S, S] = Q[S, D] K[S, D]^T and C2[S, D] = P[S, S] V[S, D], with
+// S capped at --gemm-cap (memory of the [S, S] matrix); GFLOP/s = 2 (M N K) summed over both, over their summed time
+// (sgemm_GF/s), and the kernel's ratios to it (fwd/gemm, bwd/gemm). Those shapes have one small dimension (D), so the
+// square SGEMM is the peak-like one.
 //
 // PyTorch reference (--torch-ref auto, the default): when python3 can import torch, benchmarks/torch_flash_ref.py
 // runs as a co-process and times PyTorch's CPU flash-attention forward and backward (the FLASH_ATTENTION backend of
 // scaled_dot_product_attention) on the same shapes, with the same thread count, one call per round interleaved with
-// seqpar's calls; the script times its own calls (on the same clock, wall or CPU), so the pipe adds nothing. Columns torch/fwd and torch/bwd: PyTorch's
-// fastest time over seqpar's (> 1: seqpar is faster); the JSON has both times (torch_fwd_ms, torch_bwd_ms).
+// seqpar's calls; the script times its own calls (on the same clock, wall or CPU), so the pipe adds nothing. Columns
+// torch/fwd and torch/bwd: PyTorch's fastest time over seqpar's (> 1: seqpar is faster); the JSON has both times
+// (torch_fwd_ms, torch_bwd_ms) and their medians. The script's path is the source tree's (compiled in).
 #include <cblas.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -171,8 +173,8 @@ void add_mha_options(cxxopts::Options& opts) {
       "hkv", "kv heads", cxxopts::value<std::int64_t>()->default_value("2"))(
       "gemm-cap", "largest S of the per-head SGEMM reference", cxxopts::value<std::int64_t>()->default_value("8192"))(
       "torch-ref", "PyTorch CPU flash reference rows: auto (when python3 imports torch) or off",
-      cxxopts::value<std::string>()->default_value("auto"))(
-      "python", "the python interpreter of the PyTorch reference", cxxopts::value<std::string>()->default_value("python3"));
+      cxxopts::value<std::string>()->default_value("auto"))("python", "the python interpreter of the PyTorch reference",
+                                                            cxxopts::value<std::string>()->default_value("python3"));
 }
 
 nlohmann::json run_mha(const Context& ctx) {
@@ -193,8 +195,8 @@ nlohmann::json run_mha(const Context& ctx) {
   if (torch_arg == "auto") {
     torch = std::make_unique<TorchRef>(args["python"].as<std::string>(), SEQPAR_TORCH_FLASH_REF_SCRIPT, ctx.threads,
                                        ctx.cpu_time());
-    std::printf("# PyTorch CPU flash reference: %s%s\n", torch->available() ? "torch " : "none: ",
-                torch->note().c_str());
+    std::printf("# PyTorch CPU flash reference: %s%s\n",
+                torch->available() ? "torch " : "none: ", torch->note().c_str());
   }
 
   std::printf("#\n# mha: MHA / GQA, B=%lld Hq=%lld Hkv=%lld\n", static_cast<long long>(B), static_cast<long long>(Hq),

@@ -132,10 +132,10 @@ void backward_typed(const MhaBackwardParams& bp) {
   int levels = 1;
   while ((std::int64_t{1} << (levels - 1)) < nqt) ++levels;
   const std::int64_t pair_size = (levels + 1) * BK * Dp;
-  const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
-                             BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0, pair_size,
-                             pair_size},
-                            "mha_backward per-thread scratch", region_workers(parallel));
+  const WorkerScratch<T> ws(
+      {Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK, BQ * BK, BQ * BK, Dp,
+       Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0, pair_size, pair_size},
+      "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
   if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
   T* dqp = nchunks > 1 ? static_cast<T*>(dq_partials.data()) : nullptr;

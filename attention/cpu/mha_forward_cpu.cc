@@ -117,9 +117,9 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
   const std::int64_t hc = grouped ? 1 : head_chunk(group), nhc = Hq / hc;
   // Per-worker buffers, allocated before the regions: a converted K row; Q tiles, O tiles, the S tile, m, l (per
   // head of the task), a row, the dropout multipliers, an in-place K tile transposed.
-  const WorkerScratch<T> ws({D, hc * BQ * Dp, hc * BQ * Dp, BQ * BK, hc * BQ, hc * BQ, Dp,
-                             p.dropout.on ? BQ * BK : 0, k_in_place ? D * BK : 0},
-      "mha_forward per-thread scratch", region_workers(parallel));
+  const WorkerScratch<T> ws({D, hc * BQ * Dp, hc * BQ * Dp, BQ * BK, hc * BQ, hc * BQ, Dp, p.dropout.on ? BQ * BK : 0,
+                             k_in_place ? D * BK : 0},
+                            "mha_forward per-thread scratch", region_workers(parallel));
   // K^T of keys [j0, j1) of (b, kv head h) into `tile` [D][BK]: columns past j1 - j0 stay zero.
   auto transpose_k = [&](std::int64_t b, std::int64_t h, std::int64_t j0, std::int64_t j1, T* tile, std::span<T> row) {
     for (std::int64_t j = j0; j < j1; ++j) {
@@ -193,8 +193,7 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
       }
       for (std::int64_t u = 0; u < hc; ++u) {
         for (int r = 0; r < mr; ++r) {
-          const std::size_t off =
-              static_cast<std::size_t>(((b * Sq + query_of(r)) * Hq + head_of(u, r)) * D) * in_size;
+          const std::size_t off = static_cast<std::size_t>(((b * Sq + query_of(r)) * Hq + head_of(u, r)) * D) * in_size;
           T* qrow = qt_all.data() + (u * BQ + r) * Dp;
           convert(qin + off, p.dtype, qrow, cdt, static_cast<std::size_t>(D));
           for (std::int64_t d = 0; d < D; ++d) qrow[d] *= qscale;
@@ -219,8 +218,8 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
           T* o = o_all.data() + u * BQ * Dp;
           T* m = m_all.data() + u * BQ;
           T* l = l_all.data() + u * BQ;
-          gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt_all.data() + u * BQ * Dp, static_cast<int>(Dp), ktile,
-                              BK, s.data(), BK);
+          gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt_all.data() + u * BQ * Dp, static_cast<int>(Dp), ktile, BK,
+                              s.data(), BK);
           if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), nullptr);
           if (kind == TileKind::kPartial) mask_partial_tile(rows_kr, i0, mr, j0, s.data());
           for (int r = 0; r < mr; ++r) {

@@ -842,8 +842,8 @@ TEST(MhaAccuracy, Fp32DkDvErrorDoesNotGrowWithQueries) {
                                           << " against " << err[0][w] << " at Sq " << lengths[0];
     EXPECT_LE(err[1][w], 5e-7) << name << " relative error at Sq " << lengths[1];
     EXPECT_LE(err[0][w], 5e-7) << name << " relative error at Sq " << lengths[0];
-    std::printf("%s relative error: Sq %lld %.3g, Sq %lld %.3g\n", name, static_cast<long long>(lengths[0]),
-                err[0][w], static_cast<long long>(lengths[1]), err[1][w]);
+    std::printf("%s relative error: Sq %lld %.3g, Sq %lld %.3g\n", name, static_cast<long long>(lengths[0]), err[0][w],
+                static_cast<long long>(lengths[1]), err[1][w]);
   }
 }
 
