@@ -5,9 +5,9 @@
 //        (attention/dsa.h), DeepSeek-V3.2 shapes with --heads 16, top-k 512             kernel_bench_dsa.cc
 //   gdn  chunked gated delta rule forward / backward (attention/gdn.h), Qwen3-Next shapes with 8 value heads
 //                                                                                         kernel_bench_gdn.cc
-// FLOPs are the model FLOPs of docs/benchmarks.md, "Definitions of the benchmark figures" (benchmarks/flop_models.h for DSA and GDN, as sp_bench counts them).
-// The square SGEMM (--square, default 2048^3) is measured once at the start; every row reports the kernel's ratios
-// to it (fwd/sq, bwd/sq).
+// FLOPs are the model FLOPs of docs/benchmarks.md, "Definitions of the benchmark figures" (benchmarks/flop_models.h for
+// DSA and GDN, as sp_bench counts them). The square SGEMM (--square, default 2048^3) is measured once at the start;
+// every row reports the kernel's ratios to it (fwd/sq, bwd/sq).
 //
 // OpenBLAS picks its kernels from the CPU id; on CPUs newer than the library (e.g. OpenBLAS 0.3.21 on Emerald
 // Rapids) it falls back to generic SSE kernels. The header prints the core OpenBLAS chose; run with
@@ -16,7 +16,10 @@
 // Timing: per configuration, rounds of (forward, backward, and the kind's references), one call each, interleaved
 // so that kernel and SGEMM see the same machine load; --warmup untimed rounds, then rounds until --min-time seconds
 // have passed (at least one). The table uses the fastest call of each kind (the machine may be shared, and the
-// fastest call is the most reproducible figure); the JSON output also has the means.
+// fastest call is the most reproducible figure); the JSON output also has the means. --clock cpu times the calls in
+// CPU time of the process (the sum over its threads, idle OpenMP workers that spin included): with --threads 1 that
+// is the time the call ran on a core, which other processes on a shared machine do not inflate as they do the wall
+// time (they still share the caches).
 // Usage: kernel_bench [--kernel mha|dsa|gdn|all] [--quick | --long] [--seq 1024,4096] [--threads N] [--json out.json]
 //   (kind options: --help)
 #include "benchmarks/kernel_bench.h"
@@ -26,6 +29,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <ctime>
 #include <fstream>
 #include <iostream>
 
@@ -47,6 +51,22 @@ namespace seqpar::bench::kernel {
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+bool cpu_clock = false;  // --clock cpu
+int min_rounds = 1;      // --min-rounds
+// Seconds on the chosen clock (wall: steady_clock; cpu: CPU time of the process), from an arbitrary origin.
+double clock_seconds() {
+  if (cpu_clock) {
+    timespec ts{};
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
+  }
+  return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+bool Context::cpu_time() const { return cpu_clock; }
+
 std::vector<std::int64_t> Context::seqs(const std::vector<std::int64_t>& fallback,
                                         const std::vector<std::int64_t>& long_seqs,
                                         const std::vector<std::int64_t>& quick_seqs) const {
@@ -67,21 +87,33 @@ std::vector<Timing> time_rounds(const std::vector<std::function<void()>>& fns, i
   for (int w = 0; w < warmup; ++w) {
     for (const auto& fn : fns) fn();
   }
-  std::vector<Timing> t(fns.size(), Timing{1e300, 0.0});
+  std::vector<Timing> t(fns.size(), Timing{1e300, 0.0, 0.0});
+  std::vector<std::vector<double>> samples(fns.size());
   rounds = 0;
   const auto t0 = Clock::now();
   do {
     for (std::size_t i = 0; i < fns.size(); ++i) {
-      const auto c0 = Clock::now();
+      const double c0 = clock_seconds();
       fns[i]();
-      const double sec = std::chrono::duration<double>(Clock::now() - c0).count();
+      const double sec = clock_seconds() - c0;
       t[i].best = std::min(t[i].best, sec);
       t[i].mean += sec;
+      samples[i].push_back(sec);
     }
     ++rounds;
-  } while (std::chrono::duration<double>(Clock::now() - t0).count() < min_time);
-  for (Timing& x : t) x.mean /= rounds;
+  } while (std::chrono::duration<double>(Clock::now() - t0).count() < min_time || rounds < min_rounds);
+  for (std::size_t i = 0; i < t.size(); ++i) {
+    t[i].mean /= rounds;
+    t[i].median = median_of(samples[i]);
+  }
   return t;
+}
+
+double median_of(std::vector<double> x) {
+  if (x.empty()) return 0.0;
+  std::sort(x.begin(), x.end());
+  const std::size_t n = x.size();
+  return n % 2 == 1 ? x[n / 2] : 0.5 * (x[n / 2 - 1] + x[n / 2]);
 }
 
 void fill(const Tensor& t, std::uint32_t seed, float lo, float hi) {
@@ -114,10 +146,12 @@ nlohmann::json rate_json(const Context& ctx, const char* kind, nlohmann::json sh
   j["rounds"] = r.rounds;
   j["fwd_ms"] = r.fwd.best * 1e3;
   j["fwd_mean_ms"] = r.fwd.mean * 1e3;
+  j["fwd_median_ms"] = r.fwd.median * 1e3;
   j["fwd_flops"] = r.fwd_flops;
   j["fwd_gflops"] = r.fwd_gflops();
   j["bwd_ms"] = r.bwd.best * 1e3;
   j["bwd_mean_ms"] = r.bwd.mean * 1e3;
+  j["bwd_median_ms"] = r.bwd.median * 1e3;
   j["bwd_flops"] = r.bwd_flops;
   j["bwd_gflops"] = r.bwd_gflops();
   j["square_sgemm_gflops"] = ctx.square_gflops;
@@ -157,8 +191,11 @@ int run(int argc, char** argv) {
       "square", "size n of the square SGEMM reference (0: skip)",
       cxxopts::value<std::int64_t>()->default_value("2048"))("no-backward", "forward only")(
       "quick", "small shapes per kind (mha S 1024, dsa S 1024, gdn S 2048), min-time 0.2 s")(
-      "json", "also write the results as JSON to this file", cxxopts::value<std::string>())("h,help", "this help")(
-      "version", "print the version and exit");
+      "json", "also write the results as JSON to this file", cxxopts::value<std::string>())(
+      "clock", "wall, or cpu: CPU time of the process (for a shared machine; meaningful with --threads 1)",
+      cxxopts::value<std::string>()->default_value("wall"))(
+      "min-rounds", "at least this many timed rounds per configuration, whatever --min-time",
+      cxxopts::value<int>()->default_value("1"))("h,help", "this help")("version", "print the version and exit");
   // Shapes shared by dsa and gdn (sp_bench's names); 0 takes the kind's default.
   opts.add_options("dsa / gdn")("heads", "DSA query heads H (default 16) / GDN value heads Hv (default 8)",
                                 cxxopts::value<std::int64_t>()->default_value("0"))(
@@ -191,6 +228,11 @@ int run(int argc, char** argv) {
   ctx.warmup = args["warmup"].as<int>();
   ctx.backward = !args.count("no-backward");
   SEQPAR_CHECK(ctx.warmup >= 0, "--warmup ", ctx.warmup, " must be >= 0");
+  const std::string clock = args["clock"].as<std::string>();
+  SEQPAR_CHECK(clock == "wall" || clock == "cpu", "--clock ", clock, " must be wall or cpu");
+  cpu_clock = clock == "cpu";
+  min_rounds = args["min-rounds"].as<int>();
+  SEQPAR_CHECK(min_rounds >= 1, "--min-rounds ", min_rounds, " must be >= 1");
   int threads = args["threads"].as<int>();
 #if defined(_OPENMP)
   if (threads > 0) omp_set_num_threads(threads);
@@ -205,9 +247,9 @@ int run(int argc, char** argv) {
   std::printf("# kernel_bench: %s on CPU, fp32, threads=%d\n", which.c_str(), threads);
   std::printf("# OpenBLAS: %s (core %s)\n", openblas_get_config(), openblas_get_corename());
   std::printf(
-      "# timing: %d warm-up round(s), then interleaved rounds (fwd, bwd, references) for >= %.2f s; "
+      "# timing: %d warm-up round(s), then interleaved rounds (fwd, bwd, references) for >= %.2f s (%s time); "
       "fastest call\n",
-      ctx.warmup, ctx.min_time);
+      ctx.warmup, ctx.min_time, cpu_clock ? "process CPU" : "wall");
   {
     // the machine may be shared: the load average puts the figures in context
     std::ifstream load("/proc/loadavg");
@@ -238,6 +280,7 @@ int run(int argc, char** argv) {
                         {"square_sgemm_gflops", ctx.square_gflops},
                         {"warmup", ctx.warmup},
                         {"min_time_s", ctx.min_time},
+                        {"clock", clock},
                         {"results", results}}
              .dump(2)
       << "\n";

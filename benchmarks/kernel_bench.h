@@ -24,6 +24,7 @@ struct Context {
   bool quick = false;        // --quick: the kind's small shapes
   bool backward = true;      // false: --no-backward
   double square_gflops = 0;  // square SGEMM GFLOP/s of this run (0: not measured)
+  bool cpu_time() const;     // --clock cpu: time_rounds measures CPU time of the process, not wall time
 
   // --seq when given; else `quick` with --quick, or `fallback` followed by `long_seqs` with --long.
   std::vector<std::int64_t> seqs(const std::vector<std::int64_t>& fallback, const std::vector<std::int64_t>& long_seqs,
@@ -35,11 +36,13 @@ struct Context {
 struct Timing {
   double best = 0.0;  // seconds of the fastest timed call
   double mean = 0.0;  // mean seconds per timed call
+  double median = 0.0;  // median seconds of the timed calls
 };
+double median_of(std::vector<double> x);  // 0 for none
 
-// Interleaved rounds of fns (one call each per round, in order) so that all of them see the same machine load:
-// `warmup` untimed rounds, then rounds until min_time seconds have passed (at least one). One Timing per function;
-// `rounds` gets the number of timed rounds.
+// Interleaved rounds of fns (one call each per round, in order; wall time, or CPU time with --clock cpu) so that all
+// of them see the same machine load: `warmup` untimed rounds, then rounds until min_time seconds have passed (at
+// least one, and at least --min-rounds). One Timing per function; `rounds` gets the number of timed rounds.
 std::vector<Timing> time_rounds(const std::vector<std::function<void()>>& fns, int warmup, double min_time,
                                 int& rounds);
 

@@ -11,7 +11,11 @@
 // Dropout: dP and then P are multiplied by the tile's multipliers z (cpu/mha_dropout.h, attention/dropout.h).
 // The number of key chunks per head depends on the shape only (enough items for 8 workers when B Hq < 8; one chunk
 // otherwise). With one chunk, dQ of the head is complete when the item ends; with several, each item writes a dQ
-// partial and the partials are summed in chunk order. dK / dV of every query head go to a per-head fp32 (fp64)
+// partial and the partials are summed in chunk order. dK_j and dV_j of a key tile are sums over every visible query
+// tile: each query tile's product goes to a fresh partial and the partials are added pairwise (a binary counter over
+// the query tiles in increasing order: partials of 1, 2, 4, ... tiles, two of equal size added as soon as both
+// exist), so the fp32 rounding error of dK / dV grows with log(Sq) rather than with Sq, as a running sum over the
+// query tiles would. The finished sums go to a per-head fp32 (fp64)
 // scratch that is summed over the query heads of each KV group in increasing head order. No atomics, fixed
 // reduction orders: bitwise deterministic for any thread count. Extra memory O((Sq + Sk) D) per worker plus the
 // dK / dV scratch (B Hq Sk D elements each) and, with several chunks, B Hq chunks Sq D elements of dQ partials.
@@ -28,6 +32,55 @@
 
 namespace seqpar::attn::cpu {
 namespace {
+
+// Pairwise sum of a sequence of n-element partials (one per query tile) in a binary counter: level l holds the sum
+// of 2^l consecutive partials when occupied; a new partial is written to fresh() and push() carries it up, adding
+// equal-sized sums (the older one first). finish() adds the occupied levels, smallest (newest) first, into dst
+// (overwritten; zeros when nothing was pushed). The order depends on the number of partials only.
+template <typename T>
+class PairwiseTiles {
+ public:
+  // buf holds (levels + 1) * n elements; levels >= 1 + log2(the number of partials).
+  PairwiseTiles(std::span<T> buf, int levels, std::int64_t n) : n_(n), levels_(levels) {
+    for (int l = 0; l <= levels; ++l) slot_.push_back(buf.data() + l * n);
+    used_.assign(static_cast<std::size_t>(levels), false);
+  }
+  void clear() { std::fill(used_.begin(), used_.end(), false); }
+  T* fresh() { return slot_[static_cast<std::size_t>(levels_)]; }
+  void push() {
+    std::size_t l = 0;
+    T*& carry = slot_[static_cast<std::size_t>(levels_)];
+    while (used_[l]) {
+      T* older = slot_[l];
+      for (std::int64_t e = 0; e < n_; ++e) older[e] += carry[e];
+      std::swap(slot_[l], carry);  // carry = the sum; the level's memory is free again
+      used_[l] = false;
+      ++l;
+    }
+    std::swap(slot_[l], carry);
+    used_[l] = true;
+  }
+  void finish(T* dst) const {
+    bool first = true;
+    for (std::size_t l = 0; l < used_.size(); ++l) {
+      if (!used_[l]) continue;
+      const T* src = slot_[l];
+      if (first) {
+        std::copy(src, src + n_, dst);
+      } else {
+        for (std::int64_t e = 0; e < n_; ++e) dst[e] += src[e];
+      }
+      first = false;
+    }
+    if (first) std::fill(dst, dst + n_, T(0));
+  }
+
+ private:
+  std::int64_t n_;
+  int levels_;
+  std::vector<T*> slot_;
+  std::vector<bool> used_;
+};
 
 template <typename T>
 void backward_typed(const MhaBackwardParams& bp) {
@@ -75,9 +128,14 @@ void backward_typed(const MhaBackwardParams& bp) {
   // Per-worker buffers (allocated here, before the parallel region): q, dout and dq of one head, lse2, delta, K
   // row-major, K^T and V^T per key tile, the score tiles P and dP, two rows.
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
-  const WorkerScratch<T> ws({Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK,
-                             BQ * BK, BQ * BK, Dp, Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0},
-                            "mha_backward per-thread scratch", region_workers(parallel));
+  // The pairwise sums of dK / dV over query tiles: a partial of 2^l tiles per level l, plus the newest tile's.
+  int levels = 1;
+  while ((std::int64_t{1} << (levels - 1)) < nqt) ++levels;
+  const std::int64_t pair_size = (levels + 1) * BK * Dp;
+  const WorkerScratch<T> ws(
+      {Sq * Dp, Sq * Dp, nchunks == 1 ? Sq * Dp : 0, Sq, Sq, Skp * Dp, nkt * D * BK, nkt * D * BK, BQ * BK, BQ * BK, Dp,
+       Dp, softcap ? BQ * BK : 0, p.dropout.on ? BQ * BK : 0, pair_size, pair_size},
+      "mha_backward per-thread scratch", region_workers(parallel));
   Tensor dq_partials;
   if (nchunks > 1) dq_partials = zeroed_workspace({B * Hq * nchunks * Sq * Dp}, cdt, "mha_backward dq partials");
   T* dqp = nchunks > 1 ? static_cast<T*>(dq_partials.data()) : nullptr;
@@ -114,6 +172,7 @@ void backward_typed(const MhaBackwardParams& bp) {
                        delta = ws.buffer(4), kmat = ws.buffer(5), kt = ws.buffer(6), vt = ws.buffer(7),
                        s = ws.buffer(8), dp = ws.buffer(9), row = ws.buffer(10), row2 = ws.buffer(11),
                        dtanh = ws.buffer(12), z = ws.buffer(13);
+    PairwiseTiles<T> dk_sum(ws.buffer(14), levels, BK * Dp), dv_sum(ws.buffer(15), levels, BK * Dp);
     std::int64_t packed_kv = -1, loaded_bh = -1;
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < B * Hq * nchunks; ++task) {
@@ -181,6 +240,8 @@ void backward_typed(const MhaBackwardParams& bp) {
         const std::int64_t j0 = ktile * BK, j1 = std::min(Sk, j0 + BK);
         const T* kt_tile = kt.data() + ktile * D * BK;
         const T* vt_tile = vt.data() + ktile * D * BK;
+        dk_sum.clear();
+        dv_sum.clear();
         for (std::int64_t qi = 0; qi < nqt; ++qi) {
           if (tile_lo[qi] >= j1 || tile_hi[qi] <= j0) continue;
           const std::int64_t i0 = qi * BQ, i1 = std::min(Sq, i0 + BQ);
@@ -212,14 +273,19 @@ void backward_typed(const MhaBackwardParams& bp) {
             }
           }
           if (p.dropout.on) multiply_tile<T, BK>(mr, z.data(), s.data());  // dropout: dV_j += (z P)^T dO_i
-          // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place)
-          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
-                                   dv_h + j0 * Dp, static_cast<int>(Dp));
-          gemm_tile<T, true, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, static_cast<int>(Dp),
-                                   dk_h + j0 * Dp, static_cast<int>(Dp));
+          // dV_j += P^T dO_i, dK_j += dS^T Q_i (P and dS read transposed in place), each into a fresh partial
+          gemm_tile<T, false, true>(BK, static_cast<int>(Dp), mr, s.data(), BK, do_t, static_cast<int>(Dp),
+                                    dv_sum.fresh(), static_cast<int>(Dp));
+          dv_sum.push();
+          gemm_tile<T, false, true>(BK, static_cast<int>(Dp), mr, dp.data(), BK, q_t, static_cast<int>(Dp),
+                                    dk_sum.fresh(), static_cast<int>(Dp));
+          dk_sum.push();
           gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, dp.data(), BK, kmat.data() + j0 * Dp, static_cast<int>(Dp),
                              dq_h + i0 * Dp, static_cast<int>(Dp));
         }
+        // each key tile of the head belongs to this item only: the sums are stored, not added
+        dv_sum.finish(dv_h + j0 * Dp);
+        dk_sum.finish(dk_h + j0 * Dp);
       }
 
       // ---- write dq of this head (one chunk) ----

@@ -1,7 +1,8 @@
 // CPU flash-attention forward (FlashAttention-2, Dao 2023, Algorithm 1; docs/design.md, "MHA on one device").
 //
-// Work item: (batch, query head, tile of kBlockQ queries), or for decode shapes (group * Sq <= kBlockQ, no score
-// transform, no dropout) (batch, KV head) with the group's query heads as the tile's rows, scheduled by OpenMP. For
+// Work item: (batch, up to 8 query heads of one KV group, tile of kBlockQ queries), the heads taking each key tile in
+// turn while its K and V are hot in cache, or for decode shapes (group * Sq <= kBlockQ, no score transform, no
+// dropout) (batch, KV head) with the group's query heads as the tile's rows, scheduled by OpenMP. For
 // each visible tile of kBlockK keys: S = Q K^T (Q pre-scaled by scale * log2 e, so that exp2 replaces exp), online
 // softmax in base 2 with running row max m and row sum l, O = diag(alpha) O + P V. Only [kBlockQ, kBlockK] scores exist
 // at a time. K (transposed per key tile) and V are converted to the compute type once per call and shared by all
@@ -70,6 +71,14 @@ constexpr DType compute_dtype() {
   return std::is_same_v<T, double> ? DType::kFloat64 : DType::kFloat32;
 }
 
+// Query heads of one KV group handled by one task: the whole group up to 8 heads, else the largest divisor of the
+// group that is at most 8 (bounds the per-worker Q and O tiles).
+std::int64_t head_chunk(std::int64_t group) {
+  std::int64_t c = std::min<std::int64_t>(group, 8);
+  while (group % c != 0) --c;
+  return c;
+}
+
 template <typename T>
 void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DType lse_dtype) {
   using S = Simd<T>;
@@ -104,11 +113,13 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
   const char* kin = static_cast<const char*>(p.k);
   const char* vin = static_cast<const char*>(p.v);
   const bool parallel = static_cast<double>(B) * Hq * Sq * Sk * D >= kMinParallelWork;
-  // Per-worker buffers, allocated before the regions: a converted K row; Q tile, O tile, S tile, m, l, a row, the
-  // dropout multipliers, an in-place K tile transposed.
-  const WorkerScratch<T> ws(
-      {D, BQ * Dp, BQ * Dp, BQ * BK, BQ, BQ, Dp, p.dropout.on ? BQ * BK : 0, k_in_place ? D * BK : 0},
-      "mha_forward per-thread scratch", region_workers(parallel));
+  // Query heads per task (one for grouped tasks, whose rows already span the group; see the task loop).
+  const std::int64_t hc = grouped ? 1 : head_chunk(group), nhc = Hq / hc;
+  // Per-worker buffers, allocated before the regions: a converted K row; Q tiles, O tiles, the S tile, m, l (per
+  // head of the task), a row, the dropout multipliers, an in-place K tile transposed.
+  const WorkerScratch<T> ws({D, hc * BQ * Dp, hc * BQ * Dp, BQ * BK, hc * BQ, hc * BQ, Dp, p.dropout.on ? BQ * BK : 0,
+                             k_in_place ? D * BK : 0},
+                            "mha_forward per-thread scratch", region_workers(parallel));
   // K^T of keys [j0, j1) of (b, kv head h) into `tile` [D][BK]: columns past j1 - j0 stay zero.
   auto transpose_k = [&](std::int64_t b, std::int64_t h, std::int64_t j0, std::int64_t j1, T* tile, std::span<T> row) {
     for (std::int64_t j = j0; j < j1; ++j) {
@@ -149,20 +160,23 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
 
   const char* qin = static_cast<const char*>(p.q);
   char* outc = static_cast<char*>(out);
-  const std::int64_t num_tasks = grouped ? B * Hkv : B * Hq * nqt;
+  // Otherwise a task takes `hc` query heads of one KV group for one query tile: each key tile's K and V are read once
+  // for all of them (hc times fewer reads of K / V than one head per task, which streams the whole K / V of the head
+  // from the outer caches once per query tile). Every output row is computed exactly as with one head per task.
+  const std::int64_t num_tasks = grouped ? B * Hkv : B * nhc * nqt;
 #pragma omp parallel if (parallel)
   {
-    const std::span<T> qt = ws.buffer(1), o = ws.buffer(2), s = ws.buffer(3), m = ws.buffer(4), l = ws.buffer(5),
-                       row = ws.buffer(6), z = ws.buffer(7), kbuf = ws.buffer(8);
+    const std::span<T> qt_all = ws.buffer(1), o_all = ws.buffer(2), s = ws.buffer(3), m_all = ws.buffer(4),
+                       l_all = ws.buffer(5), row = ws.buffer(6), z = ws.buffer(7), kbuf = ws.buffer(8);
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t task = 0; task < num_tasks; ++task) {
       // query tiles in decreasing order: under a causal mask the late tiles are the long ones
-      const std::int64_t qi = grouped ? 0 : nqt - 1 - task / (B * Hq), bh = task % (B * Hq);
-      const std::int64_t b = grouped ? task / Hkv : bh / Hq, h = grouped ? -1 : bh % Hq;
-      const std::int64_t hk = grouped ? task % Hkv : h / group;
-      // tile rows [i0, i1) of rows_kr; row r is query head head_of(r), query query_of(r)
+      const std::int64_t qi = grouped ? 0 : nqt - 1 - task / (B * nhc), bc = task % (B * nhc);
+      const std::int64_t b = grouped ? task / Hkv : bc / nhc, h0 = grouped ? -1 : (bc % nhc) * hc;
+      const std::int64_t hk = grouped ? task % Hkv : h0 / group;
+      // tile rows [i0, i1) of rows_kr; row r of head slot u is query head head_of(u, r), query query_of(r)
       const std::int64_t i0 = qi * BQ, i1 = grouped ? group * Sq : std::min(Sq, i0 + BQ);
-      auto head_of = [&](int r) { return grouped ? hk * group + r / Sq : h; };
+      auto head_of = [&](std::int64_t u, int r) { return grouped ? hk * group + r / Sq : h0 + u; };
       auto query_of = [&](int r) { return grouped ? r % Sq : i0 + r; };
       const int mr = static_cast<int>(i1 - i0);
       const T* ktp_h = ktp + (b * Hkv + hk) * kt_size;
@@ -177,15 +191,17 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
           hi = std::max(hi, ke);
         }
       }
-      for (int r = 0; r < mr; ++r) {
-        const std::size_t off = static_cast<std::size_t>(((b * Sq + query_of(r)) * Hq + head_of(r)) * D) * in_size;
-        T* qrow = qt.data() + r * Dp;
-        convert(qin + off, p.dtype, qrow, cdt, static_cast<std::size_t>(D));
-        for (std::int64_t d = 0; d < D; ++d) qrow[d] *= qscale;
+      for (std::int64_t u = 0; u < hc; ++u) {
+        for (int r = 0; r < mr; ++r) {
+          const std::size_t off = static_cast<std::size_t>(((b * Sq + query_of(r)) * Hq + head_of(u, r)) * D) * in_size;
+          T* qrow = qt_all.data() + (u * BQ + r) * Dp;
+          convert(qin + off, p.dtype, qrow, cdt, static_cast<std::size_t>(D));
+          for (std::int64_t d = 0; d < D; ++d) qrow[d] *= qscale;
+        }
       }
-      std::fill(o.begin(), o.end(), T(0));
-      std::fill(m.begin(), m.end(), -std::numeric_limits<T>::infinity());
-      std::fill(l.begin(), l.end(), T(0));
+      std::fill(o_all.begin(), o_all.begin() + hc * BQ * Dp, T(0));
+      std::fill(m_all.begin(), m_all.begin() + hc * BQ, -std::numeric_limits<T>::infinity());
+      std::fill(l_all.begin(), l_all.begin() + hc * BQ, T(0));
 
       for (std::int64_t kt = lo / BK; lo < hi && kt < (hi + BK - 1) / BK; ++kt) {
         const std::int64_t j0 = kt * BK, j1 = std::min(Sk, j0 + BK);
@@ -197,81 +213,92 @@ void forward_typed(const MhaParams& p, void* out, DType out_dtype, void* lse, DT
           transpose_k(b, hk, j0, j1, kbuf.data(), row);
           ktile = kbuf.data();
         }
-        gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt.data(), static_cast<int>(Dp), ktile, BK, s.data(), BK);
-        if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), nullptr);
-        if (kind == TileKind::kPartial) mask_partial_tile(rows_kr, i0, mr, j0, s.data());
-        for (int r = 0; r < mr; ++r) {
-          T* srow = s.data() + r * BK;
-          V vmax = S::load(srow);
-          for (int c = W; c < BK; c += W) vmax = S::max(vmax, S::load(srow + c));
-          const T m_new = std::max(m[r], S::reduce_max(vmax));
-          if (m_new == -std::numeric_limits<T>::infinity()) {
-            // Every key masked, or the SIMD max dropped NaN scores (a NaN in q or k): the latter must poison the
-            // row (l = NaN), not leave it looking like a row with no visible key.
-            if (std::any_of(srow, srow + BK, [](T x) { return std::isnan(x); })) {
-              l[r] = std::numeric_limits<T>::quiet_NaN();
+        for (std::int64_t u = 0; u < hc; ++u) {
+          const std::int64_t h = grouped ? -1 : h0 + u;
+          T* o = o_all.data() + u * BQ * Dp;
+          T* m = m_all.data() + u * BQ;
+          T* l = l_all.data() + u * BQ;
+          gemm_tile<T, false>(mr, BK, static_cast<int>(D), qt_all.data() + u * BQ * Dp, static_cast<int>(Dp), ktile, BK,
+                              s.data(), BK);
+          if (transform) transform_scores<T>(p, h, i0, mr, j0, s.data(), nullptr);
+          if (kind == TileKind::kPartial) mask_partial_tile(rows_kr, i0, mr, j0, s.data());
+          for (int r = 0; r < mr; ++r) {
+            T* srow = s.data() + r * BK;
+            V vmax = S::load(srow);
+            for (int c = W; c < BK; c += W) vmax = S::max(vmax, S::load(srow + c));
+            const T m_new = std::max(m[r], S::reduce_max(vmax));
+            if (m_new == -std::numeric_limits<T>::infinity()) {
+              // Every key masked, or the SIMD max dropped NaN scores (a NaN in q or k): the latter must poison the
+              // row (l = NaN), not leave it looking like a row with no visible key.
+              if (std::any_of(srow, srow + BK, [](T x) { return std::isnan(x); })) {
+                l[r] = std::numeric_limits<T>::quiet_NaN();
+              }
+              std::fill(srow, srow + BK, T(0));
+              continue;
             }
-            std::fill(srow, srow + BK, T(0));
-            continue;
+            const T alpha = std::exp2(m[r] - m_new);
+            const V vm = S::set1(m_new);
+            V vsum = S::zero();
+            for (int c = 0; c < BK; c += W) {
+              const V e = S::exp2(S::sub(S::load(srow + c), vm));
+              S::store(srow + c, e);
+              vsum = S::add(vsum, e);
+            }
+            l[r] = l[r] * alpha + S::reduce_add(vsum);
+            m[r] = m_new;
+            if (alpha != T(1)) {
+              T* orow = o + r * Dp;
+              const V va = S::set1(alpha);
+              for (std::int64_t d = 0; d < Dp; d += W) S::store(orow + d, S::mul(S::load(orow + d), va));
+            }
           }
-          const T alpha = std::exp2(m[r] - m_new);
-          const V vm = S::set1(m_new);
-          V vsum = S::zero();
-          for (int c = 0; c < BK; c += W) {
-            const V e = S::exp2(S::sub(S::load(srow + c), vm));
-            S::store(srow + c, e);
-            vsum = S::add(vsum, e);
+          if (p.dropout.on) {  // dropout (attention/dropout.h): l summed the undropped P, O accumulates (z P) V
+            dropout_multipliers<T, BK>(p.dropout, b, h, i0, mr, j0, Sk, z.data());
+            multiply_tile<T, BK>(mr, z.data(), s.data());
           }
-          l[r] = l[r] * alpha + S::reduce_add(vsum);
-          m[r] = m_new;
-          if (alpha != T(1)) {
-            T* orow = o.data() + r * Dp;
-            const V va = S::set1(alpha);
-            for (std::int64_t d = 0; d < Dp; d += W) S::store(orow + d, S::mul(S::load(orow + d), va));
+          // in place: only the tile's j1 - j0 rows of V exist (P is zero past them)
+          if (v_in_place) {
+            const T* vrows = reinterpret_cast<const T*>(vin) + ((b * Sk + j0) * Hkv + hk) * D;
+            gemm_tile<T, true>(mr, static_cast<int>(Dp), static_cast<int>(j1 - j0), s.data(), BK, vrows,
+                               static_cast<int>(Hkv * D), o, static_cast<int>(Dp));
+          } else {
+            gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, s.data(), BK, vp_h + j0 * Dp, static_cast<int>(Dp), o,
+                               static_cast<int>(Dp));
           }
-        }
-        if (p.dropout.on) {  // dropout (attention/dropout.h): l summed the undropped P, O accumulates (z P) V
-          dropout_multipliers<T, BK>(p.dropout, b, h, i0, mr, j0, Sk, z.data());
-          multiply_tile<T, BK>(mr, z.data(), s.data());
-        }
-        // in place: only the tile's j1 - j0 rows of V exist (P is zero past them)
-        if (v_in_place) {
-          const T* vrows = reinterpret_cast<const T*>(vin) + ((b * Sk + j0) * Hkv + hk) * D;
-          gemm_tile<T, true>(mr, static_cast<int>(Dp), static_cast<int>(j1 - j0), s.data(), BK, vrows,
-                             static_cast<int>(Hkv * D), o.data(), static_cast<int>(Dp));
-        } else {
-          gemm_tile<T, true>(mr, static_cast<int>(Dp), BK, s.data(), BK, vp_h + j0 * Dp, static_cast<int>(Dp), o.data(),
-                             static_cast<int>(Dp));
         }
       }
 
-      for (int r = 0; r < mr; ++r) {
-        const std::int64_t i = query_of(r), hr = head_of(r);
-        const T* orow = o.data() + r * Dp;
-        double lse_out;  // natural log, from the base-2 running max and sum, in fp64 whatever T
-        if (l[r] > T(0)) {
-          const T inv = T(1) / l[r];
-          for (std::int64_t d = 0; d < D; ++d) row[d] = orow[d] * inv;
-          lse_out = (static_cast<double>(m[r]) + std::log2(static_cast<double>(l[r]))) * 0.6931471805599453;
-        } else if (l[r] == T(0)) {  // no visible key
-          std::fill(row.begin(), row.end(), T(0));
-          lse_out = -std::numeric_limits<double>::infinity();
-        } else {  // NaN: a NaN or inf in q or k reached this row; propagate it, never report "no visible key"
-          std::fill(row.begin(), row.end(), std::numeric_limits<T>::quiet_NaN());
-          lse_out = std::numeric_limits<double>::quiet_NaN();
+      for (std::int64_t u = 0; u < hc; ++u) {
+        const T* m = m_all.data() + u * BQ;
+        const T* l = l_all.data() + u * BQ;
+        for (int r = 0; r < mr; ++r) {
+          const std::int64_t i = query_of(r), hr = head_of(u, r);
+          const T* orow = o_all.data() + (u * BQ + r) * Dp;
+          double lse_out;  // natural log, from the base-2 running max and sum, in fp64 whatever T
+          if (l[r] > T(0)) {
+            const T inv = T(1) / l[r];
+            for (std::int64_t d = 0; d < D; ++d) row[d] = orow[d] * inv;
+            lse_out = (static_cast<double>(m[r]) + std::log2(static_cast<double>(l[r]))) * 0.6931471805599453;
+          } else if (l[r] == T(0)) {  // no visible key
+            std::fill(row.begin(), row.end(), T(0));
+            lse_out = -std::numeric_limits<double>::infinity();
+          } else {  // NaN: a NaN or inf in q or k reached this row; propagate it, never report "no visible key"
+            std::fill(row.begin(), row.end(), std::numeric_limits<T>::quiet_NaN());
+            lse_out = std::numeric_limits<double>::quiet_NaN();
+          }
+          if (!p.sinks.empty()) {  // the one place of the sink: it joins the finished row's denominator
+            const T factor = static_cast<T>(add_sink(lse_out, p.sinks[static_cast<std::size_t>(hr)]));
+            for (std::int64_t d = 0; d < D; ++d) row[d] *= factor;
+          }
+          const std::int64_t li = (b * Hq + hr) * Sq + i;
+          if (lse_dtype == DType::kFloat64) {
+            static_cast<double*>(lse)[li] = lse_out;
+          } else {
+            static_cast<float*>(lse)[li] = static_cast<float>(lse_out);
+          }
+          const std::size_t off = static_cast<std::size_t>(((b * Sq + i) * Hq + hr) * D) * out_size;
+          convert(row.data(), cdt, outc + off, out_dtype, static_cast<std::size_t>(D));
         }
-        if (!p.sinks.empty()) {  // the one place of the sink: it joins the finished row's denominator
-          const T factor = static_cast<T>(add_sink(lse_out, p.sinks[static_cast<std::size_t>(hr)]));
-          for (std::int64_t d = 0; d < D; ++d) row[d] *= factor;
-        }
-        const std::int64_t li = (b * Hq + hr) * Sq + i;
-        if (lse_dtype == DType::kFloat64) {
-          static_cast<double*>(lse)[li] = lse_out;
-        } else {
-          static_cast<float*>(lse)[li] = static_cast<float>(lse_out);
-        }
-        const std::size_t off = static_cast<std::size_t>(((b * Sq + i) * Hq + hr) * D) * out_size;
-        convert(row.data(), cdt, outc + off, out_dtype, static_cast<std::size_t>(D));
       }
     }
   }
