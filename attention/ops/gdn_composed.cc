@@ -19,8 +19,8 @@ constexpr DType dtype_of(double) { return DType::kFloat64; }
 // A host tensor in T (converted when its dtype differs), uploaded to the table's memory.
 template <typename T>
 std::vector<T> host_values(const TensorView& t) {
+  if (t.empty()) return {};
   std::vector<T> v(static_cast<std::size_t>(t.numel()));
-  if (v.empty()) return v;
   copy_convert(t, TensorView(v.data(), dtype_of(T{}), t.shape()));
   return v;
 }
