@@ -29,12 +29,38 @@ struct Segment {
   std::int64_t b = 0, t0 = 0, len = 0, state = 0;  // batch row, first token, tokens, state row
 };
 
+// Rows [begin, end) of dim `axis` (0 or 1) of a contiguous host tensor, as a view.
+TensorView rows_view(const TensorView& t, int axis, std::int64_t begin, std::int64_t end) {
+  if (t.empty()) return t;
+  Shape s = t.shape();
+  const std::size_t row = t.nbytes() / static_cast<std::size_t>(s[axis]) / (axis == 1 ? s[0] : 1);
+  s[axis] = end - begin;
+  return TensorView(static_cast<char*>(t.data()) + begin * row, t.dtype(), s, t.device());
+}
+
 }  // namespace
 
 template <typename T>
 void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out,
                           const TensorView& final_state) {
   args.validate(out, final_state);
+  if (!args.cu_seqlens.empty()) {
+    // A packed row: document by document, each as a row of its own (its own chunking: the result of a document is
+    // bitwise the one it gets alone, as with the CPU kernel).
+    const std::int64_t* cu = args.cu_seqlens.data_as<std::int64_t>();
+    for (std::int64_t d = 0; d + 1 < args.cu_seqlens.numel(); ++d) {
+      GdnForwardArgs doc = args;
+      doc.cu_seqlens = TensorView();
+      doc.q = rows_view(args.q, 1, cu[d], cu[d + 1]);
+      doc.k = rows_view(args.k, 1, cu[d], cu[d + 1]);
+      doc.v = rows_view(args.v, 1, cu[d], cu[d + 1]);
+      doc.g = rows_view(args.g, 1, cu[d], cu[d + 1]);
+      doc.beta = rows_view(args.beta, 1, cu[d], cu[d + 1]);
+      doc.initial_state = rows_view(args.initial_state, 0, d, d + 1);
+      gdn_forward_composed(ops, doc, rows_view(out, 1, cu[d], cu[d + 1]), rows_view(final_state, 0, d, d + 1));
+    }
+    return;
+  }
   const std::int64_t B = args.q.dim(0), S = args.q.dim(1), Hk = args.q.dim(2), K = args.q.dim(3);
   const std::int64_t H = args.v.dim(2), V = args.v.dim(3), G = H / Hk;
   const std::int64_t C = std::max<std::int64_t>(
@@ -42,12 +68,7 @@ void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorV
   const T scale = args.scale > 0.0f ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(K));
 
   std::vector<Segment> segs;
-  if (args.cu_seqlens.empty()) {
-    for (std::int64_t b = 0; b < B; ++b) segs.push_back({b, 0, S, b});
-  } else {
-    const std::int64_t* cu = args.cu_seqlens.data_as<std::int64_t>();
-    for (std::int64_t d = 0; d + 1 < args.cu_seqlens.numel(); ++d) segs.push_back({0, cu[d], cu[d + 1] - cu[d], d});
-  }
+  for (std::int64_t b = 0; b < B; ++b) segs.push_back({b, 0, S, b});
   const std::int64_t nseg = static_cast<std::int64_t>(segs.size());
   std::int64_t N = 1;
   for (const Segment& s : segs) N = std::max(N, (s.len + C - 1) / C);

@@ -2,9 +2,9 @@
 // calls to an ops table (attention/ops/ops.h), so the algorithm a GPU table will run is the one tested on the CPU.
 // docs/design.md, "The ops table".
 //
-// With R value-head segments of N chunks of C tokens (a segment = one batch row, or one document of a packed row,
-// times one value head; segments shorter than N chunks are padded with tokens of beta = 0, g = 0, k = 0, which leave
-// the state unchanged):
+// With R = B Hv segments (batch row, value head) of N chunks of C tokens (a short last chunk is padded with tokens of
+// beta = 0, g = 0, k = 0, which leave the state unchanged); a packed row (cu_seqlens) runs document by document, each
+// as a row of its own, so that a document's result is bitwise the one it gets alone:
 //   1. gather q, k (of key head h / (Hv / Hk)), v, g, beta into [R, N, C, *]; L2 norm and scale rows; gamma = the
 //      per-chunk cumulative sum of g;
 //   2. per chunk, batched GEMMs K K^T and Q K^T, masked by the decay rows (strictLower(beta_i e^(gamma_i - gamma_j))
