@@ -350,6 +350,7 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const Tenso
 
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
   detail::check_stream(stream, "gdn_transition", kFamily);
+  if (ops::detail::gdn_transition_hooked(args, m, u)) return;  // test mode (attention/ops/gdn_hook.h)
   cpu::gdn_transition_cpu(args, validate_transition(args, m, u), m, u);
 }
 

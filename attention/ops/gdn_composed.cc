@@ -7,6 +7,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "../../runtime/error.h"
 #include "../../runtime/tensor_ops.h"
 #include "ops_cpu.h"
 
@@ -38,6 +39,10 @@ TensorView rows_view(const TensorView& t, int axis, std::int64_t begin, std::int
   return TensorView(static_cast<char*>(t.data()) + begin * row, t.dtype(), s, t.device());
 }
 
+template <typename T>
+void compose(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
+             const TensorView& m_out, const TensorView& u_out);
+
 }  // namespace
 
 template <typename T>
@@ -61,6 +66,30 @@ void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorV
     }
     return;
   }
+  compose(ops, args, out, final_state, TensorView(), TensorView());
+}
+
+template <typename T>
+void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& m, const TensorView& u) {
+  args.validate();
+  SEQPAR_CHECK(args.initial_state.empty(), "gdn_transition: initial_state must be empty (a map is taken from a zero "
+                                           "start state)");
+  SEQPAR_CHECK(args.cu_seqlens.empty(),
+               "gdn_transition: cu_seqlens must be empty (take the map of each piece between document starts)");
+  const std::int64_t B = args.q.dim(0), K = args.q.dim(3), H = args.v.dim(2), V = args.v.dim(3);
+  const DType sd = dtype_of(T{});
+  SEQPAR_CHECK(m.dtype() == sd && m.shape() == Shape({B, H, K, K}), "gdn_transition: m must be ", dtype_name(sd),
+               " [", B, ", ", H, ", ", K, ", ", K, "], got ", m.str());
+  SEQPAR_CHECK(u.dtype() == sd && u.shape() == Shape({B, H, K, V}), "gdn_transition: u must be ", dtype_name(sd),
+               " [", B, ", ", H, ", ", K, ", ", V, "], got ", u.str());
+  compose(ops, args, TensorView(), TensorView(), m, u);
+}
+
+namespace {
+
+template <typename T>
+void compose(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state,
+             const TensorView& m_out, const TensorView& u_out) {
   const std::int64_t B = args.q.dim(0), S = args.q.dim(1), Hk = args.q.dim(2), K = args.q.dim(3);
   const std::int64_t H = args.v.dim(2), V = args.v.dim(3), G = H / Hk;
   const std::int64_t C = std::max<std::int64_t>(
@@ -145,6 +174,20 @@ void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorV
     ops.gemm(Trans::kN, Trans::kN, K, V, K, T(1), Mat<const T>{m.get(), K, N * K * K, K * K}, st0, T(1), st_next,
              seg_chunks);
 
+  const auto write = [&](const TensorView& dst, const T* src, std::int64_t width, std::int64_t ld) {
+    Buffer<T> buf(ops, dst.numel());
+    ops.scatter_add_rows(BH, width, src, ld, d_fin_idx.get(), buf.get(), width);
+    std::vector<T> host(static_cast<std::size_t>(buf.size()));
+    ops.download(host.data(), buf.get(), host.size() * sizeof(T));
+    copy_convert(TensorView(host.data(), dtype_of(T{}), dst.shape()), dst);
+  };
+  if (!m_out.empty()) {  // a segment map: the scan's last element (the start state is zero)
+    write(m_out, m.get() + (N - 1) * K * K, K * K, N * K * K);
+    write(u_out, st.get() + N * KV, KV, (N + 1) * KV);
+    return;
+  }
+  if (!final_state.empty()) write(final_state, st.get() + N * KV, KV, (N + 1) * KV);
+
   // ---- 5. outputs ----
   // V' = U - W S_c (in place of u); out = diag(e^gamma) Q S_c + (Q K^T masked) V'
   ops.gemm(Trans::kN, Trans::kN, C, V, K, T(-1), wc, st_start, T(1), Mat<T>{u.get(), V, N * C * V, C * V},
@@ -164,23 +207,28 @@ void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorV
     ops.download(host.data(), out_t.get(), host.size() * sizeof(T));
     copy_convert(TensorView(host.data(), dtype_of(T{}), out.shape()), out);
   }
-  if (!final_state.empty()) {
-    Buffer<T> fin(ops, final_state.numel());
-    ops.scatter_add_rows(BH, KV, st.get() + N * KV, (N + 1) * KV, d_fin_idx.get(), fin.get(), KV);
-    std::vector<T> host(static_cast<std::size_t>(fin.size()));
-    ops.download(host.data(), fin.get(), host.size() * sizeof(T));
-    copy_convert(TensorView(host.data(), dtype_of(T{}), final_state.shape()), final_state);
-  }
 }
+
+}  // namespace
 
 template void gdn_forward_composed<float>(Ops<float>&, const GdnForwardArgs&, const TensorView&, const TensorView&);
 template void gdn_forward_composed<double>(Ops<double>&, const GdnForwardArgs&, const TensorView&, const TensorView&);
+template void gdn_transition_composed<float>(Ops<float>&, const GdnForwardArgs&, const TensorView&, const TensorView&);
+template void gdn_transition_composed<double>(Ops<double>&, const GdnForwardArgs&, const TensorView&,
+                                              const TensorView&);
 
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state) {
   if (args.q.dtype() == DType::kFloat64)
     gdn_forward_composed(cpu_ops_f64(), args, out, final_state);
   else
     gdn_forward_composed(cpu_ops_f32(), args, out, final_state);
+}
+
+void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u) {
+  if (args.q.dtype() == DType::kFloat64)
+    gdn_transition_composed(cpu_ops_f64(), args, m, u);
+  else
+    gdn_transition_composed(cpu_ops_f32(), args, m, u);
 }
 
 }  // namespace seqpar::attn::ops

@@ -29,7 +29,13 @@ template <typename T>
 void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out,
                           const TensorView& final_state);
 
+// attn::gdn_transition composed the same way: (m, u) = the scan's last element.
+// Errors: the argument checks of gdn_transition, before any work.
+template <typename T>
+void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
+
 // The same on the CPU table of q's arithmetic dtype.
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
+void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
 
 }  // namespace seqpar::attn::ops

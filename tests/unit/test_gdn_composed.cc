@@ -154,6 +154,30 @@ TEST(GdnComposed, MatchesCpuKernelFp32AndBf16) {
   expect_matches_cpu_kernel(packed, DType::kFloat32);
 }
 
+TEST(GdnComposed, TransitionAppliedToAStateGivesTheRecurrenceFp64) {
+  for (std::int64_t S : {0, 9, 40}) {
+    Problem p;
+    p.S = S;
+    const Inputs r = make(p, DType::kFloat64);
+    GdnForwardArgs seg = r.args;
+    seg.initial_state = TensorView();
+    Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
+    Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
+    ops::gdn_transition_composed_cpu(seg, m, u);
+    // m S_0 + u against the recurrence's final state from S_0 = r.init
+    Tensor got = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
+    gdn_transition_apply(m, u, r.init, got);
+    Out want = alloc(p, r, DType::kFloat64, DType::kFloat64);
+    reference::gdn_forward(r.args, want.out, want.fin);
+    EXPECT_TRUE(all_close(to_double(got), to_double(want.fin), 1e-10, 1e-9, "transition " + p.tag()));
+  }
+  Problem p;
+  const Inputs r = make(p, DType::kFloat64);
+  Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
+  Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
+  test::expect_error([&] { ops::gdn_transition_composed_cpu(r.args, m, u); }, "initial_state must be empty");
+}
+
 TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
   Problem p;
   p.S = 0;
