@@ -3,6 +3,7 @@
 // one row per thread (or warp). T is float or double; nothing here allocates, throws or touches a library.
 //
 //   l2norm_scale_row: x <- s x / sqrt(x . x + eps) (eps < 0: no normalisation, x <- s x), the GDN q / k prologue.
+//   relu_row: x <- max(x, 0) (the DSA indexer's per-head logits; NaN stays NaN).
 //   cumsum_row: inclusive prefix sum in index order (the cumulative log decay gamma of a chunk from its g).
 //   gdn_chunk_scales: per token i of a chunk of C tokens with cumulative log decay gamma and beta: the row scales
 //     kscale = beta exp(gamma_i) (W's right-hand side), vscale = beta (U's), qscale = exp(gamma_i) (the inter-chunk
@@ -35,6 +36,11 @@ SEQPAR_HOST_DEVICE inline void l2norm_scale_row(T* x, std::int64_t n, T eps, T s
     r = s / gdn_sqrt(ss + eps);
   }
   for (std::int64_t j = 0; j < n; ++j) x[j] *= r;
+}
+
+template <typename T>
+SEQPAR_HOST_DEVICE inline void relu_row(T* x, std::int64_t n) {
+  for (std::int64_t j = 0; j < n; ++j) x[j] = x[j] < T(0) ? T(0) : x[j];
 }
 
 template <typename T>

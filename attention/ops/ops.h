@@ -104,6 +104,8 @@ class Ops : public Memory {
   // ---- row / element kernels (bodies: attention/kernels/gdn_rows.h) ----
   // x row r <- s x / sqrt(|x|^2 + eps) (eps < 0: x <- s x).
   virtual void l2norm_scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, T eps, T s) = 0;
+  // x <- max(x, 0) elementwise (NaN stays NaN).
+  virtual void relu_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld) = 0;
   // x row r *= s[r].
   virtual void scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const T* s) = 0;
   // Inclusive prefix sum of each row.

@@ -163,6 +163,9 @@ class CpuOps final : public Ops<T> {
   void l2norm_scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, T eps, T s) override {
     for (std::int64_t r = 0; r < rows; ++r) rowops::l2norm_scale_row(x + r * ld, cols, eps, s);
   }
+  void relu_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld) override {
+    for (std::int64_t r = 0; r < rows; ++r) rowops::relu_row(x + r * ld, cols);
+  }
   void scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const T* s) override {
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t j = 0; j < cols; ++j) x[r * ld + j] *= s[r];

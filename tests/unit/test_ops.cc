@@ -256,6 +256,13 @@ TYPED_TEST(OpsTest, RowKernelsMatchFormulas) {
       }
     }
   }
+  // ReLU rows (NaN stays NaN)
+  auto z = cast<T>(x64);
+  z[1] = std::numeric_limits<T>::quiet_NaN();
+  ops.relu_rows(rows, cols, z.data(), cols);
+  EXPECT_TRUE(std::isnan(z[1]));
+  for (std::int64_t i = 0; i < rows * cols; ++i)
+    if (i != 1) EXPECT_EQ(static_cast<T>(std::max(0.0, double(T(x64[i])))), z[i]);
   // scale rows, scaled identity
   auto y = cast<T>(x64);
   const auto s = cast<T>(rand_vec(rows, 15));
