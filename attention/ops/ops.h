@@ -121,8 +121,8 @@ class Ops : public Memory {
 
 // The inclusive scan of affine maps x -> M x + U along each of `segments` sequences of n elements (M [K, K],
 // U [K, V]): element i becomes (M_i, U_i) o ... o (M_0, U_0) = (M_i ... M_0, M_i (...) + U_i). Composed from the
-// table's batched GEMMs and copies in ceil(log2 n) rounds (Hillis-Steele), O(n log n K^2 (K + V)) work. m, u:
-// element (s, i) at ptr + s * so + i * si.
+// table's batched GEMMs and copies in about 2 log2(n) rounds (Brent-Kung), about 2 n K^2 (K + V) multiply-adds per
+// segment. m, u: element (s, i) at ptr + s * so + i * si.
 template <typename T>
 void scan_affine(Ops<T>& ops, std::int64_t segments, std::int64_t n, std::int64_t K, std::int64_t V, Mat<T> m,
                  Mat<T> u);

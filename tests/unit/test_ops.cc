@@ -111,7 +111,7 @@ TYPED_TEST(OpsTest, TrsmUnitLowerSolves) {
 TYPED_TEST(OpsTest, ScanAffineMatchesSequentialComposition) {
   using T = TypeParam;
   const std::int64_t segs = 3, K = 4, V = 3;
-  for (std::int64_t n : {1, 2, 5, 8, 13}) {
+  for (std::int64_t n : {1, 2, 3, 5, 8, 13, 16, 31, 33, 100}) {
     const auto m64 = rand_vec(segs * n * K * K, 6 + n, -0.6, 0.6), u64 = rand_vec(segs * n * K * V, 7 + n);
     auto m = cast<T>(m64), u = cast<T>(u64);
     scan_affine(cpu_ops<T>(), segs, n, K, V, Mat<T>{m.data(), K, n * K * K, K * K},
