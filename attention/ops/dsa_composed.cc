@@ -2,6 +2,7 @@
 #include "dsa_composed.h"
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <vector>
 
@@ -89,6 +90,61 @@ void dsa_indexer_topk_composed(Ops<T>& ops, const DsaIndexerArgs& args, const Te
   }
 }
 
+template <typename T>
+void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, const TensorView& out,
+                                    const TensorView& lse) {
+  args.validate(out, lse);
+  const std::int64_t B = args.q.dim(0), Sq = args.q.dim(1), H = args.q.dim(2), Dqk = args.q.dim(3);
+  const std::int64_t Sk = args.c.dim(1), k = args.topk_indices.dim(2), Dv = args.dim_v;
+  const T scale = args.scale > 0.0f ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(Dqk));
+  std::vector<std::int64_t> qp(args.q_pos.begin(), args.q_pos.end()), cp(args.c_pos.begin(), args.c_pos.end());
+  if (qp.empty())
+    for (std::int64_t t = 0; t < Sq; ++t) qp.push_back(t);
+  if (cp.empty())
+    for (std::int64_t j = 0; j < Sk; ++j) cp.push_back(j);
+
+  // latent rows of each query's selected positions in this block, compacted to the front; their count
+  const std::int64_t* sel = args.topk_indices.data_as<std::int64_t>();
+  std::vector<std::int64_t> rows(B * Sq * k, -1), count(B * Sq, 0);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < Sq; ++t) {
+      const std::int64_t r = b * Sq + t;
+      for (std::int64_t e = 0; e < k; ++e) {
+        const std::int64_t p = sel[r * k + e];
+        if (p < 0 || p > qp[t]) continue;
+        const auto it = std::lower_bound(cp.begin(), cp.end(), p);
+        if (it == cp.end() || *it != p) continue;
+        rows[r * k + count[r]++] = b * Sk + (it - cp.begin());
+      }
+    }
+
+  const Buffer<T> q(ops, host_values<T>(args.q)), c(ops, host_values<T>(args.c));
+  const Buffer<std::int64_t> d_rows(ops, rows), d_count(ops, count);
+  Buffer<T> csel(ops, B * Sq * k * Dqk), p(ops, B * Sq * H * k), o(ops, B * Sq * H * Dv), l(ops, B * Sq * H);
+  ops.gather_rows(B * Sq * k, Dqk, c.get(), Dqk, d_rows.get(), csel.get(), Dqk);
+  const Batch per_query{1, B * Sq};
+  ops.gemm(Trans::kN, Trans::kT, H, k, Dqk, scale, Mat<const T>{q.get(), Dqk, 0, H * Dqk},
+           Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{p.get(), k, 0, H * k}, per_query);
+  ops.softmax_rows(B * Sq * H, k, p.get(), k, d_count.get(), H, l.get());
+  ops.gemm(Trans::kN, Trans::kN, H, Dv, k, T(1), Mat<const T>{p.get(), k, 0, H * k},
+           Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{o.get(), Dv, 0, H * Dv}, per_query);
+
+  std::vector<T> host_o(static_cast<std::size_t>(B * Sq * H * Dv)), host_l(static_cast<std::size_t>(B * Sq * H));
+  ops.download(host_o.data(), o.get(), host_o.size() * sizeof(T));
+  ops.download(host_l.data(), l.get(), host_l.size() * sizeof(T));
+  if (!host_o.empty()) copy_convert(TensorView(host_o.data(), dtype_of(T{}), out.shape()), out);
+  std::vector<T> lse_bhs(host_l.size());  // [B, Sq, H] -> [B, H, Sq]
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < Sq; ++t)
+      for (std::int64_t h = 0; h < H; ++h) lse_bhs[(b * H + h) * Sq + t] = host_l[(b * Sq + t) * H + h];
+  if (!lse_bhs.empty()) copy_convert(TensorView(lse_bhs.data(), dtype_of(T{}), lse.shape()), lse);
+}
+
+template void dsa_attention_forward_composed<float>(Ops<float>&, const DsaAttentionArgs&, const TensorView&,
+                                                    const TensorView&);
+template void dsa_attention_forward_composed<double>(Ops<double>&, const DsaAttentionArgs&, const TensorView&,
+                                                     const TensorView&);
+
 template void dsa_indexer_topk_composed<float>(Ops<float>&, const DsaIndexerArgs&, const TensorView&,
                                                const TensorView&);
 template void dsa_indexer_topk_composed<double>(Ops<double>&, const DsaIndexerArgs&, const TensorView&,
@@ -100,6 +156,13 @@ void dsa_indexer_topk_composed_cpu(const DsaIndexerArgs& args, const TensorView&
     dsa_indexer_topk_composed(cpu_ops_f64(), args, topk_indices, scores);
   else
     dsa_indexer_topk_composed(cpu_ops_f32(), args, topk_indices, scores);
+}
+
+void dsa_attention_forward_composed_cpu(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse) {
+  if (args.q.dtype() == DType::kFloat64)
+    dsa_attention_forward_composed(cpu_ops_f64(), args, out, lse);
+  else
+    dsa_attention_forward_composed(cpu_ops_f32(), args, out, lse);
 }
 
 }  // namespace seqpar::attn::ops

@@ -1,4 +1,4 @@
-// The DSA indexer scores and top-k selection (attention/dsa.h's dsa_indexer_topk over one key block: same arguments
+// The DSA indexer scores and top-k selection, and the sparse latent attention forward, (attention/dsa.h's dsa_indexer_topk over one key block: same arguments
 // and semantics) written only as calls to an ops table (attention/ops/ops.h; docs/design.md, "The ops table"):
 //   1. per batch row, one GEMM of the indexer logits [Sq Hi, Di] x [Di, Sk];
 //   2. ReLU rows;
@@ -22,7 +22,19 @@ template <typename T>
 void dsa_indexer_topk_composed(Ops<T>& ops, const DsaIndexerArgs& args, const TensorView& topk_indices,
                                const TensorView& scores = {});
 
-// The same on the CPU table of q_idx's arithmetic dtype.
+// The sparse latent attention forward over one latent block (attn::dsa_attention_forward's arguments and semantics)
+// composed the same way: the selected positions of each query that lie in this block (causal) are compacted to the
+// front of its k slots and their latent rows gathered ([B Sq, k, Dqk]); scores [H, k] per query by a batched GEMM
+// with the scale; softmax rows over each query's selected slots (lse); out = P c[:, :Dv] by a batched GEMM. The
+// position -> row map and the compaction run on the host (small element kernels on a device).
+// Args: out [B, Sq, H, Dv] any floating dtype; lse [B, H, Sq] of T or fp64 (from T's values).
+// Errors: DsaAttentionArgs::validate(out, lse)'s, before any work.
+template <typename T>
+void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, const TensorView& out,
+                                    const TensorView& lse);
+
+// The same on the CPU table of q_idx's (q's) arithmetic dtype.
+void dsa_attention_forward_composed_cpu(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse);
 void dsa_indexer_topk_composed_cpu(const DsaIndexerArgs& args, const TensorView& topk_indices,
                                    const TensorView& scores = {});
 

@@ -263,6 +263,25 @@ TYPED_TEST(OpsTest, RowKernelsMatchFormulas) {
   EXPECT_TRUE(std::isnan(z[1]));
   for (std::int64_t i = 0; i < rows * cols; ++i)
     if (i != 1) EXPECT_EQ(static_cast<T>(std::max(0.0, double(T(x64[i])))), z[i]);
+  // softmax over each row's first end[r / 2] entries, against fp64
+  {
+    auto sm = cast<T>(x64);
+    const std::vector<std::int64_t> end{6, 0};  // rows 0, 1: all six entries; rows 2, 3: none
+    std::vector<T> lse(rows);
+    ops.softmax_rows(rows, cols, sm.data(), cols, end.data(), 2, lse.data());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      if (end[r / 2] == 0) {
+        EXPECT_EQ(-std::numeric_limits<T>::infinity(), lse[r]);
+        for (std::int64_t j = 0; j < cols; ++j) EXPECT_EQ(T(0), sm[r * cols + j]);
+        continue;
+      }
+      double z = 0.0;
+      for (std::int64_t j = 0; j < cols; ++j) z += std::exp(double(T(x64[r * cols + j])));
+      EXPECT_NEAR(std::log(z), lse[r], tol<T>());
+      for (std::int64_t j = 0; j < cols; ++j)
+        EXPECT_NEAR(std::exp(double(T(x64[r * cols + j]))) / z, sm[r * cols + j], tol<T>());
+    }
+  }
   // scale rows, scaled identity
   auto y = cast<T>(x64);
   const auto s = cast<T>(rand_vec(rows, 15));
