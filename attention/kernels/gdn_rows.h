@@ -4,6 +4,9 @@
 //
 //   l2norm_scale_row: x <- s x / sqrt(x . x + eps) (eps < 0: no normalisation, x <- s x), the GDN q / k prologue.
 //   relu_row: x <- max(x, 0) (the DSA indexer's per-head logits; NaN stays NaN).
+//   softmax_prefix_row: x[0, end) <- exp(x_j - mx) / sum with mx their maximum and sum = sum_j exp(x_j - mx) (also
+//     returned, so that a caller forms lse = mx + log(sum) in a wider dtype); x[end, n) <- 0. No entry (or only -inf):
+//     x <- 0, mx = -inf, sum = 0 (lse = -inf).
 //   cumsum_row: inclusive prefix sum in index order (the cumulative log decay gamma of a chunk from its g).
 //   gdn_chunk_scales: per token i of a chunk of C tokens with cumulative log decay gamma and beta: the row scales
 //     kscale = beta exp(gamma_i) (W's right-hand side), vscale = beta (U's), qscale = exp(gamma_i) (the inter-chunk
@@ -41,6 +44,20 @@ SEQPAR_HOST_DEVICE inline void l2norm_scale_row(T* x, std::int64_t n, T eps, T s
 template <typename T>
 SEQPAR_HOST_DEVICE inline void relu_row(T* x, std::int64_t n) {
   for (std::int64_t j = 0; j < n; ++j) x[j] = x[j] < T(0) ? T(0) : x[j];
+}
+
+template <typename T>
+SEQPAR_HOST_DEVICE inline void softmax_prefix_row(T* x, std::int64_t n, std::int64_t end, T* mx_out, T* sum_out) {
+  if (end > n) end = n;
+  const T neg_inf = static_cast<T>(-HUGE_VAL);
+  T mx = neg_inf;
+  for (std::int64_t j = 0; j < end; ++j) mx = x[j] > mx ? x[j] : mx;
+  T sum = T(0);
+  if (mx != neg_inf)
+    for (std::int64_t j = 0; j < end; ++j) sum += gdn_exp(x[j] - mx);
+  for (std::int64_t j = 0; j < n; ++j) x[j] = (j < end && mx != neg_inf) ? gdn_exp(x[j] - mx) / sum : T(0);
+  *mx_out = mx;
+  *sum_out = sum;
 }
 
 template <typename T>

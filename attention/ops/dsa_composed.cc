@@ -120,24 +120,34 @@ void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, c
 
   const Buffer<T> q(ops, host_values<T>(args.q)), c(ops, host_values<T>(args.c));
   const Buffer<std::int64_t> d_rows(ops, rows), d_count(ops, count);
-  Buffer<T> csel(ops, B * Sq * k * Dqk), p(ops, B * Sq * H * k), o(ops, B * Sq * H * Dv), l(ops, B * Sq * H);
+  Buffer<T> csel(ops, B * Sq * k * Dqk), p(ops, B * Sq * H * k), o(ops, B * Sq * H * Dv), mx(ops, B * Sq * H),
+      sum(ops, B * Sq * H);
   ops.gather_rows(B * Sq * k, Dqk, c.get(), Dqk, d_rows.get(), csel.get(), Dqk);
   const Batch per_query{1, B * Sq};
   ops.gemm(Trans::kN, Trans::kT, H, k, Dqk, scale, Mat<const T>{q.get(), Dqk, 0, H * Dqk},
            Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{p.get(), k, 0, H * k}, per_query);
-  ops.softmax_rows(B * Sq * H, k, p.get(), k, d_count.get(), H, l.get());
+  ops.softmax_rows(B * Sq * H, k, p.get(), k, d_count.get(), H, mx.get(), sum.get());
   ops.gemm(Trans::kN, Trans::kN, H, Dv, k, T(1), Mat<const T>{p.get(), k, 0, H * k},
            Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{o.get(), Dv, 0, H * Dv}, per_query);
 
-  std::vector<T> host_o(static_cast<std::size_t>(B * Sq * H * Dv)), host_l(static_cast<std::size_t>(B * Sq * H));
+  std::vector<T> host_o(static_cast<std::size_t>(B * Sq * H * Dv)), host_mx(static_cast<std::size_t>(B * Sq * H)),
+      host_sum(host_mx.size());
   ops.download(host_o.data(), o.get(), host_o.size() * sizeof(T));
-  ops.download(host_l.data(), l.get(), host_l.size() * sizeof(T));
+  ops.download(host_mx.data(), mx.get(), host_mx.size() * sizeof(T));
+  ops.download(host_sum.data(), sum.get(), host_sum.size() * sizeof(T));
   if (!host_o.empty()) copy_convert(TensorView(host_o.data(), dtype_of(T{}), out.shape()), out);
-  std::vector<T> lse_bhs(host_l.size());  // [B, Sq, H] -> [B, H, Sq]
+  // lse = max + log(sum) in lse's dtype ([B, Sq, H] -> [B, H, Sq]): an fp64 lse of fp32 inputs carries no fp32 lse
+  // rounding, as dsa_attention_forward's
+  std::vector<double> lse_bhs(host_mx.size());
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t t = 0; t < Sq; ++t)
-      for (std::int64_t h = 0; h < H; ++h) lse_bhs[(b * H + h) * Sq + t] = host_l[(b * Sq + t) * H + h];
-  if (!lse_bhs.empty()) copy_convert(TensorView(lse_bhs.data(), dtype_of(T{}), lse.shape()), lse);
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::size_t i = static_cast<std::size_t>((b * Sq + t) * H + h);
+        lse_bhs[(b * H + h) * Sq + t] = lse.dtype() == DType::kFloat64
+                                            ? double(host_mx[i]) + std::log(double(host_sum[i]))
+                                            : double(T(host_mx[i] + std::log(host_sum[i])));
+      }
+  if (!lse_bhs.empty()) copy_convert(TensorView(lse_bhs.data(), DType::kFloat64, lse.shape()), lse);
 }
 
 template void dsa_attention_forward_composed<float>(Ops<float>&, const DsaAttentionArgs&, const TensorView&,

@@ -27,7 +27,7 @@ void dsa_indexer_topk_composed(Ops<T>& ops, const DsaIndexerArgs& args, const Te
 // front of its k slots and their latent rows gathered ([B Sq, k, Dqk]); scores [H, k] per query by a batched GEMM
 // with the scale; softmax rows over each query's selected slots (lse); out = P c[:, :Dv] by a batched GEMM. The
 // position -> row map and the compaction run on the host (small element kernels on a device).
-// Args: out [B, Sq, H, Dv] any floating dtype; lse [B, H, Sq] of T or fp64 (from T's values).
+// Args: out [B, Sq, H, Dv] any floating dtype; lse [B, H, Sq] of T, or fp64 = fp64(row max) + log(fp64(row sum)).
 // Errors: DsaAttentionArgs::validate(out, lse)'s, before any work.
 template <typename T>
 void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, const TensorView& out,

@@ -101,15 +101,17 @@ class Ops : public Memory {
   virtual void topk_rows(std::int64_t rows, std::int64_t n, std::int64_t k, const T* scores, std::int64_t ld,
                          const std::int64_t* lo, const std::int64_t* hi, std::int64_t* idx, T* val) = 0;
 
-  // ---- row / element kernels (bodies: attention/kernels/gdn_rows.h, row_ops.h) ----
+  // ---- row / element kernels (bodies: attention/kernels/gdn_rows.h) ----
   // x row r <- s x / sqrt(|x|^2 + eps) (eps < 0: x <- s x).
   virtual void l2norm_scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, T eps, T s) = 0;
   // x <- max(x, 0) elementwise (NaN stays NaN).
   virtual void relu_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld) = 0;
-  // Row r of x becomes the softmax of its first end[r / end_div] entries (0 elsewhere), lse[r] its natural-log
-  // normaliser; a row with no entry (or only -inf) gets p = 0 and lse = -inf (body: rowops::masked_softmax_row).
+  // Row r of x becomes the softmax of its first end[r / end_div] entries (0 elsewhere); row_max[r], row_sum[r]: the
+  // maximum and sum of exp(x - max) of those entries, lse = row_max + log(row_sum) (formed by the caller, in any
+  // dtype); a row with no entry (or only -inf) gets p = 0, row_max = -inf, row_sum = 0 (body:
+  // rowops::softmax_prefix_row).
   virtual void softmax_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const std::int64_t* end,
-                            std::int64_t end_div, T* lse) = 0;
+                            std::int64_t end_div, T* row_max, T* row_sum) = 0;
   // x row r *= s[r].
   virtual void scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const T* s) = 0;
   // Inclusive prefix sum of each row.

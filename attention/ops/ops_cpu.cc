@@ -13,7 +13,6 @@
 #endif
 
 #include "../kernels/gdn_rows.h"
-#include "../kernels/row_ops.h"
 
 namespace seqpar::attn::ops {
 namespace {
@@ -168,9 +167,9 @@ class CpuOps final : public Ops<T> {
     for (std::int64_t r = 0; r < rows; ++r) rowops::relu_row(x + r * ld, cols);
   }
   void softmax_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const std::int64_t* end,
-                    std::int64_t end_div, T* lse) override {
+                    std::int64_t end_div, T* row_max, T* row_sum) override {
     for (std::int64_t r = 0; r < rows; ++r)
-      lse[r] = rowops::masked_softmax_row(x + r * ld, cols, 0, end[r / end_div], x + r * ld);
+      rowops::softmax_prefix_row(x + r * ld, cols, end[r / end_div], row_max + r, row_sum + r);
   }
   void scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const T* s) override {
     for (std::int64_t r = 0; r < rows; ++r)
