@@ -62,7 +62,8 @@ void dsa_indexer_topk_composed(Ops<T>& ops, const DsaIndexerArgs& args, const Te
     }
   }
 
-  const Buffer<T> q(ops, host_values<T>(args.q_idx)), w(ops, host_values<T>(args.w)), kk(ops, host_values<T>(args.k_idx));
+  const Buffer<T> q(ops, host_values<T>(args.q_idx)), w(ops, host_values<T>(args.w)),
+      kk(ops, host_values<T>(args.k_idx));
   const Buffer<std::int64_t> d_lo(ops, lo), d_hi(ops, hi);
   Buffer<T> logits(ops, B * Sq * Hi * Sk), score(ops, B * Sq * Sk);
   // 1. logits [Sq Hi, Sk] per batch row; 2. ReLU; 3. weighted head sum per (b, t)

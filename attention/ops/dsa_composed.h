@@ -1,5 +1,6 @@
-// The DSA indexer scores and top-k selection, and the sparse latent attention forward, (attention/dsa.h's dsa_indexer_topk over one key block: same arguments
-// and semantics) written only as calls to an ops table (attention/ops/ops.h; docs/design.md, "The ops table"):
+// The DSA indexer scores and top-k selection, and the sparse latent attention forward, (attention/dsa.h's
+// dsa_indexer_topk over one key block: same arguments and semantics) written only as calls to an ops table
+// (attention/ops/ops.h; docs/design.md, "The ops table"):
 //   1. per batch row, one GEMM of the indexer logits [Sq Hi, Di] x [Di, Sk];
 //   2. ReLU rows;
 //   3. the weighted head sum I[t, :] = w[t, :] L[t] by a strided-batched [1, Hi] x [Hi, Sk] GEMM over (b, t);

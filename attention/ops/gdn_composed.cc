@@ -72,16 +72,17 @@ void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorV
 template <typename T>
 void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& m, const TensorView& u) {
   args.validate();
-  SEQPAR_CHECK(args.initial_state.empty(), "gdn_transition: initial_state must be empty (a map is taken from a zero "
-                                           "start state)");
+  SEQPAR_CHECK(args.initial_state.empty(),
+               "gdn_transition: initial_state must be empty (a map is taken from a zero "
+               "start state)");
   SEQPAR_CHECK(args.cu_seqlens.empty(),
                "gdn_transition: cu_seqlens must be empty (take the map of each piece between document starts)");
   const std::int64_t B = args.q.dim(0), K = args.q.dim(3), H = args.v.dim(2), V = args.v.dim(3);
   const DType sd = dtype_of(T{});
-  SEQPAR_CHECK(m.dtype() == sd && m.shape() == Shape({B, H, K, K}), "gdn_transition: m must be ", dtype_name(sd),
-               " [", B, ", ", H, ", ", K, ", ", K, "], got ", m.str());
-  SEQPAR_CHECK(u.dtype() == sd && u.shape() == Shape({B, H, K, V}), "gdn_transition: u must be ", dtype_name(sd),
-               " [", B, ", ", H, ", ", K, ", ", V, "], got ", u.str());
+  SEQPAR_CHECK(m.dtype() == sd && m.shape() == Shape({B, H, K, K}), "gdn_transition: m must be ", dtype_name(sd), " [",
+               B, ", ", H, ", ", K, ", ", K, "], got ", m.str());
+  SEQPAR_CHECK(u.dtype() == sd && u.shape() == Shape({B, H, K, V}), "gdn_transition: u must be ", dtype_name(sd), " [",
+               B, ", ", H, ", ", K, ", ", V, "], got ", u.str());
   compose(ops, args, TensorView(), TensorView(), m, u);
 }
 
@@ -92,8 +93,8 @@ void compose(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out, con
              const TensorView& m_out, const TensorView& u_out) {
   const std::int64_t B = args.q.dim(0), S = args.q.dim(1), Hk = args.q.dim(2), K = args.q.dim(3);
   const std::int64_t H = args.v.dim(2), V = args.v.dim(3), G = H / Hk;
-  const std::int64_t C = std::max<std::int64_t>(
-      1, std::min({args.chunk_size, kGdnMaxChunkSize, std::max<std::int64_t>(S, 1)}));
+  const std::int64_t C =
+      std::max<std::int64_t>(1, std::min({args.chunk_size, kGdnMaxChunkSize, std::max<std::int64_t>(S, 1)}));
   const T scale = args.scale > 0.0f ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(K));
 
   std::vector<Segment> segs;
@@ -190,15 +191,13 @@ void compose(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out, con
 
   // ---- 5. outputs ----
   // V' = U - W S_c (in place of u); out = diag(e^gamma) Q S_c + (Q K^T masked) V'
-  ops.gemm(Trans::kN, Trans::kN, C, V, K, T(-1), wc, st_start, T(1), Mat<T>{u.get(), V, N * C * V, C * V},
-           seg_chunks);
+  ops.gemm(Trans::kN, Trans::kN, C, V, K, T(-1), wc, st_start, T(1), Mat<T>{u.get(), V, N * C * V, C * V}, seg_chunks);
   Buffer<T> o(ops, R * V);
   ops.scale_rows(R, K, q.get(), K, qscale.get());
   const Mat<T> oc{o.get(), V, N * C * V, C * V};
   ops.gemm(Trans::kN, Trans::kN, C, V, K, T(1), Mat<const T>{q.get(), K, N * C * K, C * K}, st_start, T(0), oc,
            seg_chunks);
-  ops.gemm(Trans::kN, Trans::kN, C, V, C, T(1), Mat<const T>{qk.get(), C, N * C * C, C * C}, uc, T(1), oc,
-           seg_chunks);
+  ops.gemm(Trans::kN, Trans::kN, C, V, C, T(1), Mat<const T>{qk.get(), C, N * C * C, C * C}, uc, T(1), oc, seg_chunks);
 
   Buffer<T> out_t(ops, B * S * H * V);
   ops.scatter_add_rows(R, V, o.get(), V, d_v_idx.get(), out_t.get(), V);

@@ -1,7 +1,7 @@
-// The test-mode route of attn::gdn_forward and attn::gdn_transition to another implementation (the ops-table composition,
-// attention/ops/gdn_composed.h) under SEQPAR_LOWERED_ATTENTION = 1. Part of seqpar_gdn, which knows nothing of the
-// ops table: a program that links the composition installs it (attention/ops/gdn_hook_install.cc, linked into the
-// GDN tests), so the existing GDN tests and the CP tests above them run the composed forward.
+// The test-mode route of attn::gdn_forward and attn::gdn_transition to another implementation (the ops-table
+// composition, attention/ops/gdn_composed.h) under SEQPAR_LOWERED_ATTENTION = 1. Part of seqpar_gdn, which knows
+// nothing of the ops table: a program that links the composition installs it (attention/ops/gdn_hook_install.cc, linked
+// into the GDN tests), so the existing GDN tests and the CP tests above them run the composed forward.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +18,8 @@ using GdnTransitionFn = void (*)(const GdnForwardArgs& args, const TensorView& m
 // their calls to in the test mode.
 void set_gdn_forward_hook(GdnForwardFn fn, GdnTransitionFn transition);
 
-// Calls of gdn_forward and gdn_transition handed to the hooks in this process so far (tests check that the mode was taken).
+// Calls of gdn_forward and gdn_transition handed to the hooks in this process so far (tests check that the mode was
+// taken).
 std::int64_t gdn_forward_hook_calls();
 
 namespace detail {

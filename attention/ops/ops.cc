@@ -21,8 +21,8 @@ void combine(Ops<T>& ops, std::int64_t segments, std::int64_t n, std::int64_t K,
            batch);
   const Mat<T> tmp{scratch, K, count * K * K, K * K};
   ops.gemm(Trans::kN, Trans::kN, K, K, K, T(1), mi, mj, T(0), tmp, batch);
-  ops.copy(K, K, Mat<const T>{tmp.ptr, tmp.ld, tmp.so, tmp.si},
-           Mat<T>{m.ptr + first * m.si, m.ld, m.so, step * m.si}, batch);
+  ops.copy(K, K, Mat<const T>{tmp.ptr, tmp.ld, tmp.so, tmp.si}, Mat<T>{m.ptr + first * m.si, m.ld, m.so, step * m.si},
+           batch);
 }
 
 }  // namespace

@@ -51,8 +51,9 @@ template <typename E>
 class Buffer {
  public:
   Buffer(Memory& mem, std::int64_t count)
-      : mem_(&mem), n_(count), p_(static_cast<E*>(mem.allocate(static_cast<std::size_t>(count > 0 ? count : 1) *
-                                                               sizeof(E)))) {}
+      : mem_(&mem),
+        n_(count),
+        p_(static_cast<E*>(mem.allocate(static_cast<std::size_t>(count > 0 ? count : 1) * sizeof(E)))) {}
   Buffer(Memory& mem, const std::vector<E>& host) : Buffer(mem, static_cast<std::int64_t>(host.size())) {
     if (!host.empty()) mem.upload(p_, host.data(), host.size() * sizeof(E));
   }

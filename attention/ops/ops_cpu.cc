@@ -61,8 +61,8 @@ void trsm_one(std::int64_t n, std::int64_t nrhs, const double* l, std::int64_t l
 }
 #else
 template <typename T>
-void gemm_one(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a,
-              std::int64_t lda, const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc) {
+void gemm_one(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a, std::int64_t lda,
+              const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc) {
   gemm_loops(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
 }
 template <typename T>
@@ -84,8 +84,8 @@ class CpuOps final : public Ops<T> {
   void upload(void* dst, const void* host, std::size_t bytes) override { std::memcpy(dst, host, bytes); }
   void download(void* host, const void* src, std::size_t bytes) override { std::memcpy(host, src, bytes); }
 
-  void gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, Mat<const T> a,
-            Mat<const T> b, T beta, Mat<T> c, Batch batch) override {
+  void gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, Mat<const T> a, Mat<const T> b,
+            T beta, Mat<T> c, Batch batch) override {
     if (m <= 0 || n <= 0) return;
     for (std::int64_t o = 0; o < batch.outer; ++o)
       for (std::int64_t i = 0; i < batch.inner; ++i) {

@@ -55,8 +55,10 @@ void check(const Case& c, DType dtype, std::uint64_t seed) {
   }
   const DsaIndexerArgs args{q, w, k, qpos, kpos, c.window, lo, hi};
   const DType sd = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
-  Tensor got = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs), want = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs);
-  Tensor got_s = Tensor::empty({c.B, c.Sq, c.Sk}, sd, kWs), want_s = Tensor::empty({c.B, c.Sq, c.Sk}, DType::kFloat64, kWs);
+  Tensor got = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs),
+         want = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs);
+  Tensor got_s = Tensor::empty({c.B, c.Sq, c.Sk}, sd, kWs),
+         want_s = Tensor::empty({c.B, c.Sq, c.Sk}, DType::kFloat64, kWs);
   ops::dsa_indexer_topk_composed_cpu(args, got, got_s);
   const Tensor q64 = Tensor::copy_of(q, DType::kFloat64, kWs), w64 = Tensor::copy_of(w, DType::kFloat64, kWs),
                k64 = Tensor::copy_of(k, DType::kFloat64, kWs);
@@ -116,7 +118,8 @@ void check_attention(const AttnCase& c, DType dtype, std::uint64_t seed) {
   for (std::int64_t r = 0; r < c.B * c.Sq; ++r) {
     const std::int64_t t = r % c.Sq;
     std::vector<std::int64_t> chosen;
-    for (std::int64_t e = 0; e < c.k; ++e) chosen.push_back(static_cast<std::int64_t>(pick[r * c.k + e] * (qpos[t] + 1)));
+    for (std::int64_t e = 0; e < c.k; ++e)
+      chosen.push_back(static_cast<std::int64_t>(pick[r * c.k + e] * (qpos[t] + 1)));
     if (r == 3) chosen.clear();  // a row with nothing selected
     std::sort(chosen.begin(), chosen.end());
     chosen.erase(std::unique(chosen.begin(), chosen.end()), chosen.end());

@@ -189,8 +189,7 @@ TYPED_TEST(OpsTest, GatherAndDeterministicScatterAdd) {
   std::vector<T> g(rows * cols, T(7));
   cpu_ops<T>().gather_rows(rows, cols, src.data(), ld, idx.data(), g.data(), cols);
   for (std::int64_t r = 0; r < rows; ++r)
-    for (std::int64_t j = 0; j < cols; ++j)
-      EXPECT_EQ(idx[r] < 0 ? T(0) : src[idx[r] * ld + j], g[r * cols + j]);
+    for (std::int64_t j = 0; j < cols; ++j) EXPECT_EQ(idx[r] < 0 ? T(0) : src[idx[r] * ld + j], g[r * cols + j]);
   // scatter-add the gathered rows back: each target gets its sources in ascending r, so the sum is bitwise the
   // sequential one in T
   std::vector<T> dst(src_rows * cols, T(1)), want(src_rows * cols, T(1));
@@ -294,8 +293,7 @@ TYPED_TEST(OpsTest, RowKernelsMatchFormulas) {
   for (std::int64_t o = 0; o < 2; ++o)
     for (std::int64_t t = 0; t < 2; ++t)
       for (std::int64_t i = 0; i < 3; ++i)
-        for (std::int64_t j = 0; j < 3; ++j)
-          EXPECT_EQ(i == j ? s[o * 2 + t] : T(0), id[o * 27 + t * 9 + i * 3 + j]);
+        for (std::int64_t j = 0; j < 3; ++j) EXPECT_EQ(i == j ? s[o * 2 + t] : T(0), id[o * 27 + t * 9 + i * 3 + j]);
   EXPECT_EQ(T(5), id[18]);  // the third matrix of the first outer block is untouched
 }
 
