@@ -8,6 +8,7 @@
 #include "attention/boundary.h"
 #include "attention/cpu/dsa_cpu.h"
 #include "attention/cpu/scratch.h"
+#include "attention/ops/dsa_hook.h"
 #include "runtime/error.h"
 #include "runtime/tensor_checks.h"
 
@@ -365,6 +366,7 @@ void dsa_indexer_topk(const DsaIndexerArgs& args, const TensorView& topk_indices
 
 void dsa_attention_forward(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
   detail::check_stream(stream, "dsa_attention_forward", kFamily);
+  if (ops::detail::dsa_attention_forward_hooked(args, out, lse)) return;  // test mode (attention/ops/dsa_hook.h)
   cpu::dsa_attention_forward_cpu(args, validate_forward(args, out, lse), out, lse);
 }
 

@@ -9,6 +9,7 @@
 
 #include "attention/boundary.h"
 #include "attention/cpu/gdn_cpu.h"
+#include "attention/ops/gdn_hook.h"
 #include "runtime/error.h"
 #include "runtime/tensor_checks.h"
 
@@ -308,6 +309,7 @@ Document document(const GdnForwardArgs& a, const cpu::GdnDims& d, std::int64_t d
 
 void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state, Stream stream) {
   detail::check_stream(stream, "gdn_forward", kFamily);
+  if (ops::detail::gdn_forward_hooked(args, out, final_state)) return;  // test mode (attention/ops/gdn_hook.h)
   const Checked c = validate_forward(args, out, final_state);
   if (c.cu.empty()) {
     cpu::gdn_forward_cpu(args, c.d, out, final_state);
@@ -348,6 +350,7 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const Tenso
 
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
   detail::check_stream(stream, "gdn_transition", kFamily);
+  if (ops::detail::gdn_transition_hooked(args, m, u)) return;  // test mode (attention/ops/gdn_hook.h)
   cpu::gdn_transition_cpu(args, validate_transition(args, m, u), m, u);
 }
 

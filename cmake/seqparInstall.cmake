@@ -18,13 +18,14 @@ install(TARGETS ${_seqpar_targets} EXPORT seqparTargets
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(EXPORT seqparTargets NAMESPACE seqpar:: DESTINATION ${SEQPAR_INSTALL_CMAKEDIR})
 
-# Public headers only: not the CPU or CUDA kernels (attention/cpu, attention/cuda), the fp64 references of the tests, the helpers internal
+# Public headers only: not the CPU or CUDA kernels (attention/cpu, attention/cuda), the ops table (attention/ops, not
+# installed yet), the fp64 references of the tests, the helpers internal
 # to their folder (attention/boundary.h, runtime/cuda_check.h, runtime/cuda_staging.h, runtime/tensor_checks.h,
 # parallel/decode_shared.h).
 foreach(_dir runtime attention parallel)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${_dir} DESTINATION ${SEQPAR_INSTALL_INCLUDEDIR}
           FILES_MATCHING PATTERN "*.h"
-          PATTERN cpu EXCLUDE PATTERN cuda EXCLUDE PATTERN reference EXCLUDE
+          PATTERN cpu EXCLUDE PATTERN cuda EXCLUDE PATTERN reference EXCLUDE PATTERN ops EXCLUDE
           PATTERN boundary.h EXCLUDE PATTERN cuda_check.h EXCLUDE PATTERN cuda_staging.h EXCLUDE
           PATTERN decode_shared.h EXCLUDE PATTERN tensor_checks.h EXCLUDE)
 endforeach()

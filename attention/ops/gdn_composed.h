@@ -1,0 +1,41 @@
+// The chunked GDN forward (attention/gdn.h's gdn_forward: same arguments, shapes and semantics) written only as
+// calls to an ops table (attention/ops/ops.h), so the algorithm a GPU table will run is the one tested on the CPU.
+// docs/design.md, "The ops table".
+//
+// With R = B Hv segments (batch row, value head) of N chunks of C tokens (a short last chunk is padded with tokens of
+// beta = 0, g = 0, k = 0, which leave the state unchanged); a packed row (cu_seqlens) runs document by document, each
+// as a row of its own, so that a document's result is bitwise the one it gets alone:
+//   1. gather q, k (of key head h / (Hv / Hk)), v, g, beta into [R, N, C, *]; L2 norm and scale rows; gamma = the
+//      per-chunk cumulative sum of g;
+//   2. per chunk, batched GEMMs K K^T and Q K^T, masked by the decay rows (strictLower(beta_i e^(gamma_i - gamma_j))
+//      and lower(e^(gamma_i - gamma_j))); W = (I + A)^-1 diag(beta e^gamma) K and U = (I + A)^-1 diag(beta) V by the
+//      batched unit-lower triangular solve;
+//   3. chunk maps M_c = e^(gamma_C) I - K~^T W, U_c = K~^T U (K~: keys decayed to the chunk end) by batched GEMMs;
+//   4. the inclusive scan of (M_c, U_c) along each segment (ops::scan_affine), then S_{c+1} = M_pre,c S_0 + U_pre,c:
+//      the start state of every chunk;
+//   5. V' = U - W S_c, out = diag(e^gamma) Q S_c + (Q K^T masked) V' by batched GEMMs; out rows and final states
+//      scattered back.
+// Arithmetic in T = fp64 when q is fp64, else fp32 (inputs converted to T first). Inputs and outputs are host tensors,
+// copied to and from the table's memory.
+#pragma once
+
+#include "../gdn.h"
+#include "ops.h"
+
+namespace seqpar::attn::ops {
+
+// Errors: as attn::gdn_forward (the same argument checks), before any work.
+template <typename T>
+void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out,
+                          const TensorView& final_state);
+
+// attn::gdn_transition composed the same way: (m, u) = the scan's last element.
+// Errors: the argument checks of gdn_transition, before any work.
+template <typename T>
+void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
+
+// The same on the CPU table of q's arithmetic dtype.
+void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
+void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
+
+}  // namespace seqpar::attn::ops

@@ -1,0 +1,29 @@
+// Linked into the GDN test programs (as an object, so that its initializer runs): installs the ops-table GDN forward
+// and segment map as gdn_forward's and gdn_transition's test-mode routes (gdn_hook.h), and, when
+// SEQPAR_LOWERED_ATTENTION = 1, fails the run at its end if no call took those routes (so a test run in the mode
+// cannot pass without exercising the composition).
+#include <gtest/gtest.h>
+
+#include "../../runtime/env.h"
+#include "gdn_composed.h"
+#include "gdn_hook.h"
+
+namespace seqpar::attn::ops {
+namespace {
+
+class ComposedRouteTaken : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (env::lowered_attention() && ::testing::UnitTest::GetInstance()->test_to_run_count() > 0)
+      EXPECT_GT(gdn_forward_hook_calls(), 0) << "SEQPAR_LOWERED_ATTENTION=1 but no gdn_forward call ran composed";
+  }
+};
+
+const bool g_installed = [] {
+  set_gdn_forward_hook(&gdn_forward_composed_cpu, &gdn_transition_composed_cpu);
+  ::testing::AddGlobalTestEnvironment(new ComposedRouteTaken);
+  return true;
+}();
+
+}  // namespace
+}  // namespace seqpar::attn::ops

@@ -1,0 +1,137 @@
+// The ops table: the few device operations that the composed GDN (and later DSA) algorithms are written in, so that
+// one composition runs on the CPU (ops_cpu.h: OpenBLAS and loops, tested here) and on a GPU (a CUDA table: cuBLAS
+// strided / pointer-array batched GEMM and trsm, CUB, FlashInfer's top-k; not written yet). docs/design.md, "The ops
+// table".
+//
+// Conventions: row-major matrices; T is float or double (arithmetic and accumulation in T). Every pointer handed to
+// an op is device memory of the table (allocate / upload); host vectors reach it only through upload. Calls are
+// ordered (a CUDA table issues them on one stream); download waits for the work before it.
+//
+// Batches are two-level: matrix (o, n), o < outer, n < inner, of an operand starts at ptr + o * so + n * si (a
+// stride may be 0: the same matrix for every n). A one-level strided batch is outer = 1; a CUDA table maps a
+// two-level batch to one strided-batched call when so = inner * si for every operand, else to a pointer-array call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace seqpar::attn::ops {
+
+enum class Trans { kN, kT };
+
+struct Batch {
+  std::int64_t outer = 1, inner = 1;
+  std::int64_t count() const { return outer * inner; }
+};
+
+// A batched matrix operand: element (i, j) of matrix (o, n) at ptr[o * so + n * si + i * ld + j].
+template <typename P>
+struct Mat {
+  P* ptr = nullptr;
+  std::int64_t ld = 0;
+  std::int64_t so = 0;  // outer stride
+  std::int64_t si = 0;  // inner stride
+  P* at(std::int64_t o, std::int64_t n) const { return ptr + o * so + n * si; }
+};
+
+// Device memory of a table, not typed.
+class Memory {
+ public:
+  virtual ~Memory() = default;
+  virtual const char* name() const = 0;
+  virtual void* allocate(std::size_t bytes) = 0;  // zero-filled
+  virtual void deallocate(void* p) = 0;
+  virtual void upload(void* dst, const void* host, std::size_t bytes) = 0;
+  virtual void download(void* host, const void* src, std::size_t bytes) = 0;
+};
+
+// A typed buffer of a table's memory, freed with it.
+template <typename E>
+class Buffer {
+ public:
+  Buffer(Memory& mem, std::int64_t count)
+      : mem_(&mem),
+        n_(count),
+        p_(static_cast<E*>(mem.allocate(static_cast<std::size_t>(count > 0 ? count : 1) * sizeof(E)))) {}
+  Buffer(Memory& mem, const std::vector<E>& host) : Buffer(mem, static_cast<std::int64_t>(host.size())) {
+    if (!host.empty()) mem.upload(p_, host.data(), host.size() * sizeof(E));
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { mem_->deallocate(p_); }
+  E* get() const { return p_; }
+  std::int64_t size() const { return n_; }
+
+ private:
+  Memory* mem_;
+  std::int64_t n_;
+  E* p_;
+};
+
+template <typename T>
+class Ops : public Memory {
+ public:
+  // ---- linear algebra ----
+  // C = alpha op(A) op(B) + beta C for every matrix of the batch; op(A) [m, k], op(B) [k, n], C [m, n]. beta = 0
+  // ignores C's old contents (NaN included).
+  virtual void gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, Mat<const T> a,
+                    Mat<const T> b, T beta, Mat<T> c, Batch batch) = 0;
+  // Solves L X = B in place of B [n, nrhs], L [n, n] unit lower triangular: only L's strictly lower part is read
+  // (the diagonal is taken as 1). cuBLAS: trsm batched (left, lower, no transpose, unit diagonal).
+  virtual void trsm_unit_lower(std::int64_t n, std::int64_t nrhs, Mat<const T> l, Mat<T> b, Batch batch) = 0;
+  // dst = src, [rows, cols] matrices.
+  virtual void copy(std::int64_t rows, std::int64_t cols, Mat<const T> src, Mat<T> dst, Batch batch) = 0;
+  // dst[i, i] = s[o * s_so + n * s_si], every other element 0: [n, n] matrices.
+  virtual void scaled_identity(std::int64_t n, const T* s, std::int64_t s_so, std::int64_t s_si, Mat<T> dst,
+                               Batch batch) = 0;
+
+  // ---- gather / scatter ----
+  // dst row r = src row idx[r] (rows of width cols, leading dims ld_src / ld_dst); idx[r] < 0 gives a zero row.
+  virtual void gather_rows(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src,
+                           const std::int64_t* idx, T* dst, std::int64_t ld_dst) = 0;
+  // dst row idx[r] += src row r (idx[r] < 0: skipped). Deterministic: every dst row receives its contributions in
+  // ascending r (a CUDA table sorts (idx, r) into an inverted index; no floating-point atomics).
+  virtual void scatter_add_rows(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src,
+                                const std::int64_t* idx, T* dst, std::int64_t ld_dst) = 0;
+
+  // ---- selection ----
+  // Per row r of scores [rows, n] (leading dim ld): the k largest of the columns [lo[r], hi[r]) (clamped to
+  // [0, n)); ties go to the lower column (the training tie rule). idx [rows, k]: the selected columns in ascending
+  // order, then -1; val [rows, k]: their scores in that order, then -inf. NaN scores are never selected.
+  virtual void topk_rows(std::int64_t rows, std::int64_t n, std::int64_t k, const T* scores, std::int64_t ld,
+                         const std::int64_t* lo, const std::int64_t* hi, std::int64_t* idx, T* val) = 0;
+
+  // ---- row / element kernels (bodies: attention/kernels/gdn_rows.h) ----
+  // x row r <- s x / sqrt(|x|^2 + eps) (eps < 0: x <- s x).
+  virtual void l2norm_scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, T eps, T s) = 0;
+  // x <- max(x, 0) elementwise (NaN stays NaN).
+  virtual void relu_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld) = 0;
+  // Row r of x becomes the softmax of its first end[r / end_div] entries (0 elsewhere); row_max[r], row_sum[r]: the
+  // maximum and sum of exp(x - max) of those entries, lse = row_max + log(row_sum) (formed by the caller, in any
+  // dtype); a row with no entry (or only -inf) gets p = 0, row_max = -inf, row_sum = 0 (body:
+  // rowops::softmax_prefix_row).
+  virtual void softmax_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const std::int64_t* end,
+                            std::int64_t end_div, T* row_max, T* row_sum) = 0;
+  // x row r *= s[r].
+  virtual void scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const T* s) = 0;
+  // Inclusive prefix sum of each row.
+  virtual void cumsum_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld) = 0;
+  // Per chunk c of C tokens (gamma, beta [chunks, C]): rowops::gdn_chunk_scales into kscale, vscale, qscale, kend
+  // [chunks, C] and end_decay [chunks].
+  virtual void gdn_chunk_scales(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, T* kscale,
+                                T* vscale, T* qscale, T* kend, T* end_decay) = 0;
+  // Per chunk c: a [chunks, C, C] (k_i . k_j in, rowops::gdn_wy_row out) and qk [chunks, C, C] (q_i . k_j in,
+  // rowops::gdn_qk_row out).
+  virtual void gdn_chunk_masks(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, T* a, T* qk) = 0;
+};
+
+// The inclusive scan of affine maps x -> M x + U along each of `segments` sequences of n elements (M [K, K],
+// U [K, V]): element i becomes (M_i, U_i) o ... o (M_0, U_0) = (M_i ... M_0, M_i (...) + U_i). Composed from the
+// table's batched GEMMs and copies in about 2 log2(n) rounds (Brent-Kung), about 2 n K^2 (K + V) multiply-adds per
+// segment. m, u: element (s, i) at ptr + s * so + i * si.
+template <typename T>
+void scan_affine(Ops<T>& ops, std::int64_t segments, std::int64_t n, std::int64_t K, std::int64_t V, Mat<T> m,
+                 Mat<T> u);
+
+}  // namespace seqpar::attn::ops

@@ -1,0 +1,301 @@
+// Unit tests of the CPU ops table (attention/ops/ops.h, ops_cpu.h) and the row bodies it runs
+// (attention/kernels/gdn_rows.h): every op against a naive fp64 loop written here, in fp64 (atol 1e-12) and fp32
+// (atol 1e-5 relative to the operands' scale), including two-level batches with zero strides.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "attention/kernels/gdn_rows.h"
+#include "attention/ops/ops_cpu.h"
+
+namespace seqpar::attn::ops {
+namespace {
+
+std::vector<double> rand_vec(std::int64_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<double> u(lo, hi);
+  std::vector<double> v(static_cast<std::size_t>(n));
+  for (double& x : v) x = u(rng);
+  return v;
+}
+
+template <typename T>
+std::vector<T> cast(const std::vector<double>& v) {
+  return std::vector<T>(v.begin(), v.end());
+}
+
+template <typename T>
+double tol() {
+  return std::is_same_v<T, double> ? 1e-12 : 2e-5;
+}
+
+template <typename T>
+class OpsTest : public ::testing::Test {};
+using Types = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(OpsTest, Types);
+
+TYPED_TEST(OpsTest, GemmTwoLevelBatchAllTransposes) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t m = 5, n = 7, k = 6, outer = 3, inner = 4;
+  for (Trans ta : {Trans::kN, Trans::kT})
+    for (Trans tb : {Trans::kN, Trans::kT})
+      for (bool b_broadcast : {false, true}) {
+        // A: padded leading dim; B: one matrix per outer index when broadcast (inner stride 0).
+        const std::int64_t lda = (ta == Trans::kN ? k : m) + 2, arows = ta == Trans::kN ? m : k;
+        const std::int64_t ldb = (tb == Trans::kN ? n : k) + 1, brows = tb == Trans::kN ? k : n;
+        const std::int64_t asz = arows * lda, bsz = brows * ldb, csz = m * n;
+        const auto a64 = rand_vec(outer * inner * asz, 1), b64 = rand_vec(outer * inner * bsz, 2),
+                   c64 = rand_vec(outer * inner * csz, 3);
+        auto a = cast<T>(a64), b = cast<T>(b64), c = cast<T>(c64);
+        const std::int64_t bsi = b_broadcast ? 0 : bsz;
+        ops.gemm(ta, tb, m, n, k, T(0.5), Mat<const T>{a.data(), lda, inner * asz, asz},
+                 Mat<const T>{b.data(), ldb, inner * bsz, bsi}, T(2), Mat<T>{c.data(), n, inner * csz, csz},
+                 Batch{outer, inner});
+        double err = 0.0;
+        for (std::int64_t o = 0; o < outer; ++o)
+          for (std::int64_t t = 0; t < inner; ++t) {
+            const double* A = a64.data() + (o * inner + t) * asz;
+            const double* Bm = b64.data() + o * inner * bsz + t * bsi;
+            for (std::int64_t i = 0; i < m; ++i)
+              for (std::int64_t j = 0; j < n; ++j) {
+                double acc = 0.0;
+                for (std::int64_t p = 0; p < k; ++p)
+                  acc += (ta == Trans::kN ? A[i * lda + p] : A[p * lda + i]) *
+                         (tb == Trans::kN ? Bm[p * ldb + j] : Bm[j * ldb + p]);
+                const std::int64_t ci = (o * inner + t) * csz + i * n + j;
+                err = std::max(err, std::abs(0.5 * acc + 2.0 * c64[ci] - static_cast<double>(c[ci])));
+              }
+          }
+        EXPECT_LT(err, tol<T>()) << "ta " << int(ta) << " tb " << int(tb) << " broadcast " << b_broadcast;
+      }
+}
+
+TYPED_TEST(OpsTest, GemmBetaZeroIgnoresNaN) {
+  using T = TypeParam;
+  std::vector<T> a{1, 2, 3, 4}, b{1, 0, 0, 1}, c(4, std::numeric_limits<T>::quiet_NaN());
+  cpu_ops<T>().gemm(Trans::kN, Trans::kN, 2, 2, 2, T(1), Mat<const T>{a.data(), 2}, Mat<const T>{b.data(), 2}, T(0),
+                    Mat<T>{c.data(), 2}, Batch{});
+  EXPECT_EQ(std::vector<T>({1, 2, 3, 4}), c);
+}
+
+TYPED_TEST(OpsTest, TrsmUnitLowerSolves) {
+  using T = TypeParam;
+  const std::int64_t n = 9, nrhs = 5, batch = 4;
+  auto l64 = rand_vec(batch * n * n, 4, -0.5, 0.5);
+  // The diagonal and the upper part hold garbage the solve must not read.
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = i; j < n; ++j) l64[b * n * n + i * n + j] = 1e6 + j;
+  const auto b64 = rand_vec(batch * n * nrhs, 5);
+  auto l = cast<T>(l64), x = cast<T>(b64);
+  cpu_ops<T>().trsm_unit_lower(n, nrhs, Mat<const T>{l.data(), n, 0, n * n}, Mat<T>{x.data(), nrhs, 0, n * nrhs},
+                               Batch{1, batch});
+  // residual of (I + strictLower(L)) X = B in fp64
+  double err = 0.0;
+  for (std::int64_t b = 0; b < batch; ++b)
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = 0; j < nrhs; ++j) {
+        double acc = x[b * n * nrhs + i * nrhs + j];
+        for (std::int64_t p = 0; p < i; ++p) acc += l64[b * n * n + i * n + p] * x[b * n * nrhs + p * nrhs + j];
+        err = std::max(err, std::abs(acc - b64[b * n * nrhs + i * nrhs + j]));
+      }
+  EXPECT_LT(err, 10 * tol<T>());
+}
+
+TYPED_TEST(OpsTest, ScanAffineMatchesSequentialComposition) {
+  using T = TypeParam;
+  const std::int64_t segs = 3, K = 4, V = 3;
+  for (std::int64_t n : {1, 2, 3, 5, 8, 13, 16, 31, 33, 100}) {
+    const auto m64 = rand_vec(segs * n * K * K, 6 + n, -0.6, 0.6), u64 = rand_vec(segs * n * K * V, 7 + n);
+    auto m = cast<T>(m64), u = cast<T>(u64);
+    scan_affine(cpu_ops<T>(), segs, n, K, V, Mat<T>{m.data(), K, n * K * K, K * K},
+                Mat<T>{u.data(), V, n * K * V, K * V});
+    double err = 0.0;
+    for (std::int64_t s = 0; s < segs; ++s) {
+      std::vector<double> pm(K * K, 0.0), pu(K * V, 0.0);
+      for (std::int64_t i = 0; i < K; ++i) pm[i * K + i] = 1.0;  // identity map
+      for (std::int64_t e = 0; e < n; ++e) {
+        const double* M = m64.data() + (s * n + e) * K * K;
+        const double* U = u64.data() + (s * n + e) * K * V;
+        std::vector<double> nm(K * K, 0.0), nu(K * V, 0.0);
+        for (std::int64_t i = 0; i < K; ++i) {
+          for (std::int64_t j = 0; j < K; ++j)
+            for (std::int64_t p = 0; p < K; ++p) nm[i * K + j] += M[i * K + p] * pm[p * K + j];
+          for (std::int64_t j = 0; j < V; ++j) {
+            nu[i * V + j] = U[i * V + j];
+            for (std::int64_t p = 0; p < K; ++p) nu[i * V + j] += M[i * K + p] * pu[p * V + j];
+          }
+        }
+        pm = nm;
+        pu = nu;
+        for (std::int64_t i = 0; i < K * K; ++i)
+          err = std::max(err, std::abs(pm[i] - static_cast<double>(m[(s * n + e) * K * K + i])));
+        for (std::int64_t i = 0; i < K * V; ++i)
+          err = std::max(err, std::abs(pu[i] - static_cast<double>(u[(s * n + e) * K * V + i])));
+      }
+    }
+    EXPECT_LT(err, 10 * tol<T>()) << "n = " << n;
+  }
+}
+
+TYPED_TEST(OpsTest, TopkTieRuleRangesNaNAndPadding) {
+  using T = TypeParam;
+  const std::int64_t rows = 40, n = 23, k = 6;
+  std::mt19937_64 rng(8);
+  std::vector<T> s(rows * n);
+  // few distinct values: many ties
+  for (T& x : s) x = static_cast<T>(static_cast<int>(rng() % 5));
+  s[3] = std::numeric_limits<T>::quiet_NaN();
+  std::vector<std::int64_t> lo(rows), hi(rows);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    lo[r] = static_cast<std::int64_t>(rng() % 30) - 3;
+    hi[r] = lo[r] + static_cast<std::int64_t>(rng() % 12);
+  }
+  std::vector<std::int64_t> idx(rows * k);
+  std::vector<T> val(rows * k);
+  cpu_ops<T>().topk_rows(rows, n, k, s.data(), n, lo.data(), hi.data(), idx.data(), val.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    // reference: full stable sort by score descending (stable: lower column first on ties), take k, sort by column
+    std::vector<std::int64_t> c;
+    for (std::int64_t j = std::max<std::int64_t>(lo[r], 0); j < std::min(hi[r], n); ++j)
+      if (!std::isnan(s[r * n + j])) c.push_back(j);
+    std::stable_sort(c.begin(), c.end(), [&](std::int64_t a, std::int64_t b) { return s[r * n + a] > s[r * n + b]; });
+    c.resize(std::min<std::size_t>(c.size(), k));
+    std::sort(c.begin(), c.end());
+    for (std::int64_t t = 0; t < k; ++t) {
+      const std::int64_t want = t < static_cast<std::int64_t>(c.size()) ? c[t] : -1;
+      ASSERT_EQ(want, idx[r * k + t]) << "row " << r << " slot " << t;
+      if (want >= 0)
+        EXPECT_EQ(s[r * n + want], val[r * k + t]);
+      else
+        EXPECT_EQ(-std::numeric_limits<T>::infinity(), val[r * k + t]);
+    }
+  }
+}
+
+TYPED_TEST(OpsTest, GatherAndDeterministicScatterAdd) {
+  using T = TypeParam;
+  const std::int64_t src_rows = 7, cols = 5, rows = 20, ld = 6;
+  const auto src64 = rand_vec(src_rows * ld, 9);
+  const auto src = cast<T>(src64);
+  std::vector<std::int64_t> idx(rows);
+  for (std::int64_t r = 0; r < rows; ++r) idx[r] = (r * 5) % 9 - 2;  // -2..6, repeats
+  std::vector<T> g(rows * cols, T(7));
+  cpu_ops<T>().gather_rows(rows, cols, src.data(), ld, idx.data(), g.data(), cols);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j) EXPECT_EQ(idx[r] < 0 ? T(0) : src[idx[r] * ld + j], g[r * cols + j]);
+  // scatter-add the gathered rows back: each target gets its sources in ascending r, so the sum is bitwise the
+  // sequential one in T
+  std::vector<T> dst(src_rows * cols, T(1)), want(src_rows * cols, T(1));
+  cpu_ops<T>().scatter_add_rows(rows, cols, g.data(), cols, idx.data(), dst.data(), cols);
+  for (std::int64_t r = 0; r < rows; ++r)
+    if (idx[r] >= 0)
+      for (std::int64_t j = 0; j < cols; ++j) want[idx[r] * cols + j] += g[r * cols + j];
+  EXPECT_EQ(want, dst);
+  double err = 0.0;  // and against the fp64 count times the value
+  for (std::int64_t t = 0; t < src_rows; ++t) {
+    const auto cnt = std::count(idx.begin(), idx.end(), t);
+    for (std::int64_t j = 0; j < cols; ++j)
+      err = std::max(err, std::abs(1.0 + cnt * static_cast<double>(src[t * ld + j]) - double(dst[t * cols + j])));
+  }
+  EXPECT_LT(err, 10 * tol<T>());
+}
+
+TYPED_TEST(OpsTest, RowKernelsMatchFormulas) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t rows = 4, cols = 6, C = cols;
+  const auto x64 = rand_vec(rows * cols, 10);
+  // l2 norm with scale, and without normalisation
+  for (double eps : {1e-6, -1.0}) {
+    auto x = cast<T>(x64);
+    ops.l2norm_scale_rows(rows, cols, x.data(), cols, T(eps), T(0.25));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      double ss = 0.0;
+      for (std::int64_t j = 0; j < cols; ++j) ss += x64[r * cols + j] * x64[r * cols + j];
+      const double f = eps < 0 ? 0.25 : 0.25 / std::sqrt(ss + eps);
+      for (std::int64_t j = 0; j < cols; ++j) EXPECT_NEAR(f * x64[r * cols + j], x[r * cols + j], tol<T>());
+    }
+  }
+  // cumulative decay and the chunk scales and masks
+  const auto g64 = rand_vec(rows * C, 11, -0.4, -0.01), b64 = rand_vec(rows * C, 12, 0.1, 0.9);
+  auto gamma = cast<T>(g64);
+  const auto beta = cast<T>(b64);
+  ops.cumsum_rows(rows, C, gamma.data(), C);
+  std::vector<double> gam(rows * C);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double acc = 0.0;
+    for (std::int64_t j = 0; j < C; ++j) gam[r * C + j] = acc += g64[r * C + j];
+  }
+  for (std::int64_t i = 0; i < rows * C; ++i) EXPECT_NEAR(gam[i], gamma[i], tol<T>());
+  std::vector<T> ks(rows * C), vs(rows * C), qs(rows * C), ke(rows * C), ed(rows);
+  ops.gdn_chunk_scales(rows, C, gamma.data(), beta.data(), ks.data(), vs.data(), qs.data(), ke.data(), ed.data());
+  const auto kk64 = rand_vec(rows * C * C, 13), qk64 = rand_vec(rows * C * C, 14);
+  auto kk = cast<T>(kk64), qk = cast<T>(qk64);
+  ops.gdn_chunk_masks(rows, C, gamma.data(), beta.data(), kk.data(), qk.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const double* gm = gam.data() + r * C;
+    EXPECT_NEAR(std::exp(gm[C - 1]), ed[r], tol<T>());
+    for (std::int64_t i = 0; i < C; ++i) {
+      const double bi = b64[r * C + i];
+      EXPECT_NEAR(bi * std::exp(gm[i]), ks[r * C + i], tol<T>());
+      EXPECT_NEAR(bi, vs[r * C + i], tol<T>());
+      EXPECT_NEAR(std::exp(gm[i]), qs[r * C + i], tol<T>());
+      EXPECT_NEAR(std::exp(gm[C - 1] - gm[i]), ke[r * C + i], tol<T>());
+      for (std::int64_t j = 0; j < C; ++j) {
+        const std::int64_t e = (r * C + i) * C + j;
+        EXPECT_NEAR(j < i ? bi * std::exp(gm[i] - gm[j]) * kk64[e] : 0.0, kk[e], tol<T>());
+        EXPECT_NEAR(j <= i ? std::exp(gm[i] - gm[j]) * qk64[e] : 0.0, qk[e], tol<T>());
+      }
+    }
+  }
+  // ReLU rows (NaN stays NaN)
+  auto z = cast<T>(x64);
+  z[1] = std::numeric_limits<T>::quiet_NaN();
+  ops.relu_rows(rows, cols, z.data(), cols);
+  EXPECT_TRUE(std::isnan(z[1]));
+  for (std::int64_t i = 0; i < rows * cols; ++i)
+    if (i != 1) EXPECT_EQ(static_cast<T>(std::max(0.0, double(T(x64[i])))), z[i]);
+  // softmax over each row's first end[r / 2] entries, against fp64
+  {
+    auto sm = cast<T>(x64);
+    const std::vector<std::int64_t> end{6, 0};  // rows 0, 1: all six entries; rows 2, 3: none
+    std::vector<T> mx(rows), sum(rows);
+    ops.softmax_rows(rows, cols, sm.data(), cols, end.data(), 2, mx.data(), sum.data());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const double lse = double(mx[r]) + std::log(double(sum[r]));
+      if (end[r / 2] == 0) {
+        EXPECT_EQ(-std::numeric_limits<double>::infinity(), lse);
+        for (std::int64_t j = 0; j < cols; ++j) EXPECT_EQ(T(0), sm[r * cols + j]);
+        continue;
+      }
+      double z = 0.0;
+      for (std::int64_t j = 0; j < cols; ++j) z += std::exp(double(T(x64[r * cols + j])));
+      EXPECT_NEAR(std::log(z), lse, tol<T>());
+      for (std::int64_t j = 0; j < cols; ++j)
+        EXPECT_NEAR(std::exp(double(T(x64[r * cols + j]))) / z, sm[r * cols + j], tol<T>());
+    }
+  }
+  // scale rows, scaled identity
+  auto y = cast<T>(x64);
+  const auto s = cast<T>(rand_vec(rows, 15));
+  ops.scale_rows(rows, cols, y.data(), cols, s.data());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t j = 0; j < cols; ++j) EXPECT_NEAR(double(s[r]) * x64[r * cols + j], y[r * cols + j], tol<T>());
+  std::vector<T> id(2 * 3 * 9, T(5));
+  ops.scaled_identity(3, s.data(), 2, 1, Mat<T>{id.data(), 3, 27, 9}, Batch{2, 2});  // outer stride 27: 2 of 3 used
+  for (std::int64_t o = 0; o < 2; ++o)
+    for (std::int64_t t = 0; t < 2; ++t)
+      for (std::int64_t i = 0; i < 3; ++i)
+        for (std::int64_t j = 0; j < 3; ++j) EXPECT_EQ(i == j ? s[o * 2 + t] : T(0), id[o * 27 + t * 9 + i * 3 + j]);
+  EXPECT_EQ(T(5), id[18]);  // the third matrix of the first outer block is untouched
+}
+
+}  // namespace
+}  // namespace seqpar::attn::ops
