@@ -33,6 +33,7 @@
 #include <omp.h>
 #endif
 
+#include "benchmarks/bench_device.h"
 #include "runtime/error.h"
 #include "runtime/version.h"
 
@@ -158,7 +159,10 @@ int run(int argc, char** argv) {
       cxxopts::value<std::int64_t>()->default_value("2048"))("no-backward", "forward only")(
       "quick", "small shapes per kind (mha S 1024, dsa S 1024, gdn S 2048), min-time 0.2 s")(
       "json", "also write the results as JSON to this file", cxxopts::value<std::string>())("h,help", "this help")(
-      "version", "print the version and exit");
+      "version", "print the version and exit")(
+      "device", "cpu, or cuda[:N] (mha only: the CUDA MHA against a cuBLAS bf16 GEMM timed in the same run; "
+                "kernel_bench_cuda.cc)",
+      cxxopts::value<std::string>()->default_value("cpu"));
   // Shapes shared by dsa and gdn (sp_bench's names); 0 takes the kind's default.
   opts.add_options("dsa / gdn")("heads", "DSA query heads H (default 16) / GDN value heads Hv (default 8)",
                                 cxxopts::value<std::int64_t>()->default_value("0"))(
@@ -179,6 +183,14 @@ int run(int argc, char** argv) {
     return 0;
   }
   const std::string which = args["kernel"].as<std::string>();
+  [[maybe_unused]] const Device device = parse_bench_device(args["device"].as<std::string>());
+#if defined(SEQPAR_WITH_CUDA)
+  if (device.is_cuda()) {
+    SEQPAR_CHECK(which == "mha", "--kernel ", which, " with --device ", device.str(),
+                 ": only mha has a CUDA path (dsa and gdn run on the CPU)");
+    return run_mha_cuda(args, device);
+  }
+#endif
   std::vector<const Kind*> kinds;
   for (const Kind& k : kKinds) {
     if (which == "all" || which == k.name) kinds.push_back(&k);
