@@ -24,13 +24,6 @@
 #include "runtime/tensor_ops.h"
 #include "runtime/version.h"
 
-#define SEQPAR_CHECK_CUBLAS(call)                                                                     \
-  do {                                                                                                \
-    const cublasStatus_t seqpar_cublas_rc_ = (call);                                                  \
-    SEQPAR_CHECK(seqpar_cublas_rc_ == CUBLAS_STATUS_SUCCESS, "cuBLAS call ", #call, " failed: ",     \
-                 cublasGetStatusString(seqpar_cublas_rc_));                                           \
-  } while (0)
-
 namespace seqpar::bench::kernel {
 namespace {
 

@@ -16,7 +16,9 @@
 #             cuBLAS bf16 GEMM timed in the same run; PyTorch's SDPA on the same shapes (scripts/sdpa_bench.py)
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
 #             one rank: last, because the CP layers do not take device tensors yet (sp_bench --device cuda refuses)
-# Budget: about 6 minutes on 16 cores with one H200 (each phase has a time limit: SEQPAR_GPU_CHECK_<PHASE>_S).
+# Budget: about 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it). Each phase has a time limit
+# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 150 s (configure, and device_probe, which compiles the cuDNN
+# frontend's translation unit, ~2 minutes alone), build 120, kernels 30, sanitize 45, bench 45, cp 30.
 #
 # --dry-run runs the same phases with the CPU device at tiny shapes (the CPU build, the CPU tests, the same
 # commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases), so that the script
@@ -227,10 +229,10 @@ limit() {  # SEQPAR_GPU_CHECK_<PHASE>_S overrides the default
   echo "${!var:-$2}"
 }
 
-run_phase probe "$(limit probe 90)" probe
-run_phase build "$(limit build 150)" build
+run_phase probe "$(limit probe 150)" probe
+run_phase build "$(limit build 120)" build
 run_phase kernels "$(limit kernels 30)" kernels
-run_phase sanitize "$(limit sanitize 30)" sanitize
-run_phase bench "$(limit bench 60)" bench
+run_phase sanitize "$(limit sanitize 45)" sanitize
+run_phase bench "$(limit bench 45)" bench
 run_phase cp "$(limit cp 30)" cp_ranks
 summary
