@@ -34,7 +34,8 @@ void for_each_tile(const FallbackProblem<T>& p, const std::vector<LoweredRect>& 
       for (const LoweredRect& r : rects) {
         if (r.sq() <= 0 || r.sk() <= 0) continue;
         const RowBand band = fallback_row_band(r.mask, r.sq(), r.sk());
-        for (std::int64_t t0 = 0; t0 < r.sq(); t0 += tile) fn(b, h, h / group, r, band, t0, std::min(tile, r.sq() - t0));
+        for (std::int64_t t0 = 0; t0 < r.sq(); t0 += tile)
+          fn(b, h, h / group, r, band, t0, std::min(tile, r.sq() - t0));
       }
     }
   }
@@ -47,18 +48,19 @@ void fallback_forward(FallbackOps<T>& ops, const FallbackProblem<T>& p, const st
                       T* lse) {
   const Heads x{p.sq, p.sk, p.hq, p.hkv, p.head_dim};
   const std::int64_t ldq = p.hq * p.head_dim, ldk = p.hkv * p.head_dim, D = p.head_dim;
-  for_each_tile(p, rects, [&](std::int64_t b, std::int64_t h, std::int64_t hk, const LoweredRect& r, const RowBand& band,
-                              std::int64_t t0, std::int64_t rows) {
-    const std::int64_t i = r.q_begin + t0, sk = r.sk();
-    T* s = ops.scratch(0, rows * sk);
-    T* lse_t = ops.scratch(1, rows);
-    T* o_t = ops.scratch(2, rows * D);
-    ops.gemm(false, true, rows, sk, D, p.scale, p.q + x.q_row(b, i, h), ldq, p.k + x.k_row(b, r.k_begin, hk), ldk, T(0),
-             s, sk);
-    ops.softmax_rows(band, t0, rows, s, lse_t);
-    ops.gemm(false, false, rows, D, sk, T(1), s, sk, p.v + x.k_row(b, r.k_begin, hk), ldk, T(0), o_t, D);
-    ops.merge_rows(rows, D, out + x.q_row(b, i, h), ldq, lse + x.stat(b, h, i), o_t, D, lse_t);
-  });
+  for_each_tile(p, rects,
+                [&](std::int64_t b, std::int64_t h, std::int64_t hk, const LoweredRect& r, const RowBand& band,
+                    std::int64_t t0, std::int64_t rows) {
+                  const std::int64_t i = r.q_begin + t0, sk = r.sk();
+                  T* s = ops.scratch(0, rows * sk);
+                  T* lse_t = ops.scratch(1, rows);
+                  T* o_t = ops.scratch(2, rows * D);
+                  ops.gemm(false, true, rows, sk, D, p.scale, p.q + x.q_row(b, i, h), ldq,
+                           p.k + x.k_row(b, r.k_begin, hk), ldk, T(0), s, sk);
+                  ops.softmax_rows(band, t0, rows, s, lse_t);
+                  ops.gemm(false, false, rows, D, sk, T(1), s, sk, p.v + x.k_row(b, r.k_begin, hk), ldk, T(0), o_t, D);
+                  ops.merge_rows(rows, D, out + x.q_row(b, i, h), ldq, lse + x.stat(b, h, i), o_t, D, lse_t);
+                });
 }
 
 template <typename T>
@@ -66,22 +68,24 @@ void fallback_backward(FallbackOps<T>& ops, const FallbackProblem<T>& p, const s
                        const T* dout, const T* lse, const T* delta, T* dq, T* dk, T* dv) {
   const Heads x{p.sq, p.sk, p.hq, p.hkv, p.head_dim};
   const std::int64_t ldq = p.hq * p.head_dim, ldk = p.hkv * p.head_dim, D = p.head_dim;
-  for_each_tile(p, rects, [&](std::int64_t b, std::int64_t h, std::int64_t hk, const LoweredRect& r, const RowBand& band,
-                              std::int64_t t0, std::int64_t rows) {
-    const std::int64_t i = r.q_begin + t0, sk = r.sk();
-    const T* q = p.q + x.q_row(b, i, h);
-    const T* k = p.k + x.k_row(b, r.k_begin, hk);
-    const T* v = p.v + x.k_row(b, r.k_begin, hk);
-    const T* g = dout + x.q_row(b, i, h);
-    T* s = ops.scratch(0, rows * sk);
-    T* dp = ops.scratch(3, rows * sk);
-    ops.gemm(false, true, rows, sk, D, p.scale, q, ldq, k, ldk, T(0), s, sk);  // scores
-    ops.gemm(false, true, rows, sk, D, T(1), g, ldq, v, ldk, T(0), dp, sk);    // dP = dO V^T
-    ops.grad_rows(band, t0, rows, lse + x.stat(b, h, i), delta + x.stat(b, h, i), s, dp);  // s = P, dp = dS
-    ops.gemm(false, false, rows, D, sk, p.scale, dp, sk, k, ldk, T(1), dq + x.q_row(b, i, h), ldq);
-    ops.gemm(true, false, sk, D, rows, p.scale, dp, sk, q, ldq, T(1), dk + x.k_row(b, r.k_begin, hk), ldk);
-    ops.gemm(true, false, sk, D, rows, T(1), s, sk, g, ldq, T(1), dv + x.k_row(b, r.k_begin, hk), ldk);
-  });
+  for_each_tile(
+      p, rects,
+      [&](std::int64_t b, std::int64_t h, std::int64_t hk, const LoweredRect& r, const RowBand& band, std::int64_t t0,
+          std::int64_t rows) {
+        const std::int64_t i = r.q_begin + t0, sk = r.sk();
+        const T* q = p.q + x.q_row(b, i, h);
+        const T* k = p.k + x.k_row(b, r.k_begin, hk);
+        const T* v = p.v + x.k_row(b, r.k_begin, hk);
+        const T* g = dout + x.q_row(b, i, h);
+        T* s = ops.scratch(0, rows * sk);
+        T* dp = ops.scratch(3, rows * sk);
+        ops.gemm(false, true, rows, sk, D, p.scale, q, ldq, k, ldk, T(0), s, sk);              // scores
+        ops.gemm(false, true, rows, sk, D, T(1), g, ldq, v, ldk, T(0), dp, sk);                // dP = dO V^T
+        ops.grad_rows(band, t0, rows, lse + x.stat(b, h, i), delta + x.stat(b, h, i), s, dp);  // s = P, dp = dS
+        ops.gemm(false, false, rows, D, sk, p.scale, dp, sk, k, ldk, T(1), dq + x.q_row(b, i, h), ldq);
+        ops.gemm(true, false, sk, D, rows, p.scale, dp, sk, q, ldq, T(1), dk + x.k_row(b, r.k_begin, hk), ldk);
+        ops.gemm(true, false, sk, D, rows, T(1), s, sk, g, ldq, T(1), dv + x.k_row(b, r.k_begin, hk), ldk);
+      });
 }
 
 // ---- CPU ops ----
@@ -110,8 +114,8 @@ void CpuFallbackOps<T>::softmax_rows(const RowBand& band, std::int64_t i0, std::
 }
 
 template <typename T>
-void CpuFallbackOps<T>::grad_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse,
-                                  const T* delta, T* s, T* dp) {
+void CpuFallbackOps<T>::grad_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta,
+                                  T* s, T* dp) {
   for (std::int64_t r = 0; r < rows; ++r)
     fallback_grad_row(band, i0 + r, lse[r], delta[r], s + r * band.sk, dp + r * band.sk);
 }
@@ -121,7 +125,8 @@ void CpuFallbackOps<T>::merge_rows(std::int64_t rows, std::int64_t d, T* o, std:
                                    std::int64_t ldo_b, const T* lse_b) {
   for (std::int64_t r = 0; r < rows; ++r) {
     const rowops::MergeWeights<T> w = rowops::lse_merge_weights(lse[r], lse_b[r]);
-    for (std::int64_t j = 0; j < d; ++j) o[r * ldo + j] = rowops::lse_merge_value(w, o[r * ldo + j], o_b[r * ldo_b + j]);
+    for (std::int64_t j = 0; j < d; ++j)
+      o[r * ldo + j] = rowops::lse_merge_value(w, o[r * ldo + j], o_b[r * ldo_b + j]);
     lse[r] = w.lse;
   }
 }

@@ -33,7 +33,8 @@ SEQPAR_HOST_DEVICE inline T fallback_softmax_row(const RowBand& b, std::int64_t 
 // Backward row body: s (scaled scores) -> p = exp(s - lse) on the band (0 elsewhere, and everywhere when lse is
 // -inf); dp (dO V^T row) -> ds = p (dp - delta), in place.
 template <typename T>
-SEQPAR_HOST_DEVICE inline void fallback_grad_row(const RowBand& b, std::int64_t i, T lse, T delta, T* s_to_p, T* dp_to_ds) {
+SEQPAR_HOST_DEVICE inline void fallback_grad_row(const RowBand& b, std::int64_t i, T lse, T delta, T* s_to_p,
+                                                 T* dp_to_ds) {
   std::int64_t begin = 0, end = 0;
   band_of_row(b, i, begin, end);
   for (std::int64_t j = 0; j < b.sk; ++j) {

@@ -10,10 +10,9 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
-
-#include <nlohmann/json.hpp>
 
 #include "benchmarks/bench_device.h"
 #include "runtime/error.h"

@@ -75,8 +75,8 @@ class SquareGemm {
   void run() {
     const float alpha = 1.0f, beta = 0.0f;
     SEQPAR_CHECK_CUBLAS(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, n_, n_, n_, &alpha, a_.data(), CUDA_R_16BF, n_,
-                                     b_.data(), CUDA_R_16BF, n_, &beta, c_.data(), CUDA_R_16BF, n_,
-                                     CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                                     b_.data(), CUDA_R_16BF, n_, &beta, c_.data(), CUDA_R_16BF, n_, CUBLAS_COMPUTE_32F,
+                                     CUBLAS_GEMM_DEFAULT));
   }
   double flops() const { return 2.0 * n_ * static_cast<double>(n_) * n_; }
 
@@ -92,10 +92,10 @@ int run_mha_cuda(const cxxopts::ParseResult& args, Device device) {
   SEQPAR_CHECK_CUDA(cudaSetDevice(device.index));
   const bool quick = args.count("quick") > 0;
   std::vector<std::int64_t> seqs = args.count("seq") ? args["seq"].as<std::vector<std::int64_t>>()
-                                   : quick             ? std::vector<std::int64_t>{1024}
-                                                       : std::vector<std::int64_t>{4096, 16384, 65536};
-  const std::vector<std::int64_t> dims = args.count("dim") ? args["dim"].as<std::vector<std::int64_t>>()
-                                                           : std::vector<std::int64_t>{128};
+                                   : quick           ? std::vector<std::int64_t>{1024}
+                                                     : std::vector<std::int64_t>{4096, 16384, 65536};
+  const std::vector<std::int64_t> dims =
+      args.count("dim") ? args["dim"].as<std::vector<std::int64_t>>() : std::vector<std::int64_t>{128};
   const std::string mask_arg = args["mask"].as<std::string>();
   SEQPAR_CHECK(mask_arg == "none" || mask_arg == "causal" || mask_arg == "both", "--mask ", mask_arg,
                " must be none, causal or both");
@@ -115,10 +115,14 @@ int run_mha_cuda(const cxxopts::ParseResult& args, Device device) {
   std::printf("# kernel_bench: mha on %s (%s, sm_%d%d), bf16, B=%lld Hq=%lld Hkv=%lld\n", device.str().c_str(),
               prop.name, prop.major, prop.minor, static_cast<long long>(B), static_cast<long long>(Hq),
               static_cast<long long>(Hkv));
-  std::printf("# reference: cuBLAS bf16 GEMM %lld^3 (fp32 accumulation) timed in every round; fwd/gemm, bwd/gemm: "
-              "attention TFLOP/s over its TFLOP/s\n", static_cast<long long>(square));
-  std::printf("# timing: %d warm-up round(s), then rounds of (fwd, bwd, gemm) with CUDA events for >= %.2f s; "
-              "fastest call\n", warmup, min_time);
+  std::printf(
+      "# reference: cuBLAS bf16 GEMM %lld^3 (fp32 accumulation) timed in every round; fwd/gemm, bwd/gemm: "
+      "attention TFLOP/s over its TFLOP/s\n",
+      static_cast<long long>(square));
+  std::printf(
+      "# timing: %d warm-up round(s), then rounds of (fwd, bwd, gemm) with CUDA events for >= %.2f s; "
+      "fastest call\n",
+      warmup, min_time);
   std::printf("%7s %5s %7s %10s %10s %10s %10s %10s %9s %9s\n", "S", "D", "mask", "fwd_ms", "fwd_TF/s", "bwd_ms",
               "bwd_TF/s", "gemm_TF/s", "fwd/gemm", "bwd/gemm");
 
@@ -184,12 +188,23 @@ int run_mha_cuda(const cxxopts::ParseResult& args, Device device) {
                       static_cast<long long>(D), causal ? "causal" : "none", t_fwd * 1e3, fwd_tf,
                       backward ? t_bwd * 1e3 : 0.0, bwd_tf, gemm_tf, fwd_tf / gemm_tf, bwd_tf / gemm_tf);
           std::fflush(stdout);
-          results.push_back({{"kernel", "mha"},        {"device", device.str()}, {"dtype", "bf16"},
-                             {"batch", B},             {"hq", Hq},               {"hkv", Hkv},
-                             {"seq", S},               {"head_dim", D},          {"causal", causal},
-                             {"rounds", rounds},       {"fwd_ms", t_fwd * 1e3},  {"fwd_tflops", fwd_tf},
-                             {"bwd_ms", backward ? t_bwd * 1e3 : 0.0},           {"bwd_tflops", bwd_tf},
-                             {"gemm_n", square},       {"gemm_tflops", gemm_tf}, {"fwd_ratio_gemm", fwd_tf / gemm_tf},
+          results.push_back({{"kernel", "mha"},
+                             {"device", device.str()},
+                             {"dtype", "bf16"},
+                             {"batch", B},
+                             {"hq", Hq},
+                             {"hkv", Hkv},
+                             {"seq", S},
+                             {"head_dim", D},
+                             {"causal", causal},
+                             {"rounds", rounds},
+                             {"fwd_ms", t_fwd * 1e3},
+                             {"fwd_tflops", fwd_tf},
+                             {"bwd_ms", backward ? t_bwd * 1e3 : 0.0},
+                             {"bwd_tflops", bwd_tf},
+                             {"gemm_n", square},
+                             {"gemm_tflops", gemm_tf},
+                             {"fwd_ratio_gemm", fwd_tf / gemm_tf},
                              {"bwd_ratio_gemm", bwd_tf / gemm_tf}});
         }
       }
@@ -199,8 +214,11 @@ int run_mha_cuda(const cxxopts::ParseResult& args, Device device) {
   if (args.count("json")) {
     std::ofstream f(args["json"].as<std::string>());
     SEQPAR_CHECK(f.good(), "cannot write --json file ", args["json"].as<std::string>());
-    f << nlohmann::json{{"benchmark", "kernel_bench"}, {"version", seqpar::version()}, {"device", device.str()},
-                        {"device_name", prop.name}, {"results", results}}
+    f << nlohmann::json{{"benchmark", "kernel_bench"},
+                        {"version", seqpar::version()},
+                        {"device", device.str()},
+                        {"device_name", prop.name},
+                        {"results", results}}
              .dump(2)
       << "\n";
   }

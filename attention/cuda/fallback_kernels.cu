@@ -64,8 +64,8 @@ void fallback_softmax_rows(const fallback::RowBand& band, std::int64_t i0, std::
 }
 
 template <typename T>
-void fallback_grad_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse,
-                        const T* delta, T* s, T* dp, cudaStream_t stream) {
+void fallback_grad_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta,
+                        T* s, T* dp, cudaStream_t stream) {
   if (rows == 0) return;
   grad_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(band, i0, rows, lse, delta, s, dp);
   SEQPAR_CHECK_CUDA(cudaGetLastError());
@@ -79,14 +79,13 @@ void fallback_merge_rows(std::int64_t rows, std::int64_t d, T* o, std::int64_t l
   SEQPAR_CHECK_CUDA(cudaGetLastError());
 }
 
-#define SEQPAR_FALLBACK_INSTANTIATE(T)                                                                              \
-  template void fallback_softmax_rows<T>(const fallback::RowBand&, std::int64_t, std::int64_t, T*, T*,             \
-                                         cudaStream_t);                                                            \
-  template void fallback_grad_rows<T>(const fallback::RowBand&, std::int64_t, std::int64_t, const T*, const T*, T*, \
-                                      T*, cudaStream_t);                                                           \
-  template void fallback_merge_rows<T>(std::int64_t, std::int64_t, T*, std::int64_t, T*, const T*, std::int64_t,    \
-                                       const T*, cudaStream_t);                                                    \
-  template void fallback_delta<T>(std::int64_t, std::int64_t, std::int64_t, std::int64_t, const T*, const T*, T*,  \
+#define SEQPAR_FALLBACK_INSTANTIATE(T)                                                                                \
+  template void fallback_softmax_rows<T>(const fallback::RowBand&, std::int64_t, std::int64_t, T*, T*, cudaStream_t); \
+  template void fallback_grad_rows<T>(const fallback::RowBand&, std::int64_t, std::int64_t, const T*, const T*, T*,   \
+                                      T*, cudaStream_t);                                                              \
+  template void fallback_merge_rows<T>(std::int64_t, std::int64_t, T*, std::int64_t, T*, const T*, std::int64_t,      \
+                                       const T*, cudaStream_t);                                                       \
+  template void fallback_delta<T>(std::int64_t, std::int64_t, std::int64_t, std::int64_t, const T*, const T*, T*,     \
                                   cudaStream_t);
 SEQPAR_FALLBACK_INSTANTIATE(float)
 SEQPAR_FALLBACK_INSTANTIATE(double)

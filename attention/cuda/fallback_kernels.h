@@ -16,8 +16,8 @@ void fallback_softmax_rows(const fallback::RowBand& band, std::int64_t i0, std::
                            cudaStream_t stream);
 // s -> p = exp(s - lse) on the band, dp -> ds = p (dp - delta), in place.
 template <typename T>
-void fallback_grad_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse,
-                        const T* delta, T* s, T* dp, cudaStream_t stream);
+void fallback_grad_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta,
+                        T* s, T* dp, cudaStream_t stream);
 // (o, lse) of `rows` rows merged in place with (o_b, lse_b) (rowops::lse_merge_*).
 template <typename T>
 void fallback_merge_rows(std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse, const T* o_b,

@@ -43,11 +43,11 @@ class CudaFallbackOps final : public fallback::FallbackOps<T> {
     const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
     const auto i = [](std::int64_t x) { return static_cast<int>(x); };
     if constexpr (sizeof(T) == 4) {
-      SEQPAR_CHECK_CUBLAS(cublasSgemm(handle_, op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda), &beta, c,
-                                      i(ldc)));
+      SEQPAR_CHECK_CUBLAS(
+          cublasSgemm(handle_, op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda), &beta, c, i(ldc)));
     } else {
-      SEQPAR_CHECK_CUBLAS(cublasDgemm(handle_, op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda), &beta, c,
-                                      i(ldc)));
+      SEQPAR_CHECK_CUBLAS(
+          cublasDgemm(handle_, op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda), &beta, c, i(ldc)));
     }
   }
   void softmax_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, T* s, T* lse) override {
@@ -128,8 +128,8 @@ fallback::FallbackProblem<T> problem(const MhaForwardArgs& a, const Tensor& q, c
   p.hq = a.q.dim(2);
   p.hkv = a.k.dim(2);
   p.head_dim = a.q.dim(3);
-  p.scale = static_cast<T>(a.scale > 0.0f ? static_cast<double>(a.scale)
-                                          : 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  p.scale =
+      static_cast<T>(a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
   p.q = q.data_as<T>();
   p.k = k.data_as<T>();
   p.v = v.data_as<T>();
@@ -162,7 +162,8 @@ cudnn::SdpaRectCall rect_call(const MhaForwardArgs& a, const LoweredRect& r, boo
 }
 
 const char* row_ptr(const TensorView& t, std::int64_t row) {  // row `row` of batch entry 0 of [B, S, H, D]
-  return static_cast<const char*>(t.data()) + row * t.dim(2) * t.dim(3) * static_cast<std::int64_t>(dtype_size(t.dtype()));
+  return static_cast<const char*>(t.data()) +
+         row * t.dim(2) * t.dim(3) * static_cast<std::int64_t>(dtype_size(t.dtype()));
 }
 
 // Runs the rectangles cuDNN takes (forward), each merged into (o, l) fp32; returns the others.
@@ -281,8 +282,8 @@ void backward_as(const MhaBackwardArgs& b, const TensorView& dq, const TensorVie
   if (b.delta.empty()) {
     const Tensor o = Tensor::copy_of(b.out, acc, kWs, stream);
     delta = Tensor::empty(b.lse.shape(), acc, kWs, stream.device);
-    fallback_delta(a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), o.data_as<T>(), g.data_as<T>(),
-                   delta.data_as<T>(), s);
+    fallback_delta(a.q.dim(0), a.q.dim(1), a.q.dim(2), a.q.dim(3), o.data_as<T>(), g.data_as<T>(), delta.data_as<T>(),
+                   s);
   } else {
     delta = Tensor::copy_of(b.delta, acc, kWs, stream);
   }
@@ -314,8 +315,8 @@ void backward_as(const MhaBackwardArgs& b, const TensorView& dq, const TensorVie
   }
 #endif
   CudaFallbackOps<T> ops(stream.device, s);
-  fallback::fallback_backward(ops, problem<T>(a, q, k, v), rects, g.data_as<T>(), l.data_as<T>(),
-                              delta.data_as<T>(), pq, pk, pv);
+  fallback::fallback_backward(ops, problem<T>(a, q, k, v), rects, g.data_as<T>(), l.data_as<T>(), delta.data_as<T>(),
+                              pq, pk, pv);
   if (!accumulate) {
     copy_convert(gq.view(), dq, stream);
     copy_convert(gk.view(), dk, stream);

@@ -41,11 +41,11 @@ TestDevice test_device() {
   return {Device::cuda(0), why.empty() ? "" : "SEQPAR_TEST_DEVICE=cuda: " + why};
 }
 
-#define SKIP_WITHOUT_DEVICE(td)                                                              \
-  const TestDevice td = test_device();                                                      \
-  if (!td.skip.empty()) {                                                                   \
-    if (td.skip.find("must be") != std::string::npos) FAIL() << td.skip;                    \
-    GTEST_SKIP() << td.skip;                                                                \
+#define SKIP_WITHOUT_DEVICE(td)                                          \
+  const TestDevice td = test_device();                                   \
+  if (!td.skip.empty()) {                                                \
+    if (td.skip.find("must be") != std::string::npos) FAIL() << td.skip; \
+    GTEST_SKIP() << td.skip;                                             \
   }
 
 // A copy of host tensor t on `d` (same dtype), and back.
@@ -63,9 +63,11 @@ Tensor to_host(const TensorView& t) {
 TEST(RowKernelsTiny, LseMergeMatchesLogAddExp) {
   SKIP_WITHOUT_DEVICE(td);
   const std::int64_t B = 1, S = 5, H = 2, D = 3;
-  Tensor out = test::random_tensor({B, S, H, D}, DType::kFloat32, 1), out_b = test::random_tensor({B, S, H, D}, DType::kFloat32, 2);
-  Tensor lse = test::random_tensor({B, H, S}, DType::kFloat32, 3, -4, 4), lse_b = test::random_tensor({B, H, S}, DType::kFloat32, 4, -4, 4);
-  lse.data_as<float>()[0] = -HUGE_VALF;  // one side empty
+  Tensor out = test::random_tensor({B, S, H, D}, DType::kFloat32, 1),
+         out_b = test::random_tensor({B, S, H, D}, DType::kFloat32, 2);
+  Tensor lse = test::random_tensor({B, H, S}, DType::kFloat32, 3, -4, 4),
+         lse_b = test::random_tensor({B, H, S}, DType::kFloat32, 4, -4, 4);
+  lse.data_as<float>()[0] = -HUGE_VALF;                              // one side empty
   lse.data_as<float>()[1] = lse_b.data_as<float>()[1] = -HUGE_VALF;  // both empty
   lse_b.data_as<float>()[2] = lse.data_as<float>()[2] + 40.0f;       // a large difference
   const std::vector<double> o1 = test::to_double(out), o2 = test::to_double(out_b), l1 = test::to_double(lse),
@@ -78,8 +80,7 @@ TEST(RowKernelsTiny, LseMergeMatchesLogAddExp) {
     want_l[li] = m == -kInf ? -kInf : m + std::log(std::exp(l1[li] - m) + std::exp(l2[li] - m));
     for (std::int64_t d = 0; d < D; ++d) {
       const std::int64_t e = t * D + d;
-      want_o[e] = m == -kInf ? 0.0
-                             : std::exp(l1[li] - want_l[li]) * o1[e] + std::exp(l2[li] - want_l[li]) * o2[e];
+      want_o[e] = m == -kInf ? 0.0 : std::exp(l1[li] - want_l[li]) * o1[e] + std::exp(l2[li] - want_l[li]) * o2[e];
     }
   }
   if (td.device.is_cpu()) {
@@ -94,7 +95,8 @@ TEST(RowKernelsTiny, LseMergeMatchesLogAddExp) {
     }
   } else {
 #if defined(SEQPAR_WITH_CUDA)
-    Tensor d_out = on(out, td.device), d_lse = on(lse, td.device), d_ob = on(out_b, td.device), d_lb = on(lse_b, td.device);
+    Tensor d_out = on(out, td.device), d_lse = on(lse, td.device), d_ob = on(out_b, td.device),
+           d_lb = on(lse_b, td.device);
     attn::cuda::LseMergeParams p;
     p.out = d_out.data_as<float>();
     p.lse = d_lse.data_as<float>();
@@ -132,14 +134,15 @@ TEST(RowKernelsTiny, MaskedSoftmaxMatchesFp64) {
   if (td.device.is_cpu()) {
     for (std::int64_t r = 0; r < rows; ++r)
       lse.data_as<float>()[r] = attn::rowops::masked_softmax_row(scores.data_as<float>() + r * n, n, begin[r], end[r],
-                                                                  probs.data_as<float>() + r * n);
+                                                                 probs.data_as<float>() + r * n);
   } else {
 #if defined(SEQPAR_WITH_CUDA)
     Tensor hb = Tensor::empty({rows}, DType::kInt64, kWs), he = Tensor::empty({rows}, DType::kInt64, kWs);
     std::copy(begin.begin(), begin.end(), hb.data_as<std::int64_t>());
     std::copy(end.begin(), end.end(), he.data_as<std::int64_t>());
     Tensor d_s = on(scores, td.device), d_b = on(hb, td.device), d_e = on(he, td.device);
-    Tensor d_p = Tensor::empty({rows, n}, DType::kFloat32, kWs, td.device), d_l = Tensor::empty({rows}, DType::kFloat32, kWs, td.device);
+    Tensor d_p = Tensor::empty({rows, n}, DType::kFloat32, kWs, td.device),
+           d_l = Tensor::empty({rows}, DType::kFloat32, kWs, td.device);
     attn::cuda::MaskedSoftmaxParams p;
     p.scores = d_s.data_as<float>();
     p.probs = d_p.data_as<float>();
@@ -248,9 +251,11 @@ TEST_P(DeviceMha, ForwardBackwardMatchFp64Reference) {
   ra.v = v64;
   ra.q_pos = q_pos;
   ra.mask = attn::MaskSpec(c.causal, c.window);
-  Tensor want_o = Tensor::empty(q.shape(), DType::kFloat64, kWs), want_l = Tensor::empty({c.B, c.Hq, c.Sq}, DType::kFloat64, kWs);
+  Tensor want_o = Tensor::empty(q.shape(), DType::kFloat64, kWs),
+         want_l = Tensor::empty({c.B, c.Hq, c.Sq}, DType::kFloat64, kWs);
   attn::reference::mha_forward(ra, want_o, want_l);
-  Tensor want_dq = Tensor::empty(q.shape(), DType::kFloat64, kWs), want_dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
+  Tensor want_dq = Tensor::empty(q.shape(), DType::kFloat64, kWs),
+         want_dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
          want_dv = Tensor::empty(k.shape(), DType::kFloat64, kWs);
   attn::reference::mha_backward(ra, do64, want_dq, want_dk, want_dv);
 

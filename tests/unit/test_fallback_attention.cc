@@ -89,8 +89,10 @@ void check_blocks(double tol) {
       a.q_pos = blk.q_pos;
       a.k_pos = blk.k_pos;
       a.mask = mask;
-      Tensor want_o = Tensor::empty(q.shape(), DType::kFloat64, kWs), want_l = Tensor::empty({B, H, sq}, DType::kFloat64, kWs);
-      Tensor want_dq = Tensor::empty(q.shape(), DType::kFloat64, kWs), want_dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
+      Tensor want_o = Tensor::empty(q.shape(), DType::kFloat64, kWs),
+             want_l = Tensor::empty({B, H, sq}, DType::kFloat64, kWs);
+      Tensor want_dq = Tensor::empty(q.shape(), DType::kFloat64, kWs),
+             want_dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
              want_dv = Tensor::empty(k.shape(), DType::kFloat64, kWs);
       attn::reference::mha_forward(a, want_o, want_l);
       attn::reference::mha_backward(a, dout, want_dq, want_dk, want_dv);
@@ -110,15 +112,16 @@ void check_blocks(double tol) {
       p.v = vt.data();
       p.tile_rows = 4;  // tiles smaller than most rectangles
       attn::fallback::CpuFallbackOps<T> ops;
-      std::vector<T> out(qt.size(), T(0)), lse(static_cast<std::size_t>(B * H * sq), -std::numeric_limits<T>::infinity());
+      std::vector<T> out(qt.size(), T(0)),
+          lse(static_cast<std::size_t>(B * H * sq), -std::numeric_limits<T>::infinity());
       attn::fallback::fallback_forward(ops, p, rects, out.data(), lse.data());
       // backward with the final (fallback) out and lse, delta = rowsum(dO O)
       std::vector<T> delta(lse.size(), T(0));
       for (std::int64_t i = 0; i < sq; ++i)
         for (std::int64_t h = 0; h < H; ++h)
           for (std::int64_t d = 0; d < D; ++d)
-            delta[static_cast<std::size_t>(h * sq + i)] += dot[static_cast<std::size_t>((i * H + h) * D + d)] *
-                                                           out[static_cast<std::size_t>((i * H + h) * D + d)];
+            delta[static_cast<std::size_t>(h * sq + i)] +=
+                dot[static_cast<std::size_t>((i * H + h) * D + d)] * out[static_cast<std::size_t>((i * H + h) * D + d)];
       std::vector<T> dq(qt.size(), T(0)), dk(kt.size(), T(0)), dv(vt.size(), T(0));
       attn::fallback::fallback_backward(ops, p, rects, dot.data(), lse.data(), delta.data(), dq.data(), dk.data(),
                                         dv.data());
