@@ -17,6 +17,10 @@
 #include "runtime/tensor_ops.h"
 #include "runtime/tensor_checks.h"
 
+#if defined(SEQPAR_WITH_CUDA)
+#include "attention/cuda/mha_cuda.h"
+#endif
+
 namespace seqpar::attn {
 namespace {
 
@@ -271,6 +275,9 @@ void MhaSinksBackwardArgs::validate(const TensorView& dsinks, Stream stream) con
 // ---- the kernels ---------------------------------------------------------------------------------------------------
 
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (args.q.device().is_cuda()) return cuda::mha_forward_cuda(args, out, lse, stream);  // attention/cuda/mha_cuda.h
+#endif
   detail::check_stream(stream, "mha_forward", kFamily);
   cpu::MhaParams p = validate_forward(args, out, lse);
   if (detail::route_to_lowered(args)) return mha_forward_lowered(args, out, lse, stream);  // test mode
@@ -287,6 +294,9 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
 
 void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   bool accumulate, Stream stream) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (args.fwd.q.device().is_cuda()) return cuda::mha_backward_cuda(args, dq, dk, dv, accumulate, stream);
+#endif
   detail::check_stream(stream, "mha_backward", kFamily);
   cpu::MhaParams p = validate_backward(args, dq, dk, dv, accumulate);
   if (p.batch * p.sq * p.hq == 0 || p.sk == 0) {

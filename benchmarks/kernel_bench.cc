@@ -37,6 +37,7 @@
 #include <omp.h>
 #endif
 
+#include "benchmarks/bench_device.h"
 #include "runtime/error.h"
 #include "runtime/version.h"
 
@@ -195,7 +196,10 @@ int run(int argc, char** argv) {
       "clock", "wall, or cpu: CPU time of the process (for a shared machine; meaningful with --threads 1)",
       cxxopts::value<std::string>()->default_value("wall"))(
       "min-rounds", "at least this many timed rounds per configuration, whatever --min-time",
-      cxxopts::value<int>()->default_value("1"))("h,help", "this help")("version", "print the version and exit");
+      cxxopts::value<int>()->default_value("1"))(
+      "device", "cpu, or cuda[:N] (mha only: the CUDA MHA against a cuBLAS bf16 GEMM timed in the same run; "
+                "kernel_bench_cuda.cc)",
+      cxxopts::value<std::string>()->default_value("cpu"))("h,help", "this help")("version", "print the version and exit");
   // Shapes shared by dsa and gdn (sp_bench's names); 0 takes the kind's default.
   opts.add_options("dsa / gdn")("heads", "DSA query heads H (default 16) / GDN value heads Hv (default 8)",
                                 cxxopts::value<std::int64_t>()->default_value("0"))(
@@ -216,6 +220,14 @@ int run(int argc, char** argv) {
     return 0;
   }
   const std::string which = args["kernel"].as<std::string>();
+  [[maybe_unused]] const Device device = parse_bench_device(args["device"].as<std::string>());
+#if defined(SEQPAR_WITH_CUDA)
+  if (device.is_cuda()) {
+    SEQPAR_CHECK(which == "mha", "--kernel ", which, " with --device ", device.str(),
+                 ": only mha has a CUDA path (dsa and gdn run on the CPU)");
+    return run_mha_cuda(args, device);
+  }
+#endif
   std::vector<const Kind*> kinds;
   for (const Kind& k : kKinds) {
     if (which == "all" || which == k.name) kinds.push_back(&k);

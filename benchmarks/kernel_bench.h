@@ -71,4 +71,11 @@ nlohmann::json run_dsa(const Context& ctx);
 void add_gdn_options(cxxopts::Options& opts);
 nlohmann::json run_gdn(const Context& ctx);
 
+#if defined(SEQPAR_WITH_CUDA)
+// --device cuda (kernel_bench_cuda.cc): the MHA table on `device` in bf16 (--dim, --mask, --batch, --hq, --hkv,
+// --seq; default S 4096, 16384, 65536) with a cuBLAS bf16 GEMM (fp32 accumulation) timed in the same rounds;
+// prints the table, writes --json; returns the exit status.
+int run_mha_cuda(const cxxopts::ParseResult& args, Device device);
+#endif
+
 }  // namespace seqpar::bench::kernel

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <vector>
 
+#include "benchmarks/bench_device.h"
 #include "benchmarks/npy.h"
 #include "benchmarks/sp_bench_decode.h"
 #include "benchmarks/sp_bench_workload.h"
@@ -247,6 +248,8 @@ void add_sp_bench_flags(cxxopts::Options& spec) {
     ("warmup", "untimed iterations", cxxopts::value<int>()->default_value("2"))
     ("iters", "timed iterations (the median is reported)", cxxopts::value<int>()->default_value("5"))
     ("threads", "OpenMP threads per rank (default: OMP_NUM_THREADS, else 1)", cxxopts::value<int>())
+    ("device", "cpu | cuda | cuda:N: where each rank's tensors live (cuda: a build with CUDA; the CP layers take "
+               "host tensors only so far)", cxxopts::value<std::string>()->default_value("cpu"))
     ("check", "compare every output and gradient with the single-rank reference; non-zero exit when over tolerance")
     ("check-against", "what --check compares with (implies --check): 1-rank (the single-rank kernel, then the fp64 "
                       "reference where that fails) | reference (the fp64 reference, for sizes that fit)",
@@ -390,6 +393,9 @@ void parse_parallel_and_run_flags(const cxxopts::ParseResult& r, SpBenchOptions&
   o.check_against = get_checked<std::string>(r, "check-against");
   SEQPAR_CHECK(o.check_against == "1-rank" || o.check_against == "reference", "--check-against '", o.check_against,
                "' is not one of 1-rank, reference");
+  o.device = bench::parse_bench_device(get_checked<std::string>(r, "device"));
+  SEQPAR_CHECK(o.device.is_cpu(), "--device ", o.device.str(), ": sp_bench's workloads run on the CPU only so far "
+               "(the CP layers refuse device tensors; the single-device MHA path is kernel_bench --device cuda)");
   o.efficiency = r.count("efficiency") > 0;
   o.gdn_compare_token = r.count("gdn-compare-token") > 0;
   o.quiet = r.count("quiet") > 0;

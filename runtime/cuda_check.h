@@ -29,3 +29,16 @@
     }                                                                                                                  \
   } while (0)
 #endif
+
+#if defined(SEQPAR_WITH_CUDA)
+// cuBLAS: the caller includes <cublas_v2.h> (this header does not, so that only cuBLAS users pay for it).
+#define SEQPAR_CHECK_CUBLAS(call)                                                                                      \
+  do {                                                                                                                 \
+    const cublasStatus_t seqpar_cublas_rc_ = (call);                                                                   \
+    if (seqpar_cublas_rc_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                                                     \
+      ::seqpar::throw_error(__FILE__, __LINE__,                                                                        \
+                            ::seqpar::str_cat("cuBLAS call ", #call, " failed: ",                                      \
+                                              cublasGetStatusString(seqpar_cublas_rc_)));                              \
+    }                                                                                                                  \
+  } while (0)
+#endif

@@ -51,4 +51,43 @@ std::string validate_sdpa_graph(const SdpaGraphKey& key, int sm_version = 90);
 // Graphs in the cache.
 std::int64_t sdpa_graph_cache_size();
 
+// One dense rectangle of a lowered call run by a cuDNN SDPA graph on the current CUDA device. key: the rectangle's
+// sizes (batch, heads, sq, sk, head dim), mask, dtype (bf16 / fp16), scale, direction; ragged must be false.
+// Pointers are device pointers of the key's dtype unless stated. Inputs point at the rectangle's first row inside
+// the caller's full tensors: q (and, backward, o and dout) with q_rows rows per batch entry, k / v with k_rows, the
+// backward's stats (the final lse, fp32 [B, Hq, lse_rows]) at the rectangle's first query. Outputs are compact:
+// forward o [B, sq, Hq, D] and stats [B, Hq, sq] fp32 (natural log); backward dq [B, sq, Hq, D], dk / dv
+// [B, sk, Hkv, D] (overwritten: the rectangle's contributions only).
+struct SdpaRectCall {
+  SdpaGraphKey key;
+  std::int64_t q_rows = 0, k_rows = 0, lse_rows = 0;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* o = nullptr;            // forward: output; backward: input (the final out), cast away
+  void* stats = nullptr;        // forward: output; backward: input (the final lse)
+  const void* dout = nullptr;   // backward
+  void* dq = nullptr;           // backward
+  void* dk = nullptr;
+  void* dv = nullptr;
+};
+// The plan cache's key of a call: every field of the key, the scale and the strides.
+std::string sdpa_call_key_str(const SdpaRectCall& c);
+// Runs the call on `stream` (a cudaStream_t) with a plan built once per (call key, device) and cached; false, with
+// the reason in *why, when cuDNN has no engine for it (validate, check_support or the plan build refused: the
+// caller takes the fallback). Errors: a failed execution, CUDA or cuDNN errors.
+bool run_sdpa(const SdpaRectCall& c, void* stream, std::string* why);
+
+// cuDNN's own JSON serialization of CUDA device `device_id`'s properties (DeviceProperties, cuDNN >= 9.8), the test
+// data a deviceless support check reads. Needs the device. Errors: cuDNN's message.
+std::string serialized_device_properties(int device_id);
+
+// "" when cuDNN's backend has an engine that claims support for the key's graph on the device whose properties
+// `device_properties_json` holds (cuDNN's serialization: serialized_device_properties, saved by device_probe as
+// cudnn_device_properties), else the reason. Without a device: the graph is built for the properties' SM, its
+// operation graph without a handle, plans from heuristics mode A, then check_support(). Needs libcuda.so.1 to load
+// (a driver, or the toolkit's stub library); builds no plan and runs nothing, so it checks that an engine claims
+// the graph, not that it runs. Not cached.
+std::string check_sdpa_support(const SdpaGraphKey& key, const std::string& device_properties_json, int sm_version = 90);
+
 }  // namespace seqpar::attn::cudnn

@@ -5,12 +5,16 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <string>
 #include <vector>
 
 #include "attention/lowering.h"
 #if defined(SEQPAR_WITH_CUDNN_FRONTEND)
+#include <nlohmann/json.hpp>
+
 #include "attention/cuda/cudnn_sdpa_graphs.h"
 #endif
 
@@ -113,6 +117,56 @@ TEST(CudnnSdpaSupport, EveryLoweredGraphValidatesForSm90) {
             << fallback << " sent to the fallback (" << fallback_refused << " of them refused by "
             << "validate); " << attn::cudnn::sdpa_graph_cache_size() << " graphs cached\n";
   EXPECT_GT(keys.size(), 0u);
+#endif
+}
+
+// The backend's check_support() for every key above on each device whose properties a GPU run of
+// scripts/gpu_check.sh captured (tests/data/device_properties/*.json, field cudnn_device_properties): an engine must
+// claim every key that the dispatch sends to cuDNN. Skips, saying why, where no properties were captured yet or
+// cuDNN cannot load a driver library (libcuda.so.1; ctest puts the toolkit's stub library on the path). The
+// properties in tests/data are hand-made until a GPU run captures real ones.
+TEST(CudnnSdpaSupport, EveryLoweredGraphHasAnEngineOnCapturedDevices) {
+#if !defined(SEQPAR_WITH_CUDNN_FRONTEND)
+  GTEST_SKIP() << "built without the cuDNN frontend";
+#else
+  std::vector<std::pair<std::string, std::string>> devices;  // (file, cuDNN's serialized properties)
+  const std::filesystem::path dir = std::filesystem::path(SEQPAR_TEST_DATA_DIR) / "device_properties";
+  if (std::filesystem::is_directory(dir)) {
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      if (e.path().extension() != ".json") continue;
+      const nlohmann::json j = nlohmann::json::parse(std::ifstream(e.path()));
+      if (j.contains("cudnn_device_properties")) devices.emplace_back(e.path().filename(), j["cudnn_device_properties"]);
+    }
+  }
+  if (devices.empty()) {
+    GTEST_SKIP() << "no device properties captured in " << dir << " (a GPU run of scripts/gpu_check.sh saves them)";
+  }
+  for (const auto& [file, props] : devices) {
+    const int sm = nlohmann::json::parse(props).value("deviceVer", 900) / 10;
+    int checked = 0;
+    for (const Case& c : cases()) {
+      const MaskSpec mask(true, 0, c.lo, c.hi);
+      const auto calls = attn::lowered_calls(attn::lower_attention_block(c.q, c.k, mask));
+      for (const auto& k : attn::cudnn::sdpa_graph_keys(calls, c.lo.empty() ? 2 : 1, 8, 2, 128, DType::kBFloat16)) {
+        if (!attn::cudnn::sdpa_fallback_reason(k).empty()) continue;
+        const std::string status = attn::cudnn::check_sdpa_support(k, props, sm);
+        if (status.find("libcuda") != std::string::npos) GTEST_SKIP() << file << ": " << status;
+        EXPECT_EQ(status, "") << file << ": " << attn::cudnn::sdpa_key_str(k);
+        ++checked;
+      }
+      if (checked > 200) break;  // a few hundred keys per device are enough
+    }
+    // and a refusal is reported: no Hopper engine has an fp32 backward
+    attn::cudnn::SdpaGraphKey fp32_bwd;
+    fp32_bwd.backward = true;
+    fp32_bwd.dtype = DType::kFloat32;
+    fp32_bwd.batch = 1;
+    fp32_bwd.hq = fp32_bwd.hkv = 2;
+    fp32_bwd.sq = fp32_bwd.sk = 128;
+    fp32_bwd.head_dim = 128;
+    EXPECT_NE(attn::cudnn::check_sdpa_support(fp32_bwd, props, sm), "") << file << ": fp32 backward";
+    std::cout << file << ": " << checked << " keys checked with check_support()\n";
+  }
 #endif
 }
 

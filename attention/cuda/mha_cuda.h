@@ -1,0 +1,28 @@
+// MHA / GQA forward and backward on CUDA tensors: what mha_forward / mha_backward (attention/mha.h) run when their
+// tensors or stream are on a CUDA device. Internal to attention/; built only with SEQPAR_WITH_CUDA.
+//
+// Every call is lowered into masked rectangles (attention/lowering.h). In a build with the cuDNN frontend, each
+// rectangle of a bf16 / fp16 call that cuDNN takes runs as one dense cuDNN SDPA graph (attention/cuda/
+// cudnn_sdpa_graphs.h: run_sdpa, plans cached per shape, strides, dtype, mask and scale; forward with fp32
+// natural-log stats merged into the call's result by the lse merge; backward with the final out and lse,
+// deterministic, its gradients added up). Every other rectangle (fp32, fp64, head dim not a multiple of 8, > 256
+// backward, a graph cuDNN refuses, no frontend) runs the exact fallback (attention/fallback_attention.h): inputs
+// converted to the accumulator dtype (fp32; fp64 for fp64), cuBLAS GEMM tiles of scores with the masked row kernels.
+// Results are accumulated in the accumulator dtype and converted to the outputs' dtypes. Nothing here has run on a
+// GPU.
+// Supported: the masks of MaskSpec (causal, window, document bounds), GQA, any head dim, fp32 / bf16 / fp16 / fp64,
+// lse of the accumulator dtype or fp64, a given delta, accumulate. Refused with an error naming the feature before
+// any work: dropout, ALiBi, sinks, soft-capping, dlse; tensors on different devices or on the CPU.
+// Sync: ordered on the stream (the call's stream; its handle may be null, the legacy default stream); returns
+// after the stream has finished the call's work (scratch buffers are freed on return).
+#pragma once
+
+#include "../mha.h"
+
+namespace seqpar::attn::cuda {
+
+void mha_forward_cuda(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream);
+void mha_backward_cuda(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                       bool accumulate, Stream stream);
+
+}  // namespace seqpar::attn::cuda

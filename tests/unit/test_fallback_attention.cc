@@ -1,0 +1,172 @@
+// The fallback attention driver (attention/fallback_attention.h) with its CPU ops: the composition of GEMM tiles of
+// scores and masked row softmax / gradient bodies over the lowered rectangles of a block, against the fp64
+// reference (attention/reference), forward (out, lse) and backward (dq, dk, dv), for the blocks of every layout's
+// ring steps, all-gather calls and packed rows, causal and windowed, with query tiles smaller than the rectangles.
+// fp64 to 1e-12; fp32 to its rounding. On CUDA the same driver runs with cuBLAS GEMMs and the row bodies launched
+// per row (attention/cuda/fallback_ops_cuda.cc), which only a GPU run checks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "attention/fallback_attention.h"
+#include "attention/lowering.h"
+#include "attention/reference/mha_reference.h"
+#include "parallel/layout.h"
+#include "util/test_util.h"
+
+namespace seqpar {
+namespace {
+
+using attn::MaskSpec;
+constexpr MemCategory kWs = MemCategory::kWorkspace;
+
+std::vector<double> finite(std::vector<double> v) {
+  for (double& x : v)
+    if (x == -std::numeric_limits<double>::infinity()) x = -1e300;
+  return v;
+}
+
+struct Block {
+  std::string name;
+  std::vector<std::int64_t> q_pos, k_pos;
+  DocBounds bounds;
+};
+
+std::vector<Block> blocks() {
+  std::vector<Block> v;
+  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe, LayoutKind::kBalanced}) {
+    for (int ring : {1, 2, 3}) {
+      for (bool packed : {false, true}) {
+        const std::vector<std::int64_t> docs = {13, 1, 0, 7, 20};
+        const SequenceLayout layout =
+            packed ? SequenceLayout::packed(kind, cu_seqlens_of(docs), ring) : SequenceLayout(kind, 37, ring);
+        const bool bounded = layout.is_packed() || layout.has_padding();
+        std::vector<std::int64_t> all(static_cast<std::size_t>(layout.padded_len()));
+        for (std::int64_t t = 0; t < layout.padded_len(); ++t) all[static_cast<std::size_t>(t)] = t;
+        const std::string base =
+            std::string(layout_name(kind)) + (packed ? " packed" : " S37") + " ring " + std::to_string(ring);
+        for (int r = 0; r < ring; ++r) {
+          const std::vector<std::int64_t> q = layout.ring_shard_positions(r);
+          const DocBounds b = bounded ? layout.doc_bounds_of_slots(q) : DocBounds{};
+          for (int src = 0; src < ring; ++src)
+            v.push_back({base + " rank " + std::to_string(r) + " src " + std::to_string(src), q,
+                         layout.ring_shard_positions(src), b});
+          v.push_back({base + " rank " + std::to_string(r) + " all-gather", q, all, b});
+        }
+      }
+    }
+  }
+  return v;
+}
+
+template <typename T>
+std::vector<T> as(const TensorView& t) {
+  const std::vector<double> d = test::to_double(t);
+  return {d.begin(), d.end()};
+}
+
+template <typename T>
+void check_blocks(double tol) {
+  const std::int64_t B = 1, H = 4, Hkv = 2, D = 8;
+  int checked = 0;
+  for (const Block& blk : blocks()) {
+    for (const auto& [causal, window] : {std::pair<bool, std::int64_t>{false, 0}, {true, 0}, {true, 5}}) {
+      const MaskSpec mask(causal, window, blk.bounds.lo, blk.bounds.hi);
+      const std::string what = blk.name + (causal ? " causal" : " full") + (window ? " window 5" : "");
+      const auto sq = static_cast<std::int64_t>(blk.q_pos.size()), sk = static_cast<std::int64_t>(blk.k_pos.size());
+      const std::uint64_t seed = 100 + checked;
+      const Tensor q = test::random_tensor({B, sq, H, D}, DType::kFloat64, seed);
+      const Tensor k = test::random_tensor({B, sk, Hkv, D}, DType::kFloat64, seed + 1);
+      const Tensor v = test::random_tensor({B, sk, Hkv, D}, DType::kFloat64, seed + 2);
+      const Tensor dout = test::random_tensor({B, sq, H, D}, DType::kFloat64, seed + 3);
+      attn::MhaForwardArgs a;
+      a.q = q;
+      a.k = k;
+      a.v = v;
+      a.q_pos = blk.q_pos;
+      a.k_pos = blk.k_pos;
+      a.mask = mask;
+      Tensor want_o = Tensor::empty(q.shape(), DType::kFloat64, kWs),
+             want_l = Tensor::empty({B, H, sq}, DType::kFloat64, kWs);
+      Tensor want_dq = Tensor::empty(q.shape(), DType::kFloat64, kWs),
+             want_dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
+             want_dv = Tensor::empty(k.shape(), DType::kFloat64, kWs);
+      attn::reference::mha_forward(a, want_o, want_l);
+      attn::reference::mha_backward(a, dout, want_dq, want_dk, want_dv);
+
+      const std::vector<attn::LoweredRect> rects = attn::lower_attention_block(blk.q_pos, blk.k_pos, mask);
+      const std::vector<T> qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), dot = as<T>(dout);
+      attn::fallback::FallbackProblem<T> p;
+      p.batch = B;
+      p.sq = sq;
+      p.sk = sk;
+      p.hq = H;
+      p.hkv = Hkv;
+      p.head_dim = D;
+      p.scale = static_cast<T>(1.0 / std::sqrt(static_cast<double>(D)));
+      p.q = qt.data();
+      p.k = kt.data();
+      p.v = vt.data();
+      p.tile_rows = 4;  // tiles smaller than most rectangles
+      attn::fallback::CpuFallbackOps<T> ops;
+      std::vector<T> out(qt.size(), T(0)),
+          lse(static_cast<std::size_t>(B * H * sq), -std::numeric_limits<T>::infinity());
+      attn::fallback::fallback_forward(ops, p, rects, out.data(), lse.data());
+      // backward with the final (fallback) out and lse, delta = rowsum(dO O)
+      std::vector<T> delta(lse.size(), T(0));
+      for (std::int64_t i = 0; i < sq; ++i)
+        for (std::int64_t h = 0; h < H; ++h)
+          for (std::int64_t d = 0; d < D; ++d)
+            delta[static_cast<std::size_t>(h * sq + i)] +=
+                dot[static_cast<std::size_t>((i * H + h) * D + d)] * out[static_cast<std::size_t>((i * H + h) * D + d)];
+      std::vector<T> dq(qt.size(), T(0)), dk(kt.size(), T(0)), dv(vt.size(), T(0));
+      attn::fallback::fallback_backward(ops, p, rects, dot.data(), lse.data(), delta.data(), dq.data(), dk.data(),
+                                        dv.data());
+      auto d = [](const std::vector<T>& x) { return std::vector<double>(x.begin(), x.end()); };
+      ASSERT_TRUE(test::all_close(d(out), test::to_double(want_o), tol, tol, what + ": out"));
+      ASSERT_TRUE(test::all_close(finite(d(lse)), finite(test::to_double(want_l)), tol, tol, what + ": lse"));
+      ASSERT_TRUE(test::all_close(d(dq), test::to_double(want_dq), tol, tol, what + ": dq"));
+      ASSERT_TRUE(test::all_close(d(dk), test::to_double(want_dk), tol, tol, what + ": dk"));
+      ASSERT_TRUE(test::all_close(d(dv), test::to_double(want_dv), tol, tol, what + ": dv"));
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 300);
+}
+
+TEST(FallbackAttention, Fp64MatchesReferenceOnEveryLayoutsBlocks) { check_blocks<double>(1e-12); }
+
+// fp32 arithmetic (sums over <= 41 keys and D = 8 products): a few ulps of the O(1) values.
+TEST(FallbackAttention, Fp32MatchesReferenceToRounding) { check_blocks<float>(2e-5); }
+
+TEST(FallbackAttention, RowBandIsTheMaskModel) {
+  // band_of_row against sdpa_mask_visible, every mask kind, shapes with sq <, =, > sk
+  for (const std::int64_t sq : {1, 3, 6}) {
+    for (const std::int64_t sk : {1, 4, 6, 9}) {
+      for (const bool causal : {false, true}) {
+        for (const std::int64_t left : {0, 1, 3}) {
+          for (const auto align : {attn::DiagonalAlignment::kTopLeft, attn::DiagonalAlignment::kBottomRight}) {
+            attn::SdpaMask m;
+            m.causal = causal;
+            m.left_bound = left;
+            m.align = align;
+            const attn::fallback::RowBand band = attn::fallback::fallback_row_band(m, sq, sk);
+            for (std::int64_t i = 0; i < sq; ++i) {
+              std::int64_t begin = 0, end = 0;
+              attn::fallback::band_of_row(band, i, begin, end);
+              for (std::int64_t j = 0; j < sk; ++j)
+                ASSERT_EQ(j >= begin && j < end, attn::sdpa_mask_visible(m, sq, sk, i, j))
+                    << attn::sdpa_mask_str(m) << " sq " << sq << " sk " << sk << " i " << i << " j " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace seqpar
