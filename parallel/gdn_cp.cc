@@ -280,8 +280,8 @@ struct HeadInputs {
 template <typename SavedT>
 HeadInputs head_inputs(const SavedT& s, Stream stream) {
   const MemCategory c = MemCategory::kWorkspace;
-  return {head_major(s.q.view(), c, stream),    head_major(s.k.view(), c, stream), head_major(s.v.view(), c, stream),
-          head_major(s.g.view(), c, stream),    head_major(s.beta.view(), c, stream), s.group()};
+  return {head_major(s.q.view(), c, stream), head_major(s.k.view(), c, stream),    head_major(s.v.view(), c, stream),
+          head_major(s.g.view(), c, stream), head_major(s.beta.view(), c, stream), s.group()};
 }
 
 }  // namespace
@@ -563,7 +563,8 @@ Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, std::int64_t h, bool kno
     Tensor out_p = alloc.empty({B, p.length, 1, V}, f.dtype, MemCategory::kWorkspace);
     end = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
     Tensor init;
-    if (p.starts_doc && s.init.defined()) init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
+    if (p.starts_doc && s.init.defined())
+      init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
     {
       const ScopedTimer timer(counters_.compute_s);
       const ScopedTimer phase(phases_.local);
@@ -692,8 +693,8 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
         const ScopedTimer timer(counters_.compute_s);
         const ScopedTimer phase(phases_.combine);
         Tensor next = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
-        attn::gdn_transition_compose(s.m_of(agg[j][h]), s.u_of(agg[j][h]), s.m_of(got[j]), s.u_of(got[j]),
-                                     s.m_of(next), s.u_of(next), alloc.stream);
+        attn::gdn_transition_compose(s.m_of(agg[j][h]), s.u_of(agg[j][h]), s.m_of(got[j]), s.u_of(got[j]), s.m_of(next),
+                                     s.u_of(next), alloc.stream);
         agg[j][h] = std::move(next);
       }
       post_round(r + 1, h);
@@ -848,8 +849,8 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   const HeadInputs hin = head_inputs(s, stream);
   // d(initial_state) of every document that starts in one of this rank's pieces (summed over the ring afterwards).
   Tensor dinits = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
-  BackwardPass bp{s,       alloc,        stream, dtype, qk_grad_dtype, vqk_dtype, hin, dout_hm, dfinal_local,
-                  dq_vm,   dk_vm,        dv_hm,  dg_hm, db_hm,         dinits};
+  BackwardPass bp{s,     alloc, stream, dtype, qk_grad_dtype, vqk_dtype, hin, dout_hm, dfinal_local,
+                  dq_vm, dk_vm, dv_hm,  dg_hm, db_hm,         dinits};
   phases_ = {};
   {
     const CommMeter meter(groups_, counters_);
@@ -868,7 +869,8 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
     Tensor km = alloc.empty({Hkl, B, sr, K}, qk_grad_dtype, MemCategory::kWorkspace);
     for (std::int64_t kh = 0; kh < Hkl; ++kh) {
       Tensor acc = alloc.copy_of(vm.view().slice0(kh * G, kh * G + 1), s.state_dtype, MemCategory::kWorkspace);
-      for (std::int64_t e = 1; e < G; ++e) add_inplace(acc.view(), vm.view().slice0(kh * G + e, kh * G + e + 1), stream);
+      for (std::int64_t e = 1; e < G; ++e)
+        add_inplace(acc.view(), vm.view().slice0(kh * G + e, kh * G + e + 1), stream);
       alloc.copy_convert(acc.view(), km.view().slice0(kh, kh + 1));
     }
     return km;
@@ -916,7 +918,8 @@ GdnCp::PieceBackward GdnCp::piece_backward(BackwardPass& bp, std::size_t j, cons
                   take_rows(head_view(bp.dout_hm, h), offset, p.length, MemCategory::kWorkspace, stream),
                   {},
                   {}};
-  if (p.starts_doc && s.init.defined()) b.init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
+  if (p.starts_doc && s.init.defined())
+    b.init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
   const TensorView start = p.starts_doc ? (b.init.defined() ? b.init.view() : TensorView()) : s.start[j][h].view();
   b.args.fwd = forward_args(b.in, config_, start);
   b.args.dout = b.dout.view();
@@ -1002,7 +1005,8 @@ void GdnCp::backward_chain(BackwardPass& bp) {
         if (segments_[i + 1].owner == me) {
           alloc.copy_convert(ds_starts[jj + 1][h].view(), ds_end.view());
         } else {
-          wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, static_cast<int>(i * H + h))));
+          wait_timed(
+              ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, static_cast<int>(i * H + h))));
         }
       }
       ds_starts[jj][h] = run_pieces_backward(bp, jj, h, true, true, ds_end.view());
