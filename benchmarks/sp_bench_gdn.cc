@@ -462,7 +462,12 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   // The backward kernel's dq and dk per value head when value heads share key heads (Hv > Hk), in the compute dtype,
   // summed into the key heads afterwards (attention/cpu/gdn_chunk.cc GroupedGrad).
   const double grouped = d.Hv > d.Hk ? 2 * c * batch * sl * o.heads * kd : 0;
-  const double ring = o.gdn_mode == "scan" ? 6 * segments * seg_state : 2 * segments * seg_state;
+  // The scan keeps every needed map of every head until its messages are sent, the chain a state per head and segment.
+  const double ring = o.gdn_mode == "scan" ? 3 * segments * seg_state : 2 * segments * seg_state;
+  // GdnCp runs one value head at a time on head-major copies of its inputs (q k v g beta) and writes head-major
+  // results (out; backward: dout and the gradients) that are transposed back at the end; a segment's input rows are
+  // one head's.
+  const double heads_local = std::max(1.0, o.heads / pu);
   // --conv-width (ShortConvCp on the sequence shards, once for each of q, k, v): through both phases,
   // each context's copy of its input and halo states ([B, W - 1, C] per segment) and the convolved q, k, v;
   // conv_weight an input, its gradient an output. The conv's own buffers come before the recurrence's forward and
@@ -478,22 +483,23 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   WorkloadMemory m_;
   m_.inputs = qkv + xv + 2 * gate + state + conv_weight;  // q, k, v, dout, g, beta, initial_state (, conv_weight)
   // Forward: the context keeps q k v g beta in the heads layout and the segments' start states (and scan maps);
-  // out_h, a segment's input rows (segment_inputs: q k v g beta, at most the longest segment's) and out, the outputs
-  // out and final_state; the exchanged states.
+  // out_h and its head-major twin, the head-major inputs and one head's rows of a segment, the outputs out and
+  // final_state; the exchanged states.
   const double saved = qkv + 2 * gate + 2 * segments * seg_state + conv_in + halo;
   m_.forward.saved = saved;
   m_.forward.outputs = xv + state;
   m_.forward.workspace =
-      std::max(2 * xv + (qkv + 2 * gate) * ring_segs.longest_share + 4 * segments * seg_state + threads * fwd_worker,
+      std::max(3 * xv + (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) + 2 * segments * seg_state +
+                   threads * fwd_worker,
                conv_fwd) +
       conv_in;
   m_.forward.comm = a2a + ring;
-  // Backward: out and final_state stay held; dout_h and its segment rows, the gradients in the heads layout and per
-  // segment, the outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
+  // Backward: out and final_state stay held; dout_h and its head-major twin, the head-major inputs, the gradients
+  // head-major and in the heads layout, the outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
   m_.backward.saved = saved;
   m_.backward.outputs = xv + state + qkv + 2 * gate + state + conv_weight;
   m_.backward.workspace =
-      std::max(2 * xv + 2 * (qkv + 2 * gate) + grouped + 4 * segments * seg_state + threads * bwd_worker, conv_bwd) +
+      std::max(3 * xv + 3 * (qkv + 2 * gate) + grouped + 2 * segments * seg_state + threads * bwd_worker, conv_bwd) +
       conv_in;
   m_.backward.comm = a2a + ring;
   m_.full_inputs = (qkv + xv + 2 * gate) * pu * pr * unpad + state;

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
+#include <memory>
 
 #include "parallel/ulysses.h"
 #include "runtime/logging.h"
@@ -60,32 +62,44 @@ class PackedRound {
   // Posts the messages (tag `tag`), waits (the wait counted into exposed_s) and unpacks what arrived; no-op when
   // nothing was added.
   void run(Communicator& comm, int tag, double* exposed_s) {
+    post(comm, tag);
+    wait(exposed_s);
+  }
+  // run() in two steps: post() packs and posts every message, wait() waits (counted into exposed_s) and unpacks.
+  void post(Communicator& comm, int tag) {
     if (sends_.empty() && recvs_.empty()) return;
     std::vector<P2POp> ops;
-    std::vector<Tensor> buffers;
     for (const auto& [peer, views] : sends_) {
-      buffers.push_back(pack(views));
+      buffers_.push_back(pack(views));
       for (std::int64_t off = 0; const TensorView& v : views) {
-        alloc_.copy_convert(v, part(buffers.back(), off, v));
+        alloc_.copy_convert(v, part(buffers_.back(), off, v));
         off += v.numel();
       }
-      ops.push_back(P2POp::send(buffers.back().view(), peer, tag));
+      ops.push_back(P2POp::send(buffers_.back().view(), peer, tag));
     }
-    std::vector<std::pair<const std::vector<TensorView>*, std::size_t>> unpack;
     for (const auto& [peer, views] : recvs_) {
-      buffers.push_back(pack(views));
-      unpack.emplace_back(&views, buffers.size() - 1);
-      ops.push_back(P2POp::recv(buffers.back().view(), peer, tag));
+      buffers_.push_back(pack(views));
+      unpack_.emplace_back(&views, buffers_.size() - 1);
+      ops.push_back(P2POp::recv(buffers_.back().view(), peer, tag));
     }
-    WorkHandle w = comm.batch_isend_irecv(ops);
-    timed_wait(w, exposed_s);
-    for (const auto& [views, b] : unpack) {
+    work_ = comm.batch_isend_irecv(ops);
+  }
+  void wait(double* exposed_s) {
+    if (!work_) return;
+    timed_wait(work_, exposed_s);
+    work_.reset();
+    for (const auto& [views, b] : unpack_) {
       for (std::int64_t off = 0; const TensorView& v : *views) {
-        alloc_.copy_convert(part(buffers[b], off, v), v);
+        alloc_.copy_convert(part(buffers_[b], off, v), v);
         off += v.numel();
       }
     }
   }
+  // Lets the communicator progress posted sends (a large message may need the sender's help) without blocking.
+  void poke() {
+    if (work_) (void)work_->test();
+  }
+  bool empty() const { return sends_.empty() && recvs_.empty(); }
 
  private:
   // A buffer for `views` end to end (one dtype: the state dtype).
@@ -99,74 +113,39 @@ class PackedRound {
   }
   const DeviceAlloc& alloc_;
   std::map<int, std::vector<TensorView>> sends_, recvs_;
+  std::vector<Tensor> buffers_;
+  std::vector<std::pair<const std::vector<TensorView>*, std::size_t>> unpack_;
+  WorkHandle work_;
 };
 
-// Kogge-Stone inclusive scan of packed [M | U] affine maps over the segments in global order (dir = +1:
-// agg_i <- agg_i o agg_{i-o}) or in reverse order (dir = -1: agg_i <- agg_i o agg_{i+o}), for o = 1, 2, 4, ...
-// `mine` lists this rank's segments (indices into `segments`), `agg` their maps. Returns the number of rounds.
-std::int64_t scan_maps(Communicator& ring, const std::vector<Segment>& segments, const std::vector<int>& mine,
-                       const Shape& map_shape, const Shape& state_shape, int dir, std::vector<Tensor>& agg,
-                       double* exposed_s, const DeviceAlloc& alloc) {
-  const Stream stream = alloc.stream;
-  const int n = static_cast<int>(segments.size()), me = ring.rank();
-  const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
-  auto m_of = [&](const Tensor& t) { return t.view().slice0(0, mk).reshape(map_shape); };
-  auto u_of = [&](const Tensor& t) { return t.view().slice0(mk, mk + uk).reshape(state_shape); };
-  std::map<int, std::size_t> slot;  // global segment index -> index in mine
-  for (std::size_t j = 0; j < mine.size(); ++j) slot[mine[j]] = j;
-  std::int64_t rounds = 0;
-  for (int o = 1; o < n; o *= 2, ++rounds) {
-    PackedRound round(alloc);
-    std::vector<Tensor> snapshot(mine.size()), received(mine.size());
-    for (std::size_t j = 0; j < mine.size(); ++j) {
-      snapshot[j] = alloc.copy_of(agg[j].view(), agg[j].dtype(), MemCategory::kCommBuffer);
-    }
-    for (std::size_t j = 0; j < mine.size(); ++j) {
-      const int i = mine[j], to = i + dir * o, from = i - dir * o;
-      if (to >= 0 && to < n && segments[to].owner != me) round.send(snapshot[j].view(), segments[to].owner);
-      if (from >= 0 && from < n) {
-        received[j] = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
-        if (segments[from].owner == me) {
-          alloc.copy_convert(snapshot[slot[from]].view(), received[j].view());
-        } else {
-          round.recv(received[j].view(), segments[from].owner);
-        }
-      }
-    }
-    round.run(ring, kTagScan, exposed_s);
-    for (std::size_t j = 0; j < mine.size(); ++j) {
-      if (!received[j].defined()) continue;
-      Tensor next = alloc.empty({mk + uk}, agg[j].dtype(), MemCategory::kCommBuffer);
-      attn::gdn_transition_compose(m_of(snapshot[j]), u_of(snapshot[j]), m_of(received[j]), u_of(received[j]),
-                                   m_of(next), u_of(next), stream);
-      agg[j] = std::move(next);
-    }
-  }
-  return rounds;
+// Head-major copy of a [B, S, H, D] tensor: [H, B, S, D], so that head h is the contiguous [B, S, 1, D] of head_view.
+Tensor head_major(const TensorView& t, MemCategory category, Stream stream) {
+  const DeviceAlloc alloc{t.device(), stream};
+  Tensor out = alloc.empty({t.dim(2), t.dim(0), t.dim(1), t.ndim() == 4 ? t.dim(3) : 1}, t.dtype(), category);
+  swap_outer_dims(t, t.dim(0) * t.dim(1), t.dim(2), out.view(), stream);
+  return out;
+}
+TensorView head_view(const Tensor& hm, std::int64_t h) {
+  return hm.view().slice0(h, h + 1).reshape({hm.dim(1), hm.dim(2), 1, hm.dim(3)});
+}
+// The inverse of head_major into `dst` [B, S, H, D] (or [B, S, H] when D = 1 and dst has 3 dims).
+void from_head_major(const Tensor& hm, const TensorView& dst, Stream stream) {
+  swap_outer_dims(hm.view(), hm.dim(0), hm.dim(1) * hm.dim(2), dst, stream);
 }
 
-// scan_maps (its rounds added to counters.message_rounds), then every scanned map of this rank applied to
-// `boundary` (the global initial state forward, d(final_state) backward), or its U alone when `boundary` is empty.
-std::vector<Tensor> scan_and_apply(Communicator& ring, const std::vector<Segment>& segments,
-                                   const std::vector<int>& mine, const Shape& map_shape, const Shape& state_shape,
-                                   int dir, std::vector<Tensor>& agg, const Tensor& boundary, CpCounters& counters,
-                                   const DeviceAlloc& alloc) {
-  const Stream stream = alloc.stream;
-  counters.message_rounds +=
-      scan_maps(ring, segments, mine, map_shape, state_shape, dir, agg, &counters.exposed_comm_s, alloc);
-  const std::int64_t mk = shape_numel(map_shape), uk = shape_numel(state_shape);
-  std::vector<Tensor> applied(mine.size());
-  for (std::size_t j = 0; j < mine.size(); ++j) {
-    const TensorView m = agg[j].view().slice0(0, mk).reshape(map_shape);
-    const TensorView u = agg[j].view().slice0(mk, mk + uk).reshape(state_shape);
-    applied[j] = alloc.empty(state_shape, agg[j].dtype(), MemCategory::kCommBuffer);
-    if (boundary.defined()) {
-      attn::gdn_transition_apply(m, u, boundary.view(), applied[j].view(), stream);
-    } else {
-      alloc.copy_convert(u, applied[j].view());
-    }
-  }
-  return applied;
+// Head h of a [N, H, ...] state tensor as a contiguous [N, 1, ...] copy, and the inverse.
+Tensor take_head(const TensorView& t, std::int64_t h, MemCategory category, Stream stream) {
+  const DeviceAlloc alloc{t.device(), stream};
+  Shape s = t.shape();
+  s[1] = 1;
+  Tensor out = alloc.empty(s, t.dtype(), category);
+  const std::int64_t idx[1] = {h};
+  gather_rows(t, 1, idx, out.view(), stream);
+  return out;
+}
+void put_head(const TensorView& src, const TensorView& dst, std::int64_t h, Stream stream) {
+  const std::int64_t idx[1] = {h};
+  scatter_rows(src, 1, idx, dst, stream);
 }
 
 }  // namespace
@@ -227,19 +206,21 @@ std::vector<std::int64_t> document_bounds(const SequenceLayout& layout) {
 // ---- GDN under CP --------------------------------------------------------------------------------------------
 
 struct GdnCp::Saved {
-  // Ring-level (head-sharded) saved inputs and per-segment state.
+  // Ring-level (head-sharded) saved inputs and per-segment, per-head state.
   Tensor q, k, v, g, beta;
   Tensor init;                                        // this rank's heads of initial_state (undefined: zeros)
-  std::vector<Tensor> start;                          // incoming state of each of this rank's segments
-  std::vector<Tensor> map_m;                          // scan: M of each segment that carries its incoming state
+  std::vector<std::vector<Tensor>> start;             // [segment of mine][value head]: incoming state [B, 1, K, V]
+  std::vector<std::vector<Tensor>> map_m;             // scan: M [B, 1, K, K] of a carrying segment (when computed)
   std::int64_t batch = 0, heads = 0, dk = 0, dv = 0;  // heads: local value heads (Hv / Pu)
   std::int64_t key_heads = 0;                         // global key heads Hk (q, k)
   std::int64_t num_docs = 1;                          // documents (1 for an unpacked layout)
   bool packed = false;
   DType state_dtype = DType::kFloat32;
 
-  // One document's state (this rank's heads): [B, Hl, K, V], B = 1 when packed.
-  Shape state_shape() const { return {batch, heads, dk, dv}; }
+  // Value heads per local key head (value head h reads local key head h / group()).
+  std::int64_t group() const { return heads / q.dim(2); }
+  // One document's state of one value head: [B, 1, K, V], B = 1 when packed.
+  Shape state_shape() const { return {batch, 1, dk, dv}; }
   // Every document's states: [N, Hl, K, V] packed, [B, Hl, K, V] otherwise.
   Shape states_shape() const { return {packed ? num_docs : batch, heads, dk, dv}; }
   // Document d's state inside a states_shape() tensor (undefined stays empty: zeros).
@@ -247,8 +228,8 @@ struct GdnCp::Saved {
     if (!states.defined()) return {};
     return packed ? states.view().slice0(d, d + 1) : states.view();
   }
-  Shape map_shape() const { return {batch, heads, dk, dk}; }
-  // A map packed as [M | U] (what the scan sends) and its two parts.
+  Shape map_shape() const { return {batch, 1, dk, dk}; }
+  // A map of one value head packed as [M | U] (what the scan sends) and its two parts.
   std::int64_t packed_numel() const { return shape_numel(map_shape()) + shape_numel(state_shape()); }
   TensorView m_of(const Tensor& packed) const {
     return packed.view().slice0(0, shape_numel(map_shape())).reshape(map_shape());
@@ -258,14 +239,49 @@ struct GdnCp::Saved {
   }
 };
 
+// Which maps a scan computes and which segments run early; a function of the segments and the direction only
+// (docs/design.md, "GDN chain and scan": "What the scan skips").
+struct GdnCp::ScanPlan {
+  int rounds = 0;
+  std::vector<std::vector<char>> need;   // [r][i]: the scanned map of segment i after round r is used
+  std::vector<std::vector<char>> known;  // [r][i]: ... has M = 0 (its U is segment i's true end state / dS_start)
+  std::vector<char> direct;              // segment i runs in round 1 from the received state instead of its map
+  std::vector<int> ready;                // the first stage (0: phase 1, r: round r) at which known[r][i]
+  // Round r composes segment i's map with the one it receives (and so receives one).
+  bool composes(int r, int i) const { return need[r][i] && !known[r - 1][i]; }
+};
+
 namespace {
 
-// `count` maps packed as [M | U] (Saved::packed_numel), all zero.
+// rows x cols undefined tensors.
+std::vector<std::vector<Tensor>> tensor_grid(std::size_t rows, std::int64_t cols) {
+  std::vector<std::vector<Tensor>> g(rows);
+  for (auto& r : g) r.resize(static_cast<std::size_t>(cols));
+  return g;
+}
+
+// A zero map packed as [M | U] (Saved::packed_numel).
 template <typename SavedT>
-std::vector<Tensor> zero_maps(const SavedT& s, std::size_t count, const DeviceAlloc& alloc) {
-  std::vector<Tensor> maps(count);
-  for (Tensor& m : maps) m = alloc.zeros({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
-  return maps;
+Tensor zero_map(const SavedT& s, const DeviceAlloc& alloc) {
+  return alloc.zeros({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+}
+
+// The ring-level inputs head-major (head_major): value head h reads q, k of key head h / group.
+struct HeadInputs {
+  Tensor q, k, v, g, beta;
+  std::int64_t group = 1;
+  TensorView qh(std::int64_t h) const { return head_view(q, h / group); }
+  TensorView kh(std::int64_t h) const { return head_view(k, h / group); }
+  TensorView vh(std::int64_t h) const { return head_view(v, h); }
+  TensorView gh(std::int64_t h) const { return head_view(g, h).reshape({g.dim(1), g.dim(2), 1}); }
+  TensorView bh(std::int64_t h) const { return head_view(beta, h).reshape({beta.dim(1), beta.dim(2), 1}); }
+};
+
+template <typename SavedT>
+HeadInputs head_inputs(const SavedT& s, Stream stream) {
+  const MemCategory c = MemCategory::kWorkspace;
+  return {head_major(s.q.view(), c, stream), head_major(s.k.view(), c, stream),    head_major(s.v.view(), c, stream),
+          head_major(s.g.view(), c, stream), head_major(s.beta.view(), c, stream), s.group()};
 }
 
 }  // namespace
@@ -290,20 +306,68 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
       mine_.push_back(i);
     }
   }
+  plan_fwd_ = std::make_shared<ScanPlan>(make_scan_plan(+1));
+  plan_bwd_ = std::make_shared<ScanPlan>(make_scan_plan(-1));
+}
+
+// The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its
+// start state to its end state, a segment "carries" when it is one piece that continues a document, and the shift
+// gives segment i + 1 the end state of i. Direction -1 (backward): the maps take dS_end to dS_start, a segment
+// carries when it is one piece that continues a document and is continued, and the shift gives segment i - 1 the
+// dS_start of i. Kogge-Stone round r (offset o = 2^(r-1)) composes the map of i with the one of i - dir o.
+GdnCp::ScanPlan GdnCp::make_scan_plan(int dir) const {
+  const int n = static_cast<int>(segments_.size());
+  ScanPlan p;
+  while ((1 << p.rounds) < n) ++p.rounds;
+  const int R = p.rounds;
+  auto in = [&](int i) { return i >= 0 && i < n; };
+  // Does the shift pass a state from segment i to segment i + dir?
+  auto link = [&](int i) { return in(i + dir) && (dir > 0 ? continues(i + 1) : continues(i)); };
+  p.known.assign(R + 1, std::vector<char>(n, 0));
+  p.need.assign(R + 1, std::vector<char>(n, 0));
+  for (int i = 0; i < n; ++i) {
+    const bool carries = pieces_[i].size() == 1 && continues(i) && (dir > 0 || continued(i));
+    p.known[0][i] = !carries;
+  }
+  for (int r = 1, o = 1; r <= R; ++r, o *= 2) {
+    for (int i = 0; i < n; ++i) p.known[r][i] = p.known[r - 1][i] || (in(i - dir * o) && p.known[r - 1][i - dir * o]);
+  }
+  for (int i = 0; i < n; ++i) p.need[R][i] = link(i);
+  for (int r = R, o = 1 << (R - 1); r >= 1; --r, o /= 2) {
+    for (int i = 0; i < n; ++i) {
+      if (!p.need[r][i]) continue;
+      p.need[r - 1][i] = 1;
+      // A known map stays as it is (a map with M = 0 composed with any other is itself).
+      if (!p.known[r - 1][i] && in(i - dir * o)) p.need[r - 1][i - dir * o] = 1;
+    }
+  }
+  // A segment whose predecessor's map is known from phase 1 and whose own unscanned map nobody else reads runs in
+  // round 1 from the state it receives, and its map is never computed.
+  p.direct.assign(n, 0);
+  p.ready.assign(n, R);
+  for (int i = 0; i < n; ++i) {
+    if (R >= 1 && p.need[1][i] && !p.known[0][i] && p.known[1][i] && !(in(i + dir) && p.composes(1, i + dir))) {
+      p.direct[i] = 1;
+    }
+    for (int r = R; r >= 0; --r) {
+      if (p.known[r][i] || (r == 1 && p.direct[i])) p.ready[i] = r;
+    }
+  }
+  return p;
 }
 
 namespace {
 
-// Inputs of `length` rows from `offset` of the ring-level tensors, copied out.
+// Inputs of `length` rows from `offset` of value head h (q, k of its key head), copied out: [B, length, 1, *].
 struct SegmentInputs {
   Tensor q, k, v, g, beta;
 };
 
-template <typename SavedT>
-SegmentInputs segment_inputs(const SavedT& s, std::int64_t offset, std::int64_t length, Stream stream) {
+SegmentInputs segment_inputs(const HeadInputs& hi, std::int64_t h, std::int64_t offset, std::int64_t length,
+                             Stream stream) {
   const MemCategory c = MemCategory::kWorkspace;
-  auto rows = [&](const Tensor& t) { return take_rows(t.view(), offset, length, c, stream); };
-  return {rows(s.q), rows(s.k), rows(s.v), rows(s.g), rows(s.beta)};
+  auto rows = [&](const TensorView& t) { return take_rows(t, offset, length, c, stream); };
+  return {rows(hi.qh(h)), rows(hi.kh(h)), rows(hi.vh(h)), rows(hi.gh(h)), rows(hi.bh(h))};
 }
 
 attn::GdnForwardArgs forward_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
@@ -351,15 +415,26 @@ void finish_doc_states(Communicator& ring, const Tensor& states, const std::vect
 
 }  // namespace
 
+// What run_scan does at each step for one value head of one of this rank's segments (forward or backward).
+struct GdnCp::ScanHooks {
+  // Phase 1: the segment's packed map, or an undefined tensor when the plan needs none.
+  std::function<Tensor(std::size_t j, std::int64_t h)> phase1;
+  // Round 1 of a direct segment: runs from the received state; returns its packed map (M = 0).
+  std::function<Tensor(std::size_t j, std::int64_t h, const TensorView& state)> direct;
+  // After the shift: runs what is left with the state it received (empty when it receives none).
+  std::function<void(std::size_t j, std::int64_t h, const TensorView& state)> finish;
+};
+
 // One forward call's buffers, shared by its steps (run_pieces, forward_chain, forward_scan).
 struct GdnCp::ForwardPass {
   Saved& s;
   const DeviceAlloc& alloc;
   Stream stream;
   DType dtype;    // of q: the outputs'
-  Tensor& out_h;  // [B, S_ring, Hl, V]; padding rows belong to no segment and stay 0
+  Tensor& out_hm;  // head-major [Hl, B, S_ring, V]; padding rows belong to no segment and stay 0
   Tensor&
       finals;  // the end state of every document that ends in one of this rank's pieces (summed over the ring later)
+  const HeadInputs& in;  // the ring-level inputs, head-major
 };
 
 GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -395,20 +470,29 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   if (!initial_state.empty()) s.init = a2a.my_heads_dim1(initial_state);
 
   // Padding rows belong to no segment: their outputs stay 0.
-  Tensor out_h = alloc.zeros({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
+  Tensor out_hm = alloc.zeros({s.heads, B, sr, V}, q.dtype(), MemCategory::kWorkspace);
   // The end state of every document that ends in one of this rank's pieces (summed over the ring afterwards).
   Tensor finals = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
-  s.start.resize(mine_.size());
-  s.map_m.resize(mine_.size());
-  ForwardPass f{s, alloc, stream, q.dtype(), out_h, finals};
+  s.start = tensor_grid(mine_.size(), s.heads);
+  s.map_m = tensor_grid(mine_.size(), s.heads);
+  for (auto& per_head : s.start) {
+    for (Tensor& t : per_head) t = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
+  }
+  const HeadInputs hin = head_inputs(s, stream);
+  ForwardPass f{s, alloc, stream, q.dtype(), out_hm, finals, hin};
+  phases_ = {};
   {
     const CommMeter meter(groups_, counters_);
+    const double exposed0 = counters_.exposed_comm_s;
     if (config_.mode == GdnCpMode::kChain) {
       forward_chain(f);
     } else {
       forward_scan(f);
     }
+    phases_.wait = counters_.exposed_comm_s - exposed0;
   }
+  Tensor out_h = alloc.empty({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
+  from_head_major(out_hm, out_h.view(), stream);
 
   // final_state: every document's end state summed over the ring, then the heads gathered over Ulysses.
   GdnCpOutput result;
@@ -418,7 +502,8 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   a2a.to_sequence(out_h.view(), result.out.view());
   SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank() << "/"
                      << ring.size() << ", " << segments_.size() << " segments): message rounds so far "
-                     << counters_.message_rounds;
+                     << counters_.message_rounds << "; seconds: maps " << phases_.maps << ", local " << phases_.local
+                     << ", combine " << phases_.combine << ", wait " << phases_.wait;
   result.ctx = CpContext::make(id_, "GDN CP", std::move(cp_));
   return result;
 }
@@ -461,11 +546,11 @@ std::shared_ptr<GdnCp::Saved> GdnCp::validate_forward(
   return saved;
 }
 
-// Runs the pieces of segment j that start a document (when `known`: from the document's initial state) and the
-// piece that continues the previous segment's document (when `continuing`: from s.start[j]); writes their out
-// rows and the end state of every document that ends here into f.finals. Returns the end state of the last piece
-// run.
-Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, bool known, bool continuing) {
+// Runs, for value head h, the pieces of segment j that start a document (when `known`: from the document's initial
+// state) and the piece that continues the previous segment's document (when `continuing`: from s.start[j][h]);
+// writes their out rows and the end state of every document that ends here into f.finals. Returns the end state of
+// the last piece run.
+Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, std::int64_t h, bool known, bool continuing) {
   Saved& s = f.s;
   const DeviceAlloc& alloc = f.alloc;
   const Stream stream = f.stream;
@@ -474,99 +559,215 @@ Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, bool known, bool continu
   Tensor end;
   for (const SegmentPiece& p : pieces_[mine_[j]]) {
     if (p.starts_doc ? !known : !continuing) continue;
-    const SegmentInputs in = segment_inputs(s, seg.local_offset + p.offset, p.length, stream);
-    Tensor out_p = alloc.empty({B, p.length, s.heads, V}, f.dtype, MemCategory::kWorkspace);
+    const SegmentInputs in = segment_inputs(f.in, h, seg.local_offset + p.offset, p.length, stream);
+    Tensor out_p = alloc.empty({B, p.length, 1, V}, f.dtype, MemCategory::kWorkspace);
     end = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+    Tensor init;
+    if (p.starts_doc && s.init.defined())
+      init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
     {
       const ScopedTimer timer(counters_.compute_s);
-      const TensorView start = p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view();
+      const ScopedTimer phase(phases_.local);
+      const TensorView start = p.starts_doc ? (init.defined() ? init.view() : TensorView()) : s.start[j][h].view();
       attn::gdn_forward(forward_args(in, config_, start), out_p.view(), end.view(), stream);
     }
-    put_rows(out_p.view(), f.out_h.view(), seg.local_offset + p.offset, stream);
-    if (p.ends_doc) alloc.copy_convert(end.view(), s.doc_state(f.finals, p.doc));
+    put_rows(out_p.view(), head_view(f.out_hm, h), seg.local_offset + p.offset, stream);
+    if (p.ends_doc) put_head(end.view(), s.doc_state(f.finals, p.doc), h, stream);
   }
   return end;
 }
 
-// The chain: each segment waits for the end state of the segment before it, runs, and sends its own on.
+// The chain: each segment waits for the end state of the segment before it, runs, and sends its own on, one value
+// head at a time, so that the next segment's owner starts on head h while this one runs head h + 1.
 void GdnCp::forward_chain(ForwardPass& f) {
   Saved& s = f.s;
   const DeviceAlloc& alloc = f.alloc;
   Communicator& ring = groups_.ring;
   const int n = static_cast<int>(segments_.size());
   const int me = ring.rank();
+  const std::int64_t H = s.heads;
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
-  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
   std::vector<WorkHandle> sends;
-  std::vector<Tensor> ends(mine_.size());  // end states; alive until their sends complete
+  std::vector<std::vector<Tensor>> ends = tensor_grid(mine_.size(), H);
   for (std::size_t j = 0; j < mine_.size(); ++j) {
     const int i = mine_[j];
-    s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-    if (continues(i)) {  // i > 0: token 0 starts a document
-      if (segments_[i - 1].owner == me) {
-        alloc.copy_convert(ends[j - 1].view(), s.start[j].view());
-      } else {
-        wait_timed(ring.irecv(s.start[j].view(), segments_[i - 1].owner, tag_of(kTagChainFwd, i)));
+    for (std::int64_t h = 0; h < H; ++h) {
+      if (continues(i)) {  // i > 0: token 0 starts a document
+        if (segments_[i - 1].owner == me) {
+          alloc.copy_convert(ends[j - 1][h].view(), s.start[j][h].view());
+        } else {
+          wait_timed(ring.irecv(s.start[j][h].view(), segments_[i - 1].owner,
+                                tag_of(kTagChainFwd, static_cast<int>(i * H + h))));
+        }
       }
-    }
-    ends[j] = run_pieces(f, j, true, true);
-    if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me) {
-      sends.push_back(ring.isend(ends[j].view(), segments_[i + 1].owner, tag_of(kTagChainFwd, i + 1)));
+      ends[j][h] = run_pieces(f, j, h, true, true);
+      if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me) {
+        sends.push_back(ring.isend(ends[j][h].view(), segments_[i + 1].owner,
+                                   tag_of(kTagChainFwd, static_cast<int>((i + 1) * H + h))));
+      }
+      for (auto& w : sends) (void)w->test();  // progress for messages that need the sender
     }
   }
-  finish_chain(sends);
+  finish_chain_sends(sends, counters_, chain_links_);
 }
 
-// The scan: every segment's map of its incoming state, a Kogge-Stone scan of the maps over the ring, then each
-// segment runs from its incoming state.
+// The scan of docs/design.md, "GDN chain and scan", one value head at a time through each stage (phase 1, the
+// rounds, the shift with the final runs), every message posted as soon as its contents are final.
+void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAlloc& alloc, const ScanHooks& hooks) {
+  Communicator& ring = groups_.ring;
+  const int n = static_cast<int>(segments_.size()), me = ring.rank(), R = p.rounds;
+  const std::int64_t H = s.heads;
+  const std::size_t nm = mine_.size();
+  auto in = [&](int i) { return i >= 0 && i < n; };
+  auto owner = [&](int i) { return segments_[i].owner; };
+  std::vector<std::vector<Tensor>> agg = tensor_grid(nm, H);
+  std::vector<std::unique_ptr<PackedRound>> sends;
+  auto post = [&](std::unique_ptr<PackedRound> pr, int tag) {
+    if (pr->empty()) return;
+    pr->post(ring, tag);
+    sends.push_back(std::move(pr));
+  };
+  auto poke = [&] {
+    for (auto& pr : sends) pr->poke();
+  };
+  // Round r's messages of head h (the maps after round r - 1).
+  auto post_round = [&](int r, std::int64_t h) {
+    if (r > R) return;
+    const int o = 1 << (r - 1);
+    auto pr = std::make_unique<PackedRound>(alloc);
+    for (std::size_t j = 0; j < nm; ++j) {
+      const int to = mine_[j] + dir * o;
+      if (in(to) && owner(to) != me && p.composes(r, to)) pr->send(agg[j][h].view(), owner(to));
+    }
+    post(std::move(pr), tag_of(kTagScan, static_cast<int>((r - 1) * H + h)));
+  };
+  // The shift's messages: per peer, the states of this rank's segments that go there, sent at the first stage at
+  // which all of them are final (a map with M = 0 no longer changes).
+  std::map<int, int> shift_stage;
+  for (std::size_t j = 0; j < nm; ++j) {
+    const int i = mine_[j], to = i + dir;
+    if (!p.need[R][i] || owner(to) == me || p.direct[to]) continue;
+    shift_stage[owner(to)] = std::max(shift_stage[owner(to)], p.ready[i]);
+  }
+  auto post_shift = [&](int stage, std::int64_t h) {
+    for (const auto& [peer, st] : shift_stage) {
+      if (st != stage) continue;
+      auto pr = std::make_unique<PackedRound>(alloc);
+      for (std::size_t j = 0; j < nm; ++j) {
+        const int i = mine_[j], to = i + dir;
+        if (p.need[R][i] && owner(to) == peer && !p.direct[to]) pr->send(s.u_of(agg[j][h]), peer);
+      }
+      post(std::move(pr), tag_of(kTagShift, static_cast<int>(h)));
+    }
+  };
+  // 1. Each segment's map (or, when its start is known, its run).
+  for (std::int64_t h = 0; h < H; ++h) {
+    for (std::size_t j = 0; j < nm; ++j) agg[j][h] = hooks.phase1(j, h);
+    post_round(1, h);
+    post_shift(0, h);
+    poke();
+  }
+  // 2. Kogge-Stone rounds: agg_i <- agg_i o agg_{i - dir o}, only where the result is used; a direct segment runs
+  // from the state it receives in round 1.
+  for (int r = 1, o = 1; r <= R; ++r, o *= 2) {
+    for (std::int64_t h = 0; h < H; ++h) {
+      PackedRound recv(alloc);
+      std::vector<Tensor> got(nm);  // received (or this rank's own, copied) maps of round r - 1
+      for (std::size_t j = 0; j < nm; ++j) {
+        const int i = mine_[j], from = i - dir * o;
+        if (!in(from) || !p.composes(r, i)) continue;
+        if (owner(from) == me) {
+          got[j] = alloc.copy_of(agg[slot_.at(from)][h].view(), s.state_dtype, MemCategory::kCommBuffer);
+        } else {
+          got[j] = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+          recv.recv(got[j].view(), owner(from));
+        }
+      }
+      recv.run(ring, tag_of(kTagScan, static_cast<int>((r - 1) * H + h)), &counters_.exposed_comm_s);
+      for (std::size_t j = 0; j < nm; ++j) {
+        if (!got[j].defined()) continue;
+        if (r == 1 && p.direct[mine_[j]]) {
+          agg[j][h] = hooks.direct(j, h, s.u_of(got[j]));
+          continue;
+        }
+        const ScopedTimer timer(counters_.compute_s);
+        const ScopedTimer phase(phases_.combine);
+        Tensor next = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
+        attn::gdn_transition_compose(s.m_of(agg[j][h]), s.u_of(agg[j][h]), s.m_of(got[j]), s.u_of(got[j]), s.m_of(next),
+                                     s.u_of(next), alloc.stream);
+        agg[j][h] = std::move(next);
+      }
+      post_round(r + 1, h);
+      post_shift(r, h);
+      poke();
+    }
+  }
+  counters_.message_rounds += R;
+  // 3. The shift gives every segment the state at its start (forward) or end (backward), and it runs.
+  for (std::int64_t h = 0; h < H; ++h) {
+    PackedRound recv(alloc);
+    std::vector<Tensor> state(nm);
+    for (std::size_t j = 0; j < nm; ++j) {
+      const int i = mine_[j], from = i - dir;
+      if (!in(from) || !p.need[R][from] || p.direct[i]) continue;
+      if (owner(from) == me) {
+        state[j] = alloc.copy_of(s.u_of(agg[slot_.at(from)][h]), s.state_dtype, MemCategory::kCommBuffer);
+      } else {
+        state[j] = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+        recv.recv(state[j].view(), owner(from));
+      }
+    }
+    recv.run(ring, tag_of(kTagShift, static_cast<int>(h)), &counters_.exposed_comm_s);
+    for (std::size_t j = 0; j < nm; ++j) {
+      if (!p.direct[mine_[j]]) hooks.finish(j, h, state[j].defined() ? state[j].view() : TensorView());
+      poke();
+    }
+  }
+  if (n > 1) ++counters_.message_rounds;
+  for (auto& pr : sends) pr->wait(&counters_.exposed_comm_s);
+}
+
+// The scan forward: the maps of the segments that carry their incoming state (gdn_transition), the known segments
+// run in phase 1, the direct ones in round 1, the others after the shift.
 void GdnCp::forward_scan(ForwardPass& f) {
   Saved& s = f.s;
   const DeviceAlloc& alloc = f.alloc;
-  Communicator& ring = groups_.ring;
-  const int n = static_cast<int>(segments_.size());
-  const int me = ring.rank();
   const Stream stream = f.stream;
-  // 1. Each segment's map, packed as [M | U]: a segment that carries its incoming state through (one piece, which
-  // continues a document) has the map of that piece from a zero start; any other starts from known states only
-  // (M = 0), so its pieces run now and U is the end state of its last piece.
-  std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
-  for (std::size_t j = 0; j < mine_.size(); ++j) {
+  const ScanPlan& p = *plan_fwd_;
+  ScanHooks hooks;
+  hooks.phase1 = [&](std::size_t j, std::int64_t h) -> Tensor {
     const int i = mine_[j];
-    if (pieces_[i].size() == 1 && continues(i)) {
-      const Segment& seg = segments_[i];
-      const SegmentInputs in = segment_inputs(s, seg.local_offset, seg.length, stream);
-      {
-        const ScopedTimer timer(counters_.compute_s);
-        attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg[j]), s.u_of(agg[j]), stream);
-      }
-      s.map_m[j] = alloc.copy_of(s.m_of(agg[j]), s.state_dtype, MemCategory::kSavedActivation);
-    } else {
-      const Tensor end = run_pieces(f, j, true, false);
-      alloc.copy_convert(end.view(), s.u_of(agg[j]));
+    if (p.known[0][i]) {  // its pieces start from known states (M = 0): U is the end state of its last piece
+      Tensor agg = zero_map(s, alloc);
+      const Tensor end = run_pieces(f, j, h, true, false);
+      alloc.copy_convert(end.view(), s.u_of(agg));
+      return agg;
     }
-  }
-  // 2. Kogge-Stone inclusive scan: agg_i <- agg_i o agg_{i-o}; 3. the end state of every segment (U of its
-  // scanned map: the first segment starts a document, so no map depends on a state before the row); then a
-  // shift by one segment gives the incoming states.
-  const std::vector<Tensor> end =
-      scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), +1, agg, Tensor(), counters_, alloc);
-  PackedRound shift(alloc);
-  for (std::size_t j = 0; j < mine_.size(); ++j) {
-    const int i = mine_[j];
-    s.start[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
-    if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me)
-      shift.send(end[j].view(), segments_[i + 1].owner);
-    if (!continues(i)) continue;
-    if (segments_[i - 1].owner == me) {
-      alloc.copy_convert(end[slot_.at(i - 1)].view(), s.start[j].view());
-    } else {
-      shift.recv(s.start[j].view(), segments_[i - 1].owner);
+    if (!p.need[0][i] || p.direct[i]) return {};
+    Tensor agg = zero_map(s, alloc);
+    const Segment& seg = segments_[i];
+    const SegmentInputs in = segment_inputs(f.in, h, seg.local_offset, seg.length, stream);
+    {
+      const ScopedTimer timer(counters_.compute_s);
+      const ScopedTimer phase(phases_.maps);
+      attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg), s.u_of(agg), stream);
     }
-  }
-  shift.run(ring, kTagShift, &counters_.exposed_comm_s);
-  if (n > 1) ++counters_.message_rounds;
-  // 4. The pieces that continue a document run from their incoming state.
-  for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces(f, j, false, true);
+    s.map_m[j][h] = alloc.copy_of(s.m_of(agg), s.state_dtype, MemCategory::kSavedActivation);
+    return agg;
+  };
+  hooks.direct = [&](std::size_t j, std::int64_t h, const TensorView& start) -> Tensor {
+    alloc.copy_convert(start, s.start[j][h].view());
+    Tensor agg = zero_map(s, alloc);
+    const Tensor end = run_pieces(f, j, h, false, true);
+    alloc.copy_convert(end.view(), s.u_of(agg));
+    return agg;
+  };
+  hooks.finish = [&](std::size_t j, std::int64_t h, const TensorView& start) {
+    if (start.empty()) return;
+    alloc.copy_convert(start, s.start[j][h].view());
+    run_pieces(f, j, h, false, true);
+  };
+  run_scan(p, +1, s, alloc, hooks);
 }
 
 // One backward call's inputs and gradient buffers, shared by its steps (run_piece, run_pieces_backward,
@@ -577,21 +778,24 @@ struct GdnCp::BackwardPass {
   Stream stream;
   DType dtype;           // of q: the gradients'
   DType qk_grad_dtype;   // dq, dk before the sum over replicated key heads (the accumulation dtype when replicated)
-  Tensor& dout_h;        // [B, S_ring, Hl, V]
+  DType vqk_dtype;       // dq, dk of one value head: qk_grad_dtype, or the state dtype when value heads are grouped
+  const HeadInputs& in;  // the ring-level inputs, head-major
+  Tensor& dout_hm;       // head-major [Hl, B, S_ring, V]
   Tensor& dfinal_local;  // this rank's heads of dfinal_state (undefined: zeros)
-  Tensor& dq_h;
-  Tensor& dk_h;
-  Tensor& dv_h;
-  Tensor& dg_h;
-  Tensor& db_h;
+  // Head-major gradients: dq, dk per value head ([Hl, B, S_ring, K], summed per key head at the end), dv, dg, dbeta.
+  Tensor& dq_vm;
+  Tensor& dk_vm;
+  Tensor& dv_hm;
+  Tensor& dg_hm;
+  Tensor& db_hm;
   Tensor& dinits;  // d(initial_state) of every document that starts in one of this rank's pieces
 };
 
-// The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
-// Tensors keeps their buffers, so the views in `args` stay valid).
+// The backward arguments of piece p of segment j for one value head (its inputs and dout rows, owned by the returned
+// struct; moving Tensors keeps their buffers, so the views in `args` stay valid).
 struct GdnCp::PieceBackward {
   SegmentInputs in;
-  Tensor dout;
+  Tensor dout, init;
   attn::GdnBackwardArgs args;
 };
 
@@ -631,22 +835,60 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   // the accumulation dtype (fp32, fp64 for fp64). Padding rows belong to no segment: their gradients stay 0.
   const DType qk_grad_dtype =
       heads.replication == 1 ? dtype : (dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
-  Tensor dq_h = alloc.zeros(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-  Tensor dk_h = alloc.zeros(s.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-  Tensor dv_h = alloc.zeros({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
-  Tensor dg_h = alloc.zeros({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
-  Tensor db_h = alloc.zeros({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
+  // Head-major gradients, one value head at a time; with grouped value heads (G > 1) each value head's dq, dk
+  // contribution stays in the state dtype and the G of a key head are summed in value-head order below, as the
+  // kernel's own grouped sum does (docs/design.md, "Grouped value heads").
+  const std::int64_t G = s.group(), Hl = s.heads, Hkl = s.q.dim(2);
+  const DType vqk_dtype = G > 1 ? s.state_dtype : qk_grad_dtype;
+  Tensor dq_vm = alloc.zeros({Hl, B, sr, K}, vqk_dtype, MemCategory::kWorkspace);
+  Tensor dk_vm = alloc.zeros({Hl, B, sr, K}, vqk_dtype, MemCategory::kWorkspace);
+  Tensor dv_hm = alloc.zeros({Hl, B, sr, V}, dtype, MemCategory::kWorkspace);
+  Tensor dg_hm = alloc.zeros({Hl, B, sr, 1}, dtype, MemCategory::kWorkspace);
+  Tensor db_hm = alloc.zeros({Hl, B, sr, 1}, dtype, MemCategory::kWorkspace);
+  Tensor dout_hm = head_major(dout_h.view(), MemCategory::kWorkspace, stream);
+  const HeadInputs hin = head_inputs(s, stream);
   // d(initial_state) of every document that starts in one of this rank's pieces (summed over the ring afterwards).
   Tensor dinits = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
-  BackwardPass bp{s, alloc, stream, dtype, qk_grad_dtype, dout_h, dfinal_local, dq_h, dk_h, dv_h, dg_h, db_h, dinits};
+  BackwardPass bp{s,     alloc, stream, dtype, qk_grad_dtype, vqk_dtype, hin, dout_hm, dfinal_local,
+                  dq_vm, dk_vm, dv_hm,  dg_hm, db_hm,         dinits};
+  phases_ = {};
   {
     const CommMeter meter(groups_, counters_);
+    const double exposed0 = counters_.exposed_comm_s;
     if (config_.mode == GdnCpMode::kChain) {
       backward_chain(bp);
     } else {
       backward_scan(bp);
     }
+    phases_.wait = counters_.exposed_comm_s - exposed0;
   }
+  SEQPAR_LOG(kDebug) << "GDN backward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank()
+                     << "): seconds: maps " << phases_.maps << ", local " << phases_.local << ", combine "
+                     << phases_.combine << ", wait " << phases_.wait;
+  auto key_heads_of = [&](const Tensor& vm) {
+    Tensor km = alloc.empty({Hkl, B, sr, K}, qk_grad_dtype, MemCategory::kWorkspace);
+    for (std::int64_t kh = 0; kh < Hkl; ++kh) {
+      Tensor acc = alloc.copy_of(vm.view().slice0(kh * G, kh * G + 1), s.state_dtype, MemCategory::kWorkspace);
+      for (std::int64_t e = 1; e < G; ++e)
+        add_inplace(acc.view(), vm.view().slice0(kh * G + e, kh * G + e + 1), stream);
+      alloc.copy_convert(acc.view(), km.view().slice0(kh, kh + 1));
+    }
+    return km;
+  };
+  Tensor dq_h = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dk_h = alloc.empty(s.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dv_h = alloc.empty({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
+  Tensor dg_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
+  Tensor db_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
+  if (G > 1) {
+    dq_vm = key_heads_of(dq_vm);
+    dk_vm = key_heads_of(dk_vm);
+  }
+  from_head_major(dq_vm, dq_h.view(), stream);
+  from_head_major(dk_vm, dk_h.view(), stream);
+  from_head_major(dv_hm, dv_h.view(), stream);
+  from_head_major(dg_hm, dg_h.view(), stream);
+  from_head_major(db_hm, db_h.view(), stream);
 
   GdnCpGrads grads;
   auto gather = [&](const Tensor& t, const Shape& shape) {
@@ -668,63 +910,74 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
 
 // The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
 // Tensors keeps their buffers, so the views in `args` stay valid).
-GdnCp::PieceBackward GdnCp::piece_backward(BackwardPass& bp, std::size_t j,
-                                                                     const SegmentPiece& p) {
+GdnCp::PieceBackward GdnCp::piece_backward(BackwardPass& bp, std::size_t j, const SegmentPiece& p, std::int64_t h) {
   const Saved& s = bp.s;
   const Stream stream = bp.stream;
   const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
-  PieceBackward b{segment_inputs(s, offset, p.length, stream),
-                  take_rows(bp.dout_h.view(), offset, p.length, MemCategory::kWorkspace, stream),
+  PieceBackward b{segment_inputs(bp.in, h, offset, p.length, stream),
+                  take_rows(head_view(bp.dout_hm, h), offset, p.length, MemCategory::kWorkspace, stream),
+                  {},
                   {}};
-  b.args.fwd = forward_args(b.in, config_, p.starts_doc ? s.doc_state(s.init, p.doc) : s.start[j].view());
+  if (p.starts_doc && s.init.defined())
+    b.init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
+  const TensorView start = p.starts_doc ? (b.init.defined() ? b.init.view() : TensorView()) : s.start[j][h].view();
+  b.args.fwd = forward_args(b.in, config_, start);
   b.args.dout = b.dout.view();
   return b;
 }
 
-// Full backward of piece p of segment j with the given dS_end; writes the gradients' rows and returns dS_start.
-Tensor GdnCp::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, const TensorView& ds_end) {
+// Full backward of piece p of segment j, value head h, with the given dS_end; writes the gradients' rows and returns
+// dS_start.
+Tensor GdnCp::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, std::int64_t h,
+                        const TensorView& ds_end) {
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
   const Stream stream = bp.stream;
-  const DType dtype = bp.dtype, qk_grad_dtype = bp.qk_grad_dtype;
+  const DType dtype = bp.dtype;
   const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
-  PieceBackward b = piece_backward(bp, j, p);
+  PieceBackward b = piece_backward(bp, j, p, h);
   const SegmentInputs& in = b.in;
   b.args.dfinal_state = ds_end;
-  Tensor dq = alloc.empty(in.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-  Tensor dk = alloc.empty(in.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+  Tensor dq = alloc.empty(in.q.shape(), bp.vqk_dtype, MemCategory::kWorkspace);
+  Tensor dk = alloc.empty(in.k.shape(), bp.vqk_dtype, MemCategory::kWorkspace);
   Tensor dv = alloc.empty(in.v.shape(), dtype, MemCategory::kWorkspace);
   Tensor dg = alloc.empty(in.g.shape(), dtype, MemCategory::kWorkspace);
   Tensor db = alloc.empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
   Tensor ds_start = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
   {
     const ScopedTimer timer(counters_.compute_s);
+    const ScopedTimer phase(phases_.local);
     attn::gdn_backward(b.args, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
   }
-  put_rows(dq.view(), bp.dq_h.view(), offset, stream);
-  put_rows(dk.view(), bp.dk_h.view(), offset, stream);
-  put_rows(dv.view(), bp.dv_h.view(), offset, stream);
-  put_rows(dg.view(), bp.dg_h.view(), offset, stream);
-  put_rows(db.view(), bp.db_h.view(), offset, stream);
+  put_rows(dq.view(), head_view(bp.dq_vm, h), offset, stream);
+  put_rows(dk.view(), head_view(bp.dk_vm, h), offset, stream);
+  put_rows(dv.view(), head_view(bp.dv_hm, h), offset, stream);
+  put_rows(dg.view().reshape({dg.dim(0), dg.dim(1), 1, 1}), head_view(bp.dg_hm, h), offset, stream);
+  put_rows(db.view().reshape({db.dim(0), db.dim(1), 1, 1}), head_view(bp.db_hm, h), offset, stream);
   return ds_start;
 }
 
-// Runs, last first, the pieces of segment j that end their document (when `known`: dS_end = that document's
-// dfinal_state) and the piece whose document goes on in the next segment (when `waiting`: dS_end = ds_end_in);
-// records dinitial_state of every document that starts here into bp.dinits. Returns dS_start of the piece that
-// continues the previous segment's document when it ran (the segment's dS_start), else an undefined tensor.
-Tensor GdnCp::run_pieces_backward(BackwardPass& bp, std::size_t j, bool known, bool waiting,
-                                               const TensorView& ds_end_in) {
+// Runs, last first, value head h of the pieces of segment j that end their document (when `known`: dS_end = that
+// document's dfinal_state) and of the piece whose document goes on in the next segment (when `waiting`: dS_end =
+// ds_end_in); records dinitial_state of every document that starts here into bp.dinits. Returns dS_start of the
+// piece that continues the previous segment's document when it ran (the segment's dS_start), else an undefined
+// tensor.
+Tensor GdnCp::run_pieces_backward(BackwardPass& bp, std::size_t j, std::int64_t h, bool known, bool waiting,
+                                  const TensorView& ds_end_in) {
   const Saved& s = bp.s;
-  const DeviceAlloc& alloc = bp.alloc;
+  const Stream stream = bp.stream;
   Tensor seg_ds_start;
   const std::vector<SegmentPiece>& pc = pieces_[mine_[j]];
   for (auto it = pc.rbegin(); it != pc.rend(); ++it) {
     const SegmentPiece& p = *it;
     if (p.ends_doc ? !known : !waiting) continue;
-    Tensor ds = run_piece(bp, j, p, p.ends_doc ? s.doc_state(bp.dfinal_local, p.doc) : ds_end_in);
+    Tensor dfinal;
+    if (p.ends_doc && bp.dfinal_local.defined()) {
+      dfinal = take_head(s.doc_state(bp.dfinal_local, p.doc), h, MemCategory::kWorkspace, stream);
+    }
+    Tensor ds = run_piece(bp, j, p, h, p.ends_doc ? (dfinal.defined() ? dfinal.view() : TensorView()) : ds_end_in);
     if (p.starts_doc) {
-      alloc.copy_convert(ds.view(), s.doc_state(bp.dinits, p.doc));
+      put_head(ds.view(), s.doc_state(bp.dinits, p.doc), h, stream);
     } else {
       seg_ds_start = std::move(ds);
     }
@@ -732,82 +985,85 @@ Tensor GdnCp::run_pieces_backward(BackwardPass& bp, std::size_t j, bool known, b
   return seg_ds_start;
 }
 
-// The chain, last segment first: each waits for dS_end from the segment after it, runs, and sends dS_start back.
+// The chain, last segment first: each waits for dS_end from the segment after it, runs, and sends dS_start back,
+// one value head at a time (the pipeline of forward_chain).
 void GdnCp::backward_chain(BackwardPass& bp) {
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
   Communicator& ring = groups_.ring;
   const int me = ring.rank();
+  const std::int64_t H = s.heads;
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
-  auto finish_chain = [&](std::vector<WorkHandle>& sends) { finish_chain_sends(sends, counters_, chain_links_); };
   std::vector<WorkHandle> sends;
-  std::vector<Tensor> ds_starts(mine_.size());  // alive until their sends complete
+  // alive until their sends complete
+  std::vector<std::vector<Tensor>> ds_starts = tensor_grid(mine_.size(), H);
   for (std::size_t jj = mine_.size(); jj-- > 0;) {
     const int i = mine_[jj];
-    Tensor ds_end = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-    if (continued(i)) {  // i + 1 < n: the last token of the row ends a document
-      if (segments_[i + 1].owner == me) {
-        alloc.copy_convert(ds_starts[jj + 1].view(), ds_end.view());
-      } else {
-        wait_timed(ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, i)));
+    for (std::int64_t h = 0; h < H; ++h) {
+      Tensor ds_end = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
+      if (continued(i)) {  // i + 1 < n: the last token of the row ends a document
+        if (segments_[i + 1].owner == me) {
+          alloc.copy_convert(ds_starts[jj + 1][h].view(), ds_end.view());
+        } else {
+          wait_timed(
+              ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, static_cast<int>(i * H + h))));
+        }
       }
-    }
-    ds_starts[jj] = run_pieces_backward(bp, jj, true, true, ds_end.view());
-    if (continues(i) && segments_[i - 1].owner != me) {
-      sends.push_back(ring.isend(ds_starts[jj].view(), segments_[i - 1].owner, tag_of(kTagChainBwd, i - 1)));
+      ds_starts[jj][h] = run_pieces_backward(bp, jj, h, true, true, ds_end.view());
+      if (continues(i) && segments_[i - 1].owner != me) {
+        sends.push_back(ring.isend(ds_starts[jj][h].view(), segments_[i - 1].owner,
+                                   tag_of(kTagChainBwd, static_cast<int>((i - 1) * H + h))));
+      }
+      for (auto& w : sends) (void)w->test();  // progress for messages that need the sender
     }
   }
-  finish_chain(sends);
+  finish_chain_sends(sends, counters_, chain_links_);
 }
 
-// The reverse scan: every segment's map of dS_start in terms of dS_end, a reverse Kogge-Stone scan of the maps over
-// the ring, then each segment runs with its dS_end.
+// The reverse scan: the maps (M^T, L) of dS_start in terms of dS_end of the carrying segments (L from the cheap
+// reverse sweep), the known segments run in phase 1, the direct ones in round 1, the others after the shift.
 void GdnCp::backward_scan(BackwardPass& bp) {
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
-  Communicator& ring = groups_.ring;
-  const int n = static_cast<int>(segments_.size());
-  const int me = ring.rank();
   const Stream stream = bp.stream;
-  // 1. Each segment's map (M^T, L) of dS_start in terms of dS_end. A segment that carries its state through and
-  // whose last token ends no document: M^T and the local part L from the cheap reverse sweep. Any other: M = 0
-  // (dS_end comes from its documents' dfinal_state), its pieces that end a document run now, and L is the dS_start
-  // of its continuing piece (0 when its first token starts a document).
-  std::vector<Tensor> agg = zero_maps(s, mine_.size(), alloc);
-  for (std::size_t j = 0; j < mine_.size(); ++j) {
+  const ScanPlan& p = *plan_bwd_;
+  ScanHooks hooks;
+  hooks.phase1 = [&](std::size_t j, std::int64_t h) -> Tensor {
     const int i = mine_[j];
-    if (pieces_[i].size() == 1 && continues(i) && continued(i)) {
-      const PieceBackward b = piece_backward(bp, j, pieces_[i].front());
-      const ScopedTimer timer(counters_.compute_s);
-      attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg[j]), stream);
-      attn::gdn_transition_transpose(s.map_m[j].view(), s.m_of(agg[j]), stream);
-    } else {
-      const Tensor l = run_pieces_backward(bp, j, true, false, {});
-      if (l.defined()) alloc.copy_convert(l.view(), s.u_of(agg[j]));
+    if (p.known[0][i]) {  // dS_end comes from its documents' dfinal_state (M = 0); L: dS_start of its continuing piece
+      Tensor agg = zero_map(s, alloc);
+      const Tensor l = run_pieces_backward(bp, j, h, true, false, {});
+      if (l.defined()) alloc.copy_convert(l.view(), s.u_of(agg));
+      return agg;
     }
-  }
-  // 2. Reverse Kogge-Stone scan: agg_i <- agg_i o agg_{i+o} (the later segments' map applies first); 3. dS_start
-  // of every segment (U of its scanned map: the last segment ends a document); then a shift to the previous
-  // segment gives each dS_end.
-  const std::vector<Tensor> ds_start =
-      scan_and_apply(ring, segments_, mine_, s.map_shape(), s.state_shape(), -1, agg, Tensor(), counters_, alloc);
-  PackedRound shift(alloc);
-  std::vector<Tensor> ds_end(mine_.size());
-  for (std::size_t j = 0; j < mine_.size(); ++j) {
-    const int i = mine_[j];
-    ds_end[j] = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-    if (continues(i) && segments_[i - 1].owner != me) shift.send(ds_start[j].view(), segments_[i - 1].owner);
-    if (!continued(i)) continue;
-    if (segments_[i + 1].owner == me) {
-      alloc.copy_convert(ds_start[slot_.at(i + 1)].view(), ds_end[j].view());
-    } else {
-      shift.recv(ds_end[j].view(), segments_[i + 1].owner);
+    if (!p.need[0][i] || p.direct[i]) return {};
+    Tensor agg = zero_map(s, alloc);
+    const PieceBackward b = piece_backward(bp, j, pieces_[i].front(), h);
+    const ScopedTimer timer(counters_.compute_s);
+    const ScopedTimer phase(phases_.maps);
+    attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg), stream);
+    Tensor m;
+    if (!s.map_m[j][h].defined()) {  // the forward did not need this map
+      m = alloc.empty(s.map_shape(), s.state_dtype, MemCategory::kWorkspace);
+      Tensor u = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kWorkspace);
+      attn::GdnForwardArgs a = b.args.fwd;
+      a.initial_state = {};
+      attn::gdn_transition(a, m.view(), u.view(), stream);
     }
-  }
-  shift.run(ring, kTagShift, &counters_.exposed_comm_s);
-  if (n > 1) ++counters_.message_rounds;
-  // 4. The pieces whose document goes on in the next segment run with their dS_end.
-  for (std::size_t j = 0; j < mine_.size(); ++j) run_pieces_backward(bp, j, false, true, ds_end[j].view());
+    attn::gdn_transition_transpose(m.defined() ? m.view() : s.map_m[j][h].view(), s.m_of(agg), stream);
+    return agg;
+  };
+  hooks.direct = [&](std::size_t j, std::int64_t h, const TensorView& ds_end) -> Tensor {
+    Tensor agg = zero_map(s, alloc);
+    const Tensor ds = run_pieces_backward(bp, j, h, false, true, ds_end);
+    alloc.copy_convert(ds.view(), s.u_of(agg));
+    return agg;
+  };
+  hooks.finish = [&](std::size_t j, std::int64_t h, const TensorView& ds_end) {
+    if (ds_end.empty()) return;
+    run_pieces_backward(bp, j, h, false, true, ds_end);
+  };
+  run_scan(p, -1, s, alloc, hooks);
 }
 
 // ---- short conv halo ------------------------------------------------------------------------------------------

@@ -100,13 +100,25 @@ class GdnCp : public CpLayerBase {
 
   // layout(), positions(), counters(), reset_counters(): CpLayerBase.
 
+  // Seconds this rank spent in each part of its last forward or backward call (also logged at debug level):
+  // maps: segment maps (forward: gdn_transition; backward: the dS sweep of a carrying segment); local: the kernels
+  // that produce outputs and gradients; combine: composing and applying maps; wait: blocked on state messages.
+  struct PhaseSeconds {
+    double maps = 0, local = 0, combine = 0, wait = 0;
+  };
+  const PhaseSeconds& last_phase_seconds() const { return phases_; }
+
  private:
   struct Saved;
   struct ForwardPass;
+  struct ScanPlan;
+  struct ScanHooks;
+  ScanPlan make_scan_plan(int dir) const;
+  void run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAlloc& alloc, const ScanHooks& hooks);
   std::shared_ptr<Saved> validate_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                           const TensorView& g, const TensorView& beta,
                                           const TensorView& initial_state) const;
-  Tensor run_pieces(ForwardPass& f, std::size_t j, bool known, bool continuing);
+  Tensor run_pieces(ForwardPass& f, std::size_t j, std::int64_t h, bool known, bool continuing);
   void forward_chain(ForwardPass& f);
   void forward_scan(ForwardPass& f);
   // Segment i continues the document of the segment before it (its first token starts no document): only then does a
@@ -114,9 +126,10 @@ class GdnCp : public CpLayerBase {
   bool continues(int i) const { return !pieces_[i].front().starts_doc; }
   struct BackwardPass;
   struct PieceBackward;
-  PieceBackward piece_backward(BackwardPass& bp, std::size_t j, const SegmentPiece& p);
-  Tensor run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, const TensorView& ds_end);
-  Tensor run_pieces_backward(BackwardPass& bp, std::size_t j, bool known, bool waiting, const TensorView& ds_end_in);
+  PieceBackward piece_backward(BackwardPass& bp, std::size_t j, const SegmentPiece& p, std::int64_t h);
+  Tensor run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, std::int64_t h, const TensorView& ds_end);
+  Tensor run_pieces_backward(BackwardPass& bp, std::size_t j, std::int64_t h, bool known, bool waiting,
+                             const TensorView& ds_end_in);
   void backward_chain(BackwardPass& bp);
   void backward_scan(BackwardPass& bp);
   // Segment i passes a state gradient back from the segment after it (its last token ends no document).
@@ -129,6 +142,8 @@ class GdnCp : public CpLayerBase {
   std::int64_t chain_links_ = 0;                   // segments that continue the document of the one before
   std::vector<int> mine_;                          // indices into segments_ of this rank's segments, in global order
   std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
+  std::shared_ptr<const ScanPlan> plan_fwd_, plan_bwd_;  // the scan's plan in each direction
+  PhaseSeconds phases_;
 };
 
 // The configuration of ShortConvCp.

@@ -201,6 +201,69 @@ std::vector<GdnCase> gdn_cases() {
 
 INSTANTIATE_TEST_SUITE_P(GdnCp, GdnCpVsRecurrence, ::testing::ValuesIn(gdn_cases()), test::CaseName());
 
+// At 2 ring ranks (contiguous: 2 segments; zigzag: 3) no segment's map is read by another segment, so the scan computes
+// none: its outputs and gradients are bitwise those of the chain (the same kernels on the same states), and its
+// seconds in maps are 0. At 4 ranks with zigzag (7 segments) the middle segments' maps remain, and both modes still
+// agree with each other to rounding (each against the fp64 recurrence: GdnCpVsRecurrence).
+TEST(GdnCp, ScanAtTwoRanksComputesNoMapAndMatchesChainBitwise) {
+  const int n = world().size();
+  if (n != 2 && n != 4) GTEST_SKIP() << "needs 2 or 4 ranks, has " << n;
+  CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+    if (n == 4 && layout == LayoutKind::kContiguous) continue;
+    const GdnCase c{GdnCpMode::kScan, layout, 1, true, true, 96, 2};
+    const GdnProblem p(c);
+    struct Run {
+      Tensor out, final_state;
+      GdnCpGrads grads;
+      double maps_fwd = 0, maps_bwd = 0;
+    };
+    auto run = [&](GdnCpMode mode) {
+      GdnCpConfig cfg;
+      cfg.mode = mode;
+      cfg.chunk_size = 16;
+      GdnCp gdn(groups, SequenceLayout::for_groups(groups, c.seq, layout), cfg);
+      std::vector<Tensor> keep;
+      const auto& pos = gdn.positions();
+      GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
+                                  shard(p.g, pos, keep), shard(p.beta, pos, keep), p.init.view());
+      Run r;
+      r.maps_fwd = gdn.last_phase_seconds().maps;
+      r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view());
+      r.maps_bwd = gdn.last_phase_seconds().maps;
+      r.out = std::move(o.out);
+      r.final_state = std::move(o.final_state);
+      return r;
+    };
+    const Run chain = run(GdnCpMode::kChain), scan = run(GdnCpMode::kScan);
+    const std::string name = str_cat(layout_name(layout), " on ", n, " ranks");
+    auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
+      ASSERT_EQ(a.nbytes(), b.nbytes()) << name << " " << what;
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << name << " " << what << ": scan differs from chain";
+    };
+    if (n == 2) {
+      EXPECT_EQ(scan.maps_fwd, 0.0) << name << ": the forward scan computed a map";
+      EXPECT_EQ(scan.maps_bwd, 0.0) << name << ": the backward scan computed a map";
+      same(scan.out, chain.out, "out");
+      same(scan.final_state, chain.final_state, "final_state");
+      same(scan.grads.dq, chain.grads.dq, "dq");
+      same(scan.grads.dk, chain.grads.dk, "dk");
+      same(scan.grads.dv, chain.grads.dv, "dv");
+      same(scan.grads.dg, chain.grads.dg, "dg");
+      same(scan.grads.dbeta, chain.grads.dbeta, "dbeta");
+      same(scan.grads.dinitial_state, chain.grads.dinitial_state, "dinitial_state");
+    } else {
+      // Rank 1 holds segments 1 and 5 of 7: both carry their state and are read by others in both directions.
+      if (grid.ring().rank() == 1) {
+        EXPECT_GT(scan.maps_fwd, 0.0) << name;
+        EXPECT_GT(scan.maps_bwd, 0.0) << name;
+      }
+      EXPECT_TRUE(all_close(to_double(scan.out), to_double(chain.out), 1e-4, 1e-3, name + " out, scan vs chain"));
+    }
+  }
+}
+
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
   CpGrid grid(world(), test::ring_over_world());
