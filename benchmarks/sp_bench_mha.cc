@@ -332,11 +332,18 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   const double dp = std::ceil(o.head_dim / 16.0) * 16, nkt = std::ceil(sk / 64), skp = 64 * nkt;
   const double hq_local = o.heads / pu, hkv_local = hx / pu;
   const double nchunks = std::clamp(std::ceil(8 / (batch * hq_local)), 1.0, nkt);
+  // The forward's task takes hc query heads of a KV group (up to 8, a divisor of the group); the backward sums dK / dV
+  // pairwise over the nqt query tiles (levels + 1 partial tiles each).
+  double hc = std::min(8.0, std::max(1.0, std::floor(hq_local / std::max(1.0, hkv_local))));
+  while (hc > 1 && std::fmod(std::floor(hq_local / std::max(1.0, hkv_local)), hc) != 0) --hc;
+  const double nqt = std::ceil(sq / 64), levels = 1 + std::ceil(std::log2(std::max(1.0, nqt)));
   const double fwd_kernel =
-      c * (2 * batch * hkv_local * skp * dp + threads * (o.head_dim + 2 * 64 * dp + 64 * 64 + 128 + dp));
+      c * (2 * batch * hkv_local * skp * dp +
+           threads * (o.head_dim + hc * 2 * 64 * dp + 64 * 64 + hc * 128 + dp + o.head_dim * 64));
   const double bwd_kernel =
       c * (batch * hq_local * skp * dp * 2 + (nchunks > 1 ? nchunks * batch * hq_local * sq * dp : 0) +
-           threads * (3 * sq * dp + 2 * sq + skp * dp + 2 * nkt * o.head_dim * 64 + 2 * 64 * 64 + 2 * dp));
+           threads * (3 * sq * dp + 2 * sq + skp * dp + 2 * nkt * o.head_dim * 64 + 2 * 64 * 64 + 2 * dp +
+                      2 * (levels + 1) * 64 * dp));
   WorkloadMemory m;
   m.inputs = e * (2 * q + 2 * kv_in);               // q, k, v, dout
   const double saved = e * (2 * q + 2 * kv) + lse;  // the ring's copies of q, k, v, out, and lse
