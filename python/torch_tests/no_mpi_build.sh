@@ -2,8 +2,8 @@
 # The Python module built without MPI (SEQPAR_WITH_MPI=OFF, MPI hidden from CMake) runs seqpar's layers under
 # torchrun over gloo: configure <build dir> (Release, only the module: no tests, benchmarks or examples), build the
 # module, check that neither it nor anything it loads needs an MPI library (readelf, ldd), that the C++ communicator
-# factory and the module's MPI entry points raise seqpar.Error naming the option, then torchrun_layers.py at 2
-# processes (mpi4py blocked).
+# factory and the module's MPI entry points raise seqpar.Error naming the option, then torchrun_layers.py and the
+# Hugging Face tests at 2 processes (mpi4py blocked).
 #   no_mpi_build.sh <source dir> <build dir> <python> [cmake arguments: generator, compiler launcher...]
 set -euo pipefail
 src=$1 build=$2 python=$3
@@ -61,4 +61,7 @@ for name, call in (("world", seqpar.world), ("CpGrid", lambda: seqpar.CpGrid(1, 
         raise AssertionError(f"seqpar.{name} did not raise in a build without MPI")
 print("without MPI: seqpar.world(), CpGrid over MPI and from_mpi4py raise seqpar.Error naming SEQPAR_WITH_MPI=OFF")
 PY
-exec "$python" -m torch.distributed.run --standalone --nproc-per-node 2 "$src/python/torch_tests/torchrun_layers.py"
+"$python" -m torch.distributed.run --standalone --nproc-per-node 2 "$src/python/torch_tests/torchrun_layers.py"
+# The Hugging Face tests (skipped with the reason when transformers does not import).
+exec "$python" -m torch.distributed.run --standalone --nproc-per-node 2 -m pytest -q -rs -p no:cacheprovider \
+  "$src/python/tests_hf"
