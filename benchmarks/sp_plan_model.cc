@@ -374,6 +374,10 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
     tokens[r] = layout.tokens_of_slots(slots);
   }
   const std::vector<Segment> segs = segments_in_global_order(tokens);
+  const std::vector<std::int64_t> cu(layout.cu_seqlens().begin(), layout.cu_seqlens().end());
+  std::vector<std::vector<SegmentPiece>> pieces;
+  for (const Segment& seg : segs) pieces.push_back(segment_pieces(seg, cu));
+  const GdnScanPlan plan_fwd = gdn_scan_plan(pieces, +1), plan_bwd = gdn_scan_plan(pieces, -1);
   const double state_esize = o.dtype == DType::kFloat64 ? 8.0 : 4.0;
   const double state_bytes = static_cast<double>(o.batch * hv * K * V) * state_esize;
   const double map_bytes = static_cast<double>(o.batch * hv * K * (K + V)) * state_esize;
@@ -401,7 +405,7 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
   const bool chain = o.gdn_mode == "chain" || P == 1;
   Prediction pr;
   pr.oversubscribed = slow > 1.0;
-  pr.bytes_exact = !o.packed();  // packed rows: segments restart at documents, not modelled
+  pr.bytes_exact = !o.packed();  // packed rows: the chain's document restarts and state gathers not modelled
   const int nseg = static_cast<int>(segs.size());
   const int rounds = nseg > 1 ? static_cast<int>(std::ceil(std::log2(static_cast<double>(nseg)))) + 1 : 0;
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
@@ -441,28 +445,29 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
     } else {
       // Maps of every segment at once (the backward: the cheap dS sweep, about one forward), the scan's rounds
       // and the shift, then every segment's kernel at once.
+      // The runtime's own plan (gdn_scan_plan): which segments compute a map, which maps travel in each round, which
+      // end states the shift passes.
+      const int dir = bwd ? -1 : +1;
+      const GdnScanPlan& sp = bwd ? plan_bwd : plan_fwd;
       std::vector<double> maps(P, 0.0), runs(P, 0.0);
       for (int i = 0; i < nseg; ++i) {
-        // The first segment starts from the known initial state (no map), the last ends with the known dS_end (no
-        // sweep); packed rows: segments at a document's start or end need none either (counted here as if they did).
-        if (bwd ? i + 1 < nseg : i > 0)
+        if (sp.computes_map(i))
           maps[segs[i].owner] += (bwd ? prof.gdn_sweep_factor : prof.gdn_map_factor) * seg_fwd_s[i];
         runs[segs[i].owner] += seg_s[i];
       }
-      // Bytes: the Kogge-Stone rounds (distance d = 1, 2, 4, ... < N: segment i's scanned map [M | U] to segment
-      // i + d) and the shift (each segment's end state to the next), counted where the owners differ; the backward
-      // runs the same in reverse order.
-      for (int d = 1; d < nseg; d *= 2) {
-        for (int i = 0; i + d < nseg; ++i) {
-          const Segment& from = segs[bwd ? nseg - 1 - i : i];
-          const Segment& to = segs[bwd ? nseg - 1 - i - d : i + d];
-          if (from.owner != to.owner) sent[from.owner] += map_bytes;
+      for (int r = 1, o = 1; r <= sp.rounds; ++r, o *= 2) {
+        for (int i = 0; i < nseg; ++i) {
+          const int to = i + dir * o;
+          if (to >= 0 && to < nseg && segs[i].owner != segs[to].owner && sp.composes(r, to)) {
+            sent[segs[i].owner] += map_bytes;
+          }
         }
       }
-      for (int i = 0; i + 1 < nseg; ++i) {
-        const Segment& from = segs[bwd ? nseg - 1 - i : i];
-        const Segment& to = segs[bwd ? nseg - 2 - i : i + 1];
-        if (from.owner != to.owner) sent[from.owner] += state_bytes;
+      for (int i = 0; i < nseg; ++i) {
+        const int to = i + dir;
+        if (to >= 0 && to < nseg && segs[i].owner != segs[to].owner && sp.shifts(i, dir)) {
+          sent[segs[i].owner] += state_bytes;
+        }
       }
       const double scanned =
           a2a_s / 2 + *std::max_element(maps.begin(), maps.end()) + rounds * links.ring.seconds(map_bytes);

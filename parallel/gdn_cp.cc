@@ -239,18 +239,6 @@ struct GdnCp::Saved {
   }
 };
 
-// Which maps a scan computes and which segments run early; a function of the segments and the direction only
-// (docs/design.md, "GDN chain and scan": "What the scan skips").
-struct GdnCp::ScanPlan {
-  int rounds = 0;
-  std::vector<std::vector<char>> need;   // [r][i]: the scanned map of segment i after round r is used
-  std::vector<std::vector<char>> known;  // [r][i]: ... has M = 0 (its U is segment i's true end state / dS_start)
-  std::vector<char> direct;              // segment i runs in round 1 from the received state instead of its map
-  std::vector<int> ready;                // the first stage (0: phase 1, r: round r) at which known[r][i]
-  // Round r composes segment i's map with the one it receives (and so receives one).
-  bool composes(int r, int i) const { return need[r][i] && !known[r - 1][i]; }
-};
-
 namespace {
 
 // rows x cols undefined tensors.
@@ -306,8 +294,8 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
       mine_.push_back(i);
     }
   }
-  plan_fwd_ = std::make_shared<ScanPlan>(make_scan_plan(+1));
-  plan_bwd_ = std::make_shared<ScanPlan>(make_scan_plan(-1));
+  plan_fwd_ = std::make_shared<ScanPlan>(gdn_scan_plan(pieces_, +1));
+  plan_bwd_ = std::make_shared<ScanPlan>(gdn_scan_plan(pieces_, -1));
 }
 
 // The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its
@@ -315,9 +303,11 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
 // gives segment i + 1 the end state of i. Direction -1 (backward): the maps take dS_end to dS_start, a segment
 // carries when it is one piece that continues a document and is continued, and the shift gives segment i - 1 the
 // dS_start of i. Kogge-Stone round r (offset o = 2^(r-1)) composes the map of i with the one of i - dir o.
-GdnCp::ScanPlan GdnCp::make_scan_plan(int dir) const {
-  const int n = static_cast<int>(segments_.size());
-  ScanPlan p;
+GdnScanPlan gdn_scan_plan(const std::vector<std::vector<SegmentPiece>>& pieces, int dir) {
+  const int n = static_cast<int>(pieces.size());
+  auto continues = [&](int i) { return !pieces[i].front().starts_doc; };
+  auto continued = [&](int i) { return !pieces[i].back().ends_doc; };
+  GdnScanPlan p;
   while ((1 << p.rounds) < n) ++p.rounds;
   const int R = p.rounds;
   auto in = [&](int i) { return i >= 0 && i < n; };
@@ -326,7 +316,7 @@ GdnCp::ScanPlan GdnCp::make_scan_plan(int dir) const {
   p.known.assign(R + 1, std::vector<char>(n, 0));
   p.need.assign(R + 1, std::vector<char>(n, 0));
   for (int i = 0; i < n; ++i) {
-    const bool carries = pieces_[i].size() == 1 && continues(i) && (dir > 0 || continued(i));
+    const bool carries = pieces[i].size() == 1 && continues(i) && (dir > 0 || continued(i));
     p.known[0][i] = !carries;
   }
   for (int r = 1, o = 1; r <= R; ++r, o *= 2) {

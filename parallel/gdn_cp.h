@@ -57,6 +57,26 @@ struct SegmentPiece {
 // Sync: host-only, no communication.
 std::vector<SegmentPiece> segment_pieces(const Segment& seg, const std::vector<std::int64_t>& cu_seqlens);
 
+// Which maps the scan computes, which messages it sends, and which segments run early; a function of the segments'
+// pieces and the direction only, the same on every rank (docs/design.md, "GDN chain and scan": "What the scan skips").
+// Round r (1..rounds) composes segment i's map with the one of segment i - dir 2^(r-1).
+struct GdnScanPlan {
+  int rounds = 0;
+  std::vector<std::vector<char>> need;   // [r][i]: the scanned map of segment i after round r is used
+  std::vector<std::vector<char>> known;  // [r][i]: ... has M = 0 (its U is segment i's true end state / dS_start)
+  std::vector<char> direct;              // segment i runs in round 1 from the received state instead of its map
+  std::vector<int> ready;                // the first stage (0: phase 1, r: round r) at which known[r][i]
+  // Round r composes segment i's map with the one it receives (and so receives one).
+  bool composes(int r, int i) const { return need[r][i] && !known[r - 1][i]; }
+  // The shift passes segment i's end state (dS_start, backward) to segment i + dir.
+  bool shifts(int i, int dir) const { return need[rounds][i] && !direct[i + dir]; }
+  // Phase 1 computes segment i's map (gdn_transition forward; the dS sweep backward).
+  bool computes_map(int i) const { return need[0][i] && !known[0][i] && !direct[i]; }
+};
+// The plan in direction dir (+1 forward, -1 backward) for segments with these pieces (segment_pieces).
+// Sync: host-only, no communication.
+GdnScanPlan gdn_scan_plan(const std::vector<std::vector<SegmentPiece>>& pieces, int dir);
+
 // What GdnCp::forward returns.
 struct GdnCpOutput {
   Tensor out;          // [B, S_local, Hv, V], dtype of q
@@ -111,9 +131,8 @@ class GdnCp : public CpLayerBase {
  private:
   struct Saved;
   struct ForwardPass;
-  struct ScanPlan;
+  using ScanPlan = GdnScanPlan;
   struct ScanHooks;
-  ScanPlan make_scan_plan(int dir) const;
   void run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAlloc& alloc, const ScanHooks& hooks);
   std::shared_ptr<Saved> validate_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                           const TensorView& g, const TensorView& beta,

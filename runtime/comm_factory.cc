@@ -1,6 +1,8 @@
 #include "runtime/comm_factory.h"
 
+#if SEQPAR_WITH_MPI
 #include "runtime/mpi_comm.h"
+#endif
 #include "runtime/nccl_comm.h"
 
 namespace seqpar {
@@ -14,6 +16,7 @@ void check_communicator_backend(std::string_view backend) {
 
 std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) {
   check_communicator_backend(backend);
+#if SEQPAR_WITH_MPI
   if (backend == "mpi") return MpiCommunicator::world();
   if (backend == "nccl") {
     SEQPAR_CHECK(nccl_backend_built(), "backend nccl is not compiled into this build of seqpar (SEQPAR_WITH_NCCL=OFF, ",
@@ -24,6 +27,12 @@ std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) 
     const int ordinal = cuda_device_count() > 0 ? device_ordinal_from_local_rank() : 0;
     return std::make_unique<NcclCommunicator>(*bootstrap, ordinal);
   }
+#else
+  // Both backends start from MPI (NCCL bootstraps over it).
+  SEQPAR_THROW("communicator backend '", backend, "' needs MPI, and this build of seqpar has none (configured with ",
+               "SEQPAR_WITH_MPI=OFF; reconfigure with -DSEQPAR_WITH_MPI=ON, or use torch.distributed groups from ",
+               "the Python module)");
+#endif
   SEQPAR_ASSERT(false, "backend '", backend, "' passed check_communicator_backend but has no branch here");
 }
 

@@ -1,6 +1,8 @@
 #include "runtime/error.h"
 
+#if SEQPAR_WITH_MPI
 #include <mpi.h>
+#endif
 
 #include <atomic>
 
@@ -24,6 +26,7 @@ void throw_error(const char* file, int line, const std::string& message) {
 }
 
 namespace detail {
+#if SEQPAR_WITH_MPI
 void throw_mpi_error(const char* call, int code, const char* file, int line) {
   char text[MPI_MAX_ERROR_STRING] = {0};
   int len = 0;
@@ -32,5 +35,6 @@ void throw_mpi_error(const char* call, int code, const char* file, int line) {
   }
   throw_error(file, line, str_cat("MPI call ", call, " failed: ", text));
 }
+#endif
 }  // namespace detail
 }  // namespace seqpar

@@ -22,8 +22,8 @@ if [ ${#python_missing[@]} -gt 0 ]; then
     echo "common.sh: warning: pip install ${python_missing[*]} failed; the Python module or its tests will be off" >&2
 fi
 
-# transformers, for the Hugging Face tests only (python/tests_hf, ctest python.hf.*): by name, separately, so that a
-# failure leaves every other test as it was; those tests then skip and say why.
+# transformers, for the Hugging Face tests only (python/tests_hf, ctest python.hf.*, python.torchrun.hf.*): by name,
+# separately, so that a failure leaves every other test as it was; those tests then skip and say why.
 if ! python3 -c "import transformers" 2>/dev/null && python3 -c "import torch" 2>/dev/null; then
   echo "common.sh: pip installing transformers (for python/tests_hf)"
   python3 -m pip install -q transformers ||

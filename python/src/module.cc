@@ -3,9 +3,14 @@
 // configuration structs and the CP layers' forward / backward. Tensors cross as DLPack views (dlpack_bridge.h): the
 // inputs are the caller's torch tensors, the outputs seqpar Tensors handed to torch, neither copied. A layer's
 // forward returns its CpContext as an opaque Context object for the backward (which consumes it).
-// seqpar::Error becomes seqpar.Error (a RuntimeError) with the same message.
+// seqpar::Error becomes seqpar.Error (a RuntimeError) with the same message. A build without MPI
+// (SEQPAR_WITH_MPI=OFF) has only the torch.distributed grids: world(), mpi4py communicators and CpGrid over MPI raise.
+#if SEQPAR_WITH_MPI
 #include <mpi.h>
+#endif
 #include <pybind11/pybind11.h>
+#include <cstdio>
+#include <cstdlib>
 #include <pybind11/stl.h>
 
 #include <cstdint>
@@ -21,7 +26,9 @@
 #include "parallel/layout.h"
 #include "parallel/usp.h"
 #include "runtime/error.h"
+#if SEQPAR_WITH_MPI
 #include "runtime/mpi_comm.h"
+#endif
 #include "runtime/cp_grid.h"
 #include "runtime/version.h"
 #include "torch_comm.h"
@@ -34,10 +41,12 @@ using python::view_of;
 
 namespace {
 
+std::shared_ptr<Communicator> g_world;
+
+#if SEQPAR_WITH_MPI
 // MPI for the process: initialised at the first communicator (unless mpi4py or the caller already did), finalised
 // by finalize() (registered with atexit by the package), which finalises only what this module initialised.
 std::unique_ptr<MpiSession> g_session;
-std::shared_ptr<Communicator> g_world;
 
 void ensure_mpi() {
   if (g_session) return;
@@ -63,6 +72,15 @@ std::shared_ptr<Communicator> from_mpi4py(const py::object& comm) {
   result->set_name("mpi4py");
   return result;
 }
+#else
+[[noreturn]] void no_mpi(const char* what) {
+  SEQPAR_THROW(what, ": this build of seqpar has no MPI (configured with SEQPAR_WITH_MPI=OFF); launch with torchrun "
+               "and pass a torch.distributed group (seqpar.torch_grid(process_group=...) or device_mesh=, or the "
+               "layers' process_group= / device_mesh= keywords; docs/python.md)");
+}
+std::shared_ptr<Communicator> world() { no_mpi("seqpar.world() (the MPI world)"); }
+std::shared_ptr<Communicator> from_mpi4py(const py::object&) { no_mpi("a communicator from mpi4py"); }
+#endif
 
 // The grid with the communicator it was built over (the process's world, or a duplicate of an mpi4py one), or a
 // grid over torch.distributed groups (python/src/torch_comm.h) with torch's world.
@@ -151,9 +169,12 @@ void bind_runtime(py::module_& m) {
       "finalize",
       [] {
         g_world.reset();
+#if SEQPAR_WITH_MPI
         g_session.reset();
+#endif
       },
       "Frees the world communicator and finalises MPI when seqpar initialised it (registered with atexit).");
+#if SEQPAR_WITH_MPI
   m.def(
       "abort", [](int code) { MPI_Abort(MPI_COMM_WORLD, code); }, py::arg("code") = 1,
       "MPI_Abort(MPI_COMM_WORLD, code): stops every rank of the job.");
@@ -162,6 +183,18 @@ void bind_runtime(py::module_& m) {
     MPI_Initialized(&flag);
     return flag != 0;
   });
+#else
+  m.def(
+      "abort",
+      [](int code) {
+        std::fflush(stdout);
+        std::fflush(stderr);
+        std::_Exit(code);
+      },
+      py::arg("code") = 1, "Ends this process at once (a build without MPI: the launcher stops the others).");
+  m.def("mpi_initialized", [] { return false; });
+#endif
+  m.attr("with_mpi") = py::bool_(SEQPAR_WITH_MPI != 0);
 
   py::class_<Communicator, std::shared_ptr<Communicator>>(m, "Communicator",
                                                           "A seqpar communicator: world, a grid's group (MPI, or "

@@ -113,6 +113,12 @@ def random_full(shape, dtype=torch.float64, scale=1.0):
     return (torch.randn(shape, dtype=torch.float64) * scale).to(dtype).requires_grad_()
 
 
+def _rank():
+    """This process's rank: torch.distributed's under torchrun (MPI is not initialised there), else the MPI world's."""
+    import torch.distributed as dist
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else seqpar.world().rank
+
+
 def check_close(name, got, want, rtol):
     """max |got - want| <= rtol * max(1, max |want|); the message names the tensor, the worst index and both values."""
     got, want = got.detach().to(torch.float64), want.detach().to(torch.float64)
@@ -122,7 +128,7 @@ def check_close(name, got, want, rtol):
     worst = int(err.argmax())
     idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
     assert err.max().item() <= bound, (
-        f"rank {seqpar.world().rank}: {name}[{idx}] = {got.flatten()[worst].item()!r}, reference "
+        f"rank {_rank()}: {name}[{idx}] = {got.flatten()[worst].item()!r}, reference "
         f"{want.flatten()[worst].item()!r} (max error {err.max().item():.3g} > {bound:.3g})")
 
 

@@ -18,11 +18,12 @@ except ImportError as e:  # not installed, or installed without what it needs
     pytest.skip(f"transformers does not import ({e}); scripts/common.sh pip-installs it for these tests (pip install "
                 "transformers)", allow_module_level=True)
 
+import launch  # noqa: E402
 import seqpar  # noqa: E402
 import seqpar.hf  # noqa: E402
 from references import check_close, usp_grids  # noqa: E402
 
-WORLD = seqpar.world().size
+WORLD = launch.world_size()
 VOCAB = 64
 # fp32 end to end on both sides; different summation orders (blockwise online softmax, chunked GDN) over 2-4
 # layers: errors of a few 1e-6 relative to max(1, |reference|).
@@ -112,7 +113,7 @@ GRIDS = usp_grids(WORLD)
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_causal_lm_matches_one_process(kind, grid_shape, layout):
-    grid = seqpar.CpGrid(1, *grid_shape)
+    grid = launch.grid(*grid_shape)
     torch.manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, 37))  # 37 tokens: padding slots under every layout and grid
     run_and_compare(kind, grid, ids, layout=layout)
@@ -123,7 +124,7 @@ def test_causal_lm_matches_one_process(kind, grid_shape, layout):
 def test_packed_rows_from_position_ids(kind, grid_shape):
     """One row of three documents marked by position_ids restarting at 0 (transformers' packed format): the
     reference model masks across documents from the same position_ids."""
-    grid = seqpar.CpGrid(1, *grid_shape)
+    grid = launch.grid(*grid_shape)
     torch.manual_seed(2)
     cu = [0, 11, 26, 41]
     ids = torch.randint(0, VOCAB, (1, cu[-1]))
@@ -134,7 +135,7 @@ def test_packed_rows_from_position_ids(kind, grid_shape):
 
 @pytest.mark.parametrize("grid_shape", GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
 def test_qwen3_next_hybrid_matches_one_process(grid_shape):
-    grid = seqpar.CpGrid(1, *grid_shape)
+    grid = launch.grid(*grid_shape)
     torch.manual_seed(3)
     ids = torch.randint(0, VOCAB, (1, 48))
     run_and_compare("qwen3_next", grid, ids)
@@ -166,7 +167,7 @@ def test_without_context_is_refused_and_gdn_falls_back():
 def test_generate_with_sharded_caches(kind, grid_shape):
     """Greedy decoding with the K/V caches sharded over the ring group: the logits of every step equal the one-process
     model's over the generated sequence, and the tokens equal transformers' own generate()."""
-    grid = seqpar.CpGrid(1, *grid_shape)
+    grid = launch.grid(*grid_shape)
     ref, cp = models(kind)
     torch.manual_seed(4)
     T, N = 21, 6
@@ -183,7 +184,7 @@ def test_generate_with_sharded_caches(kind, grid_shape):
 def test_qwen3_next_generate(grid_shape):
     """The hybrid stack: GDN layers decode from their head-split state and conv tail, the attention layer from its
     sharded K/V cache; every step's logits equal the one-process model's over the generated sequence."""
-    grid = seqpar.CpGrid(1, *grid_shape)
+    grid = launch.grid(*grid_shape)
     ref, cp = models("qwen3_next")
     torch.manual_seed(5)
     T, N = 19, 5
@@ -195,7 +196,7 @@ def test_qwen3_next_generate(grid_shape):
 
 
 def test_generate_refuses_unreplaced_gdn():
-    grid = seqpar.CpGrid(1, 1, WORLD)
+    grid = launch.grid(1, WORLD)
     ref, _ = models("qwen3_next")
     with pytest.raises(seqpar.Error, match="replace_gated_delta_net"):
         seqpar.hf.generate(ref, grid, torch.zeros(1, 8, dtype=torch.long), max_new_tokens=2)
@@ -206,7 +207,7 @@ def test_autocast_bf16_with_fp32_weights(kind):
     """torch.autocast bf16 over fp32 weights through seqpar's attention, conv and GDN: logits in bf16 whose error
     against the fp32 one-process model is no larger than transformers' own under the same autocast (bf16 rounding
     through 2-4 layers, weights scaled up: about 0.1 here), and fp32 gradients for every parameter."""
-    grid = seqpar.CpGrid(1, 1, WORLD)
+    grid = launch.grid(1, WORLD)
     ref, cp = models(kind)
     torch.manual_seed(6)
     ids = torch.randint(0, VOCAB, (1, 40))
