@@ -163,17 +163,11 @@ template void dsa_indexer_topk_composed<double>(Ops<double>&, const DsaIndexerAr
 
 void dsa_indexer_topk_composed_cpu(const DsaIndexerArgs& args, const TensorView& topk_indices,
                                    const TensorView& scores) {
-  if (args.q_idx.dtype() == DType::kFloat64)
-    dsa_indexer_topk_composed(cpu_ops_f64(), args, topk_indices, scores);
-  else
-    dsa_indexer_topk_composed(cpu_ops_f32(), args, topk_indices, scores);
+  with_cpu_ops(args.q_idx.dtype(), [&](auto& ops) { dsa_indexer_topk_composed(ops, args, topk_indices, scores); });
 }
 
 void dsa_attention_forward_composed_cpu(const DsaAttentionArgs& args, const TensorView& out, const TensorView& lse) {
-  if (args.q.dtype() == DType::kFloat64)
-    dsa_attention_forward_composed(cpu_ops_f64(), args, out, lse);
-  else
-    dsa_attention_forward_composed(cpu_ops_f32(), args, out, lse);
+  with_cpu_ops(args.q.dtype(), [&](auto& ops) { dsa_attention_forward_composed(ops, args, out, lse); });
 }
 
 }  // namespace seqpar::attn::ops

@@ -13,9 +13,10 @@ namespace {
 class ComposedRouteTaken : public ::testing::Environment {
  public:
   void TearDown() override {
-    if (env::lowered_attention() && ::testing::UnitTest::GetInstance()->test_to_run_count() > 0)
+    if (env::lowered_attention() && ::testing::UnitTest::GetInstance()->test_to_run_count() > 0) {
       EXPECT_GT(dsa_attention_forward_hook_calls(), 0)
           << "SEQPAR_LOWERED_ATTENTION=1 but no dsa_attention_forward call ran composed";
+    }
   }
 };
 

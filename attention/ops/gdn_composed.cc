@@ -217,17 +217,11 @@ template void gdn_transition_composed<double>(Ops<double>&, const GdnForwardArgs
                                               const TensorView&);
 
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state) {
-  if (args.q.dtype() == DType::kFloat64)
-    gdn_forward_composed(cpu_ops_f64(), args, out, final_state);
-  else
-    gdn_forward_composed(cpu_ops_f32(), args, out, final_state);
+  with_cpu_ops(args.q.dtype(), [&](auto& ops) { gdn_forward_composed(ops, args, out, final_state); });
 }
 
 void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u) {
-  if (args.q.dtype() == DType::kFloat64)
-    gdn_transition_composed(cpu_ops_f64(), args, m, u);
-  else
-    gdn_transition_composed(cpu_ops_f32(), args, m, u);
+  with_cpu_ops(args.q.dtype(), [&](auto& ops) { gdn_transition_composed(ops, args, m, u); });
 }
 
 }  // namespace seqpar::attn::ops

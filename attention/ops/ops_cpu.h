@@ -3,6 +3,7 @@
 // attention/kernels/gdn_rows.h. Memory is host memory. Single-threaded apart from OpenBLAS's own threads.
 #pragma once
 
+#include "../../runtime/dtype.h"
 #include "ops.h"
 
 namespace seqpar::attn::ops {
@@ -20,6 +21,15 @@ inline Ops<float>& cpu_ops<float>() {
 template <>
 inline Ops<double>& cpu_ops<double>() {
   return cpu_ops_f64();
+}
+
+// Calls f(table) with the fp64 table for fp64 data, else the fp32 one (bf16 / fp16 inputs compute in fp32).
+template <typename F>
+void with_cpu_ops(DType dtype, F&& f) {
+  if (dtype == DType::kFloat64)
+    f(cpu_ops_f64());
+  else
+    f(cpu_ops_f32());
 }
 
 // Whether the CPU table's GEMM and trsm run on CBLAS (else on loops).
