@@ -261,7 +261,9 @@ TYPED_TEST(OpsTest, RowKernelsMatchFormulas) {
   ops.relu_rows(rows, cols, z.data(), cols);
   EXPECT_TRUE(std::isnan(z[1]));
   for (std::int64_t i = 0; i < rows * cols; ++i) {
-    if (i != 1) EXPECT_EQ(static_cast<T>(std::max(0.0, double(T(x64[i])))), z[i]);
+    if (i != 1) {
+      EXPECT_EQ(static_cast<T>(std::max(0.0, double(T(x64[i])))), z[i]);
+    }
   }
   // softmax over each row's first end[r / 2] entries, against fp64
   {
