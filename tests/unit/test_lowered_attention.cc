@@ -12,6 +12,7 @@
 #include "attention/lowering.h"
 #include "parallel/layout.h"
 #include "runtime/tensor_ops.h"
+#include "util/ring_blocks.h"
 #include "util/test_util.h"
 
 namespace seqpar {
@@ -26,38 +27,9 @@ std::vector<double> finite(std::vector<double> v) {
   return v;
 }
 
-struct Block {
-  std::string name;
-  std::vector<std::int64_t> q_pos, k_pos;
-  DocBounds bounds;  // empty: no document bounds
-};
+using Block = RingBlock;
 
-std::vector<Block> blocks() {
-  std::vector<Block> v;
-  for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe, LayoutKind::kBalanced}) {
-    for (int ring : {1, 2, 3, 4}) {
-      for (bool packed : {false, true}) {
-        const std::vector<std::int64_t> docs = {13, 1, 0, 7, 20};
-        const SequenceLayout layout =
-            packed ? SequenceLayout::packed(kind, cu_seqlens_of(docs), ring) : SequenceLayout(kind, 37, ring);
-        const bool bounded = layout.is_packed() || layout.has_padding();
-        std::vector<std::int64_t> all(static_cast<std::size_t>(layout.padded_len()));
-        for (std::int64_t t = 0; t < layout.padded_len(); ++t) all[t] = t;
-        const std::string base =
-            std::string(layout_name(kind)) + (packed ? " packed" : " S37") + " ring " + std::to_string(ring);
-        for (int r = 0; r < ring; ++r) {
-          const std::vector<std::int64_t> q = layout.ring_shard_positions(r);
-          const DocBounds b = bounded ? layout.doc_bounds_of_slots(q) : DocBounds{};
-          for (int src = 0; src < ring; ++src)
-            v.push_back({base + " rank " + std::to_string(r) + " src " + std::to_string(src), q,
-                         layout.ring_shard_positions(src), b});
-          v.push_back({base + " rank " + std::to_string(r) + " all-gather", q, all, b});
-        }
-      }
-    }
-  }
-  return v;
-}
+std::vector<Block> blocks() { return ring_blocks({1, 2, 3, 4}); }
 
 struct Problem {
   Tensor q, k, v, dout;
