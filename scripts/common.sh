@@ -23,11 +23,11 @@ if [ ${#python_missing[@]} -gt 0 ]; then
 fi
 
 # transformers, for the Hugging Face tests only (python/tests_hf, ctest python.hf.*, python.torchrun.hf.*): by name,
-# separately, so that a failure leaves every other test as it was; those tests then skip and say why.
+# pinned to the version they last passed with, separately, so that a failure leaves every other test as it was; those tests then skip and say why.
 if ! python3 -c "import transformers" 2>/dev/null && python3 -c "import torch" 2>/dev/null; then
   echo "common.sh: pip installing transformers (for python/tests_hf)"
-  python3 -m pip install -q transformers ||
-    python3 -m pip install -q --break-system-packages transformers ||
+  python3 -m pip install -q "transformers==5.24.0" ||
+    python3 -m pip install -q --break-system-packages "transformers==5.24.0" ||
     echo "common.sh: warning: pip install transformers failed; the Hugging Face tests will be skipped" >&2
 fi
 
