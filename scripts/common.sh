@@ -23,7 +23,8 @@ if [ ${#python_missing[@]} -gt 0 ]; then
 fi
 
 # transformers, for the Hugging Face tests only (python/tests_hf, ctest python.hf.*, python.torchrun.hf.*): by name,
-# pinned to the version they last passed with, separately, so that a failure leaves every other test as it was; those tests then skip and say why.
+# pinned to the version they last passed with, separately, so that a failure leaves every other test as it was;
+# those tests then skip and say why.
 if ! python3 -c "import transformers" 2>/dev/null && python3 -c "import torch" 2>/dev/null; then
   echo "common.sh: pip installing transformers (for python/tests_hf)"
   python3 -m pip install -q "transformers==5.24.0" ||
