@@ -252,4 +252,8 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    rc = main()
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # gloo may abort a process that exits with its groups alive
+        seqpar.distributed.clear_grid_cache()
+        torch.distributed.destroy_process_group()
+    sys.exit(rc)

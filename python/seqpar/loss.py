@@ -47,15 +47,20 @@ def shard_labels(labels, layout, cp_rank, ignore_index=-100, shift=True):
 
 def sharded_cross_entropy(logits, labels, grid, ignore_index=-100):
     """This rank's share of the mean next-token cross-entropy of the sharded sequence: the sum of the losses of its
-    labelled tokens divided by the number of labelled tokens on all ranks of grid.cp (one all-reduce of one int64).
+    labelled tokens divided by the number of labelled tokens on all ranks of grid.cp (one all-reduce of two int64: the count and a shape check).
 
     logits [B, L, V] and labels [B, L] (shard_labels) of this rank. The shares of the CP ranks add up to the mean
     over the whole sequence, and so do their gradients once the parameter gradients are summed over the CP group
     (seqpar.all_reduce_cp_gradients). Collective over grid.cp. To log the mean: all-reduce a detached copy."""
-    if logits.dim() != 3 or labels.shape != logits.shape[:2]:
-        raise _seqpar.Error(f"sharded_cross_entropy: logits [B, L, V] and labels [B, L] expected, got shapes "
-                            f"{tuple(logits.shape)} and {tuple(labels.shape)}")
-    count = (labels != ignore_index).sum().reshape(1).to(torch.int64)
+    # One all-reduce of (labelled tokens, ranks with bad shapes), so that bad shapes on one rank fail every rank.
+    bad = logits.dim() != 3 or labels.dim() != 2 or labels.shape != logits.shape[:2]
+    count = torch.zeros(2, dtype=torch.int64)
+    count[0] = 0 if bad else int((labels != ignore_index).sum())
+    count[1] = int(bad)
     grid.cp.all_reduce(count)
+    if count[1] > 0:
+        raise _seqpar.Error(f"sharded_cross_entropy: logits [B, L, V] and labels [B, L] expected on every cp rank; "
+                            f"{int(count[1])} cp rank(s) have other shapes; this cp rank {grid.cp_rank}: "
+                            f"{tuple(logits.shape)} and {tuple(labels.shape)}")
     total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=ignore_index, reduction="sum")
-    return total / count.clamp(min=1).to(total.dtype)
+    return total / count[0].clamp(min=1).to(total.dtype)

@@ -69,6 +69,15 @@ def main():
             cu = [0, 7, 19, 30]
             packed = seqpar.SequenceLayout.packed_for_grid(grid, cu, kind)
             check(grid, packed, 1, cu, f"{kind}, packed row {cu}")
+    # Bad shapes on one rank (its labels one row short) fail every rank alike, before anything waits on that rank.
+    grid = grids[0]
+    rows = seqpar.SequenceLayout.for_grid(grid, 30).local_len
+    short = 1 if dist.get_rank() == world - 1 else 0
+    try:
+        seqpar.sharded_cross_entropy(torch.zeros(1, rows, 5), torch.zeros(1, rows - short, dtype=torch.int64), grid)
+        raise AssertionError(f"rank {dist.get_rank()}: labels one row short on a rank were accepted")
+    except seqpar.Error as e:
+        assert "1 cp rank(s) have other shapes" in str(e), str(e)
     # shift_labels itself: the last token of every document gets no label.
     got = seqpar.shift_labels(torch.arange(8)[None], [0, 3, 3, 8])
     assert got.tolist() == [[1, 2, IGNORE, 4, 5, 6, 7, IGNORE]], got
