@@ -8,23 +8,10 @@
 
 #include "../../runtime/error.h"
 #include "../../runtime/tensor_ops.h"
+#include "host_values.h"
 #include "ops_cpu.h"
 
 namespace seqpar::attn::ops {
-namespace {
-
-constexpr DType dtype_of(float) { return DType::kFloat32; }
-constexpr DType dtype_of(double) { return DType::kFloat64; }
-
-template <typename T>
-std::vector<T> host_values(const TensorView& t) {
-  if (t.empty()) return {};
-  std::vector<T> v(static_cast<std::size_t>(t.numel()));
-  copy_convert(t, TensorView(v.data(), dtype_of(T{}), t.shape()));
-  return v;
-}
-
-}  // namespace
 
 template <typename T>
 void dsa_indexer_topk_composed(Ops<T>& ops, const DsaIndexerArgs& args, const TensorView& topk_indices,
@@ -35,8 +22,8 @@ void dsa_indexer_topk_composed(Ops<T>& ops, const DsaIndexerArgs& args, const Te
   SEQPAR_CHECK(topk_indices.dtype() == DType::kInt64 && topk_indices.ndim() == 3 && topk_indices.dim(0) == B &&
                    topk_indices.dim(1) == Sq && topk_indices.dim(2) >= 1,
                "dsa_indexer_topk: topk_indices must be int64 [", B, ", ", Sq, ", k >= 1], got ", topk_indices.str());
-  SEQPAR_CHECK(scores.empty() || (scores.dtype() == dtype_of(T{}) && scores.shape() == Shape({B, Sq, Sk})),
-               "dsa_indexer_topk: scores must be ", dtype_name(dtype_of(T{})), " [", B, ", ", Sq, ", ", Sk, "], got ",
+  SEQPAR_CHECK(scores.empty() || (scores.dtype() == dtype_v<T> && scores.shape() == Shape({B, Sq, Sk})),
+               "dsa_indexer_topk: scores must be ", dtype_name(dtype_v<T>), " [", B, ", ", Sq, ", ", Sk, "], got ",
                scores.str());
   const std::int64_t k = topk_indices.dim(2);
 
@@ -136,7 +123,7 @@ void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, c
   ops.download(host_o.data(), o.get(), host_o.size() * sizeof(T));
   ops.download(host_mx.data(), mx.get(), host_mx.size() * sizeof(T));
   ops.download(host_sum.data(), sum.get(), host_sum.size() * sizeof(T));
-  if (!host_o.empty()) copy_convert(TensorView(host_o.data(), dtype_of(T{}), out.shape()), out);
+  if (!host_o.empty()) copy_convert(TensorView(host_o.data(), dtype_v<T>, out.shape()), out);
   // lse = max + log(sum) in lse's dtype ([B, Sq, H] -> [B, H, Sq]): an fp64 lse of fp32 inputs carries no fp32 lse
   // rounding, as dsa_attention_forward's
   std::vector<double> lse_bhs(host_mx.size());

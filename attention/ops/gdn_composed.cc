@@ -9,22 +9,11 @@
 
 #include "../../runtime/error.h"
 #include "../../runtime/tensor_ops.h"
+#include "host_values.h"
 #include "ops_cpu.h"
 
 namespace seqpar::attn::ops {
 namespace {
-
-constexpr DType dtype_of(float) { return DType::kFloat32; }
-constexpr DType dtype_of(double) { return DType::kFloat64; }
-
-// A host tensor in T (converted when its dtype differs), uploaded to the table's memory.
-template <typename T>
-std::vector<T> host_values(const TensorView& t) {
-  if (t.empty()) return {};
-  std::vector<T> v(static_cast<std::size_t>(t.numel()));
-  copy_convert(t, TensorView(v.data(), dtype_of(T{}), t.shape()));
-  return v;
-}
 
 struct Segment {
   std::int64_t b = 0, t0 = 0, len = 0, state = 0;  // batch row, first token, tokens, state row
@@ -78,7 +67,7 @@ void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const Tens
   SEQPAR_CHECK(args.cu_seqlens.empty(),
                "gdn_transition: cu_seqlens must be empty (take the map of each piece between document starts)");
   const std::int64_t B = args.q.dim(0), K = args.q.dim(3), H = args.v.dim(2), V = args.v.dim(3);
-  const DType sd = dtype_of(T{});
+  const DType sd = dtype_v<T>;
   SEQPAR_CHECK(m.dtype() == sd && m.shape() == Shape({B, H, K, K}), "gdn_transition: m must be ", dtype_name(sd), " [",
                B, ", ", H, ", ", K, ", ", K, "], got ", m.str());
   SEQPAR_CHECK(u.dtype() == sd && u.shape() == Shape({B, H, K, V}), "gdn_transition: u must be ", dtype_name(sd), " [",
@@ -180,7 +169,7 @@ void compose(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out, con
     ops.scatter_add_rows(BH, width, src, ld, d_fin_idx.get(), buf.get(), width);
     std::vector<T> host(static_cast<std::size_t>(buf.size()));
     ops.download(host.data(), buf.get(), host.size() * sizeof(T));
-    copy_convert(TensorView(host.data(), dtype_of(T{}), dst.shape()), dst);
+    copy_convert(TensorView(host.data(), dtype_v<T>, dst.shape()), dst);
   };
   if (!m_out.empty()) {  // a segment map: the scan's last element (the start state is zero)
     write(m_out, m.get() + (N - 1) * K * K, K * K, N * K * K);
@@ -204,7 +193,7 @@ void compose(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out, con
   if (!out.empty()) {
     std::vector<T> host(static_cast<std::size_t>(out_t.size()));
     ops.download(host.data(), out_t.get(), host.size() * sizeof(T));
-    copy_convert(TensorView(host.data(), dtype_of(T{}), out.shape()), out);
+    copy_convert(TensorView(host.data(), dtype_v<T>, out.shape()), out);
   }
 }
 
