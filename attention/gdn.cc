@@ -330,6 +330,7 @@ void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const Tensor
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) {
   detail::check_stream(stream, "gdn_backward", kFamily);
+  if (ops::detail::gdn_backward_hooked(args, dq, dk, dv, dg, dbeta, dinitial_state)) return;  // test mode
   const Checked c = validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
   if (c.cu.empty()) {
     cpu::gdn_backward_cpu(args, c.d, dq, dk, dv, dg, dbeta, dinitial_state);

@@ -29,6 +29,18 @@ template <typename T>
 void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out,
                           const TensorView& final_state);
 
+// attn::gdn_backward (same arguments, shapes and semantics) composed the same way (docs/design.md, "The ops table"):
+// the prepared chunks above; per chunk the state-gradient map dS_start = M_c^T dS_end + L_c by batched GEMMs and its
+// reverse scan (ops::scan_affine over the chunks in reverse order) for every chunk's dS_end (dinitial_state is the
+// last element); when any of dq, dk, dv, dg, dbeta is asked for, the chunk start states by the forward's scan, then
+// the chunk adjoints by batched GEMMs and the row kernels gdn_chunk_masks_backward / gdn_chunk_scales_backward, the
+// per-value-head dq, dk scattered onto their key head (in value-head order) and taken through the L2 norm.
+// Errors: as attn::gdn_backward (the same argument checks), before any work.
+template <typename T>
+void gdn_backward_composed(Ops<T>& ops, const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
+                           const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                           const TensorView& dinitial_state);
+
 // attn::gdn_transition composed the same way: (m, u) = the scan's last element.
 // Errors: the argument checks of gdn_transition, before any work.
 template <typename T>
@@ -36,6 +48,9 @@ void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const Tens
 
 // The same on the CPU table of q's arithmetic dtype.
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
+void gdn_backward_composed_cpu(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
+                               const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                               const TensorView& dinitial_state);
 void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
 
 }  // namespace seqpar::attn::ops

@@ -9,6 +9,7 @@ namespace seqpar::attn::ops {
 namespace {
 std::atomic<GdnForwardFn> g_hook{nullptr};
 std::atomic<GdnTransitionFn> g_transition{nullptr};
+std::atomic<GdnBackwardFn> g_backward{nullptr};
 std::atomic<std::int64_t> g_calls{0};
 }  // namespace
 
@@ -16,6 +17,7 @@ void set_gdn_forward_hook(GdnForwardFn fn, GdnTransitionFn transition) {
   g_hook.store(fn);
   g_transition.store(transition);
 }
+void set_gdn_backward_hook(GdnBackwardFn fn) { g_backward.store(fn); }
 std::int64_t gdn_forward_hook_calls() { return g_calls.load(); }
 
 namespace detail {
@@ -30,6 +32,14 @@ bool gdn_transition_hooked(const GdnForwardArgs& args, const TensorView& m, cons
   const GdnTransitionFn fn = g_transition.load();
   if (fn == nullptr || !env::lowered_attention()) return false;
   fn(args, m, u);
+  g_calls.fetch_add(1);
+  return true;
+}
+bool gdn_backward_hooked(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                         const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state) {
+  const GdnBackwardFn fn = g_backward.load();
+  if (fn == nullptr || !env::lowered_attention()) return false;
+  fn(args, dq, dk, dv, dg, dbeta, dinitial_state);
   g_calls.fetch_add(1);
   return true;
 }

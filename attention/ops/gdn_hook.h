@@ -1,4 +1,4 @@
-// The test-mode route of attn::gdn_forward and attn::gdn_transition to another implementation (the ops-table
+// The test-mode route of attn::gdn_forward, gdn_backward and gdn_transition to another implementation (the ops-table
 // composition, attention/ops/gdn_composed.h) under SEQPAR_LOWERED_ATTENTION = 1. Part of seqpar_gdn, which knows
 // nothing of the ops table: a program that links the composition installs it (attention/ops/gdn_hook_install.cc, linked
 // into the GDN tests), so the existing GDN tests and the CP tests above them run the composed forward.
@@ -13,13 +13,18 @@ namespace seqpar::attn::ops {
 
 using GdnForwardFn = void (*)(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
 using GdnTransitionFn = void (*)(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
+using GdnBackwardFn = void (*)(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
+                               const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                               const TensorView& dinitial_state);
 
 // Installs (or, with nullptr, removes) the forward and the segment map that gdn_forward and gdn_transition hand
 // their calls to in the test mode.
 void set_gdn_forward_hook(GdnForwardFn fn, GdnTransitionFn transition);
+// The same for gdn_backward.
+void set_gdn_backward_hook(GdnBackwardFn fn);
 
-// Calls of gdn_forward and gdn_transition handed to the hooks in this process so far (tests check that the mode was
-// taken).
+// Calls of gdn_forward, gdn_backward and gdn_transition handed to the hooks in this process so far (tests check that
+// the mode was taken).
 std::int64_t gdn_forward_hook_calls();
 
 namespace detail {
@@ -28,6 +33,9 @@ namespace detail {
 bool gdn_forward_hooked(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
 // The same for gdn_transition.
 bool gdn_transition_hooked(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
+// The same for gdn_backward.
+bool gdn_backward_hooked(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                         const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state);
 }  // namespace detail
 
 }  // namespace seqpar::attn::ops

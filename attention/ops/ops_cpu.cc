@@ -191,6 +191,33 @@ class CpuOps final : public Ops<T> {
         rowops::gdn_qk_row(qk + (c * C + i) * C, i, C, gamma + c * C);
       }
   }
+
+  void row_dots(std::int64_t rows, std::int64_t cols, const T* a, std::int64_t lda, const T* b, std::int64_t ldb,
+                T* out) override {
+    for (std::int64_t r = 0; r < rows; ++r) out[r] = rowops::dot_row(a + r * lda, b + r * ldb, cols);
+  }
+  void l2norm_scale_backward_rows(std::int64_t rows, std::int64_t cols, const T* x, std::int64_t ldx, T* dy,
+                                  std::int64_t ldy, T eps, T s) override {
+    for (std::int64_t r = 0; r < rows; ++r) rowops::l2norm_scale_backward_row(x + r * ldx, dy + r * ldy, cols, eps, s);
+  }
+  void gdn_chunk_masks_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* kk,
+                                const T* qk, const T* dp, const T* da, T* dqk, T* dkk, T* dgamma, T* dbeta) override {
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t m = c * C * C;
+      for (std::int64_t i = 0; i < C; ++i)
+        rowops::gdn_masks_backward_row(i, C, gamma + c * C, beta + c * C, kk + m, qk + m, dp + m, da + m,
+                                       dqk + m + i * C, dkk + m + i * C, dgamma + c * C + i, dbeta + c * C + i);
+    }
+  }
+  void gdn_chunk_scales_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* dqq,
+                                 const T* dkbk, const T* dvbv, const T* dktk, const T* sds, T* dgamma,
+                                 T* dbeta) override {
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t o = c * C;
+      rowops::gdn_scales_backward(gamma + o, beta + o, C, dqq + o, dkbk + o, dvbv + o, dktk + o, sds[c], dgamma + o,
+                                  dbeta + o);
+    }
+  }
 };
 
 }  // namespace

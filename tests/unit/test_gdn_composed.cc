@@ -3,7 +3,9 @@
 // tolerance of test_gdn.cc), and against the CPU chunk kernel (attention/gdn.h) in fp32 and bf16 inputs at
 // atol 2e-5 / rtol 1e-4 (different summation orders). Covers lengths around the chunk, chunk sizes, grouped value
 // heads, initial / final state, no L2 norm, strong decay, packed rows (cu_seqlens, empty documents) and argument
-// errors.
+// errors. The backward (gdn_backward_composed) the same way: every gradient against the fp64 reference's backward
+// (itself checked against finite differences in test_gdn.cc) and against the CPU kernel's, with dout and
+// dfinal_state, grouped heads, packed rows, and the dinitial_state-only sweep.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -91,6 +93,48 @@ void expect_matches_cpu_kernel(const Problem& p, DType dtype) {
   EXPECT_TRUE(all_close(to_double(got.fin), to_double(want.fin), 2e-5, 1e-4, tag + " final_state"));
 }
 
+// The six gradients of a backward call; dinitial_state [states, H, K, V].
+struct Grads {
+  Tensor dq, dk, dv, dg, dbeta, dinit;
+};
+
+Grads alloc_grads(const Problem& p, const Inputs& r, DType dtype, DType state_dtype) {
+  return {Tensor::empty({p.B, p.S, p.Hk, p.K}, dtype, kWs), Tensor::empty({p.B, p.S, p.Hk, p.K}, dtype, kWs),
+          Tensor::empty({p.B, p.S, p.H, p.V}, dtype, kWs),  Tensor::empty({p.B, p.S, p.H}, dtype, kWs),
+          Tensor::empty({p.B, p.S, p.H}, dtype, kWs),       Tensor::empty({r.states, p.H, p.K, p.V}, state_dtype, kWs)};
+}
+
+// The backward composed (`run`) against `want_fn` (the fp64 reference, or the CPU kernel) on the same inputs, dout
+// and dfinal_state (when with_dfinal).
+template <typename WantFn>
+void expect_backward_close(const Problem& p, DType dtype, bool with_dfinal, double atol, double rtol, WantFn want_fn,
+                           const std::string& what) {
+  const Inputs r = make(p, dtype);
+  const DType sd = accumulator_dtype(dtype), gd = sd;
+  const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed * 11 + 7);
+  const Tensor dfin = random_tensor({r.states, p.H, p.K, p.V}, sd, p.seed * 11 + 8);
+  const GdnBackwardArgs ba{r.args, dout, with_dfinal ? dfin.view() : TensorView()};
+  Grads got = alloc_grads(p, r, gd, sd), want = alloc_grads(p, r, gd, sd);
+  ops::gdn_backward_composed_cpu(ba, got.dq, got.dk, got.dv, got.dg, got.dbeta, got.dinit);
+  want_fn(ba, want);
+  const std::string tag = what + " " + std::string(dtype_name(dtype)) + " " + p.tag() + (with_dfinal ? " dfin" : "");
+  const std::pair<const Tensor*, const Tensor*> pairs[] = {{&got.dq, &want.dq},       {&got.dk, &want.dk},
+                                                           {&got.dv, &want.dv},       {&got.dg, &want.dg},
+                                                           {&got.dbeta, &want.dbeta}, {&got.dinit, &want.dinit}};
+  const char* names[] = {"dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+  for (int n = 0; n < 6; ++n)
+    EXPECT_TRUE(all_close(to_double(*pairs[n].first), to_double(*pairs[n].second), atol, rtol, tag + " " + names[n]));
+}
+
+void expect_backward_matches_reference(const Problem& p, bool with_dfinal) {
+  expect_backward_close(
+      p, DType::kFloat64, with_dfinal, 1e-10, 1e-9,
+      [](const GdnBackwardArgs& ba, Grads& g) {
+        reference::gdn_backward(ba, g.dq, g.dk, g.dv, g.dg, g.dbeta, g.dinit);
+      },
+      "backward vs reference");
+}
+
 TEST(GdnComposed, LengthsAroundTheChunkFp64) {
   for (std::int64_t S : {1, 15, 16, 17, 37, 100})
     for (bool init : {false, true}) {
@@ -176,6 +220,85 @@ TEST(GdnComposed, TransitionAppliedToAStateGivesTheRecurrenceFp64) {
   Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
   Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
   test::expect_error([&] { ops::gdn_transition_composed_cpu(r.args, m, u); }, "initial_state must be empty");
+}
+
+TEST(GdnComposed, BackwardMatchesReferenceFp64) {
+  for (std::int64_t S : {1, 15, 16, 17, 37})
+    for (bool init : {false, true}) {
+      Problem p;
+      p.S = S;
+      p.with_init = init;
+      p.seed = static_cast<std::uint64_t>(50 + S * 2 + init);
+      expect_backward_matches_reference(p, init);
+    }
+  for (std::int64_t chunk : {1, 3, 200}) {
+    Problem p;
+    p.S = 40;
+    p.chunk = chunk;
+    expect_backward_matches_reference(p, true);
+  }
+  Problem mha;  // Hv = Hk, larger head dims
+  mha.B = 1, mha.H = 3, mha.Hk = 3, mha.K = 16, mha.V = 12, mha.S = 50, mha.chunk = 16;
+  expect_backward_matches_reference(mha, true);
+  Problem grouped;  // four value heads on one key head
+  grouped.H = 4, grouped.Hk = 1, grouped.S = 33, grouped.chunk = 8;
+  expect_backward_matches_reference(grouped, false);
+  Problem nol2;
+  nol2.l2 = false;
+  nol2.S = 45;
+  expect_backward_matches_reference(nol2, true);
+  Problem strong;
+  strong.S = 40;
+  strong.g_lo = -30.0, strong.g_hi = -5.0;
+  expect_backward_matches_reference(strong, true);
+}
+
+TEST(GdnComposed, BackwardPackedDocumentsFp64) {
+  for (const std::vector<std::int64_t>& lens :
+       {std::vector<std::int64_t>{5, 40, 0, 17}, std::vector<std::int64_t>{0, 0, 3}}) {
+    Problem p;
+    p.B = 1;
+    p.lens = lens;
+    p.S = 0;
+    for (std::int64_t l : lens) p.S += l;
+    for (bool init : {false, true}) {
+      p.with_init = init;
+      expect_backward_matches_reference(p, init);
+    }
+  }
+}
+
+TEST(GdnComposed, BackwardMatchesCpuKernelFp32AndBf16) {
+  const auto kernel = [](const GdnBackwardArgs& ba, Grads& g) {
+    gdn_backward(ba, g.dq, g.dk, g.dv, g.dg, g.dbeta, g.dinit);
+  };
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Problem p;
+    p.S = 130;
+    p.chunk = 64;
+    p.K = 32, p.V = 16;
+    expect_backward_close(p, dtype, true, 5e-5, 2e-4, kernel, "backward vs kernel");
+  }
+  Problem packed;
+  packed.B = 1, packed.lens = {20, 0, 51}, packed.S = 71;
+  expect_backward_close(packed, DType::kFloat32, true, 5e-5, 2e-4, kernel, "backward vs kernel");
+}
+
+TEST(GdnComposed, BackwardStateGradientOnlyFp64) {
+  // Only dinitial_state: the reverse sweep alone (no start states), against the full backward's.
+  Problem p;
+  p.S = 70;
+  const Inputs r = make(p, DType::kFloat64);
+  const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, DType::kFloat64, 77);
+  const Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, DType::kFloat64, 78);
+  const GdnBackwardArgs ba{r.args, dout, dfin};
+  Tensor got = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
+  ops::gdn_backward_composed_cpu(ba, {}, {}, {}, {}, {}, got);
+  Grads want = alloc_grads(p, r, DType::kFloat64, DType::kFloat64);
+  reference::gdn_backward(ba, want.dq, want.dk, want.dv, want.dg, want.dbeta, want.dinit);
+  EXPECT_TRUE(all_close(to_double(got), to_double(want.dinit), 1e-10, 1e-9, "dinitial_state only"));
+  Tensor bad = Tensor::empty({p.B, p.H, p.K, p.V + 1}, DType::kFloat64, kWs);
+  test::expect_error([&] { ops::gdn_backward_composed_cpu(ba, {}, {}, {}, {}, {}, bad); }, "dinitial_state");
 }
 
 TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
