@@ -442,6 +442,38 @@ void compose_backward(Ops<T>& ops, const GdnBackwardArgs& args, const TensorView
 
 }  // namespace
 
+template <typename T>
+void gdn_map_product_composed(Ops<T>& ops, bool transpose_m, const TensorView& m, const TensorView& x,
+                              const TensorView& addend, const TensorView& out) {
+  SEQPAR_CHECK(
+      m.ndim() == 4 && m.dim(2) == m.dim(3) && out.ndim() == 4 && m.dtype() == dtype_v<T> && out.dtype() == dtype_v<T>,
+      "gdn map product: m must be [B, H, K, K] and out [B, H, K, N] of ", dtype_name(dtype_v<T>), ", got ", m.str(),
+      " and ", out.str());
+  const std::int64_t maps = m.dim(0) * m.dim(1), K = m.dim(2), n = out.dim(3);
+  SEQPAR_CHECK(out.dim(0) * out.dim(1) == maps && out.dim(2) == K && (x.empty() ? n == K : x.shape() == out.shape()) &&
+                   (addend.empty() || addend.shape() == out.shape()),
+               "gdn map product: x ", x.str(), ", addend ", addend.str(), " and out ", out.str(), " do not match m ",
+               m.str());
+  const Buffer<T> mb(ops, host_values<T>(m)), xb(ops, x.empty() ? std::vector<T>() : host_values<T>(x));
+  Buffer<T> ob(ops, maps * K * n);
+  const Batch batch{1, maps};
+  Mat<const T> xm{xb.get(), n, 0, K * n};
+  std::unique_ptr<Buffer<T>> id;
+  if (x.empty()) {  // the identity
+    id = std::make_unique<Buffer<T>>(ops, K * K);
+    const Buffer<T> one(ops, std::vector<T>{T(1)});
+    ops.scaled_identity(K, one.get(), 0, 0, Mat<T>{id->get(), K}, Batch{1, 1});
+    xm = Mat<const T>{id->get(), K, 0, 0};
+  }
+  if (!addend.empty())
+    ops.upload(ob.get(), host_values<T>(addend).data(), static_cast<std::size_t>(ob.size()) * sizeof(T));
+  ops.gemm(transpose_m ? Trans::kT : Trans::kN, Trans::kN, K, n, K, T(1), Mat<const T>{mb.get(), K, 0, K * K}, xm,
+           addend.empty() ? T(0) : T(1), Mat<T>{ob.get(), n, 0, K * n}, batch);
+  std::vector<T> host(static_cast<std::size_t>(ob.size()));
+  ops.download(host.data(), ob.get(), host.size() * sizeof(T));
+  copy_convert(TensorView(host.data(), dtype_v<T>, out.shape()), out);
+}
+
 template void gdn_forward_composed<float>(Ops<float>&, const GdnForwardArgs&, const TensorView&, const TensorView&);
 template void gdn_forward_composed<double>(Ops<double>&, const GdnForwardArgs&, const TensorView&, const TensorView&);
 template void gdn_backward_composed<float>(Ops<float>&, const GdnBackwardArgs&, const TensorView&, const TensorView&,
@@ -451,6 +483,16 @@ template void gdn_backward_composed<double>(Ops<double>&, const GdnBackwardArgs&
 template void gdn_transition_composed<float>(Ops<float>&, const GdnForwardArgs&, const TensorView&, const TensorView&);
 template void gdn_transition_composed<double>(Ops<double>&, const GdnForwardArgs&, const TensorView&,
                                               const TensorView&);
+
+template void gdn_map_product_composed<float>(Ops<float>&, bool, const TensorView&, const TensorView&,
+                                              const TensorView&, const TensorView&);
+template void gdn_map_product_composed<double>(Ops<double>&, bool, const TensorView&, const TensorView&,
+                                               const TensorView&, const TensorView&);
+
+void gdn_map_product_composed_cpu(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
+                                  const TensorView& out) {
+  with_cpu_ops(m.dtype(), [&](auto& ops) { gdn_map_product_composed(ops, transpose_m, m, x, addend, out); });
+}
 
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state) {
   with_cpu_ops(args.q.dtype(), [&](auto& ops) { gdn_forward_composed(ops, args, out, final_state); });

@@ -46,11 +46,23 @@ void gdn_backward_composed(Ops<T>& ops, const GdnBackwardArgs& args, const Tenso
 template <typename T>
 void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
 
-// The same on the CPU table of q's arithmetic dtype.
+// out = op(m) x (+ addend): the segment-map algebra of attention/gdn.h as one batched GEMM over the B H maps
+// (gdn_transition_compose is two calls: m2 m1, then m2 u1 + u2; _apply: m s + u; _apply_adjoint: m^T ds + local;
+// _transpose: m^T times the identity). m [B, H, K, K]; x [B, H, K, N], or empty for the identity (N = K); addend
+// empty or [B, H, K, N]; out [B, H, K, N]; all of the state dtype T. transpose_m: op(m) = m^T. Every input is read
+// before out is written, so out may alias any of them.
+// Errors: shapes and dtypes (the callers in attention/gdn.cc check them first).
+template <typename T>
+void gdn_map_product_composed(Ops<T>& ops, bool transpose_m, const TensorView& m, const TensorView& x,
+                              const TensorView& addend, const TensorView& out);
+
+// The same on the CPU table of q's arithmetic dtype (of m's dtype for the map product).
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
 void gdn_backward_composed_cpu(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
                                const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
                                const TensorView& dinitial_state);
 void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
+void gdn_map_product_composed_cpu(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
+                                  const TensorView& out);
 
 }  // namespace seqpar::attn::ops

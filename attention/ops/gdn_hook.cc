@@ -10,6 +10,7 @@ namespace {
 std::atomic<GdnForwardFn> g_hook{nullptr};
 std::atomic<GdnTransitionFn> g_transition{nullptr};
 std::atomic<GdnBackwardFn> g_backward{nullptr};
+std::atomic<GdnMapProductFn> g_map_product{nullptr};
 std::atomic<std::int64_t> g_calls{0};
 }  // namespace
 
@@ -18,6 +19,7 @@ void set_gdn_forward_hook(GdnForwardFn fn, GdnTransitionFn transition) {
   g_transition.store(transition);
 }
 void set_gdn_backward_hook(GdnBackwardFn fn) { g_backward.store(fn); }
+void set_gdn_map_product_hook(GdnMapProductFn fn) { g_map_product.store(fn); }
 std::int64_t gdn_forward_hook_calls() { return g_calls.load(); }
 
 namespace detail {
@@ -40,6 +42,14 @@ bool gdn_backward_hooked(const GdnBackwardArgs& args, const TensorView& dq, cons
   const GdnBackwardFn fn = g_backward.load();
   if (fn == nullptr || !env::lowered_attention()) return false;
   fn(args, dq, dk, dv, dg, dbeta, dinitial_state);
+  g_calls.fetch_add(1);
+  return true;
+}
+bool gdn_map_product_hooked(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
+                            const TensorView& out) {
+  const GdnMapProductFn fn = g_map_product.load();
+  if (fn == nullptr || !env::lowered_attention()) return false;
+  fn(transpose_m, m, x, addend, out);
   g_calls.fetch_add(1);
   return true;
 }

@@ -17,11 +17,17 @@ using GdnBackwardFn = void (*)(const GdnBackwardArgs& args, const TensorView& dq
                                const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
                                const TensorView& dinitial_state);
 
+// out = op(m) x (+ addend), x empty = the identity (attention/ops/gdn_composed.h, gdn_map_product_composed).
+using GdnMapProductFn = void (*)(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
+                                 const TensorView& out);
+
 // Installs (or, with nullptr, removes) the forward and the segment map that gdn_forward and gdn_transition hand
 // their calls to in the test mode.
 void set_gdn_forward_hook(GdnForwardFn fn, GdnTransitionFn transition);
 // The same for gdn_backward.
 void set_gdn_backward_hook(GdnBackwardFn fn);
+// The same for the segment-map algebra (gdn_transition_compose, _apply, _apply_adjoint, _transpose).
+void set_gdn_map_product_hook(GdnMapProductFn fn);
 
 // Calls of gdn_forward, gdn_backward and gdn_transition handed to the hooks in this process so far (tests check that
 // the mode was taken).
@@ -36,6 +42,9 @@ bool gdn_transition_hooked(const GdnForwardArgs& args, const TensorView& m, cons
 // The same for gdn_backward.
 bool gdn_backward_hooked(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                          const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state);
+// The same for the segment-map algebra, after its argument checks: one product.
+bool gdn_map_product_hooked(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
+                            const TensorView& out);
 }  // namespace detail
 
 }  // namespace seqpar::attn::ops

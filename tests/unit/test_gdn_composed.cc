@@ -16,6 +16,7 @@
 #include "attention/gdn.h"
 #include "attention/ops/gdn_composed.h"
 #include "attention/reference/gdn_reference.h"
+#include "runtime/tensor_ops.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar::attn {
@@ -299,6 +300,37 @@ TEST(GdnComposed, BackwardStateGradientOnlyFp64) {
   EXPECT_TRUE(all_close(to_double(got), to_double(want.dinit), 1e-10, 1e-9, "dinitial_state only"));
   Tensor bad = Tensor::empty({p.B, p.H, p.K, p.V + 1}, DType::kFloat64, kWs);
   test::expect_error([&] { ops::gdn_backward_composed_cpu(ba, {}, {}, {}, {}, {}, bad); }, "dinitial_state");
+}
+
+TEST(GdnComposed, MapAlgebraMatchesTheCpuKernels) {
+  // compose, apply, apply_adjoint (its output aliasing `local`) and transpose as map products, against the CPU
+  // kernels of attention/gdn.h (this program installs no route, so those run the kernels) in fp32 and fp64.
+  for (DType sd : {DType::kFloat64, DType::kFloat32}) {
+    const std::int64_t B = 2, H = 3, K = 5, V = 4;
+    const double tol = sd == DType::kFloat64 ? 1e-13 : 1e-5;
+    const Tensor m1 = random_tensor({B, H, K, K}, sd, 1), m2 = random_tensor({B, H, K, K}, sd, 2),
+                 u1 = random_tensor({B, H, K, V}, sd, 3), u2 = random_tensor({B, H, K, V}, sd, 4);
+    const auto fresh = [&](std::int64_t n) { return Tensor::empty({B, H, K, n}, sd, kWs); };
+    Tensor mg = fresh(K), ug = fresh(V), mw = fresh(K), uw = fresh(V);
+    ops::gdn_map_product_composed_cpu(false, m2, m1, {}, mg);
+    ops::gdn_map_product_composed_cpu(false, m2, u1, u2, ug);
+    gdn_transition_compose(m2, u2, m1, u1, mw, uw);
+    EXPECT_TRUE(all_close(to_double(mg), to_double(mw), tol, tol, "compose m"));
+    EXPECT_TRUE(all_close(to_double(ug), to_double(uw), tol, tol, "compose u"));
+    Tensor sg = fresh(V), sw = fresh(V);
+    ops::gdn_map_product_composed_cpu(false, m1, u1, u2, sg);
+    gdn_transition_apply(m1, u2, u1, sw);
+    EXPECT_TRUE(all_close(to_double(sg), to_double(sw), tol, tol, "apply"));
+    Tensor local = fresh(V), dw = fresh(V);
+    copy_convert(u2, local);
+    gdn_transition_apply_adjoint(m1, u1, u2, dw);
+    ops::gdn_map_product_composed_cpu(true, m1, u1, local, local);  // ds_start aliases local
+    EXPECT_TRUE(all_close(to_double(local), to_double(dw), tol, tol, "apply_adjoint"));
+    Tensor tg = fresh(K), tw = fresh(K);
+    ops::gdn_map_product_composed_cpu(true, m1, {}, {}, tg);
+    gdn_transition_transpose(m1, tw);
+    EXPECT_EQ(to_double(tw), to_double(tg));  // a product with the identity is exact
+  }
 }
 
 TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
