@@ -388,12 +388,14 @@ void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream 
 void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
                         Stream stream) {
   args.validate(out, final_conv_state, stream);
+  if (ops::detail::short_conv_forward_hooked(args, out, final_conv_state)) return;  // test mode
   cpu::short_conv_forward_cpu(args, validate_conv_args(args), out, final_conv_state);
 }
 
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
   args.validate(dout, dx, dweight, dinitial_conv_state, stream);
+  if (ops::detail::short_conv_backward_hooked(args, dout, dx, dweight, dinitial_conv_state)) return;  // test mode
   cpu::short_conv_backward_cpu(args, validate_conv_args(args), dout, dx, dweight, dinitial_conv_state);
 }
 

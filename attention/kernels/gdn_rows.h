@@ -28,6 +28,13 @@
 //     dbeta (which hold the masks' part): dgamma_i += dqq_i + beta_i e^gamma_i dkbk_i - dktk_i, dbeta_i += dvbv_i +
 //     e^gamma_i dkbk_i, dgamma_{C-1} += e^gamma_{C-1} sds + sum_j dktk_j; then dgamma becomes dg, the reverse
 //     cumulative sum (gamma is the cumulative sum of g).
+// The short causal depthwise conv (attention/ops/gdn_composed.h, short_conv_*_composed), weight [C, W], on rows of C
+// channels; the W inputs of an output row are consecutive rows of xin (W-1 earlier inputs, then its own):
+//   short_conv_row: y_c = sum_w weight[c, w] xin[w, c], then SiLU (y sigmoid(y)) when silu.
+//   short_conv_dpre_row: dy <- dy silu'(y) at the recomputed pre-activation y (unchanged without SiLU).
+//   short_conv_dx_row: dxin_c = sum_w weight[c, w] dpre[src[w], c] over the w with src[w] >= 0 (src[w]: the output row
+//     that reads this input row as its w-th).
+//   short_conv_dweight_channel: dweight[c, w] = sum_r dpre[r, c] xin[first[r] + w, c], rows r in ascending order.
 #pragma once
 
 #include <math.h>
@@ -175,6 +182,56 @@ SEQPAR_HOST_DEVICE inline void gdn_scales_backward(const T* gamma, const T* beta
   for (std::int64_t i = C - 1; i >= 0; --i) {
     acc += dgamma[i];
     dgamma[i] = acc;
+  }
+}
+
+template <typename T>
+SEQPAR_HOST_DEVICE inline T conv_pre(const T* xin_first, std::int64_t C, std::int64_t W, const T* weight,
+                                     std::int64_t c) {
+  T acc = T(0);
+  for (std::int64_t w = 0; w < W; ++w) acc += weight[c * W + w] * xin_first[w * C + c];
+  return acc;
+}
+
+template <typename T>
+SEQPAR_HOST_DEVICE inline void short_conv_row(const T* xin_first, std::int64_t C, std::int64_t W, const T* weight,
+                                              bool silu, T* y) {
+  for (std::int64_t c = 0; c < C; ++c) {
+    const T v = conv_pre(xin_first, C, W, weight, c);
+    y[c] = silu ? v / (T(1) + gdn_exp(-v)) : v;
+  }
+}
+
+template <typename T>
+SEQPAR_HOST_DEVICE inline void short_conv_dpre_row(const T* xin_first, std::int64_t C, std::int64_t W, const T* weight,
+                                                   bool silu, T* dy) {
+  if (!silu) return;
+  for (std::int64_t c = 0; c < C; ++c) {
+    const T v = conv_pre(xin_first, C, W, weight, c);
+    const T s = T(1) / (T(1) + gdn_exp(-v));
+    dy[c] *= s * (T(1) + v * (T(1) - s));
+  }
+}
+
+template <typename T>
+SEQPAR_HOST_DEVICE inline void short_conv_dx_row(const T* dpre, const std::int64_t* src, std::int64_t C, std::int64_t W,
+                                                 const T* weight, T* dx) {
+  for (std::int64_t c = 0; c < C; ++c) {
+    T acc = T(0);
+    for (std::int64_t w = 0; w < W; ++w)
+      if (src[w] >= 0) acc += weight[c * W + w] * dpre[src[w] * C + c];
+    dx[c] = acc;
+  }
+}
+
+template <typename T>
+SEQPAR_HOST_DEVICE inline void short_conv_dweight_channel(std::int64_t c, std::int64_t rows, std::int64_t C,
+                                                          std::int64_t W, const T* dpre, const T* xin,
+                                                          const std::int64_t* first, T* dweight) {
+  for (std::int64_t w = 0; w < W; ++w) {
+    T acc = T(0);
+    for (std::int64_t r = 0; r < rows; ++r) acc += dpre[r * C + c] * xin[(first[r] + w) * C + c];
+    dweight[c * W + w] = acc;
   }
 }
 

@@ -56,7 +56,20 @@ template <typename T>
 void gdn_map_product_composed(Ops<T>& ops, bool transpose_m, const TensorView& m, const TensorView& x,
                               const TensorView& addend, const TensorView& out);
 
-// The same on the CPU table of q's arithmetic dtype (of m's dtype for the map product).
+// attn::short_conv_forward / short_conv_backward (same arguments, shapes and semantics; packed rows included) as
+// table calls: the inputs of every document laid out after its W-1 conv state rows, one row kernel per output row
+// (rowops::short_conv_row), the backward's gradient before the SiLU per output row, each input row's gradient from
+// the output rows that read it, and the weight gradient per channel (attention/ops/gdn_conv_composed.cc).
+// Arithmetic in fp64 for fp64 x, else fp32.
+// Errors: as attn::short_conv_forward / _backward (the same argument checks), before any work.
+template <typename T>
+void short_conv_forward_composed(Ops<T>& ops, const ShortConvArgs& args, const TensorView& out,
+                                 const TensorView& final_conv_state);
+template <typename T>
+void short_conv_backward_composed(Ops<T>& ops, const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
+                                  const TensorView& dweight, const TensorView& dinitial_conv_state);
+
+// The same on the CPU table of q's arithmetic dtype (of m's dtype for the map product, of x's for the conv).
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
 void gdn_backward_composed_cpu(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
                                const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
@@ -64,5 +77,9 @@ void gdn_backward_composed_cpu(const GdnBackwardArgs& args, const TensorView& dq
 void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
 void gdn_map_product_composed_cpu(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
                                   const TensorView& out);
+void short_conv_forward_composed_cpu(const ShortConvArgs& args, const TensorView& out,
+                                     const TensorView& final_conv_state);
+void short_conv_backward_composed_cpu(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
+                                      const TensorView& dweight, const TensorView& dinitial_conv_state);
 
 }  // namespace seqpar::attn::ops

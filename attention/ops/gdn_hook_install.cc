@@ -24,6 +24,7 @@ const bool g_installed = [] {
   set_gdn_forward_hook(&gdn_forward_composed_cpu, &gdn_transition_composed_cpu);
   set_gdn_backward_hook(&gdn_backward_composed_cpu);
   set_gdn_map_product_hook(&gdn_map_product_composed_cpu);
+  set_short_conv_hooks(&short_conv_forward_composed_cpu, &short_conv_backward_composed_cpu);
   ::testing::AddGlobalTestEnvironment(new ComposedRouteTaken);
   return true;
 }();

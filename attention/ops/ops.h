@@ -142,6 +142,21 @@ class Ops : public Memory {
   virtual void gdn_chunk_scales_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta,
                                          const T* dqq, const T* dkbk, const T* dvbv, const T* dktk, const T* sds,
                                          T* dgamma, T* dbeta) = 0;
+
+  // ---- the short causal depthwise conv (bodies: attention/kernels/gdn_rows.h), weight [C, W] ----
+  // y row r = rowops::short_conv_row over xin rows first[r] .. first[r] + W - 1 (xin, y: rows of C).
+  virtual void short_conv_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin,
+                               const std::int64_t* first, const T* weight, bool silu, T* y) = 0;
+  // dy row r <- rowops::short_conv_dpre_row (the gradient before the SiLU) at the same inputs.
+  virtual void short_conv_dpre_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin,
+                                    const std::int64_t* first, const T* weight, bool silu, T* dy) = 0;
+  // dxin row j = rowops::short_conv_dx_row with src [xrows, W] (row j: the output row reading it as its w-th input,
+  // or -1); dpre [*, C].
+  virtual void short_conv_dx_rows(std::int64_t xrows, std::int64_t C, std::int64_t W, const T* dpre,
+                                  const std::int64_t* src, const T* weight, T* dxin) = 0;
+  // dweight [C, W] = rowops::short_conv_dweight_channel for every channel (a fixed order over the rows).
+  virtual void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
+                                  const std::int64_t* first, T* dweight) = 0;
 };
 
 // The inclusive scan of affine maps x -> M x + U along each of `segments` sequences of n elements (M [K, K],

@@ -218,6 +218,24 @@ class CpuOps final : public Ops<T> {
                                   dbeta + o);
     }
   }
+
+  void short_conv_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                       const T* weight, bool silu, T* y) override {
+    for (std::int64_t r = 0; r < rows; ++r) rowops::short_conv_row(xin + first[r] * C, C, W, weight, silu, y + r * C);
+  }
+  void short_conv_dpre_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                            const T* weight, bool silu, T* dy) override {
+    for (std::int64_t r = 0; r < rows; ++r)
+      rowops::short_conv_dpre_row(xin + first[r] * C, C, W, weight, silu, dy + r * C);
+  }
+  void short_conv_dx_rows(std::int64_t xrows, std::int64_t C, std::int64_t W, const T* dpre, const std::int64_t* src,
+                          const T* weight, T* dxin) override {
+    for (std::int64_t j = 0; j < xrows; ++j) rowops::short_conv_dx_row(dpre, src + j * W, C, W, weight, dxin + j * C);
+  }
+  void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
+                          const std::int64_t* first, T* dweight) override {
+    for (std::int64_t c = 0; c < C; ++c) rowops::short_conv_dweight_channel(c, rows, C, W, dpre, xin, first, dweight);
+  }
 };
 
 }  // namespace

@@ -333,6 +333,59 @@ TEST(GdnComposed, MapAlgebraMatchesTheCpuKernels) {
   }
 }
 
+// The short conv composed against the fp64 reference (fp64) and the CPU kernel (fp32), forward and backward: with and
+// without SiLU and conv state, W = 1 (no state rows), a short sequence (S < W - 1), packed documents (one empty).
+void expect_conv_close(DType dtype, std::int64_t B, std::int64_t S, std::int64_t C, std::int64_t W, bool silu,
+                       bool with_state, const std::vector<std::int64_t>& lens) {
+  const std::int64_t N = lens.empty() ? B : static_cast<std::int64_t>(lens.size());
+  const Tensor x = random_tensor({B, S, C}, dtype, 201), weight = random_tensor({C, W}, dtype, 202),
+               state = random_tensor({N, W - 1, C}, dtype, 203), dout = random_tensor({B, S, C}, dtype, 204);
+  Tensor cu;
+  ShortConvArgs a{x, weight, with_state ? state.view() : TensorView(), silu};
+  if (!lens.empty()) {
+    cu = Tensor::empty({N + 1}, DType::kInt64, kWs);
+    std::int64_t* c = cu.data_as<std::int64_t>();
+    c[0] = 0;
+    for (std::int64_t i = 0; i < N; ++i) c[i + 1] = c[i] + lens[i];
+    a.cu_seqlens = cu;
+  }
+  const bool fp64 = dtype == DType::kFloat64;
+  const double tol = fp64 ? 1e-12 : 1e-5;
+  const auto t = [&](const Shape& s) { return Tensor::empty(s, dtype, kWs); };
+  Tensor out = t({B, S, C}), fin = t({N, W - 1, C}), dx = t({B, S, C}), dw = t({C, W}), dst = t({N, W - 1, C});
+  Tensor out_w = t({B, S, C}), fin_w = t({N, W - 1, C}), dx_w = t({B, S, C}), dw_w = t({C, W}),
+         dst_w = t({N, W - 1, C});
+  ops::short_conv_forward_composed_cpu(a, out, fin);
+  ops::short_conv_backward_composed_cpu(a, dout, dx, dw, dst);
+  if (fp64) {
+    reference::short_conv_forward(a, out_w, fin_w);
+    reference::short_conv_backward(a, dout, dx_w, dw_w, dst_w);
+  } else {
+    short_conv_forward(a, out_w, fin_w);
+    short_conv_backward(a, dout, dx_w, dw_w, dst_w);
+  }
+  const std::string tag = std::string("conv ") + dtype_name(dtype) + " S=" + std::to_string(S) +
+                          " W=" + std::to_string(W) + (silu ? " silu" : "") + (with_state ? " state" : "") +
+                          (lens.empty() ? "" : " packed");
+  EXPECT_TRUE(all_close(to_double(out), to_double(out_w), tol, tol, tag + " out"));
+  EXPECT_EQ(to_double(fin), to_double(fin_w)) << tag << " final_conv_state";  // copies of inputs
+  EXPECT_TRUE(all_close(to_double(dx), to_double(dx_w), tol, tol, tag + " dx"));
+  EXPECT_TRUE(all_close(to_double(dw), to_double(dw_w), tol * 10, tol, tag + " dweight"));
+  EXPECT_TRUE(all_close(to_double(dst), to_double(dst_w), tol, tol, tag + " dinitial_conv_state"));
+}
+
+TEST(GdnComposed, ShortConvMatchesReferenceAndKernel) {
+  for (DType dtype : {DType::kFloat64, DType::kFloat32})
+    for (bool silu : {false, true})
+      for (bool state : {false, true}) {
+        expect_conv_close(dtype, 2, 9, 6, 4, silu, state, {});
+        expect_conv_close(dtype, 1, 2, 5, 4, silu, state, {});  // S < W - 1
+      }
+  expect_conv_close(DType::kFloat64, 2, 7, 3, 1, true, false, {});  // W = 1
+  expect_conv_close(DType::kFloat64, 1, 12, 5, 3, true, true, {4, 0, 1, 7});
+  expect_conv_close(DType::kFloat32, 1, 12, 5, 3, true, false, {4, 0, 1, 7});
+}
+
 TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
   Problem p;
   p.S = 0;

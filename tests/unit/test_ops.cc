@@ -410,5 +410,50 @@ TYPED_TEST(OpsTest, BackwardRowKernels) {
   }
 }
 
+// The short conv's ops against loops: y = conv of W rows from first[r] (SiLU), the gradient before the SiLU, the
+// input rows' gradients through src and the weight gradient, all in fp64 from the same rounded operands.
+TYPED_TEST(OpsTest, ShortConvRowKernels) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t C = 3, W = 3, xrows = 9, rows = 5;
+  const std::vector<std::int64_t> first{0, 1, 2, 5, 6};  // two runs: rows 0..4 (3 outputs), rows 5..8 (2 outputs)
+  const auto x64 = rand_vec(xrows * C, 51), w64 = rand_vec(C * W, 52), dy64 = rand_vec(rows * C, 53);
+  const auto x = cast<T>(x64), w = cast<T>(w64);
+  const auto pre = [&](std::int64_t r, std::int64_t c) {
+    double acc = 0.0;
+    for (std::int64_t k = 0; k < W; ++k) acc += double(w[c * W + k]) * double(x[(first[r] + k) * C + c]);
+    return acc;
+  };
+  std::vector<T> y(rows * C);
+  ops.short_conv_rows(rows, C, W, x.data(), first.data(), w.data(), true, y.data());
+  auto dpre = cast<T>(dy64);
+  ops.short_conv_dpre_rows(rows, C, W, x.data(), first.data(), w.data(), true, dpre.data());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double v = pre(r, c), sg = 1.0 / (1.0 + std::exp(-v));
+      EXPECT_NEAR(v * sg, y[r * C + c], tol<T>());
+      EXPECT_NEAR(double(T(dy64[r * C + c])) * sg * (1.0 + v * (1.0 - sg)), dpre[r * C + c], tol<T>());
+    }
+  std::vector<std::int64_t> src(xrows * W, -1);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t k = 0; k < W; ++k) src[(first[r] + k) * W + k] = r;
+  std::vector<T> dx(xrows * C), dw(C * W);
+  ops.short_conv_dx_rows(xrows, C, W, dpre.data(), src.data(), w.data(), dx.data());
+  ops.short_conv_dweight(rows, C, W, dpre.data(), x.data(), first.data(), dw.data());
+  std::vector<double> dxw(xrows * C, 0.0), dww(C * W, 0.0);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t k = 0; k < W; ++k)
+      for (std::int64_t c = 0; c < C; ++c) {
+        dxw[(first[r] + k) * C + c] += double(w[c * W + k]) * double(dpre[r * C + c]);
+        dww[c * W + k] += double(dpre[r * C + c]) * double(x[(first[r] + k) * C + c]);
+      }
+  for (std::int64_t i = 0; i < xrows * C; ++i) EXPECT_NEAR(dxw[i], dx[i], tol<T>()) << "dx " << i;
+  for (std::int64_t i = 0; i < C * W; ++i) EXPECT_NEAR(dww[i], dw[i], tol<T>()) << "dweight " << i;
+  // without SiLU the gradient passes unchanged
+  auto same = cast<T>(dy64);
+  ops.short_conv_dpre_rows(rows, C, W, x.data(), first.data(), w.data(), false, same.data());
+  EXPECT_EQ(cast<T>(dy64), same);
+}
+
 }  // namespace
 }  // namespace seqpar::attn::ops
