@@ -1,5 +1,5 @@
 // Linked into the GDN test programs (as an object, so that its initializer runs): installs the ops-table GDN forward,
-// backward and segment map as gdn_forward's, gdn_backward's and gdn_transition's test-mode routes (gdn_hook.h), and,
+// backward, segment map, map algebra and short conv as the test-mode routes of attention/gdn.h (gdn_hook.h), and,
 // when SEQPAR_LOWERED_ATTENTION = 1, fails the run at its end if no call took those routes (so a test run in the mode
 // cannot pass without exercising the composition).
 #include <gtest/gtest.h>
