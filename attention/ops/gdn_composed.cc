@@ -1,4 +1,4 @@
-// The composed GDN forward (gdn_composed.h).
+// The composed GDN forward, backward, segment map and map algebra (gdn_composed.h).
 #include "gdn_composed.h"
 
 #include <algorithm>
