@@ -292,6 +292,8 @@ DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchT
     }
     if (!improved) break;
   }
+  r.mixed = cur;
+  r.mixed.name = "mixed";
   r.dynamic = std::move(cur);
   for (const DynamicPlan& p : r.statics) {
     if (p.excluded.empty() && p.step_s < r.dynamic.step_s) {
@@ -424,6 +426,7 @@ nlohmann::json dynamic_json(const PlanInput& in, const DeviceProfile& profile, c
                 {"impl", din.impl}};
   j["profile"] = profile.name;
   j["dynamic"] = plan_json_of(r.dynamic, din.doc_lens);
+  j["mixed"] = plan_json_of(r.mixed, din.doc_lens);
   j["statics"] = nlohmann::json::array();
   for (const DynamicPlan& p : r.statics) j["statics"].push_back(plan_json_of(p, din.doc_lens));
   j["best_static_degree"] = r.best_static_degree;
@@ -457,6 +460,7 @@ std::string dynamic_table(const PlanInput& in, const DeviceProfile& profile, con
     s += buf;
   };
   line(r.dynamic);
+  if (r.dynamic.name != "dynamic") line(r.mixed);
   for (const DynamicPlan& p : r.statics) line(p);
   std::map<int, std::pair<int, std::int64_t>> docs;
   for (std::size_t i = 0; i < din.doc_lens.size(); ++i) {

@@ -59,6 +59,7 @@ struct DynamicResult {
   std::int64_t tokens_per_rank = 0;
   std::vector<int> degrees;
   DynamicPlan dynamic;               // the chosen plan (the raised plan or a static one when no better)
+  DynamicPlan mixed;                 // the raised plan, also when a static one is chosen
   std::vector<DynamicPlan> statics;  // one per degree, ascending
   int best_static_degree = 0;        // 0 when no static degree is valid
   double best_static_s = 0;
