@@ -3,6 +3,7 @@
 //
 //   sp_plan --profile profile.json --world 16 --nodes 2 --mem-per-device 80G -- --model llama3-8b --seq 128K
 //   sp_plan --calibrate profile.json      # this machine's profile, from kernel_bench and comm_bench
+//   sp_plan --profile p.json --world 8 --dynamic-cp --doc-mix loguniform:256:32K --tokens 256K -- --attn mha ...
 //
 // The flags after "--" are sp_bench's problem flags (--model / --attn, shapes, --seq or --doc-lens, --dtype, ...).
 // sp_plan itself needs no MPI; --calibrate starts kernel_bench and `mpirun -np 2 comm_bench` from sp_plan's
