@@ -269,29 +269,87 @@ DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchT
     }
     return planner.finish("dynamic", std::move(mbs));
   };
-  DynamicPlan cur = plan_of(degree_of);
-  SEQPAR_CHECK(cur.excluded.empty(), "sp_plan --dynamic-cp: ", cur.excluded);
-  // Raise documents, longest first, to the next degree while the makespan drops (a few passes).
+  // Starting points: every document at its smallest degree; every document at max(smallest, D) for each degree D;
+  // and split by length, documents from a length quantile up at max(smallest, hi), the rest at max(smallest, lo),
+  // for each pair of degrees lo < hi and 8 quantiles.
+  const std::vector<int> d_min = degree_of;
+  const auto at_least = [&](int i, int d) { return std::max(d_min[i], d); };
+  std::vector<std::vector<int>> starts = {d_min};
+  for (int D : r.degrees) {
+    std::vector<int> deg(lens.size());
+    for (std::size_t i = 0; i < lens.size(); ++i) deg[i] = at_least(static_cast<int>(i), D);
+    starts.push_back(std::move(deg));
+  }
+  std::vector<std::int64_t> sorted_lens = lens;
+  std::sort(sorted_lens.begin(), sorted_lens.end());
+  std::vector<std::int64_t> cuts;
+  const std::size_t n = sorted_lens.size();
+  for (std::size_t q = 1; q <= 8; ++q) cuts.push_back(sorted_lens[std::min(n - 1, n * q / 9)]);
+  std::sort(cuts.begin(), cuts.end());
+  cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+  for (std::int64_t cut : cuts) {
+    for (std::size_t lo = 0; lo < r.degrees.size(); ++lo) {
+      for (std::size_t hi = lo + 1; hi < r.degrees.size(); ++hi) {
+        std::vector<int> deg(lens.size());
+        for (std::size_t i = 0; i < lens.size(); ++i)
+          deg[i] = at_least(static_cast<int>(i), lens[i] >= cut ? r.degrees[hi] : r.degrees[lo]);
+        starts.push_back(std::move(deg));
+      }
+    }
+  }
+  // Local moves while the makespan drops (a few passes): raise documents, longest first, to the next degree; lower
+  // documents, shortest first, to the previous degree they fit. From the smallest-degree start and the two best
+  // other starts; the best result is the mixed plan.
   std::vector<int> by_len(lens.size());
   std::iota(by_len.begin(), by_len.end(), 0);
   std::stable_sort(by_len.begin(), by_len.end(), [&](int a, int b) { return lens[a] > lens[b]; });
-  for (int pass = 0; pass < 3; ++pass) {
-    bool improved = false;
-    for (int i : by_len) {
-      for (;;) {
-        const auto next = std::upper_bound(r.degrees.begin(), r.degrees.end(), degree_of[i]);
-        if (next == r.degrees.end()) break;
-        std::vector<int> trial = degree_of;
-        trial[i] = *next;
-        DynamicPlan t = plan_of(trial);
-        if (!t.excluded.empty() || t.step_s >= cur.step_s * (1 - 1e-9)) break;
-        cur = std::move(t);
-        degree_of = std::move(trial);
-        improved = true;
+  const auto improve = [&](std::vector<int> deg, DynamicPlan cur) {
+    const auto try_move = [&](int i, int to) {
+      std::vector<int> trial = deg;
+      trial[i] = to;
+      DynamicPlan t = plan_of(trial);
+      if (!t.excluded.empty() || t.step_s >= cur.step_s * (1 - 1e-9)) return false;
+      cur = std::move(t);
+      deg = std::move(trial);
+      return true;
+    };
+    for (int pass = 0; pass < 3; ++pass) {
+      bool improved = false;
+      for (int i : by_len) {
+        for (;;) {
+          const auto next = std::upper_bound(r.degrees.begin(), r.degrees.end(), deg[i]);
+          if (next == r.degrees.end() || !try_move(i, *next)) break;
+          improved = true;
+        }
       }
+      for (auto it = by_len.rbegin(); it != by_len.rend(); ++it) {
+        const int i = *it;
+        for (;;) {
+          const auto here = std::lower_bound(r.degrees.begin(), r.degrees.end(), deg[i]);
+          if (here == r.degrees.begin() || *(here - 1) < d_min[i] || !try_move(i, *(here - 1))) break;
+          improved = true;
+        }
+      }
+      if (!improved) break;
     }
-    if (!improved) break;
+    return cur;
+  };
+  std::vector<std::pair<double, std::size_t>> ranked;  // (step, start index) of the valid starts but the first
+  std::vector<DynamicPlan> start_plans;
+  for (std::size_t k = 0; k < starts.size(); ++k) {
+    start_plans.push_back(plan_of(starts[k]));
+    if (k > 0 && start_plans.back().excluded.empty()) ranked.emplace_back(start_plans.back().step_s, k);
   }
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  std::vector<std::size_t> from = {0};
+  for (std::size_t k = 0; k < ranked.size() && k < 2; ++k) from.push_back(ranked[k].second);
+  DynamicPlan cur;
+  for (std::size_t k : from) {
+    if (!start_plans[k].excluded.empty()) continue;
+    DynamicPlan t = improve(starts[k], start_plans[k]);
+    if (cur.micro_batches.empty() || t.step_s < cur.step_s * (1 - 1e-9)) cur = std::move(t);
+  }
+  SEQPAR_CHECK(!cur.micro_batches.empty(), "sp_plan --dynamic-cp: no plan can run every document");
   r.mixed = cur;
   r.mixed.name = "mixed";
   r.dynamic = std::move(cur);

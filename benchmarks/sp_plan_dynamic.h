@@ -9,10 +9,13 @@
 // aligned group of its degree that is free first, starting when all its ranks are free. Gradient all-reduces are the
 // same for every plan and left out.
 //
-// The plan: each document starts at the smallest degree it fits; the micro-batch that finishes last is raised to
-// the next degree while that lowers the makespan. Every static degree (all micro-batches at d, packed to d x
-// tokens_per_rank) is planned the same way, and the dynamic plan is the best of the raised plan and the statics, so
-// its predicted gain over the best static degree is >= 0 by construction.
+// The plan: documents of one degree are packed longest first into the micro-batch with the least causal work that
+// has room. Starting points: each document at the smallest degree it fits; all at max(that, D) for each degree D;
+// split at 8 length quantiles, longer documents at one degree and shorter at a lower one. The best start is improved
+// by local moves (raise a document to the next degree, longest first; lower one, shortest first) while the makespan
+// drops: the "mixed" plan. Every static degree (all micro-batches at d, packed to d x tokens_per_rank) is planned
+// the same way, and the dynamic plan is the best of the mixed plan and the statics, so its predicted gain over the
+// best static degree is >= 0 by construction.
 #pragma once
 
 #include <cstdint>
@@ -58,8 +61,8 @@ struct DynamicInput {
 struct DynamicResult {
   std::int64_t tokens_per_rank = 0;
   std::vector<int> degrees;
-  DynamicPlan dynamic;               // the chosen plan (the raised plan or a static one when no better)
-  DynamicPlan mixed;                 // the raised plan, also when a static one is chosen
+  DynamicPlan dynamic;               // the chosen plan (the mixed plan, or a static one when no better)
+  DynamicPlan mixed;                 // the mixed plan, also when a static one is chosen
   std::vector<DynamicPlan> statics;  // one per degree, ascending
   int best_static_degree = 0;        // 0 when no static degree is valid
   double best_static_s = 0;

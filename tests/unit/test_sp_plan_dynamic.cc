@@ -97,10 +97,14 @@ TEST(SpPlanDynamic, ScheduleByHand) {
 //     ranks 0 and 1 run the 100s, then rank 0 the 16: 116.
 //   static 2 (capacity 20, 2 micro-batches): {10, 2, 2}, {10, 2, 2}: (100 + 8) / 2 + 1 = 55 each, one after the
 //     other: 110.
-//   dynamic: every document fits degree 1 (116); raising a 10 to degree 2 gives 51 + 100 + 16 = 167 > 116 (kept at
-//     1); raising the 2s one by one: 3 + 100 + 12 = 115, 5 + 100 + 8 = 113, 7 + 100 + 4 = 111, 9 + 100 = 109; a
-//     second pass raising a 10 gives 59 + 100 (worse). Plan: {2, 2, 2, 2} at degree 2 (9), then {10} | {10} (100):
-//     109; gain 110 / 109 - 1.
+//   starts: all at their smallest degree, 1: 116; all at 2: 110; length cuts (quantiles 2 and 10) with 1 < 2: cut 2
+//     is all at 2 (110), cut 10 puts {10, 10} at degree 2 (one micro-batch, 200 / 2 + 1 = 101) and {2, 2} | {2, 2}
+//     at degree 1 (8 each, side by side): 109.
+//   moves from the smallest-degree start (searched first): raising a 10 to 2 gives 51 + 100 + 16 = 167 (kept at 1);
+//     raising the 2s one by one gives 3 + 100 + 12 = 115, 5 + 100 + 8 = 113, 7 + 100 + 4 = 111, 9 + 100 = 109;
+//     lowering a 2 back or raising a 10 is worse. From cut 10 (109), raising a 2 gives degree 2 {10, 2} + {10}
+//     (53 + 51) then {2, 2} | {2} (8): 112, lowering a 10 gives 51 + 100 = 151: it stays at 109, not better than the
+//     first. Plan: {2, 2, 2, 2} at degree 2 (9), then {10} | {10} (100): 109; gain 110 / 109 - 1.
 TEST(SpPlanDynamic, WholePlanByHand) {
   DynamicInput din;
   din.doc_lens = {10, 10, 2, 2, 2, 2};
