@@ -9,7 +9,6 @@
 // sp_plan itself needs no MPI; --calibrate starts kernel_bench and `mpirun -np 2 comm_bench` from sp_plan's
 // directory.
 #include "benchmarks/sp_plan.h"
-#include "benchmarks/sp_plan_dynamic.h"
 
 #include <unistd.h>
 
@@ -25,6 +24,7 @@
 #include <vector>
 
 #include "benchmarks/bench_common.h"
+#include "benchmarks/sp_plan_dynamic.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench::plan {

@@ -27,7 +27,7 @@ struct DynamicCpMicroBatch {
 
 class DynamicCpSchedule {
  public:
-  // Checks the plan and keeps this rank's part of it.
+  // Checks the plan and keeps this rank's part of it; `grids` must outlive the schedule.
   // Args: doc_lens: the step's document lengths (>= 0), the same on every rank; plan: the micro-batches in execution
   //   order.
   // Errors, the same on every rank and before any message but one agreement check over `world` (an all-reduce;
