@@ -127,6 +127,16 @@ std::vector<T> download_all(Ops<T>& ops, const Buffer<T>& b) {
   return v;
 }
 
+// Queries per chunk of a composition whose largest per-query buffer holds `per_query` elements: the gathered rows
+// and score matrices of all B Sq queries at once would take B Sq k Dqk elements (600 MB in fp32 at 1K queries, k 256,
+// Dqk 576), so queries go in chunks of at most kChunkElements (64 MiB of fp32), at least one query. Chunks are
+// fixed by the query count alone, so a block split chunks its queries as the one call does.
+inline constexpr std::int64_t kChunkElements = std::int64_t{1} << 24;
+inline std::int64_t query_chunk(std::int64_t queries, std::int64_t per_query) {
+  return std::clamp<std::int64_t>(kChunkElements / std::max<std::int64_t>(per_query, 1), 1,
+                                  std::max<std::int64_t>(queries, 1));
+}
+
 // dst <- v (converted to dst's dtype), or dst += v when accumulating (dst then has dtype T: the boundary's check).
 template <typename T>
 void store(const std::vector<T>& v, const TensorView& dst, bool accumulate) {
@@ -139,25 +149,26 @@ void store(const std::vector<T>& v, const TensorView& dst, bool accumulate) {
   for (std::size_t i = 0; i < v.size(); ++i) d[i] += v[i];
 }
 
-// dst [B Sk, cols] (zero) <- for every block row, the sum of the src rows [B Sq k, cols] of the slots that selected
-// it, in ascending slot order (the inverted index of `rows`; no atomics).
+// dst [B Sk, cols] += for every block row, the sum of the src rows [n_src, cols] of the slots that selected it, in
+// ascending slot order (the inverted index of the slot-to-row map `rows`; no atomics).
 template <typename T>
-void sum_by_inverted_index(Ops<T>& ops, std::int64_t n_src, const Buffer<std::int64_t>& rows, std::int64_t n_dst,
+void sum_by_inverted_index(Ops<T>& ops, std::int64_t n_src, const std::int64_t* rows, std::int64_t n_dst,
                            std::int64_t cols, const T* src, T* dst) {
   Buffer<std::int64_t> offsets(ops, n_dst + 1), list(ops, n_src);
-  ops.inverted_index(n_src, rows.get(), n_dst, offsets.get(), list.get());
+  ops.inverted_index(n_src, rows, n_dst, offsets.get(), list.get());
   ops.sum_rows_indexed(n_dst, cols, src, cols, offsets.get(), list.get(), dst, cols);
 }
 
-// The indexer logits of every selected slot inside this key block, slots in place: ksel [B Sq, k, Di] the gathered
-// index keys (zero rows for slots outside the block), logits [B Sq, Hi, k] = q_idx ksel^T per query.
+// The indexer inputs of a selected-slot pass over one key block: the slot-to-row map and the uploaded inputs; per
+// chunk of queries [q0, q0 + qc), ksel [qc, k, Di] the gathered index keys (zero rows for slots outside the block)
+// and logits [qc, Hi, k] = q_idx ksel^T per query (gemm_fixed_order: the scores of the top-k pass, bitwise).
 template <typename T>
-struct SelectedLogits {
+struct SelectedIndexer {
   std::int64_t B, Sq, Hi, Di, Sk, k;
   std::vector<std::int64_t> rows;
-  Buffer<T> q, w, kk, ksel, logits;
+  Buffer<T> q, w, kk;
   Buffer<std::int64_t> d_rows;
-  SelectedLogits(Ops<T>& ops, const DsaIndexerArgs& a, const TensorView& topk)
+  SelectedIndexer(Ops<T>& ops, const DsaIndexerArgs& a, const TensorView& topk)
       : B(a.q_idx.dim(0)),
         Sq(a.q_idx.dim(1)),
         Hi(a.q_idx.dim(2)),
@@ -168,12 +179,12 @@ struct SelectedLogits {
         q(ops, host_values<T>(a.q_idx)),
         w(ops, host_values<T>(a.w)),
         kk(ops, host_values<T>(a.k_idx)),
-        ksel(ops, B * Sq * k * Di),
-        logits(ops, B * Sq * Hi * k),
-        d_rows(ops, rows) {
-    ops.gather_rows(B * Sq * k, Di, kk.get(), Di, d_rows.get(), ksel.get(), Di);
-    ops.gemm_fixed_order(Trans::kN, Trans::kT, Hi, k, Di, T(1), Mat<const T>{q.get(), Di, 0, Hi * Di},
-             Mat<const T>{ksel.get(), Di, 0, k * Di}, T(0), Mat<T>{logits.get(), k, 0, Hi * k}, Batch{1, B * Sq});
+        d_rows(ops, rows) {}
+  std::int64_t chunk() const { return query_chunk(B * Sq, k * std::max(Di, Hi)); }
+  void logits(Ops<T>& ops, std::int64_t q0, std::int64_t qc, T* ksel, T* out) const {
+    ops.gather_rows(qc * k, Di, kk.get(), Di, d_rows.get() + q0 * k, ksel, Di);
+    ops.gemm_fixed_order(Trans::kN, Trans::kT, Hi, k, Di, T(1), Mat<const T>{q.get() + q0 * Hi * Di, Di, 0, Hi * Di},
+                         Mat<const T>{ksel, Di, 0, k * Di}, T(0), Mat<T>{out, k, 0, Hi * k}, Batch{1, qc});
   }
 };
 
@@ -258,40 +269,51 @@ void dsa_attention_backward_composed(Ops<T>& ops, const DsaAttentionArgs& args, 
 
   const Buffer<T> q(ops, host_values<T>(args.q)), c(ops, host_values<T>(args.c)), d_hi(ops, hi), d_lo(ops, lo);
   const Buffer<std::int64_t> d_rows(ops, rows);
-  Buffer<T> csel(ops, Q * k * Dqk), p(ops, Q * H * k);
-  const Batch per_query{1, Q};
-  // 1. gather the selected latent rows; 2. scores [H, k] per query; 3. p = exp(s - lse) on the slots in the block
-  ops.gather_rows(Q * k, Dqk, c.get(), Dqk, d_rows.get(), csel.get(), Dqk);
-  ops.gemm_fixed_order(Trans::kN, Trans::kT, H, k, Dqk, scale, Mat<const T>{q.get(), Dqk, 0, H * Dqk},
-           Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{p.get(), k, 0, H * k}, per_query);
-  ops.dsa_probs_rows(Q * H, k, p.get(), k, d_rows.get(), H, d_hi.get(), d_lo.get());
-  if (!probs.empty() && probs.data() != nullptr) {  // the head sum of p per slot: a [1, H] x [H, k] product
-    const Buffer<T> ones(ops, std::vector<T>(static_cast<std::size_t>(H), T(1)));
-    Buffer<T> ps(ops, Q * k);
-    ops.gemm(Trans::kN, Trans::kN, 1, k, H, T(1), Mat<const T>{ones.get(), H, 0, 0}, Mat<const T>{p.get(), k, 0, H * k},
-             T(0), Mat<T>{ps.get(), k, 0, k}, per_query);
-    const std::vector<T> v = download_all(ops, ps);
-    T* out = probs.data_as<T>();
-    for (std::size_t i = 0; i < v.size(); ++i)
-      if (rows[i] >= 0) out[i] = v[i];
+  const Buffer<T> d_out(ops, grads ? host_values<T>(dout) : std::vector<T>()), d_delta(ops, dl),
+      ones(ops, std::vector<T>(static_cast<std::size_t>(H), T(1)));
+  const bool want_probs = !probs.empty() && probs.data() != nullptr;
+  const std::int64_t chunk = query_chunk(Q, k * std::max(Dqk, H));
+  Buffer<T> csel(ops, chunk * k * Dqk), p(ops, chunk * H * k), ps(ops, want_probs ? chunk * k : 0),
+      dp(ops, grads ? chunk * H * k : 0), dqb(ops, grads ? Q * H * Dqk : 0), dcsel(ops, grads ? chunk * k * Dqk : 0),
+      dcb(ops, grads ? B * Sk * Dqk : 0);
+  std::vector<T> ps_host;
+  for (std::int64_t q0 = 0; q0 < Q; q0 += chunk) {
+    const std::int64_t qc = std::min(chunk, Q - q0);
+    const Batch per_query{1, qc};
+    const T* qq = q.get() + q0 * H * Dqk;
+    const std::int64_t* rr = d_rows.get() + q0 * k;
+    // 1. gather the selected latent rows; 2. scores [H, k] per query; 3. p = exp(s - lse) on the slots in the block
+    ops.gather_rows(qc * k, Dqk, c.get(), Dqk, rr, csel.get(), Dqk);
+    ops.gemm_fixed_order(Trans::kN, Trans::kT, H, k, Dqk, scale, Mat<const T>{qq, Dqk, 0, H * Dqk},
+                         Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{p.get(), k, 0, H * k}, per_query);
+    ops.dsa_probs_rows(qc * H, k, p.get(), k, rr, H, d_hi.get() + q0 * H, d_lo.get() + q0 * H);
+    if (want_probs) {  // the head sum of p per slot: a [1, H] x [H, k] product
+      ops.gemm(Trans::kN, Trans::kN, 1, k, H, T(1), Mat<const T>{ones.get(), H, 0, 0},
+               Mat<const T>{p.get(), k, 0, H * k}, T(0), Mat<T>{ps.get(), k, 0, k}, per_query);
+      ps_host.resize(static_cast<std::size_t>(qc * k));
+      ops.download(ps_host.data(), ps.get(), ps_host.size() * sizeof(T));
+      T* out = probs.data_as<T>() + q0 * k;
+      for (std::size_t i = 0; i < ps_host.size(); ++i)
+        if (rows[q0 * k + i] >= 0) out[i] = ps_host[i];
+    }
+    if (!grads) continue;
+    const T* oo = d_out.get() + q0 * H * Dv;
+    // 4. dp = dout v^T, ds = p (dp - delta)
+    ops.gemm(Trans::kN, Trans::kT, H, k, Dv, T(1), Mat<const T>{oo, Dv, 0, H * Dv},
+             Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{dp.get(), k, 0, H * k}, per_query);
+    ops.dsa_dscore_rows(qc * H, k, p.get(), dp.get(), k, d_delta.get() + q0 * H);
+    // 5. dq = scale ds c_sel; dc_sel = scale ds^T q + (p^T dout in the first Dv columns)
+    ops.gemm(Trans::kN, Trans::kN, H, Dqk, k, scale, Mat<const T>{dp.get(), k, 0, H * k},
+             Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{dqb.get() + q0 * H * Dqk, Dqk, 0, H * Dqk},
+             per_query);
+    ops.gemm(Trans::kT, Trans::kN, k, Dqk, H, scale, Mat<const T>{dp.get(), k, 0, H * k},
+             Mat<const T>{qq, Dqk, 0, H * Dqk}, T(0), Mat<T>{dcsel.get(), Dqk, 0, k * Dqk}, per_query);
+    ops.gemm(Trans::kT, Trans::kN, k, Dv, H, T(1), Mat<const T>{p.get(), k, 0, H * k}, Mat<const T>{oo, Dv, 0, H * Dv},
+             T(1), Mat<T>{dcsel.get(), Dqk, 0, k * Dqk}, per_query);
+    // 6. dc: each latent row adds the chunk's slots that selected it, in ascending (b, t, slot) (the inverted index)
+    sum_by_inverted_index(ops, qc * k, rr, B * Sk, Dqk, dcsel.get(), dcb.get());
   }
   if (!grads) return;
-
-  const Buffer<T> d_out(ops, host_values<T>(dout)), d_delta(ops, dl);
-  Buffer<T> dp(ops, Q * H * k), dqb(ops, Q * H * Dqk), dcsel(ops, Q * k * Dqk), dcb(ops, B * Sk * Dqk);
-  // 4. dp = dout v^T, ds = p (dp - delta)
-  ops.gemm(Trans::kN, Trans::kT, H, k, Dv, T(1), Mat<const T>{d_out.get(), Dv, 0, H * Dv},
-           Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{dp.get(), k, 0, H * k}, per_query);
-  ops.dsa_dscore_rows(Q * H, k, p.get(), dp.get(), k, d_delta.get());
-  // 5. dq = scale ds c_sel; dc_sel = scale ds^T q + (p^T dout in the first Dv columns)
-  ops.gemm(Trans::kN, Trans::kN, H, Dqk, k, scale, Mat<const T>{dp.get(), k, 0, H * k},
-           Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{dqb.get(), Dqk, 0, H * Dqk}, per_query);
-  ops.gemm(Trans::kT, Trans::kN, k, Dqk, H, scale, Mat<const T>{dp.get(), k, 0, H * k},
-           Mat<const T>{q.get(), Dqk, 0, H * Dqk}, T(0), Mat<T>{dcsel.get(), Dqk, 0, k * Dqk}, per_query);
-  ops.gemm(Trans::kT, Trans::kN, k, Dv, H, T(1), Mat<const T>{p.get(), k, 0, H * k},
-           Mat<const T>{d_out.get(), Dv, 0, H * Dv}, T(1), Mat<T>{dcsel.get(), Dqk, 0, k * Dqk}, per_query);
-  // 6. dc: each latent row sums the slots that selected it, in ascending (b, t, slot) (the inverted index)
-  sum_by_inverted_index(ops, Q * k, d_rows, B * Sk, Dqk, dcsel.get(), dcb.get());
   store(download_all(ops, dqb), dq, accumulate);
   store(download_all(ops, dcb), dc, accumulate);
 }
@@ -300,9 +322,14 @@ template <typename T>
 void dsa_indexer_scores_selected_composed(Ops<T>& ops, const DsaIndexerArgs& args, const TensorView& topk_indices,
                                           const TensorView& scores) {
   args.validate();
-  const SelectedLogits<T> sel(ops, args, topk_indices);
-  Buffer<T> out(ops, sel.B * sel.Sq * sel.k);
-  ops.relu_head_sum_rows(sel.B * sel.Sq, sel.Hi, sel.k, sel.logits.get(), sel.w.get(), out.get());
+  const SelectedIndexer<T> sel(ops, args, topk_indices);
+  const std::int64_t Q = sel.B * sel.Sq, k = sel.k, chunk = sel.chunk();
+  Buffer<T> ksel(ops, chunk * k * sel.Di), logits(ops, chunk * sel.Hi * k), out(ops, Q * k);
+  for (std::int64_t q0 = 0; q0 < Q; q0 += chunk) {
+    const std::int64_t qc = std::min(chunk, Q - q0);
+    sel.logits(ops, q0, qc, ksel.get(), logits.get());
+    ops.relu_head_sum_rows(qc, sel.Hi, k, logits.get(), sel.w.get() + q0 * sel.Hi, out.get() + q0 * k);
+  }
   const std::vector<T> v = download_all(ops, out);
   T* dst = scores.data_as<T>();
   for (std::size_t i = 0; i < v.size(); ++i)
@@ -314,18 +341,25 @@ void dsa_indexer_backward_composed(Ops<T>& ops, const DsaIndexerArgs& args, cons
                                    const TensorView& dscores, const TensorView& dq_idx, const TensorView& dw,
                                    const TensorView& dk_idx, bool accumulate) {
   args.validate();
-  const SelectedLogits<T> sel(ops, args, topk_indices);
-  const std::int64_t Q = sel.B * sel.Sq, Hi = sel.Hi, Di = sel.Di, k = sel.k;
+  const SelectedIndexer<T> sel(ops, args, topk_indices);
+  const std::int64_t Q = sel.B * sel.Sq, Hi = sel.Hi, Di = sel.Di, k = sel.k, chunk = sel.chunk();
   const Buffer<T> g(ops, host_values<T>(dscores));
-  Buffer<T> dwb(ops, Q * Hi), dqb(ops, Q * Hi * Di), dks(ops, Q * k * Di), dkb(ops, sel.B * sel.Sk * Di);
-  // the logit gradients a_ij = g_j w_i [s_ij > 0] in place of the logits, dw_i = sum_j g_j relu(s_ij)
-  ops.indexer_grad_rows(Q, Hi, k, sel.logits.get(), sel.w.get(), g.get(), dwb.get());
-  const Batch per_query{1, Q};
-  ops.gemm(Trans::kN, Trans::kN, Hi, Di, k, T(1), Mat<const T>{sel.logits.get(), k, 0, Hi * k},
-           Mat<const T>{sel.ksel.get(), Di, 0, k * Di}, T(0), Mat<T>{dqb.get(), Di, 0, Hi * Di}, per_query);
-  ops.gemm(Trans::kT, Trans::kN, k, Di, Hi, T(1), Mat<const T>{sel.logits.get(), k, 0, Hi * k},
-           Mat<const T>{sel.q.get(), Di, 0, Hi * Di}, T(0), Mat<T>{dks.get(), Di, 0, k * Di}, per_query);
-  sum_by_inverted_index(ops, Q * k, sel.d_rows, sel.B * sel.Sk, Di, dks.get(), dkb.get());
+  Buffer<T> ksel(ops, chunk * k * Di), logits(ops, chunk * Hi * k), dks(ops, chunk * k * Di);
+  Buffer<T> dwb(ops, Q * Hi), dqb(ops, Q * Hi * Di), dkb(ops, sel.B * sel.Sk * Di);
+  for (std::int64_t q0 = 0; q0 < Q; q0 += chunk) {
+    const std::int64_t qc = std::min(chunk, Q - q0);
+    const Batch per_query{1, qc};
+    sel.logits(ops, q0, qc, ksel.get(), logits.get());
+    // the logit gradients a_ij = g_j w_i [s_ij > 0] in place of the logits, dw_i = sum_j g_j relu(s_ij)
+    ops.indexer_grad_rows(qc, Hi, k, logits.get(), sel.w.get() + q0 * Hi, g.get() + q0 * k, dwb.get() + q0 * Hi);
+    ops.gemm(Trans::kN, Trans::kN, Hi, Di, k, T(1), Mat<const T>{logits.get(), k, 0, Hi * k},
+             Mat<const T>{ksel.get(), Di, 0, k * Di}, T(0), Mat<T>{dqb.get() + q0 * Hi * Di, Di, 0, Hi * Di},
+             per_query);
+    ops.gemm(Trans::kT, Trans::kN, k, Di, Hi, T(1), Mat<const T>{logits.get(), k, 0, Hi * k},
+             Mat<const T>{sel.q.get() + q0 * Hi * Di, Di, 0, Hi * Di}, T(0), Mat<T>{dks.get(), Di, 0, k * Di},
+             per_query);
+    sum_by_inverted_index(ops, qc * k, sel.d_rows.get() + q0 * k, sel.B * sel.Sk, Di, dks.get(), dkb.get());
+  }
   store(download_all(ops, dqb), dq_idx, accumulate);
   store(download_all(ops, dwb), dw, accumulate);
   store(download_all(ops, dkb), dk_idx, accumulate);
@@ -381,15 +415,18 @@ void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, c
 
   const Buffer<T> q(ops, host_values<T>(args.q)), c(ops, host_values<T>(args.c));
   const Buffer<std::int64_t> d_rows(ops, rows), d_count(ops, count);
-  Buffer<T> csel(ops, B * Sq * k * Dqk), p(ops, B * Sq * H * k), o(ops, B * Sq * H * Dv), mx(ops, B * Sq * H),
-      sum(ops, B * Sq * H);
-  ops.gather_rows(B * Sq * k, Dqk, c.get(), Dqk, d_rows.get(), csel.get(), Dqk);
-  const Batch per_query{1, B * Sq};
-  ops.gemm_fixed_order(Trans::kN, Trans::kT, H, k, Dqk, scale, Mat<const T>{q.get(), Dqk, 0, H * Dqk},
-           Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{p.get(), k, 0, H * k}, per_query);
-  ops.softmax_rows(B * Sq * H, k, p.get(), k, d_count.get(), H, mx.get(), sum.get());
-  ops.gemm(Trans::kN, Trans::kN, H, Dv, k, T(1), Mat<const T>{p.get(), k, 0, H * k},
-           Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{o.get(), Dv, 0, H * Dv}, per_query);
+  const std::int64_t Q = B * Sq, chunk = query_chunk(Q, k * std::max(Dqk, H));
+  Buffer<T> csel(ops, chunk * k * Dqk), p(ops, chunk * H * k), o(ops, Q * H * Dv), mx(ops, Q * H), sum(ops, Q * H);
+  for (std::int64_t q0 = 0; q0 < Q; q0 += chunk) {
+    const std::int64_t qc = std::min(chunk, Q - q0);
+    const Batch per_query{1, qc};
+    ops.gather_rows(qc * k, Dqk, c.get(), Dqk, d_rows.get() + q0 * k, csel.get(), Dqk);
+    ops.gemm_fixed_order(Trans::kN, Trans::kT, H, k, Dqk, scale, Mat<const T>{q.get() + q0 * H * Dqk, Dqk, 0, H * Dqk},
+                         Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{p.get(), k, 0, H * k}, per_query);
+    ops.softmax_rows(qc * H, k, p.get(), k, d_count.get() + q0, H, mx.get() + q0 * H, sum.get() + q0 * H);
+    ops.gemm(Trans::kN, Trans::kN, H, Dv, k, T(1), Mat<const T>{p.get(), k, 0, H * k},
+             Mat<const T>{csel.get(), Dqk, 0, k * Dqk}, T(0), Mat<T>{o.get() + q0 * H * Dv, Dv, 0, H * Dv}, per_query);
+  }
 
   std::vector<T> host_o(static_cast<std::size_t>(B * Sq * H * Dv)), host_mx(static_cast<std::size_t>(B * Sq * H)),
       host_sum(host_mx.size());

@@ -44,13 +44,30 @@ void trsm_loops(std::int64_t n, std::int64_t nrhs, const T* l, std::int64_t ldl,
     }
 }
 
-// sum_p a[p * sa] b[p * sb] in increasing p, one instruction sequence for every call (not inlined into callers that
-// could vectorise or contract it differently at different places): gemm_fixed_order's element.
+// gemm_fixed_order's body for one matrix: columns in panels of kFixedLanes, op(B)'s panel packed as [k, kFixedLanes]
+// (zero lanes past n), then per row i every lane sums a_ip b_pj over p in increasing order. Every element of every
+// shape goes through this one loop (a lane's arithmetic does not depend on the lane or the panel), so its value does
+// not depend on m, n or its place in C.
+inline constexpr std::int64_t kFixedLanes = 16;
 template <typename T>
-__attribute__((noinline)) T fixed_order_dot(const T* a, std::int64_t sa, const T* b, std::int64_t sb, std::int64_t k) {
-  T acc = T(0);
-  for (std::int64_t p = 0; p < k; ++p) acc += a[p * sa] * b[p * sb];
-  return acc;
+__attribute__((noinline)) void gemm_fixed_one(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a,
+                                              std::int64_t sa_i, std::int64_t sa_p, const T* b, std::int64_t sb_p,
+                                              std::int64_t sb_j, T beta, T* c, std::int64_t ldc, T* panel) {
+  for (std::int64_t j0 = 0; j0 < n; j0 += kFixedLanes) {
+    const std::int64_t nj = std::min(kFixedLanes, n - j0);
+    for (std::int64_t p = 0; p < k; ++p)
+      for (std::int64_t l = 0; l < kFixedLanes; ++l) panel[p * kFixedLanes + l] = l < nj ? b[p * sb_p + (j0 + l) * sb_j] : T(0);
+    for (std::int64_t i = 0; i < m; ++i) {
+      T acc[kFixedLanes] = {};
+      for (std::int64_t p = 0; p < k; ++p) {
+        const T av = a[i * sa_i + p * sa_p];
+        const T* bp = panel + p * kFixedLanes;
+        for (std::int64_t l = 0; l < kFixedLanes; ++l) acc[l] += av * bp[l];
+      }
+      T* ci = c + i * ldc + j0;
+      for (std::int64_t l = 0; l < nj; ++l) ci[l] = beta == T(0) ? alpha * acc[l] : alpha * acc[l] + beta * ci[l];
+    }
+  }
 }
 
 #if defined(SEQPAR_OPS_WITH_CBLAS)
@@ -204,20 +221,14 @@ class CpuOps final : public Ops<T> {
 
   void gemm_fixed_order(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, Mat<const T> a,
                         Mat<const T> b, T beta, Mat<T> c, Batch batch) override {
+    if (m <= 0 || n <= 0) return;
     const std::int64_t sa_i = ta == Trans::kN ? a.ld : 1, sa_p = ta == Trans::kN ? 1 : a.ld;
     const std::int64_t sb_p = tb == Trans::kN ? b.ld : 1, sb_j = tb == Trans::kN ? 1 : b.ld;
+    std::vector<T> panel(static_cast<std::size_t>(std::max<std::int64_t>(k, 1) * kFixedLanes));
     for (std::int64_t o = 0; o < batch.outer; ++o)
-      for (std::int64_t e = 0; e < batch.inner; ++e) {
-        const T* ap = a.at(o, e);
-        const T* bp = b.at(o, e);
-        T* cp = c.at(o, e);
-        for (std::int64_t i = 0; i < m; ++i)
-          for (std::int64_t j = 0; j < n; ++j) {
-            const T acc = fixed_order_dot(ap + i * sa_i, sa_p, bp + j * sb_j, sb_p, k);
-            T& cij = cp[i * c.ld + j];
-            cij = beta == T(0) ? alpha * acc : alpha * acc + beta * cij;
-          }
-      }
+      for (std::int64_t e = 0; e < batch.inner; ++e)
+        gemm_fixed_one(m, n, k, alpha, a.at(o, e), sa_i, sa_p, b.at(o, e), sb_p, sb_j, beta, c.at(o, e), c.ld,
+                       panel.data());
   }
   void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
                       std::int64_t* list) override {

@@ -274,6 +274,14 @@ TEST(DsaComposed, AttentionBackwardMatchesReferenceAndKernel) {
     for (bool block : {false, true}) check_backward(AttnCase{.block = block}, dtype, 90);
 }
 
+// Wide latents (Dqk 576, k 100): the compositions take their 300 queries in two chunks (2^24 elements of gathered
+// rows at most per chunk), the forward and the backward against the CPU kernel.
+TEST(DsaComposed, AttentionInQueryChunksMatchesKernel) {
+  const AttnCase c{.B = 1, .Sq = 300, .Sk = 320, .H = 2, .Dqk = 576, .Dv = 16, .k = 100};
+  check_attention(c, DType::kFloat32, 95);
+  check_backward(c, DType::kFloat32, 96);
+}
+
 // ---- indexer loss and backward ----
 
 // The indexer loss pipeline composed (probs from the composed attention backward, selected scores, KL loss, indexer

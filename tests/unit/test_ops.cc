@@ -458,5 +458,47 @@ TYPED_TEST(OpsTest, KlRowsMatchTheFormula) {
   }
 }
 
+
+// gemm_fixed_order: the product against fp64 loops (every transpose), and each element bitwise the same when computed
+// in a product of another shape, at another place (rows and columns shifted, other neighbours, a batch).
+TYPED_TEST(OpsTest, GemmFixedOrderIsExactAndIndependentOfShapeAndPlace) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t m = 9, n = 37, k = 29;
+  const auto a64 = rand_vec(m * k, 30), b64 = rand_vec(n * k, 31);
+  const auto a = cast<T>(a64), b = cast<T>(b64);  // a [m, k], b [n, k] (the N T form of the scores)
+  std::vector<T> c(m * n);
+  ops.gemm_fixed_order(Trans::kN, Trans::kT, m, n, k, T(0.5), Mat<const T>{a.data(), k}, Mat<const T>{b.data(), k},
+                       T(0), Mat<T>{c.data(), n}, Batch{});
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double want = 0.0;
+      for (std::int64_t p = 0; p < k; ++p) want += double(a[i * k + p]) * double(b[j * k + p]);
+      EXPECT_NEAR(0.5 * want, c[i * n + j], tol<T>() * 10) << i << " " << j;
+    }
+  // rows 2..6 against columns 5..22 as a batch of two identical products: the same bits
+  const std::int64_t i0 = 2, mi = 5, j0 = 5, nj = 18;
+  std::vector<T> sub(2 * mi * nj);
+  ops.gemm_fixed_order(Trans::kN, Trans::kT, mi, nj, k, T(0.5), Mat<const T>{a.data() + i0 * k, k, 0, 0},
+                       Mat<const T>{b.data() + j0 * k, k, 0, 0}, T(0), Mat<T>{sub.data(), nj, 0, mi * nj},
+                       Batch{1, 2});
+  for (std::int64_t e = 0; e < 2; ++e)
+    for (std::int64_t i = 0; i < mi; ++i)
+      for (std::int64_t j = 0; j < nj; ++j)
+        ASSERT_EQ(c[(i0 + i) * n + j0 + j], sub[(e * mi + i) * nj + j]) << "row " << i0 + i << " col " << j0 + j;
+  // the other transposes against gemm's (to rounding)
+  for (Trans ta : {Trans::kN, Trans::kT})
+    for (Trans tb : {Trans::kN, Trans::kT}) {
+      const std::int64_t lda = ta == Trans::kN ? k : m, ldb = tb == Trans::kN ? n : k;
+      const auto aa = cast<T>(rand_vec(m * k, 32)), bb = cast<T>(rand_vec(n * k, 33));
+      std::vector<T> c1(m * n, T(1)), c2(m * n, T(1));
+      ops.gemm(ta, tb, m, n, k, T(1), Mat<const T>{aa.data(), lda}, Mat<const T>{bb.data(), ldb}, T(2),
+               Mat<T>{c1.data(), n}, Batch{});
+      ops.gemm_fixed_order(ta, tb, m, n, k, T(1), Mat<const T>{aa.data(), lda}, Mat<const T>{bb.data(), ldb}, T(2),
+                           Mat<T>{c2.data(), n}, Batch{});
+      for (std::int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(c1[i], c2[i], tol<T>() * 10);
+    }
+}
+
 }  // namespace
 }  // namespace seqpar::attn::ops
