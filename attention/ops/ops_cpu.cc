@@ -58,11 +58,13 @@ __attribute__((noinline)) void gemm_fixed_one(std::int64_t m, std::int64_t n, st
     for (std::int64_t p = 0; p < k; ++p)
       for (std::int64_t l = 0; l < kFixedLanes; ++l) panel[p * kFixedLanes + l] = l < nj ? b[p * sb_p + (j0 + l) * sb_j] : T(0);
     for (std::int64_t i = 0; i < m; ++i) {
-      T acc[kFixedLanes] = {};
+      // a vector of kFixedLanes T (GCC / Clang vector extension): every lane takes the same operations
+      typedef T Lanes __attribute__((vector_size(kFixedLanes * sizeof(T))));
+      Lanes acc = {};
       for (std::int64_t p = 0; p < k; ++p) {
-        const T av = a[i * sa_i + p * sa_p];
-        const T* bp = panel + p * kFixedLanes;
-        for (std::int64_t l = 0; l < kFixedLanes; ++l) acc[l] += av * bp[l];
+        Lanes bv;
+        std::memcpy(&bv, panel + p * kFixedLanes, sizeof(Lanes));
+        acc += a[i * sa_i + p * sa_p] * bv;
       }
       T* ci = c + i * ldc + j0;
       for (std::int64_t l = 0; l < nj; ++l) ci[l] = beta == T(0) ? alpha * acc[l] : alpha * acc[l] + beta * ci[l];
