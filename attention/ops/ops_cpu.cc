@@ -57,17 +57,39 @@ __attribute__((noinline)) void gemm_fixed_one(std::int64_t m, std::int64_t n, st
     const std::int64_t nj = std::min(kFixedLanes, n - j0);
     for (std::int64_t p = 0; p < k; ++p)
       for (std::int64_t l = 0; l < kFixedLanes; ++l) panel[p * kFixedLanes + l] = l < nj ? b[p * sb_p + (j0 + l) * sb_j] : T(0);
-    for (std::int64_t i = 0; i < m; ++i) {
-      // a vector of kFixedLanes T (GCC / Clang vector extension): every lane takes the same operations
-      typedef T Lanes __attribute__((vector_size(kFixedLanes * sizeof(T))));
+    // a vector of kFixedLanes T (GCC / Clang vector extension): every lane takes the same operations; rows go four
+    // at a time (one load of the panel row for four products), the last ones alone, each row's lanes by the same
+    // statement acc += a_ip * b_p
+    typedef T Lanes __attribute__((vector_size(kFixedLanes * sizeof(T))));
+    const auto store = [&](std::int64_t i, const Lanes& acc) {
+      T* ci = c + i * ldc + j0;
+      for (std::int64_t l = 0; l < nj; ++l) ci[l] = beta == T(0) ? alpha * acc[l] : alpha * acc[l] + beta * ci[l];
+    };
+    std::int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      Lanes acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+      for (std::int64_t p = 0; p < k; ++p) {
+        Lanes bv;
+        std::memcpy(&bv, panel + p * kFixedLanes, sizeof(Lanes));
+        const T* ap = a + i * sa_i + p * sa_p;
+        acc0 += ap[0] * bv;
+        acc1 += ap[sa_i] * bv;
+        acc2 += ap[2 * sa_i] * bv;
+        acc3 += ap[3 * sa_i] * bv;
+      }
+      store(i, acc0);
+      store(i + 1, acc1);
+      store(i + 2, acc2);
+      store(i + 3, acc3);
+    }
+    for (; i < m; ++i) {
       Lanes acc = {};
       for (std::int64_t p = 0; p < k; ++p) {
         Lanes bv;
         std::memcpy(&bv, panel + p * kFixedLanes, sizeof(Lanes));
         acc += a[i * sa_i + p * sa_p] * bv;
       }
-      T* ci = c + i * ldc + j0;
-      for (std::int64_t l = 0; l < nj; ++l) ci[l] = beta == T(0) ? alpha * acc[l] : alpha * acc[l] + beta * ci[l];
+      store(i, acc);
     }
   }
 }
