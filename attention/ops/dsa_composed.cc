@@ -213,8 +213,8 @@ void dsa_topk_merge_composed(Ops<T>& ops, const DsaTopkState& state, const T* s_
   const std::int64_t n = state.scores.numel(), rows = state.scores.dim(0) * state.scores.dim(1);
   if (n == 0) return;
   Buffer<T> s_a(ops, std::vector<T>(state.scores.data_as<T>(), state.scores.data_as<T>() + n));
-  Buffer<std::int64_t> p_a(
-      ops, std::vector<std::int64_t>(state.positions.data_as<std::int64_t>(), state.positions.data_as<std::int64_t>() + n));
+  Buffer<std::int64_t> p_a(ops, std::vector<std::int64_t>(state.positions.data_as<std::int64_t>(),
+                                                          state.positions.data_as<std::int64_t>() + n));
   ops.topk_merge_rows(rows, state.scores.dim(2), s_a.get(), p_a.get(), s_b, p_b);
   ops.download(state.scores.data(), s_a.get(), static_cast<std::size_t>(n) * sizeof(T));
   ops.download(state.positions.data(), p_a.get(), static_cast<std::size_t>(n) * sizeof(std::int64_t));
@@ -237,8 +237,8 @@ template <typename T>
 void dsa_topk_merge_composed(Ops<T>& ops, const DsaTopkState& state, const DsaTopkState& other) {
   const std::int64_t n = other.scores.numel();
   const Buffer<T> s_b(ops, std::vector<T>(other.scores.data_as<T>(), other.scores.data_as<T>() + n));
-  const Buffer<std::int64_t> p_b(
-      ops, std::vector<std::int64_t>(other.positions.data_as<std::int64_t>(), other.positions.data_as<std::int64_t>() + n));
+  const Buffer<std::int64_t> p_b(ops, std::vector<std::int64_t>(other.positions.data_as<std::int64_t>(),
+                                                                other.positions.data_as<std::int64_t>() + n));
   dsa_topk_merge_composed(ops, state, s_b.get(), p_b.get());
 }
 
@@ -260,7 +260,8 @@ void dsa_attention_backward_composed(Ops<T>& ops, const DsaAttentionArgs& args, 
   for (std::int64_t b = 0; b < B; ++b)
     for (std::int64_t h = 0; h < H; ++h)
       for (std::int64_t t = 0; t < Sq; ++t) {
-        const std::size_t from = static_cast<std::size_t>((b * H + h) * Sq + t), to = static_cast<std::size_t>((b * Sq + t) * H + h);
+        const std::size_t from = static_cast<std::size_t>((b * H + h) * Sq + t),
+                          to = static_cast<std::size_t>((b * Sq + t) * H + h);
         const double l = lse_v[from];
         hi[to] = static_cast<T>(l);
         lo[to] = std::isinf(l) ? T(0) : static_cast<T>(l - static_cast<double>(hi[to]));
@@ -458,14 +459,14 @@ template void dsa_indexer_topk_composed<float>(Ops<float>&, const DsaIndexerArgs
 template void dsa_indexer_topk_composed<double>(Ops<double>&, const DsaIndexerArgs&, const TensorView&,
                                                 const TensorView&);
 
-#define SEQPAR_DSA_COMPOSED_INSTANTIATE(T)                                                                          \
-  template void dsa_topk_block_composed<T>(Ops<T>&, const DsaIndexerArgs&, const DsaTopkState&);                     \
-  template void dsa_topk_merge_composed<T>(Ops<T>&, const DsaTopkState&, const DsaTopkState&);                       \
-  template void dsa_attention_backward_composed<T>(Ops<T>&, const DsaAttentionArgs&, const TensorView&,              \
-                                                   const TensorView&, const TensorView&, const TensorView&,          \
-                                                   const TensorView&, bool, const TensorView&);                      \
-  template void dsa_indexer_scores_selected_composed<T>(Ops<T>&, const DsaIndexerArgs&, const TensorView&,           \
-                                                        const TensorView&);                                          \
+#define SEQPAR_DSA_COMPOSED_INSTANTIATE(T)                                                                             \
+  template void dsa_topk_block_composed<T>(Ops<T>&, const DsaIndexerArgs&, const DsaTopkState&);                       \
+  template void dsa_topk_merge_composed<T>(Ops<T>&, const DsaTopkState&, const DsaTopkState&);                         \
+  template void dsa_attention_backward_composed<T>(Ops<T>&, const DsaAttentionArgs&, const TensorView&,                \
+                                                   const TensorView&, const TensorView&, const TensorView&,            \
+                                                   const TensorView&, bool, const TensorView&);                        \
+  template void dsa_indexer_scores_selected_composed<T>(Ops<T>&, const DsaIndexerArgs&, const TensorView&,             \
+                                                        const TensorView&);                                            \
   template void dsa_indexer_backward_composed<T>(Ops<T>&, const DsaIndexerArgs&, const TensorView&, const TensorView&, \
                                                  const TensorView&, const TensorView&, const TensorView&, bool);       \
   template double dsa_indexer_loss_composed<T>(Ops<T>&, const DsaIndexerLossArgs&, const TensorView&);
@@ -482,8 +483,9 @@ void dsa_topk_merge_composed_cpu(const DsaTopkState& state, const DsaTopkState& 
 void dsa_attention_backward_composed_cpu(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& dout,
                                          const TensorView& delta, const TensorView& dq, const TensorView& dc,
                                          bool accumulate, const TensorView& probs) {
-  with_cpu_ops(args.q.dtype(),
-               [&](auto& ops) { dsa_attention_backward_composed(ops, args, lse, dout, delta, dq, dc, accumulate, probs); });
+  with_cpu_ops(args.q.dtype(), [&](auto& ops) {
+    dsa_attention_backward_composed(ops, args, lse, dout, delta, dq, dc, accumulate, probs);
+  });
 }
 void dsa_indexer_scores_selected_composed_cpu(const DsaIndexerArgs& args, const TensorView& topk_indices,
                                               const TensorView& scores) {

@@ -56,7 +56,8 @@ __attribute__((noinline)) void gemm_fixed_one(std::int64_t m, std::int64_t n, st
   for (std::int64_t j0 = 0; j0 < n; j0 += kFixedLanes) {
     const std::int64_t nj = std::min(kFixedLanes, n - j0);
     for (std::int64_t p = 0; p < k; ++p)
-      for (std::int64_t l = 0; l < kFixedLanes; ++l) panel[p * kFixedLanes + l] = l < nj ? b[p * sb_p + (j0 + l) * sb_j] : T(0);
+      for (std::int64_t l = 0; l < kFixedLanes; ++l)
+        panel[p * kFixedLanes + l] = l < nj ? b[p * sb_p + (j0 + l) * sb_j] : T(0);
     // a vector of kFixedLanes T (GCC / Clang vector extension): every lane takes the same operations; rows go four
     // at a time (one load of the panel row for four products), the last ones alone, each row's lanes by the same
     // statement acc += a_ip * b_p
@@ -301,13 +302,13 @@ class CpuOps final : public Ops<T> {
     for (std::int64_t r = 0; r < rows; ++r)
       rowops::dsa_probs_row(s + r * ld, n, mask + (r / mask_div) * n, lse_hi[r], lse_lo[r]);
   }
-  void dsa_dscore_rows(std::int64_t rows, std::int64_t n, const T* p, T* dp, std::int64_t ld,
-                       const T* delta) override {
+  void dsa_dscore_rows(std::int64_t rows, std::int64_t n, const T* p, T* dp, std::int64_t ld, const T* delta) override {
     for (std::int64_t r = 0; r < rows; ++r) rowops::dsa_dscore_row(p + r * ld, dp + r * ld, n, delta[r]);
   }
   void relu_head_sum_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, const T* s, const T* w,
                           T* out) override {
-    for (std::int64_t q = 0; q < queries; ++q) rowops::relu_head_sum_row(s + q * Hi * n, n, Hi, n, w + q * Hi, out + q * n);
+    for (std::int64_t q = 0; q < queries; ++q)
+      rowops::relu_head_sum_row(s + q * Hi * n, n, Hi, n, w + q * Hi, out + q * n);
   }
   void indexer_grad_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, T* s, const T* w, const T* g,
                          T* dw) override {

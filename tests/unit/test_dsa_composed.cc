@@ -11,9 +11,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <cstring>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -108,8 +108,9 @@ void check(const Case& c, DType dtype, std::uint64_t seed) {
     kb[m] = Tensor::empty({c.B, std::ssize(js), c.Di}, dtype, kWs);
     for (std::int64_t b = 0; b < c.B; ++b)
       for (std::size_t i = 0; i < js.size(); ++i)
-        std::memcpy(static_cast<char*>(kb[m].data()) + ((b * std::ssize(js) + static_cast<std::int64_t>(i)) * c.Di) * es,
-                    static_cast<const char*>(k.data()) + ((b * c.Sk + js[i]) * c.Di) * es, c.Di * es);
+        std::memcpy(
+            static_cast<char*>(kb[m].data()) + ((b * std::ssize(js) + static_cast<std::int64_t>(i)) * c.Di) * es,
+            static_cast<const char*>(k.data()) + ((b * c.Sk + js[i]) * c.Di) * es, c.Di * es);
     for (std::int64_t j : js) kb_pos[m].push_back(kp_all[j]);
   }
   Tensor s1 = Tensor::empty({c.B, c.Sq, c.k}, sd, kWs), p1 = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs),
@@ -290,14 +291,14 @@ TEST(DsaComposed, AttentionInQueryChunksMatchesKernel) {
 void check_indexer_loss(DType dtype, std::uint64_t seed) {
   const std::int64_t B = 2, S = 30, H = 3, Dqk = 10, Dv = 6, Hi = 4, Di = 8, k = 7;
   const Tensor q = random_tensor({B, S, H, Dqk}, dtype, seed), c = random_tensor({B, S, Dqk}, dtype, seed + 1),
-               qi = random_tensor({B, S, Hi, Di}, dtype, seed + 2), w = random_tensor({B, S, Hi}, dtype, seed + 3, 0, 1),
-               ki = random_tensor({B, S, Di}, dtype, seed + 4);
+               qi = random_tensor({B, S, Hi, Di}, dtype, seed + 2),
+               w = random_tensor({B, S, Hi}, dtype, seed + 3, 0, 1), ki = random_tensor({B, S, Di}, dtype, seed + 4);
   const Tensor q64 = Tensor::copy_of(q, DType::kFloat64, kWs), c64 = Tensor::copy_of(c, DType::kFloat64, kWs),
                qi64 = Tensor::copy_of(qi, DType::kFloat64, kWs), w64 = Tensor::copy_of(w, DType::kFloat64, kWs),
                ki64 = Tensor::copy_of(ki, DType::kFloat64, kWs);
-  const DsaIndexerArgs ia{qi, w, ki};
+  const DsaIndexerArgs ia{qi, w, ki, {}, {}};
   Tensor topk = Tensor::empty({B, S, k}, DType::kInt64, kWs);
-  reference::dsa_indexer_topk({qi64, w64, ki64}, topk);
+  reference::dsa_indexer_topk({qi64, w64, ki64, {}, {}}, topk);
   const DsaAttentionArgs aa{q, c, topk, {}, {}, Dv};
   const DType acc = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   auto zeros = [&](const Shape& s) { return Tensor::zeros(s, acc, kWs); };
@@ -312,7 +313,8 @@ void check_indexer_loss(DType dtype, std::uint64_t seed) {
 
   Tensor dqi_r = Tensor::zeros(qi.shape(), DType::kFloat64, kWs), dw_r = Tensor::zeros(w.shape(), DType::kFloat64, kWs),
          dki_r = Tensor::zeros(ki.shape(), DType::kFloat64, kWs);
-  const double loss_r = reference::dsa_indexer_loss({q64, c64, topk, {}, {}, Dv}, {qi64, w64, ki64}, dqi_r, dw_r, dki_r);
+  const double loss_r =
+      reference::dsa_indexer_loss({q64, c64, topk, {}, {}, Dv}, {qi64, w64, ki64, {}, {}}, dqi_r, dw_r, dki_r);
   const double rel = dtype == DType::kFloat64 ? 1e-10 : 1e-4;
   const std::string tag = dtype_name(dtype);
   EXPECT_GT(loss_r, 0.1) << tag;
@@ -345,7 +347,8 @@ TEST(DsaComposed, BackwardIsBitwiseRepeatableAcrossRunsAndThreadCounts) {
   dsa_attention_delta(out, dout, delta);
   const Tensor qi = random_tensor({c.B, c.Sq, 4, 16}, DType::kFloat32, 122),
                w = random_tensor({c.B, c.Sq, 4}, DType::kFloat32, 123, 0, 1),
-               ki = random_tensor({c.B, c.Sk, 16}, DType::kFloat32, 124), g = random_tensor(pr.topk.shape(), DType::kFloat32, 125);
+               ki = random_tensor({c.B, c.Sk, 16}, DType::kFloat32, 124),
+               g = random_tensor(pr.topk.shape(), DType::kFloat32, 125);
   const DsaIndexerArgs ia{qi, w, ki, pr.qpos, {}};
   auto run = [&](int threads) {
 #ifdef _OPENMP
@@ -377,6 +380,25 @@ TEST(DsaComposed, ArgumentErrors) {
          k = random_tensor({1, 5, 3}, DType::kFloat32, 3);
   Tensor bad = Tensor::empty({1, 3, 2}, DType::kInt64, kWs);
   test::expect_error([&] { ops::dsa_indexer_topk_composed_cpu({q, w, k, {}, {}}, bad); }, "topk_indices");
+  // the compositions raise the boundary's errors before any work: a top-k state narrower than fp64 inputs' scores,
+  // a selection that is not ascending
+  const Tensor q64 = Tensor::copy_of(q, DType::kFloat64, kWs), w64 = Tensor::copy_of(w, DType::kFloat64, kWs),
+               k64 = Tensor::copy_of(k, DType::kFloat64, kWs);
+  Tensor sc = Tensor::zeros({1, 4, 2}, DType::kFloat32, kWs), ps = Tensor::zeros({1, 4, 2}, DType::kInt64, kWs);
+  test::expect_error(
+      [&] {
+        ops::dsa_topk_block_composed_cpu({q64, w64, k64, {}, {}}, {sc, ps});
+      },
+      "top-k state scores (fp64 indexer inputs) has dtype fp32, expected fp64");
+  Tensor topk = Tensor::zeros({1, 4, 2}, DType::kInt64, kWs);
+  topk.data_as<std::int64_t>()[6] = 3;  // row t = 3: positions 3, 0: not ascending
+  Tensor lat = random_tensor({1, 5, 3}, DType::kFloat32, 4), lse = Tensor::zeros({1, 2, 4}, DType::kFloat32, kWs);
+  Tensor probs = Tensor::zeros({1, 4, 2}, DType::kFloat32, kWs);
+  test::expect_error(
+      [&] {
+        ops::dsa_attention_backward_composed_cpu({q, lat, topk, {}, {}, 2}, lse, {}, {}, {}, {}, false, probs);
+      },
+      "must be strictly ascending");
 }
 
 }  // namespace

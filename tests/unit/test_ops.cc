@@ -300,7 +300,6 @@ TYPED_TEST(OpsTest, RowKernelsMatchFormulas) {
   EXPECT_EQ(T(5), id[18]);  // the third matrix of the first outer block is untouched
 }
 
-
 // The DSA ops (attention/kernels/dsa_rows.h bodies) against loops written here.
 TYPED_TEST(OpsTest, InvertedIndexSumsEachRowsSourcesInAscendingOrder) {
   using T = TypeParam;
@@ -313,8 +312,11 @@ TYPED_TEST(OpsTest, InvertedIndexSumsEachRowsSourcesInAscendingOrder) {
   std::int64_t at = 0;
   for (std::int64_t d = 0; d < n_dst; ++d) {
     ASSERT_EQ(at, offsets[d]) << "dst " << d;
-    for (std::int64_t r = 0; r < n_src; ++r)
-      if (idx[r] == d) ASSERT_EQ(r, list[at++]) << "dst " << d;
+    for (std::int64_t r = 0; r < n_src; ++r) {
+      if (idx[r] == d) {
+        ASSERT_EQ(r, list[at++]) << "dst " << d;
+      }
+    }
   }
   ASSERT_EQ(at, offsets[n_dst]);
   // sums: bitwise the sequential sum in T over the list (first source, then the others), added to dst
@@ -365,7 +367,8 @@ TYPED_TEST(OpsTest, TopkMergeKeepsTheBestOfTheUnionWithTheTieRule) {
   cpu_ops<T>().topk_merge_rows(rows, k, sa.data(), pa.data(), sb.data(), pb.data());
   for (std::int64_t r = 0; r < rows; ++r) {
     auto c = all[r];  // reference: sort by score descending, then position ascending; the first k by position
-    std::sort(c.begin(), c.end(), [](auto x, auto y) { return x.first > y.first || (x.first == y.first && x.second < y.second); });
+    std::sort(c.begin(), c.end(),
+              [](auto x, auto y) { return x.first > y.first || (x.first == y.first && x.second < y.second); });
     c.resize(std::min<std::size_t>(c.size(), k));
     std::sort(c.begin(), c.end(), [](auto x, auto y) { return x.second < y.second; });
     for (std::int64_t t = 0; t < k; ++t) {
@@ -458,7 +461,6 @@ TYPED_TEST(OpsTest, KlRowsMatchTheFormula) {
   }
 }
 
-
 // gemm_fixed_order: the product against fp64 loops (every transpose), and each element bitwise the same when computed
 // in a product of another shape, at another place (rows and columns shifted, other neighbours, a batch).
 TYPED_TEST(OpsTest, GemmFixedOrderIsExactAndIndependentOfShapeAndPlace) {
@@ -480,8 +482,7 @@ TYPED_TEST(OpsTest, GemmFixedOrderIsExactAndIndependentOfShapeAndPlace) {
   const std::int64_t i0 = 2, mi = 5, j0 = 5, nj = 18;
   std::vector<T> sub(2 * mi * nj);
   ops.gemm_fixed_order(Trans::kN, Trans::kT, mi, nj, k, T(0.5), Mat<const T>{a.data() + i0 * k, k, 0, 0},
-                       Mat<const T>{b.data() + j0 * k, k, 0, 0}, T(0), Mat<T>{sub.data(), nj, 0, mi * nj},
-                       Batch{1, 2});
+                       Mat<const T>{b.data() + j0 * k, k, 0, 0}, T(0), Mat<T>{sub.data(), nj, 0, mi * nj}, Batch{1, 2});
   for (std::int64_t e = 0; e < 2; ++e)
     for (std::int64_t i = 0; i < mi; ++i)
       for (std::int64_t j = 0; j < nj; ++j)
