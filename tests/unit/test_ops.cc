@@ -12,6 +12,7 @@
 
 #include "attention/kernels/gdn_rows.h"
 #include "attention/ops/ops_cpu.h"
+#include "runtime/error.h"
 
 namespace seqpar::attn::ops {
 namespace {
@@ -499,6 +500,16 @@ TYPED_TEST(OpsTest, GemmFixedOrderIsExactAndIndependentOfShapeAndPlace) {
                            Mat<T>{c2.data(), n}, Batch{});
       for (std::int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(c1[i], c2[i], tol<T>() * 10);
     }
+}
+
+// A table without the DSA ops (a CUDA table still to write them) raises a named error when one is called.
+TEST(OpsTable, MissingOpRaisesNamedError) {
+  try {
+    unsupported_op("cuda", "kl_rows");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ("ops table cuda does not support kl_rows", e.what());
+  }
 }
 
 }  // namespace
