@@ -510,8 +510,12 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   finish_doc_states(ring, finals, cu_seqlens_, s.init, s.packed, alloc, &counters_.exposed_comm_s);
   result.final_state = a2a.gather_heads_dim1(finals.view());
   copies_clock.emplace(phases_.copies, cpu_phases_.copies);
-  result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
-  a2a.to_sequence(out_h.view(), result.out.view());
+  if (groups_.ulysses_size() == 1) {  // the heads layout is the sequence layout: no copy
+    result.out = std::move(out_h);
+  } else {
+    result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
+    a2a.to_sequence(out_h.view(), result.out.view());
+  }
   copies_clock.reset();
   total_clock.reset();
   log_phases("forward");
@@ -907,15 +911,22 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   }
 
   GdnCpGrads grads;
-  auto gather = [&](const Tensor& t, const Shape& shape) {
+  // Without Ulysses the heads layout is the sequence layout (and dq, dk are in the gradients' dtype): no copy.
+  auto gather = [&](Tensor& t, const Shape& shape) {
+    if (pu == 1) return std::move(t);
     Tensor out = alloc.empty(shape, dtype, MemCategory::kWorkspace);
     a2a.to_sequence(t.view(), out.view());
     return out;
   };
-  grads.dq = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
-  grads.dk = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
-  a2a.kv_grad_to_sequence(dq_v.view(), heads, grads.dq.view());
-  a2a.kv_grad_to_sequence(dk_v.view(), heads, grads.dk.view());
+  if (pu == 1) {
+    grads.dq = std::move(dq_v);
+    grads.dk = std::move(dk_v);
+  } else {
+    grads.dq = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
+    grads.dk = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
+    a2a.kv_grad_to_sequence(dq_v.view(), heads, grads.dq.view());
+    a2a.kv_grad_to_sequence(dk_v.view(), heads, grads.dk.view());
+  }
   grads.dv = gather(dv_h, {B, sl, H, V});
   grads.dg = gather(dg_h, {B, sl, H});
   grads.dbeta = gather(db_h, {B, sl, H});
