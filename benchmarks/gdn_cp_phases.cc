@@ -7,11 +7,10 @@
 //   mpirun -np 2 gdn_cp_phases --seq 8192 --heads 8 --kv-heads 4 --head-dim 128 --layout zigzag --mode scan
 #include <algorithm>
 #include <cstdio>
+#include <cxxopts.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <cxxopts.hpp>
 
 #include "attention/gdn.h"
 #include "parallel/gdn_cp.h"
@@ -123,13 +122,14 @@ int run(int argc, char** argv) {
   world->all_gather(send.view(), recv.view())->wait();
   std::copy(recv.data_as<double>(), recv.data_as<double>() + all.size(), all.begin());
   if (me != 0) return 0;
-  std::printf("# gdn_cp_phases: S %lld, Hv %lld / Hk %lld, K = V = %lld, %s %s, %d ranks, 1 thread each; medians of %d "
-              "iterations; process CPU seconds unless noted\n",
-              static_cast<long long>(S), static_cast<long long>(H), static_cast<long long>(Hk),
-              static_cast<long long>(D), a["layout"].as<std::string>().c_str(), a["mode"].as<std::string>().c_str(), P,
-              iters);
-  std::printf("# T1/P: the one-rank call's CPU time over P; parts as a share of it: local kernels, maps+combine, "
-              "copies, rest (total - parts: waits' polling, allocation, bookkeeping); wait and total also in wall s\n");
+  std::printf(
+      "# gdn_cp_phases: S %lld, Hv %lld / Hk %lld, K = V = %lld, %s %s, %d ranks, 1 thread each; medians of %d "
+      "iterations; process CPU seconds unless noted\n",
+      static_cast<long long>(S), static_cast<long long>(H), static_cast<long long>(Hk), static_cast<long long>(D),
+      a["layout"].as<std::string>().c_str(), a["mode"].as<std::string>().c_str(), P, iters);
+  std::printf(
+      "# T1/P: the one-rank call's CPU time over P; parts as a share of it: local kernels, maps+combine, "
+      "copies, rest (total - parts: waits' polling, allocation, bookkeeping); wait and total also in wall s\n");
   std::printf("%-5s %4s %9s %9s %7s %7s %7s %7s %7s %9s %9s\n", "phase", "rank", "T1/P", "total", "local", "maps",
               "copies", "rest", "total", "wait(w)", "total(w)");
   for (int p = 0; p < 2; ++p) {
@@ -143,8 +143,8 @@ int run(int argc, char** argv) {
       }
       const double share = median(f[0]);
       std::printf("%-5s %4d %9.4f %9.4f %7.3f %7.3f %7.3f %7.3f %7.3f %9.4f %9.4f\n", p == 0 ? "fwd" : "bwd", r, share,
-                  median(f[1]), median(f[2]) / share, median(f[3]) / share, median(f[4]) / share,
-                  median(f[7]) / share, median(f[1]) / share, median(f[5]), median(f[6]));
+                  median(f[1]), median(f[2]) / share, median(f[3]) / share, median(f[4]) / share, median(f[7]) / share,
+                  median(f[1]) / share, median(f[5]), median(f[6]));
     }
   }
   return 0;

@@ -499,22 +499,20 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double saved = qkv + 2 * gate + 2 * segments * seg_state + conv_in + halo;
   m_.forward.saved = saved;
   m_.forward.outputs = xv + state;
-  m_.forward.workspace =
-      std::max(2 * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
-                   2 * segments * seg_state + threads * fwd_worker,
-               conv_fwd) +
-      conv_in;
+  m_.forward.workspace = std::max(2 * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
+                                      2 * segments * seg_state + threads * fwd_worker,
+                                  conv_fwd) +
+                         conv_in;
   m_.forward.comm = a2a + ring;
   // Backward: out and final_state stay held; dout_h, the gradients in the heads layout (dq, dk per value head, summed
   // per key head through a transposed copy when Hv > Hk: `grouped`), for maps the head-major inputs and dout, the
   // outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
   m_.backward.saved = saved;
   m_.backward.outputs = xv + state + qkv + 2 * gate + state + conv_weight;
-  m_.backward.workspace =
-      std::max(2 * xv + 2 * gate + 2 * xk + 1.5 * grouped + maps * (qkv + 2 * gate + xv) * 2 +
-                   2 * segments * seg_state + threads * bwd_worker,
-               conv_bwd) +
-      conv_in;
+  m_.backward.workspace = std::max(2 * xv + 2 * gate + 2 * xk + 1.5 * grouped + maps * (qkv + 2 * gate + xv) * 2 +
+                                       2 * segments * seg_state + threads * bwd_worker,
+                                   conv_bwd) +
+                          conv_in;
   m_.backward.comm = a2a + ring;
   m_.full_inputs = (qkv + xv + 2 * gate) * pu * pr * unpad + state;
   m_.full_outputs = (qkv + xv + 2 * gate) * pu * pr * unpad + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states

@@ -942,10 +942,10 @@ void GdnCp::log_phases(const char* what) const {
   const PhaseSeconds &w = phases_, &c = cpu_phases_;
   SEQPAR_LOG(kDebug) << "GDN " << what << " (" << gdn_cp_mode_name(config_.mode) << ", ring " << groups_.ring.rank()
                      << "/" << groups_.ring.size() << ", " << segments_.size() << " segments): message rounds so far "
-                     << counters_.message_rounds << "; seconds (wall / process CPU): maps " << w.maps << " / "
-                     << c.maps << ", local " << w.local << " / " << c.local << ", combine " << w.combine << " / "
-                     << c.combine << ", copies " << w.copies << " / " << c.copies << ", wait " << w.wait
-                     << ", total " << w.total << " / " << c.total;
+                     << counters_.message_rounds << "; seconds (wall / process CPU): maps " << w.maps << " / " << c.maps
+                     << ", local " << w.local << " / " << c.local << ", combine " << w.combine << " / " << c.combine
+                     << ", copies " << w.copies << " / " << c.copies << ", wait " << w.wait << ", total " << w.total
+                     << " / " << c.total;
 }
 
 // The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving

@@ -905,7 +905,8 @@ TEST(GdnWindow, RejectsWindowsOutsideTheTensors) {
   for (const GdnWindow w : {GdnWindow{0, 0, 0, 1}, GdnWindow{10, 7, 0, 1}, GdnWindow{-1, 2, 0, 1},
                             GdnWindow{0, 4, 3, 2}, GdnWindow{0, 4, 0, 0}}) {
     EXPECT_THROW(gdn_forward_window(in.args(), w, out, {}), Error)
-        << "rows [" << w.row_begin << ", +" << w.num_rows << "), heads [" << w.head_begin << ", +" << w.num_heads << ")";
+        << "rows [" << w.row_begin << ", +" << w.num_rows << "), heads [" << w.head_begin << ", +" << w.num_heads
+        << ")";
   }
   // A state of the whole head count where the window has 1 head.
   Tensor fin = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat32, kWs);
