@@ -15,6 +15,7 @@
 #include "attention/gdn.h"
 #include "parallel/gdn_cp.h"
 #include "runtime/cp_grid.h"
+#include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/timer.h"
 
@@ -43,8 +44,13 @@ int run(int argc, char** argv) {
       "head-dim", "K = V", cxxopts::value<std::int64_t>()->default_value("128"))(
       "layout", "contiguous | zigzag", cxxopts::value<std::string>()->default_value("zigzag"))(
       "mode", "chain | scan", cxxopts::value<std::string>()->default_value("scan"))(
-      "iters", "timed iterations (after one warm-up)", cxxopts::value<int>()->default_value("3"));
+      "iters", "timed iterations (after one warm-up)", cxxopts::value<int>()->default_value("3"))(
+      "help", "print the flags");
   const auto a = opts.parse(argc, argv);
+  if (a.count("help")) {
+    std::printf("%s\n", opts.help().c_str());
+    return 0;
+  }
   const std::int64_t S = a["seq"].as<std::int64_t>(), H = a["heads"].as<std::int64_t>(),
                      Hk = a["kv-heads"].as<std::int64_t>(), D = a["head-dim"].as<std::int64_t>();
   const int iters = a["iters"].as<int>();
@@ -52,7 +58,10 @@ int run(int argc, char** argv) {
   const int P = world->size(), me = world->rank();
   const CpGrid grid(*world, {1, 1, P});
   const CpGroups groups = CpGroups::from(grid);
-  const LayoutKind kind = a["layout"].as<std::string>() == "zigzag" ? LayoutKind::kZigzag : LayoutKind::kContiguous;
+  const std::string layout_name = a["layout"].as<std::string>();
+  SEQPAR_CHECK(layout_name == "zigzag" || layout_name == "contiguous", "gdn_cp_phases: --layout ", layout_name,
+               " must be zigzag or contiguous");
+  const LayoutKind kind = layout_name == "zigzag" ? LayoutKind::kZigzag : LayoutKind::kContiguous;
   const SequenceLayout layout = SequenceLayout::for_groups(groups, S, kind);
   GdnCpConfig cfg;
   cfg.mode = parse_gdn_cp_mode(a["mode"].as<std::string>());
