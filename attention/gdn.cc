@@ -349,6 +349,128 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const Tenso
   }
 }
 
+namespace {
+
+// The sizes of a window (GdnWindow) of the whole tensors in `args` (whose initial_state is the window's), checked.
+cpu::GdnDims validate_window(const GdnForwardArgs& args, const GdnWindow& w, const char* fn) {
+  GdnForwardArgs whole = args;
+  whole.initial_state = {};
+  const Checked c = validate_forward_args(whole);
+  SEQPAR_CHECK(args.cu_seqlens.empty(), fn, ": cu_seqlens must be empty (a window runs one sequence per batch row)");
+  cpu::GdnDims d = c.d;
+  SEQPAR_CHECK(w.num_rows >= 1 && w.row_begin >= 0 && w.row_begin + w.num_rows <= d.S, fn, ": rows [", w.row_begin,
+               ", ", w.row_begin + w.num_rows, ") must be a non-empty range inside the ", d.S, " rows of q");
+  SEQPAR_CHECK(w.num_heads >= 1 && w.head_begin >= 0 && w.head_begin + w.num_heads <= d.H, fn, ": value heads [",
+               w.head_begin, ", ", w.head_begin + w.num_heads, ") must be a non-empty range inside the ", d.H,
+               " value heads of v");
+  d.rows_total = d.S;
+  d.row0 = w.row_begin;
+  d.S = w.num_rows;
+  d.heads_total = d.H;
+  d.key_heads_total = d.Hk;
+  d.head0 = w.head_begin;
+  d.H = w.num_heads;
+  d.Hk = w.num_heads;  // each value head on its own: dq and dk are per value head
+  d.C = std::min({args.chunk_size, kGdnMaxChunkSize, d.S});
+  const DType sd = accumulator_dtype(args.q.dtype());
+  if (!args.initial_state.empty())
+    detail::check_host_tensor(args.initial_state, {d.B, d.H, d.K, d.V}, sd, "initial_state", kFamily);
+  return d;
+}
+
+// The window's rows of value head h (with its key head) copied out, for the test-mode route (gdn_hook.h), which
+// takes whole tensors.
+struct WindowCopy {
+  Tensor q, k, v, g, beta;
+};
+
+Tensor window_rows(const TensorView& t, std::int64_t row_begin, std::int64_t num_rows, std::int64_t head) {
+  Shape s = t.shape();
+  s[1] = num_rows;
+  s[2] = 1;
+  Tensor out = Tensor::empty(s, t.dtype(), MemCategory::kWorkspace);
+  const std::int64_t width = t.ndim() == 4 ? t.dim(3) : 1, esize = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  const auto* src = static_cast<const char*>(t.data());
+  auto* dst = static_cast<char*>(out.data());
+  for (std::int64_t b = 0; b < t.dim(0); ++b)
+    for (std::int64_t r = 0; r < num_rows; ++r)
+      std::memcpy(dst + (b * num_rows + r) * width * esize,
+                  src + ((b * t.dim(1) + row_begin + r) * t.dim(2) + head) * width * esize,
+                  static_cast<std::size_t>(width * esize));
+  return out;
+}
+
+void put_window_rows(const TensorView& part, const TensorView& t, std::int64_t row_begin, std::int64_t head) {
+  const std::int64_t num_rows = part.dim(1), width = t.ndim() == 4 ? t.dim(3) : 1,
+                     esize = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  const auto* src = static_cast<const char*>(part.data());
+  auto* dst = static_cast<char*>(t.data());
+  for (std::int64_t b = 0; b < t.dim(0); ++b)
+    for (std::int64_t r = 0; r < num_rows; ++r)
+      std::memcpy(dst + ((b * t.dim(1) + row_begin + r) * t.dim(2) + head) * width * esize,
+                  src + (b * num_rows + r) * width * esize, static_cast<std::size_t>(width * esize));
+}
+
+}  // namespace
+
+void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, const TensorView& out,
+                        const TensorView& final_state, Stream stream) {
+  detail::check_stream(stream, "gdn_forward_window", kFamily);
+  const cpu::GdnDims d = validate_window(args, window, "gdn_forward_window");
+  check_activation(out, args.v.shape(), "out");
+  const DType sd = accumulator_dtype(args.q.dtype());
+  if (!final_state.empty()) detail::check_host_tensor(final_state, {d.B, d.H, d.K, d.V}, sd, "final_state", kFamily);
+  if (ops::detail::gdn_forward_hook_active()) {
+    // The test-mode route takes whole tensors: each value head of the window through copies.
+    const std::int64_t G = d.heads_total / d.key_heads_total, r0 = window.row_begin, n = window.num_rows;
+    for (std::int64_t i = 0; i < d.H; ++i) {
+      const std::int64_t h = d.head0 + i;
+      GdnForwardArgs a = args;
+      const Tensor q = window_rows(args.q, r0, n, h / G), k = window_rows(args.k, r0, n, h / G),
+                   v = window_rows(args.v, r0, n, h), g = window_rows(args.g, r0, n, h),
+                   beta = window_rows(args.beta, r0, n, h);
+      a.q = q.view();
+      a.k = k.view();
+      a.v = v.view();
+      a.g = g.view();
+      a.beta = beta.view();
+      // States [B, heads, K, V] seen as [B, 1, heads, K V]: head i is "row 0" of head i.
+      auto as_rows = [](const TensorView& t) { return t.reshape({t.dim(0), 1, t.dim(1), t.dim(2) * t.dim(3)}); };
+      const Shape state{d.B, 1, d.K, d.V};
+      Tensor init, fin;
+      if (!args.initial_state.empty()) init = window_rows(as_rows(args.initial_state), 0, 1, i);
+      a.initial_state = init.defined() ? init.view().reshape(state) : TensorView();
+      if (!final_state.empty()) fin = Tensor::empty(state, final_state.dtype(), MemCategory::kWorkspace);
+      Tensor o = Tensor::empty(v.shape(), out.dtype(), MemCategory::kWorkspace);
+      gdn_forward(a, o.view(), fin.defined() ? fin.view() : TensorView(), stream);
+      put_window_rows(o.view(), out, r0, h);
+      if (fin.defined()) put_window_rows(fin.view().reshape({d.B, 1, 1, d.K * d.V}), as_rows(final_state), 0, i);
+    }
+    return;
+  }
+  cpu::gdn_forward_cpu(args, d, out, final_state);
+}
+
+void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                         const TensorView& dinitial_state, Stream stream) {
+  detail::check_stream(stream, "gdn_backward_window", kFamily);
+  const cpu::GdnDims d = validate_window(args.fwd, window, "gdn_backward_window");
+  const DType sd = accumulator_dtype(args.fwd.q.dtype());
+  const Shape per_value_head{d.B, d.rows_total, d.heads_total, d.K}, vo = args.fwd.v.shape(), gb = args.fwd.g.shape();
+  if (!args.dout.empty()) check_activation(args.dout, vo, "dout");
+  if (!args.dfinal_state.empty())
+    detail::check_host_tensor(args.dfinal_state, {d.B, d.H, d.K, d.V}, sd, "dfinal_state", kFamily);
+  if (!dq.empty()) check_activation(dq, per_value_head, "dq (per value head)");
+  if (!dk.empty()) check_activation(dk, per_value_head, "dk (per value head)");
+  if (!dv.empty()) check_activation(dv, vo, "dv");
+  if (!dg.empty()) check_activation(dg, gb, "dg");
+  if (!dbeta.empty()) check_activation(dbeta, gb, "dbeta");
+  if (!dinitial_state.empty())
+    detail::check_host_tensor(dinitial_state, {d.B, d.H, d.K, d.V}, sd, "dinitial_state", kFamily);
+  cpu::gdn_backward_cpu(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+}
+
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
   detail::check_stream(stream, "gdn_transition", kFamily);
   if (ops::detail::gdn_transition_hooked(args, m, u)) return;  // test mode (attention/ops/gdn_hook.h)

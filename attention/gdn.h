@@ -111,6 +111,35 @@ void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const Tenso
                   const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state,
                   Stream stream = Stream::cpu());
 
+// ---- windows: a few heads of a longer tensor, in place ---------------------------------------------------------
+
+// Value heads [head_begin, head_begin + num_heads) (with the key heads they read) over rows [row_begin, row_begin +
+// num_rows) of every batch row.
+struct GdnWindow {
+  std::int64_t row_begin = 0, num_rows = 0, head_begin = 0, num_heads = 0;
+};
+
+// gdn_forward on a window of the tensors, read and written in place (no copy): for a caller that runs a few heads of
+// a longer tensor at a time (parallel/gdn_cp.h's pipeline over value heads).
+// Args: args as gdn_forward's over the whole tensors, cu_seqlens empty; args.initial_state and final_state
+//   [B, num_heads, K, V] (state dtype), either may be empty; out [B, S, Hv, V] whole.
+// Returns: the window of out (the rest untouched) and final_state; bitwise what gdn_forward gives on copies of the
+//   window.
+// Errors: gdn_forward's; num_rows or num_heads < 1, a window outside the tensors, cu_seqlens given.
+// Sync: host-synchronous.
+void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, const TensorView& out,
+                        const TensorView& final_state, Stream stream = Stream::cpu());
+
+// gdn_backward on a window likewise: dout read in the window; dv, dg, dbeta ([B, S, Hv, *] whole) written in the
+// window; dq and dk are per value head, [B, S, Hv, K] (each value head's part, not summed over the value heads of a
+// key head), written in the window; dinitial_state and args.dfinal_state [B, num_heads, K, V]. Any output may be
+// empty, as for gdn_backward. Bitwise gdn_backward on copies of the window with one value head per key head.
+// Errors: gdn_backward's and gdn_forward_window's.
+// Sync: host-synchronous.
+void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                         const TensorView& dinitial_state, Stream stream = Stream::cpu());
+
 // ---- segment transitions (affine state maps) --------------------------------------------------------------
 
 // The affine map of the whole segment in `args` (docs/design.md, "The gated delta recurrence"): final_state =

@@ -419,6 +419,7 @@ Fp64ReferenceCost gdn_reference_cost(const SpBenchOptions& o) {
 // any ring rank holds, and the longest's share of a ring shard's rows.
 struct RingSegments {
   double most = 1, longest_share = 1;
+  bool maps = false;  // the scan computes a segment map (which reads head-major copies of the inputs)
 };
 RingSegments ring_segments(const SpBenchOptions& o) {
   const SequenceLayout layout = sp_bench_layout(o);
@@ -426,11 +427,21 @@ RingSegments ring_segments(const SpBenchOptions& o) {
   for (int r = 0; r < layout.ring_size(); ++r) tokens.push_back(layout.tokens_of_slots(layout.ring_shard_positions(r)));
   std::vector<double> count(tokens.size(), 0);
   std::int64_t longest = 0;
+  const std::span<const std::int64_t> cu_span = layout.cu_seqlens();
+  const std::vector<std::int64_t> cu(cu_span.begin(), cu_span.end());
+  std::vector<std::vector<SegmentPiece>> pieces;
   for (const Segment& seg : segments_in_global_order(tokens)) {
     count[static_cast<std::size_t>(seg.owner)] += 1;
     longest = std::max(longest, seg.length);
+    pieces.push_back(segment_pieces(seg, cu));
   }
   RingSegments r;
+  if (o.gdn_mode == "scan") {
+    for (int dir : {+1, -1}) {
+      const GdnScanPlan plan = gdn_scan_plan(pieces, dir);
+      for (int i = 0; i < static_cast<int>(pieces.size()); ++i) r.maps = r.maps || plan.computes_map(i);
+    }
+  }
   r.most = std::max(1.0, *std::max_element(count.begin(), count.end()));
   r.longest_share = std::min(1.0, static_cast<double>(longest) / static_cast<double>(tokens[0].size()));
   return r;
@@ -459,15 +470,15 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double fwd_worker = c * (17 * chunk * m + 3 * m * m + 16 * chunk);
   const double bwd_worker = fwd_worker + c * (17 * chunk * m + 3 * m * m + std::ceil(seg_len / chunk) * kd * vd);
   const double a2a = pu > 1 ? 2 * std::max(xk, xv) : 0;
-  // The backward kernel's dq and dk per value head when value heads share key heads (Hv > Hk), in the compute dtype,
-  // summed into the key heads afterwards (attention/cpu/gdn_chunk.cc GroupedGrad).
+  // dq and dk per value head when value heads share key heads (Hv > Hk), in the state dtype, summed into the key heads
+  // afterwards (GdnCp's backward; one transposed copy at a time).
   const double grouped = d.Hv > d.Hk ? 2 * c * batch * sl * o.heads * kd : 0;
   // The scan keeps every needed map of every head until its messages are sent, the chain a state per head and segment.
   const double ring = o.gdn_mode == "scan" ? 3 * segments * seg_state : 2 * segments * seg_state;
-  // GdnCp runs one value head at a time on head-major copies of its inputs (q k v g beta) and writes head-major
-  // results (out; backward: dout and the gradients) that are transposed back at the end; a segment's input rows are
-  // one head's.
+  // GdnCp runs one value head at a time on its inputs in place (attn::gdn_forward_window); only a segment map reads
+  // head-major copies of the inputs (q k v g beta; backward: and dout) and one head's rows of a segment.
   const double heads_local = std::max(1.0, o.heads / pu);
+  const double maps = ring_segs.maps ? 1 : 0;
   // --conv-width (ShortConvCp on the sequence shards, once for each of q, k, v): through both phases,
   // each context's copy of its input and halo states ([B, W - 1, C] per segment) and the convolved q, k, v;
   // conv_weight an input, its gradient an output. The conv's own buffers come before the recurrence's forward and
@@ -483,24 +494,25 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   WorkloadMemory m_;
   m_.inputs = qkv + xv + 2 * gate + state + conv_weight;  // q, k, v, dout, g, beta, initial_state (, conv_weight)
   // Forward: the context keeps q k v g beta in the heads layout and the segments' start states (and scan maps);
-  // out_h and its head-major twin, the head-major inputs and one head's rows of a segment, the outputs out and
-  // final_state; the exchanged states.
+  // out_h, the output out and final_state, for maps the head-major inputs and one head's rows of a segment; the
+  // exchanged states.
   const double saved = qkv + 2 * gate + 2 * segments * seg_state + conv_in + halo;
   m_.forward.saved = saved;
   m_.forward.outputs = xv + state;
-  m_.forward.workspace =
-      std::max(3 * xv + (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) + 2 * segments * seg_state +
-                   threads * fwd_worker,
-               conv_fwd) +
-      conv_in;
+  m_.forward.workspace = std::max(2 * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
+                                      2 * segments * seg_state + threads * fwd_worker,
+                                  conv_fwd) +
+                         conv_in;
   m_.forward.comm = a2a + ring;
-  // Backward: out and final_state stay held; dout_h and its head-major twin, the head-major inputs, the gradients
-  // head-major and in the heads layout, the outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
+  // Backward: out and final_state stay held; dout_h, the gradients in the heads layout (dq, dk per value head, summed
+  // per key head through a transposed copy when Hv > Hk: `grouped`), for maps the head-major inputs and dout, the
+  // outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
   m_.backward.saved = saved;
   m_.backward.outputs = xv + state + qkv + 2 * gate + state + conv_weight;
-  m_.backward.workspace =
-      std::max(3 * xv + 3 * (qkv + 2 * gate) + grouped + 2 * segments * seg_state + threads * bwd_worker, conv_bwd) +
-      conv_in;
+  m_.backward.workspace = std::max(2 * xv + 2 * gate + 2 * xk + 1.5 * grouped + maps * (qkv + 2 * gate + xv) * 2 +
+                                       2 * segments * seg_state + threads * bwd_worker,
+                                   conv_bwd) +
+                          conv_in;
   m_.backward.comm = a2a + ring;
   m_.full_inputs = (qkv + xv + 2 * gate) * pu * pr * unpad + state;
   m_.full_outputs = (qkv + xv + 2 * gate) * pu * pr * unpad + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states

@@ -5,11 +5,13 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 
 #include "parallel/ulysses.h"
 #include "runtime/logging.h"
 #include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
+#include "runtime/timer.h"
 
 namespace seqpar {
 namespace {
@@ -27,6 +29,22 @@ constexpr int kTagHaloGrad = 19000;
 // per peer (PackedRound).
 constexpr int kTagSpan = 4000;
 int tag_of(int base, int segment) { return base + segment % kTagSpan; }
+
+// Adds the wall-clock and the process CPU seconds of its lifetime to `wall` and `cpu` (RAII).
+class PhaseClock {
+ public:
+  PhaseClock(double& wall, double& cpu) : wall_(wall), cpu_(cpu), w0_(wall_seconds()), c0_(process_cpu_seconds()) {}
+  ~PhaseClock() {
+    wall_ += wall_seconds() - w0_;
+    cpu_ += process_cpu_seconds() - c0_;
+  }
+  PhaseClock(const PhaseClock&) = delete;
+  PhaseClock& operator=(const PhaseClock&) = delete;
+
+ private:
+  double &wall_, &cpu_;
+  double w0_, c0_;
+};
 
 // Rows [offset, offset + length) of positions along dim 1.
 std::vector<std::int64_t> row_range(std::int64_t offset, std::int64_t length) {
@@ -127,10 +145,6 @@ Tensor head_major(const TensorView& t, MemCategory category, Stream stream) {
 }
 TensorView head_view(const Tensor& hm, std::int64_t h) {
   return hm.view().slice0(h, h + 1).reshape({hm.dim(1), hm.dim(2), 1, hm.dim(3)});
-}
-// The inverse of head_major into `dst` [B, S, H, D] (or [B, S, H] when D = 1 and dst has 3 dims).
-void from_head_major(const Tensor& hm, const TensorView& dst, Stream stream) {
-  swap_outer_dims(hm.view(), hm.dim(0), hm.dim(1) * hm.dim(2), dst, stream);
 }
 
 // Head h of a [N, H, ...] state tensor as a contiguous [N, 1, ...] copy, and the inverse.
@@ -421,10 +435,16 @@ struct GdnCp::ForwardPass {
   const DeviceAlloc& alloc;
   Stream stream;
   DType dtype;    // of q: the outputs'
-  Tensor& out_hm;  // head-major [Hl, B, S_ring, V]; padding rows belong to no segment and stay 0
+  Tensor& out_h;  // [B, S_ring, Hl, V]; padding rows belong to no segment and stay 0
   Tensor&
       finals;  // the end state of every document that ends in one of this rank's pieces (summed over the ring later)
-  const HeadInputs& in;  // the ring-level inputs, head-major
+  // The ring-level inputs head-major, made on first use: only a segment map (gdn_transition) reads them; the
+  // outputs' kernels read the heads of s.q ... s.beta in place (attn::gdn_forward_window).
+  std::optional<HeadInputs> hm;
+  const HeadInputs& in() {
+    if (!hm) hm = head_inputs(s, stream);
+    return *hm;
+  }
 };
 
 GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -440,6 +460,10 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   }
   const DeviceAlloc alloc{common_device({q, k, v, g, beta, initial_state}, "GDN CP forward"), groups_.stream};
   auto cp_ = validate_forward(q, k, v, g, beta, initial_state);
+  phases_ = {};
+  cpu_phases_ = {};
+  std::optional<PhaseClock> total_clock(std::in_place, phases_.total, cpu_phases_.total);
+  std::optional<PhaseClock> copies_clock(std::in_place, phases_.copies, cpu_phases_.copies);
   Saved& s = *cp_;
   const std::int64_t B = s.batch, sl = q.dim(1), H = v.dim(2), V = s.dv;
   const UlyssesHeads heads = gdn_ulysses_heads(H, s.key_heads, groups_.ulysses_size());
@@ -460,7 +484,7 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   if (!initial_state.empty()) s.init = a2a.my_heads_dim1(initial_state);
 
   // Padding rows belong to no segment: their outputs stay 0.
-  Tensor out_hm = alloc.zeros({s.heads, B, sr, V}, q.dtype(), MemCategory::kWorkspace);
+  Tensor out_h = alloc.zeros({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
   // The end state of every document that ends in one of this rank's pieces (summed over the ring afterwards).
   Tensor finals = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
   s.start = tensor_grid(mine_.size(), s.heads);
@@ -468,9 +492,8 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   for (auto& per_head : s.start) {
     for (Tensor& t : per_head) t = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
   }
-  const HeadInputs hin = head_inputs(s, stream);
-  ForwardPass f{s, alloc, stream, q.dtype(), out_hm, finals, hin};
-  phases_ = {};
+  ForwardPass f{s, alloc, stream, q.dtype(), out_h, finals, {}};
+  copies_clock.reset();
   {
     const CommMeter meter(groups_, counters_);
     const double exposed0 = counters_.exposed_comm_s;
@@ -481,19 +504,21 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
     }
     phases_.wait = counters_.exposed_comm_s - exposed0;
   }
-  Tensor out_h = alloc.empty({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
-  from_head_major(out_hm, out_h.view(), stream);
 
   // final_state: every document's end state summed over the ring, then the heads gathered over Ulysses.
   GdnCpOutput result;
   finish_doc_states(ring, finals, cu_seqlens_, s.init, s.packed, alloc, &counters_.exposed_comm_s);
   result.final_state = a2a.gather_heads_dim1(finals.view());
-  result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
-  a2a.to_sequence(out_h.view(), result.out.view());
-  SEQPAR_LOG(kDebug) << "GDN forward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank() << "/"
-                     << ring.size() << ", " << segments_.size() << " segments): message rounds so far "
-                     << counters_.message_rounds << "; seconds: maps " << phases_.maps << ", local " << phases_.local
-                     << ", combine " << phases_.combine << ", wait " << phases_.wait;
+  copies_clock.emplace(phases_.copies, cpu_phases_.copies);
+  if (groups_.ulysses_size() == 1) {  // the heads layout is the sequence layout: no copy
+    result.out = std::move(out_h);
+  } else {
+    result.out = alloc.empty({B, sl, H, V}, q.dtype(), MemCategory::kWorkspace);
+    a2a.to_sequence(out_h.view(), result.out.view());
+  }
+  copies_clock.reset();
+  total_clock.reset();
+  log_phases("forward");
   result.ctx = CpContext::make(id_, "GDN CP", std::move(cp_));
   return result;
 }
@@ -544,24 +569,26 @@ Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, std::int64_t h, bool kno
   Saved& s = f.s;
   const DeviceAlloc& alloc = f.alloc;
   const Stream stream = f.stream;
-  const std::int64_t B = s.batch, V = s.dv;
   const Segment& seg = segments_[mine_[j]];
   Tensor end;
   for (const SegmentPiece& p : pieces_[mine_[j]]) {
     if (p.starts_doc ? !known : !continuing) continue;
-    const SegmentInputs in = segment_inputs(f.in, h, seg.local_offset + p.offset, p.length, stream);
-    Tensor out_p = alloc.empty({B, p.length, 1, V}, f.dtype, MemCategory::kWorkspace);
+    std::optional<PhaseClock> copies(std::in_place, phases_.copies, cpu_phases_.copies);
     end = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
     Tensor init;
     if (p.starts_doc && s.init.defined())
       init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
+    copies.reset();
     {
       const ScopedTimer timer(counters_.compute_s);
-      const ScopedTimer phase(phases_.local);
+      const PhaseClock phase(phases_.local, cpu_phases_.local);
       const TensorView start = p.starts_doc ? (init.defined() ? init.view() : TensorView()) : s.start[j][h].view();
-      attn::gdn_forward(forward_args(in, config_, start), out_p.view(), end.view(), stream);
+      const attn::GdnWindow window{seg.local_offset + p.offset, p.length, h, 1};
+      const attn::GdnForwardArgs args =
+          forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
+      attn::gdn_forward_window(args, window, f.out_h.view(), end.view(), stream);
     }
-    put_rows(out_p.view(), head_view(f.out_hm, h), seg.local_offset + p.offset, stream);
+    copies.emplace(phases_.copies, cpu_phases_.copies);
     if (p.ends_doc) put_head(end.view(), s.doc_state(f.finals, p.doc), h, stream);
   }
   return end;
@@ -681,7 +708,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
           continue;
         }
         const ScopedTimer timer(counters_.compute_s);
-        const ScopedTimer phase(phases_.combine);
+        const PhaseClock phase(phases_.combine, cpu_phases_.combine);
         Tensor next = alloc.empty({s.packed_numel()}, s.state_dtype, MemCategory::kCommBuffer);
         attn::gdn_transition_compose(s.m_of(agg[j][h]), s.u_of(agg[j][h]), s.m_of(got[j]), s.u_of(got[j]), s.m_of(next),
                                      s.u_of(next), alloc.stream);
@@ -736,10 +763,10 @@ void GdnCp::forward_scan(ForwardPass& f) {
     if (!p.need[0][i] || p.direct[i]) return {};
     Tensor agg = zero_map(s, alloc);
     const Segment& seg = segments_[i];
-    const SegmentInputs in = segment_inputs(f.in, h, seg.local_offset, seg.length, stream);
+    const SegmentInputs in = segment_inputs(f.in(), h, seg.local_offset, seg.length, stream);
     {
       const ScopedTimer timer(counters_.compute_s);
-      const ScopedTimer phase(phases_.maps);
+      const PhaseClock phase(phases_.maps, cpu_phases_.maps);
       attn::gdn_transition(forward_args(in, config_, {}), s.m_of(agg), s.u_of(agg), stream);
     }
     s.map_m[j][h] = alloc.copy_of(s.m_of(agg), s.state_dtype, MemCategory::kSavedActivation);
@@ -769,16 +796,27 @@ struct GdnCp::BackwardPass {
   DType dtype;           // of q: the gradients'
   DType qk_grad_dtype;   // dq, dk before the sum over replicated key heads (the accumulation dtype when replicated)
   DType vqk_dtype;       // dq, dk of one value head: qk_grad_dtype, or the state dtype when value heads are grouped
-  const HeadInputs& in;  // the ring-level inputs, head-major
-  Tensor& dout_hm;       // head-major [Hl, B, S_ring, V]
+  Tensor& dout_h;        // [B, S_ring, Hl, V]
   Tensor& dfinal_local;  // this rank's heads of dfinal_state (undefined: zeros)
-  // Head-major gradients: dq, dk per value head ([Hl, B, S_ring, K], summed per key head at the end), dv, dg, dbeta.
-  Tensor& dq_vm;
-  Tensor& dk_vm;
-  Tensor& dv_hm;
-  Tensor& dg_hm;
-  Tensor& db_hm;
+  // Gradients: dq, dk per value head ([B, S_ring, Hl, K], summed per key head at the end), dv, dg, dbeta; the
+  // kernels write their heads in place (attn::gdn_backward_window).
+  Tensor& dq_v;
+  Tensor& dk_v;
+  Tensor& dv_h;
+  Tensor& dg_h;
+  Tensor& db_h;
   Tensor& dinits;  // d(initial_state) of every document that starts in one of this rank's pieces
+  // The ring-level inputs and dout head-major, made on first use: only a segment map reads them.
+  std::optional<HeadInputs> hm;
+  Tensor dout_hm;
+  const HeadInputs& in() {
+    if (!hm) hm = head_inputs(s, stream);
+    return *hm;
+  }
+  const Tensor& dout_head_major() {
+    if (!dout_hm.defined()) dout_hm = head_major(dout_h.view(), MemCategory::kWorkspace, stream);
+    return dout_hm;
+  }
 };
 
 // The backward arguments of piece p of segment j for one value head (its inputs and dout rows, owned by the returned
@@ -812,6 +850,10 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
     check_dtype(dfinal_state, s.state_dtype, "GDN CP dfinal_state");
   }
   ctx.consume<Saved>(id_, "GDN CP");
+  phases_ = {};
+  cpu_phases_ = {};
+  std::optional<PhaseClock> total_clock(std::in_place, phases_.total, cpu_phases_.total);
+  std::optional<PhaseClock> copies_clock(std::in_place, phases_.copies, cpu_phases_.copies);
   const CommStreamScope stream_scope(groups_);
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
@@ -825,23 +867,21 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   // the accumulation dtype (fp32, fp64 for fp64). Padding rows belong to no segment: their gradients stay 0.
   const DType qk_grad_dtype =
       heads.replication == 1 ? dtype : (dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32);
-  // Head-major gradients, one value head at a time; with grouped value heads (G > 1) each value head's dq, dk
-  // contribution stays in the state dtype and the G of a key head are summed in value-head order below, as the
-  // kernel's own grouped sum does (docs/design.md, "Grouped value heads").
+  // Gradients, one value head at a time; with grouped value heads (G > 1) each value head's dq, dk contribution stays
+  // in the state dtype and the G of a key head are summed in value-head order below, as the kernel's own grouped sum
+  // does (docs/design.md, "Grouped value heads").
   const std::int64_t G = s.group(), Hl = s.heads, Hkl = s.q.dim(2);
   const DType vqk_dtype = G > 1 ? s.state_dtype : qk_grad_dtype;
-  Tensor dq_vm = alloc.zeros({Hl, B, sr, K}, vqk_dtype, MemCategory::kWorkspace);
-  Tensor dk_vm = alloc.zeros({Hl, B, sr, K}, vqk_dtype, MemCategory::kWorkspace);
-  Tensor dv_hm = alloc.zeros({Hl, B, sr, V}, dtype, MemCategory::kWorkspace);
-  Tensor dg_hm = alloc.zeros({Hl, B, sr, 1}, dtype, MemCategory::kWorkspace);
-  Tensor db_hm = alloc.zeros({Hl, B, sr, 1}, dtype, MemCategory::kWorkspace);
-  Tensor dout_hm = head_major(dout_h.view(), MemCategory::kWorkspace, stream);
-  const HeadInputs hin = head_inputs(s, stream);
+  Tensor dq_v = alloc.zeros({B, sr, Hl, K}, vqk_dtype, MemCategory::kWorkspace);
+  Tensor dk_v = alloc.zeros({B, sr, Hl, K}, vqk_dtype, MemCategory::kWorkspace);
+  Tensor dv_h = alloc.zeros({B, sr, Hl, V}, dtype, MemCategory::kWorkspace);
+  Tensor dg_h = alloc.zeros({B, sr, Hl}, dtype, MemCategory::kWorkspace);
+  Tensor db_h = alloc.zeros({B, sr, Hl}, dtype, MemCategory::kWorkspace);
   // d(initial_state) of every document that starts in one of this rank's pieces (summed over the ring afterwards).
   Tensor dinits = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
-  BackwardPass bp{s,     alloc, stream, dtype, qk_grad_dtype, vqk_dtype, hin, dout_hm, dfinal_local,
-                  dq_vm, dk_vm, dv_hm,  dg_hm, db_hm,         dinits};
-  phases_ = {};
+  BackwardPass bp{s,    alloc, stream, dtype, qk_grad_dtype, vqk_dtype, dout_h, dfinal_local,
+                  dq_v, dk_v,  dv_h,   dg_h,  db_h,          dinits,    {},     {}};
+  copies_clock.reset();
   {
     const CommMeter meter(groups_, counters_);
     const double exposed0 = counters_.exposed_comm_s;
@@ -852,50 +892,60 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
     }
     phases_.wait = counters_.exposed_comm_s - exposed0;
   }
-  SEQPAR_LOG(kDebug) << "GDN backward (" << gdn_cp_mode_name(config_.mode) << ", ring " << ring.rank()
-                     << "): seconds: maps " << phases_.maps << ", local " << phases_.local << ", combine "
-                     << phases_.combine << ", wait " << phases_.wait;
-  auto key_heads_of = [&](const Tensor& vm) {
-    Tensor km = alloc.empty({Hkl, B, sr, K}, qk_grad_dtype, MemCategory::kWorkspace);
-    for (std::int64_t kh = 0; kh < Hkl; ++kh) {
-      Tensor acc = alloc.copy_of(vm.view().slice0(kh * G, kh * G + 1), s.state_dtype, MemCategory::kWorkspace);
-      for (std::int64_t e = 1; e < G; ++e)
-        add_inplace(acc.view(), vm.view().slice0(kh * G + e, kh * G + e + 1), stream);
-      alloc.copy_convert(acc.view(), km.view().slice0(kh, kh + 1));
-    }
+  copies_clock.emplace(phases_.copies, cpu_phases_.copies);
+  // [B, S_ring, Hl, K] per value head -> [B, S_ring, Hkl, K]: the G value heads of each key head (adjacent in a row)
+  // summed in value-head order, in the state dtype.
+  auto key_heads_of = [&](const Tensor& v) {
+    const std::int64_t rows = B * sr * Hkl;
+    Tensor by_head = alloc.empty({G, rows, K}, v.dtype(), MemCategory::kWorkspace);
+    swap_outer_dims(v.view(), rows, G, by_head.view(), stream);
+    Tensor acc = alloc.copy_of(by_head.view().slice0(0, 1), s.state_dtype, MemCategory::kWorkspace);
+    for (std::int64_t e = 1; e < G; ++e) add_inplace(acc.view(), by_head.view().slice0(e, e + 1), stream);
+    Tensor km = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+    alloc.copy_convert(acc.view(), km.view().reshape({1, rows, K}));
     return km;
   };
-  Tensor dq_h = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-  Tensor dk_h = alloc.empty(s.k.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-  Tensor dv_h = alloc.empty({B, sr, s.heads, V}, dtype, MemCategory::kWorkspace);
-  Tensor dg_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
-  Tensor db_h = alloc.empty({B, sr, s.heads}, dtype, MemCategory::kWorkspace);
   if (G > 1) {
-    dq_vm = key_heads_of(dq_vm);
-    dk_vm = key_heads_of(dk_vm);
+    dq_v = key_heads_of(dq_v);
+    dk_v = key_heads_of(dk_v);
   }
-  from_head_major(dq_vm, dq_h.view(), stream);
-  from_head_major(dk_vm, dk_h.view(), stream);
-  from_head_major(dv_hm, dv_h.view(), stream);
-  from_head_major(dg_hm, dg_h.view(), stream);
-  from_head_major(db_hm, db_h.view(), stream);
 
   GdnCpGrads grads;
-  auto gather = [&](const Tensor& t, const Shape& shape) {
+  // Without Ulysses the heads layout is the sequence layout (and dq, dk are in the gradients' dtype): no copy.
+  auto gather = [&](Tensor& t, const Shape& shape) {
+    if (pu == 1) return std::move(t);
     Tensor out = alloc.empty(shape, dtype, MemCategory::kWorkspace);
     a2a.to_sequence(t.view(), out.view());
     return out;
   };
-  grads.dq = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
-  grads.dk = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
-  a2a.kv_grad_to_sequence(dq_h.view(), heads, grads.dq.view());
-  a2a.kv_grad_to_sequence(dk_h.view(), heads, grads.dk.view());
+  if (pu == 1) {
+    grads.dq = std::move(dq_v);
+    grads.dk = std::move(dk_v);
+  } else {
+    grads.dq = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
+    grads.dk = alloc.empty({B, sl, Hk, K}, dtype, MemCategory::kWorkspace);
+    a2a.kv_grad_to_sequence(dq_v.view(), heads, grads.dq.view());
+    a2a.kv_grad_to_sequence(dk_v.view(), heads, grads.dk.view());
+  }
   grads.dv = gather(dv_h, {B, sl, H, V});
   grads.dg = gather(dg_h, {B, sl, H});
   grads.dbeta = gather(db_h, {B, sl, H});
+  copies_clock.reset();
   finish_doc_states(ring, dinits, cu_seqlens_, dfinal_local, s.packed, alloc, &counters_.exposed_comm_s);
   grads.dinitial_state = a2a.gather_heads_dim1(dinits.view());
+  total_clock.reset();
+  log_phases("backward");
   return grads;
+}
+
+void GdnCp::log_phases(const char* what) const {
+  const PhaseSeconds &w = phases_, &c = cpu_phases_;
+  SEQPAR_LOG(kDebug) << "GDN " << what << " (" << gdn_cp_mode_name(config_.mode) << ", ring " << groups_.ring.rank()
+                     << "/" << groups_.ring.size() << ", " << segments_.size() << " segments): message rounds so far "
+                     << counters_.message_rounds << "; seconds (wall / process CPU): maps " << w.maps << " / " << c.maps
+                     << ", local " << w.local << " / " << c.local << ", combine " << w.combine << " / " << c.combine
+                     << ", copies " << w.copies << " / " << c.copies << ", wait " << w.wait << ", total " << w.total
+                     << " / " << c.total;
 }
 
 // The backward arguments of piece p of segment j (its inputs and dout rows, owned by the returned struct; moving
@@ -904,8 +954,8 @@ GdnCp::PieceBackward GdnCp::piece_backward(BackwardPass& bp, std::size_t j, cons
   const Saved& s = bp.s;
   const Stream stream = bp.stream;
   const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
-  PieceBackward b{segment_inputs(bp.in, h, offset, p.length, stream),
-                  take_rows(head_view(bp.dout_hm, h), offset, p.length, MemCategory::kWorkspace, stream),
+  PieceBackward b{segment_inputs(bp.in(), h, offset, p.length, stream),
+                  take_rows(head_view(bp.dout_head_major(), h), offset, p.length, MemCategory::kWorkspace, stream),
                   {},
                   {}};
   if (p.starts_doc && s.init.defined())
@@ -923,27 +973,23 @@ Tensor GdnCp::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, 
   const Saved& s = bp.s;
   const DeviceAlloc& alloc = bp.alloc;
   const Stream stream = bp.stream;
-  const DType dtype = bp.dtype;
   const std::int64_t offset = segments_[mine_[j]].local_offset + p.offset;
-  PieceBackward b = piece_backward(bp, j, p, h);
-  const SegmentInputs& in = b.in;
-  b.args.dfinal_state = ds_end;
-  Tensor dq = alloc.empty(in.q.shape(), bp.vqk_dtype, MemCategory::kWorkspace);
-  Tensor dk = alloc.empty(in.k.shape(), bp.vqk_dtype, MemCategory::kWorkspace);
-  Tensor dv = alloc.empty(in.v.shape(), dtype, MemCategory::kWorkspace);
-  Tensor dg = alloc.empty(in.g.shape(), dtype, MemCategory::kWorkspace);
-  Tensor db = alloc.empty(in.beta.shape(), dtype, MemCategory::kWorkspace);
+  std::optional<PhaseClock> copies(std::in_place, phases_.copies, cpu_phases_.copies);
+  Tensor init;
+  if (p.starts_doc && s.init.defined())
+    init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
   Tensor ds_start = alloc.empty(s.state_shape(), s.state_dtype, MemCategory::kCommBuffer);
-  {
-    const ScopedTimer timer(counters_.compute_s);
-    const ScopedTimer phase(phases_.local);
-    attn::gdn_backward(b.args, dq.view(), dk.view(), dv.view(), dg.view(), db.view(), ds_start.view(), stream);
-  }
-  put_rows(dq.view(), head_view(bp.dq_vm, h), offset, stream);
-  put_rows(dk.view(), head_view(bp.dk_vm, h), offset, stream);
-  put_rows(dv.view(), head_view(bp.dv_hm, h), offset, stream);
-  put_rows(dg.view().reshape({dg.dim(0), dg.dim(1), 1, 1}), head_view(bp.dg_hm, h), offset, stream);
-  put_rows(db.view().reshape({db.dim(0), db.dim(1), 1, 1}), head_view(bp.db_hm, h), offset, stream);
+  copies.reset();
+  const ScopedTimer timer(counters_.compute_s);
+  const PhaseClock phase(phases_.local, cpu_phases_.local);
+  attn::GdnBackwardArgs args;
+  const TensorView start = p.starts_doc ? (init.defined() ? init.view() : TensorView()) : s.start[j][h].view();
+  args.fwd = forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
+  args.dout = bp.dout_h.view();
+  args.dfinal_state = ds_end;
+  const attn::GdnWindow window{offset, p.length, h, 1};
+  attn::gdn_backward_window(args, window, bp.dq_v.view(), bp.dk_v.view(), bp.dv_h.view(), bp.dg_h.view(),
+                            bp.db_h.view(), ds_start.view(), stream);
   return ds_start;
 }
 
@@ -1030,7 +1076,7 @@ void GdnCp::backward_scan(BackwardPass& bp) {
     Tensor agg = zero_map(s, alloc);
     const PieceBackward b = piece_backward(bp, j, pieces_[i].front(), h);
     const ScopedTimer timer(counters_.compute_s);
-    const ScopedTimer phase(phases_.maps);
+    const PhaseClock phase(phases_.maps, cpu_phases_.maps);
     attn::gdn_backward(b.args, {}, {}, {}, {}, {}, s.u_of(agg), stream);
     Tensor m;
     if (!s.map_m[j][h].defined()) {  // the forward did not need this map

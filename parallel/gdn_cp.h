@@ -122,11 +122,15 @@ class GdnCp : public CpLayerBase {
 
   // Seconds this rank spent in each part of its last forward or backward call (also logged at debug level):
   // maps: segment maps (forward: gdn_transition; backward: the dS sweep of a carrying segment); local: the kernels
-  // that produce outputs and gradients; combine: composing and applying maps; wait: blocked on state messages.
+  // that produce outputs and gradients; combine: composing and applying maps; wait: blocked on state messages;
+  // copies: moving rows between layouts (the Ulysses exchange, head-major copies, a segment's rows in and out);
+  // total: the whole call. last_phase_seconds() is wall time; last_phase_cpu_seconds() the process's CPU time in
+  // the same parts (its wait is 0: a wait's CPU time depends on how the communicator polls; it is in total).
   struct PhaseSeconds {
-    double maps = 0, local = 0, combine = 0, wait = 0;
+    double maps = 0, local = 0, combine = 0, wait = 0, copies = 0, total = 0;
   };
   const PhaseSeconds& last_phase_seconds() const { return phases_; }
+  const PhaseSeconds& last_phase_cpu_seconds() const { return cpu_phases_; }
 
  private:
   struct Saved;
@@ -139,6 +143,7 @@ class GdnCp : public CpLayerBase {
                                           const TensorView& initial_state) const;
   Tensor run_pieces(ForwardPass& f, std::size_t j, std::int64_t h, bool known, bool continuing);
   void forward_chain(ForwardPass& f);
+  void log_phases(const char* what) const;  // last_phase_seconds() and last_phase_cpu_seconds() at debug level
   void forward_scan(ForwardPass& f);
   // Segment i continues the document of the segment before it (its first token starts no document): only then does a
   // state pass between the two.
@@ -162,7 +167,7 @@ class GdnCp : public CpLayerBase {
   std::vector<int> mine_;                          // indices into segments_ of this rank's segments, in global order
   std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
   std::shared_ptr<const ScanPlan> plan_fwd_, plan_bwd_;  // the scan's plan in each direction
-  PhaseSeconds phases_;
+  PhaseSeconds phases_, cpu_phases_;
 };
 
 // The configuration of ShortConvCp.

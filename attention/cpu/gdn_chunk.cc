@@ -134,16 +134,16 @@ struct ChunkScratch {
   std::int64_t total = 0;
 };
 
-// Asks for rows t0..t0+c-1 of `t` (row r of (b, head) at ((b S + r) heads + head) width) to be brought into the cache,
-// so that the next chunk's rows (one per token, heads * width elements apart) arrive while this chunk computes.
-inline void prefetch_rows(const TensorView& t, const Dims& d, std::int64_t b, std::int64_t heads, std::int64_t head,
-                          std::int64_t width, std::int64_t t0, std::int64_t c) {
+// Asks for rows t0..t0+c-1 of `t` (row r at row(r) width) to be brought into the cache, so that the next chunk's rows
+// (one per token) arrive while this chunk computes.
+template <typename Row>
+inline void prefetch_rows(const TensorView& t, Row&& row, std::int64_t width, std::int64_t t0, std::int64_t c) {
   if (t.empty() || c <= 0) return;
   const std::int64_t esize = static_cast<std::int64_t>(dtype_size(t.dtype())), bytes = width * esize;
   const char* base = static_cast<const char*>(t.data());
   for (std::int64_t i = 0; i < c; ++i) {
-    const char* row = base + ((b * d.S + t0 + i) * heads + head) * bytes;
-    for (std::int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
+    const char* r = base + row(t0 + i) * bytes;
+    for (std::int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(r + off);
   }
 }
 
@@ -151,11 +151,13 @@ inline void prefetch_rows(const TensorView& t, const Dims& d, std::int64_t b, st
 inline void prefetch_chunk(const GdnForwardArgs& a, const TensorView& dout, const Dims& d, std::int64_t b,
                            std::int64_t h, std::int64_t t0, bool with_q, bool with_v) {
   if (t0 < 0 || t0 >= d.S) return;
-  const std::int64_t c = std::min(d.C, d.S - t0), hk = h / d.group();
-  prefetch_rows(a.k, d, b, d.Hk, hk, d.K, t0, c);
-  if (with_q) prefetch_rows(a.q, d, b, d.Hk, hk, d.K, t0, c);
-  if (with_v) prefetch_rows(a.v, d, b, d.H, h, d.V, t0, c);
-  prefetch_rows(dout, d, b, d.H, h, d.V, t0, c);
+  const std::int64_t c = std::min(d.C, d.S - t0);
+  auto krow = [&](std::int64_t t) { return d.key_row(b, t, h); };
+  auto vrow = [&](std::int64_t t) { return d.value_row(b, t, h); };
+  prefetch_rows(a.k, krow, d.K, t0, c);
+  if (with_q) prefetch_rows(a.q, krow, d.K, t0, c);
+  if (with_v) prefetch_rows(a.v, vrow, d.V, t0, c);
+  prefetch_rows(dout, vrow, d.V, t0, c);
 }
 
 // Loads rows t0..t0+c-1 of (b, value head h): normalised and scaled q (and the unscaled normalised copy qn with
@@ -163,10 +165,10 @@ inline void prefetch_chunk(const GdnForwardArgs& a, const TensorView& dout, cons
 template <typename T>
 void load_chunk(const GdnForwardArgs& a, const Dims& d, std::int64_t b, std::int64_t h, std::int64_t t0, std::int64_t c,
                 bool load_q, bool load_v, T scale, ChunkScratch<T>& w) {
-  const std::int64_t K = d.K, V = d.V, hk = h / d.group();
+  const std::int64_t K = d.K, V = d.V;
   for (std::int64_t i = 0; i < c; ++i) {
-    const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
-    const std::int64_t ktok = (b * d.S + t0 + i) * d.Hk + hk;
+    const std::int64_t tok = d.value_row(b, t0 + i, h);
+    const std::int64_t ktok = d.key_row(b, t0 + i, h);
     load(a.k, ktok * K, K, w.k + i * K);
     load(a.g, tok, 1, w.g + i);
     load(a.beta, tok, 1, w.beta + i);
@@ -309,7 +311,7 @@ template <typename T>
 class GroupedGrad {
  public:
   GroupedGrad(const Dims& d, const TensorView& out, const char* what) : target_(out) {
-    if (d.group() == 1 || out.empty()) return;
+    if (d.group() == 1 || d.windowed() || out.empty()) return;
     owner_ = zeroed_workspace({d.B, d.S, d.H, d.K}, dtype_v<T>, what);
     target_ = owner_.view();
   }
@@ -368,7 +370,7 @@ void forward_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& out,
       const T decay = w.gam[c - 1];
       for (std::int64_t i = 0; i < KV; ++i) w.s[i] *= decay;
       mm_tn<T>(K, V, c, T(1), w.kt, K, w.vp, V, w.s, V, true);
-      for (std::int64_t i = 0; i < c; ++i) store(w.o + i * V, V, out, ((b * d.S + t0 + i) * d.H + h) * V);
+      for (std::int64_t i = 0; i < c; ++i) store(w.o + i * V, V, out, d.value_row(b, t0 + i, h) * V);
     }
     if (!final_state.empty()) store(w.s, KV, final_state, bh * KV);
   });
@@ -419,7 +421,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
       prefetch_chunk(a, args.dout, d, b, h, t0 - C, true, full);
       prepare_chunk(d, c, full, w);
       for (std::int64_t i = 0; i < c; ++i) {
-        const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
+        const std::int64_t tok = d.value_row(b, t0 + i, h);
         if (args.dout.empty()) {
           std::fill(w.dout + i * V, w.dout + (i + 1) * V, T(0));
         } else {
@@ -537,7 +539,7 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
           }
         }
         for (std::int64_t i = 0; i < c; ++i) {
-          const std::int64_t tok = (b * d.S + t0 + i) * d.H + h;
+          const std::int64_t tok = d.value_row(b, t0 + i, h);
           if (!dq_dst.empty()) store(w.dq + i * K, K, dq_dst, tok * K);
           if (!dk_dst.empty()) store(w.dk + i * K, K, dk_dst, tok * K);
           if (!dv_out.empty()) store(w.dv + i * V, V, dv_out, tok * V);

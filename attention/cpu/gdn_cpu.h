@@ -11,11 +11,25 @@ namespace seqpar::attn::cpu {
 
 // Validated sizes: q [B, S, Hk, K], v [B, S, H, V] (H value heads, a multiple of Hk); C = the chunk length used,
 // min(chunk_size, max(S, 1)).
+// A window (gdn_forward_window): the tensors hold rows_total rows per batch, heads_total value heads and
+// key_heads_total key heads; the call runs S rows from row0 and H value heads from head0 (0: the whole tensors).
 struct GdnDims {
   std::int64_t B = 0, S = 0, H = 0, Hk = 0, K = 0, V = 0, C = 0;
+  std::int64_t rows_total = 0, row0 = 0, heads_total = 0, key_heads_total = 0, head0 = 0;
   std::int64_t num_chunks() const { return (S + C - 1) / C; }
   // Value heads per key head; value head h reads key head h / group().
   std::int64_t group() const { return H / Hk; }
+  bool windowed() const { return heads_total > 0; }
+  // The row of batch b, token t (of the run), value head h (of the run) in a [B, rows, heads, *] value tensor, and
+  // the row of its key head in a q or k tensor.
+  std::int64_t value_row(std::int64_t b, std::int64_t t, std::int64_t h) const {
+    if (!windowed()) return (b * S + t) * H + h;
+    return (b * rows_total + row0 + t) * heads_total + head0 + h;
+  }
+  std::int64_t key_row(std::int64_t b, std::int64_t t, std::int64_t h) const {
+    if (!windowed()) return (b * S + t) * Hk + h / group();
+    return (b * rows_total + row0 + t) * key_heads_total + (head0 + h) / (heads_total / key_heads_total);
+  }
 };
 
 void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,

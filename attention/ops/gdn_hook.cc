@@ -36,6 +36,7 @@ bool gdn_forward_hooked(const GdnForwardArgs& args, const TensorView& out, const
   g_calls.fetch_add(1);
   return true;
 }
+bool gdn_forward_hook_active() { return g_hook.load() != nullptr && env::lowered_attention(); }
 bool gdn_transition_hooked(const GdnForwardArgs& args, const TensorView& m, const TensorView& u) {
   const GdnTransitionFn fn = g_transition.load();
   if (fn == nullptr || !env::lowered_attention()) return false;

@@ -45,6 +45,8 @@ namespace detail {
 // In gdn_forward, after its stream check: runs the hook and returns true when the mode is on and a hook is
 // installed; else false (gdn_forward runs its own kernel).
 bool gdn_forward_hooked(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
+// Whether gdn_forward would hand its call to the hook now (the mode is on and a hook installed).
+bool gdn_forward_hook_active();
 // The same for gdn_transition.
 bool gdn_transition_hooked(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
 // The same for gdn_backward.

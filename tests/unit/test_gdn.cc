@@ -796,5 +796,122 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, GdnSplit,
                                   (std::get<1>(info.param) ? "_grouped" : "_heads1to1");
                          });
 
+// ---- windows: a few heads of a longer tensor, in place ------------------------------------------------------
+
+// Rows [r0, r0 + n) of head `head` of a [B, S, H, *] (or [B, S, H]) tensor as a contiguous [B, n, 1, *] copy.
+Tensor copy_window(const TensorView& t, std::int64_t r0, std::int64_t n, std::int64_t head) {
+  Shape s = t.shape();
+  s[1] = n;
+  s[2] = 1;
+  Tensor out = Tensor::empty(s, t.dtype(), kWs);
+  const std::int64_t w = t.ndim() == 4 ? t.dim(3) : 1, e = static_cast<std::int64_t>(dtype_size(t.dtype()));
+  for (std::int64_t b = 0; b < t.dim(0); ++b)
+    for (std::int64_t r = 0; r < n; ++r)
+      std::memcpy(static_cast<char*>(out.data()) + (b * n + r) * w * e,
+                  static_cast<const char*>(t.data()) + ((b * t.dim(1) + r0 + r) * t.dim(2) + head) * w * e,
+                  static_cast<std::size_t>(w * e));
+  return out;
+}
+
+// `whole` [B, S, H, w] after a window call: inside rows [r0, r0 + n) x heads [h0, h0 + parts.size()) it must equal
+// parts[h - h0] [B, n, 1, w] exactly, elsewhere `before` (untouched).
+void expect_window(const TensorView& whole, const std::vector<double>& before, const std::vector<Tensor>& parts,
+                   std::int64_t r0, std::int64_t n, std::int64_t h0, const std::string& what) {
+  const std::vector<double> got = to_double(whole);
+  std::vector<std::vector<double>> want;
+  for (const Tensor& t : parts) want.push_back(to_double(t));
+  const std::int64_t B = whole.dim(0), S = whole.dim(1), H = whole.dim(2), w = whole.ndim() == 4 ? whole.dim(3) : 1;
+  const auto nh = static_cast<std::int64_t>(parts.size());
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t t = 0; t < S; ++t)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t e = 0; e < w; ++e) {
+          const std::int64_t i = ((b * S + t) * H + h) * w + e;
+          const bool in = t >= r0 && t < r0 + n && h >= h0 && h < h0 + nh;
+          const double x = in ? want[h - h0][((b * n + t - r0) * w) + e] : before[i];
+          ASSERT_EQ(got[i], x) << what << " at b " << b << ", row " << t << ", head " << h << ", element " << e
+                               << (in ? " (inside the window: vs the call on copies)" : " (outside: untouched)");
+        }
+}
+
+// gdn_forward_window / gdn_backward_window against gdn_forward / gdn_backward on copies of each value head of the
+// window (bitwise: the same arithmetic on the same values), with everything outside the window left untouched.
+TEST(GdnWindow, EqualsTheCallOnCopiesBitwise) {
+  for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kBFloat16}) {
+    Problem p;
+    p.B = 2;
+    p.S = 70;
+    p.H = 4;
+    p.Hk = 2;
+    p.chunk = 16;
+    p.seed = 77;
+    const Inputs in = make_inputs(p, dtype);
+    const std::int64_t r0 = 13, n = 41, h0 = 1, nh = 2, G = p.H / p.Hk;  // value heads 1, 2 read key heads 0, 1
+    const DType od = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, sd = accumulator_dtype(dtype);
+    const std::string tag = dtype_name(dtype);
+    const Tensor init = random_tensor({p.B, nh, p.K, p.V}, sd, 91), dfin = random_tensor({p.B, nh, p.K, p.V}, sd, 94);
+    const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, 93);
+    Tensor out = random_tensor({p.B, p.S, p.H, p.V}, od, 92), fin = random_tensor({p.B, nh, p.K, p.V}, sd, 95);
+    Tensor dq = random_tensor({p.B, p.S, p.H, p.K}, od, 96), dk = random_tensor({p.B, p.S, p.H, p.K}, od, 97);
+    Tensor dv = random_tensor({p.B, p.S, p.H, p.V}, od, 98), dg = random_tensor({p.B, p.S, p.H}, od, 99);
+    Tensor db = random_tensor({p.B, p.S, p.H}, od, 100), dinit = random_tensor({p.B, nh, p.K, p.V}, sd, 101);
+    const std::vector<double> out0 = to_double(out), dq0 = to_double(dq), dk0 = to_double(dk), dv0 = to_double(dv),
+                              dg0 = to_double(dg), db0 = to_double(db);
+    GdnForwardArgs a = in.args();
+    a.initial_state = init;
+    const GdnWindow window{r0, n, h0, nh};
+    gdn_forward_window(a, window, out, fin);
+    gdn_backward_window({a, dout, dfin}, window, dq, dk, dv, dg, db, dinit);
+
+    std::vector<Tensor> outs, dqs, dks, dvs, dgs, dbs, fins, dinits;
+    auto as_rows = [](const TensorView& t) { return t.reshape({t.dim(0), 1, t.dim(1), t.dim(2) * t.dim(3)}); };
+    for (std::int64_t i = 0; i < nh; ++i) {
+      const std::int64_t h = h0 + i;
+      const Tensor q = copy_window(in.q, r0, n, h / G), k = copy_window(in.k, r0, n, h / G),
+                   v = copy_window(in.v, r0, n, h), g = copy_window(in.g, r0, n, h),
+                   beta = copy_window(in.beta, r0, n, h), init_i = copy_window(as_rows(init), 0, 1, i),
+                   dfin_i = copy_window(as_rows(dfin), 0, 1, i), dout_i = copy_window(dout, r0, n, h);
+      const Shape state{p.B, 1, p.K, p.V};
+      const GdnForwardArgs ai{q, k, v, g, beta, init_i.view().reshape(state), p.l2, 0.0f, p.chunk};
+      outs.push_back(Tensor::empty({p.B, n, 1, p.V}, od, kWs));
+      fins.push_back(Tensor::empty({p.B, 1, 1, p.K * p.V}, sd, kWs));
+      gdn_forward(ai, outs.back(), fins.back().view().reshape(state));
+      for (auto* list : {&dqs, &dks}) list->push_back(Tensor::empty({p.B, n, 1, p.K}, od, kWs));
+      dvs.push_back(Tensor::empty({p.B, n, 1, p.V}, od, kWs));
+      for (auto* list : {&dgs, &dbs}) list->push_back(Tensor::empty({p.B, n, 1}, od, kWs));
+      dinits.push_back(Tensor::empty({p.B, 1, 1, p.K * p.V}, sd, kWs));
+      gdn_backward({ai, dout_i, dfin_i.view().reshape(state)}, dqs.back(), dks.back(), dvs.back(), dgs.back(),
+                   dbs.back(), dinits.back().view().reshape(state));
+    }
+    expect_window(out, out0, outs, r0, n, h0, tag + " out");
+    expect_window(dq, dq0, dqs, r0, n, h0, tag + " dq (per value head)");
+    expect_window(dk, dk0, dks, r0, n, h0, tag + " dk (per value head)");
+    expect_window(dv, dv0, dvs, r0, n, h0, tag + " dv");
+    expect_window(dg, dg0, dgs, r0, n, h0, tag + " dg");
+    expect_window(db, db0, dbs, r0, n, h0, tag + " dbeta");
+    // States [B, nh, K, V] seen as [B, 1, nh, K V]: every head is inside the window.
+    expect_window(as_rows(fin), {}, fins, 0, 1, 0, tag + " final_state");
+    expect_window(as_rows(dinit), {}, dinits, 0, 1, 0, tag + " dinitial_state");
+  }
+}
+
+TEST(GdnWindow, RejectsWindowsOutsideTheTensors) {
+  Problem p;
+  p.H = 4;
+  p.Hk = 2;
+  p.with_init = false;
+  const Inputs in = make_inputs(p, DType::kFloat32);
+  Tensor out = Tensor::empty({p.B, p.S, p.H, p.V}, DType::kFloat32, kWs);
+  for (const GdnWindow w : {GdnWindow{0, 0, 0, 1}, GdnWindow{10, 7, 0, 1}, GdnWindow{-1, 2, 0, 1},
+                            GdnWindow{0, 4, 3, 2}, GdnWindow{0, 4, 0, 0}}) {
+    EXPECT_THROW(gdn_forward_window(in.args(), w, out, {}), Error)
+        << "rows [" << w.row_begin << ", +" << w.num_rows << "), heads [" << w.head_begin << ", +" << w.num_heads
+        << ")";
+  }
+  // A state of the whole head count where the window has 1 head.
+  Tensor fin = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat32, kWs);
+  EXPECT_THROW(gdn_forward_window(in.args(), {0, 4, 0, 1}, out, fin), Error);
+}
+
 }  // namespace
 }  // namespace seqpar::attn

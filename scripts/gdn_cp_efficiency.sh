@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# GDN context parallelism at 2 ranks: parallel efficiency of the forward and the backward, "alone" and "busy"
+# (sp_bench --efficiency; docs/benchmarks.md, "Definitions of the benchmark figures"), on the configurations of
+# docs/results.md, "GDN context parallelism at 2 ranks", in ROUNDS rounds (each configuration once per round, the
+# configurations interleaved); prints a markdown table of the medians and the best over the rounds, and the exposed
+# communication share. Meant for a quiet machine: it notes the load average before each run.
+#
+#   scripts/gdn_cp_efficiency.sh            # the 4 configurations of the quiet-machine table, 3 rounds (~3 min)
+#   FULL=1 scripts/gdn_cp_efficiency.sh     # all 8 (Qwen3-Next and Hv 8 / Hk 4 x zigzag scan, contiguous chain, ...)
+#
+# Environment: SEQPAR_BUILD_DIR (default build; sp_bench must be built), ROUNDS (3), SEQ (8192), ITERS (3),
+# FULL (0), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+build_dir=${SEQPAR_BUILD_DIR:-$root/build}
+bench=$build_dir/benchmarks/sp_bench
+rounds=${ROUNDS:-3}
+seq=${SEQ:-8192}
+iters=${ITERS:-3}
+[ -x "$bench" ] || { echo "gdn_cp_efficiency.sh: $bench not found: build the sp_bench target first" >&2; exit 2; }
+command -v python3 >/dev/null || { echo "gdn_cp_efficiency.sh: needs python3 (to read the JSON)" >&2; exit 2; }
+
+qwen="--model qwen3-next --conv-width 0"
+hv8_128="--heads 8 --kv-heads 4 --head-dim 128"
+hv8_64="--heads 8 --kv-heads 4 --head-dim 64"
+# name|shape flags|layout|mode
+configs=(
+  "Qwen3-Next, zigzag, scan|$qwen|zigzag|scan"
+  "Qwen3-Next, contiguous, chain|$qwen|contiguous|chain"
+  "Hv 8 / Hk 4, D 128, zigzag, scan|$hv8_128|zigzag|scan"
+  "Hv 8 / Hk 4, D 64, contiguous, chain|$hv8_64|contiguous|chain"
+)
+if [ "${FULL:-0}" = 1 ]; then
+  configs+=(
+    "Qwen3-Next, contiguous, scan|$qwen|contiguous|scan"
+    "Qwen3-Next, zigzag, chain|$qwen|zigzag|chain"
+    "Hv 8 / Hk 4, D 64, zigzag, scan|$hv8_64|zigzag|scan"
+    "Hv 8 / Hk 4, D 128, contiguous, chain|$hv8_128|contiguous|chain"
+  )
+fi
+
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+echo "# gdn_cp_efficiency.sh: S $seq, 2 ranks, 1 thread each, $rounds rounds x ${#configs[@]} configurations," \
+  "$iters timed iterations per run; commit $(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)," \
+  "$(date -u +%FT%TZ), $(nproc) cores"
+for ((r = 1; r <= rounds; ++r)); do
+  for i in "${!configs[@]}"; do
+    IFS='|' read -r name shape layout mode <<<"${configs[$i]}"
+    load=$(cut -d' ' -f1 /proc/loadavg)
+    echo "# round $r, $name (load $load)" >&2
+    # shellcheck disable=SC2086
+    OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX} mpirun -np 2 --oversubscribe ${MPIRUN_ARGS:-} "$bench" \
+      --attn gdn $shape --seq "$seq" --ring-size 2 --layout "$layout" --gdn-mode "$mode" --threads 1 \
+      --iters "$iters" --warmup 1 --efficiency --json "$out/$i.$r.json" >/dev/null
+    echo "$load" >"$out/$i.$r.load"
+  done
+done
+
+python3 - "$out" "$rounds" "$seq" "${configs[@]}" <<'EOF'
+import json, statistics, sys
+out, rounds, seq, configs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+print("| configuration (S %s, 2 ranks) | rounds | fwd alone / busy, median (best) | bwd alone / busy, median (best) "
+      "| exposed comm fwd / bwd | load |" % seq)
+print("|---|---|---|---|---|---|")
+for i, c in enumerate(configs):
+    name = c.split("|")[0]
+    runs = [json.load(open(f"{out}/{i}.{r}.json")) for r in range(1, rounds + 1)]
+    loads = [float(open(f"{out}/{i}.{r}.load").read()) for r in range(1, rounds + 1)]
+    def phase(run, p):
+        return next(x for x in run["phases"] if x["phase"] == p)
+    cells = []
+    for p in ("fwd", "bwd"):
+        a = [phase(x, p)["efficiency"] for x in runs]
+        b = [phase(x, p)["efficiency_busy"] for x in runs]
+        cells.append("%.2f / %.2f (%.2f / %.2f)" % (statistics.median(a), statistics.median(b), max(a), max(b)))
+    exp = ["%.0f %%" % statistics.median([phase(x, p)["exposed_comm_pct"] for x in runs]) for p in ("fwd", "bwd")]
+    print("| %s | %d | %s | %s | %s | %.1f to %.1f |" % (name, rounds, cells[0], cells[1], " / ".join(exp),
+                                                        min(loads), max(loads)))
+EOF
