@@ -92,3 +92,21 @@ def test_dsa_indexer_loss_weight_is_checked_when_made(weight):
     grid, layout = _grid_layout()
     with pytest.raises(seqpar.Error, match=r"DsaCp: indexer_loss_weight=.* must be"):
         seqpar.DsaCp(grid, layout, topk=4, dim_v=4, indexer_loss_weight=weight)
+
+
+@pytest.mark.skipif(WORLD != 1, reason="one subprocess is enough (the np1 run checks it)")
+def test_layout_of_a_huge_ring_fails_cleanly_instead_of_crashing():
+    """A ring of 2^16 ranks: the layout's ring_size x ring_size table of per-step work overflowed int (an empty table
+    written out of bounds: a segfault). Under a 4 GiB address-space limit the 32 GiB table must now fail to allocate
+    (MemoryError), not crash."""
+    import subprocess
+    import sys
+    code = ("import resource, seqpar\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))\n"
+            "try:\n"
+            "    seqpar.SequenceLayout('contiguous', 16384, 65536)\n"
+            "except MemoryError:\n"
+            "    print('MemoryError')\n")
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX"))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "MemoryError" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
