@@ -110,3 +110,12 @@ def test_layout_of_a_huge_ring_fails_cleanly_instead_of_crashing():
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith(("OMPI_", "PMI", "PMIX"))}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "MemoryError" in out.stdout, (out.returncode, out.stdout, out.stderr[-2000:])
+
+
+def test_gdn_empty_batch_names_the_batch():
+    """A batch of 0 used to fail deep inside (swap_outer_dims: '... divisible by 0 x 2')."""
+    grid, layout = _grid_layout()
+    q = torch.randn(0, layout.local_len, 2, 4)
+    g = -torch.rand(0, layout.local_len, 2)
+    with pytest.raises(seqpar.Error, match=r"GDN CP: batch B = 0 .* must be >= 1"):
+        seqpar.GdnCp(grid, layout)(q, q, q, g, torch.rand(0, layout.local_len, 2))
