@@ -282,6 +282,11 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
   SEQPAR_CHECK(ring_size >= 1 && ulysses_size >= 1, "ring_size ", ring_size, " and ulysses_size ", ulysses_size,
                " must be >= 1");
   SEQPAR_CHECK(static_cast<int>(kind) < 4, "unknown layout kind ", static_cast<int>(kind));
+  // A layout holds int64 positions per slot: far below this bound a row no longer fits in memory, and above it the
+  // padding arithmetic could overflow (2^62 tokens used to end in std::length_error "vector::reserve").
+  constexpr std::int64_t kMaxTokens = std::int64_t{1} << 48;
+  SEQPAR_CHECK(cu.back() <= kMaxTokens, "seq_len ", cu.back(), " must be <= 2^48 = ", kMaxTokens,
+               " (a layout holds an int64 position per slot)");
   auto data = std::make_shared<Data>();
   Data& d = *data;
   d.packed = packed;

@@ -119,3 +119,14 @@ def test_gdn_empty_batch_names_the_batch():
     g = -torch.rand(0, layout.local_len, 2)
     with pytest.raises(seqpar.Error, match=r"GDN CP: batch B = 0 .* must be >= 1"):
         seqpar.GdnCp(grid, layout)(q, q, q, g, torch.rand(0, layout.local_len, 2))
+
+
+@pytest.mark.parametrize("cu", [None, [0, 1, 2**62]])
+def test_layout_of_an_impossible_length_names_the_rule(cu):
+    """2^62 tokens used to end in a bare ValueError('vector::reserve')."""
+    grid, _ = _grid_layout()
+    with pytest.raises(seqpar.Error, match=r"seq_len 4611686018427387904 must be <= 2\^48"):
+        if cu is None:
+            seqpar.SequenceLayout.for_grid(grid, 2**62)
+        else:
+            seqpar.SequenceLayout.packed_for_grid(grid, cu)
