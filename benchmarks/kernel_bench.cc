@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <ctime>
 #include <fstream>
@@ -67,6 +68,36 @@ double clock_seconds() {
 }  // namespace
 
 bool Context::cpu_time() const { return cpu_clock; }
+
+namespace {
+// The ranges of the numeric flags of every kind, checked before anything runs (a negative size used to reach a
+// std::vector, --threads 100000 OpenBLAS, --seq 0 a table of nan). Sizes whose help says "0: default" may be 0.
+void check_numeric_flags(const cxxopts::ParseResult& args) {
+  const auto in_range = [&args](const char* name, std::int64_t lo, std::int64_t hi) {
+    if (!args.count(name)) return;
+    const std::int64_t v = args[name].as<std::int64_t>();
+    SEQPAR_CHECK(v >= lo && v <= hi, "--", name, " ", v, " must be in [", lo, ", ", hi, "]");
+  };
+  constexpr std::int64_t kBig = std::int64_t{1} << 40;
+  if (args.count("seq")) {
+    for (const std::int64_t s : args["seq"].as<std::vector<std::int64_t>>())
+      SEQPAR_CHECK(s >= 1 && s <= kBig, "--seq ", s, " must be in [1, ", kBig, "]");
+  }
+  if (args.count("dim")) {
+    for (const std::int64_t d : args["dim"].as<std::vector<std::int64_t>>())
+      SEQPAR_CHECK(d >= 1 && d <= 4096, "--dim ", d, " must be in [1, 4096]");
+  }
+  const int threads = args["threads"].as<int>();
+  SEQPAR_CHECK(threads >= 0 && threads <= 1024, "--threads ", threads, " must be in [0, 1024] (0: OpenMP's default)");
+  const double min_time = args["min-time"].as<double>();
+  SEQPAR_CHECK(std::isfinite(min_time) && min_time > 0, "--min-time ", min_time, " must be a finite number > 0");
+  SEQPAR_CHECK(!args.count("quick") || !args.count("min-time"), "--quick sets --min-time 0.2: pass one of them");
+  for (const char* name : {"square", "gemm-cap"}) in_range(name, 0, kBig);  // 0: skip / no cap
+  for (const char* name : {"batch", "hq", "hkv", "topk", "indexer-heads", "indexer-dim", "chunk-size"})
+    in_range(name, 1, kBig);
+  for (const char* name : {"heads", "head-dim", "dim-v", "kv-heads"}) in_range(name, 0, kBig);  // 0: the default
+}
+}  // namespace
 
 std::vector<std::int64_t> Context::seqs(const std::vector<std::int64_t>& fallback,
                                         const std::vector<std::int64_t>& long_seqs,
@@ -233,6 +264,7 @@ int run(int argc, char** argv) {
     if (which == "all" || which == k.name) kinds.push_back(&k);
   }
   SEQPAR_CHECK(!kinds.empty(), "--kernel ", which, " must be mha, dsa, gdn or all");
+  check_numeric_flags(args);
   Context ctx;
   ctx.args = &args;
   ctx.quick = args.count("quick") > 0;

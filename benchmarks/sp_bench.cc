@@ -81,6 +81,22 @@ int sp_bench_main(int argc, char** argv) {
   RunReport report;
   report.date_utc = utc_now_iso8601();
   report.node = node_info();
+  // The estimate below builds the run's layout (GDN's segment count, the balanced kind's assignment), which holds
+  // int64 positions per slot and their copies (about 32 bytes a slot): a sequence whose layout alone does not fit
+  // the node is reported (--dry-run) or refused here, on every rank, before a layout is built.
+  MemoryEstimate layout_alone;
+  layout_alone.host.emplace_back("the sequence layout (int64 positions and token indices per slot)",
+                                 32.0 * static_cast<double>(std::max(o.seq, o.layout == LayoutKind::kBalanced
+                                                                                ? o.seq
+                                                                                : sp_bench_padded_len(o))));
+  const MemoryVerdict layout_verdict = compare_with_node_memory(o, layout_alone);
+  if (!layout_verdict.fits) {
+    if (o.dry_run) {
+      if (place.rank == 0) std::printf("%s", describe_memory_dry_run(layout_alone, layout_verdict).c_str());
+      return 0;
+    }
+    check_memory_fits(layout_verdict, layout_alone);
+  }
   report.memory = estimate_memory(o, 0);
   // The memory estimate, before anything is allocated: --dry-run prints it; a node that cannot hold it stops every
   // rank with the node's figures.
@@ -90,7 +106,8 @@ int sp_bench_main(int argc, char** argv) {
   if (o.check && o.check_against == "reference") check_reference_fits(o);
   if (o.dry_run) {
     if (place.rank == 0) {
-      const std::string packing = describe_packing(o);
+      // The layout behind the packing line holds padded_len positions: only for a run the node can hold.
+      const std::string packing = verdict.fits ? describe_packing(o) : std::string();
       if (!packing.empty()) std::printf("%s\n", packing.c_str());
       std::printf("%s", describe_memory_dry_run(report.memory, verdict).c_str());
     }

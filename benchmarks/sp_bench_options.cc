@@ -581,6 +581,23 @@ SequenceLayout sp_bench_layout(const SpBenchOptions& o) {
   return SequenceLayout::packed(o.layout, cu_seqlens_of(o.doc_lens), o.grid.ring_size, o.grid.ulysses_size);
 }
 
-std::int64_t sp_bench_padded_len(const SpBenchOptions& o) { return sp_bench_layout(o).padded_len(); }
+std::int64_t sp_bench_padded_len(const SpBenchOptions& o) {
+  // The padding rules of parallel/layout.cc in closed form for the kinds that have one, so that the memory estimate
+  // (--dry-run) of a sequence too long for this node builds no layout (a layout holds padded_len int64 positions).
+  const std::int64_t P = o.grid.ring_size, U = o.grid.ulysses_size;
+  const auto round_up = [](std::int64_t x, std::int64_t m) { return (x + m - 1) / m * m; };
+  if (o.layout == LayoutKind::kContiguous || o.layout == LayoutKind::kStripe) return round_up(o.seq, P * U);
+  if (o.layout == LayoutKind::kZigzag) {
+    const std::int64_t unit = P == 1 ? 1 : 2 * P;  // a ring of one pads no document
+    std::int64_t docs_end = 0;
+    if (o.packed()) {
+      for (const std::int64_t len : o.doc_lens) docs_end += round_up(len, unit);
+    } else {
+      docs_end = round_up(o.seq, unit);
+    }
+    return docs_end + P * ((U - (docs_end / P) % U) % U);
+  }
+  return sp_bench_layout(o).padded_len();  // balanced: the chunk assignment decides
+}
 
 }  // namespace seqpar::bench

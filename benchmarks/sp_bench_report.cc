@@ -25,8 +25,8 @@ bool has_rounds(const RunReport& r) { return r.phases.front().message_rounds >= 
 }  // namespace
 
 std::string describe_packing(const SpBenchOptions& o) {
+  if (!o.packed() && sp_bench_padded_len(o) == o.seq) return "";  // nothing to say, and no layout built
   const SequenceLayout layout = sp_bench_layout(o);
-  if (!o.packed() && !layout.has_padding()) return "";
   return str_cat("# packing: ", layout.num_docs(), " document(s)",
                  o.doc_dist.empty() ? std::string() : str_cat(" (--doc-dist ", o.doc_dist, ", seed ", o.seed, ")"),
                  ", partition ", layout_name(layout.kind()), " over ", layout.ring_size(), " ring rank(s)",

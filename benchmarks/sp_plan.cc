@@ -30,6 +30,9 @@
 namespace seqpar::bench::plan {
 namespace {
 
+// The largest --world sp_plan plans for (2^20 ranks).
+constexpr int kMaxPlanWorld = 1 << 20;
+
 std::filesystem::path own_dir() {
   std::error_code ec;
   const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", ec);
@@ -295,6 +298,9 @@ int sp_plan_main(int argc, char** argv) {
     std::printf("%s\n", spec.help().c_str());
     return 0;
   }
+  SEQPAR_CHECK(r["threads"].as<int>() >= 1, "sp_plan: --threads ", r["threads"].as<int>(), " must be >= 1");
+  SEQPAR_CHECK(r["calibrate-min-time"].as<double>() > 0, "sp_plan: --calibrate-min-time ",
+               r["calibrate-min-time"].as<double>(), " must be > 0 (seconds)");
   if (r.count("calibrate")) {
     const std::string out = r["calibrate"].as<std::string>();
     const DeviceProfile p = calibrate(r["threads"].as<int>(), r["calibrate-min-time"].as<double>(), out + ".d");
@@ -309,6 +315,10 @@ int sp_plan_main(int argc, char** argv) {
   for (int i = split + 1; i < argc; ++i) in.problem_flags.emplace_back(argv[i]);
   in.world_size = r["world"].as<int>();
   in.nodes = r["nodes"].as<int>();
+  // The plan enumerates the divisors of --world and builds a layout over each ring size: bounded, so that a huge
+  // value is refused at once (INT_MAX used to overflow the divisor loop into a division by zero).
+  SEQPAR_CHECK(in.world_size >= 1 && in.world_size <= kMaxPlanWorld, "sp_plan: --world ", in.world_size,
+               " must be in [1, ", kMaxPlanWorld, "]");
   SEQPAR_CHECK(in.nodes >= 1 && in.world_size % in.nodes == 0, "sp_plan: --world ", in.world_size,
                " must be a multiple of --nodes ", in.nodes);
   in.devices_per_node = r.count("devices-per-node") ? r["devices-per-node"].as<int>() : in.world_size / in.nodes;

@@ -141,6 +141,9 @@ void DsaCp::validate_forward(const TensorView& q, const TensorView& c, const Ten
   check_shape(q_idx, {B, sl, hi, di}, "DSA CP q_idx");
   check_shape(k_idx, {B, sl, di}, "DSA CP k_idx");
   check_shape(w, {B, sl, hi}, "DSA CP w");
+  SEQPAR_CHECK(H >= 1 && dqk >= 1 && hi >= 1 && di >= 1, "DSA CP: heads H ", H, ", head dim Dqk ", dqk,
+               ", indexer heads Hi ", hi, " and indexer dim Di ", di, " must all be >= 1 (q ", q.str(), ", q_idx ",
+               q_idx.str(), ")");
   SEQPAR_CHECK(config_.dim_v <= dqk, "DSA dim_v ", config_.dim_v, " must be <= Dqk ", dqk);
   const int pu = layout_.ulysses_size();
   SEQPAR_CHECK(H % pu == 0, "DSA CP: heads ", H, " must be divisible by ulysses_size ", pu);

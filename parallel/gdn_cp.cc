@@ -538,6 +538,7 @@ std::shared_ptr<GdnCp::Saved> GdnCp::validate_forward(
   check_shape(v, {B, sl, H, V}, "GDN CP v");
   check_shape(g, {B, sl, H}, "GDN CP g");
   check_shape(beta, {B, sl, H}, "GDN CP beta");
+  SEQPAR_CHECK(B >= 1, "GDN CP: batch B = ", B, " (q ", q.str(), ") must be >= 1");
   const int pu = groups_.ulysses_size();
   (void)gdn_ulysses_heads(H, Hk, pu);  // errors when the heads do not split over Ulysses
   auto saved = std::make_shared<Saved>();

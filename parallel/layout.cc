@@ -89,7 +89,8 @@ std::int64_t sum_of_step_max(const std::vector<std::int64_t>& R, int P, bool by_
   for (int s = 0; s < P; ++s) {
     std::int64_t most = 0;
     for (int r = 0; r < P; ++r) {
-      most = std::max(most, R[static_cast<std::size_t>(r * P + (by_key_rank ? (r - s + P) % P : s))]);
+      most = std::max(most, R[static_cast<std::size_t>(r) * static_cast<std::size_t>(P) +
+                              static_cast<std::size_t>(by_key_rank ? (r - s + P) % P : s)]);
     }
     sum += most;
   }
@@ -116,7 +117,8 @@ void refine_steps(const ChunkPairs& cp, int P, std::vector<int>& owner) {
   constexpr int kPasses = 4;
   const std::int64_t n = cp.n;
   auto M = [&cp, n](std::int64_t i, std::int64_t j) { return cp.pair[static_cast<std::size_t>(i * n + j)]; };
-  std::vector<std::int64_t> A(static_cast<std::size_t>(n * P), 0), B(A.size(), 0), R(static_cast<std::size_t>(P * P));
+  std::vector<std::int64_t> A(static_cast<std::size_t>(n * P), 0), B(A.size(), 0),
+      R(static_cast<std::size_t>(P) * static_cast<std::size_t>(P));
   for (std::int64_t i = 0; i < n; ++i) {
     for (std::int64_t j = 0; j < n; ++j) {
       A[i * P + owner[j]] += M(i, j);
@@ -224,12 +226,13 @@ std::vector<std::int64_t> ring_step_tiles(const SequenceLayout& layout, const st
   const int P = static_cast<int>(shards.size());
   std::vector<DocBounds> bounds;
   for (const Positions& s : shards) bounds.push_back(layout.doc_bounds_of_slots(s));
-  std::vector<std::int64_t> tiles(static_cast<std::size_t>(P * P), 0);
+  // P * P in size_t: a ring of 2^16 ranks overflows int (the table was then empty and written out of bounds).
+  std::vector<std::int64_t> tiles(static_cast<std::size_t>(P) * static_cast<std::size_t>(P), 0);
   for (int r = 0; r < P; ++r) {
     const Positions& q = shards[r];
     for (int s = 0; s < P; ++s) {
       const Positions& k = shards[(r - s + P) % P];
-      std::int64_t& out = tiles[static_cast<std::size_t>(r * P + s)];
+      std::int64_t& out = tiles[static_cast<std::size_t>(r) * static_cast<std::size_t>(P) + static_cast<std::size_t>(s)];
       std::size_t lb = 0, ub = 0;
       std::int64_t last = -1;  // the highest key tile counted for the current query tile
       for (std::size_t i = 0; i < q.size(); ++i) {
@@ -279,6 +282,11 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
   SEQPAR_CHECK(ring_size >= 1 && ulysses_size >= 1, "ring_size ", ring_size, " and ulysses_size ", ulysses_size,
                " must be >= 1");
   SEQPAR_CHECK(static_cast<int>(kind) < 4, "unknown layout kind ", static_cast<int>(kind));
+  // A layout holds int64 positions per slot: far below this bound a row no longer fits in memory, and above it the
+  // padding arithmetic could overflow (2^62 tokens used to end in std::length_error "vector::reserve").
+  constexpr std::int64_t kMaxTokens = std::int64_t{1} << 48;
+  SEQPAR_CHECK(cu.back() <= kMaxTokens, "seq_len ", cu.back(), " must be <= 2^48 = ", kMaxTokens,
+               " (a layout holds an int64 position per slot)");
   auto data = std::make_shared<Data>();
   Data& d = *data;
   d.packed = packed;

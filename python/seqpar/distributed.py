@@ -15,11 +15,12 @@ cp_rank = ring_rank * ulysses_size + ulysses_rank), otherwise seqpar makes it; `
 gradients of data parallelism; FSDP and DDP bring their own). With a DeviceMesh, the dimension names select the
 groups (cp_dim, ulysses_dim, ring_dim, dp_dim); a mesh of one dimension is the cp group.
 
-Collective: over the cp group (every rank of it calls torch_grid with its groups), which checks that the groups
-form one grid (each rank's Ulysses and ring groups, their rank orders, the sizes) and raises seqpar.Error on every
-rank, naming the ranks, when they do not. When seqpar must make the cp group (ulysses_group and ring_group without
-cp_group), the check and torch.distributed.new_group are collective over the default group (every rank of the job
-calls torch_grid, as new_group requires).
+Collective over the default group: every rank of the job calls torch_grid with its groups (as
+torch.distributed.new_group requires), also for a grid it has built before. The ranks gather each other's groups
+(or the error their arguments gave) and check that they form grids (each grid's ranks pass the same cp group, dp
+groups of one size, Ulysses and ring groups that agree and form a Pu x Pr grid in the cp group's order); otherwise
+every rank raises the same seqpar.Error, naming the ranks and their groups. Ranks that passed different groups
+therefore fail together instead of meeting in mismatched collectives.
 """
 
 import torch
@@ -104,6 +105,67 @@ def _grid_table(rows, pu, pr):
     return cp
 
 
+def _components(table):
+    """The grids of `table` (one row per world rank: rank, ulysses ranks, ring ranks, cp ranks or None, dp size):
+    the sets of world ranks joined by their ulysses, ring and cp groups, each sorted, in the order of their first
+    rank."""
+    links = {row[0]: set(row[1]) | set(row[2]) | set(row[3] or ()) for row in table}
+    seen, grids = set(), []
+    for start in sorted(links):
+        if start in seen:
+            continue
+        grid, todo = set(), [start]
+        while todo:
+            x = todo.pop()
+            if x in grid:
+                continue
+            grid.add(x)
+            todo.extend(y for y in links.get(x, ()) if y not in grid)
+        seen |= grid
+        grids.append(sorted(grid))
+    return grids
+
+
+def _check_grids(table):
+    """Checks every grid of the job from the rows of all its world ranks (the same table, so the same first error,
+    on every rank); returns {world rank: its cp ranks in cp_rank order}."""
+    rows = {row[0]: row for row in table}
+    cp = {}
+    for grid in _components(table):
+        for x in grid:
+            if x not in rows:
+                raise _error(f"world rank {x}, in a group of world rank {grid[0]}, is not a rank of the default group")
+        first = rows[grid[0]]
+        for x in grid[1:]:
+            if rows[x][3] != first[3]:
+                passed = [f"{m}: {rows[m][3] if rows[m][3] is not None else 'none (seqpar makes it)'}"
+                          for m in (grid[0], x)]
+                raise _error(f"world ranks {grid[0]} and {x} pass different cp groups ({'; '.join(passed)}); every "
+                             f"rank of a grid passes the same cp group (world rank: cp group ranks)")
+        for x in grid[1:]:
+            if rows[x][4] != first[4]:
+                raise _error(f"world ranks {grid[0]} and {x} pass dp groups of different sizes ({first[4]} and "
+                             f"{rows[x][4]}); every rank of a grid passes a dp group of the same size")
+        orders = _grid_table({x: (rows[x][1], rows[x][2]) for x in grid}, len(first[1]), len(first[2]))
+        if first[3] is not None and first[3] != orders[grid[0]]:
+            raise _error(f"the cp group's rank order {first[3]} is not the grid's {orders[grid[0]]} (cp_rank = "
+                         f"ring_rank * ulysses_size + ulysses_rank); pass ulysses_group and ring_group without "
+                         f"cp_group, or a cp group made in that order")
+        cp.update(orders)
+    return cp
+
+
+def _make_cp_groups(table, cp_orders):
+    """This rank's cp group when seqpar makes it. Every rank of the job makes every grid's cp group that seqpar
+    makes, in the same order (torch.distributed.new_group's rule)."""
+    made = {}
+    for row in table:
+        order = tuple(cp_orders[row[0]])
+        if row[3] is None and order not in made:
+            made[order] = _new_group(list(order))
+    return made[tuple(cp_orders[dist.get_rank()])]
+
+
 def _new_group(ranks):
     """A gloo/nccl group whose rank order is `ranks` (new_group would sort them)."""
     from torch.distributed import distributed_c10d as c10d
@@ -116,12 +178,10 @@ def _new_group(ranks):
         return dist.new_group(ranks)
 
 
-def torch_grid(process_group=None, *, cp_group=None, ulysses_group=None, ring_group=None, dp_group=None,
-               device_mesh=None, cp_dim=None, ulysses_dim=None, ring_dim=None, dp_dim=None):
-    """The seqpar.CpGrid over torch.distributed groups (module docstring); cached per set of groups."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise _error("torch.distributed is not initialised: call torch.distributed.init_process_group (torchrun "
-                     "sets its environment) first")
+def _resolve_groups(process_group, cp_group, ulysses_group, ring_group, dp_group, device_mesh, cp_dim,
+                    ulysses_dim, ring_dim, dp_dim):
+    """(cp, ulysses, ring, dp) groups from torch_grid's arguments (module docstring), before any check across
+    ranks."""
     if process_group is not None and cp_group is not None:
         raise _error("pass the cp group once: process_group= and cp_group= are the same argument")
     cp_group = cp_group if cp_group is not None else process_group
@@ -141,46 +201,60 @@ def torch_grid(process_group=None, *, cp_group=None, ulysses_group=None, ring_gr
     elif cp_group is None and (ulysses_group is None or ring_group is None):
         cp_group = ring_group if ring_group is not None else ulysses_group
 
-    groups = (cp_group, ulysses_group, ring_group, dp_group)
-    key = tuple(id(g) for g in groups)
-    cached = _grids.get(key)
-    if cached is not None and all(a is b for a, b in zip(cached[0], groups)):
-        return cached[1]
+    return cp_group, ulysses_group, ring_group, dp_group
 
-    me = dist.get_rank()
-    u_ranks = _ranks(ulysses_group) if ulysses_group is not None else [me]
-    r_ranks = _ranks(ring_group) if ring_group is not None else [me]
-    dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-    mine = (me, u_ranks, r_ranks, _ranks(cp_group) if cp_group is not None else None, dp_size)
-    table = [None] * (dist.get_world_size(cp_group) if cp_group is not None else dist.get_world_size())
-    dist.all_gather_object(table, mine, group=cp_group)  # over the default group when seqpar makes the cp group
-    rows = {row[0]: (row[1], row[2]) for row in table}
-    dp_sizes = {row[0]: row[4] for row in table}
-    if len(set(dp_sizes.values())) > 1:
-        raise _error(f"the ranks of the grid pass dp groups of different sizes: {dp_sizes} (world rank: dp size)")
-    cp_orders = _grid_table(rows, len(u_ranks), len(r_ranks))
-    if cp_group is None:
-        # Every rank of the job makes every cp group, in the same order (torch.distributed.new_group's rule).
-        made = {}
-        for m in sorted(cp_orders):
-            order = tuple(cp_orders[m])
-            if order not in made:
-                made[order] = _new_group(list(order))
-        cp_group = made[tuple(cp_orders[me])]
+
+def torch_grid(process_group=None, *, cp_group=None, ulysses_group=None, ring_group=None, dp_group=None,
+               device_mesh=None, cp_dim=None, ulysses_dim=None, ring_dim=None, dp_dim=None):
+    """The seqpar.CpGrid over torch.distributed groups (module docstring); cached per set of groups."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise _error("torch.distributed is not initialised: call torch.distributed.init_process_group (torchrun "
+                     "sets its environment) first")
+    # This rank's groups, or the error they gave: gathered over the default group before either is acted on, so
+    # that a rank whose arguments fail does not leave the others waiting, and every rank raises the same error.
+    me, error, groups = dist.get_rank(), None, None
+    try:
+        groups = _resolve_groups(process_group, cp_group, ulysses_group, ring_group, dp_group, device_mesh, cp_dim,
+                                 ulysses_dim, ring_dim, dp_dim)
+    except Exception as e:  # noqa: BLE001  (sent to every rank, raised there as seqpar.Error)
+        error = e
+    cached = None
+    if groups is not None:
+        cp_group, ulysses_group, ring_group, dp_group = groups
+        cached = _grids.get(tuple(id(g) for g in groups))
+        if cached is not None and not all(a is b for a, b in zip(cached[0], groups)):
+            cached = None
+        try:
+            u_ranks = _spec(ulysses_group, "ulysses")[1]
+            r_ranks = _spec(ring_group, "ring")[1]
+            cp_ranks = _spec(cp_group, "cp")[1] if cp_group is not None else None
+            dp_size = len(_spec(dp_group, "dp")[1])
+        except Exception as e:  # noqa: BLE001
+            error = e
+    if error is not None:
+        text = str(error).removeprefix("seqpar.torch_grid: ")
+        mine = (me, None, None, None, None, text if isinstance(error, _seqpar.Error) else
+                f"{type(error).__name__}: {text}", False)
     else:
-        for row in table:
-            if row[3] != mine[3]:
-                raise _error(f"world ranks {me} and {row[0]} pass different cp groups: {mine[3]} and {row[3]}")
-        if mine[3] != cp_orders[me]:
-            raise _error(f"the cp group's rank order {mine[3]} is not the grid's {cp_orders[me]} (cp_rank = "
-                         f"ring_rank * ulysses_size + ulysses_rank); pass ulysses_group and ring_group without "
-                         f"cp_group, or a cp group made in that order")
+        mine = (me, u_ranks, r_ranks, cp_ranks, dp_size, None, cached is not None)
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, mine)  # over the default group: every rank of the job calls torch_grid
+    table.sort(key=lambda row: row[0])
+    for row in table:
+        if row[5] is not None:
+            raise _error(f"world rank {row[0]}: {row[5]}") from None
+    cp_orders = _check_grids(table)
+    # The grid already built for these groups, when every rank has it (else all build it again: making the cp
+    # group is collective).
+    if all(row[6] for row in table):
+        return cached[1]
+    cp_group = _make_cp_groups(table, cp_orders) if cp_group is None else cp_group
     placement = "ring_inner" if len(u_ranks) > 1 and u_ranks != list(range(u_ranks[0], u_ranks[0] + len(u_ranks))) \
         else "ulysses_inner"
     world = (dist.group.WORLD, list(range(dist.get_world_size())), me)
     grid = _seqpar.CpGrid._from_torch(world, _spec(ulysses_group, "ulysses"), _spec(ring_group, "ring"),
                                       _spec(cp_group, "cp"), _spec(dp_group, "dp"), placement)
-    _grids[key] = (groups, grid)  # the groups as passed (the objects keep their ids taken)
+    _grids[tuple(id(g) for g in groups)] = (groups, grid)  # the groups as passed (the objects keep their ids taken)
     return grid
 
 

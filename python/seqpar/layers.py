@@ -68,6 +68,13 @@ def _layout_hint(layout, grid, error, *tensors):
         f"{rows}: cut the sequence with seqpar.shard_sequence(x, layout, grid.cp_rank), not torch.chunk]")
 
 
+def _check_tensors(layer, **tensors):
+    """Refuses inputs that are not torch tensors (numpy arrays, lists) before any cast or message, naming them."""
+    for name, t in tensors.items():
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise _seqpar.Error(f"{layer}: {name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+
+
 def _share(total, grid):
     """This rank's share of a gradient that C++ returned in full on every rank of the CP group."""
     return total / grid.cp.size
@@ -140,6 +147,7 @@ class MhaCp(torch.nn.Module):
         return self.layer
 
     def forward(self, q, k, v, return_lse=False):
+        _check_tensors("MhaCp", q=q, k=k, v=v)
         p = self.config.dropout_p if self.training else 0.0
         seed = self.config.dropout_seed
         if p > 0:
@@ -196,6 +204,7 @@ class GdnCp(torch.nn.Module):
         self.layer = _seqpar.GdnCp(grid, self.layout, self.config)
 
     def forward(self, q, k, v, g, beta, initial_state=None):
+        _check_tensors("GdnCp", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
         k, v, g, beta = _in_dtype(q.dtype, k, v, g, beta)
         if initial_state is not None:
             initial_state = initial_state.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -233,12 +242,16 @@ class ShortConvCp(torch.nn.Module):
         grid = _distributed.resolve_grid(grid, groups)  # or torch.distributed groups (seqpar.torch_grid)
         if groups or channels is None:
             raise _seqpar.Error(f"ShortConvCp: needs channels=; unknown arguments {sorted(groups)}")
+        for name, value in (("channels", channels), ("width", width)):
+            if isinstance(value, bool) or not hasattr(value, "__index__") or value < 1:
+                raise _seqpar.Error(f"ShortConvCp: {name}={value!r} must be an int >= 1")
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
         self.layer = _seqpar.ShortConvCp(grid, self.layout, _seqpar.ShortConvCpConfig(use_silu=use_silu))
         bound = 1.0 / width**0.5  # torch.nn.Conv1d's default init for a depthwise conv (fan_in = width)
         self.weight = torch.nn.Parameter(torch.empty(channels, width, dtype=dtype).uniform_(-bound, bound))
 
     def forward(self, x):
+        _check_tensors("ShortConvCp", x=x)
         try:
             return ShortConvFunction.apply(self.layer, self.grid, x, self.weight.to(x.dtype))
         except _seqpar.Error as e:
@@ -309,10 +322,19 @@ class DsaCp(torch.nn.Module):
         grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
         self.config = config if config is not None else _seqpar.DsaCpConfig(**config_fields)
+        if indexer_loss_weight is not None:
+            try:
+                indexer_loss_weight = float(indexer_loss_weight)
+            except (TypeError, ValueError):
+                raise _seqpar.Error(f"DsaCp: indexer_loss_weight={indexer_loss_weight!r} must be a number (None: "
+                                    f"return the indexer loss)") from None
+            if indexer_loss_weight != indexer_loss_weight or abs(indexer_loss_weight) == float("inf"):
+                raise _seqpar.Error(f"DsaCp: indexer_loss_weight={indexer_loss_weight} must be finite")
         self.indexer_loss_weight = indexer_loss_weight
         self.layer = _seqpar.DsaCp(grid, self.layout, self.config)
 
     def forward(self, q, c, q_idx, k_idx, w):
+        _check_tensors("DsaCp", q=q, c=c, q_idx=q_idx, k_idx=k_idx, w=w)
         c, q_idx, k_idx, w = _in_dtype(q.dtype, c, q_idx, k_idx, w)
         try:
             if self.indexer_loss_weight is None:

@@ -1,5 +1,6 @@
 #include "dlpack_bridge.h"
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -91,7 +92,19 @@ TensorView view_of(py::handle tensor, const char* what) {
   if (tensor.is_none()) return {};
   SEQPAR_CHECK(py::hasattr(tensor, "__dlpack__"), what, ": expected a torch.Tensor, got ",
                std::string(py::str(py::type::of(tensor).attr("__name__"))));
-  const py::object capsule = tensor.attr("__dlpack__")();
+  py::object capsule;
+  try {
+    capsule = tensor.attr("__dlpack__")();
+  } catch (py::error_already_set& e) {
+    // torch raises BufferError for tensors DLPack cannot carry (the meta device, tensors that need a gradient
+    // conjugation...): seqpar.Error naming the tensor, its device and torch's reason.
+    if (!e.matches(PyExc_BufferError)) throw;
+    const std::string device =
+        py::hasattr(tensor, "device") ? std::string(py::str(tensor.attr("device"))) : std::string("unknown");
+    const std::string reason = py::str(e.value());
+    SEQPAR_THROW(what, ": a tensor on device '", device, "' cannot be viewed through DLPack (torch: ", reason,
+                 "); seqpar's Python layers take CPU tensors with storage");
+  }
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
   if (managed == nullptr) throw py::error_already_set();
   const DLTensor& t = managed->dl_tensor;
@@ -99,7 +112,10 @@ TensorView view_of(py::handle tensor, const char* what) {
                t.device.device_type, ")");
   const DType dtype = dtype_of_dl(t.dtype, what);
   Shape shape(t.shape, t.shape + t.ndim);
-  if (t.strides != nullptr) {
+  // A tensor without elements addresses no memory: any strides are fine (torch gives such tensors strides that
+  // are not row-major); the layers' shape checks name the empty dimension.
+  const bool empty = std::find(shape.begin(), shape.end(), std::int64_t{0}) != shape.end();
+  if (t.strides != nullptr && !empty) {
     std::int64_t expected = 1;
     for (int d = t.ndim - 1; d >= 0; --d) {
       SEQPAR_CHECK(shape[d] == 1 || t.strides[d] == expected, what, ": tensor of shape ", shape_str(shape),

@@ -111,11 +111,27 @@ std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
   return from_mpi4py(comm);
 }
 
-// A list of ints or a torch int64 tensor (anything with tolist()) as int64 values (cu_seqlens).
-std::vector<std::int64_t> int64_list(py::handle values) {
+// A list of ints or a 1-D integer torch tensor (anything with tolist()) as int64 values (cu_seqlens); anything else
+// (floats, nested lists, values outside int64) is refused naming `what`.
+std::vector<std::int64_t> int64_list(py::handle values, const char* what) {
   py::object obj = py::reinterpret_borrow<py::object>(values);
   if (py::hasattr(obj, "tolist")) obj = obj.attr("tolist")();
-  return obj.cast<std::vector<std::int64_t>>();
+  SEQPAR_CHECK(py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj), what,
+               ": expected a list of ints or a 1-D integer tensor, got ",
+               std::string(py::str(py::type::of(values).attr("__name__"))));
+  std::vector<std::int64_t> out;
+  std::size_t i = 0;
+  for (const py::handle item : obj) {
+    SEQPAR_CHECK(py::isinstance<py::int_>(item) && !py::isinstance<py::bool_>(item), what, "[", i, "] = ",
+                 std::string(py::repr(item)), " is not an int: ", what, " holds integer token offsets");
+    try {
+      out.push_back(item.cast<std::int64_t>());
+    } catch (const py::cast_error&) {
+      SEQPAR_THROW(what, "[", i, "] = ", std::string(py::repr(item)), " does not fit in int64");
+    }
+    ++i;
+  }
+  return out;
 }
 
 ReduceOp parse_reduce_op(const std::string& op) {
@@ -286,14 +302,14 @@ void bind_layout(py::module_& m) {
       .def_static(
           "packed",
           [](const std::string& kind, py::handle cu_seqlens, int ring_size, int ulysses_size) {
-            return SequenceLayout::packed(parse_layout(kind), int64_list(cu_seqlens), ring_size, ulysses_size);
+            return SequenceLayout::packed(parse_layout(kind), int64_list(cu_seqlens, "cu_seqlens"), ring_size, ulysses_size);
           },
           py::arg("kind"), py::arg("cu_seqlens"), py::arg("ring_size"), py::arg("ulysses_size") = 1,
           "One packed row: cu_seqlens [N+1] (list or int64 tensor; 0, non-decreasing, last = T >= 1).")
       .def_static(
           "packed_for_grid",
           [](const Grid& g, py::handle cu_seqlens, const std::string& kind) {
-            return SequenceLayout::packed_for_groups(CpGroups::from(g.grid), int64_list(cu_seqlens),
+            return SequenceLayout::packed_for_groups(CpGroups::from(g.grid), int64_list(cu_seqlens, "cu_seqlens"),
                                                      parse_layout(kind));
           },
           py::arg("grid"), py::arg("cu_seqlens"), py::arg("kind") = "zigzag")

@@ -53,6 +53,14 @@ def expect_error(fn, *fragments):
     raise AssertionError(f"rank {dist.get_rank()}: no seqpar.Error (expected one with {fragments})")
 
 
+def expect_same_error(fn, *fragments):
+    """expect_error on every rank, with the same message on every rank."""
+    message = expect_error(fn, *fragments)
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, f"rank {dist.get_rank()}: the ranks raised different errors: {messages}"
+
+
 def run_layers(label, **groups):
     """MHA (GQA, causal), GDN (scan, initial state), the short conv and DSA on the grid the groups make."""
     grid = seqpar.torch_grid(**groups)
@@ -199,6 +207,26 @@ def main():
         expect_error(lambda: seqpar.torch_grid(ulysses_group=rg, ring_group=ug, cp_group=cp_bad), "rank order")
     expect_error(lambda: seqpar.torch_grid(device_mesh=init_device_mesh("cpu", (world,), mesh_dim_names=("x",)),
                                            cp_dim="y"), "no dimension 'y'")
+    # Ranks that pass different groups, or where one rank's arguments fail: every rank raises the same error, naming
+    # the groups or the rank (not a gloo error, nor a wait on the others).
+    if world > 1:
+        rest = dist.new_group(list(range(1, world)))
+        expect_same_error(lambda: seqpar.torch_grid(process_group=dist.group.WORLD if rank == 0 else rest),
+                          "world ranks 0 and 1 pass different cp groups", f"1: {list(range(1, world))}")
+        line_x = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
+        expect_same_error(lambda: seqpar.torch_grid(device_mesh=line_x, cp_dim="y" if rank == world - 1 else "x"),
+                          f"world rank {world - 1}: the DeviceMesh has no dimension 'y'")
+    if world == 4:
+        pairs = new_groups([[0, 1], [2, 3]])
+        expect_same_error(lambda: seqpar.torch_grid(process_group=pairs if rank < 2 else dist.group.WORLD),
+                          "world ranks 0 and 2 pass different cp groups")
+        ug, rg = new_groups([[0, 1], [2, 3]]), new_groups([[0, 2], [1, 3]])
+        # rank 0: ring attention over its ring group; the others: USP, seqpar making the cp group
+        expect_same_error(lambda: seqpar.torch_grid(ring_group=rg) if rank == 0 else
+                          seqpar.torch_grid(ulysses_group=ug, ring_group=rg), "pass different cp groups",
+                          "none (seqpar makes it)")
+        expect_same_error(lambda: seqpar.torch_grid(ulysses_group=ug, ring_group=new_groups([[0, 3], [1, 2]])),
+                          "do not form a 2 x 2 grid")
     expect_error(lambda: seqpar.MhaCp(object(), 16), "expected a seqpar.CpGrid")
 
     assert "mpi4py" not in sys.modules, "seqpar's torch path imported mpi4py"
