@@ -378,12 +378,8 @@ cpu::GdnDims validate_window(const GdnForwardArgs& args, const GdnWindow& w, con
   return d;
 }
 
-// The window's rows of value head h (with its key head) copied out, for the test-mode route (gdn_hook.h), which
-// takes whole tensors.
-struct WindowCopy {
-  Tensor q, k, v, g, beta;
-};
-
+// The test-mode route (gdn_hook.h) takes whole tensors: a window runs there value head by value head, through
+// copies of the head's rows (with its key head's) and of its state.
 Tensor window_rows(const TensorView& t, std::int64_t row_begin, std::int64_t num_rows, std::int64_t head) {
   Shape s = t.shape();
   s[1] = num_rows;
@@ -411,6 +407,37 @@ void put_window_rows(const TensorView& part, const TensorView& t, std::int64_t r
                   src + (b * num_rows + r) * width * esize, static_cast<std::size_t>(width * esize));
 }
 
+// States [B, heads, K, V] seen as [B, 1, heads, K V]: head i is "row 0" of head i.
+TensorView state_rows(const TensorView& t) { return t.reshape({t.dim(0), 1, t.dim(1), t.dim(2) * t.dim(3)}); }
+
+// Value head d.head0 + i of a window as whole tensors: args over copies (kept alive in `keep`).
+GdnForwardArgs window_head(const GdnForwardArgs& args, const cpu::GdnDims& d, const GdnWindow& window,
+                           std::int64_t i, std::vector<Tensor>& keep) {
+  const std::int64_t G = d.heads_total / d.key_heads_total, r0 = window.row_begin, n = window.num_rows,
+                     h = d.head0 + i;
+  auto copy = [&](const TensorView& t, std::int64_t head) {
+    keep.push_back(window_rows(t, r0, n, head));
+    return keep.back().view();
+  };
+  GdnForwardArgs a = args;
+  a.q = copy(args.q, h / G);
+  a.k = copy(args.k, h / G);
+  a.v = copy(args.v, h);
+  a.g = copy(args.g, h);
+  a.beta = copy(args.beta, h);
+  a.initial_state = TensorView();
+  if (!args.initial_state.empty()) {
+    keep.push_back(window_rows(state_rows(args.initial_state), 0, 1, i));
+    a.initial_state = keep.back().view().reshape({d.B, 1, d.K, d.V});
+  }
+  return a;
+}
+
+// A [B, 1, K, V] state part into head i of `whole` [B, heads, K, V].
+void put_state(const TensorView& part, const TensorView& whole, std::int64_t i) {
+  put_window_rows(part.reshape({part.dim(0), 1, 1, part.dim(2) * part.dim(3)}), state_rows(whole), 0, i);
+}
+
 }  // namespace
 
 void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, const TensorView& out,
@@ -421,30 +448,14 @@ void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, con
   const DType sd = accumulator_dtype(args.q.dtype());
   if (!final_state.empty()) detail::check_host_tensor(final_state, {d.B, d.H, d.K, d.V}, sd, "final_state", kFamily);
   if (ops::detail::gdn_forward_hook_active()) {
-    // The test-mode route takes whole tensors: each value head of the window through copies.
-    const std::int64_t G = d.heads_total / d.key_heads_total, r0 = window.row_begin, n = window.num_rows;
     for (std::int64_t i = 0; i < d.H; ++i) {
-      const std::int64_t h = d.head0 + i;
-      GdnForwardArgs a = args;
-      const Tensor q = window_rows(args.q, r0, n, h / G), k = window_rows(args.k, r0, n, h / G),
-                   v = window_rows(args.v, r0, n, h), g = window_rows(args.g, r0, n, h),
-                   beta = window_rows(args.beta, r0, n, h);
-      a.q = q.view();
-      a.k = k.view();
-      a.v = v.view();
-      a.g = g.view();
-      a.beta = beta.view();
-      // States [B, heads, K, V] seen as [B, 1, heads, K V]: head i is "row 0" of head i.
-      auto as_rows = [](const TensorView& t) { return t.reshape({t.dim(0), 1, t.dim(1), t.dim(2) * t.dim(3)}); };
-      const Shape state{d.B, 1, d.K, d.V};
-      Tensor init, fin;
-      if (!args.initial_state.empty()) init = window_rows(as_rows(args.initial_state), 0, 1, i);
-      a.initial_state = init.defined() ? init.view().reshape(state) : TensorView();
-      if (!final_state.empty()) fin = Tensor::empty(state, final_state.dtype(), MemCategory::kWorkspace);
-      Tensor o = Tensor::empty(v.shape(), out.dtype(), MemCategory::kWorkspace);
+      std::vector<Tensor> keep;
+      const GdnForwardArgs a = window_head(args, d, window, i, keep);
+      Tensor o = Tensor::empty(a.v.shape(), out.dtype(), MemCategory::kWorkspace), fin;
+      if (!final_state.empty()) fin = Tensor::empty({d.B, 1, d.K, d.V}, final_state.dtype(), MemCategory::kWorkspace);
       gdn_forward(a, o.view(), fin.defined() ? fin.view() : TensorView(), stream);
-      put_window_rows(o.view(), out, r0, h);
-      if (fin.defined()) put_window_rows(fin.view().reshape({d.B, 1, 1, d.K * d.V}), as_rows(final_state), 0, i);
+      put_window_rows(o.view(), out, window.row_begin, d.head0 + i);
+      if (fin.defined()) put_state(fin.view(), final_state, i);
     }
     return;
   }
@@ -468,6 +479,38 @@ void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, c
   if (!dbeta.empty()) check_activation(dbeta, gb, "dbeta");
   if (!dinitial_state.empty())
     detail::check_host_tensor(dinitial_state, {d.B, d.H, d.K, d.V}, sd, "dinitial_state", kFamily);
+  if (ops::detail::gdn_backward_hook_active()) {
+    for (std::int64_t i = 0; i < d.H; ++i) {
+      const std::int64_t h = d.head0 + i, r0 = window.row_begin;
+      std::vector<Tensor> keep;
+      GdnBackwardArgs a{window_head(args.fwd, d, window, i, keep), TensorView(), TensorView()};
+      if (!args.dout.empty()) {
+        keep.push_back(window_rows(args.dout, r0, window.num_rows, h));
+        a.dout = keep.back().view();
+      }
+      if (!args.dfinal_state.empty()) {
+        keep.push_back(window_rows(state_rows(args.dfinal_state), 0, 1, i));
+        a.dfinal_state = keep.back().view().reshape({d.B, 1, d.K, d.V});
+      }
+      auto part = [&](const TensorView& whole, const TensorView& like) {
+        return whole.empty() ? Tensor() : Tensor::empty(like.shape(), whole.dtype(), MemCategory::kWorkspace);
+      };
+      auto view = [](const Tensor& t) { return t.defined() ? t.view() : TensorView(); };
+      const Tensor pdq = part(dq, a.fwd.q), pdk = part(dk, a.fwd.k), pdv = part(dv, a.fwd.v), pdg = part(dg, a.fwd.g),
+                   pdb = part(dbeta, a.fwd.beta),
+                   pds = dinitial_state.empty()
+                             ? Tensor()
+                             : Tensor::empty({d.B, 1, d.K, d.V}, dinitial_state.dtype(), MemCategory::kWorkspace);
+      gdn_backward(a, view(pdq), view(pdk), view(pdv), view(pdg), view(pdb), view(pds), stream);
+      if (pdq.defined()) put_window_rows(pdq.view(), dq, r0, h);
+      if (pdk.defined()) put_window_rows(pdk.view(), dk, r0, h);
+      if (pdv.defined()) put_window_rows(pdv.view(), dv, r0, h);
+      if (pdg.defined()) put_window_rows(pdg.view(), dg, r0, h);
+      if (pdb.defined()) put_window_rows(pdb.view(), dbeta, r0, h);
+      if (pds.defined()) put_state(pds.view(), dinitial_state, i);
+    }
+    return;
+  }
   cpu::gdn_backward_cpu(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
 }
 

@@ -44,6 +44,7 @@ bool gdn_transition_hooked(const GdnForwardArgs& args, const TensorView& m, cons
   g_calls.fetch_add(1);
   return true;
 }
+bool gdn_backward_hook_active() { return g_backward.load() != nullptr && env::lowered_attention(); }
 bool gdn_backward_hooked(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                          const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state) {
   const GdnBackwardFn fn = g_backward.load();

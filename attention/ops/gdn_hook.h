@@ -50,6 +50,7 @@ bool gdn_forward_hook_active();
 // The same for gdn_transition.
 bool gdn_transition_hooked(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
 // The same for gdn_backward.
+bool gdn_backward_hook_active();
 bool gdn_backward_hooked(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                          const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state);
 // The same for the segment-map algebra, after its argument checks: one product.
