@@ -379,8 +379,15 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   Prediction pr;
   pr.bytes_exact = true;
   pr.oversubscribed = slow > 1.0;
+  // An all-to-all over a Ulysses group that spans nodes: of the pu - 1 peers, the node's own go over the intra link
+  // and the rest over the inter link at the same time; the slower share decides.
   const auto a2a_s = [&](double bytes) {
-    return pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + bytes / links.ulysses.bandwidth_bps : 0.0;
+    if (pu <= 1) return 0.0;
+    if (links.ulysses_class == "intra" || in.devices_per_node <= 1)
+      return 2 * (pu - 1) * links.ulysses.latency_s + bytes / links.ulysses.bandwidth_bps;
+    const double local = std::min(pu, in.devices_per_node) - 1.0, remote = (pu - 1) - local;
+    return 2 * (pu - 1) * links.ulysses.latency_s + std::max(bytes * local / (pu - 1) / prof.intra.bandwidth_bps,
+                                                             bytes * remote / (pu - 1) / links.ulysses.bandwidth_bps);
   };
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
