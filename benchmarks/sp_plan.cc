@@ -122,25 +122,30 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
     p.kernels[str_cat(r.kernel, "_bwd")] = bwd;
   }
-  // One decode step's attention over a whole cache (sp_bench --mode decode at 1 rank, the prompt filled without its
-  // attention): the step's FLOPs against its median time, at two cache lengths.
+  // A decode step's attention reads its shard's K and V once (memory-bound, a few FLOPs per byte): from sp_bench
+  // --mode decode at 1 rank (the prompt filled without its attention) at two cache lengths, the step's median time
+  // against the cache bytes it reads gives an effective bandwidth (the slope) and a per-step overhead (the rest).
   {
-    KernelCurve dec;
-    dec.source = "sp_bench --mode decode --attn mha --heads 8 --kv-heads 8 --head-dim 64 --context 2K,16K "
-                 "--decode-steps 16 --prefill fill at 1 rank (median step; FLOPs 4 Hq D (context + steps / 2))";
+    double bytes[2], secs[2];
+    int i = 0;
     for (const std::int64_t ctx : {2048, 16384}) {
       const std::filesystem::path out = tmp / str_cat("decode_", ctx, ".json");
       run_or_throw(str_cat("mpirun -np 1 ", (dir / "sp_bench").string(),
                            " --mode decode --attn mha --heads 8 --kv-heads 8 --head-dim 64 --context ", ctx,
                            " --decode-steps 16 --prefill fill --threads ", threads,
                            " --warmup 1 --iters 1 --quiet --json ", out.string(), " > /dev/null"));
-      const double step_s = read_json(out)["decode_step_s"]["median"].get<double>();
-      const double flops = 4.0 * 8 * 64 * (static_cast<double>(ctx) + 8 + 1);
-      SEQPAR_CHECK(step_s > 0, "sp_plan --calibrate: sp_bench --mode decode gave no step time");
-      dec.points.emplace_back(flops, flops / step_s);
+      secs[i] = read_json(out)["decode_step_s"]["median"].get<double>();
+      bytes[i] = 2.0 * 8 * 64 * 4 * (static_cast<double>(ctx) + 8 + 1);  // K and V, fp32, at the middle step
+      ++i;
     }
-    std::sort(dec.points.begin(), dec.points.end());
-    p.kernels["mha_decode"] = dec;
+    SEQPAR_CHECK(secs[0] > 0 && secs[1] > secs[0], "sp_plan --calibrate: sp_bench --mode decode gave step times ",
+                 secs[0], " and ", secs[1], " s at 2K and 16K tokens (the longer cache must take longer)");
+    p.memory_bandwidth_bps = (bytes[1] - bytes[0]) / (secs[1] - secs[0]);
+    p.decode_overhead_s = std::max(0.0, secs[0] - bytes[0] / p.memory_bandwidth_bps);
+    p.device_source = str_cat("sp_bench --mode decode --attn mha --heads 8 --kv-heads 8 --head-dim 64 --decode-steps "
+                              "16 --prefill fill at 1 rank, median step ", secs[0] * 1e3, " ms at context 2K and ",
+                              secs[1] * 1e3, " ms at 16K: bandwidth = slope over the cache bytes read, overhead = the "
+                              "rest");
   }
   // The cores the ranks get: one MHA kernel alone, then as many copies at once as the machine has cores; on a
   // machine shared with other work they get fewer cores than it has.

@@ -41,12 +41,12 @@ struct LinkClass {
 
 struct DeviceProfile {
   std::string name, note;
-  // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"; optional "mha_decode" (one decode step's
-  // attention over a cache shard; absent: mha_fwd, bounded by memory_bandwidth_bps) and "gemm" (the linear layers of
+  // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"; optional "gemm" (the linear layers of
   // --linear-flops-per-token).
   std::map<std::string, KernelCurve> kernels;
-  // The device: memory (bytes) and memory bandwidth (bytes/s), 0 when not given; their source.
-  double memory_bytes = 0, memory_bandwidth_bps = 0;
+  // The device: memory (bytes) and memory bandwidth (bytes/s), 0 when not given; a decode step's fixed cost
+  // (seconds: the step's calls, its agreement check; --calibrate measures it); their source.
+  double memory_bytes = 0, memory_bandwidth_bps = 0, decode_overhead_s = 0;
   std::string device_source;
   LinkClass intra, inter;
   int ranks_per_nic = 1;  // ranks of a node sharing one inter-node NIC (its bandwidth divides among them); its

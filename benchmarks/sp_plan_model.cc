@@ -137,6 +137,7 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     const nlohmann::json& d = j["device"];
     p.memory_bytes = d.value("memory_bytes", 0.0);
     p.memory_bandwidth_bps = d.value("memory_bandwidth_bytes_per_s", 0.0);
+    p.decode_overhead_s = d.value("decode_overhead_s", 0.0);
     SEQPAR_CHECK(p.memory_bytes >= 0 && p.memory_bandwidth_bps >= 0, what, ": device.memory_bytes ", p.memory_bytes,
                  " and device.memory_bandwidth_bytes_per_s ", p.memory_bandwidth_bps, " must be >= 0");
     p.device_source = source_text(d, what + ": device");
@@ -172,6 +173,7 @@ nlohmann::json profile_json(const DeviceProfile& p) {
   if (p.memory_bytes > 0 || p.memory_bandwidth_bps > 0) {
     j["device"] = {{"memory_bytes", p.memory_bytes},
                    {"memory_bandwidth_bytes_per_s", p.memory_bandwidth_bps},
+                   {"decode_overhead_s", p.decode_overhead_s},
                    {"source", p.device_source}};
   }
   return j;
@@ -675,8 +677,7 @@ Prediction predict_mha_decode(const SpBenchOptions& o, const PlanInput& in, cons
                acc = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
   const double hq = static_cast<double>(o.heads / pu),
                hkv = static_cast<double>(std::max<std::int64_t>(o.kv_heads, pu) / pu);
-  const auto it = prof.kernels.find("mha_decode");
-  const KernelCurve& curve = it != prof.kernels.end() && !it->second.points.empty() ? it->second : prof.kernel("mha_fwd");
+  const KernelCurve& curve = prof.kernel("mha_fwd");
   Prediction pr;
   pr.bytes_exact = true;
   pr.oversubscribed = slow > 1.0;
@@ -685,9 +686,10 @@ Prediction predict_mha_decode(const SpBenchOptions& o, const PlanInput& in, cons
     const double t = shard_tokens(d, capacity, len, P, r) + d.new_tokens;  // the step's own tokens, on every rank
     const double flops = 4.0 * o.batch * d.new_tokens * hq * o.head_dim * t;
     const double bytes = 2.0 * o.batch * t * hkv * o.head_dim * e;  // the shard's K and V, read once
-    double s = flops > 0 ? slow * flops / curve.rate(flops) : 0.0;
-    if (prof.memory_bandwidth_bps > 0) s = std::max(s, bytes / prof.memory_bandwidth_bps);
-    c[r] = s;
+    // The larger of the FLOPs at the attention curve and the fixed cost plus the bytes at the memory bandwidth.
+    double s = flops > 0 ? flops / curve.rate(flops) : 0.0;
+    if (prof.memory_bandwidth_bps > 0) s = std::max(s, prof.decode_overhead_s + bytes / prof.memory_bandwidth_bps);
+    c[r] = slow * s;
   }
   // The merge: one all-gather of every rank's (out, lse hi/lo) over the ring group (ring algorithm, P - 1 hops).
   const double block = static_cast<double>(o.batch) * d.new_tokens * hq * (o.head_dim + 2) * acc;

@@ -263,6 +263,11 @@ TEST(SpPlanDecode, StepIsShardPlusMerge) {
   const PlanRow& solo = row_named(plan(one, p), "u1xr1 zigzag cache-interleave");
   EXPECT_NEAR(solo.prediction.step_s, 4.0 * 8 * 64 * (4104 + 1) / rate, 1e-12);
   EXPECT_EQ(solo.prediction.bytes_sent_forward, 0.0);
+  // Memory-bound: the fixed cost plus the shard's K and V (2 x 8 heads x 64 x 4 bytes a token) at the bandwidth.
+  p.memory_bandwidth_bps = 1e8;
+  p.decode_overhead_s = 1e-3;
+  const PlanRow& mem = row_named(plan(in, p), "u1xr2 zigzag cache-interleave");
+  EXPECT_NEAR(mem.prediction.step_s, 1e-3 + 2.0 * 8 * 64 * 4 * (2052 + 1) / 1e8 + (P - 1) * (lat + block / bw), 1e-12);
 }
 
 // A model: layers x (attention + linear layers), the linear layers at the gemm curve on each rank's tokens
