@@ -142,10 +142,12 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
                  secs[0], " and ", secs[1], " s at 2K and 16K tokens (the longer cache must take longer)");
     p.memory_bandwidth_bps = (bytes[1] - bytes[0]) / (secs[1] - secs[0]);
     p.decode_overhead_s = std::max(0.0, secs[0] - bytes[0] / p.memory_bandwidth_bps);
-    p.device_source = str_cat("sp_bench --mode decode --attn mha --heads 8 --kv-heads 8 --head-dim 64 --decode-steps "
-                              "16 --prefill fill at 1 rank, median step ", secs[0] * 1e3, " ms at context 2K and ",
-                              secs[1] * 1e3, " ms at 16K: bandwidth = slope over the cache bytes read, overhead = the "
-                              "rest");
+    p.device_source = str_cat(
+        "sp_bench --mode decode --attn mha --heads 8 --kv-heads 8 --head-dim 64 --decode-steps "
+        "16 --prefill fill at 1 rank, median step ",
+        secs[0] * 1e3, " ms at context 2K and ", secs[1] * 1e3,
+        " ms at 16K: bandwidth = slope over the cache bytes read, overhead = the "
+        "rest");
   }
   // The cores the ranks get: one MHA kernel alone, then as many copies at once as the machine has cores; on a
   // machine shared with other work they get fewer cores than it has.

@@ -77,9 +77,9 @@ struct PlanInput {
   // attend each rank's cache shard, the shards' partial results merge; the decode flags are sp_bench's)
   std::string mode = "train";
   int world_size = 1, nodes = 1;
-  int devices_per_node = 1;       // ranks per node (world_size = nodes x devices_per_node)
-  double memory_per_device = 0;   // bytes a rank may use; the node holds devices_per_node times this
-  int threads = 1;                // --threads of the sp_bench runs (CPU)
+  int devices_per_node = 1;      // ranks per node (world_size = nodes x devices_per_node)
+  double memory_per_device = 0;  // bytes a rank may use; the node holds devices_per_node times this
+  int threads = 1;               // --threads of the sp_bench runs (CPU)
   // A model of several layers (train and prefill): `layers` copies of the layer, each followed by its linear layers
   // (QKV, output projection, MLP) of linear_flops_per_token forward FLOPs per token (the backward twice that), run on
   // every rank's own tokens at the profile's "gemm" curve with no communication. tp: tensor parallelism inside each
@@ -89,7 +89,7 @@ struct PlanInput {
   double linear_flops_per_token = 0;
   int tp = 1;
   std::vector<std::string> only_configs;  // when not empty: plan only the configurations of these names
-  bool oversubscribed_ok = true;  // CPU: allow more ranks x threads than cores (marked in the output)
+  bool oversubscribed_ok = true;          // CPU: allow more ranks x threads than cores (marked in the output)
 };
 
 // One configuration: the grid and the algorithm choices sp_bench takes as flags.
@@ -111,8 +111,8 @@ struct Prediction {
   double exposed_comm_s = 0;  // time no computation hides (waits on messages, all-to-alls, all-gathers)
   double imbalance_s = 0;     // slowest rank's compute minus the mean rank's compute
   double forward_s = 0, backward_s = 0;
-  double linear_s = 0;  // the linear layers' time, all layers (part of step_s and compute_s)
-  std::map<std::string, double> bytes_per_link;            // bytes sent per rank, by link class ("intra", "inter")
+  double linear_s = 0;                           // the linear layers' time, all layers (part of step_s and compute_s)
+  std::map<std::string, double> bytes_per_link;  // bytes sent per rank, by link class ("intra", "inter")
   double bytes_sent_forward = 0, bytes_sent_backward = 0;  // per rank, the largest over ranks
   bool bytes_exact = false;  // true where a tested closed form gives them (MHA); false: the model's estimate
   bool oversubscribed = false;

@@ -66,8 +66,8 @@ std::string source_text(const nlohmann::json& j, const std::string& what) {
     const auto nonempty = [&](const char* k) {
       return e.is_object() && e.contains(k) && e[k].is_string() && !e[k].get<std::string>().empty();
     };
-    SEQPAR_CHECK(nonempty("what") && (nonempty("url") || nonempty("assumption")), what, ": source[", i, "] ",
-                 e.dump(), " needs a non-empty \"what\" and a non-empty \"url\" or \"assumption\"");
+    SEQPAR_CHECK(nonempty("what") && (nonempty("url") || nonempty("assumption")), what, ": source[", i, "] ", e.dump(),
+                 " needs a non-empty \"what\" and a non-empty \"url\" or \"assumption\"");
     text += str_cat(i > 0 ? "; " : "", e["what"].get<std::string>(), " (",
                     nonempty("url") ? e["url"].get<std::string>() : "assumption: " + e["assumption"].get<std::string>(),
                     ")");
@@ -91,9 +91,7 @@ LinkClass link_from_json(const nlohmann::json& j, const std::string& what) {
 }
 
 nlohmann::json link_json(const LinkClass& l) {
-  return {{"latency_s", l.latency_s},
-          {"bandwidth_bytes_per_s", l.bandwidth_bps},
-          {"source", l.source}};
+  return {{"latency_s", l.latency_s}, {"bandwidth_bytes_per_s", l.bandwidth_bps}, {"source", l.source}};
 }
 
 }  // namespace
@@ -802,8 +800,8 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
   SEQPAR_CHECK(in.layers >= 1 && in.tp >= 1 && in.linear_flops_per_token >= 0, "sp_plan: --layers ", in.layers,
                " and --tp ", in.tp, " must be >= 1 and --linear-flops-per-token ", in.linear_flops_per_token, " >= 0");
   SEQPAR_CHECK(in.mode != "decode" || (in.layers == 1 && in.linear_flops_per_token == 0), "sp_plan: --mode decode ",
-               "plans one layer's step (--layers ", in.layers, ", --linear-flops-per-token ",
-               in.linear_flops_per_token, " are for train and prefill)");
+               "plans one layer's step (--layers ", in.layers, ", --linear-flops-per-token ", in.linear_flops_per_token,
+               " are for train and prefill)");
   const std::string attn = attn_of(in);
   std::vector<PlanConfig> configs;
   for (int pu = 1; pu <= in.world_size; ++pu) {
@@ -868,7 +866,8 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
     try {
       const SpBenchOptions o = config_options(in, c);
       if (in.mode == "decode") {
-        // sp_bench --mode decode's rule on the grid (check_decode_options, benchmarks/sp_bench_decode.cc), in its words.
+        // sp_bench --mode decode's rule on the grid (check_decode_options, benchmarks/sp_bench_decode.cc), in its
+        // words.
         const int pu = o.grid.ulysses_size;
         SEQPAR_CHECK(o.kv_heads >= 1 && (o.kv_heads % pu == 0 || pu % o.kv_heads == 0),
                      "--mode decode --attn mha: --kv-heads ", o.kv_heads, " must be divisible by --ulysses-size ", pu,

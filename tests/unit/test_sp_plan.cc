@@ -276,9 +276,8 @@ TEST(SpPlanModel, LayersTimesAttentionPlusLinear) {
   DeviceProfile p = flat_profile(1e12, 1e-6, 1e10);
   p.kernels["gemm"].points = {{1.0, 2e12}};
   p.kernels["gemm"].source = "test";
-  PlanInput in = input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K",
-                        "--causal"},
-                       2);
+  PlanInput in =
+      input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K", "--causal"}, 2);
   const PlanRow base = row_named(plan(in, p), "u1xr2 zigzag p2p");
   PlanInput model = in;
   model.layers = 3;
