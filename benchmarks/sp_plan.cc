@@ -127,6 +127,33 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
     p.kernels[str_cat(r.kernel, "_bwd")] = bwd;
   }
+  // A decode step's attention reads its shard's K and V once (memory-bound, a few FLOPs per byte): from sp_bench
+  // --mode decode at 1 rank (the prompt filled without its attention) at two cache lengths, the step's median time
+  // against the cache bytes it reads gives an effective bandwidth (the slope) and a per-step overhead (the rest).
+  {
+    double bytes[2], secs[2];
+    int i = 0;
+    for (const std::int64_t ctx : {2048, 16384}) {
+      const std::filesystem::path out = tmp / str_cat("decode_", ctx, ".json");
+      run_or_throw(str_cat("mpirun -np 1 ", (dir / "sp_bench").string(),
+                           " --mode decode --attn mha --heads 8 --kv-heads 8 --head-dim 64 --context ", ctx,
+                           " --decode-steps 16 --prefill fill --threads ", threads,
+                           " --warmup 1 --iters 1 --quiet --json ", out.string(), " > /dev/null"));
+      secs[i] = read_json(out)["decode_step_s"]["median"].get<double>();
+      bytes[i] = 2.0 * 8 * 64 * 4 * (static_cast<double>(ctx) + 8 + 1);  // K and V, fp32, at the middle step
+      ++i;
+    }
+    SEQPAR_CHECK(secs[0] > 0 && secs[1] > secs[0], "sp_plan --calibrate: sp_bench --mode decode gave step times ",
+                 secs[0], " and ", secs[1], " s at 2K and 16K tokens (the longer cache must take longer)");
+    p.memory_bandwidth_bps = (bytes[1] - bytes[0]) / (secs[1] - secs[0]);
+    p.decode_overhead_s = std::max(0.0, secs[0] - bytes[0] / p.memory_bandwidth_bps);
+    p.device_source = str_cat(
+        "sp_bench --mode decode --attn mha --heads 8 --kv-heads 8 --head-dim 64 --decode-steps "
+        "16 --prefill fill at 1 rank, median step ",
+        secs[0] * 1e3, " ms at context 2K and ", secs[1] * 1e3,
+        " ms at 16K: bandwidth = slope over the cache bytes read, overhead = the "
+        "rest");
+  }
   // The cores the ranks get: one MHA kernel alone, then as many copies at once as the machine has cores; on a
   // machine shared with other work they get fewer cores than it has.
   const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
@@ -270,7 +297,11 @@ int sp_plan_main(int argc, char** argv) {
     ("nodes", "nodes", cxxopts::value<int>()->default_value("1"))
     ("devices-per-node", "ranks per node (default: --world / --nodes)", cxxopts::value<int>())
     ("mem-per-device", "memory a rank may use (K/M/G suffixes; 0: unlimited)", cxxopts::value<std::string>()->default_value("0"))
-    ("mode", "train (forward + backward) | prefill (forward)", cxxopts::value<std::string>()->default_value("train"))
+    ("mode", "train (forward + backward) | prefill (forward) | decode (one step over a sharded cache)", cxxopts::value<std::string>()->default_value("train"))
+    ("layers", "layers of the model (train, prefill): the layer's time times this", cxxopts::value<int>()->default_value("1"))
+    ("linear-flops-per-token", "forward FLOPs per token of each layer's linear layers (the profile's gemm curve)", cxxopts::value<double>()->default_value("0"))
+    ("configs", "plan only these configurations (names as the table prints them, comma-separated)", cxxopts::value<std::vector<std::string>>())
+    ("tp", "tensor parallelism inside each CP rank: splits the heads and the linear FLOPs", cxxopts::value<int>()->default_value("1"))
     ("threads", "--threads of the sp_bench runs", cxxopts::value<int>()->default_value("1"))
     ("no-oversubscribe", "exclude configurations with more ranks x threads than the profile's cores")
     ("json", "also write the plan as JSON to FILE", cxxopts::value<std::string>())
@@ -325,6 +356,10 @@ int sp_plan_main(int argc, char** argv) {
   in.memory_per_device = parse_memory(r["mem-per-device"].as<std::string>());
   in.mode = r["mode"].as<std::string>();
   in.threads = r["threads"].as<int>();
+  in.layers = r["layers"].as<int>();
+  in.linear_flops_per_token = r["linear-flops-per-token"].as<double>();
+  in.tp = r["tp"].as<int>();
+  if (r.count("configs")) in.only_configs = r["configs"].as<std::vector<std::string>>();
   in.oversubscribed_ok = !r.count("no-oversubscribe");
   const DeviceProfile profile = load_profile(r["profile"].as<std::string>());
   if (r.count("dynamic-cp")) return dynamic_cp_main(r, in, profile);

@@ -41,10 +41,16 @@ struct LinkClass {
 
 struct DeviceProfile {
   std::string name, note;
-  // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd".
+  // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"; optional "gemm" (the linear layers of
+  // --linear-flops-per-token).
   std::map<std::string, KernelCurve> kernels;
+  // The device: memory (bytes) and memory bandwidth (bytes/s), 0 when not given; a decode step's fixed cost
+  // (seconds: the step's calls, its agreement check; --calibrate measures it); their source.
+  double memory_bytes = 0, memory_bandwidth_bps = 0, decode_overhead_s = 0;
+  std::string device_source;
   LinkClass intra, inter;
-  int ranks_per_nic = 1;  // ranks of a node sharing one inter-node NIC (its bandwidth divides among them)
+  int ranks_per_nic = 1;  // ranks of a node sharing one inter-node NIC (its bandwidth divides among them); its
+                          // source is links.inter's
   // CPU profiles: the cores a node's ranks can use at once (measured: --calibrate runs two kernel_bench copies at
   // once against one alone; on a shared machine fewer than it has); ranks x threads beyond it slow compute down
   // proportionally. 0: no limit.
@@ -56,6 +62,10 @@ struct DeviceProfile {
 };
 
 // Reads / writes a profile (the JSON format: docs/benchmarks.md, "sp_plan"). Errors name the file and the field.
+// Every block of numbers names where they come from: each kernel curve, each link class, the device block and the
+// scalar factors carry a "source" (a non-empty string, or a non-empty array of {"what", "url"} / {"what",
+// "assumption"} objects, each naming what was read where or why a number is assumed); a block without one is refused
+// (check_sources).
 DeviceProfile load_profile(const std::string& path);
 DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what);
 nlohmann::json profile_json(const DeviceProfile& p);
@@ -63,12 +73,23 @@ nlohmann::json profile_json(const DeviceProfile& p);
 // What to plan.
 struct PlanInput {
   std::vector<std::string> problem_flags;  // sp_bench flags of the problem: --model / --attn, shapes, --seq, ...
-  std::string mode = "train";              // train (forward + backward) | prefill (forward only)
+  // train (forward + backward) | prefill (forward only) | decode (one step of sp_bench --mode decode: the queries
+  // attend each rank's cache shard, the shards' partial results merge; the decode flags are sp_bench's)
+  std::string mode = "train";
   int world_size = 1, nodes = 1;
-  int devices_per_node = 1;       // ranks per node (world_size = nodes x devices_per_node)
-  double memory_per_device = 0;   // bytes a rank may use; the node holds devices_per_node times this
-  int threads = 1;                // --threads of the sp_bench runs (CPU)
-  bool oversubscribed_ok = true;  // CPU: allow more ranks x threads than cores (marked in the output)
+  int devices_per_node = 1;      // ranks per node (world_size = nodes x devices_per_node)
+  double memory_per_device = 0;  // bytes a rank may use; the node holds devices_per_node times this
+  int threads = 1;               // --threads of the sp_bench runs (CPU)
+  // A model of several layers (train and prefill): `layers` copies of the layer, each followed by its linear layers
+  // (QKV, output projection, MLP) of linear_flops_per_token forward FLOPs per token (the backward twice that), run on
+  // every rank's own tokens at the profile's "gemm" curve with no communication. tp: tensor parallelism inside each
+  // CP rank (tp devices per CP rank, which split the heads and the linear FLOPs; the world, nodes and devices per
+  // node count CP ranks); its own communication is not modelled.
+  int layers = 1;
+  double linear_flops_per_token = 0;
+  int tp = 1;
+  std::vector<std::string> only_configs;  // when not empty: plan only the configurations of these names
+  bool oversubscribed_ok = true;          // CPU: allow more ranks x threads than cores (marked in the output)
 };
 
 // One configuration: the grid and the algorithm choices sp_bench takes as flags.
@@ -78,6 +99,7 @@ struct PlanConfig {
   std::string impl = "p2p";                // MHA ring: p2p | allgather
   std::string gdn_mode;                    // GDN: chain | scan
   std::string dsa_select;                  // DSA: ring | allgather
+  std::string cache_shard;                 // --mode decode: contiguous | interleave
   std::string name() const;                // "u2xr1 zigzag p2p"
   std::vector<std::string> flags() const;  // the sp_bench flags of the configuration
 };
@@ -89,7 +111,8 @@ struct Prediction {
   double exposed_comm_s = 0;  // time no computation hides (waits on messages, all-to-alls, all-gathers)
   double imbalance_s = 0;     // slowest rank's compute minus the mean rank's compute
   double forward_s = 0, backward_s = 0;
-  std::map<std::string, double> bytes_per_link;            // bytes sent per rank, by link class ("intra", "inter")
+  double linear_s = 0;                           // the linear layers' time, all layers (part of step_s and compute_s)
+  std::map<std::string, double> bytes_per_link;  // bytes sent per rank, by link class ("intra", "inter")
   double bytes_sent_forward = 0, bytes_sent_backward = 0;  // per rank, the largest over ranks
   bool bytes_exact = false;  // true where a tested closed form gives them (MHA); false: the model's estimate
   bool oversubscribed = false;

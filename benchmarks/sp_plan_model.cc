@@ -47,6 +47,34 @@ const KernelCurve& DeviceProfile::kernel(const std::string& key) const {
 
 namespace {
 
+// A block's "source": a non-empty string, or a non-empty array of objects each with a non-empty "what" and a
+// non-empty "url" or "assumption". Returns it as one line of text; Error naming the block otherwise.
+std::string source_text(const nlohmann::json& j, const std::string& what) {
+  const std::string rule =
+      "must name where its numbers come from: \"source\" a non-empty string or a non-empty array of {\"what\", "
+      "\"url\"} / {\"what\", \"assumption\"} objects";
+  SEQPAR_CHECK(j.is_object() && j.contains("source"), what, ": no \"source\" field; the block ", rule);
+  const nlohmann::json& s = j["source"];
+  if (s.is_string()) {
+    SEQPAR_CHECK(!s.get<std::string>().empty(), what, ": \"source\" is empty; the block ", rule);
+    return s.get<std::string>();
+  }
+  SEQPAR_CHECK(s.is_array() && !s.empty(), what, ": \"source\" is ", s.dump(), "; the block ", rule);
+  std::string text;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const nlohmann::json& e = s[i];
+    const auto nonempty = [&](const char* k) {
+      return e.is_object() && e.contains(k) && e[k].is_string() && !e[k].get<std::string>().empty();
+    };
+    SEQPAR_CHECK(nonempty("what") && (nonempty("url") || nonempty("assumption")), what, ": source[", i, "] ", e.dump(),
+                 " needs a non-empty \"what\" and a non-empty \"url\" or \"assumption\"");
+    text += str_cat(i > 0 ? "; " : "", e["what"].get<std::string>(), " (",
+                    nonempty("url") ? e["url"].get<std::string>() : "assumption: " + e["assumption"].get<std::string>(),
+                    ")");
+  }
+  return text;
+}
+
 double number_at(const nlohmann::json& j, const char* key, const std::string& what) {
   SEQPAR_CHECK(j.contains(key) && j[key].is_number(), what, ": field \"", key, "\" must be a number");
   return j[key].get<double>();
@@ -58,7 +86,7 @@ LinkClass link_from_json(const nlohmann::json& j, const std::string& what) {
   l.bandwidth_bps = number_at(j, "bandwidth_bytes_per_s", what);
   SEQPAR_CHECK(l.latency_s >= 0 && l.bandwidth_bps > 0, what, ": latency_s ", l.latency_s,
                " must be >= 0 and bandwidth_bytes_per_s ", l.bandwidth_bps, " > 0");
-  l.source = j.value("source", "");
+  l.source = source_text(j, what);
   return l;
 }
 
@@ -75,7 +103,7 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   SEQPAR_CHECK(j.contains("kernels") && j["kernels"].is_object(), what, ": field \"kernels\" must be an object");
   for (const auto& [key, curve] : j["kernels"].items()) {
     KernelCurve c;
-    c.source = curve.value("source", "");
+    c.source = source_text(curve, what + ": kernels." + key);
     SEQPAR_CHECK(curve.contains("points") && curve["points"].is_array(), what, ": kernels.", key,
                  ".points must be an array of [flops_per_call, flops_per_s]");
     for (const auto& pt : curve["points"]) {
@@ -97,6 +125,21 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   p.cores_per_node = j.value("cores_per_node", 0.0);
   p.gdn_map_factor = j.value("gdn_map_factor", 1.0);
   p.gdn_sweep_factor = j.value("gdn_sweep_factor", 1.0);
+  // The scalar factors name their source in "factors": {"source": ...}.
+  if (j.contains("cores_per_node") || j.contains("gdn_map_factor") || j.contains("gdn_sweep_factor")) {
+    SEQPAR_CHECK(j.contains("factors"), what,
+                 ": cores_per_node / gdn_map_factor / gdn_sweep_factor need a \"factors\" block with their source");
+    source_text(j["factors"], what + ": factors");
+  }
+  if (j.contains("device")) {
+    const nlohmann::json& d = j["device"];
+    p.memory_bytes = d.value("memory_bytes", 0.0);
+    p.memory_bandwidth_bps = d.value("memory_bandwidth_bytes_per_s", 0.0);
+    p.decode_overhead_s = d.value("decode_overhead_s", 0.0);
+    SEQPAR_CHECK(p.memory_bytes >= 0 && p.memory_bandwidth_bps >= 0, what, ": device.memory_bytes ", p.memory_bytes,
+                 " and device.memory_bandwidth_bytes_per_s ", p.memory_bandwidth_bps, " must be >= 0");
+    p.device_source = source_text(d, what + ": device");
+  }
   return p;
 }
 
@@ -117,13 +160,20 @@ nlohmann::json profile_json(const DeviceProfile& p) {
                       {"note", p.note},
                       {"cores_per_node", p.cores_per_node},
                       {"gdn_map_factor", p.gdn_map_factor},
-                      {"gdn_sweep_factor", p.gdn_sweep_factor}};
+                      {"gdn_sweep_factor", p.gdn_sweep_factor},
+                      {"factors", {{"source", p.note}}}};
   for (const auto& [key, c] : p.kernels) {
     nlohmann::json pts = nlohmann::json::array();
     for (const auto& [x, y] : c.points) pts.push_back({x, y});
     j["kernels"][key] = {{"points", pts}, {"source", c.source}};
   }
   j["links"] = {{"intra", link_json(p.intra)}, {"inter", link_json(p.inter)}, {"ranks_per_nic", p.ranks_per_nic}};
+  if (p.memory_bytes > 0 || p.memory_bandwidth_bps > 0) {
+    j["device"] = {{"memory_bytes", p.memory_bytes},
+                   {"memory_bandwidth_bytes_per_s", p.memory_bandwidth_bps},
+                   {"decode_overhead_s", p.decode_overhead_s},
+                   {"source", p.device_source}};
+  }
   return j;
 }
 
@@ -134,6 +184,7 @@ std::string PlanConfig::name() const {
   if (!impl.empty()) s += " " + impl;
   if (!gdn_mode.empty()) s += " " + gdn_mode;
   if (!dsa_select.empty()) s += " select-" + dsa_select;
+  if (!cache_shard.empty()) s += " cache-" + cache_shard;
   return s;
 }
 
@@ -143,12 +194,22 @@ std::vector<std::string> PlanConfig::flags() const {
   if (!impl.empty()) f.insert(f.end(), {"--impl", impl});
   if (!gdn_mode.empty()) f.insert(f.end(), {"--gdn-mode", gdn_mode});
   if (!dsa_select.empty()) f.insert(f.end(), {"--dsa-select", dsa_select});
+  if (!cache_shard.empty()) f.insert(f.end(), {"--mode", "decode", "--cache-shard", cache_shard});
   return f;
 }
 
+namespace {
+
+// The problem's flags as sp_bench takes them: with --tp T, each device's share of the heads (--heads H / T,
+// --kv-heads Hkv / T after the preset's).
+std::vector<std::string> problem_args(const PlanInput& in);
+
+}  // namespace
+
 SpBenchOptions config_options(const PlanInput& in, const PlanConfig& c) {
   std::vector<std::string> args = {"sp_bench"};
-  args.insert(args.end(), in.problem_flags.begin(), in.problem_flags.end());
+  const std::vector<std::string> problem = problem_args(in);
+  args.insert(args.end(), problem.begin(), problem.end());
   const std::vector<std::string> cf = c.flags();
   args.insert(args.end(), cf.begin(), cf.end());
   args.insert(args.end(), {"--threads", std::to_string(in.threads)});
@@ -160,6 +221,14 @@ SpBenchOptions config_options(const PlanInput& in, const PlanConfig& c) {
   return *o;
 }
 
+namespace {
+
+MemoryEstimate estimate_of(const SpBenchOptions& o, int world_rank) {
+  return o.decode.mode == "decode" ? estimate_decode_memory(o, world_rank) : estimate_memory(o, world_rank);
+}
+
+}  // namespace
+
 std::string memory_verdict(const SpBenchOptions& o, const PlanInput& in, double* per_rank_total) {
   // sp_bench's rule (compare_with_node_memory): the estimates of the ranks of each node summed against what the
   // node has; every node holds devices_per_node ranks, so node 0 (world ranks 0 .. devices_per_node - 1) decides
@@ -168,7 +237,7 @@ std::string memory_verdict(const SpBenchOptions& o, const PlanInput& in, double*
   for (int node = 0; node < in.nodes; ++node) {
     double need = 0;
     for (int r = node * in.devices_per_node; r < (node + 1) * in.devices_per_node && r < in.world_size; ++r) {
-      const double t = estimate_memory(o, r).total_bytes();
+      const double t = estimate_of(o, r).total_bytes();
       need += t;
       largest_rank = std::max(largest_rank, t);
     }
@@ -310,8 +379,15 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   Prediction pr;
   pr.bytes_exact = true;
   pr.oversubscribed = slow > 1.0;
+  // An all-to-all over a Ulysses group that spans nodes: of the pu - 1 peers, the node's own go over the intra link
+  // and the rest over the inter link at the same time; the slower share decides.
   const auto a2a_s = [&](double bytes) {
-    return pu > 1 ? 2 * (pu - 1) * links.ulysses.latency_s + bytes / links.ulysses.bandwidth_bps : 0.0;
+    if (pu <= 1) return 0.0;
+    if (links.ulysses_class == "intra" || in.devices_per_node <= 1)
+      return 2 * (pu - 1) * links.ulysses.latency_s + bytes / links.ulysses.bandwidth_bps;
+    const double local = std::min(pu, in.devices_per_node) - 1.0, remote = (pu - 1) - local;
+    return 2 * (pu - 1) * links.ulysses.latency_s + std::max(bytes * local / (pu - 1) / prof.intra.bandwidth_bps,
+                                                             bytes * remote / (pu - 1) / links.ulysses.bandwidth_bps);
   };
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
@@ -573,33 +649,140 @@ Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const Devic
   return pr;
 }
 
+// ---- MHA decode: each rank attends the step's queries to its cache shard, the shards merge over the ring ----
+
+// Tokens of ring rank r among the first `len` of a cache sharded like CacheSharding (parallel/decode_cp.h):
+// contiguous blocks of ceil(capacity / P), or token t on rank (t / I) mod P.
+double shard_tokens(const DecodeOptions& d, std::int64_t capacity, std::int64_t len, int P, int r) {
+  if (d.cache_shard == "contiguous") {
+    const std::int64_t blk = (capacity + P - 1) / P;
+    return static_cast<double>(std::clamp<std::int64_t>(len - r * blk, 0, blk));
+  }
+  const std::int64_t I = std::max<std::int64_t>(1, d.interleave), period = I * P;
+  const std::int64_t full = len / period, rest = len % period;
+  return static_cast<double>(full * I + std::clamp<std::int64_t>(rest - r * I, 0, I));
+}
+
+Prediction predict_mha_decode(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& prof) {
+  const DecodeOptions& d = o.decode;
+  const int P = o.grid.ring_size, pu = o.grid.ulysses_size;
+  const Links links = links_of(o, in, prof);
+  const double slow = oversubscription(in, prof);
+  const std::int64_t capacity = d.context + d.chunk + d.decode_steps * d.new_tokens;
+  // The step in the middle of the run: the cache holds the prompt, the chunk and half the steps' tokens.
+  const std::int64_t len = d.context + d.chunk + d.decode_steps * d.new_tokens / 2;
+  const double e = static_cast<double>(dtype_size(o.dtype)),
+               acc = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
+  const double hq = static_cast<double>(o.heads / pu),
+               hkv = static_cast<double>(std::max<std::int64_t>(o.kv_heads, pu) / pu);
+  const KernelCurve& curve = prof.kernel("mha_fwd");
+  Prediction pr;
+  pr.bytes_exact = true;
+  pr.oversubscribed = slow > 1.0;
+  std::vector<double> c(P);
+  for (int r = 0; r < P; ++r) {
+    const double t = shard_tokens(d, capacity, len, P, r) + d.new_tokens;  // the step's own tokens, on every rank
+    const double flops = 4.0 * o.batch * d.new_tokens * hq * o.head_dim * t;
+    const double bytes = 2.0 * o.batch * t * hkv * o.head_dim * e;  // the shard's K and V, read once
+    // The larger of the FLOPs at the attention curve and the fixed cost plus the bytes at the memory bandwidth.
+    double s = flops > 0 ? flops / curve.rate(flops) : 0.0;
+    if (prof.memory_bandwidth_bps > 0) s = std::max(s, prof.decode_overhead_s + bytes / prof.memory_bandwidth_bps);
+    c[r] = slow * s;
+  }
+  // The merge: one all-gather of every rank's (out, lse hi/lo) over the ring group (ring algorithm, P - 1 hops).
+  const double block = static_cast<double>(o.batch) * d.new_tokens * hq * (o.head_dim + 2) * acc;
+  const double merge = P > 1 ? (P - 1) * links.ring.seconds(block) : 0.0;
+  const double slowest = *std::max_element(c.begin(), c.end());
+  const double mean = std::accumulate(c.begin(), c.end(), 0.0) / P;
+  pr.compute_s = slowest;
+  pr.exposed_comm_s = merge;
+  pr.imbalance_s = slowest - mean;
+  pr.step_s = pr.forward_s = slowest + merge;
+  pr.bytes_sent_forward = P > 1 ? (P - 1) * block : 0.0;
+  pr.bytes_per_link[links.ring_class] += pr.bytes_sent_forward;
+  return pr;
+}
+
+// The linear layers of a model (PlanInput::layers, linear_flops_per_token): every rank's own tokens, no
+// communication, at the "gemm" curve; forward F per token, backward 2 F. Then the layer's time times the layers.
+void add_linear_layers(Prediction& pr, const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& prof) {
+  if (in.linear_flops_per_token > 0) {
+    const double tokens = static_cast<double>(o.batch) * static_cast<double>(sp_bench_padded_len(o)) /
+                          (o.grid.ring_size * o.grid.ulysses_size);
+    const double f = in.linear_flops_per_token / in.tp * tokens;
+    const KernelCurve& g = prof.kernel("gemm");
+    const double fwd = f / g.rate(f), bwd = in.mode == "train" ? 2 * f / g.rate(2 * f) : 0.0;
+    pr.linear_s = fwd + bwd;
+    pr.forward_s += fwd;
+    pr.backward_s += bwd;
+    pr.step_s += fwd + bwd;
+    pr.compute_s += fwd + bwd;
+  }
+  const double L = in.layers;
+  for (double* x : {&pr.step_s, &pr.compute_s, &pr.exposed_comm_s, &pr.imbalance_s, &pr.forward_s, &pr.backward_s,
+                    &pr.linear_s, &pr.bytes_sent_forward, &pr.bytes_sent_backward})
+    *x *= L;
+  for (auto& [k, v] : pr.bytes_per_link) v *= L;
+}
+
 }  // namespace
 
 Prediction predict(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& profile) {
-  if (o.attn == "mha") return predict_mha(o, in, profile);
-  if (o.attn == "gdn") return predict_gdn(o, in, profile);
-  if (o.attn == "dsa") return predict_dsa(o, in, profile);
-  SEQPAR_THROW("sp_plan: --attn ", o.attn, " is not modelled (mha, gdn, dsa)");
+  if (in.mode == "decode") {
+    SEQPAR_CHECK(o.attn == "mha", "sp_plan: --mode decode models --attn mha only (not ", o.attn, ")");
+    return predict_mha_decode(o, in, profile);
+  }
+  Prediction pr;
+  if (o.attn == "mha")
+    pr = predict_mha(o, in, profile);
+  else if (o.attn == "gdn")
+    pr = predict_gdn(o, in, profile);
+  else if (o.attn == "dsa")
+    pr = predict_dsa(o, in, profile);
+  else
+    SEQPAR_THROW("sp_plan: --attn ", o.attn, " is not modelled (mha, gdn, dsa)");
+  add_linear_layers(pr, o, in, profile);
+  return pr;
 }
 
 // ---- enumeration ------------------------------------------------------------------------------------------------
 
 namespace {
 
-std::string attn_of(const PlanInput& in) {
-  // The kind as sp_bench resolves it: parse once at one rank with no grid flags.
+// The problem parsed as sp_bench does at one rank with no grid flags.
+SpBenchOptions problem_options(const std::vector<std::string>& flags) {
   std::vector<std::string> args = {"sp_bench"};
-  args.insert(args.end(), in.problem_flags.begin(), in.problem_flags.end());
+  args.insert(args.end(), flags.begin(), flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
   const std::optional<SpBenchOptions> o = parse_sp_bench_options(static_cast<int>(argv.size()), argv.data(), 1, 1);
   SEQPAR_CHECK(o.has_value(), "sp_plan: --help is not a problem flag");
-  return o->attn;
+  return *o;
+}
+
+// The problem alone (with --mode decode when planning a decode step: its flags need it).
+SpBenchOptions problem_options(const PlanInput& in) {
+  std::vector<std::string> f = in.problem_flags;
+  if (in.mode == "decode") f.insert(f.end(), {"--mode", "decode"});
+  return problem_options(f);
+}
+
+std::string attn_of(const PlanInput& in) { return problem_options(in).attn; }
+
+std::vector<std::string> problem_args(const PlanInput& in) {
+  std::vector<std::string> f = in.problem_flags;
+  if (in.tp > 1) {
+    const SpBenchOptions o = problem_options(in);
+    SEQPAR_CHECK(o.heads % in.tp == 0 && o.kv_heads % in.tp == 0, "sp_plan: --tp ", in.tp, " must divide --heads ",
+                 o.heads, " and --kv-heads ", o.kv_heads, " (tensor parallelism splits whole heads)");
+    f.insert(f.end(), {"--heads", std::to_string(o.heads / in.tp), "--kv-heads", std::to_string(o.kv_heads / in.tp)});
+  }
+  return f;
 }
 
 std::string command_of(const PlanInput& in, const PlanConfig& c) {
   std::string s = str_cat("mpirun -np ", in.world_size, " sp_bench");
-  for (const std::string& f : in.problem_flags) s += " " + f;
+  for (const std::string& f : problem_args(in)) s += " " + f;
   for (const std::string& f : c.flags()) s += " " + f;
   if (in.threads != 1) s += str_cat(" --threads ", in.threads);
   return s;
@@ -612,12 +795,31 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
                    in.world_size == in.nodes * in.devices_per_node,
                "sp_plan: --world ", in.world_size, " must equal --nodes ", in.nodes, " x --devices-per-node ",
                in.devices_per_node);
-  SEQPAR_CHECK(in.mode == "train" || in.mode == "prefill", "sp_plan: --mode ", in.mode, ": train | prefill");
+  SEQPAR_CHECK(in.mode == "train" || in.mode == "prefill" || in.mode == "decode", "sp_plan: --mode ", in.mode,
+               ": train | prefill | decode");
+  SEQPAR_CHECK(in.layers >= 1 && in.tp >= 1 && in.linear_flops_per_token >= 0, "sp_plan: --layers ", in.layers,
+               " and --tp ", in.tp, " must be >= 1 and --linear-flops-per-token ", in.linear_flops_per_token, " >= 0");
+  SEQPAR_CHECK(in.mode != "decode" || (in.layers == 1 && in.linear_flops_per_token == 0), "sp_plan: --mode decode ",
+               "plans one layer's step (--layers ", in.layers, ", --linear-flops-per-token ", in.linear_flops_per_token,
+               " are for train and prefill)");
   const std::string attn = attn_of(in);
   std::vector<PlanConfig> configs;
   for (int pu = 1; pu <= in.world_size; ++pu) {
     if (in.world_size % pu != 0) continue;
     const int pr = in.world_size / pu;
+    if (in.mode == "decode") {
+      // A decode step: the grid and the cache's sharding (the prompt's prefill is sp_bench's, not planned here).
+      for (const char* shard : {"contiguous", "interleave"}) {
+        PlanConfig c;
+        c.ulysses_size = pu;
+        c.ring_size = pr;
+        c.layout = "zigzag";
+        c.impl.clear();
+        c.cache_shard = shard;
+        configs.push_back(c);
+      }
+      continue;
+    }
     for (const char* layout : {"contiguous", "zigzag", "stripe", "balanced"}) {
       PlanConfig c;
       c.ulysses_size = pu;
@@ -644,6 +846,18 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
       }
     }
   }
+  if (!in.only_configs.empty()) {
+    std::vector<PlanConfig> kept;
+    for (const PlanConfig& c : configs)
+      if (std::find(in.only_configs.begin(), in.only_configs.end(), c.name()) != in.only_configs.end())
+        kept.push_back(c);
+    for (const std::string& n : in.only_configs) {
+      SEQPAR_CHECK(std::any_of(kept.begin(), kept.end(), [&](const PlanConfig& c) { return c.name() == n; }),
+                   "sp_plan: --configs names \"", n, "\", which is not a configuration of this problem at --world ",
+                   in.world_size, " (names as the table prints them, e.g. \"u1xr8 zigzag p2p\")");
+    }
+    configs = kept;
+  }
   std::vector<PlanRow> rows;
   for (const PlanConfig& c : configs) {
     PlanRow row;
@@ -651,10 +865,20 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
     row.command = command_of(in, c);
     try {
       const SpBenchOptions o = config_options(in, c);
-      const MemoryEstimate e = estimate_memory(o, 0);
+      if (in.mode == "decode") {
+        // sp_bench --mode decode's rule on the grid (check_decode_options, benchmarks/sp_bench_decode.cc), in its
+        // words.
+        const int pu = o.grid.ulysses_size;
+        SEQPAR_CHECK(o.kv_heads >= 1 && (o.kv_heads % pu == 0 || pu % o.kv_heads == 0),
+                     "--mode decode --attn mha: --kv-heads ", o.kv_heads, " must be divisible by --ulysses-size ", pu,
+                     " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head replicated)");
+      }
+      const MemoryEstimate e = estimate_of(o, 0);
       row.memory = e.ledger;
       row.memory_total = e.total_bytes();
-      row.excluded = memory_verdict(o, in, &row.memory_total);
+      // Unlimited memory: nothing to decide, rank 0's estimate is the report (the per-rank estimates of a long
+      // sequence over many ranks are what the planner's time goes to).
+      if (in.memory_per_device > 0) row.excluded = memory_verdict(o, in, &row.memory_total);
       if (row.excluded.empty()) {
         row.prediction = predict(o, in, profile);
         if (row.prediction.oversubscribed && !in.oversubscribed_ok) {
@@ -684,7 +908,10 @@ nlohmann::json plan_json(const PlanInput& in, const DeviceProfile& profile, cons
                 {"nodes", in.nodes},
                 {"devices_per_node", in.devices_per_node},
                 {"memory_per_device_bytes", in.memory_per_device},
-                {"threads", in.threads}};
+                {"threads", in.threads},
+                {"layers", in.layers},
+                {"linear_flops_per_token", in.linear_flops_per_token},
+                {"tp", in.tp}};
   j["profile"] = profile.name;
   j["ranked"] = nlohmann::json::array();
   j["excluded"] = nlohmann::json::array();
@@ -701,7 +928,9 @@ nlohmann::json plan_json(const PlanInput& in, const DeviceProfile& profile, cons
       continue;
     }
     const Prediction& p = r.prediction;
+    if (!r.config.cache_shard.empty()) c["cache_shard"] = r.config.cache_shard;
     c["predicted"] = {{"step_s", p.step_s},
+                      {"linear_s", p.linear_s},
                       {"forward_s", p.forward_s},
                       {"backward_s", p.backward_s},
                       {"compute_s", p.compute_s},

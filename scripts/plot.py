@@ -12,9 +12,19 @@ Every y axis starts at zero; ranks are on a log2 axis. Uses matplotlib's Agg bac
 (scripts/install_deps.sh installs it).
 
   scripts/plot.py docs/sweep.csv --attn mha --out docs/scaling.png
+
+Predicted scaling (sp_plan): --plans takes sp_plan --json files of one problem at several world sizes and draws each
+configuration family's predicted step time against the CP size (ring, Ulysses, USP with its Ulysses size; one line per
+layout and implementation), with --points CSV (columns world, label, value_ms: measured or published times) as
+markers; --published takes the JSON of scripts/sp_plan_published.py and draws predicted TFLOPS/s per GPU (lines)
+against the published ones (markers) for one --mask and --phase:
+
+  scripts/plot.py --plans plan_cp2.json plan_cp4.json --points measured.csv --out predicted.png
+  scripts/plot.py --published build/published.json --mask causal --phase fwd --out magi_causal_fwd.png
 """
 import argparse
 import csv
+import json
 import math
 import os
 import sys
@@ -65,15 +75,101 @@ def load(path, attn, phase):
     return attn, rows
 
 
+def family(r):
+    """A configuration's family across CP sizes: the grid with the CP size left out."""
+    pu, pr = r["ulysses_size"], r["ring_size"]
+    rest = " ".join(x for x in (r["layout"], r.get("impl", ""), r.get("gdn_mode", ""), r.get("dsa_select", ""),
+                                r.get("cache_shard", "")) if x)
+    if pu == 1 and pr == 1:
+        return None
+    if pu == 1:
+        return f"ring {rest}"
+    if pr == 1:
+        return f"ulysses {rest}"
+    return f"usp u{pu} {rest}"
+
+
+def save(fig, out, dpi):
+    tmp_out = out + ".tmp.png"
+    try:
+        fig.savefig(tmp_out, dpi=dpi)
+        os.replace(tmp_out, out)
+    except OSError as e:
+        sys.exit(f"plot.py: cannot write {out}: {e}")
+
+
+def plot_scaling(args):
+    """Predicted lines against measured / published markers over the CP size."""
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if args.published:
+        with open(args.published) as f:
+            rows = [r for r in json.load(f)["magiattention"] if r["mask"] == args.mask and r["phase"] == args.phase]
+        if not rows:
+            sys.exit(f"plot.py: no rows of mask {args.mask!r}, phase {args.phase!r} in {args.published}")
+        for i, m in enumerate(sorted({r["method"] for r in rows})):
+            rs = sorted((r for r in rows if r["method"] == m), key=lambda r: r["cp"])
+            c = colours[i % len(colours)]
+            ax.plot([r["cp"] for r in rs], [r["predicted_tflops"] for r in rs], "-", color=c, label=f"{m} predicted")
+            ax.plot([r["cp"] for r in rs], [r["published_tflops"] for r in rs], "o", color=c, label=f"{m} published")
+        ax.set(xlabel="CP size (GPUs)", ylabel="TFLOPS/s per GPU",
+               title=f"MagiAttention H100 benchmark, {args.mask} {args.phase}: sp_plan (lines) vs published (dots)")
+        n = len(rows)
+    else:
+        lines = defaultdict(list)
+        for path in args.plans:
+            with open(path) as f:
+                plan = json.load(f)
+            world = plan["input"]["world_size"]
+            best = {}
+            for r in plan["ranked"]:
+                fam = family(r)
+                if fam is not None and (fam not in best or r["predicted"]["step_s"] < best[fam]):
+                    best[fam] = r["predicted"]["step_s"]
+            for fam, t in best.items():
+                lines[fam].append((world, t * 1e3))
+        if not lines:
+            sys.exit("plot.py: the --plans hold no configuration over more than one rank")
+        for i, (fam, pts) in enumerate(sorted(lines.items())):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "-", color=colours[i % len(colours)],
+                    label=f"{fam} (predicted)")
+        n = sum(len(v) for v in lines.values())
+        if args.points:
+            with open(args.points, newline="") as f:
+                pts = list(csv.DictReader(f))
+            for i, lab in enumerate(sorted({p["label"] for p in pts})):
+                ps = [p for p in pts if p["label"] == lab]
+                ax.plot([int(p["world"]) for p in ps], [float(p["value_ms"]) for p in ps], "o",
+                        color=colours[(i + len(lines)) % len(colours)], label=lab)
+        ax.set(xlabel="CP size (ranks)", ylabel="step time (ms)", title="sp_plan: predicted scaling" +
+               (f" ({args.title})" if args.title else ""))
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    save(fig, args.out, args.dpi)
+    print(f"plot.py: wrote {args.out} ({n} predicted points)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("csv", help="CSV written by scripts/sweep.py")
+    ap.add_argument("csv", nargs="?", help="CSV written by scripts/sweep.py")
+    ap.add_argument("--plans", nargs="+", help="sp_plan --json files of one problem at several world sizes")
+    ap.add_argument("--points", help="CSV world,label,value_ms: measured or published times drawn as markers")
+    ap.add_argument("--published", help="JSON written by scripts/sp_plan_published.py --json")
+    ap.add_argument("--mask", default="causal", help="with --published: full | causal | varlen_causal")
     ap.add_argument("--attn", help="attention kind to plot (needed when the CSV holds several)")
     ap.add_argument("--out", default="scaling.png", help="PNG to write")
     ap.add_argument("--phase", default="fwd+bwd", choices=["fwd", "bwd", "fwd+bwd"])
     ap.add_argument("--title", default="", help="extra title text (e.g. the machine)")
     ap.add_argument("--dpi", type=int, default=150)
     args = ap.parse_args()
+    if args.plans or args.published:
+        return plot_scaling(args)
+    if not args.csv:
+        ap.error("a sweep CSV, --plans or --published is needed")
 
     attn, rows = load(args.csv, args.attn, args.phase)
     plt.rcParams.update({"font.size": 11, "axes.titlesize": 12, "legend.fontsize": 9})

@@ -21,6 +21,10 @@ MHA_PACKED = ["--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", 
               "1024,512,256,128,64,64", "--causal"]
 DSA = ["--attn", "dsa", "--heads", "16", "--head-dim", "128", "--dim-v", "128", "--indexer-heads", "8",
        "--indexer-dim", "64", "--topk", "256", "--seq", "2K"]
+DEC = ["--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--context", "8K", "--decode-steps", "16",
+       "--prefill", "fill"]
+DEC4 = ["--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--context", "16K", "--decode-steps",
+        "16", "--new-tokens", "4", "--prefill", "fill"]
 GDN = ["--attn", "gdn", "--heads", "8", "--kv-heads", "4", "--head-dim", "64", "--dim-v", "64", "--seq", "4K"]
 
 # (group, world, problem, configuration name as sp_plan prints it)
@@ -41,6 +45,13 @@ CASES = [
     ("gdn np1", 1, GDN, "u1xr1 zigzag scan"),
     ("gdn np2", 2, GDN, "u1xr2 zigzag chain"),
     ("gdn np2", 2, GDN, "u1xr2 zigzag scan"),
+    # A decode step (sp_plan --mode decode against sp_bench --mode decode's median step): two problems at 1 and 2 ranks.
+    ("decode np1", 1, DEC, "u1xr1 zigzag cache-interleave", "decode"),
+    ("decode np2", 2, DEC, "u1xr2 zigzag cache-interleave", "decode"),
+    ("decode np2", 2, DEC, "u1xr2 zigzag cache-contiguous", "decode"),
+    ("decode n4 np1", 1, DEC4, "u1xr1 zigzag cache-interleave", "decode"),
+    ("decode n4 np2", 2, DEC4, "u1xr2 zigzag cache-interleave", "decode"),
+    ("decode n4 np2", 2, DEC4, "u1xr2 zigzag cache-contiguous", "decode"),
 ]
 
 
@@ -56,6 +67,7 @@ def main():
     ap.add_argument("--json", required=True)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--groups", nargs="+", help="run only the cases of groups starting with one of these")
     a = ap.parse_args()
     sp_plan = os.path.join(a.build, "benchmarks", "sp_plan")
     sp_bench = os.path.join(a.build, "benchmarks", "sp_bench")
@@ -63,11 +75,16 @@ def main():
     plans = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for group, world, problem, name in CASES:
-            key = (world, tuple(problem))
+        for case in CASES:
+            group, world, problem, name = case[:4]
+            if a.groups and not any(group.startswith(g) for g in a.groups):
+                continue
+            mode = case[4] if len(case) > 4 else "train"
+            key = (world, tuple(problem), mode)
             if key not in plans:
                 out = os.path.join(tmp, f"plan{len(plans)}.json")
-                run([sp_plan, "--profile", a.profile, "--world", str(world), "--json", out, "--"] + problem, env=env)
+                run([sp_plan, "--profile", a.profile, "--world", str(world), "--mode", mode, "--json", out, "--"] +
+                    problem, env=env)
                 with open(out) as f:
                     plans[key] = json.load(f)
             plan = plans[key]
@@ -81,15 +98,18 @@ def main():
                 ["--warmup", "1", "--iters", str(a.iters), "--quiet", "--json", out], env=env)
             with open(out) as f:
                 bench = json.load(f)
-            measured = next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")["time_ms"] / 1e3
+            if mode == "decode":
+                measured, measured_exposed = bench["decode_step_s"]["median"], None
+            else:
+                whole = next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")
+                measured, measured_exposed = whole["time_ms"] / 1e3, whole["exposed_comm_pct"]
             predicted = r["predicted"]["step_s"]
             rows.append({"group": group, "world": world, "config": name, "predicted_s": predicted,
                          "measured_s": measured, "error": predicted / measured - 1,
                          "plan_rank": [x["name"] for x in plan["ranked"]].index(name) + 1,
                          "oversubscribed": r["predicted"]["oversubscribed"],
                          "exposed_comm_s": r["predicted"]["exposed_comm_s"],
-                         "measured_exposed_pct": next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")[
-                             "exposed_comm_pct"]})
+                         "measured_exposed_pct": measured_exposed})
     groups = {}
     for row in rows:
         groups.setdefault(row["group"], []).append(row)

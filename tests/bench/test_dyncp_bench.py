@@ -31,9 +31,10 @@ def check_plan(p, ndocs, world, failures):
 
 def main():
     sp_plan, bench, mpiexec, np_flag = sys.argv[1:5]
-    profile = {"name": "flat", "kernels": {k: {"points": [[1, 1e9]]} for k in ("mha_fwd", "mha_bwd")},
-               "links": {"intra": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e8},
-                         "inter": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e8}}}
+    src = "a flat test profile: round numbers, measured nowhere"
+    profile = {"name": "flat", "kernels": {k: {"points": [[1, 1e9]], "source": src} for k in ("mha_fwd", "mha_bwd")},
+               "links": {"intra": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e8, "source": src},
+                         "inter": {"latency_s": 1e-4, "bandwidth_bytes_per_s": 1e8, "source": src}}}
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         prof = os.path.join(tmp, "profile.json")

@@ -19,9 +19,10 @@ MEM_MIB = 200  # per device: p2p rings fit (192.4 MiB a rank), all-gather (206.4
 
 def main():
     sp_plan, sp_bench, mpiexec, np_flag = sys.argv[1:5]
-    profile = {"name": "flat", "kernels": {k: {"points": [[1, 1e10]]} for k in ("mha_fwd", "mha_bwd")},
-               "links": {"intra": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 5e9},
-                         "inter": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 5e9}}}
+    profile = {"name": "flat",
+               "kernels": {k: {"points": [[1, 1e10]], "source": "test"} for k in ("mha_fwd", "mha_bwd")},
+               "links": {"intra": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 5e9, "source": "test"},
+                         "inter": {"latency_s": 1e-5, "bandwidth_bytes_per_s": 5e9, "source": "test"}}}
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         prof = os.path.join(tmp, "profile.json")

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -17,8 +19,11 @@ namespace {
 DeviceProfile flat_profile(double flops_per_s, double latency_s, double bandwidth) {
   DeviceProfile p;
   p.name = "flat";
-  for (const char* k : {"mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"})
+  p.note = "test";
+  for (const char* k : {"mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"}) {
     p.kernels[k].points = {{1.0, flops_per_s}};
+    p.kernels[k].source = "test";
+  }
   p.intra = {latency_s, bandwidth, "test"};
   p.inter = {latency_s * 10, bandwidth / 10, "test"};
   return p;
@@ -171,6 +176,121 @@ TEST(SpPlan, ProfileJsonRoundTrip) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("bad profile: links.intra"), std::string::npos) << e.what();
   }
+}
+
+// Loading refuses a block of numbers that does not say where they come from, naming the block.
+TEST(SpPlanProfile, EveryBlockNamesItsSource) {
+  DeviceProfile p = flat_profile(2e9, 3e-6, 4e9);
+  p.intra.source = p.inter.source = "test";
+  p.memory_bytes = 80e9;
+  p.memory_bandwidth_bps = 3e12;
+  p.device_source = "test";
+  const nlohmann::json good = profile_json(p);
+  EXPECT_NO_THROW(profile_from_json(good, "good"));
+  const auto expect_refused = [](const nlohmann::json& j, const std::string& block) {
+    try {
+      profile_from_json(j, "p");
+      ADD_FAILURE() << "accepted without a source: " << block;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("p: " + block), std::string::npos) << e.what();
+    }
+  };
+  for (const std::string& block : {"kernels.mha_fwd", "links.intra", "links.inter", "device", "factors"}) {
+    const auto dot = block.find('.');
+    nlohmann::json missing = good, empty = good, bad_entry = good, assumed = good;
+    const auto at = [&](nlohmann::json& root) -> nlohmann::json& {
+      return dot == std::string::npos ? root[block] : root[block.substr(0, dot)][block.substr(dot + 1)];
+    };
+    at(missing).erase("source");
+    expect_refused(missing, block);
+    at(empty)["source"] = "";
+    expect_refused(empty, block);
+    at(bad_entry)["source"] = nlohmann::json::array({{{"what", "peak"}}});  // neither url nor assumption
+    expect_refused(bad_entry, block);
+    at(assumed)["source"] = nlohmann::json::array({{{"what", "peak"}, {"assumption", "why"}}});
+    EXPECT_NO_THROW(profile_from_json(assumed, "p")) << block;
+  }
+}
+
+// The GPU profiles in benchmarks/profiles load (so every block names its source), carry the curves the published
+// comparisons use, and their figures are the datasheets' orders of magnitude.
+TEST(SpPlanProfile, ShippedGpuProfilesLoad) {
+  int n = 0;
+  for (const auto& f : std::filesystem::directory_iterator(SEQPAR_PROFILES_DIR)) {
+    if (f.path().extension() != ".json") continue;
+    ++n;
+    SCOPED_TRACE(f.path().string());
+    const DeviceProfile p = load_profile(f.path().string());
+    for (const char* k : {"mha_fwd", "mha_bwd", "gemm", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"}) {
+      ASSERT_TRUE(p.kernels.count(k)) << k;
+      EXPECT_FALSE(p.kernels.at(k).source.empty()) << k;
+      for (const auto& [x, y] : p.kernels.at(k).points) EXPECT_TRUE(y > 1e14 && y < 5e15) << k << " " << y;
+    }
+    EXPECT_GT(p.memory_bytes, 64e9);
+    EXPECT_GT(p.memory_bandwidth_bps, 3e12);
+    EXPECT_GE(p.intra.bandwidth_bps, 400e9);  // NVLink 4 or 5 per direction
+    EXPECT_EQ(p.inter.bandwidth_bps, 50e9);   // 400 Gb/s per NIC
+  }
+  EXPECT_GE(n, 3) << "benchmarks/profiles should hold the H100, H200 and GB200 profiles";
+}
+
+// A decode step: the slowest shard's attention plus the all-gather of the partial results (P - 1 hops of
+// B n Hq (D + 2) accumulator bytes), against the closed form; the bytes are MhaDecodeCp::decode_bytes_per_step's.
+TEST(SpPlanDecode, StepIsShardPlusMerge) {
+  const double rate = 1e9, lat = 2e-6, bw = 1e9;
+  DeviceProfile p = flat_profile(rate, lat, bw);
+  const int P = 2;
+  PlanInput in = input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--context", "4096",
+                        "--decode-steps", "16"},
+                       P);
+  in.mode = "decode";
+  const std::vector<PlanRow> rows = plan(in, p);
+  const PlanRow& inter = row_named(rows, "u1xr2 zigzag cache-interleave");
+  const PlanRow& contig = row_named(rows, "u1xr2 zigzag cache-contiguous");
+  ASSERT_TRUE(inter.excluded.empty()) << inter.excluded;
+  ASSERT_TRUE(contig.excluded.empty()) << contig.excluded;
+  // Interleave 1 at the middle step (length 4096 + 8): 2052 tokens a rank, plus the step's own token.
+  const double block = 1.0 * 1 * 8 * (64 + 2) * 4;  // B n Hq (D + 2) fp32
+  const double attn = 4.0 * 8 * 64 * (2052 + 1) / rate;
+  EXPECT_NEAR(inter.prediction.step_s, attn + (P - 1) * (lat + block / bw), 1e-12);
+  EXPECT_EQ(inter.prediction.bytes_sent_forward, (P - 1) * block);
+  // Contiguous blocks of ceil((4096 + 16) / 2) = 2056: rank 0's is full at the middle step; it decides.
+  EXPECT_NEAR(contig.prediction.step_s, 4.0 * 8 * 64 * (2056 + 1) / rate + (P - 1) * (lat + block / bw), 1e-12);
+  EXPECT_NEAR(contig.prediction.imbalance_s, 4.0 * 8 * 64 * (2056 - 2052) / rate, 1e-12);  // ranks 2056, 2048
+  // One rank: the whole cache, no merge.
+  PlanInput one = in;
+  one.world_size = one.devices_per_node = 1;
+  const PlanRow& solo = row_named(plan(one, p), "u1xr1 zigzag cache-interleave");
+  EXPECT_NEAR(solo.prediction.step_s, 4.0 * 8 * 64 * (4104 + 1) / rate, 1e-12);
+  EXPECT_EQ(solo.prediction.bytes_sent_forward, 0.0);
+  // Memory-bound: the fixed cost plus the shard's K and V (2 x 8 heads x 64 x 4 bytes a token) at the bandwidth.
+  p.memory_bandwidth_bps = 1e8;
+  p.decode_overhead_s = 1e-3;
+  const PlanRow& mem = row_named(plan(in, p), "u1xr2 zigzag cache-interleave");
+  EXPECT_NEAR(mem.prediction.step_s, 1e-3 + 2.0 * 8 * 64 * 4 * (2052 + 1) / 1e8 + (P - 1) * (lat + block / bw), 1e-12);
+}
+
+// A model: layers x (attention + linear layers), the linear layers at the gemm curve on each rank's tokens
+// (forward F, backward 2 F per token), tensor parallelism splitting both.
+TEST(SpPlanModel, LayersTimesAttentionPlusLinear) {
+  DeviceProfile p = flat_profile(1e12, 1e-6, 1e10);
+  p.kernels["gemm"].points = {{1.0, 2e12}};
+  p.kernels["gemm"].source = "test";
+  PlanInput in =
+      input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K", "--causal"}, 2);
+  const PlanRow base = row_named(plan(in, p), "u1xr2 zigzag p2p");
+  PlanInput model = in;
+  model.layers = 3;
+  model.linear_flops_per_token = 1e9;
+  const PlanRow r = row_named(plan(model, p), "u1xr2 zigzag p2p");
+  const double linear = 3 * 1e9 * 1024 / 2e12;  // forward + backward of 1024 tokens a rank
+  EXPECT_NEAR(r.prediction.step_s, 3 * (base.prediction.step_s + linear), 1e-9);
+  EXPECT_NEAR(r.prediction.linear_s, 3 * linear, 1e-12);
+  // --tp 2 halves the heads (the attention's FLOPs, compute-bound here) and the linear FLOPs.
+  model.tp = 2;
+  const PlanRow t = row_named(plan(model, p), "u1xr2 zigzag p2p");
+  EXPECT_NEAR(t.prediction.linear_s, 3 * linear / 2, 1e-12);
+  EXPECT_LT(t.prediction.compute_s, r.prediction.compute_s * 0.51);
 }
 
 }  // namespace

@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""scripts/sp_plan_published.py --quick runs and its rows hold together: every (mask, phase, CP, method) of
+MagiAttention's benchmark at CP 8 and 16 has a prediction; no predicted TFLOPS/s per GPU exceeds the H100 profile's
+own attention curve (forward 648, backward 561: a prediction above the kernel's rate would mean FLOPs counted twice
+or time lost); the published figures are the ones in benchmarks/published/magiattention_h100.json; the error column
+is predicted / published - 1; ulysses and usp at CP 8 are one configuration (Ulysses over the node) and agree.
+
+  test_sp_plan_published.py SP_PLAN
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def main():
+    sp_plan = sys.argv[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "published.json")
+        subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "sp_plan_published.py"), "--sp-plan", sp_plan,
+                        "--quick", "--json", out], check=True, stdout=subprocess.DEVNULL)
+        with open(out) as f:
+            res = json.load(f)
+    with open(os.path.join(ROOT, "benchmarks", "published", "magiattention_h100.json")) as f:
+        pub = json.load(f)["tflops_per_gpu"]
+    with open(os.path.join(ROOT, "benchmarks", "profiles", "h100_sxm.json")) as f:
+        prof = json.load(f)["kernels"]
+    cap = {"fwd": max(p[1] for p in prof["mha_fwd"]["points"]) / 1e12,
+           "bwd": max(p[1] for p in prof["mha_bwd"]["points"]) / 1e12}
+    rows = res["magiattention"]
+    failures = []
+    keys = {(r["mask"], r["phase"], r["cp"], r["method"]) for r in rows}
+    for mask in ("full", "causal", "varlen_causal"):
+        for phase in ("fwd", "bwd"):
+            for cp in (8, 16):
+                for m in ("ulysses", "ring_p2p", "ring_allgather", "usp"):
+                    if (mask, phase, cp, m) not in keys:
+                        failures.append(f"no row for {mask} {phase} CP {cp} {m}")
+    for r in rows:
+        name = f"{r['mask']} {r['phase']} CP {r['cp']} {r['method']}"
+        if not 0 < r["predicted_tflops"] <= cap[r["phase"]] * (1 + 1e-9):
+            failures.append(f"{name}: predicted {r['predicted_tflops']} TFLOPS/s outside (0, {cap[r['phase']]}]")
+        if r["published_tflops"] != pub[f"{r['mask']}/{r['phase']}"][r["method"]][str(r["cp"])]:
+            failures.append(f"{name}: published {r['published_tflops']} is not the data file's")
+        if abs(r["error"] - (r["predicted_tflops"] / r["published_tflops"] - 1)) > 1e-12:
+            failures.append(f"{name}: error {r['error']} is not predicted / published - 1")
+    for mask in ("full", "causal", "varlen_causal"):
+        for phase in ("fwd", "bwd"):
+            u, s = (next(r for r in rows if (r["mask"], r["phase"], r["cp"], r["method"]) == (mask, phase, 8, m))
+                    for m in ("ulysses", "usp"))
+            if u["predicted_tflops"] != s["predicted_tflops"]:
+                failures.append(f"{mask} {phase} CP 8: ulysses {u['predicted_tflops']} != usp {s['predicted_tflops']}")
+    if len(res["orders"]) != 12:
+        failures.append(f"{len(res['orders'])} order cells, expected 12 (3 masks x 2 phases x 2 CP sizes)")
+    for f in failures:
+        print("FAIL:", f)
+    print(f"{len(rows)} rows, {res['within_25pct']} within 25%, {res['cells_same_order']} cells in the same order; "
+          f"{len(failures)} failures")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
