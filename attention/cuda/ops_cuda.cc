@@ -1,0 +1,244 @@
+// The CUDA ops table (ops_cuda.h): cuBLAS calls and memory here, kernels and CUB in ops_cuda_kernels.cu.
+#include "attention/cuda/ops_cuda.h"
+
+#include <cublas_v2.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "attention/cuda/ops_cuda_kernels.h"
+#include "runtime/cuda_check.h"
+#include "runtime/cuda_staging.h"
+#include "runtime/error.h"
+
+namespace seqpar::attn::ops {
+namespace {
+
+namespace kern = seqpar::attn::cuda;
+
+cublasOperation_t op_of(Trans t) { return t == Trans::kN ? CUBLAS_OP_N : CUBLAS_OP_T; }
+
+// The one stride of an operand's two-level batch when it is one strided batch of outer * inner matrices.
+bool one_stride(std::int64_t so, std::int64_t si, const Batch& b, std::int64_t& stride) {
+  if (b.outer == 1) {
+    stride = si;
+  } else if (b.inner == 1) {
+    stride = so;
+  } else if (so == b.inner * si) {
+    stride = si;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// cuBLAS wants ld >= the row-major column count even for a matrix of one row, whose ld is never used otherwise.
+std::int64_t usable_ld(std::int64_t ld, std::int64_t rows, std::int64_t cols) {
+  return rows <= 1 ? std::max({ld, cols, std::int64_t{1}}) : ld;
+}
+
+template <typename T>
+kern::BatchedMat<T> batched(Mat<T> m) {
+  return {m.ptr, m.ld, m.so, m.si};
+}
+
+// Stream-ordered pointer arrays for one pointer-array cuBLAS call, freed on the stream after it.
+class PointerArrays {
+ public:
+  PointerArrays(std::int64_t count, int arrays, cudaStream_t stream) : count_(count), stream_(stream) {
+    SEQPAR_CHECK_CUDA(cudaMallocAsync(&p_, static_cast<std::size_t>(count * arrays) * sizeof(void*), stream));
+  }
+  ~PointerArrays() { cudaFreeAsync(p_, stream_); }
+  PointerArrays(const PointerArrays&) = delete;
+  PointerArrays& operator=(const PointerArrays&) = delete;
+  // Array `i`, filled with the batch's matrix pointers of the operand starting at `base`.
+  template <typename P>
+  void** fill(int i, P* base, std::int64_t so, std::int64_t si, const Batch& b) {
+    void** a = static_cast<void**>(p_) + i * count_;
+    kern::batch_pointers(base, sizeof(P), so, si, b.outer, b.inner, a, stream_);
+    return a;
+  }
+
+ private:
+  void* p_ = nullptr;
+  std::int64_t count_;
+  cudaStream_t stream_;
+};
+
+template <typename T>
+class CudaOps final : public Ops<T> {
+ public:
+  CudaOps(Device device, Stream stream) : device_(device.index), stream_(static_cast<cudaStream_t>(stream.handle)) {
+    DeviceScope scope(device_);
+    SEQPAR_CHECK_CUBLAS(cublasCreate(&handle_));
+    SEQPAR_CHECK_CUBLAS(cublasSetStream(handle_, stream_));
+    SEQPAR_CHECK_CUBLAS(cublasSetMathMode(handle_, CUBLAS_PEDANTIC_MATH));  // fp32 stays fp32 (no TF32)
+  }
+  ~CudaOps() override { cublasDestroy(handle_); }
+  CudaOps(const CudaOps&) = delete;
+  CudaOps& operator=(const CudaOps&) = delete;
+
+  const char* name() const override { return "cuda"; }
+  void* allocate(std::size_t bytes) override {
+    DeviceScope scope(device_);
+    void* p = nullptr;
+    SEQPAR_CHECK_CUDA(cudaMallocAsync(&p, bytes > 0 ? bytes : 1, stream_));
+    SEQPAR_CHECK_CUDA(cudaMemsetAsync(p, 0, bytes > 0 ? bytes : 1, stream_));
+    return p;
+  }
+  void deallocate(void* p) override {  // called from destructors: never throws
+    if (p == nullptr) return;
+    int previous = 0;
+    cudaGetDevice(&previous);
+    if (previous != device_) cudaSetDevice(device_);
+    cudaFreeAsync(p, stream_);
+    if (previous != device_) cudaSetDevice(previous);
+  }
+  void upload(void* dst, const void* host, std::size_t bytes) override {
+    if (bytes == 0) return;
+    DeviceScope scope(device_);
+    SEQPAR_CHECK_CUDA(cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, stream_));
+    SEQPAR_CHECK_CUDA(cudaStreamSynchronize(stream_));
+  }
+  void download(void* host, const void* src, std::size_t bytes) override {
+    DeviceScope scope(device_);
+    if (bytes > 0) SEQPAR_CHECK_CUDA(cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, stream_));
+    SEQPAR_CHECK_CUDA(cudaStreamSynchronize(stream_));
+  }
+
+  void gemm(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, Mat<const T> a, Mat<const T> b,
+            T beta, Mat<T> c, Batch batch) override {
+    if (m <= 0 || n <= 0 || batch.count() <= 0) return;
+    DeviceScope scope(device_);
+    if (k <= 0) {  // C = beta C
+      kern::scale_mats(m, n, beta, batched(c), batch.outer, batch.inner, stream_);
+      return;
+    }
+    // row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B first
+    const std::int64_t lda = usable_ld(a.ld, ta == Trans::kN ? m : k, ta == Trans::kN ? k : m);
+    const std::int64_t ldb = usable_ld(b.ld, tb == Trans::kN ? k : n, tb == Trans::kN ? n : k);
+    const std::int64_t ldc = usable_ld(c.ld, m, n);
+    std::int64_t sa = 0, sb = 0, sc = 0;
+    if (one_stride(a.so, a.si, batch, sa) && one_stride(b.so, b.si, batch, sb) && one_stride(c.so, c.si, batch, sc)) {
+      if constexpr (std::is_same_v<T, float>)
+        SEQPAR_CHECK_CUBLAS(cublasSgemmStridedBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, b.ptr, ldb, sb,
+                                                         a.ptr, lda, sa, &beta, c.ptr, ldc, sc, batch.count()));
+      else
+        SEQPAR_CHECK_CUBLAS(cublasDgemmStridedBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, b.ptr, ldb, sb,
+                                                         a.ptr, lda, sa, &beta, c.ptr, ldc, sc, batch.count()));
+      return;
+    }
+    PointerArrays arrays(batch.count(), 3, stream_);
+    const auto pa = reinterpret_cast<const T* const*>(arrays.fill(0, a.ptr, a.so, a.si, batch));
+    const auto pb = reinterpret_cast<const T* const*>(arrays.fill(1, b.ptr, b.so, b.si, batch));
+    const auto pc = reinterpret_cast<T* const*>(arrays.fill(2, c.ptr, c.so, c.si, batch));
+    if constexpr (std::is_same_v<T, float>)
+      SEQPAR_CHECK_CUBLAS(cublasSgemmBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, pb, ldb, pa, lda, &beta,
+                                                pc, ldc, batch.count()));
+    else
+      SEQPAR_CHECK_CUBLAS(cublasDgemmBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, pb, ldb, pa, lda, &beta,
+                                                pc, ldc, batch.count()));
+  }
+
+  void trsm_unit_lower(std::int64_t n, std::int64_t nrhs, Mat<const T> l, Mat<T> b, Batch batch) override {
+    if (n <= 0 || nrhs <= 0 || batch.count() <= 0) return;
+    DeviceScope scope(device_);
+    // row-major L X = B is column-major X^T L^T = B^T: right side, L^T upper, unit diagonal
+    PointerArrays arrays(batch.count(), 2, stream_);
+    const auto pl = reinterpret_cast<const T* const*>(arrays.fill(0, l.ptr, l.so, l.si, batch));
+    const auto pb = reinterpret_cast<T* const*>(arrays.fill(1, b.ptr, b.so, b.si, batch));
+    const T one = T(1);
+    const std::int64_t ldl = usable_ld(l.ld, n, n), ldb = usable_ld(b.ld, n, nrhs);
+    if constexpr (std::is_same_v<T, float>)
+      SEQPAR_CHECK_CUBLAS(cublasStrsmBatched_64(handle_, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
+                                                CUBLAS_DIAG_UNIT, nrhs, n, &one, pl, ldl, pb, ldb, batch.count()));
+    else
+      SEQPAR_CHECK_CUBLAS(cublasDtrsmBatched_64(handle_, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
+                                                CUBLAS_DIAG_UNIT, nrhs, n, &one, pl, ldl, pb, ldb, batch.count()));
+  }
+  void copy(std::int64_t rows, std::int64_t cols, Mat<const T> src, Mat<T> dst, Batch batch) override {
+    DeviceScope scope(device_);
+    kern::copy_mats(rows, cols, batched(src), batched(dst), batch.outer, batch.inner, stream_);
+  }
+  void scaled_identity(std::int64_t n, const T* s, std::int64_t s_so, std::int64_t s_si, Mat<T> dst,
+                       Batch batch) override {
+    DeviceScope scope(device_);
+    kern::scaled_identity(n, s, s_so, s_si, batched(dst), batch.outer, batch.inner, stream_);
+  }
+
+  void gather_rows(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src, const std::int64_t* idx,
+                   T* dst, std::int64_t ld_dst) override {
+    DeviceScope scope(device_);
+    kern::gather_rows(rows, cols, src, ld_src, idx, dst, ld_dst, stream_);
+  }
+  void scatter_add_rows(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src,
+                        const std::int64_t* idx, T* dst, std::int64_t ld_dst) override {
+    DeviceScope scope(device_);
+    kern::scatter_add_rows(rows, cols, src, ld_src, idx, dst, ld_dst, stream_);
+  }
+  void topk_rows(std::int64_t rows, std::int64_t n, std::int64_t k, const T* scores, std::int64_t ld,
+                 const std::int64_t* lo, const std::int64_t* hi, std::int64_t* idx, T* val) override {
+    DeviceScope scope(device_);
+    kern::topk_rows(rows, n, k, scores, ld, lo, hi, idx, val, stream_);
+  }
+
+  void l2norm_scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, T eps, T s) override {
+    DeviceScope scope(device_);
+    kern::l2norm_scale_rows(rows, cols, x, ld, eps, s, stream_);
+  }
+  void relu_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld) override {
+    DeviceScope scope(device_);
+    kern::relu_rows(rows, cols, x, ld, stream_);
+  }
+  void softmax_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const std::int64_t* end,
+                    std::int64_t end_div, T* row_max, T* row_sum) override {
+    DeviceScope scope(device_);
+    kern::softmax_rows(rows, cols, x, ld, end, end_div, row_max, row_sum, stream_);
+  }
+  void scale_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld, const T* s) override {
+    DeviceScope scope(device_);
+    kern::scale_rows(rows, cols, x, ld, s, stream_);
+  }
+  void cumsum_rows(std::int64_t rows, std::int64_t cols, T* x, std::int64_t ld) override {
+    DeviceScope scope(device_);
+    kern::cumsum_rows(rows, cols, x, ld, stream_);
+  }
+  void gdn_chunk_scales(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, T* kscale, T* vscale,
+                        T* qscale, T* kend, T* end_decay) override {
+    DeviceScope scope(device_);
+    kern::gdn_chunk_scales(chunks, C, gamma, beta, kscale, vscale, qscale, kend, end_decay, stream_);
+  }
+  void gdn_chunk_masks(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, T* a, T* qk) override {
+    DeviceScope scope(device_);
+    kern::gdn_chunk_masks(chunks, C, gamma, beta, a, qk, stream_);
+  }
+
+ private:
+  int device_;
+  cudaStream_t stream_;
+  cublasHandle_t handle_ = nullptr;
+};
+
+void check_target(Device device, Stream stream) {
+  SEQPAR_CHECK(device.is_cuda(), "cuda_ops: device must be a CUDA device, got ", device.str());
+  SEQPAR_CHECK(stream.device == device, "cuda_ops: the stream is on ", stream.device.str(), ", the table on ",
+               device.str());
+  const int count = cuda_device_count();
+  SEQPAR_CHECK(count > 0, "cuda_ops: no usable CUDA device (", cuda_unavailable_reason(), ")");
+  SEQPAR_CHECK(device.index >= 0 && device.index < count, "cuda_ops: device ", device.str(), " does not exist (", count,
+               " CUDA devices)");
+}
+
+}  // namespace
+
+template <typename T>
+std::unique_ptr<Ops<T>> cuda_ops(Device device, Stream stream) {
+  check_target(device, stream);
+  return std::make_unique<CudaOps<T>>(device, stream);
+}
+template std::unique_ptr<Ops<float>> cuda_ops<float>(Device, Stream);
+template std::unique_ptr<Ops<double>> cuda_ops<double>(Device, Stream);
+
+bool cuda_ops_built() { return true; }
+
+}  // namespace seqpar::attn::ops
