@@ -1,10 +1,11 @@
-// The DSA indexer top-k composed from the ops table (attention/ops/dsa_composed.h) on the CPU table, against the
+// The DSA indexer top-k composed from the ops table (attention/ops/dsa_composed.h) on the selected table, against the
 // naive fp64 reference (attention/reference/dsa_reference.h): the selected positions exactly (random scores have no
 // near-ties at fp32 rounding; integer inputs make exact ties that the lower-position rule decides), and the scores at
 // 1e-12 (fp64) / 1e-4 (fp32), with -inf exactly outside the candidates; windows, non-contiguous key positions,
 // shuffled query positions, document bounds and k above the candidate count. The composed sparse latent attention
 // forward against the fp64 reference (1e-12) and the CPU kernel (fp32, bf16 inputs: 2e-5), on the whole latent set
 // and on a block that misses some selections, with a row that selects nothing (lse = -inf, out = 0).
+// The table: the CPU one, or the CUDA one with SEQPAR_TEST_DEVICE=cuda (tests/util/ops_table.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "attention/dsa.h"
 #include "attention/ops/dsa_composed.h"
 #include "attention/reference/dsa_reference.h"
+#include "tests/util/ops_table.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar::attn {
@@ -59,7 +61,7 @@ void check(const Case& c, DType dtype, std::uint64_t seed) {
          want = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs);
   Tensor got_s = Tensor::empty({c.B, c.Sq, c.Sk}, sd, kWs),
          want_s = Tensor::empty({c.B, c.Sq, c.Sk}, DType::kFloat64, kWs);
-  ops::dsa_indexer_topk_composed_cpu(args, got, got_s);
+  test::composed::dsa_indexer_topk(args, got, got_s);
   const Tensor q64 = Tensor::copy_of(q, DType::kFloat64, kWs), w64 = Tensor::copy_of(w, DType::kFloat64, kWs),
                k64 = Tensor::copy_of(k, DType::kFloat64, kWs);
   const DsaIndexerArgs args64{q64, w64, k64, qpos, kpos, c.window, lo, hi};
@@ -135,7 +137,7 @@ void check_attention(const AttnCase& c, DType dtype, std::uint64_t seed) {
   const DsaAttentionArgs args{q, lat, topk, qpos, cpos, c.Dv};
   const DType acc = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   Tensor out = Tensor::empty({c.B, c.Sq, c.H, c.Dv}, acc, kWs), lse = Tensor::empty({c.B, c.H, c.Sq}, acc, kWs);
-  ops::dsa_attention_forward_composed_cpu(args, out, lse);
+  test::composed::dsa_attention_forward(args, out, lse);
   Tensor want_o = Tensor::empty({c.B, c.Sq, c.H, c.Dv}, acc, kWs), want_l = Tensor::empty({c.B, c.H, c.Sq}, acc, kWs);
   double atol = 2e-5;
   if (dtype == DType::kFloat64) {  // the fp64 reference
@@ -168,7 +170,7 @@ TEST(DsaComposed, ArgumentErrors) {
   Tensor q = random_tensor({1, 4, 2, 3}, DType::kFloat32, 1), w = random_tensor({1, 4, 2}, DType::kFloat32, 2),
          k = random_tensor({1, 5, 3}, DType::kFloat32, 3);
   Tensor bad = Tensor::empty({1, 3, 2}, DType::kInt64, kWs);
-  test::expect_error([&] { ops::dsa_indexer_topk_composed_cpu({q, w, k, {}, {}}, bad); }, "topk_indices");
+  test::expect_error([&] { test::composed::dsa_indexer_topk({q, w, k, {}, {}}, bad); }, "topk_indices");
 }
 
 }  // namespace

@@ -1,9 +1,10 @@
-// The GDN forward composed from the ops table (attention/ops/gdn_composed.h) on the CPU table: against the
+// The GDN forward composed from the ops table (attention/ops/gdn_composed.h) on the selected table: against the
 // token-by-token fp64 recurrence (attention/reference/gdn_reference.h) at atol 1e-10 / rtol 1e-9 in fp64 (the
 // tolerance of test_gdn.cc), and against the CPU chunk kernel (attention/gdn.h) in fp32 and bf16 inputs at
 // atol 2e-5 / rtol 1e-4 (different summation orders). Covers lengths around the chunk, chunk sizes, grouped value
 // heads, initial / final state, no L2 norm, strong decay, packed rows (cu_seqlens, empty documents) and argument
 // errors.
+// The table: the CPU one, or the CUDA one with SEQPAR_TEST_DEVICE=cuda (tests/util/ops_table.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include "attention/gdn.h"
 #include "attention/ops/gdn_composed.h"
 #include "attention/reference/gdn_reference.h"
+#include "tests/util/ops_table.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar::attn {
@@ -75,7 +77,7 @@ Out alloc(const Problem& p, const Inputs& r, DType out_dtype, DType state_dtype)
 void expect_fp64_matches_reference(const Problem& p) {
   const Inputs r = make(p, DType::kFloat64);
   Out got = alloc(p, r, DType::kFloat64, DType::kFloat64), want = alloc(p, r, DType::kFloat64, DType::kFloat64);
-  ops::gdn_forward_composed_cpu(r.args, got.out, got.fin);
+  test::composed::gdn_forward(r.args, got.out, got.fin);
   reference::gdn_forward(r.args, want.out, want.fin);
   EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), 1e-10, 1e-9, "fp64 " + p.tag() + " out"));
   EXPECT_TRUE(all_close(to_double(got.fin), to_double(want.fin), 1e-10, 1e-9, "fp64 " + p.tag() + " final_state"));
@@ -84,7 +86,7 @@ void expect_fp64_matches_reference(const Problem& p) {
 void expect_matches_cpu_kernel(const Problem& p, DType dtype) {
   const Inputs r = make(p, dtype);
   Out got = alloc(p, r, DType::kFloat32, DType::kFloat32), want = alloc(p, r, DType::kFloat32, DType::kFloat32);
-  ops::gdn_forward_composed_cpu(r.args, got.out, got.fin);
+  test::composed::gdn_forward(r.args, got.out, got.fin);
   gdn_forward(r.args, want.out, want.fin);
   const std::string tag = std::string(dtype_name(dtype)) + " " + p.tag();
   EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), 2e-5, 1e-4, tag + " out"));
@@ -163,7 +165,7 @@ TEST(GdnComposed, TransitionAppliedToAStateGivesTheRecurrenceFp64) {
     seg.initial_state = TensorView();
     Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
     Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
-    ops::gdn_transition_composed_cpu(seg, m, u);
+    test::composed::gdn_transition(seg, m, u);
     // m S_0 + u against the recurrence's final state from S_0 = r.init
     Tensor got = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
     gdn_transition_apply(m, u, r.init, got);
@@ -175,7 +177,7 @@ TEST(GdnComposed, TransitionAppliedToAStateGivesTheRecurrenceFp64) {
   const Inputs r = make(p, DType::kFloat64);
   Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
   Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
-  test::expect_error([&] { ops::gdn_transition_composed_cpu(r.args, m, u); }, "initial_state must be empty");
+  test::expect_error([&] { test::composed::gdn_transition(r.args, m, u); }, "initial_state must be empty");
 }
 
 TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
@@ -183,7 +185,7 @@ TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
   p.S = 0;
   const Inputs r = make(p, DType::kFloat64);
   Out got = alloc(p, r, DType::kFloat64, DType::kFloat64);
-  ops::gdn_forward_composed_cpu(r.args, got.out, got.fin);
+  test::composed::gdn_forward(r.args, got.out, got.fin);
   EXPECT_EQ(to_double(r.init), to_double(got.fin));
 }
 
@@ -193,9 +195,9 @@ TEST(GdnComposed, ArgumentErrorsAreTheKernels) {
   Out o = alloc(p, r, DType::kFloat32, DType::kFloat32);
   GdnForwardArgs bad = r.args;
   bad.chunk_size = 0;
-  test::expect_error([&] { ops::gdn_forward_composed_cpu(bad, o.out, o.fin); }, "chunk_size");
+  test::expect_error([&] { test::composed::gdn_forward(bad, o.out, o.fin); }, "chunk_size");
   Tensor wrong = Tensor::empty({p.B, p.S, p.H, p.V + 1}, DType::kFloat32, kWs);
-  test::expect_error([&] { ops::gdn_forward_composed_cpu(r.args, wrong, o.fin); }, "out");
+  test::expect_error([&] { test::composed::gdn_forward(r.args, wrong, o.fin); }, "out");
 }
 
 }  // namespace

@@ -1,0 +1,53 @@
+// The ops table that the tests of the composed algorithms (attention/ops/*_composed.h) run on, chosen by
+// SEQPAR_TEST_DEVICE: unset or cpu, the CPU table; cuda, the CUDA table on device 0 (attention/cuda/ops_cuda.h; an
+// error naming the reason when none is usable, so that a run asked to use the device never passes on the CPU). The
+// compositions take host tensors and move them through the table's memory, so the same test bodies run on both.
+#pragma once
+
+#include <cstdlib>
+#include <string>
+
+#include "attention/cuda/ops_cuda.h"
+#include "attention/ops/dsa_composed.h"
+#include "attention/ops/gdn_composed.h"
+#include "attention/ops/ops_cpu.h"
+#include "runtime/error.h"
+
+namespace seqpar::test {
+
+// Whether SEQPAR_TEST_DEVICE selects the CUDA table (throws on a value other than cpu / cuda).
+inline bool ops_table_is_cuda() {
+  const char* env = std::getenv("SEQPAR_TEST_DEVICE");
+  const std::string name = env == nullptr || *env == '\0' ? "cpu" : env;
+  SEQPAR_CHECK(name == "cpu" || name == "cuda", "SEQPAR_TEST_DEVICE=", name, " must be cpu or cuda");
+  return name == "cuda";
+}
+
+// Calls f(table) with the selected table of `dtype`'s arithmetic dtype.
+template <typename F>
+void with_test_ops(DType dtype, F&& f) {
+  if (ops_table_is_cuda())
+    attn::ops::with_cuda_ops(dtype, Device::cuda(0), Stream{Device::cuda(0), nullptr}, f);
+  else
+    attn::ops::with_cpu_ops(dtype, f);
+}
+
+// The composed entry points on the selected table (the *_composed_cpu functions' signatures).
+namespace composed {
+inline void gdn_forward(const attn::GdnForwardArgs& a, const TensorView& out, const TensorView& final_state) {
+  with_test_ops(a.q.dtype(), [&](auto& ops) { attn::ops::gdn_forward_composed(ops, a, out, final_state); });
+}
+inline void gdn_transition(const attn::GdnForwardArgs& a, const TensorView& m, const TensorView& u) {
+  with_test_ops(a.q.dtype(), [&](auto& ops) { attn::ops::gdn_transition_composed(ops, a, m, u); });
+}
+inline void dsa_indexer_topk(const attn::DsaIndexerArgs& a, const TensorView& topk_indices,
+                             const TensorView& scores = {}) {
+  with_test_ops(a.q_idx.dtype(),
+                [&](auto& ops) { attn::ops::dsa_indexer_topk_composed(ops, a, topk_indices, scores); });
+}
+inline void dsa_attention_forward(const attn::DsaAttentionArgs& a, const TensorView& out, const TensorView& lse) {
+  with_test_ops(a.q.dtype(), [&](auto& ops) { attn::ops::dsa_attention_forward_composed(ops, a, out, lse); });
+}
+}  // namespace composed
+
+}  // namespace seqpar::test
