@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "attention/cuda/ops_cuda_kernels.h"
+#include "attention/cuda/ops_cuda_plan.h"
 #include "runtime/cuda_check.h"
 #include "runtime/cuda_staging.h"
 #include "runtime/error.h"
@@ -17,25 +18,6 @@ namespace {
 namespace kern = seqpar::attn::cuda;
 
 cublasOperation_t op_of(Trans t) { return t == Trans::kN ? CUBLAS_OP_N : CUBLAS_OP_T; }
-
-// The one stride of an operand's two-level batch when it is one strided batch of outer * inner matrices.
-bool one_stride(std::int64_t so, std::int64_t si, const Batch& b, std::int64_t& stride) {
-  if (b.outer == 1) {
-    stride = si;
-  } else if (b.inner == 1) {
-    stride = so;
-  } else if (so == b.inner * si) {
-    stride = si;
-  } else {
-    return false;
-  }
-  return true;
-}
-
-// cuBLAS wants ld >= the row-major column count even for a matrix of one row, whose ld is never used otherwise.
-std::int64_t usable_ld(std::int64_t ld, std::int64_t rows, std::int64_t cols) {
-  return rows <= 1 ? std::max({ld, cols, std::int64_t{1}}) : ld;
-}
 
 template <typename T>
 kern::BatchedMat<T> batched(Mat<T> m) {
@@ -114,47 +96,48 @@ class CudaOps final : public Ops<T> {
       kern::scale_mats(m, n, beta, batched(c), batch.outer, batch.inner, stream_);
       return;
     }
-    // row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: B first
-    const std::int64_t lda = usable_ld(a.ld, ta == Trans::kN ? m : k, ta == Trans::kN ? k : m);
-    const std::int64_t ldb = usable_ld(b.ld, tb == Trans::kN ? k : n, tb == Trans::kN ? n : k);
-    const std::int64_t ldc = usable_ld(c.ld, m, n);
-    std::int64_t sa = 0, sb = 0, sc = 0;
-    if (one_stride(a.so, a.si, batch, sa) && one_stride(b.so, b.si, batch, sb) && one_stride(c.so, c.si, batch, sc)) {
+    // the call's arguments: ops_cuda_plan.h (executed on the CPU by test_ops_cuda_plan)
+    const cuda_plan::GemmCall g = cuda_plan::plan_gemm(ta, tb, m, n, k, cuda_plan::layout_of(a),
+                                                       cuda_plan::layout_of(b), cuda_plan::layout_of(c), batch);
+    if (g.strided) {
       if constexpr (std::is_same_v<T, float>)
-        SEQPAR_CHECK_CUBLAS(cublasSgemmStridedBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, b.ptr, ldb, sb,
-                                                         a.ptr, lda, sa, &beta, c.ptr, ldc, sc, batch.count()));
+        SEQPAR_CHECK_CUBLAS(cublasSgemmStridedBatched_64(handle_, op_of(g.op_a), op_of(g.op_b), g.m, g.n, g.k, &alpha,
+                                                         b.ptr, g.lda, g.stride_a, a.ptr, g.ldb, g.stride_b, &beta,
+                                                         c.ptr, g.ldc, g.stride_c, g.count));
       else
-        SEQPAR_CHECK_CUBLAS(cublasDgemmStridedBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, b.ptr, ldb, sb,
-                                                         a.ptr, lda, sa, &beta, c.ptr, ldc, sc, batch.count()));
+        SEQPAR_CHECK_CUBLAS(cublasDgemmStridedBatched_64(handle_, op_of(g.op_a), op_of(g.op_b), g.m, g.n, g.k, &alpha,
+                                                         b.ptr, g.lda, g.stride_a, a.ptr, g.ldb, g.stride_b, &beta,
+                                                         c.ptr, g.ldc, g.stride_c, g.count));
       return;
     }
-    PointerArrays arrays(batch.count(), 3, stream_);
-    const auto pa = reinterpret_cast<const T* const*>(arrays.fill(0, a.ptr, a.so, a.si, batch));
-    const auto pb = reinterpret_cast<const T* const*>(arrays.fill(1, b.ptr, b.so, b.si, batch));
+    PointerArrays arrays(g.count, 3, stream_);
+    const auto pa = reinterpret_cast<const T* const*>(arrays.fill(0, b.ptr, b.so, b.si, batch));
+    const auto pb = reinterpret_cast<const T* const*>(arrays.fill(1, a.ptr, a.so, a.si, batch));
     const auto pc = reinterpret_cast<T* const*>(arrays.fill(2, c.ptr, c.so, c.si, batch));
     if constexpr (std::is_same_v<T, float>)
-      SEQPAR_CHECK_CUBLAS(cublasSgemmBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, pb, ldb, pa, lda, &beta,
-                                                pc, ldc, batch.count()));
+      SEQPAR_CHECK_CUBLAS(cublasSgemmBatched_64(handle_, op_of(g.op_a), op_of(g.op_b), g.m, g.n, g.k, &alpha, pa, g.lda,
+                                                pb, g.ldb, &beta, pc, g.ldc, g.count));
     else
-      SEQPAR_CHECK_CUBLAS(cublasDgemmBatched_64(handle_, op_of(tb), op_of(ta), n, m, k, &alpha, pb, ldb, pa, lda, &beta,
-                                                pc, ldc, batch.count()));
+      SEQPAR_CHECK_CUBLAS(cublasDgemmBatched_64(handle_, op_of(g.op_a), op_of(g.op_b), g.m, g.n, g.k, &alpha, pa, g.lda,
+                                                pb, g.ldb, &beta, pc, g.ldc, g.count));
   }
 
   void trsm_unit_lower(std::int64_t n, std::int64_t nrhs, Mat<const T> l, Mat<T> b, Batch batch) override {
     if (n <= 0 || nrhs <= 0 || batch.count() <= 0) return;
     DeviceScope scope(device_);
-    // row-major L X = B is column-major X^T L^T = B^T: right side, L^T upper, unit diagonal
-    PointerArrays arrays(batch.count(), 2, stream_);
+    // row-major L X = B is column-major X^T L^T = B^T: right side, L^T upper, unit diagonal (ops_cuda_plan.h)
+    const cuda_plan::TrsmCall t =
+        cuda_plan::plan_trsm(n, nrhs, cuda_plan::layout_of(l), cuda_plan::layout_of(b), batch);
+    PointerArrays arrays(t.count, 2, stream_);
     const auto pl = reinterpret_cast<const T* const*>(arrays.fill(0, l.ptr, l.so, l.si, batch));
     const auto pb = reinterpret_cast<T* const*>(arrays.fill(1, b.ptr, b.so, b.si, batch));
     const T one = T(1);
-    const std::int64_t ldl = usable_ld(l.ld, n, n), ldb = usable_ld(b.ld, n, nrhs);
     if constexpr (std::is_same_v<T, float>)
       SEQPAR_CHECK_CUBLAS(cublasStrsmBatched_64(handle_, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
-                                                CUBLAS_DIAG_UNIT, nrhs, n, &one, pl, ldl, pb, ldb, batch.count()));
+                                                CUBLAS_DIAG_UNIT, t.m, t.n, &one, pl, t.lda, pb, t.ldb, t.count));
     else
       SEQPAR_CHECK_CUBLAS(cublasDtrsmBatched_64(handle_, CUBLAS_SIDE_RIGHT, CUBLAS_FILL_MODE_UPPER, CUBLAS_OP_N,
-                                                CUBLAS_DIAG_UNIT, nrhs, n, &one, pl, ldl, pb, ldb, batch.count()));
+                                                CUBLAS_DIAG_UNIT, t.m, t.n, &one, pl, t.lda, pb, t.ldb, t.count));
   }
   void copy(std::int64_t rows, std::int64_t cols, Mat<const T> src, Mat<T> dst, Batch batch) override {
     DeviceScope scope(device_);
