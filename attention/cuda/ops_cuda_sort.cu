@@ -6,6 +6,7 @@
 
 #include "attention/cuda/ops_cuda_common.cuh"
 #include "attention/cuda/ops_cuda_kernels.h"
+#include "attention/cuda/ops_cuda_keys.h"
 #include "runtime/cuda_check.h"
 
 namespace seqpar::attn::cuda {
@@ -33,28 +34,7 @@ __global__ void scatter_runs_kernel(std::int64_t rows, std::int64_t cols, const 
   }
 }
 
-// Order-preserving unsigned keys: larger score, larger key; -0 and +0 equal; NaN 0, below every other score (-inf
-// included, whose key is positive).
-template <typename T>
-struct OrderedKey;
-template <>
-struct OrderedKey<float> {
-  using U = std::uint32_t;
-  __device__ static U of(float x) {
-    if (x != x) return 0;
-    const U u = x == 0.0f ? 0u : __float_as_uint(x);
-    return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  }
-};
-template <>
-struct OrderedKey<double> {
-  using U = unsigned long long;
-  __device__ static U of(double x) {
-    if (x != x) return 0;
-    const U u = x == 0.0 ? 0ull : static_cast<U>(__double_as_longlong(x));
-    return (u & 0x8000000000000000ull) ? ~u : (u | 0x8000000000000000ull);
-  }
-};
+using ops::cuda_plan::OrderedKey;  // ops_cuda_keys.h
 
 template <typename T>
 __global__ void topk_keys_kernel(std::int64_t rows, std::int64_t n, const T* scores, std::int64_t ld,

@@ -1,4 +1,6 @@
-// The CUDA ops table's cuBLAS calls (attention/cuda/ops_cuda_plan.h) executed on the CPU: each planned
+// The CUDA ops table's cuBLAS calls (attention/cuda/ops_cuda_plan.h) executed on the CPU, and its top-k algorithm
+// (ops_cuda_sort.cu: stable sort by ops_cuda_keys.h's key, the first k non-NaN, re-sorted by column) emulated on the
+// host against the CPU table's top-k: each planned
 // gemm(Strided)Batched / trsmBatched call is run by a loop written from cuBLAS's documented column-major semantics,
 // its matrices found the way the table finds them (one stride, or the pointer-array formula that its device kernel
 // evaluates), and its result compared with the row-major fp64 loop of the ops table's contract (attention/ops/ops.h);
@@ -7,13 +9,17 @@
 // below their width, two-level batches that are one strided batch and ones that are not (zero strides, gaps).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "attention/cuda/ops_cuda_keys.h"
 #include "attention/cuda/ops_cuda_plan.h"
+#include "attention/ops/ops_cpu.h"
 
 namespace seqpar::attn::ops::cuda_plan {
 namespace {
@@ -161,6 +167,57 @@ TEST(OpsCudaPlan, TrsmCallSolvesTheRowMajorUnitLowerSystem) {
     }
   }
   EXPECT_LT(err, 1e-12);
+}
+
+template <typename T>
+void check_topk_by_keys() {
+  using Key = OrderedKey<T>;
+  const T inf = std::numeric_limits<T>::infinity(), nan = std::numeric_limits<T>::quiet_NaN();
+  // the key's order is the scores' order; -0 = +0; NaN (either sign) is 0, below -inf
+  const std::vector<T> ascending = {-inf, T(-3), T(-1e-30), T(-0.0), T(0.0), T(1e-30), T(2), inf};
+  for (std::size_t i = 0; i + 1 < ascending.size(); ++i) {
+    if (ascending[i] == ascending[i + 1])
+      EXPECT_EQ(Key::of(ascending[i]), Key::of(ascending[i + 1])) << double(ascending[i]);
+    else
+      EXPECT_LT(Key::of(ascending[i]), Key::of(ascending[i + 1])) << double(ascending[i]);
+  }
+  EXPECT_EQ(0u, Key::of(nan));
+  EXPECT_EQ(0u, Key::of(-nan));
+  EXPECT_LT(0u, Key::of(-inf));
+  // the algorithm against the CPU table on rows full of ties
+  const std::int64_t rows = 64, n = 23, k = 6;
+  std::mt19937_64 rng(21);
+  const T pool[] = {T(2), T(1), T(0), T(-0.0), T(-1), -inf, inf, nan, T(0.5)};
+  std::vector<T> s(rows * n);
+  for (T& x : s) x = pool[rng() % 9];
+  std::vector<std::int64_t> lo(rows), hi(rows);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    lo[r] = static_cast<std::int64_t>(rng() % 30) - 4;
+    hi[r] = lo[r] + static_cast<std::int64_t>(rng() % 14) - 1;
+  }
+  std::vector<std::int64_t> want_idx(rows * k);
+  std::vector<T> want_val(rows * k);
+  cpu_ops<T>().topk_rows(rows, n, k, s.data(), n, lo.data(), hi.data(), want_idx.data(), want_val.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t b = std::clamp<std::int64_t>(lo[r], 0, n), e = std::clamp<std::int64_t>(hi[r], b, n);
+    std::vector<std::int64_t> cols;
+    for (std::int64_t j = b; j < e; ++j) cols.push_back(j);
+    std::stable_sort(cols.begin(), cols.end(),
+                     [&](std::int64_t x, std::int64_t y) { return Key::of(s[r * n + x]) > Key::of(s[r * n + y]); });
+    std::vector<std::int64_t> chosen;
+    for (std::size_t t = 0; t < cols.size() && static_cast<std::int64_t>(t) < k && Key::of(s[r * n + cols[t]]) != 0;
+         ++t)
+      chosen.push_back(cols[t]);
+    std::sort(chosen.begin(), chosen.end());
+    for (std::int64_t t = 0; t < k; ++t)
+      EXPECT_EQ(t < static_cast<std::int64_t>(chosen.size()) ? chosen[t] : -1, want_idx[r * k + t])
+          << "row " << r << " slot " << t;
+  }
+}
+
+TEST(OpsCudaPlan, TopkBySortedKeysIsTheTableRule) {
+  check_topk_by_keys<float>();
+  check_topk_by_keys<double>();
 }
 
 }  // namespace
