@@ -207,7 +207,7 @@ void check_target(Device device, Stream stream) {
   SEQPAR_CHECK(stream.device == device, "cuda_ops: the stream is on ", stream.device.str(), ", the table on ",
                device.str());
   const int count = cuda_device_count();
-  SEQPAR_CHECK(count > 0, "cuda_ops: no usable CUDA device (", cuda_unavailable_reason(), ")");
+  SEQPAR_CHECK(count > 0, "cuda_ops: ", cuda_unavailable_reason());
   SEQPAR_CHECK(device.index >= 0 && device.index < count, "cuda_ops: device ", device.str(), " does not exist (", count,
                " CUDA devices)");
 }
