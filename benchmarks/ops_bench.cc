@@ -8,20 +8,21 @@
 //        (defaults S 4096, H 16, Dqk 576, Dv 512, Hi 64, Di 128, k 2048).
 // The composed entry points take host tensors: a call uploads its inputs and downloads its outputs through the
 // table. "io ms" times that part alone (the host-side fp32 copies of the inputs, upload, download of the outputs'
-// bytes) so that the device's share is about total - io. Times: median of the timed rounds (--warmup untimed rounds
-// first; rounds until --min-time seconds, at least 3). Model FLOPs: benchmarks/flop_models.h (the DSA indexer
-// counted over the causal pairs, as sp_bench does; the composition computes every pair of the rectangle).
+// bytes) so that the device's share is about total - io. A square fp32 GEMM through the same table (--square) is
+// timed first, and every row gives its model FLOP rate as a fraction of that GEMM's ("of_gemm"). Times: median of the
+// timed rounds (--warmup untimed rounds first; rounds until --min-time seconds, at least 3). Model FLOPs:
+// benchmarks/flop_models.h (the DSA indexer counted over the causal pairs, as sp_bench does; the composition computes
+// every pair of the rectangle).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cxxopts.hpp>
 #include <fstream>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <cxxopts.hpp>
-#include <nlohmann/json.hpp>
 
 #include "attention/cuda/ops_cuda.h"
 #include "attention/ops/dsa_composed.h"
@@ -81,7 +82,24 @@ double io_seconds(Ops<float>& ops, const std::vector<const Tensor*>& in, std::si
   });
 }
 
-nlohmann::json run_gdn(Ops<float>& ops, const cxxopts::ParseResult& a, const Timer& timer) {
+// Model FLOP/s of a square fp32 GEMM [n, n] x [n, n] through the table (a 4-byte download waits for it).
+double gemm_rate(Ops<float>& ops, std::int64_t n, const Timer& timer) {
+  const Buffer<float> a(ops, std::vector<float>(static_cast<std::size_t>(n * n), 0.5f)),
+      b(ops, std::vector<float>(static_cast<std::size_t>(n * n), 0.25f));
+  Buffer<float> c(ops, n * n);
+  float sink = 0.0f;
+  const double t = timer.median([&] {
+    ops.gemm(attn::ops::Trans::kN, attn::ops::Trans::kN, n, n, n, 1.0f, {a.get(), n}, {b.get(), n}, 0.0f, {c.get(), n},
+             {});
+    ops.download(&sink, c.get(), sizeof sink);
+  });
+  const double rate = 2.0 * double(n) * double(n) * double(n) / t;
+  std::printf("# square fp32 GEMM %lld^3 through the table: %.3f ms, %.4g TFLOP/s\n", static_cast<long long>(n),
+              t * 1e3, rate * 1e-12);
+  return rate;
+}
+
+nlohmann::json run_gdn(Ops<float>& ops, const cxxopts::ParseResult& a, const Timer& timer, double gemm) {
   const std::int64_t Hv = a["heads"].as<std::int64_t>(), Hk = a["kv-heads"].as<std::int64_t>();
   const std::int64_t K = a["head-dim"].as<std::int64_t>(), V = a["dim-v"].as<std::int64_t>();
   const std::int64_t C = a["chunk-size"].as<std::int64_t>();
@@ -89,8 +107,8 @@ nlohmann::json run_gdn(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
               static_cast<long long>(Hv), static_cast<long long>(Hk), static_cast<long long>(K),
               static_cast<long long>(V), static_cast<long long>(C));
   std::printf("# model FLOPs: S*Hv*(6*C*K + 4*C*V + 6*K*V)\n");
-  std::printf("%7s %4s %4s %5s %5s %5s %10s %10s %10s\n", "S", "Hv", "Hk", "K", "V", "C", "fwd_ms", "io_ms",
-              "TFLOP/s");
+  std::printf("%7s %4s %4s %5s %5s %5s %10s %10s %10s %8s\n", "S", "Hv", "Hk", "K", "V", "C", "fwd_ms", "io_ms",
+              "TFLOP/s", "of_gemm");
   nlohmann::json rows = nlohmann::json::array();
   for (const std::int64_t S : a["gdn-seq"].as<std::vector<std::int64_t>>()) {
     const Tensor q = random_tensor({1, S, Hk, K}, 1, -1, 1), k = random_tensor({1, S, Hk, K}, 2, -1, 1),
@@ -101,17 +119,27 @@ nlohmann::json run_gdn(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
     const double t = timer.median([&] { attn::ops::gdn_forward_composed(ops, args, out, fin); });
     const double io = io_seconds(ops, {&q, &k, &v, &g, &beta}, out.nbytes() + fin.nbytes(), timer);
     const double flops = gdn_forward_flops(GdnFlopShape{1, S, Hv, K, V, C, 0, 0});
-    std::printf("%7lld %4lld %4lld %5lld %5lld %5lld %10.3f %10.3f %10.4g\n", static_cast<long long>(S),
+    std::printf("%7lld %4lld %4lld %5lld %5lld %5lld %10.3f %10.3f %10.4g %8.3f\n", static_cast<long long>(S),
                 static_cast<long long>(Hv), static_cast<long long>(Hk), static_cast<long long>(K),
-                static_cast<long long>(V), static_cast<long long>(C), t * 1e3, io * 1e3, flops / t * 1e-12);
+                static_cast<long long>(V), static_cast<long long>(C), t * 1e3, io * 1e3, flops / t * 1e-12,
+                flops / t / gemm);
     std::fflush(stdout);
-    rows.push_back({{"kernel", "gdn"}, {"S", S}, {"Hv", Hv}, {"Hk", Hk}, {"K", K}, {"V", V}, {"chunk_size", C},
-                    {"fwd_ms", t * 1e3}, {"io_ms", io * 1e3}, {"model_tflops", flops / t * 1e-12}});
+    rows.push_back({{"kernel", "gdn"},
+                    {"S", S},
+                    {"Hv", Hv},
+                    {"Hk", Hk},
+                    {"K", K},
+                    {"V", V},
+                    {"chunk_size", C},
+                    {"fwd_ms", t * 1e3},
+                    {"io_ms", io * 1e3},
+                    {"model_tflops", flops / t * 1e-12},
+                    {"of_gemm", flops / t / gemm}});
   }
   return rows;
 }
 
-nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Timer& timer) {
+nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Timer& timer, double gemm) {
   DsaFlopShape fs;
   fs.heads = a["dsa-heads"].as<std::int64_t>();
   fs.head_dim = a["dsa-dim"].as<std::int64_t>();
@@ -121,14 +149,16 @@ nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
   fs.topk = a["topk"].as<std::int64_t>();
   const std::int64_t H = fs.heads, Dqk = fs.head_dim, Dv = fs.dim_v, Hi = fs.indexer_heads, Di = fs.indexer_dim,
                      k = fs.topk;
-  std::printf("#\n# dsa: dsa_indexer_topk_composed, dsa_attention_forward_composed, fp32, B=1 H=%lld Dqk=%lld "
-              "Dv=%lld Hi=%lld Di=%lld topk=%lld, causal\n",
-              static_cast<long long>(H), static_cast<long long>(Dqk), static_cast<long long>(Dv),
-              static_cast<long long>(Hi), static_cast<long long>(Di), static_cast<long long>(k));
-  std::printf("# model FLOPs: indexer 2*Hi*Di per causal pair (+ the head sum), attention 2*H*(Dqk+Dv) per "
-              "selected pair\n");
-  std::printf("%7s %5s %5s %12s %10s %12s %10s %10s\n", "S", "H", "k", "indexer_ms", "idx_io_ms", "attention_ms",
-              "attn_io_ms", "TFLOP/s");
+  std::printf(
+      "#\n# dsa: dsa_indexer_topk_composed, dsa_attention_forward_composed, fp32, B=1 H=%lld Dqk=%lld "
+      "Dv=%lld Hi=%lld Di=%lld topk=%lld, causal\n",
+      static_cast<long long>(H), static_cast<long long>(Dqk), static_cast<long long>(Dv), static_cast<long long>(Hi),
+      static_cast<long long>(Di), static_cast<long long>(k));
+  std::printf(
+      "# model FLOPs: indexer 2*Hi*Di per causal pair (+ the head sum), attention 2*H*(Dqk+Dv) per "
+      "selected pair\n");
+  std::printf("%7s %5s %5s %12s %10s %12s %10s %10s %8s\n", "S", "H", "k", "indexer_ms", "idx_io_ms", "attention_ms",
+              "attn_io_ms", "TFLOP/s", "of_gemm");
   nlohmann::json rows = nlohmann::json::array();
   for (const std::int64_t S : a["dsa-seq"].as<std::vector<std::int64_t>>()) {
     fs.seq = S;
@@ -148,14 +178,25 @@ nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
     const double io_idx = io_seconds(ops, {&q_idx, &w, &k_idx}, topk.nbytes(), timer);
     const double io_att = io_seconds(ops, {&q, &c}, out.nbytes() + 2 * lse.nbytes(), timer);
     const double flops = dsa_forward_flops(fs);
-    std::printf("%7lld %5lld %5lld %12.3f %10.3f %12.3f %10.3f %10.4g\n", static_cast<long long>(S),
+    const double rate = flops / (t_idx + t_att);
+    std::printf("%7lld %5lld %5lld %12.3f %10.3f %12.3f %10.3f %10.4g %8.3f\n", static_cast<long long>(S),
                 static_cast<long long>(H), static_cast<long long>(k), t_idx * 1e3, io_idx * 1e3, t_att * 1e3,
-                io_att * 1e3, flops / (t_idx + t_att) * 1e-12);
+                io_att * 1e3, rate * 1e-12, rate / gemm);
     std::fflush(stdout);
-    rows.push_back({{"kernel", "dsa"}, {"S", S}, {"H", H}, {"Dqk", Dqk}, {"Dv", Dv}, {"Hi", Hi}, {"Di", Di},
-                    {"topk", k}, {"indexer_ms", t_idx * 1e3}, {"indexer_io_ms", io_idx * 1e3},
-                    {"attention_ms", t_att * 1e3}, {"attention_io_ms", io_att * 1e3},
-                    {"model_tflops", flops / (t_idx + t_att) * 1e-12}});
+    rows.push_back({{"kernel", "dsa"},
+                    {"S", S},
+                    {"H", H},
+                    {"Dqk", Dqk},
+                    {"Dv", Dv},
+                    {"Hi", Hi},
+                    {"Di", Di},
+                    {"topk", k},
+                    {"indexer_ms", t_idx * 1e3},
+                    {"indexer_io_ms", io_idx * 1e3},
+                    {"attention_ms", t_att * 1e3},
+                    {"attention_io_ms", io_att * 1e3},
+                    {"model_tflops", rate * 1e-12},
+                    {"of_gemm", rate / gemm}});
   }
   return rows;
 }
@@ -177,10 +218,11 @@ int run(int argc, char** argv) {
       "indexer-heads", "DSA indexer heads Hi", cxxopts::value<std::int64_t>()->default_value("64"))(
       "indexer-dim", "DSA indexer dim Di", cxxopts::value<std::int64_t>()->default_value("128"))(
       "topk", "DSA selected keys k", cxxopts::value<std::int64_t>()->default_value("2048"))(
+      "square", "the reference GEMM's size n", cxxopts::value<std::int64_t>()->default_value("4096"))(
       "warmup", "untimed rounds", cxxopts::value<int>()->default_value("1"))(
       "min-time", "seconds of timed rounds per row (at least 3 rounds)",
       cxxopts::value<double>()->default_value("0.5"))("json", "also write the rows to this file",
-                                                       cxxopts::value<std::string>())("h,help", "this help");
+                                                      cxxopts::value<std::string>())("h,help", "this help");
   const cxxopts::ParseResult a = opts.parse(argc, argv);
   if (a.count("help")) {
     std::printf("%s\n", opts.help().c_str());
@@ -194,10 +236,12 @@ int run(int argc, char** argv) {
   Ops<float>& ops = cuda ? *cuda : attn::ops::cpu_ops_f32();
   std::printf("# ops_bench: table %s%s\n", ops.name(),
               table == "cpu" ? (attn::ops::cpu_ops_use_cblas() ? " (OpenBLAS)" : " (loops)") : "");
+  const double gemm = gemm_rate(ops, a["square"].as<std::int64_t>(), timer);
   nlohmann::json rows = nlohmann::json::array();
+  rows.push_back({{"kernel", "gemm_fp32"}, {"n", a["square"].as<std::int64_t>()}, {"tflops", gemm * 1e-12}});
   for (const std::string& kind : a["kernel"].as<std::vector<std::string>>()) {
     SEQPAR_CHECK(kind == "gdn" || kind == "dsa", "ops_bench: --kernel takes gdn and dsa, got ", kind);
-    for (auto& r : kind == "gdn" ? run_gdn(ops, a, timer) : run_dsa(ops, a, timer)) {
+    for (auto& r : kind == "gdn" ? run_gdn(ops, a, timer, gemm) : run_dsa(ops, a, timer, gemm)) {
       r["table"] = table;
       rows.push_back(r);
     }

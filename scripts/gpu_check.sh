@@ -13,16 +13,17 @@
 #             SEQPAR_TEST_DEVICE; bf16 ~1e-2, fp16 ~3e-3 relative), the host-device row bodies, cuDNN support
 #   ops       the ops table (test_ops_table: every op against fp64 loops; on a GPU the CUDA table's cases must run,
 #             none skipped) and the GDN forward / DSA indexer and attention composed from it (test_gdn_composed,
-#             test_dsa_composed) on the table of SEQPAR_TEST_DEVICE: the CUDA table on a GPU, the CPU table in the dry run
+#             test_dsa_composed) on the table of SEQPAR_TEST_DEVICE: the CUDA table on a GPU, the CPU table in the dry
+#             run
 #   sanitize  compute-sanitizer memcheck and racecheck on the custom kernels at tiny shapes (*Tiny* cases); memcheck
 #             on the CUDA ops table's cases
 #   bench     kernel_bench --device: attention forward and backward at S 4K/16K/64K, D 128, causal and not, against a
 #             cuBLAS bf16 GEMM timed in the same run; PyTorch's SDPA on the same shapes (scripts/sdpa_bench.py)
 #   opsbench  ops_bench --table cuda: the composed GDN forward at Qwen3-Next's shapes (S 8K, Hv 32 on Hk 16, K = V =
 #             128, chunk 64) and the DSA stages (indexer + top-k, sparse attention; S 4K, H 16, k 2048), each with the
-#             time of its host transfers alone; then fla's chunk GDN forward at the same shapes in bf16
-#             (scripts/gdn_fla_bench.py, fla from .deps/fla) when PyTorch, a device and fla are there, else a skip
-#             line with the reason
+#             time of its host transfers alone and its model FLOP rate over a 4096^3 fp32 cuBLAS GEMM's; then fla's
+#             chunk GDN forward at the same shapes in bf16 (scripts/gdn_fla_bench.py, fla from .deps/fla) when
+#             PyTorch, a device and fla are there, else a skip line with the reason
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
 #             one rank: last, because the CP layers do not take device tensors yet (sp_bench --device cuda refuses)
 # Budget: 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
@@ -32,10 +33,11 @@
 # in its warm-up), cp 15.
 #
 # --dry-run runs the same phases with the CPU device at tiny shapes (the CPU build, the CPU tests, the same
-# commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases), so that the script
-# itself is tested (ctest gpu_check.dry_run). Nothing is installed: what a CUDA build needs beyond the CUDA toolkit,
-# CMake and PyTorch travels in the checkout's ignored .deps/ (scripts/install_gpu_deps.sh, run before copying the
-# checkout to the GPU machine). MPI may be missing there: then the cp phase fails and says so.
+# commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases; each limit 60 s
+# longer), so that the script itself is tested (ctest gpu_check.dry_run). Nothing is installed: what a CUDA build
+# needs beyond the CUDA toolkit, CMake and PyTorch travels in the checkout's ignored .deps/
+# (scripts/install_gpu_deps.sh, run before copying the checkout to the GPU machine). MPI may be missing there: then the
+# cp phase fails and says so.
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -49,7 +51,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift ;;
     --build-dir) build_dir=$2; shift ;;
     --jobs) jobs=$2; shift ;;
-    -h|--help) sed -n '2,38p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -75,7 +77,8 @@ if [ "$dry_run" = 1 ]; then
   sp_shape=(--seq 64 --heads 2 --kv-heads 1 --head-dim 16)
   kernel_filter='*Tiny*:*d128*:*fp64*'
   ob_args=(--table cpu --gdn-seq 256 --heads 4 --kv-heads 2 --head-dim 32 --dim-v 32 --dsa-seq 256 --dsa-heads 2
-           --dsa-dim 64 --dsa-dim-v 32 --indexer-heads 4 --indexer-dim 16 --topk 32 --min-time 0.02 --warmup 0)
+           --dsa-dim 64 --dsa-dim-v 32 --indexer-heads 4 --indexer-dim 16 --topk 32 --square 128 --min-time 0.02
+           --warmup 0)
   fla_args=(--dry-run --seq 256 --heads 4 --kv-heads 2 --head-dim 32 --dim-v 32)
 else
   kb_args=(--device cuda --kernel mha --seq 4096,16384,65536 --dim 128 --hq 16 --hkv 4 --min-time 0.5)
@@ -83,7 +86,7 @@ else
   sp_shape=(--seq 4096 --heads 8 --kv-heads 2 --head-dim 128 --dtype bf16)
   kernel_filter='*'
   ob_args=(--table cuda --gdn-seq 8192 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --chunk-size 64
-           --dsa-seq 4096 --dsa-heads 16 --topk 2048 --min-time 0.3 --warmup 1)
+           --dsa-seq 4096 --dsa-heads 16 --topk 2048 --square 4096 --min-time 0.3 --warmup 1)
   fla_args=(--seq 8192 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --dtypes bf16 --min-time 0.3 --warmup 2)
 fi
 
