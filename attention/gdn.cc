@@ -330,6 +330,7 @@ void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const Tensor
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) {
   detail::check_stream(stream, "gdn_backward", kFamily);
+  if (ops::detail::gdn_backward_hooked(args, dq, dk, dv, dg, dbeta, dinitial_state)) return;  // test mode
   const Checked c = validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
   if (c.cu.empty()) {
     cpu::gdn_backward_cpu(args, c.d, dq, dk, dv, dg, dbeta, dinitial_state);
@@ -357,35 +358,44 @@ void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const Tenso
 void gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1, const TensorView& u1,
                             const TensorView& m, const TensorView& u, Stream stream) {
   check_gdn_transition_compose(m2, u2, m1, u1, m, u, stream);
+  if (ops::detail::gdn_map_product_hooked(false, m2, m1, {}, m)) {  // test mode: two products
+    ops::detail::gdn_map_product_hooked(false, m2, u1, u2, u);
+    return;
+  }
   cpu::gdn_transition_compose_cpu(m2, u2, m1, u1, m, u);
 }
 
 void gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start, const TensorView& s_end,
                           Stream stream) {
   check_gdn_transition_apply(m, u, s_start, s_end, stream);
+  if (ops::detail::gdn_map_product_hooked(false, m, s_start, u, s_end)) return;  // test mode
   cpu::gdn_transition_apply_cpu(m, u, s_start, s_end);
 }
 
 void gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
                                   const TensorView& ds_start, Stream stream) {
   check_gdn_transition_apply_adjoint(m, ds_end, local, ds_start, stream);
+  if (ops::detail::gdn_map_product_hooked(true, m, ds_end, local, ds_start)) return;  // test mode
   cpu::gdn_transition_apply_adjoint_cpu(m, ds_end, local, ds_start);
 }
 
 void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream) {
   check_gdn_transition_transpose(m, mt, stream);
+  if (ops::detail::gdn_map_product_hooked(true, m, {}, {}, mt)) return;  // test mode
   cpu::gdn_transition_transpose_cpu(m, mt);
 }
 
 void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
                         Stream stream) {
   args.validate(out, final_conv_state, stream);
+  if (ops::detail::short_conv_forward_hooked(args, out, final_conv_state)) return;  // test mode
   cpu::short_conv_forward_cpu(args, validate_conv_args(args), out, final_conv_state);
 }
 
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
   args.validate(dout, dx, dweight, dinitial_conv_state, stream);
+  if (ops::detail::short_conv_backward_hooked(args, dout, dx, dweight, dinitial_conv_state)) return;  // test mode
   cpu::short_conv_backward_cpu(args, validate_conv_args(args), dout, dx, dweight, dinitial_conv_state);
 }
 

@@ -3,6 +3,7 @@
 //
 //   sp_plan --profile profile.json --world 16 --nodes 2 --mem-per-device 80G -- --model llama3-8b --seq 128K
 //   sp_plan --calibrate profile.json      # this machine's profile, from kernel_bench and comm_bench
+//   sp_plan --profile p.json --world 8 --dynamic-cp --doc-mix loguniform:256:32K --tokens 256K -- --attn mha ...
 //
 // The flags after "--" are sp_bench's problem flags (--model / --attn, shapes, --seq or --doc-lens, --dtype, ...).
 // sp_plan itself needs no MPI; --calibrate starts kernel_bench and `mpirun -np 2 comm_bench` from sp_plan's
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "benchmarks/bench_common.h"
+#include "benchmarks/sp_plan_dynamic.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench::plan {
@@ -190,6 +192,62 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
   return p;
 }
 
+// A token count with K / M suffixes (powers of 1024).
+std::int64_t parse_count(const std::string& text, const char* flag) {
+  std::size_t used = 0;
+  long long v = -1;
+  try {
+    v = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const std::string suffix = text.substr(used);
+  const std::int64_t mult = suffix == "K" || suffix == "k" ? 1024 : suffix == "M" || suffix == "m" ? 1024 * 1024 : 1;
+  SEQPAR_CHECK(used > 0 && v >= 0 && (mult > 1 || suffix.empty()), "sp_plan: ", flag, " '", text,
+               "' is not a count (a number with K or M)");
+  return static_cast<std::int64_t>(v) * mult;
+}
+
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> out;
+  for (std::size_t b = 0; b <= text.size();) {
+    const std::size_t e = std::min(text.find(',', b), text.size());
+    out.push_back(text.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
+int dynamic_cp_main(const cxxopts::ParseResult& r, const PlanInput& in, const DeviceProfile& profile) {
+  DynamicInput din;
+  SEQPAR_CHECK(r.count("doc-lengths") + r.count("doc-mix") == 1,
+               "sp_plan --dynamic-cp: give the documents by exactly one of --doc-lengths and --doc-mix");
+  if (r.count("doc-lengths")) {
+    for (const std::string& t : split_commas(r["doc-lengths"].as<std::string>()))
+      din.doc_lens.push_back(parse_count(t, "--doc-lengths"));
+    din.doc_source = "--doc-lengths";
+  } else {
+    const std::string mix = r["doc-mix"].as<std::string>();
+    const std::int64_t tokens = parse_count(r["tokens"].as<std::string>(), "--tokens");
+    din.doc_lens = doc_mix(mix, tokens, r["seed"].as<std::uint64_t>());
+    din.doc_source = str_cat("--doc-mix ", mix, " --tokens ", tokens, " --seed ", r["seed"].as<std::uint64_t>());
+  }
+  din.tokens_per_rank = parse_count(r["tokens-per-rank"].as<std::string>(), "--tokens-per-rank");
+  if (r.count("degrees")) {
+    for (const std::string& t : split_commas(r["degrees"].as<std::string>()))
+      din.degrees.push_back(static_cast<int>(parse_count(t, "--degrees")));
+  }
+  din.layout = r["mb-layout"].as<std::string>();
+  din.impl = r["mb-impl"].as<std::string>();
+  const DynamicResult res = plan_dynamic(in, profile, din);
+  std::printf("%s", dynamic_table(in, profile, din, res).c_str());
+  if (r.count("json")) {
+    const nlohmann::json j = dynamic_json(in, profile, din, res);
+    write_file_atomic(r["json"].as<std::string>(), [&](std::ostream& os) { os << j.dump(2) << "\n"; });
+  }
+  return 0;
+}
+
 int sp_plan_main(int argc, char** argv) {
   // Split at "--": sp_plan's flags before, sp_bench's problem flags after.
   int split = argc;
@@ -216,6 +274,16 @@ int sp_plan_main(int argc, char** argv) {
     ("calibrate", "measure this machine's profile and write it to FILE", cxxopts::value<std::string>())
     ("calibrate-min-time", "seconds per kernel_bench configuration", cxxopts::value<double>()->default_value("0.3"))
     ("help", "print this help");
+  spec.add_options("dynamic CP")
+    ("dynamic-cp", "plan micro-batches of documents with a CP degree each (sp_plan_dynamic.h)")
+    ("doc-lengths", "the documents' lengths, comma-separated (K suffix)", cxxopts::value<std::string>())
+    ("doc-mix", "a named mix: longtail | short | loguniform:LO:HI, of --tokens tokens drawn with --seed", cxxopts::value<std::string>())
+    ("tokens", "total tokens of --doc-mix", cxxopts::value<std::string>()->default_value("128K"))
+    ("seed", "seed of --doc-mix", cxxopts::value<std::uint64_t>()->default_value("1234"))
+    ("tokens-per-rank", "a micro-batch of degree d holds at most d x this many tokens (default: total / world)", cxxopts::value<std::string>()->default_value("0"))
+    ("degrees", "candidate CP degrees, comma-separated (default: every divisor of --world)", cxxopts::value<std::string>())
+    ("mb-layout", "sp_bench --layout of the micro-batches", cxxopts::value<std::string>()->default_value("zigzag"))
+    ("mb-impl", "sp_bench --impl of the micro-batches (MHA)", cxxopts::value<std::string>()->default_value("p2p"));
   // clang-format on
   cxxopts::ParseResult r;
   try {
@@ -249,6 +317,7 @@ int sp_plan_main(int argc, char** argv) {
   in.threads = r["threads"].as<int>();
   in.oversubscribed_ok = !r.count("no-oversubscribe");
   const DeviceProfile profile = load_profile(r["profile"].as<std::string>());
+  if (r.count("dynamic-cp")) return dynamic_cp_main(r, in, profile);
   const std::vector<PlanRow> rows = plan(in, profile);
   std::printf("%s", plan_table(in, profile, rows).c_str());
   if (r.count("json")) {

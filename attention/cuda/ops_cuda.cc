@@ -196,6 +196,48 @@ class CudaOps final : public Ops<T> {
     kern::gdn_chunk_masks(chunks, C, gamma, beta, a, qk, stream_);
   }
 
+  void row_dots(std::int64_t rows, std::int64_t cols, const T* a, std::int64_t lda, const T* b, std::int64_t ldb,
+                T* out) override {
+    DeviceScope scope(device_);
+    kern::row_dots(rows, cols, a, lda, b, ldb, out, stream_);
+  }
+  void l2norm_scale_backward_rows(std::int64_t rows, std::int64_t cols, const T* x, std::int64_t ldx, T* dy,
+                                  std::int64_t ldy, T eps, T s) override {
+    DeviceScope scope(device_);
+    kern::l2norm_scale_backward_rows(rows, cols, x, ldx, dy, ldy, eps, s, stream_);
+  }
+  void gdn_chunk_masks_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* kk,
+                                const T* qk, const T* dp, const T* da, T* dqk, T* dkk, T* dgamma, T* dbeta) override {
+    DeviceScope scope(device_);
+    kern::gdn_chunk_masks_backward(chunks, C, gamma, beta, kk, qk, dp, da, dqk, dkk, dgamma, dbeta, stream_);
+  }
+  void gdn_chunk_scales_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* dqq,
+                                 const T* dkbk, const T* dvbv, const T* dktk, const T* sds, T* dgamma,
+                                 T* dbeta) override {
+    DeviceScope scope(device_);
+    kern::gdn_chunk_scales_backward(chunks, C, gamma, beta, dqq, dkbk, dvbv, dktk, sds, dgamma, dbeta, stream_);
+  }
+  void short_conv_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                       const T* weight, bool silu, T* y) override {
+    DeviceScope scope(device_);
+    kern::short_conv_rows(rows, C, W, xin, first, weight, silu, y, stream_);
+  }
+  void short_conv_dpre_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                            const T* weight, bool silu, T* dy) override {
+    DeviceScope scope(device_);
+    kern::short_conv_dpre_rows(rows, C, W, xin, first, weight, silu, dy, stream_);
+  }
+  void short_conv_dx_rows(std::int64_t xrows, std::int64_t C, std::int64_t W, const T* dpre, const std::int64_t* src,
+                          const T* weight, T* dxin) override {
+    DeviceScope scope(device_);
+    kern::short_conv_dx_rows(xrows, C, W, dpre, src, weight, dxin, stream_);
+  }
+  void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
+                          const std::int64_t* first, T* dweight) override {
+    DeviceScope scope(device_);
+    kern::short_conv_dweight(rows, C, W, dpre, xin, first, dweight, stream_);
+  }
+
  private:
   int device_;
   cudaStream_t stream_;

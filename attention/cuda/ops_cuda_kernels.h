@@ -75,4 +75,32 @@ template <typename T>
 void gdn_chunk_masks(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, T* a, T* qk,
                      cudaStream_t stream);
 
+// ---- the GDN backward and the short conv: one thread per row, chunk row, chunk or channel (bodies: gdn_rows.h) ----
+template <typename T>
+void row_dots(std::int64_t rows, std::int64_t cols, const T* a, std::int64_t lda, const T* b, std::int64_t ldb, T* out,
+              cudaStream_t stream);
+template <typename T>
+void l2norm_scale_backward_rows(std::int64_t rows, std::int64_t cols, const T* x, std::int64_t ldx, T* dy,
+                                std::int64_t ldy, T eps, T s, cudaStream_t stream);
+template <typename T>
+void gdn_chunk_masks_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* kk,
+                              const T* qk, const T* dp, const T* da, T* dqk, T* dkk, T* dgamma, T* dbeta,
+                              cudaStream_t stream);
+template <typename T>
+void gdn_chunk_scales_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* dqq,
+                               const T* dkbk, const T* dvbv, const T* dktk, const T* sds, T* dgamma, T* dbeta,
+                               cudaStream_t stream);
+template <typename T>
+void short_conv_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                     const T* weight, bool silu, T* y, cudaStream_t stream);
+template <typename T>
+void short_conv_dpre_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                          const T* weight, bool silu, T* dy, cudaStream_t stream);
+template <typename T>
+void short_conv_dx_rows(std::int64_t xrows, std::int64_t C, std::int64_t W, const T* dpre, const std::int64_t* src,
+                        const T* weight, T* dxin, cudaStream_t stream);
+template <typename T>
+void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
+                        const std::int64_t* first, T* dweight, cudaStream_t stream);
+
 }  // namespace seqpar::attn::cuda

@@ -29,13 +29,57 @@ template <typename T>
 void gdn_forward_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out,
                           const TensorView& final_state);
 
+// attn::gdn_backward (same arguments, shapes and semantics) composed the same way (docs/design.md, "The ops table"):
+// the prepared chunks above; per chunk the state-gradient map dS_start = M_c^T dS_end + L_c by batched GEMMs and its
+// reverse scan (ops::scan_affine over the chunks in reverse order) for every chunk's dS_end (dinitial_state is the
+// last element); when any of dq, dk, dv, dg, dbeta is asked for, the chunk start states by the forward's scan, then
+// the chunk adjoints by batched GEMMs and the row kernels gdn_chunk_masks_backward / gdn_chunk_scales_backward, the
+// per-value-head dq, dk scattered onto their key head (in value-head order) and taken through the L2 norm.
+// Errors: as attn::gdn_backward (the same argument checks), before any work.
+template <typename T>
+void gdn_backward_composed(Ops<T>& ops, const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
+                           const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                           const TensorView& dinitial_state);
+
 // attn::gdn_transition composed the same way: (m, u) = the scan's last element.
 // Errors: the argument checks of gdn_transition, before any work.
 template <typename T>
 void gdn_transition_composed(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
 
-// The same on the CPU table of q's arithmetic dtype.
+// out = op(m) x (+ addend): the segment-map algebra of attention/gdn.h as one batched GEMM over the B H maps
+// (gdn_transition_compose is two calls: m2 m1, then m2 u1 + u2; _apply: m s + u; _apply_adjoint: m^T ds + local;
+// _transpose: m^T times the identity). m [B, H, K, K]; x [B, H, K, N], or empty for the identity (N = K); addend
+// empty or [B, H, K, N]; out [B, H, K, N]; all of the state dtype T. transpose_m: op(m) = m^T. Every input is read
+// before out is written, so out may alias any of them.
+// Errors: shapes and dtypes (the callers in attention/gdn.cc check them first).
+template <typename T>
+void gdn_map_product_composed(Ops<T>& ops, bool transpose_m, const TensorView& m, const TensorView& x,
+                              const TensorView& addend, const TensorView& out);
+
+// attn::short_conv_forward / short_conv_backward (same arguments, shapes and semantics; packed rows included) as
+// table calls: the inputs of every document laid out after its W-1 conv state rows, one row kernel per output row
+// (rowops::short_conv_row), the backward's gradient before the SiLU per output row, each input row's gradient from
+// the output rows that read it, and the weight gradient per channel (attention/ops/gdn_conv_composed.cc).
+// Arithmetic in fp64 for fp64 x, else fp32.
+// Errors: as attn::short_conv_forward / _backward (the same argument checks), before any work.
+template <typename T>
+void short_conv_forward_composed(Ops<T>& ops, const ShortConvArgs& args, const TensorView& out,
+                                 const TensorView& final_conv_state);
+template <typename T>
+void short_conv_backward_composed(Ops<T>& ops, const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
+                                  const TensorView& dweight, const TensorView& dinitial_conv_state);
+
+// The same on the CPU table of q's arithmetic dtype (of m's dtype for the map product, of x's for the conv).
 void gdn_forward_composed_cpu(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state);
+void gdn_backward_composed_cpu(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk,
+                               const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                               const TensorView& dinitial_state);
 void gdn_transition_composed_cpu(const GdnForwardArgs& args, const TensorView& m, const TensorView& u);
+void gdn_map_product_composed_cpu(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
+                                  const TensorView& out);
+void short_conv_forward_composed_cpu(const ShortConvArgs& args, const TensorView& out,
+                                     const TensorView& final_conv_state);
+void short_conv_backward_composed_cpu(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
+                                      const TensorView& dweight, const TensorView& dinitial_conv_state);
 
 }  // namespace seqpar::attn::ops

@@ -124,6 +124,39 @@ class Ops : public Memory {
   // Per chunk c: a [chunks, C, C] (k_i . k_j in, rowops::gdn_wy_row out) and qk [chunks, C, C] (q_i . k_j in,
   // rowops::gdn_qk_row out).
   virtual void gdn_chunk_masks(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, T* a, T* qk) = 0;
+
+  // ---- the backward's row kernels (bodies: attention/kernels/gdn_rows.h) ----
+  // out[r] = a row r . b row r ([rows, cols], leading dims lda, ldb).
+  virtual void row_dots(std::int64_t rows, std::int64_t cols, const T* a, std::int64_t lda, const T* b,
+                        std::int64_t ldb, T* out) = 0;
+  // dy row r <- the gradient through l2norm_scale_rows at the raw row x r (rowops::l2norm_scale_backward_row).
+  virtual void l2norm_scale_backward_rows(std::int64_t rows, std::int64_t cols, const T* x, std::int64_t ldx, T* dy,
+                                          std::int64_t ldy, T eps, T s) = 0;
+  // Per chunk c, every row i: rowops::gdn_masks_backward_row over the chunk's [C, C] matrices kk, qk (the raw
+  // products), dp, da (the masked products' gradients) into dqk, dkk [chunks, C, C] and dgamma, dbeta [chunks, C]
+  // (overwritten). The outputs may alias no input.
+  virtual void gdn_chunk_masks_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* kk,
+                                        const T* qk, const T* dp, const T* da, T* dqk, T* dkk, T* dgamma, T* dbeta) = 0;
+  // Per chunk c: rowops::gdn_scales_backward (gamma, beta, dqq, dkbk, dvbv, dktk, dgamma, dbeta [chunks, C]; sds
+  // [chunks]); dgamma becomes dg.
+  virtual void gdn_chunk_scales_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta,
+                                         const T* dqq, const T* dkbk, const T* dvbv, const T* dktk, const T* sds,
+                                         T* dgamma, T* dbeta) = 0;
+
+  // ---- the short causal depthwise conv (bodies: attention/kernels/gdn_rows.h), weight [C, W] ----
+  // y row r = rowops::short_conv_row over xin rows first[r] .. first[r] + W - 1 (xin, y: rows of C).
+  virtual void short_conv_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin,
+                               const std::int64_t* first, const T* weight, bool silu, T* y) = 0;
+  // dy row r <- rowops::short_conv_dpre_row (the gradient before the SiLU) at the same inputs.
+  virtual void short_conv_dpre_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin,
+                                    const std::int64_t* first, const T* weight, bool silu, T* dy) = 0;
+  // dxin row j = rowops::short_conv_dx_row with src [xrows, W] (row j: the output row reading it as its w-th input,
+  // or -1); dpre [*, C].
+  virtual void short_conv_dx_rows(std::int64_t xrows, std::int64_t C, std::int64_t W, const T* dpre,
+                                  const std::int64_t* src, const T* weight, T* dxin) = 0;
+  // dweight [C, W] = rowops::short_conv_dweight_channel for every channel (a fixed order over the rows).
+  virtual void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
+                                  const std::int64_t* first, T* dweight) = 0;
 };
 
 // The inclusive scan of affine maps x -> M x + U along each of `segments` sequences of n elements (M [K, K],

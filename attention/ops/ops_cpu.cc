@@ -191,6 +191,51 @@ class CpuOps final : public Ops<T> {
         rowops::gdn_qk_row(qk + (c * C + i) * C, i, C, gamma + c * C);
       }
   }
+
+  void row_dots(std::int64_t rows, std::int64_t cols, const T* a, std::int64_t lda, const T* b, std::int64_t ldb,
+                T* out) override {
+    for (std::int64_t r = 0; r < rows; ++r) out[r] = rowops::dot_row(a + r * lda, b + r * ldb, cols);
+  }
+  void l2norm_scale_backward_rows(std::int64_t rows, std::int64_t cols, const T* x, std::int64_t ldx, T* dy,
+                                  std::int64_t ldy, T eps, T s) override {
+    for (std::int64_t r = 0; r < rows; ++r) rowops::l2norm_scale_backward_row(x + r * ldx, dy + r * ldy, cols, eps, s);
+  }
+  void gdn_chunk_masks_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* kk,
+                                const T* qk, const T* dp, const T* da, T* dqk, T* dkk, T* dgamma, T* dbeta) override {
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t m = c * C * C;
+      for (std::int64_t i = 0; i < C; ++i)
+        rowops::gdn_masks_backward_row(i, C, gamma + c * C, beta + c * C, kk + m, qk + m, dp + m, da + m,
+                                       dqk + m + i * C, dkk + m + i * C, dgamma + c * C + i, dbeta + c * C + i);
+    }
+  }
+  void gdn_chunk_scales_backward(std::int64_t chunks, std::int64_t C, const T* gamma, const T* beta, const T* dqq,
+                                 const T* dkbk, const T* dvbv, const T* dktk, const T* sds, T* dgamma,
+                                 T* dbeta) override {
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t o = c * C;
+      rowops::gdn_scales_backward(gamma + o, beta + o, C, dqq + o, dkbk + o, dvbv + o, dktk + o, sds[c], dgamma + o,
+                                  dbeta + o);
+    }
+  }
+
+  void short_conv_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                       const T* weight, bool silu, T* y) override {
+    for (std::int64_t r = 0; r < rows; ++r) rowops::short_conv_row(xin + first[r] * C, C, W, weight, silu, y + r * C);
+  }
+  void short_conv_dpre_rows(std::int64_t rows, std::int64_t C, std::int64_t W, const T* xin, const std::int64_t* first,
+                            const T* weight, bool silu, T* dy) override {
+    for (std::int64_t r = 0; r < rows; ++r)
+      rowops::short_conv_dpre_row(xin + first[r] * C, C, W, weight, silu, dy + r * C);
+  }
+  void short_conv_dx_rows(std::int64_t xrows, std::int64_t C, std::int64_t W, const T* dpre, const std::int64_t* src,
+                          const T* weight, T* dxin) override {
+    for (std::int64_t j = 0; j < xrows; ++j) rowops::short_conv_dx_row(dpre, src + j * W, C, W, weight, dxin + j * C);
+  }
+  void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
+                          const std::int64_t* first, T* dweight) override {
+    for (std::int64_t c = 0; c < C; ++c) rowops::short_conv_dweight_channel(c, rows, C, W, dpre, xin, first, dweight);
+  }
 };
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <seqpar/runtime/mpi_comm.h>
 #include <seqpar/runtime/nccl_comm.h>
 #include <seqpar/runtime/cp_grid.h>
+#include <seqpar/runtime/cp_grid_set.h>
 #include <seqpar/runtime/tensor.h>
 #include <seqpar/runtime/version.h>
 
@@ -30,6 +31,7 @@
 #include <seqpar/parallel/decode_cp.h>
 #include <seqpar/parallel/dsa_cp.h>
 #include <seqpar/parallel/dsa_decode_cp.h>
+#include <seqpar/parallel/dynamic_cp.h>
 #include <seqpar/parallel/gdn_cp.h>
 #include <seqpar/parallel/layout.h>
 #include <seqpar/parallel/ring_attention.h>

@@ -57,6 +57,7 @@ from .decode import DsaDecodeCp, GdnDecodeCp, MhaDecodeCp  # noqa: F401
 from .rope import apply_rope, rope_cos_sin  # noqa: F401
 from .sequence import gather_sequence, scatter_sequence, shard_sequence  # noqa: F401
 from .distributed import all_reduce_cp_gradients, torch_grid  # noqa: F401
+from .dynamic import TorchGridSet, check_dynamic_plan, torch_grid_set  # noqa: F401
 from .loss import shard_labels, sharded_cross_entropy, shift_labels  # noqa: F401
 
 # MPI: initialised by the first communicator (seqpar.world(), CpGrid) unless the program (or mpi4py) did it first;

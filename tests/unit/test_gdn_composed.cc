@@ -3,7 +3,9 @@
 // tolerance of test_gdn.cc), and against the CPU chunk kernel (attention/gdn.h) in fp32 and bf16 inputs at
 // atol 2e-5 / rtol 1e-4 (different summation orders). Covers lengths around the chunk, chunk sizes, grouped value
 // heads, initial / final state, no L2 norm, strong decay, packed rows (cu_seqlens, empty documents) and argument
-// errors.
+// errors. The backward (gdn_backward_composed) the same way: every gradient against the fp64 reference's backward
+// (itself checked against finite differences in test_gdn.cc) and against the CPU kernel's, with dout and
+// dfinal_state, grouped heads, packed rows, and the dinitial_state-only sweep.
 // The table: the CPU one, or the CUDA one with SEQPAR_TEST_DEVICE=cuda (tests/util/ops_table.h).
 #include <gtest/gtest.h>
 
@@ -15,6 +17,7 @@
 #include "attention/gdn.h"
 #include "attention/ops/gdn_composed.h"
 #include "attention/reference/gdn_reference.h"
+#include "runtime/tensor_ops.h"
 #include "tests/util/ops_table.h"
 #include "tests/util/test_util.h"
 
@@ -91,6 +94,48 @@ void expect_matches_cpu_kernel(const Problem& p, DType dtype) {
   const std::string tag = std::string(dtype_name(dtype)) + " " + p.tag();
   EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), 2e-5, 1e-4, tag + " out"));
   EXPECT_TRUE(all_close(to_double(got.fin), to_double(want.fin), 2e-5, 1e-4, tag + " final_state"));
+}
+
+// The six gradients of a backward call; dinitial_state [states, H, K, V].
+struct Grads {
+  Tensor dq, dk, dv, dg, dbeta, dinit;
+};
+
+Grads alloc_grads(const Problem& p, const Inputs& r, DType dtype, DType state_dtype) {
+  return {Tensor::empty({p.B, p.S, p.Hk, p.K}, dtype, kWs), Tensor::empty({p.B, p.S, p.Hk, p.K}, dtype, kWs),
+          Tensor::empty({p.B, p.S, p.H, p.V}, dtype, kWs),  Tensor::empty({p.B, p.S, p.H}, dtype, kWs),
+          Tensor::empty({p.B, p.S, p.H}, dtype, kWs),       Tensor::empty({r.states, p.H, p.K, p.V}, state_dtype, kWs)};
+}
+
+// The backward composed (`run`) against `want_fn` (the fp64 reference, or the CPU kernel) on the same inputs, dout
+// and dfinal_state (when with_dfinal).
+template <typename WantFn>
+void expect_backward_close(const Problem& p, DType dtype, bool with_dfinal, double atol, double rtol, WantFn want_fn,
+                           const std::string& what) {
+  const Inputs r = make(p, dtype);
+  const DType sd = accumulator_dtype(dtype), gd = sd;
+  const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, p.seed * 11 + 7);
+  const Tensor dfin = random_tensor({r.states, p.H, p.K, p.V}, sd, p.seed * 11 + 8);
+  const GdnBackwardArgs ba{r.args, dout, with_dfinal ? dfin.view() : TensorView()};
+  Grads got = alloc_grads(p, r, gd, sd), want = alloc_grads(p, r, gd, sd);
+  test::composed::gdn_backward(ba, got.dq, got.dk, got.dv, got.dg, got.dbeta, got.dinit);
+  want_fn(ba, want);
+  const std::string tag = what + " " + std::string(dtype_name(dtype)) + " " + p.tag() + (with_dfinal ? " dfin" : "");
+  const std::pair<const Tensor*, const Tensor*> pairs[] = {{&got.dq, &want.dq},       {&got.dk, &want.dk},
+                                                           {&got.dv, &want.dv},       {&got.dg, &want.dg},
+                                                           {&got.dbeta, &want.dbeta}, {&got.dinit, &want.dinit}};
+  const char* names[] = {"dq", "dk", "dv", "dg", "dbeta", "dinitial_state"};
+  for (int n = 0; n < 6; ++n)
+    EXPECT_TRUE(all_close(to_double(*pairs[n].first), to_double(*pairs[n].second), atol, rtol, tag + " " + names[n]));
+}
+
+void expect_backward_matches_reference(const Problem& p, bool with_dfinal) {
+  expect_backward_close(
+      p, DType::kFloat64, with_dfinal, 1e-10, 1e-9,
+      [](const GdnBackwardArgs& ba, Grads& g) {
+        reference::gdn_backward(ba, g.dq, g.dk, g.dv, g.dg, g.dbeta, g.dinit);
+      },
+      "backward vs reference");
 }
 
 TEST(GdnComposed, LengthsAroundTheChunkFp64) {
@@ -178,6 +223,169 @@ TEST(GdnComposed, TransitionAppliedToAStateGivesTheRecurrenceFp64) {
   Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
   Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
   test::expect_error([&] { test::composed::gdn_transition(r.args, m, u); }, "initial_state must be empty");
+}
+
+TEST(GdnComposed, BackwardMatchesReferenceFp64) {
+  for (std::int64_t S : {1, 15, 16, 17, 37})
+    for (bool init : {false, true}) {
+      Problem p;
+      p.S = S;
+      p.with_init = init;
+      p.seed = static_cast<std::uint64_t>(50 + S * 2 + init);
+      expect_backward_matches_reference(p, init);
+    }
+  for (std::int64_t chunk : {1, 3, 200}) {
+    Problem p;
+    p.S = 40;
+    p.chunk = chunk;
+    expect_backward_matches_reference(p, true);
+  }
+  Problem mha;  // Hv = Hk, larger head dims
+  mha.B = 1, mha.H = 3, mha.Hk = 3, mha.K = 16, mha.V = 12, mha.S = 50, mha.chunk = 16;
+  expect_backward_matches_reference(mha, true);
+  Problem grouped;  // four value heads on one key head
+  grouped.H = 4, grouped.Hk = 1, grouped.S = 33, grouped.chunk = 8;
+  expect_backward_matches_reference(grouped, false);
+  Problem nol2;
+  nol2.l2 = false;
+  nol2.S = 45;
+  expect_backward_matches_reference(nol2, true);
+  Problem strong;
+  strong.S = 40;
+  strong.g_lo = -30.0, strong.g_hi = -5.0;
+  expect_backward_matches_reference(strong, true);
+}
+
+TEST(GdnComposed, BackwardPackedDocumentsFp64) {
+  for (const std::vector<std::int64_t>& lens :
+       {std::vector<std::int64_t>{5, 40, 0, 17}, std::vector<std::int64_t>{0, 0, 3}}) {
+    Problem p;
+    p.B = 1;
+    p.lens = lens;
+    p.S = 0;
+    for (std::int64_t l : lens) p.S += l;
+    for (bool init : {false, true}) {
+      p.with_init = init;
+      expect_backward_matches_reference(p, init);
+    }
+  }
+}
+
+TEST(GdnComposed, BackwardMatchesCpuKernelFp32AndBf16) {
+  const auto kernel = [](const GdnBackwardArgs& ba, Grads& g) {
+    gdn_backward(ba, g.dq, g.dk, g.dv, g.dg, g.dbeta, g.dinit);
+  };
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Problem p;
+    p.S = 130;
+    p.chunk = 64;
+    p.K = 32, p.V = 16;
+    expect_backward_close(p, dtype, true, 5e-5, 2e-4, kernel, "backward vs kernel");
+  }
+  Problem packed;
+  packed.B = 1, packed.lens = {20, 0, 51}, packed.S = 71;
+  expect_backward_close(packed, DType::kFloat32, true, 5e-5, 2e-4, kernel, "backward vs kernel");
+}
+
+TEST(GdnComposed, BackwardStateGradientOnlyFp64) {
+  // Only dinitial_state: the reverse sweep alone (no start states), against the full backward's.
+  Problem p;
+  p.S = 70;
+  const Inputs r = make(p, DType::kFloat64);
+  const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, DType::kFloat64, 77);
+  const Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, DType::kFloat64, 78);
+  const GdnBackwardArgs ba{r.args, dout, dfin};
+  Tensor got = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
+  test::composed::gdn_backward(ba, {}, {}, {}, {}, {}, got);
+  Grads want = alloc_grads(p, r, DType::kFloat64, DType::kFloat64);
+  reference::gdn_backward(ba, want.dq, want.dk, want.dv, want.dg, want.dbeta, want.dinit);
+  EXPECT_TRUE(all_close(to_double(got), to_double(want.dinit), 1e-10, 1e-9, "dinitial_state only"));
+  Tensor bad = Tensor::empty({p.B, p.H, p.K, p.V + 1}, DType::kFloat64, kWs);
+  test::expect_error([&] { test::composed::gdn_backward(ba, {}, {}, {}, {}, {}, bad); }, "dinitial_state");
+}
+
+TEST(GdnComposed, MapAlgebraMatchesTheCpuKernels) {
+  // compose, apply, apply_adjoint (its output aliasing `local`) and transpose as map products, against the CPU
+  // kernels of attention/gdn.h (this program installs no route, so those run the kernels) in fp32 and fp64.
+  for (DType sd : {DType::kFloat64, DType::kFloat32}) {
+    const std::int64_t B = 2, H = 3, K = 5, V = 4;
+    const double tol = sd == DType::kFloat64 ? 1e-13 : 1e-5;
+    const Tensor m1 = random_tensor({B, H, K, K}, sd, 1), m2 = random_tensor({B, H, K, K}, sd, 2),
+                 u1 = random_tensor({B, H, K, V}, sd, 3), u2 = random_tensor({B, H, K, V}, sd, 4);
+    const auto fresh = [&](std::int64_t n) { return Tensor::empty({B, H, K, n}, sd, kWs); };
+    Tensor mg = fresh(K), ug = fresh(V), mw = fresh(K), uw = fresh(V);
+    test::composed::gdn_map_product(false, m2, m1, {}, mg);
+    test::composed::gdn_map_product(false, m2, u1, u2, ug);
+    gdn_transition_compose(m2, u2, m1, u1, mw, uw);
+    EXPECT_TRUE(all_close(to_double(mg), to_double(mw), tol, tol, "compose m"));
+    EXPECT_TRUE(all_close(to_double(ug), to_double(uw), tol, tol, "compose u"));
+    Tensor sg = fresh(V), sw = fresh(V);
+    test::composed::gdn_map_product(false, m1, u1, u2, sg);
+    gdn_transition_apply(m1, u2, u1, sw);
+    EXPECT_TRUE(all_close(to_double(sg), to_double(sw), tol, tol, "apply"));
+    Tensor local = fresh(V), dw = fresh(V);
+    copy_convert(u2, local);
+    gdn_transition_apply_adjoint(m1, u1, u2, dw);
+    test::composed::gdn_map_product(true, m1, u1, local, local);  // ds_start aliases local
+    EXPECT_TRUE(all_close(to_double(local), to_double(dw), tol, tol, "apply_adjoint"));
+    Tensor tg = fresh(K), tw = fresh(K);
+    test::composed::gdn_map_product(true, m1, {}, {}, tg);
+    gdn_transition_transpose(m1, tw);
+    EXPECT_EQ(to_double(tw), to_double(tg));  // a product with the identity is exact
+  }
+}
+
+// The short conv composed against the fp64 reference (fp64) and the CPU kernel (fp32), forward and backward: with and
+// without SiLU and conv state, W = 1 (no state rows), a short sequence (S < W - 1), packed documents (one empty).
+void expect_conv_close(DType dtype, std::int64_t B, std::int64_t S, std::int64_t C, std::int64_t W, bool silu,
+                       bool with_state, const std::vector<std::int64_t>& lens) {
+  const std::int64_t N = lens.empty() ? B : static_cast<std::int64_t>(lens.size());
+  const Tensor x = random_tensor({B, S, C}, dtype, 201), weight = random_tensor({C, W}, dtype, 202),
+               state = random_tensor({N, W - 1, C}, dtype, 203), dout = random_tensor({B, S, C}, dtype, 204);
+  Tensor cu;
+  ShortConvArgs a{x, weight, with_state ? state.view() : TensorView(), silu};
+  if (!lens.empty()) {
+    cu = Tensor::empty({N + 1}, DType::kInt64, kWs);
+    std::int64_t* c = cu.data_as<std::int64_t>();
+    c[0] = 0;
+    for (std::int64_t i = 0; i < N; ++i) c[i + 1] = c[i] + lens[i];
+    a.cu_seqlens = cu;
+  }
+  const bool fp64 = dtype == DType::kFloat64;
+  const double tol = fp64 ? 1e-12 : 1e-5;
+  const auto t = [&](const Shape& s) { return Tensor::empty(s, dtype, kWs); };
+  Tensor out = t({B, S, C}), fin = t({N, W - 1, C}), dx = t({B, S, C}), dw = t({C, W}), dst = t({N, W - 1, C});
+  Tensor out_w = t({B, S, C}), fin_w = t({N, W - 1, C}), dx_w = t({B, S, C}), dw_w = t({C, W}),
+         dst_w = t({N, W - 1, C});
+  test::composed::short_conv_forward(a, out, fin);
+  test::composed::short_conv_backward(a, dout, dx, dw, dst);
+  if (fp64) {
+    reference::short_conv_forward(a, out_w, fin_w);
+    reference::short_conv_backward(a, dout, dx_w, dw_w, dst_w);
+  } else {
+    short_conv_forward(a, out_w, fin_w);
+    short_conv_backward(a, dout, dx_w, dw_w, dst_w);
+  }
+  const std::string tag = std::string("conv ") + dtype_name(dtype) + " S=" + std::to_string(S) +
+                          " W=" + std::to_string(W) + (silu ? " silu" : "") + (with_state ? " state" : "") +
+                          (lens.empty() ? "" : " packed");
+  EXPECT_TRUE(all_close(to_double(out), to_double(out_w), tol, tol, tag + " out"));
+  EXPECT_EQ(to_double(fin), to_double(fin_w)) << tag << " final_conv_state";  // copies of inputs
+  EXPECT_TRUE(all_close(to_double(dx), to_double(dx_w), tol, tol, tag + " dx"));
+  EXPECT_TRUE(all_close(to_double(dw), to_double(dw_w), tol * 10, tol, tag + " dweight"));
+  EXPECT_TRUE(all_close(to_double(dst), to_double(dst_w), tol, tol, tag + " dinitial_conv_state"));
+}
+
+TEST(GdnComposed, ShortConvMatchesReferenceAndKernel) {
+  for (DType dtype : {DType::kFloat64, DType::kFloat32})
+    for (bool silu : {false, true})
+      for (bool state : {false, true}) {
+        expect_conv_close(dtype, 2, 9, 6, 4, silu, state, {});
+        expect_conv_close(dtype, 1, 2, 5, 4, silu, state, {});  // S < W - 1
+      }
+  expect_conv_close(DType::kFloat64, 2, 7, 3, 1, true, false, {});  // W = 1
+  expect_conv_close(DType::kFloat64, 1, 12, 5, 3, true, true, {4, 0, 1, 7});
+  expect_conv_close(DType::kFloat32, 1, 12, 5, 3, true, false, {4, 0, 1, 7});
 }
 
 TEST(GdnComposed, ZeroLengthGivesTheInitialState) {

@@ -300,5 +300,160 @@ TYPED_TEST(OpsTest, RowKernelsMatchFormulas) {
   EXPECT_EQ(T(5), id[18]);  // the third matrix of the first outer block is untouched
 }
 
+// The backward's row kernels: row dots and the L2-norm backward against loops / the Jacobian written out; the chunk
+// masks' backward against central differences of the forward masks (gdn_chunk_masks) in fp64; the scales' backward
+// against its formula as a loop.
+TYPED_TEST(OpsTest, BackwardRowKernels) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t rows = 3, cols = 5, ld = 7;
+  const auto a64 = rand_vec(rows * ld, 31), b64 = rand_vec(rows * ld, 32);
+  const auto a = cast<T>(a64), b = cast<T>(b64);
+  std::vector<T> dots(rows);
+  ops.row_dots(rows, cols, a.data(), ld, b.data(), ld, dots.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double want = 0.0;
+    for (std::int64_t j = 0; j < cols; ++j) want += double(a[r * ld + j]) * double(b[r * ld + j]);
+    EXPECT_NEAR(want, dots[r], tol<T>());
+  }
+  // L2 norm backward: J^T dy with J_jl = s (delta_jl / n - x_j x_l / n^3), n = sqrt(|x|^2 + eps)
+  for (double eps : {1e-6, -1.0}) {
+    auto dy = cast<T>(b64);
+    const double s = 0.7;
+    ops.l2norm_scale_backward_rows(rows, cols, a.data(), ld, dy.data(), ld, T(eps), T(s));
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* x = a.data() + r * ld;
+      double xx = 0.0;
+      for (std::int64_t j = 0; j < cols; ++j) xx += double(x[j]) * double(x[j]);
+      const double n = std::sqrt(xx + eps);
+      for (std::int64_t l = 0; l < cols; ++l) {
+        double want = 0.0;
+        for (std::int64_t j = 0; j < cols; ++j) {
+          const double jac = eps < 0 ? (j == l ? s : 0.0) : s * ((j == l ? 1.0 / n : 0.0) - x[j] * x[l] / (n * n * n));
+          want += jac * double(T(b64[r * ld + j]));
+        }
+        EXPECT_NEAR(want, dy[r * ld + l], 10 * tol<T>()) << "eps " << eps << " row " << r << " col " << l;
+      }
+    }
+  }
+  // Masks backward: L = sum dp * qk_mask(gamma, qk) + sum da * wy_mask(gamma, beta, kk), differentiated by central
+  // differences (fp64) in qk, kk, gamma and beta.
+  const std::int64_t chunks = 2, C = 5, CC = C * C;
+  auto g64 = rand_vec(chunks * C, 33, -0.5, 0.0), beta64 = rand_vec(chunks * C, 34, 0.1, 0.9);
+  for (std::int64_t c = 0; c < chunks; ++c)
+    for (std::int64_t i = 1; i < C; ++i) g64[c * C + i] += g64[c * C + i - 1];  // gamma: cumulative
+  auto kk64 = rand_vec(chunks * CC, 35), qk64 = rand_vec(chunks * CC, 36);
+  const auto dp64 = rand_vec(chunks * CC, 37), da64 = rand_vec(chunks * CC, 38);
+  const auto loss = [&](const std::vector<double>& g, const std::vector<double>& be, const std::vector<double>& kk,
+                        const std::vector<double>& qk) {
+    std::vector<double> am = kk, qm = qk;
+    cpu_ops<double>().gdn_chunk_masks(chunks, C, g.data(), be.data(), am.data(), qm.data());
+    double l = 0.0;
+    for (std::int64_t e = 0; e < chunks * CC; ++e) l += dp64[e] * qm[e] + da64[e] * am[e];
+    return l;
+  };
+  const auto fd = [&](std::vector<double>& x, std::int64_t e) {
+    const double h = 1e-6, x0 = x[e];
+    x[e] = x0 + h;
+    const double lp = loss(g64, beta64, kk64, qk64);
+    x[e] = x0 - h;
+    const double lm = loss(g64, beta64, kk64, qk64);
+    x[e] = x0;
+    return (lp - lm) / (2 * h);
+  };
+  std::vector<T> dqk(chunks * CC), dkk(chunks * CC), dgamma(chunks * C), dbeta(chunks * C);
+  {
+    const auto g = cast<T>(g64), be = cast<T>(beta64), kk = cast<T>(kk64), qk = cast<T>(qk64), dp = cast<T>(dp64),
+               da = cast<T>(da64);
+    ops.gdn_chunk_masks_backward(chunks, C, g.data(), be.data(), kk.data(), qk.data(), dp.data(), da.data(), dqk.data(),
+                                 dkk.data(), dgamma.data(), dbeta.data());
+  }
+  const double ftol = std::is_same_v<T, double> ? 1e-8 : 1e-4;
+  for (std::int64_t c = 0; c < chunks; ++c)
+    for (std::int64_t i = 0; i < C; ++i) {
+      EXPECT_NEAR(fd(g64, c * C + i), dgamma[c * C + i], ftol) << "dgamma " << c << " " << i;
+      EXPECT_NEAR(fd(beta64, c * C + i), dbeta[c * C + i], ftol) << "dbeta " << c << " " << i;
+      for (std::int64_t j = 0; j < C; ++j) {
+        const std::int64_t e = c * CC + i * C + j, et = c * CC + j * C + i;
+        EXPECT_NEAR(fd(qk64, e), dqk[e], ftol) << "dqk " << c << " " << i << " " << j;
+        // dkk is the gradient of a symmetric k k^T: both entries' derivatives
+        EXPECT_NEAR(fd(kk64, e) + (i == j ? 0.0 : fd(kk64, et)), dkk[e], ftol) << "dkk " << c << " " << i << " " << j;
+      }
+    }
+  // Scales backward: its formula as a loop
+  const auto d1 = rand_vec(chunks * C, 39), d2 = rand_vec(chunks * C, 40), d3 = rand_vec(chunks * C, 41),
+             d4 = rand_vec(chunks * C, 42), sds64 = rand_vec(chunks, 43), dg0 = rand_vec(chunks * C, 44),
+             db0 = rand_vec(chunks * C, 45);
+  auto dg = cast<T>(dg0), db = cast<T>(db0);
+  {
+    const auto g = cast<T>(g64), be = cast<T>(beta64), q1 = cast<T>(d1), q2 = cast<T>(d2), q3 = cast<T>(d3),
+               q4 = cast<T>(d4), sds = cast<T>(sds64);
+    ops.gdn_chunk_scales_backward(chunks, C, g.data(), be.data(), q1.data(), q2.data(), q3.data(), q4.data(),
+                                  sds.data(), dg.data(), db.data());
+  }
+  for (std::int64_t c = 0; c < chunks; ++c) {
+    std::vector<double> dgam(C);
+    double rsum = 0.0;
+    for (std::int64_t i = 0; i < C; ++i) {
+      const std::int64_t e = c * C + i;
+      const double ex = std::exp(g64[e]);
+      dgam[i] = dg0[e] + d1[e] + beta64[e] * ex * d2[e] - d4[e];
+      EXPECT_NEAR(db0[e] + d3[e] + ex * d2[e], db[e], tol<T>());
+      rsum += d4[e];
+    }
+    dgam[C - 1] += std::exp(g64[c * C + C - 1]) * sds64[c] + rsum;
+    double acc = 0.0;
+    for (std::int64_t i = C - 1; i >= 0; --i) {
+      acc += dgam[i];
+      EXPECT_NEAR(acc, dg[c * C + i], 10 * tol<T>()) << "dg " << c << " " << i;
+    }
+  }
+}
+
+// The short conv's ops against loops: y = conv of W rows from first[r] (SiLU), the gradient before the SiLU, the
+// input rows' gradients through src and the weight gradient, all in fp64 from the same rounded operands.
+TYPED_TEST(OpsTest, ShortConvRowKernels) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t C = 3, W = 3, xrows = 9, rows = 5;
+  const std::vector<std::int64_t> first{0, 1, 2, 5, 6};  // two runs: rows 0..4 (3 outputs), rows 5..8 (2 outputs)
+  const auto x64 = rand_vec(xrows * C, 51), w64 = rand_vec(C * W, 52), dy64 = rand_vec(rows * C, 53);
+  const auto x = cast<T>(x64), w = cast<T>(w64);
+  const auto pre = [&](std::int64_t r, std::int64_t c) {
+    double acc = 0.0;
+    for (std::int64_t k = 0; k < W; ++k) acc += double(w[c * W + k]) * double(x[(first[r] + k) * C + c]);
+    return acc;
+  };
+  std::vector<T> y(rows * C);
+  ops.short_conv_rows(rows, C, W, x.data(), first.data(), w.data(), true, y.data());
+  auto dpre = cast<T>(dy64);
+  ops.short_conv_dpre_rows(rows, C, W, x.data(), first.data(), w.data(), true, dpre.data());
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double v = pre(r, c), sg = 1.0 / (1.0 + std::exp(-v));
+      EXPECT_NEAR(v * sg, y[r * C + c], tol<T>());
+      EXPECT_NEAR(double(T(dy64[r * C + c])) * sg * (1.0 + v * (1.0 - sg)), dpre[r * C + c], tol<T>());
+    }
+  std::vector<std::int64_t> src(xrows * W, -1);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t k = 0; k < W; ++k) src[(first[r] + k) * W + k] = r;
+  std::vector<T> dx(xrows * C), dw(C * W);
+  ops.short_conv_dx_rows(xrows, C, W, dpre.data(), src.data(), w.data(), dx.data());
+  ops.short_conv_dweight(rows, C, W, dpre.data(), x.data(), first.data(), dw.data());
+  std::vector<double> dxw(xrows * C, 0.0), dww(C * W, 0.0);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t k = 0; k < W; ++k)
+      for (std::int64_t c = 0; c < C; ++c) {
+        dxw[(first[r] + k) * C + c] += double(w[c * W + k]) * double(dpre[r * C + c]);
+        dww[c * W + k] += double(dpre[r * C + c]) * double(x[(first[r] + k) * C + c]);
+      }
+  for (std::int64_t i = 0; i < xrows * C; ++i) EXPECT_NEAR(dxw[i], dx[i], tol<T>()) << "dx " << i;
+  for (std::int64_t i = 0; i < C * W; ++i) EXPECT_NEAR(dww[i], dw[i], tol<T>()) << "dweight " << i;
+  // without SiLU the gradient passes unchanged
+  auto same = cast<T>(dy64);
+  ops.short_conv_dpre_rows(rows, C, W, x.data(), first.data(), w.data(), false, same.data());
+  EXPECT_EQ(cast<T>(dy64), same);
+}
+
 }  // namespace
 }  // namespace seqpar::attn::ops

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention/cuda/ops_cuda.h"
+#include "attention/kernels/gdn_rows.h"
 #include "attention/ops/ops_cpu.h"
 #include "runtime/error.h"
 
@@ -468,6 +469,121 @@ TEST_P(OpsTable, ScanAffineMatchesSequentialComposition) {
         }
       }
       EXPECT_LT(err, 20 * tol<T>()) << "n " << n << " fp" << 8 * sizeof(T);
+    }
+  };
+  run(0.0f);
+  run(0.0);
+}
+
+// The GDN backward and short-conv row ops: each table's launch against its body (attention/kernels/gdn_rows.h) run
+// here in fp64 over the same rows (the bodies themselves are checked against loops and finite differences in
+// test_ops): a wrong row, stride, chunk or channel mapping of a launch shows up as a mismatch.
+TEST_P(OpsTable, GdnBackwardAndConvRowsMatchTheirBodies) {
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    Ops<T>& ops = table<T>();
+    const auto r64 = [](std::int64_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+      std::vector<double> v = rand_vec(n, seed, lo, hi);
+      for (double& x : v) x = double(T(x));  // the values the table sees
+      return v;
+    };
+    const auto expect_close = [&](const std::vector<double>& want, const std::vector<T>& got, const char* what) {
+      ASSERT_EQ(want.size(), got.size()) << what;
+      for (std::size_t e = 0; e < want.size(); ++e)
+        EXPECT_NEAR(want[e], double(got[e]), 10 * tol<T>() * std::max(1.0, std::abs(want[e])))
+            << what << " element " << e << " fp" << 8 * sizeof(T);
+    };
+    {  // row_dots, l2norm_scale_backward_rows (eps >= 0 and eps < 0)
+      const std::int64_t rows = 5, cols = 7, lda = 9, ldb = 8;
+      const auto a = r64(rows * lda, 40), b = r64(rows * ldb, 41);
+      const Buffer<T> da(ops, cast<T>(a)), db(ops, cast<T>(b));
+      Buffer<T> out(ops, rows);
+      ops.row_dots(rows, cols, da.get(), lda, db.get(), ldb, out.get());
+      std::vector<double> want(rows);
+      for (std::int64_t r = 0; r < rows; ++r) want[r] = rowops::dot_row(a.data() + r * lda, b.data() + r * ldb, cols);
+      expect_close(want, get(ops, out), "row_dots");
+      for (const double eps : {1e-6, -1.0}) {
+        Buffer<T> dy(ops, cast<T>(b));
+        ops.l2norm_scale_backward_rows(rows, cols, da.get(), lda, dy.get(), ldb, T(eps), T(0.7));
+        std::vector<double> w = b;
+        for (std::int64_t r = 0; r < rows; ++r)
+          rowops::l2norm_scale_backward_row(a.data() + r * lda, w.data() + r * ldb, cols, double(T(eps)),
+                                            double(T(0.7)));
+        expect_close(w, get(ops, dy), "l2norm_scale_backward_rows");
+      }
+    }
+    {  // gdn_chunk_masks_backward, gdn_chunk_scales_backward: 3 chunks of C = 5
+      const std::int64_t chunks = 3, C = 5, CC = chunks * C * C;
+      auto gamma = r64(chunks * C, 42, -0.5, 0.0);
+      for (std::int64_t c = 0; c < chunks; ++c)
+        for (std::int64_t i = 1; i < C; ++i) gamma[c * C + i] = double(T(gamma[c * C + i] + gamma[c * C + i - 1]));
+      const auto beta = r64(chunks * C, 43, 0.0, 1.0), kk = r64(CC, 44), qk = r64(CC, 45), dp = r64(CC, 46),
+                 da = r64(CC, 47);
+      const Buffer<T> dg(ops, cast<T>(gamma)), dbt(ops, cast<T>(beta)), dkk_in(ops, cast<T>(kk)),
+          dqk_in(ops, cast<T>(qk)), ddp(ops, cast<T>(dp)), dda(ops, cast<T>(da));
+      Buffer<T> dqk(ops, CC), dkk(ops, CC), dgam(ops, chunks * C), dbet(ops, chunks * C);
+      ops.gdn_chunk_masks_backward(chunks, C, dg.get(), dbt.get(), dkk_in.get(), dqk_in.get(), ddp.get(), dda.get(),
+                                   dqk.get(), dkk.get(), dgam.get(), dbet.get());
+      std::vector<double> wqk(CC), wkk(CC), wg(chunks * C), wb(chunks * C);
+      for (std::int64_t c = 0; c < chunks; ++c)
+        for (std::int64_t i = 0; i < C; ++i) {
+          const std::int64_t m = c * C * C;
+          rowops::gdn_masks_backward_row(i, C, gamma.data() + c * C, beta.data() + c * C, kk.data() + m, qk.data() + m,
+                                         dp.data() + m, da.data() + m, wqk.data() + m + i * C, wkk.data() + m + i * C,
+                                         wg.data() + c * C + i, wb.data() + c * C + i);
+        }
+      expect_close(wqk, get(ops, dqk), "masks_backward dqk");
+      expect_close(wkk, get(ops, dkk), "masks_backward dkk");
+      expect_close(wg, get(ops, dgam), "masks_backward dgamma");
+      expect_close(wb, get(ops, dbet), "masks_backward dbeta");
+      const auto dqq = r64(chunks * C, 48), dkbk = r64(chunks * C, 49), dvbv = r64(chunks * C, 50),
+                 dktk = r64(chunks * C, 51), sds = r64(chunks, 52);
+      const Buffer<T> b1(ops, cast<T>(dqq)), b2(ops, cast<T>(dkbk)), b3(ops, cast<T>(dvbv)), b4(ops, cast<T>(dktk)),
+          b5(ops, cast<T>(sds));
+      for (std::size_t e = 0; e < wg.size(); ++e) wg[e] = double(T(wg[e])), wb[e] = double(T(wb[e]));
+      Buffer<T> g2(ops, cast<T>(wg)), bb2(ops, cast<T>(wb));
+      ops.gdn_chunk_scales_backward(chunks, C, dg.get(), dbt.get(), b1.get(), b2.get(), b3.get(), b4.get(), b5.get(),
+                                    g2.get(), bb2.get());
+      for (std::int64_t c = 0; c < chunks; ++c) {
+        const std::int64_t o = c * C;
+        rowops::gdn_scales_backward(gamma.data() + o, beta.data() + o, C, dqq.data() + o, dkbk.data() + o,
+                                    dvbv.data() + o, dktk.data() + o, sds[c], wg.data() + o, wb.data() + o);
+      }
+      expect_close(wg, get(ops, g2), "scales_backward dg");
+      expect_close(wb, get(ops, bb2), "scales_backward dbeta");
+    }
+    {  // the short conv: 6 output rows reading 3 consecutive rows each (out of order), 4 channels
+      const std::int64_t rows = 6, C = 4, W = 3, xrows = 9;
+      const std::vector<std::int64_t> first = {4, 0, 6, 2, 1, 5};
+      std::vector<std::int64_t> src(xrows * W, -1);  // the output row reading input row j as its w-th
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t w = 0; w < W; ++w)
+          if (src[(first[r] + w) * W + w] < 0) src[(first[r] + w) * W + w] = r;
+      const auto xin = r64(xrows * C, 53), weight = r64(C * W, 54), dy = r64(rows * C, 55);
+      const Buffer<T> dx(ops, cast<T>(xin)), dwt(ops, cast<T>(weight));
+      const Buffer<std::int64_t> dfirst(ops, first), dsrc(ops, src);
+      for (const bool silu : {false, true}) {
+        Buffer<T> y(ops, rows * C), dpre(ops, cast<T>(dy)), dxin(ops, xrows * C), dw(ops, C * W);
+        ops.short_conv_rows(rows, C, W, dx.get(), dfirst.get(), dwt.get(), silu, y.get());
+        ops.short_conv_dpre_rows(rows, C, W, dx.get(), dfirst.get(), dwt.get(), silu, dpre.get());
+        ops.short_conv_dx_rows(xrows, C, W, dpre.get(), dsrc.get(), dwt.get(), dxin.get());
+        ops.short_conv_dweight(rows, C, W, dpre.get(), dx.get(), dfirst.get(), dw.get());
+        std::vector<double> wy(rows * C), wpre = dy, wdx(xrows * C), wdw(C * W);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          rowops::short_conv_row(xin.data() + first[r] * C, C, W, weight.data(), silu, wy.data() + r * C);
+          rowops::short_conv_dpre_row(xin.data() + first[r] * C, C, W, weight.data(), silu, wpre.data() + r * C);
+        }
+        const auto got_pre = get(ops, dpre);
+        std::vector<double> pre_t(got_pre.begin(), got_pre.end());  // the next ops read the table's dpre
+        for (std::int64_t j = 0; j < xrows; ++j)
+          rowops::short_conv_dx_row(pre_t.data(), src.data() + j * W, C, W, weight.data(), wdx.data() + j * C);
+        for (std::int64_t c = 0; c < C; ++c)
+          rowops::short_conv_dweight_channel(c, rows, C, W, pre_t.data(), xin.data(), first.data(), wdw.data());
+        expect_close(wy, get(ops, y), silu ? "short_conv silu" : "short_conv");
+        expect_close(wpre, got_pre, "short_conv_dpre");
+        expect_close(wdx, get(ops, dxin), "short_conv_dx");
+        expect_close(wdw, get(ops, dw), "short_conv_dweight");
+      }
     }
   };
   run(0.0f);

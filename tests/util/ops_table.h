@@ -40,6 +40,27 @@ inline void gdn_forward(const attn::GdnForwardArgs& a, const TensorView& out, co
 inline void gdn_transition(const attn::GdnForwardArgs& a, const TensorView& m, const TensorView& u) {
   with_test_ops(a.q.dtype(), [&](auto& ops) { attn::ops::gdn_transition_composed(ops, a, m, u); });
 }
+inline void gdn_backward(const attn::GdnBackwardArgs& a, const TensorView& dq, const TensorView& dk,
+                         const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                         const TensorView& dinitial_state) {
+  with_test_ops(a.fwd.q.dtype(),
+                [&](auto& ops) { attn::ops::gdn_backward_composed(ops, a, dq, dk, dv, dg, dbeta, dinitial_state); });
+}
+inline void gdn_map_product(bool transpose_m, const TensorView& m, const TensorView& x, const TensorView& addend,
+                            const TensorView& out) {
+  with_test_ops(m.dtype(),
+                [&](auto& ops) { attn::ops::gdn_map_product_composed(ops, transpose_m, m, x, addend, out); });
+}
+inline void short_conv_forward(const attn::ShortConvArgs& a, const TensorView& out,
+                               const TensorView& final_conv_state) {
+  with_test_ops(a.x.dtype(), [&](auto& ops) { attn::ops::short_conv_forward_composed(ops, a, out, final_conv_state); });
+}
+inline void short_conv_backward(const attn::ShortConvArgs& a, const TensorView& dout, const TensorView& dx,
+                                const TensorView& dweight, const TensorView& dinitial_conv_state) {
+  with_test_ops(a.x.dtype(), [&](auto& ops) {
+    attn::ops::short_conv_backward_composed(ops, a, dout, dx, dweight, dinitial_conv_state);
+  });
+}
 inline void dsa_indexer_topk(const attn::DsaIndexerArgs& a, const TensorView& topk_indices,
                              const TensorView& scores = {}) {
   with_test_ops(a.q_idx.dtype(),

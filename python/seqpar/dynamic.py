@@ -1,0 +1,113 @@
+"""Dynamic context parallelism under torch.distributed (docs/python.md, "Dynamic CP"; the C++ counterparts are
+runtime/cp_grid_set.h and parallel/dynamic_cp.h, the planner `sp_plan --dynamic-cp`).
+
+    grids = seqpar.torch_grid_set([1, 2, 4])           # every rank, once: one grid per degree
+    plan = seqpar.check_dynamic_plan(grids, doc_lens, micro_batches)   # [(degree, group, [doc ids]), ...]
+    for m in grids.local(plan):                        # this rank's micro-batches, in plan order
+        degree, group, docs = plan[m]
+        grid = grids.grid(degree)                      # ring of `degree` ranks: world ranks group*degree ...
+        layout = seqpar.SequenceLayout.packed_for_grid(grid, cu_seqlens_of_docs)
+        ... seqpar.MhaCp(grid, layout, causal=True) on this micro-batch ...
+
+Group g of degree d is the world ranks g d .. g d + d - 1 (in the order of `process_group`), so each rank is in
+exactly one group of each degree. All groups are made once, by every rank, in ascending degree and group order
+(torch.distributed.new_group's rule).
+"""
+
+import torch.distributed as dist
+
+from . import _seqpar
+from . import distributed as _distributed
+
+
+def _error(message):
+    return _seqpar.Error(f"seqpar.torch_grid_set: {message}")
+
+
+class TorchGridSet:
+    """Grids of several CP degrees over one process group (see the module docstring)."""
+
+    def __init__(self, degrees, process_group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise _error("torch.distributed is not initialised: call torch.distributed.init_process_group first")
+        world = process_group if process_group is not None else dist.group.WORLD
+        ranks = list(dist.get_process_group_ranks(world))
+        size, me = len(ranks), dist.get_rank(world)
+        mine = [int(d) for d in degrees]
+        table = [None] * size
+        dist.all_gather_object(table, mine, group=world)  # agreement first: every later error is every rank's
+        if any(t != mine for t in table):
+            raise _error(f"ranks disagree on the degrees: {dict(enumerate(table))} (group rank: degrees); every rank "
+                         f"must pass the same list")
+        if not mine:
+            raise _error("no degree given")
+        for d in mine:
+            if d < 1 or size % d:
+                raise _error(f"degree {d} must divide the world size {size}")
+        if len(set(mine)) != len(mine):
+            raise _error(f"a degree is given twice in {mine}; one grid per degree")
+        self.world_size, self.world_rank, self.degrees = size, me, sorted(mine)
+        self._grids = {}
+        for d in self.degrees:
+            own = None
+            for g in range(size // d):
+                group = _distributed._new_group(ranks[g * d:(g + 1) * d])
+                if g == me // d:
+                    own = group
+            self._grids[d] = _distributed.torch_grid(process_group=own)
+
+    def grid(self, degree):
+        """The grid of `degree` this rank belongs to (a ring of `degree` ranks)."""
+        if degree not in self._grids:
+            raise _error(f"no grid of degree {degree} (built: {self.degrees})")
+        return self._grids[degree]
+
+    def group_of(self, degree):
+        """This rank's group of `degree`: it runs the micro-batches (degree, group_of(degree), ...)."""
+        self.grid(degree)
+        return self.world_rank // degree
+
+    def local(self, plan):
+        """Indices of the micro-batches of `plan` ([(degree, group, docs), ...]) this rank runs, in plan order."""
+        return [m for m, (d, g, _) in enumerate(plan) if self.group_of(d) == g]
+
+
+def torch_grid_set(degrees, process_group=None):
+    """TorchGridSet(degrees, process_group): collective over the process group (default: the world)."""
+    return TorchGridSet(degrees, process_group)
+
+
+def check_dynamic_plan(grids, doc_lens, plan, process_group=None):
+    """Checks a plan on every rank before anything runs: first that every rank holds the same document lengths and
+    plan (one all_gather_object), then that every degree has a grid, every group exists and every document is in
+    exactly one micro-batch. Returns the plan as a list of (degree, group, [doc ids]). Raises seqpar.Error, the same
+    on every rank."""
+    world = process_group if process_group is not None else dist.group.WORLD
+    lens = [int(x) for x in doc_lens]
+    mine = (lens, [(int(d), int(g), [int(i) for i in docs]) for d, g, docs in plan])
+    table = [None] * dist.get_world_size(world)
+    dist.all_gather_object(table, mine, group=world)
+    for r, t in enumerate(table):
+        if t[0] != mine[0]:
+            raise _error(f"ranks disagree on the document lengths (group ranks 0 and {r} differ)")
+        if t[1] != mine[1]:
+            m = next((i for i, (a, b) in enumerate(zip(t[1], mine[1])) if a != b), min(len(t[1]), len(mine[1])))
+            raise _error(f"ranks disagree on the plan: micro-batch {m} is {table[0][1][m:m + 1]} on group rank 0 and "
+                         f"{t[1][m:m + 1]} on group rank {r}")
+    seen = [None] * len(lens)
+    for m, (d, g, docs) in enumerate(mine[1]):
+        if d not in grids.degrees:
+            raise _error(f"micro-batch {m} has degree {d}, which has no grid (degrees {grids.degrees})")
+        if not 0 <= g < grids.world_size // d:
+            raise _error(f"micro-batch {m} has group {g} of degree {d}; there are {grids.world_size // d}")
+        for i in docs:
+            if not 0 <= i < len(lens):
+                raise _error(f"micro-batch {m} names document {i} of {len(lens)}")
+            if seen[i] is not None:
+                raise _error(f"document {i} is in micro-batch {seen[i]} and in {m}; every document must be in "
+                             f"exactly one")
+            seen[i] = m
+    missing = [i for i, s in enumerate(seen) if s is None]
+    if missing:
+        raise _error(f"documents {missing} are in no micro-batch; every document must be in exactly one")
+    return mine[1]
