@@ -14,7 +14,8 @@
 #   ops       the ops table (test_ops_table: every op against fp64 loops; on a GPU the CUDA table's cases must run,
 #             none skipped) and the GDN forward / DSA indexer and attention composed from it (test_gdn_composed,
 #             test_dsa_composed) on the table of SEQPAR_TEST_DEVICE: the CUDA table on a GPU, the CPU table in the dry
-#             run
+#             run; the existing GDN tests (test_gdn, test_gdn_packed, test_gdn_conv) routed through that composition
+#             (SEQPAR_LOWERED_ATTENTION=1)
 #   sanitize  compute-sanitizer memcheck and racecheck on the custom kernels at tiny shapes (*Tiny* cases); memcheck
 #             on the CUDA ops table's cases
 #   bench     kernel_bench --device: attention forward and backward at S 4K/16K/64K, D 128, causal and not, against a
@@ -27,9 +28,9 @@
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
 #             one rank: last, because the CP layers do not take device tensors yet (sp_bench --device cuda refuses)
 # Budget: 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
-# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 120 s (configure, and device_probe, which compiles the cuDNN
+# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 115 s (configure, and device_probe, which compiles the cuDNN
 # frontend's translation unit, ~2 minutes alone), build 110 (the CUDA ops table's CUB sorts are one translation unit
-# of their own), kernels 20, ops 20, sanitize 25, bench 25, opsbench 25 (Triton compiles and autotunes fla's kernels
+# of their own), kernels 20, ops 25, sanitize 25, bench 25, opsbench 25 (Triton compiles and autotunes fla's kernels
 # in its warm-up), cp 15.
 #
 # --dry-run runs the same phases with the CPU device at tiny shapes (the CPU build, the CPU tests, the same
@@ -188,7 +189,7 @@ probe() {
 
 build() {
   local targets=(device_probe test_device_attention test_row_ops test_cudnn_sdpa_support kernel_bench sp_bench
-                 test_ops_table test_gdn_composed test_dsa_composed ops_bench)
+                 test_ops_table test_gdn_composed test_dsa_composed test_gdn test_gdn_packed test_gdn_conv ops_bench)
   cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
 }
 
@@ -216,6 +217,11 @@ ops() {
   # the compositions on the table of SEQPAR_TEST_DEVICE (tests/util/ops_table.h: an error, not a skip, without one)
   SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/test_gdn_composed" --gtest_brief=1 || exit 1
   SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/test_dsa_composed" --gtest_brief=1 || exit 1
+  # the existing GDN tests through the composition on that table (tests/util/ops_table_hooks.cc)
+  local g
+  for g in test_gdn test_gdn_packed test_gdn_conv; do
+    SEQPAR_LOWERED_ATTENTION=1 SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/$g" --gtest_brief=1 || exit 1
+  done
 }
 
 sanitize() {
@@ -276,10 +282,10 @@ limit() {  # SEQPAR_GPU_CHECK_<PHASE>_S overrides the default; the dry run adds 
   echo "${!var:-$(($2 + 60 * dry_run))}"
 }
 
-run_phase probe "$(limit probe 120)" probe
+run_phase probe "$(limit probe 115)" probe
 run_phase build "$(limit build 110)" build
 run_phase kernels "$(limit kernels 20)" kernels
-run_phase ops "$(limit ops 20)" ops
+run_phase ops "$(limit ops 25)" ops
 run_phase sanitize "$(limit sanitize 25)" sanitize
 run_phase bench "$(limit bench 25)" bench
 run_phase opsbench "$(limit opsbench 25)" opsbench
