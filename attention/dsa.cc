@@ -335,11 +335,22 @@ void dsa_topk_init(const DsaTopkState& state, Stream stream) {
 
 void dsa_indexer_topk_block(const DsaIndexerArgs& args, const DsaTopkState& state, Stream stream) {
   detail::check_stream(stream, "dsa_indexer_topk_block", kFamily);
-  cpu::dsa_indexer_topk_block_cpu(args, validate_topk_block(args, state), state);
+  const cpu::DsaIndexerShape s = validate_topk_block(args, state);
+  if (const ops::DsaHooks* h = ops::detail::active_dsa_hooks(); h != nullptr && h->topk_block != nullptr) {
+    h->topk_block(args, state);  // test mode (attention/ops/dsa_hook.h)
+    ops::detail::note_dsa_hook_call();
+    return;
+  }
+  cpu::dsa_indexer_topk_block_cpu(args, s, state);
 }
 
 void dsa_topk_merge(const DsaTopkState& state, const DsaTopkState& other, Stream stream) {
   check_dsa_topk_merge(state, other, stream);
+  if (const ops::DsaHooks* h = ops::detail::active_dsa_hooks(); h != nullptr && h->topk_merge != nullptr) {
+    h->topk_merge(state, other);
+    ops::detail::note_dsa_hook_call();
+    return;
+  }
   cpu::dsa_topk_merge_cpu(state, other);
 }
 
@@ -387,24 +398,44 @@ void dsa_attention_backward(const DsaAttentionBackwardArgs& args, const TensorVi
     cpu::dsa_attention_delta_cpu(args.out, args.dout, computed.view());
     delta = computed.view();
   }
+  if (const ops::DsaHooks* h = ops::detail::active_dsa_hooks(); h != nullptr && h->backward != nullptr) {
+    h->backward(args.fwd, args.lse, args.dout, delta, dq, dc, accumulate, args.probs);
+    ops::detail::note_dsa_hook_call();
+    return;
+  }
   cpu::dsa_attention_backward_cpu(args.fwd, s, args.lse, args.dout, delta, dq, dc, accumulate, args.probs);
 }
 
 void dsa_attention_probs(const DsaAttentionArgs& args, const TensorView& lse, const TensorView& probs, Stream stream) {
   detail::check_stream(stream, "dsa_attention_probs", kFamily);
-  cpu::dsa_attention_backward_cpu(args, validate_probs(args, lse, probs), lse, TensorView(), TensorView(), TensorView(),
-                                  TensorView(), false, probs);
+  const cpu::DsaAttentionShape s = validate_probs(args, lse, probs);
+  if (const ops::DsaHooks* h = ops::detail::active_dsa_hooks(); h != nullptr && h->backward != nullptr) {
+    h->backward(args, lse, TensorView(), TensorView(), TensorView(), TensorView(), false, probs);
+    ops::detail::note_dsa_hook_call();
+    return;
+  }
+  cpu::dsa_attention_backward_cpu(args, s, lse, TensorView(), TensorView(), TensorView(), TensorView(), false, probs);
 }
 
 void dsa_indexer_scores_selected(const DsaIndexerArgs& args, const TensorView& topk_indices, const TensorView& scores,
                                  Stream stream) {
   detail::check_stream(stream, "dsa_indexer_scores_selected", kFamily);
   const IndexerBlock v = validate_scores_selected(args, topk_indices, scores);
+  if (const ops::DsaHooks* h = ops::detail::active_dsa_hooks(); h != nullptr && h->scores_selected != nullptr) {
+    h->scores_selected(args, topk_indices, scores);
+    ops::detail::note_dsa_hook_call();
+    return;
+  }
   cpu::dsa_indexer_scores_selected_cpu(args, v.s, topk_indices, v.valid, scores);
 }
 
 double dsa_indexer_loss(const DsaIndexerLossArgs& args, const TensorView& dscores, Stream stream) {
   args.validate(dscores, stream);
+  if (const ops::DsaHooks* h = ops::detail::active_dsa_hooks(); h != nullptr && h->indexer_loss != nullptr) {
+    const double loss = h->indexer_loss(args, dscores);
+    ops::detail::note_dsa_hook_call();
+    return loss;
+  }
   return cpu::dsa_indexer_loss_cpu(args, dscores);
 }
 
@@ -413,6 +444,11 @@ void dsa_indexer_backward(const DsaIndexerArgs& args, const TensorView& topk_ind
                           Stream stream) {
   detail::check_stream(stream, "dsa_indexer_backward", kFamily);
   const IndexerBlock v = validate_indexer_backward(args, topk_indices, dscores, dq_idx, dw, dk_idx, accumulate);
+  if (const ops::DsaHooks* h = ops::detail::active_dsa_hooks(); h != nullptr && h->indexer_backward != nullptr) {
+    h->indexer_backward(args, topk_indices, dscores, dq_idx, dw, dk_idx, accumulate);
+    ops::detail::note_dsa_hook_call();
+    return;
+  }
   cpu::dsa_indexer_backward_cpu(args, v.s, topk_indices, v.valid, dscores, dq_idx, dw, dk_idx, accumulate);
 }
 

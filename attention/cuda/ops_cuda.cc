@@ -238,6 +238,52 @@ class CudaOps final : public Ops<T> {
     kern::short_conv_dweight(rows, C, W, dpre, xin, first, dweight, stream_);
   }
 
+  void gemm_fixed_order(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, Mat<const T> a,
+                        Mat<const T> b, T beta, Mat<T> c, Batch batch) override {
+    DeviceScope scope(device_);
+    kern::gemm_fixed_order(ta == Trans::kT, tb == Trans::kT, m, n, k, alpha, batched(a), batched(b), beta, batched(c),
+                           batch.outer, batch.inner, stream_);
+  }
+  void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
+                      std::int64_t* list) override {
+    DeviceScope scope(device_);
+    kern::inverted_index(n_src, idx, n_dst, offsets, list, stream_);
+  }
+  void sum_rows_indexed(std::int64_t n_dst, std::int64_t cols, const T* src, std::int64_t ld_src,
+                        const std::int64_t* offsets, const std::int64_t* list, T* dst, std::int64_t ld_dst) override {
+    DeviceScope scope(device_);
+    kern::sum_rows_indexed(n_dst, cols, src, ld_src, offsets, list, dst, ld_dst, stream_);
+  }
+  void topk_merge_rows(std::int64_t rows, std::int64_t k, T* s_a, std::int64_t* p_a, const T* s_b,
+                       const std::int64_t* p_b) override {
+    DeviceScope scope(device_);
+    kern::topk_merge_rows(rows, k, s_a, p_a, s_b, p_b, stream_);
+  }
+  void dsa_probs_rows(std::int64_t rows, std::int64_t n, T* s, std::int64_t ld, const std::int64_t* mask,
+                      std::int64_t mask_div, const T* lse_hi, const T* lse_lo) override {
+    DeviceScope scope(device_);
+    kern::dsa_probs_rows(rows, n, s, ld, mask, mask_div, lse_hi, lse_lo, stream_);
+  }
+  void dsa_dscore_rows(std::int64_t rows, std::int64_t n, const T* p, T* dp, std::int64_t ld, const T* delta) override {
+    DeviceScope scope(device_);
+    kern::dsa_dscore_rows(rows, n, p, dp, ld, delta, stream_);
+  }
+  void relu_head_sum_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, const T* s, const T* w,
+                          T* out) override {
+    DeviceScope scope(device_);
+    kern::relu_head_sum_rows(queries, Hi, n, s, w, out, stream_);
+  }
+  void indexer_grad_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, T* s, const T* w, const T* g,
+                         T* dw) override {
+    DeviceScope scope(device_);
+    kern::indexer_grad_rows(queries, Hi, n, s, w, g, dw, stream_);
+  }
+  void kl_rows(std::int64_t rows, std::int64_t k, const T* probs, const T* scores, const std::int64_t* idx,
+               double grad_scale, T* dscores, double* loss) override {
+    DeviceScope scope(device_);
+    kern::kl_rows(rows, k, probs, scores, idx, grad_scale, dscores, loss, stream_);
+  }
+
  private:
   int device_;
   cudaStream_t stream_;

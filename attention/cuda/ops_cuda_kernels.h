@@ -103,4 +103,40 @@ template <typename T>
 void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
                         const std::int64_t* first, T* dweight, cudaStream_t stream);
 
+// ---- DSA (ops_cuda_dsa.cu; bodies: dsa_rows.h) ----
+// gemm_fixed_order: one thread per element of C, the sum over k in increasing order by one fused multiply-add per
+// term (the same instructions for every element of every shape; not cuBLAS, so far slower than gemm).
+template <typename T>
+void gemm_fixed_order(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, BatchedMat<const T> a,
+                      BatchedMat<const T> b, T beta, BatchedMat<T> c, std::int64_t outer, std::int64_t inner,
+                      cudaStream_t stream);
+// inverted_index: CUB's stable radix sort of (idx, r), then offsets by binary search per destination row.
+void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
+                    std::int64_t* list, cudaStream_t stream);
+// sum_rows_indexed: one thread per (destination row, column), its list in order.
+template <typename T>
+void sum_rows_indexed(std::int64_t n_dst, std::int64_t cols, const T* src, std::int64_t ld_src,
+                      const std::int64_t* offsets, const std::int64_t* list, T* dst, std::int64_t ld_dst,
+                      cudaStream_t stream);
+// topk_merge_rows: rowops::topk_union_row per row, topk_rows over the union's columns, a pick (NaN scores are never
+// kept, as topk_rows').
+template <typename T>
+void topk_merge_rows(std::int64_t rows, std::int64_t k, T* s_a, std::int64_t* p_a, const T* s_b,
+                     const std::int64_t* p_b, cudaStream_t stream);
+template <typename T>
+void dsa_probs_rows(std::int64_t rows, std::int64_t n, T* s, std::int64_t ld, const std::int64_t* mask,
+                    std::int64_t mask_div, const T* lse_hi, const T* lse_lo, cudaStream_t stream);
+template <typename T>
+void dsa_dscore_rows(std::int64_t rows, std::int64_t n, const T* p, T* dp, std::int64_t ld, const T* delta,
+                     cudaStream_t stream);
+template <typename T>
+void relu_head_sum_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, const T* s, const T* w, T* out,
+                        cudaStream_t stream);
+template <typename T>
+void indexer_grad_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, T* s, const T* w, const T* g, T* dw,
+                       cudaStream_t stream);
+template <typename T>
+void kl_rows(std::int64_t rows, std::int64_t k, const T* probs, const T* scores, const std::int64_t* idx,
+             double grad_scale, T* dscores, double* loss, cudaStream_t stream);
+
 }  // namespace seqpar::attn::cuda

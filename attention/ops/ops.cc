@@ -1,7 +1,11 @@
 // The device-neutral compositions of ops.h.
 #include "ops.h"
 
+#include "../../runtime/error.h"
+
 namespace seqpar::attn::ops {
+
+void unsupported_op(const char* table, const char* op) { SEQPAR_THROW("ops table ", table, " does not support ", op); }
 
 // ---- the affine scan, composed from the table (device-neutral) ----
 namespace {

@@ -18,6 +18,9 @@
 
 namespace seqpar::attn::ops {
 
+// Raises "ops table <table> does not support <op>" (an Error).
+[[noreturn]] void unsupported_op(const char* table, const char* op);
+
 enum class Trans { kN, kT };
 
 struct Batch {
@@ -157,6 +160,66 @@ class Ops : public Memory {
   // dweight [C, W] = rowops::short_conv_dweight_channel for every channel (a fixed order over the rows).
   virtual void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
                                   const std::int64_t* first, T* dweight) = 0;
+
+  // ---- DSA (bodies: attention/kernels/dsa_rows.h) ----
+  // A table that does not implement one of these raises "ops table <name> does not support <op>" when it is called.
+  // gemm with one more promise: every element of C is reduced over k in increasing order by the same instructions
+  // whatever m, n, the batch and the element's place in C (no split of k, one kernel for every shape), so that a
+  // value does not depend on the product it was computed in. The DSA indexer scores use it: a pair's score, and so the
+  // tie rule's outcome, is then bitwise the same in any key block of any grid. CUDA: one pinned cuBLASLt algorithm
+  // without split-K (edge tiles predicated, not a different kernel).
+  virtual void gemm_fixed_order(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha,
+                                Mat<const T> a, Mat<const T> b, T beta, Mat<T> c, Batch batch) {
+    unsupported_op(this->name(), "gemm_fixed_order");
+  }
+  // The inverted index of a row map idx [n_src]: for every dst row d < n_dst, the src rows r with idx[r] = d in
+  // ascending r, as offsets [n_dst + 1] and list [n_src] (list[offsets[d] .. offsets[d + 1]) are d's rows; idx[r] < 0
+  // is in no list). CUDA: a stable radix sort of (idx, r) pairs and a scan of the row counts.
+  virtual void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
+                              std::int64_t* list) {
+    unsupported_op(this->name(), "inverted_index");
+  }
+  // dst row d += (the src rows list[offsets[d]], list[offsets[d] + 1], ... summed in that order): one owner per dst
+  // row, no floating-point atomics, so the sums are bitwise the same for any schedule.
+  virtual void sum_rows_indexed(std::int64_t n_dst, std::int64_t cols, const T* src, std::int64_t ld_src,
+                                const std::int64_t* offsets, const std::int64_t* list, T* dst, std::int64_t ld_dst) {
+    unsupported_op(this->name(), "sum_rows_indexed");
+  }
+  // Per row r: the running top-k (s_a, p_a) [rows, k] and a block's candidates (s_b, p_b) [rows, k], each ascending by
+  // position with position -1 / score -inf padding at the end, positions distinct between them: (s_a, p_a) <- the k
+  // best of their union by the training tie rule (rowops::topk_better), ascending by position, then padding.
+  // CUDA: rowops::topk_union_row per row, the table's top-k over the union's columns, a pick.
+  virtual void topk_merge_rows(std::int64_t rows, std::int64_t k, T* s_a, std::int64_t* p_a, const T* s_b,
+                               const std::int64_t* p_b) {
+    unsupported_op(this->name(), "topk_merge_rows");
+  }
+  // Row r of s [rows, n] (leading dim ld) <- rowops::dsa_probs_row with mask row r / mask_div of mask [., n] and
+  // lse = lse_hi[r] + lse_lo[r].
+  virtual void dsa_probs_rows(std::int64_t rows, std::int64_t n, T* s, std::int64_t ld, const std::int64_t* mask,
+                              std::int64_t mask_div, const T* lse_hi, const T* lse_lo) {
+    unsupported_op(this->name(), "dsa_probs_rows");
+  }
+  // Row r of dp [rows, n] <- p (dp - delta[r]) elementwise (rowops::dsa_dscore_row); p, dp with leading dim ld.
+  virtual void dsa_dscore_rows(std::int64_t rows, std::int64_t n, const T* p, T* dp, std::int64_t ld, const T* delta) {
+    unsupported_op(this->name(), "dsa_dscore_rows");
+  }
+  // Per query q: out [queries, n] row q = rowops::relu_head_sum_row of s [queries, Hi, n] matrix q and w [queries, Hi]
+  // row q.
+  virtual void relu_head_sum_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, const T* s, const T* w,
+                                  T* out) {
+    unsupported_op(this->name(), "relu_head_sum_rows");
+  }
+  // Per query q and head i: rowops::indexer_grad_row on row i of s [queries, Hi, n] matrix q (in place: the logit
+  // gradients) with w [queries, Hi] and g [queries, n] row q; dw [queries, Hi] <- its return values.
+  virtual void indexer_grad_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, T* s, const T* w, const T* g,
+                                 T* dw) {
+    unsupported_op(this->name(), "indexer_grad_rows");
+  }
+  // Per row r of [rows, k]: loss[r] = rowops::kl_row(probs, scores, idx, grad_scale, dscores) (dscores may be null).
+  virtual void kl_rows(std::int64_t rows, std::int64_t k, const T* probs, const T* scores, const std::int64_t* idx,
+                       double grad_scale, T* dscores, double* loss) {
+    unsupported_op(this->name(), "kl_rows");
+  }
 };
 
 // The inclusive scan of affine maps x -> M x + U along each of `segments` sequences of n elements (M [K, K],

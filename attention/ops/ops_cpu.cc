@@ -12,6 +12,7 @@
 #include <cblas.h>
 #endif
 
+#include "../kernels/dsa_rows.h"
 #include "../kernels/gdn_rows.h"
 
 namespace seqpar::attn::ops {
@@ -41,6 +42,57 @@ void trsm_loops(std::int64_t n, std::int64_t nrhs, const T* l, std::int64_t ldl,
       const T lip = l[i * ldl + p];
       for (std::int64_t j = 0; j < nrhs; ++j) b[i * ldb + j] -= lip * b[p * ldb + j];
     }
+}
+
+// gemm_fixed_order's body for one matrix: columns in panels of kFixedLanes, op(B)'s panel packed as [k, kFixedLanes]
+// (zero lanes past n), then per row i every lane sums a_ip b_pj over p in increasing order. Every element of every
+// shape goes through this one loop (a lane's arithmetic does not depend on the lane or the panel), so its value does
+// not depend on m, n or its place in C.
+inline constexpr std::int64_t kFixedLanes = 16;
+template <typename T>
+__attribute__((noinline)) void gemm_fixed_one(std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a,
+                                              std::int64_t sa_i, std::int64_t sa_p, const T* b, std::int64_t sb_p,
+                                              std::int64_t sb_j, T beta, T* c, std::int64_t ldc, T* panel) {
+  for (std::int64_t j0 = 0; j0 < n; j0 += kFixedLanes) {
+    const std::int64_t nj = std::min(kFixedLanes, n - j0);
+    for (std::int64_t p = 0; p < k; ++p)
+      for (std::int64_t l = 0; l < kFixedLanes; ++l)
+        panel[p * kFixedLanes + l] = l < nj ? b[p * sb_p + (j0 + l) * sb_j] : T(0);
+    // a vector of kFixedLanes T (GCC / Clang vector extension): every lane takes the same operations; rows go four
+    // at a time (one load of the panel row for four products), the last ones alone, each row's lanes by the same
+    // statement acc += a_ip * b_p
+    typedef T Lanes __attribute__((vector_size(kFixedLanes * sizeof(T))));
+    const auto store = [&](std::int64_t i, const Lanes& acc) {
+      T* ci = c + i * ldc + j0;
+      for (std::int64_t l = 0; l < nj; ++l) ci[l] = beta == T(0) ? alpha * acc[l] : alpha * acc[l] + beta * ci[l];
+    };
+    std::int64_t i = 0;
+    for (; i + 4 <= m; i += 4) {
+      Lanes acc0 = {}, acc1 = {}, acc2 = {}, acc3 = {};
+      for (std::int64_t p = 0; p < k; ++p) {
+        Lanes bv;
+        std::memcpy(&bv, panel + p * kFixedLanes, sizeof(Lanes));
+        const T* ap = a + i * sa_i + p * sa_p;
+        acc0 += ap[0] * bv;
+        acc1 += ap[sa_i] * bv;
+        acc2 += ap[2 * sa_i] * bv;
+        acc3 += ap[3 * sa_i] * bv;
+      }
+      store(i, acc0);
+      store(i + 1, acc1);
+      store(i + 2, acc2);
+      store(i + 3, acc3);
+    }
+    for (; i < m; ++i) {
+      Lanes acc = {};
+      for (std::int64_t p = 0; p < k; ++p) {
+        Lanes bv;
+        std::memcpy(&bv, panel + p * kFixedLanes, sizeof(Lanes));
+        acc += a[i * sa_i + p * sa_p] * bv;
+      }
+      store(i, acc);
+    }
+  }
 }
 
 #if defined(SEQPAR_OPS_WITH_CBLAS)
@@ -235,6 +287,85 @@ class CpuOps final : public Ops<T> {
   void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const T* dpre, const T* xin,
                           const std::int64_t* first, T* dweight) override {
     for (std::int64_t c = 0; c < C; ++c) rowops::short_conv_dweight_channel(c, rows, C, W, dpre, xin, first, dweight);
+  }
+
+  void gemm_fixed_order(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, Mat<const T> a,
+                        Mat<const T> b, T beta, Mat<T> c, Batch batch) override {
+    if (m <= 0 || n <= 0) return;
+    const std::int64_t sa_i = ta == Trans::kN ? a.ld : 1, sa_p = ta == Trans::kN ? 1 : a.ld;
+    const std::int64_t sb_p = tb == Trans::kN ? b.ld : 1, sb_j = tb == Trans::kN ? 1 : b.ld;
+    std::vector<T> panel(static_cast<std::size_t>(std::max<std::int64_t>(k, 1) * kFixedLanes));
+    for (std::int64_t o = 0; o < batch.outer; ++o)
+      for (std::int64_t e = 0; e < batch.inner; ++e)
+        gemm_fixed_one(m, n, k, alpha, a.at(o, e), sa_i, sa_p, b.at(o, e), sb_p, sb_j, beta, c.at(o, e), c.ld,
+                       panel.data());
+  }
+  void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
+                      std::int64_t* list) override {
+    std::fill(offsets, offsets + n_dst + 1, std::int64_t{0});
+    for (std::int64_t r = 0; r < n_src; ++r)
+      if (idx[r] >= 0 && idx[r] < n_dst) ++offsets[idx[r] + 1];
+    for (std::int64_t d = 0; d < n_dst; ++d) offsets[d + 1] += offsets[d];
+    std::vector<std::int64_t> next(offsets, offsets + n_dst);
+    for (std::int64_t r = 0; r < n_src; ++r)  // ascending r: each list comes out ascending (a stable counting sort)
+      if (idx[r] >= 0 && idx[r] < n_dst) list[next[static_cast<std::size_t>(idx[r])]++] = r;
+  }
+  void sum_rows_indexed(std::int64_t n_dst, std::int64_t cols, const T* src, std::int64_t ld_src,
+                        const std::int64_t* offsets, const std::int64_t* list, T* dst, std::int64_t ld_dst) override {
+    std::vector<T> acc(static_cast<std::size_t>(cols));
+    for (std::int64_t d = 0; d < n_dst; ++d) {
+      const std::int64_t b = offsets[d], e = offsets[d + 1];
+      if (b == e) continue;
+      std::copy(src + list[b] * ld_src, src + list[b] * ld_src + cols, acc.begin());
+      for (std::int64_t i = b + 1; i < e; ++i)
+        for (std::int64_t j = 0; j < cols; ++j) acc[j] += src[list[i] * ld_src + j];
+      for (std::int64_t j = 0; j < cols; ++j) dst[d * ld_dst + j] += acc[j];
+    }
+  }
+  void topk_merge_rows(std::int64_t rows, std::int64_t k, T* s_a, std::int64_t* p_a, const T* s_b,
+                       const std::int64_t* p_b) override {
+    std::vector<T> us(static_cast<std::size_t>(2 * k));
+    std::vector<std::int64_t> up(static_cast<std::size_t>(2 * k)), col;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t n =
+          rowops::topk_union_row(k, s_a + r * k, p_a + r * k, s_b + r * k, p_b + r * k, us.data(), up.data());
+      col.resize(static_cast<std::size_t>(n));
+      for (std::int64_t j = 0; j < n; ++j) col[j] = j;
+      const std::int64_t take = std::min(k, n);
+      std::partial_sort(col.begin(), col.begin() + take, col.end(), [&](std::int64_t x, std::int64_t y) {
+        return rowops::topk_better(us[x], up[x], us[y], up[y]);
+      });
+      std::sort(col.begin(), col.begin() + take);  // column order is position order
+      for (std::int64_t t = 0; t < k; ++t) {
+        s_a[r * k + t] = t < take ? us[col[t]] : -std::numeric_limits<T>::infinity();
+        p_a[r * k + t] = t < take ? up[col[t]] : -1;
+      }
+    }
+  }
+  void dsa_probs_rows(std::int64_t rows, std::int64_t n, T* s, std::int64_t ld, const std::int64_t* mask,
+                      std::int64_t mask_div, const T* lse_hi, const T* lse_lo) override {
+    for (std::int64_t r = 0; r < rows; ++r)
+      rowops::dsa_probs_row(s + r * ld, n, mask + (r / mask_div) * n, lse_hi[r], lse_lo[r]);
+  }
+  void dsa_dscore_rows(std::int64_t rows, std::int64_t n, const T* p, T* dp, std::int64_t ld, const T* delta) override {
+    for (std::int64_t r = 0; r < rows; ++r) rowops::dsa_dscore_row(p + r * ld, dp + r * ld, n, delta[r]);
+  }
+  void relu_head_sum_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, const T* s, const T* w,
+                          T* out) override {
+    for (std::int64_t q = 0; q < queries; ++q)
+      rowops::relu_head_sum_row(s + q * Hi * n, n, Hi, n, w + q * Hi, out + q * n);
+  }
+  void indexer_grad_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, T* s, const T* w, const T* g,
+                         T* dw) override {
+    for (std::int64_t q = 0; q < queries; ++q)
+      for (std::int64_t i = 0; i < Hi; ++i)
+        dw[q * Hi + i] = rowops::indexer_grad_row(s + (q * Hi + i) * n, n, w[q * Hi + i], g + q * n);
+  }
+  void kl_rows(std::int64_t rows, std::int64_t k, const T* probs, const T* scores, const std::int64_t* idx,
+               double grad_scale, T* dscores, double* loss) override {
+    for (std::int64_t r = 0; r < rows; ++r)
+      loss[r] = rowops::kl_row(probs + r * k, scores + r * k, idx + r * k, k, grad_scale,
+                               dscores != nullptr ? dscores + r * k : nullptr);
   }
 };
 

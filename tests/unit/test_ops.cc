@@ -12,6 +12,7 @@
 
 #include "attention/kernels/gdn_rows.h"
 #include "attention/ops/ops_cpu.h"
+#include "runtime/error.h"
 
 namespace seqpar::attn::ops {
 namespace {
@@ -410,6 +411,85 @@ TYPED_TEST(OpsTest, BackwardRowKernels) {
   }
 }
 
+// The DSA ops (attention/kernels/dsa_rows.h bodies) against loops written here.
+TYPED_TEST(OpsTest, InvertedIndexSumsEachRowsSourcesInAscendingOrder) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t n_src = 40, n_dst = 9, cols = 5, ld = 7;
+  std::vector<std::int64_t> idx(n_src);
+  for (std::int64_t r = 0; r < n_src; ++r) idx[r] = (r * 7) % 12 - 2;  // -2..9: -1, -2 and 9 (>= n_dst) in no list
+  std::vector<std::int64_t> offsets(n_dst + 1), list(n_src, -7);
+  ops.inverted_index(n_src, idx.data(), n_dst, offsets.data(), list.data());
+  std::int64_t at = 0;
+  for (std::int64_t d = 0; d < n_dst; ++d) {
+    ASSERT_EQ(at, offsets[d]) << "dst " << d;
+    for (std::int64_t r = 0; r < n_src; ++r) {
+      if (idx[r] == d) {
+        ASSERT_EQ(r, list[at++]) << "dst " << d;
+      }
+    }
+  }
+  ASSERT_EQ(at, offsets[n_dst]);
+  // sums: bitwise the sequential sum in T over the list (first source, then the others), added to dst
+  const auto src = cast<T>(rand_vec(n_src * ld, 21));
+  std::vector<T> dst(n_dst * cols, T(0.5)), want(dst);
+  ops.sum_rows_indexed(n_dst, cols, src.data(), ld, offsets.data(), list.data(), dst.data(), cols);
+  for (std::int64_t d = 0; d < n_dst; ++d) {
+    std::vector<T> acc;
+    for (std::int64_t r = 0; r < n_src; ++r) {
+      if (idx[r] != d) continue;
+      if (acc.empty())
+        acc.assign(src.begin() + r * ld, src.begin() + r * ld + cols);
+      else
+        for (std::int64_t j = 0; j < cols; ++j) acc[j] += src[r * ld + j];
+    }
+    for (std::int64_t j = 0; j < static_cast<std::int64_t>(acc.size()); ++j) want[d * cols + j] += acc[j];
+  }
+  EXPECT_EQ(want, dst);
+}
+
+TYPED_TEST(OpsTest, TopkMergeKeepsTheBestOfTheUnionWithTheTieRule) {
+  using T = TypeParam;
+  const std::int64_t rows = 60, k = 5;
+  std::mt19937_64 rng(22);
+  std::vector<T> sa(rows * k), sb(rows * k);
+  std::vector<std::int64_t> pa(rows * k), pb(rows * k);
+  std::vector<std::vector<std::pair<T, std::int64_t>>> all(rows);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    // positions 0..29 dealt to a, b or neither; few distinct scores (ties), a few -inf scores (valid entries)
+    std::vector<std::int64_t> la, lb;
+    for (std::int64_t p = 0; p < 30; ++p) {
+      const auto u = rng() % 8;
+      if (u == 0 && std::ssize(la) < k) la.push_back(p);
+      if (u == 1 && std::ssize(lb) < k) lb.push_back(p);
+    }
+    auto fill = [&](const std::vector<std::int64_t>& l, T* s, std::int64_t* p) {
+      for (std::int64_t e = 0; e < k; ++e) {
+        const bool v = e < std::ssize(l);
+        p[e] = v ? l[e] : -1;
+        s[e] = !v ? -std::numeric_limits<T>::infinity()
+                  : (rng() % 9 == 0 ? -std::numeric_limits<T>::infinity() : static_cast<T>(rng() % 3));
+        if (v) all[r].push_back({s[e], p[e]});
+      }
+    };
+    fill(la, sa.data() + r * k, pa.data() + r * k);
+    fill(lb, sb.data() + r * k, pb.data() + r * k);
+  }
+  cpu_ops<T>().topk_merge_rows(rows, k, sa.data(), pa.data(), sb.data(), pb.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    auto c = all[r];  // reference: sort by score descending, then position ascending; the first k by position
+    std::sort(c.begin(), c.end(),
+              [](auto x, auto y) { return x.first > y.first || (x.first == y.first && x.second < y.second); });
+    c.resize(std::min<std::size_t>(c.size(), k));
+    std::sort(c.begin(), c.end(), [](auto x, auto y) { return x.second < y.second; });
+    for (std::int64_t t = 0; t < k; ++t) {
+      const bool v = t < std::ssize(c);
+      ASSERT_EQ(v ? c[t].second : -1, pa[r * k + t]) << "row " << r << " slot " << t;
+      EXPECT_EQ(v ? c[t].first : -std::numeric_limits<T>::infinity(), sa[r * k + t]) << "row " << r << " slot " << t;
+    }
+  }
+}
+
 // The short conv's ops against loops: y = conv of W rows from first[r] (SiLU), the gradient before the SiLU, the
 // input rows' gradients through src and the weight gradient, all in fp64 from the same rounded operands.
 TYPED_TEST(OpsTest, ShortConvRowKernels) {
@@ -453,6 +533,138 @@ TYPED_TEST(OpsTest, ShortConvRowKernels) {
   auto same = cast<T>(dy64);
   ops.short_conv_dpre_rows(rows, C, W, x.data(), first.data(), w.data(), false, same.data());
   EXPECT_EQ(cast<T>(dy64), same);
+}
+
+TYPED_TEST(OpsTest, DsaRowOpsMatchFormulas) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t Q = 3, H = 2, n = 7;
+  const auto s64 = rand_vec(Q * H * n, 23, -3.0, 3.0), dp64 = rand_vec(Q * H * n, 24), w64 = rand_vec(Q * H, 25);
+  std::vector<std::int64_t> mask(Q * n);
+  for (std::int64_t i = 0; i < Q * n; ++i) mask[i] = i % 3 == 1 ? -1 : i;
+  // p = exp(s - lse) on the unmasked slots, lse = hi + lo (the last row: lse = -inf)
+  std::vector<double> lse64(Q * H);
+  for (std::int64_t r = 0; r < Q * H; ++r) lse64[r] = r == Q * H - 1 ? -INFINITY : 1.0 + 0.3 * r + 1e-9;
+  std::vector<T> hi(Q * H), lo(Q * H);
+  for (std::int64_t r = 0; r < Q * H; ++r) {
+    hi[r] = static_cast<T>(lse64[r]);
+    lo[r] = std::isinf(lse64[r]) ? T(0) : static_cast<T>(lse64[r] - static_cast<double>(hi[r]));
+  }
+  auto p = cast<T>(s64);
+  ops.dsa_probs_rows(Q * H, n, p.data(), n, mask.data(), H, hi.data(), lo.data());
+  for (std::int64_t r = 0; r < Q * H; ++r)
+    for (std::int64_t j = 0; j < n; ++j) {
+      const bool on = mask[(r / H) * n + j] >= 0 && !std::isinf(lse64[r]);
+      const double want = on ? std::exp(static_cast<double>(T(s64[r * n + j])) - lse64[r]) : 0.0;
+      EXPECT_NEAR(want, p[r * n + j], tol<T>() * (1 + want)) << r << " " << j;
+    }
+  // ds = p (dp - delta)
+  const std::vector<T> delta = cast<T>(rand_vec(Q * H, 26));
+  auto ds = cast<T>(dp64);
+  ops.dsa_dscore_rows(Q * H, n, p.data(), ds.data(), n, delta.data());
+  for (std::int64_t i = 0; i < Q * H * n; ++i)
+    EXPECT_NEAR(double(p[i]) * (dp64[i] - double(delta[i / n])), ds[i], tol<T>());
+  // the ReLU-weighted head sum, and the indexer's logit gradients with dw
+  const auto s = cast<T>(s64), w = cast<T>(w64), g = cast<T>(rand_vec(Q * n, 27));
+  std::vector<T> out(Q * n), a(s), dw(Q * H);
+  ops.relu_head_sum_rows(Q, H, n, s.data(), w.data(), out.data());
+  ops.indexer_grad_rows(Q, H, n, a.data(), w.data(), g.data(), dw.data());
+  for (std::int64_t q = 0; q < Q; ++q) {
+    for (std::int64_t j = 0; j < n; ++j) {
+      double want = 0.0;
+      for (std::int64_t i = 0; i < H; ++i) want += w64[q * H + i] * std::max(0.0, s64[(q * H + i) * n + j]);
+      EXPECT_NEAR(want, out[q * n + j], tol<T>() * 10);
+    }
+    for (std::int64_t i = 0; i < H; ++i) {
+      double want_dw = 0.0;
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double v = s64[(q * H + i) * n + j];
+        want_dw += double(g[q * n + j]) * std::max(0.0, v);
+        EXPECT_NEAR(v > 0 ? double(g[q * n + j]) * w64[q * H + i] : 0.0, a[(q * H + i) * n + j], tol<T>());
+      }
+      EXPECT_NEAR(want_dw, dw[q * H + i], tol<T>() * 10);
+    }
+  }
+}
+
+TYPED_TEST(OpsTest, KlRowsMatchTheFormula) {
+  using T = TypeParam;
+  const std::int64_t rows = 4, k = 6;
+  const auto probs = cast<T>(rand_vec(rows * k, 28, 0.0, 1.0)), scores = cast<T>(rand_vec(rows * k, 29, -2.0, 2.0));
+  std::vector<std::int64_t> idx(rows * k);
+  for (std::int64_t i = 0; i < rows * k; ++i) idx[i] = (i % k) < k - 1 - (i / k) ? i : -1;  // row r: k - 1 - r valid
+  std::vector<T> g(rows * k, T(9));
+  std::vector<double> loss(rows);
+  cpu_ops<T>().kl_rows(rows, k, probs.data(), scores.data(), idx.data(), 0.5, g.data(), loss.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double z = 0.0, e = 0.0;
+    for (std::int64_t j = 0; j < k; ++j)
+      if (idx[r * k + j] >= 0) {
+        z += probs[r * k + j];
+        e += std::exp(double(scores[r * k + j]));
+      }
+    double want = 0.0;
+    for (std::int64_t j = 0; j < k; ++j) {
+      if (idx[r * k + j] < 0) {
+        EXPECT_EQ(T(0), g[r * k + j]);
+        continue;
+      }
+      const double pst = probs[r * k + j] / z, qv = std::exp(double(scores[r * k + j])) / e;
+      want += pst * std::log(pst / qv);
+      EXPECT_NEAR(0.5 * (qv - pst), g[r * k + j], tol<T>());
+    }
+    EXPECT_NEAR(want, loss[r], 1e-12 + (std::is_same_v<T, double> ? 1e-12 : 1e-6)) << "row " << r;
+  }
+}
+
+// gemm_fixed_order: the product against fp64 loops (every transpose), and each element bitwise the same when computed
+// in a product of another shape, at another place (rows and columns shifted, other neighbours, a batch).
+TYPED_TEST(OpsTest, GemmFixedOrderIsExactAndIndependentOfShapeAndPlace) {
+  using T = TypeParam;
+  Ops<T>& ops = cpu_ops<T>();
+  const std::int64_t m = 9, n = 37, k = 29;
+  const auto a64 = rand_vec(m * k, 30), b64 = rand_vec(n * k, 31);
+  const auto a = cast<T>(a64), b = cast<T>(b64);  // a [m, k], b [n, k] (the N T form of the scores)
+  std::vector<T> c(m * n);
+  ops.gemm_fixed_order(Trans::kN, Trans::kT, m, n, k, T(0.5), Mat<const T>{a.data(), k}, Mat<const T>{b.data(), k},
+                       T(0), Mat<T>{c.data(), n}, Batch{});
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double want = 0.0;
+      for (std::int64_t p = 0; p < k; ++p) want += double(a[i * k + p]) * double(b[j * k + p]);
+      EXPECT_NEAR(0.5 * want, c[i * n + j], tol<T>() * 10) << i << " " << j;
+    }
+  // rows 2..6 against columns 5..22 as a batch of two identical products: the same bits
+  const std::int64_t i0 = 2, mi = 5, j0 = 5, nj = 18;
+  std::vector<T> sub(2 * mi * nj);
+  ops.gemm_fixed_order(Trans::kN, Trans::kT, mi, nj, k, T(0.5), Mat<const T>{a.data() + i0 * k, k, 0, 0},
+                       Mat<const T>{b.data() + j0 * k, k, 0, 0}, T(0), Mat<T>{sub.data(), nj, 0, mi * nj}, Batch{1, 2});
+  for (std::int64_t e = 0; e < 2; ++e)
+    for (std::int64_t i = 0; i < mi; ++i)
+      for (std::int64_t j = 0; j < nj; ++j)
+        ASSERT_EQ(c[(i0 + i) * n + j0 + j], sub[(e * mi + i) * nj + j]) << "row " << i0 + i << " col " << j0 + j;
+  // the other transposes against gemm's (to rounding)
+  for (Trans ta : {Trans::kN, Trans::kT})
+    for (Trans tb : {Trans::kN, Trans::kT}) {
+      const std::int64_t lda = ta == Trans::kN ? k : m, ldb = tb == Trans::kN ? n : k;
+      const auto aa = cast<T>(rand_vec(m * k, 32)), bb = cast<T>(rand_vec(n * k, 33));
+      std::vector<T> c1(m * n, T(1)), c2(m * n, T(1));
+      ops.gemm(ta, tb, m, n, k, T(1), Mat<const T>{aa.data(), lda}, Mat<const T>{bb.data(), ldb}, T(2),
+               Mat<T>{c1.data(), n}, Batch{});
+      ops.gemm_fixed_order(ta, tb, m, n, k, T(1), Mat<const T>{aa.data(), lda}, Mat<const T>{bb.data(), ldb}, T(2),
+                           Mat<T>{c2.data(), n}, Batch{});
+      for (std::int64_t i = 0; i < m * n; ++i) EXPECT_NEAR(c1[i], c2[i], tol<T>() * 10);
+    }
+}
+
+// A table without the DSA ops (a CUDA table still to write them) raises a named error when one is called.
+TEST(OpsTable, MissingOpRaisesNamedError) {
+  try {
+    unsupported_op("cuda", "kl_rows");
+    FAIL() << "no error";
+  } catch (const Error& e) {
+    EXPECT_STREQ("ops table cuda does not support kl_rows", e.what());
+  }
 }
 
 }  // namespace

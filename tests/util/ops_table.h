@@ -69,6 +69,36 @@ inline void dsa_indexer_topk(const attn::DsaIndexerArgs& a, const TensorView& to
 inline void dsa_attention_forward(const attn::DsaAttentionArgs& a, const TensorView& out, const TensorView& lse) {
   with_test_ops(a.q.dtype(), [&](auto& ops) { attn::ops::dsa_attention_forward_composed(ops, a, out, lse); });
 }
+inline void dsa_topk_block(const attn::DsaIndexerArgs& a, const attn::DsaTopkState& state) {
+  with_test_ops(a.q_idx.dtype(), [&](auto& ops) { attn::ops::dsa_topk_block_composed(ops, a, state); });
+}
+inline void dsa_topk_merge(const attn::DsaTopkState& state, const attn::DsaTopkState& other) {
+  with_test_ops(state.scores.dtype(), [&](auto& ops) { attn::ops::dsa_topk_merge_composed(ops, state, other); });
+}
+inline void dsa_attention_backward(const attn::DsaAttentionArgs& a, const TensorView& lse, const TensorView& dout,
+                                   const TensorView& delta, const TensorView& dq, const TensorView& dc, bool accumulate,
+                                   const TensorView& probs) {
+  with_test_ops(a.q.dtype(), [&](auto& ops) {
+    attn::ops::dsa_attention_backward_composed(ops, a, lse, dout, delta, dq, dc, accumulate, probs);
+  });
+}
+inline void dsa_indexer_scores_selected(const attn::DsaIndexerArgs& a, const TensorView& topk_indices,
+                                        const TensorView& scores) {
+  with_test_ops(a.q_idx.dtype(),
+                [&](auto& ops) { attn::ops::dsa_indexer_scores_selected_composed(ops, a, topk_indices, scores); });
+}
+inline void dsa_indexer_backward(const attn::DsaIndexerArgs& a, const TensorView& topk_indices,
+                                 const TensorView& dscores, const TensorView& dq_idx, const TensorView& dw,
+                                 const TensorView& dk_idx, bool accumulate) {
+  with_test_ops(a.q_idx.dtype(), [&](auto& ops) {
+    attn::ops::dsa_indexer_backward_composed(ops, a, topk_indices, dscores, dq_idx, dw, dk_idx, accumulate);
+  });
+}
+inline double dsa_indexer_loss(const attn::DsaIndexerLossArgs& a, const TensorView& dscores) {
+  double loss = 0.0;
+  with_test_ops(a.probs.dtype(), [&](auto& ops) { loss = attn::ops::dsa_indexer_loss_composed(ops, a, dscores); });
+  return loss;
+}
 }  // namespace composed
 
 }  // namespace seqpar::test
