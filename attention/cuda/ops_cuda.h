@@ -14,6 +14,10 @@
 //                    needs no torch): it has fp32 / fp16 / bf16 traits only (this table also runs fp64), 32-bit
 //                    lengths, no rule for NaN scores, and returns the selection unordered; the sort is O(n log n) per
 //                    row against its O(n) radix select, a cost to measure on a GPU before swapping it in for fp32.
+//   the GDN backward, short-conv and DSA row ops: one-thread-per-row launches of the gdn_rows.h / dsa_rows.h bodies
+//                    (ops_cuda_gdn.cu, ops_cuda_dsa.cu); gemm_fixed_order: one thread per element of C, one fused
+//                    multiply-add per term in increasing k (not cuBLAS: slow, but the same bits in any shape);
+//                    inverted_index: CUB's stable radix sort; topk_merge_rows: the union body, then topk_rows.
 //   upload           cudaMemcpyAsync then a wait for the stream (the host buffer may be reused on return).
 //   download         waits for the stream (the copy and all work before it).
 // cuBLASLt's ReLU epilogue (the DSA indexer's GEMM + relu_rows fused) is not used: the table has no fused op.

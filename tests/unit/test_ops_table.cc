@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention/cuda/ops_cuda.h"
+#include "attention/kernels/dsa_rows.h"
 #include "attention/kernels/gdn_rows.h"
 #include "attention/ops/ops_cpu.h"
 #include "runtime/error.h"
@@ -584,6 +585,161 @@ TEST_P(OpsTable, GdnBackwardAndConvRowsMatchTheirBodies) {
         expect_close(wdx, get(ops, dxin), "short_conv_dx");
         expect_close(wdw, get(ops, dw), "short_conv_dweight");
       }
+    }
+  };
+  run(0.0f);
+  run(0.0);
+}
+
+// The DSA ops: gemm_fixed_order against fp64 and its promise (an element's bits do not depend on the product's
+// shape); the inverted index and the indexed row sums exactly against loops in ascending order; the top-k merge
+// against the CPU table's; the row ops against their bodies (attention/kernels/dsa_rows.h) run here in fp64.
+TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
+  const auto run = [&](auto zero) {
+    using T = decltype(zero);
+    Ops<T>& ops = table<T>();
+    const auto r64 = [](std::int64_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+      std::vector<double> v = rand_vec(n, seed, lo, hi);
+      for (double& x : v) x = double(T(x));
+      return v;
+    };
+    const auto expect_close = [&](const std::vector<double>& want, const std::vector<T>& got, const char* what) {
+      ASSERT_EQ(want.size(), got.size()) << what;
+      for (std::size_t e = 0; e < want.size(); ++e)
+        EXPECT_NEAR(want[e], double(got[e]), 10 * tol<T>() * std::max(1.0, std::abs(want[e])))
+            << what << " element " << e << " fp" << 8 * sizeof(T);
+    };
+    {  // gemm_fixed_order: [6, 9] x [9, 7]^T; then rows 2..4 and columns 3..6 alone must give the same bits
+      const std::int64_t m = 6, n = 7, k = 9;
+      const auto a = r64(m * k, 60), b = r64(n * k, 61);
+      const Buffer<T> da(ops, cast<T>(a)), db(ops, cast<T>(b));
+      Buffer<T> c(ops, m * n), c2(ops, 3 * 4);
+      ops.gemm_fixed_order(Trans::kN, Trans::kT, m, n, k, T(1), Mat<const T>{da.get(), k}, Mat<const T>{db.get(), k},
+                           T(0), Mat<T>{c.get(), n}, Batch{});
+      ops.gemm_fixed_order(Trans::kN, Trans::kT, 3, 4, k, T(1), Mat<const T>{da.get() + 2 * k, k},
+                           Mat<const T>{db.get() + 3 * k, k}, T(0), Mat<T>{c2.get(), 4}, Batch{});
+      const auto got = get(ops, c), sub = get(ops, c2);
+      std::vector<double> want(m * n);
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j)
+          for (std::int64_t p = 0; p < k; ++p) want[i * n + j] += a[i * k + p] * b[j * k + p];
+      expect_close(want, got, "gemm_fixed_order");
+      for (std::int64_t i = 0; i < 3; ++i)
+        for (std::int64_t j = 0; j < 4; ++j)
+          EXPECT_EQ(got[(i + 2) * n + j + 3], sub[i * 4 + j]) << "gemm_fixed_order (" << i << ", " << j << ")";
+    }
+    {  // inverted_index and sum_rows_indexed: 23 rows onto 6 (some -1, one target empty)
+      const std::int64_t n_src = 23, n_dst = 6, cols = 5;
+      std::vector<std::int64_t> idx(n_src);
+      for (std::int64_t r = 0; r < n_src; ++r) idx[r] = (r * 7) % 8 - 2 == 3 ? 5 : (r * 7) % 8 - 2;  // -2 .. 5, 3 never
+      const Buffer<std::int64_t> di(ops, idx);
+      Buffer<std::int64_t> off(ops, n_dst + 1), list(ops, n_src);
+      ops.inverted_index(n_src, di.get(), n_dst, off.get(), list.get());
+      const auto goff = get(ops, off), glist = get(ops, list);
+      std::vector<std::int64_t> woff(n_dst + 1, 0), wlist;
+      for (std::int64_t d = 0; d < n_dst; ++d) {
+        for (std::int64_t r = 0; r < n_src; ++r)
+          if (idx[r] == d) wlist.push_back(r);
+        woff[d + 1] = static_cast<std::int64_t>(wlist.size());
+      }
+      EXPECT_EQ(woff, goff) << "inverted_index offsets";
+      EXPECT_EQ(wlist, std::vector<std::int64_t>(glist.begin(), glist.begin() + woff[n_dst])) << "inverted_index list";
+      const auto src = cast<T>(r64(n_src * 8, 62));
+      const Buffer<T> ds(ops, src);
+      Buffer<T> dst(ops, std::vector<T>(n_dst * cols, T(1)));
+      ops.sum_rows_indexed(n_dst, cols, ds.get(), 8, off.get(), list.get(), dst.get(), cols);
+      std::vector<T> want(n_dst * cols, T(1));
+      for (std::int64_t d = 0; d < n_dst; ++d)
+        for (std::int64_t j = 0; j < cols; ++j) {
+          if (woff[d] == woff[d + 1]) continue;
+          T acc = src[wlist[woff[d]] * 8 + j];
+          for (std::int64_t i = woff[d] + 1; i < woff[d + 1]; ++i) acc += src[wlist[i] * 8 + j];
+          want[d * cols + j] += acc;
+        }
+      EXPECT_EQ(want, get(ops, dst)) << "sum_rows_indexed, bitwise in list order";
+    }
+    {  // topk_merge_rows against the CPU table's on rows with ties and -inf
+      const std::int64_t rows = 9, k = 4;
+      std::mt19937_64 rng(63);
+      std::vector<T> sa(rows * k), sb(rows * k);
+      std::vector<std::int64_t> pa(rows * k), pb(rows * k);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        std::int64_t na = static_cast<std::int64_t>(rng() % (k + 1)), nb = static_cast<std::int64_t>(rng() % (k + 1));
+        std::int64_t pos = 0;
+        for (std::int64_t t = 0; t < k; ++t) {
+          const bool live_a = t < na, live_b = t < nb;
+          pa[r * k + t] = live_a ? (pos += 1 + static_cast<std::int64_t>(rng() % 3)) * 2 : -1;
+          sa[r * k + t] = live_a ? T(double(rng() % 4) - 1.0) : T(-kInf);
+          pb[r * k + t] = live_b ? pa[r * k + t] < 0 ? 2 * t + 1 : pa[r * k + t] + 1 : -1;  // odd: distinct
+          sb[r * k + t] = live_b ? (t == 1 ? T(-kInf) : T(double(rng() % 4) - 1.0)) : T(-kInf);
+        }
+        for (std::int64_t t = 1; t < k; ++t)  // b ascending
+          if (pb[r * k + t] >= 0 && pb[r * k + t] <= pb[r * k + t - 1]) pb[r * k + t] = pb[r * k + t - 1] + 2;
+      }
+      std::vector<T> want_s = sa;
+      std::vector<std::int64_t> want_p = pa;
+      cpu_ops<T>().topk_merge_rows(rows, k, want_s.data(), want_p.data(), sb.data(), pb.data());
+      Buffer<T> dsa(ops, sa);
+      Buffer<std::int64_t> dpa(ops, pa);
+      const Buffer<T> dsb(ops, sb);
+      const Buffer<std::int64_t> dpb(ops, pb);
+      ops.topk_merge_rows(rows, k, dsa.get(), dpa.get(), dsb.get(), dpb.get());
+      EXPECT_EQ(want_p, get(ops, dpa)) << "topk_merge_rows positions";
+      EXPECT_EQ(want_s, get(ops, dsa)) << "topk_merge_rows scores";
+    }
+    {  // row ops against their bodies
+      const std::int64_t rows = 4, n = 6, ld = 8, queries = 3, Hi = 2;
+      const auto s = r64(rows * ld, 64, -3.0, 0.0), dp = r64(rows * ld, 65), delta = r64(rows, 66);
+      std::vector<std::int64_t> mask(2 * n);
+      for (std::int64_t j = 0; j < 2 * n; ++j) mask[j] = j % 3 == 1 ? -1 : j;
+      std::vector<double> hi = r64(rows, 67, 0.0, 1.0), lo = r64(rows, 68, -1e-6, 1e-6);
+      hi[3] = -kInf;  // an empty row
+      const Buffer<std::int64_t> dmask(ops, mask);
+      const Buffer<T> dhi(ops, cast<T>(hi)), dlo(ops, cast<T>(lo)), ddelta(ops, cast<T>(delta));
+      Buffer<T> ps(ops, cast<T>(s)), pdp(ops, cast<T>(dp));
+      ops.dsa_probs_rows(rows, n, ps.get(), ld, dmask.get(), 2, dhi.get(), dlo.get());
+      std::vector<double> wp = s;
+      for (std::int64_t r = 0; r < rows; ++r)
+        rowops::dsa_probs_row(wp.data() + r * ld, n, mask.data() + (r / 2) * n, hi[r], lo[r]);
+      const auto gp = get(ops, ps);
+      expect_close(wp, gp, "dsa_probs_rows");
+      ops.dsa_dscore_rows(rows, n, ps.get(), pdp.get(), ld, ddelta.get());
+      std::vector<double> wd = dp, gpd(gp.begin(), gp.end());
+      for (std::int64_t r = 0; r < rows; ++r)
+        rowops::dsa_dscore_row(gpd.data() + r * ld, wd.data() + r * ld, n, delta[r]);
+      expect_close(wd, get(ops, pdp), "dsa_dscore_rows");
+      const auto ls = r64(queries * Hi * n, 69), w = r64(queries * Hi, 70), g = r64(queries * n, 71);
+      const Buffer<T> dls(ops, cast<T>(ls)), dw(ops, cast<T>(w)), dg(ops, cast<T>(g));
+      Buffer<T> out(ops, queries * n), lsg(ops, cast<T>(ls)), dwo(ops, queries * Hi);
+      ops.relu_head_sum_rows(queries, Hi, n, dls.get(), dw.get(), out.get());
+      ops.indexer_grad_rows(queries, Hi, n, lsg.get(), dw.get(), dg.get(), dwo.get());
+      std::vector<double> wout(queries * n), wls = ls, wdw(queries * Hi);
+      for (std::int64_t q = 0; q < queries; ++q) {
+        rowops::relu_head_sum_row(ls.data() + q * Hi * n, n, Hi, n, w.data() + q * Hi, wout.data() + q * n);
+        for (std::int64_t i = 0; i < Hi; ++i)
+          wdw[q * Hi + i] = rowops::indexer_grad_row(wls.data() + (q * Hi + i) * n, n, w[q * Hi + i], g.data() + q * n);
+      }
+      expect_close(wout, get(ops, out), "relu_head_sum_rows");
+      expect_close(wls, get(ops, lsg), "indexer_grad_rows logits");
+      expect_close(wdw, get(ops, dwo), "indexer_grad_rows dw");
+      // kl_rows: probs >= 0, one -1 slot per row, a row of zero probs
+      auto probs = r64(rows * n, 72, 0.0, 1.0);
+      for (std::int64_t j = 0; j < n; ++j) probs[2 * n + j] = 0.0;
+      const auto scores = r64(rows * n, 73);
+      std::vector<std::int64_t> kidx(rows * n);
+      for (std::int64_t e = 0; e < rows * n; ++e) kidx[e] = e % n == 2 ? -1 : e;
+      const Buffer<T> dpr(ops, cast<T>(probs)), dsc(ops, cast<T>(scores));
+      const Buffer<std::int64_t> dki(ops, kidx);
+      Buffer<T> dscores(ops, rows * n);
+      Buffer<double> loss(ops, rows);
+      ops.kl_rows(rows, n, dpr.get(), dsc.get(), dki.get(), 0.5, dscores.get(), loss.get());
+      std::vector<double> wds(rows * n), wl(rows);
+      for (std::int64_t r = 0; r < rows; ++r)
+        wl[r] = rowops::kl_row(probs.data() + r * n, scores.data() + r * n, kidx.data() + r * n, n, 0.5,
+                               wds.data() + r * n);
+      expect_close(wds, get(ops, dscores), "kl_rows dscores");
+      const auto gl = get(ops, loss);
+      for (std::int64_t r = 0; r < rows; ++r) EXPECT_NEAR(wl[r], gl[r], 1e-6 * std::max(1.0, std::abs(wl[r]))) << r;
     }
   };
   run(0.0f);
