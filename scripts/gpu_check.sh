@@ -11,20 +11,34 @@
 #   build     only the targets the later phases run
 #   kernels   the attention kernels on the device against CPU fp64 references (test_device_attention with
 #             SEQPAR_TEST_DEVICE; bf16 ~1e-2, fp16 ~3e-3 relative), the host-device row bodies, cuDNN support
-#   sanitize  compute-sanitizer memcheck and racecheck on the custom kernels at tiny shapes (*Tiny* cases)
+#   ops       the ops table (test_ops_table: every op against fp64 loops; on a GPU the CUDA table's cases must run,
+#             none skipped) and the GDN forward / DSA indexer and attention composed from it (test_gdn_composed,
+#             test_dsa_composed) on the table of SEQPAR_TEST_DEVICE: the CUDA table on a GPU, the CPU table in the dry
+#             run; the existing GDN tests (test_gdn, test_gdn_packed, test_gdn_conv) routed through that composition
+#             (SEQPAR_LOWERED_ATTENTION=1)
+#   sanitize  compute-sanitizer memcheck and racecheck on the custom kernels at tiny shapes (*Tiny* cases); memcheck
+#             on the CUDA ops table's cases
 #   bench     kernel_bench --device: attention forward and backward at S 4K/16K/64K, D 128, causal and not, against a
 #             cuBLAS bf16 GEMM timed in the same run; PyTorch's SDPA on the same shapes (scripts/sdpa_bench.py)
+#   opsbench  ops_bench --table cuda: the composed GDN forward at Qwen3-Next's shapes (S 8K, Hv 32 on Hk 16, K = V =
+#             128, chunk 64) and the DSA stages (indexer + top-k, sparse attention; S 4K, H 16, k 2048), each with the
+#             time of its host transfers alone and its model FLOP rate over a 4096^3 fp32 cuBLAS GEMM's; then fla's
+#             chunk GDN forward at the same shapes in bf16 (scripts/gdn_fla_bench.py, fla from .deps/fla) when
+#             PyTorch, a device and fla are there, else a skip line with the reason
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
 #             one rank: last, because the CP layers do not take device tensors yet (sp_bench --device cuda refuses)
-# Budget: about 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it). Each phase has a time limit
-# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 150 s (configure, and device_probe, which compiles the cuDNN
-# frontend's translation unit, ~2 minutes alone), build 120, kernels 30, sanitize 45, bench 45, cp 30.
+# Budget: 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
+# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 115 s (configure, and device_probe, which compiles the cuDNN
+# frontend's translation unit, ~2 minutes alone), build 110 (the CUDA ops table's CUB sorts are one translation unit
+# of their own), kernels 20, ops 25, sanitize 25, bench 25, opsbench 25 (Triton compiles and autotunes fla's kernels
+# in its warm-up), cp 15.
 #
 # --dry-run runs the same phases with the CPU device at tiny shapes (the CPU build, the CPU tests, the same
-# commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases), so that the script
-# itself is tested (ctest gpu_check.dry_run). Nothing is installed: what a CUDA build needs beyond the CUDA toolkit,
-# CMake and PyTorch travels in the checkout's ignored .deps/ (scripts/install_gpu_deps.sh, run before copying the
-# checkout to the GPU machine). MPI may be missing there: then the cp phase fails and says so.
+# commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases; each limit 60 s
+# longer), so that the script itself is tested (ctest gpu_check.dry_run). Nothing is installed: what a CUDA build
+# needs beyond the CUDA toolkit, CMake and PyTorch travels in the checkout's ignored .deps/
+# (scripts/install_gpu_deps.sh, run before copying the checkout to the GPU machine). MPI may be missing there: then the
+# cp phase fails and says so.
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -38,7 +52,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift ;;
     --build-dir) build_dir=$2; shift ;;
     --jobs) jobs=$2; shift ;;
-    -h|--help) sed -n '2,27p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -63,11 +77,18 @@ if [ "$dry_run" = 1 ]; then
   sdpa_args=(--device cpu --seq 128 --dim 32 --hq 2 --hkv 1 --min-time 0.02)
   sp_shape=(--seq 64 --heads 2 --kv-heads 1 --head-dim 16)
   kernel_filter='*Tiny*:*d128*:*fp64*'
+  ob_args=(--table cpu --gdn-seq 256 --heads 4 --kv-heads 2 --head-dim 32 --dim-v 32 --dsa-seq 256 --dsa-heads 2
+           --dsa-dim 64 --dsa-dim-v 32 --indexer-heads 4 --indexer-dim 16 --topk 32 --square 128 --min-time 0.02
+           --warmup 0)
+  fla_args=(--dry-run --seq 256 --heads 4 --kv-heads 2 --head-dim 32 --dim-v 32)
 else
   kb_args=(--device cuda --kernel mha --seq 4096,16384,65536 --dim 128 --hq 16 --hkv 4 --min-time 0.5)
   sdpa_args=(--device cuda --seq 4096,16384,65536 --dim 128 --hq 16 --hkv 4 --min-time 0.5)
   sp_shape=(--seq 4096 --heads 8 --kv-heads 2 --head-dim 128 --dtype bf16)
   kernel_filter='*'
+  ob_args=(--table cuda --gdn-seq 8192 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --chunk-size 64
+           --dsa-seq 4096 --dsa-heads 16 --topk 2048 --square 4096 --min-time 0.3 --warmup 1)
+  fla_args=(--seq 8192 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --dtypes bf16 --min-time 0.3 --warmup 2)
 fi
 
 phases=()
@@ -109,7 +130,7 @@ summary() {
     for i in "${!phases[@]}"; do
       printf "%-3s %-9s %-12s %7s  %s\n" $((i + 1)) "${phases[$i]}" "${statuses[$i]}" "${seconds[$i]}" "${logs[$i]}"
     done
-    local all=(probe build kernels sanitize bench cp)
+    local all=(probe build kernels ops sanitize bench opsbench cp)
     for ((i = ${#phases[@]}; i < ${#all[@]}; i++)); do
       printf "%-3s %-9s %-12s %7s  %s\n" $((i + 1)) "${all[$i]}" "not run" - -
     done
@@ -119,6 +140,7 @@ summary() {
 # ---- the phases (run in a child bash: they see the exported variables below) ----
 export root out build_dir bin jobs device dry_run kernel_filter
 export kb_args_s="${kb_args[*]}" sdpa_args_s="${sdpa_args[*]}" sp_shape_s="${sp_shape[*]}"
+export ob_args_s="${ob_args[*]}" fla_args_s="${fla_args[*]}"
 
 probe() {
   echo "# host: $(uname -srm), $(nproc) cores, $(date -u)"
@@ -166,7 +188,8 @@ probe() {
 }
 
 build() {
-  local targets=(device_probe test_device_attention test_row_ops test_cudnn_sdpa_support kernel_bench sp_bench)
+  local targets=(device_probe test_device_attention test_row_ops test_cudnn_sdpa_support kernel_bench sp_bench
+                 test_ops_table test_gdn_composed test_dsa_composed test_gdn test_gdn_packed test_gdn_conv ops_bench)
   cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
 }
 
@@ -183,11 +206,30 @@ kernels() {
   "$t/test_cudnn_sdpa_support" --gtest_brief=1 || exit 1
 }
 
+ops() {
+  local t="$bin/tests/unit"
+  SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/test_ops_table" | tee "$out/test_ops_table.txt" || exit 1
+  # on a GPU every CUDA-table case must run (a skip would hide that nothing ran on the device)
+  if [ "$dry_run" = 0 ] && grep -q "SKIPPED \]" "$out/test_ops_table.txt"; then
+    echo "gpu_check: test_ops_table skipped cases on $device"
+    exit 1
+  fi
+  # the compositions on the table of SEQPAR_TEST_DEVICE (tests/util/ops_table.h: an error, not a skip, without one)
+  SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/test_gdn_composed" --gtest_brief=1 || exit 1
+  SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/test_dsa_composed" --gtest_brief=1 || exit 1
+  # the existing GDN tests through the composition on that table (tests/util/ops_table_hooks.cc)
+  local g
+  for g in test_gdn test_gdn_packed test_gdn_conv; do
+    SEQPAR_LOWERED_ATTENTION=1 SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/$g" --gtest_brief=1 || exit 1
+  done
+}
+
 sanitize() {
   local t="$bin/tests/unit/test_device_attention"
   if [ "$dry_run" = 1 ]; then
     echo "# dry run: compute-sanitizer checks CUDA kernels only; the same *Tiny* cases run without it"
-    SEQPAR_TEST_DEVICE=cpu "$t" --gtest_filter='*Tiny*' --gtest_brief=1
+    SEQPAR_TEST_DEVICE=cpu "$t" --gtest_filter='*Tiny*' --gtest_brief=1 || exit 1
+    SEQPAR_TEST_DEVICE=cpu "$bin/tests/unit/test_ops_table" --gtest_filter='*/cpu' --gtest_brief=1
     return
   fi
   command -v compute-sanitizer >/dev/null || { echo "gpu_check: compute-sanitizer not found (CUDA toolkit bin/)"; exit 1; }
@@ -197,6 +239,9 @@ sanitize() {
     SEQPAR_TEST_DEVICE=cuda compute-sanitizer --tool "$tool" --error-exitcode 3 "$t" --gtest_filter='RowKernelsTiny*:*Tiny*' \
       --gtest_brief=1 || exit 1
   done
+  echo "# compute-sanitizer --tool memcheck: the CUDA ops table"
+  SEQPAR_TEST_DEVICE=cuda compute-sanitizer --tool memcheck --error-exitcode 3 "$bin/tests/unit/test_ops_table" \
+    --gtest_filter='*/cuda' --gtest_brief=1 || exit 1
 }
 
 bench() {
@@ -209,6 +254,13 @@ bench() {
     echo "# PyTorch not importable: no SDPA comparison"
     [ "$dry_run" = 1 ] || exit 1
   fi
+}
+
+opsbench() {
+  # shellcheck disable=SC2086
+  OMP_NUM_THREADS=2 "$bin/benchmarks/ops_bench" $ob_args_s --json "$out/ops_bench.json" || exit 1
+  # shellcheck disable=SC2086
+  python3 "$root/scripts/gdn_fla_bench.py" $fla_args_s --json "$out/gdn_fla_bench.json" || exit 1
 }
 
 cp_ranks() {
@@ -224,15 +276,18 @@ cp_ranks() {
   done
 }
 
-limit() {  # SEQPAR_GPU_CHECK_<PHASE>_S overrides the default
+limit() {  # SEQPAR_GPU_CHECK_<PHASE>_S overrides the default; the dry run adds 60 s (importing PyTorch alone takes
+  # tens of seconds on a loaded CPU machine, and the CPU does the device's work)
   local var="SEQPAR_GPU_CHECK_${1^^}_S"
-  echo "${!var:-$2}"
+  echo "${!var:-$(($2 + 60 * dry_run))}"
 }
 
-run_phase probe "$(limit probe 150)" probe
-run_phase build "$(limit build 120)" build
-run_phase kernels "$(limit kernels 30)" kernels
-run_phase sanitize "$(limit sanitize 45)" sanitize
-run_phase bench "$(limit bench 45)" bench
-run_phase cp "$(limit cp 30)" cp_ranks
+run_phase probe "$(limit probe 115)" probe
+run_phase build "$(limit build 110)" build
+run_phase kernels "$(limit kernels 20)" kernels
+run_phase ops "$(limit ops 25)" ops
+run_phase sanitize "$(limit sanitize 25)" sanitize
+run_phase bench "$(limit bench 25)" bench
+run_phase opsbench "$(limit opsbench 25)" opsbench
+run_phase cp "$(limit cp 15)" cp_ranks
 summary

@@ -5,18 +5,37 @@
 # machine that has no registry. Only its include/ folder is kept (about 3 MB). CMake finds it there
 # (attention/CMakeLists.txt). Safe to run any number of times; prints the include directory. CPU-only builds do not
 # need it.
+# Also fla's chunk GDN kernel for gpu_check.sh's comparison (scripts/gdn_fla_bench.py): fla-core and einops, pure
+# Python, pinned, into .deps/fla (about 14 MB; it needs the GPU machine's PyTorch and Triton). SEQPAR_SKIP_FLA=1 skips
+# it.
 set -euo pipefail
 
 version=1.32.0  # the frontend carries version-specific guards for cuDNN's backend: change it deliberately
 root=$(cd "$(dirname "$0")/.." && pwd)
 dest=${SEQPAR_DEPS_DIR:-$root/.deps}/cudnn_frontend
 
+fla_pins="fla-core==0.6.0 einops==0.8.2"  # fla's chunk_gated_delta_rule (GVA: Hv a multiple of Hk) and its one dependency
+fla_dest=${SEQPAR_DEPS_DIR:-$root/.deps}/fla
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if [ "${SEQPAR_SKIP_FLA:-0}" != 1 ]; then
+  if [ -f "$fla_dest/fla/__init__.py" ] && [ "$(cat "$fla_dest/VERSION" 2>/dev/null)" = "$fla_pins" ]; then
+    echo "install_gpu_deps: $fla_pins already in $fla_dest"
+  else
+    # shellcheck disable=SC2086
+    python3 -m pip install --quiet --no-deps --disable-pip-version-check --root-user-action=ignore --target "$tmp/fla" $fla_pins
+    [ -f "$tmp/fla/fla/ops/gated_delta_rule/chunk.py" ] || { echo "install_gpu_deps: $fla_pins has no fla/ops/gated_delta_rule" >&2; exit 1; }
+    rm -rf "$fla_dest" "$tmp/fla/bin"
+    mkdir -p "$(dirname "$fla_dest")"
+    mv "$tmp/fla" "$fla_dest"
+    echo "$fla_pins" > "$fla_dest/VERSION"
+    echo "install_gpu_deps: $fla_pins in $fla_dest (PYTHONPATH for scripts/gdn_fla_bench.py)"
+  fi
+fi
 if [ -f "$dest/include/cudnn_frontend.h" ] && [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$version" ]; then
   echo "install_gpu_deps: cuDNN frontend $version already in $dest/include"
   exit 0
 fi
-tmp=$(mktemp -d)
-trap 'rm -rf "$tmp"' EXIT
 python3 -m pip install --quiet --no-deps --disable-pip-version-check --root-user-action=ignore --target "$tmp" "nvidia-cudnn-frontend==$version"
 [ -f "$tmp/include/cudnn_frontend.h" ] || { echo "install_gpu_deps: nvidia-cudnn-frontend $version has no include/cudnn_frontend.h" >&2; exit 1; }
 rm -rf "$dest"

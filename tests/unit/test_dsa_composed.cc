@@ -1,4 +1,4 @@
-// The DSA indexer top-k composed from the ops table (attention/ops/dsa_composed.h) on the CPU table, against the
+// The DSA indexer top-k composed from the ops table (attention/ops/dsa_composed.h) on the selected table, against the
 // naive fp64 reference (attention/reference/dsa_reference.h): the selected positions exactly (random scores have no
 // near-ties at fp32 rounding; integer inputs make exact ties that the lower-position rule decides), and the scores at
 // 1e-12 (fp64) / 1e-4 (fp32), with -inf exactly outside the candidates; windows, non-contiguous key positions,
@@ -8,6 +8,7 @@
 // again from three key blocks through the composed running state and merge. The composed backward (dq, dc, probs)
 // against the fp64 reference and the CPU kernel, whole and block, accumulate; the composed indexer loss pipeline
 // against the fp64 reference; the backwards bitwise repeatable across runs and thread counts.
+// The table: the CPU one, or the CUDA one with SEQPAR_TEST_DEVICE=cuda (tests/util/ops_table.h).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include "attention/ops/dsa_composed.h"
 #include "attention/reference/dsa_reference.h"
 #include "tests/util/dsa_problem.h"
+#include "tests/util/ops_table.h"
 #include "tests/util/test_util.h"
 
 #ifdef _OPENMP
@@ -71,7 +73,7 @@ void check(const Case& c, DType dtype, std::uint64_t seed) {
          want = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs);
   Tensor got_s = Tensor::empty({c.B, c.Sq, c.Sk}, sd, kWs),
          want_s = Tensor::empty({c.B, c.Sq, c.Sk}, DType::kFloat64, kWs);
-  ops::dsa_indexer_topk_composed_cpu(args, got, got_s);
+  test::composed::dsa_indexer_topk(args, got, got_s);
   const Tensor q64 = Tensor::copy_of(q, DType::kFloat64, kWs), w64 = Tensor::copy_of(w, DType::kFloat64, kWs),
                k64 = Tensor::copy_of(k, DType::kFloat64, kWs);
   const DsaIndexerArgs args64{q64, w64, k64, qpos, kpos, c.window, lo, hi};
@@ -119,11 +121,11 @@ void check(const Case& c, DType dtype, std::uint64_t seed) {
   const DsaTopkState one{s1, p1}, first{s2, p2}, rest{s3, p3};
   for (const DsaTopkState& st : {one, first, rest}) dsa_topk_init(st);
   auto block_args = [&](int m) { return DsaIndexerArgs{q, w, kb[m], qpos, kb_pos[m], c.window, lo, hi}; };
-  for (int m : {2, 0, 1}) ops::dsa_topk_block_composed_cpu(block_args(m), one);
-  ops::dsa_topk_block_composed_cpu(block_args(0), first);
-  ops::dsa_topk_block_composed_cpu(block_args(1), rest);
-  ops::dsa_topk_block_composed_cpu(block_args(2), rest);
-  ops::dsa_topk_merge_composed_cpu(first, rest);
+  for (int m : {2, 0, 1}) test::composed::dsa_topk_block(block_args(m), one);
+  test::composed::dsa_topk_block(block_args(0), first);
+  test::composed::dsa_topk_block(block_args(1), rest);
+  test::composed::dsa_topk_block(block_args(2), rest);
+  test::composed::dsa_topk_merge(first, rest);
   for (const DsaTopkState& st : {one, first}) {
     Tensor fin = Tensor::empty({c.B, c.Sq, c.k}, DType::kInt64, kWs);
     dsa_topk_finalize(st, fin);
@@ -196,7 +198,7 @@ void check_attention(const AttnCase& c, DType dtype, std::uint64_t seed) {
   const DsaAttentionArgs args = pr.args(c);
   const DType acc = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
   Tensor out = Tensor::empty({c.B, c.Sq, c.H, c.Dv}, acc, kWs), lse = Tensor::empty({c.B, c.H, c.Sq}, acc, kWs);
-  ops::dsa_attention_forward_composed_cpu(args, out, lse);
+  test::composed::dsa_attention_forward(args, out, lse);
   Tensor want_o = Tensor::empty({c.B, c.Sq, c.H, c.Dv}, acc, kWs), want_l = Tensor::empty({c.B, c.H, c.Sq}, acc, kWs);
   double atol = 2e-5;
   if (dtype == DType::kFloat64) {  // the fp64 reference
@@ -242,7 +244,7 @@ void check_backward(const AttnCase& c, DType dtype, std::uint64_t seed) {
   dsa_attention_delta(out, dout, delta);
   auto zeros = [&](const Shape& s) { return Tensor::zeros(s, acc, kWs); };
   Tensor dq = zeros(pr.q.shape()), dc = zeros(pr.lat.shape()), probs = zeros(pr.topk.shape());
-  ops::dsa_attention_backward_composed_cpu(args, lse, dout, delta, dq, dc, false, probs);
+  test::composed::dsa_attention_backward(args, lse, dout, delta, dq, dc, false, probs);
   Tensor dq_k = zeros(pr.q.shape()), dc_k = zeros(pr.lat.shape()), probs_k = zeros(pr.topk.shape());
   dsa_attention_backward({args, out, dout, lse, delta, probs_k}, dq_k, dc_k, false);
   const std::string tag = std::string(dtype_name(dtype)) + (c.block ? " block" : " whole");
@@ -261,7 +263,7 @@ void check_backward(const AttnCase& c, DType dtype, std::uint64_t seed) {
   EXPECT_GT(mass, 1.0) << tag;  // probabilities of several rows landed in probs
   // accumulate: the same values added once more (x + x = 2x exactly)
   Tensor dq2 = Tensor::copy_of(dq, acc, kWs), dc2 = Tensor::copy_of(dc, acc, kWs);
-  ops::dsa_attention_backward_composed_cpu(args, lse, dout, delta, dq2, dc2, true, {});
+  test::composed::dsa_attention_backward(args, lse, dout, delta, dq2, dc2, true, {});
   auto twice = [](std::vector<double> v) {
     for (double& x : v) x *= 2;
     return v;
@@ -305,11 +307,11 @@ void check_indexer_loss(DType dtype, std::uint64_t seed) {
   Tensor out = zeros({B, S, H, Dv}), lse = zeros({B, H, S});
   dsa_attention_forward(aa, out, lse);
   Tensor probs = zeros(topk.shape()), scores = zeros(topk.shape()), dscores = zeros(topk.shape());
-  ops::dsa_attention_backward_composed_cpu(aa, lse, {}, {}, {}, {}, false, probs);
-  ops::dsa_indexer_scores_selected_composed_cpu(ia, topk, scores);
-  const double loss = ops::dsa_indexer_loss_composed_cpu({probs, scores, topk}, dscores);
+  test::composed::dsa_attention_backward(aa, lse, {}, {}, {}, {}, false, probs);
+  test::composed::dsa_indexer_scores_selected(ia, topk, scores);
+  const double loss = test::composed::dsa_indexer_loss({probs, scores, topk}, dscores);
   Tensor dqi = zeros(qi.shape()), dw = zeros(w.shape()), dki = zeros(ki.shape());
-  ops::dsa_indexer_backward_composed_cpu(ia, topk, dscores, dqi, dw, dki, true);
+  test::composed::dsa_indexer_backward(ia, topk, dscores, dqi, dw, dki, true);
 
   Tensor dqi_r = Tensor::zeros(qi.shape(), DType::kFloat64, kWs), dw_r = Tensor::zeros(w.shape(), DType::kFloat64, kWs),
          dki_r = Tensor::zeros(ki.shape(), DType::kFloat64, kWs);
@@ -358,9 +360,9 @@ TEST(DsaComposed, BackwardIsBitwiseRepeatableAcrossRunsAndThreadCounts) {
     if (openblas_set_num_threads != nullptr) openblas_set_num_threads(threads);
     auto zeros = [](const Shape& s) { return Tensor::zeros(s, DType::kFloat32, kWs); };
     Tensor dq = zeros(pr.q.shape()), dc = zeros(pr.lat.shape()), probs = zeros(pr.topk.shape());
-    ops::dsa_attention_backward_composed_cpu(args, lse, dout, delta, dq, dc, false, probs);
+    test::composed::dsa_attention_backward(args, lse, dout, delta, dq, dc, false, probs);
     Tensor dqi = zeros(qi.shape()), dw = zeros(w.shape()), dki = zeros(ki.shape());
-    ops::dsa_indexer_backward_composed_cpu(ia, pr.topk, g, dqi, dw, dki, false);
+    test::composed::dsa_indexer_backward(ia, pr.topk, g, dqi, dw, dki, false);
 #ifdef _OPENMP
     omp_set_num_threads(keep);
 #endif
@@ -379,7 +381,7 @@ TEST(DsaComposed, ArgumentErrors) {
   Tensor q = random_tensor({1, 4, 2, 3}, DType::kFloat32, 1), w = random_tensor({1, 4, 2}, DType::kFloat32, 2),
          k = random_tensor({1, 5, 3}, DType::kFloat32, 3);
   Tensor bad = Tensor::empty({1, 3, 2}, DType::kInt64, kWs);
-  test::expect_error([&] { ops::dsa_indexer_topk_composed_cpu({q, w, k, {}, {}}, bad); }, "topk_indices");
+  test::expect_error([&] { test::composed::dsa_indexer_topk({q, w, k, {}, {}}, bad); }, "topk_indices");
   // the compositions raise the boundary's errors before any work: a top-k state narrower than fp64 inputs' scores,
   // a selection that is not ascending
   const Tensor q64 = Tensor::copy_of(q, DType::kFloat64, kWs), w64 = Tensor::copy_of(w, DType::kFloat64, kWs),
@@ -387,7 +389,7 @@ TEST(DsaComposed, ArgumentErrors) {
   Tensor sc = Tensor::zeros({1, 4, 2}, DType::kFloat32, kWs), ps = Tensor::zeros({1, 4, 2}, DType::kInt64, kWs);
   test::expect_error(
       [&] {
-        ops::dsa_topk_block_composed_cpu({q64, w64, k64, {}, {}}, {sc, ps});
+        test::composed::dsa_topk_block({q64, w64, k64, {}, {}}, {sc, ps});
       },
       "top-k state scores (fp64 indexer inputs) has dtype fp32, expected fp64");
   Tensor topk = Tensor::zeros({1, 4, 2}, DType::kInt64, kWs);
@@ -396,7 +398,7 @@ TEST(DsaComposed, ArgumentErrors) {
   Tensor probs = Tensor::zeros({1, 4, 2}, DType::kFloat32, kWs);
   test::expect_error(
       [&] {
-        ops::dsa_attention_backward_composed_cpu({q, lat, topk, {}, {}, 2}, lse, {}, {}, {}, {}, false, probs);
+        test::composed::dsa_attention_backward({q, lat, topk, {}, {}, 2}, lse, {}, {}, {}, {}, false, probs);
       },
       "must be strictly ascending");
 }

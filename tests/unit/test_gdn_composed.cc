@@ -1,4 +1,4 @@
-// The GDN forward composed from the ops table (attention/ops/gdn_composed.h) on the CPU table: against the
+// The GDN forward composed from the ops table (attention/ops/gdn_composed.h) on the selected table: against the
 // token-by-token fp64 recurrence (attention/reference/gdn_reference.h) at atol 1e-10 / rtol 1e-9 in fp64 (the
 // tolerance of test_gdn.cc), and against the CPU chunk kernel (attention/gdn.h) in fp32 and bf16 inputs at
 // atol 2e-5 / rtol 1e-4 (different summation orders). Covers lengths around the chunk, chunk sizes, grouped value
@@ -6,6 +6,7 @@
 // errors. The backward (gdn_backward_composed) the same way: every gradient against the fp64 reference's backward
 // (itself checked against finite differences in test_gdn.cc) and against the CPU kernel's, with dout and
 // dfinal_state, grouped heads, packed rows, and the dinitial_state-only sweep.
+// The table: the CPU one, or the CUDA one with SEQPAR_TEST_DEVICE=cuda (tests/util/ops_table.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +18,7 @@
 #include "attention/ops/gdn_composed.h"
 #include "attention/reference/gdn_reference.h"
 #include "runtime/tensor_ops.h"
+#include "tests/util/ops_table.h"
 #include "tests/util/test_util.h"
 
 namespace seqpar::attn {
@@ -78,7 +80,7 @@ Out alloc(const Problem& p, const Inputs& r, DType out_dtype, DType state_dtype)
 void expect_fp64_matches_reference(const Problem& p) {
   const Inputs r = make(p, DType::kFloat64);
   Out got = alloc(p, r, DType::kFloat64, DType::kFloat64), want = alloc(p, r, DType::kFloat64, DType::kFloat64);
-  ops::gdn_forward_composed_cpu(r.args, got.out, got.fin);
+  test::composed::gdn_forward(r.args, got.out, got.fin);
   reference::gdn_forward(r.args, want.out, want.fin);
   EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), 1e-10, 1e-9, "fp64 " + p.tag() + " out"));
   EXPECT_TRUE(all_close(to_double(got.fin), to_double(want.fin), 1e-10, 1e-9, "fp64 " + p.tag() + " final_state"));
@@ -87,7 +89,7 @@ void expect_fp64_matches_reference(const Problem& p) {
 void expect_matches_cpu_kernel(const Problem& p, DType dtype) {
   const Inputs r = make(p, dtype);
   Out got = alloc(p, r, DType::kFloat32, DType::kFloat32), want = alloc(p, r, DType::kFloat32, DType::kFloat32);
-  ops::gdn_forward_composed_cpu(r.args, got.out, got.fin);
+  test::composed::gdn_forward(r.args, got.out, got.fin);
   gdn_forward(r.args, want.out, want.fin);
   const std::string tag = std::string(dtype_name(dtype)) + " " + p.tag();
   EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), 2e-5, 1e-4, tag + " out"));
@@ -116,7 +118,7 @@ void expect_backward_close(const Problem& p, DType dtype, bool with_dfinal, doub
   const Tensor dfin = random_tensor({r.states, p.H, p.K, p.V}, sd, p.seed * 11 + 8);
   const GdnBackwardArgs ba{r.args, dout, with_dfinal ? dfin.view() : TensorView()};
   Grads got = alloc_grads(p, r, gd, sd), want = alloc_grads(p, r, gd, sd);
-  ops::gdn_backward_composed_cpu(ba, got.dq, got.dk, got.dv, got.dg, got.dbeta, got.dinit);
+  test::composed::gdn_backward(ba, got.dq, got.dk, got.dv, got.dg, got.dbeta, got.dinit);
   want_fn(ba, want);
   const std::string tag = what + " " + std::string(dtype_name(dtype)) + " " + p.tag() + (with_dfinal ? " dfin" : "");
   const std::pair<const Tensor*, const Tensor*> pairs[] = {{&got.dq, &want.dq},       {&got.dk, &want.dk},
@@ -208,7 +210,7 @@ TEST(GdnComposed, TransitionAppliedToAStateGivesTheRecurrenceFp64) {
     seg.initial_state = TensorView();
     Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
     Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
-    ops::gdn_transition_composed_cpu(seg, m, u);
+    test::composed::gdn_transition(seg, m, u);
     // m S_0 + u against the recurrence's final state from S_0 = r.init
     Tensor got = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
     gdn_transition_apply(m, u, r.init, got);
@@ -220,7 +222,7 @@ TEST(GdnComposed, TransitionAppliedToAStateGivesTheRecurrenceFp64) {
   const Inputs r = make(p, DType::kFloat64);
   Tensor m = Tensor::empty({p.B, p.H, p.K, p.K}, DType::kFloat64, kWs);
   Tensor u = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
-  test::expect_error([&] { ops::gdn_transition_composed_cpu(r.args, m, u); }, "initial_state must be empty");
+  test::expect_error([&] { test::composed::gdn_transition(r.args, m, u); }, "initial_state must be empty");
 }
 
 TEST(GdnComposed, BackwardMatchesReferenceFp64) {
@@ -294,12 +296,12 @@ TEST(GdnComposed, BackwardStateGradientOnlyFp64) {
   const Tensor dfin = random_tensor({p.B, p.H, p.K, p.V}, DType::kFloat64, 78);
   const GdnBackwardArgs ba{r.args, dout, dfin};
   Tensor got = Tensor::empty({p.B, p.H, p.K, p.V}, DType::kFloat64, kWs);
-  ops::gdn_backward_composed_cpu(ba, {}, {}, {}, {}, {}, got);
+  test::composed::gdn_backward(ba, {}, {}, {}, {}, {}, got);
   Grads want = alloc_grads(p, r, DType::kFloat64, DType::kFloat64);
   reference::gdn_backward(ba, want.dq, want.dk, want.dv, want.dg, want.dbeta, want.dinit);
   EXPECT_TRUE(all_close(to_double(got), to_double(want.dinit), 1e-10, 1e-9, "dinitial_state only"));
   Tensor bad = Tensor::empty({p.B, p.H, p.K, p.V + 1}, DType::kFloat64, kWs);
-  test::expect_error([&] { ops::gdn_backward_composed_cpu(ba, {}, {}, {}, {}, {}, bad); }, "dinitial_state");
+  test::expect_error([&] { test::composed::gdn_backward(ba, {}, {}, {}, {}, {}, bad); }, "dinitial_state");
 }
 
 TEST(GdnComposed, MapAlgebraMatchesTheCpuKernels) {
@@ -312,22 +314,22 @@ TEST(GdnComposed, MapAlgebraMatchesTheCpuKernels) {
                  u1 = random_tensor({B, H, K, V}, sd, 3), u2 = random_tensor({B, H, K, V}, sd, 4);
     const auto fresh = [&](std::int64_t n) { return Tensor::empty({B, H, K, n}, sd, kWs); };
     Tensor mg = fresh(K), ug = fresh(V), mw = fresh(K), uw = fresh(V);
-    ops::gdn_map_product_composed_cpu(false, m2, m1, {}, mg);
-    ops::gdn_map_product_composed_cpu(false, m2, u1, u2, ug);
+    test::composed::gdn_map_product(false, m2, m1, {}, mg);
+    test::composed::gdn_map_product(false, m2, u1, u2, ug);
     gdn_transition_compose(m2, u2, m1, u1, mw, uw);
     EXPECT_TRUE(all_close(to_double(mg), to_double(mw), tol, tol, "compose m"));
     EXPECT_TRUE(all_close(to_double(ug), to_double(uw), tol, tol, "compose u"));
     Tensor sg = fresh(V), sw = fresh(V);
-    ops::gdn_map_product_composed_cpu(false, m1, u1, u2, sg);
+    test::composed::gdn_map_product(false, m1, u1, u2, sg);
     gdn_transition_apply(m1, u2, u1, sw);
     EXPECT_TRUE(all_close(to_double(sg), to_double(sw), tol, tol, "apply"));
     Tensor local = fresh(V), dw = fresh(V);
     copy_convert(u2, local);
     gdn_transition_apply_adjoint(m1, u1, u2, dw);
-    ops::gdn_map_product_composed_cpu(true, m1, u1, local, local);  // ds_start aliases local
+    test::composed::gdn_map_product(true, m1, u1, local, local);  // ds_start aliases local
     EXPECT_TRUE(all_close(to_double(local), to_double(dw), tol, tol, "apply_adjoint"));
     Tensor tg = fresh(K), tw = fresh(K);
-    ops::gdn_map_product_composed_cpu(true, m1, {}, {}, tg);
+    test::composed::gdn_map_product(true, m1, {}, {}, tg);
     gdn_transition_transpose(m1, tw);
     EXPECT_EQ(to_double(tw), to_double(tg));  // a product with the identity is exact
   }
@@ -355,8 +357,8 @@ void expect_conv_close(DType dtype, std::int64_t B, std::int64_t S, std::int64_t
   Tensor out = t({B, S, C}), fin = t({N, W - 1, C}), dx = t({B, S, C}), dw = t({C, W}), dst = t({N, W - 1, C});
   Tensor out_w = t({B, S, C}), fin_w = t({N, W - 1, C}), dx_w = t({B, S, C}), dw_w = t({C, W}),
          dst_w = t({N, W - 1, C});
-  ops::short_conv_forward_composed_cpu(a, out, fin);
-  ops::short_conv_backward_composed_cpu(a, dout, dx, dw, dst);
+  test::composed::short_conv_forward(a, out, fin);
+  test::composed::short_conv_backward(a, dout, dx, dw, dst);
   if (fp64) {
     reference::short_conv_forward(a, out_w, fin_w);
     reference::short_conv_backward(a, dout, dx_w, dw_w, dst_w);
@@ -391,7 +393,7 @@ TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
   p.S = 0;
   const Inputs r = make(p, DType::kFloat64);
   Out got = alloc(p, r, DType::kFloat64, DType::kFloat64);
-  ops::gdn_forward_composed_cpu(r.args, got.out, got.fin);
+  test::composed::gdn_forward(r.args, got.out, got.fin);
   EXPECT_EQ(to_double(r.init), to_double(got.fin));
 }
 
@@ -401,9 +403,9 @@ TEST(GdnComposed, ArgumentErrorsAreTheKernels) {
   Out o = alloc(p, r, DType::kFloat32, DType::kFloat32);
   GdnForwardArgs bad = r.args;
   bad.chunk_size = 0;
-  test::expect_error([&] { ops::gdn_forward_composed_cpu(bad, o.out, o.fin); }, "chunk_size");
+  test::expect_error([&] { test::composed::gdn_forward(bad, o.out, o.fin); }, "chunk_size");
   Tensor wrong = Tensor::empty({p.B, p.S, p.H, p.V + 1}, DType::kFloat32, kWs);
-  test::expect_error([&] { ops::gdn_forward_composed_cpu(r.args, wrong, o.fin); }, "out");
+  test::expect_error([&] { test::composed::gdn_forward(r.args, wrong, o.fin); }, "out");
 }
 
 }  // namespace

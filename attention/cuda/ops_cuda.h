@@ -1,0 +1,54 @@
+// The CUDA ops table (attention/ops/ops.h) on one device and one stream: every op is issued on that stream, in call
+// order; memory is stream-ordered (cudaMallocAsync / cudaFreeAsync on the stream, zero-filled by cudaMemsetAsync).
+//   gemm             cuBLAS (fp32 without TF32: CUBLAS_PEDANTIC_MATH), row-major as the column-major transpose; a
+//                    two-level batch is one cublas<t>gemmStridedBatched_64 when every operand's batch is one stride
+//                    (outer = 1, inner = 1, or so = inner * si; a zero stride allowed for A and B), else one
+//                    cublas<t>gemmBatched_64 over pointer arrays built on the device; k = 0 scales C by beta.
+//   trsm_unit_lower  cublas<t>trsmBatched_64 (right side, upper, unit: the row-major L X = B transposed) over
+//                    pointer arrays built on the device.
+//   gather / scatter_add, copy, scaled_identity, the row kernels: one thread per element or row
+//                    (ops_cuda_kernels.h); scatter_add through a stable CUB radix sort of (idx, r), deterministic,
+//                    no floating-point atomics.
+//   topk_rows        CUB's stable segmented sort of each row's candidate columns by score, then the first k re-sorted
+//                    by column. Not FlashInfer's top-k (flashinfer-python's header-only flashinfer/topk.cuh, which
+//                    needs no torch): it has fp32 / fp16 / bf16 traits only (this table also runs fp64), 32-bit
+//                    lengths, no rule for NaN scores, and returns the selection unordered; the sort is O(n log n) per
+//                    row against its O(n) radix select, a cost to measure on a GPU before swapping it in for fp32.
+//   the GDN backward, short-conv and DSA row ops: one-thread-per-row launches of the gdn_rows.h / dsa_rows.h bodies
+//                    (ops_cuda_gdn.cu, ops_cuda_dsa.cu); gemm_fixed_order: one thread per element of C, one fused
+//                    multiply-add per term in increasing k (not cuBLAS: slow, but the same bits in any shape);
+//                    inverted_index: CUB's stable radix sort; topk_merge_rows: the union body, then topk_rows.
+//   upload           cudaMemcpyAsync then a wait for the stream (the host buffer may be reused on return).
+//   download         waits for the stream (the copy and all work before it).
+// cuBLASLt's ReLU epilogue (the DSA indexer's GEMM + relu_rows fused) is not used: the table has no fused op.
+// Errors: a CUDA / cuBLAS failure throws seqpar::Error naming the call; ops report launch errors at once and execution
+// errors at the next download. Compiled and never run on a GPU so far.
+#pragma once
+
+#include <memory>
+
+#include "../../runtime/device.h"
+#include "../../runtime/dtype.h"
+#include "../ops/ops.h"
+
+namespace seqpar::attn::ops {
+
+// A table on `device` (CUDA) issuing on `stream` (its device must be `device`; handle nullptr = the legacy default
+// stream). Throws when seqpar was built without CUDA, when no device is usable, or on a device mismatch.
+template <typename T>
+std::unique_ptr<Ops<T>> cuda_ops(Device device, Stream stream);
+
+// Whether this build has the CUDA table (SEQPAR_WITH_CUDA).
+bool cuda_ops_built();
+
+// Calls f(table) with a CUDA table of the arithmetic dtype of `dtype` (fp64 for fp64 data, else fp32), as
+// with_cpu_ops.
+template <typename F>
+void with_cuda_ops(DType dtype, Device device, Stream stream, F&& f) {
+  if (dtype == DType::kFloat64)
+    f(*cuda_ops<double>(device, stream));
+  else
+    f(*cuda_ops<float>(device, stream));
+}
+
+}  // namespace seqpar::attn::ops
