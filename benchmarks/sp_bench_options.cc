@@ -358,8 +358,8 @@ void parse_problem_flags(const cxxopts::ParseResult& r, const std::optional<attn
 
 // The grid, the run's flags (threads: --threads, else OMP_NUM_THREADS, else 1), --check and the output paths.
 // --device cuda (the option's value d, before the device itself is looked up, so that a build or machine without
-// CUDA names these rules too): what runs on a CUDA device, refused here (every rank, before any message) otherwise. The MHA CP
-// layers take device tensors; the DSA and GDN CP layers run their kernels on the host; the MHA CUDA path
+// CUDA names these rules too): what runs on a CUDA device, refused here (every rank, before any message) otherwise. The
+// MHA CP layers take device tensors; the DSA and GDN CP layers run their kernels on the host; the MHA CUDA path
 // (attention/cuda/mha_cuda.h) refuses dropout, ALiBi, sinks and soft-capping, and RoPE runs on the host.
 void check_device_rules(const std::string& d, const SpBenchOptions& o) {
   if (d == "cpu") return;

@@ -347,8 +347,8 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
   alloc.copy_convert(acc_lse.view(), lse);
 }
 
-void RingAttention::backward_p2p(const Saved& s, const TensorView& out, const TensorView& dout, const TensorView& delta, const TensorView& dq,
-                                 const TensorView& dk, const TensorView& dv) {
+void RingAttention::backward_p2p(const Saved& s, const TensorView& out, const TensorView& dout, const TensorView& delta,
+                                 const TensorView& dq, const TensorView& dk, const TensorView& dv) {
   const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
@@ -443,8 +443,9 @@ void RingAttention::forward_allgather(const Saved& s, const TensorView& out, con
                      static_cast<double>(attn::visible_pairs(args.q_pos, args.k_pos, args.mask));
 }
 
-void RingAttention::backward_allgather(const Saved& s, const TensorView& out, const TensorView& dout, const TensorView& delta,
-                                       const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+void RingAttention::backward_allgather(const Saved& s, const TensorView& out, const TensorView& dout,
+                                       const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                                       const TensorView& dv) {
   const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();

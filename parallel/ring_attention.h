@@ -114,6 +114,10 @@ class RingAttention {
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
 
+  // The stream of the next calls' kernels and copies (CpGroups::stream), as MhaCp::set_stream.
+  // Sync: host-only.
+  void set_stream(Stream stream) { groups_.stream = stream; }
+
   // The agreement checks of forward (forward_into) and backward (backward_into): how often each ran or was cached.
   // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }

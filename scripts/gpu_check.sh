@@ -15,7 +15,8 @@
 #   bench     kernel_bench --device: attention forward and backward at S 4K/16K/64K, D 128, causal and not, against a
 #             cuBLAS bf16 GEMM timed in the same run; PyTorch's SDPA on the same shapes (scripts/sdpa_bench.py)
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
-#             one rank: last, because the CP layers do not take device tensors yet (sp_bench --device cuda refuses)
+#             one rank (ring and USP, zigzag, causal; MHA only): last, since the CP layers' device path is the
+#             newest code and has never run on a GPU
 # Budget: about 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it). Each phase has a time limit
 # (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 150 s (configure, and device_probe, which compiles the cuDNN
 # frontend's translation unit, ~2 minutes alone), build 120, kernels 30, sanitize 45, bench 45, cp 30.

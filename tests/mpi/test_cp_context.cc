@@ -201,13 +201,14 @@ TEST(CpContext, LayoutMustMatchTheGroups) {
 
 // Device-neutral schedules: CUDA inputs (a fake device pointer: nothing reads it) reach the attention boundary,
 // which (MHA: in a build without CUDA) refuses them with its "no CUDA implementation yet" error before any buffer
-// is allocated or any data is sent (no message but the ranks' agreement check), on every rank alike. Inputs on two devices are a clear error too.
+// is allocated or any data is sent (no message but the ranks' agreement check), on every rank alike. Inputs on two
+// devices are a clear error too.
 TEST(CpContext, CudaInputsStopAtTheAttentionBoundaryBeforeAnyMessage) {
   const CpGrid grid(world(), test::small_grid_config());
   const CpGroups groups = CpGroups::from(grid);
   const std::int64_t seq = 48, B = 1, H = 4, D = 16;
   const SequenceLayout layout = SequenceLayout::for_groups(groups, seq);
-  const std::int64_t sl = layout.local_len(), sr = layout.ring_shard_len();
+  [[maybe_unused]] const std::int64_t sl = layout.local_len(), sr = layout.ring_shard_len();  // sr: builds without CUDA
   void* fake = reinterpret_cast<void*>(std::uintptr_t{0x1000});
   auto cuda = [&](const Shape& s) { return TensorView(fake, DType::kFloat32, s, Device::cuda(0)); };
   auto counters = [&] {

@@ -133,8 +133,8 @@ TEST(TensorOps, AddScaledMatchesReference) {
       for (std::size_t i = 0; i < got.size(); ++i) {
         const long double want = static_cast<long double>(d0[i]) + static_cast<long double>(a) * s0[i];
         if (alpha == 1.0 || alpha == -1.0) {
-          const double exact = f32 ? static_cast<double>(static_cast<float>(d0[i]) + static_cast<float>(a * s0[i]))
-                                   : d0[i] + a * s0[i];
+          const double exact =
+              f32 ? static_cast<double>(static_cast<float>(d0[i]) + static_cast<float>(a * s0[i])) : d0[i] + a * s0[i];
           ASSERT_EQ(got[i], exact) << dtype_name(dtype) << " alpha " << alpha << " at " << i;
         }
         // two roundings of the dtype, relative to the operands' size
@@ -146,8 +146,9 @@ TEST(TensorOps, AddScaledMatchesReference) {
   }
   Tensor x = Tensor::zeros({4}, DType::kFloat32, MemCategory::kWorkspace);
   Tensor y = Tensor::zeros({4}, DType::kFloat64, MemCategory::kWorkspace);
-  EXPECT_NE(test::error_of([&] { add_scaled_inplace(x.view(), y.view(), -1.0); })
-                .find("needs equal counts and one fp32/fp64 dtype"),
+  EXPECT_NE(test::error_of([&] {
+              add_scaled_inplace(x.view(), y.view(), -1.0);
+            }).find("needs equal counts and one fp32/fp64 dtype"),
             std::string::npos);
 }
 
