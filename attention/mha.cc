@@ -112,13 +112,22 @@ std::vector<double> check_head_vector(const TensorView& t, std::int64_t heads, c
   return values;
 }
 
+// q, k, v on the host (the CPU kernels); in a CUDA build with q on a CUDA device, the rules of the CUDA path
+// (attention/cuda/mha_cuda.h: one device, the features it refuses) instead.
+void check_qkv_device(const MhaForwardArgs& a) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (a.q.device().is_cuda()) return cuda::check_forward_fields(a);
+#endif
+  check_host_tensor(a.q, "q");
+  check_host_tensor(a.k, "k");
+  check_host_tensor(a.v, "v");
+}
+
 // Validates q, k, v, positions and mask; returns the filled kernel parameters (ranges not yet set).
 cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   SEQPAR_CHECK(a.q.ndim() == 4, "q must be [B, Sq, Hq, D], got ", a.q.str());
   SEQPAR_CHECK(a.k.ndim() == 4, "k must be [B, Sk, Hkv, D], got ", a.k.str());
-  check_host_tensor(a.q, "q");
-  check_host_tensor(a.k, "k");
-  check_host_tensor(a.v, "v");
+  check_qkv_device(a);
   const std::int64_t B = a.q.dim(0), Sq = a.q.dim(1), Hq = a.q.dim(2), D = a.q.dim(3);
   const std::int64_t Sk = a.k.dim(1), Hkv = a.k.dim(2);
   SEQPAR_CHECK(a.k.dim(0) == B && a.k.dim(3) == D, "k ", a.k.str(), " must match q ", a.q.str(),
@@ -252,12 +261,24 @@ void DropoutSpec::validate(const char* what) const {
 void MhaForwardArgs::validate() const { check_forward_args(*this); }
 
 void MhaForwardArgs::validate(const TensorView& out, const TensorView& lse, Stream stream) const {
+#if defined(SEQPAR_WITH_CUDA)
+  if (q.device().is_cuda()) {
+    check_forward_args(*this);
+    return cuda::check_forward_call(*this, out, lse, stream);
+  }
+#endif
   detail::check_stream(stream, "mha_forward", kFamily);
   validate_forward(*this, out, lse);
 }
 
 void MhaBackwardArgs::validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, bool accumulate,
                                Stream stream) const {
+#if defined(SEQPAR_WITH_CUDA)
+  if (fwd.q.device().is_cuda()) {
+    check_forward_args(fwd);
+    return cuda::check_backward_call(*this, dq, dk, dv, accumulate, stream);
+  }
+#endif
   detail::check_stream(stream, "mha_backward", kFamily);
   validate_backward(*this, dq, dk, dv, accumulate);
 }
@@ -350,6 +371,9 @@ void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const Tenso
 }
 
 void mha_backward_delta(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (out.device().is_cuda()) return cuda::mha_backward_delta_cuda(out, dout, delta, stream);
+#endif
   check_backward_delta(out, dout, delta, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
   const bool wide = delta.dtype() == DType::kFloat64;
@@ -388,6 +412,9 @@ void mha_backward_delta(const TensorView& out, const TensorView& dout, const Ten
 
 void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                Stream stream) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (out.device().is_cuda()) return cuda::lse_merge_cuda(out, lse, out_b, lse_b, stream);
+#endif
   check_lse_merge(out, lse, out_b, lse_b, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
 #pragma omp parallel for schedule(static) if (static_cast <double>(out.numel()) >= cpu::kMinParallelWork)

@@ -10,9 +10,13 @@
 // A row with no visible key gets lse = -inf, out = 0 and contributes nothing to any gradient.
 // Synchronisation: host-synchronous (the stream is an ordering token on the CPU); bitwise reproducible for any
 // thread count. Scratch comes from the memory ledger (workspace); a failed allocation raises "out of memory: ...".
-// Errors: Error naming the tensor and the rule, before any work; a CUDA tensor or stream fails with "MHA kernels
-// have no CUDA implementation yet". Each argument struct's validate() raises exactly the kernel's errors, with no
-// work, so that a context-parallel caller can check its local shapes before anything is sent.
+// Errors: Error naming the tensor and the rule, before any work. Each argument struct's validate() raises exactly
+// the kernel's errors, with no work, so that a context-parallel caller can check its local shapes before anything
+// is sent.
+// Devices: in a CUDA build, mha_forward, mha_backward, their validate(), lse_merge and mha_backward_delta take CUDA
+// tensors (every tensor and the stream on one device) and run attention/cuda/mha_cuda.h, which refuses dropout,
+// ALiBi, sinks, soft-capping and dlse; mha_apply_sinks and mha_sinks_backward stay host-only. Without CUDA (and for
+// the host-only functions) a CUDA tensor or stream fails with "MHA kernels have no CUDA implementation yet".
 #pragma once
 
 #include <cstdint>
@@ -110,7 +114,9 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
 struct MhaBackwardArgs {
   MhaForwardArgs fwd;  // q, k, v, positions, mask, scale, mods, dropout, head_offset as in the forward (sinks are
                        // not read: see lse)
-  TensorView out;      // [B, Sq, Hq, D] the final (merged) output, any floating dtype
+  // [B, Sq, Hq, D] the final (merged) output, any floating dtype. The CUDA path may recompute delta from out and
+  // dout whenever out is given (cuDNN's backward does): pass out only when delta is empty or rowsum(dout * out).
+  TensorView out;
   TensorView dout;     // [B, Sq, Hq, D] any floating dtype
   TensorView lse;      // [B, Hq, Sq] the final lse (with sinks: lse_total), accumulator dtype or fp64
   TensorView delta{};  // optional [B, Hq, Sq] rowsum(dout * out), accumulator dtype or fp64; computed when empty

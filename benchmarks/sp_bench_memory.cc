@@ -129,7 +129,7 @@ std::string describe_memory_estimate(const MemoryEstimate& e) {
 
 std::string describe_memory_dry_run(const MemoryEstimate& e, const MemoryVerdict& v) {
   return str_cat(describe_memory_estimate(e), "# node: ",
-                 !v.compared ? "not compared (nccl backend, or no MemAvailable)"
+                 !v.compared ? "not compared (nccl backend, --device cuda, or no MemAvailable)"
                              : str_cat(v.text, v.fits ? ": fits" : ": does NOT fit"),
                  "\n");
 }
@@ -159,7 +159,7 @@ nlohmann::json memory_estimate_json(const MemoryEstimate& e) {
 
 MemoryVerdict compare_with_node_memory(const SpBenchOptions& o, const MemoryEstimate& e) {
   MemoryVerdict v;
-  if (o.backend != "mpi") return v;
+  if (o.backend != "mpi" || o.device.is_cuda()) return v;  // the tensors live on the devices
   MPI_Comm node = MPI_COMM_NULL;
   SEQPAR_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   double mine[2] = {e.total_bytes(), 1}, need[2] = {0, 0};

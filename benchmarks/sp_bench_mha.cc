@@ -68,7 +68,7 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
   MhaWorkload(const SpBenchOptions& o, const CpGrid& grid)
       : o_(o),
         grid_(grid),
-        groups_(CpGroups::from(grid)),
+        groups_(CpGroups::from(grid, compute_stream(o, grid))),
         layout_(sp_bench_layout(o)),
         tokens_(layout_.token_index(grid.coords().cp_rank)),
         rope_positions_(layout_.rope_positions(grid.coords().cp_rank)) {
@@ -122,6 +122,14 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
     in_ = local_tensors(o_.dtype, {q_shape(local), kv_shape(local), kv_shape(local)});
     in_.push_back(Tensor::empty(q_shape(local), o_.dtype, MemCategory::kWorkspace));  // dout
     fill(full, tokens_, views_of(in_));
+    // --device cuda: the layer reads device copies of the host inputs (made once, outside the timed loops)
+    dev_in_.clear();
+    if (groups_.stream.device.is_cuda()) {
+      for (const Tensor& t : in_) {
+        dev_in_.push_back(Tensor::empty(t.shape(), t.dtype(), MemCategory::kWorkspace, groups_.stream.device));
+        copy_convert(t.view(), dev_in_.back().view(), groups_.stream);
+      }
+    }
   }
 
   NamedArrays gather_outputs() override {
@@ -243,11 +251,27 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
     if (o_.test_logit_scale != 1) affine_inplace(dst[0], 0.0, o_.test_logit_scale);
   }
 
+  // The whole tensor on every rank from each rank's rows; a device tensor is copied to the host first.
   npy::HostArray gather(const Tensor& local, const Shape& full_shape, int seq_dim) const {
     npy::HostArray full(local.dtype(), full_shape);
-    gather_sequence(grid_.cp(), layout_, local.view(), full.view(), seq_dim);
+    Tensor host;
+    if (local.view().device().is_cuda()) {
+      host = Tensor::empty(local.shape(), local.dtype(), MemCategory::kWorkspace);
+      copy_convert(local.view(), host.view(), groups_.stream);
+    }
+    gather_sequence(grid_.cp(), layout_, host.defined() ? host.view() : local.view(), full.view(), seq_dim);
     return full;
   }
+
+  // The stream of the layer's kernels: --device cuda's default stream (with --backend nccl, the GPU of the rank's
+  // communicator), or the host.
+  static Stream compute_stream(const SpBenchOptions& o, const CpGrid& grid) {
+    if (o.device.is_cpu()) return Stream::cpu();
+    const Device d = grid.cp().device().is_cuda() ? grid.cp().device() : o.device;
+    return Stream{d, nullptr};
+  }
+  // Input i as the layer takes it: the device copy with --device cuda, else the host tensor.
+  const TensorView& input(int i) const { return dev_in_.empty() ? in_[i].view() : dev_in_[i].view(); }
 
   attn::MhaForwardArgs ref_args() const {
     attn::MhaForwardArgs a;
@@ -263,12 +287,12 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
   void reset_layer_counters() override { usp_->reset_counters(); }
   // With RoPE the layer sees rotated copies of q and k (held until the next forward).
   MhaCpOutput run_forward() override {
-    if (rope_.empty()) return usp_->forward(in_[kQ], in_[kK], in_[kV]);
+    if (rope_.empty()) return usp_->forward(input(kQ), input(kK), input(kV));
     rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kK].view()}, rope_positions_);
     return usp_->forward(rotated_[0], rotated_[1], in_[kV]);
   }
   MhaCpGrads run_backward(CpContext&& ctx) override {
-    MhaCpGrads g = usp_->backward(std::move(ctx), in_[kDout]);
+    MhaCpGrads g = usp_->backward(std::move(ctx), input(kDout));
     rope_backward_all(rope_, {g.dq.view(), g.dk.view()}, rope_positions_);
     return g;
   }
@@ -288,6 +312,7 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
   std::unique_ptr<MhaCp> usp_;
   enum Input { kQ, kK, kV, kDout };
   std::vector<Tensor> in_;        // this rank's q, k, v, dout
+  std::vector<Tensor> dev_in_;    // their copies on the device (--device cuda), else empty
   std::vector<RopeTarget> rope_;  // q and k with --rope; empty without
   std::vector<Tensor> rotated_;   // the rotated q, k of the last forward
   npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_, ref_dsinks_;

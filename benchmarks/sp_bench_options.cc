@@ -248,8 +248,9 @@ void add_sp_bench_flags(cxxopts::Options& spec) {
     ("warmup", "untimed iterations", cxxopts::value<int>()->default_value("2"))
     ("iters", "timed iterations (the median is reported)", cxxopts::value<int>()->default_value("5"))
     ("threads", "OpenMP threads per rank (default: OMP_NUM_THREADS, else 1)", cxxopts::value<int>())
-    ("device", "cpu | cuda | cuda:N: where each rank's tensors live (cuda: a build with CUDA; the CP layers take "
-               "host tensors only so far)", cxxopts::value<std::string>()->default_value("cpu"))
+    ("device", "cpu | cuda | cuda:N: where each rank's tensors live (cuda: a build with CUDA, --attn mha without "
+               "dropout, ALiBi, sinks, soft-capping or RoPE; with --backend nccl each rank's own GPU)",
+     cxxopts::value<std::string>()->default_value("cpu"))
     ("check", "compare every output and gradient with the single-rank reference; non-zero exit when over tolerance")
     ("check-against", "what --check compares with (implies --check): 1-rank (the single-rank kernel, then the fp64 "
                       "reference where that fails) | reference (the fp64 reference, for sizes that fit)",
@@ -356,6 +357,22 @@ void parse_problem_flags(const cxxopts::ParseResult& r, const std::optional<attn
 }
 
 // The grid, the run's flags (threads: --threads, else OMP_NUM_THREADS, else 1), --check and the output paths.
+// --device cuda (the option's value d, before the device itself is looked up, so that a build or machine without
+// CUDA names these rules too): what runs on a CUDA device, refused here (every rank, before any message) otherwise. The
+// MHA CP layers take device tensors; the DSA and GDN CP layers run their kernels on the host; the MHA CUDA path
+// (attention/cuda/mha_cuda.h) refuses dropout, ALiBi, sinks and soft-capping, and RoPE runs on the host.
+void check_device_rules(const std::string& d, const SpBenchOptions& o) {
+  if (d == "cpu") return;
+  SEQPAR_CHECK(o.attn == "mha", "--device ", d, " with --attn ", o.attn, ": the ", o.attn,
+               " CP layers run their kernels on the host only (no CUDA implementation yet); --device cuda takes "
+               "--attn mha");
+  SEQPAR_CHECK(o.decode.mode != "decode", "--device ", d,
+               " with --mode decode: the decode caches live on the host (no CUDA implementation yet)");
+  SEQPAR_CHECK(o.dropout == 0 && !o.alibi && !o.sinks && o.softcap == 0, "--device ", d,
+               ": dropout, ALiBi, sinks and soft-capping have no CUDA implementation yet (attention/cuda/mha_cuda.h)");
+  SEQPAR_CHECK(!o.rope, "--device ", d, ": RoPE runs on the host only (no CUDA implementation yet); drop --rope");
+}
+
 void parse_parallel_and_run_flags(const cxxopts::ParseResult& r, SpBenchOptions& o) {
   o.grid.ulysses_size = get_checked<int>(r, "ulysses-size");
   o.grid.ring_size = get_checked<int>(r, "ring-size");
@@ -393,9 +410,8 @@ void parse_parallel_and_run_flags(const cxxopts::ParseResult& r, SpBenchOptions&
   o.check_against = get_checked<std::string>(r, "check-against");
   SEQPAR_CHECK(o.check_against == "1-rank" || o.check_against == "reference", "--check-against '", o.check_against,
                "' is not one of 1-rank, reference");
+  check_device_rules(get_checked<std::string>(r, "device"), o);  // what a device cannot run, in any build
   o.device = bench::parse_bench_device(get_checked<std::string>(r, "device"));
-  SEQPAR_CHECK(o.device.is_cpu(), "--device ", o.device.str(), ": sp_bench's workloads run on the CPU only so far "
-               "(the CP layers refuse device tensors; the single-device MHA path is kernel_bench --device cuda)");
   o.efficiency = r.count("efficiency") > 0;
   o.gdn_compare_token = r.count("gdn-compare-token") > 0;
   o.quiet = r.count("quiet") > 0;

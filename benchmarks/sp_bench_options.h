@@ -26,7 +26,7 @@ struct SpBenchOptions {
   LayoutKind layout = LayoutKind::kZigzag;
   RingImpl impl = RingImpl::kP2P;
   std::string backend = "mpi";  // communicator backend: mpi | nccl
-  Device device;                // --device: cpu (cuda is refused until the CP layers take device tensors)
+  Device device;                // --device: cpu, or cuda / cuda:N for --attn mha (check_device_rules)
   std::string gdn_mode = "scan";
   std::string dsa_select = "ring";  // DSA top-k selection over the CP group: ring | allgather
   std::string model;                // preset name, empty when none

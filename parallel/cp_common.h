@@ -60,7 +60,10 @@ struct CpGroups {
   Communicator& ulysses;
   Communicator& ring;
   Communicator& cp;
-  Stream stream;  // every kernel call gets it; a device stream is also set on the communicators during each call
+  // Every kernel and tensor_ops call gets it; a device stream is also set on the communicators during each call
+  // (CommStreamScope), so that their copies (MPI staging) or kernels (NCCL, through an event) follow the work
+  // queued on it. The host-synchronous calls of the schedules finish their stream work before they return.
+  Stream stream;
 
   // The groups from three communicators, or from the grid's Ulysses, ring and CP communicators (from()).
   // Errors: cp.size() != ulysses.size() * ring.size(), cp.rank() != cp_rank() (on the ranks where it differs).

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 
 #include "parallel/decode_shared.h"
@@ -13,6 +14,15 @@
 
 namespace seqpar {
 namespace {
+
+// The decode caches live on the host (attention/kv_cache.h): a device input is refused, naming it, before any message.
+void check_host_inputs(const char* who, std::initializer_list<std::pair<const char*, TensorView>> named) {
+  for (const auto& [name, t] : named) {
+    SEQPAR_CHECK(t.device().is_cpu(), who, ": ", name, " ", t.str(), " is on ", t.device().str(),
+                 ", but the decode caches live on the host (MHA decode has no CUDA implementation yet); pass host "
+                 "tensors");
+  }
+}
 
 constexpr std::array<const char*, 2> kCacheShardNames = {"contiguous", "interleave"};
 constexpr std::array<const char*, 3> kChunkModeNames = {"auto", "pass-kv", "pass-q"};
@@ -176,6 +186,7 @@ void MhaDecodeCp::agree(const ShardedKvCache& cache, std::string_view call, cons
 
 void MhaDecodeCp::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,
                                             const TensorView& q, const TensorView& k, const TensorView& v) {
+  check_host_inputs(who, {{"q", q}, {"k", k}, {"v", v}});
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
@@ -338,6 +349,7 @@ void MhaDecodeCp::check_extend(const ShardedKvCache& cache, const SequenceLayout
                                             const TensorView& q_in, const TensorView& k, const TensorView& v,
                                             ChunkPrefillMode mode) {
   const char* who = "MhaDecodeCp::extend";
+  check_host_inputs(who, {{"q", q_in}, {"k", k}, {"v", v}});
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
@@ -476,6 +488,7 @@ PrefillOutput MhaDecodeCp::merge_chunk(ChunkPass& c, const MhaCpOutput& own, con
 DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,
                                               const TensorView& v) {
   const char* who = "MhaDecodeCp::decode";
+  check_host_inputs(who, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
   check_cache(cache, who);
   const attn::KvCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hq, D] with n >= 1, got ",

@@ -272,23 +272,18 @@ void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const 
   if (!dlse.empty()) {
     // d lse_i / d a_ij = p_ij: the lse gradient joins ds as ds_ij = p_ij (dp_ij - (delta_i - dlse_i)), and dsinks
     // takes the same delta - dlse (attn::MhaBackwardArgs::dlse).
-    // (host memory: the MHA kernels run on the host)
     const Tensor d = alloc_for(s).copy_of(dlse, delta.dtype(), MemCategory::kWorkspace);
-    auto subtract = [&](auto* to, const auto* from) {
-      for (std::int64_t i = 0; i < delta.numel(); ++i) to[i] -= from[i];
-    };
-    if (delta.dtype() == DType::kFloat64) {
-      subtract(delta.view().data_as<double>(), d.view().data_as<double>());
-    } else {
-      subtract(delta.view().data_as<float>(), d.view().data_as<float>());
-    }
+    add_scaled_inplace(delta.view(), d.view(), -1.0, groups_.stream);
   }
   // a padding row's dout may hold anything: its delta is 0 (the kernels skip the row; dsinks reads delta)
   zero_padding_rows(delta.view(), 2, tokens_, groups_.stream);
+  // The kernels read delta; out goes with it only while delta is rowsum(dout * out) of every row (no dlse folded
+  // in, no zeroed padding row), since a device backend may recompute delta from out (attn::MhaBackwardArgs::out).
+  const TensorView out_of_delta = dlse.empty() && !layout_.has_padding() ? s.out.view() : TensorView();
   if (config_.impl == RingImpl::kP2P) {
-    backward_p2p(s, dout, delta, dq, dk, dv);
+    backward_p2p(s, out_of_delta, dout, delta, dq, dk, dv);
   } else {
-    backward_allgather(s, dout, delta, dq, dk, dv);
+    backward_allgather(s, out_of_delta, dout, delta, dq, dk, dv);
   }
   sinks_grad(s, delta.view(), dsinks);
   SEQPAR_LOG(kDebug) << "ring attention backward (" << ring_impl_name(config_.impl) << ", ring " << rank_ << "/"
@@ -352,8 +347,8 @@ void RingAttention::forward_p2p(const Saved& s, const TensorView& out, const Ten
   alloc.copy_convert(acc_lse.view(), lse);
 }
 
-void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
-                                 const TensorView& dk, const TensorView& dv) {
+void RingAttention::backward_p2p(const Saved& s, const TensorView& out, const TensorView& dout, const TensorView& delta,
+                                 const TensorView& dq, const TensorView& dk, const TensorView& dv) {
   const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
@@ -370,7 +365,7 @@ void RingAttention::backward_p2p(const Saved& s, const TensorView& dout, const T
   Tensor dkv = alloc.empty(pshape, acc_dtype, MemCategory::kWorkspace);
 
   attn::MhaBackwardArgs args;
-  args.out = s.out.view();
+  args.out = out;
   args.dout = dout;
   args.lse = s.lse.view();
   args.delta = delta;
@@ -448,8 +443,9 @@ void RingAttention::forward_allgather(const Saved& s, const TensorView& out, con
                      static_cast<double>(attn::visible_pairs(args.q_pos, args.k_pos, args.mask));
 }
 
-void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, const TensorView& delta,
-                                       const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+void RingAttention::backward_allgather(const Saved& s, const TensorView& out, const TensorView& dout,
+                                       const TensorView& delta, const TensorView& dq, const TensorView& dk,
+                                       const TensorView& dv) {
   const DeviceAlloc alloc = alloc_for(s);
   const TensorView& q = s.q.view();
   const Shape& kv_shape = s.k.shape();
@@ -457,7 +453,7 @@ void RingAttention::backward_allgather(const Saved& s, const TensorView& dout, c
   attn::MhaBackwardArgs args;
   args.fwd = gather_kv_global(s, k_full, v_full);
   const Shape& full_shape = k_full.shape();
-  args.out = s.out.view();
+  args.out = out;
   args.dout = dout;
   args.lse = s.lse.view();
   args.delta = delta;

@@ -114,6 +114,10 @@ class RingAttention {
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
 
+  // The stream of the next calls' kernels and copies (CpGroups::stream), as MhaCp::set_stream.
+  // Sync: host-only.
+  void set_stream(Stream stream) { groups_.stream = stream; }
+
   // The agreement checks of forward (forward_into) and backward (backward_into): how often each ran or was cached.
   // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }
@@ -135,11 +139,12 @@ class RingAttention {
   DeviceAlloc alloc_for(const Saved& s) const;
   void forward_p2p(const Saved& s, const TensorView& out, const TensorView& lse);
   void forward_allgather(const Saved& s, const TensorView& out, const TensorView& lse);
-  // delta = rowsum(dout * out) of the local rows.
-  void backward_p2p(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
-                    const TensorView& dk, const TensorView& dv);
-  void backward_allgather(const Saved& s, const TensorView& dout, const TensorView& delta, const TensorView& dq,
-                          const TensorView& dk, const TensorView& dv);
+  // delta = rowsum(dout * out) of the local rows (minus dlse; 0 on padding rows); out: the saved out while delta
+  // is exactly rowsum(dout * out), else empty (attn::MhaBackwardArgs::out).
+  void backward_p2p(const Saved& s, const TensorView& out, const TensorView& dout, const TensorView& delta,
+                    const TensorView& dq, const TensorView& dk, const TensorView& dv);
+  void backward_allgather(const Saved& s, const TensorView& out, const TensorView& dout, const TensorView& delta,
+                          const TensorView& dq, const TensorView& dk, const TensorView& dv);
   // The mask of this rank's queries: causal, window, and for packed or padded rows the document bounds (doc_).
   attn::MaskSpec mask() const { return {config_.causal, config_.window, doc_.lo, doc_.hi}; }
   // Forward arguments of one key block (score modifiers without the sinks: those join once per row).

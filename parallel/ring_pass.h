@@ -8,7 +8,13 @@
 // Deadlock freedom: every exchange posts its receive and send together (batch_isend_irecv), blocks on tag and
 // accumulators on tag + 1, in the same order on every rank, for any P >= 1.
 // Synchronisation: collective over `comm`, host-synchronous. `exposed_s` (may be null) accumulates the seconds
-// blocked in waits.
+// blocked in waits. Device buffers (one schedule for host and device): every copy, fill and sum here is a
+// runtime/tensor_ops.h call on `stream` that returns after the stream has finished it, and the visits' kernels
+// (attn::mha_forward / mha_backward / lse_merge) return after their stream work too, so a buffer is complete before
+// the send that reads it is posted and a received one is read only after its wait. The communicator orders its own
+// side on the stream set on it (CommStreamScope sets the layer's): the MPI backend stages a device buffer through
+// pinned host memory with copies ordered after the work queued on that stream (runtime/cuda_staging.h); NCCL makes
+// its stream wait on an event of that stream and the stream wait on its completion (runtime/nccl_comm.h).
 #pragma once
 
 #include <cstdint>

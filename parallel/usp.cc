@@ -193,6 +193,11 @@ MhaCpGrads MhaCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   return g;
 }
 
+void MhaCp::set_stream(Stream stream) {
+  groups_.stream = stream;
+  ring_attn_.set_stream(stream);
+}
+
 CpCounters MhaCp::counters() const {
   CpCounters c = counters_;
   c += ring_attn_.counters();

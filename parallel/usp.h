@@ -59,6 +59,13 @@ class MhaCp {
   CpCounters counters() const;
   void reset_counters();
 
+  // The stream of the next calls' kernels and copies (CpGroups::stream; a device stream is also set on the
+  // communicators during each call), e.g. the caller's current stream before each call (the Python binding passes
+  // torch's). A context keeps no stream: a backward runs on the stream set when it is called.
+  // Sync: host-only.
+  void set_stream(Stream stream);
+  Stream stream() const { return groups_.stream; }
+
   // The agreement checks of forward and backward (over the CP group): how often each ran or was cached.
   // Sync: host-only.
   const AgreementCheck& forward_agreement() const { return forward_agreement_; }

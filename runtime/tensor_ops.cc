@@ -1,7 +1,9 @@
 #include "runtime/tensor_ops.h"
+#include "runtime/elementwise.h"
 #include "runtime/tensor_checks.h"
 
 #include <cstring>
+#include <type_traits>
 
 namespace seqpar {
 
@@ -12,6 +14,7 @@ void cuda_convert(const void* src, int src_kind, void* dst, int dst_kind, std::i
                   void* stream);  // kind: 0 fp64, 1 fp32, 2 bf16, 3 fp16, 4 int64
 std::int64_t cuda_count_nonnegative(const std::int64_t* src, std::int64_t n, void* stream);
 void cuda_add_inplace(void* dst, const void* src, std::int64_t n, bool fp64, void* stream);
+void cuda_add_scaled(void* dst, const void* src, std::int64_t n, bool fp64, double alpha, void* stream);
 void cuda_fill(void* dst, int kind, std::int64_t n, double value, void* stream);
 void cuda_move_rows(const void* src, void* dst, std::int64_t outer, std::int64_t src_len, std::int64_t dst_len,
                     std::size_t row_bytes, const std::int64_t* index, std::int64_t n, bool gather, void* stream);
@@ -136,6 +139,31 @@ void add_inplace(const TensorView& dst, const TensorView& src, Stream stream) {
     double* d = static_cast<double*>(dst.data());
     const double* s = static_cast<const double*>(src.data());
     for (std::int64_t i = 0; i < n; ++i) d[i] += s[i];
+  }
+}
+
+void add_scaled_inplace(const TensorView& dst, const TensorView& src, double alpha, Stream stream) {
+  SEQPAR_CHECK(src.numel() == dst.numel() && src.dtype() == dst.dtype() &&
+                   (dst.dtype() == DType::kFloat32 || dst.dtype() == DType::kFloat64),
+               "add_scaled_inplace: ", dst.str(), " += alpha * ", src.str(),
+               " needs equal counts and one fp32/fp64 dtype");
+  const std::int64_t n = dst.numel();
+  if (on_device(dst, src, "add_scaled_inplace")) {
+#if defined(SEQPAR_WITH_CUDA)
+    cuda_add_scaled(dst.data(), src.data(), n, dst.dtype() == DType::kFloat64, alpha, stream.handle);
+#endif
+    return;
+  }
+  (void)stream;
+  auto run = [&](auto* d, const auto* s) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
+    const T a = static_cast<T>(alpha);
+    for (std::int64_t i = 0; i < n; ++i) d[i] = elementwise::add_scaled(d[i], s[i], a);
+  };
+  if (dst.dtype() == DType::kFloat32) {
+    run(static_cast<float*>(dst.data()), static_cast<const float*>(src.data()));
+  } else {
+    run(static_cast<double*>(dst.data()), static_cast<const double*>(src.data()));
   }
 }
 

@@ -20,6 +20,9 @@ namespace seqpar {
 void copy_convert(const TensorView& src, const TensorView& dst, Stream stream = Stream::cpu());
 // dst += src, both fp32 (or both fp64), element-wise in index order (deterministic).
 void add_inplace(const TensorView& dst, const TensorView& src, Stream stream = Stream::cpu());
+// dst += alpha * src, both fp32 (or both fp64), element-wise (runtime/elementwise.h's add_scaled, alpha rounded to
+// the dtype); alpha = -1 subtracts exactly (e.g. delta -= dlse in a backward).
+void add_scaled_inplace(const TensorView& dst, const TensorView& src, double alpha, Stream stream = Stream::cpu());
 // Every element of a floating tensor set to `value` (e.g. -inf for an empty lse).
 void fill(const TensorView& dst, double value, Stream stream = Stream::cpu());
 

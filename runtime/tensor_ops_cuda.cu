@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "runtime/cuda_check.h"
+#include "runtime/elementwise.h"
 #include "runtime/error.h"
 
 namespace seqpar {
@@ -28,6 +29,13 @@ __global__ void add_kernel(T* dst, const T* src, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
     dst[i] += src[i];
+}
+
+template <typename T>
+__global__ void add_scaled_kernel(T* dst, const T* src, T alpha, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    dst[i] = elementwise::add_scaled(dst[i], src[i], alpha);
 }
 
 template <typename T>
@@ -141,6 +149,19 @@ void cuda_add_inplace(void* dst, const void* src, std::int64_t n, bool fp64, voi
     add_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<double*>(dst), static_cast<const double*>(src), n);
   } else {
     add_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<float*>(dst), static_cast<const float*>(src), n);
+  }
+  finish(s);
+}
+
+void cuda_add_scaled(void* dst, const void* src, std::int64_t n, bool fp64, double alpha, void* stream) {
+  if (n == 0) return;
+  const cudaStream_t s = to_cuda(stream);
+  if (fp64) {
+    add_scaled_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<double*>(dst), static_cast<const double*>(src),
+                                                         alpha, n);
+  } else {
+    add_scaled_kernel<<<blocks_for(n), kThreads, 0, s>>>(static_cast<float*>(dst), static_cast<const float*>(src),
+                                                         static_cast<float>(alpha), n);
   }
   finish(s);
 }

@@ -26,7 +26,8 @@
 #             chunk GDN forward at the same shapes in bf16 (scripts/gdn_fla_bench.py, fla from .deps/fla) when
 #             PyTorch, a device and fla are there, else a skip line with the reason
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
-#             one rank: last, because the CP layers do not take device tensors yet (sp_bench --device cuda refuses)
+#             one rank (ring and USP, zigzag, causal; MHA only): last, since the CP layers' device path is the
+#             newest code and has never run on a GPU
 # Budget: 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
 # (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 115 s (configure, and device_probe, which compiles the cuDNN
 # frontend's translation unit, ~2 minutes alone), build 110 (the CUDA ops table's CUB sorts are one translation unit

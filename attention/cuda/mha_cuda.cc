@@ -6,9 +6,11 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <vector>
 
 #include "attention/cuda/fallback_kernels.h"
+#include "attention/cuda/row_kernels.h"
 #if defined(SEQPAR_WITH_CUDNN_FRONTEND)
 #include "attention/cuda/cudnn_sdpa_graphs.h"
 #endif
@@ -85,12 +87,12 @@ void check_on(const TensorView& t, Device d, const char* what, const char* fn) {
 }
 
 // The rules of the CUDA path on the forward fields; returns the device.
-Device check_forward(const MhaForwardArgs& a, const char* fn, Stream stream) {
+Device check_fields(const MhaForwardArgs& a, const char* fn) {
   SEQPAR_CHECK(a.q.ndim() == 4 && a.k.ndim() == 4, fn, ": q must be [B, Sq, Hq, D] and k [B, Sk, Hkv, D], got q ",
                a.q.str(), ", k ", a.k.str());
   const Device d = a.q.device();
-  SEQPAR_CHECK(d.is_cuda(), fn, ": q ", a.q.str(), " is on ", d.str(), " but the stream is on ", stream.device.str());
-  SEQPAR_CHECK(stream.device == d, fn, ": stream on ", stream.device.str(), ", tensors on ", d.str());
+  SEQPAR_CHECK(d.is_cuda(), fn, ": q ", a.q.str(), " is on ", d.str(), ", expected a CUDA device");
+  check_on(a.q, d, "q", fn);
   check_on(a.k, d, "k", fn);
   check_on(a.v, d, "v", fn);
   const std::int64_t Hq = a.q.dim(2), Hkv = a.k.dim(2);
@@ -104,6 +106,12 @@ Device check_forward(const MhaForwardArgs& a, const char* fn, Stream stream) {
   SEQPAR_CHECK(a.dropout.p == 0.0f, fn, ": dropout is not supported on CUDA yet");
   SEQPAR_CHECK(a.mods.alibi_slopes.empty() && a.mods.sinks.empty() && a.mods.softcap == 0.0f, fn,
                ": ALiBi, sinks and soft-capping are not supported on CUDA yet");
+  return d;
+}
+
+Device check_forward(const MhaForwardArgs& a, const char* fn, Stream stream) {
+  const Device d = check_fields(a, fn);
+  SEQPAR_CHECK(stream.device == d, fn, ": stream on ", stream.device.str(), ", tensors on ", d.str());
   return d;
 }
 
@@ -327,7 +335,12 @@ void backward_as(const MhaBackwardArgs& b, const TensorView& dq, const TensorVie
 
 }  // namespace
 
-void mha_forward_cuda(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
+void check_forward_fields(const MhaForwardArgs& args) {
+  (void)check_fields(args, "mha_forward (CUDA)");
+  (void)lower(args);
+}
+
+void check_forward_call(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
   const char* fn = "mha_forward (CUDA)";
   const Device d = check_forward(args, fn, stream);
   check_on(out, d, "out", fn);
@@ -338,7 +351,12 @@ void mha_forward_cuda(const MhaForwardArgs& args, const TensorView& out, const T
   SEQPAR_CHECK(lse.dtype() == acc || lse.dtype() == DType::kFloat64, fn, ": lse has dtype ", dtype_name(lse.dtype()),
                ", expected ", dtype_name(acc), " or fp64");
   (void)lower(args);  // the lowering's own checks (positions, mask) before any device work
-  SEQPAR_CHECK_CUDA(cudaSetDevice(d.index));
+}
+
+void mha_forward_cuda(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
+  check_forward_call(args, out, lse, stream);
+  const DType acc = accumulator_dtype(args.q.dtype());
+  SEQPAR_CHECK_CUDA(cudaSetDevice(args.q.device().index));
   if (acc == DType::kFloat64) {
     forward_as<double>(args, out, lse, stream, acc);
   } else {
@@ -346,8 +364,8 @@ void mha_forward_cuda(const MhaForwardArgs& args, const TensorView& out, const T
   }
 }
 
-void mha_backward_cuda(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
-                       bool accumulate, Stream stream) {
+void check_backward_call(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                         bool accumulate, Stream stream) {
   const char* fn = "mha_backward (CUDA)";
   const Device d = check_forward(args.fwd, fn, stream);
   SEQPAR_CHECK(args.dlse.empty(), fn, ": dlse is not supported on CUDA yet");
@@ -355,10 +373,11 @@ void mha_backward_cuda(const MhaBackwardArgs& args, const TensorView& dq, const 
   check_on(args.lse, d, "lse", fn);
   check_shape(args.dout, args.fwd.q.shape(), "dout");
   check_shape(args.lse, {args.fwd.q.dim(0), args.fwd.q.dim(2), args.fwd.q.dim(1)}, "lse");
-  if (args.delta.empty()) {
+  if (args.delta.empty() || !args.out.empty()) {  // out is read for delta, and by cuDNN whenever it is given
     check_on(args.out, d, "out", fn);
     check_shape(args.out, args.fwd.q.shape(), "out");
-  } else {
+  }
+  if (!args.delta.empty()) {
     check_on(args.delta, d, "delta", fn);
     check_shape(args.delta, args.lse.shape(), "delta");
   }
@@ -375,12 +394,83 @@ void mha_backward_cuda(const MhaBackwardArgs& args, const TensorView& dq, const 
                    ", got ", dtype_name(t->dtype()));
   }
   (void)lower(args.fwd);
-  SEQPAR_CHECK_CUDA(cudaSetDevice(d.index));
+}
+
+void mha_backward_cuda(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                       bool accumulate, Stream stream) {
+  check_backward_call(args, dq, dk, dv, accumulate, stream);
+  const DType acc = accumulator_dtype(args.fwd.q.dtype());
+  SEQPAR_CHECK_CUDA(cudaSetDevice(args.fwd.q.device().index));
   if (acc == DType::kFloat64) {
     backward_as<double>(args, dq, dk, dv, accumulate, stream, acc);
   } else {
     backward_as<float>(args, dq, dk, dv, accumulate, stream, acc);
   }
+}
+
+void lse_merge_cuda(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
+                    Stream stream) {
+  const char* fn = "lse_merge (CUDA)";
+  const Device d = out.device();
+  SEQPAR_CHECK(d.is_cuda() && stream.device == d, fn, ": out ", out.str(), " and the stream (", stream.device.str(),
+               ") must be on one CUDA device");
+  SEQPAR_CHECK(out.ndim() == 4, fn, ": out must be [B, S, H, D], got ", out.str());
+  const Shape rows{out.dim(0), out.dim(2), out.dim(1)};
+  for (auto [t, shape, what] : {std::tuple{&out, &out.shape(), "out"},
+                                {&out_b, &out.shape(), "out_b"},
+                                {&lse, &rows, "lse"},
+                                {&lse_b, &rows, "lse_b"}}) {
+    check_on(*t, d, what, fn);
+    check_shape(*t, *shape, what);
+    SEQPAR_CHECK(t->dtype() == DType::kFloat32 || t->dtype() == DType::kFloat64, fn, ": ", what, " has dtype ",
+                 dtype_name(t->dtype()), ", expected fp32 or fp64");
+  }
+  SEQPAR_CHECK_CUDA(cudaSetDevice(d.index));
+  LseMergeMixedParams p;
+  p.out = out.data();
+  p.lse = lse.data();
+  p.out_b = out_b.data();
+  p.lse_b = lse_b.data();
+  p.out_fp64 = out.dtype() == DType::kFloat64;
+  p.out_b_fp64 = out_b.dtype() == DType::kFloat64;
+  p.lse_fp64 = lse.dtype() == DType::kFloat64;
+  p.lse_b_fp64 = lse_b.dtype() == DType::kFloat64;
+  p.batch = out.dim(0);
+  p.seq = out.dim(1);
+  p.heads = out.dim(2);
+  p.head_dim = out.dim(3);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+  lse_merge_rows_mixed(p, s);
+  SEQPAR_CHECK_CUDA(cudaStreamSynchronize(s));
+}
+
+void mha_backward_delta_cuda(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream) {
+  const char* fn = "mha_backward_delta (CUDA)";
+  const Device d = out.device();
+  SEQPAR_CHECK(d.is_cuda() && stream.device == d, fn, ": out ", out.str(), " and the stream (", stream.device.str(),
+               ") must be on one CUDA device");
+  check_on(out, d, "out", fn);
+  check_on(dout, d, "dout", fn);
+  check_on(delta, d, "delta", fn);
+  SEQPAR_CHECK(out.ndim() == 4 && is_floating(out.dtype()) && is_floating(dout.dtype()), fn,
+               ": out must be [B, S, H, D] and out / dout floating, got out ", out.str(), ", dout ", dout.str());
+  check_shape(dout, out.shape(), "dout");
+  // fp64 when either input is fp64, as on the host
+  const bool wide = out.dtype() == DType::kFloat64 || dout.dtype() == DType::kFloat64;
+  const DType sum = wide ? DType::kFloat64 : DType::kFloat32;
+  check_shape(delta, {out.dim(0), out.dim(2), out.dim(1)}, "delta");
+  check_dtype(delta, sum, "delta");
+  SEQPAR_CHECK_CUDA(cudaSetDevice(d.index));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+  const Tensor o = Tensor::copy_of(out, sum, kWs, stream), g = Tensor::copy_of(dout, sum, kWs, stream);
+  if (wide) {
+    fallback_delta(out.dim(0), out.dim(1), out.dim(2), out.dim(3), o.data_as<double>(), g.data_as<double>(),
+                   delta.data_as<double>(), s);
+  } else {
+    fallback_delta(out.dim(0), out.dim(1), out.dim(2), out.dim(3), o.data_as<float>(), g.data_as<float>(),
+                   delta.data_as<float>(), s);
+  }
+  SEQPAR_CHECK_CUDA(cudaStreamSynchronize(s));  // o and g are freed on return
 }
 
 }  // namespace seqpar::attn::cuda

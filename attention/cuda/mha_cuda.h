@@ -25,4 +25,25 @@ void mha_forward_cuda(const MhaForwardArgs& args, const TensorView& out, const T
 void mha_backward_cuda(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                        bool accumulate, Stream stream);
 
+// The checks of the calls above without their work (what MhaForwardArgs::validate and MhaBackwardArgs::validate run
+// for CUDA tensors, so that a context-parallel caller refuses a call on every rank before anything is sent):
+// check_forward_fields: the fields of the forward (q, k, v on one CUDA device, the features refused above);
+// check_forward_call / check_backward_call: every check of mha_forward_cuda / mha_backward_cuda. Host-only.
+void check_forward_fields(const MhaForwardArgs& args);
+void check_forward_call(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream);
+void check_backward_call(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                         bool accumulate, Stream stream);
+
+// attn::lse_merge on CUDA tensors: out / out_b and lse / lse_b fp32 or fp64 each, merged in fp64 per row by the body
+// the host uses (attention/kernels/row_ops.h), rounded once on store. Ordered on `stream`; returns after the stream
+// has finished it.
+// Errors: tensors not all on the stream's CUDA device; shapes and dtypes as attn::lse_merge.
+void lse_merge_cuda(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
+                    Stream stream);
+// attn::mha_backward_delta on CUDA tensors: out and dout converted to the sum's dtype (fp64 when delta is fp64, else
+// fp32, as on the host), then one row per thread (attention/fallback_rows.h, fallback_delta_row, in index order).
+// Ordered on `stream`; returns after the stream has finished it.
+// Errors: as attn::mha_backward_delta, and tensors not all on the stream's CUDA device.
+void mha_backward_delta_cuda(const TensorView& out, const TensorView& dout, const TensorView& delta, Stream stream);
+
 }  // namespace seqpar::attn::cuda

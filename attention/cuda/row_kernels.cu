@@ -21,6 +21,33 @@ __global__ void lse_merge_kernel(LseMergeParams p) {
   p.lse[li] = w.lse;
 }
 
+__device__ double load_wide(const void* p, bool fp64, std::int64_t i) {
+  return fp64 ? static_cast<const double*>(p)[i] : static_cast<double>(static_cast<const float*>(p)[i]);
+}
+__device__ void store_wide(void* p, bool fp64, std::int64_t i, double v) {
+  if (fp64) {
+    static_cast<double*>(p)[i] = v;
+  } else {
+    static_cast<float*>(p)[i] = static_cast<float>(v);
+  }
+}
+
+// One (b, i, h) row per thread, in fp64 like the host's lse_merge.
+__global__ void lse_merge_mixed_kernel(LseMergeMixedParams p) {
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= p.batch * p.seq * p.heads) return;
+  const std::int64_t b = t / (p.seq * p.heads), i = (t / p.heads) % p.seq, h = t % p.heads;
+  const std::int64_t li = (b * p.heads + h) * p.seq + i;
+  const rowops::MergeWeights<double> w =
+      rowops::lse_merge_weights(load_wide(p.lse, p.lse_fp64, li), load_wide(p.lse_b, p.lse_b_fp64, li));
+  for (std::int64_t d = 0; d < p.head_dim; ++d) {
+    const std::int64_t e = t * p.head_dim + d;
+    store_wide(p.out, p.out_fp64, e,
+               rowops::lse_merge_value(w, load_wide(p.out, p.out_fp64, e), load_wide(p.out_b, p.out_b_fp64, e)));
+  }
+  store_wide(p.lse, p.lse_fp64, li, w.lse);
+}
+
 __global__ void masked_softmax_kernel(MaskedSoftmaxParams p) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= p.rows) return;
@@ -47,6 +74,13 @@ void lse_merge_rows(const LseMergeParams& p, cudaStream_t stream) {
   const std::int64_t n = p.batch * p.seq * p.heads;
   if (n == 0) return;
   lse_merge_kernel<<<blocks_for(n), kThreads, 0, stream>>>(p);
+  SEQPAR_CHECK_CUDA(cudaGetLastError());
+}
+
+void lse_merge_rows_mixed(const LseMergeMixedParams& p, cudaStream_t stream) {
+  const std::int64_t n = p.batch * p.seq * p.heads;
+  if (n == 0) return;
+  lse_merge_mixed_kernel<<<blocks_for(n), kThreads, 0, stream>>>(p);
   SEQPAR_CHECK_CUDA(cudaGetLastError());
 }
 

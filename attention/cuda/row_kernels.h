@@ -20,6 +20,19 @@ struct LseMergeParams {
 };
 void lse_merge_rows(const LseMergeParams& p, cudaStream_t stream);
 
+// The same merge with each side's out and lse in fp32 or fp64 (out_fp64 for out and out_b, lse_fp64 for lse,
+// lse_b_fp64 for lse_b), computed in fp64 and rounded once on store: what attn::lse_merge does on the host (the ring
+// keeps out in the accumulator dtype and the lse in fp64).
+struct LseMergeMixedParams {
+  void* out = nullptr;
+  void* lse = nullptr;
+  const void* out_b = nullptr;
+  const void* lse_b = nullptr;
+  bool out_fp64 = false, out_b_fp64 = false, lse_fp64 = false, lse_b_fp64 = false;
+  std::int64_t batch = 0, seq = 0, heads = 0, head_dim = 0;
+};
+void lse_merge_rows_mixed(const LseMergeMixedParams& p, cudaStream_t stream);
+
 // Row r of scores [rows, n]: probs row r and lse[r] over the visible keys [begin[r], end[r]) (rowops::
 // masked_softmax_row; empty rows: lse -inf, probs 0).
 struct MaskedSoftmaxParams {

@@ -36,9 +36,14 @@ struct DLManagedTensor {
   void* manager_ctx;
   void (*deleter)(DLManagedTensor* self);
 };
-constexpr std::int32_t kDLCPU = 1;
+constexpr std::int32_t kDLCPU = 1, kDLCUDA = 2;
 constexpr std::uint8_t kDLInt = 0, kDLFloat = 2, kDLBfloat = 4;
 constexpr const char* kCapsuleName = "dltensor";
+#if defined(SEQPAR_WITH_CUDA)
+constexpr const char* kTakes = "CPU or CUDA";
+#else
+constexpr const char* kTakes = "CPU";
+#endif
 
 DType dtype_of_dl(const DLDataType& t, const char* what) {
   SEQPAR_CHECK(t.lanes == 1, what, ": vector dtypes (DLPack lanes ", t.lanes, ") are not supported");
@@ -108,8 +113,19 @@ TensorView view_of(py::handle tensor, const char* what) {
   auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), kCapsuleName));
   if (managed == nullptr) throw py::error_already_set();
   const DLTensor& t = managed->dl_tensor;
-  SEQPAR_CHECK(t.device.device_type == kDLCPU, what, ": seqpar's Python layers take CPU tensors (DLPack device type ",
-               t.device.device_type, ")");
+  Device device = Device::cpu();
+  if (t.device.device_type == kDLCUDA) {
+#if defined(SEQPAR_WITH_CUDA)
+    device = Device::cuda(t.device.device_id);
+#else
+    SEQPAR_THROW(what, ": a CUDA tensor (cuda:", t.device.device_id,
+                 "), but this seqpar was built without CUDA (SEQPAR_WITH_CUDA=OFF): its layers take CPU tensors only; "
+                 "move the tensor with .cpu() or use a CUDA build");
+#endif
+  } else {
+    SEQPAR_CHECK(t.device.device_type == kDLCPU, what, ": seqpar's Python layers take ", kTakes,
+                 " tensors (DLPack device type ", t.device.device_type, ")");
+  }
   const DType dtype = dtype_of_dl(t.dtype, what);
   Shape shape(t.shape, t.shape + t.ndim);
   // A tensor without elements addresses no memory: any strides are fine (torch gives such tensors strides that
@@ -127,17 +143,25 @@ TensorView view_of(py::handle tensor, const char* what) {
   SEQPAR_CHECK(t.byte_offset % dtype_size(dtype) == 0, what, ": byte offset ", t.byte_offset,
                " is not a multiple of the element size");
   // The view outlives the capsule (dropped here): the memory stays the caller's tensor's.
-  return TensorView(static_cast<char*>(t.data) + t.byte_offset, dtype, std::move(shape));
+  return TensorView(static_cast<char*>(t.data) + t.byte_offset, dtype, std::move(shape), device);
+}
+
+Stream current_stream(const TensorView& t) {
+  if (t.device().is_cpu()) return Stream::cpu();
+  // torch.cuda.current_stream(index).cuda_stream: the cudaStream_t as an integer (torch is not linked)
+  const py::object s = py::module_::import("torch").attr("cuda").attr("current_stream")(t.device().index);
+  const auto handle = s.attr("cuda_stream").cast<std::uintptr_t>();
+  return Stream{t.device(), reinterpret_cast<void*>(handle)};
 }
 
 py::object to_torch(Tensor&& tensor) {
-  SEQPAR_CHECK(tensor.view().device().is_cpu(), "to_torch: only CPU tensors are exported");
+  const Device device = tensor.view().device();
   auto owner = std::make_unique<Exported>();
   owner->tensor = std::move(tensor);
   owner->shape = owner->tensor.shape();
   DLTensor& t = owner->managed.dl_tensor;
   t.data = owner->tensor.data();
-  t.device = {kDLCPU, 0};
+  t.device = device.is_cpu() ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, device.index};
   t.ndim = static_cast<std::int32_t>(owner->shape.size());
   t.dtype = dl_of_dtype(owner->tensor.dtype());
   t.shape = owner->shape.data();

@@ -412,13 +412,17 @@ void bind_mha(py::module_& m) {
   bind_layer<MhaCp, MhaCpConfig>(m, "MhaCp", "MHA / GQA under USP (parallel/usp.h)")
       .def("forward",
            [](MhaCp& a, py::handle q, py::handle k, py::handle v) {
-             MhaCpOutput r = a.forward(view_of(q, "q"), view_of(k, "k"), view_of(v, "v"));
+             const TensorView qv = view_of(q, "q");
+             a.set_stream(python::current_stream(qv));  // CUDA tensors: torch's current stream
+             MhaCpOutput r = a.forward(qv, view_of(k, "k"), view_of(v, "v"));
              return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.lse)), std::move(r.ctx));
            })
       .def(
           "backward",
           [](MhaCp& a, CpContext& ctx, py::handle dout, py::handle dlse) {
-            return attention_grads(a.backward(std::move(ctx), view_of(dout, "dout"), view_of(dlse, "dlse")));
+            const TensorView dv = view_of(dout, "dout");
+            a.set_stream(python::current_stream(dv));
+            return attention_grads(a.backward(std::move(ctx), dv, view_of(dlse, "dlse")));
           },
           py::arg("ctx"), py::arg("dout"), py::arg("dlse") = py::none());
 }
@@ -502,6 +506,11 @@ void bind_dsa(py::module_& m) {
 PYBIND11_MODULE(_seqpar, m) {
   m.doc() = "seqpar's compiled bindings (use the package seqpar)";
   m.attr("__version__") = version();
+#if defined(SEQPAR_WITH_CUDA)
+  m.attr("with_cuda") = true;  // the layers that run on CUDA (MhaCp) take CUDA tensors
+#else
+  m.attr("with_cuda") = false;
+#endif
   py::register_exception<Error>(m, "Error", PyExc_RuntimeError);
 
   bind_runtime(m);

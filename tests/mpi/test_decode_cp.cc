@@ -363,6 +363,37 @@ TEST(MhaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
   EXPECT_EQ(cache.length(), kPrompt + 1);
 }
 
+// The caches live on the host: CUDA inputs (a fake device pointer, never read) are refused by name on every rank
+// before any message, in any build, and the cache is untouched.
+TEST(MhaDecodeCpErrors, CudaInputsFailEverywhereBeforeAnyMessage) {
+  Bad b;
+  MhaDecodeCp layer(b.groups, MhaDecodeConfig{});
+  ShardedKvCache cache = layer.make_cache(kB, kPrompt + 4, kHkv, kD, DType::kFloat32);
+  auto cuda = [](const Tensor& t) {
+    return TensorView(reinterpret_cast<void*>(std::uintptr_t{0x1000}), t.dtype(), t.shape(), Device::cuda(0));
+  };
+  const Tensor q = b.local(b.p.q), k = b.local(b.p.k), v = b.local(b.p.v);
+  auto ops = [&] { return b.groups.cp.counters().num_ops + b.groups.ring.counters().num_ops; };
+  const std::int64_t before = ops();
+  std::string m;
+  try {
+    layer.prefill(cache, b.layout, q, cuda(k), v);
+  } catch (const Error& e) {
+    m = e.what();
+  }
+  EXPECT_NE(m.find(str_cat("MhaDecodeCp::prefill: k ", cuda(k).str(),
+                           " is on cuda:0, but the decode caches live on the host")),
+            std::string::npos)
+      << m;
+  EXPECT_TRUE(test::all_ranks(world(), !m.empty()));
+  EXPECT_EQ(ops(), before) << "a message before the refusal";
+  EXPECT_EQ(cache.length(), 0);
+  b.prefill(layer, cache);
+  const Tensor qn = rows_of(b.p.q, kPrompt, kPrompt + 1);
+  EXPECT_TRUE(fails_everywhere([&] { layer.decode(cache, cuda(qn), qn, qn); }, "MhaDecodeCp::decode: q_new"));
+  EXPECT_EQ(cache.length(), kPrompt);
+}
+
 TEST(MhaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
   Bad b;
   MhaDecodeConfig contiguous;

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/elementwise.h"
 #include "runtime/tensor_ops.h"
 #include "tests/util/device_collectives.h"
 #include "tests/util/test_util.h"
@@ -113,6 +114,41 @@ TEST(TensorOps, CountNonnegativeMatchesLoop) {
   EXPECT_EQ(count_nonnegative(Tensor::empty({0}, DType::kInt64, MemCategory::kWorkspace).view()), 0);
   Tensor f = Tensor::zeros({2}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_NE(test::error_of([&] { count_nonnegative(f.view()); }).find("count_nonnegative input has dtype fp32"),
+            std::string::npos);
+}
+
+// add_scaled_inplace (and its element body, shared with the CUDA kernel) against an fp64 / long double reference:
+// alpha = -1 and 1 are exact differences and sums, any other alpha one rounding of the product and one of the sum.
+TEST(TensorOps, AddScaledMatchesReference) {
+  EXPECT_EQ(elementwise::add_scaled(1.5f, 0.25f, -1.0f), 1.25f);
+  EXPECT_EQ(elementwise::add_scaled(2.0, 3.0, 0.5), 3.5);
+  for (DType dtype : {DType::kFloat32, DType::kFloat64}) {
+    for (double alpha : {-1.0, 1.0, 0.3, -2.75}) {
+      Tensor d = random_tensor({3, 5, 7}, dtype, 7, -4, 4), s = random_tensor({3, 5, 7}, dtype, 8, -4, 4);
+      const std::vector<double> d0 = to_double(d), s0 = to_double(s);
+      add_scaled_inplace(d.view(), s.view(), alpha);
+      const std::vector<double> got = to_double(d);
+      const bool f32 = dtype == DType::kFloat32;
+      const double a = f32 ? static_cast<double>(static_cast<float>(alpha)) : alpha;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        const long double want = static_cast<long double>(d0[i]) + static_cast<long double>(a) * s0[i];
+        if (alpha == 1.0 || alpha == -1.0) {
+          const double exact =
+              f32 ? static_cast<double>(static_cast<float>(d0[i]) + static_cast<float>(a * s0[i])) : d0[i] + a * s0[i];
+          ASSERT_EQ(got[i], exact) << dtype_name(dtype) << " alpha " << alpha << " at " << i;
+        }
+        // two roundings of the dtype, relative to the operands' size
+        const double eps = f32 ? 0x1p-23 : 0x1p-52;
+        ASSERT_LE(std::abs(static_cast<double>(got[i] - want)), 2 * eps * (std::abs(d0[i]) + std::abs(a * s0[i])))
+            << dtype_name(dtype) << " alpha " << alpha << " at " << i;
+      }
+    }
+  }
+  Tensor x = Tensor::zeros({4}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor y = Tensor::zeros({4}, DType::kFloat64, MemCategory::kWorkspace);
+  EXPECT_NE(test::error_of([&] {
+              add_scaled_inplace(x.view(), y.view(), -1.0);
+            }).find("needs equal counts and one fp32/fp64 dtype"),
             std::string::npos);
 }
 
