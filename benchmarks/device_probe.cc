@@ -85,10 +85,14 @@ nlohmann::json cuda_properties(int ordinal) {
 
 int run(int argc, char** argv) {
   std::string device = "cpu", out;
+  const char* usage = "usage: device_probe [--device cpu|cuda|cuda:N] [--out FILE]";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    SEQPAR_CHECK((a == "--device" || a == "--out") && i + 1 < argc, "device_probe: unknown argument ", a,
-                 " (usage: device_probe [--device cpu|cuda|cuda:N] [--out FILE])");
+    if (a == "--help" || a == "-h") {
+      std::cout << usage << "\n";
+      return 0;
+    }
+    SEQPAR_CHECK((a == "--device" || a == "--out") && i + 1 < argc, "unknown argument ", a, " (", usage, ")");
     (a == "--device" ? device : out) = argv[++i];
   }
   [[maybe_unused]] const seqpar::Device d = seqpar::bench::parse_bench_device(device);

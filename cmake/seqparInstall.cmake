@@ -39,8 +39,8 @@ install(FILES ${PROJECT_SOURCE_DIR}/include/seqpar/seqpar.h DESTINATION ${SEQPAR
 
 if(SEQPAR_BUILD_BENCHMARKS)
   # The installed benchmarks find shared libraries outside the system paths (CUDA) where they were linked from.
-  set_target_properties(sp_bench comm_bench kernel_bench agreement_bench PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
-  install(TARGETS sp_bench comm_bench kernel_bench agreement_bench RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+  set_target_properties(sp_bench comm_bench kernel_bench agreement_bench sp_plan PROPERTIES INSTALL_RPATH_USE_LINK_PATH TRUE)
+  install(TARGETS sp_bench comm_bench kernel_bench agreement_bench sp_plan RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 endif()
 
 # ---- CMake package ----

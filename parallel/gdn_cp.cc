@@ -291,8 +291,8 @@ HeadInputs head_inputs(const SavedT& s, Stream stream) {
 GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
     : CpLayerBase(groups, layout, "GDN CP"), config_(config) {
   SEQPAR_CHECK(layout.kind() != LayoutKind::kStripe,
-               "GDN under context parallelism supports the contiguous and zigzag layouts; the stripe layout would "
-               "make every token its own segment");
+               "GDN under context parallelism supports the contiguous, zigzag and balanced layouts; the stripe "
+               "layout would make every token its own segment");
   SEQPAR_CHECK(config.chunk_size >= 1, "GDN chunk_size ", config.chunk_size, " must be >= 1");
   SEQPAR_CHECK(std::isfinite(config.scale), "GDN scale ", config.scale, " must be finite (0 or less: 1/sqrt(K))");
   std::vector<std::vector<std::int64_t>> ring_tokens;

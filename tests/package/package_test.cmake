@@ -98,7 +98,8 @@ if(STEP STREQUAL "install")
   foreach(f lib/cmake/seqpar/seqparConfig.cmake lib/cmake/seqpar/seqparConfigVersion.cmake
             lib/cmake/seqpar/seqparTargets.cmake lib/pkgconfig/seqpar.pc lib/libseqpar_runtime.a
             lib/libseqpar_parallel.a include/seqpar/runtime/version.h include/seqpar/parallel/usp.h
-            include/seqpar/attention/mha.h bin/sp_bench bin/comm_bench bin/kernel_bench bin/agreement_bench)
+            include/seqpar/attention/mha.h bin/sp_bench bin/comm_bench bin/kernel_bench bin/agreement_bench
+            bin/sp_plan)
     if(NOT EXISTS ${prefix}/${f})
       message(FATAL_ERROR "not installed: ${f}")
     endif()
