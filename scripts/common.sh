@@ -3,7 +3,7 @@
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${SEQPAR_BUILD_DIR:-$root/build}
-jobs=${SEQPAR_JOBS:-$(nproc)}
+jobs=${SEQPAR_JOBS:-$(OMP_NUM_THREADS= nproc)}
 
 "$root/scripts/install_deps.sh"
 

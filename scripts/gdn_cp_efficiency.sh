@@ -43,7 +43,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 echo "# gdn_cp_efficiency.sh: S $seq, 2 ranks, 1 thread each, $rounds rounds x ${#configs[@]} configurations," \
   "$iters timed iterations per run; commit $(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)," \
-  "$(date -u +%FT%TZ), $(nproc) cores"
+  "$(date -u +%FT%TZ), $(OMP_NUM_THREADS= nproc) cores"
 for ((r = 1; r <= rounds; ++r)); do
   for i in "${!configs[@]}"; do
     IFS='|' read -r name shape layout mode <<<"${configs[$i]}"

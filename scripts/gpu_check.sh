@@ -46,7 +46,7 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 dry_run=0
 out=""
 build_dir=""
-jobs=$(nproc)
+jobs=$(OMP_NUM_THREADS= nproc)
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) dry_run=1 ;;
@@ -144,7 +144,7 @@ export kb_args_s="${kb_args[*]}" sdpa_args_s="${sdpa_args[*]}" sp_shape_s="${sp_
 export ob_args_s="${ob_args[*]}" fla_args_s="${fla_args[*]}"
 
 probe() {
-  echo "# host: $(uname -srm), $(nproc) cores, $(date -u)"
+  echo "# host: $(uname -srm), $(OMP_NUM_THREADS= nproc) cores, $(date -u)"
   echo "# cmake: $(cmake --version | head -1)"
   echo "# c++: $(c++ --version 2>/dev/null | head -1)"
   echo "# nvcc: $(command -v nvcc >/dev/null && nvcc --version | tail -1 || echo none)"

@@ -24,7 +24,7 @@ python3 "${sweep[@]}" --attn dsa --algos ring,allgather,ulysses --append --extra
 py=/usr/bin/python3
 [ -x "$py" ] || py=python3
 load_after=$(cut -d' ' -f1 /proc/loadavg 2>/dev/null || echo "?")
-title="$(nproc)-core machine, load average $load_before before and $load_after after the sweep (other work shares the cores)"
+title="$(OMP_NUM_THREADS= nproc)-core machine, load average $load_before before and $load_after after the sweep (other work shares the cores)"
 "$py" "$root/scripts/plot.py" "$csv" --attn mha --out "$out/scaling.png" --title "$title"
 "$py" "$root/scripts/plot.py" "$csv" --attn gdn --out "$out/scaling_gdn.png" --title "$title"
 "$py" "$root/scripts/plot.py" "$csv" --attn dsa --out "$out/scaling_dsa.png" --title "$title"
