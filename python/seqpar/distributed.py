@@ -20,7 +20,9 @@ torch.distributed.new_group requires), also for a grid it has built before. The 
 (or the error their arguments gave) and check that they form grids (each grid's ranks pass the same cp group, dp
 groups of one size, Ulysses and ring groups that agree and form a Pu x Pr grid in the cp group's order); otherwise
 every rank raises the same seqpar.Error, naming the ranks and their groups. Ranks that passed different groups
-therefore fail together instead of meeting in mismatched collectives.
+therefore fail together instead of meeting in mismatched collectives. The exception: a grid of one rank (a
+single-process reference on one rank, e.g. process_group=torch.distributed.new_group([0]) on rank 0) is built by
+that rank alone, with no collective.
 """
 
 import torch
@@ -237,8 +239,14 @@ def torch_grid(process_group=None, *, cp_group=None, ulysses_group=None, ring_gr
                 f"{type(error).__name__}: {text}", False)
     else:
         mine = (me, u_ranks, r_ranks, cp_ranks, dp_size, None, cached is not None)
-    table = [None] * dist.get_world_size()
-    dist.all_gather_object(table, mine)  # over the default group: every rank of the job calls torch_grid
+    if error is None and len(u_ranks) == 1 and len(r_ranks) == 1 and (cp_ranks is None or len(cp_ranks) == 1):
+        # a one-rank grid (a single-process reference on one rank): nothing to agree on, built by this rank alone
+        table = [mine]
+        if cp_group is None:
+            cp_group = ring_group
+    else:
+        table = [None] * dist.get_world_size()
+        dist.all_gather_object(table, mine)  # over the default group: every rank of the job calls torch_grid
     table.sort(key=lambda row: row[0])
     for row in table:
         if row[5] is not None:
