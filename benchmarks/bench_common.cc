@@ -168,6 +168,16 @@ std::int64_t parse_size(const std::string& text, const char* flag) {
   return std::stoll(text.substr(0, digits)) * mult;
 }
 
+std::vector<std::string> split_commas(const std::string& text) {
+  std::vector<std::string> out;
+  for (std::size_t b = 0; b <= text.size();) {
+    const std::size_t e = std::min(text.find(',', b), text.size());
+    out.push_back(text.substr(b, e - b));
+    b = e + 1;
+  }
+  return out;
+}
+
 double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 double median(std::vector<double> v) {

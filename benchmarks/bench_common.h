@@ -72,6 +72,8 @@ void check_ranks_agree(const Fingerprint& options);
 
 // Parses "4096", "8K", "1M" (K = 1024, M = 1024^2; case-insensitive). Throws Error naming `flag` and the value.
 std::int64_t parse_size(const std::string& text, const char* flag);
+// "a,b,,c" -> {"a", "b", "", "c"}; "" -> {""}.
+std::vector<std::string> split_commas(const std::string& text);
 
 // Seconds on a monotonic clock (differences only).
 double now_s();

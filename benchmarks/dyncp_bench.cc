@@ -64,16 +64,6 @@ PlanToRun plan_from_json(const nlohmann::json& j) {
   return p;
 }
 
-std::vector<std::string> split_commas(const std::string& text) {
-  std::vector<std::string> out;
-  for (std::size_t b = 0; b <= text.size();) {
-    const std::size_t e = std::min(text.find(',', b), text.size());
-    out.push_back(text.substr(b, e - b));
-    b = e + 1;
-  }
-  return out;
-}
-
 // One micro-batch of this rank, its inputs cut before timing.
 struct LocalMicroBatch {
   int index = 0;

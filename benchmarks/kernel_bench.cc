@@ -90,7 +90,8 @@ void check_numeric_flags(const cxxopts::ParseResult& args) {
   const int threads = args["threads"].as<int>();
   SEQPAR_CHECK(threads >= 0 && threads <= 1024, "--threads ", threads, " must be in [0, 1024] (0: OpenMP's default)");
   const double min_time = args["min-time"].as<double>();
-  SEQPAR_CHECK(std::isfinite(min_time) && min_time > 0, "--min-time ", min_time, " must be a finite number > 0");
+  SEQPAR_CHECK(std::isfinite(min_time) && min_time >= 0, "--min-time ", min_time,
+               " must be a finite number >= 0 (0: --min-rounds rounds)");
   SEQPAR_CHECK(!args.count("quick") || !args.count("min-time"), "--quick sets --min-time 0.2: pass one of them");
   for (const char* name : {"square", "gemm-cap"}) in_range(name, 0, kBig);  // 0: skip / no cap
   for (const char* name : {"batch", "hq", "hkv", "topk", "indexer-heads", "indexer-dim", "chunk-size"})

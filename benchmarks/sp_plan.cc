@@ -222,50 +222,24 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
   return p;
 }
 
-// A token count with K / M suffixes (powers of 1024).
-std::int64_t parse_count(const std::string& text, const char* flag) {
-  std::size_t used = 0;
-  long long v = -1;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string suffix = text.substr(used);
-  const std::int64_t mult = suffix == "K" || suffix == "k" ? 1024 : suffix == "M" || suffix == "m" ? 1024 * 1024 : 1;
-  SEQPAR_CHECK(used > 0 && v >= 0 && (mult > 1 || suffix.empty()), "sp_plan: ", flag, " '", text,
-               "' is not a count (a number with K or M)");
-  return static_cast<std::int64_t>(v) * mult;
-}
-
-std::vector<std::string> split_commas(const std::string& text) {
-  std::vector<std::string> out;
-  for (std::size_t b = 0; b <= text.size();) {
-    const std::size_t e = std::min(text.find(',', b), text.size());
-    out.push_back(text.substr(b, e - b));
-    b = e + 1;
-  }
-  return out;
-}
-
 int dynamic_cp_main(const cxxopts::ParseResult& r, const PlanInput& in, const DeviceProfile& profile) {
   DynamicInput din;
   SEQPAR_CHECK(r.count("doc-lengths") + r.count("doc-mix") == 1,
                "sp_plan --dynamic-cp: give the documents by exactly one of --doc-lengths and --doc-mix");
   if (r.count("doc-lengths")) {
     for (const std::string& t : split_commas(r["doc-lengths"].as<std::string>()))
-      din.doc_lens.push_back(parse_count(t, "--doc-lengths"));
+      din.doc_lens.push_back(bench::parse_size(t, "doc-lengths"));
     din.doc_source = "--doc-lengths";
   } else {
     const std::string mix = r["doc-mix"].as<std::string>();
-    const std::int64_t tokens = parse_count(r["tokens"].as<std::string>(), "--tokens");
+    const std::int64_t tokens = bench::parse_size(r["tokens"].as<std::string>(), "tokens");
     din.doc_lens = doc_mix(mix, tokens, r["seed"].as<std::uint64_t>());
     din.doc_source = str_cat("--doc-mix ", mix, " --tokens ", tokens, " --seed ", r["seed"].as<std::uint64_t>());
   }
-  din.tokens_per_rank = parse_count(r["tokens-per-rank"].as<std::string>(), "--tokens-per-rank");
+  din.tokens_per_rank = bench::parse_size(r["tokens-per-rank"].as<std::string>(), "tokens-per-rank");
   if (r.count("degrees")) {
     for (const std::string& t : split_commas(r["degrees"].as<std::string>()))
-      din.degrees.push_back(static_cast<int>(parse_count(t, "--degrees")));
+      din.degrees.push_back(static_cast<int>(bench::parse_size(t, "degrees")));
   }
   din.layout = r["mb-layout"].as<std::string>();
   din.impl = r["mb-impl"].as<std::string>();

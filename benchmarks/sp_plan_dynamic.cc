@@ -20,26 +20,6 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::int64_t parse_tokens(const std::string& text, const std::string& what) {
-  std::size_t used = 0;
-  long long v = -1;
-  try {
-    v = std::stoll(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const std::string suffix = text.substr(used);
-  std::int64_t mult = 1;
-  if (suffix == "K" || suffix == "k")
-    mult = 1024;
-  else if (suffix == "M" || suffix == "m")
-    mult = 1024 * 1024;
-  else
-    SEQPAR_CHECK(suffix.empty(), what, " '", text, "' is not a token count (a number with K or M)");
-  SEQPAR_CHECK(used > 0 && v >= 0, what, " '", text, "' is not a token count (a number with K or M)");
-  return static_cast<std::int64_t>(v) * mult;
-}
-
 // Documents (indices, any order) of one degree into micro-batches of at most `capacity` tokens, balanced over the
 // `groups` groups of that degree: longest first, each into the open micro-batch with the least causal work
 // (sum of L (L + 1) / 2) that has room; at least `groups` micro-batches when there are that many documents.
@@ -132,8 +112,8 @@ std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, s
   const std::string rest = name.substr(11);
   const std::size_t colon = rest.find(':');
   SEQPAR_CHECK(colon != std::string::npos, "sp_plan: --doc-mix ", name, ": expected loguniform:LO:HI");
-  const std::int64_t lo = parse_tokens(rest.substr(0, colon), "--doc-mix LO");
-  const std::int64_t hi = parse_tokens(rest.substr(colon + 1), "--doc-mix HI");
+  const std::int64_t lo = bench::parse_size(rest.substr(0, colon), "doc-mix LO");
+  const std::int64_t hi = bench::parse_size(rest.substr(colon + 1), "doc-mix HI");
   SEQPAR_CHECK(lo >= 1 && hi >= lo, "sp_plan: --doc-mix ", name, ": LO ", lo, " must be >= 1 and HI ", hi, " >= LO");
   std::uint64_t state = seed;
   auto next = [&state] {  // splitmix64 (Steele, Lea, Flood 2014), as synthetic_doc_lens

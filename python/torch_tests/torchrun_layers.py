@@ -209,10 +209,15 @@ def main():
                                            cp_dim="y"), "no dimension 'y'")
     # Ranks that pass different groups, or where one rank's arguments fail: every rank raises the same error, naming
     # the groups or the rank (not a gloo error, nor a wait on the others).
-    if world > 1:
-        rest = dist.new_group(list(range(1, world)))
+    # (A grid of one rank is built by its rank alone, so "rest" needs two ranks or more to take part in the check.)
+    rest = dist.new_group(list(range(1, world))) if world > 1 else None
+    if world > 2:
         expect_same_error(lambda: seqpar.torch_grid(process_group=dist.group.WORLD if rank == 0 else rest),
                           "world ranks 0 and 1 pass different cp groups", f"1: {list(range(1, world))}")
+    if world > 1:
+        solo = dist.new_group([0])
+        if rank == 0:  # a one-rank grid on one rank only (a single-process reference): no collective, no wait
+            assert seqpar.torch_grid(process_group=solo).cp.size == 1
         line_x = init_device_mesh("cpu", (world,), mesh_dim_names=("x",))
         expect_same_error(lambda: seqpar.torch_grid(device_mesh=line_x, cp_dim="y" if rank == world - 1 else "x"),
                           f"world rank {world - 1}: the DeviceMesh has no dimension 'y'")

@@ -21,6 +21,7 @@
 #include "attention/kernels/dsa_rows.h"
 #include "attention/kernels/gdn_rows.h"
 #include "attention/ops/ops_cpu.h"
+#include "tests/util/ops_test_values.h"
 #include "runtime/error.h"
 
 namespace seqpar::attn::ops {
@@ -29,23 +30,9 @@ namespace {
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
-std::vector<double> rand_vec(std::int64_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<double> u(lo, hi);
-  std::vector<double> v(static_cast<std::size_t>(n));
-  for (double& x : v) x = u(rng);
-  return v;
-}
-
-template <typename T>
-std::vector<T> cast(const std::vector<double>& v) {
-  return std::vector<T>(v.begin(), v.end());
-}
-
-template <typename T>
-double tol() {
-  return std::is_same_v<T, double> ? 1e-12 : 2e-5;
-}
+using test::cast;
+using test::rand_vec;
+using test::tol;
 
 // The table under test ("cpu" or "cuda"), or why it cannot run here.
 std::string cuda_skip_reason() {

@@ -195,7 +195,7 @@ TEST(SpPlanProfile, EveryBlockNamesItsSource) {
       EXPECT_NE(std::string(e.what()).find("p: " + block), std::string::npos) << e.what();
     }
   };
-  for (const std::string& block : {"kernels.mha_fwd", "links.intra", "links.inter", "device", "factors"}) {
+  for (const std::string block : {"kernels.mha_fwd", "links.intra", "links.inter", "device", "factors"}) {
     const auto dot = block.find('.');
     nlohmann::json missing = good, empty = good, bad_entry = good, assumed = good;
     const auto at = [&](nlohmann::json& root) -> nlohmann::json& {

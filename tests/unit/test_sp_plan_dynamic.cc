@@ -148,8 +148,11 @@ TEST(SpPlanDynamic, OnlyLongDocumentsPickTheLargestDegree) {
     for (int d : r.dynamic.degree_of_doc) EXPECT_EQ(d, world) << what;
     EXPECT_EQ(r.best_static_degree, world) << what;
     EXPECT_DOUBLE_EQ(r.dynamic.step_s, r.best_static_s) << what;
-    for (const DynamicPlan& p : r.statics)
-      if (p.name != str_cat("static ", world)) EXPECT_FALSE(p.excluded.empty()) << what << ": " << p.name;
+    for (const DynamicPlan& p : r.statics) {
+      if (p.name != str_cat("static ", world)) {
+        EXPECT_FALSE(p.excluded.empty()) << what << ": " << p.name;
+      }
+    }
   }
   // One long document and room everywhere (tokens_per_rank its length): CP over the whole world beats leaving
   // ranks idle when compute dominates (fast links).
