@@ -5,4 +5,7 @@
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 cd "$build_dir"
-ctest --output-on-failure --timeout 900 "$@"
+# Tests run side by side, one per core (SEQPAR_TEST_JOBS overrides): a multi-rank test counts as one, since its
+# ranks mostly wait on each other (OMPI_MCA_mpi_yield_when_idle); the few that measure time against a deadline run alone
+# (RUN_SERIAL).
+ctest --output-on-failure --timeout 900 -j "${SEQPAR_TEST_JOBS:-$jobs}" "$@"
