@@ -60,7 +60,8 @@ struct DeviceProfile {
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
   // The ring's execution on this device and software stack (JSON block "ring", with its source; absent: the
   // defaults, the ideal double-buffered ring).
-  // transfer_overlaps_compute: a ring step's transfer of the next block runs while the step's kernel computes. false:
+  // transfer_overlaps_compute: a ring step's transfer of the next block (MHA's ring, DSA's selection and latent
+  // rings) runs while the step's kernel computes. false:
   // the communication kernel waits until the attention kernel frees the SMs (a persistent kernel holds them all), so
   // every step pays its compute and then its transfer.
   // merge_pass: every ring step's partial result is folded into the running one by a separate memory-bound pass

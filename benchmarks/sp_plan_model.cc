@@ -673,11 +673,11 @@ Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const Devic
       idx_bytes = (cp - 1) * kidx_block;
     } else {
       const double blk = bwd ? kidx_block * (1 + acc / e) : kidx_block;
-      fi = simulate_ring(ci, cp_link.seconds(blk), &ex);
+      fi = simulate_ring(ci, cp_link.seconds(blk), &ex, prof.ring_transfer_overlaps_compute);
       idx_bytes = (cp - 1) * blk + (bwd ? kidx_block * acc / e : 0.0);
     }
     const double lat_blk = bwd ? latent_block * (1 + acc / e) : latent_block;
-    fa = simulate_ring(ca, links.ring.seconds(lat_blk), &ex);
+    fa = simulate_ring(ca, links.ring.seconds(lat_blk), &ex, prof.ring_transfer_overlaps_compute);
     const double lat_bytes = (P - 1) * lat_blk + (bwd && P > 1 ? latent_block * acc / e : 0.0);
     Phase ph;
     ph.finish.assign(P, 0.0);
