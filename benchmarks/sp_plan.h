@@ -58,6 +58,17 @@ struct DeviceProfile {
   // GDN scan: the cost of a segment's map (gdn_transition) and of the backward's cheap dS sweep, each relative to
   // the segment's forward kernel.
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
+  // The ring's execution on this device and software stack (JSON block "ring", with its source; absent: the
+  // defaults, the ideal double-buffered ring).
+  // transfer_overlaps_compute: a ring step's transfer of the next block (MHA's ring, DSA's selection and latent
+  // rings) runs while the step's kernel computes. false:
+  // the communication kernel waits until the attention kernel frees the SMs (a persistent kernel holds them all), so
+  // every step pays its compute and then its transfer.
+  // merge_pass: every ring step's partial result is folded into the running one by a separate memory-bound pass
+  // (forward: the rank's out and lse; backward: dq, and dk/dv into the travelling accumulator), at the device's
+  // memory bandwidth (device.memory_bandwidth_bytes_per_s), on the compute stream after the step's kernel.
+  bool ring_transfer_overlaps_compute = true, ring_merge_pass = false;
+  std::string ring_source;
   const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent
 };
 
@@ -146,10 +157,22 @@ std::string plan_table(const PlanInput& in, const DeviceProfile& profile, const 
 
 // Closed forms of the ring's event simulation, for tests: P ranks, per-step compute c and transfer t per step, each
 // rank's compute the same. forward: P steps of compute, P - 1 transfers overlapping the first P - 1 steps.
-double ring_forward_closed_form(int P, double compute_step_s, double transfer_s);
+// overlap false (DeviceProfile::ring_transfer_overlaps_compute): each transfer starts when the step's kernel ends,
+// P c + (P - 1) t.
+double ring_forward_closed_form(int P, double compute_step_s, double transfer_s, bool overlap = true);
 // The simulation itself on given per-rank, per-step compute times ([r][s]) and one transfer time per step: the
-// finish time of each rank, and (out) the exposed wait of each rank.
+// finish time of each rank, and (out) the exposed wait of each rank. overlap false: the block for step s + 1 leaves
+// when both its sender and its receiver have finished step s's kernel.
 std::vector<double> simulate_ring(const std::vector<std::vector<double>>& compute, double transfer_s,
-                                  std::vector<double>* exposed);
+                                  std::vector<double>* exposed, bool overlap = true);
+
+// The time of an all-gather of one block of `block_bytes` per rank over a ring group of P ranks with
+// `members_per_node` of them on each node (the ring algorithm, P - 1 hops). Inside one node (P <= members_per_node)
+// every hop is an intra-node message. Across nodes the ring enters and leaves each node once per channel and the
+// channels spread over the NICs of the group's members on the node, so the P - 1 blocks leave a node through
+// members_per_node NICs at once (each at links.inter's bandwidth shared by min(ranks_per_nic, devices_per_node)
+// ranks) while each member forwards them over the intra-node links: (P - 1) x (inter latency + block / min(intra
+// bandwidth, members x per-rank inter bandwidth)). The backward's reduce-scatter of the same bytes takes as long.
+double allgather_seconds(double block_bytes, int P, int members_per_node, int devices_per_node, const DeviceProfile& p);
 
 }  // namespace seqpar::bench::plan

@@ -131,6 +131,17 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                  ": cores_per_node / gdn_map_factor / gdn_sweep_factor need a \"factors\" block with their source");
     source_text(j["factors"], what + ": factors");
   }
+  if (j.contains("ring")) {
+    const nlohmann::json& r = j["ring"];
+    const auto flag = [&](const char* k, bool dflt) {
+      if (!r.contains(k)) return dflt;
+      SEQPAR_CHECK(r[k].is_boolean(), what, ": ring.", k, " must be true or false (is ", r[k].dump(), ")");
+      return r[k].get<bool>();
+    };
+    p.ring_transfer_overlaps_compute = flag("transfer_overlaps_compute", true);
+    p.ring_merge_pass = flag("merge_pass", false);
+    p.ring_source = source_text(r, what + ": ring");
+  }
   if (j.contains("device")) {
     const nlohmann::json& d = j["device"];
     p.memory_bytes = d.value("memory_bytes", 0.0);
@@ -140,6 +151,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                  " and device.memory_bandwidth_bytes_per_s ", p.memory_bandwidth_bps, " must be >= 0");
     p.device_source = source_text(d, what + ": device");
   }
+  SEQPAR_CHECK(!p.ring_merge_pass || p.memory_bandwidth_bps > 0, what,
+               ": ring.merge_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
+               " (the merge pass runs at the memory bandwidth: give it, > 0)");
   return p;
 }
 
@@ -168,6 +182,11 @@ nlohmann::json profile_json(const DeviceProfile& p) {
     j["kernels"][key] = {{"points", pts}, {"source", c.source}};
   }
   j["links"] = {{"intra", link_json(p.intra)}, {"inter", link_json(p.inter)}, {"ranks_per_nic", p.ranks_per_nic}};
+  if (!p.ring_source.empty()) {
+    j["ring"] = {{"transfer_overlaps_compute", p.ring_transfer_overlaps_compute},
+                 {"merge_pass", p.ring_merge_pass},
+                 {"source", p.ring_source}};
+  }
   if (p.memory_bytes > 0 || p.memory_bandwidth_bps > 0) {
     j["device"] = {{"memory_bytes", p.memory_bytes},
                    {"memory_bandwidth_bytes_per_s", p.memory_bandwidth_bps},
@@ -255,16 +274,18 @@ std::string memory_verdict(const SpBenchOptions& o, const PlanInput& in, double*
 // ---- the event simulation ---------------------------------------------------------------------------------------
 
 std::vector<double> simulate_ring(const std::vector<std::vector<double>>& compute, double transfer_s,
-                                  std::vector<double>* exposed) {
+                                  std::vector<double>* exposed, bool overlap) {
   const int P = static_cast<int>(compute.size());
   std::vector<double> start(P, 0.0), next(P, 0.0), waited(P, 0.0);
   for (int s = 0; s + 1 < P; ++s) {
     for (int r = 0; r < P; ++r) {
       // The block for step s + 1 is posted by rank r - 1 when it starts step s (double buffering) and received by
       // rank r, whose receive is posted at its own start of step s.
+      // Without overlap the transfer runs once both kernels of step s have ended.
       const int src = (r + P - 1) % P;
-      const double arrival = std::max(start[src], start[r]) + transfer_s;
       const double done = start[r] + compute[r][s];
+      const double arrival = overlap ? std::max(start[src], start[r]) + transfer_s
+                                     : std::max(start[src] + compute[src][s], done) + transfer_s;
       next[r] = std::max(done, arrival);
       waited[r] += std::max(0.0, arrival - done);
     }
@@ -276,8 +297,20 @@ std::vector<double> simulate_ring(const std::vector<std::vector<double>>& comput
   return finish;
 }
 
-double ring_forward_closed_form(int P, double compute_step_s, double transfer_s) {
+double ring_forward_closed_form(int P, double compute_step_s, double transfer_s, bool overlap) {
+  if (!overlap) return P * compute_step_s + (P - 1) * transfer_s;
   return compute_step_s + (P - 1) * std::max(compute_step_s, transfer_s);
+}
+
+double allgather_seconds(double block_bytes, int P, int members_per_node, int devices_per_node,
+                         const DeviceProfile& p) {
+  if (P <= 1 || block_bytes <= 0) return 0.0;
+  SEQPAR_CHECK(members_per_node >= 1 && devices_per_node >= 1, "sp_plan: allgather_seconds: members_per_node ",
+               members_per_node, " and devices_per_node ", devices_per_node, " must be >= 1");
+  if (P <= members_per_node) return (P - 1) * p.intra.seconds(block_bytes);
+  const double per_rank = p.inter.bandwidth_bps / std::min(p.ranks_per_nic, devices_per_node);
+  const double bw = members_per_node > 1 ? std::min(p.intra.bandwidth_bps, members_per_node * per_rank) : per_rank;
+  return (P - 1) * (p.inter.latency_s + block_bytes / bw);
 }
 
 namespace {
@@ -375,6 +408,21 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   const double dkv_block = kv_block * vs.accum_bytes / vs.storage_bytes;
 
   const double fwd_flops = 4.0 * o.heads * o.head_dim * visible_pairs(o, layout);  // the whole row, every head
+  // The ring's per-step merge pass (DeviceProfile::ring_merge_pass), bytes at the memory bandwidth: forward, the
+  // step's partial out (storage dtype) read and the running out (accumulator) read and written, the lse likewise;
+  // backward, the step's dq read and the running dq read and written, and dk, dv into the travelling accumulator
+  // (accumulator dtype throughout). Every step with work merges the rank's whole shard (B S / P rows, Hq / Pu heads).
+  double merge_fwd_s = 0, merge_bwd_s = 0;
+  if (prof.ring_merge_pass && P > 1) {
+    const double rows = static_cast<double>(o.batch) * static_cast<double>(layout.padded_len()) / P;
+    const double hq = static_cast<double>(o.heads) / pu,
+                 hkv = static_cast<double>(std::max<std::int64_t>(o.kv_heads, pu)) / pu;
+    const double e = static_cast<double>(vs.storage_bytes), a = static_cast<double>(vs.accum_bytes);
+    const double fwd_bytes = rows * hq * (o.head_dim * (e + 2 * a) + 3 * a);
+    const double bwd_bytes = rows * (hq + 2 * hkv) * o.head_dim * 3 * a;
+    merge_fwd_s = slow * fwd_bytes / prof.memory_bandwidth_bps;
+    merge_bwd_s = slow * bwd_bytes / prof.memory_bandwidth_bps;
+  }
   const auto share = step_shares(layout, o.causal);
   Prediction pr;
   pr.bytes_exact = true;
@@ -400,23 +448,26 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
       for (int s = 0; s < P; ++s) {
         const double f = flops * share[r][s] / pu;  // one rank: its ring shard's pairs with H / Pu heads
         c[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        // Every later step with work folds its partial result into the running one (profile.ring_merge_pass).
+        if (s > 0 && f > 0 && o.impl == RingImpl::kP2P) c[r][s] += bwd ? merge_bwd_s : merge_fwd_s;
       }
     }
     const double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));
     if (o.impl == RingImpl::kP2P || P == 1) {
       std::vector<double> exposed;
       const double transfer = links.ring.seconds(bwd ? kv_block + dkv_block : kv_block);
-      ph.finish = simulate_ring(c, transfer, &exposed);
+      ph.finish = simulate_ring(c, transfer, &exposed, prof.ring_transfer_overlaps_compute);
       for (int r = 0; r < P; ++r) {
         ph.compute[r] = std::accumulate(c[r].begin(), c[r].end(), 0.0);
         // Backward: the gradient accumulator's last hop home follows the last step.
         ph.finish[r] += a2a + (bwd && P > 1 ? links.ring.seconds(dkv_block) : 0.0);
       }
     } else {
-      // All-gather of K and V (ring algorithm, P - 1 steps), one kernel call over the whole sequence; the backward
-      // gathers again and reduce-scatters dK, dV.
-      const double gather = (P - 1) * links.ring.seconds(kv_block);
-      const double scatter = bwd ? (P - 1) * links.ring.seconds(dkv_block) : 0.0;
+      // All-gather of K and V (ring algorithm, P - 1 steps: allgather_seconds), one kernel call over the whole
+      // sequence; the backward gathers again and reduce-scatters dK, dV.
+      const int members = in.devices_per_node % pu == 0 ? std::max(1, in.devices_per_node / pu) : 1;
+      const double gather = allgather_seconds(kv_block, P, members, in.devices_per_node, prof);
+      const double scatter = bwd ? allgather_seconds(dkv_block, P, members, in.devices_per_node, prof) : 0.0;
       ph.finish.assign(P, 0.0);
       for (int r = 0; r < P; ++r) {
         double f = 0;
@@ -622,11 +673,11 @@ Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const Devic
       idx_bytes = (cp - 1) * kidx_block;
     } else {
       const double blk = bwd ? kidx_block * (1 + acc / e) : kidx_block;
-      fi = simulate_ring(ci, cp_link.seconds(blk), &ex);
+      fi = simulate_ring(ci, cp_link.seconds(blk), &ex, prof.ring_transfer_overlaps_compute);
       idx_bytes = (cp - 1) * blk + (bwd ? kidx_block * acc / e : 0.0);
     }
     const double lat_blk = bwd ? latent_block * (1 + acc / e) : latent_block;
-    fa = simulate_ring(ca, links.ring.seconds(lat_blk), &ex);
+    fa = simulate_ring(ca, links.ring.seconds(lat_blk), &ex, prof.ring_transfer_overlaps_compute);
     const double lat_bytes = (P - 1) * lat_blk + (bwd && P > 1 ? latent_block * acc / e : 0.0);
     Phase ph;
     ph.finish.assign(P, 0.0);

@@ -3,7 +3,8 @@
 MagiAttention's benchmark at CP 8 and 16 has a prediction; no predicted TFLOPS/s per GPU exceeds the H100 profile's
 own attention curve (forward 648, backward 561: a prediction above the kernel's rate would mean FLOPs counted twice
 or time lost); the published figures are the ones in benchmarks/published/magiattention_h100.json; the error column
-is predicted / published - 1; ulysses and usp at CP 8 are one configuration (Ulysses over the node) and agree.
+is predicted / published - 1; ulysses and usp at CP 8 are one configuration (Ulysses over the node) and agree;
+ring p2p is the slowest method, published and predicted, on the full and causal masks at CP 8 and 16.
 
   test_sp_plan_published.py SP_PLAN
 """
@@ -53,6 +54,16 @@ def main():
                     for m in ("ulysses", "usp"))
             if u["predicted_tflops"] != s["predicted_tflops"]:
                 failures.append(f"{mask} {phase} CP 8: ulysses {u['predicted_tflops']} != usp {s['predicted_tflops']}")
+    # Published, ring p2p is the slowest method in every cell; the profile's ring block (its transfer waits for the
+    # kernel, a merge pass per step) is what makes the model agree on full and causal masks.
+    for mask in ("full", "causal"):
+        for phase in ("fwd", "bwd"):
+            for cp in (8, 16):
+                cell = [r for r in rows if (r["mask"], r["phase"], r["cp"]) == (mask, phase, cp)]
+                for key in ("published_tflops", "predicted_tflops"):
+                    low = min(cell, key=lambda r: r[key])
+                    if low["method"] != "ring_p2p":
+                        failures.append(f"{mask} {phase} CP {cp}: {key} lowest is {low['method']}, not ring_p2p")
     if len(res["orders"]) != 12:
         failures.append(f"{len(res['orders'])} order cells, expected 12 (3 masks x 2 phases x 2 CP sizes)")
     for f in failures:

@@ -10,6 +10,7 @@
 
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_plan.h"
+#include "runtime/dtype.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench::plan {
@@ -80,6 +81,112 @@ TEST(SpPlanRing, SlowestRankDecides) {
   for (double& x : compute[1]) x = 2 * c;
   const std::vector<double> finish = simulate_ring(compute, 1e-9, nullptr);
   EXPECT_NEAR(*std::max_element(finish.begin(), finish.end()), P * 2 * c, 1e-9);
+}
+
+// A ring whose transfers do not overlap the kernels (DeviceProfile::ring_transfer_overlaps_compute false): every
+// step pays its compute and then its transfer, P c + (P - 1) t, whichever is larger.
+TEST(SpPlanRing, WithoutOverlapComputeThenTransfer) {
+  for (int P : {1, 2, 5, 8}) {
+    for (const auto& [c, t] : {std::pair{1e-3, 1e-6}, std::pair{1e-6, 1e-3}, std::pair{2e-3, 2e-3}}) {
+      std::vector<double> exposed;
+      const std::vector<double> finish =
+          simulate_ring(std::vector<std::vector<double>>(P, std::vector<double>(P, c)), t, &exposed, false);
+      for (int r = 0; r < P; ++r) {
+        EXPECT_NEAR(finish[r], P * c + (P - 1) * t, 1e-12) << "rank " << r << " of " << P;
+        EXPECT_NEAR(exposed[r], (P - 1) * t, 1e-12) << "rank " << r << " of " << P;
+      }
+      EXPECT_NEAR(ring_forward_closed_form(P, c, t, false), P * c + (P - 1) * t, 1e-15);
+    }
+  }
+  // A slow rank delays its successor's blocks by its extra compute: with rank 1 at 2 c, the finish is P 2 c + (P - 1) t.
+  const int P = 4;
+  const double c = 1e-3, t = 1e-4;
+  std::vector<std::vector<double>> compute(P, std::vector<double>(P, c));
+  for (double& x : compute[1]) x = 2 * c;
+  const std::vector<double> finish = simulate_ring(compute, t, nullptr, false);
+  EXPECT_NEAR(*std::max_element(finish.begin(), finish.end()), P * 2 * c + (P - 1) * t, 1e-12);
+}
+
+// The all-gather's time (allgather_seconds) against its closed forms: one node, P - 1 intra hops; across nodes the
+// blocks leave each node through the NICs of the group's members there (the smaller of the intra bandwidth and
+// members x the per-rank inter bandwidth); one member per node, one NIC.
+TEST(SpPlanCollective, AllGatherSpreadsOverTheNodesNics) {
+  DeviceProfile p = flat_profile(1e12, 2e-6, 400e9);  // intra 2 us + 400 GB/s, inter 20 us + 40 GB/s
+  const double b = 32e6;
+  EXPECT_NEAR(allgather_seconds(b, 8, 8, 8, p), 7 * (2e-6 + b / 400e9), 1e-15);
+  EXPECT_NEAR(allgather_seconds(b, 64, 8, 8, p), 63 * (20e-6 + b / 320e9), 1e-15);  // 8 NICs of 40 GB/s
+  EXPECT_NEAR(allgather_seconds(b, 16, 16, 32, p), 15 * (2e-6 + b / 400e9), 1e-15);
+  EXPECT_NEAR(allgather_seconds(b, 64, 16, 16, p), 63 * (20e-6 + b / 400e9), 1e-15);  // NVLink the narrower
+  EXPECT_NEAR(allgather_seconds(b, 8, 1, 8, p), 7 * (20e-6 + b / 40e9), 1e-15);       // a ring across nodes
+  p.ranks_per_nic = 2;  // two ranks share a NIC: 20 GB/s each
+  EXPECT_NEAR(allgather_seconds(b, 64, 8, 8, p), 63 * (20e-6 + b / 160e9), 1e-15);
+  EXPECT_EQ(allgather_seconds(b, 1, 8, 8, p), 0.0);
+}
+
+// The ring's merge pass (DeviceProfile::ring_merge_pass): each of the P - 1 later steps adds the bytes of its merge
+// at the memory bandwidth to the kernel's time. Compute-bound with a fast link: forward P c + (P - 1) m_fwd,
+// backward likewise with m_bwd, against the closed forms of the bytes.
+TEST(SpPlanRing, MergePassAddsItsBytesAtMemoryBandwidth) {
+  DeviceProfile p = flat_profile(1e9, 1e-9, 1e15);
+  p.memory_bandwidth_bps = 2e9;
+  const int P = 4;
+  const std::int64_t S = 2048, H = 4, Hkv = 2, D = 32;
+  PlanInput in = input({"--attn", "mha", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "2K"}, P);
+  in.only_configs = {"u1xr4 zigzag p2p"};
+  const PlanRow base = plan(in, p).front();
+  p.ring_merge_pass = true;
+  const PlanRow merged = plan(in, p).front();
+  ASSERT_TRUE(base.excluded.empty() && merged.excluded.empty()) << base.excluded << merged.excluded;
+  const SpBenchOptions o = config_options(in, base.config);
+  const double e = static_cast<double>(dtype_size(o.dtype)),
+               a = static_cast<double>(dtype_size(accumulator_dtype(o.dtype)));
+  const double rows = static_cast<double>(S) / P;
+  const double m_fwd = rows * H * (D * (e + 2 * a) + 3 * a) / 2e9, m_bwd = rows * (H + 2 * Hkv) * D * 3 * a / 2e9;
+  EXPECT_NEAR(merged.prediction.forward_s - base.prediction.forward_s, (P - 1) * m_fwd, 1e-9);
+  EXPECT_NEAR(merged.prediction.backward_s - base.prediction.backward_s, (P - 1) * m_bwd, 1e-9);
+  // The all-gather runs one kernel over the gathered K and V: no merge.
+  in.only_configs = {"u1xr4 zigzag allgather"};
+  p.ring_merge_pass = false;
+  const double ag = plan(in, p).front().prediction.step_s;
+  p.ring_merge_pass = true;
+  EXPECT_EQ(plan(in, p).front().prediction.step_s, ag);
+}
+
+// The "ring" block of a profile: read and written back; a merge pass needs the memory bandwidth; the flags are
+// booleans; the block names its source.
+TEST(SpPlanProfile, RingBlock) {
+  DeviceProfile p = flat_profile(2e9, 3e-6, 4e9);
+  p.memory_bandwidth_bps = 3e12;
+  p.device_source = "test";
+  p.ring_transfer_overlaps_compute = false;
+  p.ring_merge_pass = true;
+  p.ring_source = "test";
+  const DeviceProfile q = profile_from_json(profile_json(p), "round trip");
+  EXPECT_FALSE(q.ring_transfer_overlaps_compute);
+  EXPECT_TRUE(q.ring_merge_pass);
+  const auto refused = [](const nlohmann::json& j, const std::string& what) {
+    try {
+      profile_from_json(j, "p");
+      ADD_FAILURE() << "accepted: " << j.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  nlohmann::json j = profile_json(p);
+  j.erase("device");
+  refused(j, "ring.merge_pass is true but device.memory_bandwidth_bytes_per_s is 0");
+  j = profile_json(p);
+  j["ring"]["merge_pass"] = 1;
+  refused(j, "ring.merge_pass must be true or false");
+  j = profile_json(p);
+  j["ring"].erase("source");
+  refused(j, "p: ring");
+  // Absent: the ideal ring.
+  j = profile_json(p);
+  j.erase("ring");
+  const DeviceProfile d = profile_from_json(j, "no ring");
+  EXPECT_TRUE(d.ring_transfer_overlaps_compute);
+  EXPECT_FALSE(d.ring_merge_pass);
 }
 
 TEST(SpPlan, ZigzagBeatsContiguousUnderCausalMask) {
