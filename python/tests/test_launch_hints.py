@@ -33,6 +33,24 @@ def test_wrong_rows_name_the_layout(layer):
             seqpar.ShortConvCp(grid, layout, 8)(torch.randn(1, n, 8))
 
 
+@pytest.mark.parametrize("layer", ["mha", "gdn"])
+def test_heads_first_input_says_the_order(layer):
+    """q, k, v in SDPA's [B, H, S, D] order (a user coming from torch): the error says seqpar's [B, S, H, D] and the
+    transpose; a plain wrong length does not mention the order."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, 32 * WORLD, "zigzag")
+    s = layout.local_len
+    x = torch.randn(1, 3, s, 8)  # [B, H, S, D]
+    with pytest.raises(seqpar.Error, match=r"local_len=.*takes \[B, S, H, D\].*\.transpose\(1, 2\)"):
+        if layer == "mha":
+            seqpar.MhaCp(grid, layout)(x, x, x)
+        else:
+            seqpar.GdnCp(grid, layout)(x, x, x, -torch.rand(1, s, 3), torch.rand(1, s, 3))
+    with pytest.raises(seqpar.Error) as e:
+        seqpar.MhaCp(grid, layout)(*(torch.randn(1, s + 1, 3, 8) for _ in range(3)))
+    assert "transpose" not in str(e.value)
+
+
 def test_apply_rope_names_the_layout():
     grid = seqpar.CpGrid(1, 1, WORLD)
     layout = seqpar.SequenceLayout.for_grid(grid, 30, "zigzag")
