@@ -11,7 +11,8 @@ WORLD = seqpar.world().size
 
 @pytest.mark.skipif(WORLD != 1, reason="needs a world of one process (the np1 run checks it)")
 def test_world_of_one_asked_for_more_says_how_to_launch():
-    with pytest.raises(seqpar.Error, match=r"alone \(MPI world size 1\).*mpirun -np 4 python3"):
+    with pytest.raises(seqpar.Error, match=r"alone \(MPI world size 1\).*mpirun -np 4 python3.*under torchrun, "
+                                           r"build the grid .*seqpar\.torch_grid\(process_group="):
         seqpar.CpGrid(1, 2, 2)
 
 
