@@ -15,6 +15,8 @@
 #include <fstream>
 #include <ostream>
 #include <streambuf>
+#include <string>
+#include <string_view>
 
 #include "parallel/cp_common.h"
 #include "runtime/error.h"
@@ -134,8 +136,18 @@ std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, i
     if (world_rank == 0 && !r.count("help")) std::printf("%s (seqpar) %s\n", spec.program().c_str(), version());
     return std::nullopt;
   }
-  SEQPAR_CHECK(r.unmatched().empty(), "unexpected argument '", r.unmatched().front(),
-               "' (every option is a --flag; see --help)");
+  if (!r.unmatched().empty()) {
+    const std::string& extra = r.unmatched().front();
+    // "--causal false": a switch takes its value after '=' (cxxopts leaves the word unmatched)
+    std::string hint;
+    for (int i = 2; i < argc && (extra == "true" || extra == "false"); ++i) {
+      if (extra == argv[i] && std::string_view(argv[i - 1]).starts_with("--")) {
+        hint = str_cat("; a switch takes its value after '=': ", argv[i - 1], "=", extra);
+        break;
+      }
+    }
+    SEQPAR_THROW("unexpected argument '", extra, "' (every option is a --flag; see --help)", hint);
+  }
   return r;
 }
 

@@ -62,10 +62,16 @@ def _layout_hint(layout, grid, error, *tensors):
     rows = [t.shape[1] for t in tensors if t is not None and t.dim() > 1]
     if all(r == layout.local_len for r in rows):
         return error
+    # [B, H, S, D] (torch's scaled_dot_product_attention order) instead of [B, S, H, D]: the rows are in dim 2
+    heads_first = any(t is not None and t.dim() == 4 and t.shape[2] == layout.local_len != t.shape[1]
+                      for t in tensors)
+    order = (f"; a 4-D input has {layout.local_len} in dim 2: seqpar takes [B, S, H, D] (flash-attn's order), "
+             "so a tensor in scaled_dot_product_attention's [B, H, S, D] needs .transpose(1, 2).contiguous()"
+             if heads_first else "")
     return _seqpar.Error(
         f"{error} [the {layout.kind} layout gives CP rank {grid.cp_rank} local_len={layout.local_len} rows "
         f"(seq_len {layout.seq_len}, padded_len {layout.padded_len} over {layout.num_ranks} ranks); got rows "
-        f"{rows}: cut the sequence with seqpar.shard_sequence(x, layout, grid.cp_rank), not torch.chunk]")
+        f"{rows}: cut the sequence with seqpar.shard_sequence(x, layout, grid.cp_rank), not torch.chunk{order}]")
 
 
 def _check_tensors(layer, **tensors):

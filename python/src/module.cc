@@ -99,8 +99,9 @@ struct Grid {
                  "CpGrid: dp_size ", c.dp_size, " x ulysses_size ", c.ulysses_size, " x ring_size ", c.ring_size,
                  " needs ", n, " processes, but this one is alone (MPI world size 1): start ", n,
                  " with an MPI launcher, e.g. `mpirun -np ", n, " python3 script.py` (docs/python.md). A plain "
-                 "`python` run is one process; under torchrun, pass the torch.distributed group instead "
-                 "(process_group= or device_mesh=; MPI does not connect torchrun's processes)");
+                 "`python` run is one process; under torchrun, build the grid from the torch.distributed group "
+                 "instead: seqpar.torch_grid(process_group=dist.group.WORLD) (or ulysses_group= and ring_group=, "
+                 "or device_mesh=; MPI does not connect torchrun's processes)");
     return w;
   }
 };

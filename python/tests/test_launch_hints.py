@@ -11,7 +11,8 @@ WORLD = seqpar.world().size
 
 @pytest.mark.skipif(WORLD != 1, reason="needs a world of one process (the np1 run checks it)")
 def test_world_of_one_asked_for_more_says_how_to_launch():
-    with pytest.raises(seqpar.Error, match=r"alone \(MPI world size 1\).*mpirun -np 4 python3"):
+    with pytest.raises(seqpar.Error, match=r"alone \(MPI world size 1\).*mpirun -np 4 python3.*under torchrun, "
+                                           r"build the grid .*seqpar\.torch_grid\(process_group="):
         seqpar.CpGrid(1, 2, 2)
 
 
@@ -31,6 +32,24 @@ def test_wrong_rows_name_the_layout(layer):
             seqpar.GdnCp(grid, layout)(q, q, q, -torch.rand(1, n, 2), torch.rand(1, n, 2))
         else:
             seqpar.ShortConvCp(grid, layout, 8)(torch.randn(1, n, 8))
+
+
+@pytest.mark.parametrize("layer", ["mha", "gdn"])
+def test_heads_first_input_says_the_order(layer):
+    """q, k, v in SDPA's [B, H, S, D] order (a user coming from torch): the error says seqpar's [B, S, H, D] and the
+    transpose; a plain wrong length does not mention the order."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, 32 * WORLD, "zigzag")
+    s = layout.local_len
+    x = torch.randn(1, 3, s, 8)  # [B, H, S, D]
+    with pytest.raises(seqpar.Error, match=r"local_len=.*takes \[B, S, H, D\].*\.transpose\(1, 2\)"):
+        if layer == "mha":
+            seqpar.MhaCp(grid, layout)(x, x, x)
+        else:
+            seqpar.GdnCp(grid, layout)(x, x, x, -torch.rand(1, s, 3), torch.rand(1, s, 3))
+    with pytest.raises(seqpar.Error) as e:
+        seqpar.MhaCp(grid, layout)(*(torch.randn(1, s + 1, 3, 8) for _ in range(3)))
+    assert "transpose" not in str(e.value)
 
 
 def test_apply_rope_names_the_layout():
