@@ -559,10 +559,17 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
     const KernelCurve& curve = prof.kernel(bwd ? "gdn_bwd" : "gdn_fwd");
     // Per segment (all this rank's value heads, as one kernel call would run them): its kernel, its map (the
     // forward: gdn_transition; the backward: the dS sweep, plus gdn_transition when the forward made no map).
-    std::vector<double> seg_s(nseg), map_s(nseg);
+    // A segment's kernel splits into the pieces that start a document (the backward: end one), which run as soon
+    // as the phase starts, and the piece that waits for the state of the segment before it (known_s, wait_s).
+    std::vector<double> seg_s(nseg), map_s(nseg), known_s(nseg, 0.0), wait_s(nseg, 0.0);
     for (int i = 0; i < nseg; ++i) {
       const double f = seg_flops(segs[i].length);
       const double fwd_s = f > 0 ? slow * f / fcurve.rate(f) : 0.0;
+      for (const SegmentPiece& pc : pieces[i]) {
+        const double pf = seg_flops(pc.length);
+        const double ps = pf > 0 ? slow * (bwd ? 2.5 * pf / curve.rate(2.5 * f) : pf / fcurve.rate(f)) : 0.0;
+        ((bwd ? pc.ends_doc : pc.starts_doc) ? known_s[i] : wait_s[i]) += ps;
+      }
       const double mf = gdn_map_flops(GdnFlopShape{o.batch, segs[i].length, hv, K, V, o.chunk_size, 0, 0});
       const double transition_s = f > 0 ? slow * prof.gdn_map_factor * mf / fcurve.rate(f) : 0.0;
       seg_s[i] = bwd ? (f > 0 ? slow * 2.5 * f / curve.rate(2.5 * f) : 0.0) : fwd_s;
@@ -640,7 +647,7 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
               if (segs[i].owner != rank) continue;
               if (stage == 0) {  // phase 1
                 if (sp.known[0][i])
-                  work += seg_s[i] / H;
+                  work += known_s[i] / H;
                 else if (sp.computes_map(i))
                   work += map_s[i] / H;
               } else if (stage <= R) {  // round `stage`
@@ -650,7 +657,7 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
                 const int src = segs[from].owner;
                 if (src != rank)
                   ready = std::max(ready, posted[src][stage - 1][h] + links.ring.seconds(round_bytes[stage][src][rank]));
-                work += stage == 1 && sp.direct[i] ? seg_s[i] / H : compose_s / H;
+                work += stage == 1 && sp.direct[i] ? wait_s[i] / H : compose_s / H;
               } else {  // the shift
                 const int from = i - dir;
                 if (!in_range(from) || sp.direct[i] || !sp.need[R][from]) continue;
@@ -658,7 +665,7 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
                 if (src != rank)
                   ready = std::max(ready, posted[src][shift_stage[src][rank]][h] +
                                               links.ring.seconds(shift_bytes[src][rank]));
-                work += seg_s[i] / H;
+                work += wait_s[i] / H;
               }
             }
             clock[rank] = std::max(clock[rank], ready) + work;
