@@ -80,5 +80,19 @@ inline double gdn_forward_flops(const GdnFlopShape& s) {
 }
 // Backward: 2.5 x the forward.
 inline double gdn_backward_flops(const GdnFlopShape& s) { return 2.5 * gdn_forward_flops(s); }
+// A segment's map (gdn_transition: the state [M | U] of K + V columns carried through the chunks, no output): per
+// token and value head the chunk's [C, C] and [C, K] / [C, V] products, 4 C K + 2 C V, and the wide state's two
+// products, 4 K (K + V).
+inline double gdn_map_flops(const GdnFlopShape& s) {
+  const double c = static_cast<double>(std::min(s.chunk_size, s.seq)), k = static_cast<double>(s.head_dim),
+               v = static_cast<double>(s.dim_v);
+  return static_cast<double>(s.batch) * static_cast<double>(s.seq) * static_cast<double>(s.heads) *
+         (4 * c * k + 2 * c * v + 4 * k * (k + v));
+}
+// Composing two maps (gdn_transition_compose): M2 M1 and M2 U1, 2 K K (K + V) per batch and value head.
+inline double gdn_compose_flops(const GdnFlopShape& s) {
+  const double k = static_cast<double>(s.head_dim), v = static_cast<double>(s.dim_v);
+  return static_cast<double>(s.batch) * static_cast<double>(s.heads) * 2 * k * k * (k + v);
+}
 
 }  // namespace seqpar::bench

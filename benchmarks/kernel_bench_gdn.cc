@@ -4,6 +4,7 @@
 // final_state; the backward every gradient (dq, dk, dv, dg, dbeta, dinitial_state) for a random dout.
 // FLOPs: benchmarks/flop_models.h (docs/benchmarks.md, "Definitions of the benchmark figures"), as sp_bench counts them without the short conv.
 #include <cstdio>
+#include <functional>
 
 #include "attention/gdn.h"
 #include "benchmarks/flop_models.h"
@@ -15,7 +16,10 @@ namespace seqpar::bench::kernel {
 void add_gdn_options(cxxopts::Options& opts) {
   opts.add_options("gdn")("kv-heads", "GDN key heads Hk (0: heads / 2, at least 1)",
                           cxxopts::value<std::int64_t>()->default_value("0"))(
-      "chunk-size", "GDN chunk length C", cxxopts::value<std::int64_t>()->default_value("64"));
+      "chunk-size", "GDN chunk length C", cxxopts::value<std::int64_t>()->default_value("64"))(
+      "gdn-maps",
+      "GDN: also time a segment's map (gdn_transition) and the backward scan's dS sweep (gdn_backward writing only "
+      "dinitial_state), interleaved with the forward and backward (JSON: map_flops, map_mean_ms, sweep_mean_ms)");
 }
 
 nlohmann::json run_gdn(const Context& ctx) {
@@ -55,12 +59,20 @@ nlohmann::json run_gdn(const Context& ctx) {
     RateColumns r;
     r.fwd_flops = gdn_forward_flops(shape);
     r.bwd_flops = ctx.backward ? gdn_backward_flops(shape) : 0.0;
-    const std::vector<Timing> t = time_rounds({[&] { attn::gdn_forward(a, out, final_state); },
-                                               [&] {
-                                                 if (ctx.backward)
-                                                   attn::gdn_backward({a, dout, {}}, dq, dk, dv, dg, dbeta, dinit);
-                                               }},
-                                              ctx.warmup, ctx.min_time, r.rounds);
+    const bool maps = ctx.args->count("gdn-maps") > 0;
+    const Tensor m = maps ? Tensor::empty({B, Hv, K, K}, DType::kFloat32, ws) : Tensor(),
+                 u = maps ? Tensor::empty({B, Hv, K, V}, DType::kFloat32, ws) : Tensor(),
+                 sweep = maps ? Tensor::empty({B, Hv, K, V}, DType::kFloat32, ws) : Tensor();
+    std::vector<std::function<void()>> fns = {[&] { attn::gdn_forward(a, out, final_state); },
+                                              [&] {
+                                                if (ctx.backward)
+                                                  attn::gdn_backward({a, dout, {}}, dq, dk, dv, dg, dbeta, dinit);
+                                              }};
+    if (maps) {
+      fns.push_back([&] { attn::gdn_transition(a, m, u); });
+      fns.push_back([&] { attn::gdn_backward({a, dout, {}}, {}, {}, {}, {}, {}, sweep); });
+    }
+    const std::vector<Timing> t = time_rounds(fns, ctx.warmup, ctx.min_time, r.rounds);
     r.fwd = t[0];
     r.bwd = t[1];
     std::printf("%7lld %4lld %4lld %5lld %5lld %5lld", static_cast<long long>(S), static_cast<long long>(Hv),
@@ -69,8 +81,15 @@ nlohmann::json run_gdn(const Context& ctx) {
     print_rate_values(ctx, r);
     std::printf("\n");
     std::fflush(stdout);
-    results.push_back(
-        rate_json(ctx, "gdn", {{"S", S}, {"B", B}, {"Hv", Hv}, {"Hk", Hk}, {"K", K}, {"V", V}, {"chunk_size", C}}, r));
+    nlohmann::json row =
+        rate_json(ctx, "gdn", {{"S", S}, {"B", B}, {"Hv", Hv}, {"Hk", Hk}, {"K", K}, {"V", V}, {"chunk_size", C}}, r);
+    if (maps) {
+      row["map_flops"] = gdn_map_flops(shape);
+      row["map_mean_ms"] = t[2].mean * 1e3;
+      row["sweep_mean_ms"] = t[3].mean * 1e3;
+      std::printf("#   map (gdn_transition) %.3f ms mean, dS sweep %.3f ms mean\n", t[2].mean * 1e3, t[3].mean * 1e3);
+    }
+    results.push_back(row);
   }
   return results;
 }

@@ -103,7 +103,7 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
   // Shapes of the head sizes the comparison in docs/results.md plans (the curves are per FLOPs of a call; the
   // sequence lengths span the calls of 1 to 4 ranks).
   for (const Run& r : {Run{"mha", "256,512,1024,2048", "--dim 64 --hq 8 --hkv 8 --mask causal"},
-                       Run{"gdn", "512,1024,2048,4096", "--heads 8 --kv-heads 4 --head-dim 64 --dim-v 64"},
+                       Run{"gdn", "512,1024,2048,4096", "--heads 8 --kv-heads 4 --head-dim 64 --dim-v 64 --gdn-maps"},
                        Run{"dsa", "512,1024,2048",
                            "--heads 16 --head-dim 128 --dim-v 128 --indexer-heads 8 --indexer-dim 64 --topk 256"}}) {
     const std::filesystem::path out = tmp / str_cat("kernel_", r.kernel, ".json");
@@ -114,7 +114,19 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     KernelCurve fwd, bwd;
     fwd.source = bwd.source =
         str_cat("kernel_bench --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra, " (mean of the timed rounds)");
+    double map_ratio = 0, sweep_ratio = 0;
+    int map_rows = 0;
     for (const auto& row : j["results"]) {
+      // GDN scan's extra work, timed in the same rounds as the forward: a segment's map against the forward at its
+      // own FLOPs (gdn_map_flops: the factor is the map's rate relative to the forward's), the dS sweep against the
+      // forward's time.
+      if (row.contains("map_mean_ms") && row["fwd_mean_ms"].get<double>() > 0 && row["map_flops"].get<double>() > 0) {
+        const double fms = row["fwd_mean_ms"].get<double>();
+        map_ratio += row["map_mean_ms"].get<double>() / fms * row["fwd_flops"].get<double>() /
+                     row["map_flops"].get<double>();
+        sweep_ratio += row["sweep_mean_ms"].get<double>() / fms;
+        ++map_rows;
+      }
       // The mean of the timed rounds, not the best: sp_bench reports medians, and on a loaded machine the best
       // round is the exception.
       const double ff = row["fwd_flops"].get<double>(), fms = row["fwd_mean_ms"].get<double>();
@@ -124,6 +136,13 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     }
     std::sort(fwd.points.begin(), fwd.points.end());
     std::sort(bwd.points.begin(), bwd.points.end());
+    if (map_rows > 0) {
+      p.gdn_map_factor = map_ratio / map_rows;
+      p.gdn_sweep_factor = sweep_ratio / map_rows;
+      p.note += str_cat("; gdn_map_factor (a map's time over its FLOPs at the forward's rate) and gdn_sweep_factor (the "
+                        "dS sweep over the forward) from kernel_bench --kernel gdn --gdn-maps, mean over ",
+                        map_rows, " lengths");
+    }
     p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
     p.kernels[str_cat(r.kernel, "_bwd")] = bwd;
   }
@@ -194,31 +213,6 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
                            " bytes: latency = t(small) - small / bandwidth, bandwidth = slope");
   p.inter = p.intra;
   p.inter.source = "not measured (one node): the intra-node figures";
-  // GDN scan's extra work, from sp_bench at 2 ranks (zigzag: 4 segments, 2 a rank) in chain and scan mode on a
-  // problem of its own (seq 2K): the chain runs the segments one after the other, so its forward is the whole
-  // forward F and its backward the whole backward B; the scan's forward is map + F / 2 on each rank, its backward
-  // sweep + B / 2. Hence map = (2 scan_fwd - chain_fwd) / chain_fwd, sweep = (2 scan_bwd - chain_bwd) / chain_fwd.
-  double phase_ms[2][2] = {{0, 0}, {0, 0}};  // [chain, scan][fwd, bwd]
-  for (int m = 0; m < 2; ++m) {
-    const std::filesystem::path out = tmp / str_cat("gdn_", m == 0 ? "chain" : "scan", ".json");
-    run_or_throw(str_cat("mpirun -np 2 --oversubscribe ", (dir / "sp_bench").string(),
-                         " --attn gdn --heads 8 --kv-heads 4 --head-dim 64 --dim-v 64 --seq 2K --ring-size 2 "
-                         "--layout zigzag --gdn-mode ",
-                         m == 0 ? "chain" : "scan", " --threads ", threads, " --warmup 1 --iters 3 --quiet --json ",
-                         out.string(), " > /dev/null"));
-    const nlohmann::json run = read_json(out);
-    for (const auto& ph : run["phases"]) {
-      if (ph["phase"] == "fwd") phase_ms[m][0] = ph["time_ms"].get<double>();
-      if (ph["phase"] == "bwd") phase_ms[m][1] = ph["time_ms"].get<double>();
-    }
-  }
-  SEQPAR_CHECK(phase_ms[0][0] > 0 && phase_ms[0][1] > 0 && phase_ms[1][0] > 0 && phase_ms[1][1] > 0,
-               "sp_plan --calibrate: sp_bench's GDN runs gave no phase times");
-  p.gdn_map_factor = std::max(0.0, (2 * phase_ms[1][0] - phase_ms[0][0]) / phase_ms[0][0]);
-  p.gdn_sweep_factor = std::max(0.0, (2 * phase_ms[1][1] - phase_ms[0][1]) / phase_ms[0][0]);
-  p.note += str_cat("; gdn_map_factor and gdn_sweep_factor from sp_bench --attn gdn --seq 2K at 2 ranks, chain ",
-                    phase_ms[0][0], " / ", phase_ms[0][1], " ms, scan ", phase_ms[1][0], " / ", phase_ms[1][1],
-                    " ms (fwd / bwd medians)");
   return p;
 }
 

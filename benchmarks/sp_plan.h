@@ -55,8 +55,8 @@ struct DeviceProfile {
   // once against one alone; on a shared machine fewer than it has); ranks x threads beyond it slow compute down
   // proportionally. 0: no limit.
   double cores_per_node = 0;
-  // GDN scan: the cost of a segment's map (gdn_transition) and of the backward's cheap dS sweep, each relative to
-  // the segment's forward kernel.
+  // GDN scan: a segment's map (gdn_transition) costs gdn_map_factor x its FLOPs (gdn_map_flops) at the forward
+  // curve's rate; the backward's dS sweep costs gdn_sweep_factor x the segment's forward.
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
   // The ring's execution on this device and software stack (JSON block "ring", with its source; absent: the
   // defaults, the ideal double-buffered ring).
@@ -66,7 +66,10 @@ struct DeviceProfile {
   // every step pays its compute and then its transfer.
   // merge_pass: every ring step's partial result is folded into the running one by a separate memory-bound pass
   // (forward: the rank's out and lse; backward: dq, and dk/dv into the travelling accumulator), at the device's
-  // memory bandwidth (device.memory_bandwidth_bytes_per_s), on the compute stream after the step's kernel.
+  // memory bandwidth (device.memory_bandwidth_bytes_per_s), on the compute stream after the step's kernel. The same
+  // flag charges the all-gather's whole-sequence passes likewise (the gathered K and V reordered, forward and
+  // backward; the backward's dK, dV zeroed, accumulated per kernel call, reordered, and the kernel's own fp32 dK, dV
+  // accumulator under GQA zeroed and converted), not overlapped with anything.
   bool ring_transfer_overlaps_compute = true, ring_merge_pass = false;
   std::string ring_source;
   const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent

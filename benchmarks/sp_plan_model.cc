@@ -423,6 +423,22 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
     merge_fwd_s = slow * fwd_bytes / prof.memory_bandwidth_bps;
     merge_bwd_s = slow * bwd_bytes / prof.memory_bandwidth_bps;
   }
+  // The all-gather's whole-sequence memory passes (profile.ring_merge_pass), E = elements of the gathered K (B S
+  // Hkv / Pu D), storage bytes e: forward, K and V reordered after the gather (read, write: 4 e E); backward, the
+  // same, dK and dV zeroed (2 e E), after each kernel call (zigzag: one per half of the local queries, else one)
+  // the call's fp32 GQA accumulator zeroed and converted when query heads share a key head (2 (4 + 4 + e) E) and
+  // its dK, dV added into the running ones (2 x 3 e E), and both reordered before the reduce-scatter (4 e E).
+  double ag_pass_fwd_s = 0, ag_pass_bwd_s = 0;
+  if (prof.ring_merge_pass && P > 1 && o.impl == RingImpl::kAllGather) {
+    const double hq = static_cast<double>(o.heads) / pu,
+                 hkv = static_cast<double>(std::max<std::int64_t>(o.kv_heads, pu)) / pu;
+    const double E = static_cast<double>(o.batch) * static_cast<double>(layout.padded_len()) * hkv * o.head_dim;
+    const double e = static_cast<double>(vs.storage_bytes);
+    const double calls = o.layout == LayoutKind::kZigzag ? 2.0 : 1.0;
+    const double per_call = 2 * 3 * e * E + (hq > hkv ? 2 * (8 + e) * E : 0.0);
+    ag_pass_fwd_s = slow * 4 * e * E / prof.memory_bandwidth_bps;
+    ag_pass_bwd_s = slow * (4 * e * E + 2 * e * E + calls * per_call + 4 * e * E) / prof.memory_bandwidth_bps;
+  }
   const auto share = step_shares(layout, o.causal);
   Prediction pr;
   pr.bytes_exact = true;
@@ -473,7 +489,7 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         double f = 0;
         for (int s = 0; s < P; ++s) f += flops * share[r][s] / pu;
         ph.compute[r] = f > 0 ? slow * f / curve.rate(f) : 0.0;
-        ph.finish[r] = a2a + gather + ph.compute[r] + scatter;
+        ph.finish[r] = a2a + gather + ph.compute[r] + (bwd ? ag_pass_bwd_s : ag_pass_fwd_s) + scatter;
       }
     }
     double phase_s = 0;
@@ -534,75 +550,132 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
   pr.oversubscribed = slow > 1.0;
   pr.bytes_exact = !o.packed();  // packed rows: the chain's document restarts and state gathers not modelled
   const int nseg = static_cast<int>(segs.size());
-  const int rounds = nseg > 1 ? static_cast<int>(std::ceil(std::log2(static_cast<double>(nseg)))) + 1 : 0;
+  const double H = static_cast<double>(std::max<std::int64_t>(1, hv));
+  // A segment's map and the composition of two (gdn_map_flops, gdn_compose_flops), at the forward curve's rate.
+  const double compose_flops = gdn_compose_flops(GdnFlopShape{o.batch, 0, hv, K, V, o.chunk_size, 0, 0});
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
     const KernelCurve& fcurve = prof.kernel("gdn_fwd");
     const KernelCurve& curve = prof.kernel(bwd ? "gdn_bwd" : "gdn_fwd");
-    std::vector<double> seg_s(nseg), seg_fwd_s(nseg);
+    // Per segment (all this rank's value heads, as one kernel call would run them): its kernel, its map (the
+    // forward: gdn_transition; the backward: the dS sweep, plus gdn_transition when the forward made no map).
+    // A segment's kernel splits into the pieces that start a document (the backward: end one), which run as soon
+    // as the phase starts, and the piece that waits for the state of the segment before it (known_s, wait_s).
+    std::vector<double> seg_s(nseg), map_s(nseg), known_s(nseg, 0.0), wait_s(nseg, 0.0);
     for (int i = 0; i < nseg; ++i) {
       const double f = seg_flops(segs[i].length);
-      seg_fwd_s[i] = f > 0 ? slow * f / fcurve.rate(f) : 0.0;
-      seg_s[i] = bwd ? (f > 0 ? slow * 2.5 * f / curve.rate(2.5 * f) : 0.0) : seg_fwd_s[i];
+      const double fwd_s = f > 0 ? slow * f / fcurve.rate(f) : 0.0;
+      for (const SegmentPiece& pc : pieces[i]) {
+        const double pf = seg_flops(pc.length);
+        const double ps = pf > 0 ? slow * (bwd ? 2.5 * pf / curve.rate(2.5 * f) : pf / fcurve.rate(f)) : 0.0;
+        ((bwd ? pc.ends_doc : pc.starts_doc) ? known_s[i] : wait_s[i]) += ps;
+      }
+      const double mf = gdn_map_flops(GdnFlopShape{o.batch, segs[i].length, hv, K, V, o.chunk_size, 0, 0});
+      const double transition_s = f > 0 ? slow * prof.gdn_map_factor * mf / fcurve.rate(f) : 0.0;
+      seg_s[i] = bwd ? (f > 0 ? slow * 2.5 * f / curve.rate(2.5 * f) : 0.0) : fwd_s;
+      map_s[i] = bwd ? prof.gdn_sweep_factor * fwd_s + (plan_fwd.computes_map(i) ? 0.0 : transition_s) : transition_s;
     }
+    const double compose_s = slow * compose_flops / fcurve.rate(compose_flops);
     Phase ph;
-    ph.finish.assign(P, a2a_s / 2);  // the all-to-all in (half its time) before, out after
     ph.compute.assign(P, 0.0);
+    std::vector<double> clock(P, a2a_s / 2);  // the all-to-all in (half its time) before, out after
     double ring_bytes_max = 0;
     std::vector<double> sent(P, 0.0);
+    // GdnCp runs one value head at a time (a window of the heads-layout tensors) and sends each head's state or map
+    // as soon as it is final, so the next segment's owner starts head h while this one runs head h + 1. Each rank
+    // works through its own list in the runtime's order; a head's step starts when the rank is free and its
+    // messages have arrived.
+    const auto order = [&](int k) { return bwd ? nseg - 1 - k : k; };
     if (chain) {
-      // Sequential over the segments in global order (the backward in reverse): a segment starts when its owner
-      // is free and its start state (a message when the previous segment is another rank's) has arrived.
-      double prev_end = a2a_s / 2;
-      int prev_owner = -1;
+      // Each of a rank's segments in global order (the backward in reverse), heads 0 .. H-1 within; segment i's
+      // head h waits for the end state of head h of the segment before it (a message when another rank owns it).
+      const double head_msg = links.ring.seconds(state_bytes / H);
+      std::vector<std::vector<double>> end(nseg, std::vector<double>(static_cast<std::size_t>(H), 0.0));
       for (int k = 0; k < nseg; ++k) {
-        const int i = bwd ? nseg - 1 - k : k;
-        const int owner = segs[i].owner;
-        double ready = prev_end;
-        if (prev_owner >= 0 && prev_owner != owner) {
-          ready += links.ring.seconds(state_bytes);
-          sent[prev_owner] += state_bytes;
+        const int i = order(k), owner = segs[i].owner;
+        const int prev = k > 0 ? order(k - 1) : -1;
+        const bool remote = prev >= 0 && segs[prev].owner != owner;
+        if (remote) sent[segs[prev].owner] += state_bytes;
+        for (std::size_t h = 0; h < end[i].size(); ++h) {
+          const double ready = prev >= 0 ? end[prev][h] + (remote ? head_msg : 0.0) : 0.0;
+          clock[owner] = std::max(clock[owner], ready) + seg_s[i] / H;
+          end[i][h] = clock[owner];
         }
-        const double start = std::max(ready, ph.finish[owner]);
-        ph.finish[owner] = start + seg_s[i];
         ph.compute[owner] += seg_s[i];
-        prev_end = ph.finish[owner];
-        prev_owner = owner;
       }
     } else {
-      // Maps of every segment at once (the backward: the cheap dS sweep, about one forward), the scan's rounds
-      // and the shift, then every segment's kernel at once.
-      // The runtime's own plan (gdn_scan_plan): which segments compute a map, which maps travel in each round, which
-      // end states the shift passes.
+      // The scan (run_scan): phase 1 (each segment's map, or its run when its start is known), the Kogge-Stone
+      // rounds (a composition, or in round 1 a direct segment's run), the shift (each segment's run from the state
+      // it receives), every stage head by head; round r's messages of head h leave when their sender has finished
+      // head h of round r - 1, the shift's when their sender's last one of them is final (GdnScanPlan::ready).
       const int dir = bwd ? -1 : +1;
       const GdnScanPlan& sp = bwd ? plan_bwd : plan_fwd;
-      std::vector<double> maps(P, 0.0), runs(P, 0.0);
-      for (int i = 0; i < nseg; ++i) {
-        if (sp.computes_map(i))
-          maps[segs[i].owner] += (bwd ? prof.gdn_sweep_factor : prof.gdn_map_factor) * seg_fwd_s[i];
-        runs[segs[i].owner] += seg_s[i];
-      }
-      for (int r = 1, o = 1; r <= sp.rounds; ++r, o *= 2) {
+      const int R = sp.rounds, stages = R + 2;
+      const std::size_t nh = static_cast<std::size_t>(H);
+      // posted[r][stage][h]: when rank r finished head h of a stage.
+      std::vector<std::vector<std::vector<double>>> posted(
+          P, std::vector<std::vector<double>>(stages, std::vector<double>(nh, 0.0)));
+      const auto in_range = [&](int i) { return i >= 0 && i < nseg; };
+      // Bytes of one head's message from rank a to rank b in round r (packed: one message per peer) and the shift.
+      std::vector<std::vector<std::vector<double>>> round_bytes(
+          R + 1, std::vector<std::vector<double>>(P, std::vector<double>(P, 0.0)));
+      std::vector<std::vector<double>> shift_bytes(P, std::vector<double>(P, 0.0));
+      std::vector<std::vector<int>> shift_stage(P, std::vector<int>(P, 0));
+      for (int r = 1, off = 1; r <= R; ++r, off *= 2) {
         for (int i = 0; i < nseg; ++i) {
-          const int to = i + dir * o;
-          if (to >= 0 && to < nseg && segs[i].owner != segs[to].owner && sp.composes(r, to)) {
+          const int to = i + dir * off;
+          if (in_range(to) && segs[i].owner != segs[to].owner && sp.composes(r, to)) {
+            round_bytes[r][segs[i].owner][segs[to].owner] += map_bytes / H;
             sent[segs[i].owner] += map_bytes;
           }
         }
       }
       for (int i = 0; i < nseg; ++i) {
         const int to = i + dir;
-        if (to >= 0 && to < nseg && segs[i].owner != segs[to].owner && sp.shifts(i, dir)) {
+        if (in_range(to) && segs[i].owner != segs[to].owner && sp.shifts(i, dir)) {
+          shift_bytes[segs[i].owner][segs[to].owner] += state_bytes / H;
+          shift_stage[segs[i].owner][segs[to].owner] =
+              std::max(shift_stage[segs[i].owner][segs[to].owner], sp.ready[i]);
           sent[segs[i].owner] += state_bytes;
         }
       }
-      const double scanned =
-          a2a_s / 2 + *std::max_element(maps.begin(), maps.end()) + rounds * links.ring.seconds(map_bytes);
-      for (int r = 0; r < P; ++r) {
-        ph.compute[r] = maps[r] + runs[r];
-        ph.finish[r] = scanned + runs[r];
+      for (int stage = 0; stage < stages; ++stage) {
+        for (std::size_t h = 0; h < nh; ++h) {
+          for (int rank = 0; rank < P; ++rank) {
+            double ready = 0, work = 0;
+            for (int i = 0; i < nseg; ++i) {
+              if (segs[i].owner != rank) continue;
+              if (stage == 0) {  // phase 1
+                if (sp.known[0][i])
+                  work += known_s[i] / H;
+                else if (sp.computes_map(i))
+                  work += map_s[i] / H;
+              } else if (stage <= R) {  // round `stage`
+                if (!sp.composes(stage, i)) continue;
+                const int from = i - dir * (1 << (stage - 1));
+                if (!in_range(from)) continue;
+                const int src = segs[from].owner;
+                if (src != rank)
+                  ready = std::max(ready, posted[src][stage - 1][h] + links.ring.seconds(round_bytes[stage][src][rank]));
+                work += stage == 1 && sp.direct[i] ? wait_s[i] / H : compose_s / H;
+              } else {  // the shift
+                const int from = i - dir;
+                if (!in_range(from) || sp.direct[i] || !sp.need[R][from]) continue;
+                const int src = segs[from].owner;
+                if (src != rank)
+                  ready = std::max(ready, posted[src][shift_stage[src][rank]][h] +
+                                              links.ring.seconds(shift_bytes[src][rank]));
+                work += wait_s[i] / H;
+              }
+            }
+            clock[rank] = std::max(clock[rank], ready) + work;
+            ph.compute[rank] += work;
+            posted[rank][stage][h] = clock[rank];
+          }
+        }
       }
     }
+    ph.finish = clock;
     for (int r = 0; r < P; ++r) {
       ph.finish[r] += a2a_s / 2;
       ring_bytes_max = std::max(ring_bytes_max, sent[r]);

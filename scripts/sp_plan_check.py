@@ -45,6 +45,9 @@ CASES = [
     ("gdn np1", 1, GDN, "u1xr1 zigzag scan"),
     ("gdn np2", 2, GDN, "u1xr2 zigzag chain"),
     ("gdn np2", 2, GDN, "u1xr2 zigzag scan"),
+    ("gdn np2", 2, GDN, "u1xr2 contiguous chain"),
+    ("gdn np4 (oversubscribed)", 4, GDN, "u1xr4 zigzag scan"),
+    ("gdn np4 (oversubscribed)", 4, GDN, "u1xr4 zigzag chain"),
     # A decode step (sp_plan --mode decode against sp_bench --mode decode's median step): two problems at 1 and 2 ranks.
     ("decode np1", 1, DEC, "u1xr1 zigzag cache-interleave", "decode"),
     ("decode np2", 2, DEC, "u1xr2 zigzag cache-interleave", "decode"),

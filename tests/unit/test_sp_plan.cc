@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/flop_models.h"
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_plan.h"
 #include "runtime/dtype.h"
@@ -144,12 +145,18 @@ TEST(SpPlanRing, MergePassAddsItsBytesAtMemoryBandwidth) {
   const double m_fwd = rows * H * (D * (e + 2 * a) + 3 * a) / 2e9, m_bwd = rows * (H + 2 * Hkv) * D * 3 * a / 2e9;
   EXPECT_NEAR(merged.prediction.forward_s - base.prediction.forward_s, (P - 1) * m_fwd, 1e-9);
   EXPECT_NEAR(merged.prediction.backward_s - base.prediction.backward_s, (P - 1) * m_bwd, 1e-9);
-  // The all-gather runs one kernel over the gathered K and V: no merge.
+  // The all-gather merges nothing per step; its passes are over the whole sequence's K and V (E elements): the
+  // reorder after each gather (4 e E), and in the backward dK, dV zeroed (2 e E), per kernel call (zigzag: two, one
+  // per half of the local queries) the call's dK, dV added (2 x 3 e E) and its fp32 GQA accumulator (4 query heads
+  // on 2 key heads) zeroed and converted (2 (8 + e) E), and the reorder before the reduce-scatter (4 e E).
   in.only_configs = {"u1xr4 zigzag allgather"};
   p.ring_merge_pass = false;
-  const double ag = plan(in, p).front().prediction.step_s;
+  const Prediction ag = plan(in, p).front().prediction;
   p.ring_merge_pass = true;
-  EXPECT_EQ(plan(in, p).front().prediction.step_s, ag);
+  const Prediction ag_passes = plan(in, p).front().prediction;
+  const double E = static_cast<double>(S) * Hkv * D;
+  EXPECT_NEAR(ag_passes.forward_s - ag.forward_s, 4 * e * E / 2e9, 1e-9);
+  EXPECT_NEAR(ag_passes.backward_s - ag.backward_s, (10 * e * E + 2 * (6 * e * E + 2 * (8 + e) * E)) / 2e9, 1e-9);
 }
 
 // The "ring" block of a profile: read and written back; a merge pass needs the memory bandwidth; the flags are
@@ -375,6 +382,63 @@ TEST(SpPlanDecode, StepIsShardPlusMerge) {
   p.decode_overhead_s = 1e-3;
   const PlanRow& mem = row_named(plan(in, p), "u1xr2 zigzag cache-interleave");
   EXPECT_NEAR(mem.prediction.step_s, 1e-3 + 2.0 * 8 * 64 * 4 * (2052 + 1) / 1e8 + (P - 1) * (lat + block / bw), 1e-12);
+}
+
+// GDN's chain runs head by head (GdnCp): at 2 ranks, contiguous, rank 1 starts head h when rank 0 has finished it
+// and its state has arrived, so a phase takes half the work, plus one head of the first half, plus one head's state
+// message (the forward; the backward the same from the other end).
+TEST(SpPlanGdn, ChainPipelinesOverValueHeads) {
+  const double rate = 1e9, lat = 3e-6, bw = 1e9;
+  const DeviceProfile p = flat_profile(rate, lat, bw);
+  const std::int64_t H = 4, K = 32, V = 32, S = 1024;
+  PlanInput in = input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--dim-v", "32",
+                        "--seq", "1K", "--conv-width", "0"},
+                       2);
+  in.only_configs = {"u1xr2 contiguous chain"};
+  const PlanRow r = plan(in, p).front();
+  ASSERT_TRUE(r.excluded.empty()) << r.excluded;
+  const SpBenchOptions o = config_options(in, r.config);
+  const double F = gdn_forward_flops(GdnFlopShape{1, S, H, K, V, o.chunk_size, 0, 0}) / rate;
+  const double msg = lat + 1.0 * K * V * 4 / bw;  // one head's fp32 state
+  EXPECT_NEAR(r.prediction.forward_s, F / 2 + F / 2 / H + msg, 1e-12);
+  EXPECT_NEAR(r.prediction.backward_s, 2.5 * (F / 2 + F / 2 / H) + msg, 1e-12);
+  EXPECT_EQ(r.prediction.bytes_sent_forward, 1.0 * H * K * V * 4);
+  // One value head: no pipeline, the two halves one after the other.
+  PlanInput one = in;
+  one.problem_flags = {"--attn", "gdn",  "--heads", "1",    "--kv-heads",   "1", "--head-dim",
+                       "32",     "--dim-v", "32",   "--seq", "1K", "--conv-width", "0"};
+  const PlanRow r1 = plan(one, p).front();
+  const double F1 = F / H;
+  EXPECT_NEAR(r1.prediction.forward_s, F1 + lat + 1.0 * K * V * 4 / bw, 1e-12);
+}
+
+// At 2 ranks the scan computes no map (GdnScanPlan: segment 0 runs, the others run from the states they receive), so
+// the map factors change nothing; at 4 ranks, contiguous, the middle segments' maps are on the critical path when
+// they dominate, and the forward grows by the factor's change times one segment's gdn_map_flops at the forward's
+// rate, the backward by the sweep factor's change times one segment's forward.
+TEST(SpPlanGdn, ScanMapsFromTheirFlops) {
+  DeviceProfile p = flat_profile(1e9, 1e-6, 1e10);
+  const std::vector<std::string> flags = {"--attn", "gdn",      "--heads", "4",    "--kv-heads",   "2", "--head-dim",
+                                          "32",     "--dim-v",  "32",      "--seq", "1K", "--conv-width", "0"};
+  PlanInput two = input(flags, 2);
+  two.only_configs = {"u1xr2 zigzag scan"};
+  p.gdn_map_factor = p.gdn_sweep_factor = 1.0;
+  const double base = plan(two, p).front().prediction.step_s;
+  p.gdn_map_factor = p.gdn_sweep_factor = 50.0;
+  EXPECT_EQ(plan(two, p).front().prediction.step_s, base);
+
+  PlanInput four = input(flags, 4);
+  four.only_configs = {"u1xr4 contiguous scan"};
+  const SpBenchOptions o = config_options(four, plan(four, p).front().config);
+  const GdnFlopShape seg{1, 256, 4, 32, 32, o.chunk_size, 0, 0};
+  const double map_s = gdn_map_flops(seg) / 1e9, fwd_s = gdn_forward_flops(seg) / 1e9;
+  EXPECT_NEAR(gdn_map_flops(seg), 256.0 * 4 * (4 * o.chunk_size * 32 + 2 * o.chunk_size * 32 + 4 * 32 * 64), 1e-3);
+  p.gdn_map_factor = p.gdn_sweep_factor = 20.0;
+  const Prediction a = plan(four, p).front().prediction;
+  p.gdn_map_factor = p.gdn_sweep_factor = 30.0;
+  const Prediction b = plan(four, p).front().prediction;
+  EXPECT_NEAR(b.forward_s - a.forward_s, 10.0 * map_s, 1e-9);
+  EXPECT_NEAR(b.backward_s - a.backward_s, 10.0 * fwd_s, 1e-9);
 }
 
 // A model: layers x (attention + linear layers), the linear layers at the gemm curve on each rank's tokens
