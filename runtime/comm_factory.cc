@@ -12,6 +12,8 @@ const char* communicator_backend_names() { return "mpi, nccl"; }
 void check_communicator_backend(std::string_view backend) {
   SEQPAR_CHECK(backend == "mpi" || backend == "nccl", "unknown communicator backend '", backend, "': expected one of ",
                communicator_backend_names());
+  SEQPAR_CHECK(backend != "nccl" || nccl_backend_built(), "backend nccl is not compiled into this build of seqpar ",
+               "(SEQPAR_WITH_NCCL=OFF, no CUDA toolkit, or nccl.h not found); use --backend mpi");
 }
 
 std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) {
@@ -19,8 +21,6 @@ std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) 
 #if SEQPAR_WITH_MPI
   if (backend == "mpi") return MpiCommunicator::world();
   if (backend == "nccl") {
-    SEQPAR_CHECK(nccl_backend_built(), "backend nccl is not compiled into this build of seqpar (SEQPAR_WITH_NCCL=OFF, ",
-                 "no CUDA toolkit, or nccl.h not found); use --backend mpi");
     // The NCCL constructor agrees over the MPI bootstrap that every rank has its own usable device before NCCL
     // starts; a rank without one passes ordinal 0 and reports why.
     auto bootstrap = MpiCommunicator::world();

@@ -15,7 +15,8 @@ namespace seqpar {
 const char* communicator_backend_names();
 
 // Throws Error "unknown communicator backend 'X': expected one of mpi, nccl" for a name make_world_communicator does
-// not know (whether or not it is compiled in); no communication, so option parsers call it before the world exists.
+// not know, and names the build option for nccl in a build without it; no communication, so option parsers call it
+// before the world exists (a --dry-run refuses what the run would).
 void check_communicator_backend(std::string_view backend);
 
 // A communicator over every rank of the job, named "world", for `backend`:

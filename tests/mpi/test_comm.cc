@@ -25,6 +25,7 @@
 #include "runtime/comm.h"
 #include "runtime/comm_factory.h"
 #include "runtime/comm_keepalive.h"
+#include "runtime/nccl_comm.h"
 #include "runtime/env.h"
 #include "runtime/tensor.h"
 #include "tests/util/device_collectives.h"
@@ -517,6 +518,12 @@ TEST(Comm, FactoryMakesTheMpiWorldAndRefusesUnknownBackends) {
   EXPECT_EQ(one, world().size());
   EXPECT_EQ(error_of([] { make_world_communicator("tcp"); }),
             "unknown communicator backend 'tcp': expected one of mpi, nccl");
+  // The option parsers' check names a backend the build lacks, so that a --dry-run refuses what the run would.
+  if (nccl_backend_built()) {
+    EXPECT_NO_THROW(check_communicator_backend("nccl"));
+  } else {
+    EXPECT_NE(error_of([] { check_communicator_backend("nccl"); }).find("SEQPAR_WITH_NCCL=OFF"), std::string::npos);
+  }
 }
 
 // Split communicators know the world rank of each member (MPI_Group_translate_ranks), and errors name both.
