@@ -326,8 +326,9 @@ TEST(DeviceMhaVariants, TinyVariantsMatchFp64Reference) {
 }
 
 // RoPE on the device (attention/rope.h: the pair body of kernels/row_ops.h launched per pair) against the fp64
-// reference, forward and backward, rotate-half and interleaved, partial, with YaRN's attention factor.
-TEST(DeviceRope, RotationsMatchFp64Reference) {
+// reference, forward and backward, rotate-half and interleaved, partial, with YaRN's attention factor. Tiny, like
+// the variants above, so that scripts/gpu_check.sh's kernel phase and its compute-sanitizer runs take both.
+TEST(DeviceRope, TinyRotationsMatchFp64Reference) {
   SKIP_WITHOUT_DEVICE(td);
   const std::vector<std::int64_t> pos = {0, 3, 4, 9, 100, 1000, 65536};
   for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat64}) {
