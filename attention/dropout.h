@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../runtime/host_device.h"
+
 namespace seqpar::attn {
 
 struct DropoutSpec {
@@ -22,20 +24,39 @@ struct DropoutSpec {
 };
 
 // Philox-4x32-10 (Salmon et al. 2011, section 4.2): ten rounds of two 32 x 32 -> 64-bit multiplies with the key
-// bumped by the Weyl constants between rounds. Known-answer vectors: Random123's kat_vectors (tests/unit).
-inline std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> ctr, std::array<std::uint32_t, 2> key) {
+// bumped by the Weyl constants between rounds, on ctr in place. The one body of the generator: the CPU kernels, the
+// fp64 reference and the CUDA fallback's row bodies (attention/fallback_rows.h) all call it, so every device draws
+// the same mask. Known-answer vectors: Random123's kat_vectors (tests/unit).
+SEQPAR_HOST_DEVICE inline void philox4x32_10_inplace(std::uint32_t* ctr, std::uint32_t key0, std::uint32_t key1) {
   constexpr std::uint64_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;
   constexpr std::uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;
   for (int round = 0; round < 10; ++round) {
     if (round > 0) {
-      key[0] += kW0;
-      key[1] += kW1;
+      key0 += kW0;
+      key1 += kW1;
     }
     const std::uint64_t p0 = kM0 * ctr[0], p1 = kM1 * ctr[2];
-    ctr = {static_cast<std::uint32_t>(p1 >> 32) ^ ctr[1] ^ key[0], static_cast<std::uint32_t>(p1),
-           static_cast<std::uint32_t>(p0 >> 32) ^ ctr[3] ^ key[1], static_cast<std::uint32_t>(p0)};
+    const std::uint32_t c1 = ctr[1], c3 = ctr[3];
+    ctr[0] = static_cast<std::uint32_t>(p1 >> 32) ^ c1 ^ key0;
+    ctr[1] = static_cast<std::uint32_t>(p1);
+    ctr[2] = static_cast<std::uint32_t>(p0 >> 32) ^ c3 ^ key1;
+    ctr[3] = static_cast<std::uint32_t>(p0);
   }
+}
+
+// The same on arrays (host code).
+inline std::array<std::uint32_t, 4> philox4x32_10(std::array<std::uint32_t, 4> ctr, std::array<std::uint32_t, 2> key) {
+  philox4x32_10_inplace(ctr.data(), key[0], key[1]);
   return ctr;
+}
+
+// The word of pair (b, h, q_pos, k_pos) (word k_pos mod 4 of the call of dropout_words below), host-device.
+SEQPAR_HOST_DEVICE inline std::uint32_t dropout_word(std::uint64_t seed, std::int64_t b, std::int64_t h,
+                                                     std::int64_t q_pos, std::int64_t k_pos) {
+  std::uint32_t ctr[4] = {static_cast<std::uint32_t>(k_pos >> 2), static_cast<std::uint32_t>(q_pos),
+                          static_cast<std::uint32_t>(h), static_cast<std::uint32_t>(b)};
+  philox4x32_10_inplace(ctr, static_cast<std::uint32_t>(seed), static_cast<std::uint32_t>(seed >> 32));
+  return ctr[k_pos & 3];
 }
 
 // The four words of the Philox call that holds key positions 4 (k_pos / 4) .. 4 (k_pos / 4) + 3 of row

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "runtime/error.h"
+
 namespace seqpar::attn::fallback {
 
 RowBand fallback_row_band(const SdpaMask& m, std::int64_t sq, std::int64_t sk) {
@@ -25,7 +27,30 @@ struct Heads {
   std::int64_t stat(std::int64_t b, std::int64_t h, std::int64_t i) const { return (b * hq + h) * sq + i; }
 };
 
-// Calls fn(b, h, hk, rect, band, t0, rows) for every tile of every rectangle of every head, in a fixed order.
+// The RowMods of (b, h, rectangle r) (fallback_rows.h).
+template <typename T>
+RowMods row_mods(const FallbackProblem<T>& p, std::int64_t b, std::int64_t h, const LoweredRect& r) {
+  RowMods m;
+  m.softcap = p.softcap;
+  m.slope = p.alibi == nullptr ? 0.0 : p.alibi[h];
+  m.dropout = p.dropout.p > 0.0;
+  if (m.slope != 0.0 || m.dropout) {
+    SEQPAR_CHECK(p.q_pos != nullptr && p.k_pos != nullptr, "fallback attention: ALiBi and dropout need q_pos and k_pos");
+    m.q_pos = p.q_pos + r.q_begin;
+    m.k_pos = p.k_pos + r.k_begin;
+    if (p.q_tokens != nullptr) m.q_tokens = p.q_tokens + r.q_begin;
+  }
+  if (m.dropout) {
+    m.seed = p.dropout.seed;
+    m.threshold = dropout_threshold(p.dropout.p);
+    m.keep_scale = 1.0 / (1.0 - p.dropout.p);
+    m.batch_index = b;
+    m.head = p.head_offset + h;
+  }
+  return m;
+}
+
+// Calls fn(b, h, hk, rect, band, mods, t0, rows) for every tile of every rectangle of every head, in a fixed order.
 template <typename T, typename Fn>
 void for_each_tile(const FallbackProblem<T>& p, const std::vector<LoweredRect>& rects, Fn&& fn) {
   const std::int64_t group = p.hq / p.hkv, tile = std::max<std::int64_t>(p.tile_rows, 1);
@@ -34,8 +59,9 @@ void for_each_tile(const FallbackProblem<T>& p, const std::vector<LoweredRect>& 
       for (const LoweredRect& r : rects) {
         if (r.sq() <= 0 || r.sk() <= 0) continue;
         const RowBand band = fallback_row_band(r.mask, r.sq(), r.sk());
+        const RowMods mods = row_mods(p, b, h, r);
         for (std::int64_t t0 = 0; t0 < r.sq(); t0 += tile)
-          fn(b, h, h / group, r, band, t0, std::min(tile, r.sq() - t0));
+          fn(b, h, h / group, r, band, mods, t0, std::min(tile, r.sq() - t0));
       }
     }
   }
@@ -50,17 +76,21 @@ void fallback_forward(FallbackOps<T>& ops, const FallbackProblem<T>& p, const st
   const std::int64_t ldq = p.hq * p.head_dim, ldk = p.hkv * p.head_dim, D = p.head_dim;
   for_each_tile(p, rects,
                 [&](std::int64_t b, std::int64_t h, std::int64_t hk, const LoweredRect& r, const RowBand& band,
-                    std::int64_t t0, std::int64_t rows) {
+                    const RowMods& mods, std::int64_t t0, std::int64_t rows) {
                   const std::int64_t i = r.q_begin + t0, sk = r.sk();
                   T* s = ops.scratch(0, rows * sk);
                   T* lse_t = ops.scratch(1, rows);
                   T* o_t = ops.scratch(2, rows * D);
                   ops.gemm(false, true, rows, sk, D, p.scale, p.q + x.q_row(b, i, h), ldq,
                            p.k + x.k_row(b, r.k_begin, hk), ldk, T(0), s, sk);
-                  ops.softmax_rows(band, t0, rows, s, lse_t);
+                  ops.softmax_rows(band, mods, t0, rows, s, lse_t);
                   ops.gemm(false, false, rows, D, sk, T(1), s, sk, p.v + x.k_row(b, r.k_begin, hk), ldk, T(0), o_t, D);
                   ops.merge_rows(rows, D, out + x.q_row(b, i, h), ldq, lse + x.stat(b, h, i), o_t, D, lse_t);
                 });
+  if (p.sinks == nullptr) return;
+  for (std::int64_t b = 0; b < p.batch; ++b)  // every rectangle merged: each row's sink joins it once
+    for (std::int64_t h = 0; h < p.hq; ++h)
+      ops.sink_rows(p.sinks[h], p.sq, D, out + x.q_row(b, 0, h), ldq, lse + x.stat(b, h, 0));
 }
 
 template <typename T>
@@ -70,8 +100,8 @@ void fallback_backward(FallbackOps<T>& ops, const FallbackProblem<T>& p, const s
   const std::int64_t ldq = p.hq * p.head_dim, ldk = p.hkv * p.head_dim, D = p.head_dim;
   for_each_tile(
       p, rects,
-      [&](std::int64_t b, std::int64_t h, std::int64_t hk, const LoweredRect& r, const RowBand& band, std::int64_t t0,
-          std::int64_t rows) {
+      [&](std::int64_t b, std::int64_t h, std::int64_t hk, const LoweredRect& r, const RowBand& band,
+          const RowMods& mods, std::int64_t t0, std::int64_t rows) {
         const std::int64_t i = r.q_begin + t0, sk = r.sk();
         const T* q = p.q + x.q_row(b, i, h);
         const T* k = p.k + x.k_row(b, r.k_begin, hk);
@@ -81,7 +111,7 @@ void fallback_backward(FallbackOps<T>& ops, const FallbackProblem<T>& p, const s
         T* dp = ops.scratch(3, rows * sk);
         ops.gemm(false, true, rows, sk, D, p.scale, q, ldq, k, ldk, T(0), s, sk);              // scores
         ops.gemm(false, true, rows, sk, D, T(1), g, ldq, v, ldk, T(0), dp, sk);                // dP = dO V^T
-        ops.grad_rows(band, t0, rows, lse + x.stat(b, h, i), delta + x.stat(b, h, i), s, dp);  // s = P, dp = dS
+        ops.grad_rows(band, mods, t0, rows, lse + x.stat(b, h, i), delta + x.stat(b, h, i), s, dp);  // s = zP, dp = dS
         ops.gemm(false, false, rows, D, sk, p.scale, dp, sk, k, ldk, T(1), dq + x.q_row(b, i, h), ldq);
         ops.gemm(true, false, sk, D, rows, p.scale, dp, sk, q, ldq, T(1), dk + x.k_row(b, r.k_begin, hk), ldk);
         ops.gemm(true, false, sk, D, rows, T(1), s, sk, g, ldq, T(1), dv + x.k_row(b, r.k_begin, hk), ldk);
@@ -109,15 +139,22 @@ void CpuFallbackOps<T>::gemm(bool trans_a, bool trans_b, std::int64_t m, std::in
 }
 
 template <typename T>
-void CpuFallbackOps<T>::softmax_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, T* s, T* lse) {
-  for (std::int64_t r = 0; r < rows; ++r) lse[r] = fallback_softmax_row(band, i0 + r, s + r * band.sk, s + r * band.sk);
+void CpuFallbackOps<T>::softmax_rows(const RowBand& band, const RowMods& mods, std::int64_t i0, std::int64_t rows, T* s,
+                                     T* lse) {
+  for (std::int64_t r = 0; r < rows; ++r)
+    lse[r] = fallback_softmax_row(band, mods, i0 + r, s + r * band.sk, s + r * band.sk);
 }
 
 template <typename T>
-void CpuFallbackOps<T>::grad_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta,
-                                  T* s, T* dp) {
+void CpuFallbackOps<T>::grad_rows(const RowBand& band, const RowMods& mods, std::int64_t i0, std::int64_t rows,
+                                  const T* lse, const T* delta, T* s, T* dp) {
   for (std::int64_t r = 0; r < rows; ++r)
-    fallback_grad_row(band, i0 + r, lse[r], delta[r], s + r * band.sk, dp + r * band.sk);
+    fallback_grad_row(band, mods, i0 + r, lse[r], delta[r], s + r * band.sk, dp + r * band.sk);
+}
+
+template <typename T>
+void CpuFallbackOps<T>::sink_rows(double sink, std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse) {
+  for (std::int64_t r = 0; r < rows; ++r) fallback_sink_row(sink, d, o + r * ldo, lse + r);
 }
 
 template <typename T>

@@ -37,11 +37,16 @@ class FallbackOps {
   // Row-major C[m, n] = alpha op(A) op(B) + beta C, op(A) [m, k] (A stored [k, m] when trans_a), op(B) [k, n].
   virtual void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a,
                     std::int64_t lda, const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc) = 0;
-  // rows x band.sk scores (leading dim band.sk) of local rows i0, i0 + 1, ...: p in place, lse[r] (stride lse_stride).
-  virtual void softmax_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, T* s, T* lse) = 0;
-  // rows of s -> p, dp -> ds (fallback_grad_row), lse and delta of the rows at stride 1.
-  virtual void grad_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta, T* s,
-                         T* dp) = 0;
+  // rows x band.sk scores (leading dim band.sk) of local rows i0, i0 + 1, ...: p in place, lse[r] (stride 1), with
+  // the rectangle's score modifiers and dropout (fallback_softmax_row).
+  virtual void softmax_rows(const RowBand& band, const RowMods& mods, std::int64_t i0, std::int64_t rows, T* s,
+                            T* lse) = 0;
+  // rows of s -> z p, dp -> ds (fallback_grad_row), lse and delta of the rows at stride 1.
+  virtual void grad_rows(const RowBand& band, const RowMods& mods, std::int64_t i0, std::int64_t rows, const T* lse,
+                         const T* delta, T* s, T* dp) = 0;
+  // The sink logit of one head joins `rows` finished rows (fallback_sink_row): o rows of d elements, leading dim ldo;
+  // lse at stride 1.
+  virtual void sink_rows(double sink, std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse) = 0;
   // Merge (o_b, lse_b) of `rows` rows (o rows of d elements, leading dim ldo; lse at stride 1) into (o, lse).
   virtual void merge_rows(std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse, const T* o_b,
                           std::int64_t ldo_b, const T* lse_b) = 0;
@@ -56,6 +61,17 @@ struct FallbackProblem {
   T scale = T(0);
   const T *q = nullptr, *k = nullptr, *v = nullptr;
   std::int64_t tile_rows = 128;  // query rows per score tile (memory: tile_rows x sk elements, three tiles)
+  // Score modifiers and dropout (attention/mha.h ScoreMods, MhaForwardArgs::dropout), resolved by the caller:
+  // softcap 0 = off; alibi / sinks: [Hq] host arrays or nullptr (off); q_pos [Sq], k_pos [Sk] the call's global
+  // positions and q_tokens [Sq] (nullptr: tokens = positions), on the ops' device, read when alibi or dropout is
+  // on; dropout p = 0: off, else keyed by head_offset + h. The sinks join the forward's rows once, after every
+  // rectangle is merged; the backward takes the final lse (lse_total) and reads no sink.
+  double softcap = 0.0;
+  const double* alibi = nullptr;
+  const double* sinks = nullptr;
+  const std::int64_t *q_pos = nullptr, *k_pos = nullptr, *q_tokens = nullptr;
+  DropoutSpec dropout{};
+  std::int64_t head_offset = 0;
 };
 
 // Forward over the rectangles: out [B, Sq, Hq, D] and lse [B, Hq, Sq] overwritten (rows no rectangle covers get 0
@@ -74,9 +90,11 @@ class CpuFallbackOps final : public FallbackOps<T> {
  public:
   void gemm(bool trans_a, bool trans_b, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, const T* a,
             std::int64_t lda, const T* b, std::int64_t ldb, T beta, T* c, std::int64_t ldc) override;
-  void softmax_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, T* s, T* lse) override;
-  void grad_rows(const RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta, T* s,
-                 T* dp) override;
+  void softmax_rows(const RowBand& band, const RowMods& mods, std::int64_t i0, std::int64_t rows, T* s,
+                    T* lse) override;
+  void grad_rows(const RowBand& band, const RowMods& mods, std::int64_t i0, std::int64_t rows, const T* lse,
+                 const T* delta, T* s, T* dp) override;
+  void sink_rows(double sink, std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse) override;
   void merge_rows(std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse, const T* o_b, std::int64_t ldo_b,
                   const T* lse_b) override;
   T* scratch(int slot, std::int64_t n) override;

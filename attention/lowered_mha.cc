@@ -41,12 +41,19 @@ Tensor rows_of(const TensorView& t, int dim, const std::vector<std::int64_t>& id
 }
 
 // One rectangle as kernel arguments: the sub-block's positions and mask in the kernel's terms (see lowering.h).
+// The global positions of the rectangle's rows (mod_q_pos / mod_k_pos: what ALiBi and dropout read) and its rows
+// of q_tokens.
 struct SubBlock {
   std::vector<std::int64_t> q_idx, k_idx, q_pos, k_pos;
   MaskSpec mask;
+  std::vector<std::int64_t> mod_q_pos, mod_k_pos, q_tokens;
 };
 
-SubBlock sub_block(const LoweredRect& r) {
+std::vector<std::int64_t> slice(std::span<const std::int64_t> v, std::int64_t begin, std::int64_t end) {
+  return {v.begin() + begin, v.begin() + end};
+}
+
+SubBlock sub_block(const MhaForwardArgs& args, const LoweredRect& r) {
   SubBlock b;
   b.q_idx = iota_vec(r.q_begin, r.q_end);
   b.k_idx = iota_vec(r.k_begin, r.k_end);
@@ -60,6 +67,13 @@ SubBlock sub_block(const LoweredRect& r) {
   b.q_pos = iota_vec(shift, shift + r.sq());
   b.k_pos = iota_vec(0, r.sk());
   b.mask = MaskSpec(r.mask.causal || r.mask.left_bound > 0, window);
+  if (!args.mods.alibi_slopes.empty() || args.dropout.p > 0.0) {
+    const std::span<const std::int64_t> qp = args.mod_q_pos.empty() ? args.q_pos : args.mod_q_pos,
+                                        kp = args.mod_k_pos.empty() ? args.k_pos : args.mod_k_pos;
+    b.mod_q_pos = qp.empty() ? iota_vec(r.q_begin, r.q_end) : slice(qp, r.q_begin, r.q_end);
+    b.mod_k_pos = kp.empty() ? iota_vec(r.k_begin, r.k_end) : slice(kp, r.k_begin, r.k_end);
+    if (!args.q_tokens.empty()) b.q_tokens = slice(args.q_tokens, r.q_begin, r.q_end);
+  }
   return b;
 }
 
@@ -81,6 +95,9 @@ MhaForwardArgs sub_args(const MhaForwardArgs& args, const SubBlock& b, const Ten
   a.k_pos = b.k_pos;
   a.mask = b.mask;
   a.mods.sinks = {};  // applied once to the merged result
+  a.mod_q_pos = b.mod_q_pos;  // ALiBi and dropout read the global positions (empty: neither is on)
+  a.mod_k_pos = b.mod_k_pos;
+  a.q_tokens = b.q_tokens;
   return a;
 }
 
@@ -91,7 +108,7 @@ bool lowered_attention_enabled() { return env::lowered_attention(); }
 std::int64_t lowered_rects_executed() { return g_rects.load(); }
 
 bool detail::route_to_lowered(const MhaForwardArgs& args) {
-  return lowered_attention_enabled() && !t_in_lowered && args.dropout.p == 0.0f && args.mods.alibi_slopes.empty();
+  return lowered_attention_enabled() && !t_in_lowered;
 }
 
 void mha_forward_lowered(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
@@ -103,7 +120,7 @@ void mha_forward_lowered(const MhaForwardArgs& args, const TensorView& out, cons
   Tensor acc_lse = Tensor::empty(lse.shape(), DType::kFloat64, MemCategory::kWorkspace);
   fill(acc_lse.view(), -std::numeric_limits<double>::infinity(), stream);
   for (const LoweredRect& r : rects) {
-    const SubBlock b = sub_block(r);
+    const SubBlock b = sub_block(args, r);
     const Tensor q = rows_of(args.q, 1, b.q_idx, stream), k = rows_of(args.k, 1, b.k_idx, stream),
                  v = rows_of(args.v, 1, b.k_idx, stream);
     Tensor o = Tensor::empty(q.shape(), acc, MemCategory::kWorkspace);
@@ -146,7 +163,7 @@ void mha_backward_lowered(const MhaBackwardArgs& args, const TensorView& dq, con
     dv_acc = dv_own.view();
   }
   for (const LoweredRect& r : rects) {
-    const SubBlock b = sub_block(r);
+    const SubBlock b = sub_block(args.fwd, r);
     const Tensor q = rows_of(args.fwd.q, 1, b.q_idx, stream), k = rows_of(args.fwd.k, 1, b.k_idx, stream),
                  v = rows_of(args.fwd.v, 1, b.k_idx, stream);
     const Tensor dout = rows_of(args.dout, 1, b.q_idx, stream), lse = rows_of(args.lse, 2, b.q_idx, stream),

@@ -138,4 +138,14 @@ std::string sdpa_mask_str(const SdpaMask& m) {
   return s.str();
 }
 
+std::string sdpa_variant_fallback_reason(const MhaForwardArgs& args) {
+  std::string why;
+  auto add = [&why](const char* r) { why += (why.empty() ? "" : "; ") + std::string(r); };
+  if (args.mods.softcap > 0.0f) add("soft-capping (cuDNN's score_mod replaces the rectangles' masks)");
+  if (!args.mods.alibi_slopes.empty()) add("ALiBi (cuDNN's slopes are its own, on local indices)");
+  if (!args.mods.sinks.empty()) add("sinks (joined once per row after the rectangles are merged)");
+  if (args.dropout.p > 0.0) add("dropout (seqpar's Philox counter, not cuDNN's random stream)");
+  return why;
+}
+
 }  // namespace seqpar::attn

@@ -60,11 +60,19 @@ std::vector<LoweredCall> lowered_calls(const std::vector<LoweredRect>& rects);
 // "causal bottom-right left=8" and the like, for logs and test names.
 std::string sdpa_mask_str(const SdpaMask& m);
 
+// Why every rectangle of a call goes to the exact fallback instead of an SDPA graph because of its variants, or ""
+// when it has none: soft-capping (cuDNN's score_mod replaces the built-in masks the rectangles carry), ALiBi (cuDNN's
+// slopes are its own, on local indices), sinks (joined once per row after every rectangle is merged), dropout
+// (seqpar's Philox counter, not cuDNN's stream). Names every variant present. The CUDA path's routing
+// (attention/cuda/mha_cuda.h); host-only.
+std::string sdpa_variant_fallback_reason(const MhaForwardArgs& args);
+
 // ---- lowered execution on the CPU (a test mode) -----------------------------------------------------------------
 // The calls a device backend will make, run by the CPU kernel: every rectangle of lower_attention_block is copied out
 // as its own sub-block (query rows, key rows), run by mha_forward / mha_backward with the rectangle's mask written in
 // the kernel's terms (local positions: query i at i + e, or at i + sk for a left bound without causal, key j at j;
-// causal and window = left bound, shifted likewise), and the results are put back: forward blocks merged with
+// causal and window = left bound, shifted likewise; ALiBi and dropout read the rectangle's global positions and
+// q_tokens through MhaForwardArgs::mod_q_pos / mod_k_pos, as the device's fallback does), and the results are put back: forward blocks merged with
 // lse_merge (out in the accumulator dtype, lse in fp64, sinks applied once after the last block), backward
 // gradients added into dq / dk / dv of the accumulator dtype (index_add_rows). Same inputs, outputs and errors as
 // mha_forward / mha_backward; the results agree with them to rounding (fp64: ~1e-15 relative).
@@ -76,16 +84,14 @@ void mha_backward_lowered(const MhaBackwardArgs& args, const TensorView& dq, con
                           bool accumulate, Stream stream = Stream::cpu());
 
 // SEQPAR_LOWERED_ATTENTION = 1 (read once; default 0): mha_forward and mha_backward run every call through the
-// lowered path above, except calls with dropout or ALiBi (their masks and biases are keyed by global positions,
-// which the lowered sub-blocks replace by local ones). Every ring / all-gather / Ulysses / USP step then executes
-// the rectangles a device backend receives. Errors: a value other than 0 or 1.
+// lowered path above, the variants included (soft-capping, ALiBi, sinks, dropout). Every ring / all-gather /
+// Ulysses / USP step then executes the rectangles a device backend receives. Errors: a value other than 0 or 1.
 bool lowered_attention_enabled();
 // Rectangles run by the lowered path in this process so far (tests check that the mode was taken).
 std::int64_t lowered_rects_executed();
 
 namespace detail {
-// Whether mha_forward / mha_backward hand this call to the lowered path (mode on, not inside a lowered call, no
-// dropout, no ALiBi).
+// Whether mha_forward / mha_backward hand this call to the lowered path (mode on, not inside a lowered call).
 bool route_to_lowered(const MhaForwardArgs& args);
 }  // namespace detail
 

@@ -44,6 +44,11 @@ void check_mask(const MaskSpec& mask, std::int64_t sq) {
 
 void check_host_tensor(const TensorView& t, const char* what) { detail::check_floating(t, what, kFamily); }
 
+// The positions ALiBi and dropout read (MhaForwardArgs::mod_q_pos / mod_k_pos, else q_pos / k_pos).
+std::span<const std::int64_t> mod_positions(std::span<const std::int64_t> mod, std::span<const std::int64_t> pos) {
+  return mod.empty() ? pos : mod;
+}
+
 // Dropout's rules (p; with p > 0 the ranges of the generator's counter) and its kernel parameters.
 cpu::MhaDropout check_dropout_args(const MhaForwardArgs& a, std::int64_t B, std::int64_t Hq) {
   a.dropout.validate(kFamily);
@@ -52,7 +57,8 @@ cpu::MhaDropout check_dropout_args(const MhaForwardArgs& a, std::int64_t B, std:
   constexpr std::int64_t kLimit = std::int64_t{1} << 32;
   SEQPAR_CHECK(a.head_offset >= 0 && a.head_offset + Hq <= kLimit && B <= kLimit, "dropout: head_offset ",
                a.head_offset, " + Hq ", Hq, " and batch ", B, " must lie in [0, 2^32] (the generator's counter)");
-  for (auto [pos, what] : {std::pair{a.q_pos, "q_pos"}, {a.k_pos, "k_pos"}}) {
+  for (auto [pos, what] : {std::pair{mod_positions(a.mod_q_pos, a.q_pos), "q_pos"},
+                           {mod_positions(a.mod_k_pos, a.k_pos), "k_pos"}}) {
     SEQPAR_CHECK(pos.empty() || (pos.front() >= 0 && pos.back() < kLimit), "dropout: ", what, " [", pos.front(), ", ",
                  pos.back(), "] must lie in [0, 2^32) (the generator's counter)");
   }
@@ -67,8 +73,8 @@ cpu::MhaDropout check_dropout_args(const MhaForwardArgs& a, std::int64_t B, std:
   d.threshold = dropout_threshold(a.dropout.p);
   d.scale = 1.0 / (1.0 - a.dropout.p);
   d.head_offset = a.head_offset;
-  d.q_pos = a.q_pos;
-  d.k_pos = a.k_pos;
+  d.q_pos = mod_positions(a.mod_q_pos, a.q_pos);
+  d.k_pos = mod_positions(a.mod_k_pos, a.k_pos);
   d.q_tokens = a.q_tokens;
   return d;
 }
@@ -140,6 +146,8 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   SEQPAR_CHECK(std::isfinite(a.scale), "scale ", a.scale, " must be finite (0 or less: 1/sqrt(D))");
   check_positions(a.q_pos, Sq, "q_pos", "Sq");
   check_positions(a.k_pos, Sk, "k_pos", "Sk");
+  if (!a.mod_q_pos.empty()) check_positions(a.mod_q_pos, Sq, "mod_q_pos", "Sq");
+  if (!a.mod_k_pos.empty()) check_positions(a.mod_k_pos, Sk, "mod_k_pos", "Sk");
   check_mask(a.mask, Sq);
   SEQPAR_CHECK(std::isfinite(a.mods.softcap) && a.mods.softcap >= 0.0f, "softcap ", a.mods.softcap,
                " must be finite and > 0 (0: no soft-capping)");
@@ -159,8 +167,8 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
                    a.mods.softcap,
                    check_head_vector(a.mods.alibi_slopes, Hq, "alibi_slopes"),
                    check_head_vector(a.mods.sinks, Hq, "sinks"),
-                   a.q_pos,
-                   a.k_pos,
+                   mod_positions(a.mod_q_pos, a.q_pos),
+                   mod_positions(a.mod_k_pos, a.k_pos),
                    check_dropout_args(a, B, Hq)};
   return p;
 }
@@ -284,6 +292,25 @@ void MhaBackwardArgs::validate(const TensorView& dq, const TensorView& dk, const
 }
 
 void MhaSinksBackwardArgs::validate(const TensorView& dsinks, Stream stream) const {
+#if defined(SEQPAR_WITH_CUDA)
+  if (lse.device().is_cuda()) {  // lse, delta, dsinks and the stream on one CUDA device; sinks on the host
+    const Device d = lse.device();
+    SEQPAR_CHECK(lse.ndim() == 3, "mha_sinks_backward: lse must be [B, H, S], got ", lse.str());
+    for (auto [t, shape, what] : {std::tuple{&lse, lse.shape(), "lse"},
+                                  {&delta, lse.shape(), "delta"},
+                                  {&dsinks, Shape{lse.dim(1)}, "dsinks"}}) {
+      SEQPAR_CHECK(t->device() == d && (t->numel() == 0 || t->data() != nullptr), "mha_sinks_backward: ", what, " ",
+                   t->str(), " is on ", t->device().str(), ", expected ", d.str(), " (lse's device)");
+      check_shape(*t, shape, what);
+      SEQPAR_CHECK(t->dtype() == DType::kFloat32 || t->dtype() == DType::kFloat64, "mha_sinks_backward: ", what,
+                   " has dtype ", dtype_name(t->dtype()), ", expected fp32 or fp64");
+    }
+    SEQPAR_CHECK(stream.device == d, "mha_sinks_backward: stream on ", stream.device.str(), ", tensors on ", d.str());
+    SEQPAR_CHECK(!sinks.empty(), "mha_sinks_backward: sinks must be [H] = [", lse.dim(1), "], got an empty tensor");
+    check_head_vector(sinks, lse.dim(1), "sinks");
+    return;
+  }
+#endif
   detail::check_stream(stream, "mha_sinks_backward", kFamily);
   SEQPAR_CHECK(lse.ndim() == 3, "mha_sinks_backward: lse must be [B, H, S], got ", lse.str());
   check_wide(lse, lse.shape(), "mha_sinks_backward lse");
@@ -297,7 +324,10 @@ void MhaSinksBackwardArgs::validate(const TensorView& dsinks, Stream stream) con
 
 void mha_forward(const MhaForwardArgs& args, const TensorView& out, const TensorView& lse, Stream stream) {
 #if defined(SEQPAR_WITH_CUDA)
-  if (args.q.device().is_cuda()) return cuda::mha_forward_cuda(args, out, lse, stream);  // attention/cuda/mha_cuda.h
+  if (args.q.device().is_cuda()) {  // attention/cuda/mha_cuda.h, after the rules every device shares (mods, dropout)
+    (void)check_forward_args(args);
+    return cuda::mha_forward_cuda(args, out, lse, stream);
+  }
 #endif
   detail::check_stream(stream, "mha_forward", kFamily);
   cpu::MhaParams p = validate_forward(args, out, lse);
@@ -316,7 +346,10 @@ void mha_forward(const MhaForwardArgs& args, const TensorView& out, const Tensor
 void mha_backward(const MhaBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   bool accumulate, Stream stream) {
 #if defined(SEQPAR_WITH_CUDA)
-  if (args.fwd.q.device().is_cuda()) return cuda::mha_backward_cuda(args, dq, dk, dv, accumulate, stream);
+  if (args.fwd.q.device().is_cuda()) {
+    (void)check_forward_args(args.fwd);
+    return cuda::mha_backward_cuda(args, dq, dk, dv, accumulate, stream);
+  }
 #endif
   detail::check_stream(stream, "mha_backward", kFamily);
   cpu::MhaParams p = validate_backward(args, dq, dk, dv, accumulate);
@@ -430,6 +463,13 @@ void lse_merge(const TensorView& out, const TensorView& lse, const TensorView& o
 }
 
 void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorView& sinks, Stream stream) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (out.device().is_cuda()) {  // out and lse on the device, sinks on the host (attention/cuda/mha_cuda.h)
+    SEQPAR_CHECK(out.ndim() == 4, "mha_apply_sinks: out must be [B, S, H, D], got ", out.str());
+    SEQPAR_CHECK(!sinks.empty(), "mha_apply_sinks: sinks must be [H] = [", out.dim(2), "], got an empty tensor");
+    return cuda::apply_sinks_cuda(out, lse, check_head_vector(sinks, out.dim(2), "sinks"), stream);
+  }
+#endif
   check_apply_sinks(out, lse, sinks, stream);
   const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
   for (std::int64_t t = 0; t < B * S * H; ++t) {
@@ -443,6 +483,26 @@ void mha_apply_sinks(const TensorView& out, const TensorView& lse, const TensorV
 }
 
 void mha_sinks_backward(const MhaSinksBackwardArgs& args, const TensorView& dsinks, Stream stream) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (args.lse.device().is_cuda()) {
+    // delta and lse ([B, H, S], small) read back in fp64 and summed by the host loop below; dsinks written back
+    args.validate(dsinks, stream);
+    const Device d = args.lse.device();
+    auto to_host = [&](const TensorView& t) {
+      const Tensor wide = Tensor::copy_of(t, DType::kFloat64, MemCategory::kWorkspace, stream);
+      Tensor h = Tensor::empty(t.shape(), DType::kFloat64, MemCategory::kWorkspace);
+      copy_convert(wide.view(), h.view(), stream);
+      return h;
+    };
+    const Tensor lse = to_host(args.lse), delta = to_host(args.delta);
+    Tensor ds = Tensor::empty(dsinks.shape(), DType::kFloat64, MemCategory::kWorkspace);
+    mha_sinks_backward({delta.view(), lse.view(), args.sinks}, ds.view());
+    Tensor ds_d = Tensor::empty(dsinks.shape(), DType::kFloat64, MemCategory::kWorkspace, d);
+    copy_convert(ds.view(), ds_d.view(), stream);
+    copy_convert(ds_d.view(), dsinks, stream);
+    return;
+  }
+#endif
   args.validate(dsinks, stream);
   const TensorView& delta = args.delta;
   const TensorView& lse = args.lse;

@@ -14,9 +14,10 @@
 // the kernel's errors, with no work, so that a context-parallel caller can check its local shapes before anything
 // is sent.
 // Devices: in a CUDA build, mha_forward, mha_backward, their validate(), lse_merge and mha_backward_delta take CUDA
-// tensors (every tensor and the stream on one device) and run attention/cuda/mha_cuda.h, which refuses dropout,
-// ALiBi, sinks, soft-capping and dlse; mha_apply_sinks and mha_sinks_backward stay host-only. Without CUDA (and for
-// the host-only functions) a CUDA tensor or stream fails with "MHA kernels have no CUDA implementation yet".
+// tensors (every tensor and the stream on one device) and run attention/cuda/mha_cuda.h (soft-capping, ALiBi, sinks
+// and dropout on its exact fallback; dlse refused); mha_apply_sinks and mha_sinks_backward take device out / lse /
+// delta / dsinks with host sinks (sinks_backward reads [B, H, S] back to the host). Without CUDA a CUDA tensor or
+// stream fails with "MHA kernels have no CUDA implementation yet".
 #pragma once
 
 #include <cstdint>
@@ -80,6 +81,10 @@ struct MhaForwardArgs {
   // k_pos[j] + q_tokens[i] - q_pos[i] (inside a document a slot difference is a token distance). Read only when
   // dropout.p > 0; every other rule reads position differences, which slots and tokens share.
   std::span<const std::int64_t> q_tokens{};
+  // [Sq] / [Sk] or empty: the global positions ALiBi and dropout read instead of q_pos / k_pos, which then place
+  // the mask alone. The lowered test mode (attention/lowering.h) runs each rectangle with local mask positions and
+  // passes the rectangle's global ones here; empty (the default): q_pos / k_pos. Same rules as q_pos / k_pos.
+  std::span<const std::int64_t> mod_q_pos{}, mod_k_pos{};
 
   // The rules of mha_forward on these fields alone (no outputs), no work. A context-parallel caller runs it on
   // its local shapes before anything is sent.

@@ -1,13 +1,21 @@
 // Public boundary of RoPE: the frequency tables (base, llama3, YaRN), argument validation (RopeConfig::validate)
-// and dispatch to the CPU kernel in cpu/.
+// and dispatch to the CPU kernel in cpu/ (or, for a CUDA tensor, the launch of cuda/rope_kernels.h).
 #include "attention/rope.h"
 
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <vector>
 
 #include "attention/boundary.h"
 #include "attention/cpu/rope_cpu.h"
+#if defined(SEQPAR_WITH_CUDA)
+#include <cuda_runtime_api.h>
+
+#include "attention/cuda/rope_kernels.h"
+#include "runtime/cuda_check.h"
+#include "runtime/tensor_ops.h"
+#endif
 #include "runtime/error.h"
 
 namespace seqpar::attn {
@@ -47,7 +55,17 @@ void yarn_scale(std::vector<double>& f, double theta, std::int64_t r, const Rope
 // Shape rules on top of RopeConfig::validate(); returns the resolved rotary dim.
 std::int64_t check_shapes(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg,
                           const char* op) {
+#if defined(SEQPAR_WITH_CUDA)
+  if (x.device().is_cuda()) {  // the CUDA launch (cuda/rope_kernels.h)
+    SEQPAR_CHECK(x.numel() == 0 || x.data() != nullptr, op, ": x ", x.str(), " has no data");
+    SEQPAR_CHECK(is_floating(x.dtype()), op, ": x has dtype ", dtype_name(x.dtype()),
+                 ", expected a floating dtype (fp32, bf16, fp16 or fp64)");
+  } else {
+    detail::check_floating(x, str_cat(op, ": x").c_str(), "RoPE");
+  }
+#else
   detail::check_floating(x, str_cat(op, ": x").c_str(), "RoPE");
+#endif
   SEQPAR_CHECK(x.ndim() == 4 || x.ndim() == 3, op, ": x ", x.str(), " must be [B, S, H, D] or [B, S, D]");
   SEQPAR_CHECK(static_cast<std::int64_t>(positions.size()) == x.dim(1), op, ": ", positions.size(),
                " positions for a sequence of ", x.dim(1));
@@ -64,15 +82,74 @@ std::int64_t check_shapes(const TensorView& x, std::span<const std::int64_t> pos
   return cfg.rotary_dim;
 }
 
+#if defined(SEQPAR_WITH_CUDA)
+// The rotation of cpu::rope_rotate_cpu on a CUDA tensor: cos and sin per (position, pair) computed here in fp64 as
+// the CPU kernel does (m cos(angle), m sign sin(angle), rounded to the accumulator dtype: fp64 for fp64 x, else
+// fp32) and copied to the device; a bf16 / fp16 x converted to fp32 on the device and back (one rounding, as the
+// CPU's); one thread per (row, pair) runs the pair body the CPU kernel runs (cuda/rope_kernels.h). Host-synchronous
+// on the device's default stream. Never run on a GPU.
+template <typename Acc>
+void rotate_cuda_as(const TensorView& x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t dim,
+                    std::span<const std::int64_t> positions, const cpu::RopeRotation& rot, DType acc) {
+  const Stream stream{x.device(), nullptr};
+  const std::int64_t half = static_cast<std::int64_t>(rot.inv_freq.size()), n = seq * half;
+  std::vector<Acc> table(static_cast<std::size_t>(2 * n));  // cos [seq, half], then sin
+  for (std::int64_t s = 0; s < seq; ++s) {
+    for (std::int64_t i = 0; i < half; ++i) {
+      const double angle = static_cast<double>(positions[static_cast<std::size_t>(s)]) * rot.inv_freq[i];
+      table[static_cast<std::size_t>(s * half + i)] = static_cast<Acc>(rot.attention_factor * std::cos(angle));
+      table[static_cast<std::size_t>(n + s * half + i)] =
+          static_cast<Acc>(rot.attention_factor * rot.sign * std::sin(angle));
+    }
+  }
+  Tensor cs = Tensor::empty({2 * n}, acc, MemCategory::kWorkspace, x.device());
+  copy_convert(TensorView(table.data(), acc, {2 * n}), cs.view(), stream);
+  Tensor wide;
+  TensorView xa = x;
+  if (x.dtype() != acc) {
+    wide = Tensor::copy_of(x, acc, MemCategory::kWorkspace, stream);
+    xa = wide.view();
+  }
+  cuda::RopeRowsParams p;
+  p.x = xa.data();
+  p.cos_t = cs.data_as<Acc>();
+  p.sin_t = cs.data_as<Acc>() + n;
+  p.fp64 = acc == DType::kFloat64;
+  p.rows = batch * seq * heads;
+  p.seq = seq;
+  p.heads = heads;
+  p.dim = dim;
+  p.half = half;
+  p.offset = rot.column_offset;
+  p.interleaved = rot.interleaved;
+  cuda::rope_rotate_rows(p, nullptr);
+  if (x.dtype() != acc) copy_convert(xa, x, stream);
+  SEQPAR_CHECK_CUDA(cudaStreamSynchronize(nullptr));  // cs and wide are freed on return
+}
+
+void rotate_cuda(const TensorView& x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std::int64_t dim,
+                 std::span<const std::int64_t> positions, const cpu::RopeRotation& rot) {
+  SEQPAR_CHECK_CUDA(cudaSetDevice(x.device().index));
+  if (x.dtype() == DType::kFloat64) {
+    rotate_cuda_as<double>(x, batch, seq, heads, dim, positions, rot, DType::kFloat64);
+  } else {
+    rotate_cuda_as<float>(x, batch, seq, heads, dim, positions, rot, DType::kFloat32);
+  }
+}
+#endif
+
 void rotate(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg, const char* op,
             double sign) {
   const std::int64_t r = check_shapes(x, positions, cfg, op);
   if (r == 0) return;
   const std::vector<double> inv_freq = rope_inv_freq(cfg, r);
   const std::int64_t heads = x.ndim() == 4 ? x.dim(2) : 1;
-  cpu::rope_rotate_cpu(
-      x, x.dim(0), x.dim(1), heads, x.dim(x.ndim() - 1), positions,
-      {cfg.pairing == RopePairing::kInterleaved, cfg.column_offset, inv_freq, rope_attention_factor(cfg), sign});
+  const cpu::RopeRotation rot{cfg.pairing == RopePairing::kInterleaved, cfg.column_offset, inv_freq,
+                              rope_attention_factor(cfg), sign};
+#if defined(SEQPAR_WITH_CUDA)
+  if (x.device().is_cuda()) return rotate_cuda(x, x.dim(0), x.dim(1), heads, x.dim(x.ndim() - 1), positions, rot);
+#endif
+  cpu::rope_rotate_cpu(x, x.dim(0), x.dim(1), heads, x.dim(x.ndim() - 1), positions, rot);
 }
 
 RopeConfig plain(double theta) {

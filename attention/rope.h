@@ -92,7 +92,10 @@ double rope_softmax_scale_factor(const RopeConfig& cfg);
 //   global positions, so a shard is rotated as the same rows of the full sequence). Angles in fp64, applied in
 //   fp32 (fp64 for fp64 tensors).
 // Errors: Error naming the value and the rule (shape, positions size, theta, rotary_dim, column_offset, the
-//   scaling's parameters); device tensors are refused. RopeConfig::validate raises the same errors alone.
+//   scaling's parameters). RopeConfig::validate raises the same errors alone.
+// Devices: in a CUDA build, x / dy may be a CUDA tensor (positions stay a host span): the same rotation by the pair
+//   body the CPU kernel uses (attention/kernels/row_ops.h, rope_rotate_row_pair), launched by cuda/rope_kernels.h on
+//   the device's default stream; never run on a GPU. Without CUDA a device tensor is refused.
 // Sync: host-synchronous.
 void rope_forward(const TensorView& x, std::span<const std::int64_t> positions, const RopeConfig& cfg);
 void rope_backward(const TensorView& dy, std::span<const std::int64_t> positions, const RopeConfig& cfg);

@@ -54,9 +54,13 @@ attn::ScoreMods score_mods(const SpBenchOptions& o, Tensor& slopes, Tensor& sink
   return m;
 }
 
-// A copy of a [H] tensor (dsinks) as an output array.
+// A copy of a [H] tensor (dsinks; on the device with --device cuda) as an output array.
 npy::HostArray host_copy(const TensorView& t) {
   npy::HostArray a(t.dtype(), t.shape());
+  if (t.device().is_cuda()) {
+    copy_convert(t, a.view(), Stream{t.device(), nullptr});
+    return a;
+  }
   std::copy_n(static_cast<const char*>(t.data()), t.nbytes(), static_cast<char*>(a.view().data()));
   return a;
 }
@@ -288,8 +292,9 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
   // With RoPE the layer sees rotated copies of q and k (held until the next forward).
   MhaCpOutput run_forward() override {
     if (rope_.empty()) return usp_->forward(input(kQ), input(kK), input(kV));
-    rotated_ = rope_rotated_copies(rope_, {in_[kQ].view(), in_[kK].view()}, rope_positions_);
-    return usp_->forward(rotated_[0], rotated_[1], in_[kV]);
+    // --device cuda: the device copies rotated on the device (attention/rope.h)
+    rotated_ = rope_rotated_copies(rope_, {input(kQ), input(kK)}, rope_positions_, groups_.stream);
+    return usp_->forward(rotated_[0], rotated_[1], input(kV));
   }
   MhaCpGrads run_backward(CpContext&& ctx) override {
     MhaCpGrads g = usp_->backward(std::move(ctx), input(kDout));

@@ -360,7 +360,8 @@ void parse_problem_flags(const cxxopts::ParseResult& r, const std::optional<attn
 // --device cuda (the option's value d, before the device itself is looked up, so that a build or machine without
 // CUDA names these rules too): what runs on a CUDA device, refused here (every rank, before any message) otherwise. The
 // MHA CP layers take device tensors; the DSA and GDN CP layers run their kernels on the host; the MHA CUDA path
-// (attention/cuda/mha_cuda.h) refuses dropout, ALiBi, sinks and soft-capping, and RoPE runs on the host.
+// (attention/cuda/mha_cuda.h) runs dropout, ALiBi, sinks and soft-capping on its exact fallback, RoPE on the
+// device (attention/rope.h).
 void check_device_rules(const std::string& d, const SpBenchOptions& o) {
   if (d == "cpu") return;
   SEQPAR_CHECK(o.attn == "mha", "--device ", d, " with --attn ", o.attn, ": the ", o.attn,
@@ -368,9 +369,6 @@ void check_device_rules(const std::string& d, const SpBenchOptions& o) {
                "--attn mha");
   SEQPAR_CHECK(o.decode.mode != "decode", "--device ", d,
                " with --mode decode: the decode caches live on the host (no CUDA implementation yet)");
-  SEQPAR_CHECK(o.dropout == 0 && !o.alibi && !o.sinks && o.softcap == 0, "--device ", d,
-               ": dropout, ALiBi, sinks and soft-capping have no CUDA implementation yet (attention/cuda/mha_cuda.h)");
-  SEQPAR_CHECK(!o.rope, "--device ", d, ": RoPE runs on the host only (no CUDA implementation yet); drop --rope");
 }
 
 void parse_parallel_and_run_flags(const cxxopts::ParseResult& r, SpBenchOptions& o) {

@@ -61,10 +61,10 @@ void check_rope_fits(const attn::RopeConfig& cfg, std::int64_t head_dim, const c
 }
 
 std::vector<Tensor> rope_rotated_copies(const std::vector<RopeTarget>& targets, const std::vector<TensorView>& inputs,
-                                        std::span<const std::int64_t> positions) {
+                                        std::span<const std::int64_t> positions, Stream stream) {
   std::vector<Tensor> r;
   for (std::size_t i = 0; i < targets.size(); ++i) {
-    r.push_back(Tensor::copy_of(inputs[i], inputs[i].dtype(), MemCategory::kWorkspace));
+    r.push_back(Tensor::copy_of(inputs[i], inputs[i].dtype(), MemCategory::kWorkspace, stream));
     attn::rope_forward(r.back().view(), positions, targets[i].cfg);
   }
   return r;

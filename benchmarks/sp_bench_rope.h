@@ -39,8 +39,9 @@ struct RopeTarget {
 };
 
 // Rotated copies of the distributed inputs (workspace tensors), in the order of `targets`.
+// Copies on the inputs' device, made on `stream`.
 std::vector<Tensor> rope_rotated_copies(const std::vector<RopeTarget>& targets, const std::vector<TensorView>& inputs,
-                                        std::span<const std::int64_t> positions);
+                                        std::span<const std::int64_t> positions, Stream stream = Stream::cpu());
 // The transposed rotation of `grads` (one per target, in order), in place.
 void rope_backward_all(const std::vector<RopeTarget>& targets, const std::vector<TensorView>& grads,
                        std::span<const std::int64_t> positions);

@@ -257,7 +257,7 @@ void RingAttention::run_backward(CpContext&& ctx, const TensorView& dout, const 
   check_grad_input(dk, s.k.shape(), "ring attention dk");
   check_grad_input(dv, s.v.shape(), "ring attention dv");
   if (!config_.score_mods.sinks.empty())
-    attn::MhaSinksBackwardArgs{s.lse, s.lse, config_.score_mods.sinks}.validate(dsinks);
+    attn::MhaSinksBackwardArgs{s.lse, s.lse, config_.score_mods.sinks}.validate(dsinks, groups_.stream);
   if (!dlse.empty()) {
     common_device({s.q.view(), dlse}, "ring attention backward (saved tensors, dlse)");
     check_shape(dlse, s.lse.shape(), "ring attention dlse");

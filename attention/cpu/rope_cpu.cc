@@ -15,8 +15,6 @@ void rotate(T* x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std:
             std::span<const std::int64_t> positions, const RopeRotation& rot) {
   using Acc = std::conditional_t<std::is_same_v<T, double>, double, float>;
   const std::int64_t half = static_cast<std::int64_t>(rot.inv_freq.size());
-  // Column of the first and second member of pair i: (o + i, o + i + r/2) or (o + 2i, o + 2i + 1).
-  const std::int64_t first_stride = rot.interleaved ? 2 : 1, second_gap = rot.interleaved ? 1 : half;
   const WorkerScratch<Acc> ws({half, half}, "rope scratch");
 #pragma omp parallel
   {
@@ -30,10 +28,12 @@ void rotate(T* x, std::int64_t batch, std::int64_t seq, std::int64_t heads, std:
       }
       for (std::int64_t b = 0; b < batch; ++b) {
         for (std::int64_t h = 0; h < heads; ++h) {
-          T* row = x + ((b * seq + s) * heads + h) * dim + rot.column_offset;
+          T* row = x + ((b * seq + s) * heads + h) * dim;
           for (std::int64_t i = 0; i < half; ++i) {
-            T& first = row[i * first_stride];
-            T& second = row[i * first_stride + second_gap];
+            std::int64_t c0 = 0, c1 = 0;  // the pair's columns: the body the device kernel uses
+            rowops::rope_pair_columns(rot.interleaved, rot.column_offset, half, i, c0, c1);
+            T& first = row[c0];
+            T& second = row[c1];
             const Acc a = static_cast<Acc>(to_float(first));
             const Acc c = static_cast<Acc>(to_float(second));
             Acc y0, y1;

@@ -11,18 +11,27 @@ constexpr int kThreads = 128;
 unsigned blocks_for(std::int64_t n) { return static_cast<unsigned>((n + kThreads - 1) / kThreads); }
 
 template <typename T>
-__global__ void softmax_kernel(fallback::RowBand band, std::int64_t i0, std::int64_t rows, T* s, T* lse) {
+__global__ void softmax_kernel(fallback::RowBand band, fallback::RowMods mods, std::int64_t i0, std::int64_t rows, T* s,
+                               T* lse) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  lse[r] = fallback::fallback_softmax_row(band, i0 + r, s + r * band.sk, s + r * band.sk);
+  lse[r] = fallback::fallback_softmax_row(band, mods, i0 + r, s + r * band.sk, s + r * band.sk);
 }
 
 template <typename T>
-__global__ void grad_kernel(fallback::RowBand band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta,
-                            T* s, T* dp) {
+__global__ void grad_kernel(fallback::RowBand band, fallback::RowMods mods, std::int64_t i0, std::int64_t rows,
+                            const T* lse, const T* delta, T* s, T* dp) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  fallback::fallback_grad_row(band, i0 + r, lse[r], delta[r], s + r * band.sk, dp + r * band.sk);
+  fallback::fallback_grad_row(band, mods, i0 + r, lse[r], delta[r], s + r * band.sk, dp + r * band.sk);
+}
+
+template <typename T>
+__global__ void sink_kernel(double sink, std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse,
+                            std::int64_t lse_stride) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  fallback::fallback_sink_row(sink, d, o + r * ldo, lse + r * lse_stride);
 }
 
 template <typename T>
@@ -56,18 +65,26 @@ void fallback_delta(std::int64_t batch, std::int64_t seq, std::int64_t heads, st
 }
 
 template <typename T>
-void fallback_softmax_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, T* s, T* lse,
-                           cudaStream_t stream) {
+void fallback_softmax_rows(const fallback::RowBand& band, const fallback::RowMods& mods, std::int64_t i0,
+                           std::int64_t rows, T* s, T* lse, cudaStream_t stream) {
   if (rows == 0) return;
-  softmax_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(band, i0, rows, s, lse);
+  softmax_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(band, mods, i0, rows, s, lse);
   SEQPAR_CHECK_CUDA(cudaGetLastError());
 }
 
 template <typename T>
-void fallback_grad_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta,
-                        T* s, T* dp, cudaStream_t stream) {
+void fallback_grad_rows(const fallback::RowBand& band, const fallback::RowMods& mods, std::int64_t i0,
+                        std::int64_t rows, const T* lse, const T* delta, T* s, T* dp, cudaStream_t stream) {
   if (rows == 0) return;
-  grad_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(band, i0, rows, lse, delta, s, dp);
+  grad_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(band, mods, i0, rows, lse, delta, s, dp);
+  SEQPAR_CHECK_CUDA(cudaGetLastError());
+}
+
+template <typename T>
+void fallback_sink_rows(double sink, std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse,
+                        std::int64_t lse_stride, cudaStream_t stream) {
+  if (rows == 0) return;
+  sink_kernel<T><<<blocks_for(rows), kThreads, 0, stream>>>(sink, rows, d, o, ldo, lse, lse_stride);
   SEQPAR_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -80,9 +97,12 @@ void fallback_merge_rows(std::int64_t rows, std::int64_t d, T* o, std::int64_t l
 }
 
 #define SEQPAR_FALLBACK_INSTANTIATE(T)                                                                                \
-  template void fallback_softmax_rows<T>(const fallback::RowBand&, std::int64_t, std::int64_t, T*, T*, cudaStream_t); \
-  template void fallback_grad_rows<T>(const fallback::RowBand&, std::int64_t, std::int64_t, const T*, const T*, T*,   \
-                                      T*, cudaStream_t);                                                              \
+  template void fallback_softmax_rows<T>(const fallback::RowBand&, const fallback::RowMods&, std::int64_t,           \
+                                         std::int64_t, T*, T*, cudaStream_t);                                         \
+  template void fallback_grad_rows<T>(const fallback::RowBand&, const fallback::RowMods&, std::int64_t, std::int64_t, \
+                                      const T*, const T*, T*, T*, cudaStream_t);                                      \
+  template void fallback_sink_rows<T>(double, std::int64_t, std::int64_t, T*, std::int64_t, T*, std::int64_t,         \
+                                      cudaStream_t);                                                                  \
   template void fallback_merge_rows<T>(std::int64_t, std::int64_t, T*, std::int64_t, T*, const T*, std::int64_t,      \
                                        const T*, cudaStream_t);                                                       \
   template void fallback_delta<T>(std::int64_t, std::int64_t, std::int64_t, std::int64_t, const T*, const T*, T*,     \

@@ -10,14 +10,20 @@
 
 namespace seqpar::attn::cuda {
 
-// Rows [i0, i0 + rows) of a rectangle: s [rows, band.sk] -> probabilities in place, lse[r].
+// Rows [i0, i0 + rows) of a rectangle: s [rows, band.sk] -> probabilities in place, lse[r] (score modifiers and
+// dropout of `mods`, whose pointers are device pointers).
 template <typename T>
-void fallback_softmax_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, T* s, T* lse,
-                           cudaStream_t stream);
-// s -> p = exp(s - lse) on the band, dp -> ds = p (dp - delta), in place.
+void fallback_softmax_rows(const fallback::RowBand& band, const fallback::RowMods& mods, std::int64_t i0,
+                           std::int64_t rows, T* s, T* lse, cudaStream_t stream);
+// s -> z p with p = exp(a - lse) on the band, dp -> ds = p (z dp - delta) da/ds, in place (fallback_grad_row).
 template <typename T>
-void fallback_grad_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta,
-                        T* s, T* dp, cudaStream_t stream);
+void fallback_grad_rows(const fallback::RowBand& band, const fallback::RowMods& mods, std::int64_t i0,
+                        std::int64_t rows, const T* lse, const T* delta, T* s, T* dp, cudaStream_t stream);
+// The sink logit joins `rows` finished rows (fallback_sink_row): o rows of d elements at leading dim ldo, lse at
+// stride lse_stride.
+template <typename T>
+void fallback_sink_rows(double sink, std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse,
+                        std::int64_t lse_stride, cudaStream_t stream);
 // (o, lse) of `rows` rows merged in place with (o_b, lse_b) (rowops::lse_merge_*).
 template <typename T>
 void fallback_merge_rows(std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse, const T* o_b,

@@ -52,12 +52,16 @@ class CudaFallbackOps final : public fallback::FallbackOps<T> {
           cublasDgemm(handle_, op_b, op_a, i(n), i(m), i(k), &alpha, b, i(ldb), a, i(lda), &beta, c, i(ldc)));
     }
   }
-  void softmax_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, T* s, T* lse) override {
-    fallback_softmax_rows(band, i0, rows, s, lse, stream_);
+  void softmax_rows(const fallback::RowBand& band, const fallback::RowMods& mods, std::int64_t i0, std::int64_t rows,
+                    T* s, T* lse) override {
+    fallback_softmax_rows(band, mods, i0, rows, s, lse, stream_);
   }
-  void grad_rows(const fallback::RowBand& band, std::int64_t i0, std::int64_t rows, const T* lse, const T* delta, T* s,
-                 T* dp) override {
-    fallback_grad_rows(band, i0, rows, lse, delta, s, dp, stream_);
+  void grad_rows(const fallback::RowBand& band, const fallback::RowMods& mods, std::int64_t i0, std::int64_t rows,
+                 const T* lse, const T* delta, T* s, T* dp) override {
+    fallback_grad_rows(band, mods, i0, rows, lse, delta, s, dp, stream_);
+  }
+  void sink_rows(double sink, std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse) override {
+    fallback_sink_rows(sink, rows, d, o, ldo, lse, 1, stream_);
   }
   void merge_rows(std::int64_t rows, std::int64_t d, T* o, std::int64_t ldo, T* lse, const T* o_b, std::int64_t ldo_b,
                   const T* lse_b) override {
@@ -103,9 +107,8 @@ Device check_fields(const MhaForwardArgs& a, const char* fn) {
                ": q, k, v must share one floating dtype");
   SEQPAR_CHECK(Hkv > 0 && Hq % Hkv == 0, fn, ": Hq = ", Hq, " must be a multiple of Hkv = ", Hkv);
   SEQPAR_CHECK(std::isfinite(a.scale), fn, ": scale ", a.scale, " must be finite");
-  SEQPAR_CHECK(a.dropout.p == 0.0f, fn, ": dropout is not supported on CUDA yet");
-  SEQPAR_CHECK(a.mods.alibi_slopes.empty() && a.mods.sinks.empty() && a.mods.softcap == 0.0f, fn,
-               ": ALiBi, sinks and soft-capping are not supported on CUDA yet");
+  // score modifiers and dropout: their values are checked by MhaForwardArgs (host slopes and sinks); they run on
+  // the fallback (has_variant)
   return d;
 }
 
@@ -125,6 +128,57 @@ std::vector<std::int64_t> positions(std::span<const std::int64_t> pos, std::int6
 std::vector<LoweredRect> lower(const MhaForwardArgs& a) {
   const std::vector<std::int64_t> qp = positions(a.q_pos, a.q.dim(1)), kp = positions(a.k_pos, a.k.dim(1));
   return lower_attention_block(qp, kp, a.mask);
+}
+
+// Soft-capping, ALiBi, sinks or dropout: the call runs the exact fallback, whose row bodies apply them
+// (attention/fallback_rows.h); cuDNN is not asked (sdpa_variant_fallback_reason, attention/lowering.h, says why).
+bool has_variant(const MhaForwardArgs& a) { return !sdpa_variant_fallback_reason(a).empty(); }
+
+// The host values and device copies a problem's variants point at (alive for the call).
+struct VariantData {
+  std::vector<double> alibi, sinks;
+  Tensor q_pos, k_pos, q_tokens;
+};
+
+std::vector<double> head_values(const TensorView& t) {  // a host [H] fp32 / fp64 vector (checked by MhaForwardArgs)
+  std::vector<double> v(static_cast<std::size_t>(t.numel()));
+  for (std::int64_t h = 0; h < t.numel(); ++h)
+    v[static_cast<std::size_t>(h)] = t.dtype() == DType::kFloat64 ? static_cast<const double*>(t.data())[h]
+                                                                  : static_cast<const float*>(t.data())[h];
+  return v;
+}
+
+// A host int64 vector copied to the stream's device.
+Tensor to_device(const std::vector<std::int64_t>& host, Stream stream) {
+  const std::int64_t n = static_cast<std::int64_t>(host.size());
+  const TensorView src(const_cast<std::int64_t*>(host.data()), DType::kInt64, {n});
+  Tensor t = Tensor::empty({n}, DType::kInt64, kWs, stream.device);
+  copy_convert(src, t.view(), stream);
+  return t;
+}
+
+template <typename T>
+void set_variants(const MhaForwardArgs& a, fallback::FallbackProblem<T>& p, VariantData& data, Stream stream) {
+  p.softcap = a.mods.softcap;
+  if (!a.mods.alibi_slopes.empty()) {
+    data.alibi = head_values(a.mods.alibi_slopes);
+    p.alibi = data.alibi.data();
+  }
+  if (!a.mods.sinks.empty()) {
+    data.sinks = head_values(a.mods.sinks);
+    p.sinks = data.sinks.data();
+  }
+  p.dropout = a.dropout;
+  p.head_offset = a.head_offset;
+  if (p.alibi == nullptr && a.dropout.p == 0.0) return;
+  data.q_pos = to_device(positions(a.mod_q_pos.empty() ? a.q_pos : a.mod_q_pos, a.q.dim(1)), stream);
+  data.k_pos = to_device(positions(a.mod_k_pos.empty() ? a.k_pos : a.mod_k_pos, a.k.dim(1)), stream);
+  p.q_pos = data.q_pos.data_as<std::int64_t>();
+  p.k_pos = data.k_pos.data_as<std::int64_t>();
+  if (a.dropout.p > 0.0 && !a.q_tokens.empty()) {
+    data.q_tokens = to_device(std::vector<std::int64_t>(a.q_tokens.begin(), a.q_tokens.end()), stream);
+    p.q_tokens = data.q_tokens.data_as<std::int64_t>();
+  }
 }
 
 template <typename T>
@@ -269,10 +323,15 @@ void forward_as(const MhaForwardArgs& a, const TensorView& out, const TensorView
   fill(l.view(), -std::numeric_limits<double>::infinity(), stream);
   std::vector<LoweredRect> rects = lower(a);
 #if defined(SEQPAR_WITH_CUDNN_FRONTEND)
-  if constexpr (sizeof(T) == 4) rects = cudnn_forward(a, rects, o, l, stream);  // the rest: the fallback
+  if constexpr (sizeof(T) == 4) {
+    if (!has_variant(a)) rects = cudnn_forward(a, rects, o, l, stream);  // the rest: the fallback
+  }
 #endif
   CudaFallbackOps<T> ops(stream.device, s);
-  fallback::fallback_forward(ops, problem<T>(a, q, k, v), rects, o.data_as<T>(), l.data_as<T>());
+  fallback::FallbackProblem<T> p = problem<T>(a, q, k, v);
+  VariantData variants;
+  set_variants(a, p, variants, stream);
+  fallback::fallback_forward(ops, p, rects, o.data_as<T>(), l.data_as<T>());
   copy_convert(o.view(), out, stream);
   copy_convert(l.view(), lse, stream);
   SEQPAR_CHECK_CUDA(cudaStreamSynchronize(s));
@@ -314,7 +373,7 @@ void backward_as(const MhaBackwardArgs& b, const TensorView& dq, const TensorVie
 #if defined(SEQPAR_WITH_CUDNN_FRONTEND)
   // cuDNN recomputes delta from the final out and dout in the io dtype: only when out is given
   if constexpr (sizeof(T) == 4) {
-    if (!b.out.empty() && b.dlse.empty()) {
+    if (!b.out.empty() && b.dlse.empty() && !has_variant(a)) {
       const Tensor o_io = Tensor::copy_of(b.out, a.q.dtype(), kWs, stream),
                    g_io = Tensor::copy_of(b.dout, a.q.dtype(), kWs, stream);
       rects = cudnn_backward(a, rects, o_io.view(), g_io.view(), l, pq, pk, pv, stream);
@@ -323,8 +382,11 @@ void backward_as(const MhaBackwardArgs& b, const TensorView& dq, const TensorVie
   }
 #endif
   CudaFallbackOps<T> ops(stream.device, s);
-  fallback::fallback_backward(ops, problem<T>(a, q, k, v), rects, g.data_as<T>(), l.data_as<T>(), delta.data_as<T>(),
-                              pq, pk, pv);
+  fallback::FallbackProblem<T> p = problem<T>(a, q, k, v);
+  VariantData variants;
+  set_variants(a, p, variants, stream);
+  p.sinks = nullptr;  // the backward takes lse_total and reads no sink
+  fallback::fallback_backward(ops, p, rects, g.data_as<T>(), l.data_as<T>(), delta.data_as<T>(), pq, pk, pv);
   if (!accumulate) {
     copy_convert(gq.view(), dq, stream);
     copy_convert(gk.view(), dk, stream);
@@ -441,6 +503,33 @@ void lse_merge_cuda(const TensorView& out, const TensorView& lse, const TensorVi
   p.head_dim = out.dim(3);
   const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
   lse_merge_rows_mixed(p, s);
+  SEQPAR_CHECK_CUDA(cudaStreamSynchronize(s));
+}
+
+void apply_sinks_cuda(const TensorView& out, const TensorView& lse, const std::vector<double>& sinks, Stream stream) {
+  const char* fn = "mha_apply_sinks (CUDA)";
+  const Device d = out.device();
+  SEQPAR_CHECK(d.is_cuda() && stream.device == d, fn, ": out ", out.str(), " and the stream (", stream.device.str(),
+               ") must be on one CUDA device");
+  SEQPAR_CHECK(out.ndim() == 4, fn, ": out must be [B, S, H, D], got ", out.str());
+  const std::int64_t B = out.dim(0), S = out.dim(1), H = out.dim(2), D = out.dim(3);
+  for (auto [t, what] : {std::pair{&out, "out"}, {&lse, "lse"}}) {
+    check_on(*t, d, what, fn);
+    SEQPAR_CHECK(t->dtype() == DType::kFloat32 || t->dtype() == DType::kFloat64, fn, ": ", what, " has dtype ",
+                 dtype_name(t->dtype()), ", expected fp32 or fp64");
+  }
+  check_shape(lse, {B, H, S}, "lse");
+  SEQPAR_CHECK(static_cast<std::int64_t>(sinks.size()) == H, fn, ": ", sinks.size(), " sinks for H = ", H, " heads");
+  SEQPAR_CHECK_CUDA(cudaSetDevice(d.index));
+  const cudaStream_t s = static_cast<cudaStream_t>(stream.handle);
+  // in fp64, rounded once on store (as the host)
+  Tensor o = Tensor::copy_of(out, DType::kFloat64, kWs, stream), l = Tensor::copy_of(lse, DType::kFloat64, kWs, stream);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      fallback_sink_rows(sinks[static_cast<std::size_t>(h)], S, D, o.data_as<double>() + (b * S * H + h) * D, H * D,
+                         l.data_as<double>() + (b * H + h) * S, 1, s);
+  copy_convert(o.view(), out, stream);
+  copy_convert(l.view(), lse, stream);
   SEQPAR_CHECK_CUDA(cudaStreamSynchronize(s));
 }
 

@@ -11,11 +11,17 @@
 // Results are accumulated in the accumulator dtype and converted to the outputs' dtypes. Nothing here has run on a
 // GPU.
 // Supported: the masks of MaskSpec (causal, window, document bounds), GQA, any head dim, fp32 / bf16 / fp16 / fp64,
-// lse of the accumulator dtype or fp64, a given delta, accumulate. Refused with an error naming the feature before
-// any work: dropout, ALiBi, sinks, soft-capping, dlse; tensors on different devices or on the CPU.
+// lse of the accumulator dtype or fp64, a given delta, accumulate; soft-capping, ALiBi, sinks and dropout (the
+// slopes and sinks as host [Hq] vectors, as on the CPU), which run the exact fallback whatever the dtype: its row
+// bodies (attention/fallback_rows.h: mod_score, dropout_factor with the Philox body of attention/dropout.h,
+// fallback_sink_row) are the ones the CPU tests run against the fp64 reference, so a device draws the CPU's
+// dropout mask. Refused with an error naming the feature before any work: dlse; tensors on different devices or
+// on the CPU.
 // Sync: ordered on the stream (the call's stream; its handle may be null, the legacy default stream); returns
 // after the stream has finished the call's work (scratch buffers are freed on return).
 #pragma once
+
+#include <vector>
 
 #include "../mha.h"
 
@@ -40,6 +46,12 @@ void check_backward_call(const MhaBackwardArgs& args, const TensorView& dq, cons
 // Errors: tensors not all on the stream's CUDA device; shapes and dtypes as attn::lse_merge.
 void lse_merge_cuda(const TensorView& out, const TensorView& lse, const TensorView& out_b, const TensorView& lse_b,
                     Stream stream);
+// attn::mha_apply_sinks on CUDA tensors (out [B, S, H, D], lse [B, H, S], fp32 or fp64 each, on the stream's
+// device; sinks: the [H] values, read from the host tensor by the caller): converted to fp64, each row through
+// fallback_sink_row (attention/fallback_rows.h), rounded once on store. Ordered on `stream`; returns after the stream
+// has finished it. Errors: as attn::mha_apply_sinks, and tensors not all on the stream's CUDA device.
+void apply_sinks_cuda(const TensorView& out, const TensorView& lse, const std::vector<double>& sinks, Stream stream);
+
 // attn::mha_backward_delta on CUDA tensors: out and dout converted to the sum's dtype (fp64 when delta is fp64, else
 // fp32, as on the host), then one row per thread (attention/fallback_rows.h, fallback_delta_row, in index order).
 // Ordered on `stream`; returns after the stream has finished it.

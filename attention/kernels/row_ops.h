@@ -96,6 +96,26 @@ SEQPAR_HOST_DEVICE inline void rope_unrotate_pair(T y0, T y1, T c, T s, T& x0, T
   rope_rotate_pair(y0, y1, c, -s, x0, x1);
 }
 
+// The columns of RoPE pair i in a window of 2 half columns starting at `offset`: (offset + i, offset + i + half)
+// rotate-half, (offset + 2i, offset + 2i + 1) interleaved (docs/design.md, "RoPE").
+SEQPAR_HOST_DEVICE inline void rope_pair_columns(bool interleaved, std::int64_t offset, std::int64_t half,
+                                                 std::int64_t i, std::int64_t& c0, std::int64_t& c1) {
+  c0 = offset + (interleaved ? 2 * i : i);
+  c1 = c0 + (interleaved ? 1 : half);
+}
+// Pair i of one row rotated in place (rope_pair_columns, rope_rotate_pair) by the cosine and sine c, s (the attention
+// factor and the backward's sign folded in by the caller).
+template <typename T>
+SEQPAR_HOST_DEVICE inline void rope_rotate_row_pair(T* row, bool interleaved, std::int64_t offset, std::int64_t half,
+                                                    std::int64_t i, T c, T s) {
+  std::int64_t c0 = 0, c1 = 0;
+  rope_pair_columns(interleaved, offset, half, i, c0, c1);
+  T y0, y1;
+  rope_rotate_pair(row[c0], row[c1], c, s, y0, y1);
+  row[c0] = y0;
+  row[c1] = y1;
+}
+
 // Storage element <-> float (16-bit types: runtime/dtype.h's round-to-nearest-even bodies).
 SEQPAR_HOST_DEVICE inline float bf16_to_float(std::uint16_t bits) { return bf16_bits_to_float(bits); }
 SEQPAR_HOST_DEVICE inline float fp16_to_float(std::uint16_t bits) { return fp16_bits_to_float(bits); }

@@ -264,6 +264,28 @@ TEST(AttentionLowering, StripeLaterRankShiftsOneRow) {
   EXPECT_EQ(rects[0].k_end, 7);
 }
 
+// The variants route a device call to the exact fallback (no SDPA graph), each named; a plain call has no reason.
+TEST(AttentionLowering, VariantsRouteToTheFallbackByName) {
+  attn::MhaForwardArgs a;
+  EXPECT_EQ(attn::sdpa_variant_fallback_reason(a), "");
+  std::vector<float> h(4, 0.5f);
+  const TensorView heads(h.data(), DType::kFloat32, {4});
+  const std::pair<const char*, void (*)(attn::MhaForwardArgs&, const TensorView&)> cases[] = {
+      {"soft-capping", [](attn::MhaForwardArgs& x, const TensorView&) { x.mods.softcap = 30.0f; }},
+      {"ALiBi", [](attn::MhaForwardArgs& x, const TensorView& t) { x.mods.alibi_slopes = t; }},
+      {"sinks", [](attn::MhaForwardArgs& x, const TensorView& t) { x.mods.sinks = t; }},
+      {"dropout", [](attn::MhaForwardArgs& x, const TensorView&) { x.dropout.p = 0.1; }}};
+  attn::MhaForwardArgs all;
+  for (const auto& [name, set] : cases) {
+    attn::MhaForwardArgs one;
+    set(one, heads);
+    set(all, heads);
+    const std::string why = attn::sdpa_variant_fallback_reason(one);
+    EXPECT_EQ(why.rfind(name, 0), 0u) << why;
+    EXPECT_NE(attn::sdpa_variant_fallback_reason(all).find(name), std::string::npos);
+  }
+}
+
 TEST(AttentionLowering, BadInputNamesTheRule) {
   const std::vector<std::int64_t> q = {0, 2, 1}, k = {0, 1, 2};
   EXPECT_THROW(

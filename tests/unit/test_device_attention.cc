@@ -14,6 +14,8 @@
 #include "attention/kernels/row_ops.h"
 #include "attention/mha.h"
 #include "attention/reference/mha_reference.h"
+#include "attention/reference/rope_reference.h"
+#include "attention/rope.h"
 #include "runtime/tensor_ops.h"
 #include "util/test_util.h"
 
@@ -233,9 +235,14 @@ double tolerance(DType d) {
 
 class DeviceMha : public ::testing::TestWithParam<MhaCase> {};
 
-TEST_P(DeviceMha, ForwardBackwardMatchFp64Reference) {
-  SKIP_WITHOUT_DEVICE(td);
-  const MhaCase& c = GetParam();
+// The variants of a case (none by default): soft-capping, ALiBi (alibi_slopes(Hq)), sinks, dropout.
+struct MhaMods {
+  float softcap = 0.0f;
+  bool alibi = false, sinks = false;
+  double dropout = 0.0;
+};
+
+void check_mha_case(const TestDevice& td, const MhaCase& c, const MhaMods& m = {}) {
   const Tensor q = test::random_tensor({c.B, c.Sq, c.Hq, c.D}, c.dtype, 11);
   const Tensor k = test::random_tensor({c.B, c.Sk, c.Hkv, c.D}, c.dtype, 12);
   const Tensor v = test::random_tensor({c.B, c.Sk, c.Hkv, c.D}, c.dtype, 13);
@@ -251,13 +258,23 @@ TEST_P(DeviceMha, ForwardBackwardMatchFp64Reference) {
   ra.v = v64;
   ra.q_pos = q_pos;
   ra.mask = attn::MaskSpec(c.causal, c.window);
+  const std::vector<float> slopes = attn::alibi_slopes(c.Hq);
+  std::vector<double> sinks;
+  for (std::int64_t h = 0; h < c.Hq; ++h) sinks.push_back(0.4 * static_cast<double>(h) - 0.5);
+  ra.mods.softcap = m.softcap;
+  if (m.alibi) ra.mods.alibi_slopes = TensorView(const_cast<float*>(slopes.data()), DType::kFloat32, {c.Hq});
+  if (m.sinks) ra.mods.sinks = TensorView(sinks.data(), DType::kFloat64, {c.Hq});
+  ra.dropout.p = m.dropout;
+  ra.dropout.seed = 2024;
+  ra.head_offset = m.dropout > 0.0 ? 1 : 0;
   Tensor want_o = Tensor::empty(q.shape(), DType::kFloat64, kWs),
          want_l = Tensor::empty({c.B, c.Hq, c.Sq}, DType::kFloat64, kWs);
   attn::reference::mha_forward(ra, want_o, want_l);
   Tensor want_dq = Tensor::empty(q.shape(), DType::kFloat64, kWs),
          want_dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
          want_dv = Tensor::empty(k.shape(), DType::kFloat64, kWs);
-  attn::reference::mha_backward(ra, do64, want_dq, want_dk, want_dv);
+  Tensor want_ds = Tensor::empty({c.Hq}, DType::kFloat64, kWs);
+  attn::reference::mha_backward(ra, do64, want_dq, want_dk, want_dv, m.sinks ? want_ds.view() : TensorView{});
 
   const Device d = td.device;
   const Tensor dq_ = on(q, d), dk_ = on(k, d), dv_ = on(v, d), ddo = on(dout, d);
@@ -284,6 +301,60 @@ TEST_P(DeviceMha, ForwardBackwardMatchFp64Reference) {
   EXPECT_TRUE(test::all_close(test::to_double(to_host(gq)), test::to_double(want_dq), tol, tol, "dq"));
   EXPECT_TRUE(test::all_close(test::to_double(to_host(gk)), test::to_double(want_dk), tol, tol, "dk"));
   EXPECT_TRUE(test::all_close(test::to_double(to_host(gv)), test::to_double(want_dv), tol, tol, "dv"));
+}
+
+TEST_P(DeviceMha, ForwardBackwardMatchFp64Reference) {
+  SKIP_WITHOUT_DEVICE(td);
+  check_mha_case(td, GetParam());
+}
+
+// Soft-capping, ALiBi, sinks and dropout on the device (the exact fallback, attention/cuda/mha_cuda.h) against the
+// fp64 reference, which regenerates the dropout mask pair by pair: the device must draw the CPU's mask.
+TEST(DeviceMhaVariants, TinyVariantsMatchFp64Reference) {
+  SKIP_WITHOUT_DEVICE(td);
+  const MhaCase causal{"causal", DType::kFloat32, 1, 12, 12, 2, 1, 16, true, 0};
+  const MhaCase window{"window", DType::kBFloat16, 1, 8, 16, 2, 2, 16, true, 5};
+  const MhaCase fp64{"fp64", DType::kFloat64, 2, 9, 9, 4, 2, 8, false, 0};
+  for (const MhaCase& c : {causal, window, fp64}) {
+    SCOPED_TRACE(c.name);
+    check_mha_case(td, c, {3.0f, false, false, 0.0});
+    check_mha_case(td, c, {0.0f, true, false, 0.0});
+    check_mha_case(td, c, {0.0f, false, true, 0.0});
+    check_mha_case(td, c, {0.0f, false, false, 0.25});
+    check_mha_case(td, c, {5.0f, true, true, 0.1});
+  }
+}
+
+// RoPE on the device (attention/rope.h: the pair body of kernels/row_ops.h launched per pair) against the fp64
+// reference, forward and backward, rotate-half and interleaved, partial, with YaRN's attention factor. Tiny, like
+// the variants above, so that scripts/gpu_check.sh's kernel phase and its compute-sanitizer runs take both.
+TEST(DeviceRope, TinyRotationsMatchFp64Reference) {
+  SKIP_WITHOUT_DEVICE(td);
+  const std::vector<std::int64_t> pos = {0, 3, 4, 9, 100, 1000, 65536};
+  for (const DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat64}) {
+    for (const bool interleaved : {false, true}) {
+      attn::RopeConfig cfg;
+      cfg.pairing = interleaved ? attn::RopePairing::kInterleaved : attn::RopePairing::kRotateHalf;
+      cfg.rotary_dim = 8;
+      cfg.column_offset = interleaved ? 4 : 0;
+      cfg.scaling = attn::RopeScaling::kYarn;
+      cfg.yarn.factor = 4;
+      cfg.yarn.original_max_position_embeddings = 64;
+      const Tensor x = test::random_tensor({2, static_cast<std::int64_t>(pos.size()), 3, 16}, dtype, 31);
+      for (const bool backward : {false, true}) {
+        const Tensor x64 = Tensor::copy_of(x, DType::kFloat64, kWs);
+        Tensor want = Tensor::empty(x.shape(), DType::kFloat64, kWs);
+        backward ? attn::reference::rope_backward(cfg, pos, x64.view(), want.view())
+                 : attn::reference::rope_forward(cfg, pos, x64.view(), want.view());
+        const Tensor xd = on(x, td.device);
+        backward ? attn::rope_backward(xd.view(), pos, cfg) : attn::rope_forward(xd.view(), pos, cfg);
+        const double tol = dtype == DType::kBFloat16 ? 1e-2 : dtype == DType::kFloat32 ? 1e-5 : 1e-12;
+        EXPECT_TRUE(test::all_close(test::to_double(to_host(xd)), test::to_double(want), tol, tol,
+                                    std::string(dtype_name(dtype)) + (interleaved ? " interleaved" : " rotate-half") +
+                                        (backward ? " backward" : " forward")));
+      }
+    }
+  }
 }
 
 const MhaCase kCases[] = {

@@ -40,14 +40,23 @@ std::vector<T> as(const TensorView& t) {
   return {d.begin(), d.end()};
 }
 
+// Score modifiers and dropout of a check (none by default).
+struct Variant {
+  std::string name;
+  float softcap = 0.0f;
+  bool alibi = false, sinks = false;
+  double dropout = 0.0;
+};
+
 template <typename T>
-void check_blocks(double tol) {
+void check_blocks(double tol, const Variant& var = {}) {
   const std::int64_t B = 1, H = 4, Hkv = 2, D = 8;
   int checked = 0;
   for (const Block& blk : blocks()) {
     for (const auto& [causal, window] : {std::pair<bool, std::int64_t>{false, 0}, {true, 0}, {true, 5}}) {
       const MaskSpec mask(causal, window, blk.bounds.lo, blk.bounds.hi);
-      const std::string what = blk.name + (causal ? " causal" : " full") + (window ? " window 5" : "");
+      const std::string what =
+          blk.name + (causal ? " causal" : " full") + (window ? " window 5" : "") + (var.name.empty() ? "" : " " + var.name);
       const auto sq = static_cast<std::int64_t>(blk.q_pos.size()), sk = static_cast<std::int64_t>(blk.k_pos.size());
       const std::uint64_t seed = 100 + checked;
       const Tensor q = test::random_tensor({B, sq, H, D}, DType::kFloat64, seed);
@@ -61,13 +70,26 @@ void check_blocks(double tol) {
       a.q_pos = blk.q_pos;
       a.k_pos = blk.k_pos;
       a.mask = mask;
+      // slopes and sinks of the size of values a model has (the sinks near the rows' lse, so that they matter)
+      std::vector<double> slopes, sinks;
+      for (std::int64_t h = 0; h < H; ++h) {
+        slopes.push_back(var.alibi ? 0.25 / static_cast<double>(h + 1) : 0.0);
+        sinks.push_back(0.5 * static_cast<double>(h) - 0.3);
+      }
+      a.mods.softcap = var.softcap;
+      if (var.alibi) a.mods.alibi_slopes = TensorView(slopes.data(), DType::kFloat64, {H});
+      if (var.sinks) a.mods.sinks = TensorView(sinks.data(), DType::kFloat64, {H});
+      a.dropout.p = var.dropout;
+      a.dropout.seed = 0x1234567890abcdefULL + static_cast<std::uint64_t>(checked);
+      a.head_offset = var.dropout > 0.0 ? 3 : 0;
       Tensor want_o = Tensor::empty(q.shape(), DType::kFloat64, kWs),
              want_l = Tensor::empty({B, H, sq}, DType::kFloat64, kWs);
       Tensor want_dq = Tensor::empty(q.shape(), DType::kFloat64, kWs),
              want_dk = Tensor::empty(k.shape(), DType::kFloat64, kWs),
              want_dv = Tensor::empty(k.shape(), DType::kFloat64, kWs);
       attn::reference::mha_forward(a, want_o, want_l);
-      attn::reference::mha_backward(a, dout, want_dq, want_dk, want_dv);
+      Tensor want_ds = Tensor::empty({H}, DType::kFloat64, kWs);
+      attn::reference::mha_backward(a, dout, want_dq, want_dk, want_dv, var.sinks ? want_ds.view() : TensorView{});
 
       const std::vector<attn::LoweredRect> rects = attn::lower_attention_block(blk.q_pos, blk.k_pos, mask);
       const std::vector<T> qt = as<T>(q), kt = as<T>(k), vt = as<T>(v), dot = as<T>(dout);
@@ -83,6 +105,13 @@ void check_blocks(double tol) {
       p.k = kt.data();
       p.v = vt.data();
       p.tile_rows = 4;  // tiles smaller than most rectangles
+      p.softcap = var.softcap;
+      p.alibi = var.alibi ? slopes.data() : nullptr;
+      p.sinks = var.sinks ? sinks.data() : nullptr;
+      p.q_pos = blk.q_pos.data();
+      p.k_pos = blk.k_pos.data();
+      p.dropout = a.dropout;
+      p.head_offset = a.head_offset;
       attn::fallback::CpuFallbackOps<T> ops;
       std::vector<T> out(qt.size(), T(0)),
           lse(static_cast<std::size_t>(B * H * sq), -std::numeric_limits<T>::infinity());
@@ -110,6 +139,20 @@ void check_blocks(double tol) {
 }
 
 TEST(FallbackAttention, Fp64MatchesReferenceOnEveryLayoutsBlocks) { check_blocks<double>(1e-12); }
+
+// The variants through the row bodies a CUDA device runs (fallback_rows.h: mod_score, dropout_factor with the Philox
+// body of attention/dropout.h, fallback_sink_row), against the reference, which computes them its own way
+// (transform per pair, dropout_keep per pair, sinks as logaddexp).
+TEST(FallbackAttention, SoftcapMatchesReference) { check_blocks<double>(1e-12, {"softcap 2", 2.0f}); }
+TEST(FallbackAttention, AlibiMatchesReferenceOnGlobalPositions) {
+  check_blocks<double>(1e-12, {"alibi", 0.0f, true});
+}
+TEST(FallbackAttention, SinksJoinEachRowOnce) { check_blocks<double>(1e-12, {"sinks", 0.0f, false, true}); }
+TEST(FallbackAttention, DropoutDrawsTheCpuMask) { check_blocks<double>(1e-12, {"dropout 0.3", 0.0f, false, false, 0.3}); }
+TEST(FallbackAttention, AllVariantsTogether) {
+  check_blocks<double>(1e-12, {"softcap alibi sinks dropout", 3.0f, true, true, 0.2});
+  check_blocks<float>(3e-5, {"softcap alibi sinks dropout fp32", 3.0f, true, true, 0.2});
+}
 
 // fp32 arithmetic (sums over <= 41 keys and D = 8 products): a few ulps of the O(1) values.
 TEST(FallbackAttention, Fp32MatchesReferenceToRounding) { check_blocks<float>(2e-5); }

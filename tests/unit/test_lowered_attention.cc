@@ -1,7 +1,7 @@
 // Lowered execution of MHA (attention/lowering.h): every rectangle of a block run as its own kernel call with its
 // cuDNN-style mask in the kernel's terms, merged with the lse merge, must equal one kernel call over the block
 // (fp64: 1e-12; fp32 / bf16: their rounding), forward and backward, for the blocks of every layout's ring steps,
-// all-gather calls and packed rows, with and without causal, window, soft-capping and sinks.
+// all-gather calls and packed rows, with and without causal, window, soft-capping, sinks, ALiBi and dropout.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -54,6 +54,8 @@ struct Variant {
   std::int64_t window;
   float softcap;
   bool sinks;
+  bool alibi = false;     // slopes alibi_slopes(H): the bias reads the global positions (mod_q_pos / mod_k_pos)
+  double dropout = 0.0;   // the mask is keyed by the global positions too
 };
 
 // The forward arguments of `p` on the block's positions and document bounds, with the causal flag and window.
@@ -73,7 +75,10 @@ void check_agreement(DType dtype, double tol) {
                               {"causal", true, 0, 0.0f, false},
                               {"causal window 5", true, 5, 0.0f, false},
                               {"causal window 1 softcap sinks", true, 1, 3.0f, true},
-                              {"full softcap sinks", false, 0, 2.0f, true}};
+                              {"full softcap sinks", false, 0, 2.0f, true},
+                              {"causal alibi", true, 0, 0.0f, false, true},
+                              {"causal window 3 dropout 0.3", true, 3, 0.0f, false, false, 0.3},
+                              {"full alibi dropout 0.2 softcap sinks", false, 0, 2.0f, true, true, 0.2}};
   std::int64_t n = 0;
   const std::int64_t rects_before = attn::lowered_rects_executed();
   std::uint64_t seed = 1;
@@ -83,6 +88,11 @@ void check_agreement(DType dtype, double tol) {
       attn::MhaForwardArgs a = block_args(blk, p, var.causal, var.window);
       a.mods.softcap = var.softcap;
       if (var.sinks) a.mods.sinks = p.sinks.view();
+      const std::vector<float> slopes = attn::alibi_slopes(p.q.dim(2));
+      if (var.alibi) a.mods.alibi_slopes = TensorView(const_cast<float*>(slopes.data()), DType::kFloat32, {p.q.dim(2)});
+      a.dropout.p = var.dropout;
+      a.dropout.seed = seed * 7919;
+      a.head_offset = var.dropout > 0.0 ? 2 : 0;
       const DType acc = accumulator_dtype(dtype);
       const Shape lse_shape = {p.q.dim(0), p.q.dim(2), p.q.dim(1)};
       Tensor out0 = Tensor::empty(p.q.shape(), dtype, MemCategory::kWorkspace);
@@ -144,11 +154,13 @@ TEST(LoweredAttention, EnvironmentSwitchRoutesTheKernelCalls) {
   const std::int64_t ran = attn::lowered_rects_executed() - before;
   if (attn::lowered_attention_enabled()) {
     EXPECT_GT(ran, 0);
-    // dropout keeps the unlowered kernel (its mask is keyed by global positions)
+    // dropout and ALiBi are lowered too (their sub-blocks read the global positions through mod_q_pos / mod_k_pos)
     a.dropout.p = 0.25f;
-    const std::int64_t before_dropout = attn::lowered_rects_executed();
+    const std::vector<float> slopes = attn::alibi_slopes(p.q.dim(2));
+    a.mods.alibi_slopes = TensorView(const_cast<float*>(slopes.data()), DType::kFloat32, {p.q.dim(2)});
+    const std::int64_t before_variants = attn::lowered_rects_executed();
     attn::mha_forward(a, out.view(), lse.view());
-    EXPECT_EQ(attn::lowered_rects_executed(), before_dropout);
+    EXPECT_GT(attn::lowered_rects_executed(), before_variants);
   } else {
     EXPECT_EQ(ran, 0);
   }
