@@ -20,7 +20,18 @@
 //                    inverted_index: CUB's stable radix sort; topk_merge_rows: the union body, then topk_rows.
 //   upload           cudaMemcpyAsync then a wait for the stream (the host buffer may be reused on return).
 //   download         waits for the stream (the copy and all work before it).
-// cuBLASLt's ReLU epilogue (the DSA indexer's GEMM + relu_rows fused) is not used: the table has no fused op.
+//   gemm_relu_fixed_order  fp32: one cublasLtMatmul with CUBLASLT_EPILOGUE_RELU (fp32 in, CUBLAS_COMPUTE_32F: fp32
+//                    accumulation, no TF32) per strided batch, on one pinned algorithm per (transposes, k): cuBLASLt's
+//                    first heuristic choice for a 1024 x 1024 product with 4-byte alignment and no workspace, split-K
+//                    then forced off; a shape that algorithm cannot take is an error, never another algorithm. fp64
+//                    (and k = 0): gemm_fixed_order's kernel with the ReLU in its store; cuBLASLt documents its
+//                    epilogues per type combination and this path stays the bitwise reference of the CPU table's
+//                    (gemm_fixed_order, then relu_rows). The table holds fp32 for bf16 / fp16 data (converted on the
+//                    host by the compositions), so the bf16 / fp16 cuBLASLt forms (the same call with CUDA_R_16BF /
+//                    CUDA_R_16F layouts) wait for device-side bf16 inputs. Whether one algorithm gives an element the
+//                    same bits in every shape (no stream-K or split of k hidden in the kernel) is checked on a GPU by
+//                    test_ops_table (DsaOpsMatchLoopsAndBodies/cuda: a sub-block and a strided batch against the whole
+//                    product, bitwise).
 // Errors: a CUDA / cuBLAS failure throws seqpar::Error naming the call; ops report launch errors at once and execution
 // errors at the next download. Compiled and never run on a GPU so far.
 #pragma once

@@ -105,11 +105,12 @@ void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const
 
 // ---- DSA (ops_cuda_dsa.cu; bodies: dsa_rows.h) ----
 // gemm_fixed_order: one thread per element of C, the sum over k in increasing order by one fused multiply-add per
-// term (the same instructions for every element of every shape; not cuBLAS, so far slower than gemm).
+// term (the same instructions for every element of every shape; not cuBLAS, so far slower than gemm); relu: C =
+// relu(alpha op(A) op(B)) (beta ignored; NaN stays NaN), gemm_relu_fixed_order's fp64 form.
 template <typename T>
 void gemm_fixed_order(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, BatchedMat<const T> a,
                       BatchedMat<const T> b, T beta, BatchedMat<T> c, std::int64_t outer, std::int64_t inner,
-                      cudaStream_t stream);
+                      cudaStream_t stream, bool relu = false);
 // inverted_index: CUB's stable radix sort of (idx, r), then offsets by binary search per destination row.
 void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
                     std::int64_t* list, cudaStream_t stream);
