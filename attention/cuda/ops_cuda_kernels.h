@@ -140,4 +140,12 @@ template <typename T>
 void kl_rows(std::int64_t rows, std::int64_t k, const T* probs, const T* scores, const std::int64_t* idx,
              double grad_scale, T* dscores, double* loss, cudaStream_t stream);
 
+// FlashInfer's filtered top-k (ops_cuda_topk_flashinfer.cu; built when .deps/flashinfer holds its headers:
+// SEQPAR_OPS_WITH_FLASHINFER). usable: k <= 2048, 32-bit lengths, and the device has the shared memory it needs.
+// select: per row r of x [rows, n] (fp32, row stride n), the columns of the k largest of its first len[r] entries
+// (ties at the threshold to the smaller column), in any order, into sel [rows, k] (-1 past len[r]).
+bool flashinfer_topk_usable(std::int64_t n, std::int64_t k);
+void flashinfer_topk_select(float* x, const std::int32_t* len, std::int64_t rows, std::int64_t n, std::int64_t k,
+                            std::int32_t* sel, cudaStream_t stream);
+
 }  // namespace seqpar::attn::cuda
