@@ -163,6 +163,7 @@ probe() {
   echo "# mpirun: $(command -v mpirun >/dev/null && mpirun --version 2>&1 | head -1 || echo none)"
   echo "# compute-sanitizer: $(command -v compute-sanitizer >/dev/null && compute-sanitizer --version | tail -1 || echo none)"
   echo "# cuDNN frontend: $(cat "$root/.deps/cudnn_frontend/VERSION" 2>/dev/null || echo none) (.deps/)"
+  echo "# FlashInfer top-k headers: $(cat "$root/.deps/flashinfer/VERSION" 2>/dev/null || echo "none: fp32 topk_rows on CUB's sort") (.deps/)"
   # what the configure step requires besides the toolkit (MPI, OpenMP, BLAS, nlohmann_json, cxxopts, GTest): a
   # missing one stops the configure below, and this line says which
   local h missing=()
