@@ -14,8 +14,13 @@
 #   ops       the ops table (test_ops_table: every op against fp64 loops; on a GPU the CUDA table's cases must run,
 #             none skipped) and the GDN forward / DSA indexer and attention composed from it (test_gdn_composed,
 #             test_dsa_composed) on the table of SEQPAR_TEST_DEVICE: the CUDA table on a GPU, the CPU table in the dry
-#             run; the existing GDN tests (test_gdn, test_gdn_packed, test_gdn_conv) routed through that composition
-#             (SEQPAR_LOWERED_ATTENTION=1)
+#             run; the existing GDN tests (test_gdn, test_gdn_packed, test_gdn_conv) and DSA tests (test_dsa,
+#             test_dsa_packed_kernel) routed through that composition (SEQPAR_LOWERED_ATTENTION=1; a route that finds
+#             no CUDA table skips its run with the reason, which fails the phase)
+#   cpops     the GDN and DSA CP tests (test_gdn_cp, test_gdn_cp_packed, test_dsa_cp, test_dsa_packed) at 2 and 4 ranks
+#             on the one device, every kernel call composed on the table of SEQPAR_TEST_DEVICE (the ranks share the
+#             GPU; their messages go through MPI on the host), their cases that compare against the one-rank result;
+#             skipped with the reason when mpirun is missing (MPI may not be installed on the GPU machine)
 #   sanitize  compute-sanitizer memcheck and racecheck on the custom kernels at tiny shapes (*Tiny* cases); memcheck
 #             on the CUDA ops table's cases
 #   bench     kernel_bench --device: attention forward and backward at S 4K/16K/64K, D 128, causal and not, against a
@@ -29,17 +34,17 @@
 #             one rank (ring and USP, zigzag, causal; MHA only): last, since the CP layers' device path is the
 #             newest code and has never run on a GPU
 # Budget: 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
-# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 115 s (configure, and device_probe, which compiles the cuDNN
-# frontend's translation unit, ~2 minutes alone), build 110 (the CUDA ops table's CUB sorts are one translation unit
-# of their own), kernels 20, ops 25, sanitize 25, bench 25, opsbench 25 (Triton compiles and autotunes fla's kernels
-# in its warm-up), cp 15.
+# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 100 s (configure, and device_probe, which compiles the cuDNN
+# frontend's translation unit, ~2 minutes alone on a slow machine), build 105 (the CUDA ops table's CUB sorts are one
+# translation unit of their own), kernels 20, ops 25, cpops 30, sanitize 20, bench 20, opsbench 25 (Triton compiles
+# and autotunes fla's kernels in its warm-up), cp 15.
 #
 # --dry-run runs the same phases with the CPU device at tiny shapes (the CPU build, the CPU tests, the same
 # commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases; each limit 60 s
 # longer), so that the script itself is tested (ctest gpu_check.dry_run). Nothing is installed: what a CUDA build
 # needs beyond the CUDA toolkit, CMake and PyTorch travels in the checkout's ignored .deps/
 # (scripts/install_gpu_deps.sh, run before copying the checkout to the GPU machine). MPI may be missing there: then the
-# cp phase fails and says so.
+# cpops phase is skipped with the reason and the cp phase fails and says so.
 set -uo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -53,7 +58,7 @@ while [ $# -gt 0 ]; do
     --out) out=$2; shift ;;
     --build-dir) build_dir=$2; shift ;;
     --jobs) jobs=$2; shift ;;
-    -h|--help) sed -n '2,40p' "$0"; exit 0 ;;
+    -h|--help) awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -115,6 +120,8 @@ run_phase() {
   logs+=("$log")
   if [ "$rc" = 0 ]; then
     statuses+=(pass)
+  elif [ "$rc" = 77 ]; then  # the phase cannot run here and has said why (its log)
+    statuses+=(skipped)
   else
     [ "$rc" = 124 ] && statuses+=("timeout") || statuses+=("FAIL rc=$rc")
     summary
@@ -131,7 +138,7 @@ summary() {
     for i in "${!phases[@]}"; do
       printf "%-3s %-9s %-12s %7s  %s\n" $((i + 1)) "${phases[$i]}" "${statuses[$i]}" "${seconds[$i]}" "${logs[$i]}"
     done
-    local all=(probe build kernels ops sanitize bench opsbench cp)
+    local all=(probe build kernels ops cpops sanitize bench opsbench cp)
     for ((i = ${#phases[@]}; i < ${#all[@]}; i++)); do
       printf "%-3s %-9s %-12s %7s  %s\n" $((i + 1)) "${all[$i]}" "not run" - -
     done
@@ -156,6 +163,7 @@ probe() {
   echo "# mpirun: $(command -v mpirun >/dev/null && mpirun --version 2>&1 | head -1 || echo none)"
   echo "# compute-sanitizer: $(command -v compute-sanitizer >/dev/null && compute-sanitizer --version | tail -1 || echo none)"
   echo "# cuDNN frontend: $(cat "$root/.deps/cudnn_frontend/VERSION" 2>/dev/null || echo none) (.deps/)"
+  echo "# FlashInfer top-k headers: $(cat "$root/.deps/flashinfer/VERSION" 2>/dev/null || echo "none: fp32 topk_rows on CUB's sort") (.deps/)"
   # what the configure step requires besides the toolkit (MPI, OpenMP, BLAS, nlohmann_json, cxxopts, GTest): a
   # missing one stops the configure below, and this line says which
   local h missing=()
@@ -190,7 +198,8 @@ probe() {
 
 build() {
   local targets=(device_probe test_device_attention test_row_ops test_cudnn_sdpa_support kernel_bench sp_bench
-                 test_ops_table test_gdn_composed test_dsa_composed test_gdn test_gdn_packed test_gdn_conv ops_bench)
+                 test_ops_table test_gdn_composed test_dsa_composed test_gdn test_gdn_packed test_gdn_conv ops_bench
+                 test_dsa test_dsa_packed_kernel test_gdn_cp test_gdn_cp_packed test_dsa_cp test_dsa_packed)
   cmake --build "$build_dir" -j "$jobs" --target "${targets[@]}"
 }
 
@@ -218,10 +227,48 @@ ops() {
   # the compositions on the table of SEQPAR_TEST_DEVICE (tests/util/ops_table.h: an error, not a skip, without one)
   SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/test_gdn_composed" --gtest_brief=1 || exit 1
   SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/test_dsa_composed" --gtest_brief=1 || exit 1
-  # the existing GDN tests through the composition on that table (tests/util/ops_table_hooks.cc)
+  # the existing GDN and DSA tests through the composition on that table (tests/util/ops_table_hooks.cc,
+  # ops_table_dsa_hooks.cc); a route without a CUDA table skips the run with the reason: a failure here
   local g
-  for g in test_gdn test_gdn_packed test_gdn_conv; do
-    SEQPAR_LOWERED_ATTENTION=1 SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/$g" --gtest_brief=1 || exit 1
+  for g in test_gdn test_gdn_packed test_gdn_conv test_dsa test_dsa_packed_kernel; do
+    SEQPAR_LOWERED_ATTENTION=1 SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=2 "$t/$g" --gtest_brief=1 2>&1 |
+      tee "$out/$g.composed.txt" || exit 1
+    if grep -q "no CUDA ops table for the composed" "$out/$g.composed.txt"; then
+      echo "gpu_check: $g skipped its composed run on $device"
+      exit 1
+    fi
+  done
+}
+
+# The GDN and DSA CP tests at 2 and 4 ranks with every kernel call composed on the table of $device: the cases that
+# compare the CP result with the one-rank result (the one-rank run is composed too).
+cp_ops() {
+  command -v mpirun >/dev/null || {
+    echo "gpu_check: skipped: mpirun not found, and the composed CP tests need MPI (the one-process composed tests ran in phase ops)"
+    exit 77
+  }
+  # each binary's cases that check the CP result against one rank or the fp64 reference (test: filter)
+  local cases=("test_gdn_cp GdnCp/GdnCpVsRecurrence.*" "test_gdn_cp_packed GdnCpPacked.MatchesPackedReference*"
+               "test_dsa_cp DsaCp/DsaCpVsSingleRank.*"
+               "test_dsa_packed DsaPacked.MixedDocumentsMatchEachDocumentAlone:DsaPacked.OneDocumentEqualsTheUnpackedPath")
+  local np c t filter log
+  for np in 2 4; do
+    for c in "${cases[@]}"; do
+      t=${c%% *}
+      filter=${c#* }
+      log="$out/$t.composed.np$np.txt"
+      echo "# mpirun -np $np $t --gtest_filter=$filter (SEQPAR_LOWERED_ATTENTION=1 SEQPAR_TEST_DEVICE=$device)"
+      SEQPAR_LOWERED_ATTENTION=1 SEQPAR_TEST_DEVICE=$device OMP_NUM_THREADS=1 mpirun -np "$np" "$bin/tests/mpi/$t" \
+        --gtest_filter="$filter" --gtest_brief=1 --gtest_color=no 2>&1 | tee "$log" || exit 1
+      if grep -q "no CUDA ops table for the composed" "$log"; then
+        echo "gpu_check: $t skipped its composed run on $device"
+        exit 1
+      fi
+      if grep -q "^\[==========\] 0 tests from" "$log"; then
+        echo "gpu_check: $t has no case matching $filter"
+        exit 1
+      fi
+    done
   done
 }
 
@@ -283,12 +330,13 @@ limit() {  # SEQPAR_GPU_CHECK_<PHASE>_S overrides the default; the dry run adds 
   echo "${!var:-$(($2 + 60 * dry_run))}"
 }
 
-run_phase probe "$(limit probe 115)" probe
-run_phase build "$(limit build 110)" build
+run_phase probe "$(limit probe 100)" probe
+run_phase build "$(limit build 105)" build
 run_phase kernels "$(limit kernels 20)" kernels
 run_phase ops "$(limit ops 25)" ops
-run_phase sanitize "$(limit sanitize 25)" sanitize
-run_phase bench "$(limit bench 25)" bench
+run_phase cpops "$(limit cpops 30)" cp_ops
+run_phase sanitize "$(limit sanitize 20)" sanitize
+run_phase bench "$(limit bench 20)" bench
 run_phase opsbench "$(limit opsbench 25)" opsbench
 run_phase cp "$(limit cp 15)" cp_ranks
 summary

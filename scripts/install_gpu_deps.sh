@@ -5,6 +5,10 @@
 # machine that has no registry. Only its include/ folder is kept (about 3 MB). CMake finds it there
 # (attention/CMakeLists.txt). Safe to run any number of times; prints the include directory. CPU-only builds do not
 # need it.
+# Also FlashInfer's header-only top-k (flashinfer/topk.cuh and the five headers it includes, about 0.3 MB) from
+# PyPI's flashinfer-python at a pinned version, into .deps/flashinfer/include (SEQPAR_SKIP_FLASHINFER=1 skips it): the
+# CUDA ops table's topk_rows uses it for fp32 rows when it is there (attention/cuda/ops_cuda.h); only the wheel's
+# data/include/flashinfer/ headers are kept, nothing of it is committed.
 # Also fla's chunk GDN kernel for gpu_check.sh's comparison (scripts/gdn_fla_bench.py): fla-core and einops, pure
 # Python, pinned, into .deps/fla (about 14 MB; it needs the GPU machine's PyTorch and Triton). SEQPAR_SKIP_FLA=1 skips
 # it.
@@ -30,6 +34,31 @@ if [ "${SEQPAR_SKIP_FLA:-0}" != 1 ]; then
     mv "$tmp/fla" "$fla_dest"
     echo "$fla_pins" > "$fla_dest/VERSION"
     echo "install_gpu_deps: $fla_pins in $fla_dest (PYTHONPATH for scripts/gdn_fla_bench.py)"
+  fi
+fi
+flashinfer_version=0.7.2.post1  # topk.cuh's API (FilteredTopK, TopKTieBreak::Small) changes between releases
+flashinfer_dest=${SEQPAR_DEPS_DIR:-$root/.deps}/flashinfer
+flashinfer_headers="topk.cuh topk_common.cuh utils.cuh vec_dtypes.cuh exception.h math.cuh"
+if [ "${SEQPAR_SKIP_FLASHINFER:-0}" != 1 ]; then
+  if [ -f "$flashinfer_dest/include/flashinfer/topk.cuh" ] &&
+     [ "$(cat "$flashinfer_dest/VERSION" 2>/dev/null)" = "$flashinfer_version" ]; then
+    echo "install_gpu_deps: FlashInfer $flashinfer_version top-k headers already in $flashinfer_dest/include"
+  else
+    # the wheel (about 60 MB) is downloaded by name and pinned, then only the top-k headers are extracted
+    python3 -m pip download --quiet --no-deps --disable-pip-version-check --dest "$tmp/fi" \
+      "flashinfer-python==$flashinfer_version"
+    rm -rf "$flashinfer_dest"
+    mkdir -p "$flashinfer_dest/include/flashinfer"
+    for h in $flashinfer_headers; do
+      python3 - "$tmp"/fi/flashinfer_python-*.whl "flashinfer/data/include/flashinfer/$h" \
+        "$flashinfer_dest/include/flashinfer/$h" <<'PY' || { echo "install_gpu_deps: flashinfer-python $flashinfer_version has no include/flashinfer/$h" >&2; exit 1; }
+import shutil, sys, zipfile
+with zipfile.ZipFile(sys.argv[1]) as z, z.open(sys.argv[2]) as src, open(sys.argv[3], "wb") as dst:
+    shutil.copyfileobj(src, dst)
+PY
+    done
+    echo "$flashinfer_version" > "$flashinfer_dest/VERSION"
+    echo "install_gpu_deps: FlashInfer $flashinfer_version top-k headers in $flashinfer_dest/include"
   fi
 fi
 if [ -f "$dest/include/cudnn_frontend.h" ] && [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$version" ]; then

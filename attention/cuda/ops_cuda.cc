@@ -1,9 +1,12 @@
 // The CUDA ops table (ops_cuda.h): cuBLAS calls and memory here, kernels and CUB in ops_cuda_kernels.cu.
 #include "attention/cuda/ops_cuda.h"
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
+#include <map>
+#include <tuple>
 #include <type_traits>
 
 #include "attention/cuda/ops_cuda_kernels.h"
@@ -47,6 +50,50 @@ class PointerArrays {
   cudaStream_t stream_;
 };
 
+// cuBLASLt descriptors of one matmul, destroyed at the end of the scope.
+struct LtMatmul {
+  cublasLtMatmulDesc_t op = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr;
+  LtMatmul() = default;
+  LtMatmul(const LtMatmul&) = delete;
+  LtMatmul& operator=(const LtMatmul&) = delete;
+  ~LtMatmul() {
+    if (c != nullptr) cublasLtMatrixLayoutDestroy(c);
+    if (b != nullptr) cublasLtMatrixLayoutDestroy(b);
+    if (a != nullptr) cublasLtMatrixLayoutDestroy(a);
+    if (op != nullptr) cublasLtMatmulDescDestroy(op);
+  }
+};
+
+// An fp32 column-major layout [rows, cols] (ld) of `count` matrices `stride` apart.
+cublasLtMatrixLayout_t lt_layout(std::int64_t rows, std::int64_t cols, std::int64_t ld, std::int64_t count,
+                                 std::int64_t stride) {
+  cublasLtMatrixLayout_t l = nullptr;
+  SEQPAR_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&l, CUDA_R_32F, static_cast<std::uint64_t>(rows),
+                                                 static_cast<std::uint64_t>(cols), ld));
+  const std::int32_t n = static_cast<std::int32_t>(count);
+  SEQPAR_CHECK_CUBLAS(cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &n, sizeof n));
+  SEQPAR_CHECK_CUBLAS(
+      cublasLtMatrixLayoutSetAttribute(l, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof stride));
+  return l;
+}
+
+// The descriptors of C' = relu(alpha op_a(A') op_b(B')), fp32 in, fp32 accumulation (no TF32), fp32 out: the
+// column-major call of ops_cuda_plan.h's GemmCall g over `count` matrices with the given strides.
+void lt_relu_matmul(LtMatmul& d, const cuda_plan::GemmCall& g, std::int64_t count, std::int64_t sa, std::int64_t sb,
+                    std::int64_t sc) {
+  SEQPAR_CHECK_CUBLAS(cublasLtMatmulDescCreate(&d.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  const cublasOperation_t ta = op_of(g.op_a), tb = op_of(g.op_b);
+  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_RELU;
+  SEQPAR_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta));
+  SEQPAR_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb));
+  SEQPAR_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(d.op, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof epilogue));
+  const bool na = g.op_a == Trans::kN, nb = g.op_b == Trans::kN;
+  d.a = lt_layout(na ? g.m : g.k, na ? g.k : g.m, g.lda, count, sa);
+  d.b = lt_layout(nb ? g.k : g.n, nb ? g.n : g.k, g.ldb, count, sb);
+  d.c = lt_layout(g.m, g.n, g.ldc, count, sc);
+}
+
 template <typename T>
 class CudaOps final : public Ops<T> {
  public:
@@ -55,8 +102,12 @@ class CudaOps final : public Ops<T> {
     SEQPAR_CHECK_CUBLAS(cublasCreate(&handle_));
     SEQPAR_CHECK_CUBLAS(cublasSetStream(handle_, stream_));
     SEQPAR_CHECK_CUBLAS(cublasSetMathMode(handle_, CUBLAS_PEDANTIC_MATH));  // fp32 stays fp32 (no TF32)
+    SEQPAR_CHECK_CUBLAS(cublasLtCreate(&lt_));
   }
-  ~CudaOps() override { cublasDestroy(handle_); }
+  ~CudaOps() override {
+    cublasLtDestroy(lt_);
+    cublasDestroy(handle_);
+  }
   CudaOps(const CudaOps&) = delete;
   CudaOps& operator=(const CudaOps&) = delete;
 
@@ -244,6 +295,20 @@ class CudaOps final : public Ops<T> {
     kern::gemm_fixed_order(ta == Trans::kT, tb == Trans::kT, m, n, k, alpha, batched(a), batched(b), beta, batched(c),
                            batch.outer, batch.inner, stream_);
   }
+  void gemm_relu_fixed_order(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha,
+                             Mat<const T> a, Mat<const T> b, Mat<T> c, Batch batch) override {
+    if (m <= 0 || n <= 0 || batch.count() <= 0) return;
+    DeviceScope scope(device_);
+    if constexpr (std::is_same_v<T, float>) {
+      if (k > 0) {
+        lt_gemm_relu(ta, tb, m, n, k, alpha, a, b, c, batch);
+        return;
+      }
+    }
+    // fp64 (and k = 0: C = relu(0) = 0): the fixed-order kernel with the ReLU in its store
+    kern::gemm_fixed_order(ta == Trans::kT, tb == Trans::kT, m, n, k, alpha, batched(a), batched(b), T(0), batched(c),
+                           batch.outer, batch.inner, stream_, true);
+  }
   void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
                       std::int64_t* list) override {
     DeviceScope scope(device_);
@@ -285,9 +350,79 @@ class CudaOps final : public Ops<T> {
   }
 
  private:
+  // The one algorithm of every gemm_relu_fixed_order call with these transposes and this k: cuBLASLt's first heuristic
+  // choice for a 1024 x 1024 product with 4-byte alignment and no workspace, then split-K forced off (one split, no
+  // reduction scheme), so that every element of C is reduced over k by one kernel's fixed sequence whatever m, n and
+  // the batch (edge tiles predicated). The heuristic is a function of the device, the library and these arguments,
+  // so every table and every process on the device pins the same algorithm. A shape it cannot take is an error,
+  // never a silent change of algorithm (which would break the op's bitwise promise).
+  const cublasLtMatmulAlgo_t& pinned_relu_algo(const cuda_plan::GemmCall& g) {
+    const auto key = std::make_tuple(static_cast<int>(g.op_a), static_cast<int>(g.op_b), g.k);
+    const auto found = relu_algos_.find(key);
+    if (found != relu_algos_.end()) return found->second;
+    cuda_plan::GemmCall canon = g;
+    canon.m = canon.n = 1024;
+    canon.lda = g.op_a == Trans::kN ? canon.m : canon.k;
+    canon.ldb = g.op_b == Trans::kN ? canon.k : canon.n;
+    canon.ldc = canon.m;
+    LtMatmul d;
+    lt_relu_matmul(d, canon, 1, 0, 0, 0);
+    cublasLtMatmulPreference_t pref = nullptr;
+    SEQPAR_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+    const std::uint64_t no_workspace = 0;
+    const std::uint32_t align = 4;
+    cublasLtMatmulHeuristicResult_t result{};
+    int count = 0;
+    cublasStatus_t rc = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                             &no_workspace, sizeof no_workspace);
+    for (const auto attr : {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+      if (rc == CUBLAS_STATUS_SUCCESS) rc = cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof align);
+    if (rc == CUBLAS_STATUS_SUCCESS)
+      rc = cublasLtMatmulAlgoGetHeuristic(lt_, d.op, d.a, d.b, d.c, d.c, pref, 1, &result, &count);
+    cublasLtMatmulPreferenceDestroy(pref);
+    SEQPAR_CHECK_CUBLAS(rc);
+    SEQPAR_CHECK(count > 0 && result.state == CUBLAS_STATUS_SUCCESS,
+                 "gemm_relu_fixed_order: cuBLASLt has no fp32 ReLU-epilogue algorithm for k = ", g.k,
+                 " without workspace");
+    cublasLtMatmulAlgo_t algo = result.algo;
+    const std::uint32_t one_split = 1, no_reduction = CUBLASLT_REDUCTION_SCHEME_NONE;
+    SEQPAR_CHECK_CUBLAS(
+        cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &one_split, sizeof one_split));
+    SEQPAR_CHECK_CUBLAS(cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                                             &no_reduction, sizeof no_reduction));
+    return relu_algos_.emplace(key, algo).first->second;
+  }
+
+  // gemm_relu_fixed_order in fp32: one cuBLASLt matmul with CUBLASLT_EPILOGUE_RELU per strided batch (the batch of
+  // ops_cuda_plan.h's plan; a two-level batch that is not one stride is one call per outer index, inner strided).
+  void lt_gemm_relu(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha, Mat<const float> a,
+                    Mat<const float> b, Mat<float> c, Batch batch) {
+    const cuda_plan::GemmCall g = cuda_plan::plan_gemm(ta, tb, m, n, k, cuda_plan::layout_of(a),
+                                                       cuda_plan::layout_of(b), cuda_plan::layout_of(c), batch);
+    const cublasLtMatmulAlgo_t& algo = pinned_relu_algo(g);
+    const std::int64_t calls = g.strided ? 1 : batch.outer, per_call = g.strided ? g.count : batch.inner;
+    LtMatmul d;
+    if (g.strided)
+      lt_relu_matmul(d, g, per_call, g.stride_a, g.stride_b, g.stride_c);
+    else
+      lt_relu_matmul(d, g, per_call, b.si, a.si, c.si);
+    cublasLtMatmulHeuristicResult_t check{};
+    SEQPAR_CHECK(cublasLtMatmulAlgoCheck(lt_, d.op, d.a, d.b, d.c, d.c, &algo, &check) == CUBLAS_STATUS_SUCCESS,
+                 "gemm_relu_fixed_order: the pinned cuBLASLt algorithm does not take m = ", m, ", n = ", n, ", k = ", k,
+                 " (leading dims ", a.ld, ", ", b.ld, ", ", c.ld, "); another algorithm would break the op's bitwise "
+                 "promise");
+    const float beta = 0.0f;
+    for (std::int64_t o = 0; o < calls; ++o)
+      SEQPAR_CHECK_CUBLAS(cublasLtMatmul(lt_, d.op, &alpha, b.ptr + o * b.so, d.a, a.ptr + o * a.so, d.b, &beta,
+                                         c.ptr + o * c.so, d.c, c.ptr + o * c.so, d.c, &algo, nullptr, 0, stream_));
+  }
+
   int device_;
   cudaStream_t stream_;
   cublasHandle_t handle_ = nullptr;
+  cublasLtHandle_t lt_ = nullptr;
+  std::map<std::tuple<int, int, std::int64_t>, cublasLtMatmulAlgo_t> relu_algos_;
 };
 
 void check_target(Device device, Stream stream) {

@@ -24,7 +24,7 @@ __device__ inline double fused_madd(double a, double b, double c) { return fma(a
 template <typename T>
 __global__ void gemm_fixed_kernel(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha,
                                   BatchedMat<const T> a, BatchedMat<const T> b, T beta, BatchedMat<T> c,
-                                  std::int64_t inner, std::int64_t total) {
+                                  std::int64_t inner, std::int64_t total, bool relu) {
   SEQPAR_GRID_LOOP(t, total) {
     const std::int64_t j = t % n, i = (t / n) % m, e = t / (m * n), o = e / inner, x = e % inner;
     const T* ap = a.ptr + o * a.so + x * a.si;
@@ -33,7 +33,12 @@ __global__ void gemm_fixed_kernel(bool ta, bool tb, std::int64_t m, std::int64_t
     T acc = T(0);
     for (std::int64_t p = 0; p < k; ++p) acc = fused_madd(ap[i * sa_i + p * sa_p], bp[p * sb_p + j * sb_j], acc);
     T& cij = c.ptr[o * c.so + x * c.si + i * c.ld + j];
-    cij = beta == T(0) ? alpha * acc : alpha * acc + beta * cij;
+    if (relu) {
+      const T v = alpha * acc;
+      cij = v < T(0) ? T(0) : v;  // NaN stays NaN (relu_rows' rule)
+    } else {
+      cij = beta == T(0) ? alpha * acc : alpha * acc + beta * cij;
+    }
   }
 }
 
@@ -137,11 +142,11 @@ void check_launch() { SEQPAR_CHECK_CUDA(cudaGetLastError()); }
 template <typename T>
 void gemm_fixed_order(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, BatchedMat<const T> a,
                       BatchedMat<const T> b, T beta, BatchedMat<T> c, std::int64_t outer, std::int64_t inner,
-                      cudaStream_t stream) {
+                      cudaStream_t stream, bool relu) {
   const std::int64_t total = m * n * outer * inner;
   if (m <= 0 || n <= 0 || total <= 0) return;
   gemm_fixed_kernel<T>
-      <<<blocks_for(total), kThreads, 0, stream>>>(ta, tb, m, n, k > 0 ? k : 0, alpha, a, b, beta, c, inner, total);
+      <<<blocks_for(total), kThreads, 0, stream>>>(ta, tb, m, n, k > 0 ? k : 0, alpha, a, b, beta, c, inner, total, relu);
   check_launch();
 }
 
@@ -242,7 +247,8 @@ void kl_rows(std::int64_t rows, std::int64_t k, const T* probs, const T* scores,
 
 #define SEQPAR_OPS_CUDA_INSTANTIATE(T)                                                                                 \
   template void gemm_fixed_order<T>(bool, bool, std::int64_t, std::int64_t, std::int64_t, T, BatchedMat<const T>,      \
-                                    BatchedMat<const T>, T, BatchedMat<T>, std::int64_t, std::int64_t, cudaStream_t);  \
+                                    BatchedMat<const T>, T, BatchedMat<T>, std::int64_t, std::int64_t, cudaStream_t,   \
+                                    bool);                                                                             \
   template void sum_rows_indexed<T>(std::int64_t, std::int64_t, const T*, std::int64_t, const std::int64_t*,           \
                                     const std::int64_t*, T*, std::int64_t, cudaStream_t);                              \
   template void topk_merge_rows<T>(std::int64_t, std::int64_t, T*, std::int64_t*, const T*, const std::int64_t*,       \

@@ -105,11 +105,12 @@ void short_conv_dweight(std::int64_t rows, std::int64_t C, std::int64_t W, const
 
 // ---- DSA (ops_cuda_dsa.cu; bodies: dsa_rows.h) ----
 // gemm_fixed_order: one thread per element of C, the sum over k in increasing order by one fused multiply-add per
-// term (the same instructions for every element of every shape; not cuBLAS, so far slower than gemm).
+// term (the same instructions for every element of every shape; not cuBLAS, so far slower than gemm); relu: C =
+// relu(alpha op(A) op(B)) (beta ignored; NaN stays NaN), gemm_relu_fixed_order's fp64 form.
 template <typename T>
 void gemm_fixed_order(bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha, BatchedMat<const T> a,
                       BatchedMat<const T> b, T beta, BatchedMat<T> c, std::int64_t outer, std::int64_t inner,
-                      cudaStream_t stream);
+                      cudaStream_t stream, bool relu = false);
 // inverted_index: CUB's stable radix sort of (idx, r), then offsets by binary search per destination row.
 void inverted_index(std::int64_t n_src, const std::int64_t* idx, std::int64_t n_dst, std::int64_t* offsets,
                     std::int64_t* list, cudaStream_t stream);
@@ -138,5 +139,13 @@ void indexer_grad_rows(std::int64_t queries, std::int64_t Hi, std::int64_t n, T*
 template <typename T>
 void kl_rows(std::int64_t rows, std::int64_t k, const T* probs, const T* scores, const std::int64_t* idx,
              double grad_scale, T* dscores, double* loss, cudaStream_t stream);
+
+// FlashInfer's filtered top-k (ops_cuda_topk_flashinfer.cu; built when .deps/flashinfer holds its headers:
+// SEQPAR_OPS_WITH_FLASHINFER). usable: k <= 2048, 32-bit lengths, and the device has the shared memory it needs.
+// select: per row r of x [rows, n] (fp32, row stride n), the columns of the k largest of its first len[r] entries
+// (ties at the threshold to the smaller column), in any order, into sel [rows, k] (-1 past len[r]).
+bool flashinfer_topk_usable(std::int64_t n, std::int64_t k);
+void flashinfer_topk_select(float* x, const std::int32_t* len, std::int64_t rows, std::int64_t n, std::int64_t k,
+                            std::int32_t* sel, cudaStream_t stream);
 
 }  // namespace seqpar::attn::cuda

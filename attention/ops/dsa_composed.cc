@@ -76,12 +76,13 @@ void block_candidates(Ops<T>& ops, const DsaIndexerArgs& args, std::int64_t k, s
     }
     const Buffer<std::int64_t> d_lo(ops, tlo), d_hi(ops, thi);
     Buffer<T> logits(ops, tq * Hi * n), score(ops, tq * n);
-    // 1. logits [tq Hi, n] (fixed order: a pair's score is the same in any tile and block); 2. the ReLU-weighted
-    // head sum
+    // 1. relu(logits) [tq Hi, n] (fixed order: a pair's score is the same in any tile and block); 2. the
+    // ReLU-weighted head sum
     if (n > 0) {
-      ops.gemm_fixed_order(Trans::kN, Trans::kT, tq * Hi, n, Di, T(1), Mat<const T>{q.get() + r0 * Hi * Di, Di, 0, 0},
-                           Mat<const T>{kk.get() + (b * Sk + c0) * Di, Di, 0, 0}, T(0), Mat<T>{logits.get(), n, 0, 0},
-                           Batch{1, 1});
+      ops.gemm_relu_fixed_order(Trans::kN, Trans::kT, tq * Hi, n, Di, T(1),
+                                Mat<const T>{q.get() + r0 * Hi * Di, Di, 0, 0},
+                                Mat<const T>{kk.get() + (b * Sk + c0) * Di, Di, 0, 0}, Mat<T>{logits.get(), n, 0, 0},
+                                Batch{1, 1});
       ops.relu_head_sum_rows(tq, Hi, n, logits.get(), w.get() + r0 * Hi, score.get());
     }
     // 3. top-k over each row's candidate columns
@@ -161,7 +162,8 @@ void sum_by_inverted_index(Ops<T>& ops, std::int64_t n_src, const std::int64_t* 
 
 // The indexer inputs of a selected-slot pass over one key block: the slot-to-row map and the uploaded inputs; per
 // chunk of queries [q0, q0 + qc), ksel [qc, k, Di] the gathered index keys (zero rows for slots outside the block)
-// and logits [qc, Hi, k] = q_idx ksel^T per query (gemm_fixed_order: the scores of the top-k pass, bitwise).
+// and logits [qc, Hi, k] = relu(q_idx ksel^T) per query (gemm_relu_fixed_order: the scores of the top-k pass,
+// bitwise; the head sum and the backward read only relu(s) and s > 0).
 template <typename T>
 struct SelectedIndexer {
   std::int64_t B, Sq, Hi, Di, Sk, k;
@@ -183,8 +185,9 @@ struct SelectedIndexer {
   std::int64_t chunk() const { return query_chunk(B * Sq, k * std::max(Di, Hi)); }
   void logits(Ops<T>& ops, std::int64_t q0, std::int64_t qc, T* ksel, T* out) const {
     ops.gather_rows(qc * k, Di, kk.get(), Di, d_rows.get() + q0 * k, ksel, Di);
-    ops.gemm_fixed_order(Trans::kN, Trans::kT, Hi, k, Di, T(1), Mat<const T>{q.get() + q0 * Hi * Di, Di, 0, Hi * Di},
-                         Mat<const T>{ksel, Di, 0, k * Di}, T(0), Mat<T>{out, k, 0, Hi * k}, Batch{1, qc});
+    ops.gemm_relu_fixed_order(Trans::kN, Trans::kT, Hi, k, Di, T(1),
+                              Mat<const T>{q.get() + q0 * Hi * Di, Di, 0, Hi * Di}, Mat<const T>{ksel, Di, 0, k * Di},
+                              Mat<T>{out, k, 0, Hi * k}, Batch{1, qc});
   }
 };
 

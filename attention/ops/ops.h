@@ -172,6 +172,20 @@ class Ops : public Memory {
                                 Mat<const T> a, Mat<const T> b, T beta, Mat<T> c, Batch batch) {
     unsupported_op(this->name(), "gemm_fixed_order");
   }
+  // C = relu(alpha op(A) op(B)) for every matrix of the batch (C's old contents ignored), with gemm_fixed_order's
+  // promise among this op's own calls: an element's bits do not depend on m, n, the batch or its place in C. The DSA
+  // indexer logits, whose consumers (relu_head_sum_rows, indexer_grad_rows) read only relu(s) and s > 0, so that the
+  // fused ReLU changes none of their results. A NaN product gives NaN or 0 (table-dependent; both read as "not
+  // positive"). Default (the CPU table, the reference): gemm_fixed_order with beta = 0, then relu_rows on every matrix.
+  // CUDA: fp32, one cuBLASLt matmul with the ReLU epilogue on one pinned algorithm without split-K; fp64, the
+  // fixed-order kernel of gemm_fixed_order with the ReLU in its store.
+  virtual void gemm_relu_fixed_order(Trans ta, Trans tb, std::int64_t m, std::int64_t n, std::int64_t k, T alpha,
+                                     Mat<const T> a, Mat<const T> b, Mat<T> c, Batch batch) {
+    gemm_fixed_order(ta, tb, m, n, k, alpha, a, b, T(0), c, batch);
+    if (m <= 0 || n <= 0) return;
+    for (std::int64_t o = 0; o < batch.outer; ++o)
+      for (std::int64_t e = 0; e < batch.inner; ++e) relu_rows(m, n, c.at(o, e), c.ld);
+  }
   // The inverted index of a row map idx [n_src]: for every dst row d < n_dst, the src rows r with idx[r] = d in
   // ascending r, as offsets [n_dst + 1] and list [n_src] (list[offsets[d] .. offsets[d + 1]) are d's rows; idx[r] < 0
   // is in no list). CUDA: a stable radix sort of (idx, r) pairs and a scan of the row counts.

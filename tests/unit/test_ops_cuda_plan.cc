@@ -215,6 +215,58 @@ void check_topk_by_keys() {
   }
 }
 
+// The fp32 path through FlashInfer's top-k (ops_cuda_sort.cu): FlashInferInput keeps the scores' order and ties with
+// every NaN below every score under FlashInfer's bit order; FlashInfer's rule (the k largest keys of each row's first
+// len entries, ties to the smaller index) on the mapped rows, then dropping NaN and sorting by column, is the CPU
+// table's top-k on rows full of ties, NaN, -0 and infinities.
+TEST(OpsCudaPlan, TopkThroughFlashInferInputIsTheTableRule) {
+  using F = FlashInferInput;
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const float tiny = std::numeric_limits<float>::denorm_min(), big = std::numeric_limits<float>::max();
+  const std::vector<float> ascending = {-inf, -big, -3.0f, -tiny, -0.0f, 0.0f, tiny, 2.0f, big, inf};
+  for (std::size_t i = 0; i < ascending.size(); ++i)
+    for (std::size_t j = 0; j < ascending.size(); ++j) {
+      const float a = ascending[i], b = ascending[j];
+      EXPECT_EQ(a < b, F::key(F::of(a)) < F::key(F::of(b))) << a << " vs " << b;
+      EXPECT_EQ(a == b, F::key(F::of(a)) == F::key(F::of(b))) << a << " vs " << b;
+      EXPECT_LT(F::key(F::of(nan)), F::key(F::of(a))) << a;
+      EXPECT_LT(F::key(F::of(-nan)), F::key(F::of(a))) << a;
+    }
+  EXPECT_EQ(F::of(-0.0f), 0.0f);
+  EXPECT_FALSE(std::signbit(F::of(-0.0f)));
+  const std::int64_t rows = 96, n = 23, k = 6;
+  std::mt19937_64 rng(22);
+  const float pool[] = {2.0f, 1.0f, 0.0f, -0.0f, -1.0f, -inf, inf, nan, 0.5f, -tiny, -big};
+  std::vector<float> s(rows * n);
+  for (float& x : s) x = pool[rng() % 11];
+  std::vector<std::int64_t> lo(rows), hi(rows);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    lo[r] = static_cast<std::int64_t>(rng() % 30) - 4;
+    hi[r] = lo[r] + static_cast<std::int64_t>(rng() % 14) - 1;
+  }
+  std::vector<std::int64_t> want_idx(rows * k);
+  std::vector<float> want_val(rows * k);
+  cpu_ops<float>().topk_rows(rows, n, k, s.data(), n, lo.data(), hi.data(), want_idx.data(), want_val.data());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t b = std::clamp<std::int64_t>(lo[r], 0, n), e = std::clamp<std::int64_t>(hi[r], b, n);
+    // FlashInfer's selection on the mapped row [b, e): all of it when len <= k, else the k largest keys, ties to the
+    // smaller index
+    std::vector<std::int64_t> cols;
+    for (std::int64_t j = 0; j < e - b; ++j) cols.push_back(j);
+    std::stable_sort(cols.begin(), cols.end(), [&](std::int64_t x, std::int64_t y) {
+      return F::key(F::of(s[r * n + b + x])) > F::key(F::of(s[r * n + b + y]));
+    });
+    if (static_cast<std::int64_t>(cols.size()) > k) cols.resize(k);
+    std::vector<std::int64_t> chosen;  // the pick: absolute columns of non-NaN scores, by column
+    for (const std::int64_t c : cols)
+      if (!std::isnan(s[r * n + b + c])) chosen.push_back(b + c);
+    std::sort(chosen.begin(), chosen.end());
+    for (std::int64_t t = 0; t < k; ++t)
+      EXPECT_EQ(t < static_cast<std::int64_t>(chosen.size()) ? chosen[t] : -1, want_idx[r * k + t])
+          << "row " << r << " slot " << t;
+  }
+}
+
 TEST(OpsCudaPlan, TopkBySortedKeysIsTheTableRule) {
   check_topk_by_keys<float>();
   check_topk_by_keys<double>();

@@ -615,6 +615,38 @@ TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
         for (std::int64_t j = 0; j < 4; ++j)
           EXPECT_EQ(got[(i + 2) * n + j + 3], sub[i * 4 + j]) << "gemm_fixed_order (" << i << ", " << j << ")";
     }
+    {  // gemm_relu_fixed_order (the indexer logits): relu(alpha A B^T) against fp64, C's old contents ignored (NaN
+       // there); the same bits for rows 2..4 x columns 3..6 alone, and for a strided batch of two products (the
+       // selected-slot pass's form) whose second matrix is the first product's rows 3..5
+      const std::int64_t m = 6, n = 7, k = 9;
+      const T alpha = T(0.75);
+      const auto a = r64(m * k, 63), b = r64(n * k, 64);
+      const Buffer<T> da(ops, cast<T>(a)), db(ops, cast<T>(b));
+      Buffer<T> c(ops, std::vector<T>(m * n, std::numeric_limits<T>::quiet_NaN())), c2(ops, 3 * 4), c3(ops, 2 * 3 * n);
+      ops.gemm_relu_fixed_order(Trans::kN, Trans::kT, m, n, k, alpha, Mat<const T>{da.get(), k},
+                                Mat<const T>{db.get(), k}, Mat<T>{c.get(), n}, Batch{});
+      ops.gemm_relu_fixed_order(Trans::kN, Trans::kT, 3, 4, k, alpha, Mat<const T>{da.get() + 2 * k, k},
+                                Mat<const T>{db.get() + 3 * k, k}, Mat<T>{c2.get(), 4}, Batch{});
+      ops.gemm_relu_fixed_order(Trans::kN, Trans::kT, 3, n, k, alpha, Mat<const T>{da.get(), k, 0, 3 * k},
+                                Mat<const T>{db.get(), k, 0, 0}, Mat<T>{c3.get(), n, 0, 3 * n}, Batch{1, 2});
+      const auto got = get(ops, c), sub = get(ops, c2), bat = get(ops, c3);
+      std::vector<double> want(m * n);
+      for (std::int64_t i = 0; i < m; ++i)
+        for (std::int64_t j = 0; j < n; ++j) {
+          double s = 0.0;
+          for (std::int64_t p = 0; p < k; ++p) s += a[i * k + p] * b[j * k + p];
+          want[i * n + j] = std::max(0.0, double(alpha) * s);
+        }
+      expect_close(want, got, "gemm_relu_fixed_order");
+      std::int64_t zeros = 0;
+      for (const T v : got) zeros += v == T(0);
+      EXPECT_GT(zeros, 0) << "gemm_relu_fixed_order: the case has no negative product to clamp";
+      for (std::int64_t i = 0; i < 3; ++i)
+        for (std::int64_t j = 0; j < 4; ++j)
+          EXPECT_EQ(got[(i + 2) * n + j + 3], sub[i * 4 + j]) << "gemm_relu_fixed_order (" << i << ", " << j << ")";
+      for (std::int64_t e = 0; e < m * n; ++e)
+        EXPECT_EQ(got[e], bat[e]) << "gemm_relu_fixed_order, batched: element " << e;
+    }
     {  // inverted_index and sum_rows_indexed: 23 rows onto 6 (some -1, one target empty)
       const std::int64_t n_src = 23, n_dst = 6, cols = 5;
       std::vector<std::int64_t> idx(n_src);

@@ -23,6 +23,20 @@ inline bool ops_table_is_cuda() {
   return name == "cuda";
 }
 
+// Why the CUDA table cannot run here (seqpar built without CUDA, no usable device); empty when it can.
+inline std::string cuda_table_unavailable_reason() {
+  if (!attn::ops::cuda_ops_built()) return "seqpar was built without CUDA (SEQPAR_WITH_CUDA=OFF)";
+  if (cuda_device_count() <= 0) return cuda_unavailable_reason();
+  return {};
+}
+
+// The message of a test-mode route (tests/util/ops_table_hooks.cc, ops_table_dsa_hooks.cc) that skips its whole run
+// because SEQPAR_TEST_DEVICE=cuda asks for the CUDA table and none is usable; scripts/gpu_check.sh fails on it.
+inline std::string ops_table_route_skip(const char* kind, const std::string& reason) {
+  return std::string("SEQPAR_TEST_DEVICE=cuda: no CUDA ops table for the composed ") + kind +
+         " route, every test skipped: " + reason;
+}
+
 // Calls f(table) with the selected table of `dtype`'s arithmetic dtype.
 template <typename F>
 void with_test_ops(DType dtype, F&& f) {

@@ -2,10 +2,12 @@
 // test-mode routes that gdn_hook_install.cc installs on the CPU table are installed again on the CUDA table
 // (tests/util/ops_table.h) before the first test (a gtest environment runs after every static initializer), so that
 // the existing GDN tests under SEQPAR_LOWERED_ATTENTION=1 run the composition on the device (scripts/gpu_check.sh,
-// phase ops). Without SEQPAR_TEST_DEVICE=cuda nothing changes.
+// phase ops). Without a usable CUDA table (a CPU build, no device) the run skips every test with the reason
+// (ops_table_route_skip) in the mode, never runs them on the CPU table. Without SEQPAR_TEST_DEVICE=cuda nothing changes.
 #include <gtest/gtest.h>
 
 #include "attention/ops/gdn_hook.h"
+#include "runtime/env.h"
 #include "tests/util/ops_table.h"
 
 namespace seqpar::test {
@@ -14,7 +16,9 @@ namespace {
 class CudaTableRoutes : public ::testing::Environment {
  public:
   void SetUp() override {
-    if (!ops_table_is_cuda()) return;
+    if (!ops_table_is_cuda() || !env::lowered_attention()) return;  // the routes are taken only in the mode
+    const std::string reason = cuda_table_unavailable_reason();
+    if (!reason.empty()) GTEST_SKIP() << ops_table_route_skip("GDN", reason);
     attn::ops::set_gdn_forward_hook(&composed::gdn_forward, &composed::gdn_transition);
     attn::ops::set_gdn_backward_hook(&composed::gdn_backward);
     attn::ops::set_gdn_map_product_hook(&composed::gdn_map_product);
