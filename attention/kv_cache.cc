@@ -28,8 +28,8 @@ MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec), positions_(spec.c
     k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
     v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
   } catch (const Error& e) {
-    SEQPAR_THROW("MhaKvCache: K and V of ", shape_str(shape), " ", dtype_name(spec.dtype), " (batch, capacity, kv_heads, ",
-                 "head_dim): ", e.message());
+    SEQPAR_THROW("MhaKvCache: K and V of ", shape_str(shape), " ", dtype_name(spec.dtype),
+                 " (batch, capacity, kv_heads, ", "head_dim): ", e.message());
   }
   positions_.reserve();
 }

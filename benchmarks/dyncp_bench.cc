@@ -56,8 +56,7 @@ struct PlanToRun {
 std::int64_t plan_int(const nlohmann::json& j, const char* key, const std::string& plan) {
   SEQPAR_CHECK(j.contains(key), "dyncp_bench: plan ", plan, ": a micro-batch has no '", key, "'");
   const nlohmann::json& v = j.at(key);
-  SEQPAR_CHECK(v.is_number_integer(), "dyncp_bench: plan ", plan, ": '", key, "' = ", v.dump(),
-               " must be an integer");
+  SEQPAR_CHECK(v.is_number_integer(), "dyncp_bench: plan ", plan, ": '", key, "' = ", v.dump(), " must be an integer");
   return v.get<std::int64_t>();
 }
 
@@ -149,8 +148,8 @@ int dyncp_bench_run(int argc, char** argv) {
   const int rounds = r["rounds"].as<int>(), warmup = r["warmup"].as<int>(), threads = r["threads"].as<int>();
   SEQPAR_CHECK(rounds >= 1, "dyncp_bench: --rounds ", rounds, " must be >= 1");
   SEQPAR_CHECK(warmup >= 0, "dyncp_bench: --warmup ", warmup, " must be >= 0");
-  SEQPAR_CHECK(threads >= 1 && threads <= kMaxThreadsPerRank, "dyncp_bench: --threads ", threads,
-               " must be in [1, ", kMaxThreadsPerRank, "]");
+  SEQPAR_CHECK(threads >= 1 && threads <= kMaxThreadsPerRank, "dyncp_bench: --threads ", threads, " must be in [1, ",
+               kMaxThreadsPerRank, "]");
   std::ifstream in(plan_path);
   SEQPAR_CHECK(in.good(), "dyncp_bench: cannot read ", plan_path);
   nlohmann::json pj;

@@ -77,8 +77,7 @@ struct GdnFlopShape {
 // larger C would count work that is not done (--chunk-size 1000 reported 6x the GFLOP/s of 128 at the same time).
 inline double gdn_forward_flops(const GdnFlopShape& s) {
   const double c = static_cast<double>(std::min({s.chunk_size, s.seq, attn::kGdnMaxChunkSize})),
-               k = static_cast<double>(s.head_dim),
-               v = static_cast<double>(s.dim_v);
+               k = static_cast<double>(s.head_dim), v = static_cast<double>(s.dim_v);
   const double conv = 2.0 * static_cast<double>(s.conv_width) * static_cast<double>(s.conv_channels);
   return static_cast<double>(s.batch) * static_cast<double>(s.seq) *
          (static_cast<double>(s.heads) * (6 * c * k + 4 * c * v + 6 * k * v) + conv);
