@@ -63,8 +63,14 @@ DsaCache::DsaCache(const DsaCacheSpec& spec) : spec_(spec), positions_(spec.capa
   SEQPAR_CHECK(spec.batch >= 1 && spec.index_dim >= 1 && spec.latent_dim >= 1, "DsaCache: batch ", spec.batch,
                ", index_dim ", spec.index_dim, " and latent_dim ", spec.latent_dim, " must be >= 1");
   check_cache_dtype(spec.dtype, "DsaCache");
-  k_idx_ = Tensor::empty({spec.batch, spec.capacity, spec.index_dim}, spec.dtype, MemCategory::kPersistentCache);
-  c_ = Tensor::empty({spec.batch, spec.capacity, spec.latent_dim}, spec.dtype, MemCategory::kPersistentCache);
+  try {
+    k_idx_ = Tensor::empty({spec.batch, spec.capacity, spec.index_dim}, spec.dtype, MemCategory::kPersistentCache);
+    c_ = Tensor::empty({spec.batch, spec.capacity, spec.latent_dim}, spec.dtype, MemCategory::kPersistentCache);
+  } catch (const Error& e) {
+    SEQPAR_THROW("DsaCache: batch ", spec.batch, ", capacity ", spec.capacity, ", index_dim ", spec.index_dim,
+                 " + latent_dim ", spec.latent_dim, " ", dtype_name(spec.dtype), ": ", e.message());
+  }
+  positions_.reserve();
 }
 
 TensorView DsaCache::k_idx_rows(std::int64_t b) const {

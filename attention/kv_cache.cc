@@ -24,8 +24,14 @@ MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec), positions_(spec.c
                ", kv_heads ", spec.kv_heads, " and head_dim ", spec.head_dim, " must be >= 1");
   check_cache_dtype(spec.dtype, "MhaKvCache");
   const Shape shape{spec.batch, spec.capacity, spec.kv_heads, spec.head_dim};
-  k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
-  v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
+  try {
+    k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
+    v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
+  } catch (const Error& e) {
+    SEQPAR_THROW("MhaKvCache: K and V of ", shape_str(shape), " ", dtype_name(spec.dtype),
+                 " (batch, capacity, kv_heads, ", "head_dim): ", e.message());
+  }
+  positions_.reserve();
 }
 
 TensorView MhaKvCache::k_rows(std::int64_t b) const {

@@ -9,7 +9,14 @@ namespace seqpar::attn {
 
 TokenPositions::TokenPositions(std::int64_t capacity, const char* cache) : capacity_(capacity), cache_(cache) {
   SEQPAR_CHECK(capacity >= 0, cache, ": capacity ", capacity, " must be >= 0");
-  positions_.reserve(static_cast<std::size_t>(capacity));
+}
+
+void TokenPositions::reserve() {
+  try {
+    positions_.reserve(static_cast<std::size_t>(capacity_));
+  } catch (const std::exception&) {  // std::bad_alloc, std::length_error
+    SEQPAR_THROW(cache_, ": out of memory reserving the positions of capacity ", capacity_, " tokens (8 bytes each)");
+  }
 }
 
 std::vector<std::int64_t> TokenPositions::check_new(std::int64_t n, std::span<const std::int64_t> positions) const {

@@ -15,8 +15,11 @@ namespace seqpar::attn {
 // capacity rule of its appends. `cache` names the owner in messages ("MhaKvCache").
 class TokenPositions {
  public:
-  // Errors: capacity < 0 ("<cache>: capacity -1 must be >= 0").
+  // Errors: capacity < 0 ("<cache>: capacity -1 must be >= 0"). Reserves nothing: the cache calls reserve() once
+  // its storage is allocated, so that a capacity too large for the node fails there, with the cache's error.
   TokenPositions(std::int64_t capacity, const char* cache);
+  // Reserves room for `capacity` positions (8 bytes each). Errors: "<cache>: out of memory reserving ...".
+  void reserve();
 
   std::int64_t capacity() const { return capacity_; }
   std::int64_t length() const { return static_cast<std::int64_t>(positions_.size()); }

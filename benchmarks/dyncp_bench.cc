@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cxxopts.hpp>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -42,13 +43,25 @@ std::string load_average() {
   return str_cat(a, " ", b, " ", c);
 }
 
+constexpr int kMaxThreadsPerRank = 1024;  // as sp_bench's --threads
+
 struct PlanToRun {
   std::string name;
   double predicted_s = 0;
   std::vector<DynamicCpMicroBatch> micro_batches;
 };
 
-PlanToRun plan_from_json(const nlohmann::json& j) {
+// An integer field of a plan (a JSON number with a fractional part, a string or a missing key is an Error naming
+// the plan and the field, not a silent truncation).
+std::int64_t plan_int(const nlohmann::json& j, const char* key, const std::string& plan) {
+  SEQPAR_CHECK(j.contains(key), "dyncp_bench: plan ", plan, ": a micro-batch has no '", key, "'");
+  const nlohmann::json& v = j.at(key);
+  SEQPAR_CHECK(v.is_number_integer(), "dyncp_bench: plan ", plan, ": '", key, "' = ", v.dump(), " must be an integer");
+  return v.get<std::int64_t>();
+}
+
+// `doc_lens`: the plan file's documents (input.doc_lens); a micro-batch's own doc_lens, when present, must be theirs.
+PlanToRun plan_from_json(const nlohmann::json& j, const std::vector<std::int64_t>& doc_lens) {
   SEQPAR_CHECK(!j.contains("excluded"), "dyncp_bench: plan ", j.value("name", "?"),
                " is excluded: ", j.value("excluded", ""));
   PlanToRun p;
@@ -56,12 +69,55 @@ PlanToRun plan_from_json(const nlohmann::json& j) {
   p.predicted_s = j.at("step_s").get<double>();
   for (const auto& m : j.at("micro_batches")) {
     DynamicCpMicroBatch mb;
-    mb.degree = m.at("degree").get<int>();
-    mb.group = m.at("group").get<int>();
-    for (const auto& d : m.at("docs")) mb.doc_ids.push_back(d.get<std::int64_t>());
+    const std::int64_t degree = plan_int(m, "degree", p.name), group = plan_int(m, "group", p.name);
+    SEQPAR_CHECK(degree >= 1 && degree <= std::numeric_limits<int>::max() && group >= 0 &&
+                     group <= std::numeric_limits<int>::max(),
+                 "dyncp_bench: plan ", p.name, ": micro-batch ", p.micro_batches.size(), " has degree ", degree,
+                 " and group ", group, " (degree must be >= 1, group >= 0)");
+    mb.degree = static_cast<int>(degree);
+    mb.group = static_cast<int>(group);
+    for (const auto& d : m.at("docs")) {
+      SEQPAR_CHECK(d.is_number_integer(), "dyncp_bench: plan ", p.name, ": micro-batch ", p.micro_batches.size(),
+                   " names document ", d.dump(), ", not an integer index");
+      mb.doc_ids.push_back(d.get<std::int64_t>());
+    }
+    if (m.contains("doc_lens")) {
+      const std::vector<std::int64_t> lens = m.at("doc_lens").get<std::vector<std::int64_t>>();
+      SEQPAR_CHECK(lens.size() == mb.doc_ids.size(), "dyncp_bench: plan ", p.name, ": micro-batch ",
+                   p.micro_batches.size(), " has ", mb.doc_ids.size(), " docs but ", lens.size(), " doc_lens");
+      for (std::size_t i = 0; i < lens.size(); ++i) {
+        const std::int64_t id = mb.doc_ids[i];
+        SEQPAR_CHECK(id < 0 || id >= static_cast<std::int64_t>(doc_lens.size()) ||
+                         lens[i] == doc_lens[static_cast<std::size_t>(id)],
+                     "dyncp_bench: plan ", p.name, ": micro-batch ", p.micro_batches.size(), " gives document ", id,
+                     " length ", lens[i], ", but input.doc_lens says ", doc_lens[static_cast<std::size_t>(id)],
+                     " (an edited plan file: plan again with sp_plan --dynamic-cp)");
+      }
+    }
     p.micro_batches.push_back(std::move(mb));
   }
   return p;
+}
+
+// The plan's sp_bench problem flags that dyncp_bench runs: MHA with --heads, --kv-heads, --head-dim, --causal,
+// --dtype and --seed. Anything else that changes the attention (a window, score modifiers, dropout, RoPE, a grid) is
+// refused rather than silently left out of the timed step.
+void check_problem_runs(const SpBenchOptions& o) {
+  std::vector<std::string> unsupported;
+  if (o.window != 0) unsupported.push_back(str_cat("--window ", o.window));
+  if (o.softcap != 0) unsupported.push_back(str_cat("--softcap ", o.softcap));
+  if (o.alibi) unsupported.push_back("--alibi");
+  if (o.sinks) unsupported.push_back("--sinks");
+  if (o.dropout != 0) unsupported.push_back(str_cat("--dropout ", o.dropout));
+  if (o.rope) unsupported.push_back("--rope");
+  if (o.grid.ulysses_size != 1 || o.grid.ring_size != 1 || o.grid.dp_size != 1)
+    unsupported.push_back("a grid (--ulysses-size / --ring-size / --dp-size)");
+  if (o.batch != 1) unsupported.push_back(str_cat("--batch ", o.batch));
+  std::string text;
+  for (const std::string& u : unsupported) text += str_cat(text.empty() ? "" : ", ", u);
+  SEQPAR_CHECK(unsupported.empty(), "dyncp_bench: the plan's problem flags set ", text,
+               ", which dyncp_bench does not run (it times MHA with --heads, --kv-heads, --head-dim, --causal, "
+               "--dtype and --seed only); plan without them");
 }
 
 // One micro-batch of this rank, its inputs cut before timing.
@@ -71,7 +127,7 @@ struct LocalMicroBatch {
   Tensor q, k, v, dout;
 };
 
-int dyncp_bench_main(int argc, char** argv) {
+int dyncp_bench_run(int argc, char** argv) {
   const WorldPlace place = mpi_world_place();
   cxxopts::Options spec("dyncp_bench", "runs the plans of an sp_plan --dynamic-cp JSON file, interleaved");
   // clang-format off
@@ -84,24 +140,33 @@ int dyncp_bench_main(int argc, char** argv) {
     ("json", "write the results to FILE (rank 0)", cxxopts::value<std::string>())
     ("help", "print this help");
   // clang-format on
-  cxxopts::ParseResult r;
-  try {
-    r = spec.parse(argc, argv);
-  } catch (const std::exception& e) {
-    SEQPAR_THROW("dyncp_bench: bad command line: ", e.what(), " (see --help)");
-  }
-  if (r.count("help")) {
-    if (place.rank == 0) std::printf("%s\n", spec.help().c_str());
-    return 0;
-  }
+  const std::optional<cxxopts::ParseResult> parsed_args = parse_command_line(spec, argc, argv, place.rank);
+  if (!parsed_args) return 0;
+  const cxxopts::ParseResult& r = *parsed_args;
   SEQPAR_CHECK(r.count("plan"), "dyncp_bench: --plan FILE is required");
   const std::string plan_path = r["plan"].as<std::string>();
+  const int rounds = r["rounds"].as<int>(), warmup = r["warmup"].as<int>(), threads = r["threads"].as<int>();
+  SEQPAR_CHECK(rounds >= 1, "dyncp_bench: --rounds ", rounds, " must be >= 1");
+  SEQPAR_CHECK(warmup >= 0, "dyncp_bench: --warmup ", warmup, " must be >= 0");
+  SEQPAR_CHECK(threads >= 1 && threads <= kMaxThreadsPerRank, "dyncp_bench: --threads ", threads, " must be in [1, ",
+               kMaxThreadsPerRank, "]");
   std::ifstream in(plan_path);
   SEQPAR_CHECK(in.good(), "dyncp_bench: cannot read ", plan_path);
   nlohmann::json pj;
-  in >> pj;
-  SEQPAR_CHECK(pj["input"]["world_size"].get<int>() == place.size, "dyncp_bench: the plan is for ",
-               pj["input"]["world_size"].get<int>(), " ranks, this run has ", place.size);
+  try {
+    in >> pj;
+  } catch (const nlohmann::json::exception& e) {
+    SEQPAR_THROW("dyncp_bench: ", plan_path, " is not an sp_plan --dynamic-cp JSON file: ", e.what());
+  }
+  // The first collective: ranks started with other flags or another plan (mpirun's MPMD form) stop here, each
+  // naming what differs, before the grids are built or any plan runs (a rank with more --rounds would wait forever).
+  check_ranks_agree(options_fingerprint_start("dyncp_bench")
+                        .add_text("--run", r["run"].as<std::string>())
+                        .add_int("--rounds", rounds)
+                        .add_int("--warmup", warmup)
+                        .add_int("--threads", threads)
+                        .add_text("--plan (FNV-1a digest of its JSON)",
+                                  str_cat(Fingerprint("plan").add_text("json", pj.dump()).digest())));
   const std::vector<std::int64_t> doc_lens = pj["input"]["doc_lens"].get<std::vector<std::int64_t>>();
   const std::string layout_name_text = pj["input"]["layout"].get<std::string>();
   const RingImpl impl = parse_ring_impl(pj["input"]["impl"].get<std::string>());
@@ -116,7 +181,7 @@ int dyncp_bench_main(int argc, char** argv) {
   const std::optional<SpBenchOptions> parsed = parse_sp_bench_options(static_cast<int>(av.size()), av.data(), 1, 1);
   SEQPAR_CHECK(parsed && parsed->attn == "mha", "dyncp_bench: runs MHA plans only");
   const SpBenchOptions& o = *parsed;
-  const int threads = r["threads"].as<int>();
+  check_problem_runs(o);
 #if defined(_OPENMP)
   omp_set_num_threads(threads);
 #endif
@@ -125,16 +190,16 @@ int dyncp_bench_main(int argc, char** argv) {
   for (const std::string& name : split_commas(r["run"].as<std::string>())) {
     bool found = false;
     if (pj["dynamic"].value("name", "") == name || name == "dynamic") {
-      plans.push_back(plan_from_json(pj["dynamic"]));
+      plans.push_back(plan_from_json(pj["dynamic"], doc_lens));
       plans.back().name = name;
       found = true;
     } else if (name == "mixed") {
-      plans.push_back(plan_from_json(pj["mixed"]));
+      plans.push_back(plan_from_json(pj["mixed"], doc_lens));
       found = true;
     } else {
       for (const auto& s : pj["statics"]) {
         if (s.value("name", "") == name) {
-          plans.push_back(plan_from_json(s));
+          plans.push_back(plan_from_json(s, doc_lens));
           found = true;
         }
       }
@@ -194,9 +259,8 @@ int dyncp_bench_main(int argc, char** argv) {
     barrier(*world, 24 * 3600.0);
     return std::make_pair(wall_seconds() - t0, busy);
   };
-  for (int w = 0; w < r["warmup"].as<int>(); ++w)
+  for (int w = 0; w < warmup; ++w)
     for (std::size_t p = 0; p < plans.size(); ++p) run_plan(p);
-  const int rounds = r["rounds"].as<int>();
   std::vector<std::vector<double>> step(plans.size()), busy(plans.size());
   for (int round = 0; round < rounds; ++round) {
     for (std::size_t p = 0; p < plans.size(); ++p) {
@@ -248,6 +312,16 @@ int dyncp_bench_main(int argc, char** argv) {
   }
   barrier(*world, 24 * 3600.0);
   return 0;
+}
+
+// A plan file with a field of the wrong type or a missing one stops every rank naming it (the same file on every
+// rank, agreed before the fields are read).
+int dyncp_bench_main(int argc, char** argv) {
+  try {
+    return dyncp_bench_run(argc, argv);
+  } catch (const nlohmann::json::exception& e) {
+    SEQPAR_THROW("dyncp_bench: the --plan file is not an sp_plan --dynamic-cp JSON file: ", e.what());
+  }
 }
 
 }  // namespace

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention/gdn.h"
+
 namespace seqpar::bench {
 
 // ---- DSA: indexer + top-k, sparse latent attention, indexer loss (attention/dsa.h) ----------------------------------
@@ -65,15 +67,17 @@ inline double dsa_backward_flops(const DsaFlopShape& s) {
 struct GdnFlopShape {
   std::int64_t batch = 1, seq = 0;
   std::int64_t heads = 0, head_dim = 0, dim_v = 0;  // Hv value heads, K, V
-  std::int64_t chunk_size = 0;                      // C = min(chunk_size, S)
+  std::int64_t chunk_size = 0;                      // C = min(chunk_size, S, kGdnMaxChunkSize)
   std::int64_t conv_width = 0, conv_channels = 0;   // short conv: W and its channels (0: no conv)
 };
 
 // Forward: per token and value head 6 C K + 4 C V + 6 K V (the chunk's [C, C] and [C, K] / [C, V] products and its
 // [K, V] state products), plus 2 W per token and conv channel.
+// C is the chunk the kernels run: a chunk_size above attn::kGdnMaxChunkSize (128) runs as chunks of 128 tokens, so a
+// larger C would count work that is not done (--chunk-size 1000 reported 6x the GFLOP/s of 128 at the same time).
 inline double gdn_forward_flops(const GdnFlopShape& s) {
-  const double c = static_cast<double>(std::min(s.chunk_size, s.seq)), k = static_cast<double>(s.head_dim),
-               v = static_cast<double>(s.dim_v);
+  const double c = static_cast<double>(std::min({s.chunk_size, s.seq, attn::kGdnMaxChunkSize})),
+               k = static_cast<double>(s.head_dim), v = static_cast<double>(s.dim_v);
   const double conv = 2.0 * static_cast<double>(s.conv_width) * static_cast<double>(s.conv_channels);
   return static_cast<double>(s.batch) * static_cast<double>(s.seq) *
          (static_cast<double>(s.heads) * (6 * c * k + 4 * c * v + 6 * k * v) + conv);

@@ -6,6 +6,7 @@
 //   dsa_topk_selected_scores,
 //             dsa_indexer_loss, dsa_indexer_backward
 // FLOPs: benchmarks/flop_models.h (docs/benchmarks.md, "Definitions of the benchmark figures"), as sp_bench counts them.
+#include <algorithm>
 #include <cstdio>
 
 #include "attention/dsa.h"
@@ -33,11 +34,12 @@ nlohmann::json run_dsa(const Context& ctx) {
   fs.indexer_dim = args["indexer-dim"].as<std::int64_t>();
   fs.topk = args["topk"].as<std::int64_t>();
   const std::int64_t B = fs.batch, H = fs.heads, Dqk = fs.head_dim, Dv = fs.dim_v, Hi = fs.indexer_heads,
-                     Di = fs.indexer_dim, topk = fs.topk;
-  std::printf("#\n# dsa: DeepSeek sparse attention, B=%lld H=%lld Dqk=%lld Dv=%lld Hi=%lld Di=%lld topk=%lld, causal\n",
-              static_cast<long long>(B), static_cast<long long>(H), static_cast<long long>(Dqk),
-              static_cast<long long>(Dv), static_cast<long long>(Hi), static_cast<long long>(Di),
-              static_cast<long long>(topk));
+                     Di = fs.indexer_dim, topk_given = fs.topk;
+  std::printf(
+      "#\n# dsa: DeepSeek sparse attention, B=%lld H=%lld Dqk=%lld Dv=%lld Hi=%lld Di=%lld topk=%lld (at most S: a "
+      "row has S keys), causal\n",
+      static_cast<long long>(B), static_cast<long long>(H), static_cast<long long>(Dqk), static_cast<long long>(Dv),
+      static_cast<long long>(Hi), static_cast<long long>(Di), static_cast<long long>(topk_given));
   std::printf(
       "# FLOPs: fwd sel*2*H*(Dqk+Dv) + vis*2*Hi*Di, bwd sel*(2.5*2*H*(Dqk+Dv) + 3*2*Hi*Di); sel, vis: "
       "selected and visible (query, key) pairs\n");
@@ -47,6 +49,10 @@ nlohmann::json run_dsa(const Context& ctx) {
   nlohmann::json results = nlohmann::json::array();
   for (std::int64_t S : seqs) {
     fs.seq = S;
+    // A query selects at most its S visible keys: slots beyond S would be -1 padding, arrays of [B, S, topk] and
+    // time spent on nothing (a --topk far above S ran out of memory). The rows report the k that ran.
+    const std::int64_t topk = std::min(topk_given, S);
+    fs.topk = topk;
     const MemCategory ws = MemCategory::kWorkspace;
     auto make = [&](Shape shape, std::uint32_t seed, float lo, float hi) {
       Tensor t = Tensor::empty(std::move(shape), DType::kFloat32, ws);

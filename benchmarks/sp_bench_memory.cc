@@ -91,6 +91,8 @@ MemoryEstimate estimate_memory(const SpBenchOptions& o, int world_rank) {
               {"workspace", p.workspace},
               {"comm buffers", p.comm}};
   e.phases = {{"fwd", w.inputs + w.forward.total()}, {"bwd", w.inputs + w.backward.total()}};
+  // DSA's selection arrays are [B, S_local, topk] whatever S: a --topk far above --seq is the size to cut.
+  if (o.attn == "dsa") e.size_flags = str_cat("--seq, --batch or --topk ", o.topk);
 
   const bool sp_root = cp_coords_of(o.grid, world_rank).cp_rank == 0;
   const double reference = w.full_inputs + w.full_outputs + w.reference_scratch;

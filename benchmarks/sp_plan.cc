@@ -337,6 +337,10 @@ int sp_plan_main(int argc, char** argv) {
     const nlohmann::json j = plan_json(in, profile, rows);
     write_file_atomic(r["json"].as<std::string>(), [&](std::ostream& os) { os << j.dump(2) << "\n"; });
   }
+  // Nothing feasible is a failed plan, not an empty table with exit status 0 (a script would read no first choice).
+  const bool any = std::any_of(rows.begin(), rows.end(), [](const PlanRow& row) { return row.excluded.empty(); });
+  SEQPAR_CHECK(any, "sp_plan: no configuration of this problem fits at --world ", in.world_size,
+               ": every one is excluded (the reasons are listed above)");
   return 0;
 }
 

@@ -134,10 +134,12 @@ MhaDecodeCp::MhaDecodeCp(const CpGroups& groups, const MhaDecodeConfig& config)
 ShardedKvCache MhaDecodeCp::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
                                                     std::int64_t head_dim, DType dtype) const {
   const int pu = groups_.ulysses_size();
-  SEQPAR_CHECK(kv_heads >= 1 && (kv_heads % pu == 0 || pu % kv_heads == 0), "MhaDecodeCp::make_cache: ",
-               "kv_heads Hkv = ", kv_heads, " must be divisible by ulysses_size ", pu,
-               " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head is then replicated to ",
-               "ulysses_size / Hkv ranks, as in training)");
+  SEQPAR_CHECK(kv_heads >= 1, "MhaDecodeCp::make_cache: kv_heads Hkv = ", kv_heads, " must be >= 1");
+  SEQPAR_CHECK(
+      kv_heads % pu == 0 || pu % kv_heads == 0, "MhaDecodeCp::make_cache: ", "kv_heads Hkv = ", kv_heads,
+      " must be divisible by ulysses_size ", pu,
+      " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head is then replicated to ",
+      "ulysses_size / Hkv ranks, as in training)");
   const CacheSharding sharding(config_.shard, capacity, groups_.ring.size(), config_.interleave);
   const std::int64_t replication = kv_heads % pu == 0 ? 1 : pu / kv_heads;
   ShardedKvCache cache(sharding, groups_.ring.rank(),

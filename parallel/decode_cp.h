@@ -166,7 +166,8 @@ class MhaDecodeCp {
 
   // An empty cache of `capacity` tokens sharded by the configuration over the ring group, holding this rank's
   // kv_heads / ulysses_size heads, or one replica when kv_heads < ulysses_size.
-  // Errors: kv_heads neither divisible by ulysses_size nor dividing it.
+  // Errors: kv_heads < 1; kv_heads neither divisible by ulysses_size nor dividing it; the cache's allocation (an
+  //   Error naming the cache, its shape and the bytes asked for, not std::bad_alloc).
   // Sync: host-only, collective-free.
   ShardedKvCache make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads, std::int64_t head_dim,
                             DType dtype) const;

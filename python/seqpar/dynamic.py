@@ -14,6 +14,8 @@ exactly one group of each degree. All groups are made once, by every rank, in as
 (torch.distributed.new_group's rule).
 """
 
+import operator
+
 import torch.distributed as dist
 
 from . import _seqpar
@@ -22,6 +24,33 @@ from . import distributed as _distributed
 
 def _error(message):
     return _seqpar.Error(f"seqpar.torch_grid_set: {message}")
+
+
+def _int_or_text(x):
+    """x as an int (int, numpy or 0-d torch integers), else its repr ("1.5", "True", "'2'"): the ranks exchange these
+    before anything is refused, so that a bad value fails every rank alike instead of one rank leaving the others in
+    the collective (int(1.5) and int("12") used to pass silently, True counted as 1)."""
+    if isinstance(x, bool):
+        return repr(x)
+    try:
+        return operator.index(x)
+    except TypeError:
+        return repr(x)
+
+
+def _ints(values):
+    """_int_or_text of each element of `values`, or [repr(values)] when it is a string or not a sequence."""
+    if isinstance(values, (str, bytes)):
+        return [repr(values)]
+    try:
+        return [_int_or_text(x) for x in values]
+    except TypeError:
+        return [repr(values)]
+
+
+def _check_int(value, what):
+    if isinstance(value, str):
+        raise _error(f"{what} {value} is not an integer")
 
 
 class TorchGridSet:
@@ -33,7 +62,7 @@ class TorchGridSet:
         world = process_group if process_group is not None else dist.group.WORLD
         ranks = list(dist.get_process_group_ranks(world))
         size, me = len(ranks), dist.get_rank(world)
-        mine = [int(d) for d in degrees]
+        mine = _ints(degrees)
         table = [None] * size
         dist.all_gather_object(table, mine, group=world)  # agreement first: every later error is every rank's
         if any(t != mine for t in table):
@@ -42,6 +71,7 @@ class TorchGridSet:
         if not mine:
             raise _error("no degree given")
         for d in mine:
+            _check_int(d, "degree")
             if d < 1 or size % d:
                 raise _error(f"degree {d} must divide the world size {size}")
         if len(set(mine)) != len(mine):
@@ -83,8 +113,8 @@ def check_dynamic_plan(grids, doc_lens, plan, process_group=None):
     exactly one micro-batch. Returns the plan as a list of (degree, group, [doc ids]). Raises seqpar.Error, the same
     on every rank."""
     world = process_group if process_group is not None else dist.group.WORLD
-    lens = [int(x) for x in doc_lens]
-    mine = (lens, [(int(d), int(g), [int(i) for i in docs]) for d, g, docs in plan])
+    lens = _ints(doc_lens)
+    mine = (lens, [(_int_or_text(d), _int_or_text(g), _ints(docs)) for d, g, docs in plan])
     table = [None] * dist.get_world_size(world)
     dist.all_gather_object(table, mine, group=world)
     for r, t in enumerate(table):
@@ -94,6 +124,15 @@ def check_dynamic_plan(grids, doc_lens, plan, process_group=None):
             m = next((i for i, (a, b) in enumerate(zip(t[1], mine[1])) if a != b), min(len(t[1]), len(mine[1])))
             raise _error(f"ranks disagree on the plan: micro-batch {m} is {table[0][1][m:m + 1]} on group rank 0 and "
                          f"{t[1][m:m + 1]} on group rank {r}")
+    for i, n in enumerate(lens):
+        _check_int(n, f"document {i}'s length")
+        if n < 0:
+            raise _error(f"document {i} has length {n}; lengths must be >= 0")
+    for m, (d, g, docs) in enumerate(mine[1]):
+        _check_int(d, f"micro-batch {m}'s degree")
+        _check_int(g, f"micro-batch {m}'s group")
+        for i in docs:
+            _check_int(i, f"micro-batch {m}'s document")
     seen = [None] * len(lens)
     for m, (d, g, docs) in enumerate(mine[1]):
         if d not in grids.degrees:

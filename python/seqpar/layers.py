@@ -267,6 +267,14 @@ class ShortConvCp(torch.nn.Module):
 # ---- DSA --------------------------------------------------------------------------------------------------------
 
 
+def _keep_topk(topk_out, layer, topk):
+    """DsaCp(return_topk_indices=True): the layer's selection, its slot positions rewritten as token indices of the
+    row (-1 padded), appended to the list `topk_out` (None: not asked for)."""
+    if topk_out is not None:
+        _seqpar.dsa_topk_slots_to_tokens(layer.layout, topk)
+        topk_out.append(topk)
+
+
 class DsaFunction(torch.autograd.Function):
     """(out, indexer_loss) = DeepSeek sparse attention over the sharded sequence (parallel/dsa_cp.h).
 
@@ -283,12 +291,13 @@ class DsaFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, layer, grid, q, c, q_idx, k_idx, w):
+    def forward(ctx, layer, grid, q, c, q_idx, k_idx, w, topk_out=None):
         inputs = (q.detach(), c.detach(), q_idx.detach(), k_idx.detach(), w.detach())
         out, _, _, probe = layer.forward(*inputs)
         loss = layer.backward(probe, torch.zeros_like(out), 0.0)[5]
-        out, _, _, saved = layer.forward(*inputs)
+        out, _, topk, saved = layer.forward(*inputs)
         ctx.layer, ctx.grid, ctx.saved = layer, grid, saved
+        _keep_topk(topk_out, layer, topk)
         return out, torch.tensor(loss, dtype=torch.float64)
 
     @staticmethod
@@ -297,7 +306,7 @@ class DsaFunction(torch.autograd.Function):
         dloss = _grad_in(dloss).reshape(1).clone()
         ctx.grid.cp.all_reduce(dloss)
         dq, dc, dq_idx, dk_idx, dw, _ = ctx.layer.backward(ctx.saved, _grad_in(dout), float(dloss))
-        return None, None, dq, dc, dq_idx, dk_idx, dw
+        return None, None, dq, dc, dq_idx, dk_idx, dw, None
 
 
 class DsaWeightedFunction(torch.autograd.Function):
@@ -305,25 +314,30 @@ class DsaWeightedFunction(torch.autograd.Function):
     backward (the loss value is not returned): the indexer inputs get weight * d(indexer loss)."""
 
     @staticmethod
-    def forward(ctx, layer, weight, q, c, q_idx, k_idx, w):
-        out, _, _, saved = layer.forward(q.detach(), c.detach(), q_idx.detach(), k_idx.detach(), w.detach())
+    def forward(ctx, layer, weight, q, c, q_idx, k_idx, w, topk_out=None):
+        out, _, topk, saved = layer.forward(q.detach(), c.detach(), q_idx.detach(), k_idx.detach(), w.detach())
         ctx.layer, ctx.weight, ctx.saved = layer, weight, saved
+        _keep_topk(topk_out, layer, topk)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         _first_order_only()
         dq, dc, dq_idx, dk_idx, dw, _ = ctx.layer.backward(ctx.saved, _grad_in(dout), ctx.weight)
-        return None, None, dq, dc, dq_idx, dk_idx, dw
+        return None, None, dq, dc, dq_idx, dk_idx, dw, None
 
 
 class DsaCp(torch.nn.Module):
     """DeepSeek sparse attention under context parallelism (parallel/dsa_cp.h); shapes as DsaFunction.
 
     forward(q, c, q_idx, k_idx, w) -> (out, indexer_loss) by default; with indexer_loss_weight=x -> out, the indexer
-    trained with x * its loss (one pass, no loss value)."""
+    trained with x * its loss (one pass, no loss value). With return_topk_indices=True the selection is appended:
+    (out, indexer_loss, topk_indices) or (out, topk_indices), topk_indices [B, S_local, topk] int64, the selected
+    keys of each of this rank's queries as token indices of the row (cu_seqlens' row when packed), -1 padded where a
+    query has fewer than topk visible keys; not differentiable."""
 
-    def __init__(self, grid=None, layout=None, config=None, indexer_loss_weight=None, **config_fields):
+    def __init__(self, grid=None, layout=None, config=None, indexer_loss_weight=None, return_topk_indices=False,
+                 **config_fields):
         super().__init__()
         grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
@@ -337,14 +351,23 @@ class DsaCp(torch.nn.Module):
             if indexer_loss_weight != indexer_loss_weight or abs(indexer_loss_weight) == float("inf"):
                 raise _seqpar.Error(f"DsaCp: indexer_loss_weight={indexer_loss_weight} must be finite")
         self.indexer_loss_weight = indexer_loss_weight
+        if not isinstance(return_topk_indices, bool):
+            raise _seqpar.Error(f"DsaCp: return_topk_indices={return_topk_indices!r} must be True or False")
+        self.return_topk_indices = return_topk_indices
         self.layer = _seqpar.DsaCp(grid, self.layout, self.config)
 
     def forward(self, q, c, q_idx, k_idx, w):
         _check_tensors("DsaCp", q=q, c=c, q_idx=q_idx, k_idx=k_idx, w=w)
         c, q_idx, k_idx, w = _in_dtype(q.dtype, c, q_idx, k_idx, w)
+        topk = [] if self.return_topk_indices else None
         try:
             if self.indexer_loss_weight is None:
-                return DsaFunction.apply(self.layer, self.grid, q, c, q_idx, k_idx, w)
-            return DsaWeightedFunction.apply(self.layer, float(self.indexer_loss_weight), q, c, q_idx, k_idx, w)
+                result = DsaFunction.apply(self.layer, self.grid, q, c, q_idx, k_idx, w, topk)
+            else:
+                result = DsaWeightedFunction.apply(self.layer, float(self.indexer_loss_weight), q, c, q_idx, k_idx,
+                                                   w, topk)
+            if topk is None:
+                return result
+            return (*result, topk[0]) if isinstance(result, tuple) else (result, topk[0])
         except _seqpar.Error as e:
             raise _layout_hint(self.layout, self.grid, e, q, c, q_idx, k_idx, w) from None

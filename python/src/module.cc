@@ -486,6 +486,14 @@ void bind_dsa(py::module_& m) {
   def_fields(dsa_config, std::pair{"topk", &DsaCpConfig::topk}, std::pair{"dim_v", &DsaCpConfig::dim_v},
              std::pair{"scale", &DsaCpConfig::scale}, std::pair{"window", &DsaCpConfig::window});
 
+  m.def(
+      "dsa_topk_slots_to_tokens",
+      [](const SequenceLayout& layout, py::handle topk_indices) {
+        dsa_topk_slots_to_tokens(layout, view_of(topk_indices, "topk_indices"));
+      },
+      py::arg("layout"), py::arg("topk_indices"),
+      "Rewrites DsaCp's topk_indices (int64, CPU) in place from the layout's slot positions to token indices of the "
+      "row; -1 stays -1 (parallel/dsa_cp.h).");
   bind_layer<DsaCp, DsaCpConfig>(m, "DsaCp",
                                               "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
       .def("forward",

@@ -56,3 +56,40 @@ def test_dsa_fixed_loss_weight():
         grad = t.grad.clone()
         grid.cp.all_reduce(grad)
         assert torch.allclose(grad, r.grad, rtol=0, atol=1e-10 * max(1.0, r.grad.abs().max().item())), f"input {i}"
+
+
+@pytest.mark.parametrize("kind", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["loss", "weighted"])
+def test_dsa_returns_topk_indices(kind, weighted):
+    """return_topk_indices=True: each local query's selection, as token indices of the row, is the dense reference's
+    top-k set within its document (-1 where a query has fewer visible keys); a packed row of two documents, 19 + 28
+    tokens, so that the layout pads inside the row and slot positions differ from token indices."""
+    cu = [0, 19, 47]
+    seq = cu[-1]
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.packed_for_grid(grid, cu, kind=kind)
+    assert WORLD == 1 or layout.padded_len > seq
+    weight = {"indexer_loss_weight": 0.5} if weighted else {}
+    dsa = seqpar.DsaCp(grid, layout, topk=TOPK, dim_v=DV, return_topk_indices=True, **weight)
+    torch.manual_seed(5)
+    inputs = [random_full((B, seq) + t.shape[2:]) for t in dsa_inputs()]
+    result = dsa(*(seqpar.shard_sequence(t.detach(), layout, grid.cp_rank) for t in inputs))
+    assert len(result) == (2 if weighted else 3)
+    topk = result[-1]
+    assert topk.dtype == torch.int64 and not topk.requires_grad
+    assert topk.shape == (B, layout.local_len, TOPK)
+    q, c, q_idx, k_idx, w = (t.detach() for t in inputs)
+    scores = (torch.einsum("bthd,bjd->bthj", q_idx, k_idx).relu() * w[..., None]).sum(2)
+    doc = torch.bucketize(torch.arange(seq), torch.tensor(cu[1:]), right=True)
+    t_idx, j_idx = torch.arange(seq)[:, None], torch.arange(seq)[None, :]
+    visible = (j_idx <= t_idx) & (doc[:, None] == doc[None, :])
+    order = scores.masked_fill(~visible, float("-inf")).sort(dim=-1, descending=True, stable=True).indices
+    for row, token in enumerate(layout.token_index(grid.cp_rank).tolist()):
+        got = topk[0, row].tolist()
+        if token < 0:  # a padding row selects nothing
+            assert got == [-1] * TOPK, f"padding row {row}: {got}"
+            continue
+        n = min(TOPK, int(visible[token].sum()))
+        want = sorted(order[0, token, :n].tolist())
+        assert sorted(x for x in got if x >= 0) == want and got.count(-1) == TOPK - n, (
+            f"rank {grid.cp_rank} row {row} (token {token}): {got} != {want}")

@@ -114,3 +114,27 @@ def test_gdn_refuses_stripe():
         pytest.skip("a ring of one holds one segment in any layout")
     with pytest.raises(seqpar.Error, match="stripe"):
         seqpar.GdnCp(grid, seqpar.SequenceLayout.for_grid(grid, S, "stripe"))
+
+
+@pytest.mark.parametrize("mode", ["chain", "scan"])
+def test_gdn_growing_state_is_the_recurrence(mode):
+    """g > 0 (a growing state) and beta outside (0, 1) are not checked (docs/design.md, "The gated delta
+    recurrence"): they must be computed as the recurrence is written, forward and backward, not silently otherwise."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, S)
+    config = seqpar.GdnCpConfig(mode=mode, chunk_size=16)
+    gdn = seqpar.GdnCp(grid, layout, config)
+    torch.manual_seed(7)
+    (q, k, v, _, _), (initial,) = gdn_inputs(torch.float64, True)
+    g = (0.1 * torch.rand(B, S, HV, dtype=torch.float64)).requires_grad_()  # exp(g) in (1, 1.11]
+    beta = (2 * torch.rand(B, S, HV, dtype=torch.float64)).requires_grad_()  # in (0, 2)
+
+    def layer(q, k, v, g, beta, initial_state):
+        out, final_state = gdn(q, k, v, g, beta, initial_state)
+        return [out], [final_state]
+
+    def reference(q, k, v, g, beta, initial_state):
+        out, final_state = gdn_reference(q, k, v, g, beta, initial_state)
+        return [out], [final_state]
+
+    run_against_reference(grid, layout, [q, k, v, g, beta], [initial], layer, reference, RTOL[torch.float64])

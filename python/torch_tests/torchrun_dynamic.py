@@ -117,6 +117,18 @@ def main():
     expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, bad), "every document must be in exactly one")
     expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, [(2 * world, 0, list(range(len(DOCS))))]),
                  "has no grid")
+    # Values that are not integers fail every rank alike (int() used to truncate 1.5, read "12" as 1 and 2 and True
+    # as 1), and so does a negative length.
+    expect_error(lambda: seqpar.torch_grid_set([1.5]), "degree 1.5 is not an integer")
+    expect_error(lambda: seqpar.torch_grid_set("12"), "degree '12' is not an integer")
+    expect_error(lambda: seqpar.torch_grid_set([True]), "degree True is not an integer")
+    whole = [(world, 0, list(range(len(DOCS))))]
+    expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, [(float(world), 0, whole[0][2])]),
+                 "micro-batch 0's degree")
+    expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, [(world, 0, [True] + whole[0][2][1:])]),
+                 "micro-batch 0's document True is not an integer")
+    expect_error(lambda: seqpar.check_dynamic_plan(grids, [-1] + list(DOCS[1:]), whole),
+                 "document 0 has length -1; lengths must be >= 0")
     assert "mpi4py" not in sys.modules, "mpi4py was imported"
     assert not seqpar._seqpar.mpi_initialized(), "MPI was initialised"
     if me == 0:

@@ -294,7 +294,7 @@ def kernel_flops(r):
         vis = sum(t + 1 for t in range(r["S"])) * r["B"]
         att, idx = 2 * r["H"] * (r["Dqk"] + r["Dv"]), 2 * r["Hi"] * r["Di"]
         return sel * att + vis * idx, sel * (2.5 * att + 3 * idx)
-    c, k, v = min(r["chunk_size"], r["S"]), r["K"], r["V"]
+    c, k, v = min(r["chunk_size"], r["S"], 128), r["K"], r["V"]  # 128: attn::kGdnMaxChunkSize, the longest chunk run
     fwd = r["B"] * r["S"] * r["Hv"] * (6 * c * k + 4 * c * v + 6 * k * v)
     return fwd, 2.5 * fwd
 
@@ -335,6 +335,16 @@ def test_kernel(tmp):
             check(abs(r[f"{phase}_gflops"] - gf) <= 1e-9 * gf, f"{r['kernel']} {phase}_gflops {r[f'{phase}_gflops']}")
             ratio = gf / j["square_sgemm_gflops"]
             check(abs(r[f"{phase}_ratio_square"] - ratio) <= 1e-9 * ratio, f"{r['kernel']} {phase}_ratio_square")
+    # A --chunk-size above the kernels' longest chunk (128) runs as chunks of 128: the model counts those (it counted
+    # C = 1000 and reported 6x the GFLOP/s of --chunk-size 128 at the same time).
+    long_path = os.path.join(tmp, "kernel_long_chunk.json")
+    p = subprocess.run([exe, "--kernel", "gdn", "--seq", "256", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                        "--dim-v", "16", "--chunk-size", "1000", "--min-time", "0", "--warmup", "0", "--square", "0",
+                        "--threads", "1", "--json", long_path], capture_output=True, text=True, timeout=300)
+    check(p.returncode == 0, f"kernel_bench --chunk-size 1000: exit {p.returncode}\n{p.stdout}{p.stderr}")
+    for r in json.load(open(long_path))["results"]:
+        got, want = r["fwd_flops"], kernel_flops(r)[0]
+        check(abs(got - want) <= 1e-12 * want, f"gdn --chunk-size 1000 S={r['S']}: fwd_flops {got} != {want} (C = 128)")
     bad = subprocess.run([exe, "--kernel", "flash"], capture_output=True, text=True, timeout=60)
     check(bad.returncode != 0 and "--kernel flash must be mha, dsa, gdn or all" in bad.stderr,
           f"--kernel flash must be refused by name:\n{bad.stdout}{bad.stderr}")

@@ -394,6 +394,16 @@ TEST(MhaDecodeCpErrors, CudaInputsFailEverywhereBeforeAnyMessage) {
   EXPECT_EQ(cache.length(), kPrompt);
 }
 
+// kv_heads below 1 names its own rule (0 used to read "must be divisible by ulysses_size 1 ... or divide it").
+TEST(MhaDecodeCpErrors, KvHeadsBelowOneNamesTheRule) {
+  Bad b;
+  MhaDecodeCp layer(b.groups, MhaDecodeConfig{});
+  for (const std::int64_t hkv : {0, -1}) {
+    test::expect_error([&] { layer.make_cache(kB, 8, hkv, kD, DType::kFloat32); },
+                       str_cat("MhaDecodeCp::make_cache: kv_heads Hkv = ", hkv, " must be >= 1"));
+  }
+}
+
 TEST(MhaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
   Bad b;
   MhaDecodeConfig contiguous;

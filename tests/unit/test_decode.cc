@@ -288,5 +288,31 @@ TEST(ShortConvDecode, StepsEqualTheConvOverTheWholeSequence) {
                         "conv tail"));
 }
 
+// A cache too large for the node is an Error naming the cache, its shape and the bytes asked for, and the ledger is
+// unchanged (the positions' reserve used to run first and escape as an unnamed std::bad_alloc).
+TEST(CacheErrors, CapacityTooLargeForTheNodeNamesTheCache) {
+  const std::int64_t before = persistent_bytes();
+  const std::int64_t huge = std::int64_t{1} << 40;
+  test::expect_error(
+      [&] {
+        MhaKvCache cache(KvCacheSpec{1, huge, 8, 128, DType::kFloat32});
+      },
+      "MhaKvCache: K and V of [1, 1099511627776, 8, 128] fp32 (batch, capacity, kv_heads, head_dim): "
+      "out of memory: allocating 4503599627370496 bytes of persistent_cache");
+  test::expect_error(
+      [&] {
+        DsaCache cache(DsaCacheSpec{1, huge, 128, 576, DType::kBFloat16});
+      },
+      "DsaCache: batch 1, capacity 1099511627776, index_dim 128 + latent_dim 576 bf16: out of memory: "
+      "allocating 281474976710656 bytes of persistent_cache");
+  EXPECT_EQ(persistent_bytes(), before);
+  // A shape whose element count overflows is refused by name too.
+  test::expect_error(
+      [&] {
+        MhaKvCache cache(KvCacheSpec{huge, huge, 8, 128, DType::kFloat32});
+      },
+      "MhaKvCache: K and V of [1099511627776, 1099511627776, 8, 128] fp32");
+}
+
 }  // namespace
 }  // namespace seqpar::attn
