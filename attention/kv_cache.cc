@@ -49,9 +49,8 @@ void MhaKvCache::check_append(const TensorView& k_new, const TensorView& v_new,
   check_shape(v_new, shape, "MhaKvCache::append v_new (the cache's [B, n, Hkv, D])");
   for (const TensorView* t : {&k_new, &v_new}) {
     SEQPAR_CHECK(t->device() == spec_.device || (t->device().is_cpu() && t->dtype() == spec_.dtype),
-                 "MhaKvCache::append: ", t->str(), " is on ", t->device().str(), ", the cache on ",
-                 spec_.device.str(), " (new rows on the cache's device, or host rows of its dtype ",
-                 dtype_name(spec_.dtype), ")");
+                 "MhaKvCache::append: ", t->str(), " is on ", t->device().str(), ", the cache on ", spec_.device.str(),
+                 " (new rows on the cache's device, or host rows of its dtype ", dtype_name(spec_.dtype), ")");
   }
   positions_.check_new(n, positions);
 }

@@ -23,8 +23,8 @@ void check_cache_device(const char* who, const Device& cache, const Stream& stre
   for (const auto& [name, t] : named) {
     if (t.empty()) continue;
     SEQPAR_CHECK(t.device() == cache, who, ": ", name, " ", t.str(), " is on ", t.device().str(),
-                 ", but the cache lives on ", cache.str(), " (pass the inputs on the cache's device, or make the cache ",
-                 "on theirs: make_cache's device)");
+                 ", but the cache lives on ", cache.str(),
+                 " (pass the inputs on the cache's device, or make the cache on theirs: make_cache's device)");
   }
   SEQPAR_CHECK(cache.is_cpu() || stream.device == cache, who, ": the cache lives on ", cache.str(),
                ", but the groups' stream is on ", stream.device.str(), " (the kernels of a device cache run on a ",
