@@ -171,6 +171,11 @@ ShardedKvCache MhaDecodeCp::make_cache(std::int64_t batch, std::int64_t capacity
                "kv_heads Hkv = ", kv_heads, " must be divisible by ulysses_size ", pu,
                " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head is then replicated to ",
                "ulysses_size / Hkv ranks, as in training)");
+  SEQPAR_CHECK(device.is_cpu() || (device.index >= 0 && device.index < cuda_device_count()),
+               "MhaDecodeCp::make_cache: device ", device.str(), " is not usable (",
+               cuda_device_count() == 0 ? cuda_unavailable_reason()
+                                        : str_cat(cuda_device_count(), " CUDA devices visible"),
+               ")");
   const CacheSharding sharding(config_.shard, capacity, groups_.ring.size(), config_.interleave);
   const std::int64_t replication = kv_heads % pu == 0 ? 1 : pu / kv_heads;
   ShardedKvCache cache(sharding, groups_.ring.rank(),

@@ -172,7 +172,8 @@ class MhaDecodeCp {
   //   fallback, lowered as attention/lowering.h) and the merge of the ranks' partials (attn::lse_merge in rank order)
   //   run on the device; extend stays host-only. Compiled, never run on a GPU; the lowered test mode
   //   (SEQPAR_LOWERED_ATTENTION = 1) runs this device schedule of decode on the host.
-  // Errors: kv_heads neither divisible by ulysses_size nor dividing it; a CUDA device in a build without CUDA.
+  // Errors: kv_heads neither divisible by ulysses_size nor dividing it; a CUDA device that is not usable (none
+  //   present, a build without CUDA: the reason).
   // Sync: host-only, collective-free.
   ShardedKvCache make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads, std::int64_t head_dim,
                             DType dtype, Device device = Device::cpu()) const;
