@@ -25,8 +25,8 @@ MhaKvCache::MhaKvCache(const KvCacheSpec& spec) : spec_(spec), positions_(spec.c
   check_cache_dtype(spec.dtype, "MhaKvCache");
   const Shape shape{spec.batch, spec.capacity, spec.kv_heads, spec.head_dim};
   try {
-    k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
-    v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache);
+    k_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache, spec.device);
+    v_ = Tensor::empty(shape, spec.dtype, MemCategory::kPersistentCache, spec.device);
   } catch (const Error& e) {
     SEQPAR_THROW("MhaKvCache: K and V of ", shape_str(shape), " ", dtype_name(spec.dtype),
                  " (batch, capacity, kv_heads, ", "head_dim): ", e.message());
@@ -53,14 +53,20 @@ void MhaKvCache::check_append(const TensorView& k_new, const TensorView& v_new,
   detail::check_floating(v_new, "v_new", kFamily);
   check_shape(k_new, shape, "MhaKvCache::append k_new (the cache's [B, n, Hkv, D])");
   check_shape(v_new, shape, "MhaKvCache::append v_new (the cache's [B, n, Hkv, D])");
+  for (const TensorView* t : {&k_new, &v_new}) {
+    SEQPAR_CHECK(t->device() == spec_.device || (t->device().is_cpu() && t->dtype() == spec_.dtype),
+                 "MhaKvCache::append: ", t->str(), " is on ", t->device().str(), ", the cache on ", spec_.device.str(),
+                 " (new rows on the cache's device, or host rows of its dtype ", dtype_name(spec_.dtype), ")");
+  }
   positions_.check_new(n, positions);
 }
 
-void MhaKvCache::append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions) {
+void MhaKvCache::append(const TensorView& k_new, const TensorView& v_new, std::span<const std::int64_t> positions,
+                        Stream stream) {
   check_append(k_new, v_new, positions);
   const std::vector<std::int64_t> pos = positions_.check_new(k_new.dim(1), positions);
-  write_cache_rows(k_, length(), k_new);
-  write_cache_rows(v_, length(), v_new);
+  write_cache_rows(k_, length(), k_new, stream);
+  write_cache_rows(v_, length(), v_new, stream);
   positions_.push(pos);
 }
 
@@ -86,6 +92,8 @@ void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<co
   SEQPAR_CHECK(q.ndim() == 4, "mha_decode: q must be [B, n, Hq, D], got ", shape_str(q.shape()));
   SEQPAR_CHECK(q.dim(0) == s.batch && q.dim(3) == s.head_dim, "mha_decode: q ", shape_str(q.shape()),
                " must have the cache's batch ", s.batch, " and head_dim ", s.head_dim);
+  SEQPAR_CHECK(q.device() == s.device, "mha_decode: q ", q.str(), " is on ", q.device().str(), ", the cache on ",
+               s.device.str());
   SEQPAR_CHECK(q.dtype() == s.dtype, "mha_decode: q has dtype ", dtype_name(q.dtype()), ", the cache ",
                dtype_name(s.dtype), " (q, k and v share one dtype)");
   SEQPAR_CHECK(static_cast<std::int64_t>(q_pos.size()) == q.dim(1), "mha_decode: q_pos has ", q_pos.size(),

@@ -50,11 +50,13 @@ TensorView cache_rows(const Tensor& t, std::int64_t b, std::int64_t begin, std::
   Shape shape = t.shape();
   shape[0] = 1;
   shape[1] = n;
-  return TensorView(base, t.dtype(), shape);
+  return TensorView(base, t.dtype(), shape, t.view().device());
 }
 
-void write_cache_rows(const Tensor& t, std::int64_t begin, const TensorView& rows) {
-  for (std::int64_t b = 0; b < t.dim(0); ++b) copy_convert(rows.slice0(b, b + 1), cache_rows(t, b, begin, rows.dim(1)));
+void write_cache_rows(const Tensor& t, std::int64_t begin, const TensorView& rows, Stream stream) {
+  for (std::int64_t b = 0; b < t.dim(0); ++b) {
+    copy_convert(rows.slice0(b, b + 1), cache_rows(t, b, begin, rows.dim(1)), stream);
+  }
 }
 
 }  // namespace seqpar::attn

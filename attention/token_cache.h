@@ -7,6 +7,7 @@
 #include <span>
 #include <vector>
 
+#include "../runtime/device.h"
 #include "../runtime/tensor.h"
 
 namespace seqpar::attn {
@@ -47,7 +48,8 @@ void check_cache_dtype(DType dtype, const char* cache);
 // Rows [begin, begin + n) of batch row b of a [B, capacity, ...] cache tensor, as a [1, n, ...] view (contiguous).
 TensorView cache_rows(const Tensor& t, std::int64_t b, std::int64_t begin, std::int64_t n);
 
-// Writes new [B, n, ...] rows (any floating dtype, converted) into slots [begin, begin + n) of every batch row.
-void write_cache_rows(const Tensor& t, std::int64_t begin, const TensorView& rows);
+// Writes new [B, n, ...] rows (any floating dtype, converted; on t's device) into slots [begin, begin + n) of every
+// batch row, ordered on `stream` (runtime/tensor_ops.h's copy_convert).
+void write_cache_rows(const Tensor& t, std::int64_t begin, const TensorView& rows, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

@@ -167,6 +167,21 @@ void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchO
                rep.lse_err <= tolerance(accumulator_dtype(o.dtype), vs_reference);
 }
 
+// --device cuda: a copy of host rows on the groups' device (made outside the timed calls), or the rows themselves;
+// and a step's result back on the host (for the check and the dumps).
+Tensor on_device(const CpGroups& groups, Tensor t) {
+  if (groups.stream.device.is_cpu() || !t.defined()) return t;
+  Tensor d = Tensor::empty(t.shape(), t.dtype(), MemCategory::kWorkspace, groups.stream.device);
+  copy_convert(t, d, groups.stream);
+  return d;
+}
+Tensor on_host(const CpGroups& groups, Tensor t) {
+  if (t.view().device().is_cpu()) return t;
+  Tensor h = Tensor::empty(t.shape(), t.dtype(), MemCategory::kWorkspace);
+  copy_convert(t, h, groups.stream);
+  return h;
+}
+
 DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
                      DecodeResults* results) {
   const DecodeOptions& d = o.decode;
@@ -181,8 +196,8 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   const SequenceLayout layout = SequenceLayout::for_groups(groups, T, o.layout);
   const std::vector<std::int64_t> pos = layout.token_index(groups.cp_rank());
   const bool fill = d.prefill == "fill";  // the prompt's K/V only: no queries needed
-  const Tensor q = in.rows("q", fill ? std::vector<std::int64_t>{} : pos);
-  const Tensor k = in.rows("k", pos), v = in.rows("v", pos);
+  const Tensor q = on_device(groups, in.rows("q", fill ? std::vector<std::int64_t>{} : pos));
+  const Tensor k = on_device(groups, in.rows("k", pos)), v = on_device(groups, in.rows("v", pos));
   // The chunk of a persistent-cache prefill (--chunk), at T + its layout's tokens.
   std::optional<SequenceLayout> chunk_layout;
   std::vector<std::int64_t> chunk_pos;
@@ -197,7 +212,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   std::optional<ShardedKvCache> cache;
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     cache.reset();
-    cache.emplace(layer.make_cache(B, S, hkv, D, o.dtype));
+    cache.emplace(layer.make_cache(B, S, hkv, D, o.dtype, groups.stream.device));
     const double t_prefill = time_once(world, [&] {
       if (fill) {
         layer.fill(*cache, layout, k, v);
@@ -223,20 +238,22 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   rep.cache_bytes = cache_bytes[0];
   // with Hkv < ulysses_size each KV head is stored by ulysses_size / Hkv ranks: max(Hkv, ulysses_size) heads in all
   const std::int64_t hkv_stored = std::max<std::int64_t>(hkv, groups.ulysses_size());
-  rep.cache_formula = static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv_stored, D, o.dtype})) / groups.cp.size();
+  rep.cache_formula =
+      static_cast<double>(attn::mha_kv_cache_bytes({B, S, hkv_stored, D, o.dtype, Device::cpu()})) / groups.cp.size();
   rep.formula_text = str_cat("M_KV / P = 2 B max(Hkv, ulysses) (T + chunk + N n) D bytes / (ring x ulysses)");
   layer.reset_counters();
   std::vector<Tensor> outs, lses;
   const bool keep = o.check || results != nullptr;
   for (std::int64_t step = 0; step < N; ++step) {
     const std::vector<std::int64_t> rows = token_range(T0 + step * n, T0 + (step + 1) * n);
-    const Tensor qd = in.rows("q", rows), kd = in.rows("k", rows), vd = in.rows("v", rows);
+    const Tensor qd = on_device(groups, in.rows("q", rows)), kd = on_device(groups, in.rows("k", rows)),
+                 vd = on_device(groups, in.rows("v", rows));
     const double t0 = now_s();
     DecodeOutput r = layer.decode(*cache, qd, kd, vd);
     rep.step_s.push_back(now_s() - t0);
     if (keep) {
-      outs.push_back(std::move(r.out));
-      lses.push_back(std::move(r.lse));
+      outs.push_back(on_host(groups, std::move(r.out)));
+      lses.push_back(on_host(groups, std::move(r.lse)));
     }
   }
   all_reduce(world, rep.step_s, ReduceOp::kMax);
@@ -695,7 +712,10 @@ int run_decode_bench(const SpBenchOptions& o, const WorldPlace& place) {
   auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o.json_path, o.dump_dir);
   CpGrid grid(*world, o.grid);
-  const CpGroups groups = CpGroups::from(grid);
+  // --device cuda (MHA only): the layer's kernels on the device's default stream (with --backend nccl, the GPU of the
+  // rank's communicator), its cache and inputs on that device.
+  const Device device = o.device.is_cpu() ? o.device : grid.cp().device().is_cuda() ? grid.cp().device() : o.device;
+  const CpGroups groups = CpGroups::from(grid, Stream{device, nullptr});
   DecodeResults results;
   DecodeResults* dump = o.dump_dir.empty() ? nullptr : &results;
   memory_ledger().reset_peaks();  // DecodeReport::mem_peak_bytes: the workload's, from here to its last step

@@ -93,7 +93,9 @@ KindDecodeMemory mha_decode_memory(const DecodeSizes& z) {
   double& chunk = r.chunk;
   const double hq = o.heads, hkv = o.kv_heads, D = o.head_dim, hq_l = hq / pu, hkv_l = hkv / pu;
   const double slots = largest_shard(o, S, pr);
-  cache = static_cast<double>(attn::mha_kv_cache_bytes({o.batch, 1, o.kv_heads / pu, o.head_dim, o.dtype})) * slots;
+  cache =
+      static_cast<double>(attn::mha_kv_cache_bytes({o.batch, 1, o.kv_heads / pu, o.head_dim, o.dtype, Device::cpu()})) *
+      slots;
   prefill = z.prefill_with_reshard(2 * e * hkv * D, cache, pu);
   if (d.chunk > 0) {  // the chunk's rows, its own forward, and the route: every shard gathered (pass-KV) at most
     const double chunk_rows = B * z.local_rows(d.chunk) * token_bytes;

@@ -359,16 +359,18 @@ void parse_problem_flags(const cxxopts::ParseResult& r, const std::optional<attn
 // The grid, the run's flags (threads: --threads, else OMP_NUM_THREADS, else 1), --check and the output paths.
 // --device cuda (the option's value d, before the device itself is looked up, so that a build or machine without
 // CUDA names these rules too): what runs on a CUDA device, refused here (every rank, before any message) otherwise. The
-// MHA CP layers take device tensors; the DSA and GDN CP layers run their kernels on the host; the MHA CUDA path
-// (attention/cuda/mha_cuda.h) runs dropout, ALiBi, sinks and soft-capping on its exact fallback, RoPE on the
-// device (attention/rope.h).
+// MHA CP layers and MHA decode (but not its chunk prefill) take device tensors; the DSA and GDN CP layers run their
+// kernels on the host; the MHA CUDA path (attention/cuda/mha_cuda.h) runs dropout, ALiBi, sinks and soft-capping on
+// its exact fallback, RoPE on the device (attention/rope.h).
 void check_device_rules(const std::string& d, const SpBenchOptions& o) {
   if (d == "cpu") return;
   SEQPAR_CHECK(o.attn == "mha", "--device ", d, " with --attn ", o.attn, ": the ", o.attn,
                " CP layers run their kernels on the host only (no CUDA implementation yet); --device cuda takes "
                "--attn mha");
-  SEQPAR_CHECK(o.decode.mode != "decode", "--device ", d,
-               " with --mode decode: the decode caches live on the host (no CUDA implementation yet)");
+  SEQPAR_CHECK(o.decode.mode != "decode" || o.decode.chunk == 0, "--device ", d,
+               " with --mode decode --chunk ", o.decode.chunk,
+               ": a persistent-cache prefill (MhaDecodeCp::extend) runs on the host only (no CUDA implementation yet); "
+               "drop --chunk");
 }
 
 void parse_parallel_and_run_flags(const cxxopts::ParseResult& r, SpBenchOptions& o) {

@@ -7,6 +7,7 @@
 #include <initializer_list>
 #include <limits>
 
+#include "attention/lowering.h"
 #include "parallel/decode_shared.h"
 #include "runtime/error.h"
 #include "runtime/tensor_checks.h"
@@ -15,12 +16,44 @@
 namespace seqpar {
 namespace {
 
-// The decode caches live on the host (attention/kv_cache.h): a device input is refused, naming it, before any message.
-void check_host_inputs(const char* who, std::initializer_list<std::pair<const char*, TensorView>> named) {
+// The inputs of a call live where the cache does (make_cache's device), and a device cache's kernels run on a
+// stream of its device: checked by name before any message.
+void check_cache_device(const char* who, const Device& cache, const Stream& stream,
+                        std::initializer_list<std::pair<const char*, TensorView>> named) {
   for (const auto& [name, t] : named) {
-    SEQPAR_CHECK(t.device().is_cpu(), who, ": ", name, " ", t.str(), " is on ", t.device().str(),
-                 ", but the decode caches live on the host (MHA decode has no CUDA implementation yet); pass host "
-                 "tensors");
+    if (t.empty()) continue;
+    SEQPAR_CHECK(t.device() == cache, who, ": ", name, " ", t.str(), " is on ", t.device().str(),
+                 ", but the cache lives on ", cache.str(),
+                 " (pass the inputs on the cache's device, or make the cache on theirs: make_cache's device)");
+  }
+  SEQPAR_CHECK(cache.is_cpu() || stream.device == cache, who, ": the cache lives on ", cache.str(),
+               ", but the groups' stream is on ", stream.device.str(), " (the kernels of a device cache run on a ",
+               "stream of its device)");
+}
+
+std::int64_t g_device_schedule_steps = 0;  // mha_decode_device_schedule_steps()
+
+// The device schedule of a decode step keeps each rank's fp64 lse exact in transit: its 8 bytes per row take the
+// slots of the host schedule's hi + lo pair (2 fp32, or an fp64 and a zero). pack_lse writes lse [B, H, n] fp64 into
+// buf at element `offset` (buf's accumulator dtype); unpack_lse reads it back into an fp64 tensor. Copies of the
+// buffer's own dtype only (no fp64 access at an fp32 offset, which a device would fault on).
+void pack_lse(const TensorView& lse, const Tensor& buf, std::int64_t offset, Stream stream) {
+  const std::int64_t rows = lse.numel();
+  if (buf.dtype() == DType::kFloat64) {
+    copy_convert(lse, decode_detail::sub_view(buf, offset, {rows}), stream);
+    fill(decode_detail::sub_view(buf, offset + rows, {rows}), 0.0, stream);
+  } else {
+    copy_convert(TensorView(lse.data(), DType::kFloat32, {2 * rows}, lse.device()),
+                 decode_detail::sub_view(buf, offset, {2 * rows}), stream);
+  }
+}
+void unpack_lse(const Tensor& buf, std::int64_t offset, const Tensor& lse, Stream stream) {
+  const std::int64_t rows = lse.numel();
+  if (buf.dtype() == DType::kFloat64) {
+    copy_convert(decode_detail::sub_view(buf, offset, {rows}), lse, stream);
+  } else {
+    copy_convert(decode_detail::sub_view(buf, offset, {2 * rows}),
+                 TensorView(lse.data(), DType::kFloat32, {2 * rows}, lse.view().device()), stream);
   }
 }
 
@@ -132,7 +165,7 @@ MhaDecodeCp::MhaDecodeCp(const CpGroups& groups, const MhaDecodeConfig& config)
 }
 
 ShardedKvCache MhaDecodeCp::make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
-                                                    std::int64_t head_dim, DType dtype) const {
+                                                    std::int64_t head_dim, DType dtype, Device device) const {
   const int pu = groups_.ulysses_size();
   SEQPAR_CHECK(kv_heads >= 1, "MhaDecodeCp::make_cache: kv_heads Hkv = ", kv_heads, " must be >= 1");
   SEQPAR_CHECK(
@@ -140,10 +173,15 @@ ShardedKvCache MhaDecodeCp::make_cache(std::int64_t batch, std::int64_t capacity
       " must be divisible by ulysses_size ", pu,
       " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head is then replicated to ",
       "ulysses_size / Hkv ranks, as in training)");
+  SEQPAR_CHECK(device.is_cpu() || (device.index >= 0 && device.index < cuda_device_count()),
+               "MhaDecodeCp::make_cache: device ", device.str(), " is not usable (",
+               cuda_device_count() == 0 ? cuda_unavailable_reason()
+                                        : str_cat(cuda_device_count(), " CUDA devices visible"),
+               ")");
   const CacheSharding sharding(config_.shard, capacity, groups_.ring.size(), config_.interleave);
   const std::int64_t replication = kv_heads % pu == 0 ? 1 : pu / kv_heads;
   ShardedKvCache cache(sharding, groups_.ring.rank(),
-                       attn::KvCacheSpec{batch, capacity, kv_heads * replication / pu, head_dim, dtype});
+                       attn::KvCacheSpec{batch, capacity, kv_heads * replication / pu, head_dim, dtype, device});
   cache.kv_replication_ = replication;
   return cache;
 }
@@ -188,7 +226,7 @@ void MhaDecodeCp::agree(const ShardedKvCache& cache, std::string_view call, cons
 
 void MhaDecodeCp::check_prompt(const ShardedKvCache& cache, const SequenceLayout& layout, const char* who,
                                             const TensorView& q, const TensorView& k, const TensorView& v) {
-  check_host_inputs(who, {{"q", q}, {"k", k}, {"v", v}});
+  check_cache_device(who, cache.spec().device, groups_.stream, {{"q", q}, {"k", k}, {"v", v}});
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
@@ -230,11 +268,12 @@ void MhaDecodeCp::reshard_prompt(ShardedKvCache& cache, const SequenceLayout& la
                                               const TensorView& v, std::int64_t offset) {
   // CP rank d = ring_rank(d) Pu + ulysses_rank(d) stores the tokens ring_rank(d) owns, for the KV heads
   // [ulysses_rank(d) Hkv / Pu, (ulysses_rank(d) + 1) Hkv / Pu) (of the replicated heads when Hkv < Pu).
+  const CommStreamScope stream_scope(groups_);
   const Tensor k_rep = replicated_kv(cache, k), v_rep = replicated_kv(cache, v);
   const decode_detail::StoredRows kv = decode_detail::reshard_to_owners(
       groups_, counters_, cache.sharding(), groups_.ulysses_size(), layout, offset,
       {k_rep.defined() ? k_rep.view() : k, v_rep.defined() ? v_rep.view() : v});
-  cache.local_.append(kv.rows[0], kv.rows[1], kv.tokens);
+  cache.local_.append(kv.rows[0], kv.rows[1], kv.tokens, groups_.stream);
 }
 
 std::int64_t MhaDecodeCp::pass_kv_bytes(const ShardedKvCache& cache) const {
@@ -351,7 +390,10 @@ void MhaDecodeCp::check_extend(const ShardedKvCache& cache, const SequenceLayout
                                             const TensorView& q_in, const TensorView& k, const TensorView& v,
                                             ChunkPrefillMode mode) {
   const char* who = "MhaDecodeCp::extend";
-  check_host_inputs(who, {{"q", q_in}, {"k", k}, {"v", v}});
+  SEQPAR_CHECK(cache.spec().device.is_cpu(), who, ": the cache lives on ", cache.spec().device.str(),
+               ", but a chunk prefill runs on the host only (no device implementation yet); prefill or fill a device ",
+               "cache in one call, or keep the cache on the host");
+  check_cache_device(who, cache.spec().device, groups_.stream, {{"q", q_in}, {"k", k}, {"v", v}});
   check_cache(cache, who);
   check_layout_matches(groups_, layout, who);
   const attn::KvCacheSpec& s = cache.spec();
@@ -490,7 +532,7 @@ PrefillOutput MhaDecodeCp::merge_chunk(ChunkPass& c, const MhaCpOutput& own, con
 DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, const TensorView& k,
                                               const TensorView& v) {
   const char* who = "MhaDecodeCp::decode";
-  check_host_inputs(who, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
+  check_cache_device(who, cache.spec().device, groups_.stream, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
   check_cache(cache, who);
   const attn::KvCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4 && q.dim(1) >= 1, who, ": q_new must be [B, n, Hq, D] with n >= 1, got ",
@@ -513,7 +555,11 @@ DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, con
   const std::vector<std::int64_t> q_pos = iota_from(L, n);
   const DType acc = accumulator_dtype(s.dtype);
   const std::int64_t rows = B * n * hq, block = rows * (D + 2);
-  const DeviceAlloc alloc{Device::cpu(), groups_.stream};
+  // The device schedule: a device cache, or the host in the lowered test mode (attention/lowering.h), which runs the
+  // same calls on the CPU.
+  const bool device_schedule = !s.device.is_cpu() || attn::lowered_attention_enabled();
+  const CommStreamScope stream_scope(groups_);
+  const DeviceAlloc alloc{s.device, groups_.stream};
   Tensor send = alloc.empty({block}, acc, MemCategory::kCommBuffer);
   Tensor recv = alloc.empty({block * groups_.ring.size()}, acc, MemCategory::kCommBuffer);
   {
@@ -538,16 +584,28 @@ DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, con
       Tensor v_own = alloc.empty(shape, s.dtype, MemCategory::kWorkspace);
       gather_rows(k_l, 1, idx, k_own, groups_.stream);
       gather_rows(v_l, 1, idx, v_own, groups_.stream);
-      cache.local_.append(k_own, v_own, pos);
+      cache.local_.append(k_own, v_own, pos, groups_.stream);
     }
     Tensor lse_r = alloc.empty({B, hq, n}, DType::kFloat64, MemCategory::kWorkspace);
-    attn::mha_decode(cache.local_, q_l, q_pos, sub_view(send, 0, {B, n, hq, D}), lse_r, config_.scale, groups_.stream);
-    if (acc == DType::kFloat64) {
-      split_lse(lse_r.data_as<double>(), rows, send.data_as<double>() + rows * D,
-                send.data_as<double>() + rows * D + rows);
+    const TensorView out_r = sub_view(send, 0, {B, n, hq, D});
+    if (device_schedule) {
+      // A shard with no token yet contributes nothing (lse -inf, out 0), without a kernel call on zero keys.
+      if (cache.local_.length() == 0) {
+        seqpar::fill(out_r, 0.0, groups_.stream);
+        seqpar::fill(lse_r, -std::numeric_limits<double>::infinity(), groups_.stream);
+      } else {
+        attn::mha_decode(cache.local_, q_l, q_pos, out_r, lse_r, config_.scale, groups_.stream);
+      }
+      pack_lse(lse_r, send, rows * D, groups_.stream);
     } else {
-      split_lse(lse_r.data_as<double>(), rows, send.data_as<float>() + rows * D,
-                send.data_as<float>() + rows * D + rows);
+      attn::mha_decode(cache.local_, q_l, q_pos, out_r, lse_r, config_.scale, groups_.stream);
+      if (acc == DType::kFloat64) {
+        split_lse(lse_r.data_as<double>(), rows, send.data_as<double>() + rows * D,
+                  send.data_as<double>() + rows * D + rows);
+      } else {
+        split_lse(lse_r.data_as<double>(), rows, send.data_as<float>() + rows * D,
+                  send.data_as<float>() + rows * D + rows);
+      }
     }
   }
   {
@@ -560,6 +618,22 @@ DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, con
   DecodeOutput result;
   ScopedTimer timer(counters_.compute_s);
   Tensor merged = alloc.empty({B, n, hq, D}, acc, MemCategory::kWorkspace);
+  if (device_schedule) {
+    ++g_device_schedule_steps;
+    // The ranks' partials merged in rank order by lse_merge (fp64 per row, rounded once per merge; out kept in the
+    // accumulator dtype, the running lse in fp64), on the cache's device.
+    Tensor lse64 = alloc.empty({B, hq, n}, DType::kFloat64, MemCategory::kWorkspace);
+    Tensor lse_b = alloc.empty({B, hq, n}, DType::kFloat64, MemCategory::kWorkspace);
+    alloc.copy_convert(sub_view(recv, 0, {B, n, hq, D}), merged);
+    unpack_lse(recv, rows * D, lse64, groups_.stream);
+    for (int r = 1; r < groups_.ring.size(); ++r) {
+      unpack_lse(recv, r * block + rows * D, lse_b, groups_.stream);
+      attn::lse_merge(merged, lse64, sub_view(recv, r * block, {B, n, hq, D}), lse_b, groups_.stream);
+    }
+    result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
+    result.lse = alloc.copy_of(lse64, acc, MemCategory::kWorkspace);
+    return result;
+  }
   result.lse = alloc.empty({B, hq, n}, acc, MemCategory::kWorkspace);
   if (acc == DType::kFloat64) {
     merge_shards(recv.data_as<double>(), groups_.ring.size(), B, n, hq, D, merged.data_as<double>(),
@@ -571,6 +645,8 @@ DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, con
   result.out = alloc.copy_of(merged, q.dtype(), MemCategory::kWorkspace);
   return result;
 }
+
+std::int64_t mha_decode_device_schedule_steps() { return g_device_schedule_steps; }
 
 // ---- GDN ---------------------------------------------------------------------------------------------------------
 

@@ -165,12 +165,19 @@ class MhaDecodeCp {
   MhaDecodeCp(const CpGroups& groups, const MhaDecodeConfig& config);
 
   // An empty cache of `capacity` tokens sharded by the configuration over the ring group, holding this rank's
-  // kv_heads / ulysses_size heads, or one replica when kv_heads < ulysses_size.
-  // Errors: kv_heads < 1; kv_heads neither divisible by ulysses_size nor dividing it; the cache's allocation (an
-  //   Error naming the cache, its shape and the bytes asked for, not std::bad_alloc).
+  // kv_heads / ulysses_size heads, or one replica when kv_heads < ulysses_size, on `device`.
+  // Devices: a cache on a CUDA device takes prefill, fill and decode inputs on that device (groups.stream on it;
+  //   every other call refuses them by name before any message): the re-sharding, the cache append, each rank's
+  //   attention of the new tokens to its shard (attn::mha_decode on CUDA tensors: cuDNN SDPA or the exact cuBLAS
+  //   fallback, lowered as attention/lowering.h) and the merge of the ranks' partials (attn::lse_merge in rank order)
+  //   run on the device; extend stays host-only. Compiled, never run on a GPU; the lowered test mode
+  //   (SEQPAR_LOWERED_ATTENTION = 1) runs this device schedule of decode on the host.
+  // Errors: kv_heads < 1; kv_heads neither divisible by ulysses_size nor dividing it; a CUDA device that is not
+  //   usable (none present, a build without CUDA: the reason); the cache's allocation (an Error naming the cache, its
+  //   shape and the bytes asked for, not std::bad_alloc).
   // Sync: host-only, collective-free.
   ShardedKvCache make_cache(std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads, std::int64_t head_dim,
-                            DType dtype) const;
+                            DType dtype, Device device = Device::cpu()) const;
 
   // The prompt; the cache then holds the T tokens on their owners.
   // Args: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D] (all heads) at layout.positions(cp_rank) (layout built
@@ -218,8 +225,8 @@ class MhaDecodeCp {
   // Returns: out [B, n, Hq / Pu, D] and lse [B, Hq / Pu, n] of this rank's query heads (from q_head_offset())
   //   against every token so far, the new ones included (causally), identical on the ranks of a ring group.
   // Errors (cache unchanged, on every rank): a cache made with another sharding, shape or dtype than this object
-  //   and the inputs; ranks disagreeing on shapes, configuration, cache length or step; length + n past the
-  //   capacity.
+  //   and the inputs; inputs on another device than the cache; ranks disagreeing on shapes, configuration, cache
+  //   length or step; length + n past the capacity.
   // Sync: collective over the CP group (agreement) and the ring group (merge); host-synchronous.
   DecodeOutput decode(ShardedKvCache& cache, const TensorView& q_new, const TensorView& k_new, const TensorView& v_new);
 
@@ -268,6 +275,12 @@ class MhaDecodeCp {
   std::int64_t chunk_route_bytes_sent_ = 0;
   AgreementCheck agreement_;
 };
+
+// The MhaDecodeCp::decode steps run by the device schedule in this process so far: every step on a device cache, and
+// every step under the lowered test mode (SEQPAR_LOWERED_ATTENTION = 1, attention/lowering.h), which runs that
+// schedule on the host (tests check that the mode was taken).
+// Sync: host-only.
+std::int64_t mha_decode_device_schedule_steps();
 
 // GDN for inference with the value heads split over groups.cp (docs/design.md, "MHA decode over a sharded cache").
 // Decode sends no data message; prefill and decode check the ranks' agreement before any data moves.

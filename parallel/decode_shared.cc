@@ -75,7 +75,7 @@ StoredRows reshard_to_owners(const CpGroups& groups, CpCounters& counters, const
     for (std::int64_t& t : pos) t = t < 0 ? -1 : t + offset;
     return pos;
   };
-  const DeviceAlloc alloc{Device::cpu(), groups.stream};
+  const DeviceAlloc alloc{ts[0].device(), groups.stream};
   ScopedTimer timer(counters.compute_s);
   // Send: for each destination d, the rows of my tokens it stores, tensor after tensor, each [B, m, ...].
   const std::vector<std::int64_t> mine = tokens_of(me);

@@ -78,6 +78,14 @@ struct Exported {
 
 void delete_exported(DLManagedTensor* self) { delete static_cast<Exported*>(self->manager_ctx); }
 
+// What a borrowed view's DLManagedTensor owns: its shape only (the memory stays the caller's).
+struct Borrowed {
+  std::int64_t numel = 0;
+  DLManagedTensor managed{};
+};
+
+void delete_borrowed(DLManagedTensor* self) { delete static_cast<Borrowed*>(self->manager_ctx); }
+
 // A capsule nobody consumed (torch renames the ones it takes to "used_dltensor") still owns its tensor.
 void destroy_capsule(PyObject* capsule) {
   if (!PyCapsule_IsValid(capsule, kCapsuleName)) return;
@@ -169,6 +177,24 @@ py::object to_torch(Tensor&& tensor) {
   t.byte_offset = 0;
   owner->managed.manager_ctx = owner.get();
   owner->managed.deleter = delete_exported;
+  DLManagedTensor* managed = &owner.release()->managed;
+  py::capsule capsule(managed, kCapsuleName, &destroy_capsule);
+  return torch_from_dlpack()(capsule);
+}
+
+py::object borrow_torch(const TensorView& view) {
+  auto owner = std::make_unique<Borrowed>();
+  owner->numel = view.numel();
+  DLTensor& t = owner->managed.dl_tensor;
+  t.data = view.data();
+  t.device = view.device().is_cpu() ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, view.device().index};
+  t.ndim = 1;
+  t.dtype = dl_of_dtype(view.dtype());
+  t.shape = &owner->numel;
+  t.strides = nullptr;
+  t.byte_offset = 0;
+  owner->managed.manager_ctx = owner.get();
+  owner->managed.deleter = delete_borrowed;
   DLManagedTensor* managed = &owner.release()->managed;
   py::capsule capsule(managed, kCapsuleName, &destroy_capsule);
   return torch_from_dlpack()(capsule);

@@ -29,6 +29,9 @@ TensorView view_of(pybind11::handle tensor, const char* what);
 Stream current_stream(const TensorView& t);
 // A torch.Tensor owning `tensor`'s buffer.
 pybind11::object to_torch(Tensor&& tensor);
+// A flat torch.Tensor over the memory of `view` (host or CUDA: DLPack kDLCUDA on its device), not owning it: the
+// caller keeps the memory alive while torch uses the tensor (the torch.distributed communicator's device buffers).
+pybind11::object borrow_torch(const TensorView& view);
 // A torch int64 tensor holding `values` (copied once).
 pybind11::object int64_tensor(const std::vector<std::int64_t>& values);
 

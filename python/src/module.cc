@@ -232,7 +232,22 @@ void bind_runtime(py::module_& m) {
             c.broadcast(view_of(tensor, "broadcast tensor"), root)->wait();
           },
           py::arg("tensor"), py::arg("root") = 0)
-      .def("barrier", [](Communicator& c) { c.barrier()->wait(); });
+      .def("barrier", [](Communicator& c) { c.barrier()->wait(); })
+      .def(
+          "_all_reduce_fake_device_buffer",
+          [](Communicator& c, int index) {
+            // Only where the buffer is refused before it is read: a torch.distributed group without nccl.
+            const std::string backend = c.backend_name();
+            SEQPAR_CHECK(backend.rfind("torch", 0) == 0 && backend.find("nccl") == std::string::npos,
+                         "_all_reduce_fake_device_buffer: only for a torch.distributed group without nccl, not ",
+                         backend);
+            const TensorView fake(reinterpret_cast<void*>(std::uintptr_t{0x1000}), DType::kFloat32, {4},
+                                  Device::cuda(index));
+            c.all_reduce(fake, ReduceOp::kSum)->wait();
+          },
+          py::arg("index") = 0,
+          "Test hook: an all_reduce of 4 fp32 at a fake address on cuda:index, which a torch.distributed group "
+          "without nccl refuses before any message (the address is never read).");
   m.def("world", &world, "The process's MPI world (MPI_COMM_WORLD duplicated); initialises MPI if needed.");
   m.def("from_mpi4py", &from_mpi4py, py::arg("comm"), "A seqpar communicator over a duplicate of an mpi4py one.");
 }

@@ -9,9 +9,11 @@
 #include <map>
 #include <utility>
 
+#include "dlpack_bridge.h"
 #include "runtime/comm_keepalive.h"
 #include "runtime/error.h"
 #include "runtime/logging.h"
+#include "runtime/tensor_ops.h"
 
 namespace py = pybind11;
 
@@ -47,8 +49,10 @@ py::object torch_dtype(DType dtype) {
   SEQPAR_THROW("no torch dtype for dtype ", static_cast<int>(dtype));
 }
 
-// A flat torch tensor over the view's memory (no copy; the caller keeps the memory alive while torch uses it).
+// A flat torch tensor over the view's memory (no copy; the caller keeps the memory alive while torch uses it): host
+// memory through torch.frombuffer, device memory through DLPack (on the view's CUDA device).
 py::object as_torch(const TensorView& t) {
+  if (!t.device().is_cpu()) return borrow_torch(t);
   if (t.numel() == 0) return api().empty(0, py::arg("dtype") = torch_dtype(t.dtype()));
   PyObject* memory =
       PyMemoryView_FromMemory(static_cast<char*>(t.data()), static_cast<Py_ssize_t>(t.nbytes()), PyBUF_WRITE);
@@ -94,7 +98,11 @@ class TorchWork final : public Work {
         description_(std::move(description)),
         works_(std::move(works)),
         tensors_(std::move(tensors)),
-        buffers_(std::move(buffers)) {}
+        buffers_(std::move(buffers)) {
+    for (const TensorView& b : buffers_) {
+      if (!b.device().is_cpu()) device_ = b.device();
+    }
+  }
 
   ~TorchWork() override {
     if (!interpreter_alive()) {  // the process is ending: leak the Python objects, never touch the interpreter
@@ -137,6 +145,7 @@ class TorchWork final : public Work {
         fail(str_cat(description_, " failed: ", python_error_text(e)));
       }
     }
+    finish_device();
     done_ = true;
     return true;
   }
@@ -168,10 +177,22 @@ class TorchWork final : public Work {
         fail(timeout_text(timeout_s, std::chrono::duration<double>(clock::now() - start).count(), "not completed"));
       }
     }
+    finish_device();
     done_ = true;
   }
 
  private:
+  // Device buffers: torch's Work.wait() orders the operation before torch's current stream, not before the host;
+  // seqpar's schedules read the buffers next on their own stream, so the host waits for that stream here.
+  void finish_device() {
+    if (device_.is_cpu() || works_.empty()) return;
+    try {
+      api().torch.attr("cuda").attr("current_stream")(device_.index).attr("synchronize")();
+    } catch (py::error_already_set& e) {
+      fail(str_cat(description_, " failed: ", python_error_text(e)));
+    }
+  }
+
   std::string timeout_text(double timeout_s, double waited, const std::string& torch_text) const {
     return str_cat(description_, " did not complete within ", timeout_s, " s (waited ", waited,
                    " s): a peer has failed, is stuck, or posted a mismatched operation; this group cannot be used ",
@@ -197,13 +218,29 @@ class TorchWork final : public Work {
   std::vector<py::object> works_;
   std::vector<py::object> tensors_;
   std::vector<TensorView> buffers_;
+  Device device_;  // the buffers' CUDA device, or the CPU
   bool done_ = false;
   std::string failure_;
 };
 
+// The first `bytes` bytes of `from` into `to` (host memcpy; a device buffer: one same-dtype copy_convert, a
+// cudaMemcpy on the legacy default stream, synchronised).
 void copy_bytes(const TensorView& from, const TensorView& to, std::size_t bytes) {
-  if (bytes > 0) std::memcpy(to.data(), from.data(), bytes);
+  if (bytes == 0) return;
+  if (from.device().is_cpu() && to.device().is_cpu()) {
+    std::memcpy(to.data(), from.data(), bytes);
+    return;
+  }
+  const auto n = static_cast<std::int64_t>(bytes / dtype_size(from.dtype()));
+  copy_convert(TensorView(from.data(), from.dtype(), {n}, from.device()),
+               TensorView(to.data(), from.dtype(), {n}, to.device()));
 }
+
+// Which buffers a ProcessGroup's backend takes (torch.distributed.get_backend's name: "gloo", "nccl", "mpi", or
+// "cpu:gloo,cuda:nccl" for a group of several): host buffers unless its only backend is nccl; CUDA buffers when
+// one of its backends is nccl.
+bool backend_takes_host(const std::string& backend) { return backend != "nccl"; }
+bool backend_takes_cuda(const std::string& backend) { return backend.find("nccl") != std::string::npos; }
 
 class TorchCommunicator final : public Communicator {
  public:
@@ -214,14 +251,22 @@ class TorchCommunicator final : public Communicator {
                  " world ranks");
     SEQPAR_CHECK(!pg_.is_none() || size == 1, name, ": a group of ", size,
                  " ranks needs a torch.distributed ProcessGroup (None only for a group of one rank)");
-    set_group(rank, size, std::move(world_ranks));
-    set_name(std::move(name));
     py::gil_scoped_acquire gil;
+    // An nccl-only group wants its buffers (the agreement checks' too) on this process's current CUDA device.
+    Device device = Device::cpu();
+    if (!pg_.is_none()) {
+      pg_backend_ = py::str(api().dist.attr("get_backend")(pg_));
+      backend_ = str_cat("torch (", pg_backend_, ")");
+#if defined(SEQPAR_WITH_CUDA)
+      if (!backend_takes_host(pg_backend_)) {
+        device = Device::cuda(api().torch.attr("cuda").attr("current_device")().cast<int>());
+      }
+#endif
+    }
+    set_group(rank, size, std::move(world_ranks), device);
+    set_name(std::move(name));
     state_ = state_of(pg_);
     if (process_rank() < 0) set_process_rank(world_ranks_of_this_rank());  // torch's rank in messages and logs
-    if (!pg_.is_none()) {
-      backend_ = str_cat("torch (", std::string(py::str(api().dist.attr("get_backend")(pg_))), ")");
-    }
   }
 
   ~TorchCommunicator() override {
@@ -236,8 +281,19 @@ class TorchCommunicator final : public Communicator {
   const char* backend_name() const override { return backend_.c_str(); }
 
  protected:
+  // Host buffers on a group whose backend takes them (gloo, mpi); CUDA buffers on one whose backend is nccl (passed
+  // to it as they are, no host staging); a group of one rank (no ProcessGroup) copies either. Refused on each rank
+  // before its message is posted.
   void check_buffer(const TensorView& t, const std::string& op) const override {
-    SEQPAR_CHECK(t.device().is_cpu(), op, ": the torch.distributed backend takes host buffers; got ", t.str());
+    if (t.device().is_cpu()) {
+      SEQPAR_CHECK(local() || backend_takes_host(pg_backend_), op, ": the torch.distributed backend ", pg_backend_,
+                   " takes CUDA buffers only; got the host buffer ", t.str(),
+                   " (use a ProcessGroup with gloo for host tensors)");
+    } else {
+      SEQPAR_CHECK(local() || backend_takes_cuda(pg_backend_), op, ": the torch.distributed backend ", pg_backend_,
+                   " takes host buffers only; got the device buffer ", t.str(),
+                   " (device buffers need a ProcessGroup whose backend takes CUDA tensors: nccl)");
+    }
     SEQPAR_CHECK(state_->failure.empty(), op, ": the group is not usable after an earlier failure: ", state_->failure);
   }
 
@@ -253,6 +309,7 @@ class TorchCommunicator final : public Communicator {
 
   WorkHandle do_all_to_all(const TensorView& send, const TensorView& recv, std::string what) override {
     if (local()) return local_copy(send, recv, recv.nbytes(), std::move(what));
+    finish_caller_stream(send);
     py::gil_scoped_acquire gil;
     py::object s = as_torch(send), r = as_torch(recv);
     return collective(std::move(what),
@@ -270,10 +327,11 @@ class TorchCommunicator final : public Communicator {
     }
     const auto esize = static_cast<std::int64_t>(dtype_size(send.dtype()));
     if (local()) return local_copy(send, recv, static_cast<std::size_t>(send_counts[0] * esize), std::move(what));
+    finish_caller_stream(send);
     py::gil_scoped_acquire gil;
     // all_to_all_single needs tensors of exactly the counts' totals: the leading elements of the buffers.
-    const TensorView s_view(send.data(), send.dtype(), {send_total});
-    const TensorView r_view(recv.data(), recv.dtype(), {recv_total});
+    const TensorView s_view(send.data(), send.dtype(), {send_total}, send.device());
+    const TensorView r_view(recv.data(), recv.dtype(), {recv_total}, recv.device());
     py::object s = as_torch(s_view), r = as_torch(r_view);
     py::object w = api().dist.attr("all_to_all_single")(r, s, py::arg("output_split_sizes") = recv_counts,
                                                         py::arg("input_split_sizes") = send_counts,
@@ -283,6 +341,7 @@ class TorchCommunicator final : public Communicator {
 
   WorkHandle do_all_gather(const TensorView& send, const TensorView& recv, std::string what) override {
     if (local()) return local_copy(send, recv, send.nbytes(), std::move(what));
+    finish_caller_stream(send);
     py::gil_scoped_acquire gil;
     py::object s = as_torch(send), r = as_torch(recv);
     return collective(
@@ -293,6 +352,7 @@ class TorchCommunicator final : public Communicator {
 
   WorkHandle do_reduce_scatter(const TensorView& send, const TensorView& recv, ReduceOp op, std::string what) override {
     if (local()) return local_copy(send, recv, recv.nbytes(), std::move(what));
+    finish_caller_stream(send);
     py::gil_scoped_acquire gil;
     py::object s = as_torch(send), r = as_torch(recv);
     py::object w = api().dist.attr("reduce_scatter_tensor")(r, s, py::arg("op") = torch_op(op), py::arg("group") = pg_,
@@ -302,6 +362,7 @@ class TorchCommunicator final : public Communicator {
 
   WorkHandle do_all_reduce(const TensorView& buffer, ReduceOp op, std::string what) override {
     if (local()) return local_copy(buffer, buffer, 0, std::move(what));
+    finish_caller_stream(buffer);
     py::gil_scoped_acquire gil;
     py::object t = as_torch(buffer);
     py::object w = api().dist.attr("all_reduce")(t, py::arg("op") = torch_op(op), py::arg("group") = pg_,
@@ -311,6 +372,7 @@ class TorchCommunicator final : public Communicator {
 
   WorkHandle do_broadcast(const TensorView& buffer, int root, std::string what) override {
     if (local()) return local_copy(buffer, buffer, 0, std::move(what));
+    finish_caller_stream(buffer);
     py::gil_scoped_acquire gil;
     py::object t = as_torch(buffer);
     py::object w = api().dist.attr("broadcast")(t, py::arg("src") = world_rank_of(root), py::arg("group") = pg_,
@@ -353,6 +415,7 @@ class TorchCommunicator final : public Communicator {
     SEQPAR_CHECK(!local(), what,
                  ": point-to-point messages to itself are not supported in a group of one rank "
                  "without a ProcessGroup");
+    for (const P2POp& op : ops) finish_caller_stream(op.buffer);
     py::gil_scoped_acquire gil;
     std::vector<py::object> works, tensors;
     std::vector<TensorView> buffers;
@@ -375,7 +438,14 @@ class TorchCommunicator final : public Communicator {
                                        std::move(buffers));
   }
 
+  // Device buffers: the work queued on the caller's stream (set_stream) is finished before torch posts the
+  // operation (torch orders it after its own current stream only).
+  void finish_caller_stream(const TensorView& t) const {
+    if (!t.device().is_cpu()) stream().synchronize();
+  }
+
   py::object pg_;
+  std::string pg_backend_;  // torch.distributed.get_backend(pg_); empty without a ProcessGroup
   std::string backend_ = "torch";
   std::shared_ptr<SharedState> state_;
 };

@@ -1,11 +1,16 @@
 // The torch.distributed backend of the Communicator interface (runtime/comm.h), beside MPI and NCCL. It lives in
 // the Python module, not in runtime/, so that the C++ library never links torch: every operation calls
-// torch.distributed through Python (holding the GIL), on a ProcessGroup the user made (gloo for host buffers).
+// torch.distributed through Python (holding the GIL), on a ProcessGroup the user made: gloo (or mpi) for host
+// buffers; nccl for CUDA buffers, which pass to the group as they are (no staging through the host; a group with
+// nccl alone puts its own buffers, the agreement checks', on the current CUDA device). A buffer the group's backend
+// cannot take (a device buffer on gloo, a host buffer on nccl alone) is refused naming the backend and the rule, on
+// each rank before its message. Device buffers: posted after the caller's stream (set_stream) has finished its
+// work, and wait() returns once torch's current stream has finished the operation. Compiled, never run on a GPU.
 //
 // Operations: isend / irecv (torch.distributed.isend / irecv with seqpar's tag), batch_isend_irecv (receives
 // posted first), all_to_all and all_to_all_v (all_to_all_single), all_gather (all_gather_into_tensor),
 // reduce_scatter (reduce_scatter_tensor), all_reduce, broadcast, barrier; all asynchronous (async_op=True). Buffers
-// cross as torch tensors over seqpar's memory (torch.frombuffer, no copy). split() is not supported: a grid over
+// cross as torch tensors over seqpar's memory (host: torch.frombuffer; device: DLPack; no copy). split() is not supported: a grid over
 // torch groups is built from the groups themselves (make_torch_grid).
 //
 // Work::wait(timeout) waits with torch's Work.wait(timeout) (the GIL released meanwhile); a failed or timed-out

@@ -9,6 +9,7 @@
 
 #include <limits>
 
+#include "attention/lowering.h"
 #include "parallel/decode_cp.h"
 #include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
@@ -83,6 +84,9 @@ TEST_P(MhaDecodeCpTest, StepsEqualRowsOfTheWholeSequence) {
                         test::decode_rtol(c.dtype), "prefill out"));
 
   layer.reset_counters();
+  // The lowered test mode runs the device schedule of each step on the host (its attention through the lowered
+  // kernel path); the default mode runs the host schedule.
+  const std::int64_t device_steps = mha_decode_device_schedule_steps();
   const std::int64_t h0 = layer.q_head_offset(kHq);
   EXPECT_EQ(h0, groups.ulysses.rank() * hq);
   for (std::int64_t step = 0; step < sched.steps; ++step) {
@@ -97,7 +101,10 @@ TEST_P(MhaDecodeCpTest, StepsEqualRowsOfTheWholeSequence) {
   }
   EXPECT_EQ(cache.length(), sched.total());
   EXPECT_EQ(cache.local().positions(), cache.sharding().owned(me, 0, sched.total()));
-  // (P - 1) B n (Hq / Pu) (D + 2) accumulator elements per step, each way.
+  const bool lowered = attn::lowered_attention_enabled();
+  EXPECT_EQ(mha_decode_device_schedule_steps() - device_steps, lowered ? sched.steps : 0);
+  // (P - 1) B n (Hq / Pu) (D + 2) accumulator elements per step, each way (the device schedule sends the same bytes:
+  // an fp64 lse in the place of hi + lo).
   const std::int64_t per_step =
       (P - 1) * kB * c.n * hq * (kD + 2) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(c.dtype)));
   EXPECT_EQ(layer.decode_bytes_per_step(kB, c.n, kHq, kD, c.dtype), per_step);
@@ -363,8 +370,8 @@ TEST(MhaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
   EXPECT_EQ(cache.length(), kPrompt + 1);
 }
 
-// The caches live on the host: CUDA inputs (a fake device pointer, never read) are refused by name on every rank
-// before any message, in any build, and the cache is untouched.
+// A host cache: CUDA inputs (a fake device pointer, never read) are refused by name on every rank before any message,
+// in any build, and the cache is untouched.
 TEST(MhaDecodeCpErrors, CudaInputsFailEverywhereBeforeAnyMessage) {
   Bad b;
   MhaDecodeCp layer(b.groups, MhaDecodeConfig{});
@@ -382,7 +389,7 @@ TEST(MhaDecodeCpErrors, CudaInputsFailEverywhereBeforeAnyMessage) {
     m = e.what();
   }
   EXPECT_NE(m.find(str_cat("MhaDecodeCp::prefill: k ", cuda(k).str(),
-                           " is on cuda:0, but the decode caches live on the host")),
+                           " is on cuda:0, but the cache lives on cpu")),
             std::string::npos)
       << m;
   EXPECT_TRUE(test::all_ranks(world(), !m.empty()));
@@ -402,6 +409,16 @@ TEST(MhaDecodeCpErrors, KvHeadsBelowOneNamesTheRule) {
     test::expect_error([&] { layer.make_cache(kB, 8, hkv, kD, DType::kFloat32); },
                        str_cat("MhaDecodeCp::make_cache: kv_heads Hkv = ", hkv, " must be >= 1"));
   }
+}
+
+// A cache on a CUDA device needs one: without a device (or without CUDA) make_cache names the device; with one, the
+// decode steps run on it (sp_bench --mode decode --device cuda --check compares them with the fp64 references).
+TEST(MhaDecodeCpErrors, DeviceCacheWithoutADeviceFailsNamingIt) {
+  if (cuda_device_count() > 0) GTEST_SKIP() << "a CUDA device is present: the cache is made on it";
+  Bad b;
+  MhaDecodeCp layer(b.groups, MhaDecodeConfig{});
+  EXPECT_TRUE(fails_everywhere([&] { (void)layer.make_cache(kB, kPrompt, kHkv, kD, DType::kBFloat16, Device::cuda(0)); },
+                               "MhaDecodeCp::make_cache: device cuda:0 is not usable ("));
 }
 
 TEST(MhaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {

@@ -1,6 +1,7 @@
 // cuDNN's support, without a device, of every SDPA graph (forward and backward) that the lowering emits for ring
 // steps and all-gather calls of the contiguous, zigzag and stripe layouts (and packed documents) at the shapes of the
-// tests: the frontend's validate() for sm_90 must accept each bf16 / fp16 key. This checks the frontend's support
+// tests, and every decode step's call of MhaDecodeCp on a token-sharded cache (s_q = 1 or a few new tokens against
+// a rank's shard, causal on global positions): the frontend's validate() for sm_90 must accept each bf16 / fp16 key. This checks the frontend's support
 // rules for the linked cuDNN, not that an engine runs (that needs the GPU check).
 #include <gtest/gtest.h>
 
@@ -40,7 +41,31 @@ std::vector<std::int64_t> shard(const std::string& kind, std::int64_t S, int P, 
 
 struct Case {
   std::vector<std::int64_t> q, k, lo, hi;  // lo / hi: document bounds per query (empty: one document)
+  bool decode = false;                     // a decode step: causal only, one batch row per call (attn::mha_decode)
 };
+
+// The decode steps' calls: n new queries at [L, L + n) against the tokens of [0, L + n) that rank r of P holds
+// (contiguous blocks of the capacity, or interleaved by I), the new ones it owns included.
+void add_decode_cases(std::vector<Case>& v) {
+  const std::int64_t L = 300, capacity = 384;
+  for (int P : {1, 2, 4}) {
+    for (std::int64_t interleave : {0, 1, 16}) {  // 0: contiguous
+      for (std::int64_t n : {1, 4}) {
+        for (int r = 0; r < P; ++r) {
+          Case c;
+          c.decode = true;
+          for (std::int64_t t = L; t < L + n; ++t) c.q.push_back(t);
+          const std::int64_t block = (capacity + P - 1) / P;
+          for (std::int64_t t = 0; t < L + n; ++t) {
+            const int owner = interleave == 0 ? static_cast<int>(t / block) : static_cast<int>((t / interleave) % P);
+            if (owner == r) c.k.push_back(t);
+          }
+          if (!c.k.empty()) v.push_back(c);
+        }
+      }
+    }
+  }
+}
 
 [[maybe_unused]] std::vector<Case> cases() {  // read only with the cuDNN frontend
   std::vector<Case> v;
@@ -74,6 +99,7 @@ struct Case {
       }
     }
   }
+  add_decode_cases(v);
   return v;
 }
 
@@ -84,13 +110,17 @@ TEST(CudnnSdpaSupport, EveryLoweredGraphValidatesForSm90) {
 #else
   std::cout << "cuDNN " << attn::cudnn::cudnn_version() << "\n";
   std::vector<attn::cudnn::SdpaGraphKey> keys;
+  int decode_keys = 0;  // forward keys of the decode cases (before removing duplicates)
   for (const Case& c : cases()) {
     for (int m = 0; m < 3; ++m) {
+      if (c.decode && m != 1) continue;  // decode: causal, no window
       const MaskSpec mask(m > 0, m == 2 ? 64 : 0, c.lo, c.hi);
       const auto calls = attn::lowered_calls(attn::lower_attention_block(c.q, c.k, mask));
       for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
-        const std::int64_t batch = c.lo.empty() ? 2 : 1;
+        const std::int64_t batch = c.decode || !c.lo.empty() ? 1 : 2;
         for (const auto& k : attn::cudnn::sdpa_graph_keys(calls, batch, 8, 2, 128, dt)) {
+          if (c.decode && k.backward) continue;  // decode runs forward only
+          if (c.decode) ++decode_keys;
           bool seen = false;
           for (const auto& e : keys) seen = seen || e == k;
           if (!seen) keys.push_back(k);
@@ -115,8 +145,10 @@ TEST(CudnnSdpaSupport, EveryLoweredGraphValidatesForSm90) {
   }
   std::cout << "cuDNN SDPA support (validate, sm_90): " << keys.size() << " graph keys, " << accepted << " accepted, "
             << fallback << " sent to the fallback (" << fallback_refused << " of them refused by "
-            << "validate); " << attn::cudnn::sdpa_graph_cache_size() << " graphs cached\n";
+            << "validate); " << decode_keys << " of the decode steps' forward keys among them (with repeats); "
+            << attn::cudnn::sdpa_graph_cache_size() << " graphs cached\n";
   EXPECT_GT(keys.size(), 0u);
+  EXPECT_GT(decode_keys, 0);
 #endif
 }
 
@@ -145,16 +177,17 @@ TEST(CudnnSdpaSupport, EveryLoweredGraphHasAnEngineOnCapturedDevices) {
     const int sm = nlohmann::json::parse(props).value("deviceVer", 900) / 10;
     int checked = 0;
     for (const Case& c : cases()) {
+      if (checked > 200 && !c.decode) continue;  // a few hundred training keys per device are enough; every decode key
       const MaskSpec mask(true, 0, c.lo, c.hi);
       const auto calls = attn::lowered_calls(attn::lower_attention_block(c.q, c.k, mask));
-      for (const auto& k : attn::cudnn::sdpa_graph_keys(calls, c.lo.empty() ? 2 : 1, 8, 2, 128, DType::kBFloat16)) {
-        if (!attn::cudnn::sdpa_fallback_reason(k).empty()) continue;
+      const std::int64_t batch = c.decode || !c.lo.empty() ? 1 : 2;
+      for (const auto& k : attn::cudnn::sdpa_graph_keys(calls, batch, 8, 2, 128, DType::kBFloat16)) {
+        if (!attn::cudnn::sdpa_fallback_reason(k).empty() || (c.decode && k.backward)) continue;
         const std::string status = attn::cudnn::check_sdpa_support(k, props, sm);
         if (status.find("libcuda") != std::string::npos) GTEST_SKIP() << file << ": " << status;
         EXPECT_EQ(status, "") << file << ": " << attn::cudnn::sdpa_key_str(k);
         ++checked;
       }
-      if (checked > 200) break;  // a few hundred keys per device are enough
     }
     // and a refusal is reported: no Hopper engine has an fp32 backward
     attn::cudnn::SdpaGraphKey fp32_bwd;

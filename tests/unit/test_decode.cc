@@ -19,7 +19,7 @@ constexpr MemCategory kWs = MemCategory::kWorkspace;
 
 TEST(KvCache, LedgerHoldsTheFormulaForOneLayer) {
   const std::int64_t before = persistent_bytes();
-  const KvCacheSpec spec{2, 100, 2, 16, DType::kBFloat16};
+  const KvCacheSpec spec{2, 100, 2, 16, DType::kBFloat16, Device::cpu()};
   {
     MhaKvCache cache(spec);
     // M_KV = 2 L B Hkv T D bytes with L = 1, T = capacity, 2 bytes per bf16 element.
@@ -42,7 +42,7 @@ TEST_P(MhaDecode, StepsEqualRowsOfTheWholeSequence) {
   const std::int64_t B = 2, hq = 4, hkv = 2, D = 16;
   const test::DecodeSchedule sched{37, 4, c.n};
   const test::MhaDecodeProblem p(B, sched.total(), hq, hkv, D, c.dtype, 11);
-  MhaKvCache cache(KvCacheSpec{B, sched.total(), hkv, D, c.dtype});
+  MhaKvCache cache(KvCacheSpec{B, sched.total(), hkv, D, c.dtype, Device::cpu()});
   cache.append(rows_of(p.k, 0, sched.prompt), rows_of(p.v, 0, sched.prompt));
   const DType acc = accumulator_dtype(c.dtype);
   for (std::int64_t step = 0; step < sched.steps; ++step) {
@@ -61,7 +61,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, MhaDecode,
                          [](const auto& info) { return case_name(info.param); });
 
 TEST(KvCache, RefusedAppendsAndStepsChangeNothing) {
-  const KvCacheSpec spec{2, 8, 2, 16, DType::kFloat32};
+  const KvCacheSpec spec{2, 8, 2, 16, DType::kFloat32, Device::cpu()};
   MhaKvCache cache(spec);
   cache.append(test::random_tensor({2, 6, 2, 16}, DType::kFloat32, 1),
                test::random_tensor({2, 6, 2, 16}, DType::kFloat32, 2));
