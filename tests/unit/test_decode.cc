@@ -295,7 +295,7 @@ TEST(CacheErrors, CapacityTooLargeForTheNodeNamesTheCache) {
   const std::int64_t huge = std::int64_t{1} << 40;
   test::expect_error(
       [&] {
-        MhaKvCache cache(KvCacheSpec{1, huge, 8, 128, DType::kFloat32});
+        MhaKvCache cache(KvCacheSpec{1, huge, 8, 128, DType::kFloat32, Device::cpu()});
       },
       "MhaKvCache: K and V of [1, 1099511627776, 8, 128] fp32 (batch, capacity, kv_heads, head_dim): "
       "out of memory: allocating 4503599627370496 bytes of persistent_cache");
@@ -309,7 +309,7 @@ TEST(CacheErrors, CapacityTooLargeForTheNodeNamesTheCache) {
   // A shape whose element count overflows is refused by name too.
   test::expect_error(
       [&] {
-        MhaKvCache cache(KvCacheSpec{huge, huge, 8, 128, DType::kFloat32});
+        MhaKvCache cache(KvCacheSpec{huge, huge, 8, 128, DType::kFloat32, Device::cpu()});
       },
       "MhaKvCache: K and V of [1099511627776, 1099511627776, 8, 128] fp32");
 }
