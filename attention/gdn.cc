@@ -500,7 +500,8 @@ std::int64_t gdn_ahead_bytes(const GdnForwardArgs& args, const GdnWindow& window
   GdnForwardArgs a = args;
   a.initial_state = {};
   const cpu::GdnDims d = validate_window(a, window, "gdn_ahead_bytes");
-  return cpu::gdn_ahead_numel_cpu(d, backward) * static_cast<std::int64_t>(dtype_size(accumulator_dtype(args.q.dtype())));
+  return cpu::gdn_ahead_numel_cpu(d, backward) *
+         static_cast<std::int64_t>(dtype_size(accumulator_dtype(args.q.dtype())));
 }
 
 bool gdn_ahead_step(const GdnForwardArgs& args, GdnAhead& ahead, std::int64_t max_chunks, Stream stream) {

@@ -188,7 +188,11 @@ class GdnCp::AheadQueue {
   // Its time is counted into wall.local and wall.ahead (cpu likewise) and compute_s.
   AheadQueue(bool enabled, bool backward, ArgsOf args_of, GdnCp::PhaseSeconds& wall, GdnCp::PhaseSeconds& cpu,
              double& compute_s)
-      : enabled_(enabled), backward_(backward), args_of_(std::move(args_of)), wall_(wall), cpu_(cpu),
+      : enabled_(enabled),
+        backward_(backward),
+        args_of_(std::move(args_of)),
+        wall_(wall),
+        cpu_(cpu),
         compute_(compute_s) {}
   // Window (j, h) waits for a state; add in the order the windows run.
   void add(std::size_t j, std::int64_t h, const attn::GdnWindow& w) {
@@ -200,9 +204,7 @@ class GdnCp::AheadQueue {
   // next buffer would pass the budget).
   bool step() {
     // Done: used, complete, or made without a buffer (the test-mode route computes nothing ahead).
-    auto done = [](const Item& i) {
-      return i.used || (i.made && (i.ahead.complete() || !i.ahead.buffer.defined()));
-    };
+    auto done = [](const Item& i) { return i.used || (i.made && (i.ahead.complete() || !i.ahead.buffer.defined())); };
     while (next_ < items_.size() && done(items_[next_])) ++next_;
     if (next_ == items_.size()) return false;
     Item& it = items_[next_];
@@ -212,7 +214,8 @@ class GdnCp::AheadQueue {
     if (!it.made) {
       const std::int64_t bytes = attn::gdn_ahead_bytes(args, it.window, backward_);
       if (held_ > 0 && held_ + bytes > kBudgetBytes) return false;
-      it.ahead = backward_ ? attn::gdn_backward_ahead({args, {}, {}}, it.window) : attn::gdn_forward_ahead(args, it.window);
+      it.ahead =
+          backward_ ? attn::gdn_backward_ahead({args, {}, {}}, it.window) : attn::gdn_forward_ahead(args, it.window);
       it.made = true;
       it.bytes = bytes;
       held_ += bytes;
@@ -258,10 +261,6 @@ class GdnCp::AheadQueue {
   std::size_t next_ = 0;
   std::int64_t held_ = 0;
 };
-
-namespace {
-
-}  // namespace
 
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& tokens_per_rank) {
   std::vector<Segment> segs;

@@ -433,10 +433,10 @@ void forward_ahead_impl(const GdnForwardArgs& a, const Dims& d, const GdnAheadBu
       const std::int64_t t0 = n * d.C, c = std::min(d.C, d.S - t0);
       forward_chunk_ahead(a, d, b, h, t0, c, scale, w);
       T* base = static_cast<T*>(ahead.data) + (bh * nc + n) * lay.stride;
-      const std::pair<const T*, std::int64_t> parts[] = {{w.q, lay.q},  {w.w, lay.w}, {w.u, lay.u},
+      const std::pair<const T*, std::int64_t> parts[] = {{w.q, lay.q},   {w.w, lay.w}, {w.u, lay.u},
                                                          {w.kt, lay.kt}, {w.p, lay.p}, {w.gam, lay.gam}};
-      const std::int64_t sizes[] = {lay.w - lay.q, lay.u - lay.w, lay.kt - lay.u, lay.p - lay.kt, lay.gam - lay.p,
-                                    lay.stride - lay.gam};
+      const std::int64_t sizes[] = {lay.w - lay.q,  lay.u - lay.w,   lay.kt - lay.u,
+                                    lay.p - lay.kt, lay.gam - lay.p, lay.stride - lay.gam};
       for (int i = 0; i < 6; ++i) std::copy(parts[i].first, parts[i].first + sizes[i], base + parts[i].second);
     }
   });
@@ -679,8 +679,8 @@ void transition_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& m
 
 }  // namespace
 
-void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,
-                     const TensorView& final_state, const GdnAheadBuffer* ahead) {
+void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out, const TensorView& final_state,
+                     const GdnAheadBuffer* ahead) {
   if (accumulator_dtype(args.q.dtype()) == DType::kFloat64) {
     forward_impl<double>(args, d, out, final_state, ahead);
   } else {

@@ -42,8 +42,8 @@ struct GdnAheadBuffer {
 
 // ahead: null, or work ahead for these args and sizes (the initial state aside in the forward); the kernels use
 // its computed chunks (the backward completes the buffer's start states in place) and compute the rest.
-void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,
-                     const TensorView& final_state, const GdnAheadBuffer* ahead = nullptr);
+void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out, const TensorView& final_state,
+                     const GdnAheadBuffer* ahead = nullptr);
 void gdn_backward_cpu(const GdnBackwardArgs& args, const GdnDims& d, const TensorView& dq, const TensorView& dk,
                       const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
                       const TensorView& dinitial_state, const GdnAheadBuffer* ahead = nullptr);

@@ -994,11 +994,11 @@ TEST(GdnAhead, RejectsWorkAheadOfAnotherWindowOrDirection) {
   Tensor out = Tensor::empty({p.B, p.S, p.H, p.V}, DType::kFloat32, kWs);
   Tensor dv = Tensor::empty({p.B, p.S, p.H, p.V}, DType::kFloat32, kWs);
   GdnAhead ahead = gdn_forward_ahead(in.args(), {0, 16, 1, 1});
-  EXPECT_THROW(gdn_ahead_step(in.args(), ahead, 0), Error);  // max_chunks < 1
-  EXPECT_THROW(gdn_forward_window(in.args(), {0, 16, 2, 1}, out, {}, &ahead), Error);   // another head
-  EXPECT_THROW(gdn_forward_window(in.args(), {8, 16, 1, 1}, out, {}, &ahead), Error);   // other rows
+  EXPECT_THROW(gdn_ahead_step(in.args(), ahead, 0), Error);                            // max_chunks < 1
+  EXPECT_THROW(gdn_forward_window(in.args(), {0, 16, 2, 1}, out, {}, &ahead), Error);  // another head
+  EXPECT_THROW(gdn_forward_window(in.args(), {8, 16, 1, 1}, out, {}, &ahead), Error);  // other rows
   EXPECT_THROW(gdn_backward_window({in.args(), {}, {}}, {0, 16, 1, 1}, {}, {}, dv, {}, {}, {}, &ahead),
-               Error);  // made for the forward
+               Error);                                                // made for the forward
   EXPECT_THROW(gdn_forward_ahead(in.args(), {30, 16, 0, 1}), Error);  // rows past the tensors
   EXPECT_NO_THROW(gdn_forward_window(in.args(), {0, 16, 1, 1}, out, {}, &ahead));
 }
