@@ -34,6 +34,9 @@ struct GdnCpConfig {
   bool use_qk_l2norm = true;
   float scale = 0.0f;  // <= 0: 1 / sqrt(K)
   std::int64_t chunk_size = attn::kGdnDefaultChunkSize;
+  // Compute the state-independent part of the windows that wait while a message is pending (the file comment; off
+  // also when SEQPAR_GDN_WORK_AHEAD=0). Results are bitwise the same either way.
+  bool work_ahead = true;
 };
 
 // One run of consecutive tokens held by one rank in consecutive rows.
