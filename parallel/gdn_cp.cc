@@ -721,15 +721,14 @@ GdnCp::AheadQueue GdnCp::forward_ahead_queue(ForwardPass& f) {
 }
 
 // The scan's windows that wait for a message, in the order run_scan runs them: the direct segments (round 1), then
-// those that receive their state (dS_end) in the shift; head-major, like the rounds. Backward: only a last piece that
-// continues a document (its start state is s.start).
+// those that receive their state (dS_end) in the shift; head-major, like the rounds.
 void GdnCp::add_scan_waits(const ScanPlan& p, int dir, std::int64_t heads, AheadQueue& q, bool backward) const {
   const int n = static_cast<int>(segments_.size());
   const int me = groups_.ring.rank();
   auto waits = [&](int i, bool direct_stage) {
     const int from = i - dir;
     if (from < 0 || from >= n || segments_[from].owner == me) return false;
-    if (backward ? (!continued(i) || pieces_[i].back().starts_doc) : !continues(i)) return false;
+    if (backward ? !continued(i) : !continues(i)) return false;
     return direct_stage ? static_cast<bool>(p.direct[i]) : p.need[p.rounds][from] && !p.direct[i];
   };
   for (const bool direct_stage : {true, false}) {
@@ -1191,11 +1190,23 @@ Tensor GdnCp::run_pieces_backward(BackwardPass& bp, std::size_t j, std::int64_t 
 
 GdnCp::AheadQueue GdnCp::backward_ahead_queue(BackwardPass& bp) {
   const Saved& s = bp.s;
+  // The start state of the waiting piece: s.start when it continues a document, else its document's initial state
+  // (head h copied out once, as run_piece does; zeros when there is none).
+  auto inits = std::make_shared<std::map<std::pair<std::size_t, std::int64_t>, Tensor>>();
   return AheadQueue(
       work_ahead_, true,
-      [this, &s](std::size_t j, std::int64_t h) {
-        return forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_,
-                            s.start[j][h].view());
+      [this, &s, inits, stream = bp.stream](std::size_t j, std::int64_t h) {
+        const SegmentPiece& p = pieces_[mine_[j]].back();
+        TensorView start = s.start[j][h].view();
+        if (p.starts_doc) {
+          start = {};
+          if (s.init.defined()) {
+            Tensor& init = (*inits)[{j, h}];
+            if (!init.defined()) init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
+            start = init.view();
+          }
+        }
+        return forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
       },
       phases_, cpu_phases_, counters_.compute_s);
 }
@@ -1216,7 +1227,7 @@ void GdnCp::backward_chain(BackwardPass& bp) {
   AheadQueue ahead = backward_ahead_queue(bp);
   for (std::size_t jj = mine_.size(); jj-- > 0;) {
     const int i = mine_[jj];
-    if (!continued(i) || segments_[i + 1].owner == me || pieces_[i].back().starts_doc) continue;
+    if (!continued(i) || segments_[i + 1].owner == me) continue;
     for (std::int64_t h = 0; h < H; ++h) ahead.add(jj, h, waiting_window(jj, h, true));
   }
   bp.ahead = &ahead;

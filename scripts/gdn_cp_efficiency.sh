@@ -10,11 +10,12 @@
 #                                           # contiguous x chain and scan (Qwen3-Next: zigzag scan and chain,
 #                                           # contiguous scan and chain)
 #   HV8=1 scripts/gdn_cp_efficiency.sh      # only the 8 Hv 8 / Hk 4 configurations
+#   ONLY=Qwen scripts/gdn_cp_efficiency.sh  # only the configurations whose name matches the (grep -E) pattern
 #   AB=1 scripts/gdn_cp_efficiency.sh       # each run twice, without and with the work ahead (SEQPAR_GDN_WORK_AHEAD
 #                                           # 0 then 1, back to back): a table per setting
 #
 # Environment: SEQPAR_BUILD_DIR (default build; sp_bench must be built), ROUNDS (3), SEQ (8192), ITERS (3),
-# FULL (0), HV8 (0), AB (0), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
+# FULL (0), HV8 (0), ONLY (all), AB (0), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${SEQPAR_BUILD_DIR:-$root/build}
@@ -55,6 +56,14 @@ if [ "${HV8:-0}" = 1 ]; then
       configs+=("Hv 8 / Hk 4, D $d, $layout, $mode|--heads 8 --kv-heads 4 --head-dim $d|$layout|$mode")
     done
   done
+fi
+if [ -n "${ONLY:-}" ]; then
+  kept=()
+  for c in "${configs[@]}"; do
+    if grep -qE -- "$ONLY" <<<"${c%%|*}"; then kept+=("$c"); fi
+  done
+  configs=("${kept[@]}")
+  [ ${#configs[@]} -gt 0 ] || { echo "gdn_cp_efficiency.sh: no configuration matches ONLY=$ONLY" >&2; exit 2; }
 fi
 # The work-ahead settings each configuration runs with (SEQPAR_GDN_WORK_AHEAD); "-": the default.
 settings=(-)
