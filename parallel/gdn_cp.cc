@@ -182,8 +182,10 @@ class GdnCp::AheadQueue {
   using ArgsOf = std::function<attn::GdnForwardArgs(std::size_t j, std::int64_t h)>;
   // Chunks per step: short enough that an arrival waits little (a few milliseconds at K = V = 128).
   static constexpr std::int64_t kChunksPerStep = 4;
-  // Buffers made ahead and not yet used are kept under this many bytes (the first one always fits).
-  static constexpr std::int64_t kBudgetBytes = std::int64_t{256} << 20;
+  // At most kGdnAheadMaxWindows windows are made ahead and not yet used, their buffers under kGdnAheadBudgetBytes
+  // (the first one always fits; gdn_cp.h).
+  static constexpr std::int64_t kMaxWindows = kGdnAheadMaxWindows;
+  static constexpr std::int64_t kBudgetBytes = kGdnAheadBudgetBytes;
 
   // Its time is counted into wall.local and wall.ahead (cpu likewise) and compute_s.
   AheadQueue(bool enabled, bool backward, ArgsOf args_of, GdnCp::PhaseSeconds& wall, GdnCp::PhaseSeconds& cpu,
@@ -213,12 +215,13 @@ class GdnCp::AheadQueue {
     const ScopedTimer timer(compute_);
     if (!it.made) {
       const std::int64_t bytes = attn::gdn_ahead_bytes(args, it.window, backward_);
-      if (held_ > 0 && held_ + bytes > kBudgetBytes) return false;
+      if (held_ > 0 && (held_ + bytes > kBudgetBytes || held_windows_ >= kMaxWindows)) return false;
       it.ahead =
           backward_ ? attn::gdn_backward_ahead({args, {}, {}}, it.window) : attn::gdn_forward_ahead(args, it.window);
       it.made = true;
       it.bytes = bytes;
       held_ += bytes;
+      ++held_windows_;
     }
     attn::gdn_ahead_step(args, it.ahead, kChunksPerStep);
     return true;
@@ -233,6 +236,8 @@ class GdnCp::AheadQueue {
     const auto f = index_.find({j, h});
     if (f == index_.end()) return;
     Item& it = items_[f->second];
+    if (it.used) return;
+    if (it.made) --held_windows_;
     held_ -= it.bytes;
     it.bytes = 0;
     it.ahead = {};
@@ -259,7 +264,7 @@ class GdnCp::AheadQueue {
   std::vector<Item> items_;
   std::map<std::pair<std::size_t, std::int64_t>, std::size_t> index_;
   std::size_t next_ = 0;
-  std::int64_t held_ = 0;
+  std::int64_t held_ = 0, held_windows_ = 0;
 };
 
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& tokens_per_rank) {

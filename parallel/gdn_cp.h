@@ -28,6 +28,11 @@
 
 namespace seqpar {
 
+// The work ahead's bounds per call and rank: at most this many windows computed ahead and not yet used, their
+// buffers (attn::gdn_ahead_bytes) under this many bytes unless a single window needs more.
+inline constexpr std::int64_t kGdnAheadMaxWindows = 4;
+inline constexpr std::int64_t kGdnAheadBudgetBytes = std::int64_t{256} << 20;
+
 // The configuration of GdnCp (the same on every rank).
 struct GdnCpConfig {
   GdnCpMode mode = GdnCpMode::kScan;
