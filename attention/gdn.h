@@ -171,7 +171,7 @@ GdnAhead gdn_forward_ahead(const GdnForwardArgs& args, const GdnWindow& window);
 GdnAhead gdn_backward_ahead(const GdnBackwardArgs& args, const GdnWindow& window);
 
 // Bytes of the buffer that gdn_forward_ahead (backward false) or gdn_backward_ahead would allocate, no allocation.
-// Forward: about 4 C + 3 K + V values of the compute dtype per token and value head; backward: K V per chunk.
+// Forward: C (3 K + V + C + 1) values of the compute dtype per chunk and value head; backward: K V per chunk.
 // Errors: as gdn_forward_ahead.
 // Sync: host-only.
 std::int64_t gdn_ahead_bytes(const GdnForwardArgs& args, const GdnWindow& window, bool backward);
