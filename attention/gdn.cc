@@ -524,6 +524,7 @@ void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, con
   check_activation(out, args.v.shape(), "out");
   const DType sd = accumulator_dtype(args.q.dtype());
   if (!final_state.empty()) detail::check_host_tensor(final_state, {d.B, d.H, d.K, d.V}, sd, "final_state", kFamily);
+  check_ahead(ahead, window, false, "gdn_forward_window");
   if (ops::detail::gdn_forward_hook_active()) {
     for (std::int64_t i = 0; i < d.H; ++i) {
       std::vector<Tensor> keep;
@@ -536,7 +537,6 @@ void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, con
     }
     return;
   }
-  check_ahead(ahead, window, false, "gdn_forward_window");
   const cpu::GdnAheadBuffer buf = ahead_buffer(ahead);
   cpu::gdn_forward_cpu(args, d, out, final_state, buf.data != nullptr ? &buf : nullptr);
 }
@@ -558,6 +558,7 @@ void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, c
   if (!dbeta.empty()) check_activation(dbeta, gb, "dbeta");
   if (!dinitial_state.empty())
     detail::check_host_tensor(dinitial_state, {d.B, d.H, d.K, d.V}, sd, "dinitial_state", kFamily);
+  check_ahead(ahead, window, true, "gdn_backward_window");
   if (ops::detail::gdn_backward_hook_active()) {
     for (std::int64_t i = 0; i < d.H; ++i) {
       const std::int64_t h = d.head0 + i, r0 = window.row_begin;
@@ -590,7 +591,6 @@ void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, c
     }
     return;
   }
-  check_ahead(ahead, window, true, "gdn_backward_window");
   const cpu::GdnAheadBuffer buf = ahead_buffer(ahead);
   cpu::gdn_backward_cpu(args, d, dq, dk, dv, dg, dbeta, dinitial_state, buf.data != nullptr ? &buf : nullptr);
   const bool full = !dq.empty() || !dk.empty() || !dv.empty() || !dg.empty() || !dbeta.empty();

@@ -950,7 +950,8 @@ TEST(GdnAhead, WindowWithWorkAheadIsBitwiseTheWindowWithout) {
         GdnAhead ahead = gdn_forward_ahead(no_start, window);
         EXPECT_EQ(ahead.num_chunks, 3);
         for (std::int64_t i = 0; i < fwd_done; ++i) gdn_ahead_step(no_start, ahead, 1);
-        EXPECT_EQ(ahead.chunks_done, fwd_done);
+        // The test-mode route (SEQPAR_LOWERED_ATTENTION = 1, the .composed ctest) computes nothing ahead.
+        if (ahead.buffer.defined()) EXPECT_EQ(ahead.chunks_done, fwd_done);
         gdn_forward_window(a, window, r.out, r.fin, &ahead);
       }
       const GdnBackwardArgs b{a, dout, dfin};
@@ -958,9 +959,10 @@ TEST(GdnAhead, WindowWithWorkAheadIsBitwiseTheWindowWithout) {
         gdn_backward_window(b, window, r.dq, r.dk, r.dv, r.dg, r.db, r.dinit);
       } else {
         GdnAhead ahead = gdn_backward_ahead({a, {}, {}}, window);
-        if (bwd_done > 0) EXPECT_EQ(gdn_ahead_step(a, ahead, bwd_done), bwd_done == 3);
+        const bool computes = ahead.buffer.defined();  // not under the test-mode route
+        if (bwd_done > 0) EXPECT_EQ(gdn_ahead_step(a, ahead, bwd_done), !computes || bwd_done == 3);
         gdn_backward_window(b, window, r.dq, r.dk, r.dv, r.dg, r.db, r.dinit, &ahead);
-        EXPECT_TRUE(ahead.complete());
+        if (computes) EXPECT_TRUE(ahead.complete());
       }
       return r;
     };
