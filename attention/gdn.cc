@@ -442,11 +442,89 @@ void put_state(const TensorView& part, const TensorView& whole, std::int64_t i) 
 
 void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, const TensorView& out,
                         const TensorView& final_state, Stream stream) {
+  gdn_forward_window(args, window, out, final_state, nullptr, stream);
+}
+
+void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                         const TensorView& dinitial_state, Stream stream) {
+  gdn_backward_window(args, window, dq, dk, dv, dg, dbeta, dinitial_state, nullptr, stream);
+}
+
+namespace {
+
+// `ahead` (when given) was made for this window and direction.
+void check_ahead(const GdnAhead* ahead, const GdnWindow& w, bool backward, const char* fn) {
+  if (ahead == nullptr) return;
+  const GdnWindow& a = ahead->window;
+  SEQPAR_CHECK(ahead->backward == backward && a.row_begin == w.row_begin && a.num_rows == w.num_rows &&
+                   a.head_begin == w.head_begin && a.num_heads == w.num_heads,
+               fn, ": the work ahead (", ahead->backward ? "backward" : "forward", ", rows [", a.row_begin, ", ",
+               a.row_begin + a.num_rows, "), value heads [", a.head_begin, ", ", a.head_begin + a.num_heads,
+               ")) must be made for this call's ", backward ? "backward" : "forward", " window (rows [", w.row_begin,
+               ", ", w.row_begin + w.num_rows, "), value heads [", w.head_begin, ", ", w.head_begin + w.num_heads,
+               "))");
+}
+
+cpu::GdnAheadBuffer ahead_buffer(const GdnAhead* ahead) {
+  if (ahead == nullptr || !ahead->buffer.defined()) return {};
+  return {const_cast<void*>(ahead->buffer.data()), ahead->chunks_done};
+}
+
+GdnAhead make_ahead(const GdnForwardArgs& args, const GdnWindow& window, bool backward, const char* fn) {
+  GdnForwardArgs a = args;
+  a.initial_state = {};  // not read by the forward's work ahead; the backward's is checked by its step
+  const cpu::GdnDims d = validate_window(a, window, fn);
+  GdnAhead ahead;
+  ahead.window = window;
+  ahead.backward = backward;
+  ahead.num_chunks = d.num_chunks();
+  // The test-mode route computes nothing ahead.
+  if (backward ? ops::detail::gdn_backward_hook_active() : ops::detail::gdn_forward_hook_active()) return ahead;
+  ahead.buffer = Tensor::empty({cpu::gdn_ahead_numel_cpu(d, backward)}, accumulator_dtype(args.q.dtype()),
+                               MemCategory::kWorkspace);
+  return ahead;
+}
+
+}  // namespace
+
+GdnAhead gdn_forward_ahead(const GdnForwardArgs& args, const GdnWindow& window) {
+  return make_ahead(args, window, false, "gdn_forward_ahead");
+}
+
+GdnAhead gdn_backward_ahead(const GdnBackwardArgs& args, const GdnWindow& window) {
+  return make_ahead(args.fwd, window, true, "gdn_backward_ahead");
+}
+
+std::int64_t gdn_ahead_bytes(const GdnForwardArgs& args, const GdnWindow& window, bool backward) {
+  GdnForwardArgs a = args;
+  a.initial_state = {};
+  const cpu::GdnDims d = validate_window(a, window, "gdn_ahead_bytes");
+  return cpu::gdn_ahead_numel_cpu(d, backward) *
+         static_cast<std::int64_t>(dtype_size(accumulator_dtype(args.q.dtype())));
+}
+
+bool gdn_ahead_step(const GdnForwardArgs& args, GdnAhead& ahead, std::int64_t max_chunks, Stream stream) {
+  detail::check_stream(stream, "gdn_ahead_step", kFamily);
+  SEQPAR_CHECK(max_chunks >= 1, "gdn_ahead_step: max_chunks ", max_chunks, " must be >= 1");
+  if (!ahead.buffer.defined() || ahead.complete()) return true;
+  GdnForwardArgs a = args;
+  if (!ahead.backward) a.initial_state = {};
+  const cpu::GdnDims d = validate_window(a, ahead.window, "gdn_ahead_step");
+  const std::int64_t end = std::min(ahead.num_chunks, ahead.chunks_done + max_chunks);
+  cpu::gdn_ahead_cpu(a, d, ahead.backward, ahead_buffer(&ahead), ahead.chunks_done, end);
+  ahead.chunks_done = end;
+  return ahead.complete();
+}
+
+void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, const TensorView& out,
+                        const TensorView& final_state, const GdnAhead* ahead, Stream stream) {
   detail::check_stream(stream, "gdn_forward_window", kFamily);
   const cpu::GdnDims d = validate_window(args, window, "gdn_forward_window");
   check_activation(out, args.v.shape(), "out");
   const DType sd = accumulator_dtype(args.q.dtype());
   if (!final_state.empty()) detail::check_host_tensor(final_state, {d.B, d.H, d.K, d.V}, sd, "final_state", kFamily);
+  check_ahead(ahead, window, false, "gdn_forward_window");
   if (ops::detail::gdn_forward_hook_active()) {
     for (std::int64_t i = 0; i < d.H; ++i) {
       std::vector<Tensor> keep;
@@ -459,12 +537,13 @@ void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, con
     }
     return;
   }
-  cpu::gdn_forward_cpu(args, d, out, final_state);
+  const cpu::GdnAheadBuffer buf = ahead_buffer(ahead);
+  cpu::gdn_forward_cpu(args, d, out, final_state, buf.data != nullptr ? &buf : nullptr);
 }
 
 void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, const TensorView& dq,
                          const TensorView& dk, const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
-                         const TensorView& dinitial_state, Stream stream) {
+                         const TensorView& dinitial_state, GdnAhead* ahead, Stream stream) {
   detail::check_stream(stream, "gdn_backward_window", kFamily);
   const cpu::GdnDims d = validate_window(args.fwd, window, "gdn_backward_window");
   const DType sd = accumulator_dtype(args.fwd.q.dtype());
@@ -479,6 +558,7 @@ void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, c
   if (!dbeta.empty()) check_activation(dbeta, gb, "dbeta");
   if (!dinitial_state.empty())
     detail::check_host_tensor(dinitial_state, {d.B, d.H, d.K, d.V}, sd, "dinitial_state", kFamily);
+  check_ahead(ahead, window, true, "gdn_backward_window");
   if (ops::detail::gdn_backward_hook_active()) {
     for (std::int64_t i = 0; i < d.H; ++i) {
       const std::int64_t h = d.head0 + i, r0 = window.row_begin;
@@ -511,7 +591,10 @@ void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, c
     }
     return;
   }
-  cpu::gdn_backward_cpu(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+  const cpu::GdnAheadBuffer buf = ahead_buffer(ahead);
+  cpu::gdn_backward_cpu(args, d, dq, dk, dv, dg, dbeta, dinitial_state, buf.data != nullptr ? &buf : nullptr);
+  const bool full = !dq.empty() || !dk.empty() || !dv.empty() || !dg.empty() || !dbeta.empty();
+  if (full && buf.data != nullptr) ahead->chunks_done = ahead->num_chunks;  // the sweep completed it in place
 }
 
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {

@@ -140,6 +140,61 @@ void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, c
                          const TensorView& dk, const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
                          const TensorView& dinitial_state, Stream stream = Stream::cpu());
 
+// ---- work ahead: the part of a window that does not need its start (or end) state --------------------------------
+
+// Work done for a window before the state it waits for is known, so that a context-parallel caller waiting for a
+// neighbour's state can compute it meanwhile (parallel/gdn_cp.h). Forward: per chunk the decay cumsum, T =
+// (I + A)^-1, W, U, K~ and the decay-masked scores P (docs/design.md, "The chunked GDN kernel"), which need no start
+// state; what is left for the call is the state-dependent part (V' = U - W S, O, the state update). Backward: the
+// forward sweep (every chunk's start state, from the window's known start state), which needs no dfinal_state.
+// Owns its buffer (a value of gdn_ahead_bytes); made by gdn_forward_ahead / gdn_backward_ahead, advanced by
+// gdn_ahead_step, used by the window calls that take it. Results with work ahead are bitwise those without.
+struct GdnAhead {
+  GdnWindow window;
+  bool backward = false;
+  std::int64_t num_chunks = 0, chunks_done = 0;
+  Tensor buffer;  // the kernels' layout (attention/cpu/gdn_cpu.h); undefined under the test-mode route
+  bool complete() const { return chunks_done >= num_chunks; }
+};
+
+// Work ahead for gdn_forward_window(args, window, ...): sized and allocated, nothing computed (chunks_done 0).
+// Args: args as the window call's, except that initial_state is not read (it may be empty: the start state is what
+//   the caller waits for).
+// Errors: gdn_forward_window's on (args, window).
+// Sync: host-only.
+GdnAhead gdn_forward_ahead(const GdnForwardArgs& args, const GdnWindow& window);
+
+// Work ahead for gdn_backward_window(args, window, ...) likewise; args.fwd.initial_state is the window's start state
+// (read by gdn_ahead_step); args.dout and args.dfinal_state are not read.
+// Errors: gdn_backward_window's on (args.fwd, window).
+// Sync: host-only.
+GdnAhead gdn_backward_ahead(const GdnBackwardArgs& args, const GdnWindow& window);
+
+// Bytes of the buffer that gdn_forward_ahead (backward false) or gdn_backward_ahead would allocate, no allocation.
+// Forward: C (3 K + V + C + 1) values of the compute dtype per chunk and value head; backward: K V per chunk.
+// Errors: as gdn_forward_ahead.
+// Sync: host-only.
+std::int64_t gdn_ahead_bytes(const GdnForwardArgs& args, const GdnWindow& window, bool backward);
+
+// Computes the next chunks of `ahead`: [chunks_done, min(chunks_done + max_chunks, num_chunks)).
+// Args: the args `ahead` was made with (forward: GdnForwardArgs; backward: args.fwd), max_chunks >= 1.
+// Returns: complete() afterwards. Under the test-mode route (gdn_hook.h) it computes nothing and returns true.
+// Errors: the window's; max_chunks < 1.
+// Sync: host-synchronous.
+bool gdn_ahead_step(const GdnForwardArgs& args, GdnAhead& ahead, std::int64_t max_chunks,
+                    Stream stream = Stream::cpu());
+
+// gdn_forward_window and gdn_backward_window using the work ahead in `ahead` (made for the same args and window,
+// any number of chunks done; null: none): the chunks done ahead are not computed again, the rest is. Bitwise the
+// results of the calls without it. The backward completes the start states in ahead's buffer.
+// Errors: those of the calls without it; an `ahead` of another window or direction.
+// Sync: host-synchronous.
+void gdn_forward_window(const GdnForwardArgs& args, const GdnWindow& window, const TensorView& out,
+                        const TensorView& final_state, const GdnAhead* ahead, Stream stream = Stream::cpu());
+void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, const TensorView& dq,
+                         const TensorView& dk, const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
+                         const TensorView& dinitial_state, GdnAhead* ahead, Stream stream = Stream::cpu());
+
 // ---- segment transitions (affine state maps) --------------------------------------------------------------
 
 // The affine map of the whole segment in `args` (docs/design.md, "The gated delta recurrence"): final_state =

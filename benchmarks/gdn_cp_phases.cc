@@ -90,7 +90,7 @@ int run(int argc, char** argv) {
   ba.dout = dout.view();
 
   // [iteration][phase 0 fwd / 1 bwd][field]: one-rank CPU time, then the CP call's parts (CPU), wait (wall).
-  constexpr int kF = 8;
+  constexpr int kF = 9;
   std::vector<double> mine(static_cast<std::size_t>(iters * 2 * kF), 0.0);
   for (int it = -1; it < iters; ++it) {
     double one[2] = {0, 0};
@@ -122,6 +122,7 @@ int run(int argc, char** argv) {
       r[5] = w[p]->wait;
       r[6] = w[p]->total;
       r[7] = c[p]->total - c[p]->local - c[p]->maps - c[p]->combine - c[p]->copies;
+      r[8] = c[p]->ahead;
     }
   }
   std::vector<double> all(mine.size() * static_cast<std::size_t>(P));
@@ -138,9 +139,10 @@ int run(int argc, char** argv) {
       a["layout"].as<std::string>().c_str(), a["mode"].as<std::string>().c_str(), P, iters);
   std::printf(
       "# T1/P: the one-rank call's CPU time over P; parts as a share of it: local kernels, maps+combine, "
-      "copies, rest (total - parts: waits' polling, allocation, bookkeeping); wait and total also in wall s\n");
-  std::printf("%-5s %4s %9s %9s %7s %7s %7s %7s %7s %9s %9s\n", "phase", "rank", "T1/P", "total", "local", "maps",
-              "copies", "rest", "total", "wait(w)", "total(w)");
+      "copies, rest (total - parts: waits' polling, allocation, bookkeeping), and ahead (the part of local done "
+      "ahead while a message was pending); wait and total also in wall s\n");
+  std::printf("%-5s %4s %9s %9s %7s %7s %7s %7s %7s %7s %9s %9s\n", "phase", "rank", "T1/P", "total", "local", "maps",
+              "copies", "rest", "total", "ahead", "wait(w)", "total(w)");
   for (int p = 0; p < 2; ++p) {
     for (int r = 0; r < P; ++r) {
       std::vector<double> f[kF];
@@ -151,9 +153,9 @@ int run(int argc, char** argv) {
         for (int i = 1; i < kF; ++i) f[i].push_back(x[i]);
       }
       const double share = median(f[0]);
-      std::printf("%-5s %4d %9.4f %9.4f %7.3f %7.3f %7.3f %7.3f %7.3f %9.4f %9.4f\n", p == 0 ? "fwd" : "bwd", r, share,
-                  median(f[1]), median(f[2]) / share, median(f[3]) / share, median(f[4]) / share, median(f[7]) / share,
-                  median(f[1]) / share, median(f[5]), median(f[6]));
+      std::printf("%-5s %4d %9.4f %9.4f %7.3f %7.3f %7.3f %7.3f %7.3f %7.3f %9.4f %9.4f\n", p == 0 ? "fwd" : "bwd", r,
+                  share, median(f[1]), median(f[2]) / share, median(f[3]) / share, median(f[4]) / share,
+                  median(f[7]) / share, median(f[1]) / share, median(f[8]) / share, median(f[5]), median(f[6]));
     }
   }
   return 0;

@@ -491,6 +491,18 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double halo = conv * e * batch * static_cast<double>(d.conv_channels_total()) * (o.conv_width - 1) * segments;
   const double wide = static_cast<double>(std::max(d.Hk * d.K, d.Hv * d.V));
   const double conv_fwd = conv * 2 * e * rows * wide, conv_bwd = conv * (4 * c + 3 * e) * rows * wide;
+  // The work ahead (GdnCp, attn::GdnAhead) on a rank that waits (ring_size > 1): up to kGdnAheadMaxWindows windows of
+  // the longest segment and one value head, under kGdnAheadBudgetBytes (one at least). Forward: per chunk the
+  // scaled q, W, K~ [C, K], U [C, V], P [C, C] and exp(gamma) [C]; backward: per chunk a start state [K, V].
+  const double win_len = ring_segs.longest_share * s_pad / pr, win_chunks = std::ceil(win_len / chunk);
+  const double ahead_fwd_window = c * batch * win_chunks * chunk * (3 * kd + vd + chunk + 1);
+  const double ahead_bwd_window = c * batch * win_chunks * kd * vd;
+  auto ahead_windows = [&](double per_window) {
+    const double fit = std::max(1.0, std::floor(static_cast<double>(kGdnAheadBudgetBytes) / per_window));
+    return pr > 1 ? std::min({static_cast<double>(kGdnAheadMaxWindows), fit, heads_local * segments}) : 0.0;
+  };
+  const double ahead_fwd = ahead_windows(ahead_fwd_window) * ahead_fwd_window;
+  const double ahead_bwd = ahead_windows(ahead_bwd_window) * ahead_bwd_window;
   WorkloadMemory m_;
   m_.inputs = qkv + xv + 2 * gate + state + conv_weight;  // q, k, v, dout, g, beta, initial_state (, conv_weight)
   // Forward: the context keeps q k v g beta in the heads layout and the segments' start states (and scan maps);
@@ -500,7 +512,7 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   m_.forward.saved = saved;
   m_.forward.outputs = xv + state;
   m_.forward.workspace = std::max(2 * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
-                                      2 * segments * seg_state + threads * fwd_worker,
+                                      2 * segments * seg_state + threads * fwd_worker + ahead_fwd,
                                   conv_fwd) +
                          conv_in;
   m_.forward.comm = a2a + ring;
@@ -510,7 +522,7 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   m_.backward.saved = saved;
   m_.backward.outputs = xv + state + qkv + 2 * gate + state + conv_weight;
   m_.backward.workspace = std::max(2 * xv + 2 * gate + 2 * xk + 1.5 * grouped + maps * (qkv + 2 * gate + xv) * 2 +
-                                       2 * segments * seg_state + threads * bwd_worker,
+                                       2 * segments * seg_state + threads * bwd_worker + ahead_bwd,
                                    conv_bwd) +
                           conv_in;
   m_.backward.comm = a2a + ring;

@@ -8,6 +8,7 @@
 #include <optional>
 
 #include "parallel/ulysses.h"
+#include "runtime/env.h"
 #include "runtime/logging.h"
 #include "runtime/tensor_checks.h"
 #include "runtime/tensor_ops.h"
@@ -79,9 +80,9 @@ class PackedRound {
   void recv(const TensorView& t, int peer) { recvs_[peer].push_back(t); }
   // Posts the messages (tag `tag`), waits (the wait counted into exposed_s) and unpacks what arrived; no-op when
   // nothing was added.
-  void run(Communicator& comm, int tag, double* exposed_s) {
+  void run(Communicator& comm, int tag, double* exposed_s, const std::function<bool()>& idle = {}) {
     post(comm, tag);
-    wait(exposed_s);
+    wait(exposed_s, idle);
   }
   // run() in two steps: post() packs and posts every message, wait() waits (counted into exposed_s) and unpacks.
   void post(Communicator& comm, int tag) {
@@ -102,8 +103,13 @@ class PackedRound {
     }
     work_ = comm.batch_isend_irecv(ops);
   }
-  void wait(double* exposed_s) {
+  // idle (when given) runs while the messages have not all arrived, until it returns false (nothing left to do).
+  void wait(double* exposed_s, const std::function<bool()>& idle = {}) {
     if (!work_) return;
+    if (idle) {
+      while (!work_->test() && idle()) {
+      }
+    }
     timed_wait(work_, exposed_s);
     work_.reset();
     for (const auto& [views, b] : unpack_) {
@@ -163,6 +169,103 @@ void put_head(const TensorView& src, const TensorView& dst, std::int64_t h, Stre
 }
 
 }  // namespace
+
+// Work ahead (attn::GdnAhead) for the windows that will wait for a state from another rank, in the order they run:
+// while a rank waits for a message it calls step(), which computes a few chunks of the first window not yet done
+// ahead, so that when the state arrives only the state-dependent part of that window is left. Purely local: step()
+// posts no message and waits for none, and every message is posted and waited for in the same order as without it,
+// so it changes when a rank notices an arrival (by at most one step) but not the schedule's message order or its
+// results (the kernels' results with work ahead are bitwise those without).
+class GdnCp::AheadQueue {
+ public:
+  // What a window's kernel reads: the args (the backward's with the window's start state) of (segment slot j, head h).
+  using ArgsOf = std::function<attn::GdnForwardArgs(std::size_t j, std::int64_t h)>;
+  // Chunks per step: short enough that an arrival waits little (a few milliseconds at K = V = 128).
+  static constexpr std::int64_t kChunksPerStep = 4;
+  // At most kGdnAheadMaxWindows windows are made ahead and not yet used, their buffers under kGdnAheadBudgetBytes
+  // (the first one always fits; gdn_cp.h).
+  static constexpr std::int64_t kMaxWindows = kGdnAheadMaxWindows;
+  static constexpr std::int64_t kBudgetBytes = kGdnAheadBudgetBytes;
+
+  // Its time is counted into wall.local and wall.ahead (cpu likewise) and compute_s.
+  AheadQueue(bool enabled, bool backward, ArgsOf args_of, GdnCp::PhaseSeconds& wall, GdnCp::PhaseSeconds& cpu,
+             double& compute_s)
+      : enabled_(enabled),
+        backward_(backward),
+        args_of_(std::move(args_of)),
+        wall_(wall),
+        cpu_(cpu),
+        compute_(compute_s) {}
+  // Window (j, h) waits for a state; add in the order the windows run.
+  void add(std::size_t j, std::int64_t h, const attn::GdnWindow& w) {
+    if (!enabled_) return;
+    index_[{j, h}] = items_.size();
+    items_.push_back({j, h, w, {}, 0, false, false});
+  }
+  // A few chunks of the first window not done ahead. Returns false when there is nothing to do (all done, or the
+  // next buffer would pass the budget).
+  bool step() {
+    // Done: used, complete, or made without a buffer (the test-mode route computes nothing ahead).
+    auto done = [](const Item& i) { return i.used || (i.made && (i.ahead.complete() || !i.ahead.buffer.defined())); };
+    while (next_ < items_.size() && done(items_[next_])) ++next_;
+    if (next_ == items_.size()) return false;
+    Item& it = items_[next_];
+    const attn::GdnForwardArgs args = args_of_(it.j, it.h);
+    const PhaseClock local(wall_.local, cpu_.local), ahead(wall_.ahead, cpu_.ahead);
+    const ScopedTimer timer(compute_);
+    if (!it.made) {
+      const std::int64_t bytes = attn::gdn_ahead_bytes(args, it.window, backward_);
+      if (held_ > 0 && (held_ + bytes > kBudgetBytes || held_windows_ >= kMaxWindows)) return false;
+      it.ahead =
+          backward_ ? attn::gdn_backward_ahead({args, {}, {}}, it.window) : attn::gdn_forward_ahead(args, it.window);
+      it.made = true;
+      it.bytes = bytes;
+      held_ += bytes;
+      ++held_windows_;
+    }
+    attn::gdn_ahead_step(args, it.ahead, kChunksPerStep);
+    return true;
+  }
+  // The work ahead of window (j, h) when any was started, else null; release() once the window has run.
+  attn::GdnAhead* find(std::size_t j, std::int64_t h) {
+    const auto f = index_.find({j, h});
+    if (f == index_.end() || !items_[f->second].made) return nullptr;
+    return &items_[f->second].ahead;
+  }
+  void release(std::size_t j, std::int64_t h) {
+    const auto f = index_.find({j, h});
+    if (f == index_.end()) return;
+    Item& it = items_[f->second];
+    if (it.used) return;
+    if (it.made) --held_windows_;
+    held_ -= it.bytes;
+    it.bytes = 0;
+    it.ahead = {};
+    it.used = true;
+  }
+  std::function<bool()> idle() {
+    if (!enabled_) return {};
+    return [this] { return step(); };
+  }
+
+ private:
+  struct Item {
+    std::size_t j;
+    std::int64_t h;
+    attn::GdnWindow window;
+    attn::GdnAhead ahead;
+    std::int64_t bytes;
+    bool made, used;
+  };
+  bool enabled_, backward_;
+  ArgsOf args_of_;
+  GdnCp::PhaseSeconds &wall_, &cpu_;
+  double& compute_;
+  std::vector<Item> items_;
+  std::map<std::pair<std::size_t, std::int64_t>, std::size_t> index_;
+  std::size_t next_ = 0;
+  std::int64_t held_ = 0, held_windows_ = 0;
+};
 
 std::vector<Segment> segments_in_global_order(const std::vector<std::vector<std::int64_t>>& tokens_per_rank) {
   std::vector<Segment> segs;
@@ -310,6 +413,9 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
   }
   plan_fwd_ = std::make_shared<ScanPlan>(gdn_scan_plan(pieces_, +1));
   plan_bwd_ = std::make_shared<ScanPlan>(gdn_scan_plan(pieces_, -1));
+  const std::int64_t ahead = env::get_int("SEQPAR_GDN_WORK_AHEAD", 1);
+  SEQPAR_CHECK(ahead == 0 || ahead == 1, "SEQPAR_GDN_WORK_AHEAD=", ahead, " must be 0 or 1");
+  work_ahead_ = config.work_ahead && ahead == 1;
 }
 
 // The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its
@@ -427,6 +533,8 @@ struct GdnCp::ScanHooks {
   std::function<Tensor(std::size_t j, std::int64_t h, const TensorView& state)> direct;
   // After the shift: runs what is left with the state it received (empty when it receives none).
   std::function<void(std::size_t j, std::int64_t h, const TensorView& state)> finish;
+  // While a round's or the shift's messages are pending: one step of local work, false when there is none.
+  std::function<bool()> idle;
 };
 
 // One forward call's buffers, shared by its steps (run_pieces, forward_chain, forward_scan).
@@ -445,6 +553,7 @@ struct GdnCp::ForwardPass {
     if (!hm) hm = head_inputs(s, stream);
     return *hm;
   }
+  AheadQueue* ahead = nullptr;  // work ahead for the windows that wait for a state (set by the chain or scan)
 };
 
 GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -587,12 +696,53 @@ Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, std::int64_t h, bool kno
       const attn::GdnWindow window{seg.local_offset + p.offset, p.length, h, 1};
       const attn::GdnForwardArgs args =
           forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
-      attn::gdn_forward_window(args, window, f.out_h.view(), end.view(), stream);
+      const bool waited = !p.starts_doc && f.ahead != nullptr;  // the piece that waited for s.start[j][h]
+      attn::gdn_forward_window(args, window, f.out_h.view(), end.view(), waited ? f.ahead->find(j, h) : nullptr,
+                               stream);
+      if (waited) f.ahead->release(j, h);
     }
     copies.emplace(phases_.copies, cpu_phases_.copies);
     if (p.ends_doc) put_head(end.view(), s.doc_state(f.finals, p.doc), h, stream);
   }
   return end;
+}
+
+// The window of segment slot j, value head h that waits for a state: the first piece (forward: it continues the
+// previous segment's document) or the last (backward: its document goes on in the next segment).
+attn::GdnWindow GdnCp::waiting_window(std::size_t j, std::int64_t h, bool backward) const {
+  const int i = mine_[j];
+  const SegmentPiece& p = backward ? pieces_[i].back() : pieces_[i].front();
+  return {segments_[i].local_offset + p.offset, p.length, h, 1};
+}
+
+GdnCp::AheadQueue GdnCp::forward_ahead_queue(ForwardPass& f) {
+  const Saved& s = f.s;
+  return AheadQueue(
+      work_ahead_, false,
+      [this, &s](std::size_t, std::int64_t) {
+        return forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, {});
+      },
+      phases_, cpu_phases_, counters_.compute_s);
+}
+
+// The scan's windows that wait for a message, in the order run_scan runs them: the direct segments (round 1), then
+// those that receive their state (dS_end) in the shift; head-major, like the rounds.
+void GdnCp::add_scan_waits(const ScanPlan& p, int dir, std::int64_t heads, AheadQueue& q, bool backward) const {
+  const int n = static_cast<int>(segments_.size());
+  const int me = groups_.ring.rank();
+  auto waits = [&](int i, bool direct_stage) {
+    const int from = i - dir;
+    if (from < 0 || from >= n || segments_[from].owner == me) return false;
+    if (backward ? !continued(i) : !continues(i)) return false;
+    return direct_stage ? static_cast<bool>(p.direct[i]) : p.need[p.rounds][from] && !p.direct[i];
+  };
+  for (const bool direct_stage : {true, false}) {
+    for (std::int64_t h = 0; h < heads; ++h) {
+      for (std::size_t j = 0; j < mine_.size(); ++j) {
+        if (waits(mine_[j], direct_stage)) q.add(j, h, waiting_window(j, h, backward));
+      }
+    }
+  }
 }
 
 // The chain: each segment waits for the end state of the segment before it, runs, and sends its own on, one value
@@ -607,6 +757,15 @@ void GdnCp::forward_chain(ForwardPass& f) {
   auto wait_timed = [&](WorkHandle w) { timed_wait(w, &counters_.exposed_comm_s); };
   std::vector<WorkHandle> sends;
   std::vector<std::vector<Tensor>> ends = tensor_grid(mine_.size(), H);
+  // Work ahead, while a receive is pending, for the pieces that wait for a state from another rank.
+  AheadQueue ahead = forward_ahead_queue(f);
+  for (std::size_t j = 0; j < mine_.size(); ++j) {
+    const int i = mine_[j];
+    if (!continues(i) || segments_[i - 1].owner == me) continue;
+    for (std::int64_t h = 0; h < H; ++h) ahead.add(j, h, waiting_window(j, h, false));
+  }
+  f.ahead = &ahead;
+  const std::function<bool()> idle = ahead.idle();
   for (std::size_t j = 0; j < mine_.size(); ++j) {
     const int i = mine_[j];
     for (std::int64_t h = 0; h < H; ++h) {
@@ -614,8 +773,13 @@ void GdnCp::forward_chain(ForwardPass& f) {
         if (segments_[i - 1].owner == me) {
           alloc.copy_convert(ends[j - 1][h].view(), s.start[j][h].view());
         } else {
-          wait_timed(ring.irecv(s.start[j][h].view(), segments_[i - 1].owner,
-                                tag_of(kTagChainFwd, static_cast<int>(i * H + h))));
+          WorkHandle w = ring.irecv(s.start[j][h].view(), segments_[i - 1].owner,
+                                    tag_of(kTagChainFwd, static_cast<int>(i * H + h)));
+          if (idle) {
+            while (!w->test() && idle()) {
+            }
+          }
+          wait_timed(std::move(w));
         }
       }
       ends[j][h] = run_pieces(f, j, h, true, true);
@@ -701,7 +865,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
           recv.recv(got[j].view(), owner(from));
         }
       }
-      recv.run(ring, tag_of(kTagScan, static_cast<int>((r - 1) * H + h)), &counters_.exposed_comm_s);
+      recv.run(ring, tag_of(kTagScan, static_cast<int>((r - 1) * H + h)), &counters_.exposed_comm_s, hooks.idle);
       for (std::size_t j = 0; j < nm; ++j) {
         if (!got[j].defined()) continue;
         if (r == 1 && p.direct[mine_[j]]) {
@@ -735,7 +899,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
         recv.recv(state[j].view(), owner(from));
       }
     }
-    recv.run(ring, tag_of(kTagShift, static_cast<int>(h)), &counters_.exposed_comm_s);
+    recv.run(ring, tag_of(kTagShift, static_cast<int>(h)), &counters_.exposed_comm_s, hooks.idle);
     for (std::size_t j = 0; j < nm; ++j) {
       if (!p.direct[mine_[j]]) hooks.finish(j, h, state[j].defined() ? state[j].view() : TensorView());
       poke();
@@ -785,6 +949,10 @@ void GdnCp::forward_scan(ForwardPass& f) {
     alloc.copy_convert(start, s.start[j][h].view());
     run_pieces(f, j, h, false, true);
   };
+  AheadQueue ahead = forward_ahead_queue(f);
+  add_scan_waits(p, +1, s.heads, ahead, false);
+  f.ahead = &ahead;
+  hooks.idle = ahead.idle();
   run_scan(p, +1, s, alloc, hooks);
 }
 
@@ -818,6 +986,7 @@ struct GdnCp::BackwardPass {
     if (!dout_hm.defined()) dout_hm = head_major(dout_h.view(), MemCategory::kWorkspace, stream);
     return dout_hm;
   }
+  AheadQueue* ahead = nullptr;  // work ahead for the pieces that wait for dS_end (set by the chain or scan)
 };
 
 // The backward arguments of piece p of segment j for one value head (its inputs and dout rows, owned by the returned
@@ -989,8 +1158,10 @@ Tensor GdnCp::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, 
   args.dout = bp.dout_h.view();
   args.dfinal_state = ds_end;
   const attn::GdnWindow window{offset, p.length, h, 1};
+  const bool waited = !p.ends_doc && bp.ahead != nullptr;  // the piece that waited for dS_end
   attn::gdn_backward_window(args, window, bp.dq_v.view(), bp.dk_v.view(), bp.dv_h.view(), bp.dg_h.view(),
-                            bp.db_h.view(), ds_start.view(), stream);
+                            bp.db_h.view(), ds_start.view(), waited ? bp.ahead->find(j, h) : nullptr, stream);
+  if (waited) bp.ahead->release(j, h);
   return ds_start;
 }
 
@@ -1022,6 +1193,29 @@ Tensor GdnCp::run_pieces_backward(BackwardPass& bp, std::size_t j, std::int64_t 
   return seg_ds_start;
 }
 
+GdnCp::AheadQueue GdnCp::backward_ahead_queue(BackwardPass& bp) {
+  const Saved& s = bp.s;
+  // The start state of the waiting piece: s.start when it continues a document, else its document's initial state
+  // (head h copied out once, as run_piece does; zeros when there is none).
+  auto inits = std::make_shared<std::map<std::pair<std::size_t, std::int64_t>, Tensor>>();
+  return AheadQueue(
+      work_ahead_, true,
+      [this, &s, inits, stream = bp.stream](std::size_t j, std::int64_t h) {
+        const SegmentPiece& p = pieces_[mine_[j]].back();
+        TensorView start = s.start[j][h].view();
+        if (p.starts_doc) {
+          start = {};
+          if (s.init.defined()) {
+            Tensor& init = (*inits)[{j, h}];
+            if (!init.defined()) init = take_head(s.doc_state(s.init, p.doc), h, MemCategory::kWorkspace, stream);
+            start = init.view();
+          }
+        }
+        return forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
+      },
+      phases_, cpu_phases_, counters_.compute_s);
+}
+
 // The chain, last segment first: each waits for dS_end from the segment after it, runs, and sends dS_start back,
 // one value head at a time (the pipeline of forward_chain).
 void GdnCp::backward_chain(BackwardPass& bp) {
@@ -1034,6 +1228,15 @@ void GdnCp::backward_chain(BackwardPass& bp) {
   std::vector<WorkHandle> sends;
   // alive until their sends complete
   std::vector<std::vector<Tensor>> ds_starts = tensor_grid(mine_.size(), H);
+  // Work ahead, while a receive is pending, for the pieces that wait for dS_end from another rank.
+  AheadQueue ahead = backward_ahead_queue(bp);
+  for (std::size_t jj = mine_.size(); jj-- > 0;) {
+    const int i = mine_[jj];
+    if (!continued(i) || segments_[i + 1].owner == me) continue;
+    for (std::int64_t h = 0; h < H; ++h) ahead.add(jj, h, waiting_window(jj, h, true));
+  }
+  bp.ahead = &ahead;
+  const std::function<bool()> idle = ahead.idle();
   for (std::size_t jj = mine_.size(); jj-- > 0;) {
     const int i = mine_[jj];
     for (std::int64_t h = 0; h < H; ++h) {
@@ -1042,8 +1245,13 @@ void GdnCp::backward_chain(BackwardPass& bp) {
         if (segments_[i + 1].owner == me) {
           alloc.copy_convert(ds_starts[jj + 1][h].view(), ds_end.view());
         } else {
-          wait_timed(
-              ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, static_cast<int>(i * H + h))));
+          WorkHandle w =
+              ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, static_cast<int>(i * H + h)));
+          if (idle) {
+            while (!w->test() && idle()) {
+            }
+          }
+          wait_timed(std::move(w));
         }
       }
       ds_starts[jj][h] = run_pieces_backward(bp, jj, h, true, true, ds_end.view());
@@ -1100,6 +1308,10 @@ void GdnCp::backward_scan(BackwardPass& bp) {
     if (ds_end.empty()) return;
     run_pieces_backward(bp, j, h, false, true, ds_end);
   };
+  AheadQueue ahead = backward_ahead_queue(bp);
+  add_scan_waits(p, -1, s.heads, ahead, true);
+  bp.ahead = &ahead;
+  hooks.idle = ahead.idle();
   run_scan(p, -1, s, alloc, hooks);
 }
 

@@ -8,6 +8,12 @@
 // are returned in full on every rank.
 // Counters (CpCounters): message_rounds, state-passing bytes, Ulysses bytes (a2a_*), exposed wait and kernel time.
 // Errors of the forward and backward calls are raised before any communication, identical on every rank.
+// Work ahead: a rank waiting for a state (forward) or a state gradient (backward) from another rank computes,
+// meanwhile, the part of the windows that will wait which needs no such state (attn::GdnAhead: per chunk T, W, U and
+// the decay scores forward, the chunk start states backward), in the order those windows run, a few chunks per step
+// between tests of the pending receive. It posts no message and waits for none, and every message is posted and
+// waited for in the order it is without it, so the schedule's message order (and so its freedom from deadlock) is
+// unchanged; results are bitwise those without it. SEQPAR_GDN_WORK_AHEAD=0 turns it off (for comparisons).
 #pragma once
 
 #include <cstdint>
@@ -22,12 +28,20 @@
 
 namespace seqpar {
 
+// The work ahead's bounds per call and rank: at most this many windows computed ahead and not yet used, their
+// buffers (attn::gdn_ahead_bytes) under this many bytes unless a single window needs more.
+inline constexpr std::int64_t kGdnAheadMaxWindows = 4;
+inline constexpr std::int64_t kGdnAheadBudgetBytes = std::int64_t{256} << 20;
+
 // The configuration of GdnCp (the same on every rank).
 struct GdnCpConfig {
   GdnCpMode mode = GdnCpMode::kScan;
   bool use_qk_l2norm = true;
   float scale = 0.0f;  // <= 0: 1 / sqrt(K)
   std::int64_t chunk_size = attn::kGdnDefaultChunkSize;
+  // Compute the state-independent part of the windows that wait while a message is pending (the file comment; off
+  // also when SEQPAR_GDN_WORK_AHEAD=0). Results are bitwise the same either way.
+  bool work_ahead = true;
 };
 
 // One run of consecutive tokens held by one rank in consecutive rows.
@@ -126,8 +140,9 @@ class GdnCp : public CpLayerBase {
   // copies: moving rows between layouts (the Ulysses exchange, head-major copies, a segment's rows in and out);
   // total: the whole call. last_phase_seconds() is wall time; last_phase_cpu_seconds() the process's CPU time in
   // the same parts (its wait is 0: a wait's CPU time depends on how the communicator polls; it is in total).
+  // ahead: the part of local spent on work ahead (attn::GdnAhead) while a message was pending.
   struct PhaseSeconds {
-    double maps = 0, local = 0, combine = 0, wait = 0, copies = 0, total = 0;
+    double maps = 0, local = 0, combine = 0, wait = 0, copies = 0, total = 0, ahead = 0;
   };
   const PhaseSeconds& last_phase_seconds() const { return phases_; }
   const PhaseSeconds& last_phase_cpu_seconds() const { return cpu_phases_; }
@@ -137,6 +152,12 @@ class GdnCp : public CpLayerBase {
   struct ForwardPass;
   using ScanPlan = GdnScanPlan;
   struct ScanHooks;
+  class AheadQueue;
+  struct BackwardPass;
+  AheadQueue forward_ahead_queue(ForwardPass& f);
+  AheadQueue backward_ahead_queue(BackwardPass& bp);
+  attn::GdnWindow waiting_window(std::size_t j, std::int64_t h, bool backward) const;
+  void add_scan_waits(const ScanPlan& p, int dir, std::int64_t heads, AheadQueue& q, bool backward) const;
   void run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAlloc& alloc, const ScanHooks& hooks);
   std::shared_ptr<Saved> validate_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                           const TensorView& g, const TensorView& beta,
@@ -168,6 +189,7 @@ class GdnCp : public CpLayerBase {
   std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
   std::shared_ptr<const ScanPlan> plan_fwd_, plan_bwd_;  // the scan's plan in each direction
   PhaseSeconds phases_, cpu_phases_;
+  bool work_ahead_ = true;  // SEQPAR_GDN_WORK_AHEAD
 };
 
 // The configuration of ShortConvCp.

@@ -6,10 +6,16 @@
 # communication share. Meant for a quiet machine: it notes the load average before each run.
 #
 #   scripts/gdn_cp_efficiency.sh            # the 4 configurations of the quiet-machine table, 3 rounds (~3 min)
-#   FULL=1 scripts/gdn_cp_efficiency.sh     # all 8 (Qwen3-Next and Hv 8 / Hk 4 x zigzag scan, contiguous chain, ...)
+#   FULL=1 scripts/gdn_cp_efficiency.sh     # all 12: Qwen3-Next and Hv 8 / Hk 4 at D 128 and 64, x zigzag and
+#                                           # contiguous x chain and scan (Qwen3-Next: zigzag scan and chain,
+#                                           # contiguous scan and chain)
+#   HV8=1 scripts/gdn_cp_efficiency.sh      # only the 8 Hv 8 / Hk 4 configurations
+#   ONLY=Qwen scripts/gdn_cp_efficiency.sh  # only the configurations whose name matches the (grep -E) pattern
+#   AB=1 scripts/gdn_cp_efficiency.sh       # each run twice, without and with the work ahead (SEQPAR_GDN_WORK_AHEAD
+#                                           # 0 then 1, back to back): a table per setting
 #
 # Environment: SEQPAR_BUILD_DIR (default build; sp_bench must be built), ROUNDS (3), SEQ (8192), ITERS (3),
-# FULL (0), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
+# FULL (0), HV8 (0), ONLY (all), AB (0), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${SEQPAR_BUILD_DIR:-$root/build}
@@ -36,8 +42,32 @@ if [ "${FULL:-0}" = 1 ]; then
     "Qwen3-Next, zigzag, chain|$qwen|zigzag|chain"
     "Hv 8 / Hk 4, D 64, zigzag, scan|$hv8_64|zigzag|scan"
     "Hv 8 / Hk 4, D 128, contiguous, chain|$hv8_128|contiguous|chain"
+    "Hv 8 / Hk 4, D 128, zigzag, chain|$hv8_128|zigzag|chain"
+    "Hv 8 / Hk 4, D 64, zigzag, chain|$hv8_64|zigzag|chain"
+    "Hv 8 / Hk 4, D 128, contiguous, scan|$hv8_128|contiguous|scan"
+    "Hv 8 / Hk 4, D 64, contiguous, scan|$hv8_64|contiguous|scan"
   )
 fi
+if [ "${HV8:-0}" = 1 ]; then
+  configs=()
+  for d in 128 64; do
+    for lm in "zigzag scan" "zigzag chain" "contiguous scan" "contiguous chain"; do
+      read -r layout mode <<<"$lm"
+      configs+=("Hv 8 / Hk 4, D $d, $layout, $mode|--heads 8 --kv-heads 4 --head-dim $d|$layout|$mode")
+    done
+  done
+fi
+if [ -n "${ONLY:-}" ]; then
+  kept=()
+  for c in "${configs[@]}"; do
+    if grep -qE -- "$ONLY" <<<"${c%%|*}"; then kept+=("$c"); fi
+  done
+  configs=("${kept[@]}")
+  [ ${#configs[@]} -gt 0 ] || { echo "gdn_cp_efficiency.sh: no configuration matches ONLY=$ONLY" >&2; exit 2; }
+fi
+# The work-ahead settings each configuration runs with (SEQPAR_GDN_WORK_AHEAD); "-": the default.
+settings=(-)
+[ "${AB:-0}" = 1 ] && settings=(0 1)
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -47,26 +77,32 @@ echo "# gdn_cp_efficiency.sh: S $seq, 2 ranks, 1 thread each, $rounds rounds x $
 for ((r = 1; r <= rounds; ++r)); do
   for i in "${!configs[@]}"; do
     IFS='|' read -r name shape layout mode <<<"${configs[$i]}"
-    load=$(cut -d' ' -f1 /proc/loadavg)
-    echo "# round $r, $name (load $load)" >&2
-    # shellcheck disable=SC2086
-    OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX} mpirun -np 2 --oversubscribe ${MPIRUN_ARGS:-} "$bench" \
-      --attn gdn $shape --seq "$seq" --ring-size 2 --layout "$layout" --gdn-mode "$mode" --threads 1 \
-      --iters "$iters" --warmup 1 --efficiency --json "$out/$i.$r.json" >/dev/null
-    echo "$load" >"$out/$i.$r.load"
+    for a in "${settings[@]}"; do
+      load=$(cut -d' ' -f1 /proc/loadavg)
+      echo "# round $r, $name, work ahead ${a/-/default} (load $load)" >&2
+      env_ahead=()
+      [ "$a" != - ] && env_ahead=("SEQPAR_GDN_WORK_AHEAD=$a")
+      # shellcheck disable=SC2086
+      env "${env_ahead[@]}" OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX} mpirun -np 2 --oversubscribe \
+        ${MPIRUN_ARGS:-} "$bench" --attn gdn $shape --seq "$seq" --ring-size 2 --layout "$layout" --gdn-mode "$mode" \
+        --threads 1 --iters "$iters" --warmup 1 --efficiency --json "$out/$i.$r.$a.json" >/dev/null
+      echo "$load" >"$out/$i.$r.$a.load"
+    done
   done
 done
 
-python3 - "$out" "$rounds" "$seq" "${configs[@]}" <<'EOF'
+for a in "${settings[@]}"; do
+[ "$a" != - ] && printf '\nSEQPAR_GDN_WORK_AHEAD=%s:\n\n' "$a"
+python3 - "$out" "$rounds" "$seq" "$a" "${configs[@]}" <<'EOF'
 import json, statistics, sys
-out, rounds, seq, configs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
+out, rounds, seq, setting, configs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]
 print("| configuration (S %s, 2 ranks) | rounds | fwd alone / busy, median (best) | bwd alone / busy, median (best) "
       "| exposed comm fwd / bwd | load |" % seq)
 print("|---|---|---|---|---|---|")
 for i, c in enumerate(configs):
     name = c.split("|")[0]
-    runs = [json.load(open(f"{out}/{i}.{r}.json")) for r in range(1, rounds + 1)]
-    loads = [float(open(f"{out}/{i}.{r}.load").read()) for r in range(1, rounds + 1)]
+    runs = [json.load(open(f"{out}/{i}.{r}.{setting}.json")) for r in range(1, rounds + 1)]
+    loads = [float(open(f"{out}/{i}.{r}.{setting}.load").read()) for r in range(1, rounds + 1)]
     def phase(run, p):
         return next(x for x in run["phases"] if x["phase"] == p)
     cells = []
@@ -78,3 +114,4 @@ for i, c in enumerate(configs):
     print("| %s | %d | %s | %s | %s | %.1f to %.1f |" % (name, rounds, cells[0], cells[1], " / ".join(exp),
                                                         min(loads), max(loads)))
 EOF
+done

@@ -342,10 +342,56 @@ class GroupedGrad {
 
 // ---- forward ------------------------------------------------------------------------------------------------
 
+// Work ahead (gdn_cpu.h, GdnAheadBuffer): per chunk, what the forward's state-dependent part reads, in the scratch's
+// own layout (row strides K, V and C): the scaled q, W, U, K~ [C, K | V], P [C, C] and exp(gamma) [C].
+struct ForwardAheadLayout {
+  std::int64_t q = 0, w = 0, u = 0, kt = 0, p = 0, gam = 0, stride = 0;
+  explicit ForwardAheadLayout(const Dims& d) {
+    const std::int64_t C = d.C, K = d.K, V = d.V;
+    w = q + C * K;
+    u = w + C * K;
+    kt = u + C * V;
+    p = kt + C * K;
+    gam = p + C * C;
+    stride = gam + C;
+  }
+};
+
+// The state-independent part of the forward's chunk at t0 (c rows) in the scratch: inputs, T, W, U, K~ and P.
 template <typename T>
-void forward_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& out, const TensorView& final_state) {
-  const std::int64_t K = d.K, V = d.V, BH = d.B * d.H, KV = K * V;
+void forward_chunk_ahead(const GdnForwardArgs& a, const Dims& d, std::int64_t b, std::int64_t h, std::int64_t t0,
+                         std::int64_t c, T scale, ChunkScratch<T>& w) {
+  load_chunk(a, d, b, h, t0, c, true, true, scale, w);
+  prefetch_chunk(a, {}, d, b, h, t0 + d.C, true, true);
+  prepare_chunk(d, c, true, w);
+  decay_scores(d, c, w);
+}
+
+// The rest of the chunk, from the state S_0 in w.s: O (into w.o) and S_C (in place); reads w.q, w.w, w.u, w.kt, w.p
+// and w.gam only.
+template <typename T>
+void forward_chunk_state(const Dims& d, std::int64_t c, ChunkScratch<T>& w) {
+  const std::int64_t K = d.K, V = d.V, KV = K * V;
+  // V' = U - W S_0 (state before this chunk), then O = diag(gam) Q S_0 + P V'.
+  subtract_product(d, c, w.u, V, w.s, V, w.vp, w);
+  mm_nn<T>(c, V, K, T(1), w.q, K, w.s, V, w.o, V, false);
+  for (std::int64_t i = 0; i < c; ++i) {
+    for (std::int64_t j = 0; j < V; ++j) w.o[i * V + j] *= w.gam[i];
+  }
+  mm_nn<T>(c, V, c, T(1), w.p, d.C, w.vp, V, w.o, V, true, true);
+  // S_C = exp(gamma_C) S_0 + K~^T V'.
+  const T decay = w.gam[c - 1];
+  for (std::int64_t i = 0; i < KV; ++i) w.s[i] *= decay;
+  mm_tn<T>(K, V, c, T(1), w.kt, K, w.vp, V, w.s, V, true);
+}
+
+template <typename T>
+void forward_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& out, const TensorView& final_state,
+                  const GdnAheadBuffer* ahead) {
+  const std::int64_t K = d.K, V = d.V, BH = d.B * d.H, KV = K * V, nc = d.num_chunks();
   const T scale = resolve_scale<T>(a, d);
+  const ForwardAheadLayout lay(d);
+  const std::int64_t done = ahead != nullptr ? ahead->chunks_done : 0;
   for_each_head<T>(BH, d, false, 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
     const std::int64_t b = bh / d.H, h = bh % d.H;
     if (a.initial_state.empty()) {
@@ -353,35 +399,90 @@ void forward_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& out,
     } else {
       load(a.initial_state, bh * KV, KV, w.s);
     }
-    for (std::int64_t t0 = 0; t0 < d.S; t0 += d.C) {
+    for (std::int64_t n = 0, t0 = 0; t0 < d.S; ++n, t0 += d.C) {
       const std::int64_t c = std::min(d.C, d.S - t0);
-      load_chunk(a, d, b, h, t0, c, true, true, scale, w);
-      prefetch_chunk(a, {}, d, b, h, t0 + d.C, true, true);
-      prepare_chunk(d, c, true, w);
-      // V' = U - W S_0 (state before this chunk), then O = diag(gam) Q S_0 + P V'.
-      subtract_product(d, c, w.u, V, w.s, V, w.vp, w);
-      mm_nn<T>(c, V, K, T(1), w.q, K, w.s, V, w.o, V, false);
-      for (std::int64_t i = 0; i < c; ++i) {
-        for (std::int64_t j = 0; j < V; ++j) w.o[i * V + j] *= w.gam[i];
+      ChunkScratch<T> x = w;
+      if (n < done) {  // computed ahead: the state part reads it where it lies
+        T* base = static_cast<T*>(ahead->data) + (bh * nc + n) * lay.stride;
+        x.q = base + lay.q;
+        x.w = base + lay.w;
+        x.u = base + lay.u;
+        x.kt = base + lay.kt;
+        x.p = base + lay.p;
+        x.gam = base + lay.gam;
+      } else {
+        forward_chunk_ahead(a, d, b, h, t0, c, scale, x);
       }
-      decay_scores(d, c, w);
-      mm_nn<T>(c, V, c, T(1), w.p, d.C, w.vp, V, w.o, V, true, true);
-      // S_C = exp(gamma_C) S_0 + K~^T V'.
-      const T decay = w.gam[c - 1];
-      for (std::int64_t i = 0; i < KV; ++i) w.s[i] *= decay;
-      mm_tn<T>(K, V, c, T(1), w.kt, K, w.vp, V, w.s, V, true);
-      for (std::int64_t i = 0; i < c; ++i) store(w.o + i * V, V, out, d.value_row(b, t0 + i, h) * V);
+      forward_chunk_state(d, c, x);
+      for (std::int64_t i = 0; i < c; ++i) store(x.o + i * V, V, out, d.value_row(b, t0 + i, h) * V);
     }
     if (!final_state.empty()) store(w.s, KV, final_state, bh * KV);
   });
 }
 
+// Chunks [begin, end) of the forward's work ahead into the buffer.
+template <typename T>
+void forward_ahead_impl(const GdnForwardArgs& a, const Dims& d, const GdnAheadBuffer& ahead, std::int64_t begin,
+                        std::int64_t end) {
+  const std::int64_t BH = d.B * d.H, nc = d.num_chunks();
+  const T scale = resolve_scale<T>(a, d);
+  const ForwardAheadLayout lay(d);
+  for_each_head<T>(BH, d, false, 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
+    const std::int64_t b = bh / d.H, h = bh % d.H;
+    for (std::int64_t n = begin; n < end; ++n) {
+      const std::int64_t t0 = n * d.C, c = std::min(d.C, d.S - t0);
+      forward_chunk_ahead(a, d, b, h, t0, c, scale, w);
+      T* base = static_cast<T*>(ahead.data) + (bh * nc + n) * lay.stride;
+      const std::pair<const T*, std::int64_t> parts[] = {{w.q, lay.q},   {w.w, lay.w}, {w.u, lay.u},
+                                                         {w.kt, lay.kt}, {w.p, lay.p}, {w.gam, lay.gam}};
+      const std::int64_t sizes[] = {lay.w - lay.q,  lay.u - lay.w,   lay.kt - lay.u,
+                                    lay.p - lay.kt, lay.gam - lay.p, lay.stride - lay.gam};
+      for (int i = 0; i < 6; ++i) std::copy(parts[i].first, parts[i].first + sizes[i], base + parts[i].second);
+    }
+  });
+}
+
 // ---- backward -----------------------------------------------------------------------------------------------
+
+// The backward's forward sweep for (b, h): chunk start states [begin, end) of `starts` [nc, K, V] (state 0: the
+// initial state; state n + 1 advanced from state n, which must be there already when begin > 0).
+template <typename T>
+void backward_sweep_starts(const GdnForwardArgs& a, const Dims& d, std::int64_t b, std::int64_t h, std::int64_t bh,
+                           std::int64_t begin, std::int64_t end, T scale, T* starts, ChunkScratch<T>& w) {
+  const std::int64_t C = d.C, V = d.V, KV = d.K * d.V;
+  if (begin == 0 && end > 0) {
+    if (a.initial_state.empty()) {
+      std::fill(starts, starts + KV, T(0));
+    } else {
+      load(a.initial_state, bh * KV, KV, starts);
+    }
+    begin = 1;
+  }
+  for (std::int64_t n = begin - 1; n + 1 < end; ++n) {
+    const std::int64_t t0 = n * C, c = std::min(C, d.S - t0);
+    load_chunk(a, d, b, h, t0, c, false, true, scale, w);
+    prefetch_chunk(a, {}, d, b, h, t0 + C, false, true);
+    prepare_chunk(d, c, true, w);
+    advance_state(d, c, w.u, V, starts + n * KV, V, w.vp, w, starts + (n + 1) * KV);
+  }
+}
+
+// Chunk start states [begin, end) of the backward's work ahead into the buffer [B H, nc, K, V].
+template <typename T>
+void backward_ahead_impl(const GdnForwardArgs& a, const Dims& d, const GdnAheadBuffer& ahead, std::int64_t begin,
+                         std::int64_t end) {
+  const std::int64_t nc = d.num_chunks(), KV = d.K * d.V;
+  const T scale = resolve_scale<T>(a, d);
+  for_each_head<T>(d.B * d.H, d, false, 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
+    backward_sweep_starts(a, d, bh / d.H, bh % d.H, bh, begin, end, scale, static_cast<T*>(ahead.data) + bh * nc * KV,
+                          w);
+  });
+}
 
 template <typename T>
 void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView& dq_out, const TensorView& dk_out,
                    const TensorView& dv_out, const TensorView& dg_out, const TensorView& dbeta_out,
-                   const TensorView& dinit_out) {
+                   const TensorView& dinit_out, const GdnAheadBuffer* ahead) {
   const GdnForwardArgs& a = args.fwd;
   const std::int64_t C = d.C, K = d.K, V = d.V, BH = d.B * d.H, KV = K * V;
   const std::int64_t nc = d.num_chunks();
@@ -391,25 +492,14 @@ void backward_impl(const GdnBackwardArgs& args, const Dims& d, const TensorView&
   const GroupedGrad<T> dq_group(d, dq_out, "GDN dq of every value head"),
       dk_group(d, dk_out, "GDN dk of every value head");
   const TensorView &dq_dst = dq_group.target(), &dk_dst = dk_group.target();
-  // The start state of every chunk of one (batch, head) lives in the scratch's extra buffer.
-  for_each_head<T>(BH, d, true, full ? nc * KV : 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
-    T* starts = w.extra;
+  // The start state of every chunk of one (batch, head) lives in the scratch's extra buffer, or in the work ahead's
+  // buffer (its first ahead->chunks_done computed there already).
+  const bool use_ahead = full && ahead != nullptr;
+  for_each_head<T>(BH, d, true, full && !use_ahead ? nc * KV : 0, [&](ChunkScratch<T>& w, std::int64_t bh) {
+    T* starts = use_ahead ? static_cast<T*>(ahead->data) + bh * nc * KV : w.extra;
     const std::int64_t b = bh / d.H, h = bh % d.H;
     // Forward sweep: the start state of every chunk, each advanced from the previous one in place.
-    if (full) {
-      if (a.initial_state.empty()) {
-        std::fill(starts, starts + KV, T(0));
-      } else {
-        load(a.initial_state, bh * KV, KV, starts);
-      }
-      for (std::int64_t n = 0; n + 1 < nc; ++n) {
-        const std::int64_t t0 = n * C, c = std::min(C, d.S - t0);
-        load_chunk(a, d, b, h, t0, c, false, true, scale, w);
-        prefetch_chunk(a, {}, d, b, h, t0 + C, false, true);
-        prepare_chunk(d, c, true, w);
-        advance_state(d, c, w.u, V, starts + n * KV, V, w.vp, w, starts + (n + 1) * KV);
-      }
-    }
+    if (full) backward_sweep_starts(a, d, b, h, bh, use_ahead ? ahead->chunks_done : 0, nc, scale, starts, w);
     if (args.dfinal_state.empty()) {
       std::fill(w.ds, w.ds + KV, T(0));
     } else {
@@ -589,22 +679,43 @@ void transition_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& m
 
 }  // namespace
 
-void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,
-                     const TensorView& final_state) {
+void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out, const TensorView& final_state,
+                     const GdnAheadBuffer* ahead) {
   if (accumulator_dtype(args.q.dtype()) == DType::kFloat64) {
-    forward_impl<double>(args, d, out, final_state);
+    forward_impl<double>(args, d, out, final_state, ahead);
   } else {
-    forward_impl<float>(args, d, out, final_state);
+    forward_impl<float>(args, d, out, final_state, ahead);
   }
 }
 
 void gdn_backward_cpu(const GdnBackwardArgs& args, const GdnDims& d, const TensorView& dq, const TensorView& dk,
                       const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
-                      const TensorView& dinitial_state) {
+                      const TensorView& dinitial_state, const GdnAheadBuffer* ahead) {
   if (accumulator_dtype(args.fwd.q.dtype()) == DType::kFloat64) {
-    backward_impl<double>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+    backward_impl<double>(args, d, dq, dk, dv, dg, dbeta, dinitial_state, ahead);
   } else {
-    backward_impl<float>(args, d, dq, dk, dv, dg, dbeta, dinitial_state);
+    backward_impl<float>(args, d, dq, dk, dv, dg, dbeta, dinitial_state, ahead);
+  }
+}
+
+std::int64_t gdn_ahead_numel_cpu(const GdnDims& d, bool backward) {
+  const std::int64_t per_chunk = backward ? d.K * d.V : ForwardAheadLayout(d).stride;
+  return d.B * d.H * d.num_chunks() * per_chunk;
+}
+
+void gdn_ahead_cpu(const GdnForwardArgs& args, const GdnDims& d, bool backward, const GdnAheadBuffer& ahead,
+                   std::int64_t chunk_begin, std::int64_t chunk_end) {
+  const bool f64 = accumulator_dtype(args.q.dtype()) == DType::kFloat64;
+  if (backward) {
+    if (f64) {
+      backward_ahead_impl<double>(args, d, ahead, chunk_begin, chunk_end);
+    } else {
+      backward_ahead_impl<float>(args, d, ahead, chunk_begin, chunk_end);
+    }
+  } else if (f64) {
+    forward_ahead_impl<double>(args, d, ahead, chunk_begin, chunk_end);
+  } else {
+    forward_ahead_impl<float>(args, d, ahead, chunk_begin, chunk_end);
   }
 }
 

@@ -32,11 +32,25 @@ struct GdnDims {
   }
 };
 
-void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out,
-                     const TensorView& final_state);
+// Work ahead (attention/gdn.h, GdnAhead): the buffer of gdn_ahead_numel_cpu elements of the compute dtype, of
+// which the first chunks_done chunks are computed. Forward: per (batch, head, chunk) the chunk's state-independent
+// quantities; backward: per (batch, head, chunk) the chunk's start state (the forward sweep).
+struct GdnAheadBuffer {
+  void* data = nullptr;
+  std::int64_t chunks_done = 0;
+};
+
+// ahead: null, or work ahead for these args and sizes (the initial state aside in the forward); the kernels use
+// its computed chunks (the backward completes the buffer's start states in place) and compute the rest.
+void gdn_forward_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& out, const TensorView& final_state,
+                     const GdnAheadBuffer* ahead = nullptr);
 void gdn_backward_cpu(const GdnBackwardArgs& args, const GdnDims& d, const TensorView& dq, const TensorView& dk,
                       const TensorView& dv, const TensorView& dg, const TensorView& dbeta,
-                      const TensorView& dinitial_state);
+                      const TensorView& dinitial_state, const GdnAheadBuffer* ahead = nullptr);
+std::int64_t gdn_ahead_numel_cpu(const GdnDims& d, bool backward);
+// Chunks [chunk_begin, chunk_end) of the work ahead (backward: chunk_begin's state must be there when > 0).
+void gdn_ahead_cpu(const GdnForwardArgs& args, const GdnDims& d, bool backward, const GdnAheadBuffer& ahead,
+                   std::int64_t chunk_begin, std::int64_t chunk_end);
 void gdn_transition_cpu(const GdnForwardArgs& args, const GdnDims& d, const TensorView& m, const TensorView& u);
 
 void gdn_transition_compose_cpu(const TensorView& m2, const TensorView& u2, const TensorView& m1, const TensorView& u1,

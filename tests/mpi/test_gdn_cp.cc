@@ -264,6 +264,62 @@ TEST(GdnCp, ScanAtTwoRanksComputesNoMapAndMatchesChainBitwise) {
   }
 }
 
+// The work ahead (GdnCpConfig::work_ahead) changes no bit: chain and scan, both layouts, the same problem with and
+// without it give identical outputs and gradients on every rank (the reference: the same call without work ahead,
+// itself checked against the fp64 recurrence in GdnCpVsRecurrence). How much is done ahead depends on timing; the
+// results may not.
+TEST(GdnCp, WorkAheadChangesNoBit) {
+  const int n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs 2 or more ranks (nothing waits on 1), has " << n;
+  CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+      const GdnCase c{mode, layout, 1, true, true, 64 * n, 2};
+      const GdnProblem p(c);
+      struct Run {
+        Tensor out, final_state;
+        GdnCpGrads grads;
+        double ahead = 0;
+      };
+      auto run = [&](bool work_ahead) {
+        GdnCpConfig cfg;
+        cfg.mode = mode;
+        cfg.chunk_size = 8;
+        cfg.work_ahead = work_ahead;
+        GdnCp gdn(groups, SequenceLayout::for_groups(groups, c.seq, layout), cfg);
+        std::vector<Tensor> keep;
+        const auto& pos = gdn.positions();
+        GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
+                                    shard(p.g, pos, keep), shard(p.beta, pos, keep), p.init.view());
+        Run r;
+        r.ahead = gdn.last_phase_seconds().ahead;
+        r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view());
+        r.ahead += gdn.last_phase_seconds().ahead;
+        r.out = std::move(o.out);
+        r.final_state = std::move(o.final_state);
+        return r;
+      };
+      const Run off = run(false), on = run(true);
+      const std::string name = str_cat(gdn_cp_mode_name(mode), ", ", layout_name(layout), " on ", n, " ranks, rank ",
+                                       grid.ring().rank(), " (", on.ahead, " s ahead)");
+      EXPECT_EQ(off.ahead, 0.0) << name << ": work ahead ran although turned off";
+      auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
+        ASSERT_EQ(a.nbytes(), b.nbytes()) << name << " " << what;
+        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << name << " " << what << " differs";
+      };
+      same(on.out, off.out, "out");
+      same(on.final_state, off.final_state, "final_state");
+      same(on.grads.dq, off.grads.dq, "dq");
+      same(on.grads.dk, off.grads.dk, "dk");
+      same(on.grads.dv, off.grads.dv, "dv");
+      same(on.grads.dg, off.grads.dg, "dg");
+      same(on.grads.dbeta, off.grads.dbeta, "dbeta");
+      same(on.grads.dinitial_state, off.grads.dinitial_state, "dinitial_state");
+    }
+  }
+}
+
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
   CpGrid grid(world(), test::ring_over_world());

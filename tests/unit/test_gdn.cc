@@ -913,5 +913,97 @@ TEST(GdnWindow, RejectsWindowsOutsideTheTensors) {
   EXPECT_THROW(gdn_forward_window(in.args(), {0, 4, 0, 1}, out, fin), Error);
 }
 
+// Work ahead (GdnAhead): a window call that finds 0, some or all of its chunks computed ahead gives bitwise the
+// results of the call without it, forward and backward; the independent reference is the call without work ahead
+// (itself checked against copies above and the fp64 recurrence).
+TEST(GdnAhead, WindowWithWorkAheadIsBitwiseTheWindowWithout) {
+  for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kBFloat16}) {
+    Problem p;
+    p.B = 2;
+    p.S = 70;
+    p.H = 4;
+    p.Hk = 2;
+    p.chunk = 16;
+    p.seed = 78;
+    const Inputs in = make_inputs(p, dtype);
+    const std::int64_t nh = 2;
+    const GdnWindow window{13, 41, 1, nh};  // 3 chunks of 16, 16 and 9 rows
+    const DType od = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, sd = accumulator_dtype(dtype);
+    const Tensor init = random_tensor({p.B, nh, p.K, p.V}, sd, 191), dfin = random_tensor({p.B, nh, p.K, p.V}, sd, 194);
+    const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, 193);
+    GdnForwardArgs a = in.args();
+    a.initial_state = init;
+    struct Results {
+      Tensor out, fin, dq, dk, dv, dg, db, dinit;
+    };
+    // Every output starts from the same random values, so the rows outside the window are compared too.
+    auto run = [&](std::int64_t fwd_done, std::int64_t bwd_done) {
+      Results r{random_tensor({p.B, p.S, p.H, p.V}, od, 192), random_tensor({p.B, nh, p.K, p.V}, sd, 195),
+                random_tensor({p.B, p.S, p.H, p.K}, od, 196), random_tensor({p.B, p.S, p.H, p.K}, od, 197),
+                random_tensor({p.B, p.S, p.H, p.V}, od, 198), random_tensor({p.B, p.S, p.H}, od, 199),
+                random_tensor({p.B, p.S, p.H}, od, 200),      random_tensor({p.B, nh, p.K, p.V}, sd, 201)};
+      if (fwd_done < 0) {
+        gdn_forward_window(a, window, r.out, r.fin);
+      } else {
+        GdnForwardArgs no_start = a;
+        no_start.initial_state = {};  // the forward's work ahead does not read it
+        GdnAhead ahead = gdn_forward_ahead(no_start, window);
+        EXPECT_EQ(ahead.num_chunks, 3);
+        for (std::int64_t i = 0; i < fwd_done; ++i) gdn_ahead_step(no_start, ahead, 1);
+        // The test-mode route (SEQPAR_LOWERED_ATTENTION = 1, the .composed ctest) computes nothing ahead.
+        if (ahead.buffer.defined()) EXPECT_EQ(ahead.chunks_done, fwd_done);
+        gdn_forward_window(a, window, r.out, r.fin, &ahead);
+      }
+      const GdnBackwardArgs b{a, dout, dfin};
+      if (bwd_done < 0) {
+        gdn_backward_window(b, window, r.dq, r.dk, r.dv, r.dg, r.db, r.dinit);
+      } else {
+        GdnAhead ahead = gdn_backward_ahead({a, {}, {}}, window);
+        const bool computes = ahead.buffer.defined();  // not under the test-mode route
+        if (bwd_done > 0) EXPECT_EQ(gdn_ahead_step(a, ahead, bwd_done), !computes || bwd_done == 3);
+        gdn_backward_window(b, window, r.dq, r.dk, r.dv, r.dg, r.db, r.dinit, &ahead);
+        if (computes) EXPECT_TRUE(ahead.complete());
+      }
+      return r;
+    };
+    const Results want = run(-1, -1);
+    for (std::int64_t done = 0; done <= 3; ++done) {
+      const Results got = run(done, done);
+      const std::string tag = std::string(dtype_name(dtype)) + ", " + std::to_string(done) + " chunks ahead: ";
+      auto same = [&](const Tensor& x, const Tensor& y, const char* what) {
+        EXPECT_TRUE(all_close(to_double(x), to_double(y), 0.0, 0.0, tag + what));
+      };
+      same(got.out, want.out, "out");
+      same(got.fin, want.fin, "final_state");
+      same(got.dq, want.dq, "dq");
+      same(got.dk, want.dk, "dk");
+      same(got.dv, want.dv, "dv");
+      same(got.dg, want.dg, "dg");
+      same(got.db, want.db, "dbeta");
+      same(got.dinit, want.dinit, "dinitial_state");
+    }
+  }
+}
+
+TEST(GdnAhead, RejectsWorkAheadOfAnotherWindowOrDirection) {
+  Problem p;
+  p.H = 4;
+  p.Hk = 2;
+  p.S = 40;
+  p.chunk = 8;
+  p.with_init = false;
+  const Inputs in = make_inputs(p, DType::kFloat32);
+  Tensor out = Tensor::empty({p.B, p.S, p.H, p.V}, DType::kFloat32, kWs);
+  Tensor dv = Tensor::empty({p.B, p.S, p.H, p.V}, DType::kFloat32, kWs);
+  GdnAhead ahead = gdn_forward_ahead(in.args(), {0, 16, 1, 1});
+  EXPECT_THROW(gdn_ahead_step(in.args(), ahead, 0), Error);                            // max_chunks < 1
+  EXPECT_THROW(gdn_forward_window(in.args(), {0, 16, 2, 1}, out, {}, &ahead), Error);  // another head
+  EXPECT_THROW(gdn_forward_window(in.args(), {8, 16, 1, 1}, out, {}, &ahead), Error);  // other rows
+  EXPECT_THROW(gdn_backward_window({in.args(), {}, {}}, {0, 16, 1, 1}, {}, {}, dv, {}, {}, {}, &ahead),
+               Error);                                                // made for the forward
+  EXPECT_THROW(gdn_forward_ahead(in.args(), {30, 16, 0, 1}), Error);  // rows past the tensors
+  EXPECT_NO_THROW(gdn_forward_window(in.args(), {0, 16, 1, 1}, out, {}, &ahead));
+}
+
 }  // namespace
 }  // namespace seqpar::attn
