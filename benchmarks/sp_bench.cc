@@ -31,6 +31,7 @@
 #include "benchmarks/sp_bench_timing.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/comm_factory.h"
+#include "runtime/comm_factory.h"
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/cp_grid.h"
@@ -70,6 +71,7 @@ int sp_bench_main(int argc, char** argv) {
   // communicator, NCCL's device agreement) could pair with another rank's different one. Over MPI, whatever
   // --backend says.
   check_options_agree(o);
+  check_communicator_backend_built(o.backend);
   if (place.rank == 0 && find_workload_kind(o.attn).warnings) {
     for (const std::string& w : find_workload_kind(o.attn).warnings(o))
       std::fprintf(stderr, "sp_bench: warning: %s\n", w.c_str());

@@ -12,12 +12,16 @@ const char* communicator_backend_names() { return "mpi, nccl"; }
 void check_communicator_backend(std::string_view backend) {
   SEQPAR_CHECK(backend == "mpi" || backend == "nccl", "unknown communicator backend '", backend, "': expected one of ",
                communicator_backend_names());
+}
+
+void check_communicator_backend_built(std::string_view backend) {
+  check_communicator_backend(backend);
   SEQPAR_CHECK(backend != "nccl" || nccl_backend_built(), "backend nccl is not compiled into this build of seqpar ",
                "(SEQPAR_WITH_NCCL=OFF, no CUDA toolkit, or nccl.h not found); use --backend mpi");
 }
 
 std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) {
-  check_communicator_backend(backend);
+  check_communicator_backend_built(backend);
 #if SEQPAR_WITH_MPI
   if (backend == "mpi") return MpiCommunicator::world();
   if (backend == "nccl") {

@@ -15,9 +15,13 @@ namespace seqpar {
 const char* communicator_backend_names();
 
 // Throws Error "unknown communicator backend 'X': expected one of mpi, nccl" for a name make_world_communicator does
-// not know, and names the build option for nccl in a build without it; no communication, so option parsers call it
-// before the world exists (a --dry-run refuses what the run would).
+// not know (whether or not it is compiled in); no communication, so option parsers call it before the world exists.
 void check_communicator_backend(std::string_view backend);
+
+// check_communicator_backend, then names the build option for a backend this build lacks (nccl without NCCL); no
+// communication. Programs call it once the ranks agree on the backend, so that ranks that disagree hear that first,
+// and before a --dry-run's report, which refuses what the run would.
+void check_communicator_backend_built(std::string_view backend);
 
 // A communicator over every rank of the job, named "world", for `backend`:
 //   "mpi"  - MpiCommunicator::world() (host buffers; CUDA builds also stage device buffers);
