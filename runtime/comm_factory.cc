@@ -21,10 +21,11 @@ void check_communicator_backend_built(std::string_view backend) {
 }
 
 std::unique_ptr<Communicator> make_world_communicator(std::string_view backend) {
-  check_communicator_backend_built(backend);
+  check_communicator_backend(backend);
 #if SEQPAR_WITH_MPI
   if (backend == "mpi") return MpiCommunicator::world();
   if (backend == "nccl") {
+    check_communicator_backend_built(backend);
     // The NCCL constructor agrees over the MPI bootstrap that every rank has its own usable device before NCCL
     // starts; a rank without one passes ordinal 0 and reports why.
     auto bootstrap = MpiCommunicator::world();
