@@ -244,6 +244,10 @@ class MhaDecodeCp {
   // Sync: host-only.
   const CpCounters& counters() const { return counters_; }
   void reset_counters() { counters_.reset(); }
+  // The stream of the next calls' kernels and copies (CpGroups::stream), as MhaCp::set_stream: a device cache's
+  // calls need a stream of its device (the Python binding passes torch's current stream of the inputs' device).
+  // Sync: host-only.
+  void set_stream(Stream stream) { groups_.stream = stream; }
 
  private:
   // All KV heads of the model (the cache holds Hkv / Pu, or one replica when Hkv < Pu) and, when Hkv < Pu, k or v

@@ -14,6 +14,11 @@ are this rank's rows of the layout (shard_sequence), the decode inputs are the n
 identical on every rank. The caches are Python objects holding this rank's shard (ShardedKvCache, ShardedDsaCache,
 GdnCache); `cache.length` is the tokens held by the whole cache. No autograd (inference): inputs are detached.
 
+Devices (MHA): `make_cache(..., device=torch.device("cuda"))` puts the cache on a CUDA device (a CUDA build of
+seqpar; `cache.device`); prefill, fill and decode then take their tensors on that device and run on torch's current
+stream, and return results there. Inputs on another device than the cache are refused by name (every rank, before
+any message); extend (chunked prefill) is host-only and refuses a device cache. DSA and GDN decode: host only.
+
 Heads in the results: MHA decode computes Hq / ulysses_size query heads per rank and GDN decode Hv / cp_size value
 heads per rank (the heads are split, docs/design.md); with all_heads=True (the default) the pieces are summed into
 the full [B, n, H, D] on every rank (one all_reduce), with all_heads=False the rank's heads come back alone
@@ -43,8 +48,10 @@ def _all_heads(local, offset, total, group, dim):
     group, are counted once: the caller passes the group whose ranks hold disjoint heads)."""
     shape = list(local.shape)
     shape[dim] = total
-    full = torch.zeros(shape, dtype=local.dtype)
+    full = torch.zeros(shape, dtype=local.dtype, device=local.device)
     full.narrow(dim, offset, local.shape[dim]).copy_(local)
+    if full.is_cuda:  # the communicator reads the buffer on its own stream: finish torch's writes first
+        torch.cuda.current_stream(full.device).synchronize()
     group.all_reduce(full)
     return full
 
@@ -59,13 +66,16 @@ class MhaDecodeCp:
         self.grid = grid
         self.layer = _seqpar.MhaDecodeCp(grid, _seqpar.MhaDecodeConfig(shard, interleave, scale, prefill_impl))
 
-    def make_cache(self, batch, capacity, kv_heads, head_dim, dtype=torch.float32):
-        """An empty cache of `capacity` tokens (the whole cache's; this rank holds its shard)."""
-        return self.layer.make_cache(batch, capacity, kv_heads, head_dim, _dtype_name(dtype))
+    def make_cache(self, batch, capacity, kv_heads, head_dim, dtype=torch.float32, device="cpu"):
+        """An empty cache of `capacity` tokens (the whole cache's; this rank holds its shard) on `device` (a
+        torch.device or its name: "cpu", "cuda" (torch's current CUDA device), "cuda:N"), allocated once, as
+        torch.empty(..., device=) and a static KV cache are."""
+        return self.layer.make_cache(batch, capacity, kv_heads, head_dim, _dtype_name(dtype), str(torch.device(device)))
 
     def prefill(self, cache, layout, q, k, v):
         """The prompt: q [B, S_local, Hq, D], k, v [B, S_local, Hkv, D], this rank's rows of `layout` (seq_len T =
-        the prompt length). Returns (out [B, S_local, Hq, D], lse [B, Hq, S_local]) in the layout's rows."""
+        the prompt length), on the cache's device. Returns (out [B, S_local, Hq, D], lse [B, Hq, S_local]) in the
+        layout's rows, on that device."""
         return self.layer.prefill(cache, layout, _c(q), _c(k), _c(v))
 
     def fill(self, cache, layout, k, v):
@@ -74,7 +84,8 @@ class MhaDecodeCp:
 
     def extend(self, cache, layout, q, k, v, mode="auto"):
         """A chunk of layout.seq_len tokens after the cache's length (chunked prefill, a multi-turn prompt): rows as
-        in prefill (token i of the chunk is position cache.length + i). mode "auto", "pass-kv" or "pass-q"."""
+        in prefill (token i of the chunk is position cache.length + i). mode "auto", "pass-kv" or "pass-q". Host
+        only: a cache on a CUDA device is refused (prefill it whole, then decode)."""
         return self.layer.extend(cache, layout, _c(q), _c(k), _c(v), mode)
 
     def decode(self, cache, q_new, k_new, v_new, all_heads=True):

@@ -294,7 +294,9 @@ class _Decoding:
             if self.layout is None:
                 raise _seqpar.Error("seqpar.hf.generate: a decode step reached a layer the prefill did not fill")
             dec = MhaDecodeCp(self.grid, scale=float(scaling or 0.0), **self.decoder_options)
-            self.caches[module] = (dec, dec.make_cache(k.shape[0], self.capacity, k.shape[2], k.shape[3], k.dtype))
+            # the cache where the layer's keys are (transformers' caches follow the key states' device)
+            self.caches[module] = (dec, dec.make_cache(k.shape[0], self.capacity, k.shape[2], k.shape[3], k.dtype,
+                                                       device=k.device))
         dec, cache = self.caches[module]
         if self.layout is not None:
             out, _ = dec.prefill(cache, self.layout, q, k, v)

@@ -1,6 +1,8 @@
 // Bindings of the decode layers (parallel/decode_cp.h, parallel/dsa_decode_cp.h): MhaDecodeCp, DsaDecodeCp and
 // GdnDecodeCp with their caches as Python objects (ShardedKvCache, ShardedDsaCache, GdnCache). The Python package
 // wraps them in python/seqpar/decode.py. Tensors cross as DLPack views (dlpack_bridge.h); no autograd (inference).
+// Devices: an MHA cache lives where make_cache's device says (the host, or a CUDA device in a CUDA build); its
+// prefill, fill and decode take inputs on that device and run on torch's current stream of it.
 #include "decode_bindings.h"
 
 #include <pybind11/stl.h>
@@ -29,9 +31,33 @@ py::tuple prefill_out(PrefillOutput&& r) {
   return py::make_tuple(to_torch(std::move(r.out)), r.lse.defined() ? to_torch(std::move(r.lse)) : py::none());
 }
 
+// make_cache's device: "cpu", "cuda" (torch's current CUDA device, or device 0 when torch has none, which make_cache
+// then refuses with the reason) or "cuda:N" (str() of a torch.device). Errors: any other device, by name and rule.
+Device parse_cache_device(const std::string& name) {
+  if (name == "cpu") return Device::cpu();
+  if (name == "cuda") {
+    const py::object cuda = py::module_::import("torch").attr("cuda");
+    return Device::cuda(cuda.attr("is_available")().cast<bool>() ? cuda.attr("current_device")().cast<int>() : 0);
+  }
+  if (name.rfind("cuda:", 0) == 0 && name.size() > 5 &&
+      name.find_first_not_of("0123456789", 5) == std::string::npos && name.size() < 15) {
+    return Device::cuda(std::stoi(name.substr(5)));
+  }
+  SEQPAR_THROW("MhaDecodeCp.make_cache: device '", name,
+               "' is not supported: a decode cache lives on 'cpu' or a CUDA device ('cuda' or 'cuda:N')");
+}
+
+// The stream of a call on `cache`: torch's current stream of the cache's CUDA device (as MhaCp's forward takes
+// its inputs' stream), or the host. Inputs on another device are then refused by MhaDecodeCp's checks, by name,
+// before any message (and before torch is asked for a stream of their device).
+Stream cache_stream(const ShardedKvCache& cache) {
+  const Device device = cache.local().spec().device;
+  return device.is_cpu() ? Stream::cpu() : current_stream(TensorView(nullptr, DType::kFloat32, {0}, device));
+}
+
 template <typename Cache>
-void bind_sharded_cache(py::module_& m, const char* name, const char* doc) {
-  py::class_<Cache>(m, name, doc)
+py::class_<Cache> bind_sharded_cache(py::module_& m, const char* name, const char* doc) {
+  return py::class_<Cache>(m, name, doc)
       .def_property_readonly("length", &Cache::length, "Tokens in the whole cache (the same on every rank).")
       .def_property_readonly("num_steps", &Cache::num_steps, "Decode steps since the prefill.")
       .def_property_readonly("capacity", [](const Cache& c) { return c.sharding().capacity(); })
@@ -48,7 +74,13 @@ void bind_sharded_cache(py::module_& m, const char* name, const char* doc) {
 
 void bind_decode(py::module_& m, GroupsOf groups_of) {
   bind_sharded_cache<ShardedKvCache>(m, "ShardedKvCache",
-                                     "An MHA K/V cache sharded by token over the ring group (parallel/decode_cp.h)");
+                                     "An MHA K/V cache sharded by token over the ring group (parallel/decode_cp.h)")
+      .def_property_readonly(
+          "device",
+          [](const ShardedKvCache& c) {
+            return py::module_::import("torch").attr("device")(c.local().spec().device.str());
+          },
+          "The torch.device holding this rank's shard (make_cache's device).");
   bind_sharded_cache<ShardedDsaCache>(
       m, "ShardedDsaCache",
       "A DSA indexer-key and latent cache sharded by token over the CP group (parallel/dsa_decode_cp.h)");
@@ -76,27 +108,35 @@ void bind_decode(py::module_& m, GroupsOf groups_of) {
       .def(
           "make_cache",
           [](const MhaDecodeCp& l, std::int64_t batch, std::int64_t capacity, std::int64_t kv_heads,
-             std::int64_t head_dim, const std::string& dtype) {
-            return l.make_cache(batch, capacity, kv_heads, head_dim, parse_dtype(dtype));
+             std::int64_t head_dim, const std::string& dtype, const std::string& device) {
+            return l.make_cache(batch, capacity, kv_heads, head_dim, parse_dtype(dtype), parse_cache_device(device));
           },
-          py::arg("batch"), py::arg("capacity"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"))
+          py::arg("batch"), py::arg("capacity"), py::arg("kv_heads"), py::arg("head_dim"), py::arg("dtype"),
+          py::arg("device") = "cpu")
+      // prefill, fill and decode run on torch's current stream of the cache's device (cache_stream).
       .def("prefill",
            [](MhaDecodeCp& l, ShardedKvCache& cache, const SequenceLayout& layout, py::handle q, py::handle k,
               py::handle v) {
+             l.set_stream(cache_stream(cache));
              return prefill_out(l.prefill(cache, layout, view_of(q, "q"), view_of(k, "k"), view_of(v, "v")));
            })
-      .def("fill", [](MhaDecodeCp& l, ShardedKvCache& cache, const SequenceLayout& layout, py::handle k,
-                      py::handle v) { l.fill(cache, layout, view_of(k, "k"), view_of(v, "v")); })
+      .def("fill",
+           [](MhaDecodeCp& l, ShardedKvCache& cache, const SequenceLayout& layout, py::handle k, py::handle v) {
+             l.set_stream(cache_stream(cache));
+             l.fill(cache, layout, view_of(k, "k"), view_of(v, "v"));
+           })
       .def(
           "extend",
           [](MhaDecodeCp& l, ShardedKvCache& cache, const SequenceLayout& layout, py::handle q, py::handle k,
              py::handle v, const std::string& mode) {
+            l.set_stream(Stream::cpu());  // host-only: a device cache or device inputs are refused by name
             return prefill_out(l.extend(cache, layout, view_of(q, "q"), view_of(k, "k"), view_of(v, "v"),
                                         parse_chunk_prefill_mode(mode)));
           },
           py::arg("cache"), py::arg("layout"), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mode") = "auto")
       .def("decode",
            [](MhaDecodeCp& l, ShardedKvCache& cache, py::handle q, py::handle k, py::handle v) {
+             l.set_stream(cache_stream(cache));
              return decode_out(l.decode(cache, view_of(q, "q_new"), view_of(k, "k_new"), view_of(v, "v_new")));
            })
       .def("q_head_offset", &MhaDecodeCp::q_head_offset, py::arg("q_heads"));
