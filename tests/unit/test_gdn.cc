@@ -951,7 +951,9 @@ TEST(GdnAhead, WindowWithWorkAheadIsBitwiseTheWindowWithout) {
         EXPECT_EQ(ahead.num_chunks, 3);
         for (std::int64_t i = 0; i < fwd_done; ++i) gdn_ahead_step(no_start, ahead, 1);
         // The test-mode route (SEQPAR_LOWERED_ATTENTION = 1, the .composed ctest) computes nothing ahead.
-        if (ahead.buffer.defined()) EXPECT_EQ(ahead.chunks_done, fwd_done);
+        if (ahead.buffer.defined()) {
+          EXPECT_EQ(ahead.chunks_done, fwd_done);
+        }
         gdn_forward_window(a, window, r.out, r.fin, &ahead);
       }
       const GdnBackwardArgs b{a, dout, dfin};
@@ -960,9 +962,13 @@ TEST(GdnAhead, WindowWithWorkAheadIsBitwiseTheWindowWithout) {
       } else {
         GdnAhead ahead = gdn_backward_ahead({a, {}, {}}, window);
         const bool computes = ahead.buffer.defined();  // not under the test-mode route
-        if (bwd_done > 0) EXPECT_EQ(gdn_ahead_step(a, ahead, bwd_done), !computes || bwd_done == 3);
+        if (bwd_done > 0) {
+          EXPECT_EQ(gdn_ahead_step(a, ahead, bwd_done), !computes || bwd_done == 3);
+        }
         gdn_backward_window(b, window, r.dq, r.dk, r.dv, r.dg, r.db, r.dinit, &ahead);
-        if (computes) EXPECT_TRUE(ahead.complete());
+        if (computes) {
+          EXPECT_TRUE(ahead.complete());
+        }
       }
       return r;
     };
