@@ -201,6 +201,45 @@ std::vector<GdnCase> gdn_cases() {
 
 INSTANTIATE_TEST_SUITE_P(GdnCp, GdnCpVsRecurrence, ::testing::ValuesIn(gdn_cases()), test::CaseName());
 
+// One GdnCp forward and backward of `p` (sequence length seq) on `layout` with `cfg`: this rank's outputs, gradients
+// and the phase seconds of each direction.
+struct GdnCpRun {
+  Tensor out, final_state;
+  GdnCpGrads grads;
+  GdnCp::PhaseSeconds fwd, bwd;
+};
+GdnCpRun run_gdn_cp(const CpGroups& groups, const GdnProblem& p, std::int64_t seq, LayoutKind layout,
+                    const GdnCpConfig& cfg) {
+  GdnCp gdn(groups, SequenceLayout::for_groups(groups, seq, layout), cfg);
+  std::vector<Tensor> keep;
+  const auto& pos = gdn.positions();
+  GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
+                              shard(p.g, pos, keep), shard(p.beta, pos, keep), p.init.view());
+  GdnCpRun r;
+  r.fwd = gdn.last_phase_seconds();
+  r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view());
+  r.bwd = gdn.last_phase_seconds();
+  r.out = std::move(o.out);
+  r.final_state = std::move(o.final_state);
+  return r;
+}
+
+// Every output and gradient of `a` bitwise equal to `b`'s (the message names `name` and the tensor).
+void expect_bitwise_equal(const GdnCpRun& a, const GdnCpRun& b, const std::string& name) {
+  auto same = [&](const Tensor& x, const Tensor& y, const char* what) {
+    ASSERT_EQ(x.nbytes(), y.nbytes()) << name << " " << what;
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.nbytes()), 0) << name << " " << what << " differs";
+  };
+  same(a.out, b.out, "out");
+  same(a.final_state, b.final_state, "final_state");
+  same(a.grads.dq, b.grads.dq, "dq");
+  same(a.grads.dk, b.grads.dk, "dk");
+  same(a.grads.dv, b.grads.dv, "dv");
+  same(a.grads.dg, b.grads.dg, "dg");
+  same(a.grads.dbeta, b.grads.dbeta, "dbeta");
+  same(a.grads.dinitial_state, b.grads.dinitial_state, "dinitial_state");
+}
+
 // At 2 ring ranks (contiguous: 2 segments; zigzag: 3) no segment's map is read by another segment, so the scan computes
 // none: its outputs and gradients are bitwise those of the chain (the same kernels on the same states), and its
 // seconds in maps are 0. At 4 ranks with zigzag (7 segments) the middle segments' maps remain, and both modes still
@@ -214,50 +253,23 @@ TEST(GdnCp, ScanAtTwoRanksComputesNoMapAndMatchesChainBitwise) {
     if (n == 4 && layout == LayoutKind::kContiguous) continue;
     const GdnCase c{GdnCpMode::kScan, layout, 1, true, true, 96, 2};
     const GdnProblem p(c);
-    struct Run {
-      Tensor out, final_state;
-      GdnCpGrads grads;
-      double maps_fwd = 0, maps_bwd = 0;
-    };
     auto run = [&](GdnCpMode mode) {
       GdnCpConfig cfg;
       cfg.mode = mode;
       cfg.chunk_size = 16;
-      GdnCp gdn(groups, SequenceLayout::for_groups(groups, c.seq, layout), cfg);
-      std::vector<Tensor> keep;
-      const auto& pos = gdn.positions();
-      GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
-                                  shard(p.g, pos, keep), shard(p.beta, pos, keep), p.init.view());
-      Run r;
-      r.maps_fwd = gdn.last_phase_seconds().maps;
-      r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view());
-      r.maps_bwd = gdn.last_phase_seconds().maps;
-      r.out = std::move(o.out);
-      r.final_state = std::move(o.final_state);
-      return r;
+      return run_gdn_cp(groups, p, c.seq, layout, cfg);
     };
-    const Run chain = run(GdnCpMode::kChain), scan = run(GdnCpMode::kScan);
+    const GdnCpRun chain = run(GdnCpMode::kChain), scan = run(GdnCpMode::kScan);
     const std::string name = str_cat(layout_name(layout), " on ", n, " ranks");
-    auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
-      ASSERT_EQ(a.nbytes(), b.nbytes()) << name << " " << what;
-      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << name << " " << what << ": scan differs from chain";
-    };
     if (n == 2) {
-      EXPECT_EQ(scan.maps_fwd, 0.0) << name << ": the forward scan computed a map";
-      EXPECT_EQ(scan.maps_bwd, 0.0) << name << ": the backward scan computed a map";
-      same(scan.out, chain.out, "out");
-      same(scan.final_state, chain.final_state, "final_state");
-      same(scan.grads.dq, chain.grads.dq, "dq");
-      same(scan.grads.dk, chain.grads.dk, "dk");
-      same(scan.grads.dv, chain.grads.dv, "dv");
-      same(scan.grads.dg, chain.grads.dg, "dg");
-      same(scan.grads.dbeta, chain.grads.dbeta, "dbeta");
-      same(scan.grads.dinitial_state, chain.grads.dinitial_state, "dinitial_state");
+      EXPECT_EQ(scan.fwd.maps, 0.0) << name << ": the forward scan computed a map";
+      EXPECT_EQ(scan.bwd.maps, 0.0) << name << ": the backward scan computed a map";
+      expect_bitwise_equal(scan, chain, name + ", scan against chain:");
     } else {
       // Rank 1 holds segments 1 and 5 of 7: both carry their state and are read by others in both directions.
       if (grid.ring().rank() == 1) {
-        EXPECT_GT(scan.maps_fwd, 0.0) << name;
-        EXPECT_GT(scan.maps_bwd, 0.0) << name;
+        EXPECT_GT(scan.fwd.maps, 0.0) << name;
+        EXPECT_GT(scan.bwd.maps, 0.0) << name;
       }
       EXPECT_TRUE(all_close(to_double(scan.out), to_double(chain.out), 1e-4, 1e-3, name + " out, scan vs chain"));
     }
@@ -277,45 +289,18 @@ TEST(GdnCp, WorkAheadChangesNoBit) {
     for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
       const GdnCase c{mode, layout, 1, true, true, 64 * n, 2};
       const GdnProblem p(c);
-      struct Run {
-        Tensor out, final_state;
-        GdnCpGrads grads;
-        double ahead = 0;
-      };
       auto run = [&](bool work_ahead) {
         GdnCpConfig cfg;
         cfg.mode = mode;
         cfg.chunk_size = 8;
         cfg.work_ahead = work_ahead;
-        GdnCp gdn(groups, SequenceLayout::for_groups(groups, c.seq, layout), cfg);
-        std::vector<Tensor> keep;
-        const auto& pos = gdn.positions();
-        GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
-                                    shard(p.g, pos, keep), shard(p.beta, pos, keep), p.init.view());
-        Run r;
-        r.ahead = gdn.last_phase_seconds().ahead;
-        r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view());
-        r.ahead += gdn.last_phase_seconds().ahead;
-        r.out = std::move(o.out);
-        r.final_state = std::move(o.final_state);
-        return r;
+        return run_gdn_cp(groups, p, c.seq, layout, cfg);
       };
-      const Run off = run(false), on = run(true);
+      const GdnCpRun off = run(false), on = run(true);
       const std::string name = str_cat(gdn_cp_mode_name(mode), ", ", layout_name(layout), " on ", n, " ranks, rank ",
-                                       grid.ring().rank(), " (", on.ahead, " s ahead)");
-      EXPECT_EQ(off.ahead, 0.0) << name << ": work ahead ran although turned off";
-      auto same = [&](const Tensor& a, const Tensor& b, const char* what) {
-        ASSERT_EQ(a.nbytes(), b.nbytes()) << name << " " << what;
-        EXPECT_EQ(std::memcmp(a.data(), b.data(), a.nbytes()), 0) << name << " " << what << " differs";
-      };
-      same(on.out, off.out, "out");
-      same(on.final_state, off.final_state, "final_state");
-      same(on.grads.dq, off.grads.dq, "dq");
-      same(on.grads.dk, off.grads.dk, "dk");
-      same(on.grads.dv, off.grads.dv, "dv");
-      same(on.grads.dg, off.grads.dg, "dg");
-      same(on.grads.dbeta, off.grads.dbeta, "dbeta");
-      same(on.grads.dinitial_state, off.grads.dinitial_state, "dinitial_state");
+                                       grid.ring().rank(), " (", on.fwd.ahead + on.bwd.ahead, " s ahead)");
+      EXPECT_EQ(off.fwd.ahead + off.bwd.ahead, 0.0) << name << ": work ahead ran although turned off";
+      expect_bitwise_equal(on, off, name + ", with work ahead against without:");
     }
   }
 }
