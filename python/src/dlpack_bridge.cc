@@ -76,15 +76,11 @@ struct Exported {
   DLManagedTensor managed{};
 };
 
-void delete_exported(DLManagedTensor* self) { delete static_cast<Exported*>(self->manager_ctx); }
-
 // What a borrowed view's DLManagedTensor owns: its shape only (the memory stays the caller's).
 struct Borrowed {
   std::int64_t numel = 0;
   DLManagedTensor managed{};
 };
-
-void delete_borrowed(DLManagedTensor* self) { delete static_cast<Borrowed*>(self->manager_ctx); }
 
 // A capsule nobody consumed (torch renames the ones it takes to "used_dltensor") still owns its tensor.
 void destroy_capsule(PyObject* capsule) {
@@ -162,42 +158,43 @@ Stream current_stream(const TensorView& t) {
   return Stream{t.device(), reinterpret_cast<void*>(handle)};
 }
 
-py::object to_torch(Tensor&& tensor) {
-  const Device device = tensor.view().device();
-  auto owner = std::make_unique<Exported>();
-  owner->tensor = std::move(tensor);
-  owner->shape = owner->tensor.shape();
+// Hands `owner` (an Exported or a Borrowed) to torch.from_dlpack as a dense tensor of `data`: ndim dimensions of
+// `shape` (owned by `owner`), dtype, device; torch's drop of the tensor deletes the owner.
+template <typename Owner>
+py::object hand_to_torch(std::unique_ptr<Owner> owner, void* data, const Device& device, DType dtype, int ndim,
+                         std::int64_t* shape) {
   DLTensor& t = owner->managed.dl_tensor;
-  t.data = owner->tensor.data();
+  t.data = data;
   t.device = device.is_cpu() ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, device.index};
-  t.ndim = static_cast<std::int32_t>(owner->shape.size());
-  t.dtype = dl_of_dtype(owner->tensor.dtype());
-  t.shape = owner->shape.data();
+  t.ndim = static_cast<std::int32_t>(ndim);
+  t.dtype = dl_of_dtype(dtype);
+  t.shape = shape;
   t.strides = nullptr;
   t.byte_offset = 0;
   owner->managed.manager_ctx = owner.get();
-  owner->managed.deleter = delete_exported;
+  owner->managed.deleter = [](DLManagedTensor* self) { delete static_cast<Owner*>(self->manager_ctx); };
   DLManagedTensor* managed = &owner.release()->managed;
   py::capsule capsule(managed, kCapsuleName, &destroy_capsule);
   return torch_from_dlpack()(capsule);
 }
 
+py::object to_torch(Tensor&& tensor) {
+  auto owner = std::make_unique<Exported>();
+  owner->tensor = std::move(tensor);
+  owner->shape = owner->tensor.shape();
+  void* data = owner->tensor.data();
+  const Device device = owner->tensor.view().device();
+  const DType dtype = owner->tensor.dtype();
+  const int ndim = static_cast<int>(owner->shape.size());
+  std::int64_t* shape = owner->shape.data();
+  return hand_to_torch(std::move(owner), data, device, dtype, ndim, shape);
+}
+
 py::object borrow_torch(const TensorView& view) {
   auto owner = std::make_unique<Borrowed>();
   owner->numel = view.numel();
-  DLTensor& t = owner->managed.dl_tensor;
-  t.data = view.data();
-  t.device = view.device().is_cpu() ? DLDevice{kDLCPU, 0} : DLDevice{kDLCUDA, view.device().index};
-  t.ndim = 1;
-  t.dtype = dl_of_dtype(view.dtype());
-  t.shape = &owner->numel;
-  t.strides = nullptr;
-  t.byte_offset = 0;
-  owner->managed.manager_ctx = owner.get();
-  owner->managed.deleter = delete_borrowed;
-  DLManagedTensor* managed = &owner.release()->managed;
-  py::capsule capsule(managed, kCapsuleName, &destroy_capsule);
-  return torch_from_dlpack()(capsule);
+  std::int64_t* shape = &owner->numel;
+  return hand_to_torch(std::move(owner), view.data(), view.device(), view.dtype(), 1, shape);
 }
 
 py::object int64_tensor(const std::vector<std::int64_t>& values) {
