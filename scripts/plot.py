@@ -30,7 +30,12 @@ import os
 import sys
 from collections import defaultdict
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError:
+    sys.exit(f"plot.py: matplotlib does not import in {sys.executable}; install it there "
+             f"({sys.executable} -m pip install matplotlib) or run the script with /usr/bin/python3 "
+             "(Debian's python3-matplotlib, which scripts/install_deps.sh installs)")
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
