@@ -1,6 +1,6 @@
 // The test-mode route of the DSA kernels of attention/dsa.h to the ops-table composition (attention/ops/dsa_composed.h)
 // under SEQPAR_LOWERED_ATTENTION = 1, as gdn_hook.h does for GDN. Part of seqpar_dsa; installed by
-// attention/ops/dsa_hook_install.cc, linked into the DSA tests. Every kernel that computes runs composed when its hook
+// tests/util/dsa_hook_install.cc, linked into the DSA tests. Every kernel that computes runs composed when its hook
 // is installed: the attention forward, backward and probs, the indexer's block top-k and the merge of top-k states,
 // the selected scores, the KL loss and the indexer backward. dsa_topk_init, dsa_topk_finalize,
 // dsa_topk_selected_scores (which read a state in any order) and dsa_attention_delta stay the boundary's.

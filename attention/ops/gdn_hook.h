@@ -1,7 +1,7 @@
 // The test-mode route of attn::gdn_forward, gdn_backward, gdn_transition, the segment-map algebra and the short conv to
 // another implementation (the ops-table composition, attention/ops/gdn_composed.h) under SEQPAR_LOWERED_ATTENTION = 1.
 // Part of seqpar_gdn, which knows nothing of the ops table: a program that links the composition installs it
-// (attention/ops/gdn_hook_install.cc, linked into the GDN tests), so the existing GDN tests, the decode tests and the
+// (tests/util/gdn_hook_install.cc, linked into the GDN tests), so the existing GDN tests, the decode tests and the
 // CP tests above them run the composition.
 #pragma once
 

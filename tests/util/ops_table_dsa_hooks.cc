@@ -1,4 +1,4 @@
-// Linked with attention/ops/dsa_hook_install.cc (the same object library): with SEQPAR_TEST_DEVICE=cuda, the DSA
+// Linked with tests/util/dsa_hook_install.cc (the same object library): with SEQPAR_TEST_DEVICE=cuda, the DSA
 // test-mode routes that dsa_hook_install.cc installs on the CPU table (every DSA kernel that computes) are installed
 // again on the CUDA table (tests/util/ops_table.h) before the first test, so that the existing DSA tests under
 // SEQPAR_LOWERED_ATTENTION=1 (test_dsa, test_dsa_packed_kernel, test_decode and the DSA CP tests) run the composition

@@ -1,4 +1,4 @@
-// Linked with attention/ops/gdn_hook_install.cc (the same object library): with SEQPAR_TEST_DEVICE=cuda, the GDN
+// Linked with tests/util/gdn_hook_install.cc (the same object library): with SEQPAR_TEST_DEVICE=cuda, the GDN
 // test-mode routes that gdn_hook_install.cc installs on the CPU table are installed again on the CUDA table
 // (tests/util/ops_table.h) before the first test (a gtest environment runs after every static initializer), so that
 // the existing GDN tests under SEQPAR_LOWERED_ATTENTION=1 run the composition on the device (scripts/gpu_check.sh,

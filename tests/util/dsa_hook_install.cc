@@ -5,9 +5,9 @@
 
 #include <cstdio>
 
-#include "../../runtime/env.h"
-#include "dsa_composed.h"
-#include "dsa_hook.h"
+#include "runtime/env.h"
+#include "attention/ops/dsa_composed.h"
+#include "attention/ops/dsa_hook.h"
 
 namespace seqpar::attn::ops {
 namespace {

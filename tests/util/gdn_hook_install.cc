@@ -4,9 +4,9 @@
 // cannot pass without exercising the composition).
 #include <gtest/gtest.h>
 
-#include "../../runtime/env.h"
-#include "gdn_composed.h"
-#include "gdn_hook.h"
+#include "runtime/env.h"
+#include "attention/ops/gdn_composed.h"
+#include "attention/ops/gdn_hook.h"
 
 namespace seqpar::attn::ops {
 namespace {
