@@ -1,8 +1,9 @@
 // ops_bench: the GDN forward and the DSA stages composed from an ops table (attention/ops/gdn_composed.h,
 // dsa_composed.h), fp32, on the CPU table (--table cpu) or the CUDA table of device 0 (--table cuda,
 // attention/cuda/ops_cuda.h). Batch 1, random inputs.
-//   gdn: gdn_forward_composed at Qwen3-Next's shapes (defaults S 8192, Hv 32 value heads on Hk 16 key heads,
-//        K = V = 128, chunk 64), q and k L2-normalised, zero initial state, final state written.
+//   gdn: gdn_forward_composed, then gdn_backward_composed on the same inputs (dout random, every gradient written,
+//        no dfinal_state), at Qwen3-Next's shapes (defaults S 8192, a comma list with --gdn-seq; Hv 32 value heads
+//        on Hk 16 key heads, K = V = 128, chunk 64), q and k L2-normalised, zero initial state, final state written.
 //   dsa: the two stages separately: dsa_indexer_topk_composed (indexer logits over every key, ReLU, weighted head
 //        sum, top-k per query over its causal candidates) and dsa_attention_forward_composed on the selection
 //        (defaults S 4096, H 16, Dqk 576, Dv 512, Hi 64, Di 128, k 2048).
@@ -12,7 +13,11 @@
 // timed first, and every row gives its model FLOP rate as a fraction of that GEMM's ("of_gemm"). Times: median of the
 // timed rounds (--warmup untimed rounds first; rounds until --min-time seconds, at least 3). Model FLOPs:
 // benchmarks/flop_models.h (the DSA indexer counted over the causal pairs, as sp_bench does; the composition computes
-// every pair of the rectangle).
+// every pair of the rectangle; the GDN backward 2.5 x the forward). Each DSA stage is also set against its floor,
+// max(its model FLOPs at the square GEMM's rate, its bytes at the memory bandwidth): bytes = inputs read once +
+// outputs written once (fp32 tensors, int64 top-k indices); the bandwidth is --mem-bw GB/s, or (default) measured by
+// a device-to-device copy of --copy-mb through the table (read + write counted), or with --mem-bw 0 not measured
+// (the floor is then the FLOP floor alone, and the output says so). "of_floor" = floor / time.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -103,26 +108,37 @@ nlohmann::json run_gdn(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
   const std::int64_t Hv = a["heads"].as<std::int64_t>(), Hk = a["kv-heads"].as<std::int64_t>();
   const std::int64_t K = a["head-dim"].as<std::int64_t>(), V = a["dim-v"].as<std::int64_t>();
   const std::int64_t C = a["chunk-size"].as<std::int64_t>();
-  std::printf("#\n# gdn: gdn_forward_composed, fp32, B=1 Hv=%lld Hk=%lld K=%lld V=%lld chunk=%lld, qk L2 norm\n",
-              static_cast<long long>(Hv), static_cast<long long>(Hk), static_cast<long long>(K),
-              static_cast<long long>(V), static_cast<long long>(C));
-  std::printf("# model FLOPs: S*Hv*(6*C*K + 4*C*V + 6*K*V)\n");
-  std::printf("%7s %4s %4s %5s %5s %5s %10s %10s %10s %8s\n", "S", "Hv", "Hk", "K", "V", "C", "fwd_ms", "io_ms",
-              "TFLOP/s", "of_gemm");
+  std::printf(
+      "#\n# gdn: gdn_forward_composed and gdn_backward_composed (every gradient, dout random), fp32, B=1 Hv=%lld "
+      "Hk=%lld K=%lld V=%lld chunk=%lld, qk L2 norm\n",
+      static_cast<long long>(Hv), static_cast<long long>(Hk), static_cast<long long>(K), static_cast<long long>(V),
+      static_cast<long long>(C));
+  std::printf("# model FLOPs: forward S*Hv*(6*C*K + 4*C*V + 6*K*V), backward 2.5 x the forward\n");
+  std::printf("%7s %4s %4s %5s %5s %5s %10s %10s %10s %10s %10s %8s %10s %8s\n", "S", "Hv", "Hk", "K", "V", "C",
+              "fwd_ms", "fwd_io_ms", "bwd_ms", "bwd_io_ms", "fwd_TF/s", "fwd_gemm", "bwd_TF/s", "bwd_gemm");
   nlohmann::json rows = nlohmann::json::array();
   for (const std::int64_t S : a["gdn-seq"].as<std::vector<std::int64_t>>()) {
     const Tensor q = random_tensor({1, S, Hk, K}, 1, -1, 1), k = random_tensor({1, S, Hk, K}, 2, -1, 1),
                  v = random_tensor({1, S, Hv, V}, 3, -1, 1), g = random_tensor({1, S, Hv}, 4, -0.2f, -0.01f),
-                 beta = random_tensor({1, S, Hv}, 5, 0.05f, 0.95f);
+                 beta = random_tensor({1, S, Hv}, 5, 0.05f, 0.95f), dout = random_tensor({1, S, Hv, V}, 6, -1, 1);
     Tensor out = Tensor::empty({1, S, Hv, V}, DType::kFloat32), fin = Tensor::empty({1, Hv, K, V}, DType::kFloat32);
     const attn::GdnForwardArgs args{q, k, v, g, beta, {}, true, 0.0f, C};
     const double t = timer.median([&] { attn::ops::gdn_forward_composed(ops, args, out, fin); });
     const double io = io_seconds(ops, {&q, &k, &v, &g, &beta}, out.nbytes() + fin.nbytes(), timer);
-    const double flops = gdn_forward_flops(GdnFlopShape{1, S, Hv, K, V, C, 0, 0});
-    std::printf("%7lld %4lld %4lld %5lld %5lld %5lld %10.3f %10.3f %10.4g %8.3f\n", static_cast<long long>(S),
-                static_cast<long long>(Hv), static_cast<long long>(Hk), static_cast<long long>(K),
-                static_cast<long long>(V), static_cast<long long>(C), t * 1e3, io * 1e3, flops / t * 1e-12,
-                flops / t / gemm);
+    Tensor dq = Tensor::empty({1, S, Hk, K}, DType::kFloat32), dk = Tensor::empty({1, S, Hk, K}, DType::kFloat32),
+           dv = Tensor::empty({1, S, Hv, V}, DType::kFloat32), dg = Tensor::empty({1, S, Hv}, DType::kFloat32),
+           dbeta = Tensor::empty({1, S, Hv}, DType::kFloat32), dh0 = Tensor::empty({1, Hv, K, V}, DType::kFloat32);
+    const attn::GdnBackwardArgs bargs{args, dout, {}};
+    const double tb = timer.median([&] { attn::ops::gdn_backward_composed(ops, bargs, dq, dk, dv, dg, dbeta, dh0); });
+    const double iob =
+        io_seconds(ops, {&q, &k, &v, &g, &beta, &dout},
+                   dq.nbytes() + dk.nbytes() + dv.nbytes() + dg.nbytes() + dbeta.nbytes() + dh0.nbytes(), timer);
+    const GdnFlopShape fs{1, S, Hv, K, V, C, 0, 0};
+    const double flops = gdn_forward_flops(fs), bflops = gdn_backward_flops(fs);
+    std::printf("%7lld %4lld %4lld %5lld %5lld %5lld %10.3f %10.3f %10.3f %10.3f %10.4g %8.3f %10.4g %8.3f\n",
+                static_cast<long long>(S), static_cast<long long>(Hv), static_cast<long long>(Hk),
+                static_cast<long long>(K), static_cast<long long>(V), static_cast<long long>(C), t * 1e3, io * 1e3,
+                tb * 1e3, iob * 1e3, flops / t * 1e-12, flops / t / gemm, bflops / tb * 1e-12, bflops / tb / gemm);
     std::fflush(stdout);
     rows.push_back({{"kernel", "gdn"},
                     {"S", S},
@@ -134,12 +150,44 @@ nlohmann::json run_gdn(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
                     {"fwd_ms", t * 1e3},
                     {"io_ms", io * 1e3},
                     {"model_tflops", flops / t * 1e-12},
-                    {"of_gemm", flops / t / gemm}});
+                    {"of_gemm", flops / t / gemm},
+                    {"bwd_ms", tb * 1e3},
+                    {"bwd_io_ms", iob * 1e3},
+                    {"bwd_model_tflops", bflops / tb * 1e-12},
+                    {"bwd_of_gemm", bflops / tb / gemm}});
   }
   return rows;
 }
 
-nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Timer& timer, double gemm) {
+// Device memory bandwidth in bytes/s by a copy of n_bytes through the table (read + write: 2 n_bytes moved; a
+// 4-byte download waits for it).
+double copy_bandwidth(Ops<float>& ops, std::int64_t n_bytes, const Timer& timer) {
+  const std::int64_t cols = 1 << 14, rows = std::max<std::int64_t>(1, n_bytes / (4 * cols));
+  const Buffer<float> src(ops, std::vector<float>(static_cast<std::size_t>(rows * cols), 0.5f));
+  Buffer<float> dst(ops, rows * cols);
+  float sink = 0.0f;
+  const double t = timer.median([&] {
+    ops.copy(rows, cols, {src.get(), cols}, {dst.get(), cols}, {});
+    ops.download(&sink, dst.get(), sizeof sink);
+  });
+  const double bw = 2.0 * 4.0 * double(rows * cols) / t;
+  std::printf("# device copy of %.0f MB through the table: %.3f ms, %.4g GB/s (read + write)\n",
+              4.0 * double(rows * cols) * 1e-6, t * 1e3, bw * 1e-9);
+  return bw;
+}
+
+// A stage's floor: its model FLOPs at the square GEMM's rate or its bytes (inputs read once, outputs written once) at
+// the memory bandwidth, whichever is longer; bandwidth 0 (not measured): the FLOP floor alone.
+struct Floor {
+  double seconds;
+  const char* bound;
+};
+Floor stage_floor(double flops, double bytes, double gemm, double mem_bw) {
+  const double tf = flops / gemm, tb = mem_bw > 0 ? bytes / mem_bw : 0.0;
+  return tb > tf ? Floor{tb, "bytes"} : Floor{tf, "flops"};
+}
+
+nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Timer& timer, double gemm, double mem_bw) {
   DsaFlopShape fs;
   fs.heads = a["dsa-heads"].as<std::int64_t>();
   fs.head_dim = a["dsa-dim"].as<std::int64_t>();
@@ -157,8 +205,16 @@ nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
   std::printf(
       "# model FLOPs: indexer 2*Hi*Di per causal pair (+ the head sum), attention 2*H*(Dqk+Dv) per "
       "selected pair\n");
-  std::printf("%7s %5s %5s %12s %10s %12s %10s %10s %8s\n", "S", "H", "k", "indexer_ms", "idx_io_ms", "attention_ms",
-              "attn_io_ms", "TFLOP/s", "of_gemm");
+  char bw_buf[64];
+  std::snprintf(bw_buf, sizeof bw_buf, "bytes at %.4g GB/s", mem_bw * 1e-9);
+  const std::string bw_text = mem_bw > 0 ? bw_buf : "bytes not timed: memory bandwidth not measured";
+  std::printf(
+      "# floor of a stage: max(model FLOPs at the square GEMM's rate, %s); bytes: inputs read once + "
+      "outputs written once (fp32, int64 indices); of_floor = floor / time\n",
+      bw_text.c_str());
+  std::printf("%7s %5s %5s %11s %10s %9s %10s %8s %6s %11s %10s %9s %10s %8s %6s\n", "S", "H", "k", "indexer_ms",
+              "idx_io_ms", "idx_MB", "floor_ms", "of_floor", "bound", "attn_ms", "attn_io_ms", "attn_MB", "floor_ms",
+              "of_floor", "bound");
   nlohmann::json rows = nlohmann::json::array();
   for (const std::int64_t S : a["dsa-seq"].as<std::vector<std::int64_t>>()) {
     fs.seq = S;
@@ -179,9 +235,16 @@ nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
     const double io_att = io_seconds(ops, {&q, &c}, out.nbytes() + 2 * lse.nbytes(), timer);
     const double flops = dsa_forward_flops(fs);
     const double rate = flops / (t_idx + t_att);
-    std::printf("%7lld %5lld %5lld %12.3f %10.3f %12.3f %10.3f %10.4g %8.3f\n", static_cast<long long>(S),
-                static_cast<long long>(H), static_cast<long long>(k), t_idx * 1e3, io_idx * 1e3, t_att * 1e3,
-                io_att * 1e3, rate * 1e-12, rate / gemm);
+    const double idx_flops = dsa_visible_pairs(fs) * dsa_indexer_flops_per_pair(fs),
+                 att_flops = dsa_selected_pairs(fs) * dsa_attention_flops_per_pair(fs);
+    const double idx_bytes = double(q_idx.nbytes() + w.nbytes() + k_idx.nbytes() + topk.nbytes()),
+                 att_bytes = double(q.nbytes() + c.nbytes() + topk.nbytes() + out.nbytes() + lse.nbytes());
+    const Floor f_idx = stage_floor(idx_flops, idx_bytes, gemm, mem_bw),
+                f_att = stage_floor(att_flops, att_bytes, gemm, mem_bw);
+    std::printf("%7lld %5lld %5lld %11.3f %10.3f %9.1f %10.3f %8.3f %6s %11.3f %10.3f %9.1f %10.3f %8.3f %6s\n",
+                static_cast<long long>(S), static_cast<long long>(H), static_cast<long long>(k), t_idx * 1e3,
+                io_idx * 1e3, idx_bytes * 1e-6, f_idx.seconds * 1e3, f_idx.seconds / t_idx, f_idx.bound, t_att * 1e3,
+                io_att * 1e3, att_bytes * 1e-6, f_att.seconds * 1e3, f_att.seconds / t_att, f_att.bound);
     std::fflush(stdout);
     rows.push_back({{"kernel", "dsa"},
                     {"S", S},
@@ -193,8 +256,19 @@ nlohmann::json run_dsa(Ops<float>& ops, const cxxopts::ParseResult& a, const Tim
                     {"topk", k},
                     {"indexer_ms", t_idx * 1e3},
                     {"indexer_io_ms", io_idx * 1e3},
+                    {"indexer_model_flops", idx_flops},
+                    {"indexer_bytes", idx_bytes},
+                    {"indexer_floor_ms", f_idx.seconds * 1e3},
+                    {"indexer_floor_bound", f_idx.bound},
+                    {"indexer_of_floor", f_idx.seconds / t_idx},
                     {"attention_ms", t_att * 1e3},
                     {"attention_io_ms", io_att * 1e3},
+                    {"attention_model_flops", att_flops},
+                    {"attention_bytes", att_bytes},
+                    {"attention_floor_ms", f_att.seconds * 1e3},
+                    {"attention_floor_bound", f_att.bound},
+                    {"attention_of_floor", f_att.seconds / t_att},
+                    {"mem_bw_gbs", mem_bw > 0 ? nlohmann::json(mem_bw * 1e-9) : nlohmann::json(nullptr)},
                     {"model_tflops", rate * 1e-12},
                     {"of_gemm", rate / gemm}});
   }
@@ -219,6 +293,11 @@ int run(int argc, char** argv) {
       "indexer-dim", "DSA indexer dim Di", cxxopts::value<std::int64_t>()->default_value("128"))(
       "topk", "DSA selected keys k", cxxopts::value<std::int64_t>()->default_value("2048"))(
       "square", "the reference GEMM's size n", cxxopts::value<std::int64_t>()->default_value("4096"))(
+      "mem-bw",
+      "memory bandwidth in GB/s for the DSA stages' byte floors; -1: measured by a device copy through the table; "
+      "0: not measured (FLOP floors only)",
+      cxxopts::value<double>()->default_value("-1"))("copy-mb", "MB copied to measure the bandwidth",
+                                                     cxxopts::value<double>()->default_value("1024"))(
       "warmup", "untimed rounds", cxxopts::value<int>()->default_value("1"))(
       "min-time", "seconds of timed rounds per row (at least 3 rounds)",
       cxxopts::value<double>()->default_value("0.5"))("json", "also write the rows to this file",
@@ -237,11 +316,32 @@ int run(int argc, char** argv) {
   std::printf("# ops_bench: table %s%s\n", ops.name(),
               table == "cpu" ? (attn::ops::cpu_ops_use_cblas() ? " (OpenBLAS)" : " (loops)") : "");
   const double gemm = gemm_rate(ops, a["square"].as<std::int64_t>(), timer);
+  const double mem_bw_arg = a["mem-bw"].as<double>();
+  SEQPAR_CHECK(mem_bw_arg == -1 || mem_bw_arg >= 0,
+               "ops_bench: --mem-bw must be -1 (measure), 0 (not measured) "
+               "or a positive GB/s, got ",
+               mem_bw_arg);
+  const double copy_mb = a["copy-mb"].as<double>();
+  SEQPAR_CHECK(copy_mb > 0, "ops_bench: --copy-mb must be positive, got ", copy_mb);
+  const auto kinds = a["kernel"].as<std::vector<std::string>>();
+  const bool dsa = std::find(kinds.begin(), kinds.end(), "dsa") != kinds.end();
+  const double mem_bw = !dsa               ? 0.0
+                        : mem_bw_arg == -1 ? copy_bandwidth(ops, static_cast<std::int64_t>(copy_mb * 1e6), timer)
+                                           : mem_bw_arg * 1e9;
+  if (dsa && mem_bw_arg == 0)
+    std::printf("# memory bandwidth: not measured (--mem-bw 0): DSA floors from FLOPs only\n");
+  if (mem_bw_arg > 0) std::printf("# memory bandwidth: %.4g GB/s (--mem-bw)\n", mem_bw_arg);
   nlohmann::json rows = nlohmann::json::array();
   rows.push_back({{"kernel", "gemm_fp32"}, {"n", a["square"].as<std::int64_t>()}, {"tflops", gemm * 1e-12}});
-  for (const std::string& kind : a["kernel"].as<std::vector<std::string>>()) {
+  if (dsa)
+    rows.push_back({{"kernel", "mem_bw"},
+                    {"source", mem_bw_arg == -1  ? "copy"
+                               : mem_bw_arg == 0 ? "not measured"
+                                                 : "given"},
+                    {"gbs", mem_bw > 0 ? nlohmann::json(mem_bw * 1e-9) : nlohmann::json(nullptr)}});
+  for (const std::string& kind : kinds) {
     SEQPAR_CHECK(kind == "gdn" || kind == "dsa", "ops_bench: --kernel takes gdn and dsa, got ", kind);
-    for (auto& r : kind == "gdn" ? run_gdn(ops, a, timer, gemm) : run_dsa(ops, a, timer, gemm)) {
+    for (auto& r : kind == "gdn" ? run_gdn(ops, a, timer, gemm) : run_dsa(ops, a, timer, gemm, mem_bw)) {
       r["table"] = table;
       rows.push_back(r);
     }

@@ -25,19 +25,23 @@
 #             on the CUDA ops table's cases
 #   bench     kernel_bench --device: attention forward and backward at S 4K/16K/64K, D 128, causal and not, against a
 #             cuBLAS bf16 GEMM timed in the same run; PyTorch's SDPA on the same shapes (scripts/sdpa_bench.py)
-#   opsbench  ops_bench --table cuda: the composed GDN forward at Qwen3-Next's shapes (S 8K, Hv 32 on Hk 16, K = V =
-#             128, chunk 64) and the DSA stages (indexer + top-k, sparse attention; S 4K, H 16, k 2048), each with the
-#             time of its host transfers alone and its model FLOP rate over a 4096^3 fp32 cuBLAS GEMM's; then fla's
-#             chunk GDN forward at the same shapes in bf16 (scripts/gdn_fla_bench.py, fla from .deps/fla) when
-#             PyTorch, a device and fla are there, else a skip line with the reason
+#   opsbench  ops_bench --table cuda: the composed GDN forward and backward at Qwen3-Next's shapes (S 8K, 16K, 32K,
+#             64K; Hv 32 on Hk 16, K = V = 128, chunk 64) and the DSA stages (indexer + top-k, sparse attention; S 4K,
+#             H 16, k 2048), each with the time of its host transfers alone and its model FLOP rate over a 4096^3 fp32
+#             cuBLAS GEMM's; each DSA stage against its floor, max(FLOPs at that GEMM's rate, bytes read and written
+#             once at the bandwidth of a device-to-device copy through the table); then fla's chunk GDN forward and
+#             backward at the same shapes in bf16 (scripts/gdn_fla_bench.py, fla from .deps/fla), with composed / fla
+#             per direction, when PyTorch, a device and fla are there, else a skip line with the reason
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
 #             one rank (ring and USP, zigzag, causal; MHA only): last, since the CP layers' device path is the
 #             newest code and has never run on a GPU
-# Budget: 6 minutes on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
+# Budget: 455 s on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
 # (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 100 s (configure, and device_probe, which compiles the cuDNN
 # frontend's translation unit, ~2 minutes alone on a slow machine), build 105 (the CUDA ops table's CUB sorts are one
-# translation unit of their own), kernels 20, ops 25, cpops 30, sanitize 20, bench 20, opsbench 25 (Triton compiles
-# and autotunes fla's kernels in its warm-up), cp 15.
+# translation unit of their own), kernels 20, ops 25, cpops 30, sanitize 20, bench 20, opsbench 120 (four S up to
+# 64K, forward and backward, the composed calls' host transfers of GBs included, ~30 GB of host and device memory at
+# 64K by the CPU table's growth; Triton compiles and autotunes fla's forward and backward kernels in its warm-ups;
+# unmeasured), cp 15.
 #
 # --dry-run runs the same phases with the CPU device at tiny shapes (the CPU build, the CPU tests, the same
 # commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases; each limit 60 s
@@ -85,16 +89,17 @@ if [ "$dry_run" = 1 ]; then
   kernel_filter='*Tiny*:*d128*:*fp64*'
   ob_args=(--table cpu --gdn-seq 256 --heads 4 --kv-heads 2 --head-dim 32 --dim-v 32 --dsa-seq 256 --dsa-heads 2
            --dsa-dim 64 --dsa-dim-v 32 --indexer-heads 4 --indexer-dim 16 --topk 32 --square 128 --min-time 0.02
-           --warmup 0)
+           --warmup 0 --copy-mb 8)
   fla_args=(--dry-run --seq 256 --heads 4 --kv-heads 2 --head-dim 32 --dim-v 32)
 else
   kb_args=(--device cuda --kernel mha --seq 4096,16384,65536 --dim 128 --hq 16 --hkv 4 --min-time 0.5)
   sdpa_args=(--device cuda --seq 4096,16384,65536 --dim 128 --hq 16 --hkv 4 --min-time 0.5)
   sp_shape=(--seq 4096 --heads 8 --kv-heads 2 --head-dim 128 --dtype bf16)
   kernel_filter='*'
-  ob_args=(--table cuda --gdn-seq 8192 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --chunk-size 64
-           --dsa-seq 4096 --dsa-heads 16 --topk 2048 --square 4096 --min-time 0.3 --warmup 1)
-  fla_args=(--seq 8192 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --dtypes bf16 --min-time 0.3 --warmup 2)
+  ob_args=(--table cuda --gdn-seq 8192,16384,32768,65536 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128
+           --chunk-size 64 --dsa-seq 4096 --dsa-heads 16 --topk 2048 --square 4096 --min-time 0.1 --warmup 1)
+  fla_args=(--seq 8192,16384,32768,65536 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --dtypes bf16
+            --min-time 0.1 --warmup 2)
 fi
 
 phases=()
@@ -308,7 +313,8 @@ opsbench() {
   # shellcheck disable=SC2086
   OMP_NUM_THREADS=2 "$bin/benchmarks/ops_bench" $ob_args_s --json "$out/ops_bench.json" || exit 1
   # shellcheck disable=SC2086
-  python3 "$root/scripts/gdn_fla_bench.py" $fla_args_s --json "$out/gdn_fla_bench.json" || exit 1
+  python3 "$root/scripts/gdn_fla_bench.py" $fla_args_s --ops-json "$out/ops_bench.json" \
+    --json "$out/gdn_fla_bench.json" || exit 1
 }
 
 cp_ranks() {
@@ -337,6 +343,6 @@ run_phase ops "$(limit ops 25)" ops
 run_phase cpops "$(limit cpops 30)" cp_ops
 run_phase sanitize "$(limit sanitize 20)" sanitize
 run_phase bench "$(limit bench 20)" bench
-run_phase opsbench "$(limit opsbench 25)" opsbench
+run_phase opsbench "$(limit opsbench 120)" opsbench
 run_phase cp "$(limit cp 15)" cp_ranks
 summary

@@ -10,6 +10,7 @@ programs under mpirun on small shapes and checks what they write against what it
   ... comm                                            (comm_bench table and JSON)
   ... sweep --scripts scripts                         (sweep.py + plot.py on a small sweep of every kind)
   ... kernel                                          (kernel_bench --kernel all: tables, JSON, FLOP counts)
+  ... ops                                             (ops_bench --table cpu: GDN fwd/bwd rows, DSA byte/FLOP floors)
 Prints "passed" at the end; any failed check raises with what was expected and what was found.
 """
 import argparse
@@ -350,6 +351,69 @@ def test_kernel(tmp):
           f"--kernel flash must be refused by name:\n{bad.stdout}{bad.stderr}")
 
 
+def test_ops(tmp):
+    """ops_bench --table cpu on small shapes: a GDN row per S with the forward and backward times and their model FLOP
+    rates, a DSA row per S whose bytes, floors and of_floor are recomputed here from the shape, the GEMM rate and the
+    bandwidth; --mem-bw given, 0 (FLOP floors only) and bad."""
+    exe = os.path.join(ARGS.bin_dir, "ops_bench")
+    shape = ["--table", "cpu", "--gdn-seq", "64,96", "--heads", "2", "--kv-heads", "1", "--head-dim", "16", "--dim-v",
+             "8", "--chunk-size", "32", "--dsa-seq", "80", "--dsa-heads", "2", "--dsa-dim", "24", "--dsa-dim-v", "16",
+             "--indexer-heads", "2", "--indexer-dim", "8", "--topk", "16", "--square", "64", "--min-time", "0",
+             "--warmup", "0", "--copy-mb", "1"]
+
+    def bench(extra, name):
+        path = os.path.join(tmp, name)
+        p = subprocess.run([exe] + shape + extra + ["--json", path], capture_output=True, text=True, timeout=300)
+        check(p.returncode == 0, f"ops_bench {' '.join(extra)}: exit {p.returncode}\n{p.stdout}{p.stderr}")
+        return p.stdout, json.load(open(path))
+
+    for extra, source in (([], "copy"), (["--mem-bw", "1e-6"], "given"), (["--mem-bw", "0"], "not measured")):
+        out, rows = bench(extra, f"ops_{source.replace(' ', '_')}.json")
+        gemm = [r for r in rows if r["kernel"] == "gemm_fp32"][0]["tflops"] * 1e12
+        bw = [r for r in rows if r["kernel"] == "mem_bw"][0]
+        check(bw["source"] == source, f"mem_bw row {bw}, expected source {source}")
+        check((bw["gbs"] is None) == (source == "not measured"), f"mem_bw row {bw}")
+        if source == "given":
+            check(abs(bw["gbs"] - 1e-6) <= 1e-15, f"--mem-bw 1e-6 reported as {bw}")
+        gdn = [r for r in rows if r["kernel"] == "gdn"]
+        check([r["S"] for r in gdn] == [64, 96], f"gdn rows {[r['S'] for r in gdn]}, expected S 64, 96")
+        for r in gdn:
+            r["B"] = 1
+            fwd, bwd = kernel_flops(r)
+            for t, rate, of, flops in (("fwd_ms", "model_tflops", "of_gemm", fwd),
+                                       ("bwd_ms", "bwd_model_tflops", "bwd_of_gemm", bwd)):
+                check(r[t] > 0, f"gdn {t} of {r}")
+                want = flops / (r[t] * 1e-3) * 1e-12
+                check(abs(r[rate] - want) <= 1e-9 * want, f"gdn S={r['S']} {rate} {r[rate]} != {want}")
+                check(abs(r[of] - want * 1e12 / gemm) <= 1e-9 * r[of], f"gdn S={r['S']} {of}")
+            check(r["io_ms"] >= 0 and r["bwd_io_ms"] >= 0, f"gdn io times of {r}")
+        dsa = [r for r in rows if r["kernel"] == "dsa"]
+        check([r["S"] for r in dsa] == [80], f"dsa rows {dsa}")
+        r = dsa[0]
+        S, H, Dqk, Dv, Hi, Di, k = r["S"], r["H"], r["Dqk"], r["Dv"], r["Hi"], r["Di"], r["topk"]
+        idx_flops = sum(t + 1 for t in range(S)) * 2 * Hi * Di
+        att_flops = sum(min(k, t + 1) for t in range(S)) * 2 * H * (Dqk + Dv)
+        # inputs once, outputs once: q_idx, w, k_idx -> topk (int64); q, c, topk -> out, lse
+        idx_bytes = 4 * (S * Hi * Di + S * Hi + S * Di) + 8 * S * k
+        att_bytes = 4 * (S * H * Dqk + S * Dqk) + 8 * S * k + 4 * (S * H * Dv + H * S)
+        for stage, flops, nbytes in (("indexer", idx_flops, idx_bytes), ("attention", att_flops, att_bytes)):
+            check(r[f"{stage}_model_flops"] == flops, f"dsa {stage}_model_flops {r[f'{stage}_model_flops']} != {flops}")
+            check(r[f"{stage}_bytes"] == nbytes, f"dsa {stage}_bytes {r[f'{stage}_bytes']} != {nbytes}")
+            tf, tb = flops / gemm, (nbytes / (bw["gbs"] * 1e9) if bw["gbs"] else 0.0)
+            want, bound = (tb, "bytes") if tb > tf else (tf, "flops")
+            check(abs(r[f"{stage}_floor_ms"] - want * 1e3) <= 1e-9 * want * 1e3, f"dsa {stage}_floor_ms {r}")
+            check(r[f"{stage}_floor_bound"] == bound, f"dsa {stage} bound {r[f'{stage}_floor_bound']}, want {bound}")
+            of = want * 1e3 / r[f"{stage}_ms"]
+            check(abs(r[f"{stage}_of_floor"] - of) <= 1e-9 * of, f"dsa {stage}_of_floor {r[f'{stage}_of_floor']} != {of}")
+        if source == "given":  # 1 kB/s: both stages byte-bound
+            check(r["indexer_floor_bound"] == "bytes" and r["attention_floor_bound"] == "bytes", f"1 kB/s: {r}")
+        if source == "not measured":
+            check("not measured" in out, f"--mem-bw 0 must say the bandwidth is not measured:\n{out}")
+    bad = subprocess.run([exe, "--mem-bw", "-3"], capture_output=True, text=True, timeout=60)
+    check(bad.returncode != 0 and "--mem-bw must be -1 (measure), 0 (not measured) or a positive GB/s, got -3"
+          in bad.stderr, f"--mem-bw -3 must be refused by name:\n{bad.stdout}{bad.stderr}")
+
+
 def main():
     global ARGS
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -359,7 +423,7 @@ def main():
     ap.add_argument("--scripts", default=os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
     ap.add_argument("--plot-python", default="/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable,
                     help="the Python with matplotlib (Debian's python3-matplotlib: /usr/bin/python3)")
-    ap.add_argument("what", choices=["json", "memory", "roundtrip", "decode-grids", "decode-replay", "comm", "sweep", "kernel"])
+    ap.add_argument("what", choices=["json", "memory", "roundtrip", "decode-grids", "decode-replay", "comm", "sweep", "kernel", "ops"])
     ap.add_argument("--np", type=int, default=2)
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -380,6 +444,8 @@ def main():
             test_comm(tmp)
         elif ARGS.what == "kernel":
             test_kernel(tmp)
+        elif ARGS.what == "ops":
+            test_ops(tmp)
         else:
             test_sweep(tmp)
     print("passed")
