@@ -25,8 +25,8 @@
 #             on the CUDA ops table's cases
 #   bench     kernel_bench --device: attention forward and backward at S 4K/16K/64K, D 128, causal and not, against a
 #             cuBLAS bf16 GEMM timed in the same run; PyTorch's SDPA on the same shapes (scripts/sdpa_bench.py)
-#   opsbench  ops_bench --table cuda: the composed GDN forward and backward at Qwen3-Next's shapes (S 8K, 16K, 32K,
-#             64K; Hv 32 on Hk 16, K = V = 128, chunk 64) and the DSA stages (indexer + top-k, sparse attention; S 4K,
+#   opsbench  ops_bench --table cuda: the composed GDN forward and backward at Qwen3-Next's shapes (S 8K and 64K;
+#             Hv 32 on Hk 16, K = V = 128, chunk 64) and the DSA stages (indexer + top-k, sparse attention; S 4K,
 #             H 16, k 2048), each with the time of its host transfers alone and its model FLOP rate over a 4096^3 fp32
 #             cuBLAS GEMM's; each DSA stage against its floor, max(FLOPs at that GEMM's rate, bytes read and written
 #             once at the bandwidth of a device-to-device copy through the table); then fla's chunk GDN forward and
@@ -35,13 +35,13 @@
 #   cp        sp_bench --check at 2 and 4 ranks on the one device (MPI communicator with device staging) against
 #             one rank (ring and USP, zigzag, causal; MHA only): last, since the CP layers' device path is the
 #             newest code and has never run on a GPU
-# Budget: 455 s on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
-# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 100 s (configure, and device_probe, which compiles the cuDNN
-# frontend's translation unit, ~2 minutes alone on a slow machine), build 105 (the CUDA ops table's CUB sorts are one
-# translation unit of their own), kernels 20, ops 25, cpops 30, sanitize 20, bench 20, opsbench 120 (four S up to
+# Budget: 360 s on 16 cores with one H200 (unmeasured: no GPU has run it), the sum of the phases' time limits
+# (SEQPAR_GPU_CHECK_<PHASE>_S overrides): probe 90 s (configure, and device_probe, which compiles the cuDNN
+# frontend's translation unit, ~2 minutes alone on a slow machine), build 95 (the CUDA ops table's CUB sorts are one
+# translation unit of their own), kernels 20, ops 20, cpops 25, sanitize 20, bench 20, opsbench 60 (S 8K and
 # 64K, forward and backward, the composed calls' host transfers of GBs included, ~30 GB of host and device memory at
 # 64K by the CPU table's growth; Triton compiles and autotunes fla's forward and backward kernels in its warm-ups;
-# unmeasured), cp 15.
+# unmeasured), cp 10.
 #
 # --dry-run runs the same phases with the CPU device at tiny shapes (the CPU build, the CPU tests, the same
 # commands with --device cpu; compute-sanitizer is replaced by the plain run of the same cases; each limit 60 s
@@ -96,9 +96,9 @@ else
   sdpa_args=(--device cuda --seq 4096,16384,65536 --dim 128 --hq 16 --hkv 4 --min-time 0.5)
   sp_shape=(--seq 4096 --heads 8 --kv-heads 2 --head-dim 128 --dtype bf16)
   kernel_filter='*'
-  ob_args=(--table cuda --gdn-seq 8192,16384,32768,65536 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128
+  ob_args=(--table cuda --gdn-seq 8192,65536 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128
            --chunk-size 64 --dsa-seq 4096 --dsa-heads 16 --topk 2048 --square 4096 --min-time 0.1 --warmup 1)
-  fla_args=(--seq 8192,16384,32768,65536 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --dtypes bf16
+  fla_args=(--seq 8192,65536 --heads 32 --kv-heads 16 --head-dim 128 --dim-v 128 --dtypes bf16
             --min-time 0.1 --warmup 2)
 fi
 
@@ -336,13 +336,13 @@ limit() {  # SEQPAR_GPU_CHECK_<PHASE>_S overrides the default; the dry run adds 
   echo "${!var:-$(($2 + 60 * dry_run))}"
 }
 
-run_phase probe "$(limit probe 100)" probe
-run_phase build "$(limit build 105)" build
+run_phase probe "$(limit probe 90)" probe
+run_phase build "$(limit build 95)" build
 run_phase kernels "$(limit kernels 20)" kernels
-run_phase ops "$(limit ops 25)" ops
-run_phase cpops "$(limit cpops 30)" cp_ops
+run_phase ops "$(limit ops 20)" ops
+run_phase cpops "$(limit cpops 25)" cp_ops
 run_phase sanitize "$(limit sanitize 20)" sanitize
 run_phase bench "$(limit bench 20)" bench
-run_phase opsbench "$(limit opsbench 120)" opsbench
-run_phase cp "$(limit cp 15)" cp_ranks
+run_phase opsbench "$(limit opsbench 60)" opsbench
+run_phase cp "$(limit cp 10)" cp_ranks
 summary
