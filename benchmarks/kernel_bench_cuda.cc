@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention/mha.h"
+#include "benchmarks/cuda_gemm_ref.h"
 #include "benchmarks/kernel_bench.h"
 #include "runtime/cuda_check.h"
 #include "runtime/error.h"
@@ -28,63 +29,6 @@ namespace seqpar::bench::kernel {
 namespace {
 
 constexpr MemCategory kWs = MemCategory::kWorkspace;
-
-// Owns a cuBLAS handle and two events.
-class CudaTimer {
- public:
-  explicit CudaTimer(cudaStream_t stream) : stream_(stream) {
-    SEQPAR_CHECK_CUDA(cudaEventCreate(&start_));
-    SEQPAR_CHECK_CUDA(cudaEventCreate(&stop_));
-  }
-  ~CudaTimer() {
-    cudaEventDestroy(start_);
-    cudaEventDestroy(stop_);
-  }
-  CudaTimer(const CudaTimer&) = delete;
-  CudaTimer& operator=(const CudaTimer&) = delete;
-  // Seconds of fn's work on the stream.
-  double time(const std::function<void()>& fn) {
-    SEQPAR_CHECK_CUDA(cudaEventRecord(start_, stream_));
-    fn();
-    SEQPAR_CHECK_CUDA(cudaEventRecord(stop_, stream_));
-    SEQPAR_CHECK_CUDA(cudaEventSynchronize(stop_));
-    float ms = 0.0f;
-    SEQPAR_CHECK_CUDA(cudaEventElapsedTime(&ms, start_, stop_));
-    return ms * 1e-3;
-  }
-
- private:
-  cudaStream_t stream_;
-  cudaEvent_t start_ = nullptr, stop_ = nullptr;
-};
-
-// A square bf16 GEMM C = A B (fp32 accumulation) on device buffers owned here.
-class SquareGemm {
- public:
-  SquareGemm(std::int64_t n, Device d, cudaStream_t stream)
-      : n_(static_cast<int>(n)),
-        a_(Tensor::zeros({n, n}, DType::kBFloat16, kWs, d)),
-        b_(Tensor::zeros({n, n}, DType::kBFloat16, kWs, d)),
-        c_(Tensor::empty({n, n}, DType::kBFloat16, kWs, d)) {
-    SEQPAR_CHECK_CUBLAS(cublasCreate(&handle_));
-    SEQPAR_CHECK_CUBLAS(cublasSetStream(handle_, stream));
-  }
-  ~SquareGemm() { cublasDestroy(handle_); }
-  SquareGemm(const SquareGemm&) = delete;
-  SquareGemm& operator=(const SquareGemm&) = delete;
-  void run() {
-    const float alpha = 1.0f, beta = 0.0f;
-    SEQPAR_CHECK_CUBLAS(cublasGemmEx(handle_, CUBLAS_OP_N, CUBLAS_OP_N, n_, n_, n_, &alpha, a_.data(), CUDA_R_16BF, n_,
-                                     b_.data(), CUDA_R_16BF, n_, &beta, c_.data(), CUDA_R_16BF, n_, CUBLAS_COMPUTE_32F,
-                                     CUBLAS_GEMM_DEFAULT));
-  }
-  double flops() const { return 2.0 * n_ * static_cast<double>(n_) * n_; }
-
- private:
-  int n_;
-  Tensor a_, b_, c_;
-  cublasHandle_t handle_ = nullptr;
-};
 
 }  // namespace
 
@@ -131,8 +75,8 @@ int run_mha_cuda(const cxxopts::ParseResult& args, Device device) {
   const Stream st{device, stream};
   nlohmann::json results = nlohmann::json::array();
   {
-    CudaTimer timer(stream);
-    SquareGemm gemm(square, device, stream);
+    CudaEventTimer timer(stream);
+    SquareBf16Gemm gemm(square, device, stream);
     for (const std::int64_t D : dims) {
       for (const std::int64_t S : seqs) {
         for (const bool causal : {false, true}) {

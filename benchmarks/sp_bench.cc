@@ -31,7 +31,13 @@
 #include "benchmarks/sp_bench_timing.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/comm_factory.h"
+#if defined(SEQPAR_WITH_CUDA)
+#include "benchmarks/cuda_gemm_ref.h"
+#endif
 #include "runtime/comm_factory.h"
+#if defined(SEQPAR_WITH_CUDA)
+#include "benchmarks/cuda_gemm_ref.h"
+#endif
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/cp_grid.h"
@@ -39,6 +45,10 @@
 
 namespace seqpar::bench {
 namespace {
+
+#if defined(SEQPAR_WITH_CUDA)
+constexpr std::int64_t kGemmReferenceN = 8192;  // --device cuda: the square bf16 GEMM of the report's reference line
+#endif
 
 // The workload of --attn on the grid, after the checks that need its outputs: --test-corrupt names one of them,
 // and no --dump file (outputs, and with --dump-inputs the inputs) is written twice or overwritten by --json.
@@ -157,6 +167,16 @@ int sp_bench_main(int argc, char** argv) {
   if (place.rank == 0) {
     if (o.gdn_compare_token) progress.note("single-rank chunked and token-by-token kernels", true);
     report.variants = wl->time_variants(input_ptr, o.warmup, o.iters);
+#if defined(SEQPAR_WITH_CUDA)
+    if (o.device.is_cuda()) {
+      // the figures' reference on the device of world rank 0's layer (with --backend nccl, its communicator's GPU)
+      progress.note("cuBLAS bf16 GEMM reference", true);
+      report.gemm_n = kGemmReferenceN;
+      report.gemm_tflops = square_bf16_gemm_tflops(kGemmReferenceN, grid.cp().device().is_cuda() ? grid.cp().device()
+                                                                                                  : o.device,
+                                                   std::max(o.warmup, 1), std::max(o.iters, 3));
+    }
+#endif
   }
   barrier(*world, kLongWaitS);
 

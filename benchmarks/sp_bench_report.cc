@@ -192,6 +192,13 @@ nlohmann::json check_json(const CheckResult& c) {
 void print_report(const SpBenchOptions& o, const RunReport& r) {
   print_header(o, r);
   print_phases(o, r);
+  if (r.gemm_tflops > 0) {
+    std::printf("# reference: cuBLAS bf16 GEMM %lld^3 (fp32 accumulation) on world rank 0's device after the "
+                "iterations: %.1f TFLOP/s; per rank, fwd %.3f and bwd %.3f of it\n",
+                static_cast<long long>(r.gemm_n), r.gemm_tflops,
+                tflops_total(r.phases[0]) / r.world_size / r.gemm_tflops,
+                tflops_total(r.phases[1]) / r.world_size / r.gemm_tflops);
+  }
   if (r.check != nullptr) print_check(*r.check);
   if (!r.variants.empty()) print_variants(o, r.variants);
   std::fflush(stdout);
@@ -208,6 +215,12 @@ nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
   j["cores_per_node"] = r.node.cores_per_node;
   j["backend"] = r.backend;
   j["world_size"] = r.world_size;
+  if (r.gemm_tflops > 0) {
+    j["gemm_reference"] = {{"n", r.gemm_n},
+                           {"tflops", r.gemm_tflops},
+                           {"fwd_ratio_gemm", tflops_total(r.phases[0]) / r.world_size / r.gemm_tflops},
+                           {"bwd_ratio_gemm", tflops_total(r.phases[1]) / r.world_size / r.gemm_tflops}};
+  }
   j["grid"] = {{"dp_size", o.grid.dp_size},
                {"ulysses_size", o.grid.ulysses_size},
                {"ring_size", o.grid.ring_size},

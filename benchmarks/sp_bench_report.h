@@ -25,6 +25,10 @@ struct RunReport {
   std::vector<PhaseResult> phases;
   const CheckReport* check = nullptr;  // null without --check
   std::vector<VariantTiming> variants;
+  // --device cuda: a square cuBLAS bf16 GEMM (gemm_n^3) timed on world rank 0's device after the iterations, in
+  // TFLOP/s; 0 without one.
+  std::int64_t gemm_n = 0;
+  double gemm_tflops = 0;
 };
 
 // The header's "# packing: ..." line (document count, partition, padded_len, causal FLOP and per-step imbalance) for a
