@@ -22,6 +22,7 @@
 #include "benchmarks/sp_bench_workload.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/layout.h"
+#include "runtime/env.h"
 #include "runtime/error.h"
 #include "runtime/tensor_ops.h"
 
@@ -497,9 +498,12 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double win_len = ring_segs.longest_share * s_pad / pr, win_chunks = std::ceil(win_len / chunk);
   const double ahead_fwd_window = c * batch * win_chunks * chunk * (3 * kd + vd + chunk + 1);
   const double ahead_bwd_window = c * batch * win_chunks * kd * vd;
+  // (none with SEQPAR_GDN_WORK_AHEAD=0, which turns the work ahead off)
+  const bool ahead_on = env::get_int("SEQPAR_GDN_WORK_AHEAD", 1) != 0;
   auto ahead_windows = [&](double per_window) {
     const double fit = std::max(1.0, std::floor(static_cast<double>(kGdnAheadBudgetBytes) / per_window));
-    return pr > 1 ? std::min({static_cast<double>(kGdnAheadMaxWindows), fit, heads_local * segments}) : 0.0;
+    return pr > 1 && ahead_on ? std::min({static_cast<double>(kGdnAheadMaxWindows), fit, heads_local * segments})
+                              : 0.0;
   };
   const double ahead_fwd = ahead_windows(ahead_fwd_window) * ahead_fwd_window;
   const double ahead_bwd = ahead_windows(ahead_bwd_window) * ahead_bwd_window;
