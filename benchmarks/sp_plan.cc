@@ -189,6 +189,8 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
       sum += read_json(tmp / str_cat("cores_", copies, "_", i, ".json"))["results"][0]["fwd_mean_ms"].get<double>();
     return sum / copies;
   };
+  p.mha_tile_pairs = true;
+  p.note += "; mha_tile_pairs true: the CPU MHA kernels compute whole 64 x 64 tile pairs (attention/cpu/mha_cpu.h)";
   const double alone = mean_fwd_ms(1), together = mean_fwd_ms(hw);
   p.cores_per_node = std::clamp(hw * alone / together, 1.0, static_cast<double>(hw));
   p.note += str_cat("; cores_per_node ", p.cores_per_node, " of ", hw, ": kernel_bench mha S 1024 fwd ", alone,

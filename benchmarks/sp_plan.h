@@ -58,6 +58,11 @@ struct DeviceProfile {
   // GDN scan: a segment's map (gdn_transition) costs gdn_map_factor x its FLOPs (gdn_map_flops) at the forward
   // curve's rate; the backward's dS sweep costs gdn_sweep_factor x the segment's forward.
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
+  // MHA under a causal mask costs the 64 x 64 tile pairs its kernels compute (the CPU kernels: any pair of tiles in
+  // which some query sees some key, masked or not; SequenceLayout::step_work) rather than its visible pairs, which
+  // matters for packed rows of short documents. false: visible pairs (profiles of other kernels). --calibrate sets
+  // it (JSON "mha_tile_pairs", its source in "factors").
+  bool mha_tile_pairs = false;
   // The ring's execution on this device and software stack (JSON block "ring", with its source; absent: the
   // defaults, the ideal double-buffered ring).
   // transfer_overlaps_compute: a ring step's transfer of the next block (MHA's ring, DSA's selection and latent
