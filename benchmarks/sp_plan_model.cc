@@ -394,8 +394,7 @@ double causal_pairs_per_tile(std::int64_t len) {
 // the row on one rank (every layout's shards are whole tiles then). Without a causal mask: the visible pairs,
 // uniformly over the steps. tile_pairs false (DeviceProfile::mha_tile_pairs): the visible pairs, spread over the
 // steps by their shares of the tile pairs.
-std::vector<std::vector<double>> step_flops(const SpBenchOptions& o, const SequenceLayout& layout,
-                                           bool tile_pairs) {
+std::vector<std::vector<double>> step_flops(const SpBenchOptions& o, const SequenceLayout& layout, bool tile_pairs) {
   const int P = layout.ring_size();
   const double per_pair = 4.0 * o.heads * o.head_dim * static_cast<double>(o.batch);
   if (!o.causal || !tile_pairs) {  // the visible pairs, by the steps' shares of the tile pairs

@@ -425,9 +425,8 @@ TEST(SpPlanPacked, ComputeIsExecutedTilePairs) {
   visible.mha_tile_pairs = false;
   EXPECT_NEAR(plan(one, visible).front().prediction.forward_s, 701440 * per_pair / rate, 1e-12);
   // Unpacked: the row's tiles are those of the reference row, so its visible pairs.
-  PlanInput plain = input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K",
-                           "--causal"},
-                          1);
+  PlanInput plain =
+      input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K", "--causal"}, 1);
   plain.only_configs = {"u1xr1 zigzag p2p"};
   EXPECT_NEAR(plan(plain, p).front().prediction.forward_s, 2048.0 * 2049 / 2 * per_pair / rate, 1e-12);
   // Two ranks, contiguous, documents 1024, 512, 256 (1792 slots): rank 0 holds document 0's first 896 tokens (14
