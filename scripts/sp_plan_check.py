@@ -6,9 +6,9 @@ configuration is looked up by name; sp_bench runs it under mpirun (--json) and i
 Cases of one problem at one world size form a group: the planner's first choice among the group's measured
 configurations is compared with the measured fastest. Prints a markdown table and writes --json.
 
---repeat N runs every case N times, in rounds (each round runs every case once, in the table's order, so that a
-slow minute of a shared machine falls on every configuration of a group alike); a case's measured time is the median
-of its rounds. The group table then also gives, per round, the first choice against the fastest of that round, and the
+--repeat N runs every case N times, in rounds (each round runs every case once, so that a slow minute of a shared
+machine falls on every configuration of a group alike; odd rounds in reverse order, so that a rising load does not
+favour the configuration listed first); a case's measured time is the median of its rounds. The group table then also gives, per round, the first choice against the fastest of that round, and the
 run-to-run spread: per configuration (max - min) / median over the rounds, the group's largest.
 
   scripts/sp_plan_check.py --build build --profile build/profile.json --json build/sp_plan_check.json
@@ -105,8 +105,10 @@ def main():
                 excl = [r["reason"] for r in plan["excluded"] if r["name"] == name]
                 raise SystemExit(f"{name}: not ranked ({excl})")
             todo.append((group, world, problem, name, mode, plan, ranked[0], []))
-        for _ in range(a.repeat):
-            for group, world, problem, name, mode, plan, r, measured in todo:
+        for i in range(a.repeat):
+            # Odd rounds run the cases in reverse, so that a load that rises or falls through the run does not
+            # always favour the configuration a group lists first.
+            for group, world, problem, name, mode, plan, r, measured in (todo if i % 2 == 0 else todo[::-1]):
                 out = os.path.join(tmp, "bench.json")
                 run([a.mpirun, "-np", str(world), "--oversubscribe", sp_bench] + problem + r["sp_bench_flags"] +
                     ["--warmup", "1", "--iters", str(a.iters), "--quiet", "--json", out], env=env)
