@@ -326,6 +326,8 @@ int sp_plan_main(int argc, char** argv) {
   in.memory_per_device = parse_memory(r["mem-per-device"].as<std::string>());
   in.mode = r["mode"].as<std::string>();
   in.threads = r["threads"].as<int>();
+  if (std::string(argv[0]).find('/') != std::string::npos)
+    in.sp_bench = (std::filesystem::path(argv[0]).parent_path() / "sp_bench").string();
   in.layers = r["layers"].as<int>();
   in.linear_flops_per_token = r["linear-flops-per-token"].as<double>();
   in.tp = r["tp"].as<int>();

@@ -99,6 +99,9 @@ struct PlanInput {
   int devices_per_node = 1;      // ranks per node (world_size = nodes x devices_per_node)
   double memory_per_device = 0;  // bytes a rank may use; the node holds devices_per_node times this
   int threads = 1;               // --threads of the sp_bench runs (CPU)
+  // sp_bench in the printed commands: next to sp_plan, as sp_plan was called (build/benchmarks/sp_plan ->
+  // build/benchmarks/sp_bench, runnable from the same directory), or "sp_bench" (on the PATH, as sp_plan was)
+  std::string sp_bench = "sp_bench";
   // A model of several layers (train and prefill): `layers` copies of the layer, each followed by its linear layers
   // (QKV, output projection, MLP) of linear_flops_per_token forward FLOPs per token (the backward twice that), run on
   // every rank's own tokens at the profile's "gemm" curve with no communication. tp: tensor parallelism inside each

@@ -949,7 +949,7 @@ std::vector<std::string> problem_args(const PlanInput& in) {
 }
 
 std::string command_of(const PlanInput& in, const PlanConfig& c) {
-  std::string s = str_cat("mpirun -np ", in.world_size, " sp_bench");
+  std::string s = str_cat("mpirun -np ", in.world_size, " ", in.sp_bench);
   for (const std::string& f : problem_args(in)) s += " " + f;
   for (const std::string& f : c.flags()) s += " " + f;
   if (in.threads != 1) s += str_cat(" --threads ", in.threads);
