@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "benchmarks/sp_bench_options.h"
+#include "benchmarks/sp_plan_tiles.h"
 
 namespace seqpar::bench::plan {
 
@@ -72,6 +73,10 @@ struct DeviceProfile {
   // accumulator under GQA zeroed and converted), not overlapped with anything.
   bool ring_transfer_overlaps_compute = true, ring_merge_pass = false;
   std::string ring_source;
+  // MHA's kernel as tiles (JSON block "mha_tiles", sp_plan_tiles.h; absent: the curves alone): when present, an MHA
+  // call of the zigzag layout's ring steps, of the all-gather's halves or of a ring of one costs what its tiles cost,
+  // per document of a packed row, instead of its FLOPs at the curve's rate for FLOPs of one call.
+  AttnTiles mha_tiles;
   const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent
 };
 
