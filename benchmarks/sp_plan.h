@@ -77,6 +77,12 @@ struct DeviceProfile {
   // call of the zigzag layout's ring steps, of the all-gather's halves or of a ring of one costs what its tiles cost,
   // per document of a packed row, instead of its FLOPs at the curve's rate for FLOPs of one call.
   AttnTiles mha_tiles;
+  // The Ulysses all-to-all's layout copies (JSON block "ulysses": {"layout_pass": true, "source"}; absent: none):
+  // every tensor that crosses an all-to-all (forward q, k, v, out; backward dout, dq, dk, dv) is copied into the
+  // all-to-all's layout before it and out of it after (a read and a write each), on the compute stream, at the
+  // device's memory bandwidth.
+  bool ulysses_layout_pass = false;
+  std::string ulysses_source;
   const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent
 };
 

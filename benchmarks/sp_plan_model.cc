@@ -142,6 +142,13 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     p.ring_merge_pass = flag("merge_pass", false);
     p.ring_source = source_text(r, what + ": ring");
   }
+  if (j.contains("ulysses")) {
+    const nlohmann::json& u = j["ulysses"];
+    SEQPAR_CHECK(u.contains("layout_pass") && u["layout_pass"].is_boolean(), what,
+                 ": ulysses.layout_pass must be true or false");
+    p.ulysses_layout_pass = u["layout_pass"].get<bool>();
+    p.ulysses_source = source_text(u, what + ": ulysses");
+  }
   if (j.contains("device")) {
     const nlohmann::json& d = j["device"];
     p.memory_bytes = d.value("memory_bytes", 0.0);
@@ -155,6 +162,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     p.mha_tiles = tiles_from_json(j["mha_tiles"], what + ": mha_tiles");
     p.mha_tiles.source = source_text(j["mha_tiles"], what + ": mha_tiles");
   }
+  SEQPAR_CHECK(!p.ulysses_layout_pass || p.memory_bandwidth_bps > 0, what,
+               ": ulysses.layout_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
+               " (the copies run at the memory bandwidth: give it, > 0)");
   SEQPAR_CHECK(!p.ring_merge_pass || p.memory_bandwidth_bps > 0, what,
                ": ring.merge_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
                " (the merge pass runs at the memory bandwidth: give it, > 0)");
@@ -192,6 +202,8 @@ nlohmann::json profile_json(const DeviceProfile& p) {
                  {"source", p.ring_source}};
   }
   if (p.mha_tiles.present) j["mha_tiles"] = tiles_json(p.mha_tiles);
+  if (!p.ulysses_source.empty())
+    j["ulysses"] = {{"layout_pass", p.ulysses_layout_pass}, {"source", p.ulysses_source}};
   if (p.memory_bytes > 0 || p.memory_bandwidth_bps > 0) {
     j["device"] = {{"memory_bytes", p.memory_bytes},
                    {"memory_bandwidth_bytes_per_s", p.memory_bandwidth_bps},
@@ -513,7 +525,15 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         if (s > 0 && f > 0 && o.impl == RingImpl::kP2P) c[r][s] += bwd ? merge_bwd_s : merge_fwd_s;
       }
     }
-    const double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));
+    double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));
+    // profile.ulysses_layout_pass: each crossing tensor (B S / (P Pu) local rows of all its heads; K and V with
+    // max(Hkv, Pu) heads) copied before and after its all-to-all, read and written: 2 x 2 e x rows x D x (2 Hq + 2
+    // Hkv), both phases alike.
+    if (prof.ulysses_layout_pass && pu > 1) {
+      const double rows = static_cast<double>(o.batch) * static_cast<double>(layout.padded_len()) / (P * pu);
+      a2a += slow * 4.0 * static_cast<double>(vs.storage_bytes) * rows * o.head_dim *
+             (2.0 * o.heads + 2.0 * hkv_rank * pu) / prof.memory_bandwidth_bps;
+    }
     if (o.impl == RingImpl::kP2P || P == 1) {
       std::vector<double> exposed;
       const double transfer = links.ring.seconds(bwd ? kv_block + dkv_block : kv_block);

@@ -3,12 +3,14 @@
 // with 1 x 1 tiles (iterations = visible pairs), against the exact causal pairs of each rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
 
 #include "benchmarks/sp_plan.h"
 #include "benchmarks/sp_plan_tiles.h"
+#include "runtime/error.h"
 
 namespace seqpar::bench::plan {
 namespace {
@@ -176,6 +178,44 @@ TEST(SpPlanTiles, ProfileBlock) {
   j = profile_json(p);
   j.erase("mha_tiles");
   EXPECT_FALSE(profile_from_json(j, "no tiles").mha_tiles.present);
+}
+
+// The "ulysses" block: every tensor crossing a Ulysses all-to-all (q, k, v, out; dout, dq, dk, dv) copied before and
+// after it, read and written: 4 e (S / (P Pu)) D (2 Hq + 2 max(Hkv, Pu)) bytes per phase at the memory bandwidth; no
+// copies without a Ulysses group; read and written back; needs the memory bandwidth.
+TEST(SpPlanTiles, UlyssesLayoutPassAddsItsBytes) {
+  DeviceProfile p;
+  p.name = "flat";
+  p.note = "test";
+  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
+  p.intra = {0, 1e11, "test"};
+  p.inter = {0, 1e10, "test"};
+  p.memory_bandwidth_bps = 2e12;
+  p.device_source = "test";
+  const std::int64_t S = 4096, Hq = 8, Hkv = 2, D = 64;
+  for (const int pu : {1, 4}) {
+    PlanInput in;
+    in.problem_flags = {"--attn", "mha", "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--seq", "4K",
+                        "--dtype", "bf16"};
+    in.world_size = in.devices_per_node = pu;
+    in.only_configs = {"u" + std::to_string(pu) + "xr1 zigzag p2p"};
+    p.ulysses_layout_pass = false;
+    const Prediction base = plan(in, p).front().prediction;
+    p.ulysses_layout_pass = true;
+    p.ulysses_source = "test";
+    const Prediction copies = plan(in, p).front().prediction;
+    const double bytes = pu > 1 ? 4.0 * 2 * (S / pu) * D * (2.0 * Hq + 2.0 * std::max<std::int64_t>(Hkv, pu)) : 0.0;
+    EXPECT_NEAR(copies.forward_s - base.forward_s, bytes / 2e12, 1e-12) << "Pu " << pu;
+    EXPECT_NEAR(copies.backward_s - base.backward_s, bytes / 2e12, 1e-12) << "Pu " << pu;
+  }
+  const DeviceProfile q = profile_from_json(profile_json(p), "round trip");
+  EXPECT_TRUE(q.ulysses_layout_pass);
+  nlohmann::json j = profile_json(p);
+  j["device"]["memory_bandwidth_bytes_per_s"] = 0;
+  EXPECT_THROW(profile_from_json(j, "no bandwidth"), Error);
+  j = profile_json(p);
+  j["ulysses"]["layout_pass"] = "yes";
+  EXPECT_THROW(profile_from_json(j, "not a flag"), Error);
 }
 
 }  // namespace
