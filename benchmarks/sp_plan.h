@@ -50,6 +50,10 @@ struct DeviceProfile {
   double memory_bytes = 0, memory_bandwidth_bps = 0, decode_overhead_s = 0;
   std::string device_source;
   LinkClass intra, inter;
+  // A send/receive pair inside a node (the ring's p2p transfers when the ring stays in the node), bytes/s per
+  // direction: links.intra.p2p_bandwidth_bytes_per_s, its source links.intra's; 0: links.intra's bandwidth. The
+  // collectives (all-to-all, all-gather) keep links.intra's.
+  double intra_p2p_bandwidth_bps = 0;
   int ranks_per_nic = 1;  // ranks of a node sharing one inter-node NIC (its bandwidth divides among them); its
                           // source is links.inter's
   // CPU profiles: the cores a node's ranks can use at once (measured: --calibrate runs two kernel_bench copies at

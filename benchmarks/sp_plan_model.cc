@@ -120,6 +120,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                ": field \"links\" must hold \"intra\" and \"inter\"");
   p.intra = link_from_json(j["links"]["intra"], what + ": links.intra");
   p.inter = link_from_json(j["links"]["inter"], what + ": links.inter");
+  p.intra_p2p_bandwidth_bps = j["links"]["intra"].value("p2p_bandwidth_bytes_per_s", 0.0);
+  SEQPAR_CHECK(p.intra_p2p_bandwidth_bps >= 0, what, ": links.intra.p2p_bandwidth_bytes_per_s ",
+               p.intra_p2p_bandwidth_bps, " must be >= 0 (0: links.intra's bandwidth)");
   p.ranks_per_nic = j["links"].value("ranks_per_nic", 1);
   SEQPAR_CHECK(p.ranks_per_nic >= 1, what, ": links.ranks_per_nic ", p.ranks_per_nic, " must be >= 1");
   p.cores_per_node = j.value("cores_per_node", 0.0);
@@ -196,6 +199,7 @@ nlohmann::json profile_json(const DeviceProfile& p) {
     j["kernels"][key] = {{"points", pts}, {"source", c.source}};
   }
   j["links"] = {{"intra", link_json(p.intra)}, {"inter", link_json(p.inter)}, {"ranks_per_nic", p.ranks_per_nic}};
+  if (p.intra_p2p_bandwidth_bps > 0) j["links"]["intra"]["p2p_bandwidth_bytes_per_s"] = p.intra_p2p_bandwidth_bps;
   if (!p.ring_source.empty()) {
     j["ring"] = {{"transfer_overlaps_compute", p.ring_transfer_overlaps_compute},
                  {"merge_pass", p.ring_merge_pass},
@@ -350,6 +354,7 @@ Links links_of(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile
   l.ulysses_class = ulysses_inside ? "intra" : "inter";
   const bool ring_inside = cp <= in.devices_per_node;
   l.ring = ring_inside ? p.intra : inter;
+  if (ring_inside && p.intra_p2p_bandwidth_bps > 0) l.ring.bandwidth_bps = p.intra_p2p_bandwidth_bps;
   l.ring_class = ring_inside ? "intra" : "inter";
   return l;
 }

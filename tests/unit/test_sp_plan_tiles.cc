@@ -218,5 +218,47 @@ TEST(SpPlanTiles, UlyssesLayoutPassAddsItsBytes) {
   EXPECT_THROW(profile_from_json(j, "not a flag"), Error);
 }
 
+// links.intra's p2p bandwidth: a ring inside one node sends its blocks at it (forward, without overlap: P c + (P - 1)
+// (latency + block / p2p)), the all-gather and a ring across nodes do not use it; read and written back; >= 0.
+TEST(SpPlanTiles, IntraP2pBandwidthTimesTheRingInsideANode) {
+  DeviceProfile p;
+  p.name = "flat";
+  p.note = "test";
+  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
+  p.intra = {1e-6, 1e11, "test"};
+  p.inter = {1e-6, 1e10, "test"};
+  p.ring_transfer_overlaps_compute = false;
+  p.ring_source = "test";
+  const int P = 4;
+  PlanInput in;
+  in.problem_flags = {"--attn", "mha", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--seq", "8K",
+                      "--dtype", "bf16"};
+  in.world_size = in.devices_per_node = P;
+  in.only_configs = {"u1xr4 zigzag p2p", "u1xr4 zigzag allgather"};
+  const std::vector<PlanRow> base = plan(in, p);
+  p.intra_p2p_bandwidth_bps = 2e10;
+  const std::vector<PlanRow> slow = plan(in, p);
+  const double block = 8192.0 / P * 2 * 64 * 2 * 2;  // K and V of a ring shard: S / P rows, 2 key heads of 64, bf16
+  for (std::size_t i = 0; i < base.size(); ++i) {
+    ASSERT_EQ(base[i].config.name(), slow[i].config.name());
+    const double moved = slow[i].prediction.forward_s - base[i].prediction.forward_s;
+    if (base[i].config.impl == "p2p")
+      EXPECT_NEAR(moved, (P - 1) * (block / 2e10 - block / 1e11), 1e-12) << base[i].config.name();
+    else
+      EXPECT_EQ(moved, 0.0) << base[i].config.name();
+  }
+  in.devices_per_node = 1;  // every hop across nodes: the inter link, the p2p bandwidth unused
+  in.nodes = P;
+  in.only_configs = {"u1xr4 zigzag p2p"};
+  p.intra_p2p_bandwidth_bps = 0;
+  const double across = plan(in, p).front().prediction.forward_s;
+  p.intra_p2p_bandwidth_bps = 2e10;
+  EXPECT_EQ(plan(in, p).front().prediction.forward_s, across);
+  EXPECT_EQ(profile_from_json(profile_json(p), "round trip").intra_p2p_bandwidth_bps, 2e10);
+  nlohmann::json j = profile_json(p);
+  j["links"]["intra"]["p2p_bandwidth_bytes_per_s"] = -1;
+  EXPECT_THROW(profile_from_json(j, "negative"), Error);
+}
+
 }  // namespace
 }  // namespace seqpar::bench::plan
