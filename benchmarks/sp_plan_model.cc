@@ -559,9 +559,12 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         double f = 0;
         for (int s = 0; s < P; ++s) f += flops * share[r][s] / pu;
         ph.compute[r] = f > 0 ? slow * f / curve.rate(f) : 0.0;
-        if (f > 0 && tiles)
-          ph.compute[r] = slow * o.batch * tile_call_seconds(prof.mha_tiles, bwd, zigzag_calls(slot_cu, P, r, -1, o.causal),
-                                                             hq_rank, hkv_rank, o.head_dim, curve.points.back().second);
+        if (f > 0 && tiles) {
+          const std::vector<TileSeq> halves = zigzag_calls(slot_cu, P, r, -1, o.causal);
+          ph.compute[r] = slow * o.batch *
+                          tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim,
+                                            curve.points.back().second);
+        }
         ph.finish[r] = a2a + gather + ph.compute[r] + (bwd ? ag_pass_bwd_s : ag_pass_fwd_s) + scatter;
       }
     }

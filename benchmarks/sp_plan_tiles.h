@@ -16,10 +16,10 @@
 namespace seqpar::bench::plan {
 
 struct TilePhase {
-  int block_m = 0, block_n = 0;                // tile without a causal mask: query rows x keys
-  int causal_block_m = 0, causal_block_n = 0;  // with one
-  double unit_flops_per_s = 0;                 // the rate of a unit's inner iterations
-  double overhead_blocks = 0;                  // a unit's fixed cost, in inner iterations
+  int block_m = 0, block_n = 0;                                    // tile without a causal mask: query rows x keys
+  int causal_block_m = 0, causal_block_n = 0;                      // with one
+  double unit_flops_per_s = 0;                                     // the rate of a unit's inner iterations
+  double overhead_blocks = 0;                                      // a unit's fixed cost, in inner iterations
   double causal_unit_flops_per_s = 0, causal_overhead_blocks = 0;  // with a causal mask (JSON default: the above)
   bool pack_gqa = false;  // the query heads sharing a key head packed into the M rows (one unit serves them all)
 };
@@ -51,8 +51,8 @@ double tile_call_seconds(const AttnTiles& t, bool bwd, const std::vector<TileSeq
 
 // The "mha_tiles" block: {"fwd": {...}, "bwd": {...}, "source": ...}; each phase block_m, block_n, causal_block_m,
 // causal_block_n (> 0), unit_flops_per_s (> 0), overhead_blocks (>= 0), causal_unit_flops_per_s and
-// causal_overhead_blocks (optional, the same rules; default the values without a mask), pack_gqa (optional, false). Errors name
-// `what` and the field.
+// causal_overhead_blocks (optional, the same rules; default the values without a mask), pack_gqa (optional, false).
+// Errors name `what` and the field.
 AttnTiles tiles_from_json(const nlohmann::json& j, const std::string& what);
 nlohmann::json tiles_json(const AttnTiles& t);
 

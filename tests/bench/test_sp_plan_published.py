@@ -4,8 +4,9 @@ MagiAttention's benchmark at CP 8 and 16 has a prediction; no predicted TFLOPS/s
 own attention curve (forward 648, backward 561: a prediction above the kernel's rate would mean FLOPs counted twice
 or time lost); the published figures are the ones in benchmarks/published/magiattention_h100.json; the error column
 is predicted / published - 1; ulysses and usp at CP 8 are one configuration (Ulysses over the node) and agree;
-ring p2p is the slowest method, published and predicted, on the full and causal masks at CP 8 and 16; the varlen causal rows average the benchmark's 20 packs (magi_packs: their document counts and lengths),
-and magi_packs agrees with the benchmark's sequential packing loop (written out here) on a small distribution.
+ring p2p is the slowest method, published and predicted, on the full and causal masks at CP 8 and 16; the varlen
+causal rows average the benchmark's 20 packs (magi_packs), and magi_packs agrees with the benchmark's sequential
+packing loop (written out here) on a small distribution.
 
   test_sp_plan_published.py SP_PLAN
 """

@@ -84,11 +84,9 @@ TEST(SpPlanTiles, SecondsAreUnitsAtTheRate) {
   t.fwd.causal_overhead_blocks = t.bwd.causal_overhead_blocks = 3;
   const double D = 128, tile = 4 * 128 * 128 * D;
   // 1024 x 1024 without a mask: 8 units of 8 iterations.
-  EXPECT_NEAR(tile_call_seconds(t, false, {{1024, 1024, false}}, 1, 1, 128, 1e15), (64 + 2 * 8) * tile / 1e12,
-              1e-15);
+  EXPECT_NEAR(tile_call_seconds(t, false, {{1024, 1024, false}}, 1, 1, 128, 1e15), (64 + 2 * 8) * tile / 1e12, 1e-15);
   // Causal: 36 iterations, 8 units, overhead 3.
-  EXPECT_NEAR(tile_call_seconds(t, false, {{1024, 1024, true}}, 1, 1, 128, 1e15), (36 + 3 * 8) * tile / 1e12,
-              1e-15);
+  EXPECT_NEAR(tile_call_seconds(t, false, {{1024, 1024, true}}, 1, 1, 128, 1e15), (36 + 3 * 8) * tile / 1e12, 1e-15);
   // Backward, tile 64 x 128: 8 units (key blocks) x 16 query blocks.
   EXPECT_NEAR(tile_call_seconds(t, true, {{1024, 1024, false}}, 1, 1, 128, 1e15),
               (128 + 2 * 8) * 2.5 * 4 * 64 * 128 * D / 1e12, 1e-15);
@@ -113,8 +111,8 @@ TEST(SpPlanTiles, FitReproducesTheCurve) {
                  plateau_b = p.kernel("mha_bwd").points.back().second;
     const double f = fwd_flops / tile_call_seconds(p.mha_tiles, false, full, 16, 16, 128, plateau_f);
     const double b = 2.5 * fwd_flops / tile_call_seconds(p.mha_tiles, true, full, 16, 16, 128, plateau_b);
-    const double c = (fwd_flops * (L[i] + 1) / (2.0 * L[i])) /
-                     tile_call_seconds(p.mha_tiles, false, causal, 16, 16, 128, plateau_f);
+    const double c =
+        (fwd_flops * (L[i] + 1) / (2.0 * L[i])) / tile_call_seconds(p.mha_tiles, false, causal, 16, 16, 128, plateau_f);
     EXPECT_NEAR(f / p.kernel("mha_fwd").points[i].second, 1.0, 0.05) << "forward at " << L[i];
     EXPECT_NEAR(b / p.kernel("mha_bwd").points[i].second, 1.0, 0.05) << "backward at " << L[i];
     EXPECT_NEAR(c / causal_fwd[i], 1.0, 0.05) << "causal forward at " << L[i];
@@ -144,8 +142,8 @@ TEST(SpPlanTiles, ZigzagCallsCoverTheCausalPairs) {
     for (const std::string impl : {"p2p", "allgather"}) {
       if (P == 1 && impl == "allgather") continue;  // a ring of one has one configuration
       PlanInput in;
-      in.problem_flags = {"--attn", "mha", "--heads", "2", "--kv-heads", "2", "--head-dim", "8", "--causal",
-                          "--doc-lens", lens};
+      in.problem_flags = {"--attn",     "mha", "--heads",  "2",          "--kv-heads", "2",
+                          "--head-dim", "8",   "--causal", "--doc-lens", lens};
       in.world_size = in.devices_per_node = P;
       in.only_configs = {"u1xr" + std::to_string(P) + " zigzag " + impl};
       const std::vector<PlanRow> rows = plan(in, p);
@@ -195,8 +193,8 @@ TEST(SpPlanTiles, UlyssesLayoutPassAddsItsBytes) {
   const std::int64_t S = 4096, Hq = 8, Hkv = 2, D = 64;
   for (const int pu : {1, 4}) {
     PlanInput in;
-    in.problem_flags = {"--attn", "mha", "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--seq", "4K",
-                        "--dtype", "bf16"};
+    in.problem_flags = {"--attn",     "mha", "--heads", "8",  "--kv-heads", "2",
+                        "--head-dim", "64",  "--seq",   "4K", "--dtype",    "bf16"};
     in.world_size = in.devices_per_node = pu;
     in.only_configs = {"u" + std::to_string(pu) + "xr1 zigzag p2p"};
     p.ulysses_layout_pass = false;
@@ -231,8 +229,8 @@ TEST(SpPlanTiles, IntraP2pBandwidthTimesTheRingInsideANode) {
   p.ring_source = "test";
   const int P = 4;
   PlanInput in;
-  in.problem_flags = {"--attn", "mha", "--heads", "4", "--kv-heads", "2", "--head-dim", "64", "--seq", "8K",
-                      "--dtype", "bf16"};
+  in.problem_flags = {"--attn",     "mha", "--heads", "4",  "--kv-heads", "2",
+                      "--head-dim", "64",  "--seq",   "8K", "--dtype",    "bf16"};
   in.world_size = in.devices_per_node = P;
   in.only_configs = {"u1xr4 zigzag p2p", "u1xr4 zigzag allgather"};
   const std::vector<PlanRow> base = plan(in, p);
