@@ -7,7 +7,9 @@ figures and where they come from: benchmarks/published/*.json.
   MagiAttention's H100 context-parallel benchmark: 8K tokens per GPU, CP 8 to 64, 8 GPUs a node; Ulysses, ring p2p,
   ring all-gather, USP (Ulysses 8 in a node x ring over the nodes); full, causal and varlen causal masks; forward and
   backward TFLOPS/s per GPU. Predicted: FLOPs / (sp_plan's forward or backward time x CP), with MagiAttention's FLOPs
-  formula. Checked: the order of the methods at each CP size, and TFLOPS per GPU within 25%.
+  formula; varlen causal on the benchmark's own 20 packs (magi_packs; needs numpy, the benchmark's generator), the
+  mean of the per-pack figures as the benchmark reports them. Checked: the order of the methods at each CP size, and
+  TFLOPS per GPU within 25%.
 
   Meta's context-parallel inference (Llama3 405B prefill on 16 nodes of 8 H100): 1M tokens in 77 s at 93% parallel
   efficiency, 128K tokens in 3.8 s. Predicted with --mode prefill --layers 126 --linear-flops-per-token (the linear
