@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "benchmarks/sp_bench_options.h"
+#include "benchmarks/sp_plan_tiles.h"
 
 namespace seqpar::bench::plan {
 
@@ -49,6 +50,10 @@ struct DeviceProfile {
   double memory_bytes = 0, memory_bandwidth_bps = 0, decode_overhead_s = 0;
   std::string device_source;
   LinkClass intra, inter;
+  // A send/receive pair inside a node (the ring's p2p transfers when the ring stays in the node), bytes/s per
+  // direction: links.intra.p2p_bandwidth_bytes_per_s, its source links.intra's; 0: links.intra's bandwidth. The
+  // collectives (all-to-all, all-gather) keep links.intra's.
+  double intra_p2p_bandwidth_bps = 0;
   int ranks_per_nic = 1;  // ranks of a node sharing one inter-node NIC (its bandwidth divides among them); its
                           // source is links.inter's
   // CPU profiles: the cores a node's ranks can use at once (measured: --calibrate runs two kernel_bench copies at
@@ -77,6 +82,16 @@ struct DeviceProfile {
   // accumulator under GQA zeroed and converted), not overlapped with anything.
   bool ring_transfer_overlaps_compute = true, ring_merge_pass = false;
   std::string ring_source;
+  // MHA's kernel as tiles (JSON block "mha_tiles", sp_plan_tiles.h; absent: the curves alone): when present, an MHA
+  // call of the zigzag layout's ring steps, of the all-gather's halves or of a ring of one costs what its tiles cost,
+  // per document of a packed row, instead of its FLOPs at the curve's rate for FLOPs of one call.
+  AttnTiles mha_tiles;
+  // The Ulysses all-to-all's layout copies (JSON block "ulysses": {"layout_pass": true, "source"}; absent: none):
+  // every tensor that crosses an all-to-all (forward q, k, v, out; backward dout, dq, dk, dv) is copied into the
+  // all-to-all's layout before it and out of it after (a read and a write each), on the compute stream, at the
+  // device's memory bandwidth.
+  bool ulysses_layout_pass = false;
+  std::string ulysses_source;
   const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent
 };
 

@@ -120,6 +120,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                ": field \"links\" must hold \"intra\" and \"inter\"");
   p.intra = link_from_json(j["links"]["intra"], what + ": links.intra");
   p.inter = link_from_json(j["links"]["inter"], what + ": links.inter");
+  p.intra_p2p_bandwidth_bps = j["links"]["intra"].value("p2p_bandwidth_bytes_per_s", 0.0);
+  SEQPAR_CHECK(p.intra_p2p_bandwidth_bps >= 0, what, ": links.intra.p2p_bandwidth_bytes_per_s ",
+               p.intra_p2p_bandwidth_bps, " must be >= 0 (0: links.intra's bandwidth)");
   p.ranks_per_nic = j["links"].value("ranks_per_nic", 1);
   SEQPAR_CHECK(p.ranks_per_nic >= 1, what, ": links.ranks_per_nic ", p.ranks_per_nic, " must be >= 1");
   p.cores_per_node = j.value("cores_per_node", 0.0);
@@ -149,6 +152,13 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     p.ring_merge_pass = flag("merge_pass", false);
     p.ring_source = source_text(r, what + ": ring");
   }
+  if (j.contains("ulysses")) {
+    const nlohmann::json& u = j["ulysses"];
+    SEQPAR_CHECK(u.contains("layout_pass") && u["layout_pass"].is_boolean(), what,
+                 ": ulysses.layout_pass must be true or false");
+    p.ulysses_layout_pass = u["layout_pass"].get<bool>();
+    p.ulysses_source = source_text(u, what + ": ulysses");
+  }
   if (j.contains("device")) {
     const nlohmann::json& d = j["device"];
     p.memory_bytes = d.value("memory_bytes", 0.0);
@@ -158,6 +168,13 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                  " and device.memory_bandwidth_bytes_per_s ", p.memory_bandwidth_bps, " must be >= 0");
     p.device_source = source_text(d, what + ": device");
   }
+  if (j.contains("mha_tiles")) {
+    p.mha_tiles = tiles_from_json(j["mha_tiles"], what + ": mha_tiles");
+    p.mha_tiles.source = source_text(j["mha_tiles"], what + ": mha_tiles");
+  }
+  SEQPAR_CHECK(!p.ulysses_layout_pass || p.memory_bandwidth_bps > 0, what,
+               ": ulysses.layout_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
+               " (the copies run at the memory bandwidth: give it, > 0)");
   SEQPAR_CHECK(!p.ring_merge_pass || p.memory_bandwidth_bps > 0, what,
                ": ring.merge_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
                " (the merge pass runs at the memory bandwidth: give it, > 0)");
@@ -190,11 +207,15 @@ nlohmann::json profile_json(const DeviceProfile& p) {
     j["kernels"][key] = {{"points", pts}, {"source", c.source}};
   }
   j["links"] = {{"intra", link_json(p.intra)}, {"inter", link_json(p.inter)}, {"ranks_per_nic", p.ranks_per_nic}};
+  if (p.intra_p2p_bandwidth_bps > 0) j["links"]["intra"]["p2p_bandwidth_bytes_per_s"] = p.intra_p2p_bandwidth_bps;
   if (!p.ring_source.empty()) {
     j["ring"] = {{"transfer_overlaps_compute", p.ring_transfer_overlaps_compute},
                  {"merge_pass", p.ring_merge_pass},
                  {"source", p.ring_source}};
   }
+  if (p.mha_tiles.present) j["mha_tiles"] = tiles_json(p.mha_tiles);
+  if (!p.ulysses_source.empty())
+    j["ulysses"] = {{"layout_pass", p.ulysses_layout_pass}, {"source", p.ulysses_source}};
   if (p.memory_bytes > 0 || p.memory_bandwidth_bps > 0) {
     j["device"] = {{"memory_bytes", p.memory_bytes},
                    {"memory_bandwidth_bytes_per_s", p.memory_bandwidth_bps},
@@ -341,6 +362,7 @@ Links links_of(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile
   l.ulysses_class = ulysses_inside ? "intra" : "inter";
   const bool ring_inside = cp <= in.devices_per_node;
   l.ring = ring_inside ? p.intra : inter;
+  if (ring_inside && p.intra_p2p_bandwidth_bps > 0) l.ring.bandwidth_bps = p.intra_p2p_bandwidth_bps;
   l.ring_class = ring_inside ? "intra" : "inter";
   return l;
 }
@@ -429,6 +451,38 @@ void add_phase(Prediction& pr, const Phase& ph, double* phase_s) {
   pr.imbalance_s += std::max(0.0, ph.compute[slow] - mean);
 }
 
+// The attention calls of ring rank r under the zigzag layout (profile.mha_tiles), per document of padded length p =
+// 2 P c (slot_cu_seqlens): the rank holds chunks r and 2P - 1 - r of every document. The THD ring of
+// TransformerEngine, which MagiAttention's FlashAttention-3 baselines follow (exps/dist_attn/baselines/ring_attn.py),
+// calls at step 0 its 2c queries on its 2c keys (causal); at a later step, from the keys of ring rank k = (r - s) mod
+// P, all 2c queries on the first chunk of k (c keys) when k < r, the second query chunk (c) on both of k's chunks when
+// k > r; without a causal mask 2c on 2c. step < 0: the all-gather's calls, one per half of the local queries against
+// the gathered document (chunk j of c queries on the (j + 1) c keys before its end, causal; on all p without a mask).
+// A ring of one: every document whole.
+std::vector<TileSeq> zigzag_calls(std::span<const std::int64_t> slot_cu, int P, int r, int step, bool causal) {
+  std::vector<TileSeq> calls;
+  for (std::size_t d = 0; d + 1 < slot_cu.size(); ++d) {
+    const std::int64_t p = slot_cu[d + 1] - slot_cu[d];
+    if (p <= 0) continue;
+    if (P == 1) {
+      calls.push_back({p, p, causal});
+      continue;
+    }
+    const std::int64_t c = p / (2 * P);
+    if (step < 0) {
+      for (const std::int64_t j : {static_cast<std::int64_t>(r), static_cast<std::int64_t>(2 * P - 1 - r)})
+        calls.push_back(causal ? TileSeq{c, (j + 1) * c, true} : TileSeq{c, p, false});
+      continue;
+    }
+    const int k = ((r - step) % P + P) % P;
+    if (!causal || step == 0)
+      calls.push_back({2 * c, 2 * c, causal});
+    else
+      calls.push_back(k < r ? TileSeq{2 * c, c, false} : TileSeq{c, 2 * c, false});
+  }
+  return calls;
+}
+
 // ---- MHA: Ulysses all-to-alls around a ring (p2p or all-gather) ----
 
 Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& prof) {
@@ -484,6 +538,11 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
     ag_pass_bwd_s = slow * (4 * e * E + 2 * e * E + calls * per_call + 4 * e * E) / prof.memory_bandwidth_bps;
   }
   const auto step_f = step_flops(o, layout, prof.mha_tile_pairs);  // forward, every head
+  // profile.mha_tiles: the calls' tiles per document (zigzag_calls) instead of the curve at the FLOPs of a call.
+  const bool tiles = prof.mha_tiles.present && (P == 1 || o.layout == LayoutKind::kZigzag);
+  const auto slot_cu = layout.slot_cu_seqlens();
+  const int hq_rank = static_cast<int>(o.heads / pu),
+            hkv_rank = static_cast<int>(std::max<std::int64_t>(o.kv_heads, pu) / pu);
   Prediction pr;
   pr.bytes_exact = true;
   pr.oversubscribed = slow > 1.0;
@@ -508,11 +567,22 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
       for (int s = 0; s < P; ++s) {
         const double f = mult * step_f[r][s] / pu;  // one rank: its ring shard's pairs with H / Pu heads
         c[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        if (f > 0 && tiles)
+          c[r][s] = slow * o.batch * tile_call_seconds(prof.mha_tiles, bwd, zigzag_calls(slot_cu, P, r, s, o.causal),
+                                                       hq_rank, hkv_rank, o.head_dim, curve.points.back().second);
         // Every later step with work folds its partial result into the running one (profile.ring_merge_pass).
         if (s > 0 && f > 0 && o.impl == RingImpl::kP2P) c[r][s] += bwd ? merge_bwd_s : merge_fwd_s;
       }
     }
-    const double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));
+    double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));
+    // profile.ulysses_layout_pass: each crossing tensor (B S / (P Pu) local rows of all its heads; K and V with
+    // max(Hkv, Pu) heads) copied before and after its all-to-all, read and written: 2 x 2 e x rows x D x (2 Hq + 2
+    // Hkv), both phases alike.
+    if (prof.ulysses_layout_pass && pu > 1) {
+      const double rows = static_cast<double>(o.batch) * static_cast<double>(layout.padded_len()) / (P * pu);
+      a2a += slow * 4.0 * static_cast<double>(vs.storage_bytes) * rows * o.head_dim *
+             (2.0 * o.heads + 2.0 * hkv_rank * pu) / prof.memory_bandwidth_bps;
+    }
     if (o.impl == RingImpl::kP2P || P == 1) {
       std::vector<double> exposed;
       const double transfer = links.ring.seconds(bwd ? kv_block + dkv_block : kv_block);
@@ -533,6 +603,12 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         double f = 0;
         for (int s = 0; s < P; ++s) f += mult * step_f[r][s] / pu;
         ph.compute[r] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        if (f > 0 && tiles) {
+          const std::vector<TileSeq> halves = zigzag_calls(slot_cu, P, r, -1, o.causal);
+          ph.compute[r] = slow * o.batch *
+                          tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim,
+                                            curve.points.back().second);
+        }
         ph.finish[r] = a2a + gather + ph.compute[r] + (bwd ? ag_pass_bwd_s : ag_pass_fwd_s) + scatter;
       }
     }

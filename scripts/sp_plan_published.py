@@ -7,7 +7,9 @@ figures and where they come from: benchmarks/published/*.json.
   MagiAttention's H100 context-parallel benchmark: 8K tokens per GPU, CP 8 to 64, 8 GPUs a node; Ulysses, ring p2p,
   ring all-gather, USP (Ulysses 8 in a node x ring over the nodes); full, causal and varlen causal masks; forward and
   backward TFLOPS/s per GPU. Predicted: FLOPs / (sp_plan's forward or backward time x CP), with MagiAttention's FLOPs
-  formula. Checked: the order of the methods at each CP size, and TFLOPS per GPU within 25%.
+  formula; varlen causal on the benchmark's own 20 packs (magi_packs; needs numpy, the benchmark's generator), the
+  mean of the per-pack figures as the benchmark reports them. Checked: the order of the methods at each CP size, and
+  TFLOPS per GPU within 25%.
 
   Meta's context-parallel inference (Llama3 405B prefill on 16 nodes of 8 H100): 1M tokens in 77 s at 93% parallel
   efficiency, 128K tokens in 3.8 s. Predicted with --mode prefill --layers 126 --linear-flops-per-token (the linear
@@ -19,7 +21,6 @@ figures and where they come from: benchmarks/published/*.json.
 import argparse
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
@@ -42,18 +43,33 @@ def config_of(method, cp):
             "usp": f"u{min(cp, GPUS_PER_NODE)}xr{max(1, cp // GPUS_PER_NODE)} zigzag p2p"}[method]
 
 
-def varlen_docs(bins, total, seed):
-    """Documents drawn from the published length distribution (bin by its share, length uniform in the bin), each
-    at most a quarter of the total, packed until the row is full (the last one cut to fit)."""
-    rng = random.Random(seed)
-    weights = [b[2] for b in bins]
-    docs, left = [], total
-    while left > 0:
-        lo, hi, _ = rng.choices(bins, weights)[0]
-        n = min(rng.randint(max(1, lo), hi), total // 4, left)
-        docs.append(n)
-        left -= n
-    return docs
+def magi_packs(bins, pack_len, seed, chunk_ratio, count):
+    """The varlen packs of MagiAttention's benchmark, as its DatasetSampler makes them (SandAI-org/MagiAttention,
+    exps/dist_attn/benchmark/utils.py at commit 2c64135; benchmark_conf.py: seed 42, 20 packs, chunk_ratio 0.25):
+    every document of a bin [lo, hi] (count documents) is (lo + hi) // 2 tokens long and is cut into chunks of
+    pack_len x chunk_ratio tokens and a tail; the chunks, then the tails, shuffled with numpy's default_rng(seed);
+    packed in that order into packs of pack_len tokens, a sample that does not fit split at the pack's end (its rest
+    opens the next pack), which is the stream of samples cut at every multiple of pack_len; the packs shuffled with
+    the same generator; the first `count` taken. Returns the packs' document lengths."""
+    import numpy as np  # the benchmark's own generator: its draws are the packs
+    rng = np.random.default_rng(seed)
+    chunk = pack_len * chunk_ratio
+    lengths = np.array([(lo + hi) // 2 for lo, hi, _ in bins], dtype=np.int64)
+    nums = np.array([n for _, _, n in bins], dtype=np.int64)
+    full = np.repeat(chunk, int((lengths // chunk * nums).sum())).astype(np.int32)
+    tails = lengths % chunk
+    keep = tails > 0
+    samples = np.concatenate([full, np.repeat(tails[keep], nums[keep]).astype(np.int32)])
+    rng.shuffle(samples)
+    ends = np.cumsum(samples, dtype=np.int64)
+    order = list(range(int(ends[-1]) // pack_len))
+    rng.shuffle(order)  # a list, as the benchmark's list of packs: the permutation depends only on its length
+    packs = []
+    for k in order[:count]:
+        lo, hi = k * pack_len, (k + 1) * pack_len
+        cuts = ends[np.searchsorted(ends, lo, side="right"):np.searchsorted(ends, hi, side="left")]
+        packs.append([int(x) for x in np.diff(np.concatenate([[lo], cuts, [hi]]))])
+    return packs
 
 
 def mask_pairs(mask, seq, docs):
@@ -77,29 +93,43 @@ def run_plan(sp_plan, profile, world, nodes, dpn, configs, problem, extra, tmp):
 
 
 def magi(sp_plan, profile, published, cps, tmp):
+    """Per (mask, phase, CP, method): the predicted TFLOPS/s per GPU as the benchmark reports it (run_benchmark.py):
+    per pack the mask's FLOPs / (time x CP), then the mean over the packs (one pack, the whole row, for full and
+    causal; the benchmark's 20 varlen packs, magi_packs, for varlen causal)."""
     rows = []
+    vp = published["varlen_packing"]
     for mask in MASKS:
         for cp in cps:
             seq = cp * PER_GPU
-            docs = varlen_docs(published["doc_length_bins"], seq, seed=cp) if mask == "varlen_causal" else []
-            problem = ["--attn", "mha", "--heads", str(HQ), "--kv-heads", str(HKV), "--head-dim", str(D),
-                       "--dtype", "bf16"]
-            problem += ["--doc-lens", ",".join(map(str, docs))] if docs else ["--seq", str(seq)]
-            if mask != "full":
-                problem.append("--causal")
+            packs = (magi_packs(published["doc_length_bins"], seq, vp["seed"], vp["chunk_ratio"], vp["packs"])
+                     if mask == "varlen_causal" else [[]])
             configs = sorted({config_of(m, cp) for m in METHODS})
-            pred = run_plan(sp_plan, profile, cp, max(1, cp // GPUS_PER_NODE), min(cp, GPUS_PER_NODE), configs,
-                            problem, [], tmp)
-            fwd_flops = 4.0 * mask_pairs(mask, seq, docs) * HQ * D
-            for phase, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
+            tflops = {(phase, m): [] for phase in ("fwd", "bwd") for m in METHODS}
+            for docs in packs:
+                problem = ["--attn", "mha", "--heads", str(HQ), "--kv-heads", str(HKV), "--head-dim", str(D),
+                           "--dtype", "bf16"]
+                problem += ["--doc-lens", ",".join(map(str, docs))] if docs else ["--seq", str(seq)]
+                if mask != "full":
+                    problem.append("--causal")
+                pred = run_plan(sp_plan, profile, cp, max(1, cp // GPUS_PER_NODE), min(cp, GPUS_PER_NODE), configs,
+                                problem, [], tmp)
+                fwd_flops = 4.0 * mask_pairs(mask, seq, docs) * HQ * D
+                for phase, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
+                    for m in METHODS:
+                        p = pred[config_of(m, cp)]
+                        t = p["forward_s"] if phase == "fwd" else p["backward_s"]
+                        tflops[(phase, m)].append(flops / (t * cp) / 1e12)
+            for phase in ("fwd", "bwd"):
                 pub = published["tflops_per_gpu"][f"{mask}/{phase}"]
                 for m in METHODS:
-                    p = pred[config_of(m, cp)]
-                    t = p["forward_s"] if phase == "fwd" else p["backward_s"]
-                    predicted = flops / (t * cp) / 1e12
+                    per_pack = tflops[(phase, m)]
+                    predicted = sum(per_pack) / len(per_pack)
                     rows.append({"mask": mask, "phase": phase, "cp": cp, "method": m, "config": config_of(m, cp),
                                  "published_tflops": pub[m][str(cp)], "predicted_tflops": predicted,
-                                 "error": predicted / pub[m][str(cp)] - 1, "docs": len(docs)})
+                                 "error": predicted / pub[m][str(cp)] - 1,
+                                 "packs": len(packs) if packs[0] else 0,
+                                 "docs": sum(len(d) for d in packs) if packs[0] else 0,
+                                 "predicted_per_pack": per_pack if packs[0] else []})
     return rows
 
 

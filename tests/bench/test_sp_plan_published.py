@@ -4,7 +4,9 @@ MagiAttention's benchmark at CP 8 and 16 has a prediction; no predicted TFLOPS/s
 own attention curve (forward 648, backward 561: a prediction above the kernel's rate would mean FLOPs counted twice
 or time lost); the published figures are the ones in benchmarks/published/magiattention_h100.json; the error column
 is predicted / published - 1; ulysses and usp at CP 8 are one configuration (Ulysses over the node) and agree;
-ring p2p is the slowest method, published and predicted, on the full and causal masks at CP 8 and 16.
+ring p2p is the slowest method, published and predicted, on the full and causal masks at CP 8 and 16; the varlen
+causal rows average the benchmark's 20 packs (magi_packs), and magi_packs agrees with the benchmark's sequential
+packing loop (written out here) on a small distribution.
 
   test_sp_plan_published.py SP_PLAN
 """
@@ -15,6 +17,55 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def sequential_packs(bins, pack_len, seed, chunk_ratio, count):
+    """The benchmark's DatasetSampler.pack_with_shuffle (SandAI-org/MagiAttention exps/dist_attn/benchmark/utils.py),
+    step by step: samples (chunks, then tails) shuffled, packed in order, a sample that does not fit split and its
+    rest opening the next pack, the packs shuffled; the first `count`."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    chunk = pack_len * chunk_ratio
+    lengths = np.array([(lo + hi) // 2 for lo, hi, _ in bins], dtype=np.int64)
+    nums = np.array([n for _, _, n in bins], dtype=np.int64)
+    full = np.repeat(chunk, int((lengths // chunk * nums).sum())).astype(np.int32)
+    tails = lengths % chunk
+    samples = np.concatenate([full, np.repeat(tails[tails > 0], nums[tails > 0]).astype(np.int32)])
+    rng.shuffle(samples)
+    samples = samples.tolist()
+    packs, i, carry = [], 0, 0
+    for _ in range(sum(samples) // pack_len):
+        pack, left = [], pack_len
+        if carry > 0:
+            pack.append(carry)
+            left, carry = left - carry, 0
+        while left > 0 and i < len(samples):
+            if samples[i] <= left:
+                pack.append(samples[i])
+                left -= samples[i]
+            else:
+                pack.append(left)
+                carry, left = samples[i] - left, 0
+            i += 1
+        packs.append(pack)
+    rng.shuffle(packs)
+    return packs[:count]
+
+
+def check_packs():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import sp_plan_published
+    bins = [[0, 10, 300], [11, 50, 2000], [201, 500, 900], [1025, 2048, 400], [8193, 16384, 60], [65537, 131072, 9]]
+    failures = []
+    for pack_len in (4096, 65536):
+        want = sequential_packs(bins, pack_len, 42, 0.25, 20)
+        got = sp_plan_published.magi_packs(bins, pack_len, 42, 0.25, 20)
+        if got != want:
+            failures.append(f"magi_packs at pack_len {pack_len} differs from the benchmark's sequential packing")
+        if any(sum(p) != pack_len or max(p) > pack_len // 4 for p in got):
+            failures.append(f"magi_packs at pack_len {pack_len}: a pack not of {pack_len} tokens or a sample above "
+                            f"a quarter of it")
+    return failures
 
 
 def main():
@@ -55,7 +106,8 @@ def main():
             if u["predicted_tflops"] != s["predicted_tflops"]:
                 failures.append(f"{mask} {phase} CP 8: ulysses {u['predicted_tflops']} != usp {s['predicted_tflops']}")
     # Published, ring p2p is the slowest method in every cell; the profile's ring block (its transfer waits for the
-    # kernel, a merge pass per step) is what makes the model agree on full and causal masks.
+    # kernel, a merge pass per step) and, inside one node, NCCL's send/receive rate (links.intra's p2p bandwidth) are
+    # what make the model agree on full and causal masks.
     for mask in ("full", "causal"):
         for phase in ("fwd", "bwd"):
             for cp in (8, 16):
@@ -64,6 +116,10 @@ def main():
                     low = min(cell, key=lambda r: r[key])
                     if low["method"] != "ring_p2p":
                         failures.append(f"{mask} {phase} CP {cp}: {key} lowest is {low['method']}, not ring_p2p")
+    failures += check_packs()
+    for r in rows:
+        if r["mask"] == "varlen_causal" and (r["packs"] != 20 or len(r["predicted_per_pack"]) != 20):
+            failures.append(f"varlen {r['phase']} CP {r['cp']} {r['method']}: {r['packs']} packs, expected 20")
     if len(res["orders"]) != 12:
         failures.append(f"{len(res['orders'])} order cells, expected 12 (3 masks x 2 phases x 2 CP sizes)")
     for f in failures:

@@ -1,0 +1,59 @@
+// sp_plan's tile model of a FlashAttention-3-style attention call (a GPU profile's optional "mha_tiles" block;
+// docs/benchmarks.md, "sp_plan"). The kernel cuts every sequence of a varlen call into tiles of block_m query rows x
+// block_n keys per head and runs one work unit per outer block: the forward an M block of queries looping over the
+// N blocks of keys it sees, the backward an N block of keys looping over the M blocks of queries that see it. A unit
+// costs (iterations + overhead_blocks) inner iterations of one tile at unit_flops_per_s, and never less than its
+// iterations at the phase's plateau rate (the kernel curve's best point). Short documents and the causal diagonal
+// then cost what their whole tiles and their per-unit prologue and epilogue cost, which a curve indexed by the FLOPs
+// of a call cannot tell (a call over many short documents has the FLOPs of a long one).
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace seqpar::bench::plan {
+
+struct TilePhase {
+  int block_m = 0, block_n = 0;                                    // tile without a causal mask: query rows x keys
+  int causal_block_m = 0, causal_block_n = 0;                      // with one
+  double unit_flops_per_s = 0;                                     // the rate of a unit's inner iterations
+  double overhead_blocks = 0;                                      // a unit's fixed cost, in inner iterations
+  double causal_unit_flops_per_s = 0, causal_overhead_blocks = 0;  // with a causal mask (JSON default: the above)
+  bool pack_gqa = false;  // the query heads sharing a key head packed into the M rows (one unit serves them all)
+};
+
+struct AttnTiles {
+  bool present = false;
+  TilePhase fwd, bwd;  // fwd: units are M blocks (inner loop over N blocks); bwd: N blocks (inner loop over M)
+  std::string source;
+};
+
+// One sequence of a varlen call: q_len queries against k_len keys; causal aligned bottom-right (query i sees keys
+// j <= i + k_len - q_len), as FlashAttention's varlen causal mask.
+struct TileSeq {
+  std::int64_t q_len = 0, k_len = 0;
+  bool causal = false;
+};
+
+// Inner iterations of one call, summed over its units, and the units (per head of the call: heads / kv_heads
+// units share one key head when pack_gqa). For tests and tile_call_seconds.
+struct TileCount {
+  double iterations = 0, units = 0;
+};
+TileCount tile_count(const TilePhase& ph, bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads);
+
+// Seconds of one call of `heads` query heads on `kv_heads` key heads of head_dim columns; plateau_flops_per_s: the
+// rate no unit exceeds. Forward FLOPs of a tile 4 M N D, backward 2.5 times that.
+double tile_call_seconds(const AttnTiles& t, bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads,
+                         int head_dim, double plateau_flops_per_s);
+
+// The "mha_tiles" block: {"fwd": {...}, "bwd": {...}, "source": ...}; each phase block_m, block_n, causal_block_m,
+// causal_block_n (> 0), unit_flops_per_s (> 0), overhead_blocks (>= 0), causal_unit_flops_per_s and
+// causal_overhead_blocks (optional, the same rules; default the values without a mask), pack_gqa (optional, false).
+// Errors name `what` and the field.
+AttnTiles tiles_from_json(const nlohmann::json& j, const std::string& what);
+nlohmann::json tiles_json(const AttnTiles& t);
+
+}  // namespace seqpar::bench::plan

@@ -1,0 +1,262 @@
+// sp_plan's tile model of an attention call (benchmarks/sp_plan_tiles.h): tile and unit counts against closed forms,
+// the H100 profile's fit against the FlashAttention-3 rates it was fitted to, and the zigzag ring's calls, costed
+// with 1 x 1 tiles (iterations = visible pairs), against the exact causal pairs of each rank.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "benchmarks/sp_plan.h"
+#include "benchmarks/sp_plan_tiles.h"
+#include "runtime/error.h"
+
+namespace seqpar::bench::plan {
+namespace {
+
+TilePhase phase(int m, int n, int cm, int cn, bool pack = false) {
+  TilePhase p;
+  p.block_m = m;
+  p.block_n = n;
+  p.causal_block_m = cm;
+  p.causal_block_n = cn;
+  p.unit_flops_per_s = p.causal_unit_flops_per_s = 1e12;
+  p.pack_gqa = pack;
+  return p;
+}
+
+// Without a mask every unit runs every block of the other side: units ceil(L/M) (forward) or ceil(L/N) (backward)
+// per head, iterations units x the other count.
+TEST(SpPlanTiles, CountsWithoutMaskAreTheGrid) {
+  const TilePhase p = phase(128, 176, 128, 128);
+  for (const std::int64_t L : {1, 100, 128, 176, 1000, 4096, 5000}) {
+    const auto mb = (L + 127) / 128, nb = (L + 175) / 176;
+    const TileCount f = tile_count(p, false, {{L, L, false}}, 4, 4);
+    EXPECT_EQ(f.units, 4.0 * mb) << L;
+    EXPECT_EQ(f.iterations, 4.0 * mb * nb) << L;
+    const TileCount b = tile_count(p, true, {{L, L, false}}, 4, 4);
+    EXPECT_EQ(b.units, 4.0 * nb) << L;
+    EXPECT_EQ(b.iterations, 4.0 * mb * nb) << L;
+  }
+}
+
+// Causal, L = T blocks: the forward's unit m sees m + 1 key blocks, T (T + 1) / 2 in all; the backward with M half
+// of N: key block n is seen from query block 2n on, 2T - 2n blocks, T (T + 1) in all. Bottom-right alignment: with
+// k_len = q_len + d every query sees d more keys.
+TEST(SpPlanTiles, CausalCountsAreTriangles) {
+  const TilePhase p = phase(128, 176, 128, 128), b = phase(80, 128, 64, 128);
+  for (const std::int64_t T : {1, 2, 5, 64}) {
+    EXPECT_EQ(tile_count(p, false, {{T * 128, T * 128, true}}, 1, 1).iterations, T * (T + 1) / 2.0) << T;
+    EXPECT_EQ(tile_count(b, true, {{T * 128, T * 128, true}}, 1, 1).iterations, T * (T + 1.0)) << T;
+    // k_len = q_len + 128: every forward unit sees one more key block.
+    EXPECT_EQ(tile_count(p, false, {{T * 128, (T + 1) * 128, true}}, 1, 1).iterations, T * (T + 1) / 2.0 + T) << T;
+  }
+  // A query block that sees no key (k_len < q_len) costs no iteration, only its unit.
+  const TileCount c = tile_count(p, false, {{256, 100, true}}, 1, 1);
+  EXPECT_EQ(c.units, 2.0);
+  EXPECT_EQ(c.iterations, 1.0);  // the second block's last query sees keys 0..99; the first block's none
+}
+
+// 1 x 1 tiles: iterations are the visible (query, key) pairs: L (L + 1) / 2 causal, q k without a mask, and packed
+// GQA changes nothing but the units (g heads per unit).
+TEST(SpPlanTiles, UnitTilesCountPairs) {
+  const TilePhase one = phase(1, 1, 1, 1);
+  for (const std::int64_t L : {1, 7, 300}) {
+    EXPECT_EQ(tile_count(one, false, {{L, L, true}}, 3, 3).iterations, 3.0 * L * (L + 1) / 2) << L;
+    EXPECT_EQ(tile_count(one, true, {{L, L, true}}, 3, 3).iterations, 3.0 * L * (L + 1) / 2) << L;
+    EXPECT_EQ(tile_count(one, false, {{L, 2 * L, false}}, 3, 3).iterations, 3.0 * L * 2 * L) << L;
+  }
+  const TilePhase packed = phase(128, 128, 128, 128, true);
+  // 8 query heads on 1 key head, 16 tokens: one M block of 128 rows (16 tokens x 8 heads) instead of 8 blocks.
+  EXPECT_EQ(tile_count(packed, false, {{16, 16, true}}, 8, 1).units, 1.0);
+  EXPECT_EQ(tile_count(phase(128, 128, 128, 128), false, {{16, 16, true}}, 8, 1).units, 8.0);
+}
+
+// The seconds: (iterations + overhead x units) x tile FLOPs / rate, never below iterations at the plateau; the
+// backward's tile 2.5 times the forward's FLOPs.
+TEST(SpPlanTiles, SecondsAreUnitsAtTheRate) {
+  AttnTiles t;
+  t.present = true;
+  t.fwd = phase(128, 128, 128, 128);
+  t.bwd = phase(64, 128, 64, 128);
+  t.fwd.overhead_blocks = t.bwd.overhead_blocks = 2;
+  t.fwd.causal_overhead_blocks = t.bwd.causal_overhead_blocks = 3;
+  const double D = 128, tile = 4 * 128 * 128 * D;
+  // 1024 x 1024 without a mask: 8 units of 8 iterations.
+  EXPECT_NEAR(tile_call_seconds(t, false, {{1024, 1024, false}}, 1, 1, 128, 1e15), (64 + 2 * 8) * tile / 1e12, 1e-15);
+  // Causal: 36 iterations, 8 units, overhead 3.
+  EXPECT_NEAR(tile_call_seconds(t, false, {{1024, 1024, true}}, 1, 1, 128, 1e15), (36 + 3 * 8) * tile / 1e12, 1e-15);
+  // Backward, tile 64 x 128: 8 units (key blocks) x 16 query blocks.
+  EXPECT_NEAR(tile_call_seconds(t, true, {{1024, 1024, false}}, 1, 1, 128, 1e15),
+              (128 + 2 * 8) * 2.5 * 4 * 64 * 128 * D / 1e12, 1e-15);
+  // A plateau below the unit rate decides when the overhead is small against it.
+  EXPECT_NEAR(tile_call_seconds(t, false, {{1024, 1024, false}}, 1, 1, 128, 0.5e12), 64 * tile / 0.5e12, 1e-15);
+}
+
+// The H100 profile's fit: a call of the FlashAttention-3 paper's benchmark (16K tokens as 16K / L sequences of L,
+// 16 heads of 128) costed by the tiles within 5 % of the rate the paper publishes at L, for the forward and backward
+// without a mask (the profile's mha_fwd and mha_bwd curves) and the forward with one (292 ... 616 TFLOPS/s, the
+// paper's head-dim-128 causal forward chart; the profile's mha_tiles source).
+TEST(SpPlanTiles, FitReproducesTheCurve) {
+  const DeviceProfile p = load_profile(std::string(SEQPAR_PROFILES_DIR) + "/h100_sxm.json");
+  ASSERT_TRUE(p.mha_tiles.present);
+  const std::vector<std::int64_t> L = {512, 1024, 2048, 4096, 8192, 16384};
+  const std::vector<double> causal_fwd = {292e12, 423e12, 521e12, 579e12, 602e12, 616e12};
+  for (std::size_t i = 0; i < L.size(); ++i) {
+    const std::vector<TileSeq> full(16384 / L[i], TileSeq{L[i], L[i], false}),
+        causal(16384 / L[i], TileSeq{L[i], L[i], true});
+    const double fwd_flops = 4.0 * 16384 * L[i] * 2048;
+    const double plateau_f = p.kernel("mha_fwd").points.back().second,
+                 plateau_b = p.kernel("mha_bwd").points.back().second;
+    const double f = fwd_flops / tile_call_seconds(p.mha_tiles, false, full, 16, 16, 128, plateau_f);
+    const double b = 2.5 * fwd_flops / tile_call_seconds(p.mha_tiles, true, full, 16, 16, 128, plateau_b);
+    const double c =
+        (fwd_flops * (L[i] + 1) / (2.0 * L[i])) / tile_call_seconds(p.mha_tiles, false, causal, 16, 16, 128, plateau_f);
+    EXPECT_NEAR(f / p.kernel("mha_fwd").points[i].second, 1.0, 0.05) << "forward at " << L[i];
+    EXPECT_NEAR(b / p.kernel("mha_bwd").points[i].second, 1.0, 0.05) << "backward at " << L[i];
+    EXPECT_NEAR(c / causal_fwd[i], 1.0, 0.05) << "causal forward at " << L[i];
+  }
+}
+
+// The zigzag ring's calls cover each rank's causal pairs exactly: with 1 x 1 tiles, no overhead and flat links, every
+// ring rank's compute is 4 H D x (its pairs) / rate, and zigzag gives every rank (2P - 1) c^2 + c (c + 1) pairs of a
+// document of 2 P c tokens (the total L (L + 1) / 2 over P ranks); p2p and all-gather alike, and a ring of one.
+TEST(SpPlanTiles, ZigzagCallsCoverTheCausalPairs) {
+  DeviceProfile p;
+  p.name = "tiles";
+  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
+  p.intra = {0, 1e18, "test"};
+  p.inter = {0, 1e18, "test"};
+  p.mha_tiles.present = true;
+  p.mha_tiles.fwd = p.mha_tiles.bwd = phase(1, 1, 1, 1);
+  p.mha_tiles.source = "test";
+  for (const int P : {1, 2, 4}) {
+    const std::vector<std::int64_t> docs = {2 * P * 3, 2 * P * 5, 2 * P * 1};
+    double pairs = 0;
+    std::string lens;
+    for (const std::int64_t n : docs) {
+      pairs += n * (n + 1) / 2.0;
+      lens += (lens.empty() ? "" : ",") + std::to_string(n);
+    }
+    for (const std::string impl : {"p2p", "allgather"}) {
+      if (P == 1 && impl == "allgather") continue;  // a ring of one has one configuration
+      PlanInput in;
+      in.problem_flags = {"--attn",     "mha", "--heads",  "2",          "--kv-heads", "2",
+                          "--head-dim", "8",   "--causal", "--doc-lens", lens};
+      in.world_size = in.devices_per_node = P;
+      in.only_configs = {"u1xr" + std::to_string(P) + " zigzag " + impl};
+      const std::vector<PlanRow> rows = plan(in, p);
+      ASSERT_FALSE(rows.empty());
+      ASSERT_TRUE(rows.front().excluded.empty()) << rows.front().excluded;
+      const Prediction& pr = rows.front().prediction;
+      const double fwd = 4.0 * 2 * 8 * pairs / P / 1e12;
+      EXPECT_NEAR(pr.compute_s, fwd + 2.5 * fwd, 1e-9 * fwd) << "P " << P << " " << impl;
+      EXPECT_NEAR(pr.imbalance_s, 0.0, 1e-9 * fwd) << "P " << P << " " << impl;
+    }
+  }
+}
+
+// The "mha_tiles" block: read and written back; blocks are positive integers; the block names its source.
+TEST(SpPlanTiles, ProfileBlock) {
+  const DeviceProfile p = load_profile(std::string(SEQPAR_PROFILES_DIR) + "/h100_sxm.json");
+  const DeviceProfile q = profile_from_json(profile_json(p), "round trip");
+  EXPECT_TRUE(q.mha_tiles.present);
+  EXPECT_EQ(q.mha_tiles.fwd.block_n, 176);
+  EXPECT_EQ(q.mha_tiles.bwd.causal_block_m, 64);
+  EXPECT_EQ(q.mha_tiles.fwd.causal_overhead_blocks, p.mha_tiles.fwd.causal_overhead_blocks);
+  EXPECT_TRUE(q.mha_tiles.fwd.pack_gqa);
+  nlohmann::json j = profile_json(p);
+  j["mha_tiles"]["fwd"]["block_m"] = 0;
+  EXPECT_THROW(profile_from_json(j, "bad"), Error);
+  j = profile_json(p);
+  j["mha_tiles"].erase("source");
+  EXPECT_THROW(profile_from_json(j, "bad"), Error);
+  // A profile without the block keeps the curves alone.
+  j = profile_json(p);
+  j.erase("mha_tiles");
+  EXPECT_FALSE(profile_from_json(j, "no tiles").mha_tiles.present);
+}
+
+// The "ulysses" block: every tensor crossing a Ulysses all-to-all (q, k, v, out; dout, dq, dk, dv) copied before and
+// after it, read and written: 4 e (S / (P Pu)) D (2 Hq + 2 max(Hkv, Pu)) bytes per phase at the memory bandwidth; no
+// copies without a Ulysses group; read and written back; needs the memory bandwidth.
+TEST(SpPlanTiles, UlyssesLayoutPassAddsItsBytes) {
+  DeviceProfile p;
+  p.name = "flat";
+  p.note = "test";
+  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
+  p.intra = {0, 1e11, "test"};
+  p.inter = {0, 1e10, "test"};
+  p.memory_bandwidth_bps = 2e12;
+  p.device_source = "test";
+  const std::int64_t S = 4096, Hq = 8, Hkv = 2, D = 64;
+  for (const int pu : {1, 4}) {
+    PlanInput in;
+    in.problem_flags = {"--attn",     "mha", "--heads", "8",  "--kv-heads", "2",
+                        "--head-dim", "64",  "--seq",   "4K", "--dtype",    "bf16"};
+    in.world_size = in.devices_per_node = pu;
+    in.only_configs = {"u" + std::to_string(pu) + "xr1 zigzag p2p"};
+    p.ulysses_layout_pass = false;
+    const Prediction base = plan(in, p).front().prediction;
+    p.ulysses_layout_pass = true;
+    p.ulysses_source = "test";
+    const Prediction copies = plan(in, p).front().prediction;
+    const double bytes = pu > 1 ? 4.0 * 2 * (S / pu) * D * (2.0 * Hq + 2.0 * std::max<std::int64_t>(Hkv, pu)) : 0.0;
+    EXPECT_NEAR(copies.forward_s - base.forward_s, bytes / 2e12, 1e-12) << "Pu " << pu;
+    EXPECT_NEAR(copies.backward_s - base.backward_s, bytes / 2e12, 1e-12) << "Pu " << pu;
+  }
+  const DeviceProfile q = profile_from_json(profile_json(p), "round trip");
+  EXPECT_TRUE(q.ulysses_layout_pass);
+  nlohmann::json j = profile_json(p);
+  j["device"]["memory_bandwidth_bytes_per_s"] = 0;
+  EXPECT_THROW(profile_from_json(j, "no bandwidth"), Error);
+  j = profile_json(p);
+  j["ulysses"]["layout_pass"] = "yes";
+  EXPECT_THROW(profile_from_json(j, "not a flag"), Error);
+}
+
+// links.intra's p2p bandwidth: a ring inside one node sends its blocks at it (forward, without overlap: P c + (P - 1)
+// (latency + block / p2p)), the all-gather and a ring across nodes do not use it; read and written back; >= 0.
+TEST(SpPlanTiles, IntraP2pBandwidthTimesTheRingInsideANode) {
+  DeviceProfile p;
+  p.name = "flat";
+  p.note = "test";
+  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
+  p.intra = {1e-6, 1e11, "test"};
+  p.inter = {1e-6, 1e10, "test"};
+  p.ring_transfer_overlaps_compute = false;
+  p.ring_source = "test";
+  const int P = 4;
+  PlanInput in;
+  in.problem_flags = {"--attn",     "mha", "--heads", "4",  "--kv-heads", "2",
+                      "--head-dim", "64",  "--seq",   "8K", "--dtype",    "bf16"};
+  in.world_size = in.devices_per_node = P;
+  in.only_configs = {"u1xr4 zigzag p2p", "u1xr4 zigzag allgather"};
+  const std::vector<PlanRow> base = plan(in, p);
+  p.intra_p2p_bandwidth_bps = 2e10;
+  const std::vector<PlanRow> slow = plan(in, p);
+  const double block = 8192.0 / P * 2 * 64 * 2 * 2;  // K and V of a ring shard: S / P rows, 2 key heads of 64, bf16
+  for (std::size_t i = 0; i < base.size(); ++i) {
+    ASSERT_EQ(base[i].config.name(), slow[i].config.name());
+    const double moved = slow[i].prediction.forward_s - base[i].prediction.forward_s;
+    if (base[i].config.impl == "p2p")
+      EXPECT_NEAR(moved, (P - 1) * (block / 2e10 - block / 1e11), 1e-12) << base[i].config.name();
+    else
+      EXPECT_EQ(moved, 0.0) << base[i].config.name();
+  }
+  in.devices_per_node = 1;  // every hop across nodes: the inter link, the p2p bandwidth unused
+  in.nodes = P;
+  in.only_configs = {"u1xr4 zigzag p2p"};
+  p.intra_p2p_bandwidth_bps = 0;
+  const double across = plan(in, p).front().prediction.forward_s;
+  p.intra_p2p_bandwidth_bps = 2e10;
+  EXPECT_EQ(plan(in, p).front().prediction.forward_s, across);
+  EXPECT_EQ(profile_from_json(profile_json(p), "round trip").intra_p2p_bandwidth_bps, 2e10);
+  nlohmann::json j = profile_json(p);
+  j["links"]["intra"]["p2p_bandwidth_bytes_per_s"] = -1;
+  EXPECT_THROW(profile_from_json(j, "negative"), Error);
+}
+
+}  // namespace
+}  // namespace seqpar::bench::plan
