@@ -1,5 +1,7 @@
 #include "benchmarks/bench_common.h"
 
+#include "seqpar_git_commit.h"  // generated: SEQPAR_GIT_COMMIT
+
 #include <mpi.h>
 #include <unistd.h>
 
@@ -113,13 +115,7 @@ std::string utc_now_iso8601() {
   return buf;
 }
 
-const char* git_commit() {
-#if defined(SEQPAR_GIT_COMMIT)
-  return SEQPAR_GIT_COMMIT;
-#else
-  return "unknown";
-#endif
-}
+const char* git_commit() { return SEQPAR_GIT_COMMIT; }  // seqpar_git_commit.h, written at every build
 
 std::optional<cxxopts::ParseResult> parse_command_line(cxxopts::Options& spec, int argc, char** argv, int world_rank,
                                                        const std::vector<std::string>& help_groups) {

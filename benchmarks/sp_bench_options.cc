@@ -248,8 +248,9 @@ void add_sp_bench_flags(cxxopts::Options& spec) {
     ("warmup", "untimed iterations", cxxopts::value<int>()->default_value("2"))
     ("iters", "timed iterations (the median is reported)", cxxopts::value<int>()->default_value("5"))
     ("threads", "OpenMP threads per rank (default: OMP_NUM_THREADS, else 1)", cxxopts::value<int>())
-    ("device", "cpu | cuda | cuda:N: where each rank's tensors live (cuda: a build with CUDA, --attn mha without "
-               "dropout, ALiBi, sinks, soft-capping or RoPE; with --backend nccl each rank's own GPU)",
+    ("device", "cpu | cuda | cuda:N: where each rank's tensors live (cuda: a build with CUDA, --attn mha; dropout, "
+               "ALiBi, sinks and soft-capping take the exact cuBLAS fallback; --mode decode without --chunk; with "
+               "--backend nccl each rank's own GPU)",
      cxxopts::value<std::string>()->default_value("cpu"))
     ("check", "compare every output and gradient with the single-rank reference; non-zero exit when over tolerance")
     ("check-against", "what --check compares with (implies --check): 1-rank (the single-rank kernel, then the fp64 "

@@ -1,6 +1,10 @@
 # Shared by demo.sh and test.sh: install what is missing, configure and build into $SEQPAR_BUILD_DIR.
 # Environment: SEQPAR_BUILD_DIR (default build), SEQPAR_CMAKE_ARGS (extra configure flags), SEQPAR_JOBS.
+# A caller may set, before sourcing: build_targets (an array; default: everything) and skip_python=1 (no pip
+# installs: for a caller that runs no Python, as demo.sh).
 set -euo pipefail
+build_targets=("${build_targets[@]+"${build_targets[@]}"}")
+skip_python=${skip_python:-0}
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${SEQPAR_BUILD_DIR:-$root/build}
 jobs=${SEQPAR_JOBS:-$(OMP_NUM_THREADS= nproc)}
@@ -11,7 +15,7 @@ jobs=${SEQPAR_JOBS:-$(OMP_NUM_THREADS= nproc)}
 # yet (torch from PyPI runs on the CPU). Without them the module or its tests are left out (CMake says which), and
 # everything else still builds and runs.
 python_missing=()
-for p in torch pybind11 mpi4py numpy pytest; do
+[ "$skip_python" = 1 ] || for p in torch pybind11 mpi4py numpy pytest; do
   python3 -c "import $p" 2>/dev/null || python_missing+=("$p")
 done
 if [ ${#python_missing[@]} -gt 0 ]; then
@@ -25,7 +29,7 @@ fi
 # transformers, for the Hugging Face tests only (python/tests_hf, ctest python.hf.*, python.torchrun.hf.*): by name,
 # pinned to the version they last passed with, separately, so that a failure leaves every other test as it was;
 # those tests then skip and say why.
-if ! python3 -c "import transformers" 2>/dev/null && python3 -c "import torch" 2>/dev/null; then
+if [ "$skip_python" != 1 ] && ! python3 -c "import transformers" 2>/dev/null && python3 -c "import torch" 2>/dev/null; then
   echo "common.sh: pip installing transformers (for python/tests_hf)"
   python3 -m pip install -q "transformers==5.24.0" ||
     python3 -m pip install -q --break-system-packages "transformers==5.24.0" ||
@@ -39,7 +43,11 @@ if [ ! -f "$build_dir/CMakeCache.txt" ]; then
   # The in-tree build is for this machine (-march=native; a later SEQPAR_CMAKE_ARGS=-DSEQPAR_NATIVE=OFF wins).
   cmake -S "$root" -B "$build_dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DSEQPAR_NATIVE=ON ${SEQPAR_CMAKE_ARGS:-}
 fi
-cmake --build "$build_dir" -j "$jobs"
+if [ ${#build_targets[@]} -gt 0 ]; then
+  cmake --build "$build_dir" -j "$jobs" --target "${build_targets[@]}"
+else
+  cmake --build "$build_dir" -j "$jobs"
+fi
 
 # mpirun as root and with more ranks than cores (OpenMPI); harmless elsewhere.
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1

@@ -2,6 +2,10 @@
 # Installs what is missing, builds, and runs the main job: sp_bench under mpirun at 4 ranks (Ulysses 2 x ring 2),
 # MHA, GDN and DSA at small real-model shapes, each checked against the single-rank reference of the same problem.
 set -euo pipefail
+# Only what the demo runs: sp_bench, and comm_bench for common.sh's probe of OpenMPI's shared-memory copies (the tests
+# and the Python module are test.sh's; the demo pip-installs nothing).
+build_targets=(sp_bench comm_bench)
+skip_python=1
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 np=4
 sp_bench=("$build_dir/benchmarks/sp_bench" --ulysses-size 2 --ring-size 2 --layout zigzag --warmup 1 --iters 2 --check)

@@ -55,11 +55,14 @@ def _in_dtype(dtype, *tensors):
     return tuple(t.to(dtype) for t in tensors)
 
 
-def _layout_hint(layout, grid, error, *tensors):
+def _layout_hint(layout, grid, error, ndims, *tensors):
     """seqpar.Error `error` of a layer call, with the layout named when a sharded input does not have the layout's
     local_len rows (the usual cause: a torch.chunk or a hand-made split instead of seqpar.shard_sequence). The C++
-    check raised it on every rank before any message; this only adds words."""
-    rows = [t.shape[1] for t in tensors if t is not None and t.dim() > 1]
+    check raised it on every rank before any message; this only adds words. ndims: each tensor's number of
+    dimensions; a tensor of another rank is wrong for another reason (its dim 1 is no row count), the error says so."""
+    if any(t is not None and t.dim() != n for t, n in zip(tensors, ndims)):
+        return error
+    rows = [t.shape[1] for t in tensors if t is not None]
     if all(r == layout.local_len for r in rows):
         return error
     # [B, H, S, D] (torch's scaled_dot_product_attention order) instead of [B, S, H, D]: the rows are in dim 2
@@ -164,7 +167,7 @@ class MhaCp(torch.nn.Module):
         try:
             out, lse = MhaCpFunction.apply(layer, q, k, v, self.sinks, self.grid)
         except _seqpar.Error as e:
-            raise _layout_hint(self.layout, self.grid, e, q, k, v) from None
+            raise _layout_hint(self.layout, self.grid, e, (4, 4, 4), q, k, v) from None
         return (out, lse) if return_lse else out
 
 
@@ -217,7 +220,7 @@ class GdnCp(torch.nn.Module):
         try:
             return GdnFunction.apply(self.layer, self.grid, q, k, v, g, beta, initial_state)
         except _seqpar.Error as e:
-            raise _layout_hint(self.layout, self.grid, e, q, k, v, g, beta) from None
+            raise _layout_hint(self.layout, self.grid, e, (4, 4, 4, 3, 3), q, k, v, g, beta) from None
 
 
 class ShortConvFunction(torch.autograd.Function):
@@ -261,7 +264,7 @@ class ShortConvCp(torch.nn.Module):
         try:
             return ShortConvFunction.apply(self.layer, self.grid, x, self.weight.to(x.dtype))
         except _seqpar.Error as e:
-            raise _layout_hint(self.layout, self.grid, e, x) from None
+            raise _layout_hint(self.layout, self.grid, e, (3,), x) from None
 
 
 # ---- DSA --------------------------------------------------------------------------------------------------------
@@ -370,4 +373,4 @@ class DsaCp(torch.nn.Module):
                 return result
             return (*result, topk[0]) if isinstance(result, tuple) else (result, topk[0])
         except _seqpar.Error as e:
-            raise _layout_hint(self.layout, self.grid, e, q, c, q_idx, k_idx, w) from None
+            raise _layout_hint(self.layout, self.grid, e, (4, 3, 4, 3, 3), q, c, q_idx, k_idx, w) from None

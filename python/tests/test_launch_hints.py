@@ -52,6 +52,27 @@ def test_heads_first_input_says_the_order(layer):
     assert "transpose" not in str(e.value)
 
 
+@pytest.mark.parametrize("layer", ["mha", "gdn", "dsa"])
+def test_wrong_rank_has_no_rows_hint(layer):
+    """An input of the wrong number of dimensions (q without its batch dimension) is refused for its shape; its dim 1
+    is no row count, so the error carries no hint about the layout's rows (it used to say 'got rows [H, H, H]')."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, 32 * WORLD, "zigzag")
+    s = layout.local_len
+    with pytest.raises(seqpar.Error) as e:
+        if layer == "mha":
+            x = torch.randn(s, 3, 8)  # [S, H, D]: no batch dimension
+            seqpar.MhaCp(grid, layout)(x, x, x)
+        elif layer == "gdn":
+            x = torch.randn(s, 2, 8)
+            seqpar.GdnCp(grid, layout)(x, x, x, -torch.rand(1, s, 2), torch.rand(1, s, 2))
+        else:
+            seqpar.DsaCp(grid, layout, topk=4, dim_v=8)(torch.randn(s, 2, 16), torch.randn(1, s, 16),
+                                                         torch.randn(1, s, 2, 8), torch.randn(1, s, 8),
+                                                         torch.rand(1, s, 2))
+    assert "got rows" not in str(e.value) and "local_len=" not in str(e.value), str(e.value)
+
+
 def test_apply_rope_names_the_layout():
     grid = seqpar.CpGrid(1, 1, WORLD)
     layout = seqpar.SequenceLayout.for_grid(grid, 30, "zigzag")

@@ -63,6 +63,16 @@ def test_json(tmp):
     check(j["threads_per_rank"] == threads, f"threads_per_rank {j['threads_per_rank']} != {threads}")
     check(re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?|unknown", j["git_commit"]) is not None,
           f"git_commit {j['git_commit']!r}")
+    # The commit is the source tree's HEAD (taken at every build, not at configure time: a commit made after
+    # configuring used to leave the old one in every header and JSON). Outside a git checkout: "unknown".
+    try:
+        head = subprocess.run(["git", "-C", os.path.join(ARGS.scripts, ".."), "rev-parse", "HEAD"],
+                              capture_output=True, text=True)
+    except FileNotFoundError:  # no git on this machine: the build wrote "unknown" too
+        head = None
+    if head is not None and head.returncode == 0:
+        check(head.stdout.strip().startswith(j["git_commit"].removesuffix("-dirty")),
+              f"git_commit {j['git_commit']!r} is not the source tree's HEAD {head.stdout.strip()} (rebuild?)")
     date = datetime.datetime.strptime(j["date_utc"], "%Y-%m-%dT%H:%M:%SZ")
     check(abs((datetime.datetime.utcnow() - date).total_seconds()) < 3600, f"date_utc {j['date_utc']} is not now")
     check(j["grid"]["ring_size"] == 2 and j["grid"]["ulysses_size"] == 1, f"grid {j['grid']}")

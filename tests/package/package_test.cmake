@@ -70,6 +70,7 @@ function(configure_project src build)
     set(launcher "-DCMAKE_CXX_COMPILER_LAUNCHER=${LAUNCHER}")
   endif()
   run("configure" ${CMAKE_COMMAND} -S ${src} -B ${build} -G ${GENERATOR} -DCMAKE_CXX_COMPILER=${CXX} ${launcher} ${ARGN})
+  set(run_output "${run_output}" PARENT_SCOPE)
 endfunction()
 
 # Configures, builds and runs examples/ as a project of its own in `dir`, with the extra configure arguments.
@@ -239,10 +240,25 @@ elseif(STEP STREQUAL "pkg_config")
       -o ${WORK_DIR}/pkg_config/ring_attention_example)
   run_example(${WORK_DIR}/pkg_config/ring_attention_example)
 elseif(STEP STREQUAL "add_subdirectory")
+  # A project without a build type that includes seqpar is warned (seqpar would compile unoptimised); examples/, a
+  # project of its own, defaults to Release as seqpar does.
+  set(dir ${WORK_DIR}/no_build_type)
+  file(WRITE ${dir}/src/CMakeLists.txt "cmake_minimum_required(VERSION 3.24)\nproject(no_build_type LANGUAGES CXX)\n"
+                                       "add_subdirectory(${SOURCE_DIR} seqpar)\n")
+  file(REMOVE ${dir}/build/CMakeCache.txt)
+  configure_project(${dir}/src ${dir}/build)
+  string(REGEX REPLACE "[ \n]+" " " text "${run_output}")
+  if(NOT text MATCHES "seqpar: the including project has no CMAKE_BUILD_TYPE, so seqpar's kernels compile without")
+    message(FATAL_ERROR "no warning about the empty build type when included:\n${run_output}")
+  endif()
   # SEQPAR_NATIVE=ON (off by default inside a project) to check that it stays private.
   set(check_native TRUE)
   build_and_run_examples(${WORK_DIR}/add_subdirectory -DSEQPAR_SOURCE_DIR=${SOURCE_DIR} -DSEQPAR_NATIVE=ON
                          -DCMAKE_EXPORT_COMPILE_COMMANDS=ON)
+  file(STRINGS ${WORK_DIR}/add_subdirectory/CMakeCache.txt build_type REGEX "^CMAKE_BUILD_TYPE:")
+  if(NOT build_type MATCHES "=Release$")
+    message(FATAL_ERROR "examples/ without a build type: ${build_type} (expected Release)")
+  endif()
 else()
   message(FATAL_ERROR "package_test.cmake: unknown STEP '${STEP}'")
 endif()
