@@ -518,6 +518,57 @@ TEST(GdnComposed, Bf16InputsAndOutputsAgainstTheFp64Reference) {
   EXPECT_TRUE(all_close(to_double(gb.dinit), to_double(g64.dinit), 1e-4, 1e-4, "dinitial_state"));
 }
 
+// The CUDA route of attn::gdn_forward / gdn_backward (attention/gdn.cc): CUDA tensors on a CUDA stream run the
+// composition on the CUDA table of that device, the fp32 tensors in place (no upload), bf16 converted on the device;
+// against the CPU kernel on the same host values at 2e-5 / 1e-4. Needs a CUDA build and a device, else skipped.
+TEST(GdnComposed, CudaTensorsTakeTheCudaRoute) {
+  const std::string why = test::cuda_table_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << "the CUDA route needs a CUDA device: " << why;
+  const Device dev = Device::cuda(0);
+  const Stream stream{dev, nullptr};
+  const auto on_device = [&](const TensorView& t) {
+    Tensor d = Tensor::empty(t.shape(), t.dtype(), kWs, dev);
+    copy_convert(t, d, stream);
+    return d;
+  };
+  const auto on_host = [&](const TensorView& t) {
+    Tensor h = Tensor::empty(t.shape(), t.dtype(), kWs);
+    copy_convert(t, h, stream);
+    return h;
+  };
+  Problem p;
+  p.S = 70, p.chunk = 32;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const Inputs r = make(p, dtype);
+    const Tensor q = on_device(r.q), k = on_device(r.k), v = on_device(r.v), g = on_device(r.g),
+                 beta = on_device(r.beta), init = on_device(r.init);
+    const GdnForwardArgs a{q, k, v, g, beta, init, p.l2, 0.0f, p.chunk};
+    Out want = alloc(p, r, DType::kFloat32, DType::kFloat32);
+    gdn_forward(r.args, want.out, want.fin);
+    const Tensor out = Tensor::empty(want.out.shape(), DType::kFloat32, kWs, dev),
+                 fin = Tensor::empty(want.fin.shape(), DType::kFloat32, kWs, dev);
+    const ops::StagingCounts c = staged_by([&] { gdn_forward(a, out, fin, stream); });
+    const std::string tag = std::string("cuda route ") + dtype_name(dtype);
+    EXPECT_EQ(c.uploaded, 0) << tag;
+    EXPECT_EQ(c.downloaded, 0) << tag;
+    EXPECT_EQ(c.in_place, dtype == DType::kFloat32 ? 6 : 1) << tag;
+    EXPECT_TRUE(all_close(to_double(on_host(out)), to_double(want.out), 2e-5, 1e-4, tag + " out"));
+    EXPECT_TRUE(all_close(to_double(on_host(fin)), to_double(want.fin), 2e-5, 1e-4, tag + " final_state"));
+
+    const Tensor dout_h = random_tensor({p.B, p.S, p.H, p.V}, dtype, 93);
+    const Tensor dout = on_device(dout_h);
+    Grads gw = alloc_grads(p, r, DType::kFloat32, DType::kFloat32);
+    gdn_backward(GdnBackwardArgs{r.args, dout_h, TensorView()}, gw.dq, gw.dk, gw.dv, gw.dg, gw.dbeta, gw.dinit);
+    Grads gd{on_device(gw.dq), on_device(gw.dk), on_device(gw.dv), on_device(gw.dg), on_device(gw.dbeta),
+             on_device(gw.dinit)};
+    gdn_backward(GdnBackwardArgs{a, dout, TensorView()}, gd.dq, gd.dk, gd.dv, gd.dg, gd.dbeta, gd.dinit, stream);
+    const std::pair<const Tensor*, const Tensor*> pairs[] = {{&gd.dq, &gw.dq}, {&gd.dk, &gw.dk},       {&gd.dv, &gw.dv},
+                                                             {&gd.dg, &gw.dg}, {&gd.dbeta, &gw.dbeta}, {&gd.dinit, &gw.dinit}};
+    for (const auto& [got, w] : pairs)
+      EXPECT_TRUE(all_close(to_double(on_host(*got)), to_double(*w), 2e-5, 1e-4, tag + " gradient"));
+  }
+}
+
 TEST(GdnComposed, ArgumentErrorsAreTheKernels) {
   Problem p;
   const Inputs r = make(p, DType::kFloat32);
