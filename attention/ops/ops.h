@@ -1,11 +1,12 @@
-// The ops table: the few device operations that the composed GDN (and later DSA) algorithms are written in, so that
-// one composition runs on the CPU (ops_cpu.h: OpenBLAS and loops, tested here) and on a GPU (a CUDA table: cuBLAS
-// strided / pointer-array batched GEMM and trsm, CUB, FlashInfer's top-k; not written yet). docs/design.md, "The ops
+// The ops table: the few device operations that the composed GDN and DSA algorithms are written in, so that one
+// composition runs on the CPU (ops_cpu.h: OpenBLAS and loops, tested here) and on a GPU (attention/cuda/ops_cuda.h:
+// cuBLAS strided / pointer-array batched GEMM and trsm, cuBLASLt, CUB, FlashInfer's top-k). docs/design.md, "The ops
 // table".
 //
 // Conventions: row-major matrices; T is float or double (arithmetic and accumulation in T). Every pointer handed to
-// an op is device memory of the table (allocate / upload); host vectors reach it only through upload. Calls are
-// ordered (a CUDA table issues them on one stream); download waits for the work before it.
+// an op is memory of the table's device (Memory::device()): a table buffer (allocate / upload) or the data of a
+// tensor on that device, used in place (attention/ops/staging.h); convert_in / convert_out convert other dtypes
+// there. Calls are ordered (a CUDA table issues them on one stream); download waits for the work before it.
 //
 // Batches are two-level: matrix (o, n), o < outer, n < inner, of an operand starts at ptr + o * so + n * si (a
 // stride may be 0: the same matrix for every n). A one-level strided batch is outer = 1; a CUDA table maps a
