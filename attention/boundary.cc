@@ -7,13 +7,31 @@
 
 namespace seqpar::attn::detail {
 
+namespace {
+thread_local bool t_accept = false;
+thread_local Device t_accepted;
+bool accepted(const Device& d) { return d.is_cpu() || (t_accept && d == t_accepted); }
+}  // namespace
+
+AcceptDevice::AcceptDevice(Device device) : had_(t_accept), previous_(t_accepted) {
+  t_accept = true;
+  t_accepted = device;
+}
+AcceptDevice::~AcceptDevice() {
+  t_accept = had_;
+  t_accepted = previous_;
+}
+
 void check_stream(const Stream& stream, const char* fn, const char* family) {
-  SEQPAR_CHECK(stream.device.is_cpu(), fn, ": stream on ", stream.device.str(), ", but ", family,
+  SEQPAR_CHECK(accepted(stream.device), fn, ": stream on ", stream.device.str(), ", but ", family,
                " kernels have no CUDA implementation yet (pass host tensors and Stream::cpu())");
 }
 
 void check_host(const TensorView& t, const char* what, const char* family) {
-  SEQPAR_CHECK(t.device().is_cpu(), what, " ", t.str(), " is on ", t.device().str(), ", but ", family,
+  if (t_accept)
+    SEQPAR_CHECK(accepted(t.device()), what, " ", t.str(), " is on ", t.device().str(), ", but this ", family,
+                 " call runs on the stream's device ", t_accepted.str(), " (pass tensors on it or on the host)");
+  SEQPAR_CHECK(accepted(t.device()), what, " ", t.str(), " is on ", t.device().str(), ", but ", family,
                " kernels have no CUDA implementation yet (pass host tensors)");
   SEQPAR_CHECK(t.numel() == 0 || t.data() != nullptr, what, " ", t.str(), " has no data");
 }

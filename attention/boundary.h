@@ -15,6 +15,21 @@
 
 namespace seqpar::attn::detail {
 
+// While an AcceptDevice is alive on this thread, check_stream and the tensor checks below also accept streams and
+// tensors on `device` (a CUDA device): the ops-table route of a family (gdn.cc's CUDA route) validates its arguments
+// with the same checks. Values the checks read on the host (cu_seqlens) are checked for the host by their caller.
+class AcceptDevice {
+ public:
+  explicit AcceptDevice(Device device);
+  ~AcceptDevice();
+  AcceptDevice(const AcceptDevice&) = delete;
+  AcceptDevice& operator=(const AcceptDevice&) = delete;
+
+ private:
+  bool had_ = false;
+  Device previous_;
+};
+
 // fn: the public function ("dsa_attention_forward"); family: "MHA", "DSA", "GDN" or "RoPE".
 void check_stream(const Stream& stream, const char* fn, const char* family);
 // A host tensor with data (or no elements).

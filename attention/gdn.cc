@@ -1,14 +1,18 @@
 // Public boundary of the GDN kernels: argument validation (callable on its own through the validate members of the
-// argument structs) and dispatch to the CPU kernels in cpu/. Math: attention/gdn.h.
+// argument structs) and dispatch to the CPU kernels in cpu/, or, for CUDA tensors on a CUDA stream in a CUDA build, to
+// the compositions on the CUDA ops table (attention/ops/gdn_composed.h). Math: attention/gdn.h.
 #include "attention/gdn.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "attention/boundary.h"
 #include "attention/cpu/gdn_cpu.h"
+#include "attention/cuda/ops_cuda.h"
+#include "attention/ops/gdn_composed.h"
 #include "attention/ops/gdn_hook.h"
 #include "runtime/error.h"
 #include "runtime/tensor_checks.h"
@@ -32,6 +36,8 @@ std::vector<std::int64_t> validate_cu_seqlens(const TensorView& cu_seqlens, std:
                                               const char* fn) {
   if (cu_seqlens.empty()) return {};
   detail::check_host(cu_seqlens, "cu_seqlens", kFamily);
+  SEQPAR_CHECK(cu_seqlens.device().is_cpu(), fn, ": cu_seqlens ", cu_seqlens.str(), " is on ",
+               cu_seqlens.device().str(), ", but document bounds are read on the host (pass a host tensor)");
   SEQPAR_CHECK(cu_seqlens.dtype() == DType::kInt64 && cu_seqlens.ndim() == 1, fn,
                ": cu_seqlens must be int64 [N+1], got ", cu_seqlens.str());
   SEQPAR_CHECK(batch == 1, fn, ": a packed row (cu_seqlens given) must have batch size 1, got B = ", batch,
@@ -224,15 +230,27 @@ void check_gdn_transition_transpose(const TensorView& m, const TensorView& mt, S
 
 // ---- validation of the argument structs --------------------------------------------------------------------------
 
+namespace {
+// In a build with the CUDA ops table, the checks of a call on a CUDA stream accept tensors on that device (the CUDA
+// route: the validate members then raise exactly what the routed call raises).
+void accept_route_device(std::optional<detail::AcceptDevice>& accept, const Stream& stream) {
+  if (stream.device.is_cuda() && ops::cuda_ops_built()) accept.emplace(stream.device);
+}
+}  // namespace
+
 void GdnForwardArgs::validate() const { validate_forward_args(*this); }
 
 void GdnForwardArgs::validate(const TensorView& out, const TensorView& final_state, Stream stream) const {
+  std::optional<detail::AcceptDevice> accept;
+  accept_route_device(accept, stream);
   detail::check_stream(stream, "gdn_forward", kFamily);
   validate_forward(*this, out, final_state);
 }
 
 void GdnBackwardArgs::validate(const TensorView& dq, const TensorView& dk, const TensorView& dv, const TensorView& dg,
                                const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) const {
+  std::optional<detail::AcceptDevice> accept;
+  accept_route_device(accept, stream);
   detail::check_stream(stream, "gdn_backward", kFamily);
   validate_backward(*this, dq, dk, dv, dg, dbeta, dinitial_state);
 }
@@ -240,6 +258,8 @@ void GdnBackwardArgs::validate(const TensorView& dq, const TensorView& dk, const
 void ShortConvArgs::validate() const { validate_conv_args(*this); }
 
 void ShortConvArgs::validate(const TensorView& out, const TensorView& final_conv_state, Stream stream) const {
+  std::optional<detail::AcceptDevice> accept;
+  accept_route_device(accept, stream);
   detail::check_stream(stream, "short_conv_forward", kFamily);
   const cpu::ShortConvDims d = validate_conv_args(*this);
   check_like_x(out, {d.B, d.S, d.C}, *this, "out");
@@ -248,6 +268,8 @@ void ShortConvArgs::validate(const TensorView& out, const TensorView& final_conv
 
 void ShortConvArgs::validate(const TensorView& dout, const TensorView& dx, const TensorView& dweight,
                              const TensorView& dinitial_conv_state, Stream stream) const {
+  std::optional<detail::AcceptDevice> accept;
+  accept_route_device(accept, stream);
   detail::check_stream(stream, "short_conv_backward", kFamily);
   const cpu::ShortConvDims d = validate_conv_args(*this);
   check_like_x(dout, {d.B, d.S, d.C}, *this, "dout");
@@ -305,9 +327,24 @@ Document document(const GdnForwardArgs& a, const cpu::GdnDims& d, std::int64_t d
   return r;
 }
 
+// The CUDA route: a CUDA stream in a build with the CUDA ops table runs f(table) on the table of the stream's device
+// (fp64 arithmetic for fp64 `dtype`, else fp32), issuing on that stream, with the argument checks accepting tensors
+// on that device (boundary.h AcceptDevice); the composition validates its arguments first (the kernels' checks) and
+// stages the tensors (attention/ops/staging.h: in place on the device, host tensors uploaded). False otherwise (a
+// build without CUDA refuses the stream in the checks that follow, as before).
+template <typename F>
+bool on_cuda_table(const Stream& stream, DType dtype, F&& f) {
+  if (!stream.device.is_cuda() || !ops::cuda_ops_built()) return false;
+  const detail::AcceptDevice accept(stream.device);
+  ops::with_cuda_ops(dtype, stream.device, stream, f);
+  return true;
+}
+
 }  // namespace
 
 void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const TensorView& final_state, Stream stream) {
+  if (on_cuda_table(stream, args.q.dtype(), [&](auto& t) { ops::gdn_forward_composed(t, args, out, final_state); }))
+    return;
   detail::check_stream(stream, "gdn_forward", kFamily);
   if (ops::detail::gdn_forward_hooked(args, out, final_state)) return;  // test mode (attention/ops/gdn_hook.h)
   const Checked c = validate_forward(args, out, final_state);
@@ -329,6 +366,10 @@ void gdn_forward(const GdnForwardArgs& args, const TensorView& out, const Tensor
 
 void gdn_backward(const GdnBackwardArgs& args, const TensorView& dq, const TensorView& dk, const TensorView& dv,
                   const TensorView& dg, const TensorView& dbeta, const TensorView& dinitial_state, Stream stream) {
+  if (on_cuda_table(stream, args.fwd.q.dtype(), [&](auto& t) {
+        ops::gdn_backward_composed(t, args, dq, dk, dv, dg, dbeta, dinitial_state);
+      }))
+    return;
   detail::check_stream(stream, "gdn_backward", kFamily);
   if (ops::detail::gdn_backward_hooked(args, dq, dk, dv, dg, dbeta, dinitial_state)) return;  // test mode
   const Checked c = validate_backward(args, dq, dk, dv, dg, dbeta, dinitial_state);
@@ -598,6 +639,7 @@ void gdn_backward_window(const GdnBackwardArgs& args, const GdnWindow& window, c
 }
 
 void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const TensorView& u, Stream stream) {
+  if (on_cuda_table(stream, args.q.dtype(), [&](auto& t) { ops::gdn_transition_composed(t, args, m, u); })) return;
   detail::check_stream(stream, "gdn_transition", kFamily);
   if (ops::detail::gdn_transition_hooked(args, m, u)) return;  // test mode (attention/ops/gdn_hook.h)
   cpu::gdn_transition_cpu(args, validate_transition(args, m, u), m, u);
@@ -605,6 +647,15 @@ void gdn_transition(const GdnForwardArgs& args, const TensorView& m, const Tenso
 
 void gdn_transition_compose(const TensorView& m2, const TensorView& u2, const TensorView& m1, const TensorView& u1,
                             const TensorView& m, const TensorView& u, Stream stream) {
+  if (stream.device.is_cuda() && ops::cuda_ops_built()) {
+    const detail::AcceptDevice accept(stream.device);
+    check_gdn_transition_compose(m2, u2, m1, u1, m, u, stream);
+    on_cuda_table(stream, m2.dtype(), [&](auto& t) {
+      ops::gdn_map_product_composed(t, false, m2, m1, {}, m);
+      ops::gdn_map_product_composed(t, false, m2, u1, u2, u);
+    });
+    return;
+  }
   check_gdn_transition_compose(m2, u2, m1, u1, m, u, stream);
   if (ops::detail::gdn_map_product_hooked(false, m2, m1, {}, m)) {  // test mode: two products
     ops::detail::gdn_map_product_hooked(false, m2, u1, u2, u);
@@ -615,6 +666,12 @@ void gdn_transition_compose(const TensorView& m2, const TensorView& u2, const Te
 
 void gdn_transition_apply(const TensorView& m, const TensorView& u, const TensorView& s_start, const TensorView& s_end,
                           Stream stream) {
+  if (stream.device.is_cuda() && ops::cuda_ops_built()) {
+    const detail::AcceptDevice accept(stream.device);
+    check_gdn_transition_apply(m, u, s_start, s_end, stream);
+    on_cuda_table(stream, m.dtype(), [&](auto& t) { ops::gdn_map_product_composed(t, false, m, s_start, u, s_end); });
+    return;
+  }
   check_gdn_transition_apply(m, u, s_start, s_end, stream);
   if (ops::detail::gdn_map_product_hooked(false, m, s_start, u, s_end)) return;  // test mode
   cpu::gdn_transition_apply_cpu(m, u, s_start, s_end);
@@ -622,12 +679,25 @@ void gdn_transition_apply(const TensorView& m, const TensorView& u, const Tensor
 
 void gdn_transition_apply_adjoint(const TensorView& m, const TensorView& ds_end, const TensorView& local,
                                   const TensorView& ds_start, Stream stream) {
+  if (stream.device.is_cuda() && ops::cuda_ops_built()) {
+    const detail::AcceptDevice accept(stream.device);
+    check_gdn_transition_apply_adjoint(m, ds_end, local, ds_start, stream);
+    on_cuda_table(stream, m.dtype(),
+                  [&](auto& t) { ops::gdn_map_product_composed(t, true, m, ds_end, local, ds_start); });
+    return;
+  }
   check_gdn_transition_apply_adjoint(m, ds_end, local, ds_start, stream);
   if (ops::detail::gdn_map_product_hooked(true, m, ds_end, local, ds_start)) return;  // test mode
   cpu::gdn_transition_apply_adjoint_cpu(m, ds_end, local, ds_start);
 }
 
 void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream stream) {
+  if (stream.device.is_cuda() && ops::cuda_ops_built()) {
+    const detail::AcceptDevice accept(stream.device);
+    check_gdn_transition_transpose(m, mt, stream);
+    on_cuda_table(stream, m.dtype(), [&](auto& t) { ops::gdn_map_product_composed(t, true, m, {}, {}, mt); });
+    return;
+  }
   check_gdn_transition_transpose(m, mt, stream);
   if (ops::detail::gdn_map_product_hooked(true, m, {}, {}, mt)) return;  // test mode
   cpu::gdn_transition_transpose_cpu(m, mt);
@@ -635,6 +705,9 @@ void gdn_transition_transpose(const TensorView& m, const TensorView& mt, Stream 
 
 void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const TensorView& final_conv_state,
                         Stream stream) {
+  if (on_cuda_table(stream, args.x.dtype(),
+                    [&](auto& t) { ops::short_conv_forward_composed(t, args, out, final_conv_state); }))
+    return;
   args.validate(out, final_conv_state, stream);
   if (ops::detail::short_conv_forward_hooked(args, out, final_conv_state)) return;  // test mode
   cpu::short_conv_forward_cpu(args, validate_conv_args(args), out, final_conv_state);
@@ -642,6 +715,10 @@ void short_conv_forward(const ShortConvArgs& args, const TensorView& out, const 
 
 void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, const TensorView& dx,
                          const TensorView& dweight, const TensorView& dinitial_conv_state, Stream stream) {
+  if (on_cuda_table(stream, args.x.dtype(), [&](auto& t) {
+        ops::short_conv_backward_composed(t, args, dout, dx, dweight, dinitial_conv_state);
+      }))
+    return;
   args.validate(dout, dx, dweight, dinitial_conv_state, stream);
   if (ops::detail::short_conv_backward_hooked(args, dout, dx, dweight, dinitial_conv_state)) return;  // test mode
   cpu::short_conv_backward_cpu(args, validate_conv_args(args), dout, dx, dweight, dinitial_conv_state);

@@ -45,16 +45,6 @@ void throw_unsupported_dtype(DType dtype) {
 }
 
 namespace {
-// fp64 -> fp32 rounding to odd: truncate toward zero, then set the last bit when the conversion was inexact.
-float double_to_float_round_to_odd(double x) {
-  float f = static_cast<float>(x);  // round to nearest even
-  if (std::isnan(x) || static_cast<double>(f) == x) return f;
-  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) {
-    f = std::nextafter(f, 0.0f);  // rounded away from zero (or to inf): step back toward zero
-  }
-  return bits_float(float_bits(f) | 1u);
-}
-
 template <typename S, typename D>
 void convert_typed(const S* src, D* dst, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) dst[i] = from_float<D>(static_cast<float>(to_float(src[i])));

@@ -98,6 +98,51 @@ SEQPAR_HOST_DEVICE inline std::uint16_t float_to_fp16_bits(float f) {
   return static_cast<std::uint16_t>(sign | ((rebased + rounding) >> 13));
 }
 
+// fp64 -> fp32 rounded to odd (toward zero, then the last bit set when inexact; NaN and exact values unchanged):
+// fp32 keeps at least 2 more bits than bf16 / fp16, so rounding this to nearest even gives the correctly rounded
+// bf16 / fp16 of x (no double rounding). Bit operations only, so that a kernel converts with the same body.
+SEQPAR_HOST_DEVICE inline float double_to_float_round_to_odd(double x) {
+  const float f = static_cast<float>(x);  // nearest even
+  if (x != x || static_cast<double>(f) == x) return f;
+  std::uint32_t u = float_bits(f);
+  const bool away = x > 0 ? static_cast<double>(f) > x : static_cast<double>(f) < x;
+  if (away) u -= 1u;  // one step toward zero (inf steps to the largest finite value)
+  return bits_float(u | 1u);
+}
+
+// Element i of a buffer of `dtype` (fp64, fp32, bf16 or fp16) as T (float or double), and T into element i: the
+// per-element bodies of the ops tables' convert_in / convert_out (attention/ops/ops.h), host and device. Each equals
+// convert() above bit for bit: bf16 / fp16 / fp32 -> T exactly (fp64 -> fp32 to nearest even); T -> bf16 / fp16 to
+// nearest even once (fp64 through double_to_float_round_to_odd). Integer dtypes give 0 / store nothing (callers
+// check dtypes first).
+template <typename T>
+SEQPAR_HOST_DEVICE inline T load_element(const void* src, DType dtype, std::size_t i) {
+  switch (dtype) {
+    case DType::kFloat64: return static_cast<T>(static_cast<const double*>(src)[i]);
+    case DType::kFloat32: return static_cast<T>(static_cast<const float*>(src)[i]);
+    case DType::kBFloat16: return static_cast<T>(bf16_bits_to_float(static_cast<const std::uint16_t*>(src)[i]));
+    case DType::kFloat16: return static_cast<T>(fp16_bits_to_float(static_cast<const std::uint16_t*>(src)[i]));
+    default: return T(0);
+  }
+}
+template <typename T>
+SEQPAR_HOST_DEVICE inline float narrow_for_16bit(T v) {
+  if constexpr (sizeof(T) == sizeof(double))
+    return double_to_float_round_to_odd(static_cast<double>(v));
+  else
+    return static_cast<float>(v);
+}
+template <typename T>
+SEQPAR_HOST_DEVICE inline void store_element(T v, void* dst, DType dtype, std::size_t i) {
+  switch (dtype) {
+    case DType::kFloat64: static_cast<double*>(dst)[i] = static_cast<double>(v); break;
+    case DType::kFloat32: static_cast<float*>(dst)[i] = static_cast<float>(v); break;
+    case DType::kBFloat16: static_cast<std::uint16_t*>(dst)[i] = float_to_bf16_bits(narrow_for_16bit(v)); break;
+    case DType::kFloat16: static_cast<std::uint16_t*>(dst)[i] = float_to_fp16_bits(narrow_for_16bit(v)); break;
+    default: break;
+  }
+}
+
 // 16-bit storage types. Arithmetic happens in float: convert with float(x) and the constructors.
 struct bf16 {
   std::uint16_t bits = 0;

@@ -112,6 +112,7 @@ class CudaOps final : public Ops<T> {
   CudaOps& operator=(const CudaOps&) = delete;
 
   const char* name() const override { return "cuda"; }
+  Device device() const override { return Device::cuda(device_); }
   void* allocate(std::size_t bytes) override {
     DeviceScope scope(device_);
     void* p = nullptr;
@@ -198,6 +199,15 @@ class CudaOps final : public Ops<T> {
                        Batch batch) override {
     DeviceScope scope(device_);
     kern::scaled_identity(n, s, s_so, s_si, batched(dst), batch.outer, batch.inner, stream_);
+  }
+
+  void convert_in(const void* src, DType src_dtype, T* dst, std::int64_t n) override {
+    DeviceScope scope(device_);
+    kern::convert_in(src, src_dtype, dst, n, stream_);
+  }
+  void convert_out(const T* src, void* dst, DType dst_dtype, std::int64_t n) override {
+    DeviceScope scope(device_);
+    kern::convert_out(src, dst, dst_dtype, n, stream_);
   }
 
   void gather_rows(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src, const std::int64_t* idx,

@@ -50,6 +50,16 @@ __global__ void identity_kernel(std::int64_t n_dim, const T* s, std::int64_t s_s
 }
 
 template <typename T>
+__global__ void convert_in_kernel(const void* src, DType src_dtype, T* dst, std::int64_t n) {
+  SEQPAR_GRID_LOOP(t, n) { dst[t] = load_element<T>(src, src_dtype, static_cast<std::size_t>(t)); }
+}
+
+template <typename T>
+__global__ void convert_out_kernel(const T* src, void* dst, DType dst_dtype, std::int64_t n) {
+  SEQPAR_GRID_LOOP(t, n) { store_element<T>(src[t], dst, dst_dtype, static_cast<std::size_t>(t)); }
+}
+
+template <typename T>
 __global__ void gather_kernel(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src,
                               const std::int64_t* idx, T* dst, std::int64_t ld_dst) {
   SEQPAR_GRID_LOOP(t, rows * cols) {
@@ -137,6 +147,19 @@ void scaled_identity(std::int64_t n_dim, const T* s, std::int64_t s_so, std::int
 }
 
 template <typename T>
+void convert_in(const void* src, DType src_dtype, T* dst, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  convert_in_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(src, src_dtype, dst, n);
+  SEQPAR_CHECK_CUDA(cudaGetLastError());
+}
+template <typename T>
+void convert_out(const T* src, void* dst, DType dst_dtype, std::int64_t n, cudaStream_t stream) {
+  if (n <= 0) return;
+  convert_out_kernel<T><<<blocks_for(n), kThreads, 0, stream>>>(src, dst, dst_dtype, n);
+  SEQPAR_CHECK_CUDA(cudaGetLastError());
+}
+
+template <typename T>
 void gather_rows(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src, const std::int64_t* idx,
                  T* dst, std::int64_t ld_dst, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
@@ -197,6 +220,8 @@ void gdn_chunk_masks(std::int64_t chunks, std::int64_t C, const T* gamma, const 
   template void scale_mats<T>(std::int64_t, std::int64_t, T, BatchedMat<T>, std::int64_t, std::int64_t, cudaStream_t); \
   template void scaled_identity<T>(std::int64_t, const T*, std::int64_t, std::int64_t, BatchedMat<T>, std::int64_t,    \
                                    std::int64_t, cudaStream_t);                                                        \
+  template void convert_in<T>(const void*, DType, T*, std::int64_t, cudaStream_t);                                     \
+  template void convert_out<T>(const T*, void*, DType, std::int64_t, cudaStream_t);                                    \
   template void gather_rows<T>(std::int64_t, std::int64_t, const T*, std::int64_t, const std::int64_t*, T*,            \
                                std::int64_t, cudaStream_t);                                                            \
   template void l2norm_scale_rows<T>(std::int64_t, std::int64_t, T*, std::int64_t, T, T, cudaStream_t);                \

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "runtime/dtype.h"
+
 namespace seqpar::attn::cuda {
 
 // A batched matrix operand of the ops table (ops::Mat): element (i, j) of matrix (o, n) at
@@ -37,6 +39,12 @@ void scale_mats(std::int64_t rows, std::int64_t cols, T beta, BatchedMat<T> dst,
 template <typename T>
 void scaled_identity(std::int64_t n_dim, const T* s, std::int64_t s_so, std::int64_t s_si, BatchedMat<T> dst,
                      std::int64_t outer, std::int64_t inner, cudaStream_t stream);
+
+// ops::Ops::convert_in / convert_out: one thread per element, bodies runtime/dtype.h load_element / store_element.
+template <typename T>
+void convert_in(const void* src, DType src_dtype, T* dst, std::int64_t n, cudaStream_t stream);
+template <typename T>
+void convert_out(const T* src, void* dst, DType dst_dtype, std::int64_t n, cudaStream_t stream);
 
 // ops::Ops::gather_rows / scatter_add_rows (idx: int64 on the device). scatter_add sorts (idx[r], r) with CUB's
 // stable radix sort into an inverted index, then one thread per (destination row, column) adds the rows of its run

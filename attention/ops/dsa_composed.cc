@@ -9,6 +9,7 @@
 #include "../../runtime/error.h"
 #include "../../runtime/tensor_ops.h"
 #include "host_values.h"
+#include "staging.h"
 #include "ops_cpu.h"
 
 namespace seqpar::attn::ops {
@@ -47,8 +48,7 @@ void block_candidates(Ops<T>& ops, const DsaIndexerArgs& args, std::int64_t k, s
     }
   }
 
-  const Buffer<T> q(ops, host_values<T>(args.q_idx)), w(ops, host_values<T>(args.w)),
-      kk(ops, host_values<T>(args.k_idx));
+  const Input<T> q(ops, args.q_idx, "q_idx"), w(ops, args.w, "w"), kk(ops, args.k_idx, "k_idx");
   Buffer<std::int64_t> idx(ops, B * Sq * k);
   Buffer<T> val(ops, B * Sq * k);
   std::vector<std::int64_t> first_col(static_cast<std::size_t>(B * Sq), 0);
@@ -168,7 +168,7 @@ template <typename T>
 struct SelectedIndexer {
   std::int64_t B, Sq, Hi, Di, Sk, k;
   std::vector<std::int64_t> rows;
-  Buffer<T> q, w, kk;
+  Input<T> q, w, kk;
   Buffer<std::int64_t> d_rows;
   SelectedIndexer(Ops<T>& ops, const DsaIndexerArgs& a, const TensorView& topk)
       : B(a.q_idx.dim(0)),
@@ -178,9 +178,9 @@ struct SelectedIndexer {
         Sk(a.k_idx.dim(1)),
         k(topk.dim(2)),
         rows(slot_rows(topk, B, Sq, Sk, positions_or_iota(a.k_pos, Sk))),
-        q(ops, host_values<T>(a.q_idx)),
-        w(ops, host_values<T>(a.w)),
-        kk(ops, host_values<T>(a.k_idx)),
+        q(ops, a.q_idx, "q_idx"),
+        w(ops, a.w, "w"),
+        kk(ops, a.k_idx, "k_idx"),
         d_rows(ops, rows) {}
   std::int64_t chunk() const { return query_chunk(B * Sq, k * std::max(Di, Hi)); }
   void logits(Ops<T>& ops, std::int64_t q0, std::int64_t qc, T* ksel, T* out) const {
@@ -271,9 +271,10 @@ void dsa_attention_backward_composed(Ops<T>& ops, const DsaAttentionArgs& args, 
         if (grads) dl[to] = delta_v[from];
       }
 
-  const Buffer<T> q(ops, host_values<T>(args.q)), c(ops, host_values<T>(args.c)), d_hi(ops, hi), d_lo(ops, lo);
+  const Input<T> q(ops, args.q, "q"), c(ops, args.c, "c"), d_out(ops, grads ? dout : TensorView(), "dout");
+  const Buffer<T> d_hi(ops, hi), d_lo(ops, lo);
   const Buffer<std::int64_t> d_rows(ops, rows);
-  const Buffer<T> d_out(ops, grads ? host_values<T>(dout) : std::vector<T>()), d_delta(ops, dl),
+  const Buffer<T> d_delta(ops, dl),
       ones(ops, std::vector<T>(static_cast<std::size_t>(H), T(1)));
   const bool want_probs = !probs.empty() && probs.data() != nullptr;
   const std::int64_t chunk = query_chunk(Q, k * std::max(Dqk, H));
@@ -347,7 +348,7 @@ void dsa_indexer_backward_composed(Ops<T>& ops, const DsaIndexerArgs& args, cons
   args.validate();
   const SelectedIndexer<T> sel(ops, args, topk_indices);
   const std::int64_t Q = sel.B * sel.Sq, Hi = sel.Hi, Di = sel.Di, k = sel.k, chunk = sel.chunk();
-  const Buffer<T> g(ops, host_values<T>(dscores));
+  const Input<T> g(ops, dscores, "dscores");
   Buffer<T> ksel(ops, chunk * k * Di), logits(ops, chunk * Hi * k), dks(ops, chunk * k * Di);
   Buffer<T> dwb(ops, Q * Hi), dqb(ops, Q * Hi * Di), dkb(ops, sel.B * sel.Sk * Di);
   for (std::int64_t q0 = 0; q0 < Q; q0 += chunk) {
@@ -373,7 +374,7 @@ template <typename T>
 double dsa_indexer_loss_composed(Ops<T>& ops, const DsaIndexerLossArgs& args, const TensorView& dscores) {
   const std::int64_t k = args.topk_indices.dim(2), rows = args.topk_indices.dim(0) * args.topk_indices.dim(1);
   const bool grad = dscores.data() != nullptr;
-  const Buffer<T> probs(ops, host_values<T>(args.probs)), scores(ops, host_values<T>(args.scores));
+  const Input<T> probs(ops, args.probs, "probs"), scores(ops, args.scores, "scores");
   const Buffer<std::int64_t> idx(
       ops, std::vector<std::int64_t>(args.topk_indices.data_as<std::int64_t>(),
                                      args.topk_indices.data_as<std::int64_t>() + args.topk_indices.numel()));
@@ -417,7 +418,7 @@ void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, c
       }
     }
 
-  const Buffer<T> q(ops, host_values<T>(args.q)), c(ops, host_values<T>(args.c));
+  const Input<T> q(ops, args.q, "q"), c(ops, args.c, "c");
   const Buffer<std::int64_t> d_rows(ops, rows), d_count(ops, count);
   const std::int64_t Q = B * Sq, chunk = query_chunk(Q, k * std::max(Dqk, H));
   Buffer<T> csel(ops, chunk * k * Dqk), p(ops, chunk * H * k), o(ops, Q * H * Dv), mx(ops, Q * H), sum(ops, Q * H);

@@ -10,7 +10,7 @@
 
 #include "../../runtime/error.h"
 #include "../../runtime/tensor_ops.h"
-#include "host_values.h"
+#include "staging.h"
 #include "ops_cpu.h"
 
 namespace seqpar::attn::ops {
@@ -125,7 +125,7 @@ struct Prepared {
   // Row maps: qk_idx / v_idx [R] (slot -> row of q, k / of v, g, beta; -1 for padding), state_idx [BH] (segment ->
   // state row), rev_idx [NC] ((bh, j) -> (bh, N - 1 - j)).
   Buf<std::int64_t> qk_idx, v_idx, state_idx, rev_idx;
-  Buf<T> in_q, in_k;            // the raw inputs (the L2 norm backward reads them)
+  std::unique_ptr<Input<T>> in_q, in_k;  // the raw inputs (the L2 norm backward reads them)
   Buf<T> q, k, v, gamma, beta;  // [R, *]: normalised and scaled q, normalised k
   Buf<T> kscale, vscale, qscale, kend, end_decay;
   Buf<T> kk, qk;    // raw k k^T, q k^T [NC, C, C] (backward only)
@@ -159,19 +159,20 @@ struct Prepared {
       }
     }
     qk_idx = make(qki), v_idx = make(vi), state_idx = make(sti), rev_idx = make(rev);
-    in_q = make(host_values<T>(args.q)), in_k = make(host_values<T>(args.k));
+    in_q = std::make_unique<Input<T>>(ops, args.q, "q");
+    in_k = std::make_unique<Input<T>>(ops, args.k, "k");
 
     // ---- 1. gather, L2 norm and scale, cumulative decay ----
     q = make<T>(R * K), k = make<T>(R * K), v = make<T>(R * V), gamma = make<T>(R), beta = make<T>(R);
     {
-      const Buffer<T> in_g(ops, host_values<T>(args.g)), in_beta(ops, host_values<T>(args.beta));
+      const Input<T> in_g(ops, args.g, "g"), in_beta(ops, args.beta, "beta");
       ops.gather_rows(R, K, in_q->get(), K, qk_idx->get(), q->get(), K);
       ops.gather_rows(R, K, in_k->get(), K, qk_idx->get(), k->get(), K);
       ops.gather_rows(R, 1, in_g.get(), 1, v_idx->get(), gamma->get(), 1);
       ops.gather_rows(R, 1, in_beta.get(), 1, v_idx->get(), beta->get(), 1);
     }
     if (with_v) {
-      const Buffer<T> in_v(ops, host_values<T>(args.v));
+      const Input<T> in_v(ops, args.v, "v");
       ops.gather_rows(R, V, in_v.get(), V, v_idx->get(), v->get(), V);
     }
     ops.l2norm_scale_rows(R, K, q->get(), K, eps, scale);
@@ -216,7 +217,8 @@ struct Prepared {
   // ---- 3. chunk maps; 4. the scan for the chunk start states ----
   // st [BH, N + 1, K, V]: st[bh, 0] = the segment's initial state (init: its values, or empty for zeros),
   // st[bh, c + 1] = the state after chunk c. m: the scanned maps (the last one of a segment is its map).
-  void scan_states(const std::vector<T>& init) {
+  void scan_states(const TensorView& initial_state) {
+    const Input<T> init(ops, initial_state, "initial_state");
     const std::int64_t K = d.K, V = d.V, N = d.N, KV = d.KV;
     m = make<T>(d.NC * K * K), st = make<T>(d.BH * (N + 1) * KV);
     const Batch seg_chunks{d.BH, N};
@@ -226,28 +228,20 @@ struct Prepared {
     ops.scaled_identity(K, end_decay->get(), N, 1, mm, seg_chunks);
     ops.gemm(Trans::kT, Trans::kN, K, K, d.C, T(-1), chunked(kt, K), chunked(w, K), T(1), mm, seg_chunks);
     ops.gemm(Trans::kT, Trans::kN, K, V, d.C, T(1), chunked(kt, K), chunked(u, V), T(0), st_next, seg_chunks);
-    if (!init.empty()) {
-      const Buffer<T> in_init(ops, init);
-      ops.gather_rows(d.BH, KV, in_init.get(), KV, state_idx->get(), st->get(), (N + 1) * KV);
-    }
+    if (init.get() != nullptr) ops.gather_rows(d.BH, KV, init.get(), KV, state_idx->get(), st->get(), (N + 1) * KV);
     scan_affine(ops, d.BH, N, K, V, mm, st_next);
-    if (!init.empty())
+    if (init.get() != nullptr)
       ops.gemm(Trans::kN, Trans::kN, K, V, K, T(1), Mat<const T>{m->get(), K, N * K * K, K * K}, st0, T(1), st_next,
                seg_chunks);
   }
 
-  // dst (host, any dtype, `rows` rows of `width`) = rows of src (stride ld) scattered by idx.
+  // dst (any dtype, `rows` rows of `width`) = rows of src (stride ld) scattered by idx.
   void write(const TensorView& dst, std::int64_t rows, const T* src, std::int64_t width, std::int64_t ld,
              const Buf<std::int64_t>& idx) {
     if (dst.empty()) return;
     Buffer<T> buf(ops, dst.numel());
     ops.scatter_add_rows(rows, width, src, ld, idx->get(), buf.get(), width);
-    download(dst, buf);
-  }
-  void download(const TensorView& dst, const Buffer<T>& buf) {
-    std::vector<T> host(static_cast<std::size_t>(buf.size()));
-    ops.download(host.data(), buf.get(), host.size() * sizeof(T));
-    copy_convert(TensorView(host.data(), dtype_v<T>, dst.shape()), dst);
+    write_output(ops, buf.get(), dst, "output");
   }
 };
 
@@ -257,7 +251,7 @@ void compose(Ops<T>& ops, const GdnForwardArgs& args, const TensorView& out, con
   Prepared<T> pr(ops, args, true, false);
   const Dims& d = pr.d;
   const std::int64_t K = d.K, V = d.V, C = d.C, N = d.N, KV = d.KV;
-  pr.scan_states(host_values<T>(args.initial_state));
+  pr.scan_states(args.initial_state);
   if (!m_out.empty()) {  // a segment map: the scan's last element (the start state is zero)
     pr.write(m_out, d.BH, pr.m->get() + (N - 1) * K * K, K * K, N * K * K, pr.state_idx);
     pr.write(u_out, d.BH, pr.st->get() + N * KV, KV, (N + 1) * KV, pr.state_idx);
@@ -304,7 +298,7 @@ void compose_backward(Ops<T>& ops, const GdnBackwardArgs& args, const TensorView
   // dO and diag(e^gamma) dO
   Buf<T> dout = pr.template make<T>(R * V), dog = pr.template make<T>(R * V);
   if (!args.dout.empty()) {
-    const Buffer<T> in_dout(ops, host_values<T>(args.dout));
+    const Input<T> in_dout(ops, args.dout, "dout");
     ops.gather_rows(R, V, in_dout.get(), V, pr.v_idx->get(), dout->get(), V);
   }
   ops.copy(R, V, Mat<const T>{dout->get(), V}, Mat<T>{dog->get(), V}, all);
@@ -336,7 +330,7 @@ void compose_backward(Ops<T>& ops, const GdnBackwardArgs& args, const TensorView
   const Mat<T> dsr_next{dsr->get() + KV, V, (N + 1) * KV, KV};
   const Batch seg_chunks{d.BH, N};
   if (!args.dfinal_state.empty()) {
-    const Buffer<T> in_dfin(ops, host_values<T>(args.dfinal_state));
+    const Input<T> in_dfin(ops, args.dfinal_state, "dfinal_state");
     ops.gather_rows(d.BH, KV, in_dfin.get(), KV, pr.state_idx->get(), dsr->get(), (N + 1) * KV);
   }
   scan_affine(ops, d.BH, N, K, V, mrm, dsr_next);
@@ -348,7 +342,7 @@ void compose_backward(Ops<T>& ops, const GdnBackwardArgs& args, const TensorView
   if (!full) return;
 
   // Chunk start states S_0 and end-state gradients dS, both [NC, K, V] in chunk order.
-  pr.scan_states(host_values<T>(args.fwd.initial_state));
+  pr.scan_states(args.fwd.initial_state);
   pr.m.reset();
   Buf<T> s0 = pr.template make<T>(NC * KV), ds = pr.template make<T>(NC * KV);
   {
@@ -426,14 +420,14 @@ void compose_backward(Ops<T>& ops, const GdnBackwardArgs& args, const TensorView
     Buffer<T> g(ops, rows_qk * K);
     ops.scatter_add_rows(R, K, dq->get(), K, pr.qk_idx->get(), g.get(), K);
     ops.l2norm_scale_backward_rows(rows_qk, K, pr.in_q->get(), K, g.get(), K, pr.eps, pr.scale);
-    pr.download(dq_out, g);
+    write_output(ops, g.get(), dq_out, "dq");
   }
   if (!dk_out.empty()) {
     Buffer<T> g(ops, rows_qk * K);
     ops.scatter_add_rows(R, K, dkt->get(), K, pr.qk_idx->get(), g.get(), K);
     ops.scatter_add_rows(R, K, dkb->get(), K, pr.qk_idx->get(), g.get(), K);
     ops.l2norm_scale_backward_rows(rows_qk, K, pr.in_k->get(), K, g.get(), K, pr.eps, T(1));
-    pr.download(dk_out, g);
+    write_output(ops, g.get(), dk_out, "dk");
   }
   pr.write(dv_out, R, dvb->get(), V, V, pr.v_idx);
   pr.write(dg_out, R, dgamma->get(), 1, 1, pr.v_idx);
@@ -454,24 +448,21 @@ void gdn_map_product_composed(Ops<T>& ops, bool transpose_m, const TensorView& m
                    (addend.empty() || addend.shape() == out.shape()),
                "gdn map product: x ", x.str(), ", addend ", addend.str(), " and out ", out.str(), " do not match m ",
                m.str());
-  const Buffer<T> mb(ops, host_values<T>(m)), xb(ops, x.empty() ? std::vector<T>() : host_values<T>(x));
+  const Input<T> mb(ops, m, "m"), xb(ops, x, "x"), ab(ops, addend, "addend");
   Buffer<T> ob(ops, maps * K * n);
-  const Batch batch{1, maps};
+  const Batch batch{1, maps}, batch1{1, 1};
   Mat<const T> xm{xb.get(), n, 0, K * n};
   std::unique_ptr<Buffer<T>> id;
   if (x.empty()) {  // the identity
     id = std::make_unique<Buffer<T>>(ops, K * K);
     const Buffer<T> one(ops, std::vector<T>{T(1)});
-    ops.scaled_identity(K, one.get(), 0, 0, Mat<T>{id->get(), K}, Batch{1, 1});
+    ops.scaled_identity(K, one.get(), 0, 0, Mat<T>{id->get(), K}, batch1);
     xm = Mat<const T>{id->get(), K, 0, 0};
   }
-  if (!addend.empty())
-    ops.upload(ob.get(), host_values<T>(addend).data(), static_cast<std::size_t>(ob.size()) * sizeof(T));
+  if (ab.get() != nullptr) ops.copy(1, ob.size(), Mat<const T>{ab.get(), ob.size()}, Mat<T>{ob.get(), ob.size()}, batch1);
   ops.gemm(transpose_m ? Trans::kT : Trans::kN, Trans::kN, K, n, K, T(1), Mat<const T>{mb.get(), K, 0, K * K}, xm,
            addend.empty() ? T(0) : T(1), Mat<T>{ob.get(), n, 0, K * n}, batch);
-  std::vector<T> host(static_cast<std::size_t>(ob.size()));
-  ops.download(host.data(), ob.get(), host.size() * sizeof(T));
-  copy_convert(TensorView(host.data(), dtype_v<T>, out.shape()), out);
+  write_output(ops, ob.get(), out, "out");
 }
 
 template void gdn_forward_composed<float>(Ops<float>&, const GdnForwardArgs&, const TensorView&, const TensorView&);

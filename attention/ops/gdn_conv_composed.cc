@@ -13,13 +13,13 @@
 #include "../../runtime/error.h"
 #include "../../runtime/tensor_ops.h"
 #include "gdn_composed.h"
-#include "host_values.h"
+#include "staging.h"
 #include "ops_cpu.h"
 
 namespace seqpar::attn::ops {
 namespace {
 
-// The row plan of one call: x rows [B S] then conv state rows [N (W-1)] form the upload `src`; xin rows per
+// The row plan of one call: x rows [B S] then conv state rows [N (W-1)] form the source `src`; xin rows per
 // document run; first[r] per output row; state_src [xrows] (row of src, or -1 for zeros); tail [N (W-1)]: the
 // xin rows of each document's last W-1 rows; head [N (W-1)]: its first W-1 (the state rows); own [B S]: output
 // row r's own input row in xin.
@@ -66,17 +66,19 @@ ConvPlan conv_plan(const ShortConvArgs& a) {
 // xin [xrows, C] of the table from x and the conv states.
 template <typename T>
 std::unique_ptr<Buffer<T>> gather_xin(Ops<T>& ops, const ShortConvArgs& a, const ConvPlan& p) {
-  std::vector<T> src = host_values<T>(a.x);
-  const std::vector<T> st = host_values<T>(a.initial_conv_state);
-  src.insert(src.end(), st.begin(), st.end());
-  const Buffer<T> sb(ops, src);
+  const Input<T> x(ops, a.x, "x"), st(ops, a.initial_conv_state, "initial_conv_state");
+  const std::int64_t nx = a.x.numel(), ns = st.get() != nullptr ? a.initial_conv_state.numel() : 0;
+  const Buffer<T> sb(ops, nx + ns);
+  const Batch one{1, 1};
+  if (nx > 0) ops.copy(1, nx, Mat<const T>{x.get(), nx}, Mat<T>{sb.get(), nx}, one);
+  if (ns > 0) ops.copy(1, ns, Mat<const T>{st.get(), ns}, Mat<T>{sb.get() + nx, ns}, one);
   const Buffer<std::int64_t> idx(ops, p.xin_src);
   auto xin = std::make_unique<Buffer<T>>(ops, p.xrows * p.C);
   ops.gather_rows(p.xrows, p.C, sb.get(), p.C, idx.get(), xin->get(), p.C);
   return xin;
 }
 
-// dst (host) = rows idx of src [*, C].
+// dst = rows idx of src [*, C].
 template <typename T>
 void write_rows(Ops<T>& ops, const TensorView& dst, const T* src, std::int64_t C,
                 const std::vector<std::int64_t>& idx) {
@@ -84,9 +86,7 @@ void write_rows(Ops<T>& ops, const TensorView& dst, const T* src, std::int64_t C
   const Buffer<std::int64_t> ib(ops, idx);
   Buffer<T> buf(ops, dst.numel());
   ops.gather_rows(static_cast<std::int64_t>(idx.size()), C, src, C, ib.get(), buf.get(), C);
-  std::vector<T> host(static_cast<std::size_t>(buf.size()));
-  ops.download(host.data(), buf.get(), host.size() * sizeof(T));
-  copy_convert(TensorView(host.data(), dtype_v<T>, dst.shape()), dst);
+  write_output(ops, buf.get(), dst, "output");
 }
 
 }  // namespace
@@ -98,7 +98,7 @@ void short_conv_forward_composed(Ops<T>& ops, const ShortConvArgs& args, const T
   const ConvPlan p = conv_plan(args);
   const auto xin = gather_xin(ops, args, p);
   const Buffer<std::int64_t> first(ops, p.first);
-  const Buffer<T> weight(ops, host_values<T>(args.weight));
+  const Input<T> weight(ops, args.weight, "weight");
   Buffer<T> y(ops, p.rows * p.C);
   ops.short_conv_rows(p.rows, p.C, p.W, xin->get(), first.get(), weight.get(), args.use_silu, y.get());
   std::vector<std::int64_t> all(static_cast<std::size_t>(p.rows));
@@ -114,25 +114,24 @@ void short_conv_backward_composed(Ops<T>& ops, const ShortConvArgs& args, const 
   const ConvPlan p = conv_plan(args);
   const auto xin = gather_xin(ops, args, p);
   const Buffer<std::int64_t> first(ops, p.first);
-  const Buffer<T> weight(ops, host_values<T>(args.weight));
-  Buffer<T> dpre(ops, host_values<T>(dout));
-  ops.short_conv_dpre_rows(p.rows, p.C, p.W, xin->get(), first.get(), weight.get(), args.use_silu, dpre.get());
+  const Input<T> weight(ops, args.weight, "weight");
+  const Input<T> dpre_in(ops, dout, "dout", /*writable=*/true);
+  T* const dpre = dpre_in.mut();
+  ops.short_conv_dpre_rows(p.rows, p.C, p.W, xin->get(), first.get(), weight.get(), args.use_silu, dpre);
   if (!dx.empty() || !dinitial_conv_state.empty()) {
     std::vector<std::int64_t> src(static_cast<std::size_t>(p.xrows * p.W), -1);
     for (std::int64_t r = 0; r < p.rows; ++r)
       for (std::int64_t w = 0; w < p.W; ++w) src[(p.first[r] + w) * p.W + w] = r;
     const Buffer<std::int64_t> sb(ops, src);
     Buffer<T> dxin(ops, p.xrows * p.C);
-    ops.short_conv_dx_rows(p.xrows, p.C, p.W, dpre.get(), sb.get(), weight.get(), dxin.get());
+    ops.short_conv_dx_rows(p.xrows, p.C, p.W, dpre, sb.get(), weight.get(), dxin.get());
     write_rows(ops, dx, dxin.get(), p.C, p.own);
     write_rows(ops, dinitial_conv_state, dxin.get(), p.C, p.head);
   }
   if (!dweight.empty()) {
     Buffer<T> dw(ops, p.C * p.W);
-    ops.short_conv_dweight(p.rows, p.C, p.W, dpre.get(), xin->get(), first.get(), dw.get());
-    std::vector<T> host(static_cast<std::size_t>(dw.size()));
-    ops.download(host.data(), dw.get(), host.size() * sizeof(T));
-    copy_convert(TensorView(host.data(), dtype_v<T>, dweight.shape()), dweight);
+    ops.short_conv_dweight(p.rows, p.C, p.W, dpre, xin->get(), first.get(), dw.get());
+    write_output(ops, dw.get(), dweight, "dweight");
   }
 }
 

@@ -1,11 +1,41 @@
 // The device-neutral compositions of ops.h.
 #include "ops.h"
 
+#include <atomic>
+
 #include "../../runtime/error.h"
+#include "staging.h"
 
 namespace seqpar::attn::ops {
 
 void unsupported_op(const char* table, const char* op) { SEQPAR_THROW("ops table ", table, " does not support ", op); }
+
+// ---- staging (staging.h) ----
+namespace {
+std::atomic<std::int64_t> g_staging[6];
+}  // namespace
+
+StagingCounts staging_counts() {
+  StagingCounts c;
+  c.in_place = g_staging[0].load();
+  c.converted_in = g_staging[1].load();
+  c.copied_in = g_staging[2].load();
+  c.uploaded = g_staging[3].load();
+  c.written = g_staging[4].load();
+  c.downloaded = g_staging[5].load();
+  return c;
+}
+
+namespace detail {
+void note_staging(StagingEvent e) { g_staging[static_cast<int>(e)].fetch_add(1, std::memory_order_relaxed); }
+
+void check_stageable(const TensorView& t, const char* what, const char* table, Device table_device) {
+  SEQPAR_CHECK(t.device() == table_device || t.device().is_cpu(), what, " ", t.str(), " is on ", t.device().str(),
+               ", but the ", table, " ops table runs on ", table_device.str(),
+               " (pass tensors on that device or on the host)");
+  SEQPAR_CHECK(t.data() != nullptr, what, " ", t.str(), " has no data");
+}
+}  // namespace detail
 
 // ---- the affine scan, composed from the table (device-neutral) ----
 namespace {

@@ -1,11 +1,12 @@
-// The ops table: the few device operations that the composed GDN (and later DSA) algorithms are written in, so that
-// one composition runs on the CPU (ops_cpu.h: OpenBLAS and loops, tested here) and on a GPU (a CUDA table: cuBLAS
-// strided / pointer-array batched GEMM and trsm, CUB, FlashInfer's top-k; not written yet). docs/design.md, "The ops
+// The ops table: the few device operations that the composed GDN and DSA algorithms are written in, so that one
+// composition runs on the CPU (ops_cpu.h: OpenBLAS and loops, tested here) and on a GPU (attention/cuda/ops_cuda.h:
+// cuBLAS strided / pointer-array batched GEMM and trsm, cuBLASLt, CUB, FlashInfer's top-k). docs/design.md, "The ops
 // table".
 //
 // Conventions: row-major matrices; T is float or double (arithmetic and accumulation in T). Every pointer handed to
-// an op is device memory of the table (allocate / upload); host vectors reach it only through upload. Calls are
-// ordered (a CUDA table issues them on one stream); download waits for the work before it.
+// an op is memory of the table's device (Memory::device()): a table buffer (allocate / upload) or the data of a
+// tensor on that device, used in place (attention/ops/staging.h); convert_in / convert_out convert other dtypes
+// there. Calls are ordered (a CUDA table issues them on one stream); download waits for the work before it.
 //
 // Batches are two-level: matrix (o, n), o < outer, n < inner, of an operand starts at ptr + o * so + n * si (a
 // stride may be 0: the same matrix for every n). A one-level strided batch is outer = 1; a CUDA table maps a
@@ -15,6 +16,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <vector>
+
+#include "../../runtime/device.h"
+#include "../../runtime/dtype.h"
 
 namespace seqpar::attn::ops {
 
@@ -43,6 +47,9 @@ class Memory {
  public:
   virtual ~Memory() = default;
   virtual const char* name() const = 0;
+  // The device this memory lives on (the CPU table: Device::cpu(); a CUDA table: its CUDA device). A tensor on this
+  // device is directly addressable by the table's ops (attention/ops/staging.h uses it in place).
+  virtual Device device() const = 0;
   virtual void* allocate(std::size_t bytes) = 0;  // zero-filled
   virtual void deallocate(void* p) = 0;
   virtual void upload(void* dst, const void* host, std::size_t bytes) = 0;
@@ -88,6 +95,13 @@ class Ops : public Memory {
   // dst[i, i] = s[o * s_so + n * s_si], every other element 0: [n, n] matrices.
   virtual void scaled_identity(std::int64_t n, const T* s, std::int64_t s_so, std::int64_t s_si, Mat<T> dst,
                                Batch batch) = 0;
+
+  // ---- element conversions (bodies: runtime/dtype.h load_element / store_element) ----
+  // dst[i] = src[i] converted from src_dtype (fp64, fp32, bf16 or fp16) to T, i < n; src is memory of this table
+  // (a tensor on device(), or a buffer). Bitwise the host conversion runtime/dtype.h convert().
+  virtual void convert_in(const void* src, DType src_dtype, T* dst, std::int64_t n) = 0;
+  // dst[i] = src[i] converted from T to dst_dtype (round to nearest even, fp64 -> bf16 / fp16 rounded once).
+  virtual void convert_out(const T* src, void* dst, DType dst_dtype, std::int64_t n) = 0;
 
   // ---- gather / scatter ----
   // dst row r = src row idx[r] (rows of width cols, leading dims ld_src / ld_dst); idx[r] < 0 gives a zero row.

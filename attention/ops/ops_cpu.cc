@@ -127,6 +127,7 @@ template <typename T>
 class CpuOps final : public Ops<T> {
  public:
   const char* name() const override { return "cpu"; }
+  Device device() const override { return Device::cpu(); }
   void* allocate(std::size_t bytes) override {
     void* p = std::calloc(bytes > 0 ? bytes : 1, 1);
     if (p == nullptr) throw std::bad_alloc();
@@ -170,6 +171,13 @@ class CpuOps final : public Ops<T> {
         for (std::int64_t r = 0; r < n; ++r)
           for (std::int64_t j = 0; j < n; ++j) d[r * dst.ld + j] = r == j ? v : T(0);
       }
+  }
+
+  void convert_in(const void* src, DType src_dtype, T* dst, std::int64_t n) override {
+    for (std::int64_t i = 0; i < n; ++i) dst[i] = load_element<T>(src, src_dtype, static_cast<std::size_t>(i));
+  }
+  void convert_out(const T* src, void* dst, DType dst_dtype, std::int64_t n) override {
+    for (std::int64_t i = 0; i < n; ++i) store_element<T>(src[i], dst, dst_dtype, static_cast<std::size_t>(i));
   }
 
   void gather_rows(std::int64_t rows, std::int64_t cols, const T* src, std::int64_t ld_src, const std::int64_t* idx,

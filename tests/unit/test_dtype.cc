@@ -502,5 +502,105 @@ TEST(DType, ConvertZeroElementsTouchesNothing) {
   EXPECT_EQ(dst, 0xabcd);
 }
 
+
+// The per-element bodies of the ops tables' convert_in / convert_out (load_element / store_element, host and device)
+// equal convert() bit for bit: every bf16 and fp16 pattern read as fp32 and fp64; every 16-bit value, the midpoints
+// between neighbours (the ties), one fp32 ulp either side of them, fp32 subnormals, +-inf, NaNs and random fp32 bit
+// patterns written as bf16 / fp16; fp64 values at and just off those points written as fp32 / bf16 / fp16. The
+// fp64 -> bf16 / fp16 results are also checked against the nearest representable value computed here in fp64
+// (ties to the even pattern), independently of the round-to-odd step both share.
+std::uint16_t bits16(DType dt, float x) {
+  std::uint16_t r = 0;
+  convert(&x, DType::kFloat32, &r, dt, 1);
+  return r;
+}
+double value16(DType dt, std::uint16_t h) {
+  return dt == DType::kBFloat16 ? double(bf16_bits_to_float(h)) : double(fp16_bits_to_float(h));
+}
+// The bodies through an 8-byte cell (the bodies' switch addresses every dtype's width).
+template <typename T, typename E>
+T load_one(E e, DType dt) {
+  std::uint64_t cell = 0;
+  std::memcpy(&cell, &e, sizeof(E));
+  return load_element<T>(&cell, dt, 0);
+}
+template <typename E, typename T>
+E store_one(T v, DType dt) {
+  std::uint64_t cell = 0;
+  store_element<T>(v, &cell, dt, 0);
+  E e;
+  std::memcpy(&e, &cell, sizeof(E));
+  return e;
+}
+
+TEST(DType, ElementBodiesMatchTheHostConversion) {
+  const DType halves[] = {DType::kBFloat16, DType::kFloat16};
+  std::vector<float> floats = {0.0f, -0.0f, std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(), std::numeric_limits<float>::max(),
+                               std::numeric_limits<float>::denorm_min(), std::numeric_limits<float>::min(), 65504.0f,
+                               65520.0f, 65519.99f};
+  for (std::uint32_t u : {0x7fc00000u, 0xffc00001u, 0x7f800001u, 0x7fbfffffu}) floats.push_back(bits_float(u));
+  for (DType dt : halves)
+    for (std::uint32_t h = 0; h < 0x10000u; ++h) {
+      const auto b = static_cast<std::uint16_t>(h);
+      float want_f = 0.0f;
+      double want_d = 0.0;
+      convert(&b, dt, &want_f, DType::kFloat32, 1);
+      convert(&b, dt, &want_d, DType::kFloat64, 1);
+      const float got_f = load_one<float>(b, dt);
+      const double got_d = load_one<double>(b, dt);
+      ASSERT_EQ(float_bits(got_f), float_bits(want_f)) << dtype_name(dt) << " pattern " << h;
+      ASSERT_EQ(std::memcmp(&got_d, &want_d, 8), 0) << dtype_name(dt) << " pattern " << h;
+      floats.push_back(got_f);
+      const auto next = static_cast<std::uint16_t>(h + 1);
+      if ((h & 0x7fffu) < 0x7fffu && std::isfinite(value16(dt, b)) && std::isfinite(value16(dt, next))) {
+        const float mid = static_cast<float>((value16(dt, b) + value16(dt, next)) / 2);  // exact in fp32
+        floats.push_back(mid);
+        floats.push_back(std::nextafter(mid, 0.0f));
+        floats.push_back(std::nextafter(mid, 2 * mid));
+      }
+    }
+  std::mt19937 rng(7);
+  for (int i = 0; i < 200000; ++i) floats.push_back(bits_float(static_cast<std::uint32_t>(rng())));
+  std::int64_t ties = 0;
+  for (const float x : floats) {
+    for (DType dt : halves) {
+      const auto got = store_one<std::uint16_t>(x, dt);
+      ASSERT_EQ(got, bits16(dt, x)) << dtype_name(dt) << " of fp32 bits " << std::hex << float_bits(x);
+    }
+    // fp64 at x and just off it (the double-rounding cases of a midpoint)
+    const double d = x;
+    for (const double y : {d, d * (1 + 0x1p-40), d * (1 - 0x1p-40)}) {
+      float want_f = 0.0f;
+      const auto got_f = store_one<float>(y, DType::kFloat32);
+      convert(&y, DType::kFloat64, &want_f, DType::kFloat32, 1);
+      ASSERT_EQ(float_bits(got_f), float_bits(want_f)) << "fp32 of fp64 " << y;
+      ASSERT_EQ(float_bits(load_one<float>(y, DType::kFloat64)), float_bits(want_f)) << "load fp64 " << y;
+      for (DType dt : halves) {
+        std::uint16_t want = 0;
+        const auto got = store_one<std::uint16_t>(y, dt);
+        convert(&y, DType::kFloat64, &want, dt, 1);
+        ASSERT_EQ(got, want) << dtype_name(dt) << " of fp64 " << y;
+        const double r = value16(dt, got);
+        if (std::isnan(y) || !std::isfinite(r)) continue;
+        // the nearest of the representable neighbours, ties to the even pattern
+        for (int step : {-1, 1}) {
+          const auto nb = static_cast<std::uint16_t>(got + step);
+          if ((got & 0x7fffu) == 0 && step < 0) continue;
+          const double v = value16(dt, nb);
+          if (!std::isfinite(v) || std::signbit(v) != std::signbit(r)) continue;
+          const double er = std::abs(y - r), ev = std::abs(y - v);
+          ASSERT_LE(er, ev) << dtype_name(dt) << " of fp64 " << y << ": " << r << " is not the nearest";
+          if (er == ev) {
+            ++ties;
+            ASSERT_EQ(got & 1u, 0u) << dtype_name(dt) << " tie of fp64 " << y << " not to even";
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(ties, 60000);  // the midpoints were among the values
+}
+
 }  // namespace
 }  // namespace seqpar

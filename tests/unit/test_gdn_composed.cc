@@ -11,11 +11,14 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "attention/gdn.h"
 #include "attention/ops/gdn_composed.h"
+#include "attention/ops/staging.h"
 #include "attention/reference/gdn_reference.h"
 #include "runtime/tensor_ops.h"
 #include "tests/util/ops_table.h"
@@ -395,6 +398,175 @@ TEST(GdnComposed, ZeroLengthGivesTheInitialState) {
   Out got = alloc(p, r, DType::kFloat64, DType::kFloat64);
   test::composed::gdn_forward(r.args, got.out, got.fin);
   EXPECT_EQ(to_double(r.init), to_double(got.fin));
+}
+
+// What the staging did over one call (attention/ops/staging.h).
+ops::StagingCounts staged_by(const std::function<void()>& call) {
+  const ops::StagingCounts a = ops::staging_counts();
+  call();
+  const ops::StagingCounts b = ops::staging_counts();
+  return {b.in_place - a.in_place, b.converted_in - a.converted_in, b.copied_in - a.copied_in,
+          b.uploaded - a.uploaded,  b.written - a.written,           b.downloaded - a.downloaded};
+}
+
+// On the CPU table every host tensor is on the table's device: a tensor of the table's dtype is used in place (no
+// copy), another dtype is converted by the table's convert_in / convert_out, nothing is uploaded or downloaded; on a
+// CUDA table host tensors are uploaded and downloaded, each once. A composition's writable input (the short conv's
+// dout) is a copy; a map product whose out aliases its inputs still reads them first.
+TEST(GdnComposed, StagingUsesTensorsOnTheTablesDeviceInPlace) {
+  const bool cuda = test::ops_table_is_cuda();
+  Problem p;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const Inputs r = make(p, dtype);  // q, k, v, g, beta of dtype; initial_state fp32
+    Out o = alloc(p, r, dtype, DType::kFloat32);
+    const ops::StagingCounts c = staged_by([&] { test::composed::gdn_forward(r.args, o.out, o.fin); });
+    const std::string tag = std::string("forward ") + dtype_name(dtype);
+    const std::int64_t converted = dtype == DType::kFloat32 ? 0 : 5;
+    EXPECT_EQ(c.in_place, cuda ? 0 : 6 - converted) << tag;
+    EXPECT_EQ(c.converted_in, cuda ? 0 : converted) << tag;
+    EXPECT_EQ(c.copied_in, 0) << tag;
+    EXPECT_EQ(c.uploaded, cuda ? 6 : 0) << tag;
+    EXPECT_EQ(c.written, cuda ? 0 : 2) << tag;
+    EXPECT_EQ(c.downloaded, cuda ? 2 : 0) << tag;
+
+    const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, 77);
+    const Tensor dfin = random_tensor({r.states, p.H, p.K, p.V}, DType::kFloat32, 78);
+    const GdnBackwardArgs ba{r.args, dout, dfin};
+    Grads g = alloc_grads(p, r, dtype, DType::kFloat32);
+    const ops::StagingCounts cb =
+        staged_by([&] { test::composed::gdn_backward(ba, g.dq, g.dk, g.dv, g.dg, g.dbeta, g.dinit); });
+    EXPECT_EQ(cb.copied_in, 0) << "backward " << dtype_name(dtype);
+    EXPECT_EQ(cb.uploaded + cb.downloaded > 0, cuda) << "backward " << dtype_name(dtype);
+    EXPECT_EQ(cb.written, cuda ? 0 : 6) << "backward " << dtype_name(dtype);
+    if (!cuda) {
+      // q, k, v, g, beta, dout of dtype; initial_state, dfinal_state fp32 (read once each)
+      EXPECT_EQ(cb.converted_in, dtype == DType::kFloat32 ? 0 : 6) << "backward " << dtype_name(dtype);
+      EXPECT_EQ(cb.in_place, dtype == DType::kFloat32 ? 8 : 2) << "backward " << dtype_name(dtype);
+    }
+  }
+  // the short conv: x, weight, state in place; dout copied (the backward writes its gradient before the SiLU there)
+  const Tensor x = random_tensor({1, 9, 4}, DType::kFloat32, 1), w = random_tensor({4, 3}, DType::kFloat32, 2),
+               st = random_tensor({1, 2, 4}, DType::kFloat32, 3), dout = random_tensor({1, 9, 4}, DType::kFloat32, 4);
+  const std::vector<double> dout_before = to_double(dout);
+  Tensor dx = Tensor::empty({1, 9, 4}, DType::kFloat32, kWs), dw = Tensor::empty({4, 3}, DType::kFloat32, kWs),
+         dst = Tensor::empty({1, 2, 4}, DType::kFloat32, kWs);
+  const ShortConvArgs a{x, w, st, true};
+  const ops::StagingCounts cc = staged_by([&] { test::composed::short_conv_backward(a, dout, dx, dw, dst); });
+  EXPECT_EQ(cc.in_place, cuda ? 0 : 3);
+  EXPECT_EQ(cc.copied_in, cuda ? 0 : 1);
+  EXPECT_EQ(to_double(dout), dout_before);  // the caller's dout is untouched
+  // out aliasing m and addend: m u + u into u's own memory
+  const Tensor m = random_tensor({2, 3, 5, 5}, DType::kFloat64, 5), u = random_tensor({2, 3, 5, 4}, DType::kFloat64, 6);
+  Tensor want = Tensor::empty({2, 3, 5, 4}, DType::kFloat64, kWs);
+  test::composed::gdn_map_product(false, m, u, u, want);
+  const Tensor mm = random_tensor({2, 3, 5, 5}, DType::kFloat64, 5);
+  test::composed::gdn_map_product(true, mm, {}, {}, mm);  // out = m^T in place of m
+  for (std::int64_t i = 0; i < 6; ++i)
+    for (std::int64_t r = 0; r < 5; ++r)
+      for (std::int64_t cidx = 0; cidx < 5; ++cidx)
+        EXPECT_EQ(mm.data_as<double>()[i * 25 + r * 5 + cidx], m.data_as<double>()[i * 25 + cidx * 5 + r]);
+  test::composed::gdn_map_product(false, m, u, u, u);
+  EXPECT_EQ(to_double(u), to_double(want));
+}
+
+// bf16 inputs and bf16 outputs (states fp32): against the fp64 reference on the same (bf16) input values, within the
+// bf16 rounding of the outputs (relative 2^-9) and fp32 arithmetic; and bitwise the bf16 rounding on the host of the
+// same composition's fp32 outputs (the table's convert_out is the host conversion).
+TEST(GdnComposed, Bf16InputsAndOutputsAgainstTheFp64Reference) {
+  Problem p;
+  p.S = 70, p.chunk = 32, p.K = 16, p.V = 8;
+  const Inputs r = make(p, DType::kBFloat16);
+  const auto fp64_of = [](const TensorView& t) {
+    Tensor d = Tensor::empty(t.shape(), DType::kFloat64, kWs);
+    copy_convert(t, d);
+    return d;
+  };
+  const Tensor q = fp64_of(r.q), k = fp64_of(r.k), v = fp64_of(r.v), g = fp64_of(r.g), beta = fp64_of(r.beta),
+               init = fp64_of(r.init);
+  const GdnForwardArgs a64{q, k, v, g, beta, init, p.l2, 0.0f, p.chunk};
+  Out got = alloc(p, r, DType::kBFloat16, DType::kFloat32), f32 = alloc(p, r, DType::kFloat32, DType::kFloat32),
+      want = alloc(p, r, DType::kFloat64, DType::kFloat64);
+  test::composed::gdn_forward(r.args, got.out, got.fin);
+  test::composed::gdn_forward(r.args, f32.out, f32.fin);
+  reference::gdn_forward(a64, want.out, want.fin);
+  EXPECT_TRUE(all_close(to_double(got.out), to_double(want.out), 1e-4, 4e-3, "bf16 out vs fp64 reference"));
+  EXPECT_TRUE(all_close(to_double(got.fin), to_double(want.fin), 1e-4, 1e-4, "fp32 final_state vs fp64 reference"));
+  Tensor rounded = Tensor::empty(got.out.shape(), DType::kBFloat16, kWs);
+  copy_convert(f32.out, rounded);
+  EXPECT_EQ(std::memcmp(rounded.data(), got.out.data(), got.out.nbytes()), 0) << "bf16 out vs host rounding";
+
+  // the backward: bf16 dout, bf16 gradients (dinitial_state fp32)
+  const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, DType::kBFloat16, 91);
+  const Tensor dout64 = fp64_of(dout);
+  Grads gb = alloc_grads(p, r, DType::kBFloat16, DType::kFloat32), g32 = alloc_grads(p, r, DType::kFloat32, DType::kFloat32),
+        g64 = alloc_grads(p, r, DType::kFloat64, DType::kFloat64);
+  const GdnBackwardArgs ba{r.args, dout, TensorView()};
+  test::composed::gdn_backward(ba, gb.dq, gb.dk, gb.dv, gb.dg, gb.dbeta, gb.dinit);
+  test::composed::gdn_backward(ba, g32.dq, g32.dk, g32.dv, g32.dg, g32.dbeta, g32.dinit);
+  reference::gdn_backward(GdnBackwardArgs{a64, dout64, TensorView()}, g64.dq, g64.dk, g64.dv, g64.dg, g64.dbeta,
+                          g64.dinit);
+  const Tensor* bf[] = {&gb.dq, &gb.dk, &gb.dv, &gb.dg, &gb.dbeta};
+  const Tensor* f[] = {&g32.dq, &g32.dk, &g32.dv, &g32.dg, &g32.dbeta};
+  const Tensor* w64[] = {&g64.dq, &g64.dk, &g64.dv, &g64.dg, &g64.dbeta};
+  const char* names[] = {"dq", "dk", "dv", "dg", "dbeta"};
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_TRUE(all_close(to_double(*bf[i]), to_double(*w64[i]), 1e-3, 4e-3, std::string("bf16 ") + names[i]));
+    Tensor rr = Tensor::empty(bf[i]->shape(), DType::kBFloat16, kWs);
+    copy_convert(*f[i], rr);
+    EXPECT_EQ(std::memcmp(rr.data(), bf[i]->data(), rr.nbytes()), 0) << names[i] << " vs host rounding";
+  }
+  EXPECT_TRUE(all_close(to_double(gb.dinit), to_double(g64.dinit), 1e-4, 1e-4, "dinitial_state"));
+}
+
+// The CUDA route of attn::gdn_forward / gdn_backward (attention/gdn.cc): CUDA tensors on a CUDA stream run the
+// composition on the CUDA table of that device, the fp32 tensors in place (no upload), bf16 converted on the device;
+// against the CPU kernel on the same host values at 2e-5 / 1e-4. Needs a CUDA build and a device, else skipped.
+TEST(GdnComposed, CudaTensorsTakeTheCudaRoute) {
+  const std::string why = test::cuda_table_unavailable_reason();
+  if (!why.empty()) GTEST_SKIP() << "the CUDA route needs a CUDA device: " << why;
+  const Device dev = Device::cuda(0);
+  const Stream stream{dev, nullptr};
+  const auto on_device = [&](const TensorView& t) {
+    Tensor d = Tensor::empty(t.shape(), t.dtype(), kWs, dev);
+    copy_convert(t, d, stream);
+    return d;
+  };
+  const auto on_host = [&](const TensorView& t) {
+    Tensor h = Tensor::empty(t.shape(), t.dtype(), kWs);
+    copy_convert(t, h, stream);
+    return h;
+  };
+  Problem p;
+  p.S = 70, p.chunk = 32;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const Inputs r = make(p, dtype);
+    const Tensor q = on_device(r.q), k = on_device(r.k), v = on_device(r.v), g = on_device(r.g),
+                 beta = on_device(r.beta), init = on_device(r.init);
+    const GdnForwardArgs a{q, k, v, g, beta, init, p.l2, 0.0f, p.chunk};
+    Out want = alloc(p, r, DType::kFloat32, DType::kFloat32);
+    gdn_forward(r.args, want.out, want.fin);
+    const Tensor out = Tensor::empty(want.out.shape(), DType::kFloat32, kWs, dev),
+                 fin = Tensor::empty(want.fin.shape(), DType::kFloat32, kWs, dev);
+    const ops::StagingCounts c = staged_by([&] { gdn_forward(a, out, fin, stream); });
+    const std::string tag = std::string("cuda route ") + dtype_name(dtype);
+    EXPECT_EQ(c.uploaded, 0) << tag;
+    EXPECT_EQ(c.downloaded, 0) << tag;
+    EXPECT_EQ(c.in_place, dtype == DType::kFloat32 ? 6 : 1) << tag;
+    EXPECT_TRUE(all_close(to_double(on_host(out)), to_double(want.out), 2e-5, 1e-4, tag + " out"));
+    EXPECT_TRUE(all_close(to_double(on_host(fin)), to_double(want.fin), 2e-5, 1e-4, tag + " final_state"));
+
+    const Tensor dout_h = random_tensor({p.B, p.S, p.H, p.V}, dtype, 93);
+    const Tensor dout = on_device(dout_h);
+    Grads gw = alloc_grads(p, r, DType::kFloat32, DType::kFloat32);
+    gdn_backward(GdnBackwardArgs{r.args, dout_h, TensorView()}, gw.dq, gw.dk, gw.dv, gw.dg, gw.dbeta, gw.dinit);
+    Grads gd{on_device(gw.dq), on_device(gw.dk), on_device(gw.dv), on_device(gw.dg), on_device(gw.dbeta),
+             on_device(gw.dinit)};
+    gdn_backward(GdnBackwardArgs{a, dout, TensorView()}, gd.dq, gd.dk, gd.dv, gd.dg, gd.dbeta, gd.dinit, stream);
+    const std::pair<const Tensor*, const Tensor*> pairs[] = {{&gd.dq, &gw.dq}, {&gd.dk, &gw.dk},       {&gd.dv, &gw.dv},
+                                                             {&gd.dg, &gw.dg}, {&gd.dbeta, &gw.dbeta}, {&gd.dinit, &gw.dinit}};
+    for (const auto& [got, w] : pairs)
+      EXPECT_TRUE(all_close(to_double(on_host(*got)), to_double(*w), 2e-5, 1e-4, tag + " gradient"));
+  }
 }
 
 TEST(GdnComposed, ArgumentErrorsAreTheKernels) {

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <random>
@@ -145,6 +146,49 @@ TEST_P(OpsTable, GemmTransposesBatchesAndBeta) {
   };
   run(0.0f);
   run(0.0);
+}
+
+// convert_in / convert_out of every floating dtype through the table's memory, bitwise the host conversion
+// (runtime/dtype.h convert()): random values over many binades, signed zeros, +-inf, NaN, fp32 / fp16 subnormals,
+// bf16 / fp16 ties and values just off them.
+template <typename T>
+void convert_case(Ops<T>& ops) {
+  std::vector<double> v = rand_vec(997, 5);
+  for (std::size_t i = 0; i < v.size(); ++i) v[i] = std::ldexp(v[i], static_cast<int>(i % 61) - 30);
+  for (double x : {0.0, -0.0, kInf, -kInf, kNaN, 1e-45, -3e-40, 6e-8, 1.0 + 0x1p-8, 1.0 + 0x1p-8 + 0x1p-40,
+                   1.0 + 0x1p-11, -(1.0 + 0x1p-11 - 0x1p-40), 65520.0, 3.5e38, 1e300})
+    v.push_back(x);
+  const std::int64_t n = static_cast<std::int64_t>(v.size());
+  for (DType dt : {DType::kFloat64, DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const std::size_t bytes = static_cast<std::size_t>(n) * dtype_size(dt);
+    std::vector<unsigned char> src(bytes), want_out(bytes), got_out(bytes);
+    convert(v.data(), DType::kFloat64, src.data(), dt, static_cast<std::size_t>(n));
+    // in: dt -> T
+    Buffer<unsigned char> raw(ops, static_cast<std::int64_t>(bytes));
+    ops.upload(raw.get(), src.data(), bytes);
+    Buffer<T> t(ops, n);
+    ops.convert_in(raw.get(), dt, t.get(), n);
+    std::vector<T> got_in(static_cast<std::size_t>(n)), want_in(got_in.size());
+    ops.download(got_in.data(), t.get(), got_in.size() * sizeof(T));
+    convert(src.data(), dt, want_in.data(), dtype_v<T>, static_cast<std::size_t>(n));
+    EXPECT_EQ(std::memcmp(got_in.data(), want_in.data(), got_in.size() * sizeof(T)), 0)
+        << ops.name() << " convert_in " << dtype_name(dt) << " -> " << dtype_name(dtype_v<T>);
+    // out: T (v rounded to T) -> dt
+    const std::vector<T> vt = cast<T>(v);
+    const Buffer<T> tb(ops, vt);
+    Buffer<unsigned char> out(ops, static_cast<std::int64_t>(bytes));
+    ops.convert_out(tb.get(), out.get(), dt, n);
+    ops.download(got_out.data(), out.get(), bytes);
+    convert(vt.data(), dtype_v<T>, want_out.data(), dt, static_cast<std::size_t>(n));
+    EXPECT_EQ(std::memcmp(got_out.data(), want_out.data(), bytes), 0)
+        << ops.name() << " convert_out " << dtype_name(dtype_v<T>) << " -> " << dtype_name(dt);
+  }
+}
+
+TEST_P(OpsTable, ConvertInAndOutAreTheHostConversion) {
+  convert_case(table<float>());
+  convert_case(table<double>());
+  EXPECT_EQ(table<float>().device(), GetParam() == "cuda" ? Device::cuda(0) : Device::cpu());
 }
 
 TEST_P(OpsTable, TrsmUnitLowerIgnoresDiagonalAndUpper) {
