@@ -14,6 +14,12 @@
 // between tests of the pending receive. It posts no message and waits for none, and every message is posted and
 // waited for in the order it is without it, so the schedule's message order (and so its freedom from deadlock) is
 // unchanged; results are bitwise those without it. SEQPAR_GDN_WORK_AHEAD=0 turns it off (for comparisons).
+// Deferred saved copies (forward, ulysses_size 1, host tensors): the kernels read the caller's q, k, v, g, beta, and
+// the copies the backward needs are made block by block as idle work (before the work ahead) and, what is left,
+// after the rank's last message is posted and before its sends are waited for (testing them between blocks): off the
+// critical path of a rank that waits (the first wait of the chain's next rank) and of one that is waited for (the
+// tail, while the next rank runs its last head). Local work only, like the work ahead: the message order, and so the
+// freedom from deadlock, is unchanged, and so are the results.
 #pragma once
 
 #include <cstdint>
