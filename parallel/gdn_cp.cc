@@ -491,6 +491,9 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
   const std::int64_t ahead = env::get_int("SEQPAR_GDN_WORK_AHEAD", 1);
   SEQPAR_CHECK(ahead == 0 || ahead == 1, "SEQPAR_GDN_WORK_AHEAD=", ahead, " must be 0 or 1");
   work_ahead_ = config.work_ahead && ahead == 1;
+  const std::int64_t defer = env::get_int("SEQPAR_GDN_DEFER_COPIES", 1);
+  SEQPAR_CHECK(defer == 0 || defer == 1, "SEQPAR_GDN_DEFER_COPIES=", defer, " must be 0 or 1");
+  defer_copies_ = config.defer_copies && defer == 1;
 }
 
 // The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its
@@ -672,7 +675,7 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   // saved copies are made in idle time and before the sends are waited for (DeferredCopies).
   DeferredCopies copies(phases_.copies, cpu_phases_.copies);
   InputViews inputs;
-  if (groups_.ulysses_size() == 1 && alloc.device.is_cpu()) {
+  if (defer_copies_ && groups_.ulysses_size() == 1 && alloc.device.is_cpu()) {
     s.q = alloc.empty(q.shape(), q.dtype(), MemCategory::kSavedActivation);
     s.k = alloc.empty(k.shape(), k.dtype(), MemCategory::kSavedActivation);
     s.v = alloc.empty(v.shape(), v.dtype(), MemCategory::kSavedActivation);
