@@ -2,7 +2,8 @@
 // machine's load, unlike wall time). Each iteration times, in one run, the whole problem on one rank (gdn_forward /
 // gdn_backward on world rank 0 while the others wait) and the GdnCp call on every rank with its parts
 // (GdnCp::last_phase_cpu_seconds()); rank 0 prints, per rank, each part as a share of the one-rank time over P (the
-// rank's fair share). A part above its share is work the distributed call adds or runs slower.
+// rank's fair share). A part above its share is work the distributed call adds or runs slower. Last, rank 0 times the
+// forward of the windows a waiting rank runs without and with the work ahead (its cost when split).
 //
 //   mpirun -np 2 gdn_cp_phases --seq 8192 --heads 8 --kv-heads 4 --head-dim 128 --layout zigzag --mode scan
 #include <algorithm>
@@ -158,6 +159,38 @@ int run(int argc, char** argv) {
                   median(f[7]) / share, median(f[1]) / share, median(f[8]) / share, median(f[5]), median(f[6]));
     }
   }
+  // What the work ahead costs: the forward of the windows a waiting rank runs (S / P rows, one value head each),
+  // without it, and split into the work ahead (all chunks) and the window that uses it; rank 0 alone.
+  const std::int64_t rows = S / P;
+  Tensor wout = Tensor::empty({1, S, H, D}, DType::kFloat32, MemCategory::kWorkspace);
+  Tensor wfin = Tensor::empty({1, 1, D, D}, DType::kFloat32, MemCategory::kWorkspace);
+  std::vector<double> whole, ahead, rest;
+  for (int it = -1; it < iters; ++it) {
+    double t_whole = 0, t_ahead = 0, t_rest = 0;
+    for (std::int64_t h = 0; h < H; ++h) {
+      const attn::GdnWindow w{0, rows, h, 1};
+      double c0 = process_cpu_seconds();
+      attn::gdn_forward_window(fa, w, wout.view(), wfin.view(), nullptr);
+      t_whole += process_cpu_seconds() - c0;
+      c0 = process_cpu_seconds();
+      attn::GdnAhead ah = attn::gdn_forward_ahead(fa, w);
+      while (!attn::gdn_ahead_step(fa, ah, 4)) {
+      }
+      t_ahead += process_cpu_seconds() - c0;
+      c0 = process_cpu_seconds();
+      attn::gdn_forward_window(fa, w, wout.view(), wfin.view(), &ah);
+      t_rest += process_cpu_seconds() - c0;
+    }
+    if (it < 0) continue;
+    whole.push_back(t_whole);
+    ahead.push_back(t_ahead);
+    rest.push_back(t_rest);
+  }
+  const double tw = median(whole), ta = median(ahead), tr = median(rest);
+  std::printf(
+      "# work ahead, forward of %lld windows of %lld rows (rank 0 alone, CPU s, medians): without %.4f; ahead %.4f "
+      "(%.2f of without) + the rest %.4f (%.2f) = %.4f (%.2f)\n",
+      static_cast<long long>(H), static_cast<long long>(rows), tw, ta, ta / tw, tr, tr / tw, ta + tr, (ta + tr) / tw);
   return 0;
 }
 

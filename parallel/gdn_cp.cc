@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
@@ -46,6 +47,70 @@ class PhaseClock {
   double &wall_, &cpu_;
   double w0_, c0_;
 };
+
+// The saved copies of the forward's inputs, made while the kernels read the caller's tensors (ulysses_size 1, host
+// tensors): block by block while a message is pending (step(), the idle work before the work ahead), the rest before
+// the forward waits for its own sends (finish()). Only the saved copies are late; the kernels never read them in
+// the forward, so results do not change. Its time is counted into the copies phase.
+class DeferredCopies {
+ public:
+  // Bytes per step: a fraction of a millisecond of copying, so that an arrival waits little.
+  static constexpr std::int64_t kBlockBytes = std::int64_t{1} << 20;
+
+  DeferredCopies(double& wall, double& cpu) : wall_(wall), cpu_(cpu) {}
+  // dst (same shape and dtype as src, both contiguous host tensors) becomes a copy of src by finish().
+  void add(const TensorView& src, const TensorView& dst) {
+    SEQPAR_CHECK(src.shape() == dst.shape() && src.dtype() == dst.dtype(), "GDN CP: deferred copy of ", src.str(),
+                 " into ", dst.str(), " needs the same shape and dtype");
+    items_.push_back({static_cast<const char*>(src.data()), static_cast<char*>(dst.data()),
+                      static_cast<std::int64_t>(src.nbytes())});
+  }
+  bool done() const { return next_ == items_.size(); }
+  // Copies the next block; false when nothing was left.
+  bool step() {
+    if (done()) return false;
+    const PhaseClock clock(wall_, cpu_);
+    copy_block();
+    return true;
+  }
+  // Copies what is left, calling `progress` (when given) between blocks.
+  void finish(const std::function<void()>& progress = {}) {
+    while (!done()) {
+      {
+        const PhaseClock clock(wall_, cpu_);
+        copy_block();
+      }
+      if (progress) progress();
+    }
+  }
+
+ private:
+  struct Item {
+    const char* src;
+    char* dst;
+    std::int64_t bytes;
+  };
+  void copy_block() {
+    Item& it = items_[next_];
+    const std::int64_t n = std::min(kBlockBytes, it.bytes - offset_);
+    if (n > 0) std::memcpy(it.dst + offset_, it.src + offset_, static_cast<std::size_t>(n));
+    offset_ += n;
+    if (offset_ >= it.bytes) {
+      ++next_;
+      offset_ = 0;
+    }
+  }
+  double &wall_, &cpu_;
+  std::vector<Item> items_;
+  std::size_t next_ = 0;
+  std::int64_t offset_ = 0;
+};
+
+// Idle work: the deferred copies first, then `then` (when given).
+std::function<bool()> copies_then(DeferredCopies& copies, std::function<bool()> then) {
+  if (copies.done()) return then;
+  return [&copies, then = std::move(then)] { return copies.step() || (then && then()); };
+}
 
 // Rows [offset, offset + length) of positions along dim 1.
 std::vector<std::int64_t> row_range(std::int64_t offset, std::int64_t length) {
@@ -389,6 +454,16 @@ HeadInputs head_inputs(const SavedT& s, Stream stream) {
           head_major(s.g.view(), c, stream), head_major(s.beta.view(), c, stream), s.group()};
 }
 
+// The ring-level inputs the forward's kernels read (the caller's tensors while the saved copies are deferred).
+struct InputViews {
+  TensorView q, k, v, g, beta;
+};
+HeadInputs head_inputs(const InputViews& in, std::int64_t group, Stream stream) {
+  const MemCategory c = MemCategory::kWorkspace;
+  return {head_major(in.q, c, stream), head_major(in.k, c, stream),    head_major(in.v, c, stream),
+          head_major(in.g, c, stream), head_major(in.beta, c, stream), group};
+}
+
 }  // namespace
 
 GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config)
@@ -416,6 +491,9 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
   const std::int64_t ahead = env::get_int("SEQPAR_GDN_WORK_AHEAD", 1);
   SEQPAR_CHECK(ahead == 0 || ahead == 1, "SEQPAR_GDN_WORK_AHEAD=", ahead, " must be 0 or 1");
   work_ahead_ = config.work_ahead && ahead == 1;
+  const std::int64_t defer = env::get_int("SEQPAR_GDN_DEFER_COPIES", 1);
+  SEQPAR_CHECK(defer == 0 || defer == 1, "SEQPAR_GDN_DEFER_COPIES=", defer, " must be 0 or 1");
+  defer_copies_ = config.defer_copies && defer == 1;
 }
 
 // The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its
@@ -535,6 +613,8 @@ struct GdnCp::ScanHooks {
   std::function<void(std::size_t j, std::int64_t h, const TensorView& state)> finish;
   // While a round's or the shift's messages are pending: one step of local work, false when there is none.
   std::function<bool()> idle;
+  // Before the scan waits for its own sends: local work left, calling `progress` now and then (may be empty).
+  std::function<void(const std::function<void()>& progress)> before_send_wait;
 };
 
 // One forward call's buffers, shared by its steps (run_pieces, forward_chain, forward_scan).
@@ -546,12 +626,19 @@ struct GdnCp::ForwardPass {
   Tensor& out_h;  // [B, S_ring, Hl, V]; padding rows belong to no segment and stay 0
   Tensor&
       finals;  // the end state of every document that ends in one of this rank's pieces (summed over the ring later)
+  // The ring-level inputs the kernels read: s.q ... s.beta, or the caller's tensors while their saved copies are
+  // deferred (copies).
+  InputViews inputs;
+  DeferredCopies& copies;
   // The ring-level inputs head-major, made on first use: only a segment map (gdn_transition) reads them; the
-  // outputs' kernels read the heads of s.q ... s.beta in place (attn::gdn_forward_window).
+  // outputs' kernels read the heads of `inputs` in place (attn::gdn_forward_window).
   std::optional<HeadInputs> hm;
   const HeadInputs& in() {
-    if (!hm) hm = head_inputs(s, stream);
+    if (!hm) hm = head_inputs(inputs, s.group(), stream);
     return *hm;
+  }
+  attn::GdnForwardArgs args(const GdnCpConfig& cfg, const TensorView& start) const {
+    return forward_args(inputs.q, inputs.k, inputs.v, inputs.g, inputs.beta, cfg, start);
   }
   AheadQueue* ahead = nullptr;  // work ahead for the windows that wait for a state (set by the chain or scan)
 };
@@ -584,16 +671,39 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   // Ulysses: [B, S_local, H, *] -> [B, S_ring, H/Pu, *] for the value heads; q and k follow their value heads (split
   // when Pu divides Hk, else each key head replicated to the Pu / Hk ranks whose value heads read it).
   const std::int64_t sr = ring_shard_rows_;
-  s.q = a2a.kv_to_heads(q, heads, MemCategory::kSavedActivation);
-  s.k = a2a.kv_to_heads(k, heads, MemCategory::kSavedActivation);
-  s.v = a2a.to_heads(v, MemCategory::kSavedActivation);
-  s.g = a2a.to_heads(g, MemCategory::kSavedActivation);
-  s.beta = a2a.to_heads(beta, MemCategory::kSavedActivation);
+  // At ulysses_size 1 on the host the heads layout is the caller's: the kernels read the caller's tensors and the
+  // saved copies are made in idle time and before the sends are waited for (DeferredCopies).
+  DeferredCopies copies(phases_.copies, cpu_phases_.copies);
+  InputViews inputs;
+  if (defer_copies_ && groups_.ulysses_size() == 1 && alloc.device.is_cpu()) {
+    s.q = alloc.empty(q.shape(), q.dtype(), MemCategory::kSavedActivation);
+    s.k = alloc.empty(k.shape(), k.dtype(), MemCategory::kSavedActivation);
+    s.v = alloc.empty(v.shape(), v.dtype(), MemCategory::kSavedActivation);
+    s.g = alloc.empty(g.shape(), g.dtype(), MemCategory::kSavedActivation);
+    s.beta = alloc.empty(beta.shape(), beta.dtype(), MemCategory::kSavedActivation);
+    inputs = {q, k, v, g, beta};
+    copies.add(q, s.q.view());
+    copies.add(k, s.k.view());
+    copies.add(v, s.v.view());
+    copies.add(g, s.g.view());
+    copies.add(beta, s.beta.view());
+  } else {
+    s.q = a2a.kv_to_heads(q, heads, MemCategory::kSavedActivation);
+    s.k = a2a.kv_to_heads(k, heads, MemCategory::kSavedActivation);
+    s.v = a2a.to_heads(v, MemCategory::kSavedActivation);
+    s.g = a2a.to_heads(g, MemCategory::kSavedActivation);
+    s.beta = a2a.to_heads(beta, MemCategory::kSavedActivation);
+    inputs = {s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view()};
+  }
   // This rank's heads of the initial states.
   if (!initial_state.empty()) s.init = a2a.my_heads_dim1(initial_state);
 
-  // Padding rows belong to no segment: their outputs stay 0.
-  Tensor out_h = alloc.zeros({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
+  // Padding rows belong to no segment: their outputs stay 0. Every other row is written by the kernels, so without
+  // padding the outputs need no zero fill.
+  std::int64_t segment_rows = 0;
+  for (const int i : mine_) segment_rows += segments_[i].length;
+  Tensor out_h = segment_rows == sr ? alloc.empty({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace)
+                                    : alloc.zeros({B, sr, s.heads, V}, q.dtype(), MemCategory::kWorkspace);
   // The end state of every document that ends in one of this rank's pieces (summed over the ring afterwards).
   Tensor finals = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
   s.start = tensor_grid(mine_.size(), s.heads);
@@ -601,7 +711,7 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   for (auto& per_head : s.start) {
     for (Tensor& t : per_head) t = alloc.zeros(s.state_shape(), s.state_dtype, MemCategory::kSavedActivation);
   }
-  ForwardPass f{s, alloc, stream, q.dtype(), out_h, finals, {}};
+  ForwardPass f{s, alloc, stream, q.dtype(), out_h, finals, inputs, copies, {}};
   copies_clock.reset();
   {
     const CommMeter meter(groups_, counters_);
@@ -611,6 +721,7 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
     } else {
       forward_scan(f);
     }
+    copies.finish();  // none left after the chain or the scan
     phases_.wait = counters_.exposed_comm_s - exposed0;
   }
 
@@ -694,8 +805,7 @@ Tensor GdnCp::run_pieces(ForwardPass& f, std::size_t j, std::int64_t h, bool kno
       const PhaseClock phase(phases_.local, cpu_phases_.local);
       const TensorView start = p.starts_doc ? (init.defined() ? init.view() : TensorView()) : s.start[j][h].view();
       const attn::GdnWindow window{seg.local_offset + p.offset, p.length, h, 1};
-      const attn::GdnForwardArgs args =
-          forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
+      const attn::GdnForwardArgs args = f.args(config_, start);
       const bool waited = !p.starts_doc && f.ahead != nullptr;  // the piece that waited for s.start[j][h]
       attn::gdn_forward_window(args, window, f.out_h.view(), end.view(), waited ? f.ahead->find(j, h) : nullptr,
                                stream);
@@ -716,13 +826,9 @@ attn::GdnWindow GdnCp::waiting_window(std::size_t j, std::int64_t h, bool backwa
 }
 
 GdnCp::AheadQueue GdnCp::forward_ahead_queue(ForwardPass& f) {
-  const Saved& s = f.s;
   return AheadQueue(
-      work_ahead_, false,
-      [this, &s](std::size_t, std::int64_t) {
-        return forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, {});
-      },
-      phases_, cpu_phases_, counters_.compute_s);
+      work_ahead_, false, [this, &f](std::size_t, std::int64_t) { return f.args(config_, {}); }, phases_, cpu_phases_,
+      counters_.compute_s);
 }
 
 // The scan's windows that wait for a message, in the order run_scan runs them: the direct segments (round 1), then
@@ -765,7 +871,7 @@ void GdnCp::forward_chain(ForwardPass& f) {
     for (std::int64_t h = 0; h < H; ++h) ahead.add(j, h, waiting_window(j, h, false));
   }
   f.ahead = &ahead;
-  const std::function<bool()> idle = ahead.idle();
+  const std::function<bool()> idle = copies_then(f.copies, ahead.idle());
   for (std::size_t j = 0; j < mine_.size(); ++j) {
     const int i = mine_[j];
     for (std::int64_t h = 0; h < H; ++h) {
@@ -790,6 +896,10 @@ void GdnCp::forward_chain(ForwardPass& f) {
       for (auto& w : sends) (void)w->test();  // progress for messages that need the sender
     }
   }
+  // The saved copies left, while the last sends travel (and progress for them between blocks).
+  f.copies.finish([&] {
+    for (auto& w : sends) (void)w->test();
+  });
   finish_chain_sends(sends, counters_, chain_links_);
 }
 
@@ -906,6 +1016,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
     }
   }
   if (n > 1) ++counters_.message_rounds;
+  if (hooks.before_send_wait) hooks.before_send_wait(poke);
   for (auto& pr : sends) pr->wait(&counters_.exposed_comm_s);
 }
 
@@ -952,7 +1063,8 @@ void GdnCp::forward_scan(ForwardPass& f) {
   AheadQueue ahead = forward_ahead_queue(f);
   add_scan_waits(p, +1, s.heads, ahead, false);
   f.ahead = &ahead;
-  hooks.idle = ahead.idle();
+  hooks.idle = copies_then(f.copies, ahead.idle());
+  hooks.before_send_wait = [&f](const std::function<void()>& progress) { f.copies.finish(progress); };
   run_scan(p, +1, s, alloc, hooks);
 }
 

@@ -14,6 +14,13 @@
 // between tests of the pending receive. It posts no message and waits for none, and every message is posted and
 // waited for in the order it is without it, so the schedule's message order (and so its freedom from deadlock) is
 // unchanged; results are bitwise those without it. SEQPAR_GDN_WORK_AHEAD=0 turns it off (for comparisons).
+// Deferred saved copies (forward, ulysses_size 1, host tensors): the kernels read the caller's q, k, v, g, beta, and
+// the copies the backward needs are made block by block as idle work (before the work ahead) and, what is left,
+// after the rank's last message is posted and before its sends are waited for (testing them between blocks): off the
+// critical path of a rank that waits (the first wait of the chain's next rank) and of one that is waited for (the
+// tail, while the next rank runs its last head). Local work only, like the work ahead: the message order, and so the
+// freedom from deadlock, is unchanged, and so are the results. SEQPAR_GDN_DEFER_COPIES=0 copies them first (for
+// comparisons).
 #pragma once
 
 #include <cstdint>
@@ -42,6 +49,10 @@ struct GdnCpConfig {
   // Compute the state-independent part of the windows that wait while a message is pending (the file comment; off
   // also when SEQPAR_GDN_WORK_AHEAD=0). Results are bitwise the same either way.
   bool work_ahead = true;
+  // Forward at ulysses_size 1 on host tensors: the kernels read the caller's inputs and the copies saved for the
+  // backward are made in idle time (the file comment; off also when SEQPAR_GDN_DEFER_COPIES=0). Results are bitwise
+  // the same either way.
+  bool defer_copies = true;
 };
 
 // One run of consecutive tokens held by one rank in consecutive rows.
@@ -189,7 +200,8 @@ class GdnCp : public CpLayerBase {
   std::map<int, std::size_t> slot_;                // global segment index -> index in mine_
   std::shared_ptr<const ScanPlan> plan_fwd_, plan_bwd_;  // the scan's plan in each direction
   PhaseSeconds phases_, cpu_phases_;
-  bool work_ahead_ = true;  // SEQPAR_GDN_WORK_AHEAD
+  bool work_ahead_ = true;    // SEQPAR_GDN_WORK_AHEAD
+  bool defer_copies_ = true;  // SEQPAR_GDN_DEFER_COPIES
 };
 
 // The configuration of ShortConvCp.

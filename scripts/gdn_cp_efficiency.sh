@@ -13,9 +13,10 @@
 #   ONLY=Qwen scripts/gdn_cp_efficiency.sh  # only the configurations whose name matches the (grep -E) pattern
 #   AB=1 scripts/gdn_cp_efficiency.sh       # each run twice, without and with the work ahead (SEQPAR_GDN_WORK_AHEAD
 #                                           # 0 then 1, back to back): a table per setting
+#   AB=1 AB_VAR=SEQPAR_GDN_DEFER_COPIES scripts/gdn_cp_efficiency.sh   # the same for another 0 / 1 knob
 #
 # Environment: SEQPAR_BUILD_DIR (default build; sp_bench must be built), ROUNDS (3), SEQ (8192), ITERS (3),
-# FULL (0), HV8 (0), ONLY (all), AB (0), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
+# FULL (0), HV8 (0), ONLY (all), AB (0), AB_VAR (SEQPAR_GDN_WORK_AHEAD), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${SEQPAR_BUILD_DIR:-$root/build}
@@ -65,7 +66,9 @@ if [ -n "${ONLY:-}" ]; then
   configs=("${kept[@]}")
   [ ${#configs[@]} -gt 0 ] || { echo "gdn_cp_efficiency.sh: no configuration matches ONLY=$ONLY" >&2; exit 2; }
 fi
-# The work-ahead settings each configuration runs with (SEQPAR_GDN_WORK_AHEAD); "-": the default.
+# The settings of AB_VAR (default SEQPAR_GDN_WORK_AHEAD) each configuration runs with; "-": the default.
+ab_var=${AB_VAR:-SEQPAR_GDN_WORK_AHEAD}
+[[ $ab_var =~ ^SEQPAR_[A-Z0-9_]+$ ]] || { echo "gdn_cp_efficiency.sh: AB_VAR=$ab_var must be a SEQPAR_ variable" >&2; exit 2; }
 settings=(-)
 [ "${AB:-0}" = 1 ] && settings=(0 1)
 
@@ -79,9 +82,9 @@ for ((r = 1; r <= rounds; ++r)); do
     IFS='|' read -r name shape layout mode <<<"${configs[$i]}"
     for a in "${settings[@]}"; do
       load=$(cut -d' ' -f1 /proc/loadavg)
-      echo "# round $r, $name, work ahead ${a/-/default} (load $load)" >&2
+      echo "# round $r, $name, $ab_var ${a/-/default} (load $load)" >&2
       env_ahead=()
-      [ "$a" != - ] && env_ahead=("SEQPAR_GDN_WORK_AHEAD=$a")
+      [ "$a" != - ] && env_ahead=("$ab_var=$a")
       # shellcheck disable=SC2086
       env "${env_ahead[@]}" OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX} mpirun -np 2 --oversubscribe \
         ${MPIRUN_ARGS:-} "$bench" --attn gdn $shape --seq "$seq" --ring-size 2 --layout "$layout" --gdn-mode "$mode" \
@@ -92,7 +95,7 @@ for ((r = 1; r <= rounds; ++r)); do
 done
 
 for a in "${settings[@]}"; do
-[ "$a" != - ] && printf '\nSEQPAR_GDN_WORK_AHEAD=%s:\n\n' "$a"
+[ "$a" != - ] && printf '\n%s=%s:\n\n' "$ab_var" "$a"
 python3 - "$out" "$rounds" "$seq" "$a" "${configs[@]}" <<'EOF'
 import json, statistics, sys
 out, rounds, seq, setting, configs = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5:]

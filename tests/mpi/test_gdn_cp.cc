@@ -305,6 +305,31 @@ TEST(GdnCp, WorkAheadChangesNoBit) {
   }
 }
 
+// The saved inputs copied in idle time (GdnCpConfig::defer_copies) against copied first: the backward reads them, so
+// a copy left unfinished or misplaced shows in the gradients.
+TEST(GdnCp, DeferredCopiesChangeNoBit) {
+  const int n = world().size();
+  CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+      const GdnCase c{mode, layout, 1, true, true, 64 * n, 2};
+      const GdnProblem p(c);
+      auto run = [&](bool defer) {
+        GdnCpConfig cfg;
+        cfg.mode = mode;
+        cfg.chunk_size = 8;
+        cfg.defer_copies = defer;
+        return run_gdn_cp(groups, p, c.seq, layout, cfg);
+      };
+      const GdnCpRun first = run(false), deferred = run(true);
+      const std::string name = str_cat(gdn_cp_mode_name(mode), ", ", layout_name(layout), " on ", n, " ranks, rank ",
+                                       grid.ring().rank());
+      expect_bitwise_equal(deferred, first, name + ", saved copies deferred against made first:");
+    }
+  }
+}
+
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
   CpGrid grid(world(), test::ring_over_world());
