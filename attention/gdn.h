@@ -17,6 +17,7 @@
 // no CUDA implementation yet". The argument structs' validate() raise exactly the kernels' errors, no work.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "../runtime/device.h"
@@ -33,6 +34,11 @@ inline constexpr std::int64_t kGdnDefaultChunkSize = 64;
 // work per token for chunks of C tokens, so long chunks only add work: on the CPU kernel chunk 256 costs 3 to 4x
 // chunk 64, and one chunk over 4096 tokens about 270x.
 inline constexpr std::int64_t kGdnMaxChunkSize = 128;
+// The chunk the kernels run for a chunk_size over seq_len tokens: min(chunk_size, kGdnMaxChunkSize, seq_len), at
+// least 1 (what benchmarks report and their FLOP models count).
+inline constexpr std::int64_t gdn_run_chunk_size(std::int64_t chunk_size, std::int64_t seq_len) {
+  return std::max<std::int64_t>(1, std::min({chunk_size, kGdnMaxChunkSize, seq_len}));
+}
 
 // The inputs of gdn_forward (shapes and dtypes: the file comment).
 struct GdnForwardArgs {

@@ -18,6 +18,7 @@
 #include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -103,7 +104,7 @@ PlanToRun plan_from_json(const nlohmann::json& j, const std::vector<std::int64_t
 
 // The plan's sp_bench problem flags that dyncp_bench runs: MHA with --heads, --kv-heads, --head-dim, --causal,
 // --dtype and --seed. Anything else that changes the attention (a window, score modifiers, dropout, RoPE, a grid) is
-// refused rather than silently left out of the timed step.
+// refused rather than silently left out of the timed step, and so is any flag of how sp_bench runs.
 void check_problem_runs(const SpBenchOptions& o) {
   std::vector<std::string> unsupported;
   if (o.window != 0) unsupported.push_back(str_cat("--window ", o.window));
@@ -115,11 +116,20 @@ void check_problem_runs(const SpBenchOptions& o) {
   if (o.grid.ulysses_size != 1 || o.grid.ring_size != 1 || o.grid.dp_size != 1)
     unsupported.push_back("a grid (--ulysses-size / --ring-size / --dp-size)");
   if (o.batch != 1) unsupported.push_back(str_cat("--batch ", o.batch));
+  // sp_bench's other flags (what a run checks, writes, reads, times or where it runs: --check, --json, --dump,
+  // --inputs, --iters, --device, --layout, ...) have no effect here: dyncp_bench has its own --json, --warmup and
+  // --threads, the plan's layout and impl, random inputs and no check.
+  static const std::set<std::string> kTaken = {"attn",         "model",     "heads",   "kv-heads", "head-dim",
+                                               "causal",       "dtype",     "seed",    "doc-lens", "window",
+                                               "softcap",      "alibi",     "sinks",   "dropout",  "dropout-seed",
+                                               "ulysses-size", "ring-size", "dp-size", "batch"};
+  for (const std::string& f : o.given_flags)
+    if (kTaken.count(f) == 0 && f.rfind("rope", 0) != 0) unsupported.push_back("--" + f);
   std::string text;
   for (const std::string& u : unsupported) text += str_cat(text.empty() ? "" : ", ", u);
   SEQPAR_CHECK(unsupported.empty(), "dyncp_bench: the plan's problem flags set ", text,
                ", which dyncp_bench does not run (it times MHA with --heads, --kv-heads, --head-dim, --causal, "
-               "--dtype and --seed only); plan without them");
+               "--dtype and --seed only, writes only its own --json and neither checks nor dumps); plan without them");
 }
 
 // One micro-batch of this rank, its inputs cut before timing.

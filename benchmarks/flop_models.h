@@ -76,7 +76,7 @@ struct GdnFlopShape {
 // C is the chunk the kernels run: a chunk_size above attn::kGdnMaxChunkSize (128) runs as chunks of 128 tokens, so a
 // larger C would count work that is not done (--chunk-size 1000 reported 6x the GFLOP/s of 128 at the same time).
 inline double gdn_forward_flops(const GdnFlopShape& s) {
-  const double c = static_cast<double>(std::min({s.chunk_size, s.seq, attn::kGdnMaxChunkSize})),
+  const double c = static_cast<double>(attn::gdn_run_chunk_size(s.chunk_size, s.seq)),
                k = static_cast<double>(s.head_dim), v = static_cast<double>(s.dim_v);
   const double conv = 2.0 * static_cast<double>(s.conv_width) * static_cast<double>(s.conv_channels);
   return static_cast<double>(s.batch) * static_cast<double>(s.seq) *
@@ -86,10 +86,10 @@ inline double gdn_forward_flops(const GdnFlopShape& s) {
 inline double gdn_backward_flops(const GdnFlopShape& s) { return 2.5 * gdn_forward_flops(s); }
 // A segment's map (gdn_transition: the state [M | U] of K + V columns carried through the chunks, no output): per
 // token and value head the chunk's [C, C] and [C, K] / [C, V] products, 4 C K + 2 C V, and the wide state's two
-// products, 4 K (K + V).
+// products, 4 K (K + V). C as the forward's: gdn_transition runs the same chunks.
 inline double gdn_map_flops(const GdnFlopShape& s) {
-  const double c = static_cast<double>(std::min(s.chunk_size, s.seq)), k = static_cast<double>(s.head_dim),
-               v = static_cast<double>(s.dim_v);
+  const double c = static_cast<double>(attn::gdn_run_chunk_size(s.chunk_size, s.seq)),
+               k = static_cast<double>(s.head_dim), v = static_cast<double>(s.dim_v);
   return static_cast<double>(s.batch) * static_cast<double>(s.seq) * static_cast<double>(s.heads) *
          (4 * c * k + 2 * c * v + 4 * k * (k + v));
 }

@@ -27,16 +27,20 @@ nlohmann::json run_gdn(const Context& ctx) {
   const std::int64_t B = 1, Hv = ctx.size_or("heads", 8),
                      Hk = ctx.size_or("kv-heads", std::max<std::int64_t>(Hv / 2, 1));
   const std::int64_t K = ctx.size_or("head-dim", 128), V = ctx.size_or("dim-v", 128);
-  const std::int64_t C = (*ctx.args)["chunk-size"].as<std::int64_t>();
-  std::printf("#\n# gdn: chunked gated delta rule, B=%lld Hv=%lld Hk=%lld K=%lld V=%lld chunk=%lld, qk L2 norm\n",
-              static_cast<long long>(B), static_cast<long long>(Hv), static_cast<long long>(Hk),
-              static_cast<long long>(K), static_cast<long long>(V), static_cast<long long>(C));
+  const std::int64_t chunk_given = (*ctx.args)["chunk-size"].as<std::int64_t>();
+  std::printf(
+      "#\n# gdn: chunked gated delta rule, B=%lld Hv=%lld Hk=%lld K=%lld V=%lld chunk_size=%lld (column C: the chunk "
+      "run, at most S and %lld), qk L2 norm\n",
+      static_cast<long long>(B), static_cast<long long>(Hv), static_cast<long long>(Hk), static_cast<long long>(K),
+      static_cast<long long>(V), static_cast<long long>(chunk_given), static_cast<long long>(attn::kGdnMaxChunkSize));
   std::printf("# FLOPs: fwd B*S*Hv*(6*C*K + 4*C*V + 6*K*V), bwd 2.5x fwd\n");
   std::printf("%7s %4s %4s %5s %5s %5s", "S", "Hv", "Hk", "K", "V", "C");
   print_rate_header();
   std::printf("\n");
   nlohmann::json results = nlohmann::json::array();
   for (std::int64_t S : seqs) {
+    // The chunk the kernels run (attention/gdn.h): the rows and the JSON report it, as the FLOP model counts it.
+    const std::int64_t C = attn::gdn_run_chunk_size(chunk_given, S);
     const MemCategory ws = MemCategory::kWorkspace;
     auto make = [&](Shape shape, std::uint32_t seed, float lo, float hi) {
       Tensor t = Tensor::empty(std::move(shape), DType::kFloat32, ws);
@@ -54,7 +58,7 @@ nlohmann::json run_gdn(const Context& ctx) {
                  dbeta = Tensor::empty(g.shape(), DType::kFloat32, ws),
                  dinit = Tensor::empty(final_state.shape(), DType::kFloat32, ws);
     // zero initial state, q and k L2-normalised, scale 1 / sqrt(K)
-    const attn::GdnForwardArgs a{q, k, v, g, beta, {}, true, 0.0f, C};
+    const attn::GdnForwardArgs a{q, k, v, g, beta, {}, true, 0.0f, chunk_given};
     const GdnFlopShape shape{B, S, Hv, K, V, C, 0, 0};
     RateColumns r;
     r.fwd_flops = gdn_forward_flops(shape);

@@ -465,7 +465,7 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const RingSegments ring_segs = ring_segments(o);
   const double segments = ring_segs.most;
   const double seg_state = st * batch * (o.heads / pu) * kd * std::max(kd, vd);  // a state, or a scan map's M
-  const double chunk = static_cast<double>(std::min({o.chunk_size, attn::kGdnMaxChunkSize, o.seq}));
+  const double chunk = static_cast<double>(attn::gdn_run_chunk_size(o.chunk_size, o.seq));
   const double m = std::max({chunk, kd, vd});
   const double seg_len = s_pad / (pr * segments);
   const double fwd_worker = c * (17 * chunk * m + 3 * m * m + 16 * chunk);
@@ -549,7 +549,7 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
     std::vector<std::string> w;
     // The chunk the kernel runs (attention/gdn.h); a chunk of at most the default, or over a sequence no longer
     // than it, costs what the default does.
-    const std::int64_t chunk = std::min({o.chunk_size, attn::kGdnMaxChunkSize, o.seq});
+    const std::int64_t chunk = attn::gdn_run_chunk_size(o.chunk_size, o.seq);
     if (chunk > attn::kGdnDefaultChunkSize) {
       w.push_back(str_cat(
           "--chunk-size ", o.chunk_size, preset_note(o, "chunk-size"),

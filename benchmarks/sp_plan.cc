@@ -191,6 +191,8 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
       sum += read_json(tmp / str_cat("cores_", copies, "_", i, ".json"))["results"][0]["fwd_mean_ms"].get<double>();
     return sum / copies;
   };
+  p.mha_tile_pairs = true;
+  p.note += "; mha_tile_pairs true: the CPU MHA kernels compute whole 64 x 64 tile pairs (attention/cpu/mha_cpu.h)";
   const double alone = mean_fwd_ms(1), together = mean_fwd_ms(hw);
   p.cores_per_node = std::clamp(hw * alone / together, 1.0, static_cast<double>(hw));
   p.note += str_cat("; cores_per_node ", p.cores_per_node, " of ", hw, ": kernel_bench mha S 1024 fwd ", alone,
@@ -339,6 +341,8 @@ int sp_plan_main(int argc, char** argv) {
   in.memory_per_device = parse_memory(r["mem-per-device"].as<std::string>());
   in.mode = r["mode"].as<std::string>();
   in.threads = r["threads"].as<int>();
+  if (std::string(argv[0]).find('/') != std::string::npos)
+    in.sp_bench = (std::filesystem::path(argv[0]).parent_path() / "sp_bench").string();
   in.layers = r["layers"].as<int>();
   in.linear_flops_per_token = r["linear-flops-per-token"].as<double>();
   in.tp = r["tp"].as<int>();

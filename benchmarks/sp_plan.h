@@ -58,6 +58,11 @@ struct DeviceProfile {
   // GDN scan: a segment's map (gdn_transition) costs gdn_map_factor x its FLOPs (gdn_map_flops) at the forward
   // curve's rate; the backward's dS sweep costs gdn_sweep_factor x the segment's forward.
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
+  // MHA under a causal mask costs the 64 x 64 tile pairs its kernels compute (the CPU kernels: any pair of tiles in
+  // which some query sees some key, masked or not; SequenceLayout::step_work) rather than its visible pairs, which
+  // matters for packed rows of short documents. false: visible pairs (profiles of other kernels). --calibrate sets
+  // it (JSON "mha_tile_pairs", its source in "factors").
+  bool mha_tile_pairs = false;
   // The ring's execution on this device and software stack (JSON block "ring", with its source; absent: the
   // defaults, the ideal double-buffered ring).
   // transfer_overlaps_compute: a ring step's transfer of the next block (MHA's ring, DSA's selection and latent
@@ -94,6 +99,9 @@ struct PlanInput {
   int devices_per_node = 1;      // ranks per node (world_size = nodes x devices_per_node)
   double memory_per_device = 0;  // bytes a rank may use; the node holds devices_per_node times this
   int threads = 1;               // --threads of the sp_bench runs (CPU)
+  // sp_bench in the printed commands: next to sp_plan, as sp_plan was called (build/benchmarks/sp_plan ->
+  // build/benchmarks/sp_bench, runnable from the same directory), or "sp_bench" (on the PATH, as sp_plan was)
+  std::string sp_bench = "sp_bench";
   // A model of several layers (train and prefill): `layers` copies of the layer, each followed by its linear layers
   // (QKV, output projection, MLP) of linear_flops_per_token forward FLOPs per token (the backward twice that), run on
   // every rank's own tokens at the profile's "gemm" curve with no communication. tp: tensor parallelism inside each

@@ -144,10 +144,17 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   SEQPAR_CHECK(p.cores_per_node >= 0, what, ": cores_per_node ", p.cores_per_node, " must be >= 0 (0: unknown)");
   SEQPAR_CHECK(p.gdn_map_factor > 0 && p.gdn_sweep_factor > 0, what, ": gdn_map_factor ", p.gdn_map_factor,
                " and gdn_sweep_factor ", p.gdn_sweep_factor, " must be > 0 (they multiply predicted times)");
+  if (j.contains("mha_tile_pairs")) {
+    SEQPAR_CHECK(j["mha_tile_pairs"].is_boolean(), what, ": mha_tile_pairs must be true or false (is ",
+                 j["mha_tile_pairs"].dump(), ")");
+    p.mha_tile_pairs = j["mha_tile_pairs"].get<bool>();
+  }
   // The scalar factors name their source in "factors": {"source": ...}.
-  if (j.contains("cores_per_node") || j.contains("gdn_map_factor") || j.contains("gdn_sweep_factor")) {
+  if (j.contains("cores_per_node") || j.contains("gdn_map_factor") || j.contains("gdn_sweep_factor") ||
+      j.contains("mha_tile_pairs")) {
     SEQPAR_CHECK(j.contains("factors"), what,
-                 ": cores_per_node / gdn_map_factor / gdn_sweep_factor need a \"factors\" block with their source");
+                 ": cores_per_node / gdn_map_factor / gdn_sweep_factor / mha_tile_pairs need a \"factors\" block with "
+                 "their source");
     source_text(j["factors"], what + ": factors");
   }
   if (j.contains("ring")) {
@@ -197,6 +204,7 @@ nlohmann::json profile_json(const DeviceProfile& p) {
                       {"cores_per_node", p.cores_per_node},
                       {"gdn_map_factor", p.gdn_map_factor},
                       {"gdn_sweep_factor", p.gdn_sweep_factor},
+                      {"mha_tile_pairs", p.mha_tile_pairs},
                       {"factors", {{"source", p.note}}}};
   for (const auto& [key, c] : p.kernels) {
     nlohmann::json pts = nlohmann::json::array();
@@ -390,6 +398,43 @@ double visible_pairs(const SpBenchOptions& o, const SequenceLayout& layout) {
   return pairs * static_cast<double>(o.batch);
 }
 
+// Visible (query, key) pairs per computed tile pair of one causal row of `len` tokens on one rank: the row's
+// len (len + 1) / 2 pairs over its n (n + 1) / 2 pairs of 64-row tiles, n = ceil(len / 64) (kTileAlign of the CPU
+// kernels, SequenceLayout::step_work). The profile's MHA curves are measured on such rows (kernel_bench, causal), so
+// FLOPs counted as tile pairs times this ratio times 4 H D run at the curves' rates.
+constexpr std::int64_t kTileAlign = 64;  // the CPU kernels' kBlockQ = kBlockK, step_work's tile
+double causal_pairs_per_tile(std::int64_t len) {
+  const double n = static_cast<double>((len + kTileAlign - 1) / kTileAlign), l = static_cast<double>(len);
+  return n > 0 ? l * (l + 1) / (n * (n + 1) * kTileAlign * kTileAlign) : 1.0;
+}
+
+// Forward FLOPs of (ring rank r, ring step s), every head, the whole batch. Under a causal mask the CPU kernels
+// compute every 64 x 64 tile pair in which some query sees some key (SequenceLayout::step_work), masked or not: a
+// packed row's tiles straddle its documents (the zigzag layout cuts each document into 2 P pieces, a document of 64
+// tokens into pieces of 64 / 2P rows), so it costs its tile pairs, not its visible pairs. Counted as tile pairs x
+// causal_pairs_per_tile(padded_len) x 4 H D, which is an unpacked row's visible-pair FLOPs when its tiles are those of
+// the row on one rank (every layout's shards are whole tiles then). Without a causal mask: the visible pairs,
+// uniformly over the steps. tile_pairs false (DeviceProfile::mha_tile_pairs): the visible pairs, spread over the
+// steps by their shares of the tile pairs.
+std::vector<std::vector<double>> step_flops(const SpBenchOptions& o, const SequenceLayout& layout, bool tile_pairs) {
+  const int P = layout.ring_size();
+  const double per_pair = 4.0 * o.heads * o.head_dim * static_cast<double>(o.batch);
+  if (!o.causal || !tile_pairs) {  // the visible pairs, by the steps' shares of the tile pairs
+    const auto share = step_shares(layout, o.causal);
+    std::vector<std::vector<double>> f(P, std::vector<double>(P));
+    const double total = 4.0 * o.heads * o.head_dim * visible_pairs(o, layout);  // batch included
+    for (int r = 0; r < P; ++r)
+      for (int s = 0; s < P; ++s) f[r][s] = total * share[r][s];
+    return f;
+  }
+  const double pairs_per_tile = causal_pairs_per_tile(layout.padded_len()) * kTileAlign * kTileAlign;
+  const std::vector<std::int64_t>& w = layout.step_work();
+  std::vector<std::vector<double>> f(P, std::vector<double>(P));
+  for (int r = 0; r < P; ++r)
+    for (int s = 0; s < P; ++s) f[r][s] = per_pair * pairs_per_tile * static_cast<double>(w[r * P + s]);
+  return f;
+}
+
 struct Phase {
   std::vector<double> finish, compute;  // per rank (ring ranks; every Ulysses rank of a ring rank alike)
   double bytes_ring = 0, bytes_a2a = 0;
@@ -429,7 +474,6 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   const double kv_block = P > 1 ? static_cast<double>(vol.ring_forward) / (P - 1) : 0.0;
   const double dkv_block = kv_block * vs.accum_bytes / vs.storage_bytes;
 
-  const double fwd_flops = 4.0 * o.heads * o.head_dim * visible_pairs(o, layout);  // the whole row, every head
   // The ring's per-step merge pass (DeviceProfile::ring_merge_pass), bytes at the memory bandwidth: forward, the
   // step's partial out (storage dtype) read and the running out (accumulator) read and written, the lse likewise;
   // backward, the step's dq read and the running dq read and written, and dk, dv into the travelling accumulator
@@ -461,7 +505,7 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
     ag_pass_fwd_s = slow * 4 * e * E / prof.memory_bandwidth_bps;
     ag_pass_bwd_s = slow * (4 * e * E + 2 * e * E + calls * per_call + 4 * e * E) / prof.memory_bandwidth_bps;
   }
-  const auto share = step_shares(layout, o.causal);
+  const auto step_f = step_flops(o, layout, prof.mha_tile_pairs);  // forward, every head
   Prediction pr;
   pr.bytes_exact = true;
   pr.oversubscribed = slow > 1.0;
@@ -478,13 +522,13 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
     const KernelCurve& curve = prof.kernel(bwd ? "mha_bwd" : "mha_fwd");
-    const double flops = bwd ? 2.5 * fwd_flops : fwd_flops;
+    const double mult = bwd ? 2.5 : 1.0;
     std::vector<std::vector<double>> c(P, std::vector<double>(P));
     Phase ph;
     ph.compute.assign(P, 0.0);
     for (int r = 0; r < P; ++r) {
       for (int s = 0; s < P; ++s) {
-        const double f = flops * share[r][s] / pu;  // one rank: its ring shard's pairs with H / Pu heads
+        const double f = mult * step_f[r][s] / pu;  // one rank: its ring shard's pairs with H / Pu heads
         c[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
         // Every later step with work folds its partial result into the running one (profile.ring_merge_pass).
         if (s > 0 && f > 0 && o.impl == RingImpl::kP2P) c[r][s] += bwd ? merge_bwd_s : merge_fwd_s;
@@ -509,7 +553,7 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
       ph.finish.assign(P, 0.0);
       for (int r = 0; r < P; ++r) {
         double f = 0;
-        for (int s = 0; s < P; ++s) f += flops * share[r][s] / pu;
+        for (int s = 0; s < P; ++s) f += mult * step_f[r][s] / pu;
         ph.compute[r] = f > 0 ? slow * f / curve.rate(f) : 0.0;
         ph.finish[r] = a2a + gather + ph.compute[r] + (bwd ? ag_pass_bwd_s : ag_pass_fwd_s) + scatter;
       }
@@ -927,7 +971,7 @@ std::vector<std::string> problem_args(const PlanInput& in) {
 }
 
 std::string command_of(const PlanInput& in, const PlanConfig& c) {
-  std::string s = str_cat("mpirun -np ", in.world_size, " sp_bench");
+  std::string s = str_cat("mpirun -np ", in.world_size, " ", in.sp_bench);
   for (const std::string& f : problem_args(in)) s += " " + f;
   for (const std::string& f : c.flags()) s += " " + f;
   if (in.threads != 1) s += str_cat(" --threads ", in.threads);

@@ -6,6 +6,11 @@ configuration is looked up by name; sp_bench runs it under mpirun (--json) and i
 Cases of one problem at one world size form a group: the planner's first choice among the group's measured
 configurations is compared with the measured fastest. Prints a markdown table and writes --json.
 
+--repeat N runs every case N times, in rounds (each round runs every case once, so that a slow minute of a shared
+machine falls on every configuration of a group alike; odd rounds in reverse order, so that a rising load does not
+favour the configuration listed first); a case's measured time is the median of its rounds. The group table then also gives, per round, the first choice against the fastest of that round, and the
+run-to-run spread: per configuration (max - min) / median over the rounds, the group's largest.
+
   scripts/sp_plan_check.py --build build --profile build/profile.json --json build/sp_plan_check.json
 """
 import argparse
@@ -71,13 +76,17 @@ def main():
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--mpirun", default="mpirun")
     ap.add_argument("--groups", nargs="+", help="run only the cases of groups starting with one of these")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every case; measured = median of the rounds")
     a = ap.parse_args()
+    if a.repeat < 1:
+        raise SystemExit(f"--repeat {a.repeat} must be >= 1")
     sp_plan = os.path.join(a.build, "benchmarks", "sp_plan")
     sp_bench = os.path.join(a.build, "benchmarks", "sp_bench")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     plans = {}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
+        todo = []
         for case in CASES:
             group, world, problem, name = case[:4]
             if a.groups and not any(group.startswith(g) for g in a.groups):
@@ -95,24 +104,32 @@ def main():
             if not ranked:
                 excl = [r["reason"] for r in plan["excluded"] if r["name"] == name]
                 raise SystemExit(f"{name}: not ranked ({excl})")
-            r = ranked[0]
-            out = os.path.join(tmp, "bench.json")
-            run([a.mpirun, "-np", str(world), "--oversubscribe", sp_bench] + problem + r["sp_bench_flags"] +
-                ["--warmup", "1", "--iters", str(a.iters), "--quiet", "--json", out], env=env)
-            with open(out) as f:
-                bench = json.load(f)
-            if mode == "decode":
-                measured, measured_exposed = bench["decode_step_s"]["median"], None
-            else:
-                whole = next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")
-                measured, measured_exposed = whole["time_ms"] / 1e3, whole["exposed_comm_pct"]
+            todo.append((group, world, problem, name, mode, plan, ranked[0], []))
+        for i in range(a.repeat):
+            # Odd rounds run the cases in reverse, so that a load that rises or falls through the run does not
+            # always favour the configuration a group lists first.
+            for group, world, problem, name, mode, plan, r, measured in (todo if i % 2 == 0 else todo[::-1]):
+                out = os.path.join(tmp, "bench.json")
+                run([a.mpirun, "-np", str(world), "--oversubscribe", sp_bench] + problem + r["sp_bench_flags"] +
+                    ["--warmup", "1", "--iters", str(a.iters), "--quiet", "--json", out], env=env)
+                with open(out) as f:
+                    bench = json.load(f)
+                if mode == "decode":
+                    measured.append((bench["decode_step_s"]["median"], None))
+                else:
+                    whole = next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")
+                    measured.append((whole["time_ms"] / 1e3, whole["exposed_comm_pct"]))
+        for group, world, problem, name, mode, plan, r, measured in todo:
+            times = [m[0] for m in measured]
+            exposed = [m[1] for m in measured if m[1] is not None]
             predicted = r["predicted"]["step_s"]
+            med_t = statistics.median(times)
             rows.append({"group": group, "world": world, "config": name, "predicted_s": predicted,
-                         "measured_s": measured, "error": predicted / measured - 1,
+                         "measured_s": med_t, "measured_rounds_s": times, "error": predicted / med_t - 1,
                          "plan_rank": [x["name"] for x in plan["ranked"]].index(name) + 1,
                          "oversubscribed": r["predicted"]["oversubscribed"],
                          "exposed_comm_s": r["predicted"]["exposed_comm_s"],
-                         "measured_exposed_pct": measured_exposed})
+                         "measured_exposed_pct": statistics.median(exposed) if exposed else None})
     groups = {}
     for row in rows:
         groups.setdefault(row["group"], []).append(row)
@@ -122,8 +139,12 @@ def main():
             continue
         first = min(rs, key=lambda x: x["predicted_s"])
         fastest = min(rs, key=lambda x: x["measured_s"])
+        per_round = [first["measured_rounds_s"][i] / min(x["measured_rounds_s"][i] for x in rs) - 1
+                     for i in range(a.repeat)]
+        spread = max((max(x["measured_rounds_s"]) - min(x["measured_rounds_s"])) / x["measured_s"] for x in rs)
         choice[g] = {"first_choice": first["config"], "measured_fastest": fastest["config"],
-                     "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"] - 1}
+                     "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"] - 1,
+                     "first_choice_vs_fastest_per_round": per_round, "spread": spread}
     med = statistics.median(abs(r["error"]) for r in rows)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
@@ -136,10 +157,20 @@ def main():
         print(f"| {r['group']} | {r['config']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
               f"{r['error'] * 100:+.0f}% | {r['plan_rank']} |")
     print(f"\nmedian |error|: {med * 100:.0f}%; load average after: {load}\n")
-    print("| group | first choice (predicted) | measured fastest | first choice vs fastest |")
-    print("|---|---|---|---:|")
+    if a.repeat == 1:
+        print("| group | first choice (predicted) | measured fastest | first choice vs fastest |")
+        print("|---|---|---|---:|")
+        for g, c in choice.items():
+            print(f"| {g} | {c['first_choice']} | {c['measured_fastest']} | "
+                  f"{c['first_choice_vs_fastest'] * 100:+.0f}% |")
+        return
+    print(f"medians of {a.repeat} rounds\n")
+    print("| group | first choice (predicted) | measured fastest | first choice vs fastest | per round | spread |")
+    print("|---|---|---|---:|---|---:|")
     for g, c in choice.items():
-        print(f"| {g} | {c['first_choice']} | {c['measured_fastest']} | {c['first_choice_vs_fastest'] * 100:+.0f}% |")
+        rounds = " / ".join(f"{x * 100:+.0f}" for x in c["first_choice_vs_fastest_per_round"])
+        print(f"| {g} | {c['first_choice']} | {c['measured_fastest']} | {c['first_choice_vs_fastest'] * 100:+.0f}% | "
+              f"{rounds} % | {c['spread'] * 100:.0f}% |")
 
 
 if __name__ == "__main__":

@@ -337,15 +337,23 @@ def test_kernel(tmp):
             ratio = gf / j["square_sgemm_gflops"]
             check(abs(r[f"{phase}_ratio_square"] - ratio) <= 1e-9 * ratio, f"{r['kernel']} {phase}_ratio_square")
     # A --chunk-size above the kernels' longest chunk (128) runs as chunks of 128: the model counts those (it counted
-    # C = 1000 and reported 6x the GFLOP/s of --chunk-size 128 at the same time).
+    # C = 1000 and reported 6x the GFLOP/s of --chunk-size 128 at the same time), the row reports C = 128, and so does
+    # the segment map's model (gdn_transition runs the same chunks; it counted C = S).
     long_path = os.path.join(tmp, "kernel_long_chunk.json")
     p = subprocess.run([exe, "--kernel", "gdn", "--seq", "256", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
                         "--dim-v", "16", "--chunk-size", "1000", "--min-time", "0", "--warmup", "0", "--square", "0",
-                        "--threads", "1", "--json", long_path], capture_output=True, text=True, timeout=300)
+                        "--threads", "1", "--gdn-maps", "--json", long_path], capture_output=True, text=True,
+                       timeout=300)
     check(p.returncode == 0, f"kernel_bench --chunk-size 1000: exit {p.returncode}\n{p.stdout}{p.stderr}")
     for r in json.load(open(long_path))["results"]:
+        check(r["chunk_size"] == 128, f"gdn --chunk-size 1000 S={r['S']}: the row reports chunk_size {r['chunk_size']}, "
+              "not the 128 that runs")
         got, want = r["fwd_flops"], kernel_flops(r)[0]
         check(abs(got - want) <= 1e-12 * want, f"gdn --chunk-size 1000 S={r['S']}: fwd_flops {got} != {want} (C = 128)")
+        c, k, v = 128, r["K"], r["V"]
+        want = r["B"] * r["S"] * r["Hv"] * (4 * c * k + 2 * c * v + 4 * k * (k + v))
+        check(abs(r["map_flops"] - want) <= 1e-12 * want,
+              f"gdn --chunk-size 1000 S={r['S']}: map_flops {r['map_flops']} != {want} (C = 128)")
     bad = subprocess.run([exe, "--kernel", "flash"], capture_output=True, text=True, timeout=60)
     check(bad.returncode != 0 and "--kernel flash must be mha, dsa, gdn or all" in bad.stderr,
           f"--kernel flash must be refused by name:\n{bad.stdout}{bad.stderr}")

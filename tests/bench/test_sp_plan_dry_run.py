@@ -3,11 +3,14 @@
 (--test-mem-available-mib = devices_per_node x --mem-per-device), the configurations sp_plan ranks are accepted by
 `sp_bench --dry-run` ("fits"), the ones it excludes for memory are refused ("does NOT fit") and a real run of one
 stops with sp_bench's memory error; the ones it excludes by a rule fail sp_bench's parser with the same message.
+The first choice's printed command, copied as it is (sp_plan called by a relative path from the build directory,
+as the docs call it from the repository root), runs from that directory.
 
   test_sp_plan_dry_run.py SP_PLAN SP_BENCH MPIEXEC NP_FLAG
 """
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -67,6 +70,25 @@ def main():
                                 f"(rc {out.returncode}):\n{out.stdout}")
             else:
                 print(f"ok: {row['name']}: refused by both: {row['reason']}")
+        # The command a user copies: sp_plan called as benchmarks/sp_plan from the build directory names sp_bench
+        # beside it (it printed a bare "sp_bench", not found unless installed on the PATH).
+        build_dir = os.path.dirname(os.path.dirname(os.path.abspath(sp_plan)))
+        out = subprocess.run([os.path.relpath(os.path.abspath(sp_plan), build_dir), "--profile", prof, "--world",
+                              str(WORLD), "--mem-per-device", f"{MEM_MIB}M", "--"] + PROBLEM, cwd=build_dir,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        lines = [l for l in out.stdout.splitlines() if l.startswith("# first choice: ")]
+        words = shlex.split(lines[0][len("# first choice: "):]) if lines else []
+        if out.returncode != 0 or not words or words[0] != "mpirun":
+            failures.append(f"sp_plan from {build_dir} (rc {out.returncode}): no '# first choice: mpirun ...' "
+                            f"line:\n{out.stdout}")
+        else:
+            run = subprocess.run([mpiexec] + words[1:] + ["--dry-run", "--test-mem-available-mib", node_mib],
+                                 cwd=build_dir, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            if run.returncode != 0 or ": fits" not in run.stdout:
+                failures.append(f"the first choice's command {' '.join(words)} in {build_dir} --dry-run "
+                                f"(rc {run.returncode}):\n{run.stdout}")
+            else:
+                print(f"ok: the first choice's command runs from {build_dir}: {' '.join(words)}")
     for f in failures:
         print("FAIL:", f)
     print(f"{len(failures)} failure(s)")

@@ -834,23 +834,48 @@ void expect_window(const TensorView& whole, const std::vector<double>& before, c
         }
 }
 
+// The problem of the window tests: 2 rows of 70 tokens, 4 value heads on 2 key heads, chunks of 16, and the window
+// rows [13, 54) x value heads [1, 3) (key heads 0 and 1; 3 chunks of 16, 16 and 9 rows), with random initial_state
+// and dfinal_state of the window's heads and a random dout (seeds base + 91, + 94, + 93).
+struct WindowCase {
+  Problem p;
+  Inputs in;
+  GdnWindow window{13, 41, 1, 2};
+  DType od = DType::kFloat32, sd = DType::kFloat32;  // outputs and gradients; states
+  Tensor init, dfin, dout;                           // [B, num_heads, K, V] (state dtype), the same, [B, S, H, V]
+};
+
+WindowCase make_window_case(DType dtype, std::uint64_t seed, std::uint64_t base) {
+  WindowCase c;
+  c.p.B = 2;
+  c.p.S = 70;
+  c.p.H = 4;
+  c.p.Hk = 2;
+  c.p.chunk = 16;
+  c.p.seed = seed;
+  c.in = make_inputs(c.p, dtype);
+  c.od = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32;
+  c.sd = accumulator_dtype(dtype);
+  const Shape state{c.p.B, c.window.num_heads, c.p.K, c.p.V};
+  c.init = random_tensor(state, c.sd, base + 91);
+  c.dfin = random_tensor(state, c.sd, base + 94);
+  c.dout = random_tensor({c.p.B, c.p.S, c.p.H, c.p.V}, dtype, base + 93);
+  return c;
+}
+
 // gdn_forward_window / gdn_backward_window against gdn_forward / gdn_backward on copies of each value head of the
 // window (bitwise: the same arithmetic on the same values), with everything outside the window left untouched.
 TEST(GdnWindow, EqualsTheCallOnCopiesBitwise) {
   for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kBFloat16}) {
-    Problem p;
-    p.B = 2;
-    p.S = 70;
-    p.H = 4;
-    p.Hk = 2;
-    p.chunk = 16;
-    p.seed = 77;
-    const Inputs in = make_inputs(p, dtype);
-    const std::int64_t r0 = 13, n = 41, h0 = 1, nh = 2, G = p.H / p.Hk;  // value heads 1, 2 read key heads 0, 1
-    const DType od = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, sd = accumulator_dtype(dtype);
+    const WindowCase c = make_window_case(dtype, 77, 0);
+    const Problem& p = c.p;
+    const Inputs& in = c.in;
+    const GdnWindow& window = c.window;
+    const std::int64_t r0 = window.row_begin, n = window.num_rows, h0 = window.head_begin, nh = window.num_heads;
+    const std::int64_t G = p.H / p.Hk;  // value heads 1, 2 read key heads 0, 1
+    const DType od = c.od, sd = c.sd;
     const std::string tag = dtype_name(dtype);
-    const Tensor init = random_tensor({p.B, nh, p.K, p.V}, sd, 91), dfin = random_tensor({p.B, nh, p.K, p.V}, sd, 94);
-    const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, 93);
+    const Tensor &init = c.init, &dfin = c.dfin, &dout = c.dout;
     Tensor out = random_tensor({p.B, p.S, p.H, p.V}, od, 92), fin = random_tensor({p.B, nh, p.K, p.V}, sd, 95);
     Tensor dq = random_tensor({p.B, p.S, p.H, p.K}, od, 96), dk = random_tensor({p.B, p.S, p.H, p.K}, od, 97);
     Tensor dv = random_tensor({p.B, p.S, p.H, p.V}, od, 98), dg = random_tensor({p.B, p.S, p.H}, od, 99);
@@ -859,7 +884,6 @@ TEST(GdnWindow, EqualsTheCallOnCopiesBitwise) {
                               dg0 = to_double(dg), db0 = to_double(db);
     GdnForwardArgs a = in.args();
     a.initial_state = init;
-    const GdnWindow window{r0, n, h0, nh};
     gdn_forward_window(a, window, out, fin);
     gdn_backward_window({a, dout, dfin}, window, dq, dk, dv, dg, db, dinit);
 
@@ -918,20 +942,13 @@ TEST(GdnWindow, RejectsWindowsOutsideTheTensors) {
 // (itself checked against copies above and the fp64 recurrence).
 TEST(GdnAhead, WindowWithWorkAheadIsBitwiseTheWindowWithout) {
   for (DType dtype : {DType::kFloat64, DType::kFloat32, DType::kBFloat16}) {
-    Problem p;
-    p.B = 2;
-    p.S = 70;
-    p.H = 4;
-    p.Hk = 2;
-    p.chunk = 16;
-    p.seed = 78;
-    const Inputs in = make_inputs(p, dtype);
-    const std::int64_t nh = 2;
-    const GdnWindow window{13, 41, 1, nh};  // 3 chunks of 16, 16 and 9 rows
-    const DType od = dtype == DType::kFloat64 ? DType::kFloat64 : DType::kFloat32, sd = accumulator_dtype(dtype);
-    const Tensor init = random_tensor({p.B, nh, p.K, p.V}, sd, 191), dfin = random_tensor({p.B, nh, p.K, p.V}, sd, 194);
-    const Tensor dout = random_tensor({p.B, p.S, p.H, p.V}, dtype, 193);
-    GdnForwardArgs a = in.args();
+    const WindowCase c = make_window_case(dtype, 78, 100);
+    const Problem& p = c.p;
+    const GdnWindow& window = c.window;  // 3 chunks of 16, 16 and 9 rows
+    const std::int64_t nh = window.num_heads;
+    const DType od = c.od, sd = c.sd;
+    const Tensor &init = c.init, &dfin = c.dfin, &dout = c.dout;
+    GdnForwardArgs a = c.in.args();
     a.initial_state = init;
     struct Results {
       Tensor out, fin, dq, dk, dv, dg, db, dinit;

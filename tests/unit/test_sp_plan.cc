@@ -440,6 +440,65 @@ TEST(SpPlanDecode, StepIsShardPlusMerge) {
   EXPECT_NEAR(mem.prediction.step_s, 1e-3 + 2.0 * 8 * 64 * 4 * (2052 + 1) / 1e8 + (P - 1) * (lat + block / bw), 1e-12);
 }
 
+// A causal packed row costs the tile pairs the CPU kernels compute (64 x 64, masked or not), not its visible pairs:
+// tile pairs x the visible pairs per tile pair of one causal row of the padded length x 4 H D. Documents of whole
+// tiles, counted by hand: a document of m tiles has m (m + 1) / 2 tile pairs.
+TEST(SpPlanPacked, ComputeIsExecutedTilePairs) {
+  const double rate = 1e9;
+  DeviceProfile p = flat_profile(rate, 0.0, 1e30);
+  p.mha_tile_pairs = true;
+  const double per_pair = 4.0 * 8 * 64;  // 4 H D
+  // The causal row of n tiles of 64: its n (n + 1) / 2 tile pairs hold len (len + 1) / 2 visible pairs.
+  const auto pairs_per_tile = [](double len) {
+    const double n = len / 64;
+    return len * (len + 1) / (n * (n + 1));
+  };
+  // One rank, documents 1024, 512, 256, 128, 64, 64: 136 + 36 + 10 + 3 + 1 + 1 = 187 tile pairs of a 2048-slot row.
+  PlanInput one = input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--doc-lens",
+                         "1024,512,256,128,64,64", "--causal"},
+                        1);
+  one.only_configs = {"u1xr1 zigzag p2p"};
+  const Prediction a = plan(one, p).front().prediction;
+  const double tiles_s = 187 * pairs_per_tile(2048) * per_pair / rate;
+  EXPECT_NEAR(a.forward_s, tiles_s, 1e-12);
+  EXPECT_NEAR(a.backward_s, 2.5 * tiles_s, 1e-12);
+  // 6 % more than the visible pairs, sum of L (L + 1) / 2 = 701440.
+  EXPECT_NEAR(a.forward_s / (701440 * per_pair / rate), 187 * pairs_per_tile(2048) / 701440, 1e-12);
+  EXPECT_GT(a.forward_s, 1.05 * 701440 * per_pair / rate);
+  // The flag travels in the profile's JSON; anything but a boolean is refused, naming the field.
+  EXPECT_TRUE(profile_from_json(profile_json(p), "round trip").mha_tile_pairs);
+  nlohmann::json bad = profile_json(p);
+  bad["mha_tile_pairs"] = 1;
+  try {
+    profile_from_json(bad, "bad profile");
+    ADD_FAILURE() << "mha_tile_pairs 1 was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("bad profile: mha_tile_pairs must be true or false"), std::string::npos)
+        << e.what();
+  }
+  // A profile without mha_tile_pairs: the visible pairs.
+  DeviceProfile visible = p;
+  visible.mha_tile_pairs = false;
+  EXPECT_NEAR(plan(one, visible).front().prediction.forward_s, 701440 * per_pair / rate, 1e-12);
+  // Unpacked: the row's tiles are those of the reference row, so its visible pairs.
+  PlanInput plain =
+      input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K", "--causal"}, 1);
+  plain.only_configs = {"u1xr1 zigzag p2p"};
+  EXPECT_NEAR(plan(plain, p).front().prediction.forward_s, 2048.0 * 2049 / 2 * per_pair / rate, 1e-12);
+  // Two ranks, contiguous, documents 1024, 512, 256 (1792 slots): rank 0 holds document 0's first 896 tokens (14
+  // tiles: 105 pairs at step 0, none at step 1); rank 1 the last 128 (2 tiles: 3 pairs, and 2 x 14 against rank 0's
+  // at step 1), then 512 (36) and 256 (10): 77 pairs. Rank 0 decides: 105 tile pairs.
+  PlanInput two = input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--doc-lens",
+                         "1024,512,256", "--causal"},
+                        2);
+  two.only_configs = {"u1xr2 contiguous p2p"};
+  const Prediction b = plan(two, p).front().prediction;
+  const double rank0_s = 105 * pairs_per_tile(1792) * per_pair / rate;
+  EXPECT_NEAR(b.forward_s, rank0_s, 1e-9);
+  // Forward and backward (2.5 x): rank 0's 105 against the mean of 105 and 77.
+  EXPECT_NEAR(b.imbalance_s, 3.5 * (105 - (105 + 77) / 2.0) * pairs_per_tile(1792) * per_pair / rate, 1e-9);
+}
+
 // GDN's chain runs head by head (GdnCp): at 2 ranks, contiguous, rank 1 starts head h when rank 0 has finished it
 // and its state has arrived, so a phase takes half the work, plus one head of the first half, plus one head's state
 // message (the forward; the backward the same from the other end).
