@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "benchmarks/bench_common.h"
+#include "benchmarks/sp_bench_memory.h"
 #include "parallel/cp_common.h"
 #include "runtime/comm_factory.h"
 #include "runtime/error.h"
@@ -436,6 +437,18 @@ int comm_bench_main(int argc, char** argv) {
 
   const std::string date = utc_now_iso8601();
   const NodeInfo node = node_info();
+  // The largest size's buffers against the node's memory, the same verdict on every rank before any measured call
+  // (--max-bytes 999999999999M timed sendrecv at 1, 2, 4, ... GiB for minutes before an allocation failed). At least
+  // a send and a receive buffer of --max-bytes per rank; only over MPI (NCCL's buffers live on the devices).
+  if (o.backend == "mpi") {
+    const double avail = available_memory_bytes(0);
+    const double need = 2.0 * static_cast<double>(o.max_bytes) * node.ranks_per_node;
+    double ratio = avail > 0 ? need / avail : 0.0, worst = 0;
+    SEQPAR_CHECK_MPI(MPI_Allreduce(&ratio, &worst, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+    SEQPAR_CHECK(worst <= 1.0, "comm_bench: --max-bytes ", o.max_bytes, ": the buffers of the largest size (a send and ",
+                 "a receive buffer of --max-bytes per rank, times the ranks of a node) need ", worst,
+                 " times the memory available on a node (MemAvailable); lower --max-bytes");
+  }
   auto world = make_world_communicator(o.backend);
   check_output_paths(*world, o.json_path);
   CpGrid grid(*world, o.grid);

@@ -82,6 +82,8 @@ PlanToRun plan_from_json(const nlohmann::json& j, const std::vector<std::int64_t
                    " names document ", d.dump(), ", not an integer index");
       mb.doc_ids.push_back(d.get<std::int64_t>());
     }
+    SEQPAR_CHECK(!mb.doc_ids.empty(), "dyncp_bench: plan ", p.name, ": micro-batch ", p.micro_batches.size(),
+                 " has no documents (a micro-batch runs a packed row of at least one)");
     if (m.contains("doc_lens")) {
       const std::vector<std::int64_t> lens = m.at("doc_lens").get<std::vector<std::int64_t>>();
       SEQPAR_CHECK(lens.size() == mb.doc_ids.size(), "dyncp_bench: plan ", p.name, ": micro-batch ",
@@ -178,6 +180,12 @@ int dyncp_bench_run(int argc, char** argv) {
                         .add_text("--plan (FNV-1a digest of its JSON)",
                                   str_cat(Fingerprint("plan").add_text("json", pj.dump()).digest())));
   const std::vector<std::int64_t> doc_lens = pj["input"]["doc_lens"].get<std::vector<std::int64_t>>();
+  // The plan's schedule (groups, start order, predicted times) is of its world: another world would run a schedule
+  // that was never planned, or fail later at a group that does not exist.
+  const nlohmann::json& planned_world = pj["input"]["world_size"];
+  SEQPAR_CHECK(planned_world.is_number_integer() && planned_world.get<std::int64_t>() == place.size, "dyncp_bench: ",
+               plan_path, " was planned for input.world_size ", planned_world.dump(), ", but this job has ", place.size,
+               " ranks (plan again with sp_plan --dynamic-cp --world ", place.size, ")");
   const std::string layout_name_text = pj["input"]["layout"].get<std::string>();
   const RingImpl impl = parse_ring_impl(pj["input"]["impl"].get<std::string>());
   // The problem: sp_bench's parse of the plan's flags with the whole row as one document list.

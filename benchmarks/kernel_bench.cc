@@ -93,7 +93,10 @@ void check_numeric_flags(const cxxopts::ParseResult& args) {
   SEQPAR_CHECK(std::isfinite(min_time) && min_time >= 0, "--min-time ", min_time,
                " must be a finite number >= 0 (0: --min-rounds rounds)");
   SEQPAR_CHECK(!args.count("quick") || !args.count("min-time"), "--quick sets --min-time 0.2: pass one of them");
-  for (const char* name : {"square", "gemm-cap"}) in_range(name, 0, kBig);  // 0: skip / no cap
+  // --square n: three n x n fp32 matrices and an int n for cblas (10^8 ended in a bare std::bad_alloc; 2^40 overflowed
+  // n * n): at most 32768 (12 GiB, 7e13 FLOPs a round).
+  in_range("square", 0, 32768);  // 0: skip
+  in_range("gemm-cap", 0, kBig);  // 0: no cap
   for (const char* name : {"batch", "hq", "hkv", "topk", "indexer-heads", "indexer-dim", "chunk-size"})
     in_range(name, 1, kBig);
   for (const char* name : {"heads", "head-dim", "dim-v", "kv-heads"}) in_range(name, 0, kBig);  // 0: the default

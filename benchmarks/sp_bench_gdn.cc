@@ -499,7 +499,7 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double ahead_fwd_window = c * batch * win_chunks * chunk * (3 * kd + vd + chunk + 1);
   const double ahead_bwd_window = c * batch * win_chunks * kd * vd;
   // (none with SEQPAR_GDN_WORK_AHEAD=0, which turns the work ahead off)
-  const bool ahead_on = env::get_int("SEQPAR_GDN_WORK_AHEAD", 1) != 0;
+  const bool ahead_on = env::gdn_work_ahead();
   auto ahead_windows = [&](double per_window) {
     const double fit = std::max(1.0, std::floor(static_cast<double>(kGdnAheadBudgetBytes) / per_window));
     return pr > 1 && ahead_on ? std::min({static_cast<double>(kGdnAheadMaxWindows), fit, heads_local * segments})

@@ -25,6 +25,8 @@
 
 #include "benchmarks/bench_common.h"
 #include "benchmarks/sp_plan_dynamic.h"
+#include "parallel/cp_common.h"
+#include "parallel/layout.h"
 #include "runtime/error.h"
 
 namespace seqpar::bench::plan {
@@ -234,11 +236,24 @@ int dynamic_cp_main(const cxxopts::ParseResult& r, const PlanInput& in, const De
   }
   din.tokens_per_rank = bench::parse_size(r["tokens-per-rank"].as<std::string>(), "tokens-per-rank");
   if (r.count("degrees")) {
-    for (const std::string& t : split_commas(r["degrees"].as<std::string>()))
-      din.degrees.push_back(static_cast<int>(bench::parse_size(t, "degrees")));
+    for (const std::string& t : split_commas(r["degrees"].as<std::string>())) {
+      const std::int64_t d = bench::parse_size(t, "degrees");  // range first: the cast to int used to wrap 2^32 + 2 to 2
+      SEQPAR_CHECK(d >= 1 && d <= in.world_size && in.world_size % d == 0, "sp_plan --dynamic-cp: --degrees ", t,
+                   ": degree ", d, " must divide the world size ", in.world_size);
+      din.degrees.push_back(static_cast<int>(d));
+    }
   }
   din.layout = r["mb-layout"].as<std::string>();
   din.impl = r["mb-impl"].as<std::string>();
+  // Named here: an unknown name used to surface as "cannot run at any degree" (each prediction refused it).
+  try {
+    parse_layout(din.layout);
+    parse_ring_impl(din.impl);
+  } catch (const Error& e) {
+    SEQPAR_THROW("sp_plan --dynamic-cp: --mb-layout ", din.layout, " / --mb-impl ", din.impl, ": ", e.message());
+  }
+  SEQPAR_CHECK(in.mode != "decode", "sp_plan --dynamic-cp: --mode decode: the dynamic plan is of a training step ",
+               "(or a prefill) over packed documents, not of a decode step");
   const DynamicResult res = plan_dynamic(in, profile, din);
   std::printf("%s", dynamic_table(in, profile, din, res).c_str());
   if (r.count("json")) {

@@ -107,8 +107,18 @@ class Planner {
 }  // namespace
 
 std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, std::uint64_t seed) {
-  SEQPAR_CHECK(total >= 1, "sp_plan: --tokens ", total, " must be >= 1");
-  if (name.rfind("loguniform:", 0) != 0) return synthetic_doc_lens(name, total, seed);
+  SEQPAR_CHECK(total >= 1 && total <= kMaxDynamicTokens, "sp_plan: --tokens ", total, " must be in [1, 2^48]");
+  const auto too_many = [&](std::size_t docs) {
+    return str_cat("sp_plan: --doc-mix ", name, " --tokens ", total, " makes more than ", kMaxDynamicDocs,
+                   " documents (", docs, " so far), the dynamic planner's limit: fewer --tokens or longer documents");
+  };
+  if (name.rfind("loguniform:", 0) != 0) {
+    // The named mixes draw documents of 1 token or more: bound the tokens before drawing, then count.
+    SEQPAR_CHECK(total <= kMaxDynamicDocs * 16384, too_many(0));
+    std::vector<std::int64_t> lens = synthetic_doc_lens(name, total, seed);
+    SEQPAR_CHECK(static_cast<std::int64_t>(lens.size()) <= kMaxDynamicDocs, too_many(lens.size()));
+    return lens;
+  }
   const std::string rest = name.substr(11);
   const std::size_t colon = rest.find(':');
   SEQPAR_CHECK(colon != std::string::npos, "sp_plan: --doc-mix ", name, ": expected loguniform:LO:HI");
@@ -130,6 +140,7 @@ std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, s
         std::min(total - sum, std::min(hi, static_cast<std::int64_t>(static_cast<double>(lo) * std::pow(ratio, u))));
     lens.push_back(len);
     sum += len;
+    SEQPAR_CHECK(static_cast<std::int64_t>(lens.size()) <= kMaxDynamicDocs, too_many(lens.size()));
   }
   return lens;
 }
@@ -180,9 +191,14 @@ DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchT
   const std::vector<std::int64_t>& lens = din.doc_lens;
   SEQPAR_CHECK(world >= 1, "sp_plan: --world ", world, " must be >= 1");
   SEQPAR_CHECK(!lens.empty(), "sp_plan --dynamic-cp: no documents (--doc-lengths or --doc-mix)");
+  SEQPAR_CHECK(static_cast<std::int64_t>(lens.size()) <= kMaxDynamicDocs, "sp_plan --dynamic-cp: ", lens.size(),
+               " documents; the planner takes at most ", kMaxDynamicDocs);
   std::int64_t total = 0;
   for (std::size_t i = 0; i < lens.size(); ++i) {
     SEQPAR_CHECK(lens[i] >= 1, "sp_plan --dynamic-cp: document ", i, " has length ", lens[i], "; lengths must be >= 1");
+    // Both <= 2^48 before the sum: it cannot overflow.
+    SEQPAR_CHECK(lens[i] <= kMaxDynamicTokens - total, "sp_plan --dynamic-cp: the documents up to document ", i,
+                 " (length ", lens[i], ") hold more than 2^48 tokens, a layout's limit");
     total += lens[i];
   }
   DynamicResult r;

@@ -72,9 +72,16 @@ struct DynamicResult {
 // The predicted time of one micro-batch: the documents' lengths on a group of `degree` ranks.
 using MicroBatchTime = std::function<double(int degree, const std::vector<std::int64_t>& lens)>;
 
+// The planner's bounds: at most kMaxDynamicDocs documents (it predicts micro-batches of them many times over: about
+// 5-10 ms per document on this machine, so the limit is minutes, not hours) and kMaxDynamicTokens tokens in all (a
+// layout's limit, 2^48, which also keeps the sums of lengths from overflowing).
+inline constexpr std::int64_t kMaxDynamicDocs = std::int64_t{1} << 16;
+inline constexpr std::int64_t kMaxDynamicTokens = std::int64_t{1} << 48;
+
 // Named document mixes: "longtail" and "short" (parallel/layout.h synthetic_doc_lens), and "loguniform:LO:HI"
 // (lengths log-uniform in [LO, HI], K/M suffixes; the last document cut to what remains), `total` tokens.
-// Errors: an unknown name, LO < 1, HI < LO, total < 1.
+// Errors: an unknown name, LO < 1, HI < LO, total < 1, more than kMaxDynamicDocs documents (refused as soon as the
+// mix passes the limit, without drawing the rest).
 std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, std::uint64_t seed);
 
 // The list schedule of micro-batches whose degree and predicted_s are set, on `world` ranks: fills group and

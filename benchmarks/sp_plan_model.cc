@@ -80,6 +80,14 @@ double number_at(const nlohmann::json& j, const char* key, const std::string& wh
   return j[key].get<double>();
 }
 
+// An optional number of block `j`: `fallback` when absent, else a number (a string or another type is refused, naming
+// the field; nlohmann's own type error named neither the file nor the field).
+double optional_number(const nlohmann::json& j, const char* key, double fallback, const std::string& what) {
+  if (!j.contains(key)) return fallback;
+  SEQPAR_CHECK(j[key].is_number(), what, ": field \"", key, "\" must be a number (is ", j[key].dump(), ")");
+  return j[key].get<double>();
+}
+
 LinkClass link_from_json(const nlohmann::json& j, const std::string& what) {
   LinkClass l;
   l.latency_s = number_at(j, "latency_s", what);
@@ -98,6 +106,9 @@ nlohmann::json link_json(const LinkClass& l) {
 
 DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what) {
   DeviceProfile p;
+  SEQPAR_CHECK(j.is_object(), what, ": must be a JSON object (is ", j.type_name(), ")");
+  for (const char* k : {"name", "note"})
+    SEQPAR_CHECK(!j.contains(k) || j[k].is_string(), what, ": field \"", k, "\" must be a string (is ", j[k].dump(), ")");
   p.name = j.value("name", "unnamed");
   p.note = j.value("note", "");
   SEQPAR_CHECK(j.contains("kernels") && j["kernels"].is_object(), what, ": field \"kernels\" must be an object");
@@ -116,18 +127,26 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     std::sort(c.points.begin(), c.points.end());
     p.kernels[key] = std::move(c);
   }
-  SEQPAR_CHECK(j.contains("links") && j["links"].contains("intra") && j["links"].contains("inter"), what,
-               ": field \"links\" must hold \"intra\" and \"inter\"");
+  SEQPAR_CHECK(j.contains("links") && j["links"].is_object() && j["links"].contains("intra") &&
+                   j["links"].contains("inter"),
+               what, ": field \"links\" must hold \"intra\" and \"inter\"");
   p.intra = link_from_json(j["links"]["intra"], what + ": links.intra");
   p.inter = link_from_json(j["links"]["inter"], what + ": links.inter");
   p.intra_p2p_bandwidth_bps = j["links"]["intra"].value("p2p_bandwidth_bytes_per_s", 0.0);
   SEQPAR_CHECK(p.intra_p2p_bandwidth_bps >= 0, what, ": links.intra.p2p_bandwidth_bytes_per_s ",
                p.intra_p2p_bandwidth_bps, " must be >= 0 (0: links.intra's bandwidth)");
-  p.ranks_per_nic = j["links"].value("ranks_per_nic", 1);
-  SEQPAR_CHECK(p.ranks_per_nic >= 1, what, ": links.ranks_per_nic ", p.ranks_per_nic, " must be >= 1");
-  p.cores_per_node = j.value("cores_per_node", 0.0);
-  p.gdn_map_factor = j.value("gdn_map_factor", 1.0);
-  p.gdn_sweep_factor = j.value("gdn_sweep_factor", 1.0);
+  const double ranks_per_nic = optional_number(j["links"], "ranks_per_nic", 1, what + ": links");
+  SEQPAR_CHECK(ranks_per_nic >= 1 && ranks_per_nic <= 1 << 20 && ranks_per_nic == std::floor(ranks_per_nic), what,
+               ": links.ranks_per_nic ", ranks_per_nic, " must be an integer >= 1");
+  p.ranks_per_nic = static_cast<int>(ranks_per_nic);
+  // The scalar factors multiply predicted times: zero or negative ones would predict times of zero or below (a
+  // silently wrong plan). cores_per_node 0 means unknown (no oversubscription slowdown).
+  p.cores_per_node = optional_number(j, "cores_per_node", 0.0, what);
+  p.gdn_map_factor = optional_number(j, "gdn_map_factor", 1.0, what);
+  p.gdn_sweep_factor = optional_number(j, "gdn_sweep_factor", 1.0, what);
+  SEQPAR_CHECK(p.cores_per_node >= 0, what, ": cores_per_node ", p.cores_per_node, " must be >= 0 (0: unknown)");
+  SEQPAR_CHECK(p.gdn_map_factor > 0 && p.gdn_sweep_factor > 0, what, ": gdn_map_factor ", p.gdn_map_factor,
+               " and gdn_sweep_factor ", p.gdn_sweep_factor, " must be > 0 (they multiply predicted times)");
   if (j.contains("mha_tile_pairs")) {
     SEQPAR_CHECK(j["mha_tile_pairs"].is_boolean(), what, ": mha_tile_pairs must be true or false (is ",
                  j["mha_tile_pairs"].dump(), ")");
@@ -161,11 +180,14 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   }
   if (j.contains("device")) {
     const nlohmann::json& d = j["device"];
-    p.memory_bytes = d.value("memory_bytes", 0.0);
-    p.memory_bandwidth_bps = d.value("memory_bandwidth_bytes_per_s", 0.0);
-    p.decode_overhead_s = d.value("decode_overhead_s", 0.0);
+    SEQPAR_CHECK(d.is_object(), what, ": field \"device\" must be an object (is ", d.dump(), ")");
+    p.memory_bytes = optional_number(d, "memory_bytes", 0.0, what + ": device");
+    p.memory_bandwidth_bps = optional_number(d, "memory_bandwidth_bytes_per_s", 0.0, what + ": device");
+    p.decode_overhead_s = optional_number(d, "decode_overhead_s", 0.0, what + ": device");
     SEQPAR_CHECK(p.memory_bytes >= 0 && p.memory_bandwidth_bps >= 0, what, ": device.memory_bytes ", p.memory_bytes,
                  " and device.memory_bandwidth_bytes_per_s ", p.memory_bandwidth_bps, " must be >= 0");
+    SEQPAR_CHECK(p.decode_overhead_s >= 0, what, ": device.decode_overhead_s ", p.decode_overhead_s,
+                 " must be >= 0 (seconds added to a decode step)");
     p.device_source = source_text(d, what + ": device");
   }
   if (j.contains("mha_tiles")) {

@@ -62,6 +62,15 @@ bool lowered_attention() {
   return on;
 }
 
+bool gdn_work_ahead() {
+  static const bool on = [] {
+    const std::int64_t ahead = get_int("SEQPAR_GDN_WORK_AHEAD", 1);
+    SEQPAR_CHECK(ahead == 0 || ahead == 1, "SEQPAR_GDN_WORK_AHEAD=", ahead, " must be 0 or 1");
+    return ahead == 1;
+  }();
+  return on;
+}
+
 LogLevel log_level() {
   static const LogLevel level = [] {
     const std::string raw = get_string("SEQPAR_LOG_LEVEL", "warn");

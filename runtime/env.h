@@ -17,6 +17,10 @@ double comm_timeout_s();
 // The lowered-attention test mode: SEQPAR_LOWERED_ATTENTION = 0 | 1 exactly (default 0, also when set but empty).
 bool lowered_attention();
 
+// GDN context parallelism's work ahead: SEQPAR_GDN_WORK_AHEAD = 0 | 1 (default 1, also when set but empty); another
+// value is an error naming it.
+bool gdn_work_ahead();
+
 // Raw readers; `name` includes the SEQPAR_ prefix. Values are cached after the first read of each name.
 std::int64_t get_int(const char* name, std::int64_t fallback);
 double get_double(const char* name, double fallback);

@@ -96,6 +96,10 @@ class HostCache {
   HostCache() {
     const std::int64_t mb = env::get_int("SEQPAR_HOST_CACHE_MB", 1024);
     SEQPAR_CHECK(mb >= 0, "SEQPAR_HOST_CACHE_MB=", mb, " must be >= 0 (0: no host block cache)");
+    // The limit in bytes must fit: 2^44 MiB and more wrapped to a limit of 0 or less than asked (the cache silently off).
+    constexpr std::int64_t kMaxMb = (std::int64_t{1} << 43) - 1;
+    SEQPAR_CHECK(mb <= kMaxMb, "SEQPAR_HOST_CACHE_MB=", mb, " must be <= ", kMaxMb, " (2^43 - 1 MiB, the most bytes ",
+                 "a 64-bit size holds)");
     limit_ = static_cast<std::size_t>(mb) << 20;
   }
   // A cached block of exactly `size` bytes (a host_block_bytes value), or nullptr.

@@ -16,6 +16,7 @@
 #include "runtime/cuda_staging.h"
 #include "runtime/fault.h"
 #include "runtime/logging.h"
+#include "runtime/memory.h"
 
 namespace seqpar {
 #if !defined(SEQPAR_WITH_CUDA)
@@ -304,6 +305,8 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   env::log_level();
   env::comm_timeout_s();
   env::lowered_attention();
+  env::gdn_work_ahead();
+  host_cache_limit();  // SEQPAR_HOST_CACHE_MB (it was read at the first large host allocation, after messages)
   int world_size = 1;
   SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));
   fault::check_rank_in_world(fault::plan(), world_size);

@@ -520,6 +520,21 @@ TEST_F(EnvDeathTest, HostCacheLimitValues) {
         std::exit(e == "SEQPAR_HOST_CACHE_MB=-1 must be >= 0 (0: no host block cache)" ? 0 : 1);
       },
       ::testing::ExitedWithCode(0), "");
+  // 2^44 MiB is 2^64 bytes: it wrapped to a limit of 0 (the cache off without a word).
+  EXPECT_EXIT(
+      {
+        ::setenv("SEQPAR_HOST_CACHE_MB", "17592186044416", 1);
+        const std::string e = test::error_of([] { host_cache_limit(); });
+        std::fprintf(stderr, "%s\n", e.c_str());
+        std::exit(e.find("SEQPAR_HOST_CACHE_MB=17592186044416 must be <= 8796093022207") == 0 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
+  EXPECT_EXIT(
+      {
+        ::setenv("SEQPAR_HOST_CACHE_MB", "8796093022207", 1);
+        std::exit(host_cache_limit() == std::size_t{8796093022207} << 20 ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 TEST_F(EnvDeathTest, MalformedLogLevelIsAnErrorNamingTheValue) {

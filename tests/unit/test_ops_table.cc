@@ -39,6 +39,8 @@ using test::tol;
 std::string cuda_skip_reason() {
   const char* env = std::getenv("SEQPAR_TEST_DEVICE");
   const std::string dev = env == nullptr ? "" : env;
+  // A mistyped value ("gpu", "CUDA") fails rather than skipping: the CUDA cases would pass as skipped unnoticed.
+  if (dev != "cuda" && dev != "cpu" && !dev.empty()) return "SEQPAR_TEST_DEVICE=" + dev + " must be cpu or cuda";
   if (dev != "cuda") return "the CUDA table runs only with SEQPAR_TEST_DEVICE=cuda (scripts/gpu_check.sh on a GPU)";
   if (!cuda_ops_built()) return "SEQPAR_TEST_DEVICE=cuda, but seqpar was built without CUDA";
   const std::string why = cuda_unavailable_reason();
@@ -50,6 +52,7 @@ class OpsTable : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     if (GetParam() == "cuda") {
       const std::string why = cuda_skip_reason();
+      if (why.find("must be cpu or cuda") != std::string::npos) FAIL() << why;
       if (!why.empty()) GTEST_SKIP() << why;
       f32_ = cuda_ops<float>(Device::cuda(0), Stream{Device::cuda(0), nullptr});
       f64_ = cuda_ops<double>(Device::cuda(0), Stream{Device::cuda(0), nullptr});

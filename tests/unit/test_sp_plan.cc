@@ -326,6 +326,62 @@ TEST(SpPlanProfile, EveryBlockNamesItsSource) {
   }
 }
 
+// The optional scalar fields of a profile are numbers of their range: a wrong type names the field (nlohmann's bare
+// "type must be number" named neither), and a factor of zero or below, a negative decode overhead or cores per node,
+// or a fractional ranks_per_nic are refused (they were taken and predicted times at or below zero, or truncated).
+TEST(SpPlanProfile, ScalarFieldsTypedAndInRange) {
+  DeviceProfile p = flat_profile(2e9, 3e-6, 4e9);
+  p.intra.source = p.inter.source = "test";
+  p.memory_bytes = 80e9;
+  p.memory_bandwidth_bps = 3e12;
+  p.device_source = "test";
+  const nlohmann::json good = profile_json(p);
+  EXPECT_NO_THROW(profile_from_json(good, "good"));
+  const auto refused = [](const nlohmann::json& j, const std::string& what) {
+    try {
+      profile_from_json(j, "p");
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  nlohmann::json j = good;
+  j["gdn_map_factor"] = -1.0;
+  refused(j, "gdn_map_factor -1 and gdn_sweep_factor 1 must be > 0");
+  j = good;
+  j["gdn_sweep_factor"] = 0;
+  refused(j, "gdn_map_factor 1 and gdn_sweep_factor 0 must be > 0");
+  j = good;
+  j["cores_per_node"] = -4;
+  refused(j, "cores_per_node -4 must be >= 0");
+  j = good;
+  j["cores_per_node"] = "many";
+  refused(j, "p: field \"cores_per_node\" must be a number (is \"many\")");
+  j = good;
+  j["device"]["decode_overhead_s"] = -1e-3;
+  refused(j, "device.decode_overhead_s -0.001 must be >= 0");
+  j = good;
+  j["device"]["memory_bandwidth_bytes_per_s"] = "fast";
+  refused(j, "p: device: field \"memory_bandwidth_bytes_per_s\" must be a number");
+  j = good;
+  j["links"]["ranks_per_nic"] = 1.5;
+  refused(j, "links.ranks_per_nic 1.5 must be an integer >= 1");
+  j = good;
+  j["links"]["ranks_per_nic"] = "2";
+  refused(j, "p: links: field \"ranks_per_nic\" must be a number");
+  j = good;
+  j["name"] = 5;
+  refused(j, "p: field \"name\" must be a string");
+  refused(nlohmann::json::array({1}), "p: must be a JSON object (is array)");
+  // In range: taken as given.
+  j = good;
+  j["links"]["ranks_per_nic"] = 4;
+  j["device"]["decode_overhead_s"] = 2e-6;
+  const DeviceProfile q = profile_from_json(j, "p");
+  EXPECT_EQ(q.ranks_per_nic, 4);
+  EXPECT_EQ(q.decode_overhead_s, 2e-6);
+}
+
 // The GPU profiles in benchmarks/profiles load (so every block names its source), carry the curves the published
 // comparisons use, and their figures are the datasheets' orders of magnitude.
 TEST(SpPlanProfile, ShippedGpuProfilesLoad) {

@@ -213,5 +213,37 @@ TEST(SpPlanDynamic, DocMix) {
   EXPECT_THROW(doc_mix("nosuchmix", 1000, 1), Error);
 }
 
+// The planner's bounds, refused at once with the limit named: a mix that draws more than kMaxDynamicDocs documents
+// (1M documents of one token used to run for hours; 2^50 tokens never ended), more documents than that given
+// directly, and lengths whose sum passes 2^48 (ten of 2^60 wrapped the total to a negative tokens_per_rank).
+TEST(SpPlanDynamic, Bounds) {
+  const auto refused = [](const auto& call, const std::string& what) {
+    try {
+      call();
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused([] { doc_mix("loguniform:1:1", 1 << 20, 1); }, "makes more than 65536 documents (65537 so far)");
+  refused([] { doc_mix("short", std::int64_t{1} << 40, 1); }, "makes more than 65536 documents (0 so far)");
+  refused([] { doc_mix("short", std::int64_t{1} << 50, 1); }, "--tokens 1125899906842624 must be in [1, 2^48]");
+  refused([] { doc_mix("short", std::int64_t{1} << 22, 1); }, "makes more than 65536 documents");
+  EXPECT_EQ(doc_mix("loguniform:1:1", 1 << 16, 1).size(), 1u << 16);  // the limit itself is taken
+  int calls = 0;
+  const MicroBatchTime time = [&](int, const std::vector<std::int64_t>& lens) {
+    ++calls;
+    return static_cast<double>(lens.size());
+  };
+  DynamicInput din;
+  din.doc_lens.assign(kMaxDynamicDocs + 1, 1);
+  refused([&] { plan_dynamic(2, din, time); }, "65537 documents; the planner takes at most 65536");
+  din.doc_lens.assign(10, std::int64_t{1} << 60);
+  refused([&] { plan_dynamic(2, din, time); }, "document 0 (length 1152921504606846976) hold more than 2^48 tokens");
+  din.doc_lens.assign(3, (std::int64_t{1} << 47) + 1);
+  refused([&] { plan_dynamic(2, din, time); }, "up to document 1 (length 140737488355329) hold more than 2^48");
+  EXPECT_EQ(calls, 0) << "refused before any prediction";
+}
+
 }  // namespace
 }  // namespace seqpar::bench::plan
