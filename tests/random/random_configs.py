@@ -75,14 +75,14 @@ def pick_train_grid(rng):
 
 
 def doc_lens(rng, total_min, total_max):
-    """Document lengths: 1 to 4 of any length (zero-length ones too) half the time; else odd shapes: runs of 1-token
-    documents around a few others, or one document of at least half the row (longer than a rank's share on any ring
-    of 2 or more) among short ones."""
+    """Document lengths: 1 to 4 of any length (zero-length ones too) four times in ten; else odd shapes: runs of
+    1-token documents around a few others, or one document of at least half the row (longer than a rank's share on
+    any ring of 2 or more) among short ones."""
     shape = rng.random()
-    if shape < 0.5:
+    if shape < 0.4:
         n = rng.randint(1, 4)
         lens = [rng.randint(0 if rng.random() < 0.15 else 1, total_max // n) for _ in range(n)]
-    elif shape < 0.75:
+    elif shape < 0.7:
         lens = [1] * rng.randint(2, 8) + [rng.randint(1, total_max // 4) for _ in range(rng.randint(0, 2))]
         rng.shuffle(lens)
     else:
@@ -107,28 +107,28 @@ def row_flags(rng, c, longest):
 
 
 def window_flags(rng, c):
-    """--window: short (1 to 24 tokens) or from a rank's share of the row to the whole row (a window that crosses
-    ranks), half and half."""
+    """--window: short (1 to 24 tokens) four times in ten, else from a rank's share of the row to the whole row (a
+    window that crosses ranks)."""
     share = max(1, c["seq"] // (c["ring"] * c["ulysses"]))
-    w = rng.randint(1, 24) if rng.random() < 0.5 else rng.randint(share, max(share, c["seq"]))
+    w = rng.randint(1, 24) if rng.random() < 0.4 else rng.randint(share, max(share, c["seq"]))
     c["window"] = w
     return ["--window", str(w)]
 
 
 def rope_flags(rng, hd, rope_dim=None):
-    """--rope with either pairing, a partial width sometimes, and a frequency scaling (llama3, yarn) or theta a time
-    in three."""
+    """--rope with either pairing, a partial width sometimes, and a frequency scaling (llama3, yarn) or another theta
+    half the time."""
     f = ["--rope", rng.choice(["rotate-half", "interleaved"])]
     if rope_dim is not None:
         f += ["--rope-dim", str(rope_dim)]
     elif rng.random() < 0.5:
         f += ["--rope-dim", str(rng.choice([4, hd]))]
     extra = rng.random()
-    if extra < 0.15:
+    if extra < 0.2:
         f += ["--rope-scaling", "llama3", "--rope-factor", "8", "--rope-original-max-pos", "16"]
-    elif extra < 0.3:
-        f += ["--rope-scaling", "yarn", "--rope-factor", "4", "--rope-original-max-pos", "16"]
     elif extra < 0.4:
+        f += ["--rope-scaling", "yarn", "--rope-factor", "4", "--rope-original-max-pos", "16"]
+    elif extra < 0.5:
         f += ["--rope-theta", "500000"]
     return f
 
@@ -155,7 +155,7 @@ def mha_config(rng):
     if causal:
         f.append("--causal")
     f += row_flags(rng, c, 80)
-    if causal and rng.random() < 0.3:
+    if causal and rng.random() < 0.5:
         f += window_flags(rng, c)
     if rng.random() < 0.25:
         p = rng.choice([0.1, 0.25, 0.5])
@@ -167,9 +167,9 @@ def mha_config(rng):
         f.append("--alibi")
     if rng.random() < 0.2:
         f.append("--sinks")
-    if rng.random() < 0.3:
+    if rng.random() < 0.5:
         f += rope_flags(rng, hd)
-    maybe_lowered(rng, c, 0.2)
+    maybe_lowered(rng, c, 0.35)
     c["flags"] = f
     return c
 
@@ -204,9 +204,9 @@ def dsa_config(rng, inputs_dir):
     else:
         f += ["--seq", str(seq)]
     c["seq"] = seq
-    if rng.random() < 0.25:
+    if rng.random() < 0.4:
         f += window_flags(rng, c)
-    if rng.random() < 0.3:
+    if rng.random() < 0.5:
         f += rope_flags(rng, hd, 8)
     c["flags"] = f
     return c
@@ -229,7 +229,7 @@ def gdn_config(rng):
     if rng.random() < 0.5:
         f += ["--conv-width", str(rng.choice([2, 4]))]
     f += row_flags(rng, c, 64)
-    if rng.random() < 0.3:
+    if rng.random() < 0.4:
         c["env"] = {"SEQPAR_GDN_WORK_AHEAD": "0"}  # else on (the default)
     c["flags"] = f
     return c
@@ -259,7 +259,7 @@ def decode_config(rng):
     if attn == "dsa":
         f += ["--head-dim", "32", "--dim-v", "16", "--indexer-heads", "2", "--indexer-dim", "8", "--topk",
               str(rng.randint(1, 16))]
-        if rng.random() < 0.3:
+        if rng.random() < 0.4:
             f += ["--window", str(rng.randint(1, 24))]  # the indexer's window
     else:
         f += ["--kv-heads", str(kv), "--head-dim", "16"]
@@ -275,11 +275,11 @@ def decode_config(rng):
         if shard == "interleave":
             f += ["--interleave", str(rng.choice([1, 2, 4]))]
     if attn == "mha":
-        if rng.random() < 0.4:
+        if rng.random() < 0.6:
             f += ["--chunk", str(rng.randint(1, 24))]
-            if rng.random() < 0.7:
+            if rng.random() < 0.9:
                 f += ["--chunk-mode", rng.choice(["auto", "pass-kv", "pass-q"])]
-        maybe_lowered(rng, c, 0.3)
+        maybe_lowered(rng, c, 0.4)
     c["flags"] = f
     return c
 
@@ -337,10 +337,10 @@ def write_dsa_tied_inputs(d, rng, seq, heads, hd, dv, ih, idim):
 
 
 def generate(rng, count, inputs_dir):
-    """count configurations, the kinds in turn: of every 10, 3 MHA, 2 DSA, 2 GDN, 2 decode (a kind drawn each
+    """count configurations, the kinds in turn: of every 10, 2 MHA, 2 DSA, 2 GDN, 3 decode (a kind drawn each
     time), 1 dynamic CP."""
     makers = [mha_config, dsa_config, gdn_config, decode_config, mha_config, dyncp_config, dsa_config, gdn_config,
-              mha_config, decode_config]
+              decode_config, decode_config]
     out = []
     for i in range(count):
         m = makers[i % len(makers)]
