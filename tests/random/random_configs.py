@@ -11,8 +11,9 @@ rank and the work ahead on or off: SEQPAR_GDN_WORK_AHEAD), ring implementations,
 kind (cache sharding, batch, MHA chunk prefill routes, DSA windows, GDN short conv) and dynamic CP (an sp_plan
 --dynamic-cp plan run by dyncp_bench, then its largest micro-batch under sp_bench --check-against reference). Each
 configuration runs twice under mpirun: `--check` (the one-rank kernel, then the fp64 rule) and `--check-against
-reference` (the fp64 reference); a dynamic-CP one runs dyncp_bench, then the micro-batch check. A run fails on a check that fails, a crash (a signal, or an exit without a result), a hang (past
---timeout) or a refusal (a valid configuration must run). Then a handful of invalid configurations, each of which
+reference` (the fp64 reference); a dynamic-CP one runs dyncp_bench, then the micro-batch check. A run fails on a
+check that fails, a crash (a signal, or an exit without a result), a hang (past --timeout) or a refusal (a valid
+configuration must run). Then a handful of invalid configurations, each of which
 must end with exit status 1 and one identical "rank N: error: ..." line on every rank.
 
 Every failure prints the sp_bench command line that reproduces it and a minimal one (flags dropped one at a time
