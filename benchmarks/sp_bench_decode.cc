@@ -167,6 +167,69 @@ void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchO
                rep.lse_err <= tolerance(accumulator_dtype(o.dtype), vs_reference);
 }
 
+// --check of the chunk (--chunk): extend's out [B, L, Hq, D] and lse [B, Hq, L] on this rank's L rows of the chunk
+// (tokens chunk_pos, -1: a padding row, not compared) against the training kernel (or, with --check-against
+// reference, the fp64 reference) of those queries over tokens [0, T + chunk), causal, every head; sets rep's chunk
+// errors (the largest over the ranks) and fails rep when they are over the steps' tolerances.
+void check_mha_chunk(Communicator& world, const SpBenchOptions& o, const DecodeInputs& in,
+                     const std::vector<std::int64_t>& chunk_pos, const PrefillOutput& ext, DecodeReport& rep) {
+  const std::int64_t B = o.batch, hq = o.heads, D = o.head_dim, T0 = o.decode.context + o.decode.chunk;
+  const std::int64_t L = static_cast<std::int64_t>(chunk_pos.size());
+  SEQPAR_CHECK(ext.out.dim(0) == B && ext.out.dim(1) == L && ext.out.dim(2) == hq && ext.lse.dim(2) == L,
+               "sp_bench: extend's out ", shape_str(ext.out.shape()), " and lse ", shape_str(ext.lse.shape()),
+               " are not [B, L, Hq, D] and [B, Hq, L] for L = ", L, " chunk rows on this rank");
+  std::vector<std::int64_t> rows, pos;  // this rank's rows that hold a token, and their tokens
+  for (std::int64_t i = 0; i < L; ++i) {
+    if (chunk_pos[static_cast<std::size_t>(i)] < 0) continue;
+    rows.push_back(i);
+    pos.push_back(chunk_pos[static_cast<std::size_t>(i)]);
+  }
+  const bool vs_reference = o.check_against == "reference";
+  std::vector<double> errs{0.0, 0.0};
+  const std::int64_t n = static_cast<std::int64_t>(rows.size());
+  if (n > 0) {
+    const Tensor out_h = Tensor::copy_of(ext.out.view(), DType::kFloat64, MemCategory::kWorkspace);
+    const Tensor lse_h = Tensor::copy_of(ext.lse.view(), DType::kFloat64, MemCategory::kWorkspace);
+    Tensor got_out = Tensor::empty({B, n, hq, D}, DType::kFloat64, MemCategory::kWorkspace);
+    Tensor got_lse = Tensor::empty({B, hq, n}, DType::kFloat64, MemCategory::kWorkspace);
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        const double* src = out_h.data_as<double>() + (b * L + rows[j]) * hq * D;
+        std::copy(src, src + hq * D, got_out.data_as<double>() + (b * n + j) * hq * D);
+        for (std::int64_t h = 0; h < hq; ++h) {
+          got_lse.data_as<double>()[(b * hq + h) * n + j] = lse_h.data_as<double>()[(b * hq + h) * L + rows[j]];
+        }
+      }
+    }
+    const std::vector<std::int64_t> keys = token_range(0, T0);
+    const Tensor q = in.rows("q", pos), k = in.rows("k", keys), v = in.rows("v", keys);
+    attn::MhaForwardArgs a;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.q_pos = pos;
+    a.mask.causal = true;
+    const DType od = vs_reference ? DType::kFloat64 : o.dtype, ld = vs_reference ? od : accumulator_dtype(o.dtype);
+    Tensor want_out = Tensor::empty({B, n, hq, D}, od, MemCategory::kWorkspace);
+    Tensor want_lse = Tensor::empty({B, hq, n}, ld, MemCategory::kWorkspace);
+    if (vs_reference) {
+      const Tensor q64 = fp64_copy(q), k64 = fp64_copy(k), v64 = fp64_copy(v);
+      a.q = q64;
+      a.k = k64;
+      a.v = v64;
+      attn::reference::mha_forward(a, want_out, want_lse);
+    } else {
+      attn::mha_forward(a, want_out, want_lse);
+    }
+    errs = {rel_err(got_out, want_out), rel_err(got_lse, want_lse)};
+  }
+  all_reduce(world, errs, ReduceOp::kMax);
+  rep.chunk_out_err = errs[0];
+  rep.chunk_lse_err = errs[1];
+  rep.passed = rep.passed && errs[0] <= tolerance(o.dtype, vs_reference) &&
+               errs[1] <= tolerance(accumulator_dtype(o.dtype), vs_reference);
+}
+
 // --device cuda: a copy of host rows on the groups' device (made outside the timed calls), or the rows themselves;
 // and a step's result back on the host (for the check and the dumps).
 Tensor on_device(const CpGroups& groups, Tensor t) {
@@ -210,6 +273,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   DecodeReport rep;
   const std::int64_t before = persistent_bytes();
   std::optional<ShardedKvCache> cache;
+  PrefillOutput ext;  // the last extend's outputs, kept for --check only
   for (int it = 0; it < o.warmup + o.iters; ++it) {
     cache.reset();
     cache.emplace(layer.make_cache(B, S, hkv, D, o.dtype, groups.stream.device));
@@ -228,7 +292,10 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
     rep.chunk_pass_bytes =
         used == ChunkPrefillMode::kPassQ ? layer.pass_q_bytes(*cache, *chunk_layout, hq) : layer.pass_kv_bytes(*cache);
     layer.reset_counters();
-    const double t_chunk = time_once(world, [&] { layer.extend(*cache, *chunk_layout, qc, kc, vc, chunk_mode); });
+    const double t_chunk = time_once(world, [&] {
+      PrefillOutput e = layer.extend(*cache, *chunk_layout, qc, kc, vc, chunk_mode);
+      if (o.check) ext = std::move(e);  // kept past the steps for the check only
+    });
     rep.chunk_bytes = layer.counters().bytes_sent;
     rep.chunk_route_bytes = layer.chunk_route_bytes_sent();
     if (it >= o.warmup) rep.chunk_s.push_back(t_chunk);
@@ -273,6 +340,7 @@ DecodeReport run_mha(Communicator& world, const CpGroups& groups, const SpBenchO
   if (!o.check) return rep;
   rep.checked = true;
   check_mha_steps(world, groups, o, in, out_all, lse_all, rep);
+  if (d.chunk > 0) check_mha_chunk(world, o, in, chunk_pos, ext, rep);
   return rep;
 }
 
@@ -552,6 +620,10 @@ void print_decode_report(const SpBenchOptions& o, const DecodeReport& r, const M
     if (r.topk_mismatches >= 0) {
       std::printf("# topk_indices: %lld entries differ from the single-rank selection\n",
                   static_cast<long long>(r.topk_mismatches));
+    }
+    if (r.chunk_out_err >= 0) {
+      std::printf("# chunk (--chunk %lld, %s): out rel err %.3g, lse rel err %.3g (in the check above)\n",
+                  static_cast<long long>(o.decode.chunk), r.chunk_mode.c_str(), r.chunk_out_err, r.chunk_lse_err);
     }
   }
   std::fflush(stdout);

@@ -29,6 +29,7 @@ struct DecodeReport {
   bool checked = false, passed = true;
   double out_err = 0, lse_err = 0, state_err = 0;  // max |got - want| / max |want|
   std::int64_t topk_mismatches = -1;               // DSA: topk_indices entries that differ (-1: not checked)
+  double chunk_out_err = -1, chunk_lse_err = -1;   // MHA --chunk: extend's rows (-1: not checked)
   double mem_peak_bytes = 0;  // the ledger's total peak from the prefill to the last step, largest over the ranks
 };
 
