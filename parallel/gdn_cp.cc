@@ -489,9 +489,7 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
   plan_fwd_ = std::make_shared<ScanPlan>(gdn_scan_plan(pieces_, +1));
   plan_bwd_ = std::make_shared<ScanPlan>(gdn_scan_plan(pieces_, -1));
   work_ahead_ = config.work_ahead && env::gdn_work_ahead();
-  const std::int64_t defer = env::get_int("SEQPAR_GDN_DEFER_COPIES", 1);
-  SEQPAR_CHECK(defer == 0 || defer == 1, "SEQPAR_GDN_DEFER_COPIES=", defer, " must be 0 or 1");
-  defer_copies_ = config.defer_copies && defer == 1;
+  defer_copies_ = config.defer_copies && env::gdn_defer_copies();
 }
 
 // The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its

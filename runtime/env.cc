@@ -62,12 +62,21 @@ bool lowered_attention() {
   return on;
 }
 
+namespace {
+bool switch_on(const char* name) {
+  const std::int64_t v = get_int(name, 1);
+  SEQPAR_CHECK(v == 0 || v == 1, name, "=", v, " must be 0 or 1");
+  return v == 1;
+}
+}  // namespace
+
 bool gdn_work_ahead() {
-  static const bool on = [] {
-    const std::int64_t ahead = get_int("SEQPAR_GDN_WORK_AHEAD", 1);
-    SEQPAR_CHECK(ahead == 0 || ahead == 1, "SEQPAR_GDN_WORK_AHEAD=", ahead, " must be 0 or 1");
-    return ahead == 1;
-  }();
+  static const bool on = switch_on("SEQPAR_GDN_WORK_AHEAD");
+  return on;
+}
+
+bool gdn_defer_copies() {
+  static const bool on = switch_on("SEQPAR_GDN_DEFER_COPIES");
   return on;
 }
 

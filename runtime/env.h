@@ -20,6 +20,8 @@ bool lowered_attention();
 // GDN context parallelism's work ahead: SEQPAR_GDN_WORK_AHEAD = 0 | 1 (default 1, also when set but empty); another
 // value is an error naming it.
 bool gdn_work_ahead();
+// GDN context parallelism's deferred saved copies: SEQPAR_GDN_DEFER_COPIES = 0 | 1, the same rules.
+bool gdn_defer_copies();
 
 // Raw readers; `name` includes the SEQPAR_ prefix. Values are cached after the first read of each name.
 std::int64_t get_int(const char* name, std::int64_t fallback);
