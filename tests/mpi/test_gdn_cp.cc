@@ -276,6 +276,30 @@ TEST(GdnCp, ScanAtTwoRanksComputesNoMapAndMatchesChainBitwise) {
   }
 }
 
+// Every mode and layout run with one GdnCpConfig switch off, then on (set(cfg, on)); check(off, on, name) compares.
+template <typename Set, typename Check>
+void run_switch_off_and_on(Set set, Check check) {
+  const int n = world().size();
+  CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+      const GdnCase c{mode, layout, 1, true, true, 64 * n, 2};
+      const GdnProblem p(c);
+      auto run = [&](bool on) {
+        GdnCpConfig cfg;
+        cfg.mode = mode;
+        cfg.chunk_size = 8;
+        set(cfg, on);
+        return run_gdn_cp(groups, p, c.seq, layout, cfg);
+      };
+      const GdnCpRun off = run(false), on = run(true);
+      check(off, on,
+            str_cat(gdn_cp_mode_name(mode), ", ", layout_name(layout), " on ", n, " ranks, rank ", grid.ring().rank()));
+    }
+  }
+}
+
 // The work ahead (GdnCpConfig::work_ahead) changes no bit: chain and scan, both layouts, the same problem with and
 // without it give identical outputs and gradients on every rank (the reference: the same call without work ahead,
 // itself checked against the fp64 recurrence in GdnCpVsRecurrence). How much is done ahead depends on timing; the
@@ -283,51 +307,22 @@ TEST(GdnCp, ScanAtTwoRanksComputesNoMapAndMatchesChainBitwise) {
 TEST(GdnCp, WorkAheadChangesNoBit) {
   const int n = world().size();
   if (n < 2) GTEST_SKIP() << "needs 2 or more ranks (nothing waits on 1), has " << n;
-  CpGrid grid(world(), test::ring_over_world());
-  const CpGroups groups = CpGroups::from(grid);
-  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
-    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
-      const GdnCase c{mode, layout, 1, true, true, 64 * n, 2};
-      const GdnProblem p(c);
-      auto run = [&](bool work_ahead) {
-        GdnCpConfig cfg;
-        cfg.mode = mode;
-        cfg.chunk_size = 8;
-        cfg.work_ahead = work_ahead;
-        return run_gdn_cp(groups, p, c.seq, layout, cfg);
-      };
-      const GdnCpRun off = run(false), on = run(true);
-      const std::string name = str_cat(gdn_cp_mode_name(mode), ", ", layout_name(layout), " on ", n, " ranks, rank ",
-                                       grid.ring().rank(), " (", on.fwd.ahead + on.bwd.ahead, " s ahead)");
-      EXPECT_EQ(off.fwd.ahead + off.bwd.ahead, 0.0) << name << ": work ahead ran although turned off";
-      expect_bitwise_equal(on, off, name + ", with work ahead against without:");
-    }
-  }
+  run_switch_off_and_on([](GdnCpConfig& cfg, bool on) { cfg.work_ahead = on; },
+                        [](const GdnCpRun& off, const GdnCpRun& on, const std::string& where) {
+                          const std::string name = str_cat(where, " (", on.fwd.ahead + on.bwd.ahead, " s ahead)");
+                          EXPECT_EQ(off.fwd.ahead + off.bwd.ahead, 0.0)
+                              << name << ": work ahead ran although turned off";
+                          expect_bitwise_equal(on, off, name + ", with work ahead against without:");
+                        });
 }
 
 // The saved inputs copied in idle time (GdnCpConfig::defer_copies) against copied first: the backward reads them, so
 // a copy left unfinished or misplaced shows in the gradients.
 TEST(GdnCp, DeferredCopiesChangeNoBit) {
-  const int n = world().size();
-  CpGrid grid(world(), test::ring_over_world());
-  const CpGroups groups = CpGroups::from(grid);
-  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
-    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
-      const GdnCase c{mode, layout, 1, true, true, 64 * n, 2};
-      const GdnProblem p(c);
-      auto run = [&](bool defer) {
-        GdnCpConfig cfg;
-        cfg.mode = mode;
-        cfg.chunk_size = 8;
-        cfg.defer_copies = defer;
-        return run_gdn_cp(groups, p, c.seq, layout, cfg);
-      };
-      const GdnCpRun first = run(false), deferred = run(true);
-      const std::string name = str_cat(gdn_cp_mode_name(mode), ", ", layout_name(layout), " on ", n, " ranks, rank ",
-                                       grid.ring().rank());
-      expect_bitwise_equal(deferred, first, name + ", saved copies deferred against made first:");
-    }
-  }
+  run_switch_off_and_on([](GdnCpConfig& cfg, bool on) { cfg.defer_copies = on; },
+                        [](const GdnCpRun& first, const GdnCpRun& deferred, const std::string& name) {
+                          expect_bitwise_equal(deferred, first, name + ", saved copies deferred against made first:");
+                        });
 }
 
 TEST(GdnCp, ConfigurationErrors) {

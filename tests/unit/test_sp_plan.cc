@@ -99,7 +99,7 @@ TEST(SpPlanRing, WithoutOverlapComputeThenTransfer) {
       EXPECT_NEAR(ring_forward_closed_form(P, c, t, false), P * c + (P - 1) * t, 1e-15);
     }
   }
-  // A slow rank delays its successor's blocks by its extra compute: with rank 1 at 2 c, the finish is P 2 c + (P - 1) t.
+  // A slow rank delays its successor's blocks by its extra compute: rank 1 at 2 c finishes at P 2 c + (P - 1) t.
   const int P = 4;
   const double c = 1e-3, t = 1e-4;
   std::vector<std::vector<double>> compute(P, std::vector<double>(P, c));
@@ -292,14 +292,19 @@ TEST(SpPlan, ProfileJsonRoundTrip) {
   }
 }
 
-// Loading refuses a block of numbers that does not say where they come from, naming the block.
-TEST(SpPlanProfile, EveryBlockNamesItsSource) {
+// A flat profile with every block's source given, as JSON: what loading accepts.
+nlohmann::json sourced_profile_json() {
   DeviceProfile p = flat_profile(2e9, 3e-6, 4e9);
   p.intra.source = p.inter.source = "test";
   p.memory_bytes = 80e9;
   p.memory_bandwidth_bps = 3e12;
   p.device_source = "test";
-  const nlohmann::json good = profile_json(p);
+  return profile_json(p);
+}
+
+// Loading refuses a block of numbers that does not say where they come from, naming the block.
+TEST(SpPlanProfile, EveryBlockNamesItsSource) {
+  const nlohmann::json good = sourced_profile_json();
   EXPECT_NO_THROW(profile_from_json(good, "good"));
   const auto expect_refused = [](const nlohmann::json& j, const std::string& block) {
     try {
@@ -330,12 +335,7 @@ TEST(SpPlanProfile, EveryBlockNamesItsSource) {
 // "type must be number" named neither), and a factor of zero or below, a negative decode overhead or cores per node,
 // or a fractional ranks_per_nic are refused (they were taken and predicted times at or below zero, or truncated).
 TEST(SpPlanProfile, ScalarFieldsTypedAndInRange) {
-  DeviceProfile p = flat_profile(2e9, 3e-6, 4e9);
-  p.intra.source = p.inter.source = "test";
-  p.memory_bytes = 80e9;
-  p.memory_bandwidth_bps = 3e12;
-  p.device_source = "test";
-  const nlohmann::json good = profile_json(p);
+  const nlohmann::json good = sourced_profile_json();
   EXPECT_NO_THROW(profile_from_json(good, "good"));
   const auto refused = [](const nlohmann::json& j, const std::string& what) {
     try {
@@ -520,8 +520,8 @@ TEST(SpPlanGdn, ChainPipelinesOverValueHeads) {
   EXPECT_EQ(r.prediction.bytes_sent_forward, 1.0 * H * K * V * 4);
   // One value head: no pipeline, the two halves one after the other.
   PlanInput one = in;
-  one.problem_flags = {"--attn", "gdn",  "--heads", "1",    "--kv-heads",   "1", "--head-dim",
-                       "32",     "--dim-v", "32",   "--seq", "1K", "--conv-width", "0"};
+  one.problem_flags = {"--attn",  "gdn", "--heads", "1",  "--kv-heads",   "1", "--head-dim", "32",
+                       "--dim-v", "32",  "--seq",   "1K", "--conv-width", "0"};
   const PlanRow r1 = plan(one, p).front();
   const double F1 = F / H;
   EXPECT_NEAR(r1.prediction.forward_s, F1 + lat + 1.0 * K * V * 4 / bw, 1e-12);
@@ -533,8 +533,8 @@ TEST(SpPlanGdn, ChainPipelinesOverValueHeads) {
 // rate, the backward by the sweep factor's change times one segment's forward.
 TEST(SpPlanGdn, ScanMapsFromTheirFlops) {
   DeviceProfile p = flat_profile(1e9, 1e-6, 1e10);
-  const std::vector<std::string> flags = {"--attn", "gdn",      "--heads", "4",    "--kv-heads",   "2", "--head-dim",
-                                          "32",     "--dim-v",  "32",      "--seq", "1K", "--conv-width", "0"};
+  const std::vector<std::string> flags = {"--attn",  "gdn", "--heads", "4",  "--kv-heads",   "2", "--head-dim", "32",
+                                          "--dim-v", "32",  "--seq",   "1K", "--conv-width", "0"};
   PlanInput two = input(flags, 2);
   two.only_configs = {"u1xr2 zigzag scan"};
   p.gdn_map_factor = p.gdn_sweep_factor = 1.0;
