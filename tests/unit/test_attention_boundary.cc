@@ -371,7 +371,10 @@ TEST(RopeBoundary, ArgumentsAreRejectedWithTheirRule) {
   rejects(x, short_pos, kDefaultRopeTheta, "3 positions for a sequence of 4");
   rejects(x, pos, 0.0, "theta 0 must be positive and finite");
   rejects(ints, pos, kDefaultRopeTheta, "has dtype int32, expected a floating dtype");
-  rejects(on_cuda(x), pos, kDefaultRopeTheta, "is on cuda:0, but RoPE kernels have no CUDA implementation yet");
+  if (ops::cuda_ops_built())  // the CUDA kernel (rope_cuda.cu) takes the tensor: the checks pass
+    EXPECT_EQ(error_of([&] { RopeConfig{}.validate(on_cuda(x), pos); }), kNoError);
+  else
+    rejects(on_cuda(x), pos, kDefaultRopeTheta, "is on cuda:0, but RoPE kernels have no CUDA implementation yet");
 }
 
 // ---- allocation failure ---------------------------------------------------------------------------------------------
