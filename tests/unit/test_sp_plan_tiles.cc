@@ -137,7 +137,8 @@ TEST(SpPlanTiles, ZigzagCallsCoverTheCausalPairs) {
     std::string lens;
     for (const std::int64_t n : docs) {
       pairs += n * (n + 1) / 2.0;
-      lens += (lens.empty() ? "" : ",") + std::to_string(n);
+      if (!lens.empty()) lens += ',';
+      lens += std::to_string(n);
     }
     for (const std::string impl : {"p2p", "allgather"}) {
       if (P == 1 && impl == "allgather") continue;  // a ring of one has one configuration
