@@ -7,6 +7,7 @@ results of closed forms. Device buffers on nccl pass to the group as they are (c
 """
 
 import datetime
+import gc
 import re
 
 import torch
@@ -39,6 +40,9 @@ def main():
     grid.cp.all_reduce(t)
     assert torch.equal(t, torch.full((3,), float(size * (size - 1) // 2))), t
     print(f"rank {rank}: device buffer refused on gloo; host operations unchanged", flush=True)
+    del grid, comm  # they hold the group: dropped before it goes (docs/python.md)
+    seqpar.distributed.clear_grid_cache()
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -8,6 +8,7 @@ gradient of a linear parameter w (out * w) equal each document run alone through
 """
 
 import datetime
+import gc
 import sys
 
 import torch
@@ -134,6 +135,11 @@ def main():
     if me == 0:
         print("ok: bad degrees and plans raise on every rank")
     dist.barrier()
+    # The grids hold the groups: dropped before the process group goes, as docs/python.md says (a gloo process that
+    # exits with its groups alive sometimes aborts at exit).
+    del grids
+    seqpar.distributed.clear_grid_cache()
+    gc.collect()
     dist.destroy_process_group()
 
 
