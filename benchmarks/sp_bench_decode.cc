@@ -68,6 +68,25 @@ double tolerance(DType dtype, bool vs_reference) {
 
 Tensor fp64_copy(const TensorView& t) { return Tensor::copy_of(t, DType::kFloat64, MemCategory::kWorkspace); }
 
+// The expected out [B, Sq, Hq, D] and lse [B, Hq, Sq] of a: the training kernel in `dtype`, or with vs_reference the
+// naive fp64 attention of attention/reference on fp64 copies of q, k, v.
+std::pair<Tensor, Tensor> expected_attention(attn::MhaForwardArgs a, bool vs_reference, DType dtype) {
+  const std::int64_t B = a.q.dim(0), Sq = a.q.dim(1), Hq = a.q.dim(2), D = a.q.dim(3);
+  const DType od = vs_reference ? DType::kFloat64 : dtype, ld = vs_reference ? od : accumulator_dtype(dtype);
+  Tensor out = Tensor::empty({B, Sq, Hq, D}, od, MemCategory::kWorkspace);
+  Tensor lse = Tensor::empty({B, Hq, Sq}, ld, MemCategory::kWorkspace);
+  if (vs_reference) {
+    const Tensor q64 = fp64_copy(a.q), k64 = fp64_copy(a.k), v64 = fp64_copy(a.v);
+    a.q = q64;
+    a.k = k64;
+    a.v = v64;
+    attn::reference::mha_forward(a, out, lse);
+  } else {
+    attn::mha_forward(a, out, lse);
+  }
+  return {std::move(out), std::move(lse)};
+}
+
 double rel_err(const TensorView& got, const TensorView& want) {
   Tensor g = Tensor::copy_of(got, DType::kFloat64, MemCategory::kWorkspace);
   Tensor w = Tensor::copy_of(want, DType::kFloat64, MemCategory::kWorkspace);
@@ -126,7 +145,7 @@ using namespace decode_detail;
 void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchOptions& o, const DecodeInputs& in,
                      const Tensor& out_all, const Tensor& lse_all, DecodeReport& rep) {
   const DecodeOptions& d = o.decode;
-  const std::int64_t B = o.batch, hq = o.heads, hkv = o.kv_heads, D = o.head_dim;
+  const std::int64_t hq = o.heads, hkv = o.kv_heads;
   const std::int64_t n = d.new_tokens, N = d.decode_steps, T0 = d.context + d.chunk, S = T0 + N * n;
   const std::int64_t pu = groups.ulysses_size(), hq_l = hq / pu, hkv_l = hkv / pu, u = groups.ulysses.rank();
   // The training kernel over the whole sequence, rows T0.. (its queries at T0..S-1 against every key, causal), for
@@ -147,18 +166,7 @@ void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchO
   a.q_pos = tail;
   a.mask.causal = true;
   const bool vs_reference = o.check_against == "reference";
-  const DType od = vs_reference ? DType::kFloat64 : o.dtype, ld = vs_reference ? od : accumulator_dtype(o.dtype);
-  Tensor out = Tensor::empty({B, N * n, hq_l, D}, od, MemCategory::kWorkspace);
-  Tensor lse = Tensor::empty({B, hq_l, N * n}, ld, MemCategory::kWorkspace);
-  if (vs_reference) {
-    const Tensor q64 = fp64_copy(qt), k64 = fp64_copy(kf), v64 = fp64_copy(vf);
-    a.q = q64;
-    a.k = k64;
-    a.v = v64;
-    attn::reference::mha_forward(a, out, lse);
-  } else {
-    attn::mha_forward(a, out, lse);
-  }
+  const auto [out, lse] = expected_attention(a, vs_reference, o.dtype);
   std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse)};
   all_reduce(world, errs, ReduceOp::kMax);
   rep.out_err = errs[0];
@@ -209,18 +217,7 @@ void check_mha_chunk(Communicator& world, const SpBenchOptions& o, const DecodeI
     a.v = v;
     a.q_pos = pos;
     a.mask.causal = true;
-    const DType od = vs_reference ? DType::kFloat64 : o.dtype, ld = vs_reference ? od : accumulator_dtype(o.dtype);
-    Tensor want_out = Tensor::empty({B, n, hq, D}, od, MemCategory::kWorkspace);
-    Tensor want_lse = Tensor::empty({B, hq, n}, ld, MemCategory::kWorkspace);
-    if (vs_reference) {
-      const Tensor q64 = fp64_copy(q), k64 = fp64_copy(k), v64 = fp64_copy(v);
-      a.q = q64;
-      a.k = k64;
-      a.v = v64;
-      attn::reference::mha_forward(a, want_out, want_lse);
-    } else {
-      attn::mha_forward(a, want_out, want_lse);
-    }
+    const auto [want_out, want_lse] = expected_attention(a, vs_reference, o.dtype);
     errs = {rel_err(got_out, want_out), rel_err(got_lse, want_lse)};
   }
   all_reduce(world, errs, ReduceOp::kMax);
