@@ -13,7 +13,9 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "attention/gdn_decode.h"
@@ -68,9 +70,16 @@ double tolerance(DType dtype, bool vs_reference) {
 
 Tensor fp64_copy(const TensorView& t) { return Tensor::copy_of(t, DType::kFloat64, MemCategory::kWorkspace); }
 
-// The expected out [B, Sq, Hq, D] and lse [B, Hq, Sq] of a: the training kernel in `dtype`, or with vs_reference the
-// naive fp64 attention of attention/reference on fp64 copies of q, k, v.
-std::pair<Tensor, Tensor> expected_attention(attn::MhaForwardArgs a, bool vs_reference, DType dtype) {
+// The expected out [B, Sq, Hq, D] and lse [B, Hq, Sq] of causal attention of q (at q_pos) to k, v: the training kernel
+// in `dtype`, or with vs_reference the naive fp64 attention of attention/reference on fp64 copies of q, k, v.
+std::pair<Tensor, Tensor> expected_attention(const TensorView& q, const TensorView& k, const TensorView& v,
+                                             std::span<const std::int64_t> q_pos, bool vs_reference, DType dtype) {
+  attn::MhaForwardArgs a;
+  a.q = q;
+  a.k = k;
+  a.v = v;
+  a.q_pos = q_pos;
+  a.mask.causal = true;
   const std::int64_t B = a.q.dim(0), Sq = a.q.dim(1), Hq = a.q.dim(2), D = a.q.dim(3);
   const DType od = vs_reference ? DType::kFloat64 : dtype, ld = vs_reference ? od : accumulator_dtype(dtype);
   Tensor out = Tensor::empty({B, Sq, Hq, D}, od, MemCategory::kWorkspace);
@@ -159,14 +168,8 @@ void check_mha_steps(Communicator& world, const CpGroups& groups, const SpBenchO
   };
   const Tensor kf = kv_heads(in.rows("k", all)), vf = kv_heads(in.rows("v", all));
   const Tensor qt = heads(in.rows("q", tail), hq_l);
-  attn::MhaForwardArgs a;
-  a.q = qt;
-  a.k = kf;
-  a.v = vf;
-  a.q_pos = tail;
-  a.mask.causal = true;
   const bool vs_reference = o.check_against == "reference";
-  const auto [out, lse] = expected_attention(a, vs_reference, o.dtype);
+  const auto [out, lse] = expected_attention(qt, kf, vf, tail, vs_reference, o.dtype);
   std::vector<double> errs{rel_err(out_all, out), rel_err(lse_all, lse)};
   all_reduce(world, errs, ReduceOp::kMax);
   rep.out_err = errs[0];
@@ -211,13 +214,7 @@ void check_mha_chunk(Communicator& world, const SpBenchOptions& o, const DecodeI
     }
     const std::vector<std::int64_t> keys = token_range(0, T0);
     const Tensor q = in.rows("q", pos), k = in.rows("k", keys), v = in.rows("v", keys);
-    attn::MhaForwardArgs a;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.q_pos = pos;
-    a.mask.causal = true;
-    const auto [want_out, want_lse] = expected_attention(a, vs_reference, o.dtype);
+    const auto [want_out, want_lse] = expected_attention(q, k, v, pos, vs_reference, o.dtype);
     errs = {rel_err(got_out, want_out), rel_err(got_lse, want_lse)};
   }
   all_reduce(world, errs, ReduceOp::kMax);
