@@ -92,6 +92,12 @@ struct DeviceProfile {
   // device's memory bandwidth.
   bool ulysses_layout_pass = false;
   std::string ulysses_source;
+  // The memory passes around every FlashAttention-3 varlen call (JSON block "fa3_calls": {"unpad_pad_pass": true,
+  // "source"}; absent: none): the inputs gathered to their valid rows and the outputs scattered into zero-filled
+  // tensors (unpad_pad_bytes), and the ring p2p step's half reads (half_read_bytes), at the memory bandwidth, for the
+  // zigzag layout's calls and a ring of one.
+  bool fa3_unpad_pad_pass = false;
+  std::string fa3_calls_source;
   const KernelCurve& kernel(const std::string& key) const;  // Error naming the key and the profile when absent
 };
 

@@ -178,6 +178,13 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     p.ulysses_layout_pass = u["layout_pass"].get<bool>();
     p.ulysses_source = source_text(u, what + ": ulysses");
   }
+  if (j.contains("fa3_calls")) {
+    const nlohmann::json& f = j["fa3_calls"];
+    SEQPAR_CHECK(f.is_object() && f.contains("unpad_pad_pass") && f["unpad_pad_pass"].is_boolean(), what,
+                 ": fa3_calls.unpad_pad_pass must be true or false");
+    p.fa3_unpad_pad_pass = f["unpad_pad_pass"].get<bool>();
+    p.fa3_calls_source = source_text(f, what + ": fa3_calls");
+  }
   if (j.contains("device")) {
     const nlohmann::json& d = j["device"];
     SEQPAR_CHECK(d.is_object(), what, ": field \"device\" must be an object (is ", d.dump(), ")");
@@ -197,6 +204,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   SEQPAR_CHECK(!p.ulysses_layout_pass || p.memory_bandwidth_bps > 0, what,
                ": ulysses.layout_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
                " (the copies run at the memory bandwidth: give it, > 0)");
+  SEQPAR_CHECK(!p.fa3_unpad_pad_pass || p.memory_bandwidth_bps > 0, what,
+               ": fa3_calls.unpad_pad_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
+               " (the passes run at the memory bandwidth: give it, > 0)");
   SEQPAR_CHECK(!p.ring_merge_pass || p.memory_bandwidth_bps > 0, what,
                ": ring.merge_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
                " (the merge pass runs at the memory bandwidth: give it, > 0)");
@@ -238,6 +248,8 @@ nlohmann::json profile_json(const DeviceProfile& p) {
   if (p.mha_tiles.present) j["mha_tiles"] = tiles_json(p.mha_tiles);
   if (!p.ulysses_source.empty())
     j["ulysses"] = {{"layout_pass", p.ulysses_layout_pass}, {"source", p.ulysses_source}};
+  if (!p.fa3_calls_source.empty())
+    j["fa3_calls"] = {{"unpad_pad_pass", p.fa3_unpad_pad_pass}, {"source", p.fa3_calls_source}};
   if (p.memory_bytes > 0 || p.memory_bandwidth_bps > 0) {
     j["device"] = {{"memory_bytes", p.memory_bytes},
                    {"memory_bandwidth_bytes_per_s", p.memory_bandwidth_bps},
@@ -562,6 +574,8 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   const auto step_f = step_flops(o, layout, prof.mha_tile_pairs);  // forward, every head
   // profile.mha_tiles: the calls' tiles per document (zigzag_calls) instead of the curve at the FLOPs of a call.
   const bool tiles = prof.mha_tiles.present && (P == 1 || o.layout == LayoutKind::kZigzag);
+  // profile.fa3_unpad_pad_pass: each call's gathers and scatters (and a p2p step's half reads) at the memory bandwidth.
+  const bool unpad = prof.fa3_unpad_pad_pass && (P == 1 || o.layout == LayoutKind::kZigzag);
   const auto slot_cu = layout.slot_cu_seqlens();
   const int hq_rank = static_cast<int>(o.heads / pu),
             hkv_rank = static_cast<int>(std::max<std::int64_t>(o.kv_heads, pu) / pu);
@@ -592,6 +606,14 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         if (f > 0 && tiles)
           c[r][s] = slow * o.batch * tile_call_seconds(prof.mha_tiles, bwd, zigzag_calls(slot_cu, P, r, s, o.causal),
                                                        hq_rank, hkv_rank, o.head_dim, curve.points.back().second);
+        if (f > 0 && unpad) {
+          const std::vector<TileSeq> calls = zigzag_calls(slot_cu, P, r, s, o.causal);
+          const double e = static_cast<double>(vs.storage_bytes);
+          c[r][s] += slow * o.batch *
+                     (unpad_pad_bytes(bwd, calls, hq_rank, hkv_rank, o.head_dim, e) +
+                      (P > 1 ? half_read_bytes(bwd, calls, hq_rank, hkv_rank, o.head_dim, e) : 0.0)) /
+                     prof.memory_bandwidth_bps;
+        }
         // Every later step with work folds its partial result into the running one (profile.ring_merge_pass).
         if (s > 0 && f > 0 && o.impl == RingImpl::kP2P) c[r][s] += bwd ? merge_bwd_s : merge_fwd_s;
       }
@@ -631,6 +653,11 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
                           tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim,
                                             curve.points.back().second);
         }
+        if (f > 0 && unpad)
+          ph.compute[r] += slow * o.batch *
+                           unpad_pad_bytes(bwd, zigzag_calls(slot_cu, P, r, -1, o.causal), hq_rank, hkv_rank,
+                                           o.head_dim, static_cast<double>(vs.storage_bytes)) /
+                           prof.memory_bandwidth_bps;
         ph.finish[r] = a2a + gather + ph.compute[r] + (bwd ? ag_pass_bwd_s : ag_pass_fwd_s) + scatter;
       }
     }

@@ -69,6 +69,30 @@ double tile_call_seconds(const AttnTiles& t, bool bwd, const std::vector<TileSeq
   return s;
 }
 
+double unpad_pad_bytes(bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads, int head_dim,
+                       double elem_bytes) {
+  double q = 0, k = 0;
+  for (const TileSeq& s : seqs) {
+    if (s.q_len <= 0 || s.k_len <= 0) continue;
+    q += static_cast<double>(s.q_len);
+    k += static_cast<double>(s.k_len);
+  }
+  const double qh = q * heads, kh = k * kv_heads, ed = elem_bytes * head_dim;
+  return bwd ? ed * (9 * qh + 10 * kh) + 8 * qh : ed * (5 * qh + 4 * kh) + 12 * qh;
+}
+
+double half_read_bytes(bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads, int head_dim,
+                       double elem_bytes) {
+  double q = 0, k = 0;
+  for (const TileSeq& s : seqs) {
+    if (s.q_len <= 0 || s.k_len <= 0) continue;
+    if (s.q_len < s.k_len) q += static_cast<double>(s.q_len);
+    if (s.k_len < s.q_len) k += static_cast<double>(s.k_len);
+  }
+  const double ed = elem_bytes * head_dim;
+  return ed * ((bwd ? 6.0 : 2.0) * q * heads + 4.0 * k * kv_heads);
+}
+
 namespace {
 
 TilePhase phase_from_json(const nlohmann::json& j, const std::string& what) {

@@ -49,6 +49,23 @@ TileCount tile_count(const TilePhase& ph, bool bwd, const std::vector<TileSeq>& 
 double tile_call_seconds(const AttnTiles& t, bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads,
                          int head_dim, double plateau_flops_per_s);
 
+// The memory passes around one FlashAttention-3 varlen call of MagiAttention's baselines (utils_cp.py,
+// _fa3_varlen_forward / _fa3_varlen_backward), in bytes: every input is gathered to its valid rows before the call
+// (torch.gather: read and write) and every output scattered back into a zero-filled tensor of the input's rows
+// (zero fill, then read and write). Q = the call's query rows (sum of q_len), K = its key rows, e = storage bytes,
+// D = head_dim, Hq = heads, Hkv = kv_heads; lse in fp32 (4 bytes a row and head). Forward: q, k, v gathered, out and
+// lse scattered: e D (5 Q Hq + 4 K Hkv) + 12 Q Hq. Backward: q, out, dout, k, v and lse gathered, dq, dk, dv
+// scattered: e D (9 Q Hq + 10 K Hkv) + 8 Q Hq.
+double unpad_pad_bytes(bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads, int head_dim,
+                       double elem_bytes);
+
+// The ring step's half reads (TransformerEngine's thd_read_half_tensor, prepare_input_bwd: a read and a write of the
+// half): a call whose queries are half the keys (q_len < k_len: the second query chunk) copies that half of q
+// (forward) or of q, out, dout (backward); one whose keys are half the queries copies that half of k and v. Bytes:
+// forward 2 e D (Q' Hq) + 4 e D (K' Hkv), backward 6 e D (Q' Hq) + 4 e D (K' Hkv), Q' and K' the halved rows.
+double half_read_bytes(bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads, int head_dim,
+                       double elem_bytes);
+
 // The "mha_tiles" block: {"fwd": {...}, "bwd": {...}, "source": ...}; each phase block_m, block_n, causal_block_m,
 // causal_block_n (> 0), unit_flops_per_s (> 0), overhead_blocks (>= 0), causal_unit_flops_per_s and
 // causal_overhead_blocks (optional, the same rules; default the values without a mask), pack_gqa (optional, false).

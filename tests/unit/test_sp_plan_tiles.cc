@@ -261,3 +261,85 @@ TEST(SpPlanTiles, IntraP2pBandwidthTimesTheRingInsideANode) {
 
 }  // namespace
 }  // namespace seqpar::bench::plan
+
+namespace seqpar::bench::plan {
+namespace {
+
+// The passes around a FlashAttention-3 varlen call, tensor by tensor (e storage bytes, Q query rows, K key rows):
+// forward, q gathered (read, write), k and v gathered, out zero-filled then scattered (read, write), the fp32 lse
+// filled then scattered; backward, q, out, dout, k, v and the lse gathered, dq, dk, dv zero-filled and scattered.
+// Empty sequences count nothing. The half reads: a read and a write of the halved rows.
+TEST(SpPlanTiles, UnpadPadBytesTensorByTensor) {
+  const double e = 2, D = 64, Hq = 8, Hkv = 2;
+  const std::vector<TileSeq> seqs = {{100, 300, true}, {50, 50, false}, {0, 40, false}};
+  const double Q = 150, K = 350;
+  const double q = e * Q * Hq * D, kv = e * K * Hkv * D, lse = 4 * Q * Hq;
+  const double fwd = 2 * q + 2 * (2 * kv) + (q + 2 * q) + (lse + 2 * lse);
+  const double bwd = 3 * (2 * q) + 2 * (2 * kv) + 2 * lse + (q + 2 * q) + 2 * (kv + 2 * kv);
+  EXPECT_DOUBLE_EQ(unpad_pad_bytes(false, seqs, 8, 2, 64, e), fwd);
+  EXPECT_DOUBLE_EQ(unpad_pad_bytes(true, seqs, 8, 2, 64, e), bwd);
+  // Half reads: the first sequence's 100 queries are half its keys, a {60, 30} call's 30 keys half its queries.
+  const std::vector<TileSeq> steps = {{100, 200, false}, {60, 30, false}, {70, 70, false}};
+  const double hq = e * 100 * Hq * D, hkv = e * 30 * Hkv * D;
+  EXPECT_DOUBLE_EQ(half_read_bytes(false, steps, 8, 2, 64, e), 2 * hq + 2 * (2 * hkv));
+  EXPECT_DOUBLE_EQ(half_read_bytes(true, steps, 8, 2, 64, e), 3 * (2 * hq) + 2 * (2 * hkv));
+}
+
+// The "fa3_calls" block in a plan: Ulysses (a ring of one, pu 4: one call of the whole row, Hq / pu query heads and
+// max(Hkv, pu) / pu key heads) and the zigzag all-gather (P 4: each rank's two halves, c = S / 2P queries each, on
+// (j + 1) c keys for chunks j = r and 2P - 1 - r: (2P + 1) c keys in all, the same on every rank) gain exactly their
+// calls' bytes at the memory bandwidth; read and written back; needs the memory bandwidth.
+TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
+  DeviceProfile p;
+  p.name = "flat";
+  p.note = "test";
+  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
+  p.intra = {0, 1e11, "test"};
+  p.inter = {0, 1e10, "test"};
+  p.memory_bandwidth_bps = 2e12;
+  p.device_source = "test";
+  const double bw = 2e12;
+  PlanInput in;
+  in.problem_flags = {"--attn",     "mha", "--heads", "8",  "--kv-heads", "2",        "--head-dim",
+                      "64",         "--seq", "8K",    "--dtype", "bf16", "--causal"};
+  in.world_size = in.devices_per_node = 4;
+  in.only_configs = {"u4xr1 zigzag p2p", "u1xr4 zigzag allgather"};
+  const std::vector<PlanRow> base = plan(in, p);
+  p.fa3_unpad_pad_pass = true;
+  p.fa3_calls_source = "test";
+  const std::vector<PlanRow> with = plan(in, p);
+  ASSERT_EQ(base.size(), 2u);
+  for (const PlanRow& b : base) {
+    const auto w = std::find_if(with.begin(), with.end(),
+                                [&](const PlanRow& x) { return x.config.name() == b.config.name(); });
+    ASSERT_NE(w, with.end());
+    std::vector<TileSeq> calls;
+    int hq = 8, hkv = 2;
+    if (b.config.ulysses_size == 4) {
+      calls = {{8192, 8192, true}};
+      hq = 2;
+      hkv = 1;
+    } else {
+      const std::int64_t c = 8192 / 8;
+      calls = {{c, c, true}, {c, 8 * c, true}};  // rank 0: chunks 0 and 7 (the same key total on every rank)
+    }
+    EXPECT_NEAR(w->prediction.forward_s - b.prediction.forward_s,
+                unpad_pad_bytes(false, calls, hq, hkv, 64, 2) / bw, 1e-12) << b.config.name();
+    EXPECT_NEAR(w->prediction.backward_s - b.prediction.backward_s,
+                unpad_pad_bytes(true, calls, hq, hkv, 64, 2) / bw, 1e-12) << b.config.name();
+  }
+  const DeviceProfile q = profile_from_json(profile_json(p), "round trip");
+  EXPECT_TRUE(q.fa3_unpad_pad_pass);
+  nlohmann::json j = profile_json(p);
+  j["device"]["memory_bandwidth_bytes_per_s"] = 0;
+  EXPECT_THROW(profile_from_json(j, "no bandwidth"), Error);
+  j = profile_json(p);
+  j["fa3_calls"]["unpad_pad_pass"] = 1;
+  EXPECT_THROW(profile_from_json(j, "not a flag"), Error);
+  j = profile_json(p);
+  j["fa3_calls"].erase("source");
+  EXPECT_THROW(profile_from_json(j, "no source"), Error);
+}
+
+}  // namespace
+}  // namespace seqpar::bench::plan
