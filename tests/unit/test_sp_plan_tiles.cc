@@ -343,3 +343,44 @@ TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
 
 }  // namespace
 }  // namespace seqpar::bench::plan
+
+namespace seqpar::bench::plan {
+namespace {
+
+// The H200 and GB200 profiles' tiles reproduce their own mha curves (the paper's benchmark call, as
+// FitReproducesTheCurve for the H100: within 5 % at every point, forward and backward), and the causal forward at
+// the H100's published causal rates times the profile's curve ratio (1 for the H200, Blackwell's peak ratio for the
+// GB200); both carry the Ulysses copies and the H100's NCCL send/receive rate inside a node; the FlashAttention-3
+// passes are on for the H200 (the baselines' Hopper backend) and off for the GB200 (TransformerEngine's).
+TEST(SpPlanTiles, H200AndGb200CarryTheSettings) {
+  const DeviceProfile h100 = load_profile(std::string(SEQPAR_PROFILES_DIR) + "/h100_sxm.json");
+  const std::vector<std::int64_t> L = {512, 1024, 2048, 4096, 8192, 16384};
+  const std::vector<double> causal_fwd = {292e12, 423e12, 521e12, 579e12, 602e12, 616e12};
+  for (const char* name : {"h200.json", "gb200_nvl72.json"}) {
+    const DeviceProfile p = load_profile(std::string(SEQPAR_PROFILES_DIR) + "/" + name);
+    ASSERT_TRUE(p.mha_tiles.present) << name;
+    EXPECT_TRUE(p.ulysses_layout_pass) << name;
+    EXPECT_EQ(p.intra_p2p_bandwidth_bps, h100.intra_p2p_bandwidth_bps) << name;
+    EXPECT_EQ(p.fa3_unpad_pad_pass, std::string(name) == "h200.json") << name;
+    EXPECT_FALSE(p.fa3_calls_source.empty()) << name;
+    const double ratio =
+        p.kernel("mha_fwd").points.back().second / h100.kernel("mha_fwd").points.back().second;
+    const double plateau_f = p.kernel("mha_fwd").points.back().second,
+                 plateau_b = p.kernel("mha_bwd").points.back().second;
+    for (std::size_t i = 0; i < L.size(); ++i) {
+      const std::vector<TileSeq> full(16384 / L[i], TileSeq{L[i], L[i], false}),
+          causal(16384 / L[i], TileSeq{L[i], L[i], true});
+      const double fwd_flops = 4.0 * 16384 * L[i] * 2048;
+      const double f = fwd_flops / tile_call_seconds(p.mha_tiles, false, full, 16, 16, 128, plateau_f);
+      const double b = 2.5 * fwd_flops / tile_call_seconds(p.mha_tiles, true, full, 16, 16, 128, plateau_b);
+      const double c = (fwd_flops * (L[i] + 1) / (2.0 * L[i])) /
+                       tile_call_seconds(p.mha_tiles, false, causal, 16, 16, 128, plateau_f);
+      EXPECT_NEAR(f / p.kernel("mha_fwd").points[i].second, 1.0, 0.05) << name << " forward at " << L[i];
+      EXPECT_NEAR(b / p.kernel("mha_bwd").points[i].second, 1.0, 0.05) << name << " backward at " << L[i];
+      EXPECT_NEAR(c / (ratio * causal_fwd[i]), 1.0, 0.05) << name << " causal forward at " << L[i];
+    }
+  }
+}
+
+}  // namespace
+}  // namespace seqpar::bench::plan
