@@ -81,6 +81,10 @@ struct DeviceProfile {
   // backward; the backward's dK, dV zeroed, accumulated per kernel call, reordered, and the kernel's own fp32 dK, dV
   // accumulator under GQA zeroed and converted), not overlapped with anything.
   bool ring_transfer_overlaps_compute = true, ring_merge_pass = false;
+  // storage_dtype_gradients: the ring's running out, dq and travelling dK/dV (p2p) and the all-gather's dK/dV (its
+  // reduce-scatter) are kept in the storage dtype, not the accumulator dtype: the transfer time of the gradient blocks
+  // and the merge pass's bytes use storage bytes (the byte counts reported stay seqpar's own, accumulator dtype).
+  bool ring_storage_dtype_gradients = false;
   std::string ring_source;
   // MHA's kernel as tiles (JSON block "mha_tiles", sp_plan_tiles.h; absent: the curves alone): when present, an MHA
   // call of the zigzag layout's ring steps, of the all-gather's halves or of a ring of one costs what its tiles cost,

@@ -169,6 +169,7 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     };
     p.ring_transfer_overlaps_compute = flag("transfer_overlaps_compute", true);
     p.ring_merge_pass = flag("merge_pass", false);
+    p.ring_storage_dtype_gradients = flag("storage_dtype_gradients", false);
     p.ring_source = source_text(r, what + ": ring");
   }
   if (j.contains("ulysses")) {
@@ -243,6 +244,7 @@ nlohmann::json profile_json(const DeviceProfile& p) {
   if (!p.ring_source.empty()) {
     j["ring"] = {{"transfer_overlaps_compute", p.ring_transfer_overlaps_compute},
                  {"merge_pass", p.ring_merge_pass},
+                 {"storage_dtype_gradients", p.ring_storage_dtype_gradients},
                  {"source", p.ring_source}};
   }
   if (p.mha_tiles.present) j["mha_tiles"] = tiles_json(p.mha_tiles);
@@ -538,7 +540,9 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   vs.impl = o.impl;
   const MhaVolume vol = mha_volume(vs);
   const double kv_block = P > 1 ? static_cast<double>(vol.ring_forward) / (P - 1) : 0.0;
-  const double dkv_block = kv_block * vs.accum_bytes / vs.storage_bytes;
+  // The gradient blocks' bytes: seqpar's accumulator dtype, or the storage dtype (profile.ring_storage_dtype_gradients).
+  const double grad_bytes = static_cast<double>(prof.ring_storage_dtype_gradients ? vs.storage_bytes : vs.accum_bytes);
+  const double dkv_block = kv_block * grad_bytes / vs.storage_bytes;
 
   // The ring's per-step merge pass (DeviceProfile::ring_merge_pass), bytes at the memory bandwidth: forward, the
   // step's partial out (storage dtype) read and the running out (accumulator) read and written, the lse likewise;
@@ -549,8 +553,9 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
     const double rows = static_cast<double>(o.batch) * static_cast<double>(layout.padded_len()) / P;
     const double hq = static_cast<double>(o.heads) / pu,
                  hkv = static_cast<double>(std::max<std::int64_t>(o.kv_heads, pu)) / pu;
-    const double e = static_cast<double>(vs.storage_bytes), a = static_cast<double>(vs.accum_bytes);
-    const double fwd_bytes = rows * hq * (o.head_dim * (e + 2 * a) + 3 * a);
+    const double e = static_cast<double>(vs.storage_bytes), a = grad_bytes,
+                 l = static_cast<double>(vs.accum_bytes);  // the lse stays in the accumulator dtype
+    const double fwd_bytes = rows * hq * (o.head_dim * (e + 2 * a) + 3 * l);
     const double bwd_bytes = rows * (hq + 2 * hkv) * o.head_dim * 3 * a;
     merge_fwd_s = slow * fwd_bytes / prof.memory_bandwidth_bps;
     merge_bwd_s = slow * bwd_bytes / prof.memory_bandwidth_bps;

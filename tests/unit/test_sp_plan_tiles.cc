@@ -384,3 +384,52 @@ TEST(SpPlanTiles, H200AndGb200CarryTheSettings) {
 
 }  // namespace
 }  // namespace seqpar::bench::plan
+
+namespace seqpar::bench::plan {
+namespace {
+
+// ring.storage_dtype_gradients: the ring p2p's travelling dK/dV block is the K/V block's size (bf16), not twice it
+// (fp32): without overlap the backward pays P - 1 blocks in the steps and one on the way home, so it moves by P x
+// (the K/V block) / the link; with the merge pass on, the running out (forward: read and written, P - 1 steps) and
+// dq, dk, dv (backward: three passes) move from 4 to 2 bytes an element. A ring of 4 across 4 nodes, no mask (every
+// rank alike); read and written back.
+TEST(SpPlanTiles, StorageDtypeGradientsHalveTheGradientBlock) {
+  DeviceProfile p;
+  p.name = "flat";
+  p.note = "test";
+  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
+  p.intra = {1e-6, 1e11, "test"};
+  p.inter = {1e-6, 1e10, "test"};
+  p.memory_bandwidth_bps = 2e12;
+  p.device_source = "test";
+  p.ring_transfer_overlaps_compute = false;
+  p.ring_source = "test";
+  const int P = 4;
+  const double S = 8192, Hq = 4, Hkv = 2, D = 64, e = 2, a = 4;
+  PlanInput in;
+  in.problem_flags = {"--attn",     "mha", "--heads", "4",  "--kv-heads", "2",
+                      "--head-dim", "64",  "--seq",   "8K", "--dtype",    "bf16"};
+  in.world_size = in.nodes = P;
+  in.devices_per_node = 1;
+  in.only_configs = {"u1xr4 zigzag p2p"};
+  const double block = S / P * Hkv * D * 2 * e;  // K and V of a ring shard
+  for (const bool merge : {false, true}) {
+    p.ring_merge_pass = merge;
+    p.ring_storage_dtype_gradients = false;
+    const Prediction fp32 = plan(in, p).front().prediction;
+    p.ring_storage_dtype_gradients = true;
+    const Prediction bf16 = plan(in, p).front().prediction;
+    const double rows = S / P;
+    const double fwd = merge ? (P - 1) * rows * Hq * D * 2 * (a - e) / 2e12 : 0.0;
+    const double bwd = P * block / 1e10 + (merge ? (P - 1) * rows * (Hq + 2 * Hkv) * D * 3 * (a - e) / 2e12 : 0.0);
+    EXPECT_NEAR(fp32.forward_s - bf16.forward_s, fwd, 1e-12) << "merge " << merge;
+    EXPECT_NEAR(fp32.backward_s - bf16.backward_s, bwd, 1e-12) << "merge " << merge;
+  }
+  EXPECT_TRUE(profile_from_json(profile_json(p), "round trip").ring_storage_dtype_gradients);
+  nlohmann::json j = profile_json(p);
+  j["ring"]["storage_dtype_gradients"] = "yes";
+  EXPECT_THROW(profile_from_json(j, "not a flag"), Error);
+}
+
+}  // namespace
+}  // namespace seqpar::bench::plan
