@@ -658,11 +658,25 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
                           tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim,
                                             curve.points.back().second);
         }
-        if (f > 0 && unpad)
+        if (f > 0 && unpad) {
+          // Each half's wrappers, and its queries read out of the local ones before the call and its output
+          // collected back after it (forward q in, out back: 4 e; backward q and dout in, dq back: 6 e per element
+          // of the half's Q rows x Hq x D). The backward's dk and dv are zero-filled at the gathered K's rows (the
+          // whole padded row), not the call's K rows: 2 e Hkv D (padded length - K rows) more per half.
+          const std::vector<TileSeq> halves = zigzag_calls(slot_cu, P, r, -1, o.causal);
+          const double e = static_cast<double>(vs.storage_bytes);
+          double q_rows = 0, k_rows = 0;
+          for (const TileSeq& t : halves) {
+            q_rows += static_cast<double>(t.q_len);
+            k_rows += static_cast<double>(t.k_len);
+          }
+          const double whole = static_cast<double>(halves.empty() ? 0 : 2) * static_cast<double>(layout.padded_len());
           ph.compute[r] += slow * o.batch *
-                           unpad_pad_bytes(bwd, zigzag_calls(slot_cu, P, r, -1, o.causal), hq_rank, hkv_rank,
-                                           o.head_dim, static_cast<double>(vs.storage_bytes)) /
+                           (unpad_pad_bytes(bwd, halves, hq_rank, hkv_rank, o.head_dim, e) +
+                            (bwd ? 6.0 : 4.0) * e * q_rows * hq_rank * o.head_dim +
+                            (bwd ? 2.0 * e * hkv_rank * o.head_dim * std::max(0.0, whole - k_rows) : 0.0)) /
                            prof.memory_bandwidth_bps;
+        }
         ph.finish[r] = a2a + gather + ph.compute[r] + (bwd ? ag_pass_bwd_s : ag_pass_fwd_s) + scatter;
       }
     }

@@ -287,8 +287,9 @@ TEST(SpPlanTiles, UnpadPadBytesTensorByTensor) {
 
 // The "fa3_calls" block in a plan: Ulysses (a ring of one, pu 4: one call of the whole row, Hq / pu query heads and
 // max(Hkv, pu) / pu key heads) and the zigzag all-gather (P 4: each rank's two halves, c = S / 2P queries each, on
-// (j + 1) c keys for chunks j = r and 2P - 1 - r: (2P + 1) c keys in all, the same on every rank) gain exactly their
-// calls' bytes at the memory bandwidth; read and written back; needs the memory bandwidth.
+// (j + 1) c keys for chunks j = r and 2P - 1 - r: (2P + 1) c keys in all, the same on every rank, plus each half's
+// query read and output collect, and its backward's dk, dv zero-filled at the whole row) gain exactly their calls'
+// bytes at the memory bandwidth; read and written back; needs the memory bandwidth.
 TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
   DeviceProfile p;
   p.name = "flat";
@@ -323,10 +324,16 @@ TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
       const std::int64_t c = 8192 / 8;
       calls = {{c, c, true}, {c, 8 * c, true}};  // rank 0: chunks 0 and 7 (the same key total on every rank)
     }
+    // The all-gather's halves also read their queries out of the local ones and collect their output back: forward
+    // q in and out back (4 e per element of the 2c rows x Hq x D), backward q, dout in and dq back (6 e).
+    const double halves = b.config.ulysses_size == 4 ? 0.0 : 2.0 * (8192 / 8) * 8 * 64;  // 2c rows x Hq x D
+    // and its backward zero-fills dk, dv at all 8192 gathered rows per half, not the half's c and 8c key rows.
+    const double zero_fill = b.config.ulysses_size == 4 ? 0.0 : 2.0 * 2 * 2 * 64 * (2 * 8192 - 9 * 1024);
     EXPECT_NEAR(w->prediction.forward_s - b.prediction.forward_s,
-                unpad_pad_bytes(false, calls, hq, hkv, 64, 2) / bw, 1e-12) << b.config.name();
+                (unpad_pad_bytes(false, calls, hq, hkv, 64, 2) + 4 * 2 * halves) / bw, 1e-12) << b.config.name();
     EXPECT_NEAR(w->prediction.backward_s - b.prediction.backward_s,
-                unpad_pad_bytes(true, calls, hq, hkv, 64, 2) / bw, 1e-12) << b.config.name();
+                (unpad_pad_bytes(true, calls, hq, hkv, 64, 2) + 6 * 2 * halves + zero_fill) / bw, 1e-12)
+        << b.config.name();
   }
   const DeviceProfile q = profile_from_json(profile_json(p), "round trip");
   EXPECT_TRUE(q.fa3_unpad_pad_pass);
