@@ -625,12 +625,13 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
     }
     double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));
     // profile.ulysses_layout_pass: each crossing tensor (B S / (P Pu) local rows of all its heads; K and V with
-    // max(Hkv, Pu) heads) copied before and after its all-to-all, read and written: 2 x 2 e x rows x D x (2 Hq + 2
-    // Hkv), both phases alike.
+    // max(Hkv, Pu) heads) copied into the all-to-all's layout and out of it, read and written; the output (forward
+    // out, backward dout) only on the token-major side (it leaves the kernel in the all-to-all's layout): 2 e x rows
+    // x D x (3 Hq + 4 Hkv), both phases alike.
     if (prof.ulysses_layout_pass && pu > 1) {
       const double rows = static_cast<double>(o.batch) * static_cast<double>(layout.padded_len()) / (P * pu);
-      a2a += slow * 4.0 * static_cast<double>(vs.storage_bytes) * rows * o.head_dim *
-             (2.0 * o.heads + 2.0 * hkv_rank * pu) / prof.memory_bandwidth_bps;
+      a2a += slow * 2.0 * static_cast<double>(vs.storage_bytes) * rows * o.head_dim *
+             (3.0 * o.heads + 4.0 * hkv_rank * pu) / prof.memory_bandwidth_bps;
     }
     if (o.impl == RingImpl::kP2P || P == 1) {
       std::vector<double> exposed;
