@@ -500,6 +500,12 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   return o;
 }
 
+void check_backend_rules(const SpBenchOptions& o) {
+  SEQPAR_CHECK(o.backend != "nccl" || !o.device.is_cpu(), "--backend nccl with --device ", o.device.str(),
+               ": NCCL communicates device buffers only, so --backend nccl needs --device cuda (or cuda:N, --attn "
+               "mha); for host tensors use --backend mpi");
+}
+
 void check_options_agree(const SpBenchOptions& o) {
   // --mode, --backend and --inputs first: the error names the first field that differs, and a rank with another mode,
   // backend or input files differs in what follows them too (the shapes --inputs gives, the flags a mode reads).
