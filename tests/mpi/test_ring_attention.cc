@@ -245,6 +245,17 @@ TEST(RingAttention, LayoutErrorsOnEveryRank) {
   EXPECT_EQ(message, "ring attention: scale nan must be finite (0 or less: 1/sqrt(D))");
   EXPECT_EQ(world().counters().num_ops + grid.ring().counters().num_ops, ops_before);
   EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
+  // A negative soft-cap likewise, by the constructor (it was refused at the first forward's kernel arguments).
+  MhaCpConfig bad_softcap;
+  bad_softcap.score_mods.softcap = -2.0f;
+  message.clear();
+  try {
+    RingAttention ring(groups, layout, bad_softcap);
+  } catch (const Error& e) {
+    message = e.message();
+  }
+  EXPECT_EQ(message, "ring attention: softcap -2 must be finite and > 0 (0: no soft-capping)");
+  EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
 }
 
 TEST(RingAttention, ShapeErrorsBeforeCommunication) {
