@@ -6,7 +6,7 @@
 #include "attention/ops/dsa_composed.h"
 #include "attention/ops/dsa_hook.h"
 #include "runtime/error.h"
-#include "tests/util/composed_route_check.h"
+#include "tests/util/composed_routes.h"
 
 namespace seqpar::attn::ops {
 namespace {

@@ -4,7 +4,7 @@
 // cannot pass without exercising the composition).
 #include "attention/ops/gdn_composed.h"
 #include "attention/ops/gdn_hook.h"
-#include "tests/util/composed_route_check.h"
+#include "tests/util/composed_routes.h"
 
 namespace seqpar::attn::ops {
 namespace {
