@@ -81,6 +81,7 @@ int sp_bench_main(int argc, char** argv) {
   // communicator, NCCL's device agreement) could pair with another rank's different one. Over MPI, whatever
   // --backend says.
   check_options_agree(o);
+  check_backend_rules(o);  // --backend nccl needs --device cuda, refused in every build before the build's own rule
   check_communicator_backend_built(o.backend);
   if (place.rank == 0 && find_workload_kind(o.attn).warnings) {
     for (const std::string& w : find_workload_kind(o.attn).warnings(o))

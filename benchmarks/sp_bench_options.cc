@@ -231,7 +231,7 @@ void add_sp_bench_flags(cxxopts::Options& spec) {
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))
     ("seed", "seed of the random inputs", cxxopts::value<std::uint64_t>()->default_value("1234"));
   spec.add_options("parallel")
-    ("backend", "communicator backend: mpi | nccl (nccl needs one CUDA device per rank)",
+    ("backend", "communicator backend: mpi | nccl (nccl needs --device cuda, one CUDA device per rank)",
      cxxopts::value<std::string>()->default_value("mpi"))
     ("ulysses-size", "Ulysses (all-to-all) degree Pu", cxxopts::value<int>()->default_value("1"))
     ("ring-size", "ring degree Pr", cxxopts::value<int>()->default_value("1"))
@@ -498,6 +498,12 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
 
   check_rules(kind, world_size, o);
   return o;
+}
+
+void check_backend_rules(const SpBenchOptions& o) {
+  SEQPAR_CHECK(o.backend != "nccl" || !o.device.is_cpu(), "--backend nccl with --device ", o.device.str(),
+               ": NCCL communicates device buffers only, so --backend nccl needs --device cuda (or cuda:N, --attn "
+               "mha); for host tensors use --backend mpi");
 }
 
 void check_options_agree(const SpBenchOptions& o) {

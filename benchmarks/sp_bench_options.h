@@ -103,6 +103,11 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
 // collective: with every flag and the mode and backend agreed, all ranks then run the same sequence of collectives.
 void check_options_agree(const SpBenchOptions& o);
 
+// The backend's rules on the agreed options (sp_bench calls it right after check_options_agree, so that ranks started
+// with other flags stop at the agreement first): --backend nccl takes device buffers only, so it needs --device cuda.
+// Throws Error, the same on every rank, before any other message; --dry-run refuses it too. Host-only, no collective.
+void check_backend_rules(const SpBenchOptions& o);
+
 // " (from --model NAME)" when the value of `flag` (without "--") came from the --model preset, else "": for error
 // messages that name a value the user did not type.
 std::string preset_note(const SpBenchOptions& o, const std::string& flag);

@@ -3,7 +3,7 @@
 //
 //   sp_plan --profile profile.json --world 16 --nodes 2 --mem-per-device 80G -- --model llama3-8b --seq 128K
 //   sp_plan --calibrate profile.json      # this machine's profile, from kernel_bench and comm_bench
-//   sp_plan --profile p.json --world 8 --dynamic-cp --doc-mix loguniform:256:32K --tokens 256K -- --attn mha ...
+//   sp_plan --profile p.json --world 8 --dynamic-cp --doc-dist loguniform:256:32K --tokens 256K -- --attn mha ...
 //
 // The flags after "--" are sp_bench's problem flags (--model / --attn, shapes, --seq or --doc-lens, --dtype, ...).
 // sp_plan itself needs no MPI; --calibrate starts kernel_bench and `mpirun -np 2 comm_bench` from sp_plan's
@@ -222,17 +222,17 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
 
 int dynamic_cp_main(const cxxopts::ParseResult& r, const PlanInput& in, const DeviceProfile& profile) {
   DynamicInput din;
-  SEQPAR_CHECK(r.count("doc-lengths") + r.count("doc-mix") == 1,
-               "sp_plan --dynamic-cp: give the documents by exactly one of --doc-lengths and --doc-mix");
-  if (r.count("doc-lengths")) {
-    for (const std::string& t : split_commas(r["doc-lengths"].as<std::string>()))
-      din.doc_lens.push_back(bench::parse_size(t, "doc-lengths"));
-    din.doc_source = "--doc-lengths";
+  SEQPAR_CHECK(r.count("doc-lens") + r.count("doc-dist") == 1,
+               "sp_plan --dynamic-cp: give the documents by exactly one of --doc-lens and --doc-dist");
+  if (r.count("doc-lens")) {
+    for (const std::string& t : split_commas(r["doc-lens"].as<std::string>()))
+      din.doc_lens.push_back(bench::parse_size(t, "doc-lens"));
+    din.doc_source = "--doc-lens";
   } else {
-    const std::string mix = r["doc-mix"].as<std::string>();
+    const std::string mix = r["doc-dist"].as<std::string>();
     const std::int64_t tokens = bench::parse_size(r["tokens"].as<std::string>(), "tokens");
     din.doc_lens = doc_mix(mix, tokens, r["seed"].as<std::uint64_t>());
-    din.doc_source = str_cat("--doc-mix ", mix, " --tokens ", tokens, " --seed ", r["seed"].as<std::uint64_t>());
+    din.doc_source = str_cat("--doc-dist ", mix, " --tokens ", tokens, " --seed ", r["seed"].as<std::uint64_t>());
   }
   din.tokens_per_rank = bench::parse_size(r["tokens-per-rank"].as<std::string>(), "tokens-per-rank");
   if (r.count("degrees")) {
@@ -295,10 +295,10 @@ int sp_plan_main(int argc, char** argv) {
     ("help", "print this help");
   spec.add_options("dynamic CP")
     ("dynamic-cp", "plan micro-batches of documents with a CP degree each (sp_plan_dynamic.h)")
-    ("doc-lengths", "the documents' lengths, comma-separated (K suffix)", cxxopts::value<std::string>())
-    ("doc-mix", "a named mix: longtail | short | loguniform:LO:HI, of --tokens tokens drawn with --seed", cxxopts::value<std::string>())
-    ("tokens", "total tokens of --doc-mix", cxxopts::value<std::string>()->default_value("128K"))
-    ("seed", "seed of --doc-mix", cxxopts::value<std::uint64_t>()->default_value("1234"))
+    ("doc-lens", "the documents' lengths, comma-separated (K suffix)", cxxopts::value<std::string>())
+    ("doc-dist", "documents drawn with --seed, --tokens in all: longtail | short (as sp_bench's --doc-dist) | loguniform:LO:HI", cxxopts::value<std::string>())
+    ("tokens", "total tokens of --doc-dist", cxxopts::value<std::string>()->default_value("128K"))
+    ("seed", "seed of --doc-dist", cxxopts::value<std::uint64_t>()->default_value("1234"))
     ("tokens-per-rank", "a micro-batch of degree d holds at most d x this many tokens (default: total / world)", cxxopts::value<std::string>()->default_value("0"))
     ("degrees", "candidate CP degrees, comma-separated (default: every divisor of --world)", cxxopts::value<std::string>())
     ("mb-layout", "sp_bench --layout of the micro-batches", cxxopts::value<std::string>()->default_value("zigzag"))
@@ -350,6 +350,10 @@ int sp_plan_main(int argc, char** argv) {
   in.oversubscribed_ok = !r.count("no-oversubscribe");
   const DeviceProfile profile = load_profile(r["profile"].as<std::string>());
   if (r.count("dynamic-cp")) return dynamic_cp_main(r, in, profile);
+  for (const char* f : {"doc-lens", "doc-dist", "tokens", "seed", "tokens-per-rank", "degrees", "mb-layout", "mb-impl"}) {
+    SEQPAR_CHECK(!r.count(f), "sp_plan: --", f, " before \"--\" is a --dynamic-cp flag (without --dynamic-cp, a packed ",
+                 "row is given after \"--\" as sp_bench's --doc-lens / --doc-dist)");
+  }
   const std::vector<PlanRow> rows = plan(in, profile);
   std::printf("%s", plan_table(in, profile, rows).c_str());
   if (r.count("json")) {

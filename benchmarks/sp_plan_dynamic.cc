@@ -109,7 +109,7 @@ class Planner {
 std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, std::uint64_t seed) {
   SEQPAR_CHECK(total >= 1 && total <= kMaxDynamicTokens, "sp_plan: --tokens ", total, " must be in [1, 2^48]");
   const auto too_many = [&](std::size_t docs) {
-    return str_cat("sp_plan: --doc-mix ", name, " --tokens ", total, " makes more than ", kMaxDynamicDocs,
+    return str_cat("sp_plan: --doc-dist ", name, " --tokens ", total, " makes more than ", kMaxDynamicDocs,
                    " documents (", docs, " so far), the dynamic planner's limit: fewer --tokens or longer documents");
   };
   if (name.rfind("loguniform:", 0) != 0) {
@@ -121,10 +121,10 @@ std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, s
   }
   const std::string rest = name.substr(11);
   const std::size_t colon = rest.find(':');
-  SEQPAR_CHECK(colon != std::string::npos, "sp_plan: --doc-mix ", name, ": expected loguniform:LO:HI");
-  const std::int64_t lo = bench::parse_size(rest.substr(0, colon), "doc-mix LO");
-  const std::int64_t hi = bench::parse_size(rest.substr(colon + 1), "doc-mix HI");
-  SEQPAR_CHECK(lo >= 1 && hi >= lo, "sp_plan: --doc-mix ", name, ": LO ", lo, " must be >= 1 and HI ", hi, " >= LO");
+  SEQPAR_CHECK(colon != std::string::npos, "sp_plan: --doc-dist ", name, ": expected loguniform:LO:HI");
+  const std::int64_t lo = bench::parse_size(rest.substr(0, colon), "doc-dist LO");
+  const std::int64_t hi = bench::parse_size(rest.substr(colon + 1), "doc-dist HI");
+  SEQPAR_CHECK(lo >= 1 && hi >= lo, "sp_plan: --doc-dist ", name, ": LO ", lo, " must be >= 1 and HI ", hi, " >= LO");
   std::uint64_t state = seed;
   auto next = [&state] {  // splitmix64 (Steele, Lea, Flood 2014), as synthetic_doc_lens
     std::uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
@@ -190,7 +190,7 @@ double schedule_micro_batches(int world, std::vector<DynamicMicroBatch>& mbs) {
 DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchTime& time) {
   const std::vector<std::int64_t>& lens = din.doc_lens;
   SEQPAR_CHECK(world >= 1, "sp_plan: --world ", world, " must be >= 1");
-  SEQPAR_CHECK(!lens.empty(), "sp_plan --dynamic-cp: no documents (--doc-lengths or --doc-mix)");
+  SEQPAR_CHECK(!lens.empty(), "sp_plan --dynamic-cp: no documents (--doc-lens or --doc-dist)");
   SEQPAR_CHECK(static_cast<std::int64_t>(lens.size()) <= kMaxDynamicDocs, "sp_plan --dynamic-cp: ", lens.size(),
                " documents; the planner takes at most ", kMaxDynamicDocs);
   std::int64_t total = 0;
@@ -407,7 +407,7 @@ DynamicResult plan_dynamic(const PlanInput& in, const DeviceProfile& profile, co
   for (const std::string& f : in.problem_flags) {
     SEQPAR_CHECK(f != "--seq" && f != "--doc-lens" && f != "--doc-dist" && f != "--batch", "sp_plan --dynamic-cp: ", f,
                  " is not a problem flag here: the micro-batches are packed rows of the "
-                 "documents of --doc-lengths / --doc-mix");
+                 "documents of sp_plan's --doc-lens / --doc-dist, given before \"--\"");
   }
   const MicroBatchTime time = [&](int degree, const std::vector<std::int64_t>& lens) {
     PlanInput sub = in;

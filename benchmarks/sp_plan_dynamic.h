@@ -51,7 +51,7 @@ struct DynamicPlan {
 
 struct DynamicInput {
   std::vector<std::int64_t> doc_lens;
-  std::string doc_source;            // how the lengths were given ("--doc-lengths", "--doc-mix NAME ...")
+  std::string doc_source;            // how the lengths were given ("--doc-lens", "--doc-dist NAME ...")
   std::int64_t tokens_per_rank = 0;  // 0: ceil(total tokens / W), the tokens a rank holds under static CP W
   std::vector<int> degrees;          // candidate degrees (divisors of W); empty: every divisor
   std::string layout = "zigzag";     // sp_bench --layout of every micro-batch of degree > 1

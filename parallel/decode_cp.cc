@@ -681,6 +681,10 @@ GdnDecodeCp::GdnDecodeCp(const CpGroups& groups, const GdnCpConfig& config,
                                                    std::int64_t value_heads, std::int64_t key_heads,
                                                    const ShortConvCpConfig& conv)
     : groups_(groups), config_(config), hv_(value_heads), hk_(key_heads), conv_(conv) {
+  // GdnCp's rules on its config (parallel/gdn_cp.cc), here at construction too, not at the first prefill.
+  SEQPAR_CHECK(config.chunk_size >= 1, "GdnDecodeCp: chunk_size ", config.chunk_size, " must be >= 1");
+  SEQPAR_CHECK(std::isfinite(config.scale), "GdnDecodeCp: scale ", config.scale,
+               " must be finite (0 or less: 1/sqrt(K))");
   const int P = groups.cp.size();
   SEQPAR_CHECK(key_heads >= 1 && value_heads >= 1 && value_heads % key_heads == 0,
                "GdnDecodeCp: value_heads Hv = ", value_heads,

@@ -292,7 +292,8 @@ class GdnDecodeCp {
  public:
   // A decoder of a model with value_heads Hv and key_heads Hk.
   // Args: conv: the short conv's configuration (used only when prefill and decode get a conv_weight).
-  // Errors: Hv or Hk not divisible by the CP group size, Hv not a multiple of Hk.
+  // Errors: Hv or Hk not divisible by the CP group size, Hv not a multiple of Hk, config.chunk_size < 1, a
+  //   non-finite config.scale.
   // Sync: host-only, no communication.
   GdnDecodeCp(const CpGroups& groups, const GdnCpConfig& config, std::int64_t value_heads,
                            std::int64_t key_heads, const ShortConvCpConfig& conv = {});

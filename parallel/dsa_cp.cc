@@ -62,6 +62,16 @@ struct DsaCp::Saved {
   Tensor q_idx, k_idx, w, topk_local, sel_scores;  // sequence-sharded indexer side
 };
 
+void allocate_naming_topk(const char* who, std::int64_t topk, std::int64_t keys, const std::function<void()>& allocate) {
+  try {
+    allocate();
+  } catch (const Error& e) {
+    SEQPAR_THROW(who, ": topk ", topk, ": the top-k selection's buffers (topk entries per query row) cannot be made; ",
+                 "a query selects among at most ", keys, " keys, a larger topk adds only -1 padding (", e.message(),
+                 ")");
+  }
+}
+
 DsaCp::DsaCp(const CpGroups& groups, const SequenceLayout& layout, const DsaCpConfig& config)
     : CpLayerBase(groups, layout, "DSA CP"), config_(config) {
   SEQPAR_CHECK(config.topk >= 1, "DSA topk ", config.topk, " must be >= 1");
@@ -168,8 +178,11 @@ void DsaCp::select_topk(Saved& saved, const TensorView& q_idx, const TensorView&
   s->q_idx = alloc.copy_of(q_idx, q_idx.dtype(), MemCategory::kSavedActivation);
   s->k_idx = alloc.copy_of(k_idx, k_idx.dtype(), MemCategory::kSavedActivation);
   s->w = alloc.copy_of(w, w.dtype(), MemCategory::kSavedActivation);
-  Tensor scores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
-  Tensor state_pos = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kWorkspace);
+  Tensor scores, state_pos;  // before any message: a topk too large to hold fails here, naming topk
+  allocate_naming_topk("DSA CP forward", k, layout_.padded_len(), [&] {
+    scores = alloc.empty({B, sl, k}, acc_dtype, MemCategory::kWorkspace);
+    state_pos = alloc.empty({B, sl, k}, DType::kInt64, MemCategory::kWorkspace);
+  });
   const attn::DsaTopkState state{scores.view(), state_pos.view()};
   attn::dsa_topk_init(state, stream);
   auto merge_keys = [&](const TensorView& block, std::span<const std::int64_t> k_pos) {

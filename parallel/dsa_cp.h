@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -55,6 +56,12 @@ struct DsaCpGrads {
 // Errors: a non-int64 or non-host tensor.
 // Sync: host-synchronous, no communication.
 void dsa_topk_slots_to_tokens(const SequenceLayout& layout, const TensorView& topk_indices);
+
+// Runs `allocate`, the allocations of a top-k selection's buffers (a topk entry per query row); one that fails (out of
+// memory, a size beyond int64) is rethrown naming topk and the keys it selects among, then the allocator's message
+// (a huge topk failed naming only the bytes). DsaCp and DsaDecodeCp call it before their first message.
+// Errors: allocate's, reworded. Sync: allocate's.
+void allocate_naming_topk(const char* who, std::int64_t topk, std::int64_t keys, const std::function<void()>& allocate);
 
 // One DSA layer under context parallelism on this rank's groups (docs/design.md, "DSA under context parallelism").
 class DsaCp : public CpLayerBase {

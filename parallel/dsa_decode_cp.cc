@@ -164,7 +164,9 @@ DsaDecodeOutput DsaDecodeCp::decode(ShardedDsaCache& cache, const TensorView& q,
   const std::int64_t rows = B * n * H, block = rows * (dv + 2), cand = B * n * k, a = acc_bytes(s.dtype);
   const DeviceAlloc alloc{Device::cpu(), groups_.stream};
   DsaDecodeOutput result;
-  result.topk_indices = alloc.empty({B, n, k}, DType::kInt64, MemCategory::kWorkspace);
+  allocate_naming_topk("DsaDecodeCp::decode", k, s.capacity, [&] {
+    result.topk_indices = alloc.empty({B, n, k}, DType::kInt64, MemCategory::kWorkspace);
+  });
   Tensor send = alloc.empty({block}, acc, MemCategory::kCommBuffer);
   Tensor recv = alloc.empty({block * P}, acc, MemCategory::kCommBuffer);
   Tensor lse_r = alloc.empty({B, H, n}, DType::kFloat64, MemCategory::kWorkspace);
@@ -174,11 +176,14 @@ DsaDecodeOutput DsaDecodeCp::decode(ShardedDsaCache& cache, const TensorView& q,
 
   // The owners append the new tokens; every rank proposes its local top-k (positions, then scores, as raw words).
   const Shape state_shape{B, n, k};
-  Tensor scores = alloc.empty(state_shape, acc, MemCategory::kWorkspace);
-  Tensor positions = alloc.empty(state_shape, DType::kInt64, MemCategory::kWorkspace);
   const std::int64_t words = cand * (8 + a) / 4;
-  Tensor cand_send = alloc.empty({words}, DType::kInt32, MemCategory::kCommBuffer);
-  Tensor cand_recv = alloc.empty({words * P}, DType::kInt32, MemCategory::kCommBuffer);
+  Tensor scores, positions, cand_send, cand_recv;
+  allocate_naming_topk("DsaDecodeCp::decode", k, s.capacity, [&] {
+    scores = alloc.empty(state_shape, acc, MemCategory::kWorkspace);
+    positions = alloc.empty(state_shape, DType::kInt64, MemCategory::kWorkspace);
+    cand_send = alloc.empty({words}, DType::kInt32, MemCategory::kCommBuffer);
+    cand_recv = alloc.empty({words * P}, DType::kInt32, MemCategory::kCommBuffer);
+  });
   {
     ScopedTimer timer(counters_.compute_s);
     std::vector<std::int64_t> idx, pos;

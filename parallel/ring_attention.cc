@@ -70,6 +70,8 @@ RingAttention::RingAttention(const CpGroups& groups, const SequenceLayout& layou
   SEQPAR_CHECK(std::isfinite(config.scale), "ring attention: scale ", config.scale,
                " must be finite (0 or less: 1/sqrt(D))");
   SEQPAR_CHECK(config.window == 0 || config.causal, "a sliding window (window=", config.window, ") needs causal=true");
+  SEQPAR_CHECK(std::isfinite(config.score_mods.softcap) && config.score_mods.softcap >= 0.0f, "ring attention: softcap ",
+               config.score_mods.softcap, " must be finite and > 0 (0: no soft-capping)");
   config.dropout.validate("ring attention");
   positions_.reserve(size_);
   for (int r = 0; r < size_; ++r) positions_.push_back(layout_.ring_shard_positions(r));

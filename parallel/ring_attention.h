@@ -70,8 +70,8 @@ Fingerprint mha_forward_fingerprint(std::string_view call, const MhaCpConfig& co
 class RingAttention {
  public:
   // Validates the configuration and the layout against the groups here.
-  // Errors: layout not built for the groups, window < 0, window without causal, non-finite scale, dropout p
-  //   outside [0, 1).
+  // Errors: layout not built for the groups, window < 0, window without causal, non-finite scale, softcap < 0 or
+  //   non-finite, dropout p outside [0, 1).
   // Sync: host-only, collective-free.
   RingAttention(const CpGroups& groups, const SequenceLayout& layout, const MhaCpConfig& config);
 

@@ -94,6 +94,17 @@ def test_dsa_indexer_loss_weight_is_checked_when_made(weight):
         seqpar.DsaCp(grid, layout, topk=4, dim_v=4, indexer_loss_weight=weight)
 
 
+@pytest.mark.parametrize("layer", ["GdnCp", "GdnDecodeCp"])
+def test_gdn_chunk_size_below_one_is_refused_when_made(layer):
+    """Both GDN layers refuse chunk_size 0 at construction (GdnDecodeCp refused it only at the first prefill)."""
+    grid, layout = _grid_layout()
+    with pytest.raises(seqpar.Error, match=r"chunk_size 0 must be >= 1"):
+        if layer == "GdnCp":
+            seqpar.GdnCp(grid, layout, chunk_size=0)
+        else:
+            seqpar.GdnDecodeCp(grid, value_heads=WORLD, key_heads=WORLD, chunk_size=0)
+
+
 @pytest.mark.skipif(WORLD != 1, reason="one subprocess is enough (the np1 run checks it)")
 def test_layout_of_a_huge_ring_fails_cleanly_instead_of_crashing():
     """A ring of 2^16 ranks: the layout's ring_size x ring_size table of per-step work overflowed int (an empty table

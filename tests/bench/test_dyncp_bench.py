@@ -41,7 +41,7 @@ def main():
         with open(prof, "w") as f:
             json.dump(profile, f)
         plan_json = os.path.join(tmp, "plan.json")
-        out = subprocess.run([sp_plan, "--profile", prof, "--world", str(WORLD), "--dynamic-cp", "--doc-lengths", DOCS,
+        out = subprocess.run([sp_plan, "--profile", prof, "--world", str(WORLD), "--dynamic-cp", "--doc-lens", DOCS,
                               "--tokens-per-rank", "512", "--json", plan_json, "--"] + PROBLEM,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         print(out.stdout)
@@ -62,7 +62,7 @@ def main():
         print(out.stdout)
         if out.returncode != 0 or "per round:" not in out.stdout:
             failures.append(f"dyncp_bench failed (rc {out.returncode})")
-        out = subprocess.run([sp_plan, "--profile", prof, "--world", str(WORLD), "--dynamic-cp", "--doc-lengths", DOCS,
+        out = subprocess.run([sp_plan, "--profile", prof, "--world", str(WORLD), "--dynamic-cp", "--doc-lens", DOCS,
                               "--degrees", "1,3", "--"] + PROBLEM, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)
         if out.returncode == 0 or "degree 3 must divide the world size 2" not in out.stdout:

@@ -657,6 +657,23 @@ TEST(GdnDecodeCpErrors, HeadsThatDoNotDivideFailEverywhere) {
                                str_cat("must both be divisible by the CP group size ", P)));
 }
 
+// GdnCp's config rules hold at construction for both GDN layers (GdnDecodeCp refused them only at the first prefill).
+TEST(GdnDecodeCpErrors, BadConfigIsRefusedAtConstructionLikeGdnCp) {
+  const CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const SequenceLayout layout = SequenceLayout::for_groups(groups, 8 * world().size());
+  GdnCpConfig no_chunk;
+  no_chunk.chunk_size = 0;
+  GdnCpConfig inf_scale;
+  inf_scale.scale = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(fails_everywhere([&] { GdnDecodeCp(groups, no_chunk, value_heads(), key_heads()); },
+                               "GdnDecodeCp: chunk_size 0 must be >= 1"));
+  EXPECT_TRUE(fails_everywhere([&] { GdnDecodeCp(groups, inf_scale, value_heads(), key_heads()); },
+                               "GdnDecodeCp: scale inf must be finite"));
+  EXPECT_TRUE(fails_everywhere([&] { GdnCp(groups, layout, no_chunk); }, "GDN chunk_size 0 must be >= 1"));
+  EXPECT_TRUE(fails_everywhere([&] { GdnCp(groups, layout, inf_scale); }, "GDN scale inf must be finite"));
+}
+
 TEST(GdnDecodeCpErrors, CacheOfAnotherShapeFailsAndChangesNothing) {
   const CpGrid grid(world(), test::ring_over_world());
   const CpGroups groups = CpGroups::from(grid);

@@ -228,6 +228,35 @@ TEST(DsaCp, NonFiniteScaleIsRefusedBeforeCommunication) {
   EXPECT_EQ(message, "DSA scale inf must be finite (0 or less: 1/sqrt(Dqk))");
 }
 
+// A topk no buffer can hold (2^46 entries per query row: 2^48 bytes of scores for one row, beyond any address space)
+// fails on every rank before the selection's first message, naming topk and the keys a query selects among (it named
+// only the bytes).
+TEST(DsaCp, HugeTopkFailsNamingTopk) {
+  const int n = world().size();
+  CpGrid grid(world(), test::ring_over_world());
+  const std::int64_t seq = 4 * n;
+  DsaCpConfig cfg;
+  cfg.topk = std::int64_t{1} << 46;
+  cfg.dim_v = kDv;
+  const CpGroups groups = CpGroups::from(grid);
+  DsaCp dsa(groups, SequenceLayout::for_groups(groups, seq, LayoutKind::kContiguous), cfg);
+  const DsaProblem p(seq);
+  const auto& pos = dsa.positions();
+  Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
+         w = piece(p.w, pos);
+  std::string message;
+  try {
+    (void)dsa.forward(q.view(), cc.view(), qi.view(), ki.view(), w.view());
+  } catch (const Error& e) {
+    message = e.message();
+  }
+  const std::string want = str_cat("DSA CP forward: topk 70368744177664: the top-k selection's buffers (topk entries ",
+                                   "per query row) cannot be made; a query selects among at most ", seq,
+                                   " keys, a larger topk adds only -1 padding (out of memory: allocating ");
+  EXPECT_EQ(message.substr(0, want.size()), want) << message;
+  EXPECT_TRUE(test::all_ranks(world(), message.starts_with(want)));
+}
+
 // k >= the number of visible keys: DSA is dense causal attention (MQA with the latent as key and value).
 TEST(DsaCp, FullTopkIsDenseCausalAttention) {
   CpGrid grid(world(), test::ring_over_world());

@@ -196,6 +196,24 @@ TEST(DsaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
   EXPECT_EQ(cache.length(), kPrompt + 1);
 }
 
+// A topk no buffer can hold (2^46 entries per query row) fails on every rank naming topk and the cache's capacity,
+// before any message and before the cache is written (it named only the bytes).
+TEST(DsaDecodeCpErrors, HugeTopkFailsNamingTopkAndChangesNothing) {
+  Bad b;
+  DsaDecodeCp layer(b.groups, b.config());
+  ShardedDsaCache cache = layer.make_cache(kB, kPrompt + 1, kDi, kDqk, DType::kFloat32);
+  b.prefill(layer, cache);
+  DsaDecodeConfig huge_cfg = b.config();
+  huge_cfg.topk = std::int64_t{1} << 46;
+  DsaDecodeCp huge(b.groups, huge_cfg);
+  EXPECT_TRUE(fails_everywhere([&] { b.step(huge, cache, 1); },
+                               str_cat("DsaDecodeCp::decode: topk 70368744177664: the top-k selection's buffers (topk "
+                                       "entries per query row) cannot be made; a query selects among at most ",
+                                       kPrompt + 1, " keys, a larger topk adds only -1 padding (out of memory")));
+  EXPECT_EQ(cache.length(), kPrompt);
+  EXPECT_EQ(cache.num_steps(), 0);
+}
+
 TEST(DsaDecodeCpErrors, CacheOfAnotherShardingOrShapeFailsEverywhere) {
   Bad b;
   DsaDecodeConfig contiguous = b.config();

@@ -214,19 +214,22 @@ TEST(RingAttention, LayoutErrorsOnEveryRank) {
   const CpGrid grid(world(), {1, 1, P});
   const CpGroups groups = CpGroups::from(grid);
   MhaCpConfig cfg;
-  std::string message;
+  // The constructor's error on this layout and config ("" when it accepts them).
+  const auto error_of = [&](const SequenceLayout& layout, const MhaCpConfig& config) {
+    try {
+      RingAttention ring(groups, layout, config);
+    } catch (const Error& e) {
+      return e.message();
+    }
+    return std::string();
+  };
   // Any length is padded by the layout (docs/design.md, "Packed rows and padding"; tests/mpi/test_mha_packed.cc checks the results).
   RingAttention odd(groups, SequenceLayout::for_groups(groups, 2 * P * 5 + 1, LayoutKind::kZigzag), cfg);
   // A layout built for other group sizes is refused with a message naming both.
-  message.clear();
-  try {
-    RingAttention ring(groups, SequenceLayout(LayoutKind::kZigzag, 4 * P, P, 2), cfg);
-  } catch (const Error& e) {
-    message = e.message();
-  }
-  EXPECT_EQ(message, str_cat("ring attention: the layout was built for ring_size ", P,
-                             " x ulysses_size 2, but the groups have ring_size ", P,
-                             " x ulysses_size 1 (SequenceLayout::for_groups builds a matching one)"));
+  EXPECT_EQ(error_of(SequenceLayout(LayoutKind::kZigzag, 4 * P, P, 2), cfg),
+            str_cat("ring attention: the layout was built for ring_size ", P,
+                    " x ulysses_size 2, but the groups have ring_size ", P,
+                    " x ulysses_size 1 (SequenceLayout::for_groups builds a matching one)"));
   const SequenceLayout layout = SequenceLayout::for_groups(groups, 2 * P * 4);
   cfg.causal = false;
   cfg.window = 8;
@@ -236,14 +239,15 @@ TEST(RingAttention, LayoutErrorsOnEveryRank) {
   MhaCpConfig bad_scale;
   bad_scale.scale = std::numeric_limits<float>::quiet_NaN();
   const std::int64_t ops_before = world().counters().num_ops + grid.ring().counters().num_ops;
-  message.clear();
-  try {
-    RingAttention ring(groups, layout, bad_scale);
-  } catch (const Error& e) {
-    message = e.message();
-  }
+  std::string message = error_of(layout, bad_scale);
   EXPECT_EQ(message, "ring attention: scale nan must be finite (0 or less: 1/sqrt(D))");
   EXPECT_EQ(world().counters().num_ops + grid.ring().counters().num_ops, ops_before);
+  EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
+  // A negative soft-cap likewise, by the constructor (it was refused at the first forward's kernel arguments).
+  MhaCpConfig bad_softcap;
+  bad_softcap.score_mods.softcap = -2.0f;
+  message = error_of(layout, bad_softcap);
+  EXPECT_EQ(message, "ring attention: softcap -2 must be finite and > 0 (0: no soft-capping)");
   EXPECT_TRUE(test::all_ranks(world(), !message.empty()));
 }
 

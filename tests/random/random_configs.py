@@ -301,7 +301,7 @@ def dyncp_config(rng, work):
     hd = rng.choice([8, 16])
     problem = ["--attn", "mha", "--heads", str(rng.choice([1, 2])), "--head-dim", str(hd), "--causal",
                "--dtype", rng.choice(["fp32", "fp64", "bf16"])]
-    plan = ["--world", str(world), "--dynamic-cp", "--doc-lengths", ",".join(map(str, lens)),
+    plan = ["--world", str(world), "--dynamic-cp", "--doc-lens", ",".join(map(str, lens)),
             "--mb-layout", rng.choice(["contiguous", "zigzag", "stripe", "balanced"])]
     if rng.random() < 0.5:
         plan += ["--tokens-per-rank", str(rng.randint(max(lens), max(lens) + 64))]

@@ -169,6 +169,31 @@ TEST(OpsCudaPlan, TrsmCallSolvesTheRowMajorUnitLowerSystem) {
   EXPECT_LT(err, 1e-12);
 }
 
+// rows x n scores drawn with `seed` from `pool` (ties, -0, NaN, infinities), row ranges [lo, hi) that may reach
+// past either end or be empty, and the CPU table's top-k of them (want_idx, [rows, k], -1 padded): the rule each
+// device path below must reproduce.
+template <typename T>
+struct TiedRows {
+  std::vector<T> s;
+  std::vector<std::int64_t> lo, hi, want_idx;
+};
+
+template <typename T>
+TiedRows<T> tied_rows(std::int64_t rows, std::int64_t n, std::int64_t k, const std::vector<T>& pool,
+                      std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  TiedRows<T> t{std::vector<T>(rows * n), std::vector<std::int64_t>(rows), std::vector<std::int64_t>(rows),
+                std::vector<std::int64_t>(rows * k)};
+  for (T& x : t.s) x = pool[rng() % pool.size()];
+  for (std::int64_t r = 0; r < rows; ++r) {
+    t.lo[r] = static_cast<std::int64_t>(rng() % 30) - 4;
+    t.hi[r] = t.lo[r] + static_cast<std::int64_t>(rng() % 14) - 1;
+  }
+  std::vector<T> want_val(rows * k);
+  cpu_ops<T>().topk_rows(rows, n, k, t.s.data(), n, t.lo.data(), t.hi.data(), t.want_idx.data(), want_val.data());
+  return t;
+}
+
 template <typename T>
 void check_topk_by_keys() {
   using Key = OrderedKey<T>;
@@ -186,18 +211,10 @@ void check_topk_by_keys() {
   EXPECT_LT(0u, Key::of(-inf));
   // the algorithm against the CPU table on rows full of ties
   const std::int64_t rows = 64, n = 23, k = 6;
-  std::mt19937_64 rng(21);
-  const T pool[] = {T(2), T(1), T(0), T(-0.0), T(-1), -inf, inf, nan, T(0.5)};
-  std::vector<T> s(rows * n);
-  for (T& x : s) x = pool[rng() % 9];
-  std::vector<std::int64_t> lo(rows), hi(rows);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    lo[r] = static_cast<std::int64_t>(rng() % 30) - 4;
-    hi[r] = lo[r] + static_cast<std::int64_t>(rng() % 14) - 1;
-  }
-  std::vector<std::int64_t> want_idx(rows * k);
-  std::vector<T> want_val(rows * k);
-  cpu_ops<T>().topk_rows(rows, n, k, s.data(), n, lo.data(), hi.data(), want_idx.data(), want_val.data());
+  const std::vector<T> pool = {T(2), T(1), T(0), T(-0.0), T(-1), -inf, inf, nan, T(0.5)};
+  const TiedRows<T> t = tied_rows(rows, n, k, pool, 21);
+  const std::vector<T>& s = t.s;
+  const std::vector<std::int64_t>&lo = t.lo, &hi = t.hi, &want_idx = t.want_idx;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t b = std::clamp<std::int64_t>(lo[r], 0, n), e = std::clamp<std::int64_t>(hi[r], b, n);
     std::vector<std::int64_t> cols;
@@ -235,18 +252,10 @@ TEST(OpsCudaPlan, TopkThroughFlashInferInputIsTheTableRule) {
   EXPECT_EQ(F::of(-0.0f), 0.0f);
   EXPECT_FALSE(std::signbit(F::of(-0.0f)));
   const std::int64_t rows = 96, n = 23, k = 6;
-  std::mt19937_64 rng(22);
-  const float pool[] = {2.0f, 1.0f, 0.0f, -0.0f, -1.0f, -inf, inf, nan, 0.5f, -tiny, -big};
-  std::vector<float> s(rows * n);
-  for (float& x : s) x = pool[rng() % 11];
-  std::vector<std::int64_t> lo(rows), hi(rows);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    lo[r] = static_cast<std::int64_t>(rng() % 30) - 4;
-    hi[r] = lo[r] + static_cast<std::int64_t>(rng() % 14) - 1;
-  }
-  std::vector<std::int64_t> want_idx(rows * k);
-  std::vector<float> want_val(rows * k);
-  cpu_ops<float>().topk_rows(rows, n, k, s.data(), n, lo.data(), hi.data(), want_idx.data(), want_val.data());
+  const std::vector<float> pool = {2.0f, 1.0f, 0.0f, -0.0f, -1.0f, -inf, inf, nan, 0.5f, -tiny, -big};
+  const TiedRows<float> t = tied_rows(rows, n, k, pool, 22);
+  const std::vector<float>& s = t.s;
+  const std::vector<std::int64_t>&lo = t.lo, &hi = t.hi, &want_idx = t.want_idx;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t b = std::clamp<std::int64_t>(lo[r], 0, n), e = std::clamp<std::int64_t>(hi[r], b, n);
     // FlashInfer's selection on the mapped row [b, e): all of it when len <= k, else the k largest keys, ties to the

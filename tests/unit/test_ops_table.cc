@@ -35,6 +35,23 @@ using test::cast;
 using test::rand_vec;
 using test::tol;
 
+// rand_vec's values rounded to T (the values a table of T sees), as fp64: the inputs of the row-op checks below.
+template <typename T>
+std::vector<double> rand_as(std::int64_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
+  std::vector<double> v = rand_vec(n, seed, lo, hi);
+  for (double& x : v) x = double(T(x));
+  return v;
+}
+
+// A table's result `got` against its fp64 body `want`, element by element to 10 tol<T>() x max(1, |want|).
+template <typename T>
+void expect_close(const std::vector<double>& want, const std::vector<T>& got, const char* what) {
+  ASSERT_EQ(want.size(), got.size()) << what;
+  for (std::size_t e = 0; e < want.size(); ++e)
+    EXPECT_NEAR(want[e], double(got[e]), 10 * tol<T>() * std::max(1.0, std::abs(want[e])))
+        << what << " element " << e << " fp" << 8 * sizeof(T);
+}
+
 // The table under test ("cpu" or "cuda"), or why it cannot run here.
 std::string cuda_skip_reason() {
   const char* env = std::getenv("SEQPAR_TEST_DEVICE");
@@ -517,20 +534,9 @@ TEST_P(OpsTable, GdnBackwardAndConvRowsMatchTheirBodies) {
   const auto run = [&](auto zero) {
     using T = decltype(zero);
     Ops<T>& ops = table<T>();
-    const auto r64 = [](std::int64_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
-      std::vector<double> v = rand_vec(n, seed, lo, hi);
-      for (double& x : v) x = double(T(x));  // the values the table sees
-      return v;
-    };
-    const auto expect_close = [&](const std::vector<double>& want, const std::vector<T>& got, const char* what) {
-      ASSERT_EQ(want.size(), got.size()) << what;
-      for (std::size_t e = 0; e < want.size(); ++e)
-        EXPECT_NEAR(want[e], double(got[e]), 10 * tol<T>() * std::max(1.0, std::abs(want[e])))
-            << what << " element " << e << " fp" << 8 * sizeof(T);
-    };
     {  // row_dots, l2norm_scale_backward_rows (eps >= 0 and eps < 0)
       const std::int64_t rows = 5, cols = 7, lda = 9, ldb = 8;
-      const auto a = r64(rows * lda, 40), b = r64(rows * ldb, 41);
+      const auto a = rand_as<T>(rows * lda, 40), b = rand_as<T>(rows * ldb, 41);
       const Buffer<T> da(ops, cast<T>(a)), db(ops, cast<T>(b));
       Buffer<T> out(ops, rows);
       ops.row_dots(rows, cols, da.get(), lda, db.get(), ldb, out.get());
@@ -549,11 +555,11 @@ TEST_P(OpsTable, GdnBackwardAndConvRowsMatchTheirBodies) {
     }
     {  // gdn_chunk_masks_backward, gdn_chunk_scales_backward: 3 chunks of C = 5
       const std::int64_t chunks = 3, C = 5, CC = chunks * C * C;
-      auto gamma = r64(chunks * C, 42, -0.5, 0.0);
+      auto gamma = rand_as<T>(chunks * C, 42, -0.5, 0.0);
       for (std::int64_t c = 0; c < chunks; ++c)
         for (std::int64_t i = 1; i < C; ++i) gamma[c * C + i] = double(T(gamma[c * C + i] + gamma[c * C + i - 1]));
-      const auto beta = r64(chunks * C, 43, 0.0, 1.0), kk = r64(CC, 44), qk = r64(CC, 45), dp = r64(CC, 46),
-                 da = r64(CC, 47);
+      const auto beta = rand_as<T>(chunks * C, 43, 0.0, 1.0), kk = rand_as<T>(CC, 44), qk = rand_as<T>(CC, 45),
+                 dp = rand_as<T>(CC, 46), da = rand_as<T>(CC, 47);
       const Buffer<T> dg(ops, cast<T>(gamma)), dbt(ops, cast<T>(beta)), dkk_in(ops, cast<T>(kk)),
           dqk_in(ops, cast<T>(qk)), ddp(ops, cast<T>(dp)), dda(ops, cast<T>(da));
       Buffer<T> dqk(ops, CC), dkk(ops, CC), dgam(ops, chunks * C), dbet(ops, chunks * C);
@@ -571,8 +577,8 @@ TEST_P(OpsTable, GdnBackwardAndConvRowsMatchTheirBodies) {
       expect_close(wkk, get(ops, dkk), "masks_backward dkk");
       expect_close(wg, get(ops, dgam), "masks_backward dgamma");
       expect_close(wb, get(ops, dbet), "masks_backward dbeta");
-      const auto dqq = r64(chunks * C, 48), dkbk = r64(chunks * C, 49), dvbv = r64(chunks * C, 50),
-                 dktk = r64(chunks * C, 51), sds = r64(chunks, 52);
+      const auto dqq = rand_as<T>(chunks * C, 48), dkbk = rand_as<T>(chunks * C, 49), dvbv = rand_as<T>(chunks * C, 50),
+                 dktk = rand_as<T>(chunks * C, 51), sds = rand_as<T>(chunks, 52);
       const Buffer<T> b1(ops, cast<T>(dqq)), b2(ops, cast<T>(dkbk)), b3(ops, cast<T>(dvbv)), b4(ops, cast<T>(dktk)),
           b5(ops, cast<T>(sds));
       for (std::size_t e = 0; e < wg.size(); ++e) wg[e] = double(T(wg[e])), wb[e] = double(T(wb[e]));
@@ -594,7 +600,7 @@ TEST_P(OpsTable, GdnBackwardAndConvRowsMatchTheirBodies) {
       for (std::int64_t r = 0; r < rows; ++r)
         for (std::int64_t w = 0; w < W; ++w)
           if (src[(first[r] + w) * W + w] < 0) src[(first[r] + w) * W + w] = r;
-      const auto xin = r64(xrows * C, 53), weight = r64(C * W, 54), dy = r64(rows * C, 55);
+      const auto xin = rand_as<T>(xrows * C, 53), weight = rand_as<T>(C * W, 54), dy = rand_as<T>(rows * C, 55);
       const Buffer<T> dx(ops, cast<T>(xin)), dwt(ops, cast<T>(weight));
       const Buffer<std::int64_t> dfirst(ops, first), dsrc(ops, src);
       for (const bool silu : {false, true}) {
@@ -632,20 +638,9 @@ TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
   const auto run = [&](auto zero) {
     using T = decltype(zero);
     Ops<T>& ops = table<T>();
-    const auto r64 = [](std::int64_t n, std::uint64_t seed, double lo = -1.0, double hi = 1.0) {
-      std::vector<double> v = rand_vec(n, seed, lo, hi);
-      for (double& x : v) x = double(T(x));
-      return v;
-    };
-    const auto expect_close = [&](const std::vector<double>& want, const std::vector<T>& got, const char* what) {
-      ASSERT_EQ(want.size(), got.size()) << what;
-      for (std::size_t e = 0; e < want.size(); ++e)
-        EXPECT_NEAR(want[e], double(got[e]), 10 * tol<T>() * std::max(1.0, std::abs(want[e])))
-            << what << " element " << e << " fp" << 8 * sizeof(T);
-    };
     {  // gemm_fixed_order: [6, 9] x [9, 7]^T; then rows 2..4 and columns 3..6 alone must give the same bits
       const std::int64_t m = 6, n = 7, k = 9;
-      const auto a = r64(m * k, 60), b = r64(n * k, 61);
+      const auto a = rand_as<T>(m * k, 60), b = rand_as<T>(n * k, 61);
       const Buffer<T> da(ops, cast<T>(a)), db(ops, cast<T>(b));
       Buffer<T> c(ops, m * n), c2(ops, 3 * 4);
       ops.gemm_fixed_order(Trans::kN, Trans::kT, m, n, k, T(1), Mat<const T>{da.get(), k}, Mat<const T>{db.get(), k},
@@ -667,7 +662,7 @@ TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
        // selected-slot pass's form) whose second matrix is the first product's rows 3..5
       const std::int64_t m = 6, n = 7, k = 9;
       const T alpha = T(0.75);
-      const auto a = r64(m * k, 63), b = r64(n * k, 64);
+      const auto a = rand_as<T>(m * k, 63), b = rand_as<T>(n * k, 64);
       const Buffer<T> da(ops, cast<T>(a)), db(ops, cast<T>(b));
       Buffer<T> c(ops, std::vector<T>(m * n, std::numeric_limits<T>::quiet_NaN())), c2(ops, 3 * 4), c3(ops, 2 * 3 * n);
       ops.gemm_relu_fixed_order(Trans::kN, Trans::kT, m, n, k, alpha, Mat<const T>{da.get(), k},
@@ -710,7 +705,7 @@ TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
       }
       EXPECT_EQ(woff, goff) << "inverted_index offsets";
       EXPECT_EQ(wlist, std::vector<std::int64_t>(glist.begin(), glist.begin() + woff[n_dst])) << "inverted_index list";
-      const auto src = cast<T>(r64(n_src * 8, 62));
+      const auto src = cast<T>(rand_as<T>(n_src * 8, 62));
       const Buffer<T> ds(ops, src);
       Buffer<T> dst(ops, std::vector<T>(n_dst * cols, T(1)));
       ops.sum_rows_indexed(n_dst, cols, ds.get(), 8, off.get(), list.get(), dst.get(), cols);
@@ -755,10 +750,10 @@ TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
     }
     {  // row ops against their bodies
       const std::int64_t rows = 4, n = 6, ld = 8, queries = 3, Hi = 2;
-      const auto s = r64(rows * ld, 64, -3.0, 0.0), dp = r64(rows * ld, 65), delta = r64(rows, 66);
+      const auto s = rand_as<T>(rows * ld, 64, -3.0, 0.0), dp = rand_as<T>(rows * ld, 65), delta = rand_as<T>(rows, 66);
       std::vector<std::int64_t> mask(2 * n);
       for (std::int64_t j = 0; j < 2 * n; ++j) mask[j] = j % 3 == 1 ? -1 : j;
-      std::vector<double> hi = r64(rows, 67, 0.0, 1.0), lo = r64(rows, 68, -1e-6, 1e-6);
+      std::vector<double> hi = rand_as<T>(rows, 67, 0.0, 1.0), lo = rand_as<T>(rows, 68, -1e-6, 1e-6);
       hi[3] = -kInf;  // an empty row
       const Buffer<std::int64_t> dmask(ops, mask);
       const Buffer<T> dhi(ops, cast<T>(hi)), dlo(ops, cast<T>(lo)), ddelta(ops, cast<T>(delta));
@@ -774,7 +769,8 @@ TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
       for (std::int64_t r = 0; r < rows; ++r)
         rowops::dsa_dscore_row(gpd.data() + r * ld, wd.data() + r * ld, n, delta[r]);
       expect_close(wd, get(ops, pdp), "dsa_dscore_rows");
-      const auto ls = r64(queries * Hi * n, 69), w = r64(queries * Hi, 70), g = r64(queries * n, 71);
+      const auto ls = rand_as<T>(queries * Hi * n, 69), w = rand_as<T>(queries * Hi, 70),
+                 g = rand_as<T>(queries * n, 71);
       const Buffer<T> dls(ops, cast<T>(ls)), dw(ops, cast<T>(w)), dg(ops, cast<T>(g));
       Buffer<T> out(ops, queries * n), lsg(ops, cast<T>(ls)), dwo(ops, queries * Hi);
       ops.relu_head_sum_rows(queries, Hi, n, dls.get(), dw.get(), out.get());
@@ -789,9 +785,9 @@ TEST_P(OpsTable, DsaOpsMatchLoopsAndBodies) {
       expect_close(wls, get(ops, lsg), "indexer_grad_rows logits");
       expect_close(wdw, get(ops, dwo), "indexer_grad_rows dw");
       // kl_rows: probs >= 0, one -1 slot per row, a row of zero probs
-      auto probs = r64(rows * n, 72, 0.0, 1.0);
+      auto probs = rand_as<T>(rows * n, 72, 0.0, 1.0);
       for (std::int64_t j = 0; j < n; ++j) probs[2 * n + j] = 0.0;
-      const auto scores = r64(rows * n, 73);
+      const auto scores = rand_as<T>(rows * n, 73);
       std::vector<std::int64_t> kidx(rows * n);
       for (std::int64_t e = 0; e < rows * n; ++e) kidx[e] = e % n == 2 ? -1 : e;
       const Buffer<T> dpr(ops, cast<T>(probs)), dsc(ops, cast<T>(scores));

@@ -2,32 +2,19 @@
 // backward, segment map, map algebra and short conv as the test-mode routes of attention/gdn.h (gdn_hook.h), and,
 // when SEQPAR_LOWERED_ATTENTION = 1, fails the run at its end if no call took those routes (so a test run in the mode
 // cannot pass without exercising the composition).
-#include <gtest/gtest.h>
-
-#include "runtime/env.h"
 #include "attention/ops/gdn_composed.h"
 #include "attention/ops/gdn_hook.h"
+#include "tests/util/composed_routes.h"
 
 namespace seqpar::attn::ops {
 namespace {
-
-class ComposedRouteTaken : public ::testing::Environment {
- public:
-  void TearDown() override {
-    // (a run skipped as a whole, e.g. SEQPAR_TEST_DEVICE=cuda without a device, has said why and ran nothing)
-    if (env::lowered_attention() && ::testing::UnitTest::GetInstance()->test_to_run_count() > 0 &&
-        !::testing::Test::IsSkipped()) {
-      EXPECT_GT(gdn_forward_hook_calls(), 0) << "SEQPAR_LOWERED_ATTENTION=1 but no gdn_forward call ran composed";
-    }
-  }
-};
 
 const bool g_installed = [] {
   set_gdn_forward_hook(&gdn_forward_composed_cpu, &gdn_transition_composed_cpu);
   set_gdn_backward_hook(&gdn_backward_composed_cpu);
   set_gdn_map_product_hook(&gdn_map_product_composed_cpu);
   set_short_conv_hooks(&short_conv_forward_composed_cpu, &short_conv_backward_composed_cpu);
-  ::testing::AddGlobalTestEnvironment(new ComposedRouteTaken);
+  seqpar::test::add_composed_route_check("gdn_forward calls", &gdn_forward_hook_calls);
   return true;
 }();
 

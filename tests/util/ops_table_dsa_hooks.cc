@@ -8,18 +8,14 @@
 #include <gtest/gtest.h>
 
 #include "attention/ops/dsa_hook.h"
-#include "runtime/env.h"
+#include "tests/util/composed_routes.h"
 #include "tests/util/ops_table.h"
 
 namespace seqpar::test {
 namespace {
 
-class CudaTableDsaRoutes : public ::testing::Environment {
- public:
-  void SetUp() override {
-    if (!ops_table_is_cuda() || !env::lowered_attention()) return;  // the routes are taken only in the mode
-    const std::string reason = cuda_table_unavailable_reason();
-    if (!reason.empty()) GTEST_SKIP() << ops_table_route_skip("DSA", reason);
+const bool g_added = [] {
+  add_cuda_table_routes("DSA", [] {
     attn::ops::DsaHooks hooks;
     hooks.forward = &composed::dsa_attention_forward;
     hooks.backward = &composed::dsa_attention_backward;
@@ -29,11 +25,7 @@ class CudaTableDsaRoutes : public ::testing::Environment {
     hooks.indexer_loss = &composed::dsa_indexer_loss;
     hooks.indexer_backward = &composed::dsa_indexer_backward;
     attn::ops::set_dsa_hooks(hooks);
-  }
-};
-
-const bool g_added = [] {
-  ::testing::AddGlobalTestEnvironment(new CudaTableDsaRoutes);
+  });
   return true;
 }();
 

@@ -7,27 +7,19 @@
 #include <gtest/gtest.h>
 
 #include "attention/ops/gdn_hook.h"
-#include "runtime/env.h"
+#include "tests/util/composed_routes.h"
 #include "tests/util/ops_table.h"
 
 namespace seqpar::test {
 namespace {
 
-class CudaTableRoutes : public ::testing::Environment {
- public:
-  void SetUp() override {
-    if (!ops_table_is_cuda() || !env::lowered_attention()) return;  // the routes are taken only in the mode
-    const std::string reason = cuda_table_unavailable_reason();
-    if (!reason.empty()) GTEST_SKIP() << ops_table_route_skip("GDN", reason);
+const bool g_added = [] {
+  add_cuda_table_routes("GDN", [] {
     attn::ops::set_gdn_forward_hook(&composed::gdn_forward, &composed::gdn_transition);
     attn::ops::set_gdn_backward_hook(&composed::gdn_backward);
     attn::ops::set_gdn_map_product_hook(&composed::gdn_map_product);
     attn::ops::set_short_conv_hooks(&composed::short_conv_forward, &composed::short_conv_backward);
-  }
-};
-
-const bool g_added = [] {
-  ::testing::AddGlobalTestEnvironment(new CudaTableRoutes);
+  });
   return true;
 }();
 
