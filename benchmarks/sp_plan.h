@@ -63,6 +63,16 @@ struct DeviceProfile {
   // GDN scan: a segment's map (gdn_transition) costs gdn_map_factor x its FLOPs (gdn_map_flops) at the forward
   // curve's rate; the backward's dS sweep costs gdn_sweep_factor x the segment's forward.
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
+  // GDN work ahead (GdnCp's AheadQueue, attn::GdnAhead): while a rank waits for a window's state it computes the
+  // window's state-independent part, which costs `ahead` x the window's time; the window then costs `rest` x its time
+  // for the chunks done ahead (the rest at full cost). Forward and backward. --calibrate measures them with
+  // kernel_bench --kernel gdn --gdn-maps (JSON block "gdn_work_ahead" with its source); absent: no work ahead
+  // (ahead 0, rest 1).
+  struct GdnWorkAhead {
+    double fwd_ahead = 0.0, fwd_rest = 1.0, bwd_ahead = 0.0, bwd_rest = 1.0;
+    std::string source;
+    bool present() const { return fwd_ahead > 0 || bwd_ahead > 0; }
+  } gdn_work_ahead;
   // MHA under a causal mask costs the 64 x 64 tile pairs its kernels compute (the CPU kernels: any pair of tiles in
   // which some query sees some key, masked or not; SequenceLayout::step_work) rather than its visible pairs, which
   // matters for packed rows of short documents. false: visible pairs (profiles of other kernels). --calibrate sets
