@@ -40,6 +40,11 @@ struct LinkClass {
   double seconds(double bytes) const { return bytes <= 0 ? 0.0 : latency_s + bytes / bandwidth_bps; }
 };
 
+// The order of GdnCp's forward work ahead that the GDN simulation follows: false, the waiting windows in the order
+// they run (GdnCp::AheadQueue as GdnCp's forward fills it); true, the last of them first, then the others in run order.
+// It describes the runtime, not the device: set it to what GdnCp's forward does.
+inline constexpr bool kPlanGdnAheadLastFirst = false;
+
 struct DeviceProfile {
   std::string name, note;
   // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"; optional "gemm" (the linear layers of

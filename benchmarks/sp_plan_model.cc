@@ -680,6 +680,14 @@ class GdnAheadSim {
     if (ahead_ <= 0 || window_s <= 0) return;
     index_[{seg, head}] = items_.size();
     items_.push_back({window_s, bytes});
+    keys_.push_back({seg, head});
+  }
+  // The last window added is worked on first (GdnCp's forward with the last waiting window ahead first).
+  void last_first() {
+    if (items_.size() < 2) return;
+    std::rotate(items_.begin(), items_.end() - 1, items_.end());
+    std::rotate(keys_.begin(), keys_.end() - 1, keys_.end());
+    for (std::size_t i = 0; i < items_.size(); ++i) index_[keys_[i]] = i;
   }
   // Works ahead for up to `seconds` of idle time; returns the seconds worked.
   double idle(double seconds) {
@@ -727,6 +735,7 @@ class GdnAheadSim {
   double ahead_, rest_;
   std::vector<Item> items_;
   std::map<std::pair<int, std::size_t>, std::size_t> index_;
+  std::vector<std::pair<int, std::size_t>> keys_;  // of items_, in their order
   std::size_t next_ = 0;
   std::int64_t held_windows_ = 0;
   double held_bytes_ = 0;
@@ -835,6 +844,8 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
         if (segs[prev].owner == segs[i].owner) continue;
         for (std::size_t h = 0; h < end[i].size(); ++h) ahead[segs[i].owner].add(i, h, wait_s[i] / H, ahead_bytes(i, bwd));
       }
+      if (!bwd && kPlanGdnAheadLastFirst)
+        for (GdnAheadSim& a : ahead) a.last_first();
       for (int k = 0; k < nseg; ++k) {
         const int i = order(k), owner = segs[i].owner;
         const int prev = k > 0 ? order(k - 1) : -1;
@@ -900,6 +911,8 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
           }
         }
       }
+      if (!bwd && kPlanGdnAheadLastFirst)
+        for (GdnAheadSim& a : ahead) a.last_first();
       for (int stage = 0; stage < stages; ++stage) {
         for (std::size_t h = 0; h < nh; ++h) {
           for (int rank = 0; rank < P; ++rank) {

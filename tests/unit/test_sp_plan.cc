@@ -579,6 +579,26 @@ TEST(SpPlanGdn, WorkAheadShortensTheZigzagChain) {
   EXPECT_LT(zigzag.prediction.step_s, contiguous.prediction.step_s);
 }
 
+// A work ahead that costs more than it saves (ahead 1/2 + rest 3/4 > 1, as the CPU forward's 0.84 + 0.40): contiguous
+// at 2 ranks, 4 value heads, a free link, the second rank's forward by hand. In run order it works windows 0 and 1
+// ahead in its first wait (W), then has W / 4 after each window to work the next one halfway, so the last runs half
+// ahead: F / 2 + (1/2 x 3/4 + 1/2) W = F / 2 + 7/8 W. Last window first (kPlanGdnAheadLastFirst): windows 3 and 0 in
+// the first wait, so the last runs with its work ahead done: F / 2 + 3/4 W.
+TEST(SpPlanGdn, WorkAheadOrderDecidesTheLastWindow) {
+  DeviceProfile p = flat_profile(1e9, 0.0, 1e18);
+  p.gdn_work_ahead.fwd_ahead = 0.5;
+  p.gdn_work_ahead.fwd_rest = 0.75;
+  p.gdn_work_ahead.source = "test";
+  PlanInput in = input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--dim-v", "32",
+                        "--seq", "1K", "--conv-width", "0"},
+                       2);
+  in.only_configs = {"u1xr2 contiguous chain"};
+  const PlanRow r = plan(in, p).front();
+  const SpBenchOptions o = config_options(in, r.config);
+  const double F = gdn_forward_flops(GdnFlopShape{1, 1024, 4, 32, 32, o.chunk_size, 0, 0}) / 1e9, W = F / 2 / 4;
+  EXPECT_NEAR(r.prediction.forward_s, F / 2 + (kPlanGdnAheadLastFirst ? 0.75 : 0.875) * W, 1e-9 * F);
+}
+
 // At 2 ranks the scan computes no map (GdnScanPlan: segment 0 runs, the others run from the states they receive), so
 // the map factors change nothing; at 4 ranks, contiguous, the middle segments' maps are on the critical path when
 // they dominate, and the forward grows by the factor's change times one segment's gdn_map_flops at the forward's
