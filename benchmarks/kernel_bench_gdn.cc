@@ -19,7 +19,10 @@ void add_gdn_options(cxxopts::Options& opts) {
       "chunk-size", "GDN chunk length C", cxxopts::value<std::int64_t>()->default_value("64"))(
       "gdn-maps",
       "GDN: also time a segment's map (gdn_transition) and the backward scan's dS sweep (gdn_backward writing only "
-      "dinitial_state), interleaved with the forward and backward (JSON: map_flops, map_mean_ms, sweep_mean_ms)");
+      "dinitial_state), interleaved with the forward and backward (JSON: map_flops, map_mean_ms, sweep_mean_ms); and "
+      "the calls GDN context parallelism makes, one value head at a time (gdn_forward_window, gdn_backward_window) "
+      "without and with their work ahead, the work ahead alone (gdn_ahead_step over every chunk) and the call that "
+      "uses it (JSON: window_fwd_mean_ms, ahead_fwd_mean_ms, rest_fwd_mean_ms and the same for bwd)");
 }
 
 nlohmann::json run_gdn(const Context& ctx) {
@@ -72,9 +75,55 @@ nlohmann::json run_gdn(const Context& ctx) {
                                                 if (ctx.backward)
                                                   attn::gdn_backward({a, dout, {}}, dq, dk, dv, dg, dbeta, dinit);
                                               }};
+    // One value head at a time, as GdnCp runs a segment: the window call alone; its work ahead over every chunk
+    // (what a rank computes while it waits for the window's state); the call that uses it.
+    const Tensor wdq = maps ? Tensor::empty({B, S, Hv, K}, DType::kFloat32, ws) : Tensor(),
+                 wdk = maps ? Tensor::empty({B, S, Hv, K}, DType::kFloat32, ws) : Tensor(),
+                 wfin = maps ? Tensor::empty({B, 1, K, V}, DType::kFloat32, ws) : Tensor();
+    std::vector<attn::GdnAhead> ahead_f(static_cast<std::size_t>(Hv)), ahead_b(static_cast<std::size_t>(Hv));
+    const attn::GdnBackwardArgs ba{a, dout, {}};
+    const auto windows = [&](const std::function<void(std::size_t, const attn::GdnWindow&)>& fn) {
+      for (std::int64_t h = 0; h < Hv; ++h) fn(static_cast<std::size_t>(h), attn::GdnWindow{0, S, h, 1});
+    };
     if (maps) {
       fns.push_back([&] { attn::gdn_transition(a, m, u); });
       fns.push_back([&] { attn::gdn_backward({a, dout, {}}, {}, {}, {}, {}, {}, sweep); });
+      fns.push_back([&] {
+        windows([&](std::size_t, const attn::GdnWindow& w) { attn::gdn_forward_window(a, w, out, wfin); });
+      });
+      fns.push_back([&] {
+        windows([&](std::size_t h, const attn::GdnWindow& w) {
+          ahead_f[h] = attn::gdn_forward_ahead(a, w);
+          while (!attn::gdn_ahead_step(a, ahead_f[h], 4)) {
+          }
+        });
+      });
+      fns.push_back([&] {
+        windows([&](std::size_t h, const attn::GdnWindow& w) {
+          attn::gdn_forward_window(a, w, out, wfin, &ahead_f[h]);
+          ahead_f[h] = {};
+        });
+      });
+      if (ctx.backward) {
+        fns.push_back([&] {
+          windows([&](std::size_t, const attn::GdnWindow& w) {
+            attn::gdn_backward_window(ba, w, wdq, wdk, dv, dg, dbeta, wfin);
+          });
+        });
+        fns.push_back([&] {
+          windows([&](std::size_t h, const attn::GdnWindow& w) {
+            ahead_b[h] = attn::gdn_backward_ahead(ba, w);
+            while (!attn::gdn_ahead_step(a, ahead_b[h], 4)) {
+            }
+          });
+        });
+        fns.push_back([&] {
+          windows([&](std::size_t h, const attn::GdnWindow& w) {
+            attn::gdn_backward_window(ba, w, wdq, wdk, dv, dg, dbeta, wfin, &ahead_b[h]);
+            ahead_b[h] = {};
+          });
+        });
+      }
     }
     const std::vector<Timing> t = time_rounds(fns, ctx.warmup, ctx.min_time, r.rounds);
     r.fwd = t[0];
@@ -91,6 +140,15 @@ nlohmann::json run_gdn(const Context& ctx) {
       row["map_flops"] = gdn_map_flops(shape);
       row["map_mean_ms"] = t[2].mean * 1e3;
       row["sweep_mean_ms"] = t[3].mean * 1e3;
+      const char* names[] = {"window_fwd_mean_ms", "ahead_fwd_mean_ms", "rest_fwd_mean_ms",
+                             "window_bwd_mean_ms", "ahead_bwd_mean_ms", "rest_bwd_mean_ms"};
+      for (std::size_t i = 4; i < t.size(); ++i) row[names[i - 4]] = t[i].mean * 1e3;
+      std::printf("#   one value head at a time: forward %.3f ms, its work ahead %.3f + the rest %.3f ms", t[4].mean * 1e3,
+                  t[5].mean * 1e3, t[6].mean * 1e3);
+      if (t.size() > 7)
+        std::printf("; backward %.3f ms, ahead %.3f + the rest %.3f ms", t[7].mean * 1e3, t[8].mean * 1e3,
+                    t[9].mean * 1e3);
+      std::printf(" (means)\n");
       std::printf("#   map (gdn_transition) %.3f ms mean, dS sweep %.3f ms mean\n", t[2].mean * 1e3, t[3].mean * 1e3);
     }
     results.push_back(row);

@@ -118,6 +118,10 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
         str_cat("kernel_bench --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra, " (mean of the timed rounds)");
     double map_ratio = 0, sweep_ratio = 0;
     int map_rows = 0;
+    // GDN work ahead: per value-head window, the work ahead over every chunk and the call that uses it, each against
+    // the window call alone (same rounds).
+    double ahead_sum[4] = {0, 0, 0, 0};
+    int ahead_rows = 0;
     for (const auto& row : j["results"]) {
       // GDN scan's extra work, timed in the same rounds as the forward: a segment's map against the forward at its
       // own FLOPs (gdn_map_flops: the factor is the map's rate relative to the forward's), the dS sweep against the
@@ -128,6 +132,15 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
                      row["map_flops"].get<double>();
         sweep_ratio += row["sweep_mean_ms"].get<double>() / fms;
         ++map_rows;
+      }
+      if (row.contains("window_bwd_mean_ms") && row["window_fwd_mean_ms"].get<double>() > 0 &&
+          row["window_bwd_mean_ms"].get<double>() > 0) {
+        const double wf = row["window_fwd_mean_ms"].get<double>(), wb = row["window_bwd_mean_ms"].get<double>();
+        ahead_sum[0] += row["ahead_fwd_mean_ms"].get<double>() / wf;
+        ahead_sum[1] += row["rest_fwd_mean_ms"].get<double>() / wf;
+        ahead_sum[2] += row["ahead_bwd_mean_ms"].get<double>() / wb;
+        ahead_sum[3] += row["rest_bwd_mean_ms"].get<double>() / wb;
+        ++ahead_rows;
       }
       // The mean of the timed rounds, not the best: sp_bench reports medians, and on a loaded machine the best
       // round is the exception.
@@ -144,6 +157,17 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
       p.note += str_cat("; gdn_map_factor (a map's time over its FLOPs at the forward's rate) and gdn_sweep_factor (the "
                         "dS sweep over the forward) from kernel_bench --kernel gdn --gdn-maps, mean over ",
                         map_rows, " lengths");
+    }
+    if (ahead_rows > 0) {
+      DeviceProfile::GdnWorkAhead& g = p.gdn_work_ahead;
+      g.fwd_ahead = ahead_sum[0] / ahead_rows;
+      g.fwd_rest = ahead_sum[1] / ahead_rows;
+      g.bwd_ahead = ahead_sum[2] / ahead_rows;
+      g.bwd_rest = ahead_sum[3] / ahead_rows;
+      g.source = str_cat("kernel_bench --kernel gdn --seq ", r.seqs, " ", r.extra,
+                         ": one value head's window, its work ahead over every chunk and the call that uses it, "
+                         "against the window alone (means of the timed rounds), mean over ",
+                         ahead_rows, " lengths");
     }
     p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
     p.kernels[str_cat(r.kernel, "_bwd")] = bwd;

@@ -40,6 +40,11 @@ struct LinkClass {
   double seconds(double bytes) const { return bytes <= 0 ? 0.0 : latency_s + bytes / bandwidth_bps; }
 };
 
+// The order of GdnCp's forward work ahead that the GDN simulation follows: false, the waiting windows in the order
+// they run (GdnCp::AheadQueue as GdnCp's forward fills it); true, the last of them first, then the others in run order.
+// It describes the runtime, not the device: set it to what GdnCp's forward does.
+inline constexpr bool kPlanGdnAheadLastFirst = false;
+
 struct DeviceProfile {
   std::string name, note;
   // Keys: "mha_fwd", "mha_bwd", "gdn_fwd", "gdn_bwd", "dsa_fwd", "dsa_bwd"; optional "gemm" (the linear layers of
@@ -63,6 +68,16 @@ struct DeviceProfile {
   // GDN scan: a segment's map (gdn_transition) costs gdn_map_factor x its FLOPs (gdn_map_flops) at the forward
   // curve's rate; the backward's dS sweep costs gdn_sweep_factor x the segment's forward.
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
+  // GDN work ahead (GdnCp's AheadQueue, attn::GdnAhead): while a rank waits for a window's state it computes the
+  // window's state-independent part, which costs `ahead` x the window's time; the window then costs `rest` x its time
+  // for the chunks done ahead (the rest at full cost). Forward and backward. --calibrate measures them with
+  // kernel_bench --kernel gdn --gdn-maps (JSON block "gdn_work_ahead" with its source); absent: no work ahead
+  // (ahead 0, rest 1).
+  struct GdnWorkAhead {
+    double fwd_ahead = 0.0, fwd_rest = 1.0, bwd_ahead = 0.0, bwd_rest = 1.0;
+    std::string source;
+    bool present() const { return fwd_ahead > 0 || bwd_ahead > 0; }
+  } gdn_work_ahead;
   // MHA under a causal mask costs the 64 x 64 tile pairs its kernels compute (the CPU kernels: any pair of tiles in
   // which some query sees some key, masked or not; SequenceLayout::step_work) rather than its visible pairs, which
   // matters for packed rows of short documents. false: visible pairs (profiles of other kernels). --calibrate sets

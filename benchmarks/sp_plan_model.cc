@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <optional>
 #include <string>
@@ -198,6 +199,21 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                  " must be >= 0 (seconds added to a decode step)");
     p.device_source = source_text(d, what + ": device");
   }
+  if (j.contains("gdn_work_ahead")) {
+    const nlohmann::json& a = j["gdn_work_ahead"];
+    const std::string w = what + ": gdn_work_ahead";
+    SEQPAR_CHECK(a.is_object(), w, " must be an object (is ", a.dump(), ")");
+    DeviceProfile::GdnWorkAhead& g = p.gdn_work_ahead;
+    g.fwd_ahead = optional_number(a, "forward_ahead", 0.0, w);
+    g.fwd_rest = optional_number(a, "forward_rest", 1.0, w);
+    g.bwd_ahead = optional_number(a, "backward_ahead", 0.0, w);
+    g.bwd_rest = optional_number(a, "backward_rest", 1.0, w);
+    SEQPAR_CHECK(g.fwd_ahead >= 0 && g.bwd_ahead >= 0, w, ": forward_ahead ", g.fwd_ahead, " and backward_ahead ",
+                 g.bwd_ahead, " must be >= 0 (a share of a window's time; 0: no work ahead)");
+    SEQPAR_CHECK(g.fwd_rest > 0 && g.bwd_rest > 0, w, ": forward_rest ", g.fwd_rest, " and backward_rest ", g.bwd_rest,
+                 " must be > 0 (a share of a window's time)");
+    g.source = source_text(a, w);
+  }
   if (j.contains("mha_tiles")) {
     p.mha_tiles = tiles_from_json(j["mha_tiles"], what + ": mha_tiles");
     p.mha_tiles.source = source_text(j["mha_tiles"], what + ": mha_tiles");
@@ -234,6 +250,12 @@ nlohmann::json profile_json(const DeviceProfile& p) {
                       {"gdn_sweep_factor", p.gdn_sweep_factor},
                       {"mha_tile_pairs", p.mha_tile_pairs},
                       {"factors", {{"source", p.note}}}};
+  if (p.gdn_work_ahead.present()) {
+    const DeviceProfile::GdnWorkAhead& g = p.gdn_work_ahead;
+    j["gdn_work_ahead"] = {{"forward_ahead", g.fwd_ahead}, {"forward_rest", g.fwd_rest},
+                           {"backward_ahead", g.bwd_ahead}, {"backward_rest", g.bwd_rest},
+                           {"source", g.source}};
+  }
   for (const auto& [key, c] : p.kernels) {
     nlohmann::json pts = nlohmann::json::array();
     for (const auto& [x, y] : c.points) pts.push_back({x, y});
@@ -693,6 +715,79 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
 
 // ---- GDN: chain or scan over the segments of the ring, heads over Ulysses ----
 
+// One rank's work ahead (GdnCp's AheadQueue): the windows that will wait for a state from another rank, in the order
+// they run. While the rank waits it computes the state-independent part of the first window not done ahead (that
+// window's time x `ahead` for all its chunks), at most kGdnAheadMaxWindows windows made ahead and not yet run, their
+// buffers under kGdnAheadBudgetBytes (the first always fits); a window then costs its time x (done x rest + (1 -
+// done)), done the share of its chunks computed ahead.
+class GdnAheadSim {
+ public:
+  GdnAheadSim(double ahead, double rest) : ahead_(ahead), rest_(rest) {}
+  void add(int seg, std::size_t head, double window_s, double bytes) {
+    if (ahead_ <= 0 || window_s <= 0) return;
+    index_[{seg, head}] = items_.size();
+    items_.push_back({window_s, bytes});
+    keys_.push_back({seg, head});
+  }
+  // The last window added is worked on first (GdnCp's forward with the last waiting window ahead first).
+  void last_first() {
+    if (items_.size() < 2) return;
+    std::rotate(items_.begin(), items_.end() - 1, items_.end());
+    std::rotate(keys_.begin(), keys_.end() - 1, keys_.end());
+    for (std::size_t i = 0; i < items_.size(); ++i) index_[keys_[i]] = i;
+  }
+  // Works ahead for up to `seconds` of idle time; returns the seconds worked.
+  double idle(double seconds) {
+    double worked = 0;
+    while (seconds > worked && next_ < items_.size()) {
+      Item& it = items_[next_];
+      if (it.used || it.done >= 1.0) {
+        ++next_;
+        continue;
+      }
+      if (!it.made) {
+        if (held_windows_ > 0 &&
+            (held_windows_ >= kGdnAheadMaxWindows || held_bytes_ + it.bytes > static_cast<double>(kGdnAheadBudgetBytes)))
+          break;
+        it.made = true;
+        ++held_windows_;
+        held_bytes_ += it.bytes;
+      }
+      const double full = ahead_ * it.window_s, step = std::min(seconds - worked, (1.0 - it.done) * full);
+      it.done += step / full;
+      worked += step;
+      if (it.done >= 1.0 - 1e-12) it.done = 1.0;
+    }
+    return worked;
+  }
+  // The time of window (seg, head) now, given what was done ahead (its full time when not queued); it is then used.
+  double run(int seg, std::size_t head, double window_s) {
+    const auto f = index_.find({seg, head});
+    if (f == index_.end()) return window_s;
+    Item& it = items_[f->second];
+    if (it.used) return window_s;
+    it.used = true;
+    if (it.made) {
+      --held_windows_;
+      held_bytes_ -= it.bytes;
+    }
+    return window_s * (it.done * rest_ + (1.0 - it.done));
+  }
+
+ private:
+  struct Item {
+    double window_s, bytes, done = 0;
+    bool made = false, used = false;
+  };
+  double ahead_, rest_;
+  std::vector<Item> items_;
+  std::map<std::pair<int, std::size_t>, std::size_t> index_;
+  std::vector<std::pair<int, std::size_t>> keys_;  // of items_, in their order
+  std::size_t next_ = 0;
+  std::int64_t held_windows_ = 0;
+  double held_bytes_ = 0;
+};
+
 Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& prof) {
   const SequenceLayout layout = sp_bench_layout(o);
   const int P = o.grid.ring_size, pu = o.grid.ulysses_size;
@@ -742,6 +837,15 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
   const double H = static_cast<double>(std::max<std::int64_t>(1, hv));
   // A segment's map and the composition of two (gdn_map_flops, gdn_compose_flops), at the forward curve's rate.
   const double compose_flops = gdn_compose_flops(GdnFlopShape{o.batch, 0, hv, K, V, o.chunk_size, 0, 0});
+  // Work ahead: the profile's shares (none without them), and the buffer of one value head's window of segment i
+  // (attn::gdn_ahead_bytes: per chunk C (3 K + V + C + 1) values forward, K V backward, in the compute dtype).
+  const DeviceProfile::GdnWorkAhead& wa = prof.gdn_work_ahead;
+  const auto ahead_bytes = [&](int i, bool backward) {
+    const double C = static_cast<double>(std::max<std::int64_t>(1, o.chunk_size));
+    const double chunks = std::ceil(static_cast<double>(segs[i].length) / C);
+    const double per_chunk = backward ? static_cast<double>(K * V) : C * (3.0 * K + V + C + 1);
+    return static_cast<double>(o.batch) * chunks * per_chunk * (o.dtype == DType::kFloat64 ? 8.0 : 4.0);
+  };
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
     const KernelCurve& fcurve = prof.kernel("gdn_fwd");
@@ -780,6 +884,15 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
       // head h waits for the end state of head h of the segment before it (a message when another rank owns it).
       const double head_msg = links.ring.seconds(state_bytes / H);
       std::vector<std::vector<double>> end(nseg, std::vector<double>(static_cast<std::size_t>(H), 0.0));
+      // Work ahead for the windows whose state comes from another rank (the piece that waits), in the order they run.
+      std::vector<GdnAheadSim> ahead(P, GdnAheadSim(bwd ? wa.bwd_ahead : wa.fwd_ahead, bwd ? wa.bwd_rest : wa.fwd_rest));
+      for (int k = 1; k < nseg; ++k) {
+        const int i = order(k), prev = order(k - 1);
+        if (segs[prev].owner == segs[i].owner) continue;
+        for (std::size_t h = 0; h < end[i].size(); ++h) ahead[segs[i].owner].add(i, h, wait_s[i] / H, ahead_bytes(i, bwd));
+      }
+      if (!bwd && kPlanGdnAheadLastFirst)
+        for (GdnAheadSim& a : ahead) a.last_first();
       for (int k = 0; k < nseg; ++k) {
         const int i = order(k), owner = segs[i].owner;
         const int prev = k > 0 ? order(k - 1) : -1;
@@ -787,10 +900,12 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
         if (remote) sent[segs[prev].owner] += state_bytes;
         for (std::size_t h = 0; h < end[i].size(); ++h) {
           const double ready = prev >= 0 ? end[prev][h] + (remote ? head_msg : 0.0) : 0.0;
-          clock[owner] = std::max(clock[owner], ready) + seg_s[i] / H;
+          if (ready > clock[owner]) ph.compute[owner] += ahead[owner].idle(ready - clock[owner]);
+          const double work = (seg_s[i] - wait_s[i]) / H + ahead[owner].run(i, h, wait_s[i] / H);
+          clock[owner] = std::max(clock[owner], ready) + work;
+          ph.compute[owner] += work;
           end[i][h] = clock[owner];
         }
-        ph.compute[owner] += seg_s[i];
       }
     } else {
       // The scan (run_scan): phase 1 (each segment's map, or its run when its start is known), the Kogge-Stone
@@ -828,10 +943,28 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
           sent[segs[i].owner] += state_bytes;
         }
       }
+      // Work ahead (GdnCp::add_scan_waits): the windows that run from a state another rank sends, the direct
+      // segments' (round 1) first, then the shift's, each head-major.
+      std::vector<GdnAheadSim> ahead(P, GdnAheadSim(bwd ? wa.bwd_ahead : wa.fwd_ahead, bwd ? wa.bwd_rest : wa.fwd_rest));
+      const auto waits_remote = [&](int i, bool direct_stage) {
+        const int from = i - dir;
+        if (!in_range(from) || segs[from].owner == segs[i].owner || wait_s[i] <= 0) return false;
+        return direct_stage ? static_cast<bool>(sp.direct[i]) : sp.need[R][from] && !sp.direct[i];
+      };
+      for (const bool direct_stage : {true, false}) {
+        for (std::size_t h = 0; h < nh; ++h) {
+          for (int i = 0; i < nseg; ++i) {
+            if (waits_remote(i, direct_stage)) ahead[segs[i].owner].add(i, h, wait_s[i] / H, ahead_bytes(i, bwd));
+          }
+        }
+      }
+      if (!bwd && kPlanGdnAheadLastFirst)
+        for (GdnAheadSim& a : ahead) a.last_first();
       for (int stage = 0; stage < stages; ++stage) {
         for (std::size_t h = 0; h < nh; ++h) {
           for (int rank = 0; rank < P; ++rank) {
             double ready = 0, work = 0;
+            std::vector<int> waiting;  // this step's windows that may have been worked on ahead
             for (int i = 0; i < nseg; ++i) {
               if (segs[i].owner != rank) continue;
               if (stage == 0) {  // phase 1
@@ -846,7 +979,10 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
                 const int src = segs[from].owner;
                 if (src != rank)
                   ready = std::max(ready, posted[src][stage - 1][h] + links.ring.seconds(round_bytes[stage][src][rank]));
-                work += stage == 1 && sp.direct[i] ? wait_s[i] / H : compose_s / H;
+                if (stage == 1 && sp.direct[i])
+                  waiting.push_back(i);
+                else
+                  work += compose_s / H;
               } else {  // the shift
                 const int from = i - dir;
                 if (!in_range(from) || sp.direct[i] || !sp.need[R][from]) continue;
@@ -854,9 +990,11 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
                 if (src != rank)
                   ready = std::max(ready, posted[src][shift_stage[src][rank]][h] +
                                               links.ring.seconds(shift_bytes[src][rank]));
-                work += wait_s[i] / H;
+                waiting.push_back(i);
               }
             }
+            if (ready > clock[rank]) ph.compute[rank] += ahead[rank].idle(ready - clock[rank]);
+            for (const int i : waiting) work += ahead[rank].run(i, h, wait_s[i] / H);
             clock[rank] = std::max(clock[rank], ready) + work;
             ph.compute[rank] += work;
             posted[rank][stage][h] = clock[rank];

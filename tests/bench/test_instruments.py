@@ -364,6 +364,11 @@ def test_kernel(tmp):
         want = r["B"] * r["S"] * r["Hv"] * (4 * c * k + 2 * c * v + 4 * k * (k + v))
         check(abs(r["map_flops"] - want) <= 1e-12 * want,
               f"gdn --chunk-size 1000 S={r['S']}: map_flops {r['map_flops']} != {want} (C = 128)")
+        # The per value-head windows without and with their work ahead (sp_plan --calibrate's gdn_work_ahead).
+        for phase in ("fwd", "bwd"):
+            for part in ("window", "ahead", "rest"):
+                key = f"{part}_{phase}_mean_ms"
+                check(key in r and r[key] > 0, f"gdn --gdn-maps S={r['S']}: {key} missing or not > 0 in {sorted(r)}")
     bad = subprocess.run([exe, "--kernel", "flash"], capture_output=True, text=True, timeout=60)
     check(bad.returncode != 0 and "--kernel flash must be mha, dsa, gdn or all" in bad.stderr,
           f"--kernel flash must be refused by name:\n{bad.stdout}{bad.stderr}")

@@ -352,6 +352,16 @@ TEST(SpPlanProfile, ScalarFieldsTypedAndInRange) {
   j["gdn_sweep_factor"] = 0;
   refused(j, "gdn_map_factor 1 and gdn_sweep_factor 0 must be > 0");
   j = good;
+  j["gdn_work_ahead"] = {{"forward_ahead", -0.5}, {"source", "test"}};
+  refused(j, "gdn_work_ahead: forward_ahead -0.5 and backward_ahead 0 must be >= 0");
+  j["gdn_work_ahead"] = {{"forward_ahead", 0.8}, {"backward_rest", 0}, {"source", "test"}};
+  refused(j, "gdn_work_ahead: forward_rest 1 and backward_rest 0 must be > 0");
+  j["gdn_work_ahead"] = {{"forward_ahead", 0.8}};
+  refused(j, "gdn_work_ahead");  // no source
+  j["gdn_work_ahead"] = {{"forward_ahead", 0.8}, {"forward_rest", 0.4}, {"source", "test"}};
+  EXPECT_EQ(profile_from_json(j, "p").gdn_work_ahead.fwd_rest, 0.4);
+  EXPECT_EQ(profile_from_json(profile_json(profile_from_json(j, "p")), "p").gdn_work_ahead.fwd_ahead, 0.8);
+  j = good;
   j["cores_per_node"] = -4;
   refused(j, "cores_per_node -4 must be >= 0");
   j = good;
@@ -525,6 +535,68 @@ TEST(SpPlanGdn, ChainPipelinesOverValueHeads) {
   const PlanRow r1 = plan(one, p).front();
   const double F1 = F / H;
   EXPECT_NEAR(r1.prediction.forward_s, F1 + lat + 1.0 * K * V * 4 / bw, 1e-12);
+}
+
+// GdnCp's work ahead: a rank waiting for head h's state computes the state-independent part of its waiting windows
+// (each costs ahead x the window, at most kGdnAheadMaxWindows of them held), and a window done ahead then costs rest x
+// the window. With ahead 1/4, rest 3/4, H = 4 and a free link, worked by hand (window W = one value head of a rank's
+// half, F the whole forward): contiguous, the second rank is bound by the first's states, one a period W, and fills
+// each period's idle W / 4 with the next window's ahead, so only the last window's rest follows the last state:
+// F / 2 + r W. Zigzag at 2 ranks holds segments of S/4 (rank 0), S/2 (rank 1), S/4 (rank 0): rank 1 waits one
+// quarter-segment head (W / 2), works two of its windows ahead, never waits again, and rank 0's last head waits W / 2
+// and pays its rest: F / 2 + r W / 2. Without work ahead both are F / 2 + W (the model before: equal). The backward
+// is the same with 2.5 F, the segments in reverse.
+TEST(SpPlanGdn, WorkAheadShortensTheZigzagChain) {
+  DeviceProfile p = flat_profile(1e9, 0.0, 1e18);
+  const std::int64_t H = 4, K = 32, V = 32, S = 1024;
+  PlanInput in = input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--dim-v", "32",
+                        "--seq", "1K", "--conv-width", "0"},
+                       2);
+  in.only_configs = {"u1xr2 contiguous chain", "u1xr2 zigzag chain", "u1xr2 zigzag scan"};
+  const SpBenchOptions o = config_options(in, plan(in, p).front().config);
+  const double F = gdn_forward_flops(GdnFlopShape{1, S, H, K, V, o.chunk_size, 0, 0}) / 1e9;
+  const double W = F / 2 / H, Wb = 2.5 * W;
+  const double tol = 1e-9 * F;
+  {
+    const std::vector<PlanRow> rows = plan(in, p);
+    for (const char* name : {"u1xr2 contiguous chain", "u1xr2 zigzag chain"}) {
+      const PlanRow& r = row_named(rows, name);
+      EXPECT_NEAR(r.prediction.forward_s, F / 2 + W, tol) << name;
+      EXPECT_NEAR(r.prediction.backward_s, 2.5 * F / 2 + Wb, tol) << name;
+    }
+  }
+  p.gdn_work_ahead.fwd_ahead = p.gdn_work_ahead.bwd_ahead = 0.25;
+  p.gdn_work_ahead.fwd_rest = p.gdn_work_ahead.bwd_rest = 0.75;
+  p.gdn_work_ahead.source = "test";
+  const std::vector<PlanRow> rows = plan(in, p);
+  const PlanRow &contiguous = row_named(rows, "u1xr2 contiguous chain"), &zigzag = row_named(rows, "u1xr2 zigzag chain");
+  EXPECT_NEAR(contiguous.prediction.forward_s, F / 2 + 0.75 * W, tol);
+  EXPECT_NEAR(contiguous.prediction.backward_s, 2.5 * F / 2 + 0.75 * Wb, tol);
+  EXPECT_NEAR(zigzag.prediction.forward_s, F / 2 + 0.75 * W / 2, tol);
+  EXPECT_NEAR(zigzag.prediction.backward_s, 2.5 * F / 2 + 0.75 * Wb / 2, tol);
+  // At 2 ranks the scan runs the same pipeline (no map; its direct segment and the shift wait as the chain does).
+  EXPECT_NEAR(row_named(rows, "u1xr2 zigzag scan").prediction.step_s, zigzag.prediction.step_s, tol);
+  EXPECT_LT(zigzag.prediction.step_s, contiguous.prediction.step_s);
+}
+
+// A work ahead that costs more than it saves (ahead 1/2 + rest 3/4 > 1, as the CPU forward's 0.84 + 0.40): contiguous
+// at 2 ranks, 4 value heads, a free link, the second rank's forward by hand. In run order it works windows 0 and 1
+// ahead in its first wait (W), then has W / 4 after each window to work the next one halfway, so the last runs half
+// ahead: F / 2 + (1/2 x 3/4 + 1/2) W = F / 2 + 7/8 W. Last window first (kPlanGdnAheadLastFirst): windows 3 and 0 in
+// the first wait, so the last runs with its work ahead done: F / 2 + 3/4 W.
+TEST(SpPlanGdn, WorkAheadOrderDecidesTheLastWindow) {
+  DeviceProfile p = flat_profile(1e9, 0.0, 1e18);
+  p.gdn_work_ahead.fwd_ahead = 0.5;
+  p.gdn_work_ahead.fwd_rest = 0.75;
+  p.gdn_work_ahead.source = "test";
+  PlanInput in = input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--dim-v", "32",
+                        "--seq", "1K", "--conv-width", "0"},
+                       2);
+  in.only_configs = {"u1xr2 contiguous chain"};
+  const PlanRow r = plan(in, p).front();
+  const SpBenchOptions o = config_options(in, r.config);
+  const double F = gdn_forward_flops(GdnFlopShape{1, 1024, 4, 32, 32, o.chunk_size, 0, 0}) / 1e9, W = F / 2 / 4;
+  EXPECT_NEAR(r.prediction.forward_s, F / 2 + (kPlanGdnAheadLastFirst ? 0.75 : 0.875) * W, 1e-9 * F);
 }
 
 // At 2 ranks the scan computes no map (GdnScanPlan: segment 0 runs, the others run from the states they receive), so
