@@ -112,16 +112,16 @@ void check_flags_of_kinds(const cxxopts::ParseResult& args, const std::string& w
     const char* kinds;  // the kinds that read it
     bool mha, dsa, gdn;
   };
-  for (const Flag& f : {Flag{"dim", "mha", true, false, false}, Flag{"mask", "mha", true, false, false},
-                        Flag{"batch", "mha", true, false, false}, Flag{"hq", "mha", true, false, false},
-                        Flag{"hkv", "mha", true, false, false}, Flag{"gemm-cap", "mha", true, false, false},
-                        Flag{"torch-ref", "mha", true, false, false}, Flag{"python", "mha", true, false, false},
-                        Flag{"heads", "dsa and gdn", false, true, true},
-                        Flag{"head-dim", "dsa and gdn", false, true, true},
-                        Flag{"dim-v", "dsa and gdn", false, true, true}, Flag{"topk", "dsa", false, true, false},
-                        Flag{"indexer-heads", "dsa", false, true, false},
-                        Flag{"indexer-dim", "dsa", false, true, false}, Flag{"kv-heads", "gdn", false, false, true},
-                        Flag{"chunk-size", "gdn", false, false, true}, Flag{"gdn-maps", "gdn", false, false, true}}) {
+  for (const Flag& f :
+       {Flag{"dim", "mha", true, false, false}, Flag{"mask", "mha", true, false, false},
+        Flag{"batch", "mha", true, false, false}, Flag{"hq", "mha", true, false, false},
+        Flag{"hkv", "mha", true, false, false}, Flag{"gemm-cap", "mha", true, false, false},
+        Flag{"torch-ref", "mha", true, false, false}, Flag{"python", "mha", true, false, false},
+        Flag{"heads", "dsa and gdn", false, true, true}, Flag{"head-dim", "dsa and gdn", false, true, true},
+        Flag{"dim-v", "dsa and gdn", false, true, true}, Flag{"topk", "dsa", false, true, false},
+        Flag{"indexer-heads", "dsa", false, true, false}, Flag{"indexer-dim", "dsa", false, true, false},
+        Flag{"kv-heads", "gdn", false, false, true}, Flag{"chunk-size", "gdn", false, false, true},
+        Flag{"gdn-maps", "gdn", false, false, true}}) {
     if (!args.count(f.name) || (f.mha && runs("mha")) || (f.dsa && runs("dsa")) || (f.gdn && runs("gdn"))) continue;
     SEQPAR_CHECK(false, "--", f.name, " is read by --kernel ", f.kinds, " only, not by --kernel ", which,
                  runs("mha") ? " (MHA's shapes: --hq, --hkv, --dim, --batch)" : "");
