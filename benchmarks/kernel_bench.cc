@@ -101,6 +101,32 @@ void check_numeric_flags(const cxxopts::ParseResult& args) {
     in_range(name, 1, kBig);
   for (const char* name : {"heads", "head-dim", "dim-v", "kv-heads"}) in_range(name, 0, kBig);  // 0: the default
 }
+
+// A shape flag of a kind that does not run is refused, naming the kind's own: MHA's shapes are --hq, --hkv and --dim,
+// and --heads, --kv-heads, --head-dim (sp_bench's names) are DSA's and GDN's (`--kernel mha --heads 32 --head-dim 128`
+// used to time the default 8 heads at D 64 and 128 without a word).
+void check_flags_of_kinds(const cxxopts::ParseResult& args, const std::string& which) {
+  const auto runs = [&which](const char* kind) { return which == "all" || which == kind; };
+  struct Flag {
+    const char* name;
+    const char* kinds;  // the kinds that read it
+    bool mha, dsa, gdn;
+  };
+  for (const Flag& f :
+       {Flag{"dim", "mha", true, false, false}, Flag{"mask", "mha", true, false, false},
+        Flag{"batch", "mha", true, false, false}, Flag{"hq", "mha", true, false, false},
+        Flag{"hkv", "mha", true, false, false}, Flag{"gemm-cap", "mha", true, false, false},
+        Flag{"torch-ref", "mha", true, false, false}, Flag{"python", "mha", true, false, false},
+        Flag{"heads", "dsa and gdn", false, true, true}, Flag{"head-dim", "dsa and gdn", false, true, true},
+        Flag{"dim-v", "dsa and gdn", false, true, true}, Flag{"topk", "dsa", false, true, false},
+        Flag{"indexer-heads", "dsa", false, true, false}, Flag{"indexer-dim", "dsa", false, true, false},
+        Flag{"kv-heads", "gdn", false, false, true}, Flag{"chunk-size", "gdn", false, false, true},
+        Flag{"gdn-maps", "gdn", false, false, true}}) {
+    if (!args.count(f.name) || (f.mha && runs("mha")) || (f.dsa && runs("dsa")) || (f.gdn && runs("gdn"))) continue;
+    SEQPAR_CHECK(false, "--", f.name, " is read by --kernel ", f.kinds, " only, not by --kernel ", which,
+                 runs("mha") ? " (MHA's shapes: --hq, --hkv, --dim, --batch)" : "");
+  }
+}
 }  // namespace
 
 std::vector<std::int64_t> Context::seqs(const std::vector<std::int64_t>& fallback,
@@ -268,6 +294,7 @@ int run(int argc, char** argv) {
     if (which == "all" || which == k.name) kinds.push_back(&k);
   }
   SEQPAR_CHECK(!kinds.empty(), "--kernel ", which, " must be mha, dsa, gdn or all");
+  check_flags_of_kinds(args, which);
   check_numeric_flags(args);
   Context ctx;
   ctx.args = &args;

@@ -90,6 +90,12 @@ std::string load_average() {
 // This machine's profile: kernel_bench (short runs) for the kernel curves, comm_bench at 2 ranks for the link.
 DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir) {
   const std::filesystem::path dir = own_dir(), tmp = tmp_dir;
+  // The programs it starts, from sp_plan's directory: a missing one is named before anything runs (building the
+  // target sp_plan alone builds none of them).
+  for (const char* program : {"kernel_bench", "sp_bench", "comm_bench"})
+    SEQPAR_CHECK(std::filesystem::exists(dir / program), "sp_plan --calibrate: ", (dir / program).string(),
+                 " not found: --calibrate runs kernel_bench, sp_bench and comm_bench from sp_plan's directory (build "
+                 "them: cmake --build <build dir> --target kernel_bench sp_bench comm_bench)");
   std::filesystem::create_directories(tmp);
   DeviceProfile p;
   char host[256] = {0};

@@ -26,10 +26,53 @@ gradients already do). Double backward is not supported: a backward with create_
 instead of treating seqpar's part as a constant.
 """
 
+import re
+
 import torch
 
 from . import _seqpar
 from . import distributed as _distributed
+
+
+# Other libraries' names for a layer option (flash-attn, SDPA, fla, YunChang, transformers, DeepSeek's config): an
+# option passed under one of them gets seqpar's name in the error, not pybind's list of overloads.
+_FOREIGN_NAMES = {
+    "window_size": "window=W (a query sees its W latest keys, itself included; flash-attn's window_size=(W - 1, 0))",
+    "sliding_window": "window=W (a query sees its W latest keys, itself included)",
+    "is_causal": "causal= (default True)",
+    "softmax_scale": "scale= (0.0: 1 / sqrt(head dim))",
+    "dropout": "dropout_p=",
+    "return_attn_probs": "forward(q, k, v, return_lse=True)",
+    "return_softmax_lse": "forward(q, k, v, return_lse=True)",
+    "ring_impl_type": "impl='p2p' or 'allgather', and the layout's kind (zigzag by default)",
+    "use_qk_l2norm_in_kernel": "use_qk_l2norm= (default True)",
+    "output_final_state": "none: GdnCp returns (out, final_state) always",
+    "initial_state": "forward(q, k, v, g, beta, initial_state=)",
+    "cu_seqlens": "a packed layout: seqpar.SequenceLayout.packed_for_grid(grid, cu_seqlens)",
+    "index_topk": "topk=",
+    "kv_lora_rank": "dim_v= (the width of the latent's value part)",
+}
+
+
+def _make_config(name, config_cls, config, fields, extra=()):
+    """The layer's config: `config` itself, or `config_cls(**fields)` (the group keywords left to resolve_grid).
+    An unknown keyword raises TypeError naming seqpar's options (and seqpar's name for another library's), on every
+    rank alike and before any message (the grid is resolved after)."""
+    own = {k: v for k, v in fields.items() if k not in _distributed._GROUP_KEYS}
+    if config is not None:
+        if own:
+            raise TypeError(f"{name}: pass config= or its fields, not both (got config= and {', '.join(sorted(own))})")
+        return config
+    known = re.findall(r"[(,]\s*(\w+):", (config_cls.__init__.__doc__ or "").split(")", 1)[0])
+    known = [k for k in known if k != "self"]
+    options = ", ".join(known + list(extra))
+    for key in own:
+        if known and key not in known:
+            hint = f"; seqpar's name: {_FOREIGN_NAMES[key]}" if key in _FOREIGN_NAMES else ""
+            raise TypeError(f"{name}() got an unexpected keyword argument '{key}'{hint} (its options: "
+                            f"{options}, and the group keywords: {', '.join(_distributed._GROUP_KEYS)}; "
+                            f"docs/python.md, \"Coming from flash-attn, flash-linear-attention or YunChang\")")
+    return config_cls(**own)
 
 
 def _detached(t):
@@ -131,9 +174,10 @@ class MhaCp(torch.nn.Module):
 
     def __init__(self, grid=None, layout=None, config=None, alibi_slopes=None, sinks=None, **config_fields):
         super().__init__()
+        config = _make_config("MhaCp", _seqpar.MhaCpConfig, config, config_fields, ("alibi_slopes", "sinks"))
         grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
-        self.config = config if config is not None else _seqpar.MhaCpConfig(**config_fields)
+        self.config = config
         self.alibi_slopes = None if alibi_slopes is None else torch.as_tensor(alibi_slopes).detach().contiguous()
         self.sinks = sinks  # a Parameter assigned to a Module attribute is registered
         self._num_dropout_calls = 0
@@ -207,9 +251,10 @@ class GdnCp(torch.nn.Module):
 
     def __init__(self, grid=None, layout=None, config=None, **config_fields):
         super().__init__()
+        config = _make_config("GdnCp", _seqpar.GdnCpConfig, config, config_fields)
         grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
-        self.config = config if config is not None else _seqpar.GdnCpConfig(**config_fields)
+        self.config = config
         self.layer = _seqpar.GdnCp(grid, self.layout, self.config)
 
     def forward(self, q, k, v, g, beta, initial_state=None):
@@ -342,9 +387,11 @@ class DsaCp(torch.nn.Module):
     def __init__(self, grid=None, layout=None, config=None, indexer_loss_weight=None, return_topk_indices=False,
                  **config_fields):
         super().__init__()
+        config = _make_config("DsaCp", _seqpar.DsaCpConfig, config, config_fields,
+                              ("indexer_loss_weight", "return_topk_indices"))
         grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
-        self.config = config if config is not None else _seqpar.DsaCpConfig(**config_fields)
+        self.config = config
         if indexer_loss_weight is not None:
             try:
                 indexer_loss_weight = float(indexer_loss_weight)

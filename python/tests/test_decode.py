@@ -63,6 +63,38 @@ def test_mha_prefill_extend_decode(grid_shape, kind, shard, interleave, mode):
     assert cache.length == TOTAL and cache.num_steps == len(STEPS)
 
 
+@pytest.mark.parametrize("grid_shape", usp_grids(WORLD), ids=lambda g: f"u{g[0]}r{g[1]}")
+def test_mha_bf16_cache_as_the_docs_make_it(grid_shape):
+    """docs/python.md's decode example makes a bf16 cache: prefill, extend and decode steps on bf16 tensors under CP
+    against the fp64 reference of the same (bf16-rounded) inputs, within bf16's rounding of the outputs (fp32
+    accumulators: one rounding of each output, 2^-8 relative, and of the partials the ranks merge)."""
+    B, HQ, HKV, D = 1, 4, 2, 8
+    grid = seqpar.CpGrid(1, *grid_shape)
+    q, k, v = (torch.randn(B, TOTAL, h, D, dtype=torch.float64).to(torch.bfloat16) for h in (HQ, HKV, HKV))
+    ref = mha_reference(*(t.to(torch.float64) for t in (q, k, v)), causal=True)
+    dec = seqpar.MhaDecodeCp(grid, shard="interleave", interleave=1)
+    cache = dec.make_cache(batch=B, capacity=TOTAL, kv_heads=HKV, head_dim=D, dtype=torch.bfloat16)
+    r, tol = grid.cp_rank, 2.0 ** -6
+
+    prompt = seqpar.SequenceLayout.for_grid(grid, T)
+    out, lse = dec.prefill(cache, prompt, *(seqpar.shard_sequence(t[:, :T], prompt, r) for t in (q, k, v)))
+    assert out.dtype == torch.bfloat16
+    real, want = rows_of(ref.narrow(1, 0, T), prompt, r)
+    if real.numel() > 0:
+        check_close("bf16 prefill out", out.index_select(1, real), want, tol)
+    chunk = seqpar.SequenceLayout.for_grid(grid, CHUNK)
+    out, _ = dec.extend(cache, chunk, *(seqpar.shard_sequence(t[:, T:T + CHUNK], chunk, r) for t in (q, k, v)))
+    real, want = rows_of(ref.narrow(1, T, CHUNK), chunk, r)
+    if real.numel() > 0:
+        check_close("bf16 extend out", out.index_select(1, real), want, tol)
+    pos = T + CHUNK
+    for n in STEPS:
+        out, _ = dec.decode(cache, q[:, pos:pos + n], k[:, pos:pos + n], v[:, pos:pos + n])
+        check_close(f"bf16 decode out at {pos}", out, ref[:, pos:pos + n], tol)
+        pos += n
+    assert cache.length == TOTAL
+
+
 def test_mha_decode_own_heads_and_refusals():
     """all_heads=False returns this rank's Hq / ulysses_size heads from q_head_offset; a step past the capacity is
     refused on every rank with the cache unchanged."""

@@ -78,3 +78,33 @@ def test_apply_rope_names_the_layout():
     layout = seqpar.SequenceLayout.for_grid(grid, 30, "zigzag")
     with pytest.raises(ValueError, match="zigzag layout.*shard_sequence"):
         seqpar.apply_rope(torch.randn(1, layout.local_len + 1, 2, 8), layout, grid.cp_rank)
+
+
+@pytest.mark.parametrize("layer, key, value, says", [
+    ("mha", "window_size", (7, 0), r"seqpar's name: window=W .*flash-attn's window_size=\(W - 1, 0\)"),
+    ("mha", "is_causal", False, r"seqpar's name: causal= \(default True\)"),
+    ("mha", "softmax_scale", 0.1, r"seqpar's name: scale="),
+    ("gdn", "use_qk_l2norm_in_kernel", True, r"seqpar's name: use_qk_l2norm= \(default True\)"),
+    ("gdn", "output_final_state", True, r"GdnCp returns \(out, final_state\) always"),
+    ("dsa", "index_topk", 64, r"seqpar's name: topk="),
+    ("mha", "causl", True, r"\(its options: impl, causal, window, scale, softcap, dropout_p, dropout_seed, "
+                            r"alibi_slopes, sinks, and the group keywords: process_group"),
+])
+def test_another_librarys_keyword_names_seqpars(layer, key, value, says):
+    """A keyword of flash-attn, SDPA, fla or DeepSeek's config (or a typo): a TypeError naming seqpar's option and
+    listing the layer's, raised before the grid is resolved; instead of pybind's list of constructor overloads."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    cls = {"mha": seqpar.MhaCp, "gdn": seqpar.GdnCp, "dsa": seqpar.DsaCp}[layer]
+    with pytest.raises(TypeError, match=rf"{cls.__name__}\(\) got an unexpected keyword argument '{key}'.*{says}"):
+        cls(grid, seqpar.SequenceLayout.for_grid(grid, 32), **{key: value})
+    # a known option of the wrong type keeps pybind's message, which names the types
+    with pytest.raises(TypeError, match="incompatible constructor arguments"):
+        cls(grid, 32, scale="big")
+    # a config and its fields together: the fields would be ignored
+    config = {"mha": seqpar.MhaCpConfig, "gdn": seqpar.GdnCpConfig, "dsa": seqpar.DsaCpConfig}[layer]()
+    with pytest.raises(TypeError, match=r"pass config= or its fields, not both \(got config= and scale\)"):
+        cls(grid, 32, config=config, scale=0.5)
+    # seqpar's own names still build the layer
+    fields = {"mha": {"window": 8, "causal": True}, "gdn": {"use_qk_l2norm": False}, "dsa": {"topk": 64}}[layer]
+    built = cls(grid, 32, **fields)
+    assert all(getattr(built.config, k) == v for k, v in fields.items())
