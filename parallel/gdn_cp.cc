@@ -267,6 +267,13 @@ class GdnCp::AheadQueue {
     index_[{j, h}] = items_.size();
     items_.push_back({j, h, w, {}, 0, false, false});
   }
+  // Moves the last window added to the front (before any step): it is worked on first.
+  void last_first() {
+    SEQPAR_ASSERT(next_ == 0 && held_windows_ == 0, "GDN work ahead reordered after its first step");
+    if (items_.size() < 2) return;
+    std::rotate(items_.begin(), items_.end() - 1, items_.end());
+    for (std::size_t i = 0; i < items_.size(); ++i) index_[{items_[i].j, items_[i].h}] = i;
+  }
   // A few chunks of the first window not done ahead. Returns false when there is nothing to do (all done, or the
   // next buffer would pass the budget).
   bool step() {
@@ -490,6 +497,7 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
   plan_bwd_ = std::make_shared<ScanPlan>(gdn_scan_plan(pieces_, -1));
   work_ahead_ = config.work_ahead && env::gdn_work_ahead();
   defer_copies_ = config.defer_copies && env::gdn_defer_copies();
+  ahead_last_first_ = config.ahead_last_first && env::gdn_ahead_last_first();
 }
 
 // The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its
@@ -866,6 +874,7 @@ void GdnCp::forward_chain(ForwardPass& f) {
     if (!continues(i) || segments_[i - 1].owner == me) continue;
     for (std::int64_t h = 0; h < H; ++h) ahead.add(j, h, waiting_window(j, h, false));
   }
+  if (ahead_last_first_) ahead.last_first();
   f.ahead = &ahead;
   const std::function<bool()> idle = copies_then(f.copies, ahead.idle());
   for (std::size_t j = 0; j < mine_.size(); ++j) {
@@ -1058,6 +1067,7 @@ void GdnCp::forward_scan(ForwardPass& f) {
   };
   AheadQueue ahead = forward_ahead_queue(f);
   add_scan_waits(p, +1, s.heads, ahead, false);
+  if (ahead_last_first_) ahead.last_first();
   f.ahead = &ahead;
   hooks.idle = copies_then(f.copies, ahead.idle());
   hooks.before_send_wait = [&f](const std::function<void()>& progress) { f.copies.finish(progress); };

@@ -21,6 +21,11 @@
 // tail, while the next rank runs its last head). Local work only, like the work ahead: the message order, and so the
 // freedom from deadlock, is unchanged, and so are the results. SEQPAR_GDN_DEFER_COPIES=0 copies them first (for
 // comparisons).
+// Last window ahead first (forward): the work ahead starts with the last window that waits (what is left of it after
+// its state arrives is the rank's tail), then the others in run order; a split window costs about a fifth more than
+// one run whole, so the windows between run whole at the sender's pace (docs/design.md, "The last window ahead
+// first"). Only the order of local work changes: messages, freedom from deadlock and results are as without it.
+// SEQPAR_GDN_AHEAD_LAST_FIRST=0 keeps the run order (for comparisons).
 #pragma once
 
 #include <cstdint>
@@ -53,6 +58,9 @@ struct GdnCpConfig {
   // backward are made in idle time (the file comment; off also when SEQPAR_GDN_DEFER_COPIES=0). Results are bitwise
   // the same either way.
   bool defer_copies = true;
+  // Forward: the work ahead starts with the last window that waits (the file comment; off also when
+  // SEQPAR_GDN_AHEAD_LAST_FIRST=0). Results are bitwise the same either way.
+  bool ahead_last_first = true;
 };
 
 // One run of consecutive tokens held by one rank in consecutive rows.
@@ -202,6 +210,7 @@ class GdnCp : public CpLayerBase {
   PhaseSeconds phases_, cpu_phases_;
   bool work_ahead_ = true;    // SEQPAR_GDN_WORK_AHEAD
   bool defer_copies_ = true;  // SEQPAR_GDN_DEFER_COPIES
+  bool ahead_last_first_ = true;  // SEQPAR_GDN_AHEAD_LAST_FIRST
 };
 
 // The configuration of ShortConvCp.

@@ -80,6 +80,11 @@ bool gdn_defer_copies() {
   return on;
 }
 
+bool gdn_ahead_last_first() {
+  static const bool on = switch_on("SEQPAR_GDN_AHEAD_LAST_FIRST");
+  return on;
+}
+
 LogLevel log_level() {
   static const LogLevel level = [] {
     const std::string raw = get_string("SEQPAR_LOG_LEVEL", "warn");

@@ -325,6 +325,18 @@ TEST(GdnCp, DeferredCopiesChangeNoBit) {
                         });
 }
 
+// The forward's work ahead starting with the last waiting window (GdnCpConfig::ahead_last_first) against in run
+// order: only the order of local work changes, so outputs and gradients must be bitwise the same.
+TEST(GdnCp, AheadLastFirstChangesNoBit) {
+  const int n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs 2 or more ranks (nothing waits on 1), has " << n;
+  run_switch_off_and_on([](GdnCpConfig& cfg, bool on) { cfg.ahead_last_first = on; },
+                        [](const GdnCpRun& in_order, const GdnCpRun& last_first, const std::string& name) {
+                          expect_bitwise_equal(last_first, in_order,
+                                               name + ", work ahead last window first against in run order:");
+                        });
+}
+
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
   CpGrid grid(world(), test::ring_over_world());
