@@ -21,6 +21,7 @@
 
 #include "benchmarks/sp_bench_options.h"
 #include "benchmarks/sp_plan_tiles.h"
+#include "parallel/gdn_cp.h"
 
 namespace seqpar::bench::plan {
 
@@ -42,8 +43,8 @@ struct LinkClass {
 
 // The order of GdnCp's forward work ahead that the GDN simulation follows: false, the waiting windows in the order
 // they run (GdnCp::AheadQueue as GdnCp's forward fills it); true, the last of them first, then the others in run order.
-// It describes the runtime, not the device: set it to what GdnCp's forward does.
-inline constexpr bool kPlanGdnAheadLastFirst = false;
+// It describes the runtime, not the device: GdnCp's default.
+inline constexpr bool kPlanGdnAheadLastFirst = GdnCpConfig{}.ahead_last_first;
 
 struct DeviceProfile {
   std::string name, note;
