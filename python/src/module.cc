@@ -18,9 +18,11 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "decode_bindings.h"
 #include "dlpack_bridge.h"
+#include "parallel/cp_common.h"
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/layout.h"
@@ -248,6 +250,25 @@ void bind_runtime(py::module_& m) {
           py::arg("index") = 0,
           "Test hook: an all_reduce of 4 fp32 at a fake address on cuda:index, which a torch.distributed group "
           "without nccl refuses before any message (the address is never read).");
+  // What a Python layer decides beside the C++ layer's own fields (whether a backward follows, DSA's loss mode):
+  // ranks that differ there would pair a collective of one rank with another's different one (a hang until the
+  // communication timeout), so the layer checks them like the C++ layers check theirs (parallel/cp_common.h).
+  py::class_<AgreementCheck>(m, "AgreementCheck",
+                             "The agreement check of one Python entry point (parallel/cp_common.h): run(comm, call, "
+                             "fields) raises seqpar.Error on every rank of comm when the ranks pass different fields")
+      .def(py::init<>())
+      .def(
+          "run",
+          [](AgreementCheck& check, Communicator& comm, const std::string& call,
+             const std::vector<std::pair<std::string, std::string>>& fields) {
+            Fingerprint fp(call);
+            for (const auto& [name, value] : fields) fp.add_text(name, value);
+            check.run(comm, fp);
+          },
+          py::arg("comm"), py::arg("call"), py::arg("fields"),
+          "Collective over comm when it runs (SEQPAR_AGREEMENT_CHECK: the first call and every change); fields: "
+          "(name, value) text pairs, compared in order.")
+      .def_property_readonly("num_checks", &AgreementCheck::num_checks);
   m.def("world", &world, "The process's MPI world (MPI_COMM_WORLD duplicated); initialises MPI if needed.");
   m.def("from_mpi4py", &from_mpi4py, py::arg("comm"), "A seqpar communicator over a duplicate of an mpi4py one.");
 }

@@ -130,3 +130,62 @@ def test_layout_of_an_impossible_length_names_the_rule(cu):
             seqpar.SequenceLayout.for_grid(grid, 2**62)
         else:
             seqpar.SequenceLayout.packed_for_grid(grid, cu)
+
+
+def _other_ranks_differ():
+    return seqpar.world().rank == WORLD - 1
+
+
+@pytest.mark.skipif(WORLD == 1, reason="ranks that disagree need two")
+@pytest.mark.parametrize("layer", ["mha", "gdn", "short_conv", "dsa", "no_grad"])
+def test_ranks_that_disagree_on_a_backward_stop_in_the_forward(layer):
+    """The last rank's inputs need no gradient (or it runs under no_grad): it would never call the backward the other
+    ranks wait in (a hang until SEQPAR_COMM_TIMEOUT_S). Every rank stops in the forward, naming the field."""
+    grid, layout = _grid_layout()
+    n = layout.local_len
+    differs = _other_ranks_differ()
+    grad = not differs or layer == "no_grad"
+    q = torch.randn(1, n, 2, 4, requires_grad=grad)
+    rule = rf"\(Python\): the ranks of the cp group .* disagree on backward \(grad mode on and an input that " \
+           rf"requires grad\): yes on cp ranks? 0[\d, ]*; no on cp rank {WORLD - 1}\."
+    with pytest.raises(seqpar.Error, match=rule), torch.set_grad_enabled(not (layer == "no_grad" and differs)):
+        if layer in ("mha", "no_grad"):
+            seqpar.MhaCp(grid, layout)(q, q.detach(), q.detach()).sum().backward()
+        elif layer == "gdn":
+            x = q.detach()
+            seqpar.GdnCp(grid, layout)(q, x, x, -torch.rand(1, n, 2), torch.rand(1, n, 2))[0].sum().backward()
+        elif layer == "short_conv":
+            conv = seqpar.ShortConvCp(grid, layout, channels=4)
+            conv.weight.requires_grad_(grad)
+            conv(torch.randn(1, n, 4)).sum().backward()
+        else:
+            args = (torch.randn(1, n, 2, 8, requires_grad=grad), torch.randn(1, n, 8), torch.randn(1, n, 2, 4),
+                    torch.randn(1, n, 4), torch.rand(1, n, 2))
+            seqpar.DsaCp(grid, layout, topk=4, dim_v=4, indexer_loss_weight=1.0)(*args).sum().backward()
+
+
+@pytest.mark.skipif(WORLD == 1, reason="ranks that disagree need two")
+def test_ranks_that_disagree_on_the_dsa_loss_mode_stop_in_the_forward():
+    """indexer_loss_weight=None runs a backward inside the forward (for the loss value), a weight does not: ranks that
+    differ would pair that backward's messages with the next call's (a hang until SEQPAR_COMM_TIMEOUT_S)."""
+    grid, layout = _grid_layout()
+    n = layout.local_len
+    args = (torch.randn(1, n, 2, 8), torch.randn(1, n, 8), torch.randn(1, n, 2, 4), torch.randn(1, n, 4),
+            torch.rand(1, n, 2))
+    weight = 0.5 if _other_ranks_differ() else None
+    rule = rf"DsaCp \(Python\): .* disagree on indexer_loss: returned on cp ranks? 0[\d, ]*; trained at weight 0.5 " \
+           rf"on cp rank {WORLD - 1}\."
+    with pytest.raises(seqpar.Error, match=rule):
+        seqpar.DsaCp(grid, layout, topk=4, dim_v=4, indexer_loss_weight=weight)(*args)
+
+
+def test_a_layer_that_agreed_runs_its_backward():
+    """The check passes ranks that agree (every rank needs a gradient): the backward runs, and a repeated call sends
+    no second check (the cache)."""
+    grid, layout = _grid_layout()
+    q = torch.randn(1, layout.local_len, 2, 4, requires_grad=True)
+    m = seqpar.MhaCp(grid, layout)
+    for _ in range(2):
+        m(q, q, q).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert m._agreement.num_checks == (1 if WORLD > 1 else 0)
