@@ -9,7 +9,8 @@ stop in the forward with seqpar.Error naming the field (_agree; docs/operations.
 
 Tensors: CPU, contiguous row-major, one floating dtype per call (fp32, bf16, fp16, fp64); they reach C++ as
 DLPack views, the outputs come back the same way (no copy). A non-contiguous input is refused with seqpar.Error
-naming it (call .contiguous()); incoming gradients are made contiguous here (autograd may hand over views).
+naming it (call .contiguous()), and so is one with torch's negative bit (call .resolve_neg()); incoming gradients are
+made contiguous and their negative bit resolved here (autograd may hand over views).
 
 Gradients of replicated tensors. The global loss is the sum of the ranks' local losses. A sharded input gets the
 gradient of its rows. A tensor that is the same on every rank of the CP group (the short conv weight, GDN's
@@ -39,8 +40,9 @@ def _detached(t):
 
 
 def _grad_in(t):
-    """An incoming gradient as C++ takes it: contiguous, detached."""
-    return t.detach().contiguous()
+    """An incoming gradient as C++ takes it: contiguous, detached, its lazy negation applied (autograd may hand over
+    a torch._neg_view, whose negative bit DLPack does not carry)."""
+    return t.detach().resolve_neg().contiguous()
 
 
 def _first_order_only():

@@ -189,3 +189,36 @@ def test_a_layer_that_agreed_runs_its_backward():
         m(q, q, q).sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad).all()
     assert m._agreement.num_checks == (1 if WORLD > 1 else 0)
+
+
+def test_a_tensor_with_the_negative_bit_is_refused_by_name():
+    """torch._neg_view sets a lazy negation that DLPack does not carry: the layer computed on -x without a word."""
+    grid, layout = _grid_layout()
+    q = torch.randn(1, layout.local_len, 2, 4)
+    with pytest.raises(seqpar.Error, match=r"k: the tensor has torch's negative bit set .* call .resolve_neg\(\) first"):
+        seqpar.MhaCp(grid, layout)(q, q._neg_view(), q)
+
+
+class _NegViewGrad(torch.autograd.Function):
+    """Identity whose backward hands over the incoming gradient as -(-g) through a negative-bit view."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (-g)._neg_view()
+
+
+def test_an_incoming_gradient_with_the_negative_bit_is_resolved():
+    """Autograd may hand a layer's backward a negative-bit view: it is resolved (the gradients equal those of the
+    plain incoming gradient), not read as its raw memory."""
+    grid, layout = _grid_layout()
+    q = torch.randn(1, layout.local_len, 2, 4, requires_grad=True)
+    m = seqpar.MhaCp(grid, layout)
+    weight = torch.randn(1, layout.local_len, 2, 4)
+    (_NegViewGrad.apply(m(q, q, q)) * weight).sum().backward()
+    got, q.grad = q.grad, None
+    (m(q, q, q) * weight).sum().backward()
+    torch.testing.assert_close(got, q.grad, rtol=0, atol=0)
