@@ -118,7 +118,15 @@ std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
 // (floats, nested lists, values outside int64) is refused naming `what`.
 std::vector<std::int64_t> int64_list(py::handle values, const char* what) {
   py::object obj = py::reinterpret_borrow<py::object>(values);
-  if (py::hasattr(obj, "tolist")) obj = obj.attr("tolist")();
+  if (py::hasattr(obj, "tolist")) {
+    try {
+      obj = obj.attr("tolist")();
+    } catch (py::error_already_set& e) {  // a tensor without data (the meta device): torch's NotImplementedError
+      const std::string device = py::hasattr(values, "device") ? std::string(py::str(values.attr("device"))) : "?";
+      SEQPAR_THROW(what, ": the values of a tensor on device '", device, "' cannot be read (", e.what(),
+                   "); pass a list of ints or a CPU integer tensor");
+    }
+  }
   SEQPAR_CHECK(py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj), what,
                ": expected a list of ints or a 1-D integer tensor, got ",
                std::string(py::str(py::type::of(values).attr("__name__"))));

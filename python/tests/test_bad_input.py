@@ -50,6 +50,7 @@ def test_inputs_that_are_not_tensors_are_named(bad):
     (torch.tensor([[0, 4, S]]), r"cu_seqlens\[0\] = \[0, 4, \d+\] is not an int"),
     ([0, 2**63], r"cu_seqlens\[1\] = 9223372036854775808 does not fit in int64"),
     ("0,4,8", r"cu_seqlens: expected a list of ints or a 1-D integer tensor, got str"),
+    (torch.tensor([0, 4, S], device="meta"), r"cu_seqlens: the values of a tensor on device 'meta' cannot be read"),
 ])
 def test_cu_seqlens_of_the_wrong_kind_are_named(cu, rule):
     grid, _ = _grid_layout()
