@@ -223,3 +223,13 @@ def test_an_incoming_gradient_with_the_negative_bit_is_resolved():
     got, q.grad = q.grad, None
     (m(q, q, q) * weight).sum().backward()
     torch.testing.assert_close(got, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 5), (2,)])
+def test_apply_rope_names_an_odd_head_dim_or_a_missing_head_dim(shape):
+    """An odd D failed in torch's broadcasting ('size of tensor a (5) must match ... (6)'); a 3-D x without heads
+    broadcast its rows against the positions (a wrong result or the same broadcasting error)."""
+    grid, layout = _grid_layout()
+    x = torch.randn(1, layout.local_len, *shape)
+    with pytest.raises(ValueError, match=r"apply_rope: x of shape .* must be \[B, S_local, H, D\] with an even head_dim"):
+        seqpar.apply_rope(x, layout, grid.cp_rank)
