@@ -24,10 +24,16 @@ GdnCache::GdnCache(const GdnCacheSpec& spec) : spec_(spec) {
                " must be >= 0 and conv_width ", spec.conv_width, " >= 1");
   SEQPAR_CHECK(is_floating(spec.conv_dtype), "GdnCache: conv dtype ", dtype_name(spec.conv_dtype),
                " must be a floating dtype");
-  state_ = Tensor::zeros({spec.batch, spec.value_heads, spec.key_dim, spec.value_dim}, spec.state_dtype,
-                         MemCategory::kPersistentCache);
-  conv_state_ = Tensor::zeros({spec.batch, spec.conv_width - 1, spec.conv_channels}, spec.conv_dtype,
-                              MemCategory::kPersistentCache);
+  const Shape state{spec.batch, spec.value_heads, spec.key_dim, spec.value_dim};
+  const Shape conv{spec.batch, spec.conv_width - 1, spec.conv_channels};
+  try {
+    state_ = Tensor::zeros(state, spec.state_dtype, MemCategory::kPersistentCache);
+    conv_state_ = Tensor::zeros(conv, spec.conv_dtype, MemCategory::kPersistentCache);
+  } catch (const Error& e) {
+    SEQPAR_THROW("GdnCache: state of ", shape_str(state), " ", dtype_name(spec.state_dtype),
+                 " (batch, value_heads, key_dim, value_dim) and conv tail of ", shape_str(conv), " ",
+                 dtype_name(spec.conv_dtype), ": ", e.message());
+  }
 }
 
 void GdnCache::set_state(const TensorView& state, std::int64_t length) {

@@ -231,6 +231,7 @@ int dyncp_bench_run(int argc, char** argv) {
   degrees.erase(std::unique(degrees.begin(), degrees.end()), degrees.end());
 
   auto world = make_world_communicator("mpi");
+  if (r.count("json")) check_output_paths(*world, r["json"].as<std::string>());  // before the plans run, not after
   const CpGridSet grids(*world, degrees);
   const std::string load_before = load_average();
 

@@ -39,6 +39,7 @@
 #endif
 
 #include "benchmarks/bench_device.h"
+#include "benchmarks/json_path.h"
 #include "runtime/error.h"
 #include "runtime/version.h"
 
@@ -308,6 +309,7 @@ int run(int argc, char** argv) {
   cpu_clock = clock == "cpu";
   min_rounds = args["min-rounds"].as<int>();
   SEQPAR_CHECK(min_rounds >= 1, "--min-rounds ", min_rounds, " must be >= 1");
+  if (args.count("json")) check_json_path(args["json"].as<std::string>());
   int threads = args["threads"].as<int>();
 #if defined(_OPENMP)
   if (threads > 0) omp_set_num_threads(threads);

@@ -34,6 +34,7 @@
 #include "attention/ops/gdn_composed.h"
 #include "attention/ops/ops_cpu.h"
 #include "benchmarks/flop_models.h"
+#include "benchmarks/json_path.h"
 #include "runtime/device.h"
 #include "runtime/error.h"
 #include "runtime/tensor.h"
@@ -309,6 +310,7 @@ int run(int argc, char** argv) {
   }
   const std::string table = a["table"].as<std::string>();
   SEQPAR_CHECK(table == "cpu" || table == "cuda", "ops_bench: --table must be cpu or cuda, got ", table);
+  if (a.count("json")) bench::check_json_path(a["json"].as<std::string>());
   const Timer timer{a["warmup"].as<int>(), a["min-time"].as<double>()};
   std::unique_ptr<Ops<float>> cuda;
   if (table == "cuda") cuda = attn::ops::cuda_ops<float>(Device::cuda(0), Stream{Device::cuda(0), nullptr});

@@ -105,7 +105,11 @@ int sp_bench_main(int argc, char** argv) {
   const MemoryVerdict layout_verdict = compare_with_node_memory(o, layout_alone);
   if (!layout_verdict.fits) {
     if (o.dry_run) {
-      if (place.rank == 0) std::printf("%s", describe_memory_dry_run(layout_alone, layout_verdict).c_str());
+      if (place.rank == 0) {
+        std::printf("%s# the sequence layout alone does not fit: the run's tensors (inputs, activations, workspace, "
+                    "comm buffers) were not estimated, the figures above are a lower bound\n",
+                    describe_memory_dry_run(layout_alone, layout_verdict).c_str());
+      }
       return 0;
     }
     check_memory_fits(layout_verdict, layout_alone);

@@ -48,6 +48,26 @@ def _ints(values):
         return [repr(values)]
 
 
+def _plan_entries(plan):
+    """The plan's entries as (degree, group, [doc ids]) of _int_or_text values; an entry that is no triple, or a plan
+    that is no sequence, as its repr (exchanged like the values, refused after the agreement, on every rank)."""
+    if isinstance(plan, (str, bytes)):
+        return repr(plan)
+    try:
+        entries = list(plan)
+    except TypeError:
+        return repr(plan)
+    out = []
+    for e in entries:
+        try:
+            d, g, docs = e
+        except (TypeError, ValueError):
+            out.append(repr(e))
+            continue
+        out.append((_int_or_text(d), _int_or_text(g), _ints(docs)))
+    return out
+
+
 def _check_int(value, what):
     if isinstance(value, str):
         raise _error(f"{what} {value} is not an integer")
@@ -114,7 +134,7 @@ def check_dynamic_plan(grids, doc_lens, plan, process_group=None):
     on every rank."""
     world = process_group if process_group is not None else dist.group.WORLD
     lens = _ints(doc_lens)
-    mine = (lens, [(_int_or_text(d), _int_or_text(g), _ints(docs)) for d, g, docs in plan])
+    mine = (lens, _plan_entries(plan))
     table = [None] * dist.get_world_size(world)
     dist.all_gather_object(table, mine, group=world)
     for r, t in enumerate(table):
@@ -124,6 +144,11 @@ def check_dynamic_plan(grids, doc_lens, plan, process_group=None):
             m = next((i for i, (a, b) in enumerate(zip(t[1], mine[1])) if a != b), min(len(t[1]), len(mine[1])))
             raise _error(f"ranks disagree on the plan: micro-batch {m} is {table[0][1][m:m + 1]} on group rank 0 and "
                          f"{t[1][m:m + 1]} on group rank {r}")
+    if isinstance(mine[1], str):
+        raise _error(f"the plan must be a list of (degree, group, [doc ids]), got {mine[1]}")
+    for m, e in enumerate(mine[1]):
+        if isinstance(e, str):
+            raise _error(f"micro-batch {m} = {e} must be a (degree, group, [doc ids]) triple")
     for i, n in enumerate(lens):
         _check_int(n, f"document {i}'s length")
         if n < 0:

@@ -4,10 +4,13 @@ Every function takes this rank's piece of the sequence ([B, local_len, ...]; its
 layout.token_index(grid.cp_rank), padding rows -1) and returns this rank's piece of the outputs; forward and
 backward are collective over the grid's CP group, so every rank of the group must call them in the same order
 (autograd on CPU runs the backward on the calling thread, in the same order on every rank for the same model).
+Ranks that differ on whether a backward follows (an input that requires grad, grad mode on) or on DsaCp's loss mode
+stop in the forward with seqpar.Error naming the field (_agree; docs/operations.md, "Ranks that disagree").
 
 Tensors: CPU, contiguous row-major, one floating dtype per call (fp32, bf16, fp16, fp64); they reach C++ as
 DLPack views, the outputs come back the same way (no copy). A non-contiguous input is refused with seqpar.Error
-naming it (call .contiguous()); incoming gradients are made contiguous here (autograd may hand over views).
+naming it (call .contiguous()), and so is one with torch's negative bit (call .resolve_neg()); incoming gradients are
+made contiguous and their negative bit resolved here (autograd may hand over views).
 
 Gradients of replicated tensors. The global loss is the sum of the ranks' local losses. A sharded input gets the
 gradient of its rows. A tensor that is the same on every rank of the CP group (the short conv weight, GDN's
@@ -80,8 +83,9 @@ def _detached(t):
 
 
 def _grad_in(t):
-    """An incoming gradient as C++ takes it: contiguous, detached."""
-    return t.detach().contiguous()
+    """An incoming gradient as C++ takes it: contiguous, detached, its lazy negation applied (autograd may hand over
+    a torch._neg_view, whose negative bit DLPack does not carry)."""
+    return t.detach().resolve_neg().contiguous()
 
 
 def _first_order_only():
@@ -125,6 +129,27 @@ def _check_tensors(layer, **tensors):
     for name, t in tensors.items():
         if t is not None and not isinstance(t, torch.Tensor):
             raise _seqpar.Error(f"{layer}: {name} must be a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+
+
+_BACKWARD = "backward (grad mode on and an input that requires grad)"
+
+
+def _backward_follows(*tensors):
+    """Whether autograd will call this layer's backward: grad mode on and an input that needs a gradient."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+def _agree(module, call, **fields):
+    """Checks that every rank of the CP group passes the same Python-side fields of a call (the C++ layer checks its
+    own shapes, dtypes and configuration): ranks where one expects a backward (an input that requires grad, grad
+    mode on) and another does not, or DSA's loss returned on one and trained at a weight on another, would pair a
+    collective with a different one (a hang until SEQPAR_COMM_TIMEOUT_S). Cached like the C++ checks
+    (SEQPAR_AGREEMENT_CHECK): a call that repeats the agreed fields sends nothing."""
+    check = module.__dict__.get("_agreement")
+    if check is None:
+        check = module.__dict__["_agreement"] = _seqpar.AgreementCheck()
+    text = {True: "yes", False: "no"}
+    check.run(module.grid.cp, call, [(name, text.get(value, str(value))) for name, value in fields.items()])
 
 
 def _share(total, grid):
@@ -207,6 +232,7 @@ class MhaCp(torch.nn.Module):
             seed += self._num_dropout_calls
             self._num_dropout_calls += 1
         layer = self._layer(p, seed)
+        _agree(self, "MhaCp (Python)", **{_BACKWARD: _backward_follows(q, k, v, self.sinks)})
         k, v = _in_dtype(q.dtype, k, v)
         try:
             out, lse = MhaCpFunction.apply(layer, q, k, v, self.sinks, self.grid)
@@ -259,6 +285,7 @@ class GdnCp(torch.nn.Module):
 
     def forward(self, q, k, v, g, beta, initial_state=None):
         _check_tensors("GdnCp", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)
+        _agree(self, "GdnCp (Python)", **{_BACKWARD: _backward_follows(q, k, v, g, beta, initial_state)})
         k, v, g, beta = _in_dtype(q.dtype, k, v, g, beta)
         if initial_state is not None:
             initial_state = initial_state.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
@@ -306,6 +333,7 @@ class ShortConvCp(torch.nn.Module):
 
     def forward(self, x):
         _check_tensors("ShortConvCp", x=x)
+        _agree(self, "ShortConvCp (Python)", **{_BACKWARD: _backward_follows(x, self.weight)})
         try:
             return ShortConvFunction.apply(self.layer, self.grid, x, self.weight.to(x.dtype))
         except _seqpar.Error as e:
@@ -408,6 +436,8 @@ class DsaCp(torch.nn.Module):
 
     def forward(self, q, c, q_idx, k_idx, w):
         _check_tensors("DsaCp", q=q, c=c, q_idx=q_idx, k_idx=k_idx, w=w)
+        loss = "returned" if self.indexer_loss_weight is None else f"trained at weight {self.indexer_loss_weight!r}"
+        _agree(self, "DsaCp (Python)", **{_BACKWARD: _backward_follows(q, c, q_idx, k_idx, w)}, indexer_loss=loss)
         c, q_idx, k_idx, w = _in_dtype(q.dtype, c, q_idx, k_idx, w)
         topk = [] if self.return_topk_indices else None
         try:

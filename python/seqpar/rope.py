@@ -27,6 +27,9 @@ def apply_rope(x, layout, cp_rank, base=10000.0, positions=None):
         raise ValueError(f"apply_rope: x has {x.shape[1]} rows in dimension 1 but the {layout.kind} layout gives "
                          f"CP rank {cp_rank} {positions.shape[0]} rows (layout.local_len): shard with "
                          f"seqpar.shard_sequence, not torch.chunk")
+    if x.dim() != 4 or x.shape[-1] % 2:
+        raise ValueError(f"apply_rope: x of shape {tuple(x.shape)} must be [B, S_local, H, D] with an even head_dim D "
+                         f"(the rotate-half form pairs dimension i with i + D/2)")
     cos, sin = rope_cos_sin(positions, x.shape[-1], base, x.dtype)
     cos, sin = cos[None, :, None, :], sin[None, :, None, :]
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]

@@ -101,6 +101,11 @@ TensorView view_of(py::handle tensor, const char* what) {
   if (tensor.is_none()) return {};
   SEQPAR_CHECK(py::hasattr(tensor, "__dlpack__"), what, ": expected a torch.Tensor, got ",
                std::string(py::str(py::type::of(tensor).attr("__name__"))));
+  // torch's lazy negation (the negative bit of torch._neg_view, which some autograd formulas return): DLPack exports
+  // the memory without the negation, so the layer would compute on -x without a word.
+  SEQPAR_CHECK(!py::hasattr(tensor, "is_neg") || !tensor.attr("is_neg")().cast<bool>(), what,
+               ": the tensor has torch's negative bit set (a lazy negation, e.g. torch._neg_view): DLPack would hand "
+               "over its memory without the negation; call .resolve_neg() first");
   py::object capsule;
   try {
     capsule = tensor.attr("__dlpack__")();

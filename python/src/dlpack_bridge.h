@@ -10,7 +10,7 @@
 // Errors (seqpar::Error, naming `what`): a tensor on another device (a CUDA tensor in a build without CUDA names
 // the rule: "built without CUDA (SEQPAR_WITH_CUDA=OFF)"), a dtype outside the list, a tensor that is not
 // contiguous row-major (seqpar's views have no strides; call .contiguous() first), a non-zero byte offset that
-// breaks the dtype's alignment.
+// breaks the dtype's alignment, a tensor with torch's negative bit (a lazy negation DLPack does not carry).
 #pragma once
 
 #include <pybind11/pybind11.h>

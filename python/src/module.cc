@@ -18,9 +18,11 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "decode_bindings.h"
 #include "dlpack_bridge.h"
+#include "parallel/cp_common.h"
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/layout.h"
@@ -116,7 +118,15 @@ std::shared_ptr<Communicator> resolve_comm(const py::object& comm) {
 // (floats, nested lists, values outside int64) is refused naming `what`.
 std::vector<std::int64_t> int64_list(py::handle values, const char* what) {
   py::object obj = py::reinterpret_borrow<py::object>(values);
-  if (py::hasattr(obj, "tolist")) obj = obj.attr("tolist")();
+  if (py::hasattr(obj, "tolist")) {
+    try {
+      obj = obj.attr("tolist")();
+    } catch (py::error_already_set& e) {  // a tensor without data (the meta device): torch's NotImplementedError
+      const std::string device = py::hasattr(values, "device") ? std::string(py::str(values.attr("device"))) : "?";
+      SEQPAR_THROW(what, ": the values of a tensor on device '", device, "' cannot be read (", e.what(),
+                   "); pass a list of ints or a CPU integer tensor");
+    }
+  }
   SEQPAR_CHECK(py::isinstance<py::list>(obj) || py::isinstance<py::tuple>(obj), what,
                ": expected a list of ints or a 1-D integer tensor, got ",
                std::string(py::str(py::type::of(values).attr("__name__"))));
@@ -248,6 +258,25 @@ void bind_runtime(py::module_& m) {
           py::arg("index") = 0,
           "Test hook: an all_reduce of 4 fp32 at a fake address on cuda:index, which a torch.distributed group "
           "without nccl refuses before any message (the address is never read).");
+  // What a Python layer decides beside the C++ layer's own fields (whether a backward follows, DSA's loss mode):
+  // ranks that differ there would pair a collective of one rank with another's different one (a hang until the
+  // communication timeout), so the layer checks them like the C++ layers check theirs (parallel/cp_common.h).
+  py::class_<AgreementCheck>(m, "AgreementCheck",
+                             "The agreement check of one Python entry point (parallel/cp_common.h): run(comm, call, "
+                             "fields) raises seqpar.Error on every rank of comm when the ranks pass different fields")
+      .def(py::init<>())
+      .def(
+          "run",
+          [](AgreementCheck& check, Communicator& comm, const std::string& call,
+             const std::vector<std::pair<std::string, std::string>>& fields) {
+            Fingerprint fp(call);
+            for (const auto& [name, value] : fields) fp.add_text(name, value);
+            check.run(comm, fp);
+          },
+          py::arg("comm"), py::arg("call"), py::arg("fields"),
+          "Collective over comm when it runs (SEQPAR_AGREEMENT_CHECK: the first call and every change); fields: "
+          "(name, value) text pairs, compared in order.")
+      .def_property_readonly("num_checks", &AgreementCheck::num_checks);
   m.def("world", &world, "The process's MPI world (MPI_COMM_WORLD duplicated); initialises MPI if needed.");
   m.def("from_mpi4py", &from_mpi4py, py::arg("comm"), "A seqpar communicator over a duplicate of an mpi4py one.");
 }

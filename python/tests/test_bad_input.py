@@ -50,6 +50,7 @@ def test_inputs_that_are_not_tensors_are_named(bad):
     (torch.tensor([[0, 4, S]]), r"cu_seqlens\[0\] = \[0, 4, \d+\] is not an int"),
     ([0, 2**63], r"cu_seqlens\[1\] = 9223372036854775808 does not fit in int64"),
     ("0,4,8", r"cu_seqlens: expected a list of ints or a 1-D integer tensor, got str"),
+    (torch.tensor([0, 4, S], device="meta"), r"cu_seqlens: the values of a tensor on device 'meta' cannot be read"),
 ])
 def test_cu_seqlens_of_the_wrong_kind_are_named(cu, rule):
     grid, _ = _grid_layout()
@@ -141,3 +142,105 @@ def test_layout_of_an_impossible_length_names_the_rule(cu):
             seqpar.SequenceLayout.for_grid(grid, 2**62)
         else:
             seqpar.SequenceLayout.packed_for_grid(grid, cu)
+
+
+def _other_ranks_differ():
+    return seqpar.world().rank == WORLD - 1
+
+
+@pytest.mark.skipif(WORLD == 1, reason="ranks that disagree need two")
+@pytest.mark.parametrize("layer", ["mha", "gdn", "short_conv", "dsa", "no_grad"])
+def test_ranks_that_disagree_on_a_backward_stop_in_the_forward(layer):
+    """The last rank's inputs need no gradient (or it runs under no_grad): it would never call the backward the other
+    ranks wait in (a hang until SEQPAR_COMM_TIMEOUT_S). Every rank stops in the forward, naming the field."""
+    grid, layout = _grid_layout()
+    n = layout.local_len
+    differs = _other_ranks_differ()
+    grad = not differs or layer == "no_grad"
+    q = torch.randn(1, n, 2, 4, requires_grad=grad)
+    rule = rf"\(Python\): the ranks of the cp group .* disagree on backward \(grad mode on and an input that " \
+           rf"requires grad\): yes on cp ranks? 0[\d, ]*; no on cp rank {WORLD - 1}\."
+    with pytest.raises(seqpar.Error, match=rule), torch.set_grad_enabled(not (layer == "no_grad" and differs)):
+        if layer in ("mha", "no_grad"):
+            seqpar.MhaCp(grid, layout)(q, q.detach(), q.detach()).sum().backward()
+        elif layer == "gdn":
+            x = q.detach()
+            seqpar.GdnCp(grid, layout)(q, x, x, -torch.rand(1, n, 2), torch.rand(1, n, 2))[0].sum().backward()
+        elif layer == "short_conv":
+            conv = seqpar.ShortConvCp(grid, layout, channels=4)
+            conv.weight.requires_grad_(grad)
+            conv(torch.randn(1, n, 4)).sum().backward()
+        else:
+            args = (torch.randn(1, n, 2, 8, requires_grad=grad), torch.randn(1, n, 8), torch.randn(1, n, 2, 4),
+                    torch.randn(1, n, 4), torch.rand(1, n, 2))
+            seqpar.DsaCp(grid, layout, topk=4, dim_v=4, indexer_loss_weight=1.0)(*args).sum().backward()
+
+
+@pytest.mark.skipif(WORLD == 1, reason="ranks that disagree need two")
+def test_ranks_that_disagree_on_the_dsa_loss_mode_stop_in_the_forward():
+    """indexer_loss_weight=None runs a backward inside the forward (for the loss value), a weight does not: ranks that
+    differ would pair that backward's messages with the next call's (a hang until SEQPAR_COMM_TIMEOUT_S)."""
+    grid, layout = _grid_layout()
+    n = layout.local_len
+    args = (torch.randn(1, n, 2, 8), torch.randn(1, n, 8), torch.randn(1, n, 2, 4), torch.randn(1, n, 4),
+            torch.rand(1, n, 2))
+    weight = 0.5 if _other_ranks_differ() else None
+    rule = rf"DsaCp \(Python\): .* disagree on indexer_loss: returned on cp ranks? 0[\d, ]*; trained at weight 0.5 " \
+           rf"on cp rank {WORLD - 1}\."
+    with pytest.raises(seqpar.Error, match=rule):
+        seqpar.DsaCp(grid, layout, topk=4, dim_v=4, indexer_loss_weight=weight)(*args)
+
+
+def test_a_layer_that_agreed_runs_its_backward():
+    """The check passes ranks that agree (every rank needs a gradient): the backward runs, and a repeated call sends
+    no second check (the cache)."""
+    grid, layout = _grid_layout()
+    q = torch.randn(1, layout.local_len, 2, 4, requires_grad=True)
+    m = seqpar.MhaCp(grid, layout)
+    for _ in range(2):
+        m(q, q, q).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert m._agreement.num_checks == (1 if WORLD > 1 else 0)
+
+
+def test_a_tensor_with_the_negative_bit_is_refused_by_name():
+    """torch._neg_view sets a lazy negation that DLPack does not carry: the layer computed on -x without a word."""
+    grid, layout = _grid_layout()
+    q = torch.randn(1, layout.local_len, 2, 4)
+    with pytest.raises(seqpar.Error, match=r"k: the tensor has torch's negative bit set .* call .resolve_neg\(\) first"):
+        seqpar.MhaCp(grid, layout)(q, q._neg_view(), q)
+
+
+class _NegViewGrad(torch.autograd.Function):
+    """Identity whose backward hands over the incoming gradient as -(-g) through a negative-bit view."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (-g)._neg_view()
+
+
+def test_an_incoming_gradient_with_the_negative_bit_is_resolved():
+    """Autograd may hand a layer's backward a negative-bit view: it is resolved (the gradients equal those of the
+    plain incoming gradient), not read as its raw memory."""
+    grid, layout = _grid_layout()
+    q = torch.randn(1, layout.local_len, 2, 4, requires_grad=True)
+    m = seqpar.MhaCp(grid, layout)
+    weight = torch.randn(1, layout.local_len, 2, 4)
+    (_NegViewGrad.apply(m(q, q, q)) * weight).sum().backward()
+    got, q.grad = q.grad, None
+    (m(q, q, q) * weight).sum().backward()
+    torch.testing.assert_close(got, q.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 5), (2,)])
+def test_apply_rope_names_an_odd_head_dim_or_a_missing_head_dim(shape):
+    """An odd D failed in torch's broadcasting ('size of tensor a (5) must match ... (6)'); a 3-D x without heads
+    broadcast its rows against the positions (a wrong result or the same broadcasting error)."""
+    grid, layout = _grid_layout()
+    x = torch.randn(1, layout.local_len, *shape)
+    with pytest.raises(ValueError, match=r"apply_rope: x of shape .* must be \[B, S_local, H, D\] with an even head_dim"):
+        seqpar.apply_rope(x, layout, grid.cp_rank)

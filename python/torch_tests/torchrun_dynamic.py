@@ -113,6 +113,12 @@ def main():
         if me == world - 1:
             bad[0][2][0], bad[-1][2][-1] = bad[-1][2][-1], bad[0][2][0]
         expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, bad), "ranks disagree on the plan: micro-batch 0")
+        # A malformed entry on one rank only: every rank stops at the agreement (the unpacking used to raise a bare
+        # ValueError on that rank before the exchange, leaving the others in all_gather_object until the timeout).
+        bad = dealt_plan(divisors, world)
+        if me == world - 1:
+            bad[0] = bad[0][:2]
+        expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, bad), "ranks disagree on the plan: micro-batch 0")
     bad = dealt_plan(divisors, world)
     bad[-1][2].append(bad[0][2][0])
     expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, bad), "every document must be in exactly one")
@@ -130,6 +136,10 @@ def main():
                  "micro-batch 0's document True is not an integer")
     expect_error(lambda: seqpar.check_dynamic_plan(grids, [-1] + list(DOCS[1:]), whole),
                  "document 0 has length -1; lengths must be >= 0")
+    expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, [(world, 0)]),
+                 "micro-batch 0 = (%d, 0) must be a (degree, group, [doc ids]) triple" % world)
+    expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, None),
+                 "the plan must be a list of (degree, group, [doc ids]), got None")
     assert "mpi4py" not in sys.modules, "mpi4py was imported"
     assert not seqpar._seqpar.mpi_initialized(), "MPI was initialised"
     if me == 0:

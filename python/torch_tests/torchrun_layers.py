@@ -193,6 +193,11 @@ def main():
     q = torch.randn(1, layout.local_len, heads, 8)
     if world > 1:
         expect_error(lambda: attn(q, q, q), "disagree on q", "on cp rank 0")
+        # The Python side's own fields over torch's groups too: rank 0 alone needs a gradient (it would wait in a
+        # backward the others never run, until the timeout).
+        qg = torch.randn(1, layout.local_len, 2, 8, requires_grad=rank == 0)
+        expect_error(lambda: seqpar.MhaCp(grid, layout)(qg, qg, qg).sum().backward(), "MhaCp (Python)",
+                     "disagree on backward (grad mode on and an input that requires grad): yes on cp rank 0; no on")
 
     # Groups that do not form a grid: the same error on every rank, naming the ranks.
     if world == 4:

@@ -305,6 +305,18 @@ TEST(CacheErrors, CapacityTooLargeForTheNodeNamesTheCache) {
       },
       "DsaCache: batch 1, capacity 1099511627776, index_dim 128 + latent_dim 576 bf16: out of memory: "
       "allocating 281474976710656 bytes of persistent_cache");
+  // GDN's state has no capacity, but batch x heads x K x V can be as large (it named nothing: a bare "out of memory").
+  test::expect_error(
+      [&] {
+        GdnCache cache(GdnCacheSpec{std::int64_t{1} << 20, 64, 1 << 12, 1 << 12, DType::kFloat32});
+      },
+      "GdnCache: state of [1048576, 64, 4096, 4096] fp32 (batch, value_heads, key_dim, value_dim) and conv tail of "
+      "[1048576, 0, 0] fp32: out of memory: allocating 4503599627370496 bytes of persistent_cache");
+  test::expect_error(
+      [&] {
+        GdnCache cache(GdnCacheSpec{huge, huge, 128, 128, DType::kFloat32});
+      },
+      "GdnCache: state of [1099511627776, 1099511627776, 128, 128] fp32");
   EXPECT_EQ(persistent_bytes(), before);
   // A shape whose element count overflows is refused by name too.
   test::expect_error(
