@@ -23,8 +23,8 @@
 // comparisons).
 // Last window ahead first (forward): the work ahead starts with the last window that waits (what is left of it after
 // its state arrives is the rank's tail), then the others in run order; a split window costs about a fifth more than
-// one run whole, so the windows between run whole at the sender's pace (docs/design.md, "The last window ahead
-// first"). Only the order of local work changes: messages, freedom from deadlock and results are as without it.
+// one run whole, so the windows between run whole at the sender's pace (docs/design.md, "GDN chain and
+// scan": "The last window ahead first"). Only the order of local work changes: messages, freedom from deadlock and results are as without it.
 // SEQPAR_GDN_AHEAD_LAST_FIRST=0 keeps the run order (for comparisons).
 #pragma once
 
