@@ -21,6 +21,13 @@
 // tail, while the next rank runs its last head). Local work only, like the work ahead: the message order, and so the
 // freedom from deadlock, is unchanged, and so are the results. SEQPAR_GDN_DEFER_COPIES=0 copies them first (for
 // comparisons).
+// Lean backward (host tensors): at ulysses_size 1 the kernels read the caller's dout (no copy); the gradients are not
+// zero-filled when no row is padding (every row is written by a window); with grouped value heads (Hv > Hk) the sums
+// of dq, dk over the value heads of each key head are made key head by key head, each once its value heads have run on
+// every row of the rank, while a message is pending (before the work ahead), the rest after the chain or the scan.
+// Local work only: the message order, and so the freedom from deadlock, is unchanged, and each sum adds the same terms
+// in the same order (value-head order, in the state dtype), so results are bitwise the same.
+// SEQPAR_GDN_LEAN_BACKWARD=0 copies, zero-fills and sums after the chain (for comparisons).
 #pragma once
 
 #include <cstdint>
@@ -53,6 +60,10 @@ struct GdnCpConfig {
   // backward are made in idle time (the file comment; off also when SEQPAR_GDN_DEFER_COPIES=0). Results are bitwise
   // the same either way.
   bool defer_copies = true;
+  // Backward on host tensors: dout read in place at ulysses_size 1, no zero fill without padding rows, the key-head
+  // sums of dq, dk in idle time (the file comment; off also when SEQPAR_GDN_LEAN_BACKWARD=0). Results are bitwise the
+  // same either way.
+  bool lean_backward = true;
 };
 
 // One run of consecutive tokens held by one rank in consecutive rows.
@@ -202,6 +213,7 @@ class GdnCp : public CpLayerBase {
   PhaseSeconds phases_, cpu_phases_;
   bool work_ahead_ = true;    // SEQPAR_GDN_WORK_AHEAD
   bool defer_copies_ = true;  // SEQPAR_GDN_DEFER_COPIES
+  bool lean_backward_ = true;  // SEQPAR_GDN_LEAN_BACKWARD
 };
 
 // The configuration of ShortConvCp.

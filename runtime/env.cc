@@ -80,6 +80,11 @@ bool gdn_defer_copies() {
   return on;
 }
 
+bool gdn_lean_backward() {
+  static const bool on = switch_on("SEQPAR_GDN_LEAN_BACKWARD");
+  return on;
+}
+
 LogLevel log_level() {
   static const LogLevel level = [] {
     const std::string raw = get_string("SEQPAR_LOG_LEVEL", "warn");

@@ -22,6 +22,9 @@ bool lowered_attention();
 bool gdn_work_ahead();
 // GDN context parallelism's deferred saved copies: SEQPAR_GDN_DEFER_COPIES = 0 | 1, the same rules.
 bool gdn_defer_copies();
+// GDN context parallelism's lean backward (no dout copy or zero fill where not needed, key-head sums in idle time):
+// SEQPAR_GDN_LEAN_BACKWARD = 0 | 1, the same rules.
+bool gdn_lean_backward();
 
 // Raw readers; `name` includes the SEQPAR_ prefix. Values are cached after the first read of each name.
 std::int64_t get_int(const char* name, std::int64_t fallback);
