@@ -474,6 +474,12 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   // dq and dk per value head when value heads share key heads (Hv > Hk), in the state dtype, summed into the key heads
   // afterwards (GdnCp's backward; one transposed copy at a time).
   const double grouped = d.Hv > d.Hk ? 2 * c * batch * sl * o.heads * kd : 0;
+  // With the lean backward (SEQPAR_GDN_LEAN_BACKWARD; fp32 / fp64 gradients, or replicated key heads, summed in the
+  // accumulation dtype) each key head's sum goes straight into dq, dk of the key heads; else one transposed copy at a
+  // time (half of `grouped`).
+  const bool lean_sums = env::gdn_lean_backward() &&
+                         (o.dtype == DType::kFloat32 || o.dtype == DType::kFloat64 || d.Hk < o.grid.ulysses_size);
+  const double grouped_sum = d.Hv <= d.Hk ? 0 : lean_sums ? 2 * c * xk / e : 0.5 * grouped;
   // The scan keeps every needed map of every head until its messages are sent, the chain a state per head and segment.
   const double ring = o.gdn_mode == "scan" ? 3 * segments * seg_state : 2 * segments * seg_state;
   // GdnCp runs one value head at a time on its inputs in place (attn::gdn_forward_window); only a segment map reads
@@ -521,14 +527,15 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
                          conv_in;
   m_.forward.comm = a2a + ring;
   // Backward: out and final_state stay held; dout_h, the gradients in the heads layout (dq, dk per value head, summed
-  // per key head through a transposed copy when Hv > Hk: `grouped`), for maps the head-major inputs and dout, the
+  // per key head when Hv > Hk: `grouped` and `grouped_sum`), for maps the head-major inputs and dout, the
   // outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
   m_.backward.saved = saved;
   m_.backward.outputs = xv + state + qkv + 2 * gate + state + conv_weight;
-  m_.backward.workspace = std::max(2 * xv + 2 * gate + 2 * xk + 1.5 * grouped + maps * (qkv + 2 * gate + xv) * 2 +
-                                       2 * segments * seg_state + threads * bwd_worker + ahead_bwd,
-                                   conv_bwd) +
-                          conv_in;
+  m_.backward.workspace =
+      std::max(2 * xv + 2 * gate + 2 * xk + grouped + grouped_sum + maps * (qkv + 2 * gate + xv) * 2 +
+                   2 * segments * seg_state + threads * bwd_worker + ahead_bwd,
+               conv_bwd) +
+      conv_in;
   m_.backward.comm = a2a + ring;
   m_.full_inputs = (qkv + xv + 2 * gate) * pu * pr * unpad + state;
   m_.full_outputs = (qkv + xv + 2 * gate) * pu * pr * unpad + 2 * state;  // out, dq, dk, dv, dg, dbeta; the two states

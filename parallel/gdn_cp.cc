@@ -112,6 +112,86 @@ std::function<bool()> copies_then(DeferredCopies& copies, std::function<bool()> 
   return [&copies, then = std::move(then)] { return copies.step() || (then && then()); };
 }
 
+// The backward's sums of dq, dk over the value heads of each key head (grouped value heads, G > 1): from the per
+// value head [B, S_ring, Hl, K] into [B, S_ring, Hl / G, K], key head by key head, each once its G value heads have run
+// on every row of the rank (ran()): while a message is pending (step()) and the rest at the end (finish()). Every
+// element is the sum of the same G terms in value-head order in the state dtype T, as the whole-tensor reduction it
+// replaces adds them, so results do not change. Host fp32 / fp64 tensors of one dtype. Its time is counted into the
+// copies phase.
+class KeyHeadSums {
+ public:
+  KeyHeadSums(const TensorView& dq_v, const TensorView& dk_v, const TensorView& dq, const TensorView& dk,
+              std::int64_t group, std::int64_t rows_needed, double& wall, double& cpu)
+      : dq_v_(dq_v),
+        dk_v_(dk_v),
+        dq_(dq),
+        dk_(dk),
+        group_(group),
+        rows_needed_(rows_needed),
+        ran_(static_cast<std::size_t>(dq_v.dim(2)), 0),
+        summed_(static_cast<std::size_t>(dq.dim(2)), 0),
+        wall_(wall),
+        cpu_(cpu) {
+    SEQPAR_CHECK(dq_v.dtype() == dq.dtype() && dk_v.dtype() == dk.dtype() && dq.dtype() == dk.dtype() &&
+                     (dq.dtype() == DType::kFloat32 || dq.dtype() == DType::kFloat64),
+                 "GDN CP: key-head sums of ", dq_v.str(), " into ", dq.str(), " need one fp32 / fp64 dtype");
+  }
+  // Value head h has run on `rows` more rows.
+  void ran(std::int64_t h, std::int64_t rows) { ran_[static_cast<std::size_t>(h)] += rows; }
+  // Sums the first key head whose value heads have all run and that is not summed yet; false when there is none.
+  bool step() {
+    for (std::size_t kh = 0; kh < summed_.size(); ++kh) {
+      if (summed_[kh]) continue;
+      bool ready = true;
+      for (std::int64_t e = 0; e < group_; ++e) {
+        ready = ready && ran_[kh * static_cast<std::size_t>(group_) + static_cast<std::size_t>(e)] >= rows_needed_;
+      }
+      if (!ready) continue;
+      sum(static_cast<std::int64_t>(kh));
+      return true;
+    }
+    return false;
+  }
+  // Sums every key head not summed yet.
+  void finish() {
+    for (std::size_t kh = 0; kh < summed_.size(); ++kh) {
+      if (!summed_[kh]) sum(static_cast<std::int64_t>(kh));
+    }
+  }
+
+ private:
+  void sum(std::int64_t kh) {
+    const PhaseClock clock(wall_, cpu_);
+    if (dq_.dtype() == DType::kFloat32) {
+      sum_as<float>(dq_v_, dq_, kh);
+      sum_as<float>(dk_v_, dk_, kh);
+    } else {
+      sum_as<double>(dq_v_, dq_, kh);
+      sum_as<double>(dk_v_, dk_, kh);
+    }
+    summed_[static_cast<std::size_t>(kh)] = 1;
+  }
+  template <typename T>
+  void sum_as(const TensorView& src, const TensorView& dst, std::int64_t kh) const {
+    const std::int64_t rows = src.dim(0) * src.dim(1), hl = src.dim(2), hkl = dst.dim(2), K = dst.dim(3);
+    const T* s = static_cast<const T*>(src.data());
+    T* d = static_cast<T*>(dst.data());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const T* in = s + (r * hl + kh * group_) * K;
+      T* out = d + (r * hkl + kh) * K;
+      for (std::int64_t x = 0; x < K; ++x) out[x] = in[x];
+      for (std::int64_t e = 1; e < group_; ++e) {
+        for (std::int64_t x = 0; x < K; ++x) out[x] += in[e * K + x];
+      }
+    }
+  }
+  TensorView dq_v_, dk_v_, dq_, dk_;
+  std::int64_t group_, rows_needed_;
+  std::vector<std::int64_t> ran_;
+  std::vector<char> summed_;
+  double &wall_, &cpu_;
+};
+
 // Rows [offset, offset + length) of positions along dim 1.
 std::vector<std::int64_t> row_range(std::int64_t offset, std::int64_t length) {
   std::vector<std::int64_t> rows(static_cast<std::size_t>(length));
@@ -498,6 +578,7 @@ GdnCp::GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpCo
   work_ahead_ = config.work_ahead && env::gdn_work_ahead();
   defer_copies_ = config.defer_copies && env::gdn_defer_copies();
   ahead_last_first_ = config.ahead_last_first && env::gdn_ahead_last_first();
+  lean_backward_ = config.lean_backward && env::gdn_lean_backward();
 }
 
 // The scan's bookkeeping (docs/design.md, "GDN chain and scan"). Direction +1 (forward): segment i's map takes its
@@ -1083,7 +1164,7 @@ struct GdnCp::BackwardPass {
   DType dtype;           // of q: the gradients'
   DType qk_grad_dtype;   // dq, dk before the sum over replicated key heads (the accumulation dtype when replicated)
   DType vqk_dtype;       // dq, dk of one value head: qk_grad_dtype, or the state dtype when value heads are grouped
-  Tensor& dout_h;        // [B, S_ring, Hl, V]
+  TensorView dout_h;     // [B, S_ring, Hl, V]
   Tensor& dfinal_local;  // this rank's heads of dfinal_state (undefined: zeros)
   // Gradients: dq, dk per value head ([B, S_ring, Hl, K], summed per key head at the end), dv, dg, dbeta; the
   // kernels write their heads in place (attn::gdn_backward_window).
@@ -1101,10 +1182,17 @@ struct GdnCp::BackwardPass {
     return *hm;
   }
   const Tensor& dout_head_major() {
-    if (!dout_hm.defined()) dout_hm = head_major(dout_h.view(), MemCategory::kWorkspace, stream);
+    if (!dout_hm.defined()) dout_hm = head_major(dout_h, MemCategory::kWorkspace, stream);
     return dout_hm;
   }
   AheadQueue* ahead = nullptr;  // work ahead for the pieces that wait for dS_end (set by the chain or scan)
+  KeyHeadSums* sums = nullptr;  // the key-head sums of dq, dk made as value heads finish (lean backward, G > 1)
+  // Idle work while a message is pending: the key-head sums that are ready, then the work ahead (either may be off).
+  std::function<bool()> idle() const {
+    std::function<bool()> then = ahead != nullptr ? ahead->idle() : std::function<bool()>();
+    if (sums == nullptr) return then;
+    return [s = sums, then = std::move(then)] { return s->step() || (then && then()); };
+  }
 };
 
 // The backward arguments of piece p of segment j for one value head (its inputs and dout rows, owned by the returned
@@ -1147,7 +1235,12 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   const Stream stream = groups_.stream;
   Communicator& ring = groups_.ring;
   const DType dtype = s.q.dtype();
-  Tensor dout_h = a2a.to_heads(dout);
+  // Lean backward (GdnCpConfig::lean_backward): on the host, dout read in place at ulysses_size 1, no zero fill
+  // without padding rows, the key-head sums in idle time.
+  const bool lean = lean_backward_ && alloc.device.is_cpu();
+  Tensor dout_copy;
+  if (!lean || pu > 1) dout_copy = a2a.to_heads(dout);
+  const TensorView dout_h = dout_copy.defined() ? dout_copy.view() : dout;
   Tensor dfinal_local;
   if (!dfinal_state.empty()) dfinal_local = a2a.my_heads_dim1(dfinal_state);
 
@@ -1160,15 +1253,34 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   // does (docs/design.md, "Grouped value heads").
   const std::int64_t G = s.group(), Hl = s.heads, Hkl = s.q.dim(2);
   const DType vqk_dtype = G > 1 ? s.state_dtype : qk_grad_dtype;
-  Tensor dq_v = alloc.zeros({B, sr, Hl, K}, vqk_dtype, MemCategory::kWorkspace);
-  Tensor dk_v = alloc.zeros({B, sr, Hl, K}, vqk_dtype, MemCategory::kWorkspace);
-  Tensor dv_h = alloc.zeros({B, sr, Hl, V}, dtype, MemCategory::kWorkspace);
-  Tensor dg_h = alloc.zeros({B, sr, Hl}, dtype, MemCategory::kWorkspace);
-  Tensor db_h = alloc.zeros({B, sr, Hl}, dtype, MemCategory::kWorkspace);
+  // Padding rows belong to no segment: their gradients stay 0. Every other row is written by the kernels (every value
+  // head of every piece runs), so without padding the lean backward zero-fills nothing.
+  std::int64_t segment_rows = 0;
+  for (const int i : mine_) segment_rows += segments_[i].length;
+  auto grad_buffer = [&](const Shape& shape, DType t) {
+    return lean && segment_rows == sr ? alloc.empty(shape, t, MemCategory::kWorkspace)
+                                      : alloc.zeros(shape, t, MemCategory::kWorkspace);
+  };
+  Tensor dq_v = grad_buffer({B, sr, Hl, K}, vqk_dtype);
+  Tensor dk_v = grad_buffer({B, sr, Hl, K}, vqk_dtype);
+  Tensor dv_h = grad_buffer({B, sr, Hl, V}, dtype);
+  Tensor dg_h = grad_buffer({B, sr, Hl}, dtype);
+  Tensor db_h = grad_buffer({B, sr, Hl}, dtype);
+  // Grouped value heads, lean: each key head's sum of dq, dk made once its value heads have run on every row (in
+  // idle time first), element by element as key_heads_of below does; only where no dtype conversion follows.
+  Tensor dq_k, dk_k;
+  std::optional<KeyHeadSums> sums;
+  if (lean && G > 1 && qk_grad_dtype == vqk_dtype) {
+    dq_k = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+    dk_k = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+    sums.emplace(dq_v.view(), dk_v.view(), dq_k.view(), dk_k.view(), G, segment_rows, phases_.copies,
+                 cpu_phases_.copies);
+  }
   // d(initial_state) of every document that starts in one of this rank's pieces (summed over the ring afterwards).
   Tensor dinits = alloc.zeros(s.states_shape(), s.state_dtype, MemCategory::kWorkspace);
   BackwardPass bp{s,    alloc, stream, dtype, qk_grad_dtype, vqk_dtype, dout_h, dfinal_local,
                   dq_v, dk_v,  dv_h,   dg_h,  db_h,          dinits,    {},     {}};
+  bp.sums = sums ? &*sums : nullptr;
   copies_clock.reset();
   {
     const CommMeter meter(groups_, counters_);
@@ -1193,7 +1305,11 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
     alloc.copy_convert(acc.view(), km.view().reshape({1, rows, K}));
     return km;
   };
-  if (G > 1) {
+  if (sums) {
+    sums->finish();
+    dq_v = std::move(dq_k);
+    dk_v = std::move(dk_k);
+  } else if (G > 1) {
     dq_v = key_heads_of(dq_v);
     dk_v = key_heads_of(dk_v);
   }
@@ -1273,13 +1389,14 @@ Tensor GdnCp::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, 
   attn::GdnBackwardArgs args;
   const TensorView start = p.starts_doc ? (init.defined() ? init.view() : TensorView()) : s.start[j][h].view();
   args.fwd = forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
-  args.dout = bp.dout_h.view();
+  args.dout = bp.dout_h;
   args.dfinal_state = ds_end;
   const attn::GdnWindow window{offset, p.length, h, 1};
   const bool waited = !p.ends_doc && bp.ahead != nullptr;  // the piece that waited for dS_end
   attn::gdn_backward_window(args, window, bp.dq_v.view(), bp.dk_v.view(), bp.dv_h.view(), bp.dg_h.view(),
                             bp.db_h.view(), ds_start.view(), waited ? bp.ahead->find(j, h) : nullptr, stream);
   if (waited) bp.ahead->release(j, h);
+  if (bp.sums != nullptr) bp.sums->ran(h, p.length);
   return ds_start;
 }
 
@@ -1354,7 +1471,7 @@ void GdnCp::backward_chain(BackwardPass& bp) {
     for (std::int64_t h = 0; h < H; ++h) ahead.add(jj, h, waiting_window(jj, h, true));
   }
   bp.ahead = &ahead;
-  const std::function<bool()> idle = ahead.idle();
+  const std::function<bool()> idle = bp.idle();
   for (std::size_t jj = mine_.size(); jj-- > 0;) {
     const int i = mine_[jj];
     for (std::int64_t h = 0; h < H; ++h) {
@@ -1429,7 +1546,7 @@ void GdnCp::backward_scan(BackwardPass& bp) {
   AheadQueue ahead = backward_ahead_queue(bp);
   add_scan_waits(p, -1, s.heads, ahead, true);
   bp.ahead = &ahead;
-  hooks.idle = ahead.idle();
+  hooks.idle = bp.idle();
   run_scan(p, -1, s, alloc, hooks);
 }
 

@@ -23,9 +23,16 @@
 // comparisons).
 // Last window ahead first (forward): the work ahead starts with the last window that waits (what is left of it after
 // its state arrives is the rank's tail), then the others in run order; a split window costs about a fifth more than
-// one run whole, so the windows between run whole at the sender's pace (docs/design.md, "GDN chain and
-// scan": "The last window ahead first"). Only the order of local work changes: messages, freedom from deadlock and results are as without it.
-// SEQPAR_GDN_AHEAD_LAST_FIRST=0 keeps the run order (for comparisons).
+// one run whole, so the windows between run whole at the sender's pace (docs/design.md, "GDN chain and scan": "The
+// last window ahead first"). Only the order of local work changes: messages, freedom from deadlock and results are as
+// without it. SEQPAR_GDN_AHEAD_LAST_FIRST=0 keeps the run order (for comparisons).
+// Lean backward (host tensors): at ulysses_size 1 the kernels read the caller's dout (no copy); the gradients are not
+// zero-filled when no row is padding (every row is written by a window); with grouped value heads (Hv > Hk) the sums
+// of dq, dk over the value heads of each key head are made key head by key head, each once its value heads have run on
+// every row of the rank, while a message is pending (before the work ahead), the rest after the chain or the scan.
+// Local work only: the message order, and so the freedom from deadlock, is unchanged, and each sum adds the same terms
+// in the same order (value-head order, in the state dtype), so results are bitwise the same.
+// SEQPAR_GDN_LEAN_BACKWARD=0 copies, zero-fills and sums after the chain (for comparisons).
 #pragma once
 
 #include <cstdint>
@@ -61,6 +68,10 @@ struct GdnCpConfig {
   // Forward: the work ahead starts with the last window that waits (the file comment; off also when
   // SEQPAR_GDN_AHEAD_LAST_FIRST=0). Results are bitwise the same either way.
   bool ahead_last_first = true;
+  // Backward on host tensors: dout read in place at ulysses_size 1, no zero fill without padding rows, the key-head
+  // sums of dq, dk in idle time (the file comment; off also when SEQPAR_GDN_LEAN_BACKWARD=0). Results are bitwise the
+  // same either way.
+  bool lean_backward = true;
 };
 
 // One run of consecutive tokens held by one rank in consecutive rows.
@@ -211,6 +222,7 @@ class GdnCp : public CpLayerBase {
   bool work_ahead_ = true;    // SEQPAR_GDN_WORK_AHEAD
   bool defer_copies_ = true;  // SEQPAR_GDN_DEFER_COPIES
   bool ahead_last_first_ = true;  // SEQPAR_GDN_AHEAD_LAST_FIRST
+  bool lean_backward_ = true;  // SEQPAR_GDN_LEAN_BACKWARD
 };
 
 // The configuration of ShortConvCp.

@@ -85,6 +85,11 @@ bool gdn_ahead_last_first() {
   return on;
 }
 
+bool gdn_lean_backward() {
+  static const bool on = switch_on("SEQPAR_GDN_LEAN_BACKWARD");
+  return on;
+}
+
 LogLevel log_level() {
   static const LogLevel level = [] {
     const std::string raw = get_string("SEQPAR_LOG_LEVEL", "warn");

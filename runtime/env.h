@@ -25,6 +25,9 @@ bool gdn_defer_copies();
 // GDN context parallelism's forward work ahead, last waiting window first: SEQPAR_GDN_AHEAD_LAST_FIRST = 0 | 1, the
 // same rules.
 bool gdn_ahead_last_first();
+// GDN context parallelism's lean backward (no dout copy or zero fill where not needed, key-head sums in idle time):
+// SEQPAR_GDN_LEAN_BACKWARD = 0 | 1, the same rules.
+bool gdn_lean_backward();
 
 // Raw readers; `name` includes the SEQPAR_ prefix. Values are cached after the first read of each name.
 std::int64_t get_int(const char* name, std::int64_t fallback);

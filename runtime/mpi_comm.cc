@@ -308,6 +308,7 @@ MpiSession::MpiSession(int* argc, char*** argv) {
   env::gdn_work_ahead();
   env::gdn_defer_copies();
   env::gdn_ahead_last_first();
+  env::gdn_lean_backward();
   host_cache_limit();  // SEQPAR_HOST_CACHE_MB (it was read at the first large host allocation, after messages)
   int world_size = 1;
   SEQPAR_CHECK_MPI(MPI_Comm_size(MPI_COMM_WORLD, &world_size));

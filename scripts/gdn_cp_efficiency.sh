@@ -14,6 +14,7 @@
 #   AB=1 scripts/gdn_cp_efficiency.sh       # each run twice, without and with the work ahead (SEQPAR_GDN_WORK_AHEAD
 #                                           # 0 then 1, back to back): a table per setting
 #   AB=1 AB_VAR=SEQPAR_GDN_DEFER_COPIES scripts/gdn_cp_efficiency.sh   # the same for another 0 / 1 knob
+#   AB=1 AB_VAR=SEQPAR_GDN_LEAN_BACKWARD scripts/gdn_cp_efficiency.sh  # (the backward's copies and key-head sums)
 #
 # Environment: SEQPAR_BUILD_DIR (default build; sp_bench must be built), ROUNDS (3), SEQ (8192), ITERS (3),
 # FULL (0), HV8 (0), ONLY (all), AB (0), AB_VAR (SEQPAR_GDN_WORK_AHEAD), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).

@@ -337,6 +337,37 @@ TEST(GdnCp, AheadLastFirstChangesNoBit) {
                         });
 }
 
+// The lean backward (GdnCpConfig::lean_backward: dout read in place, no zero fill without padding, the key-head sums
+// of dq, dk in idle time) against the backward that copies, zero-fills and sums at the end: the same gradients to the
+// bit. The run_switch_off_and_on problem has 2 value heads per key head; here also 4 and 1 (no key-head sum). Padded
+// lengths (the zero fill kept) are test_gdn_cp_packed's, which checks the padding rows' gradients are 0.
+TEST(GdnCp, LeanBackwardChangesNoBit) {
+  run_switch_off_and_on([](GdnCpConfig& cfg, bool on) { cfg.lean_backward = on; },
+                        [](const GdnCpRun& off, const GdnCpRun& on, const std::string& name) {
+                          expect_bitwise_equal(on, off, name + ", lean backward against copies first:");
+                        });
+  const int n = world().size();
+  CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  for (GdnCpMode mode : {GdnCpMode::kChain, GdnCpMode::kScan}) {
+    for (LayoutKind layout : {LayoutKind::kContiguous, LayoutKind::kZigzag}) {
+      for (const auto& [seq, key_heads] : {std::pair<std::int64_t, std::int64_t>{48 * n, 1}, {40 * n, kH}}) {
+        const GdnCase c{mode, layout, 1, true, true, seq, key_heads};
+        const GdnProblem p(c);
+        auto run = [&](bool on) {
+          GdnCpConfig cfg;
+          cfg.mode = mode;
+          cfg.chunk_size = 8;
+          cfg.lean_backward = on;
+          return run_gdn_cp(groups, p, c.seq, layout, cfg);
+        };
+        const GdnCpRun off = run(false), on = run(true);
+        expect_bitwise_equal(on, off, str_cat(case_name(c), " rank ", grid.ring().rank(), ", lean against not:"));
+      }
+    }
+  }
+}
+
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
   CpGrid grid(world(), test::ring_over_world());
