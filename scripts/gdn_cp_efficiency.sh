@@ -17,7 +17,9 @@
 #   AB=1 AB_VAR=SEQPAR_GDN_LEAN_BACKWARD scripts/gdn_cp_efficiency.sh  # (the backward's copies and key-head sums)
 #
 # Environment: SEQPAR_BUILD_DIR (default build; sp_bench must be built), ROUNDS (3), SEQ (8192), ITERS (3),
-# FULL (0), HV8 (0), ONLY (all), AB (0), AB_VAR (SEQPAR_GDN_WORK_AHEAD), MPIRUN_ARGS (extra mpirun flags, e.g. --allow-run-as-root).
+# FULL (0), HV8 (0), ONLY (all), AB (0), AB_VAR (SEQPAR_GDN_WORK_AHEAD), MPIRUN_ARGS (extra mpirun flags, e.g.
+# --allow-run-as-root), KEEP_JSON (a directory: every run's sp_bench JSON is kept there, CONFIG.ROUND.SETTING.json,
+# CONFIG the configuration's index; default: a temporary directory, removed).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${SEQPAR_BUILD_DIR:-$root/build}
@@ -73,8 +75,13 @@ ab_var=${AB_VAR:-SEQPAR_GDN_WORK_AHEAD}
 settings=(-)
 [ "${AB:-0}" = 1 ] && settings=(0 1)
 
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
+if [ -n "${KEEP_JSON:-}" ]; then
+  out=$KEEP_JSON
+  mkdir -p "$out"
+else
+  out=$(mktemp -d)
+  trap 'rm -rf "$out"' EXIT
+fi
 echo "# gdn_cp_efficiency.sh: S $seq, 2 ranks, 1 thread each, $rounds rounds x ${#configs[@]} configurations," \
   "$iters timed iterations per run; commit $(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)," \
   "$(date -u +%FT%TZ), $(OMP_NUM_THREADS= nproc) cores"
