@@ -179,18 +179,24 @@ TEST(SpPlanTiles, ProfileBlock) {
   EXPECT_FALSE(profile_from_json(j, "no tiles").mha_tiles.present);
 }
 
-// The "ulysses" block: every input crossing a Ulysses all-to-all (q, k, v; dq, dk, dv) copied before and after it,
-// the output (out; dout) after it only, read and written: 2 e (S / (P Pu)) D (3 Hq + 4 max(Hkv, Pu)) bytes per phase
-// at the memory bandwidth; no copies without a Ulysses group; read and written back; needs the memory bandwidth.
-TEST(SpPlanTiles, UlyssesLayoutPassAddsItsBytes) {
+// A profile with one flat MHA rate (1 TFLOP/s), links of the given latency (100 and 10 GB/s) and 2 TB/s of memory.
+DeviceProfile flat_profile(double latency_s) {
   DeviceProfile p;
   p.name = "flat";
   p.note = "test";
   for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
-  p.intra = {0, 1e11, "test"};
-  p.inter = {0, 1e10, "test"};
+  p.intra = {latency_s, 1e11, "test"};
+  p.inter = {latency_s, 1e10, "test"};
   p.memory_bandwidth_bps = 2e12;
   p.device_source = "test";
+  return p;
+}
+
+// The "ulysses" block: every input crossing a Ulysses all-to-all (q, k, v; dq, dk, dv) copied before and after it,
+// the output (out; dout) after it only, read and written: 2 e (S / (P Pu)) D (3 Hq + 4 max(Hkv, Pu)) bytes per phase
+// at the memory bandwidth; no copies without a Ulysses group; read and written back; needs the memory bandwidth.
+TEST(SpPlanTiles, UlyssesLayoutPassAddsItsBytes) {
+  DeviceProfile p = flat_profile(0);
   const std::int64_t S = 4096, Hq = 8, Hkv = 2, D = 64;
   for (const int pu : {1, 4}) {
     PlanInput in;
@@ -261,11 +267,6 @@ TEST(SpPlanTiles, IntraP2pBandwidthTimesTheRingInsideANode) {
   EXPECT_THROW(profile_from_json(j, "negative"), Error);
 }
 
-}  // namespace
-}  // namespace seqpar::bench::plan
-
-namespace seqpar::bench::plan {
-namespace {
 
 // The passes around a FlashAttention-3 varlen call, tensor by tensor (e storage bytes, Q query rows, K key rows):
 // forward, q gathered (read, write), k and v gathered, out zero-filled then scattered (read, write), the fp32 lse
@@ -293,14 +294,7 @@ TEST(SpPlanTiles, UnpadPadBytesTensorByTensor) {
 // query read and output collect, and its backward's dk, dv zero-filled at the whole row) gain exactly their calls'
 // bytes at the memory bandwidth; read and written back; needs the memory bandwidth.
 TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
-  DeviceProfile p;
-  p.name = "flat";
-  p.note = "test";
-  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
-  p.intra = {0, 1e11, "test"};
-  p.inter = {0, 1e10, "test"};
-  p.memory_bandwidth_bps = 2e12;
-  p.device_source = "test";
+  DeviceProfile p = flat_profile(0);
   const double bw = 2e12;
   PlanInput in;
   in.problem_flags = {"--attn",     "mha", "--heads", "8",  "--kv-heads", "2",        "--head-dim",
@@ -350,11 +344,6 @@ TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
   EXPECT_THROW(profile_from_json(j, "no source"), Error);
 }
 
-}  // namespace
-}  // namespace seqpar::bench::plan
-
-namespace seqpar::bench::plan {
-namespace {
 
 // The H200 and GB200 profiles' tiles reproduce their own mha curves (the paper's benchmark call, as
 // FitReproducesTheCurve for the H100: within 5 % at every point, forward and backward), and the causal forward at
@@ -391,11 +380,6 @@ TEST(SpPlanTiles, H200AndGb200CarryTheSettings) {
   }
 }
 
-}  // namespace
-}  // namespace seqpar::bench::plan
-
-namespace seqpar::bench::plan {
-namespace {
 
 // ring.storage_dtype_gradients: the ring p2p's travelling dK/dV block is the K/V block's size (bf16), not twice it
 // (fp32): without overlap the backward pays P - 1 blocks in the steps and one on the way home, so it moves by P x
@@ -403,14 +387,7 @@ namespace {
 // dq, dk, dv (backward: three passes) move from 4 to 2 bytes an element. A ring of 4 across 4 nodes, no mask (every
 // rank alike); read and written back.
 TEST(SpPlanTiles, StorageDtypeGradientsHalveTheGradientBlock) {
-  DeviceProfile p;
-  p.name = "flat";
-  p.note = "test";
-  for (const char* k : {"mha_fwd", "mha_bwd"}) p.kernels[k] = {{{1.0, 1e12}}, "test"};
-  p.intra = {1e-6, 1e11, "test"};
-  p.inter = {1e-6, 1e10, "test"};
-  p.memory_bandwidth_bps = 2e12;
-  p.device_source = "test";
+  DeviceProfile p = flat_profile(1e-6);
   p.ring_transfer_overlaps_compute = false;
   p.ring_source = "test";
   const int P = 4;
