@@ -267,7 +267,6 @@ TEST(SpPlanTiles, IntraP2pBandwidthTimesTheRingInsideANode) {
   EXPECT_THROW(profile_from_json(j, "negative"), Error);
 }
 
-
 // The passes around a FlashAttention-3 varlen call, tensor by tensor (e storage bytes, Q query rows, K key rows):
 // forward, q gathered (read, write), k and v gathered, out zero-filled then scattered (read, write), the fp32 lse
 // filled then scattered; backward, q, out, dout, k, v and the lse gathered, dq, dk, dv zero-filled and scattered.
@@ -297,8 +296,8 @@ TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
   DeviceProfile p = flat_profile(0);
   const double bw = 2e12;
   PlanInput in;
-  in.problem_flags = {"--attn",     "mha", "--heads", "8",  "--kv-heads", "2",        "--head-dim",
-                      "64",         "--seq", "8K",    "--dtype", "bf16", "--causal"};
+  in.problem_flags = {"--attn", "mha",   "--heads", "8",       "--kv-heads", "2",       "--head-dim",
+                      "64",     "--seq", "8K",      "--dtype", "bf16",       "--causal"};
   in.world_size = in.devices_per_node = 4;
   in.only_configs = {"u4xr1 zigzag p2p", "u1xr4 zigzag allgather"};
   const std::vector<PlanRow> base = plan(in, p);
@@ -307,8 +306,8 @@ TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
   const std::vector<PlanRow> with = plan(in, p);
   ASSERT_EQ(base.size(), 2u);
   for (const PlanRow& b : base) {
-    const auto w = std::find_if(with.begin(), with.end(),
-                                [&](const PlanRow& x) { return x.config.name() == b.config.name(); });
+    const auto w =
+        std::find_if(with.begin(), with.end(), [&](const PlanRow& x) { return x.config.name() == b.config.name(); });
     ASSERT_NE(w, with.end());
     std::vector<TileSeq> calls;
     int hq = 8, hkv = 2;
@@ -326,7 +325,8 @@ TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
     // and its backward zero-fills dk, dv at all 8192 gathered rows per half, not the half's c and 8c key rows.
     const double zero_fill = b.config.ulysses_size == 4 ? 0.0 : 2.0 * 2 * 2 * 64 * (2 * 8192 - 9 * 1024);
     EXPECT_NEAR(w->prediction.forward_s - b.prediction.forward_s,
-                (unpad_pad_bytes(false, calls, hq, hkv, 64, 2) + 4 * 2 * halves) / bw, 1e-12) << b.config.name();
+                (unpad_pad_bytes(false, calls, hq, hkv, 64, 2) + 4 * 2 * halves) / bw, 1e-12)
+        << b.config.name();
     EXPECT_NEAR(w->prediction.backward_s - b.prediction.backward_s,
                 (unpad_pad_bytes(true, calls, hq, hkv, 64, 2) + 6 * 2 * halves + zero_fill) / bw, 1e-12)
         << b.config.name();
@@ -344,7 +344,6 @@ TEST(SpPlanTiles, Fa3UnpadPadPassAddsItsBytes) {
   EXPECT_THROW(profile_from_json(j, "no source"), Error);
 }
 
-
 // The H200 and GB200 profiles' tiles reproduce their own mha curves (the paper's benchmark call, as
 // FitReproducesTheCurve for the H100: within 5 % at every point, forward and backward), and the causal forward at
 // the H100's published causal rates times the profile's curve ratio (1 for the H200, Blackwell's peak ratio for the
@@ -361,8 +360,7 @@ TEST(SpPlanTiles, H200AndGb200CarryTheSettings) {
     EXPECT_EQ(p.intra_p2p_bandwidth_bps, h100.intra_p2p_bandwidth_bps) << name;
     EXPECT_EQ(p.fa3_unpad_pad_pass, std::string(name) == "h200.json") << name;
     EXPECT_FALSE(p.fa3_calls_source.empty()) << name;
-    const double ratio =
-        p.kernel("mha_fwd").points.back().second / h100.kernel("mha_fwd").points.back().second;
+    const double ratio = p.kernel("mha_fwd").points.back().second / h100.kernel("mha_fwd").points.back().second;
     const double plateau_f = p.kernel("mha_fwd").points.back().second,
                  plateau_b = p.kernel("mha_bwd").points.back().second;
     for (std::size_t i = 0; i < L.size(); ++i) {
@@ -379,7 +377,6 @@ TEST(SpPlanTiles, H200AndGb200CarryTheSettings) {
     }
   }
 }
-
 
 // ring.storage_dtype_gradients: the ring p2p's travelling dK/dV block is the K/V block's size (bf16), not twice it
 // (fp32): without overlap the backward pays P - 1 blocks in the steps and one on the way home, so it moves by P x
