@@ -319,6 +319,7 @@ int sp_plan_main(int argc, char** argv) {
     ("tp", "tensor parallelism inside each CP rank: splits the heads and the linear FLOPs", cxxopts::value<int>()->default_value("1"))
     ("threads", "--threads of the sp_bench runs", cxxopts::value<int>()->default_value("1"))
     ("no-oversubscribe", "exclude configurations with more ranks x threads than the profile's cores")
+    ("ring-function-at-one", "a ring of one still pays the profile's ring copy passes (an implementation that runs its ring function whatever the ring size)")
     ("json", "also write the plan as JSON to FILE", cxxopts::value<std::string>())
     ("calibrate", "measure this machine's profile and write it to FILE", cxxopts::value<std::string>())
     ("calibrate-min-time", "seconds per kernel_bench configuration", cxxopts::value<double>()->default_value("0.3"))
@@ -376,6 +377,7 @@ int sp_plan_main(int argc, char** argv) {
   in.layers = r["layers"].as<int>();
   in.linear_flops_per_token = r["linear-flops-per-token"].as<double>();
   in.tp = r["tp"].as<int>();
+  in.ring_function_at_one = r.count("ring-function-at-one") > 0;
   if (r.count("configs")) in.only_configs = r["configs"].as<std::vector<std::string>>();
   in.oversubscribed_ok = !r.count("no-oversubscribe");
   const DeviceProfile profile = load_profile(r["profile"].as<std::string>());

@@ -101,6 +101,12 @@ struct DeviceProfile {
   // reduce-scatter) are kept in the storage dtype, not the accumulator dtype: the transfer time of the gradient blocks
   // and the merge pass's bytes use storage bytes (the byte counts reported stay seqpar's own, accumulator dtype).
   bool ring_storage_dtype_gradients = false;
+  // copy_passes: the ring function's copies besides the per-step merge, at the memory bandwidth on the compute
+  // stream (bytes per rank over its B S / P rows; ring_copy_pass_bytes): forward, K and V concatenated into the first
+  // send buffer, out zero-filled, the first lse cloned and step 0's output folded in like every later step's;
+  // backward, K and V copied into the first buffer, step 0's dq, dk, dv copied into the accumulators, and every
+  // step's dk, dv concatenated before their update. For a ring of one only when PlanInput::ring_function_at_one.
+  bool ring_copy_passes = false;
   std::string ring_source;
   // MHA's kernel as tiles (JSON block "mha_tiles", sp_plan_tiles.h; absent: the curves alone): when present, an MHA
   // call of the zigzag layout's ring steps, of the all-gather's halves or of a ring of one costs what its tiles cost,
@@ -152,7 +158,10 @@ struct PlanInput {
   double linear_flops_per_token = 0;
   int tp = 1;
   std::vector<std::string> only_configs;  // when not empty: plan only the configurations of these names
-  bool oversubscribed_ok = true;          // CPU: allow more ranks x threads than cores (marked in the output)
+  // A ring of one (ring_size 1) still runs the ring function and pays its copy passes (DeviceProfile's
+  // ring_copy_passes), as an implementation that calls its ring whatever the ring size does (--ring-function-at-one).
+  bool ring_function_at_one = false;
+  bool oversubscribed_ok = true;  // CPU: allow more ranks x threads than cores (marked in the output)
 };
 
 // One configuration: the grid and the algorithm choices sp_bench takes as flags.

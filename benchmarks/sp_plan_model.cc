@@ -171,6 +171,7 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     p.ring_transfer_overlaps_compute = flag("transfer_overlaps_compute", true);
     p.ring_merge_pass = flag("merge_pass", false);
     p.ring_storage_dtype_gradients = flag("storage_dtype_gradients", false);
+    p.ring_copy_passes = flag("copy_passes", false);
     p.ring_source = source_text(r, what + ": ring");
   }
   if (j.contains("ulysses")) {
@@ -227,6 +228,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   SEQPAR_CHECK(!p.ring_merge_pass || p.memory_bandwidth_bps > 0, what,
                ": ring.merge_pass is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
                " (the merge pass runs at the memory bandwidth: give it, > 0)");
+  SEQPAR_CHECK(!p.ring_copy_passes || p.memory_bandwidth_bps > 0, what,
+               ": ring.copy_passes is true but device.memory_bandwidth_bytes_per_s is ", p.memory_bandwidth_bps,
+               " (the copies run at the memory bandwidth: give it, > 0)");
   return p;
 }
 
@@ -267,6 +271,7 @@ nlohmann::json profile_json(const DeviceProfile& p) {
     j["ring"] = {{"transfer_overlaps_compute", p.ring_transfer_overlaps_compute},
                  {"merge_pass", p.ring_merge_pass},
                  {"storage_dtype_gradients", p.ring_storage_dtype_gradients},
+                 {"copy_passes", p.ring_copy_passes},
                  {"source", p.ring_source}};
   }
   if (p.mha_tiles.present) j["mha_tiles"] = tiles_json(p.mha_tiles);
@@ -603,6 +608,11 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   const bool tiles = prof.mha_tiles.present && (P == 1 || o.layout == LayoutKind::kZigzag);
   // profile.fa3_unpad_pad_pass: each call's gathers and scatters (and a p2p step's half reads) at the memory bandwidth.
   const bool unpad = prof.fa3_unpad_pad_pass && (P == 1 || o.layout == LayoutKind::kZigzag);
+  // profile.ring_copy_passes: the ring function's copies over the rank's B S / P rows (ring_copy_pass_bytes).
+  const bool copy_passes = prof.ring_copy_passes && o.impl == RingImpl::kP2P && (P > 1 || in.ring_function_at_one);
+  const double copy_rows = static_cast<double>(o.batch) * static_cast<double>(layout.padded_len()) / P,
+               hq_copy = static_cast<double>(o.heads) / pu,
+               hkv_copy = static_cast<double>(std::max<std::int64_t>(o.kv_heads, pu)) / pu;
   const auto slot_cu = layout.slot_cu_seqlens();
   const int hq_rank = static_cast<int>(o.heads / pu),
             hkv_rank = static_cast<int>(std::max<std::int64_t>(o.kv_heads, pu) / pu);
@@ -643,6 +653,13 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         }
         // Every later step with work folds its partial result into the running one (profile.ring_merge_pass).
         if (s > 0 && f > 0 && o.impl == RingImpl::kP2P) c[r][s] += bwd ? merge_bwd_s : merge_fwd_s;
+        // The ring function's copies (profile.ring_copy_passes; a ring of one only with in.ring_function_at_one).
+        if (copy_passes && (s == 0 || f > 0))
+          c[r][s] += slow *
+                     ring_copy_pass_bytes(bwd, s == 0, copy_rows, hq_copy, hkv_copy, o.head_dim,
+                                          static_cast<double>(vs.storage_bytes), grad_bytes,
+                                          static_cast<double>(vs.accum_bytes)) /
+                     prof.memory_bandwidth_bps;
       }
     }
     double a2a = a2a_s(static_cast<double>(bwd ? vol.a2a_backward : vol.a2a_forward));

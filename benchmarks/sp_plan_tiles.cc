@@ -93,6 +93,13 @@ double half_read_bytes(bool bwd, const std::vector<TileSeq>& seqs, int heads, in
   return ed * ((bwd ? 6.0 : 2.0) * q * heads + 4.0 * k * kv_heads);
 }
 
+double ring_copy_pass_bytes(bool bwd, bool first_step, double rows, double hq, double hkv, int head_dim,
+                            double elem_bytes, double grad_bytes, double lse_bytes) {
+  const double e = elem_bytes, a = grad_bytes, l = lse_bytes, D = head_dim;
+  if (!bwd) return first_step ? rows * (4 * e * hkv * D + hq * (D * (e + 3 * a) + 2 * l)) : 0.0;
+  return first_step ? rows * D * (8 * e * hkv + 2 * a * hq + 4 * a * hkv) : rows * 4 * e * hkv * D;
+}
+
 namespace {
 
 TilePhase phase_from_json(const nlohmann::json& j, const std::string& what) {

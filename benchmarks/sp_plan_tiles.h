@@ -66,6 +66,18 @@ double unpad_pad_bytes(bool bwd, const std::vector<TileSeq>& seqs, int heads, in
 double half_read_bytes(bool bwd, const std::vector<TileSeq>& seqs, int heads, int kv_heads, int head_dim,
                        double elem_bytes);
 
+// The ring function's copy passes of MagiAttention's ring baselines (exps/dist_attn/baselines/ring_attn.py,
+// FA3RingAttnFunc and TERingAttnFunc), in bytes, over the rank's `rows` rows of hq query and hkv key heads of
+// head_dim columns; e storage bytes, a the running out's and the gradients' bytes, l the lse's. Forward, at the first
+// step only: K and V concatenated into the first send buffer (torch.cat: 4 e hkv D a row), out zero-filled
+// (torch.zeros_like(q): a hq D), the first lse cloned (2 l hq) and step 0's output folded in by thd_out_correction,
+// which runs for every step (e + 2 a) hq D: rows (4 e hkv D + hq (D (e + 3 a) + 2 l)); later steps nothing (their merge
+// is the merge pass). Backward, first step: K and V copied into the first buffer (4 e hkv D), step 0's dq, dk, dv
+// copied into the accumulators (2 a hq D + 4 a hkv D) and its dk, dv concatenated (4 e hkv D): rows D (8 e hkv + 2 a hq
+// + 4 a hkv); every later step: its dk, dv concatenated before their update (torch.cat: rows 4 e hkv D).
+double ring_copy_pass_bytes(bool bwd, bool first_step, double rows, double hq, double hkv, int head_dim,
+                            double elem_bytes, double grad_bytes, double lse_bytes);
+
 // The "mha_tiles" block: {"fwd": {...}, "bwd": {...}, "source": ...}; each phase block_m, block_n, causal_block_m,
 // causal_block_n (> 0), unit_flops_per_s (> 0), overhead_blocks (>= 0), causal_unit_flops_per_s and
 // causal_overhead_blocks (optional, the same rules; default the values without a mask), pack_gqa (optional, false).

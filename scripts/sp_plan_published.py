@@ -43,6 +43,17 @@ def config_of(method, cp):
             "usp": f"u{min(cp, GPUS_PER_NODE)}xr{max(1, cp // GPUS_PER_NODE)} zigzag p2p"}[method]
 
 
+# MagiAttention's USP runs its ring function (FA3RingAttnFunc) whatever the ring size, a ring of one at CP 8 included
+# (usp.py apply_attn); Ulysses calls the kernel directly. sp_plan charges the ring function's copy passes
+# (profile ring.copy_passes) to a ring of one only with --ring-function-at-one, so USP is planned in its own call.
+EXTRA = {"usp": ["--ring-function-at-one"]}
+
+
+def label_of(method, cp):
+    """The configuration and the flags it is planned with: USP at CP 8 is Ulysses' grid plus the ring function."""
+    return config_of(method, cp) + (" +ring-function" if method in EXTRA and cp <= GPUS_PER_NODE else "")
+
+
 def magi_packs(bins, pack_len, seed, chunk_ratio, count):
     """The varlen packs of MagiAttention's benchmark, as its DatasetSampler makes them (SandAI-org/MagiAttention,
     exps/dist_attn/benchmark/utils.py at commit 2c64135; benchmark_conf.py: seed 42, 20 packs, chunk_ratio 0.25):
@@ -103,7 +114,6 @@ def magi(sp_plan, profile, published, cps, tmp):
             seq = cp * PER_GPU
             packs = (magi_packs(published["doc_length_bins"], seq, vp["seed"], vp["chunk_ratio"], vp["packs"])
                      if mask == "varlen_causal" else [[]])
-            configs = sorted({config_of(m, cp) for m in METHODS})
             tflops = {(phase, m): [] for phase in ("fwd", "bwd") for m in METHODS}
             for docs in packs:
                 problem = ["--attn", "mha", "--heads", str(HQ), "--kv-heads", str(HKV), "--head-dim", str(D),
@@ -111,12 +121,16 @@ def magi(sp_plan, profile, published, cps, tmp):
                 problem += ["--doc-lens", ",".join(map(str, docs))] if docs else ["--seq", str(seq)]
                 if mask != "full":
                     problem.append("--causal")
-                pred = run_plan(sp_plan, profile, cp, max(1, cp // GPUS_PER_NODE), min(cp, GPUS_PER_NODE), configs,
-                                problem, [], tmp)
+                pred = {}
+                for extra in ([], *EXTRA.values()):
+                    ms = [m for m in METHODS if EXTRA.get(m, []) == extra]
+                    got = run_plan(sp_plan, profile, cp, max(1, cp // GPUS_PER_NODE), min(cp, GPUS_PER_NODE),
+                                   sorted({config_of(m, cp) for m in ms}), problem, extra, tmp)
+                    pred.update({m: got[config_of(m, cp)] for m in ms})
                 fwd_flops = 4.0 * mask_pairs(mask, seq, docs) * HQ * D
                 for phase, flops in (("fwd", fwd_flops), ("bwd", 2.5 * fwd_flops)):
                     for m in METHODS:
-                        p = pred[config_of(m, cp)]
+                        p = pred[m]
                         t = p["forward_s"] if phase == "fwd" else p["backward_s"]
                         tflops[(phase, m)].append(flops / (t * cp) / 1e12)
             for phase in ("fwd", "bwd"):
@@ -124,7 +138,7 @@ def magi(sp_plan, profile, published, cps, tmp):
                 for m in METHODS:
                     per_pack = tflops[(phase, m)]
                     predicted = sum(per_pack) / len(per_pack)
-                    rows.append({"mask": mask, "phase": phase, "cp": cp, "method": m, "config": config_of(m, cp),
+                    rows.append({"mask": mask, "phase": phase, "cp": cp, "method": m, "config": label_of(m, cp),
                                  "published_tflops": pub[m][str(cp)], "predicted_tflops": predicted,
                                  "error": predicted / pub[m][str(cp)] - 1,
                                  "packs": len(packs) if packs[0] else 0,
@@ -135,7 +149,8 @@ def magi(sp_plan, profile, published, cps, tmp):
 
 def published_spread(rows):
     """Per (mask, phase): the published figures' own spread, |ulysses - usp| / the larger at CP 8, where both methods
-    run one configuration (Ulysses over the 8 GPUs of the node): two measurements of the same thing."""
+    run one grid (Ulysses over the 8 GPUs of the node; USP adds only its ring function's copies, ring.copy_passes):
+    an upper bound on what two measurements of the same thing differ by."""
     out = {}
     for r in rows:
         if r["cp"] == 8 and r["method"] == "ulysses":
@@ -161,7 +176,7 @@ def order_agreement(rows):
             for j in range(i + 1, len(rs)):
                 a, b = rs[i], rs[j]
                 if a["config"] == b["config"]:
-                    continue  # USP at CP 8 is Ulysses over the node: one configuration
+                    continue  # one configuration planned twice (none now: USP at CP 8 carries its ring function)
                 total += 1
                 dp = a["published_tflops"] - b["published_tflops"]
                 dq = a["predicted_tflops"] - b["predicted_tflops"]

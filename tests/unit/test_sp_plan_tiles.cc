@@ -414,5 +414,59 @@ TEST(SpPlanTiles, StorageDtypeGradientsHalveTheGradientBlock) {
   EXPECT_THROW(profile_from_json(j, "not a flag"), Error);
 }
 
+// ring.copy_passes: the ring function's copies (ring_copy_pass_bytes), bf16 with bf16 gradients (e = a = 2, the lse
+// 4): the forward adds, at step 0 only, rows (4 e Hkv D + Hq (D (e + 3 a) + 2 l)) (K and V concatenated, out zeroed,
+// the lse cloned, step 0's output folded in); the backward rows D (8 e Hkv + 2 a Hq + 4 a Hkv) at step 0 (K and V
+// copied, dq, dk, dv copied, dk, dv concatenated) and rows 4 e Hkv D at each of the P - 1 later steps; at the memory
+// bandwidth, not overlapped (a ring of 4 across 4 nodes, no mask: every rank alike). The all-gather pays none; a ring
+// of one (Ulysses 2) pays them only with ring_function_at_one, over its S rows of Hq / 2 and Hkv / 2 heads. Read and
+// written back; not a flag, or no memory bandwidth: refused.
+TEST(SpPlanTiles, RingCopyPassesAddTheirBytes) {
+  DeviceProfile p = flat_profile(1e-6);
+  p.ring_transfer_overlaps_compute = false;
+  p.ring_storage_dtype_gradients = true;
+  p.ring_source = "test";
+  const double S = 8192, Hq = 4, Hkv = 2, D = 64, e = 2, a = 2, l = 4, bw = 2e12;
+  const auto fwd_bytes = [&](double rows, double hq, double hkv) {
+    return rows * (4 * e * hkv * D + hq * (D * (e + 3 * a) + 2 * l));
+  };
+  const auto bwd_bytes = [&](double rows, double hq, double hkv, int P) {
+    return rows * D * (8 * e * hkv + 2 * a * hq + 4 * a * hkv) + (P - 1) * rows * 4 * e * hkv * D;
+  };
+  PlanInput in;
+  in.problem_flags = {"--attn",     "mha", "--heads", "4",  "--kv-heads", "2",
+                      "--head-dim", "64",  "--seq",   "8K", "--dtype",    "bf16"};
+  in.world_size = in.nodes = 4;
+  in.devices_per_node = 1;
+  for (const std::string impl : {"p2p", "allgather"}) {
+    in.only_configs = {"u1xr4 zigzag " + impl};
+    p.ring_copy_passes = false;
+    const Prediction off = plan(in, p).front().prediction;
+    p.ring_copy_passes = true;
+    const Prediction on = plan(in, p).front().prediction;
+    const bool p2p = impl == "p2p";
+    EXPECT_NEAR(on.forward_s - off.forward_s, p2p ? fwd_bytes(S / 4, Hq, Hkv) / bw : 0.0, 1e-12) << impl;
+    EXPECT_NEAR(on.backward_s - off.backward_s, p2p ? bwd_bytes(S / 4, Hq, Hkv, 4) / bw : 0.0, 1e-12) << impl;
+  }
+  in.world_size = in.devices_per_node = 2;
+  in.nodes = 1;
+  in.only_configs = {"u2xr1 zigzag p2p"};
+  p.ring_copy_passes = false;
+  const Prediction ulysses = plan(in, p).front().prediction;
+  p.ring_copy_passes = true;
+  EXPECT_EQ(plan(in, p).front().prediction.forward_s, ulysses.forward_s);
+  in.ring_function_at_one = true;
+  const Prediction usp = plan(in, p).front().prediction;
+  EXPECT_NEAR(usp.forward_s - ulysses.forward_s, fwd_bytes(S, Hq / 2, Hkv / 2) / bw, 1e-12);
+  EXPECT_NEAR(usp.backward_s - ulysses.backward_s, bwd_bytes(S, Hq / 2, Hkv / 2, 1) / bw, 1e-12);
+  EXPECT_TRUE(profile_from_json(profile_json(p), "round trip").ring_copy_passes);
+  nlohmann::json j = profile_json(p);
+  j["ring"]["copy_passes"] = "yes";
+  EXPECT_THROW(profile_from_json(j, "not a flag"), Error);
+  j = profile_json(p);
+  j["device"]["memory_bandwidth_bytes_per_s"] = 0;
+  EXPECT_THROW(profile_from_json(j, "no bandwidth"), Error);
+}
+
 }  // namespace
 }  // namespace seqpar::bench::plan
