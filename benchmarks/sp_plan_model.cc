@@ -133,7 +133,8 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                what, ": field \"links\" must hold \"intra\" and \"inter\"");
   p.intra = link_from_json(j["links"]["intra"], what + ": links.intra");
   p.inter = link_from_json(j["links"]["inter"], what + ": links.inter");
-  p.intra_p2p_bandwidth_bps = j["links"]["intra"].value("p2p_bandwidth_bytes_per_s", 0.0);
+  p.intra_p2p_bandwidth_bps =
+      optional_number(j["links"]["intra"], "p2p_bandwidth_bytes_per_s", 0.0, what + ": links.intra");
   SEQPAR_CHECK(p.intra_p2p_bandwidth_bps >= 0, what, ": links.intra.p2p_bandwidth_bytes_per_s ",
                p.intra_p2p_bandwidth_bps, " must be >= 0 (0: links.intra's bandwidth)");
   const double ranks_per_nic = optional_number(j["links"], "ranks_per_nic", 1, what + ": links");

@@ -380,6 +380,9 @@ TEST(SpPlanProfile, ScalarFieldsTypedAndInRange) {
   j["links"]["ranks_per_nic"] = "2";
   refused(j, "p: links: field \"ranks_per_nic\" must be a number");
   j = good;
+  j["links"]["intra"]["p2p_bandwidth_bytes_per_s"] = "80e9";
+  refused(j, "p: links.intra: field \"p2p_bandwidth_bytes_per_s\" must be a number (is \"80e9\")");
+  j = good;
   j["name"] = 5;
   refused(j, "p: field \"name\" must be a string");
   refused(nlohmann::json::array({1}), "p: must be a JSON object (is array)");
