@@ -108,6 +108,11 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     const char* seqs;
     const char* extra;
   };
+  // The node's cores all busy: as many copies of each kernel_bench run at once as the node has cores for `threads`
+  // each; the ratio of their times to the run alone is the kind's shared_node slowdown (DeviceProfile::SharedNode).
+  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+  const int busy_copies = std::max(1, hw / threads);
+  std::string busy_note;
   // Shapes of the head sizes the comparison in docs/results.md plans (the curves are per FLOPs of a call; the
   // sequence lengths span the calls of 1 to 4 ranks).
   for (const Run& r : {Run{"mha", "256,512,1024,2048", "--dim 64 --hq 8 --hkv 8 --mask causal"},
@@ -177,6 +182,52 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     }
     p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
     p.kernels[str_cat(r.kernel, "_bwd")] = bwd;
+    if (busy_copies >= 2) {
+      // The same command in busy_copies processes started together; row i of each against row i alone (the same
+      // length), forward and backward means.
+      std::string cmd = "(";
+      for (int c = 0; c < busy_copies; ++c) {
+        cmd += str_cat((dir / "kernel_bench").string(), " --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra,
+                       " --threads ", threads, " --warmup 1 --min-time ", min_time, " --json ",
+                       (tmp / str_cat("kernel_", r.kernel, "_busy_", c, ".json")).string(), " > /dev/null & ");
+      }
+      run_or_throw(cmd + "wait)");
+      double sum[2] = {0, 0};
+      int n[2] = {0, 0};
+      std::string per_len[2];
+      for (int c = 0; c < busy_copies; ++c) {
+        const nlohmann::json b = read_json(tmp / str_cat("kernel_", r.kernel, "_busy_", c, ".json"));
+        SEQPAR_CHECK(b["results"].size() == j["results"].size(), "sp_plan --calibrate: kernel_bench --kernel ",
+                     r.kernel, " gave ", b["results"].size(), " rows with the cores busy and ", j["results"].size(),
+                     " alone");
+        for (std::size_t i = 0; i < b["results"].size(); ++i) {
+          for (int ph = 0; ph < 2; ++ph) {
+            const char* key = ph == 0 ? "fwd_mean_ms" : "bwd_mean_ms";
+            const double alone = j["results"][i][key].get<double>(), busy = b["results"][i][key].get<double>();
+            if (alone <= 0 || busy <= 0) continue;
+            sum[ph] += busy / alone;
+            ++n[ph];
+            if (c == 0) per_len[ph] += str_cat(per_len[ph].empty() ? "" : " ", busy / alone);
+          }
+        }
+      }
+      for (int ph = 0; ph < 2; ++ph) {
+        if (n[ph] == 0) continue;
+        const std::string key = str_cat(r.kernel, ph == 0 ? "_fwd" : "_bwd");
+        // Below 1 is the noise of a shared machine (the node's other cores cannot speed a kernel up).
+        p.shared_node.slowdown[key] = std::max(1.0, sum[ph] / n[ph]);
+        busy_note +=
+            str_cat(busy_note.empty() ? "" : "; ", key, " ", sum[ph] / n[ph], " (copy 0 by length: ", per_len[ph], ")");
+      }
+    }
+  }
+  if (p.shared_node.present()) {
+    p.shared_node.cores_busy = busy_copies * threads;
+    p.shared_node.source =
+        str_cat("kernel_bench per kind as for the curves, ", busy_copies, " copies of ", threads,
+                " thread(s) started together against the run alone: mean ratio of the timed rounds' means over the "
+                "lengths and copies, at least 1: ",
+                busy_note);
   }
   // A decode step's attention reads its shard's K and V once (memory-bound, a few FLOPs per byte): from sp_bench
   // --mode decode at 1 rank (the prompt filled without its attention) at two cache lengths, the step's median time
@@ -207,7 +258,6 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
   }
   // The cores the ranks get: one MHA kernel alone, then as many copies at once as the machine has cores; on a
   // machine shared with other work they get fewer cores than it has.
-  const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const auto mean_fwd_ms = [&](int copies) {
     std::string cmd = "(";
     for (int i = 0; i < copies; ++i) {

@@ -66,6 +66,21 @@ struct DeviceProfile {
   // once against one alone; on a shared machine fewer than it has); ranks x threads beyond it slow compute down
   // proportionally. 0: no limit.
   double cores_per_node = 0;
+  // CPU profiles: ranks of one node share its memory system (bandwidth, last-level cache), so a kernel runs slower
+  // while the node's other cores run kernels too. JSON block "shared_node" (absent: none; GPU profiles, each device
+  // with its own memory, omit it): "slowdown", per kernel key, a kernel's time with `cores_busy` cores of the node
+  // running the same kernel at once over its time alone (>= 1; --calibrate runs kernel_bench alone, then as many
+  // copies at once as the node has cores, and takes the mean ratio over the lengths); "cores_busy", the cores busy
+  // in that measurement. Where a plan puts more than one rank on a node, a kernel of a listed kind costs its time
+  // alone x slowdown x max(1, ranks x threads / cores_busy) (the measurement already holds what cores_per_node
+  // charges); elsewhere, and for kinds not listed, cores_per_node as above. The factor is taken as measured, with
+  // every core busy, also when the node's ranks use fewer cores (an upper bound then).
+  struct SharedNode {
+    std::map<std::string, double> slowdown;
+    double cores_busy = 0;
+    std::string source;
+    bool present() const { return !slowdown.empty(); }
+  } shared_node;
   // GDN scan: a segment's map (gdn_transition) costs gdn_map_factor x its FLOPs (gdn_map_flops) at the forward
   // curve's rate; the backward's dS sweep costs gdn_sweep_factor x the segment's forward.
   double gdn_map_factor = 1.0, gdn_sweep_factor = 1.0;
@@ -208,6 +223,11 @@ SpBenchOptions config_options(const PlanInput& in, const PlanConfig& c);
 
 // The prediction of one parsed configuration (no validity or memory check).
 Prediction predict(const SpBenchOptions& o, const PlanInput& in, const DeviceProfile& profile);
+
+// The factor on a kernel's time alone (the curve `key`'s rate) for a rank of this plan: the profile's shared_node
+// slowdown x max(1, ranks x threads / cores_busy) where the node holds more than one rank and the kind is listed,
+// else the oversubscription by cores_per_node (max(1, ranks x threads / cores_per_node); 1 without it).
+double kernel_slowdown(const PlanInput& in, const DeviceProfile& p, const std::string& key);
 
 // The fit rule of sp_bench (compare_with_node_memory): the estimates of the ranks of one node summed against the
 // node's memory, devices_per_node x memory_per_device. Returns "" when it fits, else the reason.

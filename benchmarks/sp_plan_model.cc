@@ -216,6 +216,26 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                  " must be > 0 (a share of a window's time)");
     g.source = source_text(a, w);
   }
+  if (j.contains("shared_node")) {
+    const nlohmann::json& n = j["shared_node"];
+    const std::string w = what + ": shared_node";
+    SEQPAR_CHECK(n.is_object() && n.contains("slowdown") && n["slowdown"].is_object() && !n["slowdown"].empty(), w,
+                 ": must be an object with a non-empty object \"slowdown\" (kernel key: factor)");
+    DeviceProfile::SharedNode& sn = p.shared_node;
+    for (const auto& [key, v] : n["slowdown"].items()) {
+      SEQPAR_CHECK(p.kernels.count(key) > 0, w, ": slowdown.", key, ": no kernel curve \"", key,
+                   "\" in the profile (a factor slows one of its curves)");
+      SEQPAR_CHECK(v.is_number(), w, ": slowdown.", key, " must be a number (is ", v.dump(), ")");
+      const double f = v.get<double>();
+      SEQPAR_CHECK(f >= 1 && f <= 100, w, ": slowdown.", key, " ", f,
+                   " must be in [1, 100] (a kernel's time with the node's cores busy over its time alone)");
+      sn.slowdown[key] = f;
+    }
+    sn.cores_busy = number_at(n, "cores_busy", w);
+    SEQPAR_CHECK(sn.cores_busy >= 1 && sn.cores_busy <= 1 << 20 && sn.cores_busy == std::floor(sn.cores_busy), w,
+                 ": cores_busy ", sn.cores_busy, " must be an integer >= 1 (the cores busy in the measurement)");
+    sn.source = source_text(n, w);
+  }
   if (j.contains("mha_tiles")) {
     p.mha_tiles = tiles_from_json(j["mha_tiles"], what + ": mha_tiles");
     p.mha_tiles.source = source_text(j["mha_tiles"], what + ": mha_tiles");
@@ -276,6 +296,11 @@ nlohmann::json profile_json(const DeviceProfile& p) {
                  {"source", p.ring_source}};
   }
   if (p.mha_tiles.present) j["mha_tiles"] = tiles_json(p.mha_tiles);
+  if (p.shared_node.present()) {
+    j["shared_node"] = {{"slowdown", p.shared_node.slowdown},
+                        {"cores_busy", p.shared_node.cores_busy},
+                        {"source", p.shared_node.source}};
+  }
   if (!p.ulysses_source.empty())
     j["ulysses"] = {{"layout_pass", p.ulysses_layout_pass}, {"source", p.ulysses_source}};
   if (!p.fa3_calls_source.empty())
@@ -436,6 +461,16 @@ double oversubscription(const PlanInput& in, const DeviceProfile& p) {
   if (p.cores_per_node <= 0) return 1.0;
   return std::max(1.0, static_cast<double>(in.devices_per_node) * in.threads / p.cores_per_node);
 }
+
+}  // namespace
+
+double kernel_slowdown(const PlanInput& in, const DeviceProfile& p, const std::string& key) {
+  const auto it = p.shared_node.slowdown.find(key);
+  if (in.devices_per_node <= 1 || it == p.shared_node.slowdown.end()) return oversubscription(in, p);
+  return it->second * std::max(1.0, static_cast<double>(in.devices_per_node) * in.threads / p.shared_node.cores_busy);
+}
+
+namespace {
 
 // The share of (ring rank r, step s) in the causal work of the layout (tile pairs, SequenceLayout::step_work);
 // uniform without a causal mask.
@@ -633,6 +668,7 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
     const KernelCurve& curve = prof.kernel(bwd ? "mha_bwd" : "mha_fwd");
+    const double slow_k = kernel_slowdown(in, prof, bwd ? "mha_bwd" : "mha_fwd");  // the kernels (memory passes: slow)
     const double mult = bwd ? 2.5 : 1.0;
     std::vector<std::vector<double>> c(P, std::vector<double>(P));
     Phase ph;
@@ -640,10 +676,11 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
     for (int r = 0; r < P; ++r) {
       for (int s = 0; s < P; ++s) {
         const double f = mult * step_f[r][s] / pu;  // one rank: its ring shard's pairs with H / Pu heads
-        c[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        c[r][s] = f > 0 ? slow_k * f / curve.rate(f) : 0.0;
         if (f > 0 && tiles)
-          c[r][s] = slow * o.batch * tile_call_seconds(prof.mha_tiles, bwd, zigzag_calls(slot_cu, P, r, s, o.causal),
-                                                       hq_rank, hkv_rank, o.head_dim, curve.points.back().second);
+          c[r][s] = slow_k * o.batch *
+                    tile_call_seconds(prof.mha_tiles, bwd, zigzag_calls(slot_cu, P, r, s, o.causal), hq_rank, hkv_rank,
+                                      o.head_dim, curve.points.back().second);
         if (f > 0 && unpad) {
           const std::vector<TileSeq> calls = zigzag_calls(slot_cu, P, r, s, o.causal);
           const double e = static_cast<double>(vs.storage_bytes);
@@ -692,12 +729,12 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
       for (int r = 0; r < P; ++r) {
         double f = 0;
         for (int s = 0; s < P; ++s) f += mult * step_f[r][s] / pu;
-        ph.compute[r] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        ph.compute[r] = f > 0 ? slow_k * f / curve.rate(f) : 0.0;
         if (f > 0 && tiles) {
           const std::vector<TileSeq> halves = zigzag_calls(slot_cu, P, r, -1, o.causal);
-          ph.compute[r] = slow * o.batch *
-                          tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim,
-                                            curve.points.back().second);
+          ph.compute[r] =
+              slow_k * o.batch *
+              tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim, curve.points.back().second);
         }
         if (f > 0 && unpad) {
           // Each half's wrappers, and its queries read out of the local ones before the call and its output
@@ -868,6 +905,8 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
     const bool bwd = phase == 1;
     const KernelCurve& fcurve = prof.kernel("gdn_fwd");
     const KernelCurve& curve = prof.kernel(bwd ? "gdn_bwd" : "gdn_fwd");
+    // The forward curve's terms (forward, maps, compositions, the sweep) slow as gdn_fwd, the backward's as gdn_bwd.
+    const double slow_f = kernel_slowdown(in, prof, "gdn_fwd"), slow_b = kernel_slowdown(in, prof, "gdn_bwd");
     // Per segment (all this rank's value heads, as one kernel call would run them): its kernel, its map (the
     // forward: gdn_transition; the backward: the dS sweep, plus gdn_transition when the forward made no map).
     // A segment's kernel splits into the pieces that start a document (the backward: end one), which run as soon
@@ -875,18 +914,19 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
     std::vector<double> seg_s(nseg), map_s(nseg), known_s(nseg, 0.0), wait_s(nseg, 0.0);
     for (int i = 0; i < nseg; ++i) {
       const double f = seg_flops(segs[i].length);
-      const double fwd_s = f > 0 ? slow * f / fcurve.rate(f) : 0.0;
+      const double fwd_s = f > 0 ? slow_f * f / fcurve.rate(f) : 0.0;
       for (const SegmentPiece& pc : pieces[i]) {
         const double pf = seg_flops(pc.length);
-        const double ps = pf > 0 ? slow * (bwd ? 2.5 * pf / curve.rate(2.5 * f) : pf / fcurve.rate(f)) : 0.0;
+        const double ps =
+            pf > 0 ? (bwd ? slow_b : slow_f) * (bwd ? 2.5 * pf / curve.rate(2.5 * f) : pf / fcurve.rate(f)) : 0.0;
         ((bwd ? pc.ends_doc : pc.starts_doc) ? known_s[i] : wait_s[i]) += ps;
       }
       const double mf = gdn_map_flops(GdnFlopShape{o.batch, segs[i].length, hv, K, V, o.chunk_size, 0, 0});
-      const double transition_s = f > 0 ? slow * prof.gdn_map_factor * mf / fcurve.rate(f) : 0.0;
-      seg_s[i] = bwd ? (f > 0 ? slow * 2.5 * f / curve.rate(2.5 * f) : 0.0) : fwd_s;
+      const double transition_s = f > 0 ? slow_f * prof.gdn_map_factor * mf / fcurve.rate(f) : 0.0;
+      seg_s[i] = bwd ? (f > 0 ? slow_b * 2.5 * f / curve.rate(2.5 * f) : 0.0) : fwd_s;
       map_s[i] = bwd ? prof.gdn_sweep_factor * fwd_s + (plan_fwd.computes_map(i) ? 0.0 : transition_s) : transition_s;
     }
-    const double compose_s = slow * compose_flops / fcurve.rate(compose_flops);
+    const double compose_s = slow_f * compose_flops / fcurve.rate(compose_flops);
     Phase ph;
     ph.compute.assign(P, 0.0);
     std::vector<double> clock(P, a2a_s / 2);  // the all-to-all in (half its time) before, out after
@@ -1068,6 +1108,7 @@ Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const Devic
   for (int phase = 0; phase < (in.mode == "train" ? 2 : 1); ++phase) {
     const bool bwd = phase == 1;
     const KernelCurve& curve = prof.kernel(bwd ? "dsa_bwd" : "dsa_fwd");
+    const double slow_k = kernel_slowdown(in, prof, bwd ? "dsa_bwd" : "dsa_fwd");
     const double idx_flops = bwd ? dsa_selected_pairs(fs) * 3.0 * dsa_indexer_flops_per_pair(fs)
                                  : dsa_visible_pairs(fs) * dsa_indexer_flops_per_pair(fs);
     const double att_flops = dsa_selected_pairs(fs) * (bwd ? 2.5 : 1.0) * dsa_attention_flops_per_pair(fs);
@@ -1076,12 +1117,12 @@ Prediction predict_dsa(const SpBenchOptions& o, const PlanInput& in, const Devic
     for (int r = 0; r < cp; ++r)
       for (int s = 0; s < cp; ++s) {
         const double f = idx_flops * cp_share[r][s];
-        ci[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        ci[r][s] = f > 0 ? slow_k * f / curve.rate(f) : 0.0;
       }
     for (int r = 0; r < P; ++r)
       for (int s = 0; s < P; ++s) {
         const double f = att_flops * ring_share[r][s] / pu;
-        ca[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
+        ca[r][s] = f > 0 ? slow_k * f / curve.rate(f) : 0.0;
       }
     std::vector<double> fi, fa, ex;
     double idx_bytes = 0;

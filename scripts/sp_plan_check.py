@@ -11,6 +11,10 @@ machine falls on every configuration of a group alike; odd rounds in reverse ord
 favour the configuration listed first); a case's measured time is the median of its rounds. The group table then also gives, per round, the first choice against the fastest of that round, and the
 run-to-run spread: per configuration (max - min) / median over the rounds, the group's largest.
 
+--baseline-profile FILE also predicts every case with a second profile (e.g. the same calibration without its
+"shared_node" block) against the same measurements: the table gains its prediction and error, the summary its median
+|error| and first choices, so that two models are compared on one run of a shared machine.
+
   scripts/sp_plan_check.py --build build --profile build/profile.json --json build/sp_plan_check.json
 """
 import argparse
@@ -77,6 +81,7 @@ def main():
     ap.add_argument("--mpirun", default="mpirun")
     ap.add_argument("--groups", nargs="+", help="run only the cases of groups starting with one of these")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case; measured = median of the rounds")
+    ap.add_argument("--baseline-profile", help="also predict with this profile against the same measurements")
     a = ap.parse_args()
     if a.repeat < 1:
         raise SystemExit(f"--repeat {a.repeat} must be >= 1")
@@ -85,6 +90,7 @@ def main():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     plans = {}
     rows = []
+    baseline = {}  # (group, configuration): step_s predicted with --baseline-profile
     with tempfile.TemporaryDirectory() as tmp:
         todo = []
         for case in CASES:
@@ -92,18 +98,22 @@ def main():
             if a.groups and not any(group.startswith(g) for g in a.groups):
                 continue
             mode = case[4] if len(case) > 4 else "train"
-            key = (world, tuple(problem), mode)
-            if key not in plans:
-                out = os.path.join(tmp, f"plan{len(plans)}.json")
-                run([sp_plan, "--profile", a.profile, "--world", str(world), "--mode", mode, "--json", out, "--"] +
-                    problem, env=env)
-                with open(out) as f:
-                    plans[key] = json.load(f)
-            plan = plans[key]
+            for prof in [a.profile] + ([a.baseline_profile] if a.baseline_profile else []):
+                key = (prof, world, tuple(problem), mode)
+                if key not in plans:
+                    out = os.path.join(tmp, f"plan{len(plans)}.json")
+                    run([sp_plan, "--profile", prof, "--world", str(world), "--mode", mode, "--json", out, "--"] +
+                        problem, env=env)
+                    with open(out) as f:
+                        plans[key] = json.load(f)
+            plan = plans[(a.profile, world, tuple(problem), mode)]
             ranked = [r for r in plan["ranked"] if r["name"] == name]
             if not ranked:
                 excl = [r["reason"] for r in plan["excluded"] if r["name"] == name]
                 raise SystemExit(f"{name}: not ranked ({excl})")
+            if a.baseline_profile:
+                base = plans[(a.baseline_profile, world, tuple(problem), mode)]
+                baseline[(group, name)] = next(r for r in base["ranked"] if r["name"] == name)["predicted"]["step_s"]
             todo.append((group, world, problem, name, mode, plan, ranked[0], []))
         for i in range(a.repeat):
             # Odd rounds run the cases in reverse, so that a load that rises or falls through the run does not
@@ -130,6 +140,9 @@ def main():
                          "oversubscribed": r["predicted"]["oversubscribed"],
                          "exposed_comm_s": r["predicted"]["exposed_comm_s"],
                          "measured_exposed_pct": statistics.median(exposed) if exposed else None})
+            if a.baseline_profile:
+                rows[-1]["baseline_predicted_s"] = baseline[(group, name)]
+                rows[-1]["baseline_error"] = baseline[(group, name)] / med_t - 1
     groups = {}
     for row in rows:
         groups.setdefault(row["group"], []).append(row)
@@ -145,18 +158,42 @@ def main():
         choice[g] = {"first_choice": first["config"], "measured_fastest": fastest["config"],
                      "first_choice_vs_fastest": first["measured_s"] / fastest["measured_s"] - 1,
                      "first_choice_vs_fastest_per_round": per_round, "spread": spread}
+        if a.baseline_profile:
+            bfirst = min(rs, key=lambda x: x["baseline_predicted_s"])
+            choice[g]["baseline_first_choice"] = bfirst["config"]
+            choice[g]["baseline_first_choice_vs_fastest"] = bfirst["measured_s"] / fastest["measured_s"] - 1
     med = statistics.median(abs(r["error"]) for r in rows)
+    bmed = statistics.median(abs(r["baseline_error"]) for r in rows) if a.baseline_profile else None
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     result = {"rows": rows, "choice": choice, "median_abs_error": med, "load_after": load}
+    if a.baseline_profile:
+        result["baseline_profile"] = a.baseline_profile
+        result["baseline_median_abs_error"] = bmed
     with open(a.json, "w") as f:
         json.dump(result, f, indent=2)
-    print("| group | configuration | predicted (ms) | measured (ms) | error | plan rank |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['group']} | {r['config']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
-              f"{r['error'] * 100:+.0f}% | {r['plan_rank']} |")
-    print(f"\nmedian |error|: {med * 100:.0f}%; load average after: {load}\n")
+    if a.baseline_profile:
+        print("| group | configuration | predicted (ms) | baseline (ms) | measured (ms) | error | baseline error | "
+              "plan rank |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['group']} | {r['config']} | {r['predicted_s'] * 1e3:.1f} | "
+                  f"{r['baseline_predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | {r['error'] * 100:+.0f}% | "
+                  f"{r['baseline_error'] * 100:+.0f}% | {r['plan_rank']} |")
+        print(f"\nmedian |error|: {med * 100:.0f}% (baseline {bmed * 100:.0f}%); load average after: {load}\n")
+        print("| group | first choice | vs fastest | baseline's first choice | vs fastest |")
+        print("|---|---|---:|---|---:|")
+        for g, c in choice.items():
+            print(f"| {g} | {c['first_choice']} | {c['first_choice_vs_fastest'] * 100:+.0f}% | "
+                  f"{c['baseline_first_choice']} | {c['baseline_first_choice_vs_fastest'] * 100:+.0f}% |")
+        print()
+    else:
+        print("| group | configuration | predicted (ms) | measured (ms) | error | plan rank |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['group']} | {r['config']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
+                  f"{r['error'] * 100:+.0f}% | {r['plan_rank']} |")
+        print(f"\nmedian |error|: {med * 100:.0f}%; load average after: {load}\n")
     if a.repeat == 1:
         print("| group | first choice (predicted) | measured fastest | first choice vs fastest |")
         print("|---|---|---|---:|")

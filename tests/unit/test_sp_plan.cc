@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "benchmarks/flop_models.h"
@@ -413,6 +415,7 @@ TEST(SpPlanProfile, ShippedGpuProfilesLoad) {
     EXPECT_GT(p.memory_bandwidth_bps, 3e12);
     EXPECT_GE(p.intra.bandwidth_bps, 400e9);  // NVLink 4 or 5 per direction
     EXPECT_EQ(p.inter.bandwidth_bps, 50e9);   // 400 Gb/s per NIC
+    EXPECT_FALSE(p.shared_node.present());    // each GPU has its own memory: no shared-node slowdown
   }
   EXPECT_GE(n, 3) << "benchmarks/profiles should hold the H100, H200 and GB200 profiles";
 }
@@ -652,6 +655,114 @@ TEST(SpPlanModel, LayersTimesAttentionPlusLinear) {
   const PlanRow t = row_named(plan(model, p), "u1xr2 zigzag p2p");
   EXPECT_NEAR(t.prediction.linear_s, 3 * linear / 2, 1e-12);
   EXPECT_LT(t.prediction.compute_s, r.prediction.compute_s * 0.51);
+}
+
+// The profile's "shared_node" block: factors >= 1 per kernel curve of the profile, an integer cores_busy, a source;
+// anything else is refused naming the field, and the block survives the JSON round trip.
+TEST(SpPlanProfile, SharedNodeTypedAndInRange) {
+  const nlohmann::json good = sourced_profile_json();
+  nlohmann::json j = good;
+  j["shared_node"] = {{"slowdown", {{"mha_fwd", 1.25}, {"dsa_bwd", 1.0}}}, {"cores_busy", 2}, {"source", "test"}};
+  const DeviceProfile q = profile_from_json(j, "p");
+  EXPECT_EQ(q.shared_node.slowdown.at("mha_fwd"), 1.25);
+  EXPECT_EQ(q.shared_node.cores_busy, 2);
+  const DeviceProfile r = profile_from_json(profile_json(q), "round trip");
+  EXPECT_EQ(r.shared_node.slowdown, q.shared_node.slowdown);
+  EXPECT_EQ(r.shared_node.cores_busy, 2);
+  EXPECT_EQ(r.shared_node.source, "test");
+  EXPECT_FALSE(profile_from_json(good, "p").shared_node.present());
+  EXPECT_FALSE(profile_json(profile_from_json(good, "p")).contains("shared_node"));
+  const auto refused = [&](const std::function<void(nlohmann::json&)>& edit, const std::string& what) {
+    nlohmann::json b = j;
+    edit(b["shared_node"]);
+    try {
+      profile_from_json(b, "p");
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused([](nlohmann::json& n) { n["slowdown"]["mha_fwd"] = 0.9; },
+          "p: shared_node: slowdown.mha_fwd 0.9 must be in [1, 100]");
+  refused([](nlohmann::json& n) { n["slowdown"]["mha_fwd"] = 250; }, "slowdown.mha_fwd 250 must be in [1, 100]");
+  refused([](nlohmann::json& n) { n["slowdown"]["mha_fwd"] = "1.2"; }, "slowdown.mha_fwd must be a number");
+  refused([](nlohmann::json& n) { n["slowdown"]["attn_fwd"] = 1.2; },
+          "slowdown.attn_fwd: no kernel curve \"attn_fwd\"");
+  refused([](nlohmann::json& n) { n["slowdown"] = nlohmann::json::object(); }, "non-empty object \"slowdown\"");
+  refused([](nlohmann::json& n) { n["slowdown"] = 1.2; }, "non-empty object \"slowdown\"");
+  refused([](nlohmann::json& n) { n["cores_busy"] = 1.5; }, "cores_busy 1.5 must be an integer >= 1");
+  refused([](nlohmann::json& n) { n["cores_busy"] = 0; }, "cores_busy 0 must be an integer >= 1");
+  refused([](nlohmann::json& n) { n.erase("cores_busy"); }, "p: shared_node: field \"cores_busy\" must be a number");
+  refused([](nlohmann::json& n) { n.erase("source"); }, "p: shared_node: no \"source\"");
+}
+
+// The shared-node slowdown multiplies a kernel's time where the plan puts more than one rank on a node, and nowhere
+// else. Flat curves (rate R) and a free link (no latency): MHA Ulysses u2xr1 on one node of 2 ranks computes half the
+// heads, forward s_f F / 2 / R and backward s_b 2.5 F / 2 / R (F = 4 H D S (S + 1) / 2, causal visible pairs); the
+// same on 2 nodes of 1 rank each: F / 2 / R, as without the block. 2 threads a rank on cores_busy 2: also x 2.
+// Kinds not listed keep cores_per_node. GDN's and DSA's phases (every term a kernel's, the link free) scale by the
+// factor of their kind.
+TEST(SpPlanSharedNode, SlowsKernelsOnlyWhereRanksShareANode) {
+  const double R = 1e9, sf = 1.5, sb = 1.25;
+  DeviceProfile flat = flat_profile(R, 0.0, 1e30);
+  DeviceProfile busy = flat;
+  busy.shared_node.slowdown = {{"mha_fwd", sf}, {"mha_bwd", sb}, {"gdn_fwd", sf},
+                               {"gdn_bwd", sf}, {"dsa_fwd", sb}, {"dsa_bwd", sb}};
+  busy.shared_node.cores_busy = 2;
+  busy.shared_node.source = "test";
+  const double S = 2048, F = 4.0 * 8 * 64 * S * (S + 1) / 2;
+  PlanInput one_node =
+      input({"--attn", "mha", "--heads", "8", "--kv-heads", "8", "--head-dim", "64", "--seq", "2K", "--causal"}, 2);
+  one_node.only_configs = {"u2xr1 zigzag p2p"};
+  PlanInput two_nodes = one_node;
+  two_nodes.nodes = 2;
+  two_nodes.devices_per_node = 1;
+  const Prediction shared = plan(one_node, busy).front().prediction;
+  EXPECT_NEAR(shared.forward_s, sf * F / 2 / R, 1e-9);
+  EXPECT_NEAR(shared.backward_s, sb * 2.5 * F / 2 / R, 1e-9);
+  const Prediction apart = plan(two_nodes, busy).front().prediction;
+  EXPECT_NEAR(apart.forward_s, F / 2 / R, 1e-9);
+  EXPECT_NEAR(apart.backward_s, 2.5 * F / 2 / R, 1e-9);
+  EXPECT_EQ(plan(one_node, flat).front().prediction.step_s, plan(two_nodes, flat).front().prediction.step_s);
+  // 2 ranks x 2 threads on the 2 cores of the measurement: the factor x 2.
+  PlanInput threads = one_node;
+  threads.threads = 2;
+  EXPECT_NEAR(plan(threads, busy).front().prediction.forward_s, 2 * sf * F / 2 / R, 1e-9);
+  // A kind the block does not list keeps cores_per_node (here 1 core: 2 ranks x 1 thread, x 2).
+  DeviceProfile partial = busy;
+  partial.cores_per_node = 1;
+  partial.shared_node.slowdown.erase("mha_bwd");
+  const Prediction p = plan(one_node, partial).front().prediction;
+  EXPECT_NEAR(p.forward_s, sf * F / 2 / R, 1e-9);
+  EXPECT_NEAR(p.backward_s, 2 * 2.5 * F / 2 / R, 1e-9);
+  EXPECT_EQ(kernel_slowdown(one_node, partial, "mha_bwd"), 2.0);
+  EXPECT_EQ(kernel_slowdown(one_node, partial, "mha_fwd"), sf);
+  EXPECT_EQ(kernel_slowdown(two_nodes, partial, "mha_fwd"), 1.0);
+  // GDN (chain at 2 ranks) and DSA (select-ring at 2 ranks): each phase x its kind's factor on one node.
+  for (const auto& [flags, config, f_fwd, f_bwd] :
+       std::vector<std::tuple<std::vector<std::string>, std::string, double, double>>{
+           {{"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--dim-v", "32", "--seq", "1K",
+             "--conv-width", "0"},
+            "u1xr2 contiguous chain",
+            sf,
+            sf},
+           {{"--attn", "dsa", "--heads", "4", "--head-dim", "32", "--dim-v", "32", "--indexer-heads", "2",
+             "--indexer-dim", "16", "--topk", "64", "--seq", "1K"},
+            "u1xr2 zigzag select-ring",
+            sb,
+            sb}}) {
+    PlanInput a = input(flags, 2);
+    a.only_configs = {config};
+    PlanInput b = a;
+    b.nodes = 2;
+    b.devices_per_node = 1;
+    const PlanRow ra = plan(a, busy).front(), rb = plan(b, busy).front();
+    ASSERT_TRUE(ra.excluded.empty()) << config << ": " << ra.excluded;
+    ASSERT_TRUE(rb.excluded.empty()) << config << ": " << rb.excluded;
+    EXPECT_NEAR(ra.prediction.forward_s / rb.prediction.forward_s, f_fwd, 1e-9) << config;
+    EXPECT_NEAR(ra.prediction.backward_s / rb.prediction.backward_s, f_bwd, 1e-9) << config;
+    EXPECT_EQ(plan(b, flat).front().prediction.step_s, rb.prediction.step_s) << config;
+  }
 }
 
 }  // namespace
