@@ -38,6 +38,7 @@
 #include <omp.h>
 #endif
 
+#include "benchmarks/bench_common.h"
 #include "benchmarks/bench_device.h"
 #include "benchmarks/json_path.h"
 #include "runtime/error.h"
@@ -345,22 +346,19 @@ int run(int argc, char** argv) {
     for (auto& row : k->run(ctx)) results.push_back(std::move(row));
   }
   if (args.count("json")) {
-    std::ofstream f(args["json"].as<std::string>());
-    SEQPAR_CHECK(f.good(), "cannot write --json file ", args["json"].as<std::string>());
-    f << nlohmann::json{{"benchmark", "kernel_bench"},
-                        {"version", seqpar::version()},
-                        {"kernel", which},
-                        {"threads", threads},
-                        {"openblas", openblas_get_config()},
-                        {"openblas_core", openblas_get_corename()},
-                        {"square_n", square},
-                        {"square_sgemm_gflops", ctx.square_gflops},
-                        {"warmup", ctx.warmup},
-                        {"min_time_s", ctx.min_time},
-                        {"clock", clock},
-                        {"results", results}}
-             .dump(2)
-      << "\n";
+    const nlohmann::json j{{"benchmark", "kernel_bench"},
+                           {"version", seqpar::version()},
+                           {"kernel", which},
+                           {"threads", threads},
+                           {"openblas", openblas_get_config()},
+                           {"openblas_core", openblas_get_corename()},
+                           {"square_n", square},
+                           {"square_sgemm_gflops", ctx.square_gflops},
+                           {"warmup", ctx.warmup},
+                           {"min_time_s", ctx.min_time},
+                           {"clock", clock},
+                           {"results", results}};
+    write_file_atomic(args["json"].as<std::string>(), [&](std::ostream& os) { os << j.dump(2) << "\n"; });
   }
   return 0;
 }

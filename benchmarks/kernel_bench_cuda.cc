@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "attention/mha.h"
+#include "benchmarks/bench_common.h"
 #include "benchmarks/cuda_gemm_ref.h"
 #include "benchmarks/kernel_bench.h"
 #include "runtime/cuda_check.h"
@@ -156,15 +157,12 @@ int run_mha_cuda(const cxxopts::ParseResult& args, Device device) {
   }
   SEQPAR_CHECK_CUDA(cudaStreamDestroy(stream));
   if (args.count("json")) {
-    std::ofstream f(args["json"].as<std::string>());
-    SEQPAR_CHECK(f.good(), "cannot write --json file ", args["json"].as<std::string>());
-    f << nlohmann::json{{"benchmark", "kernel_bench"},
-                        {"version", seqpar::version()},
-                        {"device", device.str()},
-                        {"device_name", prop.name},
-                        {"results", results}}
-             .dump(2)
-      << "\n";
+    const nlohmann::json j{{"benchmark", "kernel_bench"},
+                           {"version", seqpar::version()},
+                           {"device", device.str()},
+                           {"device_name", prop.name},
+                           {"results", results}};
+    write_file_atomic(args["json"].as<std::string>(), [&](std::ostream& os) { os << j.dump(2) << "\n"; });
   }
   return 0;
 }

@@ -22,7 +22,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cxxopts.hpp>
-#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <random>
@@ -33,6 +32,7 @@
 #include "attention/ops/dsa_composed.h"
 #include "attention/ops/gdn_composed.h"
 #include "attention/ops/ops_cpu.h"
+#include "benchmarks/bench_common.h"
 #include "benchmarks/flop_models.h"
 #include "benchmarks/json_path.h"
 #include "runtime/device.h"
@@ -348,11 +348,8 @@ int run(int argc, char** argv) {
       rows.push_back(r);
     }
   }
-  if (a.count("json")) {
-    std::ofstream f(a["json"].as<std::string>());
-    SEQPAR_CHECK(f.good(), "ops_bench: cannot write ", a["json"].as<std::string>());
-    f << rows.dump(1) << "\n";
-  }
+  if (a.count("json"))
+    bench::write_file_atomic(a["json"].as<std::string>(), [&](std::ostream& os) { os << rows.dump(1) << "\n"; });
   return 0;
 }
 

@@ -215,7 +215,14 @@ struct PlanRow {
 };
 
 // Every configuration of `in` (grids ulysses_size x ring_size over the world, layouts, algorithms), valid ones
-// ranked by predicted step time first, then the excluded ones with their reasons. Local arithmetic.
+// ranked by predicted step time first, then the excluded ones with their reasons. Local arithmetic. A ring of one
+// has one layout, zigzag (every kind places the tokens alike there), and its flags leave --layout to sp_bench's
+// default, zigzag.
+// The largest rings planned (train and prefill; larger ones are excluded, the reason naming the limit): the layout
+// a configuration is predicted on holds a ring_size^2 table of per-step work, built by sweeping ring_size x the
+// row's slots, and the balanced kind's step refinement costs O(ring_size^4) (docs/design.md, "The balanced
+// partitioner").
+inline constexpr int kPlanMaxRing = 1024, kPlanMaxBalancedRing = 16;
 std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile);
 
 // The parsed sp_bench options of one configuration (what sp_bench would run), or Error with sp_bench's reason.

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmarks/flop_models.h"
@@ -17,6 +18,7 @@
 #include "parallel/comm_volume.h"
 #include "parallel/gdn_cp.h"
 #include "parallel/layout.h"
+#include "runtime/cp_grid.h"
 #include "runtime/dtype.h"
 #include "runtime/error.h"
 
@@ -326,8 +328,9 @@ std::string PlanConfig::name() const {
 }
 
 std::vector<std::string> PlanConfig::flags() const {
-  std::vector<std::string> f = {
-      "--ulysses-size", std::to_string(ulysses_size), "--ring-size", std::to_string(ring_size), "--layout", layout};
+  std::vector<std::string> f = {"--ulysses-size", std::to_string(ulysses_size), "--ring-size",
+                                std::to_string(ring_size)};
+  if (ring_size > 1) f.insert(f.end(), {"--layout", layout});  // a ring of one runs sp_bench's default, zigzag
   if (!impl.empty()) f.insert(f.end(), {"--impl", impl});
   if (!gdn_mode.empty()) f.insert(f.end(), {"--gdn-mode", gdn_mode});
   if (!dsa_select.empty()) f.insert(f.end(), {"--dsa-select", dsa_select});
@@ -370,11 +373,20 @@ std::string memory_verdict(const SpBenchOptions& o, const PlanInput& in, double*
   // sp_bench's rule (compare_with_node_memory): the estimates of the ranks of each node summed against what the
   // node has; every node holds devices_per_node ranks, so node 0 (world ranks 0 .. devices_per_node - 1) decides
   // unless a later node's ranks need more (they do not without --check: the estimates are the same).
+  // An estimate depends on the world rank only through rank 0 (--dump-inputs) and the SP roots, cp_rank 0 (--check's
+  // reference): one estimate per class, not one per rank (GDN's builds the layout).
+  std::map<std::pair<bool, bool>, double> by_class;
+  const auto estimate_total = [&](int r) {
+    const std::pair<bool, bool> key{r == 0, cp_coords_of(o.grid, r).cp_rank == 0};
+    auto it = by_class.find(key);
+    if (it == by_class.end()) it = by_class.emplace(key, estimate_of(o, r).total_bytes()).first;
+    return it->second;
+  };
   double worst = 0, largest_rank = 0;
   for (int node = 0; node < in.nodes; ++node) {
     double need = 0;
     for (int r = node * in.devices_per_node; r < (node + 1) * in.devices_per_node && r < in.world_size; ++r) {
-      const double t = estimate_of(o, r).total_bytes();
+      const double t = estimate_total(r);
       need += t;
       largest_rank = std::max(largest_rank, t);
     }
@@ -1331,6 +1343,7 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
       continue;
     }
     for (const char* layout : {"contiguous", "zigzag", "stripe", "balanced"}) {
+      if (pr == 1 && std::string(layout) != "zigzag") continue;  // a ring of one: every layout is the same run
       PlanConfig c;
       c.ulysses_size = pu;
       c.ring_size = pr;
@@ -1373,6 +1386,17 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
     PlanRow row;
     row.config = c;
     row.command = command_of(in, c);
+    // Rings beyond what is planned are excluded before any layout is built (kPlanMaxRing).
+    if (in.mode != "decode" && c.ring_size > (c.layout == "balanced" ? kPlanMaxBalancedRing : kPlanMaxRing)) {
+      row.excluded =
+          c.layout == "balanced"
+              ? str_cat("ring_size ", c.ring_size, " exceeds the ", kPlanMaxBalancedRing,
+                        " ring ranks sp_plan plans the balanced layout for (its step refinement costs O(ring_size^4))")
+              : str_cat("ring_size ", c.ring_size, " exceeds the ", kPlanMaxRing,
+                        " ring ranks sp_plan plans for (a layout's per-step work table has ring_size^2 entries)");
+      rows.push_back(std::move(row));
+      continue;
+    }
     try {
       const SpBenchOptions o = config_options(in, c);
       if (in.mode == "decode") {

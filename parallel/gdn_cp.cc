@@ -24,13 +24,15 @@ constexpr int kTagScan = 10000;
 constexpr int kTagShift = 14000;
 constexpr int kTagHalo = 18000;
 constexpr int kTagHaloGrad = 19000;
-// The chain's messages of segment i carry tag base + i mod kTagSpan, inside MPI's guaranteed tag range for any number
-// of segments. Two chain messages between the same pair of ranks are posted in increasing (backward: decreasing)
-// segment order by the sender and the receiver alike, so where tags repeat (segments kTagSpan apart) they still match
-// in order (MPI's non-overtaking rule; NCCL matches by order anyway). Scan and shift rounds send one packed message
-// per peer (PackedRound).
-constexpr int kTagSpan = 4000;
-int tag_of(int base, int segment) { return base + segment % kTagSpan; }
+// The chain's messages of segment i, head h carry tag base + gdn_tag_offset(i H + h), inside MPI's guaranteed tag
+// range for any number of segments. Two chain messages between the same pair of ranks are posted in increasing
+// (backward: decreasing) segment order by the sender and the receiver alike, so where tags repeat (indices
+// kGdnTagSpan apart) they still match in order (MPI's non-overtaking rule; NCCL matches by order anyway). Scan and
+// shift rounds send one packed message per peer (PackedRound).
+static_assert(kTagChainFwd + kGdnTagSpan <= kTagChainBwd && kTagChainBwd + kGdnTagSpan <= kTagScan &&
+                  kTagScan + kGdnTagSpan <= kTagShift && kTagShift + kGdnTagSpan <= kTagHalo && kTagHaloGrad <= 32767,
+              "the kinds' tag ranges are disjoint and below 32767, the least MPI_TAG_UB MPI allows");
+int tag_of(int base, std::int64_t index) { return base + gdn_tag_offset(index); }
 
 // Adds the wall-clock and the process CPU seconds of its lifetime to `wall` and `cpu` (RAII).
 class PhaseClock {
@@ -965,8 +967,7 @@ void GdnCp::forward_chain(ForwardPass& f) {
         if (segments_[i - 1].owner == me) {
           alloc.copy_convert(ends[j - 1][h].view(), s.start[j][h].view());
         } else {
-          WorkHandle w = ring.irecv(s.start[j][h].view(), segments_[i - 1].owner,
-                                    tag_of(kTagChainFwd, static_cast<int>(i * H + h)));
+          WorkHandle w = ring.irecv(s.start[j][h].view(), segments_[i - 1].owner, tag_of(kTagChainFwd, i * H + h));
           if (idle) {
             while (!w->test() && idle()) {
             }
@@ -976,8 +977,7 @@ void GdnCp::forward_chain(ForwardPass& f) {
       }
       ends[j][h] = run_pieces(f, j, h, true, true);
       if (i + 1 < n && continues(i + 1) && segments_[i + 1].owner != me) {
-        sends.push_back(ring.isend(ends[j][h].view(), segments_[i + 1].owner,
-                                   tag_of(kTagChainFwd, static_cast<int>((i + 1) * H + h))));
+        sends.push_back(ring.isend(ends[j][h].view(), segments_[i + 1].owner, tag_of(kTagChainFwd, (i + 1) * H + h)));
       }
       for (auto& w : sends) (void)w->test();  // progress for messages that need the sender
     }
@@ -1017,7 +1017,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
       const int to = mine_[j] + dir * o;
       if (in(to) && owner(to) != me && p.composes(r, to)) pr->send(agg[j][h].view(), owner(to));
     }
-    post(std::move(pr), tag_of(kTagScan, static_cast<int>((r - 1) * H + h)));
+    post(std::move(pr), tag_of(kTagScan, (r - 1) * H + h));
   };
   // The shift's messages: per peer, the states of this rank's segments that go there, sent at the first stage at
   // which all of them are final (a map with M = 0 no longer changes).
@@ -1035,7 +1035,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
         const int i = mine_[j], to = i + dir;
         if (p.need[R][i] && owner(to) == peer && !p.direct[to]) pr->send(s.u_of(agg[j][h]), peer);
       }
-      post(std::move(pr), tag_of(kTagShift, static_cast<int>(h)));
+      post(std::move(pr), tag_of(kTagShift, h));
     }
   };
   // 1. Each segment's map (or, when its start is known, its run).
@@ -1061,7 +1061,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
           recv.recv(got[j].view(), owner(from));
         }
       }
-      recv.run(ring, tag_of(kTagScan, static_cast<int>((r - 1) * H + h)), &counters_.exposed_comm_s, hooks.idle);
+      recv.run(ring, tag_of(kTagScan, (r - 1) * H + h), &counters_.exposed_comm_s, hooks.idle);
       for (std::size_t j = 0; j < nm; ++j) {
         if (!got[j].defined()) continue;
         if (r == 1 && p.direct[mine_[j]]) {
@@ -1095,7 +1095,7 @@ void GdnCp::run_scan(const ScanPlan& p, int dir, const Saved& s, const DeviceAll
         recv.recv(state[j].view(), owner(from));
       }
     }
-    recv.run(ring, tag_of(kTagShift, static_cast<int>(h)), &counters_.exposed_comm_s, hooks.idle);
+    recv.run(ring, tag_of(kTagShift, h), &counters_.exposed_comm_s, hooks.idle);
     for (std::size_t j = 0; j < nm; ++j) {
       if (!p.direct[mine_[j]]) hooks.finish(j, h, state[j].defined() ? state[j].view() : TensorView());
       poke();
@@ -1480,8 +1480,7 @@ void GdnCp::backward_chain(BackwardPass& bp) {
         if (segments_[i + 1].owner == me) {
           alloc.copy_convert(ds_starts[jj + 1][h].view(), ds_end.view());
         } else {
-          WorkHandle w =
-              ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, static_cast<int>(i * H + h)));
+          WorkHandle w = ring.irecv(ds_end.view(), segments_[i + 1].owner, tag_of(kTagChainBwd, i * H + h));
           if (idle) {
             while (!w->test() && idle()) {
             }
@@ -1491,8 +1490,8 @@ void GdnCp::backward_chain(BackwardPass& bp) {
       }
       ds_starts[jj][h] = run_pieces_backward(bp, jj, h, true, true, ds_end.view());
       if (continues(i) && segments_[i - 1].owner != me) {
-        sends.push_back(ring.isend(ds_starts[jj][h].view(), segments_[i - 1].owner,
-                                   tag_of(kTagChainBwd, static_cast<int>((i - 1) * H + h))));
+        sends.push_back(
+            ring.isend(ds_starts[jj][h].view(), segments_[i - 1].owner, tag_of(kTagChainBwd, (i - 1) * H + h)));
       }
       for (auto& w : sends) (void)w->test();  // progress for messages that need the sender
     }

@@ -52,6 +52,12 @@ namespace seqpar {
 inline constexpr std::int64_t kGdnAheadMaxWindows = 4;
 inline constexpr std::int64_t kGdnAheadBudgetBytes = std::int64_t{256} << 20;
 
+// The tag offset of GdnCp's message `index` (>= 0; a chain message's segment x value heads + head, a scan round's
+// round x value heads + head): index mod kGdnTagSpan, in [0, kGdnTagSpan). Each message kind adds it to its own base.
+// The index is 64-bit: segments x heads can pass 2^31 on long packed rows of short documents.
+inline constexpr std::int64_t kGdnTagSpan = 4000;
+inline int gdn_tag_offset(std::int64_t index) { return static_cast<int>(index % kGdnTagSpan); }
+
 // The configuration of GdnCp (the same on every rank).
 struct GdnCpConfig {
   GdnCpMode mode = GdnCpMode::kScan;

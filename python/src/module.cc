@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -281,6 +282,34 @@ void bind_runtime(py::module_& m) {
   m.def("from_mpi4py", &from_mpi4py, py::arg("comm"), "A seqpar communicator over a duplicate of an mpi4py one.");
 }
 
+// The TypeError of CpGrid(...) with arguments it does not take: an unknown keyword is named, with seqpar's name for
+// YunChang's (docs/python.md, "Coming from flash-attn, flash-linear-attention or YunChang"); otherwise the signature.
+std::string grid_arguments_error(const py::args& args, const py::kwargs& kwargs) {
+  static const char* const kSignature =
+      "CpGrid(dp_size: int = 1, ulysses_size: int = 1, ring_size: int = 1, placement: str = 'ulysses_inner' | "
+      "'ring_inner', comm=None (the MPI world) | an mpi4py communicator)";
+  static const std::vector<std::pair<std::string, std::string>> kForeign = {
+      {"ulysses_degree", "ulysses_size= (YunChang's ulysses_degree)"},
+      {"sp_ulysses_degree", "ulysses_size= (YunChang's sp_ulysses_degree)"},
+      {"ring_degree", "ring_size= (YunChang's ring_degree)"},
+      {"sp_ring_degree", "ring_size= (YunChang's sp_ring_degree)"}};
+  const std::vector<std::string> known = {"dp_size", "ulysses_size", "ring_size", "placement", "comm"};
+  for (const auto& [key, value] : kwargs) {
+    const std::string name = py::str(key);
+    if (std::find(known.begin(), known.end(), name) != known.end()) continue;
+    std::string hint;
+    for (const auto& [foreign, ours] : kForeign)
+      if (foreign == name) hint = str_cat("; seqpar's name: ", ours);
+    return str_cat("CpGrid() got an unexpected keyword argument '", name, "'", hint, " (its arguments: ", kSignature,
+                   "; docs/python.md, \"Coming from flash-attn, flash-linear-attention or YunChang\")");
+  }
+  std::string given;
+  for (const py::handle a : args) given += str_cat(given.empty() ? "" : ", ", std::string(py::repr(a)));
+  for (const auto& [key, value] : kwargs)
+    given += str_cat(given.empty() ? "" : ", ", std::string(py::str(key)), "=", std::string(py::repr(value)));
+  return str_cat("CpGrid(", given, "): the arguments do not match ", kSignature);
+}
+
 // The SP process grid (runtime/cp_grid.h).
 void bind_grid(py::module_& m) {
   py::class_<Grid>(m, "CpGrid", "The SP process grid (runtime/cp_grid.h): world = dp x ulysses x ring")
@@ -291,6 +320,11 @@ void bind_grid(py::module_& m) {
                }),
            py::arg("dp_size") = 1, py::arg("ulysses_size") = 1, py::arg("ring_size") = 1,
            py::arg("placement") = "ulysses_inner", py::arg("comm") = py::none())
+      // Arguments the constructor above does not take (pybind11 tries it first): a TypeError naming the keyword and,
+      // for another library's name of a field, seqpar's.
+      .def(py::init([](const py::args& args, const py::kwargs& kwargs) -> std::unique_ptr<Grid> {
+        throw py::type_error(grid_arguments_error(args, kwargs));
+      }))
       .def_static(
           "_from_torch",
           [](py::handle world, py::handle ulysses, py::handle ring, py::handle cp, py::handle dp,

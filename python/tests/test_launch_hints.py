@@ -80,6 +80,23 @@ def test_apply_rope_names_the_layout():
         seqpar.apply_rope(torch.randn(1, layout.local_len + 1, 2, 8), layout, grid.cp_rank)
 
 
+@pytest.mark.parametrize("key, says", [
+    ("ulysses_degree", r"seqpar's name: ulysses_size= \(YunChang's ulysses_degree\)"),
+    ("ring_degree", r"seqpar's name: ring_size= \(YunChang's ring_degree\)"),
+    ("sp_ulysses_degree", r"seqpar's name: ulysses_size="),
+    ("ring_sise", r"\(its arguments: CpGrid\(dp_size: int = 1, ulysses_size: int = 1, ring_size: int = 1"),
+])
+def test_cpgrid_names_seqpars_keyword(key, says):
+    """YunChang's degree keywords (or a typo) given to CpGrid: a TypeError naming the keyword and seqpar's name,
+    instead of pybind's list of constructor overloads; seqpar's own keywords still build the grid."""
+    with pytest.raises(TypeError, match=rf"CpGrid\(\) got an unexpected keyword argument '{key}'.*{says}"):
+        seqpar.CpGrid(**{key: 1}, ring_size=WORLD)
+    with pytest.raises(TypeError, match=r"CpGrid\(ring_size=1, placement=3\): the arguments do not match CpGrid\("):
+        seqpar.CpGrid(ring_size=1, placement=3)
+    grid = seqpar.CpGrid(ulysses_size=1, ring_size=WORLD)
+    assert (grid.dp_size, grid.ulysses_size, grid.ring_size) == (1, 1, WORLD)
+
+
 @pytest.mark.parametrize("layer, key, value, says", [
     ("mha", "window_size", (7, 0), r"seqpar's name: window=W .*flash-attn's window_size=\(W - 1, 0\)"),
     ("mha", "is_causal", False, r"seqpar's name: causal= \(default True\)"),

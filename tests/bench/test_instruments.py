@@ -18,9 +18,12 @@ import csv
 import datetime
 import filecmp
 import json
+import glob
 import os
 import re
+import resource
 import statistics
+import signal
 import subprocess
 import sys
 import tempfile
@@ -42,6 +45,34 @@ def run(np, program, args, expect_rc=0):
 def check(cond, what):
     if not cond:
         raise AssertionError(what)
+
+
+def check_json_write_is_atomic(cmd, path):
+    """`cmd` (a benchmark of one process) writing --json `path`, where `path` holds that command's JSON already: cut
+    off mid-write by a file-size limit below the JSON's size, it must leave `path` as it was, whether the limit kills
+    it (SIGXFSZ, as a crash would) or fails the write (SIGXFSZ ignored: EFBIG, a non-zero exit naming the path and no
+    temporary file left). A write straight into `path` left half a file."""
+    old = open(path, "rb").read()
+    limit = len(old) // 2
+
+    def small_files(ignore_signal):
+        def apply():
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+            if ignore_signal:
+                signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        return apply
+
+    for ignore_signal in (False, True):
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, preexec_fn=small_files(ignore_signal))
+        how = "EFBIG" if ignore_signal else "SIGXFSZ"
+        what = f"{os.path.basename(cmd[0])} --json under a {limit}-byte file limit ({how})"
+        check(p.returncode != 0, f"{what}: exit 0\n{p.stdout}{p.stderr}")
+        check(open(path, "rb").read() == old, f"{what}: {path} changed (a partial file)")
+        leftovers = glob.glob(glob.escape(path) + ".tmp.*")
+        if ignore_signal:
+            check(path in p.stderr and not leftovers, f"{what}: error {p.stderr!r}, temporary files {leftovers}")
+        for f in leftovers:  # a killed process leaves its temporary file; `path` is intact
+            os.remove(f)
 
 
 def test_json(tmp):
@@ -325,6 +356,7 @@ def test_kernel(tmp):
     for kind in ("mha", "dsa", "gdn"):
         check(re.search(rf"^# {kind}: ", out, re.M), f"no {kind} table header:\n{out}")
     check(re.search(r"^# square SGEMM 64\^3: [0-9.]+ GFLOP/s", out, re.M), f"no square SGEMM line:\n{out}")
+    check_json_write_is_atomic(cmd, path)
     j = json.load(open(path))
     for key in ("benchmark", "version", "kernel", "threads", "openblas", "openblas_core", "square_n",
                 "square_sgemm_gflops", "results"):
@@ -432,6 +464,8 @@ def test_ops(tmp):
             check(r["indexer_floor_bound"] == "bytes" and r["attention_floor_bound"] == "bytes", f"1 kB/s: {r}")
         if source == "not measured":
             check("not measured" in out, f"--mem-bw 0 must say the bandwidth is not measured:\n{out}")
+    check_json_write_is_atomic([exe] + shape + ["--mem-bw", "0", "--json", os.path.join(tmp, "ops_not_measured.json")],
+                               os.path.join(tmp, "ops_not_measured.json"))
     bad = subprocess.run([exe, "--mem-bw", "-3"], capture_output=True, text=True, timeout=60)
     check(bad.returncode != 0 and "--mem-bw must be -1 (measure), 0 (not measured) or a positive GB/s, got -3"
           in bad.stderr, f"--mem-bw -3 must be refused by name:\n{bad.stdout}{bad.stderr}")

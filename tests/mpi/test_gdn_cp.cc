@@ -368,6 +368,22 @@ TEST(GdnCp, LeanBackwardChangesNoBit) {
   }
 }
 
+// The chain's tag index is segment x value heads + head: 2^25 segments (a packed row of 2^25 one-token zigzag chunks)
+// at 64 heads pass 2^31. Each offset must lie in [0, kGdnTagSpan) and be the index's residue, computed here by parts.
+TEST(GdnCp, MessageTagOffsetsBeyondInt) {
+  constexpr std::int64_t kHeads = 64;
+  for (const std::int64_t segment : {std::int64_t{0}, std::int64_t{3999}, std::int64_t{1} << 25,
+                                     (std::int64_t{1} << 25) + 77, std::int64_t{1} << 40}) {
+    for (const std::int64_t h : {std::int64_t{0}, std::int64_t{5}, kHeads - 1}) {
+      const std::int64_t index = segment * kHeads + h;
+      const int offset = gdn_tag_offset(index);
+      EXPECT_GE(offset, 0) << "index " << index;
+      EXPECT_LT(offset, kGdnTagSpan) << "index " << index;
+      EXPECT_EQ(offset, ((segment % kGdnTagSpan) * kHeads + h) % kGdnTagSpan) << "index " << index;
+    }
+  }
+}
+
 TEST(GdnCp, ConfigurationErrors) {
   const int n = world().size();
   CpGrid grid(world(), test::ring_over_world());

@@ -13,6 +13,7 @@
 #include "benchmarks/flop_models.h"
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_plan.h"
+#include "parallel/layout.h"
 #include "runtime/dtype.h"
 #include "runtime/error.h"
 
@@ -237,6 +238,100 @@ TEST(SpPlan, ExclusionsNameTheRule) {
   } catch (const Error& e) {
     EXPECT_EQ(u4.excluded, std::string(e.what()));
   }
+}
+
+// A ring of one places the tokens alike under every layout kind (slots in order, padded to a multiple of Pu), so
+// the plan lists one layout there, and the flags it prints leave --layout to sp_bench's default.
+TEST(SpPlan, RingOfOneHasOneLayoutAndNoLayoutFlag) {
+  const std::vector<std::int64_t> cu = {0, 5, 5, 70, 197};
+  for (const int pu : {1, 2, 4}) {
+    const SequenceLayout ref(LayoutKind::kZigzag, 197, 1, pu),
+        packed_ref = SequenceLayout::packed(LayoutKind::kZigzag, cu, 1, pu);
+    for (const LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kStripe, LayoutKind::kBalanced}) {
+      const SequenceLayout l(kind, 197, 1, pu), packed = SequenceLayout::packed(kind, cu, 1, pu);
+      for (int r = 0; r < pu; ++r) {
+        EXPECT_EQ(l.token_index(r), ref.token_index(r)) << layout_name(kind) << " pu " << pu << " rank " << r;
+        EXPECT_EQ(packed.token_index(r), packed_ref.token_index(r)) << layout_name(kind) << " packed, pu " << pu;
+      }
+    }
+  }
+  const DeviceProfile prof = flat_profile(1e9, 1e-6, 1e9);
+  for (const std::vector<std::string>& flags :
+       {std::vector<std::string>{"--attn", "mha", "--heads", "4", "--kv-heads", "4", "--seq", "1K", "--causal"},
+        std::vector<std::string>{"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq",
+                                 "1K"}}) {
+    int ring_of_one = 0;
+    for (const PlanRow& row : plan(input(flags, 4), prof)) {
+      const std::vector<std::string> f = row.config.flags();
+      const bool has_layout = std::find(f.begin(), f.end(), "--layout") != f.end();
+      EXPECT_EQ(has_layout, row.config.ring_size > 1) << row.config.name() << ": " << row.command;
+      if (row.config.ring_size > 1) continue;
+      ++ring_of_one;
+      EXPECT_EQ(row.config.layout, "zigzag") << row.config.name();
+      EXPECT_EQ(row.command.find("--layout"), std::string::npos) << row.command;
+      EXPECT_TRUE(row.excluded.empty()) << row.config.name() << ": " << row.excluded;
+    }
+    EXPECT_EQ(ring_of_one, flags[1] == "mha" ? 1 : 2) << flags[1];  // MHA: p2p; GDN: chain and scan
+  }
+}
+
+// Rings beyond kPlanMaxRing (the balanced kind beyond kPlanMaxBalancedRing) are excluded by name before any layout is
+// built (a world of 65536 ranks would otherwise allocate a 2^32-entry per-step table per configuration).
+TEST(SpPlan, RingsBeyondTheLimitAreExcludedByName) {
+  const DeviceProfile prof = flat_profile(1e9, 1e-6, 1e9);
+  const std::vector<std::string> flags = {"--attn", "mha",   "--heads", "8",       "--kv-heads",
+                                          "8",      "--seq", "1M",      "--causal"};
+  const std::vector<PlanRow> rows = plan(input(flags, 65536), prof);
+  for (const PlanRow& row : rows) {
+    if (row.config.ring_size > kPlanMaxRing) {
+      const std::string want =
+          row.config.layout == "balanced"
+              ? str_cat("ring_size ", row.config.ring_size, " exceeds the ", kPlanMaxBalancedRing,
+                        " ring ranks sp_plan plans the balanced layout for (its step refinement costs O(ring_size^4))")
+              : str_cat("ring_size ", row.config.ring_size, " exceeds the ", kPlanMaxRing,
+                        " ring ranks sp_plan plans for (a layout's per-step work table has ring_size^2 entries)");
+      EXPECT_EQ(row.excluded, want) << row.config.name();
+    } else {
+      EXPECT_FALSE(row.excluded.empty()) << row.config.name() << ": 8 heads cannot split over Ulysses "
+                                         << row.config.ulysses_size;
+    }
+  }
+  std::vector<std::string> shorter = flags;
+  shorter[7] = "64K";
+  const std::vector<PlanRow> balanced = plan(input(shorter, 2 * kPlanMaxBalancedRing), prof);
+  const PlanRow& over = row_named(balanced, str_cat("u1xr", 2 * kPlanMaxBalancedRing, " balanced p2p"));
+  EXPECT_NE(over.excluded.find(str_cat("ring_size ", 2 * kPlanMaxBalancedRing, " exceeds the ", kPlanMaxBalancedRing,
+                                       " ring ranks sp_plan plans the balanced layout for")),
+            std::string::npos)
+      << over.excluded;
+  EXPECT_TRUE(row_named(balanced, str_cat("u2xr", kPlanMaxBalancedRing, " balanced p2p")).excluded.empty());
+  EXPECT_TRUE(row_named(balanced, str_cat("u1xr", 2 * kPlanMaxBalancedRing, " zigzag p2p")).excluded.empty());
+}
+
+// memory_verdict estimates one rank per class (rank 0, the other SP roots, the rest): its sum over a node equals the
+// sum of every rank's own estimate, with --check making the SP roots differ.
+TEST(SpPlan, MemoryVerdictSumsEveryRanksEstimate) {
+  PlanInput in = input({"--attn", "gdn", "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--seq", "2K",
+                        "--check", "--dp-size", "2"},
+                       8);
+  PlanConfig c;
+  c.ring_size = 2;
+  c.ulysses_size = 2;
+  c.impl.clear();
+  c.gdn_mode = "scan";
+  const SpBenchOptions o = config_options(in, c);
+  double need = 0, largest = 0;
+  for (int r = 0; r < in.world_size; ++r) {
+    need += estimate_memory(o, r).total_bytes();
+    largest = std::max(largest, estimate_memory(o, r).total_bytes());
+  }
+  ASSERT_GT(largest, estimate_memory(o, 1).total_bytes());  // the classes differ (else this test shows nothing)
+  in.memory_per_device = need / in.devices_per_node * 1.0001;
+  double per_rank = 0;
+  EXPECT_EQ(memory_verdict(o, in, &per_rank), "");
+  EXPECT_EQ(per_rank, largest);
+  in.memory_per_device = need / in.devices_per_node * 0.9999;
+  EXPECT_EQ(memory_verdict(o, in, nullptr).rfind("does not fit in memory", 0), 0u);
 }
 
 TEST(SpPlan, MemoryExclusionUsesSpBenchEstimate) {
