@@ -19,7 +19,8 @@
 # Environment: SEQPAR_BUILD_DIR (default build; sp_bench must be built), ROUNDS (3), SEQ (8192), ITERS (3),
 # FULL (0), HV8 (0), ONLY (all), AB (0), AB_VAR (SEQPAR_GDN_WORK_AHEAD), MPIRUN_ARGS (extra mpirun flags, e.g.
 # --allow-run-as-root), KEEP_JSON (a directory: every run's sp_bench JSON is kept there, CONFIG.ROUND.SETTING.json,
-# CONFIG the configuration's index; default: a temporary directory, removed).
+# CONFIG the configuration's index; default: a temporary directory, removed), OPENBLAS_CORETYPE (default SkylakeX,
+# OpenBLAS's AVX-512 kernels, where the CPU has AVX-512; elsewhere OpenBLAS's own choice).
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 build_dir=${SEQPAR_BUILD_DIR:-$root/build}
@@ -82,9 +83,16 @@ else
   out=$(mktemp -d)
   trap 'rm -rf "$out"' EXIT
 fi
+coretype=()
+if [ -n "${OPENBLAS_CORETYPE:-}" ]; then
+  coretype=("OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE")
+elif grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+  coretype=(OPENBLAS_CORETYPE=SkylakeX)
+fi
 echo "# gdn_cp_efficiency.sh: S $seq, 2 ranks, 1 thread each, $rounds rounds x ${#configs[@]} configurations," \
   "$iters timed iterations per run; commit $(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)," \
-  "$(date -u +%FT%TZ), $(OMP_NUM_THREADS= nproc) cores"
+  "$(date -u +%FT%TZ), $(OMP_NUM_THREADS= nproc) cores ($(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo |
+    head -1)), ${coretype[*]:-OpenBLAS's own kernel choice}"
 for ((r = 1; r <= rounds; ++r)); do
   for i in "${!configs[@]}"; do
     IFS='|' read -r name shape layout mode <<<"${configs[$i]}"
@@ -94,7 +102,7 @@ for ((r = 1; r <= rounds; ++r)); do
       env_ahead=()
       [ "$a" != - ] && env_ahead=("$ab_var=$a")
       # shellcheck disable=SC2086
-      env "${env_ahead[@]}" OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX} mpirun -np 2 --oversubscribe \
+      env "${env_ahead[@]}" "${coretype[@]}" mpirun -np 2 --oversubscribe \
         ${MPIRUN_ARGS:-} "$bench" --attn gdn $shape --seq "$seq" --ring-size 2 --layout "$layout" --gdn-mode "$mode" \
         --threads 1 --iters "$iters" --warmup 1 --efficiency --json "$out/$i.$r.$a.json" >/dev/null
       echo "$load" >"$out/$i.$r.$a.load"
