@@ -362,6 +362,18 @@ struct ForwardAheadLayout {
     gam = p + C * C;
     stride = gam + C;
   }
+  // The scratch with its state-independent parts pointed at the buffer's chunk at `base`.
+  template <typename T>
+  ChunkScratch<T> in_buffer(const ChunkScratch<T>& scratch, T* base) const {
+    ChunkScratch<T> x = scratch;
+    x.q = base + q;
+    x.w = base + w;
+    x.u = base + u;
+    x.kt = base + kt;
+    x.p = base + p;
+    x.gam = base + gam;
+    return x;
+  }
 };
 
 // The state-independent part of the forward's chunk at t0 (c rows) in the scratch: inputs, T, W, U, K~ and P.
@@ -411,12 +423,7 @@ void forward_impl(const GdnForwardArgs& a, const Dims& d, const TensorView& out,
       ChunkScratch<T> x = w;
       if (n < done) {  // computed ahead: the state part reads it where it lies
         T* base = static_cast<T*>(ahead->data) + (bh * nc + n) * lay.stride;
-        x.q = base + lay.q;
-        x.w = base + lay.w;
-        x.u = base + lay.u;
-        x.kt = base + lay.kt;
-        x.p = base + lay.p;
-        x.gam = base + lay.gam;
+        x = lay.in_buffer(w, base);
         if (n + 1 < done) {  // the next chunk's part, written long before, into L2 while this chunk computes
           const char* next = reinterpret_cast<const char*>(base + lay.stride);
           const std::int64_t bytes = lay.stride * static_cast<std::int64_t>(sizeof(T));
@@ -445,14 +452,7 @@ void forward_ahead_impl(const GdnForwardArgs& a, const Dims& d, const GdnAheadBu
       const std::int64_t t0 = n * d.C, c = std::min(d.C, d.S - t0);
       // The parts the state-dependent rest reads are computed where they are kept (the buffer has the scratch's
       // row strides), not in the scratch and copied: one pass less over C (3 K + V + C + 1) values per chunk.
-      ChunkScratch<T> x = w;
-      T* base = static_cast<T*>(ahead.data) + (bh * nc + n) * lay.stride;
-      x.q = base + lay.q;
-      x.w = base + lay.w;
-      x.u = base + lay.u;
-      x.kt = base + lay.kt;
-      x.p = base + lay.p;
-      x.gam = base + lay.gam;
+      ChunkScratch<T> x = lay.in_buffer(w, static_cast<T*>(ahead.data) + (bh * nc + n) * lay.stride);
       forward_chunk_ahead(a, d, b, h, t0, c, scale, x);
     }
   });
