@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "benchmarks/flop_models.h"
+#include "benchmarks/sp_bench_decode.h"
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "benchmarks/sp_plan.h"
@@ -1324,6 +1325,15 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
   SEQPAR_CHECK(in.mode != "decode" || (in.layers == 1 && in.linear_flops_per_token == 0), "sp_plan: --mode decode ",
                "plans one layer's step (--layers ", in.layers, ", --linear-flops-per-token ", in.linear_flops_per_token,
                " are for train and prefill)");
+  if (in.mode == "decode") {
+    // The problem's own decode rules (a RoPE preset, a window, ...) refuse every grid alike: once, in sp_bench's
+    // words, before any configuration is ranked (on a grid of one, where the head splits always hold).
+    try {
+      check_decode_options(problem_options(in));
+    } catch (const Error& e) {
+      SEQPAR_THROW("sp_plan --mode decode: sp_bench refuses this problem on every grid: ", e.message());
+    }
+  }
   const std::string attn = attn_of(in);
   std::vector<PlanConfig> configs;
   for (int pu = 1; pu <= in.world_size; ++pu) {
@@ -1400,12 +1410,9 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
     try {
       const SpBenchOptions o = config_options(in, c);
       if (in.mode == "decode") {
-        // sp_bench --mode decode's rule on the grid (check_decode_options, benchmarks/sp_bench_decode.cc), in its
+        // sp_bench --mode decode's rules (the grid's head splits, the attention options decode does not take), in its
         // words.
-        const int pu = o.grid.ulysses_size;
-        SEQPAR_CHECK(o.kv_heads >= 1 && (o.kv_heads % pu == 0 || pu % o.kv_heads == 0),
-                     "--mode decode --attn mha: --kv-heads ", o.kv_heads, " must be divisible by --ulysses-size ", pu,
-                     " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head replicated)");
+        check_decode_options(o);
       }
       const MemoryEstimate e = estimate_of(o, 0);
       row.memory = e.ledger;
