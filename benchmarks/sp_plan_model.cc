@@ -1514,7 +1514,22 @@ std::string plan_table(const PlanInput& in, const DeviceProfile& profile, const 
   for (const PlanRow& r : rows) {
     if (!r.excluded.empty()) continue;
     s += str_cat("# first choice: ", r.command, "\n");
+    // Rows within 0.5 % of the first choice's step time (a ring of one: the layouts and impls run alike) tie.
+    std::string ties;
+    int num_ties = 0;
+    for (const PlanRow& o : rows) {
+      if (&o == &r || !o.excluded.empty() || o.prediction.step_s > r.prediction.step_s * 1.005) continue;
+      ties += str_cat(num_ties++ == 0 ? "" : ", ", o.config.name());
+    }
+    if (num_ties > 0) {
+      s += str_cat("# the first choice ties (within 0.5 % of its predicted step) with ", num_ties,
+                   " other configuration(s): ", ties, "\n");
+    }
     break;
+  }
+  if (profile.note.rfind("GPU profile", 0) == 0) {
+    s += "# note: the command runs sp_bench on the CPU unless --device cuda is added; this profile's GPU curves come "
+         "from published figures, never checked against a run here\n";
   }
   return s;
 }
