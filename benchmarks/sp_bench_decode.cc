@@ -32,8 +32,8 @@
 #include "benchmarks/sp_bench_timing.h"
 #include "parallel/decode_cp.h"
 #include "runtime/comm_factory.h"
-#include "runtime/error.h"
 #include "runtime/cp_grid.h"
+#include "runtime/error.h"
 #include "runtime/tensor_ops.h"
 #include "runtime/version.h"
 
@@ -471,6 +471,8 @@ DecodeReport run_gdn(Communicator& world, const CpGroups& groups, const SpBenchO
   return rep;
 }
 
+}  // namespace
+
 void check_decode_options(const SpBenchOptions& o) {
   const DecodeOptions& d = o.decode;
   SEQPAR_CHECK(o.attn == "mha" || o.attn == "gdn" || o.attn == "dsa", "--mode decode: --attn ", o.attn,
@@ -503,8 +505,8 @@ void check_decode_options(const SpBenchOptions& o) {
                  " x --ulysses-size ", pu, "): decode splits whole heads over the group");
   }
   if (o.attn == "mha") {
-    SEQPAR_CHECK(o.kv_heads >= 1 && (o.kv_heads % pu == 0 || pu % o.kv_heads == 0), "--mode decode --attn mha: --kv-heads ",
-                 o.kv_heads, " must be divisible by --ulysses-size ", pu,
+    SEQPAR_CHECK(o.kv_heads >= 1 && (o.kv_heads % pu == 0 || pu % o.kv_heads == 0),
+                 "--mode decode --attn mha: --kv-heads ", o.kv_heads, " must be divisible by --ulysses-size ", pu,
                  " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head replicated)");
   }
   parse_cache_shard(d.cache_shard);
@@ -544,6 +546,8 @@ void check_decode_options(const SpBenchOptions& o) {
   SEQPAR_CHECK(d.chunk > 0 || !o.given("chunk-mode"), "--chunk-mode needs --chunk C > 0");
   SEQPAR_CHECK(!o.check || d.prefill == "forward", "--check needs --prefill forward");
 }
+
+namespace {
 
 // The layouts of the prompt and the chunk (each holds 8 bytes per slot: built after the memory check).
 void check_decode_layouts(const SpBenchOptions& o) {
@@ -731,8 +735,8 @@ DecodeOptions parse_decode_options(const cxxopts::ParseResult& r) {
     }
   } else {
     // The flags only the training step reads, refused as --mode train refuses the decode flags.
-    for (const char* flag :
-         {"doc-lens", "doc-dist", "efficiency", "gdn-compare-token", "test-corrupt", "test-logit-scale"}) {
+    for (const char* flag : {"doc-lens", "cu-seqlens", "doc-dist", "efficiency", "gdn-compare-token", "test-corrupt",
+                             "test-logit-scale"}) {
       SEQPAR_CHECK(r.count(flag) == 0, "--", flag, " needs --mode train (--mode decode does not read it)");
     }
   }

@@ -46,6 +46,9 @@ void add_decode_options(cxxopts::Options& spec);
 // Reads them (their rules are checked by run_decode_bench, before any communication but the options' agreement); with
 // --mode decode, refuses the flags only --mode train reads ("--doc-lens needs --mode train").
 DecodeOptions parse_decode_options(const cxxopts::ParseResult& r);
+// The rules of --mode decode on the parsed options (counts, the grid's head splits, the attention options decode does
+// not support yet): local, so every rank (and sp_plan, for each configuration) refuses alike. Throws Error.
+void check_decode_options(const SpBenchOptions& o);
 // --mode decode --inputs: --context from dimension 1 of the prompt's first input and --decode-steps from that of its
 // _dec file (N n) when not given; a given one must match. Called after --mode train's shapes_from_inputs.
 void decode_shapes_from_inputs(SpBenchOptions& o);

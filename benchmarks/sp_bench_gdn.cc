@@ -628,7 +628,7 @@ void add_gdn_flags(cxxopts::Options& spec, FlagGroup group) {
                      "recurrence (0: none)", cxxopts::value<std::int64_t>()->default_value("0"));
   } else if (group == FlagGroup::kParallel) {
     spec.add_options("parallel")
-      ("gdn-mode", "GDN state passing: chain | scan (default scan, as in GdnCpConfig)",
+      ("gdn-mode", "GDN state passing: chain | scan (the default is GdnCpConfig's)",
        cxxopts::value<std::string>()->default_value("scan"));
   } else if (group == FlagGroup::kRun) {
     spec.add_options("run")

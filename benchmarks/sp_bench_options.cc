@@ -92,12 +92,30 @@ void parse_packing(const cxxopts::ParseResult& r, SpBenchOptions& o) {
   const std::filesystem::path cu_file = std::filesystem::path(o.inputs_dir) / "cu_seqlens.npy";
   const bool from_file = !o.inputs_dir.empty() && std::filesystem::exists(cu_file);
   const int sources = static_cast<int>(r.count("doc-lens") > 0) + static_cast<int>(r.count("doc-dist") > 0) +
-                      static_cast<int>(from_file);
-  SEQPAR_CHECK(sources <= 1, "--doc-lens, --doc-dist and --inputs DIR/cu_seqlens.npy each describe the packed row; ",
-               "give one");
+                      static_cast<int>(r.count("cu-seqlens") > 0) + static_cast<int>(from_file);
+  SEQPAR_CHECK(sources <= 1, "--doc-lens, --cu-seqlens, --doc-dist and --inputs DIR/cu_seqlens.npy each describe the ",
+               "packed row; give one");
   if (sources == 0) return;
-  const char* source = r.count("doc-lens") ? "--doc-lens" : r.count("doc-dist") ? "--doc-dist" : "cu_seqlens.npy";
-  if (r.count("doc-lens")) {
+  const char* source = r.count("doc-lens")     ? "--doc-lens"
+                       : r.count("cu-seqlens") ? "--cu-seqlens"
+                       : r.count("doc-dist")   ? "--doc-dist"
+                                               : "cu_seqlens.npy";
+  if (r.count("cu-seqlens")) {
+    // The offsets 0, l1, l1 + l2, ..., S: checked by the layout's cu_seqlens rules, then taken as --doc-lens.
+    const std::string text = get_checked<std::string>(r, "cu-seqlens");
+    std::vector<std::int64_t> values;
+    for (std::size_t begin = 0; begin <= text.size();) {
+      const std::size_t end = std::min(text.find(',', begin), text.size());
+      values.push_back(parse_size(text.substr(begin, end - begin), "cu-seqlens"));
+      begin = end + 1;
+    }
+    try {
+      (void)SequenceLayout::packed(LayoutKind::kContiguous, values, 1);
+    } catch (const Error& e) {
+      SEQPAR_THROW("--cu-seqlens ", text, ": ", e.message());
+    }
+    for (std::size_t i = 1; i < values.size(); ++i) o.doc_lens.push_back(values[i] - values[i - 1]);
+  } else if (r.count("doc-lens")) {
     const std::string text = get_checked<std::string>(r, "doc-lens");
     for (std::size_t begin = 0; begin <= text.size();) {
       const std::size_t end = std::min(text.find(',', begin), text.size());
@@ -129,8 +147,8 @@ void parse_packing(const cxxopts::ParseResult& r, SpBenchOptions& o) {
   std::int64_t total = 0;
   for (std::int64_t len : o.doc_lens) total += len;
   SEQPAR_CHECK(total >= 1, source, ": the documents hold ", total, " tokens; a packed row needs at least one");
-  SEQPAR_CHECK(!r.count("doc-lens") || !o.given("seq") || o.seq == total, "--seq ", o.seq,
-               " does not match --doc-lens, whose lengths sum to ", total, "; leave --seq out");
+  SEQPAR_CHECK((!r.count("doc-lens") && !r.count("cu-seqlens")) || !o.given("seq") || o.seq == total, "--seq ", o.seq,
+               " does not match ", source, ", whose lengths sum to ", total, "; leave --seq out");
   o.seq = total;
   SEQPAR_CHECK(o.batch == 1, "--batch ", o.batch, ": a packed row (", source, ") takes --batch 1");
 }
@@ -214,7 +232,8 @@ void add_sp_bench_flags(cxxopts::Options& spec) {
     ("kv-heads", "key/value heads (GQA; GDN: key heads of q and k); must divide --heads; 0: --heads",
      cxxopts::value<std::int64_t>()->default_value("0"))
     ("head-dim", "head dimension", cxxopts::value<std::int64_t>()->default_value("64"))
-    ("causal", "causal mask (presets turn it on; --causal=false turns it off)",
+    ("causal", "causal mask; off by default (--attn mha runs non-causal, unlike Python's MhaCp, causal=True), "
+               "presets turn it on, --causal=false turns it off",
      cxxopts::value<bool>()->default_value("false")->implicit_value("true"))
     ("window", "sliding window in tokens (0: none; needs --causal)", cxxopts::value<std::int64_t>()->default_value("0"));
   // clang-format on
@@ -226,6 +245,8 @@ void add_sp_bench_flags(cxxopts::Options& spec) {
   spec.add_options("problem")
     ("doc-lens", "a packed row of documents with these comma-separated lengths (their sum is --seq, --batch 1; "
                  "zero-length documents allowed)", cxxopts::value<std::string>())
+    ("cu-seqlens", "the same packed row as comma-separated offsets 0,l1,l1+l2,...,S (cu_seqlens; taken as "
+                   "--doc-lens)", cxxopts::value<std::string>())
     ("doc-dist", "a packed row of --seq tokens in synthetic documents drawn with --seed: longtail (lengths "
                  "log-uniform in 64..16384) | short (log-uniform in 1..256)", cxxopts::value<std::string>())
     ("dtype", "storage dtype: fp32 | bf16 | fp16 | fp64", cxxopts::value<std::string>()->default_value("fp32"))

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <span>
 
 #include "benchmarks/sp_bench_workload.h"
 #include "runtime/memory.h"
@@ -24,16 +25,40 @@ bool has_rounds(const RunReport& r) { return r.phases.front().message_rounds >= 
 
 }  // namespace
 
+namespace {
+
+// Max / mean over ring ranks of the non-causal attention work: each real token of a shard attends to its whole
+// document (the causal form is SequenceLayout::flop_imbalance).
+double full_flop_imbalance(const SequenceLayout& layout) {
+  const std::span<const std::int64_t> cu = layout.cu_seqlens();
+  double max_work = 0, sum_work = 0;
+  for (int r = 0; r < layout.ring_size(); ++r) {
+    double work = 0;
+    for (std::int64_t slot : layout.ring_shard_positions(r)) {
+      const std::int64_t d = layout.doc_of_slot(slot);
+      if (d >= 0) work += static_cast<double>(cu[d + 1] - cu[d]);
+    }
+    max_work = std::max(max_work, work);
+    sum_work += work;
+  }
+  return sum_work > 0 ? max_work / (sum_work / layout.ring_size()) : 1.0;
+}
+
+}  // namespace
+
 std::string describe_packing(const SpBenchOptions& o) {
   if (!o.packed() && sp_bench_padded_len(o) == o.seq) return "";  // nothing to say, and no layout built
   const SequenceLayout layout = sp_bench_layout(o);
+  const bool causal = o.causal || o.attn != "mha";  // GDN and DSA are causal whatever --causal says
   return str_cat("# packing: ", layout.num_docs(), " document(s)",
                  o.doc_dist.empty() ? std::string() : str_cat(" (--doc-dist ", o.doc_dist, ", seed ", o.seed, ")"),
                  ", partition ", layout_name(layout.kind()), " over ", layout.ring_size(), " ring rank(s)",
                  layout.chunk_len() > 0 ? str_cat(", chunks of ", layout.chunk_len()) : std::string(), ": padded_len ",
-                 layout.padded_len(), " (", layout.padded_len() - layout.seq_len(), " padding), causal FLOP imbalance ",
-                 fmt("%.4f", layout.flop_imbalance()), " (max / mean per ring rank), per-step imbalance ",
-                 fmt("%.4f", layout.step_imbalance()), " (sum over ring steps of max / mean tile pairs)");
+                 layout.padded_len(), " (", layout.padded_len() - layout.seq_len(), " padding), ",
+                 causal ? "causal" : "non-causal", " FLOP imbalance ",
+                 fmt("%.4f", causal ? layout.flop_imbalance() : full_flop_imbalance(layout)),
+                 " (max / mean per ring rank), per-step imbalance ", fmt("%.4f", layout.step_imbalance()),
+                 " (sum over ring steps of max / mean tile pairs)");
 }
 
 namespace {

@@ -10,11 +10,15 @@
 // directory.
 #include "benchmarks/sp_plan.h"
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <cxxopts.hpp>
 #include <filesystem>
 #include <fstream>
@@ -41,10 +45,38 @@ std::filesystem::path own_dir() {
   return ec ? std::filesystem::current_path() : exe.parent_path();
 }
 
+// std::system's status in words: the exit code, or the signal that ended the command.
+std::string describe_status(int rc) {
+  if (rc == -1) return str_cat("could not be started (", std::strerror(errno), ")");
+  if (WIFEXITED(rc)) return str_cat("exited with code ", WEXITSTATUS(rc));
+  if (WIFSIGNALED(rc)) return str_cat("was killed by signal ", WTERMSIG(rc), " (", strsignal(WTERMSIG(rc)), ")");
+  return str_cat("ended with raw status ", rc);
+}
+
+// As root, OpenMPI's mpirun refuses to start unless both of these are set.
+std::string root_mpirun_hint() {
+  if (geteuid() != 0 || (std::getenv("OMPI_ALLOW_RUN_AS_ROOT") && std::getenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")))
+    return "";
+  return "; running as root, OpenMPI's mpirun needs `export OMPI_ALLOW_RUN_AS_ROOT=1 "
+         "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1`";
+}
+
 void run_or_throw(const std::string& cmd) {
   std::fprintf(stderr, "sp_plan: running %s\n", cmd.c_str());
   const int rc = std::system(cmd.c_str());
-  SEQPAR_CHECK(rc == 0, "sp_plan --calibrate: `", cmd, "` failed with status ", rc);
+  SEQPAR_CHECK(rc == 0, "sp_plan --calibrate: `", cmd, "` ", describe_status(rc),
+               cmd.rfind("mpirun", 0) == 0 ? root_mpirun_hint() : "");
+}
+
+// --calibrate's sp_bench and comm_bench runs go through mpirun, after minutes of kernel_bench: a trivial mpirun is
+// tried first, so that one that cannot start is named at once.
+void check_mpirun_starts() {
+  const char* probe = "mpirun -np 1 true > /dev/null 2>&1";
+  const int rc = std::system(probe);
+  SEQPAR_CHECK(rc == 0, "sp_plan --calibrate: `mpirun -np 1 true` ", describe_status(rc),
+               " (its output was discarded: run it to see why); --calibrate runs sp_bench and comm_bench through "
+               "mpirun",
+               root_mpirun_hint());
 }
 
 nlohmann::json read_json(const std::filesystem::path& p) {
@@ -96,6 +128,7 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     SEQPAR_CHECK(std::filesystem::exists(dir / program), "sp_plan --calibrate: ", (dir / program).string(),
                  " not found: --calibrate runs kernel_bench, sp_bench and comm_bench from sp_plan's directory (build "
                  "them: cmake --build <build dir> --target kernel_bench sp_bench comm_bench)");
+  check_mpirun_starts();
   std::filesystem::create_directories(tmp);
   DeviceProfile p;
   char host[256] = {0};
@@ -357,7 +390,7 @@ int sp_plan_main(int argc, char** argv) {
                         "problem flags follow \"--\"");
   // clang-format off
   spec.add_options()
-    ("profile", "device profile JSON (sp_plan --calibrate writes one; profiles/ has GPU ones)", cxxopts::value<std::string>())
+    ("profile", "device profile JSON (sp_plan --calibrate writes one; benchmarks/profiles/ has GPU ones)", cxxopts::value<std::string>())
     ("world", "ranks (world size)", cxxopts::value<int>()->default_value("1"))
     ("nodes", "nodes", cxxopts::value<int>()->default_value("1"))
     ("devices-per-node", "ranks per node (default: --world / --nodes)", cxxopts::value<int>())

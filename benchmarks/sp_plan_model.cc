@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "benchmarks/flop_models.h"
+#include "benchmarks/sp_bench_decode.h"
 #include "benchmarks/sp_bench_memory.h"
 #include "benchmarks/sp_bench_workload.h"
 #include "benchmarks/sp_plan.h"
@@ -1324,6 +1325,15 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
   SEQPAR_CHECK(in.mode != "decode" || (in.layers == 1 && in.linear_flops_per_token == 0), "sp_plan: --mode decode ",
                "plans one layer's step (--layers ", in.layers, ", --linear-flops-per-token ", in.linear_flops_per_token,
                " are for train and prefill)");
+  if (in.mode == "decode") {
+    // The problem's own decode rules (a RoPE preset, a window, ...) refuse every grid alike: once, in sp_bench's
+    // words, before any configuration is ranked (on a grid of one, where the head splits always hold).
+    try {
+      check_decode_options(problem_options(in));
+    } catch (const Error& e) {
+      SEQPAR_THROW("sp_plan --mode decode: sp_bench refuses this problem on every grid: ", e.message());
+    }
+  }
   const std::string attn = attn_of(in);
   std::vector<PlanConfig> configs;
   for (int pu = 1; pu <= in.world_size; ++pu) {
@@ -1400,12 +1410,9 @@ std::vector<PlanRow> plan(const PlanInput& in, const DeviceProfile& profile) {
     try {
       const SpBenchOptions o = config_options(in, c);
       if (in.mode == "decode") {
-        // sp_bench --mode decode's rule on the grid (check_decode_options, benchmarks/sp_bench_decode.cc), in its
+        // sp_bench --mode decode's rules (the grid's head splits, the attention options decode does not take), in its
         // words.
-        const int pu = o.grid.ulysses_size;
-        SEQPAR_CHECK(o.kv_heads >= 1 && (o.kv_heads % pu == 0 || pu % o.kv_heads == 0),
-                     "--mode decode --attn mha: --kv-heads ", o.kv_heads, " must be divisible by --ulysses-size ", pu,
-                     " (decode splits whole KV heads over the Ulysses group) or divide it (each KV head replicated)");
+        check_decode_options(o);
       }
       const MemoryEstimate e = estimate_of(o, 0);
       row.memory = e.ledger;
@@ -1507,7 +1514,22 @@ std::string plan_table(const PlanInput& in, const DeviceProfile& profile, const 
   for (const PlanRow& r : rows) {
     if (!r.excluded.empty()) continue;
     s += str_cat("# first choice: ", r.command, "\n");
+    // Rows within 0.5 % of the first choice's step time (a ring of one: the layouts and impls run alike) tie.
+    std::string ties;
+    int num_ties = 0;
+    for (const PlanRow& o : rows) {
+      if (&o == &r || !o.excluded.empty() || o.prediction.step_s > r.prediction.step_s * 1.005) continue;
+      ties += str_cat(num_ties++ == 0 ? "" : ", ", o.config.name());
+    }
+    if (num_ties > 0) {
+      s += str_cat("# the first choice ties (within 0.5 % of its predicted step) with ", num_ties,
+                   " other configuration(s): ", ties, "\n");
+    }
     break;
+  }
+  if (profile.note.rfind("GPU profile", 0) == 0) {
+    s += "# note: the command runs sp_bench on the CPU unless --device cuda is added; this profile's GPU curves come "
+         "from published figures, never checked against a run here\n";
   }
   return s;
 }

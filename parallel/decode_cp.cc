@@ -410,7 +410,8 @@ void MhaDecodeCp::check_extend(const ShardedKvCache& cache, const SequenceLayout
   agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q_in}, {"k", k}, {"v", v}});
   const std::int64_t L = cache.length();
   SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
-               " would run past the cache capacity ", s.capacity);
+               " would run past the cache capacity ", s.capacity, ": make the cache with a capacity of at least ",
+               L + t_new, " tokens (make_cache's capacity)");
 }
 
 // pass-kv: the ring all-gathers every rank's cached K/V, and each rank attends its queries to all of them.
@@ -551,7 +552,8 @@ DecodeOutput MhaDecodeCp::decode(ShardedKvCache& cache, const TensorView& q, con
   agree(cache, who, nullptr, {{"q_new", q}, {"k_new", k}, {"v_new", v}});
   const std::int64_t L = cache.length();
   SEQPAR_CHECK(L + n <= s.capacity, who, ": ", n, " new tokens after ", L, " would run past the cache capacity ",
-               s.capacity);
+               s.capacity, ": make the cache with a capacity of at least ", L + n,
+               " tokens (make_cache's capacity: the prompt and every token to decode)");
   const std::vector<std::int64_t> q_pos = iota_from(L, n);
   const DType acc = accumulator_dtype(s.dtype);
   const std::int64_t rows = B * n * hq, block = rows * (D + 2);

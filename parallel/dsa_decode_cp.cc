@@ -147,7 +147,8 @@ void DsaDecodeCp::check_decode(const ShardedDsaCache& cache, const TensorView& q
   agree(cache, who, nullptr, {{"q_new", q}, {"c_new", c}, {"q_idx_new", q_idx}, {"k_idx_new", k_idx}, {"w_new", w}});
   const std::int64_t L = cache.length();
   SEQPAR_CHECK(L + n <= s.capacity, who, ": ", n, " new tokens after ", L, " would run past the cache capacity ",
-               s.capacity);
+               s.capacity, ": make the cache with a capacity of at least ", L + n,
+               " tokens (make_cache's capacity: the prompt and every token to decode)");
 }
 
 DsaDecodeOutput DsaDecodeCp::decode(ShardedDsaCache& cache, const TensorView& q, const TensorView& c,

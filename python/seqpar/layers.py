@@ -115,9 +115,15 @@ def _layout_hint(layout, grid, error, ndims, *tensors):
     # [B, H, S, D] (torch's scaled_dot_product_attention order) instead of [B, S, H, D]: the rows are in dim 2
     heads_first = any(t is not None and t.dim() == 4 and t.shape[2] == layout.local_len != t.shape[1]
                       for t in tensors)
+    # [S, B, H, D] (TransformerEngine's qkv_format="sbhd", Megatron's order): the rows are in dim 0
+    seq_first = any(t is not None and t.dim() == 4 and t.shape[0] == layout.local_len != t.shape[1]
+                    for t in tensors)
     order = (f"; a 4-D input has {layout.local_len} in dim 2: seqpar takes [B, S, H, D] (flash-attn's order), "
              "so a tensor in scaled_dot_product_attention's [B, H, S, D] needs .transpose(1, 2).contiguous()"
-             if heads_first else "")
+             if heads_first else
+             f"; a 4-D input has {layout.local_len} in dim 0: seqpar takes [B, S, H, D] (TransformerEngine's "
+             "qkv_format \"bshd\"), so a tensor in \"sbhd\" order [S, B, H, D] needs .transpose(0, 1).contiguous()"
+             if seq_first else "")
     return _seqpar.Error(
         f"{error} [the {layout.kind} layout gives CP rank {grid.cp_rank} local_len={layout.local_len} rows "
         f"(seq_len {layout.seq_len}, padded_len {layout.padded_len} over {layout.num_ranks} ranks); got rows "

@@ -52,6 +52,21 @@ def test_heads_first_input_says_the_order(layer):
     assert "transpose" not in str(e.value)
 
 
+@pytest.mark.parametrize("layer", ["mha", "gdn"])
+def test_seq_first_input_says_the_order(layer):
+    """q, k, v in TransformerEngine's sbhd order [S, B, H, D] (B = 2): the error says seqpar's [B, S, H, D] and
+    the transpose of dims 0 and 1."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, 32 * WORLD, "zigzag")
+    s = layout.local_len
+    x = torch.randn(s, 2, 3, 8)  # [S, B, H, D]
+    with pytest.raises(seqpar.Error, match=r"local_len=.*in dim 0.*takes \[B, S, H, D\].*\.transpose\(0, 1\)"):
+        if layer == "mha":
+            seqpar.MhaCp(grid, layout)(x, x, x)
+        else:
+            seqpar.GdnCp(grid, layout)(x, x, x, -torch.rand(s, 2, 3), torch.rand(s, 2, 3))
+
+
 @pytest.mark.parametrize("layer", ["mha", "gdn", "dsa"])
 def test_wrong_rank_has_no_rows_hint(layer):
     """An input of the wrong number of dimensions (q without its batch dimension) is refused for its shape; its dim 1

@@ -3,6 +3,7 @@
 (--test-mem-available-mib = devices_per_node x --mem-per-device), the configurations sp_plan ranks are accepted by
 `sp_bench --dry-run` ("fits"), the ones it excludes for memory are refused ("does NOT fit") and a real run of one
 stops with sp_bench's memory error; the ones it excludes by a rule fail sp_bench's parser with the same message.
+With --mode decode, the same for the configurations of a decode step (sp_bench --mode decode's own rules).
 The first choice's printed command, copied as it is (sp_plan called by a relative path from the build directory,
 as the docs call it from the repository root), runs from that directory.
 
@@ -17,6 +18,8 @@ import tempfile
 
 PROBLEM = ["--attn", "mha", "--heads", "3", "--kv-heads", "1", "--head-dim", "64", "--seq", "16K", "--causal"]
 WORLD = 2
+# --mode decode: 3 KV heads cannot be split over (nor replicated across) an Ulysses group of 2.
+DECODE_PROBLEM = ["--attn", "mha", "--heads", "6", "--kv-heads", "3", "--head-dim", "64", "--context", "4K"]
 MEM_MIB = 200  # per device: p2p rings fit (192.4 MiB a rank), all-gather (206.4 MiB: the whole K / V) does not
 
 
@@ -89,6 +92,28 @@ def main():
                                 f"(rc {run.returncode}):\n{run.stdout}")
             else:
                 print(f"ok: the first choice's command runs from {build_dir}: {' '.join(words)}")
+        # --mode decode: every configuration sp_plan ranks is accepted by `sp_bench --mode decode --dry-run` with its
+        # flags (decode has rules of its own: the KV heads over the Ulysses group, the attention options it does not
+        # take), and each one it excludes by a rule is refused by sp_bench with that rule's message.
+        plan_json = os.path.join(tmp, "plan_decode.json")
+        subprocess.run([sp_plan, "--profile", prof, "--world", str(WORLD), "--mode", "decode", "--json", plan_json,
+                        "--"] + DECODE_PROBLEM, check=True, stdout=subprocess.DEVNULL)
+        with open(plan_json) as f:
+            plan = json.load(f)
+        if not plan["ranked"] or not plan["excluded"]:
+            failures.append(f"decode: expected ranked and excluded configurations: {len(plan['ranked'])} ranked, "
+                            f"{len(plan['excluded'])} excluded")
+        for row in plan["ranked"] + plan["excluded"]:
+            cmd = [mpiexec, np_flag, str(WORLD), sp_bench] + DECODE_PROBLEM + row["sp_bench_flags"] + ["--dry-run"]
+            out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            ranked = row in plan["ranked"]
+            ok = out.returncode == 0 if ranked else (out.returncode != 0 and row["reason"] in out.stdout)
+            if not ok:
+                said = "ranks it" if ranked else "excludes it: " + row["reason"]
+                failures.append(f"decode {row['name']}: sp_plan {said}, sp_bench --dry-run (rc {out.returncode}):\n"
+                                f"{out.stdout}")
+            else:
+                print(f"ok: decode {row['name']}: {'accepted' if ranked else 'refused'} by both")
     for f in failures:
         print("FAIL:", f)
     print(f"{len(failures)} failure(s)")

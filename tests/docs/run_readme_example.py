@@ -6,6 +6,7 @@ whose example no longer runs with the current package, or computes something els
 
 Usage: torchrun --nproc-per-node 2 run_readme_example.py README.md (PYTHONPATH with the build's python/ directory)."""
 
+import os
 import re
 import sys
 
@@ -20,7 +21,7 @@ def main(readme):
     exec(compile(m.group(1), f"{readme} (the PyTorch example)", "exec"), scope)
     full, ref, q = scope["full"], scope["ref"], scope["q"]
     err = (full - ref.transpose(1, 2)).abs().max().item()
-    rank = scope["grid"].cp_rank
+    rank = int(os.environ.get("RANK", "0"))  # the example drops its grid before it ends
     if not err < 1e-4:
         print(f"error: rank {rank}: the README example's output is {err:.3g} from torch's attention (tolerance 1e-4)")
         return 1

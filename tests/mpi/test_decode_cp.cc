@@ -361,8 +361,9 @@ TEST(MhaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
   ShardedKvCache cache = layer.make_cache(kB, kPrompt + 1, kHkv, kD, DType::kFloat32);
   b.prefill(layer, cache);
   const std::vector<std::int64_t> held = cache.local().positions();
-  EXPECT_TRUE(
-      fails_everywhere([&] { b.step(layer, cache, 2); }, "2 new tokens after 96 would run past the cache capacity 97"));
+  EXPECT_TRUE(fails_everywhere(
+      [&] { b.step(layer, cache, 2); },
+      "2 new tokens after 96 would run past the cache capacity 97: make the cache with a capacity of at least 98"));
   EXPECT_EQ(cache.length(), kPrompt);
   EXPECT_EQ(cache.num_steps(), 0);
   EXPECT_EQ(cache.local().positions(), held);

@@ -240,6 +240,34 @@ TEST(SpPlan, ExclusionsNameTheRule) {
   }
 }
 
+// The table says when the first choice ties (within 0.5 %) with others, naming them and not a slower one; a GPU
+// profile (its note starts "GPU profile") adds the note that the command runs on the CPU without --device cuda.
+TEST(SpPlan, TableNamesTiesAndTheGpuProfileNote) {
+  std::vector<PlanRow> rows(3);
+  const double steps[] = {1.0, 1.004, 1.1};
+  for (int i = 0; i < 3; ++i) {
+    rows[i].config.ulysses_size = 1 << i;
+    rows[i].config.ring_size = 4 >> i;
+    rows[i].config.layout = "zigzag";
+    rows[i].config.impl = "p2p";
+    rows[i].prediction.step_s = steps[i];
+    rows[i].command = "mpirun -np 4 sp_bench";
+  }
+  DeviceProfile prof = flat_profile(1e9, 1e-6, 1e9);
+  const PlanInput in = input({"--attn", "mha"}, 4);
+  std::string t = plan_table(in, prof, rows);
+  EXPECT_NE(t.find("ties (within 0.5 % of its predicted step) with 1 other configuration(s): " + rows[1].config.name() +
+                   "\n"),
+            std::string::npos)
+      << t;
+  EXPECT_EQ(t.find("--device cuda"), std::string::npos) << t;
+  rows[1].prediction.step_s = 1.006;  // beyond 0.5 %: no tie
+  prof.note = "GPU profile from public figures";
+  t = plan_table(in, prof, rows);
+  EXPECT_EQ(t.find("ties"), std::string::npos) << t;
+  EXPECT_NE(t.find("unless --device cuda is added"), std::string::npos) << t;
+}
+
 // A ring of one places the tokens alike under every layout kind (slots in order, padded to a multiple of Pu), so
 // the plan lists one layout there, and the flags it prints leave --layout to sp_bench's default.
 TEST(SpPlan, RingOfOneHasOneLayoutAndNoLayoutFlag) {
