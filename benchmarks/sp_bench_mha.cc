@@ -5,9 +5,9 @@
 // are rotated at their global positions before the layer and dq, dk get the transposed rotation after it
 // (sp_bench_rope.h); the references do the same on positions 0..S-1 (the fp64 one with the fp64 RoPE reference).
 // --dropout-seed S (MHA only) drop the same pairs in the layer, the one-rank kernel and the fp64 reference.
-// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md, "Packed rows and padding"): the layer runs on the packed
-// layout (padding rows zero), RoPE uses the positions inside each document, and the references are one call over
-// the whole row with the documents' bounds (attn::MaskSpec doc_lo / doc_hi): the single-rank packed result.
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md, "Packed rows and padding"): the layer runs on
+// the packed layout (padding rows zero), RoPE uses the positions inside each document, and the references are one call
+// over the whole row with the documents' bounds (attn::MaskSpec doc_lo / doc_hi): the single-rank packed result.
 #include <algorithm>
 #include <cmath>
 
@@ -229,13 +229,45 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
     attn::reference::mha_forward(a, v[0], v[1]);
     attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4], o_.sinks ? v[5] : TensorView{});
     rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true, ref_rope_positions_);
+    if (rounded) set_rounding_floors(in, r[0].second);
     return r;
+  }
+
+  double rounding_floor(const std::string& name) const override {
+    return name == "dq" ? floor_dq_ : name == "dk" ? floor_dk_ : 0.0;
   }
 
  private:
   Shape q_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
   Shape kv_shape(std::int64_t s) const { return {o_.batch, s, o_.kv_heads, o_.head_dim}; }
   Shape lse_shape() const { return {o_.batch, o_.heads, o_.seq}; }
+
+  // The rounding floors of dq and dk in 16-bit storage: the backward subtracts delta_i = sum_d dout_id out_id, with
+  // out rounded to the storage dtype (unit u), from dP_ij; the rounding moves delta_i by up to u sum_d |dout_id
+  // out_id|, which reaches dq_i = scale sum_j P_ij (dP_ij - delta_i) k_j times scale max|k| (sum_j P_ij = 1), and
+  // dk_j likewise times scale max|q| (per unit of attention weight its column receives). Where the terms cancel
+  // (one-token documents: exact dq = dk = 0) that is the whole error.
+  void set_rounding_floors(const NamedArrays& in, const npy::HostArray& out) {
+    const double u = o_.dtype == DType::kFloat16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double scale = cfg_.scale > 0 ? cfg_.scale : 1.0 / std::sqrt(static_cast<double>(o_.head_dim));
+    auto max_abs = [](const npy::HostArray& a) {
+      const double* p = a.view().data_as<double>();
+      double m = 0;
+      for (std::int64_t i = 0; i < a.numel(); ++i) m = std::max(m, std::abs(p[i]));
+      return m;
+    };
+    const double* dout = find_array(in, "dout").view().data_as<double>();
+    const double* o = out.view().data_as<double>();
+    double delta_terms = 0;  // max over rows (b, s, h) of sum_d |dout out|
+    for (std::int64_t row = 0; row < out.numel() / o_.head_dim; ++row) {
+      double t = 0;
+      for (std::int64_t d = 0; d < o_.head_dim; ++d)
+        t += std::abs(dout[row * o_.head_dim + d] * o[row * o_.head_dim + d]);
+      delta_terms = std::max(delta_terms, t);
+    }
+    floor_dq_ = u * scale * delta_terms * max_abs(find_array(in, "k"));
+    floor_dk_ = u * scale * delta_terms * max_abs(find_array(in, "q"));
+  }
 
   // The references' mask: the options' plus, for a packed row, each token's document (slots = tokens on one rank).
   attn::MaskSpec ref_mask() const { return {o_.causal, o_.window, ref_docs_.lo, ref_docs_.hi}; }
@@ -321,7 +353,8 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
   std::vector<RopeTarget> rope_;  // q and k with --rope; empty without
   std::vector<Tensor> rotated_;   // the rotated q, k of the last forward
   npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_, ref_dsinks_;
-  npy::HostArray ref_rq_, ref_rk_;  // the reference's q, k after RoPE (copies of ref_q_, ref_k_ without it)
+  double floor_dq_ = 0, floor_dk_ = 0;  // set_rounding_floors
+  npy::HostArray ref_rq_, ref_rk_;      // the reference's q, k after RoPE (copies of ref_q_, ref_k_ without it)
 };
 
 std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o) {
@@ -367,9 +400,8 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   double hc = std::min(8.0, std::max(1.0, std::floor(hq_local / std::max(1.0, hkv_local))));
   while (hc > 1 && std::fmod(std::floor(hq_local / std::max(1.0, hkv_local)), hc) != 0) --hc;
   const double nqt = std::ceil(sq / 64), levels = 1 + std::ceil(std::log2(std::max(1.0, nqt)));
-  const double fwd_kernel =
-      c * (2 * batch * hkv_local * skp * dp +
-           threads * (o.head_dim + hc * 2 * 64 * dp + 64 * 64 + hc * 128 + dp + o.head_dim * 64));
+  const double fwd_kernel = c * (2 * batch * hkv_local * skp * dp +
+                                 threads * (o.head_dim + hc * 2 * 64 * dp + 64 * 64 + hc * 128 + dp + o.head_dim * 64));
   const double bwd_kernel =
       c * (batch * hq_local * skp * dp * 2 + (nchunks > 1 ? nchunks * batch * hq_local * sq * dp : 0) +
            threads * (3 * sq * dp + 2 * sq + skp * dp + 2 * nkt * o.head_dim * 64 + 2 * 64 * 64 + 2 * dp +

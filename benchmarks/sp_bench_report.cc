@@ -108,13 +108,14 @@ void print_check(const CheckReport& check) {
   if (check.against == "reference") {
     std::printf(
         "#\n# check against the fp64 reference (attention/reference; --check-against reference): ok when fp64_err "
-        "<= atol + rtol * max|fp64| (rule reference);\n# tensors without an fp64 counterpart against the "
+        "<= atol + rtol * max|fp64| or the rounding floor (16-bit MHA dq, dk; docs/benchmarks.md) (rule reference);\n# "
+        "tensors without an fp64 counterpart against the "
         "single-rank kernel: ok when max_abs_err <= atol + rtol * max|ref| (rule 1-rank)\n");
   } else {
     std::printf(
         "#\n# check against the single-rank reference (--check-against 1-rank): ok when max_abs_err <= atol + rtol "
         "* max|ref| (rule 1-rank);\n# where not, and the fp64 reference is computed: ok when fp64_err <= max(%g x "
-        "1rank_fp64_err, atol + rtol * max|fp64|) (rule fp64)\n",
+        "1rank_fp64_err, atol + rtol * max|fp64|, the rounding floor) (rule fp64)\n",
         kFp64ErrorFactor);
   }
   std::printf(
@@ -193,11 +194,11 @@ void print_report(const SpBenchOptions& o, const RunReport& r) {
   print_header(o, r);
   print_phases(o, r);
   if (r.gemm_tflops > 0) {
-    std::printf("# reference: cuBLAS bf16 GEMM %lld^3 (fp32 accumulation) on world rank 0's device after the "
-                "iterations: %.1f TFLOP/s; per rank, fwd %.3f and bwd %.3f of it\n",
-                static_cast<long long>(r.gemm_n), r.gemm_tflops,
-                tflops_total(r.phases[0]) / r.world_size / r.gemm_tflops,
-                tflops_total(r.phases[1]) / r.world_size / r.gemm_tflops);
+    std::printf(
+        "# reference: cuBLAS bf16 GEMM %lld^3 (fp32 accumulation) on world rank 0's device after the "
+        "iterations: %.1f TFLOP/s; per rank, fwd %.3f and bwd %.3f of it\n",
+        static_cast<long long>(r.gemm_n), r.gemm_tflops, tflops_total(r.phases[0]) / r.world_size / r.gemm_tflops,
+        tflops_total(r.phases[1]) / r.world_size / r.gemm_tflops);
   }
   if (r.check != nullptr) print_check(*r.check);
   if (!r.variants.empty()) print_variants(o, r.variants);
