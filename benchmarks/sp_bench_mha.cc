@@ -5,9 +5,9 @@
 // are rotated at their global positions before the layer and dq, dk get the transposed rotation after it
 // (sp_bench_rope.h); the references do the same on positions 0..S-1 (the fp64 one with the fp64 RoPE reference).
 // --dropout-seed S (MHA only) drop the same pairs in the layer, the one-rank kernel and the fp64 reference.
-// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md, "Packed rows and padding"): the layer runs on
-// the packed layout (padding rows zero), RoPE uses the positions inside each document, and the references are one call
-// over the whole row with the documents' bounds (attn::MaskSpec doc_lo / doc_hi): the single-rank packed result.
+// Packed rows (--doc-lens, --doc-dist, cu_seqlens.npy; docs/design.md, "Packed rows and padding"): the layer runs on the packed
+// layout (padding rows zero), RoPE uses the positions inside each document, and the references are one call over
+// the whole row with the documents' bounds (attn::MaskSpec doc_lo / doc_hi): the single-rank packed result.
 #include <algorithm>
 #include <cmath>
 
@@ -400,8 +400,9 @@ WorkloadMemory mha_memory(const SpBenchOptions& o) {
   double hc = std::min(8.0, std::max(1.0, std::floor(hq_local / std::max(1.0, hkv_local))));
   while (hc > 1 && std::fmod(std::floor(hq_local / std::max(1.0, hkv_local)), hc) != 0) --hc;
   const double nqt = std::ceil(sq / 64), levels = 1 + std::ceil(std::log2(std::max(1.0, nqt)));
-  const double fwd_kernel = c * (2 * batch * hkv_local * skp * dp +
-                                 threads * (o.head_dim + hc * 2 * 64 * dp + 64 * 64 + hc * 128 + dp + o.head_dim * 64));
+  const double fwd_kernel =
+      c * (2 * batch * hkv_local * skp * dp +
+           threads * (o.head_dim + hc * 2 * 64 * dp + 64 * 64 + hc * 128 + dp + o.head_dim * 64));
   const double bwd_kernel =
       c * (batch * hq_local * skp * dp * 2 + (nchunks > 1 ? nchunks * batch * hq_local * sq * dp : 0) +
            threads * (3 * sq * dp + 2 * sq + skp * dp + 2 * nkt * o.head_dim * 64 + 2 * 64 * 64 + 2 * dp +

@@ -194,11 +194,11 @@ void print_report(const SpBenchOptions& o, const RunReport& r) {
   print_header(o, r);
   print_phases(o, r);
   if (r.gemm_tflops > 0) {
-    std::printf(
-        "# reference: cuBLAS bf16 GEMM %lld^3 (fp32 accumulation) on world rank 0's device after the "
-        "iterations: %.1f TFLOP/s; per rank, fwd %.3f and bwd %.3f of it\n",
-        static_cast<long long>(r.gemm_n), r.gemm_tflops, tflops_total(r.phases[0]) / r.world_size / r.gemm_tflops,
-        tflops_total(r.phases[1]) / r.world_size / r.gemm_tflops);
+    std::printf("# reference: cuBLAS bf16 GEMM %lld^3 (fp32 accumulation) on world rank 0's device after the "
+                "iterations: %.1f TFLOP/s; per rank, fwd %.3f and bwd %.3f of it\n",
+                static_cast<long long>(r.gemm_n), r.gemm_tflops,
+                tflops_total(r.phases[0]) / r.world_size / r.gemm_tflops,
+                tflops_total(r.phases[1]) / r.world_size / r.gemm_tflops);
   }
   if (r.check != nullptr) print_check(*r.check);
   if (!r.variants.empty()) print_variants(o, r.variants);

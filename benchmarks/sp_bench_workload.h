@@ -78,8 +78,7 @@ class Workload {
   // Full input tensors (names and shapes, for --inputs) and the full outputs/gradients (for --dump / --check).
   virtual std::vector<TensorSpec> input_specs() const = 0;
   virtual std::vector<std::string> output_names() const = 0;
-  // Model FLOPs of the whole problem of one data-parallel replica (docs/benchmarks.md, "Definitions of the benchmark
-  // figures").
+  // Model FLOPs of the whole problem of one data-parallel replica (docs/benchmarks.md, "Definitions of the benchmark figures").
   virtual double forward_flops() const = 0;
   virtual double backward_flops() const = 0;
   virtual Tolerance tolerance(const std::string& output_name) const = 0;
@@ -113,7 +112,7 @@ class Workload {
   virtual NamedArrays fp64_reference_outputs() { return {}; }
 
   // The rounding floor of a tensor after fp64_reference_outputs(): an error a correct 16-bit run can carry where
-  // the exact value is ~0 because its terms cancel (docs/benchmarks.md, "the rounding floor"); the reference and
+  // the exact value is ~0 because its terms cancel (docs/benchmarks.md: the rounding floor); the reference and
   // fp64 rules accept fp64_err up to it. Default: 0 (none).
   virtual double rounding_floor(const std::string& /*output_name*/) const { return 0; }
 

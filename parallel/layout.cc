@@ -232,8 +232,7 @@ std::vector<std::int64_t> ring_step_tiles(const SequenceLayout& layout, const st
     const Positions& q = shards[r];
     for (int s = 0; s < P; ++s) {
       const Positions& k = shards[(r - s + P) % P];
-      std::int64_t& out =
-          tiles[static_cast<std::size_t>(r) * static_cast<std::size_t>(P) + static_cast<std::size_t>(s)];
+      std::int64_t& out = tiles[static_cast<std::size_t>(r) * static_cast<std::size_t>(P) + static_cast<std::size_t>(s)];
       std::size_t lb = 0, ub = 0;
       std::int64_t last = -1;  // the highest key tile counted for the current query tile
       for (std::size_t i = 0; i < q.size(); ++i) {
