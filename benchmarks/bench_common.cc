@@ -1,7 +1,5 @@
 #include "benchmarks/bench_common.h"
 
-#include "seqpar_git_commit.h"  // generated: SEQPAR_GIT_COMMIT
-
 #include <mpi.h>
 #include <unistd.h>
 
@@ -24,6 +22,7 @@
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/version.h"
+#include "seqpar_git_commit.h"  // generated: SEQPAR_GIT_COMMIT
 
 namespace seqpar::bench {
 namespace {
@@ -171,8 +170,10 @@ std::int64_t parse_size(const std::string& text, const char* flag) {
     SEQPAR_CHECK(suffix.empty(), "--", flag, " ", text,
                  ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
   }
-  SEQPAR_CHECK(digits > 0 && digits <= 12, "--", flag, " ", text,
+  SEQPAR_CHECK(digits > 0, "--", flag, " ", text,
                ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
+  SEQPAR_CHECK(digits <= 12, "--", flag, " ", text,
+               ": too large (a size has at most 12 digits, below 10^12, before its K or M suffix)");
   return std::stoll(text.substr(0, digits)) * mult;
 }
 

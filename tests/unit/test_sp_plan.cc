@@ -383,6 +383,9 @@ TEST(SpPlanProfile, ScalarFieldsTypedAndInRange) {
   j["links"]["intra"]["p2p_bandwidth_bytes_per_s"] = "80e9";
   refused(j, "p: links.intra: field \"p2p_bandwidth_bytes_per_s\" must be a number (is \"80e9\")");
   j = good;
+  j["kernels"]["mha_fwd"]["points"] = {{1e9, 1e-300}};  // flops / rate overflows to inf
+  refused(j, "the rate flops_per_s must be finite and >= 1");
+  j = good;
   j["name"] = 5;
   refused(j, "p: field \"name\" must be a string");
   refused(nlohmann::json::array({1}), "p: must be a JSON object (is array)");
@@ -572,7 +575,8 @@ TEST(SpPlanGdn, WorkAheadShortensTheZigzagChain) {
   p.gdn_work_ahead.fwd_rest = p.gdn_work_ahead.bwd_rest = 0.75;
   p.gdn_work_ahead.source = "test";
   const std::vector<PlanRow> rows = plan(in, p);
-  const PlanRow &contiguous = row_named(rows, "u1xr2 contiguous chain"), &zigzag = row_named(rows, "u1xr2 zigzag chain");
+  const PlanRow &contiguous = row_named(rows, "u1xr2 contiguous chain"),
+                &zigzag = row_named(rows, "u1xr2 zigzag chain");
   EXPECT_NEAR(contiguous.prediction.forward_s, F / 2 + 0.75 * W, tol);
   EXPECT_NEAR(contiguous.prediction.backward_s, 2.5 * F / 2 + 0.75 * Wb, tol);
   EXPECT_NEAR(zigzag.prediction.forward_s, F / 2 + 0.75 * W / 2, tol);
