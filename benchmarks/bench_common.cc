@@ -1,5 +1,7 @@
 #include "benchmarks/bench_common.h"
 
+#include "seqpar_git_commit.h"  // generated: SEQPAR_GIT_COMMIT
+
 #include <mpi.h>
 #include <unistd.h>
 
@@ -22,7 +24,6 @@
 #include "runtime/error.h"
 #include "runtime/mpi_comm.h"
 #include "runtime/version.h"
-#include "seqpar_git_commit.h"  // generated: SEQPAR_GIT_COMMIT
 
 namespace seqpar::bench {
 namespace {

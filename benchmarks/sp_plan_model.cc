@@ -109,8 +109,7 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
   DeviceProfile p;
   SEQPAR_CHECK(j.is_object(), what, ": must be a JSON object (is ", j.type_name(), ")");
   for (const char* k : {"name", "note"})
-    SEQPAR_CHECK(!j.contains(k) || j[k].is_string(), what, ": field \"", k, "\" must be a string (is ", j[k].dump(),
-                 ")");
+    SEQPAR_CHECK(!j.contains(k) || j[k].is_string(), what, ": field \"", k, "\" must be a string (is ", j[k].dump(), ")");
   p.name = j.value("name", "unnamed");
   p.note = j.value("note", "");
   SEQPAR_CHECK(j.contains("kernels") && j["kernels"].is_object(), what, ": field \"kernels\" must be an object");
@@ -132,9 +131,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
     std::sort(c.points.begin(), c.points.end());
     p.kernels[key] = std::move(c);
   }
-  SEQPAR_CHECK(
-      j.contains("links") && j["links"].is_object() && j["links"].contains("intra") && j["links"].contains("inter"),
-      what, ": field \"links\" must hold \"intra\" and \"inter\"");
+  SEQPAR_CHECK(j.contains("links") && j["links"].is_object() && j["links"].contains("intra") &&
+                   j["links"].contains("inter"),
+               what, ": field \"links\" must hold \"intra\" and \"inter\"");
   p.intra = link_from_json(j["links"]["intra"], what + ": links.intra");
   p.inter = link_from_json(j["links"]["inter"], what + ": links.inter");
   p.intra_p2p_bandwidth_bps =
@@ -261,10 +260,8 @@ nlohmann::json profile_json(const DeviceProfile& p) {
                       {"factors", {{"source", p.note}}}};
   if (p.gdn_work_ahead.present()) {
     const DeviceProfile::GdnWorkAhead& g = p.gdn_work_ahead;
-    j["gdn_work_ahead"] = {{"forward_ahead", g.fwd_ahead},
-                           {"forward_rest", g.fwd_rest},
-                           {"backward_ahead", g.bwd_ahead},
-                           {"backward_rest", g.bwd_rest},
+    j["gdn_work_ahead"] = {{"forward_ahead", g.fwd_ahead}, {"forward_rest", g.fwd_rest},
+                           {"backward_ahead", g.bwd_ahead}, {"backward_rest", g.bwd_rest},
                            {"source", g.source}};
   }
   for (const auto& [key, c] : p.kernels) {
@@ -282,7 +279,8 @@ nlohmann::json profile_json(const DeviceProfile& p) {
                  {"source", p.ring_source}};
   }
   if (p.mha_tiles.present) j["mha_tiles"] = tiles_json(p.mha_tiles);
-  if (!p.ulysses_source.empty()) j["ulysses"] = {{"layout_pass", p.ulysses_layout_pass}, {"source", p.ulysses_source}};
+  if (!p.ulysses_source.empty())
+    j["ulysses"] = {{"layout_pass", p.ulysses_layout_pass}, {"source", p.ulysses_source}};
   if (!p.fa3_calls_source.empty())
     j["fa3_calls"] = {{"unpad_pad_pass", p.fa3_unpad_pad_pass}, {"source", p.fa3_calls_source}};
   if (p.memory_bytes > 0 || p.memory_bandwidth_bps > 0) {
@@ -573,8 +571,7 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
   vs.impl = o.impl;
   const MhaVolume vol = mha_volume(vs);
   const double kv_block = P > 1 ? static_cast<double>(vol.ring_forward) / (P - 1) : 0.0;
-  // The gradient blocks' bytes: seqpar's accumulator dtype, or the storage dtype
-  // (profile.ring_storage_dtype_gradients).
+  // The gradient blocks' bytes: seqpar's accumulator dtype, or the storage dtype (profile.ring_storage_dtype_gradients).
   const double grad_bytes = static_cast<double>(prof.ring_storage_dtype_gradients ? vs.storage_bytes : vs.accum_bytes);
   const double dkv_block = kv_block * grad_bytes / vs.storage_bytes;
 
@@ -648,9 +645,8 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         const double f = mult * step_f[r][s] / pu;  // one rank: its ring shard's pairs with H / Pu heads
         c[r][s] = f > 0 ? slow * f / curve.rate(f) : 0.0;
         if (f > 0 && tiles)
-          c[r][s] = slow * o.batch *
-                    tile_call_seconds(prof.mha_tiles, bwd, zigzag_calls(slot_cu, P, r, s, o.causal), hq_rank, hkv_rank,
-                                      o.head_dim, curve.points.back().second);
+          c[r][s] = slow * o.batch * tile_call_seconds(prof.mha_tiles, bwd, zigzag_calls(slot_cu, P, r, s, o.causal),
+                                                       hq_rank, hkv_rank, o.head_dim, curve.points.back().second);
         if (f > 0 && unpad) {
           const std::vector<TileSeq> calls = zigzag_calls(slot_cu, P, r, s, o.causal);
           const double e = static_cast<double>(vs.storage_bytes);
@@ -702,9 +698,9 @@ Prediction predict_mha(const SpBenchOptions& o, const PlanInput& in, const Devic
         ph.compute[r] = f > 0 ? slow * f / curve.rate(f) : 0.0;
         if (f > 0 && tiles) {
           const std::vector<TileSeq> halves = zigzag_calls(slot_cu, P, r, -1, o.causal);
-          ph.compute[r] =
-              slow * o.batch *
-              tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim, curve.points.back().second);
+          ph.compute[r] = slow * o.batch *
+                          tile_call_seconds(prof.mha_tiles, bwd, halves, hq_rank, hkv_rank, o.head_dim,
+                                            curve.points.back().second);
         }
         if (f > 0 && unpad) {
           // Each half's wrappers, and its queries read out of the local ones before the call and its output
@@ -771,8 +767,8 @@ class GdnAheadSim {
         continue;
       }
       if (!it.made) {
-        if (held_windows_ > 0 && (held_windows_ >= kGdnAheadMaxWindows ||
-                                  held_bytes_ + it.bytes > static_cast<double>(kGdnAheadBudgetBytes)))
+        if (held_windows_ > 0 &&
+            (held_windows_ >= kGdnAheadMaxWindows || held_bytes_ + it.bytes > static_cast<double>(kGdnAheadBudgetBytes)))
           break;
         it.made = true;
         ++held_windows_;
@@ -910,13 +906,11 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
       const double head_msg = links.ring.seconds(state_bytes / H);
       std::vector<std::vector<double>> end(nseg, std::vector<double>(static_cast<std::size_t>(H), 0.0));
       // Work ahead for the windows whose state comes from another rank (the piece that waits), in the order they run.
-      std::vector<GdnAheadSim> ahead(P,
-                                     GdnAheadSim(bwd ? wa.bwd_ahead : wa.fwd_ahead, bwd ? wa.bwd_rest : wa.fwd_rest));
+      std::vector<GdnAheadSim> ahead(P, GdnAheadSim(bwd ? wa.bwd_ahead : wa.fwd_ahead, bwd ? wa.bwd_rest : wa.fwd_rest));
       for (int k = 1; k < nseg; ++k) {
         const int i = order(k), prev = order(k - 1);
         if (segs[prev].owner == segs[i].owner) continue;
-        for (std::size_t h = 0; h < end[i].size(); ++h)
-          ahead[segs[i].owner].add(i, h, wait_s[i] / H, ahead_bytes(i, bwd));
+        for (std::size_t h = 0; h < end[i].size(); ++h) ahead[segs[i].owner].add(i, h, wait_s[i] / H, ahead_bytes(i, bwd));
       }
       if (!bwd && kPlanGdnAheadLastFirst)
         for (GdnAheadSim& a : ahead) a.last_first();
@@ -972,8 +966,7 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
       }
       // Work ahead (GdnCp::add_scan_waits): the windows that run from a state another rank sends, the direct
       // segments' (round 1) first, then the shift's, each head-major.
-      std::vector<GdnAheadSim> ahead(P,
-                                     GdnAheadSim(bwd ? wa.bwd_ahead : wa.fwd_ahead, bwd ? wa.bwd_rest : wa.fwd_rest));
+      std::vector<GdnAheadSim> ahead(P, GdnAheadSim(bwd ? wa.bwd_ahead : wa.fwd_ahead, bwd ? wa.bwd_rest : wa.fwd_rest));
       const auto waits_remote = [&](int i, bool direct_stage) {
         const int from = i - dir;
         if (!in_range(from) || segs[from].owner == segs[i].owner || wait_s[i] <= 0) return false;
@@ -1006,8 +999,7 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
                 if (!in_range(from)) continue;
                 const int src = segs[from].owner;
                 if (src != rank)
-                  ready =
-                      std::max(ready, posted[src][stage - 1][h] + links.ring.seconds(round_bytes[stage][src][rank]));
+                  ready = std::max(ready, posted[src][stage - 1][h] + links.ring.seconds(round_bytes[stage][src][rank]));
                 if (stage == 1 && sp.direct[i])
                   waiting.push_back(i);
                 else
@@ -1017,8 +1009,8 @@ Prediction predict_gdn(const SpBenchOptions& o, const PlanInput& in, const Devic
                 if (!in_range(from) || sp.direct[i] || !sp.need[R][from]) continue;
                 const int src = segs[from].owner;
                 if (src != rank)
-                  ready = std::max(ready,
-                                   posted[src][shift_stage[src][rank]][h] + links.ring.seconds(shift_bytes[src][rank]));
+                  ready = std::max(ready, posted[src][shift_stage[src][rank]][h] +
+                                              links.ring.seconds(shift_bytes[src][rank]));
                 waiting.push_back(i);
               }
             }

@@ -4,7 +4,8 @@ inner) at every (ulysses_size, ring_size) of the world; MHA / GQA (p2p and all-g
 and DSA (ring and all-gather selection), forward and backward against the whole-sequence references of
 python/tests/references.py (fp64), scatter / gather of a packed row; so every kind of message seqpar sends
 (point-to-point, all-to-all, all_to_all_v, all-gather, reduce-scatter, all-reduce, broadcast). Then the agreement
-check (of the layers and of scatter / gather_sequence), the errors for groups that do not form a grid, and at the end: mpi4py never imported, MPI never initialised.
+check (of the layers and of scatter / gather_sequence), the errors for groups that do not form a grid, and at the
+end: mpi4py never imported, MPI never initialised.
 
     torchrun --nproc-per-node 4 python/torch_tests/torchrun_layers.py   (PYTHONPATH: the build's python/)
 """

@@ -575,8 +575,7 @@ TEST(SpPlanGdn, WorkAheadShortensTheZigzagChain) {
   p.gdn_work_ahead.fwd_rest = p.gdn_work_ahead.bwd_rest = 0.75;
   p.gdn_work_ahead.source = "test";
   const std::vector<PlanRow> rows = plan(in, p);
-  const PlanRow &contiguous = row_named(rows, "u1xr2 contiguous chain"),
-                &zigzag = row_named(rows, "u1xr2 zigzag chain");
+  const PlanRow &contiguous = row_named(rows, "u1xr2 contiguous chain"), &zigzag = row_named(rows, "u1xr2 zigzag chain");
   EXPECT_NEAR(contiguous.prediction.forward_s, F / 2 + 0.75 * W, tol);
   EXPECT_NEAR(contiguous.prediction.backward_s, 2.5 * F / 2 + 0.75 * Wb, tol);
   EXPECT_NEAR(zigzag.prediction.forward_s, F / 2 + 0.75 * W / 2, tol);
