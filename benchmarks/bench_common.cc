@@ -171,8 +171,10 @@ std::int64_t parse_size(const std::string& text, const char* flag) {
     SEQPAR_CHECK(suffix.empty(), "--", flag, " ", text,
                  ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
   }
-  SEQPAR_CHECK(digits > 0 && digits <= 12, "--", flag, " ", text,
+  SEQPAR_CHECK(digits > 0, "--", flag, " ", text,
                ": not a size (expected a non-negative integer, optionally with a K or M suffix: 4096, 8K, 1M)");
+  SEQPAR_CHECK(digits <= 12, "--", flag, " ", text,
+               ": too large (a size has at most 12 digits, below 10^12, before its K or M suffix)");
   return std::stoll(text.substr(0, digits)) * mult;
 }
 

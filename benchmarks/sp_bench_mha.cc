@@ -229,13 +229,45 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
     attn::reference::mha_forward(a, v[0], v[1]);
     attn::reference::mha_backward(a, find_array(in, "dout").view(), v[2], v[3], v[4], o_.sinks ? v[5] : TensorView{});
     rope_named(rope_, r, /*backward=*/true, /*fp64_reference=*/true, ref_rope_positions_);
+    if (rounded) set_rounding_floors(in, r[0].second);
     return r;
+  }
+
+  double rounding_floor(const std::string& name) const override {
+    return name == "dq" ? floor_dq_ : name == "dk" ? floor_dk_ : 0.0;
   }
 
  private:
   Shape q_shape(std::int64_t s) const { return {o_.batch, s, o_.heads, o_.head_dim}; }
   Shape kv_shape(std::int64_t s) const { return {o_.batch, s, o_.kv_heads, o_.head_dim}; }
   Shape lse_shape() const { return {o_.batch, o_.heads, o_.seq}; }
+
+  // The rounding floors of dq and dk in 16-bit storage: the backward subtracts delta_i = sum_d dout_id out_id, with
+  // out rounded to the storage dtype (unit u), from dP_ij; the rounding moves delta_i by up to u sum_d |dout_id
+  // out_id|, which reaches dq_i = scale sum_j P_ij (dP_ij - delta_i) k_j times scale max|k| (sum_j P_ij = 1), and
+  // dk_j likewise times scale max|q| (per unit of attention weight its column receives). Where the terms cancel
+  // (one-token documents: exact dq = dk = 0) that is the whole error.
+  void set_rounding_floors(const NamedArrays& in, const npy::HostArray& out) {
+    const double u = o_.dtype == DType::kFloat16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+    const double scale = cfg_.scale > 0 ? cfg_.scale : 1.0 / std::sqrt(static_cast<double>(o_.head_dim));
+    auto max_abs = [](const npy::HostArray& a) {
+      const double* p = a.view().data_as<double>();
+      double m = 0;
+      for (std::int64_t i = 0; i < a.numel(); ++i) m = std::max(m, std::abs(p[i]));
+      return m;
+    };
+    const double* dout = find_array(in, "dout").view().data_as<double>();
+    const double* o = out.view().data_as<double>();
+    double delta_terms = 0;  // max over rows (b, s, h) of sum_d |dout out|
+    for (std::int64_t row = 0; row < out.numel() / o_.head_dim; ++row) {
+      double t = 0;
+      for (std::int64_t d = 0; d < o_.head_dim; ++d)
+        t += std::abs(dout[row * o_.head_dim + d] * o[row * o_.head_dim + d]);
+      delta_terms = std::max(delta_terms, t);
+    }
+    floor_dq_ = u * scale * delta_terms * max_abs(find_array(in, "k"));
+    floor_dk_ = u * scale * delta_terms * max_abs(find_array(in, "q"));
+  }
 
   // The references' mask: the options' plus, for a packed row, each token's document (slots = tokens on one rank).
   attn::MaskSpec ref_mask() const { return {o_.causal, o_.window, ref_docs_.lo, ref_docs_.hi}; }
@@ -321,7 +353,8 @@ class MhaWorkload final : public CpLayerWorkload<MhaCpOutput, MhaCpGrads> {
   std::vector<RopeTarget> rope_;  // q and k with --rope; empty without
   std::vector<Tensor> rotated_;   // the rotated q, k of the last forward
   npy::HostArray ref_q_, ref_k_, ref_v_, ref_dout_, ref_out_, ref_lse_, ref_dq_, ref_dk_, ref_dv_, ref_dsinks_;
-  npy::HostArray ref_rq_, ref_rk_;  // the reference's q, k after RoPE (copies of ref_q_, ref_k_ without it)
+  double floor_dq_ = 0, floor_dk_ = 0;  // set_rounding_floors
+  npy::HostArray ref_rq_, ref_rk_;      // the reference's q, k after RoPE (copies of ref_q_, ref_k_ without it)
 };
 
 std::vector<TensorSpec> mha_input_specs(const SpBenchOptions& o) {

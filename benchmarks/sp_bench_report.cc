@@ -133,13 +133,14 @@ void print_check(const CheckReport& check) {
   if (check.against == "reference") {
     std::printf(
         "#\n# check against the fp64 reference (attention/reference; --check-against reference): ok when fp64_err "
-        "<= atol + rtol * max|fp64| (rule reference);\n# tensors without an fp64 counterpart against the "
+        "<= atol + rtol * max|fp64| or the rounding floor (16-bit MHA dq, dk; docs/benchmarks.md) (rule reference);\n# "
+        "tensors without an fp64 counterpart against the "
         "single-rank kernel: ok when max_abs_err <= atol + rtol * max|ref| (rule 1-rank)\n");
   } else {
     std::printf(
         "#\n# check against the single-rank reference (--check-against 1-rank): ok when max_abs_err <= atol + rtol "
         "* max|ref| (rule 1-rank);\n# where not, and the fp64 reference is computed: ok when fp64_err <= max(%g x "
-        "1rank_fp64_err, atol + rtol * max|fp64|) (rule fp64)\n",
+        "1rank_fp64_err, atol + rtol * max|fp64|, the rounding floor) (rule fp64)\n",
         kFp64ErrorFactor);
   }
   std::printf(

@@ -111,6 +111,11 @@ class Workload {
   // reference_backward(), only when --check needs it and its kind's fp64_reference_cost fits. Default: none.
   virtual NamedArrays fp64_reference_outputs() { return {}; }
 
+  // The rounding floor of a tensor after fp64_reference_outputs(): an error a correct 16-bit run can carry where
+  // the exact value is ~0 because its terms cancel (docs/benchmarks.md: the rounding floor); the reference and
+  // fp64 rules accept fp64_err up to it. Default: 0 (none).
+  virtual double rounding_floor(const std::string& /*output_name*/) const { return 0; }
+
   // Optional single-rank timings of kernel variants of the whole problem (called on world rank 0 only, after the
   // distributed timing; may set up its own copy of the problem from `full` or the seed). Default: none.
   virtual std::vector<VariantTiming> time_variants(const NamedArrays* /*full*/, int /*warmup*/, int /*iters*/) {

@@ -126,6 +126,9 @@ DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what
                    ".points: each point is [flops_per_call, flops_per_s]");
       const double x = pt[0].get<double>(), y = pt[1].get<double>();
       SEQPAR_CHECK(x > 0 && y > 0, what, ": kernels.", key, ".points: [", x, ", ", y, "] must be positive");
+      // A rate below 1 FLOP/s turns a call's predicted time (flops / rate) into inf or nan.
+      SEQPAR_CHECK(std::isfinite(x) && std::isfinite(y) && y >= 1, what, ": kernels.", key, ".points: [", x, ", ", y,
+                   "]: the rate flops_per_s must be finite and >= 1 (it divides every predicted time)");
       c.points.emplace_back(x, y);
     }
     std::sort(c.points.begin(), c.points.end());

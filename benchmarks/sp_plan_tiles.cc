@@ -2,6 +2,7 @@
 #include "benchmarks/sp_plan_tiles.h"
 
 #include <algorithm>
+#include <limits>
 
 #include "runtime/error.h"
 
@@ -106,9 +107,15 @@ TilePhase phase_from_json(const nlohmann::json& j, const std::string& what) {
   SEQPAR_CHECK(j.is_object(), what, " must be an object");
   TilePhase p;
   const auto block = [&](const char* k) {
-    SEQPAR_CHECK(j.contains(k) && j[k].is_number_integer() && j[k].get<int>() > 0, what, ".", k,
-                 " must be an integer > 0");
-    return j[k].get<int>();
+    // Read as int64 first: get<int> would wrap 2^32 + 64 to 64.
+    SEQPAR_CHECK(j.contains(k) && j[k].is_number_integer(), what, ".", k, " must be an integer in [1, 2^31 - 1]");
+    const bool is_unsigned = j[k].is_number_unsigned();
+    const std::int64_t v = is_unsigned && j[k].get<std::uint64_t>() > std::numeric_limits<std::int64_t>::max()
+                               ? std::numeric_limits<std::int64_t>::max()
+                               : j[k].get<std::int64_t>();
+    SEQPAR_CHECK(v > 0 && v <= std::numeric_limits<int>::max(), what, ".", k, " ", j[k].dump(),
+                 " must be an integer in [1, 2^31 - 1]");
+    return static_cast<int>(v);
   };
   p.block_m = block("block_m");
   p.block_n = block("block_n");

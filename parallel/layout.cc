@@ -633,6 +633,36 @@ void unshard_sequence(const SequenceLayout& layout, int cp_rank, const TensorVie
 
 namespace {
 
+// What root's `full` is, for the agreement record: "as local" when it has local's dtype, device and trailing shape
+// with seq_len rows along seq_dim, else its description and the expected one.
+std::string root_full_status(const SequenceLayout& layout, const TensorView& local, const TensorView& full,
+                             int seq_dim) {
+  Shape want = local.shape();
+  if (seq_dim >= 0 && seq_dim < static_cast<int>(want.size()))
+    want[static_cast<std::size_t>(seq_dim)] = layout.seq_len();
+  if (full.dtype() == local.dtype() && full.shape() == want && full.device() == local.device()) return "as local";
+  return str_cat(full.str(), ", expected ", dtype_name(local.dtype()), shape_str(want), " on local's device");
+}
+
+// The ranks' agreement check of a sequence collective (docs/design.md, "Agreement of the ranks"), before any data
+// moves: the layout, seq_dim, root, local's dtype / shape / device and (gather_sequence) full's, and root's `full`
+// as root sees it (scatter_sequence, gather_sequence_to_root). Runs on every call unless SEQPAR_AGREEMENT_CHECK=off.
+void agree_on_sequence_call(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
+                            const TensorView& full, int seq_dim, int root, bool full_on_root_only, const char* what,
+                            Stream stream) {
+  Fingerprint fp(what);
+  add_layout_fields(fp, layout);
+  fp.add_int("seq_dim", seq_dim);
+  if (full_on_root_only) {
+    fp.add_int("root", root);
+    fp.add_tensor("local", local);
+    fp.add_text("root's full", comm.rank() == root ? root_full_status(layout, local, full, seq_dim) : "as local");
+  } else {
+    fp.add_tensor("local", local).add_tensor("full", full);
+  }
+  AgreementCheck().run(comm, fp, stream);
+}
+
 void check_gather(const Communicator& comm, const SequenceLayout& layout, const TensorView& local, int seq_dim,
                   const char* what) {
   SEQPAR_CHECK(comm.size() == layout.num_ranks(), what, ": communicator size ", comm.size(), " != layout ranks ",
@@ -660,6 +690,7 @@ Shape per_rank_shape(int n, const Shape& shape) {
 
 void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
                       int root, Stream stream) {
+  agree_on_sequence_call(comm, layout, local, full, 1, root, true, "scatter_sequence", stream);
   check_gather(comm, layout, local, 1, "scatter_sequence");
   const int n = comm.size();
   // Root packs every rank's piece in rank order, then an all_to_all_v with zero counts elsewhere delivers them.
@@ -681,6 +712,7 @@ void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const Te
 
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
                      int seq_dim, Stream stream) {
+  agree_on_sequence_call(comm, layout, local, full, seq_dim, 0, false, "gather_sequence", stream);
   check_gather(comm, layout, local, seq_dim, "gather_sequence");
   const DeviceAlloc alloc{common_device({local, full}, "gather_sequence"), stream};
   Tensor all = alloc.empty(per_rank_shape(comm.size(), local.shape()), local.dtype(), MemCategory::kCommBuffer);
@@ -690,6 +722,7 @@ void gather_sequence(Communicator& comm, const SequenceLayout& layout, const Ten
 
 void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
                              const TensorView& full, int root, int seq_dim, Stream stream) {
+  agree_on_sequence_call(comm, layout, local, full, seq_dim, root, true, "gather_sequence_to_root", stream);
   check_gather(comm, layout, local, seq_dim, "gather_sequence_to_root");
   SEQPAR_CHECK(root >= 0 && root < comm.size(), "gather_sequence_to_root: root ", root, " outside the communicator of ",
                comm.size(), " ranks");

@@ -17,9 +17,9 @@
 #include <string_view>
 #include <vector>
 
-#include "cp_common.h"
 #include "../runtime/comm.h"
 #include "../runtime/tensor.h"
+#include "cp_common.h"
 
 namespace seqpar {
 
@@ -215,23 +215,28 @@ void check_sequence_tensor(const SequenceLayout& layout, const TensorView& t, st
 // Root's full tensor is cut by the layout and every rank receives its piece, padding rows zero.
 // Args: comm: size layout.num_ranks(), rank = CP rank; full [B, T, ...] (the user's tokens; B = 1 when packed),
 //   read on root only; local [B, local_len, ...].
-// Errors (every rank, before any message): communicator size, local's shape (check_sequence_tensor).
-// Sync: collective over `comm`; buffers on the tensors' device, packing on `stream`.
+// Errors (every rank, before any message): the ranks' agreement check (as the CP layers', docs/design.md,
+//   "Agreement of the ranks": layout, root, local's dtype / shape / device, root's full against root's local);
+//   communicator size, local's shape (check_sequence_tensor).
+// Sync: collective over `comm` (one 24-byte all-reduce for the agreement check unless SEQPAR_AGREEMENT_CHECK=off,
+//   then the data); buffers on the tensors' device, packing on `stream`.
 void scatter_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& full, const TensorView& local,
                       int root = 0, Stream stream = Stream::cpu());
 // Every rank's local piece is gathered into the full [B, T, ...] tensor on every rank (padding rows dropped).
 // Args: seq_dim = 1 for [B, T, ...] tensors, 2 for [B, H, T] (lse).
-// Errors: communicator size != layout ranks, seq_dim not 1 or 2, local's shape (every rank, before any message);
-//   then the shape and dtype errors of the copies.
-// Sync: collective over `comm`.
+// Errors (every rank, before any message): the agreement check (as scatter_sequence; layout, seq_dim, local's and
+//   full's dtype / shape / device); communicator size != layout ranks, seq_dim not 1 or 2, local's shape; then the
+//   shape and dtype errors of the copies.
+// Sync: collective over `comm` (the agreement check as scatter_sequence, then the data).
 void gather_sequence(Communicator& comm, const SequenceLayout& layout, const TensorView& local, const TensorView& full,
                      int seq_dim = 1, Stream stream = Stream::cpu());
 // Every rank's local piece is gathered into the full tensor on `root` only (the inverse of scatter_sequence; the
 // other ranks send their piece and receive nothing). Root receives every piece in one buffer of num_ranks times
 // the local bytes (ledger category comm_buffer); the others allocate nothing.
 // Args: full: written on root only (the other ranks may pass an empty view); seq_dim as for gather_sequence.
-// Errors: communicator size != layout ranks, seq_dim not 1 or 2, local's shape, root outside the communicator (on
-//   every rank, before any message); then the shape and dtype errors of the copies on root.
+// Errors (every rank, before any message): the agreement check (as scatter_sequence; layout, seq_dim, root, local's
+//   dtype / shape / device, root's full against root's local); communicator size != layout ranks, seq_dim not 1 or
+//   2, local's shape, root outside the communicator; then the shape and dtype errors of the copies on root.
 // Sync: collective over `comm`.
 void gather_sequence_to_root(Communicator& comm, const SequenceLayout& layout, const TensorView& local,
                              const TensorView& full, int root = 0, int seq_dim = 1, Stream stream = Stream::cpu());

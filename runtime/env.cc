@@ -34,7 +34,9 @@ std::int64_t get_int(const char* name, std::int64_t fallback) {
   char* end = nullptr;
   errno = 0;
   const long long parsed = std::strtoll(value->c_str(), &end, 10);
-  SEQPAR_CHECK(end && *end == '\0', name, "=", *value, " is not an integer");
+  // strtoll skips leading white space; the knobs take the digits alone (as SEQPAR_LOWERED_ATTENTION's 0 / 1).
+  SEQPAR_CHECK(end && *end == '\0' && !std::isspace(static_cast<unsigned char>(value->front())), name, "=", *value,
+               " is not an integer");
   SEQPAR_CHECK(errno != ERANGE, name, "=", *value, " is out of the range of a 64-bit integer");
   return parsed;
 }
@@ -44,7 +46,9 @@ double get_double(const char* name, double fallback) {
   if (!value || value->empty()) return fallback;
   char* end = nullptr;
   const double parsed = std::strtod(value->c_str(), &end);
-  SEQPAR_CHECK(end && *end == '\0' && std::isfinite(parsed), name, "=", *value, " is not a finite number");
+  SEQPAR_CHECK(
+      end && *end == '\0' && std::isfinite(parsed) && !std::isspace(static_cast<unsigned char>(value->front())), name,
+      "=", *value, " is not a finite number");
   return parsed;
 }
 

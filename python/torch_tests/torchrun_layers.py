@@ -4,7 +4,8 @@ inner) at every (ulysses_size, ring_size) of the world; MHA / GQA (p2p and all-g
 and DSA (ring and all-gather selection), forward and backward against the whole-sequence references of
 python/tests/references.py (fp64), scatter / gather of a packed row; so every kind of message seqpar sends
 (point-to-point, all-to-all, all_to_all_v, all-gather, reduce-scatter, all-reduce, broadcast). Then the agreement
-check, the errors for groups that do not form a grid, and at the end: mpi4py never imported, MPI never initialised.
+check (of the layers and of scatter / gather_sequence), the errors for groups that do not form a grid, and at the
+end: mpi4py never imported, MPI never initialised.
 
     torchrun --nproc-per-node 4 python/torch_tests/torchrun_layers.py   (PYTHONPATH: the build's python/)
 """
@@ -198,6 +199,19 @@ def main():
         qg = torch.randn(1, layout.local_len, 2, 8, requires_grad=rank == 0)
         expect_error(lambda: seqpar.MhaCp(grid, layout)(qg, qg, qg).sum().backward(), "MhaCp (Python)",
                      "disagree on backward (grad mode on and an input that requires grad): yes on cp rank 0; no on")
+        # The sequence collectives check too: the same byte count with another dtype and trailing shape, another
+        # byte count, and scatter's full of another dtype (they used to gather garbage or abort inside gloo).
+        same_bytes = (torch.ones(1, layout.local_len, 4) if rank == 0 else
+                      torch.ones(1, layout.local_len, 2, dtype=torch.float64))
+        n = layout.local_len
+        expect_error(lambda: seqpar.gather_sequence(grid, layout, same_bytes), "gather_sequence:",
+                     f"disagree on local: fp32[1, {n}, 4] on cp rank 0; fp64[1, {n}, 2]")
+        other_bytes = torch.ones(1, layout.local_len, 3 if rank == 0 else 4)
+        expect_error(lambda: seqpar.gather_sequence(grid, layout, other_bytes),
+                     f"disagree on local: fp32[1, {layout.local_len}, 3] on cp rank 0")
+        full = torch.ones(1, S, 4) if rank == 0 else torch.zeros(1, S, 2, dtype=torch.float64)
+        expect_error(lambda: seqpar.scatter_sequence(grid, layout, full), "scatter_sequence:",
+                     f"disagree on local: fp32[1, {layout.local_len}, 4] on cp rank 0")
 
     # Groups that do not form a grid: the same error on every rank, naming the ranks.
     if world == 4:

@@ -11,6 +11,7 @@
 
 #include "parallel/dsa_cp.h"
 #include "parallel/gdn_cp.h"
+#include "parallel/layout.h"
 #include "parallel/usp.h"
 #include "runtime/cp_grid.h"
 #include "tests/util/cp_test.h"
@@ -272,6 +273,41 @@ TEST(CpAgreement, DifferentFieldListsAreNamed) {
   expect_same_error_everywhere([&] { check.run(world(), fp); },
                                {"test call: the ranks of the world group", "disagree on b: 2 on world rank 0; ",
                                 "(no such field) on " + ranks_of("world", 1, n - 1)});
+}
+
+// The sequence collectives (scatter_sequence, gather_sequence, gather_sequence_to_root) check the same way: pieces
+// of the same byte count but another dtype or trailing shape, other byte counts, and a root `full` of another
+// dtype all stop every rank with one message (they used to gather garbage silently or abort inside the transport).
+TEST(CpAgreement, SequenceCollectivesDiffer) {
+  const int n = world().size();
+  const SequenceLayout layout(LayoutKind::kZigzag, 8 * n, n, 1);
+  const std::int64_t L = layout.local_len(), T = layout.seq_len();
+  const std::string lw = str_cat("[1, ", L, ", 4]"), lh = str_cat("[1, ", L, ", 2]"), l3 = str_cat("[1, ", L, ", 3]");
+  // Same bytes, other dtype and trailing shape.
+  const Tensor a = odd_one() ? rnd({1, L, 4}, 3) : rnd({1, L, 2}, 3, DType::kFloat64);
+  const Tensor full_a = Tensor::zeros({1, T, a.view().dim(2)}, a.view().dtype());
+  expect_same_error_everywhere([&] { gather_sequence(world(), layout, a.view(), full_a.view()); },
+                               {"gather_sequence: the ranks of the world group",
+                                "disagree on local: fp32" + lw + " on world rank 0; fp64" + lh + " on world rank"});
+  expect_same_error_everywhere([&] { gather_sequence_to_root(world(), layout, a.view(), full_a.view()); },
+                               {"gather_sequence_to_root:", "disagree on local: fp32" + lw + " on world rank 0"});
+  // Other byte counts.
+  const Tensor b = rnd({1, L, odd_one() ? 3 : 4}, 4);
+  const Tensor full_b = Tensor::zeros({1, T, b.view().dim(2)}, DType::kFloat32);
+  expect_same_error_everywhere([&] { gather_sequence(world(), layout, b.view(), full_b.view()); },
+                               {"disagree on local: fp32" + l3 + " on world rank 0; fp32" + lw});
+  // scatter: every rank's local of another dtype, or root's full not matching root's local.
+  const Tensor full_root = rnd({1, T, 4}, 5, DType::kFloat64);
+  const Tensor local_c = Tensor::zeros({1, L, 4}, odd_one() ? DType::kFloat32 : DType::kFloat64);
+  expect_same_error_everywhere([&] { scatter_sequence(world(), layout, full_root.view(), local_c.view()); },
+                               {"scatter_sequence:", "disagree on local: fp32" + lw + " on world rank 0"});
+  const Tensor local_d = Tensor::zeros({1, L, 4}, DType::kFloat32);
+  expect_same_error_everywhere(
+      [&] { scatter_sequence(world(), layout, full_root.view(), local_d.view()); },
+      {"disagree on root's full: fp64[1, " + std::to_string(T) + ", 4]", str_cat("expected fp32[1, ", T, ", 4]")});
+  // The agreeing call still moves the data.
+  scatter_sequence(world(), layout, rnd({1, T, 4}, 6).view(), local_d.view());
+  EXPECT_TRUE(test::all_ranks(world(), !HasFailure()));
 }
 
 // Ranks that agree run, and the check's collective runs once per configuration (mode `changes`, the default): a

@@ -508,6 +508,9 @@ TEST(SpPlanProfile, ScalarFieldsTypedAndInRange) {
   j["links"]["intra"]["p2p_bandwidth_bytes_per_s"] = "80e9";
   refused(j, "p: links.intra: field \"p2p_bandwidth_bytes_per_s\" must be a number (is \"80e9\")");
   j = good;
+  j["kernels"]["mha_fwd"]["points"] = {{1e9, 1e-300}};  // flops / rate overflows to inf
+  refused(j, "the rate flops_per_s must be finite and >= 1");
+  j = good;
   j["name"] = 5;
   refused(j, "p: field \"name\" must be a string");
   refused(nlohmann::json::array({1}), "p: must be a JSON object (is array)");

@@ -170,6 +170,19 @@ TEST(SpPlanTiles, ProfileBlock) {
   nlohmann::json j = profile_json(p);
   j["mha_tiles"]["fwd"]["block_m"] = 0;
   EXPECT_THROW(profile_from_json(j, "bad"), Error);
+  // Out of int range: refused naming the value (it used to wrap, 2^32 + 64 read as 64).
+  for (const nlohmann::json v :
+       {nlohmann::json(4294967360LL), nlohmann::json(-4294967232LL), nlohmann::json(18446744073709551615ULL)}) {
+    j["mha_tiles"]["fwd"]["block_m"] = v;
+    try {
+      profile_from_json(j, "bad");
+      ADD_FAILURE() << "accepted block_m " << v.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("block_m " + v.dump() + " must be an integer in [1, 2^31 - 1]"),
+                std::string::npos)
+          << e.what();
+    }
+  }
   j = profile_json(p);
   j["mha_tiles"].erase("source");
   EXPECT_THROW(profile_from_json(j, "bad"), Error);
