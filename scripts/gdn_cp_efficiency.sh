@@ -92,7 +92,7 @@ fi
 echo "# gdn_cp_efficiency.sh: S $seq, 2 ranks, 1 thread each, $rounds rounds x ${#configs[@]} configurations," \
   "$iters timed iterations per run; commit $(git -C "$root" describe --always --dirty 2>/dev/null || echo unknown)," \
   "$(date -u +%FT%TZ), $(OMP_NUM_THREADS= nproc) cores ($(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo |
-    head -1)), ${coretype[*]:-OpenBLAS's own kernel choice}"
+    head -1)), ${coretype[*]:-OpenBLAS choosing its kernels}"
 for ((r = 1; r <= rounds; ++r)); do
   for i in "${!configs[@]}"; do
     IFS='|' read -r name shape layout mode <<<"${configs[$i]}"
