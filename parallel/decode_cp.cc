@@ -236,6 +236,7 @@ void MhaDecodeCp::check_prompt(const ShardedKvCache& cache, const SequenceLayout
   SEQPAR_CHECK(k.dtype() == s.dtype && v.dtype() == s.dtype, who, ": k and v must have the cache's dtype ",
                dtype_name(s.dtype), ", got ", dtype_name(k.dtype()), " and ", dtype_name(v.dtype()));
   agree(cache, who, &layout, {{"q", q}, {"k", k}, {"v", v}});
+  decode_detail::check_one_request(layout, who);
   SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
                " tokens; a prompt continuation (persistent-cache prefill) is not supported yet");
   SEQPAR_CHECK(layout.seq_len() <= s.capacity, who, ": the prompt of ", layout.seq_len(),
@@ -408,6 +409,7 @@ void MhaDecodeCp::check_extend(const ShardedKvCache& cache, const SequenceLayout
   SEQPAR_CHECK(q_in.dtype() == s.dtype && k.dtype() == s.dtype && v.dtype() == s.dtype, who,
                ": q, k, v must have the cache's dtype ", dtype_name(s.dtype));
   agree(cache, str_cat(who, " ", chunk_prefill_mode_name(mode)), &layout, {{"q", q_in}, {"k", k}, {"v", v}});
+  decode_detail::check_one_request(layout, who);
   const std::int64_t L = cache.length();
   SEQPAR_CHECK(L + t_new <= s.capacity, who, ": a chunk of ", t_new, " tokens after ", L,
                " would run past the cache capacity ", s.capacity, ": make the cache with a capacity of at least ",
@@ -727,8 +729,8 @@ attn::GdnCache GdnDecodeCp::make_cache(std::int64_t batch, std::int64_t key_dim,
   return attn::GdnCache(spec);
 }
 
-void GdnDecodeCp::agree(const attn::GdnCache& cache, std::string_view call,
-                                     std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
+void GdnDecodeCp::agree(const attn::GdnCache& cache, std::string_view call, const SequenceLayout* layout,
+                        std::initializer_list<std::pair<std::string_view, TensorView>> tensors) {
   Fingerprint fp(call);
   fp.add_text("mode", gdn_cp_mode_name(config_.mode))
       .add_flag("use_qk_l2norm", config_.use_qk_l2norm)
@@ -740,6 +742,7 @@ void GdnDecodeCp::agree(const attn::GdnCache& cache, std::string_view call,
       .add_tensor("cache state", cache.state())
       .add_tensor("cache conv tail", cache.conv_state());
   add_cache_fields(fp, cache.length(), 0);
+  if (layout != nullptr) add_layout_fields(fp, *layout);
   fp.add_tensors(tensors);
   agreement_.run(groups_.cp, fp, groups_.stream);
 }
@@ -843,7 +846,7 @@ PrefillOutput GdnDecodeCp::prefill(attn::GdnCache& cache, const SequenceLayout& 
                s.value_heads, " of its heads per rank)");
   check_conv(cache, who, q, k, v, conv_weight);
   if (!conv_weight.empty()) check_shape(k, q.shape(), str_cat(who, " k (q's shape)").c_str());
-  agree(cache, who,
+  agree(cache, who, &layout,
         {{"q", q},
          {"k", k},
          {"v", v},
@@ -853,6 +856,7 @@ PrefillOutput GdnDecodeCp::prefill(attn::GdnCache& cache, const SequenceLayout& 
          {"conv_weight", conv_weight}});
   SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
                " tokens; a prompt continuation is not supported yet");
+  decode_detail::check_one_request(layout, who);
   GdnCp gdn(groups_, layout, config_);
   GdnCpOutput o;
   Tensor tail;
@@ -894,7 +898,7 @@ DecodeOutput GdnDecodeCp::decode(attn::GdnCache& cache, const TensorView& q, con
   SEQPAR_CHECK(s.value_heads == local_value_heads(), who, ": the cache holds ", s.value_heads,
                " value heads, this layer's ranks ", local_value_heads(), " (make it with this layer's make_cache)");
   check_conv(cache, who, q, k, v, conv_weight);
-  agree(cache, who,
+  agree(cache, who, nullptr,
         {{"q_new", q}, {"k_new", k}, {"v_new", v}, {"g_new", g}, {"beta_new", beta}, {"conv_weight", conv_weight}});
   const std::int64_t lv = local_value_heads(), lk = local_key_heads();
   Tensor ql = local_heads(q, hk_, lk), kl = local_heads(k, hk_, lk), vl = local_heads(v, hv_, lv);

@@ -184,7 +184,8 @@ class MhaDecodeCp {
   //   for the groups, seq_len T = the prompt length). The cache must be empty and hold at least T tokens.
   // Returns: the prompt's out and lse (MhaCp::forward).
   // Errors (cache unchanged, every rank): a cache made with another sharding, shape or dtype; a non-empty cache;
-  //   ranks disagreeing; T past the capacity; MhaCp::forward's.
+  //   ranks disagreeing; T past the capacity; a layout packing several documents (one request per batch row);
+  //   MhaCp::forward's.
   // Sync: collective over the CP group; host-synchronous; kernels on groups.stream.
   PrefillOutput prefill(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                         const TensorView& v);
@@ -200,7 +201,7 @@ class MhaDecodeCp {
   // Returns: the chunk's out [B, S_local, Hq, D] and lse [B, Hq, S_local] in the compute layout (those of one
   //   prefill of the L + T_new tokens, rows L..).
   // Errors (cache unchanged, every rank): shapes, L + T_new past the capacity, ranks disagreeing on shapes, mode,
-  //   length.
+  //   length; a layout packing several documents.
   // Sync: collective over the CP group (the route over the ring group); host-synchronous.
   PrefillOutput extend(ShardedKvCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
                        const TensorView& v, ChunkPrefillMode mode = ChunkPrefillMode::kAuto);
@@ -332,7 +333,8 @@ class GdnDecodeCp {
   //   cache must have none).
   // Returns: the prompt's out in the compute layout.
   // Errors (cache unchanged, every rank): shapes and dtypes against the cache, conv_weight given to a cache without
-  //   a tail or missing for one with a tail, a cache that is not empty, ranks disagreeing on any input's shape.
+  //   a tail or missing for one with a tail, a cache that is not empty, ranks disagreeing on any input's shape or
+  //   the layout, a layout packing several documents (one request per batch row).
   // Sync: collective over the groups (GdnCp's; the tail by one all_to_all_v over the CP group);
   //   host-synchronous.
   PrefillOutput prefill(attn::GdnCache& cache, const SequenceLayout& layout, const TensorView& q, const TensorView& k,
@@ -349,7 +351,7 @@ class GdnDecodeCp {
                       const TensorView& g_new, const TensorView& beta_new, const TensorView& conv_weight = {});
 
  private:
-  void agree(const attn::GdnCache& cache, std::string_view call,
+  void agree(const attn::GdnCache& cache, std::string_view call, const SequenceLayout* layout,
              std::initializer_list<std::pair<std::string_view, TensorView>> tensors);
   // This rank's heads of a [B, n, H, X] (or [B, n, H]) tensor of `total` heads, `local` per rank.
   Tensor local_heads(const TensorView& t, std::int64_t total, std::int64_t local) const;

@@ -6,6 +6,13 @@
 
 namespace seqpar::decode_detail {
 
+void check_one_request(const SequenceLayout& layout, const char* who) {
+  SEQPAR_CHECK(layout.num_docs() <= 1, who, ": the layout packs ", layout.num_docs(),
+               " documents into one row (cu_seqlens of ", layout.num_docs() + 1,
+               " entries); a decode cache holds one request per batch row: give each document its own row (batch) or "
+               "its own cache, with an unpacked layout (SequenceLayout::for_groups)");
+}
+
 std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t n) {
   std::vector<std::int64_t> v(static_cast<std::size_t>(n));
   for (std::int64_t i = 0; i < n; ++i) v[static_cast<std::size_t>(i)] = first + i;

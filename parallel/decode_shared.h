@@ -43,6 +43,10 @@ void agree_on_cache(AgreementCheck& check, const CpGroups& groups, Fingerprint& 
   check.run(groups.cp, fp, groups.stream);
 }
 
+// A decode cache holds one request per batch row: a prompt layout packing several documents into a row is refused,
+// naming `who` and the documents (after the agreement check, so every rank raises alike).
+void check_one_request(const SequenceLayout& layout, const char* who);
+
 // A view at element `offset` of a flat buffer, with `shape`.
 TensorView sub_view(const Tensor& buf, std::int64_t offset, const Shape& shape);
 

@@ -82,6 +82,7 @@ void DsaDecodeCp::check_prompt(const ShardedDsaCache& cache, const SequenceLayou
   SEQPAR_CHECK(k_idx.dtype() == s.dtype && c.dtype() == s.dtype, who, ": k_idx and c must have the cache's dtype ",
                dtype_name(s.dtype), ", got ", dtype_name(k_idx.dtype()), " and ", dtype_name(c.dtype()));
   agree(cache, who, &layout, {{"q", q}, {"c", c}, {"q_idx", q_idx}, {"k_idx", k_idx}, {"w", w}});
+  decode_detail::check_one_request(layout, who);
   SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
                " tokens; a prompt continuation (persistent-cache prefill) is not supported for DSA");
   SEQPAR_CHECK(layout.seq_len() <= s.capacity, who, ": the prompt of ", layout.seq_len(),

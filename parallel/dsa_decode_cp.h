@@ -70,7 +70,7 @@ class DsaDecodeCp {
   // Returns: the prompt's out, lse and topk_indices.
   // Errors (before any data moves; a refused call leaves every cache as it was): a cache made with another
   //   sharding, shape or dtype; ranks disagreeing on shapes, dtypes, configuration, sharding, cache length or step
-  //   count; then the capacity.
+  //   count; then a layout packing several documents (one request per batch row) and the capacity.
   // Sync: collective over groups.cp; host-synchronous.
   DsaPrefillOutput prefill(ShardedDsaCache& cache, const SequenceLayout& layout, const TensorView& q,
                            const TensorView& c, const TensorView& q_idx, const TensorView& k_idx, const TensorView& w);

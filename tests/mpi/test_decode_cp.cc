@@ -355,6 +355,29 @@ struct Bad {
   }
 };
 
+// A decode cache holds one request per batch row: a prompt layout packing several documents is refused on every rank
+// before any data moves (its prompt attention would keep the documents apart while the steps attend across them).
+TEST(MhaDecodeCpErrors, PackedPromptFailsEverywhereAndChangesNothing) {
+  const CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  MhaDecodeCp layer(groups, MhaDecodeConfig{});
+  ShardedKvCache cache = layer.make_cache(1, 64, kHkv, kD, DType::kFloat32);
+  const auto inputs = [](const SequenceLayout& l, std::int64_t heads, std::uint64_t seed) {
+    return test::random_tensor({1, l.local_len(), heads, kD}, DType::kFloat32, seed);
+  };
+  const SequenceLayout two = SequenceLayout::packed_for_groups(groups, std::vector<std::int64_t>{0, 13, 40});
+  const Tensor q = inputs(two, kHq, 3), k = inputs(two, kHkv, 4), v = inputs(two, kHkv, 5);
+  const char* rule = "the layout packs 2 documents into one row";
+  EXPECT_TRUE(fails_everywhere([&] { layer.prefill(cache, two, q, k, v); }, str_cat("prefill: ", rule)));
+  EXPECT_TRUE(fails_everywhere([&] { layer.fill(cache, two, k, v); }, str_cat("fill: ", rule)));
+  EXPECT_TRUE(fails_everywhere([&] { layer.extend(cache, two, q, k, v); }, str_cat("extend: ", rule)));
+  EXPECT_EQ(cache.length(), 0);
+  // One document in a packed layout is one request.
+  const SequenceLayout one = SequenceLayout::packed_for_groups(groups, std::vector<std::int64_t>{0, 40});
+  layer.fill(cache, one, inputs(one, kHkv, 6), inputs(one, kHkv, 7));
+  EXPECT_EQ(cache.length(), 40);
+}
+
 TEST(MhaDecodeCpErrors, PastTheCapacityFailsEverywhereAndChangesNothing) {
   Bad b;
   MhaDecodeCp layer(b.groups, MhaDecodeConfig{});
@@ -646,6 +669,24 @@ TEST(GdnDecodeCpErrors, ConvWeightAgainstTheCacheFailsAndChangesNothing) {
   EXPECT_EQ(plain.length(), 0);
   EXPECT_EQ(with_tail.length(), 0);
   EXPECT_EQ(to_double(with_tail.conv_state()), std::vector<double>(to_double(with_tail.conv_state()).size(), 0.0));
+}
+
+// As for MHA: a prompt layout packing several documents is refused on every rank before GdnCp's forward runs.
+TEST(GdnDecodeCpErrors, PackedPromptFailsEverywhereBeforeAnyMessage) {
+  const CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  GdnDecodeCp layer(groups, GdnCpConfig{}, value_heads(), key_heads());
+  attn::GdnCache cache = layer.make_cache(1, kGK, kGV, DType::kFloat32);
+  const SequenceLayout two = SequenceLayout::packed_for_groups(groups, std::vector<std::int64_t>{0, 3, 7});
+  const std::int64_t s = two.local_len();
+  const Tensor q = test::random_tensor({1, s, key_heads(), kGK}, DType::kFloat32, 3);
+  const Tensor k = test::random_tensor({1, s, key_heads(), kGK}, DType::kFloat32, 4);
+  const Tensor v = test::random_tensor({1, s, value_heads(), kGV}, DType::kFloat32, 5);
+  const Tensor g = test::random_tensor({1, s, value_heads()}, DType::kFloat32, 6);
+  const Tensor beta = test::random_tensor({1, s, value_heads()}, DType::kFloat32, 7);
+  EXPECT_TRUE(fails_everywhere([&] { layer.prefill(cache, two, q, k, v, g, beta); },
+                               "GdnDecodeCp::prefill: the layout packs 2 documents into one row"));
+  EXPECT_EQ(cache.length(), 0);
 }
 
 TEST(GdnDecodeCpErrors, HeadsThatDoNotDivideFailEverywhere) {

@@ -147,6 +147,27 @@ TEST(DsaDecodeCpFill, StepsAfterAFillEqualTheTrainingForward) {
   }
 }
 
+// A decode cache holds one request per batch row: a prompt layout packing several documents is refused on every rank
+// before any data moves, by prefill and by fill.
+TEST(DsaDecodeCpErrors, PackedPromptFailsEverywhereAndChangesNothing) {
+  const CpGrid grid(world(), test::ring_over_world());
+  const CpGroups groups = CpGroups::from(grid);
+  const DsaCase c{CacheShardKind::kInterleave, 16, LayoutKind::kZigzag, 1};
+  DsaDecodeCp layer(groups, config_of(c));
+  ShardedDsaCache cache = layer.make_cache(1, 64, kDi, kDqk, DType::kFloat32);
+  const SequenceLayout two = SequenceLayout::packed_for_groups(groups, std::vector<std::int64_t>{0, 20, 48});
+  const std::int64_t s = two.local_len();
+  const Tensor q = test::random_tensor({1, s, kH, kDqk}, DType::kFloat32, 3);
+  const Tensor cl = test::random_tensor({1, s, kDqk}, DType::kFloat32, 4);
+  const Tensor q_idx = test::random_tensor({1, s, kHi, kDi}, DType::kFloat32, 5);
+  const Tensor k_idx = test::random_tensor({1, s, kDi}, DType::kFloat32, 6);
+  const Tensor w = test::random_tensor({1, s, kHi}, DType::kFloat32, 7);
+  const char* rule = "the layout packs 2 documents into one row";
+  EXPECT_TRUE(fails_everywhere([&] { layer.prefill(cache, two, q, cl, q_idx, k_idx, w); }, str_cat("prefill: ", rule)));
+  EXPECT_TRUE(fails_everywhere([&] { layer.fill(cache, two, k_idx, cl); }, str_cat("fill: ", rule)));
+  EXPECT_EQ(cache.length(), 0);
+}
+
 // The cache per rank grows as T / P: twice the context, twice the bytes (up to one interleave block per rank).
 TEST(DsaDecodeCpMemory, CacheBytesPerRankGrowAsTOverP) {
   const CpGrid grid(world(), test::small_grid_config());
