@@ -26,7 +26,7 @@ initial_state is cast to the state dtype (fp32; fp64 for fp64). The autograd fun
 
 lse: -inf on padding rows (no key), as in the C++ layers; a loss on lse should skip them (a finite mask, as the
 gradients already do). Double backward is not supported: a backward with create_graph=True raises seqpar.Error
-instead of treating seqpar's part as a constant.
+instead of treating seqpar's part as a constant; so does a second backward through one forward (retain_graph=True).
 """
 
 import re
@@ -88,12 +88,20 @@ def _grad_in(t):
     return t.detach().resolve_neg().contiguous()
 
 
-def _first_order_only():
+def _backward_once(ctx):
     """Refuses a backward that builds a graph (create_graph=True): the C++ backward is not differentiable, and
-    letting autograd treat it as a constant would give a wrong higher-order gradient without a word."""
+    letting autograd treat it as a constant would give a wrong higher-order gradient without a word. Refuses a second
+    backward through one forward (backward(retain_graph=True), then backward or torch.autograd.grad again): the C++
+    backward releases the forward's saved state, so each forward serves one backward. Every rank of the group runs the
+    same backward calls, so every rank raises alike, before any message."""
     if torch.is_grad_enabled():
         raise _seqpar.Error("seqpar's layers do not support double backward (a backward with create_graph=True): "
                             "their backward is not differentiable")
+    if getattr(ctx, "seqpar_backward_done", False):
+        raise _seqpar.Error("seqpar's layers do not support a second backward through one forward (backward with "
+                            "retain_graph=True, then backward or torch.autograd.grad again): each forward's saved "
+                            "state serves one backward; run the forward again for another gradient")
+    ctx.seqpar_backward_done = True
 
 
 def _in_dtype(dtype, *tensors):
@@ -181,7 +189,7 @@ class MhaCpFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        _first_order_only()
+        _backward_once(ctx)
         if dout is None:  # a loss on lse only
             dout = torch.zeros(ctx.out_like[0], dtype=ctx.out_like[1])
         dq, dk, dv, dsinks = ctx.layer.backward(ctx.saved, _grad_in(dout), None if dlse is None else _grad_in(dlse))
@@ -267,7 +275,7 @@ class GdnFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dfinal_state):
-        _first_order_only()
+        _backward_once(ctx)
         # final_state is replicated: the whole loss's gradient is the sum of the ranks' (module docstring).
         dfinal_state = _grad_in(dfinal_state).clone()
         ctx.grid.cp.all_reduce(dfinal_state)
@@ -314,7 +322,7 @@ class ShortConvFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        _first_order_only()
+        _backward_once(ctx)
         dweight = torch.empty(ctx.weight_meta[0], dtype=ctx.weight_meta[1])
         dx = ctx.layer.backward(ctx.saved, _grad_in(dout), dweight)  # dweight: summed over the CP group
         return None, None, dx, _share(dweight, ctx.grid)
@@ -384,7 +392,7 @@ class DsaFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dloss):
-        _first_order_only()
+        _backward_once(ctx)
         dloss = _grad_in(dloss).reshape(1).clone()
         ctx.grid.cp.all_reduce(dloss)
         dq, dc, dq_idx, dk_idx, dw, _ = ctx.layer.backward(ctx.saved, _grad_in(dout), float(dloss))
@@ -404,7 +412,7 @@ class DsaWeightedFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
-        _first_order_only()
+        _backward_once(ctx)
         dq, dc, dq_idx, dk_idx, dw, _ = ctx.layer.backward(ctx.saved, _grad_in(dout), ctx.weight)
         return None, None, dq, dc, dq_idx, dk_idx, dw, None
 

@@ -53,6 +53,9 @@ def gather_sequence(grid, layout, local, seq_dim=1):
     """Collective over grid.cp: every rank's piece gathered into the full tensor of seq_len rows on every rank
     (padding rows dropped; seq_dim 1 for [B, T, ...], 2 for [B, H, T] such as lse). No autograd (for evaluation,
     checks and outputs)."""
+    if not 0 <= seq_dim < local.dim():
+        raise _seqpar.Error(f"gather_sequence: seq_dim {seq_dim} is not a dimension of the local tensor of shape "
+                            f"{tuple(local.shape)} (1 for [B, T, ...], 2 for [B, H, T])")
     shape = list(local.shape)
     shape[seq_dim] = layout.seq_len
     full = torch.empty(shape, dtype=local.dtype)

@@ -201,6 +201,33 @@ def test_lse_gradient_matches_finite_differences():
     assert abs(numeric - analytic) <= 1e-6 * max(1.0, abs(analytic)), (numeric, analytic)
 
 
+def test_second_backward_through_one_forward_is_refused():
+    """backward(retain_graph=True) and then a second backward through the same forward raise seqpar.Error naming
+    retain_graph (the C++ backward released the forward's saved state), for each layer's autograd function; a new
+    forward then gives the same gradient as the first backward (against a second, independent forward)."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, S)
+    attn = seqpar.MhaCp(grid, layout, causal=True)
+    q, k, v = (torch.randn(B, layout.local_len, h, D, dtype=torch.float64, requires_grad=True) for h in (HQ, HKV, HKV))
+    loss = attn(q, k, v).pow(2).sum()
+    (first,) = torch.autograd.grad(loss, q, retain_graph=True)
+    with pytest.raises(seqpar.Error, match="second backward through one forward.*retain_graph=True"):
+        loss.backward()
+    (again,) = torch.autograd.grad(attn(q, k, v).pow(2).sum(), q)
+    assert torch.equal(first, again)
+    gdn = seqpar.GdnCp(grid, layout)
+    gq, gk = (torch.randn(B, layout.local_len, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    gv = torch.randn(B, layout.local_len, 2, 8, dtype=torch.float64, requires_grad=True)
+    g = -torch.rand(B, layout.local_len, 2, dtype=torch.float64)
+    beta = torch.rand(B, layout.local_len, 2, dtype=torch.float64)
+    out = gdn(gq, gk, gv, g, beta)
+    out = out[0] if isinstance(out, tuple) else out
+    gloss = out.pow(2).sum()
+    gloss.backward(retain_graph=True)
+    with pytest.raises(seqpar.Error, match="second backward through one forward"):
+        gloss.backward()
+
+
 def test_double_backward_is_refused():
     """A backward that builds a graph (create_graph=True, for a gradient of a gradient) raises seqpar.Error instead
     of treating the layer's part as a constant, which would give a wrong second derivative without a word."""

@@ -45,6 +45,9 @@ def test_shard_sequence_refuses_a_wrong_length(length, seq_dim):
         seqpar.shard_sequence(full, layout, grid.cp_rank, seq_dim=seq_dim)
     with pytest.raises(seqpar.Error, match="seq_dim 3 is not a dimension"):
         seqpar.shard_sequence(torch.randn(2, S, 5), layout, grid.cp_rank, seq_dim=3)
+    for bad in (3, 7, -1):
+        with pytest.raises(seqpar.Error, match=rf"gather_sequence: seq_dim {bad} is not a dimension"):
+            seqpar.gather_sequence(grid, layout, torch.randn(2, layout.local_len, 5), seq_dim=bad)
     assert seqpar.shard_sequence(torch.randn(2, S, 5), layout, grid.cp_rank).shape == (2, layout.local_len, 5)
 
 
