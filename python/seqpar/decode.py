@@ -42,6 +42,16 @@ def _c(t):
     return None if t is None else t.detach().contiguous()
 
 
+def _agree_all_heads(obj, all_heads):
+    """Every rank of the CP group passes the same all_heads (on one rank alone it would pair the step's all_reduce
+    with the next call's messages): agreed before the step, cached like the layers' checks (a repeated value sends
+    nothing; docs/operations.md, "Ranks that disagree")."""
+    check = obj.__dict__.get("_agreement")
+    if check is None:
+        check = obj.__dict__["_agreement"] = _seqpar.AgreementCheck()
+    check.run(obj.grid.cp, f"{type(obj).__name__}.decode (Python)", [("all_heads", "yes" if all_heads else "no")])
+
+
 def _all_heads(local, offset, total, group, dim):
     """The full tensor with `total` heads along `dim` from every rank's `local` heads starting at `offset`: each rank
     writes its heads into zeros and the group sums (ranks holding the same heads, e.g. the ring ranks of a Ulysses
@@ -91,6 +101,7 @@ class MhaDecodeCp:
     def decode(self, cache, q_new, k_new, v_new, all_heads=True):
         """n new tokens: q_new [B, n, Hq, D], k_new, v_new [B, n, Hkv, D], identical on every rank. Returns
         (out [B, n, Hq, D], lse [B, Hq, n]) (module docstring for all_heads=False)."""
+        _agree_all_heads(self, all_heads)
         out, lse = self.layer.decode(cache, _c(q_new), _c(k_new), _c(v_new))
         if not all_heads or self.grid.ulysses_size == 1:
             return out, lse
@@ -155,6 +166,7 @@ class GdnDecodeCp:
     def decode(self, cache, q_new, k_new, v_new, g_new, beta_new, conv_weight=None, all_heads=True):
         """n new tokens, all heads, identical on every rank. Returns out [B, n, Hv, V] (all_heads) or this rank's
         [B, n, Hv / cp_size, V] from head_offset."""
+        _agree_all_heads(self, all_heads)
         out = self.layer.decode(cache, *(_c(t) for t in (q_new, k_new, v_new, g_new, beta_new, conv_weight)))
         if not all_heads or self.grid.cp.size == 1:
             return out

@@ -12,8 +12,9 @@ What each piece does:
 - The attention function (registered with transformers' AttentionInterface under "seqpar") runs seqpar.MhaCp on
   the rank's rows: GQA, causal, the model's scaling, sliding_window, softcap, sinks (s_aux) and attention dropout;
   ring attention, Ulysses or USP by the grid. It needs an active context_parallel(grid, layout) (an error says so
-  otherwise). transformers makes no mask for an implementation it does not know; the attention function refuses a
-  2-D attention_mask with zeros (padding belongs in the layout: pack the documents, shard_batch(cu_seqlens=...)).
+  otherwise). A mask function registered under the same name builds no mask (causality and documents are the
+  layout's) and refuses a 2-D attention_mask with zeros on every rank (padding belongs in the layout: pack the
+  documents, shard_batch(cu_seqlens=...)).
 - Positions: a rank's rows are not a contiguous range (zigzag holds two chunks; a packed row restarts in every
   document), so the model must get position_ids = layout.rope_positions(cp_rank): shard_batch returns them, and the
   model's own rotary embedding then rotates every row at its true position.
@@ -83,6 +84,10 @@ def _per_module(module, attr, key, make):
     return cached[1]
 
 
+_PADDING_MESSAGE = ("seqpar.hf: a 2-D attention_mask with padding is not supported under CP: pack the documents into "
+                    "one row (seqpar.hf.shard_batch(..., cu_seqlens=...)) instead")
+
+
 def seqpar_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
                              sliding_window=None, softcap=None, s_aux=None, **kwargs):
     """transformers' attention-function signature: query [B, Hq, S_local, D], key, value [B, Hkv, S_local, D] (this
@@ -90,8 +95,7 @@ def seqpar_attention_forward(module, query, key, value, attention_mask, dropout=
     active = _active()
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     if attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all()):
-        raise _seqpar.Error("seqpar.hf: a 2-D attention_mask with padding is not supported under CP: pack the "
-                            "documents into one row (seqpar.hf.shard_batch(..., cu_seqlens=...)) instead")
+        raise _seqpar.Error(_PADDING_MESSAGE)
     if kwargs.get("output_attentions", False):
         raise _seqpar.Error("seqpar.hf: output_attentions is not available (the scores are never materialised)")
     window = int(sliding_window) if sliding_window else 0
@@ -115,12 +119,29 @@ def seqpar_attention_forward(module, query, key, value, attention_mask, dropout=
     return attn(q, k, v), None
 
 
+def seqpar_attention_mask(*args, attention_mask=None, **kwargs):
+    """transformers' mask-function signature (masking_utils.AttentionMaskInterface): no mask (the layout holds
+    causality and the documents; seqpar_attention_forward gets None). A 2-D attention_mask with zeros (padding) is
+    refused on every rank of the CP group alike: whether a rank's mask pads is agreed first (one small all-reduce per
+    mask), so that no rank goes on into the layers' collectives while another stops."""
+    padded = attention_mask is not None and attention_mask.dim() == 2 and not bool(attention_mask.all())
+    active = _active()
+    _seqpar.AgreementCheck().run(active.grid.cp, "seqpar.hf attention_mask",
+                                 [("padding", "yes" if padded else "no")])
+    if padded:
+        raise _seqpar.Error(_PADDING_MESSAGE)
+    return None
+
+
 def register(name="seqpar"):
-    """Registers the attention function with transformers' AttentionInterface under `name` (then
-    attn_implementation=name selects it). Imports transformers."""
+    """Registers the attention function with transformers' AttentionInterface and its mask function with
+    AttentionMaskInterface under `name` (then attn_implementation=name selects both). Imports transformers.
+    Without the mask function transformers would pass no mask at all, and a padded attention_mask would be ignored."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(name, seqpar_attention_forward)
+    AttentionMaskInterface.register(name, seqpar_attention_mask)
 
 
 # ---- batches --------------------------------------------------------------------------------------------------

@@ -114,6 +114,32 @@ def test_mha_decode_own_heads_and_refusals():
     assert cache.length == P + 1
 
 
+@pytest.mark.skipif(WORLD == 1, reason="one rank cannot disagree with itself")
+def test_decode_all_heads_differing_across_ranks_fails_everywhere():
+    """all_heads on one rank only (a Python-side option the C++ layer never sees) stops every rank with seqpar.Error
+    naming it, before the step; the cache is unchanged and the next agreed step matches the fp64 reference."""
+    B, HQ, HKV, D, P = 1, 2 * WORLD, WORLD, 8, 6
+    grid = seqpar.CpGrid(1, WORLD, 1)  # Ulysses over the world: all_heads gathers the heads
+    q, k, v = (torch.randn(B, P + 1, h, D, dtype=torch.float64) for h in (HQ, HKV, HKV))
+    ref = mha_reference(q, k, v, causal=True)
+    dec = seqpar.MhaDecodeCp(grid)
+    cache = dec.make_cache(B, P + 1, HKV, D, torch.float64)
+    layout = seqpar.SequenceLayout.for_grid(grid, P)
+    dec.prefill(cache, layout, *(seqpar.shard_sequence(t[:, :P], layout, grid.cp_rank) for t in (q, k, v)))
+    with pytest.raises(seqpar.Error, match="all_heads"):
+        dec.decode(cache, q[:, P:], k[:, P:], v[:, P:], all_heads=grid.cp_rank != 0)
+    assert cache.length == P
+    out, _ = dec.decode(cache, q[:, P:], k[:, P:], v[:, P:])
+    check_close("step after the refusal", out, ref[:, P:], RTOL)
+    gdn = seqpar.GdnDecodeCp(grid, value_heads=2 * WORLD, key_heads=WORLD)
+    gcache = gdn.make_cache(B, 4, 4, torch.float64)
+    x = [torch.randn(B, 1, h, 4, dtype=torch.float64) for h in (WORLD, WORLD, 2 * WORLD)]
+    g, beta = -torch.rand(B, 1, 2 * WORLD, dtype=torch.float64), torch.rand(B, 1, 2 * WORLD, dtype=torch.float64)
+    with pytest.raises(seqpar.Error, match="all_heads"):
+        gdn.decode(gcache, *x, g, beta, all_heads=grid.cp_rank == 0)
+    assert gcache.length == 0
+
+
 DSA_H, DSA_DQK, DSA_DV, DSA_HI, DSA_DI, DSA_TOPK = 4, 16, 8, 2, 8, 8
 
 

@@ -141,6 +141,32 @@ def test_qwen3_next_hybrid_matches_one_process(grid_shape):
     run_and_compare("qwen3_next", grid, ids)
 
 
+@pytest.mark.parametrize("grid_shape", GRIDS, ids=lambda g: f"u{g[0]}r{g[1]}")
+def test_padded_attention_mask_is_refused_on_every_rank(grid_shape):
+    """A 2-D attention_mask with zeros (left padding) is refused, not ignored (transformers passes no mask to an
+    implementation without a mask function, so padded tokens would be attended to as real ones); a rank alone with a
+    padded mask stops every rank; a mask of ones gives the logits of no mask."""
+    grid = launch.grid(*grid_shape)
+    _, cp = models("llama")
+    ids = torch.randint(0, VOCAB, (1, 12), generator=torch.Generator().manual_seed(4))
+    batch = seqpar.hf.shard_batch(grid, ids)
+    padded = torch.ones(1, 12, dtype=torch.long)
+    padded[:, :4] = 0
+    ones = torch.ones_like(padded)
+
+    def run(mask):
+        return cp(input_ids=batch.input_ids, position_ids=batch.position_ids, attention_mask=mask,
+                  use_cache=False).logits
+
+    with torch.no_grad(), seqpar.hf.context_parallel(grid, batch.layout):
+        with pytest.raises(seqpar.Error, match="attention_mask with padding is not supported under CP"):
+            run(padded)
+        if grid.cp.size > 1:
+            with pytest.raises(seqpar.Error, match="attention_mask"):
+                run(padded if grid.cp_rank == 0 else ones)
+        check_close("logits with a mask of ones", run(ones), run(None), 0.0)
+
+
 def test_without_context_is_refused_and_gdn_falls_back():
     """attn_implementation='seqpar' outside context_parallel raises naming the fix; a replaced GDN layer outside
     the context runs transformers' code (equal to the unreplaced layer)."""
