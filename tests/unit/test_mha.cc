@@ -333,14 +333,12 @@ TEST_P(MhaGradCheck, LossOnLseMatchesCentralDifferences) {
   for (bool with_delta : {false, true}) {
     MhaBackwardArgs b{args_of(p, in), out, in.dout, lse, with_delta ? delta.view() : TensorView{}};
     b.dlse = dlse;
-    Tensor dq = Tensor::empty(in.q.shape(), DType::kFloat64, kWs),
-           dk = Tensor::empty(in.k.shape(), DType::kFloat64, kWs),
+    Tensor dq = Tensor::empty(in.q.shape(), DType::kFloat64, kWs), dk = Tensor::empty(in.k.shape(), DType::kFloat64, kWs),
            dv = Tensor::empty(in.k.shape(), DType::kFloat64, kWs);
     mha_backward(b, dq, dk, dv, false);
     for (auto [t, g, name] : {std::tuple{&in.q, &dq, "dq"}, {&in.k, &dk, "dk"}, {&in.v, &dv, "dv"}}) {
       const std::vector<double> fd = test::central_differences(*t, 1e-5, loss);
-      EXPECT_TRUE(
-          test::all_close(test::to_double(*g), fd, 1e-8, 1e-7, str_cat(name, with_delta ? " (delta given)" : "")));
+      EXPECT_TRUE(test::all_close(test::to_double(*g), fd, 1e-8, 1e-7, str_cat(name, with_delta ? " (delta given)" : "")));
     }
   }
 }
