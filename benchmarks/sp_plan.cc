@@ -38,6 +38,9 @@ namespace {
 
 // The largest --world sp_plan plans for (2^20 ranks).
 constexpr int kMaxPlanWorld = 1 << 20;
+// --calibrate: the timed rounds per length of every kernel_bench run, whatever --calibrate-min-time, and the most
+// --calibrate-pairs.
+constexpr int kCalibrateMinRounds = 3, kMaxCalibratePairs = 100;
 
 std::filesystem::path own_dir() {
   std::error_code ec;
@@ -119,8 +122,9 @@ std::string load_average() {
   return str_cat(a, " ", b, " ", c);
 }
 
-// This machine's profile: kernel_bench (short runs) for the kernel curves, comm_bench at 2 ranks for the link.
-DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir) {
+// This machine's profile: kernel_bench (short runs, `pairs` interleaved pairs alone and busy per kind) for the kernel
+// curves and the shared-node slowdown, comm_bench at 2 ranks for the link.
+DeviceProfile calibrate(int threads, double min_time, int pairs, const std::string& tmp_dir) {
   const std::filesystem::path dir = own_dir(), tmp = tmp_dir;
   // The programs it starts, from sp_plan's directory: a missing one is named before anything runs (building the
   // target sp_plan alone builds none of them).
@@ -140,67 +144,121 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
     const char* kernel;
     const char* seqs;
     const char* extra;
+    const char* factors;  // flags of one more run alone for the GDN scan's factors ("": none)
   };
   // The node's cores all busy: as many copies of each kernel_bench run at once as the node has cores for `threads`
-  // each; the ratio of their times to the run alone is the kind's shared_node slowdown (DeviceProfile::SharedNode).
+  // each; a copy's time over the run alone is the kind's shared_node slowdown (DeviceProfile::SharedNode). On a
+  // shared machine one such ratio is mostly noise, so each kind runs `pairs` interleaved pairs (the run alone, then
+  // the copies together), as sp_bench --efficiency interleaves its single-rank baselines, and takes the median
+  // (shared_node_slowdown); the runs alone also give the curves.
   const int hw = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
   const int busy_copies = std::max(1, hw / threads);
+  const int runs_alone = busy_copies >= 2 ? pairs : 1;
   std::string busy_note;
   // Shapes of the head sizes the comparison in docs/results.md plans (the curves are per FLOPs of a call; the
   // sequence lengths span the calls of 1 to 4 ranks).
-  for (const Run& r : {Run{"mha", "256,512,1024,2048", "--dim 64 --hq 8 --hkv 8 --mask causal"},
-                       Run{"gdn", "512,1024,2048,4096", "--heads 8 --kv-heads 4 --head-dim 64 --dim-v 64 --gdn-maps"},
-                       Run{"dsa", "512,1024,2048",
-                           "--heads 16 --head-dim 128 --dim-v 128 --indexer-heads 8 --indexer-dim 64 --topk 256"}}) {
-    const std::filesystem::path out = tmp / str_cat("kernel_", r.kernel, ".json");
-    run_or_throw(str_cat((dir / "kernel_bench").string(), " --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra,
-                         " --threads ", threads, " --warmup 1 --min-time ", min_time, " --json ", out.string(),
-                         " > /dev/null"));
-    const nlohmann::json j = read_json(out);
+  for (const Run& r :
+       {Run{"mha", "256,512,1024,2048", "--dim 64 --hq 8 --hkv 8 --mask causal --torch-ref off", ""},
+        Run{"gdn", "512,1024,2048,4096", "--heads 8 --kv-heads 4 --head-dim 64 --dim-v 64", "--gdn-maps"},
+        Run{"dsa", "512,1024,2048",
+            "--heads 16 --head-dim 128 --dim-v 128 --indexer-heads 8 --indexer-dim 64 --topk 256", ""}}) {
+    // Every run times at least kCalibrateMinRounds rounds per length (without the square SGEMM and MHA's PyTorch
+    // reference, which nothing here reads).
+    const std::string shape = str_cat("--kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra);
+    const auto bench = [&](const std::string& json, const std::string& more = "") {
+      return str_cat((dir / "kernel_bench").string(), " ", shape, more, " --threads ", threads,
+                     " --warmup 1 --min-time ", min_time, " --min-rounds ", kCalibrateMinRounds, " --square 0 --json ",
+                     (tmp / json).string(), " > /dev/null");
+    };
+    // The per-length medians of a run, forward and backward.
+    const auto column = [&](const nlohmann::json& run, const char* key, std::size_t rows) {
+      SEQPAR_CHECK(run["results"].size() == rows, "sp_plan --calibrate: kernel_bench ", shape, " gave ",
+                   run["results"].size(), " rows in one run and ", rows, " in another");
+      std::vector<double> v;
+      for (const auto& row : run["results"]) v.push_back(row[key].get<double>());
+      return v;
+    };
+    static constexpr const char* kMedianKey[2] = {"fwd_median_ms", "bwd_median_ms"};
+    std::vector<nlohmann::json> alone;
+    std::vector<std::vector<double>> alone_ms[2];
+    std::vector<std::vector<std::vector<double>>> busy_ms[2];
+    for (int i = 0; i < runs_alone; ++i) {
+      const std::string name = str_cat("kernel_", r.kernel, "_alone_", i, ".json");
+      run_or_throw(bench(name));
+      alone.push_back(read_json(tmp / name));
+      const std::size_t rows = alone[0]["results"].size();
+      for (int ph = 0; ph < 2; ++ph) alone_ms[ph].push_back(column(alone.back(), kMedianKey[ph], rows));
+      if (busy_copies < 2) continue;
+      std::string cmd = "(";
+      for (int c = 0; c < busy_copies; ++c)
+        cmd += bench(str_cat("kernel_", r.kernel, "_busy_", i, "_", c, ".json")) + " & ";
+      run_or_throw(cmd + "wait)");
+      for (int ph = 0; ph < 2; ++ph) busy_ms[ph].emplace_back();
+      for (int c = 0; c < busy_copies; ++c) {
+        const nlohmann::json b = read_json(tmp / str_cat("kernel_", r.kernel, "_busy_", i, "_", c, ".json"));
+        for (int ph = 0; ph < 2; ++ph) busy_ms[ph].back().push_back(column(b, kMedianKey[ph], rows));
+      }
+    }
+    const nlohmann::json& first = alone[0];
+    // The GDN scan's factors from one more run alone with --gdn-maps (its extra calls kept out of the pairs' rounds).
+    std::vector<nlohmann::json> factor_runs;
+    if (*r.factors) {
+      const std::string name = str_cat("kernel_", r.kernel, "_factors.json");
+      run_or_throw(bench(name, str_cat(" ", r.factors)));
+      factor_runs.push_back(read_json(tmp / name));
+    }
     KernelCurve fwd, bwd;
     fwd.source = bwd.source =
-        str_cat("kernel_bench --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra, " (mean of the timed rounds)");
+        str_cat("kernel_bench ", shape, " (median over ", runs_alone,
+                " run(s) alone of each run's median of >= ", kCalibrateMinRounds, " timed rounds)");
     double map_ratio = 0, sweep_ratio = 0;
     int map_rows = 0;
     // GDN work ahead: per value-head window, the work ahead over every chunk and the call that uses it, each against
     // the window call alone (same rounds).
     double ahead_sum[4] = {0, 0, 0, 0};
     int ahead_rows = 0;
-    for (const auto& row : j["results"]) {
-      // GDN scan's extra work, timed in the same rounds as the forward: a segment's map against the forward at its
-      // own FLOPs (gdn_map_flops: the factor is the map's rate relative to the forward's), the dS sweep against the
-      // forward's time.
-      if (row.contains("map_mean_ms") && row["fwd_mean_ms"].get<double>() > 0 && row["map_flops"].get<double>() > 0) {
-        const double fms = row["fwd_mean_ms"].get<double>();
-        map_ratio += row["map_mean_ms"].get<double>() / fms * row["fwd_flops"].get<double>() /
-                     row["map_flops"].get<double>();
-        sweep_ratio += row["sweep_mean_ms"].get<double>() / fms;
-        ++map_rows;
+    for (const nlohmann::json& run : factor_runs) {
+      for (const auto& row : run["results"]) {
+        // GDN scan's extra work, timed in the same rounds as the forward: a segment's map against the forward at its
+        // own FLOPs (gdn_map_flops: the factor is the map's rate relative to the forward's), the dS sweep against the
+        // forward's time.
+        if (row.contains("map_mean_ms") && row["fwd_mean_ms"].get<double>() > 0 && row["map_flops"].get<double>() > 0) {
+          const double fms = row["fwd_mean_ms"].get<double>();
+          map_ratio +=
+              row["map_mean_ms"].get<double>() / fms * row["fwd_flops"].get<double>() / row["map_flops"].get<double>();
+          sweep_ratio += row["sweep_mean_ms"].get<double>() / fms;
+          ++map_rows;
+        }
+        if (row.contains("window_bwd_mean_ms") && row["window_fwd_mean_ms"].get<double>() > 0 &&
+            row["window_bwd_mean_ms"].get<double>() > 0) {
+          const double wf = row["window_fwd_mean_ms"].get<double>(), wb = row["window_bwd_mean_ms"].get<double>();
+          ahead_sum[0] += row["ahead_fwd_mean_ms"].get<double>() / wf;
+          ahead_sum[1] += row["rest_fwd_mean_ms"].get<double>() / wf;
+          ahead_sum[2] += row["ahead_bwd_mean_ms"].get<double>() / wb;
+          ahead_sum[3] += row["rest_bwd_mean_ms"].get<double>() / wb;
+          ++ahead_rows;
+        }
       }
-      if (row.contains("window_bwd_mean_ms") && row["window_fwd_mean_ms"].get<double>() > 0 &&
-          row["window_bwd_mean_ms"].get<double>() > 0) {
-        const double wf = row["window_fwd_mean_ms"].get<double>(), wb = row["window_bwd_mean_ms"].get<double>();
-        ahead_sum[0] += row["ahead_fwd_mean_ms"].get<double>() / wf;
-        ahead_sum[1] += row["rest_fwd_mean_ms"].get<double>() / wf;
-        ahead_sum[2] += row["ahead_bwd_mean_ms"].get<double>() / wb;
-        ahead_sum[3] += row["rest_bwd_mean_ms"].get<double>() / wb;
-        ++ahead_rows;
+    }
+    // The curves: per length, the median over the runs alone of each run's median (sp_bench reports medians, and on
+    // a loaded machine the best round is the exception and the mean follows a few slow rounds).
+    for (std::size_t l = 0; l < first["results"].size(); ++l) {
+      for (int ph = 0; ph < 2; ++ph) {
+        std::vector<double> ms;
+        for (const std::vector<double>& run_ms : alone_ms[ph]) ms.push_back(run_ms[l]);
+        const double flops = first["results"][l][ph == 0 ? "fwd_flops" : "bwd_flops"].get<double>(), t = median(ms);
+        if (flops > 0 && t > 0) (ph == 0 ? fwd : bwd).points.emplace_back(flops, flops / (t * 1e-3));
       }
-      // The mean of the timed rounds, not the best: sp_bench reports medians, and on a loaded machine the best
-      // round is the exception.
-      const double ff = row["fwd_flops"].get<double>(), fms = row["fwd_mean_ms"].get<double>();
-      if (ff > 0 && fms > 0) fwd.points.emplace_back(ff, ff / (fms * 1e-3));
-      const double bf = row["bwd_flops"].get<double>(), bms = row["bwd_mean_ms"].get<double>();
-      if (bf > 0 && bms > 0) bwd.points.emplace_back(bf, bf / (bms * 1e-3));
     }
     std::sort(fwd.points.begin(), fwd.points.end());
     std::sort(bwd.points.begin(), bwd.points.end());
     if (map_rows > 0) {
       p.gdn_map_factor = map_ratio / map_rows;
       p.gdn_sweep_factor = sweep_ratio / map_rows;
-      p.note += str_cat("; gdn_map_factor (a map's time over its FLOPs at the forward's rate) and gdn_sweep_factor (the "
-                        "dS sweep over the forward) from kernel_bench --kernel gdn --gdn-maps, mean over ",
-                        map_rows, " lengths");
+      p.note += str_cat(
+          "; gdn_map_factor (a map's time over its FLOPs at the forward's rate) and gdn_sweep_factor (the "
+          "dS sweep over the forward) from kernel_bench --kernel gdn --gdn-maps, mean over ",
+          map_rows, " lengths");
     }
     if (ahead_rows > 0) {
       DeviceProfile::GdnWorkAhead& g = p.gdn_work_ahead;
@@ -208,58 +266,31 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
       g.fwd_rest = ahead_sum[1] / ahead_rows;
       g.bwd_ahead = ahead_sum[2] / ahead_rows;
       g.bwd_rest = ahead_sum[3] / ahead_rows;
-      g.source = str_cat("kernel_bench --kernel gdn --seq ", r.seqs, " ", r.extra,
+      g.source = str_cat("kernel_bench ", shape, " ", r.factors,
                          ": one value head's window, its work ahead over every chunk and the call that uses it, "
                          "against the window alone (means of the timed rounds), mean over ",
                          ahead_rows, " lengths");
     }
     p.kernels[str_cat(r.kernel, "_fwd")] = fwd;
     p.kernels[str_cat(r.kernel, "_bwd")] = bwd;
-    if (busy_copies >= 2) {
-      // The same command in busy_copies processes started together; row i of each against row i alone (the same
-      // length), forward and backward means.
-      std::string cmd = "(";
-      for (int c = 0; c < busy_copies; ++c) {
-        cmd += str_cat((dir / "kernel_bench").string(), " --kernel ", r.kernel, " --seq ", r.seqs, " ", r.extra,
-                       " --threads ", threads, " --warmup 1 --min-time ", min_time, " --json ",
-                       (tmp / str_cat("kernel_", r.kernel, "_busy_", c, ".json")).string(), " > /dev/null & ");
-      }
-      run_or_throw(cmd + "wait)");
-      double sum[2] = {0, 0};
-      int n[2] = {0, 0};
-      std::string per_len[2];
-      for (int c = 0; c < busy_copies; ++c) {
-        const nlohmann::json b = read_json(tmp / str_cat("kernel_", r.kernel, "_busy_", c, ".json"));
-        SEQPAR_CHECK(b["results"].size() == j["results"].size(), "sp_plan --calibrate: kernel_bench --kernel ",
-                     r.kernel, " gave ", b["results"].size(), " rows with the cores busy and ", j["results"].size(),
-                     " alone");
-        for (std::size_t i = 0; i < b["results"].size(); ++i) {
-          for (int ph = 0; ph < 2; ++ph) {
-            const char* key = ph == 0 ? "fwd_mean_ms" : "bwd_mean_ms";
-            const double alone = j["results"][i][key].get<double>(), busy = b["results"][i][key].get<double>();
-            if (alone <= 0 || busy <= 0) continue;
-            sum[ph] += busy / alone;
-            ++n[ph];
-            if (c == 0) per_len[ph] += str_cat(per_len[ph].empty() ? "" : " ", busy / alone);
-          }
-        }
-      }
-      for (int ph = 0; ph < 2; ++ph) {
-        if (n[ph] == 0) continue;
-        const std::string key = str_cat(r.kernel, ph == 0 ? "_fwd" : "_bwd");
-        // Below 1 is the noise of a shared machine (the node's other cores cannot speed a kernel up).
-        p.shared_node.slowdown[key] = std::max(1.0, sum[ph] / n[ph]);
-        busy_note +=
-            str_cat(busy_note.empty() ? "" : "; ", key, " ", sum[ph] / n[ph], " (copy 0 by length: ", per_len[ph], ")");
-      }
+    if (busy_copies < 2) continue;
+    for (int ph = 0; ph < 2; ++ph) {
+      const std::string key = str_cat(r.kernel, ph == 0 ? "_fwd" : "_bwd");
+      const SharedNodeSamples s = shared_node_slowdown(alone_ms[ph], busy_ms[ph]);
+      p.shared_node.slowdown[key] = s.slowdown;
+      std::string per_pair;
+      for (const double m : s.pair_medians) per_pair += str_cat(per_pair.empty() ? "" : " ", m);
+      busy_note += str_cat(busy_note.empty() ? "" : "; ", key, " ", s.median, " (", s.samples,
+                           " samples; the pairs' medians ", per_pair, ")");
     }
   }
   if (p.shared_node.present()) {
     p.shared_node.cores_busy = busy_copies * threads;
     p.shared_node.source =
-        str_cat("kernel_bench per kind as for the curves, ", busy_copies, " copies of ", threads,
-                " thread(s) started together against the run alone: mean ratio of the timed rounds' means over the "
-                "lengths and copies, at least 1: ",
+        str_cat("kernel_bench per kind as for the curves, ", pairs, " interleaved pairs of a run alone and then ",
+                busy_copies, " copies of ", threads,
+                " thread(s) started together: median over the pairs, copies and lengths of a copy's median time over "
+                "the same pair's run alone, at least 1: ",
                 busy_note);
   }
   // A decode step's attention reads its shard's K and V once (memory-bound, a few FLOPs per byte): from sp_bench
@@ -294,9 +325,10 @@ DeviceProfile calibrate(int threads, double min_time, const std::string& tmp_dir
   const auto mean_fwd_ms = [&](int copies) {
     std::string cmd = "(";
     for (int i = 0; i < copies; ++i) {
-      cmd += str_cat((dir / "kernel_bench").string(), " --kernel mha --seq 1024 --dim 64 --hq 8 --hkv 8 --mask causal",
-                     " --no-backward --threads ", threads, " --warmup 1 --min-time ", 2 * min_time, " --json ",
-                     (tmp / str_cat("cores_", copies, "_", i, ".json")).string(), " > /dev/null & ");
+      cmd +=
+          str_cat((dir / "kernel_bench").string(), " --kernel mha --seq 1024 --dim 64 --hq 8 --hkv 8 --mask causal",
+                  " --no-backward --threads ", threads, " --warmup 1 --min-time ", 2 * min_time, " --square 0 --json ",
+                  (tmp / str_cat("cores_", copies, "_", i, ".json")).string(), " > /dev/null & ");
     }
     run_or_throw(cmd + "wait)");
     double sum = 0;
@@ -406,6 +438,7 @@ int sp_plan_main(int argc, char** argv) {
     ("json", "also write the plan as JSON to FILE", cxxopts::value<std::string>())
     ("calibrate", "measure this machine's profile and write it to FILE", cxxopts::value<std::string>())
     ("calibrate-min-time", "seconds per kernel_bench configuration", cxxopts::value<double>()->default_value("0.3"))
+    ("calibrate-pairs", "interleaved pairs of kernel_bench runs alone and busy per kind (the shared-node slowdown is their median)", cxxopts::value<int>()->default_value("5"))
     ("help", "print this help");
   spec.add_options("dynamic CP")
     ("dynamic-cp", "plan micro-batches of documents with a CP degree each (sp_plan_dynamic.h)")
@@ -431,9 +464,13 @@ int sp_plan_main(int argc, char** argv) {
   SEQPAR_CHECK(r["threads"].as<int>() >= 1, "sp_plan: --threads ", r["threads"].as<int>(), " must be >= 1");
   SEQPAR_CHECK(r["calibrate-min-time"].as<double>() > 0, "sp_plan: --calibrate-min-time ",
                r["calibrate-min-time"].as<double>(), " must be > 0 (seconds)");
+  SEQPAR_CHECK(r["calibrate-pairs"].as<int>() >= 1 && r["calibrate-pairs"].as<int>() <= kMaxCalibratePairs,
+               "sp_plan: --calibrate-pairs ", r["calibrate-pairs"].as<int>(), " must be in [1, ", kMaxCalibratePairs,
+               "]");
   if (r.count("calibrate")) {
     const std::string out = r["calibrate"].as<std::string>();
-    const DeviceProfile p = calibrate(r["threads"].as<int>(), r["calibrate-min-time"].as<double>(), out + ".d");
+    const DeviceProfile p = calibrate(r["threads"].as<int>(), r["calibrate-min-time"].as<double>(),
+                                      r["calibrate-pairs"].as<int>(), out + ".d");
     write_file_atomic(out, [&](std::ostream& os) { os << profile_json(p).dump(2) << "\n"; });
     std::printf("# sp_plan: wrote the profile %s (%s)\n", out.c_str(), p.note.c_str());
     return 0;

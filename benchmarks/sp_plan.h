@@ -70,11 +70,11 @@ struct DeviceProfile {
   // while the node's other cores run kernels too. JSON block "shared_node" (absent: none; GPU profiles, each device
   // with its own memory, omit it): "slowdown", per kernel key, a kernel's time with `cores_busy` cores of the node
   // running the same kernel at once over its time alone (>= 1; --calibrate runs kernel_bench alone, then as many
-  // copies at once as the node has cores, and takes the mean ratio over the lengths); "cores_busy", the cores busy
-  // in that measurement. Where a plan puts more than one rank on a node, a kernel of a listed kind costs its time
-  // alone x slowdown x max(1, ranks x threads / cores_busy) (the measurement already holds what cores_per_node
-  // charges); elsewhere, and for kinds not listed, cores_per_node as above. The factor is taken as measured, with
-  // every core busy, also when the node's ranks use fewer cores (an upper bound then).
+  // copies at once as the node has cores, in interleaved pairs, and takes the median ratio: shared_node_slowdown);
+  // "cores_busy", the cores busy in that measurement. Where a plan puts more than one rank on a node, a kernel of a
+  // listed kind costs its time alone x slowdown x max(1, ranks x threads / cores_busy) (the measurement already holds
+  // what cores_per_node charges); elsewhere, and for kinds not listed, cores_per_node as above. The factor is taken as
+  // measured, with every core busy, also when the node's ranks use fewer cores (an upper bound then).
   struct SharedNode {
     std::map<std::string, double> slowdown;
     double cores_busy = 0;
@@ -235,6 +235,21 @@ Prediction predict(const SpBenchOptions& o, const PlanInput& in, const DevicePro
 // slowdown x max(1, ranks x threads / cores_busy) where the node holds more than one rank and the kind is listed,
 // else the oversubscription by cores_per_node (max(1, ranks x threads / cores_per_node); 1 without it).
 double kernel_slowdown(const PlanInput& in, const DeviceProfile& p, const std::string& key);
+
+// --calibrate's shared_node slowdown of one kernel key (docs/benchmarks.md, "sp_plan"), from interleaved pairs of
+// runs: alone_ms[p][l], the kernel's time at length l in pair p's run alone; busy_ms[p][c][l], copy c's in the run of
+// every copy at once that followed it. Each (pair, copy, length) with both times > 0 is one sample busy / alone (of
+// the same pair); the slowdown is the median of all samples, at least 1 (below 1 is the noise of a shared machine: the
+// node's other cores cannot speed a kernel up). Error when the pairs' copies or lengths do not match or no sample has
+// both times.
+struct SharedNodeSamples {
+  double slowdown = 1;               // max(1, median)
+  double median = 0;                 // the median of every sample
+  std::vector<double> pair_medians;  // the median of each pair's samples (0 for a pair without any), for the source
+  int samples = 0;
+};
+SharedNodeSamples shared_node_slowdown(const std::vector<std::vector<double>>& alone_ms,
+                                       const std::vector<std::vector<std::vector<double>>>& busy_ms);
 
 // The fit rule of sp_bench (compare_with_node_memory): the estimates of the ranks of one node summed against the
 // node's memory, devices_per_node x memory_per_device. Returns "" when it fits, else the reason.

@@ -486,6 +486,32 @@ double kernel_slowdown(const PlanInput& in, const DeviceProfile& p, const std::s
   return it->second * std::max(1.0, static_cast<double>(in.devices_per_node) * in.threads / p.shared_node.cores_busy);
 }
 
+SharedNodeSamples shared_node_slowdown(const std::vector<std::vector<double>>& alone_ms,
+                                       const std::vector<std::vector<std::vector<double>>>& busy_ms) {
+  SEQPAR_CHECK(alone_ms.size() == busy_ms.size(), "shared_node_slowdown: ", alone_ms.size(), " runs alone and ",
+               busy_ms.size(), " busy runs (one each per pair)");
+  SharedNodeSamples out;
+  std::vector<double> all;
+  for (std::size_t p = 0; p < alone_ms.size(); ++p) {
+    std::vector<double> pair;
+    for (std::size_t c = 0; c < busy_ms[p].size(); ++c) {
+      SEQPAR_CHECK(busy_ms[p][c].size() == alone_ms[p].size(), "shared_node_slowdown: pair ", p, " copy ", c, " has ",
+                   busy_ms[p][c].size(), " lengths and the run alone ", alone_ms[p].size());
+      for (std::size_t l = 0; l < alone_ms[p].size(); ++l) {
+        if (alone_ms[p][l] > 0 && busy_ms[p][c][l] > 0) pair.push_back(busy_ms[p][c][l] / alone_ms[p][l]);
+      }
+    }
+    out.pair_medians.push_back(pair.empty() ? 0.0 : median(pair));
+    all.insert(all.end(), pair.begin(), pair.end());
+  }
+  SEQPAR_CHECK(!all.empty(), "shared_node_slowdown: no length has a time > 0 both alone and busy (", alone_ms.size(),
+               " pairs)");
+  out.samples = static_cast<int>(all.size());
+  out.median = median(all);
+  out.slowdown = std::max(1.0, out.median);
+  return out;
+}
+
 namespace {
 
 // The share of (ring rank r, step s) in the causal work of the layout (tile pairs, SequenceLayout::step_work);

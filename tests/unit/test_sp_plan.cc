@@ -822,6 +822,47 @@ TEST(SpPlanProfile, SharedNodeTypedAndInRange) {
   refused([](nlohmann::json& n) { n.erase("source"); }, "p: shared_node: no \"source\"");
 }
 
+// --calibrate's shared-node slowdown: each copy's time over the run alone of the same pair, at each length; the median
+// of all those samples (not the mean: one noisy pair moves the mean), at least 1. Three pairs of 2 lengths and 2
+// copies; pair 1 ran on a slower machine (alone and busy both twice as long: its ratios are against its own run
+// alone), pair 2 has one copy 3 times slower. Samples: pair 0 1.2 1.3 1.3 1.2, pair 1 1.2 1.25 1.3 1.2, pair 2
+// 3 3 1.1 1.1; sorted, the 6th and 7th of 12 are 1.2 and 1.25: median 1.225 (the mean is 18.15 / 12 = 1.5125).
+TEST(SpPlanCalibrate, SharedNodeSlowdownIsTheMedianOfInterleavedPairs) {
+  const std::vector<std::vector<double>> alone = {{10, 20}, {20, 40}, {10, 20}};
+  const std::vector<std::vector<std::vector<double>>> busy = {
+      {{12, 26}, {13, 24}}, {{24, 50}, {26, 48}}, {{30, 60}, {11, 22}}};
+  const SharedNodeSamples s = shared_node_slowdown(alone, busy);
+  EXPECT_EQ(s.samples, 12);
+  EXPECT_NEAR(s.median, 1.225, 1e-12);
+  EXPECT_NEAR(s.slowdown, 1.225, 1e-12);
+  ASSERT_EQ(s.pair_medians.size(), 3u);
+  EXPECT_NEAR(s.pair_medians[0], 1.25, 1e-12);   // 1.2 1.2 1.3 1.3
+  EXPECT_NEAR(s.pair_medians[1], 1.225, 1e-12);  // 1.2 1.2 1.25 1.3
+  EXPECT_NEAR(s.pair_medians[2], 2.05, 1e-12);   // 1.1 1.1 3 3
+  // An odd count: the middle sample. Below 1 (noise: the other cores cannot speed a kernel up) the factor is 1, the
+  // median kept for the source.
+  const SharedNodeSamples low = shared_node_slowdown({{10, 10, 10}}, {{{9, 8, 12}}});
+  EXPECT_NEAR(low.median, 0.9, 1e-12);
+  EXPECT_EQ(low.slowdown, 1.0);
+  // A length without a time (0) alone or busy gives no sample; a pair without any sample has median 0.
+  const SharedNodeSamples gaps = shared_node_slowdown({{0, 10}, {10}}, {{{5, 15}}, {{0}}});
+  EXPECT_EQ(gaps.samples, 1);
+  EXPECT_NEAR(gaps.slowdown, 1.5, 1e-12);
+  EXPECT_EQ(gaps.pair_medians, (std::vector<double>{1.5, 0.0}));
+  const auto refused = [](const std::vector<std::vector<double>>& a,
+                          const std::vector<std::vector<std::vector<double>>>& b, const std::string& what) {
+    try {
+      shared_node_slowdown(a, b);
+      ADD_FAILURE() << "accepted: " << what;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+    }
+  };
+  refused({{10, 20}}, {{{12}}}, "pair 0 copy 0 has 1 lengths and the run alone 2");
+  refused({{10}, {10}}, {{{12}}}, "2 runs alone and 1 busy runs");
+  refused({{0}}, {{{12}}}, "no length has a time > 0 both alone and busy (1 pairs)");
+}
+
 // The shared-node slowdown multiplies a kernel's time where the plan puts more than one rank on a node, and nowhere
 // else. Flat curves (rate R) and a free link (no latency): MHA Ulysses u2xr1 on one node of 2 ranks computes half the
 // heads, forward s_f F / 2 / R and backward s_b 2.5 F / 2 / R (F = 4 H D S (S + 1) / 2, causal visible pairs); the
