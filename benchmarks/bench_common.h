@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "benchmarks/atomic_file.h"  // write_file_atomic
 #include "runtime/comm.h"
 
 namespace seqpar {
@@ -89,13 +90,5 @@ void barrier(Communicator& comm, double timeout_s = -1);
 // every rank with the same Error naming the flag and the path (one small all-reduce over `world`). Call it before the
 // first measured call. Collective.
 void check_output_paths(Communicator& world, const std::string& json_path, const std::string& dump_dir = {});
-
-// Writes `path` atomically: `write` fills a temporary file in the same directory (`path` + ".tmp.<pid>"), which is
-// flushed, closed and then renamed over `path`. Whatever fails (the callback throws, the stream goes bad, a full
-// disk, the rename), the temporary file is removed and Error names `path` and the cause; `path` is then either
-// absent or its previous content, never a partial file. `fail_after_bytes` >= 0 is a test hook: the stream fails
-// once that many bytes have been written, as on a full disk.
-void write_file_atomic(const std::string& path, const std::function<void(std::ostream&)>& write,
-                       std::int64_t fail_after_bytes = -1);
 
 }  // namespace seqpar::bench

@@ -6,14 +6,16 @@
 //     with the cuDNN version.
 //   --device cpu: the host (hardware threads), so that a dry run of the check exercises the same command.
 // Usage: device_probe [--device cpu|cuda|cuda:N] [--out FILE]   (stdout without --out). Exit 1 with the reason when
-// the device is not usable.
+// the device is not usable. --out is written atomically (FILE.tmp.<pid>, then renamed: write_file_atomic);
+// --test-fail-write-after N (a test hook) fails that write after N bytes, as a full disk would.
+#include <cstdint>
 #include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
+#include "benchmarks/atomic_file.h"
 #include "benchmarks/bench_device.h"
 #include "runtime/error.h"
 
@@ -84,17 +86,28 @@ nlohmann::json cuda_properties(int ordinal) {
 #endif
 
 int run(int argc, char** argv) {
-  std::string device = "cpu", out;
-  const char* usage = "usage: device_probe [--device cpu|cuda|cuda:N] [--out FILE]";
+  std::string device = "cpu", out, fail_after = "-1";
+  const char* usage = "usage: device_probe [--device cpu|cuda|cuda:N] [--out FILE] [--test-fail-write-after N]";
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
       std::cout << usage << "\n";
       return 0;
     }
-    SEQPAR_CHECK((a == "--device" || a == "--out") && i + 1 < argc, "unknown argument ", a, " (", usage, ")");
-    (a == "--device" ? device : out) = argv[++i];
+    SEQPAR_CHECK((a == "--device" || a == "--out" || a == "--test-fail-write-after") && i + 1 < argc,
+                 "unknown argument ", a, " (", usage, ")");
+    (a == "--device" ? device : a == "--out" ? out : fail_after) = argv[++i];
   }
+  std::int64_t fail_after_bytes = -1;
+  std::size_t used = 0;
+  try {
+    fail_after_bytes = std::stoll(fail_after, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  SEQPAR_CHECK(used > 0 && used == fail_after.size() && fail_after_bytes >= -1, "--test-fail-write-after ", fail_after,
+               " must be an integer >= 0");
+  SEQPAR_CHECK(fail_after_bytes < 0 || !out.empty(), "--test-fail-write-after needs --out FILE (the write it fails)");
   [[maybe_unused]] const seqpar::Device d = seqpar::bench::parse_bench_device(device);
   nlohmann::json j = cpu_properties();
 #if defined(SEQPAR_WITH_CUDA)
@@ -104,9 +117,8 @@ int run(int argc, char** argv) {
   if (out.empty()) {
     std::cout << text;
   } else {
-    std::ofstream f(out);
-    f << text;
-    SEQPAR_CHECK(f.good(), "device_probe: cannot write ", out);
+    seqpar::bench::write_file_atomic(
+        out, [&](std::ostream& os) { os << text; }, fail_after_bytes);
   }
   return 0;
 }

@@ -103,8 +103,9 @@ PlanToRun plan_from_json(const nlohmann::json& j, const std::vector<std::int64_t
 }
 
 // The plan's sp_bench problem flags that dyncp_bench runs: MHA with --heads, --kv-heads, --head-dim, --causal,
-// --dtype and --seed. Anything else that changes the attention (a window, score modifiers, dropout, RoPE, a grid) is
-// refused rather than silently left out of the timed step, and so is any flag of how sp_bench runs.
+// --dtype and --seed. Anything else that changes the attention (a window, score modifiers, dropout, RoPE) is refused
+// rather than silently left out of the timed step, and so is any flag of how sp_bench runs (a grid flag is refused
+// when the flags are parsed).
 void check_problem_runs(const SpBenchOptions& o) {
   std::vector<std::string> unsupported;
   if (o.window != 0) unsupported.push_back(str_cat("--window ", o.window));
@@ -113,16 +114,13 @@ void check_problem_runs(const SpBenchOptions& o) {
   if (o.sinks) unsupported.push_back("--sinks");
   if (o.dropout != 0) unsupported.push_back(str_cat("--dropout ", o.dropout));
   if (o.rope) unsupported.push_back("--rope");
-  if (o.grid.ulysses_size != 1 || o.grid.ring_size != 1 || o.grid.dp_size != 1)
-    unsupported.push_back("a grid (--ulysses-size / --ring-size / --dp-size)");
   if (o.batch != 1) unsupported.push_back(str_cat("--batch ", o.batch));
   // sp_bench's other flags (what a run checks, writes, reads, times or where it runs: --check, --json, --dump,
   // --inputs, --iters, --device, --layout, ...) have no effect here: dyncp_bench has its own --json, --warmup and
   // --threads, the plan's layout and impl, random inputs and no check.
-  static const std::set<std::string> kTaken = {"attn",         "model",     "heads",   "kv-heads", "head-dim",
-                                               "causal",       "dtype",     "seed",    "doc-lens", "window",
-                                               "softcap",      "alibi",     "sinks",   "dropout",  "dropout-seed",
-                                               "ulysses-size", "ring-size", "dp-size", "batch"};
+  static const std::set<std::string> kTaken = {"attn",  "model",   "heads",        "kv-heads", "head-dim", "causal",
+                                               "dtype", "seed",    "doc-lens",     "window",   "softcap",  "alibi",
+                                               "sinks", "dropout", "dropout-seed", "batch"};
   for (const std::string& f : o.given_flags)
     if (kTaken.count(f) == 0 && f.rfind("rope", 0) != 0) unsupported.push_back("--" + f);
   std::string text;
@@ -196,7 +194,10 @@ int dyncp_bench_run(int argc, char** argv) {
   args.insert(args.end(), {"--doc-lens", lens_text});
   std::vector<char*> av;
   for (std::string& a : args) av.push_back(a.data());
-  const std::optional<SpBenchOptions> parsed = parse_sp_bench_options(static_cast<int>(av.size()), av.data(), 1, 1);
+  const std::optional<SpBenchOptions> parsed =
+      parse_sp_bench_options(static_cast<int>(av.size()), av.data(), 1, 1,
+                             "in the plan's problem flags: a plan's problem holds no grid; dyncp_bench runs each "
+                             "micro-batch on a ring of its degree (sp_plan --dynamic-cp writes the flags without one)");
   SEQPAR_CHECK(parsed && parsed->attn == "mha", "dyncp_bench: runs MHA plans only");
   const SpBenchOptions& o = *parsed;
   check_problem_runs(o);

@@ -290,12 +290,12 @@ class DsaWorkload final : public CpLayerWorkload<DsaCpOutput, DsaCpGrads> {
   // Executed FLOPs from the pairs the forward attended (the backward revisits them at 2.5 x the cost).
   PhaseCounters forward_counters() override {
     attention_pairs_ = dsa_->counters().attention_pairs;
-    PhaseCounters p = phase_counters(dsa_->counters());
+    PhaseCounters p = phase_counters_with_rounds(dsa_->counters());
     p.executed_flops = attention_pairs_ * attention_flops_per_pair(o_) / static_cast<double>(o_.heads);
     return p;
   }
   PhaseCounters backward_counters() override {
-    PhaseCounters p = phase_counters(dsa_->counters());
+    PhaseCounters p = phase_counters_with_rounds(dsa_->counters());
     p.executed_flops = 2.5 * attention_pairs_ * attention_flops_per_pair(o_) / static_cast<double>(o_.heads);
     return p;
   }

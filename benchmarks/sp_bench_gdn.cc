@@ -599,6 +599,12 @@ SEQPAR_WORKLOAD_KIND(GdnWorkload) {
                  " or divide it (then each key head is replicated)");
     SEQPAR_CHECK(o.layout != LayoutKind::kStripe, "--layout stripe: GDN needs contiguous segments (use contiguous, ",
                  "zigzag or balanced)");
+    // The conv's window reaches W - 1 tokens back: a segment's halo is those rows from the ranks before it, however
+    // many hold them (docs/design.md, "Short conv halo"). Taps before the sequence's start read only the zero initial
+    // conv state, while the kernel's work (S W C) and the halo plan (W - 1 rows a segment) still grow with W.
+    SEQPAR_CHECK(o.decode.mode == "decode" || o.conv_width <= o.seq, "--conv-width ", o.conv_width,
+                 preset_note(o, "conv-width"), " must be <= --seq ", o.seq,
+                 ": the short conv reaches W - 1 tokens back, and taps before the sequence's start read only zeros");
     SEQPAR_CHECK(o.causal || !o.given("causal"), "--causal=false: --attn gdn is a causal recurrence (the state ",
                  "after token t depends on tokens 0..t only)");
   };

@@ -4,6 +4,8 @@
 #include <cstdlib>
 #include <cxxopts.hpp>
 #include <filesystem>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "benchmarks/bench_device.h"
@@ -454,8 +456,9 @@ void parse_parallel_and_run_flags(const cxxopts::ParseResult& r, SpBenchOptions&
   }
 }
 
-// The rules on the parsed options: every count in range, the grid against the world, then the kind's own.
-void check_rules(const WorkloadKind& kind, int world_size, SpBenchOptions& o) {
+// The rules on the parsed options: every count in range, the grid against the world (no_grid: no grid flag at all,
+// parse_sp_bench_options), then the kind's own.
+void check_rules(const WorkloadKind& kind, int world_size, const std::string& no_grid, SpBenchOptions& o) {
   SEQPAR_CHECK(!o.dump_inputs || !o.dump_dir.empty(), "--dump-inputs needs --dump DIR (the directory it writes to)");
   check_min(o.batch, 1, "batch");
   check_min(o.seq, 1, "seq");
@@ -479,6 +482,14 @@ void check_rules(const WorkloadKind& kind, int world_size, SpBenchOptions& o) {
   SEQPAR_CHECK(o.dsa_select == "ring" || o.dsa_select == "allgather", "--dsa-select ", o.dsa_select,
                ": unknown selection mode (expected ring or allgather)");
   check_kinds_own_flags(o);
+  if (!no_grid.empty()) {
+    const std::pair<const char*, int> grid_flags[] = {
+        {"ulysses-size", o.grid.ulysses_size}, {"ring-size", o.grid.ring_size}, {"dp-size", o.grid.dp_size}};
+    for (const auto& [flag, value] : grid_flags) {
+      SEQPAR_CHECK(std::find(o.given_flags.begin(), o.given_flags.end(), flag) == o.given_flags.end(), "--", flag, " ",
+                   value, " ", no_grid);
+    }
+  }
   const std::int64_t grid_ranks = static_cast<std::int64_t>(o.grid.dp_size) * o.grid.ulysses_size * o.grid.ring_size;
   SEQPAR_CHECK(grid_ranks == world_size, "--dp-size ", o.grid.dp_size, " x --ulysses-size ", o.grid.ulysses_size,
                " x --ring-size ", o.grid.ring_size, " = ", grid_ranks, " must equal the number of MPI ranks (",
@@ -492,7 +503,8 @@ void check_rules(const WorkloadKind& kind, int world_size, SpBenchOptions& o) {
 
 }  // namespace
 
-std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank) {
+std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank,
+                                                     const std::string& no_grid) {
   cxxopts::Options spec("sp_bench",
                         "sequence-parallel attention benchmark: mpirun -np N sp_bench [options]\n"
                         "  N must equal dp-size * ulysses-size * ring-size.");
@@ -517,7 +529,7 @@ std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int 
   check_min(o.seq, 1, "seq");
   parse_packing(r, o);
 
-  check_rules(kind, world_size, o);
+  check_rules(kind, world_size, no_grid, o);
   return o;
 }
 

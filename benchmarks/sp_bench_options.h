@@ -93,8 +93,12 @@ struct SpBenchOptions {
 
 // Parses argv. Returns std::nullopt after printing the help on rank 0 (--help). Throws Error (same text on every
 // rank) for unknown flags, malformed values and any rule violation, including a grid that does not match
-// `world_size`.
-std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank);
+// `world_size` (the number of MPI ranks). `no_grid` not empty: argv is a problem without a grid, for a program that
+// chooses the grid itself (sp_plan's flags after "--", the problem flags of a dyncp_bench plan; world_size 1), and
+// a grid flag given (--ulysses-size, --ring-size, --dp-size) is refused: "--ring-size 3 " + no_grid, which says
+// where the flag was and why it has no place there.
+std::optional<SpBenchOptions> parse_sp_bench_options(int argc, char** argv, int world_size, int world_rank,
+                                                     const std::string& no_grid = {});
 
 // Collective over MPI_COMM_WORLD (check_ranks_agree of bench_common.h over the options' fingerprint): every rank must
 // have parsed the same options (mpirun may start ranks with different command lines). Throws Error, the same on

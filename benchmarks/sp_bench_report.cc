@@ -44,12 +44,15 @@ double full_flop_imbalance(const SequenceLayout& layout) {
   return sum_work > 0 ? max_work / (sum_work / layout.ring_size()) : 1.0;
 }
 
+// The mask of the run: GDN and DSA are causal whatever --causal says.
+bool causal_mask(const SpBenchOptions& o) { return o.causal || o.attn != "mha"; }
+
 }  // namespace
 
 std::string describe_packing(const SpBenchOptions& o) {
   if (!o.packed() && sp_bench_padded_len(o) == o.seq) return "";  // nothing to say, and no layout built
   const SequenceLayout layout = sp_bench_layout(o);
-  const bool causal = o.causal || o.attn != "mha";  // GDN and DSA are causal whatever --causal says
+  const bool causal = causal_mask(o);
   return str_cat("# packing: ", layout.num_docs(), " document(s)",
                  o.doc_dist.empty() ? std::string() : str_cat(" (--doc-dist ", o.doc_dist, ", seed ", o.seed, ")"),
                  ", partition ", layout_name(layout.kind()), " over ", layout.ring_size(), " ring rank(s)",
@@ -57,7 +60,8 @@ std::string describe_packing(const SpBenchOptions& o) {
                  layout.padded_len(), " (", layout.padded_len() - layout.seq_len(), " padding), ",
                  causal ? "causal" : "non-causal", " FLOP imbalance ",
                  fmt("%.4f", causal ? layout.flop_imbalance() : full_flop_imbalance(layout)),
-                 " (max / mean per ring rank), per-step imbalance ", fmt("%.4f", layout.step_imbalance()),
+                 " (max / mean per ring rank), ", causal ? "causal" : "non-causal", " per-step imbalance ",
+                 fmt("%.4f", step_imbalance_for_mask(layout, causal)),
                  " (sum over ring steps of max / mean tile pairs)");
 }
 
@@ -263,9 +267,10 @@ nlohmann::json report_json(const SpBenchOptions& o, const RunReport& r) {
                     {"partition", layout_name(layout.kind())},
                     {"chunk_len", layout.chunk_len()},
                     {"padded_len", layout.padded_len()},
-                    {"flop_imbalance", layout.flop_imbalance()},
+                    {"mask", causal_mask(o) ? "causal" : "non-causal"},
+                    {"flop_imbalance", causal_mask(o) ? layout.flop_imbalance() : full_flop_imbalance(layout)},
                     {"ring_work", layout.ring_work()},
-                    {"step_imbalance", layout.step_imbalance()},
+                    {"step_imbalance", step_imbalance_for_mask(layout, causal_mask(o))},
                     {"step_work", layout.step_work()}};
   }
   j["impl"] = ring_impl_name(o.impl);

@@ -161,7 +161,8 @@ class CpLayerWorkload : public Workload {
 // A CP layer's counters as a phase's: exposed time (ring waits and Ulysses exchanges), bytes sent over every group,
 // executed FLOPs (those the layer counts; 0 otherwise). message_rounds is left unreported.
 PhaseCounters phase_counters(const CpCounters& c);
-// The same plus the message rounds (GDN state passing, MHA ring exchanges), which give the table its `rounds` column.
+// The same plus the message rounds (GDN state passing, MHA and DSA ring exchanges), which give the table its `rounds`
+// column.
 PhaseCounters phase_counters_with_rounds(const CpCounters& c);
 
 // This rank's uninitialised tensors of `shapes`, one dtype and category, in order.

@@ -369,6 +369,16 @@ int dynamic_cp_main(const cxxopts::ParseResult& r, const PlanInput& in, const De
   DynamicInput din;
   SEQPAR_CHECK(r.count("doc-lens") + r.count("doc-dist") == 1,
                "sp_plan --dynamic-cp: give the documents by exactly one of --doc-lens and --doc-dist");
+  // Flags the dynamic plan would leave unread: refused by name, not ignored.
+  for (const char* f : {"configs", "no-oversubscribe"}) {
+    SEQPAR_CHECK(
+        !r.count(f), "sp_plan --dynamic-cp: --", f, " applies to the static ranking of configurations, not ",
+        "to --dynamic-cp (its micro-batches run on rings of each of --degrees, with --mb-layout and --mb-impl)");
+  }
+  for (const char* f : {"tokens", "seed"}) {
+    SEQPAR_CHECK(!r.count(f) || r.count("doc-dist"), "sp_plan --dynamic-cp: --", f,
+                 " applies to --doc-dist only (it draws the documents); --doc-lens gives them whole");
+  }
   if (r.count("doc-lens")) {
     for (const std::string& t : split_commas(r["doc-lens"].as<std::string>()))
       din.doc_lens.push_back(bench::parse_size(t, "doc-lens"));
@@ -390,6 +400,7 @@ int dynamic_cp_main(const cxxopts::ParseResult& r, const PlanInput& in, const De
   }
   din.layout = r["mb-layout"].as<std::string>();
   din.impl = r["mb-impl"].as<std::string>();
+  din.impl_given = r.count("mb-impl") > 0;
   // Named here: an unknown name used to surface as "cannot run at any degree" (each prediction refused it).
   try {
     parse_layout(din.layout);

@@ -151,6 +151,12 @@ DeviceProfile load_profile(const std::string& path);
 DeviceProfile profile_from_json(const nlohmann::json& j, const std::string& what);
 nlohmann::json profile_json(const DeviceProfile& p);
 
+// parse_sp_bench_options' refusal of a grid flag among sp_plan's problem flags (after "--"): the problem holds no
+// grid, sp_plan chooses them.
+inline constexpr const char* kPlanProblemHasNoGrid =
+    "after sp_plan's \"--\": the problem's flags hold no grid; sp_plan chooses the grids over --world itself "
+    "(--configs plans only the named configurations; with --dynamic-cp, --degrees gives the rings' sizes)";
+
 // What to plan.
 struct PlanInput {
   std::vector<std::string> problem_flags;  // sp_bench flags of the problem: --model / --attn, shapes, --seq, ...

@@ -60,8 +60,8 @@ std::vector<std::int64_t> lens_of(const DynamicMicroBatch& mb, const std::vector
 // Predicted times (cached by degree and lengths), schedule, totals.
 class Planner {
  public:
-  Planner(int world, const std::vector<std::int64_t>& lens, const MicroBatchTime& time)
-      : world_(world), lens_(lens), time_(time) {}
+  Planner(int world, const std::vector<std::int64_t>& lens, const MicroBatchTime& time, const MicroBatchRefusal& why)
+      : world_(world), lens_(lens), time_(time), why_(why) {}
 
   double time_of(int degree, const DynamicMicroBatch& mb) {
     std::vector<std::int64_t> key = lens_of(mb, lens_);
@@ -75,15 +75,22 @@ class Planner {
     return t;
   }
 
-  // Predicts and schedules `mbs` into a plan; excluded when a micro-batch cannot run at its degree.
-  DynamicPlan finish(std::string name, std::vector<DynamicMicroBatch> mbs) {
+  // Why micro-batch `mb` cannot run at `degree` (its time is infinite).
+  std::string why_not(int degree, const DynamicMicroBatch& mb) const {
+    return why_ ? why_(degree, lens_of(mb, lens_)) : "its predicted time is not finite";
+  }
+
+  // Predicts and schedules `mbs` into a plan; excluded when a micro-batch cannot run at its degree (with the reason
+  // when `explain`: the search's trial plans go without, as the reason costs a prediction).
+  DynamicPlan finish(std::string name, std::vector<DynamicMicroBatch> mbs, bool explain = false) {
     DynamicPlan p;
     p.name = std::move(name);
     for (DynamicMicroBatch& mb : mbs) {
       mb.predicted_s = time_of(mb.degree, mb);
       if (!std::isfinite(mb.predicted_s)) {
-        p.excluded = str_cat("a micro-batch of ", mb.tokens, " tokens (", mb.docs.size(),
-                             " document(s)) cannot run at degree ", mb.degree);
+        p.excluded =
+            str_cat("a micro-batch of ", mb.tokens, " tokens (", mb.docs.size(), " document(s)) cannot run at degree ",
+                    mb.degree, explain ? str_cat(": ", why_not(mb.degree, mb)) : std::string());
         return p;
       }
     }
@@ -101,6 +108,7 @@ class Planner {
   int world_;
   const std::vector<std::int64_t>& lens_;
   const MicroBatchTime& time_;
+  const MicroBatchRefusal& why_;
   std::map<std::vector<std::int64_t>, double> cache_;
 };
 
@@ -113,6 +121,9 @@ std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, s
                    " documents (", docs, " so far), the dynamic planner's limit: fewer --tokens or longer documents");
   };
   if (name.rfind("loguniform:", 0) != 0) {
+    // longtail's documents are of 64 tokens or more (parallel/layout.h): fewer tokens would draw one shorter one.
+    SEQPAR_CHECK(name != "longtail" || total >= 64, "sp_plan: --doc-dist longtail draws documents of 64 to 16384 ",
+                 "tokens: --tokens ", total, " must be >= 64");
     // The named mixes draw documents of 1 token or more: bound the tokens before drawing, then count.
     SEQPAR_CHECK(total <= kMaxDynamicDocs * 16384, too_many(0));
     std::vector<std::int64_t> lens = synthetic_doc_lens(name, total, seed);
@@ -125,6 +136,10 @@ std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, s
   const std::int64_t lo = bench::parse_size(rest.substr(0, colon), "doc-dist LO");
   const std::int64_t hi = bench::parse_size(rest.substr(colon + 1), "doc-dist HI");
   SEQPAR_CHECK(lo >= 1 && hi >= lo, "sp_plan: --doc-dist ", name, ": LO ", lo, " must be >= 1 and HI ", hi, " >= LO");
+  // Lengths at least LO, but for the last one (cut to what remains): LO above the total would draw one document of
+  // the total, shorter than LO.
+  SEQPAR_CHECK(lo <= total, "sp_plan: --doc-dist ", name, ": LO ", lo, " must be <= --tokens ", total,
+               " (every document but the last is at least LO tokens)");
   std::uint64_t state = seed;
   auto next = [&state] {  // splitmix64 (Steele, Lea, Flood 2014), as synthetic_doc_lens
     std::uint64_t z = (state += 0x9E3779B97F4A7C15ULL);
@@ -187,7 +202,8 @@ double schedule_micro_batches(int world, std::vector<DynamicMicroBatch>& mbs) {
   return makespan;
 }
 
-DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchTime& time) {
+DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchTime& time,
+                           const MicroBatchRefusal& why) {
   const std::vector<std::int64_t>& lens = din.doc_lens;
   SEQPAR_CHECK(world >= 1, "sp_plan: --world ", world, " must be >= 1");
   SEQPAR_CHECK(!lens.empty(), "sp_plan --dynamic-cp: no documents (--doc-lens or --doc-dist)");
@@ -218,7 +234,7 @@ DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchT
   SEQPAR_CHECK(longest <= r.degrees.back() * C, "sp_plan --dynamic-cp: a document of ", longest,
                " tokens does not fit in the largest degree ", r.degrees.back(), " x tokens_per_rank ", C, " = ",
                r.degrees.back() * C, " tokens");
-  Planner planner(world, lens, time);
+  Planner planner(world, lens, time, why);
 
   // Every static degree.
   std::vector<int> all(lens.size());
@@ -231,7 +247,7 @@ DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchT
       r.statics.push_back(std::move(p));
       continue;
     }
-    r.statics.push_back(planner.finish(str_cat("static ", d), pack(all, lens, d, d * C, world / d)));
+    r.statics.push_back(planner.finish(str_cat("static ", d), pack(all, lens, d, d * C, world / d), true));
   }
   for (const DynamicPlan& p : r.statics) {
     if (p.excluded.empty() && (r.best_static_degree == 0 || p.step_s < r.best_static_s)) {
@@ -243,18 +259,24 @@ DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchT
   // Each document at the smallest degree it fits (alone in a micro-batch), packed per degree.
   std::vector<int> degree_of(lens.size(), 0);
   for (int i = 0; i < static_cast<int>(lens.size()); ++i) {
+    DynamicMicroBatch alone;
+    alone.docs = {i};
+    alone.tokens = lens[i];
     for (int d : r.degrees) {
-      if (lens[i] > d * C) continue;
-      DynamicMicroBatch alone;
-      alone.docs = {i};
-      alone.tokens = lens[i];
-      if (std::isfinite(planner.time_of(d, alone))) {
+      if (lens[i] <= d * C && std::isfinite(planner.time_of(d, alone))) {
         degree_of[i] = d;
         break;
       }
     }
-    SEQPAR_CHECK(degree_of[i] > 0, "sp_plan --dynamic-cp: document ", i, " (", lens[i],
-                 " tokens) cannot run at any degree (", r.degrees.size(), " tried)");
+    if (degree_of[i] > 0) continue;
+    std::string reasons;  // each degree's, in order
+    for (int d : r.degrees) {
+      reasons +=
+          str_cat("; degree ", d, ": ",
+                  lens[i] > d * C ? str_cat(lens[i], " tokens exceed ", d, " x tokens_per_rank ", C, " = ", d * C)
+                                  : planner.why_not(d, alone));
+    }
+    SEQPAR_THROW("sp_plan --dynamic-cp: document ", i, " (", lens[i], " tokens) cannot run at any degree", reasons);
   }
   const auto plan_of = [&](const std::vector<int>& deg) {
     std::map<int, std::vector<int>> docs_at;
@@ -368,7 +390,8 @@ std::string attn_kind(const PlanInput& in) {
   args.insert(args.end(), in.problem_flags.begin(), in.problem_flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
-  const std::optional<SpBenchOptions> o = parse_sp_bench_options(static_cast<int>(argv.size()), argv.data(), 1, 1);
+  const std::optional<SpBenchOptions> o =
+      parse_sp_bench_options(static_cast<int>(argv.size()), argv.data(), 1, 1, kPlanProblemHasNoGrid);
   SEQPAR_CHECK(o.has_value(), "sp_plan: --help is not a problem flag");
   return o->attn;
 }
@@ -404,12 +427,15 @@ std::vector<std::string> micro_batch_flags(const PlanInput& in, const DynamicInp
 
 DynamicResult plan_dynamic(const PlanInput& in, const DeviceProfile& profile, const DynamicInput& din) {
   const std::string attn = attn_kind(in);
+  SEQPAR_CHECK(!din.impl_given || attn == "mha", "sp_plan --dynamic-cp: --mb-impl ", din.impl,
+               " is the ring impl of --attn mha; the problem is --attn ", attn, " (drop --mb-impl)");
   for (const std::string& f : in.problem_flags) {
     SEQPAR_CHECK(f != "--seq" && f != "--doc-lens" && f != "--doc-dist" && f != "--batch", "sp_plan --dynamic-cp: ", f,
                  " is not a problem flag here: the micro-batches are packed rows of the "
                  "documents of sp_plan's --doc-lens / --doc-dist, given before \"--\"");
   }
-  const MicroBatchTime time = [&](int degree, const std::vector<std::int64_t>& lens) {
+  // The predicted time, or infinity with the reason in *why (may be null): sp_bench's error or the memory verdict.
+  const auto evaluate = [&](int degree, const std::vector<std::int64_t>& lens, std::string* why) {
     PlanInput sub = in;
     sub.problem_flags.insert(sub.problem_flags.end(), {"--doc-lens", join_lens(lens)});
     sub.world_size = degree;
@@ -422,14 +448,27 @@ DynamicResult plan_dynamic(const PlanInput& in, const DeviceProfile& profile, co
         PlanInput mem = sub;
         mem.nodes = 1;
         mem.devices_per_node = degree;
-        if (!memory_verdict(o, mem, nullptr).empty()) return kInf;
+        std::string verdict = memory_verdict(o, mem, nullptr);
+        if (!verdict.empty()) {
+          if (why != nullptr) *why = std::move(verdict);
+          return kInf;
+        }
       }
       return predict(o, sub, profile).step_s;
-    } catch (const Error&) {
+    } catch (const Error& e) {
+      if (why != nullptr) *why = e.message();
       return kInf;
     }
   };
-  return plan_dynamic(in.world_size, din, time);
+  const MicroBatchTime time = [&](int degree, const std::vector<std::int64_t>& lens) {
+    return evaluate(degree, lens, nullptr);
+  };
+  const MicroBatchRefusal why = [&](int degree, const std::vector<std::int64_t>& lens) {
+    std::string reason = "its predicted time is not finite";
+    evaluate(degree, lens, &reason);
+    return reason;
+  };
+  return plan_dynamic(in.world_size, din, time, why);
 }
 
 // ---- output -------------------------------------------------------------------------------------------------------

@@ -56,6 +56,7 @@ struct DynamicInput {
   std::vector<int> degrees;          // candidate degrees (divisors of W); empty: every divisor
   std::string layout = "zigzag";     // sp_bench --layout of every micro-batch of degree > 1
   std::string impl = "p2p";          // sp_bench --impl (MHA)
+  bool impl_given = false;           // impl was chosen (sp_plan's --mb-impl): refused for a kind other than MHA
 };
 
 struct DynamicResult {
@@ -69,8 +70,12 @@ struct DynamicResult {
   double gain = 0;  // best_static_s / dynamic.step_s - 1 (>= 0); 0 when no static degree is valid
 };
 
-// The predicted time of one micro-batch: the documents' lengths on a group of `degree` ranks.
+// The predicted time of one micro-batch: the documents' lengths on a group of `degree` ranks (infinite: it cannot
+// run there).
 using MicroBatchTime = std::function<double(int degree, const std::vector<std::int64_t>& lens)>;
+// Why a micro-batch cannot run at a degree (its time is infinite), in words, for the error messages and the
+// excluded static plans.
+using MicroBatchRefusal = std::function<std::string(int degree, const std::vector<std::int64_t>& lens)>;
 
 // The planner's bounds: at most kMaxDynamicDocs documents (it predicts micro-batches of them many times over: about
 // 5-10 ms per document on this machine, so the limit is minutes, not hours) and kMaxDynamicTokens tokens in all (a
@@ -80,8 +85,8 @@ inline constexpr std::int64_t kMaxDynamicTokens = std::int64_t{1} << 48;
 
 // Named document mixes: "longtail" and "short" (parallel/layout.h synthetic_doc_lens), and "loguniform:LO:HI"
 // (lengths log-uniform in [LO, HI], K/M suffixes; the last document cut to what remains), `total` tokens.
-// Errors: an unknown name, LO < 1, HI < LO, total < 1, more than kMaxDynamicDocs documents (refused as soon as the
-// mix passes the limit, without drawing the rest).
+// Errors: an unknown name, LO < 1, HI < LO, total < 1, total below the mix's shortest document (LO; longtail's 64),
+// more than kMaxDynamicDocs documents (refused as soon as the mix passes the limit, without drawing the rest).
 std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, std::uint64_t seed);
 
 // The list schedule of micro-batches whose degree and predicted_s are set, on `world` ranks: fills group and
@@ -89,13 +94,17 @@ std::vector<std::int64_t> doc_mix(const std::string& name, std::int64_t total, s
 double schedule_micro_batches(int world, std::vector<DynamicMicroBatch>& mbs);
 
 // The plan with a given time function (tests use closed forms). Errors: no document lengths, a length < 1, a
-// degree that does not divide the world, a document longer than max(degrees) x tokens_per_rank.
-DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchTime& time);
+// degree that does not divide the world, a document longer than max(degrees) x tokens_per_rank, a document that
+// runs at no degree (the message gives each degree's reason: its length over d x tokens_per_rank, or `why`'s words;
+// without `why`, "its predicted time is not finite").
+DynamicResult plan_dynamic(int world, const DynamicInput& din, const MicroBatchTime& time,
+                           const MicroBatchRefusal& why = {});
 
 // The plan with sp_plan's prediction: each micro-batch is the problem of `in` (its sp_bench flags, mode, threads,
 // devices per node) as a packed row (--doc-lens) on --ring-size d with din.layout and din.impl; a micro-batch that
 // sp_bench refuses, or that does not fit in in.memory_per_device (sp_bench's estimate), is not planned at that
-// degree.
+// degree (sp_bench's error or the memory verdict is the reason given). Errors: those above; din.impl_given with a
+// problem other than --attn mha (the ring impl is MHA's).
 DynamicResult plan_dynamic(const PlanInput& in, const DeviceProfile& profile, const DynamicInput& din);
 
 // The sp_bench problem flags of one micro-batch (in.problem_flags, --doc-lens, the grid flags).

@@ -1307,7 +1307,8 @@ SpBenchOptions problem_options(const std::vector<std::string>& flags) {
   args.insert(args.end(), flags.begin(), flags.end());
   std::vector<char*> argv;
   for (std::string& a : args) argv.push_back(a.data());
-  const std::optional<SpBenchOptions> o = parse_sp_bench_options(static_cast<int>(argv.size()), argv.data(), 1, 1);
+  const std::optional<SpBenchOptions> o =
+      parse_sp_bench_options(static_cast<int>(argv.size()), argv.data(), 1, 1, kPlanProblemHasNoGrid);
   SEQPAR_CHECK(o.has_value(), "sp_plan: --help is not a problem flag");
   return *o;
 }

@@ -177,7 +177,8 @@ struct CpCounters {
   std::int64_t bytes_received = 0;      //   "
   std::int64_t a2a_bytes_sent = 0;      // Ulysses group (all-to-all and all-gather of the heads exchange)
   std::int64_t a2a_bytes_received = 0;  //   "
-  std::int64_t message_rounds = 0;      // GDN: sequential rounds of state messages (chain: N-1 each way; scan: log)
+  std::int64_t message_rounds = 0;      // sequential rounds of messages: GDN's states (chain: N-1 each way; scan:
+                                        // log), MHA's and DSA's rings (P - 1 forward, P backward per ring)
   double exposed_comm_s = 0;            // seconds blocked waiting for ring / SP messages (not hidden by compute)
   double compute_s = 0;                 // seconds in kernels and merges
   double a2a_s = 0;                     // seconds in Ulysses exchanges (never overlapped)

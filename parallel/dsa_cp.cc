@@ -199,9 +199,11 @@ void DsaCp::select_topk(Saved& saved, const TensorView& q_idx, const TensorView&
           merge_keys(block, positions_of_rows(cp_positions_[src], rows));
         },
         &counters_.exposed_comm_s, stream);
+    counters_.message_rounds += static_cast<std::int64_t>(select_plan_->rounds().size());
   } else if (config_.select == DsaSelectMode::kRing) {
     ring_circulate(sp, s->k_idx.view(), kTagIndexKeys, merge_block, &counters_.exposed_comm_s, stream);
-  } else {
+    counters_.message_rounds += sp.size() - 1;
+  } else {  // one all-gather: no ring rounds (as MHA's allgather impl)
     const int n = sp.size();
     Tensor all = alloc.empty({n, B, sl, di}, k_idx.dtype(), MemCategory::kCommBuffer);
     WorkHandle gather = sp.all_gather(s->k_idx.view(), all.view());
@@ -247,6 +249,7 @@ void DsaCp::attend_latent(Saved& saved, const DeviceAlloc& alloc) {
         attn::lse_merge(acc.view(), acc_lse.view(), block_out.view(), block_lse.view(), stream);
       },
       &counters_.exposed_comm_s, stream);
+  counters_.message_rounds += groups_.ring.size() - 1;
   s->lse_h = alloc.copy_of(acc_lse.view(), acc_dtype, MemCategory::kSavedActivation);
   // Pairs attended: the selected positions of this rank's ring-shard queries (all blocks together).
   counters_.attention_pairs +=
@@ -307,6 +310,7 @@ DsaCpGrads DsaCp::backward(CpContext&& ctx, const TensorView& dout, float loss_g
         attn::dsa_attention_backward(a, dq_acc.view(), grad, true, stream);
       },
       &counters_.exposed_comm_s, stream);
+  counters_.message_rounds += groups_.ring.size() > 1 ? groups_.ring.size() : 0;  // the gradients' last hop home
 
   DsaCpGrads g;
   Tensor dq_h = alloc.empty(s->q_h.shape(), dtype, MemCategory::kWorkspace);
@@ -366,6 +370,7 @@ void DsaCp::indexer_backward(const Saved& saved, const TensorView& probs, float 
                                    s->topk_local.view(), dscores.view(), dq_idx.view(), dw.view(), grad, true, stream);
       },
       &counters_.exposed_comm_s, stream);
+  counters_.message_rounds += sp.size() > 1 ? sp.size() : 0;
   g.dq_idx = alloc.copy_of(dq_idx.view(), dtype, MemCategory::kWorkspace);
   g.dw = alloc.copy_of(dw.view(), dtype, MemCategory::kWorkspace);
   g.dk_idx = alloc.copy_of(dk_idx.view(), dtype, MemCategory::kWorkspace);

@@ -5,7 +5,8 @@
 //
 // topk_indices hold SLOT positions (layout().tokens_of_slots maps them to tokens), -1 padded. Every scratch array
 // and travelling accumulator has the kernels' accumulator dtype (fp64 for fp64 inputs, else fp32).
-// Counters (CpCounters): attention_pairs, ring / SP bytes, Ulysses bytes (a2a_*), exposed wait and kernel time.
+// Counters (CpCounters): attention_pairs, ring / SP bytes, Ulysses bytes (a2a_*), exposed wait and kernel time, and
+// message_rounds: the rounds of both rings (docs/design.md, "DSA under context parallelism").
 #pragma once
 
 #include <cstdint>

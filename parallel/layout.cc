@@ -220,9 +220,10 @@ namespace {
 
 // Kernel tile pairs per (ring rank r, ring step s), row-major [r P + s]: ring shard r's local rows against ring shard
 // (r - s) mod P's, both cut into 64-row tiles, a pair counted when some query row sees some key row (same document,
-// key slot <= query slot). The rows a query sees in a sorted key shard are one index range; over a tile's rows both
-// ends increase, so the key tiles they touch are counted by one sweep. O(P padded_len).
-std::vector<std::int64_t> ring_step_tiles(const SequenceLayout& layout, const std::vector<Positions>& shards) {
+// and when `causal` key slot <= query slot). The rows a query sees in a sorted key shard are one index range; over a
+// tile's rows both ends increase, so the key tiles they touch are counted by one sweep. O(P padded_len).
+std::vector<std::int64_t> ring_step_tiles(const SequenceLayout& layout, const std::vector<Positions>& shards,
+                                          bool causal = true) {
   const int P = static_cast<int>(shards.size());
   std::vector<DocBounds> bounds;
   for (const Positions& s : shards) bounds.push_back(layout.doc_bounds_of_slots(s));
@@ -237,7 +238,7 @@ std::vector<std::int64_t> ring_step_tiles(const SequenceLayout& layout, const st
       std::int64_t last = -1;  // the highest key tile counted for the current query tile
       for (std::size_t i = 0; i < q.size(); ++i) {
         if (i % kTileAlign == 0) last = -1;
-        const std::int64_t lo = bounds[r].lo[i], hi = std::min(bounds[r].hi[i], q[i] + 1);
+        const std::int64_t lo = bounds[r].lo[i], hi = causal ? std::min(bounds[r].hi[i], q[i] + 1) : bounds[r].hi[i];
         if (lo >= hi) continue;  // padding row
         while (lb < k.size() && k[lb] < lo) ++lb;
         while (ub < k.size() && k[ub] < hi) ++ub;
@@ -249,6 +250,14 @@ std::vector<std::int64_t> ring_step_tiles(const SequenceLayout& layout, const st
     }
   }
   return tiles;
+}
+
+// sum_s max_r tiles / sum_s mean_r tiles of a ring_step_tiles table (1 when it holds no work).
+double step_imbalance_of(const std::vector<std::int64_t>& tiles, int P) {
+  const std::int64_t total = std::accumulate(tiles.begin(), tiles.end(), std::int64_t{0});
+  return total > 0 ? static_cast<double>(sum_of_step_max(tiles, P, false)) * static_cast<double>(P) /
+                         static_cast<double>(total)
+                   : 1.0;
 }
 
 // The balanced kind's ring shards: each rank's chunks in row order.
@@ -365,10 +374,7 @@ SequenceLayout::SequenceLayout(LayoutKind kind, std::vector<std::int64_t> cu, bo
   }
   d.imbalance = total > 0 ? static_cast<double>(most) * static_cast<double>(P) / static_cast<double>(total) : 1.0;
   d.step_work = ring_step_tiles(*this, d.shards);
-  const std::int64_t tiles = std::accumulate(d.step_work.begin(), d.step_work.end(), std::int64_t{0});
-  d.step_imbalance = tiles > 0 ? static_cast<double>(sum_of_step_max(d.step_work, ring_size, false)) *
-                                     static_cast<double>(P) / static_cast<double>(tiles)
-                               : 1.0;
+  d.step_imbalance = step_imbalance_of(d.step_work, ring_size);
   std::uint64_t h = 1469598103934665603ULL;
   for (const std::int64_t v : d.cu) {
     for (int byte = 0; byte < 8; ++byte) {
@@ -468,6 +474,13 @@ std::vector<std::int64_t> synthetic_doc_lens(std::string_view dist, std::int64_t
     sum += len;
   }
   return lens;
+}
+
+double step_imbalance_for_mask(const SequenceLayout& layout, bool causal) {
+  if (causal) return layout.step_imbalance();
+  std::vector<Positions> shards;
+  for (int r = 0; r < layout.ring_size(); ++r) shards.push_back(layout.ring_shard_positions(r));
+  return step_imbalance_of(ring_step_tiles(layout, shards, false), layout.ring_size());
 }
 
 std::vector<std::int64_t> cu_seqlens_of(std::span<const std::int64_t> doc_lens) {

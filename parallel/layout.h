@@ -155,6 +155,12 @@ std::int64_t balanced_chunk_len(std::int64_t seq_len, int ring_size);
 // Sync: host-only.
 std::vector<int> balanced_chunk_owners(std::span<const std::int64_t> cu_seqlens, int ring_size, bool refine = true);
 
+// SequenceLayout::step_imbalance() for a mask: causal (that value: a query row sees the keys of its document up to its
+// own slot) or not (it sees its whole document), sum_s max_r / sum_s mean_r of the 64-row tile pairs of ring rank r's
+// queries against the shard it holds at ring step s (1 when no work).
+// Cost: O(P padded_len) when not causal. Sync: host-only.
+double step_imbalance_for_mask(const SequenceLayout& layout, bool causal);
+
 // cu_seqlens of document lengths.
 // Args: doc_lens, each >= 0.
 // Returns: [N+1]: 0, then the running sums.

@@ -3,7 +3,7 @@
 // those indices; ring and all-gather selection, ring sizes 1..8, USP grids, contiguous and zigzag, B = 2.
 // At large logits (1e2 .. 1e4, attention and indexer): fp64 inputs select exactly the fp64 reference's keys and
 // every output is within 1e-10 of the fp64 reference; fp32 inputs are, distributed, within 2x of the one-rank
-// error against the fp64 reference.
+// error against the fp64 reference. message_rounds against its closed form.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -527,6 +527,38 @@ TEST(DsaCp, WindowLimitsCandidates) {
     return dsa.counters().bytes_sent;
   };
   EXPECT_LT(selection_bytes(window), selection_bytes(0));
+}
+
+// message_rounds (CpCounters) against its closed form (docs/design.md, "DSA under context parallelism"), P_cp ranks
+// in the CP group and P_r in the ring group: forward, the selection's P_cp - 1 in ring mode (none in all-gather mode)
+// and the latent ring's P_r - 1; backward, P_r and P_cp (none for a ring of one).
+TEST(DsaCp, MessageRoundsOfBothRings) {
+  const int n = world().size();
+  const std::int64_t seq = 96;
+  const DsaProblem p(seq);
+  for (int pu : {1, 2}) {
+    if (n % pu != 0) continue;
+    const int pr = n / pu;
+    for (DsaSelectMode select : {DsaSelectMode::kRing, DsaSelectMode::kAllGather}) {
+      DsaCpConfig cfg;
+      cfg.select = select;
+      cfg.topk = 12;
+      cfg.dim_v = kDv;
+      CpGrid grid(world(), {1, pu, pr, Placement::kUlyssesInner});
+      const CpGroups groups = CpGroups::from(grid);
+      DsaCp dsa(groups, SequenceLayout::for_groups(groups, seq, LayoutKind::kZigzag), cfg);
+      const auto& pos = dsa.positions();
+      Tensor q = piece(p.q, pos), cc = piece(p.c, pos), qi = piece(p.q_idx, pos), ki = piece(p.k_idx, pos),
+             w = piece(p.w, pos), dout = piece(p.dout, pos);
+      const std::string name = str_cat(dsa_select_mode_name(select), " on ", grid.str());
+      DsaCpOutput o = dsa.forward(q.view(), cc.view(), qi.view(), ki.view(), w.view());
+      const std::int64_t forward = (select == DsaSelectMode::kRing ? n - 1 : 0) + (pr - 1);
+      EXPECT_EQ(dsa.counters().message_rounds, forward) << name << ": forward";
+      dsa.backward(std::move(o.ctx), dout.view());
+      EXPECT_EQ(dsa.counters().message_rounds, forward + (pr > 1 ? pr : 0) + (n > 1 ? n : 0))
+          << name << ": forward and backward";
+    }
+  }
 }
 
 }  // namespace

@@ -365,5 +365,27 @@ TEST(LayoutBalanced, StepWorkMatchesPairByPairAndBeatsTheGreedy) {
   }
 }
 
+// step_imbalance_for_mask against closed forms on one unpacked row of S = 64 m P tokens (m tiles a ring shard):
+// without the causal mask every (rank, step) entry is m^2 tile pairs whatever the kind, so the figure is 1; with it,
+// contiguous shards give each rank m (m + 1) / 2 at step 0 and at step s >= 1 m^2 on ranks r >= s (the earlier
+// shards' keys), 0 on the others: P (m (m + 1) / 2 + (P - 1) m^2) / (P m (m + 1) / 2 + m^2 P (P - 1) / 2). The causal
+// form is the layout's own step_imbalance().
+TEST(LayoutStepImbalance, ForTheMaskAgainstClosedForms) {
+  for (int P : {1, 2, 3, 4}) {
+    for (std::int64_t m : {1, 2, 3}) {
+      for (LayoutKind kind : {LayoutKind::kContiguous, LayoutKind::kZigzag, LayoutKind::kStripe}) {
+        const SequenceLayout l(kind, 64 * m * P, P);
+        SCOPED_TRACE(str_cat(describe(l), " m=", m));
+        EXPECT_NEAR(step_imbalance_for_mask(l, false), 1.0, 1e-12);
+        EXPECT_EQ(step_imbalance_for_mask(l, true), l.step_imbalance());
+      }
+      const double Pd = P, md = static_cast<double>(m), tri = md * (md + 1) / 2;
+      const double want = Pd * (tri + (Pd - 1) * md * md) / (Pd * tri + md * md * Pd * (Pd - 1) / 2);
+      EXPECT_NEAR(step_imbalance_for_mask(SequenceLayout(LayoutKind::kContiguous, 64 * m * P, P), true), want, 1e-12)
+          << "P=" << P << " m=" << m;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace seqpar

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -33,6 +34,17 @@ PlanInput mha_input(int world) {
   in.world_size = world;
   in.devices_per_node = world;
   return in;
+}
+
+// `call` throws Error whose message holds `what`.
+template <typename Call>
+void refused(const Call& call, const std::string& what) {
+  try {
+    call();
+    ADD_FAILURE() << "accepted: " << what;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+  }
 }
 
 DynamicMicroBatch mb(int degree, double t) {
@@ -211,20 +223,43 @@ TEST(SpPlanDynamic, DocMix) {
   EXPECT_EQ(a, doc_mix("loguniform:256:32K", 1 << 18, 7));
   EXPECT_THROW(doc_mix("loguniform:300:200", 1000, 1), Error);
   EXPECT_THROW(doc_mix("nosuchmix", 1000, 1), Error);
+  // A total below the mix's shortest document would draw one shorter document: refused, naming LO and --tokens.
+  refused([] { doc_mix("loguniform:300:400", 200, 1); }, "LO 300 must be <= --tokens 200");
+  EXPECT_EQ(doc_mix("loguniform:300:400", 300, 1), std::vector<std::int64_t>{300});
+  refused([] { doc_mix("longtail", 63, 1); }, "--doc-dist longtail draws documents of 64 to 16384 tokens: --tokens 63");
+  EXPECT_EQ(doc_mix("longtail", 64, 1), std::vector<std::int64_t>{64});
+  EXPECT_EQ(doc_mix("short", 1, 1), std::vector<std::int64_t>{1});
+}
+
+// A document that runs at no degree: the error gives each degree's reason in degree order, its length over
+// d x tokens_per_rank or the refusal's words where the time is infinite ("its predicted time is not finite" without
+// them); a static degree that cannot run names the reason too.
+TEST(SpPlanDynamic, NoDegreeNamesEachDegreesReason) {
+  DynamicInput din;
+  din.doc_lens = {15, 4};
+  din.tokens_per_rank = 10;
+  const MicroBatchTime time = [](int d, const std::vector<std::int64_t>& lens) {
+    return d == 2 ? std::numeric_limits<double>::infinity() : static_cast<double>(lens.size());
+  };
+  const MicroBatchRefusal why = [](int d, const std::vector<std::int64_t>& lens) {
+    return str_cat("refused at degree ", d, " with ", lens.size(), " document(s)");
+  };
+  refused([&] { plan_dynamic(2, din, time, why); },
+          "document 0 (15 tokens) cannot run at any degree; degree 1: 15 tokens exceed 1 x tokens_per_rank 10 = 10; "
+          "degree 2: refused at degree 2 with 1 document(s)");
+  refused([&] { plan_dynamic(2, din, time); }, "degree 2: its predicted time is not finite");
+  din.doc_lens = {4, 4};
+  const DynamicResult r = plan_dynamic(2, din, time, why);
+  ASSERT_EQ(r.statics.size(), 2u);
+  EXPECT_EQ(r.statics[1].excluded,
+            "a micro-batch of 8 tokens (2 document(s)) cannot run at degree 2: refused at degree 2 with 2 document(s)");
+  EXPECT_EQ(r.best_static_degree, 1);
 }
 
 // The planner's bounds, refused at once with the limit named: a mix that draws more than kMaxDynamicDocs documents
 // (1M documents of one token used to run for hours; 2^50 tokens never ended), more documents than that given
 // directly, and lengths whose sum passes 2^48 (ten of 2^60 wrapped the total to a negative tokens_per_rank).
 TEST(SpPlanDynamic, Bounds) {
-  const auto refused = [](const auto& call, const std::string& what) {
-    try {
-      call();
-      ADD_FAILURE() << "accepted: " << what;
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
-    }
-  };
   refused([] { doc_mix("loguniform:1:1", 1 << 20, 1); }, "makes more than 65536 documents (65537 so far)");
   refused([] { doc_mix("short", std::int64_t{1} << 40, 1); }, "makes more than 65536 documents (0 so far)");
   refused([] { doc_mix("short", std::int64_t{1} << 50, 1); }, "--tokens 1125899906842624 must be in [1, 2^48]");
