@@ -49,23 +49,25 @@ DynamicCpSchedule::DynamicCpSchedule(Communicator& world, const CpGridSet& grids
     const int groups = world.size() / mb.degree;
     SEQPAR_CHECK(0 <= mb.group && mb.group < groups, "DynamicCpSchedule: micro-batch ", m, " has group ", mb.group,
                  " of degree ", mb.degree, "; there are ", groups, " groups of that degree (0 .. ", groups - 1, ")");
-    std::int64_t tokens = 0;
     for (std::int64_t d : mb.doc_ids) {
       SEQPAR_CHECK(0 <= d && d < static_cast<std::int64_t>(doc_lens_.size()), "DynamicCpSchedule: micro-batch ", m,
                    " names document ", d, " of ", doc_lens_.size());
       SEQPAR_CHECK(seen[d] < 0, "DynamicCpSchedule: document ", d, " is in micro-batch ", seen[d], " and in ", m,
                    "; every document must be in exactly one");
       seen[d] = static_cast<int>(m);
-      tokens += doc_lens_[d];
     }
-    // A packed row of no tokens has no layout: its group would fail at layout(), the other ranks going on.
-    SEQPAR_CHECK(tokens > 0, "DynamicCpSchedule: micro-batch ", m, " (degree ", mb.degree, ", group ", mb.group,
-                 ") holds no tokens (documents [", join(mb.doc_ids),
-                 "]); every micro-batch must hold at least one token (leave it out of the plan)");
   }
   for (std::size_t d = 0; d < seen.size(); ++d) {
     SEQPAR_CHECK(seen[d] >= 0, "DynamicCpSchedule: document ", d, " (", doc_lens_[d],
                  " tokens) is in no micro-batch; every document must be in exactly one");
+  }
+  // A packed row of no tokens has no layout: its group would fail at layout(), the other ranks going on.
+  for (std::size_t m = 0; m < plan_.size(); ++m) {
+    std::int64_t tokens = 0;
+    for (std::int64_t d : plan_[m].doc_ids) tokens += doc_lens_[d];
+    SEQPAR_CHECK(tokens > 0, "DynamicCpSchedule: micro-batch ", m, " (degree ", plan_[m].degree, ", group ",
+                 plan_[m].group, ") holds no tokens (documents [", join(plan_[m].doc_ids),
+                 "]); every micro-batch must hold at least one token (leave it out of the plan)");
   }
   for (std::size_t m = 0; m < plan_.size(); ++m) {
     if (grids.group_of(plan_[m].degree) == plan_[m].group) local_.push_back(static_cast<int>(m));

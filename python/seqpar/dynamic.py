@@ -205,11 +205,12 @@ def check_dynamic_plan(grids, doc_lens, plan, process_group=None):
                 raise _plan_error(f"document {i} is in micro-batch {seen[i]} and in {m}; every document must be in "
                                   f"exactly one")
             seen[i] = m
-        # A packed row of no tokens has no layout: its group would fail at packed_for_grid, the other ranks going on.
-        if sum(lens[i] for i in docs) == 0:
-            raise _plan_error(f"micro-batch {m} (degree {d}, group {g}) holds no tokens (documents {docs}); every "
-                              f"micro-batch must hold at least one token (leave it out of the plan)")
     missing = [i for i, s in enumerate(seen) if s is None]
     if missing:
         raise _plan_error(f"documents {missing} are in no micro-batch; every document must be in exactly one")
+    # A packed row of no tokens has no layout: its group would fail at packed_for_grid, the other ranks going on.
+    for m, (d, g, docs) in enumerate(mine[1]):
+        if sum(lens[i] for i in docs) == 0:
+            raise _plan_error(f"micro-batch {m} (degree {d}, group {g}) holds no tokens (documents {docs}); every "
+                              f"micro-batch must hold at least one token (leave it out of the plan)")
     return mine[1]
