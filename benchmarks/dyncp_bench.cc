@@ -309,7 +309,7 @@ int dyncp_bench_run(int argc, char** argv) {
     for (std::size_t p = 0; p < plans.size(); ++p) {
       std::string per;
       for (double s : step[p]) per += str_cat(" ", s);
-      std::printf("   %-16s %12.3f  %s\n", plans[p].name.c_str(), plans[p].predicted_s, per.c_str());
+      std::printf("   %-16s %12.6g  %s\n", plans[p].name.c_str(), plans[p].predicted_s, per.c_str());
     }
     if (plans.size() >= 2) {
       std::string ratios;

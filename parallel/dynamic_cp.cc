@@ -61,6 +61,14 @@ DynamicCpSchedule::DynamicCpSchedule(Communicator& world, const CpGridSet& grids
     SEQPAR_CHECK(seen[d] >= 0, "DynamicCpSchedule: document ", d, " (", doc_lens_[d],
                  " tokens) is in no micro-batch; every document must be in exactly one");
   }
+  // A packed row of no tokens has no layout: its group would fail at layout(), the other ranks going on.
+  for (std::size_t m = 0; m < plan_.size(); ++m) {
+    std::int64_t tokens = 0;
+    for (std::int64_t d : plan_[m].doc_ids) tokens += doc_lens_[d];
+    SEQPAR_CHECK(tokens > 0, "DynamicCpSchedule: micro-batch ", m, " (degree ", plan_[m].degree, ", group ",
+                 plan_[m].group, ") holds no tokens (documents [", join(plan_[m].doc_ids),
+                 "]); every micro-batch must hold at least one token (leave it out of the plan)");
+  }
   for (std::size_t m = 0; m < plan_.size(); ++m) {
     if (grids.group_of(plan_[m].degree) == plan_[m].group) local_.push_back(static_cast<int>(m));
   }

@@ -33,7 +33,8 @@ class DynamicCpSchedule {
   // Errors, the same on every rank and before any message but one agreement check over `world` (an all-reduce;
   //   when ranks differ, an all-gather that names the first differing field and its value on each rank): ranks
   //   holding different document lengths or plans; a degree the grid set does not have; a group outside
-  //   [0, W / degree); a document id outside [0, num_docs) or a document in no micro-batch or in two.
+  //   [0, W / degree); a document id outside [0, num_docs) or a document in no micro-batch or in two; a micro-batch
+  //   of no tokens (no documents, or only documents of length 0).
   // Sync: collective over `world` (the world the grid set was built over).
   DynamicCpSchedule(Communicator& world, const CpGridSet& grids, std::vector<std::int64_t> doc_lens,
                     std::vector<DynamicCpMicroBatch> plan);

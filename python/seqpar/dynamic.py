@@ -22,8 +22,37 @@ from . import _seqpar
 from . import distributed as _distributed
 
 
-def _error(message):
-    return _seqpar.Error(f"seqpar.torch_grid_set: {message}")
+def _error(message, where="seqpar.torch_grid_set"):
+    return _seqpar.Error(f"{where}: {message}")
+
+
+def _plan_error(message):
+    return _error(message, "seqpar.check_dynamic_plan")
+
+
+def _by_value(values):
+    """'A on group ranks [0], B on group ranks [1, 2]': the distinct values of a per-rank list, in order of first
+    appearance, with the ranks holding each (the same text on every rank: it is made from the gathered table)."""
+    groups = []
+    for r, v in enumerate(values):
+        for g in groups:
+            if g[0] == v:
+                g[1].append(r)
+                break
+        else:
+            groups.append((v, [r]))
+    return ", ".join(f"{v} on group ranks {ranks}" for v, ranks in groups)
+
+
+def _first_difference(plans):
+    """The first micro-batch index where some rank's plan differs from group rank 0's (None when a plan is no list)."""
+    if any(not isinstance(p, list) for p in plans):
+        return None
+    m = min(len(p) for p in plans)
+    for i in range(m):
+        if any(p[i] != plans[0][i] for p in plans):
+            return i
+    return m
 
 
 def _int_or_text(x):
@@ -68,9 +97,9 @@ def _plan_entries(plan):
     return out
 
 
-def _check_int(value, what):
+def _check_int(value, what, error=_error):
     if isinstance(value, str):
-        raise _error(f"{what} {value} is not an integer")
+        raise error(f"{what} {value} is not an integer")
 
 
 class TorchGridSet:
@@ -129,49 +158,59 @@ def torch_grid_set(degrees, process_group=None):
 
 def check_dynamic_plan(grids, doc_lens, plan, process_group=None):
     """Checks a plan on every rank before anything runs: first that every rank holds the same document lengths and
-    plan (one all_gather_object), then that every degree has a grid, every group exists and every document is in
-    exactly one micro-batch. Returns the plan as a list of (degree, group, [doc ids]). Raises seqpar.Error, the same
-    on every rank."""
+    plan (one all_gather_object), then that every degree has a grid, every group exists, every document is in
+    exactly one micro-batch and every micro-batch holds at least one token. Returns the plan as a list of (degree,
+    group, [doc ids]). Raises seqpar.Error, the same on every rank."""
     world = process_group if process_group is not None else dist.group.WORLD
     lens = _ints(doc_lens)
     mine = (lens, _plan_entries(plan))
     table = [None] * dist.get_world_size(world)
     dist.all_gather_object(table, mine, group=world)
-    for r, t in enumerate(table):
-        if t[0] != mine[0]:
-            raise _error(f"ranks disagree on the document lengths (group ranks 0 and {r} differ)")
-        if t[1] != mine[1]:
-            m = next((i for i, (a, b) in enumerate(zip(t[1], mine[1])) if a != b), min(len(t[1]), len(mine[1])))
-            raise _error(f"ranks disagree on the plan: micro-batch {m} is {table[0][1][m:m + 1]} on group rank 0 and "
-                         f"{t[1][m:m + 1]} on group rank {r}")
+    # Every message below is made from the gathered table (or from this rank's entry, equal to every rank's once the
+    # agreement passed), so every rank raises the same text.
+    if any(t[0] != table[0][0] for t in table):
+        raise _plan_error(f"ranks disagree on the document lengths: {_by_value([t[0] for t in table])}; every rank "
+                          f"must pass the same doc_lens")
+    if any(t[1] != table[0][1] for t in table):
+        plans = [t[1] for t in table]
+        m = _first_difference(plans)
+        if m is None:
+            raise _plan_error(f"ranks disagree on the plan: {_by_value(plans)}; every rank must pass the same plan")
+        raise _plan_error(f"ranks disagree on the plan: micro-batch {m} is {_by_value([p[m:m + 1] for p in plans])}; "
+                          f"every rank must pass the same plan")
     if isinstance(mine[1], str):
-        raise _error(f"the plan must be a list of (degree, group, [doc ids]), got {mine[1]}")
+        raise _plan_error(f"the plan must be a list of (degree, group, [doc ids]), got {mine[1]}")
     for m, e in enumerate(mine[1]):
         if isinstance(e, str):
-            raise _error(f"micro-batch {m} = {e} must be a (degree, group, [doc ids]) triple")
+            raise _plan_error(f"micro-batch {m} = {e} must be a (degree, group, [doc ids]) triple")
     for i, n in enumerate(lens):
-        _check_int(n, f"document {i}'s length")
+        _check_int(n, f"document {i}'s length", _plan_error)
         if n < 0:
-            raise _error(f"document {i} has length {n}; lengths must be >= 0")
+            raise _plan_error(f"document {i} has length {n}; lengths must be >= 0")
     for m, (d, g, docs) in enumerate(mine[1]):
-        _check_int(d, f"micro-batch {m}'s degree")
-        _check_int(g, f"micro-batch {m}'s group")
+        _check_int(d, f"micro-batch {m}'s degree", _plan_error)
+        _check_int(g, f"micro-batch {m}'s group", _plan_error)
         for i in docs:
-            _check_int(i, f"micro-batch {m}'s document")
+            _check_int(i, f"micro-batch {m}'s document", _plan_error)
     seen = [None] * len(lens)
     for m, (d, g, docs) in enumerate(mine[1]):
         if d not in grids.degrees:
-            raise _error(f"micro-batch {m} has degree {d}, which has no grid (degrees {grids.degrees})")
+            raise _plan_error(f"micro-batch {m} has degree {d}, which has no grid (degrees {grids.degrees})")
         if not 0 <= g < grids.world_size // d:
-            raise _error(f"micro-batch {m} has group {g} of degree {d}; there are {grids.world_size // d}")
+            raise _plan_error(f"micro-batch {m} has group {g} of degree {d}; there are {grids.world_size // d}")
         for i in docs:
             if not 0 <= i < len(lens):
-                raise _error(f"micro-batch {m} names document {i} of {len(lens)}")
+                raise _plan_error(f"micro-batch {m} names document {i} of {len(lens)}")
             if seen[i] is not None:
-                raise _error(f"document {i} is in micro-batch {seen[i]} and in {m}; every document must be in "
-                             f"exactly one")
+                raise _plan_error(f"document {i} is in micro-batch {seen[i]} and in {m}; every document must be in "
+                                  f"exactly one")
             seen[i] = m
     missing = [i for i, s in enumerate(seen) if s is None]
     if missing:
-        raise _error(f"documents {missing} are in no micro-batch; every document must be in exactly one")
+        raise _plan_error(f"documents {missing} are in no micro-batch; every document must be in exactly one")
+    # A packed row of no tokens has no layout: its group would fail at packed_for_grid, the other ranks going on.
+    for m, (d, g, docs) in enumerate(mine[1]):
+        if sum(lens[i] for i in docs) == 0:
+            raise _plan_error(f"micro-batch {m} (degree {d}, group {g}) holds no tokens (documents {docs}); every "
+                              f"micro-batch must hold at least one token (leave it out of the plan)")
     return mine[1]

@@ -75,11 +75,16 @@ def run_step(grids, plan, q, k, v, dout, w_init):
     return got
 
 
-def expect_error(fn, fragment):
+def expect_error(fn, fragment, same=False):
+    """fn() raises seqpar.Error containing `fragment`; with same=True, every rank's message is the same text."""
     try:
         fn()
     except seqpar.Error as e:
         assert fragment in str(e), f"rank {dist.get_rank()}: expected '{fragment}' in: {e}"
+        if same:
+            msgs = [None] * dist.get_world_size()
+            dist.all_gather_object(msgs, str(e))
+            assert len(set(msgs)) == 1, f"rank {dist.get_rank()}: the ranks raised different messages: {msgs}"
         return
     raise AssertionError(f"rank {dist.get_rank()}: no seqpar.Error (expected '{fragment}')")
 
@@ -112,7 +117,20 @@ def main():
         bad = dealt_plan(divisors, world)
         if me == world - 1:
             bad[0][2][0], bad[-1][2][-1] = bad[-1][2][-1], bad[0][2][0]
-        expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, bad), "ranks disagree on the plan: micro-batch 0")
+        # The same message on every rank, naming each value once with the ranks that hold it (ranks 1.. used to print
+        # rank 0's value twice and name rank 0 twice).
+        moved = dealt_plan(divisors, world)
+        moved[0][2][0], moved[-1][2][-1] = moved[-1][2][-1], moved[0][2][0]
+        expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, bad),
+                     f"seqpar.check_dynamic_plan: ranks disagree on the plan: micro-batch 0 is "
+                     f"{dealt_plan(divisors, world)[:1]} on group ranks {list(range(world - 1))}, {moved[:1]} on group "
+                     f"ranks [{world - 1}]; every rank must pass the same plan", same=True)
+        lens = list(DOCS)
+        if me == 0:
+            lens[1] += 1
+        expect_error(lambda: seqpar.check_dynamic_plan(grids, lens, dealt_plan(divisors, world)),
+                     f"ranks disagree on the document lengths: {[DOCS[0], DOCS[1] + 1] + DOCS[2:]} on group ranks [0], "
+                     f"{DOCS} on group ranks {list(range(1, world))}", same=True)
         # A malformed entry on one rank only: every rank stops at the agreement (the unpacking used to raise a bare
         # ValueError on that rank before the exchange, leaving the others in all_gather_object until the timeout).
         bad = dealt_plan(divisors, world)
@@ -139,7 +157,20 @@ def main():
     expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, [(world, 0)]),
                  "micro-batch 0 = (%d, 0) must be a (degree, group, [doc ids]) triple" % world)
     expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, None),
-                 "the plan must be a list of (degree, group, [doc ids]), got None")
+                 "seqpar.check_dynamic_plan: the plan must be a list of (degree, group, [doc ids]), got None")
+    # A micro-batch of no tokens (no documents, or only documents of length 0), on a group smaller than the world:
+    # refused on every rank by the plan check (its group used to fail in packed_for_grid, naming neither the plan
+    # nor the micro-batch, while the other ranks went on into the next micro-batch's collective).
+    small = world // 2 if world % 2 == 0 else 1
+    expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS, [(small, 0, [])] + whole),
+                 f"seqpar.check_dynamic_plan: micro-batch 0 (degree {small}, group 0) holds no tokens (documents [])",
+                 same=True)
+    zero = [(small, 0, [len(DOCS), len(DOCS) + 1]), (world, 0, whole[0][2])]
+    expect_error(lambda: seqpar.check_dynamic_plan(grids, DOCS + [0, 0], zero),
+                 f"micro-batch 0 (degree {small}, group 0) holds no tokens (documents [{len(DOCS)}, {len(DOCS) + 1}])",
+                 same=True)
+    # A document of length 0 beside others is run.
+    assert seqpar.check_dynamic_plan(grids, DOCS + [0], [(world, 0, whole[0][2] + [len(DOCS)])])[0][2][-1] == len(DOCS)
     assert "mpi4py" not in sys.modules, "mpi4py was imported"
     assert not seqpar._seqpar.mpi_initialized(), "MPI was initialised"
     if me == 0:

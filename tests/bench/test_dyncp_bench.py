@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """sp_plan --dynamic-cp's JSON and dyncp_bench end to end at 2 ranks: every plan of the JSON covers every document
 exactly once on groups that exist, the reported gain is best static / dynamic - 1 >= 0, dyncp_bench runs the
-dynamic, mixed and static plans of that file, and bad degrees fail sp_plan naming the rule.
+dynamic, mixed and static plans of that file (printing each plan's step_s as its predicted time), and bad degrees
+fail sp_plan naming the rule.
 
   test_dyncp_bench.py SP_PLAN DYNCP_BENCH MPIEXEC NP_FLAG
 """
@@ -62,6 +63,14 @@ def main():
         print(out.stdout)
         if out.returncode != 0 or "per round:" not in out.stdout:
             failures.append(f"dyncp_bench failed (rc {out.returncode})")
+        # Its predicted(s) column is the plan's step_s to 6 digits (a sub-millisecond plan used to print 0.000).
+        want = {"dynamic": plan["dynamic"]["step_s"], "mixed": plan["mixed"]["step_s"]}
+        want.update({s["name"]: s["step_s"] for s in plan["statics"] if "excluded" not in s})
+        for name, step_s in want.items():
+            rows = [line[3 + 16:].split()[0] for line in out.stdout.splitlines()
+                    if line.startswith("   " + name.ljust(16) + " ")]
+            if len(rows) != 1 or abs(float(rows[0]) - step_s) > 1e-5 * step_s:
+                failures.append(f"dyncp_bench: predicted(s) of {name} is {rows}, not the step_s {step_s}")
         out = subprocess.run([sp_plan, "--profile", prof, "--world", str(WORLD), "--dynamic-cp", "--doc-lens", DOCS,
                               "--degrees", "1,3", "--"] + PROBLEM, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True)

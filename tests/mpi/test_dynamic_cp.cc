@@ -195,6 +195,27 @@ TEST(DynamicCp, BadInputFailsOnEveryRank) {
   bad = plan;
   bad.back().doc_ids.pop_back();
   test::expect_error([&] { DynamicCpSchedule s(world(), grids, kDocs, bad); }, "is in no micro-batch");
+  // A micro-batch of no tokens: no documents, or only documents of length 0 (its group failed at layout(), the other
+  // ranks went on to the next micro-batch's messages).
+  bad = plan;
+  bad.insert(bad.begin(), DynamicCpMicroBatch{W, 0, {}});
+  test::expect_error([&] { DynamicCpSchedule s(world(), grids, kDocs, bad); },
+                     "micro-batch 0 (degree " + std::to_string(W) + ", group 0) holds no tokens (documents [])");
+  std::vector<std::int64_t> with_empty = kDocs;
+  with_empty.push_back(0);
+  with_empty.push_back(0);
+  bad = plan;
+  bad.push_back(DynamicCpMicroBatch{
+      1, W - 1, {static_cast<std::int64_t>(kDocs.size()), static_cast<std::int64_t>(kDocs.size()) + 1}});
+  test::expect_error([&] { DynamicCpSchedule s(world(), grids, with_empty, bad); },
+                     "micro-batch " + std::to_string(plan.size()) + " (degree 1, group " + std::to_string(W - 1) +
+                         ") holds no tokens");
+  // A document of length 0 beside others is fine.
+  bad = plan;
+  bad.back().doc_ids.push_back(static_cast<std::int64_t>(kDocs.size()));
+  bad.back().doc_ids.push_back(static_cast<std::int64_t>(kDocs.size()) + 1);
+  EXPECT_EQ(DynamicCpSchedule(world(), grids, with_empty, bad).cu_seqlens(static_cast<int>(bad.size()) - 1).back(),
+            DynamicCpSchedule(world(), grids, kDocs, plan).cu_seqlens(static_cast<int>(plan.size()) - 1).back());
   if (W > 1) {
     // Ranks disagreeing on the plan: the last rank moves a document; and on the documents.
     bad = plan;
