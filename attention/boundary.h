@@ -30,6 +30,12 @@ class AcceptDevice {
   Device previous_;
 };
 
+// A real-valued option (scale, softcap, grad_scale; held in double) as the kernels of `dtype` read it: fp64 keeps the
+// double; every other dtype takes its fp32 rounding, the precision those kernels compute in.
+inline double real_option(double value, DType dtype) {
+  return dtype == DType::kFloat64 ? value : static_cast<double>(static_cast<float>(value));
+}
+
 // fn: the public function ("dsa_attention_forward"); family: "MHA", "DSA", "GDN" or "RoPE".
 void check_stream(const Stream& stream, const char* fn, const char* family);
 // A host tensor with data (or no elements).

@@ -116,7 +116,7 @@ cpu::DsaAttentionShape validate_attention(const DsaAttentionArgs& a) {
   s.Dv = a.dim_v;
   SEQPAR_CHECK(s.Dv >= 1 && s.Dv <= s.Dqk, "dim_v = ", s.Dv, " must be in [1, Dqk = ", s.Dqk, "]");
   SEQPAR_CHECK(std::isfinite(a.scale), "DSA scale ", a.scale, " must be finite (0 or less: 1/sqrt(Dqk))");
-  s.scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(s.Dqk));
+  s.scale = a.scale > 0.0 ? detail::real_option(a.scale, a.q.dtype()) : 1.0 / std::sqrt(static_cast<double>(s.Dqk));
   s.q_pos = detail::positions_or_iota(a.q_pos, s.Sq, "q_pos", "Sq");
   s.c_pos = detail::positions_or_iota(a.c_pos, s.Sk, "c_pos", "Sk");
   detail::check_strictly_increasing(s.c_pos, "c_pos");

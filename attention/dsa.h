@@ -128,7 +128,7 @@ struct DsaAttentionArgs {
   std::span<const std::int64_t> q_pos;  // [Sq] global positions, any order (empty: 0..Sq-1)
   std::span<const std::int64_t> c_pos;  // [Sk] global positions, strictly increasing (empty: 0..Sk-1)
   std::int64_t dim_v = kDsaHeadDimV;    // Dv, 1 <= Dv <= Dqk
-  float scale = 0.0f;                   // <= 0: 1 / sqrt(Dqk)
+  double scale = 0.0;                   // <= 0: 1 / sqrt(Dqk)
 
   // The rules on these fields alone, no work.
   // Errors: shapes, dtypes, devices, sizes, position counts, c_pos not strictly increasing, dim_v, scale, a topk
@@ -219,7 +219,7 @@ struct DsaIndexerLossArgs {
   TensorView probs;         // [B, Sq, k] fp32 or fp64: head-summed main-attention probabilities of the selected slots
   TensorView scores;        // [B, Sq, k] probs' dtype: indexer scores I of the selected slots
   TensorView topk_indices;  // [B, Sq, k] int64; slots with -1 are ignored
-  float grad_scale = 1.0f;  // dscores = grad_scale * dL/dI (the upstream gradient of L)
+  double grad_scale = 1.0;  // dscores = grad_scale * dL/dI (the upstream gradient of L)
 
   // Every check dsa_indexer_loss makes on (this, dscores, stream), no work.
   // Errors: dsa_indexer_loss's.

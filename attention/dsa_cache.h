@@ -90,7 +90,7 @@ struct DsaDecodeArgs {
   std::span<const std::int64_t> q_pos;  // [n] global positions (a query sees stored keys at positions <= its own)
   std::int64_t window = 0;              // > 0: only keys with q_pos - pos < window are candidates (as in training)
   std::int64_t dim_v = kDsaHeadDimV;    // Dv, 1 <= Dv <= Dqk
-  float scale = 0.0f;                   // <= 0: 1 / sqrt(Dqk)
+  double scale = 0.0;                   // <= 0: 1 / sqrt(Dqk)
 
   // Every check dsa_decode makes on (cache, this, topk_indices, out, lse, stream), no work (topk_indices is not
   // read). A sharded caller runs it on its shard before anything is sent.

@@ -725,7 +725,7 @@ void short_conv_backward(const ShortConvArgs& args, const TensorView& dout, cons
 }
 
 GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
-                        const TensorView& beta, bool use_qk_l2norm, float scale) {
+                        const TensorView& beta, bool use_qk_l2norm, double scale) {
   GdnForwardArgs a;
   a.q = q;
   a.k = k;

@@ -49,7 +49,7 @@ struct GdnForwardArgs {
   TensorView beta;           // [B, S, Hv]
   TensorView initial_state;  // optional [B, Hv, K, V], state dtype; empty = zeros
   bool use_qk_l2norm = true;
-  float scale = 0.0f;  // <= 0: 1 / sqrt(K)
+  double scale = 0.0;  // <= 0: 1 / sqrt(K)
   std::int64_t chunk_size = kGdnDefaultChunkSize;
   // optional int64 [N+1]: a packed row of N documents (B = 1, T = S tokens; docs/design.md, "GDN on packed rows"). Then
   // initial_state, final_state and their gradients are [N, Hv, K, V].
@@ -76,7 +76,7 @@ struct GdnForwardArgs {
 // Returns: the args; nothing is checked here.
 // Sync: host-only.
 GdnForwardArgs gdn_args(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& g,
-                        const TensorView& beta, bool use_qk_l2norm = true, float scale = 0.0f);
+                        const TensorView& beta, bool use_qk_l2norm = true, double scale = 0.0);
 
 // Chunked forward (docs/design.md, "The chunked GDN kernel").
 // Args: out [B, S, Hv, V] any floating dtype; final_state [B, Hv, K, V] (state dtype; [N, Hv, K, V] with

@@ -73,7 +73,7 @@ void MhaKvCache::append(const TensorView& k_new, const TensorView& v_new, std::s
 namespace {
 
 // The mha_forward arguments of batch row b (q, out, lse of that row; the cache's stored rows).
-MhaForwardArgs row_args(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos, float scale,
+MhaForwardArgs row_args(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos, double scale,
                         std::int64_t b) {
   MhaForwardArgs a;
   a.q = q.slice0(b, b + 1);
@@ -87,7 +87,7 @@ MhaForwardArgs row_args(const MhaKvCache& cache, const TensorView& q, std::span<
 }
 
 void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
-                      const TensorView& out, const TensorView& lse, float scale, Stream stream) {
+                      const TensorView& out, const TensorView& lse, double scale, Stream stream) {
   const KvCacheSpec& s = cache.spec();
   SEQPAR_CHECK(q.ndim() == 4, "mha_decode: q must be [B, n, Hq, D], got ", shape_str(q.shape()));
   SEQPAR_CHECK(q.dim(0) == s.batch && q.dim(3) == s.head_dim, "mha_decode: q ", shape_str(q.shape()),
@@ -108,7 +108,7 @@ void check_mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<co
 }  // namespace
 
 void mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
-                const TensorView& out, const TensorView& lse, float scale, Stream stream) {
+                const TensorView& out, const TensorView& lse, double scale, Stream stream) {
   check_mha_decode(cache, q, q_pos, out, lse, scale, stream);
   for (std::int64_t b = 0; b < cache.spec().batch; ++b) {
     mha_forward(row_args(cache, q, q_pos, scale, b), out.slice0(b, b + 1), lse.slice0(b, b + 1), stream);

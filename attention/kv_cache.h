@@ -97,6 +97,6 @@ class MhaKvCache {
 //   into rectangles, cuDNN SDPA graphs or the exact cuBLAS fallback); q, out, lse and `stream` on its device.
 // Sync: host-synchronous; `stream` is an ordering token on the CPU. No communication.
 void mha_decode(const MhaKvCache& cache, const TensorView& q, std::span<const std::int64_t> q_pos,
-                const TensorView& out, const TensorView& lse, float scale = 0.0f, Stream stream = Stream::cpu());
+                const TensorView& out, const TensorView& lse, double scale = 0.0, Stream stream = Stream::cpu());
 
 }  // namespace seqpar::attn

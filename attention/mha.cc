@@ -149,9 +149,10 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
   if (!a.mod_q_pos.empty()) check_positions(a.mod_q_pos, Sq, "mod_q_pos", "Sq");
   if (!a.mod_k_pos.empty()) check_positions(a.mod_k_pos, Sk, "mod_k_pos", "Sk");
   check_mask(a.mask, Sq);
-  SEQPAR_CHECK(std::isfinite(a.mods.softcap) && a.mods.softcap >= 0.0f, "softcap ", a.mods.softcap,
+  SEQPAR_CHECK(std::isfinite(a.mods.softcap) && a.mods.softcap >= 0.0, "softcap ", a.mods.softcap,
                " must be finite and > 0 (0: no soft-capping)");
-  const double scale = a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(D));
+  const double scale =
+      a.scale > 0.0 ? detail::real_option(a.scale, a.q.dtype()) : 1.0 / std::sqrt(static_cast<double>(D));
   cpu::MhaParams p{a.q.data(),
                    a.k.data(),
                    a.v.data(),
@@ -164,7 +165,7 @@ cpu::MhaParams check_forward_args(const MhaForwardArgs& a) {
                    D,
                    scale,
                    nullptr,
-                   a.mods.softcap,
+                   detail::real_option(a.mods.softcap, a.q.dtype()),
                    check_head_vector(a.mods.alibi_slopes, Hq, "alibi_slopes"),
                    check_head_vector(a.mods.sinks, Hq, "sinks"),
                    mod_positions(a.mod_q_pos, a.q_pos),

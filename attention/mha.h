@@ -48,7 +48,7 @@ struct MaskSpec {
 // Score modifiers of one call (docs/design.md, "Score modifiers"). Heads are those of the call's q (under Ulysses,
 // a slice).
 struct ScoreMods {
-  float softcap = 0.0f;     // > 0: a <- softcap * tanh(a / softcap); 0: off (< 0 or non-finite: error)
+  double softcap = 0.0;     // > 0: a <- softcap * tanh(a / softcap); 0: off (< 0 or non-finite: error)
   TensorView alibi_slopes;  // empty, or [Hq] fp32 / fp64 finite host: bias -slope_h |q_pos - k_pos|
   TensorView sinks;         // empty, or [Hq] fp32 / fp64 finite host: learned sink logit per query head
 };
@@ -68,7 +68,7 @@ struct MhaForwardArgs {
   std::span<const std::int64_t> q_pos = {};  // [Sq] global positions (empty: 0..Sq-1)
   std::span<const std::int64_t> k_pos = {};  // [Sk] global positions (empty: 0..Sk-1)
   MaskSpec mask{};
-  float scale = 0.0f;  // <= 0: 1 / sqrt(D)
+  double scale = 0.0;  // <= 0: 1 / sqrt(D)
   ScoreMods mods{};    // soft-capping, ALiBi, sinks (off by default)
   // Dropout on the probabilities (attention/dropout.h); p = 0 (the default) is off. The mask is keyed by the
   // global query head head_offset + h (a Ulysses rank holding heads [u Hq, (u+1) Hq) passes u Hq) and the global

@@ -52,9 +52,9 @@ std::vector<RopeTarget> dsa_rope_targets(const SpBenchOptions& o) {
 }
 
 // The attention's softmax scale: 1 / sqrt(Dqk), times YaRN's mscale^2 where the RoPE has one (DeepSeek-V3).
-float dsa_softmax_scale(const SpBenchOptions& o) {
+double dsa_softmax_scale(const SpBenchOptions& o) {
   const double factor = o.rope ? attn::rope_softmax_scale_factor(o.rope_cfg) : 1.0;
-  return factor == 1.0 ? 0.0f : static_cast<float>(factor / std::sqrt(static_cast<double>(o.head_dim)));
+  return factor == 1.0 ? 0.0 : factor / std::sqrt(static_cast<double>(o.head_dim));
 }
 
 // Model FLOPs (benchmarks/flop_models.h, docs/benchmarks.md, "Definitions of the benchmark figures") of the options' shapes.

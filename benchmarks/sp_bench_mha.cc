@@ -31,7 +31,7 @@ enum : std::uint64_t { kIdQ = 1, kIdK = 2, kIdV = 3, kIdDout = 4, kIdSinks = 5 }
 // tensors own the values the returned ScoreMods views.
 attn::ScoreMods score_mods(const SpBenchOptions& o, Tensor& slopes, Tensor& sinks) {
   attn::ScoreMods m;
-  m.softcap = static_cast<float>(o.softcap);
+  m.softcap = o.softcap;
   if (o.alibi) {
     const std::vector<float> s = attn::alibi_slopes(o.heads);
     slopes = Tensor::empty({o.heads}, DType::kFloat32, MemCategory::kWorkspace);

@@ -138,7 +138,7 @@ using ShardedKvCache = ShardedCache<attn::MhaKvCache, attn::KvCacheSpec>;
 struct MhaDecodeConfig {
   CacheShardKind shard = CacheShardKind::kInterleave;
   std::int64_t interleave = 1;  // I of the interleaved sharding (>= 1)
-  float scale = 0.0f;           // <= 0: 1 / sqrt(D)
+  double scale = 0.0;           // <= 0: 1 / sqrt(D)
   RingImpl prefill_impl = RingImpl::kP2P;
 };
 

@@ -258,7 +258,7 @@ void DsaCp::attend_latent(Saved& saved, const DeviceAlloc& alloc) {
   alloc.copy_convert(acc.view(), s->out_h.view());
 }
 
-DsaCpGrads DsaCp::backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale) {
+DsaCpGrads DsaCp::backward(CpContext&& ctx, const TensorView& dout, double loss_grad_scale) {
   const std::shared_ptr<Saved> s = ctx.peek<Saved>(id_, "DSA CP");
   {
     Fingerprint fp = fingerprint("DSA CP backward");
@@ -334,8 +334,8 @@ DsaCpGrads DsaCp::backward(CpContext&& ctx, const TensorView& dout, float loss_g
 // The indexer loss of the local queries (KL of the indexer's distribution from `probs`, the head-summed attention
 // probabilities [B, S_local, k]) summed over the CP group into g.loss, and its backward into g.dq_idx, dw, dk_idx (the
 // index keys circulate over the CP group with their gradients).
-void DsaCp::indexer_backward(const Saved& saved, const TensorView& probs, float loss_grad_scale,
-                                          const DeviceAlloc& alloc, DsaCpGrads& g) {
+void DsaCp::indexer_backward(const Saved& saved, const TensorView& probs, double loss_grad_scale,
+                             const DeviceAlloc& alloc, DsaCpGrads& g) {
   const Saved* const s = &saved;
   const Stream stream = groups_.stream;
   Communicator& sp = groups_.cp;

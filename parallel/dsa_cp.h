@@ -27,7 +27,7 @@ struct DsaCpConfig {
   DsaSelectMode select = DsaSelectMode::kRing;
   std::int64_t topk = attn::kDsaTopK;
   std::int64_t dim_v = attn::kDsaHeadDimV;
-  float scale = 0.0f;  // <= 0: 1 / sqrt(Dqk)
+  double scale = 0.0;  // <= 0: 1 / sqrt(Dqk)
   // > 0: the indexer's candidates of query t are the keys with 0 <= t - k_pos < window (attn::DsaIndexerArgs::window);
   // the selection then moves only the index-key rows a rank's queries can see (WindowPlan, parallel/ring_pass.h).
   std::int64_t window = 0;
@@ -91,7 +91,7 @@ class DsaCp : public CpLayerBase {
   // Errors (before any communication, identical on every rank): shapes / dtypes; a context that is empty, used or
   //   another object's; ranks that disagree.
   // Sync: collective over the groups' Ulysses, ring and CP communicators; host-synchronous.
-  DsaCpGrads backward(CpContext&& ctx, const TensorView& dout, float loss_grad_scale = 1.0f);
+  DsaCpGrads backward(CpContext&& ctx, const TensorView& dout, double loss_grad_scale = 1.0);
 
   // layout(), positions(), counters(), reset_counters(): CpLayerBase.
 
@@ -102,7 +102,7 @@ class DsaCp : public CpLayerBase {
   void select_topk(Saved& saved, const TensorView& q_idx, const TensorView& k_idx, const TensorView& w,
                    const DeviceAlloc& alloc);
   void attend_latent(Saved& saved, const DeviceAlloc& alloc);
-  void indexer_backward(const Saved& saved, const TensorView& probs, float loss_grad_scale, const DeviceAlloc& alloc,
+  void indexer_backward(const Saved& saved, const TensorView& probs, double loss_grad_scale, const DeviceAlloc& alloc,
                         DsaCpGrads& g);
 
   DsaCpConfig config_;

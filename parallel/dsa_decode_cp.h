@@ -31,7 +31,7 @@ struct DsaDecodeConfig {
   std::int64_t interleave = 1;  // I of the interleaved sharding (>= 1)
   std::int64_t topk = attn::kDsaTopK;
   std::int64_t dim_v = attn::kDsaHeadDimV;
-  float scale = 0.0f;       // <= 0: 1 / sqrt(Dqk)
+  double scale = 0.0;       // <= 0: 1 / sqrt(Dqk)
   std::int64_t window = 0;  // > 0: the indexer's candidates of query t are the keys with t - pos < window
   DsaSelectMode prefill_select = DsaSelectMode::kRing;  // the prompt's selection (DsaCp)
 };

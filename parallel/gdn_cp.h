@@ -62,7 +62,7 @@ inline int gdn_tag_offset(std::int64_t index) { return static_cast<int>(index % 
 struct GdnCpConfig {
   GdnCpMode mode = GdnCpMode::kScan;
   bool use_qk_l2norm = true;
-  float scale = 0.0f;  // <= 0: 1 / sqrt(K)
+  double scale = 0.0;  // <= 0: 1 / sqrt(K)
   std::int64_t chunk_size = attn::kGdnDefaultChunkSize;
   // Compute the state-independent part of the windows that wait while a message is pending (the file comment; off
   // also when SEQPAR_GDN_WORK_AHEAD=0). Results are bitwise the same either way.

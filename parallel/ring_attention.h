@@ -30,7 +30,7 @@ struct MhaCpConfig {
   RingImpl impl = RingImpl::kP2P;
   bool causal = true;
   std::int64_t window = 0;  // > 0: sliding window (needs causal)
-  float scale = 0.0f;       // <= 0: 1 / sqrt(D)
+  double scale = 0.0;       // <= 0: 1 / sqrt(D)
   // Soft-capping, ALiBi slopes and sinks ([Hq] of all query heads; views the caller keeps alive, e.g. the learned
   // sinks parameter). Under Ulysses / USP each rank uses the entries of its heads. A sink is counted once per row:
   // p2p applies it after the last block is merged (attn::mha_apply_sinks), all-gather in its one kernel call; the

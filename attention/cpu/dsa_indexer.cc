@@ -429,6 +429,7 @@ void indexer_backward_impl(const DsaIndexerArgs& a, const IndexerShape& s, const
 
 template <typename S>
 double indexer_loss_impl(const DsaIndexerLossArgs& args, const TensorView& dscores) {
+  const double grad_scale = static_cast<double>(static_cast<S>(args.grad_scale));  // fp32 rounding unless S is fp64
   const bool want_grad = !absent(dscores);
   const std::int64_t K = args.topk_indices.dim(2);
   const std::int64_t rows = args.topk_indices.dim(0) * args.topk_indices.dim(1);
@@ -461,7 +462,7 @@ double indexer_loss_impl(const DsaIndexerLossArgs& args, const TensorView& dscor
         if (p > 0.0) loss += p * (std::log(p) - log_q);
         grad = std::exp(log_q) - p;
       }
-      if (want_grad) g[r * K + s] = static_cast<S>(args.grad_scale * grad);
+      if (want_grad) g[r * K + s] = static_cast<S>(grad_scale * grad);
     }
     row_loss[static_cast<std::size_t>(r)] = loss;
   }

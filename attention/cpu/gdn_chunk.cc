@@ -308,7 +308,7 @@ void for_each_head(std::int64_t count, const Dims& d, bool backward, std::int64_
 
 template <typename T>
 T resolve_scale(const GdnForwardArgs& a, const Dims& d) {
-  return a.scale > 0.0f ? T(a.scale) : T(1) / std::sqrt(T(d.K));
+  return a.scale > 0.0 ? T(a.scale) : T(1) / std::sqrt(T(d.K));
 }
 
 // The per-value-head dq or dk of a grouped backward (H > Hk): a T workspace [B, S, H, K] that the chunk loop writes

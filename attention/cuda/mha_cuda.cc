@@ -14,6 +14,7 @@
 #if defined(SEQPAR_WITH_CUDNN_FRONTEND)
 #include "attention/cuda/cudnn_sdpa_graphs.h"
 #endif
+#include "attention/boundary.h"
 #include "attention/fallback_attention.h"
 #include "attention/lowering.h"
 #include "runtime/cuda_check.h"
@@ -159,7 +160,7 @@ Tensor to_device(const std::vector<std::int64_t>& host, Stream stream) {
 
 template <typename T>
 void set_variants(const MhaForwardArgs& a, fallback::FallbackProblem<T>& p, VariantData& data, Stream stream) {
-  p.softcap = a.mods.softcap;
+  p.softcap = attn::detail::real_option(a.mods.softcap, a.q.dtype());
   if (!a.mods.alibi_slopes.empty()) {
     data.alibi = head_values(a.mods.alibi_slopes);
     p.alibi = data.alibi.data();
@@ -190,8 +191,8 @@ fallback::FallbackProblem<T> problem(const MhaForwardArgs& a, const Tensor& q, c
   p.hq = a.q.dim(2);
   p.hkv = a.k.dim(2);
   p.head_dim = a.q.dim(3);
-  p.scale =
-      static_cast<T>(a.scale > 0.0f ? static_cast<double>(a.scale) : 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
+  p.scale = static_cast<T>(a.scale > 0.0 ? attn::detail::real_option(a.scale, a.q.dtype())
+                                         : 1.0 / std::sqrt(static_cast<double>(p.head_dim)));
   p.q = q.data_as<T>();
   p.k = k.data_as<T>();
   p.v = v.data_as<T>();
@@ -212,7 +213,7 @@ cudnn::SdpaRectCall rect_call(const MhaForwardArgs& a, const LoweredRect& r, boo
   k.sk = r.sk();
   k.head_dim = a.q.dim(3);
   k.mask = r.mask;
-  k.scale = a.scale;
+  k.scale = static_cast<float>(a.scale);  // cuDNN's attn_scale is fp32; fp64 takes the fallback
   c.q_rows = a.q.dim(1);
   c.k_rows = a.k.dim(1);
   c.lse_rows = a.q.dim(1);

@@ -252,7 +252,7 @@ void dsa_attention_backward_composed(Ops<T>& ops, const DsaAttentionArgs& args, 
   args.validate();
   const std::int64_t B = args.q.dim(0), Sq = args.q.dim(1), H = args.q.dim(2), Dqk = args.q.dim(3);
   const std::int64_t Sk = args.c.dim(1), k = args.topk_indices.dim(2), Dv = args.dim_v, Q = B * Sq;
-  const T scale = args.scale > 0.0f ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(Dqk));
+  const T scale = args.scale > 0.0 ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(Dqk));
   const bool grads = dout.data() != nullptr;
   const std::vector<std::int64_t> rows = slot_rows(args.topk_indices, B, Sq, Sk, positions_or_iota(args.c_pos, Sk));
 
@@ -380,7 +380,7 @@ double dsa_indexer_loss_composed(Ops<T>& ops, const DsaIndexerLossArgs& args, co
                                      args.topk_indices.data_as<std::int64_t>() + args.topk_indices.numel()));
   Buffer<T> g(ops, grad ? rows * k : 0);
   Buffer<double> loss(ops, rows);
-  ops.kl_rows(rows, k, probs.get(), scores.get(), idx.get(), static_cast<double>(args.grad_scale),
+  ops.kl_rows(rows, k, probs.get(), scores.get(), idx.get(), static_cast<double>(static_cast<T>(args.grad_scale)),
               grad ? g.get() : nullptr, loss.get());
   std::vector<double> per_row(static_cast<std::size_t>(rows));
   if (rows > 0) ops.download(per_row.data(), loss.get(), per_row.size() * sizeof(double));
@@ -396,7 +396,7 @@ void dsa_attention_forward_composed(Ops<T>& ops, const DsaAttentionArgs& args, c
   args.validate(out, lse);
   const std::int64_t B = args.q.dim(0), Sq = args.q.dim(1), H = args.q.dim(2), Dqk = args.q.dim(3);
   const std::int64_t Sk = args.c.dim(1), k = args.topk_indices.dim(2), Dv = args.dim_v;
-  const T scale = args.scale > 0.0f ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(Dqk));
+  const T scale = args.scale > 0.0 ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(Dqk));
   std::vector<std::int64_t> qp(args.q_pos.begin(), args.q_pos.end()), cp(args.c_pos.begin(), args.c_pos.end());
   if (qp.empty())
     for (std::int64_t t = 0; t < Sq; ++t) qp.push_back(t);

@@ -145,7 +145,7 @@ struct Prepared {
   // with_v: gather v and compute U (the forward, the map, the full backward); raw: keep k k^T and q k^T.
   Prepared(Ops<T>& o, const GdnForwardArgs& args, bool with_v, bool raw) : d(args), ops(o) {
     const std::int64_t R = d.R, K = d.K, V = d.V, C = d.C, N = d.N, NC = d.NC;
-    scale = args.scale > 0.0f ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(K));
+    scale = args.scale > 0.0 ? static_cast<T>(args.scale) : T(1) / std::sqrt(static_cast<T>(K));
     eps = args.use_qk_l2norm ? static_cast<T>(kGdnL2NormEps) : T(-1);
     std::vector<std::int64_t> qki(R), vi(R), sti(d.BH), rev(NC);
     for (std::int64_t bh = 0; bh < d.BH; ++bh) {

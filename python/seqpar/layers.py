@@ -376,7 +376,7 @@ class DsaFunction(torch.autograd.Function):
     The C++ layer computes the loss in its backward. To return it from the forward, the forward runs the layer's
     forward and backward once (with a zero dout) for the loss value, and a second forward for the context of the
     real backward: about twice the cost of the layer. DsaCp(indexer_loss_weight=w) avoids it. The
-    loss's incoming gradient reaches C++ as a float (loss_grad_scale): exact for the usual 1, 0.5, 0.01 ... up to fp32
+    loss's incoming gradient reaches C++ as a double (loss_grad_scale): exact in fp64; fp32 kernels apply its fp32
     rounding.
     """
 

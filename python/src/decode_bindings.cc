@@ -94,10 +94,10 @@ void bind_decode(py::module_& m, GroupsOf groups_of) {
           "A copy of the state [B, Hv / P, K, V] of this rank's heads.");
 
   py::class_<MhaDecodeConfig> mha(m, "MhaDecodeConfig");
-  mha.def(py::init([](const std::string& shard, std::int64_t interleave, float scale, const std::string& impl) {
+  mha.def(py::init([](const std::string& shard, std::int64_t interleave, double scale, const std::string& impl) {
             return MhaDecodeConfig{parse_cache_shard(shard), interleave, scale, parse_ring_impl(impl)};
           }),
-          py::arg("shard") = "interleave", py::arg("interleave") = 1, py::arg("scale") = 0.0f,
+          py::arg("shard") = "interleave", py::arg("interleave") = 1, py::arg("scale") = 0.0,
           py::arg("prefill_impl") = "p2p");
 
   py::class_<MhaDecodeCp>(m, "MhaDecodeCp", "MHA / GQA causal inference over a token-sharded cache")
@@ -143,12 +143,12 @@ void bind_decode(py::module_& m, GroupsOf groups_of) {
 
   py::class_<DsaDecodeConfig> dsa(m, "DsaDecodeConfig");
   dsa.def(py::init([](const std::string& shard, std::int64_t interleave, std::int64_t topk, std::int64_t dim_v,
-                      float scale, std::int64_t window, const std::string& select) {
+                      double scale, std::int64_t window, const std::string& select) {
             return DsaDecodeConfig{parse_cache_shard(shard),     interleave, topk, dim_v, scale, window,
                                    parse_dsa_select_mode(select)};
           }),
           py::arg("shard") = "interleave", py::arg("interleave") = 1, py::arg("topk") = attn::kDsaTopK,
-          py::arg("dim_v") = attn::kDsaHeadDimV, py::arg("scale") = 0.0f, py::arg("window") = 0,
+          py::arg("dim_v") = attn::kDsaHeadDimV, py::arg("scale") = 0.0, py::arg("window") = 0,
           py::arg("prefill_select") = "ring");
 
   py::class_<DsaDecodeCp>(m, "DsaDecodeCp", "DSA inference over a token-sharded cache with a global top-k")

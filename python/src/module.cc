@@ -449,8 +449,8 @@ void bind_layout(py::module_& m) {
 // MHA / GQA: MhaCp (ring when ulysses_size = 1, Ulysses when ring_size = 1) and its config.
 void bind_mha(py::module_& m) {
   py::class_<MhaCpConfig> mha_config(m, "MhaCpConfig");
-  mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, float scale, float softcap,
-                              double dropout_p, std::uint64_t dropout_seed) {
+  mha_config.def(py::init([](const std::string& impl, bool causal, std::int64_t window, double scale, double softcap,
+                             double dropout_p, std::uint64_t dropout_seed) {
                    MhaCpConfig c;
                    c.impl = parse_ring_impl(impl);
                    c.causal = causal;
@@ -460,15 +460,15 @@ void bind_mha(py::module_& m) {
                    c.dropout = {dropout_p, dropout_seed};
                    return c;
                  }),
-                 py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0f,
-                 py::arg("softcap") = 0.0f, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = 0);
+                 py::arg("impl") = "p2p", py::arg("causal") = true, py::arg("window") = 0, py::arg("scale") = 0.0,
+                 py::arg("softcap") = 0.0, py::arg("dropout_p") = 0.0, py::arg("dropout_seed") = 0);
   enum_property(mha_config, "impl", &MhaCpConfig::impl, ring_impl_name, parse_ring_impl);
   def_fields(mha_config, std::pair{"causal", &MhaCpConfig::causal},
              std::pair{"window", &MhaCpConfig::window}, std::pair{"scale", &MhaCpConfig::scale});
   mha_config
       .def_property(
           "softcap", [](const MhaCpConfig& c) { return c.score_mods.softcap; },
-          [](MhaCpConfig& c, float v) { c.score_mods.softcap = v; })
+          [](MhaCpConfig& c, double v) { c.score_mods.softcap = v; })
       .def_property(
           "dropout_p", [](const MhaCpConfig& c) { return c.dropout.p; },
           [](MhaCpConfig& c, double v) { c.dropout.p = v; })
@@ -509,10 +509,10 @@ void bind_mha(py::module_& m) {
 // GDN and its short conv under CP.
 void bind_gdn(py::module_& m) {
   py::class_<GdnCpConfig> gdn_config(m, "GdnCpConfig");
-  gdn_config.def(py::init([](const std::string& mode, bool use_qk_l2norm, float scale, std::int64_t chunk_size) {
+  gdn_config.def(py::init([](const std::string& mode, bool use_qk_l2norm, double scale, std::int64_t chunk_size) {
                    return GdnCpConfig{parse_gdn_cp_mode(mode), use_qk_l2norm, scale, chunk_size};
                  }),
-                 py::arg("mode") = "scan", py::arg("use_qk_l2norm") = true, py::arg("scale") = 0.0f,
+                 py::arg("mode") = "scan", py::arg("use_qk_l2norm") = true, py::arg("scale") = 0.0,
                  py::arg("chunk_size") = attn::kGdnDefaultChunkSize);
   enum_property(gdn_config, "mode", &GdnCpConfig::mode, gdn_cp_mode_name, parse_gdn_cp_mode);
   def_fields(gdn_config, std::pair{"use_qk_l2norm", &GdnCpConfig::use_qk_l2norm},
@@ -555,11 +555,11 @@ void bind_gdn(py::module_& m) {
 void bind_dsa(py::module_& m) {
   py::class_<DsaCpConfig> dsa_config(m, "DsaCpConfig");
   dsa_config.def(
-      py::init([](const std::string& select, std::int64_t topk, std::int64_t dim_v, float scale, std::int64_t window) {
+      py::init([](const std::string& select, std::int64_t topk, std::int64_t dim_v, double scale, std::int64_t window) {
         return DsaCpConfig{parse_dsa_select_mode(select), topk, dim_v, scale, window};
       }),
       py::arg("select") = "ring", py::arg("topk") = attn::kDsaTopK, py::arg("dim_v") = attn::kDsaHeadDimV,
-      py::arg("scale") = 0.0f, py::arg("window") = 0);
+      py::arg("scale") = 0.0, py::arg("window") = 0);
   enum_property(dsa_config, "select", &DsaCpConfig::select, dsa_select_mode_name, parse_dsa_select_mode);
   def_fields(dsa_config, std::pair{"topk", &DsaCpConfig::topk}, std::pair{"dim_v", &DsaCpConfig::dim_v},
              std::pair{"scale", &DsaCpConfig::scale}, std::pair{"window", &DsaCpConfig::window});
@@ -572,8 +572,7 @@ void bind_dsa(py::module_& m) {
       py::arg("layout"), py::arg("topk_indices"),
       "Rewrites DsaCp's topk_indices (int64, CPU) in place from the layout's slot positions to token indices of the "
       "row; -1 stays -1 (parallel/dsa_cp.h).");
-  bind_layer<DsaCp, DsaCpConfig>(m, "DsaCp",
-                                              "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
+  bind_layer<DsaCp, DsaCpConfig>(m, "DsaCp", "DeepSeek sparse attention under CP (parallel/dsa_cp.h)")
       .def("forward",
            [](DsaCp& l, py::handle q, py::handle c, py::handle q_idx, py::handle k_idx, py::handle w) {
              DsaCpOutput r = l.forward(view_of(q, "q"), view_of(c, "c"), view_of(q_idx, "q_idx"),
@@ -581,7 +580,7 @@ void bind_dsa(py::module_& m) {
              return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.lse)),
                                    to_torch(std::move(r.topk_indices)), std::move(r.ctx));
            })
-      .def("backward", [](DsaCp& l, CpContext& ctx, py::handle dout, float loss_grad_scale) {
+      .def("backward", [](DsaCp& l, CpContext& ctx, py::handle dout, double loss_grad_scale) {
         DsaCpGrads r = l.backward(std::move(ctx), view_of(dout, "dout"), loss_grad_scale);
         return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dc)), to_torch(std::move(r.dq_idx)),
                               to_torch(std::move(r.dk_idx)), to_torch(std::move(r.dw)), r.loss);

@@ -151,7 +151,7 @@ def run_against_reference(grid, layout, full_sharded, full_replicated, layer, re
     ref_sharded_out, ref_repl_out = reference(*ref_inputs, *ref_repl)
     gen = torch.Generator().manual_seed(seed)
     douts = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in ref_sharded_out]
-    # fp32-representable: DSA's loss gradient reaches C++ as a float (DsaCp::backward's loss_grad_scale)
+    # fp32-representable values (DSA's loss gradient, DsaCp::backward's loss_grad_scale, a double)
     drepl = [torch.randn(o.shape, generator=gen).to(torch.float64) for o in ref_repl_out]
     ref_loss = sum((o * d).sum() for o, d in zip(ref_sharded_out, douts))
     ref_loss = ref_loss + sum((o * d).sum() for o, d in zip(ref_repl_out, drepl))
