@@ -145,7 +145,7 @@ TEST(RealOptionsFp64, DsaExplicitScale) {
   expect_close(lse, rlse, "lse");
 
   Tensor dq = zeros({B, S, H, Dqk}), dc = zeros({B, S, Dqk}), rdq = zeros({B, S, H, Dqk}), rdc = zeros({B, S, Dqk});
-  DsaAttentionBackwardArgs ba{a, out, dout, lse};
+  DsaAttentionBackwardArgs ba{a, out, dout, lse, {}, {}};
   dsa_attention_backward(ba, dq, dc, false);
   reference::dsa_attention_backward(r, dout, rdq, rdc);
   expect_close(dq, scaled(rdq, kScale), "dq");
