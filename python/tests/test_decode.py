@@ -95,17 +95,24 @@ def test_mha_bf16_cache_as_the_docs_make_it(grid_shape):
     assert cache.length == TOTAL
 
 
+def prefilled_mha(grid, hq, hkv, prompt, dim=8):
+    """q, k, v of prompt + 1 tokens (fp64, batch 1), their causal fp64 reference, and an MhaDecodeCp with a cache of
+    prompt + 1 tokens holding the prompt."""
+    q, k, v = (torch.randn(1, prompt + 1, h, dim, dtype=torch.float64) for h in (hq, hkv, hkv))
+    ref = mha_reference(q, k, v, causal=True)
+    dec = seqpar.MhaDecodeCp(grid)
+    cache = dec.make_cache(1, prompt + 1, hkv, dim, torch.float64)
+    layout = seqpar.SequenceLayout.for_grid(grid, prompt)
+    dec.prefill(cache, layout, *(seqpar.shard_sequence(t[:, :prompt], layout, grid.cp_rank) for t in (q, k, v)))
+    return q, k, v, ref, dec, cache
+
+
 def test_mha_decode_own_heads_and_refusals():
     """all_heads=False returns this rank's Hq / ulysses_size heads from q_head_offset; a step past the capacity is
     refused on every rank with the cache unchanged."""
-    B, HQ, HKV, D, P = 1, 4, 4, 8, 6
+    HQ, P = 4, 6
     grid = seqpar.CpGrid(1, WORLD if HQ % WORLD == 0 else 1, 1 if HQ % WORLD == 0 else WORLD)
-    q, k, v = (torch.randn(B, P + 1, h, D, dtype=torch.float64) for h in (HQ, HKV, HKV))
-    ref = mha_reference(q, k, v, causal=True)
-    dec = seqpar.MhaDecodeCp(grid)
-    cache = dec.make_cache(B, P + 1, HKV, D, torch.float64)
-    layout = seqpar.SequenceLayout.for_grid(grid, P)
-    dec.prefill(cache, layout, *(seqpar.shard_sequence(t[:, :P], layout, grid.cp_rank) for t in (q, k, v)))
+    q, k, v, ref, dec, cache = prefilled_mha(grid, HQ, 4, P)
     out, _ = dec.decode(cache, q[:, P:], k[:, P:], v[:, P:], all_heads=False)
     h0, hl = dec.q_head_offset(HQ), HQ // grid.ulysses_size
     check_close("own heads", out, ref[:, P:, h0:h0 + hl], RTOL)
@@ -118,14 +125,9 @@ def test_mha_decode_own_heads_and_refusals():
 def test_decode_all_heads_differing_across_ranks_fails_everywhere():
     """all_heads on one rank only (a Python-side option the C++ layer never sees) stops every rank with seqpar.Error
     naming it, before the step; the cache is unchanged and the next agreed step matches the fp64 reference."""
-    B, HQ, HKV, D, P = 1, 2 * WORLD, WORLD, 8, 6
+    B, P = 1, 6
     grid = seqpar.CpGrid(1, WORLD, 1)  # Ulysses over the world: all_heads gathers the heads
-    q, k, v = (torch.randn(B, P + 1, h, D, dtype=torch.float64) for h in (HQ, HKV, HKV))
-    ref = mha_reference(q, k, v, causal=True)
-    dec = seqpar.MhaDecodeCp(grid)
-    cache = dec.make_cache(B, P + 1, HKV, D, torch.float64)
-    layout = seqpar.SequenceLayout.for_grid(grid, P)
-    dec.prefill(cache, layout, *(seqpar.shard_sequence(t[:, :P], layout, grid.cp_rank) for t in (q, k, v)))
+    q, k, v, ref, dec, cache = prefilled_mha(grid, 2 * WORLD, WORLD, P)
     with pytest.raises(seqpar.Error, match="all_heads"):
         dec.decode(cache, q[:, P:], k[:, P:], v[:, P:], all_heads=grid.cp_rank != 0)
     assert cache.length == P
