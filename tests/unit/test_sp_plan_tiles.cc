@@ -171,7 +171,7 @@ TEST(SpPlanTiles, ProfileBlock) {
   j["mha_tiles"]["fwd"]["block_m"] = 0;
   EXPECT_THROW(profile_from_json(j, "bad"), Error);
   // Out of int range: refused naming the value (it used to wrap, 2^32 + 64 read as 64).
-  for (const nlohmann::json v :
+  for (const nlohmann::json& v :
        {nlohmann::json(4294967360LL), nlohmann::json(-4294967232LL), nlohmann::json(18446744073709551615ULL)}) {
     j["mha_tiles"]["fwd"]["block_m"] = v;
     try {
