@@ -15,7 +15,14 @@ run-to-run spread: per configuration (max - min) / median over the rounds, the g
 "shared_node" block) against the same measurements: the table gains its prediction and error, the summary its median
 |error| and first choices, so that two models are compared on one run of a shared machine.
 
+--calibrate-each-round (with --repeat N) runs `sp_plan --calibrate` before every round instead of reading --profile,
+and predicts that round's cases from that round's profile (kept as JSON.roundK.profile.json): a case's error is the
+median over the rounds of each round's prediction against the same round's measurement, its predicted time the
+median of the rounds' predictions (which also decides the first choice). On a shared or virtual machine whose speed
+drifts over minutes, this keeps the drift between a calibration and a later check out of the comparison.
+
   scripts/sp_plan_check.py --build build --profile build/profile.json --json build/sp_plan_check.json
+  scripts/sp_plan_check.py --build build --calibrate-each-round --repeat 5 --json build/sp_plan_check.json
 """
 import argparse
 import json
@@ -75,74 +82,107 @@ def run(cmd, **kw):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
-    ap.add_argument("--profile", required=True)
+    ap.add_argument("--profile", help="the profile to predict with (required unless --calibrate-each-round)")
     ap.add_argument("--json", required=True)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--mpirun", default="mpirun")
     ap.add_argument("--groups", nargs="+", help="run only the cases of groups starting with one of these")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every case; measured = median of the rounds")
     ap.add_argument("--baseline-profile", help="also predict with this profile against the same measurements")
+    ap.add_argument("--calibrate-each-round", action="store_true",
+                    help="run sp_plan --calibrate before every round and predict the round from it")
     a = ap.parse_args()
     if a.repeat < 1:
         raise SystemExit(f"--repeat {a.repeat} must be >= 1")
+    if a.calibrate_each_round and (a.profile or a.baseline_profile):
+        raise SystemExit("--calibrate-each-round makes its own profiles: leave out --profile and --baseline-profile")
+    if not a.calibrate_each_round and not a.profile:
+        raise SystemExit("--profile is required (or --calibrate-each-round)")
     sp_plan = os.path.join(a.build, "benchmarks", "sp_plan")
     sp_bench = os.path.join(a.build, "benchmarks", "sp_bench")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    plans = {}
     rows = []
-    baseline = {}  # (group, configuration): step_s predicted with --baseline-profile
     with tempfile.TemporaryDirectory() as tmp:
-        todo = []
-        for case in CASES:
-            group, world, problem, name = case[:4]
-            if a.groups and not any(group.startswith(g) for g in a.groups):
-                continue
-            mode = case[4] if len(case) > 4 else "train"
-            for prof in [a.profile] + ([a.baseline_profile] if a.baseline_profile else []):
-                key = (prof, world, tuple(problem), mode)
-                if key not in plans:
-                    out = os.path.join(tmp, f"plan{len(plans)}.json")
-                    run([sp_plan, "--profile", prof, "--world", str(world), "--mode", mode, "--json", out, "--"] +
-                        problem, env=env)
-                    with open(out) as f:
-                        plans[key] = json.load(f)
-            plan = plans[(a.profile, world, tuple(problem), mode)]
-            ranked = [r for r in plan["ranked"] if r["name"] == name]
-            if not ranked:
-                excl = [r["reason"] for r in plan["excluded"] if r["name"] == name]
-                raise SystemExit(f"{name}: not ranked ({excl})")
-            if a.baseline_profile:
-                base = plans[(a.baseline_profile, world, tuple(problem), mode)]
-                baseline[(group, name)] = next(r for r in base["ranked"] if r["name"] == name)["predicted"]["step_s"]
-            todo.append((group, world, problem, name, mode, plan, ranked[0], []))
+        plans = {}
+
+        def plan_cases(profile, baseline_profile=None):
+            """The cases to run, each with its plan and ranked row under profile (and baseline_profile's step)."""
+            todo = []
+            for case in CASES:
+                group, world, problem, name = case[:4]
+                if a.groups and not any(group.startswith(g) for g in a.groups):
+                    continue
+                mode = case[4] if len(case) > 4 else "train"
+                for prof in [profile] + ([baseline_profile] if baseline_profile else []):
+                    key = (prof, world, tuple(problem), mode)
+                    if key not in plans:
+                        out = os.path.join(tmp, f"plan{len(plans)}.json")
+                        run([sp_plan, "--profile", prof, "--world", str(world), "--mode", mode, "--json", out,
+                             "--"] + problem, env=env)
+                        with open(out) as f:
+                            plans[key] = json.load(f)
+                plan = plans[(profile, world, tuple(problem), mode)]
+                ranked = [r for r in plan["ranked"] if r["name"] == name]
+                if not ranked:
+                    excl = [r["reason"] for r in plan["excluded"] if r["name"] == name]
+                    raise SystemExit(f"{name}: not ranked ({excl})")
+                base = None
+                if baseline_profile:
+                    bplan = plans[(baseline_profile, world, tuple(problem), mode)]
+                    base = next(r for r in bplan["ranked"] if r["name"] == name)["predicted"]["step_s"]
+                todo.append((group, world, problem, name, mode, plan, ranked[0], base))
+            return todo
+
+        def measure(world, problem, r, mode):
+            """(seconds, exposed communication %) of one sp_bench run of the case."""
+            out = os.path.join(tmp, "bench.json")
+            run([a.mpirun, "-np", str(world), "--oversubscribe", sp_bench] + problem + r["sp_bench_flags"] +
+                ["--warmup", "1", "--iters", str(a.iters), "--quiet", "--json", out], env=env)
+            with open(out) as f:
+                bench = json.load(f)
+            if mode == "decode":
+                return bench["decode_step_s"]["median"], None
+            whole = next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")
+            return whole["time_ms"] / 1e3, whole["exposed_comm_pct"]
+
+        # per case, in CASES order: (todo entry of the first round, [(predicted, measured, exposed) per round])
+        cases = []
         for i in range(a.repeat):
+            profile = a.profile
+            if a.calibrate_each_round:
+                profile = f"{a.json}.round{i + 1}.profile.json"
+                run([sp_plan, "--calibrate", profile], env=env)
+            todo = plan_cases(profile, a.baseline_profile)
+            if not cases:
+                cases = [(t, []) for t in todo]
             # Odd rounds run the cases in reverse, so that a load that rises or falls through the run does not
             # always favour the configuration a group lists first.
-            for group, world, problem, name, mode, plan, r, measured in (todo if i % 2 == 0 else todo[::-1]):
-                out = os.path.join(tmp, "bench.json")
-                run([a.mpirun, "-np", str(world), "--oversubscribe", sp_bench] + problem + r["sp_bench_flags"] +
-                    ["--warmup", "1", "--iters", str(a.iters), "--quiet", "--json", out], env=env)
-                with open(out) as f:
-                    bench = json.load(f)
-                if mode == "decode":
-                    measured.append((bench["decode_step_s"]["median"], None))
-                else:
-                    whole = next(p for p in bench["phases"] if p["phase"] == "fwd+bwd")
-                    measured.append((whole["time_ms"] / 1e3, whole["exposed_comm_pct"]))
-        for group, world, problem, name, mode, plan, r, measured in todo:
-            times = [m[0] for m in measured]
-            exposed = [m[1] for m in measured if m[1] is not None]
-            predicted = r["predicted"]["step_s"]
+            order = list(range(len(todo))) if i % 2 == 0 else list(range(len(todo)))[::-1]
+            for k in order:
+                group, world, problem, name, mode, plan, r, base = todo[k]
+                t, exposed = measure(world, problem, r, mode)
+                cases[k][1].append((r["predicted"]["step_s"], t, exposed))
+        for (group, world, problem, name, mode, plan, r, base), rounds in cases:
+            times = [m[1] for m in rounds]
+            exposed = [m[2] for m in rounds if m[2] is not None]
             med_t = statistics.median(times)
+            if a.calibrate_each_round:
+                predicted = statistics.median(m[0] for m in rounds)
+                error = statistics.median(m[0] / m[1] - 1 for m in rounds)
+            else:
+                predicted = r["predicted"]["step_s"]
+                error = predicted / med_t - 1
             rows.append({"group": group, "world": world, "config": name, "predicted_s": predicted,
-                         "measured_s": med_t, "measured_rounds_s": times, "error": predicted / med_t - 1,
+                         "measured_s": med_t, "measured_rounds_s": times, "error": error,
                          "plan_rank": [x["name"] for x in plan["ranked"]].index(name) + 1,
                          "oversubscribed": r["predicted"]["oversubscribed"],
                          "exposed_comm_s": r["predicted"]["exposed_comm_s"],
                          "measured_exposed_pct": statistics.median(exposed) if exposed else None})
+            if a.calibrate_each_round:
+                rows[-1]["predicted_rounds_s"] = [m[0] for m in rounds]
             if a.baseline_profile:
-                rows[-1]["baseline_predicted_s"] = baseline[(group, name)]
-                rows[-1]["baseline_error"] = baseline[(group, name)] / med_t - 1
+                rows[-1]["baseline_predicted_s"] = base
+                rows[-1]["baseline_error"] = base / med_t - 1
     groups = {}
     for row in rows:
         groups.setdefault(row["group"], []).append(row)
@@ -166,7 +206,8 @@ def main():
     bmed = statistics.median(abs(r["baseline_error"]) for r in rows) if a.baseline_profile else None
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
-    result = {"rows": rows, "choice": choice, "median_abs_error": med, "load_after": load}
+    result = {"rows": rows, "choice": choice, "median_abs_error": med, "load_after": load,
+              "calibrate_each_round": a.calibrate_each_round}
     if a.baseline_profile:
         result["baseline_profile"] = a.baseline_profile
         result["baseline_median_abs_error"] = bmed
@@ -193,7 +234,8 @@ def main():
         for r in rows:
             print(f"| {r['group']} | {r['config']} | {r['predicted_s'] * 1e3:.1f} | {r['measured_s'] * 1e3:.1f} | "
                   f"{r['error'] * 100:+.0f}% | {r['plan_rank']} |")
-        print(f"\nmedian |error|: {med * 100:.0f}%; load average after: {load}\n")
+        paired = " (each round's prediction against the same round's measurement)" if a.calibrate_each_round else ""
+        print(f"\nmedian |error|{paired}: {med * 100:.0f}%; load average after: {load}\n")
     if a.repeat == 1:
         print("| group | first choice (predicted) | measured fastest | first choice vs fastest |")
         print("|---|---|---|---:|")
