@@ -66,6 +66,7 @@ int run(int argc, char** argv) {
   const SequenceLayout layout = SequenceLayout::for_groups(groups, S, kind);
   GdnCpConfig cfg;
   cfg.mode = parse_gdn_cp_mode(a["mode"].as<std::string>());
+  cfg.save_inputs = false;  // as sp_bench and the PyTorch module run it
   GdnCp gdn(groups, layout, cfg);
 
   const Tensor q = random_tensor({1, S, Hk, D}, 1, -1, 1), k = random_tensor({1, S, Hk, D}, 2, -1, 1),
@@ -108,7 +109,7 @@ int run(int argc, char** argv) {
     GdnCpOutput o = gdn.forward(lq.view(), lk.view(), lv.view(), lg.view(), lb.view());
     const GdnCp::PhaseSeconds f = gdn.last_phase_cpu_seconds(), fw = gdn.last_phase_seconds();
     world->barrier()->wait();
-    (void)gdn.backward(std::move(o.ctx), ld.view());
+    (void)gdn.backward(std::move(o.ctx), ld.view(), {}, {lq.view(), lk.view(), lv.view(), lg.view(), lb.view()});
     const GdnCp::PhaseSeconds b = gdn.last_phase_cpu_seconds(), bw = gdn.last_phase_seconds();
     if (it < 0) continue;
     const GdnCp::PhaseSeconds* c[2] = {&f, &b};

@@ -74,6 +74,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
     GdnCpConfig cfg;
     cfg.mode = parse_gdn_cp_mode(o.gdn_mode);
     cfg.chunk_size = o.chunk_size;
+    cfg.save_inputs = false;  // as the PyTorch module runs it: this workload keeps the inputs for the backward
     const SequenceLayout layout = sp_bench_layout(o);
     gdn_ = std::make_unique<GdnCp>(groups_, layout, cfg);
     if (o.conv_width > 0) conv_ = std::make_unique<ShortConvCp>(groups_, layout);
@@ -357,16 +358,19 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
 
   void reset_layer_counters() override { gdn_->reset_counters(); }
   GdnCpOutput run_forward() override {
-    if (!conv_) return gdn_->forward(in_[kQ], in_[kK], in_[kV], in_[kG], in_[kBeta], in_[kState]);
-    TensorView x[3];
-    for (int i = 0; i < 3; ++i) {
-      conv_out_[i] = conv_->forward(channels_of(in_[i].view()), conv_rows(in_[kConvWeight].view(), i));
-      x[i] = conv_out_[i].out.view().reshape(in_[i].shape());
+    gdn_in_ = {in_[kQ], in_[kK], in_[kV], in_[kG], in_[kBeta]};
+    if (conv_) {
+      for (int i = 0; i < 3; ++i) {
+        conv_out_[i] = conv_->forward(channels_of(in_[i].view()), conv_rows(in_[kConvWeight].view(), i));
+      }
+      gdn_in_.q = conv_out_[0].out.view().reshape(in_[kQ].shape());
+      gdn_in_.k = conv_out_[1].out.view().reshape(in_[kK].shape());
+      gdn_in_.v = conv_out_[2].out.view().reshape(in_[kV].shape());
     }
-    return gdn_->forward(x[0], x[1], x[2], in_[kG], in_[kBeta], in_[kState]);
+    return gdn_->forward(gdn_in_.q, gdn_in_.k, gdn_in_.v, gdn_in_.g, gdn_in_.beta, in_[kState]);
   }
   GdnCpGrads run_backward(CpContext&& ctx) override {
-    GdnCpGrads g = gdn_->backward(std::move(ctx), in_[kDout]);
+    GdnCpGrads g = gdn_->backward(std::move(ctx), in_[kDout], {}, gdn_in_);
     if (!conv_) return g;
     dconv_weight_ = Tensor::empty(conv_weight_shape(), o_.dtype, MemCategory::kWorkspace);
     Tensor* d[3] = {&g.dq, &g.dk, &g.dv};
@@ -387,6 +391,7 @@ class GdnWorkload final : public CpLayerWorkload<GdnCpOutput, GdnCpGrads> {
   std::unique_ptr<GdnCp> gdn_;
   std::unique_ptr<ShortConvCp> conv_;  // --conv-width > 0
   ShortConvCpOutput conv_out_[3];                   // the convolved q, k, v of the last forward, with their contexts
+  GdnCpInputs gdn_in_;  // the last forward's q, k, v, g, beta (the convolved q, k, v), handed back to the backward
   Tensor dconv_weight_;
   enum Input { kQ, kK, kV, kG, kBeta, kState, kDout, kConvWeight };
   std::vector<Tensor> in_;  // this rank's q, k, v, g, beta, initial_state, dout (, conv_weight)
@@ -515,13 +520,16 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   const double ahead_bwd = ahead_windows(ahead_bwd_window) * ahead_bwd_window;
   WorkloadMemory m_;
   m_.inputs = qkv + xv + 2 * gate + state + conv_weight;  // q, k, v, dout, g, beta, initial_state (, conv_weight)
-  // Forward: the context keeps q k v g beta in the heads layout and the segments' start states (and scan maps);
+  // Forward: the context keeps q k v g beta in the heads layout at ulysses_size > 1 (at 1 they are the caller's,
+  // handed back to the backward: GdnCpConfig::save_inputs false) and the segments' start states (and scan maps);
   // out_h, the output out and final_state, for maps the head-major inputs and one head's rows of a segment; the
   // exchanged states.
-  const double saved = qkv + 2 * gate + 2 * segments * seg_state + conv_in + halo;
+  const double saved = (pu > 1 ? qkv + 2 * gate : 0.0) + 2 * segments * seg_state + conv_in + halo;
   m_.forward.saved = saved;
   m_.forward.outputs = xv + state;
-  m_.forward.workspace = std::max(2 * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
+  // (at ulysses_size 1 out_h is the output out: one buffer)
+  const double out_buffers = pu > 1 ? 2 : 1;
+  m_.forward.workspace = std::max(out_buffers * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
                                       2 * segments * seg_state + threads * fwd_worker + ahead_fwd,
                                   conv_fwd) +
                          conv_in;
@@ -531,8 +539,10 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   // outputs dq dk dv dg dbeta dinitial_state (, dconv_weight).
   m_.backward.saved = saved;
   m_.backward.outputs = xv + state + qkv + 2 * gate + state + conv_weight;
+  // (at ulysses_size 1 the lean backward reads the caller's dout: no dout_h)
+  const double dout_buffers = pu == 1 && env::gdn_lean_backward() ? 0 : 1;
   m_.backward.workspace =
-      std::max(2 * xv + 2 * gate + 2 * xk + grouped + grouped_sum + maps * (qkv + 2 * gate + xv) * 2 +
+      std::max((1 + dout_buffers) * xv + 2 * gate + 2 * xk + grouped + grouped_sum + maps * (qkv + 2 * gate + xv) * 2 +
                    2 * segments * seg_state + threads * bwd_worker + ahead_bwd,
                conv_bwd) +
       conv_in;

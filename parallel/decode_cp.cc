@@ -857,7 +857,9 @@ PrefillOutput GdnDecodeCp::prefill(attn::GdnCache& cache, const SequenceLayout& 
   SEQPAR_CHECK(cache.length() == 0, who, ": the cache already holds ", cache.length(),
                " tokens; a prompt continuation is not supported yet");
   decode_detail::check_one_request(layout, who);
-  GdnCp gdn(groups_, layout, config_);
+  GdnCpConfig forward_only = config_;
+  forward_only.save_inputs = false;  // no backward: nothing to save
+  GdnCp gdn(groups_, layout, forward_only);
   GdnCpOutput o;
   Tensor tail;
   conv_tail_bytes_sent_ = 0;

@@ -7,6 +7,8 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "parallel/ulysses.h"
 #include "runtime/env.h"
@@ -477,8 +479,14 @@ std::vector<std::int64_t> document_bounds(const SequenceLayout& layout) {
 // ---- GDN under CP --------------------------------------------------------------------------------------------
 
 struct GdnCp::Saved {
-  // Ring-level (head-sharded) saved inputs and per-segment, per-head state.
+  // Ring-level (head-sharded) saved inputs (undefined at ulysses_size 1 without save_inputs) and per-segment,
+  // per-head state.
   Tensor q, k, v, g, beta;
+  // What the kernels read: views of q ... beta above, or of the caller's tensors (the forward's, then those handed
+  // back to backward).
+  GdnCpInputs read;
+  // The forward's caller tensors (without save_inputs: backward checks that it gets them back).
+  GdnCpInputs given;
   Tensor init;                                        // this rank's heads of initial_state (undefined: zeros)
   std::vector<std::vector<Tensor>> start;             // [segment of mine][value head]: incoming state [B, 1, K, V]
   std::vector<std::vector<Tensor>> map_m;             // scan: M [B, 1, K, K] of a carrying segment (when computed)
@@ -489,7 +497,7 @@ struct GdnCp::Saved {
   DType state_dtype = DType::kFloat32;
 
   // Value heads per local key head (value head h reads local key head h / group()).
-  std::int64_t group() const { return heads / q.dim(2); }
+  std::int64_t group() const { return heads / read.q.dim(2); }
   // One document's state of one value head: [B, 1, K, V], B = 1 when packed.
   Shape state_shape() const { return {batch, 1, dk, dv}; }
   // Every document's states: [N, Hl, K, V] packed, [B, Hl, K, V] otherwise.
@@ -536,18 +544,9 @@ struct HeadInputs {
   TensorView bh(std::int64_t h) const { return head_view(beta, h).reshape({beta.dim(1), beta.dim(2), 1}); }
 };
 
-template <typename SavedT>
-HeadInputs head_inputs(const SavedT& s, Stream stream) {
-  const MemCategory c = MemCategory::kWorkspace;
-  return {head_major(s.q.view(), c, stream), head_major(s.k.view(), c, stream),    head_major(s.v.view(), c, stream),
-          head_major(s.g.view(), c, stream), head_major(s.beta.view(), c, stream), s.group()};
-}
-
-// The ring-level inputs the forward's kernels read (the caller's tensors while the saved copies are deferred).
-struct InputViews {
-  TensorView q, k, v, g, beta;
-};
-HeadInputs head_inputs(const InputViews& in, std::int64_t group, Stream stream) {
+// The ring-level inputs the kernels read (the caller's tensors while the saved copies are deferred, or without
+// save_inputs).
+HeadInputs head_inputs(const GdnCpInputs& in, std::int64_t group, Stream stream) {
   const MemCategory c = MemCategory::kWorkspace;
   return {head_major(in.q, c, stream), head_major(in.k, c, stream),    head_major(in.v, c, stream),
           head_major(in.g, c, stream), head_major(in.beta, c, stream), group};
@@ -713,9 +712,9 @@ struct GdnCp::ForwardPass {
   Tensor& out_h;  // [B, S_ring, Hl, V]; padding rows belong to no segment and stay 0
   Tensor&
       finals;  // the end state of every document that ends in one of this rank's pieces (summed over the ring later)
-  // The ring-level inputs the kernels read: s.q ... s.beta, or the caller's tensors while their saved copies are
-  // deferred (copies).
-  InputViews inputs;
+  // The ring-level inputs the kernels read: s.q ... s.beta, or the caller's tensors (while their saved copies are
+  // deferred, or without save_inputs).
+  GdnCpInputs inputs;
   DeferredCopies& copies;
   // The ring-level inputs head-major, made on first use: only a segment map (gdn_transition) reads them; the
   // outputs' kernels read the heads of `inputs` in place (attn::gdn_forward_window).
@@ -758,17 +757,20 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
   // Ulysses: [B, S_local, H, *] -> [B, S_ring, H/Pu, *] for the value heads; q and k follow their value heads (split
   // when Pu divides Hk, else each key head replicated to the Pu / Hk ranks whose value heads read it).
   const std::int64_t sr = ring_shard_rows_;
-  // At ulysses_size 1 on the host the heads layout is the caller's: the kernels read the caller's tensors and the
-  // saved copies are made in idle time and before the sends are waited for (DeferredCopies).
+  // At ulysses_size 1 the heads layout is the caller's: without save_inputs the kernels read the caller's tensors and
+  // nothing is copied; on the host the saved copies are made in idle time and before the sends are waited for
+  // (DeferredCopies).
   DeferredCopies copies(phases_.copies, cpu_phases_.copies);
-  InputViews inputs;
-  if (defer_copies_ && groups_.ulysses_size() == 1 && alloc.device.is_cpu()) {
+  s.given = {q, k, v, g, beta};
+  if (!config_.save_inputs && groups_.ulysses_size() == 1) {
+    s.read = s.given;
+  } else if (defer_copies_ && groups_.ulysses_size() == 1 && alloc.device.is_cpu()) {
     s.q = alloc.empty(q.shape(), q.dtype(), MemCategory::kSavedActivation);
     s.k = alloc.empty(k.shape(), k.dtype(), MemCategory::kSavedActivation);
     s.v = alloc.empty(v.shape(), v.dtype(), MemCategory::kSavedActivation);
     s.g = alloc.empty(g.shape(), g.dtype(), MemCategory::kSavedActivation);
     s.beta = alloc.empty(beta.shape(), beta.dtype(), MemCategory::kSavedActivation);
-    inputs = {q, k, v, g, beta};
+    s.read = s.given;
     copies.add(q, s.q.view());
     copies.add(k, s.k.view());
     copies.add(v, s.v.view());
@@ -780,8 +782,9 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
     s.v = a2a.to_heads(v, MemCategory::kSavedActivation);
     s.g = a2a.to_heads(g, MemCategory::kSavedActivation);
     s.beta = a2a.to_heads(beta, MemCategory::kSavedActivation);
-    inputs = {s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view()};
+    s.read = {s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view()};
   }
+  const GdnCpInputs inputs = s.read;
   // This rank's heads of the initial states.
   if (!initial_state.empty()) s.init = a2a.my_heads_dim1(initial_state);
 
@@ -811,6 +814,8 @@ GdnCpOutput GdnCp::forward(const TensorView& q, const TensorView& k, const Tenso
     copies.finish();  // none left after the chain or the scan
     phases_.wait = counters_.exposed_comm_s - exposed0;
   }
+  // The backward reads the saved tensors, or (without save_inputs at ulysses_size 1) those handed back to it.
+  s.read = s.q.defined() ? GdnCpInputs{s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view()} : GdnCpInputs{};
 
   // final_state: every document's end state summed over the ring, then the heads gathered over Ulysses.
   GdnCpOutput result;
@@ -1178,7 +1183,7 @@ struct GdnCp::BackwardPass {
   std::optional<HeadInputs> hm;
   Tensor dout_hm;
   const HeadInputs& in() {
-    if (!hm) hm = head_inputs(s, stream);
+    if (!hm) hm = head_inputs(s.read, s.group(), stream);
     return *hm;
   }
   const Tensor& dout_head_major() {
@@ -1197,28 +1202,61 @@ struct GdnCp::BackwardPass {
 
 // The backward arguments of piece p of segment j for one value head (its inputs and dout rows, owned by the returned
 // struct; moving Tensors keeps their buffers, so the views in `args` stay valid).
+namespace {
+
+// Empty when `in` is what backward needs (nothing with save_inputs, else tensors like the forward's `given`: their
+// values cannot be checked); else what is wrong, naming the tensor and the rule.
+std::string inputs_handed_back(bool save_inputs, const GdnCpInputs& given, const GdnCpInputs& in) {
+  const std::pair<const char*, std::pair<const TensorView*, const TensorView*>> named[] = {
+      {"q", {&given.q, &in.q}}, {"k", {&given.k, &in.k}},          {"v", {&given.v, &in.v}},
+      {"g", {&given.g, &in.g}}, {"beta", {&given.beta, &in.beta}}};
+  for (const auto& [name, pair] : named) {
+    const TensorView &fwd = *pair.first, &back = *pair.second;
+    if (save_inputs) {
+      if (back.data() != nullptr)
+        return str_cat("inputs.", name, " ", back.str(), " given, but GdnCpConfig::save_inputs is true (the context ",
+                       "holds its own copies): pass no inputs");
+      continue;
+    }
+    if (back.data() == nullptr)
+      return str_cat("inputs.", name, " missing: with GdnCpConfig::save_inputs false, backward takes the forward's ",
+                     "q, k, v, g, beta back");
+    if (back.shape() != fwd.shape() || back.dtype() != fwd.dtype() || back.device() != fwd.device())
+      return str_cat("inputs.", name, " ", back.str(), " does not match the forward's ", name, " ", fwd.str(),
+                     ": with GdnCpConfig::save_inputs false, pass the forward's tensors (or their exact recomputation)");
+  }
+  return {};
+}
+
+}  // namespace
+
 struct GdnCp::PieceBackward {
   SegmentInputs in;
   Tensor dout, init;
   attn::GdnBackwardArgs args;
 };
 
-GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state) {
+GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state,
+                           const GdnCpInputs& inputs) {
   const std::shared_ptr<Saved> saved = ctx.peek<Saved>(id_, "GDN CP");
   const Saved& s = *saved;
+  const std::string handed_back = inputs_handed_back(config_.save_inputs, s.given, inputs);
   {
     Fingerprint fp = fingerprint("GDN CP backward");
-    fp.add_tensor("saved q (head-sharded)", s.q.view())
-        .add_tensor("saved v (head-sharded)", s.v.view())
+    fp.add_tensor("forward's q", s.given.q)
+        .add_tensor("forward's v", s.given.v)
         .add_tensor("dout", dout)
-        .add_tensor("dfinal_state", dfinal_state);
+        .add_tensor("dfinal_state", dfinal_state)
+        .add_flag("inputs handed back as GdnCpConfig::save_inputs requires", handed_back.empty());
     agree(backward_agreement_, fp);
   }
+  SEQPAR_CHECK(handed_back.empty(), "GDN CP backward: ", handed_back);
+  if (!config_.save_inputs && groups_.ulysses_size() == 1) saved->read = inputs;
   const int pu = groups_.ulysses_size();
   const std::int64_t B = s.batch, H = s.heads * pu, Hk = s.key_heads, K = s.dk, V = s.dv, sl = layout_.local_len(),
                      sr = ring_shard_rows_;
   const UlyssesHeads heads = gdn_ulysses_heads(H, Hk, pu);
-  const DeviceAlloc alloc{common_device({s.q.view(), dout, dfinal_state}, "GDN CP backward (saved tensors, dout)"),
+  const DeviceAlloc alloc{common_device({s.read.q, dout, dfinal_state}, "GDN CP backward (saved tensors, dout)"),
                           groups_.stream};
   check_grad_input(dout, {B, sl, H, V}, "GDN CP dout");
   if (!dfinal_state.empty()) {
@@ -1234,7 +1272,7 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   const UlyssesExchange a2a(groups_, counters_);
   const Stream stream = groups_.stream;
   Communicator& ring = groups_.ring;
-  const DType dtype = s.q.dtype();
+  const DType dtype = s.read.q.dtype();
   // Lean backward (GdnCpConfig::lean_backward): on the host, dout read in place at ulysses_size 1, no zero fill
   // without padding rows, the key-head sums in idle time.
   const bool lean = lean_backward_ && alloc.device.is_cpu();
@@ -1251,7 +1289,7 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   // Gradients, one value head at a time; with grouped value heads (G > 1) each value head's dq, dk contribution stays
   // in the state dtype and the G of a key head are summed in value-head order below, as the kernel's own grouped sum
   // does (docs/design.md, "Grouped value heads").
-  const std::int64_t G = s.group(), Hl = s.heads, Hkl = s.q.dim(2);
+  const std::int64_t G = s.group(), Hl = s.heads, Hkl = s.read.q.dim(2);
   const DType vqk_dtype = G > 1 ? s.state_dtype : qk_grad_dtype;
   // Padding rows belong to no segment: their gradients stay 0. Every other row is written by the kernels (every value
   // head of every piece runs), so without padding the lean backward zero-fills nothing.
@@ -1271,8 +1309,8 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
   Tensor dq_k, dk_k;
   std::optional<KeyHeadSums> sums;
   if (lean && G > 1 && qk_grad_dtype == vqk_dtype) {
-    dq_k = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
-    dk_k = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+    dq_k = alloc.empty(s.read.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+    dk_k = alloc.empty(s.read.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
     sums.emplace(dq_v.view(), dk_v.view(), dq_k.view(), dk_k.view(), G, segment_rows, phases_.copies,
                  cpu_phases_.copies);
   }
@@ -1301,7 +1339,7 @@ GdnCpGrads GdnCp::backward(CpContext&& ctx, const TensorView& dout, const Tensor
     swap_outer_dims(v.view(), rows, G, by_head.view(), stream);
     Tensor acc = alloc.copy_of(by_head.view().slice0(0, 1), s.state_dtype, MemCategory::kWorkspace);
     for (std::int64_t e = 1; e < G; ++e) add_inplace(acc.view(), by_head.view().slice0(e, e + 1), stream);
-    Tensor km = alloc.empty(s.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
+    Tensor km = alloc.empty(s.read.q.shape(), qk_grad_dtype, MemCategory::kWorkspace);
     alloc.copy_convert(acc.view(), km.view().reshape({1, rows, K}));
     return km;
   };
@@ -1388,7 +1426,7 @@ Tensor GdnCp::run_piece(BackwardPass& bp, std::size_t j, const SegmentPiece& p, 
   const PhaseClock phase(phases_.local, cpu_phases_.local);
   attn::GdnBackwardArgs args;
   const TensorView start = p.starts_doc ? (init.defined() ? init.view() : TensorView()) : s.start[j][h].view();
-  args.fwd = forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
+  args.fwd = forward_args(s.read.q, s.read.k, s.read.v, s.read.g, s.read.beta, config_, start);
   args.dout = bp.dout_h;
   args.dfinal_state = ds_end;
   const attn::GdnWindow window{offset, p.length, h, 1};
@@ -1446,7 +1484,7 @@ GdnCp::AheadQueue GdnCp::backward_ahead_queue(BackwardPass& bp) {
             start = init.view();
           }
         }
-        return forward_args(s.q.view(), s.k.view(), s.v.view(), s.g.view(), s.beta.view(), config_, start);
+        return forward_args(s.read.q, s.read.k, s.read.v, s.read.g, s.read.beta, config_, start);
       },
       phases_, cpu_phases_, counters_.compute_s);
 }

@@ -78,6 +78,16 @@ struct GdnCpConfig {
   // sums of dq, dk in idle time (the file comment; off also when SEQPAR_GDN_LEAN_BACKWARD=0). Results are bitwise the
   // same either way.
   bool lean_backward = true;
+  // Keep copies of q, k, v, g, beta in the context (true), or none: the caller keeps the forward's tensors (or
+  // recomputes them exactly) and hands them back to backward (false; as flash-attention's and TransformerEngine's backward functions
+  // take q, k, v again, and as the PyTorch module does with autograd's saved tensors). At ulysses_size > 1 the context
+  // holds the exchanged heads layout either way. Results are bitwise the same either way.
+  bool save_inputs = true;
+};
+
+// The forward's inputs, handed back to GdnCp::backward when GdnCpConfig::save_inputs is false.
+struct GdnCpInputs {
+  TensorView q, k, v, g, beta;
 };
 
 // One run of consecutive tokens held by one rank in consecutive rows.
@@ -149,7 +159,8 @@ class GdnCp : public CpLayerBase {
   // Sync: host-only, no communication.
   GdnCp(const CpGroups& groups, const SequenceLayout& layout, const GdnCpConfig& config);
 
-  // Forward; the state passes between segments by config.mode; the context owns the saved tensors.
+  // Forward; the state passes between segments by config.mode; the context owns the saved tensors (without copies
+  // of the inputs when config.save_inputs is false: backward then takes them back).
   // Args: q, k [B, S_local, Hk, K], v [B, S_local, Hv, V], g, beta [B, S_local, Hv] at positions() (S_local =
   //   layout().local_len(); padding rows are ignored); initial_state: empty or the full [B, Hv, K, V]
   //   ([N, Hv, K, V] for a packed layout of N documents, B = 1) in the state dtype, the same on every rank.
@@ -162,11 +173,15 @@ class GdnCp : public CpLayerBase {
 
   // Backward with the context of a forward of this object (consumed and freed).
   // Args: dout [B, S_local, Hv, V]; dfinal_state: empty or the full [B, Hv, K, V] ([N, Hv, K, V] packed), the same
-  //   on every rank.
+  //   on every rank; inputs: with save_inputs false, the forward's q, k, v, g, beta with the forward's values (the
+  //   same tensors unchanged, or an exact recomputation as activation checkpointing makes; values are not
+  //   checked), else none.
   // Returns: GdnCpGrads; dinitial_state in full on every rank.
-  // Errors: shape / dtype mismatches; a context that is empty, used or another object's; ranks that disagree.
+  // Errors: shape / dtype mismatches; a context that is empty, used or another object's; inputs missing (save_inputs
+  //   false), given (save_inputs true) or shaped unlike the forward's; ranks that disagree.
   // Sync: collective over the Ulysses and ring groups; host-synchronous; kernels run on groups.stream.
-  GdnCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state = {});
+  GdnCpGrads backward(CpContext&& ctx, const TensorView& dout, const TensorView& dfinal_state = {},
+                      const GdnCpInputs& inputs = {});
 
   // layout(), positions(), counters(), reset_counters(): CpLayerBase.
 

@@ -228,7 +228,8 @@ def _gdn_forward(self, hidden_states, cache=None, attention_mask=None, **kwargs)
 
     def make(_):
         return (_seqpar.ShortConvCp(grid, layout, _seqpar.ShortConvCpConfig(use_silu=True)),
-                _seqpar.GdnCp(grid, layout, _seqpar.GdnCpConfig(mode=active.gdn_mode, use_qk_l2norm=True)),
+                _seqpar.GdnCp(grid, layout, _seqpar.GdnCpConfig(mode=active.gdn_mode, use_qk_l2norm=True,
+                                                                 save_inputs=False)),
                 grid, layout)
 
     conv, gdn, _, _ = _per_module(self, "_seqpar_gdn", key, make)

@@ -267,19 +267,28 @@ class GdnFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, layer, grid, q, k, v, g, beta, initial_state):
-        out, final_state, saved = layer.forward(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(),
-                                                _detached(initial_state))
+        inputs = tuple(t.detach() for t in (q, k, v, g, beta))
+        out, final_state, saved = layer.forward(*inputs, _detached(initial_state))
         ctx.layer, ctx.grid, ctx.saved = layer, grid, saved
         ctx.has_initial_state = initial_state is not None
+        # The layer keeps no copies of q, k, v, g, beta (save_inputs False): ctx holds them for its backward. Not
+        # through save_for_backward, whose tensors activation checkpointing drops and recomputes (which would run the
+        # collective forwards before this one again); their versions stand in for its in-place check.
+        ctx.inputs, ctx.versions = inputs, tuple(t._version for t in inputs)
         return out, final_state
 
     @staticmethod
     def backward(ctx, dout, dfinal_state):
         _backward_once(ctx)
+        for name, t, version in zip(("q", "k", "v", "g", "beta"), ctx.inputs, ctx.versions):
+            if t._version != version:  # before any message
+                raise _seqpar.Error(f"GdnCp backward: {name} was modified in place after the forward (version "
+                                    f"{version} -> {t._version}); the layer reads it again in the backward")
         # final_state is replicated: the whole loss's gradient is the sum of the ranks' (module docstring).
         dfinal_state = _grad_in(dfinal_state).clone()
         ctx.grid.cp.all_reduce(dfinal_state)
-        dq, dk, dv, dg, dbeta, dinitial = ctx.layer.backward(ctx.saved, _grad_in(dout), dfinal_state)
+        dq, dk, dv, dg, dbeta, dinitial = ctx.layer.backward(ctx.saved, _grad_in(dout), dfinal_state, ctx.inputs)
+        ctx.inputs = None
         dinitial = _share(dinitial, ctx.grid) if ctx.has_initial_state else None
         return None, None, dq, dk, dv, dg, dbeta, dinitial
 
@@ -295,7 +304,10 @@ class GdnCp(torch.nn.Module):
         grid = _distributed.resolve_grid(grid, config_fields)  # or torch.distributed groups (seqpar.torch_grid)
         self.grid, self.layout = grid, _distributed.resolve_layout(grid, layout)
         self.config = config
-        self.layer = _seqpar.GdnCp(grid, self.layout, self.config)
+        # autograd saves q, k, v, g, beta for GdnFunction's backward: the layer keeps no copies of its own
+        layer_config = _seqpar.GdnCpConfig(mode=config.mode, use_qk_l2norm=config.use_qk_l2norm, scale=config.scale,
+                                           chunk_size=config.chunk_size, save_inputs=False)
+        self.layer = _seqpar.GdnCp(grid, self.layout, layer_config)
 
     def forward(self, q, k, v, g, beta, initial_state=None):
         _check_tensors("GdnCp", q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state)

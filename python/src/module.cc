@@ -509,14 +509,18 @@ void bind_mha(py::module_& m) {
 // GDN and its short conv under CP.
 void bind_gdn(py::module_& m) {
   py::class_<GdnCpConfig> gdn_config(m, "GdnCpConfig");
-  gdn_config.def(py::init([](const std::string& mode, bool use_qk_l2norm, double scale, std::int64_t chunk_size) {
-                   return GdnCpConfig{parse_gdn_cp_mode(mode), use_qk_l2norm, scale, chunk_size};
+  gdn_config.def(py::init([](const std::string& mode, bool use_qk_l2norm, double scale, std::int64_t chunk_size,
+                             bool save_inputs) {
+                   GdnCpConfig c{parse_gdn_cp_mode(mode), use_qk_l2norm, scale, chunk_size};
+                   c.save_inputs = save_inputs;
+                   return c;
                  }),
                  py::arg("mode") = "scan", py::arg("use_qk_l2norm") = true, py::arg("scale") = 0.0,
-                 py::arg("chunk_size") = attn::kGdnDefaultChunkSize);
+                 py::arg("chunk_size") = attn::kGdnDefaultChunkSize, py::arg("save_inputs") = true);
   enum_property(gdn_config, "mode", &GdnCpConfig::mode, gdn_cp_mode_name, parse_gdn_cp_mode);
   def_fields(gdn_config, std::pair{"use_qk_l2norm", &GdnCpConfig::use_qk_l2norm},
-             std::pair{"scale", &GdnCpConfig::scale}, std::pair{"chunk_size", &GdnCpConfig::chunk_size});
+             std::pair{"scale", &GdnCpConfig::scale}, std::pair{"chunk_size", &GdnCpConfig::chunk_size},
+             std::pair{"save_inputs", &GdnCpConfig::save_inputs});
 
   bind_layer<GdnCp, GdnCpConfig>(m, "GdnCp", "Gated delta rule under CP (parallel/gdn_cp.h)")
       .def("forward",
@@ -526,12 +530,25 @@ void bind_gdn(py::module_& m) {
                                        view_of(beta, "beta"), view_of(initial_state, "initial_state"));
              return py::make_tuple(to_torch(std::move(r.out)), to_torch(std::move(r.final_state)), std::move(r.ctx));
            })
-      .def("backward", [](GdnCp& l, CpContext& ctx, py::handle dout, py::handle dfinal_state) {
-        GdnCpGrads r = l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dfinal_state, "dfinal_state"));
-        return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dk)), to_torch(std::move(r.dv)),
-                              to_torch(std::move(r.dg)), to_torch(std::move(r.dbeta)),
-                              to_torch(std::move(r.dinitial_state)));
-      });
+      .def(
+          "backward",
+          // inputs: the forward's q, k, v, g, beta when the config's save_inputs is false, else None
+          [](GdnCp& l, CpContext& ctx, py::handle dout, py::handle dfinal_state, py::handle inputs) {
+            GdnCpInputs in;
+            if (!inputs.is_none()) {
+              const py::tuple t = py::cast<py::tuple>(inputs);
+              SEQPAR_CHECK(t.size() == 5, "GdnCp.backward: inputs must be (q, k, v, g, beta), got ", t.size(),
+                           " tensors");
+              in = {view_of(t[0], "q"), view_of(t[1], "k"), view_of(t[2], "v"), view_of(t[3], "g"),
+                    view_of(t[4], "beta")};
+            }
+            GdnCpGrads r =
+                l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dfinal_state, "dfinal_state"), in);
+            return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dk)), to_torch(std::move(r.dv)),
+                                  to_torch(std::move(r.dg)), to_torch(std::move(r.dbeta)),
+                                  to_torch(std::move(r.dinitial_state)));
+          },
+          py::arg("ctx"), py::arg("dout"), py::arg("dfinal_state") = py::none(), py::arg("inputs") = py::none());
 
   py::class_<ShortConvCpConfig>(m, "ShortConvCpConfig")
       .def(py::init([](bool use_silu) { return ShortConvCpConfig{use_silu}; }), py::arg("use_silu") = true)

@@ -138,3 +138,21 @@ def test_gdn_growing_state_is_the_recurrence(mode):
         return [out], [final_state]
 
     run_against_reference(grid, layout, [q, k, v, g, beta], [initial], layer, reference, RTOL[torch.float64])
+
+
+def test_gdn_refuses_inputs_changed_in_place():
+    """The layer keeps no copy of q, k, v, g, beta (autograd's inputs go back to its backward): an input changed in
+    place between forward and backward is refused on every rank, naming it, as autograd refuses a saved tensor's."""
+    grid = seqpar.CpGrid(1, 1, WORLD)
+    layout = seqpar.SequenceLayout.for_grid(grid, 16)
+    gdn = seqpar.GdnCp(grid, layout, chunk_size=4)
+    local = layout.local_len
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, local, 2, 8, generator=gen, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, local, 2, 8, generator=gen, requires_grad=True)
+    g = -torch.rand(1, local, 2, generator=gen)
+    beta = torch.rand(1, local, 2, generator=gen)
+    out, _ = gdn(q, k, v, g, beta)
+    g.mul_(2)
+    with pytest.raises(seqpar.Error, match="g was modified in place after the forward"):
+        out.sum().backward()

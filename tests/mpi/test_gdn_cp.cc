@@ -213,11 +213,13 @@ GdnCpRun run_gdn_cp(const CpGroups& groups, const GdnProblem& p, std::int64_t se
   GdnCp gdn(groups, SequenceLayout::for_groups(groups, seq, layout), cfg);
   std::vector<Tensor> keep;
   const auto& pos = gdn.positions();
-  GdnCpOutput o = gdn.forward(shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep),
-                              shard(p.g, pos, keep), shard(p.beta, pos, keep), p.init.view());
+  const GdnCpInputs in{shard(p.q, pos, keep), shard(p.k, pos, keep), shard(p.v, pos, keep), shard(p.g, pos, keep),
+                       shard(p.beta, pos, keep)};
+  GdnCpOutput o = gdn.forward(in.q, in.k, in.v, in.g, in.beta, p.init.view());
   GdnCpRun r;
   r.fwd = gdn.last_phase_seconds();
-  r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view());
+  r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view(),
+                         cfg.save_inputs ? GdnCpInputs{} : in);
   r.bwd = gdn.last_phase_seconds();
   r.out = std::move(o.out);
   r.final_state = std::move(o.final_state);
@@ -325,6 +327,29 @@ TEST(GdnCp, DeferredCopiesChangeNoBit) {
                         });
 }
 
+// The inputs not saved (GdnCpConfig::save_inputs false: the backward reads the caller's tensors handed back) against
+// copies in the context: the same outputs and gradients to the bit, over the ring and (4 ranks) over Ulysses x ring,
+// where the context holds the exchanged heads either way.
+TEST(GdnCp, UnsavedInputsChangeNoBit) {
+  run_switch_off_and_on([](GdnCpConfig& cfg, bool on) { cfg.save_inputs = !on; },
+                        [](const GdnCpRun& saved, const GdnCpRun& handed_back, const std::string& name) {
+                          expect_bitwise_equal(handed_back, saved, name + ", inputs handed back against saved:");
+                        });
+  const int n = world().size();
+  if (n != 4) return;
+  CpGrid grid(world(), test::ulysses_over_world(2));
+  const CpGroups groups = CpGroups::from(grid);
+  const GdnCase c{GdnCpMode::kScan, LayoutKind::kZigzag, 2, true, true, 64 * n, 2};
+  const GdnProblem p(c);
+  auto run = [&](bool save) {
+    GdnCpConfig cfg;
+    cfg.chunk_size = 8;
+    cfg.save_inputs = save;
+    return run_gdn_cp(groups, p, c.seq, c.layout, cfg);
+  };
+  expect_bitwise_equal(run(false), run(true), "Ulysses 2 x ring 2, inputs handed back against saved:");
+}
+
 // The forward's work ahead starting with the last waiting window (GdnCpConfig::ahead_last_first) against in run
 // order: only the order of local work changes, so outputs and gradients must be bitwise the same.
 TEST(GdnCp, AheadLastFirstChangesNoBit) {
@@ -400,6 +425,38 @@ TEST(GdnCp, ConfigurationErrors) {
   Tensor q = Tensor::zeros({1, 3, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);  // wrong local length
   Tensor gb = Tensor::zeros({1, 3, 1}, DType::kFloat32, MemCategory::kWorkspace);
   EXPECT_THROW(gdn.forward(q.view(), q.view(), q.view(), gb.view(), gb.view()), Error);
+  // The inputs handed back to the backward: missing without save_inputs, given with it, or shaped unlike the
+  // forward's; refused on every rank naming the tensor and the rule (the context stays usable); ranks that differ in
+  // it are refused by the agreement check.
+  {
+    Tensor q2 = Tensor::zeros({1, 2, 1, 4}, DType::kFloat32, MemCategory::kWorkspace);
+    Tensor other = Tensor::zeros({1, 2, 1, 8}, DType::kFloat32, MemCategory::kWorkspace);
+    Tensor g2 = Tensor::zeros({1, 2, 1}, DType::kFloat32, MemCategory::kWorkspace);
+    const GdnCpInputs in{q2.view(), q2.view(), q2.view(), g2.view(), g2.view()};
+    auto expect_refused = [&](GdnCp& layer, CpContext& ctx, const GdnCpInputs& back, const std::string& words) {
+      try {
+        layer.backward(std::move(ctx), dout.view(), {}, back);
+        ADD_FAILURE() << "accepted; expected: " << words;
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      }
+    };
+    GdnCpConfig unsaved = cfg;
+    unsaved.save_inputs = false;
+    GdnCp handed(groups, SequenceLayout::for_groups(groups, 2 * n), unsaved);
+    GdnCpOutput o = handed.forward(in.q, in.k, in.v, in.g, in.beta);
+    if (n > 1) {  // one rank hands them back, the others do not: every rank is told, nothing hangs
+      expect_refused(handed, o.ctx, world().rank() == 0 ? in : GdnCpInputs{}, "inputs handed back");
+    }
+    expect_refused(handed, o.ctx, {}, "inputs.q missing: with GdnCpConfig::save_inputs false");
+    GdnCpInputs wrong = in;
+    wrong.v = other.view();
+    expect_refused(handed, o.ctx, wrong, "inputs.v fp32[1, 2, 1, 8]@cpu does not match the forward's v");
+    EXPECT_NO_THROW(handed.backward(std::move(o.ctx), dout.view(), {}, in));  // the context survived the refusals
+    GdnCp saved(groups, SequenceLayout::for_groups(groups, 2 * n), cfg);
+    GdnCpOutput o2 = saved.forward(in.q, in.k, in.v, in.g, in.beta);
+    expect_refused(saved, o2.ctx, in, "given, but GdnCpConfig::save_inputs is true");
+  }
   // 4 value heads on 3 key heads: refused with GDN's rule, on every rank, before anything is sent.
   Tensor q3 = Tensor::zeros({1, 2, 3, 4}, DType::kFloat32, MemCategory::kWorkspace);
   Tensor v4 = Tensor::zeros({1, 2, 4, 4}, DType::kFloat32, MemCategory::kWorkspace);
