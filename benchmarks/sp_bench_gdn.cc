@@ -529,10 +529,11 @@ WorkloadMemory gdn_memory(const SpBenchOptions& o) {
   m_.forward.outputs = xv + state;
   // (at ulysses_size 1 out_h is the output out: one buffer)
   const double out_buffers = pu > 1 ? 2 : 1;
-  m_.forward.workspace = std::max(out_buffers * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
-                                      2 * segments * seg_state + threads * fwd_worker + ahead_fwd,
-                                  conv_fwd) +
-                         conv_in;
+  m_.forward.workspace =
+      std::max(out_buffers * xv + maps * (qkv + 2 * gate) * (1 + ring_segs.longest_share / heads_local) +
+                   2 * segments * seg_state + threads * fwd_worker + ahead_fwd,
+               conv_fwd) +
+      conv_in;
   m_.forward.comm = a2a + ring;
   // Backward: out and final_state stay held; dout_h, the gradients in the heads layout (dq, dk per value head, summed
   // per key head when Hv > Hk: `grouped` and `grouped_sum`), for maps the head-major inputs and dout, the

@@ -485,7 +485,8 @@ struct GdnCp::Saved {
   // What the kernels read: views of q ... beta above, or of the caller's tensors (the forward's, then those handed
   // back to backward).
   GdnCpInputs read;
-  // The forward's caller tensors (without save_inputs: backward checks that it gets them back).
+  // The forward's caller tensors: after the forward only their shapes, dtypes and devices are read (the backward
+  // checks the inputs handed back against them).
   GdnCpInputs given;
   Tensor init;                                        // this rank's heads of initial_state (undefined: zeros)
   std::vector<std::vector<Tensor>> start;             // [segment of mine][value head]: incoming state [B, 1, K, V]
@@ -1200,16 +1201,17 @@ struct GdnCp::BackwardPass {
   }
 };
 
-// The backward arguments of piece p of segment j for one value head (its inputs and dout rows, owned by the returned
-// struct; moving Tensors keeps their buffers, so the views in `args` stay valid).
 namespace {
 
 // Empty when `in` is what backward needs (nothing with save_inputs, else tensors like the forward's `given`: their
 // values cannot be checked); else what is wrong, naming the tensor and the rule.
 std::string inputs_handed_back(bool save_inputs, const GdnCpInputs& given, const GdnCpInputs& in) {
   const std::pair<const char*, std::pair<const TensorView*, const TensorView*>> named[] = {
-      {"q", {&given.q, &in.q}}, {"k", {&given.k, &in.k}},          {"v", {&given.v, &in.v}},
-      {"g", {&given.g, &in.g}}, {"beta", {&given.beta, &in.beta}}};
+      {"q", {&given.q, &in.q}},
+      {"k", {&given.k, &in.k}},
+      {"v", {&given.v, &in.v}},
+      {"g", {&given.g, &in.g}},
+      {"beta", {&given.beta, &in.beta}}};
   for (const auto& [name, pair] : named) {
     const TensorView &fwd = *pair.first, &back = *pair.second;
     if (save_inputs) {
@@ -1222,14 +1224,17 @@ std::string inputs_handed_back(bool save_inputs, const GdnCpInputs& given, const
       return str_cat("inputs.", name, " missing: with GdnCpConfig::save_inputs false, backward takes the forward's ",
                      "q, k, v, g, beta back");
     if (back.shape() != fwd.shape() || back.dtype() != fwd.dtype() || back.device() != fwd.device())
-      return str_cat("inputs.", name, " ", back.str(), " does not match the forward's ", name, " ", fwd.str(),
-                     ": with GdnCpConfig::save_inputs false, pass the forward's tensors (or their exact recomputation)");
+      return str_cat(
+          "inputs.", name, " ", back.str(), " does not match the forward's ", name, " ", fwd.str(),
+          ": with GdnCpConfig::save_inputs false, pass the forward's tensors (or their exact recomputation)");
   }
   return {};
 }
 
 }  // namespace
 
+// The backward arguments of piece p of segment j for one value head (its inputs and dout rows, owned by the returned
+// struct; moving Tensors keeps their buffers, so the views in `args` stay valid).
 struct GdnCp::PieceBackward {
   SegmentInputs in;
   Tensor dout, init;

@@ -79,9 +79,9 @@ struct GdnCpConfig {
   // same either way.
   bool lean_backward = true;
   // Keep copies of q, k, v, g, beta in the context (true), or none: the caller keeps the forward's tensors (or
-  // recomputes them exactly) and hands them back to backward (false; as flash-attention's and TransformerEngine's backward functions
-  // take q, k, v again, and as the PyTorch module does with autograd's saved tensors). At ulysses_size > 1 the context
-  // holds the exchanged heads layout either way. Results are bitwise the same either way.
+  // recomputes them exactly) and hands them back to backward (false; as flash-attention's and TransformerEngine's
+  // backward functions take q, k, v again, and as the PyTorch module does with autograd's saved tensors). At
+  // ulysses_size > 1 the context holds the exchanged heads layout either way. Results are bitwise the same either way.
   bool save_inputs = true;
 };
 

@@ -542,8 +542,7 @@ void bind_gdn(py::module_& m) {
               in = {view_of(t[0], "q"), view_of(t[1], "k"), view_of(t[2], "v"), view_of(t[3], "g"),
                     view_of(t[4], "beta")};
             }
-            GdnCpGrads r =
-                l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dfinal_state, "dfinal_state"), in);
+            GdnCpGrads r = l.backward(std::move(ctx), view_of(dout, "dout"), view_of(dfinal_state, "dfinal_state"), in);
             return py::make_tuple(to_torch(std::move(r.dq)), to_torch(std::move(r.dk)), to_torch(std::move(r.dv)),
                                   to_torch(std::move(r.dg)), to_torch(std::move(r.dbeta)),
                                   to_torch(std::move(r.dinitial_state)));

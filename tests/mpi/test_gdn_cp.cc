@@ -218,8 +218,8 @@ GdnCpRun run_gdn_cp(const CpGroups& groups, const GdnProblem& p, std::int64_t se
   GdnCpOutput o = gdn.forward(in.q, in.k, in.v, in.g, in.beta, p.init.view());
   GdnCpRun r;
   r.fwd = gdn.last_phase_seconds();
-  r.grads = gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view(),
-                         cfg.save_inputs ? GdnCpInputs{} : in);
+  r.grads =
+      gdn.backward(std::move(o.ctx), shard(p.dout, pos, keep), p.dfinal.view(), cfg.save_inputs ? GdnCpInputs{} : in);
   r.bwd = gdn.last_phase_seconds();
   r.out = std::move(o.out);
   r.final_state = std::move(o.final_state);
