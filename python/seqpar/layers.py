@@ -280,13 +280,20 @@ class GdnFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dfinal_state):
         _backward_once(ctx)
-        for name, t, version in zip(("q", "k", "v", "g", "beta"), ctx.inputs, ctx.versions):
-            if t._version != version:  # before any message
-                raise _seqpar.Error(f"GdnCp backward: {name} was modified in place after the forward (version "
-                                    f"{version} -> {t._version}); the layer reads it again in the backward")
-        # final_state is replicated: the whole loss's gradient is the sum of the ranks' (module docstring).
-        dfinal_state = _grad_in(dfinal_state).clone()
-        ctx.grid.cp.all_reduce(dfinal_state)
+        changed = next((f"{name} was modified in place after the forward (version {version} -> {t._version})"
+                        for name, t, version in zip(("q", "k", "v", "g", "beta"), ctx.inputs, ctx.versions)
+                        if t._version != version), None)
+        # final_state is replicated: the whole loss's gradient is the sum of the ranks' (module docstring). One more
+        # element counts the ranks whose inputs changed in place, so that every rank refuses alike, before the
+        # layer's own messages.
+        d = _grad_in(dfinal_state)
+        summed = torch.cat([d.reshape(-1), d.new_tensor([1.0 if changed else 0.0])])
+        ctx.grid.cp.all_reduce(summed)
+        if summed[-1] > 0:
+            raise _seqpar.Error(f"GdnCp backward: {changed or 'an input of another rank (q, k, v, g or beta)'}"
+                                f"{'' if changed else ' was modified in place after the forward'}; the layer reads "
+                                "its inputs again in the backward")
+        dfinal_state = summed[:-1].view(d.shape)
         dq, dk, dv, dg, dbeta, dinitial = ctx.layer.backward(ctx.saved, _grad_in(dout), dfinal_state, ctx.inputs)
         ctx.inputs = None
         dinitial = _share(dinitial, ctx.grid) if ctx.has_initial_state else None

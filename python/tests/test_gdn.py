@@ -156,3 +156,11 @@ def test_gdn_refuses_inputs_changed_in_place():
     g.mul_(2)
     with pytest.raises(seqpar.Error, match="g was modified in place after the forward"):
         out.sum().backward()
+    if WORLD > 1:  # on one rank only, after an agreed backward: that rank names the input, the others are told; no hang
+        out, _ = gdn(q, k, v, g, beta)
+        out.sum().backward()
+        out, _ = gdn(q, k, v, g, beta)
+        if grid.cp_rank == 0:
+            beta.mul_(2)
+        with pytest.raises(seqpar.Error, match="beta was modified" if grid.cp_rank == 0 else "another rank"):
+            out.sum().backward()
